@@ -1,0 +1,135 @@
+"""Honest timing of one runner (DESIGN.md, "Rules for timing").
+
+- GPU time from CUDA events around each call, after a warm-up; the host clock on the CPU.
+- Inputs rotate over several buffer sets whose total exceeds twice the L2 cache, so nothing is
+  served from cache that a real workload would read from memory.
+- Repetitions fill a time budget (within [min_reps, max_reps]); the result is the median with the
+  10th/90th percentiles as spread.
+- A probe of a few calls first: a candidate far slower than the best so far is cut early.
+- The host time per eager call is measured too: for tiny problems the launch, not the kernel,
+  is what the caller waits for.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+CPU_L2_BYTES = 32 * 2**20  # a generous last-level cache guess; CPU rotation matters less
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    p10_us: float
+    p90_us: float
+    reps: int
+    host_us: float
+    cut: bool = False
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median."""
+        return (self.p90_us - self.p10_us) / self.median_us if self.median_us else 0.0
+
+
+def cache_bytes(device: str) -> int:
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return int(getattr(props, "L2_cache_size", 50 * 2**20))
+    return CPU_L2_BYTES
+
+
+def rotation_sets(
+    bytes_per_set: int, device: str, *, max_sets: int = 32, max_total: int = 8 * 2**30
+) -> int:
+    """How many input sets make the rotation at least twice the cache (bounded by memory)."""
+    want = math.ceil(2 * cache_bytes(device) / max(bytes_per_set, 1)) + 1
+    fit = max(1, max_total // max(bytes_per_set, 1))
+    cap = max_sets if device == "cuda" else 4
+    return max(1, min(want, cap, fit))
+
+
+def _percentile(sorted_xs: list[float], q: float) -> float:
+    idx = min(len(sorted_xs) - 1, max(0, round(q * (len(sorted_xs) - 1))))
+    return sorted_xs[idx]
+
+
+class _Clock:
+    """Per-call durations in microseconds: CUDA events on the GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+
+    def run(self, fn: Callable[[int], Any], start: int, n: int) -> list[float]:
+        if not self.cuda:
+            out = []
+            for i in range(start, start + n):
+                t0 = time.perf_counter()
+                fn(i)
+                out.append((time.perf_counter() - t0) * 1e6)
+            return out
+        begin = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        end = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for j in range(n):
+            begin[j].record()
+            fn(start + j)
+            end[j].record()
+        torch.cuda.synchronize()
+        return [b.elapsed_time(e) * 1e3 for b, e in zip(begin, end, strict=True)]
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def host_time_us(fn: Callable[[int], Any], n: int, clock: _Clock) -> float:
+    """Wall time per call when the caller launches eagerly, without waiting for the GPU."""
+    clock.sync()
+    t0 = time.perf_counter()
+    for i in range(n):
+        fn(i)
+    elapsed = time.perf_counter() - t0
+    clock.sync()
+    return elapsed / n * 1e6
+
+
+def measure(
+    fn: Callable[[int], Any],
+    *,
+    device: str,
+    budget_s: float = 0.2,
+    warmup: int = 3,
+    probe: int = 3,
+    min_reps: int = 5,
+    max_reps: int = 500,
+    cutoff_us: float | None = None,
+) -> Timing:
+    """Time ``fn(i)`` (which runs the candidate on input set ``i``) per the rules above.
+
+    ``cutoff_us``: after the probe, stop if its median exceeds this (the caller passes a multiple
+    of the best median so far); the Timing then has ``cut=True`` and only the probe's numbers.
+    """
+    clock = _Clock(device)
+    for i in range(warmup):
+        fn(i)
+    clock.sync()
+    samples = clock.run(fn, warmup, probe)
+    est = statistics.median(samples)
+    if cutoff_us is not None and est > cutoff_us:
+        s = sorted(samples)
+        return Timing(est, s[0], s[-1], len(s), est, cut=True)
+    reps = int(min(max_reps, max(min_reps, budget_s * 1e6 / max(est, 1.0))))
+    samples = clock.run(fn, warmup + probe, reps)
+    s = sorted(samples)
+    median = statistics.median(s)
+    host = (
+        host_time_us(fn, min(reps, 20), clock) if clock.cuda else median
+    )  # CPU work is synchronous
+    return Timing(median, _percentile(s, 0.1), _percentile(s, 0.9), len(s), host)

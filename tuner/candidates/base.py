@@ -1,0 +1,58 @@
+"""The candidate protocol.
+
+A *source* (torch, triton_gemm, cublaslt, ...) turns a problem key into a shortlist of candidate
+*params* (small JSON objects) and builds a *runner* from (key, params). Because params are JSON, a
+stored winner can be rebuilt on any host: ``source.build(key, winner.params)``.
+
+Runners take the operands and an optional preallocated output and return the result:
+
+    gemm:  runner(a, b, out=None) -> c        c = a @ b
+    sdpa:  runner(q, k, v, out=None) -> o
+
+They run on the current stream, do not synchronize, and honour the strides the key describes.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from tuner.keys import Key
+
+Runner = Callable[..., Any]
+Params = dict[str, Any]
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class Source(ABC):
+    """One family of kernels. Subclasses set ``name`` and ``op``. One source per op provides the
+    baseline (what users get without us); its ``baseline_params`` name that candidate."""
+
+    name: ClassVar[str]
+    op: ClassVar[str]  # "gemm" or "sdpa"
+    baseline_params: ClassVar[Params | None] = None
+
+    def is_baseline(self, params: Params) -> bool:
+        return self.baseline_params is not None and params == self.baseline_params
+
+    def unavailable(self, device: str) -> str | None:
+        """Why this source cannot run on ``device`` ("cuda" or "cpu") here, or None if it can."""
+        return None
+
+    def unsupported(self, key: Key) -> str | None:
+        """Why this source has nothing for ``key``, or None."""
+        return None
+
+    @abstractmethod
+    def candidates(self, key: Key, device: str) -> list[Params]:
+        """A shape-aware shortlist of params worth timing for ``key``."""
+
+    @abstractmethod
+    def build(self, key: Key, params: Params) -> Runner:
+        """A runner for ``key``; raises on a config that does not compile or is invalid."""

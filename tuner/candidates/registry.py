@@ -1,0 +1,69 @@
+"""Which candidate sources exist: the built-in ones plus those of installed plugins.
+
+A third-party package adds a source through an entry point in the group ``tuner.sources``::
+
+    [project.entry-points."tuner.sources"]
+    my_gemm = "my_pkg.kernels:MyGemmSource"
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import logging
+
+from tuner.candidates.base import Source
+
+log = logging.getLogger(__name__)
+
+# module:class of every built-in source; imported lazily so that a missing optional package
+# (cupy, nvmath, cutlass) only disables its own source.
+BUILTIN = {
+    "torch": "tuner.candidates.torch_ref:TorchGemm",
+    "torch_sdpa": "tuner.candidates.torch_ref:TorchSdpa",
+    "triton_gemm": "tuner.candidates.triton_gemm:TritonGemm",
+}
+
+
+def _load(target: str) -> type[Source]:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@functools.cache
+def all_sources() -> dict[str, Source | str]:
+    """name -> Source instance, or the reason it could not be loaded (shown by ``tuner info``)."""
+    found: dict[str, Source | str] = {}
+    targets = dict(BUILTIN)
+    for ep in importlib.metadata.entry_points(group="tuner.sources"):
+        targets.setdefault(ep.name, ep.value)
+    for name, target in targets.items():
+        try:
+            found[name] = _load(target)()
+        except ImportError as e:
+            found[name] = f"package missing: {e.name or e}"
+        except Exception as e:  # a broken plugin must not take the tuner down
+            log.warning("candidate source %s (%s) failed to load: %r", name, target, e)
+            found[name] = f"failed to load: {e!r}"
+    return found
+
+
+def sources(op: str | None = None) -> list[Source]:
+    """Loaded sources, optionally of one op; the baseline first."""
+    loaded = [s for s in all_sources().values() if isinstance(s, Source) and op in (None, s.op)]
+    return sorted(loaded, key=lambda s: s.baseline_params is None)
+
+
+def get(name: str) -> Source:
+    src = all_sources().get(name)
+    if not isinstance(src, Source):
+        raise KeyError(f"candidate source {name!r} is not available: {src or 'unknown name'}")
+    return src
+
+
+def baseline(op: str) -> Source:
+    for s in sources(op):
+        if s.baseline_params is not None:
+            return s
+    raise LookupError(f"no baseline source for op {op!r}")

@@ -1,0 +1,112 @@
+"""torch's own kernels: the baselines on every device, and the whole CPU path.
+
+``torch.matmul`` is cuBLAS's default heuristic on NVIDIA GPUs, i.e. what a user gets without us.
+For SDPA, torch's default dispatch is the baseline and each of its backends is also a candidate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tuner.candidates.base import Params, Runner, Source
+from tuner.keys import GemmKey, SdpaKey
+
+
+@contextlib.contextmanager
+def tf32_mode(enabled: bool):
+    """Set torch's TF32 switch for matmuls, restoring it after."""
+    flags = torch.backends.cuda.matmul
+    before = flags.allow_tf32
+    flags.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        flags.allow_tf32 = before
+
+
+class TorchGemm(Source):
+    name = "torch"
+    op = "gemm"
+    baseline_params: Params = {}
+
+    def candidates(self, key: GemmKey, device: str) -> list[Params]:
+        return [{}]
+
+    def build(self, key: GemmKey, params: Params) -> Runner:
+        want_tf32 = key.compute == "tf32"
+        flags = torch.backends.cuda.matmul
+
+        def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            if key.dtype != "f32" or flags.allow_tf32 == want_tf32:
+                return torch.matmul(a, b, out=out)
+            with tf32_mode(want_tf32):
+                return torch.matmul(a, b, out=out)
+
+        return run
+
+
+SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "math": "MATH",
+}
+
+
+def sdpa_mask(key: SdpaKey, device: Any) -> tuple[Any, bool]:
+    """(attn_mask, is_causal) for torch's SDPA: top-left is torch's ``is_causal``."""
+    if key.causal == "top_left" or (key.causal == "bottom_right" and key.q_len == key.kv_len):
+        return None, True
+    if key.causal == "bottom_right":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(key.q_len, key.kv_len), False
+    return None, False
+
+
+class TorchSdpa(Source):
+    """torch's SDPA; params {"backend": "default" | "flash" | "efficient" | "cudnn" | "math"}."""
+
+    name = "torch_sdpa"
+    op = "sdpa"
+    baseline_params: Params = {"backend": "default"}
+
+    def candidates(self, key: SdpaKey, device: str) -> list[Params]:
+        if device != "cuda":
+            return [{"backend": "default"}]
+        return [{"backend": "default"}] + [{"backend": b} for b in SDPA_BACKENDS]
+
+    def build(self, key: SdpaKey, params: Params) -> Runner:
+        backend = params.get("backend", "default")
+        if backend != "default" and backend not in SDPA_BACKENDS:
+            raise ValueError(
+                f"backend must be one of {['default', *SDPA_BACKENDS]}, got {backend!r}"
+            )
+        gqa = key.q_heads != key.kv_heads
+        scale = key.scale
+        mask, is_causal = sdpa_mask(key, None)
+        if backend == "default":
+            select = contextlib.nullcontext
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            chosen = getattr(SDPBackend, SDPA_BACKENDS[backend])
+
+            def select():
+                return sdpa_kernel(chosen)
+
+        def run(q, k, v, out=None):
+            with select():
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+                )
+            if out is not None:
+                out.copy_(o)
+                return out
+            return o
+
+        return run

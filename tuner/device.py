@@ -1,0 +1,107 @@
+"""Device fingerprint: which GPU class a result belongs to, and which versions made it.
+
+The *device class* decides who may share a result: same GPU name, compute capability, SM count and
+memory size (rounded to GiB). The *versions* (driver, CUDA, cuBLAS, Triton, CUTLASS, torch, tuner)
+are stored beside every result; a result made under other versions is stale.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from tuner import __version__
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    kind: str  # "cuda" or "cpu"
+    name: str
+    compute_capability: str  # "9.0"; "" on CPU
+    sm_count: int  # multiprocessors; CPU cores on CPU
+    memory_gib: int
+    l2_bytes: int = 0
+    versions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def device_class(self) -> str:
+        """Stable id, e.g. ``cuda-nvidia-h200-sm90-132sm-140gib`` or ``cpu-x86_64-2c``."""
+        slug = re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")
+        if self.kind == "cpu":
+            return f"cpu-{slug}-{self.sm_count}c"
+        cc = self.compute_capability.replace(".", "")
+        return f"cuda-{slug}-sm{cc}-{self.sm_count}sm-{self.memory_gib}gib"
+
+    @property
+    def version_tag(self) -> str:
+        """The versions that decide a result's validity, as one comparable string."""
+        return ";".join(f"{k}={v}" for k, v in sorted(self.versions.items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "device_class": self.device_class}
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _cuda_versions() -> dict[str, str]:
+    """Driver and cuBLAS versions come through CuPy where it is installed (torch exposes neither)."""
+    versions = {"cuda": torch.version.cuda or ""}
+    try:
+        import cupy
+        from cupy_backends.cuda.libs import cublas
+
+        versions["driver"] = str(cupy.cuda.runtime.driverGetVersion())
+        versions["cublas"] = str(cublas.getVersion(cupy.cuda.Device().cublas_handle))
+    except Exception:  # CuPy missing or too old: versions stay partial, never fatal
+        pass
+    return versions
+
+
+@functools.cache
+def fingerprint(device: str | None = None) -> Fingerprint:
+    """Fingerprint of the current CUDA device (``device="cuda"``) or of the CPU (``"cpu"``).
+
+    By default: the GPU where there is one, else the CPU.
+    """
+    versions = {
+        "torch": torch.__version__,
+        "triton": _package_version("triton"),
+        "tuner": __version__,
+    }
+    cutlass = _package_version("nvidia-cutlass")
+    if cutlass:
+        versions["cutlass"] = cutlass
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        versions.update(_cuda_versions())
+        return Fingerprint(
+            kind="cuda",
+            name=p.name,
+            compute_capability=f"{p.major}.{p.minor}",
+            sm_count=p.multi_processor_count,
+            memory_gib=round(p.total_memory / 2**30),
+            l2_bytes=getattr(p, "L2_cache_size", 0),
+            versions=versions,
+        )
+    return Fingerprint(
+        kind="cpu",
+        name=platform.machine() or "cpu",
+        compute_capability="",
+        sm_count=os.cpu_count() or 1,
+        memory_gib=0,
+        versions=versions,
+    )

@@ -1,0 +1,249 @@
+"""In-process dispatcher: ``tuner.matmul`` and ``tuner.sdpa``.
+
+The hit path is one dict lookup on a signature of the call (shapes, strides, dtypes, device,
+pointer alignment, TF32 switch) and a call of the cached runner: no key object, no SQL.
+The first call of a signature resolves it: key -> winner (from the store, loaded once per
+device class) -> built runner. What happens without a winner is the *mode*
+(``TUNER_MODE`` or ``set_mode``):
+
+- ``off``: the baseline only (torch), the store is never opened;
+- ``lookup`` (default): the winner if known, else the baseline;
+- ``record``: like lookup, and the missed key is recorded in the store for offline tuning;
+- ``tune``: tune the problem now, store the result, then use the winner.
+
+A dispatch never fails where the baseline would succeed: any problem outside what the tuner
+handles (broadcasting, mixed dtypes, odd strides, autograd) goes straight to torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tuner.cache import Store, StoreError, default_path
+from tuner.candidates import registry
+from tuner.candidates.base import Runner
+from tuner.device import fingerprint
+from tuner.keys import GemmKey, Key, SdpaKey
+from tuner.results import Winner
+
+log = logging.getLogger(__name__)
+
+MODES = ("off", "lookup", "record", "tune")
+CAUSAL = {
+    False: "none",
+    True: "top_left",
+    "none": "none",
+    "top_left": "top_left",
+    "bottom_right": "bottom_right",
+}
+
+
+def _torch_matmul(a: Any, b: Any, out: Any = None) -> Any:
+    return torch.matmul(a, b, out=out)
+
+
+def _torch_sdpa(is_causal: bool, scale: float | None) -> Runner:
+    """torch's SDPA for calls the tuner does not handle (it raises its own errors)."""
+
+    def run(q: Any, k: Any, v: Any, out: Any = None) -> Any:
+        gqa = q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        )
+
+    return run
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"TUNER_MODE must be one of {list(MODES)}, got {mode!r}")
+    return mode
+
+
+class Dispatcher:
+    """Maps call signatures to runners. One per process is the norm (see ``get_dispatcher``)."""
+
+    def __init__(self, store_path: str | Path | None = None, mode: str | None = None) -> None:
+        self.mode = _check_mode(mode or os.environ.get("TUNER_MODE", "lookup"))
+        self.store_path = Path(store_path) if store_path else default_path()
+        self._hot: dict[tuple, Runner] = {}
+        self._winners: dict[str, dict[str, Winner]] = {}  # device class -> key -> winner
+        self._recorded: set[tuple[str, str]] = set()
+        self._lock = threading.RLock()
+        self._store: Store | None = None
+        self._store_failed = False
+
+    # --- hot path ------------------------------------------------------------------------------
+
+    def matmul(self, a: Any, b: Any, out: Any = None) -> Any:
+        sig = (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device,
+               a.data_ptr() % 16, b.data_ptr() % 16, torch.backends.cuda.matmul.allow_tf32,
+               (a.requires_grad or b.requires_grad) and torch.is_grad_enabled())  # fmt: skip
+        runner = self._hot.get(sig)
+        if runner is None:
+            runner = self._resolve(
+                sig, lambda: GemmKey.from_tensors(a, b), a.device, _torch_matmul, grad=sig[-1]
+            )
+        return runner(a, b, out=out)
+
+    def sdpa(
+        self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
+    ) -> Any:
+        sig = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+               causal, scale, (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())  # fmt: skip
+        runner = self._hot.get(sig)
+        if runner is None:
+            mode = CAUSAL.get(causal)
+            if mode is None:
+                raise ValueError(
+                    f"causal must be a bool, 'top_left' or 'bottom_right', got {causal!r}"
+                )
+
+            runner = self._resolve(
+                sig, lambda: SdpaKey.from_tensors(q, k, v, causal=mode, scale=scale), q.device,
+                _torch_sdpa(mode != "none", scale), grad=sig[-1],
+            )  # fmt: skip
+        return runner(q, k, v)
+
+    # --- resolution (first call of a signature) -------------------------------------------------
+
+    def _resolve(
+        self, sig: tuple, make_key: Callable[[], Key], device: Any, fallback: Runner, *, grad: bool
+    ) -> Runner:
+        with self._lock:
+            runner = self._hot.get(sig)
+            if runner is not None:
+                return runner
+            try:
+                key = make_key()
+            except (
+                ValueError
+            ) as e:  # outside what the tuner handles: torch decides (and errs) itself
+                log.debug("not tunable, using torch: %s", e)
+                runner = fallback
+            else:
+                runner = self._runner_for(key, device.type, grad=grad)
+            self._hot[sig] = runner
+            return runner
+
+    def _runner_for(self, key: Key, device: str, *, grad: bool) -> Runner:
+        base = registry.baseline(key.op)
+        baseline = base.build(key, base.baseline_params)
+        if self.mode == "off" or grad or (device == "cuda") != torch.cuda.is_available():
+            return baseline
+        dc = fingerprint(device).device_class
+        winner = self._known(dc).get(str(key))
+        if winner is None:
+            if self.mode == "tune" and not _capturing(device):
+                winner = self._tune(key, device)
+            elif self.mode in ("record", "tune"):
+                self._record_miss(dc, key)
+        if winner is None or base.is_baseline(winner.params) and winner.source == base.name:
+            return baseline
+        try:
+            return registry.get(winner.source).build(key, winner.params)
+        except Exception as e:
+            log.warning(
+                "stored winner %s for %s no longer builds (%s); using the baseline",
+                winner.candidate,
+                key,
+                e,
+            )
+            return baseline
+
+    def _open_store(self) -> Store | None:
+        if self._store is None and not self._store_failed:
+            try:
+                self._store = Store(self.store_path)
+            except StoreError as e:
+                log.error("tuner cache unusable, dispatching baselines only: %s", e)
+                self._store_failed = True
+        return self._store
+
+    def _known(self, device_class: str) -> dict[str, Winner]:
+        if device_class not in self._winners:
+            store = self._open_store()
+            winners = store.winners(device_class) if store else []
+            current = fingerprint().version_tag
+            stale = sum(w.versions != current for w in winners)
+            if stale:
+                log.warning(
+                    "%d of %d winners for %s were measured under other versions",
+                    stale,
+                    len(winners),
+                    device_class,
+                )
+            self._winners[device_class] = {w.key: w for w in winners}
+        return self._winners[device_class]
+
+    def _record_miss(self, device_class: str, key: Key) -> None:
+        if (device_class, str(key)) in self._recorded:
+            return
+        self._recorded.add((device_class, str(key)))
+        if store := self._open_store():
+            store.record_misses(device_class, [str(key)])
+
+    def _tune(self, key: Key, device: str) -> Winner | None:
+        from tuner.engine import tune
+
+        outcome = tune(key, device=device)
+        if store := self._open_store():
+            store.save_run(outcome.measurements, outcome.winner)
+        self._winners.setdefault(outcome.winner.device_class, {})[outcome.winner.key] = (
+            outcome.winner
+        )
+        return outcome.winner
+
+    def set_mode(self, mode: str) -> None:
+        with self._lock:
+            self.mode = _check_mode(mode)
+            self._hot.clear()
+
+    def reload(self) -> None:
+        """Forget resolved runners and winners, e.g. after a sync brought new ones."""
+        with self._lock:
+            self._hot.clear()
+            self._winners.clear()
+
+
+def _capturing(device: str) -> bool:
+    return device == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+_dispatcher: Dispatcher | None = None
+
+
+def get_dispatcher() -> Dispatcher:
+    global _dispatcher
+    if _dispatcher is None:
+        _dispatcher = Dispatcher()
+    return _dispatcher
+
+
+def set_mode(mode: str) -> None:
+    get_dispatcher().set_mode(mode)
+
+
+def matmul(a: Any, b: Any, out: Any = None) -> Any:
+    """``a @ b`` through the fastest known kernel for this problem on this device."""
+    return get_dispatcher().matmul(a, b, out=out)
+
+
+def sdpa(q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None) -> Any:
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)``, tuned.
+
+    ``causal``: False, True (torch's top-left alignment) or ``"bottom_right"`` (chunked prefill
+    against a KV cache: the last query attends to every key).
+    """
+    return get_dispatcher().sdpa(q, k, v, causal=causal, scale=scale)
+
+
+__all__ = ["MODES", "Dispatcher", "get_dispatcher", "matmul", "sdpa", "set_mode"]

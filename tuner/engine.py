@@ -1,0 +1,239 @@
+"""tune(key): candidates -> build -> check numerics -> time -> winner.
+
+Every candidate ends as one Measurement: ``ok`` (timed), ``rejected`` (wrong numbers or NaN),
+``failed`` (did not build or crashed), ``cut`` (far slower than the best so far after a probe) or
+``unsupported`` (its source has nothing for this key). The baseline (torch's default) keeps the
+win unless a challenger beats it by more than the measured noise, so a tuned result is never
+slower than doing nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tuner import bench, problems
+from tuner.candidates import registry
+from tuner.candidates.base import Params, Runner, Source
+from tuner.device import fingerprint
+from tuner.keys import Key
+from tuner.results import Measurement, Winner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TuneOptions:
+    budget_s: float = 0.15  # timing budget per candidate
+    cut_factor: float = 1.5  # probe slower than this x best so far -> cut
+    min_noise: float = 0.01  # a challenger must win by at least 1% ...
+    seed: int = 0
+    launch: str = "eager"  # "eager": host launch time counts; "graph": GPU time only
+    sources: list[str] | None = None  # restrict to these source names
+    max_candidates: int | None = None  # per source
+
+
+@dataclass
+class TuneOutcome:
+    key: Key
+    winner: Winner
+    measurements: list[Measurement] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def baseline(self) -> Measurement:
+        return next(m for m in self.measurements if m.is_baseline and m.status == "ok")
+
+
+def current_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def effective_us(m: Measurement, launch: str) -> float:
+    """What the caller waits for: GPU time, or the host launch time if that is larger (eager)."""
+    assert m.median_us is not None
+    if launch == "eager" and m.host_us is not None:
+        return max(m.median_us, m.host_us)
+    return m.median_us
+
+
+def noise(m: Measurement, floor: float) -> float:
+    """Half the relative p10..p90 spread, at least ``floor``."""
+    return max(floor, m.spread / 2)
+
+
+def choose(measurements: list[Measurement], options: TuneOptions) -> Measurement:
+    """The baseline, unless a challenger is faster by more than both sides' noise."""
+    ok = [m for m in measurements if m.status == "ok"]
+    base = next(m for m in ok if m.is_baseline)
+    best = min(ok, key=lambda m: effective_us(m, options.launch))
+    if best is base:
+        return base
+    margin = max(noise(base, options.min_noise), noise(best, options.min_noise))
+    if effective_us(best, options.launch) < effective_us(base, options.launch) * (1 - margin):
+        return best
+    return base
+
+
+class _Trial:
+    """Runs one candidate through build -> numerics -> timing, recording what happened."""
+
+    def __init__(
+        self,
+        key: Key,
+        device: str,
+        input_sets: list[tuple[torch.Tensor, ...]],
+        ref: torch.Tensor,
+        tol: float,
+        record: Callable[..., Measurement],
+    ) -> None:
+        self.key, self.device, self.sets, self.ref, self.tol, self.record = (
+            key,
+            device,
+            input_sets,
+            ref,
+            tol,
+            record,
+        )
+
+    def run(
+        self, source: Source, params: Params, cutoff_us: float | None, options: TuneOptions
+    ) -> Measurement:
+        try:
+            runner = source.build(self.key, params)
+        except Exception as e:
+            return self.record(source, params, "failed", error=f"build: {_short(e)}")
+        try:
+            err = self.check(runner)
+        except Exception as e:
+            return self.record(source, params, "failed", error=f"run: {_short(e)}")
+        if not err <= self.tol:  # NaN compares False: never passes
+            return self.record(
+                source,
+                params,
+                "rejected",
+                max_rel_err=err,
+                error=f"relative error {err:.3g} > tolerance {self.tol:.3g}",
+            )
+        sets = self.sets
+        try:
+            t = bench.measure(
+                lambda i: runner(*sets[i % len(sets)]),
+                device=self.device,
+                budget_s=options.budget_s,
+                cutoff_us=cutoff_us,
+            )
+        except Exception as e:
+            return self.record(
+                source, params, "failed", max_rel_err=err, error=f"timing: {_short(e)}"
+            )
+        return self.record(
+            source, params, "cut" if t.cut else "ok", max_rel_err=err,
+            median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, reps=t.reps, host_us=t.host_us,
+            error=f"probe {t.median_us:.1f} us > cutoff {cutoff_us:.1f} us" if t.cut else "",
+        )  # fmt: skip
+
+    def check(self, runner: Runner) -> float:
+        """Relative error on the first input set, into a NaN-poisoned output buffer."""
+        inputs = self.sets[0]
+        out = problems.output_like(self.key, inputs)
+        res = runner(*inputs, out=out)
+        if res is not out:
+            out.copy_(res)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        return problems.relative_error(out, self.ref)
+
+
+def _short(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    return text if len(text) < 2000 else text[:2000] + "..."
+
+
+def tune(
+    key: Key,
+    *,
+    options: TuneOptions | None = None,
+    device: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> TuneOutcome:
+    """Tune one problem on the current device and return its winner and all measurements.
+
+    Nothing is stored here: the caller (CLI, dispatcher, worker) saves the outcome.
+    """
+    options = options or TuneOptions()
+    device = device or current_device()
+    fp = fingerprint(device)
+    run_id = uuid.uuid4().hex
+    started = time.perf_counter()
+    measurements: list[Measurement] = []
+
+    def record(source: Source, params: Params, status: str, **fields) -> Measurement:
+        m = Measurement(
+            device_class=fp.device_class, key=str(key), source=source.name, params=params,
+            status=status, is_baseline=source.is_baseline(params), versions=fp.version_tag, run_id=run_id, **fields,
+        )  # fmt: skip
+        measurements.append(m)
+        if progress:
+            progress(f"{m.candidate}: {status}")
+        return m
+
+    gen = torch.Generator(device=device).manual_seed(options.seed)
+    n_sets = bench.rotation_sets(problems.bytes_per_set(key), device)
+    input_sets = [problems.make_inputs(key, device, gen) for _ in range(n_sets)]
+    trial = _Trial(
+        key,
+        device,
+        input_sets,
+        problems.reference(key, input_sets[0]),
+        problems.tolerance(key),
+        record,
+    )
+
+    best_us: float | None = None
+    for source in registry.sources(key.op):
+        if (
+            options.sources is not None
+            and source.name not in options.sources
+            and source.baseline_params is None
+        ):
+            continue
+        reason = source.unavailable(device) or source.unsupported(key)
+        if reason:
+            record(source, {}, "unsupported", error=reason)
+            continue
+        try:
+            shortlist = source.candidates(key, device)[: options.max_candidates]
+        except Exception as e:
+            record(source, {}, "failed", error=f"candidates: {_short(e)}")
+            continue
+        for params in shortlist:
+            # the baseline is never cut: every decision is relative to it
+            cutoff = (
+                None
+                if source.is_baseline(params) or best_us is None
+                else best_us * options.cut_factor
+            )
+            m = trial.run(source, params, cutoff, options)
+            if m.status == "ok":
+                us = effective_us(m, options.launch)
+                best_us = us if best_us is None else min(best_us, us)
+            elif m.is_baseline:
+                log.error("baseline %s failed on %s: %s", m.candidate, key, m.error)
+
+    base = next((m for m in measurements if m.is_baseline and m.status == "ok"), None)
+    if base is None:
+        errors = "; ".join(f"{m.candidate}: {m.error}" for m in measurements if m.is_baseline)
+        raise RuntimeError(f"the baseline failed on {key}: {errors}")
+    chosen = choose(measurements, options)
+    winner = Winner(
+        device_class=fp.device_class, key=str(key), source=chosen.source, params=chosen.params,
+        median_us=effective_us(chosen, options.launch), baseline_us=effective_us(base, options.launch),
+        versions=fp.version_tag, run_id=run_id,
+    )  # fmt: skip
+    return TuneOutcome(key, winner, measurements, time.perf_counter() - started)

@@ -1,0 +1,341 @@
+"""Problem keys: what a tuned result is valid for.
+
+A key is a frozen, hashable dataclass with a stable string form, used as the primary key in the
+SQLite store and in the HTTP API. The string form is ``op:field=value,...`` with the fields in
+declaration order, e.g.::
+
+    gemm:m=128,n=4096,k=4096,batch=1,layout=nn,dtype=bf16,out_dtype=bf16,compute=f32,align=16
+    sdpa:batch=1,q_heads=32,kv_heads=8,q_len=2048,kv_len=2048,head_dim=128,head_dim_v=128,causal=none,dtype=bf16,scale=0.08838834764831845
+
+``parse_key(str(key)) == key`` always holds. Invalid problems raise ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
+# dtype name <-> torch dtype. The names are the ones stored and sent over HTTP.
+DTYPES: dict[str, torch.dtype] = {
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "f32": torch.float32,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4}
+
+# GEMM compute modes: "f32" = fp32 accumulation at full precision (IEEE for f32 inputs);
+# "tf32" = f32 inputs through the tensor cores' TF32 path.
+COMPUTE_MODES = ("f32", "tf32")
+LAYOUTS = ("nn", "nt", "tn", "tt")  # first letter: A, second: B; n = row-major, t = column-major
+ALIGNMENTS = (16, 8, 4, 2)  # bytes: the largest that divides every pointer and leading stride
+CAUSAL_MODES = ("none", "top_left", "bottom_right")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[Any, ...] | dict) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {sorted(allowed)}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class GemmKey:
+    """C[batch, m, n] = A[batch, m, k] @ B[batch, k, n]."""
+
+    op: ClassVar[str] = "gemm"
+
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    layout: str = "nn"
+    dtype: str = "bf16"
+    out_dtype: str = "bf16"
+    compute: str = "f32"
+    align: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("m", "n", "k", "batch"):
+            _check_positive(name, getattr(self, name))
+        _check_choice("layout", self.layout, LAYOUTS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("out_dtype", self.out_dtype, DTYPES)
+        _check_choice("compute", self.compute, COMPUTE_MODES)
+        _check_choice("align", self.align, ALIGNMENTS)
+        if self.out_dtype != self.dtype:
+            raise ValueError(
+                f"out_dtype must equal dtype ({self.dtype!r}) for now, got {self.out_dtype!r}"
+            )
+        if self.compute == "tf32" and self.dtype != "f32":
+            raise ValueError(f"compute='tf32' needs dtype='f32', got dtype={self.dtype!r}")
+        item = ITEMSIZE[self.dtype]
+        lda = self.k if self.layout[0] == "n" else self.m
+        ldb = self.n if self.layout[1] == "n" else self.k
+        for name, ld in (("a", lda), ("b", ldb)):
+            if (ld * item) % self.align:
+                raise ValueError(
+                    f"align={self.align} is impossible: {name}'s leading dimension {ld} x {item} bytes "
+                    f"is not a multiple of {self.align}"
+                )
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.batch * self.m * self.n * self.k
+
+    @property
+    def min_bytes(self) -> int:
+        """Each input read once, the output written once: the memory floor."""
+        e = ITEMSIZE[self.dtype]
+        return (
+            self.batch * (self.m * self.k + self.k * self.n) * e
+            + self.batch * self.m * self.n * ITEMSIZE[self.out_dtype]
+        )
+
+    @classmethod
+    def from_tensors(cls, a: Any, b: Any, *, tf32: bool | None = None) -> GemmKey:
+        """The key of ``a @ b`` for 2-D or 3-D (batched) torch tensors."""
+        return cls(**gemm_fields(a, b, tf32=tf32))
+
+    def __str__(self) -> str:
+        return _to_str(self)
+
+
+@dataclass(frozen=True, slots=True)
+class SdpaKey:
+    """softmax(Q K^T * scale + mask) V with Q (batch, q_heads, q_len, head_dim)."""
+
+    op: ClassVar[str] = "sdpa"
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    head_dim_v: int = 0  # 0 means "same as head_dim"; normalised in __post_init__
+    causal: str = "none"
+    dtype: str = "bf16"
+    scale: float = 0.0  # 0 means "1/sqrt(head_dim)"; normalised in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.head_dim_v == 0:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.scale == 0.0:
+            object.__setattr__(self, "scale", 1.0 / math.sqrt(self.head_dim))
+        for name in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "head_dim_v"):
+            _check_positive(name, getattr(self, name))
+        if self.q_heads % self.kv_heads:
+            raise ValueError(
+                f"kv_heads ({self.kv_heads}) must divide q_heads ({self.q_heads}) for grouped-query attention"
+            )
+        _check_choice("causal", self.causal, CAUSAL_MODES)
+        _check_choice("dtype", self.dtype, {"f16": 1, "bf16": 1, "f32": 1})
+        if (
+            not isinstance(self.scale, (int, float))
+            or not math.isfinite(self.scale)
+            or self.scale <= 0
+        ):
+            raise ValueError(f"scale must be a positive finite number, got {self.scale!r}")
+        object.__setattr__(self, "scale", float(self.scale))
+
+    @property
+    def flops(self) -> float:
+        """Matmul FLOPs, halved for causal masks (the usual convention)."""
+        f = (
+            2.0
+            * self.batch
+            * self.q_heads
+            * self.q_len
+            * self.kv_len
+            * (self.head_dim + self.head_dim_v)
+        )
+        return f / 2 if self.causal != "none" else f
+
+    @property
+    def kv_bytes(self) -> int:
+        return (
+            self.batch
+            * self.kv_heads
+            * self.kv_len
+            * (self.head_dim + self.head_dim_v)
+            * ITEMSIZE[self.dtype]
+        )
+
+    @classmethod
+    def from_tensors(
+        cls, q: Any, k: Any, v: Any, *, causal: str = "none", scale: float | None = None
+    ) -> SdpaKey:
+        return cls(**sdpa_fields(q, k, v, causal=causal, scale=scale))
+
+    def __str__(self) -> str:
+        return _to_str(self)
+
+
+Key = GemmKey | SdpaKey
+KEY_TYPES: dict[str, type[GemmKey] | type[SdpaKey]] = {"gemm": GemmKey, "sdpa": SdpaKey}
+
+
+def _to_str(key: Key) -> str:
+    return (
+        key.op
+        + ":"
+        + ",".join(f"{f.name}={getattr(key, f.name)!r}".replace("'", "") for f in fields(key))
+    )
+
+
+def parse_key(text: str) -> Key:
+    """Inverse of ``str(key)``. Raises ValueError with the offending part."""
+    op, sep, body = text.partition(":")
+    if not sep or op not in KEY_TYPES:
+        raise ValueError(
+            f"key must start with one of {sorted(KEY_TYPES)} followed by ':', got {text!r}"
+        )
+    cls = KEY_TYPES[op]
+    types = {f.name: f.type for f in fields(cls)}
+    values: dict[str, Any] = {}
+    for part in filter(None, body.split(",")):
+        name, eq, raw = part.partition("=")
+        if not eq or name not in types:
+            raise ValueError(f"unknown field {name!r} in {op} key; allowed: {sorted(types)}")
+        values[name] = _convert(name, raw, types[name])
+    try:
+        return cls(**values)
+    except TypeError as e:  # missing required field
+        raise ValueError(f"incomplete {op} key {text!r}: {e}") from None
+
+
+def _convert(name: str, raw: str, type_name: str) -> Any:
+    try:
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a {type_name}, got {raw!r}") from None
+    return raw
+
+
+def key_from_dict(op: str, data: dict[str, Any]) -> Key:
+    """Build a key from a JSON object (API bodies, YAML configs), naming bad fields."""
+    if op not in KEY_TYPES:
+        raise ValueError(f"op must be one of {sorted(KEY_TYPES)}, got {op!r}")
+    cls = KEY_TYPES[op]
+    allowed = {f.name for f in fields(cls)}
+    unknown = set(data) - allowed
+    if unknown:
+        raise ValueError(f"unknown field(s) {sorted(unknown)} for {op}; allowed: {sorted(allowed)}")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise ValueError(f"incomplete {op} problem: {e}") from None
+
+
+def key_to_dict(key: Key) -> dict[str, Any]:
+    return dataclasses.asdict(key)
+
+
+# --- extraction from tensors ---------------------------------------------------------------
+
+
+def matrix_layout(t: Any) -> str | None:
+    """'n' for row-major (last dim contiguous), 't' for column-major, None for anything else."""
+    s = t.stride()
+    rows, cols = t.shape[-2], t.shape[-1]
+    if s[-1] == 1 and (s[-2] >= max(cols, 1) or rows == 1):
+        return "n"
+    if s[-2] == 1 and (s[-1] >= max(rows, 1) or cols == 1):
+        return "t"
+    return None
+
+
+def alignment(t: Any, layout: str) -> int:
+    """Largest of 16/8/4/2 bytes dividing the data pointer and the leading-dimension stride."""
+    item = t.element_size()
+    ld = t.stride()[-2] if layout == "n" else t.stride()[-1]
+    if t.dim() == 3 and t.shape[0] > 1:
+        ld = math.gcd(ld, t.stride()[0])
+    ptr = t.data_ptr()
+    for a in ALIGNMENTS:
+        if ptr % a == 0 and (ld * item) % a == 0:
+            return a
+    return 2
+
+
+def gemm_fields(a: Any, b: Any, *, tf32: bool | None = None) -> dict[str, Any]:
+    if a.dim() != b.dim() or a.dim() not in (2, 3):
+        raise ValueError(
+            f"a and b must both be 2-D or both 3-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(
+            f"k mismatch: a is {tuple(a.shape)} and b is {tuple(b.shape)} (a.shape[-1] must equal b.shape[-2])"
+        )
+    if a.dim() == 3 and a.shape[0] != b.shape[0]:
+        raise ValueError(f"batch mismatch: a has {a.shape[0]} and b has {b.shape[0]}")
+    if a.dtype != b.dtype:
+        raise ValueError(
+            f"dtype mismatch: a is {a.dtype} and b is {b.dtype}; mixed-dtype GEMMs are not supported"
+        )
+    if a.dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {a.dtype}")
+    la, lb = matrix_layout(a), matrix_layout(b)
+    if la is None or lb is None:
+        raise ValueError(
+            "layout: a and b must each be row-major or column-major in their last two dims"
+        )
+    dtype = DTYPE_NAMES[a.dtype]
+    if tf32 is None:
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+    return {
+        "m": a.shape[-2],
+        "n": b.shape[-1],
+        "k": a.shape[-1],
+        "batch": a.shape[0] if a.dim() == 3 else 1,
+        "layout": la + lb,
+        "dtype": dtype,
+        "out_dtype": dtype,
+        "compute": "tf32" if (tf32 and dtype == "f32") else "f32",
+        "align": min(alignment(a, la), alignment(b, lb)),
+    }
+
+
+def sdpa_fields(
+    q: Any, k: Any, v: Any, *, causal: str = "none", scale: float | None = None
+) -> dict[str, Any]:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}"
+            )
+        if t.dtype != q.dtype:
+            raise ValueError(f"dtype mismatch: q is {q.dtype} and {name} is {t.dtype}")
+    if q.dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {q.dtype}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k and v must agree in (batch, heads, seq), got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch mismatch: q has {q.shape[0]} and k has {k.shape[0]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head_dim mismatch: q has {q.shape[-1]} and k has {k.shape[-1]}")
+    return {
+        "batch": q.shape[0],
+        "q_heads": q.shape[1],
+        "kv_heads": k.shape[1],
+        "q_len": q.shape[2],
+        "kv_len": k.shape[2],
+        "head_dim": q.shape[3],
+        "head_dim_v": v.shape[3],
+        "causal": causal,
+        "dtype": DTYPE_NAMES[q.dtype],
+        "scale": scale if scale is not None else 0.0,
+    }

@@ -1,0 +1,118 @@
+"""What a tuning run produces: one Measurement per candidate, one Winner per problem.
+
+These are plain records shared by the engine (which makes them), the store (which keeps them) and
+the fleet service (which merges them). ``to_row``/``from_row`` give their flat, JSON-friendly form.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STATUSES = ("ok", "rejected", "failed", "cut", "timeout", "unsupported")
+
+
+def candidate_name(source: str, params: dict[str, Any]) -> str:
+    """Stable name of a candidate: the source plus its params in canonical JSON."""
+    if not params:
+        return source
+    return source + ":" + json.dumps(params, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass
+class Measurement:
+    device_class: str
+    key: str
+    source: str
+    params: dict[str, Any]
+    status: str
+    is_baseline: bool = False
+    median_us: float | None = None
+    p10_us: float | None = None
+    p90_us: float | None = None
+    reps: int = 0
+    host_us: float | None = None
+    max_rel_err: float | None = None
+    error: str = ""
+    versions: str = ""
+    host: str = field(default_factory=socket.gethostname)
+    run_id: str = ""
+    created_at: float = field(default_factory=time.time)
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def op(self) -> str:
+        return self.key.partition(":")[0]
+
+    @property
+    def candidate(self) -> str:
+        return candidate_name(self.source, self.params)
+
+    @property
+    def spread(self) -> float:
+        """Relative spread (p90 - p10) / median: the noise a challenger must beat."""
+        if not self.median_us or self.p10_us is None or self.p90_us is None:
+            return 0.0
+        return (self.p90_us - self.p10_us) / self.median_us
+
+    def to_row(self) -> dict[str, Any]:
+        row = asdict(self)
+        row.update(
+            op=self.op, candidate=self.candidate, params=json.dumps(self.params, sort_keys=True)
+        )
+        row["is_baseline"] = int(self.is_baseline)
+        return row
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Measurement:
+        data = {k: row[k] for k in cls.__dataclass_fields__ if k in row}
+        if isinstance(data.get("params"), str):
+            data["params"] = json.loads(data["params"])
+        data["is_baseline"] = bool(data.get("is_baseline"))
+        return cls(**data)
+
+
+@dataclass
+class Winner:
+    device_class: str
+    key: str
+    source: str
+    params: dict[str, Any]
+    median_us: float
+    baseline_us: float
+    versions: str = ""
+    run_id: str = ""
+    updated_at: float = field(default_factory=time.time)
+
+    @property
+    def op(self) -> str:
+        return self.key.partition(":")[0]
+
+    @property
+    def candidate(self) -> str:
+        return candidate_name(self.source, self.params)
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline_us / self.median_us if self.median_us else 1.0
+
+    def to_row(self) -> dict[str, Any]:
+        row = asdict(self)
+        row.update(
+            op=self.op,
+            candidate=self.candidate,
+            speedup=self.speedup,
+            params=json.dumps(self.params, sort_keys=True),
+        )
+        return row
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Winner:
+        data = {k: row[k] for k in cls.__dataclass_fields__ if k in row}
+        if isinstance(data.get("params"), str):
+            data["params"] = json.loads(data["params"])
+        return cls(**data)
