@@ -7,6 +7,6 @@ o = tuner.sdpa(q, k, v, causal=True)
 
 __version__ = "0.1.0"
 
-from tuner.dispatch import matmul, sdpa, set_mode  # noqa: E402
+from tuner.dispatch import matmul, sdpa, set_mode
 
 __all__ = ["__version__", "matmul", "sdpa", "set_mode"]

@@ -146,7 +146,7 @@ class Dispatcher:
                 winner = self._tune(key, device)
             elif self.mode in ("record", "tune"):
                 self._record_miss(dc, key)
-        if winner is None or base.is_baseline(winner.params) and winner.source == base.name:
+        if winner is None or (base.is_baseline(winner.params) and winner.source == base.name):
             return baseline
         try:
             return registry.get(winner.source).build(key, winner.params)

@@ -7,7 +7,7 @@ For SDPA, torch's default dispatch is the baseline and each of its backends is a
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ def tf32_mode(enabled: bool):
 class TorchGemm(Source):
     name = "torch"
     op = "gemm"
-    baseline_params: Params = {}
+    baseline_params: ClassVar[Params] = {}
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         return [{}]
@@ -73,7 +73,7 @@ class TorchSdpa(Source):
 
     name = "torch_sdpa"
     op = "sdpa"
-    baseline_params: Params = {"backend": "default"}
+    baseline_params: ClassVar[Params] = {"backend": "default"}
 
     def candidates(self, key: SdpaKey, device: str) -> list[Params]:
         if device != "cuda":
