@@ -1,0 +1,57 @@
+"""Problem lists in YAML: what ``tuner tune-all --config`` reads.
+
+    problems:
+      - {op: gemm, m: 128, n: 4096, k: 4096, dtype: bf16}
+      - {op: gemm, m: 1, n: 4096, k: 4096, dtype: f32, compute: tf32}
+      - {op: sdpa, batch: 1, q_heads: 32, kv_heads: 8, q_len: 2048, kv_len: 2048, head_dim: 128, causal: top_left}
+      - key: "gemm:m=64,n=64,k=64,batch=1,layout=nn,dtype=f16,out_dtype=f16,compute=f32,align=16"
+
+For GEMMs ``out_dtype`` defaults to ``dtype``. Errors name the entry and the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tuner.keys import Key, key_from_dict, parse_key
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names file, entry and field."""
+
+
+def parse_problem(entry: Any, where: str) -> Key:
+    if not isinstance(entry, dict):
+        raise ConfigError(
+            f"{where}: expected a mapping like {{op: gemm, m: ..., n: ..., k: ...}}, got {entry!r}"
+        )
+    try:
+        if "key" in entry:
+            return parse_key(str(entry["key"]))
+        fields = dict(entry)
+        op = fields.pop("op", None)
+        if op is None:
+            raise ValueError("missing field 'op' (gemm or sdpa)")
+        if op == "gemm" and "dtype" in fields:
+            fields.setdefault("out_dtype", fields["dtype"])
+        return key_from_dict(op, fields)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_problems(path: str | Path) -> list[Key]:
+    """The de-duplicated problems of a YAML file, in file order."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("problems"), list):
+        raise ConfigError(f"{path}: expected a top-level 'problems:' list")
+    keys = [parse_problem(p, f"{path}: problems[{i}]") for i, p in enumerate(data["problems"])]
+    return list(dict.fromkeys(keys))
