@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: install what its image lacks, then run the named stages.
+#   bash bench/gpu_check.sh tests dispatch        (carry .whl; results land under $OUT)
+# Stages: tests (pytest -m gpu), dispatch (hit-path overhead benchmark); more are added per area.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export TUNER_CACHE=${TUNER_CACHE:-$OUT/tuner.db}
+export CUTLASS_CACHE_DIR=${CUTLASS_CACHE_DIR:-/tmp/cutlass_cache}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -m tuner.cli info 2>&1 | tee "$OUT/info.txt"
+status=0
+for stage in "$@"; do
+  echo "=== stage $stage ==="
+  case "$stage" in
+    tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 tests 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
+    dispatch) python3 bench/dispatch_overhead.py --out "$OUT/dispatch_overhead.json" || status=1 ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+exit $status
