@@ -1,0 +1,59 @@
+"""Plots people would rather look at than read: speedup per problem, against the baseline."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on servers or CI
+import matplotlib.pyplot as plt
+
+
+def geomean(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def speedup_plot(
+    labels: Sequence[str],
+    speedups: Sequence[float],
+    path: str | Path,
+    *,
+    title: str,
+    groups: Sequence[str] | None = None,
+    floor: float | None = 0.98,
+) -> Path:
+    """Horizontal bars of speedup (baseline time / tuned time) per problem, 1.0 marked.
+
+    ``groups`` colours the bars (e.g. the winning source); ``floor`` draws the no-regression line.
+    """
+    path = Path(path)
+    n = len(labels)
+    fig, ax = plt.subplots(figsize=(10, max(3.0, 0.22 * n + 1.5)))
+    palette = plt.get_cmap("tab10")
+    names = list(dict.fromkeys(groups)) if groups else []
+    colors = [palette(names.index(g) % 10) for g in groups] if groups else ["tab:blue"] * n
+    ax.barh(range(n), speedups, color=colors)
+    ax.set_yticks(range(n), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linewidth=1)
+    if floor is not None:
+        ax.axvline(floor, color="red", linestyle=":", linewidth=1, label=f"{floor}x floor")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("speedup over baseline (log scale; >1 is faster)")
+    ax.set_title(
+        f"{title}\ngeomean {geomean(speedups):.3f}x, min {min(speedups, default=float('nan')):.3f}x, max {max(speedups, default=float('nan')):.3f}x"
+    )
+    for name in names:
+        ax.barh([], [], color=palette(names.index(name) % 10), label=name)
+    if names or floor is not None:
+        ax.legend(loc="lower right", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
