@@ -44,6 +44,12 @@ app = typer.Typer(
 )
 tune_app = typer.Typer(help="Tune one problem and store its winner.", no_args_is_help=True)
 app.add_typer(tune_app, name="tune")
+# Benchmark suites (tuner/suite.py). Each suite's command lives in its own module and is
+# registered at the bottom of this file: bench_app.command("gemm")(gemm_bench.command).
+bench_app = typer.Typer(
+    help="Benchmark suites: tune, then time baseline and winner side by side.", no_args_is_help=True
+)
+app.add_typer(bench_app, name="bench")
 console = Console()
 err_console = Console(stderr=True)
 

@@ -1,0 +1,233 @@
+"""Benchmark suites: tune each problem, then time the baseline and the winner side by side.
+
+The ratio of a suite row comes from one run: the baseline (what users get without us) and the
+winner are rebuilt and timed alternately on the same rotating inputs, after tuning, so clock
+and thermal drift hit both. A winner that *is* the baseline has ratio 1.0 by construction: the
+user gets exactly that kernel. Results go to JSON (with device, versions and the measured
+device-to-device copy bandwidth) and a PNG of speedup per problem.
+
+Used by ``tuner bench gemm`` and ``tuner bench sdpa``; their commands live in their own
+modules and are registered on ``tuner.cli.bench_app``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from tuner import bench, problems
+from tuner.cache import Store
+from tuner.candidates import registry
+from tuner.device import fingerprint
+from tuner.engine import TuneOptions, TuneOutcome, current_device, tune
+from tuner.keys import Key
+from tuner.plots import geomean, speedup_plot
+from tuner.results import Winner
+
+console = Console()
+Metrics = Callable[[Key, float], dict[str, float]]  # (key, time in us) -> extra columns
+
+
+@dataclass
+class Row:
+    label: str
+    key: str
+    baseline_us: float
+    winner_us: float
+    source: str
+    candidate: str
+    tune_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline_us / self.winner_us
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "speedup": self.speedup}
+
+
+def copy_bandwidth_gbs(device: str, nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth, bytes read plus written per second: the memory ceiling."""
+    if device != "cuda":
+        nbytes = 64 * 2**20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    t = bench.measure(lambda i: dst.copy_(src), device=device, budget_s=0.3, max_reps=50)
+    return 2 * nbytes / (t.median_us * 1e-6) / 1e9
+
+
+def side_by_side(
+    key: Key, winner: Winner, device: str, *, rounds: int = 3, budget_s: float = 0.1
+) -> tuple[float, float]:
+    """Median times (us) of the baseline and the winner, measured alternately on the same inputs."""
+    base_src = registry.baseline(key.op)
+    base = base_src.build(key, base_src.baseline_params)
+    if winner.source == base_src.name and base_src.is_baseline(winner.params):
+        win = None
+    else:
+        win = registry.get(winner.source).build(key, winner.params)
+    gen = torch.Generator(device=device).manual_seed(1)
+    sets = [
+        problems.make_inputs(key, device, gen)
+        for _ in range(bench.rotation_sets(problems.bytes_per_set(key), device))
+    ]
+    b_times, w_times = [], []
+    for _ in range(rounds):
+        b_times.append(
+            bench.measure(
+                lambda i: base(*sets[i % len(sets)]), device=device, budget_s=budget_s
+            ).median_us
+        )
+        if win is not None:
+            w_times.append(
+                bench.measure(
+                    lambda i: win(*sets[i % len(sets)]), device=device, budget_s=budget_s
+                ).median_us
+            )
+    b = statistics.median(b_times)
+    return b, (statistics.median(w_times) if win is not None else b)
+
+
+def run_suite(
+    name: str,
+    problems_: Sequence[tuple[str, Key]],
+    *,
+    out_dir: str | Path,
+    title: str,
+    options: TuneOptions | None = None,
+    metrics: Metrics | None = None,
+    store: Store | None = None,
+    tuner: Callable[[Key, TuneOptions], TuneOutcome] | None = None,
+) -> dict[str, Any]:
+    """Tune and measure every (label, key); write ``<name>.json`` and ``<name>.png`` into out_dir.
+
+    ``tuner`` replaces ``engine.tune`` (e.g. a crash-isolating worker); ``store`` keeps every
+    measurement and winner (the tuned cache that comes back with the results).
+    """
+    options = options or TuneOptions()
+    run_tuner = tuner or (lambda key, opts: tune(key, options=opts))
+    device = current_device()
+    fp = fingerprint(device)
+    if store is not None:
+        store.save_device(fp)
+    copy_gbs = copy_bandwidth_gbs(device)
+    console.print(f"{fp.name}: device-to-device copy {copy_gbs:.0f} GB/s")
+    rows: list[Row] = []
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task(name, total=len(problems_))
+        for label, key in problems_:
+            bar.update(task, description=label[:50])
+            started = time.perf_counter()
+            try:
+                outcome = run_tuner(key, options)
+            except Exception as e:  # one broken problem must not lose the suite
+                bar.console.print(f"[red]{label}: tuning failed: {e}[/red]")
+                bar.advance(task)
+                continue
+            tune_s = time.perf_counter() - started
+            if store is not None:
+                store.save_run(outcome.measurements, outcome.winner)
+            base_us, win_us = side_by_side(key, outcome.winner, device)
+            row = Row(
+                label,
+                str(key),
+                base_us,
+                win_us,
+                outcome.winner.source,
+                outcome.winner.candidate,
+                tune_s,
+            )
+            if metrics:
+                row.extra = {
+                    f"baseline_{k}": v for k, v in metrics(key, base_us).items()
+                } | metrics(key, win_us)
+            rows.append(row)
+            bar.console.print(
+                f"{label:<40} {base_us:9.1f} us -> {win_us:9.1f} us  {row.speedup:5.2f}x  {row.source}"
+            )
+            bar.advance(task)
+    result = {
+        "suite": name,
+        "title": title,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": fp.to_dict(),
+        "copy_gbs": copy_gbs,
+        "options": asdict(options),
+        "rows": [r.to_dict() for r in rows],
+        "summary": summarize(rows),
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    if rows:
+        speedup_plot(
+            [r.label for r in rows],
+            [r.speedup for r in rows],
+            out / f"{name}.png",
+            title=f"{title} on {fp.name}",
+            groups=[r.source for r in rows],
+        )
+    print_table(rows)
+    return result
+
+
+def summarize(rows: Sequence[Row]) -> dict[str, float]:
+    if not rows:
+        return {"n": 0}
+    speedups = [r.speedup for r in rows]
+    return {
+        "n": len(rows),
+        "geomean": geomean(speedups),
+        "min": min(speedups),
+        "max": max(speedups),
+        "slower_than_0.98": sum(s < 0.98 for s in speedups),
+        "median_tune_s": statistics.median(r.tune_s for r in rows),
+        "total_tune_s": sum(r.tune_s for r in rows),
+    }
+
+
+def print_table(rows: Sequence[Row]) -> None:
+    t = Table(title="baseline vs tuned (same run)")
+    for col in ("problem", "baseline us", "tuned us", "speedup", "source", "tune s"):
+        t.add_column(col)
+    for r in rows:
+        color = "green" if r.speedup >= 1.02 else "red" if r.speedup < 0.98 else "white"
+        t.add_row(
+            r.label,
+            f"{r.baseline_us:.1f}",
+            f"{r.winner_us:.1f}",
+            f"[{color}]{r.speedup:.2f}x[/{color}]",
+            r.source,
+            f"{r.tune_s:.1f}",
+        )
+    console.print(t)
+    s = summarize(rows)
+    if rows:
+        console.print(
+            f"geomean {s['geomean']:.3f}x  min {s['min']:.3f}x  max {s['max']:.3f}x  median tuning {s['median_tune_s']:.2f} s"
+        )
