@@ -1,0 +1,32 @@
+"""Shared fixtures. Tests marked ``gpu`` are skipped where no CUDA device is present."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    # Triton reads this when a kernel is *defined*, so it must be set before tuner imports them:
+    # on a machine without a GPU every Triton kernel of the suite runs in Triton's interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cache_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh cache file, also exported as TUNER_CACHE for subprocesses and the dispatcher."""
+    path = tmp_path / "tuner.db"
+    monkeypatch.setenv("TUNER_CACHE", str(path))
+    return path
