@@ -1,0 +1,233 @@
+"""Model configs in YAML: a transformer's dimensions expanded into the problems it runs.
+
+    name: Llama-3-8B
+    hidden_size: 4096
+    intermediate_size: 14336
+    num_heads: 32
+    num_kv_heads: 8
+    head_dim: 128
+    tp: 1                       # tensor-parallel degree: shapes are per GPU (rank)
+    dtypes: [bf16]              # f16, bf16, f32, tf32 (tf32: f32 GEMMs on the TF32 path)
+    m_sizes: [1, 16, 128]       # GEMM rows M = tokens in one forward pass
+    ops: [qkv, o, gate_up, down, attn_prefill, attn_decode]
+    attention:                  # needed when an attention op is listed
+      prefill: {batch_sizes: [1], seq_lens: [2048]}
+      decode: {batch_sizes: [1, 16], kv_lens: [4096]}
+
+Projections are ``y = F.linear(x, W)``: x is (M, K) row-major and W is stored (N, K) row-major as
+``nn.Linear`` keeps it, so the GEMM is ``x @ W.T`` with B = W.T column-major: layout ``nt``
+(``layout: nn`` for weights stored pre-transposed). Per rank with TP degree t:
+
+    qkv      N = (heads + 2 kv_heads) head_dim / t   K = hidden          (fused Q, K, V)
+    o        N = hidden                              K = heads head_dim / t
+    gate_up  N = 2 intermediate / t                  K = hidden          (fused gate and up)
+    down     N = hidden                              K = intermediate / t
+
+KV heads are split over ranks when there are at least t of them, else replicated (one per rank).
+Attention prefill is causal with q_len = kv_len (top-left and bottom-right masks coincide);
+decode is one query row against the whole cache, so no mask (``causal: none``). tf32 only
+applies to GEMMs; attention problems are made for the other dtypes.
+
+``load_model(path)`` raises ``ConfigError`` naming the file, the field and the allowed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tuner.keys import ALIGNMENTS, ITEMSIZE, GemmKey, Key, SdpaKey
+from tuner.problem_list import ConfigError
+
+GEMM_OPS = ("qkv", "o", "gate_up", "down")
+ATTENTION_OPS = ("attn_prefill", "attn_decode")
+Op = Literal["qkv", "o", "gate_up", "down", "attn_prefill", "attn_decode"]
+DType = Literal["f16", "bf16", "f32", "tf32"]
+Size = Annotated[int, Field(strict=True, gt=0)]
+Sizes = Annotated[list[Size], Field(min_length=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Prefill(_Strict):
+    batch_sizes: Sizes
+    seq_lens: Sizes
+
+
+class Decode(_Strict):
+    batch_sizes: Sizes
+    kv_lens: Sizes
+
+
+class Attention(_Strict):
+    prefill: Prefill | None = None
+    decode: Decode | None = None
+
+
+class ModelConfig(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+    source: str = ""  # where the dimensions come from (the model's config.json)
+    hidden_size: Size
+    intermediate_size: Size
+    num_heads: Size
+    num_kv_heads: Size
+    head_dim: Size
+    tp: Size = 1
+    dtypes: Annotated[list[DType], Field(min_length=1)]
+    ops: Annotated[list[Op], Field(min_length=1)]
+    m_sizes: list[Size] = []
+    layout: Literal["nt", "nn"] = "nt"
+    attention: Attention | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
+            )
+        for name in ("num_heads", "intermediate_size"):
+            if getattr(self, name) % self.tp:
+                raise ValueError(f"tp ({self.tp}) must divide {name} ({getattr(self, name)})")
+        kv, tp = self.num_kv_heads, self.tp
+        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+            raise ValueError(
+                f"tp ({tp}) and num_kv_heads ({kv}) must divide one another "
+                "(KV heads are split across ranks, or replicated when there are fewer than tp)"
+            )
+        if set(self.ops) & set(GEMM_OPS) and not self.m_sizes:
+            raise ValueError("m_sizes is required (and non-empty) when a projection op is listed")
+        for op, part in (("attn_prefill", "prefill"), ("attn_decode", "decode")):
+            if op in self.ops and getattr(self.attention, part, None) is None:
+                raise ValueError(f"attention.{part} is required when ops lists {op!r}")
+        return self
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.tp
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.num_kv_heads // self.tp)
+
+    def gemm_shape(self, op: str) -> tuple[int, int]:
+        """(N, K) of a projection on one rank."""
+        d, t = self.head_dim, self.tp
+        return {
+            "qkv": ((self.heads_per_rank + 2 * self.kv_heads_per_rank) * d, self.hidden_size),
+            "o": (self.hidden_size, self.heads_per_rank * d),
+            "gate_up": (2 * self.intermediate_size // t, self.hidden_size),
+            "down": (self.hidden_size, self.intermediate_size // t),
+        }[op]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem of a model, with a short label saying where it comes from."""
+
+    key: Key
+    label: str
+
+
+def dense_align(dtype: str, *leading_dims: int) -> int:
+    """The largest alignment class (bytes) that every leading dimension allows."""
+    item = ITEMSIZE[dtype]
+    return next(a for a in ALIGNMENTS if all((ld * item) % a == 0 for ld in leading_dims))
+
+
+def gemm_key(m: int, n: int, k: int, *, layout: str, dtype: str, batch: int = 1) -> GemmKey:
+    """The key of a dense GEMM (leading dimensions equal to the matrix extents)."""
+    lda = k if layout[0] == "n" else m
+    ldb = n if layout[1] == "n" else k
+    base, compute = ("f32", "tf32") if dtype == "tf32" else (dtype, "f32")
+    return GemmKey(
+        m=m, n=n, k=k, batch=batch, layout=layout, dtype=base, out_dtype=base,
+        compute=compute, align=dense_align(base, lda, ldb),
+    )  # fmt: skip
+
+
+def expand(model: ModelConfig) -> list[Problem]:
+    """Every problem of the model, in config order (dtype, op, size), without duplicates."""
+    out: dict[Key, Problem] = {}
+    for dtype in model.dtypes:
+        for op in model.ops:
+            for key, size in _op_keys(model, op, dtype):
+                out.setdefault(key, Problem(key, f"{model.name} {op} {size} {dtype}"))
+    return list(out.values())
+
+
+def _op_keys(model: ModelConfig, op: str, dtype: str) -> list[tuple[Key, str]]:
+    if op in GEMM_OPS:
+        n, k = model.gemm_shape(op)
+        return [
+            (gemm_key(m, n, k, layout=model.layout, dtype=dtype), f"M={m}") for m in model.m_sizes
+        ]
+    if dtype == "tf32":
+        return []
+    att = model.attention
+    assert att is not None  # checked by the validator
+    common = dict(
+        q_heads=model.heads_per_rank, kv_heads=model.kv_heads_per_rank,
+        head_dim=model.head_dim, dtype=dtype,
+    )  # fmt: skip
+    if op == "attn_prefill":
+        assert att.prefill is not None
+        return [
+            (SdpaKey(batch=b, q_len=s, kv_len=s, causal="top_left", **common), f"b={b} s={s}")
+            for b in att.prefill.batch_sizes
+            for s in att.prefill.seq_lens
+        ]
+    assert att.decode is not None
+    return [
+        (SdpaKey(batch=b, q_len=1, kv_len=s, causal="none", **common), f"b={b} kv={s}")
+        for b in att.decode.batch_sizes
+        for s in att.decode.kv_lens
+    ]
+
+
+# where an unknown field can stand -> the fields allowed there
+_PLACES: dict[tuple[str, ...], type[BaseModel]] = {
+    (): ModelConfig,
+    ("attention",): Attention,
+    ("attention", "prefill"): Prefill,
+    ("attention", "decode"): Decode,
+}
+
+
+def format_errors(path: Path | str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            place = _PLACES.get(tuple(map(str, e["loc"][:-1])))
+            msg = "unknown field" + (f"; allowed: {sorted(place.model_fields)}" if place else "")
+        elif e["type"] != "missing" and e["loc"]:
+            msg += f" (got {e['input']!r})"
+        lines.append(f"{path}: {loc}: {msg}" if loc else f"{path}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_model(data: Any, path: Path | str = "<model>") -> ModelConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of model fields, got {type(data).__name__}")
+    try:
+        return ModelConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_errors(path, e)) from None
+
+
+def load_model(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return parse_model(data, path)
