@@ -77,6 +77,7 @@ class Dispatcher:
         self._hot: dict[tuple, Runner] = {}
         self._winners: dict[str, dict[str, Winner]] = {}  # device class -> key -> winner
         self._recorded: set[tuple[str, str]] = set()
+        self.choices: dict[str, str] = {}  # key -> candidate serving it, for diagnostics
         self._lock = threading.RLock()
         self._store: Store | None = None
         self._store_failed = False
@@ -130,13 +131,14 @@ class Dispatcher:
                 log.debug("not tunable, using torch: %s", e)
                 runner = fallback
             else:
-                runner = self._runner_for(key, device.type, grad=grad)
+                runner, self.choices[str(key)] = self._runner_for(key, device.type, grad=grad)
             self._hot[sig] = runner
             return runner
 
-    def _runner_for(self, key: Key, device: str, *, grad: bool) -> Runner:
+    def _runner_for(self, key: Key, device: str, *, grad: bool) -> tuple[Runner, str]:
+        """The runner for ``key`` and the name of the candidate it is."""
         base = registry.baseline(key.op)
-        baseline = base.build(key, base.baseline_params)
+        baseline = base.build(key, base.baseline_params), base.name
         if self.mode == "off" or grad or (device == "cuda") != torch.cuda.is_available():
             return baseline
         dc = fingerprint(device).device_class
@@ -149,7 +151,7 @@ class Dispatcher:
         if winner is None or (base.is_baseline(winner.params) and winner.source == base.name):
             return baseline
         try:
-            return registry.get(winner.source).build(key, winner.params)
+            return registry.get(winner.source).build(key, winner.params), winner.candidate
         except Exception as e:
             log.warning(
                 "stored winner %s for %s no longer builds (%s); using the baseline",

@@ -219,7 +219,8 @@ def _convert(name: str, raw: str, type_name: str) -> Any:
         if type_name == "float":
             return float(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a {type_name}, got {raw!r}") from None
+        kind = "an integer" if type_name == "int" else "a number"
+        raise ValueError(f"{name} must be {kind}, got {raw!r}") from None
     return raw
 
 

@@ -23,6 +23,8 @@ BUILTIN = {
     "torch": "tuner.candidates.torch_ref:TorchGemm",
     "torch_sdpa": "tuner.candidates.torch_ref:TorchSdpa",
     "triton_gemm": "tuner.candidates.triton_gemm:TritonGemm",
+    "triton_attention": "tuner.candidates.triton_attention:TritonAttention",
+    "triton_decode": "tuner.candidates.triton_decode:TritonDecode",
 }
 
 
@@ -47,6 +49,15 @@ def all_sources() -> dict[str, Source | str]:
             log.warning("candidate source %s (%s) failed to load: %r", name, target, e)
             found[name] = f"failed to load: {e!r}"
     return found
+
+
+def register(source: Source) -> None:
+    """Add (or replace) a source at run time, e.g. a kernel family defined in a notebook."""
+    all_sources()[source.name] = source
+
+
+def unregister(name: str) -> None:
+    all_sources().pop(name, None)
 
 
 def sources(op: str | None = None) -> list[Source]:

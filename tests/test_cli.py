@@ -1,0 +1,97 @@
+"""The command line as a user meets it: help, tables, and one-line errors for mistakes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tuner.cache import Store
+
+
+def tuner(*args: str, cache=None, check: bool = True) -> subprocess.CompletedProcess:
+    env = os.environ | {"TRITON_INTERPRET": "1", "COLUMNS": "200"}
+    if cache is not None:
+        env["TUNER_CACHE"] = str(cache)
+    return subprocess.run(
+        [sys.executable, "-m", "tuner.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=check,
+    )
+
+
+def test_help_lists_the_commands():
+    out = tuner("--help").stdout
+    for command in ("info", "tune", "tune-all", "show", "export", "import", "bench"):
+        assert command in out
+
+
+def test_info_lists_sources_with_status(tmp_path):
+    out = tuner("info", cache=tmp_path / "c.db").stdout
+    assert "device class" in out and "cpu-" in out
+    assert "torch" in out and "available" in out
+
+
+def test_tune_all_then_show_export_import(tmp_path):
+    cfg = tmp_path / "problems.yaml"
+    cfg.write_text(
+        "problems:\n  - {op: gemm, m: 8, n: 16, k: 16, dtype: f32}\n  - {op: gemm, m: 8, n: 16, k: 16, dtype: f32}\n  - {op: sdpa, batch: 1, q_heads: 2, kv_heads: 1, q_len: 3, kv_len: 5, head_dim: 8, dtype: f32}\n"
+    )
+    cache = tmp_path / "c.db"
+    out = tuner("tune-all", "--config", str(cfg), "--budget", "0.01", cache=cache).stdout
+    assert "2 problems, 0 already tuned, 2 to tune" in out
+    again = tuner("tune-all", "--config", str(cfg), cache=cache).stdout
+    assert "2 already tuned, 0 to tune" in again
+    shown = json.loads(tuner("show", "--json", cache=cache).stdout)
+    assert {w["op"] for w in shown} == {"gemm", "sdpa"}
+    export = tmp_path / "out.json"
+    tuner("export", str(export), cache=cache)
+    other = tmp_path / "other.db"
+    assert "2 winners" in tuner("import", str(export), cache=other).stdout
+    assert len(Store(other).winners()) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("tune", "gemm", "-m", "0", "-n", "4", "-k", "4"), "m must be a positive integer"),
+        (
+            ("tune", "gemm", "-m", "4", "-n", "4", "-k", "4", "--dtype", "f64"),
+            "dtype must be one of",
+        ),
+        (("tune", "key", "gemm:m=4"), "incomplete gemm key"),
+    ],
+)
+def test_user_mistakes_get_one_line_and_exit_2(tmp_path, args, message):
+    r = tuner(*args, cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_config_names_entry_and_field(tmp_path):
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(
+        "problems:\n  - {op: gemm, m: 8, n: 16, k: 16}\n  - {op: gemm, m: 8, n: -1, k: 16}\n"
+    )
+    r = tuner("tune-all", "--config", str(cfg), cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2 and "problems[1]: n must be a positive integer" in r.stderr
+
+
+def test_corrupt_cache_is_reported_not_overwritten(tmp_path):
+    cache = tmp_path / "c.db"
+    cache.write_bytes(b"\x00garbage" * 100)
+    r = tuner("show", cache=cache, check=False)
+    assert r.returncode == 2 and "not a SQLite database" in r.stderr
+    assert cache.read_bytes() == b"\x00garbage" * 100
+
+
+def test_import_of_a_non_export_is_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hello": 1}')
+    r = tuner("import", str(bad), cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2 and "not a tuner export" in r.stderr

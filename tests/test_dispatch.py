@@ -1,0 +1,156 @@
+"""The dispatcher: modes, fallbacks, and a new process serving a stored winner."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tuner.cache import Store
+from tuner.device import fingerprint
+from tuner.dispatch import Dispatcher
+from tuner.keys import GemmKey
+from tuner.results import Winner
+
+
+def test_off_mode_never_opens_the_store(tmp_path):
+    d = Dispatcher(tmp_path / "never.db", mode="off")
+    a, b = torch.randn(8, 4), torch.randn(4, 3)
+    torch.testing.assert_close(d.matmul(a, b), a @ b)
+    assert not (tmp_path / "never.db").exists()
+
+
+def test_record_mode_records_each_missed_key_once(cache_path):
+    d = Dispatcher(cache_path, mode="record")
+    a, b = torch.randn(8, 4), torch.randn(4, 3)
+    for _ in range(3):
+        d.matmul(a, b)
+    d.matmul(torch.randn(9, 4), b)
+    misses = Store(cache_path).misses()
+    assert sorted(m["key"].split(",")[0] for m in misses) == ["gemm:m=8", "gemm:m=9"]
+    assert all(m["count"] == 1 for m in misses)
+
+
+def test_tune_mode_tunes_once_then_serves(cache_path):
+    d = Dispatcher(cache_path, mode="tune")
+    a, b = torch.randn(16, 32, dtype=torch.float16), torch.randn(32, 8, dtype=torch.float16)
+    torch.testing.assert_close(d.matmul(a, b), a @ b)
+    key = str(GemmKey.from_tensors(a, b))
+    assert Store(cache_path).winner(fingerprint().device_class, key) is not None
+    assert key in d.choices
+
+
+def test_untunable_calls_go_to_torch_including_its_errors(tmp_path):
+    d = Dispatcher(tmp_path / "c.db", mode="lookup")
+    v = torch.randn(4)
+    m = torch.randn(3, 4)
+    torch.testing.assert_close(d.matmul(m, v), m @ v)  # 1-D: not a GEMM key, torch handles it
+    x = torch.randn(2, 3, 4)
+    torch.testing.assert_close(
+        d.matmul(x, torch.randn(4, 5)).shape, torch.Size([2, 3, 5])
+    )  # broadcast
+    with pytest.raises(RuntimeError):  # torch's own error for a real mistake
+        d.matmul(torch.randn(3, 4), torch.randn(5, 6))
+
+
+def test_sdpa_matches_torch_for_gqa_and_both_causal_alignments(tmp_path):
+    d = Dispatcher(tmp_path / "c.db", mode="lookup")
+    q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(d.sdpa(q, k, v, causal=True), expected)
+    from torch.nn.attention.bias import causal_lower_right
+
+    expected = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(5, 9), enable_gqa=True
+    )
+    torch.testing.assert_close(d.sdpa(q, k, v, causal="bottom_right"), expected)
+    with pytest.raises(ValueError, match="causal must be"):
+        d.sdpa(q, k, v, causal="sideways")
+
+
+def test_a_winner_that_no_longer_builds_falls_back_to_the_baseline(cache_path):
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    key = GemmKey.from_tensors(a, b)
+    Store(cache_path).put_winners(
+        [Winner(fingerprint().device_class, str(key), "triton_gemm", {"bm": 32}, 1.0, 2.0)]
+    )
+    d = Dispatcher(cache_path, mode="lookup")
+    torch.testing.assert_close(d.matmul(a, b), a @ b)
+    assert d.choices[str(key)] == "torch"
+
+
+NEW_PROCESS = """
+import json, torch, tuner
+from tuner.dispatch import get_dispatcher
+torch.manual_seed(0)
+a, b = torch.randn({m}, {k}, dtype=torch.float16), torch.randn({k}, {n}, dtype=torch.float16)
+c = tuner.matmul(a, b)
+err = ((c.double() - a.double() @ b.double()).norm() / (a.double() @ b.double()).norm()).item()
+print(json.dumps({{"choices": get_dispatcher().choices, "err": err}}))
+"""
+
+
+def dispatch_in_new_process(cache_path, m, n, k) -> dict:
+    env = os.environ | {
+        "TUNER_CACHE": str(cache_path),
+        "TUNER_MODE": "lookup",
+        "TRITON_INTERPRET": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", NEW_PROCESS.format(m=m, n=n, k=k)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_whole_path_tune_store_then_new_process_dispatches(cache_path):
+    env = os.environ | {"TUNER_CACHE": str(cache_path), "TRITON_INTERPRET": "1"}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tuner.cli",
+            "tune",
+            "gemm",
+            "-m",
+            "24",
+            "-n",
+            "40",
+            "-k",
+            "32",
+            "--dtype",
+            "f16",
+            "--budget",
+            "0.02",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    stored = Store(cache_path).winners()
+    assert len(stored) == 1
+    got = dispatch_in_new_process(cache_path, 24, 40, 32)
+    assert got["choices"] == {stored[0].key: stored[0].candidate}
+    assert got["err"] < 5e-3
+
+
+def test_new_process_serves_a_triton_winner_from_the_store(cache_path):
+    """A winner imported from elsewhere (here: written directly) is rebuilt and used."""
+    key = GemmKey(m=33, n=20, k=48, dtype="f16", out_dtype="f16", align=8)
+    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
+    Store(cache_path).put_winners(
+        [Winner(fingerprint().device_class, str(key), "triton_gemm", params, 1.0, 2.0)]
+    )
+    got = dispatch_in_new_process(cache_path, 33, 20, 48)
+    assert list(got["choices"].values()) == [
+        'triton_gemm:{"bk":32,"bm":32,"bn":32,"group_m":8,"stages":1,"warps":4}'
+    ]
+    assert got["err"] < 5e-3

@@ -1,0 +1,139 @@
+"""The tuning engine on the CPU path: torch baseline, interpreted Triton, and planted bad candidates."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tuner.candidates import registry
+from tuner.candidates.base import Source
+from tuner.engine import TuneOptions, choose, tune
+from tuner.keys import GemmKey, SdpaKey
+from tuner.results import Measurement
+
+KEY = GemmKey(m=48, n=40, k=72, dtype="f32", out_dtype="f32")
+
+
+class PlantedGemm(Source):
+    """A test-only source whose candidates are wrong in known ways."""
+
+    name = "planted"
+    op = "gemm"
+
+    def candidates(self, key, device):
+        return [
+            {"bug": "drops_last_k"},
+            {"bug": "nan"},
+            {"bug": "build_error"},
+            {"bug": "raises"},
+            {"bug": "slow"},
+        ]
+
+    def build(self, key, params):
+        bug = params["bug"]
+        if bug == "build_error":
+            raise RuntimeError("static_assert failed: tile too large")
+
+        def run(a, b, out=None):
+            if bug == "drops_last_k":
+                c = a[..., :-1] @ b[..., :-1, :]
+            elif bug == "nan":
+                c = torch.full((a.shape[-2], b.shape[-1]), float("nan"), dtype=a.dtype)
+            elif bug == "raises":
+                raise RuntimeError("illegal memory access")
+            else:
+                time.sleep(0.02)
+                c = a @ b
+            if out is not None:
+                out.copy_(c)
+                return out
+            return c
+
+        return run
+
+
+@pytest.fixture
+def planted():
+    registry.register(PlantedGemm())
+    yield
+    registry.unregister("planted")
+
+
+def by_params(outcome):
+    return {m.params.get("bug", m.source): m for m in outcome.measurements}
+
+
+def test_wrong_nan_and_broken_candidates_are_recorded_never_chosen(planted):
+    outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["planted"]))
+    got = by_params(outcome)
+    assert got["drops_last_k"].status == "rejected" and got["drops_last_k"].max_rel_err > 0.01
+    assert got["nan"].status == "rejected" and "relative error nan" in got["nan"].error
+    assert got["build_error"].status == "failed" and "static_assert" in got["build_error"].error
+    assert got["raises"].status == "failed" and "illegal memory access" in got["raises"].error
+    assert got["slow"].status == "cut"  # 20 ms against a ~10 us baseline: cut after the probe
+    assert got["torch"].status == "ok" and got["torch"].is_baseline
+    assert outcome.winner.source == "torch"
+
+
+def test_interpreted_triton_candidate_is_checked_and_timed():
+    outcome = tune(
+        GemmKey(m=40, n=24, k=56, dtype="f16", out_dtype="f16"),
+        options=TuneOptions(budget_s=0.02, cut_factor=1e9),
+    )
+    triton = [m for m in outcome.measurements if m.source == "triton_gemm"]
+    assert triton and all(m.status == "ok" for m in triton)
+    assert triton[0].max_rel_err < 5e-3 and triton[0].median_us > 0
+
+
+def test_bf16_triton_is_unsupported_in_the_interpreter_with_a_reason():
+    outcome = tune(GemmKey(m=16, n=16, k=16), options=TuneOptions(budget_s=0.01))
+    triton = next(m for m in outcome.measurements if m.source == "triton_gemm")
+    assert triton.status == "unsupported" and "interpreter" in triton.error
+
+
+def test_sdpa_baseline_tunes_on_cpu():
+    key = SdpaKey(
+        batch=1,
+        q_heads=4,
+        kv_heads=2,
+        q_len=7,
+        kv_len=13,
+        head_dim=16,
+        causal="bottom_right",
+        dtype="f32",
+    )
+    outcome = tune(key, options=TuneOptions(budget_s=0.01))
+    assert outcome.baseline.max_rel_err < 1e-4
+    assert outcome.winner.baseline_us > 0
+
+
+def m(source: str, median: float, p10: float, p90: float, baseline: bool = False) -> Measurement:
+    return Measurement(
+        device_class="d",
+        key="k",
+        source=source,
+        params={},
+        status="ok",
+        is_baseline=baseline,
+        median_us=median,
+        p10_us=p10,
+        p90_us=p90,
+        host_us=0.0,
+    )
+
+
+def test_baseline_keeps_the_win_within_noise():
+    base = m("torch", 100.0, 95.0, 105.0, baseline=True)  # +-5% spread
+    assert choose([base, m("x", 97.0, 96.0, 98.0)], TuneOptions()).source == "torch"
+    assert choose([base, m("x", 90.0, 89.0, 91.0)], TuneOptions()).source == "x"
+    assert choose([base, m("x", 101.0, 100.0, 102.0)], TuneOptions()).source == "torch"
+
+
+def test_eager_launch_cost_counts_against_a_challenger():
+    base = m("torch", 10.0, 9.9, 10.1, baseline=True)
+    fast_gpu_slow_launch = m("x", 5.0, 4.9, 5.1)
+    fast_gpu_slow_launch.host_us = 30.0
+    assert choose([base, fast_gpu_slow_launch], TuneOptions(launch="eager")).source == "torch"
+    assert choose([base, fast_gpu_slow_launch], TuneOptions(launch="graph")).source == "x"

@@ -1,0 +1,97 @@
+"""Keys: canonical string form, extraction from tensors, and clear errors for invalid problems."""
+
+import math
+
+import pytest
+import torch
+
+from tuner.keys import GemmKey, SdpaKey, key_from_dict, parse_key
+
+
+def test_gemm_key_string_is_stable_and_round_trips():
+    key = GemmKey(m=128, n=4096, k=4096, dtype="bf16", out_dtype="bf16")
+    assert (
+        str(key)
+        == "gemm:m=128,n=4096,k=4096,batch=1,layout=nn,dtype=bf16,out_dtype=bf16,compute=f32,align=16"
+    )
+    assert parse_key(str(key)) == key
+    assert hash(parse_key(str(key))) == hash(key)
+
+
+def test_sdpa_key_defaults_are_normalised():
+    key = SdpaKey(batch=2, q_heads=32, kv_heads=8, q_len=1, kv_len=4096, head_dim=128)
+    assert key.head_dim_v == 128
+    assert key.scale == pytest.approx(1 / math.sqrt(128))
+    assert parse_key(str(key)) == key
+
+
+def test_gemm_key_from_tensors_sees_layout_alignment_and_tf32():
+    a = torch.randn(64, 32)
+    b = torch.randn(48, 32).T  # column-major B, as F.linear's weight
+    key = GemmKey.from_tensors(a, b, tf32=True)
+    assert (key.m, key.n, key.k, key.layout, key.dtype, key.compute) == (
+        64,
+        48,
+        32,
+        "nt",
+        "f32",
+        "tf32",
+    )
+    odd = torch.randn(5, 7, dtype=torch.float16)
+    assert GemmKey.from_tensors(odd, torch.randn(7, 3, dtype=torch.float16)).align == 2
+    batched = GemmKey.from_tensors(torch.randn(3, 8, 16), torch.randn(3, 16, 4))
+    assert batched.batch == 3
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"m": 0, "n": 1, "k": 1}, "m must be a positive integer"),
+        ({"m": 1, "n": -4, "k": 1}, "n must be a positive integer"),
+        ({"m": 1, "n": 1, "k": 1, "dtype": "f8", "out_dtype": "f8"}, "dtype must be one of"),
+        (
+            {"m": 1, "n": 1, "k": 1, "dtype": "f16", "out_dtype": "f32"},
+            "out_dtype must equal dtype",
+        ),
+        (
+            {"m": 1, "n": 1, "k": 1, "dtype": "bf16", "compute": "tf32"},
+            "compute='tf32' needs dtype='f32'",
+        ),
+        ({"m": 1, "n": 1, "k": 1, "layout": "xx"}, "layout must be one of"),
+        ({"m": 8, "n": 8, "k": 5, "dtype": "bf16", "align": 16}, "align=16 is impossible"),
+    ],
+)
+def test_invalid_gemm_problems_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GemmKey(**fields)
+
+
+def test_mismatched_tensors_are_rejected_clearly():
+    with pytest.raises(ValueError, match="k mismatch"):
+        GemmKey.from_tensors(torch.randn(4, 5), torch.randn(6, 7))
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        GemmKey.from_tensors(torch.randn(4, 5), torch.randn(5, 7, dtype=torch.float16))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        GemmKey.from_tensors(
+            torch.ones(4, 5, dtype=torch.int32), torch.ones(5, 7, dtype=torch.int32)
+        )
+
+
+def test_kv_heads_must_divide_q_heads():
+    with pytest.raises(ValueError, match=r"kv_heads \(5\) must divide q_heads \(32\)"):
+        SdpaKey(batch=1, q_heads=32, kv_heads=5, q_len=1, kv_len=1, head_dim=64)
+    with pytest.raises(ValueError, match="causal must be one of"):
+        SdpaKey(batch=1, q_heads=4, kv_heads=4, q_len=1, kv_len=1, head_dim=64, causal="yes")
+
+
+def test_parse_and_dict_errors_name_the_problem():
+    with pytest.raises(ValueError, match="key must start with one of"):
+        parse_key("conv:m=1")
+    with pytest.raises(ValueError, match="unknown field 'q'"):
+        parse_key("gemm:m=1,n=1,k=1,q=3")
+    with pytest.raises(ValueError, match="m must be an integer"):
+        parse_key("gemm:m=one,n=1,k=1")
+    with pytest.raises(ValueError, match="incomplete gemm key"):
+        parse_key("gemm:m=1")
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['heads'\]"):
+        key_from_dict("sdpa", {"heads": 3})

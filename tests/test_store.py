@@ -1,0 +1,140 @@
+"""The SQLite store: round trips, export/import, and refusing files that are not ours."""
+
+import json
+import sqlite3
+
+import pytest
+
+from tuner.cache import Store, StoreError
+from tuner.cache.schema import SCHEMA_VERSION
+from tuner.results import Measurement, Winner
+
+KEY = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+
+
+def measurement(**kw) -> Measurement:
+    fields = dict(
+        device_class="cpu-test",
+        key=KEY,
+        source="torch",
+        params={},
+        status="ok",
+        is_baseline=True,
+        median_us=10.0,
+        p10_us=9.0,
+        p90_us=11.0,
+        reps=5,
+    )
+    return Measurement(**(fields | kw))
+
+
+def winner(**kw) -> Winner:
+    return Winner(
+        **(
+            dict(
+                device_class="cpu-test",
+                key=KEY,
+                source="triton_gemm",
+                params={"bm": 32},
+                median_us=5.0,
+                baseline_us=10.0,
+            )
+            | kw
+        )
+    )
+
+
+def test_save_run_and_read_back(tmp_path):
+    with Store(tmp_path / "c.db") as store:
+        rejected = measurement(
+            source="bad",
+            is_baseline=False,
+            status="rejected",
+            median_us=None,
+            error="relative error 1 > tolerance 0.01",
+        )
+        store.save_run([measurement(), rejected], winner())
+        w = store.winner("cpu-test", KEY)
+        assert w.params == {"bm": 32} and w.speedup == 2.0
+        assert [m.status for m in store.measurements("cpu-test", KEY)] == ["ok", "rejected"]
+        assert store.measurements()[1].error.startswith("relative error")
+        assert store.winners("other-class") == []
+
+
+def test_newer_run_replaces_the_winner(tmp_path):
+    with Store(tmp_path / "c.db") as store:
+        store.put_winners([winner()])
+        store.put_winners([winner(source="torch", params={}, median_us=10.0)])
+        assert [w.source for w in store.winners()] == ["torch"]
+
+
+def test_misses_are_counted(tmp_path):
+    with Store(tmp_path / "c.db") as store:
+        store.record_misses("cpu-test", [KEY])
+        store.record_misses("cpu-test", [KEY, KEY.replace("m=8", "m=9")])
+        counts = {m["key"]: m["count"] for m in store.misses("cpu-test")}
+        assert counts[KEY] == 2 and len(counts) == 2
+        store.clear_misses("cpu-test", [KEY])
+        assert len(store.misses()) == 1
+
+
+def test_export_import_is_idempotent(tmp_path):
+    with Store(tmp_path / "a.db") as a:
+        a.save_run([measurement()], winner())
+        data = json.loads(json.dumps(a.export()))
+    with Store(tmp_path / "b.db") as b:
+        assert b.import_(data)["measurements"] == 1
+        assert b.import_(data)["measurements"] == 0  # same uids: nothing added twice
+        assert b.winner("cpu-test", KEY).candidate == winner().candidate
+
+
+def test_import_rejects_foreign_json_and_keeps_the_store(tmp_path):
+    with Store(tmp_path / "a.db") as a:
+        a.put_winners([winner()])
+        with pytest.raises(StoreError, match="not a tuner export"):
+            a.import_({"rows": []})
+        with pytest.raises(StoreError, match="malformed export"):
+            a.import_({"format": "tuner-results", "winners": [{"key": "x"}]})
+        assert len(a.winners()) == 1
+
+
+def test_corrupt_file_is_refused_and_left_untouched(tmp_path):
+    path = tmp_path / "c.db"
+    path.write_bytes(b"this is not a database, it is a note\n" * 10)
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match="not a SQLite database"):
+        Store(path)
+    assert path.read_bytes() == before
+
+
+def test_foreign_sqlite_file_is_refused(tmp_path):
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    conn.execute("create table customers (id integer)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreError, match="another application"):
+        Store(path)
+
+
+def test_newer_schema_is_refused(tmp_path):
+    path = tmp_path / "c.db"
+    Store(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute(
+        "update meta set value = ? where name = 'schema_version'", (str(SCHEMA_VERSION + 1),)
+    )
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreError, match="newer than this tuner"):
+        Store(path)
+
+
+def test_default_path_follows_env(tmp_path, monkeypatch):
+    from tuner.cache import default_path
+
+    monkeypatch.setenv("TUNER_CACHE", str(tmp_path / "x.db"))
+    assert default_path() == tmp_path / "x.db"
+    monkeypatch.delenv("TUNER_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_path() == tmp_path / "xdg" / "tuner" / "tuner.db"
