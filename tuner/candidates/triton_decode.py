@@ -1,0 +1,269 @@
+"""Triton split-KV attention for decoding (flash-decoding), written in this project.
+
+For q_len <= 16 against a long KV cache the work is reading K and V once; everything else is
+small. Pass 1 splits each (batch, kv head)'s keys into ``splits`` chunks; one program takes one
+chunk and *all* q heads of that kv head's group (``group * q_len`` query rows in one tile), so
+K and V are read once per group, not once per q head: that is what makes grouped-query decode
+bandwidth-efficient. It writes an unnormalised partial output with its row max and row sum
+(fp32). Pass 2 merges the partials of each query row. With ``splits == 1`` pass 1 writes the final
+output itself and pass 2 is skipped.
+
+Masks as in triton_attention (torch's conventions): causal ``top_left`` (key ``j`` visible to
+query ``i`` iff ``j <= i``) and ``bottom_right`` (``j <= i + kv_len - q_len``); rows that see no key
+are written as 0. Any kv length, head dims up to 256, any strides, fp16/bf16/fp32.
+
+Params: {"bn", "splits", "warps", "stages"}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from tuner.candidates.base import Params, Runner, Source, interpreting
+from tuner.candidates.triton_attention import (
+    LOG2E,
+    causal_offset,
+    dot_precision,
+    head_dim_problem,
+    interpreter_problem,
+    output_for,
+    padded_head_dim,
+    strides4,
+)
+from tuner.keys import SdpaKey
+
+MAX_Q_LEN = 16
+MAX_ROWS = 128  # group * q_len rows share one tile
+SPLIT_BLOCK = 16  # partials merged per step in pass 2
+
+
+@triton.jit
+def _decode_split(
+    Q, K, V, Out, PO, PML, qk_scale, kv_len, kv_heads, chunk, causal_offset,
+    s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
+    s_vb, s_vh, s_vn, s_vd, s_ob, s_oh, s_om, s_od,
+    Q_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SINGLE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    split = tl.program_id(0)
+    bkv = tl.program_id(1)
+    num_splits = tl.num_programs(0)
+    b = bkv // kv_heads
+    kvh = bkv % kv_heads
+
+    rows = tl.arange(0, BLOCK_H)  # row r: q head kvh * GROUP + r // Q_LEN, query position r % Q_LEN
+    row_ok = rows < GROUP * Q_LEN
+    head = kvh * GROUP + rows // Q_LEN
+    pos = rows % Q_LEN
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    q = tl.load(
+        Q + b.to(tl.int64) * s_qb + head[:, None].to(tl.int64) * s_qh + pos[:, None] * s_qm
+        + offs_d[None, :] * s_qd,
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # fmt: skip
+    k_base = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_d[None, :] * s_kd
+    v_base = V + b.to(tl.int64) * s_vb + kvh.to(tl.int64) * s_vh + offs_d[None, :] * s_vd
+
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+    if CAUSAL:  # nothing past the last row's diagonal
+        hi = tl.minimum(hi, Q_LEN + causal_offset)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < hi
+        kv_mask = col_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + cols[:, None] * s_kn, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * s_vn, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        ok = col_ok[None, :]
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= pos[:, None] + causal_offset)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    if SINGLE:
+        seen = l_i > 0.0
+        out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+        o_ptrs = (
+            Out + b.to(tl.int64) * s_ob + head[:, None].to(tl.int64) * s_oh + pos[:, None] * s_om
+            + offs_d[None, :] * s_od
+        )  # fmt: skip
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # partials: PO[bkv, split, row, d] and PML[bkv, split, 0|1, row] (max, sum), fp32
+        part = bkv.to(tl.int64) * num_splits + split
+        rows_n: tl.constexpr = GROUP * Q_LEN
+        po = PO + part * (rows_n * HEAD_DIM) + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(po, acc, mask=row_ok[:, None] & d_ok[None, :])
+        pml = PML + part * (2 * rows_n) + rows
+        tl.store(pml, m_i, mask=row_ok)
+        tl.store(pml + rows_n, l_i, mask=row_ok)
+
+
+@triton.jit
+def _decode_merge(
+    PO, PML, Out, num_splits, kv_heads, s_ob, s_oh, s_om, s_od,
+    Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    bkv = tl.program_id(1)
+    b = bkv // kv_heads
+    head = (bkv % kv_heads) * GROUP + row // Q_LEN
+    pos = row % Q_LEN
+    rows_n: tl.constexpr = GROUP * Q_LEN
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    m_run = tl.full([1], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    first = bkv.to(tl.int64) * num_splits
+    for s0 in range(0, num_splits, BLOCK_S):
+        sp = s0 + offs_s
+        s_ok = sp < num_splits
+        pml = PML + (first + sp) * (2 * rows_n) + row
+        m_s = tl.load(pml, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(pml + rows_n, mask=s_ok, other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_run - m_safe)
+        w = tl.math.exp2(m_s - m_safe)
+        o_s = tl.load(
+            PO + (first + sp)[:, None] * (rows_n * HEAD_DIM) + row * HEAD_DIM + offs_d[None, :],
+            mask=s_ok[:, None] & d_ok[None, :], other=0.0,
+        )  # fmt: skip
+        acc = acc * alpha + tl.sum(w[:, None] * o_s, 0)
+        l_run = l_run * alpha + tl.sum(w * l_s, 0)
+        m_run = m_new
+    seen = l_run > 0.0
+    out = tl.where(seen, acc / tl.where(seen, l_run, 1.0), 0.0)
+    o_ptrs = Out + b.to(tl.int64) * s_ob + head.to(tl.int64) * s_oh + pos * s_om + offs_d * s_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+# --- host side ---------------------------------------------------------------------------------
+
+
+def rows_per_tile(key: SdpaKey) -> int:
+    return (key.q_heads // key.kv_heads) * key.q_len
+
+
+def block_rows(key: SdpaKey) -> int:
+    return max(16, triton.next_power_of_2(rows_per_tile(key)))
+
+
+def chunk_for(key: SdpaKey, bn: int, splits: int) -> int:
+    """Keys per split, a multiple of the tile width."""
+    per = triton.cdiv(key.kv_len, max(1, splits))
+    return triton.cdiv(per, bn) * bn
+
+
+def split_choices(key: SdpaKey, bn: int, sm_count: int) -> list[int]:
+    """Splits giving about 2 and 4 programs per SM in total (1 when batch x kv heads fills it)."""
+    tiles = triton.cdiv(key.kv_len, bn)
+    out = []
+    for waves in (2, 4):
+        want = triton.cdiv(waves * sm_count, key.batch * key.kv_heads)
+        splits = max(1, min(want, tiles))
+        splits = triton.cdiv(key.kv_len, chunk_for(key, bn, splits))  # no empty splits
+        if splits not in out:
+            out.append(splits)
+    return out
+
+
+class TritonDecode(Source):
+    name = "triton_decode"
+    op = "sdpa"
+
+    def unavailable(self, device: str) -> str | None:
+        if device == "cpu" and not interpreting():
+            return "no GPU (set TRITON_INTERPRET=1 to run Triton kernels on the CPU, slowly)"
+        return None
+
+    def unsupported(self, key: SdpaKey) -> str | None:
+        if key.q_len > MAX_Q_LEN:
+            return f"q_len {key.q_len} > {MAX_Q_LEN}: a prefill shape (triton_attention takes it)"
+        if rows_per_tile(key) > MAX_ROWS:
+            return f"(q_heads / kv_heads) x q_len = {rows_per_tile(key)} > {MAX_ROWS} rows per tile"
+        return head_dim_problem(key) or interpreter_problem(key)
+
+    def candidates(self, key: SdpaKey, device: str) -> list[Params]:
+        if device == "cpu":  # interpreter: small tiles, and at least two splits when possible
+            return [
+                {"bn": 16, "splits": min(3, triton.cdiv(key.kv_len, 16)), "warps": 4, "stages": 1}
+            ]
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        warps = 8 if block_rows(key) >= 128 else 4
+        big_d = padded_head_dim(key) > 128
+        out = []
+        for bn in (32, 64) if big_d else (64, 128):
+            for splits in split_choices(key, bn, sms):
+                out.append({"bn": bn, "splits": splits, "warps": warps, "stages": 3})
+        return out
+
+    def build(self, key: SdpaKey, params: Params) -> Runner:
+        if reason := self.unsupported(key):
+            raise ValueError(reason)
+        bn, warps, stages = int(params["bn"]), int(params["warps"]), int(params["stages"])
+        if bn < 16 or bn & (bn - 1):
+            raise ValueError(f"bn must be a power of two >= 16, got {bn}")
+        splits_wanted = int(params["splits"])
+        if splits_wanted < 1:
+            raise ValueError(f"splits must be >= 1, got {splits_wanted}")
+        chunk = chunk_for(key, bn, splits_wanted)
+        splits = triton.cdiv(key.kv_len, chunk)
+        rows = rows_per_tile(key)
+        group = key.q_heads // key.kv_heads
+        n_kv = key.batch * key.kv_heads
+        d = padded_head_dim(key)
+        consts: dict[str, Any] = {
+            "Q_LEN": key.q_len, "GROUP": group, "BLOCK_H": block_rows(key), "HEAD_DIM": key.head_dim,
+            "BLOCK_D": d, "BLOCK_N": bn, "CAUSAL": key.causal != "none", "SINGLE": splits == 1,
+            "PRECISION": dot_precision(key), "num_warps": warps, "num_stages": stages,
+        }  # fmt: skip
+        merge_consts: dict[str, Any] = {
+            "Q_LEN": key.q_len, "GROUP": group, "HEAD_DIM": key.head_dim, "BLOCK_D": d,
+            "BLOCK_S": SPLIT_BLOCK, "num_warps": 4 if d >= 256 else 2, "num_stages": 1,
+        }  # fmt: skip
+        scalars = (key.scale * LOG2E, key.kv_len, key.kv_heads, chunk, causal_offset(key))
+        part_shape = (n_kv * splits * rows * key.head_dim,)
+        ml_shape = (n_kv * splits * 2 * rows,)
+
+        def run(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            o = output_for(key, q) if out is None else out
+            so = strides4(o)
+            if splits == 1:
+                po = pml = o  # unused: the kernel writes o directly
+            else:
+                po = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+                pml = torch.empty(ml_shape, dtype=torch.float32, device=q.device)
+            _decode_split[(splits, n_kv)](
+                q, k, v, o, po, pml, *scalars, *strides4(q), *strides4(k), *strides4(v), *so,
+                **consts,
+            )  # fmt: skip
+            if splits > 1:
+                _decode_merge[(rows, n_kv)](po, pml, o, splits, key.kv_heads, *so, **merge_consts)
+            return o
+
+        return run
