@@ -85,6 +85,10 @@ class Dispatcher:
     # --- hot path ------------------------------------------------------------------------------
 
     def matmul(self, a: Any, b: Any, out: Any = None) -> Any:
+        return self.gemm_runner(a, b)(a, b, out=out)
+
+    def gemm_runner(self, a: Any, b: Any) -> Runner:
+        """The runner that ``matmul(a, b)`` calls: hoist it out of a loop to skip even the lookup."""
         sig = (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device,
                a.data_ptr() % 16, b.data_ptr() % 16, torch.backends.cuda.matmul.allow_tf32,
                (a.requires_grad or b.requires_grad) and torch.is_grad_enabled())  # fmt: skip
@@ -93,7 +97,7 @@ class Dispatcher:
             runner = self._resolve(
                 sig, lambda: GemmKey.from_tensors(a, b), a.device, _torch_matmul, grad=sig[-1]
             )
-        return runner(a, b, out=out)
+        return runner
 
     def sdpa(
         self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
