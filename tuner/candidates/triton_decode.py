@@ -26,6 +26,7 @@ import triton.language as tl
 from tuner.candidates.base import Params, Runner, Source, interpreting
 from tuner.candidates.triton_attention import (
     LOG2E,
+    Launch,
     causal_offset,
     dot_precision,
     head_dim_problem,
@@ -43,7 +44,7 @@ SPLIT_BLOCK = 16  # partials merged per step in pass 2
 
 @triton.jit
 def _decode_split(
-    Q, K, V, Out, PO, PML, qk_scale, kv_len, kv_heads, chunk, causal_offset,
+    Q, K, V, Out, PO, ml_offset, qk_scale, kv_len, kv_heads, chunk, causal_offset,
     s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd, s_ob, s_oh, s_om, s_od,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -53,6 +54,7 @@ def _decode_split(
     split = tl.program_id(0)
     bkv = tl.program_id(1)
     num_splits = tl.num_programs(0)
+    PML = PO + ml_offset
     b = bkv // kv_heads
     kvh = bkv % kv_heads
 
@@ -107,7 +109,7 @@ def _decode_split(
         )  # fmt: skip
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        # partials: PO[bkv, split, row, d] and PML[bkv, split, 0|1, row] (max, sum), fp32
+        # one fp32 scratch: PO[bkv, split, row, d], then at ml_offset PML[bkv, split, 0|1, row]
         part = bkv.to(tl.int64) * num_splits + split
         rows_n: tl.constexpr = GROUP * Q_LEN
         po = PO + part * (rows_n * HEAD_DIM) + rows[:, None] * HEAD_DIM + offs_d[None, :]
@@ -119,12 +121,13 @@ def _decode_split(
 
 @triton.jit
 def _decode_merge(
-    PO, PML, Out, num_splits, kv_heads, s_ob, s_oh, s_om, s_od,
+    PO, ml_offset, Out, num_splits, kv_heads, s_ob, s_oh, s_om, s_od,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     bkv = tl.program_id(1)
+    PML = PO + ml_offset
     b = bkv // kv_heads
     head = (bkv % kv_heads) * GROUP + row // Q_LEN
     pos = row % Q_LEN
@@ -245,25 +248,24 @@ class TritonDecode(Source):
             "BLOCK_S": SPLIT_BLOCK, "num_warps": 4 if d >= 256 else 2, "num_stages": 1,
         }  # fmt: skip
         scalars = (key.scale * LOG2E, key.kv_len, key.kv_heads, chunk, causal_offset(key))
-        part_shape = (n_kv * splits * rows * key.head_dim,)
-        ml_shape = (n_kv * splits * 2 * rows,)
+        ml_offset = n_kv * splits * rows * key.head_dim
+        scratch = ml_offset + n_kv * splits * 2 * rows
+        split_launch = Launch(_decode_split, (splits, n_kv), consts)
+        merge_launch = Launch(_decode_merge, (rows, n_kv), merge_consts)
 
         def run(
             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
         ) -> torch.Tensor:
             o = output_for(key, q) if out is None else out
             so = strides4(o)
-            if splits == 1:
-                po = pml = o  # unused: the kernel writes o directly
-            else:
-                po = torch.empty(part_shape, dtype=torch.float32, device=q.device)
-                pml = torch.empty(ml_shape, dtype=torch.float32, device=q.device)
-            _decode_split[(splits, n_kv)](
-                q, k, v, o, po, pml, *scalars, *strides4(q), *strides4(k), *strides4(v), *so,
-                **consts,
-            )  # fmt: skip
+            # splits == 1: the kernel writes o directly and never touches the scratch
+            part = o if splits == 1 else torch.empty(scratch, dtype=torch.float32, device=q.device)
+            strides = (*strides4(q), *strides4(k), *strides4(v), *so)
+            split_launch(
+                (q, k, v, o, part, ml_offset, *scalars, *strides), (q, k, v, o, part), strides
+            )
             if splits > 1:
-                _decode_merge[(rows, n_kv)](po, pml, o, splits, key.kv_heads, *so, **merge_consts)
+                merge_launch((part, ml_offset, o, splits, key.kv_heads, *so), (part, o), so)
             return o
 
         return run
