@@ -68,6 +68,19 @@ def sdpa_mask(key: SdpaKey, device: Any) -> tuple[Any, bool]:
     return None, False
 
 
+# The math backend materialises the score matrix (and, for GQA, K and V expanded to every q
+# head); past this size it is seconds slower than any fused kernel and can run out of memory.
+MATH_MAX_BYTES = 2**30
+
+
+def math_bytes(key: SdpaKey) -> int:
+    """What torch's math SDPA allocates beyond its inputs, roughly: fp32 scores (and probabilities),
+    plus the expanded K/V under GQA."""
+    scores = 2 * key.batch * key.q_heads * key.q_len * key.kv_len * 4
+    expanded = key.kv_bytes * (key.q_heads // key.kv_heads) if key.q_heads != key.kv_heads else 0
+    return scores + expanded
+
+
 class TorchSdpa(Source):
     """torch's SDPA; params {"backend": "default" | "flash" | "efficient" | "cudnn" | "math"}."""
 
@@ -78,7 +91,8 @@ class TorchSdpa(Source):
     def candidates(self, key: SdpaKey, device: str) -> list[Params]:
         if device != "cuda":
             return [{"backend": "default"}]
-        return [{"backend": "default"}] + [{"backend": b} for b in SDPA_BACKENDS]
+        backends = [b for b in SDPA_BACKENDS if b != "math" or math_bytes(key) <= MATH_MAX_BYTES]
+        return [{"backend": "default"}] + [{"backend": b} for b in backends]
 
     def build(self, key: SdpaKey, params: Params) -> Runner:
         backend = params.get("backend", "default")
