@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on servers or CI
 import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
 
 def geomean(xs: Sequence[float]) -> float:
@@ -47,10 +48,11 @@ def speedup_plot(
     ax.set_title(
         f"{title}\ngeomean {geomean(speedups):.3f}x, min {min(speedups, default=float('nan')):.3f}x, max {max(speedups, default=float('nan')):.3f}x"
     )
-    for name in names:
-        ax.barh([], [], color=palette(names.index(name) % 10), label=name)
-    if names or floor is not None:
-        ax.legend(loc="lower right", fontsize=8)
+    handles, _ = ax.get_legend_handles_labels()
+    # an empty barh() has no patch to take a colour from: legend entries need explicit patches
+    handles += [Patch(color=palette(i % 10), label=name) for i, name in enumerate(names)]
+    if handles:
+        ax.legend(handles=handles, loc="lower right", fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
