@@ -2,56 +2,15 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
-import torch
+from planted import PlantedGemm
 
 from tuner.candidates import registry
-from tuner.candidates.base import Source
 from tuner.engine import TuneOptions, choose, tune
 from tuner.keys import GemmKey, SdpaKey
 from tuner.results import Measurement
 
 KEY = GemmKey(m=48, n=40, k=72, dtype="f32", out_dtype="f32")
-
-
-class PlantedGemm(Source):
-    """A test-only source whose candidates are wrong in known ways."""
-
-    name = "planted"
-    op = "gemm"
-
-    def candidates(self, key, device):
-        return [
-            {"bug": "drops_last_k"},
-            {"bug": "nan"},
-            {"bug": "build_error"},
-            {"bug": "raises"},
-            {"bug": "slow"},
-        ]
-
-    def build(self, key, params):
-        bug = params["bug"]
-        if bug == "build_error":
-            raise RuntimeError("static_assert failed: tile too large")
-
-        def run(a, b, out=None):
-            if bug == "drops_last_k":
-                c = a[..., :-1] @ b[..., :-1, :]
-            elif bug == "nan":
-                c = torch.full((a.shape[-2], b.shape[-1]), float("nan"), dtype=a.dtype)
-            elif bug == "raises":
-                raise RuntimeError("illegal memory access")
-            else:
-                time.sleep(0.02)
-                c = a @ b
-            if out is not None:
-                out.copy_(c)
-                return out
-            return c
-
-        return run
 
 
 @pytest.fixture

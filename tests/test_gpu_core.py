@@ -1,0 +1,66 @@
+"""On the GPU: tune bf16 and fp32 (TF32 off and on) GEMMs with torch and Triton, then dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from planted import PlantedGemm
+
+from tuner.cache import Store
+from tuner.candidates import registry
+from tuner.dispatch import Dispatcher
+from tuner.engine import TuneOptions, tune
+from tuner.keys import GemmKey
+
+pytestmark = pytest.mark.gpu
+
+CASES = [
+    ("bf16", False, (256, 512, 1024)),
+    ("bf16", False, (1, 4096, 4096)),
+    ("f32", False, (512, 512, 512)),
+    ("f32", True, (512, 512, 512)),
+]
+
+
+@pytest.mark.parametrize(("dtype", "tf32", "mnk"), CASES)
+def test_tune_store_dispatch(tmp_path, dtype, tf32, mnk):
+    m, n, k = mnk
+    key = GemmKey(m=m, n=n, k=k, dtype=dtype, out_dtype=dtype, compute="tf32" if tf32 else "f32")
+    outcome = tune(
+        key, options=TuneOptions(budget_s=0.02, sources=["triton_gemm"], max_candidates=8)
+    )
+    triton = [x for x in outcome.measurements if x.source == "triton_gemm"]
+    assert triton and any(x.status in ("ok", "cut") for x in triton), [x.error for x in triton]
+    assert outcome.winner.speedup >= 1.0
+    store = Store(tmp_path / "c.db")
+    store.save_run(outcome.measurements, outcome.winner)
+
+    d = Dispatcher(tmp_path / "c.db", mode="lookup")
+    dt = {"bf16": torch.bfloat16, "f32": torch.float32}[dtype]
+    a = torch.randn(m, k, device="cuda", dtype=dt)
+    b = torch.randn(k, n, device="cuda", dtype=dt)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        c = d.matmul(a, b)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    ref = a.double() @ b.double()
+    assert ((c.double() - ref).norm() / ref.norm()).item() < {
+        "bf16": 2e-2,
+        "f32": 5e-3 if tf32 else 1e-4,
+    }[dtype]
+    assert d.choices[str(key)] == outcome.winner.candidate
+
+
+def test_numerics_check_rejects_a_wrong_candidate_on_the_gpu():
+    registry.register(PlantedGemm())
+    try:
+        outcome = tune(
+            GemmKey(m=128, n=256, k=512), options=TuneOptions(budget_s=0.02, sources=["planted"])
+        )
+    finally:
+        registry.unregister("planted")
+    got = {x.params.get("bug"): x for x in outcome.measurements if x.source == "planted"}
+    assert got["drops_last_k"].status == "rejected"
+    assert got["nan"].status == "rejected"
+    assert outcome.winner.source != "planted"
