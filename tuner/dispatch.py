@@ -21,12 +21,14 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from tuner.buckets import DEFAULT_POLICY, BucketIndex, check_policy, transfer_problem
 from tuner.cache import Store, StoreError, default_path
 from tuner.candidates import registry
 from tuner.candidates.base import Runner
@@ -68,6 +70,42 @@ def _check_mode(mode: str) -> str:
     return mode
 
 
+RESOLUTION_KINDS = {
+    "hit": "the key's own winner",
+    "bucketed": "a tuned neighbour's winner (same problem but M), rebuilt for this key",
+    "miss": "no winner: torch's default",
+    "capture": "first seen during CUDA-graph capture: torch's default, not cached",
+    "default": "torch's default by policy: mode off, autograd, or not the tuned device",
+    "untunable": "outside what the tuner keys (broadcasting, odd strides, ...): torch",
+}
+
+
+@dataclass
+class Resolution:
+    """How the dispatcher serves one problem (``RESOLUTION_KINDS``); ``calls`` counts while
+    ``Dispatcher.counting`` is on. ``via``: the neighbour key a bucketed call borrows params from."""
+
+    key: str
+    kind: str
+    candidate: str
+    winner: Winner | None = None
+    via: str | None = None
+    calls: int = 0
+
+    @property
+    def saved_us(self) -> float:
+        """Estimated time saved per call: the winner's baseline_us - median_us, as tuned."""
+        return self.winner.baseline_us - self.winner.median_us if self.winner else 0.0
+
+
+def _counted(runner: Runner, res: Resolution) -> Runner:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        res.calls += 1
+        return runner(*args, **kwargs)
+
+    return run
+
+
 class Dispatcher:
     """Maps call signatures to runners. One per process is the norm (see ``get_dispatcher``)."""
 
@@ -78,6 +116,10 @@ class Dispatcher:
         self._winners: dict[str, dict[str, Winner]] = {}  # device class -> key -> winner
         self._recorded: set[tuple[str, str]] = set()
         self.choices: dict[str, str] = {}  # key -> candidate serving it, for diagnostics
+        self.buckets = check_policy(os.environ.get("TUNER_BUCKETS") or DEFAULT_POLICY)
+        self._bucket_index: dict[str, BucketIndex] = {}  # device class -> tuned Ms per family
+        self.resolutions: dict[tuple, Resolution] = {}  # (key, kind, candidate, via) -> record
+        self.counting = False  # count calls per resolution (set_counting)
         self._lock = threading.RLock()
         self._store: Store | None = None
         self._store_failed = False
@@ -133,37 +175,87 @@ class Dispatcher:
                 ValueError
             ) as e:  # outside what the tuner handles: torch decides (and errs) itself
                 log.debug("not tunable, using torch: %s", e)
-                runner = fallback
+                runner, res = fallback, Resolution(f"untunable: {e}", "untunable", "torch")
             else:
-                runner, self.choices[str(key)] = self._runner_for(key, device.type, grad=grad)
-            self._hot[sig] = runner
+                runner, res = self._build(key, self._choose(key, device.type, grad=grad))
+                self.choices[str(key)] = res.candidate
+            res = self.resolutions.setdefault((res.key, res.kind, res.candidate, res.via), res)
+            if self.counting:
+                runner = _counted(runner, res)
+            if res.kind != "capture":  # resolved again after the capture, with tuning allowed
+                self._hot[sig] = runner
             return runner
 
     def _runner_for(self, key: Key, device: str, *, grad: bool) -> tuple[Runner, str]:
         """The runner for ``key`` and the name of the candidate it is."""
+        runner, res = self._build(key, self._choose(key, device, grad=grad))
+        return runner, res.candidate
+
+    def _choose(self, key: Key, device: str, *, grad: bool) -> Resolution:
+        """What serves ``key``: its winner, a bucket neighbour's winner, or torch's default.
+
+        During CUDA-graph capture nothing is tuned and no kernel but the default is built
+        (loading a kernel module would invalidate the capture); the miss is still recorded.
+        """
         base = registry.baseline(key.op)
-        baseline = base.build(key, base.baseline_params), base.name
         if self.mode == "off" or grad or (device == "cuda") != torch.cuda.is_available():
-            return baseline
+            return Resolution(str(key), "default", base.name)
         dc = fingerprint(device).device_class
-        winner = self._known(dc).get(str(key))
+        capturing = _capturing(device)
+        winner, kind, via = self._known(dc).get(str(key)), "hit", None
         if winner is None:
-            if self.mode == "tune" and not _capturing(device):
+            if self.mode == "tune" and not capturing:
                 winner = self._tune(key, device)
             elif self.mode in ("record", "tune"):
                 self._record_miss(dc, key)
-        if winner is None or (base.is_baseline(winner.params) and winner.source == base.name):
-            return baseline
+        if winner is None and isinstance(key, GemmKey):
+            winner = self._bucketed(dc, key)
+            kind, via = "bucketed", winner.key if winner else None
+        if winner is None:
+            return Resolution(str(key), "capture" if capturing else "miss", base.name)
+        if winner.source == base.name and base.is_baseline(winner.params):
+            return Resolution(str(key), kind, base.name, winner, via)
+        if capturing:
+            return Resolution(str(key), "capture", base.name)
+        return Resolution(str(key), kind, winner.candidate, winner, via)
+
+    def _build(self, key: Key, res: Resolution) -> tuple[Runner, Resolution]:
+        """The runner of a resolution, built for ``key`` itself (also for a bucketed winner)."""
+        base = registry.baseline(key.op)
+        w = res.winner
+        if w is None or res.candidate == base.name:
+            return base.build(key, base.baseline_params), res
         try:
-            return registry.get(winner.source).build(key, winner.params), winner.candidate
+            return registry.get(w.source).build(key, w.params), res
         except Exception as e:
             log.warning(
                 "stored winner %s for %s no longer builds (%s); using the baseline",
-                winner.candidate,
+                w.candidate,
                 key,
                 e,
             )
-            return baseline
+            return base.build(key, base.baseline_params), Resolution(str(key), "miss", base.name)
+
+    def _bucketed(self, device_class: str, key: GemmKey) -> Winner | None:
+        """The winner of a tuned neighbour that may serve ``key`` under the bucket policy."""
+        if self.buckets == "exact":
+            return None
+        known = self._known(device_class)
+        index = self._bucket_index.get(device_class)
+        if index is None:
+            index = self._bucket_index[device_class] = BucketIndex.from_key_strings(known)
+        near = index.neighbour(key, self.buckets)
+        winner = known.get(str(near)) if near is not None else None
+        if winner is None:
+            return None
+        try:
+            problem = transfer_problem(registry.get(winner.source), key, winner.params)
+        except KeyError as e:
+            problem = str(e)
+        if problem:
+            log.debug("bucket neighbour %s cannot serve %s: %s", near, key, problem)
+            return None
+        return winner
 
     def _open_store(self) -> Store | None:
         if self._store is None and not self._store_failed:
@@ -206,6 +298,7 @@ class Dispatcher:
         self._winners.setdefault(outcome.winner.device_class, {})[outcome.winner.key] = (
             outcome.winner
         )
+        self._bucket_index.pop(outcome.winner.device_class, None)
         return outcome.winner
 
     def set_mode(self, mode: str) -> None:
@@ -213,11 +306,25 @@ class Dispatcher:
             self.mode = _check_mode(mode)
             self._hot.clear()
 
+    def set_buckets(self, policy: str) -> None:
+        """Bucket policy for GEMMs with an untuned M: ``tuner.buckets.POLICIES``."""
+        with self._lock:
+            self.buckets = check_policy(policy)
+            self._hot.clear()
+
+    def set_counting(self, on: bool) -> None:
+        """Count calls per resolution (``self.resolutions``); one increment per call while on."""
+        with self._lock:
+            if on != self.counting:
+                self.counting = on
+                self._hot.clear()
+
     def reload(self) -> None:
         """Forget resolved runners and winners, e.g. after a sync brought new ones."""
         with self._lock:
             self._hot.clear()
             self._winners.clear()
+            self._bucket_index.clear()
 
 
 def _capturing(device: str) -> bool:
@@ -252,4 +359,13 @@ def sdpa(q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None
     return get_dispatcher().sdpa(q, k, v, causal=causal, scale=scale)
 
 
-__all__ = ["MODES", "Dispatcher", "get_dispatcher", "matmul", "sdpa", "set_mode"]
+__all__ = [
+    "MODES",
+    "RESOLUTION_KINDS",
+    "Dispatcher",
+    "Resolution",
+    "get_dispatcher",
+    "matmul",
+    "sdpa",
+    "set_mode",
+]
