@@ -165,9 +165,7 @@ class Launch:
         const_names = [n for n in names if n in consts]
         self.tail = tuple(consts[n] for n in const_names)
         self.n_args = len(names) - len(const_names)
-        self.enabled = (
-            not interpreting() and bool(names) and names[self.n_args :] == const_names
-        )
+        self.enabled = not interpreting() and bool(names) and names[self.n_args :] == const_names
         self.fast: dict[tuple, Any] = {}
         self.checked = False
 
@@ -232,6 +230,23 @@ def interpreter_problem(key: SdpaKey) -> str | None:
 def strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
     s = t.stride()
     return s[0], s[1], s[2], s[3]
+
+
+def contiguous_strides(*shape: int) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def qkvo_strides(key: SdpaKey) -> tuple[int, ...]:
+    """The strides of contiguous q, k, v and o, as the runners pass them."""
+    q = contiguous_strides(key.batch, key.q_heads, key.q_len, key.head_dim)
+    k = contiguous_strides(key.batch, key.kv_heads, key.kv_len, key.head_dim)
+    v = contiguous_strides(key.batch, key.kv_heads, key.kv_len, key.head_dim_v)
+    o = contiguous_strides(key.batch, key.q_heads, key.q_len, key.head_dim_v)
+    return (*q, *k, *v, *o)
 
 
 def output_for(key: SdpaKey, q: torch.Tensor) -> torch.Tensor:
@@ -305,7 +320,14 @@ class TritonAttention(Source):
                 out.append(p)
         return out
 
-    def build(self, key: SdpaKey, params: Params) -> Runner:
+    def warmup(self, key: SdpaKey, params: Params) -> None:
+        """Compile (or load from Triton's disk cache) this candidate's kernel for contiguous
+        inputs, without running it: lets a benchmark compile its candidates in parallel."""
+        grid, consts, scalars = self._plan(key, params)
+        dt = DTYPES[key.dtype]
+        _flash_fwd.warmup(dt, dt, dt, dt, *scalars, *qkvo_strides(key), grid=grid, **consts)
+
+    def _plan(self, key: SdpaKey, params: Params) -> tuple[tuple[int, int], dict[str, Any], tuple]:
         if reason := self.unsupported(key):
             raise ValueError(reason)
         bm, bn = int(params["bm"]), int(params["bn"])
@@ -321,7 +343,10 @@ class TritonAttention(Source):
             key.scale * LOG2E, key.q_len, key.kv_len, key.q_heads,
             key.q_heads // key.kv_heads, causal_offset(key),
         )  # fmt: skip
+        return grid, consts, scalars
 
+    def build(self, key: SdpaKey, params: Params) -> Runner:
+        grid, consts, scalars = self._plan(key, params)
         launch = Launch(_flash_fwd, grid, consts)
 
         def run(

@@ -17,6 +17,7 @@ Params: {"bn", "splits", "warps", "stages"}.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,9 +34,10 @@ from tuner.candidates.triton_attention import (
     interpreter_problem,
     output_for,
     padded_head_dim,
+    qkvo_strides,
     strides4,
 )
-from tuner.keys import SdpaKey
+from tuner.keys import DTYPES, SdpaKey
 
 MAX_Q_LEN = 16
 MAX_ROWS = 128  # group * q_len rows share one tile
@@ -223,35 +225,27 @@ class TritonDecode(Source):
                 out.append({"bn": bn, "splits": splits, "warps": warps, "stages": 3})
         return out
 
+    def warmup(self, key: SdpaKey, params: Params) -> None:
+        """Compile (or load from Triton's disk cache) this candidate's kernels for contiguous
+        inputs, without running them: lets a benchmark compile its candidates in parallel."""
+        p = plan(key, params)
+        dt = DTYPES[key.dtype]
+        strides = qkvo_strides(key)
+        part = dt if p.splits == 1 else torch.float32
+        _decode_split.warmup(
+            dt, dt, dt, dt, part, p.ml_offset, *p.scalars, *strides, grid=p.grid, **p.consts
+        )
+        if p.splits > 1:
+            _decode_merge.warmup(
+                torch.float32, p.ml_offset, dt, p.splits, key.kv_heads, *strides[12:],
+                grid=p.merge_grid, **p.merge_consts,
+            )  # fmt: skip
+
     def build(self, key: SdpaKey, params: Params) -> Runner:
-        if reason := self.unsupported(key):
-            raise ValueError(reason)
-        bn, warps, stages = int(params["bn"]), int(params["warps"]), int(params["stages"])
-        if bn < 16 or bn & (bn - 1):
-            raise ValueError(f"bn must be a power of two >= 16, got {bn}")
-        splits_wanted = int(params["splits"])
-        if splits_wanted < 1:
-            raise ValueError(f"splits must be >= 1, got {splits_wanted}")
-        chunk = chunk_for(key, bn, splits_wanted)
-        splits = triton.cdiv(key.kv_len, chunk)
-        rows = rows_per_tile(key)
-        group = key.q_heads // key.kv_heads
-        n_kv = key.batch * key.kv_heads
-        d = padded_head_dim(key)
-        consts: dict[str, Any] = {
-            "Q_LEN": key.q_len, "GROUP": group, "BLOCK_H": block_rows(key), "HEAD_DIM": key.head_dim,
-            "BLOCK_D": d, "BLOCK_N": bn, "CAUSAL": key.causal != "none", "SINGLE": splits == 1,
-            "PRECISION": dot_precision(key), "num_warps": warps, "num_stages": stages,
-        }  # fmt: skip
-        merge_consts: dict[str, Any] = {
-            "Q_LEN": key.q_len, "GROUP": group, "HEAD_DIM": key.head_dim, "BLOCK_D": d,
-            "BLOCK_S": SPLIT_BLOCK, "num_warps": 4 if d >= 256 else 2, "num_stages": 1,
-        }  # fmt: skip
-        scalars = (key.scale * LOG2E, key.kv_len, key.kv_heads, chunk, causal_offset(key))
-        ml_offset = n_kv * splits * rows * key.head_dim
-        scratch = ml_offset + n_kv * splits * 2 * rows
-        split_launch = Launch(_decode_split, (splits, n_kv), consts)
-        merge_launch = Launch(_decode_merge, (rows, n_kv), merge_consts)
+        p = plan(key, params)
+        split_launch = Launch(_decode_split, p.grid, p.consts)
+        merge_launch = Launch(_decode_merge, p.merge_grid, p.merge_consts)
+        splits, ml_offset, scalars = p.splits, p.ml_offset, p.scalars
 
         def run(
             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
@@ -259,7 +253,9 @@ class TritonDecode(Source):
             o = output_for(key, q) if out is None else out
             so = strides4(o)
             # splits == 1: the kernel writes o directly and never touches the scratch
-            part = o if splits == 1 else torch.empty(scratch, dtype=torch.float32, device=q.device)
+            part = (
+                o if splits == 1 else torch.empty(p.scratch, dtype=torch.float32, device=q.device)
+            )
             strides = (*strides4(q), *strides4(k), *strides4(v), *so)
             split_launch(
                 (q, k, v, o, part, ml_offset, *scalars, *strides), (q, k, v, o, part), strides
@@ -269,3 +265,50 @@ class TritonDecode(Source):
             return o
 
         return run
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a decode launch needs besides the tensors."""
+
+    splits: int
+    grid: tuple[int, int]
+    merge_grid: tuple[int, int]
+    consts: dict[str, Any]
+    merge_consts: dict[str, Any]
+    scalars: tuple
+    ml_offset: int  # where the (max, sum) partials start in the fp32 scratch
+    scratch: int  # fp32 elements of scratch (partial outputs, then maxima and sums)
+
+
+def plan(key: SdpaKey, params: Params) -> Plan:
+    if reason := TritonDecode().unsupported(key):
+        raise ValueError(reason)
+    bn, warps, stages = int(params["bn"]), int(params["warps"]), int(params["stages"])
+    if bn < 16 or bn & (bn - 1):
+        raise ValueError(f"bn must be a power of two >= 16, got {bn}")
+    splits_wanted = int(params["splits"])
+    if splits_wanted < 1:
+        raise ValueError(f"splits must be >= 1, got {splits_wanted}")
+    chunk = chunk_for(key, bn, splits_wanted)
+    splits = triton.cdiv(key.kv_len, chunk)
+    rows = rows_per_tile(key)
+    group = key.q_heads // key.kv_heads
+    n_kv = key.batch * key.kv_heads
+    d = padded_head_dim(key)
+    consts: dict[str, Any] = {
+        "Q_LEN": key.q_len, "GROUP": group, "BLOCK_H": block_rows(key), "HEAD_DIM": key.head_dim,
+        "BLOCK_D": d, "BLOCK_N": bn, "CAUSAL": key.causal != "none", "SINGLE": splits == 1,
+        "PRECISION": dot_precision(key), "num_warps": warps, "num_stages": stages,
+    }  # fmt: skip
+    merge_consts: dict[str, Any] = {
+        "Q_LEN": key.q_len, "GROUP": group, "HEAD_DIM": key.head_dim, "BLOCK_D": d,
+        "BLOCK_S": SPLIT_BLOCK, "num_warps": 4 if d >= 256 else 2, "num_stages": 1,
+    }  # fmt: skip
+    ml_offset = n_kv * splits * rows * key.head_dim
+    return Plan(
+        splits=splits, grid=(splits, n_kv), merge_grid=(rows, n_kv), consts=consts,
+        merge_consts=merge_consts,
+        scalars=(key.scale * LOG2E, key.kv_len, key.kv_heads, chunk, causal_offset(key)),
+        ml_offset=ml_offset, scratch=ml_offset + n_kv * splits * 2 * rows,
+    )  # fmt: skip
