@@ -29,6 +29,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from tuner import fleet_cli
 from tuner.cache import Store, StoreError, default_path
 from tuner.candidates import registry
 from tuner.candidates.base import Source
@@ -225,54 +226,136 @@ def tune_key(
     run_tune(parse_key(key), cache, budget, source)
 
 
+# --- tune-all / report / tunableop (bodies in tuner/tune_all_cmd.py, imported when run) ---------
+
+ModelsOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--model", help="Model config YAML (configs/models/*.yaml); repeatable.", exists=True,
+        dir_okay=False,
+    ),
+]  # fmt: skip
+ConfigsOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--config", "-c", help="YAML file with a 'problems:' list; repeatable.", exists=True,
+        dir_okay=False,
+    ),
+]  # fmt: skip
+TunableOpOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--tunableop", help="PyTorch TunableOp results or untuned-shapes CSV; repeatable.",
+        exists=True, dir_okay=False,
+    ),
+]  # fmt: skip
+MissesOpt = Annotated[
+    bool, typer.Option("--misses", help="The keys recorded as missed here (TUNER_MODE=record).")
+]
+OpOpt = Annotated[str | None, typer.Option("--op", help="Only 'gemm' or only 'sdpa' problems.")]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", help="Directory for report.json and speedup.png.", file_okay=False),
+]
+
+
+def _sources(model, config, tunableop_file, misses, op, queue=0):  # type: ignore[no-untyped-def]
+    from tuner.tune_all_cmd import Sources
+
+    if op not in (None, "gemm", "sdpa"):
+        raise ConfigError(f"--op must be 'gemm' or 'sdpa', got {op!r}")
+    return Sources(model or [], config or [], tunableop_file or [], misses, queue, op)
+
+
 @app.command("tune-all")
 def tune_all(
-    config: Annotated[
-        Path,
-        typer.Option(
-            "--config", "-c", help="YAML file with a 'problems:' list.", exists=True, dir_okay=False
-        ),
-    ],
+    model: ModelsOpt = None,
+    config: ConfigsOpt = None,
+    tunableop_file: TunableOpOpt = None,
+    misses: MissesOpt = False,
+    queue: Annotated[
+        int, typer.Option("--queue", min=0, help="Claim this many keys from the fleet's queue.")
+    ] = 0,
+    op: OpOpt = None,
     cache: CacheOpt = None,
     budget: BudgetOpt = 0.15,
     source: SourcesOpt = None,
+    problem_timeout: Annotated[
+        float, typer.Option(help="Seconds a problem may take before its worker is killed.")
+    ] = 900.0,
+    time_limit: Annotated[
+        float | None, typer.Option(help="Seconds for the whole run; no problem starts after.")
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Worker processes (default: one per local GPU).")
+    ] = None,
     force: Annotated[
         bool, typer.Option(help="Retune problems that already have a current winner.")
     ] = False,
+    out: OutOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be tuned.")] = False,
 ) -> None:
-    """Tune every problem of a config file; problems already tuned here are skipped (resumable)."""
-    keys = load_problems(config)
-    store = open_store(cache)
-    fp = fingerprint()
-    store.save_device(fp)
-    done = {w.key for w in store.winners(fp.device_class) if w.versions == fp.version_tag}
-    todo = [k for k in keys if force or str(k) not in done]
-    console.print(
-        f"{len(keys)} problems, {len(keys) - len(todo)} already tuned, {len(todo)} to tune"
-    )
-    failed = 0
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("tuning", total=len(todo))
-        for key in todo:
-            bar.update(task, description=str(key)[:70])
-            try:
-                outcome = tune(key, options=TuneOptions(budget_s=budget, sources=source))
-            except RuntimeError as e:
-                failed += 1
-                err_console.print(f"[red]failed[/red] {key}: {e}")
-            else:
-                store.save_run(outcome.measurements, outcome.winner)
-                w = outcome.winner
-                bar.console.print(f"{key}  ->  {w.candidate}  {w.speedup:.2f}x")
-            bar.advance(task)
-    console.print(f"done: {len(todo) - failed} tuned, {failed} failed")
+    """Tune the problems of models, problem lists, TunableOp files, recorded misses and the fleet
+    queue on every local GPU; resumable (tuned problems are skipped); report at the end.
+
+    Exit status 0 when every problem ends with a winner, 1 when some failed or were left."""
+    from tuner.tune_all import RunOptions
+    from tuner.tune_all_cmd import tune_all as run_tune_all
+
+    options = RunOptions(
+        budget_s=budget, sources=source, problem_timeout_s=problem_timeout,
+        time_limit_s=time_limit, workers=workers, force=force,
+    )  # fmt: skip
+    sources = _sources(model, config, tunableop_file, misses, op, queue)
+    path = cache or default_path()
+    raise typer.Exit(run_tune_all(sources, path, options, out=out, dry_run=dry_run, console=console))
+
+
+@app.command("report")
+def report_(
+    model: ModelsOpt = None,
+    config: ConfigsOpt = None,
+    tunableop_file: TunableOpOpt = None,
+    misses: MissesOpt = False,
+    op: OpOpt = None,
+    cache: CacheOpt = None,
+    out: OutOpt = None,
+    rows: Annotated[int | None, typer.Option(help="Table rows to print (all in JSON).")] = 60,
+) -> None:
+    """Report baseline, winner, speedup and tuning time per problem (default: every winner of
+    this device class; with sources, their problems), with a summary and a speedup plot."""
+    from tuner.tune_all_cmd import report_command
+
+    sources = _sources(model, config, tunableop_file, misses, op)
+    report_command(sources, cache or default_path(), out, console, rows)
+
+
+tunableop_app = typer.Typer(help="PyTorch TunableOp CSV files: show, export.", no_args_is_help=True)
+app.add_typer(tunableop_app, name="tunableop")
+
+
+@tunableop_app.command("show")
+def tunableop_show(
+    files: Annotated[list[Path], typer.Argument(help="TunableOp CSV files.", exists=True)],
+) -> None:
+    """The problem keys that TunableOp files name (tune them with tune-all --tunableop)."""
+    from tuner.tune_all_cmd import tunableop_show as show_files
+
+    show_files(files, console)
+
+
+@tunableop_app.command("export")
+def tunableop_export(
+    output: Annotated[Path, typer.Argument(help="CSV to write, e.g. tunableop_results0.csv.")],
+    cache: CacheOpt = None,
+    pt_version: Annotated[
+        str | None, typer.Option(help="PT_VERSION validator (default: this torch's).")
+    ] = None,
+) -> None:
+    """Write this device's winners that TunableOp can run (cuBLAS default, cuBLASLt algos)."""
+    from tuner.tune_all_cmd import tunableop_export as export_csv
+
+    export_csv(cache or default_path(), output, pt_version, console)
 
 
 # --- show / export / import --------------------------------------------------------------------
@@ -290,6 +373,9 @@ def show(
         bool,
         typer.Option("--all-devices", help="Winners of every device class, not only this one."),
     ] = False,
+    full_keys: Annotated[
+        bool, typer.Option("--full-keys", help="Print full key strings instead of short labels.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """List stored winners."""
@@ -305,7 +391,7 @@ def show(
     for w in winners:
         color = "green" if w.speedup > 1.0 else "white"
         t.add_row(
-            w.key,
+            w.key if full_keys else parse_key(w.key).label,
             w.candidate,
             f"{w.median_us:.2f}",
             f"{w.baseline_us:.2f}",
@@ -348,6 +434,9 @@ def import_(
     console.print(
         f"imported {counts['measurements']} new measurements, {counts['winners']} winners, {counts['devices']} devices"
     )
+
+
+fleet_cli.register(app)  # serve, token, sync, push
 
 
 def main() -> None:

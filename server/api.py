@@ -1,0 +1,232 @@
+"""The /v1 routes. Sync handlers run on FastAPI's thread pool, each thread on its own connection."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import AfterValidator
+
+from server import queue, results, tokens
+from server.auth import require
+from server.db import device_classes, known_device
+from server.models import (
+    DEVICE_CLASS_RE,
+    MAX_FEED_PAGE,
+    ClaimIn,
+    ClaimOut,
+    CompleteIn,
+    CompleteOut,
+    ConfirmOut,
+    FeedOut,
+    GroupIn,
+    LookupIn,
+    LookupOut,
+    MissEntry,
+    MissesIn,
+    MissesOut,
+    PendingEntry,
+    QueueEntry,
+    SubmitIn,
+    SubmitOut,
+    WinnerOut,
+    canonical_key,
+)
+from server.tokens import Token
+from tuner.cache import Store
+
+router = APIRouter(prefix="/v1")
+
+DeviceClassPath = Annotated[str, Path(pattern=DEVICE_CLASS_RE, description="e.g. cpu-x86_64-2c")]
+VersionsQuery = Annotated[
+    str | None, Query(max_length=2000, description="only winners measured under these versions")
+]
+KeyQuery = Annotated[
+    str,
+    Query(min_length=5, max_length=600, description="key string"),
+    AfterValidator(canonical_key),
+]
+DeviceClassQuery = Annotated[str | None, Query(pattern=DEVICE_CLASS_RE)]
+Limit = Annotated[int, Query(ge=1, le=10000)]
+Reader = Annotated[Token | None, Depends(require("read"))]
+Submitter = Annotated[Token, Depends(require("submit"))]
+Admin = Annotated[Token, Depends(require("admin"))]
+
+
+def _store(request: Request) -> Store:
+    return request.app.state.db.store()
+
+
+def _known(store: Store, device_class: str) -> None:
+    if not known_device(store, device_class):
+        known = device_classes(store)
+        raise HTTPException(
+            404,
+            f"unknown device class {device_class!r}: no host of that class has reported here"
+            + (f"; known: {known}" if known else ""),
+        )
+
+
+# --- reads -------------------------------------------------------------------------------------
+
+
+@router.get("/device-classes", response_model=list[str])
+def list_device_classes(request: Request, _: Reader) -> list[str]:
+    """Device classes this service has heard from, most recent first."""
+    return device_classes(_store(request), limit=10000)
+
+
+@router.get(
+    "/winners/{device_class}", response_model=WinnerOut, responses={404: {"description": "none"}}
+)
+def get_winner(
+    request: Request, device_class: DeviceClassPath, key: KeyQuery, _: Reader,
+    versions: VersionsQuery = None,
+) -> dict:  # fmt: skip
+    """The winner served for one key (without `versions`: the most recently served ones')."""
+    store = _store(request)
+    found = results.winner(store, device_class, key, versions)
+    if found is None:
+        _known(store, device_class)
+        raise HTTPException(404, f"no winner for {key!r} on {device_class!r}")
+    return found
+
+
+@router.post("/winners/{device_class}/lookup", response_model=LookupOut)
+def lookup(request: Request, device_class: DeviceClassPath, body: LookupIn, _: Reader) -> dict:
+    """Winners for a batch of keys; keys without one are listed in `missing`."""
+    store = _store(request)
+    _known(store, device_class)
+    found = results.lookup(store, device_class, body.versions, list(dict.fromkeys(body.keys)))
+    have = {w["key"] for w in found}
+    return {"winners": found, "missing": [k for k in body.keys if k not in have]}
+
+
+@router.get("/winners/{device_class}/feed", response_model=FeedOut)
+def feed(
+    request: Request, device_class: DeviceClassPath, _: Reader, versions: VersionsQuery = None,
+    since: Annotated[int, Query(ge=0, le=2**62, description="last `cursor` seen; 0: all")] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_FEED_PAGE)] = 5000,
+) -> JSONResponse:  # fmt: skip
+    """Served winners changed after sequence number `since`, oldest first (incremental sync)."""
+    store = _store(request)
+    _known(store, device_class)
+    rows, more = results.feed(store, device_class, versions, since, limit)
+    cursor = rows[-1]["seq"] if rows else since
+    body = {"device_class": device_class, "versions": versions, "since": since,
+            "cursor": cursor, "more": more, "winners": rows}  # fmt: skip
+    return JSONResponse(body)  # rows come from our own table: skip re-validating 20k models
+
+
+@router.get("/misses", response_model=list[MissEntry])
+def list_misses(
+    request: Request, _: Reader, device_class: DeviceClassQuery = None, limit: Limit = 100
+) -> list[dict]:
+    """Most-missed keys."""
+    return queue.miss_rows(_store(request), device_class, limit)
+
+
+@router.get("/queue", response_model=list[QueueEntry])
+def list_queue(
+    request: Request, _: Reader, device_class: DeviceClassQuery = None,
+    versions: VersionsQuery = None,
+    state: Annotated[str | None, Query(pattern="^(queued|leased|done|failed)$")] = None,
+    limit: Limit = 100,
+) -> list[dict]:  # fmt: skip
+    """The tuning queue, most-missed first."""
+    return queue.queue_rows(_store(request), device_class, versions, state, limit)
+
+
+@router.get("/pending", response_model=list[PendingEntry])
+def list_pending(
+    request: Request, _: Reader, device_class: DeviceClassQuery = None, limit: Limit = 100
+) -> list[dict]:
+    """Large winner changes held until a second submitter or an admin confirms them."""
+    return results.pending(_store(request), device_class, limit)
+
+
+# --- writes ------------------------------------------------------------------------------------
+
+
+def _ingest(request: Request, c, body: SubmitIn, token: Token) -> results.IngestOutcome:
+    state = request.app.state
+    out = results.ingest(
+        c, [m.to_measurement() for m in body.measurements], token.id,
+        admins=tokens.admin_ids(_store(request)), policy=state.policy,
+    )  # fmt: skip
+    m = state.metrics
+    m.measurements.labels("accepted").inc(out.accepted)
+    m.measurements.labels("duplicate").inc(out.duplicates)
+    m.winner_changes.inc(len(out.served))
+    m.pending.inc(len(out.pending))
+    return out
+
+
+@router.post("/measurements", response_model=SubmitOut)
+def submit(request: Request, body: SubmitIn, token: Submitter) -> dict:
+    """A batch of measurements (a tuning run's full results). Re-sending is harmless."""
+    store = _store(request)
+    store.save_device(body.device.fingerprint())
+    with store.transaction() as c:
+        return asdict(_ingest(request, c, body, token))
+
+
+@router.post("/misses", response_model=MissesOut)
+def report_misses(request: Request, body: MissesIn, _: Reader) -> dict:
+    """Keys a host met without a winner, with counts. Any valid token may report: a count
+    only steers the queue, it cannot change what is served."""
+    store = _store(request)
+    fp = body.device.fingerprint()
+    store.save_device(fp)
+    merged: dict[str, int] = {}
+    for miss in body.misses:
+        merged[miss.key] = merged.get(miss.key, 0) + miss.count
+    with store.transaction() as c:
+        queued = queue.record_misses(c, fp.device_class, body.versions, list(merged.items()))
+    request.app.state.metrics.misses.inc(sum(merged.values()))
+    return {"recorded": len(merged), "queued": queued}
+
+
+@router.post("/queue/claim", response_model=ClaimOut)
+def claim(request: Request, body: ClaimIn, token: Submitter) -> dict:
+    """Lease up to `max_keys` queued keys of the worker's device class and versions."""
+    state = request.app.state
+    with _store(request).transaction() as c:
+        lease = queue.claim(
+            c, body.device.fingerprint().device_class, body.versions, worker=body.worker,
+            submitter=token.id, max_keys=body.max_keys, lease_s=body.lease_s,
+            max_attempts=state.settings.max_attempts,
+        )  # fmt: skip
+    state.metrics.leases.labels("expired_keys").inc(lease.expired_returned)
+    if lease.lease_id:
+        state.metrics.leases.labels("claimed").inc()
+    return asdict(lease)
+
+
+@router.post("/queue/complete", response_model=CompleteOut)
+def complete(request: Request, body: CompleteIn, token: Submitter) -> dict:
+    """Results for a lease. Keys that got a served winner are done; the others are queued again."""
+    store = _store(request)
+    store.save_device(body.device.fingerprint())
+    try:
+        with store.transaction() as c:
+            queue.check_lease(c, body.lease_id, token.id)
+            out = _ingest(request, c, body, token)
+            rel = queue.release(c, body.lease_id, request.app.state.settings.max_attempts)
+    except queue.LeaseError as e:
+        raise HTTPException(e.status, str(e)) from None
+    request.app.state.metrics.leases.labels("completed").inc()
+    return asdict(out) | asdict(rel)
+
+
+@router.post("/pending/confirm", response_model=ConfirmOut)
+def confirm(request: Request, body: GroupIn, _: Admin) -> dict:
+    """Admin override: serve a pending change now."""
+    with _store(request).transaction() as c:
+        cand = results.confirm_pending(c, (body.device_class, body.versions, body.key))
+    if cand is None:
+        raise HTTPException(404, f"nothing pending for {body.key!r} on {body.device_class!r}")
+    request.app.state.metrics.winner_changes.inc()
+    return {"key": body.key, "candidate": cand}

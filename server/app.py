@@ -1,0 +1,119 @@
+"""The FastAPI application: ``create_app(Settings(db=...))``, served by ``tuner serve``.
+
+Besides the /v1 routes: ``/v1/health`` (the process answers), ``/v1/ready`` (the database
+answers at the expected schema), ``/metrics`` (Prometheus), ``/docs`` and ``/openapi.json``.
+User mistakes get 4xx with a one-line ``detail`` (422s also carry a readable ``message``);
+anything else is logged and answered 500 without internals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+import tuner
+from server import queue
+from server.api import router
+from server.config import Settings
+from server.db import FleetDB
+from server.limits import BodyLimitMiddleware, BodyTooLarge, too_large
+from server.metrics import Metrics, MetricsMiddleware
+from server.results import Policy
+from tuner.cache.schema import SCHEMA_VERSION
+
+log = logging.getLogger("tuner.server")
+
+
+def _summary(errors: list[dict]) -> str:
+    """'body.measurements.0.status: Input should be ...' for the first errors."""
+    parts = [
+        ".".join(str(p) for p in e.get("loc", ())) + ": " + str(e.get("msg", "")) for e in errors
+    ]
+    extra = f" (and {len(parts) - 3} more)" if len(parts) > 3 else ""
+    return "; ".join(parts[:3]) + extra
+
+
+def create_app(settings: Settings) -> FastAPI:
+    db = FleetDB(settings.db)
+    metrics = Metrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        db.close()
+
+    app = FastAPI(
+        title="tuner fleet service",
+        version=tuner.__version__,
+        description="Tuned GEMM/SDPA winners shared by every host of a GPU class.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.db = db
+    app.state.metrics = metrics
+    app.state.policy = Policy(settings.confirm_margin, settings.min_noise)
+
+    def scrape() -> Iterator[GaugeMetricFamily]:
+        store = db.store()
+        depth = GaugeMetricFamily("tuner_queue_keys", "tuning queue entries", labels=["state"])
+        for state, n in queue.queue_counts(store).items():
+            depth.add_metric([state], n)
+        yield depth
+        (served,) = store.db.conn.execute("select count(*) from srv_winners").fetchone()
+        yield GaugeMetricFamily("tuner_served_winners", "served winners", value=served)
+
+    metrics.add_collector(scrape)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = jsonable_encoder(exc.errors())
+        return JSONResponse({"detail": errors, "message": _summary(errors)}, 422)
+
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return too_large(exc.limit)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse({"detail": "internal error; see the service log"}, 500)
+
+    @app.get("/v1/health", tags=["ops"])
+    async def health() -> dict[str, str]:
+        """The process is up (no database access)."""
+        return {"status": "ok"}
+
+    @app.get("/v1/ready", tags=["ops"], responses={503: {"description": "not ready"}})
+    def ready() -> JSONResponse:
+        """The database opens and has this service's schema."""
+        try:
+            version = int(
+                db.store()
+                .db.conn.execute("select value from meta where name = 'schema_version'")
+                .fetchone()[0]
+            )
+        except Exception as e:
+            return JSONResponse({"status": "not ready", "detail": str(e)}, 503)
+        if version != SCHEMA_VERSION:
+            return JSONResponse(
+                {"status": "not ready", "detail": f"schema {version}, want {SCHEMA_VERSION}"}, 503
+            )
+        return JSONResponse({"status": "ready", "schema_version": version})
+
+    @app.get("/metrics", tags=["ops"], response_class=Response)
+    def prometheus() -> Response:
+        """Prometheus exposition format."""
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

@@ -1,0 +1,46 @@
+"""Bearer-token checks as FastAPI dependencies: ``Depends(require("submit"))``.
+
+No token: 401 (reads pass when the service runs with open reads). A malformed, unknown or
+revoked token: 401, even on an open read, so a broken client configuration is noticed. A valid
+token without the scope: 403 naming what it has and what is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from server import tokens
+from server.tokens import Token
+
+bearer = HTTPBearer(auto_error=False, description="tnr_<id>_<secret>, from `tuner token create`")
+CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
+def require(scope: str) -> Callable[..., Awaitable[Token | None]]:
+    """A dependency that lets a request through with a token of ``scope`` (or open reads)."""
+
+    async def check(
+        request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)
+    ) -> Token | None:
+        state = request.app.state
+        if creds is None:
+            if scope == "read" and state.settings.open_reads:
+                return None
+            raise HTTPException(
+                401, f"this needs a bearer token with scope {scope!r}", headers=CHALLENGE
+            )
+        # a primary-key lookup: cheap enough to run on the event loop's own connection
+        token = tokens.verify(state.db.store(), creds.credentials)
+        if token is None or token.revoked_at is not None:
+            raise HTTPException(401, "invalid or revoked token", headers=CHALLENGE)
+        if not token.allows(scope):
+            raise HTTPException(
+                403,
+                f"token {token.id} ({token.name}) has scopes {list(token.scopes)}; this needs {scope!r}",
+            )
+        return token
+
+    return check

@@ -1,0 +1,119 @@
+"""Bearer tokens: ``tnr_<id>_<secret>``, scopes read < submit < admin, stored hashed.
+
+The id is public (listed, used as the submitter's identity in the merge); only a SHA-256 of the
+secret is stored. The secret is 256 random bits, so a fast hash is enough: there is nothing to
+brute-force, unlike a password. Revoking sets ``revoked_at``; the row stays so that the
+measurements it submitted keep an owner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+from tuner.cache import Store
+
+SCOPES = ("read", "submit", "admin")  # each includes the ones before it
+PREFIX = "tnr"
+_ID_RE = re.compile(r"^[0-9a-f]{12}$")
+
+
+class TokenError(ValueError):
+    """A token request that cannot be honoured (bad scope, unknown id)."""
+
+
+@dataclass(frozen=True)
+class Token:
+    id: str
+    name: str
+    scopes: tuple[str, ...]
+    created_at: float
+    revoked_at: float | None = None
+
+    @property
+    def level(self) -> int:
+        return max(SCOPES.index(s) for s in self.scopes)
+
+    def allows(self, scope: str) -> bool:
+        return self.revoked_at is None and self.level >= SCOPES.index(scope)
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _row_to_token(row: dict) -> Token:
+    return Token(
+        row["id"],
+        row["name"],
+        tuple(row["scopes"].split(",")),
+        row["created_at"],
+        row["revoked_at"],
+    )
+
+
+def check_scopes(scopes: list[str]) -> tuple[str, ...]:
+    bad = [s for s in scopes if s not in SCOPES]
+    if bad or not scopes:
+        raise TokenError(f"scope must be one or more of {list(SCOPES)}, got {scopes!r}")
+    return tuple(dict.fromkeys(scopes))
+
+
+def create(store: Store, name: str, scopes: list[str]) -> tuple[Token, str]:
+    """A new token; returns it and the full secret string, which is shown once and never stored."""
+    if not name or len(name) > 100:
+        raise TokenError(f"name must be 1..100 characters, got {name!r}")
+    scope_t = check_scopes(scopes)
+    token_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
+    now = time.time()
+    with store.transaction() as c:
+        c.execute(
+            "insert into srv_tokens(id, name, secret_hash, scopes, created_at) values (?, ?, ?, ?, ?)",
+            (token_id, name, _hash(secret), ",".join(scope_t), now),
+        )
+    return Token(token_id, name, scope_t, now), f"{PREFIX}_{token_id}_{secret}"
+
+
+def list_tokens(store: Store) -> list[Token]:
+    return [
+        _row_to_token(r) for r in store.db.query("select * from srv_tokens order by created_at")
+    ]
+
+
+def revoke(store: Store, token_id: str) -> Token:
+    with store.transaction() as c:
+        n = c.execute(
+            "update srv_tokens set revoked_at = ? where id = ? and revoked_at is null",
+            (time.time(), token_id),
+        ).rowcount
+    rows = list(store.db.query("select * from srv_tokens where id = ?", [token_id]))
+    if not rows:
+        raise TokenError(f"no token with id {token_id!r}; see 'tuner token list'")
+    if not n:
+        raise TokenError(f"token {token_id!r} was already revoked")
+    return _row_to_token(rows[0])
+
+
+def verify(store: Store, presented: str) -> Token | None:
+    """The token named by a presented string, or None if malformed, unknown or wrong secret."""
+    prefix, _, rest = presented.partition("_")
+    token_id, _, secret = rest.partition("_")
+    if prefix != PREFIX or not _ID_RE.match(token_id) or not secret:
+        return None
+    rows = list(store.db.query("select * from srv_tokens where id = ?", [token_id]))
+    if not rows or not hmac.compare_digest(rows[0]["secret_hash"], _hash(secret)):
+        return None
+    return _row_to_token(rows[0])
+
+
+def admin_ids(store: Store) -> frozenset[str]:
+    """Ids of valid admin tokens: their results confirm a large change on their own."""
+    return frozenset(
+        r["id"]
+        for r in store.db.query("select id, scopes from srv_tokens where revoked_at is null")
+        if "admin" in r["scopes"].split(",")
+    )

@@ -1,0 +1,452 @@
+"""Client of the fleet service: pull this device class's winners, push results, report misses.
+
+    client = FleetClient("http://tuner.internal:8000", token="tnr_...")
+    pull(client, store, fingerprint())        # incremental: only what changed since last time
+    push(client, store, fingerprint())        # new local measurements and miss counts
+
+Settings: ``TUNER_SERVER`` (base URL), ``TUNER_TOKEN``, ``TUNER_SYNC_INTERVAL`` (seconds).
+Every request has a bounded timeout and is retried with exponential backoff on connection
+errors, timeouts, 429 and 502/503/504; other 4xx raise ``FleetError`` with the service's message
+at once. The dispatcher never waits for the service: ``attach`` runs the sync in a daemon thread
+with its own SQLite connection and calls ``Dispatcher.reload()`` when new winners arrive.
+
+Sync positions live in the local cache (``sync_state``): pulls resume from the last feed sequence
+number, pushes from the last pushed measurement id, and miss reports send only the counts not yet
+reported (``reported_misses``), so a crash or an outage never loses or double-counts anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tuner import __version__
+from tuner.cache import Store
+from tuner.device import Fingerprint
+from tuner.results import Measurement, Winner
+
+log = logging.getLogger(__name__)
+
+BATCH = 5000  # the service's per-request limit for measurements and misses
+RETRY_STATUS = (429, 502, 503, 504)
+
+
+class FleetError(Exception):
+    """The service refused a request (4xx, with its message) or stayed unreachable."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str | None
+    keys: list[str]
+    expires_at: float | None
+
+
+class FleetClient:
+    def __init__(
+        self,
+        server: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        retries: int = 3,
+        backoff_s: float = 0.25,
+    ) -> None:
+        if not server.startswith(("http://", "https://")):
+            raise ValueError(f"server must be an http(s):// URL, got {server!r}")
+        self.server = server.rstrip("/")
+        self.retries, self.backoff_s = retries, backoff_s
+        headers = {"User-Agent": f"tuner/{__version__}"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self.http = httpx.Client(
+            base_url=self.server,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)),
+        )
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> FleetClient | None:
+        """A client for ``$TUNER_SERVER`` with ``$TUNER_TOKEN``, or None if no server is set."""
+        server = os.environ.get("TUNER_SERVER")
+        return cls(server, os.environ.get("TUNER_TOKEN"), **kwargs) if server else None
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> FleetClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- transport -----------------------------------------------------------------------------
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """One API call with retries; returns the decoded JSON body."""
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                r = self.http.request(method, path, **kwargs)
+            except httpx.TransportError as e:  # refused, reset, timed out
+                if last:
+                    raise FleetError(
+                        f"{self.server} unreachable: {type(e).__name__}: {e}"
+                    ) from None
+            else:
+                if r.status_code < 400:
+                    return r.json()
+                if r.status_code not in RETRY_STATUS or last:
+                    raise FleetError(_message(r), r.status_code)
+            time.sleep(self.backoff_s * 2**attempt * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+    # --- API -----------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return self.request("GET", "/v1/health")
+
+    def winner(self, device_class: str, key: str, versions: str | None = None) -> dict | None:
+        params = {"key": key} | ({"versions": versions} if versions is not None else {})
+        try:
+            return self.request("GET", f"/v1/winners/{device_class}", params=params)
+        except FleetError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def lookup(self, device_class: str, versions: str, keys: list[str]) -> dict[str, Any]:
+        return self.request(
+            "POST", f"/v1/winners/{device_class}/lookup", json={"versions": versions, "keys": keys}
+        )
+
+    def feed(
+        self, device_class: str, versions: str | None, since: int, limit: int = 10000
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {"since": since, "limit": limit}
+        if versions is not None:
+            params["versions"] = versions
+        return self.request("GET", f"/v1/winners/{device_class}/feed", params=params)
+
+    def submit(self, fp: Fingerprint, measurements: list[Measurement]) -> dict[str, Any]:
+        """Submit measurements (any number; sent in batches). Returns summed counts."""
+        total: dict[str, Any] = {"accepted": 0, "duplicates": 0, "served": [], "pending": []}
+        for i in range(0, len(measurements), BATCH):
+            body = {
+                "device": fp.to_dict(),
+                "measurements": [wire(m) for m in measurements[i : i + BATCH]],
+            }
+            out = self.request("POST", "/v1/measurements", json=body)
+            for k in total:
+                total[k] += out[k]
+        return total
+
+    def report_misses(self, fp: Fingerprint, misses: list[tuple[str, int]]) -> int:
+        queued = 0
+        for i in range(0, len(misses), BATCH):
+            body = {
+                "device": fp.to_dict(),
+                "versions": fp.version_tag,
+                "misses": [{"key": k, "count": n} for k, n in misses[i : i + BATCH]],
+            }
+            queued += self.request("POST", "/v1/misses", json=body)["queued"]
+        return queued
+
+    def claim(
+        self, fp: Fingerprint, worker: str, *, max_keys: int = 10, lease_s: float = 900.0
+    ) -> Lease:
+        """Lease queued keys of this device class and versions (for tuning workers)."""
+        body = {"device": fp.to_dict(), "versions": fp.version_tag, "worker": worker,
+                "max_keys": max_keys, "lease_s": lease_s}  # fmt: skip
+        out = self.request("POST", "/v1/queue/claim", json=body)
+        return Lease(out["lease_id"], out["keys"], out["expires_at"])
+
+    def complete(
+        self, lease_id: str, fp: Fingerprint, measurements: list[Measurement]
+    ) -> dict[str, Any]:
+        """Results of a lease (at most one batch: tune fewer keys per lease if more)."""
+        if len(measurements) > BATCH:
+            raise ValueError(
+                f"at most {BATCH} measurements per completion, got {len(measurements)}"
+            )
+        body = {"lease_id": lease_id, "device": fp.to_dict(),
+                "measurements": [wire(m) for m in measurements]}  # fmt: skip
+        return self.request("POST", "/v1/queue/complete", json=body)
+
+    def queue(self, **filters: Any) -> list[dict[str, Any]]:
+        params = {k: v for k, v in filters.items() if v is not None}
+        return self.request("GET", "/v1/queue", params=params)
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return f"HTTP {r.status_code}: {r.text[:200]}"
+    detail = body.get("message") or body.get("detail") if isinstance(body, dict) else body
+    return f"HTTP {r.status_code}: {detail}"
+
+
+def wire(m: Measurement) -> dict[str, Any]:
+    """A measurement as the service takes it: JSON has no NaN (a NaN error becomes null) and
+    free-text fields are cut to the service's limits rather than failing the whole batch."""
+    d = dataclasses.asdict(m)
+    for k, v in d.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            d[k] = None
+    d["error"], d["host"], d["run_id"] = d["error"][:4000], d["host"][:255], d["run_id"][:64]
+    return d
+
+
+# --- sync state in the local cache ---------------------------------------------------------------
+
+
+def get_position(store: Store, name: str) -> int:
+    row = store.db.conn.execute("select value from sync_state where name = ?", (name,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def set_position(store: Store, name: str, value: int) -> None:
+    with store.transaction() as c:
+        c.execute(
+            "insert or replace into sync_state(name, value, updated_at) values (?, ?, ?)",
+            (name, value, time.time()),
+        )
+
+
+@dataclass
+class PullResult:
+    winners: int
+    pages: int
+    cursor: int
+    seconds: float
+
+
+@dataclass
+class PushResult:
+    accepted: int
+    duplicates: int
+    skipped: int  # measurements of device classes with no known fingerprint here
+    misses: int
+    queued: int
+
+
+def pull(client: FleetClient, store: Store, fp: Fingerprint, *, full: bool = False) -> PullResult:
+    """Bring the served winners of ``fp``'s device class and versions into ``store``.
+
+    Pages are applied in feed order and the cursor saved after each page, so an interrupted pull
+    resumes where it stopped; re-applying a page is harmless (winners are upserts).
+    """
+    started = time.perf_counter()
+    name = f"pull:{client.server}:{fp.device_class}:{fp.version_tag}"
+    cursor = 0 if full else get_position(store, name)
+    total = pages = 0
+    while True:
+        try:
+            page = client.feed(fp.device_class, fp.version_tag, cursor)
+        except FleetError as e:
+            if e.status == 404:  # nobody of this class has reported yet: nothing to pull
+                break
+            raise
+        winners = [Winner.from_row(w) for w in page["winners"]]
+        if winners:
+            store.put_winners(winners)
+        total, pages, cursor = total + len(winners), pages + 1, page["cursor"]
+        set_position(store, name, cursor)
+        if not page["more"]:
+            break
+    return PullResult(total, pages, cursor, time.perf_counter() - started)
+
+
+def _fingerprints(store: Store, fp: Fingerprint) -> dict[str, Fingerprint]:
+    """Device class -> fingerprint, for every class the local cache has results of."""
+    known = {fp.device_class: fp}
+    for d in store.devices():
+        f = {k: v for k, v in d["fingerprint"].items() if k != "device_class"}
+        try:
+            known.setdefault(d["device_class"], Fingerprint(**f))
+        except TypeError:
+            log.warning(
+                "unreadable fingerprint for %s in the cache; skipping it", d["device_class"]
+            )
+    return known
+
+
+def push_measurements(client: FleetClient, store: Store, fp: Fingerprint) -> dict[str, int]:
+    """Send local measurements not sent to this service yet, oldest first."""
+    name = f"push:{client.server}"
+    fps = _fingerprints(store, fp)
+    counts = {"accepted": 0, "duplicates": 0, "skipped": 0}
+    while True:
+        rows = list(
+            store.db.query(
+                "select * from measurements where id > ? order by id limit ?",
+                [get_position(store, name), BATCH],
+            )
+        )
+        if not rows:
+            return counts
+        by_class: dict[str, list[Measurement]] = {}
+        for r in rows:
+            by_class.setdefault(r["device_class"], []).append(Measurement.from_row(r))
+        for dc, ms in by_class.items():
+            if dc not in fps:
+                counts["skipped"] += len(ms)
+                continue
+            out = client.submit(fps[dc], ms)
+            counts["accepted"] += out["accepted"]
+            counts["duplicates"] += out["duplicates"]
+        set_position(store, name, rows[-1]["id"])
+
+
+def unreported_misses(store: Store, device_class: str) -> list[tuple[str, int, int]]:
+    """(key, count not yet reported, count now) for this device class's recorded misses."""
+    out = []
+    for key, count, reported in store.db.conn.execute(
+        "select m.key, m.count, coalesce(r.reported, 0) from misses m left join reported_misses r "
+        "on r.device_class = m.device_class and r.key = m.key where m.device_class = ?",
+        (device_class,),
+    ):
+        delta = count - reported if count >= reported else count  # cleared and seen again
+        if delta > 0:
+            out.append((key, delta, count))
+    return out
+
+
+def push_misses(client: FleetClient, store: Store, fp: Fingerprint) -> tuple[int, int]:
+    """Report the misses recorded here since the last report. Returns (keys, newly queued)."""
+    todo = unreported_misses(store, fp.device_class)
+    queued = 0
+    for i in range(0, len(todo), BATCH):
+        chunk = todo[i : i + BATCH]
+        queued += client.report_misses(fp, [(k, d) for k, d, _ in chunk])
+        with store.transaction() as c:
+            c.executemany(
+                "insert or replace into reported_misses(device_class, key, reported) values (?, ?, ?)",
+                [(fp.device_class, k, now) for k, _, now in chunk],
+            )
+    return len(todo), queued
+
+
+def push(client: FleetClient, store: Store, fp: Fingerprint) -> PushResult:
+    m = push_measurements(client, store, fp)
+    keys, queued = push_misses(client, store, fp)
+    return PushResult(m["accepted"], m["duplicates"], m["skipped"], keys, queued)
+
+
+# --- background sync for the dispatcher --------------------------------------------------------
+
+
+class BackgroundSync:
+    """Push, then pull, every ``interval_s`` in a daemon thread; never raises into the caller.
+
+    After a failure the next try comes sooner (5 s, doubling up to the interval), and the error
+    is logged once per distinct message, so a service outage costs a log line, not a crash.
+    """
+
+    def __init__(
+        self,
+        client: FleetClient,
+        store_path: str | Path,
+        *,
+        interval_s: float = 300.0,
+        push: bool = True,
+        on_change: Callable[[], None] | None = None,
+        fingerprint: Callable[[], Fingerprint] | None = None,
+    ) -> None:
+        from tuner.device import fingerprint as default_fingerprint
+
+        self.client, self.store_path, self.interval_s = client, Path(store_path), interval_s
+        self.push, self.on_change = push, on_change
+        self._fingerprint = fingerprint or default_fingerprint
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tuner-fleet-sync", daemon=True)
+        self.syncs = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self.synced = threading.Event()  # set after each successful round
+
+    def start(self) -> BackgroundSync:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def trigger(self) -> None:
+        """Sync now instead of at the next interval."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        store: Store | None = None
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                store = store or Store(self.store_path)  # this thread's own connection
+                self.sync_once(store)
+                failures = 0
+                wait = self.interval_s
+            except Exception as e:  # the service or the cache failing must never kill the host
+                failures += 1
+                self.failures += 1
+                message = f"{type(e).__name__}: {e}"
+                if message != self.last_error:
+                    log.warning("fleet sync with %s failed: %s", self.client.server, message)
+                self.last_error = message
+                wait = min(self.interval_s, 5.0 * 2 ** (failures - 1))
+            self._wake.wait(wait)
+            self._wake.clear()
+        if store is not None:
+            store.close()
+
+    def sync_once(self, store: Store) -> PullResult:
+        fp = self._fingerprint()
+        if self.push:
+            push(self.client, store, fp)
+        result = pull(self.client, store, fp)
+        if result.winners and self.on_change is not None:
+            self.on_change()
+        self.syncs += 1
+        self.last_error = None
+        self.synced.set()
+        return result
+
+
+def attach(
+    dispatcher: Any, client: FleetClient | None = None, **kwargs: Any
+) -> BackgroundSync | None:
+    """Keep ``dispatcher``'s cache in sync with the service in the background.
+
+    Uses ``$TUNER_SERVER``/``$TUNER_TOKEN`` unless a client is given; the interval is
+    ``$TUNER_SYNC_INTERVAL`` seconds (default 300). Returns None (and logs) if no service is
+    configured or the configuration is unusable: the dispatcher then works from its cache alone.
+    """
+    try:
+        client = client or FleetClient.from_env(timeout_s=5.0, retries=2)
+        if client is None:
+            return None
+        kwargs.setdefault("interval_s", float(os.environ.get("TUNER_SYNC_INTERVAL", "300")))
+        return BackgroundSync(
+            client, dispatcher.store_path, on_change=dispatcher.reload, **kwargs
+        ).start()
+    except Exception as e:
+        log.error("fleet sync not started: %s", e)
+        return None

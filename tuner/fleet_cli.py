@@ -1,0 +1,185 @@
+"""Fleet commands of the ``tuner`` CLI (registered by ``tuner.cli``).
+
+tuner serve --db fleet.db --port 8000           run the service (one uvicorn worker)
+tuner token create --db fleet.db --name host-a --scope submit
+tuner token list --db fleet.db / tuner token revoke --db fleet.db ID
+tuner sync   [--server URL] [--token T]         pull this device's winners into the cache
+tuner push   [--server URL] [--token T]         send local results and misses to the service
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tuner.cache import Store, default_path
+from tuner.client import FleetClient, FleetError, pull, push
+from tuner.device import fingerprint
+
+console = Console()
+err_console = Console(stderr=True)
+token_app = typer.Typer(
+    help="Create, list and revoke the service's bearer tokens.", no_args_is_help=True
+)
+
+DbOpt = Annotated[
+    Path,
+    typer.Option(
+        "--db", envvar="TUNER_SERVER_DB", help="The service's SQLite file.", dir_okay=False
+    ),
+]
+ServerOpt = Annotated[
+    str | None, typer.Option("--server", envvar="TUNER_SERVER", help="Service base URL.")
+]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option("--token", envvar="TUNER_TOKEN", help="Bearer token.", show_default=False),
+]
+CacheOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--cache",
+        envvar="TUNER_CACHE",
+        help="Local SQLite cache file.",
+        show_default="~/.cache/tuner/tuner.db",
+    ),
+]
+
+
+def serve(
+    db: DbOpt,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8000,
+    open_reads: Annotated[
+        bool, typer.Option("--open-reads", help="Let anyone read winners without a token.")
+    ] = False,
+    confirm_margin: Annotated[
+        float,
+        typer.Option(
+            help="Winner changes beyond this (0.25 = 25%) need a second submitter "
+            "or an admin token.",
+            min=0,
+        ),
+    ] = 0.25,
+    access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Run the fleet service (FastAPI on uvicorn, one worker: SQLite has one writer anyway)."""
+    import uvicorn
+
+    from server import Settings, create_app
+
+    app = create_app(Settings(db=db, open_reads=open_reads, confirm_margin=confirm_margin))
+    uvicorn.run(app, host=host, port=port, access_log=access_log, log_level=log_level)
+
+
+@token_app.command("create")
+def token_create(
+    db: DbOpt,
+    name: Annotated[str, typer.Option(help="Who holds it, e.g. the host or worker name.")],
+    scope: Annotated[
+        list[str],
+        typer.Option("--scope", help="read, submit or admin (each includes the previous)."),
+    ],
+) -> None:
+    """Create a token and print it (the only time it is shown)."""
+    from server import tokens
+
+    with Store(db) as store:
+        token, secret = tokens.create(store, name, scope)
+    err_console.print(
+        f"token {token.id} ({token.name}, scopes {','.join(token.scopes)}); keep it secret:"
+    )
+    print(secret)
+
+
+@token_app.command("list")
+def token_list(db: DbOpt) -> None:
+    """List tokens (ids, names, scopes; never the secrets)."""
+    from server import tokens
+
+    with Store(db) as store:
+        found = tokens.list_tokens(store)
+    t = Table(title=f"{len(found)} tokens")
+    for col in ("id", "name", "scopes", "created", "revoked"):
+        t.add_column(col)
+    for tok in found:
+        t.add_row(
+            tok.id, tok.name, ",".join(tok.scopes), _when(tok.created_at), _when(tok.revoked_at)
+        )
+    console.print(t)
+
+
+@token_app.command("revoke")
+def token_revoke(db: DbOpt, token_id: Annotated[str, typer.Argument(help="Token id.")]) -> None:
+    """Revoke a token: it stops working at once; what it submitted stays."""
+    from server import tokens
+
+    with Store(db) as store:
+        tok = tokens.revoke(store, token_id)
+    console.print(f"revoked {tok.id} ({tok.name})")
+
+
+def _when(t: float | None) -> str:
+    return dt.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds") if t else ""
+
+
+def _client(server: str | None, token: str | None) -> FleetClient:
+    if not server:
+        raise ValueError("no service configured: pass --server URL or set TUNER_SERVER")
+    return FleetClient(server, token)
+
+
+def sync(
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    cache: CacheOpt = None,
+    full: Annotated[bool, typer.Option(help="Pull everything, not only what changed.")] = False,
+    push_first: Annotated[
+        bool, typer.Option("--push/--no-push", help="Push local results and misses first.")
+    ] = False,
+) -> None:
+    """Pull the served winners of this device class into the local cache (incremental)."""
+    fp = fingerprint()
+    try:
+        with _client(server, token) as client, Store(cache or default_path()) as store:
+            if push_first:
+                _report_push(push(client, store, fp))
+            r = pull(client, store, fp, full=full)
+    except FleetError as e:
+        err_console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None
+    console.print(
+        f"pulled {r.winners} winners for {fp.device_class} in {r.pages} pages, "
+        f"{r.seconds:.2f} s (cursor {r.cursor})"
+    )
+
+
+def push_cmd(server: ServerOpt = None, token: TokenOpt = None, cache: CacheOpt = None) -> None:
+    """Send local measurements not sent yet, and the misses recorded here, to the service."""
+    try:
+        with _client(server, token) as client, Store(cache or default_path()) as store:
+            _report_push(push(client, store, fingerprint()))
+    except FleetError as e:
+        err_console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None
+
+
+def _report_push(r) -> None:
+    console.print(
+        f"pushed {r.accepted} measurements ({r.duplicates} already there"
+        + (f", {r.skipped} skipped: no fingerprint of their device class" if r.skipped else "")
+        + f"), {r.misses} missed keys ({r.queued} newly queued)"
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(serve)
+    app.add_typer(token_app, name="token")
+    app.command()(sync)
+    app.command("push")(push_cmd)
