@@ -19,14 +19,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
 from tuner import fleet_cli
@@ -36,7 +28,7 @@ from tuner.candidates.base import Source
 from tuner.device import fingerprint
 from tuner.engine import TuneOptions, current_device, tune
 from tuner.keys import GemmKey, Key, SdpaKey, parse_key
-from tuner.problem_list import ConfigError, load_problems
+from tuner.problem_list import ConfigError
 
 app = typer.Typer(
     help="Autotuned GEMM and attention kernels with a shared results cache.",
@@ -293,7 +285,9 @@ def tune_all(
         bool, typer.Option(help="Retune problems that already have a current winner.")
     ] = False,
     out: OutOpt = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be tuned.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Only list what would be tuned.")
+    ] = False,
 ) -> None:
     """Tune the problems of models, problem lists, TunableOp files, recorded misses and the fleet
     queue on every local GPU; resumable (tuned problems are skipped); report at the end.
@@ -308,7 +302,9 @@ def tune_all(
     )  # fmt: skip
     sources = _sources(model, config, tunableop_file, misses, op, queue)
     path = cache or default_path()
-    raise typer.Exit(run_tune_all(sources, path, options, out=out, dry_run=dry_run, console=console))
+    raise typer.Exit(
+        run_tune_all(sources, path, options, out=out, dry_run=dry_run, console=console)
+    )
 
 
 @app.command("report")
@@ -437,6 +433,7 @@ def import_(
 
 
 fleet_cli.register(app)  # serve, token, sync, push
+bench_app.command("sdpa")(sdpa_bench.command)
 
 
 def main() -> None:

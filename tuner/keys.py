@@ -99,6 +99,13 @@ class GemmKey:
             + self.batch * self.m * self.n * ITEMSIZE[self.out_dtype]
         )
 
+    @property
+    def label(self) -> str:
+        """Short human form for tables, e.g. ``128x4096x4096 nt bf16``; not parseable."""
+        extras = [f"batch {self.batch}"] * (self.batch > 1) + ["tf32"] * (self.compute == "tf32")
+        extras += [f"align {self.align}"] * (self.align != 16)
+        return " ".join([f"{self.m}x{self.n}x{self.k}", self.layout, self.dtype, *extras])
+
     @classmethod
     def from_tensors(cls, a: Any, b: Any, *, tf32: bool | None = None) -> GemmKey:
         """The key of ``a @ b`` for 2-D or 3-D (batched) torch tensors."""
@@ -168,6 +175,12 @@ class SdpaKey:
             * (self.head_dim + self.head_dim_v)
             * ITEMSIZE[self.dtype]
         )
+
+    @property
+    def label(self) -> str:
+        """Short human form for tables, e.g. ``attn b1 h32/8 q2048 kv2048 d128 top_left bf16``."""
+        causal = "" if self.causal == "none" else f" {self.causal}"
+        return f"attn b{self.batch} h{self.q_heads}/{self.kv_heads} q{self.q_len} kv{self.kv_len} d{self.head_dim}{causal} {self.dtype}"
 
     @classmethod
     def from_tensors(
