@@ -364,7 +364,7 @@ class BackgroundSync:
         client: FleetClient,
         store_path: str | Path,
         *,
-        interval_s: float = 300.0,
+        interval_s: float = 60.0,
         push: bool = True,
         on_change: Callable[[], None] | None = None,
         fingerprint: Callable[[], Fingerprint] | None = None,
@@ -436,14 +436,14 @@ def attach(
     """Keep ``dispatcher``'s cache in sync with the service in the background.
 
     Uses ``$TUNER_SERVER``/``$TUNER_TOKEN`` unless a client is given; the interval is
-    ``$TUNER_SYNC_INTERVAL`` seconds (default 300). Returns None (and logs) if no service is
+    ``$TUNER_SYNC_INTERVAL`` seconds (default 60). Returns None (and logs) if no service is
     configured or the configuration is unusable: the dispatcher then works from its cache alone.
     """
     try:
         client = client or FleetClient.from_env(timeout_s=5.0, retries=2)
         if client is None:
             return None
-        kwargs.setdefault("interval_s", float(os.environ.get("TUNER_SYNC_INTERVAL", "300")))
+        kwargs.setdefault("interval_s", float(os.environ.get("TUNER_SYNC_INTERVAL", "60")))
         return BackgroundSync(
             client, dispatcher.store_path, on_change=dispatcher.reload, **kwargs
         ).start()

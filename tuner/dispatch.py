@@ -338,6 +338,10 @@ def get_dispatcher() -> Dispatcher:
     global _dispatcher
     if _dispatcher is None:
         _dispatcher = Dispatcher()
+        if os.environ.get("TUNER_SERVER") and _dispatcher.mode != "off":
+            from tuner.client import attach  # fleet sync: a daemon thread, off the hot path
+
+            _dispatcher.fleet_sync = attach(_dispatcher)
     return _dispatcher
 
 
