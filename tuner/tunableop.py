@@ -180,25 +180,27 @@ def _fields(key: GemmKey) -> dict:
 
 @dataclass
 class Imported:
-    keys: list[GemmKey]
-    skipped: list[tuple[Entry, str]]  # (line, reason)
+    found: dict[GemmKey, tuple[Path, Entry]]  # key -> the first line that names it
+    skipped: list[tuple[Path, Entry, str]]  # (file, line, reason)
     files: list[TunableOpFile]
+
+    @property
+    def keys(self) -> list[GemmKey]:
+        return list(self.found)
 
 
 def import_files(paths: Iterable[str | Path]) -> Imported:
     """The de-duplicated GEMM keys of TunableOp files, and the lines that gave none."""
-    keys: dict[GemmKey, None] = {}
-    skipped: list[tuple[Entry, str]] = []
-    files = []
+    out = Imported({}, [], [])
     for path in paths:
         f = read(path)
-        files.append(f)
+        out.files.append(f)
         for e in f.entries:
             try:
-                keys.setdefault(entry_key(e), None)
+                out.found.setdefault(entry_key(e), (f.path, e))
             except ValueError as err:
-                skipped.append((e, str(err)))
-    return Imported(list(keys), skipped, files)
+                out.skipped.append((f.path, e, str(err)))
+    return out
 
 
 # --- export ------------------------------------------------------------------------------------

@@ -1,0 +1,217 @@
+"""What tune-all achieved: per problem the baseline, the winner, the ratio and the source.
+
+Built from the store (winners of this device class) and the tune-all journal (tuning time per
+problem, failures), so the report at the end of a run and ``tuner report`` later agree.
+``write`` puts ``report.json`` and ``speedup.png`` (speedup per problem) in a directory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from tuner.device import Fingerprint
+from tuner.keys import GemmKey, Key, parse_key
+from tuner.plots import geomean, speedup_plot
+from tuner.results import Winner
+from tuner.tune_all import ProblemSet, RunSummary
+
+
+@dataclass
+class Row:
+    label: str
+    key: str
+    status: str  # tuned | stale (winner from other versions) | failed | timeout | pending
+    baseline_us: float | None = None
+    winner_us: float | None = None
+    source: str = ""
+    candidate: str = ""
+    tune_s: float | None = None
+    error: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        if self.baseline_us is None or not self.winner_us:
+            return None
+        return self.baseline_us / self.winner_us
+
+
+@dataclass
+class Report:
+    device_class: str
+    versions: str
+    rows: list[Row]
+    wall_s: float | None = None  # of the tune-all run, when the report ends one
+    workers: int | None = None
+    stopped: str = ""
+    created_at: float = field(default_factory=time.time)
+
+    def summary(self) -> dict[str, Any]:
+        timed = [r for r in self.rows if r.status == "tuned" and r.speedup is not None]
+        speedups = [r.speedup for r in timed if r.speedup is not None]
+        tune_times = [r.tune_s for r in self.rows if r.tune_s is not None]
+        worst = min(timed, key=lambda r: r.speedup or 0.0, default=None)
+        best = max(timed, key=lambda r: r.speedup or 0.0, default=None)
+        counts = {s: sum(r.status == s for r in self.rows) for s in _STATUS_ORDER}
+        return {
+            "problems": len(self.rows),
+            **counts,
+            "geomean_speedup": geomean(speedups) if speedups else None,
+            "worst": {"label": worst.label, "speedup": worst.speedup} if worst else None,
+            "best": {"label": best.label, "speedup": best.speedup} if best else None,
+            "tuning_s_total": sum(tune_times),
+            "tuning_s_median": sorted(tune_times)[len(tune_times) // 2] if tune_times else None,
+            "wall_s": self.wall_s,
+            "workers": self.workers,
+            "stopped": self.stopped,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device_class": self.device_class,
+            "versions": self.versions,
+            "created_at": self.created_at,
+            "summary": self.summary(),
+            "rows": [{**asdict(r), "speedup": r.speedup} for r in self.rows],
+        }
+
+
+_STATUS_ORDER = ("tuned", "stale", "failed", "timeout", "pending")
+
+
+def short_label(key: str | Key) -> str:
+    """A compact name for a key: ``gemm 128x4096x4096 bf16 nt`` or ``sdpa b1 h32/8 q2048 ...``."""
+    k = parse_key(key) if isinstance(key, str) else key
+    if isinstance(k, GemmKey):
+        batch = f"{k.batch}x" if k.batch > 1 else ""
+        dtype = "tf32" if k.compute == "tf32" else k.dtype
+        align = "" if k.align == 16 else f" a{k.align}"
+        return f"gemm {batch}{k.m}x{k.n}x{k.k} {dtype} {k.layout}{align}"
+    causal = "" if k.causal == "none" else f" {k.causal}"
+    return (
+        f"sdpa b{k.batch} h{k.q_heads}/{k.kv_heads} q{k.q_len} kv{k.kv_len} "
+        f"d{k.head_dim}{causal} {k.dtype}"
+    )
+
+
+def _order(key: str) -> tuple:
+    """Problems grouped by op, dtype and shape family, growing M (or lengths) within a family."""
+    k = parse_key(key)
+    if isinstance(k, GemmKey):
+        return (k.op, k.dtype, k.compute, k.layout, k.n, k.k, k.batch, k.m, k.align)
+    return (k.op, k.dtype, k.causal, k.q_heads, k.kv_heads, k.head_dim, k.q_len, k.kv_len, k.batch)
+
+
+def _journal_index(journal: list[dict[str, Any]], device_class: str) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for rec in journal:
+        if rec.get("device_class") in (device_class, ""):
+            out.setdefault(rec["key"], []).append(rec)
+    return out
+
+
+def _row(label: str, key: str, winner: Winner | None, records: list[dict], versions: str) -> Row:
+    if winner is not None:
+        tuned = [r for r in records if r["status"] == "tuned"]
+        match = [r for r in tuned if r.get("run_id") == winner.run_id] or tuned[-1:]
+        return Row(
+            label, key, "tuned" if winner.versions == versions else "stale",
+            winner.baseline_us, winner.median_us, winner.source, winner.candidate,
+            match[-1]["seconds"] if match else None,
+        )  # fmt: skip
+    if records:
+        last = records[-1]
+        if last["status"] in ("failed", "timeout"):
+            return Row(label, key, last["status"], tune_s=last["seconds"], error=last["error"])
+    return Row(label, key, "pending")
+
+
+def build(
+    store: Any,
+    fp: Fingerprint,
+    *,
+    problems: ProblemSet | None = None,
+    journal: list[dict[str, Any]] | None = None,
+    run: RunSummary | None = None,
+) -> Report:
+    """The report of ``problems`` (default: every winner and failure of this device class)."""
+    winners = {w.key: w for w in store.winners(fp.device_class)}
+    records = _journal_index(journal or [], fp.device_class)
+    if problems is not None:
+        items = [(problems.label(k) or short_label(k), str(k)) for k in problems]
+    else:
+        failed = {k for k, recs in records.items() if recs[-1]["status"] in ("failed", "timeout")}
+        items = [(short_label(k), k) for k in sorted(set(winners) | failed, key=_order)]
+    rows = [
+        _row(label, key, winners.get(key), records.get(key, []), fp.version_tag)
+        for label, key in items
+    ]
+    return Report(
+        fp.device_class, fp.version_tag, rows,
+        wall_s=run.wall_s if run else None, workers=run.workers if run else None,
+        stopped=run.stopped if run else "",
+    )  # fmt: skip
+
+
+def write(report: Report, out_dir: Path, *, title: str = "tune-all") -> tuple[Path, Path | None]:
+    """``report.json`` and (when anything was tuned) ``speedup.png`` in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "report.json"
+    tmp = json_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report.to_dict(), indent=1))
+    tmp.replace(json_path)
+    plotted = [r for r in report.rows if r.speedup is not None]
+    if not plotted:
+        return json_path, None
+    png = speedup_plot(
+        [r.label for r in plotted],
+        [r.speedup or 1.0 for r in plotted],
+        out_dir / "speedup.png",
+        title=f"{title} on {report.device_class}: speedup of the winner over the baseline",
+        groups=[r.source for r in plotted],
+    )
+    return json_path, png
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render(report: Report, console: Console, *, limit: int | None = None) -> None:
+    """A table of the problems (failures first) and the summary lines."""
+    t = Table(title=f"{len(report.rows)} problems on {report.device_class}")
+    for col in ("problem", "status", "baseline us", "winner us", "speedup", "winner", "tune s"):
+        t.add_column(col, overflow="fold")
+    order = {"failed": 0, "timeout": 1, "pending": 2, "stale": 3, "tuned": 4}
+    rows = sorted(report.rows, key=lambda r: order[r.status])
+    for r in rows[:limit]:
+        sp = r.speedup
+        color = "green" if sp and sp > 1.0 else ("red" if r.status in ("failed", "timeout") else "")
+        speed = f"[{color}]{sp:.2f}x[/{color}]" if sp and color else _fmt(sp, ".2f")
+        t.add_row(
+            r.label, r.status, _fmt(r.baseline_us, ".2f"), _fmt(r.winner_us, ".2f"), speed,
+            r.candidate[:48] or r.error[:48], _fmt(r.tune_s, ".1f"),
+        )  # fmt: skip
+    console.print(t)
+    if limit is not None and len(rows) > limit:
+        console.print(f"... {len(rows) - limit} more rows in report.json")
+    s = report.summary()
+    counts = ", ".join(f"{s[k]} {k}" for k in _STATUS_ORDER if s[k])
+    console.print(f"problems: {s['problems']} ({counts or 'none'})")
+    if s["geomean_speedup"] is not None:
+        w, b = s["worst"], s["best"]
+        console.print(
+            f"speedup: geomean {s['geomean_speedup']:.3f}x, worst {w['speedup']:.3f}x ({w['label']}), "
+            f"best {b['speedup']:.3f}x ({b['label']})"
+        )
+    median = _fmt(s["tuning_s_median"], ".2f")
+    line = f"tuning time: {s['tuning_s_total']:.1f} s in all, median {median} s per problem"
+    if s["wall_s"] is not None:
+        line += f"; wall time {s['wall_s']:.1f} s on {s['workers']} worker(s)"
+    console.print(line + (f"; stopped early: {s['stopped']}" if s["stopped"] else ""))

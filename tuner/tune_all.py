@@ -1,0 +1,473 @@
+"""Offline tuning of many problems on every local GPU, resumable, with a per-problem and total budget.
+
+    problems = ProblemSet(); problems.add_model(load_model(path)); ...
+    todo = pending(store, fp, problems)
+    summary = run(todo, store_path, RunOptions(...), on_event=...)
+
+- **Workers.** One process per local GPU (``torch.cuda.device_count()``; one on the CPU), started
+  with ``spawn``, each pinned to its GPU, each with its own store connection. They pull problem
+  keys from one shared queue, tune them with ``engine.tune`` and commit every problem's
+  measurements and winner in one transaction as soon as it is done.
+- **Resumable.** A problem with a winner for this device class and these versions is skipped, so
+  a killed run (even SIGKILL) loses at most the problems in flight. Workers die with the parent
+  (``PR_SET_PDEATHSIG`` on Linux, and a parent check between problems).
+- **Budgets.** A problem that runs past ``problem_timeout_s`` has its worker killed (that also
+  covers a candidate that hangs or kills its CUDA context); the problem is recorded as
+  ``timeout`` and a fresh worker takes the slot. Past ``time_limit_s`` no new problem starts.
+- **Failures** (the baseline itself failing, a crashed worker) are recorded and the run goes on.
+- **Ctrl-C** lets the problems in flight finish (everything finished is already stored);
+  a second Ctrl-C kills them.
+
+Every finished problem also gets a line in the *journal* (``<cache>.tune-all.jsonl``): its
+tuning time, status and error. The report reads it for the tuning time per problem and for
+the failures, which have no winner in the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from multiprocessing import connection
+from pathlib import Path
+from typing import Any
+
+from tuner.cache import Store
+from tuner.device import Fingerprint
+from tuner.keys import Key, parse_key
+from tuner.model_config import ModelConfig, expand
+from tuner.problem_list import load_problems
+from tuner.tunableop import Imported
+
+log = logging.getLogger(__name__)
+
+STATUSES = ("tuned", "failed", "timeout", "skipped")  # skipped: another process tuned it first
+
+
+# --- what to tune ------------------------------------------------------------------------------
+
+
+@dataclass
+class ProblemSet:
+    """Keys in first-seen order, each with the labels of every source that asked for it."""
+
+    labels: dict[Key, list[str]] = field(default_factory=dict)
+
+    def add(self, key: Key, label: str) -> None:
+        self.labels.setdefault(key, []).append(label)
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self.labels)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def label(self, key: str | Key) -> str:
+        k = parse_key(key) if isinstance(key, str) else key
+        names = self.labels.get(k, [])
+        return names[0] + (f" (+{len(names) - 1})" if len(names) > 1 else "") if names else ""
+
+    def add_model(self, model: ModelConfig) -> int:
+        problems = expand(model)
+        for p in problems:
+            self.add(p.key, p.label)
+        return len(problems)
+
+    def add_problem_list(self, path: Path) -> int:
+        keys = load_problems(path)
+        for i, key in enumerate(keys):
+            self.add(key, f"{path.name}[{i}]")
+        return len(keys)
+
+    def add_tunableop(self, imported: Imported) -> int:
+        for key, (path, entry) in imported.found.items():
+            self.add(key, f"{path.name}:{entry.line}")
+        return len(imported.found)
+
+    def add_misses(self, rows: Iterable[dict[str, Any]]) -> list[str]:
+        """Recorded misses (``Store.misses``); returns the rows whose key does not parse."""
+        bad = []
+        for row in rows:
+            try:
+                self.add(parse_key(row["key"]), f"missed x{row['count']}")
+            except ValueError as e:
+                bad.append(f"{row['key']}: {e}")
+        return bad
+
+    def only(self, op: str | None) -> ProblemSet:
+        if op is None:
+            return self
+        return ProblemSet({k: v for k, v in self.labels.items() if k.op == op})
+
+
+def current_keys(store: Store, fp: Fingerprint) -> set[str]:
+    """Keys that have a winner for this device class measured under these versions."""
+    return {w.key for w in store.winners(fp.device_class) if w.versions == fp.version_tag}
+
+
+def pending(store: Store, fp: Fingerprint, keys: Iterable[Key], force: bool = False) -> list[Key]:
+    done = set() if force else current_keys(store, fp)
+    return [k for k in keys if str(k) not in done]
+
+
+# --- the journal -------------------------------------------------------------------------------
+
+
+def journal_path(store_path: Path) -> Path:
+    return store_path.with_name(store_path.stem + ".tune-all.jsonl")
+
+
+def append_journal(path: Path, record: dict[str, Any]) -> None:
+    """One JSON line per finished problem; O_APPEND keeps concurrent writers' lines whole."""
+    line = json.dumps(record, sort_keys=True) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    """The journal's records; a torn last line (a write cut by SIGKILL) is ignored."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
+
+
+# --- running -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RunOptions:
+    budget_s: float = 0.15  # timing budget per candidate (engine.TuneOptions.budget_s)
+    sources: list[str] | None = None  # restrict the candidate sources; the baseline always runs
+    problem_timeout_s: float = 900.0  # a problem running longer is killed and recorded
+    time_limit_s: float | None = None  # no new problem starts after this many seconds
+    workers: int | None = None  # default: one per local GPU, one on the CPU
+    force: bool = False  # retune problems that already have a current winner
+
+
+@dataclass
+class Result:
+    key: str
+    status: str  # one of STATUSES
+    seconds: float
+    worker: int
+    device_class: str = ""
+    winner: dict[str, Any] | None = None  # Winner.to_row() when tuned
+    error: str = ""
+
+
+@dataclass
+class RunSummary:
+    results: list[Result]
+    wall_s: float
+    workers: int
+    stopped: str = ""  # "" (finished), "ctrl-c", "time limit"
+    not_started: list[str] = field(default_factory=list)
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.results)
+
+
+Event = tuple[
+    str, Any
+]  # ("ready", (slot, device_class)) | ("start", (slot, key)) | ("result", Result) | ("notice", text)
+
+
+def local_workers(requested: int | None) -> tuple[int, list[int | None]]:
+    """(number of workers, the CUDA device of each: None on the CPU)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = requested or max(1, gpus)
+    return n, [i % gpus if gpus else None for i in range(n)]
+
+
+def run(
+    keys: list[Key],
+    store_path: Path,
+    options: RunOptions,
+    *,
+    on_event: Callable[[Event], None] | None = None,
+) -> RunSummary:
+    """Tune ``keys`` in worker processes; results are in the store as soon as each is done."""
+    _, devices = local_workers(options.workers)
+    pool = _Pool(store_path.resolve(), options, devices, on_event or (lambda e: None))
+    return pool.run([str(k) for k in keys])
+
+
+@dataclass
+class _Slot:
+    index: int
+    device: int | None
+    device_class: str = ""
+    proc: Any = None
+    conn: Any = None
+    ready: bool = False
+    done: bool = False  # exited after its sentinel or the stop signal
+    key: str | None = None  # the problem in flight
+    started: float = 0.0
+    deaths: int = 0
+
+
+class _Pool:
+    def __init__(
+        self,
+        store_path: Path,
+        options: RunOptions,
+        devices: list[int | None],
+        emit: Callable[[Event], None],
+    ) -> None:
+        import multiprocessing as mp
+
+        self.ctx = mp.get_context("spawn")  # CUDA cannot be forked
+        self.store_path, self.options, self.emit = store_path, options, emit
+        self.journal = journal_path(store_path)
+        self.tasks = self.ctx.Queue()
+        self.stop = self.ctx.Event()
+        self.slots = [_Slot(i, d) for i, d in enumerate(devices)]
+        self.results: list[Result] = []
+        self.interrupts = 0  # Ctrl-C presses seen by the signal handler
+        self.handled = 0  # ... and acted upon
+        self.stopped = ""
+
+    # lifecycle
+
+    def run(self, keys: list[str]) -> RunSummary:
+        started = time.perf_counter()
+        for k in keys:
+            self.tasks.put(k)
+        for _ in self.slots:
+            self.tasks.put(None)  # one sentinel per slot: a replacement takes its predecessor's
+        with self._sigint_flag():
+            for slot in self.slots:
+                self._spawn(slot)
+            try:
+                while not all(s.done for s in self.slots):
+                    self._step(started)
+            finally:
+                self._kill_all()
+                self.tasks.cancel_join_thread()  # unconsumed keys must not block the exit
+                self.tasks.close()
+        finished = {r.key for r in self.results}
+        return RunSummary(
+            self.results,
+            time.perf_counter() - started,
+            len(self.slots),
+            self.stopped,
+            [k for k in keys if k not in finished],
+        )
+
+    @contextlib.contextmanager
+    def _sigint_flag(self):
+        """Ctrl-C sets a flag the loop reads, instead of raising in the middle of a step."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            self.interrupts += 1
+
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _spawn(self, slot: _Slot) -> None:
+        recv, send = self.ctx.Pipe(duplex=False)
+        opts = asdict(self.options)
+        args = (slot.index, slot.device, str(self.store_path), opts, self.tasks, send, self.stop)
+        slot.proc = self.ctx.Process(target=worker_main, args=args, daemon=True)
+        slot.proc.start()
+        send.close()  # the child holds the only write end: EOF means it is gone
+        slot.conn, slot.ready, slot.key = recv, False, None
+
+    def _kill_all(self) -> None:
+        for s in self.slots:
+            if s.proc is not None and s.proc.is_alive():
+                s.proc.kill()
+            if s.proc is not None:
+                s.proc.join(timeout=10)
+
+    # the loop
+
+    def _step(self, started: float) -> None:
+        live = [s.conn for s in self.slots if not s.done]
+        for conn in connection.wait(live, timeout=0.2):
+            slot = next(s for s in self.slots if s.conn is conn)
+            try:
+                self._on_message(slot, conn.recv())
+            except (EOFError, OSError):
+                self._on_exit(slot)
+        now = time.perf_counter()
+        for slot in self.slots:
+            if slot.key and now - slot.started > self.options.problem_timeout_s:
+                slot.proc.kill()
+                slot.proc.join(timeout=10)
+                limit = self.options.problem_timeout_s
+                self._finish(slot, "timeout", f"ran past the per-problem limit of {limit:g} s")
+                self._replace(slot)
+        self._on_interrupts()
+        limit = self.options.time_limit_s
+        if limit is not None and now - started > limit and not self.stop.is_set():
+            self._halt("time limit", f"total time limit of {limit:g} s reached: no new problems")
+
+    def _on_interrupts(self) -> None:
+        """First Ctrl-C: no new problems; the next one: kill the problems in flight too."""
+        new, self.handled = self.interrupts - self.handled, self.interrupts
+        if not new:
+            return
+        if self.stopped != "ctrl-c":
+            self._halt("ctrl-c", "stopping: problems in flight finish (Ctrl-C again to abort them)")
+            new -= 1
+        if new:
+            self.emit(("notice", "aborting the problems in flight"))
+            self._kill_all()
+            for s in self.slots:
+                s.done = True
+
+    def _halt(self, why: str, notice: str) -> None:
+        self.stopped = why
+        self.stop.set()
+        self.emit(("notice", notice))
+
+    def _on_message(self, slot: _Slot, msg: tuple[str, Any]) -> None:
+        kind, data = msg
+        if kind == "ready":
+            slot.ready, slot.device_class = True, data
+            self.emit(("ready", (slot.index, data)))
+        elif kind == "start":
+            slot.key, slot.started = data, time.perf_counter()
+            self.emit(("start", (slot.index, data)))
+        elif kind == "result":
+            result = Result(**data)
+            slot.key = None
+            self.results.append(result)
+            self.emit(("result", result))
+        elif kind == "exit":
+            slot.done = True
+
+    def _on_exit(self, slot: _Slot) -> None:
+        """The worker's pipe closed: a clean exit after "exit", else a crash."""
+        slot.proc.join(timeout=10)
+        if slot.done:
+            return
+        code = slot.proc.exitcode
+        if slot.key:
+            self._finish(
+                slot, "failed", f"worker died (exit code {code}) while tuning this problem"
+            )
+        slot.deaths += 1
+        if not slot.ready and slot.deaths >= 2:
+            raise RuntimeError(f"tune-all worker {slot.index} failed to start (exit code {code})")
+        self._replace(slot)
+
+    def _replace(self, slot: _Slot) -> None:
+        """A fresh worker takes a dead one's slot, unless the run is stopping."""
+        if self.stop.is_set():
+            slot.done = True
+            return
+        self._spawn(slot)
+
+    def _finish(self, slot: _Slot, status: str, error: str) -> None:
+        assert slot.key is not None
+        seconds = time.perf_counter() - slot.started
+        result = Result(slot.key, status, seconds, slot.index, slot.device_class, error=error)
+        slot.key = None
+        append_journal(self.journal, _journal_record(result))
+        self.results.append(result)
+        self.emit(("result", result))
+
+
+def _journal_record(r: Result) -> dict[str, Any]:
+    rec = {k: v for k, v in asdict(r).items() if k != "winner"}
+    rec["run_id"] = (r.winner or {}).get("run_id", "")
+    rec["at"] = time.time()
+    return rec
+
+
+# --- the worker process ------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent dies (even by SIGKILL)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def worker_main(
+    index: int,
+    device: int | None,
+    store_path: str,
+    options: dict[str, Any],
+    tasks: Any,
+    conn: Any,
+    stop: Any,
+) -> None:
+    """Pull keys until the sentinel or the stop signal; commit each problem when it is done."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:
+        return
+    import torch
+
+    from tuner.device import fingerprint
+    from tuner.engine import TuneOptions
+
+    if device is not None:
+        torch.cuda.set_device(device)
+    fp = fingerprint("cuda" if device is not None else "cpu")
+    opts = RunOptions(**options)
+    tune_opts = TuneOptions(budget_s=opts.budget_s, sources=opts.sources)
+    journal = journal_path(Path(store_path))
+    with Store(store_path) as store:
+        store.save_device(fp)
+        conn.send(("ready", fp.device_class))
+        while not stop.is_set() and os.getppid() == parent:
+            try:
+                key = tasks.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if key is None:
+                break
+            conn.send(("start", key))
+            result = _tune_one(key, store, fp, tune_opts, opts.force, index)
+            if result.status != "skipped":
+                append_journal(journal, _journal_record(result))
+            conn.send(("result", asdict(result)))
+    conn.send(("exit", None))
+
+
+def _tune_one(
+    key: str, store: Store, fp: Fingerprint, options: Any, force: bool, index: int
+) -> Result:
+    from tuner.engine import tune
+
+    t0 = time.perf_counter()
+    existing = store.winner(fp.device_class, key)
+    if not force and existing is not None and existing.versions == fp.version_tag:
+        return Result(key, "skipped", 0.0, index, fp.device_class, existing.to_row())
+    try:
+        outcome = tune(parse_key(key), options=options)
+    except Exception as e:  # the baseline failed, or the problem cannot be set up here
+        error = f"{type(e).__name__}: {e}"[:2000]
+        return Result(key, "failed", time.perf_counter() - t0, index, fp.device_class, error=error)
+    store.save_run(outcome.measurements, outcome.winner)
+    return Result(key, "tuned", outcome.seconds, index, fp.device_class, outcome.winner.to_row())
