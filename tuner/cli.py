@@ -3,6 +3,8 @@
     tuner info                                  this device, and which kernel sources can run here
     tuner tune gemm -m 128 -n 4096 -k 4096      tune one problem and store the winner
     tuner tune-all --config problems.yaml       tune a list of problems (resumable)
+    tuner tune-all --model configs/models/llama-3-8b.yaml --out rep/   a model, on every GPU
+    tuner report --out rep/                     per-problem speedups, summary, plot
     tuner show --op gemm                        winners as a table
     tuner export results.json / tuner import results.json
 
@@ -289,10 +291,10 @@ def tune_all(
         bool, typer.Option("--dry-run", help="Only list what would be tuned.")
     ] = False,
 ) -> None:
-    """Tune the problems of models, problem lists, TunableOp files, recorded misses and the fleet
-    queue on every local GPU; resumable (tuned problems are skipped); report at the end.
+    """Tune models, problem lists, TunableOp files, recorded misses and fleet-queue keys.
 
-    Exit status 0 when every problem ends with a winner, 1 when some failed or were left."""
+    All local GPUs work at once; problems tuned already are skipped (a killed run resumes);
+    a report ends the run. Exit status 0 when every problem has a winner, else 1."""
     from tuner.tune_all import RunOptions
     from tuner.tune_all_cmd import tune_all as run_tune_all
 
@@ -318,8 +320,9 @@ def report_(
     out: OutOpt = None,
     rows: Annotated[int | None, typer.Option(help="Table rows to print (all in JSON).")] = 60,
 ) -> None:
-    """Report baseline, winner, speedup and tuning time per problem (default: every winner of
-    this device class; with sources, their problems), with a summary and a speedup plot."""
+    """Baseline, winner, speedup and tuning time per problem, a summary and a speedup plot.
+
+    Covers every winner and failure of this device class, or the problems of the sources given."""
     from tuner.tune_all_cmd import report_command
 
     sources = _sources(model, config, tunableop_file, misses, op)
