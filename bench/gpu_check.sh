@@ -21,6 +21,8 @@ for stage in "$@"; do
   case "$stage" in
     tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 tests 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
     dispatch) python3 bench/dispatch_overhead.py --out "$OUT/dispatch_overhead.json" || status=1 ;;
+    sdpa-tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests/test_sdpa.py 2>&1 | tee "$OUT/sdpa_tests.log" || status=1 ;;
+    sdpa) timeout "${SDPA_BENCH_TIMEOUT:-215}" python3 -m tuner.cli bench sdpa --out "$OUT" ${SDPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/sdpa_bench.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -1,0 +1,275 @@
+"""``tuner bench sdpa``: tuned attention against torch's default SDPA, side by side in one run.
+
+Two suites (tuner/suite.py runs each: tune every problem, then time torch's default and the
+winner alternately on the same inputs):
+
+- **prefill**: 16k tokens per batch (batch x seq = 16384), head dims 64 and 128, causal (torch's
+  ``is_causal``) and not, 32 q heads with 32 and 8 kv heads. Reported: TFLOP/s of torch's default,
+  of the winner, and of cuDNN's and the best Triton candidate's as measured while tuning.
+- **decode**: q len 1 (no mask) and 4 (bottom-right causal, e.g. verifying speculated tokens
+  against the cache), 32 q / 8 kv heads, head dim 128, over kv lengths and batches whose K/V fits.
+  Reported: GB/s of K/V read and its share of the measured device-to-device copy bandwidth.
+
+Before timing, every Triton candidate of the suite is compiled in parallel worker processes into
+Triton's disk cache, so that compilation does not dominate the run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import multiprocessing
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from tuner.candidates import registry
+from tuner.engine import TuneOptions, TuneOutcome, current_device, tune
+from tuner.keys import Key, SdpaKey, parse_key
+from tuner.plots import geomean
+from tuner.results import Measurement
+from tuner.suite import run_suite
+
+console = Console()
+
+TOKENS = 16384
+PREFILL_SEQS = (512, 2048, 8192, 16384)
+PREFILL_HEAD_DIMS = (64, 128)
+PREFILL_KV_HEADS = (32, 8)
+DECODE_KV = (1024, 8192, 32768, 131072)
+DECODE_BATCH = (1, 8, 64)
+DECODE_Q = (1, 4)
+Q_HEADS = 32
+DECODE_KV_HEADS = 8
+MAX_KV_BYTES = 40e9  # decode shapes whose K/V exceeds this are left out
+TARGET_KV_BYTES = 32 * 2**20  # decode shapes reading at least this much must reach 80% of copy
+
+
+def prefill_problems(dtype: str = "bf16") -> list[tuple[str, SdpaKey]]:
+    out = []
+    for seq, d, causal, kvh in itertools.product(
+        PREFILL_SEQS, PREFILL_HEAD_DIMS, ("none", "top_left"), PREFILL_KV_HEADS
+    ):
+        key = SdpaKey(
+            batch=TOKENS // seq, q_heads=Q_HEADS, kv_heads=kvh, q_len=seq, kv_len=seq,
+            head_dim=d, causal=causal, dtype=dtype,
+        )  # fmt: skip
+        label = f"b{key.batch} s{seq} d{d} kv{kvh} {'causal' if causal != 'none' else 'full'}"
+        out.append((label, key))
+    return out
+
+
+def decode_problems(dtype: str = "bf16") -> list[tuple[str, SdpaKey]]:
+    out = []
+    for q_len, kv, batch in itertools.product(DECODE_Q, DECODE_KV, DECODE_BATCH):
+        key = SdpaKey(
+            batch=batch, q_heads=Q_HEADS, kv_heads=DECODE_KV_HEADS, q_len=q_len, kv_len=kv,
+            head_dim=128, causal="none" if q_len == 1 else "bottom_right", dtype=dtype,
+        )  # fmt: skip
+        if key.kv_bytes > MAX_KV_BYTES:
+            continue
+        out.append((f"q{q_len} b{batch} kv{kv // 1024}k ({key.kv_bytes / 1e6:.0f} MB)", key))
+    return out
+
+
+def prefill_metrics(key: Key, us: float) -> dict[str, float]:
+    assert isinstance(key, SdpaKey)
+    return {"tflops": key.flops / us / 1e6}
+
+
+def decode_metrics(key: Key, us: float) -> dict[str, float]:
+    assert isinstance(key, SdpaKey)
+    return {"kv_gbs": key.kv_bytes / us / 1e3}
+
+
+# --- parallel compilation ------------------------------------------------------------------------
+
+
+def _warm(jobs: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """Worker: compile each (source, key, params) into Triton's disk cache; return the errors."""
+    errors = []
+    for name, key_text, params in jobs:
+        try:
+            registry.get(name).warmup(parse_key(key_text), params)
+        except Exception as e:  # the tuning run records the failure properly
+            errors.append(f"{name} {params} {key_text}: {type(e).__name__}: {str(e)[:200]}")
+    return errors
+
+
+def compile_jobs(keys: Sequence[SdpaKey]) -> list[list[tuple[str, str, dict[str, Any]]]]:
+    """Every Triton candidate of ``keys``, grouped so that jobs likely to share one compiled
+    kernel (same source, params, head dim, mask, dtype, short q length) go to one worker."""
+    groups: dict[tuple, list[tuple[str, str, dict[str, Any]]]] = {}
+    for src in registry.sources("sdpa"):
+        if not hasattr(src, "warmup") or src.unavailable("cuda"):
+            continue
+        for key in keys:
+            if src.unsupported(key):
+                continue
+            for params in src.candidates(key, "cuda"):
+                like = (
+                    src.name, json.dumps(params, sort_keys=True), key.head_dim, key.causal,
+                    key.dtype, key.q_len if key.q_len <= 16 else 0,
+                )  # fmt: skip
+                groups.setdefault(like, []).append((src.name, str(key), params))
+    return list(groups.values())
+
+
+def precompile(keys: Sequence[SdpaKey], workers: int) -> float:
+    """Compile all Triton candidates of ``keys`` in ``workers`` processes; returns seconds."""
+    started = time.perf_counter()
+    groups = compile_jobs(keys)
+    if not groups or workers < 1:
+        return 0.0
+    ctx = multiprocessing.get_context("spawn")  # the parent may hold a CUDA context: no fork
+    errors: list[str] = []
+    with concurrent.futures.ProcessPoolExecutor(min(workers, len(groups)), mp_context=ctx) as pool:
+        for errs in pool.map(_warm, groups):
+            errors += errs
+    for e in errors[:10]:
+        console.print(f"[yellow]precompile: {e}[/yellow]")
+    seconds = time.perf_counter() - started
+    console.print(
+        f"precompiled {sum(map(len, groups))} candidates in {len(groups)} groups with {workers} workers: {seconds:.1f} s"
+    )
+    return seconds
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+
+class Recorder:
+    """Runs engine.tune and keeps each outcome, so rows can show candidates other than the winner."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, TuneOutcome] = {}
+
+    def __call__(self, key: Key, options: TuneOptions) -> TuneOutcome:
+        outcome = tune(key, options=options)
+        self.outcomes[str(key)] = outcome
+        return outcome
+
+
+def _best(ms: list[Measurement], source: str, backend: str | None = None) -> Measurement | None:
+    ok = [
+        m for m in ms
+        if m.status == "ok" and m.source == source
+        and (backend is None or m.params.get("backend") == backend)
+    ]  # fmt: skip
+    return min(ok, key=lambda m: m.median_us or float("inf"), default=None)
+
+
+def annotate(result: dict[str, Any], recorder: Recorder, kind: str) -> dict[str, Any]:
+    """Add per-row tuning detail (cuDNN and best Triton times, host launch times) and targets."""
+    copy = result["copy_gbs"]
+    for row in result["rows"]:
+        row.update(row.pop("extra", {}))  # the suite nests metrics under "extra": flatten
+        key = parse_key(row["key"])
+        outcome = recorder.outcomes.get(row["key"])
+        ms = outcome.measurements if outcome else []
+        base = next((m for m in ms if m.is_baseline and m.status == "ok"), None)
+        win = next((m for m in ms if m.candidate == row["candidate"] and m.status == "ok"), None)
+        row["baseline_host_us"] = base.host_us if base else None
+        row["winner_host_us"] = win.host_us if win else None
+        for label, m in (
+            ("cudnn", _best(ms, "torch_sdpa", "cudnn")),
+            ("flash", _best(ms, "torch_sdpa", "flash")),
+            ("triton", _best(ms, "triton_decode" if kind == "decode" else "triton_attention")),
+        ):
+            us = m.median_us if m else None
+            row[f"{label}_us"] = us
+            if kind == "prefill":
+                row[f"{label}_tflops"] = key.flops / us / 1e6 if us else None
+        if kind == "decode":
+            row["kv_bytes"] = key.kv_bytes
+            row["pct_copy"] = 100 * row["kv_gbs"] / copy
+            row["baseline_pct_copy"] = 100 * row["baseline_kv_gbs"] / copy
+    rows = result["rows"]
+    s = result["summary"]
+    if kind == "decode" and rows:
+        big = [r for r in rows if r["kv_bytes"] >= TARGET_KV_BYTES]
+        s["n_kv_ge_32MB"] = len(big)
+        s["n_kv_ge_32MB_at_80pct"] = sum(r["pct_copy"] >= 80 for r in big)
+        s["min_pct_copy_kv_ge_32MB"] = min((r["pct_copy"] for r in big), default=None)
+    if kind == "prefill" and rows:
+        s["geomean_triton_vs_baseline"] = geomean(
+            [r["baseline_us"] / r["triton_us"] for r in rows if r.get("triton_us")]
+        )
+    return result
+
+
+def _print_extra(result: dict[str, Any], kind: str) -> None:
+    for r in result["rows"]:
+        if kind == "prefill":
+            cols = " ".join(
+                f"{n} {r[f'{n}_tflops']:.0f}" if r.get(f"{n}_tflops") else f"{n} -"
+                for n in ("cudnn", "flash", "triton")
+            )
+            console.print(
+                f"{r['label']:<32} default {r['baseline_tflops']:.0f} -> {r['tflops']:.0f} TFLOP/s  ({cols})"
+            )
+        else:
+            console.print(
+                f"{r['label']:<32} default {r['baseline_kv_gbs']:.0f} GB/s ({r['baseline_pct_copy']:.0f}%) -> "
+                f"{r['kv_gbs']:.0f} GB/s ({r['pct_copy']:.0f}%)  host us {r['baseline_host_us'] or 0:.1f} / {r['winner_host_us'] or 0:.1f}"
+            )
+    console.print(json.dumps(result["summary"]))
+
+
+def command(
+    out: Annotated[Path, typer.Option(help="Folder for sdpa_<part>.json and .png.")] = Path(
+        "bench/results"
+    ),
+    part: Annotated[str, typer.Option(help="all, prefill or decode.")] = "all",
+    dtype: Annotated[str, typer.Option(help="bf16 or f16.")] = "bf16",
+    budget: Annotated[float, typer.Option(help="Timing budget per candidate, seconds.")] = 0.05,
+    launch: Annotated[
+        str, typer.Option(help="eager: host launch time counts when choosing; graph: GPU time.")
+    ] = "eager",
+    workers: Annotated[int, typer.Option(help="Processes compiling Triton candidates.")] = 12,
+    quick: Annotated[
+        bool, typer.Option(help="Every 4th problem only (a smoke run of the whole path).")
+    ] = False,
+) -> None:
+    """Tune attention shapes and time torch's default SDPA against the winners."""
+    parts = {"prefill": prefill_problems, "decode": decode_problems}
+    if part not in ("all", *parts):
+        raise ValueError(f"part must be all, prefill or decode, got {part!r}")
+    if launch not in ("eager", "graph"):
+        raise ValueError(f"launch must be eager or graph, got {launch!r}")
+    chosen = list(parts) if part == "all" else [part]
+    suites = {p: parts[p](dtype)[:: 4 if quick else 1] for p in chosen}
+    run(suites, out, TuneOptions(budget_s=budget, launch=launch), workers=workers, dtype=dtype)
+
+
+def run(
+    suites: dict[str, list[tuple[str, SdpaKey]]],
+    out: Path,
+    options: TuneOptions,
+    *,
+    workers: int = 0,
+    dtype: str = "bf16",
+) -> dict[str, dict[str, Any]]:
+    """Run each suite ("prefill" / "decode": its problems); write sdpa_<kind>.json/.png."""
+    if current_device() == "cuda":
+        precompile([k for probs in suites.values() for _, k in probs], workers)
+    results = {}
+    for kind, problems_ in suites.items():
+        recorder = Recorder()
+        started = time.perf_counter()
+        result = run_suite(
+            f"sdpa_{kind}", problems_, out_dir=out,
+            title=f"SDPA {kind} ({dtype}): tuned vs torch default", options=options,
+            metrics=prefill_metrics if kind == "prefill" else decode_metrics, tuner=recorder,
+        )  # fmt: skip
+        result = annotate(result, recorder, kind)
+        result["wall_s"] = time.perf_counter() - started
+        (Path(out) / f"sdpa_{kind}.json").write_text(json.dumps(result, indent=1))
+        _print_extra(result, kind)
+        results[kind] = result
+    return results
