@@ -17,6 +17,7 @@ Triton's disk cache, so that compilation does not dominate the run.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 import itertools
 import json
 import multiprocessing
@@ -91,32 +92,32 @@ def decode_metrics(key: Key, us: float) -> dict[str, float]:
 
 
 def _warm(jobs: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
-    """Worker: compile each (source, key, params) into Triton's disk cache; return the errors."""
+    """Worker: compile each (module:Source, key, params) into Triton's disk cache; return the
+    errors (the tuning run records them properly)."""
     errors = []
-    for name, key_text, params in jobs:
+    for target, key_text, params in jobs:
         try:
-            registry.get(name).warmup(parse_key(key_text), params)
-        except Exception as e:  # the tuning run records the failure properly
-            errors.append(f"{name} {params} {key_text}: {type(e).__name__}: {str(e)[:200]}")
+            module, _, cls = target.partition(":")  # import only this source, not every plugin
+            getattr(importlib.import_module(module), cls)().warmup(parse_key(key_text), params)
+        except Exception as e:
+            errors.append(f"{target} {params} {key_text}: {type(e).__name__}: {str(e)[:200]}")
     return errors
 
 
 def compile_jobs(keys: Sequence[SdpaKey]) -> list[list[tuple[str, str, dict[str, Any]]]]:
-    """Every Triton candidate of ``keys``, grouped so that jobs likely to share one compiled
-    kernel (same source, params, head dim, mask, dtype, short q length) go to one worker."""
+    """Every Triton candidate of ``keys`` with a ``warmup``, grouped by ``kernel_id`` (jobs that
+    share one compiled kernel go to one worker, which compiles it once)."""
     groups: dict[tuple, list[tuple[str, str, dict[str, Any]]]] = {}
     for src in registry.sources("sdpa"):
         if not hasattr(src, "warmup") or src.unavailable("cuda"):
             continue
+        target = f"{type(src).__module__}:{type(src).__qualname__}"
         for key in keys:
             if src.unsupported(key):
                 continue
             for params in src.candidates(key, "cuda"):
-                like = (
-                    src.name, json.dumps(params, sort_keys=True), key.head_dim, key.causal,
-                    key.dtype, key.q_len if key.q_len <= 16 else 0,
-                )  # fmt: skip
-                groups.setdefault(like, []).append((src.name, str(key), params))
+                like = src.kernel_id(key, params)
+                groups.setdefault(like, []).append((target, str(key), params))
     return list(groups.values())
 
 
@@ -176,6 +177,13 @@ def annotate(result: dict[str, Any], recorder: Recorder, kind: str) -> dict[str,
         win = next((m for m in ms if m.candidate == row["candidate"] and m.status == "ok"), None)
         row["baseline_host_us"] = base.host_us if base else None
         row["winner_host_us"] = win.host_us if win else None
+        row["candidates"] = [
+            {
+                "candidate": m.candidate, "status": m.status, "median_us": m.median_us,
+                "host_us": m.host_us, "rel_err": m.max_rel_err, "error": m.error[:300],
+            }
+            for m in ms
+        ]  # fmt: skip
         for label, m in (
             ("cudnn", _best(ms, "torch_sdpa", "cudnn")),
             ("flash", _best(ms, "torch_sdpa", "flash")),
@@ -205,6 +213,11 @@ def annotate(result: dict[str, Any], recorder: Recorder, kind: str) -> dict[str,
 
 def _print_extra(result: dict[str, Any], kind: str) -> None:
     for r in result["rows"]:
+        for c in r["candidates"]:
+            if c["status"] in ("failed", "rejected"):
+                console.print(
+                    f"[red]{r['label']}: {c['candidate']} {c['status']}: {c['error'][:160]}[/red]"
+                )
         if kind == "prefill":
             cols = " ".join(
                 f"{n} {r[f'{n}_tflops']:.0f}" if r.get(f"{n}_tflops") else f"{n} -"

@@ -320,6 +320,11 @@ class TritonAttention(Source):
                 out.append(p)
         return out
 
+    def kernel_id(self, key: SdpaKey, params: Params) -> tuple:
+        """What decides the compiled kernel (candidates with equal ids share one compilation)."""
+        return (self.name, key.dtype, key.head_dim, key.causal != "none", key.q_len == 1,
+                *sorted(params.items()))  # fmt: skip
+
     def warmup(self, key: SdpaKey, params: Params) -> None:
         """Compile (or load from Triton's disk cache) this candidate's kernel for contiguous
         inputs, without running it: lets a benchmark compile its candidates in parallel."""

@@ -225,6 +225,14 @@ class TritonDecode(Source):
                 out.append({"bn": bn, "splits": splits, "warps": warps, "stages": 3})
         return out
 
+    def kernel_id(self, key: SdpaKey, params: Params) -> tuple:
+        """What decides the compiled kernels (candidates with equal ids share one compilation)."""
+        return (
+            self.name, key.dtype, key.head_dim, key.q_len, key.q_heads // key.kv_heads,
+            key.causal != "none", plan(key, params).splits == 1, params["bn"], params["warps"],
+            params["stages"],
+        )  # fmt: skip
+
     def warmup(self, key: SdpaKey, params: Params) -> None:
         """Compile (or load from Triton's disk cache) this candidate's kernels for contiguous
         inputs, without running them: lets a benchmark compile its candidates in parallel."""
