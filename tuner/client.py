@@ -419,14 +419,23 @@ class BackgroundSync:
 
     def sync_once(self, store: Store) -> PullResult:
         fp = self._fingerprint()
-        if self.push:
-            push(self.client, store, fp)
+        refused: list[str] = []
+        if self.push:  # a refused push (e.g. a read-only token) must not stop the pull
+            for step in (push_misses, push_measurements):
+                try:
+                    step(self.client, store, fp)
+                except FleetError as e:
+                    if e.status is None:  # unreachable: the pull would fail the same way
+                        raise
+                    refused.append(f"{step.__name__}: {e}")
         result = pull(self.client, store, fp)
         if result.winners and self.on_change is not None:
             self.on_change()
         self.syncs += 1
-        self.last_error = None
         self.synced.set()
+        if refused:
+            raise FleetError("; ".join(refused))
+        self.last_error = None
         return result
 
 

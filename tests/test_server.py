@@ -1,0 +1,273 @@
+"""The fleet service end to end: a real uvicorn on loopback, hosts with separate cache files.
+
+Host A tunes (the CPU path of the real engine) and pushes; host B pulls and dispatches A's winner;
+B's misses reach the queue, a worker claims and completes them, and B's background sync brings
+the winner back; leases expire; a poisoned submission is held, not served.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from server.live import ThreadServer
+from tuner.cache import Store
+from tuner.client import FleetClient, attach, pull, push
+from tuner.device import fingerprint
+from tuner.dispatch import Dispatcher
+from tuner.engine import TuneOptions, TuneOutcome, tune
+from tuner.keys import GemmKey, parse_key
+from tuner.results import Measurement
+
+pytestmark = pytest.mark.timeout(180)
+FP = fingerprint()
+DC, VERSIONS = FP.device_class, FP.version_tag
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[ThreadServer]:
+    with ThreadServer(tmp_path / "fleet.db") as srv:
+        yield srv
+
+
+def f32(m: int, n: int = 64, k: int = 64) -> GemmKey:
+    return GemmKey(m=m, n=n, k=k, dtype="f32", out_dtype="f32")
+
+
+def tune_fast(key: GemmKey) -> TuneOutcome:
+    return tune(key, options=TuneOptions(budget_s=0.03))
+
+
+def wait_until(check: Callable[[], object], timeout_s: float = 30.0) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def made_up(key: GemmKey, source: str, us: float, **fields) -> Measurement:
+    """A measurement as a (possibly lying) host would submit it."""
+    params = {} if source == "torch" else {"bm": 16, "bn": 16, "bk": 16}
+    return Measurement(
+        DC, str(key), source, params, "ok", is_baseline=source == "torch", median_us=us,
+        p10_us=us * 0.99, p90_us=us * 1.01, reps=100, versions=VERSIONS, **fields,
+    )  # fmt: skip
+
+
+def resolution(d: Dispatcher, key: GemmKey, kind: str):
+    return next((r for r in d.resolutions.values() if r.key == str(key) and r.kind == kind), None)
+
+
+def test_host_b_dispatches_the_winner_host_a_pushed(fleet: ThreadServer, tmp_path: Path) -> None:
+    key = f32(48)
+    with Store(tmp_path / "a.db") as a, fleet.client("host-a", "submit") as ca:
+        outcome = tune_fast(key)
+        a.save_device(FP)
+        a.save_run(outcome.measurements, outcome.winner)
+        sent = push(ca, a, FP)
+        assert sent.accepted == len(outcome.measurements) and sent.duplicates == 0
+        assert push(ca, a, FP).accepted == 0  # incremental: nothing new to send
+    with Store(tmp_path / "b.db") as b, fleet.client("host-b", "read") as cb:
+        assert pull(cb, b, FP).winners == 1
+        got = b.winner(DC, str(key))
+        assert got is not None
+        assert (got.candidate, got.run_id) == (outcome.winner.candidate, outcome.winner.run_id)
+        assert pull(cb, b, FP).winners == 0  # nothing changed since
+    d = Dispatcher(store_path=tmp_path / "b.db", mode="lookup")
+    x, y = torch.randn(48, 64), torch.randn(64, 64)
+    torch.testing.assert_close(d.matmul(x, y), x @ y)
+    hit = resolution(d, key, "hit")
+    assert hit is not None and hit.winner.run_id == outcome.winner.run_id
+
+
+def test_a_miss_goes_through_the_queue_and_comes_back_as_a_winner(
+    fleet: ThreadServer, tmp_path: Path
+) -> None:
+    key = f32(40, 24, 56)
+    d = Dispatcher(store_path=tmp_path / "b.db", mode="record")
+    sync = attach(d, client=fleet.client("host-b", "read"), interval_s=0.2)
+    assert sync is not None
+    try:
+        x, y = torch.randn(40, 56), torch.randn(56, 24)
+        torch.testing.assert_close(d.matmul(x, y), x @ y)  # no winner yet: torch, miss recorded
+        assert resolution(d, key, "miss") is not None
+        worker = fleet.client("worker", "submit")
+        # B's background thread reports the miss; it shows up queued
+        wait_until(lambda: [e for e in worker.queue(state="queued") if e["key"] == str(key)])
+        lease = worker.claim(FP, "worker-1", max_keys=5)
+        assert lease.keys == [str(key)] and lease.lease_id
+        measurements = [m for k in lease.keys for m in tune_fast(parse_key(k)).measurements]
+        done = worker.complete(lease.lease_id, FP, measurements)
+        assert done["done"] == [str(key)] and done["served"] == [str(key)]
+        assert not done["lease_expired"] and not done["requeued"]
+        assert [e["key"] for e in worker.queue(state="done")] == [str(key)]
+
+        def hit_after_reload():
+            d.matmul(x, y)
+            return resolution(d, key, "hit")
+
+        hit = wait_until(hit_after_reload)  # pulled in the background, dispatcher reloaded
+        assert hit.winner.key == str(key)
+    finally:
+        sync.stop()
+    assert sync.last_error is None and sync.syncs >= 1
+
+
+def test_an_expired_lease_returns_its_keys(fleet: ThreadServer) -> None:
+    keys = [str(f32(8 * i, 32, 32)) for i in (1, 2, 3)]
+    fleet.client("host-b", "read").report_misses(FP, [(k, 1) for k in keys])
+    w1, w2 = fleet.client("w1", "submit"), fleet.client("w2", "submit")
+    first = w1.claim(FP, "w1", max_keys=10, lease_s=1)
+    assert sorted(first.keys) == sorted(keys)
+    assert w2.claim(FP, "w2").keys == []  # all leased
+    time.sleep(1.2)  # w1 "dies"
+    assert {e["key"] for e in w2.queue(state="queued")} == set(keys)  # readers see them back
+    second = w2.claim(FP, "w2", max_keys=10, lease_s=60)
+    assert sorted(second.keys) == sorted(keys)
+    # w1 comes back late: its results are kept and serve a winner, the keys are w2's now
+    late = w1.complete(first.lease_id, FP, tune_fast(parse_key(keys[0])).measurements)
+    assert late["lease_expired"] and late["accepted"] > 0 and late["served"] == [keys[0]]
+    assert late["done"] == late["requeued"] == []
+    # w2 only manages one of its other two keys; the third goes back to the queue
+    last = w2.complete(second.lease_id, FP, tune_fast(parse_key(keys[1])).measurements)
+    assert sorted(last["done"]) == sorted(keys[:2]) and last["requeued"] == [keys[2]]
+    with pytest.raises(Exception, match="already completed"):
+        w2.complete(second.lease_id, FP, [])
+
+
+def test_a_key_that_keeps_failing_is_not_handed_out_forever(tmp_path: Path) -> None:
+    with ThreadServer(tmp_path / "fleet.db", max_attempts=2) as srv:
+        key = str(f32(16, 16, 16))
+        srv.client("host", "read").report_misses(FP, [(key, 3)])
+        w = srv.client("w", "submit")
+        assert w.claim(FP, "w", lease_s=1).keys == [key]
+        time.sleep(1.1)  # lease 1 runs out
+        lease = w.claim(FP, "w", lease_s=60)
+        assert lease.keys == [key]
+        assert w.complete(lease.lease_id, FP, [])["failed"] == [key]  # attempt 2, no result
+        assert w.claim(FP, "w").keys == []
+        assert [e["state"] for e in w.queue()] == ["failed"]
+
+
+def test_a_poisoned_submission_does_not_change_the_served_winner(
+    fleet: ThreadServer, tmp_path: Path
+) -> None:
+    key = f32(56)
+    honest = tune_fast(key)
+    ca = fleet.client("host-a", "submit")
+    ca.submit(FP, honest.measurements)
+    served = ca.winner(DC, str(key), VERSIONS)
+    assert served["candidate"] == honest.winner.candidate
+    base_us = served["baseline_us"]
+    evil = fleet.client("evil-host", "submit")
+    claim = [made_up(key, "torch", base_us), made_up(key, "triton_gemm", base_us / 100)]
+    out = evil.submit(FP, claim)
+    assert out["pending"] == [str(key)] and out["served"] == []
+    # repeating the lie 20 times is still one voice
+    flood = [made_up(key, "triton_gemm", base_us / 100) for _ in range(20)]
+    assert evil.submit(FP, flood)["pending"] == [str(key)]
+    # and claiming the served kernel is 1000x slower is held too
+    evil.submit(FP, [made_up(key, honest.winner.source, base_us * 1000)])
+    with Store(tmp_path / "b.db") as b, fleet.client("host-b", "read") as cb:
+        pull(cb, b, FP)
+        got = b.winner(DC, str(key))
+        assert (got.candidate, got.run_id) == (honest.winner.candidate, honest.winner.run_id)
+        pending = cb.request("GET", "/v1/pending")
+    assert [p["key"] for p in pending] == [str(key)]
+    assert pending[0]["supporters"] == [evil.http.headers["authorization"].split("_")[1]]
+
+
+def test_a_large_change_is_served_once_confirmed(fleet: ThreadServer) -> None:
+    key = f32(24)
+    claim = lambda: [made_up(key, "torch", 100.0), made_up(key, "triton_gemm", 20.0)]  # noqa: E731
+    a, c = fleet.client("host-a", "submit"), fleet.client("host-c", "submit")
+    assert a.submit(FP, claim())["pending"] == [str(key)]
+    assert a.winner(DC, str(key)) is None  # nothing served yet: a new key starts at baseline
+    assert c.submit(FP, claim())["served"] == [str(key)]  # a second host confirms
+    assert a.winner(DC, str(key))["source"] == "triton_gemm"
+    # an admin token's own results need no second host
+    key2 = f32(72)
+    admin = fleet.client("ops", "admin")
+    out = admin.submit(FP, [made_up(key2, "torch", 100.0), made_up(key2, "triton_gemm", 20.0)])
+    assert out["served"] == [str(key2)]
+    # or an admin confirms a pending change by hand
+    key3 = f32(80)
+    a.submit(FP, [made_up(key3, "torch", 100.0), made_up(key3, "triton_gemm", 20.0)])
+    group = {"device_class": DC, "versions": VERSIONS, "key": str(key3)}
+    with pytest.raises(Exception, match="403"):
+        a.request("POST", "/v1/pending/confirm", json=group)
+    assert admin.request("POST", "/v1/pending/confirm", json=group)["candidate"].startswith(
+        "triton_gemm"
+    )
+    assert a.winner(DC, str(key3))["source"] == "triton_gemm"
+
+
+def test_results_of_other_versions_are_kept_apart(fleet: ThreadServer) -> None:
+    key = f32(32)
+    a = fleet.client("host-a", "submit")
+    a.submit(FP, [made_up(key, "torch", 100.0)])
+    old = [made_up(key, "torch", 100.0), made_up(key, "triton_gemm", 90.0)]
+    for m in old:
+        m.versions = "torch=1.0;tuner=0.0.1"
+    assert a.submit(FP, old)["served"] == [str(key)]  # served, but for those versions only
+    assert a.winner(DC, str(key), VERSIONS)["source"] == "torch"
+    assert a.winner(DC, str(key), "torch=1.0;tuner=0.0.1")["source"] == "triton_gemm"
+    assert [w["source"] for w in a.feed(DC, VERSIONS, 0)["winners"]] == ["torch"]
+    assert len(a.feed(DC, None, 0)["winners"]) == 2
+
+
+def test_the_feed_is_incremental_by_sequence_number(fleet: ThreadServer, tmp_path: Path) -> None:
+    a = fleet.client("host-a", "submit")
+    keys = [f32(8 * i, 8, 8) for i in range(1, 26)]
+    a.submit(FP, [made_up(k, "torch", 10.0) for k in keys])
+    pages, cursor = [], 0
+    while True:
+        page = a.feed(DC, VERSIONS, cursor, limit=10)
+        pages.append(len(page["winners"]))
+        cursor = page["cursor"]
+        if not page["more"]:
+            break
+    assert pages == [10, 10, 5]
+    with Store(tmp_path / "b.db") as b:
+        assert pull(a, b, FP).winners == 25
+        assert pull(a, b, FP).winners == 0
+        # a changed winner comes again, under a new sequence number
+        changed = a.submit(FP, [made_up(keys[0], "triton_gemm", 9.0)])
+        assert changed["served"] == [str(keys[0])]
+        again = pull(a, b, FP)
+        assert again.winners == 1 and again.cursor == 26
+        assert b.winner(DC, str(keys[0])).source == "triton_gemm"
+        assert pull(a, b, FP, full=True).winners == 25
+
+
+def test_lookup_batch_health_ready_metrics_docs(fleet: ThreadServer) -> None:
+    a = fleet.client("host-a", "submit")
+    keys = [str(f32(8 * i, 8, 8)) for i in (1, 2)]
+    a.submit(FP, [made_up(parse_key(keys[0]), "torch", 10.0)])
+    found = a.lookup(DC, VERSIONS, keys)
+    assert [w["key"] for w in found["winners"]] == [keys[0]] and found["missing"] == [keys[1]]
+    assert httpx.get(fleet.url + "/v1/health").json() == {"status": "ok"}
+    assert httpx.get(fleet.url + "/v1/ready").json()["status"] == "ready"
+    assert "swagger" in httpx.get(fleet.url + "/docs").text.lower()
+    spec = httpx.get(fleet.url + "/openapi.json").json()
+    assert "/v1/winners/{device_class}/feed" in spec["paths"]
+    text = httpx.get(fleet.url + "/metrics").text
+    assert 'tuner_measurements_total{result="accepted"} 1.0' in text
+    assert 'route="/v1/winners/{device_class}/lookup"' in text
+    assert "tuner_served_winners 1.0" in text
+
+
+def test_reads_can_be_open(tmp_path: Path) -> None:
+    with ThreadServer(tmp_path / "fleet.db", open_reads=True) as srv:
+        srv.client("host-a", "submit").submit(FP, [made_up(f32(8, 8, 8), "torch", 10.0)])
+        anonymous = FleetClient(srv.url)
+        assert len(anonymous.feed(DC, VERSIONS, 0)["winners"]) == 1
+        with pytest.raises(Exception, match="401"):  # writes still need a token
+            anonymous.submit(FP, [made_up(f32(16, 8, 8), "torch", 10.0)])
