@@ -349,9 +349,27 @@ def set_mode(mode: str) -> None:
     get_dispatcher().set_mode(mode)
 
 
+def _via_dlpack(fn: Callable[..., Any], *arrays: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` on torch views of CuPy (or any DLPack) arrays, zero copy, and hand the result
+    back as the caller's array type."""
+    import importlib
+
+    module = importlib.import_module(type(arrays[0]).__module__.split(".")[0])
+    out = kwargs.get("out")
+    if out is not None:
+        kwargs["out"] = torch.from_dlpack(out)
+    result = fn(*(torch.from_dlpack(x) for x in arrays), **kwargs)
+    return out if out is not None else module.from_dlpack(result)
+
+
 def matmul(a: Any, b: Any, out: Any = None) -> Any:
-    """``a @ b`` through the fastest known kernel for this problem on this device."""
-    return get_dispatcher().matmul(a, b, out=out)
+    """``a @ b`` through the fastest known kernel for this problem on this device.
+
+    Takes torch tensors, or CuPy arrays (any DLPack array), returned as the same type.
+    """
+    if isinstance(a, torch.Tensor):
+        return get_dispatcher().matmul(a, b, out=out)
+    return _via_dlpack(get_dispatcher().matmul, a, b, out=out)
 
 
 def sdpa(q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None) -> Any:
@@ -360,7 +378,9 @@ def sdpa(q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None
     ``causal``: False, True (torch's top-left alignment) or ``"bottom_right"`` (chunked prefill
     against a KV cache: the last query attends to every key).
     """
-    return get_dispatcher().sdpa(q, k, v, causal=causal, scale=scale)
+    if isinstance(q, torch.Tensor):
+        return get_dispatcher().sdpa(q, k, v, causal=causal, scale=scale)
+    return _via_dlpack(get_dispatcher().sdpa, q, k, v, causal=causal, scale=scale)
 
 
 __all__ = [
