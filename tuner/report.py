@@ -86,18 +86,8 @@ _STATUS_ORDER = ("tuned", "stale", "failed", "timeout", "pending")
 
 
 def short_label(key: str | Key) -> str:
-    """A compact name for a key: ``gemm 128x4096x4096 bf16 nt`` or ``sdpa b1 h32/8 q2048 ...``."""
-    k = parse_key(key) if isinstance(key, str) else key
-    if isinstance(k, GemmKey):
-        batch = f"{k.batch}x" if k.batch > 1 else ""
-        dtype = "tf32" if k.compute == "tf32" else k.dtype
-        align = "" if k.align == 16 else f" a{k.align}"
-        return f"gemm {batch}{k.m}x{k.n}x{k.k} {dtype} {k.layout}{align}"
-    causal = "" if k.causal == "none" else f" {k.causal}"
-    return (
-        f"sdpa b{k.batch} h{k.q_heads}/{k.kv_heads} q{k.q_len} kv{k.kv_len} "
-        f"d{k.head_dim}{causal} {k.dtype}"
-    )
+    """The key's short table form (``GemmKey.label`` / ``SdpaKey.label``)."""
+    return (parse_key(key) if isinstance(key, str) else key).label
 
 
 def _order(key: str) -> tuple:

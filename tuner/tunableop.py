@@ -45,6 +45,7 @@ ignores the whole file.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -163,7 +164,7 @@ def entry_key(entry: Entry) -> GemmKey:
             raise ValueError(f"leading dimensions {lds} smaller than the matrix extents {dense}")
         align = min(key.align, dense_align(key.dtype, *lds))
         if align != key.align:
-            key = GemmKey(**{**_fields(key), "align": align})
+            key = dataclasses.replace(key, align=align)
     return key
 
 
@@ -172,10 +173,6 @@ def _leading_dims(key: GemmKey) -> tuple[int, int]:
     lda = key.n if key.layout[1] == "n" else key.k
     ldb = key.k if key.layout[0] == "n" else key.m
     return lda, ldb
-
-
-def _fields(key: GemmKey) -> dict:
-    return {f: getattr(key, f) for f in key.__dataclass_fields__}
 
 
 @dataclass

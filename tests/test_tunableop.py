@@ -1,0 +1,216 @@
+"""PyTorch TunableOp CSV files: real files written by PyTorch in, our winners out.
+
+The fixtures in tests/data/tunableop/ are real TunableOp output (see the README there for where
+each comes from). The BLAS-to-row-major mapping is checked against keys taken from real torch
+tensors, and against a model whose shapes are known (OPT-125m).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tuner.keys import GemmKey
+from tuner.problem_list import ConfigError
+from tuner.results import Winner
+from tuner.tunableop import Entry, entry_key, export, import_files, read, signature
+
+DATA = Path(__file__).parent / "data" / "tunableop"
+
+
+def key(m, n, k, layout, dtype, batch=1, align=16, compute="f32") -> GemmKey:
+    return GemmKey(
+        m=m, n=n, k=k, batch=batch, layout=layout, dtype=dtype, out_dtype=dtype,
+        compute=compute, align=align,
+    )  # fmt: skip
+
+
+def test_cuda_results_file_with_validator_gives_its_keys():
+    f = read(DATA / "cuda_pt2.11_results0.csv")
+    assert f.kind == "results" and f.validators == {"PT_VERSION": "2.11.0"}
+    assert [(e.solution, e.time_ms) for e in f.entries][:2] == [
+        ("Default", 0.00779232),
+        ("Default", 0.00805632),
+    ]
+    imported = import_files([f.path])
+    sizes = (256, 512, 1024, 2048, 4096, 8192)
+    # tn_S_S_S_ld_S_S_S: F.linear-style x @ W.T in bf16
+    assert imported.keys == [key(s, s, s, "nt", "bf16") for s in sizes]
+    assert imported.skipped == []
+
+
+def test_untuned_file_of_opt125m_gives_the_models_shapes():
+    """OPT-125m, fp16, 8 prompts x 128 tokens (M = 1024): hidden 768, FFN 3072, vocabulary 50272,
+    12 heads of 64 (96 = 8 x 12 attention matrices)."""
+    imported = import_files([DATA / "untuned_opt125m0.csv"])
+    assert imported.files[0].kind == "untuned" and imported.files[0].validators == {}
+    assert imported.keys == [
+        key(1024, 768, 768, "nt", "f16"),  # q/k/v/out projections (GemmAndBias: bias dropped)
+        key(128, 128, 64, "nt", "f32", batch=96),  # Q @ K^T
+        key(128, 64, 128, "nn", "f32", batch=96),  # P @ V
+        key(1024, 3072, 768, "nt", "f16"),  # fc1
+        key(1024, 768, 3072, "nt", "f16"),  # fc2
+        key(1024, 50272, 768, "nt", "f16"),  # LM head
+    ]
+
+
+def test_rocm_results_with_tt_tn_and_bias_lines():
+    imported = import_files([DATA / "rocm_pt2.9.1_results0.csv"])
+    assert imported.files[0].validators["GCN_ARCH_NAME"] == "gfx1151"
+    keys = imported.keys
+    # tt_512_784_512_ld_512_784_512: both operands column-major, A is 784 x 512 with ld 784
+    assert keys[0] == key(784, 512, 512, "tt", "f32")
+    assert keys[3] == key(212, 6625, 120, "tt", "f32")
+    assert keys[4] == key(1374, 6625, 120, "nt", "f32")
+    assert keys[7] == key(232, 360, 120, "nt", "f32")  # GemmAndBiasTunableOp_float_TN
+    assert len(keys) == 11 and imported.skipped == []
+
+
+def test_pre_2_6_params_without_leading_dims():
+    f = read(DATA / "rocm_pt2.4_results0.csv")
+    assert f.entries[4].solution == "Default" and f.entries[4].time_ms == float("inf")
+    keys = import_files([f.path]).keys
+    assert keys[0] == key(64, 32000, 8192, "nt", "f16")  # tn_32000_64_8192
+    assert keys[-1] == key(1, 22016, 4096, "nt", "f16")  # a decode step: M = 1
+
+
+def test_untuned_nn_file():
+    assert import_files([DATA / "untuned_apollo0.csv"]).keys == [key(1024, 1024, 1024, "nn", "f32")]
+
+
+def test_mapping_matches_keys_taken_from_torch_tensors():
+    """TunableOp's README: F.linear(x 100x20, W 200x20) records tn_200_100_20; the blog's bmm
+    line for Q @ K^T over 96 heads is tn_128_128_64_B_96_ld_64_64_128."""
+    x, w = torch.randn(100, 20), torch.randn(200, 20)
+    lin = GemmKey.from_tensors(x, w.t())
+    assert signature(lin) == ("GemmTunableOp_float_TN", "tn_200_100_20_ld_20_20_200")
+    q, k = torch.randn(96, 128, 64), torch.randn(96, 128, 64)
+    qk = GemmKey.from_tensors(q, k.transpose(1, 2))
+    assert signature(qk) == (
+        "GemmStridedBatchedTunableOp_float_TN",
+        "tn_128_128_64_B_96_ld_64_64_128",
+    )
+    p, v = torch.randn(96, 128, 128), torch.randn(96, 128, 64)
+    pv = GemmKey.from_tensors(p, v)
+    assert signature(pv) == (
+        "GemmStridedBatchedTunableOp_float_NN",
+        "nn_64_128_128_B_96_ld_64_128_64",
+    )
+    a_col = torch.randn(20, 100).t()  # column-major A
+    tt = GemmKey.from_tensors(a_col, w.t())
+    assert tt.layout == "tt" and signature(tt)[1] == "tt_200_100_20_ld_20_100_200"
+
+
+def test_padded_leading_dimension_lowers_the_alignment_class():
+    e = Entry(1, "GemmTunableOp_Half_NN", "nn_64_32_64_ld_68_64_64")
+    assert entry_key(e) == key(32, 64, 64, "nn", "f16", align=8)  # 68 x 2 bytes: 8-aligned
+    with pytest.raises(ValueError, match="smaller than the matrix extents"):
+        entry_key(Entry(1, "GemmTunableOp_Half_NN", "nn_64_32_64_ld_60_64_64"))
+
+
+@pytest.mark.parametrize(
+    ("op", "params", "reason"),
+    [
+        ("GemmTunableOp_double_NN", "nn_8_8_8_ld_8_8_8", "unsupported data type 'double'"),
+        (
+            "ScaledGemmTunableOp_Float8_e4m3fn_TN",
+            "tn_8_8_8_ld_8_8_8",
+            "unsupported TunableOp operator",
+        ),
+        ("GemmTunableOp_Half_TN", "tn_*_8_8_ld_8_8_*", "wildcard"),
+        ("GemmTunableOp_Half_TN", "nn_8_8_8", "disagree with operator"),
+        ("GemmTunableOp_Half_TN", "tn_8_8_8_B_2", "disagree on batching"),
+        ("GemmTunableOp_Half_TN", "tn_8_x_8", "are not '<ab>_<m>_<n>_<k>"),
+    ],
+)
+def test_lines_without_a_key_say_why(op, params, reason):
+    with pytest.raises(ValueError, match=reason):
+        entry_key(Entry(3, op, params))
+
+
+def test_tf32_from_blas_log_and_skipped_lines_are_reported(tmp_path):
+    f = tmp_path / "untuned.csv"
+    f.write_text(
+        "GemmTunableOp_float_NN,nn_16_8_32_ld_16_32_16,BLAS_PARAMS: { function: matmul, "
+        "compute_type: xf32_r }\nGemmTunableOp_double_NN,nn_8_8_8_ld_8_8_8\n"
+    )
+    imported = import_files([f])
+    assert imported.keys == [key(8, 16, 32, "nn", "f32", compute="tf32")]
+    ((_path, entry, reason),) = imported.skipped
+    assert entry.line == 2 and "double" in reason
+
+
+def test_a_file_that_is_not_tunableop_names_file_and_line(tmp_path):
+    f = tmp_path / "x.csv"
+    f.write_text("Validator,PT_VERSION,2.5.0\nm,n,k\n")
+    with pytest.raises(ConfigError, match=r"x.csv:2: not a TunableOp line"):
+        read(f)
+
+
+def _winner(k: GemmKey, source: str = "torch", params: dict | None = None) -> Winner:
+    return Winner("cuda-x", str(k), source, params or {}, median_us=12.5, baseline_us=13.0)
+
+
+def test_export_round_trips_and_skips_what_tunableop_cannot_run():
+    keys = [
+        key(1, 6144, 4096, "nt", "bf16"),
+        key(128, 128, 64, "nt", "f32", batch=96),
+        key(784, 512, 512, "tt", "f32"),
+        key(96, 200, 24, "tn", "f16"),
+    ]
+    lt = {"algo_id": 66, "tile": 20, "stages": 8, "split_k": 1, "reduction": 0, "swizzle": 0,
+          "custom": 0, "inner_shape": 0, "cluster_shape": 2}  # fmt: skip
+    winners = [_winner(k) for k in keys] + [
+        _winner(key(2, 64, 64, "nn", "f16"), "cublaslt", lt),
+        _winner(key(8, 64, 64, "nn", "f16"), "triton_gemm", {"bm": 16}),
+        _winner(key(8, 64, 64, "nn", "f32", compute="tf32")),
+        _winner(key(8, 64, 64, "nn", "f32", align=4)),  # same TunableOp line as the next one
+        _winner(key(8, 64, 64, "nn", "f32")),
+    ]
+    out = export(winners, "2.13.0")
+    assert out.lines[0] == "Validator,PT_VERSION,2.13.0"
+    assert "GemmTunableOp_BFloat16_TN,tn_6144_1_4096_ld_4096_4096_6144,Default,0.0125" in out.lines
+    assert any(
+        ln.endswith(
+            "Gemm_Cublaslt_id_66_tile_20_stages_8_splitk_1_red_0_swizzle_0_custom_0_inner_0_cluster_2,0.0125"
+        )
+        for ln in out.lines
+    )
+    reasons = {k: r for k, r in out.skipped}
+    assert "no TunableOp counterpart" in reasons[str(key(8, 64, 64, "nn", "f16"))]
+    assert "TF32" in reasons[str(key(8, 64, 64, "nn", "f32", compute="tf32"))]
+    assert "duplicate" in reasons[str(key(8, 64, 64, "nn", "f32", align=4))]
+    assert out.written == 6
+    back = [entry_key(Entry(i, *ln.split(",")[:2])) for i, ln in enumerate(out.lines[1:], 2)]
+    assert set(back) == {*keys, key(2, 64, 64, "nn", "f16"), key(8, 64, 64, "nn", "f32")}
+
+
+def test_cli_show_and_export(tmp_path):
+    env = os.environ | {"TUNER_CACHE": str(tmp_path / "c.db"), "COLUMNS": "200"}
+
+    def tuner(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "tuner.cli", *args], env=env, capture_output=True, text=True
+        )
+
+    shown = tuner("tunableop", "show", str(DATA / "untuned_opt125m0.csv"))
+    assert shown.returncode == 0, shown.stderr
+    assert "untuned file, 6 GEMM lines" in shown.stdout
+    assert "gemm:m=1024,n=50272,k=768,batch=1,layout=nt,dtype=f16" in shown.stdout
+    tuner("tune", "gemm", "-m", "4", "-n", "8", "-k", "16", "--layout", "nt", "--dtype", "f32",
+          "--budget", "0.01", "--source", "torch")  # fmt: skip
+    csv = tmp_path / "tunableop_results0.csv"
+    r = tuner("tunableop", "export", str(csv), "--pt-version", "2.13.0")
+    assert r.returncode == 0, r.stderr
+    lines = csv.read_text().splitlines()
+    assert lines[0] == "Validator,PT_VERSION,2.13.0" and len(lines) == 2
+    assert lines[1].startswith("GemmTunableOp_float_TN,tn_8_4_16_ld_16_16_8,Default,")
+    assert import_files([csv]).keys == [key(4, 8, 16, "nt", "f32")]
+    bad = tuner("tunableop", "show", str(DATA / "README.md"))
+    assert bad.returncode == 2 and "not a TunableOp line" in bad.stderr
+    assert "Traceback" not in bad.stderr
