@@ -239,6 +239,9 @@ def test_bench_smoke(tmp_path: Path) -> None:
     row = data["rows"][0]
     assert row["kv_gbs"] > 0 and row["pct_copy"] > 0 and "triton_us" in row
     assert res["decode"]["summary"]["n"] == 1
+    key = sdpa_key(q_len=2, kv_len=40, causal="bottom_right")
+    params = {"bn": 16, "splits": 2, "warps": 4, "stages": 1}
+    assert sdpa_bench.recheck(key, "triton_decode", params, DEVICE) <= problems.tolerance(key)
 
 
 # --- GPU: bf16, the real shortlists, repeated (direct) launches ----------------------------------

@@ -26,9 +26,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
+import torch
 import typer
 from rich.console import Console
 
+from tuner import problems
 from tuner.candidates import registry
 from tuner.engine import TuneOptions, TuneOutcome, current_device, tune
 from tuner.keys import Key, SdpaKey, parse_key
@@ -165,6 +167,21 @@ def _best(ms: list[Measurement], source: str, backend: str | None = None) -> Mea
     return min(ok, key=lambda m: m.median_us or float("inf"), default=None)
 
 
+def recheck(key: SdpaKey, source: str, params: dict[str, Any], device: str) -> float:
+    """Relative error of a winner's *third* call on fresh inputs (the first call of a Triton
+    runner goes through the JIT, later ones launch the compiled kernel directly, which is what
+    the side-by-side timing ran); raises if a repeat call does not reproduce it bit for bit."""
+    runner = registry.get(source).build(key, params)
+    gen = torch.Generator(device=device).manual_seed(7)
+    inputs = problems.make_inputs(key, device, gen)
+    first = runner(*inputs)
+    second = runner(*inputs, out=problems.output_like(key, inputs))
+    third = runner(*inputs, out=problems.output_like(key, inputs))
+    if not (torch.equal(first, second) and torch.equal(second, third)):
+        raise RuntimeError(f"{source} {params}: repeat calls on {key} differ")
+    return problems.relative_error(third, problems.reference(key, inputs))
+
+
 def annotate(result: dict[str, Any], recorder: Recorder, kind: str) -> dict[str, Any]:
     """Add per-row tuning detail (cuDNN and best Triton times, host launch times) and targets."""
     copy = result["copy_gbs"]
@@ -175,6 +192,12 @@ def annotate(result: dict[str, Any], recorder: Recorder, kind: str) -> dict[str,
         ms = outcome.measurements if outcome else []
         base = next((m for m in ms if m.is_baseline and m.status == "ok"), None)
         win = next((m for m in ms if m.candidate == row["candidate"] and m.status == "ok"), None)
+        if row["source"] != registry.baseline("sdpa").name:
+            try:
+                row["recheck_err"] = recheck(key, row["source"], json.loads(
+                    row["candidate"].partition(":")[2]), current_device())  # fmt: skip
+            except Exception as e:  # a broken winner must show, not sink the report
+                row["recheck_err"] = f"{type(e).__name__}: {e}"[:300]
         row["baseline_host_us"] = base.host_us if base else None
         row["winner_host_us"] = win.host_us if win else None
         row["candidates"] = [
@@ -213,6 +236,9 @@ def annotate(result: dict[str, Any], recorder: Recorder, kind: str) -> dict[str,
 
 def _print_extra(result: dict[str, Any], kind: str) -> None:
     for r in result["rows"]:
+        err = r.get("recheck_err")
+        if isinstance(err, str) or (err is not None and not err <= 5e-2):
+            console.print(f"[red]{r['label']}: winner recheck failed: {err}[/red]")
         for c in r["candidates"]:
             if c["status"] in ("failed", "rejected"):
                 console.print(
