@@ -7,6 +7,10 @@ o = tuner.sdpa(q, k, v, causal=True)
 
 __version__ = "0.1.0"
 
+from tuner.settings import load_config_file
+
+load_config_file()  # defaults from ~/.config/tuner/config.toml; the environment wins
+
 from tuner.dispatch import matmul, sdpa, set_mode
 
 __all__ = ["__version__", "matmul", "sdpa", "set_mode"]
