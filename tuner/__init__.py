@@ -11,6 +11,6 @@ from tuner.settings import load_config_file
 
 load_config_file()  # defaults from ~/.config/tuner/config.toml; the environment wins
 
-from tuner.dispatch import matmul, sdpa, set_mode
+from tuner.dispatch import matmul, sdpa, set_mode  # noqa: E402
 
 __all__ = ["__version__", "matmul", "sdpa", "set_mode"]
