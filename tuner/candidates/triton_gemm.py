@@ -1,69 +1,62 @@
-"""Triton GEMM kernels written in this project: a tiled kernel with grouped tile ordering.
+"""Triton GEMM kernels written in this project (the ``triton_gemm`` source).
 
-Params: {"bm", "bn", "bk", "group_m", "warps", "stages"}. Any strides (so every layout in the
-key), any M/N/K (masked edges), batched through the grid's second axis. On the CPU the kernels run
-through Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI tests them.
+Four kernels (tuner/candidates/triton_kernels/), chosen per shape by the params' "kernel":
+
+- ``tiled``: one output tile per program, grouped tile ordering (any layout, batch, masked edges);
+- ``splitk``: the tiled kernel with K split over a grid axis, fp32 partials summed in a fixed
+  order by a second kernel (deterministic), for small M x N with long K;
+- ``gemv``: M <= 8 decode shapes, streaming the weight with wide loads and CUDA-core FMAs;
+- ``persistent_tma``: Hopper (sm90+), one program per SM, TMA tensor descriptors made on the device.
+
+``pad_k`` runs a kernel on K-padded, 16-byte aligned copies of A and B (odd shapes such as
+4097 x 4099 x 4101, where unaligned rows rule out wide loads and TMA). Params and the config
+spaces are described in ``triton_kernels/configs.py``.
+
+Compilation: ``candidates()`` compiles its whole shortlist in parallel worker processes before the
+engine times it (``triton_kernels/launch.py``); compiled binaries live in Triton's on-disk cache
+and are shared by every shape with the same constexprs and specialization. On the CPU the kernels
+run through Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI tests them.
 """
 
 from __future__ import annotations
 
-import itertools
+import functools
+from typing import Any
 
 import torch
 import triton
-import triton.language as tl
 
 from tuner.candidates.base import Params, Runner, Source, interpreting
-from tuner.keys import DTYPES, GemmKey
+from tuner.candidates.triton_kernels import configs
+from tuner.candidates.triton_kernels.gemv import gemv
+from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, warm
+from tuner.candidates.triton_kernels.pad import pad_copy
+from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA, persistent_tma_gemm
+from tuner.candidates.triton_kernels.tiled import splitk_reduce, tiled_gemm
+from tuner.keys import DTYPES, ITEMSIZE, GemmKey
 
-SMEM_BYTES = 227 * 1024  # Hopper's per-block limit; configs above it are pruned
-
-
-@triton.jit
-def _tiled_gemm(
-    a_ptr, b_ptr, c_ptr, M, N, K,
-    s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    batch = tl.program_id(1)
-    grid_m = tl.cdiv(M, BM)
-    grid_n = tl.cdiv(N, BN)
-    # grouped ordering: GROUP_M row-tiles share each B column-tile while it is in L2
-    width = GROUP_M * grid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    a_ptrs = a_ptr + batch * s_ab + rm[:, None] * s_am + rk[None, :] * s_ak
-    b_ptrs = b_ptr + batch * s_bb + rk[:, None] * s_bk + rn[None, :] * s_bn
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (rk[None, :] + k0 < K), other=0.0)
-        b = tl.load(b_ptrs, mask=(rk[:, None] + k0 < K) & (rn[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BK * s_ak
-        b_ptrs += BK * s_bk
-    c_ptrs = c_ptr + batch * s_cb + rm[:, None] * s_cm + rn[None, :] * s_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+SMEM_BYTES = configs.SMEM_LIMIT
+KERNELS = ("tiled", "splitk", "persistent_tma", "gemv")
+PRECISIONS = ("ieee", "tf32", "tf32x3")
+INT32_MAX = 2**31 - 1
+REDUCE_BLOCK = 1024
+PAD_BR, PAD_BK = 16, 256
 
 
-def precision(key: GemmKey) -> str:
-    """tl.dot input precision: exact fp32 unless the key allows TF32 (bf16/fp16 ignore it)."""
-    return "tf32" if key.compute == "tf32" else "ieee"
+def precision(key: GemmKey, params: Params | None = None) -> str:
+    """tl.dot input precision: the key's TF32 switch, else the params' choice ("ieee" default)."""
+    if key.compute == "tf32":
+        return "tf32"
+    chosen = (params or {}).get("precision", "ieee")
+    if chosen not in ("ieee", "tf32x3"):
+        raise ValueError(f"precision must be 'ieee' or 'tf32x3' for compute=f32, got {chosen!r}")
+    return chosen
 
 
-def as_batched(t: torch.Tensor) -> tuple[int, int, int]:
+def as_batched(t: Any) -> tuple[int, int, int]:
     """(batch stride, row stride, col stride) of a 2-D or 3-D tensor."""
-    if t.dim() == 2:
-        return 0, t.stride(0), t.stride(1)
-    return t.stride(0), t.stride(1), t.stride(2)
+    s = t.stride()
+    return (0, s[0], s[1]) if len(s) == 2 else (s[0], s[1], s[2])
 
 
 def output_for(key: GemmKey, a: torch.Tensor) -> torch.Tensor:
@@ -72,13 +65,290 @@ def output_for(key: GemmKey, a: torch.Tensor) -> torch.Tensor:
 
 
 def smem_bytes(key: GemmKey, bm: int, bn: int, bk: int, stages: int) -> int:
-    item = torch.finfo(DTYPES[key.dtype]).bits // 8
-    return (bm * bk + bk * bn) * item * max(stages, 1)
+    return configs.smem_bytes(key, bm, bn, bk, stages)
+
+
+def canonical_strides(rows: int, cols: int, layout: str, batch: int) -> tuple[int, int, int]:
+    """as_batched() of the dense operand problems.make_inputs builds for a key."""
+    row, col = (cols, 1) if layout == "n" else (1, rows)
+    return (rows * cols if batch > 1 else 0, row, col)
+
+
+def _guard(args: tuple[Any, ...], *tensors: Any) -> tuple[Any, ...]:
+    """What Triton specializes on beyond the key: integer args (strides) and 16-byte alignment."""
+    return (*(x for x in args if isinstance(x, int)), *(t.data_ptr() % 16 == 0 for t in tensors))
+
+
+@functools.cache
+def device_info() -> tuple[int, int]:
+    """(multiprocessor count, compute capability major) of the current GPU."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return props.multi_processor_count, props.major
+
+
+# --- validation --------------------------------------------------------------------------------
+
+
+def _int(params: Params, name: str, allowed: tuple[int, ...] | range) -> int:
+    value = params.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value not in allowed:
+        shown = f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range) else allowed
+        raise ValueError(f"triton_gemm param {name!r} must be one of {shown}, got {value!r}")
+    return value
+
+
+POW2 = tuple(2**i for i in range(11))
+DOT_TILE = tuple(2**i for i in range(4, 9))  # 16..256: tl.dot needs 16 or more
+
+
+def _check_size(key: GemmKey) -> None:
+    b = key.batch
+    for what, n in (("A", key.m * key.k), ("B", key.k * key.n), ("C", key.m * key.n)):
+        if n * b > INT32_MAX:
+            raise ValueError(f"{what} has {n * b} elements; the Triton kernels index with int32")
+
+
+def kernel_of(params: Params) -> str:
+    kind = params.get("kernel", "tiled")
+    if kind not in KERNELS:
+        raise ValueError(f"triton_gemm param 'kernel' must be one of {KERNELS}, got {kind!r}")
+    return kind
+
+
+# --- runners -----------------------------------------------------------------------------------
+
+
+class GemmRunner:
+    """``runner(a, b, out=None) -> c``; ``jobs()`` lists what its first call compiles."""
+
+    def __init__(self, key: GemmKey) -> None:
+        self.key = key
+
+    def __call__(self, a: Any, b: Any, out: Any = None) -> Any:
+        c = output_for(self.key, a) if out is None else out
+        self.launch(a, b, c)
+        return c
+
+    def launch(self, a: Any, b: Any, c: Any) -> None:
+        raise NotImplementedError
+
+    def jobs(self) -> list[WarmJob]:
+        return []
+
+    def fakes(self) -> tuple[FakeTensor, FakeTensor, FakeTensor]:
+        dt = DTYPES[self.key.dtype]
+        return (FakeTensor(dt, self.key.align), FakeTensor(dt, self.key.align),
+                FakeTensor(DTYPES[self.key.out_dtype]))  # fmt: skip
+
+    def canonical(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        k = self.key
+        return (canonical_strides(k.m, k.k, k.layout[0], k.batch),
+                canonical_strides(k.k, k.n, k.layout[1], k.batch),
+                canonical_strides(k.m, k.n, "n", k.batch))  # fmt: skip
+
+
+class TiledRunner(GemmRunner):
+    """The tiled kernel; with ``split_k > 1`` the split-K variant plus its reduction."""
+
+    def __init__(self, key: GemmKey, params: Params, split: int) -> None:
+        super().__init__(key)
+        bm, bn, bk = (_int(params, x, DOT_TILE) for x in ("bm", "bn", "bk"))
+        warps = _int(params, "warps", (1, 2, 4, 8, 16))
+        stages = _int(params, "stages", range(1, 9))
+        group_m = _int(params, "group_m", range(1, 65))
+        self.split = split
+        tiles = triton.cdiv(key.m, bm) * triton.cdiv(key.n, bn)
+        meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split,
+                    EVEN_K=key.k % bk == 0, PRECISION=precision(key, params))  # fmt: skip
+        self.main = Launcher(tiled_gemm, (tiles, key.batch, split), meta,
+                             num_warps=warps, num_stages=stages)  # fmt: skip
+        self.total = key.batch * key.m * key.n
+        if split > 1:
+            self.reduce = Launcher(splitk_reduce, (triton.cdiv(self.total, REDUCE_BLOCK),),
+                                   dict(SPLIT_K=split, BLOCK=REDUCE_BLOCK), num_warps=4, num_stages=1)  # fmt: skip
+
+    def _args(self, a: Any, b: Any, c: Any, ws: Any, strides: tuple[tuple[int, ...], ...]) -> tuple:
+        k = self.key
+        return (a, b, c, ws, k.m, k.n, k.k, *strides[0], *strides[1], *strides[2])
+
+    def launch(self, a: Any, b: Any, c: Any) -> None:
+        k = self.key
+        ws = c
+        if self.split > 1:
+            ws = torch.empty((self.split, self.total), dtype=torch.float32, device=c.device)
+        args = self._args(a, b, c, ws, (as_batched(a), as_batched(b), as_batched(c)))
+        self.main(args, _guard(args, a, b, c))
+        if self.split > 1:
+            rargs = (ws, c, k.m, k.n, self.total, *as_batched(c))
+            self.reduce(rargs, _guard(rargs, c))
+
+    def jobs(self) -> list[WarmJob]:
+        a, b, c = self.fakes()
+        ws = FakeTensor(torch.float32) if self.split > 1 else c
+        out = [WarmJob(tiled_gemm, self._args(a, b, c, ws, self.canonical()), self.main.kwargs)]
+        if self.split > 1:
+            k = self.key
+            rargs = (ws, c, k.m, k.n, self.total, *self.canonical()[2])
+            out.append(WarmJob(splitk_reduce, rargs, self.reduce.kwargs))
+        return out
+
+
+class GemvRunner(GemmRunner):
+    def __init__(self, key: GemmKey, params: Params) -> None:
+        super().__init__(key)
+        bm = _int(params, "bm", POW2[:5])
+        bn, bk = _int(params, "bn", POW2), _int(params, "bk", POW2)
+        warps = _int(params, "warps", (1, 2, 4, 8, 16))
+        if key.m > bm:
+            raise ValueError(f"gemv covers M <= bm; got M={key.m} with bm={bm}")
+        if bm * bn * bk > 128 * 32 * warps:
+            raise ValueError(
+                f"gemv accumulator bm*bn*bk={bm * bn * bk} exceeds 128 registers per thread "
+                f"at {warps} warps"
+            )
+        meta = dict(BM=bm, BN=bn, BK=bk, EVEN_K=key.k % bk == 0)
+        self.main = Launcher(gemv, (triton.cdiv(key.n, bn), key.batch), meta,
+                             num_warps=warps, num_stages=1)  # fmt: skip
+
+    def _args(self, a: Any, b: Any, c: Any, strides: tuple[tuple[int, ...], ...]) -> tuple:
+        k = self.key
+        return (a, b, c, k.m, k.n, k.k, *strides[0], *strides[1], *strides[2])
+
+    def launch(self, a: Any, b: Any, c: Any) -> None:
+        args = self._args(a, b, c, (as_batched(a), as_batched(b), as_batched(c)))
+        self.main(args, _guard(args, a, b, c))
+
+    def jobs(self) -> list[WarmJob]:
+        return [WarmJob(gemv, self._args(*self.fakes(), self.canonical()), self.main.kwargs)]
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory for the TMA descriptors a kernel makes on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+class PersistentRunner(GemmRunner):
+    def __init__(self, key: GemmKey, params: Params) -> None:
+        super().__init__(key)
+        why = configs.tma_ok(key)
+        if why:
+            raise ValueError(f"persistent_tma: {why}")
+        if not HAS_DEVICE_TMA:
+            raise ValueError("persistent_tma needs tl.make_tensor_descriptor (triton >= 3.4)")
+        sms = configs.SM90_SMS
+        if not interpreting():
+            sms, major = device_info()
+            if major < 9:
+                raise ValueError(
+                    f"persistent_tma needs sm90 or newer (TMA), this GPU is sm{major}x"
+                )
+        bm, bn, bk = (_int(params, x, DOT_TILE) for x in ("bm", "bn", "bk"))
+        warps = _int(params, "warps", (4, 8, 16))
+        stages = _int(params, "stages", range(1, 9))
+        group_m = _int(params, "group_m", range(1, 65))
+        tiles = triton.cdiv(key.m, bm) * triton.cdiv(key.n, bn)
+        programs = min(sms, tiles)
+        self.c_desc = configs.c_tma_ok(key)
+        meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, NUM_SMS=programs,
+                    A_ROW=key.layout[0] == "n", B_ROW=key.layout[1] == "n", C_DESC=self.c_desc,
+                    PRECISION=precision(key, params))  # fmt: skip
+        self.main = Launcher(persistent_tma_gemm, (programs,), meta,
+                             num_warps=warps, num_stages=stages)  # fmt: skip
+
+    def _args(self, a: Any, b: Any, c: Any, lds: tuple[int, int, int]) -> tuple:
+        k = self.key
+        return (a, b, c, k.m, k.n, k.k, *lds)
+
+    def _lds(
+        self, sa: tuple[int, ...], sb: tuple[int, ...], sc: tuple[int, ...]
+    ) -> tuple[int, int, int]:
+        la, lb = self.key.layout
+        return (sa[1] if la == "n" else sa[2], sb[1] if lb == "n" else sb[2], sc[1])
+
+    def launch(self, a: Any, b: Any, c: Any) -> None:
+        sa, sb, sc = as_batched(a), as_batched(b), as_batched(c)
+        item = ITEMSIZE[self.key.out_dtype]
+        if sc[2] != 1 or (self.c_desc and ((sc[1] * item) % 16 or c.data_ptr() % 16)):
+            tmp = output_for(self.key, a)  # C must be row-major (and aligned for the TMA store)
+            self.launch(a, b, tmp)
+            c.copy_(tmp)
+            return
+        args = self._args(a, b, c, self._lds(sa, sb, sc))
+        triton.set_allocator(_scratch)
+        self.main(args, _guard(args, a, b, c))
+
+    def jobs(self) -> list[WarmJob]:
+        return [WarmJob(persistent_tma_gemm, self._args(*self.fakes(), self._lds(*self.canonical())),
+                        self.main.kwargs)]  # fmt: skip
+
+
+class PadRunner(GemmRunner):
+    """Copy A to (M, KP) and B to (N, KP) row-major with a zero K tail, then run ``inner``."""
+
+    def __init__(self, key: GemmKey, params: Params) -> None:
+        super().__init__(key)
+        self.padded = configs.padded_key(key)
+        inner = {k: v for k, v in params.items() if k != "pad_k"}
+        if kernel_of(inner) == "gemv":
+            raise ValueError("pad_k applies to the tensor-core kernels, not gemv")
+        self.inner = make_runner(self.padded, inner)
+        kp = self.padded.k
+        meta = dict(BR=PAD_BR, BK=PAD_BK)
+        grid_k = triton.cdiv(kp, PAD_BK)
+        self.pad_a = Launcher(pad_copy, (triton.cdiv(key.m, PAD_BR), grid_k, key.batch), meta,
+                              num_warps=4, num_stages=1)  # fmt: skip
+        self.pad_b = Launcher(pad_copy, (triton.cdiv(key.n, PAD_BR), grid_k, key.batch), meta,
+                              num_warps=4, num_stages=1)  # fmt: skip
+
+    def _pad_args(
+        self, a: Any, b: Any, ap: Any, bp: Any, sa: tuple, sb: tuple
+    ) -> tuple[tuple, tuple]:
+        k, kp = self.key, self.padded.k
+        return ((a, ap, k.m, k.k, kp, sa[0], sa[1], sa[2]),
+                (b, bp, k.n, k.k, kp, sb[0], sb[2], sb[1]))  # fmt: skip
+
+    def launch(self, a: Any, b: Any, c: Any) -> None:
+        k, kp = self.key, self.padded.k
+        lead = (k.batch,) if a.dim() == 3 else ()
+        ap = torch.empty((*lead, k.m, kp), dtype=a.dtype, device=a.device)
+        bp = torch.empty((*lead, k.n, kp), dtype=b.dtype, device=b.device)
+        pa, pb = self._pad_args(a, b, ap, bp, as_batched(a), as_batched(b))
+        self.pad_a(pa, _guard(pa, a))
+        self.pad_b(pb, _guard(pb, b))
+        self.inner.launch(ap, bp.transpose(-1, -2), c)
+
+    def jobs(self) -> list[WarmJob]:
+        a, b, _ = self.fakes()
+        dt = DTYPES[self.key.dtype]
+        ap, bp = FakeTensor(dt), FakeTensor(dt)
+        sa, sb, _ = self.canonical()
+        pa, pb = self._pad_args(a, b, ap, bp, sa, sb)
+        return [WarmJob(pad_copy, pa, self.pad_a.kwargs), WarmJob(pad_copy, pb, self.pad_b.kwargs),
+                *self.inner.jobs()]  # fmt: skip
+
+
+def make_runner(key: GemmKey, params: Params) -> GemmRunner:
+    _check_size(key)
+    if params.get("pad_k"):
+        return PadRunner(key, params)
+    kind = kernel_of(params)
+    if kind == "gemv":
+        return GemvRunner(key, params)
+    if kind == "persistent_tma":
+        return PersistentRunner(key, params)
+    split = 1 if kind == "tiled" else _int(params, "split_k", range(2, 65))
+    return TiledRunner(key, params, split)
+
+
+# --- the source --------------------------------------------------------------------------------
+
+CPU_PARAMS: Params = {"kernel": "tiled", "bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}  # fmt: skip
 
 
 class TritonGemm(Source):
     name = "triton_gemm"
     op = "gemm"
+    shortlist_limit = 16
 
     def unavailable(self, device: str) -> str | None:
         if device == "cpu" and not interpreting():
@@ -92,36 +362,24 @@ class TritonGemm(Source):
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         if device == "cpu":  # interpreter: one small config keeps CI fast
-            return [{"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}]
-        space = itertools.product((64, 128, 256), (64, 128, 256), (32, 64), (4, 8), (3, 4))
-        out = []
-        for bm, bn, bk, warps, stages in space:
-            if bm > 2 * triton.next_power_of_2(key.m) and bm > 64:
-                continue  # a 256-row tile for M=16 wastes the tensor cores
-            if bn > 2 * triton.next_power_of_2(key.n) and bn > 64:
+            return [dict(CPU_PARAMS)]
+        sms, major = device_info()
+        shortlist = configs.shortlist(key, sms, self.shortlist_limit)
+        if major < 9 or not HAS_DEVICE_TMA:
+            shortlist = [p for p in shortlist if p["kernel"] != "persistent_tma"]
+        self.warm(key, shortlist)
+        return shortlist
+
+    def warm(self, key: GemmKey, shortlist: list[Params]) -> None:
+        """Compile the shortlist's kernels in parallel (configs that do not build are skipped
+        here and fail, with their error, when the engine builds them)."""
+        jobs: list[WarmJob] = []
+        for p in shortlist:
+            try:
+                jobs += make_runner(key, p).jobs()
+            except ValueError:
                 continue
-            if smem_bytes(key, bm, bn, bk, stages) > SMEM_BYTES:
-                continue
-            if bm * bn >= 256 * 128 and warps < 8:
-                continue
-            out.append(
-                {"bm": bm, "bn": bn, "bk": bk, "group_m": 8, "warps": warps, "stages": stages}
-            )
-        return out
+        warm(jobs)
 
     def build(self, key: GemmKey, params: Params) -> Runner:
-        bm, bn, bk = int(params["bm"]), int(params["bn"]), int(params["bk"])
-        group_m, warps, stages = int(params["group_m"]), int(params["warps"]), int(params["stages"])
-        prec = precision(key)
-        grid = (triton.cdiv(key.m, bm) * triton.cdiv(key.n, bn), key.batch)
-
-        def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-            c = output_for(key, a) if out is None else out
-            _tiled_gemm[grid](
-                a, b, c, key.m, key.n, key.k, *as_batched(a), *as_batched(b), *as_batched(c),
-                BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PRECISION=prec,
-                num_warps=warps, num_stages=stages,
-            )  # fmt: skip
-            return c
-
-        return run
+        return make_runner(key, params)
