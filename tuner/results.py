@@ -23,8 +23,38 @@ def candidate_name(source: str, params: dict[str, Any]) -> str:
     return source + ":" + json.dumps(params, sort_keys=True, separators=(",", ":"))
 
 
+class _Record:
+    """What Measurement and Winner share: a key, a candidate, and a flat row form."""
+
+    key: str
+    source: str
+    params: dict[str, Any]
+
+    @property
+    def op(self) -> str:
+        return self.key.partition(":")[0]
+
+    @property
+    def candidate(self) -> str:
+        return candidate_name(self.source, self.params)
+
+    def to_row(self) -> dict[str, Any]:
+        row = asdict(self)  # type: ignore[call-overload]
+        row.update(
+            op=self.op, candidate=self.candidate, params=json.dumps(self.params, sort_keys=True)
+        )
+        return row
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Any:
+        data = {k: row[k] for k in cls.__dataclass_fields__ if k in row}  # type: ignore[attr-defined]
+        if isinstance(data.get("params"), str):
+            data["params"] = json.loads(data["params"])
+        return cls(**data)
+
+
 @dataclass
-class Measurement:
+class Measurement(_Record):
     device_class: str
     key: str
     source: str
@@ -45,14 +75,6 @@ class Measurement:
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
-    def op(self) -> str:
-        return self.key.partition(":")[0]
-
-    @property
-    def candidate(self) -> str:
-        return candidate_name(self.source, self.params)
-
-    @property
     def spread(self) -> float:
         """Relative spread (p90 - p10) / median: the noise a challenger must beat."""
         if not self.median_us or self.p10_us is None or self.p90_us is None:
@@ -60,24 +82,17 @@ class Measurement:
         return (self.p90_us - self.p10_us) / self.median_us
 
     def to_row(self) -> dict[str, Any]:
-        row = asdict(self)
-        row.update(
-            op=self.op, candidate=self.candidate, params=json.dumps(self.params, sort_keys=True)
-        )
-        row["is_baseline"] = int(self.is_baseline)
-        return row
+        return super().to_row() | {"is_baseline": int(self.is_baseline)}
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Measurement:
-        data = {k: row[k] for k in cls.__dataclass_fields__ if k in row}
-        if isinstance(data.get("params"), str):
-            data["params"] = json.loads(data["params"])
-        data["is_baseline"] = bool(data.get("is_baseline"))
-        return cls(**data)
+        m = super().from_row(row)
+        m.is_baseline = bool(m.is_baseline)
+        return m
 
 
 @dataclass
-class Winner:
+class Winner(_Record):
     device_class: str
     key: str
     source: str
@@ -89,30 +104,8 @@ class Winner:
     updated_at: float = field(default_factory=time.time)
 
     @property
-    def op(self) -> str:
-        return self.key.partition(":")[0]
-
-    @property
-    def candidate(self) -> str:
-        return candidate_name(self.source, self.params)
-
-    @property
     def speedup(self) -> float:
         return self.baseline_us / self.median_us if self.median_us else 1.0
 
     def to_row(self) -> dict[str, Any]:
-        row = asdict(self)
-        row.update(
-            op=self.op,
-            candidate=self.candidate,
-            speedup=self.speedup,
-            params=json.dumps(self.params, sort_keys=True),
-        )
-        return row
-
-    @classmethod
-    def from_row(cls, row: dict[str, Any]) -> Winner:
-        data = {k: row[k] for k in cls.__dataclass_fields__ if k in row}
-        if isinstance(data.get("params"), str):
-            data["params"] = json.loads(data["params"])
-        return cls(**data)
+        return super().to_row() | {"speedup": self.speedup}
