@@ -1,0 +1,623 @@
+"""Drop-in for PyTorch models: tuned GEMMs and attention inside unmodified code.
+
+    import tuner.torch
+
+    with tuner.torch.enabled():            # or tuner.torch.enable() ... tuner.torch.disable()
+        y = model(x)                       # nn.Linear, @, torch.matmul, F.sdpa, ... go through the tuner
+    print(tuner.torch.stats())             # hits, misses, bucketed hits, estimated time saved
+
+**What is routed.** ``torch.matmul`` (also ``a @ b`` and ``Tensor.matmul``), ``torch.mm``, ``torch.bmm``,
+``torch.addmm`` (``beta = alpha = 1``), ``F.linear`` and ``F.scaled_dot_product_attention`` (no
+dropout; no mask, ``is_causal`` or a ``CausalBias``), for plain f16/bf16/f32 tensors whose operands
+share a dtype. Leading batch dims are folded like torch does (``x.reshape(-1, K)``; a copy only where
+torch copies too). Everything else (broadcast batches, ``out=``, mixed dtypes, subclasses, masks,
+dropout) is left to torch untouched, and the dispatcher itself falls back to torch for layouts the
+tuner does not key (odd strides). Results are always those of a checked kernel or of torch.
+
+**How.** A ``TorchFunctionMode`` sees every torch call made in the thread that enabled it, inside
+``nn.Module`` forwards and libraries included; it looks the function up in a small dict and passes
+anything else straight through. Torch function modes are per thread: enable the tuner in every
+thread that runs the model. The mode is off inside its own handlers, so kernels that call torch
+never come back to it.
+
+**Autograd.** GEMMs that need a gradient go through ``_TunedMM`` (an ``autograd.Function``) whose
+backward calls the dispatcher for dA = dC @ B^T and dB = A^T @ dC, each computed in its input's
+layout (``F.linear``'s weight gradient comes out row-major, as torch's does). Attention with a
+gradient is served by torch's own SDPA (the tuned attention kernels have no backward).
+
+**torch.compile.** While Dynamo traces, the handlers emit the custom ops ``tuner::mm`` and
+``tuner::sdpa`` (``torch.library.custom_op`` with ``register_fake`` and ``register_autograd``): opaque
+kernels in the graph, no graph breaks, ``fullgraph=True`` works. The GEMM op's backward is made of
+``tuner::mm`` calls too; the SDPA op's backward recomputes the forward with torch's SDPA.
+
+**CUDA graphs.** A hit allocates nothing beyond its output and never synchronizes. Signatures first
+seen during capture get torch's default and are not cached (no tuning, no kernel loading during
+capture; the miss is recorded in record/tune modes); warm up eagerly before capturing, as torch
+asks anyway, and the capture holds the tuned kernels.
+
+**Dynamic shapes.** ``enable(buckets=...)`` / ``TUNER_BUCKETS``: see ``tuner.buckets``.
+
+**Stats** count the calls made through Python: a CUDA-graph replay is not a call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from types import FunctionType
+from typing import Any
+
+import torch
+from torch.nn.attention.bias import CausalBias, CausalVariant, causal_lower_right
+from torch.overrides import TorchFunctionMode
+
+from tuner.dispatch import Dispatcher, Resolution, get_dispatcher
+
+_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+_CAUSAL_BIAS = {CausalVariant.UPPER_LEFT: "top_left", CausalVariant.LOWER_RIGHT: "bottom_right"}
+_no_torch_function = torch._C.DisableTorchFunction
+
+# --- which dispatcher serves custom ops and autograd ------------------------------------------
+
+_local = threading.local()
+
+
+def _modes() -> list[TunerMode]:
+    if not hasattr(_local, "modes"):
+        _local.modes = []
+    return _local.modes
+
+
+def active_dispatcher() -> Dispatcher:
+    """The dispatcher of the innermost ``enable()`` in this thread, else the process-wide one."""
+    modes = _modes()
+    return modes[-1].dispatcher if modes else get_dispatcher()
+
+
+# --- gradients --------------------------------------------------------------------------------
+
+
+def _column_major(t: torch.Tensor) -> bool:
+    return t.stride(-2) == 1 and t.stride(-1) != 1
+
+
+def mm_grads(
+    mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    grad: torch.Tensor,
+    need_a: bool,
+    need_b: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dA = grad @ B^T and dB = A^T @ grad through ``mm``, each in its input's layout: for a
+    column-major operand the transposed product is computed row-major and returned transposed."""
+    da = db = None
+    if need_a:
+        da = mm(b, grad.mT).mT if _column_major(a) else mm(grad, b.mT)
+    if need_b:
+        db = mm(grad.mT, a).mT if _column_major(b) else mm(a.mT, grad)
+    return da, db
+
+
+class _TunedMM(torch.autograd.Function):
+    """Eager ``a @ b`` with autograd; forward and backward GEMMs through the dispatcher."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, disp: Dispatcher) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.disp = disp
+        return disp.matmul(a, b)  # grad mode is off here: the tuned kernel serves
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        a, b = ctx.saved_tensors
+        with _no_torch_function():  # on the CPU backward runs where the mode may be active
+            da, db = mm_grads(ctx.disp.matmul, a, b, grad, *ctx.needs_input_grad[:2])
+        return da, db, None
+
+
+# --- custom ops (what torch.compile sees) -------------------------------------------------------
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The fake kernels promise contiguous outputs; runners almost always give them."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+@torch.library.custom_op("tuner::mm", mutates_args=())
+def tuned_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (2-D, or 3-D with equal batch) through the tuner's dispatcher."""
+    with _no_torch_function():
+        return _contiguous(active_dispatcher().matmul(a, b))
+
+
+@tuned_mm.register_fake
+def _tuned_mm_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((*a.shape[:-1], b.shape[-1]))
+
+
+def _mm_setup(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _mm_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    a, b = ctx.saved_tensors
+    return mm_grads(torch.ops.tuner.mm, a, b, grad, *ctx.needs_input_grad)
+
+
+tuned_mm.register_autograd(_mm_backward, setup_context=_mm_setup)
+
+
+@torch.library.custom_op("tuner::sdpa", mutates_args=())
+def tuned_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float | None
+) -> torch.Tensor:
+    """Scaled dot-product attention (``causal``: none, top_left or bottom_right) through the tuner."""
+    with _no_torch_function():
+        return _contiguous(active_dispatcher().sdpa(q, k, v, causal=causal, scale=scale))
+
+
+@tuned_sdpa.register_fake
+def _tuned_sdpa_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float | None
+) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def _sdpa_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    q, k, v, causal, scale = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def torch_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float | None
+) -> torch.Tensor:
+    """torch's own SDPA for a tuner causal mode (``none``, ``top_left``, ``bottom_right``)."""
+    mask = causal_lower_right(q.shape[-2], k.shape[-2]) if causal == "bottom_right" else None
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal == "top_left", scale=scale, enable_gqa=True
+    )
+
+
+def _sdpa_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Recompute the forward with torch's SDPA and differentiate that."""
+    q, k, v = ctx.saved_tensors
+    need = ctx.needs_input_grad[:3]
+    with torch.enable_grad(), _no_torch_function():
+        leaves = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), need, strict=True)]
+        out = torch_sdpa(*leaves, ctx.causal, ctx.scale)
+        wanted = [t for t in leaves if t.requires_grad]
+        got = iter(torch.autograd.grad(out, wanted, grad))
+    return (*(next(got) if n else None for n in need), None, None)
+
+
+tuned_sdpa.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
+
+
+# --- argument binding (the signatures of the torch functions we take over) ----------------------
+
+
+def _binary_args(input: Any, other: Any, *, out: Any = None) -> tuple[Any, Any, Any]:
+    return input, other, out
+
+
+def _addmm_args(
+    input: Any, mat1: Any, mat2: Any, *, beta: Any = 1, alpha: Any = 1, out: Any = None
+) -> tuple[Any, ...]:
+    return input, mat1, mat2, beta, alpha, out
+
+
+def _linear_args(input: Any, weight: Any, bias: Any = None) -> tuple[Any, Any, Any]:
+    return input, weight, bias
+
+
+def _sdpa_args(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[Any, ...]:
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+def _plain(t: Any) -> bool:
+    return type(t) in _PLAIN
+
+
+def _gemm_pair(a: Any, b: Any) -> bool:
+    return _plain(a) and _plain(b) and a.dtype == b.dtype and a.dtype in _FLOATS
+
+
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def _causal_mode(mask: Any, is_causal: bool, q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """The SdpaKey causal mode of a call, or None if its mask is beyond what the tuner keys."""
+    if mask is None:
+        return "top_left" if is_causal else "none"
+    if (
+        isinstance(mask, CausalBias)
+        and not is_causal
+        and (mask.seq_len_q, mask.seq_len_kv) == (q.shape[-2], k.shape[-2])
+    ):
+        return _CAUSAL_BIAS.get(mask.variant)
+    return None
+
+
+_TORCH_FUNCTION_CHECKS = (
+    "has_torch_function",
+    "has_torch_function_unary",
+    "has_torch_function_variadic",
+)
+
+
+def _never(*args: Any) -> bool:
+    return False
+
+
+def rebind(func: FunctionType, routes: dict[str, Callable[..., Any]]) -> FunctionType:
+    """A copy of a torch function written in Python, with its module's Python helpers, in which
+    the global names of ``routes`` call the given functions and the torch-function checks are off.
+
+    Such a function (``F.multi_head_attention_forward``) hands itself to the mode as one call; run
+    as it is, the GEMMs and SDPA inside it would not be seen, and re-entering the mode around it
+    would recurse (and trips Dynamo). The copy runs the very same code with ``linear`` and
+    ``scaled_dot_product_attention`` routed through the tuner.
+    """
+    scope = dict(func.__globals__)
+    for name, value in func.__globals__.items():
+        if type(value) is FunctionType and value.__module__ == func.__module__:
+            copy = FunctionType(
+                value.__code__, scope, value.__name__, value.__defaults__, value.__closure__
+            )
+            copy.__kwdefaults__ = value.__kwdefaults__
+            scope[name] = copy
+    scope.update(dict.fromkeys(_TORCH_FUNCTION_CHECKS, _never))
+    scope.update(routes)
+    return scope[func.__name__]
+
+
+# torch.nn's attention (nn.MultiheadAttention, nn.Transformer*) is this Python function
+_COMPOSITES = (torch.nn.functional.multi_head_attention_forward,)
+
+# Tensor methods written in Python (unflatten, split, __rsub__, ...). Dynamo cannot trace some of
+# them when a mode hands them over as plain functions (``super()`` inside), so while compiling
+# they are called as methods again, which Dynamo handles as it does without a mode.
+_TENSOR_PY_METHODS = {f: name for name, f in vars(torch.Tensor).items() if type(f) is FunctionType}
+
+
+# --- the mode -----------------------------------------------------------------------------------
+
+
+class TunerMode(TorchFunctionMode):
+    """Routes the GEMM and SDPA entry points of torch through ``dispatcher``; see the module doc.
+
+    A handler returns ``NotImplemented`` to leave the call to torch as it was made.
+    """
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        super().__init__()
+        self.dispatcher = dispatcher
+        handlers: dict[Any, Callable[[tuple, dict], Any]] = {
+            f: self._method_while_compiling(name) for f, name in _TENSOR_PY_METHODS.items()
+        }
+        routes = {"linear": self._linear_call, "scaled_dot_product_attention": self._sdpa_call}
+        handlers.update({f: self._composite(rebind(f, routes)) for f in _COMPOSITES})
+        handlers.update({
+            torch.matmul: self._matmul,
+            torch.Tensor.matmul: self._matmul,  # also ``a @ b``
+            torch.mm: self._mm,
+            torch.Tensor.mm: self._mm,
+            torch.bmm: self._bmm,
+            torch.Tensor.bmm: self._bmm,
+            torch.addmm: self._addmm,
+            torch.Tensor.addmm: self._addmm,
+            torch.nn.functional.linear: self._linear,
+            torch.nn.functional.scaled_dot_product_attention: self._sdpa,
+        })  # fmt: skip
+        self.handlers = handlers
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        handler = self.handlers.get(func)  # the only cost for the calls the tuner leaves alone
+        if handler is not None:
+            out = handler(args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _composite(body: FunctionType) -> Callable[[tuple, dict], Any]:
+        def run(args: tuple, kwargs: dict) -> Any:
+            if torch.compiler.is_compiling():  # Dynamo cannot guard the copy's globals
+                return NotImplemented
+            return body(*args, **kwargs)
+
+        return run
+
+    # plain-function forms of the handlers, for the Python-level functions made by ``rebind``
+
+    def _linear_call(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._linear(args, kwargs)
+        return torch.nn.functional.linear(*args, **kwargs) if out is NotImplemented else out
+
+    def _sdpa_call(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._sdpa(args, kwargs)
+        if out is NotImplemented:
+            return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+        return out
+
+    @staticmethod
+    def _method_while_compiling(name: str) -> Callable[[tuple, dict], Any]:
+        def call(args: tuple, kwargs: dict) -> Any:
+            if not torch.compiler.is_compiling():
+                return NotImplemented
+            return getattr(args[0], name)(*args[1:], **kwargs)
+
+        return call
+
+    # --- GEMMs ---------------------------------------------------------------------------------
+
+    def _gemm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` for 2-D operands or 3-D ones of equal batch."""
+        if torch.compiler.is_compiling():
+            return torch.ops.tuner.mm(a, b)
+        if _needs_grad(a, b):
+            return _TunedMM.apply(a, b, self.dispatcher)
+        return self.dispatcher.matmul(a, b)
+
+    def _matmul(self, args: tuple, kwargs: dict) -> Any:
+        a, b, out = _binary_args(*args, **kwargs)
+        if out is not None or not _gemm_pair(a, b) or a.dim() < 2 or b.dim() < 2:
+            return NotImplemented
+        if a.dim() == 2 and b.dim() == 2:
+            return self._gemm(a, b)
+        if b.dim() == 2:  # (..., M, K) @ (K, N): fold the leading dims into M, as torch does
+            y = self._gemm(a.reshape(-1, a.shape[-1]), b)
+            return y.view(*a.shape[:-1], b.shape[-1])
+        if a.dim() == b.dim() and a.shape[:-2] == b.shape[:-2]:  # same batch dims: one bmm
+            if a.dim() == 3:
+                return self._gemm(a, b)
+            y = self._gemm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+            return y.view(*a.shape[:-1], b.shape[-1])
+        return NotImplemented  # broadcast batches, vectors: torch
+
+    def _mm(self, args: tuple, kwargs: dict) -> Any:
+        a, b, out = _binary_args(*args, **kwargs)
+        if out is not None or not _gemm_pair(a, b) or a.dim() != 2 or b.dim() != 2:
+            return NotImplemented
+        return self._gemm(a, b)
+
+    def _bmm(self, args: tuple, kwargs: dict) -> Any:
+        a, b, out = _binary_args(*args, **kwargs)
+        if out is not None or not _gemm_pair(a, b) or a.dim() != 3 or b.dim() != 3:
+            return NotImplemented
+        return self._gemm(a, b) if a.shape[0] == b.shape[0] else NotImplemented
+
+    def _addmm(self, args: tuple, kwargs: dict) -> Any:
+        c, a, b, beta, alpha, out = _addmm_args(*args, **kwargs)
+        if (
+            out is not None
+            or beta != 1
+            or alpha != 1
+            or not _gemm_pair(a, b)
+            or a.dim() != 2
+            or b.dim() != 2
+            or not _plain(c)
+            or c.dtype != a.dtype
+            or c.dim() > 2
+        ):
+            return NotImplemented
+        return self._gemm(a, b).add_(c)  # in place: nothing allocated beyond the output
+
+    def _linear(self, args: tuple, kwargs: dict) -> Any:
+        x, w, bias = _linear_args(*args, **kwargs)
+        if not _gemm_pair(x, w) or x.dim() < 2 or w.dim() != 2:
+            return NotImplemented
+        if bias is not None and not (_plain(bias) and bias.dtype == x.dtype and bias.dim() == 1):
+            return NotImplemented
+        y = self._gemm(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), w.t())
+        if bias is not None:
+            y = y.add_(bias)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+
+    # --- attention -----------------------------------------------------------------------------
+
+    def _sdpa(self, args: tuple, kwargs: dict) -> Any:
+        q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_args(*args, **kwargs)
+        if dropout_p or not (_plain(q) and _plain(k) and _plain(v)):
+            return NotImplemented
+        if not (q.dim() == k.dim() == v.dim() == 4) or q.dtype not in _FLOATS:
+            return NotImplemented
+        if k.dtype != q.dtype or v.dtype != q.dtype or (q.shape[1] != k.shape[1] and not gqa):
+            return NotImplemented
+        causal = _causal_mode(mask, is_causal, q, k)
+        if causal is None:
+            return NotImplemented
+        if torch.compiler.is_compiling():
+            if _needs_grad(q, k, v):  # torch's fused backward beats recomputing ours
+                return NotImplemented
+            return torch.ops.tuner.sdpa(q, k, v, causal, scale)
+        # with a gradient the dispatcher serves torch's own (differentiable) SDPA
+        return self.dispatcher.sdpa(q, k, v, causal=causal, scale=scale)
+
+
+# --- switching on and off -----------------------------------------------------------------------
+
+
+def enable(
+    *,
+    dispatcher: Dispatcher | None = None,
+    buckets: str | None = None,
+    mode: str | None = None,
+) -> Dispatcher:
+    """Route this thread's torch GEMM/SDPA calls through the tuner until ``disable()``.
+
+    ``dispatcher``: default the process-wide one (``TUNER_CACHE``, ``TUNER_MODE``).
+    ``buckets``: bucket policy for unseen M (``exact``, ``next_tuned_above``, ``pow2``); default
+    ``TUNER_BUCKETS`` or ``exact``. ``mode``: the dispatcher's miss policy (``off``, ``lookup``,
+    ``record``, ``tune``). Calls nest; returns the dispatcher in use.
+    """
+    disp = dispatcher or get_dispatcher()
+    if buckets is not None:
+        disp.set_buckets(buckets)
+    if mode is not None:
+        disp.set_mode(mode)
+    disp.set_counting(True)
+    tm = TunerMode(disp)
+    tm.__enter__()
+    _modes().append(tm)
+    return disp
+
+
+def disable() -> None:
+    """Undo the innermost ``enable()`` of this thread."""
+    modes = _modes()
+    if not modes:
+        raise RuntimeError("tuner.torch.disable() without a matching enable() in this thread")
+    top = torch.overrides._get_current_function_mode()
+    if top is not modes[-1]:
+        raise RuntimeError(
+            f"tuner.torch.disable(): another torch function mode ({type(top).__name__}) was entered "
+            "after tuner.torch.enable() and is still active; exit it first"
+        )
+    modes.pop().__exit__(None, None, None)
+
+
+def is_enabled() -> bool:
+    return bool(_modes())
+
+
+@contextlib.contextmanager
+def enabled(
+    *,
+    dispatcher: Dispatcher | None = None,
+    buckets: str | None = None,
+    mode: str | None = None,
+) -> Iterator[Dispatcher]:
+    """``with tuner.torch.enabled(): model(x)``: ``enable()`` for the block, then ``disable()``."""
+    disp = enable(dispatcher=dispatcher, buckets=buckets, mode=mode)
+    try:
+        yield disp
+    finally:
+        disable()
+
+
+# --- diagnostics ---------------------------------------------------------------------------------
+
+PASSTHROUGH = ("default", "untunable")
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Calls per resolved problem. Kinds (``tuner.dispatch.RESOLUTION_KINDS``): ``hit`` (the key's
+    winner), ``bucketed`` (a neighbour's winner rebuilt for the key), ``miss`` and ``capture``
+    (torch's default for want of a winner), ``default``/``untunable`` (torch by policy or scope).
+
+    ``saved_us``: calls x (winner's baseline_us - median_us), the estimate measured at tuning time;
+    for bucketed calls it is the neighbour's figure, an estimate of an estimate.
+    """
+
+    rows: tuple[Resolution, ...]
+
+    def calls_of(self, *kinds: str) -> int:
+        return sum(r.calls for r in self.rows if r.kind in kinds)
+
+    @property
+    def calls(self) -> int:
+        return sum(r.calls for r in self.rows)
+
+    @property
+    def hits(self) -> int:
+        return self.calls_of("hit")
+
+    @property
+    def bucketed(self) -> int:
+        return self.calls_of("bucketed")
+
+    @property
+    def misses(self) -> int:
+        return self.calls_of("miss", "capture")
+
+    @property
+    def passthrough(self) -> int:
+        return self.calls_of(*PASSTHROUGH)
+
+    @property
+    def saved_us(self) -> float:
+        return sum(r.calls * r.saved_us for r in self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "calls": self.calls,
+            "hits": self.hits,
+            "bucketed": self.bucketed,
+            "misses": self.misses,
+            "passthrough": self.passthrough,
+            "saved_us": self.saved_us,
+            "rows": [
+                {
+                    "key": r.key,
+                    "kind": r.kind,
+                    "candidate": r.candidate,
+                    "via": r.via,
+                    "calls": r.calls,
+                    "saved_us_per_call": r.saved_us,
+                }
+                for r in self.rows
+            ],
+        }
+
+    def table(self) -> str:
+        head = (
+            f"tuner.torch: {self.calls} calls: {self.hits} hits, {self.bucketed} bucketed, "
+            f"{self.misses} misses, {self.passthrough} left to torch; "
+            f"estimated time saved {self.saved_us / 1e3:.3f} ms"
+        )
+        lines = [head, f"{'kind':<10} {'calls':>8} {'saved us/call':>14}  candidate  <-  key"]
+        for r in sorted(self.rows, key=lambda r: (-r.calls, r.key)):
+            via = f" (via {r.via})" if r.via else ""
+            lines.append(
+                f"{r.kind:<10} {r.calls:>8} {r.saved_us:>14.2f}  {r.candidate}  <-  {r.key}{via}"
+            )
+        return "\n".join(lines)
+
+    __str__ = table
+
+
+def stats(dispatcher: Dispatcher | None = None) -> Stats:
+    """A snapshot of the calls counted since ``enable()`` (or ``reset_stats()``)."""
+    disp = dispatcher or active_dispatcher()
+    return Stats(tuple(replace(r) for r in list(disp.resolutions.values())))
+
+
+def reset_stats(dispatcher: Dispatcher | None = None) -> None:
+    for r in list((dispatcher or active_dispatcher()).resolutions.values()):
+        r.calls = 0
+
+
+__all__ = [
+    "Stats",
+    "TunerMode",
+    "active_dispatcher",
+    "disable",
+    "enable",
+    "enabled",
+    "is_enabled",
+    "mm_grads",
+    "reset_stats",
+    "stats",
+    "tuned_mm",
+    "tuned_sdpa",
+]
