@@ -20,6 +20,7 @@ from server.models import (
     CompleteIn,
     CompleteOut,
     ConfirmOut,
+    ErrorOut,
     FeedOut,
     GroupIn,
     LookupIn,
@@ -37,7 +38,18 @@ from server.models import (
 from server.tokens import Token
 from tuner.cache import Store
 
-router = APIRouter(prefix="/v1")
+ERRORS: dict[int | str, dict] = {
+    status: {"model": ErrorOut, "description": text}
+    for status, text in (
+        (400, "malformed request"),
+        (401, "missing, invalid or revoked bearer token"),
+        (403, "the token lacks the scope this needs"),
+        (404, "unknown device class, key, lease or nothing pending"),
+        (409, "the lease was already completed"),
+        (413, "request body too large"),
+    )
+}
+router = APIRouter(prefix="/v1", responses=ERRORS)
 
 DeviceClassPath = Annotated[str, Path(pattern=DEVICE_CLASS_RE, description="e.g. cpu-x86_64-2c")]
 VersionsQuery = Annotated[

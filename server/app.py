@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -24,7 +25,7 @@ from server import queue
 from server.api import router
 from server.config import Settings
 from server.db import FleetDB
-from server.limits import BodyLimitMiddleware, BodyTooLarge, too_large
+from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics, MetricsMiddleware
 from server.results import Policy
 from tuner.cache.schema import SCHEMA_VERSION
@@ -39,6 +40,16 @@ def _summary(errors: list[dict]) -> str:
     ]
     extra = f" (and {len(parts) - 3} more)" if len(parts) > 3 else ""
     return "; ".join(parts[:3]) + extra
+
+
+def _short_input(error: dict[str, Any]) -> dict[str, Any]:
+    """Echo at most a short repr of the offending input: it may be a 5,000-item list or a NaN
+    (which JSON cannot carry), and ``ctx`` may hold exception objects."""
+    out = {k: v for k, v in error.items() if k in ("type", "loc", "msg")}
+    if "input" in error:
+        text = repr(error["input"])
+        out["input"] = text if len(text) <= 200 else text[:200] + "..."
+    return out
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -74,12 +85,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = jsonable_encoder(exc.errors())
-        return JSONResponse({"detail": errors, "message": _summary(errors)}, 422)
-
-    @app.exception_handler(BodyTooLarge)
-    async def body_too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
-        return too_large(exc.limit)
+        errors = [_short_input(e) for e in exc.errors()]
+        return JSONResponse({"detail": jsonable_encoder(errors), "message": _summary(errors)}, 422)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -6,12 +6,6 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-class BodyTooLarge(Exception):
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"request body larger than {limit} bytes")
-        self.limit = limit
-
-
 def too_large(limit: int) -> JSONResponse:
     return JSONResponse(
         {"detail": f"request body too large: at most {limit} bytes; send smaller batches"}, 413
@@ -19,7 +13,7 @@ def too_large(limit: int) -> JSONResponse:
 
 
 class BodyLimitMiddleware:
-    """Checks Content-Length up front, and counts chunked bodies as they arrive."""
+    """Checks Content-Length up front; reads a chunked body up to the limit before the app."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -36,14 +30,32 @@ class BodyLimitMiddleware:
         if length is not None and int(length) > self.max_bytes:
             await too_large(self.max_bytes)(scope, receive, send)
             return
-        seen = 0
+        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            await self._buffered(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
-        async def counted() -> Message:
-            nonlocal seen
+    async def _buffered(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A body without Content-Length (chunked) is read here, up to the limit, then replayed:
+        once the app has started reading it is too late to answer 413 cleanly."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise BodyTooLarge(self.max_bytes)
-            return message
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await too_large(self.max_bytes)(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replay: list[Message] = [
+            {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        ]
 
-        await self.app(scope, counted, send)
+        async def replayed() -> Message:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)

@@ -51,6 +51,10 @@ Text = Annotated[str, Field(max_length=4000)]
 Name = Annotated[str, Field(min_length=1, max_length=200)]
 
 
+class ErrorOut(BaseModel):
+    detail: str
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -1,0 +1,257 @@
+"""Bad input gets a 4xx with a message naming what is wrong, never a 500 (real uvicorn)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from server import tokens
+from server.live import ThreadServer
+from tuner.cache import Store
+from tuner.client import wire
+from tuner.device import fingerprint
+from tuner.results import Measurement
+
+pytestmark = pytest.mark.timeout(120)
+FP = fingerprint()
+DC = FP.device_class
+KEY = "gemm:m=8,n=8,k=8,dtype=f32,out_dtype=f32"
+
+
+@dataclasses.dataclass
+class Env:
+    url: str
+    tokens: dict[str, str]  # role -> token
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    db = tmp_path_factory.mktemp("fleet") / "fleet.db"
+    with ThreadServer(db, max_body_bytes=4 * 2**20) as srv:
+        roles = {
+            r: srv.token(r, s)
+            for r, s in (
+                ("reader", "read"),
+                ("submitter", "submit"),
+                ("other", "submit"),
+                ("admin", "admin"),
+            )
+        }
+        revoked = srv.token("gone", "submit")
+        with Store(db) as store:
+            tokens.revoke(store, revoked.split("_")[1])
+        roles["revoked"] = revoked
+        ok = submit_body([measurement()])
+        assert (
+            httpx.post(
+                srv.url + "/v1/measurements", json=ok, headers=auth(roles["submitter"])
+            ).status_code
+            == 200
+        )
+        yield Env(srv.url, roles)
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def measurement(**changes) -> dict:
+    m = Measurement(
+        DC,
+        KEY,
+        "torch",
+        {},
+        "ok",
+        is_baseline=True,
+        median_us=10.0,
+        p10_us=9.9,
+        p90_us=10.1,
+        reps=10,
+        versions=FP.version_tag,
+    )
+    return wire(m) | changes
+
+
+def submit_body(measurements: list[dict], **device_changes) -> dict:
+    return {"device": FP.to_dict() | device_changes, "measurements": measurements}
+
+
+def call(env: Env, method: str, path: str, role: str | None = "submitter", **kw) -> httpx.Response:
+    headers = kw.pop("headers", {}) | (auth(env.tokens[role]) if role else {})
+    return httpx.request(method, env.url + path, headers=headers, timeout=30, **kw)
+
+
+def expect(r: httpx.Response, status: int, *needles: str) -> None:
+    body = r.json()
+    text = body.get("message") or body.get("detail") if isinstance(body, dict) else str(body)
+    assert r.status_code == status, (r.status_code, body)
+    for needle in needles:
+        assert needle in str(text), (needle, text)
+
+
+SUBMIT = "/v1/measurements"
+
+
+@pytest.mark.parametrize(
+    ("role", "headers", "status", "needle"),
+    [
+        (None, {}, 401, "needs a bearer token with scope 'submit'"),
+        (None, {"Authorization": "Basic dXNlcjpwdw=="}, 401, "bearer token"),
+        (None, {"Authorization": "Bearer tnr_0123456789ab_wrong"}, 401, "invalid or revoked"),
+        (None, {"Authorization": "Bearer not-a-token"}, 401, "invalid or revoked"),
+        ("revoked", {}, 401, "invalid or revoked"),
+        ("reader", {}, 403, "has scopes ['read']; this needs 'submit'"),
+    ],
+)
+def test_tokens_are_checked(env: Env, role, headers, status, needle) -> None:
+    r = call(env, "POST", SUBMIT, role, headers=headers, json=submit_body([measurement()]))
+    expect(r, status, needle)
+    if status == 401:
+        assert r.headers["www-authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize(
+    ("body", "needles"),
+    [
+        ({"device": FP.to_dict(), "measurements": "abc"}, ["body.measurements", "list"]),
+        (submit_body([measurement(status="great")]), ["status", "'ok'", "'rejected'"]),
+        (submit_body([measurement(median_us="fast")]), ["median_us", "number"]),
+        (submit_body([measurement(median_us=-1.0)]), ["median_us", "greater than or equal to 0"]),
+        (submit_body([measurement(median_us=None)]), ["status 'ok' needs a positive median_us"]),
+        (submit_body([measurement(key="gemm:m=0,n=8,k=8")]), ["m must be a positive integer"]),
+        (
+            submit_body(
+                [measurement(key="sdpa:batch=1,q_heads=1,kv_heads=1,q_len=1,kv_len=1,head_dim=0")]
+            ),
+            ["invalid key"],
+        ),
+        (submit_body([measurement(key="conv:x=1")]), ["key must start with one of"]),
+        (submit_body([measurement(uid="!")]), ["uid", "pattern"]),
+        (submit_body([measurement(colour="red")]), ["colour", "Extra inputs"]),
+        (submit_body([measurement(device_class="cpu-other-1c")]), ["does not match the device's"]),
+        (submit_body([measurement()], name="!!!"), ["gives no usable device class"]),
+        (submit_body([measurement()], device_class="cpu-x-1c"), ["does not match the fingerprint"]),
+        (submit_body([measurement(params={"x": "y" * 5000})]), ["params must be at most 4000"]),
+        (submit_body([measurement()] * 5001), ["at most 5000 items"]),
+        ({"measurements": []}, ["body.device", "Field required"]),
+    ],
+)
+def test_bad_submissions_name_the_problem(env: Env, body: dict, needles: list[str]) -> None:
+    expect(call(env, "POST", SUBMIT, json=body), 422, *needles)
+
+
+def test_malformed_json_and_nan(env: Env) -> None:
+    r = call(
+        env, "POST", SUBMIT, content=b'{"device": ', headers={"Content-Type": "application/json"}
+    )
+    expect(r, 422, "JSON decode error")
+    raw = json.dumps(submit_body([measurement()])).replace('"median_us": 10.0', '"median_us": NaN')
+    r = call(
+        env, "POST", SUBMIT, content=raw.encode(), headers={"Content-Type": "application/json"}
+    )
+    expect(r, 422, "median_us", "finite")
+
+
+def test_huge_body_is_refused_before_parsing(env: Env) -> None:
+    r = call(
+        env,
+        "POST",
+        SUBMIT,
+        content=b"x" * (4 * 2**20 + 1),
+        headers={"Content-Type": "application/json"},
+    )
+    expect(r, 413, "at most 4194304 bytes")
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        for _ in range(80):
+            yield b" " * 65536
+
+    expect(call(env, "POST", SUBMIT, content=chunks()), 413, "too large")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "kw", "status", "needle"),
+    [
+        ("GET", "/v1/winners/cpu-nope-1c/feed", {}, 404, "unknown device class 'cpu-nope-1c'"),
+        ("GET", "/v1/winners/cpu-nope-1c", {"params": {"key": KEY}}, 404, "unknown device class"),
+        (
+            "GET",
+            f"/v1/winners/{DC}",
+            {"params": {"key": KEY.replace("8,", "16,", 1)}},
+            404,
+            "no winner",
+        ),
+        ("GET", "/v1/winners/GPU!/feed", {}, 422, "device_class"),
+        ("GET", f"/v1/winners/{DC}/feed", {"params": {"since": -1}}, 422, "since"),
+        ("GET", f"/v1/winners/{DC}/feed", {"params": {"limit": 0}}, 422, "limit"),
+        ("GET", f"/v1/winners/{DC}/feed", {"params": {"since": "soon"}}, 422, "since"),
+        ("GET", f"/v1/winners/{DC}", {"params": {"key": "gemm:m=8"}}, 422, "incomplete gemm key"),
+        (
+            "POST",
+            f"/v1/winners/{DC}/lookup",
+            {"json": {"versions": "", "keys": []}},
+            422,
+            "at least 1",
+        ),
+        ("GET", "/v1/queue", {"params": {"state": "lost"}}, 422, "state"),
+        (
+            "POST",
+            "/v1/queue/claim",
+            {"json": {"device": FP.to_dict(), "versions": "", "worker": "w", "max_keys": 0}},
+            422,
+            "max_keys",
+        ),
+        (
+            "POST",
+            "/v1/queue/complete",
+            {"json": submit_body([]) | {"lease_id": "0" * 32}},
+            404,
+            "unknown lease_id",
+        ),
+        (
+            "POST",
+            "/v1/queue/complete",
+            {"json": submit_body([]) | {"lease_id": "x"}},
+            422,
+            "lease_id",
+        ),
+        (
+            "POST",
+            "/v1/misses",
+            {
+                "json": {
+                    "device": FP.to_dict(),
+                    "versions": "",
+                    "misses": [{"key": KEY, "count": 0}],
+                }
+            },
+            422,
+            "count",
+        ),
+        ("GET", "/v1/nothing-here", {}, 404, "Not Found"),
+        ("DELETE", SUBMIT, {}, 405, "Method Not Allowed"),
+    ],
+)
+def test_bad_requests_get_clear_4xx(env: Env, method, path, kw, status, needle) -> None:
+    expect(call(env, method, path, **kw), status, needle)
+
+
+def test_confirm_needs_admin_and_something_pending(env: Env) -> None:
+    group = {"device_class": DC, "versions": FP.version_tag, "key": KEY}
+    expect(call(env, "POST", "/v1/pending/confirm", json=group), 403, "this needs 'admin'")
+    expect(call(env, "POST", "/v1/pending/confirm", "admin", json=group), 404, "nothing pending")
+
+
+def test_a_lease_belongs_to_its_claimer(env: Env) -> None:
+    miss = {"device": FP.to_dict(), "versions": "v-lease", "misses": [{"key": KEY}]}
+    assert call(env, "POST", "/v1/misses", "reader", json=miss).json()["queued"] == 1
+    claim = {"device": FP.to_dict(), "versions": "v-lease", "worker": "w"}
+    lease = call(env, "POST", "/v1/queue/claim", json=claim).json()["lease_id"]
+    done = submit_body([]) | {"lease_id": lease}
+    expect(call(env, "POST", "/v1/queue/complete", "other", json=done), 403, "another token")
+    assert call(env, "POST", "/v1/queue/complete", json=done).status_code == 200
+    expect(call(env, "POST", "/v1/queue/complete", json=done), 409, "already completed")
