@@ -20,6 +20,7 @@ problem (no 256-row tile for M = 16), register budget of the GEMV accumulator.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -116,6 +117,11 @@ def c_tma_ok(key: GemmKey) -> bool:
     return (key.n * ITEMSIZE[key.out_dtype]) % 16 == 0
 
 
+def clamp(key: GemmKey, bn: int, bk: int) -> tuple[int, int]:
+    """Narrow and shallow problems get narrower/shallower tiles rather than none."""
+    return min(bn, pow2_at_least(key.n)), min(bk, pow2_at_least(key.k))
+
+
 def fits(key: GemmKey, bm: int, bn: int, bk: int) -> bool:
     """No tile taller/wider/deeper than the problem rounded up to a power of two (>= 16)."""
     return bm <= pow2_at_least(key.m) and bn <= pow2_at_least(key.n) and bk <= pow2_at_least(key.k)
@@ -143,7 +149,7 @@ def needs_pad(key: GemmKey) -> bool:
 def tiled_space(key: GemmKey) -> list[Params]:
     out = []
     for bm, bn, bk, warps, stages in TILES:
-        bk = scale_bk(key, bk)
+        bn, bk = clamp(key, bn, scale_bk(key, bk))
         if not fits(key, bm, bn, bk) or smem_bytes(key, bm, bn, bk, stages) > SMEM_LIMIT:
             continue
         out.append({"kernel": "tiled", "bm": bm, "bn": bn, "bk": bk, "group_m": 8,
@@ -156,7 +162,7 @@ def persistent_space(key: GemmKey) -> list[Params]:
         return []
     out = []
     for bm, bn, bk, warps, stages in PERSISTENT:
-        bk = scale_bk(key, bk)
+        bn, bk = clamp(key, bn, scale_bk(key, bk))
         if not fits(key, bm, bn, bk):
             continue
         if smem_bytes(key, bm, bn, bk, stages, c_tile=c_tma_ok(key)) > SMEM_LIMIT:
@@ -170,7 +176,7 @@ def splitk_space(key: GemmKey, sms: int) -> list[Params]:
     """Split-K only where the output tiles alone leave SMs idle and K is long enough to share."""
     out = []
     for bm, bn, bk, warps, stages in SPLITK_TILES:
-        bk = scale_bk(key, bk)
+        bn, bk = clamp(key, bn, scale_bk(key, bk))
         if not fits(key, bm, bn, bk):
             continue
         tiles = math.ceil(key.m / bm) * math.ceil(key.n / bn) * key.batch
@@ -210,7 +216,8 @@ def space(key: GemmKey, sms: int = SM90_SMS) -> list[Params]:
         pk = padded_key(key)
         padded = tiled_space(pk) + splitk_space(pk, sms) + persistent_space(pk)
         base += [{**p, "pad_k": True} for p in padded]
-    return [with_precision(p, prec) for prec in precisions(key) for p in base]
+    unique = {json.dumps(p, sort_keys=True): p for p in base}  # clamping can make duplicates
+    return [with_precision(p, prec) for prec in precisions(key) for p in unique.values()]
 
 
 # Rough Hopper figures for the ordering model below (not measurements of this project).
