@@ -24,13 +24,15 @@ from tuner.cache import Store
 from tuner.client import FleetClient
 
 
-def _wait_healthy(url: str, timeout_s: float, alive: Any = lambda: True) -> None:
+def _wait_healthy(
+    url: str, timeout_s: float, alive: Any = lambda: True, path: str = "/v1/health"
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not alive():
             raise RuntimeError(f"the service at {url} exited during startup")
         try:
-            if httpx.get(url + "/v1/health", timeout=1.0).status_code == 200:
+            if httpx.get(url + path, timeout=1.0).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -52,15 +54,15 @@ class _Tokens:
         return FleetClient(self.url, self.token(name, *scopes) if scopes else None, **kwargs)
 
 
-class ThreadServer(_Tokens):
-    """uvicorn in a daemon thread, on a socket bound before start (no port race)."""
+class AppThread:
+    """Any ASGI app under uvicorn in a daemon thread, on a socket bound before start (no port
+    race); ``port=0`` picks a free one. Ready once ``health_path`` answers 200."""
 
-    def __init__(self, db: Path, **settings: Any) -> None:
-        self.db = Path(db)
-        self.app = create_app(Settings(db=db, **settings))
+    def __init__(self, app: Any, port: int = 0, health_path: str = "/v1/health") -> None:
+        self.app, self.health_path = app, health_path
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind(("127.0.0.1", port))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         config = uvicorn.Config(self.app, log_level="warning", access_log=False)
         self.server = uvicorn.Server(config)
@@ -68,15 +70,23 @@ class ThreadServer(_Tokens):
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )
 
-    def __enter__(self) -> ThreadServer:
+    def __enter__(self) -> Any:
         self.thread.start()
-        _wait_healthy(self.url, 30, self.thread.is_alive)
+        _wait_healthy(self.url, 30, self.thread.is_alive, self.health_path)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
+
+
+class ThreadServer(AppThread, _Tokens):
+    """The fleet service in a thread of this process."""
+
+    def __init__(self, db: Path, port: int = 0, **settings: Any) -> None:
+        self.db = Path(db)
+        super().__init__(create_app(Settings(db=db, **settings)), port)
 
 
 def free_port() -> int:

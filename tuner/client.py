@@ -246,7 +246,9 @@ class PushResult:
     queued: int
 
 
-def pull(client: FleetClient, store: Store, fp: Fingerprint, *, full: bool = False) -> PullResult:
+def pull(
+    client: FleetClient, store: Store, fp: Fingerprint, *, full: bool = False, page: int = 10000
+) -> PullResult:
     """Bring the served winners of ``fp``'s device class and versions into ``store``.
 
     Pages are applied in feed order and the cursor saved after each page, so an interrupted pull
@@ -258,17 +260,17 @@ def pull(client: FleetClient, store: Store, fp: Fingerprint, *, full: bool = Fal
     total = pages = 0
     while True:
         try:
-            page = client.feed(fp.device_class, fp.version_tag, cursor)
+            body = client.feed(fp.device_class, fp.version_tag, cursor, limit=page)
         except FleetError as e:
             if e.status == 404:  # nobody of this class has reported yet: nothing to pull
                 break
             raise
-        winners = [Winner.from_row(w) for w in page["winners"]]
+        winners = [Winner.from_row(w) for w in body["winners"]]
         if winners:
             store.put_winners(winners)
-        total, pages, cursor = total + len(winners), pages + 1, page["cursor"]
+        total, pages, cursor = total + len(winners), pages + 1, body["cursor"]
         set_position(store, name, cursor)
-        if not page["more"]:
+        if not body["more"]:
             break
     return PullResult(total, pages, cursor, time.perf_counter() - started)
 

@@ -1,0 +1,207 @@
+"""The fleet client when things go wrong: service down, silent, flaky; crashes mid-pull; and the
+dispatcher, which must keep working from its local cache whatever the service does."""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from server.live import AppThread, ThreadServer, free_port
+from tuner.cache import Store
+from tuner.client import (
+    BackgroundSync,
+    FleetClient,
+    FleetError,
+    attach,
+    get_position,
+    pull,
+    push_misses,
+    wire,
+)
+from tuner.device import fingerprint
+from tuner.dispatch import Dispatcher
+from tuner.keys import GemmKey
+from tuner.results import Measurement
+
+pytestmark = pytest.mark.timeout(120)
+FP = fingerprint()
+DC = FP.device_class
+
+
+def wait_until(check: Callable[[], object], timeout_s: float = 20.0) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+@pytest.fixture
+def silent_url() -> Iterator[str]:
+    """A port that accepts TCP connections and never answers (a hung service)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def flaky_app(failures: int, status: int) -> tuple[Starlette, list[int]]:
+    """Answers ``status`` ``failures`` times, then 200: a real HTTP server for retry tests."""
+    calls: list[int] = []
+
+    async def health(request):
+        calls.append(1)
+        if len(calls) <= failures:
+            return JSONResponse({"detail": "try later"}, status)
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request):
+        return JSONResponse({})
+
+    return Starlette(routes=[Route("/v1/health", health), Route("/ready", ready)]), calls
+
+
+def test_unreachable_service_fails_fast_with_a_clear_error() -> None:
+    client = FleetClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.05)
+    started = time.monotonic()
+    with pytest.raises(FleetError, match="unreachable: ConnectError"):
+        client.health()
+    assert time.monotonic() - started < 3
+
+
+def test_a_silent_service_is_cut_off_by_the_timeout(silent_url: str) -> None:
+    client = FleetClient(silent_url, timeout_s=0.3, retries=1, backoff_s=0.05)
+    started = time.monotonic()
+    with pytest.raises(FleetError, match="ReadTimeout"):
+        client.health()
+    assert time.monotonic() - started < 3
+
+
+def test_retries_with_backoff_on_503_then_succeeds() -> None:
+    app, calls = flaky_app(failures=2, status=503)
+    with AppThread(app, health_path="/ready") as srv:
+        assert FleetClient(srv.url, backoff_s=0.01).health() == {"status": "ok"}
+    assert len(calls) == 3
+
+
+def test_client_errors_are_not_retried() -> None:
+    app, calls = flaky_app(failures=5, status=400)
+    client_error = pytest.raises(FleetError, match="HTTP 400: try later")
+    with AppThread(app, health_path="/ready") as srv, client_error as e:
+        FleetClient(srv.url, backoff_s=0.01).health()
+    assert e.value.status == 400 and len(calls) == 1
+
+
+def test_the_dispatcher_does_not_wait_for_a_hung_service(silent_url: str, tmp_path: Path) -> None:
+    d = Dispatcher(store_path=tmp_path / "host.db", mode="record")
+    sync = attach(d, client=FleetClient(silent_url, timeout_s=60, retries=0), interval_s=0.1)
+    try:
+        time.sleep(0.2)  # the sync thread is now stuck in its request, for up to 60 s
+        x, y = torch.randn(16, 32), torch.randn(32, 8)
+        for _ in range(20):  # misses, resolution, store writes, hits: none waits for it
+            torch.testing.assert_close(d.matmul(x, y), x @ y)
+        assert sync.syncs == 0 and sync.failures == 0  # ... which is still waiting
+    finally:
+        sync.stop(timeout_s=0.1)
+
+
+def test_outage_then_recovery_loses_no_miss(tmp_path: Path) -> None:
+    port = free_port()
+    client = FleetClient(f"http://127.0.0.1:{port}", retries=0, timeout_s=2)
+    d = Dispatcher(store_path=tmp_path / "host.db", mode="record")
+    x, y = torch.randn(24, 40), torch.randn(40, 8)
+    key = str(GemmKey.from_tensors(x, y))
+    with ThreadServer(tmp_path / "fleet.db", port=port) as srv:  # tokens need the db; then down
+        client.http.headers["Authorization"] = f"Bearer {srv.token('host', 'read')}"
+    sync = attach(d, client=client, interval_s=0.1)
+    try:
+        torch.testing.assert_close(d.matmul(x, y), x @ y)  # the miss is recorded locally
+        wait_until(lambda: sync.failures >= 2)
+        assert "unreachable" in sync.last_error
+        with ThreadServer(tmp_path / "fleet.db", port=port) as srv:  # the service comes back
+            sync.trigger()
+            reader = srv.client("ops", "read")
+            queued = wait_until(lambda: reader.queue(state="queued"))
+            assert [(e["key"], e["misses"]) for e in queued] == [(key, 1)]
+            wait_until(lambda: sync.last_error is None)
+    finally:
+        sync.stop()
+
+
+def test_miss_reports_send_only_what_is_new(tmp_path: Path) -> None:
+    k1, k2 = (str(GemmKey(m=m, n=8, k=8, dtype="f32", out_dtype="f32")) for m in (8, 16))
+    with ThreadServer(tmp_path / "fleet.db") as srv, Store(tmp_path / "host.db") as store:
+        client = srv.client("host", "read")
+
+        def counts() -> dict[str, int]:
+            return {e["key"]: e["misses"] for e in client.queue()}
+
+        store.record_misses(DC, [k1, k2])
+        assert push_misses(client, store, FP) == (2, 2)
+        assert push_misses(client, store, FP) == (0, 0)  # nothing new
+        store.record_misses(DC, [k1], count=2)
+        assert push_misses(client, store, FP) == (1, 0)
+        assert counts() == {k1: 3, k2: 1}
+        store.clear_misses(DC, [k1])  # e.g. tuned offline, then missed again later
+        store.record_misses(DC, [k1])
+        push_misses(client, store, FP)
+        assert counts() == {k1: 4, k2: 1}
+
+
+class Interrupted(FleetClient):
+    """A client whose connection drops after ``pages`` feed pages (fault injection)."""
+
+    def __init__(self, *args, pages: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pages = pages
+
+    def feed(self, *args, **kwargs):
+        if self.pages == 0:
+            raise FleetError("connection dropped")
+        self.pages -= 1
+        return super().feed(*args, **kwargs)
+
+
+def test_an_interrupted_pull_resumes_where_it_stopped(tmp_path: Path) -> None:
+    with ThreadServer(tmp_path / "fleet.db") as srv, Store(tmp_path / "host.db") as store:
+        token = srv.token("host", "submit")
+        keys = [str(GemmKey(m=8 * i, n=8, k=8, dtype="f32", out_dtype="f32")) for i in range(1, 31)]
+        FleetClient(srv.url, token).submit(FP, [
+            Measurement(DC, k, "torch", {}, "ok", is_baseline=True, median_us=5.0,
+                        versions=FP.version_tag) for k in keys
+        ])  # fmt: skip
+        with pytest.raises(FleetError, match="dropped"):
+            pull(Interrupted(srv.url, token, pages=2), store, FP, page=10)
+        name = f"pull:{srv.url}:{DC}:{FP.version_tag}"
+        assert get_position(store, name) == 20 and len(store.winners(DC)) == 20
+        resumed = pull(FleetClient(srv.url, token), store, FP, page=10)
+        assert resumed.winners == 10 and len(store.winners(DC)) == 30
+
+
+def test_wire_form_has_no_nan() -> None:
+    m = Measurement(DC, "gemm:m=1,n=8,k=8", "torch", {}, "rejected", max_rel_err=math.nan,
+                    error="x" * 9000)  # fmt: skip
+    w = wire(m)
+    assert w["max_rel_err"] is None and len(w["error"]) == 4000
+
+
+def test_background_sync_reports_refusals_but_still_pulls(tmp_path: Path) -> None:
+    with ThreadServer(tmp_path / "fleet.db") as srv, Store(tmp_path / "host.db") as store:
+        store.save_run(
+            [Measurement(DC, "gemm:m=8,n=8,k=8,dtype=f32,out_dtype=f32", "torch", {}, "ok",
+                         is_baseline=True, median_us=5.0, versions=FP.version_tag)]
+        )  # fmt: skip
+        sync = BackgroundSync(srv.client("reader", "read"), tmp_path / "host.db")
+        with pytest.raises(FleetError, match="push_measurements: HTTP 403"):
+            sync.sync_once(store)
+        assert sync.syncs == 1  # the pull ran although the push was refused
