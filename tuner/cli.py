@@ -23,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tuner import fleet_cli, sdpa_bench
+from tuner import fleet_cli, gemm_bench, sdpa_bench
 from tuner.cache import Store, StoreError, default_path
 from tuner.candidates import registry
 from tuner.candidates.base import Source
@@ -437,6 +437,7 @@ def import_(
 
 fleet_cli.register(app)  # serve, token, sync, push
 bench_app.command("sdpa")(sdpa_bench.command)
+bench_app.command("gemm")(gemm_bench.command)
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ import triton
 from tuner.candidates.base import Params, Runner, Source, interpreting
 from tuner.candidates.triton_kernels import configs
 from tuner.candidates.triton_kernels.gemv import gemv
-from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, warm
+from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, WarmReport, warm
 from tuner.candidates.triton_kernels.pad import pad_copy
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA, persistent_tma_gemm
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tiled_gemm
@@ -349,6 +349,7 @@ class TritonGemm(Source):
     name = "triton_gemm"
     op = "gemm"
     shortlist_limit = 16
+    last_warm: WarmReport | None = None  # the last parallel compile (kernels compiled, seconds)
 
     def unavailable(self, device: str) -> str | None:
         if device == "cpu" and not interpreting():
@@ -379,7 +380,7 @@ class TritonGemm(Source):
                 jobs += make_runner(key, p).jobs()
             except ValueError:
                 continue
-        warm(jobs)
+        self.last_warm = warm(jobs)
 
     def build(self, key: GemmKey, params: Params) -> Runner:
         return make_runner(key, params)

@@ -1,0 +1,332 @@
+"""``tuner bench gemm --suite llama``: tuned GEMMs against cuBLAS (torch.matmul), side by side.
+
+The suite (parts selectable with ``--part``; each part writes ``gemm_llama_<part>.json``/``.png``
+and a tuned cache ``gemm_llama_<part>.db`` into ``--out``):
+
+- ``bf16-8b``, ``bf16-70b``: the projections of Llama-3-8B / 70B at TP 1 (qkv, o, gate_up, down;
+  configs/models/*.yaml, expanded by tuner/model_config.py) with M in 1, 2, 4, ..., 16384, bf16.
+  ``F.linear(x, W)`` computes x @ W.T with W stored (N, K) row-major: layout ``nt``, as
+  tuner.torch dispatches it;
+- ``odd``: dims that are not multiples of 8 or 16 (4097 x 4099 x 4101, 127 x 5120 x 3333, ...), bf16;
+- ``fp16``: the Llama-3-8B projections at M in 1, 16, 128, 1024, 8192 in fp16;
+- ``fp32``: the same in fp32 with TF32 off and with TF32 on.
+
+Each part is tuned by tuner/suite.py (tune, then time cuBLAS and the winner alternately on the
+same inputs). Added here: per-row achieved bandwidth of decode shapes (M <= 16) as a share of the
+measured device-to-device copy bandwidth, a re-check of each non-baseline winner's repeat calls
+(Triton runners launch the compiled kernel directly after the first call), a warm re-tune of a
+sample of rows (compiled kernels cached: the warm tuning time), Inductor max-autotune on a few
+shapes per part (its ratio and compile time), and the targets of issue 3 in the summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import typer
+from rich.console import Console
+
+from tuner import bench, problems
+from tuner.cache import Store
+from tuner.candidates import registry
+from tuner.engine import TuneOptions, TuneOutcome, current_device, tune
+from tuner.keys import GemmKey, parse_key
+from tuner.model_config import gemm_key, load_model
+from tuner.plots import geomean
+from tuner.sdpa_bench import recheck
+from tuner.suite import run_suite
+
+console = Console()
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"  # a source checkout
+MODELS = {"8b": "llama-3-8b.yaml", "70b": "llama-3-70b.yaml"}
+OPS = ("qkv", "o", "gate_up", "down")
+M_BF16 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+M_SMALL = (1, 16, 128, 1024, 8192)
+ODD = ((4097, 4099, 4101), (127, 5120, 3333), (1, 4099, 4101), (33, 11001, 4097),
+       (2049, 2050, 1026), (8191, 3001, 1999))  # fmt: skip
+PARTS = ("bf16-8b", "bf16-70b", "odd", "fp16", "fp32")
+# Inductor max-autotune compiles for minutes over a whole part; these few shapes per part suffice
+INDUCTOR = {
+    "bf16-8b": ("8B qkv M=1", "8B gate_up M=128", "8B o M=4096"),
+    "bf16-70b": ("70B down M=1", "70B o M=8192"),
+    "odd": ("4097x4099x4101", "127x5120x3333"),
+    "fp16": ("8B gate_up M=128",),
+    "fp32": ("8B qkv M=1024 tf32",),
+}
+DECODE_M = 16
+WARM_SAMPLE = 8  # rows re-tuned with every kernel already compiled
+
+Problems = list[tuple[str, GemmKey]]
+
+
+def model_problems(model: str, m_sizes: Sequence[int], dtype: str, suffix: str = "") -> Problems:
+    cfg = load_model(MODELS_DIR / MODELS[model])
+    out = []
+    for op in OPS:
+        n, k = cfg.gemm_shape(op)
+        for m in m_sizes:
+            out.append(
+                (f"{model.upper()} {op} M={m}{suffix}", gemm_key(m, n, k, layout="nt", dtype=dtype))
+            )
+    return out
+
+
+def odd_problems() -> Problems:
+    return [(f"{m}x{n}x{k}", gemm_key(m, n, k, layout="nt", dtype="bf16")) for m, n, k in ODD]
+
+
+def llama_suite(part: str) -> Problems:
+    """The (label, key) problems of one part of the suite."""
+    if part == "bf16-8b":
+        return model_problems("8b", M_BF16, "bf16")
+    if part == "bf16-70b":
+        return model_problems("70b", M_BF16, "bf16")
+    if part == "odd":
+        return odd_problems()
+    if part == "fp16":
+        return model_problems("8b", M_SMALL, "f16")
+    if part == "fp32":
+        return model_problems("8b", M_SMALL, "f32", " f32") + model_problems(
+            "8b", M_SMALL, "tf32", " tf32"
+        )
+    raise ValueError(f"part must be one of {list(PARTS)}, got {part!r}")
+
+
+def gemm_metrics(key: Any, us: float) -> dict[str, float]:
+    return {"tflops": key.flops / us / 1e6, "gbs": key.min_bytes / us / 1e3}
+
+
+class Recorder:
+    """engine.tune (or the crash-isolating worker), keeping outcomes and compile statistics."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, TuneOutcome] = {}
+        self.compiled: dict[str, int] = {}
+
+    def __call__(self, key: Any, options: TuneOptions) -> TuneOutcome:
+        outcome = tune(key, options=options)
+        self.outcomes[str(key)] = outcome
+        src = registry.all_sources().get("triton_gemm")
+        report = getattr(src, "last_warm", None)
+        if report is not None:
+            self.compiled[str(key)] = report.compiled
+        return outcome
+
+
+# --- Inductor --------------------------------------------------------------------------------------
+
+
+def inductor_row(label: str, key: GemmKey, device: str, budget_s: float) -> dict[str, Any]:
+    """torch.compile(max-autotune-no-cudagraphs) of a @ b for one key: compile seconds and its
+    time against torch.matmul, measured alternately on the same inputs."""
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    gen = torch.Generator(device=device).manual_seed(2)
+    sets = [problems.make_inputs(key, device, gen)
+            for _ in range(bench.rotation_sets(problems.bytes_per_set(key), device))]  # fmt: skip
+    flags = torch.backends.cuda.matmul
+    before = flags.allow_tf32
+    flags.allow_tf32 = key.compute == "tf32"
+    try:
+        compiled = torch.compile(
+            lambda a, b: a @ b, mode="max-autotune-no-cudagraphs", dynamic=False
+        )
+        t0 = time.perf_counter()
+        compiled(*sets[0])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        times: dict[str, list[float]] = {"cublas": [], "inductor": []}
+        for _ in range(3):
+            for name, fn in (("cublas", torch.matmul), ("inductor", compiled)):
+                t = bench.measure(
+                    lambda i, fn=fn: fn(*sets[i % len(sets)]), device=device, budget_s=budget_s
+                )
+                times[name].append(t.median_us)
+    finally:
+        flags.allow_tf32 = before
+    base, ind = statistics.median(times["cublas"]), statistics.median(times["inductor"])
+    return {"label": label, "key": str(key), "cublas_us": base, "inductor_us": ind,
+            "speedup": base / ind, "compile_s": compile_s}  # fmt: skip
+
+
+# --- annotation ------------------------------------------------------------------------------------
+
+
+def annotate(result: dict[str, Any], recorder: Recorder, device: str) -> None:
+    copy = result["copy_gbs"]
+    base_name = registry.baseline("gemm").name
+    for row in result["rows"]:
+        row.update(row.pop("extra", {}))
+        key = parse_key(row["key"])
+        assert isinstance(key, GemmKey)
+        row["m"], row["n"], row["k"] = key.m, key.n, key.k
+        row["pct_copy"] = 100 * row["gbs"] / copy
+        row["baseline_pct_copy"] = 100 * row["baseline_gbs"] / copy
+        row["kernels_compiled"] = recorder.compiled.get(row["key"])
+        if row["source"] != base_name:
+            params = json.loads(row["candidate"].partition(":")[2])
+            try:
+                row["recheck_err"] = recheck(key, row["source"], params, device)
+            except Exception as e:  # a broken winner must show, not sink the report
+                row["recheck_err"] = f"{type(e).__name__}: {e}"[:300]
+        outcome = recorder.outcomes.get(row["key"])
+        ms = outcome.measurements if outcome else []
+        row["candidates"] = {
+            status: sum(m.status == status for m in ms)
+            for status in ("ok", "cut", "rejected", "failed", "unsupported")
+        }
+        row["failures"] = [
+            f"{m.candidate}: {m.error[:200]}" for m in ms if m.status in ("failed", "rejected")
+        ][:5]
+
+
+def warm_retune(problems_: Problems, options: TuneOptions, sample: int) -> list[dict[str, Any]]:
+    """Re-tune an even sample of the part's rows: every kernel is compiled by now."""
+    if sample <= 0 or not problems_:
+        return []
+    step = max(1, len(problems_) // sample)
+    out = []
+    for label, key in problems_[::step][:sample]:
+        t0 = time.perf_counter()
+        tune(key, options=options)
+        out.append({"label": label, "key": str(key), "tune_s": time.perf_counter() - t0})
+    return out
+
+
+def targets(result: dict[str, Any]) -> dict[str, Any]:
+    """Issue 3's targets over this part's rows (where the part has such rows)."""
+    rows = result["rows"]
+    if not rows:
+        return {}
+    speed = [r["speedup"] for r in rows]
+    decode = [r for r in rows if r["m"] <= DECODE_M]
+    large = [
+        r
+        for r in rows
+        if min(r["m"], r["n"], r["k"]) >= 4096 and r["k"] % 8 == 0 and r["n"] % 8 == 0
+    ]
+    odd = [r for r in rows if (r["m"], r["n"], r["k"]) == (4097, 4099, 4101)]
+    warm = [w["tune_s"] for w in result.get("warm_retune", [])]
+    return {
+        "n_below_0.98": sum(s < 0.98 for s in speed),
+        "geomean": geomean(speed),
+        "decode_n": len(decode),
+        "decode_min_pct_copy": min((r["pct_copy"] for r in decode), default=None),
+        "decode_n_below_75pct_copy": sum(r["pct_copy"] < 75 for r in decode),
+        "large_aligned_min": min((r["speedup"] for r in large), default=None),
+        "odd_4097": odd[0]["speedup"] if odd else None,
+        "median_tune_s_first": statistics.median(r["tune_s"] for r in rows),
+        "median_tune_s_warm": statistics.median(warm) if warm else None,
+    }
+
+
+def print_report(result: dict[str, Any]) -> None:
+    for r in result["rows"]:
+        err = r.get("recheck_err")
+        if isinstance(err, str) or (err is not None and not err <= 5e-2):
+            console.print(f"[red]{r['label']}: winner recheck failed: {err}[/red]")
+        for f in r["failures"]:
+            console.print(f"[yellow]{r['label']}: {f}[/yellow]")
+        if r["m"] <= DECODE_M:
+            console.print(
+                f"{r['label']:<28} cuBLAS {r['baseline_gbs']:.0f} GB/s ({r['baseline_pct_copy']:.0f}%) -> "
+                f"{r['gbs']:.0f} GB/s ({r['pct_copy']:.0f}% of copy)"
+            )
+    for r in result.get("inductor", []):
+        if "error" in r:
+            console.print(f"[yellow]inductor {r['label']}: {r['error'][:200]}[/yellow]")
+        else:
+            console.print(
+                f"inductor {r['label']:<24} {r['speedup']:.2f}x vs cuBLAS, compiled in {r['compile_s']:.1f} s"
+            )
+    console.print(json.dumps(result["targets"]))
+
+
+def run_part(
+    part: str,
+    problems_: Problems,
+    out: Path,
+    options: TuneOptions,
+    *,
+    inductor: bool,
+    warm_sample: int,
+) -> dict[str, Any]:
+    device = current_device()
+    name = f"gemm_llama_{part}"
+    out.mkdir(parents=True, exist_ok=True)
+    store = Store(out / f"{name}.db")
+    recorder = Recorder()
+    started = time.perf_counter()
+    result = run_suite(
+        name, problems_, out_dir=out, title=f"GEMM {part}: tuned vs cuBLAS (torch.matmul)",
+        options=options, metrics=gemm_metrics, store=store, tuner=recorder,
+    )  # fmt: skip
+    annotate(result, recorder, device)
+    result["warm_retune"] = warm_retune(problems_, options, warm_sample)
+    result["inductor"] = []
+    if inductor and device == "cuda":
+        wanted = set(INDUCTOR.get(part, ()))
+        for label, key in problems_:
+            if label in wanted:
+                try:
+                    result["inductor"].append(inductor_row(label, key, device, options.budget_s))
+                except Exception as e:  # Inductor failing on a shape is a finding, not a crash
+                    result["inductor"].append(
+                        {"label": label, "key": str(key), "error": f"{type(e).__name__}: {e}"[:500]}
+                    )
+    result["targets"] = targets(result)
+    result["wall_s"] = time.perf_counter() - started
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    print_report(result)
+    return result
+
+
+def command(
+    suite: Annotated[str, typer.Option(help="Shape suite: llama.")] = "llama",
+    part: Annotated[
+        list[str] | None,
+        typer.Option(help=f"Part(s) to run (repeatable): {', '.join(PARTS)}; default all."),
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Folder for gemm_llama_<part>.json/.png/.db.")] = Path(
+        "bench/results"
+    ),
+    budget: Annotated[float, typer.Option(help="Timing budget per candidate, seconds.")] = 0.05,
+    launch: Annotated[
+        str, typer.Option(help="eager: host launch time counts; graph: GPU time.")
+    ] = "eager",
+    inductor: Annotated[
+        bool, typer.Option(help="Also time Inductor max-autotune on a few shapes.")
+    ] = True,
+    warm_sample: Annotated[
+        int, typer.Option(help="Rows re-tuned warm per part (tuning time).")
+    ] = WARM_SAMPLE,
+    isolate: Annotated[
+        bool, typer.Option(help="Tune in a crash-isolating worker process.")
+    ] = False,
+    quick: Annotated[bool, typer.Option(help="Every 4th problem only (a smoke run).")] = False,
+) -> None:
+    """Tune the Llama GEMM suite and time cuBLAS (torch.matmul) against the winners."""
+    if suite != "llama":
+        raise ValueError(f"suite must be 'llama', got {suite!r}")
+    if launch not in ("eager", "graph"):
+        raise ValueError(f"launch must be eager or graph, got {launch!r}")
+    chosen = part or list(PARTS)
+    for p in chosen:
+        if p not in PARTS:
+            raise ValueError(f"part must be one of {list(PARTS)}, got {p!r}")
+    options = TuneOptions(budget_s=budget, launch=launch)
+    if isolate:
+        options = dataclasses.replace(options, isolate=True)  # engine.tune hands it to tuner.worker
+    for p in chosen:
+        probs = llama_suite(p)[:: 4 if quick else 1]
+        run_part(p, probs, out, options, inductor=inductor, warm_sample=warm_sample)
