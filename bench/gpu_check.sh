@@ -2,6 +2,8 @@
 # One call on the lent GPU machine: install what its image lacks, then run the named stages.
 #   bash bench/gpu_check.sh tests dispatch        (carry .whl; results land under $OUT)
 # Stages: tests (pytest -m gpu), dispatch (hit-path overhead benchmark); more are added per area.
+#   triton-sweep (whole Triton GEMM config space on sample shapes), triton-tests, gemm
+#   (tuner bench gemm; GEMM_BENCH_ARGS="--part odd ...", GEMM_BENCH_TIMEOUT seconds).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,6 +25,9 @@ for stage in "$@"; do
     dispatch) python3 bench/dispatch_overhead.py --out "$OUT/dispatch_overhead.json" || status=1 ;;
     sdpa-tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests/test_sdpa.py 2>&1 | tee "$OUT/sdpa_tests.log" || status=1 ;;
     sdpa) timeout "${SDPA_BENCH_TIMEOUT:-215}" python3 -m tuner.cli bench sdpa --out "$OUT" ${SDPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/sdpa_bench.log" || status=1 ;;
+    triton-sweep) timeout "${TRITON_SWEEP_TIMEOUT:-150}" python3 bench/triton_gemm_sweep.py --out "$OUT/triton_sweep.json" ${TRITON_SWEEP_ARGS:-} 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
+    triton-tests) timeout "${TRITON_TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_gemm.py 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
+    gemm) timeout "${GEMM_BENCH_TIMEOUT:-560}" python3 -m tuner.cli bench gemm --out "$OUT" ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/gemm_bench.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -314,6 +314,12 @@ def command(
         bool, typer.Option(help="Tune in a crash-isolating worker process.")
     ] = False,
     quick: Annotated[bool, typer.Option(help="Every 4th problem only (a smoke run).")] = False,
+    source: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--source", help="Only these candidate sources (repeatable); the baseline always runs."
+        ),
+    ] = None,
 ) -> None:
     """Tune the Llama GEMM suite and time cuBLAS (torch.matmul) against the winners."""
     if suite != "llama":
@@ -324,7 +330,7 @@ def command(
     for p in chosen:
         if p not in PARTS:
             raise ValueError(f"part must be one of {list(PARTS)}, got {p!r}")
-    options = TuneOptions(budget_s=budget, launch=launch)
+    options = TuneOptions(budget_s=budget, launch=launch, sources=source)
     if isolate:
         options = dataclasses.replace(options, isolate=True)  # engine.tune hands it to tuner.worker
     for p in chosen:

@@ -154,7 +154,8 @@ def _capture(jobs: Sequence[WarmJob]) -> list[tuple[str, str, str]]:
 
     def hook(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
         data = compile["specialization_data"]
-        captured.setdefault(data, (fn.module, fn.name, data))
+        module = fn.module if isinstance(fn.module, str) else fn.module.__name__
+        captured.setdefault(data, (module, fn.name, data))
         return True  # skip the compile here: a worker does it
 
     old = knobs.runtime.jit_cache_hook
