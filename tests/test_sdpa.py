@@ -128,15 +128,18 @@ def test_prefill_rejects_what_it_cannot_do() -> None:
 # --- decode kernel: split-KV, grouped rows, masks ------------------------------------------------
 
 
-@pytest.mark.parametrize("splits", [1, 2, 7])
+@pytest.mark.parametrize(("splits", "fused"), [(1, False), (2, False), (2, True), (4, True)])
 @pytest.mark.parametrize(
     ("q_len", "causal"), [(1, "none"), (4, "bottom_right"), (3, "top_left"), (16, "none")]
 )
-def test_decode_splits_and_masks(splits: int, q_len: int, causal: str) -> None:
+def test_decode_splits_and_masks(splits: int, fused: bool, q_len: int, causal: str) -> None:
     key = sdpa_key(q_heads=8, kv_heads=2, q_len=q_len, kv_len=61, causal=causal, batch=2)
-    params = {"bn": 16, "splits": splits, "warps": 4, "stages": 1}
+    params = {"bn": 16, "splits": splits, "warps": 4, "stages": 1, "fused": fused}
     assert plan(key, params).splits == splits
-    check(DECODE.build(key, params), key, make(key, "bhsd", seed=splits))
+    runner = DECODE.build(key, params)
+    check(runner, key, make(key, "bhsd", seed=splits))
+    if fused:  # the merging program reset its counter: a second call merges again
+        check(runner, key, make(key, "bhsd", seed=splits + 1))
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
@@ -151,10 +154,9 @@ def test_decode_head_dims_and_layouts(head_dim: int, layout: str) -> None:
 def test_decode_short_cache_masks_whole_rows() -> None:
     """q_len > kv_len, bottom-right: rows without keys are 0 in the split and merged paths."""
     key = sdpa_key(q_len=5, kv_len=3, causal="bottom_right", dtype="f32")
-    for splits in (1, 2):
-        o = DECODE.build(key, {"bn": 16, "splits": splits, "warps": 4, "stages": 1})(
-            *make(key, "bhsd")
-        )
+    for splits, fused in ((1, False), (2, False), (2, True)):
+        params = {"bn": 16, "splits": splits, "warps": 4, "stages": 1, "fused": fused}
+        o = DECODE.build(key, params)(*make(key, "bhsd"))
         assert torch.all(o[:, :, :2] == 0) and torch.isfinite(o).all()
 
 
@@ -318,7 +320,8 @@ def test_gpu_decode_shortlist(key: SdpaKey) -> None:
             runner = DECODE.build(key, params)
             check(runner, key, inputs)
             again = runner(*inputs)
-            torch.testing.assert_close(runner(*inputs), again, rtol=0, atol=0)
+            for _ in range(20):  # the fused merge hands partials between programs: no races
+                torch.testing.assert_close(runner(*inputs), again, rtol=0, atol=0)
             check(runner, key, inputs)
 
 

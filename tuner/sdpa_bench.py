@@ -30,12 +30,12 @@ import torch
 import typer
 from rich.console import Console
 
-from tuner import problems
+from tuner import bench, problems
 from tuner.candidates import registry
 from tuner.engine import TuneOptions, TuneOutcome, current_device, tune
 from tuner.keys import Key, SdpaKey, parse_key
 from tuner.plots import geomean
-from tuner.results import Measurement
+from tuner.results import Measurement, candidate_name
 from tuner.suite import run_suite
 
 console = Console()
@@ -159,12 +159,61 @@ class Recorder:
 
 
 def _best(ms: list[Measurement], source: str, backend: str | None = None) -> Measurement | None:
+    """The fastest measured candidate of a source (a cut one counts with its probe median)."""
     ok = [
         m for m in ms
-        if m.status == "ok" and m.source == source
+        if m.status in ("ok", "cut") and m.source == source
         and (backend is None or m.params.get("backend") == backend)
     ]  # fmt: skip
     return min(ok, key=lambda m: m.median_us or float("inf"), default=None)
+
+
+GRAPH_MAX_KV_BYTES = 1e9  # decode rows up to this size also get CUDA-graph (GPU-only) times
+GRAPH_CALLS = 16
+
+
+def graph_us(runner: Any, sets: list[tuple[torch.Tensor, ...]], key: SdpaKey) -> float:
+    """GPU time per call with the host launch cost removed: GRAPH_CALLS calls rotating over
+    ``sets`` (together larger than twice the L2), captured in one CUDA graph and replayed: what a
+    server running its decode step as a graph sees."""
+    outs = [problems.output_like(key, s) for s in sets]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compile, workspace) on the capturing stream
+        for i, s in enumerate(sets):
+            runner(*s, out=outs[i])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for i in range(GRAPH_CALLS):
+            runner(*sets[i % len(sets)], out=outs[i % len(sets)])
+    t = bench.measure(lambda i: graph.replay(), device="cuda", budget_s=0.03, max_reps=30)
+    return t.median_us / GRAPH_CALLS
+
+
+def add_graph_times(row: dict[str, Any], key: SdpaKey, ms: list[Measurement], copy: float) -> None:
+    """CUDA-graph GPU times of torch's default and of every Triton decode candidate that ran
+    while tuning (the fastest is reported), with the K/V read as % of copy bandwidth."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    n_sets = bench.rotation_sets(problems.bytes_per_set(key), "cuda")
+    sets = [problems.make_inputs(key, "cuda", gen) for _ in range(n_sets)]
+    base = registry.baseline("sdpa")
+    tried: list[tuple[str, str, dict[str, Any]]] = [("baseline", base.name, base.baseline_params)]
+    tried += [
+        ("triton", m.source, m.params)
+        for m in ms
+        if m.source == "triton_decode" and m.status in ("ok", "cut")
+    ]
+    for label, source, params in tried:
+        try:
+            us = graph_us(registry.get(source).build(key, params), sets, key)
+        except Exception as e:  # e.g. a torch path that cannot be captured
+            row[f"{label}_graph_error"] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        if us < row.get(f"{label}_graph_us", float("inf")):
+            row[f"{label}_graph_us"] = us
+            row[f"{label}_graph_pct_copy"] = 100 * key.kv_bytes / us / 1e3 / copy
+            row[f"{label}_graph_candidate"] = candidate_name(source, params)
 
 
 def recheck(key: SdpaKey, source: str, params: dict[str, Any], device: str) -> float:
@@ -208,6 +257,7 @@ def annotate(result: dict[str, Any], recorder: Recorder, kind: str) -> dict[str,
             for m in ms
         ]  # fmt: skip
         for label, m in (
+            ("default_tune", base),
             ("cudnn", _best(ms, "torch_sdpa", "cudnn")),
             ("flash", _best(ms, "torch_sdpa", "flash")),
             ("triton", _best(ms, "triton_decode" if kind == "decode" else "triton_attention")),
@@ -220,6 +270,11 @@ def annotate(result: dict[str, Any], recorder: Recorder, kind: str) -> dict[str,
             row["kv_bytes"] = key.kv_bytes
             row["pct_copy"] = 100 * row["kv_gbs"] / copy
             row["baseline_pct_copy"] = 100 * row["baseline_kv_gbs"] / copy
+            if current_device() == "cuda" and key.kv_bytes <= GRAPH_MAX_KV_BYTES:
+                try:
+                    add_graph_times(row, key, ms, copy)
+                except Exception as e:  # extra detail: never lose the suite's results over it
+                    row["graph_error"] = f"{type(e).__name__}: {e}"[:200]
     rows = result["rows"]
     s = result["summary"]
     if kind == "decode" and rows:
@@ -240,23 +295,28 @@ def _print_extra(result: dict[str, Any], kind: str) -> None:
         if isinstance(err, str) or (err is not None and not err <= 5e-2):
             console.print(f"[red]{r['label']}: winner recheck failed: {err}[/red]")
         for c in r["candidates"]:
-            if c["status"] in ("failed", "rejected"):
+            if c["status"] in ("failed", "rejected") and not c["candidate"].startswith("torch"):
                 console.print(
                     f"[red]{r['label']}: {c['candidate']} {c['status']}: {c['error'][:160]}[/red]"
                 )
         if kind == "prefill":
             cols = " ".join(
                 f"{n} {r[f'{n}_tflops']:.0f}" if r.get(f"{n}_tflops") else f"{n} -"
-                for n in ("cudnn", "flash", "triton")
+                for n in ("default_tune", "cudnn", "flash", "triton")
             )
             console.print(
-                f"{r['label']:<32} default {r['baseline_tflops']:.0f} -> {r['tflops']:.0f} TFLOP/s  ({cols})"
+                f"{r['label']:<32} default {r['baseline_tflops']:.0f} -> {r['tflops']:.0f} TFLOP/s  (tuning pass: {cols})"
             )
         else:
             console.print(
                 f"{r['label']:<32} default {r['baseline_kv_gbs']:.0f} GB/s ({r['baseline_pct_copy']:.0f}%) -> "
                 f"{r['kv_gbs']:.0f} GB/s ({r['pct_copy']:.0f}%)  host us {r['baseline_host_us'] or 0:.1f} / {r['winner_host_us'] or 0:.1f}"
             )
+            if "baseline_graph_us" in r or "triton_graph_us" in r:
+                console.print(
+                    f"{'':<32} CUDA graph: default {r.get('baseline_graph_us', 0):.1f} us ({r.get('baseline_graph_pct_copy', 0):.0f}%), "
+                    f"triton_decode {r.get('triton_graph_us', 0):.1f} us ({r.get('triton_graph_pct_copy', 0):.0f}%)"
+                )
     console.print(json.dumps(result["summary"]))
 
 

@@ -227,11 +227,6 @@ def interpreter_problem(key: SdpaKey) -> str | None:
     return None
 
 
-def strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
-    s = t.stride()
-    return s[0], s[1], s[2], s[3]
-
-
 def contiguous_strides(*shape: int) -> tuple[int, ...]:
     out, step = [], 1
     for n in reversed(shape):
@@ -358,7 +353,7 @@ class TritonAttention(Source):
             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
         ) -> torch.Tensor:
             o = output_for(key, q) if out is None else out
-            strides = (*strides4(q), *strides4(k), *strides4(v), *strides4(o))
+            strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
             launch((q, k, v, o, *scalars, *strides), (q, k, v, o), strides)
             return o
 

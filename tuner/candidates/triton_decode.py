@@ -35,23 +35,74 @@ from tuner.candidates.triton_attention import (
     output_for,
     padded_head_dim,
     qkvo_strides,
-    strides4,
 )
 from tuner.keys import DTYPES, SdpaKey
 
 MAX_Q_LEN = 16
 MAX_ROWS = 128  # group * q_len rows share one tile
 SPLIT_BLOCK = 16  # partials merged per step in pass 2
+MERGE_ELEMS = 8192  # fp32 partial elements per step of the fused merge (registers)
+
+
+@triton.jit
+def _merge_splits(
+    PO, PML, Out, bkv, b, kvh, num_splits, s_ob, s_oh, s_om, s_od,
+    Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS_P2: tl.constexpr, MERGE_S: tl.constexpr,
+):  # fmt: skip
+    """Merge the partials of all query rows of one (batch, kv head), MERGE_S splits per step
+    (one [MERGE_S, rows, d] load in flight), and write the output rows. Loads bypass L1: the
+    partials were written by other programs of the same launch."""
+    rows_n: tl.constexpr = GROUP * Q_LEN
+    r = tl.arange(0, ROWS_P2)
+    r_ok = r < rows_n
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    offs_s = tl.arange(0, MERGE_S)
+    first = bkv.to(tl.int64) * num_splits
+    m_run = tl.full([ROWS_P2], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([ROWS_P2], dtype=tl.float32)
+    acc = tl.zeros([ROWS_P2, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, MERGE_S):
+        sp = s0 + offs_s
+        part = first + sp
+        ml_mask = (sp < num_splits)[:, None] & r_ok[None, :]
+        ml_ptr = PML + part[:, None] * (2 * rows_n) + r[None, :]
+        m_s = tl.load(ml_ptr, mask=ml_mask, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(ml_ptr + rows_n, mask=ml_mask, other=0.0, cache_modifier=".cg")
+        o_ptr = (
+            PO + part[:, None, None] * (rows_n * HEAD_DIM) + r[None, :, None] * HEAD_DIM
+            + d[None, None, :]
+        )  # fmt: skip
+        o_s = tl.load(
+            o_ptr, mask=ml_mask[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg"
+        )
+        m_new = tl.maximum(m_run, tl.max(m_s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_run - m_safe)
+        w = tl.math.exp2(m_s - m_safe[None, :])
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 0)
+        l_run = l_run * alpha + tl.sum(w * l_s, 0)
+        m_run = m_new
+    seen = l_run > 0.0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_run, 1.0)[:, None], 0.0)
+    head = kvh * GROUP + r // Q_LEN
+    pos = r % Q_LEN
+    o_ptrs = (
+        Out + b.to(tl.int64) * s_ob + head[:, None].to(tl.int64) * s_oh + pos[:, None] * s_om
+        + d[None, :] * s_od
+    )  # fmt: skip
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _decode_split(
-    Q, K, V, Out, PO, ml_offset, qk_scale, kv_len, kv_heads, chunk, causal_offset,
+    Q, K, V, Out, PO, Counter, ml_offset, qk_scale, kv_len, kv_heads, chunk, causal_offset,
     s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd, s_ob, s_oh, s_om, s_od,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SINGLE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    FUSED: tl.constexpr, ROWS_P2: tl.constexpr, MERGE_S: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     split = tl.program_id(0)
     bkv = tl.program_id(1)
@@ -119,6 +170,19 @@ def _decode_split(
         pml = PML + part * (2 * rows_n) + rows
         tl.store(pml, m_i, mask=row_ok)
         tl.store(pml + rows_n, l_i, mask=row_ok)
+        if FUSED:
+            # the last program of this (batch, kv head) to finish merges: no second launch.
+            # Barrier, then one release/acquire ticket at GPU scope (the cooperative-groups grid
+            # barrier's pattern); the winner resets the counter for the next launch.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(Counter + bkv, 1, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()
+            if ticket == num_splits - 1:
+                _merge_splits(
+                    PO, PML, Out, bkv, b, kvh, num_splits, s_ob, s_oh, s_om, s_od,
+                    Q_LEN, GROUP, HEAD_DIM, BLOCK_D, ROWS_P2, MERGE_S,
+                )  # fmt: skip
+                tl.store(Counter + bkv, 0)
 
 
 @triton.jit
@@ -213,25 +277,24 @@ class TritonDecode(Source):
 
     def candidates(self, key: SdpaKey, device: str) -> list[Params]:
         if device == "cpu":  # interpreter: small tiles, and at least two splits when possible
-            return [
-                {"bn": 16, "splits": min(3, triton.cdiv(key.kv_len, 16)), "warps": 4, "stages": 1}
-            ]
+            splits = min(3, triton.cdiv(key.kv_len, 16))
+            return [{"bn": 16, "splits": splits, "warps": 4, "stages": 1, "fused": True}]
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         warps = 8 if block_rows(key) >= 128 else 4
         big_d = padded_head_dim(key) > 128
         out = []
         for bn in (32, 64) if big_d else (64, 128):
             for splits in split_choices(key, bn, sms):
-                out.append({"bn": bn, "splits": splits, "warps": warps, "stages": 3})
+                for fused in (True, False) if splits > 1 else (False,):
+                    out.append(
+                        {"bn": bn, "splits": splits, "warps": warps, "stages": 3, "fused": fused}
+                    )
         return out
 
     def kernel_id(self, key: SdpaKey, params: Params) -> tuple:
         """What decides the compiled kernels (candidates with equal ids share one compilation)."""
-        return (
-            self.name, key.dtype, key.head_dim, key.q_len, key.q_heads // key.kv_heads,
-            key.causal != "none", plan(key, params).splits == 1, params["bn"], params["warps"],
-            params["stages"],
-        )  # fmt: skip
+        p = plan(key, params)
+        return (self.name, key.dtype, key.head_dim, key.causal != "none", *sorted(p.consts.items()))
 
     def warmup(self, key: SdpaKey, params: Params) -> None:
         """Compile (or load from Triton's disk cache) this candidate's kernels for contiguous
@@ -239,11 +302,11 @@ class TritonDecode(Source):
         p = plan(key, params)
         dt = DTYPES[key.dtype]
         strides = qkvo_strides(key)
-        part = dt if p.splits == 1 else torch.float32
         _decode_split.warmup(
-            dt, dt, dt, dt, part, p.ml_offset, *p.scalars, *strides, grid=p.grid, **p.consts
-        )
-        if p.splits > 1:
+            dt, dt, dt, dt, torch.float32, torch.int32, p.ml_offset, *p.scalars, *strides, grid=p.grid,
+            **p.consts,
+        )  # fmt: skip
+        if p.splits > 1 and not p.fused:
             _decode_merge.warmup(
                 torch.float32, p.ml_offset, dt, p.splits, key.kv_heads, *strides[12:],
                 grid=p.merge_grid, **p.merge_consts,
@@ -253,26 +316,61 @@ class TritonDecode(Source):
         p = plan(key, params)
         split_launch = Launch(_decode_split, p.grid, p.consts)
         merge_launch = Launch(_decode_merge, p.merge_grid, p.merge_consts)
-        splits, ml_offset, scalars = p.splits, p.ml_offset, p.scalars
+        ml_offset, scalars = p.ml_offset, p.scalars
+        two_pass = p.splits > 1 and not p.fused
+        work = Workspace(p.scratch, p.grid[1])
 
         def run(
             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
         ) -> torch.Tensor:
             o = output_for(key, q) if out is None else out
-            so = strides4(o)
-            # splits == 1: the kernel writes o directly and never touches the scratch
-            part = (
-                o if splits == 1 else torch.empty(p.scratch, dtype=torch.float32, device=q.device)
-            )
-            strides = (*strides4(q), *strides4(k), *strides4(v), *so)
+            so = o.stride()
+            part, counter = work.get(q.device)  # unused when splits == 1 (o written directly)
+            strides = (*q.stride(), *k.stride(), *v.stride(), *so)
             split_launch(
-                (q, k, v, o, part, ml_offset, *scalars, *strides), (q, k, v, o, part), strides
+                (q, k, v, o, part, counter, ml_offset, *scalars, *strides),
+                (q, k, v, o, part, counter),
+                strides,
             )
-            if splits > 1:
-                merge_launch((part, ml_offset, o, splits, key.kv_heads, *so), (part, o), so)
+            if two_pass:
+                merge_launch((part, ml_offset, o, p.splits, key.kv_heads, *so), (part, o), so)
             return o
 
+        run.launches = (split_launch, merge_launch)  # type: ignore[attr-defined]
         return run
+
+
+class Workspace:
+    """Per-(device, stream) scratch of one runner: fp32 partials and the fused merge's int32
+    counters (zero between launches: the merging program resets its counter).
+
+    Kernels on one stream run in order, so reusing one buffer per stream is safe, and it saves an
+    allocation per decode step; different streams get different buffers. A CUDA graph captured on
+    a stream keeps that stream's buffers: replaying two such graphs at once on different streams
+    would race, as with any graph whose scratch is static.
+    """
+
+    def __init__(self, scratch: int, counters: int) -> None:
+        self.scratch, self.counters = scratch, counters
+        self.buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = current_stream(device)
+        found = self.buffers.get((device, stream))
+        if found is None:
+            found = (
+                torch.empty(self.scratch, dtype=torch.float32, device=device),
+                torch.zeros(self.counters, dtype=torch.int32, device=device),
+            )
+            self.buffers[(device, stream)] = found
+        return found
+
+
+def current_stream(device: torch.device) -> int:
+    """The current stream's handle on ``device`` (0 on the CPU), cheaply."""
+    if device.type != "cuda":
+        return 0
+    return torch._C._cuda_getCurrentRawStream(device.index or 0)
 
 
 @dataclass(frozen=True)
@@ -287,6 +385,7 @@ class Plan:
     scalars: tuple
     ml_offset: int  # where the (max, sum) partials start in the fp32 scratch
     scratch: int  # fp32 elements of scratch (partial outputs, then maxima and sums)
+    fused: bool  # the last program per (batch, kv head) merges: one launch instead of two
 
 
 def plan(key: SdpaKey, params: Params) -> Plan:
@@ -300,13 +399,16 @@ def plan(key: SdpaKey, params: Params) -> Plan:
         raise ValueError(f"splits must be >= 1, got {splits_wanted}")
     chunk = chunk_for(key, bn, splits_wanted)
     splits = triton.cdiv(key.kv_len, chunk)
+    fused = bool(params.get("fused", False)) and splits > 1
     rows = rows_per_tile(key)
+    rows_p2 = triton.next_power_of_2(rows)
     group = key.q_heads // key.kv_heads
     n_kv = key.batch * key.kv_heads
     d = padded_head_dim(key)
     consts: dict[str, Any] = {
         "Q_LEN": key.q_len, "GROUP": group, "BLOCK_H": block_rows(key), "HEAD_DIM": key.head_dim,
         "BLOCK_D": d, "BLOCK_N": bn, "CAUSAL": key.causal != "none", "SINGLE": splits == 1,
+        "FUSED": fused, "ROWS_P2": rows_p2, "MERGE_S": max(1, min(32, MERGE_ELEMS // (rows_p2 * d))),
         "PRECISION": dot_precision(key), "num_warps": warps, "num_stages": stages,
     }  # fmt: skip
     merge_consts: dict[str, Any] = {
@@ -318,5 +420,5 @@ def plan(key: SdpaKey, params: Params) -> Plan:
         splits=splits, grid=(splits, n_kv), merge_grid=(rows, n_kv), consts=consts,
         merge_consts=merge_consts,
         scalars=(key.scale * LOG2E, key.kv_len, key.kv_heads, chunk, causal_offset(key)),
-        ml_offset=ml_offset, scratch=ml_offset + n_kv * splits * 2 * rows,
+        ml_offset=ml_offset, scratch=ml_offset + n_kv * splits * 2 * rows, fused=fused,
     )  # fmt: skip
