@@ -1,0 +1,356 @@
+"""tune-all on the CPU path: model configs, de-duplication, resume after a real SIGKILL, failures,
+timeouts, Ctrl-C, recorded misses, and the report. The runs are real ``tuner tune-all`` processes
+with real worker processes; the kernels are torch's and, where the test says so, the Triton ones
+through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tuner.cache import Store
+from tuner.device import fingerprint
+from tuner.keys import GemmKey, SdpaKey
+from tuner.model_config import expand, load_model, parse_model
+from tuner.problem_list import ConfigError
+from tuner.tunableop import import_files
+from tuner.tune_all import ProblemSet, journal_path, pending, read_journal
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "configs" / "models"
+DATA = Path(__file__).parent / "data"
+
+TINY = """
+name: Tiny
+hidden_size: 64
+intermediate_size: 96
+num_heads: 4
+num_kv_heads: 2
+head_dim: 16
+dtypes: [{dtype}]
+m_sizes: {m_sizes}
+ops: {ops}
+attention:
+  prefill: {{batch_sizes: [1], seq_lens: [16]}}
+  decode: {{batch_sizes: [2], kv_lens: [32]}}
+"""
+
+
+def tiny(tmp_path: Path, name: str = "tiny.yaml", dtype="f32", m_sizes="[1, 8]", ops=None) -> Path:
+    path = tmp_path / name
+    ops = ops or "[qkv, o, gate_up, down, attn_prefill, attn_decode]"
+    path.write_text(TINY.format(dtype=dtype, m_sizes=m_sizes, ops=ops))
+    return path
+
+
+def start(*args: str, cache: Path, **kw) -> subprocess.Popen:
+    env = os.environ | {"TUNER_CACHE": str(cache), "TRITON_INTERPRET": "1", "COLUMNS": "200"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tuner.cli", "tune-all", *args], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw,
+    )  # fmt: skip
+
+
+def tune_all(*args: str, cache: Path, timeout: float = 240) -> tuple[int, str]:
+    p = start(*args, cache=cache)
+    out = p.communicate(timeout=timeout)[0]
+    return p.returncode, out
+
+
+def winner_keys(cache: Path) -> set[str]:
+    try:
+        with sqlite3.connect(cache) as c:
+            return {k for (k,) in c.execute("select key from winners")}
+    except sqlite3.OperationalError:  # not created yet
+        return set()
+
+
+# --- model configs -----------------------------------------------------------------------------
+
+
+def test_shipped_model_configs_expand_to_their_real_shapes():
+    llama = load_model(MODELS / "llama-3-8b.yaml")
+    shapes = {op: llama.gemm_shape(op) for op in ("qkv", "o", "gate_up", "down")}
+    assert shapes == {
+        "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)
+    }  # fmt: skip
+    problems = expand(llama)
+    gemms = [p.key for p in problems if isinstance(p.key, GemmKey)]
+    assert len(gemms) == 4 * 14 and {k.m for k in gemms} == {2**i for i in range(14)}
+    assert all(k.layout == "nt" and k.dtype == "bf16" and k.align == 16 for k in gemms)
+    assert problems[0].label == "Llama-3-8B qkv M=1 bf16"
+    attn = [p.key for p in problems if isinstance(p.key, SdpaKey)]
+    assert {(k.q_heads, k.kv_heads, k.head_dim) for k in attn} == {(32, 8, 128)}
+    assert {k.causal for k in attn if k.q_len == 1} == {"none"}
+    assert {k.causal for k in attn if k.q_len > 1} == {"top_left"}
+    mistral = {p.key for p in expand(load_model(MODELS / "mistral-7b.yaml"))}
+    assert set(gemms) <= mistral  # same dimensions as Llama-3-8B: shared problems
+    qwen = load_model(MODELS / "qwen2.5-7b.yaml")
+    assert qwen.gemm_shape("qkv") == ((28 + 2 * 4) * 128, 3584)
+    assert qwen.gemm_shape("gate_up") == (2 * 18944, 3584)
+    big = load_model(MODELS / "llama-3-70b.yaml")
+    assert big.gemm_shape("down") == (8192, 28672)
+
+
+def test_tensor_parallel_shards_heads_and_ffn():
+    base = load_model(MODELS / "llama-3-70b.yaml").model_dump()
+    tp8 = parse_model({**base, "tp": 8})
+    assert [tp8.gemm_shape(op) for op in ("qkv", "o", "gate_up", "down")] == [
+        ((8 + 2) * 128, 8192), (8192, 1024), (7168, 8192), (8192, 3584)
+    ]  # fmt: skip
+    tp16 = parse_model({**base, "tp": 16})  # 8 KV heads over 16 ranks: one replicated per rank
+    assert tp16.kv_heads_per_rank == 1 and tp16.gemm_shape("qkv") == ((4 + 2) * 128, 8192)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": "4096"}, "hidden_size: Input should be a valid integer (got '4096')"),
+        ({"num_heads": 0}, "num_heads: Input should be greater than 0"),
+        ({"dtypes": ["fp8"]}, "dtypes[0]: Input should be 'f16', 'bf16', 'f32' or 'tf32'"),
+        ({"ops": ["qkv", "mlp"]}, "ops[1]: Input should be 'qkv', 'o', 'gate_up', 'down'"),
+        ({"layers": 32}, "layers: unknown field; allowed: ['attention', 'dtypes'"),
+        ({"tp": 3}, "tp (3) must divide num_heads (32)"),
+        ({"num_kv_heads": 5}, "num_kv_heads (5) must divide num_heads (32)"),
+        ({"m_sizes": []}, "m_sizes is required"),
+        (
+            {"attention": {"prefill": {"batch_sizes": [1]}}},
+            "attention.prefill.seq_lens: Field required",
+        ),
+        (
+            {"attention": {"decode": {"batch_sizes": [1], "kv_len": [8]}}},
+            "attention.decode.kv_len: unknown field; allowed: ['batch_sizes', 'kv_lens']",
+        ),
+        ({"attention": None}, "attention.prefill is required when ops lists 'attn_prefill'"),
+    ],
+)
+def test_model_config_errors_name_the_field_and_the_allowed_values(change, message):
+    data = {**load_model(MODELS / "llama-3-8b.yaml").model_dump(), **change}
+    with pytest.raises(ConfigError) as err:
+        parse_model(data, "llama.yaml")
+    assert f"llama.yaml: {message}" in str(err.value)
+
+
+def test_missing_field_and_bad_yaml(tmp_path):
+    data = load_model(MODELS / "llama-3-8b.yaml").model_dump()
+    del data["head_dim"]
+    with pytest.raises(ConfigError, match=r"m\.yaml: head_dim: Field required"):
+        parse_model(data, "m.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML"):
+        load_model(bad)
+
+
+def test_sources_are_merged_and_deduplicated(tmp_path):
+    problems = ProblemSet()
+    n_llama = problems.add_model(load_model(MODELS / "llama-3-8b.yaml"))
+    problems.add_model(load_model(MODELS / "mistral-7b.yaml"))
+    opt = import_files([DATA / "tunableop" / "untuned_opt125m0.csv"])
+    problems.add_tunableop(opt)
+    problems.add_misses([{"key": str(next(iter(problems))), "count": 3}])
+    bad = problems.add_misses([{"key": "gemm:m=0,n=4,k=4", "count": 1}])
+    assert bad and "m must be a positive integer" in bad[0]
+    # Mistral adds only what Llama-3-8B lacks: its 4096-long decode caches
+    assert len(problems) == n_llama + 3 + len(opt.keys)
+    first = next(iter(problems))
+    assert problems.label(first) == "Llama-3-8B qkv M=1 bf16 (+2)"  # Mistral and the miss
+    assert all(k.op == "gemm" for k in problems.only("gemm"))
+
+
+# --- tune-all end to end -----------------------------------------------------------------------
+
+
+def test_tune_all_small_config_on_the_cpu_path(tmp_path):
+    """Models, a problem list, a TunableOp file and recorded misses in one run, with the Triton
+    candidates through the interpreter; then the report on demand."""
+    cache = tmp_path / "c.db"
+    model = tiny(tmp_path, dtype="f16", m_sizes="[1, 16]", ops="[qkv, down, attn_decode]")
+    listed = tmp_path / "list.yaml"
+    listed.write_text(
+        "problems:\n  - {op: gemm, m: 16, n: 128, k: 64, layout: nt, dtype: f16}\n"  # = qkv M=16
+        "  - {op: gemm, m: 16, n: 96, k: 64, layout: nt, dtype: f16}\n"
+    )
+    untuned = tmp_path / "tunableop_untuned0.csv"  # F.linear(x 4x64, W 32x64) and a repeat
+    untuned.write_text(
+        "GemmTunableOp_Half_TN,tn_32_4_64_ld_64_64_32\nGemmAndBiasTunableOp_Half_TN,tn_32_4_64_ld_64_64_32\n"
+    )
+    missed = "gemm:m=2,n=48,k=32,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+    fp = fingerprint()
+    with Store(cache) as store:
+        store.record_misses(fp.device_class, [missed], count=5)
+    args = ("--model", str(model), "--config", str(listed), "--tunableop", str(untuned), "--misses")
+    code, out = tune_all(*args, "--budget", "0.01", "--out", str(tmp_path / "rep"), cache=cache)
+    assert code == 0, out
+    # 5 model problems (qkv and down at M 1 and 16, one decode); the list adds 1 (its other
+    # problem is the model's qkv M=16), TunableOp 1 (two lines, one GEMM), the misses 1
+    assert "8 distinct problems" in out and "0 already tuned, 8 to tune" in out
+    with Store(cache) as store:
+        winners = {w.key: w for w in store.winners(fp.device_class)}
+        assert store.misses(fp.device_class) == []  # tuned misses are cleared
+        runs = {(m.key, m.run_id) for m in store.measurements(fp.device_class)}
+    assert len(winners) == 8 and missed in winners
+    assert len(runs) == 8  # one committed run per problem
+    assert {w.source for w in winners.values()} >= {"torch", "torch_sdpa"}
+    with Store(cache) as store:
+        tried = {m.source for m in store.measurements(fp.device_class)}
+    assert "triton_gemm" in tried
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["summary"]["problems"] == 8 and report["summary"]["tuned"] == 8
+    assert report["summary"]["geomean_speedup"] >= 1.0  # never slower than the baseline
+    assert all(r["tune_s"] > 0 and r["baseline_us"] > 0 for r in report["rows"])
+    assert (tmp_path / "rep" / "speedup.png").stat().st_size > 10_000
+    assert len(read_journal(journal_path(cache))) == 8
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigkill_mid_run_then_resume_equals_an_uninterrupted_run(tmp_path):
+    model = tiny(tmp_path, m_sizes="[1, 16]", ops="[qkv, o, gate_up, down]")  # 8 GEMMs
+    args = ("--model", str(model), "--source", "torch", "--budget", "0.1")
+    cache = tmp_path / "killed.db"
+    p = start(*args, cache=cache, start_new_session=True)
+    deadline = time.time() + 180
+    while len(winner_keys(cache)) < 2:
+        assert p.poll() is None and time.time() < deadline, p.stdout.read() if p.stdout else ""
+        time.sleep(0.02)
+    workers = _children(p.pid)
+    os.kill(p.pid, signal.SIGKILL)  # the tune-all process itself, not its group
+    p.wait()
+    stored = winner_keys(cache)
+    assert 2 <= len(stored) < 8
+    gone = time.time() + 15
+    while any(_alive(w) for w in workers) and time.time() < gone:
+        time.sleep(0.1)
+    assert not any(_alive(w) for w in workers), "workers outlived the killed parent"
+    time.sleep(1.0)
+    after_kill = winner_keys(cache)
+    assert after_kill == winner_keys(cache)  # nothing is writing any more
+
+    code, out = tune_all(*args, cache=cache)
+    assert code == 0, out
+    assert f"{len(after_kill)} already tuned, {8 - len(after_kill)} to tune" in out
+
+    clean = tmp_path / "clean.db"
+    code, out = tune_all(*args, cache=clean)
+    assert code == 0, out
+    assert winner_keys(cache) == winner_keys(clean) and len(winner_keys(clean)) == 8
+    fp = fingerprint()
+    with Store(cache) as store:
+        assert pending(store, fp, ProblemSet({k: [] for k in expand_keys(model)})) == []
+        runs: dict[str, set[str]] = {}
+        for m in store.measurements(fp.device_class):
+            runs.setdefault(m.key, set()).add(m.run_id)
+        winners = {w.key: w for w in store.winners(fp.device_class)}
+    # the killed run lost only what was in flight: no key was stored twice or half
+    assert all(len(r) == 1 for r in runs.values()) and set(runs) == set(winners)
+    assert all(winners[k].run_id in runs[k] for k in winners)
+
+
+def expand_keys(model: Path) -> list:
+    return [p.key for p in expand(load_model(model))]
+
+
+def test_failure_and_timeout_are_recorded_and_the_run_goes_on(tmp_path):
+    cache = tmp_path / "c.db"
+    listed = tmp_path / "list.yaml"
+    listed.write_text(
+        "problems:\n"
+        "  - {op: gemm, m: 4, n: 8, k: 8, dtype: f32}\n"
+        "  - {op: gemm, m: 1048576, n: 1048576, k: 4, dtype: f32}\n"  # 4 TiB output: fails
+        "  - {op: gemm, m: 4096, n: 4096, k: 4096, dtype: f32}\n"  # seconds of fp64 reference
+        "  - {op: gemm, m: 8, n: 8, k: 8, dtype: f32}\n"
+    )
+    args = ("--config", str(listed), "--source", "torch", "--budget", "0.01")
+    code, out = tune_all(
+        *args, "--problem-timeout", "1.5", "--out", str(tmp_path / "r"), cache=cache
+    )
+    assert code == 1, out  # not every problem has a winner
+    rows = {r["label"]: r for r in json.loads((tmp_path / "r" / "report.json").read_text())["rows"]}
+    assert rows["list.yaml[0]"]["status"] == "tuned"
+    assert rows["list.yaml[1]"]["status"] == "failed"
+    assert "allocate" in rows["list.yaml[1]"]["error"]
+    assert rows["list.yaml[2]"]["status"] == "timeout"
+    assert "per-problem limit of 1.5 s" in rows["list.yaml[2]"]["error"]
+    assert rows["list.yaml[3]"]["status"] == "tuned"  # a fresh worker took over after the kill
+    assert "2 tuned, 1 failed, 1 timeout" in out
+    # on demand, without sources: every winner and failure of this device class
+    env = os.environ | {"TUNER_CACHE": str(cache), "COLUMNS": "200"}
+    r = subprocess.run(
+        [sys.executable, "-m", "tuner.cli", "report", "--out", str(tmp_path / "later")],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    later = json.loads((tmp_path / "later" / "report.json").read_text())
+    assert sorted(row["status"] for row in later["rows"]) == ["failed", "timeout", "tuned", "tuned"]
+    assert later["summary"]["geomean_speedup"] == pytest.approx(1.0)  # torch only: the baseline
+    assert (tmp_path / "later" / "speedup.png").exists()
+
+
+def test_ctrl_c_stops_cleanly_with_everything_finished_saved(tmp_path):
+    model = tiny(tmp_path, m_sizes="[1, 16]", ops="[qkv, o, gate_up, down]")  # 8 GEMMs
+    args = ("--model", str(model), "--source", "torch", "--budget", "0.1")
+    cache = tmp_path / "c.db"
+    p = start(*args, cache=cache, start_new_session=True)
+    while not winner_keys(cache):
+        assert p.poll() is None
+        time.sleep(0.02)
+    os.killpg(p.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 1 and "stopped early: ctrl-c" in out and "Traceback" not in out
+    done = winner_keys(cache)
+    assert 1 <= len(done) < 8
+    assert {r["key"] for r in read_journal(journal_path(cache))} == done  # all finished, all saved
+    assert f"problems: 8 ({len(done)} tuned, {8 - len(done)} pending)" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--model", "{bad}"), "m.yaml: intermediate_size: Field required"),
+        ((), "nothing to tune: give --model, --config, --tunableop, --misses or --queue"),
+        (("--misses", "--op", "mlp"), "--op must be 'gemm' or 'sdpa', got 'mlp'"),
+        (("--queue", "5"), "--queue needs the fleet service: set TUNER_SERVER"),
+    ],
+)
+def test_user_mistakes_get_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args, message):
+    from tuner import cli
+
+    bad = tmp_path / "m.yaml"
+    bad.write_text("name: X\nhidden_size: 64\n")
+    argv = [a.format(bad=bad) for a in args]
+    monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.delenv("TUNER_SERVER", raising=False)
+    monkeypatch.setattr(
+        sys, "argv", ["tuner", "tune-all", *argv, "--cache", str(tmp_path / "c.db")]
+    )
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err
