@@ -151,6 +151,14 @@ def test_decode_head_dims_and_layouts(head_dim: int, layout: str) -> None:
     )
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_one_row_per_tile(fused: bool) -> None:
+    """Multi-head attention at q_len 1: one query row per (batch, head) tile."""
+    key = sdpa_key(q_heads=3, kv_heads=3, q_len=1, kv_len=90)
+    params = {"bn": 16, "splits": 3, "warps": 4, "stages": 1, "fused": fused}
+    check(DECODE.build(key, params), key, make(key, "bshd"))
+
+
 def test_decode_short_cache_masks_whole_rows() -> None:
     """q_len > kv_len, bottom-right: rows without keys are 0 in the split and merged paths."""
     key = sdpa_key(q_len=5, kv_len=3, causal="bottom_right", dtype="f32")

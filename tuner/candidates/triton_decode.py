@@ -401,7 +401,7 @@ def plan(key: SdpaKey, params: Params) -> Plan:
     splits = triton.cdiv(key.kv_len, chunk)
     fused = bool(params.get("fused", False)) and splits > 1
     rows = rows_per_tile(key)
-    rows_p2 = triton.next_power_of_2(rows)
+    rows_p2 = max(2, triton.next_power_of_2(rows))
     group = key.q_heads // key.kv_heads
     n_kv = key.batch * key.kv_heads
     d = padded_head_dim(key)
