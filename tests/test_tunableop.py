@@ -8,6 +8,7 @@ tensors, and against a model whose shapes are known (OPT-125m).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,15 @@ import torch
 from tuner.keys import GemmKey
 from tuner.problem_list import ConfigError
 from tuner.results import Winner
-from tuner.tunableop import Entry, entry_key, export, import_files, read, signature
+from tuner.tunableop import (
+    Entry,
+    cublaslt_solution,
+    entry_key,
+    export,
+    import_files,
+    read,
+    signature,
+)
 
 DATA = Path(__file__).parent / "data" / "tunableop"
 
@@ -163,10 +172,7 @@ def test_export_round_trips_and_skips_what_tunableop_cannot_run():
         key(784, 512, 512, "tt", "f32"),
         key(96, 200, 24, "tn", "f16"),
     ]
-    lt = {"algo_id": 66, "tile": 20, "stages": 8, "split_k": 1, "reduction": 0, "swizzle": 0,
-          "custom": 0, "inner_shape": 0, "cluster_shape": 2}  # fmt: skip
     winners = [_winner(k) for k in keys] + [
-        _winner(key(2, 64, 64, "nn", "f16"), "cublaslt", lt),
         _winner(key(8, 64, 64, "nn", "f16"), "triton_gemm", {"bm": 16}),
         _winner(key(8, 64, 64, "nn", "f32", compute="tf32")),
         _winner(key(8, 64, 64, "nn", "f32", align=4)),  # same TunableOp line as the next one
@@ -175,19 +181,31 @@ def test_export_round_trips_and_skips_what_tunableop_cannot_run():
     out = export(winners, "2.13.0")
     assert out.lines[0] == "Validator,PT_VERSION,2.13.0"
     assert "GemmTunableOp_BFloat16_TN,tn_6144_1_4096_ld_4096_4096_6144,Default,0.0125" in out.lines
-    assert any(
-        ln.endswith(
-            "Gemm_Cublaslt_id_66_tile_20_stages_8_splitk_1_red_0_swizzle_0_custom_0_inner_0_cluster_2,0.0125"
-        )
-        for ln in out.lines
-    )
     reasons = {k: r for k, r in out.skipped}
     assert "no TunableOp counterpart" in reasons[str(key(8, 64, 64, "nn", "f16"))]
     assert "TF32" in reasons[str(key(8, 64, 64, "nn", "f32", compute="tf32"))]
     assert "duplicate" in reasons[str(key(8, 64, 64, "nn", "f32", align=4))]
-    assert out.written == 6
+    assert out.written == 5
     back = [entry_key(Entry(i, *ln.split(",")[:2])) for i, ln in enumerate(out.lines[1:], 2)]
-    assert set(back) == {*keys, key(2, 64, 64, "nn", "f16"), key(8, 64, 64, "nn", "f32")}
+    assert set(back) == {*keys, key(8, 64, 64, "nn", "f32")}
+
+
+def test_cublaslt_winners_export_under_pytorchs_algorithm_names():
+    config = {"ID": 66, "TILE_ID": 20, "STAGES_ID": 8, "CLUSTER_SHAPE_ID": 2, "SPLITK_NUM": 1}
+    name = (
+        "Gemm_Cublaslt_id_66_tile_20_stages_8_splitk_1_red_0_swizzle_0_custom_0_inner_0_cluster_2"
+    )
+    assert cublaslt_solution(config) == name
+    # PyTorch's reader parses it back with this format (GemmCublasLt.h: CublasltAlgoConfigFromName)
+    fmt = r"Gemm_Cublaslt_id_(\d+)_tile_(\d+)_stages_(\d+)_splitk_(\d+)_red_(\d+)_swizzle_(\d+)_custom_(\d+)_inner_(\d+)_cluster_(\d+)"
+    assert re.fullmatch(fmt, name)
+    pytest.importorskip("tuner.candidates.cublaslt")  # the source's own params -> config mapping
+    params = {"id": 66, "tile": 20, "stages": 8, "cluster": 2, "split_k": 1, "reduction": 0}
+    w = _winner(key(2, 64, 64, "nn", "f16"), "cublaslt", params)
+    assert (
+        export([w], "2.13.0").lines[1]
+        == f"GemmTunableOp_Half_NN,nn_64_2_64_ld_64_64_64,{name},0.0125"
+    )
 
 
 def test_cli_show_and_export(tmp_path):

@@ -64,10 +64,12 @@ _PARAMS_RE = re.compile(
     r"^(?P<ab>[nt]{2})_(?P<m>\d+)_(?P<n>\d+)_(?P<k>\d+)"
     r"(?:_B_(?P<batch>\d+))?(?:_ld_(?P<lda>\d+)_(?P<ldb>\d+)_(?P<ldc>\d+))?$"
 )
-CUBLASLT_FIELDS = (
-    "algo_id", "tile", "stages", "split_k", "reduction", "swizzle", "custom",
-    "inner_shape", "cluster_shape",
-)  # fmt: skip
+# cublasLtMatmulAlgo config attributes in the order of PyTorch's cuBLASLt solution names, with
+# the value an unset attribute has (split-K 1: no split)
+CUBLASLT_NAME_ATTRS = {
+    "ID": 0, "TILE_ID": 0, "STAGES_ID": 0, "SPLITK_NUM": 1, "REDUCTION_SCHEME": 0,
+    "CTA_SWIZZLING": 0, "CUSTOM_OPTION": 0, "INNER_SHAPE_ID": 0, "CLUSTER_SHAPE_ID": 0,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -220,19 +222,39 @@ def signature(key: GemmKey) -> tuple[str, str]:
     return f"{op}_{TYPE_NAMES[key.dtype]}_{(ta + tb).upper()}", params
 
 
+def cublaslt_solution(config: dict[str, int]) -> str:
+    """PyTorch's name of a cuBLASLt algorithm (GemmCublasLt: CublasltAlgoConfigName), from its
+    config attribute values; PyTorch's CUDA TunableOp rebuilds the algorithm from this name."""
+    v = [int(config.get(attr, default)) for attr, default in CUBLASLT_NAME_ATTRS.items()]
+    return (
+        "Gemm_Cublaslt_id_{}_tile_{}_stages_{}_splitk_{}_red_{}_swizzle_{}_custom_{}"
+        "_inner_{}_cluster_{}".format(*v)
+    )
+
+
+def _cublaslt_config(params: dict) -> dict[str, int]:
+    """Config attribute values of a stored cuBLASLt winner (the cublaslt source's own mapping)."""
+    try:
+        from tuner.candidates.cublaslt import NAMED_ATTRS, _enums, to_config
+    except ImportError as e:
+        raise ValueError(f"the cublaslt source cannot be loaded here ({e})") from None
+    named = any(isinstance(params.get(p), str) for p in NAMED_ATTRS)
+    try:
+        enums = _enums() if named else {}
+    except ImportError:
+        raise ValueError(
+            "its tile/stages/cluster names need nvmath-python to become numbers: "
+            "export on a host with the cu12/cu13 extra"
+        ) from None
+    return to_config(params, enums)
+
+
 def solution_name(winner: Winner) -> str:
     """TunableOp's name for the winning kernel; ValueError if it has none."""
     if winner.source == "torch":
         return "Default"
     if winner.source == "cublaslt":
-        missing = [f for f in CUBLASLT_FIELDS if not isinstance(winner.params.get(f), int)]
-        if missing:
-            raise ValueError(f"cuBLASLt winner lacks algorithm config fields {missing}")
-        v = [winner.params[f] for f in CUBLASLT_FIELDS]
-        return (
-            "Gemm_Cublaslt_id_{}_tile_{}_stages_{}_splitk_{}_red_{}_swizzle_{}_custom_{}"
-            "_inner_{}_cluster_{}".format(*v)
-        )
+        return cublaslt_solution(_cublaslt_config(winner.params))
     raise ValueError(f"source {winner.source!r} has no TunableOp counterpart")
 
 
