@@ -13,10 +13,12 @@ result is lost. A file that is not a tuner store (corrupt, foreign, or from a ne
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -55,27 +57,51 @@ def _check_file(path: Path) -> None:
         )
 
 
+# Closing *any* file descriptor on a SQLite file drops every POSIX lock this process holds on it
+# (sqlite.org/howtocorrupt.html, 2.2); another process closing its last connection may then
+# delete the WAL under this process's open connections. So the header check, which opens the
+# file with plain ``open()``, only runs while no Store of this process has the file open.
+_OPEN_FILES: collections.Counter[str] = collections.Counter()
+_OPEN_LOCK = threading.Lock()
+
+
 class Store:
     def __init__(self, path: str | Path, *, timeout_s: float = 60.0) -> None:
         self.path = Path(path)
+        self._file: str | None = None
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            _check_file(self.path)
-        try:
-            conn = sqlite3.connect(
-                str(path), timeout=timeout_s, isolation_level=None, check_same_thread=False
-            )
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-        except sqlite3.DatabaseError as e:
-            raise StoreError(f"{path} cannot be opened as a tuner cache: {e}") from None
+            self._file = os.path.realpath(self.path)
+        with _OPEN_LOCK:
+            if self._file is not None and not _OPEN_FILES[self._file]:
+                _check_file(self.path)
+            try:
+                conn = sqlite3.connect(
+                    str(path), timeout=timeout_s, isolation_level=None, check_same_thread=False
+                )
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+            except sqlite3.DatabaseError as e:
+                raise StoreError(f"{path} cannot be opened as a tuner cache: {e}") from None
+            if self._file is not None:
+                _OPEN_FILES[self._file] += 1
         self.db = sqlite_utils.Database(conn)
-        self._migrate()
+        try:
+            self._migrate()
+        except StoreError:
+            self.close()
+            raise
 
     # --- lifecycle -----------------------------------------------------------------------------
 
     def close(self) -> None:
         self.db.conn.close()
+        if self._file is not None:
+            with _OPEN_LOCK:
+                _OPEN_FILES[self._file] -= 1
+                if _OPEN_FILES[self._file] <= 0:
+                    del _OPEN_FILES[self._file]
+            self._file = None
 
     def __enter__(self) -> Store:
         return self
