@@ -354,3 +354,31 @@ def test_user_mistakes_get_one_line_and_exit_2(tmp_path, monkeypatch, capsys, ar
         cli.main()
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_fleet_queue_keys_are_tuned_and_completed_on_the_service(tmp_path):
+    """Misses reported by a host reach the service's queue; tune-all --queue claims them over
+    real HTTP, tunes them and completes the lease; the service then serves their winners."""
+    from server.live import ThreadServer
+
+    fp = fingerprint()
+    keys = [
+        GemmKey(m=3, n=40, k=24, layout="nt", dtype="f32", out_dtype="f32", align=4),
+        GemmKey(m=12, n=16, k=8, dtype="f32", out_dtype="f32"),
+    ]
+    with ThreadServer(tmp_path / "fleet.db") as srv:
+        host = srv.client("host-b", "submit")
+        assert host.report_misses(fp, [(str(k), 3) for k in keys]) == 2
+        env = {"TUNER_SERVER": srv.url, "TUNER_TOKEN": srv.token("tuner-worker", "submit")}
+        p = subprocess.run(
+            [sys.executable, "-m", "tuner.cli", "tune-all", "--queue", "10", "--source", "torch",
+             "--budget", "0.02"],
+            env=os.environ | env | {"TUNER_CACHE": str(tmp_path / "c.db"), "COLUMNS": "200"},
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "fleet queue: 2 keys leased" in p.stdout and "completed lease" in p.stdout
+        for k in keys:
+            served = host.winner(fp.device_class, str(k), fp.version_tag)
+            assert served is not None and served["source"] == "torch", served
+        assert {row["state"] for row in host.queue(device_class=fp.device_class)} == {"done"}
