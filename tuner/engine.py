@@ -22,7 +22,7 @@ from tuner.candidates import registry
 from tuner.candidates.base import Params, Runner, Source
 from tuner.device import fingerprint
 from tuner.keys import Key
-from tuner.results import Measurement, Winner
+from tuner.results import Measurement, Winner, candidate_name
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class TuneOptions:
     launch: str = "eager"  # "eager": host launch time counts; "graph": GPU time only
     sources: list[str] | None = None  # restrict to these source names
     max_candidates: int | None = None  # per source
+    isolate: bool = False  # run the candidates in a replaceable worker process (tuner.worker)
 
 
 @dataclass
@@ -161,12 +162,23 @@ def tune(
     options: TuneOptions | None = None,
     device: str | None = None,
     progress: Callable[[str], None] | None = None,
+    prior: list[Measurement] | None = None,
+    on_start: Callable[[Source, Params], None] | None = None,
+    on_result: Callable[[Measurement], None] | None = None,
 ) -> TuneOutcome:
     """Tune one problem on the current device and return its winner and all measurements.
 
     Nothing is stored here: the caller (CLI, dispatcher, worker) saves the outcome.
+    ``options.isolate`` runs it in a worker process (``tuner.worker.tune_isolated``). The worker
+    uses the hooks: ``prior`` measurements (of an earlier, crashed worker) are taken as they are
+    instead of running those candidates again; ``on_start`` is called before each candidate runs,
+    ``on_result`` with each new measurement.
     """
     options = options or TuneOptions()
+    if options.isolate:
+        from tuner.worker import tune_isolated
+
+        return tune_isolated(key, options, device=device, progress=progress)
     device = device or current_device()
     fp = fingerprint(device)
     run_id = uuid.uuid4().hex
@@ -181,7 +193,11 @@ def tune(
         measurements.append(m)
         if progress:
             progress(f"{m.candidate}: {status}")
+        if on_result:
+            on_result(m)
         return m
+
+    done = {m.candidate: m for m in prior or ()}
 
     gen = torch.Generator(device=device).manual_seed(options.seed)
     n_sets = bench.rotation_sets(problems.bytes_per_set(key), device)
@@ -203,6 +219,12 @@ def tune(
             and source.baseline_params is None
         ):
             continue
+        earlier = done.get(candidate_name(source.name, {}))
+        if earlier is not None and (
+            earlier.status == "unsupported" or earlier.error.startswith("candidates: ")
+        ):
+            measurements.append(earlier)
+            continue
         reason = source.unavailable(device) or source.unsupported(key)
         if reason:
             record(source, {}, "unsupported", error=reason)
@@ -219,7 +241,13 @@ def tune(
                 if source.is_baseline(params) or best_us is None
                 else best_us * options.cut_factor
             )
-            m = trial.run(source, params, cutoff, options)
+            m = done.get(candidate_name(source.name, params))
+            if m is not None:
+                measurements.append(m)
+            else:
+                if on_start:
+                    on_start(source, params)
+                m = trial.run(source, params, cutoff, options)
             if m.status == "ok":
                 us = effective_us(m, options.launch)
                 best_us = us if best_us is None else min(best_us, us)

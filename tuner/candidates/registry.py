@@ -25,6 +25,9 @@ BUILTIN = {
     "triton_gemm": "tuner.candidates.triton_gemm:TritonGemm",
     "triton_attention": "tuner.candidates.triton_attention:TritonAttention",
     "triton_decode": "tuner.candidates.triton_decode:TritonDecode",
+    "cublas": "tuner.candidates.cublas:CublasGemm",
+    "cublaslt": "tuner.candidates.cublaslt:CublasLtGemm",
+    "cutlass": "tuner.candidates.cutlass_gemm:CutlassGemm",
 }
 
 

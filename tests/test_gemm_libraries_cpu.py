@@ -1,0 +1,263 @@
+"""The library GEMM sources (cuBLAS, cuBLASLt, CUTLASS) on a machine without their packages or a
+GPU: the column-major mapping, params (de)serialisation, shortlists, compile-failure memory and the
+reasons they give for not running."""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from tuner import problems
+from tuner.candidates import cublas, cublaslt, cutlass_env, cutlass_gemm
+from tuner.candidates import gemm_operands as ops
+from tuner.keys import GemmKey
+from tuner.results import candidate_name
+
+LAYOUTS = ("nn", "nt", "tn", "tt")
+
+
+def emulate_blas(key: GemmKey, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+    """Run the column-major call the way a BLAS reads memory: through (1, ld) strides."""
+    call = ops.colmajor_call(key, a, b, c)
+    (rb, cb), (ra, ca), (rc, cc) = ops.stored_shapes(key)
+
+    def colmajor(t: torch.Tensor, rows: int, cols: int, ld: int, stride: int, i: int):
+        offset = t.storage_offset() + i * stride
+        return torch.as_strided(t, (rows, cols), (1, ld), offset)
+
+    for i in range(key.batch):
+        first = colmajor(b, rb, cb, call.ld_first, call.stride_first, i)
+        second = colmajor(a, ra, ca, call.ld_second, call.stride_second, i)
+        first = first.T if call.trans_first == ops.OP_T else first
+        second = second.T if call.trans_second == ops.OP_T else second
+        colmajor(c, rc, cc, call.ld_out, call.stride_out, i).copy_(first @ second)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_colmajor_call_computes_a_at_b_for_every_layout(layout, batch):
+    key = GemmKey(m=5, n=7, k=3, batch=batch, layout=layout, dtype="f32", out_dtype="f32", align=4)
+    a, b = problems.make_inputs(key, "cpu", torch.Generator().manual_seed(0))
+    c = problems.output_like(key, (a, b))
+    emulate_blas(key, a, b, c)
+    assert torch.allclose(c, a @ b, atol=1e-5)
+    assert ops.colmajor_call(key, a, b, c) == ops.packed_call(key)
+
+
+def test_colmajor_call_follows_padded_strides_and_single_rows():
+    key = GemmKey(m=1, n=6, k=4, layout="nt", dtype="f32", out_dtype="f32", align=4)
+    a = torch.randn(1, 4)
+    b = torch.randn(16, 6)[:4].T.contiguous().T  # column-major k x n
+    padded = torch.zeros(10, 16)[:4, :6]  # row-major with a padded leading dimension
+    padded.copy_(b)
+    c = torch.full((1, 6), float("nan"))
+    emulate_blas(
+        GemmKey(m=1, n=6, k=4, layout="nn", dtype="f32", out_dtype="f32", align=4), a, padded, c
+    )
+    assert torch.allclose(c, a @ b, atol=1e-5)
+    call = ops.colmajor_call(key, a, b, c)
+    assert call.ld_second >= 4 and call.trans_first == ops.OP_T and call.trans_second == ops.OP_N
+
+
+def test_output_buffer_is_the_callers_only_when_a_library_can_write_it():
+    key = GemmKey(m=4, n=8, k=8, dtype="f32", out_dtype="f32")
+    a = torch.randn(4, 8)
+    good = torch.empty(4, 8)
+    assert ops.output_for(key, a, good, 16)[0] is good
+    transposed = torch.empty(8, 4).T
+    c, out = ops.output_for(key, a, transposed, 16)
+    assert c is not transposed and c.is_contiguous() and out is transposed
+    c.fill_(2.0)
+    assert ops.finish(c, out, lambda t: t) is transposed and bool((transposed == 2.0).all())
+
+
+def test_out_alignment_and_compute_types():
+    assert ops.out_alignment(GemmKey(m=1, n=4099, k=8, align=2)) == 2
+    assert ops.out_alignment(GemmKey(m=1, n=4096, k=8)) == 16
+    tf32 = GemmKey(m=8, n=8, k=8, dtype="f32", out_dtype="f32", compute="tf32")
+    assert ops.compute_type(tf32) == ops.CUBLAS_COMPUTE_32F_FAST_TF32
+    assert ops.compute_type(GemmKey(m=8, n=8, k=8)) == ops.CUBLAS_COMPUTE_32F
+
+
+# --- cuBLAS -------------------------------------------------------------------------------------
+
+
+def test_cublas_params_and_algos(monkeypatch):
+    key = GemmKey(m=8, n=8, k=8)
+    src = cublas.CublasGemm()
+    assert src.candidates(key, "cuda") == [{"algo": -1}]
+    monkeypatch.setenv("TUNER_CUBLAS_ALGOS", "all")
+    assert [p["algo"] for p in src.candidates(key, "cuda")] == [-1, *range(99, 116)]
+    monkeypatch.setenv("TUNER_CUBLAS_ALGOS", "-1,100")
+    assert src.candidates(key, "cuda") == [{"algo": -1}, {"algo": 100}]
+    for bad in ({"algo": 5}, {"algo": "default"}, {"algo": -1, "tile": 3}):
+        with pytest.raises(ValueError, match="algo"):
+            src.build(key, bad)
+
+
+# --- cuBLASLt params ------------------------------------------------------------------------------
+
+
+class MatmulTile(enum.IntEnum):
+    TILE_UNDEFINED = 0
+    TILE_64x64 = 5
+    TILE_128x256 = 20
+
+
+class MatmulStages(enum.IntEnum):
+    STAGES_UNDEFINED = 0
+    STAGES_64x4 = 14
+
+
+class ClusterShape(enum.IntEnum):
+    SHAPE_AUTO = 0
+    SHAPE_2x1x1 = 3
+
+
+ENUMS = {"MatmulTile": MatmulTile, "MatmulStages": MatmulStages, "ClusterShape": ClusterShape}
+CONFIG = {
+    "ID": 28, "TILE_ID": 20, "STAGES_ID": 14, "CLUSTER_SHAPE_ID": 3, "SPLITK_NUM": 1,
+    "REDUCTION_SCHEME": 0, "CTA_SWIZZLING": 1, "CUSTOM_OPTION": 0, "INNER_SHAPE_ID": 2,
+}  # fmt: skip
+
+
+def test_cublaslt_params_round_trip_through_json():
+    params = cublaslt.to_params(CONFIG, ENUMS)
+    assert params == {
+        "id": 28, "tile": "128x256", "stages": "64x4", "cluster": "2x1x1", "split_k": 1,
+        "reduction": 0, "swizzle": 1, "custom": 0, "inner_shape": 2,
+    }  # fmt: skip
+    stored = json.loads(json.dumps(params))
+    assert cublaslt.to_config(stored, ENUMS) == CONFIG
+    assert candidate_name("cublaslt", stored) == candidate_name("cublaslt", params)
+
+
+def test_cublaslt_unnamed_enum_values_stay_integers():
+    params = cublaslt.to_params({**CONFIG, "TILE_ID": 999}, ENUMS)
+    assert params["tile"] == 999
+    assert cublaslt.to_config(params, ENUMS)["TILE_ID"] == 999
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"tile": "128x256"}, "'id'"),
+        ({"id": 1, "tile": "7x7"}, "unknown MatmulTile"),
+        ({"id": 1, "speed": 3}, "unknown cublaslt params"),
+        ({"id": -1}, "non-negative"),
+    ],
+)
+def test_cublaslt_bad_params_are_named(params, match):
+    with pytest.raises(ValueError, match=match):
+        cublaslt.to_config(params, ENUMS)
+
+
+# --- CUTLASS shortlist and specs --------------------------------------------------------------
+
+
+def test_cutlass_shortlist_is_small_and_follows_the_shape():
+    decode = cutlass_gemm.shortlist(GemmKey(m=1, n=6144, k=4096))
+    medium = cutlass_gemm.shortlist(GemmKey(m=128, n=28672, k=4096))
+    large = cutlass_gemm.shortlist(GemmKey(m=8192, n=8192, k=8192))
+    unaligned = cutlass_gemm.shortlist(GemmKey(m=4096, n=4096, k=4100, align=8))
+    for short in (decode, medium, large, unaligned):
+        assert 3 <= len(short) <= 8
+        assert len({json.dumps(p, sort_keys=True) for p in short}) == len(short)
+    cta_rows = lambda p: p["tile"][0] // p["cluster"][0]  # noqa: E731
+    assert min(cta_rows(p) for p in decode) == 64 and any(
+        p["scheduler"] == "streamk" for p in decode
+    )
+    assert all(cta_rows(p) >= 128 for p in large)
+    assert all(p["kernel"].startswith("cpasync") for p in unaligned)
+    assert all(p["tile"][2] == 64 for p in large)
+    tf32 = GemmKey(m=4096, n=4096, k=4096, dtype="f32", out_dtype="f32", compute="tf32")
+    assert all(p["tile"][2] == 32 for p in cutlass_gemm.shortlist(tf32))
+
+
+def test_cutlass_kernel_spec_is_shape_independent():
+    params = cutlass_gemm.shortlist(GemmKey(m=8192, n=8192, k=8192))[0]
+    big = cutlass_gemm.kernel_spec(GemmKey(m=8192, n=8192, k=8192), params)
+    small = cutlass_gemm.kernel_spec(GemmKey(m=1024, n=512, k=4096), params)
+    assert big == small and big.digest == small.digest
+    assert big.align_ab == 8 and big.align_c == 8 and big.kernel == "TmaWarpSpecializedCooperative"
+    assert cutlass_env.KernelSpec.from_json(big.to_json()) == big
+    other = cutlass_gemm.kernel_spec(GemmKey(m=8192, n=8192, k=8192, layout="nt"), params)
+    assert other.digest != big.digest
+    assert cutlass_gemm.kernel_spec(GemmKey(m=64, n=64, k=64), {**params, "swizzle": 8}) == big
+    unaligned = GemmKey(m=64, n=64, k=66, align=4)
+    cp = cutlass_gemm.kernel_spec(unaligned, cutlass_gemm.shortlist(unaligned)[0])
+    assert cp.align_ab == 2 and cp.kernel.startswith("CpAsync")
+
+
+GOOD = cutlass_gemm.shortlist(GemmKey(m=8192, n=8192, k=8192))[0]
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"tile": [128, 128, 64], "cluster": [1, 2], "kernel": "coop", "epilogue": "tma"}, "need"),
+        ({**GOOD, "kernel": "fast"}, "'kernel'"),
+        ({**GOOD, "tile": [128, 128]}, "'tile'"),
+        ({**GOOD, "tile": [128, 128, 0]}, "'tile'"),
+        ({**GOOD, "swizzle": 3}, "'swizzle'"),
+        ({**GOOD, "stages": 4}, "unknown cutlass params"),
+    ],
+)
+def test_cutlass_bad_params_are_named(params, match):
+    with pytest.raises(ValueError, match=match):
+        cutlass_gemm.kernel_spec(GemmKey(m=64, n=64, k=64), params)
+
+
+def test_cutlass_unsupported_keys_say_why():
+    reason = cutlass_gemm.unsupported_reason
+    assert "TF32" in reason(GemmKey(m=64, n=64, k=64, dtype="f32", out_dtype="f32"))
+    assert "16-byte" in reason(GemmKey(m=64, n=4099, k=64, align=2))
+    assert "2-byte aligned" in reason(GemmKey(m=64, n=64, k=4101, align=2))
+    assert reason(GemmKey(m=64, n=64, k=64, dtype="f32", out_dtype="f32", compute="tf32")) is None
+
+
+def test_cutlass_compile_failures_are_remembered_and_never_retried(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path))
+    spec = cutlass_gemm.kernel_spec(GemmKey(m=64, n=64, k=64), GOOD)
+    assert cutlass_env.failure(spec) is None and cutlass_env.compiled_info(spec) is None
+    cutlass_env._record(spec, "failed", {"error": "static_assert failed: tile too large"})
+    assert "static_assert" in cutlass_env.failure(spec)
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("a remembered failure was compiled again")
+
+    monkeypatch.setattr(cutlass_env, "_compile_child", no_compiling)
+    assert cutlass_env.compile_all([spec]) == {spec: "static_assert failed: tile too large"}
+    with pytest.raises(RuntimeError, match="static_assert"):
+        cutlass_gemm.CutlassGemm().build(GemmKey(m=64, n=64, k=64), GOOD)
+
+
+def test_cutlass_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path / "c"))
+    assert cutlass_env.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("CUTLASS_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cutlass_env.cache_dir() == tmp_path / "tuner" / "cutlass"
+
+
+# --- why they do not run here ----------------------------------------------------------------------
+
+SOURCES = [
+    (cublas.CublasGemm(), "cupy", "package missing: cupy"),
+    (cublaslt.CublasLtGemm(), "nvmath", "package missing: nvmath-python"),
+    (cutlass_gemm.CutlassGemm(), "cutlass_cppgen", "package missing: nvidia-cutlass"),
+]
+
+
+@pytest.mark.parametrize(
+    ("source", "module", "reason"), SOURCES, ids=lambda x: getattr(x, "name", "")
+)
+def test_unavailable_reasons(source, module, reason):
+    assert source.unavailable("cpu").startswith("no GPU")
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed here")
+    assert source.unavailable("cuda").startswith(reason)

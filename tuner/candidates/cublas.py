@@ -1,0 +1,139 @@
+"""cuBLAS through CuPy's ``gemmEx`` / ``gemmStridedBatchedEx``: the library torch.matmul calls.
+
+Params: ``{"algo": int}`` with ``-1`` = CUBLAS_GEMM_DEFAULT (the heuristic) and ``99..115`` the
+tensor-op algorithm enum (CuPy has no names for these: they are passed as ints). The compute type
+follows the key: CUBLAS_COMPUTE_32F (fp16/bf16 inputs accumulate in fp32; fp32 stays IEEE) or
+CUBLAS_COMPUTE_32F_FAST_TF32. Every layout maps onto one column-major call (gemm_operands), runs on
+torch's current stream through a handle of our own (so torch's handle state is never touched).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from tuner.candidates import gemm_operands as ops
+from tuner.candidates.base import Params, Runner, Source
+from tuner.keys import GemmKey
+
+CUBLAS_GEMM_DEFAULT = -1
+TENSOR_OP_ALGOS = tuple(range(99, 116))  # CUBLAS_GEMM_DEFAULT_TENSOR_OP, ALGO0..15_TENSOR_OP
+ALGOS = (CUBLAS_GEMM_DEFAULT, *TENSOR_OP_ALGOS)
+# Timed by default. On sm80+ cuBLAS documents the algo argument of gemmEx as ignored (every algo
+# runs the heuristic's kernel), which bench/gpu_check.sh's libs stage measures; so only the
+# default is a candidate unless TUNER_CUBLAS_ALGOS asks for more.
+DEFAULT_CANDIDATE_ALGOS = (CUBLAS_GEMM_DEFAULT,)
+
+
+@functools.cache
+def _library() -> Any:
+    """CuPy's cuBLAS module (raises ImportError with the reason when it cannot load)."""
+    from cupy_backends.cuda.libs import cublas
+
+    return cublas
+
+
+class _StreamBoundHandles(ops.DeviceHandles):
+    """cuBLAS handles, each bound to torch's current stream before it is used."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: _library().create())
+        self._streams: dict[int, int] = {}
+
+    def get(self, device: torch.device) -> int:
+        handle = super().get(device)
+        stream = ops.current_stream(device)
+        if self._streams.get(handle) != stream:
+            _library().setStream(handle, stream)
+            self._streams[handle] = stream
+        return handle
+
+
+_HANDLES = _StreamBoundHandles()
+
+
+def candidate_algos() -> tuple[int, ...]:
+    """The algos timed per problem: ``TUNER_CUBLAS_ALGOS=all`` or a comma list overrides."""
+    env = os.environ.get("TUNER_CUBLAS_ALGOS", "").strip()
+    if not env:
+        return DEFAULT_CANDIDATE_ALGOS
+    if env == "all":
+        return ALGOS
+    algos = tuple(int(x) for x in env.split(","))
+    for a in algos:
+        check_algo(a)
+    return algos
+
+
+def check_algo(algo: Any) -> int:
+    if not isinstance(algo, int) or isinstance(algo, bool) or algo not in ALGOS:
+        raise ValueError(
+            f"algo must be -1 (CUBLAS_GEMM_DEFAULT) or a tensor-op algo 99..115, got {algo!r}"
+        )
+    return algo
+
+
+class CublasGemm(Source):
+    name = "cublas"
+    op = "gemm"
+
+    def unavailable(self, device: str) -> str | None:
+        if device != "cuda":
+            return "no GPU (cuBLAS runs on CUDA devices only)"
+        if importlib.util.find_spec("cupy") is None:
+            return "package missing: cupy (pip install cupy-cuda13x or cupy-cuda12x)"
+        if not torch.cuda.is_available():
+            return "no GPU: torch sees no CUDA device"
+        try:
+            _library()
+        except Exception as e:  # ImportError, or a missing libcublas
+            return f"cuBLAS not loadable through CuPy: {e}"
+        return None
+
+    def candidates(self, key: GemmKey, device: str) -> list[Params]:
+        return [{"algo": a} for a in candidate_algos()]
+
+    def build(self, key: GemmKey, params: Params) -> Runner:
+        unknown = set(params) - {"algo"}
+        if unknown:
+            raise ValueError(f"unknown cublas params {sorted(unknown)}; allowed: ['algo']")
+        algo = check_algo(params.get("algo", CUBLAS_GEMM_DEFAULT))
+        lib = _library()
+        dtype = ops.CUDA_DTYPE[key.dtype]
+        out_dtype = ops.CUDA_DTYPE[key.out_dtype]
+        compute = ops.compute_type(key)
+        # host scalars (CUBLAS_POINTER_MODE_HOST), float32 for fp32 compute types; kept alive here
+        scalars = np.array([1.0, 0.0], dtype=np.float32)
+        alpha, beta = scalars.ctypes.data, scalars.ctypes.data + 4
+        batched = key.batch > 1
+        c_align = ops.out_alignment(key)
+
+        def run(a: Any, b: Any, out: Any = None) -> Any:
+            ta, tb, convert = ops.as_tensors(a, b)
+            c, user_out = ops.output_for(key, ta, out, c_align)
+            call = ops.colmajor_call(key, ta, tb, c)
+            handle = _HANDLES.get(ta.device)
+            if batched or ta.dim() == 3:
+                lib.gemmStridedBatchedEx(
+                    handle, call.trans_first, call.trans_second, call.m, call.n, call.k,
+                    alpha, tb.data_ptr(), dtype, call.ld_first, call.stride_first,
+                    ta.data_ptr(), dtype, call.ld_second, call.stride_second,
+                    beta, c.data_ptr(), out_dtype, call.ld_out, call.stride_out,
+                    key.batch, compute, algo,
+                )  # fmt: skip
+            else:
+                lib.gemmEx(
+                    handle, call.trans_first, call.trans_second, call.m, call.n, call.k,
+                    alpha, tb.data_ptr(), dtype, call.ld_first,
+                    ta.data_ptr(), dtype, call.ld_second,
+                    beta, c.data_ptr(), out_dtype, call.ld_out, compute, algo,
+                )  # fmt: skip
+            return ops.finish(c, user_out, convert)
+
+        run.scalars = scalars  # type: ignore[attr-defined]  # alpha/beta live as long as the runner
+        return run

@@ -1,0 +1,327 @@
+"""CUTLASS 3 SM90 GEMMs (TMA warp-specialized cooperative / pingpong, stream-K) via cutlass_cppgen.
+
+Params describe one compiled kernel plus a launch-time option::
+
+    {"tile": [256, 128, 64], "cluster": [2, 1], "kernel": "coop", "epilogue": "tma",
+     "scheduler": "default", "swizzle": 1}
+
+``tile`` is cutlass_cppgen's threadblock shape (the whole cluster's tile: each CTA computes
+tile/cluster), ``kernel`` one of KERNELS, ``epilogue`` "tma" or "default" (no shared-memory
+epilogue), ``scheduler`` "default" (persistent) or "streamk", ``swizzle`` the tile scheduler's
+raster swizzle (1, 2, 4, 8: a runtime argument, no new kernel).
+
+The shortlist is shape-aware and small (4-6 configs: 64-row tiles and stream-K for decode, 128/256
+tiles with 2-CTA clusters for large problems). ``candidates`` compiles the shortlist's missing
+kernels in parallel before any is timed (cutlass_env); kernels are shape-independent, so a warm
+cache makes this free. Runners launch through the driver API with the kernel arguments patched per
+call (pointers, strides): no per-call planning and no per-call allocation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from tuner.candidates import cutlass_env as env
+from tuner.candidates import gemm_operands as ops
+from tuner.candidates.base import Params, Runner, Source
+from tuner.keys import ITEMSIZE, GemmKey
+
+KERNELS = {
+    "ws": "TmaWarpSpecialized",
+    "coop": "TmaWarpSpecializedCooperative",
+    "pingpong": "TmaWarpSpecializedPingpong",
+    "cpasync": "CpAsyncWarpSpecialized",
+    "cpasync_coop": "CpAsyncWarpSpecializedCooperative",
+}
+SCHEDULERS = {"default": "Default", "streamk": "StreamK"}
+EPILOGUES = ("tma", "default")
+SWIZZLES = (1, 2, 4, 8)
+PARAM_NAMES = ("tile", "cluster", "kernel", "epilogue", "scheduler", "swizzle")
+
+
+def _p(
+    tm: int,
+    tn: int,
+    cluster: tuple[int, int],
+    kernel: str,
+    epilogue: str,
+    scheduler: str = "default",
+) -> Params:
+    return {"tile": [tm, tn, 0], "cluster": list(cluster), "kernel": kernel,
+            "epilogue": epilogue, "scheduler": scheduler, "swizzle": 1}  # fmt: skip
+
+
+# Shape classes -> configs, best guesses first. K of the tile is filled in per dtype.
+DECODE = [  # M <= 64: bandwidth-bound; 64-row tiles, stream-K to spread K over the SMs
+    _p(64, 256, (1, 2), "pingpong", "tma"),
+    _p(64, 256, (1, 2), "ws", "default"),
+    _p(128, 128, (1, 2), "coop", "default", "streamk"),
+    _p(128, 256, (1, 2), "coop", "default", "streamk"),
+]
+MEDIUM = [  # M <= 512: few tiles; stream-K and narrow tiles keep the SMs busy
+    _p(128, 256, (1, 2), "coop", "tma"),
+    _p(128, 128, (1, 2), "coop", "default", "streamk"),
+    _p(64, 256, (1, 2), "pingpong", "tma"),
+    _p(128, 256, (1, 2), "coop", "default", "streamk"),
+    _p(128, 128, (2, 1), "pingpong", "tma"),
+]
+LARGE = [  # compute-bound: 128x128 / 256x128 CTAs, 2-CTA clusters
+    _p(256, 128, (2, 1), "coop", "tma"),
+    _p(128, 256, (1, 2), "coop", "tma"),
+    _p(256, 256, (1, 2), "coop", "tma"),
+    _p(256, 256, (2, 1), "coop", "tma"),
+    _p(128, 256, (1, 2), "pingpong", "tma"),
+    _p(256, 128, (2, 1), "coop", "default", "streamk"),
+]
+UNALIGNED = [  # operands 4- or 8-byte aligned: cp.async kernels (TMA needs 16 bytes)
+    _p(128, 128, (1, 1), "cpasync_coop", "default"),
+    _p(128, 256, (1, 1), "cpasync_coop", "default"),
+    _p(128, 128, (1, 1), "cpasync_coop", "default", "streamk"),
+]
+
+
+def tile_k(key: GemmKey) -> int:
+    return 32 if key.dtype == "f32" else 64
+
+
+def shortlist(key: GemmKey) -> list[Params]:
+    """The configs worth compiling and timing for this problem (before availability checks)."""
+    if key.align < 16:
+        base = UNALIGNED
+    elif key.m <= 64:
+        base = DECODE
+    elif key.m <= 512 or key.n <= 512:
+        base = MEDIUM
+    else:
+        base = LARGE
+    k = tile_k(key)
+    return [{**p, "tile": [p["tile"][0], p["tile"][1], k]} for p in base]
+
+
+def check_params(params: Params) -> None:
+    unknown = set(params) - set(PARAM_NAMES)
+    if unknown:
+        raise ValueError(f"unknown cutlass params {sorted(unknown)}; allowed: {list(PARAM_NAMES)}")
+    missing = [p for p in PARAM_NAMES[:5] if p not in params]
+    if missing:
+        raise ValueError(f"cutlass params need {missing}")
+    tile, cluster = params["tile"], params["cluster"]
+    if not (
+        isinstance(tile, list | tuple)
+        and len(tile) == 3
+        and all(isinstance(x, int) and x > 0 for x in tile)
+    ):
+        raise ValueError(f"cutlass param 'tile' must be 3 positive ints, got {tile!r}")
+    if not (
+        isinstance(cluster, list | tuple)
+        and len(cluster) == 2
+        and all(isinstance(x, int) and x > 0 for x in cluster)
+    ):
+        raise ValueError(f"cutlass param 'cluster' must be 2 positive ints, got {cluster!r}")
+    for name, allowed in (("kernel", KERNELS), ("epilogue", EPILOGUES), ("scheduler", SCHEDULERS)):
+        if params[name] not in allowed:
+            raise ValueError(
+                f"cutlass param {name!r} must be one of {list(allowed)}, got {params[name]!r}"
+            )
+    if params.get("swizzle", 1) not in SWIZZLES:
+        raise ValueError(
+            f"cutlass param 'swizzle' must be one of {SWIZZLES}, got {params['swizzle']!r}"
+        )
+
+
+def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
+    """The compiled kernel ``params`` need for ``key`` (dtypes, layouts, alignments, config)."""
+    check_params(params)
+    item = ITEMSIZE[key.dtype]
+    tma = params["kernel"] in ("ws", "coop", "pingpong")
+    return env.KernelSpec(
+        dtype=key.dtype,
+        layout=key.layout,
+        align_ab=16 // item if tma else min(key.align, 16) // item,
+        align_c=16 // ITEMSIZE[key.out_dtype],
+        tile=tuple(params["tile"]),
+        cluster=tuple(params["cluster"]),
+        kernel=KERNELS[params["kernel"]],
+        epilogue=params["epilogue"],
+        scheduler=SCHEDULERS[params["scheduler"]],
+    )
+
+
+def unsupported_reason(key: GemmKey) -> str | None:
+    if key.dtype == "f32" and key.compute == "f32":
+        return "CUTLASS SM90 fp32 GEMMs run on TF32 tensor cores; this key asks for IEEE fp32"
+    if (key.n * ITEMSIZE[key.out_dtype]) % 16:
+        return f"n={key.n}: output rows are not 16-byte aligned (CUTLASS epilogues store 16 bytes)"
+    if key.align < 4:
+        return f"operands are {key.align}-byte aligned; CUTLASS needs 4 (cp.async) or 16 (TMA)"
+    return None
+
+
+def _offered(spec: env.KernelSpec) -> bool:
+    try:
+        env.tile_description(spec)
+    except LookupError:
+        return False
+    return True
+
+
+# --- the launcher ------------------------------------------------------------------------------
+
+
+@functools.cache
+def _libc_free() -> Any:
+    free = ctypes.CDLL(None).free
+    free.argtypes = [ctypes.c_void_p]
+    return free
+
+
+class _Launcher:
+    """Launches one compiled kernel for one key: arguments built once, pointers patched per call."""
+
+    def __init__(self, op: Any, key: GemmKey, swizzle: int, device: torch.device) -> None:
+        from cuda.bindings import driver
+        from cutlass_cppgen.backend import c_types as ct
+        from cutlass_cppgen.shape import GemmCoord
+        from cutlass_library import GemmUniversalMode
+
+        self.driver, self.key, self.device = driver, key, device
+        rt, td = op.rt_module, op.tile_description
+        mainloop_t = ct.get_mainloop_arguments_3x(
+            td.kernel_schedule, op.A.element, op.B.element, op.A.alignment, op.B.alignment
+        )
+        scheduler = ct.get_tile_scheduler_arguments_3x(td.tile_scheduler)
+        scheduler.max_swizzle_size = swizzle
+        default_epilogue = bool(rt.uses_default_epilogue())
+        args_t, epilogue_t, _, hw_t = ct.get_gemm_arguments_3x(
+            mainloop_t, op.epilogue_functor, scheduler, default_epilogue
+        )
+        output_op = op.epilogue_type(1.0, 0.0)
+        if not default_epilogue and hasattr(output_op, "to_evt_params"):
+            output_op = output_op.to_evt_params()
+        call = ops.packed_call(key)
+        self.strides = (call.ld_second, call.ld_first, call.ld_out)
+        mode = GemmUniversalMode.Batched if key.batch > 1 else GemmUniversalMode.Gemm
+        zero3 = ct.dim3_(0, 0, 0)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.args = args_t(
+            int(mode),
+            ct.GemmCoordBatched_(GemmCoord(key.m, key.n, key.k), key.batch),
+            mainloop_t(0, ct.StrideBatched_(call.ld_second, call.stride_second),
+                       0, ct.StrideBatched_(call.ld_first, call.stride_first), 4),
+            epilogue_t(output_op, 0, ct.StrideBatched_(call.ld_out, call.stride_out),
+                       0, ct.StrideBatched_(call.ld_out, call.stride_out)),
+            hw_t(device.index, sms, 0, zero3, zero3),
+            scheduler,
+        )  # fmt: skip
+        self.get_args = rt.get_args
+        self.rt, self.kernel = rt, rt.kernel
+        size = int(rt.get_kernel_workspace_size(ctypes.byref(self.args)))
+        self.workspace = torch.zeros(max(size, 1), dtype=torch.uint8, device=device)
+        self.zero_workspace = size > 0  # stream-K's reduction flags start at zero every launch
+        self.packed = (ctypes.c_void_p * 1)()
+        self.config: Any = None  # built at the first launch (the grid needs real pointers)
+        self.cluster = tuple(td.cluster_shape)
+        self.c_align = ops.out_alignment(key)
+
+    def _launch_config(self, ws: int) -> Any:
+        d = self.driver
+        grid = self.rt.get_grid_shape(ctypes.byref(self.args), ctypes.c_void_p(ws))
+        block = self.rt.get_block_shape()
+        cfg = d.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid.x, grid.y, grid.z
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block.x, block.y, block.z
+        cfg.sharedMemBytes = self.rt.shared_memory_capacity
+        attr = d.CUlaunchAttribute()
+        ids = getattr(d, "CUlaunchAttributeID", None) or d.CUstreamAttrID
+        attr.id = ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = self.cluster
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        return cfg
+
+    def __call__(self, a: Any, b: Any, out: Any = None) -> Any:
+        ta, tb, convert = ops.as_tensors(a, b)
+        if ta.device != self.device:
+            raise ValueError(f"this cutlass runner was built on {self.device}, got {ta.device}")
+        c, user_out = ops.output_for(self.key, ta, out, self.c_align)
+        args, key = self.args, self.key
+        lda = ops.leading_stride(ta, key.layout[0])
+        ldb = ops.leading_stride(tb, key.layout[1])
+        if (lda, ldb, c.stride(-2)) != self.strides:
+            self._restride(lda, ldb, c.stride(-2))
+        args.mainloop.ptr_A, args.mainloop.ptr_B = ta.data_ptr(), tb.data_ptr()
+        args.epilogue.ptr_C = args.epilogue.ptr_D = c.data_ptr()
+        ws = self.workspace.data_ptr()
+        if self.zero_workspace:
+            self.workspace.zero_()
+        params = self.get_args(ctypes.byref(args), ctypes.c_void_p(ws))
+        try:
+            if self.config is None:
+                self.config = self._launch_config(ws)
+            self.packed[0] = ctypes.addressof(params.contents)
+            self.config.hStream = self.driver.CUstream(ops.current_stream(self.device))
+            (err,) = self.driver.cuLaunchKernelEx(
+                self.config, self.kernel, ctypes.addressof(self.packed), 0
+            )
+        finally:
+            _libc_free()(ctypes.cast(params, ctypes.c_void_p))  # get_params returns new char[]
+        if err != self.driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUTLASS kernel launch failed: {err}")
+        return ops.finish(c, user_out, convert)
+
+    def _restride(self, lda: int, ldb: int, ldc: int) -> None:
+        """Strides other than packed ones (a padded leading dimension) for later calls."""
+        args = self.args
+        args.mainloop.stride_A.major_stride = lda
+        args.mainloop.stride_B.major_stride = ldb
+        args.epilogue.stride_C.major_stride = args.epilogue.stride_D.major_stride = ldc
+        self.strides = (lda, ldb, ldc)
+        self.config = None
+
+
+class CutlassGemm(Source):
+    name = "cutlass"
+    op = "gemm"
+
+    def unavailable(self, device: str) -> str | None:
+        if device != "cuda":
+            return "no GPU (CUTLASS kernels run on CUDA devices only)"
+        reason = env.missing()
+        if reason:
+            return reason
+        if not torch.cuda.is_available():
+            return "no GPU: torch sees no CUDA device"
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) != (9, 0):
+            return f"needs sm90 (Hopper); this GPU is sm{major}{minor}"
+        return None
+
+    def unsupported(self, key: GemmKey) -> str | None:
+        return unsupported_reason(key)
+
+    def candidates(self, key: GemmKey, device: str) -> list[Params]:
+        """The shortlist, restricted to kernels cutlass_cppgen offers, compiled (in parallel)."""
+        chosen: dict[env.KernelSpec, Params] = {}
+        for params in shortlist(key):
+            spec = kernel_spec(key, params)
+            if not _offered(spec) and params["epilogue"] == "tma":
+                params = {**params, "epilogue": "default"}  # e.g. fp32 row/row has no TMA epilogue
+                spec = replace(spec, epilogue="default")
+            if _offered(spec) and env.failure(spec) is None:
+                chosen.setdefault(spec, params)
+        env.compile_all(list(chosen))
+        return list(chosen.values())
+
+    def build(self, key: GemmKey, params: Params) -> Runner:
+        spec = kernel_spec(key, params)
+        error = env.compile_all([spec])[spec]
+        if error is not None:
+            raise RuntimeError(f"CUTLASS kernel did not compile: {error}")
+        op = env.load(spec)
+        device = torch.device("cuda", torch.cuda.current_device())
+        return _Launcher(op, key, int(params.get("swizzle", 1)), device)

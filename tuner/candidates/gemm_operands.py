@@ -1,0 +1,187 @@
+"""Operands of the library GEMM sources (cuBLAS, cuBLASLt, CUTLASS): arrays in, arrays out, and
+the column-major call that computes a row-major result.
+
+BLAS libraries are column-major. The row-major result C (m x n) read column-major is C^T (n x m),
+and C^T = B^T A^T. So every layout of the key maps onto one column-major call whose first operand
+is our B and whose second is our A; a row-major operand is already its own transpose when read
+column-major (op N) and a column-major one needs op T. ``colmajor_call`` gives that call.
+
+Inputs may be torch tensors or any DLPack array (CuPy); the result comes back as the caller's
+kind, without copies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tuner.keys import DTYPES, ITEMSIZE, GemmKey
+
+# cudaDataType_t and cublasComputeType_t values (the same enums serve cuBLAS and cuBLASLt).
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
+CUDA_DTYPE = {"f32": CUDA_R_32F, "f16": CUDA_R_16F, "bf16": CUDA_R_16BF}
+CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77
+OP_N, OP_T = 0, 1  # cublasOperation_t
+
+
+def compute_type(key: GemmKey) -> int:
+    """fp32 accumulation; TF32 tensor cores only where the key allows them."""
+    return CUBLAS_COMPUTE_32F_FAST_TF32 if key.compute == "tf32" else CUBLAS_COMPUTE_32F
+
+
+def out_alignment(key: GemmKey) -> int:
+    """Byte alignment of the rows of a packed row-major result (what C/D can promise)."""
+    row = key.n * ITEMSIZE[key.out_dtype]
+    return next(a for a in (16, 8, 4, 2, 1) if row % a == 0)
+
+
+def leading_stride(t: torch.Tensor, layout: str) -> int:
+    """The stride between rows ('n', row-major) or columns ('t', column-major) of a matrix."""
+    return t.stride(-2) if layout == "n" else t.stride(-1)
+
+
+def batch_stride(t: torch.Tensor) -> int:
+    return t.stride(0) if t.dim() == 3 else 0
+
+
+@dataclass(frozen=True)
+class ColMajorCall:
+    """C^T = op(first) op(second) in column-major terms: first is our B, second our A."""
+
+    trans_first: int  # OP_N or OP_T
+    trans_second: int
+    m: int  # rows of the column-major result (= key.n)
+    n: int  # its columns (= key.m)
+    k: int
+    ld_first: int
+    ld_second: int
+    ld_out: int
+    stride_first: int = 0  # batch strides, elements
+    stride_second: int = 0
+    stride_out: int = 0
+
+
+def stored_shapes(key: GemmKey) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """(rows, cols) as stored column-major of the first operand (B), the second (A) and C^T."""
+    first = (key.n, key.k) if key.layout[1] == "n" else (key.k, key.n)
+    second = (key.k, key.m) if key.layout[0] == "n" else (key.m, key.k)
+    return first, second, (key.n, key.m)
+
+
+def colmajor_call(key: GemmKey, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> ColMajorCall:
+    """The column-major call for ``c = a @ b`` with the strides these tensors actually have.
+
+    Leading dimensions are clamped to the stored row count: for a single row or column torch
+    strides are arbitrary, and BLAS only requires ``ld >= rows`` there.
+    """
+    (rows_b, _), (rows_a, _), (rows_c, _) = stored_shapes(key)
+    return ColMajorCall(
+        trans_first=OP_T if key.layout[1] == "t" else OP_N,
+        trans_second=OP_T if key.layout[0] == "t" else OP_N,
+        m=key.n,
+        n=key.m,
+        k=key.k,
+        ld_first=max(leading_stride(b, key.layout[1]), rows_b, 1),
+        ld_second=max(leading_stride(a, key.layout[0]), rows_a, 1),
+        ld_out=max(c.stride(-2), rows_c, 1),
+        stride_first=batch_stride(b),
+        stride_second=batch_stride(a),
+        stride_out=batch_stride(c),
+    )
+
+
+def packed_call(key: GemmKey) -> ColMajorCall:
+    """The call for packed operands of the key's layout (what problems.make_inputs creates)."""
+    (rows_b, cols_b), (rows_a, cols_a), (rows_c, cols_c) = stored_shapes(key)
+    batched = key.batch > 1
+    return ColMajorCall(
+        trans_first=OP_T if key.layout[1] == "t" else OP_N,
+        trans_second=OP_T if key.layout[0] == "t" else OP_N,
+        m=key.n,
+        n=key.m,
+        k=key.k,
+        ld_first=rows_b,
+        ld_second=rows_a,
+        ld_out=rows_c,
+        stride_first=rows_b * cols_b if batched else 0,
+        stride_second=rows_a * cols_a if batched else 0,
+        stride_out=rows_c * cols_c if batched else 0,
+    )
+
+
+def _same_kind(like: Any) -> Callable[[torch.Tensor], Any]:
+    """A converter from a torch result back to the caller's array type (zero copy, DLPack)."""
+    if isinstance(like, torch.Tensor):
+        return lambda t: t
+    module = importlib.import_module(type(like).__module__.split(".")[0])
+    return module.from_dlpack
+
+
+def as_tensors(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], Any]]:
+    """torch views of both operands and the converter back to the caller's kind."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a, b, _same_kind(a)
+    ta = a if isinstance(a, torch.Tensor) else torch.from_dlpack(a)
+    tb = b if isinstance(b, torch.Tensor) else torch.from_dlpack(b)
+    return ta, tb, _same_kind(a)
+
+
+def output_for(key: GemmKey, a: torch.Tensor, out: Any, align: int) -> tuple[torch.Tensor, Any]:
+    """(buffer the library writes, the caller's ``out``): a packed row-major tensor.
+
+    A caller's ``out`` is written in place when it is row-major with rows aligned to ``align``
+    bytes; otherwise the library writes a fresh buffer and the runner copies it into ``out``.
+    """
+    shape = (key.m, key.n) if a.dim() == 2 else (key.batch, key.m, key.n)
+    if out is not None:
+        t = out if isinstance(out, torch.Tensor) else torch.from_dlpack(out)
+        item = t.element_size()
+        if (
+            t.stride(-1) == 1
+            and t.stride(-2) >= key.n
+            and t.data_ptr() % align == 0
+            and (t.stride(-2) * item) % align == 0
+        ):
+            return t, out
+    return torch.empty(shape, dtype=DTYPES[key.out_dtype], device=a.device), out
+
+
+def finish(c: torch.Tensor, out: Any, convert: Callable[[torch.Tensor], Any]) -> Any:
+    """Return the caller's ``out`` (filled) if it gave one, else ``c`` in the caller's kind."""
+    if out is None:
+        return convert(c)
+    target = out if isinstance(out, torch.Tensor) else torch.from_dlpack(out)
+    if target.data_ptr() != c.data_ptr():
+        target.copy_(c)
+    return out
+
+
+def current_stream(device: torch.device) -> int:
+    """The raw handle of torch's current stream on ``device`` (cheap: no Stream object)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+class DeviceHandles:
+    """One library handle per CUDA device, created lazily on that device by ``create()``."""
+
+    def __init__(self, create: Callable[[], int]) -> None:
+        self._create = create
+        self._lock = threading.Lock()
+        self._handles: dict[int, int] = {}
+
+    def get(self, device: torch.device) -> int:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = self._handles.get(index)
+        if handle is None:
+            with self._lock, torch.cuda.device(index):
+                handle = self._handles.get(index) or self._create()
+                self._handles[index] = handle
+        return handle
