@@ -4,6 +4,8 @@
 # Stages: tests (pytest -m gpu), dispatch (hit-path overhead benchmark); more are added per area.
 #   triton-sweep (whole Triton GEMM config space on sample shapes), triton-tests, gemm
 #   (tuner bench gemm; GEMM_BENCH_ARGS="--part odd ...", GEMM_BENCH_TIMEOUT seconds).
+#   tuneall (tune-all Llama-3-8B projections -> $OUT/tuneall: report.json, speedup.png, tuner.db,
+#   journal, tunableop_results0.csv; TUNEALL_TIME_LIMIT, TUNEALL_RESUME_FROM, TUNEALL_ARGS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,7 +30,18 @@ for stage in "$@"; do
     triton-sweep) timeout "${TRITON_SWEEP_TIMEOUT:-150}" python3 bench/triton_gemm_sweep.py --out "$OUT/triton_sweep.json" ${TRITON_SWEEP_ARGS:-} 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
     triton-tests) timeout "${TRITON_TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_gemm.py 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
     gemm) timeout "${GEMM_BENCH_TIMEOUT:-560}" python3 -m tuner.cli bench gemm --out "$OUT" ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/gemm_bench.log" || status=1 ;;
+    tuneall)  # tune-all over Llama-3-8B's projections (M 1..8192, bf16) on every GPU; resumable:
+      # TUNEALL_RESUME_FROM=<an earlier $OUT/tuneall dir> continues that run's cache and journal
+      mkdir -p "$OUT/tuneall"
+      if [ -n "${TUNEALL_RESUME_FROM:-}" ]; then cp "$TUNEALL_RESUME_FROM"/tuner.db "$TUNEALL_RESUME_FROM"/tuner.tune-all.jsonl "$OUT/tuneall/" || status=1; fi
+      timeout "${TUNEALL_TIMEOUT:-570}" python3 -m tuner.cli tune-all --cache "$OUT/tuneall/tuner.db" \
+        --model configs/models/llama-3-8b.yaml --op gemm --time-limit "${TUNEALL_TIME_LIMIT:-420}" \
+        --problem-timeout "${TUNEALL_PROBLEM_TIMEOUT:-240}" --out "$OUT/tuneall" ${TUNEALL_ARGS:-} 2>&1 | tee "$OUT/tuneall/tune_all.log" || status=1
+      python3 -m tuner.cli tunableop export "$OUT/tuneall/tunableop_results0.csv" --cache "$OUT/tuneall/tuner.db" 2>&1 | tee -a "$OUT/tuneall/tune_all.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
+# The device tool brings back at most 8 files: pack everything into one archive (kept beside
+# the small top-level logs) so that no result is left behind.
+( cd "$OUT" && find . -type f ! -name bundle.tar.gz | tar -czf /tmp/bundle.tar.gz -T - ) && mv /tmp/bundle.tar.gz "$OUT/bundle.tar.gz"
 exit $status
