@@ -30,7 +30,7 @@ from tuner.candidates.base import Params, Runner, Source, interpreting
 from tuner.candidates.triton_kernels import configs
 from tuner.candidates.triton_kernels.gemv import gemv
 from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, WarmReport, warm
-from tuner.candidates.triton_kernels.pad import pad_copy
+from tuner.candidates.triton_kernels.pad import pad_pair
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA, persistent_tma_gemm
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tiled_gemm
 from tuner.keys import DTYPES, ITEMSIZE, GemmKey
@@ -72,11 +72,6 @@ def canonical_strides(rows: int, cols: int, layout: str, batch: int) -> tuple[in
     """as_batched() of the dense operand problems.make_inputs builds for a key."""
     row, col = (cols, 1) if layout == "n" else (1, rows)
     return (rows * cols if batch > 1 else 0, row, col)
-
-
-def _guard(args: tuple[Any, ...], *tensors: Any) -> tuple[Any, ...]:
-    """What Triton specializes on beyond the key: integer args (strides) and 16-byte alignment."""
-    return (*(x for x in args if isinstance(x, int)), *(t.data_ptr() % 16 == 0 for t in tensors))
 
 
 @functools.cache
@@ -123,11 +118,14 @@ class GemmRunner:
 
     def __init__(self, key: GemmKey) -> None:
         self.key = key
+        self._shapes = {2: (key.m, key.n), 3: (key.batch, key.m, key.n)}
+        self._dtype = DTYPES[key.out_dtype]
 
     def __call__(self, a: Any, b: Any, out: Any = None) -> Any:
-        c = output_for(self.key, a) if out is None else out
-        self.launch(a, b, c)
-        return c
+        if out is None:
+            out = torch.empty(self._shapes[a.dim()], dtype=self._dtype, device=a.device)
+        self.launch(a, b, out)
+        return out
 
     def launch(self, a: Any, b: Any, c: Any) -> None:
         raise NotImplementedError
@@ -173,14 +171,23 @@ class TiledRunner(GemmRunner):
 
     def launch(self, a: Any, b: Any, c: Any) -> None:
         k = self.key
-        ws = c
+        sa, sb, sc = as_batched(a), as_batched(b), as_batched(c)
+        pa, pb, pc = a.data_ptr(), b.data_ptr(), c.data_ptr()
+        ws, pw = c, pc  # split 1: the kernel ignores ws
         if self.split > 1:
             ws = torch.empty((self.split, self.total), dtype=torch.float32, device=c.device)
-        args = self._args(a, b, c, ws, (as_batched(a), as_batched(b), as_batched(c)))
-        self.main(args, _guard(args, a, b, c))
+            pw = ws.data_ptr()
+        guard = (sa, sb, sc, pa % 16, pb % 16, pc % 16)
+        if self.main.ready(guard):
+            self.main.raw(self._args(pa, pb, pc, pw, (sa, sb, sc)))
+        else:
+            self.main(self._args(a, b, c, ws, (sa, sb, sc)), guard)
         if self.split > 1:
-            rargs = (ws, c, k.m, k.n, self.total, *as_batched(c))
-            self.reduce(rargs, _guard(rargs, c))
+            rguard = (sc, pc % 16)
+            if self.reduce.ready(rguard):
+                self.reduce.raw((pw, pc, k.m, k.n, self.total, *sc))
+            else:
+                self.reduce((ws, c, k.m, k.n, self.total, *sc), rguard)
 
     def jobs(self) -> list[WarmJob]:
         a, b, c = self.fakes()
@@ -215,8 +222,13 @@ class GemvRunner(GemmRunner):
         return (a, b, c, k.m, k.n, k.k, *strides[0], *strides[1], *strides[2])
 
     def launch(self, a: Any, b: Any, c: Any) -> None:
-        args = self._args(a, b, c, (as_batched(a), as_batched(b), as_batched(c)))
-        self.main(args, _guard(args, a, b, c))
+        sa, sb, sc = as_batched(a), as_batched(b), as_batched(c)
+        pa, pb, pc = a.data_ptr(), b.data_ptr(), c.data_ptr()
+        guard = (sa, sb, sc, pa % 16, pb % 16, pc % 16)
+        if self.main.ready(guard):
+            self.main.raw(self._args(pa, pb, pc, (sa, sb, sc)))
+        else:
+            self.main(self._args(a, b, c, (sa, sb, sc)), guard)
 
     def jobs(self) -> list[WarmJob]:
         return [WarmJob(gemv, self._args(*self.fakes(), self.canonical()), self.main.kwargs)]
@@ -273,9 +285,18 @@ class PersistentRunner(GemmRunner):
             self.launch(a, b, tmp)
             c.copy_(tmp)
             return
-        args = self._args(a, b, c, self._lds(sa, sb, sc))
-        triton.set_allocator(_scratch)
-        self.main(args, _guard(args, a, b, c))
+        lds = self._lds(sa, sb, sc)
+        pa, pb, pc = a.data_ptr(), b.data_ptr(), c.data_ptr()
+        guard = (lds, pa % 16, pb % 16, pc % 16)
+        if self.main.ready(guard):
+            n = self.main.scratch_bytes
+            scratch = torch.empty(n, dtype=torch.int8, device=c.device) if n else None
+            self.main.raw(
+                self._args(pa, pb, pc, lds), None if scratch is None else scratch.data_ptr()
+            )
+        else:
+            triton.set_allocator(_scratch)
+            self.main(self._args(a, b, c, lds), guard)
 
     def jobs(self) -> list[WarmJob]:
         return [WarmJob(persistent_tma_gemm, self._args(*self.fakes(), self._lds(*self.canonical())),
@@ -287,44 +308,58 @@ class PadRunner(GemmRunner):
 
     def __init__(self, key: GemmKey, params: Params) -> None:
         super().__init__(key)
-        self.padded = configs.padded_key(key)
         inner = {k: v for k, v in params.items() if k != "pad_k"}
-        if kernel_of(inner) == "gemv":
+        kind = kernel_of(inner)
+        if kind == "gemv":
             raise ValueError("pad_k applies to the tensor-core kernels, not gemv")
+        # TMA zero-fills the K tail itself: 16-byte rows suffice; the pointer kernels want whole
+        # K tiles (no masks)
+        self.padded = configs.padded_key(key, 8 if kind == "persistent_tma" else 64)
         self.inner = make_runner(self.padded, inner)
-        kp = self.padded.k
-        meta = dict(BR=PAD_BR, BK=PAD_BK)
-        grid_k = triton.cdiv(kp, PAD_BK)
-        self.pad_a = Launcher(pad_copy, (triton.cdiv(key.m, PAD_BR), grid_k, key.batch), meta,
-                              num_warps=4, num_stages=1)  # fmt: skip
-        self.pad_b = Launcher(pad_copy, (triton.cdiv(key.n, PAD_BR), grid_k, key.batch), meta,
-                              num_warps=4, num_stages=1)  # fmt: skip
+        programs = triton.cdiv(key.m, PAD_BR) + triton.cdiv(key.n, PAD_BR)
+        self.pad = Launcher(pad_pair, (programs, triton.cdiv(self.padded.k, PAD_BK), key.batch),
+                            dict(BR=PAD_BR, BK=PAD_BK), num_warps=4, num_stages=1)  # fmt: skip
 
-    def _pad_args(
-        self, a: Any, b: Any, ap: Any, bp: Any, sa: tuple, sb: tuple
-    ) -> tuple[tuple, tuple]:
-        k, kp = self.key, self.padded.k
-        return ((a, ap, k.m, k.k, kp, sa[0], sa[1], sa[2]),
-                (b, bp, k.n, k.k, kp, sb[0], sb[2], sb[1]))  # fmt: skip
+    def _pad_args(self, a: Any, ap: Any, b: Any, bp: Any, sa: tuple, sb: tuple) -> tuple:
+        """B's rows are N: its (col, k) strides, so that it lands as (N, KP) row-major."""
+        k = self.key
+        return (
+            a,
+            ap,
+            b,
+            bp,
+            k.m,
+            k.n,
+            k.k,
+            self.padded.k,
+            sa[0],
+            sa[1],
+            sa[2],
+            sb[0],
+            sb[2],
+            sb[1],
+        )
 
     def launch(self, a: Any, b: Any, c: Any) -> None:
         k, kp = self.key, self.padded.k
         lead = (k.batch,) if a.dim() == 3 else ()
         ap = torch.empty((*lead, k.m, kp), dtype=a.dtype, device=a.device)
         bp = torch.empty((*lead, k.n, kp), dtype=b.dtype, device=b.device)
-        pa, pb = self._pad_args(a, b, ap, bp, as_batched(a), as_batched(b))
-        self.pad_a(pa, _guard(pa, a))
-        self.pad_b(pb, _guard(pb, b))
+        sa, sb = as_batched(a), as_batched(b)
+        pa, pb = a.data_ptr(), b.data_ptr()
+        guard = (sa, sb, pa % 16, pb % 16)
+        if self.pad.ready(guard):
+            self.pad.raw(self._pad_args(pa, ap.data_ptr(), pb, bp.data_ptr(), sa, sb))
+        else:
+            self.pad(self._pad_args(a, ap, b, bp, sa, sb), guard)
         self.inner.launch(ap, bp.transpose(-1, -2), c)
 
     def jobs(self) -> list[WarmJob]:
         a, b, _ = self.fakes()
         dt = DTYPES[self.key.dtype]
-        ap, bp = FakeTensor(dt), FakeTensor(dt)
         sa, sb, _ = self.canonical()
-        pa, pb = self._pad_args(a, b, ap, bp, sa, sb)
-        return [WarmJob(pad_copy, pa, self.pad_a.kwargs), WarmJob(pad_copy, pb, self.pad_b.kwargs),
-                *self.inner.jobs()]  # fmt: skip
+        args = self._pad_args(a, FakeTensor(dt), b, FakeTensor(dt), sa, sb)
+        return [WarmJob(pad_pair, args, self.pad.kwargs), *self.inner.jobs()]
 
 
 def make_runner(key: GemmKey, params: Params) -> GemmRunner:

@@ -214,7 +214,7 @@ def space(key: GemmKey, sms: int = SM90_SMS) -> list[Params]:
     base = gemv_space(key) + tiled_space(key) + splitk_space(key, sms) + persistent_space(key)
     if needs_pad(key):  # odd shapes: the tensor-core kernels also on K-padded aligned copies
         pk = padded_key(key)
-        padded = tiled_space(pk) + splitk_space(pk, sms) + persistent_space(pk)
+        padded = tiled_space(pk) + splitk_space(pk, sms) + persistent_space(padded_key(key, 8))
         base += [{**p, "pad_k": True} for p in padded]
     unique = {json.dumps(p, sort_keys=True): p for p in base}  # clamping can make duplicates
     return [with_precision(p, prec) for prec in precisions(key) for p in unique.values()]

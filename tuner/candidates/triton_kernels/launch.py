@@ -2,9 +2,10 @@
 
 ``Launcher``: a kernel bound to its grid, constexprs, warps and stages. The first call goes through
 Triton's JIT (which compiles, or loads the binary from Triton's on-disk cache); later calls whose
-*specialization guard* (strides, pointer alignment) is unchanged call the compiled kernel directly,
-skipping the JIT's argument binding, which is most of the host cost of a launch (it matters for
-decode GEMMs of ~10 us). ``TUNER_TRITON_FAST_LAUNCH=0`` turns the direct path off.
+*specialization guard* (strides, pointer alignment) is unchanged launch the compiled kernel
+directly with integer pointers. Measured on an H200 host: Triton's JIT path costs ~15 us of host
+time per launch, torch.matmul ~10 us; a decode GEMM's kernel takes 12-20 us, so the launch
+decides whether it wins when called eagerly. ``TUNER_TRITON_FAST_LAUNCH=0`` turns this off.
 
 ``warm(jobs)``: compile many kernels in parallel before they are timed. Triton's compiler holds
 the GIL, so threads do not help; instead each job's JIT specialization is captured through
@@ -41,18 +42,40 @@ def _knobs() -> Any:
     return getattr(triton, "knobs", None)
 
 
+_RUNTIME = getattr(_knobs(), "runtime", None)
+
+
 def _hooks_set() -> bool:
-    knobs = _knobs()
-    rt = getattr(knobs, "runtime", None)
+    rt = _RUNTIME
     return rt is None or rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
 
 
-class Launcher:
-    """``launcher(args, guard)`` runs ``fn[grid](*args, **constexprs)``.
+_stream_of: Any = None  # device index -> raw CUDA stream handle
+_device: Any = None
 
-    ``args`` are the kernel's runtime arguments in declaration order (all of a kernel's constexpr
-    parameters must come after them); ``guard`` is any hashable that changes whenever Triton would
-    specialize the call differently (strides, pointer alignment).
+
+def _current_stream() -> int:
+    """The current CUDA stream of the current device, as the raw handle Triton's launcher takes."""
+    global _stream_of, _device
+    if _stream_of is None:
+        import torch
+
+        _device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+        _stream_of = torch._C._cuda_getCurrentRawStream
+    return _stream_of(_device())
+
+
+class Launcher:
+    """A kernel bound to its grid, constexprs, warps and stages.
+
+    ``launcher(args, guard)`` runs ``fn[grid](*args, **constexprs)`` through Triton's JIT: ``args``
+    are the runtime arguments in declaration order (a kernel's constexpr parameters must all come
+    after them) and ``guard`` is any hashable that changes whenever Triton would specialize the
+    call differently (strides, 16-byte alignment of the pointers). It keeps the compiled kernel;
+    while ``ready(guard)``, ``raw(args)`` launches it directly with the tensors replaced by their
+    ``data_ptr()`` integers, which also skips the launcher's per-pointer driver query (the JIT
+    path validated those pointers on the first call). ``scratch``: a device pointer for kernels
+    that need global scratch memory (TMA descriptors made on the device), see ``scratch_bytes``.
     """
 
     def __init__(
@@ -69,6 +92,8 @@ class Launcher:
         self.kwargs = {**constexprs, "num_warps": num_warps, "num_stages": num_stages}
         self._compiled: Any = None
         self._guard: Hashable = None
+        self._direct: Any = None  # the C launch function, when Triton's launcher exposes it
+        self.scratch_bytes = 0
         self._tail: tuple[Any, ...] = ()
         self._fast = FAST_LAUNCH and not interpreting()
         if self._fast:
@@ -85,32 +110,37 @@ class Launcher:
                     raise TypeError(f"{fn}: missing constexprs {sorted(missing)}")
                 self._tail = tuple(constexprs[n] for n in names)
 
-    def __call__(self, args: Sequence[Any], guard: Hashable) -> None:
-        ck = self._compiled
-        if ck is not None and guard == self._guard and not _hooks_set():
-            device = _driver.get_current_device()
-            stream = _driver.get_current_stream(device)
-            g = self.grid
-            ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, None,
-                   *args, *self._tail)  # fmt: skip
+    def ready(self, guard: Hashable) -> bool:
+        return self._compiled is not None and guard == self._guard and not _hooks_set()
+
+    def raw(self, args: Sequence[Any], scratch: int | None = None) -> None:
+        ck, g = self._compiled, self.grid
+        if self._direct is not None:
+            run = ck.run
+            self._direct(g[0], g[1], g[2], _current_stream(), ck.function,
+                         run.launch_cooperative_grid, run.launch_pdl, scratch, None,
+                         ck.packed_metadata, None, None, None, *args, *self._tail)  # fmt: skip
             return
+        ck.run(g[0], g[1], g[2], _current_stream(), ck.function, ck.packed_metadata, None, None, None,
+               *args, *self._tail)  # fmt: skip
+
+    def __call__(self, args: Sequence[Any], guard: Hashable) -> None:
         ck = self.fn[self.grid](*args, **self.kwargs)
         if self._fast and all(hasattr(ck, a) for a in ("run", "function", "packed_metadata")):
             self._compiled, self._guard = ck, guard
+            self._bind_direct(ck)
 
-
-class _Driver:
-    """Triton's active driver, looked up once (it is what the JIT itself calls per launch)."""
-
-    def __getattr__(self, name: str) -> Any:
-        from triton.runtime import driver
-
-        value = getattr(driver.active, name)
-        setattr(self, name, value)
-        return value
-
-
-_driver = _Driver()
+    def _bind_direct(self, ck: Any) -> None:
+        """Use the C launch function itself when the Python launcher around it only allocates
+        scratch (Triton 3.x's CudaLauncher); otherwise ``raw`` goes through ``ck.run``."""
+        run = ck.run
+        needed = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size",
+                  "profile_scratch_size", "num_ctas")  # fmt: skip
+        self._direct = None
+        if all(hasattr(run, a) for a in needed) and not run.profile_scratch_size:
+            g = self.grid
+            self.scratch_bytes = run.global_scratch_size * g[0] * g[1] * g[2] * run.num_ctas
+            self._direct = run.launch
 
 
 # --- parallel compilation ----------------------------------------------------------------------
