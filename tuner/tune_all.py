@@ -16,7 +16,7 @@
   ``timeout`` and a fresh worker takes the slot. Past ``time_limit_s`` no new problem starts.
 - **Failures** (the baseline itself failing, a crashed worker) are recorded and the run goes on.
 - **Ctrl-C** lets the problems in flight finish (everything finished is already stored);
-  a second Ctrl-C kills them.
+  a second Ctrl-C, or a SIGTERM, kills them; the run still ends with its report.
 
 Every finished problem also gets a line in the *journal* (``<cache>.tune-all.jsonl``): its
 tuning time, status and error. The report reads it for the tuning time per problem and for
@@ -241,6 +241,7 @@ class _Pool:
         self.results: list[Result] = []
         self.interrupts = 0  # Ctrl-C presses seen by the signal handler
         self.handled = 0  # ... and acted upon
+        self.terminated = False  # SIGTERM seen
         self.stopped = ""
 
     # lifecycle
@@ -251,7 +252,7 @@ class _Pool:
             self.tasks.put(k)
         for _ in self.slots:
             self.tasks.put(None)  # one sentinel per slot: a replacement takes its predecessor's
-        with self._sigint_flag():
+        with self._signal_flags():
             for slot in self.slots:
                 self._spawn(slot)
             try:
@@ -271,20 +272,29 @@ class _Pool:
         )
 
     @contextlib.contextmanager
-    def _sigint_flag(self):
-        """Ctrl-C sets a flag the loop reads, instead of raising in the middle of a step."""
+    def _signal_flags(self):
+        """Ctrl-C and SIGTERM set flags the loop reads, instead of raising in the middle of a
+        step. SIGTERM (``timeout``, ``docker stop``) counts as two Ctrl-C: stop at once, report."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
 
-        def handler(signum: int, frame: Any) -> None:
+        def on_int(signum: int, frame: Any) -> None:
             self.interrupts += 1
 
-        previous = signal.signal(signal.SIGINT, handler)
+        def on_term(signum: int, frame: Any) -> None:
+            self.terminated = True
+            self.interrupts += 2
+
+        previous = {
+            signal.SIGINT: signal.signal(signal.SIGINT, on_int),
+            signal.SIGTERM: signal.signal(signal.SIGTERM, on_term),
+        }
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _spawn(self, slot: _Slot) -> None:
         recv, send = self.ctx.Pipe(duplex=False)
@@ -326,14 +336,16 @@ class _Pool:
             self._halt("time limit", f"total time limit of {limit:g} s reached: no new problems")
 
     def _on_interrupts(self) -> None:
-        """First Ctrl-C: no new problems; the next one: kill the problems in flight too."""
+        """First Ctrl-C: no new problems; the next one (or SIGTERM): kill those in flight too."""
         new, self.handled = self.interrupts - self.handled, self.interrupts
         if not new:
             return
-        if self.stopped != "ctrl-c":
-            self._halt("ctrl-c", "stopping: problems in flight finish (Ctrl-C again to abort them)")
+        why = "SIGTERM" if self.terminated else "ctrl-c"
+        if self.stopped not in ("ctrl-c", "SIGTERM"):
+            self._halt(why, "stopping: problems in flight finish (Ctrl-C again to abort them)")
             new -= 1
         if new:
+            self.stopped = why
             self.emit(("notice", "aborting the problems in flight"))
             self._kill_all()
             for s in self.slots:
@@ -421,7 +433,8 @@ def worker_main(
     stop: Any,
 ) -> None:
     """Pull keys until the sentinel or the stop signal; commit each problem when it is done."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the parent decides; it dies, so do we
+        signal.signal(sig, signal.SIG_IGN)
     parent = os.getppid()
     _die_with_parent()
     if os.getppid() != parent:
