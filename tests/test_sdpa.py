@@ -257,78 +257,39 @@ def test_bench_smoke(tmp_path: Path) -> None:
 # --- GPU: bf16, the real shortlists, repeated (direct) launches ----------------------------------
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize(
-    "key",
-    [
-        SdpaKey(
-            batch=2,
-            q_heads=32,
-            kv_heads=8,
-            q_len=1000,
-            kv_len=1000,
-            head_dim=128,
-            causal="top_left",
-        ),
-        SdpaKey(
-            batch=1,
-            q_heads=16,
-            kv_heads=16,
-            q_len=777,
-            kv_len=1500,
-            head_dim=64,
-            causal="bottom_right",
-        ),
-        SdpaKey(batch=1, q_heads=8, kv_heads=2, q_len=300, kv_len=300, head_dim=96, dtype="f16"),
-        SdpaKey(
-            batch=1, q_heads=8, kv_heads=8, q_len=257, kv_len=513, head_dim=256, causal="top_left"
-        ),
-    ],
-    ids=str,
-)
-def test_gpu_prefill_shortlist(key: SdpaKey) -> None:
-    for layout in ("bhsd", "bshd"):
-        inputs = make(key, layout)
-        for params in ATTN.candidates(key, "cuda"):
-            runner = ATTN.build(key, params)
-            first = check(runner, key, inputs)
-            # second and third calls take the direct-launch path: same answer, bit for bit
-            again = runner(*inputs)
-            torch.testing.assert_close(runner(*inputs), again, rtol=0, atol=0)
-            assert problems.relative_error(again, problems.reference(key, inputs)) == pytest.approx(
-                first, rel=1e-6
-            )
+def gpu_key(
+    b: int, hq: int, hkv: int, q: int, kv: int, d: int, causal: str = "none", dt: str = "bf16"
+):
+    return SdpaKey(batch=b, q_heads=hq, kv_heads=hkv, q_len=q, kv_len=kv, head_dim=d,
+                   causal=causal, dtype=dt)  # fmt: skip
+
+
+GPU_CASES = [
+    (ATTN, gpu_key(2, 32, 8, 1000, 1000, 128, "top_left")),
+    (ATTN, gpu_key(1, 16, 16, 777, 1500, 64, "bottom_right")),
+    (ATTN, gpu_key(1, 8, 2, 300, 300, 96, dt="f16")),
+    (ATTN, gpu_key(1, 8, 8, 257, 513, 256, "top_left")),
+    (DECODE, gpu_key(1, 32, 8, 1, 8192, 128)),
+    (DECODE, gpu_key(8, 32, 8, 4, 5000, 128, "bottom_right")),
+    (DECODE, gpu_key(3, 16, 16, 2, 3001, 64, dt="f16")),
+    (DECODE, gpu_key(2, 8, 1, 1, 4097, 256)),
+]
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize(
-    "key",
-    [
-        SdpaKey(batch=1, q_heads=32, kv_heads=8, q_len=1, kv_len=8192, head_dim=128),
-        SdpaKey(
-            batch=8,
-            q_heads=32,
-            kv_heads=8,
-            q_len=4,
-            kv_len=5000,
-            head_dim=128,
-            causal="bottom_right",
-        ),
-        SdpaKey(batch=3, q_heads=16, kv_heads=16, q_len=2, kv_len=3001, head_dim=64, dtype="f16"),
-        SdpaKey(batch=2, q_heads=8, kv_heads=1, q_len=1, kv_len=4097, head_dim=256),
-    ],
-    ids=str,
-)
-def test_gpu_decode_shortlist(key: SdpaKey) -> None:
+@pytest.mark.parametrize(("src", "key"), GPU_CASES, ids=lambda x: getattr(x, "name", str(x)))
+def test_gpu_shortlist(src, key: SdpaKey) -> None:
+    """Every candidate of the real shortlist, contiguous and (b, s, h, d) inputs. Calls after the
+    first take the direct-launch path, and the fused decode merge hands partials between
+    programs: 20 repeats must agree bit for bit."""
     for layout in ("bhsd", "bshd"):
         inputs = make(key, layout)
-        for params in DECODE.candidates(key, "cuda"):
-            runner = DECODE.build(key, params)
+        for params in src.candidates(key, "cuda"):
+            runner = src.build(key, params)
             check(runner, key, inputs)
             again = runner(*inputs)
-            for _ in range(20):  # the fused merge hands partials between programs: no races
+            for _ in range(20):
                 torch.testing.assert_close(runner(*inputs), again, rtol=0, atol=0)
             check(runner, key, inputs)
 

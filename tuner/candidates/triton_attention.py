@@ -221,6 +221,12 @@ def head_dim_problem(key: SdpaKey, limit: int = MAX_HEAD_DIM) -> str | None:
     return None
 
 
+def triton_unavailable(device: str) -> str | None:
+    if device == "cpu" and not interpreting():
+        return "no GPU (set TRITON_INTERPRET=1 to run Triton kernels on the CPU, slowly)"
+    return None
+
+
 def interpreter_problem(key: SdpaKey) -> str | None:
     if interpreting() and key.dtype == "bf16":
         return "Triton's interpreter computes bf16 tl.dot wrongly (triton 3.9); bf16 runs on the GPU only"
@@ -289,9 +295,7 @@ class TritonAttention(Source):
     op = "sdpa"
 
     def unavailable(self, device: str) -> str | None:
-        if device == "cpu" and not interpreting():
-            return "no GPU (set TRITON_INTERPRET=1 to run Triton kernels on the CPU, slowly)"
-        return None
+        return triton_unavailable(device)
 
     def unsupported(self, key: SdpaKey) -> str | None:
         return head_dim_problem(key) or interpreter_problem(key)

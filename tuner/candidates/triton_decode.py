@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tuner.candidates.base import Params, Runner, Source, interpreting
+from tuner.candidates.base import Params, Runner, Source
 from tuner.candidates.triton_attention import (
     LOG2E,
     Launch,
@@ -35,6 +35,7 @@ from tuner.candidates.triton_attention import (
     output_for,
     padded_head_dim,
     qkvo_strides,
+    triton_unavailable,
 )
 from tuner.keys import DTYPES, SdpaKey
 
@@ -264,9 +265,7 @@ class TritonDecode(Source):
     op = "sdpa"
 
     def unavailable(self, device: str) -> str | None:
-        if device == "cpu" and not interpreting():
-            return "no GPU (set TRITON_INTERPRET=1 to run Triton kernels on the CPU, slowly)"
-        return None
+        return triton_unavailable(device)
 
     def unsupported(self, key: SdpaKey) -> str | None:
         if key.q_len > MAX_Q_LEN:
