@@ -37,11 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tuner.keys import ALIGNMENTS, ITEMSIZE, GemmKey, Key, SdpaKey
-from tuner.problem_list import ConfigError
+from tuner.problem_list import ConfigError, read_yaml
 
 GEMM_OPS = ("qkv", "o", "gate_up", "down")
 ATTENTION_OPS = ("attn_prefill", "attn_decode")
@@ -224,10 +223,4 @@ def parse_model(data: Any, path: Path | str = "<model>") -> ModelConfig:
 
 def load_model(path: str | Path) -> ModelConfig:
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    return parse_model(data, path)
+    return parse_model(read_yaml(path), path)

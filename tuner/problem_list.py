@@ -42,15 +42,20 @@ def parse_problem(entry: Any, where: str) -> Key:
         raise ConfigError(f"{where}: {e}") from None
 
 
-def load_problems(path: str | Path) -> list[Key]:
-    """The de-duplicated problems of a YAML file, in file order."""
-    path = Path(path)
+def read_yaml(path: Path) -> Any:
+    """A YAML file's data; ConfigError names the file when it cannot be read or parsed."""
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+
+
+def load_problems(path: str | Path) -> list[Key]:
+    """The de-duplicated problems of a YAML file, in file order."""
+    path = Path(path)
+    data = read_yaml(path)
     if not isinstance(data, dict) or not isinstance(data.get("problems"), list):
         raise ConfigError(f"{path}: expected a top-level 'problems:' list")
     keys = [parse_problem(p, f"{path}: problems[{i}]") for i, p in enumerate(data["problems"])]
