@@ -170,6 +170,22 @@ def _offered(spec: env.KernelSpec) -> bool:
     return True
 
 
+def offered(key: GemmKey) -> dict[env.KernelSpec, Params]:
+    """The shortlist restricted to kernels cutlass_cppgen offers and that never failed to compile.
+
+    A config whose TMA epilogue is not offered (fp32 row/row, say) falls back to the default one.
+    """
+    chosen: dict[env.KernelSpec, Params] = {}
+    for params in shortlist(key):
+        spec = kernel_spec(key, params)
+        if not _offered(spec) and params["epilogue"] == "tma":
+            params = {**params, "epilogue": "default"}
+            spec = replace(spec, epilogue="default")
+        if _offered(spec) and env.failure(spec) is None:
+            chosen.setdefault(spec, params)
+    return chosen
+
+
 # --- the launcher ------------------------------------------------------------------------------
 
 
@@ -204,7 +220,7 @@ class _Launcher:
         if not default_epilogue and hasattr(output_op, "to_evt_params"):
             output_op = output_op.to_evt_params()
         call = ops.packed_call(key)
-        self.strides = (call.ld_second, call.ld_first, call.ld_out)
+        self.call = call
         mode = GemmUniversalMode.Batched if key.batch > 1 else GemmUniversalMode.Gemm
         zero3 = ct.dim3_(0, 0, 0)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -249,11 +265,10 @@ class _Launcher:
         if ta.device != self.device:
             raise ValueError(f"this cutlass runner was built on {self.device}, got {ta.device}")
         c, user_out = ops.output_for(self.key, ta, out, self.c_align)
-        args, key = self.args, self.key
-        lda = ops.leading_stride(ta, key.layout[0])
-        ldb = ops.leading_stride(tb, key.layout[1])
-        if (lda, ldb, c.stride(-2)) != self.strides:
-            self._restride(lda, ldb, c.stride(-2))
+        args = self.args
+        call = ops.colmajor_call(self.key, ta, tb, c)
+        if call != self.call:
+            self._restride(call)
         args.mainloop.ptr_A, args.mainloop.ptr_B = ta.data_ptr(), tb.data_ptr()
         args.epilogue.ptr_C = args.epilogue.ptr_D = c.data_ptr()
         ws = self.workspace.data_ptr()
@@ -274,13 +289,14 @@ class _Launcher:
             raise RuntimeError(f"CUTLASS kernel launch failed: {err}")
         return ops.finish(c, user_out, convert)
 
-    def _restride(self, lda: int, ldb: int, ldc: int) -> None:
-        """Strides other than packed ones (a padded leading dimension) for later calls."""
-        args = self.args
-        args.mainloop.stride_A.major_stride = lda
-        args.mainloop.stride_B.major_stride = ldb
-        args.epilogue.stride_C.major_stride = args.epilogue.stride_D.major_stride = ldc
-        self.strides = (lda, ldb, ldc)
+    def _restride(self, call: ops.ColMajorCall) -> None:
+        """Strides other than packed ones (a padded leading dimension) for this and later calls."""
+        ml, ep = self.args.mainloop, self.args.epilogue
+        ml.stride_A.major_stride, ml.stride_A.batch_stride = call.ld_second, call.stride_second
+        ml.stride_B.major_stride, ml.stride_B.batch_stride = call.ld_first, call.stride_first
+        for stride in (ep.stride_C, ep.stride_D):
+            stride.major_stride, stride.batch_stride = call.ld_out, call.stride_out
+        self.call = call
         self.config = None
 
 
@@ -305,15 +321,8 @@ class CutlassGemm(Source):
         return unsupported_reason(key)
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
-        """The shortlist, restricted to kernels cutlass_cppgen offers, compiled (in parallel)."""
-        chosen: dict[env.KernelSpec, Params] = {}
-        for params in shortlist(key):
-            spec = kernel_spec(key, params)
-            if not _offered(spec) and params["epilogue"] == "tma":
-                params = {**params, "epilogue": "default"}  # e.g. fp32 row/row has no TMA epilogue
-                spec = replace(spec, epilogue="default")
-            if _offered(spec) and env.failure(spec) is None:
-                chosen.setdefault(spec, params)
+        """The offered shortlist, its missing kernels compiled first (in parallel)."""
+        chosen = offered(key)
         env.compile_all(list(chosen))
         return list(chosen.values())
 
