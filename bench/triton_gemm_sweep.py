@@ -17,25 +17,27 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 from tuner import bench, problems
 from tuner.candidates import registry
 from tuner.candidates.triton_gemm import make_runner
 from tuner.candidates.triton_kernels import configs
-from tuner.candidates.triton_kernels.launch import warm
+from tuner.candidates.triton_kernels.launch import Launcher, warm
+from tuner.candidates.triton_kernels.pad import pad_pair
 from tuner.engine import TuneOptions, tune
+from tuner.gemm_bench import graph_us
 from tuner.model_config import gemm_key
 from tuner.suite import copy_bandwidth_gbs
 
 SHAPES = [  # most informative first: the sweep stops at its time box
-    ((1, 6144, 4096), "bf16"), ((16, 4096, 14336), "bf16"), ((128, 28672, 4096), "bf16"),
-    ((4097, 4099, 4101), "bf16"), ((4096, 4096, 4096), "bf16"), ((127, 5120, 3333), "bf16"),
-    ((1024, 4096, 4096), "f32"), ((1024, 4096, 4096), "tf32"), ((8, 4096, 4096), "bf16"),
-    ((1, 4096, 14336), "bf16"), ((4, 8192, 8192), "bf16"), ((32, 6144, 4096), "bf16"),
-    ((64, 4096, 14336), "bf16"), ((256, 4096, 4096), "bf16"), ((512, 10240, 8192), "bf16"),
-    ((2048, 6144, 4096), "bf16"), ((8192, 8192, 8192), "bf16"), ((1, 28672, 4096), "bf16"),
-    ((1, 4099, 4101), "bf16"), ((128, 6144, 4096), "f16"),
+    ((1, 6144, 4096), "bf16"), ((16, 4096, 14336), "bf16"), ((4097, 4099, 4101), "bf16"),
+    ((127, 5120, 3333), "bf16"), ((8, 4096, 4096), "bf16"), ((1, 4096, 14336), "bf16"),
+    ((4, 8192, 8192), "bf16"), ((32, 6144, 4096), "bf16"), ((64, 4096, 14336), "bf16"),
+    ((256, 4096, 4096), "bf16"), ((128, 6144, 4096), "f16"), ((1, 4099, 4101), "bf16"),
+    ((128, 28672, 4096), "bf16"), ((2, 10240, 8192), "bf16"),
 ]  # fmt: skip
+PAD_TILES = ((16, 256, 4), (32, 128, 4), (8, 512, 4), (32, 256, 8), (64, 128, 8))
 
 
 def host_us(fn, n: int = 200) -> float:
@@ -77,11 +79,15 @@ def sweep_key(key, budget: float, shortlist: list) -> dict:
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
-    ok = [r for r in rows if "us" in r and not r["cut"]]
-    best = min(ok, key=lambda r: r["us"], default=None)
+    ok = sorted((r for r in rows if "us" in r and not r["cut"]), key=lambda r: r["us"])
+    for r in ok if key.m <= 256 else ok[:3]:  # the kernels' own time, launch costs left out
+        run = make_runner(key, r["params"])
+        r["graph_us"] = graph_us(lambda i, run=run: run(*sets[i % len(sets)]))
+    torch_graph = graph_us(lambda i: base(*sets[i % len(sets)]))
+    best = ok[0] if ok else None
     best_short = min((r for r in ok if r["in_shortlist"]), key=lambda r: r["us"], default=None)
     return {
-        "key": str(key), "torch_us": tb.median_us, "torch_host_us": tb.host_us,
+        "key": str(key), "torch_us": tb.median_us, "torch_host_us": tb.host_us, "torch_graph_us": torch_graph,
         "best": best, "best_in_shortlist": best_short, "rows": rows,
         "n_errors": sum("error" in r for r in rows),
     }  # fmt: skip
@@ -100,8 +106,36 @@ def launch_overhead() -> dict:
     return {
         "direct_us": host_us(lambda: fast(a, b, out=c)),
         "jit_us": host_us(lambda: slow(a, b, out=c)),
-        "torch_us": host_us(lambda: torch.matmul(a, b, out=c)),
+        "torch_us": host_us(lambda: torch.matmul(a, b)),
+        "direct_alloc_us": host_us(lambda: fast(a, b)),
     }
+
+
+def pad_bench() -> list[dict]:
+    """The pad kernel alone on 4097 x 4099 x 4101 (A and B into K-padded copies), per tile."""
+    key = gemm_key(4097, 4099, 4101, layout="nt", dtype="bf16")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a, b = problems.make_inputs(key, "cuda", gen)
+    out = []
+    for br, bk, warps in PAD_TILES:
+        runner = make_runner(key, {"kernel": "persistent_tma", "bm": 128, "bn": 256, "bk": 64,
+                                   "group_m": 8, "warps": 8, "stages": 3, "pad_k": True})  # fmt: skip
+        kp = runner.padded.k
+        programs = triton.cdiv(key.m, br) + triton.cdiv(key.n, br)
+        runner.pad = Launcher(pad_pair, (programs, triton.cdiv(kp, bk), 1), dict(BR=br, BK=bk),
+                              num_warps=warps, num_stages=1)  # fmt: skip
+        ap = torch.empty((key.m, kp), dtype=a.dtype, device="cuda")
+        bp = torch.empty((key.n, kp), dtype=a.dtype, device="cuda")
+        sa, sb = (0, *a.stride()), (0, *b.stride())
+
+        def pad_only(i: int, runner=runner, ap=ap, bp=bp, sa=sa, sb=sb) -> None:
+            runner.pad(runner._pad_args(a, ap, b, bp, sa, sb), None)
+
+        us = graph_us(pad_only)
+        moved = 2 * (key.m + key.n) * kp * 2
+        out.append({"br": br, "bk": bk, "warps": warps, "us": us, "gbs": moved / us / 1e3})
+        print("pad", out[-1], flush=True)
+    return out
 
 
 def main() -> None:
@@ -129,6 +163,7 @@ def main() -> None:
         f"compiled {rep.compiled} kernels for {len(jobs)} jobs in {rep.seconds:.1f} s, {len(rep.errors)} errors",
         flush=True,
     )
+    result["pad"] = pad_bench()
     result["launch"] = launch_overhead()
     print("launch host us", result["launch"], flush=True)
     result["shapes"] = []
@@ -143,7 +178,7 @@ def main() -> None:
         print(
             f"{k.m}x{k.n}x{k.k} {k.dtype}/{k.compute}: torch {s['torch_us']:.1f} us | best {b['us'] if b else float('nan'):.1f} us "
             f"{json.dumps(b['params']) if b else '-'} | x{s['torch_us'] / b['us'] if b else 0:.2f} | {gbs:.0f} GB/s "
-            f"({100 * gbs / result['copy_gbs']:.0f}% copy) | shortlist best {bs['us'] if bs else float('nan'):.1f} | errors {s['n_errors']}",
+            f"({100 * gbs / result['copy_gbs']:.0f}% copy) | graph: torch {s['torch_graph_us']:.1f} best {b.get('graph_us', 0) if b else 0:.1f} | shortlist best {bs['us'] if bs else float('nan'):.1f} | errors {s['n_errors']}",
             flush=True,
         )
         for r in s["rows"]:

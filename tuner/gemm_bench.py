@@ -25,7 +25,7 @@ import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -188,6 +188,60 @@ def annotate(result: dict[str, Any], recorder: Recorder, device: str) -> None:
         row["failures"] = [
             f"{m.candidate}: {m.error[:200]}" for m in ms if m.status in ("failed", "rejected")
         ][:5]
+        if key.m <= DECODE_M and device == "cuda":
+            row.update(graph_times(key, row, ms, copy))
+
+
+def graph_us(fn: Callable[[int], Any], calls: int = 20, replays: int = 7) -> float:
+    """GPU time per call with ``calls`` launches captured in one CUDA graph: what a caller that
+    replays graphs (decode loops usually do) waits for, without the host launch cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):  # first calls compile or bind outside the capture
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def graph_times(key: GemmKey, row: dict[str, Any], ms: list[Any], copy: float) -> dict[str, Any]:
+    """Decode rows: cuBLAS, the winner and the best Triton candidate timed inside CUDA graphs,
+    as shares of the copy bandwidth (the kernels' own speed, launch costs left out)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    sets = [problems.make_inputs(key, "cuda", gen)
+            for _ in range(bench.rotation_sets(problems.bytes_per_set(key), "cuda"))]  # fmt: skip
+    ok = [m for m in ms if m.status == "ok" and m.source == "triton_gemm"]
+    best = min(ok, key=lambda m: m.median_us or float("inf"), default=None)
+    base = registry.baseline("gemm")
+    runners = {"graph_baseline": base.build(key, base.baseline_params)}
+    if row["source"] != base.name:
+        params = json.loads(row["candidate"].partition(":")[2])
+        runners["graph_winner"] = registry.get(row["source"]).build(key, params)
+    if best is not None:
+        runners["graph_triton"] = registry.get("triton_gemm").build(key, best.params)
+    out: dict[str, Any] = {}
+    for name, run in runners.items():
+        try:
+            us = graph_us(lambda i, run=run: run(*sets[i % len(sets)]))
+        except Exception as e:  # capture can fail for a library; the eager numbers stand
+            out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+            continue
+        out[f"{name}_us"] = us
+        out[f"{name}_pct_copy"] = 100 * key.min_bytes / us / 1e3 / copy
+    return out
 
 
 def warm_retune(problems_: Problems, options: TuneOptions, sample: int) -> list[dict[str, Any]]:
@@ -223,6 +277,17 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
         "decode_n": len(decode),
         "decode_min_pct_copy": min((r["pct_copy"] for r in decode), default=None),
         "decode_n_below_75pct_copy": sum(r["pct_copy"] < 75 for r in decode),
+        "decode_graph_min_pct_copy": min(
+            (
+                max(r.get("graph_winner_pct_copy", 0), r.get("graph_baseline_pct_copy", 0))
+                for r in decode
+            ),
+            default=None,
+        ),
+        "decode_graph_triton_min_pct_copy": min(
+            (r["graph_triton_pct_copy"] for r in decode if "graph_triton_pct_copy" in r),
+            default=None,
+        ),
         "large_aligned_min": min((r["speedup"] for r in large), default=None),
         "odd_4097": odd[0]["speedup"] if odd else None,
         "median_tune_s_first": statistics.median(r["tune_s"] for r in rows),
@@ -238,10 +303,16 @@ def print_report(result: dict[str, Any]) -> None:
         for f in r["failures"]:
             console.print(f"[yellow]{r['label']}: {f}[/yellow]")
         if r["m"] <= DECODE_M:
+            graph = " ".join(
+                f"{n} {r[f'graph_{n}_pct_copy']:.0f}%"
+                for n in ("baseline", "winner", "triton")
+                if f"graph_{n}_pct_copy" in r
+            )
             console.print(
                 f"{r['label']:<28} cuBLAS {r['baseline_gbs']:.0f} GB/s ({r['baseline_pct_copy']:.0f}%) -> "
-                f"{r['gbs']:.0f} GB/s ({r['pct_copy']:.0f}% of copy)"
+                f"{r['gbs']:.0f} GB/s ({r['pct_copy']:.0f}% of copy); in CUDA graphs: {graph}"
             )
+
     for r in result.get("inductor", []):
         if "error" in r:
             console.print(f"[yellow]inductor {r['label']}: {r['error'][:200]}[/yellow]")

@@ -383,7 +383,7 @@ CPU_PARAMS: Params = {"kernel": "tiled", "bm": 32, "bn": 32, "bk": 32, "group_m"
 class TritonGemm(Source):
     name = "triton_gemm"
     op = "gemm"
-    shortlist_limit = 16
+    shortlist_limit = 20
     last_warm: WarmReport | None = None  # the last parallel compile (kernels compiled, seconds)
 
     def unavailable(self, device: str) -> str | None:

@@ -256,24 +256,29 @@ def estimate(key: GemmKey, p: Params, sms: int = SM90_SMS) -> float:
     out_item = ITEMSIZE[key.out_dtype]
     unique = (key.m * key.k + key.k * key.n) * item * key.batch + key.m * key.n * out_item
     extra = 2 * split * key.m * key.n * 4 if split > 1 else 0
-    pull = min(1.0, programs / (2 * sms))
+    pull = min(1.0, programs / sms)
     memory = (unique + extra) / (BW_GBS * 1e9 * pull) * 1e6
     launches = 1 + (split > 1) + 2 * bool(p.get("pad_k"))
     pad = 2 * (key.m + key.n) * key.k * item / (BW_GBS * 1e9) * 1e6 if p.get("pad_k") else 0.0
     return max(compute, memory) + pad + LAUNCH_US * launches
 
 
-def shortlist(key: GemmKey, sms: int = SM90_SMS, limit: int = 16) -> list[Params]:
-    """The configs worth timing for ``key``, best guess first, at most ``limit``."""
+def shortlist(key: GemmKey, sms: int = SM90_SMS, limit: int = 20) -> list[Params]:
+    """The configs worth timing for ``key``, best guess first, at most ``limit``: the ranking of
+    ``estimate``, with no kernel kind taking more than a third of the slots until every kind
+    has had its turn (the model is rough; the timing decides)."""
     ranked = sorted(space(key, sms), key=lambda p: estimate(key, p, sms))
-    # keep the ranking, but make sure each kernel kind gets a few slots
+    cap = max(3, limit // 3)
     picked: list[Params] = []
+    rest: list[Params] = []
     per_kind: dict[str, int] = {}
     for p in ranked:
         kind = p["kernel"] + ("+pad" if p.get("pad_k") else "")
-        if per_kind.get(kind, 0) < max(3, limit // 3):
+        if per_kind.get(kind, 0) < cap:
             picked.append(p)
             per_kind[kind] = per_kind.get(kind, 0) + 1
-        if len(picked) >= limit:
-            break
-    return picked
+        else:
+            rest.append(p)
+    picked = picked[:limit]
+    picked += rest[: limit - len(picked)]
+    return sorted(picked, key=lambda p: estimate(key, p, sms))
