@@ -261,7 +261,8 @@ class PersistentRunner(GemmRunner):
         tiles = triton.cdiv(key.m, bm) * triton.cdiv(key.n, bn)
         programs = min(sms, tiles)
         self.c_desc = configs.c_tma_ok(key)
-        meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, NUM_SMS=programs,
+        self.programs = programs
+        meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
                     A_ROW=key.layout[0] == "n", B_ROW=key.layout[1] == "n", C_DESC=self.c_desc,
                     PRECISION=precision(key, params))  # fmt: skip
         self.main = Launcher(persistent_tma_gemm, (programs,), meta,
@@ -269,7 +270,7 @@ class PersistentRunner(GemmRunner):
 
     def _args(self, a: Any, b: Any, c: Any, lds: tuple[int, int, int]) -> tuple:
         k = self.key
-        return (a, b, c, k.m, k.n, k.k, *lds)
+        return (a, b, c, k.m, k.n, k.k, *lds, self.programs)
 
     def _lds(
         self, sa: tuple[int, ...], sb: tuple[int, ...], sc: tuple[int, ...]

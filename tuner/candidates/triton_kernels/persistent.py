@@ -4,7 +4,8 @@ TMA tensor descriptors made on the device (``tl.make_tensor_descriptor``, triton
 TMA needs 16-byte aligned base pointers and leading strides, so this variant serves only keys
 whose layout gives that (``align == 16``); out-of-range rows and the K tail are zero-filled by the
 copy engine, so no masks are needed. When C's rows are not 16-byte aligned (N * itemsize % 16),
-``C_DESC=False`` stores C through masked pointers instead.
+``C_DESC=False`` stores C through masked pointers instead. The number of programs is a runtime
+argument, so one binary serves every shape of a config (a constexpr would recompile per grid).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ HAS_DEVICE_TMA = hasattr(tl, "make_tensor_descriptor")
 
 @triton.jit
 def persistent_tma_gemm(
-    a_ptr, b_ptr, c_ptr, M, N, K, lda, ldb, ldc,
+    a_ptr, b_ptr, c_ptr, M, N, K, lda, ldb, ldc, num_programs,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_SMS: tl.constexpr, A_ROW: tl.constexpr, B_ROW: tl.constexpr, C_DESC: tl.constexpr,
+    A_ROW: tl.constexpr, B_ROW: tl.constexpr, C_DESC: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     if A_ROW:
@@ -47,7 +48,7 @@ def persistent_tma_gemm(
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
-    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, num_programs, flatten=True):
         pid_m, pid_n = tile_coords(tile, grid_m, grid_n, GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
