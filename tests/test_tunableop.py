@@ -7,15 +7,15 @@ tensors, and against a model whose shapes are known (OPT-125m).
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tuner.cache import Store
+from tuner.engine import TuneOptions, tune
 from tuner.keys import GemmKey
 from tuner.problem_list import ConfigError
 from tuner.results import Winner
@@ -208,27 +208,34 @@ def test_cublaslt_winners_export_under_pytorchs_algorithm_names():
     )
 
 
-def test_cli_show_and_export(tmp_path):
-    env = os.environ | {"TUNER_CACHE": str(tmp_path / "c.db"), "COLUMNS": "200"}
+def test_cli_show_and_export(tmp_path, monkeypatch, capsys):
+    from tuner import cli
 
-    def tuner(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "tuner.cli", *args], env=env, capture_output=True, text=True
-        )
+    monkeypatch.setenv("TUNER_CACHE", str(tmp_path / "c.db"))
+    monkeypatch.setenv("COLUMNS", "300")
 
-    shown = tuner("tunableop", "show", str(DATA / "untuned_opt125m0.csv"))
-    assert shown.returncode == 0, shown.stderr
-    assert "untuned file, 6 GEMM lines" in shown.stdout
-    assert "gemm:m=1024,n=50272,k=768,batch=1,layout=nt,dtype=f16" in shown.stdout
-    tuner("tune", "gemm", "-m", "4", "-n", "8", "-k", "16", "--layout", "nt", "--dtype", "f32",
-          "--budget", "0.01", "--source", "torch")  # fmt: skip
+    def tuner(*args: str) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["tuner", *args])
+        with pytest.raises(SystemExit) as exit_:
+            cli.main()
+        out = capsys.readouterr()
+        return exit_.value.code, out.out, out.err
+
+    code, out, err = tuner("tunableop", "show", str(DATA / "untuned_opt125m0.csv"))
+    assert code == 0, err
+    assert "untuned file, 6 GEMM lines" in out
+    assert "gemm:m=1024,n=50272,k=768,batch=1,layout=nt,dtype=f16" in out
+    outcome = tune(
+        key(4, 8, 16, "nt", "f32"), options=TuneOptions(budget_s=0.01, sources=["torch"])
+    )
+    with Store(tmp_path / "c.db") as store:
+        store.save_run(outcome.measurements, outcome.winner)
     csv = tmp_path / "tunableop_results0.csv"
-    r = tuner("tunableop", "export", str(csv), "--pt-version", "2.13.0")
-    assert r.returncode == 0, r.stderr
+    code, out, err = tuner("tunableop", "export", str(csv), "--pt-version", "2.13.0")
+    assert code == 0, err
     lines = csv.read_text().splitlines()
     assert lines[0] == "Validator,PT_VERSION,2.13.0" and len(lines) == 2
     assert lines[1].startswith("GemmTunableOp_float_TN,tn_8_4_16_ld_16_16_8,Default,")
     assert import_files([csv]).keys == [key(4, 8, 16, "nt", "f32")]
-    bad = tuner("tunableop", "show", str(DATA / "README.md"))
-    assert bad.returncode == 2 and "not a TunableOp line" in bad.stderr
-    assert "Traceback" not in bad.stderr
+    code, out, err = tuner("tunableop", "show", str(DATA / "README.md"))
+    assert code == 2 and "not a TunableOp line" in err and "Traceback" not in err

@@ -53,7 +53,9 @@ def tiny(tmp_path: Path, name: str = "tiny.yaml", dtype="f32", m_sizes="[1, 8]",
 
 
 def start(*args: str, cache: Path, **kw) -> subprocess.Popen:
-    env = os.environ | {"TUNER_CACHE": str(cache), "TRITON_INTERPRET": "1", "COLUMNS": "200"}
+    env = os.environ | {
+        "TUNER_CACHE": str(cache), "TRITON_INTERPRET": "1", "COLUMNS": "200", "PYTHONUNBUFFERED": "1"
+    }  # fmt: skip
     return subprocess.Popen(
         [sys.executable, "-m", "tuner.cli", "tune-all", *args], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw,
@@ -382,3 +384,40 @@ def test_fleet_queue_keys_are_tuned_and_completed_on_the_service(tmp_path):
             served = host.winner(fp.device_class, str(k), fp.version_tag)
             assert served is not None and served["source"] == "torch", served
         assert {row["state"] for row in host.queue(device_class=fp.device_class)} == {"done"}
+
+
+def _worker_of(parent: int) -> int:
+    """The tune-all worker among a process's children (not multiprocessing's resource tracker)."""
+    for pid in _children(parent):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            return pid
+    raise AssertionError(f"no worker process under {parent}")
+
+
+def test_a_worker_that_dies_mid_problem_is_recorded_and_replaced(tmp_path):
+    """What a segfaulting kernel does to a worker: here a real SIGKILL of the worker process."""
+    cache = tmp_path / "c.db"
+    listed = tmp_path / "list.yaml"
+    listed.write_text(
+        "problems:\n"
+        "  - {op: gemm, m: 3072, n: 3072, k: 3072, dtype: f32}\n"  # seconds: the fp64 reference
+        "  - {op: gemm, m: 4, n: 8, k: 8, dtype: f32}\n"
+        "  - {op: gemm, m: 8, n: 8, k: 8, dtype: f32}\n"
+    )
+    args = ("--config", str(listed), "--source", "torch", "--budget", "0.01")
+    p = start(*args, "--out", str(tmp_path / "r"), cache=cache)
+    seen = ""
+    while "worker 0 ready" not in seen:
+        line = p.stdout.readline()
+        assert line, seen
+        seen += line
+    time.sleep(1.0)  # the first problem is running now
+    os.kill(_worker_of(p.pid), signal.SIGKILL)
+    out = seen + p.communicate(timeout=180)[0]
+    assert p.returncode == 1, out
+    rows = {r["label"]: r for r in json.loads((tmp_path / "r" / "report.json").read_text())["rows"]}
+    assert rows["list.yaml[0]"]["status"] == "failed"
+    assert "worker died (exit code -9)" in rows["list.yaml[0]"]["error"]
+    assert rows["list.yaml[1]"]["status"] == rows["list.yaml[2]"]["status"] == "tuned"
+    assert out.count("ready on") == 2  # the replacement

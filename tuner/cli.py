@@ -286,6 +286,10 @@ def tune_all(
     force: Annotated[
         bool, typer.Option(help="Retune problems that already have a current winner.")
     ] = False,
+    isolate: Annotated[
+        bool,
+        typer.Option(help="Candidates in a replaceable process: a crash skips one candidate."),
+    ] = False,
     out: OutOpt = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Only list what would be tuned.")
@@ -300,7 +304,7 @@ def tune_all(
 
     options = RunOptions(
         budget_s=budget, sources=source, problem_timeout_s=problem_timeout,
-        time_limit_s=time_limit, workers=workers, force=force,
+        time_limit_s=time_limit, workers=workers, force=force, isolate=isolate,
     )  # fmt: skip
     sources = _sources(model, config, tunableop_file, misses, op, queue)
     path = cache or default_path()

@@ -156,6 +156,7 @@ class RunOptions:
     time_limit_s: float | None = None  # no new problem starts after this many seconds
     workers: int | None = None  # default: one per local GPU, one on the CPU
     force: bool = False  # retune problems that already have a current winner
+    isolate: bool = False  # candidates in a replaceable process of their own (tuner.worker)
 
 
 @dataclass
@@ -300,7 +301,9 @@ class _Pool:
         recv, send = self.ctx.Pipe(duplex=False)
         opts = asdict(self.options)
         args = (slot.index, slot.device, str(self.store_path), opts, self.tasks, send, self.stop)
-        slot.proc = self.ctx.Process(target=worker_main, args=args, daemon=True)
+        # not a daemon: with ``isolate`` it starts a candidate process of its own. It never
+        # outlives the run: killed at its end, and by the kernel if this process dies.
+        slot.proc = self.ctx.Process(target=worker_main, args=args, daemon=False)
         slot.proc.start()
         send.close()  # the child holds the only write end: EOF means it is gone
         slot.conn, slot.ready, slot.key = recv, False, None
@@ -439,16 +442,16 @@ def worker_main(
     _die_with_parent()
     if os.getppid() != parent:
         return
-    import torch
-
+    if device is not None:  # before any CUDA call: this GPU becomes device 0, here and in children
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(device + 1)]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ids[device]
     from tuner.device import fingerprint
     from tuner.engine import TuneOptions
 
-    if device is not None:
-        torch.cuda.set_device(device)
     fp = fingerprint("cuda" if device is not None else "cpu")
     opts = RunOptions(**options)
-    tune_opts = TuneOptions(budget_s=opts.budget_s, sources=opts.sources)
+    tune_opts = TuneOptions(budget_s=opts.budget_s, sources=opts.sources, isolate=opts.isolate)
     journal = journal_path(Path(store_path))
     with Store(store_path) as store:
         store.save_device(fp)
