@@ -244,6 +244,8 @@ def report_command(
     fp = fingerprint()
     problems = None if sources.empty() else collect(sources, store, fp, Console(quiet=True), None)
     rep = report.build(store, fp, problems=problems, journal=read_journal(journal_path(store_path)))
+    if problems is None and sources.op:
+        rep.rows = [r for r in rep.rows if r.key.startswith(sources.op + ":")]
     report.render(rep, console, limit=limit)
     if out is not None:
         json_path, png = report.write(rep, out)
