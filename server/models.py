@@ -197,7 +197,8 @@ class FeedOut(BaseModel):
     since: int
     cursor: int = Field(description="pass as `since` next time")
     more: bool = Field(description="true: call again with `since=cursor` right away")
-    winners: list[WinnerOut]
+    columns: list[str] = Field(description="names of the row fields (WinnerOut's fields)")
+    rows: list[list[Any]] = Field(description="one row per winner; `params` as JSON text")
 
 
 class ClaimIn(Strict):

@@ -202,19 +202,20 @@ def winner_row(row: sqlite3.Row | dict[str, Any]) -> dict[str, Any]:
 
 
 def _query(store: Store, sql: str, args: Iterable[Any]) -> list[dict[str, Any]]:
-    return [winner_row(r) for r in store.db.query(sql, list(args))]
+    cur = store.db.conn.execute(sql, list(args))  # raw sqlite3: the hot reads go through here
+    cols = [d[0] for d in cur.description]
+    return [winner_row(dict(zip(cols, r, strict=True))) for r in cur]
 
 
 def winner(store: Store, device_class: str, key: str, versions: str | None) -> dict | None:
-    """The served winner; without ``versions``, the one of the most recently served versions."""
+    """The served winner; without ``versions``, the one of the most recently served versions.
+
+    Both forms are index lookups (primary key, or (device_class, key)): this is the hot read.
+    """
     where = "device_class = ? and key = ?" + (" and versions = ?" if versions is not None else "")
     args = [device_class, key] + ([versions] if versions is not None else [])
-    rows = _query(
-        store,
-        f"select {WINNER_COLS} from srv_winners where {where} order by seq desc limit 1",
-        args,
-    )
-    return rows[0] if rows else None
+    rows = _query(store, f"select {WINNER_COLS} from srv_winners where {where}", args)
+    return max(rows, key=lambda r: r["seq"]) if rows else None
 
 
 def lookup(store: Store, device_class: str, versions: str, keys: list[str]) -> list[dict]:
@@ -230,17 +231,21 @@ def lookup(store: Store, device_class: str, versions: str, keys: list[str]) -> l
     return found
 
 
+FEED_COLUMNS = [c.strip() for c in WINNER_COLS.split(",")]
+
+
 def feed(
     store: Store, device_class: str, versions: str | None, since: int, limit: int
-) -> tuple[list[dict], bool]:
-    """Winners changed after sequence ``since``, oldest first; and whether more follow."""
+) -> tuple[list[tuple], bool]:
+    """Winners changed after sequence ``since``, oldest first, as rows of ``FEED_COLUMNS``
+    (params as their JSON text); and whether more follow. Rows, not objects: a page of 10k
+    winners is encoded, sent and decoded several times faster without repeated field names."""
     where = "device_class = ? and seq > ?" + (" and versions = ?" if versions is not None else "")
     args = [device_class, since] + ([versions] if versions is not None else [])
-    rows = _query(
-        store,
+    rows = store.db.conn.execute(
         f"select {WINNER_COLS} from srv_winners where {where} order by seq limit ?",
         [*args, limit + 1],
-    )
+    ).fetchall()
     return rows[:limit], len(rows) > limit
 
 

@@ -104,10 +104,13 @@ def verify(store: Store, presented: str) -> Token | None:
     token_id, _, secret = rest.partition("_")
     if prefix != PREFIX or not _ID_RE.match(token_id) or not secret:
         return None
-    rows = list(store.db.query("select * from srv_tokens where id = ?", [token_id]))
-    if not rows or not hmac.compare_digest(rows[0]["secret_hash"], _hash(secret)):
+    row = store.db.conn.execute(  # raw sqlite3: this runs on every authenticated request
+        "select id, name, scopes, created_at, revoked_at, secret_hash from srv_tokens where id = ?",
+        (token_id,),
+    ).fetchone()
+    if row is None or not hmac.compare_digest(row[5], _hash(secret)):
         return None
-    return _row_to_token(rows[0])
+    return Token(row[0], row[1], tuple(row[2].split(",")), row[3], row[4])
 
 
 def admin_ids(store: Store) -> frozenset[str]:

@@ -61,6 +61,10 @@ def made_up(key: GemmKey, source: str, us: float, **fields) -> Measurement:
     )  # fmt: skip
 
 
+def feed_rows(page: dict) -> list[dict]:
+    return [dict(zip(page["columns"], row, strict=True)) for row in page["rows"]]
+
+
 def resolution(d: Dispatcher, key: GemmKey, kind: str):
     return next((r for r in d.resolutions.values() if r.key == str(key) and r.kind == kind), None)
 
@@ -219,8 +223,8 @@ def test_results_of_other_versions_are_kept_apart(fleet: ThreadServer) -> None:
     assert a.submit(FP, old)["served"] == [str(key)]  # served, but for those versions only
     assert a.winner(DC, str(key), VERSIONS)["source"] == "torch"
     assert a.winner(DC, str(key), "torch=1.0;tuner=0.0.1")["source"] == "triton_gemm"
-    assert [w["source"] for w in a.feed(DC, VERSIONS, 0)["winners"]] == ["torch"]
-    assert len(a.feed(DC, None, 0)["winners"]) == 2
+    assert [w["source"] for w in feed_rows(a.feed(DC, VERSIONS, 0))] == ["torch"]
+    assert len(a.feed(DC, None, 0)["rows"]) == 2
 
 
 def test_the_feed_is_incremental_by_sequence_number(fleet: ThreadServer, tmp_path: Path) -> None:
@@ -230,7 +234,7 @@ def test_the_feed_is_incremental_by_sequence_number(fleet: ThreadServer, tmp_pat
     pages, cursor = [], 0
     while True:
         page = a.feed(DC, VERSIONS, cursor, limit=10)
-        pages.append(len(page["winners"]))
+        pages.append(len(page["rows"]))
         cursor = page["cursor"]
         if not page["more"]:
             break
@@ -268,6 +272,6 @@ def test_reads_can_be_open(tmp_path: Path) -> None:
     with ThreadServer(tmp_path / "fleet.db", open_reads=True) as srv:
         srv.client("host-a", "submit").submit(FP, [made_up(f32(8, 8, 8), "torch", 10.0)])
         anonymous = FleetClient(srv.url)
-        assert len(anonymous.feed(DC, VERSIONS, 0)["winners"]) == 1
+        assert len(anonymous.feed(DC, VERSIONS, 0)["rows"]) == 1
         with pytest.raises(Exception, match="401"):  # writes still need a token
             anonymous.submit(FP, [made_up(f32(16, 8, 8), "torch", 10.0)])

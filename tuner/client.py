@@ -246,6 +246,18 @@ class PushResult:
     queued: int
 
 
+WINNER_COLUMNS = tuple(Winner("", "", "", {}, 0.0, 0.0).to_row())  # the local table's columns
+
+
+def _winner_rows(columns: list[str], rows: list[list[Any]]) -> list[dict[str, Any]]:
+    """Feed rows -> local winners-table rows (the feed's params are already JSON text)."""
+    missing = set(WINNER_COLUMNS) - set(columns)
+    if missing:
+        raise FleetError(f"the service's feed lacks columns {sorted(missing)}")
+    index = [(c, columns.index(c)) for c in WINNER_COLUMNS]
+    return [{c: row[i] for c, i in index} for row in rows]
+
+
 def pull(
     client: FleetClient, store: Store, fp: Fingerprint, *, full: bool = False, page: int = 10000
 ) -> PullResult:
@@ -265,10 +277,10 @@ def pull(
             if e.status == 404:  # nobody of this class has reported yet: nothing to pull
                 break
             raise
-        winners = [Winner.from_row(w) for w in body["winners"]]
-        if winners:
-            store.put_winners(winners)
-        total, pages, cursor = total + len(winners), pages + 1, body["cursor"]
+        rows = _winner_rows(body["columns"], body["rows"])
+        if rows:
+            store.put_winner_rows(rows)
+        total, pages, cursor = total + len(rows), pages + 1, body["cursor"]
         set_position(store, name, cursor)
         if not body["more"]:
             break

@@ -166,6 +166,7 @@ def _v2(db: sqlite_utils.Database) -> None:
     )
     db["srv_winners"].create_index(["device_class", "versions", "seq"])
     db["srv_winners"].create_index(["device_class", "seq"])
+    db["srv_winners"].create_index(["device_class", "key"])  # lookups without versions
     db["srv_pending"].create(  # a large change waiting for a second submitter or an admin
         {
             "device_class": str,

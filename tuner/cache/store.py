@@ -187,7 +187,9 @@ class Store:
         return c.total_changes - before
 
     def _upsert_winners(self, c: sqlite3.Connection, winners: Iterable[Winner]) -> int:
-        rows = [w.to_row() for w in winners]
+        return self._upsert_winner_rows(c, [w.to_row() for w in winners])
+
+    def _upsert_winner_rows(self, c: sqlite3.Connection, rows: list[dict[str, Any]]) -> int:
         if not rows:
             return 0
         cols = list(rows[0])
@@ -202,6 +204,12 @@ class Store:
     def put_winners(self, winners: Iterable[Winner]) -> int:
         with self.transaction() as c:
             return self._upsert_winners(c, winners)
+
+    def put_winner_rows(self, rows: list[dict[str, Any]]) -> int:
+        """Winners already in row form (``Winner.to_row()``'s keys, params as JSON text), e.g. a
+        fleet feed page: bulk loads skip building and re-serialising Winner objects."""
+        with self.transaction() as c:
+            return self._upsert_winner_rows(c, rows)
 
     def delete_winner(self, device_class: str, key: str) -> None:
         with self.transaction() as c:
