@@ -7,7 +7,7 @@
 #   tuneall (tune-all Llama-3-8B projections -> $OUT/tuneall: report.json, speedup.png, tuner.db,
 #   journal, tunableop_results0.csv; TUNEALL_TIME_LIMIT, TUNEALL_RESUME_FROM, TUNEALL_ARGS).
 #   libs (cuBLAS/cuBLASLt/CUTLASS: precompile, tests/test_gemm_libraries.py, bench/libs_bench.py
-#   -> $OUT/libs.json, libs_details.json, libs_compile.json; carry .whl and .whl_extra).
+#   -> $OUT/libs.json, libs_details.json, libs_compile.json, cutlass_cache.tar.xz; LIBS_CUTLASS_SEED).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -40,13 +40,14 @@ for stage in "$@"; do
         --model configs/models/llama-3-8b.yaml --op gemm --time-limit "${TUNEALL_TIME_LIMIT:-420}" \
         --problem-timeout "${TUNEALL_PROBLEM_TIMEOUT:-240}" --out "$OUT/tuneall" ${TUNEALL_ARGS:-} 2>&1 | tee "$OUT/tuneall/tune_all.log" || status=1
       python3 -m tuner.cli tunableop export "$OUT/tuneall/tunableop_results0.csv" --cache "$OUT/tuneall/tuner.db" 2>&1 | tee -a "$OUT/tuneall/tune_all.log" || status=1 ;;
-    libs)  # cuBLAS / cuBLASLt / CUTLASS sources: compile, GPU tests, details, best vs torch.matmul
-      # nvmath-python needs cuda-core (and a recent cuda-pathfinder): carry .whl_extra if the image lacks them
-      python3 -c "import nvmath.bindings.cublasLt" 2>/dev/null || { [ -d .whl_extra ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_extra .whl_extra/*.whl && export PYTHONPATH=/tmp/site_extra:$PYTHONPATH; }
+    libs)  # cuBLAS / cuBLASLt / CUTLASS sources: compile, GPU tests, best vs torch.matmul, details
+      # LIBS_CUTLASS_SEED=<cutlass_cache.tar.xz of an earlier call> starts with its compiled kernels
+      if [ -n "${LIBS_CUTLASS_SEED:-}" ]; then mkdir -p "$CUTLASS_CACHE_DIR" && tar xJf "$LIBS_CUTLASS_SEED" -C "$CUTLASS_CACHE_DIR" || status=1; fi
       timeout "${LIBS_COMPILE_TIMEOUT:-400}" python3 bench/libs_bench.py --precompile --out "$OUT/libs_compile.json" 2>&1 | tee "$OUT/libs.log" || status=1
-      timeout "${LIBS_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemm_libraries.py 2>&1 | tee -a "$OUT/libs.log" || status=1
+      timeout "${LIBS_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gemm_libraries.py 2>&1 | tee -a "$OUT/libs.log" || status=1
+      timeout "${LIBS_TABLE_TIMEOUT:-300}" python3 bench/libs_bench.py --out "$OUT/libs.json" 2>&1 | tee -a "$OUT/libs.log" || status=1
       timeout "${LIBS_DETAILS_TIMEOUT:-120}" python3 bench/libs_bench.py --details --out "$OUT/libs_details.json" 2>&1 | tee -a "$OUT/libs.log" || status=1
-      timeout "${LIBS_TABLE_TIMEOUT:-300}" python3 bench/libs_bench.py --out "$OUT/libs.json" 2>&1 | tee -a "$OUT/libs.log" || status=1 ;;
+      tar cJf "$OUT/cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work . || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

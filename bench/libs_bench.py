@@ -162,21 +162,21 @@ def tune_one(pool: Any, key: Any, options: Any, source: str) -> dict[str, Any]:
     return summarize(pool.tune(key, options), source)
 
 
-def table(budget: float) -> dict[str, Any]:
+def table(budget: float, shapes: list[tuple[int, int, int]], sources: list[str]) -> dict[str, Any]:
     from tuner.engine import TuneOptions
     from tuner.worker import WorkerPool
 
     pool = WorkerPool()
     rows = []
     try:
-        for shape in SHAPES:
+        for shape in shapes:
             key = gemm_key(*shape)
             row: dict[str, Any] = {
                 "shape": "x".join(map(str, shape)),
                 "key": str(key),
                 "sources": {},
             }
-            for source in SOURCES:
+            for source in sources:
                 options = TuneOptions(budget_s=budget, sources=[source])
                 row["sources"][source] = guarded(tune_one, pool, key, options, source)
                 print(shape, source, json.dumps(row["sources"][source])[:300], flush=True)
@@ -301,30 +301,89 @@ def cutlass_loads() -> dict[str, Any]:
     from tuner.candidates import cutlass_env, cutlass_gemm
 
     out = []
-    for key in precompile_keys()[:1]:
-        for spec in cutlass_gemm.offered(key):
-            info = cutlass_env.compiled_info(spec)
-            t0 = time.perf_counter()
-            err = guarded(cutlass_env.load, spec)
-            out.append({"kernel": (info or {}).get("name"), "compile_s": (info or {}).get("seconds"),
-                        "load_s": round(time.perf_counter() - t0, 3),
-                        "error": err.get("error") if isinstance(err, dict) else None})  # fmt: skip
+    for spec in cutlass_gemm.offered(gemm_key(*SHAPES[0])) | cutlass_gemm.offered(
+        gemm_key(*SHAPES[-1])
+    ):
+        info = cutlass_env.compiled_info(spec)
+        if info is None:
+            continue  # never compile here: details must not wait for nvcc
+        t0 = time.perf_counter()
+        err = guarded(cutlass_env.load, spec)
+        out.append({"kernel": info.get("name"), "compile_s": info.get("seconds"),
+                    "load_s": round(time.perf_counter() - t0, 3),
+                    "error": err.get("error") if isinstance(err, dict) else None})  # fmt: skip
     return {"kernels": out}
 
 
-def details() -> dict[str, Any]:
-    return {
-        "cublas_algos": guarded(cublas_algos),
-        "cublaslt_rebuild": guarded(cublaslt_rebuild),
-        "launch_overhead": guarded(launch_overhead),
-        "cutlass_loads": guarded(cutlass_loads),
-    }
+def cutlass_reference_path() -> dict[str, Any]:
+    """One kernel launched by cutlass_cppgen's own path (GemmArguments + operation.run) and by
+    the tuner's launcher: both against fp64, and the host time each spends per call."""
+    import torch
+    from cuda.bindings import driver
+    from cutlass_cppgen.backend.gemm_operation import GemmArguments
+    from cutlass_cppgen.shape import GemmCoord
+    from cutlass_library import GemmUniversalMode
+
+    from tuner import problems
+    from tuner.candidates import cutlass_env, cutlass_gemm, registry
+    from tuner.candidates import gemm_operands as ops
+
+    key = gemm_key(4096, 4096, 4096)
+    spec, params = next(iter(cutlass_gemm.offered(key).items()))
+    if cutlass_env.compiled_info(spec) is None:
+        return {"skipped": f"{spec} is not compiled"}
+    op = cutlass_env.load(spec)
+    a, b = problems.make_inputs(key, "cuda", torch.Generator(device="cuda").manual_seed(0))
+    ref = problems.reference(key, (a, b))
+    d = torch.full((key.m, key.n), float("nan"), dtype=a.dtype, device="cuda")
+    stream = driver.CUstream(ops.current_stream(a.device))
+
+    def theirs() -> None:
+        args = GemmArguments(
+            operation=op, problem_size=GemmCoord(key.m, key.n, key.k), A=a, B=b, C=d, D=d,
+            output_op=op.epilogue_type(1.0, 0.0), gemm_mode=GemmUniversalMode.Gemm,
+            split_k_slices=1, stream=stream,
+        )  # fmt: skip
+        op.run(args)
+
+    runner = registry.get("cutlass").build(key, params)
+    out: dict[str, Any] = {"kernel": op.procedural_name()}
+    for name, fn in (("cutlass_cppgen", theirs), ("tuner", lambda: runner(a, b, out=d))):
+        d.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        err = problems.relative_error(d, ref)
+        t0 = time.perf_counter()
+        for _ in range(50):
+            fn()
+        host = (time.perf_counter() - t0) / 50 * 1e6
+        torch.cuda.synchronize()
+        out[name] = {"rel_err": err, "host_us_per_call": round(host, 1), **_time(fn)}
+    return out
+
+
+def details(save: Any) -> dict[str, Any]:
+    """Each section is saved as soon as it is done (a timeout keeps what finished)."""
+    data: dict[str, Any] = {}
+    for name, fn in (
+        ("cublaslt_rebuild", cublaslt_rebuild),
+        ("launch_overhead", launch_overhead),
+        ("cutlass_reference_path", cutlass_reference_path),
+        ("cutlass_loads", cutlass_loads),
+        ("cublas_algos", cublas_algos),
+    ):
+        data[name] = guarded(fn)
+        save(data)
+    return data
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--budget", type=float, default=0.1, help="timing budget per candidate, s")
+    parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES),
+                        help="table shapes, MxNxK,... (bf16, row-major)")  # fmt: skip
+    parser.add_argument("--sources", default=",".join(SOURCES), help="table sources, a,b,...")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--env", action="store_true")
     group.add_argument("--details", action="store_true")
@@ -339,14 +398,16 @@ def main() -> int:
     if args.env:
         data["env"] = guarded(environment)
     elif args.details:
-        data.update(details())
+        details(lambda sections: write(args.out, {**data, **sections}))
+        data.update(json.loads(args.out.read_text()) if args.out else {})
     elif args.precompile:
         data["precompile"] = guarded(precompile)
     else:
         from tuner.device import fingerprint
 
         data["fingerprint"] = guarded(lambda: fingerprint().to_dict())
-        data["table"] = guarded(table, args.budget)
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        data["table"] = guarded(table, args.budget, shapes, args.sources.split(","))
     data["seconds"] = round(time.perf_counter() - started, 1)
     write(args.out, data)
     return 0

@@ -136,10 +136,10 @@ def test_cublaslt_params_round_trip_through_json():
     assert candidate_name("cublaslt", stored) == candidate_name("cublaslt", params)
 
 
-def test_cublaslt_unnamed_enum_values_stay_integers():
-    params = cublaslt.to_params({**CONFIG, "TILE_ID": 999}, ENUMS)
-    assert params["tile"] == 999
-    assert cublaslt.to_config(params, ENUMS)["TILE_ID"] == 999
+def test_cublaslt_unnamed_enum_values_and_negative_values_stay_integers():
+    params = cublaslt.to_params({**CONFIG, "TILE_ID": 999, "SPLITK_NUM": -1}, ENUMS)
+    assert params["tile"] == 999 and params["split_k"] == -1  # -1: what TF32 algos report
+    assert cublaslt.to_config(params, ENUMS) == {**CONFIG, "TILE_ID": 999, "SPLITK_NUM": -1}
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ def test_cublaslt_unnamed_enum_values_stay_integers():
         ({"tile": "128x256"}, "'id'"),
         ({"id": 1, "tile": "7x7"}, "unknown MatmulTile"),
         ({"id": 1, "speed": 3}, "unknown cublaslt params"),
-        ({"id": -1}, "non-negative"),
+        ({"id": "28"}, "must be an integer"),
     ],
 )
 def test_cublaslt_bad_params_are_named(params, match):

@@ -82,8 +82,8 @@ def to_config(params: Params, enums: Mapping[str, type[enum.IntEnum]]) -> dict[s
     for p, attr in PLAIN_ATTRS.items():
         if p in params:
             v = params[p]
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"cublaslt param {p!r} must be a non-negative integer, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"cublaslt param {p!r} must be an integer, got {v!r}")
             config[attr] = v
     for p, (attr, enum_name, prefix) in NAMED_ATTRS.items():
         if p not in params:

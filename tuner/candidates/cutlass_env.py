@@ -127,6 +127,7 @@ def cutlass() -> Any:
     with _in_dir(root):  # its ArtifactManager opens compiled_cache.db at import time
         import cutlass_cppgen
         import cutlass_library
+        import cutlass_library.generator  # skipped by its __init__ whenever "-m" is in sys.argv
         from cutlass_cppgen.library_defaults import ArchOptions, OptionRegistry
 
         compiler_module = sys.modules["cutlass_cppgen.backend.compiler"]
