@@ -14,11 +14,15 @@ torch copies too). Everything else (broadcast batches, ``out=``, mixed dtypes, s
 dropout) is left to torch untouched, and the dispatcher itself falls back to torch for layouts the
 tuner does not key (odd strides). Results are always those of a checked kernel or of torch.
 
-**How.** A ``TorchFunctionMode`` sees every torch call made in the thread that enabled it, inside
-``nn.Module`` forwards and libraries included; it looks the function up in a small dict and passes
-anything else straight through. Torch function modes are per thread: enable the tuner in every
-thread that runs the model. The mode is off inside its own handlers, so kernels that call torch
-never come back to it.
+**How.** ``enable()`` replaces those entry points (module attributes of ``torch`` and
+``torch.nn.functional``, methods of ``torch.Tensor``, ``@`` included) with small wrappers, and
+``disable()`` puts the originals back. Calls made inside ``nn.Module`` forwards and inside torch's
+own Python code (``nn.MultiheadAttention`` calls ``F.linear`` and SDPA) are seen; every other torch
+op costs nothing extra (a ``TorchFunctionMode`` was tried first: it cost every op of a decoder
+layer 1-3 us on the CPU, which made eager decode slower). The switch is process-wide and nests; a
+thread-local guard keeps the tuner's own kernels (which call torch) from coming back to it.
+Code that bound a function before ``enable()`` (``from torch.nn.functional import linear``) keeps
+the original.
 
 **Autograd.** GEMMs that need a gradient go through ``_TunedMM`` (an ``autograd.Function``) whose
 backward calls the dispatcher for dA = dC @ B^T and dB = A^T @ dC, each computed in its input's
@@ -28,7 +32,10 @@ gradient is served by torch's own SDPA (the tuned attention kernels have no back
 **torch.compile.** While Dynamo traces, the handlers emit the custom ops ``tuner::mm`` and
 ``tuner::sdpa`` (``torch.library.custom_op`` with ``register_fake`` and ``register_autograd``): opaque
 kernels in the graph, no graph breaks, ``fullgraph=True`` works. The GEMM op's backward is made of
-``tuner::mm`` calls too; the SDPA op's backward recomputes the forward with torch's SDPA.
+``tuner::mm`` calls too; the SDPA op's backward recomputes the forward with torch's SDPA. Dynamo
+itself handles ``a @ b`` and tensor methods, and keeps ``F.multi_head_attention_forward`` as one
+call that AOTAutograd decomposes: in compiled code those stay torch's. Attention that needs a
+gradient is left to torch there too (its fused backward beats a recompute).
 
 **CUDA graphs.** A hit allocates nothing beyond its output and never synchronizes. Signatures first
 seen during capture get torch's default and are not cached (no tuning, no kernel loading during
@@ -46,35 +53,40 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from types import FunctionType
 from typing import Any
 
 import torch
-from torch.nn.attention.bias import CausalBias, CausalVariant, causal_lower_right
-from torch.overrides import TorchFunctionMode
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from tuner.dispatch import Dispatcher, Resolution, get_dispatcher
 
 _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 _CAUSAL_BIAS = {CausalVariant.UPPER_LEFT: "top_left", CausalVariant.LOWER_RIGHT: "bottom_right"}
-_no_torch_function = torch._C.DisableTorchFunction
 
-# --- which dispatcher serves custom ops and autograd ------------------------------------------
+# --- which router is on, and the guard against routing the tuner's own calls ---------------------
 
-_local = threading.local()
-
-
-def _modes() -> list[TunerMode]:
-    if not hasattr(_local, "modes"):
-        _local.modes = []
-    return _local.modes
+_lock = threading.Lock()
+_routers: list[Router] = []  # enable() pushes, disable() pops; the last one routes
+_active: Router | None = None
+_guard = threading.local()  # .busy: this thread is inside the tuner; its torch calls go to torch
 
 
 def active_dispatcher() -> Dispatcher:
-    """The dispatcher of the innermost ``enable()`` in this thread, else the process-wide one."""
-    modes = _modes()
-    return modes[-1].dispatcher if modes else get_dispatcher()
+    """The dispatcher of the innermost ``enable()``, else the process-wide one."""
+    router = _active
+    return router.dispatcher if router is not None else get_dispatcher()
+
+
+@contextlib.contextmanager
+def _inside_tuner() -> Iterator[None]:
+    """Mark this thread as inside the tuner (backward passes and custom ops enter from outside)."""
+    was = getattr(_guard, "busy", False)
+    _guard.busy = True
+    try:
+        yield
+    finally:
+        _guard.busy = was
 
 
 # --- gradients --------------------------------------------------------------------------------
@@ -114,7 +126,7 @@ class _TunedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         a, b = ctx.saved_tensors
-        with _no_torch_function():  # on the CPU backward runs where the mode may be active
+        with _inside_tuner():
             da, db = mm_grads(ctx.disp.matmul, a, b, grad, *ctx.needs_input_grad[:2])
         return da, db, None
 
@@ -130,7 +142,7 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("tuner::mm", mutates_args=())
 def tuned_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` (2-D, or 3-D with equal batch) through the tuner's dispatcher."""
-    with _no_torch_function():
+    with _inside_tuner():
         return _contiguous(active_dispatcher().matmul(a, b))
 
 
@@ -156,7 +168,7 @@ def tuned_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float | None
 ) -> torch.Tensor:
     """Scaled dot-product attention (``causal``: none, top_left or bottom_right) through the tuner."""
-    with _no_torch_function():
+    with _inside_tuner():
         return _contiguous(active_dispatcher().sdpa(q, k, v, causal=causal, scale=scale))
 
 
@@ -176,8 +188,14 @@ def _sdpa_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None
 def torch_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float | None
 ) -> torch.Tensor:
-    """torch's own SDPA for a tuner causal mode (``none``, ``top_left``, ``bottom_right``)."""
-    mask = causal_lower_right(q.shape[-2], k.shape[-2]) if causal == "bottom_right" else None
+    """torch's own SDPA for a tuner causal mode (``none``, ``top_left``, ``bottom_right``).
+
+    Bottom-right is an explicit boolean mask: torch's ``CausalBias`` has no grouped-query path.
+    """
+    mask = None
+    if causal == "bottom_right":
+        q_len, kv_len = q.shape[-2], k.shape[-2]
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal == "top_left", scale=scale, enable_gqa=True
     )
@@ -187,7 +205,7 @@ def _sdpa_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, .
     """Recompute the forward with torch's SDPA and differentiate that."""
     q, k, v = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
-    with torch.enable_grad(), _no_torch_function():
+    with torch.enable_grad(), _inside_tuner():
         leaves = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), need, strict=True)]
         out = torch_sdpa(*leaves, ctx.causal, ctx.scale)
         wanted = [t for t in leaves if t.requires_grad]
@@ -236,8 +254,10 @@ def _gemm_pair(a: Any, b: Any) -> bool:
     return _plain(a) and _plain(b) and a.dtype == b.dtype and a.dtype in _FLOATS
 
 
-def _needs_grad(*ts: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+def _needs_grad(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) -> bool:
+    return (a.requires_grad or b.requires_grad or (c is not None and c.requires_grad)) and (
+        torch.is_grad_enabled()
+    )
 
 
 def _causal_mode(mask: Any, is_causal: bool, q: torch.Tensor, k: torch.Tensor) -> str | None:
@@ -253,119 +273,18 @@ def _causal_mode(mask: Any, is_causal: bool, q: torch.Tensor, k: torch.Tensor) -
     return None
 
 
-_TORCH_FUNCTION_CHECKS = (
-    "has_torch_function",
-    "has_torch_function_unary",
-    "has_torch_function_variadic",
-)
+# --- the router ---------------------------------------------------------------------------------
 
 
-def _never(*args: Any) -> bool:
-    return False
+class Router:
+    """Serves the GEMM and SDPA entry points of torch through ``dispatcher``; see the module doc.
 
-
-def rebind(func: FunctionType, routes: dict[str, Callable[..., Any]]) -> FunctionType:
-    """A copy of a torch function written in Python, with its module's Python helpers, in which
-    the global names of ``routes`` call the given functions and the torch-function checks are off.
-
-    Such a function (``F.multi_head_attention_forward``) hands itself to the mode as one call; run
-    as it is, the GEMMs and SDPA inside it would not be seen, and re-entering the mode around it
-    would recurse (and trips Dynamo). The copy runs the very same code with ``linear`` and
-    ``scaled_dot_product_attention`` routed through the tuner.
-    """
-    scope = dict(func.__globals__)
-    for name, value in func.__globals__.items():
-        if type(value) is FunctionType and value.__module__ == func.__module__:
-            copy = FunctionType(
-                value.__code__, scope, value.__name__, value.__defaults__, value.__closure__
-            )
-            copy.__kwdefaults__ = value.__kwdefaults__
-            scope[name] = copy
-    scope.update(dict.fromkeys(_TORCH_FUNCTION_CHECKS, _never))
-    scope.update(routes)
-    return scope[func.__name__]
-
-
-# torch.nn's attention (nn.MultiheadAttention, nn.Transformer*) is this Python function
-_COMPOSITES = (torch.nn.functional.multi_head_attention_forward,)
-
-# Tensor methods written in Python (unflatten, split, __rsub__, ...). Dynamo cannot trace some of
-# them when a mode hands them over as plain functions (``super()`` inside), so while compiling
-# they are called as methods again, which Dynamo handles as it does without a mode.
-_TENSOR_PY_METHODS = {f: name for name, f in vars(torch.Tensor).items() if type(f) is FunctionType}
-
-
-# --- the mode -----------------------------------------------------------------------------------
-
-
-class TunerMode(TorchFunctionMode):
-    """Routes the GEMM and SDPA entry points of torch through ``dispatcher``; see the module doc.
-
-    A handler returns ``NotImplemented`` to leave the call to torch as it was made.
+    A handler takes the call's ``(args, kwargs)`` and returns ``NotImplemented`` to leave the call
+    to torch as it was made.
     """
 
     def __init__(self, dispatcher: Dispatcher) -> None:
-        super().__init__()
         self.dispatcher = dispatcher
-        handlers: dict[Any, Callable[[tuple, dict], Any]] = {
-            f: self._method_while_compiling(name) for f, name in _TENSOR_PY_METHODS.items()
-        }
-        routes = {"linear": self._linear_call, "scaled_dot_product_attention": self._sdpa_call}
-        handlers.update({f: self._composite(rebind(f, routes)) for f in _COMPOSITES})
-        handlers.update({
-            torch.matmul: self._matmul,
-            torch.Tensor.matmul: self._matmul,  # also ``a @ b``
-            torch.mm: self._mm,
-            torch.Tensor.mm: self._mm,
-            torch.bmm: self._bmm,
-            torch.Tensor.bmm: self._bmm,
-            torch.addmm: self._addmm,
-            torch.Tensor.addmm: self._addmm,
-            torch.nn.functional.linear: self._linear,
-            torch.nn.functional.scaled_dot_product_attention: self._sdpa,
-        })  # fmt: skip
-        self.handlers = handlers
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        handler = self.handlers.get(func)  # the only cost for the calls the tuner leaves alone
-        if handler is not None:
-            out = handler(args, kwargs)
-            if out is not NotImplemented:
-                return out
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def _composite(body: FunctionType) -> Callable[[tuple, dict], Any]:
-        def run(args: tuple, kwargs: dict) -> Any:
-            if torch.compiler.is_compiling():  # Dynamo cannot guard the copy's globals
-                return NotImplemented
-            return body(*args, **kwargs)
-
-        return run
-
-    # plain-function forms of the handlers, for the Python-level functions made by ``rebind``
-
-    def _linear_call(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._linear(args, kwargs)
-        return torch.nn.functional.linear(*args, **kwargs) if out is NotImplemented else out
-
-    def _sdpa_call(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._sdpa(args, kwargs)
-        if out is NotImplemented:
-            return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
-        return out
-
-    @staticmethod
-    def _method_while_compiling(name: str) -> Callable[[tuple, dict], Any]:
-        def call(args: tuple, kwargs: dict) -> Any:
-            if not torch.compiler.is_compiling():
-                return NotImplemented
-            return getattr(args[0], name)(*args[1:], **kwargs)
-
-        return call
 
     # --- GEMMs ---------------------------------------------------------------------------------
 
@@ -379,19 +298,22 @@ class TunerMode(TorchFunctionMode):
 
     def _matmul(self, args: tuple, kwargs: dict) -> Any:
         a, b, out = _binary_args(*args, **kwargs)
-        if out is not None or not _gemm_pair(a, b) or a.dim() < 2 or b.dim() < 2:
+        if out is not None or not _gemm_pair(a, b):
             return NotImplemented
-        if a.dim() == 2 and b.dim() == 2:
+        da, db = a.dim(), b.dim()
+        if da == 2 and db == 2:
             return self._gemm(a, b)
-        if b.dim() == 2:  # (..., M, K) @ (K, N): fold the leading dims into M, as torch does
+        if da < 2 or db < 2:
+            return NotImplemented  # vectors: torch
+        if db == 2:  # (..., M, K) @ (K, N): fold the leading dims into M, as torch does
             y = self._gemm(a.reshape(-1, a.shape[-1]), b)
             return y.view(*a.shape[:-1], b.shape[-1])
-        if a.dim() == b.dim() and a.shape[:-2] == b.shape[:-2]:  # same batch dims: one bmm
-            if a.dim() == 3:
+        if da == db and a.shape[:-2] == b.shape[:-2]:  # same batch dims: one bmm
+            if da == 3:
                 return self._gemm(a, b)
             y = self._gemm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
             return y.view(*a.shape[:-1], b.shape[-1])
-        return NotImplemented  # broadcast batches, vectors: torch
+        return NotImplemented  # broadcast batches: torch
 
     def _mm(self, args: tuple, kwargs: dict) -> Any:
         a, b, out = _binary_args(*args, **kwargs)
@@ -423,14 +345,20 @@ class TunerMode(TorchFunctionMode):
 
     def _linear(self, args: tuple, kwargs: dict) -> Any:
         x, w, bias = _linear_args(*args, **kwargs)
-        if not _gemm_pair(x, w) or x.dim() < 2 or w.dim() != 2:
+        if not _gemm_pair(x, w) or w.dim() != 2:
             return NotImplemented
         if bias is not None and not (_plain(bias) and bias.dtype == x.dtype and bias.dim() == 1):
             return NotImplemented
-        y = self._gemm(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), w.t())
+        nd = x.dim()
+        if nd == 2:
+            y = self._gemm(x, w.t())
+            return y if bias is None else y.add_(bias)
+        if nd < 2:
+            return NotImplemented
+        y = self._gemm(x.reshape(-1, x.shape[-1]), w.t())
         if bias is not None:
             y = y.add_(bias)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+        return y.view(*x.shape[:-1], w.shape[0])
 
     # --- attention -----------------------------------------------------------------------------
 
@@ -456,47 +384,125 @@ class TunerMode(TorchFunctionMode):
 # --- switching on and off -----------------------------------------------------------------------
 
 
+# (owner, attribute, handler name): the entry points that are replaced while enabled
+ENTRY_POINTS = (
+    (torch, "matmul", "_matmul"),
+    (torch.Tensor, "matmul", "_matmul"),
+    (torch.Tensor, "__matmul__", "_matmul"),
+    (torch, "mm", "_mm"),
+    (torch.Tensor, "mm", "_mm"),
+    (torch, "bmm", "_bmm"),
+    (torch.Tensor, "bmm", "_bmm"),
+    (torch, "addmm", "_addmm"),
+    (torch.Tensor, "addmm", "_addmm"),
+    (torch.nn.functional, "linear", "_linear"),
+    (torch.nn.functional, "scaled_dot_product_attention", "_sdpa"),
+)
+_saved: list[tuple[Any, str, Any, bool]] = []  # (owner, name, original, owned its attribute)
+
+
+def _entry(original: Callable[..., Any], handler: str) -> Callable[..., Any]:
+    """The wrapper that replaces one torch entry point."""
+
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        router = _active
+        if router is None:
+            return original(*args, **kwargs)
+        if torch.compiler.is_compiling():  # traced: the handler emits tuner:: custom ops
+            out = getattr(router, handler)(args, kwargs)
+        elif getattr(_guard, "busy", False):
+            return original(*args, **kwargs)
+        else:
+            _guard.busy = True
+            try:
+                out = getattr(router, handler)(args, kwargs)
+            finally:
+                _guard.busy = False
+        return original(*args, **kwargs) if out is NotImplemented else out
+
+    routed.__name__ = getattr(original, "__name__", handler)
+    routed.__doc__ = getattr(original, "__doc__", None)
+    routed.__wrapped__ = original  # type: ignore[attr-defined]
+    return routed
+
+
+def _causal_bias_aware(sdpa: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's SDPA as torch would run it while our wrapper is installed.
+
+    ``CausalBias`` masks recognise an SDPA call by identity with
+    ``F.scaled_dot_product_attention``, which is our wrapper while enabled; such calls are handed
+    to the mask the way ``handle_torch_function`` would hand them.
+    """
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        if isinstance(mask, CausalBias):
+            public = torch.nn.functional.scaled_dot_product_attention
+            return CausalBias.__torch_function__(public, (CausalBias,), args, kwargs)
+        return sdpa(*args, **kwargs)
+
+    return call
+
+
+def _patch() -> None:
+    for owner, name, handler in ENTRY_POINTS:
+        original = getattr(owner, name)
+        _saved.append((owner, name, original, name in vars(owner)))
+        call = _causal_bias_aware(original) if handler == "_sdpa" else original
+        setattr(owner, name, _entry(call, handler))
+
+
+def _unpatch() -> None:
+    while _saved:
+        owner, name, original, owned = _saved.pop()
+        if owned:
+            setattr(owner, name, original)
+        else:  # inherited (torch.Tensor's methods come from TensorBase): drop the override
+            delattr(owner, name)
+
+
 def enable(
     *,
     dispatcher: Dispatcher | None = None,
     buckets: str | None = None,
     mode: str | None = None,
 ) -> Dispatcher:
-    """Route this thread's torch GEMM/SDPA calls through the tuner until ``disable()``.
+    """Route torch's GEMM/SDPA calls through the tuner until ``disable()`` (process-wide).
 
     ``dispatcher``: default the process-wide one (``TUNER_CACHE``, ``TUNER_MODE``).
     ``buckets``: bucket policy for unseen M (``exact``, ``next_tuned_above``, ``pow2``); default
     ``TUNER_BUCKETS`` or ``exact``. ``mode``: the dispatcher's miss policy (``off``, ``lookup``,
-    ``record``, ``tune``). Calls nest; returns the dispatcher in use.
+    ``record``, ``tune``). Calls nest (the innermost dispatcher serves); returns the dispatcher.
     """
+    global _active
     disp = dispatcher or get_dispatcher()
     if buckets is not None:
         disp.set_buckets(buckets)
     if mode is not None:
         disp.set_mode(mode)
     disp.set_counting(True)
-    tm = TunerMode(disp)
-    tm.__enter__()
-    _modes().append(tm)
+    with _lock:
+        if not _routers:
+            _patch()
+        _routers.append(Router(disp))
+        _active = _routers[-1]
     return disp
 
 
 def disable() -> None:
-    """Undo the innermost ``enable()`` of this thread."""
-    modes = _modes()
-    if not modes:
-        raise RuntimeError("tuner.torch.disable() without a matching enable() in this thread")
-    top = torch.overrides._get_current_function_mode()
-    if top is not modes[-1]:
-        raise RuntimeError(
-            f"tuner.torch.disable(): another torch function mode ({type(top).__name__}) was entered "
-            "after tuner.torch.enable() and is still active; exit it first"
-        )
-    modes.pop().__exit__(None, None, None)
+    """Undo the innermost ``enable()``; the last one puts torch's functions back."""
+    global _active
+    with _lock:
+        if not _routers:
+            raise RuntimeError("tuner.torch.disable() without a matching enable()")
+        _routers.pop()
+        _active = _routers[-1] if _routers else None
+        if not _routers:
+            _unpatch()
 
 
 def is_enabled() -> bool:
-    return bool(_modes())
+    return _active is not None
 
 
 @contextlib.contextmanager
@@ -608,8 +614,9 @@ def reset_stats(dispatcher: Dispatcher | None = None) -> None:
 
 
 __all__ = [
+    "ENTRY_POINTS",
+    "Router",
     "Stats",
-    "TunerMode",
     "active_dispatcher",
     "disable",
     "enable",

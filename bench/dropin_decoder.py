@@ -1,0 +1,545 @@
+"""Benchmark: a Llama-3-8B decoder layer with ``tuner.torch`` enabled vs disabled, in one run.
+
+    python bench/dropin_decoder.py --out results/dropin_decoder.json --plot results/dropin_decoder.png
+
+The layer is plain PyTorch (``nn.Linear``, ``F.scaled_dot_product_attention``, RMSNorm, RoPE) in
+bf16 with Llama-3-8B's dimensions: hidden 4096, 32 query heads, 8 KV heads, head dim 128,
+intermediate 14336; fused QKV and gate/up projections as vLLM runs them.
+
+1. **Record**: every phase runs once with the dispatcher in record mode, so every GEMM and SDPA
+   problem the layer makes (exact keys: layouts, alignment) is known.
+2. **Tune**: each recorded problem without a current winner in the cache (``TUNER_CACHE``) is
+   tuned with ``tuner.engine.tune`` and saved, decode problems first, within a deadline; what is
+   left untuned is reported and served by torch's default.
+3. **Measure**, for prefill (batch 1, ``--prefill-seq`` tokens, causal) and decode (one token per
+   sequence against a KV cache of ``--kv-len``, batches ``--decode-batches``, plus
+   ``--extra-batches`` that are never tuned and so show the bucket policy): time per layer step,
+   eager and CUDA-graph replay, tuner off and on, in interleaved rounds (median over rounds of
+   CUDA-event time per step). Ratio = off / on (> 1: the tuner is faster).
+4. **Hit-path overhead** (eager, host time per call, small GEMM so the launch dominates): the
+   winner's runner called directly vs ``Dispatcher.matmul`` vs ``F.linear`` under
+   ``tuner.torch``. Target: at most 5 us over the direct call.
+
+JSON (device, versions, tuning log, per-phase times and ratios, stats, overhead, targets) and a PNG
+of the ratios. The model classes are imported by tests/test_torch_dropin.py with tiny dimensions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# --- the model ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    intermediate: int = 14336
+    rope_theta: float = 500000.0
+    eps: float = 1e-5
+
+
+LLAMA3_8B = LlamaConfig()
+TINY = LlamaConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=96)  # CPU smoke runs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_tables(cfg: LlamaConfig, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_pos, head_dim), the rotate-half convention."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class DecoderLayer(nn.Module):
+    """One Llama decoder layer: RMSNorm, GQA attention with RoPE, RMSNorm, SwiGLU MLP."""
+
+    def __init__(self, cfg: LlamaConfig, max_pos: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.split = (q, kv, kv)
+        self.qkv = nn.Linear(cfg.hidden, q + 2 * kv, bias=False)
+        self.o = nn.Linear(q, cfg.hidden, bias=False)
+        self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.intermediate, bias=False)
+        self.down = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+        self.norm1 = RMSNorm(cfg.hidden, cfg.eps)
+        self.norm2 = RMSNorm(cfg.hidden, cfg.eps)
+        cos, sin = rope_tables(cfg, max_pos)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``x`` (batch, tokens, hidden) at ``positions`` (tokens,).
+
+        Without ``cache``: causal self-attention over the tokens (prefill). With ``cache`` = (k, v),
+        each (batch, kv_heads, length, head_dim): the new keys and values are written at
+        ``positions`` and the queries attend to the whole cache (decode: every cached position
+        precedes the new token).
+        """
+        c = self.cfg
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(self.split, dim=-1)
+        q = q.view(b, s, c.heads, c.head_dim).transpose(1, 2)
+        k = k.view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = v.view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k_cache, v_cache = cache
+            k_cache.index_copy_(2, positions, k)
+            v_cache.index_copy_(2, positions, v)
+            o = F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=True)
+        x = x + self.o(o.transpose(1, 2).reshape(b, s, c.heads * c.head_dim))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def init_weights(layer: nn.Module, gen: torch.Generator) -> None:
+    """Random weights of a realistic scale (std 0.02), norms at 1: never zeros."""
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
+# --- one phase: inputs and a step function --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str  # "prefill" or "decode"
+    batch: int
+    tokens: int  # new tokens per sequence
+    tuned: bool = True  # False: its problems are never tuned (buckets show)
+
+    @property
+    def label(self) -> str:
+        extra = "" if self.tuned else " (untuned M)"
+        if self.name == "prefill":
+            return f"prefill b={self.batch} s={self.tokens}{extra}"
+        return f"decode b={self.batch}{extra}"
+
+
+def make_step(
+    layer: DecoderLayer, phase: Phase, kv_len: int, gen: torch.Generator
+) -> Callable[[], torch.Tensor]:
+    """A closure running one layer step on static inputs (what a CUDA graph captures)."""
+    cfg, dev = layer.cfg, layer.cos.device
+    dtype = layer.qkv.weight.dtype
+    x = torch.randn((phase.batch, phase.tokens, cfg.hidden), generator=gen).to(dev, dtype)
+    if phase.name == "prefill":
+        positions = torch.arange(phase.tokens, device=dev)
+        return lambda: layer(x, positions)
+    shape = (phase.batch, cfg.kv_heads, kv_len, cfg.head_dim)
+    cache = tuple(torch.randn(shape, generator=gen).to(dev, dtype) for _ in range(2))
+    positions = torch.tensor([kv_len - phase.tokens], device=dev)
+    return lambda: layer(x, positions, cache)
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def step_us(step: Callable[[], Any], iters: int) -> float:
+    """Time per step over ``iters`` back-to-back steps, host launch time included: CUDA events on
+    the GPU, the host clock on the CPU (smoke runs)."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        return (time.perf_counter() - t0) * 1e6 / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def capture(step: Callable[[], Any], warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """Warm up on a side stream (resolves every call signature eagerly), then capture one step."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    return {"median_us": statistics.median(s), "min_us": s[0], "max_us": s[-1]}
+
+
+# --- the benchmark --------------------------------------------------------------------------------
+
+
+def parse_sizes(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def build_phases(args: argparse.Namespace) -> list[Phase]:
+    tuned = [Phase("decode", b, 1) for b in parse_sizes(args.decode_batches)]
+    tuned.append(Phase("prefill", 1, args.prefill_seq))
+    extra = [Phase("decode", b, 1, tuned=False) for b in parse_sizes(args.extra_batches)]
+    return tuned + extra
+
+
+def record_keys(tt: Any, disp: Any, runs: list[Callable[[], Any]]) -> list[str]:
+    """The problem keys the steps make, in first-seen order (dispatcher in record mode)."""
+    disp.set_mode("record")
+    before = set(disp.resolutions)
+    with torch.no_grad(), tt.enabled(dispatcher=disp):
+        for run in runs:
+            run()
+    sync()
+    made = [r for t, r in disp.resolutions.items() if t not in before and r.kind != "untunable"]
+    return list(dict.fromkeys(r.key for r in made))
+
+
+def tune_missing(keys: list[str], args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
+    """Tune the keys without a current winner, decode (small M / q_len) first, to a deadline."""
+    from tuner.cache import Store, default_path
+    from tuner.device import fingerprint
+    from tuner.engine import TuneOptions, tune
+    from tuner.keys import parse_key
+
+    fp = fingerprint(device)
+    store = Store(default_path())
+    store.save_device(fp)
+    current = {w.key: w for w in store.winners(fp.device_class) if w.versions == fp.version_tag}
+    parsed = [parse_key(k) for k in keys]
+    parsed.sort(key=lambda k: getattr(k, "m", None) or getattr(k, "q_len", 1))
+    options = TuneOptions(budget_s=args.budget, max_candidates=args.max_candidates)
+    deadline = time.monotonic() + args.tune_deadline_s
+    log = []
+    for key in parsed:
+        row: dict[str, Any] = {"key": str(key)}
+        if str(key) in current:
+            w = current[str(key)]
+            row.update(status="cached", winner=w.candidate, speedup=w.speedup)
+        elif time.monotonic() > deadline:
+            row.update(status="skipped: tuning deadline reached")
+        else:
+            try:
+                outcome = tune(key, options=options, device=device)
+            except RuntimeError as e:
+                row.update(status=f"failed: {e}")
+            else:
+                store.save_run(outcome.measurements, outcome.winner)
+                w = outcome.winner
+                row.update(
+                    status="tuned",
+                    winner=w.candidate,
+                    speedup=w.speedup,
+                    seconds=round(outcome.seconds, 2),
+                )
+        print(f"  {row['status']:<10} {row.get('winner', '')[:60]:<60} {key}", flush=True)
+        log.append(row)
+    store.close()
+    return log
+
+
+MODES = ("eager_off", "eager_on", "graph_off", "graph_on")
+
+
+def measure_phase(
+    tt: Any, disp: Any, step: Callable[[], Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Eager and CUDA-graph replay (GPU only), tuner off and on, interleaved over rounds."""
+    runs: dict[str, Callable[[], Any]] = {"eager_off": step}
+    with torch.no_grad():
+        if torch.cuda.is_available():
+            runs["graph_off"] = capture(step).replay
+            with tt.enabled(dispatcher=disp):
+                runs["graph_on"] = capture(step).replay
+        with tt.enabled(dispatcher=disp):
+            for _ in range(3):
+                step()
+        for _ in range(3):
+            step()
+        times: dict[str, list[float]] = {
+            mode: [] for mode in MODES if mode in runs or mode == "eager_on"
+        }
+        tt.reset_stats(disp)
+        for _ in range(args.rounds):
+            for mode in times:
+                if mode == "eager_on":
+                    with tt.enabled(dispatcher=disp):
+                        times[mode].append(step_us(step, args.iters))
+                else:
+                    times[mode].append(step_us(runs[mode], args.iters))
+        stats = tt.stats(disp)
+    runs.clear()  # frees the graphs and their memory pools
+    row: dict[str, Any] = {mode: summary(v) for mode, v in times.items()}
+    for kind in ("eager", "graph"):
+        if f"{kind}_on" in row:
+            row[f"{kind}_ratio"] = row[f"{kind}_off"]["median_us"] / row[f"{kind}_on"]["median_us"]
+    row["stats"] = {k: v for k, v in stats.to_dict().items() if k != "rows"}
+    row["served"] = [
+        {"key": r.key, "kind": r.kind, "candidate": r.candidate, "via": r.via}
+        for r in stats.rows
+        if r.calls
+    ]
+    return row
+
+
+def hit_path_overhead(
+    tt: Any, disp: Any, args: argparse.Namespace, device: str, dtype: torch.dtype
+) -> dict[str, Any]:
+    """Host time per eager call: winner runner direct vs dispatcher vs F.linear under the mode."""
+    from tuner.candidates import registry
+    from tuner.keys import GemmKey
+
+    m, n, k = args.overhead_shape
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn((m, k), generator=gen).to(device, dtype)
+    w = torch.randn((n, k), generator=gen).to(device, dtype)
+    wt = w.t()
+    with torch.no_grad():
+        disp.matmul(x, wt)  # resolve the signature
+        key = GemmKey.from_tensors(x, wt)
+        res = next((r for r in disp.resolutions.values() if r.key == str(key)), None)
+        base = registry.baseline("gemm")
+        if res is not None and res.winner is not None and res.candidate != base.name:
+            runner = registry.get(res.winner.source).build(key, res.winner.params)
+        else:
+            runner = base.build(key, base.baseline_params)
+
+        def loop(fn: Callable[[], Any]) -> float:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.overhead_calls):
+                fn()
+            elapsed = time.perf_counter() - t0
+            sync()
+            return elapsed / args.overhead_calls * 1e6
+
+        def linear_on() -> Any:
+            with tt.enabled(dispatcher=disp):
+                return loop(lambda: F.linear(x, w))
+
+        variants: dict[str, Callable[[], float]] = {
+            "runner_direct": lambda: loop(lambda: runner(x, wt)),
+            "dispatcher_matmul": lambda: loop(lambda: disp.matmul(x, wt)),
+            "torch_linear_off": lambda: loop(lambda: F.linear(x, w)),
+            "tuner_linear_on": linear_on,
+        }
+        for measure in variants.values():  # warm-up round
+            measure()
+        samples = {name: [] for name in variants}
+        for _ in range(args.rounds):
+            for name, measure in variants.items():
+                samples[name].append(measure())
+    med = {name: statistics.median(v) for name, v in samples.items()}
+    return {
+        "shape": {"m": m, "n": n, "k": k, "key": str(key)},
+        "serving": res.candidate if res else "?",
+        "per_call_us": med,
+        "samples_us": samples,
+        "dispatcher_over_runner_us": med["dispatcher_matmul"] - med["runner_direct"],
+        "dropin_over_runner_us": med["tuner_linear_on"] - med["runner_direct"],
+    }
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def targets(rows: list[dict[str, Any]], overhead: dict[str, Any]) -> dict[str, Any]:
+    decode = [r for r in rows if r["phase"] == "decode" and r["tuned"]]
+    prefill = [r for r in rows if r["phase"] == "prefill"]
+    out: dict[str, Any] = {}
+    for kind in ("eager", "graph"):
+        ratios = [r[f"{kind}_ratio"] for r in decode if f"{kind}_ratio" in r]
+        if not ratios:
+            continue
+        out[f"decode_{kind}"] = {
+            "geomean": geomean(ratios),
+            "min": min(ratios),
+            "target": ">= 1.15x every tuned decode batch",
+            "met": min(ratios) >= 1.15,
+        }
+        pre = [r[f"{kind}_ratio"] for r in prefill]
+        out[f"prefill_{kind}"] = {
+            "ratio": pre[0] if pre else float("nan"),
+            "target": "no slower: >= 0.98x (noise)",
+            "met": bool(pre) and min(pre) >= 0.98,
+        }
+    over = overhead["dropin_over_runner_us"]
+    out["hit_path_overhead"] = {
+        "dropin_over_runner_us": over,
+        "dispatcher_over_runner_us": overhead["dispatcher_over_runner_us"],
+        "target": "<= 5 us per call over the winner's runner, eager",
+        "met": over <= 5,
+    }
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    from tuner.plots import speedup_plot
+
+    labels, ratios, groups = [], [], []
+    for r in rows:
+        for kind in ("eager", "graph"):
+            if f"{kind}_ratio" in r:
+                labels.append(f"{r['label']} {kind}")
+                ratios.append(r[f"{kind}_ratio"])
+                groups.append(kind)
+    speedup_plot(
+        labels,
+        ratios,
+        path,
+        title="Llama-3-8B decoder layer: tuner.torch on vs off (time per layer step)",
+        groups=groups,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True, help="JSON results file.")
+    parser.add_argument("--plot", type=Path, help="PNG of the on/off ratios.")
+    parser.add_argument("--decode-batches", default="1,2,4,8,16,32,64")
+    parser.add_argument("--extra-batches", default="24,48", help="Decode batches left untuned.")
+    parser.add_argument("--prefill-seq", type=int, default=2048)
+    parser.add_argument("--kv-len", type=int, default=4096)
+    parser.add_argument("--buckets", default="next_tuned_above", help="Bucket policy when on.")
+    parser.add_argument("--budget", type=float, default=0.05, help="Timing budget per candidate.")
+    parser.add_argument("--max-candidates", type=int, default=None, help="Per source.")
+    parser.add_argument("--tune-deadline-s", type=float, default=360.0)
+    parser.add_argument("--skip-tune", action="store_true", help="Use the cache as it is.")
+    parser.add_argument("--iters", type=int, default=20, help="Steps per timed round.")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--overhead-shape", type=int, nargs=3, default=(16, 256, 256))
+    parser.add_argument("--overhead-calls", type=int, default=2000)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="Tiny dimensions in f32 on the CPU: checks the whole script without a GPU.",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("dropin_decoder.py needs a CUDA GPU (or --smoke for a CPU check)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype, cfg = (torch.float32, TINY) if args.smoke else (torch.bfloat16, LLAMA3_8B)
+
+    import tuner.torch as tt
+    from tuner.device import fingerprint
+    from tuner.dispatch import Dispatcher
+
+    started = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    layer = DecoderLayer(cfg, max_pos=max(args.kv_len, args.prefill_seq))
+    init_weights(layer, gen)
+    layer = layer.to(device, dtype).eval()
+    phases = build_phases(args)
+    steps = {p: make_step(layer, p, args.kv_len, gen) for p in phases}
+    disp = Dispatcher(mode="record")
+    disp.set_buckets("exact")
+
+    m, n, k = args.overhead_shape
+    small_x = torch.randn((m, k), generator=gen).to(device, dtype)
+    small_w = torch.randn((n, k), generator=gen).to(device, dtype)
+    tuned_runs = [steps[p] for p in phases if p.tuned] + [lambda: F.linear(small_x, small_w)]
+    keys = record_keys(tt, disp, tuned_runs)
+    print(f"{len(keys)} problems recorded", flush=True)
+    tuning = [] if args.skip_tune else tune_missing(keys, args, device)
+
+    disp.reload()
+    disp.set_mode("lookup")
+    disp.set_buckets(args.buckets)
+    rows = []
+    for phase in phases:
+        row: dict[str, Any] = {"phase": phase.name, "batch": phase.batch, "tokens": phase.tokens}
+        row.update(label=phase.label, tuned=phase.tuned)
+        row.update(measure_phase(tt, disp, steps[phase], args))
+        times = "   ".join(
+            f"{kind} {row[f'{kind}_off']['median_us']:.1f} -> {row[f'{kind}_on']['median_us']:.1f}"
+            f" us ({row[f'{kind}_ratio']:.3f}x)"
+            for kind in ("eager", "graph")
+            if f"{kind}_ratio" in row
+        )
+        print(f"{phase.label:<28} {times}   {row['stats']}", flush=True)
+        rows.append(row)
+    overhead = hit_path_overhead(tt, disp, args, device, dtype)
+    print(f"hit-path overhead per call (us): {json.dumps(overhead['per_call_us'])}", flush=True)
+    fp = fingerprint(device)
+    result = {
+        "benchmark": "dropin_decoder",
+        "smoke": args.smoke,
+        "device": fp.to_dict(),
+        "versions": fp.versions,
+        "config": {**vars(cfg), "dtype": str(dtype).removeprefix("torch.")},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "tuning": tuning,
+        "phases": rows,
+        "overhead": overhead,
+        "targets": targets(rows, overhead),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+    print(json.dumps(result["targets"], indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
