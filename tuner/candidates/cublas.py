@@ -4,7 +4,8 @@ Params: ``{"algo": int}`` with ``-1`` = CUBLAS_GEMM_DEFAULT (the heuristic) and 
 tensor-op algorithm enum (CuPy has no names for these: they are passed as ints). The compute type
 follows the key: CUBLAS_COMPUTE_32F (fp16/bf16 inputs accumulate in fp32; fp32 stays IEEE) or
 CUBLAS_COMPUTE_32F_FAST_TF32. Every layout maps onto one column-major call (gemm_operands), runs on
-torch's current stream through a handle of our own (so torch's handle state is never touched).
+torch's current stream (made CuPy's current stream for the call) through a handle of our own, so
+torch's handle state is never touched.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from tuner.keys import GemmKey
 CUBLAS_GEMM_DEFAULT = -1
 TENSOR_OP_ALGOS = tuple(range(99, 116))  # CUBLAS_GEMM_DEFAULT_TENSOR_OP, ALGO0..15_TENSOR_OP
 ALGOS = (CUBLAS_GEMM_DEFAULT, *TENSOR_OP_ALGOS)
-# Timed by default. On sm80+ cuBLAS documents the algo argument of gemmEx as ignored (every algo
-# runs the heuristic's kernel), which bench/gpu_check.sh's libs stage measures; so only the
-# default is a candidate unless TUNER_CUBLAS_ALGOS asks for more.
+# Timed by default: only CUBLAS_GEMM_DEFAULT. On an H200 (bench/results/libs_h200_details.json)
+# no algo of 99..115 beat the default beyond noise (128x28672x4096: all 106.3-106.7 us), so they
+# would only cost tuning time; TUNER_CUBLAS_ALGOS=all (or a comma list) times them anyway.
 DEFAULT_CANDIDATE_ALGOS = (CUBLAS_GEMM_DEFAULT,)
 
 
@@ -38,23 +39,16 @@ def _library() -> Any:
     return cublas
 
 
-class _StreamBoundHandles(ops.DeviceHandles):
-    """cuBLAS handles, each bound to torch's current stream before it is used."""
-
-    def __init__(self) -> None:
-        super().__init__(lambda: _library().create())
-        self._streams: dict[int, int] = {}
-
-    def get(self, device: torch.device) -> int:
-        handle = super().get(device)
-        stream = ops.current_stream(device)
-        if self._streams.get(handle) != stream:
-            _library().setStream(handle, stream)
-            self._streams[handle] = stream
-        return handle
+_HANDLES = ops.DeviceHandles(lambda: _library().create())
 
 
-_HANDLES = _StreamBoundHandles()
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(ptr: int, device: int) -> Any:
+    """CuPy's view of a torch stream. CuPy's cuBLAS wrappers bind the handle to *CuPy's* current
+    stream before every call (cublasSetStream inside gemmEx), so calls run with this one current."""
+    import cupy
+
+    return cupy.cuda.Stream.null if ptr == 0 else cupy.cuda.ExternalStream(ptr, device_id=device)
 
 
 def candidate_algos() -> tuple[int, ...]:
@@ -118,6 +112,12 @@ class CublasGemm(Source):
             c, user_out = ops.output_for(key, ta, out, c_align)
             call = ops.colmajor_call(key, ta, tb, c)
             handle = _HANDLES.get(ta.device)
+            device = ta.device.index if ta.device.index is not None else torch.cuda.current_device()
+            with _cupy_stream(ops.current_stream(ta.device), device):
+                _gemm(handle, call, ta, tb, c)
+            return ops.finish(c, user_out, convert)
+
+        def _gemm(handle: int, call: ops.ColMajorCall, ta: Any, tb: Any, c: Any) -> None:
             if batched or ta.dim() == 3:
                 lib.gemmStridedBatchedEx(
                     handle, call.trans_first, call.trans_second, call.m, call.n, call.k,
@@ -133,7 +133,6 @@ class CublasGemm(Source):
                     ta.data_ptr(), dtype, call.ld_second,
                     beta, c.data_ptr(), out_dtype, call.ld_out, compute, algo,
                 )  # fmt: skip
-            return ops.finish(c, user_out, convert)
 
         run.scalars = scalars  # type: ignore[attr-defined]  # alpha/beta live as long as the runner
         return run

@@ -45,9 +45,18 @@ def _knobs() -> Any:
 _RUNTIME = getattr(_knobs(), "runtime", None)
 
 
+def _hook_set(hook: Any) -> bool:
+    """Triton >= 3.5 keeps launch hooks in a ``HookChain`` (never None): set means non-empty."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or len(calls) > 0
+
+
 def _hooks_set() -> bool:
+    """A profiler's launch hooks are installed: launch through the JIT, which calls them."""
     rt = _RUNTIME
-    return rt is None or rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    return rt is None or _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
 
 
 _stream_of: Any = None  # device index -> raw CUDA stream handle
@@ -74,7 +83,9 @@ class Launcher:
     call differently (strides, 16-byte alignment of the pointers). It keeps the compiled kernel;
     while ``ready(guard)``, ``raw(args)`` launches it directly with the tensors replaced by their
     ``data_ptr()`` integers, which also skips the launcher's per-pointer driver query (the JIT
-    path validated those pointers on the first call). ``scratch``: a device pointer for kernels
+    path validated those pointers on the first call). The owner sets ``verified`` after checking
+    that a direct launch reproduces the JIT launch bit for bit (``GemmRunner``), or ``disable``s
+    the direct path. ``scratch``: a device pointer for kernels
     that need global scratch memory (TMA descriptors made on the device), see ``scratch_bytes``.
     """
 
@@ -96,6 +107,7 @@ class Launcher:
         self.scratch_bytes = 0
         self._tail: tuple[Any, ...] = ()
         self._fast = FAST_LAUNCH and not interpreting()
+        self.verified = False  # set by the runner once a direct launch reproduced the JIT's bits
         if self._fast:
             params = getattr(fn, "params", None)
             if params is None:
@@ -110,8 +122,23 @@ class Launcher:
                     raise TypeError(f"{fn}: missing constexprs {sorted(missing)}")
                 self._tail = tuple(constexprs[n] for n in names)
 
+    @property
+    def compiled(self) -> bool:
+        """The JIT launched this kernel once and kept it: a direct launch is possible."""
+        return self._compiled is not None
+
     def ready(self, guard: Hashable) -> bool:
-        return self._compiled is not None and guard == self._guard and not _hooks_set()
+        """Launch directly: verified by the runner, compiled, same specialization, no hooks."""
+        return (
+            self.verified
+            and self._compiled is not None
+            and guard == self._guard
+            and not _hooks_set()
+        )
+
+    def disable(self) -> None:
+        """Always launch through the JIT from now on."""
+        self._fast, self._compiled, self.verified = False, None, False
 
     def raw(self, args: Sequence[Any], scratch: int | None = None) -> None:
         ck, g = self._compiled, self.grid
