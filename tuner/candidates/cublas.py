@@ -11,7 +11,6 @@ torch's handle state is never touched.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from typing import Any
 
@@ -77,17 +76,8 @@ class CublasGemm(Source):
     op = "gemm"
 
     def unavailable(self, device: str) -> str | None:
-        if device != "cuda":
-            return "no GPU (cuBLAS runs on CUDA devices only)"
-        if importlib.util.find_spec("cupy") is None:
-            return "package missing: cupy (pip install cupy-cuda13x or cupy-cuda12x)"
-        if not torch.cuda.is_available():
-            return "no GPU: torch sees no CUDA device"
-        try:
-            _library()
-        except Exception as e:  # ImportError, or a missing libcublas
-            return f"cuBLAS not loadable through CuPy: {e}"
-        return None
+        cupy = ops.package_missing("cupy", "cupy (pip install cupy-cuda13x or cupy-cuda12x)")
+        return ops.unavailable_reason(device, "cuBLAS", cupy, _library)
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         return [{"algo": a} for a in candidate_algos()]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import importlib.util
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -321,17 +320,8 @@ class CublasLtGemm(Source):
     op = "gemm"
 
     def unavailable(self, device: str) -> str | None:
-        if device != "cuda":
-            return "no GPU (cuBLASLt runs on CUDA devices only)"
-        if importlib.util.find_spec("nvmath") is None:
-            return "package missing: nvmath-python"
-        if not torch.cuda.is_available():
-            return "no GPU: torch sees no CUDA device"
-        try:
-            _lt()
-        except Exception as e:
-            return f"cuBLASLt not loadable through nvmath-python: {e}"
-        return None
+        nvmath = ops.package_missing("nvmath", "nvmath-python")
+        return ops.unavailable_reason(device, "cuBLASLt", nvmath, _lt)
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         return heuristic_params(key, torch.device("cuda", torch.cuda.current_device()))

@@ -305,13 +305,9 @@ class CutlassGemm(Source):
     op = "gemm"
 
     def unavailable(self, device: str) -> str | None:
-        if device != "cuda":
-            return "no GPU (CUTLASS kernels run on CUDA devices only)"
-        reason = env.missing()
+        reason = ops.unavailable_reason(device, "CUTLASS", env.missing)
         if reason:
             return reason
-        if not torch.cuda.is_available():
-            return "no GPU: torch sees no CUDA device"
         major, minor = torch.cuda.get_device_capability()
         if (major, minor) != (9, 0):
             return f"needs sm90 (Hopper); this GPU is sm{major}{minor}"

@@ -13,6 +13,7 @@ kind, without copies.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +74,15 @@ def stored_shapes(key: GemmKey) -> tuple[tuple[int, int], tuple[int, int], tuple
     return first, second, (key.n, key.m)
 
 
+def _call(key: GemmKey, lds: tuple[int, int, int], strides: tuple[int, int, int]) -> ColMajorCall:
+    """The call for ``key`` with these leading dimensions and batch strides (first, second, out)."""
+    return ColMajorCall(
+        OP_T if key.layout[1] == "t" else OP_N,
+        OP_T if key.layout[0] == "t" else OP_N,
+        key.n, key.m, key.k, *lds, *strides,
+    )  # fmt: skip
+
+
 def colmajor_call(key: GemmKey, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> ColMajorCall:
     """The column-major call for ``c = a @ b`` with the strides these tensors actually have.
 
@@ -80,38 +90,45 @@ def colmajor_call(key: GemmKey, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
     strides are arbitrary, and BLAS only requires ``ld >= rows`` there.
     """
     (rows_b, _), (rows_a, _), (rows_c, _) = stored_shapes(key)
-    return ColMajorCall(
-        trans_first=OP_T if key.layout[1] == "t" else OP_N,
-        trans_second=OP_T if key.layout[0] == "t" else OP_N,
-        m=key.n,
-        n=key.m,
-        k=key.k,
-        ld_first=max(leading_stride(b, key.layout[1]), rows_b, 1),
-        ld_second=max(leading_stride(a, key.layout[0]), rows_a, 1),
-        ld_out=max(c.stride(-2), rows_c, 1),
-        stride_first=batch_stride(b),
-        stride_second=batch_stride(a),
-        stride_out=batch_stride(c),
+    lds = (
+        max(leading_stride(b, key.layout[1]), rows_b, 1),
+        max(leading_stride(a, key.layout[0]), rows_a, 1),
+        max(c.stride(-2), rows_c, 1),
     )
+    return _call(key, lds, (batch_stride(b), batch_stride(a), batch_stride(c)))
 
 
 def packed_call(key: GemmKey) -> ColMajorCall:
     """The call for packed operands of the key's layout (what problems.make_inputs creates)."""
-    (rows_b, cols_b), (rows_a, cols_a), (rows_c, cols_c) = stored_shapes(key)
-    batched = key.batch > 1
-    return ColMajorCall(
-        trans_first=OP_T if key.layout[1] == "t" else OP_N,
-        trans_second=OP_T if key.layout[0] == "t" else OP_N,
-        m=key.n,
-        n=key.m,
-        k=key.k,
-        ld_first=rows_b,
-        ld_second=rows_a,
-        ld_out=rows_c,
-        stride_first=rows_b * cols_b if batched else 0,
-        stride_second=rows_a * cols_a if batched else 0,
-        stride_out=rows_c * cols_c if batched else 0,
-    )
+    shapes = stored_shapes(key)
+    sizes = tuple(rows * cols if key.batch > 1 else 0 for rows, cols in shapes)
+    return _call(key, (shapes[0][0], shapes[1][0], shapes[2][0]), sizes)  # type: ignore[arg-type]
+
+
+def unavailable_reason(
+    device: str,
+    library: str,
+    missing: Callable[[], str | None],
+    load: Callable[[], Any] | None = None,
+) -> str | None:
+    """Why a GPU library source cannot run here: no GPU, a missing package, or a failing load."""
+    if device != "cuda":
+        return f"no GPU ({library} runs on CUDA devices only)"
+    if reason := missing():
+        return reason
+    if not torch.cuda.is_available():
+        return "no GPU: torch sees no CUDA device"
+    if load is not None:
+        try:
+            load()
+        except Exception as e:  # ImportError, or a shared library that is not there
+            return f"{library} does not load: {e}"
+    return None
+
+
+def package_missing(module: str, package: str) -> Callable[[], str | None]:
+    """A ``missing`` check for ``unavailable_reason``: is ``module`` importable?"""
+    return lambda: None if importlib.util.find_spec(module) else f"package missing: {package}"
 
 
 def _same_kind(like: Any) -> Callable[[torch.Tensor], Any]:
