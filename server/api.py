@@ -35,6 +35,7 @@ from server.models import (
     QueueEntry,
     SubmitIn,
     SubmitOut,
+    ValidationOut,
     Versions,
     WinnerOut,
     canonical_key,
@@ -118,7 +119,14 @@ def _valid(adapter: TypeAdapter, value: object, loc: tuple[str, str]) -> Any:
         raise RequestValidationError([{**err, "loc": loc} for err in e.errors()]) from None
 
 
-@router.get("/winners/{device_class}", response_model=WinnerOut, openapi_extra=WINNER_PARAMS)
+@router.get(
+    "/winners/{device_class}",
+    response_model=WinnerOut,
+    openapi_extra=WINNER_PARAMS,
+    responses={
+        422: {"model": ValidationOut, "description": "invalid device class, key or versions"}
+    },
+)
 async def get_winner(request: Request) -> JSONResponse:
     """The winner served for one key (without `versions`: the most recently served ones').
 

@@ -55,6 +55,11 @@ class ErrorOut(BaseModel):
     detail: str
 
 
+class ValidationOut(BaseModel):
+    detail: list[dict[str, Any]] = Field(description="pydantic's errors: loc, msg, type, input")
+    message: str = Field(description="the first errors as one readable line")
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -40,7 +40,10 @@ def f32(m: int, n: int = 64, k: int = 64) -> GemmKey:
 
 
 def tune_fast(key: GemmKey) -> TuneOutcome:
-    return tune(key, options=TuneOptions(budget_s=0.03))
+    """A real CPU tuning run of torch's kernel only: on a busy 2-core box torch's timings swing
+    enough that the (interpreted) Triton candidate can look 25% faster, which the merge would
+    rightly hold for confirmation; these tests are about the flow, not that policy."""
+    return tune(key, options=TuneOptions(budget_s=0.03, sources=["torch"]))
 
 
 def wait_until(check: Callable[[], object], timeout_s: float = 30.0) -> object:

@@ -55,7 +55,7 @@ def test_cli_token_push_sync_round_trip(served: SubprocessServer, tmp_path: Path
     listed = cli("token", "list", "--db", str(served.db))
     assert "cli-host" in listed.stdout and token.split("_")[2] not in listed.stdout  # no secrets
     key = GemmKey(m=20, n=36, k=44, dtype="f32", out_dtype="f32")
-    outcome = tune(key, options=TuneOptions(budget_s=0.03))
+    outcome = tune(key, options=TuneOptions(budget_s=0.03, sources=["torch"]))
     with Store(tmp_path / "a.db") as a:
         a.save_device(FP)
         a.save_run(outcome.measurements, outcome.winner)
