@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,17 @@ from server.app import create_app
 from server.config import Settings
 from tuner.cache import Store
 from tuner.client import FleetClient
+
+
+def wait_until(check: Callable[[], object], timeout_s: float = 30.0) -> object:
+    """Poll ``check`` until it returns something truthy, and return that; AssertionError after
+    ``timeout_s`` (for tests and benchmarks waiting on background work)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 def _wait_healthy(

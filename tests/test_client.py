@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from server.live import AppThread, ThreadServer, free_port
+from server.live import AppThread, ThreadServer, free_port, wait_until
 from tuner.cache import Store
 from tuner.client import (
     BackgroundSync,
@@ -35,15 +35,6 @@ from tuner.results import Measurement
 pytestmark = pytest.mark.timeout(120)
 FP = fingerprint()
 DC = FP.device_class
-
-
-def wait_until(check: Callable[[], object], timeout_s: float = 20.0) -> object:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 @pytest.fixture

@@ -8,14 +8,14 @@ the winner back; leases expire; a poisoned submission is held, not served.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from server.live import ThreadServer
+from server.live import ThreadServer, wait_until
 from tuner.cache import Store
 from tuner.client import FleetClient, attach, pull, push
 from tuner.device import fingerprint
@@ -44,15 +44,6 @@ def tune_fast(key: GemmKey) -> TuneOutcome:
     enough that the (interpreted) Triton candidate can look 25% faster, which the merge would
     rightly hold for confirmation; these tests are about the flow, not that policy."""
     return tune(key, options=TuneOptions(budget_s=0.03, sources=["torch"]))
-
-
-def wait_until(check: Callable[[], object], timeout_s: float = 30.0) -> object:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 def made_up(key: GemmKey, source: str, us: float, **fields) -> Measurement:
