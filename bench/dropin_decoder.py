@@ -27,6 +27,7 @@ of the ratios. The model classes are imported by tests/test_torch_dropin.py with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -260,7 +261,12 @@ def tune_missing(keys: list[str], args: argparse.Namespace, device: str) -> list
     current = {w.key: w for w in store.winners(fp.device_class) if w.versions == fp.version_tag}
     parsed = [parse_key(k) for k in keys]
     parsed.sort(key=lambda k: getattr(k, "m", None) or getattr(k, "q_len", 1))
-    options = TuneOptions(budget_s=args.budget, max_candidates=args.max_candidates)
+    options = TuneOptions(
+        budget_s=args.budget,
+        max_candidates=args.max_candidates,
+        sources=args.source,
+        launch=args.launch,
+    )
     deadline = time.monotonic() + args.tune_deadline_s
     log = []
     for key in parsed:
@@ -293,37 +299,50 @@ def tune_missing(keys: list[str], args: argparse.Namespace, device: str) -> list
 MODES = ("eager_off", "eager_on", "graph_off", "graph_on")
 
 
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    o, r = out.float(), ref.float()
+    return (torch.linalg.vector_norm(o - r) / torch.linalg.vector_norm(r)).item()
+
+
 def measure_phase(
     tt: Any, disp: Any, step: Callable[[], Any], args: argparse.Namespace
 ) -> dict[str, Any]:
     """Eager and CUDA-graph replay (GPU only), tuner off and on, interleaved over rounds."""
+    row: dict[str, Any] = {}
     runs: dict[str, Callable[[], Any]] = {"eager_off": step}
+
+    def on() -> contextlib.AbstractContextManager:
+        return tt.enabled(dispatcher=disp)
+
     with torch.no_grad():
+        ref = step().clone()
+        with on():
+            for _ in range(3):  # resolves every signature, compiles and loads the kernels
+                out = step()
+        row["rel_err_on_vs_off"] = relative_error(out, ref)
         if torch.cuda.is_available():
-            runs["graph_off"] = capture(step).replay
-            with tt.enabled(dispatcher=disp):
-                runs["graph_on"] = capture(step).replay
-        with tt.enabled(dispatcher=disp):
-            for _ in range(3):
-                step()
-        for _ in range(3):
-            step()
-        times: dict[str, list[float]] = {
-            mode: [] for mode in MODES if mode in runs or mode == "eager_on"
-        }
+            for mode, ctx in (("graph_off", contextlib.nullcontext), ("graph_on", on)):
+                try:
+                    with ctx():
+                        runs[mode] = capture(step).replay
+                except RuntimeError as e:  # reported, and the other measurements go on
+                    row[f"{mode}_error"] = f"capture failed: {e}"[:1000]
+                    torch.cuda.synchronize()
+        modes = [mode for mode in MODES if mode in runs or mode == "eager_on"]
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
         tt.reset_stats(disp)
         for _ in range(args.rounds):
-            for mode in times:
+            for mode in modes:
                 if mode == "eager_on":
-                    with tt.enabled(dispatcher=disp):
+                    with on():
                         times[mode].append(step_us(step, args.iters))
                 else:
                     times[mode].append(step_us(runs[mode], args.iters))
         stats = tt.stats(disp)
     runs.clear()  # frees the graphs and their memory pools
-    row: dict[str, Any] = {mode: summary(v) for mode, v in times.items()}
+    row.update({mode: summary(v) for mode, v in times.items()})
     for kind in ("eager", "graph"):
-        if f"{kind}_on" in row:
+        if f"{kind}_on" in row and f"{kind}_off" in row:
             row[f"{kind}_ratio"] = row[f"{kind}_off"]["median_us"] / row[f"{kind}_on"]["median_us"]
     row["stats"] = {k: v for k, v in stats.to_dict().items() if k != "rows"}
     row["served"] = [
@@ -377,10 +396,11 @@ def hit_path_overhead(
         }
         for measure in variants.values():  # warm-up round
             measure()
-        samples = {name: [] for name in variants}
-        for _ in range(args.rounds):
-            for name, measure in variants.items():
-                samples[name].append(measure())
+        samples: dict[str, list[float]] = {name: [] for name in variants}
+        names = list(variants)
+        for r in range(args.rounds):  # the order rotates: no variant always runs first
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                samples[name].append(variants[name]())
     med = {name: statistics.median(v) for name, v in samples.items()}
     return {
         "shape": {"m": m, "n": n, "k": k, "key": str(key)},
@@ -426,7 +446,7 @@ def targets(rows: list[dict[str, Any]], overhead: dict[str, Any]) -> dict[str, A
     return out
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, model: str) -> None:
     from tuner.plots import speedup_plot
 
     labels, ratios, groups = [], [], []
@@ -440,7 +460,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         labels,
         ratios,
         path,
-        title="Llama-3-8B decoder layer: tuner.torch on vs off (time per layer step)",
+        title=f"{model} decoder layer: tuner.torch on vs off (time per layer step)",
         groups=groups,
     )
 
@@ -458,6 +478,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--buckets", default="next_tuned_above", help="Bucket policy when on.")
     parser.add_argument("--budget", type=float, default=0.05, help="Timing budget per candidate.")
     parser.add_argument("--max-candidates", type=int, default=None, help="Per source.")
+    parser.add_argument(
+        "--source",
+        action="append",
+        help="Only these candidate sources (repeatable; the baseline always).",
+    )
+    parser.add_argument(
+        "--launch", choices=("eager", "graph"), default="eager", help="What tuning optimises for."
+    )
     parser.add_argument("--tune-deadline-s", type=float, default=360.0)
     parser.add_argument("--skip-tune", action="store_true", help="Use the cache as it is.")
     parser.add_argument("--iters", type=int, default=20, help="Steps per timed round.")
@@ -478,6 +506,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("dropin_decoder.py needs a CUDA GPU (or --smoke for a CPU check)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype, cfg = (torch.float32, TINY) if args.smoke else (torch.bfloat16, LLAMA3_8B)
+    if args.smoke:
+        torch.set_num_threads(1)  # host timings of tiny CPU ops are noise with a thread pool
 
     import tuner.torch as tt
     from tuner.device import fingerprint
@@ -497,14 +527,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     small_x = torch.randn((m, k), generator=gen).to(device, dtype)
     small_w = torch.randn((n, k), generator=gen).to(device, dtype)
     tuned_runs = [steps[p] for p in phases if p.tuned] + [lambda: F.linear(small_x, small_w)]
+    fp = fingerprint(device)
+    result: dict[str, Any] = {
+        "benchmark": "dropin_decoder",
+        "smoke": args.smoke,
+        "device": fp.to_dict(),
+        "versions": fp.versions,
+        "config": {**vars(cfg), "dtype": str(dtype).removeprefix("torch.")},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "complete": False,
+    }
+
+    def save() -> None:  # after every stage: a run cut short by a timeout still leaves its data
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
     keys = record_keys(tt, disp, tuned_runs)
     print(f"{len(keys)} problems recorded", flush=True)
-    tuning = [] if args.skip_tune else tune_missing(keys, args, device)
+    result["tuning"] = [] if args.skip_tune else tune_missing(keys, args, device)
+    save()
 
     disp.reload()
     disp.set_mode("lookup")
     disp.set_buckets(args.buckets)
-    rows = []
+    overhead = hit_path_overhead(tt, disp, args, device, dtype)
+    print(f"hit-path overhead per call (us): {json.dumps(overhead['per_call_us'])}", flush=True)
+    result["overhead"] = overhead
+    rows: list[dict[str, Any]] = []
+    result["phases"] = rows
     for phase in phases:
         row: dict[str, Any] = {"phase": phase.name, "batch": phase.batch, "tokens": phase.tokens}
         row.update(label=phase.label, tuned=phase.tuned)
@@ -517,26 +568,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         print(f"{phase.label:<28} {times}   {row['stats']}", flush=True)
         rows.append(row)
-    overhead = hit_path_overhead(tt, disp, args, device, dtype)
-    print(f"hit-path overhead per call (us): {json.dumps(overhead['per_call_us'])}", flush=True)
-    fp = fingerprint(device)
-    result = {
-        "benchmark": "dropin_decoder",
-        "smoke": args.smoke,
-        "device": fp.to_dict(),
-        "versions": fp.versions,
-        "config": {**vars(cfg), "dtype": str(dtype).removeprefix("torch.")},
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "tuning": tuning,
-        "phases": rows,
-        "overhead": overhead,
-        "targets": targets(rows, overhead),
-        "seconds": round(time.perf_counter() - started, 1),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+        save()
+    result["targets"] = targets(rows, overhead)
+    result["complete"] = True
+    save()
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, "tiny CPU smoke" if args.smoke else "Llama-3-8B bf16")
     print(json.dumps(result["targets"], indent=1))
     return result
 

@@ -48,6 +48,14 @@ for stage in "$@"; do
       timeout "${LIBS_TABLE_TIMEOUT:-300}" python3 bench/libs_bench.py --out "$OUT/libs.json" 2>&1 | tee -a "$OUT/libs.log" || status=1
       timeout "${LIBS_DETAILS_TIMEOUT:-120}" python3 bench/libs_bench.py --details --out "$OUT/libs_details.json" 2>&1 | tee -a "$OUT/libs.log" || status=1
       tar cJf "$OUT/cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work . || status=1 ;;
+    dropin)  # tuner.torch on a Llama-3-8B decoder layer (bf16): records its problems, tunes the
+      # missing ones, times prefill/decode eager and CUDA-graph, tuner on vs off -> dropin_decoder.json/.png
+      # Starts from DROPIN_CACHE (default: this call's tuneall cache, if any); DROPIN_ARGS, DROPIN_TUNE_DEADLINE.
+      src=${DROPIN_CACHE:-$OUT/tuneall/tuner.db}
+      if [ -f "$src" ]; then cp "$src" "$OUT/dropin_tuner.db" || status=1; fi
+      TUNER_CACHE="$OUT/dropin_tuner.db" timeout "${DROPIN_TIMEOUT:-570}" python3 bench/dropin_decoder.py \
+        --out "$OUT/dropin_decoder.json" --plot "$OUT/dropin_decoder.png" \
+        --tune-deadline-s "${DROPIN_TUNE_DEADLINE:-330}" ${DROPIN_ARGS:-} 2>&1 | tee "$OUT/dropin.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

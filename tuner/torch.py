@@ -279,8 +279,8 @@ def _causal_mode(mask: Any, is_causal: bool, q: torch.Tensor, k: torch.Tensor) -
 class Router:
     """Serves the GEMM and SDPA entry points of torch through ``dispatcher``; see the module doc.
 
-    A handler takes the call's ``(args, kwargs)`` and returns ``NotImplemented`` to leave the call
-    to torch as it was made.
+    A handler takes the call's ``(args, kwargs)`` and whether Dynamo is tracing, and returns
+    ``NotImplemented`` to leave the call to torch as it was made.
     """
 
     def __init__(self, dispatcher: Dispatcher) -> None:
@@ -288,46 +288,46 @@ class Router:
 
     # --- GEMMs ---------------------------------------------------------------------------------
 
-    def _gemm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def _gemm(self, a: torch.Tensor, b: torch.Tensor, compiling: bool) -> torch.Tensor:
         """``a @ b`` for 2-D operands or 3-D ones of equal batch."""
-        if torch.compiler.is_compiling():
+        if compiling:
             return torch.ops.tuner.mm(a, b)
         if _needs_grad(a, b):
             return _TunedMM.apply(a, b, self.dispatcher)
         return self.dispatcher.matmul(a, b)
 
-    def _matmul(self, args: tuple, kwargs: dict) -> Any:
+    def _matmul(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
         a, b, out = _binary_args(*args, **kwargs)
         if out is not None or not _gemm_pair(a, b):
             return NotImplemented
         da, db = a.dim(), b.dim()
         if da == 2 and db == 2:
-            return self._gemm(a, b)
+            return self._gemm(a, b, compiling)
         if da < 2 or db < 2:
             return NotImplemented  # vectors: torch
         if db == 2:  # (..., M, K) @ (K, N): fold the leading dims into M, as torch does
-            y = self._gemm(a.reshape(-1, a.shape[-1]), b)
+            y = self._gemm(a.reshape(-1, a.shape[-1]), b, compiling)
             return y.view(*a.shape[:-1], b.shape[-1])
         if da == db and a.shape[:-2] == b.shape[:-2]:  # same batch dims: one bmm
             if da == 3:
-                return self._gemm(a, b)
-            y = self._gemm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+                return self._gemm(a, b, compiling)
+            y = self._gemm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), compiling)
             return y.view(*a.shape[:-1], b.shape[-1])
         return NotImplemented  # broadcast batches: torch
 
-    def _mm(self, args: tuple, kwargs: dict) -> Any:
+    def _mm(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
         a, b, out = _binary_args(*args, **kwargs)
         if out is not None or not _gemm_pair(a, b) or a.dim() != 2 or b.dim() != 2:
             return NotImplemented
-        return self._gemm(a, b)
+        return self._gemm(a, b, compiling)
 
-    def _bmm(self, args: tuple, kwargs: dict) -> Any:
+    def _bmm(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
         a, b, out = _binary_args(*args, **kwargs)
         if out is not None or not _gemm_pair(a, b) or a.dim() != 3 or b.dim() != 3:
             return NotImplemented
-        return self._gemm(a, b) if a.shape[0] == b.shape[0] else NotImplemented
+        return self._gemm(a, b, compiling) if a.shape[0] == b.shape[0] else NotImplemented
 
-    def _addmm(self, args: tuple, kwargs: dict) -> Any:
+    def _addmm(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
         c, a, b, beta, alpha, out = _addmm_args(*args, **kwargs)
         if (
             out is not None
@@ -341,9 +341,9 @@ class Router:
             or c.dim() > 2
         ):
             return NotImplemented
-        return self._gemm(a, b).add_(c)  # in place: nothing allocated beyond the output
+        return self._gemm(a, b, compiling).add_(c)  # in place: nothing allocated beyond the output
 
-    def _linear(self, args: tuple, kwargs: dict) -> Any:
+    def _linear(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
         x, w, bias = _linear_args(*args, **kwargs)
         if not _gemm_pair(x, w) or w.dim() != 2:
             return NotImplemented
@@ -351,18 +351,18 @@ class Router:
             return NotImplemented
         nd = x.dim()
         if nd == 2:
-            y = self._gemm(x, w.t())
+            y = self._gemm(x, w.t(), compiling)
             return y if bias is None else y.add_(bias)
         if nd < 2:
             return NotImplemented
-        y = self._gemm(x.reshape(-1, x.shape[-1]), w.t())
+        y = self._gemm(x.reshape(-1, x.shape[-1]), w.t(), compiling)
         if bias is not None:
             y = y.add_(bias)
         return y.view(*x.shape[:-1], w.shape[0])
 
     # --- attention -----------------------------------------------------------------------------
 
-    def _sdpa(self, args: tuple, kwargs: dict) -> Any:
+    def _sdpa(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
         q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_args(*args, **kwargs)
         if dropout_p or not (_plain(q) and _plain(k) and _plain(v)):
             return NotImplemented
@@ -373,7 +373,7 @@ class Router:
         causal = _causal_mode(mask, is_causal, q, k)
         if causal is None:
             return NotImplemented
-        if torch.compiler.is_compiling():
+        if compiling:
             if _needs_grad(q, k, v):  # torch's fused backward beats recomputing ours
                 return NotImplemented
             return torch.ops.tuner.sdpa(q, k, v, causal, scale)
@@ -406,16 +406,14 @@ def _entry(original: Callable[..., Any], handler: str) -> Callable[..., Any]:
 
     def routed(*args: Any, **kwargs: Any) -> Any:
         router = _active
-        if router is None:
+        if router is None or getattr(_guard, "busy", False):
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():  # traced: the handler emits tuner:: custom ops
-            out = getattr(router, handler)(args, kwargs)
-        elif getattr(_guard, "busy", False):
-            return original(*args, **kwargs)
+            out = getattr(router, handler)(args, kwargs, True)
         else:
             _guard.busy = True
             try:
-                out = getattr(router, handler)(args, kwargs)
+                out = getattr(router, handler)(args, kwargs, False)
             finally:
                 _guard.busy = False
         return original(*args, **kwargs) if out is NotImplemented else out
