@@ -2,7 +2,8 @@
 
 Pure functions over plain records, so the policy can be read and tested without a database.
 
-- Each submitter (token) gets one voice per candidate: the median of its own medians. The
+- Each submitter (token) gets one voice per candidate: the median of its own medians (its
+  latest 32 results, see ``server.results.RECENT``). The
   fleet's figure for a candidate is the median of those voices ("median of medians"), so one
   host that submits a thousand times or one absurd number cannot move it alone.
 - The proposal is the fastest candidate, except that the baseline keeps the win unless the

@@ -80,12 +80,19 @@ def ingest(
     return out
 
 
+RECENT = 32  # a token's voice: the median of its latest results per candidate
+_OK = "device_class = ? and versions = ? and key = ? and status = 'ok' and median_us > 0"
+
+
 def _samples(c: sqlite3.Connection, group: Group) -> list[merge.Sample]:
+    """The ok results the merge weighs: each token's latest ``RECENT`` per candidate, so a
+    re-merge costs the same however long a key's history grows, and old runs age out."""
     rows = c.execute(
         "select candidate, source, params, is_baseline, submitter, median_us, p10_us, p90_us, "
-        "host_us, run_id from srv_measurements "
-        "where device_class = ? and versions = ? and key = ? and status = 'ok' order by id",
-        group,
+        "host_us, run_id from (select *, row_number() over (partition by submitter, candidate "
+        f"order by id desc) as recent from srv_measurements where {_OK}) "
+        "where recent <= ? order by id",
+        (*group, RECENT),
     )
     return [
         merge.Sample(
@@ -96,17 +103,25 @@ def _samples(c: sqlite3.Connection, group: Group) -> list[merge.Sample]:
             submitter=sub,
             us=merge.effective_us(med, host),
             run_id=run_id or "",
-            noise=(p90 - p10) / med if med and p10 is not None and p90 is not None else 0.0,
+            noise=(p90 - p10) / med if p10 is not None and p90 is not None else 0.0,
         )
         for cand, src, params, base, sub, med, p10, p90, host, run_id in rows
-        if med is not None and med > 0
     ]
+
+
+def _aggregates(c: sqlite3.Connection, group: Group) -> dict[str, merge.Aggregate]:
+    aggs = merge.aggregate(_samples(c, group))
+    for cand, n in c.execute(
+        f"select candidate, count(*) from srv_measurements where {_OK} group by candidate", group
+    ):
+        aggs[cand].count = n  # every ok result counts, also those older than the window
+    return aggs
 
 
 def remerge(c: sqlite3.Connection, group: Group, *, admins: frozenset[str], policy: Policy) -> str:
     """Recompute one problem's aggregates and apply the merge policy. Returns the action."""
     now = time.time()
-    aggs = merge.aggregate(_samples(c, group))
+    aggs = _aggregates(c, group)
     c.executemany(
         "insert or replace into srv_results(device_class, versions, key, candidate, source, "
         "params, is_baseline, us, spread, noise, count, submitters, updated_at) "
@@ -186,7 +201,7 @@ def confirm_pending(c: sqlite3.Connection, group: Group) -> str | None:
     ).fetchone()
     if row is None:
         return None
-    aggs = merge.aggregate(_samples(c, group))
+    aggs = _aggregates(c, group)
     serve(c, group, aggs[row[0]], aggs)
     return row[0]
 

@@ -269,3 +269,12 @@ def test_reads_can_be_open(tmp_path: Path) -> None:
         assert len(anonymous.feed(DC, VERSIONS, 0)["rows"]) == 1
         with pytest.raises(Exception, match="401"):  # writes still need a token
             anonymous.submit(FP, [made_up(f32(16, 8, 8), "torch", 10.0)])
+
+
+def test_a_tokens_voice_is_its_recent_results(fleet: ThreadServer) -> None:
+    key = f32(88)
+    a = fleet.client("host-a", "submit")
+    a.submit(FP, [made_up(key, "torch", 100.0) for _ in range(40)])  # an old, slower driver
+    assert a.winner(DC, str(key))["baseline_us"] == 100.0
+    a.submit(FP, [made_up(key, "torch", 50.0) for _ in range(32)])  # the latest 32 runs
+    assert a.winner(DC, str(key))["baseline_us"] == 50.0
