@@ -85,14 +85,22 @@ def backprop(out: torch.Tensor) -> None:
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)))
 
 
-def grads(module: nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:
-    return [p.grad.clone() for p in module.parameters()] + [t.grad.clone() for t in inputs]
-
-
-def zero_grads(module: nn.Module, *inputs: torch.Tensor) -> None:
+def forward_backward(
+    module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> list[torch.Tensor]:
+    """[fn(x), then the gradients of the module's parameters and of x], gradients reset after."""
+    out = fn(x)
+    backprop(out)
+    result = [out.detach(), *(p.grad for p in module.parameters()), x.grad]
     module.zero_grad(set_to_none=True)
-    for t in inputs:
-        t.grad = None
+    x.grad = None
+    return result
+
+
+def assert_all_close(got: list[torch.Tensor], want: list[torch.Tensor], **tol: float) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, **tol, msg=lambda m, i=i: f"tensor {i}: {m}")
 
 
 def tiny_llama(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -120,7 +128,7 @@ def llama_disp(tmp_path_factory: pytest.TempPathFactory) -> Dispatcher:
     disp = Dispatcher(tmp_path_factory.mktemp("llama") / "c.db", mode="lookup")
     layer = tiny_llama()
     x = torch.randn(2, 8, bench.TINY.hidden, requires_grad=True)
-    keys = recorded_keys(disp, lambda: backprop(prefill(layer, x)))
+    keys = recorded_keys(disp, lambda: forward_backward(layer, lambda t: prefill(layer, t), x))
     half = tiny_llama(torch.float16)
     step = bench.make_step(half, bench.Phase("decode", 2, 1), 16, torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -135,20 +143,13 @@ def llama_disp(tmp_path_factory: pytest.TempPathFactory) -> Dispatcher:
 def test_llama_block_outputs_and_grads_match_with_tuned_gemms(llama_disp: Dispatcher) -> None:
     layer = tiny_llama()
     x = torch.randn(2, 8, bench.TINY.hidden, requires_grad=True)
-    ref = prefill(layer, x)
-    backprop(ref)
-    ref_grads = grads(layer, x)
-    zero_grads(layer, x)
-
+    want = forward_backward(layer, lambda t: prefill(layer, t), x)
     tt.reset_stats(llama_disp)
     with tt.enabled(dispatcher=llama_disp):
-        out = prefill(layer, x)
-        backprop(out)
+        got = forward_backward(layer, lambda t: prefill(layer, t), x)
     stats = tt.stats(llama_disp)
 
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    for got, want in zip(grads(layer, x), ref_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert_all_close(got, want, rtol=1e-4, atol=1e-5)
     # 4 projections forward, 2 GEMMs each backward: all 12 served by the Triton winners
     assert stats.hits == 12
     assert stats.passthrough == 1  # attention with a gradient: torch's SDPA by policy
@@ -176,22 +177,15 @@ def test_transformer_encoder_layer_same_outputs_and_grads(tmp_path: Path) -> Non
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
     x = torch.randn(2, 6, 32, requires_grad=True)
-    ref = layer(x)
-    backprop(ref)
-    ref_grads = grads(layer, x)
-    zero_grads(layer, x)
+    want = forward_backward(layer, layer, x)
 
     disp = Dispatcher(tmp_path / "c.db")
-    keys = recorded_keys(disp, lambda: backprop(layer(x)))
-    zero_grads(layer, x)
+    keys = recorded_keys(disp, lambda: forward_backward(layer, layer, x))
     store_winners(disp, keys, triton=False)  # the engine's own choice (torch on the CPU)
     tt.reset_stats(disp)
     with tt.enabled(dispatcher=disp):
-        out = layer(x)
-        backprop(out)
-    torch.testing.assert_close(out, ref)
-    for got, want in zip(grads(layer, x), ref_grads, strict=True):
-        torch.testing.assert_close(got, want)
+        got = forward_backward(layer, layer, x)
+    assert_all_close(got, want)
     stats = tt.stats(disp)
     # nn.MultiheadAttention's in/out projections (its Python code calls F.linear) and the FFN:
     # 4 GEMMs forward, 8 backward
@@ -218,11 +212,7 @@ def test_compile_fullgraph_aot_eager(llama_disp: Dispatcher) -> None:
     torch._dynamo.reset()
     layer = tiny_llama()
     x = torch.randn(2, 8, bench.TINY.hidden, requires_grad=True)
-    ref = prefill(layer, x)
-    backprop(ref)
-    ref_grads = grads(layer, x)
-    zero_grads(layer, x)
-
+    want = forward_backward(layer, lambda t: prefill(layer, t), x)
     seen: list[str] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -236,11 +226,8 @@ def test_compile_fullgraph_aot_eager(llama_disp: Dispatcher) -> None:
     tt.reset_stats(llama_disp)
     with tt.enabled(dispatcher=llama_disp):
         compiled = torch.compile(lambda t: prefill(layer, t), backend=backend, fullgraph=True)
-        out = compiled(x)
-        backprop(out)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    for got, want in zip(grads(layer, x), ref_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        got = forward_backward(layer, compiled, x)
+    assert_all_close(got, want, rtol=1e-4, atol=1e-5)
     assert seen.count("tuner.mm") == 4  # one opaque op per projection, in one graph
     stats = tt.stats(llama_disp)
     assert stats.hits >= 12  # forward and backward GEMMs ran through the dispatcher
