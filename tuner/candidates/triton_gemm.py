@@ -14,8 +14,11 @@ spaces are described in ``triton_kernels/configs.py``.
 
 Compilation: ``candidates()`` compiles its whole shortlist in parallel worker processes before the
 engine times it (``triton_kernels/launch.py``); compiled binaries live in Triton's on-disk cache
-and are shared by every shape with the same constexprs and specialization. On the CPU the kernels
-run through Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI tests them.
+and are shared by every shape with the same constexprs and specialization. Launching: a runner's
+first call goes through Triton's JIT; later calls launch the compiled kernels directly (less host
+time), once a direct launch has reproduced the first call bit for bit (``check_direct``). On the
+CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI tests
+them.
 """
 
 from __future__ import annotations
@@ -37,9 +40,7 @@ from tuner.candidates.triton_kernels.tiled import splitk_reduce, tiled_gemm
 from tuner.keys import DTYPES, ITEMSIZE, GemmKey
 
 log = logging.getLogger(__name__)
-SMEM_BYTES = configs.SMEM_LIMIT
 KERNELS = ("tiled", "splitk", "persistent_tma", "gemv")
-PRECISIONS = ("ieee", "tf32", "tf32x3")
 INT32_MAX = 2**31 - 1
 REDUCE_BLOCK = 1024
 PAD_BR, PAD_BK = 8, 512  # fastest of 5 tiles on the H200: 44 us for both 4097 x 4101 operands
@@ -64,10 +65,6 @@ def as_batched(t: Any) -> tuple[int, int, int]:
 def output_for(key: GemmKey, a: torch.Tensor) -> torch.Tensor:
     shape = (key.m, key.n) if a.dim() == 2 else (key.batch, key.m, key.n)
     return torch.empty(shape, dtype=DTYPES[key.out_dtype], device=a.device)
-
-
-def smem_bytes(key: GemmKey, bm: int, bn: int, bk: int, stages: int) -> int:
-    return configs.smem_bytes(key, bm, bn, bk, stages)
 
 
 def canonical_strides(rows: int, cols: int, layout: str, batch: int) -> tuple[int, int, int]:
