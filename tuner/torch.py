@@ -18,8 +18,8 @@ tuner does not key (odd strides). Results are always those of a checked kernel o
 ``torch.nn.functional``, methods of ``torch.Tensor``, ``@`` included) with small wrappers, and
 ``disable()`` puts the originals back. Calls made inside ``nn.Module`` forwards and inside torch's
 own Python code (``nn.MultiheadAttention`` calls ``F.linear`` and SDPA) are seen; every other torch
-op costs nothing extra (a ``TorchFunctionMode`` was tried first: it cost every op of a decoder
-layer 1-3 us on the CPU, which made eager decode slower). The switch is process-wide and nests; a
+op costs nothing extra (a ``TorchFunctionMode`` was tried first: it added 0.5-3 us to every op
+of a decoder layer on the CPU, views and shape queries included, which made eager decode slower). The switch is process-wide and nests; a
 thread-local guard keeps the tuner's own kernels (which call torch) from coming back to it.
 Code that bound a function before ``enable()`` (``from torch.nn.functional import linear``) keeps
 the original.
@@ -44,7 +44,8 @@ asks anyway, and the capture holds the tuned kernels.
 
 **Dynamic shapes.** ``enable(buckets=...)`` / ``TUNER_BUCKETS``: see ``tuner.buckets``.
 
-**Stats** count the calls made through Python: a CUDA-graph replay is not a call.
+**Stats** count the calls made through Python (a CUDA-graph replay is not a call); counts are
+not locked, so threads racing on one problem may lose a few.
 """
 
 from __future__ import annotations
