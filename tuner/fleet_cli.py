@@ -21,6 +21,7 @@ from tuner.cache import Store, default_path
 from tuner.client import FleetClient, FleetError, pull, push
 from tuner.device import fingerprint
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 console = Console()
 err_console = Console(stderr=True)
 token_app = typer.Typer(
@@ -67,13 +68,17 @@ def serve(
         ),
     ] = 0.25,
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    log_level: Annotated[
+        str, typer.Option(help=f"uvicorn log level: {', '.join(LOG_LEVELS)}.")
+    ] = "info",
 ) -> None:
     """Run the fleet service (FastAPI on uvicorn, one worker: SQLite has one writer anyway)."""
     import uvicorn
 
     from server import Settings, create_app
 
+    if log_level not in LOG_LEVELS:
+        raise ValueError(f"--log-level must be one of {list(LOG_LEVELS)}, got {log_level!r}")
     app = create_app(Settings(db=db, open_reads=open_reads, confirm_margin=confirm_margin))
     uvicorn.run(app, host=host, port=port, access_log=access_log, log_level=log_level)
 
