@@ -145,8 +145,11 @@ async def get_winner(request: Request) -> JSONResponse:
     found = None
     if key is not None and 5 <= len(key) <= 600:
         found = results.winner(store, device_class, key, versions)  # stored keys are canonical
+    if key is None:
+        missing = {"type": "missing", "loc": ("query", "key"), "msg": "Field required"}
+        raise RequestValidationError([missing])
     if found is None:
-        canonical = _valid(_KEY, key, ("query", "key"))  # 422 for a missing or invalid key
+        canonical = _valid(_KEY, key, ("query", "key"))  # 422 for an invalid key
         if canonical != key:
             found = results.winner(store, device_class, canonical, versions)
     if found is None:

@@ -1,4 +1,4 @@
-"""Service settings: what ``tuner serve`` flags set, with the limits that keep bad input cheap."""
+"""Service settings (``tuner serve`` flags). Per-request size limits are in ``server.models``."""
 
 from __future__ import annotations
 
@@ -13,9 +13,4 @@ class Settings(BaseModel):
     confirm_margin: float = Field(0.25, ge=0)  # a larger winner change needs confirmation
     min_noise: float = Field(0.01, ge=0)  # a challenger must beat the baseline by at least this
     max_attempts: int = Field(3, ge=1)  # leases that end without a winner before a key fails
-    default_lease_s: float = Field(900.0, gt=0)
-    max_lease_s: float = Field(86400.0, gt=0)
     max_body_bytes: int = Field(32 * 2**20, gt=0)  # larger requests get 413 before parsing
-    max_batch: int = Field(5000, gt=0)  # measurements or misses per request
-    max_keys: int = Field(1000, gt=0)  # keys per batch lookup or claim
-    max_feed_page: int = Field(20000, gt=0)

@@ -190,6 +190,7 @@ def test_huge_body_is_refused_before_parsing(env: Env) -> None:
         ("GET", f"/v1/winners/{DC}/feed", {"params": {"limit": 0}}, 422, "limit"),
         ("GET", f"/v1/winners/{DC}/feed", {"params": {"since": "soon"}}, 422, "since"),
         ("GET", f"/v1/winners/{DC}", {"params": {"key": "gemm:m=8"}}, 422, "incomplete gemm key"),
+        ("GET", f"/v1/winners/{DC}", {}, 422, "query.key: Field required"),
         (
             "POST",
             f"/v1/winners/{DC}/lookup",
