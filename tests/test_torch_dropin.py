@@ -8,6 +8,7 @@ with the timings the engine measured. Everything else goes through the real disp
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -591,3 +592,31 @@ def test_signature_first_seen_in_capture_gets_default(tmp_path: Path) -> None:
     store = Store(disp.store_path)
     assert store.misses(fingerprint("cuda").device_class)  # recorded, not tuned
     assert not store.winners(fingerprint("cuda").device_class)
+
+
+# --- the GPU benchmark's own logic, on the CPU ----------------------------------------------------
+
+
+def test_dropin_benchmark_smoke_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/dropin_decoder.py end to end with tiny dimensions: record, tune, measure, JSON, PNG."""
+    monkeypatch.setenv("TUNER_CACHE", str(tmp_path / "c.db"))
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    args = ["--smoke", "--out", str(out), "--plot", str(png), "--source", "torch"]
+    args += ["--decode-batches", "1,4", "--extra-batches", "3", "--prefill-seq", "8"]
+    args += ["--kv-len", "16", "--rounds", "2", "--iters", "2", "--overhead-calls", "50"]
+    result = bench.main(args)
+    assert result["complete"] and png.stat().st_size > 0
+    assert json.loads(out.read_text())["targets"] == result["targets"]
+    assert {row["status"] for row in result["tuning"]} == {"tuned"}
+    rows = {row["label"]: row for row in result["phases"]}
+    assert set(rows) == {"decode b=1", "decode b=4", "prefill b=1 s=8", "decode b=3 (untuned M)"}
+    for row in rows.values():
+        assert row["rel_err_on_vs_off"] < 1e-6
+        assert row["eager_on"]["median_us"] > 0 and row["eager_ratio"] > 0
+    assert rows["decode b=4"]["stats"]["hits"] == rows["decode b=4"]["stats"]["calls"] > 0
+    untuned = rows["decode b=3 (untuned M)"]
+    assert untuned["stats"]["bucketed"] > 0  # its GEMMs borrow M=4's winners
+    assert {s["via"].split(",")[0] for s in untuned["served"] if s["kind"] == "bucketed"} == {
+        "gemm:m=4"
+    }
+    assert result["overhead"]["per_call_us"]["tuner_linear_on"] > 0

@@ -59,6 +59,8 @@ from typing import Any
 import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
+from tuner.candidates import registry
+from tuner.device import fingerprint
 from tuner.dispatch import Dispatcher, Resolution, get_dispatcher
 
 _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -460,6 +462,15 @@ def _unpatch() -> None:
             delattr(owner, name)
 
 
+def _prepare() -> None:
+    """Do now what a first resolution would otherwise do inside a CUDA-graph capture: load the
+    kernel sources (imports of CuPy, nvmath, ...) and fingerprint the GPU (which asks CuPy for a
+    cuBLAS handle). Both are cached for the process."""
+    registry.all_sources()
+    if torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():
+        fingerprint("cuda")
+
+
 def enable(
     *,
     dispatcher: Dispatcher | None = None,
@@ -475,6 +486,7 @@ def enable(
     """
     global _active
     disp = dispatcher or get_dispatcher()
+    _prepare()
     if buckets is not None:
         disp.set_buckets(buckets)
     if mode is not None:
