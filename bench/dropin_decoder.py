@@ -20,8 +20,10 @@ intermediate 14336; fused QKV and gate/up projections as vLLM runs them.
    winner's runner called directly vs ``Dispatcher.matmul`` vs ``F.linear`` under
    ``tuner.torch``. Target: at most 5 us over the direct call.
 
-JSON (device, versions, tuning log, per-phase times and ratios, stats, overhead, targets) and a PNG
-of the ratios. The model classes are imported by tests/test_torch_dropin.py with tiny dimensions.
+JSON (device, versions, tuning log, per-phase times, ratios and on-vs-off numerics, which kernel
+served each problem, overhead, targets; rewritten after every stage) and a PNG of the ratios.
+``--smoke`` runs the same script on the CPU with tiny dimensions (no CUDA graphs): that is how
+tests/test_torch_dropin.py checks it, and it imports the model classes from here too.
 """
 
 from __future__ import annotations
