@@ -37,14 +37,16 @@ def speedup_plot(
     palette = plt.get_cmap("tab10")
     names = list(dict.fromkeys(groups)) if groups else []
     colors = [palette(names.index(g) % 10) for g in groups] if groups else ["tab:blue"] * n
-    ax.barh(range(n), speedups, color=colors)
+    ax.barh(range(n), [s - 1.0 for s in speedups], left=1.0, color=colors)  # bars grow from 1x
     ax.set_yticks(range(n), labels, fontsize=7)
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=1)
     if floor is not None:
         ax.axvline(floor, color="red", linestyle=":", linewidth=1, label=f"{floor}x floor")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("speedup over baseline (log scale; >1 is faster)")
+    wide = bool(speedups) and max(speedups) / max(min(speedups), 1e-9) > 4
+    if wide:  # a log axis only where the range needs it: a narrow one would show a single tick
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"speedup over baseline ({'log scale; ' if wide else ''}>1 is faster)")
     ax.set_title(
         f"{title}\ngeomean {geomean(speedups):.3f}x, min {min(speedups, default=float('nan')):.3f}x, max {max(speedups, default=float('nan')):.3f}x"
     )
