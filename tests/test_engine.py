@@ -96,3 +96,33 @@ def test_eager_launch_cost_counts_against_a_challenger():
     fast_gpu_slow_launch.host_us = 30.0
     assert choose([base, fast_gpu_slow_launch], TuneOptions(launch="eager")).source == "torch"
     assert choose([base, fast_gpu_slow_launch], TuneOptions(launch="graph")).source == "x"
+
+
+@pytest.fixture
+def memoized():
+    from planted import Memoized
+
+    Memoized.slow = False
+    registry.register(Memoized())
+    yield Memoized
+    registry.unregister("memoized")
+
+
+def test_a_truly_faster_challenger_wins_and_is_confirmed(memoized):
+    outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["memoized"]))
+    assert outcome.winner.source == "memoized" and outcome.winner.speedup > 1.5
+    assert "kept" in by_params(outcome)["memoized"].error
+
+
+def test_a_lucky_measurement_does_not_survive_the_confirmation(memoized):
+    def slow_down_after_its_trial(m):
+        if m.source == "memoized":
+            memoized.slow = True  # it measured fast; from now on it is slow
+
+    outcome = tune(
+        KEY,
+        options=TuneOptions(budget_s=0.02, sources=["memoized"]),
+        on_result=slow_down_after_its_trial,
+    )
+    assert outcome.winner.source == "torch"
+    assert "lost" in by_params(outcome)["memoized"].error

@@ -10,6 +10,7 @@ slower than doing nothing.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import uuid
 from collections.abc import Callable
@@ -31,7 +32,8 @@ log = logging.getLogger(__name__)
 class TuneOptions:
     budget_s: float = 0.15  # timing budget per candidate
     cut_factor: float = 1.5  # probe slower than this x best so far -> cut
-    min_noise: float = 0.01  # a challenger must win by at least 1% ...
+    min_noise: float = 0.02  # a challenger must win by at least 2% ...
+    confirm_rounds: int = 3  # ... and again when re-timed alternately with the baseline
     seed: int = 0
     launch: str = "eager"  # "eager": host launch time counts; "graph": GPU time only
     sources: list[str] | None = None  # restrict to these source names
@@ -101,6 +103,7 @@ class _Trial:
             tol,
             record,
         )
+        self.runners: dict[str, Runner] = {}  # candidates that passed the numerics check
 
     def run(
         self, source: Source, params: Params, cutoff_us: float | None, options: TuneOptions
@@ -121,6 +124,7 @@ class _Trial:
                 max_rel_err=err,
                 error=f"relative error {err:.3g} > tolerance {self.tol:.3g}",
             )
+        self.runners[candidate_name(source.name, params)] = runner
         sets = self.sets
         try:
             t = bench.measure(
@@ -138,6 +142,38 @@ class _Trial:
             median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, reps=t.reps, host_us=t.host_us,
             error=f"probe {t.median_us:.1f} us > cutoff {cutoff_us:.1f} us" if t.cut else "",
         )  # fmt: skip
+
+    def confirm(
+        self, base: Measurement, challenger: Measurement, options: TuneOptions
+    ) -> tuple[Measurement, float, float]:
+        """Re-time baseline and challenger alternately on the same inputs. The challenger keeps
+        the win only if it still beats the baseline by the margin: one lucky measurement (clock
+        drift, a quiet moment) must not make a winner that is slower in use.
+
+        Returns the chosen measurement and the baseline's and chosen one's times (us).
+        """
+        times: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
+        for _ in range(options.confirm_rounds):
+            for m in (base, challenger):
+                runner = self.runners.get(m.candidate) or registry.get(m.source).build(
+                    self.key, m.params
+                )
+                t = bench.measure(
+                    lambda i, r=runner: r(*self.sets[i % len(self.sets)]),
+                    device=self.device,
+                    budget_s=options.budget_s,
+                )
+                eager = options.launch == "eager"
+                times[m.candidate].append(max(t.median_us, t.host_us) if eager else t.median_us)
+        base_us = statistics.median(times[base.candidate])
+        chal_us = statistics.median(times[challenger.candidate])
+        margin = max(noise(base, options.min_noise), noise(challenger, options.min_noise))
+        won = chal_us < base_us * (1 - margin)
+        challenger.error = (
+            f"confirmation: {chal_us:.2f} us vs baseline {base_us:.2f} us, "
+            f"{'kept' if won else 'lost'} (margin {margin:.1%})"
+        )
+        return (challenger, base_us, chal_us) if won else (base, base_us, base_us)
 
     def check(self, runner: Runner) -> float:
         """Relative error on the first input set, into a NaN-poisoned output buffer."""
@@ -259,9 +295,14 @@ def tune(
         errors = "; ".join(f"{m.candidate}: {m.error}" for m in measurements if m.is_baseline)
         raise RuntimeError(f"the baseline failed on {key}: {errors}")
     chosen = choose(measurements, options)
+    base_us = chosen_us = effective_us(base, options.launch)
+    if chosen is not base:
+        if options.confirm_rounds > 0:
+            chosen, base_us, chosen_us = trial.confirm(base, chosen, options)
+        else:
+            chosen_us = effective_us(chosen, options.launch)
     winner = Winner(
         device_class=fp.device_class, key=str(key), source=chosen.source, params=chosen.params,
-        median_us=effective_us(chosen, options.launch), baseline_us=effective_us(base, options.launch),
-        versions=fp.version_tag, run_id=run_id,
+        median_us=chosen_us, baseline_us=base_us, versions=fp.version_tag, run_id=run_id,
     )  # fmt: skip
     return TuneOutcome(key, winner, measurements, time.perf_counter() - started)
