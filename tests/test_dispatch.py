@@ -69,6 +69,10 @@ def test_sdpa_matches_torch_for_gqa_and_both_causal_alignments(tmp_path):
         q, k, v, attn_mask=causal_lower_right(5, 9), enable_gqa=True
     )
     torch.testing.assert_close(d.sdpa(q, k, v, causal="bottom_right"), expected)
+    # outside what the tuner keys (3-D inputs): torch's path, bottom-right still bottom-right
+    q3, k3, v3 = q[0, :2], k[0], v[0]
+    expected = F.scaled_dot_product_attention(q3, k3, v3, attn_mask=causal_lower_right(5, 9))
+    torch.testing.assert_close(d.sdpa(q3, k3, v3, causal="bottom_right"), expected)
     with pytest.raises(ValueError, match="causal must be"):
         d.sdpa(q, k, v, causal="sideways")
 

@@ -80,6 +80,8 @@ def test_mismatched_tensors_are_rejected_clearly():
 def test_kv_heads_must_divide_q_heads():
     with pytest.raises(ValueError, match=r"kv_heads \(5\) must divide q_heads \(32\)"):
         SdpaKey(batch=1, q_heads=32, kv_heads=5, q_len=1, kv_len=1, head_dim=64)
+    with pytest.raises(ValueError, match="head_dim must be a positive integer"):
+        SdpaKey(batch=1, q_heads=4, kv_heads=4, q_len=1, kv_len=1, head_dim=0)
     with pytest.raises(ValueError, match="causal must be one of"):
         SdpaKey(batch=1, q_heads=4, kv_heads=4, q_len=1, kv_len=1, head_dim=64, causal="yes")
 

@@ -32,6 +32,7 @@ from tuner.buckets import DEFAULT_POLICY, BucketIndex, check_policy, transfer_pr
 from tuner.cache import Store, StoreError, default_path
 from tuner.candidates import registry
 from tuner.candidates.base import Runner
+from tuner.candidates.torch_ref import bottom_right_mask
 from tuner.device import fingerprint
 from tuner.keys import GemmKey, Key, SdpaKey
 from tuner.results import Winner
@@ -52,13 +53,16 @@ def _torch_matmul(a: Any, b: Any, out: Any = None) -> Any:
     return torch.matmul(a, b, out=out)
 
 
-def _torch_sdpa(is_causal: bool, scale: float | None) -> Runner:
+def _torch_sdpa(causal: str, scale: float | None) -> Runner:
     """torch's SDPA for calls the tuner does not handle (it raises its own errors)."""
 
     def run(q: Any, k: Any, v: Any, out: Any = None) -> Any:
         gqa = q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]
+        mask = None
+        if causal == "bottom_right":
+            mask = bottom_right_mask(q.shape[-2], k.shape[-2], q.device)
         return F.scaled_dot_product_attention(
-            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa
+            q, k, v, attn_mask=mask, is_causal=causal == "top_left", scale=scale, enable_gqa=gqa
         )
 
     return run
@@ -156,7 +160,7 @@ class Dispatcher:
 
             runner = self._resolve(
                 sig, lambda: SdpaKey.from_tensors(q, k, v, causal=mode, scale=scale), q.device,
-                _torch_sdpa(mode != "none", scale), grad=sig[-1],
+                _torch_sdpa(mode, scale), grad=sig[-1],
             )  # fmt: skip
         return runner(q, k, v)
 

@@ -133,12 +133,13 @@ class SdpaKey:
     scale: float = 0.0  # 0 means "1/sqrt(head_dim)"; normalised in __post_init__
 
     def __post_init__(self) -> None:
+        for name in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim"):
+            _check_positive(name, getattr(self, name))
         if self.head_dim_v == 0:
             object.__setattr__(self, "head_dim_v", self.head_dim)
+        _check_positive("head_dim_v", self.head_dim_v)
         if self.scale == 0.0:
             object.__setattr__(self, "scale", 1.0 / math.sqrt(self.head_dim))
-        for name in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "head_dim_v"):
-            _check_positive(name, getattr(self, name))
         if self.q_heads % self.kv_heads:
             raise ValueError(
                 f"kv_heads ({self.kv_heads}) must divide q_heads ({self.q_heads}) for grouped-query attention"

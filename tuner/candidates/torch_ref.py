@@ -57,11 +57,22 @@ SDPA_BACKENDS = {
 }
 
 
+def bottom_right_mask(q_len: int, kv_len: int, device: Any) -> torch.Tensor:
+    """Boolean mask where query i sees keys up to i + kv_len - q_len (the last query sees all)."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+
+
 def sdpa_mask(key: SdpaKey, device: Any) -> tuple[Any, bool]:
-    """(attn_mask, is_causal) for torch's SDPA: top-left is torch's ``is_causal``."""
+    """(attn_mask, is_causal) for torch's SDPA: top-left is torch's ``is_causal``.
+
+    Bottom-right uses torch's ``causal_lower_right`` bias (fused kernels) without GQA, and a
+    boolean mask with GQA, which that bias does not support on every torch version.
+    """
     if key.causal == "top_left" or (key.causal == "bottom_right" and key.q_len == key.kv_len):
         return None, True
     if key.causal == "bottom_right":
+        if key.q_heads != key.kv_heads:
+            return bottom_right_mask(key.q_len, key.kv_len, device), False
         from torch.nn.attention.bias import causal_lower_right
 
         return causal_lower_right(key.q_len, key.kv_len), False
@@ -102,7 +113,7 @@ class TorchSdpa(Source):
             )
         gqa = key.q_heads != key.kv_heads
         scale = key.scale
-        mask, is_causal = sdpa_mask(key, None)
+        masks: dict[Any, tuple[Any, bool]] = {}  # per device: a boolean mask lives on one
         if backend == "default":
             select = contextlib.nullcontext
         else:
@@ -114,6 +125,9 @@ class TorchSdpa(Source):
                 return sdpa_kernel(chosen)
 
         def run(q, k, v, out=None):
+            mask, is_causal = masks.get(q.device) or masks.setdefault(
+                q.device, sdpa_mask(key, q.device)
+            )
             with select():
                 o = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
