@@ -28,32 +28,32 @@ for stage in "$@"; do
     tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 tests 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
     dispatch) python3 bench/dispatch_overhead.py --out "$OUT/dispatch_overhead.json" || status=1 ;;
     sdpa-tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests/test_sdpa.py 2>&1 | tee "$OUT/sdpa_tests.log" || status=1 ;;
-    sdpa) timeout "${SDPA_BENCH_TIMEOUT:-215}" python3 -m tuner.cli bench sdpa --out "$OUT" ${SDPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/sdpa_bench.log" || status=1 ;;
-    triton-sweep) timeout "${TRITON_SWEEP_TIMEOUT:-150}" python3 bench/triton_gemm_sweep.py --out "$OUT/triton_sweep.json" ${TRITON_SWEEP_ARGS:-} 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
-    triton-tests) timeout "${TRITON_TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_gemm.py 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
-    gemm) timeout "${GEMM_BENCH_TIMEOUT:-560}" python3 -m tuner.cli bench gemm --out "$OUT" ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/gemm_bench.log" || status=1 ;;
+    sdpa) timeout -k 20 "${SDPA_BENCH_TIMEOUT:-215}" python3 -m tuner.cli bench sdpa --out "$OUT" ${SDPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/sdpa_bench.log" || status=1 ;;
+    triton-sweep) timeout -k 20 "${TRITON_SWEEP_TIMEOUT:-150}" python3 bench/triton_gemm_sweep.py --out "$OUT/triton_sweep.json" ${TRITON_SWEEP_ARGS:-} 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
+    triton-tests) timeout -k 20 "${TRITON_TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_gemm.py 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
+    gemm) timeout -k 20 "${GEMM_BENCH_TIMEOUT:-560}" python3 -m tuner.cli bench gemm --out "$OUT" ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/gemm_bench.log" || status=1 ;;
     tuneall)  # tune-all over Llama-3-8B's projections (M 1..8192, bf16) on every GPU; resumable:
       # TUNEALL_RESUME_FROM=<an earlier $OUT/tuneall dir> continues that run's cache and journal
       mkdir -p "$OUT/tuneall"
       if [ -n "${TUNEALL_RESUME_FROM:-}" ]; then cp "$TUNEALL_RESUME_FROM"/tuner.db "$TUNEALL_RESUME_FROM"/tuner.tune-all.jsonl "$OUT/tuneall/" || status=1; fi
-      timeout "${TUNEALL_TIMEOUT:-570}" python3 -m tuner.cli tune-all --cache "$OUT/tuneall/tuner.db" \
+      timeout -k 20 "${TUNEALL_TIMEOUT:-570}" python3 -m tuner.cli tune-all --cache "$OUT/tuneall/tuner.db" \
         --model configs/models/llama-3-8b.yaml --op gemm --time-limit "${TUNEALL_TIME_LIMIT:-420}" \
-        --problem-timeout "${TUNEALL_PROBLEM_TIMEOUT:-240}" --out "$OUT/tuneall" ${TUNEALL_ARGS:-} 2>&1 | tee "$OUT/tuneall/tune_all.log" || status=1
+        --problem-timeout -k 20 "${TUNEALL_PROBLEM_TIMEOUT:-240}" --out "$OUT/tuneall" ${TUNEALL_ARGS:-} 2>&1 | tee "$OUT/tuneall/tune_all.log" || status=1
       python3 -m tuner.cli tunableop export "$OUT/tuneall/tunableop_results0.csv" --cache "$OUT/tuneall/tuner.db" 2>&1 | tee -a "$OUT/tuneall/tune_all.log" || status=1 ;;
     libs)  # cuBLAS / cuBLASLt / CUTLASS sources: compile, GPU tests, best vs torch.matmul, details
       # LIBS_CUTLASS_SEED=<cutlass_cache.tar.xz of an earlier call> starts with its compiled kernels
       if [ -n "${LIBS_CUTLASS_SEED:-}" ]; then mkdir -p "$CUTLASS_CACHE_DIR" && tar xJf "$LIBS_CUTLASS_SEED" -C "$CUTLASS_CACHE_DIR" || status=1; fi
-      timeout "${LIBS_COMPILE_TIMEOUT:-400}" python3 bench/libs_bench.py --precompile --out "$OUT/libs_compile.json" 2>&1 | tee "$OUT/libs.log" || status=1
-      timeout "${LIBS_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gemm_libraries.py 2>&1 | tee -a "$OUT/libs.log" || status=1
-      timeout "${LIBS_TABLE_TIMEOUT:-300}" python3 bench/libs_bench.py --out "$OUT/libs.json" 2>&1 | tee -a "$OUT/libs.log" || status=1
-      timeout "${LIBS_DETAILS_TIMEOUT:-120}" python3 bench/libs_bench.py --details --out "$OUT/libs_details.json" 2>&1 | tee -a "$OUT/libs.log" || status=1
+      timeout -k 20 "${LIBS_COMPILE_TIMEOUT:-400}" python3 bench/libs_bench.py --precompile --out "$OUT/libs_compile.json" 2>&1 | tee "$OUT/libs.log" || status=1
+      timeout -k 20 "${LIBS_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gemm_libraries.py 2>&1 | tee -a "$OUT/libs.log" || status=1
+      timeout -k 20 "${LIBS_TABLE_TIMEOUT:-300}" python3 bench/libs_bench.py --out "$OUT/libs.json" 2>&1 | tee -a "$OUT/libs.log" || status=1
+      timeout -k 20 "${LIBS_DETAILS_TIMEOUT:-120}" python3 bench/libs_bench.py --details --out "$OUT/libs_details.json" 2>&1 | tee -a "$OUT/libs.log" || status=1
       tar cJf "$OUT/cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work . || status=1 ;;
     dropin)  # tuner.torch on a Llama-3-8B decoder layer (bf16): records its problems, tunes the
       # missing ones, times prefill/decode eager and CUDA-graph, tuner on vs off -> dropin_decoder.json/.png
       # Starts from DROPIN_CACHE (default: this call's tuneall cache, if any); DROPIN_ARGS, DROPIN_TUNE_DEADLINE.
       src=${DROPIN_CACHE:-$OUT/tuneall/tuner.db}
       if [ -f "$src" ]; then cp "$src" "$OUT/dropin_tuner.db" || status=1; fi
-      TUNER_CACHE="$OUT/dropin_tuner.db" timeout "${DROPIN_TIMEOUT:-570}" python3 bench/dropin_decoder.py \
+      TUNER_CACHE="$OUT/dropin_tuner.db" timeout -k 20 "${DROPIN_TIMEOUT:-570}" python3 bench/dropin_decoder.py \
         --out "$OUT/dropin_decoder.json" --plot "$OUT/dropin_decoder.png" \
         --tune-deadline-s "${DROPIN_TUNE_DEADLINE:-330}" ${DROPIN_ARGS:-} 2>&1 | tee "$OUT/dropin.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
