@@ -22,14 +22,6 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
 from tuner import bench, problems
@@ -39,6 +31,7 @@ from tuner.device import fingerprint
 from tuner.engine import TuneOptions, TuneOutcome, current_device, tune
 from tuner.keys import Key
 from tuner.plots import geomean, speedup_plot
+from tuner.progress import progress_bar
 from tuner.results import Winner
 
 console = Console()
@@ -131,14 +124,7 @@ def run_suite(
     copy_gbs = copy_bandwidth_gbs(device)
     console.print(f"{fp.name}: device-to-device copy {copy_gbs:.0f} GB/s")
     rows: list[Row] = []
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console) as bar:
+    with progress_bar(console) as bar:
         task = bar.add_task(name, total=len(problems_))
         for label, key in problems_:
             bar.update(task, description=label[:50])

@@ -23,14 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
 from tuner import report, tunableop
 from tuner.cache import Store
@@ -38,6 +30,7 @@ from tuner.device import Fingerprint, fingerprint
 from tuner.keys import parse_key
 from tuner.model_config import load_model
 from tuner.problem_list import ConfigError
+from tuner.progress import progress_bar
 from tuner.results import Measurement
 from tuner.tune_all import (
     Event,
@@ -162,12 +155,8 @@ def _describe(result: Result, problems: ProblemSet) -> str:
 def run_with_progress(
     todo: list, problems: ProblemSet, store_path: Path, options: RunOptions, console: Console
 ) -> RunSummary:
-    columns = (
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-    )  # fmt: skip
     in_flight: dict[int, str] = {}
-    with Progress(*columns, console=console) as bar:
+    with progress_bar(console) as bar:
         task = bar.add_task("starting workers", total=len(todo))
 
         def on_event(event: Event) -> None:
