@@ -65,6 +65,11 @@ def test_tune_all_then_show_export_import(tmp_path):
             "dtype must be one of",
         ),
         (("tune", "key", "gemm:m=4"), "incomplete gemm key"),
+        (
+            ("tune", "gemm", "-m", "64", "-n", "64", "-k", "64", "--source", "nosuch"),
+            "unknown candidate source 'nosuch'",
+        ),
+        (("show", "--op", "gem"), "--op must be 'gemm' or 'sdpa'"),
     ],
 )
 def test_user_mistakes_get_one_line_and_exit_2(tmp_path, args, message):
@@ -95,3 +100,20 @@ def test_import_of_a_non_export_is_refused(tmp_path):
     bad.write_text('{"hello": 1}')
     r = tuner("import", str(bad), cache=tmp_path / "c.db", check=False)
     assert r.returncode == 2 and "not a tuner export" in r.stderr
+
+
+def test_unreadable_and_unwritable_files_get_one_line(tmp_path):
+    bad_yaml = tmp_path / "p.yaml"
+    bad_yaml.write_text("problems:\n  - {op: gemm, m: [1\n")
+    binary = tmp_path / "b.json"
+    binary.write_bytes(b"\x00\xff\xfe")
+    for args, message in [
+        (("tune-all", "--config", str(bad_yaml)), "p.yaml: not valid YAML at line 3"),
+        (("import", str(binary)), "b.json: not a text file"),
+        (("export", str(tmp_path / "no" / "x.json")), "x.json: cannot write"),
+        (("show", "--cache", str(tmp_path)), "is a directory, not a cache file"),
+    ]:
+        r = tuner(*args, cache=tmp_path / "c.db", check=False)
+        assert r.returncode == 2, (args, r.stderr)
+        assert message in r.stderr and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -121,6 +121,7 @@ def info() -> None:
 
 
 def run_tune(key: Key, cache: Path | None, budget: float, sources: list[str] | None) -> None:
+    registry.check_names(sources)
     store = open_store(cache)
     store.save_device(fingerprint())
     with console.status(f"tuning {key}"):
@@ -306,6 +307,7 @@ def tune_all(
         budget_s=budget, sources=source, problem_timeout_s=problem_timeout,
         time_limit_s=time_limit, workers=workers, force=force, isolate=isolate,
     )  # fmt: skip
+    registry.check_names(source)
     sources = _sources(model, config, tunableop_file, misses, op, queue)
     path = cache or default_path()
     raise typer.Exit(
@@ -382,6 +384,8 @@ def show(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """List stored winners."""
+    if op not in (None, "gemm", "sdpa"):
+        raise ConfigError(f"--op must be 'gemm' or 'sdpa', got {op!r}")
     store = open_store(cache)
     dc = None if all_devices else fingerprint().device_class
     winners = store.winners(dc, op=op, source=source, contains=contains)
@@ -415,8 +419,12 @@ def export(
         print(data)
         return
     tmp = output.with_suffix(output.suffix + ".tmp")
-    tmp.write_text(data)
-    tmp.replace(output)  # never leave a half-written export behind
+    try:
+        tmp.write_text(data)
+        tmp.replace(output)  # never leave a half-written export behind
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"{output}: cannot write: {e.strerror}") from None
     err_console.print(f"wrote {output}")
 
 
@@ -431,6 +439,10 @@ def import_(
     """Merge an export into the cache (idempotent, all or nothing)."""
     try:
         data = json.loads(input.read_text())
+    except OSError as e:
+        raise ConfigError(f"{input}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{input}: not a text file (expected a 'tuner export' JSON)") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{input}: not valid JSON: {e}") from None
     counts = open_store(cache).import_(data)

@@ -401,6 +401,7 @@ def command(
     for p in chosen:
         if p not in PARTS:
             raise ValueError(f"part must be one of {list(PARTS)}, got {p!r}")
+    registry.check_names(source)
     options = TuneOptions(budget_s=budget, launch=launch, sources=source)
     if isolate:
         options = dataclasses.replace(options, isolate=True)  # engine.tune hands it to tuner.worker

@@ -48,8 +48,14 @@ def read_yaml(path: Path) -> Any:
         return yaml.safe_load(path.read_text())
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (expected YAML)") from None
+    except yaml.YAMLError as e:  # one line: the problem and where, not the multi-line snippet
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(
+            f"{path}: not valid YAML{at}: {getattr(e, 'problem', None) or e}"
+        ) from None
 
 
 def load_problems(path: str | Path) -> list[Key]:

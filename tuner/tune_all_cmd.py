@@ -253,8 +253,12 @@ def tunableop_export(
     version = pt_version or tunableop.torch_version_tag(torch.__version__)
     exp = tunableop.export(winners, version)
     tmp = output.with_suffix(output.suffix + ".tmp")
-    tmp.write_text("\n".join(exp.lines) + "\n")
-    tmp.replace(output)
+    try:
+        tmp.write_text("\n".join(exp.lines) + "\n")
+        tmp.replace(output)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"{output}: cannot write: {e.strerror}") from None
     console.print(f"wrote {output}: {exp.written} GEMMs (Validator PT_VERSION={version})")
     for key, reason in exp.skipped:
         console.print(f"  [yellow]not expressible[/yellow] {report.short_label(key)}: {reason}")

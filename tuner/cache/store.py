@@ -70,11 +70,19 @@ class Store:
         self.path = Path(path)
         self._file: str | None = None
         if str(path) != ":memory:":
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.is_dir():
+                raise StoreError(f"{path} is a directory, not a cache file")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StoreError(f"{path}: cannot create its directory: {e.strerror}") from None
             self._file = os.path.realpath(self.path)
         with _OPEN_LOCK:
             if self._file is not None and not _OPEN_FILES[self._file]:
-                _check_file(self.path)
+                try:
+                    _check_file(self.path)
+                except OSError as e:
+                    raise StoreError(f"{path} cannot be read: {e.strerror}") from None
             try:
                 conn = sqlite3.connect(
                     str(path), timeout=timeout_s, isolation_level=None, check_same_thread=False
@@ -293,9 +301,9 @@ class Store:
     def _filters(contains: str | None = None, **equal: str | None) -> tuple[list[str], list[Any]]:
         where = [f"{col} = ?" for col, v in equal.items() if v is not None]
         args: list[Any] = [v for v in equal.values() if v is not None]
-        if contains:
-            where.append("key like ?")
-            args.append(f"%{contains}%")
+        if contains:  # a plain substring: LIKE would take '_' and '%' in keys as wildcards
+            where.append("instr(key, ?) > 0")
+            args.append(contains)
         return where, args
 
     # --- export / import -----------------------------------------------------------------------

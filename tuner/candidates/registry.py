@@ -69,6 +69,15 @@ def sources(op: str | None = None) -> list[Source]:
     return sorted(loaded, key=lambda s: s.baseline_params is None)
 
 
+def check_names(names: list[str] | None) -> None:
+    """ValueError for a source name that does not exist: a typo would silently tune nothing."""
+    unknown = [n for n in names or () if n not in all_sources()]
+    if unknown:
+        raise ValueError(
+            f"unknown candidate source {unknown[0]!r}; known: {', '.join(sorted(all_sources()))}"
+        )
+
+
 def get(name: str) -> Source:
     src = all_sources().get(name)
     if not isinstance(src, Source):
