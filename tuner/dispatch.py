@@ -190,11 +190,6 @@ class Dispatcher:
                 self._hot[sig] = runner
             return runner
 
-    def _runner_for(self, key: Key, device: str, *, grad: bool) -> tuple[Runner, str]:
-        """The runner for ``key`` and the name of the candidate it is."""
-        runner, res = self._build(key, self._choose(key, device, grad=grad))
-        return runner, res.candidate
-
     def _choose(self, key: Key, device: str, *, grad: bool) -> Resolution:
         """What serves ``key``: its winner, a bucket neighbour's winner, or torch's default.
 
