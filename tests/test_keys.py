@@ -97,3 +97,10 @@ def test_parse_and_dict_errors_name_the_problem():
         parse_key("gemm:m=1")
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['heads'\]"):
         key_from_dict("sdpa", {"heads": 3})
+    with pytest.raises(ValueError, match="field 'm' given twice"):
+        parse_key("gemm:m=1,n=1,k=1,m=2")
+    # YAML lists where a name belongs: named, not 'unhashable type' or a TypeError
+    with pytest.raises(ValueError, match=r"dtype must be one of .* got \['f32'\]"):
+        key_from_dict("gemm", {"m": 1, "n": 1, "k": 1, "dtype": ["f32"]})
+    with pytest.raises(ValueError, match=r"op must be one of .* got \['gemm'\]"):
+        key_from_dict(["gemm"], {})

@@ -42,7 +42,7 @@ def _check_positive(name: str, value: Any) -> None:
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[Any, ...] | dict) -> None:
-    if value not in allowed:
+    if not isinstance(value, (str, int)) or value not in allowed:  # a YAML list is unhashable
         raise ValueError(f"{name} must be one of {sorted(allowed)}, got {value!r}")
 
 
@@ -219,6 +219,8 @@ def parse_key(text: str) -> Key:
         name, eq, raw = part.partition("=")
         if not eq or name not in types:
             raise ValueError(f"unknown field {name!r} in {op} key; allowed: {sorted(types)}")
+        if name in values:
+            raise ValueError(f"field {name!r} given twice in {op} key {text!r}")
         values[name] = _convert(name, raw, types[name])
     try:
         return cls(**values)
@@ -240,7 +242,7 @@ def _convert(name: str, raw: str, type_name: str) -> Any:
 
 def key_from_dict(op: str, data: dict[str, Any]) -> Key:
     """Build a key from a JSON object (API bodies, YAML configs), naming bad fields."""
-    if op not in KEY_TYPES:
+    if not isinstance(op, str) or op not in KEY_TYPES:
         raise ValueError(f"op must be one of {sorted(KEY_TYPES)}, got {op!r}")
     cls = KEY_TYPES[op]
     allowed = {f.name for f in fields(cls)}
