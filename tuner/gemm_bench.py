@@ -368,9 +368,9 @@ def command(
         list[str] | None,
         typer.Option(help=f"Part(s) to run (repeatable): {', '.join(PARTS)}; default all."),
     ] = None,
-    out: Annotated[Path, typer.Option(help="Folder for gemm_llama_<part>.json/.png/.db.")] = Path(
-        "bench/results"
-    ),
+    out: Annotated[
+        Path, typer.Option(help="Folder for gemm_llama_<part>.json/.png/.db.", file_okay=False)
+    ] = Path("bench/results"),
     budget: Annotated[float, typer.Option(help="Timing budget per candidate, seconds.")] = 0.05,
     launch: Annotated[
         str, typer.Option(help="eager: host launch time counts; graph: GPU time.")

@@ -321,9 +321,9 @@ def _print_extra(result: dict[str, Any], kind: str) -> None:
 
 
 def command(
-    out: Annotated[Path, typer.Option(help="Folder for sdpa_<part>.json and .png.")] = Path(
-        "bench/results"
-    ),
+    out: Annotated[
+        Path, typer.Option(help="Folder for sdpa_<part>.json and .png.", file_okay=False)
+    ] = Path("bench/results"),
     part: Annotated[str, typer.Option(help="all, prefill or decode.")] = "all",
     dtype: Annotated[str, typer.Option(help="bf16 or f16.")] = "bf16",
     budget: Annotated[float, typer.Option(help="Timing budget per candidate, seconds.")] = 0.05,
