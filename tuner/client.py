@@ -110,7 +110,14 @@ class FleetClient:
                     ) from None
             else:
                 if r.status_code < 400:
-                    return r.json()
+                    try:
+                        return r.json()
+                    except ValueError:  # e.g. --server names some other web server
+                        raise FleetError(
+                            f"{self.server}{path}: answered {r.status_code} without JSON; "
+                            "is this a tuner service?",
+                            r.status_code,
+                        ) from None
                 if r.status_code not in RETRY_STATUS or last:
                     raise FleetError(_message(r), r.status_code)
             time.sleep(self.backoff_s * 2**attempt * (0.5 + random.random()))
