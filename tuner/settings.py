@@ -51,6 +51,8 @@ def read_config(path: Path) -> dict[str, str]:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (expected TOML)") from None
     unknown = sorted(set(data) - set(KNOWN))
     if unknown:
         raise ValueError(f"{path}: unknown setting(s) {unknown}; known: {sorted(KNOWN)}")
