@@ -95,7 +95,17 @@ def test_import_rejects_foreign_json_and_keeps_the_store(tmp_path):
             a.import_({"rows": []})
         with pytest.raises(StoreError, match="malformed export"):
             a.import_({"format": "tuner-results", "winners": [{"key": "x"}]})
-        assert len(a.winners()) == 1
+        # rows that would break 'tuner show' / 'report' later: a key that does not parse, a
+        # time that is not a number
+        bad_key = winner().to_row() | {"key": "gemm:m=1"}
+        with pytest.raises(StoreError, match=r"malformed export.*incomplete gemm key"):
+            a.import_({"format": "tuner-results", "winners": [bad_key]})
+        bad_time = measurement().to_row() | {"median_us": "fast"}
+        with pytest.raises(StoreError, match="median_us must be a number"):
+            a.import_({"format": "tuner-results", "measurements": [bad_time]})
+        with pytest.raises(StoreError, match="schema_version must be an integer"):
+            a.import_({"format": "tuner-results", "schema_version": "2"})
+        assert len(a.winners()) == 1 and not a.measurements()
 
 
 def test_corrupt_file_is_refused_and_left_untouched(tmp_path):

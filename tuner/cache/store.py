@@ -65,6 +65,26 @@ _OPEN_FILES: collections.Counter[str] = collections.Counter()
 _OPEN_LOCK = threading.Lock()
 
 
+def _check_imported(measurements: list[Measurement], winners: list[Winner]) -> None:
+    """ValueError for a record that would break later readers: a key that does not parse (``show``
+    and ``report`` parse every key) or a time that is not a number."""
+    from tuner.keys import parse_key  # imports torch: only here, not for every Store
+
+    def number(name: str, x: Any, optional: bool) -> None:
+        if (x is None and optional) or (isinstance(x, (int, float)) and not isinstance(x, bool)):
+            return
+        raise ValueError(f"{name} must be a number, got {x!r}")
+
+    for m in measurements:
+        parse_key(m.key)
+        for name in ("median_us", "p10_us", "p90_us", "host_us", "max_rel_err"):
+            number(name, getattr(m, name), True)
+    for w in winners:
+        parse_key(w.key)
+        number("median_us", w.median_us, False)
+        number("baseline_us", w.baseline_us, False)
+
+
 class Store:
     def __init__(self, path: str | Path, *, timeout_s: float = 60.0) -> None:
         self.path = Path(path)
@@ -324,9 +344,14 @@ class Store:
             raise StoreError(
                 f"not a tuner export: expected an object with format={EXPORT_FORMAT!r}"
             )
-        if int(data.get("schema_version", 0)) > SCHEMA_VERSION:
+        version = data.get("schema_version", 0)
+        if not isinstance(version, int):
             raise StoreError(
-                f"export has schema version {data['schema_version']}, newer than this tuner's {SCHEMA_VERSION}"
+                f"malformed export: schema_version must be an integer, got {version!r}"
+            )
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"export has schema version {version}, newer than this tuner's {SCHEMA_VERSION}"
             )
         try:
             measurements = [Measurement.from_row(r) for r in data.get("measurements", [])]
@@ -335,6 +360,7 @@ class Store:
                 (d["device_class"], json.dumps(d["fingerprint"]), d["first_seen"], d["last_seen"])
                 for d in data.get("devices", [])
             ]
+            _check_imported(measurements, winners)
         except (TypeError, KeyError, ValueError) as e:
             raise StoreError(f"malformed export: {e!r}") from None
         with self.transaction() as c:
