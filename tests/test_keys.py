@@ -59,6 +59,10 @@ def test_gemm_key_from_tensors_sees_layout_alignment_and_tf32():
         ),
         ({"m": 1, "n": 1, "k": 1, "layout": "xx"}, "layout must be one of"),
         ({"m": 8, "n": 8, "k": 5, "dtype": "bf16", "align": 16}, "align=16 is impossible"),
+        (
+            {"m": 8, "n": 8, "k": 5, "dtype": "f32", "out_dtype": "f32", "align": 2},
+            "align=2 is impossible: f32 elements are 4 bytes",
+        ),
     ],
 )
 def test_invalid_gemm_problems_name_the_field(fields, message):

@@ -77,6 +77,10 @@ class GemmKey:
         if self.compute == "tf32" and self.dtype != "f32":
             raise ValueError(f"compute='tf32' needs dtype='f32', got dtype={self.dtype!r}")
         item = ITEMSIZE[self.dtype]
+        if self.align < item:  # a pointer to such elements is at least item-aligned
+            raise ValueError(
+                f"align={self.align} is impossible: {self.dtype} elements are {item} bytes"
+            )
         lda = self.k if self.layout[0] == "n" else self.m
         ldb = self.n if self.layout[1] == "n" else self.k
         for name, ld in (("a", lda), ("b", ldb)):
