@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from server import queue, results, tokens
 from server.auth import authorize, require
@@ -38,7 +38,6 @@ from server.models import (
     ValidationOut,
     Versions,
     WinnerOut,
-    canonical_key,
 )
 from server.tokens import Token
 from tuner.cache import Store
@@ -60,11 +59,6 @@ FEED_SEQ = results.FEED_COLUMNS.index("seq")
 DeviceClassPath = Annotated[str, Path(pattern=DEVICE_CLASS_RE, description="e.g. cpu-x86_64-2c")]
 VersionsQuery = Annotated[
     str | None, Query(max_length=2000, description="only winners measured under these versions")
-]
-KeyQuery = Annotated[
-    str,
-    Query(min_length=5, max_length=600, description="key string"),
-    AfterValidator(canonical_key),
 ]
 DeviceClassQuery = Annotated[str | None, Query(pattern=DEVICE_CLASS_RE)]
 Limit = Annotated[int, Query(ge=1, le=10000)]

@@ -12,7 +12,6 @@ declaration order, e.g.::
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -257,10 +256,6 @@ def key_from_dict(op: str, data: dict[str, Any]) -> Key:
         return cls(**data)
     except TypeError as e:
         raise ValueError(f"incomplete {op} problem: {e}") from None
-
-
-def key_to_dict(key: Key) -> dict[str, Any]:
-    return dataclasses.asdict(key)
 
 
 # --- extraction from tensors ---------------------------------------------------------------

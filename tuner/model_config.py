@@ -43,7 +43,6 @@ from tuner.keys import ALIGNMENTS, ITEMSIZE, GemmKey, Key, SdpaKey
 from tuner.problem_list import ConfigError, read_yaml
 
 GEMM_OPS = ("qkv", "o", "gate_up", "down")
-ATTENTION_OPS = ("attn_prefill", "attn_decode")
 Op = Literal["qkv", "o", "gate_up", "down", "attn_prefill", "attn_decode"]
 DType = Literal["f16", "bf16", "f32", "tf32"]
 Size = Annotated[int, Field(strict=True, gt=0)]

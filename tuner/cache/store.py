@@ -239,10 +239,6 @@ class Store:
         with self.transaction() as c:
             return self._upsert_winner_rows(c, rows)
 
-    def delete_winner(self, device_class: str, key: str) -> None:
-        with self.transaction() as c:
-            c.execute("delete from winners where device_class = ? and key = ?", (device_class, key))
-
     def record_misses(self, device_class: str, keys: Iterable[str], count: int = 1) -> None:
         now = time.time()
         with self.transaction() as c:

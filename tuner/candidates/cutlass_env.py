@@ -38,11 +38,6 @@ from typing import Any
 
 SM = 90
 COMPILE_TIMEOUT_S = float(os.environ.get("TUNER_CUTLASS_COMPILE_TIMEOUT", "900"))
-TMA_SCHEDULES = (
-    "TmaWarpSpecialized",
-    "TmaWarpSpecializedCooperative",
-    "TmaWarpSpecializedPingpong",
-)
 TMA_EPILOGUES = ("TmaWarpSpecialized", "TmaWarpSpecializedCooperative")
 _LOCK = threading.RLock()  # cutlass_cppgen keeps global state (cwd, tempfile.tempdir, plans)
 
