@@ -57,7 +57,7 @@ CacheOpt = Annotated[
         show_default="~/.cache/tuner/tuner.db",
     ),
 ]
-BudgetOpt = Annotated[float, typer.Option(help="Timing budget per candidate, seconds.")]
+BudgetOpt = Annotated[float, typer.Option(min=0.001, help="Timing budget per candidate, seconds.")]
 SourcesOpt = Annotated[
     list[str] | None,
     typer.Option(

@@ -151,6 +151,7 @@ class SdpaKey:
         _check_choice("dtype", self.dtype, {"f16": 1, "bf16": 1, "f32": 1})
         if (
             not isinstance(self.scale, (int, float))
+            or isinstance(self.scale, bool)
             or not math.isfinite(self.scale)
             or self.scale <= 0
         ):

@@ -207,7 +207,7 @@ def tune_all(
     summary = None
     if todo and not dry_run:
         summary = run_with_progress(todo, problems, store_path, options, console)
-    if sources.misses:
+    if sources.misses and not dry_run:
         tuned = current_keys(store, fp)
         store.clear_misses(fp.device_class, [str(k) for k in problems if str(k) in tuned])
     if lease is not None:
