@@ -126,3 +126,14 @@ def test_a_lucky_measurement_does_not_survive_the_confirmation(memoized):
     )
     assert outcome.winner.source == "torch"
     assert "lost" in by_params(outcome)["memoized"].error
+
+
+def test_the_numerics_check_covers_a_later_call_not_only_the_first():
+    from planted import RightOnce
+
+    registry.register(RightOnce())
+    try:
+        outcome = tune(KEY, options=TuneOptions(budget_s=0.01, sources=["right_once"]))
+    finally:
+        registry.unregister("right_once")
+    assert by_params(outcome)["right_once"].status == "rejected"

@@ -176,15 +176,21 @@ class _Trial:
         return (challenger, base_us, chal_us) if won else (base, base_us, base_us)
 
     def check(self, runner: Runner) -> float:
-        """Relative error on the first input set, into a NaN-poisoned output buffer."""
+        """Worst relative error of two calls on the first input set, each into a NaN-poisoned
+        output buffer: the second call is the one checked for runners whose first call compiles
+        and later calls take a faster launch path, which is the path that gets timed and served.
+        """
         inputs = self.sets[0]
-        out = problems.output_like(self.key, inputs)
-        res = runner(*inputs, out=out)
-        if res is not out:
-            out.copy_(res)
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-        return problems.relative_error(out, self.ref)
+        errors = []
+        for _ in range(2):
+            out = problems.output_like(self.key, inputs)
+            res = runner(*inputs, out=out)
+            if res is not out:
+                out.copy_(res)
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            errors.append(problems.relative_error(out, self.ref))
+        return float("nan") if any(e != e for e in errors) else max(errors)
 
 
 def _short(e: BaseException) -> str:
