@@ -317,7 +317,14 @@ def test_failure_and_timeout_are_recorded_and_the_run_goes_on(tmp_path):
 
 def test_ctrl_c_stops_cleanly_with_everything_finished_saved(tmp_path):
     model = tiny(tmp_path, m_sizes="[1, 16]", ops="[qkv, o, gate_up, down]")  # 8 GEMMs
-    args = ("--model", str(model), "--source", "torch", "--budget", "0.1")
+    args = (
+        "--model",
+        str(model),
+        "--source",
+        "torch",
+        "--budget",
+        "0.3",
+    )  # slow enough that ctrl-c lands mid-run
     cache = tmp_path / "c.db"
     p = start(*args, cache=cache, start_new_session=True)
     while not winner_keys(cache):
