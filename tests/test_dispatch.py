@@ -174,3 +174,24 @@ def test_dlpack_arrays_go_through_zero_copy_and_come_back_as_their_type(cache_pa
     out = np.full((6, 4), np.nan, dtype=np.float32)
     assert tuner.matmul(a, b, out=out) is out
     np.testing.assert_allclose(out, a @ b, rtol=1e-5)
+
+
+def test_stale_winners_are_served_or_ignored_per_policy(cache_path, monkeypatch):
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    key = str(GemmKey.from_tensors(a, b))
+    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
+    old = Winner(
+        fingerprint().device_class, key, "triton_gemm", params, 1.0, 2.0, versions="torch=1.0"
+    )
+    Store(cache_path).put_winners([old])
+    served = Dispatcher(cache_path, mode="lookup")
+    served.matmul(a, b)
+    assert served.choices[key].startswith("triton_gemm")
+    monkeypatch.setenv("TUNER_STALE", "ignore")
+    ignored = Dispatcher(cache_path, mode="record")
+    torch.testing.assert_close(ignored.matmul(a, b), a @ b)
+    assert ignored.choices[key] == "torch"
+    assert [m["key"] for m in Store(cache_path).misses()] == [key]
+    monkeypatch.setenv("TUNER_STALE", "maybe")
+    with pytest.raises(ValueError, match="TUNER_STALE must be one of"):
+        Dispatcher(cache_path)

@@ -40,6 +40,10 @@ from tuner.results import Winner
 log = logging.getLogger(__name__)
 
 MODES = ("off", "lookup", "record", "tune")
+STALE_POLICIES = (
+    "use",
+    "ignore",
+)  # winners measured under other versions: serve, or treat as misses
 CAUSAL = {
     False: "none",
     True: "top_left",
@@ -115,6 +119,11 @@ class Dispatcher:
 
     def __init__(self, store_path: str | Path | None = None, mode: str | None = None) -> None:
         self.mode = _check_mode(mode or os.environ.get("TUNER_MODE", "lookup"))
+        self.stale = os.environ.get("TUNER_STALE", "use")
+        if self.stale not in STALE_POLICIES:
+            raise ValueError(
+                f"TUNER_STALE must be one of {list(STALE_POLICIES)}, got {self.stale!r}"
+            )
         self.store_path = Path(store_path) if store_path else default_path()
         self._hot: dict[tuple, Runner] = {}
         self._winners: dict[str, dict[str, Winner]] = {}  # device class -> key -> winner
@@ -269,15 +278,20 @@ class Dispatcher:
         if device_class not in self._winners:
             store = self._open_store()
             winners = store.winners(device_class) if store else []
-            current = fingerprint().version_tag
-            stale = sum(w.versions != current for w in winners)
+            current = fingerprint(device_class.partition("-")[0]).version_tag
+            stale = [w for w in winners if w.versions != current]
             if stale:
                 log.warning(
-                    "%d of %d winners for %s were measured under other versions",
-                    stale,
+                    "%d of %d winners for %s were measured under other versions (%s them: "
+                    "TUNER_STALE=%s)",
+                    len(stale),
                     len(winners),
                     device_class,
+                    "serving" if self.stale == "use" else "ignoring",
+                    self.stale,
                 )
+            if self.stale == "ignore":  # stale keys become misses: recorded or retuned
+                winners = [w for w in winners if w.versions == current]
             self._winners[device_class] = {w.key: w for w in winners}
         return self._winners[device_class]
 
