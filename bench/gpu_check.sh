@@ -21,6 +21,11 @@ export TUNER_CACHE=${TUNER_CACHE:-$OUT/tuner.db}
 export CUTLASS_CACHE_DIR=${CUTLASS_CACHE_DIR:-/tmp/cutlass_cache}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -m tuner.cli info 2>&1 | tee "$OUT/info.txt"
+# The device tool brings back at most 8 files: everything is packed into one archive after each
+# stage, so a call cut off in a later stage still returns what the earlier ones made.
+pack() {
+  ( cd "$OUT" && find . -type f ! -name bundle.tar.gz | tar -czf /tmp/bundle.tar.gz -T - ) && mv /tmp/bundle.tar.gz "$OUT/bundle.tar.gz"
+}
 status=0
 for stage in "$@"; do
   echo "=== stage $stage ==="
@@ -58,8 +63,6 @@ for stage in "$@"; do
         --tune-deadline-s "${DROPIN_TUNE_DEADLINE:-330}" ${DROPIN_ARGS:-} 2>&1 | tee "$OUT/dropin.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
+  pack
 done
-# The device tool brings back at most 8 files: pack everything into one archive (kept beside
-# the small top-level logs) so that no result is left behind.
-( cd "$OUT" && find . -type f ! -name bundle.tar.gz | tar -czf /tmp/bundle.tar.gz -T - ) && mv /tmp/bundle.tar.gz "$OUT/bundle.tar.gz"
 exit $status
