@@ -547,6 +547,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     keys = record_keys(tt, disp, tuned_runs)
     print(f"{len(keys)} problems recorded", flush=True)
+    result["recorded"] = keys
+    save()
     result["tuning"] = [] if args.skip_tune else tune_missing(keys, args, device)
     save()
 
