@@ -19,6 +19,9 @@ else
 fi
 export TUNER_CACHE=${TUNER_CACHE:-$OUT/tuner.db}
 export CUTLASS_CACHE_DIR=${CUTLASS_CACHE_DIR:-/tmp/cutlass_cache}
+# CUTLASS_SEED=<a cutlass_cache.tar.xz from an earlier call, e.g. bench/results/cutlass_cache_h200_sm90.tar.xz>
+# starts every stage with those compiled kernels (cold CUTLASS compiles cost 35-52 s each)
+if [ -n "${CUTLASS_SEED:-}" ]; then mkdir -p "$CUTLASS_CACHE_DIR" && tar xJf "$CUTLASS_SEED" -C "$CUTLASS_CACHE_DIR"; fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -m tuner.cli info 2>&1 | tee "$OUT/info.txt"
 # The device tool brings back at most 8 files: everything is packed into one archive after each
