@@ -393,6 +393,26 @@ def test_fleet_queue_keys_are_tuned_and_completed_on_the_service(tmp_path):
         assert {row["state"] for row in host.queue(device_class=fp.device_class)} == {"done"}
 
 
+def test_a_broken_local_source_fails_before_any_fleet_key_is_leased(tmp_path):
+    from server.live import ThreadServer
+
+    fp = fingerprint()
+    key = GemmKey(m=12, n=16, k=8, dtype="f32", out_dtype="f32")
+    bad = tmp_path / "m.yaml"
+    bad.write_text("name: X\nhidden_size: 64\n")
+    with ThreadServer(tmp_path / "fleet.db") as srv:
+        host = srv.client("host-b", "submit")
+        host.report_misses(fp, [(str(key), 1)])
+        env = {"TUNER_SERVER": srv.url, "TUNER_TOKEN": srv.token("tuner-worker", "submit")}
+        p = subprocess.run(
+            [sys.executable, "-m", "tuner.cli", "tune-all", "--queue", "10", "--model", str(bad)],
+            env=os.environ | env | {"TUNER_CACHE": str(tmp_path / "c.db"), "COLUMNS": "200"},
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert p.returncode == 2 and "intermediate_size" in p.stderr
+        assert {row["state"] for row in host.queue(device_class=fp.device_class)} == {"queued"}
+
+
 def _worker_of(parent: int) -> int:
     """The tune-all worker among a process's children (not multiprocessing's resource tracker)."""
     for pid in _children(parent):

@@ -71,7 +71,11 @@ class FleetLease:
 def collect(
     sources: Sources, store: Store, fp: Fingerprint, console: Console, lease: FleetLease | None
 ) -> ProblemSet:
-    """Every problem the sources name, de-duplicated, with a line per source on the console."""
+    """Every problem the sources name, de-duplicated, with a line per source on the console.
+
+    The local sources are read before the caller leases any fleet keys (``lease`` comes from a
+    second call), so a broken file fails the run without holding keys until their lease runs out.
+    """
     problems = ProblemSet()
     for path in sources.models:
         model = load_model(path)
@@ -193,12 +197,17 @@ def tune_all(
     store = Store(store_path)
     fp = fingerprint()
     store.save_device(fp)
+    problems = collect(sources, store, fp, console, None)
     lease = None
     if sources.queue and not dry_run:
         from tuner.tune_all import local_workers
 
         lease = claim_queue(sources.queue, fp, options, local_workers(options.workers)[0])
-    problems = collect(sources, store, fp, console, lease)
+        for key, labels in collect(
+            Sources(op=sources.op), store, fp, console, lease
+        ).labels.items():
+            for label in labels:
+                problems.add(key, label)
     todo = pending(store, fp, problems, force=options.force)
     console.print(
         f"{len(problems)} distinct problems on {fp.device_class}: "
