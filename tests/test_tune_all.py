@@ -235,7 +235,14 @@ def _alive(pid: int) -> bool:
 
 def test_sigkill_mid_run_then_resume_equals_an_uninterrupted_run(tmp_path):
     model = tiny(tmp_path, m_sizes="[1, 16]", ops="[qkv, o, gate_up, down]")  # 8 GEMMs
-    args = ("--model", str(model), "--source", "torch", "--budget", "0.1")
+    args = (
+        "--model",
+        str(model),
+        "--source",
+        "torch",
+        "--budget",
+        "0.3",
+    )  # the kill must land mid-run
     cache = tmp_path / "killed.db"
     p = start(*args, cache=cache, start_new_session=True)
     deadline = time.time() + 180

@@ -165,19 +165,27 @@ class Store:
         return int(meta.get("schema_version", 0))
 
     def _migrate(self) -> None:
+        """Bring the schema up to date. A current file is only read: opening a store for reading
+        never waits for, or blocks, a process that is writing."""
         try:
+            if self._check_version() == SCHEMA_VERSION:
+                return
             with self.transaction():
-                version = self._schema_version()
-                if version > SCHEMA_VERSION:
-                    raise StoreError(
-                        f"{self.path} has schema version {version}, newer than this tuner's {SCHEMA_VERSION}; upgrade tuner"
-                    )
+                version = self._check_version()  # again, under the write lock
                 for step in MIGRATIONS[version:]:
                     step(self.db)
                 if version < SCHEMA_VERSION:
                     self._put_meta(app=APP_ID, schema_version=str(SCHEMA_VERSION))
         except sqlite3.DatabaseError as e:
             raise StoreError(f"{self.path} is corrupt or not a tuner cache: {e}") from None
+
+    def _check_version(self) -> int:
+        version = self._schema_version()
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path} has schema version {version}, newer than this tuner's {SCHEMA_VERSION}; upgrade tuner"
+            )
+        return version
 
     def _put_meta(self, **values: str) -> None:
         self.db.conn.executemany(
