@@ -128,7 +128,7 @@ class Dispatcher:
         self._hot: dict[tuple, Runner] = {}
         self._winners: dict[str, dict[str, Winner]] = {}  # device class -> key -> winner
         self._recorded: set[tuple[str, str]] = set()
-        self.choices: dict[str, str] = {}  # key -> candidate serving it, for diagnostics
+        self.fleet_sync: Any = None  # tuner.client's background sync, when TUNER_SERVER is set
         self.buckets = check_policy(os.environ.get("TUNER_BUCKETS") or DEFAULT_POLICY)
         self._bucket_index: dict[str, BucketIndex] = {}  # device class -> tuned Ms per family
         self.resolutions: dict[tuple, Resolution] = {}  # (key, kind, candidate, via) -> record
@@ -136,6 +136,11 @@ class Dispatcher:
         self._lock = threading.RLock()
         self._store: Store | None = None
         self._store_failed = False
+
+    @property
+    def choices(self) -> dict[str, str]:
+        """key -> the candidate serving it (the latest resolution), for diagnostics."""
+        return {r.key: r.candidate for r in self.resolutions.values() if r.kind != "untunable"}
 
     # --- hot path ------------------------------------------------------------------------------
 
@@ -191,8 +196,8 @@ class Dispatcher:
                 runner, res = fallback, Resolution(f"untunable: {e}", "untunable", "torch")
             else:
                 runner, res = self._build(key, self._choose(key, device.type, grad=grad))
-                self.choices[str(key)] = res.candidate
-            res = self.resolutions.setdefault((res.key, res.kind, res.candidate, res.via), res)
+            slot = (res.key, res.kind, res.candidate, res.via)
+            res = self.resolutions[slot] = self.resolutions.pop(slot, res)  # latest last
             if self.counting:
                 runner = _counted(runner, res)
             if res.kind != "capture":  # resolved again after the capture, with tuning allowed
