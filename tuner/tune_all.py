@@ -42,6 +42,7 @@ from typing import Any
 from tuner.cache import Store
 from tuner.device import Fingerprint
 from tuner.keys import Key, parse_key
+from tuner.lifetime import die_with_parent
 from tuner.model_config import ModelConfig, expand
 from tuner.problem_list import load_problems
 from tuner.tunableop import Imported
@@ -309,11 +310,16 @@ class _Pool:
         slot.conn, slot.ready, slot.key = recv, False, None
 
     def _kill_all(self) -> None:
+        """Kill the workers; one that said "exit" first gets time to shut down cleanly, so that
+        its own children (compile pool, isolated candidate process) exit with it."""
         for s in self.slots:
-            if s.proc is not None and s.proc.is_alive():
+            if s.proc is None:
+                continue
+            if s.done and s.proc.is_alive():
+                s.proc.join(timeout=30)
+            if s.proc.is_alive():
                 s.proc.kill()
-            if s.proc is not None:
-                s.proc.join(timeout=10)
+            s.proc.join(timeout=10)
 
     # the loop
 
@@ -417,15 +423,6 @@ def _journal_record(r: Result) -> dict[str, Any]:
 # --- the worker process ------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when its parent dies (even by SIGKILL)."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def worker_main(
     index: int,
     device: int | None,
@@ -439,7 +436,7 @@ def worker_main(
     for sig in (signal.SIGINT, signal.SIGTERM):  # the parent decides; it dies, so do we
         signal.signal(sig, signal.SIG_IGN)
     parent = os.getppid()
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != parent:
         return
     if device is not None:  # before any CUDA call: this GPU becomes device 0, here and in children

@@ -33,6 +33,7 @@ from typing import Any
 
 from tuner.engine import TuneOptions, TuneOutcome
 from tuner.keys import Key, parse_key
+from tuner.lifetime import exit_when_orphaned
 from tuner.results import Measurement, Winner
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ def _register(sources: dict[str, str]) -> list[str]:
 
 def _serve(conn: Any, log_path: str) -> None:
     """Worker main loop: ("tune", ...) requests in, progress and outcomes out."""
+    exit_when_orphaned()
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(fd, 2)  # the tail of stderr says why a worker died
     from tuner import engine

@@ -32,6 +32,7 @@ from typing import Any
 import triton
 
 from tuner.candidates.base import interpreting
+from tuner.lifetime import exit_when_orphaned
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +269,9 @@ def _get_pool() -> ProcessPoolExecutor:
                 16, os.cpu_count() or 1
             )
             ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
-            _pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+            _pool = ProcessPoolExecutor(
+                max_workers=workers, mp_context=ctx, initializer=exit_when_orphaned
+            )
             atexit.register(_pool.shutdown, wait=False, cancel_futures=True)
         return _pool
 
