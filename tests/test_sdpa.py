@@ -172,10 +172,10 @@ def test_decode_scope_and_split_choices() -> None:
     assert "q_len 17" in DECODE.unsupported(sdpa_key(q_len=17))
     assert "rows per tile" in DECODE.unsupported(sdpa_key(q_heads=32, kv_heads=1, q_len=8))
     key = SdpaKey(batch=1, q_heads=32, kv_heads=8, q_len=1, kv_len=8192, head_dim=128)
-    # batch 1, 8 kv heads: about 2 and 4 programs per SM on a 132-SM GPU
-    assert split_choices(key, 64, 132) == [32, 64]  # 256-key chunks: no empty split
+    # batch 1, 8 kv heads: about 1, 2, 4 and 8 programs per SM on a 132-SM GPU
+    assert split_choices(key, 64, 132) == [16, 32, 64, 128]  # whole 64-key tiles: no empty split
     wide = SdpaKey(batch=64, q_heads=32, kv_heads=8, q_len=1, kv_len=1024, head_dim=128)
-    assert split_choices(wide, 64, 132) == [1, 2]  # 512 (batch, kv head) pairs fill the GPU
+    assert split_choices(wide, 64, 132) == [1, 2, 3]  # 512 (batch, kv head) pairs fill the GPU
 
 
 # --- through the engine, and the dispatcher's autograd rule --------------------------------------
@@ -305,3 +305,37 @@ def test_gpu_warmup_then_run() -> None:
         params = src.candidates(key, "cuda")[0]
         src.warmup(key, params)
         check(src.build(key, params), key, make(key, "bhsd"))
+
+
+@pytest.mark.parametrize(("direct", "kept"), [(0.0, True), (2.0, False)])
+def test_attention_runners_check_the_direct_launch_once(
+    direct: float, kept: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first call's result stands; a direct launch that differs turns the direct path off."""
+    from tuner.candidates.triton_attention import checked_runner
+
+    monkeypatch.setattr("tuner.candidates.triton_kernels.launch.interpreting", lambda: False)
+
+    class FakeLauncher:
+        compiled, verified, disabled = True, False, False
+
+        def disable(self) -> None:
+            self.disabled, self.verified = True, False
+
+    class FakeLaunch:
+        launcher = FakeLauncher()
+
+    launch = FakeLaunch()
+    calls = []
+
+    def run(q, k, v, out=None):
+        calls.append(launch.launcher.verified)
+        o = torch.empty_like(q) if out is None else out
+        return o.copy_(q + (direct if launch.launcher.verified else 0.0))
+
+    checked = checked_runner(run, [launch], "test")
+    q = torch.ones(1, 2, 3, 4)
+    assert torch.equal(checked(q, q, q), q)
+    assert launch.launcher.verified is kept and launch.launcher.disabled is not kept
+    checked(q, q, q)
+    assert calls == [False, True, kept]  # JIT, the one check, then the path the check chose

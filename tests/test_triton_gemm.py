@@ -285,7 +285,7 @@ class _Runner(GemmRunner):
 def test_direct_relaunch_is_checked_once_against_the_jit(
     direct: float, kept: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("tuner.candidates.triton_gemm.interpreting", lambda: False)
+    monkeypatch.setattr("tuner.candidates.triton_kernels.launch.interpreting", lambda: False)
     runner = _Runner(direct)
     a, b = torch.ones(4, 16), torch.ones(16, 8)
     assert torch.equal(runner(a, b), torch.ones(4, 8))  # the first call's result stands

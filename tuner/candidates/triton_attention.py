@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.base import Params, Runner, Source, interpreting
+from tuner.candidates.triton_kernels.launch import Launcher, verify_direct
 from tuner.keys import DTYPES, SdpaKey
 
 SMEM_BYTES = 227 * 1024  # Hopper's per-block shared-memory limit
@@ -149,53 +150,46 @@ def _flash_fwd(
 
 
 class Launch:
-    """``kernel[grid](*args, **consts)`` with less host work on repeat calls.
+    """``kernel[grid](*args, **consts)`` with little host work on repeat calls (``Launcher``).
 
-    The first call of each specialization goes through Triton's JIT (which compiles or loads the
-    kernel); later calls with the same strides and 16-byte pointer alignment launch the compiled
-    kernel directly, skipping the JIT's argument binding. Decode steps take ~10 us on the GPU, so
-    the launch cost is part of what the caller waits for. Anything unexpected (the interpreter, a
-    Triton version whose compiled kernels launch differently) stays on the JIT path.
+    ``args`` start with the kernel's tensors; the first call of each specialization (strides and
+    16-byte alignment of the pointers) goes through Triton's JIT, later ones launch the compiled
+    kernel directly with the tensors' integer pointers once the runner has checked that a direct
+    launch reproduces the JIT's bits (``verify_direct``). Decode steps take ~10 us on the GPU, so
+    the launch cost is part of what the caller waits for.
     Every constexpr must follow the runtime arguments in the kernel's signature.
     """
 
     def __init__(self, kernel: Any, grid: tuple[int, ...], consts: dict[str, Any]) -> None:
-        self.kernel, self.grid, self.consts = kernel, grid, consts
-        names = list(getattr(kernel, "arg_names", []))
-        const_names = [n for n in names if n in consts]
-        self.tail = tuple(consts[n] for n in const_names)
-        self.n_args = len(names) - len(const_names)
-        self.enabled = not interpreting() and bool(names) and names[self.n_args :] == const_names
-        self.fast: dict[tuple, Any] = {}
-        self.checked = False
+        consts = dict(consts)
+        warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
+        self.launcher = Launcher(kernel, grid, consts, num_warps=warps, num_stages=stages)
 
-    def __call__(self, args: tuple, tensors: tuple[torch.Tensor, ...], strides: tuple) -> None:
-        """``args``: every runtime argument in order; ``tensors`` and ``strides``: those of them
-        that decide Triton's specialization (pointer alignment, strides equal to 1 or % 16)."""
-        if not self.enabled or len(args) != self.n_args:
-            self.kernel[self.grid](*args, **self.consts)
-            return
-        align = 0
-        for t in tensors:
-            align |= t.data_ptr() & 15
-        sig = (strides, align)
-        launcher = self.fast.get(sig)
-        if launcher is None:
-            compiled = self.kernel[self.grid](*args, **self.consts)
-            try:
-                self.fast[sig] = compiled[self.grid]
-            except Exception:  # not a CompiledKernel in this Triton version: stay on the JIT path
-                self.enabled = False
-            return
-        if self.checked:
-            launcher(*args, *self.tail)
-            return
-        try:  # the first direct launch: an argument-list mismatch raises before anything runs
-            launcher(*args, *self.tail)
-            self.checked = True
-        except Exception:
-            self.enabled = False
-            self.kernel[self.grid](*args, **self.consts)
+    def __call__(self, tensors: tuple[torch.Tensor, ...], scalars: tuple, strides: tuple) -> None:
+        """The kernel's arguments are ``(*tensors, *scalars)``; ``strides`` are those among the
+        scalars that change from call to call (Triton specializes on them)."""
+        ptrs = tuple(t.data_ptr() for t in tensors)
+        guard = (strides, tuple(p & 15 for p in ptrs))
+        if self.launcher.ready(guard) and not self.launcher.scratch_bytes:
+            self.launcher.raw((*ptrs, *scalars))
+        else:
+            self.launcher((*tensors, *scalars), guard)
+
+
+def checked_runner(run: Runner, launches: list[Launch], what: str) -> Runner:
+    """``run`` that, after its first call, verifies the direct launch path once (``verify_direct``)."""
+    launchers = [x.launcher for x in launches]
+    pending = [True]
+
+    def checked(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        o = run(q, k, v, out)
+        if pending[0]:
+            pending[0] = not verify_direct(launchers, o, lambda again: run(q, k, v, again), what)
+        return o
+
+    return checked
 
 
 def dot_precision(key: SdpaKey) -> str:
@@ -358,7 +352,7 @@ class TritonAttention(Source):
         ) -> torch.Tensor:
             o = output_for(key, q) if out is None else out
             strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
-            launch((q, k, v, o, *scalars, *strides), (q, k, v, o), strides)
+            launch((q, k, v, o), (*scalars, *strides), strides)
             return o
 
-        return run
+        return checked_runner(run, [launch], f"triton_attention {key}")

@@ -29,6 +29,7 @@ from tuner.candidates.triton_attention import (
     LOG2E,
     Launch,
     causal_offset,
+    checked_runner,
     dot_precision,
     head_dim_problem,
     interpreter_problem,
@@ -188,7 +189,7 @@ def _decode_split(
 
 @triton.jit
 def _decode_merge(
-    PO, ml_offset, Out, num_splits, kv_heads, s_ob, s_oh, s_om, s_od,
+    PO, Out, ml_offset, num_splits, kv_heads, s_ob, s_oh, s_om, s_od,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):  # fmt: skip
@@ -248,10 +249,11 @@ def chunk_for(key: SdpaKey, bn: int, splits: int) -> int:
 
 
 def split_choices(key: SdpaKey, bn: int, sm_count: int) -> list[int]:
-    """Splits giving about 2 and 4 programs per SM in total (1 when batch x kv heads fills it)."""
+    """Splits giving about 1, 2, 4 and 8 programs per SM in total (1 when batch x kv heads fills
+    it). Only the grid changes with the split count: one compiled kernel serves them all."""
     tiles = triton.cdiv(key.kv_len, bn)
     out = []
-    for waves in (2, 4):
+    for waves in (1, 2, 4, 8):
         want = triton.cdiv(waves * sm_count, key.batch * key.kv_heads)
         splits = max(1, min(want, tiles))
         splits = triton.cdiv(key.kv_len, chunk_for(key, bn, splits))  # no empty splits
@@ -307,7 +309,7 @@ class TritonDecode(Source):
         )  # fmt: skip
         if p.splits > 1 and not p.fused:
             _decode_merge.warmup(
-                torch.float32, p.ml_offset, dt, p.splits, key.kv_heads, *strides[12:],
+                torch.float32, dt, p.ml_offset, p.splits, key.kv_heads, *strides[12:],
                 grid=p.merge_grid, **p.merge_consts,
             )  # fmt: skip
 
@@ -326,17 +328,13 @@ class TritonDecode(Source):
             so = o.stride()
             part, counter = work.get(q.device)  # unused when splits == 1 (o written directly)
             strides = (*q.stride(), *k.stride(), *v.stride(), *so)
-            split_launch(
-                (q, k, v, o, part, counter, ml_offset, *scalars, *strides),
-                (q, k, v, o, part, counter),
-                strides,
-            )
+            split_launch((q, k, v, o, part, counter), (ml_offset, *scalars, *strides), strides)
             if two_pass:
-                merge_launch((part, ml_offset, o, p.splits, key.kv_heads, *so), (part, o), so)
+                merge_launch((part, o), (ml_offset, p.splits, key.kv_heads, *so), so)
             return o
 
-        run.launches = (split_launch, merge_launch)  # type: ignore[attr-defined]
-        return run
+        launches = [split_launch, merge_launch] if two_pass else [split_launch]
+        return checked_runner(run, launches, f"triton_decode {key}")
 
 
 class Workspace:

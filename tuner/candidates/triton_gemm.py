@@ -33,7 +33,14 @@ import triton
 from tuner.candidates.base import Params, Runner, Source, interpreting
 from tuner.candidates.triton_kernels import configs
 from tuner.candidates.triton_kernels.gemv import gemv
-from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, WarmReport, warm
+from tuner.candidates.triton_kernels.launch import (
+    FakeTensor,
+    Launcher,
+    WarmJob,
+    WarmReport,
+    verify_direct,
+    warm,
+)
 from tuner.candidates.triton_kernels.pad import pad_pair
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA, persistent_tma_gemm
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tiled_gemm
@@ -136,27 +143,9 @@ class GemmRunner:
         raise NotImplementedError
 
     def check_direct(self, a: Any, b: Any, out: Any) -> None:
-        """Once, after the first (JIT) call: launch again through the direct path and require the
-        same bits (every kernel here is deterministic), else keep to the JIT. One extra run and a
-        synchronisation per runner; skipped while a CUDA graph is being captured."""
-        launchers = self.launchers()
-        if interpreting() or not all(x.compiled for x in launchers):
-            self._checked = True  # no direct path to check (interpreter, FAST_LAUNCH off)
-            return
-        if out.is_cuda and torch.cuda.is_current_stream_capturing():
-            return
-        self._checked = True
-        for x in launchers:
-            x.verified = True
-        again = torch.empty_like(out)
-        self.launch(a, b, again)
-        bits = torch.int32 if out.element_size() == 4 else torch.int16
-        if not torch.equal(again.view(bits), out.view(bits)):
-            log.warning(
-                "triton_gemm %s: direct relaunch differs from the JIT launch; disabled", self.key
-            )
-            for x in launchers:
-                x.disable()
+        """See ``verify_direct``: one extra run and a synchronisation per runner."""
+        relaunch = functools.partial(self.launch, a, b)
+        self._checked = verify_direct(self.launchers(), out, relaunch, f"triton_gemm {self.key}")
 
     def jobs(self) -> list[WarmJob]:
         return []

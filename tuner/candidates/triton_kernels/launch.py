@@ -24,7 +24,7 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,6 +169,31 @@ class Launcher:
             g = self.grid
             self.scratch_bytes = run.global_scratch_size * g[0] * g[1] * g[2] * run.num_ctas
             self._direct = run.launch
+
+
+def verify_direct(
+    launchers: Sequence[Launcher], out: Any, relaunch: Callable[[Any], Any], what: str
+) -> bool:
+    """Once, after a runner's first (JIT) call wrote ``out``: launch again through the direct path
+    into a fresh buffer (``relaunch(buffer)``) and require the same bits (every kernel here is
+    deterministic), else keep to the JIT. Returns False, to be asked again on a later call,
+    while a CUDA graph is being captured (no synchronisation allowed then)."""
+    if interpreting() or not all(x.compiled for x in launchers):
+        return True  # no direct path to check (interpreter, FAST_LAUNCH off)
+    import torch
+
+    if out.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    for x in launchers:
+        x.verified = True
+    again = torch.empty_like(out)
+    relaunch(again)
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[out.element_size()]
+    if not torch.equal(again.view(bits), out.view(bits)):
+        log.warning("%s: a direct relaunch differs from the JIT launch; direct launch off", what)
+        for x in launchers:
+            x.disable()
+    return True
 
 
 # --- parallel compilation ----------------------------------------------------------------------
