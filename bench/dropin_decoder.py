@@ -414,6 +414,38 @@ def hit_path_overhead(
     }
 
 
+def profile_step(
+    tt: Any, disp: Any, step: Callable[[], Any], steps: int = 100, top: int = 40
+) -> dict[str, Any]:
+    """Where the host time of an eager step goes, tuner off and on: wall time per step (host
+    launch throughput, synchronised at the end) and cProfile's busiest functions with it on."""
+    import cProfile
+    import io
+    import pstats
+
+    def host_us() -> float:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        return (time.perf_counter() - t0) * 1e6 / steps
+
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        out["step_us_off"] = statistics.median(host_us() for _ in range(5))
+        with tt.enabled(dispatcher=disp):
+            out["step_us_on"] = statistics.median(host_us() for _ in range(5))
+            prof = cProfile.Profile()
+            prof.enable()
+            host_us()
+            prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    out["profile_on"] = text.getvalue().splitlines()
+    return out
+
+
 def geomean(xs: list[float]) -> float:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
@@ -495,6 +527,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overhead-shape", type=int, nargs=3, default=(16, 256, 256))
     parser.add_argument("--overhead-calls", type=int, default=2000)
     parser.add_argument(
+        "--profile-batch",
+        type=int,
+        default=None,
+        help="Also profile the host side of this decode batch's eager step (JSON 'profile').",
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
         help="Tiny dimensions in f32 on the CPU: checks the whole script without a GPU.",
@@ -558,6 +596,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     overhead = hit_path_overhead(tt, disp, args, device, dtype)
     print(f"hit-path overhead per call (us): {json.dumps(overhead['per_call_us'])}", flush=True)
     result["overhead"] = overhead
+    if args.profile_batch is not None:
+        phase = Phase("decode", args.profile_batch, 1)
+        step = steps.get(phase) or make_step(layer, phase, args.kv_len, gen)
+        result["profile"] = profile_step(tt, disp, step)
+        print(
+            f"host us per step: off {result['profile']['step_us_off']:.1f}, "
+            f"on {result['profile']['step_us_on']:.1f}",
+            flush=True,
+        )
+        print("\n".join(result["profile"]["profile_on"]), flush=True)
+        save()
     rows: list[dict[str, Any]] = []
     result["phases"] = rows
     for phase in phases:

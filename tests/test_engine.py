@@ -98,6 +98,21 @@ def test_eager_launch_cost_counts_against_a_challenger():
     assert choose([base, fast_gpu_slow_launch], TuneOptions(launch="graph")).source == "x"
 
 
+def test_eager_winner_must_not_launch_slower_than_the_baseline():
+    """A GPU-bound call (kernel longer than the launch) still must not add host time: callers
+    bound by the host (decode steps) would pay it on every call."""
+    base = m("torch", 20.0, 19.9, 20.1, baseline=True)
+    base.host_us = 11.0
+    faster_gpu = m("x", 15.0, 14.9, 15.1)
+    faster_gpu.host_us = 14.0  # beyond max(1 us, 10%) of slack
+    assert choose([base, faster_gpu], TuneOptions()).source == "torch"
+    faster_gpu.host_us = 12.0  # within the slack
+    assert choose([base, faster_gpu], TuneOptions()).source == "x"
+    faster_gpu.host_us = 14.0
+    assert choose([base, faster_gpu], TuneOptions(host_slack=0.5)).source == "x"
+    assert choose([base, faster_gpu], TuneOptions(launch="graph")).source == "x"
+
+
 @pytest.fixture
 def memoized():
     from planted import Memoized

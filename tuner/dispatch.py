@@ -53,6 +53,19 @@ CAUSAL = {
 }
 
 
+def _gemm_sig(a: Any, b: Any) -> tuple:
+    """What decides a GEMM's runner: shapes, strides, dtypes, device, 16-byte alignment, the
+    TF32 switch, autograd."""
+    return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device,
+            a.data_ptr() % 16, b.data_ptr() % 16, torch._C._get_cublas_allow_tf32(),
+            (a.requires_grad or b.requires_grad) and torch.is_grad_enabled())  # fmt: skip
+
+
+def _sdpa_sig(q: Any, k: Any, v: Any, causal: bool | str, scale: float | None) -> tuple:
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+            causal, scale, (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())  # fmt: skip
+
+
 def _torch_matmul(a: Any, b: Any, out: Any = None) -> Any:
     return torch.matmul(a, b, out=out)
 
@@ -126,6 +139,8 @@ class Dispatcher:
             )
         self.store_path = Path(store_path) if store_path else default_path()
         self._hot: dict[tuple, Runner] = {}
+        self._served: dict[tuple, Resolution] = {}  # signature -> the resolution of its runner
+        self.generation = 0  # bumped whenever resolved runners are forgotten
         self._winners: dict[str, dict[str, Winner]] = {}  # device class -> key -> winner
         self._recorded: set[tuple[str, str]] = set()
         self.fleet_sync: Any = None  # tuner.client's background sync, when TUNER_SERVER is set
@@ -149,44 +164,60 @@ class Dispatcher:
 
     def gemm_runner(self, a: Any, b: Any) -> Runner:
         """The runner that ``matmul(a, b)`` calls: hoist it out of a loop to skip even the lookup."""
-        sig = (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device,
-               a.data_ptr() % 16, b.data_ptr() % 16, torch.backends.cuda.matmul.allow_tf32,
-               (a.requires_grad or b.requires_grad) and torch.is_grad_enabled())  # fmt: skip
+        sig = _gemm_sig(a, b)
         runner = self._hot.get(sig)
         if runner is None:
-            runner = self._resolve(
-                sig, lambda: GemmKey.from_tensors(a, b), a.device, _torch_matmul, grad=sig[-1]
-            )
+            runner = self._resolve_gemm(sig, a, b)[0]
         return runner
 
     def sdpa(
         self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
     ) -> Any:
-        sig = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-               causal, scale, (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())  # fmt: skip
+        sig = _sdpa_sig(q, k, v, causal, scale)
         runner = self._hot.get(sig)
         if runner is None:
-            mode = CAUSAL.get(causal)
-            if mode is None:
-                raise ValueError(
-                    f"causal must be a bool, 'top_left' or 'bottom_right', got {causal!r}"
-                )
-
-            runner = self._resolve(
-                sig, lambda: SdpaKey.from_tensors(q, k, v, causal=mode, scale=scale), q.device,
-                _torch_sdpa(mode, scale), grad=sig[-1],
-            )  # fmt: skip
+            runner = self._resolve_sdpa(sig, q, k, v, causal, scale)[0]
         return runner(q, k, v)
+
+    def resolve_gemm(self, a: Any, b: Any) -> tuple[Runner, Resolution]:
+        """``gemm_runner`` and how it was chosen (``tuner.torch`` hands torch-served calls back
+        to torch's own entry point, untouched)."""
+        sig = _gemm_sig(a, b)
+        runner, res = self._hot.get(sig), self._served.get(sig)
+        return (runner, res) if runner and res else self._resolve_gemm(sig, a, b)
+
+    def resolve_sdpa(
+        self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
+    ) -> tuple[Runner, Resolution]:
+        sig = _sdpa_sig(q, k, v, causal, scale)
+        runner, res = self._hot.get(sig), self._served.get(sig)
+        return (runner, res) if runner and res else self._resolve_sdpa(sig, q, k, v, causal, scale)
 
     # --- resolution (first call of a signature) -------------------------------------------------
 
+    def _resolve_gemm(self, sig: tuple, a: Any, b: Any) -> tuple[Runner, Resolution]:
+        return self._resolve(
+            sig, lambda: GemmKey.from_tensors(a, b), a.device, _torch_matmul, grad=sig[-1]
+        )
+
+    def _resolve_sdpa(
+        self, sig: tuple, q: Any, k: Any, v: Any, causal: bool | str, scale: float | None
+    ) -> tuple[Runner, Resolution]:
+        mode = CAUSAL.get(causal)
+        if mode is None:
+            raise ValueError(f"causal must be a bool, 'top_left' or 'bottom_right', got {causal!r}")
+        return self._resolve(
+            sig, lambda: SdpaKey.from_tensors(q, k, v, causal=mode, scale=scale), q.device,
+            _torch_sdpa(mode, scale), grad=sig[-1],
+        )  # fmt: skip
+
     def _resolve(
         self, sig: tuple, make_key: Callable[[], Key], device: Any, fallback: Runner, *, grad: bool
-    ) -> Runner:
+    ) -> tuple[Runner, Resolution]:
         with self._lock:
-            runner = self._hot.get(sig)
-            if runner is not None:
-                return runner
+            runner, res = self._hot.get(sig), self._served.get(sig)
+            if runner is not None and res is not None:
+                return runner, res
             try:
                 key = make_key()
             except (
@@ -200,9 +231,10 @@ class Dispatcher:
             res = self.resolutions[slot] = self.resolutions.pop(slot, res)  # latest last
             if self.counting:
                 runner = _counted(runner, res)
+            self._served[sig] = res
             if res.kind != "capture":  # resolved again after the capture, with tuning allowed
                 self._hot[sig] = runner
-            return runner
+            return runner, res
 
     def _choose(self, key: Key, device: str, *, grad: bool) -> Resolution:
         """What serves ``key``: its winner, a bucket neighbour's winner, or torch's default.
@@ -322,25 +354,31 @@ class Dispatcher:
     def set_mode(self, mode: str) -> None:
         with self._lock:
             self.mode = _check_mode(mode)
-            self._hot.clear()
+            self._forget()
 
     def set_buckets(self, policy: str) -> None:
         """Bucket policy for GEMMs with an untuned M: ``tuner.buckets.POLICIES``."""
         with self._lock:
             self.buckets = check_policy(policy)
-            self._hot.clear()
+            self._forget()
 
     def set_counting(self, on: bool) -> None:
         """Count calls per resolution (``self.resolutions``); one increment per call while on."""
         with self._lock:
             if on != self.counting:
                 self.counting = on
-                self._hot.clear()
+                self._forget()
+
+    def _forget(self) -> None:
+        """Drop every resolved runner (callers hold the lock)."""
+        self._hot.clear()
+        self._served.clear()
+        self.generation += 1
 
     def reload(self) -> None:
         """Forget resolved runners and winners, e.g. after a sync brought new ones."""
         with self._lock:
-            self._hot.clear()
+            self._forget()
             self._winners.clear()
             self._bucket_index.clear()
 

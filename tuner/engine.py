@@ -36,6 +36,8 @@ class TuneOptions:
     confirm_rounds: int = 3  # ... and again when re-timed alternately with the baseline
     seed: int = 0
     launch: str = "eager"  # "eager": host launch time counts; "graph": GPU time only
+    host_slack_us: float = 1.0  # eager: a winner may cost at most max(this, host_slack x the
+    host_slack: float = 0.1  # baseline's) more host time per call than the baseline
     sources: list[str] | None = None  # restrict to these source names
     max_candidates: int | None = None  # per source
     isolate: bool = False  # run the candidates in a replaceable worker process (tuner.worker)
@@ -70,10 +72,24 @@ def noise(m: Measurement, floor: float) -> float:
     return max(floor, m.spread / 2)
 
 
+def launches_no_slower(
+    host_us: float | None, base_host_us: float | None, options: TuneOptions
+) -> bool:
+    """Eager callers are often bound by the host, not the GPU: a decode step launches dozens of
+    small kernels and the GPU waits for each. There a kernel that is faster on the GPU but slower
+    to launch makes the whole step slower (measured: a Llama decoder layer 0.83x), so in eager
+    mode a winner must not cost more host time per call than the baseline, beyond noise."""
+    if options.launch != "eager" or host_us is None or base_host_us is None:
+        return True
+    return host_us <= base_host_us + max(options.host_slack_us, options.host_slack * base_host_us)
+
+
 def choose(measurements: list[Measurement], options: TuneOptions) -> Measurement:
-    """The baseline, unless a challenger is faster by more than both sides' noise."""
+    """The baseline, unless a challenger is faster by more than both sides' noise (and, eager,
+    launches no slower)."""
     ok = [m for m in measurements if m.status == "ok"]
     base = next(m for m in ok if m.is_baseline)
+    ok = [m for m in ok if m is base or launches_no_slower(m.host_us, base.host_us, options)]
     best = min(ok, key=lambda m: effective_us(m, options.launch))
     if best is base:
         return base
@@ -153,6 +169,7 @@ class _Trial:
         Returns the chosen measurement and the baseline's and chosen one's times (us).
         """
         times: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
+        hosts: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         for _ in range(options.confirm_rounds):
             for m in (base, challenger):
                 runner = self.runners.get(m.candidate) or registry.get(m.source).build(
@@ -165,14 +182,20 @@ class _Trial:
                 )
                 eager = options.launch == "eager"
                 times[m.candidate].append(max(t.median_us, t.host_us) if eager else t.median_us)
+                hosts[m.candidate].append(t.host_us)
         base_us = statistics.median(times[base.candidate])
         chal_us = statistics.median(times[challenger.candidate])
+        base_host = statistics.median(hosts[base.candidate])
+        chal_host = statistics.median(hosts[challenger.candidate])
         margin = max(noise(base, options.min_noise), noise(challenger, options.min_noise))
         won = chal_us < base_us * (1 - margin)
+        launch_ok = launches_no_slower(chal_host, base_host, options)
         challenger.error = (
-            f"confirmation: {chal_us:.2f} us vs baseline {base_us:.2f} us, "
-            f"{'kept' if won else 'lost'} (margin {margin:.1%})"
+            f"confirmation: {chal_us:.2f} us vs baseline {base_us:.2f} us, host "
+            f"{chal_host:.2f} vs {base_host:.2f} us per call, "
+            f"{'kept' if won and launch_ok else 'lost'} (margin {margin:.1%})"
         )
+        won = won and launch_ok
         return (challenger, base_us, chal_us) if won else (base, base_us, base_us)
 
     def check(self, runner: Runner) -> float:

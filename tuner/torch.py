@@ -288,16 +288,29 @@ class Router:
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
+        # F.linear call signature -> (the tuned runner, or None where torch's kernel serves; how)
+        self._linear_hot: dict[tuple, tuple[Any, Resolution]] = {}
+        self._generation = dispatcher.generation
+
+    def _torch_serves(self, res: Resolution, op: str) -> bool:
+        """Torch's own kernel serves this call: hand it back to torch's entry point as made
+        (no views, no wrappers: in an eager decode step every microsecond of host time shows)."""
+        if res.candidate != registry.baseline(op).name:
+            return False
+        if self.dispatcher.counting:
+            res.calls += 1
+        return True
 
     # --- GEMMs ---------------------------------------------------------------------------------
 
-    def _gemm(self, a: torch.Tensor, b: torch.Tensor, compiling: bool) -> torch.Tensor:
-        """``a @ b`` for 2-D operands or 3-D ones of equal batch."""
+    def _gemm(self, a: torch.Tensor, b: torch.Tensor, compiling: bool) -> torch.Tensor | None:
+        """``a @ b`` for 2-D operands or 3-D ones of equal batch; None: torch's kernel serves."""
         if compiling:
             return torch.ops.tuner.mm(a, b)
         if _needs_grad(a, b):
             return _TunedMM.apply(a, b, self.dispatcher)
-        return self.dispatcher.matmul(a, b)
+        runner, res = self.dispatcher.resolve_gemm(a, b)
+        return None if self._torch_serves(res, "gemm") else runner(a, b)
 
     def _matmul(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
         a, b, out = _binary_args(*args, **kwargs)
@@ -305,30 +318,32 @@ class Router:
             return NotImplemented
         da, db = a.dim(), b.dim()
         if da == 2 and db == 2:
-            return self._gemm(a, b, compiling)
+            return _or_torch(self._gemm(a, b, compiling))
         if da < 2 or db < 2:
             return NotImplemented  # vectors: torch
         if db == 2:  # (..., M, K) @ (K, N): fold the leading dims into M, as torch does
             y = self._gemm(a.reshape(-1, a.shape[-1]), b, compiling)
-            return y.view(*a.shape[:-1], b.shape[-1])
+            return NotImplemented if y is None else y.view(*a.shape[:-1], b.shape[-1])
         if da == db and a.shape[:-2] == b.shape[:-2]:  # same batch dims: one bmm
             if da == 3:
-                return self._gemm(a, b, compiling)
+                return _or_torch(self._gemm(a, b, compiling))
             y = self._gemm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), compiling)
-            return y.view(*a.shape[:-1], b.shape[-1])
+            return NotImplemented if y is None else y.view(*a.shape[:-1], b.shape[-1])
         return NotImplemented  # broadcast batches: torch
 
     def _mm(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
         a, b, out = _binary_args(*args, **kwargs)
         if out is not None or not _gemm_pair(a, b) or a.dim() != 2 or b.dim() != 2:
             return NotImplemented
-        return self._gemm(a, b, compiling)
+        return _or_torch(self._gemm(a, b, compiling))
 
     def _bmm(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
         a, b, out = _binary_args(*args, **kwargs)
         if out is not None or not _gemm_pair(a, b) or a.dim() != 3 or b.dim() != 3:
             return NotImplemented
-        return self._gemm(a, b, compiling) if a.shape[0] == b.shape[0] else NotImplemented
+        return (
+            _or_torch(self._gemm(a, b, compiling)) if a.shape[0] == b.shape[0] else NotImplemented
+        )
 
     def _addmm(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
         c, a, b, beta, alpha, out = _addmm_args(*args, **kwargs)
@@ -344,7 +359,8 @@ class Router:
             or c.dim() > 2
         ):
             return NotImplemented
-        return self._gemm(a, b, compiling).add_(c)  # in place: nothing allocated beyond the output
+        y = self._gemm(a, b, compiling)
+        return NotImplemented if y is None else y.add_(c)  # in place: no second allocation
 
     def _linear(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
         x, w, bias = _linear_args(*args, **kwargs)
@@ -353,15 +369,40 @@ class Router:
         if bias is not None and not (_plain(bias) and bias.dtype == x.dtype and bias.dim() == 1):
             return NotImplemented
         nd = x.dim()
-        if nd == 2:
-            y = self._gemm(x, w.t(), compiling)
-            return y if bias is None else y.add_(bias)
         if nd < 2:
             return NotImplemented
-        y = self._gemm(x.reshape(-1, x.shape[-1]), w.t(), compiling)
+        if compiling or _needs_grad(x, w, bias):
+            x2 = x if nd == 2 else x.reshape(-1, x.shape[-1])
+            return self._linear_out(self._gemm(x2, w.t(), compiling), x, w, bias)
+        # The hot path: one lookup on the call as made. Torch-served calls go back untouched.
+        if self._generation != self.dispatcher.generation:
+            self._linear_hot.clear()
+            self._generation = self.dispatcher.generation
+        sig = (x.shape, x.stride(), w.shape, w.stride(), x.dtype, w.dtype, x.device,
+               x.data_ptr() % 16, w.data_ptr() % 16, bias is None,
+               torch._C._get_cublas_allow_tf32())  # fmt: skip
+        hot = self._linear_hot.get(sig)
+        if hot is None:
+            x2 = x if nd == 2 else x.reshape(-1, x.shape[-1])
+            runner, res = self.dispatcher.resolve_gemm(x2, w.t())
+            hot = (None if res.candidate == registry.baseline("gemm").name else runner, res)
+            if res.kind != "capture":
+                self._linear_hot[sig] = hot
+        runner, res = hot
+        if runner is None:
+            if self.dispatcher.counting:
+                res.calls += 1
+            return NotImplemented
+        x2 = x if nd == 2 else x.reshape(-1, x.shape[-1])
+        return self._linear_out(runner(x2, w.t()), x, w, bias)
+
+    @staticmethod
+    def _linear_out(y: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor, bias: Any) -> Any:
+        if y is None:
+            return NotImplemented
         if bias is not None:
             y = y.add_(bias)
-        return y.view(*x.shape[:-1], w.shape[0])
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
 
     # --- attention -----------------------------------------------------------------------------
 
@@ -381,7 +422,13 @@ class Router:
                 return NotImplemented
             return torch.ops.tuner.sdpa(q, k, v, causal, scale)
         # with a gradient the dispatcher serves torch's own (differentiable) SDPA
-        return self.dispatcher.sdpa(q, k, v, causal=causal, scale=scale)
+        runner, res = self.dispatcher.resolve_sdpa(q, k, v, causal=causal, scale=scale)
+        return NotImplemented if self._torch_serves(res, "sdpa") else runner(q, k, v)
+
+
+def _or_torch(y: torch.Tensor | None) -> Any:
+    """A handler's result: ``NotImplemented`` sends the call to torch's own entry point."""
+    return NotImplemented if y is None else y
 
 
 # --- switching on and off -----------------------------------------------------------------------
