@@ -112,6 +112,7 @@ class Resolution:
     winner: Winner | None = None
     via: str | None = None
     calls: int = 0
+    by_torch: bool = True  # torch's own kernel serves (the default, or a baseline winner)
 
     @property
     def saved_us(self) -> float:
@@ -262,7 +263,7 @@ class Dispatcher:
             return Resolution(str(key), kind, base.name, winner, via)
         if capturing:
             return Resolution(str(key), "capture", base.name)
-        return Resolution(str(key), kind, winner.candidate, winner, via)
+        return Resolution(str(key), kind, winner.candidate, winner, via, by_torch=False)
 
     def _build(self, key: Key, res: Resolution) -> tuple[Runner, Resolution]:
         """The runner of a resolution, built for ``key`` itself (also for a bucketed winner)."""

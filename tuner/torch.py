@@ -72,7 +72,13 @@ _CAUSAL_BIAS = {CausalVariant.UPPER_LEFT: "top_left", CausalVariant.LOWER_RIGHT:
 _lock = threading.Lock()
 _routers: list[Router] = []  # enable() pushes, disable() pops; the last one routes
 _active: Router | None = None
-_guard = threading.local()  # .busy: this thread is inside the tuner; its torch calls go to torch
+
+
+class _Guard(threading.local):
+    busy = False  # this thread is inside the tuner: its torch calls go to torch
+
+
+_guard = _Guard()
 
 
 def active_dispatcher() -> Dispatcher:
@@ -84,7 +90,7 @@ def active_dispatcher() -> Dispatcher:
 @contextlib.contextmanager
 def _inside_tuner() -> Iterator[None]:
     """Mark this thread as inside the tuner (backward passes and custom ops enter from outside)."""
-    was = getattr(_guard, "busy", False)
+    was = _guard.busy
     _guard.busy = True
     try:
         yield
@@ -292,14 +298,12 @@ class Router:
         self._linear_hot: dict[tuple, tuple[Any, Resolution]] = {}
         self._generation = dispatcher.generation
 
-    def _torch_serves(self, res: Resolution, op: str) -> bool:
+    def _torch_serves(self, res: Resolution) -> bool:
         """Torch's own kernel serves this call: hand it back to torch's entry point as made
         (no views, no wrappers: in an eager decode step every microsecond of host time shows)."""
-        if res.candidate != registry.baseline(op).name:
-            return False
-        if self.dispatcher.counting:
+        if res.by_torch and self.dispatcher.counting:
             res.calls += 1
-        return True
+        return res.by_torch
 
     # --- GEMMs ---------------------------------------------------------------------------------
 
@@ -310,7 +314,7 @@ class Router:
         if _needs_grad(a, b):
             return _TunedMM.apply(a, b, self.dispatcher)
         runner, res = self.dispatcher.resolve_gemm(a, b)
-        return None if self._torch_serves(res, "gemm") else runner(a, b)
+        return None if self._torch_serves(res) else runner(a, b)
 
     def _matmul(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
         a, b, out = _binary_args(*args, **kwargs)
@@ -374,26 +378,30 @@ class Router:
         if compiling or _needs_grad(x, w, bias):
             x2 = x if nd == 2 else x.reshape(-1, x.shape[-1])
             return self._linear_out(self._gemm(x2, w.t(), compiling), x, w, bias)
-        # The hot path: one lookup on the call as made. Torch-served calls go back untouched.
-        if self._generation != self.dispatcher.generation:
-            self._linear_hot.clear()
-            self._generation = self.dispatcher.generation
-        sig = (x.shape, x.stride(), w.shape, w.stride(), x.dtype, w.dtype, x.device,
-               x.data_ptr() % 16, w.data_ptr() % 16, bias is None,
-               torch._C._get_cublas_allow_tf32())  # fmt: skip
-        hot = self._linear_hot.get(sig)
-        if hot is None:
+        hot = self.linear_hot(x, w, bias)
+        if hot is None:  # first call of this signature: resolve it, remember the outcome
             x2 = x if nd == 2 else x.reshape(-1, x.shape[-1])
             runner, res = self.dispatcher.resolve_gemm(x2, w.t())
-            hot = (None if res.candidate == registry.baseline("gemm").name else runner, res)
+            hot = (None if res.by_torch else runner, res)
             if res.kind != "capture":
-                self._linear_hot[sig] = hot
+                self._linear_hot[_linear_sig(x, w, bias)] = hot
+        return self.serve_linear(hot, x, w, bias)
+
+    def linear_hot(self, x: torch.Tensor, w: torch.Tensor, bias: Any) -> tuple | None:
+        """How an earlier ``F.linear`` call of the same signature was served, if any."""
+        if self._generation != self.dispatcher.generation:  # the dispatcher forgot its runners
+            self._linear_hot.clear()
+            self._generation = self.dispatcher.generation
+        return self._linear_hot.get(_linear_sig(x, w, bias))
+
+    def serve_linear(self, hot: tuple, x: torch.Tensor, w: torch.Tensor, bias: Any) -> Any:
+        """A resolved ``F.linear`` call: NotImplemented (torch's own kernel) or the tuned one."""
         runner, res = hot
         if runner is None:
             if self.dispatcher.counting:
                 res.calls += 1
             return NotImplemented
-        x2 = x if nd == 2 else x.reshape(-1, x.shape[-1])
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         return self._linear_out(runner(x2, w.t()), x, w, bias)
 
     @staticmethod
@@ -423,7 +431,7 @@ class Router:
             return torch.ops.tuner.sdpa(q, k, v, causal, scale)
         # with a gradient the dispatcher serves torch's own (differentiable) SDPA
         runner, res = self.dispatcher.resolve_sdpa(q, k, v, causal=causal, scale=scale)
-        return NotImplemented if self._torch_serves(res, "sdpa") else runner(q, k, v)
+        return NotImplemented if self._torch_serves(res) else runner(q, k, v)
 
 
 def _or_torch(y: torch.Tensor | None) -> Any:
@@ -456,7 +464,7 @@ def _entry(original: Callable[..., Any], handler: str) -> Callable[..., Any]:
 
     def routed(*args: Any, **kwargs: Any) -> Any:
         router = _active
-        if router is None or getattr(_guard, "busy", False):
+        if router is None or _guard.busy:
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():  # traced: the handler emits tuner:: custom ops
             out = getattr(router, handler)(args, kwargs, True)
@@ -472,6 +480,53 @@ def _entry(original: Callable[..., Any], handler: str) -> Callable[..., Any]:
     routed.__doc__ = getattr(original, "__doc__", None)
     routed.__wrapped__ = original  # type: ignore[attr-defined]
     return routed
+
+
+def _linear_sig(x: torch.Tensor, w: torch.Tensor, bias: Any) -> tuple:
+    """What decides how an ``F.linear`` call is served, taken on the call as made: the
+    dispatcher's GEMM signature of ``(x as 2-D, w.t())`` plus the bias."""
+    return (x.shape, x.stride(), w.shape, w.stride(), x.dtype, w.dtype, x.device,
+            x.data_ptr() % 16, w.data_ptr() % 16, torch._C._get_cublas_allow_tf32(),
+            None if bias is None else (bias.dtype, bias.shape))  # fmt: skip
+
+
+def _linear_entry(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``F.linear``'s wrapper: ``_entry``'s, with a shortcut for signatures seen before (every
+    ``nn.Linear`` call of a model after its first). In an eager decode step the host, not the
+    GPU, sets the pace, and each microsecond spent here is paid per layer and projection."""
+    general = _entry(original, "_linear")
+
+    def linear(*args: Any, **kwargs: Any) -> Any:
+        router = _active
+        if router is None or kwargs or not 2 <= len(args) <= 3 or _guard.busy:
+            return general(*args, **kwargs)
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) == 3 else None
+        if (
+            type(x) not in _PLAIN
+            or type(w) not in _PLAIN
+            or (bias is not None and type(bias) not in _PLAIN)
+            or torch.compiler.is_compiling()
+            or _needs_grad(x, w, bias)
+        ):
+            return general(*args)
+        hot = router.linear_hot(x, w, bias)
+        if hot is None:
+            return general(*args)
+        if hot[0] is None:  # torch's own kernel: straight there
+            if router.dispatcher.counting:
+                hot[1].calls += 1
+            return original(*args)
+        _guard.busy = True
+        try:
+            return router.serve_linear(hot, x, w, bias)
+        finally:
+            _guard.busy = False
+
+    linear.__name__ = getattr(original, "__name__", "linear")
+    linear.__doc__ = getattr(original, "__doc__", None)
+    linear.__wrapped__ = original  # type: ignore[attr-defined]
+    return linear
 
 
 def _causal_bias_aware(sdpa: Callable[..., Any]) -> Callable[..., Any]:
@@ -497,7 +552,7 @@ def _patch() -> None:
         original = getattr(owner, name)
         _saved.append((owner, name, original, name in vars(owner)))
         call = _causal_bias_aware(original) if handler == "_sdpa" else original
-        setattr(owner, name, _entry(call, handler))
+        setattr(owner, name, _linear_entry(call) if handler == "_linear" else _entry(call, handler))
 
 
 def _unpatch() -> None:
