@@ -98,19 +98,26 @@ def test_eager_launch_cost_counts_against_a_challenger():
     assert choose([base, fast_gpu_slow_launch], TuneOptions(launch="graph")).source == "x"
 
 
-def test_eager_winner_must_not_launch_slower_than_the_baseline():
-    """A GPU-bound call (kernel longer than the launch) still must not add host time: callers
-    bound by the host (decode steps) would pay it on every call."""
+def test_eager_winner_must_repay_extra_launch_cost():
+    """Host-bound callers (decode steps) pay a winner's extra host time on every call: it must
+    save at least that much GPU time."""
     base = m("torch", 20.0, 19.9, 20.1, baseline=True)
     base.host_us = 11.0
-    faster_gpu = m("x", 15.0, 14.9, 15.1)
-    faster_gpu.host_us = 14.0  # beyond max(1 us, 10%) of slack
+    faster_gpu = m("x", 15.0, 14.9, 15.1)  # saves 5 us
+    faster_gpu.host_us = 18.0  # 7 us more, 5.9 beyond the slack of max(1 us, 10%)
     assert choose([base, faster_gpu], TuneOptions()).source == "torch"
     faster_gpu.host_us = 12.0  # within the slack
     assert choose([base, faster_gpu], TuneOptions()).source == "x"
-    faster_gpu.host_us = 14.0
+    faster_gpu.host_us = 16.0  # 3.9 us beyond the slack, repaid by 5 us of GPU time
+    assert choose([base, faster_gpu], TuneOptions()).source == "x"
+    faster_gpu.host_us = 18.0
     assert choose([base, faster_gpu], TuneOptions(host_slack=0.5)).source == "x"
     assert choose([base, faster_gpu], TuneOptions(launch="graph")).source == "x"
+    big = m("torch", 1160.0, 1150.0, 1170.0, baseline=True)
+    big.host_us = 14.5
+    padded = m("x", 270.0, 268.0, 272.0)  # 4097^3: two launches and a pad buffer
+    padded.host_us = 30.7
+    assert choose([big, padded], TuneOptions()).source == "x"
 
 
 @pytest.fixture
