@@ -294,7 +294,7 @@ class Router:
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
-        # F.linear call signature -> (the tuned runner, or None where torch's kernel serves; how)
+        # F.linear call signature -> (the dispatcher's runner for it, how it was resolved)
         self._linear_hot: dict[tuple, tuple[Any, Resolution]] = {}
         self._generation = dispatcher.generation
 
@@ -382,7 +382,7 @@ class Router:
         if hot is None:  # first call of this signature: resolve it, remember the outcome
             x2 = x if nd == 2 else x.reshape(-1, x.shape[-1])
             runner, res = self.dispatcher.resolve_gemm(x2, w.t())
-            hot = (None if res.by_torch else runner, res)
+            hot = (runner, res)
             if res.kind != "capture":
                 self._linear_hot[_linear_sig(x, w, bias)] = hot
         return self.serve_linear(hot, x, w, bias)
@@ -395,11 +395,10 @@ class Router:
         return self._linear_hot.get(_linear_sig(x, w, bias))
 
     def serve_linear(self, hot: tuple, x: torch.Tensor, w: torch.Tensor, bias: Any) -> Any:
-        """A resolved ``F.linear`` call: NotImplemented (torch's own kernel) or the tuned one."""
+        """A resolved ``F.linear`` call: NotImplemented where torch's own kernel serves (the
+        call goes back to torch as made), else the tuned runner on ``(x as 2-D, w.t())``."""
         runner, res = hot
-        if runner is None:
-            if self.dispatcher.counting:
-                res.calls += 1
+        if self._torch_serves(res):
             return NotImplemented
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         return self._linear_out(runner(x2, w.t()), x, w, bias)
@@ -513,9 +512,7 @@ def _linear_entry(original: Callable[..., Any]) -> Callable[..., Any]:
         hot = router.linear_hot(x, w, bias)
         if hot is None:
             return general(*args)
-        if hot[0] is None:  # torch's own kernel: straight there
-            if router.dispatcher.counting:
-                hot[1].calls += 1
+        if router._torch_serves(hot[1]):  # torch's own kernel: straight there
             return original(*args)
         _guard.busy = True
         try:
