@@ -234,9 +234,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigkill_mid_run_then_resume_equals_an_uninterrupted_run(tmp_path):
-    sizes = [1, 16, 32, 64, 128, 256]  # 24 GEMMs of >= 0.3 s each: ctrl-c lands mid-run
-    n = 4 * len(sizes)
-    model = tiny(tmp_path, m_sizes=str(sizes), ops="[qkv, o, gate_up, down]")
+    model = tiny(tmp_path, m_sizes="[1, 16]", ops="[qkv, o, gate_up, down]")  # 8 GEMMs
     args = (
         "--model",
         str(model),

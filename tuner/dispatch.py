@@ -141,7 +141,9 @@ class Dispatcher:
         self.store_path = Path(store_path) if store_path else default_path()
         self._hot: dict[tuple, Runner] = {}
         self._served: dict[tuple, Resolution] = {}  # signature -> the resolution of its runner
-        self.generation = 0  # bumped whenever resolved runners are forgotten
+        # front ends' own caches of resolved calls (tuner.torch keys them on the call as made):
+        # cleared with the resolved runners, so nothing outlives a reload
+        self.memo: dict[tuple, Any] = {}
         self._winners: dict[str, dict[str, Winner]] = {}  # device class -> key -> winner
         self._recorded: set[tuple[str, str]] = set()
         self.fleet_sync: Any = None  # tuner.client's background sync, when TUNER_SERVER is set
@@ -374,7 +376,7 @@ class Dispatcher:
         """Drop every resolved runner (callers hold the lock)."""
         self._hot.clear()
         self._served.clear()
-        self.generation += 1
+        self.memo.clear()
 
     def reload(self) -> None:
         """Forget resolved runners and winners, e.g. after a sync brought new ones."""

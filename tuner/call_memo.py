@@ -1,0 +1,103 @@
+"""Memos of resolved calls, keyed on the call as made: the fast path of ``tuner.torch``.
+
+In an eager decode step the host sets the pace, and every microsecond spent routing a call is
+paid per layer and per projection. A dispatcher signature (shapes, strides, dtypes, device,
+alignment, TF32, autograd) costs ~0.8 us of Python per call on a desktop CPU; a memo key is the
+cheaper part of it that differs from call to call:
+
+- ``F.linear(x, w)``: ``(id(w), x.shape, x.stride(), x.dtype)``: a model's weights live long,
+  so their ``id`` names them. A weak reference checks that the weight is still the same object (a
+  weight made afresh per call, say ``w.t()``, misses every time and is served as if there were no
+  memo); a tuned runner also checks its storage and layout (``data_ptr``, ``stride``).
+- ``F.scaled_dot_product_attention(q, k, v, **kw)``: shapes and strides of q, k and v, dtype,
+  device and the keyword arguments (no tensor mask).
+
+A memo whose call torch serves sends the call straight back to torch: that is correct whatever
+the rest of the signature (alignment, TF32, autograd), because torch decides those itself. A memo
+of a tuned runner is used only after ``fits`` checks the rest. Memos live in
+``Dispatcher.memo``, which is cleared whenever the dispatcher forgets its runners.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from tuner.dispatch import Resolution
+
+PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+MEMO_MAX = 1 << 16  # memos kept before starting over (prefill lengths can take any value)
+
+
+def needs_grad(*ts: torch.Tensor | None) -> bool:
+    return any(t is not None and t.requires_grad for t in ts) and torch.is_grad_enabled()
+
+
+def remember(memo: dict[tuple, Any], key: tuple, entry: Any) -> None:
+    if len(memo) >= MEMO_MAX:
+        memo.clear()
+    memo[key] = entry
+
+
+def linear_key(x: torch.Tensor, w: torch.Tensor) -> tuple:
+    return ("linear", id(w), x.shape, x.stride(), x.dtype)
+
+
+def sdpa_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> tuple:
+    return ("sdpa", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype,
+            q.get_device(), *kwargs.items())  # fmt: skip
+
+
+class LinearMemo:
+    """How ``F.linear(x, w)`` with this parameter ``w`` and x's shape, strides and dtype was
+    served, and the rest of the dispatcher signature a tuned runner relies on."""
+
+    __slots__ = ("align", "device", "ptr", "res", "runner", "stride", "tf32", "weight")
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, runner: Any, res: Resolution) -> None:
+        self.weight = weakref.ref(w)
+        self.ptr, self.stride = w.data_ptr(), w.stride()
+        self.runner, self.res = runner, res
+        self.align = x.data_ptr() % 16
+        self.tf32 = torch._C._get_cublas_allow_tf32()
+        self.device = x.get_device()  # an int (-1: the CPU), cheaper than a torch.device
+
+    def fits(self, x: torch.Tensor, w: torch.Tensor, bias: Any) -> bool:
+        """The tuned runner may serve this call (the key matched and ``w`` is the memo's
+        object; its storage and layout, and the rest of the call, are checked here)."""
+        return (
+            self.ptr == w.data_ptr()
+            and self.stride == w.stride()
+            and type(x) in PLAIN
+            and x.data_ptr() % 16 == self.align
+            and x.get_device() == self.device
+            and (x.dtype != torch.float32 or torch._C._get_cublas_allow_tf32() == self.tf32)
+            and (
+                bias is None or (type(bias) in PLAIN and bias.dtype == x.dtype and bias.dim() == 1)
+            )
+            and not needs_grad(x, w, bias)
+        )
+
+
+class SdpaMemo:
+    """How an SDPA call with these shapes, strides, dtype, device and keywords was served."""
+
+    __slots__ = ("res", "runner")
+
+    def __init__(self, runner: Any, res: Resolution) -> None:
+        self.runner, self.res = runner, res
+
+    @staticmethod
+    def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        return (
+            type(q) in PLAIN
+            and type(k) in PLAIN
+            and type(v) in PLAIN
+            and k.dtype == q.dtype
+            and v.dtype == q.dtype
+            and k.get_device() == q.get_device()
+            and v.get_device() == q.get_device()
+            and not needs_grad(q, k, v)
+        )
