@@ -250,6 +250,20 @@ def record_keys(tt: Any, disp: Any, runs: list[Callable[[], Any]]) -> list[str]:
     return list(dict.fromkeys(r.key for r in made))
 
 
+def contenders(measurements: list[Any]) -> dict[str, Any]:
+    """The baseline's and the fastest challenger's times as tuned (GPU and host per call): why
+    the winner won."""
+    timed = [m for m in measurements if m.status in ("ok", "cut") and m.median_us]
+    base = next((m for m in timed if m.is_baseline), None)
+    rival = min((m for m in timed if not m.is_baseline), key=lambda m: m.median_us, default=None)
+    out: dict[str, Any] = {}
+    for label, m in (("baseline", base), ("best_challenger", rival)):
+        if m is not None:
+            out[label] = {"source": m.source, "params": m.params, "status": m.status,
+                          "median_us": m.median_us, "host_us": m.host_us}  # fmt: skip
+    return out
+
+
 def tune_missing(keys: list[str], args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     """Tune the keys without a current winner, decode (small M / q_len) first, to a deadline."""
     from tuner.cache import Store, default_path
@@ -291,6 +305,7 @@ def tune_missing(keys: list[str], args: argparse.Namespace, device: str) -> list
                     winner=w.candidate,
                     speedup=w.speedup,
                     seconds=round(outcome.seconds, 2),
+                    **contenders(outcome.measurements),
                 )
         print(f"  {row['status']:<10} {row.get('winner', '')[:60]:<60} {key}", flush=True)
         log.append(row)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install what its image lacks, then run the named stages.
 #   bash bench/gpu_check.sh tests dispatch        (carry .whl; results land under $OUT)
-# Stages: tests (pytest -m gpu), dispatch (hit-path overhead benchmark); more are added per area.
+# Stages: tests (pytest -m gpu; GPU_TESTS="tests/test_x.py ..." narrows it), dispatch (hit-path
+#   overhead benchmark), decode-sweep (bench/decode_sweep.py); more are added per area.
 #   triton-sweep (whole Triton GEMM config space on sample shapes), triton-tests, gemm
 #   (tuner bench gemm; GEMM_BENCH_ARGS="--part odd ...", GEMM_BENCH_TIMEOUT seconds).
 #   tuneall (tune-all Llama-3-8B projections -> $OUT/tuneall: report.json, speedup.png, tuner.db,
@@ -33,7 +34,10 @@ status=0
 for stage in "$@"; do
   echo "=== stage $stage ==="
   case "$stage" in
-    tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 tests 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
+    tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
+    decode-sweep)  # split-KV decode on small batches: floor read, copy, torch, a wide config grid
+      timeout -k 20 "${DECODE_SWEEP_TIMEOUT:-240}" python3 bench/decode_sweep.py --out "$OUT/decode_sweep.json" \
+        --time-limit "${DECODE_SWEEP_LIMIT:-200}" ${DECODE_SWEEP_ARGS:-} 2>&1 | tee "$OUT/decode_sweep.log" || status=1 ;;
     dispatch) python3 bench/dispatch_overhead.py --out "$OUT/dispatch_overhead.json" || status=1 ;;
     sdpa-tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests/test_sdpa.py 2>&1 | tee "$OUT/sdpa_tests.log" || status=1 ;;
     sdpa) timeout -k 20 "${SDPA_BENCH_TIMEOUT:-215}" python3 -m tuner.cli bench sdpa --out "$OUT" ${SDPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/sdpa_bench.log" || status=1 ;;

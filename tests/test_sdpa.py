@@ -142,6 +142,18 @@ def test_decode_splits_and_masks(splits: int, fused: bool, q_len: int, causal: s
         check(runner, key, make(key, "bhsd", seed=splits + 1))
 
 
+@pytest.mark.parametrize(("splits", "fused"), [(1, False), (2, False), (4, True)])
+@pytest.mark.parametrize(("q_len", "causal"), [(1, "none"), (4, "bottom_right")])
+def test_decode_even_splits_load_unmasked(splits: int, fused: bool, q_len: int, causal: str) -> None:
+    """kv_len a multiple of splits x bn and a power-of-two head dim: the unmasked (EVEN) path."""
+    key = sdpa_key(q_heads=8, kv_heads=2, q_len=q_len, kv_len=64, causal=causal, batch=2)
+    params = {"bn": 16, "splits": splits, "warps": 4, "stages": 1, "fused": fused}
+    assert plan(key, params).consts["EVEN"]
+    runner = DECODE.build(key, params)
+    for layout in ("bhsd", "bshd"):
+        check(runner, key, make(key, layout, seed=splits))
+
+
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd", "strided_d"])
 def test_decode_head_dims_and_layouts(head_dim: int, layout: str) -> None:

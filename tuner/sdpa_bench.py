@@ -125,8 +125,12 @@ def compile_jobs(keys: Sequence[SdpaKey]) -> list[list[tuple[str, str, dict[str,
 
 def precompile(keys: Sequence[SdpaKey], workers: int) -> float:
     """Compile all Triton candidates of ``keys`` in ``workers`` processes; returns seconds."""
+    return compile_groups(compile_jobs(keys), workers)
+
+
+def compile_groups(groups: list[list[tuple[str, str, dict[str, Any]]]], workers: int) -> float:
+    """Compile ``compile_jobs``-style groups in ``workers`` processes; returns seconds."""
     started = time.perf_counter()
-    groups = compile_jobs(keys)
     if not groups or workers < 1:
         return 0.0
     ctx = multiprocessing.get_context("spawn")  # the parent may hold a CUDA context: no fork

@@ -105,7 +105,10 @@ def _decode_split(
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SINGLE: tl.constexpr,
     FUSED: tl.constexpr, ROWS_P2: tl.constexpr, MERGE_S: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN: tl.constexpr,
 ):  # fmt: skip
+    """EVEN: every split holds ``chunk`` keys, a multiple of BLOCK_N, and HEAD_DIM == BLOCK_D, so
+    K and V tiles load unmasked (whole 16-byte vectors, nothing to predicate)."""
     split = tl.program_id(0)
     bkv = tl.program_id(1)
     num_splits = tl.num_programs(0)
@@ -138,15 +141,19 @@ def _decode_split(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        col_ok = cols < hi
-        kv_mask = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + cols[:, None] * s_kn, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * s_vn, mask=kv_mask, other=0.0)
+        if EVEN:
+            k = tl.load(k_base + cols[:, None] * s_kn)
+            v = tl.load(v_base + cols[:, None] * s_vn)
+        else:
+            kv_mask = (cols < hi)[:, None] & d_ok[None, :]
+            k = tl.load(k_base + cols[:, None] * s_kn, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + cols[:, None] * s_vn, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        ok = col_ok[None, :]
         if CAUSAL:
-            ok = ok & (cols[None, :] <= pos[:, None] + causal_offset)
-        s = tl.where(ok, s, float("-inf"))
+            s = tl.where((cols < hi)[None, :] & (cols[None, :] <= pos[:, None] + causal_offset),
+                         s, float("-inf"))  # fmt: skip
+        elif not EVEN:
+            s = tl.where((cols < hi)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
@@ -407,6 +414,7 @@ def plan(key: SdpaKey, params: Params) -> Plan:
         "BLOCK_D": d, "BLOCK_N": bn, "CAUSAL": key.causal != "none", "SINGLE": splits == 1,
         "FUSED": fused, "ROWS_P2": rows_p2, "MERGE_S": max(1, min(32, MERGE_ELEMS // (rows_p2 * d))),
         "PRECISION": dot_precision(key), "num_warps": warps, "num_stages": stages,
+        "EVEN": key.kv_len % chunk == 0 and key.head_dim == d,
     }  # fmt: skip
     merge_consts: dict[str, Any] = {
         "Q_LEN": key.q_len, "GROUP": group, "HEAD_DIM": key.head_dim, "BLOCK_D": d,
