@@ -99,3 +99,20 @@ class RightOnce(Source):
             return c
 
         return run
+
+
+class Uncapturable(Memoized):
+    """Memoized's speed, but it raises inside a CUDA-graph capture (as a library that launches
+    on a stream of its own would): it could not serve a caller that replays graphs."""
+
+    name = "uncapturable"
+
+    def build(self, key, params):
+        run = super().build(key, params)
+
+        def guarded(a, b, out=None):
+            if a.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return run(a, b, out)
+
+        return guarded

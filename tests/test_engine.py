@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from planted import PlantedGemm
 
 from tuner.candidates import registry
@@ -159,3 +160,31 @@ def test_the_numerics_check_covers_a_later_call_not_only_the_first():
     finally:
         registry.unregister("right_once")
     assert by_params(outcome)["right_once"].status == "rejected"
+
+
+HAS_GPU = torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
+def test_confirmation_times_both_in_a_cuda_graph(memoized):
+    for launch in ("eager", "graph"):
+        outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["memoized"], launch=launch))
+        assert outcome.winner.source == "memoized", launch
+        assert "in a CUDA graph" in by_params(outcome)["memoized"].error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
+def test_a_challenger_that_cannot_be_captured_loses():
+    from planted import Uncapturable
+
+    Uncapturable.slow = False
+    registry.register(Uncapturable())
+    try:
+        outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["uncapturable"]))
+    finally:
+        registry.unregister("uncapturable")
+    assert outcome.winner.source == "torch"
+    assert "cannot be captured in a CUDA graph" in by_params(outcome)["uncapturable"].error
+    assert torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()

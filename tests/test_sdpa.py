@@ -144,7 +144,9 @@ def test_decode_splits_and_masks(splits: int, fused: bool, q_len: int, causal: s
 
 @pytest.mark.parametrize(("splits", "fused"), [(1, False), (2, False), (4, True)])
 @pytest.mark.parametrize(("q_len", "causal"), [(1, "none"), (4, "bottom_right")])
-def test_decode_even_splits_load_unmasked(splits: int, fused: bool, q_len: int, causal: str) -> None:
+def test_decode_even_splits_load_unmasked(
+    splits: int, fused: bool, q_len: int, causal: str
+) -> None:
     """kv_len a multiple of splits x bn and a power-of-two head dim: the unmasked (EVEN) path."""
     key = sdpa_key(q_heads=8, kv_heads=2, q_len=q_len, kv_len=64, causal=causal, batch=2)
     params = {"bn": 16, "splits": splits, "warps": 4, "stages": 1, "fused": fused}

@@ -8,6 +8,8 @@
 - A probe of a few calls first: a candidate far slower than the best so far is cut early.
 - The host time per eager call is measured too: for tiny problems the launch, not the kernel,
   is what the caller waits for.
+- ``graph_time``: GPU time alone, from calls captured in a CUDA graph and replayed (what a caller
+  that runs its step as a graph sees; event times of small eager calls are host-bound).
 """
 
 from __future__ import annotations
@@ -133,3 +135,28 @@ def measure(
         host_time_us(fn, min(reps, 20), clock) if clock.cuda else median
     )  # CPU work is synchronous
     return Timing(median, _percentile(s, 0.1), _percentile(s, 0.9), len(s), host)
+
+
+GRAPH_CALLS = 16  # calls per captured graph: the replay's own launch cost is spread over them
+
+
+def graph_time(
+    fn: Callable[[int], Any], calls: int = GRAPH_CALLS, budget_s: float = 0.03
+) -> Timing:
+    """GPU time per call of ``fn(i)`` (``i`` picks the input set) with the host launch cost
+    removed: ``calls`` calls captured in one CUDA graph, replayed. Warmed up first on the
+    capturing stream (workspaces are per stream). Raises what the capture raises: a runner that
+    cannot be captured cannot serve a caller that runs its step as a graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for i in range(calls):
+            fn(i)
+    t = measure(lambda i: graph.replay(), device="cuda", budget_s=budget_s, max_reps=30)
+    return Timing(t.median_us / calls, t.p10_us / calls, t.p90_us / calls, t.reps,
+                  t.host_us / calls)  # fmt: skip

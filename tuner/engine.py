@@ -179,15 +179,25 @@ class _Trial:
         the win only if it still beats the baseline by the margin: one lucky measurement (clock
         drift, a quiet moment) must not make a winner that is slower in use.
 
+        On the GPU both are also timed in a CUDA graph (GPU time alone, ``bench.graph_time``):
+        with ``launch="graph"`` that is the time compared; eagerly the challenger must in addition
+        be no slower on the GPU than the baseline beyond the margin. An eager win that is only a
+        cheaper launch (measured: a Triton GEMM at 12 us of host time vs cuBLAS's 16, but 4 us
+        slower on the GPU) would make every graph-replayed step slower. A challenger that cannot
+        be captured loses: it could not serve a caller that runs its step as a graph.
+
         Returns the chosen measurement and the baseline's and chosen one's times (us).
         """
+        runners = {
+            m.candidate: self.runners.get(m.candidate)
+            or registry.get(m.source).build(self.key, m.params)
+            for m in (base, challenger)
+        }
         times: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         hosts: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         for _ in range(options.confirm_rounds):
             for m in (base, challenger):
-                runner = self.runners.get(m.candidate) or registry.get(m.source).build(
-                    self.key, m.params
-                )
+                runner = runners[m.candidate]
                 t = bench.measure(
                     lambda i, r=runner: r(*self.sets[i % len(self.sets)]),
                     device=self.device,
@@ -201,15 +211,47 @@ class _Trial:
         base_host = statistics.median(hosts[base.candidate])
         chal_host = statistics.median(hosts[challenger.candidate])
         margin = max(noise(base, options.min_noise), noise(challenger, options.min_noise))
+        gpu, gpu_ok = self.gpu_times(runners, base, challenger), True
+        note = ""
+        if gpu is not None:
+            base_gpu, chal_gpu = gpu
+            if chal_gpu is None:
+                gpu_ok, note = False, "; cannot be captured in a CUDA graph"
+            elif base_gpu is not None:
+                note = f"; GPU {chal_gpu:.2f} vs {base_gpu:.2f} us in a CUDA graph"
+                if options.launch == "graph":
+                    base_us, chal_us = base_gpu, chal_gpu
+                else:
+                    gpu_ok = chal_gpu <= base_gpu * (1 + margin)
         won = chal_us < base_us * (1 - margin)
         launch_ok = launch_cost_repaid(chal_us, chal_host, base_us, base_host, options)
+        kept = won and launch_ok and gpu_ok
         challenger.error = (
             f"confirmation: {chal_us:.2f} us vs baseline {base_us:.2f} us, host "
-            f"{chal_host:.2f} vs {base_host:.2f} us per call, "
-            f"{'kept' if won and launch_ok else 'lost'} (margin {margin:.1%})"
+            f"{chal_host:.2f} vs {base_host:.2f} us per call{note}, "
+            f"{'kept' if kept else 'lost'} (margin {margin:.1%})"
         )
-        won = won and launch_ok
-        return (challenger, base_us, chal_us) if won else (base, base_us, base_us)
+        return (challenger, base_us, chal_us) if kept else (base, base_us, base_us)
+
+    def gpu_times(
+        self, runners: dict[str, Runner], base: Measurement, challenger: Measurement
+    ) -> tuple[float | None, float | None] | None:
+        """Graph-replay GPU time per call of baseline and challenger (None: capture failed);
+        None altogether off the GPU."""
+        if self.device != "cuda":
+            return None
+        out: list[float | None] = []
+        sets = self.sets
+        for m in (base, challenger):
+            runner = runners[m.candidate]
+            try:
+                t = bench.graph_time(lambda i, r=runner: r(*sets[i % len(sets)]))
+                out.append(t.median_us)
+            except Exception as e:  # e.g. a library launching on a stream of its own
+                log.info("%s: no CUDA-graph time: %s", m.candidate, _short(e)[:300])
+                torch.cuda.synchronize()
+                out.append(None)
+        return out[0], out[1]
 
     def check(self, runner: Runner) -> float:
         """Worst relative error of two calls on the first input set, each into a NaN-poisoned

@@ -173,26 +173,14 @@ def _best(ms: list[Measurement], source: str, backend: str | None = None) -> Mea
 
 
 GRAPH_MAX_KV_BYTES = 1e9  # decode rows up to this size also get CUDA-graph (GPU-only) times
-GRAPH_CALLS = 16
 
 
 def graph_us(runner: Any, sets: list[tuple[torch.Tensor, ...]], key: SdpaKey) -> float:
-    """GPU time per call with the host launch cost removed: GRAPH_CALLS calls rotating over
-    ``sets`` (together larger than twice the L2), captured in one CUDA graph and replayed: what a
-    server running its decode step as a graph sees."""
+    """GPU time per call (``bench.graph_time``), rotating over ``sets`` (together larger than
+    twice the L2): what a server running its decode step as a graph sees."""
     outs = [problems.output_like(key, s) for s in sets]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compile, workspace) on the capturing stream
-        for i, s in enumerate(sets):
-            runner(*s, out=outs[i])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        for i in range(GRAPH_CALLS):
-            runner(*sets[i % len(sets)], out=outs[i % len(sets)])
-    t = bench.measure(lambda i: graph.replay(), device="cuda", budget_s=0.03, max_reps=30)
-    return t.median_us / GRAPH_CALLS
+    n = len(sets)
+    return bench.graph_time(lambda i: runner(*sets[i % n], out=outs[i % n])).median_us
 
 
 def add_graph_times(row: dict[str, Any], key: SdpaKey, ms: list[Measurement], copy: float) -> None:
