@@ -7,7 +7,7 @@ import torch
 from planted import PlantedGemm
 
 from tuner.candidates import registry
-from tuner.engine import TuneOptions, choose, tune
+from tuner.engine import TuneOptions, choose, contenders, tune
 from tuner.keys import GemmKey, SdpaKey
 from tuner.results import Measurement
 
@@ -89,6 +89,22 @@ def test_baseline_keeps_the_win_within_noise():
     assert choose([base, m("x", 97.0, 96.0, 98.0)], TuneOptions()).source == "torch"
     assert choose([base, m("x", 90.0, 89.0, 91.0)], TuneOptions()).source == "x"
     assert choose([base, m("x", 101.0, 100.0, 102.0)], TuneOptions()).source == "torch"
+
+
+def test_contenders_are_the_challengers_beyond_noise_fastest_first():
+    """tune() confirms them in turn (``confirm_tries``): eager times of small problems are
+    host-bound, so the fastest there may be slow on the GPU while the next one is not."""
+    base = m("torch", 100.0, 95.0, 105.0, baseline=True)
+    near, fast, faster = (
+        m("near", 97.0, 96.0, 98.0),
+        m("a", 90.0, 89.0, 91.0),
+        m("b", 80.0, 79.0, 81.0),
+    )
+    slow_launch = m("c", 70.0, 69.0, 71.0)
+    slow_launch.host_us = 140.0  # 140 us of launch work for 30 us of GPU time saved
+    found = contenders([base, near, fast, faster, slow_launch], TuneOptions())
+    assert [c.source for c in found] == ["b", "a"]
+    assert contenders([base, near], TuneOptions()) == []
 
 
 def test_eager_launch_cost_counts_against_a_challenger():
