@@ -250,7 +250,7 @@ def record_keys(tt: Any, disp: Any, runs: list[Callable[[], Any]]) -> list[str]:
     return list(dict.fromkeys(r.key for r in made))
 
 
-def contenders(measurements: list[Any]) -> dict[str, Any]:
+def tuning_detail(measurements: list[Any]) -> dict[str, Any]:
     """The baseline's and the fastest challenger's times as tuned (GPU and host per call): why
     the winner won."""
     timed = [m for m in measurements if m.status in ("ok", "cut") and m.median_us]
@@ -305,7 +305,7 @@ def tune_missing(keys: list[str], args: argparse.Namespace, device: str) -> list
                     winner=w.candidate,
                     speedup=w.speedup,
                     seconds=round(outcome.seconds, 2),
-                    **contenders(outcome.measurements),
+                    **tuning_detail(outcome.measurements),
                 )
         print(f"  {row['status']:<10} {row.get('winner', '')[:60]:<60} {key}", flush=True)
         log.append(row)

@@ -618,13 +618,28 @@ def test_linear_memo_leaves_gradients_and_tf32_to_the_full_path(linear_disp: Dis
             torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def test_linear_memo_weight_made_per_call_is_never_confused(linear_disp: Dispatcher) -> None:
-    """Views made per call die at once and their ``id``\\ s come back for other tensors."""
-    w, x = torch.randn(48, 48), torch.randn(4, 48)
+def test_linear_memo_is_not_inherited_by_a_new_weight_at_a_dead_ones_id(
+    linear_disp: Dispatcher,
+) -> None:
+    """Weights made per call (``w.t()``) die at once and their ``id``\\ s come back for other
+    tensors: a memo checks it still holds *its* weight (weak reference). Here a dead weight of
+    another shape left a torch-served memo under the very id of a weight that has a Triton winner.
+    """
+    x = torch.randn(4, 32)
     with torch.no_grad(), tt.enabled(dispatcher=linear_disp):
-        for _ in range(5):
-            torch.testing.assert_close(F.linear(x, w.t()), x @ w)
-            torch.testing.assert_close(F.linear(x, w), x @ w.t())
+        dead = torch.randn(48, 32)
+        F.linear(x, dead)  # no winner for N=48: memoised as torch's
+        dead_id = id(dead)
+        del dead
+        for _ in range(1000):  # CPython hands a freed object's address to the next one
+            w = torch.randn(32, 32)
+            if id(w) == dead_id:
+                break
+        else:
+            pytest.skip("no tensor object reused the freed id")
+        tt.reset_stats()
+        torch.testing.assert_close(F.linear(x, w), x.double().mm(w.double().t()).float())
+        assert tt.stats().hits == 1  # resolved for this weight: its Triton winner
 
 
 def test_sdpa_memo_keys_on_keywords_and_skips_masks(tmp_path: Path) -> None:

@@ -304,7 +304,7 @@ class Router:
     def _torch_serves(res: Resolution) -> bool:
         """Torch's own kernel serves this call: hand it back to torch's entry point as made
         (no views, no wrappers: in an eager decode step every microsecond of host time shows).
-        Tuned runners count their own calls; while routing, the dispatcher counts."""
+        Counted here: ``enable()`` turns counting on, and tuned runners count their own calls."""
         if res.by_torch:
             res.calls += 1
         return res.by_torch
