@@ -23,8 +23,8 @@ of a decoder layer on the CPU, views and shape queries included, which made eage
 thread-local guard keeps the tuner's own kernels (which call torch) from coming back to it.
 Code that bound a function before ``enable()`` (``from torch.nn.functional import linear``) keeps
 the original. ``F.linear`` and SDPA calls seen before take a memo keyed on the call as made
-(``tuner.call_memo``): on a desktop CPU 0.74 us over torch's own call for ``F.linear`` and 1.4 us
-for SDPA (1.5 and 3.5 us through the dispatcher's full signature).
+(``tuner.call_memo``): on a desktop CPU 0.74 us over torch's own call for ``F.linear`` and 1.5 us
+for SDPA (``bench/memo_overhead.py``).
 
 **Autograd.** GEMMs that need a gradient go through ``_TunedMM`` (an ``autograd.Function``) whose
 backward calls the dispatcher for dA = dC @ B^T and dB = A^T @ dC, each computed in its input's
