@@ -7,7 +7,7 @@ import torch
 from planted import PlantedGemm
 
 from tuner.candidates import registry
-from tuner.engine import TuneOptions, choose, contenders, tune
+from tuner.engine import TuneOptions, choose, contenders, ties, tune
 from tuner.keys import GemmKey, SdpaKey
 from tuner.results import Measurement
 
@@ -107,6 +107,24 @@ def test_contenders_are_the_challengers_beyond_noise_fastest_first():
     assert contenders([base, near], TuneOptions()) == []
 
 
+def test_ties_are_the_challengers_faster_within_noise_fastest_first():
+    """On the GPU tune() also takes them to the confirmation, whose CUDA-graph timing sees the
+    GPU time that host-bound eager timings hide; they are never chosen without it."""
+    base = m("torch", 100.0, 80.0, 120.0, baseline=True)  # a jittery host: +-20%
+    near, nearer, beyond, slower = (
+        m("near", 97.0, 96.0, 98.0),
+        m("nearer", 92.0, 91.0, 93.0),
+        m("beyond", 70.0, 69.0, 71.0),
+        m("slower", 101.0, 100.0, 102.0),
+    )
+    slow_launch = m("c", 95.0, 94.0, 96.0)
+    slow_launch.host_us = 140.0
+    found = ties([base, near, nearer, beyond, slower, slow_launch], TuneOptions())
+    assert [c.source for c in found] == ["nearer", "near"]
+    assert [c.source for c in contenders([base, near, nearer, beyond], TuneOptions())] == ["beyond"]
+    assert choose([base, near, nearer], TuneOptions()).source == "torch"
+
+
 def test_eager_launch_cost_counts_against_a_challenger():
     base = m("torch", 10.0, 9.9, 10.1, baseline=True)
     fast_gpu_slow_launch = m("x", 5.0, 4.9, 5.1)
@@ -188,6 +206,23 @@ def test_confirmation_times_both_in_a_cuda_graph(memoized):
         outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["memoized"], launch=launch))
         assert outcome.winner.source == "memoized", launch
         assert "in a CUDA graph" in by_params(outcome)["memoized"].error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
+def test_a_tie_goes_to_the_duel_and_a_twin_of_the_baseline_does_not_win():
+    from planted import Twin
+
+    registry.register(Twin())
+    try:
+        outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["twin"]))
+    finally:
+        registry.unregister("twin")
+    twin = by_params(outcome)["twin"]
+    assert outcome.winner.source == "torch"
+    base = outcome.baseline
+    if twin.median_us < base.median_us:  # a tie or better: it met the baseline in the duel
+        assert "in a CUDA graph" in twin.error and "lost" in twin.error
 
 
 @pytest.mark.gpu
