@@ -262,7 +262,11 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "sdpa_decode.png").stat().st_size > 0
     row = data["rows"][0]
     assert row["kv_gbs"] > 0 and row["pct_copy"] > 0 and "triton_us" in row
-    assert res["decode"]["summary"]["n"] == 1
+    summary = res["decode"]["summary"]
+    assert summary["n"] == 1 and summary["n_kv_ge_32MB"] == 0  # a 40-token cache is small
+    assert (
+        summary["n_kv_ge_32MB_at_80pct_gpu"] == 0 and summary["min_pct_copy_kv_ge_32MB_gpu"] is None
+    )
     key = sdpa_key(q_len=2, kv_len=40, causal="bottom_right")
     params = {"bn": 16, "splits": 2, "warps": 4, "stages": 1}
     assert sdpa_bench.recheck(key, "triton_decode", params, DEVICE) <= problems.tolerance(key)
