@@ -739,6 +739,7 @@ def test_dropin_benchmark_smoke_run(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     args = ["--smoke", "--out", str(out), "--plot", str(png), "--source", "torch"]
     args += ["--decode-batches", "1,4", "--extra-batches", "3", "--prefill-seq", "8"]
     args += ["--kv-len", "16", "--rounds", "2", "--iters", "2", "--overhead-calls", "50"]
+    args += ["--overhead-rounds", "3"]
     result = bench.main(args)
     assert result["complete"] and png.stat().st_size > 0
     assert json.loads(out.read_text())["targets"] == result["targets"]
@@ -755,3 +756,18 @@ def test_dropin_benchmark_smoke_run(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         "gemm:m=4"
     }
     assert result["overhead"]["per_call_us"]["tuner_linear_on"] > 0
+
+
+def test_speedup_bound_is_amdahl_over_the_routed_kernels() -> None:
+    """The decode bound of the benchmark: routed kernels replaced by reads at a bandwidth."""
+    layer = bench.DecoderLayer(bench.TINY, max_pos=16)
+    phase = bench.Phase("decode", 2, 1)
+    c = bench.TINY
+    weights = c.hidden * (c.heads + 2 * c.kv_heads) * c.head_dim + c.heads * c.head_dim * c.hidden
+    weights += 3 * c.hidden * c.intermediate
+    kv = 2 * 2 * c.kv_heads * 16 * c.head_dim
+    assert bench.routed_bytes(layer, phase, 16) == 4 * (weights + kv)  # f32
+    row = {"graph_off": {"median_us": 200.0}, "breakdown": {"routed_us": 150.0}}
+    bound = bench.speedup_bound(row, 100_000_000, {"peak": 1000.0})  # 100 MB at 1 TB/s: 100 us
+    assert bound["floor_us_at_peak"] == pytest.approx(100.0)
+    assert bound["max_ratio_at_peak"] == pytest.approx(200.0 / 150.0)
