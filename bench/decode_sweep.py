@@ -123,15 +123,15 @@ def sweep_shape(label: str, key: SdpaKey, copy: float, deadline: float) -> dict[
     row: dict[str, Any] = {"label": label, "key": str(key), "kv_bytes": key.kv_bytes}
     floor = []
     for block, iters, warps in itertools.product((1024, 4096), (1, 4, 16), (4, 8)):
-        us = graph_us(read_runner(block, iters, warps), sets, key)
+        us = graph_us(read_runner(block, iters, warps), sets)
         floor.append(
             {"block": block, "iters": iters, "warps": warps, "us": us, "pct_copy": pct(us)}
         )
     floor.sort(key=lambda r: r["us"])
     row["floor"], row["floor_grid"] = floor[0], floor
-    row["copy_us"] = graph_us(copy_runner(), sets, key)
+    row["copy_us"] = graph_us(copy_runner(), sets)
     base = registry.baseline("sdpa")
-    row["torch_us"] = graph_us(base.build(key, base.baseline_params), sets, key)
+    row["torch_us"] = graph_us(base.build(key, base.baseline_params), sets)
     row["torch_pct_copy"] = pct(row["torch_us"])
     decode = registry.get("triton_decode")
     points = []
@@ -140,7 +140,7 @@ def sweep_shape(label: str, key: SdpaKey, copy: float, deadline: float) -> dict[
             row["cut_short"] = True
             break
         try:
-            us = graph_us(decode.build(key, params), sets, key)
+            us = graph_us(decode.build(key, params), sets)
         except Exception as e:  # reported with the point, the sweep goes on
             points.append({"params": params, "error": f"{type(e).__name__}: {e}"[:200]})
             continue

@@ -574,6 +574,25 @@ def test_linear_memo_serves_repeat_calls_with_the_winner(linear_disp: Dispatcher
     assert not linear_disp.memo
 
 
+def test_linear_memo_serves_batched_inputs_with_bias_as_two_dimensional(
+    linear_disp: Dispatcher,
+) -> None:
+    """(1, 4, 32) @ W.T + b is the stored (4, 32) problem: the memo flattens x, adds the bias in
+    place and gives the result x's leading dimensions back."""
+    lin, x = nn.Linear(32, 32), torch.randn(1, 4, 32)
+    with torch.no_grad():
+        want = F.linear(x.double(), lin.weight.double(), lin.bias.double()).float()
+        with tt.enabled(dispatcher=linear_disp):
+            tt.reset_stats()
+            for _ in range(3):
+                got = lin(x)
+                assert got.shape == (1, 4, 32)
+                torch.testing.assert_close(got, want)
+            assert tt.stats().hits == 3
+            (memo,) = [m for m in memos(linear_disp, "linear") if m.weight() is lin.weight]
+            assert not memo.res.by_torch and memo.flat == (-1, 32)
+
+
 def test_linear_memo_rechecks_what_its_key_leaves_out(linear_disp: Dispatcher) -> None:
     """The memo's key is (weight, x's shape, strides, dtype); a tuned runner is used only after
     checking the rest of the dispatcher's signature. Each change below makes a problem the store

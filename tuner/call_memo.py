@@ -32,7 +32,9 @@ MEMO_MAX = 1 << 16  # memos kept before starting over (prefill lengths can take 
 
 
 def needs_grad(*ts: torch.Tensor | None) -> bool:
-    return any(t is not None and t.requires_grad for t in ts) and torch.is_grad_enabled()
+    if not torch.is_grad_enabled():  # first: inference runs under no_grad, and this is cheap
+        return False
+    return any(t is not None and t.requires_grad for t in ts)
 
 
 def remember(memo: dict[tuple, Any], key: tuple, entry: Any) -> None:
@@ -54,7 +56,9 @@ class LinearMemo:
     """How ``F.linear(x, w)`` with this parameter ``w`` and x's shape, strides and dtype was
     served, and the rest of the dispatcher signature a tuned runner relies on."""
 
-    __slots__ = ("align", "device", "ptr", "res", "runner", "stride", "tf32", "weight")
+    __slots__ = (
+        "align", "device", "flat", "out_shape", "ptr", "res", "runner", "stride", "tf32", "weight",
+    )  # fmt: skip
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, runner: Any, res: Resolution) -> None:
         self.weight = weakref.ref(w)
@@ -63,6 +67,17 @@ class LinearMemo:
         self.align = x.data_ptr() % 16
         self.tf32 = torch._C._get_cublas_allow_tf32()
         self.device = x.get_device()  # an int (-1: the CPU), cheaper than a torch.device
+        # x's shape is in the key: an x of more than 2 dims is served as 2-D, reshaped back
+        batched = x.dim() > 2
+        self.flat = (-1, x.shape[-1]) if batched else None
+        self.out_shape = (*x.shape[:-1], w.shape[0]) if batched else None
+
+    def serve(self, x: torch.Tensor, w: torch.Tensor, bias: Any) -> torch.Tensor:
+        """``F.linear(x, w, bias)`` by the tuned runner (on x as 2-D and ``w.t()``)."""
+        y = self.runner(x if self.flat is None else x.reshape(self.flat), w.t())
+        if bias is not None:
+            y = y.add_(bias)
+        return y if self.out_shape is None else y.view(self.out_shape)
 
     def fits(self, x: torch.Tensor, w: torch.Tensor, bias: Any) -> bool:
         """The tuned runner may serve this call (the key matched and ``w`` is the memo's

@@ -175,12 +175,12 @@ def _best(ms: list[Measurement], source: str, backend: str | None = None) -> Mea
 GRAPH_MAX_KV_BYTES = 1e9  # decode rows up to this size also get CUDA-graph (GPU-only) times
 
 
-def graph_us(runner: Any, sets: list[tuple[torch.Tensor, ...]], key: SdpaKey) -> float:
+def graph_us(runner: Any, sets: list[tuple[torch.Tensor, ...]]) -> float:
     """GPU time per call (``bench.graph_time``), rotating over ``sets`` (together larger than
-    twice the L2): what a server running its decode step as a graph sees."""
-    outs = [problems.output_like(key, s) for s in sets]
+    twice the L2): what a server running its decode step as a graph sees. Runners allocate
+    their output, as the dispatcher calls them (an ``out`` would cost torch's SDPA a copy)."""
     n = len(sets)
-    return bench.graph_time(lambda i: runner(*sets[i % n], out=outs[i % n])).median_us
+    return bench.graph_time(lambda i: runner(*sets[i % n])).median_us
 
 
 def add_graph_times(row: dict[str, Any], key: SdpaKey, ms: list[Measurement], copy: float) -> None:
@@ -202,7 +202,7 @@ def add_graph_times(row: dict[str, Any], key: SdpaKey, ms: list[Measurement], co
     ]
     for label, source, params in tried:
         try:
-            us = graph_us(registry.get(source).build(key, params), sets, key)
+            us = graph_us(registry.get(source).build(key, params), sets)
         except Exception as e:  # e.g. a torch path that cannot be captured
             row[f"{label}_graph_error"] = f"{type(e).__name__}: {e}"[:200]
             continue

@@ -387,11 +387,6 @@ class Router:
             remember(self.memo, memo_key, LinearMemo(x, w, runner, res))
         if self._torch_serves(res):
             return NotImplemented
-        return self.serve_linear(runner, x, w, bias)
-
-    def serve_linear(self, runner: Any, x: torch.Tensor, w: torch.Tensor, bias: Any) -> Any:
-        """A tuned runner on ``(x as 2-D, w.t())``, the bias added in place."""
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         return self._linear_out(runner(x2, w.t()), x, w, bias)
 
     @staticmethod
@@ -526,7 +521,7 @@ def _linear_entry(original: Callable[..., Any]) -> Callable[..., Any]:
         bias = args[2] if len(args) == 3 else None
         if _guard.busy or not memo.fits(x, w, bias):
             return _route(router, "_linear", original, args, kwargs)
-        return _serve_tuned(router.serve_linear, memo.runner, x, w, bias)
+        return _serve_tuned(memo.serve, x, w, bias)
 
     return _named_like(linear, original)
 
