@@ -609,7 +609,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tune-deadline-s", type=float, default=360.0)
     parser.add_argument("--skip-tune", action="store_true", help="Use the cache as it is.")
     parser.add_argument("--iters", type=int, default=20, help="Steps per timed round.")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15, help="Interleaved rounds per phase.")
     parser.add_argument("--overhead-shape", type=int, nargs=3, default=(16, 256, 256))
     parser.add_argument("--overhead-calls", type=int, default=2000)
     parser.add_argument("--overhead-rounds", type=int, default=15)
