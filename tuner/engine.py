@@ -248,8 +248,11 @@ class _Trial:
             if chal_gpu is None:
                 gpu_ok, note = False, "; cannot be captured in a CUDA graph"
             elif base_gpu is not None:
-                # graph replays are steady: their own spread, not the eager one, is the noise
-                gpu_margin = max(options.min_noise, base_gpu.spread / 2, chal_gpu.spread / 2)
+                # graph replays are steady: their own spread, not the eager one, is the noise,
+                # in us relative to the baseline's time (a challenger of ~0 us on the GPU would
+                # otherwise make its jitter of a few ns an unbounded relative spread)
+                chal_jitter = (chal_gpu.p90_us - chal_gpu.p10_us) / 2 / base_gpu.median_us
+                gpu_margin = max(options.min_noise, base_gpu.spread / 2, chal_jitter)
                 note = (
                     f"; GPU {chal_gpu.median_us:.2f} vs {base_gpu.median_us:.2f} us in a CUDA "
                     f"graph (margin {gpu_margin:.1%})"

@@ -4,8 +4,8 @@ Params: ``{"algo": int}`` with ``-1`` = CUBLAS_GEMM_DEFAULT (the heuristic) and 
 tensor-op algorithm enum (CuPy has no names for these: they are passed as ints). The compute type
 follows the key: CUBLAS_COMPUTE_32F (fp16/bf16 inputs accumulate in fp32; fp32 stays IEEE) or
 CUBLAS_COMPUTE_32F_FAST_TF32. Every layout maps onto one column-major call (gemm_operands), runs on
-torch's current stream (made CuPy's current stream for the call) through a handle of our own, so
-torch's handle state is never touched.
+torch's current stream (bound to the handle, and made CuPy's current stream, for each call)
+through a handle of our own, so torch's handle state is never touched.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ _HANDLES = ops.DeviceHandles(lambda: _library().create())
 
 @functools.lru_cache(maxsize=64)
 def _cupy_stream(ptr: int, device: int) -> Any:
-    """CuPy's view of a torch stream. CuPy's cuBLAS wrappers bind the handle to *CuPy's* current
-    stream before every call (cublasSetStream inside gemmEx), so calls run with this one current."""
+    """CuPy's view of a torch stream, made current for each call: CuPy versions whose cuBLAS
+    wrappers bind the handle to *CuPy's* current stream before every call then bind this one."""
     import cupy
 
     return cupy.cuda.Stream.null if ptr == 0 else cupy.cuda.ExternalStream(ptr, device_id=device)
@@ -103,7 +103,11 @@ class CublasGemm(Source):
             call = ops.colmajor_call(key, ta, tb, c)
             handle = _HANDLES.get(ta.device)
             device = ta.device.index if ta.device.index is not None else torch.cuda.current_device()
-            with _cupy_stream(ops.current_stream(ta.device), device):
+            stream = ops.current_stream(ta.device)
+            # bound explicitly: the installed CuPy's gemmEx did not rebind the handle to CuPy's
+            # current stream (tests/test_gemm_libraries.py saw the GEMM run off torch's stream)
+            lib.setStream(handle, stream)
+            with _cupy_stream(stream, device):
                 _gemm(handle, call, ta, tb, c)
             return ops.finish(c, user_out, convert)
 
