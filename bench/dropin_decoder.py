@@ -585,11 +585,58 @@ def plot(rows: list[dict[str, Any]], path: Path, model: str) -> None:
     )
 
 
+def plot_bound(rows: list[dict[str, Any]], path: Path, model: str) -> Path | None:
+    """Per decode batch: the measured CUDA-graph ratio beside Amdahl's bound at the copy and at
+    the peak bandwidth, and the 1.15x target: where the target lies above what any kernel of
+    the routed ops could reach."""
+    decode = [r for r in rows if "bound" in r]
+    if not decode:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [
+        r["label"].removeprefix("decode ").replace(" (untuned M)", "\nuntuned M") for r in decode
+    ]
+    x = range(len(decode))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.27
+    series = (
+        ("measured (graph, on/off)", [r["graph_ratio"] for r in decode], "tab:blue"),
+        ("bound: routed kernels at copy bandwidth", [r["bound"]["max_ratio_at_copy"] for r in decode], "tab:gray"),
+        ("bound: routed kernels at peak bandwidth", [r["bound"]["max_ratio_at_peak"] for r in decode], "lightgray"),
+    )  # fmt: skip
+    for i, (name, values, color) in enumerate(series):
+        ax.bar([j + (i - 1) * width for j in x], [v - 1 for v in values], width, bottom=1,
+               color=color, label=name)  # fmt: skip
+    ax.axhline(1.15, color="red", linestyle="--", linewidth=1, label="target 1.15x")
+    ax.axhline(1.0, color="black", linewidth=1)
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("decode step speedup, tuner on / off")
+    ax.set_title(f"{model} decoder layer, CUDA graph: measured vs Amdahl's bound")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def bound_plot_path(plot_path: Path) -> Path:
+    return plot_path.with_name(plot_path.stem + "_bound.png")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, required=True, help="JSON results file.")
+    parser.add_argument("--out", type=Path, help="JSON results file (required unless --replot).")
+    parser.add_argument(
+        "--replot", type=Path, help="Only redraw --plot (and its _bound.png) from this JSON."
+    )
     parser.add_argument("--plot", type=Path, help="PNG of the on/off ratios.")
     parser.add_argument("--decode-batches", default="1,2,4,8,16,32,64")
     parser.add_argument("--extra-batches", default="24,48", help="Decode batches left untuned.")
@@ -624,11 +671,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="Tiny dimensions in f32 on the CPU: checks the whole script without a GPU.",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.out is None and args.replot is None:
+        parser.error("--out is required (or --replot with --plot)")
+    if args.replot is not None and args.plot is None:
+        parser.error("--replot needs --plot")
+    return args
+
+
+def draw(rows: list[dict[str, Any]], path: Path, model: str) -> None:
+    plot(rows, path, model)
+    plot_bound(rows, bound_plot_path(path), model)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.replot is not None:
+        saved = json.loads(args.replot.read_text())
+        draw(saved["phases"], args.plot, "tiny CPU smoke" if saved["smoke"] else "Llama-3-8B bf16")
+        return saved
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("dropin_decoder.py needs a CUDA GPU (or --smoke for a CPU check)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -728,7 +789,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["complete"] = True
     save()
     if args.plot:
-        plot(rows, args.plot, "tiny CPU smoke" if args.smoke else "Llama-3-8B bf16")
+        draw(rows, args.plot, "tiny CPU smoke" if args.smoke else "Llama-3-8B bf16")
     print(json.dumps(result["targets"], indent=1))
     return result
 

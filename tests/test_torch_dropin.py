@@ -790,3 +790,15 @@ def test_speedup_bound_is_amdahl_over_the_routed_kernels() -> None:
     bound = bench.speedup_bound(row, 100_000_000, {"peak": 1000.0})  # 100 MB at 1 TB/s: 100 us
     assert bound["floor_us_at_peak"] == pytest.approx(100.0)
     assert bound["max_ratio_at_peak"] == pytest.approx(200.0 / 150.0)
+
+
+def test_replot_redraws_both_plots_from_a_saved_run(tmp_path: Path) -> None:
+    bound = {"max_ratio_at_copy": 1.1, "max_ratio_at_peak": 1.2}
+    rows = [{"label": "decode b=1", "phase": "decode", "graph_ratio": 1.01, "bound": bound}]
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"smoke": False, "phases": rows}))
+    png = tmp_path / "run.png"
+    bench.main(["--replot", str(saved), "--plot", str(png)])
+    assert png.stat().st_size > 0 and bench.bound_plot_path(png).stat().st_size > 0
+    with pytest.raises(SystemExit):  # nothing to write the results to
+        bench.parse_args(["--smoke"])
