@@ -7,7 +7,7 @@ import torch
 from planted import PlantedGemm
 
 from tuner.candidates import registry
-from tuner.engine import TuneOptions, choose, contenders, ties, tune
+from tuner.engine import TuneOptions, choose, contenders, duels, ties, tune
 from tuner.keys import GemmKey, SdpaKey
 from tuner.results import Measurement
 
@@ -125,6 +125,16 @@ def test_ties_are_the_challengers_faster_within_noise_fastest_first():
     assert choose([base, near, nearer], TuneOptions()).source == "torch"
 
 
+def test_duels_add_the_ties_only_where_a_graph_can_decide_them():
+    base = m("torch", 100.0, 80.0, 120.0, baseline=True)
+    tie, beyond = m("tie", 95.0, 94.0, 96.0), m("beyond", 70.0, 69.0, 71.0)
+    ms = [base, tie, beyond]
+    assert [c.source for c in duels(ms, TuneOptions(), "cuda")] == ["beyond", "tie"]
+    assert [c.source for c in duels(ms, TuneOptions(), "cpu")] == ["beyond"]
+    unconfirmed = TuneOptions(confirm_rounds=0)  # no duel: the trial's verdict stands
+    assert [c.source for c in duels(ms, unconfirmed, "cuda")] == ["beyond"]
+
+
 def test_eager_launch_cost_counts_against_a_challenger():
     base = m("torch", 10.0, 9.9, 10.1, baseline=True)
     fast_gpu_slow_launch = m("x", 5.0, 4.9, 5.1)
@@ -221,8 +231,7 @@ def test_a_tie_goes_to_the_duel_and_a_twin_of_the_baseline_does_not_win():
         registry.unregister("twin")
     twin = by_params(outcome)["twin"]
     assert outcome.winner.source == "torch"
-    options = TuneOptions()
-    if twin in ties(outcome.measurements, options) + contenders(outcome.measurements, options):
+    if twin in duels(outcome.measurements, TuneOptions(), "cuda"):
         assert "in a CUDA graph" in twin.error and "lost" in twin.error  # it met the baseline
 
 

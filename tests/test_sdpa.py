@@ -252,6 +252,18 @@ def test_bench_problem_lists_follow_the_brief() -> None:
     assert all(k.causal == ("none" if k.q_len == 1 else "bottom_right") for _, k in dec)
 
 
+def test_copy_targets_count_gpu_time_where_there_is_one() -> None:
+    small = {"kv_bytes": 4 * 2**20, "pct_copy": 5.0}  # below 32 MB: not a target row
+    host_bound = {"kv_bytes": 32 * 2**20, "pct_copy": 30.0, "winner_graph_pct_copy": 85.0}
+    slow_anyway = {"kv_bytes": 32 * 2**20, "pct_copy": 25.0, "winner_graph_pct_copy": 55.0}
+    big = {"kv_bytes": 2**31, "pct_copy": 104.0}  # no graph time: the eager figure counts
+    got = sdpa_bench.copy_targets([small, host_bound, slow_anyway, big])
+    assert got["n_kv_ge_32MB"] == 3
+    assert (got["n_kv_ge_32MB_at_80pct"], got["min_pct_copy_kv_ge_32MB"]) == (1, 25.0)
+    assert (got["n_kv_ge_32MB_at_80pct_gpu"], got["min_pct_copy_kv_ge_32MB_gpu"]) == (2, 55.0)
+    assert got["n_kv_ge_32MB_gpu_from_eager"] == 1
+
+
 def test_bench_smoke(tmp_path: Path) -> None:
     """The whole path on tiny shapes: tune, side by side, annotate, JSON and PNG written."""
     suites = {

@@ -575,10 +575,15 @@ def test_linear_memo_serves_repeat_calls_with_the_winner(linear_disp: Dispatcher
 
 
 def test_linear_memo_serves_batched_inputs_with_bias_as_two_dimensional(
-    linear_disp: Dispatcher,
+    linear_disp: Dispatcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """(1, 4, 32) @ W.T + b is the stored (4, 32) problem: the memo flattens x, adds the bias in
     place and gives the result x's leading dimensions back."""
+    from tuner.call_memo import LinearMemo
+
+    served = []
+    serve = LinearMemo.serve
+    monkeypatch.setattr(LinearMemo, "serve", lambda self, *a: served.append(1) or serve(self, *a))
     lin, x = nn.Linear(32, 32), torch.randn(1, 4, 32)
     with torch.no_grad():
         want = F.linear(x.double(), lin.weight.double(), lin.bias.double()).float()
@@ -591,6 +596,7 @@ def test_linear_memo_serves_batched_inputs_with_bias_as_two_dimensional(
             assert tt.stats().hits == 3
             (memo,) = [m for m in memos(linear_disp, "linear") if m.weight() is lin.weight]
             assert not memo.res.by_torch and memo.flat == (-1, 32)
+    assert len(served) == 2  # the first call resolved and memoised; the repeats took the memo
 
 
 def test_linear_memo_rechecks_what_its_key_leaves_out(linear_disp: Dispatcher) -> None:
@@ -790,6 +796,8 @@ def test_speedup_bound_is_amdahl_over_the_routed_kernels() -> None:
     bound = bench.speedup_bound(row, 100_000_000, {"peak": 1000.0})  # 100 MB at 1 TB/s: 100 us
     assert bound["floor_us_at_peak"] == pytest.approx(100.0)
     assert bound["max_ratio_at_peak"] == pytest.approx(200.0 / 150.0)
+    row["breakdown"]["routed_us"] = 210.0  # profiled eagerly, a little over the graph step
+    assert bench.speedup_bound(row, 100_000_000, {"peak": 1000.0})["max_ratio_at_peak"] == 2.0
 
 
 def test_replot_redraws_both_plots_from_a_saved_run(tmp_path: Path) -> None:

@@ -114,10 +114,11 @@ def contenders(measurements: list[Measurement], options: TuneOptions) -> list[Me
 
 
 def ties(measurements: list[Measurement], options: TuneOptions) -> list[Measurement]:
-    """Challengers faster than the baseline eagerly but within the noise (and that repay any
-    extra launch cost), fastest first. On the GPU the confirmation's CUDA-graph timing can tell
-    them apart: eager times of small kernels are host-bound (measured: a split-KV decode at 14 us
-    on the GPU vs torch's 17, both about 30 us per eager call with a 20% spread)."""
+    """Challengers faster than the baseline in the trial (``effective_us``) but within the noise
+    (and that repay any extra launch cost), fastest first. On the GPU the confirmation's
+    CUDA-graph timing can tell them apart: eager times of small kernels are host-bound
+    (measured: a split-KV decode at 14.2 us on the GPU vs torch's 15.2, 26 vs 32 us per eager
+    call with a 21% noise)."""
     ok = [m for m in measurements if m.status == "ok"]
     base = next(m for m in ok if m.is_baseline)
     beyond = {id(m) for m in contenders(measurements, options)}
@@ -130,6 +131,15 @@ def ties(measurements: list[Measurement], options: TuneOptions) -> list[Measurem
         and effective_us(m, options.launch) < effective_us(base, options.launch)
     ]
     return sorted(found, key=lambda m: effective_us(m, options.launch))
+
+
+def duels(measurements: list[Measurement], options: TuneOptions, device: str) -> list[Measurement]:
+    """Who meets the baseline in the confirmation, in order (``tune`` takes the first
+    ``confirm_tries``): the contenders, then on the GPU the ties, whose duel the graph decides."""
+    found = contenders(measurements, options)
+    if device == "cuda" and options.confirm_rounds > 0:
+        found += ties(measurements, options)
+    return found
 
 
 def choose(measurements: list[Measurement], options: TuneOptions) -> Measurement:
@@ -251,7 +261,8 @@ class _Trial:
                 # graph replays are steady: their own spread, not the eager one, is the noise,
                 # in us relative to the baseline's time (a challenger of ~0 us on the GPU would
                 # otherwise make its jitter of a few ns an unbounded relative spread)
-                chal_jitter = (chal_gpu.p90_us - chal_gpu.p10_us) / 2 / base_gpu.median_us
+                jitter_us = (chal_gpu.p90_us - chal_gpu.p10_us) / 2
+                chal_jitter = jitter_us / base_gpu.median_us if base_gpu.median_us else 0.0
                 gpu_margin = max(options.min_noise, base_gpu.spread / 2, chal_jitter)
                 note = (
                     f"; GPU {chal_gpu.median_us:.2f} vs {base_gpu.median_us:.2f} us in a CUDA "
@@ -421,10 +432,7 @@ def tune(
         raise RuntimeError(f"the baseline failed on {key}: {errors}")
     chosen, base_us = base, effective_us(base, options.launch)
     chosen_us = base_us
-    duels = contenders(measurements, options)
-    if device == "cuda" and options.confirm_rounds > 0:
-        duels += ties(measurements, options)  # the duel's graph timing decides them
-    for challenger in duels[: max(1, options.confirm_tries)]:
+    for challenger in duels(measurements, options, device)[: max(1, options.confirm_tries)]:
         if options.confirm_rounds <= 0:
             chosen, chosen_us = challenger, effective_us(challenger, options.launch)
             break

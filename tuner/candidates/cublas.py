@@ -104,8 +104,8 @@ class CublasGemm(Source):
             handle = _HANDLES.get(ta.device)
             device = ta.device.index if ta.device.index is not None else torch.cuda.current_device()
             stream = ops.current_stream(ta.device)
-            # bound explicitly: the installed CuPy's gemmEx did not rebind the handle to CuPy's
-            # current stream (tests/test_gemm_libraries.py saw the GEMM run off torch's stream)
+            # bound explicitly for CuPy versions whose gemmEx leaves the handle's stream alone;
+            # on the H200 image's CuPy the stream test still fails (bench/NOTES.md, session 4)
             lib.setStream(handle, stream)
             with _cupy_stream(stream, device):
                 _gemm(handle, call, ta, tb, c)
