@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -47,6 +46,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tuner import problems
+from tuner.plots import geomean
 
 # --- the model ----------------------------------------------------------------------------------
 
@@ -321,11 +323,6 @@ def tune_missing(keys: list[str], args: argparse.Namespace, device: str) -> list
 MODES = ("eager_off", "eager_on", "graph_off", "graph_on")
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    o, r = out.float(), ref.float()
-    return (torch.linalg.vector_norm(o - r) / torch.linalg.vector_norm(r)).item()
-
-
 def measure_phase(
     tt: Any, disp: Any, step: Callable[[], Any], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -341,7 +338,7 @@ def measure_phase(
         with on():
             for _ in range(3):  # resolves every signature, compiles and loads the kernels
                 out = step()
-        row["rel_err_on_vs_off"] = relative_error(out, ref)
+        row["rel_err_on_vs_off"] = problems.relative_error(out, ref.float())
         if torch.cuda.is_available():
             for mode, ctx in (("graph_off", contextlib.nullcontext), ("graph_on", on)):
                 try:
@@ -524,10 +521,6 @@ def speedup_bound(row: dict[str, Any], nbytes: int, bandwidths: dict[str, float]
         # exceed the second, the rest of the step counts as 0 us, not less
         out[f"max_ratio_at_{name}"] = step / (max(step - routed, 0.0) + floor)
     return out
-
-
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
 def targets(rows: list[dict[str, Any]], overhead: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import pytest
 
 from tuner.cache import Store, StoreError
 from tuner.cache.schema import SCHEMA_VERSION
-from tuner.results import Measurement, Winner
+from tuner.results import Measurement, Winner, candidate_name, candidate_params
 
 KEY = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
 
@@ -148,3 +148,9 @@ def test_default_path_follows_env(tmp_path, monkeypatch):
     monkeypatch.delenv("TUNER_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_path() == tmp_path / "xdg" / "tuner" / "tuner.db"
+
+
+def test_candidate_params_read_back_what_candidate_name_wrote():
+    params = {"bn": 128, "fused": True, "splits": 16}
+    assert candidate_params(candidate_name("triton_decode", params)) == params
+    assert candidate_params(candidate_name("torch", {})) == {}  # no params: no JSON part

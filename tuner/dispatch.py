@@ -40,10 +40,7 @@ from tuner.results import Winner
 log = logging.getLogger(__name__)
 
 MODES = ("off", "lookup", "record", "tune")
-STALE_POLICIES = (
-    "use",
-    "ignore",
-)  # winners measured under other versions: serve, or treat as misses
+STALE_POLICIES = ("use", "ignore")  # winners measured under other versions: serve, or misses
 CAUSAL = {
     False: "none",
     True: "top_left",
@@ -139,8 +136,7 @@ class Dispatcher:
                 f"TUNER_STALE must be one of {list(STALE_POLICIES)}, got {self.stale!r}"
             )
         self.store_path = Path(store_path) if store_path else default_path()
-        self._hot: dict[tuple, Runner] = {}
-        self._served: dict[tuple, Resolution] = {}  # signature -> the resolution of its runner
+        self._hot: dict[tuple, tuple[Runner, Resolution]] = {}  # signature -> runner, its record
         # front ends' own caches of resolved calls (tuner.torch keys them on the call as made):
         # cleared with the resolved runners, so nothing outlives a reload
         self.memo: dict[tuple, Any] = {}
@@ -168,33 +164,26 @@ class Dispatcher:
     def gemm_runner(self, a: Any, b: Any) -> Runner:
         """The runner that ``matmul(a, b)`` calls: hoist it out of a loop to skip even the lookup."""
         sig = _gemm_sig(a, b)
-        runner = self._hot.get(sig)
-        if runner is None:
-            runner = self._resolve_gemm(sig, a, b)[0]
-        return runner
+        return (self._hot.get(sig) or self._resolve_gemm(sig, a, b))[0]
 
     def sdpa(
         self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
     ) -> Any:
         sig = _sdpa_sig(q, k, v, causal, scale)
-        runner = self._hot.get(sig)
-        if runner is None:
-            runner = self._resolve_sdpa(sig, q, k, v, causal, scale)[0]
+        runner = (self._hot.get(sig) or self._resolve_sdpa(sig, q, k, v, causal, scale))[0]
         return runner(q, k, v)
 
     def resolve_gemm(self, a: Any, b: Any) -> tuple[Runner, Resolution]:
         """``gemm_runner`` and how it was chosen (``tuner.torch`` hands torch-served calls back
         to torch's own entry point, untouched)."""
         sig = _gemm_sig(a, b)
-        runner, res = self._hot.get(sig), self._served.get(sig)
-        return (runner, res) if runner and res else self._resolve_gemm(sig, a, b)
+        return self._hot.get(sig) or self._resolve_gemm(sig, a, b)
 
     def resolve_sdpa(
         self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
     ) -> tuple[Runner, Resolution]:
         sig = _sdpa_sig(q, k, v, causal, scale)
-        runner, res = self._hot.get(sig), self._served.get(sig)
-        return (runner, res) if runner and res else self._resolve_sdpa(sig, q, k, v, causal, scale)
+        return self._hot.get(sig) or self._resolve_sdpa(sig, q, k, v, causal, scale)
 
     # --- resolution (first call of a signature) -------------------------------------------------
 
@@ -218,9 +207,9 @@ class Dispatcher:
         self, sig: tuple, make_key: Callable[[], Key], device: Any, fallback: Runner, *, grad: bool
     ) -> tuple[Runner, Resolution]:
         with self._lock:
-            runner, res = self._hot.get(sig), self._served.get(sig)
-            if runner is not None and res is not None:
-                return runner, res
+            hot = self._hot.get(sig)
+            if hot is not None:
+                return hot
             try:
                 key = make_key()
             except (
@@ -234,9 +223,8 @@ class Dispatcher:
             res = self.resolutions[slot] = self.resolutions.pop(slot, res)  # latest last
             if self.counting:
                 runner = _counted(runner, res)
-            self._served[sig] = res
             if res.kind != "capture":  # resolved again after the capture, with tuning allowed
-                self._hot[sig] = runner
+                self._hot[sig] = (runner, res)
             return runner, res
 
     def _choose(self, key: Key, device: str, *, grad: bool) -> Resolution:
@@ -375,7 +363,6 @@ class Dispatcher:
     def _forget(self) -> None:
         """Drop every resolved runner (callers hold the lock)."""
         self._hot.clear()
-        self._served.clear()
         self.memo.clear()
 
     def reload(self) -> None:

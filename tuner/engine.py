@@ -96,50 +96,54 @@ def launch_cost_repaid(
     return extra <= 0 or base_us - us >= extra
 
 
-def contenders(measurements: list[Measurement], options: TuneOptions) -> list[Measurement]:
-    """Challengers faster than the baseline by more than both sides' noise (and, eager, that
-    repay any extra launch cost), fastest first."""
+def _challengers(
+    measurements: list[Measurement], options: TuneOptions
+) -> tuple[list[Measurement], list[Measurement]]:
+    """The challengers faster than the baseline in the trial (``effective_us``) that repay any
+    extra launch cost, split into those beyond both sides' noise and those within it (ties),
+    each fastest first."""
     ok = [m for m in measurements if m.status == "ok"]
     base = next(m for m in ok if m.is_baseline)
     base_us = effective_us(base, options.launch)
-    found = [
-        m
-        for m in ok
-        if m is not base
-        and launch_cost_repaid(m.median_us, m.host_us, base.median_us, base.host_us, options)
-        and effective_us(m, options.launch)
-        < base_us * (1 - max(noise(base, options.min_noise), noise(m, options.min_noise)))
-    ]
-    return sorted(found, key=lambda m: effective_us(m, options.launch))
+    beyond: list[Measurement] = []
+    within: list[Measurement] = []
+    for m in ok:
+        if m is base or not launch_cost_repaid(
+            m.median_us, m.host_us, base.median_us, base.host_us, options
+        ):
+            continue
+        us = effective_us(m, options.launch)
+        margin = max(noise(base, options.min_noise), noise(m, options.min_noise))
+        if us < base_us * (1 - margin):
+            beyond.append(m)
+        elif us < base_us:
+            within.append(m)
+
+    def fastest_first(ms: list[Measurement]) -> list[Measurement]:
+        return sorted(ms, key=lambda m: effective_us(m, options.launch))
+
+    return fastest_first(beyond), fastest_first(within)
+
+
+def contenders(measurements: list[Measurement], options: TuneOptions) -> list[Measurement]:
+    """Challengers faster than the baseline by more than both sides' noise (and, eager, that
+    repay any extra launch cost), fastest first."""
+    return _challengers(measurements, options)[0]
 
 
 def ties(measurements: list[Measurement], options: TuneOptions) -> list[Measurement]:
-    """Challengers faster than the baseline in the trial (``effective_us``) but within the noise
-    (and that repay any extra launch cost), fastest first. On the GPU the confirmation's
-    CUDA-graph timing can tell them apart: eager times of small kernels are host-bound
-    (measured: a split-KV decode at 14.2 us on the GPU vs torch's 15.2, 26 vs 32 us per eager
-    call with a 21% noise)."""
-    ok = [m for m in measurements if m.status == "ok"]
-    base = next(m for m in ok if m.is_baseline)
-    beyond = {id(m) for m in contenders(measurements, options)}
-    found = [
-        m
-        for m in ok
-        if m is not base
-        and id(m) not in beyond
-        and launch_cost_repaid(m.median_us, m.host_us, base.median_us, base.host_us, options)
-        and effective_us(m, options.launch) < effective_us(base, options.launch)
-    ]
-    return sorted(found, key=lambda m: effective_us(m, options.launch))
+    """Challengers faster than the baseline in the trial but within the noise (and that repay
+    any extra launch cost), fastest first. On the GPU the confirmation's CUDA-graph timing can
+    tell them apart: eager times of small kernels are host-bound (measured: a split-KV decode at
+    14.2 us on the GPU vs torch's 15.2, 26 vs 32 us per eager call with a 21% noise)."""
+    return _challengers(measurements, options)[1]
 
 
 def duels(measurements: list[Measurement], options: TuneOptions, device: str) -> list[Measurement]:
     """Who meets the baseline in the confirmation, in order (``tune`` takes the first
     ``confirm_tries``): the contenders, then on the GPU the ties, whose duel the graph decides."""
-    found = contenders(measurements, options)
-    if device == "cuda" and options.confirm_rounds > 0:
-        found += ties(measurements, options)
-    return found
+    beyond, within = _challengers(measurements, options)
+    return beyond + within if device == "cuda" and options.confirm_rounds > 0 else beyond
 
 
 def choose(measurements: list[Measurement], options: TuneOptions) -> Measurement:

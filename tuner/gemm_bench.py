@@ -40,6 +40,7 @@ from tuner.engine import TuneOptions, TuneOutcome, current_device, tune
 from tuner.keys import GemmKey, parse_key
 from tuner.model_config import gemm_key, load_model
 from tuner.plots import geomean
+from tuner.results import candidate_params
 from tuner.sdpa_bench import recheck
 from tuner.suite import run_suite
 
@@ -174,7 +175,7 @@ def annotate(result: dict[str, Any], recorder: Recorder, device: str) -> None:
         row["baseline_pct_copy"] = 100 * row["baseline_gbs"] / copy
         row["kernels_compiled"] = recorder.compiled.get(row["key"])
         if row["source"] != base_name:
-            params = json.loads(row["candidate"].partition(":")[2])
+            params = candidate_params(row["candidate"])
             try:
                 row["recheck_err"] = recheck(key, row["source"], params, device)
             except Exception as e:  # a broken winner must show, not sink the report
@@ -228,7 +229,7 @@ def graph_times(key: GemmKey, row: dict[str, Any], ms: list[Any], copy: float) -
     base = registry.baseline("gemm")
     runners = {"graph_baseline": base.build(key, base.baseline_params)}
     if row["source"] != base.name:
-        params = json.loads(row["candidate"].partition(":")[2])
+        params = candidate_params(row["candidate"])
         runners["graph_winner"] = registry.get(row["source"]).build(key, params)
     if best is not None:
         runners["graph_triton"] = registry.get("triton_gemm").build(key, best.params)

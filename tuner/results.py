@@ -23,6 +23,11 @@ def candidate_name(source: str, params: dict[str, Any]) -> str:
     return source + ":" + json.dumps(params, sort_keys=True, separators=(",", ":"))
 
 
+def candidate_params(name: str) -> dict[str, Any]:
+    """The params of a ``candidate_name`` (the inverse of its JSON part; {} for none)."""
+    return json.loads(name.partition(":")[2] or "{}")
+
+
 class _Record:
     """What Measurement and Winner share: a key, a candidate, and a flat row form."""
 

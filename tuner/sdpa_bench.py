@@ -35,7 +35,7 @@ from tuner.candidates import registry
 from tuner.engine import TuneOptions, TuneOutcome, current_device, tune
 from tuner.keys import Key, SdpaKey, parse_key
 from tuner.plots import geomean
-from tuner.results import Measurement, candidate_name
+from tuner.results import Measurement, candidate_name, candidate_params
 from tuner.suite import run_suite
 
 console = Console()
@@ -193,8 +193,7 @@ def add_graph_times(row: dict[str, Any], key: SdpaKey, ms: list[Measurement], co
     base = registry.baseline("sdpa")
     tried: list[tuple[str, str, dict[str, Any]]] = [("baseline", base.name, base.baseline_params)]
     if row["source"] != base.name:
-        params = json.loads(row["candidate"].partition(":")[2] or "{}")
-        tried.append(("winner", row["source"], params))
+        tried.append(("winner", row["source"], candidate_params(row["candidate"])))
     tried += [
         ("triton", m.source, m.params)
         for m in ms
@@ -260,8 +259,8 @@ def annotate(result: dict[str, Any], recorder: Recorder, kind: str) -> dict[str,
         win = next((m for m in ms if m.candidate == row["candidate"] and m.status == "ok"), None)
         if row["source"] != registry.baseline("sdpa").name:
             try:
-                row["recheck_err"] = recheck(key, row["source"], json.loads(
-                    row["candidate"].partition(":")[2]), current_device())  # fmt: skip
+                params = candidate_params(row["candidate"])
+                row["recheck_err"] = recheck(key, row["source"], params, current_device())
             except Exception as e:  # a broken winner must show, not sink the report
                 row["recheck_err"] = f"{type(e).__name__}: {e}"[:300]
         row["baseline_host_us"] = base.host_us if base else None

@@ -379,15 +379,15 @@ class Router:
         nd = x.dim()
         if nd < 2:
             return NotImplemented
-        x2 = x if nd == 2 else x.reshape(-1, x.shape[-1])
+        x2, wt = x if nd == 2 else x.reshape(-1, x.shape[-1]), w.t()
         if compiling or needs_grad(x, w, bias):
-            return self._linear_out(self._gemm(x2, w.t(), compiling), x, w, bias)
-        runner, res = self.dispatcher.resolve_gemm(x2, w.t())
+            return self._linear_out(self._gemm(x2, wt, compiling), x, w, bias)
+        runner, res = self.dispatcher.resolve_gemm(x2, wt)
         if memo_key and res.kind != "capture" and _plain(w):
             remember(self.memo, memo_key, LinearMemo(x, w, runner, res))
         if self._torch_serves(res):
             return NotImplemented
-        return self._linear_out(runner(x2, w.t()), x, w, bias)
+        return self._linear_out(runner(x2, wt), x, w, bias)
 
     @staticmethod
     def _linear_out(y: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor, bias: Any) -> Any:
