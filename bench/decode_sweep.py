@@ -1,19 +1,26 @@
 """Where split-KV decode time goes on small-batch shapes: CUDA-graph replay, GPU time only.
 
     python bench/decode_sweep.py --out results/decode_sweep.json
+    ncu --clock-control none -k regex:'_read_kv|_decode' python bench/decode_sweep.py --profile
 
 Per shape (the decode shapes of ``tuner bench sdpa`` that read >= 32 MB of K/V and missed 80% of
-copy bandwidth in session 2), side by side in one process:
+copy bandwidth), side by side in one process:
 
 - **floor**: the best of a small grid of a pure streaming read of the same K and V bytes (sum per
   program): what any one-pass kernel can reach at this size, launch and ramp included;
 - **copy**: ``torch.Tensor.copy_`` of K and V (reads and writes the bytes: twice the traffic);
 - **torch**: torch's default SDPA;
-- **triton_decode**: a wider config grid than the tuner searches (bn, warps, stages, splits,
-  fused merge), every point with its time, the best first.
+- **triton_decode**: a config grid by total programs (128..1024), bn, stages, fused merge and
+  programmatic dependent launch (pdl), every point with its time, the best first;
+- **parts**: the best two-pass configs' pass 1 alone and pass 2 alone;
+- **fenced**: the best configs and torch each timed after a one-element torch kernel that does
+  not use PDL, that kernel's own time subtracted: a PDL kernel's launch then overlaps only what
+  it would overlap in a model (back to back, call i+1's launch also hides behind call i's end).
 
 All times are per call in a CUDA graph of 16 calls rotating over input sets larger than the L2
 (``tuner.sdpa_bench.graph_us``); % of copy uses the 2 GiB copy bandwidth of ``tuner.suite``.
+``--profile`` launches the best floor and a few decode configs of the first shape a few times
+eagerly, for Nsight Compute to read their counters.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import triton.language as tl
 
 from tuner import bench, problems
 from tuner.candidates import registry
+from tuner.candidates.triton_attention import output_for
+from tuner.candidates.triton_decode import DecodeKernels
 from tuner.device import fingerprint
 from tuner.keys import SdpaKey
 from tuner.sdpa_bench import compile_groups, graph_us
@@ -39,8 +48,10 @@ SHAPES = {  # label -> (batch, q_len, kv_len); 32 q heads, 8 kv heads, head dim 
     "q1 b1 kv8k": (1, 1, 8192),
     "q4 b1 kv8k": (1, 4, 8192),
     "q1 b8 kv1k": (8, 1, 1024),
-    "q1 b1 kv32k": (1, 1, 32768),
+    "q4 b8 kv1k": (8, 4, 1024),
 }
+PROGRAMS = (128, 256, 512, 1024)  # pass-1 programs (splits x batch x kv heads) in the grid
+FLOOR_GRID = [(1024, 4, 8), *itertools.product((2048, 4096, 8192), (1,), (4, 8, 16))]
 
 
 @triton.jit
@@ -83,13 +94,51 @@ def copy_runner() -> Any:
 
 def decode_grid(key: SdpaKey) -> list[dict[str, Any]]:
     out = []
-    for bn, warps, stages in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+    n_kv = key.batch * key.kv_heads
+    for bn, stages, fused, pdl in itertools.product(
+        (64, 128), (2, 3), (False, True), (False, True)
+    ):
         tiles = triton.cdiv(key.kv_len, bn)
-        for splits in sorted({s for s in (4, 8, 16, 33, 66, 132, 264) if s <= tiles}):
-            for fused in (False, True) if splits > 1 else (False,):
-                out.append(
-                    {"bn": bn, "splits": splits, "warps": warps, "stages": stages, "fused": fused}
-                )
+        for splits in sorted({max(1, p // n_kv) for p in PROGRAMS if p // n_kv <= tiles}):
+            out.append({"bn": bn, "splits": splits, "warps": 4, "stages": stages, "fused": fused,
+                        "pdl": pdl})  # fmt: skip
+    return out
+
+
+def parts_us(key: SdpaKey, params: dict[str, Any], sets: list) -> dict[str, float]:
+    """Pass 1 alone and pass 2 alone of a two-pass config (graph time each)."""
+    kernels = DecodeKernels(key, params)
+    outs = [output_for(key, s[0]) for s in sets]
+    n = len(sets)
+
+    def split(i: int) -> None:
+        kernels.split(*sets[i % n], outs[i % n])
+
+    return {
+        "split_us": bench.graph_time(split).median_us,
+        "merge_us": bench.graph_time(lambda i: kernels.merge(outs[i % n])).median_us,
+    }
+
+
+def fenced_us(runner: Any, sets: list) -> float:
+    """Graph time of ``runner`` when each call follows a one-element torch kernel (no PDL), less
+    that kernel's own graph time."""
+    flag = torch.zeros(1, device="cuda")
+    n = len(sets)
+
+    def both(i: int) -> None:
+        flag.add_(1)
+        runner(*sets[i % n])
+
+    return bench.graph_time(both).median_us - bench.graph_time(lambda i: flag.add_(1)).median_us
+
+
+def pick_fenced(timed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The best two points of each (fused, pdl) kind."""
+    out = []
+    for kind in itertools.product((False, True), (False, True)):
+        same = [p for p in timed if (p["params"]["fused"], p["params"]["pdl"]) == kind]
+        out += [dict(p) for p in same[:2]]
     return out
 
 
@@ -122,7 +171,7 @@ def sweep_shape(label: str, key: SdpaKey, copy: float, deadline: float) -> dict[
 
     row: dict[str, Any] = {"label": label, "key": str(key), "kv_bytes": key.kv_bytes}
     floor = []
-    for block, iters, warps in itertools.product((1024, 4096), (1, 4, 16), (4, 8)):
+    for block, iters, warps in FLOOR_GRID:
         us = graph_us(read_runner(block, iters, warps), sets)
         floor.append(
             {"block": block, "iters": iters, "warps": warps, "us": us, "pct_copy": pct(us)}
@@ -148,6 +197,16 @@ def sweep_shape(label: str, key: SdpaKey, copy: float, deadline: float) -> dict[
     points.sort(key=lambda p: p.get("us", float("inf")))
     row["triton"] = points
     best = points[0] if points and "us" in points[0] else None
+    timed = [p for p in points if "us" in p]
+    two_pass = [p for p in timed if DecodeKernels(key, p["params"]).plan.two_pass][:3]
+    row["parts"] = [{"params": p["params"], "us": p["us"], **parts_us(key, p["params"], sets)}
+                    for p in two_pass]  # fmt: skip
+    fenced = [{"params": "torch", "us": row["torch_us"]}, *pick_fenced(timed)]
+    for p in fenced:
+        runner = base.build(key, base.baseline_params) if p["params"] == "torch" else None
+        p["fenced_us"] = fenced_us(runner or decode.build(key, p["params"]), sets)
+        p["fenced_pct_copy"] = pct(p["fenced_us"])
+    row["fenced"] = fenced
     print(
         f"{label:14} floor {floor[0]['us']:6.1f} us ({floor[0]['pct_copy']:3.0f}%)  "
         f"copy {row['copy_us']:6.1f} us  torch {row['torch_us']:6.1f} us "
@@ -155,7 +214,31 @@ def sweep_shape(label: str, key: SdpaKey, copy: float, deadline: float) -> dict[
         + (f"{best['us']:6.1f} us ({best['pct_copy']:3.0f}%) {best['params']}" if best else "-"),
         flush=True,
     )
+    for p in row["parts"]:
+        print(f"    parts {p['params']}: {p['us']:.1f} = split {p['split_us']:.1f} + merge "
+              f"{p['merge_us']:.1f} us alone", flush=True)  # fmt: skip
+    for p in row["fenced"]:
+        print(f"    fenced {p['params']}: {p['us']:.1f} back to back, {p['fenced_us']:.1f} fenced "
+              f"({p['fenced_pct_copy']:.0f}%)", flush=True)  # fmt: skip
     return row
+
+
+def profile(key: SdpaKey) -> None:
+    """Each kernel of interest twice (the second launch is the direct one), synchronised."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = problems.make_inputs(key, "cuda", gen)
+    n_kv = key.batch * key.kv_heads
+    configs = [
+        {"bn": 128, "splits": 128 // n_kv, "warps": 4, "stages": 3, "fused": False},
+        {"bn": 64, "splits": 1024 // n_kv, "warps": 4, "stages": 2, "fused": False},
+    ]
+    runners = [read_runner(4096, 1, 8)] + [
+        registry.get("triton_decode").build(key, c) for c in configs
+    ]
+    for run in runners:
+        for _ in range(2):
+            run(q, k, v)
+            torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -164,7 +247,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="labels, comma-separated")
     ap.add_argument("--time-limit", type=float, default=240.0, help="seconds for the whole sweep")
     ap.add_argument("--workers", type=int, default=14, help="parallel Triton compiles")
+    ap.add_argument(
+        "--profile", action="store_true", help="launch a few kernels for ncu, no timing"
+    )
     args = ap.parse_args()
+    if args.profile:
+        profile(shape_key(*SHAPES[args.shapes.split(",")[0]]))
+        return
     deadline = time.monotonic() + args.time_limit
     copy = copy_bandwidth_gbs("cuda")
     fp = fingerprint("cuda")

@@ -2,7 +2,8 @@
 # One call on the lent GPU machine: install what its image lacks, then run the named stages.
 #   bash bench/gpu_check.sh tests dispatch        (carry .whl; results land under $OUT)
 # Stages: tests (pytest -m gpu; GPU_TESTS="tests/test_x.py ..." narrows it), dispatch (hit-path
-#   overhead benchmark), decode-sweep (bench/decode_sweep.py); more are added per area.
+#   overhead benchmark), decode-sweep (bench/decode_sweep.py), decode-ncu (its --profile under
+#   Nsight Compute); more are added per area.
 #   triton-sweep (whole Triton GEMM config space on sample shapes), triton-tests, gemm
 #   (tuner bench gemm; GEMM_BENCH_ARGS="--part odd ...", GEMM_BENCH_TIMEOUT seconds).
 #   tuneall (tune-all Llama-3-8B projections -> $OUT/tuneall: report.json, speedup.png, tuner.db,
@@ -39,6 +40,11 @@ for stage in "$@"; do
     decode-sweep)  # split-KV decode on small batches: floor read, copy, torch, a wide config grid
       timeout -k 20 "${DECODE_SWEEP_TIMEOUT:-240}" python3 bench/decode_sweep.py --out "$OUT/decode_sweep.json" \
         --time-limit "${DECODE_SWEEP_LIMIT:-200}" ${DECODE_SWEEP_ARGS:-} 2>&1 | tee "$OUT/decode_sweep.log" || status=1 ;;
+    decode-ncu)  # Nsight Compute counters of the floor read and two decode configs (q1 b1 kv8k)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      timeout -k 20 "${DECODE_NCU_TIMEOUT:-240}" "$NCU" --clock-control none -k 'regex:_read_kv|_decode' \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats python3 bench/decode_sweep.py --out /dev/null --profile 2>&1 | tee "$OUT/decode_ncu.log" || status=1 ;;
     dispatch) python3 bench/dispatch_overhead.py --out "$OUT/dispatch_overhead.json" || status=1 ;;
     sdpa-tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests/test_sdpa.py 2>&1 | tee "$OUT/sdpa_tests.log" || status=1 ;;
     sdpa) timeout -k 20 "${SDPA_BENCH_TIMEOUT:-215}" python3 -m tuner.cli bench sdpa --out "$OUT" ${SDPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/sdpa_bench.log" || status=1 ;;

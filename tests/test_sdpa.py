@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tuner import problems, sdpa_bench
 from tuner.candidates import registry
 from tuner.candidates.triton_attention import TritonAttention
-from tuner.candidates.triton_decode import TritonDecode, plan, split_choices
+from tuner.candidates.triton_decode import TritonDecode, pdl_problem, plan, split_choices
 from tuner.engine import TuneOptions, tune
 from tuner.keys import DTYPES, SdpaKey
 
@@ -322,6 +322,42 @@ def test_gpu_shortlist(src, key: SdpaKey) -> None:
             for _ in range(20):
                 torch.testing.assert_close(runner(*inputs), again, rtol=0, atol=0)
             check(runner, key, inputs)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(("splits", "fused"), [(1, False), (16, False), (16, True), (128, False)])
+def test_gpu_decode_with_programmatic_dependent_launch(splits: int, fused: bool) -> None:
+    """pdl: each grid waits for the previous kernel's writes before reading. Back to back, eagerly
+    and replayed in a CUDA graph, every call must see its own inputs and equal the eager result."""
+    key = gpu_key(1, 32, 8, 1, 8192, 128)
+    params = {"bn": 64, "splits": splits, "warps": 4, "stages": 2, "fused": fused, "pdl": True}
+    runner = DECODE.build(key, params)
+    sets = [make(key, "bhsd", seed=s) for s in range(3)]
+    for inputs in sets:
+        check(runner, key, inputs)
+    eager = [runner(*inputs) for inputs in sets]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        runner(*sets[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        outs = [runner(*inputs) for inputs in sets]
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(outs, eager, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(pdl_problem() is None, reason="PDL can run here")
+def test_decode_pdl_is_refused_where_it_cannot_run() -> None:
+    key = sdpa_key(q_len=1, kv_len=64)
+    params = {"bn": 16, "splits": 2, "warps": 4, "stages": 1, "pdl": True}
+    with pytest.raises(ValueError, match="pdl: "):
+        DECODE.build(key, params)
 
 
 @pytest.mark.gpu

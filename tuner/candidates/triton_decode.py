@@ -12,7 +12,9 @@ Masks as in triton_attention (torch's conventions): causal ``top_left`` (key ``j
 query ``i`` iff ``j <= i``) and ``bottom_right`` (``j <= i + kv_len - q_len``); rows that see no key
 are written as 0. Any kv length, head dims up to 256, any strides, fp16/bf16/fp32.
 
-Params: {"bn", "splits", "warps", "stages"}.
+Params: {"bn", "splits", "warps", "stages", "fused", "pdl"}. ``fused``: the last program of each
+(batch, kv head) merges, one launch instead of two. ``pdl``: launched with programmatic dependent
+launch (Hopper+), so each grid's launch overlaps the end of the kernel before it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tuner.candidates.base import Params, Runner, Source
+from tuner.candidates.base import Params, Runner, Source, interpreting
 from tuner.candidates.triton_attention import (
     LOG2E,
     Launch,
@@ -42,7 +44,8 @@ from tuner.keys import DTYPES, SdpaKey
 
 MAX_Q_LEN = 16
 MAX_ROWS = 128  # group * q_len rows share one tile
-SPLIT_BLOCK = 16  # partials merged per step in pass 2
+MERGE_SPLITS = 64  # partials merged per step in pass 2 (all of them, up to 64 splits)
+MERGE_D = 32  # head-dim slice of one pass-2 program
 MERGE_ELEMS = 8192  # fp32 partial elements per step of the fused merge (registers)
 
 
@@ -105,10 +108,16 @@ def _decode_split(
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SINGLE: tl.constexpr,
     FUSED: tl.constexpr, ROWS_P2: tl.constexpr, MERGE_S: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """EVEN: every split holds ``chunk`` keys, a multiple of BLOCK_N, and HEAD_DIM == BLOCK_D, so
-    K and V tiles load unmasked (whole 16-byte vectors, nothing to predicate)."""
+    K and V tiles load unmasked (whole 16-byte vectors, nothing to predicate).
+    PDL (programmatic dependent launch): this grid may start while the previous kernel on the
+    stream finishes; it waits for that kernel's writes before its first load, then lets the next
+    kernel (the merge, or whatever follows) launch and wait in turn."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
     bkv = tl.program_id(1)
     num_splits = tl.num_programs(0)
@@ -197,10 +206,16 @@ def _decode_split(
 @triton.jit
 def _decode_merge(
     PO, Out, ml_offset, num_splits, kv_heads, s_ob, s_oh, s_om, s_od,
-    Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DM: tl.constexpr,
+    D_CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    """One program per (query row, BLOCK_DM slice of the head dim, batch x kv head): many small
+    programs, so the merge is one or two L2 round trips, not a serial loop over the head dim."""
+    if PDL:  # launched early, beside pass 1: wait until its partials are written
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0) // D_CHUNKS
+    d0 = (tl.program_id(0) % D_CHUNKS) * BLOCK_DM
     bkv = tl.program_id(1)
     PML = PO + ml_offset
     b = bkv // kv_heads
@@ -208,12 +223,12 @@ def _decode_merge(
     pos = row % Q_LEN
     rows_n: tl.constexpr = GROUP * Q_LEN
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = d0 + tl.arange(0, BLOCK_DM)
     d_ok = offs_d < HEAD_DIM
 
     m_run = tl.full([1], float("-inf"), dtype=tl.float32)
     l_run = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_DM], dtype=tl.float32)
     first = bkv.to(tl.int64) * num_splits
     for s0 in range(0, num_splits, BLOCK_S):
         sp = s0 + offs_s
@@ -314,34 +329,51 @@ class TritonDecode(Source):
             dt, dt, dt, dt, torch.float32, torch.int32, p.ml_offset, *p.scalars, *strides, grid=p.grid,
             **p.consts,
         )  # fmt: skip
-        if p.splits > 1 and not p.fused:
+        if p.two_pass:
             _decode_merge.warmup(
                 torch.float32, dt, p.ml_offset, p.splits, key.kv_heads, *strides[12:],
                 grid=p.merge_grid, **p.merge_consts,
             )  # fmt: skip
 
     def build(self, key: SdpaKey, params: Params) -> Runner:
-        p = plan(key, params)
-        split_launch = Launch(_decode_split, p.grid, p.consts)
-        merge_launch = Launch(_decode_merge, p.merge_grid, p.merge_consts)
-        ml_offset, scalars = p.ml_offset, p.scalars
-        two_pass = p.splits > 1 and not p.fused
-        work = Workspace(p.scratch, p.grid[1])
+        kernels = DecodeKernels(key, params)
 
         def run(
             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
         ) -> torch.Tensor:
             o = output_for(key, q) if out is None else out
-            so = o.stride()
-            part, counter = work.get(q.device)  # unused when splits == 1 (o written directly)
-            strides = (*q.stride(), *k.stride(), *v.stride(), *so)
-            split_launch((q, k, v, o, part, counter), (ml_offset, *scalars, *strides), strides)
-            if two_pass:
-                merge_launch((part, o), (ml_offset, p.splits, key.kv_heads, *so), so)
+            kernels.split(q, k, v, o)
+            if kernels.plan.two_pass:
+                kernels.merge(o)
             return o
 
-        launches = [split_launch, merge_launch] if two_pass else [split_launch]
-        return checked_runner(run, launches, f"triton_decode {key}")
+        return checked_runner(run, kernels.launches, f"triton_decode {key}")
+
+
+class DecodeKernels:
+    """The launches of one plan, callable one at a time: ``split`` (pass 1; the whole op when
+    ``splits == 1`` or fused) then ``merge`` (pass 2). A benchmark can time each alone."""
+
+    def __init__(self, key: SdpaKey, params: Params) -> None:
+        self.key, self.plan = key, plan(key, params)
+        p = self.plan
+        self.split_launch = Launch(_decode_split, p.grid, p.consts)
+        self.merge_launch = Launch(_decode_merge, p.merge_grid, p.merge_consts)
+        self.launches = (
+            [self.split_launch, self.merge_launch] if p.two_pass else [self.split_launch]
+        )
+        self.work = Workspace(p.scratch, p.grid[1])
+
+    def split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> None:
+        p = self.plan
+        part, counter = self.work.get(q.device)  # unused when splits == 1 (o written directly)
+        strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
+        self.split_launch((q, k, v, o, part, counter), (p.ml_offset, *p.scalars, *strides), strides)
+
+    def merge(self, o: torch.Tensor) -> None:
+        p, so = self.plan, o.stride()
+        part, _ = self.work.get(o.device)
+        self.merge_launch((part, o), (p.ml_offset, p.splits, self.key.kv_heads, *so), so)
 
 
 class Workspace:
@@ -370,6 +402,17 @@ class Workspace:
         return found
 
 
+def pdl_problem() -> str | None:
+    """Why kernels cannot use programmatic dependent launch here, or None."""
+    if interpreting():
+        return "not in Triton's interpreter"
+    if not hasattr(tl.extra.cuda, "gdc_wait"):
+        return f"needs tl.extra.cuda.gdc_wait (triton {triton.__version__} lacks it)"
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return "needs a Hopper or newer GPU (compute capability >= 9)"
+    return None
+
+
 def current_stream(device: torch.device) -> int:
     """The current stream's handle on ``device`` (0 on the CPU), cheaply."""
     if device.type != "cuda":
@@ -391,6 +434,10 @@ class Plan:
     scratch: int  # fp32 elements of scratch (partial outputs, then maxima and sums)
     fused: bool  # the last program per (batch, kv head) merges: one launch instead of two
 
+    @property
+    def two_pass(self) -> bool:
+        return self.splits > 1 and not self.fused
+
 
 def plan(key: SdpaKey, params: Params) -> Plan:
     if reason := TritonDecode().unsupported(key):
@@ -404,6 +451,9 @@ def plan(key: SdpaKey, params: Params) -> Plan:
     chunk = chunk_for(key, bn, splits_wanted)
     splits = triton.cdiv(key.kv_len, chunk)
     fused = bool(params.get("fused", False)) and splits > 1
+    pdl = bool(params.get("pdl", False))
+    if pdl and (problem := pdl_problem()):
+        raise ValueError(f"pdl: {problem}")
     rows = rows_per_tile(key)
     rows_p2 = max(2, triton.next_power_of_2(rows))
     group = key.q_heads // key.kv_heads
@@ -414,15 +464,19 @@ def plan(key: SdpaKey, params: Params) -> Plan:
         "BLOCK_D": d, "BLOCK_N": bn, "CAUSAL": key.causal != "none", "SINGLE": splits == 1,
         "FUSED": fused, "ROWS_P2": rows_p2, "MERGE_S": max(1, min(32, MERGE_ELEMS // (rows_p2 * d))),
         "PRECISION": dot_precision(key), "num_warps": warps, "num_stages": stages,
-        "EVEN": key.kv_len % chunk == 0 and key.head_dim == d,
+        "EVEN": key.kv_len % chunk == 0 and key.head_dim == d, "PDL": pdl,
     }  # fmt: skip
+    block_dm = min(MERGE_D, d)
     merge_consts: dict[str, Any] = {
-        "Q_LEN": key.q_len, "GROUP": group, "HEAD_DIM": key.head_dim, "BLOCK_D": d,
-        "BLOCK_S": SPLIT_BLOCK, "num_warps": 4 if d >= 256 else 2, "num_stages": 1,
+        "Q_LEN": key.q_len, "GROUP": group, "HEAD_DIM": key.head_dim, "BLOCK_DM": block_dm,
+        "D_CHUNKS": d // block_dm, "BLOCK_S": min(MERGE_SPLITS, triton.next_power_of_2(splits)),
+        "PDL": pdl, "num_warps": 2, "num_stages": 1,
     }  # fmt: skip
+    if pdl:  # a launch option, not a kernel argument
+        consts["launch_pdl"] = merge_consts["launch_pdl"] = True
     ml_offset = n_kv * splits * rows * key.head_dim
     return Plan(
-        splits=splits, grid=(splits, n_kv), merge_grid=(rows, n_kv), consts=consts,
+        splits=splits, grid=(splits, n_kv), merge_grid=(rows * (d // block_dm), n_kv), consts=consts,
         merge_consts=merge_consts,
         scalars=(key.scale * LOG2E, key.kv_len, key.kv_heads, chunk, causal_offset(key)),
         ml_offset=ml_offset, scratch=ml_offset + n_kv * splits * 2 * rows, fused=fused,
