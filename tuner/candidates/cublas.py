@@ -41,13 +41,37 @@ def _library() -> Any:
 _HANDLES = ops.DeviceHandles(lambda: _library().create())
 
 
+class _RawStream:
+    """A raw ``cudaStream_t`` under the CUDA stream protocol, as ``Stream.from_external`` takes it."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
 @functools.lru_cache(maxsize=64)
 def _cupy_stream(ptr: int, device: int) -> Any:
-    """CuPy's view of a torch stream, made current for each call: CuPy versions whose cuBLAS
-    wrappers bind the handle to *CuPy's* current stream before every call then bind this one."""
+    """CuPy's view of a torch stream, made CuPy's current stream around each call.
+
+    CuPy's cuBLAS wrappers rebind the handle before every call to CuPy's current stream of the
+    current device (cupy_backends/cuda/libs/cublas.pyx: ``_setStream(handle)`` ->
+    ``setStream(handle, stream_module.get_current_stream_ptr())``), so a ``setStream`` of ours is
+    undone unless this stream is current: on CuPy 14.2 ``getStream`` after ``gemmEx`` reads 0
+    without it and torch's stream with it. ``Stream.from_external`` (CuPy >= 14; it never destroys
+    the foreign stream) replaces ``ExternalStream``, deprecated in 14; CuPy 13 has only the latter.
+    """
     import cupy
 
-    return cupy.cuda.Stream.null if ptr == 0 else cupy.cuda.ExternalStream(ptr, device_id=device)
+    if ptr == 0:
+        return cupy.cuda.Stream.null
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(ptr, device_id=device)
+    return from_external(_RawStream(ptr))  # device_id -1 (on 14.2): the current device at entry
 
 
 def candidate_algos() -> tuple[int, ...]:
@@ -104,8 +128,7 @@ class CublasGemm(Source):
             handle = _HANDLES.get(ta.device)
             device = ta.device.index if ta.device.index is not None else torch.cuda.current_device()
             stream = ops.current_stream(ta.device)
-            # bound explicitly for CuPy versions whose gemmEx leaves the handle's stream alone;
-            # on the H200 image's CuPy the stream test still fails (bench/NOTES.md, session 4)
+            # bound explicitly too, for old CuPy whose gemmEx leaves the handle's stream alone
             lib.setStream(handle, stream)
             with _cupy_stream(stream, device):
                 _gemm(handle, call, ta, tb, c)
