@@ -10,8 +10,8 @@ copy bandwidth), side by side in one process:
   program): what any one-pass kernel can reach at this size, launch and ramp included;
 - **copy**: ``torch.Tensor.copy_`` of K and V (reads and writes the bytes: twice the traffic);
 - **torch**: torch's default SDPA;
-- **triton_decode**: a config grid by total programs (128..1024), bn, stages, fused merge and
-  programmatic dependent launch (pdl), every point with its time, the best first;
+- **triton_decode**: a config grid by total programs (128..1024), warps per program, bn and
+  stages, with programmatic dependent launch (pdl), every point with its time, the best first;
 - **parts**: the best two-pass configs' pass 1 alone and pass 2 alone;
 - **fenced**: the best configs and torch each timed after a one-element torch kernel that does
   not use PDL, that kernel's own time subtracted: a PDL kernel's launch then overlaps only what
@@ -93,15 +93,19 @@ def copy_runner() -> Any:
 
 
 def decode_grid(key: SdpaKey) -> list[dict[str, Any]]:
-    out = []
+    """PDL two-pass configs by warps per program (fewer warps, more programs per SM), tile width,
+    stages and total programs; and the session-4 shape of config without PDL as the reference."""
     n_kv = key.batch * key.kv_heads
-    for bn, stages, fused, pdl in itertools.product(
-        (64, 128), (2, 3), (False, True), (False, True)
-    ):
+    out = []
+    for bn, warps, stages, pdl in [
+        *itertools.product((32, 64, 128), (1, 2, 4), (2, 3), (True,)),
+        (128, 4, 3, False),
+        (64, 4, 3, False),
+    ]:
         tiles = triton.cdiv(key.kv_len, bn)
         for splits in sorted({max(1, p // n_kv) for p in PROGRAMS if p // n_kv <= tiles}):
-            out.append({"bn": bn, "splits": splits, "warps": 4, "stages": stages, "fused": fused,
-                        "pdl": pdl})  # fmt: skip
+            out.append({"bn": bn, "splits": splits, "warps": warps, "stages": stages,
+                        "fused": False, "pdl": pdl})  # fmt: skip
     return out
 
 
@@ -134,11 +138,11 @@ def fenced_us(runner: Any, sets: list) -> float:
 
 
 def pick_fenced(timed: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The best two points of each (fused, pdl) kind."""
+    """The best point of each (warps, pdl) kind."""
     out = []
-    for kind in itertools.product((False, True), (False, True)):
-        same = [p for p in timed if (p["params"]["fused"], p["params"]["pdl"]) == kind]
-        out += [dict(p) for p in same[:2]]
+    for kind in itertools.product((1, 2, 4), (False, True)):
+        same = [p for p in timed if (p["params"]["warps"], p["params"]["pdl"]) == kind]
+        out += [dict(p) for p in same[:1]]
     return out
 
 
@@ -229,8 +233,8 @@ def profile(key: SdpaKey) -> None:
     q, k, v = problems.make_inputs(key, "cuda", gen)
     n_kv = key.batch * key.kv_heads
     configs = [
-        {"bn": 128, "splits": 128 // n_kv, "warps": 4, "stages": 3, "fused": False},
-        {"bn": 64, "splits": 1024 // n_kv, "warps": 4, "stages": 2, "fused": False},
+        {"bn": 128, "splits": 128 // n_kv, "warps": 4, "stages": 3},
+        {"bn": 64, "splits": 512 // n_kv, "warps": 1, "stages": 3},
     ]
     runners = [read_runner(4096, 1, 8)] + [
         registry.get("triton_decode").build(key, c) for c in configs

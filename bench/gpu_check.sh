@@ -42,7 +42,7 @@ for stage in "$@"; do
         --time-limit "${DECODE_SWEEP_LIMIT:-200}" ${DECODE_SWEEP_ARGS:-} 2>&1 | tee "$OUT/decode_sweep.log" || status=1 ;;
     decode-ncu)  # Nsight Compute counters of the floor read and two decode configs (q1 b1 kv8k)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-      timeout -k 20 "${DECODE_NCU_TIMEOUT:-240}" "$NCU" --clock-control none -k 'regex:_read_kv|_decode' \
+      timeout -k 20 "${DECODE_NCU_TIMEOUT:-240}" "$NCU" --clock-control none -k "regex:${DECODE_NCU_KERNELS:-_read_kv|_decode}" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats python3 bench/decode_sweep.py --out /dev/null --profile 2>&1 | tee "$OUT/decode_ncu.log" || status=1 ;;
     dispatch) python3 bench/dispatch_overhead.py --out "$OUT/dispatch_overhead.json" || status=1 ;;

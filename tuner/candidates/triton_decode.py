@@ -44,8 +44,9 @@ from tuner.keys import DTYPES, SdpaKey
 
 MAX_Q_LEN = 16
 MAX_ROWS = 128  # group * q_len rows share one tile
-MERGE_SPLITS = 64  # partials merged per step in pass 2 (all of them, up to 64 splits)
-MERGE_D = 32  # head-dim slice of one pass-2 program
+MERGE_PROGRAMS = 128  # pass-2 programs wanted: head-dim slices of rows until there are as many
+MERGE_D = 32  # narrowest head-dim slice of one pass-2 program
+MERGE_ELEMS_2 = 2048  # fp32 partial elements per load of one pass-2 program (64 splits x 32 d)
 MERGE_ELEMS = 8192  # fp32 partial elements per step of the fused merge (registers)
 
 
@@ -466,17 +467,22 @@ def plan(key: SdpaKey, params: Params) -> Plan:
         "PRECISION": dot_precision(key), "num_warps": warps, "num_stages": stages,
         "EVEN": key.kv_len % chunk == 0 and key.head_dim == d, "PDL": pdl,
     }  # fmt: skip
-    block_dm = min(MERGE_D, d)
+    # pass 2: about MERGE_PROGRAMS programs (head-dim slices when rows x pairs are few: a
+    # sliver of a grid merges serially; thousands of slivers cost more launching than merging)
+    d_chunks = min(
+        d // min(MERGE_D, d), triton.next_power_of_2(triton.cdiv(MERGE_PROGRAMS, rows * n_kv))
+    )
+    block_dm = d // d_chunks
     merge_consts: dict[str, Any] = {
         "Q_LEN": key.q_len, "GROUP": group, "HEAD_DIM": key.head_dim, "BLOCK_DM": block_dm,
-        "D_CHUNKS": d // block_dm, "BLOCK_S": min(MERGE_SPLITS, triton.next_power_of_2(splits)),
-        "PDL": pdl, "num_warps": 2, "num_stages": 1,
+        "D_CHUNKS": d_chunks, "PDL": pdl, "num_warps": 2, "num_stages": 1,
+        "BLOCK_S": max(1, min(triton.next_power_of_2(splits), MERGE_ELEMS_2 // block_dm)),
     }  # fmt: skip
     if pdl:  # a launch option, not a kernel argument
         consts["launch_pdl"] = merge_consts["launch_pdl"] = True
     ml_offset = n_kv * splits * rows * key.head_dim
     return Plan(
-        splits=splits, grid=(splits, n_kv), merge_grid=(rows * (d // block_dm), n_kv), consts=consts,
+        splits=splits, grid=(splits, n_kv), merge_grid=(rows * d_chunks, n_kv), consts=consts,
         merge_consts=merge_consts,
         scalars=(key.scale * LOG2E, key.kv_len, key.kv_heads, chunk, causal_offset(key)),
         ml_offset=ml_offset, scratch=ml_offset + n_kv * splits * 2 * rows, fused=fused,
