@@ -13,12 +13,13 @@ copy bandwidth), side by side in one process:
 - **triton_decode**: a config grid by total programs (128..1024), warps per program, bn and
   stages, with programmatic dependent launch (pdl), every point with its time, the best first;
 - **parts**: the best two-pass configs' pass 1 alone and pass 2 alone;
-- **fenced**: the best configs and torch each timed after a one-element torch kernel that does
-  not use PDL, that kernel's own time subtracted: a PDL kernel's launch then overlaps only what
-  it would overlap in a model (back to back, call i+1's launch also hides behind call i's end).
+- **back to back**: torch and the best config of each kind also timed without the fence.
 
 All times are per call in a CUDA graph of 16 calls rotating over input sets larger than the L2
-(``tuner.sdpa_bench.graph_us``); % of copy uses the 2 GiB copy bandwidth of ``tuner.suite``.
+(``tuner.sdpa_bench.graph_us``), each call after a one-element torch kernel without PDL whose
+own time is subtracted (``bench.graph_time``'s fence: a PDL kernel's launch overlaps a foreign
+kernel's end, as in a model, not its own previous call); % of copy uses the 2 GiB copy bandwidth
+of ``tuner.suite``.
 ``--profile`` launches the best floor and a few decode configs of the first shape a few times
 eagerly, for Nsight Compute to read their counters.
 """
@@ -124,20 +125,14 @@ def parts_us(key: SdpaKey, params: dict[str, Any], sets: list) -> dict[str, floa
     }
 
 
-def fenced_us(runner: Any, sets: list) -> float:
-    """Graph time of ``runner`` when each call follows a one-element torch kernel (no PDL), less
-    that kernel's own graph time."""
-    flag = torch.zeros(1, device="cuda")
+def back_to_back_us(runner: Any, sets: list) -> float:
+    """Graph time of ``runner`` called back to back, without the fence ``graph_us`` puts between
+    calls: a PDL kernel's launch then also hides behind its own previous call."""
     n = len(sets)
-
-    def both(i: int) -> None:
-        flag.add_(1)
-        runner(*sets[i % n])
-
-    return bench.graph_time(both).median_us - bench.graph_time(lambda i: flag.add_(1)).median_us
+    return bench.graph_time(lambda i: runner(*sets[i % n]), fenced=False).median_us
 
 
-def pick_fenced(timed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def pick_kinds(timed: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The best point of each (warps, pdl) kind."""
     out = []
     for kind in itertools.product((1, 2, 4), (False, True)):
@@ -205,12 +200,11 @@ def sweep_shape(label: str, key: SdpaKey, copy: float, deadline: float) -> dict[
     two_pass = [p for p in timed if DecodeKernels(key, p["params"]).plan.two_pass][:3]
     row["parts"] = [{"params": p["params"], "us": p["us"], **parts_us(key, p["params"], sets)}
                     for p in two_pass]  # fmt: skip
-    fenced = [{"params": "torch", "us": row["torch_us"]}, *pick_fenced(timed)]
-    for p in fenced:
+    picked = [{"params": "torch", "us": row["torch_us"]}, *pick_kinds(timed)]
+    for p in picked:
         runner = base.build(key, base.baseline_params) if p["params"] == "torch" else None
-        p["fenced_us"] = fenced_us(runner or decode.build(key, p["params"]), sets)
-        p["fenced_pct_copy"] = pct(p["fenced_us"])
-    row["fenced"] = fenced
+        p["back_to_back_us"] = back_to_back_us(runner or decode.build(key, p["params"]), sets)
+    row["back_to_back"] = picked
     print(
         f"{label:14} floor {floor[0]['us']:6.1f} us ({floor[0]['pct_copy']:3.0f}%)  "
         f"copy {row['copy_us']:6.1f} us  torch {row['torch_us']:6.1f} us "
@@ -221,9 +215,9 @@ def sweep_shape(label: str, key: SdpaKey, copy: float, deadline: float) -> dict[
     for p in row["parts"]:
         print(f"    parts {p['params']}: {p['us']:.1f} = split {p['split_us']:.1f} + merge "
               f"{p['merge_us']:.1f} us alone", flush=True)  # fmt: skip
-    for p in row["fenced"]:
-        print(f"    fenced {p['params']}: {p['us']:.1f} back to back, {p['fenced_us']:.1f} fenced "
-              f"({p['fenced_pct_copy']:.0f}%)", flush=True)  # fmt: skip
+    for p in row["back_to_back"]:
+        print(f"    {p['params']}: {p['us']:.1f} us fenced, {p['back_to_back_us']:.1f} back to back",
+              flush=True)  # fmt: skip
     return row
 
 

@@ -64,3 +64,15 @@ def test_numerics_check_rejects_a_wrong_candidate_on_the_gpu():
     assert got["drops_last_k"].status == "rejected"
     assert got["nan"].status == "rejected"
     assert outcome.winner.source != "planted"
+
+
+def test_graph_time_subtracts_its_fence():
+    """The fence before each captured call is not charged to the call: a call that launches
+    nothing costs ~0, one that launches a kernel costs more than that."""
+    from tuner import bench
+
+    x = torch.zeros(1 << 20, device="cuda")
+    nothing = bench.graph_time(lambda i: None)
+    one_kernel = bench.graph_time(lambda i: x.add_(1))
+    assert 0.0 <= nothing.median_us < one_kernel.median_us
+    assert bench.graph_time(lambda i: x.add_(1), fenced=False).median_us > 0

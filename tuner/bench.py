@@ -141,12 +141,23 @@ GRAPH_CALLS = 16  # calls per captured graph: the replay's own launch cost is sp
 
 
 def graph_time(
-    fn: Callable[[int], Any], calls: int = GRAPH_CALLS, budget_s: float = 0.03
+    fn: Callable[[int], Any], calls: int = GRAPH_CALLS, budget_s: float = 0.03, fenced: bool = True
 ) -> Timing:
     """GPU time per call of ``fn(i)`` (``i`` picks the input set) with the host launch cost
     removed: ``calls`` calls captured in one CUDA graph, replayed. Warmed up first on the
     capturing stream (workspaces are per stream). Raises what the capture raises: a runner that
-    cannot be captured cannot serve a caller that runs its step as a graph."""
+    cannot be captured cannot serve a caller that runs its step as a graph.
+
+    ``fenced``: each call follows a one-element torch kernel launched without programmatic
+    dependent launch (PDL), whose own time is subtracted. A PDL kernel's launch then overlaps the
+    end of a foreign kernel, as in a model's step; back to back it would also hide behind its own
+    previous call (0.5 us of 12 on an H200 decode: bench/NOTES.md, session 5)."""
+    if fenced:
+        flag = torch.zeros(1, device="cuda")
+        both = graph_time(lambda i: (flag.add_(1), fn(i)), calls, budget_s, fenced=False)
+        fence = graph_time(lambda i: flag.add_(1), calls, budget_s, fenced=False).median_us
+        return Timing(max(0.0, both.median_us - fence), max(0.0, both.p10_us - fence),
+                      max(0.0, both.p90_us - fence), both.reps, both.host_us)  # fmt: skip
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
