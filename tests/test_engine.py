@@ -237,6 +237,30 @@ def test_a_tie_goes_to_the_duel_and_a_twin_of_the_baseline_does_not_win():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
+def test_graph_launch_ranks_candidates_by_gpu_time():
+    """A challenger slow eagerly (host work) but fastest on the GPU: an eager caller keeps the
+    baseline, a caller that replays graphs gets the challenger."""
+    from planted import HostHeavy, Memoized
+
+    Memoized.slow = False
+    registry.register(HostHeavy())
+    try:
+        winners = {
+            launch: tune(
+                KEY, options=TuneOptions(budget_s=0.02, sources=["hostheavy"], launch=launch)
+            )
+            for launch in ("eager", "graph")
+        }
+    finally:
+        registry.unregister("hostheavy")
+    assert winners["eager"].winner.source == "torch"
+    graph = winners["graph"]
+    assert graph.winner.source == "hostheavy", {m.candidate: m.error for m in graph.measurements}
+    assert by_params(graph)["hostheavy"].median_us < by_params(graph)["torch"].median_us
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
 def test_a_challenger_that_cannot_be_captured_loses():
     from planted import Uncapturable
 

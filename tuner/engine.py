@@ -39,7 +39,8 @@ class TuneOptions:
     # GPU beside fast ones
     confirm_tries: int = 3
     seed: int = 0
-    launch: str = "eager"  # "eager": host launch time counts; "graph": GPU time only
+    launch: str = "eager"  # "eager": host launch time counts; "graph": GPU time only (candidates
+    # timed in CUDA graphs, on the GPU)
     host_slack_us: float = 1.0  # eager: a winner may cost at most max(this, host_slack x the
     host_slack: float = 0.1  # baseline's) more host time per call than the baseline
     sources: list[str] | None = None  # restrict to these source names
@@ -197,17 +198,29 @@ class _Trial:
             )
         self.runners[candidate_name(source.name, params)] = runner
         sets = self.sets
+        graph = options.launch == "graph" and self.device == "cuda"
         try:
             t = bench.measure(
                 lambda i: runner(*sets[i % len(sets)]),
                 device=self.device,
                 budget_s=options.budget_s,
-                cutoff_us=cutoff_us,
+                cutoff_us=None if graph else cutoff_us,  # a cutoff from GPU times: not eager's
             )
         except Exception as e:
             return self.record(
                 source, params, "failed", max_rel_err=err, error=f"timing: {_short(e)}"
             )
+        if graph:
+            # ranked by GPU time: an eager time of a small kernel is its host's launch time, so
+            # the candidate fastest on the GPU might never reach the duel (session 5: a 12.7 us
+            # decode kernel behind a 15.4 us torch, both ~30 us eagerly)
+            try:
+                g = bench.graph_time(lambda i: runner(*sets[i % len(sets)]))
+            except Exception as e:
+                torch.cuda.synchronize()
+                error = f"cannot be captured in a CUDA graph: {_short(e)}"
+                return self.record(source, params, "failed", max_rel_err=err, error=error)
+            t = bench.Timing(g.median_us, g.p10_us, g.p90_us, g.reps, t.host_us)
         return self.record(
             source, params, "cut" if t.cut else "ok", max_rel_err=err,
             median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, reps=t.reps, host_us=t.host_us,
