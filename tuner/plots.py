@@ -39,6 +39,8 @@ def speedup_plot(
     names = list(dict.fromkeys(groups)) if groups else []
     colors = [palette(names.index(g) % 10) for g in groups] if groups else ["tab:blue"] * n
     ax.barh(range(n), [s - 1.0 for s in speedups], left=1.0, color=colors)  # bars grow from 1x
+    # each bar's end marked too: a row at 1.00x (the baseline kept) has no bar to see
+    ax.scatter(speedups, range(n), c=colors, marker="|", s=60, zorder=3)
     ax.set_yticks(range(n), labels, fontsize=7)
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=1)
