@@ -210,8 +210,9 @@ def _decode_merge(
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DM: tl.constexpr,
     D_CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program per (query row, BLOCK_DM slice of the head dim, batch x kv head): many small
-    programs, so the merge is one or two L2 round trips, not a serial loop over the head dim."""
+    """One program per (query row, BLOCK_DM slice of the head dim, batch x kv head), BLOCK_S
+    partials per load: few rows get many narrow programs, so the merge is not one program's
+    serial loop over the head dim."""
     if PDL:  # launched early, beside pass 1: wait until its partials are written
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -273,7 +274,8 @@ def chunk_for(key: SdpaKey, bn: int, splits: int) -> int:
 
 def split_choices(key: SdpaKey, bn: int, sm_count: int) -> list[int]:
     """Splits giving about 1, 2, 4 and 8 programs per SM in total (1 when batch x kv heads fills
-    it). Only the grid changes with the split count: one compiled kernel serves them all."""
+    it). Pass 1's grid is all that changes with the split count (pass 2 loads up to 64 partials
+    at once: its kernel follows the count up to there)."""
     tiles = triton.cdiv(key.kv_len, bn)
     out = []
     for waves in (1, 2, 4, 8):
@@ -323,7 +325,9 @@ class TritonDecode(Source):
     def kernel_id(self, key: SdpaKey, params: Params) -> tuple:
         """What decides the compiled kernels (candidates with equal ids share one compilation)."""
         p = plan(key, params)
-        return (self.name, key.dtype, key.head_dim, key.causal != "none", *sorted(p.consts.items()))
+        merge = sorted(p.merge_consts.items()) if p.two_pass else []
+        return (self.name, key.dtype, key.head_dim, key.causal != "none",
+                *sorted(p.consts.items()), *merge)  # fmt: skip
 
     def warmup(self, key: SdpaKey, params: Params) -> None:
         """Compile (or load from Triton's disk cache) this candidate's kernels for contiguous
@@ -412,6 +416,8 @@ def pdl_problem() -> str | None:
     """Why kernels cannot use programmatic dependent launch here, or None."""
     if interpreting():
         return "not in Triton's interpreter"
+    if torch.version.hip:
+        return "CUDA only (griddepcontrol)"
     if not hasattr(tl.extra.cuda, "gdc_wait"):
         return f"needs tl.extra.cuda.gdc_wait (triton {triton.__version__} lacks it)"
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
@@ -474,10 +480,11 @@ def plan(key: SdpaKey, params: Params) -> Plan:
     }  # fmt: skip
     # pass 2: about MERGE_PROGRAMS programs (head-dim slices when rows x pairs are few: a
     # sliver of a grid merges serially; thousands of slivers cost more launching than merging)
-    d_chunks = min(
+    slices = min(
         d // min(MERGE_D, d), triton.next_power_of_2(triton.cdiv(MERGE_PROGRAMS, rows * n_kv))
     )
-    block_dm = d // d_chunks
+    block_dm = d // slices
+    d_chunks = triton.cdiv(key.head_dim, block_dm)  # the slices holding real columns (96 of 128)
     merge_consts: dict[str, Any] = {
         "Q_LEN": key.q_len, "GROUP": group, "HEAD_DIM": key.head_dim, "BLOCK_DM": block_dm,
         "D_CHUNKS": d_chunks, "PDL": pdl, "num_warps": 2, "num_stages": 1,
