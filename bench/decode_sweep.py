@@ -115,13 +115,17 @@ def parts_us(key: SdpaKey, params: dict[str, Any], sets: list) -> dict[str, floa
     kernels = DecodeKernels(key, params)
     outs = [output_for(key, s[0]) for s in sets]
     n = len(sets)
+    device = outs[0].device
 
-    def split(i: int) -> None:
-        kernels.split(*sets[i % n], outs[i % n])
+    def split(i: int) -> None:  # the scratch of the stream being captured (one per stream)
+        kernels.split(*sets[i % n], outs[i % n], *kernels.work.get(device))
+
+    def merge(i: int) -> None:
+        kernels.merge(outs[i % n], kernels.work.get(device)[0])
 
     return {
         "split_us": bench.graph_time(split).median_us,
-        "merge_us": bench.graph_time(lambda i: kernels.merge(outs[i % n])).median_us,
+        "merge_us": bench.graph_time(merge).median_us,
     }
 
 

@@ -352,9 +352,10 @@ class TritonDecode(Source):
             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
         ) -> torch.Tensor:
             o = output_for(key, q) if out is None else out
-            kernels.split(q, k, v, o)
+            part, counter = kernels.work.get(q.device)  # unused when splits == 1
+            kernels.split(q, k, v, o, part, counter)
             if kernels.plan.two_pass:
-                kernels.merge(o)
+                kernels.merge(o, part)
             return o
 
         return checked_runner(run, kernels.launches, f"triton_decode {key}")
@@ -362,7 +363,8 @@ class TritonDecode(Source):
 
 class DecodeKernels:
     """The launches of one plan, callable one at a time: ``split`` (pass 1; the whole op when
-    ``splits == 1`` or fused) then ``merge`` (pass 2). A benchmark can time each alone."""
+    ``splits == 1`` or fused) then ``merge`` (pass 2), on scratch from ``work``. A benchmark can
+    time each alone."""
 
     def __init__(self, key: SdpaKey, params: Params) -> None:
         self.key, self.plan = key, plan(key, params)
@@ -374,16 +376,19 @@ class DecodeKernels:
         )
         self.work = Workspace(p.scratch, p.grid[1])
 
-    def split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> None:
+    def split(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+        part: torch.Tensor, counter: torch.Tensor,
+    ) -> None:  # fmt: skip
         p = self.plan
-        part, counter = self.work.get(q.device)  # unused when splits == 1 (o written directly)
         strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
         self.split_launch((q, k, v, o, part, counter), (p.ml_offset, *p.scalars, *strides), strides)
 
-    def merge(self, o: torch.Tensor) -> None:
-        p, so = self.plan, o.stride()
-        part, _ = self.work.get(o.device)
-        self.merge_launch((part, o), (p.ml_offset, p.splits, self.key.kv_heads, *so), so)
+    def merge(self, o: torch.Tensor, part: torch.Tensor) -> None:
+        so = o.stride()
+        self.merge_launch(
+            (part, o), (self.plan.ml_offset, self.plan.splits, self.key.kv_heads, *so), so
+        )
 
 
 class Workspace:
