@@ -16,10 +16,10 @@ copy bandwidth), side by side in one process:
 - **back to back**: torch and the best config of each kind also timed without the fence.
 
 All times are per call in a CUDA graph of 16 calls rotating over input sets larger than the L2
-(``tuner.sdpa_bench.graph_us``), each call after a one-element torch kernel without PDL whose
-own time is subtracted (``bench.graph_time``'s fence: a PDL kernel's launch overlaps a foreign
+(``tuner.suites.sdpa.graph_us``), each call after a one-element torch kernel without PDL whose
+own time is subtracted (``timing.graph_time``'s fence: a PDL kernel's launch overlaps a foreign
 kernel's end, as in a model, not its own previous call); % of copy uses the 2 GiB copy bandwidth
-of ``tuner.suite``.
+of ``tuner.suites.runner``.
 ``--profile`` launches the best floor and a few decode configs of the first shape a few times
 eagerly, for Nsight Compute to read their counters.
 """
@@ -36,14 +36,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tuner import bench, problems
 from tuner.candidates import registry
 from tuner.candidates.triton_attention import output_for
 from tuner.candidates.triton_decode import DecodeKernels
-from tuner.device import fingerprint
-from tuner.keys import SdpaKey
-from tuner.sdpa_bench import compile_groups, graph_us
-from tuner.suite import copy_bandwidth_gbs
+from tuner.core.device import fingerprint
+from tuner.core.keys import SdpaKey
+from tuner.measure import samples, timing
+from tuner.suites.runner import copy_bandwidth_gbs
+from tuner.suites.sdpa import compile_groups, graph_us
 
 SHAPES = {  # label -> (batch, q_len, kv_len); 32 q heads, 8 kv heads, head dim 128, bf16
     "q1 b1 kv8k": (1, 1, 8192),
@@ -124,8 +124,8 @@ def parts_us(key: SdpaKey, params: dict[str, Any], sets: list) -> dict[str, floa
         kernels.merge(outs[i % n], kernels.work.get(device)[0])
 
     return {
-        "split_us": bench.graph_time(split).median_us,
-        "merge_us": bench.graph_time(merge).median_us,
+        "split_us": timing.graph_time(split).median_us,
+        "merge_us": timing.graph_time(merge).median_us,
     }
 
 
@@ -133,7 +133,7 @@ def back_to_back_us(runner: Any, sets: list) -> float:
     """Graph time of ``runner`` called back to back, without the fence ``graph_us`` puts between
     calls: a PDL kernel's launch then also hides behind its own previous call."""
     n = len(sets)
-    return bench.graph_time(lambda i: runner(*sets[i % n]), fenced=False).median_us
+    return timing.graph_time(lambda i: runner(*sets[i % n]), fenced=False).median_us
 
 
 def pick_kinds(timed: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -165,8 +165,8 @@ def precompile_grid(keys: list[SdpaKey], workers: int) -> float:
 def sweep_shape(label: str, key: SdpaKey, copy: float, deadline: float) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     sets = [
-        problems.make_inputs(key, "cuda", gen)
-        for _ in range(bench.rotation_sets(problems.bytes_per_set(key), "cuda"))
+        samples.make_inputs(key, "cuda", gen)
+        for _ in range(timing.rotation_sets(samples.bytes_per_set(key), "cuda"))
     ]
 
     def pct(us: float) -> float:
@@ -228,7 +228,7 @@ def sweep_shape(label: str, key: SdpaKey, copy: float, deadline: float) -> dict[
 def profile(key: SdpaKey) -> None:
     """Each kernel of interest twice (the second launch is the direct one), synchronised."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = problems.make_inputs(key, "cuda", gen)
+    q, k, v = samples.make_inputs(key, "cuda", gen)
     n_kv = key.batch * key.kv_heads
     configs = [
         {"bn": 128, "splits": 128 // n_kv, "warps": 4, "stages": 3},

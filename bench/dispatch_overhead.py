@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from tuner.dispatch import Dispatcher
-from tuner.engine import current_device
-from tuner.keys import GemmKey
+from tuner.core.keys import GemmKey
+from tuner.serving.dispatcher import Dispatcher
+from tuner.tuning.engine import current_device
 
 SHAPES = [(1, 64, 64), (8, 128, 128)]
 
@@ -83,7 +83,7 @@ def main() -> None:
             print(
                 f"{key}: dispatch {row['dispatch_us']:.2f} us, direct {row['direct_us']:.2f} us, overhead {row['overhead_us']:.2f} us per call"
             )
-    from tuner.device import fingerprint
+    from tuner.core.device import fingerprint
 
     result = {
         "benchmark": "dispatch_overhead",

@@ -9,7 +9,7 @@ intermediate 14336; fused QKV and gate/up projections as vLLM runs them.
 1. **Record**: every phase runs once with the dispatcher in record mode, so every GEMM and SDPA
    problem the layer makes (exact keys: layouts, alignment) is known.
 2. **Tune**: each recorded problem without a current winner in the cache (``TUNER_CACHE``) is
-   tuned with ``tuner.engine.tune`` and saved, decode problems first, within a deadline; what is
+   tuned with ``tuner.tuning.engine.tune`` and saved, decode problems first, within a deadline; what is
    left untuned is reported and served by torch's default.
 3. **Measure**, for prefill (batch 1, ``--prefill-seq`` tokens, causal) and decode (one token per
    sequence against a KV cache of ``--kv-len``, batches ``--decode-batches``, plus
@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tuner import problems
-from tuner.plots import geomean
+from tuner.measure import samples
+from tuner.offline.plots import geomean
 
 # --- the model ----------------------------------------------------------------------------------
 
@@ -274,9 +274,9 @@ def tuning_detail(measurements: list[Any]) -> dict[str, Any]:
 def tune_missing(keys: list[str], args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     """Tune the keys without a current winner, decode (small M / q_len) first, to a deadline."""
     from tuner.cache import Store, default_path
-    from tuner.device import fingerprint
-    from tuner.engine import TuneOptions, tune
-    from tuner.keys import parse_key
+    from tuner.core.device import fingerprint
+    from tuner.core.keys import parse_key
+    from tuner.tuning.engine import TuneOptions, tune
 
     fp = fingerprint(device)
     store = Store(default_path())
@@ -338,7 +338,7 @@ def measure_phase(
         with on():
             for _ in range(3):  # resolves every signature, compiles and loads the kernels
                 out = step()
-        row["rel_err_on_vs_off"] = problems.relative_error(out, ref.float())
+        row["rel_err_on_vs_off"] = samples.relative_error(out, ref.float())
         if torch.cuda.is_available():
             for mode, ctx in (("graph_off", contextlib.nullcontext), ("graph_on", on)):
                 try:
@@ -377,7 +377,7 @@ def hit_path_overhead(
 ) -> dict[str, Any]:
     """Host time per eager call: winner runner direct vs dispatcher vs F.linear under the mode."""
     from tuner.candidates import registry
-    from tuner.keys import GemmKey
+    from tuner.core.keys import GemmKey
 
     m, n, k = args.overhead_shape
     gen = torch.Generator().manual_seed(1)
@@ -562,7 +562,7 @@ def targets(rows: list[dict[str, Any]], overhead: dict[str, Any]) -> dict[str, A
 
 
 def plot(rows: list[dict[str, Any]], path: Path, model: str) -> None:
-    from tuner.plots import speedup_plot
+    from tuner.offline.plots import speedup_plot
 
     labels, ratios, groups = [], [], []
     for r in rows:
@@ -693,8 +693,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(1)  # host timings of tiny CPU ops are noise with a thread pool
 
     import tuner.torch as tt
-    from tuner.device import fingerprint
-    from tuner.dispatch import Dispatcher
+    from tuner.core.device import fingerprint
+    from tuner.serving.dispatcher import Dispatcher
 
     started = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
@@ -752,7 +752,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         save()
     bandwidths: dict[str, float] = {}
     if device == "cuda":
-        from tuner.suite import copy_bandwidth_gbs
+        from tuner.suites.runner import copy_bandwidth_gbs
 
         bandwidths = {"peak": peak_memory_gbs(), "copy": copy_bandwidth_gbs(device)}
         result["bandwidth_gbs"] = bandwidths

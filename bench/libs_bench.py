@@ -7,7 +7,7 @@ their design rests on.
     python bench/libs_bench.py --precompile --out c.json    compile the CUTLASS kernels both need
     python bench/libs_bench.py --env                        versions and imports
 
-The table tunes each (shape, source) through ``tuner.worker`` (a crash-isolated worker process) with
+The table tunes each (shape, source) through ``tuner.tuning.isolation`` (a crash-isolated worker process) with
 only that source and the torch baseline, so every ratio compares two measurements of the same run.
 Errors are recorded in the JSON, never fatal: a section that breaks says why.
 """
@@ -31,7 +31,7 @@ SOURCES = ("cublas", "cublaslt", "cutlass")
 
 def gemm_key(m: int, n: int, k: int, dtype: str = "bf16", layout: str = "nn", **kw: Any) -> Any:
     """The key of packed operands: the largest alignment class the shape allows."""
-    from tuner.keys import GemmKey
+    from tuner.core.keys import GemmKey
 
     for align in (16, 8, 4, 2):
         try:
@@ -132,7 +132,7 @@ def precompile() -> dict[str, Any]:
 
 
 def summarize(outcome: Any, source: str) -> dict[str, Any]:
-    from tuner.engine import effective_us
+    from tuner.tuning.engine import effective_us
 
     base = outcome.baseline
     mine = [m for m in outcome.measurements if m.source == source]
@@ -163,8 +163,8 @@ def tune_one(pool: Any, key: Any, options: Any, source: str) -> dict[str, Any]:
 
 
 def table(budget: float, shapes: list[tuple[int, int, int]], sources: list[str]) -> dict[str, Any]:
-    from tuner.engine import TuneOptions
-    from tuner.worker import WorkerPool
+    from tuner.tuning.engine import TuneOptions
+    from tuner.tuning.isolation import WorkerPool
 
     pool = WorkerPool()
     rows = []
@@ -190,9 +190,9 @@ def table(budget: float, shapes: list[tuple[int, int, int]], sources: list[str])
 
 
 def _time(fn: Any, *args: Any) -> dict[str, float]:
-    from tuner import bench
+    from tuner.measure import timing
 
-    t = bench.measure(lambda i: fn(*args), device="cuda", budget_s=0.1)
+    t = timing.measure(lambda i: fn(*args), device="cuda", budget_s=0.1)
     return {"median_us": round(t.median_us, 2), "p10_us": round(t.p10_us, 2),
             "p90_us": round(t.p90_us, 2), "host_us": round(t.host_us, 2)}  # fmt: skip
 
@@ -201,14 +201,14 @@ def cublas_algos() -> dict[str, Any]:
     """Does the gemmEx algo argument change anything on this GPU?"""
     import torch
 
-    from tuner import problems
     from tuner.candidates import cublas
+    from tuner.measure import samples
 
     src = cublas.CublasGemm()
     out = {}
     for shape in ((4096, 4096, 4096), (128, 28672, 4096)):
         key = gemm_key(*shape)
-        a, b = problems.make_inputs(key, "cuda", torch.Generator(device="cuda").manual_seed(0))
+        a, b = samples.make_inputs(key, "cuda", torch.Generator(device="cuda").manual_seed(0))
         per = {}
         for algo in cublas.ALGOS:
             run = src.build(key, {"algo": algo})
@@ -255,11 +255,11 @@ def launch_overhead() -> dict[str, Any]:
     """Host time per eager call on a tiny problem (what decides small-M winners)."""
     import torch
 
-    from tuner import problems
     from tuner.candidates import registry
+    from tuner.measure import samples
 
     key = gemm_key(64, 64, 64)
-    a, b = problems.make_inputs(key, "cuda", torch.Generator(device="cuda").manual_seed(0))
+    a, b = samples.make_inputs(key, "cuda", torch.Generator(device="cuda").manual_seed(0))
     runs: dict[str, Any] = {"torch.matmul": lambda: torch.matmul(a, b)}
     for name in SOURCES:
         src = registry.get(name)
@@ -324,17 +324,17 @@ def cutlass_reference_path() -> dict[str, Any]:
     from cutlass_cppgen.shape import GemmCoord
     from cutlass_library import GemmUniversalMode
 
-    from tuner import problems
     from tuner.candidates import cutlass_env, cutlass_gemm, registry
     from tuner.candidates import gemm_operands as ops
+    from tuner.measure import samples
 
     key = gemm_key(4096, 4096, 4096)
     spec, params = next(iter(cutlass_gemm.offered(key).items()))
     if cutlass_env.compiled_info(spec) is None:
         return {"skipped": f"{spec} is not compiled"}
     op = cutlass_env.load(spec)
-    a, b = problems.make_inputs(key, "cuda", torch.Generator(device="cuda").manual_seed(0))
-    ref = problems.reference(key, (a, b))
+    a, b = samples.make_inputs(key, "cuda", torch.Generator(device="cuda").manual_seed(0))
+    ref = samples.reference(key, (a, b))
     d = torch.full((key.m, key.n), float("nan"), dtype=a.dtype, device="cuda")
     stream = driver.CUstream(ops.current_stream(a.device))
 
@@ -352,7 +352,7 @@ def cutlass_reference_path() -> dict[str, Any]:
         d.fill_(float("nan"))
         fn()
         torch.cuda.synchronize()
-        err = problems.relative_error(d, ref)
+        err = samples.relative_error(d, ref)
         t0 = time.perf_counter()
         for _ in range(50):
             fn()
@@ -403,7 +403,7 @@ def main() -> int:
     elif args.precompile:
         data["precompile"] = guarded(precompile)
     else:
-        from tuner.device import fingerprint
+        from tuner.core.device import fingerprint
 
         data["fingerprint"] = guarded(lambda: fingerprint().to_dict())
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]

@@ -3,7 +3,7 @@
     python bench/memo_overhead.py --out bench/results/memo_overhead_cpu.json
 
 Small CPU tensors (the call itself is cheap, so the routing shows); no winner is stored, so every
-call is served by torch: what is left is the cost of routing a repeat call (``tuner.call_memo``).
+call is served by torch: what is left is the cost of routing a repeat call (``tuner.serving.call_memo``).
 Off and on alternate over rounds; the minimum per variant is reported (the least disturbed).
 """
 
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import tuner.torch as tt
-from tuner.device import fingerprint
-from tuner.dispatch import Dispatcher
+from tuner.core.device import fingerprint
+from tuner.serving.dispatcher import Dispatcher
 
 
 def per_call_us(fn: Callable[[], Any], calls: int) -> float:

@@ -19,16 +19,16 @@ from pathlib import Path
 import torch
 import triton
 
-from tuner import bench, problems
 from tuner.candidates import registry
 from tuner.candidates.triton_gemm import make_runner
 from tuner.candidates.triton_kernels import configs
 from tuner.candidates.triton_kernels.launch import Launcher, warm
 from tuner.candidates.triton_kernels.pad import pad_pair
-from tuner.engine import TuneOptions, tune
-from tuner.gemm_bench import graph_us
-from tuner.model_config import gemm_key
-from tuner.suite import copy_bandwidth_gbs
+from tuner.measure import samples, timing
+from tuner.offline.model_config import gemm_key
+from tuner.suites.gemm import graph_us
+from tuner.suites.runner import copy_bandwidth_gbs
+from tuner.tuning.engine import TuneOptions, tune
 
 SHAPES = [  # most informative first: the sweep stops at its time box
     ((1, 6144, 4096), "bf16"), ((16, 4096, 14336), "bf16"), ((4097, 4099, 4101), "bf16"),
@@ -52,31 +52,31 @@ def host_us(fn, n: int = 200) -> float:
 
 def sweep_key(key, budget: float, shortlist: list) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    sets = [problems.make_inputs(key, "cuda", gen)
-            for _ in range(bench.rotation_sets(problems.bytes_per_set(key), "cuda"))]  # fmt: skip
-    ref = problems.reference(key, sets[0])
-    tol = problems.tolerance(key)
+    sets = [samples.make_inputs(key, "cuda", gen)
+            for _ in range(timing.rotation_sets(samples.bytes_per_set(key), "cuda"))]  # fmt: skip
+    ref = samples.reference(key, sets[0])
+    tol = samples.tolerance(key)
     from tuner.candidates.torch_ref import TorchGemm
 
     base = TorchGemm().build(key, {})
-    tb = bench.measure(lambda i: base(*sets[i % len(sets)]), device="cuda", budget_s=budget)
+    tb = timing.measure(lambda i: base(*sets[i % len(sets)]), device="cuda", budget_s=budget)
     rows = []
     for p in configs.space(key):
         row = {"params": p, "in_shortlist": p in shortlist}
         try:
             r = make_runner(key, p)
-            out = problems.output_like(key, sets[0])
+            out = samples.output_like(key, sets[0])
             r(*sets[0], out=out)
             torch.cuda.synchronize()
-            err = problems.relative_error(out, ref)
+            err = samples.relative_error(out, ref)
             row["err"] = err
             if not err <= tol:
                 row["error"] = f"relative error {err:.3g} > {tol}"
             else:
-                t = bench.measure(lambda i, r=r: r(*sets[i % len(sets)]), device="cuda",
+                t = timing.measure(lambda i, r=r: r(*sets[i % len(sets)]), device="cuda",
                                   budget_s=budget, cutoff_us=tb.median_us * 4)  # fmt: skip
                 row.update(us=t.median_us, host_us=t.host_us, cut=t.cut)
-                again = problems.output_like(key, sets[0])
+                again = samples.output_like(key, sets[0])
                 r(*sets[0], out=again)  # the timed calls went through the direct relaunch
                 torch.cuda.synchronize()
                 if not torch.equal(again, out):
@@ -104,7 +104,7 @@ def launch_overhead() -> dict:
     key = gemm_key(1, 4096, 4096, layout="nt", dtype="bf16")
     p = {"kernel": "gemv", "bm": 1, "bn": 8, "bk": 512, "warps": 4}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    a, b = problems.make_inputs(key, "cuda", gen)
+    a, b = samples.make_inputs(key, "cuda", gen)
     fast = make_runner(key, p)
     slow = make_runner(key, p)
     slow.main._fast = False
@@ -122,7 +122,7 @@ def pad_bench() -> list[dict]:
     """The pad kernel alone on 4097 x 4099 x 4101 (A and B into K-padded copies), per tile."""
     key = gemm_key(4097, 4099, 4101, layout="nt", dtype="bf16")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    a, b = problems.make_inputs(key, "cuda", gen)
+    a, b = samples.make_inputs(key, "cuda", gen)
     out = []
     for br, bk, warps in PAD_TILES:
         runner = make_runner(key, {"kernel": "persistent_tma", "bm": 128, "bn": 256, "bk": 64,

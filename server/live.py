@@ -22,7 +22,7 @@ from server import tokens
 from server.app import create_app
 from server.config import Settings
 from tuner.cache import Store
-from tuner.client import FleetClient
+from tuner.fleet.client import FleetClient
 
 
 def wait_until(check: Callable[[], object], timeout_s: float = 30.0) -> object:

@@ -2,7 +2,7 @@
 
 Every field is checked where it enters, so a mistake comes back as a 422 naming the field, the
 value and what is allowed, and nothing malformed reaches the database. Keys are parsed with
-``tuner.keys.parse_key`` and stored in their canonical string form.
+``tuner.core.keys.parse_key`` and stored in their canonical string form.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, model_validator
 
-from tuner.device import Fingerprint
-from tuner.keys import parse_key
-from tuner.results import STATUSES, Measurement
+from tuner.core.device import Fingerprint
+from tuner.core.keys import parse_key
+from tuner.measure.records import STATUSES, Measurement
 
 MAX_BATCH = 5000  # measurements or misses per request
 MAX_KEYS = 1000  # keys per batch lookup or claim
@@ -65,7 +65,7 @@ class Strict(BaseModel):
 
 
 class DeviceIn(Strict):
-    """A host's fingerprint (``tuner.device.fingerprint().to_dict()``)."""
+    """A host's fingerprint (``tuner.core.device.fingerprint().to_dict()``)."""
 
     kind: Literal["cuda", "cpu"]
     name: Name
@@ -96,7 +96,7 @@ class DeviceIn(Strict):
 
 
 class MeasurementIn(Strict):
-    """One candidate's result, as ``tuner.results.Measurement`` holds it."""
+    """One candidate's result, as ``tuner.measure.records.Measurement`` holds it."""
 
     device_class: DeviceClass
     key: KeyStr

@@ -18,7 +18,7 @@ from typing import Any
 
 from server import merge
 from tuner.cache import Store
-from tuner.results import Measurement
+from tuner.measure.records import Measurement
 
 MEASUREMENT_COLS = (
     "uid", "submitter", "device_class", "versions", "key", "op", "candidate", "source", "params",

@@ -7,10 +7,10 @@ o = tuner.sdpa(q, k, v, causal=True)
 
 __version__ = "0.1.0"
 
-from tuner.settings import load_config_file
+from tuner.core.settings import load_config_file
 
 load_config_file()  # defaults from ~/.config/tuner/config.toml; the environment wins
 
-from tuner.dispatch import matmul, sdpa, set_mode  # noqa: E402
+from tuner.serving.dispatcher import matmul, sdpa, set_mode  # noqa: E402
 
 __all__ = ["__version__", "matmul", "sdpa", "set_mode"]

@@ -17,13 +17,13 @@ if not torch.cuda.is_available():
 
 from rich.console import Console
 
-from tuner import problems
 from tuner.cache import Store, default_path
-from tuner.cli import app
-from tuner.dispatch import Dispatcher
-from tuner.engine import current_device
-from tuner.keys import GemmKey
-from tuner.problem_list import load_problems
+from tuner.cli.main import app
+from tuner.core.keys import GemmKey
+from tuner.measure import samples
+from tuner.offline.problem_list import load_problems
+from tuner.serving.dispatcher import Dispatcher
+from tuner.tuning.engine import current_device
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "problems"
 console = Console()
@@ -42,7 +42,7 @@ def main() -> None:
     dispatcher = Dispatcher(cache, mode="lookup")
     gen = torch.Generator(device=device).manual_seed(7)
     for key in load_problems(config):
-        inputs = problems.make_inputs(key, device, gen)
+        inputs = samples.make_inputs(key, device, gen)
         if isinstance(key, GemmKey):
             out = dispatcher.matmul(*inputs)
         else:
@@ -51,8 +51,8 @@ def main() -> None:
                 causal={"none": False, "top_left": True}.get(key.causal, key.causal),
                 scale=key.scale,
             )
-        err = problems.relative_error(out, problems.reference(key, inputs))
-        ok = err <= problems.tolerance(key)
+        err = samples.relative_error(out, samples.reference(key, inputs))
+        ok = err <= samples.tolerance(key)
         console.print(
             f"{'[green]ok[/green]' if ok else '[red]WRONG[/red]'}  rel err {err:.1e}  {dispatcher.choices.get(str(key), '?'):<28} {key.label}"
         )

@@ -23,7 +23,7 @@ of a decoder layer on the CPU, views and shape queries included, which made eage
 thread-local guard keeps the tuner's own kernels (which call torch) from coming back to it.
 Code that bound a function before ``enable()`` (``from torch.nn.functional import linear``) keeps
 the original. ``F.linear`` and SDPA calls seen before take a memo keyed on the call as made
-(``tuner.call_memo``): on a desktop CPU 0.74 us over torch's own call for ``F.linear`` and 1.5 us
+(``tuner.serving.call_memo``): on a desktop CPU 0.74 us over torch's own call for ``F.linear`` and 1.5 us
 for SDPA (``bench/memo_overhead.py``).
 
 **Autograd.** GEMMs that need a gradient go through ``_TunedMM`` (an ``autograd.Function``) whose
@@ -44,7 +44,7 @@ seen during capture get torch's default and are not cached (no tuning, no kernel
 capture; the miss is recorded in record/tune modes); warm up eagerly before capturing, as torch
 asks anyway, and the capture holds the tuned kernels.
 
-**Dynamic shapes.** ``enable(buckets=...)`` / ``TUNER_BUCKETS``: see ``tuner.buckets``.
+**Dynamic shapes.** ``enable(buckets=...)`` / ``TUNER_BUCKETS``: see ``tuner.serving.buckets``.
 
 **Stats** count the calls made through Python (a CUDA-graph replay is not a call); counts are
 not locked, so threads racing on one problem may lose a few.
@@ -61,7 +61,9 @@ from typing import Any
 import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
-from tuner.call_memo import (
+from tuner.candidates import registry
+from tuner.core.device import fingerprint
+from tuner.serving.call_memo import (
     PLAIN,
     LinearMemo,
     SdpaMemo,
@@ -70,9 +72,7 @@ from tuner.call_memo import (
     remember,
     sdpa_key,
 )
-from tuner.candidates import registry
-from tuner.device import fingerprint
-from tuner.dispatch import Dispatcher, Resolution, get_dispatcher
+from tuner.serving.dispatcher import Dispatcher, Resolution, get_dispatcher
 
 _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
 _CAUSAL_BIAS = {CausalVariant.UPPER_LEFT: "top_left", CausalVariant.LOWER_RIGHT: "bottom_right"}
@@ -298,7 +298,7 @@ class Router:
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
-        self.memo = dispatcher.memo  # tuner.call_memo: call as made -> how it was served
+        self.memo = dispatcher.memo  # tuner.serving.call_memo: call as made -> how it was served
 
     @staticmethod
     def _torch_serves(res: Resolution) -> bool:
@@ -498,7 +498,7 @@ def _entry(original: Callable[..., Any], handler: str) -> Callable[..., Any]:
 
 def _linear_entry(original: Callable[..., Any]) -> Callable[..., Any]:
     """``F.linear``'s wrapper: ``_entry``'s, with a memo for calls seen before (every
-    ``nn.Linear`` call of a model after its first): ``tuner.call_memo``."""
+    ``nn.Linear`` call of a model after its first): ``tuner.serving.call_memo``."""
 
     def linear(*args: Any, **kwargs: Any) -> Any:
         router = _active
@@ -527,7 +527,7 @@ def _linear_entry(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _sdpa_entry(original: Callable[..., Any]) -> Callable[..., Any]:
-    """SDPA's wrapper: ``_entry``'s, with a memo for calls seen before (``tuner.call_memo``).
+    """SDPA's wrapper: ``_entry``'s, with a memo for calls seen before (``tuner.serving.call_memo``).
     Memoised calls have no mask, so they go to torch's SDPA without ``_causal_bias_aware``."""
     call = _causal_bias_aware(original)
 
@@ -672,7 +672,7 @@ PASSTHROUGH = ("default", "untunable")
 
 @dataclass(frozen=True)
 class Stats:
-    """Calls per resolved problem. Kinds (``tuner.dispatch.RESOLUTION_KINDS``): ``hit`` (the key's
+    """Calls per resolved problem. Kinds (``tuner.serving.dispatcher.RESOLUTION_KINDS``): ``hit`` (the key's
     winner), ``bucketed`` (a neighbour's winner rebuilt for the key), ``miss`` and ``capture``
     (torch's default for want of a winner), ``default``/``untunable`` (torch by policy or scope).
 

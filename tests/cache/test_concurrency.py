@@ -12,8 +12,8 @@ from tuner.cache import Store
 WORKER = """
 import json, sys
 from tuner.cache import Store
-from tuner.engine import TuneOptions, tune
-from tuner.keys import GemmKey
+from tuner.tuning.engine import TuneOptions, tune
+from tuner.core.keys import GemmKey
 store = Store(sys.argv[1])
 uids = []
 for m in range(int(sys.argv[2]), int(sys.argv[2]) + 6):

@@ -7,7 +7,7 @@ import pytest
 
 from tuner.cache import Store, StoreError
 from tuner.cache.schema import SCHEMA_VERSION
-from tuner.results import Measurement, Winner, candidate_name, candidate_params
+from tuner.measure.records import Measurement, Winner, candidate_name, candidate_params
 
 KEY = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
 

@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tuner import problems, sdpa_bench
 from tuner.candidates import registry
 from tuner.candidates.triton_attention import TritonAttention
 from tuner.candidates.triton_decode import TritonDecode, pdl_problem, plan, split_choices
-from tuner.engine import TuneOptions, tune
-from tuner.keys import DTYPES, SdpaKey
+from tuner.core.keys import DTYPES, SdpaKey
+from tuner.measure import samples
+from tuner.suites import sdpa
+from tuner.tuning.engine import TuneOptions, tune
 
 HAS_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_GPU else "cpu"
@@ -54,11 +55,11 @@ def make(key: SdpaKey, layout: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
 
 def check(runner, key: SdpaKey, inputs: tuple[torch.Tensor, ...], out=None) -> float:
     """Relative error of the runner's result (into a NaN-poisoned buffer) against fp64/fp32."""
-    poisoned = problems.output_like(key, inputs) if out is None else out.fill_(float("nan"))
+    poisoned = samples.output_like(key, inputs) if out is None else out.fill_(float("nan"))
     res = runner(*inputs, out=poisoned)
     assert res is poisoned
-    err = problems.relative_error(res, problems.reference(key, inputs))
-    assert err <= problems.tolerance(key), f"{key}: relative error {err:.3g}"
+    err = samples.relative_error(res, samples.reference(key, inputs))
+    assert err <= samples.tolerance(key), f"{key}: relative error {err:.3g}"
     return err
 
 
@@ -210,9 +211,9 @@ def test_requires_grad_uses_torch_path(cache_path: Path) -> None:
     """Our kernels have no backward: with autograd on, the dispatcher serves torch's SDPA even
     when a Triton winner is stored, and gradients are torch's."""
     from tuner.cache import Store
-    from tuner.device import fingerprint
-    from tuner.dispatch import Dispatcher
-    from tuner.results import Winner
+    from tuner.core.device import fingerprint
+    from tuner.measure.records import Winner
+    from tuner.serving.dispatcher import Dispatcher
 
     key = sdpa_key(q_len=8, kv_len=8, kv_heads=4, dtype="f32", causal="top_left")
     fp = fingerprint(DEVICE)
@@ -242,12 +243,12 @@ def test_sources_registered() -> None:
 
 
 def test_bench_problem_lists_follow_the_brief() -> None:
-    pre = sdpa_bench.prefill_problems()
+    pre = sdpa.prefill_problems()
     assert len(pre) == 32 and all(k.batch * k.q_len == 16384 for _, k in pre)
     assert {k.head_dim for _, k in pre} == {64, 128} and {k.kv_heads for _, k in pre} == {8, 32}
     assert {k.causal for _, k in pre} == {"none", "top_left"}
-    dec = sdpa_bench.decode_problems()
-    assert all(k.kv_bytes <= sdpa_bench.MAX_KV_BYTES for _, k in dec)
+    dec = sdpa.decode_problems()
+    assert all(k.kv_bytes <= sdpa.MAX_KV_BYTES for _, k in dec)
     assert {k.q_len for _, k in dec} == {1, 4} and len(dec) == 24
     assert all(k.causal == ("none" if k.q_len == 1 else "bottom_right") for _, k in dec)
 
@@ -257,7 +258,7 @@ def test_copy_targets_count_gpu_time_where_there_is_one() -> None:
     host_bound = {"kv_bytes": 32 * 2**20, "pct_copy": 30.0, "winner_graph_pct_copy": 85.0}
     slow_anyway = {"kv_bytes": 32 * 2**20, "pct_copy": 25.0, "winner_graph_pct_copy": 55.0}
     big = {"kv_bytes": 2**31, "pct_copy": 104.0}  # no graph time: the eager figure counts
-    got = sdpa_bench.copy_targets([small, host_bound, slow_anyway, big])
+    got = sdpa.copy_targets([small, host_bound, slow_anyway, big])
     assert got["n_kv_ge_32MB"] == 3
     assert (got["n_kv_ge_32MB_at_80pct"], got["min_pct_copy_kv_ge_32MB"]) == (1, 25.0)
     assert (got["n_kv_ge_32MB_at_80pct_gpu"], got["min_pct_copy_kv_ge_32MB_gpu"]) == (2, 55.0)
@@ -269,7 +270,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     suites = {
         "decode": [("tiny", sdpa_key(q_len=1, kv_len=40, causal="none"))],
     }
-    res = sdpa_bench.run(suites, tmp_path, TuneOptions(budget_s=0.005))
+    res = sdpa.run(suites, tmp_path, TuneOptions(budget_s=0.005))
     data = json.loads((tmp_path / "sdpa_decode.json").read_text())
     assert (tmp_path / "sdpa_decode.png").stat().st_size > 0
     row = data["rows"][0]
@@ -281,7 +282,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     )
     key = sdpa_key(q_len=2, kv_len=40, causal="bottom_right")
     params = {"bn": 16, "splits": 2, "warps": 4, "stages": 1}
-    assert sdpa_bench.recheck(key, "triton_decode", params, DEVICE) <= problems.tolerance(key)
+    assert sdpa.recheck(key, "triton_decode", params, DEVICE) <= samples.tolerance(key)
 
 
 # --- GPU: bf16, the real shortlists, repeated (direct) launches ----------------------------------

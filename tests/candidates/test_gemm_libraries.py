@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tuner import problems
 from tuner.candidates import registry
-from tuner.engine import TuneOptions, tune
-from tuner.keys import GemmKey
+from tuner.core.keys import GemmKey
+from tuner.measure import samples
+from tuner.tuning.engine import TuneOptions, tune
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,21 +39,21 @@ def errors(name: str, key: GemmKey, params_list: list[dict]) -> dict[str, float]
     """Relative error against fp64 of every params' runner, into NaN-poisoned outputs."""
     src = source(name)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    inputs = problems.make_inputs(key, "cuda", gen)
-    ref = problems.reference(key, inputs)
+    inputs = samples.make_inputs(key, "cuda", gen)
+    ref = samples.reference(key, inputs)
     out: dict[str, float] = {}
     for params in params_list:
         runner = src.build(key, params)
-        c = problems.output_like(key, inputs)
+        c = samples.output_like(key, inputs)
         assert runner(*inputs, out=c) is c
         fresh = runner(*inputs)
         torch.cuda.synchronize()
-        out[str(params)] = max(problems.relative_error(c, ref), problems.relative_error(fresh, ref))
+        out[str(params)] = max(samples.relative_error(c, ref), samples.relative_error(fresh, ref))
     return out
 
 
 def assert_accurate(name: str, key: GemmKey, params_list: list[dict]) -> None:
-    tol = problems.tolerance(key)
+    tol = samples.tolerance(key)
     errs = errors(name, key, params_list)
     bad = {p: e for p, e in errs.items() if not e <= tol}
     assert not bad, f"{name} {key}: errors above {tol}: {bad}"
@@ -125,13 +125,13 @@ def test_cuda_arrays_of_cupy_come_back_as_cupy():
         src = source(name)
         c = src.build(key, src.candidates(key, "cuda")[0])(a, b)
         assert isinstance(c, cupy.ndarray)
-        assert problems.relative_error(torch.from_dlpack(c), ref) < 5e-3
+        assert samples.relative_error(torch.from_dlpack(c), ref) < 5e-3
 
 
 def queued_behind_a_busy_stream(runner, key: GemmKey) -> float:
     """Launch on a side stream kept busy: what the default stream sees right after, and later."""
     gen = torch.Generator(device="cuda").manual_seed(1)
-    a, b = problems.make_inputs(key, "cuda", gen)
+    a, b = samples.make_inputs(key, "cuda", gen)
     out = torch.zeros(key.m, key.n, dtype=a.dtype, device="cuda")
     runner(a, b, out=out)  # first calls load libraries and make handles: longer than the sleep
     out.zero_()
@@ -145,7 +145,7 @@ def queued_behind_a_busy_stream(runner, key: GemmKey) -> float:
         runner(a, b, out=out)
     early = out.float().abs().sum().item()  # on the default stream: must not wait for the GEMM
     stream.synchronize()
-    assert problems.relative_error(out, a.double() @ b.double()) <= problems.tolerance(key)
+    assert samples.relative_error(out, a.double() @ b.double()) <= samples.tolerance(key)
     return early
 
 

@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from tuner import problems
 from tuner.candidates import cublas, cublaslt, cutlass_env, cutlass_gemm
 from tuner.candidates import gemm_operands as ops
-from tuner.keys import GemmKey
-from tuner.results import candidate_name
+from tuner.core.keys import GemmKey
+from tuner.measure import samples
+from tuner.measure.records import candidate_name
 
 LAYOUTS = ("nn", "nt", "tn", "tt")
 
@@ -41,8 +41,8 @@ def emulate_blas(key: GemmKey, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor
 @pytest.mark.parametrize("batch", [1, 3])
 def test_colmajor_call_computes_a_at_b_for_every_layout(layout, batch):
     key = GemmKey(m=5, n=7, k=3, batch=batch, layout=layout, dtype="f32", out_dtype="f32", align=4)
-    a, b = problems.make_inputs(key, "cpu", torch.Generator().manual_seed(0))
-    c = problems.output_like(key, (a, b))
+    a, b = samples.make_inputs(key, "cpu", torch.Generator().manual_seed(0))
+    c = samples.output_like(key, (a, b))
     emulate_blas(key, a, b, c)
     assert torch.allclose(c, a @ b, atol=1e-5)
     assert ops.colmajor_call(key, a, b, c) == ops.packed_call(key)

@@ -8,14 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from tuner import problems
 from tuner.candidates import registry
 from tuner.candidates.triton_gemm import GemmRunner, TritonGemm, make_runner, precision
 from tuner.candidates.triton_kernels import configs
 from tuner.candidates.triton_kernels.launch import warm
-from tuner.engine import TuneOptions, tune
-from tuner.keys import GemmKey
-from tuner.model_config import dense_align, gemm_key
+from tuner.core.keys import GemmKey
+from tuner.measure import samples
+from tuner.offline.model_config import dense_align, gemm_key
+from tuner.tuning.engine import TuneOptions, tune
 
 HAS_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_GPU else "cpu"
@@ -42,16 +42,16 @@ def key_for(m: int, n: int, k: int, layout: str, dtype: str, batch: int = 1) -> 
 def run_checked(key: GemmKey, params: dict, seed: int = 0) -> tuple[torch.Tensor, float]:
     """Run on fresh random inputs into a NaN-poisoned output; the relative error vs fp64."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    inputs = problems.make_inputs(key, DEVICE, gen)
-    out = problems.output_like(key, inputs)
+    inputs = samples.make_inputs(key, DEVICE, gen)
+    out = samples.output_like(key, inputs)
     runner = make_runner(key, params)
     res = runner(*inputs, out=out)
     assert res is out
     if HAS_GPU:  # the second call launches the compiled kernel directly: same bits
-        again = runner(*inputs, out=problems.output_like(key, inputs))
+        again = runner(*inputs, out=samples.output_like(key, inputs))
         torch.cuda.synchronize()
         assert torch.equal(again, out), f"{params}: the direct relaunch differs from the first call"
-    return out, problems.relative_error(out, problems.reference(key, inputs))
+    return out, samples.relative_error(out, samples.reference(key, inputs))
 
 
 @pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
@@ -68,14 +68,14 @@ def test_every_kernel_every_layout(variant: str, dtype: str, layout: str) -> Non
             make_runner(key, params)
         return
     _, err = run_checked(key, params)
-    assert err <= problems.tolerance(key), f"{variant} {key}: relative error {err:.3g}"
+    assert err <= samples.tolerance(key), f"{variant} {key}: relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("variant", ["tiled", "splitk", "gemv", "tiled+pad"])
 def test_batched(variant: str) -> None:
     key = key_for(3 if variant == "gemv" else 20, 33, 50, "nt", "f32", batch=3)
     _, err = run_checked(key, VARIANTS[variant])
-    assert err <= problems.tolerance(key)
+    assert err <= samples.tolerance(key)
 
 
 def test_splitk_is_deterministic() -> None:
@@ -89,13 +89,13 @@ def test_splitk_is_deterministic() -> None:
 def test_tf32x3_is_as_accurate_as_fp32_tolerance() -> None:
     key = key_for(32, 32, 64, "nn", "f32")
     _, err = run_checked(key, {**VARIANTS["tiled"], "precision": "tf32x3"})
-    assert err <= problems.tolerance(key)  # 1e-4: plain TF32 (~5e-4) would fail this
+    assert err <= samples.tolerance(key)  # 1e-4: plain TF32 (~5e-4) would fail this
 
 
 def test_legacy_params_without_kernel_build_the_tiled_kernel() -> None:
     key = key_for(20, 20, 20, "nn", "f32")
     _, err = run_checked(key, {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1})
-    assert err <= problems.tolerance(key)
+    assert err <= samples.tolerance(key)
 
 
 @pytest.mark.parametrize(
@@ -194,7 +194,7 @@ def test_engine_times_the_triton_candidate_on_cpu() -> None:
     outcome = tune(key, options=TuneOptions(budget_s=0.01, cut_factor=1e9, sources=["triton_gemm"]))
     ours = [m for m in outcome.measurements if m.source == "triton_gemm"]
     assert ours and all(m.status == "ok" for m in ours), [m.error for m in ours]
-    assert all(m.max_rel_err <= problems.tolerance(key) for m in ours)
+    assert all(m.max_rel_err <= samples.tolerance(key) for m in ours)
 
 
 # --- GPU ---------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def test_gpu_every_shortlisted_config_is_correct(key: GemmKey) -> None:
     assert shortlist
     for p in shortlist:
         _, err = run_checked(key, p)
-        assert err <= problems.tolerance(key), f"{p}: relative error {err:.3g}"
+        assert err <= samples.tolerance(key), f"{p}: relative error {err:.3g}"
 
 
 @pytest.mark.gpu
@@ -229,19 +229,19 @@ def test_gpu_fast_relaunch_matches_the_jit_path() -> None:
     key = gemm_key(8, 1024, 2048, layout="nt", dtype="bf16")
     runner = make_runner(key, {"kernel": "gemv", "bm": 8, "bn": 8, "bk": 256, "warps": 4})
     gen = torch.Generator(device="cuda").manual_seed(0)
-    a, b = problems.make_inputs(key, "cuda", gen)
+    a, b = samples.make_inputs(key, "cuda", gen)
     first = runner(a, b).clone()  # JIT path (compiles or loads), then the one-time direct check
     assert runner.main.verified, "the direct relaunch reproduced the JIT launch"
     second = runner(a, b)  # direct path
     torch.cuda.synchronize()
     assert torch.equal(first, second)
     a2 = a[:, : key.k // 2]  # different strides than the first call: back through the JIT
-    ref = problems.reference(dataclasses.replace(key, k=key.k // 2), (a2, b[: key.k // 2]))
+    ref = samples.reference(dataclasses.replace(key, k=key.k // 2), (a2, b[: key.k // 2]))
     half = make_runner(
         dataclasses.replace(key, k=key.k // 2),
         {"kernel": "gemv", "bm": 8, "bn": 8, "bk": 256, "warps": 4},
     )
-    assert problems.relative_error(half(a2, b[: key.k // 2]), ref) <= problems.tolerance(key)
+    assert samples.relative_error(half(a2, b[: key.k // 2]), ref) <= samples.tolerance(key)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tuner.keys import GemmKey, SdpaKey, key_from_dict, parse_key
+from tuner.core.keys import GemmKey, SdpaKey, key_from_dict, parse_key
 
 
 def test_gemm_key_string_is_stable_and_round_trips():

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tuner.settings import read_config
+from tuner.core.settings import read_config
 
 
 def test_file_fills_what_the_environment_leaves_unset(tmp_path):

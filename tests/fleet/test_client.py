@@ -17,7 +17,9 @@ from starlette.routing import Route
 
 from server.live import AppThread, ThreadServer, free_port, wait_until
 from tuner.cache import Store
-from tuner.client import (
+from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey
+from tuner.fleet.client import (
     BackgroundSync,
     FleetClient,
     FleetError,
@@ -27,10 +29,8 @@ from tuner.client import (
     push_misses,
     wire,
 )
-from tuner.device import fingerprint
-from tuner.dispatch import Dispatcher
-from tuner.keys import GemmKey
-from tuner.results import Measurement
+from tuner.measure.records import Measurement
+from tuner.serving.dispatcher import Dispatcher
 
 pytestmark = pytest.mark.timeout(120)
 FP = fingerprint()

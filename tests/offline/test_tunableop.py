@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from tuner.cache import Store
-from tuner.engine import TuneOptions, tune
-from tuner.keys import GemmKey
-from tuner.problem_list import ConfigError
-from tuner.results import Winner
-from tuner.tunableop import (
+from tuner.core.keys import GemmKey
+from tuner.measure.records import Winner
+from tuner.offline.problem_list import ConfigError
+from tuner.offline.tunableop import (
     Entry,
     cublaslt_solution,
     entry_key,
@@ -28,8 +27,9 @@ from tuner.tunableop import (
     read,
     signature,
 )
+from tuner.tuning.engine import TuneOptions, tune
 
-DATA = Path(__file__).parent / "data" / "tunableop"
+DATA = Path(__file__).parents[1] / "data" / "tunableop"
 
 
 def key(m, n, k, layout, dtype, batch=1, align=16, compute="f32") -> GemmKey:
@@ -209,7 +209,7 @@ def test_cublaslt_winners_export_under_pytorchs_algorithm_names():
 
 
 def test_cli_show_and_export(tmp_path, monkeypatch, capsys):
-    from tuner import cli
+    from tuner.cli import main
 
     monkeypatch.setenv("TUNER_CACHE", str(tmp_path / "c.db"))
     monkeypatch.setenv("COLUMNS", "300")
@@ -217,7 +217,7 @@ def test_cli_show_and_export(tmp_path, monkeypatch, capsys):
     def tuner(*args: str) -> tuple[int, str, str]:
         monkeypatch.setattr(sys, "argv", ["tuner", *args])
         with pytest.raises(SystemExit) as exit_:
-            cli.main()
+            main.main()
         out = capsys.readouterr()
         return exit_.value.code, out.out, out.err
 

@@ -18,16 +18,16 @@ from pathlib import Path
 import pytest
 
 from tuner.cache import Store
-from tuner.device import fingerprint
-from tuner.keys import GemmKey, SdpaKey
-from tuner.model_config import expand, load_model, parse_model
-from tuner.problem_list import ConfigError
-from tuner.tunableop import import_files
-from tuner.tune_all import ProblemSet, journal_path, pending, read_journal
+from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey, SdpaKey
+from tuner.offline.model_config import expand, load_model, parse_model
+from tuner.offline.problem_list import ConfigError
+from tuner.offline.tunableop import import_files
+from tuner.offline.tune_all import ProblemSet, journal_path, pending, read_journal
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "configs" / "models"
-DATA = Path(__file__).parent / "data"
+DATA = ROOT / "tests" / "data"
 
 TINY = """
 name: Tiny
@@ -358,7 +358,7 @@ def test_ctrl_c_stops_cleanly_with_everything_finished_saved(tmp_path):
     ],
 )
 def test_user_mistakes_get_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args, message):
-    from tuner import cli
+    from tuner.cli import main
 
     bad = tmp_path / "m.yaml"
     bad.write_text("name: X\nhidden_size: 64\n")
@@ -369,7 +369,7 @@ def test_user_mistakes_get_one_line_and_exit_2(tmp_path, monkeypatch, capsys, ar
         sys, "argv", ["tuner", "tune-all", *argv, "--cache", str(tmp_path / "c.db")]
     )
     with pytest.raises(SystemExit) as exit_:
-        cli.main()
+        main.main()
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and "Traceback" not in err
 

@@ -17,12 +17,12 @@ import torch
 
 from server.live import ThreadServer, wait_until
 from tuner.cache import Store
-from tuner.client import FleetClient, attach, pull, push
-from tuner.device import fingerprint
-from tuner.dispatch import Dispatcher
-from tuner.engine import TuneOptions, TuneOutcome, tune
-from tuner.keys import GemmKey, parse_key
-from tuner.results import Measurement
+from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey, parse_key
+from tuner.fleet.client import FleetClient, attach, pull, push
+from tuner.measure.records import Measurement
+from tuner.serving.dispatcher import Dispatcher
+from tuner.tuning.engine import TuneOptions, TuneOutcome, tune
 
 pytestmark = pytest.mark.timeout(180)
 FP = fingerprint()

@@ -12,9 +12,9 @@ import pytest
 from server import tokens
 from server.live import ThreadServer
 from tuner.cache import Store
-from tuner.client import wire
-from tuner.device import fingerprint
-from tuner.results import Measurement
+from tuner.core.device import fingerprint
+from tuner.fleet.client import wire
+from tuner.measure.records import Measurement
 
 pytestmark = pytest.mark.timeout(120)
 FP = fingerprint()

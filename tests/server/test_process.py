@@ -22,12 +22,12 @@ from typer.testing import CliRunner
 
 from server.live import SubprocessServer
 from tuner.cache import Store
-from tuner.cli import app
-from tuner.client import FleetClient
-from tuner.device import fingerprint
-from tuner.engine import TuneOptions, tune
-from tuner.keys import GemmKey
-from tuner.results import Measurement
+from tuner.cli.main import app
+from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey
+from tuner.fleet.client import FleetClient
+from tuner.measure.records import Measurement
+from tuner.tuning.engine import TuneOptions, tune
 
 pytestmark = pytest.mark.timeout(300)
 FP = fingerprint()

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from tuner.cache import Store
-from tuner.device import fingerprint
-from tuner.dispatch import Dispatcher
-from tuner.keys import GemmKey
-from tuner.results import Winner
+from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey
+from tuner.measure.records import Winner
+from tuner.serving.dispatcher import Dispatcher
 
 
 def test_off_mode_never_opens_the_store(tmp_path):
@@ -90,7 +90,7 @@ def test_a_winner_that_no_longer_builds_falls_back_to_the_baseline(cache_path):
 
 NEW_PROCESS = """
 import json, torch, tuner
-from tuner.dispatch import get_dispatcher
+from tuner.serving.dispatcher import get_dispatcher
 torch.manual_seed(0)
 a, b = torch.randn({m}, {k}, dtype=torch.float16), torch.randn({k}, {n}, dtype=torch.float16)
 c = tuner.matmul(a, b)

@@ -21,15 +21,15 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 import tuner.torch as tt
-from tuner.buckets import BucketIndex, next_pow2
 from tuner.cache import Store
 from tuner.candidates import registry
-from tuner.device import fingerprint
-from tuner.dispatch import Dispatcher, Resolution
-from tuner.engine import TuneOptions, tune
-from tuner.keys import GemmKey, Key, parse_key
+from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey, Key, parse_key
+from tuner.serving.buckets import BucketIndex, next_pow2
+from tuner.serving.dispatcher import Dispatcher, Resolution
+from tuner.tuning.engine import TuneOptions, tune
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HAS_GPU = torch.cuda.is_available()
 
 
@@ -486,13 +486,13 @@ def test_source_can_refuse_params_for_another_m(
 def test_capture_uses_default_and_caches_nothing(
     bucket_disp: Dispatcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tuner.dispatch as dispatch
-    import tuner.engine
+    import tuner.serving.dispatcher as dispatch
+    import tuner.tuning.engine
 
     def no_tuning(*args: object, **kwargs: object) -> None:
         raise AssertionError("tuned during capture")
 
-    monkeypatch.setattr(tuner.engine, "tune", no_tuning)
+    monkeypatch.setattr(tuner.tuning.engine, "tune", no_tuning)
     x, w = linear_inputs(8)  # M=8 has a Triton winner
     y, v = linear_inputs(7)  # M=7 has none
     want_x, want_y = F.linear(x, w), F.linear(y, v)
@@ -542,7 +542,7 @@ def test_stats_table_and_reset(llama_disp: Dispatcher) -> None:
     assert tt.stats(llama_disp).calls == 0
 
 
-# --- the call memo (tuner.call_memo) ----------------------------------------------------------
+# --- the call memo (tuner.serving.call_memo) ----------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -579,7 +579,7 @@ def test_linear_memo_serves_batched_inputs_with_bias_as_two_dimensional(
 ) -> None:
     """(1, 4, 32) @ W.T + b is the stored (4, 32) problem: the memo flattens x, adds the bias in
     place and gives the result x's leading dimensions back."""
-    from tuner.call_memo import LinearMemo
+    from tuner.serving.call_memo import LinearMemo
 
     served = []
     serve = LinearMemo.serve

@@ -7,32 +7,32 @@ from pathlib import Path
 
 import pytest
 
-from tuner import gemm_bench
-from tuner.engine import TuneOptions
-from tuner.model_config import gemm_key
+from tuner.offline.model_config import gemm_key
+from tuner.suites import gemm
+from tuner.tuning.engine import TuneOptions
 
 
 def test_suite_parts_have_the_issue_shapes() -> None:
-    bf16 = gemm_bench.llama_suite("bf16-8b") + gemm_bench.llama_suite("bf16-70b")
+    bf16 = gemm.llama_suite("bf16-8b") + gemm.llama_suite("bf16-70b")
     assert len(bf16) == 2 * 4 * 15
     assert all(k.dtype == "bf16" and k.layout == "nt" for _, k in bf16)
     keys = {(k.m, k.n, k.k) for _, k in bf16}
     assert {(1, 6144, 4096), (16, 4096, 14336), (16384, 57344, 8192), (1, 8192, 28672)} <= keys
-    odd = {(k.m, k.n, k.k): k for _, k in gemm_bench.llama_suite("odd")}
+    odd = {(k.m, k.n, k.k): k for _, k in gemm.llama_suite("odd")}
     assert odd[(4097, 4099, 4101)].align == 2 and (127, 5120, 3333) in odd
-    fp32 = gemm_bench.llama_suite("fp32")
+    fp32 = gemm.llama_suite("fp32")
     assert {k.compute for _, k in fp32} == {"f32", "tf32"} and len(fp32) == 40
-    assert len(gemm_bench.llama_suite("fp16")) == 20
-    for part, labels in gemm_bench.INDUCTOR.items():
-        assert set(labels) <= {label for label, _ in gemm_bench.llama_suite(part)}
+    assert len(gemm.llama_suite("fp16")) == 20
+    for part, labels in gemm.INDUCTOR.items():
+        assert set(labels) <= {label for label, _ in gemm.llama_suite(part)}
     with pytest.raises(ValueError, match="part must be one of"):
-        gemm_bench.llama_suite("bf16-405b")
+        gemm.llama_suite("bf16-405b")
 
 
 def test_a_small_part_end_to_end(tmp_path: Path) -> None:
     problems = [("tiny", gemm_key(8, 40, 56, layout="nt", dtype="f32")),
                 ("odd", gemm_key(5, 33, 7, layout="nt", dtype="f32"))]  # fmt: skip
-    result = gemm_bench.run_part("test", problems, tmp_path, TuneOptions(budget_s=0.005),
+    result = gemm.run_part("test", problems, tmp_path, TuneOptions(budget_s=0.005),
                                  inductor=False, warm_sample=1)  # fmt: skip
     saved = json.loads((tmp_path / "gemm_llama_test.json").read_text())
     assert saved["targets"] == result["targets"]

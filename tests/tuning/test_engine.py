@@ -7,9 +7,9 @@ import torch
 from planted import PlantedGemm
 
 from tuner.candidates import registry
-from tuner.engine import TuneOptions, choose, contenders, duels, ties, tune
-from tuner.keys import GemmKey, SdpaKey
-from tuner.results import Measurement
+from tuner.core.keys import GemmKey, SdpaKey
+from tuner.measure.records import Measurement
+from tuner.tuning.engine import TuneOptions, choose, contenders, duels, ties, tune
 
 KEY = GemmKey(m=48, n=40, k=72, dtype="f32", out_dtype="f32")
 

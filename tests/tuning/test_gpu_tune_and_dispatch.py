@@ -8,9 +8,9 @@ from planted import PlantedGemm
 
 from tuner.cache import Store
 from tuner.candidates import registry
-from tuner.dispatch import Dispatcher
-from tuner.engine import TuneOptions, tune
-from tuner.keys import GemmKey
+from tuner.core.keys import GemmKey
+from tuner.serving.dispatcher import Dispatcher
+from tuner.tuning.engine import TuneOptions, tune
 
 pytestmark = pytest.mark.gpu
 
@@ -69,10 +69,10 @@ def test_numerics_check_rejects_a_wrong_candidate_on_the_gpu():
 def test_graph_time_subtracts_its_fence():
     """The fence before each captured call is not charged to the call: a call that launches
     nothing costs ~0, one that launches a kernel costs more than that."""
-    from tuner import bench
+    from tuner.measure import timing
 
     x = torch.zeros(1 << 20, device="cuda")
-    nothing = bench.graph_time(lambda i: None)
-    one_kernel = bench.graph_time(lambda i: x.add_(1))
+    nothing = timing.graph_time(lambda i: None)
+    one_kernel = timing.graph_time(lambda i: x.add_(1))
     assert 0.0 <= nothing.median_us < one_kernel.median_us
-    assert bench.graph_time(lambda i: x.add_(1), fenced=False).median_us > 0
+    assert timing.graph_time(lambda i: x.add_(1), fenced=False).median_us > 0

@@ -9,9 +9,9 @@ import pytest
 from crashing_source import CrashingGemm
 
 from tuner.candidates import registry
-from tuner.engine import TuneOptions, tune
-from tuner.keys import GemmKey
-from tuner.worker import WorkerPool
+from tuner.core.keys import GemmKey
+from tuner.tuning.engine import TuneOptions, tune
+from tuner.tuning.isolation import WorkerPool
 
 KEY = GemmKey(m=16, n=24, k=32, dtype="f32", out_dtype="f32")
 
@@ -70,7 +70,7 @@ def test_crashing_candidates_are_failed_and_the_run_goes_on(crashing):
 
 def test_the_worker_is_reused_across_problems_and_tune_can_isolate(crashing, monkeypatch):
     pool = WorkerPool()
-    monkeypatch.setattr("tuner.worker._POOL", pool)
+    monkeypatch.setattr("tuner.tuning.isolation._POOL", pool)
     try:
         options = TuneOptions(budget_s=0.01, sources=["torch"], isolate=True)
         first = tune(KEY, options=options, device="cpu")

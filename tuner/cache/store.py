@@ -27,8 +27,8 @@ from typing import Any
 import sqlite_utils
 
 from tuner.cache.schema import APP_ID, MIGRATIONS, SCHEMA_VERSION
-from tuner.device import Fingerprint
-from tuner.results import Measurement, Winner
+from tuner.core.device import Fingerprint
+from tuner.measure.records import Measurement, Winner
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 EXPORT_FORMAT = "tuner-results"
@@ -68,7 +68,7 @@ _OPEN_LOCK = threading.Lock()
 def _check_imported(measurements: list[Measurement], winners: list[Winner]) -> None:
     """ValueError for a record that would break later readers: a key that does not parse (``show``
     and ``report`` parse every key) or a time that is not a number."""
-    from tuner.keys import parse_key  # imports torch: only here, not for every Store
+    from tuner.core.keys import parse_key  # imports torch: only here, not for every Store
 
     def number(name: str, x: Any, optional: bool) -> None:
         if (x is None and optional) or (isinstance(x, (int, float)) and not isinstance(x, bool)):

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from tuner.keys import Key
+from tuner.core.keys import Key
 
 Runner = Callable[..., Any]
 Params = dict[str, Any]

@@ -19,7 +19,7 @@ import torch
 
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner, Source
-from tuner.keys import GemmKey
+from tuner.core.keys import GemmKey
 
 CUBLAS_GEMM_DEFAULT = -1
 TENSOR_OP_ALGOS = tuple(range(99, 116))  # CUBLAS_GEMM_DEFAULT_TENSOR_OP, ALGO0..15_TENSOR_OP

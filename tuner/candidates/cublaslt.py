@@ -28,7 +28,7 @@ import torch
 
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner, Source
-from tuner.keys import GemmKey
+from tuner.core.keys import GemmKey
 
 HEURISTIC_LIMIT = 16
 MAX_WORKSPACE_BYTES = 32 * 2**20  # what NVIDIA recommends for Hopper

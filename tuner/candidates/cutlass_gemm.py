@@ -29,7 +29,7 @@ import torch
 from tuner.candidates import cutlass_env as env
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner, Source
-from tuner.keys import ITEMSIZE, GemmKey
+from tuner.core.keys import ITEMSIZE, GemmKey
 
 KERNELS = {
     "ws": "TmaWarpSpecialized",

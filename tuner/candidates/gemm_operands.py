@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tuner.keys import DTYPES, ITEMSIZE, GemmKey
+from tuner.core.keys import DTYPES, ITEMSIZE, GemmKey
 
 # cudaDataType_t and cublasComputeType_t values (the same enums serve cuBLAS and cuBLASLt).
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14

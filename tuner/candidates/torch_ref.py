@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tuner.candidates.base import Params, Runner, Source
-from tuner.keys import GemmKey, SdpaKey
+from tuner.core.keys import GemmKey, SdpaKey
 
 
 @contextlib.contextmanager

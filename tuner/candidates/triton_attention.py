@@ -27,7 +27,7 @@ import triton.language as tl
 
 from tuner.candidates.base import Params, Runner, Source, interpreting
 from tuner.candidates.triton_kernels.launch import Launcher, verify_direct
-from tuner.keys import DTYPES, SdpaKey
+from tuner.core.keys import DTYPES, SdpaKey
 
 SMEM_BYTES = 227 * 1024  # Hopper's per-block shared-memory limit
 LOG2E = 1.4426950408889634

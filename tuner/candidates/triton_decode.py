@@ -40,7 +40,7 @@ from tuner.candidates.triton_attention import (
     qkvo_strides,
     triton_unavailable,
 )
-from tuner.keys import DTYPES, SdpaKey
+from tuner.core.keys import DTYPES, SdpaKey
 
 MAX_Q_LEN = 16
 MAX_ROWS = 128  # group * q_len rows share one tile

@@ -44,7 +44,7 @@ from tuner.candidates.triton_kernels.launch import (
 from tuner.candidates.triton_kernels.pad import pad_pair
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA, persistent_tma_gemm
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tiled_gemm
-from tuner.keys import DTYPES, ITEMSIZE, GemmKey
+from tuner.core.keys import DTYPES, ITEMSIZE, GemmKey
 
 log = logging.getLogger(__name__)
 KERNELS = ("tiled", "splitk", "persistent_tma", "gemv")

@@ -1,4 +1,4 @@
-"""Fleet commands of the ``tuner`` CLI (registered by ``tuner.cli``).
+"""Fleet commands of the ``tuner`` CLI (registered by ``tuner.cli.main``).
 
 tuner serve --db fleet.db --port 8000           run the service (one uvicorn worker)
 tuner token create --db fleet.db --name host-a --scope submit
@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tuner.cache import Store, default_path
-from tuner.client import FleetClient, FleetError, pull, push
-from tuner.device import fingerprint
+from tuner.core.device import fingerprint
+from tuner.fleet.client import FleetClient, FleetError, pull, push
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 console = Console()

@@ -23,14 +23,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tuner import fleet_cli, gemm_bench, sdpa_bench
 from tuner.cache import Store, StoreError, default_path
 from tuner.candidates import registry
 from tuner.candidates.base import Source
-from tuner.device import fingerprint
-from tuner.engine import TuneOptions, current_device, tune
-from tuner.keys import GemmKey, Key, SdpaKey, parse_key
-from tuner.problem_list import ConfigError
+from tuner.cli import fleet
+from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey, Key, SdpaKey, parse_key
+from tuner.offline.problem_list import ConfigError
+from tuner.suites import gemm, sdpa
+from tuner.tuning.engine import TuneOptions, current_device, tune
 
 app = typer.Typer(
     help="Autotuned GEMM and attention kernels with a shared results cache.",
@@ -40,7 +41,7 @@ app = typer.Typer(
 tune_app = typer.Typer(help="Tune one problem and store its winner.", no_args_is_help=True)
 app.add_typer(tune_app, name="tune")
 # Benchmark suites (tuner/suite.py). Each suite's command lives in its own module and is
-# registered at the bottom of this file: bench_app.command("gemm")(gemm_bench.command).
+# registered at the bottom of this file: bench_app.command("gemm")(gemm.command).
 bench_app = typer.Typer(
     help="Benchmark suites: tune, then time baseline and winner side by side.", no_args_is_help=True
 )
@@ -255,7 +256,7 @@ OutOpt = Annotated[
 
 
 def _sources(model, config, tunableop_file, misses, op, queue=0):  # type: ignore[no-untyped-def]
-    from tuner.tune_all_cmd import Sources
+    from tuner.cli.tune_all import Sources
 
     if op not in (None, "gemm", "sdpa"):
         raise ConfigError(f"--op must be 'gemm' or 'sdpa', got {op!r}")
@@ -300,8 +301,8 @@ def tune_all(
 
     All local GPUs work at once; problems tuned already are skipped (a killed run resumes);
     a report ends the run. Exit status 0 when every problem has a winner, else 1."""
-    from tuner.tune_all import RunOptions
-    from tuner.tune_all_cmd import tune_all as run_tune_all
+    from tuner.cli.tune_all import tune_all as run_tune_all
+    from tuner.offline.tune_all import RunOptions
 
     options = RunOptions(
         budget_s=budget, sources=source, problem_timeout_s=problem_timeout,
@@ -329,7 +330,7 @@ def report_(
     """Baseline, winner, speedup and tuning time per problem, a summary and a speedup plot.
 
     Covers every winner and failure of this device class, or the problems of the sources given."""
-    from tuner.tune_all_cmd import report_command
+    from tuner.cli.tune_all import report_command
 
     sources = _sources(model, config, tunableop_file, misses, op)
     report_command(sources, cache or default_path(), out, console, rows)
@@ -344,7 +345,7 @@ def tunableop_show(
     files: Annotated[list[Path], typer.Argument(help="TunableOp CSV files.", exists=True)],
 ) -> None:
     """The problem keys that TunableOp files name (tune them with tune-all --tunableop)."""
-    from tuner.tune_all_cmd import tunableop_show as show_files
+    from tuner.cli.tune_all import tunableop_show as show_files
 
     show_files(files, console)
 
@@ -358,7 +359,7 @@ def tunableop_export(
     ] = None,
 ) -> None:
     """Write this device's winners that TunableOp can run (cuBLAS default, cuBLASLt algos)."""
-    from tuner.tune_all_cmd import tunableop_export as export_csv
+    from tuner.cli.tune_all import tunableop_export as export_csv
 
     export_csv(cache or default_path(), output, pt_version, console)
 
@@ -451,9 +452,9 @@ def import_(
     )
 
 
-fleet_cli.register(app)  # serve, token, sync, push
-bench_app.command("sdpa")(sdpa_bench.command)
-bench_app.command("gemm")(gemm_bench.command)
+fleet.register(app)  # serve, token, sync, push
+bench_app.command("sdpa")(sdpa.command)
+bench_app.command("gemm")(gemm.command)
 
 
 def main() -> None:

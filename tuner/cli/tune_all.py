@@ -1,5 +1,5 @@
 """The ``tuner tune-all``, ``tuner report`` and ``tuner tunableop`` commands (their bodies: the
-option declarations live in ``tuner.cli``).
+option declarations live in ``tuner.cli.main``).
 
     tuner tune-all --model configs/models/llama-3-8b.yaml --op gemm --out report/
     tuner tune-all --misses --tunableop tunableop_untuned0.csv --config extra.yaml
@@ -8,7 +8,7 @@ option declarations live in ``tuner.cli``).
     tuner tunableop export tunableop_results0.csv
 
 tune-all gathers every source into one de-duplicated list, skips what already has a winner
-for this device class and these versions, and tunes the rest (``tuner.tune_all``). Fleet-queue
+for this device class and these versions, and tunes the rest (``tuner.offline.tune_all``). Fleet-queue
 keys are completed on the service with the measurements of their winning runs; keys that
 failed stay leased until the lease runs out and the service queues them again.
 """
@@ -24,15 +24,15 @@ from typing import Any
 
 from rich.console import Console
 
-from tuner import report, tunableop
 from tuner.cache import Store
-from tuner.device import Fingerprint, fingerprint
-from tuner.keys import parse_key
-from tuner.model_config import load_model
-from tuner.problem_list import ConfigError
-from tuner.progress import progress_bar
-from tuner.results import Measurement
-from tuner.tune_all import (
+from tuner.core.device import Fingerprint, fingerprint
+from tuner.core.keys import parse_key
+from tuner.measure.records import Measurement
+from tuner.offline import report, tunableop
+from tuner.offline.model_config import load_model
+from tuner.offline.problem_list import ConfigError
+from tuner.offline.progress import progress_bar
+from tuner.offline.tune_all import (
     Event,
     ProblemSet,
     Result,
@@ -63,7 +63,7 @@ class Sources:
 
 @dataclass
 class FleetLease:
-    client: Any  # tuner.client.FleetClient
+    client: Any  # tuner.fleet.client.FleetClient
     lease_id: str | None
     keys: list[str]
 
@@ -107,7 +107,7 @@ def collect(
 
 def claim_queue(n: int, fp: Fingerprint, options: RunOptions, workers: int) -> FleetLease:
     """Lease ``n`` keys of this device class from the fleet service (``$TUNER_SERVER``)."""
-    from tuner.client import FleetClient
+    from tuner.fleet.client import FleetClient
 
     client = FleetClient.from_env()
     if client is None:
@@ -123,7 +123,7 @@ def claim_queue(n: int, fp: Fingerprint, options: RunOptions, workers: int) -> F
 
 def complete_queue(lease: FleetLease, store: Store, fp: Fingerprint) -> dict[str, Any] | None:
     """Send the winning runs' measurements of the leased keys that now have a winner."""
-    from tuner.client import BATCH
+    from tuner.fleet.client import BATCH
 
     if lease.lease_id is None:
         return None
@@ -200,7 +200,7 @@ def tune_all(
     problems = collect(sources, store, fp, console, None)
     lease = None
     if sources.queue and not dry_run:
-        from tuner.tune_all import local_workers
+        from tuner.offline.tune_all import local_workers
 
         lease = claim_queue(sources.queue, fp, options, local_workers(options.workers)[0])
         for key, labels in collect(

@@ -33,8 +33,8 @@ import httpx
 
 from tuner import __version__
 from tuner.cache import Store
-from tuner.device import Fingerprint
-from tuner.results import Measurement, Winner
+from tuner.core.device import Fingerprint
+from tuner.measure.records import Measurement, Winner
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ class BackgroundSync:
         on_change: Callable[[], None] | None = None,
         fingerprint: Callable[[], Fingerprint] | None = None,
     ) -> None:
-        from tuner.device import fingerprint as default_fingerprint
+        from tuner.core.device import fingerprint as default_fingerprint
 
         self.client, self.store_path, self.interval_s = client, Path(store_path), interval_s
         self.push, self.on_change = push, on_change

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from tuner.keys import DTYPES, ITEMSIZE, GemmKey, Key, SdpaKey
+from tuner.core.keys import DTYPES, ITEMSIZE, GemmKey, Key, SdpaKey
 
 # Relative Frobenius error ||out - ref|| / ||ref|| allowed per (dtype, compute).
 TOLERANCE = {

@@ -39,8 +39,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tuner.keys import ALIGNMENTS, ITEMSIZE, GemmKey, Key, SdpaKey
-from tuner.problem_list import ConfigError, read_yaml
+from tuner.core.keys import ALIGNMENTS, ITEMSIZE, GemmKey, Key, SdpaKey
+from tuner.offline.problem_list import ConfigError, read_yaml
 
 GEMM_OPS = ("qkv", "o", "gate_up", "down")
 Op = Literal["qkv", "o", "gate_up", "down", "attn_prefill", "attn_decode"]

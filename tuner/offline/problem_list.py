@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from tuner.keys import Key, key_from_dict, parse_key
+from tuner.core.keys import Key, key_from_dict, parse_key
 
 
 class ConfigError(ValueError):

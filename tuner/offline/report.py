@@ -16,11 +16,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tuner.device import Fingerprint
-from tuner.keys import GemmKey, Key, parse_key
-from tuner.plots import geomean, speedup_plot
-from tuner.results import Winner
-from tuner.tune_all import ProblemSet, RunSummary
+from tuner.core.device import Fingerprint
+from tuner.core.keys import GemmKey, Key, parse_key
+from tuner.measure.records import Winner
+from tuner.offline.plots import geomean, speedup_plot
+from tuner.offline.tune_all import ProblemSet, RunSummary
 
 
 @dataclass

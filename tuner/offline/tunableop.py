@@ -51,10 +51,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tuner.keys import GemmKey, parse_key
-from tuner.model_config import dense_align, gemm_key
-from tuner.problem_list import ConfigError
-from tuner.results import Winner
+from tuner.core.keys import GemmKey, parse_key
+from tuner.measure.records import Winner
+from tuner.offline.model_config import dense_align, gemm_key
+from tuner.offline.problem_list import ConfigError
 
 TYPES = {"float": "f32", "Half": "f16", "BFloat16": "bf16"}
 TYPE_NAMES = {v: k for k, v in TYPES.items()}

@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from tuner.cache import Store
-from tuner.device import Fingerprint
-from tuner.keys import Key, parse_key
-from tuner.lifetime import die_with_parent
-from tuner.model_config import ModelConfig, expand
-from tuner.problem_list import load_problems
-from tuner.tunableop import Imported
+from tuner.core.device import Fingerprint
+from tuner.core.keys import Key, parse_key
+from tuner.offline.model_config import ModelConfig, expand
+from tuner.offline.problem_list import load_problems
+from tuner.offline.tunableop import Imported
+from tuner.tuning.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,9 @@ class RunOptions:
     time_limit_s: float | None = None  # no new problem starts after this many seconds
     workers: int | None = None  # default: one per local GPU, one on the CPU
     force: bool = False  # retune problems that already have a current winner
-    isolate: bool = False  # candidates in a replaceable process of their own (tuner.worker)
+    isolate: bool = (
+        False  # candidates in a replaceable process of their own (tuner.tuning.isolation)
+    )
 
 
 @dataclass
@@ -443,8 +445,8 @@ def worker_main(
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(device + 1)]
         os.environ["CUDA_VISIBLE_DEVICES"] = ids[device]
-    from tuner.device import fingerprint
-    from tuner.engine import TuneOptions
+    from tuner.core.device import fingerprint
+    from tuner.tuning.engine import TuneOptions
 
     fp = fingerprint("cuda" if device is not None else "cpu")
     opts = RunOptions(**options)
@@ -471,7 +473,7 @@ def worker_main(
 def _tune_one(
     key: str, store: Store, fp: Fingerprint, options: Any, force: bool, index: int
 ) -> Result:
-    from tuner.engine import tune
+    from tuner.tuning.engine import tune
 
     t0 = time.perf_counter()
     existing = store.winner(fp.device_class, key)

@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from tuner.keys import GemmKey, parse_key
+from tuner.core.keys import GemmKey, parse_key
 
 POLICIES = ("exact", "next_tuned_above", "pow2")
 DEFAULT_POLICY = "exact"

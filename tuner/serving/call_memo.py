@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tuner.dispatch import Resolution
+from tuner.serving.dispatcher import Resolution
 
 PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 MEMO_MAX = 1 << 16  # memos kept before starting over (prefill lengths can take any value)

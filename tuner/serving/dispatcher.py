@@ -28,14 +28,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tuner.buckets import DEFAULT_POLICY, BucketIndex, check_policy, transfer_problem
 from tuner.cache import Store, StoreError, default_path
 from tuner.candidates import registry
 from tuner.candidates.base import Runner
 from tuner.candidates.torch_ref import bottom_right_mask
-from tuner.device import fingerprint
-from tuner.keys import GemmKey, Key, SdpaKey
-from tuner.results import Winner
+from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey, Key, SdpaKey
+from tuner.measure.records import Winner
+from tuner.serving.buckets import DEFAULT_POLICY, BucketIndex, check_policy, transfer_problem
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,9 @@ class Dispatcher:
         self.memo: dict[tuple, Any] = {}
         self._winners: dict[str, dict[str, Winner]] = {}  # device class -> key -> winner
         self._recorded: set[tuple[str, str]] = set()
-        self.fleet_sync: Any = None  # tuner.client's background sync, when TUNER_SERVER is set
+        self.fleet_sync: Any = (
+            None  # tuner.fleet.client's background sync, when TUNER_SERVER is set
+        )
         self.buckets = check_policy(os.environ.get("TUNER_BUCKETS") or DEFAULT_POLICY)
         self._bucket_index: dict[str, BucketIndex] = {}  # device class -> tuned Ms per family
         self.resolutions: dict[tuple, Resolution] = {}  # (key, kind, candidate, via) -> record
@@ -331,7 +333,7 @@ class Dispatcher:
             store.record_misses(device_class, [str(key)])
 
     def _tune(self, key: Key, device: str) -> Winner | None:
-        from tuner.engine import tune
+        from tuner.tuning.engine import tune
 
         outcome = tune(key, device=device)
         if store := self._open_store():
@@ -348,7 +350,7 @@ class Dispatcher:
             self._forget()
 
     def set_buckets(self, policy: str) -> None:
-        """Bucket policy for GEMMs with an untuned M: ``tuner.buckets.POLICIES``."""
+        """Bucket policy for GEMMs with an untuned M: ``tuner.serving.buckets.POLICIES``."""
         with self._lock:
             self.buckets = check_policy(policy)
             self._forget()
@@ -385,7 +387,7 @@ def get_dispatcher() -> Dispatcher:
     if _dispatcher is None:
         _dispatcher = Dispatcher()
         if os.environ.get("TUNER_SERVER") and _dispatcher.mode != "off":
-            from tuner.client import attach  # fleet sync: a daemon thread, off the hot path
+            from tuner.fleet.client import attach  # fleet sync: a daemon thread, off the hot path
 
             _dispatcher.fleet_sync = attach(_dispatcher)
     return _dispatcher

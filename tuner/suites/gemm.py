@@ -33,20 +33,20 @@ import torch
 import typer
 from rich.console import Console
 
-from tuner import bench, problems
 from tuner.cache import Store
 from tuner.candidates import registry
-from tuner.engine import TuneOptions, TuneOutcome, current_device, tune
-from tuner.keys import GemmKey, parse_key
-from tuner.model_config import gemm_key, load_model
-from tuner.plots import geomean
-from tuner.results import candidate_params
-from tuner.sdpa_bench import recheck
-from tuner.suite import run_suite
+from tuner.core.keys import GemmKey, parse_key
+from tuner.measure import samples, timing
+from tuner.measure.records import candidate_params
+from tuner.offline.model_config import gemm_key, load_model
+from tuner.offline.plots import geomean
+from tuner.suites.runner import run_suite
+from tuner.suites.sdpa import recheck
+from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device, tune
 
 console = Console()
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"  # a source checkout
+MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"  # a source checkout
 MODELS = {"8b": "llama-3-8b.yaml", "70b": "llama-3-70b.yaml"}
 OPS = ("qkv", "o", "gate_up", "down")
 M_BF16 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -132,8 +132,8 @@ def inductor_row(label: str, key: GemmKey, device: str, budget_s: float) -> dict
 
     dynamo.reset()
     gen = torch.Generator(device=device).manual_seed(2)
-    sets = [problems.make_inputs(key, device, gen)
-            for _ in range(bench.rotation_sets(problems.bytes_per_set(key), device))]  # fmt: skip
+    sets = [samples.make_inputs(key, device, gen)
+            for _ in range(timing.rotation_sets(samples.bytes_per_set(key), device))]  # fmt: skip
     flags = torch.backends.cuda.matmul
     before = flags.allow_tf32
     flags.allow_tf32 = key.compute == "tf32"
@@ -149,7 +149,7 @@ def inductor_row(label: str, key: GemmKey, device: str, budget_s: float) -> dict
         times: dict[str, list[float]] = {"cublas": [], "inductor": []}
         for _ in range(3):
             for name, fn in (("cublas", torch.matmul), ("inductor", compiled)):
-                t = bench.measure(
+                t = timing.measure(
                     lambda i, fn=fn: fn(*sets[i % len(sets)]), device=device, budget_s=budget_s
                 )
                 times[name].append(t.median_us)
@@ -222,8 +222,8 @@ def graph_times(key: GemmKey, row: dict[str, Any], ms: list[Any], copy: float) -
     """Decode rows: cuBLAS, the winner and the best Triton candidate timed inside CUDA graphs,
     as shares of the copy bandwidth (the kernels' own speed, launch costs left out)."""
     gen = torch.Generator(device="cuda").manual_seed(3)
-    sets = [problems.make_inputs(key, "cuda", gen)
-            for _ in range(bench.rotation_sets(problems.bytes_per_set(key), "cuda"))]  # fmt: skip
+    sets = [samples.make_inputs(key, "cuda", gen)
+            for _ in range(timing.rotation_sets(samples.bytes_per_set(key), "cuda"))]  # fmt: skip
     ok = [m for m in ms if m.status == "ok" and m.source == "triton_gemm"]
     best = min(ok, key=lambda m: m.median_us or float("inf"), default=None)
     base = registry.baseline("gemm")
@@ -405,7 +405,9 @@ def command(
     registry.check_names(source)
     options = TuneOptions(budget_s=budget, launch=launch, sources=source)
     if isolate:
-        options = dataclasses.replace(options, isolate=True)  # engine.tune hands it to tuner.worker
+        options = dataclasses.replace(
+            options, isolate=True
+        )  # engine.tune hands it to tuner.tuning.isolation
     for p in chosen:
         probs = llama_suite(p)[:: 4 if quick else 1]
         run_part(p, probs, out, options, inductor=inductor, warm_sample=warm_sample)

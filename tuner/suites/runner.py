@@ -7,7 +7,7 @@ user gets exactly that kernel. Results go to JSON (with device, versions and the
 device-to-device copy bandwidth) and a PNG of speedup per problem.
 
 Used by ``tuner bench gemm`` and ``tuner bench sdpa``; their commands live in their own
-modules and are registered on ``tuner.cli.bench_app``.
+modules and are registered on ``tuner.cli.main.bench_app``.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tuner import bench, problems
 from tuner.cache import Store
 from tuner.candidates import registry
-from tuner.device import fingerprint
-from tuner.engine import TuneOptions, TuneOutcome, current_device, tune
-from tuner.keys import Key
-from tuner.plots import geomean, speedup_plot
-from tuner.progress import progress_bar
-from tuner.results import Winner
+from tuner.core.device import fingerprint
+from tuner.core.keys import Key
+from tuner.measure import samples, timing
+from tuner.measure.records import Winner
+from tuner.offline.plots import geomean, speedup_plot
+from tuner.offline.progress import progress_bar
+from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device, tune
 
 console = Console()
 Metrics = Callable[[Key, float], dict[str, float]]  # (key, time in us) -> extra columns
@@ -63,7 +63,7 @@ def copy_bandwidth_gbs(device: str, nbytes: int = 2 * 2**30) -> float:
         nbytes = 64 * 2**20
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    t = bench.measure(lambda i: dst.copy_(src), device=device, budget_s=0.3, max_reps=50)
+    t = timing.measure(lambda i: dst.copy_(src), device=device, budget_s=0.3, max_reps=50)
     return 2 * nbytes / (t.median_us * 1e-6) / 1e9
 
 
@@ -79,19 +79,19 @@ def side_by_side(
         win = registry.get(winner.source).build(key, winner.params)
     gen = torch.Generator(device=device).manual_seed(1)
     sets = [
-        problems.make_inputs(key, device, gen)
-        for _ in range(bench.rotation_sets(problems.bytes_per_set(key), device))
+        samples.make_inputs(key, device, gen)
+        for _ in range(timing.rotation_sets(samples.bytes_per_set(key), device))
     ]
     b_times, w_times = [], []
     for _ in range(rounds):
         b_times.append(
-            bench.measure(
+            timing.measure(
                 lambda i: base(*sets[i % len(sets)]), device=device, budget_s=budget_s
             ).median_us
         )
         if win is not None:
             w_times.append(
-                bench.measure(
+                timing.measure(
                     lambda i: win(*sets[i % len(sets)]), device=device, budget_s=budget_s
                 ).median_us
             )

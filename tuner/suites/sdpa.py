@@ -30,13 +30,13 @@ import torch
 import typer
 from rich.console import Console
 
-from tuner import bench, problems
 from tuner.candidates import registry
-from tuner.engine import TuneOptions, TuneOutcome, current_device, tune
-from tuner.keys import Key, SdpaKey, parse_key
-from tuner.plots import geomean
-from tuner.results import Measurement, candidate_name, candidate_params
-from tuner.suite import run_suite
+from tuner.core.keys import Key, SdpaKey, parse_key
+from tuner.measure import samples, timing
+from tuner.measure.records import Measurement, candidate_name, candidate_params
+from tuner.offline.plots import geomean
+from tuner.suites.runner import run_suite
+from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device, tune
 
 console = Console()
 
@@ -176,11 +176,11 @@ GRAPH_MAX_KV_BYTES = 1e9  # decode rows up to this size also get CUDA-graph (GPU
 
 
 def graph_us(runner: Any, sets: list[tuple[torch.Tensor, ...]]) -> float:
-    """GPU time per call (``bench.graph_time``), rotating over ``sets`` (together larger than
+    """GPU time per call (``timing.graph_time``), rotating over ``sets`` (together larger than
     twice the L2): what a server running its decode step as a graph sees. Runners allocate
     their output, as the dispatcher calls them (an ``out`` would cost torch's SDPA a copy)."""
     n = len(sets)
-    return bench.graph_time(lambda i: runner(*sets[i % n])).median_us
+    return timing.graph_time(lambda i: runner(*sets[i % n])).median_us
 
 
 def add_graph_times(row: dict[str, Any], key: SdpaKey, ms: list[Measurement], copy: float) -> None:
@@ -188,8 +188,8 @@ def add_graph_times(row: dict[str, Any], key: SdpaKey, ms: list[Measurement], co
     candidate that ran while tuning (the fastest is reported), with the K/V read as % of copy
     bandwidth."""
     gen = torch.Generator(device="cuda").manual_seed(3)
-    n_sets = bench.rotation_sets(problems.bytes_per_set(key), "cuda")
-    sets = [problems.make_inputs(key, "cuda", gen) for _ in range(n_sets)]
+    n_sets = timing.rotation_sets(samples.bytes_per_set(key), "cuda")
+    sets = [samples.make_inputs(key, "cuda", gen) for _ in range(n_sets)]
     base = registry.baseline("sdpa")
     tried: list[tuple[str, str, dict[str, Any]]] = [("baseline", base.name, base.baseline_params)]
     if row["source"] != base.name:
@@ -220,13 +220,13 @@ def recheck(key: SdpaKey, source: str, params: dict[str, Any], device: str) -> f
     the side-by-side timing ran); raises if a repeat call does not reproduce it bit for bit."""
     runner = registry.get(source).build(key, params)
     gen = torch.Generator(device=device).manual_seed(7)
-    inputs = problems.make_inputs(key, device, gen)
+    inputs = samples.make_inputs(key, device, gen)
     first = runner(*inputs)
-    second = runner(*inputs, out=problems.output_like(key, inputs))
-    third = runner(*inputs, out=problems.output_like(key, inputs))
+    second = runner(*inputs, out=samples.output_like(key, inputs))
+    third = runner(*inputs, out=samples.output_like(key, inputs))
     if not (torch.equal(first, second) and torch.equal(second, third)):
         raise RuntimeError(f"{source} {params}: repeat calls on {key} differ")
-    return problems.relative_error(third, problems.reference(key, inputs))
+    return samples.relative_error(third, samples.reference(key, inputs))
 
 
 def copy_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:

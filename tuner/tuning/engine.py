@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tuner import bench, problems
 from tuner.candidates import registry
 from tuner.candidates.base import Params, Runner, Source
-from tuner.device import fingerprint
-from tuner.keys import Key
-from tuner.results import Measurement, Winner, candidate_name
+from tuner.core.device import fingerprint
+from tuner.core.keys import Key
+from tuner.measure import samples, timing
+from tuner.measure.records import Measurement, Winner, candidate_name
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,9 @@ class TuneOptions:
     host_slack: float = 0.1  # baseline's) more host time per call than the baseline
     sources: list[str] | None = None  # restrict to these source names
     max_candidates: int | None = None  # per source
-    isolate: bool = False  # run the candidates in a replaceable worker process (tuner.worker)
+    isolate: bool = (
+        False  # run the candidates in a replaceable worker process (tuner.tuning.isolation)
+    )
 
 
 @dataclass
@@ -200,7 +202,7 @@ class _Trial:
         sets = self.sets
         graph = options.launch == "graph" and self.device == "cuda"
         try:
-            t = bench.measure(
+            t = timing.measure(
                 lambda i: runner(*sets[i % len(sets)]),
                 device=self.device,
                 # in graph mode only its host time is used, from a shorter run
@@ -216,12 +218,12 @@ class _Trial:
             # the candidate fastest on the GPU might never reach the duel (session 5: a 12.7 us
             # decode kernel behind a 15.4 us torch, both ~30 us eagerly)
             try:
-                g = bench.graph_time(lambda i: runner(*sets[i % len(sets)]))
+                g = timing.graph_time(lambda i: runner(*sets[i % len(sets)]))
             except Exception as e:
                 torch.cuda.synchronize()
                 error = f"cannot be captured in a CUDA graph: {_short(e)}"
                 return self.record(source, params, "failed", max_rel_err=err, error=error)
-            t = bench.Timing(g.median_us, g.p10_us, g.p90_us, g.reps, t.host_us)
+            t = timing.Timing(g.median_us, g.p10_us, g.p90_us, g.reps, t.host_us)
         return self.record(
             source, params, "cut" if t.cut else "ok", max_rel_err=err,
             median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, reps=t.reps, host_us=t.host_us,
@@ -235,7 +237,7 @@ class _Trial:
         the win only if it still beats the baseline by the margin: one lucky measurement (clock
         drift, a quiet moment) must not make a winner that is slower in use.
 
-        On the GPU both are also timed in a CUDA graph (GPU time alone, ``bench.graph_time``):
+        On the GPU both are also timed in a CUDA graph (GPU time alone, ``timing.graph_time``):
         with ``launch="graph"`` that is the time compared; eagerly the challenger must in addition
         be no slower on the GPU than the baseline beyond the margin. An eager win that is only a
         cheaper launch (measured: a Triton GEMM at 12 us of host time vs cuBLAS's 16, but 4 us
@@ -256,7 +258,7 @@ class _Trial:
         for _ in range(options.confirm_rounds):
             for m in (base, challenger):
                 runner = runners[m.candidate]
-                t = bench.measure(
+                t = timing.measure(
                     lambda i, r=runner: r(*self.sets[i % len(self.sets)]),
                     device=self.device,
                     budget_s=options.budget_s,
@@ -306,17 +308,17 @@ class _Trial:
 
     def gpu_times(
         self, runners: dict[str, Runner], base: Measurement, challenger: Measurement
-    ) -> tuple[bench.Timing | None, bench.Timing | None] | None:
+    ) -> tuple[timing.Timing | None, timing.Timing | None] | None:
         """Graph-replay GPU time per call of baseline and challenger (None: capture failed);
         None altogether off the GPU."""
         if self.device != "cuda":
             return None
-        out: list[bench.Timing | None] = []
+        out: list[timing.Timing | None] = []
         sets = self.sets
         for m in (base, challenger):
             runner = runners[m.candidate]
             try:
-                out.append(bench.graph_time(lambda i, r=runner: r(*sets[i % len(sets)])))
+                out.append(timing.graph_time(lambda i, r=runner: r(*sets[i % len(sets)])))
             except Exception as e:  # e.g. a library launching on a stream of its own
                 log.info("%s: no CUDA-graph time: %s", m.candidate, _short(e)[:300])
                 torch.cuda.synchronize()
@@ -331,13 +333,13 @@ class _Trial:
         inputs = self.sets[0]
         errors = []
         for _ in range(2):
-            out = problems.output_like(self.key, inputs)
+            out = samples.output_like(self.key, inputs)
             res = runner(*inputs, out=out)
             if res is not out:
                 out.copy_(res)
             if self.device == "cuda":
                 torch.cuda.synchronize()
-            errors.append(problems.relative_error(out, self.ref))
+            errors.append(samples.relative_error(out, self.ref))
         return float("nan") if any(e != e for e in errors) else max(errors)
 
 
@@ -359,14 +361,14 @@ def tune(
     """Tune one problem on the current device and return its winner and all measurements.
 
     Nothing is stored here: the caller (CLI, dispatcher, worker) saves the outcome.
-    ``options.isolate`` runs it in a worker process (``tuner.worker.tune_isolated``). The worker
+    ``options.isolate`` runs it in a worker process (``tuner.tuning.isolation.tune_isolated``). The worker
     uses the hooks: ``prior`` measurements (of an earlier, crashed worker) are taken as they are
     instead of running those candidates again; ``on_start`` is called before each candidate runs,
     ``on_result`` with each new measurement.
     """
     options = options or TuneOptions()
     if options.isolate:
-        from tuner.worker import tune_isolated
+        from tuner.tuning.isolation import tune_isolated
 
         return tune_isolated(key, options, device=device, progress=progress)
     device = device or current_device()
@@ -390,14 +392,14 @@ def tune(
     done = {m.candidate: m for m in prior or ()}
 
     gen = torch.Generator(device=device).manual_seed(options.seed)
-    n_sets = bench.rotation_sets(problems.bytes_per_set(key), device)
-    input_sets = [problems.make_inputs(key, device, gen) for _ in range(n_sets)]
+    n_sets = timing.rotation_sets(samples.bytes_per_set(key), device)
+    input_sets = [samples.make_inputs(key, device, gen) for _ in range(n_sets)]
     trial = _Trial(
         key,
         device,
         input_sets,
-        problems.reference(key, input_sets[0]),
-        problems.tolerance(key),
+        samples.reference(key, input_sets[0]),
+        samples.tolerance(key),
         record,
     )
 

@@ -31,10 +31,10 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from tuner.engine import TuneOptions, TuneOutcome
-from tuner.keys import Key, parse_key
-from tuner.lifetime import exit_when_orphaned
-from tuner.results import Measurement, Winner
+from tuner.core.keys import Key, parse_key
+from tuner.measure.records import Measurement, Winner
+from tuner.tuning.engine import TuneOptions, TuneOutcome
+from tuner.tuning.lifetime import exit_when_orphaned
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def _serve(conn: Any, log_path: str) -> None:
     exit_when_orphaned()
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(fd, 2)  # the tail of stderr says why a worker died
-    from tuner import engine
+    from tuner.tuning import engine
 
     while True:
         try:
@@ -116,7 +116,7 @@ def _serve(conn: Any, log_path: str) -> None:
                 os._exit(EXIT_CONTEXT_LOST)
 
         try:
-            from tuner.device import fingerprint
+            from tuner.core.device import fingerprint
 
             fp = fingerprint(device)
             conn.send(("hello", os.getpid(), fp.device_class, fp.version_tag))

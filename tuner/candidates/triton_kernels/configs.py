@@ -24,7 +24,7 @@ import json
 import math
 from typing import Any
 
-from tuner.keys import ITEMSIZE, GemmKey
+from tuner.core.keys import ITEMSIZE, GemmKey
 
 Params = dict[str, Any]
 SMEM_LIMIT = 227 * 1024  # Hopper's per-block opt-in limit (232448 bytes)

@@ -32,7 +32,7 @@ from typing import Any
 import triton
 
 from tuner.candidates.base import interpreting
-from tuner.lifetime import exit_when_orphaned
+from tuner.tuning.lifetime import exit_when_orphaned
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""What a problem is: keys, the device it runs on, settings."""

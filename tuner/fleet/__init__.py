@@ -1,0 +1,1 @@
+"""Sharing results across hosts: the client of the fleet service."""

@@ -1,0 +1,1 @@
+"""How a problem is measured: its inputs and references, honest timing, and the records a run produces."""

@@ -1,0 +1,1 @@
+"""Offline work: tune-all over model configs, problem lists and TunableOp files, and its report."""

@@ -1,0 +1,1 @@
+"""Serving winners in process: the dispatcher behind tuner.matmul / tuner.sdpa, the call memo and the bucket policies."""

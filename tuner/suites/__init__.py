@@ -1,0 +1,1 @@
+"""Benchmark suites: tune each problem, then time the baseline and the winner side by side."""
