@@ -8,23 +8,21 @@ declaration order, e.g.::
     sdpa:batch=1,q_heads=32,kv_heads=8,q_len=2048,kv_len=2048,head_dim=128,head_dim_v=128,causal=none,dtype=bf16,scale=0.08838834764831845
 
 ``parse_key(str(key)) == key`` always holds. Invalid problems raise ``ValueError`` naming the field.
+Keys are plain data and import no torch (the fleet service uses them); the torch dtype tables
+``DTYPES`` / ``DTYPE_NAMES`` and the tensor helpers load torch on first use.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from functools import cache
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-# dtype name <-> torch dtype. The names are the ones stored and sent over HTTP.
-DTYPES: dict[str, torch.dtype] = {
-    "f16": torch.float16,
-    "bf16": torch.bfloat16,
-    "f32": torch.float32,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+# dtype name -> bytes per element. The names are the ones stored and sent over HTTP.
 ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4}
 
 # GEMM compute modes: "f32" = fp32 accumulation at full precision (IEEE for f32 inputs);
@@ -65,8 +63,8 @@ class GemmKey:
         for name in ("m", "n", "k", "batch"):
             _check_positive(name, getattr(self, name))
         _check_choice("layout", self.layout, LAYOUTS)
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("out_dtype", self.out_dtype, DTYPES)
+        _check_choice("dtype", self.dtype, ITEMSIZE)
+        _check_choice("out_dtype", self.out_dtype, ITEMSIZE)
         _check_choice("compute", self.compute, COMPUTE_MODES)
         _check_choice("align", self.align, ALIGNMENTS)
         if self.out_dtype != self.dtype:
@@ -148,7 +146,7 @@ class SdpaKey:
                 f"kv_heads ({self.kv_heads}) must divide q_heads ({self.q_heads}) for grouped-query attention"
             )
         _check_choice("causal", self.causal, CAUSAL_MODES)
-        _check_choice("dtype", self.dtype, {"f16": 1, "bf16": 1, "f32": 1})
+        _check_choice("dtype", self.dtype, ITEMSIZE)
         if (
             not isinstance(self.scale, (int, float))
             or isinstance(self.scale, bool)
@@ -209,13 +207,23 @@ def _to_str(key: Key) -> str:
     )
 
 
-def parse_key(text: str) -> Key:
-    """Inverse of ``str(key)``. Raises ValueError with the offending part."""
+def _split(text: str) -> tuple[str, str]:
     op, sep, body = text.partition(":")
     if not sep or op not in KEY_TYPES:
         raise ValueError(
             f"key must start with one of {sorted(KEY_TYPES)} followed by ':', got {text!r}"
         )
+    return op, body
+
+
+def key_op(text: str) -> str:
+    """The op (``gemm``, ``sdpa``) of a stored key string, without building the key."""
+    return _split(text)[0]
+
+
+def parse_key(text: str) -> Key:
+    """Inverse of ``str(key)``. Raises ValueError with the offending part."""
+    op, body = _split(text)
     cls = KEY_TYPES[op]
     types = {f.name: f.type for f in fields(cls)}
     values: dict[str, Any] = {}
@@ -259,7 +267,28 @@ def key_from_dict(op: str, data: dict[str, Any]) -> Key:
         raise ValueError(f"incomplete {op} problem: {e}") from None
 
 
-# --- extraction from tensors ---------------------------------------------------------------
+# --- torch dtypes and extraction from tensors ---------------------------------------------
+
+
+@cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+
+
+@cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {v: k for k, v in _torch_dtypes().items()}
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` (name -> torch dtype) and ``DTYPE_NAMES`` (its inverse), built on first use."""
+    if name == "DTYPES":
+        return _torch_dtypes()
+    if name == "DTYPE_NAMES":
+        return _dtype_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def matrix_layout(t: Any) -> str | None:
@@ -301,15 +330,18 @@ def gemm_fields(a: Any, b: Any, *, tf32: bool | None = None) -> dict[str, Any]:
         raise ValueError(
             f"dtype mismatch: a is {a.dtype} and b is {b.dtype}; mixed-dtype GEMMs are not supported"
         )
-    if a.dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {a.dtype}")
+    names = _dtype_names()
+    if a.dtype not in names:
+        raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {a.dtype}")
     la, lb = matrix_layout(a), matrix_layout(b)
     if la is None or lb is None:
         raise ValueError(
             "layout: a and b must each be row-major or column-major in their last two dims"
         )
-    dtype = DTYPE_NAMES[a.dtype]
+    dtype = names[a.dtype]
     if tf32 is None:
+        import torch
+
         tf32 = torch.backends.cuda.matmul.allow_tf32
     return {
         "m": a.shape[-2],
@@ -334,8 +366,9 @@ def sdpa_fields(
             )
         if t.dtype != q.dtype:
             raise ValueError(f"dtype mismatch: q is {q.dtype} and {name} is {t.dtype}")
-    if q.dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {q.dtype}")
+    names = _dtype_names()
+    if q.dtype not in names:
+        raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {q.dtype}")
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(
             f"k and v must agree in (batch, heads, seq), got {tuple(k.shape)} and {tuple(v.shape)}"
@@ -353,6 +386,6 @@ def sdpa_fields(
         "head_dim": q.shape[3],
         "head_dim_v": v.shape[3],
         "causal": causal,
-        "dtype": DTYPE_NAMES[q.dtype],
+        "dtype": names[q.dtype],
         "scale": scale if scale is not None else 0.0,
     }
