@@ -56,3 +56,8 @@ class Source(ABC):
     @abstractmethod
     def build(self, key: Key, params: Params) -> Runner:
         """A runner for ``key``; raises on a config that does not compile or is invalid."""
+
+    def precompile(self, key: Key, shortlist: list[Params]) -> None:
+        """Compile the kernels behind ``shortlist`` ahead of timing, in parallel where the source
+        can, so that ``build`` finds them compiled. Optional: the default does nothing. Failures
+        are left for ``build`` to raise, one candidate at a time."""
