@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install what its image lacks, then run the named stages.
 #   bash bench/gpu_check.sh tests dispatch        (carry .whl; results land under $OUT)
-# Stages: tests (pytest -m gpu; GPU_TESTS="tests/test_x.py ..." narrows it), dispatch (hit-path
+# Stages: tests (pytest -m gpu; GPU_TESTS="tests/serving ..." narrows it), dispatch (hit-path
 #   overhead benchmark), decode-sweep (bench/decode_sweep.py), decode-ncu (its --profile under
 #   Nsight Compute); more are added per area.
 #   triton-sweep (whole Triton GEMM config space on sample shapes), triton-tests, gemm
 #   (tuner bench gemm; GEMM_BENCH_ARGS="--part odd ...", GEMM_BENCH_TIMEOUT seconds).
 #   tuneall (tune-all Llama-3-8B projections -> $OUT/tuneall: report.json, speedup.png, tuner.db,
 #   journal, tunableop_results0.csv; TUNEALL_TIME_LIMIT, TUNEALL_RESUME_FROM, TUNEALL_ARGS).
-#   libs (cuBLAS/cuBLASLt/CUTLASS: precompile, tests/test_gemm_libraries.py, bench/libs_bench.py
+#   libs (cuBLAS/cuBLASLt/CUTLASS: precompile, tests/candidates/test_gemm_libraries.py, bench/libs_bench.py
 #   -> $OUT/libs.json, libs_details.json, libs_compile.json, cutlass_cache.tar.xz; LIBS_CUTLASS_SEED).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -36,7 +36,7 @@ for stage in "$@"; do
   echo "=== stage $stage ==="
   case "$stage" in
     tests)  # the schema tests (CPU only) need schemathesis, which the device image lacks
-      python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 --ignore=tests/test_server_schema.py ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
+      python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 --ignore=tests/server/test_schema.py ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
     decode-sweep)  # split-KV decode on small batches: floor read, copy, torch, a wide config grid
       timeout -k 20 "${DECODE_SWEEP_TIMEOUT:-240}" python3 bench/decode_sweep.py --out "$OUT/decode_sweep.json" \
         --time-limit "${DECODE_SWEEP_LIMIT:-200}" ${DECODE_SWEEP_ARGS:-} 2>&1 | tee "$OUT/decode_sweep.log" || status=1 ;;
@@ -46,10 +46,10 @@ for stage in "$@"; do
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats python3 bench/decode_sweep.py --out /dev/null --profile 2>&1 | tee "$OUT/decode_ncu.log" || status=1 ;;
     dispatch) python3 bench/dispatch_overhead.py --out "$OUT/dispatch_overhead.json" || status=1 ;;
-    sdpa-tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests/test_sdpa.py 2>&1 | tee "$OUT/sdpa_tests.log" || status=1 ;;
+    sdpa-tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests/candidates/test_attention.py 2>&1 | tee "$OUT/sdpa_tests.log" || status=1 ;;
     sdpa) timeout -k 20 "${SDPA_BENCH_TIMEOUT:-215}" python3 -m tuner.cli bench sdpa --out "$OUT" ${SDPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/sdpa_bench.log" || status=1 ;;
     triton-sweep) timeout -k 20 "${TRITON_SWEEP_TIMEOUT:-150}" python3 bench/triton_gemm_sweep.py --out "$OUT/triton_sweep.json" ${TRITON_SWEEP_ARGS:-} 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
-    triton-tests) timeout -k 20 "${TRITON_TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_gemm.py 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
+    triton-tests) timeout -k 20 "${TRITON_TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/candidates/test_triton_gemm.py 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
     gemm) timeout -k 20 "${GEMM_BENCH_TIMEOUT:-560}" python3 -m tuner.cli bench gemm --out "$OUT" ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/gemm_bench.log" || status=1 ;;
     tuneall)  # tune-all over Llama-3-8B's projections (M 1..8192, bf16) on every GPU; resumable:
       # TUNEALL_RESUME_FROM=<an earlier $OUT/tuneall dir> continues that run's cache and journal
@@ -63,7 +63,7 @@ for stage in "$@"; do
       # LIBS_CUTLASS_SEED=<cutlass_cache.tar.xz of an earlier call> starts with its compiled kernels
       if [ -n "${LIBS_CUTLASS_SEED:-}" ]; then mkdir -p "$CUTLASS_CACHE_DIR" && tar xJf "$LIBS_CUTLASS_SEED" -C "$CUTLASS_CACHE_DIR" || status=1; fi
       timeout -k 20 "${LIBS_COMPILE_TIMEOUT:-400}" python3 bench/libs_bench.py --precompile --out "$OUT/libs_compile.json" 2>&1 | tee "$OUT/libs.log" || status=1
-      timeout -k 20 "${LIBS_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gemm_libraries.py 2>&1 | tee -a "$OUT/libs.log" || status=1
+      timeout -k 20 "${LIBS_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/candidates/test_gemm_libraries.py 2>&1 | tee -a "$OUT/libs.log" || status=1
       timeout -k 20 "${LIBS_TABLE_TIMEOUT:-300}" python3 bench/libs_bench.py --out "$OUT/libs.json" 2>&1 | tee -a "$OUT/libs.log" || status=1
       timeout -k 20 "${LIBS_DETAILS_TIMEOUT:-120}" python3 bench/libs_bench.py --details --out "$OUT/libs_details.json" 2>&1 | tee -a "$OUT/libs.log" || status=1
       tar cJf "$OUT/cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work . || status=1 ;;
