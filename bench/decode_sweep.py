@@ -15,11 +15,10 @@ copy bandwidth), side by side in one process:
 - **parts**: the best two-pass configs' pass 1 alone and pass 2 alone;
 - **back to back**: torch and the best config of each kind also timed without the fence.
 
-All times are per call in a CUDA graph of 16 calls rotating over input sets larger than the L2
-(``tuner.suites.sdpa.graph_us``), each call after a one-element torch kernel without PDL whose
-own time is subtracted (``timing.graph_time``'s fence: a PDL kernel's launch overlaps a foreign
-kernel's end, as in a model, not its own previous call); % of copy uses the 2 GiB copy bandwidth
-of ``tuner.suites.runner``.
+All times are per call in a CUDA graph (``timing.graph_time``) rotating over input sets larger
+than the L2, each call after a one-element torch kernel without PDL whose own time is subtracted
+(the timer's fence: a PDL kernel's launch overlaps a foreign kernel's end, as in a model, not its
+own previous call); % of copy uses the 2 GiB copy bandwidth of ``tuner.suites.runner``.
 ``--profile`` launches the best floor and a few decode configs of the first shape a few times
 eagerly, for Nsight Compute to read their counters.
 """
@@ -29,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import time
 from typing import Any
 
@@ -43,7 +43,6 @@ from tuner.core.device import fingerprint
 from tuner.core.keys import SdpaKey
 from tuner.measure import samples, timing
 from tuner.suites.runner import copy_bandwidth_gbs
-from tuner.suites.sdpa import compile_groups, graph_us
 
 SHAPES = {  # label -> (batch, q_len, kv_len); 32 q heads, 8 kv heads, head dim 128, bf16
     "q1 b1 kv8k": (1, 1, 8192),
@@ -95,7 +94,7 @@ def copy_runner() -> Any:
 
 def decode_grid(key: SdpaKey) -> list[dict[str, Any]]:
     """PDL two-pass configs by warps per program (fewer warps, more programs per SM), tile width,
-    stages and total programs; and the session-4 shape of config without PDL as the reference."""
+    stages and total programs; and two configs without PDL as the reference."""
     n_kv = key.batch * key.kv_heads
     out = []
     for bn, warps, stages, pdl in [
@@ -132,8 +131,12 @@ def parts_us(key: SdpaKey, params: dict[str, Any], sets: list) -> dict[str, floa
 def back_to_back_us(runner: Any, sets: list) -> float:
     """Graph time of ``runner`` called back to back, without the fence ``graph_us`` puts between
     calls: a PDL kernel's launch then also hides behind its own previous call."""
-    n = len(sets)
-    return timing.graph_time(lambda i: runner(*sets[i % n]), fenced=False).median_us
+    return timing.graph_time(timing.on_sets(runner, sets), fenced=False).median_us
+
+
+def graph_us(runner: Any, sets: list) -> float:
+    """Fenced graph time per call of ``runner`` over ``sets`` (``timing.graph_time``)."""
+    return timing.graph_time(timing.on_sets(runner, sets)).median_us
 
 
 def pick_kinds(timed: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -151,23 +154,17 @@ def shape_key(batch: int, q_len: int, kv_len: int) -> SdpaKey:
                    head_dim=128, causal=causal, dtype="bf16")  # fmt: skip
 
 
-def precompile_grid(keys: list[SdpaKey], workers: int) -> float:
-    """The grid's kernels into Triton's disk cache, in parallel (one group per kernel)."""
+def precompile_grid(keys: list[SdpaKey]) -> float:
+    """The grid's kernels into Triton's disk cache, in parallel (``Source.precompile``)."""
+    started = time.perf_counter()
     decode = registry.get("triton_decode")
-    target = f"{type(decode).__module__}:{type(decode).__qualname__}"
-    groups: dict[tuple, list[tuple[str, str, dict[str, Any]]]] = {}
     for key in keys:
-        for params in decode_grid(key):
-            groups.setdefault(decode.kernel_id(key, params), []).append((target, str(key), params))
-    return compile_groups(list(groups.values()), workers)
+        decode.precompile(key, decode_grid(key))
+    return time.perf_counter() - started
 
 
 def sweep_shape(label: str, key: SdpaKey, copy: float, deadline: float) -> dict[str, Any]:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sets = [
-        samples.make_inputs(key, "cuda", gen)
-        for _ in range(timing.rotation_sets(samples.bytes_per_set(key), "cuda"))
-    ]
+    sets = samples.input_sets(key, "cuda", seed=0)
 
     def pct(us: float) -> float:
         return 100 * key.kv_bytes / us / 1e3 / copy
@@ -264,7 +261,8 @@ def main() -> None:
         "copy_gbs": copy, "rows": [],
     }  # fmt: skip
     keys = {label: shape_key(*SHAPES[label]) for label in args.shapes.split(",")}
-    result["compile_s"] = precompile_grid(list(keys.values()), args.workers)
+    os.environ["TUNER_COMPILE_WORKERS"] = str(args.workers)  # read when the compile pool starts
+    result["compile_s"] = precompile_grid(list(keys.values()))
     for label, key in keys.items():
         result["rows"].append(sweep_shape(label, key, copy, deadline))
         with open(args.out, "w") as f:

@@ -26,7 +26,6 @@ from tuner.candidates.triton_kernels.launch import Launcher, warm
 from tuner.candidates.triton_kernels.pad import pad_pair
 from tuner.measure import samples, timing
 from tuner.offline.model_config import gemm_key
-from tuner.suites.gemm import graph_us
 from tuner.suites.runner import copy_bandwidth_gbs
 from tuner.tuning.engine import TuneOptions, tune
 
@@ -51,9 +50,7 @@ def host_us(fn, n: int = 200) -> float:
 
 
 def sweep_key(key, budget: float, shortlist: list) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sets = [samples.make_inputs(key, "cuda", gen)
-            for _ in range(timing.rotation_sets(samples.bytes_per_set(key), "cuda"))]  # fmt: skip
+    sets = samples.input_sets(key, "cuda", seed=0)
     ref = samples.reference(key, sets[0])
     tol = samples.tolerance(key)
     from tuner.candidates.torch_ref import TorchGemm
@@ -89,8 +86,8 @@ def sweep_key(key, budget: float, shortlist: list) -> dict:
     )
     for r in ok if key.m <= 256 else ok[:3]:  # the kernels' own time, launch costs left out
         run = make_runner(key, r["params"])
-        r["graph_us"] = graph_us(lambda i, run=run: run(*sets[i % len(sets)]))
-    torch_graph = graph_us(lambda i: base(*sets[i % len(sets)]))
+        r["graph_us"] = timing.graph_time(timing.on_sets(run, sets)).median_us
+    torch_graph = timing.graph_time(timing.on_sets(base, sets)).median_us
     best = ok[0] if ok else None
     best_short = min((r for r in ok if r["in_shortlist"]), key=lambda r: r["us"], default=None)
     return {
@@ -138,7 +135,7 @@ def pad_bench() -> list[dict]:
         def pad_only(i: int, runner=runner, ap=ap, bp=bp, sa=sa, sb=sb) -> None:
             runner.pad(runner._pad_args(a, ap, b, bp, sa, sb), None)
 
-        us = graph_us(pad_only)
+        us = timing.graph_time(pad_only).median_us
         moved = 2 * (key.m + key.n) * kp * 2
         out.append({"br": br, "bk": bk, "warps": warps, "us": us, "gbs": moved / us / 1e3})
         print("pad", out[-1], flush=True)

@@ -7,6 +7,7 @@ computes bf16 dots wrongly); GPU tests add bf16 and the real configs.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -363,15 +364,50 @@ def test_decode_pdl_is_refused_where_it_cannot_run() -> None:
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_warmup_then_run() -> None:
-    """warmup() compiles what build() later launches (the bench's parallel precompile)."""
+def test_gpu_precompile_then_run() -> None:
+    """precompile() compiles what build() later launches (the engine's parallel compile)."""
     key = SdpaKey(
         batch=1, q_heads=32, kv_heads=8, q_len=4, kv_len=2048, head_dim=128, causal="bottom_right"
     )
     for src in (ATTN, DECODE):
         params = src.candidates(key, "cuda")[0]
-        src.warmup(key, params)
+        src.precompile(key, [params])
         check(src.build(key, params), key, make(key, "bhsd"))
+
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+
+
+@pytest.mark.parametrize(
+    ("source", "params", "kernels"),
+    [
+        (ATTN, SMALL_PREFILL, 1),
+        (DECODE, {"bn": 16, "splits": 2, "warps": 4, "stages": 1}, 2),  # split, then merge
+        (DECODE, {"bn": 16, "splits": 2, "warps": 4, "stages": 1, "fused": True}, 1),
+        (DECODE, {"bn": 16, "splits": 1, "warps": 4, "stages": 1}, 1),
+    ],
+)
+def test_precompile_jobs_bind_to_the_kernels(source, params, kernels: int) -> None:
+    """What precompile hands to the compiler matches each kernel's signature, argument for
+    argument (a job that does not bind would compile nothing the runner launches)."""
+    key = sdpa_key(q_len=2, kv_len=40, causal="bottom_right")
+    jobs = source.jobs(key, params)
+    assert len(jobs) == kernels
+    for job in jobs:
+        consts = {k: v for k, v in job.kwargs.items() if k not in LAUNCH_OPTIONS}
+        inspect.signature(job.fn.fn).bind(*job.args, **consts)
+
+
+def test_precompile_is_harmless_in_the_interpreter() -> None:
+    """The engine precompiles every shortlist; in the interpreter that compiles nothing, skips
+    configs that do not build, and the candidates still run correctly afterwards."""
+    key = sdpa_key(q_len=2, kv_len=40, causal="bottom_right")
+    for src in (ATTN, DECODE):
+        shortlist = src.candidates(key, DEVICE)
+        assert src.precompile(key, [*shortlist, {"bn": 15, "bm": 15, "splits": 1, "warps": 3,
+                                                 "stages": 1}]) is None  # fmt: skip
+        for params in shortlist:
+            assert check(src.build(key, params), key, make(key, "bhsd")) <= samples.tolerance(key)
 
 
 @pytest.mark.parametrize(("direct", "kept"), [(0.0, True), (2.0, False)])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tuner.candidates import registry
+from tuner.candidates.base import Source
 from tuner.candidates.triton_gemm import GemmRunner, TritonGemm, make_runner, precision
 from tuner.candidates.triton_kernels import configs
 from tuner.candidates.triton_kernels.launch import warm
@@ -188,6 +189,32 @@ def test_source_is_registered_and_warm_is_a_no_op_in_the_interpreter() -> None:
         assert warm([]).compiled == 0
 
 
+@pytest.mark.skipif(HAS_GPU, reason="the interpreter's path")
+def test_precompile_compiles_nothing_in_the_interpreter_and_the_candidates_still_run() -> None:
+    key = key_for(24, 40, 56, "nt", "f32")
+    source = TritonGemm()
+    shortlist = [*source.candidates(key, "cpu"), VARIANTS["gemv"]]  # gemv refuses M=24
+    source.precompile(key, shortlist)
+    assert source.last_warm is not None
+    assert (source.last_warm.requested, source.last_warm.compiled) == (1, 0)  # the tiled kernel
+    _, err = run_checked(key, shortlist[0])
+    assert err <= samples.tolerance(key)
+
+
+def test_precompile_is_on_every_source_and_does_nothing_by_default() -> None:
+    """The engine calls ``precompile`` on every source: those without a compiler inherit the
+    protocol's default, which leaves the shortlist alone."""
+    torch_gemm = registry.get("torch")
+    assert type(torch_gemm).precompile is Source.precompile
+    key = key_for(4, 8, 16, "nn", "f32")
+    shortlist = torch_gemm.candidates(key, "cpu")
+    before = [dict(p) for p in shortlist]
+    assert torch_gemm.precompile(key, shortlist) is None
+    assert shortlist == before
+    for src in registry.sources():
+        assert callable(src.precompile)
+
+
 @pytest.mark.skipif(HAS_GPU, reason="the CPU path of the engine")
 def test_engine_times_the_triton_candidate_on_cpu() -> None:
     key = key_for(24, 40, 56, "nt", "f32")
@@ -216,7 +243,8 @@ GPU_KEYS = [
 )
 def test_gpu_every_shortlisted_config_is_correct(key: GemmKey) -> None:
     source = TritonGemm()
-    shortlist = source.candidates(key, "cuda")  # also compiles them in parallel
+    shortlist = source.candidates(key, "cuda")
+    source.precompile(key, shortlist)
     assert shortlist
     for p in shortlist:
         _, err = run_checked(key, p)

@@ -61,3 +61,4 @@ class Source(ABC):
         """Compile the kernels behind ``shortlist`` ahead of timing, in parallel where the source
         can, so that ``build`` finds them compiled. Optional: the default does nothing. Failures
         are left for ``build`` to raise, one candidate at a time."""
+        return None

@@ -11,7 +11,7 @@ epilogue), ``scheduler`` "default" (persistent) or "streamk", ``swizzle`` the ti
 raster swizzle (1, 2, 4, 8: a runtime argument, no new kernel).
 
 The shortlist is shape-aware and small (4-6 configs: 64-row tiles and stream-K for decode, 128/256
-tiles with 2-CTA clusters for large problems). ``candidates`` compiles the shortlist's missing
+tiles with 2-CTA clusters for large problems). ``precompile`` compiles the shortlist's missing
 kernels in parallel before any is timed (cutlass_env); kernels are shape-independent, so a warm
 cache makes this free. Runners launch through the driver API with the kernel arguments patched per
 call (pointers, strides): no per-call planning and no per-call allocation.
@@ -317,10 +317,12 @@ class CutlassGemm(Source):
         return unsupported_reason(key)
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
-        """The offered shortlist, its missing kernels compiled first (in parallel)."""
-        chosen = offered(key)
-        env.compile_all(list(chosen))
-        return list(chosen.values())
+        return list(offered(key).values())
+
+    def precompile(self, key: GemmKey, shortlist: list[Params]) -> None:
+        """Compile the shortlist's missing kernels in parallel processes; a config that fails
+        is recorded by cutlass_env and raises, with its error, when the engine builds it."""
+        env.compile_all([kernel_spec(key, p) for p in shortlist])
 
     def build(self, key: GemmKey, params: Params) -> Runner:
         spec = kernel_spec(key, params)

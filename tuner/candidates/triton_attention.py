@@ -26,7 +26,13 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.base import Params, Runner, Source, interpreting
-from tuner.candidates.triton_kernels.launch import Launcher, verify_direct
+from tuner.candidates.triton_kernels.launch import (
+    FakeTensor,
+    Launcher,
+    WarmJob,
+    precompile,
+    verify_direct,
+)
 from tuner.core.keys import DTYPES, SdpaKey
 
 SMEM_BYTES = 227 * 1024  # Hopper's per-block shared-memory limit
@@ -313,17 +319,14 @@ class TritonAttention(Source):
                 out.append(p)
         return out
 
-    def kernel_id(self, key: SdpaKey, params: Params) -> tuple:
-        """What decides the compiled kernel (candidates with equal ids share one compilation)."""
-        return (self.name, key.dtype, key.head_dim, key.causal != "none", key.q_len == 1,
-                *sorted(params.items()))  # fmt: skip
+    def jobs(self, key: SdpaKey, params: Params) -> list[WarmJob]:
+        """The kernel this candidate compiles, for contiguous 16-byte aligned inputs."""
+        _, consts, scalars = self._plan(key, params)
+        fakes = tuple(FakeTensor(DTYPES[key.dtype]) for _ in "qkvo")
+        return [WarmJob(_flash_fwd, (*fakes, *scalars, *qkvo_strides(key)), consts)]
 
-    def warmup(self, key: SdpaKey, params: Params) -> None:
-        """Compile (or load from Triton's disk cache) this candidate's kernel for contiguous
-        inputs, without running it: lets a benchmark compile its candidates in parallel."""
-        grid, consts, scalars = self._plan(key, params)
-        dt = DTYPES[key.dtype]
-        _flash_fwd.warmup(dt, dt, dt, dt, *scalars, *qkvo_strides(key), grid=grid, **consts)
+    def precompile(self, key: SdpaKey, shortlist: list[Params]) -> None:
+        precompile(shortlist, lambda p: self.jobs(key, p))
 
     def _plan(self, key: SdpaKey, params: Params) -> tuple[tuple[int, int], dict[str, Any], tuple]:
         if reason := self.unsupported(key):

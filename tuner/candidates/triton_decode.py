@@ -40,6 +40,7 @@ from tuner.candidates.triton_attention import (
     qkvo_strides,
     triton_unavailable,
 )
+from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob, precompile
 from tuner.core.keys import DTYPES, SdpaKey
 
 MAX_Q_LEN = 16
@@ -316,34 +317,28 @@ class TritonDecode(Source):
                 out.append({**plain, "pdl": pdl})
                 if bn == (32 if big_d else 64) and block_rows(key) <= 16:
                     # one warp per program: no cross-warp reductions inside a program, several
-                    # programs per SM (session 5 sweep: best at batch 8, 13.4 vs 13.8 us)
+                    # programs per SM
                     out.append({**plain, "warps": 1, "pdl": pdl})
                 if splits > 1 and rows_per_tile(key) <= 8:  # one launch: cheaper eagerly
                     out.append({**plain, "fused": True})
         return out
 
-    def kernel_id(self, key: SdpaKey, params: Params) -> tuple:
-        """What decides the compiled kernels (candidates with equal ids share one compilation)."""
-        p = plan(key, params)
-        merge = sorted(p.merge_consts.items()) if p.two_pass else []
-        return (self.name, key.dtype, key.head_dim, key.causal != "none",
-                *sorted(p.consts.items()), *merge)  # fmt: skip
-
-    def warmup(self, key: SdpaKey, params: Params) -> None:
-        """Compile (or load from Triton's disk cache) this candidate's kernels for contiguous
-        inputs, without running them: lets a benchmark compile its candidates in parallel."""
+    def jobs(self, key: SdpaKey, params: Params) -> list[WarmJob]:
+        """The kernels this candidate compiles, for contiguous 16-byte aligned inputs."""
         p = plan(key, params)
         dt = DTYPES[key.dtype]
+        q, k, v, o = (FakeTensor(dt) for _ in "qkvo")
+        part, counter = FakeTensor(torch.float32), FakeTensor(torch.int32)
         strides = qkvo_strides(key)
-        _decode_split.warmup(
-            dt, dt, dt, dt, torch.float32, torch.int32, p.ml_offset, *p.scalars, *strides, grid=p.grid,
-            **p.consts,
-        )  # fmt: skip
+        split_args = (q, k, v, o, part, counter, p.ml_offset, *p.scalars, *strides)
+        jobs = [WarmJob(_decode_split, split_args, p.consts)]
         if p.two_pass:
-            _decode_merge.warmup(
-                torch.float32, dt, p.ml_offset, p.splits, key.kv_heads, *strides[12:],
-                grid=p.merge_grid, **p.merge_consts,
-            )  # fmt: skip
+            merge_args = (part, o, p.ml_offset, p.splits, key.kv_heads, *strides[12:])
+            jobs.append(WarmJob(_decode_merge, merge_args, p.merge_consts))
+        return jobs
+
+    def precompile(self, key: SdpaKey, shortlist: list[Params]) -> None:
+        precompile(shortlist, lambda p: self.jobs(key, p))
 
     def build(self, key: SdpaKey, params: Params) -> Runner:
         kernels = DecodeKernels(key, params)

@@ -12,13 +12,12 @@ Four kernels (tuner/candidates/triton_kernels/), chosen per shape by the params'
 4097 x 4099 x 4101, where unaligned rows rule out wide loads and TMA). Params and the config
 spaces are described in ``triton_kernels/configs.py``.
 
-Compilation: ``candidates()`` compiles its whole shortlist in parallel worker processes before the
-engine times it (``triton_kernels/launch.py``); compiled binaries live in Triton's on-disk cache
-and are shared by every shape with the same constexprs and specialization. Launching: a runner's
-first call goes through Triton's JIT; later calls launch the compiled kernels directly (less host
-time), once a direct launch has reproduced the first call bit for bit (``check_direct``). On the
-CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI tests
-them.
+Compilation: ``precompile`` compiles a shortlist in parallel worker processes before the engine
+times it (``triton_kernels/launch.py``); compiled binaries live in Triton's on-disk cache and are
+shared by every shape with the same constexprs and specialization. Launching: a runner's first
+call goes through Triton's JIT; later calls launch the compiled kernels directly (less host time),
+once a direct launch has reproduced the first call bit for bit (``check_direct``). On the CPU the
+kernels run through Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI tests them.
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ from tuner.candidates.triton_kernels.launch import (
     Launcher,
     WarmJob,
     WarmReport,
+    precompile,
     verify_direct,
-    warm,
 )
 from tuner.candidates.triton_kernels.pad import pad_pair
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA, persistent_tma_gemm
@@ -50,7 +49,7 @@ log = logging.getLogger(__name__)
 KERNELS = ("tiled", "splitk", "persistent_tma", "gemv")
 INT32_MAX = 2**31 - 1
 REDUCE_BLOCK = 1024
-PAD_BR, PAD_BK = 8, 512  # fastest of 5 tiles on the H200: 44 us for both 4097 x 4101 operands
+PAD_BR, PAD_BK = 8, 512  # the fastest padding tile of those tried
 
 
 def precision(key: GemmKey, params: Params | None = None) -> str:
@@ -340,8 +339,7 @@ class PadRunner(GemmRunner):
         if kind == "gemv":
             raise ValueError("pad_k applies to the tensor-core kernels, not gemv")
         # K to a multiple of 64: whole K tiles (no masks) and 128-byte aligned rows. Padding to 8
-        # only (enough for TMA) made the persistent kernel on 4097 x 4099 x 4101 slower on the
-        # H200 (345 vs 278 us): rows that straddle 128-byte lines cost extra sectors
+        # only (enough for TMA) is slower: rows that straddle 128-byte lines cost extra sectors
         self.padded = configs.padded_key(key)
         self.inner = make_runner(self.padded, inner)
         programs = triton.cdiv(key.m, PAD_BR) + triton.cdiv(key.n, PAD_BR)
@@ -415,7 +413,7 @@ class TritonGemm(Source):
     name = "triton_gemm"
     op = "gemm"
     shortlist_limit = 20
-    last_warm: WarmReport | None = None  # the last parallel compile (kernels compiled, seconds)
+    last_warm: WarmReport | None = None  # the last precompile (kernels compiled, seconds)
 
     def unavailable(self, device: str) -> str | None:
         if device == "cpu" and not interpreting():
@@ -434,19 +432,10 @@ class TritonGemm(Source):
         shortlist = configs.shortlist(key, sms, self.shortlist_limit)
         if major < 9 or not HAS_DEVICE_TMA:
             shortlist = [p for p in shortlist if p["kernel"] != "persistent_tma"]
-        self.warm(key, shortlist)
         return shortlist
 
-    def warm(self, key: GemmKey, shortlist: list[Params]) -> None:
-        """Compile the shortlist's kernels in parallel (configs that do not build are skipped
-        here and fail, with their error, when the engine builds them)."""
-        jobs: list[WarmJob] = []
-        for p in shortlist:
-            try:
-                jobs += make_runner(key, p).jobs()
-            except ValueError:
-                continue
-        self.last_warm = warm(jobs)
+    def precompile(self, key: GemmKey, shortlist: list[Params]) -> None:
+        self.last_warm = precompile(shortlist, lambda p: make_runner(key, p).jobs())
 
     def build(self, key: GemmKey, params: Params) -> Runner:
         return make_runner(key, params)

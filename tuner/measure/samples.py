@@ -2,6 +2,7 @@
 higher-precision reference, and the tolerance a candidate's result must meet.
 
 Inputs are fresh random numbers (never zeros: zeros hide unwritten outputs and time faster).
+``input_sets`` makes as many sets as timing rotates over, so that nothing is timed from cache.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 import torch
 
 from tuner.core.keys import DTYPES, ITEMSIZE, GemmKey, Key, SdpaKey
+from tuner.measure.timing import rotation_sets
 
 # Relative Frobenius error ||out - ref|| / ||ref|| allowed per (dtype, compute).
 TOLERANCE = {
@@ -86,6 +88,13 @@ def bytes_per_set(key: Key) -> int:
         return key.min_bytes
     q = key.batch * key.q_heads * key.q_len * (key.head_dim + key.head_dim_v)
     return (q * ITEMSIZE[key.dtype]) + key.kv_bytes
+
+
+def input_sets(key: Key, device: str, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """Inputs for ``key``, as many sets as ``timing.rotation_sets`` asks for (more than twice the
+    cache together), reproducible from ``seed``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [make_inputs(key, device, gen) for _ in range(rotation_sets(bytes_per_set(key), device))]
 
 
 def _sdpa_reference(

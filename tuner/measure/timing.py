@@ -1,4 +1,5 @@
-"""Honest timing of one runner (DESIGN.md, "Rules for timing").
+"""Honest timing of one runner: every benchmark and the engine time through here, so that every
+figure they report follows the same rules.
 
 - GPU time from CUDA events around each call, after a warm-up; the host clock on the CPU.
 - Inputs rotate over several buffer sets whose total exceeds twice the L2 cache, so nothing is
@@ -9,7 +10,8 @@
 - The host time per eager call is measured too: for tiny problems the launch, not the kernel,
   is what the caller waits for.
 - ``graph_time``: GPU time alone, from calls captured in a CUDA graph and replayed (what a caller
-  that runs its step as a graph sees; event times of small eager calls are host-bound).
+  that runs its step as a graph sees; event times of small eager calls are host-bound). It is the
+  one CUDA-graph timer: the tuner and every suite and bench script use it, fence included.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,12 @@ def rotation_sets(
     fit = max(1, max_total // max(bytes_per_set, 1))
     cap = max_sets if device == "cuda" else 4
     return max(1, min(want, cap, fit))
+
+
+def on_sets(runner: Callable[..., Any], sets: Sequence[tuple[Any, ...]]) -> Callable[[int], Any]:
+    """``fn(i)`` for ``measure`` and ``graph_time``: ``runner`` on input set ``i``, round robin."""
+    n = len(sets)
+    return lambda i: runner(*sets[i % n])
 
 
 def _percentile(sorted_xs: list[float], q: float) -> float:
@@ -151,7 +159,7 @@ def graph_time(
     ``fenced``: each call follows a one-element torch kernel launched without programmatic
     dependent launch (PDL), whose own time is subtracted. A PDL kernel's launch then overlaps the
     end of a foreign kernel, as in a model's step; back to back it would also hide behind its own
-    previous call (0.5 us of 12 on an H200 decode: bench/NOTES.md, session 5)."""
+    previous call."""
     if fenced:
         flag = torch.zeros(1, device="cuda")
         both = graph_time(lambda i: (flag.add_(1), fn(i)), calls, budget_s, fenced=False)

@@ -4,19 +4,20 @@ The suite (parts selectable with ``--part``; each part writes ``gemm_llama_<part
 and a tuned cache ``gemm_llama_<part>.db`` into ``--out``):
 
 - ``bf16-8b``, ``bf16-70b``: the projections of Llama-3-8B / 70B at TP 1 (qkv, o, gate_up, down;
-  configs/models/*.yaml, expanded by tuner/model_config.py) with M in 1, 2, 4, ..., 16384, bf16.
-  ``F.linear(x, W)`` computes x @ W.T with W stored (N, K) row-major: layout ``nt``, as
+  configs/models/*.yaml, expanded by tuner.offline.model_config) with M in 1, 2, 4, ..., 16384,
+  bf16. ``F.linear(x, W)`` computes x @ W.T with W stored (N, K) row-major: layout ``nt``, as
   tuner.torch dispatches it;
 - ``odd``: dims that are not multiples of 8 or 16 (4097 x 4099 x 4101, 127 x 5120 x 3333, ...), bf16;
 - ``fp16``: the Llama-3-8B projections at M in 1, 16, 128, 1024, 8192 in fp16;
 - ``fp32``: the same in fp32 with TF32 off and with TF32 on.
 
-Each part is tuned by tuner/suite.py (tune, then time cuBLAS and the winner alternately on the
-same inputs). Added here: per-row achieved bandwidth of decode shapes (M <= 16) as a share of the
-measured device-to-device copy bandwidth, a re-check of each non-baseline winner's repeat calls
-(Triton runners launch the compiled kernel directly after the first call), a warm re-tune of a
-sample of rows (compiled kernels cached: the warm tuning time), Inductor max-autotune on a few
-shapes per part (its ratio and compile time), and the targets of issue 3 in the summary.
+Each part is tuned by tuner.suites.runner (tune, then time cuBLAS and the winner alternately on
+the same inputs). Added here: per-row achieved bandwidth of decode shapes (M <= 16) as a share of
+the measured device-to-device copy bandwidth, also in CUDA graphs (``timing.graph_time``), a
+re-check of each non-baseline winner's repeat calls (Triton runners launch the compiled kernel
+directly after the first call), a warm re-tune of a sample of rows (compiled kernels cached: the
+warm tuning time), Inductor max-autotune on a few shapes per part (its ratio and compile time),
+and the suite's targets in the summary.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -131,9 +132,7 @@ def inductor_row(label: str, key: GemmKey, device: str, budget_s: float) -> dict
     import torch._dynamo as dynamo
 
     dynamo.reset()
-    gen = torch.Generator(device=device).manual_seed(2)
-    sets = [samples.make_inputs(key, device, gen)
-            for _ in range(timing.rotation_sets(samples.bytes_per_set(key), device))]  # fmt: skip
+    sets = samples.input_sets(key, device, seed=2)
     flags = torch.backends.cuda.matmul
     before = flags.allow_tf32
     flags.allow_tf32 = key.compute == "tf32"
@@ -149,9 +148,7 @@ def inductor_row(label: str, key: GemmKey, device: str, budget_s: float) -> dict
         times: dict[str, list[float]] = {"cublas": [], "inductor": []}
         for _ in range(3):
             for name, fn in (("cublas", torch.matmul), ("inductor", compiled)):
-                t = timing.measure(
-                    lambda i, fn=fn: fn(*sets[i % len(sets)]), device=device, budget_s=budget_s
-                )
+                t = timing.measure(timing.on_sets(fn, sets), device=device, budget_s=budget_s)
                 times[name].append(t.median_us)
     finally:
         flags.allow_tf32 = before
@@ -193,37 +190,11 @@ def annotate(result: dict[str, Any], recorder: Recorder, device: str) -> None:
             row.update(graph_times(key, row, ms, copy))
 
 
-def graph_us(fn: Callable[[int], Any], calls: int = 20, replays: int = 7) -> float:
-    """GPU time per call with ``calls`` launches captured in one CUDA graph: what a caller that
-    replays graphs (decode loops usually do) waits for, without the host launch cost."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(3):  # first calls compile or bind outside the capture
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
-
-
 def graph_times(key: GemmKey, row: dict[str, Any], ms: list[Any], copy: float) -> dict[str, Any]:
-    """Decode rows: cuBLAS, the winner and the best Triton candidate timed inside CUDA graphs,
-    as shares of the copy bandwidth (the kernels' own speed, launch costs left out)."""
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    sets = [samples.make_inputs(key, "cuda", gen)
-            for _ in range(timing.rotation_sets(samples.bytes_per_set(key), "cuda"))]  # fmt: skip
+    """Decode rows: cuBLAS, the winner and the best Triton candidate timed inside CUDA graphs
+    (``timing.graph_time``, as the SDPA suite's graph columns), as shares of the copy bandwidth
+    (the kernels' own speed, launch costs left out)."""
+    sets = samples.input_sets(key, "cuda", seed=3)
     ok = [m for m in ms if m.status == "ok" and m.source == "triton_gemm"]
     best = min(ok, key=lambda m: m.median_us or float("inf"), default=None)
     base = registry.baseline("gemm")
@@ -236,7 +207,7 @@ def graph_times(key: GemmKey, row: dict[str, Any], ms: list[Any], copy: float) -
     out: dict[str, Any] = {}
     for name, run in runners.items():
         try:
-            us = graph_us(lambda i, run=run: run(*sets[i % len(sets)]))
+            us = timing.graph_time(timing.on_sets(run, sets)).median_us
         except Exception as e:  # capture can fail for a library; the eager numbers stand
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
             continue
@@ -259,7 +230,7 @@ def warm_retune(problems_: Problems, options: TuneOptions, sample: int) -> list[
 
 
 def targets(result: dict[str, Any]) -> dict[str, Any]:
-    """Issue 3's targets over this part's rows (where the part has such rows)."""
+    """The suite's targets over this part's rows (where the part has such rows)."""
     rows = result["rows"]
     if not rows:
         return {}

@@ -77,22 +77,16 @@ def side_by_side(
         win = None
     else:
         win = registry.get(winner.source).build(key, winner.params)
-    gen = torch.Generator(device=device).manual_seed(1)
-    sets = [
-        samples.make_inputs(key, device, gen)
-        for _ in range(timing.rotation_sets(samples.bytes_per_set(key), device))
-    ]
+    sets = samples.input_sets(key, device, seed=1)
     b_times, w_times = [], []
     for _ in range(rounds):
         b_times.append(
-            timing.measure(
-                lambda i: base(*sets[i % len(sets)]), device=device, budget_s=budget_s
-            ).median_us
+            timing.measure(timing.on_sets(base, sets), device=device, budget_s=budget_s).median_us
         )
         if win is not None:
             w_times.append(
                 timing.measure(
-                    lambda i: win(*sets[i % len(sets)]), device=device, budget_s=budget_s
+                    timing.on_sets(win, sets), device=device, budget_s=budget_s
                 ).median_us
             )
     b = statistics.median(b_times)

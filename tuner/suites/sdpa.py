@@ -1,7 +1,7 @@
 """``tuner bench sdpa``: tuned attention against torch's default SDPA, side by side in one run.
 
-Two suites (tuner/suite.py runs each: tune every problem, then time torch's default and the
-winner alternately on the same inputs):
+Two suites (tuner.suites.runner runs each: tune every problem, then time torch's default and
+the winner alternately on the same inputs):
 
 - **prefill**: 16k tokens per batch (batch x seq = 16384), head dims 64 and 128, causal (torch's
   ``is_causal``) and not, 32 q heads with 32 and 8 kv heads. Reported: TFLOP/s of torch's default,
@@ -10,19 +10,16 @@ winner alternately on the same inputs):
   against the cache), 32 q / 8 kv heads, head dim 128, over kv lengths and batches whose K/V fits.
   Reported: GB/s of K/V read and its share of the measured device-to-device copy bandwidth.
 
-Before timing, every Triton candidate of the suite is compiled in parallel worker processes into
-Triton's disk cache, so that compilation does not dominate the run.
+Triton candidates are compiled in parallel by the tuner itself (``Source.precompile``), as in
+``tuner tune-all``; ``--workers`` sizes that pool (``TUNER_COMPILE_WORKERS``).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import importlib
 import itertools
 import json
-import multiprocessing
+import os
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -90,63 +87,6 @@ def decode_metrics(key: Key, us: float) -> dict[str, float]:
     return {"kv_gbs": key.kv_bytes / us / 1e3}
 
 
-# --- parallel compilation ------------------------------------------------------------------------
-
-
-def _warm(jobs: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
-    """Worker: compile each (module:Source, key, params) into Triton's disk cache; return the
-    errors (the tuning run records them properly)."""
-    errors = []
-    for target, key_text, params in jobs:
-        try:
-            module, _, cls = target.partition(":")  # import only this source, not every plugin
-            getattr(importlib.import_module(module), cls)().warmup(parse_key(key_text), params)
-        except Exception as e:
-            errors.append(f"{target} {params} {key_text}: {type(e).__name__}: {str(e)[:200]}")
-    return errors
-
-
-def compile_jobs(keys: Sequence[SdpaKey]) -> list[list[tuple[str, str, dict[str, Any]]]]:
-    """Every Triton candidate of ``keys`` with a ``warmup``, grouped by ``kernel_id`` (jobs that
-    share one compiled kernel go to one worker, which compiles it once)."""
-    groups: dict[tuple, list[tuple[str, str, dict[str, Any]]]] = {}
-    for src in registry.sources("sdpa"):
-        if not hasattr(src, "warmup") or src.unavailable("cuda"):
-            continue
-        target = f"{type(src).__module__}:{type(src).__qualname__}"
-        for key in keys:
-            if src.unsupported(key):
-                continue
-            for params in src.candidates(key, "cuda"):
-                like = src.kernel_id(key, params)
-                groups.setdefault(like, []).append((target, str(key), params))
-    return list(groups.values())
-
-
-def precompile(keys: Sequence[SdpaKey], workers: int) -> float:
-    """Compile all Triton candidates of ``keys`` in ``workers`` processes; returns seconds."""
-    return compile_groups(compile_jobs(keys), workers)
-
-
-def compile_groups(groups: list[list[tuple[str, str, dict[str, Any]]]], workers: int) -> float:
-    """Compile ``compile_jobs``-style groups in ``workers`` processes; returns seconds."""
-    started = time.perf_counter()
-    if not groups or workers < 1:
-        return 0.0
-    ctx = multiprocessing.get_context("spawn")  # the parent may hold a CUDA context: no fork
-    errors: list[str] = []
-    with concurrent.futures.ProcessPoolExecutor(min(workers, len(groups)), mp_context=ctx) as pool:
-        for errs in pool.map(_warm, groups):
-            errors += errs
-    for e in errors[:10]:
-        console.print(f"[yellow]precompile: {e}[/yellow]")
-    seconds = time.perf_counter() - started
-    console.print(
-        f"precompiled {sum(map(len, groups))} candidates in {len(groups)} groups with {workers} workers: {seconds:.1f} s"
-    )
-    return seconds
-
-
 # --- the command -----------------------------------------------------------------------------------
 
 
@@ -175,21 +115,12 @@ def _best(ms: list[Measurement], source: str, backend: str | None = None) -> Mea
 GRAPH_MAX_KV_BYTES = 1e9  # decode rows up to this size also get CUDA-graph (GPU-only) times
 
 
-def graph_us(runner: Any, sets: list[tuple[torch.Tensor, ...]]) -> float:
-    """GPU time per call (``timing.graph_time``), rotating over ``sets`` (together larger than
-    twice the L2): what a server running its decode step as a graph sees. Runners allocate
-    their output, as the dispatcher calls them (an ``out`` would cost torch's SDPA a copy)."""
-    n = len(sets)
-    return timing.graph_time(lambda i: runner(*sets[i % n])).median_us
-
-
 def add_graph_times(row: dict[str, Any], key: SdpaKey, ms: list[Measurement], copy: float) -> None:
-    """CUDA-graph GPU times of torch's default, of the winner and of every Triton decode
-    candidate that ran while tuning (the fastest is reported), with the K/V read as % of copy
-    bandwidth."""
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    n_sets = timing.rotation_sets(samples.bytes_per_set(key), "cuda")
-    sets = [samples.make_inputs(key, "cuda", gen) for _ in range(n_sets)]
+    """CUDA-graph GPU times (``timing.graph_time``) of torch's default, of the winner and of every
+    Triton decode candidate that ran while tuning (the fastest is reported), with the K/V read as
+    % of copy bandwidth: what a server running its decode step as a graph sees. Runners allocate
+    their output, as the dispatcher calls them (an ``out`` would cost torch's SDPA a copy)."""
+    sets = samples.input_sets(key, "cuda", seed=3)
     base = registry.baseline("sdpa")
     tried: list[tuple[str, str, dict[str, Any]]] = [("baseline", base.name, base.baseline_params)]
     if row["source"] != base.name:
@@ -201,7 +132,8 @@ def add_graph_times(row: dict[str, Any], key: SdpaKey, ms: list[Measurement], co
     ]
     for label, source, params in tried:
         try:
-            us = graph_us(registry.get(source).build(key, params), sets)
+            us = timing.graph_time(timing.on_sets(registry.get(source).build(key, params), sets))
+            us = us.median_us
         except Exception as e:  # e.g. a torch path that cannot be captured
             row[f"{label}_graph_error"] = f"{type(e).__name__}: {e}"[:200]
             continue
@@ -231,7 +163,7 @@ def recheck(key: SdpaKey, source: str, params: dict[str, Any], device: str) -> f
 
 def copy_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The decode target: rows reading >= 32 MB of K/V at >= 80% of copy bandwidth, on the eager
-    time and on GPU time (the served winner's CUDA-graph time: eager times of ~15 us kernels are
+    time and on GPU time (the served winner's CUDA-graph time: eager times of short kernels are
     the host's launch time). Rows without a graph time (larger than ``GRAPH_MAX_KV_BYTES``, where
     the GPU sets the pace eagerly too, or a failed capture) count with their eager figure; how
     many did is reported."""
@@ -363,9 +295,12 @@ def command(
         raise ValueError(f"part must be all, prefill or decode, got {part!r}")
     if launch not in ("eager", "graph"):
         raise ValueError(f"launch must be eager or graph, got {launch!r}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    os.environ["TUNER_COMPILE_WORKERS"] = str(workers)  # read when the compile pool starts
     chosen = list(parts) if part == "all" else [part]
     suites = {p: parts[p](dtype)[:: 4 if quick else 1] for p in chosen}
-    run(suites, out, TuneOptions(budget_s=budget, launch=launch), workers=workers, dtype=dtype)
+    run(suites, out, TuneOptions(budget_s=budget, launch=launch), dtype=dtype)
 
 
 def run(
@@ -373,12 +308,9 @@ def run(
     out: Path,
     options: TuneOptions,
     *,
-    workers: int = 0,
     dtype: str = "bf16",
 ) -> dict[str, dict[str, Any]]:
     """Run each suite ("prefill" / "decode": its problems); write sdpa_<kind>.json/.png."""
-    if current_device() == "cuda":
-        precompile([k for probs in suites.values() for _, k in probs], workers)
     results = {}
     for kind, problems_ in suites.items():
         recorder = Recorder()

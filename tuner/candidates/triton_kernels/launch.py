@@ -3,15 +3,17 @@
 ``Launcher``: a kernel bound to its grid, constexprs, warps and stages. The first call goes through
 Triton's JIT (which compiles, or loads the binary from Triton's on-disk cache); later calls whose
 *specialization guard* (strides, pointer alignment) is unchanged launch the compiled kernel
-directly with integer pointers. Measured on an H200 host: Triton's JIT path costs ~15 us of host
-time per launch, torch.matmul ~10 us; a decode GEMM's kernel takes 12-20 us, so the launch
-decides whether it wins when called eagerly. ``TUNER_TRITON_FAST_LAUNCH=0`` turns this off.
+directly with integer pointers. Triton's JIT path costs more host time per launch than
+torch.matmul, and a decode GEMM's kernel is short, so the launch decides whether it wins when
+called eagerly. ``TUNER_TRITON_FAST_LAUNCH=0`` turns this off.
 
-``warm(jobs)``: compile many kernels in parallel before they are timed. Triton's compiler holds
-the GIL, so threads do not help; instead each job's JIT specialization is captured through
+``warm(jobs)``: compile many kernels in parallel before they are timed; ``precompile`` does it for
+a source's shortlist (every Triton source's ``Source.precompile``). Triton's compiler holds the
+GIL, so threads do not help; instead each job's JIT specialization is captured through
 ``knobs.runtime.jit_cache_hook`` (no compile happens in this process), compiled in a pool of
-spawned worker processes (which need no GPU), and lands in Triton's on-disk cache, from which the
-first launch here loads it.
+spawned worker processes (which need no GPU, ``TUNER_COMPILE_WORKERS`` of them), and lands in
+Triton's on-disk cache, from which the first launch here loads it. Jobs of one specialization
+compile once.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import triton
 
-from tuner.candidates.base import interpreting
+from tuner.candidates.base import Params, interpreting
 from tuner.tuning.lifetime import exit_when_orphaned
 
 log = logging.getLogger(__name__)
@@ -330,3 +332,18 @@ def warm(jobs: Sequence[WarmJob]) -> WarmReport:
     if report.errors:
         log.info("parallel compile: %d errors, first: %s", len(report.errors), report.errors[0])
     return report
+
+
+def precompile(
+    shortlist: Iterable[Params], jobs_of: Callable[[Params], list[WarmJob]]
+) -> WarmReport:
+    """``warm`` the kernels of every config in ``shortlist`` (``jobs_of(params)`` lists them). A
+    config that does not build (``ValueError``) is skipped here and fails, with its error, when
+    the engine builds it."""
+    jobs: list[WarmJob] = []
+    for params in shortlist:
+        try:
+            jobs += jobs_of(params)
+        except ValueError:
+            continue
+    return warm(jobs)
