@@ -1,0 +1,160 @@
+"""tuner.offline.report: rows, summary, JSON, PNG and table of a real store of problems tuned on the
+CPU, with a tune-all journal beside it.
+
+The store holds torch's winners, one Triton winner forced from the engine's own measurement (on
+the CPU Triton runs in its interpreter and never wins, so the report sees a speedup below 1), one
+winner from other versions (stale); the journal adds a failure and the tuning times.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from tuner.cache import Store
+from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey
+from tuner.offline import report
+from tuner.offline.plots import geomean
+from tuner.offline.tune_all import (
+    ProblemSet,
+    RunSummary,
+    append_journal,
+    journal_path,
+    read_journal,
+)
+from tuner.tuning.engine import TuneOptions, tune
+
+FP = fingerprint()
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def gemm(m: int) -> GemmKey:
+    return GemmKey(m=m, n=24, k=40, dtype="f32", out_dtype="f32")
+
+
+TORCH_WON, TRITON_WON, STALE, FAILED, PENDING = gemm(8), gemm(4), gemm(16), gemm(32), gemm(64)
+
+
+@dataclass
+class Tuned:
+    store: Store
+    journal: list[dict]
+
+
+def journal_record(key: GemmKey, status: str, seconds: float, **extra: str) -> dict:
+    fields = {"device_class": FP.device_class, "error": "", "run_id": "", "worker": 0, "at": 0.0}
+    return {**fields, "key": str(key), "status": status, "seconds": seconds, **extra}
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> Tuned:
+    path = tmp_path_factory.mktemp("report") / "c.db"
+    store = Store(path)
+    store.save_device(FP)
+    journal = journal_path(path)
+    for key, seconds in ((TORCH_WON, 1.5), (STALE, 3.0)):
+        outcome = tune(key, options=TuneOptions(budget_s=0.01, sources=["torch"]))
+        winner = outcome.winner if key != STALE else replace(outcome.winner, versions="older")
+        store.save_run(outcome.measurements, winner)
+        record = journal_record(key, "tuned", seconds, run_id=outcome.winner.run_id)
+        append_journal(journal, record)
+    append_journal(journal, journal_record(TORCH_WON, "tuned", 9.0, run_id="another-run"))
+    outcome = tune(TRITON_WON, options=TuneOptions(budget_s=0.01, sources=["triton_gemm"]))
+    triton = next(m for m in outcome.measurements if m.source == "triton_gemm" and m.median_us)
+    forced = replace(outcome.winner, source=triton.source, params=triton.params)
+    store.save_run(outcome.measurements, replace(forced, median_us=triton.median_us))
+    append_journal(journal, journal_record(TRITON_WON, "tuned", 2.0, run_id=forced.run_id))
+    append_journal(journal, journal_record(FAILED, "failed", 0.5, error="worker died"))
+    append_journal(journal, journal_record(PENDING, "failed", 0.5, device_class="other-gpu"))
+    return Tuned(store, read_journal(journal))
+
+
+def test_rows_come_from_the_store_and_the_journal(tuned: Tuned) -> None:
+    rep = report.build(tuned.store, FP, journal=tuned.journal)
+    rows = {r.key: r for r in rep.rows}
+    # every winner and failure of this device class, by shape family and growing M
+    assert [r.key for r in rep.rows] == [str(k) for k in (TRITON_WON, TORCH_WON, STALE, FAILED)]
+    statuses = {key: r.status for key, r in rows.items()}
+    assert statuses == {
+        str(TRITON_WON): "tuned", str(TORCH_WON): "tuned", str(STALE): "stale",
+        str(FAILED): "failed",
+    }  # fmt: skip
+    for key in (TORCH_WON, TRITON_WON, STALE):
+        winner, row = tuned.store.winner(FP.device_class, str(key)), rows[str(key)]
+        assert (row.baseline_us, row.winner_us) == (winner.baseline_us, winner.median_us)
+        assert (row.source, row.candidate) == (winner.source, winner.candidate)
+        assert row.speedup == pytest.approx(winner.baseline_us / winner.median_us)
+        assert row.label == key.label
+    assert rows[str(TORCH_WON)].tune_s == 1.5  # the journal entry of the stored winner's run
+    assert rows[str(TORCH_WON)].speedup == 1.0 and rows[str(TRITON_WON)].source == "triton_gemm"
+    failed = rows[str(FAILED)]
+    assert (failed.tune_s, failed.error, failed.speedup) == (0.5, "worker died", None)
+
+
+def test_summary_counts_and_ranks_the_tuned_rows(tuned: Tuned) -> None:
+    run = RunSummary(results=[], wall_s=12.5, workers=2, stopped="time limit")
+    summary = report.build(tuned.store, FP, journal=tuned.journal, run=run).summary()
+    rows = {r.key: r for r in report.build(tuned.store, FP, journal=tuned.journal).rows}
+    speedups = {k: rows[str(k)].speedup for k in (TORCH_WON, TRITON_WON)}
+    worst, best = sorted(speedups, key=speedups.get)
+    assert {k: summary[k] for k in ("problems", "tuned", "stale", "failed", "timeout")} == {
+        "problems": 4, "tuned": 2, "stale": 1, "failed": 1, "timeout": 0
+    }  # fmt: skip
+    assert summary["geomean_speedup"] == pytest.approx(geomean(list(speedups.values())))
+    assert summary["worst"] == {"label": worst.label, "speedup": speedups[worst]}
+    assert summary["best"] == {"label": best.label, "speedup": speedups[best]}
+    assert summary["tuning_s_total"] == 1.5 + 2.0 + 3.0 + 0.5
+    assert summary["tuning_s_median"] == 2.0
+    assert (summary["wall_s"], summary["workers"], summary["stopped"]) == (12.5, 2, "time limit")
+
+
+def test_a_problem_set_gives_labels_and_pending_rows(tuned: Tuned) -> None:
+    problems = ProblemSet()
+    problems.add(PENDING, "tiny.yaml: down")
+    problems.add(TORCH_WON, "tiny.yaml: qkv")
+    problems.add(TORCH_WON, "tiny.yaml: o")
+    rep = report.build(tuned.store, FP, problems=problems, journal=tuned.journal)
+    assert [(r.label, r.status) for r in rep.rows] == [
+        ("tiny.yaml: down", "pending"),  # its failure was on another device class
+        ("tiny.yaml: qkv (+1)", "tuned"),
+    ]
+    assert rep.summary()["geomean_speedup"] == 1.0
+
+
+def test_write_puts_the_json_and_a_png(tuned: Tuned, tmp_path: Path) -> None:
+    rep = report.build(tuned.store, FP, journal=tuned.journal)
+    json_path, png = report.write(rep, tmp_path / "out")
+    assert json.loads(json_path.read_text()) == json.loads(json.dumps(rep.to_dict()))
+    written = json.loads(json_path.read_text())
+    assert written["device_class"] == FP.device_class and written["versions"] == FP.version_tag
+    assert [r["speedup"] for r in written["rows"]] == [r.speedup for r in rep.rows]
+    assert png == tmp_path / "out" / "speedup.png"
+    assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_write_without_timed_rows_writes_no_png(tuned: Tuned, tmp_path: Path) -> None:
+    problems = ProblemSet()
+    problems.add(PENDING, "not tuned yet")
+    rep = report.build(tuned.store, FP, problems=problems, journal=tuned.journal)
+    json_path, png = report.write(rep, tmp_path)
+    assert png is None and not (tmp_path / "speedup.png").exists()
+    assert json.loads(json_path.read_text())["summary"]["pending"] == 1
+
+
+def test_render_puts_failures_first_and_the_summary_below(tuned: Tuned) -> None:
+    run = RunSummary(results=[], wall_s=12.5, workers=2, stopped="time limit")
+    rep = report.build(tuned.store, FP, journal=tuned.journal, run=run)
+    out = io.StringIO()
+    report.render(rep, Console(file=out, width=200), limit=2)
+    text = out.getvalue()
+    lines = [line for line in text.splitlines() if "24x40" in line]  # the table's rows
+    assert "failed" in lines[0] and "worker died" in lines[0]
+    assert "... 2 more rows in report.json" in text
+    assert "problems: 4 (2 tuned, 1 stale, 1 failed)" in text
+    assert "wall time 12.5 s on 2 worker(s); stopped early: time limit" in text
