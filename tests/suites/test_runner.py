@@ -1,0 +1,87 @@
+"""tuner.suites.runner: a suite of small CPU problems tuned for real, each timed side by side with its
+baseline, written to JSON and a PNG, and kept in a real store."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from tuner.cache import Store
+from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey, Key
+from tuner.suites import runner
+from tuner.tuning.engine import TuneOptions, TuneOutcome, tune
+
+OPTIONS = TuneOptions(budget_s=0.01, sources=["torch"])
+PROBLEMS = [
+    ("decode", GemmKey(m=2, n=48, k=32, layout="nt", dtype="f32", out_dtype="f32")),
+    ("prefill", GemmKey(m=24, n=48, k=32, layout="nt", dtype="f32", out_dtype="f32")),
+]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def flops(key: Key, us: float) -> dict[str, float]:
+    return {"gflops": 2 * key.m * key.n * key.k / us / 1e3}
+
+
+def test_suite_rows_json_png_and_store(tmp_path: Path) -> None:
+    with Store(tmp_path / "c.db") as store:
+        result = runner.run_suite(
+            "tiny", PROBLEMS, out_dir=tmp_path / "out", title="tiny GEMMs", options=OPTIONS,
+            metrics=flops, store=store,
+        )  # fmt: skip
+        stored = {w.key: w for w in store.winners(fingerprint().device_class)}
+    assert json.loads((tmp_path / "out" / "tiny.json").read_text()) == result
+    assert (tmp_path / "out" / "tiny.png").read_bytes().startswith(PNG_MAGIC)
+    assert (result["suite"], result["title"]) == ("tiny", "tiny GEMMs")
+    assert result["device"] == fingerprint().to_dict() and result["copy_gbs"] > 0
+    assert result["options"] == asdict(OPTIONS)
+    assert [(r["label"], r["key"]) for r in result["rows"]] == [(n, str(k)) for n, k in PROBLEMS]
+    for row in result["rows"]:
+        # torch alone: the winner is the baseline, the same kernel, so the ratio is 1 exactly
+        assert row["source"] == "torch" and row["winner_us"] == row["baseline_us"] > 0
+        assert row["speedup"] == 1.0 and row["tune_s"] > 0
+        assert row["extra"]["gflops"] == row["extra"]["baseline_gflops"] > 0
+        assert stored[row["key"]].candidate == row["candidate"]
+    summary = result["summary"]
+    assert (summary["n"], summary["geomean"], summary["min"], summary["max"]) == (2, 1.0, 1.0, 1.0)
+    assert summary["slower_than_0.98"] == 0
+    assert summary["total_tune_s"] == pytest.approx(sum(r["tune_s"] for r in result["rows"]))
+
+
+def test_a_problem_whose_tuning_raises_is_left_out(tmp_path: Path) -> None:
+    broken = PROBLEMS[0][1]
+
+    def tuner(key: Key, options: TuneOptions) -> TuneOutcome:
+        if key == broken:
+            raise RuntimeError("worker lost")
+        return tune(key, options=options)
+
+    result = runner.run_suite(
+        "partly", PROBLEMS, out_dir=tmp_path, title="t", options=OPTIONS, tuner=tuner
+    )
+    assert [r["label"] for r in result["rows"]] == ["prefill"]
+    assert result["summary"]["n"] == 1
+
+
+def test_an_empty_suite_writes_its_json_and_no_png(tmp_path: Path) -> None:
+    result = runner.run_suite("empty", [], out_dir=tmp_path, title="t", options=OPTIONS)
+    assert json.loads((tmp_path / "empty.json").read_text())["summary"] == {"n": 0}
+    assert result["rows"] == [] and not (tmp_path / "empty.png").exists()
+
+
+def test_summary_counts_rows_slower_than_the_floor() -> None:
+    rows = [
+        runner.Row(str(i), "k", baseline_us=100.0, winner_us=w, source="s", candidate="c",
+                   tune_s=t)
+        for i, (w, t) in enumerate([(50.0, 1.0), (100.0, 2.0), (104.0, 4.0)])
+    ]  # fmt: skip
+    summary = runner.summarize(rows)
+    assert summary["n"] == 3 and summary["max"] == 2.0
+    assert summary["min"] == pytest.approx(100 / 104)
+    assert summary["geomean"] == pytest.approx((2.0 * 1.0 * 100 / 104) ** (1 / 3))
+    assert summary["slower_than_0.98"] == 1
+    assert (summary["median_tune_s"], summary["total_tune_s"]) == (2.0, 7.0)
