@@ -12,7 +12,6 @@ from pydantic import TypeAdapter, ValidationError
 
 from server import queue, results, tokens
 from server.auth import authorize, require
-from server.db import device_classes, known_device
 from server.models import (
     DEVICE_CLASS_RE,
     MAX_FEED_PAGE,
@@ -39,8 +38,8 @@ from server.models import (
     Versions,
     WinnerOut,
 )
+from server.store import FleetStore
 from server.tokens import Token
-from tuner.cache import Store
 
 ERRORS: dict[int | str, dict] = {
     status: {"model": ErrorOut, "description": text}
@@ -67,13 +66,13 @@ Submitter = Annotated[Token, Depends(require("submit"))]
 Admin = Annotated[Token, Depends(require("admin"))]
 
 
-def _store(request: Request) -> Store:
+def _store(request: Request) -> FleetStore:
     return request.app.state.db.store()
 
 
-def _known(store: Store, device_class: str) -> None:
-    if not known_device(store, device_class):
-        known = device_classes(store)
+def _known(store: FleetStore, device_class: str) -> None:
+    if not store.known_device(device_class):
+        known = store.device_classes()
         raise HTTPException(
             404,
             f"unknown device class {device_class!r}: no host of that class has reported here"
@@ -87,7 +86,7 @@ def _known(store: Store, device_class: str) -> None:
 @router.get("/device-classes", response_model=list[str])
 def list_device_classes(request: Request, _: Reader) -> list[str]:
     """Device classes this service has heard from, most recent first."""
-    return device_classes(_store(request), limit=10000)
+    return _store(request).device_classes(limit=10000)
 
 
 _DEVICE_CLASS, _KEY, _VERSIONS = (TypeAdapter(t) for t in (DeviceClass, KeyStr, Versions))
@@ -157,7 +156,7 @@ def lookup(request: Request, device_class: DeviceClassPath, body: LookupIn, _: R
     """Winners for a batch of keys; keys without one are listed in `missing`."""
     store = _store(request)
     _known(store, device_class)
-    found = results.lookup(store, device_class, body.versions, list(dict.fromkeys(body.keys)))
+    found = store.lookup(device_class, body.versions, list(dict.fromkeys(body.keys)))
     have = {w["key"] for w in found}
     return {"winners": found, "missing": [k for k in body.keys if k not in have]}
 
@@ -183,7 +182,7 @@ def list_misses(
     request: Request, _: Reader, device_class: DeviceClassQuery = None, limit: Limit = 100
 ) -> list[dict]:
     """Most-missed keys."""
-    return queue.miss_rows(_store(request), device_class, limit)
+    return _store(request).misses(device_class, limit)
 
 
 @router.get("/queue", response_model=list[QueueEntry])
@@ -194,7 +193,7 @@ def list_queue(
     limit: Limit = 100,
 ) -> list[dict]:  # fmt: skip
     """The tuning queue, most-missed first."""
-    return queue.queue_rows(_store(request), device_class, versions, state, limit)
+    return _store(request).queue(device_class, versions, state, limit)
 
 
 @router.get("/pending", response_model=list[PendingEntry])
@@ -202,17 +201,19 @@ def list_pending(
     request: Request, _: Reader, device_class: DeviceClassQuery = None, limit: Limit = 100
 ) -> list[dict]:
     """Large winner changes held until a second submitter or an admin confirms them."""
-    return results.pending(_store(request), device_class, limit)
+    return _store(request).pending(device_class, limit)
 
 
 # --- writes ------------------------------------------------------------------------------------
 
 
-def _ingest(request: Request, c, body: SubmitIn, token: Token) -> results.IngestOutcome:
+def _ingest(
+    request: Request, store: FleetStore, body: SubmitIn, token: Token
+) -> results.IngestOutcome:
     state = request.app.state
     out = results.ingest(
-        c, [m.to_measurement() for m in body.measurements], token.id,
-        admins=tokens.admin_ids(_store(request)), policy=state.policy,
+        store, [m.to_measurement() for m in body.measurements], token.id,
+        admins=tokens.admin_ids(store), policy=state.policy,
     )  # fmt: skip
     m = state.metrics
     m.measurements.labels("accepted").inc(out.accepted)
@@ -227,8 +228,8 @@ def submit(request: Request, body: SubmitIn, token: Submitter) -> dict:
     """A batch of measurements (a tuning run's full results). Re-sending is harmless."""
     store = _store(request)
     store.save_device(body.device.fingerprint())
-    with store.transaction() as c:
-        return asdict(_ingest(request, c, body, token))
+    with store.transaction():
+        return asdict(_ingest(request, store, body, token))
 
 
 @router.post("/misses", response_model=MissesOut)
@@ -241,8 +242,8 @@ def report_misses(request: Request, body: MissesIn, _: Reader) -> dict:
     merged: dict[str, int] = {}
     for miss in body.misses:
         merged[miss.key] = merged.get(miss.key, 0) + miss.count
-    with store.transaction() as c:
-        queued = queue.record_misses(c, fp.device_class, body.versions, list(merged.items()))
+    with store.transaction():
+        queued = queue.record_misses(store, fp.device_class, body.versions, list(merged.items()))
     request.app.state.metrics.misses.inc(sum(merged.values()))
     return {"recorded": len(merged), "queued": queued}
 
@@ -251,9 +252,10 @@ def report_misses(request: Request, body: MissesIn, _: Reader) -> dict:
 def claim(request: Request, body: ClaimIn, token: Submitter) -> dict:
     """Lease up to `max_keys` queued keys of the worker's device class and versions."""
     state = request.app.state
-    with _store(request).transaction() as c:
+    store = _store(request)
+    with store.transaction():
         lease = queue.claim(
-            c, body.device.fingerprint().device_class, body.versions, worker=body.worker,
+            store, body.device.fingerprint().device_class, body.versions, worker=body.worker,
             submitter=token.id, max_keys=body.max_keys, lease_s=body.lease_s,
             max_attempts=state.settings.max_attempts,
         )  # fmt: skip
@@ -269,10 +271,10 @@ def complete(request: Request, body: CompleteIn, token: Submitter) -> dict:
     store = _store(request)
     store.save_device(body.device.fingerprint())
     try:
-        with store.transaction() as c:
-            queue.check_lease(c, body.lease_id, token.id)
-            out = _ingest(request, c, body, token)
-            rel = queue.release(c, body.lease_id, request.app.state.settings.max_attempts)
+        with store.transaction():
+            queue.check_lease(store, body.lease_id, token.id)
+            out = _ingest(request, store, body, token)
+            rel = queue.release(store, body.lease_id, request.app.state.settings.max_attempts)
     except queue.LeaseError as e:
         raise HTTPException(e.status, str(e)) from None
     request.app.state.metrics.leases.labels("completed").inc()
@@ -282,8 +284,9 @@ def complete(request: Request, body: CompleteIn, token: Submitter) -> dict:
 @router.post("/pending/confirm", response_model=ConfirmOut)
 def confirm(request: Request, body: GroupIn, _: Admin) -> dict:
     """Admin override: serve a pending change now."""
-    with _store(request).transaction() as c:
-        cand = results.confirm_pending(c, (body.device_class, body.versions, body.key))
+    store = _store(request)
+    with store.transaction():
+        cand = results.confirm_pending(store, (body.device_class, body.versions, body.key))
     if cand is None:
         raise HTTPException(404, f"nothing pending for {body.key!r} on {body.device_class!r}")
     request.app.state.metrics.winner_changes.inc()

@@ -20,15 +20,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-import tuner
-from server import queue
 from server.api import router
 from server.config import Settings
 from server.db import FleetDB
 from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics, MetricsMiddleware
 from server.results import Policy
-from tuner.cache.schema import SCHEMA_VERSION
+from server.schema import FLEET
+from tuner.version import __version__
 
 log = logging.getLogger("tuner.server")
 
@@ -63,7 +62,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(
         title="tuner fleet service",
-        version=tuner.__version__,
+        version=__version__,
         description="Tuned GEMM/SDPA winners shared by every host of a GPU class.",
         lifespan=lifespan,
     )
@@ -75,11 +74,12 @@ def create_app(settings: Settings) -> FastAPI:
     def scrape() -> Iterator[GaugeMetricFamily]:
         store = db.store()
         depth = GaugeMetricFamily("tuner_queue_keys", "tuning queue entries", labels=["state"])
-        for state, n in queue.queue_counts(store).items():
+        for state, n in store.queue_counts().items():
             depth.add_metric([state], n)
         yield depth
-        (served,) = store.db.conn.execute("select count(*) from srv_winners").fetchone()
-        yield GaugeMetricFamily("tuner_served_winners", "served winners", value=served)
+        yield GaugeMetricFamily(
+            "tuner_served_winners", "served winners", value=store.served_count()
+        )
 
     metrics.add_collector(scrape)
 
@@ -102,16 +102,12 @@ def create_app(settings: Settings) -> FastAPI:
     def ready() -> JSONResponse:
         """The database opens and has this service's schema."""
         try:
-            version = int(
-                db.store()
-                .db.conn.execute("select value from meta where name = 'schema_version'")
-                .fetchone()[0]
-            )
+            version = db.store().schema_version()
         except Exception as e:
             return JSONResponse({"status": "not ready", "detail": str(e)}, 503)
-        if version != SCHEMA_VERSION:
+        if version != FLEET.version:
             return JSONResponse(
-                {"status": "not ready", "detail": f"schema {version}, want {SCHEMA_VERSION}"}, 503
+                {"status": "not ready", "detail": f"schema {version}, want {FLEET.version}"}, 503
             )
         return JSONResponse({"status": "ready", "schema_version": version})
 

@@ -1,4 +1,4 @@
-"""The service's database: one ``tuner.cache.Store`` (one SQLite connection) per thread.
+"""The service's database: one ``FleetStore`` (one SQLite connection) per thread.
 
 SQLite connections belong to their thread; FastAPI runs sync endpoints on a thread pool, so each
 pool thread opens its own connection on first use and keeps it (opening one per request would
@@ -10,21 +10,23 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from tuner.cache import Store
+from server.store import FleetStore
 
 
 class FleetDB:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._local = threading.local()
-        self._all: list[Store] = []
+        self._all: list[FleetStore] = []
         self._lock = threading.Lock()
-        Store(self.path).close()  # create / migrate once, up front: a bad file fails at startup
+        FleetStore(
+            self.path
+        ).close()  # create / migrate once, up front: a bad file fails at startup
 
-    def store(self) -> Store:
+    def store(self) -> FleetStore:
         store = getattr(self._local, "store", None)
         if store is None:
-            store = Store(self.path, timeout_s=30.0)
+            store = FleetStore(self.path, timeout_s=30.0)
             self._local.store = store
             with self._lock:
                 self._all.append(store)
@@ -35,21 +37,3 @@ class FleetDB:
             for s in self._all:
                 s.close()
             self._all.clear()
-
-
-def known_device(store: Store, device_class: str) -> bool:
-    return (
-        store.db.conn.execute(
-            "select 1 from devices where device_class = ?", (device_class,)
-        ).fetchone()
-        is not None
-    )
-
-
-def device_classes(store: Store, limit: int = 20) -> list[str]:
-    return [
-        r[0]
-        for r in store.db.conn.execute(
-            "select device_class from devices order by last_seen desc limit ?", (limit,)
-        )
-    ]

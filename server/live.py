@@ -21,7 +21,7 @@ import uvicorn
 from server import tokens
 from server.app import create_app
 from server.config import Settings
-from tuner.cache import Store
+from server.store import FleetStore
 from tuner.fleet.client import FleetClient
 
 
@@ -58,7 +58,7 @@ class _Tokens:
 
     def token(self, name: str, *scopes: str) -> str:
         """A new bearer token, written straight into the service's database."""
-        with Store(self.db) as store:
+        with FleetStore(self.db) as store:
             return tokens.create(store, name, list(scopes))[1]
 
     def client(self, name: str, *scopes: str, **kwargs: Any) -> FleetClient:

@@ -34,6 +34,7 @@ class Sample:
     us: float  # what the caller waits for (see ``effective_us``)
     noise: float  # the measurement's own (p90 - p10) / median
     run_id: str = ""
+    launch: str = "eager"
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Aggregate:
     count: int
     voices: dict[str, float] = field(default_factory=dict)  # submitter -> its median
     run_id: str = ""
+    launch: str = "eager"  # the launch mode of its latest result
 
     @property
     def submitters(self) -> int:
@@ -102,7 +104,7 @@ def aggregate(samples: Iterable[Sample]) -> dict[str, Aggregate]:
             is_baseline=first.is_baseline, us=us,
             spread=(max(voices.values()) - min(voices.values())) / us if us > 0 else 0.0,
             noise=statistics.median(s.noise for s in group), count=len(group),
-            voices=voices, run_id=first.run_id,
+            voices=voices, run_id=first.run_id, launch=first.launch,
         )  # fmt: skip
     return out
 

@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, mo
 
 from tuner.core.device import Fingerprint
 from tuner.core.keys import parse_key
-from tuner.measure.records import STATUSES, Measurement
+from tuner.measure.records import LAUNCHES, STATUSES, Measurement
 
 MAX_BATCH = 5000  # measurements or misses per request
 MAX_KEYS = 1000  # keys per batch lookup or claim
@@ -116,6 +116,7 @@ class MeasurementIn(Strict):
     run_id: Annotated[str, Field(max_length=64)] = ""
     created_at: Seconds = 0.0
     uid: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{8,64}$")]
+    launch: Literal[LAUNCHES] = "eager"  # type: ignore[valid-type]
 
     @model_validator(mode="after")
     def _ok_is_timed(self) -> MeasurementIn:
@@ -184,6 +185,7 @@ class WinnerOut(BaseModel):
     submitters: int
     seq: int = Field(description="position in the feed: pass the largest seen as `since`")
     updated_at: float
+    launch: str = Field(description="the launch mode it was chosen for: eager or graph")
 
 
 class LookupIn(Strict):

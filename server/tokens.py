@@ -15,7 +15,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from tuner.cache import Store
+from server.store import FleetStore
 
 SCOPES = ("read", "submit", "admin")  # each includes the ones before it
 PREFIX = "tnr"
@@ -63,60 +63,43 @@ def check_scopes(scopes: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(scopes))
 
 
-def create(store: Store, name: str, scopes: list[str]) -> tuple[Token, str]:
+def create(store: FleetStore, name: str, scopes: list[str]) -> tuple[Token, str]:
     """A new token; returns it and the full secret string, which is shown once and never stored."""
     if not name or len(name) > 100:
         raise TokenError(f"name must be 1..100 characters, got {name!r}")
     scope_t = check_scopes(scopes)
     token_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
     now = time.time()
-    with store.transaction() as c:
-        c.execute(
-            "insert into srv_tokens(id, name, secret_hash, scopes, created_at) values (?, ?, ?, ?, ?)",
-            (token_id, name, _hash(secret), ",".join(scope_t), now),
-        )
+    store.add_token(token_id, name, _hash(secret), ",".join(scope_t), now)
     return Token(token_id, name, scope_t, now), f"{PREFIX}_{token_id}_{secret}"
 
 
-def list_tokens(store: Store) -> list[Token]:
-    return [
-        _row_to_token(r) for r in store.db.query("select * from srv_tokens order by created_at")
-    ]
+def list_tokens(store: FleetStore) -> list[Token]:
+    return [_row_to_token(r) for r in store.tokens()]
 
 
-def revoke(store: Store, token_id: str) -> Token:
-    with store.transaction() as c:
-        n = c.execute(
-            "update srv_tokens set revoked_at = ? where id = ? and revoked_at is null",
-            (time.time(), token_id),
-        ).rowcount
-    rows = list(store.db.query("select * from srv_tokens where id = ?", [token_id]))
-    if not rows:
+def revoke(store: FleetStore, token_id: str) -> Token:
+    revoked = store.revoke_token(token_id, time.time())
+    row = store.token(token_id)
+    if row is None:
         raise TokenError(f"no token with id {token_id!r}; see 'tuner token list'")
-    if not n:
+    if not revoked:
         raise TokenError(f"token {token_id!r} was already revoked")
-    return _row_to_token(rows[0])
+    return _row_to_token(row)
 
 
-def verify(store: Store, presented: str) -> Token | None:
+def verify(store: FleetStore, presented: str) -> Token | None:
     """The token named by a presented string, or None if malformed, unknown or wrong secret."""
     prefix, _, rest = presented.partition("_")
     token_id, _, secret = rest.partition("_")
     if prefix != PREFIX or not _ID_RE.match(token_id) or not secret:
         return None
-    row = store.db.conn.execute(  # raw sqlite3: this runs on every authenticated request
-        "select id, name, scopes, created_at, revoked_at, secret_hash from srv_tokens where id = ?",
-        (token_id,),
-    ).fetchone()
+    row = store.token_for_check(token_id)
     if row is None or not hmac.compare_digest(row[5], _hash(secret)):
         return None
     return Token(row[0], row[1], tuple(row[2].split(",")), row[3], row[4])
 
 
-def admin_ids(store: Store) -> frozenset[str]:
+def admin_ids(store: FleetStore) -> frozenset[str]:
     """Ids of valid admin tokens: their results confirm a large change on their own."""
-    return frozenset(
-        r["id"]
-        for r in store.db.query("select id, scopes from srv_tokens where revoked_at is null")
-        if "admin" in r["scopes"].split(",")
-    )
+    return frozenset(i for i, scopes in store.valid_token_scopes() if "admin" in scopes.split(","))

@@ -6,7 +6,7 @@ import sqlite3
 import pytest
 
 from tuner.cache import Store, StoreError
-from tuner.cache.schema import SCHEMA_VERSION
+from tuner.cache.schema import CACHE
 from tuner.measure.records import Measurement, Winner, candidate_name, candidate_params
 
 KEY = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
@@ -131,9 +131,7 @@ def test_newer_schema_is_refused(tmp_path):
     path = tmp_path / "c.db"
     Store(path).close()
     conn = sqlite3.connect(path)
-    conn.execute(
-        "update meta set value = ? where name = 'schema_version'", (str(SCHEMA_VERSION + 1),)
-    )
+    conn.execute(f"pragma user_version = {CACHE.version + 1}")
     conn.commit()
     conn.close()
     with pytest.raises(StoreError, match="newer than this tuner"):

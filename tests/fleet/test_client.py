@@ -24,7 +24,6 @@ from tuner.fleet.client import (
     FleetClient,
     FleetError,
     attach,
-    get_position,
     pull,
     push_misses,
     wire,
@@ -174,7 +173,7 @@ def test_an_interrupted_pull_resumes_where_it_stopped(tmp_path: Path) -> None:
         with pytest.raises(FleetError, match="dropped"):
             pull(Interrupted(srv.url, token, pages=2), store, FP, page=10)
         name = f"pull:{srv.url}:{DC}:{FP.version_tag}"
-        assert get_position(store, name) == 20 and len(store.winners(DC)) == 20
+        assert store.position(name) == 20 and len(store.winners(DC)) == 20
         resumed = pull(FleetClient(srv.url, token), store, FP, page=10)
         assert resumed.winners == 10 and len(store.winners(DC)) == 30
 

@@ -11,7 +11,7 @@ import pytest
 
 from server import tokens
 from server.live import ThreadServer
-from tuner.cache import Store
+from server.store import FleetStore
 from tuner.core.device import fingerprint
 from tuner.fleet.client import wire
 from tuner.measure.records import Measurement
@@ -42,7 +42,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             )
         }
         revoked = srv.token("gone", "submit")
-        with Store(db) as store:
+        with FleetStore(db) as store:
             tokens.revoke(store, revoked.split("_")[1])
         roles["revoked"] = revoked
         ok = submit_body([measurement()])

@@ -1,24 +1,37 @@
-"""Schema of the results store, and the migrations between its versions.
+"""Schema of the local results cache, and the migrations between its versions.
 
-``MIGRATIONS[i]`` takes a database at version ``i`` to ``i + 1``; version 0 is an empty file.
-Add a function at the end to change the schema; never edit an old one.
+Only what a host keeps: devices, measurements, winners, misses, and the bookkeeping of its fleet
+syncs. The fleet service's tables live in ``server.schema``. Files written before the two were
+split carry their version in a ``meta`` table and the service's empty ``srv_*`` tables;
+``legacy_version`` reads them and the last migration drops what no longer belongs here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from pathlib import Path
 
 import sqlite_utils
 
-APP_ID = "tuner"
+from tuner.cache.sqlite import Schema, StoreError, register
+
+LEGACY_APP = "tuner"  # meta.app of files from before application ids
+HOST_TABLES = ("measurements", "winners", "misses", "sync_state", "reported_misses")
+SERVICE_TABLES = (
+    "srv_tokens", "srv_measurements", "srv_results", "srv_winners", "srv_pending",
+    "srv_misses", "srv_queue", "srv_leases", "srv_counters",
+)  # fmt: skip
 
 
-def _v1(db: sqlite_utils.Database) -> None:
-    db["meta"].create({"name": str, "value": str}, pk="name")
+def create_devices(db: sqlite_utils.Database) -> None:
+    """The fingerprints seen per device class (both kinds of file keep them)."""
     db["devices"].create(
         {"device_class": str, "fingerprint": str, "first_seen": float, "last_seen": float},
         pk="device_class",
     )
+
+
+def _v1(db: sqlite_utils.Database) -> None:
+    create_devices(db)
     db["measurements"].create(
         {
             "id": int,
@@ -80,162 +93,59 @@ def _v1(db: sqlite_utils.Database) -> None:
 
 
 def _v2(db: sqlite_utils.Database) -> None:
-    """Fleet service tables (``srv_*``, used by ``server/``) and the client's sync bookkeeping.
-
-    A server file and a host cache share one schema; each side leaves the other's tables empty.
-    """
-    db["srv_tokens"].create(
-        {
-            "id": str,  # public part of the token, shown by ``tuner token list``
-            "name": str,
-            "secret_hash": str,  # sha256 of the secret part; the secret itself is never stored
-            "scopes": str,  # comma separated: read, submit, admin
-            "created_at": float,
-            "revoked_at": float,  # null while the token is valid
-        },
-        pk="id",
-        not_null={"name", "secret_hash", "scopes"},
-    )
-    db["srv_measurements"].create(
-        {
-            "id": int,
-            "uid": str,  # the submitting host's Measurement.uid: re-sends are ignored
-            "submitter": str,  # token id: one token = one voice in the merge
-            "device_class": str,
-            "versions": str,
-            "key": str,
-            "op": str,
-            "candidate": str,
-            "source": str,
-            "params": str,
-            "is_baseline": int,
-            "status": str,
-            "median_us": float,
-            "p10_us": float,
-            "p90_us": float,
-            "reps": int,
-            "host_us": float,
-            "max_rel_err": float,
-            "error": str,
-            "host": str,
-            "run_id": str,
-            "created_at": float,
-            "received_at": float,
-        },
-        pk="id",
-        not_null={"uid", "submitter", "device_class", "versions", "key", "candidate", "status"},
-    )
-    db["srv_measurements"].create_index(["uid"], unique=True)
-    db["srv_measurements"].create_index(["device_class", "versions", "key"])
-    db["srv_results"].create(  # aggregate per (device class, versions, key, candidate)
-        {
-            "device_class": str,
-            "versions": str,
-            "key": str,
-            "candidate": str,
-            "source": str,
-            "params": str,
-            "is_baseline": int,
-            "us": float,  # median over submitters of each submitter's median
-            "spread": float,  # (max - min) / us over the submitters' medians
-            "noise": float,  # median of the measurements' own (p90 - p10) / median
-            "count": int,  # ok measurements
-            "submitters": int,
-            "updated_at": float,
-        },
-        pk=("device_class", "versions", "key", "candidate"),
-    )
-    db["srv_winners"].create(  # served (confirmed) winners; seq is the sync cursor
-        {
-            "device_class": str,
-            "versions": str,
-            "key": str,
-            "op": str,
-            "candidate": str,
-            "source": str,
-            "params": str,
-            "median_us": float,
-            "baseline_us": float,
-            "speedup": float,
-            "run_id": str,
-            "submitters": int,
-            "seq": int,
-            "updated_at": float,
-        },
-        pk=("device_class", "versions", "key"),
-    )
-    db["srv_winners"].create_index(["device_class", "versions", "seq"])
-    db["srv_winners"].create_index(["device_class", "seq"])
-    db["srv_winners"].create_index(["device_class", "key"])  # lookups without versions
-    db["srv_pending"].create(  # a large change waiting for a second submitter or an admin
-        {
-            "device_class": str,
-            "versions": str,
-            "key": str,
-            "candidate": str,
-            "source": str,
-            "params": str,
-            "us": float,
-            "served_candidate": str,
-            "served_us": float,
-            "margin": float,
-            "supporters": str,  # JSON list of token ids whose own results back the change
-            "updated_at": float,
-        },
-        pk=("device_class", "versions", "key"),
-    )
-    db["srv_misses"].create(
-        {
-            "device_class": str,
-            "versions": str,
-            "key": str,
-            "op": str,
-            "count": int,
-            "first_seen": float,
-            "last_seen": float,
-        },
-        pk=("device_class", "versions", "key"),
-    )
-    db["srv_queue"].create(
-        {
-            "device_class": str,
-            "versions": str,
-            "key": str,
-            "op": str,
-            "state": str,  # queued | leased | done | failed
-            "misses": int,
-            "attempts": int,
-            "lease_id": str,
-            "lease_expires": float,
-            "enqueued_at": float,
-            "updated_at": float,
-        },
-        pk=("device_class", "versions", "key"),
-    )
-    db["srv_queue"].create_index(["device_class", "versions", "state"])
-    db["srv_queue"].create_index(["lease_id"])
-    db["srv_leases"].create(
-        {
-            "id": str,
-            "worker": str,
-            "submitter": str,
-            "device_class": str,
-            "versions": str,
-            "keys": int,
-            "created_at": float,
-            "expires_at": float,
-            "completed_at": float,
-        },
-        pk="id",
-    )
-    db["srv_counters"].create({"name": str, "value": int}, pk="name")
-    db["srv_counters"].insert({"name": "winner_seq", "value": 0})
-    # host side: where incremental pulls/pushes stopped, and how much of each miss was reported
+    """The client's sync bookkeeping: where incremental pulls/pushes stopped, and how much of
+    each miss was reported."""
     db["sync_state"].create({"name": str, "value": int, "updated_at": float}, pk="name")
     db["reported_misses"].create(
         {"device_class": str, "key": str, "reported": int}, pk=("device_class", "key")
     )
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2]
-SCHEMA_VERSION = len(MIGRATIONS)
+def _v3(db: sqlite_utils.Database) -> None:
+    """The launch mode (eager or graph) of measurements and winners; the service's tables and
+    the ``meta`` table leave files that carried them."""
+    for table in ("measurements", "winners"):
+        db[table].add_column("launch", str, not_null_default="eager")
+    for table in (*SERVICE_TABLES, "meta"):
+        db[table].drop(ignore=True)
+
+
+def legacy_meta(db: sqlite_utils.Database, path: Path) -> int:
+    """The schema version in the ``meta`` table of a file from before application ids."""
+    tables = set(db.table_names())
+    if "meta" not in tables:
+        raise StoreError(
+            f"{path} is a SQLite database of another application (tables: {sorted(tables)[:5]})"
+        )
+    meta = dict(db.conn.execute("select name, value from meta").fetchall())
+    if meta.get("app") != LEGACY_APP:
+        raise StoreError(
+            f"{path} is a SQLite database of another application (meta.app={meta.get('app')!r})"
+        )
+    return int(meta.get("schema_version", 0))
+
+
+def filled(db: sqlite_utils.Database, tables: tuple[str, ...]) -> list[str]:
+    """Those of ``tables`` that exist and hold rows."""
+    present = set(db.table_names())
+    return [t for t in tables if t in present and db.conn.execute(f"select 1 from {t}").fetchone()]
+
+
+def _legacy_version(db: sqlite_utils.Database, path: Path) -> int:
+    version = legacy_meta(db, path)
+    if held := filled(db, tuple(t for t in SERVICE_TABLES if t != "srv_counters")):
+        raise StoreError(
+            f"{path} is a tuner fleet database (its {', '.join(held)} hold rows), not a tuner "
+            "cache; open it with 'tuner serve --db'"
+        )
+    return version
+
+
+CACHE = register(
+    Schema(
+        kind="tuner cache",
+        application_id=0x544E5243,  # "TNRC"
+        migrations=(_v1, _v2, _v3),
+        legacy_version=_legacy_version,
+    )
+)

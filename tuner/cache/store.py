@@ -1,10 +1,9 @@
-"""The SQLite results store: measurements, winners, devices and recorded misses.
+"""The local results cache: measurements, winners, devices, recorded misses and sync positions.
 
-One ``Store`` wraps one connection; SQLite connections belong to their thread, so open one per
-thread (the server opens one per request). The file is in WAL mode and every write is a single
-``BEGIN IMMEDIATE`` transaction, so several processes can tune into the same file at once and no
-result is lost. A file that is not a tuner store (corrupt, foreign, or from a newer tuner) raises
-``StoreError`` and is never written to.
+Every read and write of a host's cache file goes through ``Store``: the SQL lives here and
+callers (dispatcher, engine, fleet client, CLI) deal in records. Opening, checking and migrating
+the file, and the one-transaction-per-write rule, come from ``tuner.cache.sqlite``; one
+``Store`` wraps one connection, so open one per thread.
 
     store = Store(default_path())
     store.save_run(measurements, winner)
@@ -13,29 +12,23 @@ result is lost. A file that is not a tuner store (corrupt, foreign, or from a ne
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import os
 import sqlite3
-import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import sqlite_utils
-
-from tuner.cache.schema import APP_ID, MIGRATIONS, SCHEMA_VERSION
+from tuner.cache.schema import CACHE
+from tuner.cache.sqlite import SqliteFile, StoreError
 from tuner.core.device import Fingerprint
+from tuner.core.keys import key_op, parse_key
 from tuner.measure.records import Measurement, Winner
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
 EXPORT_FORMAT = "tuner-results"
 
-
-class StoreError(Exception):
-    """The cache file cannot be used as it is; the message says why and what to do."""
+__all__ = ["EXPORT_FORMAT", "Store", "StoreError", "default_path"]
 
 
 def default_path() -> Path:
@@ -46,29 +39,9 @@ def default_path() -> Path:
     return Path(base) / "tuner" / "tuner.db"
 
 
-def _check_file(path: Path) -> None:
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    with path.open("rb") as f:
-        head = f.read(len(SQLITE_MAGIC))
-    if head != SQLITE_MAGIC:
-        raise StoreError(
-            f"{path} is not a SQLite database (corrupt or another kind of file); refusing to touch it"
-        )
-
-
-# Closing *any* file descriptor on a SQLite file drops every POSIX lock this process holds on it
-# (sqlite.org/howtocorrupt.html, 2.2); another process closing its last connection may then
-# delete the WAL under this process's open connections. So the header check, which opens the
-# file with plain ``open()``, only runs while no Store of this process has the file open.
-_OPEN_FILES: collections.Counter[str] = collections.Counter()
-_OPEN_LOCK = threading.Lock()
-
-
 def _check_imported(measurements: list[Measurement], winners: list[Winner]) -> None:
     """ValueError for a record that would break later readers: a key that does not parse (``show``
     and ``report`` parse every key) or a time that is not a number."""
-    from tuner.core.keys import parse_key  # imports torch: only here, not for every Store
 
     def number(name: str, x: Any, optional: bool) -> None:
         if (x is None and optional) or (isinstance(x, (int, float)) and not isinstance(x, bool)):
@@ -85,114 +58,8 @@ def _check_imported(measurements: list[Measurement], winners: list[Winner]) -> N
         number("baseline_us", w.baseline_us, False)
 
 
-class Store:
-    def __init__(self, path: str | Path, *, timeout_s: float = 60.0) -> None:
-        self.path = Path(path)
-        self._file: str | None = None
-        if str(path) != ":memory:":
-            if self.path.is_dir():
-                raise StoreError(f"{path} is a directory, not a cache file")
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise StoreError(f"{path}: cannot create its directory: {e.strerror}") from None
-            self._file = os.path.realpath(self.path)
-        with _OPEN_LOCK:
-            if self._file is not None and not _OPEN_FILES[self._file]:
-                try:
-                    _check_file(self.path)
-                except OSError as e:
-                    raise StoreError(f"{path} cannot be read: {e.strerror}") from None
-            try:
-                conn = sqlite3.connect(
-                    str(path), timeout=timeout_s, isolation_level=None, check_same_thread=False
-                )
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=NORMAL")
-            except sqlite3.DatabaseError as e:
-                raise StoreError(f"{path} cannot be opened as a tuner cache: {e}") from None
-            if self._file is not None:
-                _OPEN_FILES[self._file] += 1
-        self.db = sqlite_utils.Database(conn)
-        try:
-            self._migrate()
-        except StoreError:
-            self.close()
-            raise
-
-    # --- lifecycle -----------------------------------------------------------------------------
-
-    def close(self) -> None:
-        self.db.conn.close()
-        if self._file is not None:
-            with _OPEN_LOCK:
-                _OPEN_FILES[self._file] -= 1
-                if _OPEN_FILES[self._file] <= 0:
-                    del _OPEN_FILES[self._file]
-            self._file = None
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction that takes the write lock up front (no upgrade deadlocks)."""
-        conn = self.db.conn
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-
-    def _schema_version(self) -> int:
-        tables = set(self.db.table_names())
-        if not tables:
-            return 0
-        if "meta" not in tables:
-            raise StoreError(
-                f"{self.path} is a SQLite database of another application (tables: {sorted(tables)[:5]})"
-            )
-        meta = {r["name"]: r["value"] for r in self.db.query("select name, value from meta")}
-        if meta.get("app") != APP_ID:
-            raise StoreError(
-                f"{self.path} is a SQLite database of another application (meta.app={meta.get('app')!r})"
-            )
-        return int(meta.get("schema_version", 0))
-
-    def _migrate(self) -> None:
-        """Bring the schema up to date. A current file is only read: opening a store for reading
-        never waits for, or blocks, a process that is writing."""
-        try:
-            if self._check_version() == SCHEMA_VERSION:
-                return
-            with self.transaction():
-                version = self._check_version()  # again, under the write lock
-                for step in MIGRATIONS[version:]:
-                    step(self.db)
-                if version < SCHEMA_VERSION:
-                    self._put_meta(app=APP_ID, schema_version=str(SCHEMA_VERSION))
-        except sqlite3.DatabaseError as e:
-            raise StoreError(f"{self.path} is corrupt or not a tuner cache: {e}") from None
-
-    def _check_version(self) -> int:
-        version = self._schema_version()
-        if version > SCHEMA_VERSION:
-            raise StoreError(
-                f"{self.path} has schema version {version}, newer than this tuner's {SCHEMA_VERSION}; upgrade tuner"
-            )
-        return version
-
-    def _put_meta(self, **values: str) -> None:
-        self.db.conn.executemany(
-            "insert or replace into meta(name, value) values (?, ?)", list(values.items())
-        )
-
-    # --- writes --------------------------------------------------------------------------------
+class DeviceFile(SqliteFile):
+    """A file with a ``devices`` table: the fingerprint last seen per device class."""
 
     def save_device(self, fp: Fingerprint) -> None:
         now = time.time()
@@ -202,6 +69,33 @@ class Store:
                 "on conflict(device_class) do update set fingerprint=excluded.fingerprint, last_seen=excluded.last_seen",
                 (fp.device_class, json.dumps(fp.to_dict(), sort_keys=True), now, now),
             )
+
+    def devices(self) -> list[dict[str, Any]]:
+        return [
+            {**r, "fingerprint": json.loads(r["fingerprint"])}
+            for r in self.db.query("select * from devices")
+        ]
+
+    def known_device(self, device_class: str) -> bool:
+        row = self.db.conn.execute(
+            "select 1 from devices where device_class = ?", (device_class,)
+        ).fetchone()
+        return row is not None
+
+    def device_classes(self, limit: int = 20) -> list[str]:
+        """The device classes seen, most recent first."""
+        rows = self.db.conn.execute(
+            "select device_class from devices order by last_seen desc limit ?", (limit,)
+        )
+        return [r[0] for r in rows]
+
+
+class Store(DeviceFile):
+    """One connection to a host's cache file (created and migrated on open)."""
+
+    schema = CACHE
+
+    # --- writes --------------------------------------------------------------------------------
 
     def save_run(self, measurements: Iterable[Measurement], winner: Winner | None = None) -> None:
         """Store a tuning run's measurements and its winner atomically."""
@@ -253,7 +147,7 @@ class Store:
             c.executemany(
                 "insert into misses(device_class, key, op, count, first_seen, last_seen) values (?, ?, ?, ?, ?, ?) "
                 "on conflict(device_class, key) do update set count = count + excluded.count, last_seen = excluded.last_seen",
-                [(device_class, k, k.partition(":")[0], count, now, now) for k in keys],
+                [(device_class, k, key_op(k), count, now, now) for k in keys],
             )
 
     def clear_misses(self, device_class: str, keys: Iterable[str]) -> None:
@@ -315,11 +209,50 @@ class Store:
         )
         return list(self.db.query(sql, args))
 
-    def devices(self) -> list[dict[str, Any]]:
-        return [
-            {**r, "fingerprint": json.loads(r["fingerprint"])}
-            for r in self.db.query("select * from devices")
-        ]
+    def measurements_after(self, last_id: int, limit: int) -> list[tuple[int, Measurement]]:
+        """(row id, measurement) of the first ``limit`` measurements after row ``last_id``: the
+        order in which a host pushes its results, resumable from the last id sent."""
+        rows = self.db.query(
+            "select * from measurements where id > ? order by id limit ?", [last_id, limit]
+        )
+        return [(r["id"], Measurement.from_row(r)) for r in rows]
+
+    def unreported_misses(self, device_class: str) -> list[tuple[str, int, int]]:
+        """(key, count not yet reported, count now) for this device class's recorded misses."""
+        out = []
+        for key, count, reported in self.db.conn.execute(
+            "select m.key, m.count, coalesce(r.reported, 0) from misses m left join "
+            "reported_misses r on r.device_class = m.device_class and r.key = m.key "
+            "where m.device_class = ?",
+            (device_class,),
+        ):
+            delta = count - reported if count >= reported else count  # cleared and seen again
+            if delta > 0:
+                out.append((key, delta, count))
+        return out
+
+    def mark_reported(self, device_class: str, counts: Iterable[tuple[str, int]]) -> None:
+        """Remember how much of each key's miss count was reported to the fleet."""
+        with self.transaction() as c:
+            c.executemany(
+                "insert or replace into reported_misses(device_class, key, reported) "
+                "values (?, ?, ?)",
+                [(device_class, k, n) for k, n in counts],
+            )
+
+    def position(self, name: str) -> int:
+        """Where the sync called ``name`` stopped (a feed cursor, a measurement id); 0 if never."""
+        row = self.db.conn.execute(
+            "select value from sync_state where name = ?", (name,)
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    def set_position(self, name: str, value: int) -> None:
+        with self.transaction() as c:
+            c.execute(
+                "insert or replace into sync_state(name, value, updated_at) values (?, ?, ?)",
+                (name, value, time.time()),
+            )
 
     @staticmethod
     def _filters(contains: str | None = None, **equal: str | None) -> tuple[list[str], list[Any]]:
@@ -336,7 +269,7 @@ class Store:
         """Everything (or one device class) as a JSON-ready dict; ``import_`` takes it back."""
         return {
             "format": EXPORT_FORMAT,
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": CACHE.version,
             "devices": [d for d in self.devices() if device_class in (None, d["device_class"])],
             "measurements": [m.to_row() for m in self.measurements(device_class)],
             "winners": [w.to_row() for w in self.winners(device_class)],
@@ -353,9 +286,9 @@ class Store:
             raise StoreError(
                 f"malformed export: schema_version must be an integer, got {version!r}"
             )
-        if version > SCHEMA_VERSION:
+        if version > CACHE.version:
             raise StoreError(
-                f"export has schema version {version}, newer than this tuner's {SCHEMA_VERSION}"
+                f"export has schema version {version}, newer than this tuner's {CACHE.version}"
             )
         try:
             measurements = [Measurement.from_row(r) for r in data.get("measurements", [])]

@@ -2,7 +2,9 @@
 
 The *device class* decides who may share a result: same GPU name, compute capability, SM count and
 memory size (rounded to GiB). The *versions* (driver, CUDA, cuBLAS, Triton, CUTLASS, torch, tuner)
-are stored beside every result; a result made under other versions is stale.
+are stored beside every result as ``version_tag``; a result made under other versions is stale
+(``Winner.measured_under``). The dataclass is plain data: torch loads only inside
+``fingerprint()``, so the fleet service can build and compare fingerprints without it.
 """
 
 from __future__ import annotations
@@ -15,9 +17,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
-from tuner import __version__
+from tuner.version import __version__
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ def _package_version(name: str) -> str:
 
 def _cuda_versions() -> dict[str, str]:
     """Driver and cuBLAS versions come through CuPy where it is installed (torch exposes neither)."""
+    import torch
+
     versions = {"cuda": torch.version.cuda or ""}
     try:
         import cupy
@@ -75,6 +77,8 @@ def fingerprint(device: str | None = None) -> Fingerprint:
 
     By default: the GPU where there is one, else the CPU.
     """
+    import torch
+
     versions = {
         "torch": torch.__version__,
         "triton": _package_version("triton"),

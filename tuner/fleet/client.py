@@ -31,10 +31,10 @@ from typing import Any
 
 import httpx
 
-from tuner import __version__
 from tuner.cache import Store
 from tuner.core.device import Fingerprint
 from tuner.measure.records import Measurement, Winner
+from tuner.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -220,22 +220,6 @@ def wire(m: Measurement) -> dict[str, Any]:
     return d
 
 
-# --- sync state in the local cache ---------------------------------------------------------------
-
-
-def get_position(store: Store, name: str) -> int:
-    row = store.db.conn.execute("select value from sync_state where name = ?", (name,)).fetchone()
-    return int(row[0]) if row else 0
-
-
-def set_position(store: Store, name: str, value: int) -> None:
-    with store.transaction() as c:
-        c.execute(
-            "insert or replace into sync_state(name, value, updated_at) values (?, ?, ?)",
-            (name, value, time.time()),
-        )
-
-
 @dataclass
 class PullResult:
     winners: int
@@ -253,7 +237,7 @@ class PushResult:
     queued: int
 
 
-WINNER_COLUMNS = tuple(Winner("", "", "", {}, 0.0, 0.0).to_row())  # the local table's columns
+WINNER_COLUMNS = Winner.columns()  # the local table's columns
 
 
 def _winner_rows(columns: list[str], rows: list[list[Any]]) -> list[dict[str, Any]]:
@@ -275,7 +259,7 @@ def pull(
     """
     started = time.perf_counter()
     name = f"pull:{client.server}:{fp.device_class}:{fp.version_tag}"
-    cursor = 0 if full else get_position(store, name)
+    cursor = 0 if full else store.position(name)
     total = pages = 0
     while True:
         try:
@@ -288,7 +272,7 @@ def pull(
         if rows:
             store.put_winner_rows(rows)
         total, pages, cursor = total + len(rows), pages + 1, body["cursor"]
-        set_position(store, name, cursor)
+        store.set_position(name, cursor)
         if not body["more"]:
             break
     return PullResult(total, pages, cursor, time.perf_counter() - started)
@@ -314,17 +298,12 @@ def push_measurements(client: FleetClient, store: Store, fp: Fingerprint) -> dic
     fps = _fingerprints(store, fp)
     counts = {"accepted": 0, "duplicates": 0, "skipped": 0}
     while True:
-        rows = list(
-            store.db.query(
-                "select * from measurements where id > ? order by id limit ?",
-                [get_position(store, name), BATCH],
-            )
-        )
+        rows = store.measurements_after(store.position(name), BATCH)
         if not rows:
             return counts
         by_class: dict[str, list[Measurement]] = {}
-        for r in rows:
-            by_class.setdefault(r["device_class"], []).append(Measurement.from_row(r))
+        for _, m in rows:
+            by_class.setdefault(m.device_class, []).append(m)
         for dc, ms in by_class.items():
             if dc not in fps:
                 counts["skipped"] += len(ms)
@@ -332,35 +311,17 @@ def push_measurements(client: FleetClient, store: Store, fp: Fingerprint) -> dic
             out = client.submit(fps[dc], ms)
             counts["accepted"] += out["accepted"]
             counts["duplicates"] += out["duplicates"]
-        set_position(store, name, rows[-1]["id"])
-
-
-def unreported_misses(store: Store, device_class: str) -> list[tuple[str, int, int]]:
-    """(key, count not yet reported, count now) for this device class's recorded misses."""
-    out = []
-    for key, count, reported in store.db.conn.execute(
-        "select m.key, m.count, coalesce(r.reported, 0) from misses m left join reported_misses r "
-        "on r.device_class = m.device_class and r.key = m.key where m.device_class = ?",
-        (device_class,),
-    ):
-        delta = count - reported if count >= reported else count  # cleared and seen again
-        if delta > 0:
-            out.append((key, delta, count))
-    return out
+        store.set_position(name, rows[-1][0])
 
 
 def push_misses(client: FleetClient, store: Store, fp: Fingerprint) -> tuple[int, int]:
     """Report the misses recorded here since the last report. Returns (keys, newly queued)."""
-    todo = unreported_misses(store, fp.device_class)
+    todo = store.unreported_misses(fp.device_class)
     queued = 0
     for i in range(0, len(todo), BATCH):
         chunk = todo[i : i + BATCH]
         queued += client.report_misses(fp, [(k, d) for k, d, _ in chunk])
-        with store.transaction() as c:
-            c.executemany(
-                "insert or replace into reported_misses(device_class, key, reported) values (?, ?, ?)",
-                [(fp.device_class, k, now) for k, _, now in chunk],
-            )
+        store.mark_reported(fp.device_class, [(k, now) for k, _, now in chunk])
     return len(todo), queued
 
 

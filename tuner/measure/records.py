@@ -11,9 +11,15 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from tuner.core.keys import key_op
+
+if TYPE_CHECKING:
+    from tuner.core.device import Fingerprint
 
 STATUSES = ("ok", "rejected", "failed", "cut", "timeout", "unsupported")
+LAUNCHES = ("eager", "graph")  # eager: each call launched from the host; graph: replayed
 
 
 def candidate_name(source: str, params: dict[str, Any]) -> str:
@@ -37,11 +43,16 @@ class _Record:
 
     @property
     def op(self) -> str:
-        return self.key.partition(":")[0]
+        return key_op(self.key)
 
     @property
     def candidate(self) -> str:
         return candidate_name(self.source, self.params)
+
+    @classmethod
+    def columns(cls) -> tuple[str, ...]:
+        """The keys of ``to_row()``: the fields and what is derived from them."""
+        return (*cls.__dataclass_fields__, "op", "candidate")  # type: ignore[attr-defined]
 
     def to_row(self) -> dict[str, Any]:
         # shallow on purpose: asdict's deep copy of params (replaced by its JSON just below)
@@ -80,6 +91,7 @@ class Measurement(_Record):
     run_id: str = ""
     created_at: float = field(default_factory=time.time)
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    launch: str = "eager"  # the launch mode it was measured for: eager or graph
 
     @property
     def spread(self) -> float:
@@ -109,6 +121,11 @@ class Winner(_Record):
     versions: str = ""
     run_id: str = ""
     updated_at: float = field(default_factory=time.time)
+    launch: str = "eager"  # the launch mode it was chosen for: eager or graph
+
+    def measured_under(self, fp: Fingerprint) -> bool:
+        """Whether this winner was measured under ``fp``'s versions (else it is stale)."""
+        return self.versions == fp.version_tag
 
     @property
     def speedup(self) -> float:
@@ -116,3 +133,7 @@ class Winner(_Record):
 
     def to_row(self) -> dict[str, Any]:
         return super().to_row() | {"speedup": self.speedup}
+
+    @classmethod
+    def columns(cls) -> tuple[str, ...]:
+        return (*super().columns(), "speedup")

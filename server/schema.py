@@ -1,0 +1,201 @@
+"""Schema of the fleet service's database, and the migrations between its versions.
+
+The service keeps tokens, every host's measurements, the merged results, the served winners with
+their sequence numbers, pending changes, misses and the tuning queue (``srv_*`` tables), plus the
+fingerprints of the device classes it has seen. A host's cache has its own schema
+(``tuner.cache.schema``); both are checked and migrated by ``tuner.cache.sqlite``. Files from
+before the two were split (one shared schema, version 2 in a ``meta`` table) open as version 1
+and lose the host's empty tables in the next migration.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import sqlite_utils
+
+from tuner.cache.schema import HOST_TABLES, create_devices, filled, legacy_meta
+from tuner.cache.sqlite import Schema, StoreError, register
+
+SHARED_SCHEMA_VERSION = 2  # meta.schema_version of a file that held both sides' tables
+
+
+def _v1(db: sqlite_utils.Database) -> None:
+    create_devices(db)
+    db["srv_tokens"].create(
+        {
+            "id": str,  # public part of the token, shown by ``tuner token list``
+            "name": str,
+            "secret_hash": str,  # sha256 of the secret part; the secret itself is never stored
+            "scopes": str,  # comma separated: read, submit, admin
+            "created_at": float,
+            "revoked_at": float,  # null while the token is valid
+        },
+        pk="id",
+        not_null={"name", "secret_hash", "scopes"},
+    )
+    db["srv_measurements"].create(
+        {
+            "id": int,
+            "uid": str,  # the submitting host's Measurement.uid: re-sends are ignored
+            "submitter": str,  # token id: one token = one voice in the merge
+            "device_class": str,
+            "versions": str,
+            "key": str,
+            "op": str,
+            "candidate": str,
+            "source": str,
+            "params": str,
+            "is_baseline": int,
+            "status": str,
+            "median_us": float,
+            "p10_us": float,
+            "p90_us": float,
+            "reps": int,
+            "host_us": float,
+            "max_rel_err": float,
+            "error": str,
+            "host": str,
+            "run_id": str,
+            "created_at": float,
+            "received_at": float,
+        },
+        pk="id",
+        not_null={"uid", "submitter", "device_class", "versions", "key", "candidate", "status"},
+    )
+    db["srv_measurements"].create_index(["uid"], unique=True)
+    db["srv_measurements"].create_index(["device_class", "versions", "key"])
+    db["srv_results"].create(  # aggregate per (device class, versions, key, candidate)
+        {
+            "device_class": str,
+            "versions": str,
+            "key": str,
+            "candidate": str,
+            "source": str,
+            "params": str,
+            "is_baseline": int,
+            "us": float,  # median over submitters of each submitter's median
+            "spread": float,  # (max - min) / us over the submitters' medians
+            "noise": float,  # median of the measurements' own (p90 - p10) / median
+            "count": int,  # ok measurements
+            "submitters": int,
+            "updated_at": float,
+        },
+        pk=("device_class", "versions", "key", "candidate"),
+    )
+    db["srv_winners"].create(  # served (confirmed) winners; seq is the sync cursor
+        {
+            "device_class": str,
+            "versions": str,
+            "key": str,
+            "op": str,
+            "candidate": str,
+            "source": str,
+            "params": str,
+            "median_us": float,
+            "baseline_us": float,
+            "speedup": float,
+            "run_id": str,
+            "submitters": int,
+            "seq": int,
+            "updated_at": float,
+        },
+        pk=("device_class", "versions", "key"),
+    )
+    db["srv_winners"].create_index(["device_class", "versions", "seq"])
+    db["srv_winners"].create_index(["device_class", "seq"])
+    db["srv_winners"].create_index(["device_class", "key"])  # lookups without versions
+    db["srv_pending"].create(  # a large change waiting for a second submitter or an admin
+        {
+            "device_class": str,
+            "versions": str,
+            "key": str,
+            "candidate": str,
+            "source": str,
+            "params": str,
+            "us": float,
+            "served_candidate": str,
+            "served_us": float,
+            "margin": float,
+            "supporters": str,  # JSON list of token ids whose own results back the change
+            "updated_at": float,
+        },
+        pk=("device_class", "versions", "key"),
+    )
+    db["srv_misses"].create(
+        {
+            "device_class": str,
+            "versions": str,
+            "key": str,
+            "op": str,
+            "count": int,
+            "first_seen": float,
+            "last_seen": float,
+        },
+        pk=("device_class", "versions", "key"),
+    )
+    db["srv_queue"].create(
+        {
+            "device_class": str,
+            "versions": str,
+            "key": str,
+            "op": str,
+            "state": str,  # queued | leased | done | failed
+            "misses": int,
+            "attempts": int,
+            "lease_id": str,
+            "lease_expires": float,
+            "enqueued_at": float,
+            "updated_at": float,
+        },
+        pk=("device_class", "versions", "key"),
+    )
+    db["srv_queue"].create_index(["device_class", "versions", "state"])
+    db["srv_queue"].create_index(["lease_id"])
+    db["srv_leases"].create(
+        {
+            "id": str,
+            "worker": str,
+            "submitter": str,
+            "device_class": str,
+            "versions": str,
+            "keys": int,
+            "created_at": float,
+            "expires_at": float,
+            "completed_at": float,
+        },
+        pk="id",
+    )
+    db["srv_counters"].create({"name": str, "value": int}, pk="name")
+    db["srv_counters"].insert({"name": "winner_seq", "value": 0})
+
+
+def _v2(db: sqlite_utils.Database) -> None:
+    """The launch mode (eager or graph) of measurements and served winners; the host's tables
+    and the ``meta`` table leave files that carried them."""
+    for table in ("srv_measurements", "srv_winners"):
+        db[table].add_column("launch", str, not_null_default="eager")
+    for table in (*HOST_TABLES, "meta"):
+        db[table].drop(ignore=True)
+
+
+def _legacy_version(db: sqlite_utils.Database, path: Path) -> int:
+    version = legacy_meta(db, path)
+    if version != SHARED_SCHEMA_VERSION or "srv_tokens" not in db.table_names():
+        raise StoreError(f"{path} is a tuner cache (schema {version}), not a tuner fleet database")
+    if held := filled(db, HOST_TABLES):
+        raise StoreError(
+            f"{path} is a tuner cache (its {', '.join(held)} hold rows), not a tuner fleet "
+            "database; give 'tuner serve --db' a file of its own"
+        )
+    return 1
+
+
+FLEET = register(
+    Schema(
+        kind="tuner fleet database",
+        application_id=0x544E5246,  # "TNRF"
+        migrations=(_v1, _v2),
+        legacy_version=_legacy_version,
+    )
+)

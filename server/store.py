@@ -1,0 +1,375 @@
+"""The fleet service's database access: every SQL statement of the service lives here.
+
+``FleetStore`` is one connection to the service's file (schema ``server.schema.FLEET``). The
+policy modules (``results`` for the merge, ``queue`` for leases, ``tokens``) call its methods and
+never see SQL. Methods that write assume the caller holds ``transaction()`` where several
+statements must agree (a winner, its sequence number and the queue); the others open their own.
+Hot reads (winner lookups, the feed, token checks) use raw sqlite3 cursors: building dicts
+through sqlite-utils costs more than the queries.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from server.schema import FLEET
+from tuner.cache.store import DeviceFile
+from tuner.core.keys import key_op
+
+Group = tuple[str, str, str]  # device class, versions, key
+
+MEASUREMENT_COLS = (
+    "uid", "submitter", "device_class", "versions", "key", "op", "candidate", "source", "params",
+    "is_baseline", "status", "median_us", "p10_us", "p90_us", "reps", "host_us", "max_rel_err",
+    "error", "host", "run_id", "created_at", "received_at", "launch",
+)  # fmt: skip
+WINNER_COLUMNS = (
+    "device_class", "versions", "key", "op", "candidate", "source", "params", "median_us",
+    "baseline_us", "speedup", "run_id", "submitters", "seq", "updated_at", "launch",
+)  # fmt: skip
+_WINNER_SELECT = f"select {', '.join(WINNER_COLUMNS)} from srv_winners"
+_GROUP = "device_class = ? and versions = ? and key = ?"
+_OK = f"{_GROUP} and status = 'ok' and median_us > 0"
+
+
+def _winner(row: dict[str, Any]) -> dict[str, Any]:
+    """A served winner as the API sends it (params as an object)."""
+    return {**row, "params": json.loads(row["params"])}
+
+
+class FleetStore(DeviceFile):
+    schema = FLEET
+
+    # --- tokens ---------------------------------------------------------------------------------
+
+    def add_token(
+        self, token_id: str, name: str, secret_hash: str, scopes: str, now: float
+    ) -> None:
+        with self.transaction() as c:
+            c.execute(
+                "insert into srv_tokens(id, name, secret_hash, scopes, created_at) "
+                "values (?, ?, ?, ?, ?)",
+                (token_id, name, secret_hash, scopes, now),
+            )
+
+    def tokens(self) -> list[dict[str, Any]]:
+        return list(self.db.query("select * from srv_tokens order by created_at"))
+
+    def token(self, token_id: str) -> dict[str, Any] | None:
+        rows = list(self.db.query("select * from srv_tokens where id = ?", [token_id]))
+        return rows[0] if rows else None
+
+    def token_for_check(self, token_id: str) -> tuple | None:
+        """(id, name, scopes, created_at, revoked_at, secret_hash): runs on every request."""
+        return self.db.conn.execute(
+            "select id, name, scopes, created_at, revoked_at, secret_hash from srv_tokens "
+            "where id = ?",
+            (token_id,),
+        ).fetchone()
+
+    def revoke_token(self, token_id: str, now: float) -> bool:
+        """Mark a valid token revoked; False if it is unknown or already revoked."""
+        with self.transaction() as c:
+            return bool(
+                c.execute(
+                    "update srv_tokens set revoked_at = ? where id = ? and revoked_at is null",
+                    (now, token_id),
+                ).rowcount
+            )
+
+    def valid_token_scopes(self) -> list[tuple[str, str]]:
+        """(id, comma-separated scopes) of every token not revoked."""
+        return self.db.conn.execute(
+            "select id, scopes from srv_tokens where revoked_at is null"
+        ).fetchall()
+
+    # --- measurements and merged results (in the caller's transaction) --------------------------
+
+    def add_measurement(self, row: dict[str, Any]) -> bool:
+        """Insert one submitted measurement; False if its uid was seen before."""
+        sql = (
+            f"insert or ignore into srv_measurements({', '.join(MEASUREMENT_COLS)}) "
+            f"values ({', '.join('?' * len(MEASUREMENT_COLS))})"
+        )
+        return bool(self.db.conn.execute(sql, [row[k] for k in MEASUREMENT_COLS]).rowcount)
+
+    def recent_ok(self, group: Group, recent: int) -> list[tuple]:
+        """The ok results of ``group``, each token's latest ``recent`` per candidate, oldest
+        first: (candidate, source, params, is_baseline, submitter, median_us, p10_us, p90_us,
+        host_us, run_id, launch)."""
+        return self.db.conn.execute(
+            "select candidate, source, params, is_baseline, submitter, median_us, p10_us, p90_us, "
+            "host_us, run_id, launch from (select *, row_number() over (partition by submitter, "
+            f"candidate order by id desc) as recent from srv_measurements where {_OK}) "
+            "where recent <= ? order by id",
+            (*group, recent),
+        ).fetchall()
+
+    def ok_counts(self, group: Group) -> dict[str, int]:
+        """Candidate -> number of ok results of ``group``, however old."""
+        return dict(
+            self.db.conn.execute(
+                f"select candidate, count(*) from srv_measurements where {_OK} group by candidate",
+                group,
+            )
+        )
+
+    def put_results(self, group: Group, rows: Iterable[dict[str, Any]], now: float) -> None:
+        """Replace the per-candidate aggregates of ``group`` (rows of ``Aggregate.to_row``)."""
+        self.db.conn.executemany(
+            "insert or replace into srv_results(device_class, versions, key, candidate, source, "
+            "params, is_baseline, us, spread, noise, count, submitters, updated_at) "
+            f"values ({', '.join('?' * 13)})",
+            [
+                (*group, r["candidate"], r["source"], r["params"], r["is_baseline"], r["us"],
+                 r["spread"], r["noise"], r["count"], r["submitters"], now)
+                for r in rows
+            ],
+        )  # fmt: skip
+
+    # --- served winners -------------------------------------------------------------------------
+
+    def served_candidate(self, group: Group) -> str | None:
+        row = self.db.conn.execute(
+            f"select candidate from srv_winners where {_GROUP}", group
+        ).fetchone()
+        return row[0] if row else None
+
+    def serve(self, group: Group, winner: dict[str, Any]) -> int:
+        """Make ``winner`` (``WINNER_COLUMNS`` less the group, op and seq) the served winner of
+        ``group`` under the next sequence number, clear what was pending and mark its queue entry
+        done (in the caller's transaction). Returns the sequence number."""
+        c = self.db.conn
+        (seq,) = c.execute(
+            "update srv_counters set value = value + 1 where name = 'winner_seq' returning value"
+        ).fetchone()
+        row = {"device_class": group[0], "versions": group[1], "key": group[2],
+               "op": key_op(group[2]), "seq": seq, **winner}  # fmt: skip
+        c.execute(
+            f"insert or replace into srv_winners({', '.join(WINNER_COLUMNS)}) "
+            f"values ({', '.join('?' * len(WINNER_COLUMNS))})",
+            [row[k] for k in WINNER_COLUMNS],
+        )
+        self.clear_pending(group)
+        c.execute(  # lease_id kept: ending the lease reports the key as done
+            f"update srv_queue set state = 'done', updated_at = ? where {_GROUP}",
+            (time.time(), *group),
+        )
+        return seq
+
+    def refresh_winner(
+        self, group: Group, median_us: float, baseline_us: float, submitters: int
+    ) -> None:
+        """Fresher figures for the same served winner (no new sequence number)."""
+        self.db.conn.execute(
+            "update srv_winners set median_us = ?, baseline_us = ?, speedup = ?, submitters = ? "
+            f"where {_GROUP}",
+            (median_us, baseline_us, baseline_us / median_us if median_us else 1.0, submitters,
+             *group),
+        )  # fmt: skip
+
+    def winners_of(self, device_class: str, key: str, versions: str | None) -> list[dict]:
+        """The served winners of a key: one per versions, or the one of ``versions``."""
+        where = "device_class = ? and key = ?" + (
+            " and versions = ?" if versions is not None else ""
+        )
+        args = [device_class, key] + ([versions] if versions is not None else [])
+        return self._winner_dicts(f"{_WINNER_SELECT} where {where}", args)
+
+    def lookup(self, device_class: str, versions: str, keys: list[str]) -> list[dict]:
+        found: list[dict] = []
+        for i in range(0, len(keys), 500):  # SQLite's bound-parameter limit
+            chunk = keys[i : i + 500]
+            found += self._winner_dicts(
+                f"{_WINNER_SELECT} where device_class = ? and versions = ? "
+                f"and key in ({', '.join('?' * len(chunk))})",
+                [device_class, versions, *chunk],
+            )
+        return found
+
+    def feed(self, device_class: str, versions: str | None, since: int, limit: int) -> list[tuple]:
+        """Up to ``limit`` winners changed after sequence ``since``, oldest first, as rows of
+        ``WINNER_COLUMNS`` (params as JSON text)."""
+        where = "device_class = ? and seq > ?" + (
+            " and versions = ?" if versions is not None else ""
+        )
+        args = [device_class, since] + ([versions] if versions is not None else [])
+        return self.db.conn.execute(
+            f"{_WINNER_SELECT} where {where} order by seq limit ?", [*args, limit]
+        ).fetchall()
+
+    def served_count(self) -> int:
+        return self.db.conn.execute("select count(*) from srv_winners").fetchone()[0]
+
+    def _winner_dicts(self, sql: str, args: list[Any]) -> list[dict]:
+        cur = self.db.conn.execute(sql, args)
+        cols = [d[0] for d in cur.description]
+        return [_winner(dict(zip(cols, r, strict=True))) for r in cur]
+
+    # --- pending changes ------------------------------------------------------------------------
+
+    def put_pending(self, group: Group, proposal: dict[str, Any]) -> None:
+        """Remember a change awaiting confirmation (candidate, source, params, us,
+        served_candidate, served_us, margin, supporters)."""
+        self.db.conn.execute(
+            "insert or replace into srv_pending(device_class, versions, key, candidate, source, "
+            "params, us, served_candidate, served_us, margin, supporters, updated_at) "
+            "values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (*group, proposal["candidate"], proposal["source"], proposal["params"],
+             proposal["us"], proposal["served_candidate"], proposal["served_us"],
+             proposal["margin"], json.dumps(proposal["supporters"]), time.time()),
+        )  # fmt: skip
+
+    def clear_pending(self, group: Group) -> None:
+        self.db.conn.execute(f"delete from srv_pending where {_GROUP}", group)
+
+    def pending_candidate(self, group: Group) -> str | None:
+        row = self.db.conn.execute(
+            f"select candidate from srv_pending where {_GROUP}", group
+        ).fetchone()
+        return row[0] if row else None
+
+    def pending(self, device_class: str | None, limit: int) -> list[dict[str, Any]]:
+        where = " where device_class = ?" if device_class else ""
+        rows = self.db.query(
+            f"select * from srv_pending{where} order by updated_at desc limit ?",
+            [device_class, limit] if device_class else [limit],
+        )
+        return [
+            {**r, "params": json.loads(r["params"]), "supporters": json.loads(r["supporters"])}
+            for r in rows
+        ]
+
+    # --- misses and the queue -------------------------------------------------------------------
+
+    def count_misses(self, device_class: str, versions: str, misses: list[tuple[str, int]]) -> None:
+        now = time.time()
+        self.db.conn.executemany(
+            "insert into srv_misses(device_class, versions, key, op, count, first_seen, last_seen) "
+            "values (?, ?, ?, ?, ?, ?, ?) on conflict(device_class, versions, key) do update set "
+            "count = count + excluded.count, last_seen = excluded.last_seen",
+            [(device_class, versions, k, key_op(k), n, now, now) for k, n in misses],
+        )
+
+    def enqueue(self, group: Group, misses: int) -> bool:
+        """Queue an unserved key, or add to its miss count. True if newly queued."""
+        if self.served_candidate(group) is not None:
+            return False
+        now = time.time()
+        c = self.db.conn
+        inserted = c.execute(
+            "insert into srv_queue(device_class, versions, key, op, state, misses, attempts, "
+            "enqueued_at, updated_at) values (?, ?, ?, ?, 'queued', ?, 0, ?, ?) "
+            "on conflict(device_class, versions, key) do nothing",
+            (*group, key_op(group[2]), misses, now, now),
+        ).rowcount
+        if not inserted:
+            c.execute(
+                f"update srv_queue set misses = misses + ?, updated_at = ? where {_GROUP}",
+                (misses, now, *group),
+            )
+        return bool(inserted)
+
+    def expire_leases(self, max_attempts: int, now: float) -> int:
+        """Return the keys of run-out leases to the queue (or fail them). Returns how many."""
+        c = self.db.conn
+        c.execute(
+            "update srv_queue set attempts = attempts + 1, lease_id = null, lease_expires = null, "
+            "updated_at = ?, state = case when attempts + 1 >= ? then 'failed' else 'queued' end "
+            "where state = 'leased' and lease_expires <= ?",
+            (now, max_attempts, now),
+        )
+        return c.execute("select changes()").fetchone()[0]
+
+    def queued_keys(self, device_class: str, versions: str, limit: int) -> list[str]:
+        """The most-missed queued keys of a device class and versions."""
+        return [
+            r[0]
+            for r in self.db.conn.execute(
+                "select key from srv_queue where device_class = ? and versions = ? "
+                "and state = 'queued' order by misses desc, enqueued_at, key limit ?",
+                (device_class, versions, limit),
+            )
+        ]
+
+    def lease(self, lease: dict[str, Any], keys: list[str]) -> None:
+        """Record a lease (id, worker, submitter, device_class, versions, created_at,
+        expires_at) and mark its keys leased."""
+        c = self.db.conn
+        c.executemany(
+            "update srv_queue set state = 'leased', lease_id = ?, lease_expires = ?, "
+            f"updated_at = ? where {_GROUP}",
+            [(lease["id"], lease["expires_at"], lease["created_at"], lease["device_class"],
+              lease["versions"], k) for k in keys],
+        )  # fmt: skip
+        c.execute(
+            "insert into srv_leases(id, worker, submitter, device_class, versions, keys, "
+            "created_at, expires_at) values (?, ?, ?, ?, ?, ?, ?, ?)",
+            (lease["id"], lease["worker"], lease["submitter"], lease["device_class"],
+             lease["versions"], len(keys), lease["created_at"], lease["expires_at"]),
+        )  # fmt: skip
+
+    def lease_row(self, lease_id: str) -> dict[str, Any] | None:
+        row = self.db.conn.execute(
+            "select id, submitter, completed_at, expires_at from srv_leases where id = ?",
+            (lease_id,),
+        ).fetchone()
+        return (
+            dict(zip(("id", "submitter", "completed_at", "expires_at"), row, strict=True))
+            if row
+            else None
+        )
+
+    def lease_entries(self, lease_id: str) -> list[tuple[str, str, int]]:
+        """(key, state, attempts) of the queue entries under a lease."""
+        return self.db.conn.execute(
+            "select key, state, attempts from srv_queue where lease_id = ?", (lease_id,)
+        ).fetchall()
+
+    def return_key(self, lease_id: str, key: str, state: str, now: float) -> None:
+        """Take a key out of its lease into ``state`` (queued or failed), counting an attempt."""
+        self.db.conn.execute(
+            "update srv_queue set state = ?, attempts = attempts + 1, lease_id = null, "
+            "lease_expires = null, updated_at = ? where lease_id = ? and key = ?",
+            (state, now, lease_id, key),
+        )
+
+    def complete_lease(self, lease_id: str, now: float) -> None:
+        self.db.conn.execute("update srv_leases set completed_at = ? where id = ?", (now, lease_id))
+
+    def queue(
+        self, device_class: str | None, versions: str | None, state: str | None, limit: int
+    ) -> list[dict[str, Any]]:
+        """Queue entries as a reader sees them: a run-out lease already shows as queued."""
+        now = time.time()
+        shown = "case when state = 'leased' and lease_expires <= ? then 'queued' else state end"
+        where, args = [], []
+        for expr, val in (("device_class = ?", device_class), ("versions = ?", versions)):
+            if val is not None:
+                where.append(expr)
+                args.append(val)
+        if state is not None:
+            where.append(f"{shown} = ?")
+            args += [now, state]
+        sql = (
+            f"select device_class, versions, key, op, {shown} as state, misses, attempts, "
+            "lease_expires, enqueued_at, updated_at from srv_queue"
+            + (" where " + " and ".join(where) if where else "")
+            + " order by misses desc, enqueued_at, key limit ?"
+        )
+        return list(self.db.query(sql, [now, *args, limit]))
+
+    def queue_counts(self) -> dict[str, int]:
+        return dict(self.db.conn.execute("select state, count(*) from srv_queue group by state"))
+
+    def misses(self, device_class: str | None, limit: int) -> list[dict[str, Any]]:
+        where = " where device_class = ?" if device_class else ""
+        return list(
+            self.db.query(
+                f"select * from srv_misses{where} order by count desc, key limit ?",
+                [device_class, limit] if device_class else [limit],
+            )
+        )

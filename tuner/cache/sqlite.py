@@ -1,0 +1,182 @@
+"""A SQLite file that one kind of program owns: open, check, migrate, transact.
+
+The local cache (``tuner.cache.Store``) and the fleet service's database (``server.store``)
+share this base and nothing else: each declares a ``Schema`` (its ``application_id``, its
+migrations) and gets the same guarantees. The file is in WAL mode and every write is a single
+``BEGIN IMMEDIATE`` transaction, so several processes can write into one file and no result is
+lost. A file of another kind (foreign, corrupt, or from a newer tuner) raises ``StoreError``
+before anything is written to it; a current file is only read on open, so opening never waits
+for, or blocks, a writer. Migrations run in one transaction: all of them or none.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Self
+
+import sqlite_utils
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+Migration = Callable[[sqlite_utils.Database], None]
+
+
+class StoreError(Exception):
+    """The file cannot be used as it is; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Schema:
+    """What a kind of file holds. ``migrations[i]`` takes version ``i`` to ``i + 1`` (0 is an
+    empty file); add one at the end to change the schema, never edit an old one.
+
+    ``legacy_version`` reads the version of a file written before application ids were set
+    (``application_id`` 0 with tables), or raises ``StoreError`` when such a file is not of
+    this kind."""
+
+    kind: str  # names the file in messages: "tuner cache", "tuner fleet database"
+    application_id: int
+    migrations: Sequence[Migration]
+    legacy_version: Callable[[sqlite_utils.Database, Path], int]
+
+    @property
+    def version(self) -> int:
+        return len(self.migrations)
+
+
+KINDS: dict[int, str] = {}  # application_id -> kind, for naming a file of another tuner kind
+
+
+def register(schema: Schema) -> Schema:
+    KINDS[schema.application_id] = schema.kind
+    return schema
+
+
+# Closing *any* file descriptor on a SQLite file drops every POSIX lock this process holds on it
+# (sqlite.org/howtocorrupt.html, 2.2); another process closing its last connection may then
+# delete the WAL under this process's open connections. So the header check, which opens the
+# file with plain ``open()``, only runs while no connection of this process has the file open.
+_OPEN_FILES: collections.Counter[str] = collections.Counter()
+_OPEN_LOCK = threading.Lock()
+
+
+def _check_header(path: Path) -> None:
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("rb") as f:
+        head = f.read(len(SQLITE_MAGIC))
+    if head != SQLITE_MAGIC:
+        raise StoreError(
+            f"{path} is not a SQLite database (corrupt or another kind of file); refusing to touch it"
+        )
+
+
+class SqliteFile:
+    """One connection to one file of ``schema``'s kind; open one per thread."""
+
+    schema: ClassVar[Schema]
+
+    def __init__(self, path: str | Path, *, timeout_s: float = 60.0) -> None:
+        self.path = Path(path)
+        self._file: str | None = None
+        if str(path) != ":memory:":
+            if self.path.is_dir():
+                raise StoreError(f"{path} is a directory, not a {self.schema.kind} file")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StoreError(f"{path}: cannot create its directory: {e.strerror}") from None
+            self._file = os.path.realpath(self.path)
+        with _OPEN_LOCK:
+            if self._file is not None and not _OPEN_FILES[self._file]:
+                try:
+                    _check_header(self.path)
+                except OSError as e:
+                    raise StoreError(f"{path} cannot be read: {e.strerror}") from None
+            try:
+                conn = sqlite3.connect(
+                    str(path), timeout=timeout_s, isolation_level=None, check_same_thread=False
+                )
+                conn.execute("PRAGMA synchronous=NORMAL")  # a setting of this connection only
+            except sqlite3.DatabaseError as e:
+                raise StoreError(f"{path} cannot be opened as a {self.schema.kind}: {e}") from None
+            if self._file is not None:
+                _OPEN_FILES[self._file] += 1
+        self.db = sqlite_utils.Database(conn)
+        try:
+            self._open()
+        except StoreError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.db.conn.close()
+        if self._file is not None:
+            with _OPEN_LOCK:
+                _OPEN_FILES[self._file] -= 1
+                if _OPEN_FILES[self._file] <= 0:
+                    del _OPEN_FILES[self._file]
+            self._file = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction that takes the write lock up front (no upgrade deadlocks)."""
+        conn = self.db.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def schema_version(self) -> int:
+        """The file's schema version; StoreError if it is not a file of this kind."""
+        conn = self.db.conn
+        (app_id,) = conn.execute("PRAGMA application_id").fetchone()
+        if app_id == self.schema.application_id:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+        elif app_id in KINDS:
+            raise StoreError(f"{self.path} is a {KINDS[app_id]}, not a {self.schema.kind}")
+        elif app_id:
+            raise StoreError(
+                f"{self.path} is a SQLite database of another application "
+                f"(application_id={app_id:#x}); refusing to touch it"
+            )
+        elif not self.db.table_names():
+            version = 0
+        else:
+            version = self.schema.legacy_version(self.db, self.path)
+        if version > self.schema.version:
+            raise StoreError(
+                f"{self.path} has schema version {version}, newer than this tuner's "
+                f"{self.schema.version}; upgrade tuner"
+            )
+        return version
+
+    def _open(self) -> None:
+        """Check the file, then bring its schema up to date in one transaction."""
+        try:
+            if self.schema_version() == self.schema.version:
+                return
+            self.db.conn.execute("PRAGMA journal_mode=WAL")
+            with self.transaction() as c:
+                version = self.schema_version()  # again, under the write lock
+                for step in self.schema.migrations[version:]:
+                    step(self.db)
+                c.execute(f"PRAGMA application_id={int(self.schema.application_id)}")
+                c.execute(f"PRAGMA user_version={int(self.schema.version)}")
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"{self.path} is corrupt or not a {self.schema.kind}: {e}") from None
