@@ -127,7 +127,7 @@ def complete_queue(lease: FleetLease, store: Store, fp: Fingerprint) -> dict[str
 
     if lease.lease_id is None:
         return None
-    winners = {w.key: w for w in store.winners(fp.device_class) if w.versions == fp.version_tag}
+    winners = {w.key: w for w in store.winners(fp.device_class) if w.measured_under(fp)}
     runs: list[list[Measurement]] = []
     for key in lease.keys:
         w = winners.get(key)
@@ -258,7 +258,7 @@ def tunableop_export(
 
     store = Store(store_path)
     fp = fingerprint()
-    winners = [w for w in store.winners(fp.device_class, op="gemm") if w.versions == fp.version_tag]
+    winners = [w for w in store.winners(fp.device_class, op="gemm") if w.measured_under(fp)]
     version = pt_version or tunableop.torch_version_tag(torch.__version__)
     exp = tunableop.export(winners, version)
     tmp = output.with_suffix(output.suffix + ".tmp")

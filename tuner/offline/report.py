@@ -106,12 +106,12 @@ def _journal_index(journal: list[dict[str, Any]], device_class: str) -> dict[str
     return out
 
 
-def _row(label: str, key: str, winner: Winner | None, records: list[dict], versions: str) -> Row:
+def _row(label: str, key: str, winner: Winner | None, records: list[dict], fp: Fingerprint) -> Row:
     if winner is not None:
         tuned = [r for r in records if r["status"] == "tuned"]
         match = [r for r in tuned if r.get("run_id") == winner.run_id] or tuned[-1:]
         return Row(
-            label, key, "tuned" if winner.versions == versions else "stale",
+            label, key, "tuned" if winner.measured_under(fp) else "stale",
             winner.baseline_us, winner.median_us, winner.source, winner.candidate,
             match[-1]["seconds"] if match else None,
         )  # fmt: skip
@@ -139,7 +139,7 @@ def build(
         failed = {k for k, recs in records.items() if recs[-1]["status"] in ("failed", "timeout")}
         items = [(short_label(k), k) for k in sorted(set(winners) | failed, key=_order)]
     rows = [
-        _row(label, key, winners.get(key), records.get(key, []), fp.version_tag)
+        _row(label, key, winners.get(key), records.get(key, []), fp)
         for label, key in items
     ]
     return Report(

@@ -110,7 +110,7 @@ class ProblemSet:
 
 def current_keys(store: Store, fp: Fingerprint) -> set[str]:
     """Keys that have a winner for this device class measured under these versions."""
-    return {w.key for w in store.winners(fp.device_class) if w.versions == fp.version_tag}
+    return {w.key for w in store.winners(fp.device_class) if w.measured_under(fp)}
 
 
 def pending(store: Store, fp: Fingerprint, keys: Iterable[Key], force: bool = False) -> list[Key]:
@@ -477,7 +477,7 @@ def _tune_one(
 
     t0 = time.perf_counter()
     existing = store.winner(fp.device_class, key)
-    if not force and existing is not None and existing.versions == fp.version_tag:
+    if not force and existing is not None and existing.measured_under(fp):
         return Result(key, "skipped", 0.0, index, fp.device_class, existing.to_row())
     try:
         outcome = tune(parse_key(key), options=options)

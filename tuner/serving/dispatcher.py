@@ -34,6 +34,7 @@ from tuner.candidates.base import Runner
 from tuner.candidates.torch_ref import bottom_right_mask
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, Key, SdpaKey
+from tuner.core.settings import load_config_file
 from tuner.measure.records import Winner
 from tuner.serving.buckets import DEFAULT_POLICY, BucketIndex, check_policy, transfer_problem
 
@@ -308,8 +309,8 @@ class Dispatcher:
         if device_class not in self._winners:
             store = self._open_store()
             winners = store.winners(device_class) if store else []
-            current = fingerprint(device_class.partition("-")[0]).version_tag
-            stale = [w for w in winners if w.versions != current]
+            current = fingerprint(device_class.partition("-")[0])
+            stale = [w for w in winners if not w.measured_under(current)]
             if stale:
                 log.warning(
                     "%d of %d winners for %s were measured under other versions (%s them: "
@@ -321,7 +322,7 @@ class Dispatcher:
                     self.stale,
                 )
             if self.stale == "ignore":  # stale keys become misses: recorded or retuned
-                winners = [w for w in winners if w.versions == current]
+                winners = [w for w in winners if w.measured_under(current)]
             self._winners[device_class] = {w.key: w for w in winners}
         return self._winners[device_class]
 
@@ -385,6 +386,7 @@ _dispatcher: Dispatcher | None = None
 def get_dispatcher() -> Dispatcher:
     global _dispatcher
     if _dispatcher is None:
+        load_config_file()  # defaults from the config file; the environment wins
         _dispatcher = Dispatcher()
         if os.environ.get("TUNER_SERVER") and _dispatcher.mode != "off":
             from tuner.fleet.client import attach  # fleet sync: a daemon thread, off the hot path
