@@ -1,0 +1,190 @@
+"""The low-bit GEMM kernels: W4A16 (GEMV and tiled paths, group sizes, fp16/bf16) and FP8 with
+tensorwise / rowwise scales (tiled, split-K, persistent TMA) against float32 GEMMs on the
+dequantized operands, with tolerances from the formats (``tuner.quant.tolerance``); planted
+wrong results must fall outside them. CPU: Triton's interpreter, whose bf16 tl.dot is wrong,
+so the tiled W4A16 path runs fp16 there and bf16 on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tuner.candidates.triton_kernels import fp8 as fp8_kernels
+from tuner.candidates.triton_kernels import w4a16
+from tuner.quant import fp8, int4
+from tuner.quant.tolerance import (
+    FP8_TENSOR_CORE_ACCUMULATE,
+    FP32_ACCUMULATE,
+    excess,
+    gemm_tolerance,
+    unit_roundoff,
+)
+
+HAS_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_GPU else "cpu"
+LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K) projections
+
+GEMV = {"kernel": "gemv", "bm": 4, "bn": 16, "bk": 32, "split_k": 2}
+TILED = {"kernel": "tiled", "bm": 16, "bn": 32, "bk": 32, "split_k": 1}
+TILED_SPLIT = {**TILED, "split_k": 2}
+
+
+def int4_problem(m: int, n: int, k: int, g: int, dtype: torch.dtype, device: str = DEVICE):
+    w = torch.randn(n, k, dtype=dtype, device=device)
+    q, sz = int4.quantize(w, g)
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    wd = int4.dequantize(q, sz, g)
+    ref = x.float() @ wd.T
+    tol = gemm_tolerance(x, wd, ref, operand_unit=unit_roundoff(dtype),
+                         accumulate_unit=FP32_ACCUMULATE, out_dtype=dtype)  # fmt: skip
+    return x, q, sz, ref, tol
+
+
+W4_CASES = [
+    (1, GEMV, 32, torch.bfloat16),
+    (3, GEMV, 64, torch.float16),
+    (4, GEMV, 128, torch.bfloat16),
+    (5, TILED_SPLIT, 32, torch.float16),
+    (37, TILED, 64, torch.float16),
+    (16, TILED_SPLIT, 128, torch.float16),
+]
+
+
+@pytest.mark.parametrize(("m", "config", "g", "dtype"), W4_CASES)
+def test_w4a16_matches_the_dequantized_gemm(m, config, g, dtype) -> None:
+    x, q, sz, ref, tol = int4_problem(m, 40, 256, g, dtype)
+    out = w4a16.w4a16_matmul(x, int4.pack(q), sz, g, config)
+    assert out.dtype == dtype and out.shape == (m, 40)
+    assert excess(out, ref, tol) <= 1
+
+
+@pytest.mark.parametrize("config", [GEMV, TILED])
+def test_w4a16_planted_errors_are_caught(config) -> None:
+    """Nibbles in the wrong order, the scales of the neighbouring group, one K tile dropped."""
+    g = 32
+    x, q, sz, ref, tol = int4_problem(4, 32, 256, g, torch.float16)
+    swapped = int4.pack(q.reshape(32, -1, 2).flip(-1).reshape(32, 256))
+    assert excess(w4a16.w4a16_matmul(x, swapped, sz, g, config), ref, tol) > 1
+    shifted = sz.roll(1, dims=0).contiguous()
+    assert excess(w4a16.w4a16_matmul(x, int4.pack(q), shifted, g, config), ref, tol) > 1
+    short = x.clone()
+    short[:, -32:] = 0
+    assert excess(w4a16.w4a16_matmul(short, int4.pack(q), sz, g, config), ref, tol) > 1
+
+
+def test_w4a16_configs_are_valid_for_llama_shapes() -> None:
+    for n, k in LLAMA3_8B:
+        for m in (1, 3, 16, 256, 2048):
+            for g in (32, 64, 128):
+                shortlist = w4a16.configs(m, n, k, g)
+                assert shortlist
+                for config in shortlist:
+                    w4a16.check_config(config, k, g)
+                    if config["kernel"] == "gemv":
+                        assert config["bm"] >= m
+
+
+def test_w4a16_bad_inputs_name_the_field() -> None:
+    x, q, sz, _, _ = int4_problem(2, 16, 128, 32, torch.float16, "cpu")
+    w = int4.pack(q)
+    cases = [
+        ((x.float(), w, sz, 32), "x.dtype"),
+        ((x, w[:, :32].contiguous(), sz, 32), "weight.shape"),
+        ((x, w.int(), sz, 32), "weight"),
+        ((x, w, sz, 48), "group_size=48"),
+        ((x, w, sz.bfloat16(), 32), "scales_and_zeros.dtype"),
+        ((x, w, sz[:2].contiguous(), 32), "scales_and_zeros.shape"),
+        ((x, w, sz, 64), "scales_and_zeros.shape"),
+    ]
+    for args, field in cases:
+        with pytest.raises(ValueError, match=field):
+            w4a16.w4a16_matmul(*args)
+    with pytest.raises(ValueError, match="config\\['bk'\\]"):
+        w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "bk": 64})
+    with pytest.raises(ValueError, match="config\\['split_k'\\]"):
+        w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "split_k": 3})
+    with pytest.raises(ValueError, match="config\\['kernel'\\]"):
+        w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "kernel": "cutlass"})
+
+
+def fp8_problem(m: int, n: int, k: int, rowwise: bool, fa: str = "e4m3", fb: str = "e4m3"):
+    quant = fp8.quantize_rowwise if rowwise else fp8.quantize_tensorwise
+    a, sa = quant(torch.randn(m, k, device=DEVICE), fa)
+    b, sb = quant(torch.randn(n, k, device=DEVICE) * 0.05, fb)
+    da, db = fp8.dequantize(a, sa), fp8.dequantize(b, sb)
+    ref = da @ db.T
+    tol = gemm_tolerance(da, db, ref, operand_unit=0.0,
+                         accumulate_unit=FP8_TENSOR_CORE_ACCUMULATE, out_dtype=torch.bfloat16)  # fmt: skip
+    return a, b, sa, sb, ref, tol
+
+
+FP8_CASES = [
+    (5, True, "e4m3", "e4m3", {"kernel": "tiled", "bm": 16, "bn": 16, "bk": 32, "split_k": 3}),
+    (20, False, "e4m3", "e4m3", {"kernel": "tiled", "bm": 16, "bn": 32, "bk": 32}),
+    (20, True, "e5m2", "e4m3", {"kernel": "tiled", "bm": 16, "bn": 32, "bk": 64}),
+    (33, True, "e4m3", "e5m2", {"kernel": "persistent_tma", "bm": 16, "bn": 32, "bk": 32}),
+]
+
+
+@pytest.mark.parametrize(("m", "rowwise", "fa", "fb", "config"), FP8_CASES)
+def test_fp8_matches_the_dequantized_gemm(m, rowwise, fa, fb, config) -> None:
+    a, b, sa, sb, ref, tol = fp8_problem(m, 40, 96, rowwise, fa, fb)
+    out = fp8_kernels.fp8_matmul(a, b, sa, sb.T if rowwise else sb, config)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, 40)
+    assert excess(out, ref, tol) <= 1
+
+
+def test_fp8_planted_errors_are_caught() -> None:
+    config = FP8_CASES[0][-1]
+    a, b, sa, sb, ref, tol = fp8_problem(5, 40, 96, True)
+    assert excess(fp8_kernels.fp8_matmul(a, b, sa, sb.flip(0), config), ref, tol) > 1
+    short = a.clone()
+    short[:, -32:] = 0
+    assert excess(fp8_kernels.fp8_matmul(short, b, sa, sb, config), ref, tol) > 1
+
+
+def test_fp8_bad_inputs_name_the_field() -> None:
+    a, b, sa, sb, _, _ = fp8_problem(4, 16, 64, True)
+    one = torch.ones((), device=DEVICE)
+    cases = [
+        ((a.float(), b, sa, sb), "a.dtype"),
+        ((a.to(torch.float8_e5m2), b.to(torch.float8_e5m2), sa, sb), "e5m2 x e5m2"),
+        ((a, b[:, :32], sa, sb), "b.shape"),
+        ((a, b, sa.double(), sb), "scale_a.dtype"),
+        ((a, b, sa, one), "scale_b.shape"),
+        ((a, b, one, sb), "scale_a.shape"),
+    ]
+    for args, field in cases:
+        with pytest.raises(ValueError, match=field):
+            fp8_kernels.fp8_matmul(*args)
+    with pytest.raises(ValueError, match="config\\['kernel'\\]"):
+        fp8_kernels.fp8_matmul(a, b, sa, sb, {"kernel": "gemv", "bm": 16, "bn": 16, "bk": 32})
+
+
+# --- GPU: every config of the shortlists, torch's baselines beside ------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+@pytest.mark.parametrize("g", [32, 128])
+def test_w4a16_every_config_on_the_gpu(m: int, g: int) -> None:
+    n, k = 512, 2048
+    x, q, sz, ref, tol = int4_problem(m, n, k, g, torch.bfloat16)
+    packed = int4.pack(q)
+    for config in w4a16.configs(m, n, k, g):
+        assert excess(w4a16.w4a16_matmul(x, packed, sz, g, config), ref, tol) <= 1, config
+    torch_out = torch.ops.aten._weight_int4pack_mm(x, int4.to_torch_int4pack(packed), g, sz)
+    assert excess(torch_out, ref, tol) <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 200, 1024])
+@pytest.mark.parametrize("rowwise", [True, False])
+def test_fp8_every_config_on_the_gpu(m: int, rowwise: bool) -> None:
+    n, k = 512, 2048
+    a, b, sa, sb, ref, tol = fp8_problem(m, n, k, rowwise)
+    sb = sb.T if rowwise else sb
+    for config in fp8_kernels.configs(m, n, k):
+        assert excess(fp8_kernels.fp8_matmul(a, b, sa, sb, config), ref, tol) <= 1, config
+    torch_out = torch._scaled_mm(a, b.T, sa, sb, out_dtype=torch.bfloat16)
+    assert excess(torch_out, ref, tol) <= 1

@@ -1,0 +1,92 @@
+"""INT4 packing: round trips, the nibble order, torch's dequantization convention (CPU op), the
+errors on bad input; on a GPU, the round trip through torch's tile-packed format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tuner.quant import int4
+from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_roundoff
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def test_pack_puts_the_even_k_in_the_high_nibble() -> None:
+    q = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+    assert int4.pack(q).tolist() == [[0x12, 0xF0]]
+
+
+def test_pack_unpack_round_trip() -> None:
+    q = torch.randint(0, 16, (24, 256), dtype=torch.uint8)
+    packed = int4.pack(q)
+    assert packed.shape == (24, 128) and packed.dtype == torch.uint8
+    assert torch.equal(int4.unpack(packed), q)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_quantize_is_within_half_a_step(group_size: int) -> None:
+    w = torch.randn(16, 256, dtype=torch.bfloat16)
+    q, sz = int4.quantize(w, group_size)
+    assert sz.shape == (256 // group_size, 16, 2) and sz.dtype == torch.bfloat16
+    step = sz[..., 0].float().repeat_interleave(group_size, dim=0).T
+    err = (int4.dequantize(q, sz, group_size) - w.float()).abs()
+    # half a step from rounding q, plus bf16 rounding of scale and zero (|q - 8| <= 8 steps)
+    assert (err <= step * (0.5 + 9 * unit_roundoff(torch.bfloat16)) + 1e-6).all()
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="torch has no CPU int4 mm"
+)
+def test_dequantize_follows_torchs_int4_convention() -> None:
+    n, k, g = 32, 256, 64
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    sz = torch.randn(k // g, n, 2, dtype=torch.bfloat16)
+    x = torch.randn(4, k, dtype=torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, sz)
+    w = int4.dequantize(q, sz, g)
+    ref = x.float() @ w.T
+    tol = gemm_tolerance(x, w, ref, operand_unit=unit_roundoff(torch.bfloat16),
+                         accumulate_unit=FP32_ACCUMULATE, out_dtype=torch.bfloat16)  # fmt: skip
+    assert excess(out, ref, tol) <= 1
+    # the opposite zero convention (no -8 offset) is far outside the bound
+    assert (
+        excess(out, x.float() @ (w + 8 * sz[..., 0].float().repeat_interleave(g, 0).T).T, tol) > 1
+    )
+
+
+def test_bad_inputs_name_the_field() -> None:
+    q = torch.randint(0, 16, (8, 128), dtype=torch.uint8)
+    sz = torch.ones(128 // 32, 8, 2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="group_size=48"):
+        int4.quantize(torch.randn(8, 128), 48)
+    with pytest.raises(ValueError, match="group_size=256"):
+        int4.dequantize(q, torch.ones(1, 8, 2), 256)
+    with pytest.raises(ValueError, match=r"scales_and_zeros\.shape"):
+        int4.dequantize(q, sz[:, :4], 32)
+    with pytest.raises(ValueError, match="q: values"):
+        int4.pack(q + 16)
+    with pytest.raises(ValueError, match=r"q\.shape"):
+        int4.pack(q[:, :127])
+    with pytest.raises(ValueError, match="inner_k_tiles=3"):
+        int4.to_torch_int4pack(int4.pack(q), inner_k_tiles=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inner_k_tiles", [2, 8])
+def test_torch_tile_pack_round_trip_and_convention(inner_k_tiles: int) -> None:
+    n, k, g = 256, 1024, 128
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda")
+    packed = int4.pack(q)
+    tpacked = int4.to_torch_int4pack(packed, inner_k_tiles)
+    assert int4.torch_int4pack_shape(tpacked) == (n, k)
+    assert torch.equal(int4.from_torch_int4pack(tpacked, chunk=384), packed)
+    sz = (torch.rand(k // g, n, 2, device="cuda") * 0.1).to(torch.bfloat16)
+    x = torch.randn(16, k, dtype=torch.bfloat16, device="cuda")
+    out = torch.ops.aten._weight_int4pack_mm(x, tpacked, g, sz)
+    w = int4.dequantize(q, sz, g)
+    ref = x.float() @ w.T
+    tol = gemm_tolerance(x, w, ref, operand_unit=unit_roundoff(torch.bfloat16),
+                         accumulate_unit=FP32_ACCUMULATE, out_dtype=torch.bfloat16)  # fmt: skip
+    assert excess(out, ref, tol) <= 1

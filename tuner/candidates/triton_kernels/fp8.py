@@ -1,0 +1,227 @@
+"""FP8 GEMM with scales: ``out = (a @ b.T) * scale_a * scale_b`` in bf16, what
+``torch._scaled_mm(a, b.T, scale_a, scale_b)`` computes.
+
+a: [M, K] e4m3 / e5m2 (activations), b: [N, K] e4m3 / e5m2 (the weight, K-contiguous: the layout
+the tensor cores take fp8 in). Scales (``tuner.quant.fp8``): tensorwise (one float32 each) or
+rowwise (scale_a [M, 1], scale_b [N, 1] or [1, N]), applied to the fp32 accumulator once per tile.
+
+- ``fp8_tiled``: one output tile per program, grouped ordering; ``SPLIT_K > 1`` runs several
+  programs per tile over contiguous K ranges (small M: enough programs to keep the weight
+  streaming), each writing its *scaled* fp32 partial (scaling is linear) for the tiled family's
+  deterministic ``splitk_reduce``.
+- ``fp8_persistent_tma`` (Hopper): one program per SM walks the tiles; A and B move through TMA
+  descriptors made on the device, which zero-fill the K tail and out-of-range rows. TMA needs
+  16-byte aligned bases and row strides (K % 16 == 0 for fp8).
+
+Entry point for a candidate source: ``fp8_matmul(a, b, scale_a, scale_b, config)`` and
+``configs(m, n, k)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA
+from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
+from tuner.quant.fp8 import FP8_DTYPES, check_scales
+
+Config = dict[str, Any]
+MIN_CAPABILITY = (8, 9)
+TMA_CAPABILITY = (9, 0)
+REDUCE_BLOCK = 1024
+
+
+@triton.jit
+def _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE: tl.constexpr):
+    if ROWWISE:
+        sa = tl.load(sa_ptr + rm, mask=rm < M, other=0.0)
+        sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)
+        return acc * sa[:, None] * sb[None, :]
+    return acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
+
+
+@triton.jit
+def fp8_tiled(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, M, N, K, lda, ldb, ldo, k_split,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    k_lo = tl.program_id(1) * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * lda + rk[None, :]
+    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * ldb + rk[None, :]
+    mask_m = rm[:, None] < M
+    mask_n = rn[:, None] < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=mask_m, other=0.0)
+            b = tl.load(b_ptrs + k0, mask=mask_n, other=0.0)
+        else:
+            in_k = (k0 + rk)[None, :] < k_hi
+            a = tl.load(a_ptrs + k0, mask=mask_m & in_k, other=0.0)
+            b = tl.load(b_ptrs + k0, mask=mask_n & in_k, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+    acc = _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE)
+    mask = mask_m & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    else:
+        plane = tl.program_id(1).to(tl.int64) * M * N
+        tl.store(ws_ptr + plane + rm[:, None] * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit
+def fp8_persistent_tma(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, M, N, K, lda, ldb, ldo, num_programs,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    ROWWISE: tl.constexpr,
+):  # fmt: skip
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[lda, 1], block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[ldb, 1], block_shape=[BN, BK])
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, num_programs, flatten=True):
+        pid_m, pid_n = tile_coords(tile, grid_m, grid_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kt in range(k_tiles):
+            a = a_desc.load([off_m, kt * BK])
+            b = b_desc.load([off_n, kt * BK])
+            acc = tl.dot(a, b.T, acc)
+        rm = off_m + tl.arange(0, BM)
+        rn = off_n + tl.arange(0, BN)
+        c = _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE).to(out_ptr.dtype.element_ty)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :], c, mask=mask)
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory for the TMA descriptors a kernel makes on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def check_inputs(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor
+) -> tuple[int, int, int, bool]:
+    """(M, N, K, rowwise), or a ValueError naming the field that this kernel cannot take."""
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype not in FP8_DTYPES:
+            raise ValueError(f"{name}.dtype={t.dtype}: allowed {FP8_DTYPES}")
+        if t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"{name}: expected a 2-d tensor with unit stride along K, got shape "
+                             f"{tuple(t.shape)} strides {t.stride()}")  # fmt: skip
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise ValueError("a.dtype, b.dtype: e5m2 x e5m2 is not allowed (as in torch._scaled_mm)")
+    m, k = a.shape
+    n = b.shape[0]
+    if b.shape[1] != k:
+        raise ValueError(
+            f"b.shape={tuple(b.shape)}: expected [N, {k}] for a.shape={tuple(a.shape)}"
+        )
+    rowwise = check_scales(scale_a, scale_b, m, n)
+    for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.device != a.device:
+            raise ValueError(f"{name}.device={t.device}: must be a's device {a.device}")
+    if a.is_cuda and torch.cuda.get_device_capability(a.device) < MIN_CAPABILITY:
+        cap = torch.cuda.get_device_capability(a.device)
+        raise ValueError(f"a.device: compute capability {cap}; FP8 kernels need sm89 or newer")
+    return m, n, k, rowwise
+
+
+def tma_unsupported(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Why the persistent TMA kernel cannot take these operands here, or None."""
+    if not HAS_DEVICE_TMA:
+        return "this Triton has no device-side tensor descriptors"
+    if a.is_cuda and torch.cuda.get_device_capability(a.device) < TMA_CAPABILITY:
+        return "TMA needs sm90"
+    for name, t in (("a", a), ("b", b)):
+        if t.stride(0) % 16 or t.data_ptr() % 16:
+            return f"{name}: TMA needs 16-byte aligned rows and base"
+    return None
+
+
+def fp8_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    config: Config | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """bf16 ``(a @ b.T) * scale_a * scale_b``; ``config`` from ``configs`` (None: the first)."""
+    m, n, k, rowwise = check_inputs(a, b, scale_a, scale_b)
+    config = config or configs(m, n, k)[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    sa, sb = scale_a.reshape(-1).contiguous(), scale_b.reshape(-1).contiguous()
+    bm, bn, bk = config["bm"], config["bn"], config["bk"]
+    launch = dict(num_warps=config.get("warps", 4), num_stages=config.get("stages", 3))
+    kernel = config.get("kernel")
+    if kernel == "persistent_tma":
+        why = tma_unsupported(a, b)
+        if why:
+            raise ValueError(f"config['kernel']='persistent_tma': {why}")
+        sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+        programs = min(sms, triton.cdiv(m, bm) * triton.cdiv(n, bn))
+        triton.set_allocator(_tma_scratch)
+        fp8_persistent_tma[(programs,)](
+            a, b, sa, sb, out, m, n, k, a.stride(0), b.stride(0), out.stride(0), programs,
+            BM=bm, BN=bn, BK=bk, GROUP_M=config.get("group_m", 8), ROWWISE=rowwise, **launch,
+        )  # fmt: skip
+        return out
+    if kernel != "tiled":
+        raise ValueError(f"config['kernel']={kernel!r}: allowed 'tiled', 'persistent_tma'")
+    split = config.get("split_k", 1)
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    if split < 1 or k_split * (split - 1) >= k:
+        raise ValueError(f"config['split_k']={split}: more splits than bk={bk} tiles in K={k}")
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else out
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
+    fp8_tiled[grid](
+        a, b, sa, sb, out, ws, m, n, k, a.stride(0), b.stride(0), out.stride(0), k_split,
+        BM=bm, BN=bn, BK=bk, GROUP_M=config.get("group_m", 8), SPLIT_K=split, ROWWISE=rowwise,
+        EVEN_K=k % bk == 0 and k_split * split == k, **launch,
+    )  # fmt: skip
+    if split > 1:
+        total = m * n
+        splitk_reduce[(triton.cdiv(total, REDUCE_BLOCK),)](
+            ws, out, m, n, total, 0, out.stride(0), 1, SPLIT_K=split, BLOCK=REDUCE_BLOCK
+        )
+    return out
+
+
+def configs(m: int, n: int, k: int, sms: int = 132) -> list[Config]:
+    """Configs worth timing for an (M, N, K) problem, the likeliest first."""
+    if m <= 16:
+        out = []
+        for bn, bk in ((64, 256), (128, 128), (32, 512)):
+            split = 1
+            while triton.cdiv(n, bn) * split < 2 * sms and k >= bk * split * 4 and split < 16:
+                split *= 2
+            out.append({"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "split_k": split,
+                        "group_m": 1, "warps": 4, "stages": 4})  # fmt: skip
+        return out
+    if m <= 256:
+        return [
+            {"kernel": "tiled", "bm": 64, "bn": 128, "bk": 128, "group_m": 8, "warps": 4, "stages": 4},
+            {"kernel": "persistent_tma", "bm": 64, "bn": 128, "bk": 128, "group_m": 8, "warps": 4, "stages": 4},
+            {"kernel": "tiled", "bm": 128, "bn": 128, "bk": 128, "group_m": 8, "warps": 8, "stages": 4},
+        ]  # fmt: skip
+    return [
+        {"kernel": "persistent_tma", "bm": 128, "bn": 256, "bk": 128, "group_m": 8, "warps": 8, "stages": 3},
+        {"kernel": "persistent_tma", "bm": 128, "bn": 128, "bk": 128, "group_m": 8, "warps": 8, "stages": 4},
+        {"kernel": "tiled", "bm": 128, "bn": 256, "bk": 128, "group_m": 8, "warps": 8, "stages": 3},
+        {"kernel": "tiled", "bm": 128, "bn": 128, "bk": 128, "group_m": 8, "warps": 4, "stages": 4},
+    ]  # fmt: skip

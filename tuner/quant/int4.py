@@ -1,0 +1,129 @@
+"""INT4 weights with per-group scales and zeros, and their packed layouts.
+
+Values: ``q`` is an [N, K] integer tensor of 0..15; ``scales_and_zeros`` is torch's
+[K / group_size, N, 2] tensor of (scale, zero) in the activation dtype; the weight is
+``w[n, k] = (q[n, k] - 8) * scale[k // group_size, n] + zero[k // group_size, n]``
+(the convention of ``torch.ops.aten._weight_int4pack_mm``).
+
+Our layout (what ``tuner.candidates.triton_kernels.w4a16`` reads): uint8 [N, K / 2], row n holds
+column n of the weight along K, two values per byte, the even k in the high nibble. K-contiguous
+rows give the kernels 16-byte loads along the reduction, and the layout is exactly what
+``aten._convert_weight_to_int4pack`` takes, so packing for torch needs no reordering.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP_SIZES = (32, 64, 128, 256)
+INNER_K_TILES = (2, 4, 8)
+
+
+def check_group_size(group_size: int, k: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size={group_size}: allowed {GROUP_SIZES}")
+    if k % group_size:
+        raise ValueError(f"group_size={group_size}: must divide K={k}")
+
+
+def check_scales_and_zeros(
+    scales_and_zeros: torch.Tensor, n: int, k: int, group_size: int, dtype: torch.dtype
+) -> None:
+    """ValueError naming the field unless the tensor is torch's [K / group, N, 2] of ``dtype``."""
+    check_group_size(group_size, k)
+    want = (k // group_size, n, 2)
+    if tuple(scales_and_zeros.shape) != want:
+        raise ValueError(
+            f"scales_and_zeros.shape={tuple(scales_and_zeros.shape)}: expected {want} "
+            f"([K / group_size, N, 2] for N={n}, K={k}, group_size={group_size})"
+        )
+    if scales_and_zeros.dtype != dtype:
+        raise ValueError(
+            f"scales_and_zeros.dtype={scales_and_zeros.dtype}: must be the activation dtype {dtype}"
+        )
+    if not scales_and_zeros.is_contiguous():
+        raise ValueError("scales_and_zeros: must be contiguous")
+
+
+def quantize(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric per-group quantization of an [N, K] weight: (q uint8 [N, K] in 0..15,
+    scales_and_zeros [K / group, N, 2] in w's dtype). Min maps to 0, max to 15."""
+    n, k = w.shape
+    check_group_size(group_size, k)
+    g = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15)
+    zero = lo + 8 * scale
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(w.dtype)
+    return q.reshape(n, k).to(torch.uint8), sz
+
+
+def dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 [N, K] weight that ``q`` (values 0..15) and the scales stand for."""
+    n, k = q.shape
+    check_scales_and_zeros(scales_and_zeros, n, k, group_size, scales_and_zeros.dtype)
+    sz = scales_and_zeros.float().repeat_interleave(group_size, dim=0)  # [K, N, 2]
+    return (q.float() - 8) * sz[..., 0].T + sz[..., 1].T
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> our uint8 [N, K / 2] layout (even k in the high nibble)."""
+    if q.dim() != 2 or q.shape[1] % 2:
+        raise ValueError(f"q.shape={tuple(q.shape)}: expected [N, K] with K even")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise ValueError("q: values must lie in 0..15")
+    q8 = q.to(torch.uint8)
+    return (q8[:, 0::2] << 4) | q8[:, 1::2]
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """Our uint8 [N, K / 2] layout -> [N, K] uint8 values 0..15."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise ValueError(f"packed: expected a uint8 [N, K / 2] tensor, got {packed.dtype} "
+                         f"{tuple(packed.shape)}")  # fmt: skip
+    return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1)
+
+
+def to_torch_int4pack(packed: torch.Tensor, inner_k_tiles: int = 8) -> torch.Tensor:
+    """Our layout (on a CUDA device) -> torch's tile-packed int32 weight for
+    ``aten._weight_int4pack_mm``: [N / 8, K / (inner_k_tiles * 16), 32, inner_k_tiles / 2]."""
+    if inner_k_tiles not in INNER_K_TILES:
+        raise ValueError(f"inner_k_tiles={inner_k_tiles}: allowed {INNER_K_TILES}")
+    if not packed.is_cuda:
+        raise ValueError(f"packed.device={packed.device}: torch's tile packing runs on CUDA")
+    return torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), inner_k_tiles)
+
+
+def torch_int4pack_shape(tpacked: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of a weight in torch's tile-packed format."""
+    if tpacked.dim() != 4 or tpacked.dtype != torch.int32:
+        raise ValueError(f"tpacked: expected torch's int32 4-d tile-packed weight, got "
+                         f"{tpacked.dtype} {tuple(tpacked.shape)}")  # fmt: skip
+    n_tiles, k_tiles, _, half_inner = tpacked.shape
+    return n_tiles * 8, k_tiles * half_inner * 2 * 16
+
+
+def from_torch_int4pack(tpacked: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """torch's tile-packed weight -> our uint8 [N, K / 2] layout, once, at load time.
+
+    Decodes through torch's own kernel rather than its undocumented tile order: with unit scales
+    and zeros of 8, ``_weight_int4pack_mm(I, w)`` returns the nibbles themselves, exactly (0..15
+    are exact in bf16). Rows of the identity go ``chunk`` at a time. Cost: one int4pack GEMM of
+    K x K x N (2 K^2 N flops at torch's int4 rate, which is slow for large M; paid once per
+    weight); extra memory: a [chunk, K] identity slice and a [chunk, N] bf16 result
+    alive at a time, plus the [N, K] uint8 nibbles before packing.
+    """
+    n, k = torch_int4pack_shape(tpacked)
+    unit = torch.zeros(k // 32, n, 2, dtype=torch.bfloat16, device=tpacked.device)
+    unit[..., 0] = 1
+    unit[..., 1] = 8
+    q = torch.empty(n, k, dtype=torch.uint8, device=tpacked.device)
+    for k0 in range(0, k, chunk):
+        rows = min(chunk, k - k0)
+        eye = torch.zeros(rows, k, dtype=torch.bfloat16, device=tpacked.device)
+        eye[:, k0 : k0 + rows].fill_diagonal_(1)
+        q[:, k0 : k0 + rows] = torch.ops.aten._weight_int4pack_mm(eye, tpacked, 32, unit).T.to(
+            torch.uint8
+        )
+    return pack(q)
