@@ -18,13 +18,12 @@ tuner does not key (odd strides). Results are always those of a checked kernel o
 ``torch.nn.functional``, methods of ``torch.Tensor``, ``@`` included) with small wrappers, and
 ``disable()`` puts the originals back. Calls made inside ``nn.Module`` forwards and inside torch's
 own Python code (``nn.MultiheadAttention`` calls ``F.linear`` and SDPA) are seen; every other torch
-op costs nothing extra (a ``TorchFunctionMode`` was tried first: it added 0.5-3 us to every op
-of a decoder layer on the CPU, views and shape queries included, which made eager decode slower). The switch is process-wide and nests; a
-thread-local guard keeps the tuner's own kernels (which call torch) from coming back to it.
-Code that bound a function before ``enable()`` (``from torch.nn.functional import linear``) keeps
-the original. ``F.linear`` and SDPA calls seen before take a memo keyed on the call as made
-(``tuner.serving.call_memo``): on a desktop CPU 0.74 us over torch's own call for ``F.linear`` and 1.5 us
-for SDPA (``bench/memo_overhead.py``).
+op costs nothing extra (a ``TorchFunctionMode`` would tax every op, views and shape queries
+included). The switch is process-wide and nests; a thread-local guard keeps the tuner's own
+kernels (which call torch) from coming back to it. Code that bound a function before
+``enable()`` (``from torch.nn.functional import linear``) keeps the original. ``F.linear`` and
+SDPA calls seen before take a memo keyed on the call as made (``tuner.serving.call_memo``; its
+cost over torch's own call: ``bench/memo_overhead.py``).
 
 **Autograd.** GEMMs that need a gradient go through ``_TunedMM`` (an ``autograd.Function``) whose
 backward calls the dispatcher for dA = dC @ B^T and dB = A^T @ dC, each computed in its input's
@@ -62,6 +61,7 @@ import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from tuner.candidates import registry
+from tuner.candidates.torch_ref import torch_sdpa
 from tuner.core.device import fingerprint
 from tuner.serving.call_memo import (
     PLAIN,
@@ -202,22 +202,6 @@ def _sdpa_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None
     q, k, v, causal, scale = inputs
     ctx.save_for_backward(q, k, v)
     ctx.causal, ctx.scale = causal, scale
-
-
-def torch_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float | None
-) -> torch.Tensor:
-    """torch's own SDPA for a tuner causal mode (``none``, ``top_left``, ``bottom_right``).
-
-    Bottom-right is an explicit boolean mask: torch's ``CausalBias`` has no grouped-query path.
-    """
-    mask = None
-    if causal == "bottom_right":
-        q_len, kv_len = q.shape[-2], k.shape[-2]
-        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal == "top_left", scale=scale, enable_gqa=True
-    )
 
 
 def _sdpa_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

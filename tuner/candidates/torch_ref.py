@@ -1,7 +1,9 @@
 """torch's own kernels: the baselines on every device, and the whole CPU path.
 
 ``torch.matmul`` is cuBLAS's default heuristic on NVIDIA GPUs, i.e. what a user gets without us.
-For SDPA, torch's default dispatch is the baseline and each of its backends is also a candidate.
+For SDPA, torch's default dispatch is the baseline and each of its backends is also a candidate;
+``torch_sdpa`` is torch's SDPA for a tuner causal mode, the one fallback the dispatcher and the
+drop-in use.
 """
 
 from __future__ import annotations
@@ -60,6 +62,28 @@ SDPA_BACKENDS = {
 def bottom_right_mask(q_len: int, kv_len: int, device: Any) -> torch.Tensor:
     """Boolean mask where query i sees keys up to i + kv_len - q_len (the last query sees all)."""
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+
+
+def torch_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: str = "none",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """torch's own SDPA for a tuner causal mode (``none``, ``top_left``, ``bottom_right``): what
+    the dispatcher serves for calls the tuner does not take (torch raises its own errors) and
+    what the drop-in's backward differentiates. Bottom-right is an explicit boolean mask: torch's
+    ``CausalBias`` has no grouped-query path. ``enable_gqa`` is set for every (batch, heads, seq,
+    dim) call: torch only reads it when the head counts differ, and comparing them here would
+    be a symbolic bool while tracing."""
+    gqa = q.dim() == 4 and k.dim() == 4
+    mask = (
+        bottom_right_mask(q.shape[-2], k.shape[-2], q.device) if causal == "bottom_right" else None
+    )
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal == "top_left", scale=scale, enable_gqa=gqa
+    )
 
 
 def sdpa_mask(key: SdpaKey, device: Any) -> tuple[Any, bool]:

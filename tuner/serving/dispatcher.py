@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from tuner.cache import Store, StoreError, default_path
 from tuner.candidates import registry
 from tuner.candidates.base import Runner
-from tuner.candidates.torch_ref import bottom_right_mask
+from tuner.candidates.torch_ref import torch_sdpa
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, Key, SdpaKey
 from tuner.core.settings import load_config_file
@@ -69,16 +68,10 @@ def _torch_matmul(a: Any, b: Any, out: Any = None) -> Any:
 
 
 def _torch_sdpa(causal: str, scale: float | None) -> Runner:
-    """torch's SDPA for calls the tuner does not handle (it raises its own errors)."""
+    """torch's SDPA (``torch_ref.torch_sdpa``) for calls the tuner does not handle."""
 
     def run(q: Any, k: Any, v: Any, out: Any = None) -> Any:
-        gqa = q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]
-        mask = None
-        if causal == "bottom_right":
-            mask = bottom_right_mask(q.shape[-2], k.shape[-2], q.device)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal == "top_left", scale=scale, enable_gqa=gqa
-        )
+        return torch_sdpa(q, k, v, causal, scale)
 
     return run
 
