@@ -167,7 +167,7 @@ def feed(
     store: FleetStore, device_class: str, versions: str | None, since: int, limit: int
 ) -> tuple[list[tuple], bool]:
     """Winners changed after sequence ``since``, oldest first, as rows of ``FEED_COLUMNS``
-    (params as their JSON text); and whether more follow. Rows, not objects: a page of 10k
-    winners is encoded, sent and decoded several times faster without repeated field names."""
+    (params as their JSON text); and whether more follow. Rows, not objects: large pages are
+    encoded, sent and decoded without repeating every field name."""
     rows = store.feed(device_class, versions, since, limit + 1)
     return rows[:limit], len(rows) > limit

@@ -55,8 +55,7 @@ class _Record:
         return (*cls.__dataclass_fields__, "op", "candidate")  # type: ignore[attr-defined]
 
     def to_row(self) -> dict[str, Any]:
-        # shallow on purpose: asdict's deep copy of params (replaced by its JSON just below)
-        # made bulk syncs of 100k winners spend most of their time here
+        # shallow on purpose: asdict would deep-copy params, which are replaced by JSON below
         row = {f: getattr(self, f) for f in self.__dataclass_fields__}  # type: ignore[attr-defined]
         row.update(
             op=self.op, candidate=self.candidate, params=json.dumps(self.params, sort_keys=True)

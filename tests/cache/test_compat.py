@@ -1,0 +1,125 @@
+"""Files written by the release before the cache and the fleet service got separate schemas open
+with their data, and each kind of file is refused by the other's store without a write.
+
+The fixtures under tests/data/compat were made with that release (schema 2 in a ``meta`` table,
+one shared schema) by a script run from the repository root; in short::
+
+    FP = Fingerprint("cpu", "x86_64", "", 2, 0, versions={"torch": "2.5.0", "tuner": "0.1.0"})
+    K1, K2 = gemm keys m=64 and m=128 (n=k=64, f32); K3 = an f32 sdpa key; K4 = gemm m=256
+    ms(key, run) = [torch baseline 10 us (uid run-torch-0001), triton {"bm": 16} 8 us
+                    (uid run-triton-001)], versions=FP.version_tag, host "a"
+    with Store("cache-v2.db") as s:
+        s.save_device(FP)
+        s.save_run(ms(K1, "r1"), Winner(DC, K1, "triton", {"bm": 16}, 8.0, 10.0, run_id="r1"))
+        s.save_run(ms(K2, "r2"), Winner(DC, K2, "torch", {}, 10.0, 10.0, run_id="r2"))
+        s.record_misses(DC, [K3], count=3)
+        sync_state ('pull:x', 7); reported_misses (DC, K3, 1)
+    with ThreadServer("fleet-v2.db") as srv:     # server.live
+        tokens admin (admin), host-a (submit), reader (read)
+        host-a submits ms(K1, "r1") + ms(K2, "r2"); reports misses K3 x4, K4 x2; claims 1 key
+    then each file is checkpointed and set to journal_mode=delete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from server.store import FleetStore
+from tuner.cache import Store, StoreError
+from tuner.cache.schema import CACHE, SERVICE_TABLES
+
+DATA = Path(__file__).parents[1] / "data" / "compat"
+DC = "cpu-x86-64-2c"
+K1 = "gemm:m=64,n=64,k=64,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+K2 = "gemm:m=128,n=64,k=64,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+
+
+def copy(name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copy(DATA / name, tmp_path / name))
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def schema_of(path: Path) -> tuple[str, int, int]:
+    conn = sqlite3.connect(path)
+    try:
+        sql = "\n".join(
+            r[0] for r in conn.execute("select sql from sqlite_master order by name") if r[0]
+        )
+        return sql, *(
+            conn.execute(f"pragma {p}").fetchone()[0] for p in ("application_id", "user_version")
+        )
+    finally:
+        conn.close()
+
+
+def test_release_cache_opens_migrated_with_its_data(tmp_path):
+    path = copy("cache-v2.db", tmp_path)
+    with Store(path) as s:
+        assert s.schema_version() == CACHE.version
+        winners = {w.key: w for w in s.winners(DC)}
+        assert set(winners) == {K1, K2}
+        assert winners[K1].candidate == 'triton:{"bm":16}' and winners[K1].median_us == 8.0
+        assert {w.launch for w in winners.values()} == {"eager"}
+        assert len(s.measurements(DC)) == 4
+        assert [(m["key"].split(":")[0], m["count"]) for m in s.misses(DC)] == [("sdpa", 3)]
+        assert s.position("pull:x") == 7
+        assert s.devices()[0]["device_class"] == DC
+        tables = set(s.db.table_names())
+    assert not tables & {*SERVICE_TABLES, "meta"}  # the service's tables left the cache
+
+
+def test_release_fleet_database_is_refused_by_the_cache_untouched(tmp_path):
+    path = copy("fleet-v2.db", tmp_path)
+    before = digest(path)
+    with pytest.raises(StoreError, match=r"fleet database.*tuner serve"):
+        Store(path)
+    assert digest(path) == before
+
+
+def test_migrated_files_are_refused_by_the_other_kind(tmp_path):
+    cache, fleet = copy("cache-v2.db", tmp_path), copy("fleet-v2.db", tmp_path)
+    Store(cache).close()
+    FleetStore(fleet).close()
+    for path, other, kind in (
+        (cache, FleetStore, "is a tuner cache"),
+        (fleet, Store, "is a tuner fleet database"),
+    ):
+        before = digest(path)
+        with pytest.raises(StoreError, match=kind):
+            other(path)
+        assert digest(path) == before
+
+
+def test_foreign_application_id_is_refused_untouched(tmp_path):
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    conn.execute("pragma application_id = 1234")
+    conn.execute("create table t (x)")
+    conn.commit()
+    conn.close()
+    before = digest(path)
+    with pytest.raises(StoreError, match=r"another application \(application_id=0x4d2\)"):
+        Store(path)
+    assert digest(path) == before
+
+
+def test_a_failing_migration_leaves_the_file_as_it_was(tmp_path):
+    """All migrations run in one transaction: one that fails undoes those before it."""
+    path = copy("cache-v2.db", tmp_path)
+    conn = sqlite3.connect(path)  # a column the launch migration would add makes it fail
+    conn.execute("alter table winners add column launch text")
+    conn.commit()
+    conn.close()
+    before = schema_of(path)
+    with pytest.raises(StoreError, match="corrupt or not a tuner cache"):
+        Store(path)
+    assert schema_of(path) == before  # the srv_* tables and meta are still there: rolled back
+    assert "srv_tokens" in before[0]
