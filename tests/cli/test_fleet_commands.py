@@ -1,0 +1,169 @@
+"""The fleet commands (tuner.cli.fleet): ``tuner token``, ``tuner push`` and ``tuner sync`` against a
+real ``tuner serve`` on loopback, moving results between two local caches; and what the commands
+that need the service say when it is not there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import Result
+from typer.testing import CliRunner
+
+from server.live import SubprocessServer, free_port
+from tuner.cache import Store
+from tuner.cli.main import app
+from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey
+from tuner.fleet.client import FleetClient
+from tuner.tuning.engine import TuneOptions, tune
+
+pytestmark = pytest.mark.timeout(300)
+FP = fingerprint()
+DC = FP.device_class
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[SubprocessServer]:
+    """A service of its own per test: what a sync pulls is exactly what that test pushed."""
+    with SubprocessServer(tmp_path / "fleet.db", log=tmp_path / "serve.log") as srv:
+        yield srv
+
+
+def cli(*args: str, cache: Path | None = None, **env: str) -> Result:
+    """``tuner ARGS`` in this process, with TUNER_CACHE set to ``cache`` where given."""
+    extra = {"TUNER_CACHE": str(cache)} if cache else {}
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200", **extra, **env})
+
+
+def tuner_process(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """``python -m tuner.cli ARGS`` as its own process: its real exit status and stderr."""
+    return subprocess.run(
+        [sys.executable, "-m", "tuner.cli", *args],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "COLUMNS": "200", **env},
+    )  # fmt: skip
+
+
+def tuned_cache(path: Path, *ms: int) -> dict[str, str]:
+    """A local cache holding torch's tuned result for an (M, 24, 40) f32 GEMM per ``ms``;
+    returns each key's winning run id."""
+    runs = {}
+    with Store(path) as store:
+        store.save_device(FP)
+        for m in ms:
+            key = GemmKey(m=m, n=24, k=40, dtype="f32", out_dtype="f32")
+            outcome = tune(key, options=TuneOptions(budget_s=0.01, sources=["torch"]))
+            store.save_run(outcome.measurements, outcome.winner)
+            runs[str(key)] = outcome.winner.run_id
+    return runs
+
+
+def new_token(served: SubprocessServer, name: str, *scopes: str) -> str:
+    args = ["token", "create", "--db", str(served.db), "--name", name]
+    for scope in scopes:
+        args += ["--scope", scope]
+    made = cli(*args)
+    assert made.exit_code == 0, made.output
+    return made.stdout.strip().splitlines()[-1]
+
+
+def test_token_scopes_are_enforced_and_revocation_is_listed(
+    served: SubprocessServer, tmp_path: Path
+) -> None:
+    reader = new_token(served, "reader-host", "read")
+    writer = new_token(served, "writer-host", "submit")
+    tuned_cache(tmp_path / "a.db", 12)
+    refused = cli("push", "--server", served.url, "--token", reader, cache=tmp_path / "a.db")
+    assert refused.exit_code == 1 and "HTTP 403" in refused.output  # read cannot submit
+    pushed = cli("push", "--server", served.url, "--token", writer, cache=tmp_path / "a.db")
+    assert pushed.exit_code == 0, pushed.output
+    reader_id = reader.split("_")[1]
+    assert cli("token", "revoke", "--db", str(served.db), reader_id).exit_code == 0
+    listed = cli("token", "list", "--db", str(served.db)).stdout
+    rows = {line.split("│")[2].strip(): line for line in listed.splitlines() if "-host" in line}
+    assert "read " in rows["reader-host"] and "submit" in rows["writer-host"]
+    assert rows["reader-host"].count(":") > rows["writer-host"].count(":")  # a revoked time
+    twice = cli("token", "revoke", "--db", str(served.db), reader_id)
+    assert isinstance(twice.exception, ValueError) and "already revoked" in str(twice.exception)
+
+
+def test_push_sends_results_and_misses_once_and_sync_brings_them_to_another_cache(
+    served: SubprocessServer, tmp_path: Path
+) -> None:
+    token = new_token(served, "pusher", "submit")
+    a, b = tmp_path / "a.db", tmp_path / "b.db"
+    runs = tuned_cache(a, 3, 5)
+    missed = str(GemmKey(m=7, n=24, k=40, dtype="f32", out_dtype="f32"))
+    with Store(a) as store:
+        store.record_misses(DC, [missed], count=4)
+        sent = len(store.measurements(DC))
+    server = {"TUNER_SERVER": served.url, "TUNER_TOKEN": token}
+
+    first = cli("push", cache=a, **server)
+    assert first.exit_code == 0, first.output
+    assert f"pushed {sent} measurements (0 already there), 1 missed keys (1 newly queued)" in (
+        first.stdout
+    )
+    again = cli("push", cache=a, **server)
+    assert "pushed 0 measurements (0 already there), 0 missed keys (0 newly queued)" in again.stdout
+    with FleetClient(served.url, token) as client:
+        assert missed in {row["key"] for row in client.queue(device_class=DC)}
+
+    pulled = cli("sync", cache=b, **server)
+    assert pulled.exit_code == 0 and "pulled 2 winners" in pulled.stdout, pulled.output
+    with Store(a) as store_a, Store(b) as store_b:
+        for key, run_id in runs.items():
+            there, here = store_a.winner(DC, key), store_b.winner(DC, key)
+            assert here.run_id == run_id
+            assert (here.source, here.params, here.median_us) == (
+                there.source, there.params, there.median_us
+            )  # fmt: skip
+    assert "pulled 0 winners" in cli("sync", cache=b, **server).stdout  # incremental
+    assert "pulled 2 winners" in cli("sync", "--full", cache=b, **server).stdout
+
+
+def test_sync_push_sends_this_cache_before_pulling(
+    served: SubprocessServer, tmp_path: Path
+) -> None:
+    token = new_token(served, "both-ways", "submit")
+    a, b = tmp_path / "a.db", tmp_path / "b.db"
+    runs = tuned_cache(b, 9)
+    server = {"TUNER_SERVER": served.url, "TUNER_TOKEN": token}
+    both = cli("sync", "--push", cache=b, **server)
+    assert both.exit_code == 0, both.output
+    assert both.stdout.index("pushed") < both.stdout.index("pulled")
+    assert cli("sync", cache=a, **server).exit_code == 0
+    with Store(a) as store:
+        assert {k: store.winner(DC, k).run_id for k in runs} == runs
+
+
+def test_sync_without_a_service_says_how_to_name_one(tmp_path: Path) -> None:
+    env = {"TUNER_CACHE": str(tmp_path / "c.db"), "TUNER_SERVER": "", "TUNER_TOKEN": ""}
+    done = tuner_process("sync", **env)
+    assert done.returncode == 2
+    assert "no service configured: pass --server URL or set TUNER_SERVER" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_push_to_a_closed_port_fails_in_one_line(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    tuned_cache(tmp_path / "c.db", 4)
+    done = tuner_process("push", "--server", url, TUNER_CACHE=str(tmp_path / "c.db"))
+    assert done.returncode == 1
+    assert f"{url} unreachable" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_tune_all_queue_with_the_service_down_names_it(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {"TUNER_CACHE": str(tmp_path / "c.db"), "TUNER_SERVER": url, "TUNER_TOKEN": ""}
+    done = tuner_process("tune-all", "--queue", "5", **env)
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "fleet service" in line]
+    assert any(url in line for line in lines), done.stderr
+    assert "Traceback" not in done.stderr
