@@ -55,9 +55,9 @@ def write(path: Path | None, data: dict) -> None:
     if path is None:
         print(text)
         return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    from tuner.core.atomic import write_atomic
+
+    write_atomic(path, text)
 
 
 # --- environment ---------------------------------------------------------------------------------

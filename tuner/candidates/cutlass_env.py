@@ -1,6 +1,6 @@
 """nvidia-cutlass 4.2 (``cutlass_cppgen``) set up for the tuner, and its kernel compile cache.
 
-What this module fixes or adds around ``cutlass_cppgen`` (DESIGN.md):
+What this module fixes or adds around ``cutlass_cppgen``:
 
 - CUDA 13 imports: ``cuda.cuda``/``cuda.cudart``/``cuda.nvrtc`` are mapped onto
   ``cuda.bindings.driver/runtime/nvrtc`` and ``cuda.__version__`` is set before the import;
@@ -9,7 +9,7 @@ What this module fixes or adds around ``cutlass_cppgen`` (DESIGN.md):
 - ``compiled_cache.db`` and every scratch file live in the cache directory
   (``$CUTLASS_CACHE_DIR``, else ``$XDG_CACHE_HOME/tuner/cutlass``, else
   ``~/.cache/tuner/cutlass``), never in the current directory;
-- the option registry holds SM90 GEMMs only (1.4 s to build instead of 7 s for every arch).
+- the option registry holds SM90 GEMMs only (much faster to build than every arch's).
 
 A compiled kernel is shape-independent: one per ``KernelSpec`` (dtypes, layouts, alignments, tile,
 cluster, schedules), reused for every problem. ``compile_all`` compiles missing specs in parallel,
@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from tuner.core.atomic import write_atomic
 
 SM = 90
 COMPILE_TIMEOUT_S = float(os.environ.get("TUNER_CUTLASS_COMPILE_TIMEOUT", "900"))
@@ -200,9 +202,7 @@ def failure(spec: KernelSpec) -> str | None:
 def _record(spec: KernelSpec, kind: str, data: dict[str, Any]) -> None:
     path = _marker(spec, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"spec": json.loads(spec.to_json()), **data}))
-    tmp.replace(path)
+    write_atomic(path, json.dumps({"spec": json.loads(spec.to_json()), **data}))
 
 
 # --- building (in this process) ---------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from tuner.core.atomic import write_atomic
 from tuner.core.device import Fingerprint
 from tuner.core.keys import GemmKey, Key, parse_key
 from tuner.measure.records import Winner
@@ -153,9 +154,7 @@ def write(report: Report, out_dir: Path, *, title: str = "tune-all") -> tuple[Pa
     """``report.json`` and (when anything was tuned) ``speedup.png`` in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "report.json"
-    tmp = json_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report.to_dict(), indent=1))
-    tmp.replace(json_path)
+    write_atomic(json_path, json.dumps(report.to_dict(), indent=1))
     plotted = [r for r in report.rows if r.speedup is not None]
     if not plotted:
         return json_path, None

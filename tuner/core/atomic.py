@@ -1,0 +1,41 @@
+"""Write a file all at once: a reader sees the old content or the new, never part of it.
+
+The content goes to a temporary file in the target's folder (one file system, so the rename is
+atomic), which then replaces the target; on any error the temporary file is removed and the
+target is left as it was. Temporary names are unique per writer, so writers racing on one path
+never write into each other's partial files: the last rename wins whole.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+
+def write_atomic(path: str | Path, data: str | bytes, *, durable: bool = False) -> None:
+    """Replace ``path`` with ``data`` (text is written as UTF-8) in one rename.
+
+    ``durable``: also flush the file and its folder to disk before returning, for files whose
+    loss after a power cut would be worse than the time a sync costs.
+    """
+    path = Path(path)
+    raw = data.encode() if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides, as open()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
