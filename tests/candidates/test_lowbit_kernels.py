@@ -165,8 +165,7 @@ def test_fp8_bad_inputs_name_the_field() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64, 300])
-@pytest.mark.parametrize("g", [32, 128])
+@pytest.mark.parametrize(("m", "g"), [(1, 32), (1, 128), (16, 128), (300, 128), (64, 64)])
 def test_w4a16_every_config_on_the_gpu(m: int, g: int) -> None:
     n, k = 512, 2048
     x, q, sz, ref, tol = int4_problem(m, n, k, g, torch.bfloat16)
@@ -178,8 +177,7 @@ def test_w4a16_every_config_on_the_gpu(m: int, g: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 200, 1024])
-@pytest.mark.parametrize("rowwise", [True, False])
+@pytest.mark.parametrize(("m", "rowwise"), [(1, True), (16, False), (200, True), (1024, True)])
 def test_fp8_every_config_on_the_gpu(m: int, rowwise: bool) -> None:
     n, k = 512, 2048
     a, b, sa, sb, ref, tol = fp8_problem(m, n, k, rowwise)

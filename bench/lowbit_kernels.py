@@ -1,0 +1,211 @@
+"""Low-bit GEMMs on Llama-3-8B projections: our Triton W4A16 and FP8 kernels beside torch's.
+
+    python bench/lowbit_kernels.py --out bench/results/lowbit_kernels.json
+
+Per projection (N x K) and M, side by side in one process, bf16 activations:
+
+- **bf16**: ``torch.matmul(x, w.T)`` (cuBLAS), the reference speed;
+- **int4pack_mm**: ``aten._weight_int4pack_mm`` (group 128, inner k tiles 8);
+- **w4a16**: our kernel, every config of ``w4a16.configs`` (best first in the row, all listed);
+- **scaled_mm_rowwise / scaled_mm_tensorwise**: ``torch._scaled_mm`` on e4m3 operands;
+- **fp8_rowwise**: our kernel, every config of ``fp8.configs``; **fp8_tensorwise**: the best
+  rowwise config with tensorwise scales;
+- **read_int4 / read_fp8 / read_bf16** (M <= 16): a bare streaming read of the weight's bytes:
+  the floor of a weight-streaming kernel.
+
+Weights rotate over enough copies that the set exceeds twice the L2 (``timing.rotation_sets``);
+activations are quantized ahead (not timed). M <= 16: GPU time per call in a CUDA graph
+(``timing.graph_time``); larger M: CUDA events (``timing.measure``). "pct_copy" is the bytes
+actually read and written (weight, scales, activations, output) per second over the
+device-to-device copy bandwidth. Our kernels' best configs are checked against a float32 GEMM on
+the dequantized operands (``tuner.quant.tolerance``): "excess" <= 1 passes. The JSON is
+rewritten after every projection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from tuner.candidates.triton_kernels import fp8 as fp8_kernels
+from tuner.candidates.triton_kernels import w4a16
+from tuner.measure import timing
+from tuner.quant import fp8, int4
+from tuner.quant.tolerance import (
+    FP8_TENSOR_CORE_ACCUMULATE,
+    FP32_ACCUMULATE,
+    excess,
+    gemm_tolerance,
+    unit_roundoff,
+)
+
+PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+               "down": (4096, 14336)}  # fmt: skip
+MS = (1, 16, 256, 2048)
+GROUP = 128
+READ_BLOCK = 4096
+
+
+@triton.jit
+def _stream_read(src, sums, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(sums + tl.program_id(0), tl.sum(tl.load(src + offs, mask=offs < n, other=0), 0))
+
+
+def read_all(buf: torch.Tensor, sums: torch.Tensor) -> None:
+    words = buf.view(-1).view(torch.int32)
+    _stream_read[(triton.cdiv(words.numel(), READ_BLOCK),)](words, sums, words.numel(),
+                                                            BLOCK=READ_BLOCK, num_warps=8)  # fmt: skip
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy, bytes read plus written per second (imports nothing of the suites,
+    whose console and plotting packages the GPU image may lack)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = timing.measure(lambda i: dst.copy_(src), device="cuda", budget_s=0.3, max_reps=50)
+    return 2 * nbytes / (t.median_us * 1e-6) / 1e9
+
+
+def time_us(fn: Callable[[int], Any], m: int, budget_s: float) -> dict[str, Any]:
+    if m <= 16:
+        t, how = timing.graph_time(fn), "graph"
+    else:
+        t, how = timing.measure(fn, device="cuda", budget_s=budget_s), "events"
+    return {"us": round(t.median_us, 2), "p10_us": round(t.p10_us, 2),
+            "p90_us": round(t.p90_us, 2), "timing": how}  # fmt: skip
+
+
+def copies(*parts: torch.Tensor) -> int:
+    return timing.rotation_sets(sum(p.numel() * p.element_size() for p in parts), "cuda")
+
+
+def rotate(n: int, *parts: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    return [parts] + [tuple(p.clone() for p in parts) for _ in range(n - 1)]
+
+
+def nbytes(*ts: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def bench_projection(name: str, n: int, k: int, ms: tuple[int, ...], copy_gbs: float,
+                     budget_s: float) -> list[dict[str, Any]]:  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    q, sz = int4.quantize(w, GROUP)
+    packed = int4.pack(q)
+    tpacked = int4.to_torch_int4pack(packed, 8)
+    w8, s8 = fp8.quantize_rowwise(w)
+    w8t, s8t = fp8.quantize_tensorwise(w)
+    del q
+    bf = rotate(copies(w), w)
+    i4 = rotate(copies(packed, sz), packed, sz)
+    t4 = rotate(copies(tpacked, sz), tpacked, sz)
+    f8 = rotate(copies(w8, s8), w8, s8)
+    f8t = rotate(len(f8), w8t, s8t)
+    sums = torch.empty(triton.cdiv(n * k * 2 // 4, READ_BLOCK), device="cuda", dtype=torch.int32)
+
+    def row(m: int, impl: str, fn: Callable[[int], Any], moved: int, **extra: Any) -> dict:
+        r = {"proj": name, "n": n, "k": k, "m": m, "impl": impl, **time_us(fn, m, budget_s),
+             "bytes": moved, **extra}  # fmt: skip
+        r["pct_copy"] = round(100 * moved / (r["us"] * 1e-6) / (copy_gbs * 1e9), 1)
+        rows.append(r)
+        print(f"{name:8s} m={m:5d} {impl:22s} {r['us']:9.2f} us {r['pct_copy']:6.1f}% copy"
+              f" {extra.get('config', '')}", flush=True)  # fmt: skip
+        return r
+
+    def one_m(m: int) -> None:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x8, sx8 = fp8.quantize_rowwise(x)
+        x8t, sx8t = fp8.quantize_tensorwise(x)
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        io16, io8 = nbytes(x, out), nbytes(x8, out)
+        if m <= 16:  # the floor of the weight-streaming (decode) rows
+            row(m, "read_bf16", lambda i: read_all(bf[i % len(bf)][0], sums), nbytes(w))
+            row(m, "read_int4", lambda i: read_all(i4[i % len(i4)][0], sums), nbytes(packed))
+            row(m, "read_fp8", lambda i: read_all(f8[i % len(f8)][0], sums), nbytes(w8))
+        base = row(m, "bf16", lambda i: torch.matmul(x, bf[i % len(bf)][0].T, out=out),
+                   nbytes(w) + io16)  # fmt: skip
+        row(m, "int4pack_mm", lambda i: torch.ops.aten._weight_int4pack_mm(
+            x, t4[i % len(t4)][0], GROUP, t4[i % len(t4)][1]), nbytes(packed, sz) + io16)  # fmt: skip
+        row(m, "scaled_mm_rowwise", lambda i: torch._scaled_mm(
+            x8, f8[i % len(f8)][0].T, sx8, f8[i % len(f8)][1].T, out_dtype=torch.bfloat16),
+            nbytes(w8, s8, sx8) + io8)  # fmt: skip
+        row(m, "scaled_mm_tensorwise", lambda i: torch._scaled_mm(
+            x8t, f8t[i % len(f8t)][0].T, sx8t, f8t[i % len(f8t)][1], out_dtype=torch.bfloat16),
+            nbytes(w8) + io8)  # fmt: skip
+        ours = []
+        for cfg in w4a16.configs(m, n, k, GROUP):
+            ours.append(row(m, "w4a16", lambda i, c=cfg: w4a16.w4a16_matmul(
+                x, i4[i % len(i4)][0], i4[i % len(i4)][1], GROUP, c, out=out),
+                nbytes(packed, sz) + io16, config=cfg))  # fmt: skip
+        best = min(ours, key=lambda r: r["us"])
+        best["best"] = True
+        best["speedup_vs_bf16"] = round(base["us"] / best["us"], 3)
+        wd = int4.dequantize(int4.unpack(packed), sz, GROUP)
+        got = w4a16.w4a16_matmul(x, packed, sz, GROUP, best["config"])
+        ref = x.float() @ wd.T
+        best["excess"] = round(excess(got, ref, gemm_tolerance(
+            x, wd, ref, operand_unit=unit_roundoff(x.dtype), accumulate_unit=FP32_ACCUMULATE,
+            out_dtype=x.dtype)), 3)  # fmt: skip
+        del wd
+        ours = []
+        for cfg in fp8_kernels.configs(m, n, k):
+            ours.append(row(m, "fp8_rowwise", lambda i, c=cfg: fp8_kernels.fp8_matmul(
+                x8, f8[i % len(f8)][0], sx8, f8[i % len(f8)][1], c, out=out),
+                nbytes(w8, s8, sx8) + io8, config=cfg))  # fmt: skip
+        best = min(ours, key=lambda r: r["us"])
+        best["best"] = True
+        best["speedup_vs_bf16"] = round(base["us"] / best["us"], 3)
+        da, db = fp8.dequantize(x8, sx8), fp8.dequantize(w8, s8)
+        ref = da @ db.T
+        got = fp8_kernels.fp8_matmul(x8, w8, sx8, s8, best["config"])
+        best["excess"] = round(excess(got, ref, gemm_tolerance(
+            da, db, ref, operand_unit=0.0, accumulate_unit=FP8_TENSOR_CORE_ACCUMULATE,
+            out_dtype=torch.bfloat16)), 3)  # fmt: skip
+        del da, db
+        tw = row(m, "fp8_tensorwise", lambda i: fp8_kernels.fp8_matmul(
+            x8t, f8t[i % len(f8t)][0], sx8t, f8t[i % len(f8t)][1], best["config"], out=out),
+            nbytes(w8) + io8, config=best["config"])  # fmt: skip
+        tw["speedup_vs_bf16"] = round(base["us"] / tw["us"], 3)
+
+    for m in ms:
+        one_m(m)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--proj", nargs="*", default=list(PROJECTIONS), choices=list(PROJECTIONS))
+    ap.add_argument("--m", nargs="*", type=int, default=list(MS))
+    ap.add_argument("--budget", type=float, default=0.05, help="seconds per event-timed point")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth_gbs()
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "copy_gbs": round(copy_gbs, 1), "group_size": GROUP, "rows": [],
+    }  # fmt: skip
+    print(f"{result['device']}: copy {copy_gbs:.0f} GB/s", flush=True)
+    t0 = time.time()
+    for name in args.proj:
+        n, k = PROJECTIONS[name]
+        result["rows"] += bench_projection(name, n, k, tuple(args.m), copy_gbs, args.budget)
+        result["seconds"] = round(time.time() - t0, 1)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
