@@ -24,9 +24,9 @@ from tuner.core.keys import GemmKey
 CUBLAS_GEMM_DEFAULT = -1
 TENSOR_OP_ALGOS = tuple(range(99, 116))  # CUBLAS_GEMM_DEFAULT_TENSOR_OP, ALGO0..15_TENSOR_OP
 ALGOS = (CUBLAS_GEMM_DEFAULT, *TENSOR_OP_ALGOS)
-# Timed by default: only CUBLAS_GEMM_DEFAULT. On an H200 (bench/results/libs_h200_details.json)
-# no algo of 99..115 beat the default beyond noise (128x28672x4096: all 106.3-106.7 us), so they
-# would only cost tuning time; TUNER_CUBLAS_ALGOS=all (or a comma list) times them anyway.
+# Timed by default: only CUBLAS_GEMM_DEFAULT. The numbered algos did not beat the default beyond
+# noise (bench/NOTES.md), so they would only cost tuning time; TUNER_CUBLAS_ALGOS=all (or a comma
+# list) times them anyway.
 DEFAULT_CANDIDATE_ALGOS = (CUBLAS_GEMM_DEFAULT,)
 
 

@@ -161,8 +161,8 @@ class Launch:
     ``args`` start with the kernel's tensors; the first call of each specialization (strides and
     16-byte alignment of the pointers) goes through Triton's JIT, later ones launch the compiled
     kernel directly with the tensors' integer pointers once the runner has checked that a direct
-    launch reproduces the JIT's bits (``verify_direct``). Decode steps take ~10 us on the GPU, so
-    the launch cost is part of what the caller waits for.
+    launch reproduces the JIT's bits (``verify_direct``). Decode steps are short on the GPU, so the
+    launch cost is part of what the caller waits for.
     Every constexpr must follow the runtime arguments in the kernel's signature.
     """
 

@@ -2,8 +2,8 @@
 
 In an eager decode step the host sets the pace, and every microsecond spent routing a call is
 paid per layer and per projection. A dispatcher signature (shapes, strides, dtypes, device,
-alignment, TF32, autograd) costs ~0.8 us of Python per call on a desktop CPU; a memo key is the
-cheaper part of it that differs from call to call:
+alignment, TF32, autograd) costs more Python per call than the call itself should; a memo key
+is the cheaper part of it that differs from call to call:
 
 - ``F.linear(x, w)``: ``(id(w), x.shape, x.stride(), x.dtype)``: a model's weights live long,
   so their ``id`` names them. A weak reference checks that the weight is still the same object (a

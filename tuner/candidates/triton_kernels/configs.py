@@ -99,8 +99,7 @@ def smem_bytes(
     """Shared memory of a pipelined tile loop (an upper bound: Triton keeps stages - 1 buffers
     for mma.sync tiles): ``stages`` copies of the A and B tiles, the C tile that a TMA store
     stages through shared memory, and 15% more for f32 without TF32 (the three-pass TF32
-    product keeps split operands; seen on the H200: 254008 bytes where the tiles alone are
-    229376, so that config failed to launch)."""
+    product keeps split operands beside the tiles, past what the tiles alone need)."""
     item = ITEMSIZE[key.dtype]
     c = bm * bn * ITEMSIZE[key.out_dtype] if c_tile else 0
     tiles = stages * (bm * bk + bk * bn) * item + c
