@@ -53,7 +53,7 @@ def test_cli_token_push_sync_round_trip(served: SubprocessServer, tmp_path: Path
     token = made.stdout.strip().splitlines()[-1]
     assert token.startswith("tnr_")
     listed = cli("token", "list", "--db", str(served.db))
-    assert "cli-host" in listed.stdout and token.split("_")[2] not in listed.stdout  # no secrets
+    assert "cli-host" in listed.stdout and token.split("_", 2)[2] not in listed.stdout  # no secrets
     key = GemmKey(m=20, n=36, k=44, dtype="f32", out_dtype="f32")
     outcome = tune(key, options=TuneOptions(budget_s=0.03, sources=["torch"]))
     with Store(tmp_path / "a.db") as a:
@@ -88,7 +88,7 @@ def test_another_process_closing_does_not_delete_the_wal_under_us(tmp_path: Path
     )
     assert (tmp_path / "shared.db-wal").exists()
     with second.transaction() as c:
-        c.execute("insert into meta(name, value) values ('x', '1')")
+        c.execute("insert into sync_state(name, value, updated_at) values ('x', 1, 0)")
     assert first.db.execute("pragma integrity_check").fetchone() == ("ok",)
     first.close()
     second.close()
