@@ -1,0 +1,81 @@
+"""A compiled CUTLASS kernel as an artifact, so that a host without nvcc can load and run it.
+
+cutlass_cppgen keeps each compiled kernel as one row of ``compiled_cache.db`` (in
+``cutlass_env.cache_dir()``): the device cubin, the host module (a shared object with the
+argument packing functions), the kernel's name and attributes, keyed by the emitted C++ source.
+When ``plan.compile`` finds that row it loads both without compiling. So the artifact of a
+``KernelSpec`` is that row as a bundle (``kernel.cubin``, ``host.so``, ``operation.json``);
+``publish`` stores it after a build, and ``install`` writes it back into an empty
+``compiled_cache.db`` and marks the spec compiled, after which ``cutlass_env.load`` finds it.
+The host module links against the CUDA runtime library, which the loading host needs.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import Any
+
+from tuner.cache.artifacts import ArtifactError, ArtifactSpec, ArtifactStore, pack, unpack
+from tuner.candidates import cutlass_env as env
+
+# cutlass_cppgen's table, created by its ArtifactManager on import; ``install`` may run first.
+_TABLE = (
+    "create table if not exists compiled_operations(op_key text not null unique, "
+    "cubin blob not null, hostbin blob not null, op_name text not null, op_attrs text not null)"
+)
+
+
+def artifact_spec(spec: env.KernelSpec) -> ArtifactSpec:
+    return ArtifactSpec(
+        "cutlass", json.loads(spec.to_json()), f"sm{env.SM}", {"cutlass": env.version()}
+    )
+
+
+def _op_key(op: Any) -> str:
+    """cutlass_cppgen's cache key of a compiled operation (its ``ArtifactManager.add_module``)."""
+    manager = env.cutlass().backend.compiler
+    return op.rt_module.emit() + op.procedural_name() + manager.backend
+
+
+def bundle(op: Any) -> bytes:
+    """The cached row of ``op`` (a compiled GemmOperationUniversal) as an artifact bundle."""
+    key = _op_key(op)
+    with sqlite3.connect(env.cache_dir() / "compiled_cache.db") as conn:
+        row = conn.execute(
+            "select cubin, hostbin, op_name, op_attrs from compiled_operations where op_key = ?",
+            (key,),
+        ).fetchone()
+    if row is None:
+        raise LookupError(f"{op.procedural_name()} is not in cutlass_cppgen's compiled cache")
+    cubin, hostbin, op_name, op_attrs = row
+    meta = {"op_key": key, "op_name": op_name, "op_attrs": op_attrs, "name": op.procedural_name()}
+    return pack(
+        {"kernel.cubin": cubin, "host.so": hostbin, "operation.json": json.dumps(meta).encode()}
+    )
+
+
+def publish(store: ArtifactStore, spec: env.KernelSpec, op: Any) -> str:
+    """Store the compiled ``op`` of ``spec``; the artifact's hash."""
+    return store.put(artifact_spec(spec), bundle(op))
+
+
+def install(store: ArtifactStore, spec: env.KernelSpec) -> bool:
+    """Put ``spec``'s stored kernel where ``cutlass_env.load`` finds it; False if not stored."""
+    data = store.get(artifact_spec(spec))
+    if data is None:
+        return False
+    files = unpack(data)
+    try:
+        meta = json.loads(files["operation.json"])
+        row = (meta["op_key"], files["kernel.cubin"], files["host.so"], meta["op_name"])
+        row += (meta["op_attrs"],)
+    except (KeyError, ValueError) as e:
+        raise ArtifactError(f"not a CUTLASS kernel bundle: missing {e}") from None
+    path = env.cache_dir() / "compiled_cache.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with sqlite3.connect(path) as conn:
+        conn.execute(_TABLE)
+        conn.execute("insert or ignore into compiled_operations values (?, ?, ?, ?, ?)", row)
+    env._record(spec, "compiled", {"name": meta["name"], "artifact": artifact_spec(spec).id})
+    return True
