@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,21 +27,21 @@ def test_install_writes_the_row_cutlass_cppgen_looks_up(
 ) -> None:
     monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path / "cutlass"))
     meta = {"op_key": "<emitted source>name nvcc", "op_name": "k", "op_attrs": "[96]", "name": "n"}
-    files = {"kernel.cubin": b"cubin", "host.so": b"\x7fELF so", "operation.json": json.dumps(meta)}
+    files = {
+        "kernel.cubin": b"cubin",
+        "host.so": b"\x7fELF so",
+        "operation.json": json.dumps(meta).encode(),
+    }
     with ArtifactStore(tmp_path / "artifacts") as store:
         assert not cutlass_artifacts.install(store, SPEC)  # nothing stored yet
         spec = cutlass_artifacts.artifact_spec(SPEC)
-        store.put(
-            spec, pack({k: v if isinstance(v, bytes) else v.encode() for k, v in files.items()})
-        )
+        store.put(spec, pack(files))
         assert cutlass_artifacts.install(store, SPEC)
         assert cutlass_artifacts.install(store, SPEC)  # again: no duplicate row
-        store.put(
-            cutlass_artifacts.artifact_spec(SPEC.__class__(**{**SPEC.__dict__, "dtype": "f16"})),
-            pack({"x": b""}),
-        )
+        other = replace(SPEC, dtype="f16")
+        store.put(cutlass_artifacts.artifact_spec(other), pack({"x": b""}))
         with pytest.raises(ArtifactError, match="not a CUTLASS kernel bundle"):
-            cutlass_artifacts.install(store, SPEC.__class__(**{**SPEC.__dict__, "dtype": "f16"}))
+            cutlass_artifacts.install(store, other)
     rows = (
         sqlite3.connect(tmp_path / "cutlass" / "compiled_cache.db")
         .execute("select * from compiled_operations")
