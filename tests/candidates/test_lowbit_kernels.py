@@ -99,6 +99,10 @@ def test_w4a16_bad_inputs_name_the_field() -> None:
     for args, field in cases:
         with pytest.raises(ValueError, match=field):
             w4a16.w4a16_matmul(*args)
+    # each half of K must hold whole groups: K = 96 with groups of 32 cannot be split so
+    x96, q96, sz96, _, _ = int4_problem(2, 16, 96, 32, torch.float16, "cpu")
+    with pytest.raises(ValueError, match="group_size=32: 64 must divide K=96"):
+        w4a16.w4a16_matmul(x96, int4.pack(q96), sz96, 32)
     with pytest.raises(ValueError, match="config\\['bk'\\]"):
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "bk": 64})
     with pytest.raises(ValueError, match="config\\['split_k'\\]"):

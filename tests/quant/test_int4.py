@@ -12,9 +12,9 @@ from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_
 HAS_GPU = torch.cuda.is_available()
 
 
-def test_pack_puts_the_even_k_in_the_high_nibble() -> None:
+def test_pack_pairs_k_with_k_plus_half_of_k() -> None:
     q = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
-    assert int4.pack(q).tolist() == [[0x12, 0xF0]]
+    assert int4.pack(q).tolist() == [[0x1F, 0x20]]
 
 
 def test_pack_unpack_round_trip() -> None:

@@ -5,10 +5,12 @@ Values: ``q`` is an [N, K] integer tensor of 0..15; ``scales_and_zeros`` is torc
 ``w[n, k] = (q[n, k] - 8) * scale[k // group_size, n] + zero[k // group_size, n]``
 (the convention of ``torch.ops.aten._weight_int4pack_mm``).
 
-Our layout (what ``tuner.candidates.triton_kernels.w4a16`` reads): uint8 [N, K / 2], row n holds
-column n of the weight along K, two values per byte, the even k in the high nibble. K-contiguous
-rows give the kernels 16-byte loads along the reduction, and the layout is exactly what
-``aten._convert_weight_to_int4pack`` takes, so packing for torch needs no reordering.
+Our layout (what ``tuner.candidates.triton_kernels.w4a16`` reads): uint8 [N, K / 2]; byte j of
+row n holds k = j in its high nibble and k = j + K / 2 in its low nibble. A kernel's [BN, BK]
+tile of bytes then splits into two [BN, BK] weight tiles that are each contiguous along K (no
+interleave to undo in registers), matched by two contiguous loads of the activations; each half
+stays inside one scale group when K / 2 is a multiple of the group size. torch's packer takes
+the even k in the high nibble instead, so ``to_torch_int4pack`` reorders once.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ GROUP_SIZES = (32, 64, 128, 256)
 INNER_K_TILES = (2, 4, 8)
 
 
-def check_group_size(group_size: int, k: int) -> None:
+def check_group_size(group_size: int, k: int, halves: bool = False) -> None:
+    """``halves``: our packed layout, where each half of K must hold whole groups."""
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size={group_size}: allowed {GROUP_SIZES}")
-    if k % group_size:
-        raise ValueError(f"group_size={group_size}: must divide K={k}")
+    step = 2 * group_size if halves else group_size
+    if k % step:
+        raise ValueError(f"group_size={group_size}: {step} must divide K={k}")
 
 
 def check_scales_and_zeros(
@@ -68,13 +72,13 @@ def dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] values 0..15 -> our uint8 [N, K / 2] layout (even k in the high nibble)."""
+    """[N, K] values 0..15 -> our uint8 [N, K / 2] layout (k and k + K / 2 share a byte)."""
     if q.dim() != 2 or q.shape[1] % 2:
         raise ValueError(f"q.shape={tuple(q.shape)}: expected [N, K] with K even")
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
         raise ValueError("q: values must lie in 0..15")
-    q8 = q.to(torch.uint8)
-    return (q8[:, 0::2] << 4) | q8[:, 1::2]
+    hi, lo = q.to(torch.uint8).chunk(2, dim=1)
+    return (hi << 4) | lo
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -82,7 +86,7 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise ValueError(f"packed: expected a uint8 [N, K / 2] tensor, got {packed.dtype} "
                          f"{tuple(packed.shape)}")  # fmt: skip
-    return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1)
+    return torch.cat([packed >> 4, packed & 15], dim=1)
 
 
 def to_torch_int4pack(packed: torch.Tensor, inner_k_tiles: int = 8) -> torch.Tensor:
@@ -92,7 +96,9 @@ def to_torch_int4pack(packed: torch.Tensor, inner_k_tiles: int = 8) -> torch.Ten
         raise ValueError(f"inner_k_tiles={inner_k_tiles}: allowed {INNER_K_TILES}")
     if not packed.is_cuda:
         raise ValueError(f"packed.device={packed.device}: torch's tile packing runs on CUDA")
-    return torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), inner_k_tiles)
+    q = unpack(packed)
+    pairs = (q[:, 0::2] << 4) | q[:, 1::2]  # torch's input: the even k in the high nibble
+    return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
 
 
 def torch_int4pack_shape(tpacked: torch.Tensor) -> tuple[int, int]:

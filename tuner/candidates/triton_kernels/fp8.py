@@ -218,6 +218,7 @@ def configs(m: int, n: int, k: int, sms: int = 132) -> list[Config]:
             {"kernel": "tiled", "bm": 64, "bn": 128, "bk": 128, "group_m": 8, "warps": 4, "stages": 4},
             {"kernel": "persistent_tma", "bm": 64, "bn": 128, "bk": 128, "group_m": 8, "warps": 4, "stages": 4},
             {"kernel": "tiled", "bm": 128, "bn": 128, "bk": 128, "group_m": 8, "warps": 8, "stages": 4},
+            {"kernel": "tiled", "bm": 64, "bn": 64, "bk": 128, "group_m": 8, "warps": 4, "stages": 5},
         ]  # fmt: skip
     return [
         {"kernel": "persistent_tma", "bm": 128, "bn": 256, "bk": 128, "group_m": 8, "warps": 8, "stages": 3},

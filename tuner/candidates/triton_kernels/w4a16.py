@@ -1,10 +1,13 @@
 """INT4 weight-only GEMM (W4A16): ``out = x @ dequant(w).T`` with bf16 or fp16 activations.
 
-The weight is our packed layout (``tuner.quant.int4``): uint8 [N, K / 2], the even k in the high
-nibble, with torch's [K / group, N, 2] scales and zeros. Each program loads [BN, BK / 2] bytes of
-the weight (K-contiguous rows: wide loads), splits the nibbles in registers, and dequantizes
-``(q - 8) * scale + zero`` in fp32 with one (scale, zero) pair per row of the tile: BK divides the
-group size, so a K tile never straddles two groups and the pair is one [BN, 2] load.
+The weight is our packed layout (``tuner.quant.int4``): uint8 [N, K / 2], byte j holding
+k = j (high nibble) and k = j + K / 2 (low nibble), with torch's [K / group, N, 2] scales and
+zeros. Each program loads [BN, BK] bytes of the weight (K-contiguous rows: wide loads); the two
+nibbles give two [BN, BK] weight tiles, one per half of K, each contiguous along K, so no
+interleave is undone in registers; the activations come as two [BM, BK] tiles, K / 2 apart.
+Dequantization ``(q - 8) * scale + zero`` runs in fp32 with one (scale, zero) pair per row of a
+tile: BK divides the group size and each half of K holds whole groups, so a tile never straddles
+two groups and each pair is one [BN, 2] load.
 
 - ``w4a16_gemv`` (decode, M <= 16): multiply-adds on the CUDA cores into a [BM, BN, BK] fp32
   accumulator reduced once at the end; tensor cores would idle on padding rows and the problem is
@@ -27,7 +30,7 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
-from tuner.quant.int4 import check_scales_and_zeros
+from tuner.quant.int4 import check_group_size, check_scales_and_zeros
 
 Config = dict[str, Any]
 ACT_DTYPES = (torch.bfloat16, torch.float16)
@@ -36,19 +39,26 @@ REDUCE_BLOCK = 1024
 
 
 @triton.jit
-def _dequant_tile(w_ptr, sz_ptr, rn, k0, N, K, BN: tl.constexpr, BK: tl.constexpr,
-                  GROUP: tl.constexpr):  # fmt: skip
-    """fp32 [BN, BK] of the weight's rows ``rn`` at k0 .. k0 + BK (rows past N read as zero)."""
-    half = K // 2
-    rb = k0 // 2 + tl.arange(0, BK // 2)
-    mask_n = rn[:, None] < N
-    b = tl.load(w_ptr + rn[:, None].to(tl.int64) * half + rb[None, :], mask=mask_n, other=0)
-    q = tl.reshape(tl.join(b >> 4, b & 15), (BN, BK)).to(tl.float32)
+def _scale_zero(sz_ptr, rn, k, N, mask_n, GROUP: tl.constexpr):
     pair = tl.arange(0, 2)
-    sz = tl.load(sz_ptr + (k0 // GROUP) * 2 * N + rn[:, None] * 2 + pair[None, :],
+    sz = tl.load(sz_ptr + (k // GROUP) * 2 * N + rn[:, None] * 2 + pair[None, :],
                  mask=mask_n, other=0.0).to(tl.float32)  # fmt: skip
-    scale, zero = tl.split(sz)
-    return (q - 8.0) * scale[:, None] + zero[:, None]
+    return tl.split(sz)
+
+
+@triton.jit
+def _dequant_tiles(w_ptr, sz_ptr, rn, j0, N, K, BK: tl.constexpr, GROUP: tl.constexpr):
+    """fp32 [BN, BK] tiles of the weight's rows ``rn`` at k = j0 .. j0 + BK (high nibbles) and
+    k = K / 2 + j0 .. (low nibbles); rows past N read as zero."""
+    half = K // 2
+    mask_n = rn[:, None] < N
+    rj = j0 + tl.arange(0, BK)
+    b = tl.load(w_ptr + rn[:, None].to(tl.int64) * half + rj[None, :], mask=mask_n, other=0)
+    s_hi, z_hi = _scale_zero(sz_ptr, rn, j0, N, mask_n, GROUP)
+    s_lo, z_lo = _scale_zero(sz_ptr, rn, half + j0, N, mask_n, GROUP)
+    w_hi = ((b >> 4).to(tl.float32) - 8.0) * s_hi[:, None] + z_hi[:, None]
+    w_lo = ((b & 15).to(tl.float32) - 8.0) * s_lo[:, None] + z_lo[:, None]
+    return w_hi, w_lo
 
 
 @triton.jit
@@ -71,12 +81,15 @@ def w4a16_gemv(
     rm = tl.arange(0, BM)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    k_lo = tl.program_id(1) * k_split
+    j_lo = tl.program_id(1) * k_split
+    x_ptrs = x_ptr + rm[:, None] * ldx + rk[None, :]
+    mask_m = rm[:, None] < M
     acc = tl.zeros((BM, BN, BK), dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + k_split, BK):
-        x = tl.load(x_ptr + rm[:, None] * ldx + (k0 + rk)[None, :], mask=rm[:, None] < M, other=0.0)
-        w = _dequant_tile(w_ptr, sz_ptr, rn, k0, N, K, BN, BK, GROUP)
-        acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
+    for j0 in range(j_lo, j_lo + k_split, BK):
+        x_hi = tl.load(x_ptrs + j0, mask=mask_m, other=0.0).to(tl.float32)
+        x_lo = tl.load(x_ptrs + K // 2 + j0, mask=mask_m, other=0.0).to(tl.float32)
+        w_hi, w_lo = _dequant_tiles(w_ptr, sz_ptr, rn, j0, N, K, BK, GROUP)
+        acc += x_hi[:, None, :] * w_hi[None, :, :] + x_lo[:, None, :] * w_lo[None, :, :]
     _store(out_ptr, ws_ptr, tl.sum(acc, axis=2), rm, rn, M, N, ldo, SPLIT_K)
 
 
@@ -90,13 +103,16 @@ def w4a16_tiled(
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    k_lo = tl.program_id(1) * k_split
+    j_lo = tl.program_id(1) * k_split
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * ldx + rk[None, :]
+    mask_m = rm[:, None] < M
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + k_split, BK):
-        x = tl.load(x_ptrs + k0, mask=rm[:, None] < M, other=0.0)
-        w = _dequant_tile(w_ptr, sz_ptr, rn, k0, N, K, BN, BK, GROUP)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    for j0 in range(j_lo, j_lo + k_split, BK):
+        x_hi = tl.load(x_ptrs + j0, mask=mask_m, other=0.0)
+        x_lo = tl.load(x_ptrs + K // 2 + j0, mask=mask_m, other=0.0)
+        w_hi, w_lo = _dequant_tiles(w_ptr, sz_ptr, rn, j0, N, K, BK, GROUP)
+        acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc)
+        acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc)
     _store(out_ptr, ws_ptr, acc, rm, rn, M, N, ldo, SPLIT_K)
 
 
@@ -118,6 +134,7 @@ def check_inputs(
         raise ValueError(f"weight.shape={tuple(weight.shape)}: K / 2 = {k // 2} columns expected "
                          f"for x.shape={tuple(x.shape)}")  # fmt: skip
     check_scales_and_zeros(scales_and_zeros, n, k, group_size, x.dtype)
+    check_group_size(group_size, k, halves=True)
     for name, t in (("weight", weight), ("scales_and_zeros", scales_and_zeros)):
         if t.device != x.device:
             raise ValueError(f"{name}.device={t.device}: must be x's device {x.device}")
@@ -133,8 +150,10 @@ def check_config(config: Config, k: int, group_size: int) -> None:
         raise ValueError(f"config['kernel']={kernel!r}: allowed 'gemv', 'tiled'")
     if bk < 16 or group_size % bk:
         raise ValueError(f"config['bk']={bk}: must be >= 16 and divide group_size={group_size}")
-    if split < 1 or k % (bk * split):
-        raise ValueError(f"config['split_k']={split}: K={k} must split into whole bk={bk} tiles")
+    if split < 1 or (k // 2) % (bk * split):
+        raise ValueError(
+            f"config['split_k']={split}: K / 2 = {k // 2} must split into whole bk={bk} tiles"
+        )
 
 
 def w4a16_matmul(
@@ -156,7 +175,19 @@ def w4a16_matmul(
     bm, bn, bk = config["bm"], config["bn"], config["bk"]
     common = dict(BM=bm, BN=bn, BK=bk, GROUP=group_size, SPLIT_K=split,
                   num_warps=config.get("warps", 4), num_stages=config.get("stages", 2))  # fmt: skip
-    args = (x, weight, scales_and_zeros, out, ws, m, n, k, x.stride(0), out.stride(0), k // split)
+    args = (
+        x,
+        weight,
+        scales_and_zeros,
+        out,
+        ws,
+        m,
+        n,
+        k,
+        x.stride(0),
+        out.stride(0),
+        k // 2 // split,
+    )
     if config["kernel"] == "gemv":
         w4a16_gemv[(triton.cdiv(n, bn), split)](*args, **common)
     else:
@@ -171,9 +202,10 @@ def w4a16_matmul(
 
 
 def _splits(n: int, k: int, bn: int, bk: int, sms: int) -> int:
-    """Enough K splits that the grid covers the SMs about twice; each split whole bk tiles."""
+    """Enough K splits that the grid covers the SMs about twice; each split whole bk tiles of
+    the K / 2 bytes of a row."""
     split = 1
-    while triton.cdiv(n, bn) * split < 2 * sms and k % (bk * split * 2) == 0 and split < 16:
+    while triton.cdiv(n, bn) * split < 2 * sms and (k // 2) % (bk * split * 2) == 0 and split < 16:
         split *= 2
     return split
 
