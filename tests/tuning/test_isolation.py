@@ -10,8 +10,9 @@ from crashing_source import CrashingGemm
 
 from tuner.candidates import registry
 from tuner.core.keys import GemmKey
-from tuner.tuning.engine import TuneOptions, tune
+from tuner.tuning.engine import TuneOptions
 from tuner.tuning.isolation import WorkerPool
+from tuner.tuning.tune import tune
 
 KEY = GemmKey(m=16, n=24, k=32, dtype="f32", out_dtype="f32")
 

@@ -1,11 +1,5 @@
-"""Fleet commands of the ``tuner`` CLI (registered by ``tuner.cli.main``).
-
-tuner serve --db fleet.db --port 8000           run the service (one uvicorn worker)
-tuner token create --db fleet.db --name host-a --scope submit
-tuner token list --db fleet.db / tuner token revoke --db fleet.db ID
-tuner sync   [--server URL] [--token T]         pull this device's winners into the cache
-tuner push   [--server URL] [--token T]         send local results and misses to the service
-"""
+"""``tuner serve``, ``tuner token create|list|revoke``, ``tuner sync``, ``tuner push``: the fleet
+service, its tokens, and a host's exchange of results with it (``tuner.fleet.client``)."""
 
 from __future__ import annotations
 
@@ -17,16 +11,18 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tuner.cache import Store, default_path
+from tuner.cli.errors import fleet_service
+from tuner.cli.options import CacheOpt, open_store
 from tuner.core.device import fingerprint
-from tuner.fleet.client import FleetClient, FleetError, pull, push
+from tuner.fleet.client import FleetClient, PushResult, pull, push
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 console = Console()
-err_console = Console(stderr=True)
+app = typer.Typer()
 token_app = typer.Typer(
     help="Create, list and revoke the service's bearer tokens.", no_args_is_help=True
 )
+app.add_typer(token_app, name="token")
 
 DbOpt = Annotated[
     Path,
@@ -41,17 +37,9 @@ TokenOpt = Annotated[
     str | None,
     typer.Option("--token", envvar="TUNER_TOKEN", help="Bearer token.", show_default=False),
 ]
-CacheOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--cache",
-        envvar="TUNER_CACHE",
-        help="Local SQLite cache file.",
-        show_default="~/.cache/tuner/tuner.db",
-    ),
-]
 
 
+@app.command()
 def serve(
     db: DbOpt,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
@@ -94,11 +82,13 @@ def token_create(
 ) -> None:
     """Create a token and print it (the only time it is shown)."""
     from server import tokens
+    from server.store import FleetStore
 
-    with Store(db) as store:
+    with FleetStore(db) as store:
         token, secret = tokens.create(store, name, scope)
-    err_console.print(
-        f"token {token.id} ({token.name}, scopes {','.join(token.scopes)}); keep it secret:"
+    typer.echo(
+        f"token {token.id} ({token.name}, scopes {','.join(token.scopes)}); keep it secret:",
+        err=True,
     )
     print(secret)
 
@@ -107,8 +97,9 @@ def token_create(
 def token_list(db: DbOpt) -> None:
     """List tokens (ids, names, scopes; never the secrets)."""
     from server import tokens
+    from server.store import FleetStore
 
-    with Store(db) as store:
+    with FleetStore(db) as store:
         found = tokens.list_tokens(store)
     t = Table(title=f"{len(found)} tokens")
     for col in ("id", "name", "scopes", "created", "revoked"):
@@ -124,8 +115,9 @@ def token_list(db: DbOpt) -> None:
 def token_revoke(db: DbOpt, token_id: Annotated[str, typer.Argument(help="Token id.")]) -> None:
     """Revoke a token: it stops working at once; what it submitted stays."""
     from server import tokens
+    from server.store import FleetStore
 
-    with Store(db) as store:
+    with FleetStore(db) as store:
         tok = tokens.revoke(store, token_id)
     console.print(f"revoked {tok.id} ({tok.name})")
 
@@ -140,6 +132,7 @@ def _client(server: str | None, token: str | None) -> FleetClient:
     return FleetClient(server, token)
 
 
+@app.command()
 def sync(
     server: ServerOpt = None,
     token: TokenOpt = None,
@@ -151,40 +144,28 @@ def sync(
 ) -> None:
     """Pull the served winners of this device class into the local cache (incremental)."""
     fp = fingerprint()
-    try:
-        with _client(server, token) as client, Store(cache or default_path()) as store:
-            if push_first:
-                _report_push(push(client, store, fp))
-            r = pull(client, store, fp, full=full)
-    except FleetError as e:
-        err_console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1) from None
+    client = _client(server, token)
+    with client, open_store(cache) as store, fleet_service(client.server):
+        if push_first:
+            _report_push(push(client, store, fp))
+        r = pull(client, store, fp, full=full)
     console.print(
         f"pulled {r.winners} winners for {fp.device_class} in {r.pages} pages, "
         f"{r.seconds:.2f} s (cursor {r.cursor})"
     )
 
 
-def push_cmd(server: ServerOpt = None, token: TokenOpt = None, cache: CacheOpt = None) -> None:
+@app.command("push")
+def push_command(server: ServerOpt = None, token: TokenOpt = None, cache: CacheOpt = None) -> None:
     """Send local measurements not sent yet, and the misses recorded here, to the service."""
-    try:
-        with _client(server, token) as client, Store(cache or default_path()) as store:
-            _report_push(push(client, store, fingerprint()))
-    except FleetError as e:
-        err_console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1) from None
+    client = _client(server, token)
+    with client, open_store(cache) as store, fleet_service(client.server):
+        _report_push(push(client, store, fingerprint()))
 
 
-def _report_push(r) -> None:
+def _report_push(r: PushResult) -> None:
     console.print(
         f"pushed {r.accepted} measurements ({r.duplicates} already there"
         + (f", {r.skipped} skipped: no fingerprint of their device class" if r.skipped else "")
         + f"), {r.misses} missed keys ({r.queued} newly queued)"
     )
-
-
-def register(app: typer.Typer) -> None:
-    app.command()(serve)
-    app.add_typer(token_app, name="token")
-    app.command()(sync)
-    app.command("push")(push_cmd)

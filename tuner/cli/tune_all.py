@@ -1,16 +1,10 @@
-"""The ``tuner tune-all``, ``tuner report`` and ``tuner tunableop`` commands (their bodies: the
-option declarations live in ``tuner.cli.main``).
+"""``tuner tune-all``, ``tuner report``, ``tuner tunableop show|export``: many problems at once.
 
-    tuner tune-all --model configs/models/llama-3-8b.yaml --op gemm --out report/
-    tuner tune-all --misses --tunableop tunableop_untuned0.csv --config extra.yaml
-    tuner tune-all --queue 50              # claim 50 keys from the fleet's tuning queue
-    tuner report --out report/             # the same report, on demand, from the cache
-    tuner tunableop export tunableop_results0.csv
-
-tune-all gathers every source into one de-duplicated list, skips what already has a winner
-for this device class and these versions, and tunes the rest (``tuner.offline.tune_all``). Fleet-queue
-keys are completed on the service with the measurements of their winning runs; keys that
-failed stay leased until the lease runs out and the service queues them again.
+tune-all gathers every source (model configs, problem lists, TunableOp files, recorded misses,
+fleet-queue keys) into one de-duplicated list, skips what already has a winner for this device
+class and these versions, and tunes the rest on every local GPU (``tuner.offline.tune_all``).
+Fleet-queue keys are completed on the service with the measurements of their winning runs; keys
+that failed stay leased until the lease runs out and the service queues them again.
 """
 
 from __future__ import annotations
@@ -20,14 +14,32 @@ import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import typer
 from rich.console import Console
 
 from tuner.cache import Store
+from tuner.cli.errors import fleet_service
+from tuner.cli.options import (
+    TUNE_DEFAULTS,
+    BudgetOpt,
+    CacheOpt,
+    ConfirmRoundsOpt,
+    ConfirmTriesOpt,
+    IsolateOpt,
+    LaunchOpt,
+    OpOpt,
+    SourcesOpt,
+    cache_path,
+    check_op,
+    open_store,
+    tune_options,
+)
 from tuner.core.device import Fingerprint, fingerprint
-from tuner.core.keys import parse_key
-from tuner.measure.records import Measurement
+from tuner.core.keys import Key, key_op, parse_key
+from tuner.fleet.client import BATCH, FleetClient
+from tuner.measure.records import Measurement, Winner
 from tuner.offline import report, tunableop
 from tuner.offline.model_config import load_model
 from tuner.offline.problem_list import ConfigError
@@ -36,14 +48,173 @@ from tuner.offline.tune_all import (
     Event,
     ProblemSet,
     Result,
-    RunOptions,
+    RunSettings,
     RunSummary,
     current_keys,
     journal_path,
+    local_workers,
     pending,
     read_journal,
     run,
 )
+
+app = typer.Typer()
+tunableop_app = typer.Typer(help="PyTorch TunableOp CSV files: show, export.", no_args_is_help=True)
+app.add_typer(tunableop_app, name="tunableop")
+console = Console()
+
+ModelsOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--model", help="Model config YAML (configs/models/*.yaml); repeatable.", exists=True,
+        dir_okay=False,
+    ),
+]  # fmt: skip
+ConfigsOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--config", "-c", help="YAML file with a 'problems:' list; repeatable.", exists=True,
+        dir_okay=False,
+    ),
+]  # fmt: skip
+TunableOpOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--tunableop", help="PyTorch TunableOp results or untuned-shapes CSV; repeatable.",
+        exists=True, dir_okay=False,
+    ),
+]  # fmt: skip
+MissesOpt = Annotated[
+    bool, typer.Option("--misses", help="The keys recorded as missed here (TUNER_MODE=record).")
+]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", help="Directory for report.json and speedup.png.", file_okay=False),
+]
+
+
+@app.command("tune-all")
+def tune_all_command(
+    model: ModelsOpt = None,
+    config: ConfigsOpt = None,
+    tunableop_file: TunableOpOpt = None,
+    misses: MissesOpt = False,
+    queue: Annotated[
+        int, typer.Option("--queue", min=0, help="Claim this many keys from the fleet's queue.")
+    ] = 0,
+    op: OpOpt = None,
+    cache: CacheOpt = None,
+    budget: BudgetOpt = TUNE_DEFAULTS.budget_s,
+    source: SourcesOpt = None,
+    launch: LaunchOpt = TUNE_DEFAULTS.launch,
+    confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
+    confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
+    isolate: IsolateOpt = False,
+    problem_timeout: Annotated[
+        float, typer.Option(help="Seconds a problem may take before its worker is killed.")
+    ] = 900.0,
+    time_limit: Annotated[
+        float | None, typer.Option(help="Seconds for the whole run; no problem starts after.")
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Worker processes (default: one per local GPU).")
+    ] = None,
+    force: Annotated[
+        bool, typer.Option(help="Retune problems that already have a current winner.")
+    ] = False,
+    out: OutOpt = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Only list what would be tuned.")
+    ] = False,
+) -> None:
+    """Tune models, problem lists, TunableOp files, recorded misses and fleet-queue keys.
+
+    All local GPUs work at once; problems tuned already are skipped (a killed run resumes);
+    a report ends the run. Exit status 0 when every problem has a winner, else 1."""
+    options = tune_options(
+        budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
+        confirm_tries=confirm_tries, isolate=isolate,
+    )  # fmt: skip
+    settings = RunSettings(
+        options, problem_timeout_s=problem_timeout, time_limit_s=time_limit, workers=workers,
+        force=force,
+    )  # fmt: skip
+    sources = Sources.of(model, config, tunableop_file, misses, op, queue)
+    raise typer.Exit(tune_all(sources, cache_path(cache), settings, out=out, dry_run=dry_run))
+
+
+@app.command("report")
+def report_command(
+    model: ModelsOpt = None,
+    config: ConfigsOpt = None,
+    tunableop_file: TunableOpOpt = None,
+    misses: MissesOpt = False,
+    op: OpOpt = None,
+    cache: CacheOpt = None,
+    out: OutOpt = None,
+    rows: Annotated[int | None, typer.Option(help="Table rows to print (all in JSON).")] = 60,
+) -> None:
+    """Baseline, winner, speedup and tuning time per problem, a summary and a speedup plot.
+
+    Covers every winner and failure of this device class, or the problems of the sources given."""
+    sources = Sources.of(model, config, tunableop_file, misses, op)
+    path = cache_path(cache)
+    store = Store(path)
+    fp = fingerprint()
+    problems = None if sources.empty() else collect(sources, store, fp, Console(quiet=True), None)
+    rep = report.build(store, fp, problems=problems, journal=read_journal(journal_path(path)))
+    if problems is None and sources.op:
+        rep.rows = [r for r in rep.rows if key_op(r.key) == sources.op]
+    report.render(rep, console, limit=rows)
+    _write_report(rep, out)
+
+
+@tunableop_app.command("show")
+def tunableop_show(
+    files: Annotated[list[Path], typer.Argument(help="TunableOp CSV files.", exists=True)],
+) -> None:
+    """The problem keys that TunableOp files name (tune them with tune-all --tunableop)."""
+    imported = tunableop.import_files(files)
+    for f in imported.files:
+        validators = ", ".join(f"{k}={v}" for k, v in f.validators.items()) or "none"
+        console.print(
+            f"{f.path}: {f.kind} file, {len(f.entries)} GEMM lines, validators: {validators}"
+        )
+    for key, (path, entry) in imported.found.items():
+        console.print(f"{path.name}:{entry.line} {entry.op},{entry.params} -> {key}")
+    for path, entry, reason in imported.skipped:
+        console.print(f"[yellow]skipped[/yellow] {path.name}:{entry.line} {entry.op}: {reason}")
+
+
+@tunableop_app.command("export")
+def tunableop_export(
+    output: Annotated[Path, typer.Argument(help="CSV to write, e.g. tunableop_results0.csv.")],
+    cache: CacheOpt = None,
+    pt_version: Annotated[
+        str | None, typer.Option(help="PT_VERSION validator (default: this torch's).")
+    ] = None,
+) -> None:
+    """Write this device's winners that TunableOp can run (cuBLAS default, cuBLASLt algos)."""
+    import torch
+
+    store = open_store(cache)
+    fp = fingerprint()
+    winners = [w for w in store.winners(fp.device_class, op="gemm") if w.measured_under(fp)]
+    version = pt_version or tunableop.torch_version_tag(torch.__version__)
+    exp = tunableop.export(winners, version)
+    tmp = output.with_suffix(output.suffix + ".tmp")
+    try:
+        tmp.write_text("\n".join(exp.lines) + "\n")
+        tmp.replace(output)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"{output}: cannot write: {e.strerror}") from None
+    console.print(f"wrote {output}: {exp.written} GEMMs (Validator PT_VERSION={version})")
+    for key, reason in exp.skipped:
+        console.print(f"  [yellow]not expressible[/yellow] {report.short_label(key)}: {reason}")
+
+
+# --- the bodies ----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -57,15 +228,28 @@ class Sources:
     queue: int = 0  # keys to claim from the fleet's tuning queue (0: none)
     op: str | None = None  # only "gemm" or "sdpa" problems
 
+    @classmethod
+    def of(
+        cls,
+        models: list[Path] | None,
+        configs: list[Path] | None,
+        tunableop_files: list[Path] | None,
+        misses: bool,
+        op: str | None,
+        queue: int = 0,
+    ) -> Sources:
+        check_op(op)
+        return cls(models or [], configs or [], tunableop_files or [], misses, queue, op)
+
     def empty(self) -> bool:
         return not (self.models or self.configs or self.tunableop or self.misses or self.queue)
 
 
 @dataclass
 class FleetLease:
-    client: Any  # tuner.fleet.client.FleetClient
+    client: FleetClient
     lease_id: str | None
-    keys: list[str]
+    keys: list[Key]
 
 
 def collect(
@@ -100,36 +284,33 @@ def collect(
         console.print(f"recorded misses on {fp.device_class}: {len(rows)} keys")
     if lease is not None:
         for key in lease.keys:
-            problems.add(parse_key(key), "fleet queue")
+            problems.add(key, "fleet queue")
         console.print(f"fleet queue: {len(lease.keys)} keys leased")
     return problems.only(sources.op)
 
 
-def claim_queue(n: int, fp: Fingerprint, options: RunOptions, workers: int) -> FleetLease:
+def claim_queue(n: int, fp: Fingerprint, settings: RunSettings, workers: int) -> FleetLease:
     """Lease ``n`` keys of this device class from the fleet service (``$TUNER_SERVER``)."""
-    from tuner.fleet.client import FleetClient
-
     client = FleetClient.from_env()
     if client is None:
         raise ConfigError("--queue needs the fleet service: set TUNER_SERVER (and TUNER_TOKEN)")
     rounds = math.ceil(n / max(1, workers))
-    lease_s = rounds * options.problem_timeout_s + 300
-    if options.time_limit_s is not None:
-        lease_s = min(lease_s, options.time_limit_s + options.problem_timeout_s + 300)
+    lease_s = rounds * settings.problem_timeout_s + 300
+    if settings.time_limit_s is not None:
+        lease_s = min(lease_s, settings.time_limit_s + settings.problem_timeout_s + 300)
     worker = f"{socket.gethostname()}:{os.getpid()}"
-    lease = client.claim(fp, worker, max_keys=n, lease_s=min(lease_s, 86400.0))
-    return FleetLease(client, lease.lease_id, list(lease.keys))
+    with fleet_service(client.server):
+        lease = client.claim(fp, worker, max_keys=n, lease_s=min(lease_s, 86400.0))
+    return FleetLease(client, lease.lease_id, [parse_key(k) for k in lease.keys])
 
 
 def complete_queue(lease: FleetLease, store: Store, fp: Fingerprint) -> dict[str, Any] | None:
     """Send the winning runs' measurements of the leased keys that now have a winner."""
-    from tuner.fleet.client import BATCH
-
     if lease.lease_id is None:
         return None
     winners = {w.key: w for w in store.winners(fp.device_class) if w.measured_under(fp)}
     runs: list[list[Measurement]] = []
-    for key in lease.keys:
+    for key in map(str, lease.keys):
         w = winners.get(key)
         if w is not None:
             runs.append(
@@ -138,26 +319,34 @@ def complete_queue(lease: FleetLease, store: Store, fp: Fingerprint) -> dict[str
     sent = [m for ms in runs for m in ms]
     if len(sent) > BATCH:  # one completion carries one batch: the baseline and winner suffice
         sent = [m for ms in runs for m in ms if m.is_baseline or _won(m, winners)]
-    return lease.client.complete(lease.lease_id, fp, sent)
+    with fleet_service(lease.client.server):
+        return lease.client.complete(lease.lease_id, fp, sent)
 
 
-def _won(m: Measurement, winners: dict[str, Any]) -> bool:
+def _won(m: Measurement, winners: dict[str, Winner]) -> bool:
     w = winners[m.key]
     return m.source == w.source and m.params == w.params
 
 
+def _label(key: Key, problems: ProblemSet) -> str:
+    return problems.label(key) or key.label
+
+
 def _describe(result: Result, problems: ProblemSet) -> str:
-    label = problems.label(result.key) or report.short_label(result.key)
+    label = _label(result.key, problems)
     if result.status == "tuned" and result.winner:
         speedup = result.winner["baseline_us"] / result.winner["median_us"]
-        return f"[green]tuned[/green] {label} -> {result.winner['candidate'][:60]} {speedup:.2f}x ({result.seconds:.1f} s)"
+        return (
+            f"[green]tuned[/green] {label} -> {result.winner['candidate'][:60]} {speedup:.2f}x "
+            f"({result.seconds:.1f} s)"
+        )
     if result.status == "skipped":
         return f"[dim]skipped[/dim] {label}: tuned meanwhile by another process"
     return f"[red]{result.status}[/red] {label}: {result.error[:300]}"
 
 
 def run_with_progress(
-    todo: list, problems: ProblemSet, store_path: Path, options: RunOptions, console: Console
+    todo: list[Key], problems: ProblemSet, store_path: Path, settings: RunSettings
 ) -> RunSummary:
     in_flight: dict[int, str] = {}
     with progress_bar(console) as bar:
@@ -168,7 +357,7 @@ def run_with_progress(
             if kind == "ready":
                 bar.console.print(f"worker {data[0]} ready on {data[1]}")
             elif kind == "start":
-                in_flight[data[0]] = problems.label(data[1]) or report.short_label(data[1])
+                in_flight[data[0]] = _label(data[1], problems)
             elif kind == "result":
                 in_flight.pop(data.worker, None)
                 bar.console.print(_describe(data, problems))
@@ -177,17 +366,11 @@ def run_with_progress(
                 bar.console.print(f"[yellow]{data}[/yellow]")
             bar.update(task, description=" | ".join(in_flight.values())[:60] or "waiting")
 
-        return run(todo, store_path, options, on_event=on_event)
+        return run(todo, store_path, settings, on_event=on_event)
 
 
 def tune_all(
-    sources: Sources,
-    store_path: Path,
-    options: RunOptions,
-    *,
-    out: Path | None,
-    dry_run: bool,
-    console: Console,
+    sources: Sources, store_path: Path, settings: RunSettings, *, out: Path | None, dry_run: bool
 ) -> int:
     """The tune-all command. Exit status 0 when every problem ends with a winner, else 1."""
     if sources.empty():
@@ -200,22 +383,19 @@ def tune_all(
     problems = collect(sources, store, fp, console, None)
     lease = None
     if sources.queue and not dry_run:
-        from tuner.offline.tune_all import local_workers
-
-        lease = claim_queue(sources.queue, fp, options, local_workers(options.workers)[0])
-        for key, labels in collect(
-            Sources(op=sources.op), store, fp, console, lease
-        ).labels.items():
+        lease = claim_queue(sources.queue, fp, settings, local_workers(settings.workers)[0])
+        leased = collect(Sources(op=sources.op), store, fp, console, lease)
+        for key, labels in leased.labels.items():
             for label in labels:
                 problems.add(key, label)
-    todo = pending(store, fp, problems, force=options.force)
+    todo = pending(store, fp, problems, force=settings.force)
     console.print(
         f"{len(problems)} distinct problems on {fp.device_class}: "
         f"{len(problems) - len(todo)} already tuned, {len(todo)} to tune"
     )
     summary = None
     if todo and not dry_run:
-        summary = run_with_progress(todo, problems, store_path, options, console)
+        summary = run_with_progress(todo, problems, store_path, settings)
     if sources.misses and not dry_run:
         tuned = current_keys(store, fp)
         store.clear_misses(fp.device_class, [str(k) for k in problems if str(k) in tuned])
@@ -228,60 +408,11 @@ def tune_all(
         store, fp, problems=problems, journal=read_journal(journal_path(store_path)), run=summary
     )
     report.render(rep, console, limit=40)
-    if out is not None:
-        json_path, png = report.write(rep, out)
-        console.print(f"wrote {json_path}" + (f" and {png}" if png else ""))
+    _write_report(rep, out)
     return 0 if all(r.status == "tuned" for r in rep.rows) else 1
 
 
-def report_command(
-    sources: Sources, store_path: Path, out: Path | None, console: Console, limit: int | None
-) -> None:
-    """The report of the given sources' problems, or of every winner of this device class."""
-    store = Store(store_path)
-    fp = fingerprint()
-    problems = None if sources.empty() else collect(sources, store, fp, Console(quiet=True), None)
-    rep = report.build(store, fp, problems=problems, journal=read_journal(journal_path(store_path)))
-    if problems is None and sources.op:
-        rep.rows = [r for r in rep.rows if r.key.startswith(sources.op + ":")]
-    report.render(rep, console, limit=limit)
+def _write_report(rep: report.Report, out: Path | None) -> None:
     if out is not None:
         json_path, png = report.write(rep, out)
         console.print(f"wrote {json_path}" + (f" and {png}" if png else ""))
-
-
-def tunableop_export(
-    store_path: Path, output: Path, pt_version: str | None, console: Console
-) -> None:
-    """Write this device class's current winners that TunableOp can express as its results CSV."""
-    import torch
-
-    store = Store(store_path)
-    fp = fingerprint()
-    winners = [w for w in store.winners(fp.device_class, op="gemm") if w.measured_under(fp)]
-    version = pt_version or tunableop.torch_version_tag(torch.__version__)
-    exp = tunableop.export(winners, version)
-    tmp = output.with_suffix(output.suffix + ".tmp")
-    try:
-        tmp.write_text("\n".join(exp.lines) + "\n")
-        tmp.replace(output)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ConfigError(f"{output}: cannot write: {e.strerror}") from None
-    console.print(f"wrote {output}: {exp.written} GEMMs (Validator PT_VERSION={version})")
-    for key, reason in exp.skipped:
-        console.print(f"  [yellow]not expressible[/yellow] {report.short_label(key)}: {reason}")
-
-
-def tunableop_show(files: list[Path], console: Console) -> None:
-    """The problem keys TunableOp files name, and why any line gives none."""
-    imported = tunableop.import_files(files)
-    for f in imported.files:
-        validators = ", ".join(f"{k}={v}" for k, v in f.validators.items()) or "none"
-        console.print(
-            f"{f.path}: {f.kind} file, {len(f.entries)} GEMM lines, validators: {validators}"
-        )
-    for key, (path, entry) in imported.found.items():
-        console.print(f"{path.name}:{entry.line} {entry.op},{entry.params} -> {key}")
-    for path, entry, reason in imported.skipped:
-        console.print(f"[yellow]skipped[/yellow] {path.name}:{entry.line} {entry.op}: {reason}")

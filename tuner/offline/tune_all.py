@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing import connection
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,8 @@ from tuner.core.keys import Key, parse_key
 from tuner.offline.model_config import ModelConfig, expand
 from tuner.offline.problem_list import load_problems
 from tuner.offline.tunableop import Imported
-from tuner.tuning.lifetime import die_with_parent
+from tuner.tuning.engine import TuneOptions
+from tuner.tuning.supervisor import CTX, Child, Supervised
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +72,8 @@ class ProblemSet:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def label(self, key: str | Key) -> str:
-        k = parse_key(key) if isinstance(key, str) else key
-        names = self.labels.get(k, [])
+    def label(self, key: Key) -> str:
+        names = self.labels.get(key, [])
         return names[0] + (f" (+{len(names) - 1})" if len(names) > 1 else "") if names else ""
 
     def add_model(self, model: ModelConfig) -> int:
@@ -150,21 +151,28 @@ def read_journal(path: Path) -> list[dict[str, Any]]:
 
 
 @dataclass
-class RunOptions:
-    budget_s: float = 0.15  # timing budget per candidate (engine.TuneOptions.budget_s)
-    sources: list[str] | None = None  # restrict the candidate sources; the baseline always runs
+class RunSettings:
+    """How tune-all runs: the tuning of each problem (``tune``, passed whole to every worker)
+    and the run's own limits."""
+
+    tune: TuneOptions = field(default_factory=TuneOptions)
     problem_timeout_s: float = 900.0  # a problem running longer is killed and recorded
     time_limit_s: float | None = None  # no new problem starts after this many seconds
     workers: int | None = None  # default: one per local GPU, one on the CPU
     force: bool = False  # retune problems that already have a current winner
-    isolate: bool = (
-        False  # candidates in a replaceable process of their own (tuner.tuning.isolation)
-    )
+
+    def __post_init__(self) -> None:
+        if not self.problem_timeout_s > 0:
+            raise ValueError(f"problem_timeout_s must be > 0, got {self.problem_timeout_s!r}")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise ValueError(f"time_limit_s must be > 0 or None, got {self.time_limit_s!r}")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"workers must be >= 1 or None, got {self.workers!r}")
 
 
 @dataclass
 class Result:
-    key: str
+    key: Key
     status: str  # one of STATUSES
     seconds: float
     worker: int
@@ -179,7 +187,7 @@ class RunSummary:
     wall_s: float
     workers: int
     stopped: str = ""  # "" (finished), "ctrl-c", "time limit"
-    not_started: list[str] = field(default_factory=list)
+    not_started: list[Key] = field(default_factory=list)
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -202,46 +210,50 @@ def local_workers(requested: int | None) -> tuple[int, list[int | None]]:
 def run(
     keys: list[Key],
     store_path: Path,
-    options: RunOptions,
+    settings: RunSettings,
     *,
     on_event: Callable[[Event], None] | None = None,
 ) -> RunSummary:
     """Tune ``keys`` in worker processes; results are in the store as soon as each is done."""
-    _, devices = local_workers(options.workers)
-    pool = _Pool(store_path.resolve(), options, devices, on_event or (lambda e: None))
-    return pool.run([str(k) for k in keys])
+    _, devices = local_workers(settings.workers)
+    pool = _Pool(store_path.resolve(), settings, devices, on_event or (lambda e: None))
+    return pool.run(keys)
 
 
 @dataclass
 class _Slot:
     index: int
-    device: int | None
+    worker: Supervised
     device_class: str = ""
-    proc: Any = None
-    conn: Any = None
     ready: bool = False
     done: bool = False  # exited after its sentinel or the stop signal
-    key: str | None = None  # the problem in flight
+    key: Key | None = None  # the problem in flight
     started: float = 0.0
     deaths: int = 0
+
+    @property
+    def child(self) -> Child:
+        assert self.worker.child is not None
+        return self.worker.child
 
 
 class _Pool:
     def __init__(
         self,
         store_path: Path,
-        options: RunOptions,
+        settings: RunSettings,
         devices: list[int | None],
         emit: Callable[[Event], None],
     ) -> None:
-        import multiprocessing as mp
-
-        self.ctx = mp.get_context("spawn")  # CUDA cannot be forked
-        self.store_path, self.options, self.emit = store_path, options, emit
+        self.store_path, self.settings, self.emit = store_path, settings, emit
         self.journal = journal_path(store_path)
-        self.tasks = self.ctx.Queue()
-        self.stop = self.ctx.Event()
-        self.slots = [_Slot(i, d) for i, d in enumerate(devices)]
+        self.tasks = CTX.Queue()
+        self.stop = CTX.Event()
+        self.slots = [
+            _Slot(i, Supervised(worker_main, (i, d, str(store_path), settings, self.tasks,
+                                              self.stop), name=f"tune-all-{i}"))
+            for i, d in enumerate(devices)
+        ]  # fmt: skip
         self.results: list[Result] = []
         self.interrupts = 0  # Ctrl-C presses seen by the signal handler
         self.handled = 0  # ... and acted upon
@@ -250,7 +262,7 @@ class _Pool:
 
     # lifecycle
 
-    def run(self, keys: list[str]) -> RunSummary:
+    def run(self, keys: list[Key]) -> RunSummary:
         started = time.perf_counter()
         for k in keys:
             self.tasks.put(k)
@@ -301,48 +313,34 @@ class _Pool:
                 signal.signal(sig, handler)
 
     def _spawn(self, slot: _Slot) -> None:
-        recv, send = self.ctx.Pipe(duplex=False)
-        opts = asdict(self.options)
-        args = (slot.index, slot.device, str(self.store_path), opts, self.tasks, send, self.stop)
-        # not a daemon: with ``isolate`` it starts a candidate process of its own. It never
-        # outlives the run: killed at its end, and by the kernel if this process dies.
-        slot.proc = self.ctx.Process(target=worker_main, args=args, daemon=False)
-        slot.proc.start()
-        send.close()  # the child holds the only write end: EOF means it is gone
-        slot.conn, slot.ready, slot.key = recv, False, None
+        slot.worker.restart()
+        slot.ready, slot.key = False, None
 
     def _kill_all(self) -> None:
         """Kill the workers; one that said "exit" first gets time to shut down cleanly, so that
         its own children (compile pool, isolated candidate process) exit with it."""
         for s in self.slots:
-            if s.proc is None:
-                continue
-            if s.done and s.proc.is_alive():
-                s.proc.join(timeout=30)
-            if s.proc.is_alive():
-                s.proc.kill()
-            s.proc.join(timeout=10)
+            s.worker.close(grace_s=30 if s.done else 0)
 
     # the loop
 
     def _step(self, started: float) -> None:
-        live = [s.conn for s in self.slots if not s.done]
+        live = [s.child.conn for s in self.slots if not s.done]
         for conn in connection.wait(live, timeout=0.2):
-            slot = next(s for s in self.slots if s.conn is conn)
+            slot = next(s for s in self.slots if s.child.conn is conn)
             try:
                 self._on_message(slot, conn.recv())
             except (EOFError, OSError):
                 self._on_exit(slot)
         now = time.perf_counter()
         for slot in self.slots:
-            if slot.key and now - slot.started > self.options.problem_timeout_s:
-                slot.proc.kill()
-                slot.proc.join(timeout=10)
-                limit = self.options.problem_timeout_s
+            if slot.key and now - slot.started > self.settings.problem_timeout_s:
+                slot.child.kill()
+                limit = self.settings.problem_timeout_s
                 self._finish(slot, "timeout", f"ran past the per-problem limit of {limit:g} s")
                 self._replace(slot)
         self._on_interrupts()
-        limit = self.options.time_limit_s
+        limit = self.settings.time_limit_s
         if limit is not None and now - started > limit and not self.stop.is_set():
             self._halt("time limit", f"total time limit of {limit:g} s reached: no new problems")
 
@@ -376,7 +374,7 @@ class _Pool:
             slot.key, slot.started = data, time.perf_counter()
             self.emit(("start", (slot.index, data)))
         elif kind == "result":
-            result = Result(**data)
+            result = data
             slot.key = None
             self.results.append(result)
             self.emit(("result", result))
@@ -385,10 +383,10 @@ class _Pool:
 
     def _on_exit(self, slot: _Slot) -> None:
         """The worker's pipe closed: a clean exit after "exit", else a crash."""
-        slot.proc.join(timeout=10)
+        slot.child.join(timeout=10)
         if slot.done:
             return
-        code = slot.proc.exitcode
+        code = slot.child.exitcode
         if slot.key:
             self._finish(
                 slot, "failed", f"worker died (exit code {code}) while tuning this problem"
@@ -416,7 +414,8 @@ class _Pool:
 
 
 def _journal_record(r: Result) -> dict[str, Any]:
-    rec = {k: v for k, v in asdict(r).items() if k != "winner"}
+    rec = {k: v for k, v in asdict(r).items() if k not in ("key", "winner")}
+    rec["key"] = str(r.key)
     rec["run_id"] = (r.winner or {}).get("run_id", "")
     rec["at"] = time.time()
     return rec
@@ -426,36 +425,29 @@ def _journal_record(r: Result) -> dict[str, Any]:
 
 
 def worker_main(
+    conn: Connection,
     index: int,
     device: int | None,
     store_path: str,
-    options: dict[str, Any],
+    settings: RunSettings,
     tasks: Any,
-    conn: Any,
     stop: Any,
 ) -> None:
     """Pull keys until the sentinel or the stop signal; commit each problem when it is done."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # the parent decides; it dies, so do we
         signal.signal(sig, signal.SIG_IGN)
-    parent = os.getppid()
-    die_with_parent()
-    if os.getppid() != parent:
-        return
     if device is not None:  # before any CUDA call: this GPU becomes device 0, here and in children
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(device + 1)]
         os.environ["CUDA_VISIBLE_DEVICES"] = ids[device]
     from tuner.core.device import fingerprint
-    from tuner.tuning.engine import TuneOptions
 
     fp = fingerprint("cuda" if device is not None else "cpu")
-    opts = RunOptions(**options)
-    tune_opts = TuneOptions(budget_s=opts.budget_s, sources=opts.sources, isolate=opts.isolate)
     journal = journal_path(Path(store_path))
     with Store(store_path) as store:
         store.save_device(fp)
         conn.send(("ready", fp.device_class))
-        while not stop.is_set() and os.getppid() == parent:
+        while not stop.is_set():
             try:
                 key = tasks.get(timeout=0.5)
             except queue.Empty:
@@ -463,24 +455,22 @@ def worker_main(
             if key is None:
                 break
             conn.send(("start", key))
-            result = _tune_one(key, store, fp, tune_opts, opts.force, index)
+            result = _tune_one(key, store, fp, settings, index)
             if result.status != "skipped":
                 append_journal(journal, _journal_record(result))
-            conn.send(("result", asdict(result)))
+            conn.send(("result", result))
     conn.send(("exit", None))
 
 
-def _tune_one(
-    key: str, store: Store, fp: Fingerprint, options: Any, force: bool, index: int
-) -> Result:
-    from tuner.tuning.engine import tune
+def _tune_one(key: Key, store: Store, fp: Fingerprint, settings: RunSettings, index: int) -> Result:
+    from tuner.tuning.tune import tune
 
     t0 = time.perf_counter()
-    existing = store.winner(fp.device_class, key)
-    if not force and existing is not None and existing.measured_under(fp):
+    existing = store.winner(fp.device_class, str(key))
+    if not settings.force and existing is not None and existing.measured_under(fp):
         return Result(key, "skipped", 0.0, index, fp.device_class, existing.to_row())
     try:
-        outcome = tune(parse_key(key), options=options)
+        outcome = tune(key, options=settings.tune)
     except Exception as e:  # the baseline failed, or the problem cannot be set up here
         error = f"{type(e).__name__}: {e}"[:2000]
         return Result(key, "failed", time.perf_counter() - t0, index, fp.device_class, error=error)

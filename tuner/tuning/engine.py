@@ -23,13 +23,15 @@ from tuner.candidates.base import Params, Runner, Source
 from tuner.core.device import fingerprint
 from tuner.core.keys import Key
 from tuner.measure import samples, timing
-from tuner.measure.records import Measurement, Winner, candidate_name
+from tuner.measure.records import LAUNCHES, Measurement, Winner, candidate_name
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class TuneOptions:
+    """How one problem is tuned; the same object for ``tuner tune``, ``tune-all`` and ``bench``."""
+
     budget_s: float = 0.15  # timing budget per candidate
     cut_factor: float = 1.5  # probe slower than this x best so far -> cut
     min_noise: float = 0.02  # a challenger must win by at least 2% ...
@@ -45,9 +47,19 @@ class TuneOptions:
     host_slack: float = 0.1  # baseline's) more host time per call than the baseline
     sources: list[str] | None = None  # restrict to these source names
     max_candidates: int | None = None  # per source
-    isolate: bool = (
-        False  # run the candidates in a replaceable worker process (tuner.tuning.isolation)
-    )
+    isolate: bool = False  # candidates in a replaceable worker process (tuner.tuning.tune)
+
+    def __post_init__(self) -> None:
+        if self.launch not in LAUNCHES:
+            raise ValueError(f"launch must be one of {list(LAUNCHES)}, got {self.launch!r}")
+        for name in ("budget_s", "min_noise", "host_slack_us", "host_slack"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.cut_factor >= 1:
+            raise ValueError(f"cut_factor must be >= 1, got {self.cut_factor!r}")
+        for name in ("confirm_rounds", "confirm_tries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -348,6 +360,51 @@ def _short(e: BaseException) -> str:
     return text if len(text) < 2000 else text[:2000] + "..."
 
 
+def _shortlists(
+    key: Key,
+    device: str,
+    options: TuneOptions,
+    done: dict[str, Measurement],
+    record: Callable[..., Measurement],
+    measurements: list[Measurement],
+) -> list[tuple[Source, list[Params]]]:
+    """Each source that has candidates for ``key`` here, with its shortlist, every shortlist
+    precompiled before any timing starts (a source compiles its own in parallel). A source that
+    is skipped, unsupported or cannot list candidates is recorded once, by name."""
+    found: list[tuple[Source, list[Params]]] = []
+    for source in registry.sources(key.op):
+        if (
+            options.sources is not None
+            and source.name not in options.sources
+            and source.baseline_params is None
+        ):
+            continue
+        earlier = done.get(candidate_name(source.name, {}))
+        if earlier is not None and (
+            earlier.status == "unsupported" or earlier.error.startswith("candidates: ")
+        ):
+            measurements.append(earlier)
+            continue
+        reason = source.unavailable(device) or source.unsupported(key)
+        if reason:
+            record(source, {}, "unsupported", error=reason)
+            continue
+        try:
+            shortlist = source.candidates(key, device)[: options.max_candidates]
+        except Exception as e:
+            record(source, {}, "failed", error=f"candidates: {_short(e)}")
+            continue
+        found.append((source, shortlist))
+    for source, shortlist in found:
+        todo = [p for p in shortlist if candidate_name(source.name, p) not in done]
+        if todo:
+            try:
+                source.precompile(key, todo)
+            except Exception as e:  # each candidate's build says what failed, on its own row
+                log.warning("%s: precompile failed on %s: %s", source.name, key, _short(e)[:300])
+    return found
+
+
 def tune(
     key: Key,
     *,
@@ -360,17 +417,17 @@ def tune(
 ) -> TuneOutcome:
     """Tune one problem on the current device and return its winner and all measurements.
 
-    Nothing is stored here: the caller (CLI, dispatcher, worker) saves the outcome.
-    ``options.isolate`` runs it in a worker process (``tuner.tuning.isolation.tune_isolated``). The worker
-    uses the hooks: ``prior`` measurements (of an earlier, crashed worker) are taken as they are
-    instead of running those candidates again; ``on_start`` is called before each candidate runs,
-    ``on_result`` with each new measurement.
+    Nothing is stored here: the caller (CLI, dispatcher, worker) saves the outcome. This always
+    runs in this process: ``tuner.tuning.tune.tune`` is the entry point that honours
+    ``options.isolate``. The isolation worker uses the hooks: ``prior`` measurements (of an
+    earlier, crashed worker) are taken as they are instead of running those candidates again;
+    ``on_start`` is called before each candidate runs, ``on_result`` with each new measurement.
     """
     options = options or TuneOptions()
     if options.isolate:
-        from tuner.tuning.isolation import tune_isolated
-
-        return tune_isolated(key, options, device=device, progress=progress)
+        raise ValueError(
+            "engine.tune runs in this process; tune with isolate=True through tuner.tuning.tune"
+        )
     device = device or current_device()
     fp = fingerprint(device)
     run_id = uuid.uuid4().hex
@@ -380,7 +437,8 @@ def tune(
     def record(source: Source, params: Params, status: str, **fields) -> Measurement:
         m = Measurement(
             device_class=fp.device_class, key=str(key), source=source.name, params=params,
-            status=status, is_baseline=source.is_baseline(params), versions=fp.version_tag, run_id=run_id, **fields,
+            status=status, is_baseline=source.is_baseline(params), versions=fp.version_tag,
+            run_id=run_id, launch=options.launch, **fields,
         )  # fmt: skip
         measurements.append(m)
         if progress:
@@ -404,28 +462,7 @@ def tune(
     )
 
     best_us: float | None = None
-    for source in registry.sources(key.op):
-        if (
-            options.sources is not None
-            and source.name not in options.sources
-            and source.baseline_params is None
-        ):
-            continue
-        earlier = done.get(candidate_name(source.name, {}))
-        if earlier is not None and (
-            earlier.status == "unsupported" or earlier.error.startswith("candidates: ")
-        ):
-            measurements.append(earlier)
-            continue
-        reason = source.unavailable(device) or source.unsupported(key)
-        if reason:
-            record(source, {}, "unsupported", error=reason)
-            continue
-        try:
-            shortlist = source.candidates(key, device)[: options.max_candidates]
-        except Exception as e:
-            record(source, {}, "failed", error=f"candidates: {_short(e)}")
-            continue
+    for source, shortlist in _shortlists(key, device, options, done, record, measurements):
         for params in shortlist:
             # the baseline is never cut: every decision is relative to it
             cutoff = (
@@ -462,5 +499,6 @@ def tune(
     winner = Winner(
         device_class=fp.device_class, key=str(key), source=chosen.source, params=chosen.params,
         median_us=chosen_us, baseline_us=base_us, versions=fp.version_tag, run_id=run_id,
+        launch=options.launch,
     )  # fmt: skip
     return TuneOutcome(key, winner, measurements, time.perf_counter() - started)

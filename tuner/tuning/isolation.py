@@ -17,13 +17,10 @@ CUDA context. The outcome is the same ``TuneOutcome`` as ``engine.tune`` returns
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import logging
-import multiprocessing as mp
 import os
 import signal
-import tempfile
 import time
 import traceback
 import uuid
@@ -31,10 +28,10 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from tuner.core.keys import Key, parse_key
+from tuner.core.keys import Key
 from tuner.measure.records import Measurement, Winner
 from tuner.tuning.engine import TuneOptions, TuneOutcome
-from tuner.tuning.lifetime import exit_when_orphaned
+from tuner.tuning.supervisor import Child, Supervised
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +84,8 @@ def _register(sources: dict[str, str]) -> list[str]:
     return bad
 
 
-def _serve(conn: Any, log_path: str) -> None:
+def _serve(conn: Any) -> None:
     """Worker main loop: ("tune", ...) requests in, progress and outcomes out."""
-    exit_when_orphaned()
-    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    os.dup2(fd, 2)  # the tail of stderr says why a worker died
     from tuner.tuning import engine
 
     while True:
@@ -101,7 +95,7 @@ def _serve(conn: Any, log_path: str) -> None:
             return
         if request[0] == "stop":
             return
-        _, key_text, options, device, prior_rows, sources = request
+        _, key, options, device, prior_rows, sources = request
         for text in _register(sources):
             conn.send(("warning", f"source not available in the worker: {text}"))
         device = device or engine.current_device()
@@ -121,8 +115,8 @@ def _serve(conn: Any, log_path: str) -> None:
             fp = fingerprint(device)
             conn.send(("hello", os.getpid(), fp.device_class, fp.version_tag))
             outcome = engine.tune(
-                parse_key(key_text),
-                options=TuneOptions(**options),
+                key,
+                options=options,
                 device=device,
                 prior=[Measurement.from_row(r) for r in prior_rows],
                 on_start=on_start,
@@ -163,44 +157,6 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-class _Worker:
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        fd, self.log_path = tempfile.mkstemp(prefix="tuner-worker-", suffix=".log")
-        os.close(fd)
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_serve, args=(child, self.log_path), name="tuner-worker", daemon=False
-        )
-        self.process.start()
-        child.close()
-        self.pid = self.process.pid
-
-    def log_tail(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - LOG_TAIL))
-                return f.read().decode(errors="replace").strip()
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(timeout=10)
-
-    def close(self) -> None:
-        if self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self.conn.send(("stop",))
-            self.process.join(timeout=10)
-        self.kill()
-        self.conn.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.log_path)
-
-
 @dataclasses.dataclass
 class _Run:
     """What the parent knows of one tuning while workers come and go."""
@@ -232,21 +188,17 @@ class WorkerPool:
     ) -> None:
         self.candidate_timeout_s = candidate_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self._worker: _Worker | None = None
-        self.started: list[int] = []  # pids of every worker started, in order
+        self._slot = Supervised(
+            _serve, name="tuner-worker", keep_stderr=True, stop_message=("stop",), grace_s=10
+        )
 
-    def _live(self) -> _Worker:
-        if self._worker is None or not self._worker.process.is_alive():
-            if self._worker is not None:
-                self._worker.close()
-            self._worker = _Worker()
-            self.started.append(self._worker.pid)
-        return self._worker
+    @property
+    def started(self) -> list[int]:
+        """The pids of every worker started, in order."""
+        return self._slot.started
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        self._slot.close()
 
     def tune(
         self,
@@ -260,10 +212,10 @@ class WorkerPool:
         run = _Run(key)
         started = time.perf_counter()
         while True:
-            worker = self._live()
+            worker = self._slot.live()
             worker.conn.send(
-                ("tune", str(key), dataclasses.asdict(options), device,
-                 [m.to_row() for m in run.measurements], _runtime_sources())
+                ("tune", key, options, device, [m.to_row() for m in run.measurements],
+                 _runtime_sources())
             )  # fmt: skip
             outcome = self._follow(worker, run, progress)
             if outcome is not None:
@@ -275,7 +227,7 @@ class WorkerPool:
                 return outcome
 
     def _follow(
-        self, worker: _Worker, run: _Run, progress: Callable[[str], None] | None
+        self, worker: Child, run: _Run, progress: Callable[[str], None] | None
     ) -> TuneOutcome | None:
         """Relay one worker's messages; the outcome, or None after the worker died."""
         while True:
@@ -314,12 +266,12 @@ class WorkerPool:
                 return TuneOutcome(run.key, Winner.from_row(msg[1]), measurements)
 
     def _died(
-        self, worker: _Worker, run: _Run, progress: Callable[[str], None] | None
+        self, worker: Child, run: _Run, progress: Callable[[str], None] | None
     ) -> TuneOutcome | None:
-        worker.process.join(timeout=30)
-        how = _describe_exit(worker.process.exitcode)
-        tail = worker.log_tail()
-        if worker.process.exitcode == EXIT_CONTEXT_LOST:
+        worker.join(timeout=30)
+        how = _describe_exit(worker.exitcode)
+        tail = worker.log_tail(LOG_TAIL)
+        if worker.exitcode == EXIT_CONTEXT_LOST:
             return None  # the failed measurement came before the exit
         if run.in_flight is None:
             raise RuntimeError(

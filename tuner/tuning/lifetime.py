@@ -23,10 +23,12 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def exit_when_orphaned(poll_s: float = 1.0) -> None:
-    """Exit as soon as the parent process is gone, whichever thread started this one (for pool
-    workers, which a pool may start from a short-lived thread)."""
-    parent = os.getppid()
+def exit_when_orphaned(parent: int | None = None, poll_s: float = 1.0) -> None:
+    """Exit as soon as the parent process (``parent``: its pid, as the parent saw it; default
+    this process's parent now) is gone, whichever thread started this one (for pool workers,
+    which a pool may start from a short-lived thread). Given the pid, a child whose parent died
+    before this call exits at once."""
+    parent = os.getppid() if parent is None else parent
 
     def watch() -> None:
         while os.getppid() == parent:

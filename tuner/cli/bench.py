@@ -1,0 +1,97 @@
+"""``tuner bench gemm`` and ``tuner bench sdpa``: tune a benchmark suite, then time the baseline
+and each winner side by side (``tuner.suites``); results go to ``--out`` as JSON and plots."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tuner.cli.options import (
+    TUNE_DEFAULTS,
+    BudgetOpt,
+    ConfirmRoundsOpt,
+    ConfirmTriesOpt,
+    IsolateOpt,
+    LaunchOpt,
+    SourcesOpt,
+    tune_options,
+)
+from tuner.suites import gemm, sdpa
+
+app = typer.Typer(
+    help="Benchmark suites: tune, then time baseline and winner side by side.", no_args_is_help=True
+)
+QuickOpt = Annotated[bool, typer.Option(help="Every 4th problem only (a smoke run).")]
+BENCH_BUDGET_S = 0.05  # suites tune hundreds of problems: a shorter budget than one `tuner tune`
+
+
+@app.command("gemm")
+def bench_gemm(
+    suite: Annotated[str, typer.Option(help="Shape suite: llama.")] = "llama",
+    part: Annotated[
+        list[str] | None,
+        typer.Option(help=f"Part(s) to run (repeatable): {', '.join(gemm.PARTS)}; default all."),
+    ] = None,
+    out: Annotated[
+        Path, typer.Option(help="Folder for gemm_llama_<part>.json/.png/.db.", file_okay=False)
+    ] = Path("bench/results"),
+    budget: BudgetOpt = BENCH_BUDGET_S,
+    source: SourcesOpt = None,
+    launch: LaunchOpt = TUNE_DEFAULTS.launch,
+    confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
+    confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
+    isolate: IsolateOpt = False,
+    inductor: Annotated[
+        bool, typer.Option(help="Also time Inductor max-autotune on a few shapes.")
+    ] = True,
+    warm_sample: Annotated[
+        int, typer.Option(help="Rows re-tuned warm per part (tuning time).")
+    ] = gemm.WARM_SAMPLE,
+    quick: QuickOpt = False,
+) -> None:
+    """Tune the Llama GEMM suite and time cuBLAS (torch.matmul) against the winners."""
+    if suite != "llama":
+        raise ValueError(f"suite must be 'llama', got {suite!r}")
+    chosen = part or list(gemm.PARTS)
+    for p in chosen:
+        if p not in gemm.PARTS:
+            raise ValueError(f"part must be one of {list(gemm.PARTS)}, got {p!r}")
+    options = tune_options(
+        budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
+        confirm_tries=confirm_tries, isolate=isolate,
+    )  # fmt: skip
+    for p in chosen:
+        problems = gemm.llama_suite(p)[:: 4 if quick else 1]
+        gemm.run_part(p, problems, out, options, inductor=inductor, warm_sample=warm_sample)
+
+
+@app.command("sdpa")
+def bench_sdpa(
+    out: Annotated[
+        Path, typer.Option(help="Folder for sdpa_<part>.json and .png.", file_okay=False)
+    ] = Path("bench/results"),
+    part: Annotated[str, typer.Option(help="all, prefill or decode.")] = "all",
+    dtype: Annotated[str, typer.Option(help="bf16 or f16.")] = "bf16",
+    budget: BudgetOpt = BENCH_BUDGET_S,
+    launch: LaunchOpt = TUNE_DEFAULTS.launch,
+    confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
+    confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
+    workers: Annotated[
+        int, typer.Option(min=1, help="Processes compiling Triton candidates.")
+    ] = 12,
+    quick: QuickOpt = False,
+) -> None:
+    """Tune attention shapes and time torch's default SDPA against the winners."""
+    parts = {"prefill": sdpa.prefill_problems, "decode": sdpa.decode_problems}
+    if part not in ("all", *parts):
+        raise ValueError(f"part must be all, prefill or decode, got {part!r}")
+    options = tune_options(
+        budget=budget, launch=launch, confirm_rounds=confirm_rounds, confirm_tries=confirm_tries
+    )
+    os.environ["TUNER_COMPILE_WORKERS"] = str(workers)  # read when the compile pool starts
+    chosen = list(parts) if part == "all" else [part]
+    suites = {p: parts[p](dtype)[:: 4 if quick else 1] for p in chosen}
+    sdpa.run(suites, out, options, dtype=dtype)

@@ -1,0 +1,44 @@
+"""Errors of the ``tuner`` commands as one line on stderr, ``error: <what>``, never a traceback.
+
+A fleet service that refused or could not be reached fails the command with exit status 1 and
+the service's URL: commands wrap their talk with it in ``fleet_service``. A mistake in the input
+(``ValueError``, which ``ConfigError`` is) or a cache that cannot be used (``StoreError``) exits
+2, reported by ``report_usage_errors`` around the whole command line (``tuner.cli.main.main``);
+called as a library (``app([...])``), the exception itself reaches the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import typer
+
+from tuner.cache import StoreError
+from tuner.fleet.client import FleetError
+
+USAGE, FAILED = 2, 1  # exit statuses: a mistake in the input; the work could not be done
+
+
+def fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+
+
+@contextlib.contextmanager
+def fleet_service(server: str) -> Iterator[None]:
+    """A ``FleetError`` inside ends the command: ``error: fleet service <url>: <cause>``."""
+    try:
+        yield
+    except FleetError as e:
+        fail(f"fleet service {server}: {e}")
+        raise typer.Exit(FAILED) from None
+
+
+@contextlib.contextmanager
+def report_usage_errors() -> Iterator[None]:
+    try:
+        yield
+    except (StoreError, ValueError) as e:
+        fail(str(e))
+        sys.exit(USAGE)

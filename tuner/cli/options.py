@@ -1,0 +1,93 @@
+"""Options that several ``tuner`` commands share, each declared once.
+
+The tuning options of ``tuner tune``, ``tuner tune-all`` and ``tuner bench`` become one
+``TuneOptions`` (``tune_options``), which the library takes whole.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+from tuner.cache import Store, default_path
+from tuner.candidates import registry
+from tuner.measure.records import LAUNCHES
+from tuner.offline.problem_list import ConfigError
+from tuner.tuning.engine import TuneOptions
+
+CacheOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--cache",
+        envvar="TUNER_CACHE",
+        help="SQLite cache file.",
+        show_default="~/.cache/tuner/tuner.db",
+    ),
+]
+BudgetOpt = Annotated[float, typer.Option(min=0.001, help="Timing budget per candidate, seconds.")]
+SourcesOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--source", help="Only these candidate sources (repeatable); the baseline always runs."
+    ),
+]
+LaunchOpt = Annotated[
+    Literal[LAUNCHES],  # type: ignore[valid-type]  # the choices, as the records name them
+    typer.Option(
+        "--launch",
+        help="What a winner must be fastest at: eager (each call launched from the host, launch "
+        "time counts) or graph (calls replayed in a CUDA graph: GPU time only).",
+    ),
+]
+ConfirmRoundsOpt = Annotated[
+    int,
+    typer.Option(
+        min=0,
+        help="Rounds that re-time a challenger alternately with the baseline before it wins "
+        "(0: the first timing decides).",
+    ),
+]
+ConfirmTriesOpt = Annotated[
+    int,
+    typer.Option(min=0, help="Challengers confirmed in turn, fastest first, until one wins."),
+]
+OpOpt = Annotated[str | None, typer.Option("--op", help="Only 'gemm' or only 'sdpa' problems.")]
+IsolateOpt = Annotated[
+    bool,
+    typer.Option(help="Candidates in a replaceable worker process: a crashing one fails alone."),
+]
+
+TUNE_DEFAULTS = TuneOptions()
+
+
+def tune_options(
+    *,
+    budget: float,
+    source: list[str] | None = None,
+    launch: str = TUNE_DEFAULTS.launch,
+    confirm_rounds: int = TUNE_DEFAULTS.confirm_rounds,
+    confirm_tries: int = TUNE_DEFAULTS.confirm_tries,
+    isolate: bool = False,
+) -> TuneOptions:
+    """The ``TuneOptions`` of a command's flags; a clear error for an unknown source."""
+    registry.check_names(source)
+    return TuneOptions(
+        budget_s=budget, sources=source, launch=launch, confirm_rounds=confirm_rounds,
+        confirm_tries=confirm_tries, isolate=isolate,
+    )  # fmt: skip
+
+
+def check_op(op: str | None) -> None:
+    if op not in (None, "gemm", "sdpa"):
+        raise ConfigError(f"--op must be 'gemm' or 'sdpa', got {op!r}")
+
+
+def cache_path(cache: Path | None) -> Path:
+    """The cache file named by ``--cache`` / ``$TUNER_CACHE``, else the default one."""
+    return cache or default_path()
+
+
+def open_store(cache: Path | None) -> Store:
+    return Store(cache_path(cache))

@@ -1,0 +1,262 @@
+"""``tuner info``, ``tuner tune gemm|sdpa|key``, ``tuner show``, ``tuner export``, ``tuner import``:
+this device, one problem tuned, and the winners in the cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tuner.candidates import registry
+from tuner.candidates.base import Source
+from tuner.cli.options import (
+    TUNE_DEFAULTS,
+    BudgetOpt,
+    CacheOpt,
+    ConfirmRoundsOpt,
+    ConfirmTriesOpt,
+    IsolateOpt,
+    LaunchOpt,
+    OpOpt,
+    SourcesOpt,
+    check_op,
+    open_store,
+    tune_options,
+)
+from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey, Key, SdpaKey, parse_key
+from tuner.offline.problem_list import ConfigError
+from tuner.tuning.engine import TuneOptions, current_device
+from tuner.tuning.tune import tune
+
+app = typer.Typer()
+tune_app = typer.Typer(help="Tune one problem and store its winner.", no_args_is_help=True)
+app.add_typer(tune_app, name="tune")
+console = Console()
+
+
+@app.command()
+def info() -> None:
+    """Print this device's fingerprint and the status of every candidate source."""
+    device = current_device()
+    fp = fingerprint(device)
+    t = Table(title="device", show_header=False)
+    t.add_row("device class", fp.device_class)
+    t.add_row("name", fp.name)
+    if fp.kind == "cuda":
+        t.add_row("compute capability", fp.compute_capability)
+        t.add_row("SMs", str(fp.sm_count))
+        t.add_row("memory", f"{fp.memory_gib} GiB")
+        t.add_row("L2", f"{fp.l2_bytes / 2**20:.0f} MiB")
+    else:
+        t.add_row("cores", str(fp.sm_count))
+    for name, version in sorted(fp.versions.items()):
+        t.add_row(name, version)
+    console.print(t)
+    s = Table(title="candidate sources")
+    for col in ("source", "op", "status"):
+        s.add_column(col)
+    for name, src in registry.all_sources().items():
+        status = (src.unavailable(device) or "available") if isinstance(src, Source) else src
+        style = "green" if status == "available" else "yellow"
+        s.add_row(name, getattr(src, "op", "?"), f"[{style}]{status}[/{style}]")
+    console.print(s)
+
+
+def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
+    """Tune ``key``, store the run and print every candidate's measurement and the winner."""
+    store = open_store(cache)
+    store.save_device(fingerprint())
+    with console.status(f"tuning {key}"):
+        outcome = tune(key, options=options)
+    store.save_run(outcome.measurements, outcome.winner)
+    t = Table(title=str(key))
+    for col in ("candidate", "status", "median us", "p10..p90", "rel err", "note"):
+        t.add_column(col)
+    for m in sorted(outcome.measurements, key=lambda m: (m.median_us is None, m.median_us or 0)):
+        spread = f"{m.p10_us:.1f}..{m.p90_us:.1f}" if m.p10_us is not None else ""
+        t.add_row(
+            m.candidate + (" (baseline)" if m.is_baseline else ""), m.status,
+            f"{m.median_us:.2f}" if m.median_us else "", spread,
+            f"{m.max_rel_err:.1e}" if m.max_rel_err is not None else "", m.error[:60],
+        )  # fmt: skip
+    console.print(t)
+    w = outcome.winner
+    console.print(
+        f"winner ({w.launch}): [bold]{w.candidate}[/bold] {w.median_us:.2f} us, baseline "
+        f"{w.baseline_us:.2f} us, speedup {w.speedup:.2f}x (tuned in {outcome.seconds:.1f} s)"
+    )
+
+
+@tune_app.command("gemm")
+def tune_gemm(
+    m: Annotated[int, typer.Option("-m", help="Rows of A and C.")],
+    n: Annotated[int, typer.Option("-n", help="Columns of B and C.")],
+    k: Annotated[int, typer.Option("-k", help="Inner dimension.")],
+    batch: Annotated[int, typer.Option(help="Batch count (bmm).")] = 1,
+    dtype: Annotated[str, typer.Option(help="f16, bf16 or f32.")] = "bf16",
+    layout: Annotated[
+        str, typer.Option(help="nn, nt, tn or tt (n: row-major, t: column-major; A then B).")
+    ] = "nn",
+    tf32: Annotated[bool, typer.Option(help="Allow TF32 for f32 inputs.")] = False,
+    align: Annotated[int, typer.Option(help="Alignment class in bytes (16, 8, 4, 2).")] = 16,
+    cache: CacheOpt = None,
+    budget: BudgetOpt = TUNE_DEFAULTS.budget_s,
+    source: SourcesOpt = None,
+    launch: LaunchOpt = TUNE_DEFAULTS.launch,
+    confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
+    confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
+    isolate: IsolateOpt = False,
+) -> None:
+    """Tune C = A @ B."""
+    options = tune_options(
+        budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
+        confirm_tries=confirm_tries, isolate=isolate,
+    )  # fmt: skip
+    key = GemmKey(
+        m=m, n=n, k=k, batch=batch, layout=layout, dtype=dtype, out_dtype=dtype,
+        compute="tf32" if tf32 else "f32", align=align,
+    )  # fmt: skip
+    run_tune(key, cache, options)
+
+
+@tune_app.command("sdpa")
+def tune_sdpa(
+    q_len: Annotated[int, typer.Option(help="Query length.")],
+    kv_len: Annotated[int, typer.Option(help="Key/value length.")],
+    batch: Annotated[int, typer.Option(help="Batch size.")] = 1,
+    q_heads: Annotated[int, typer.Option(help="Query heads.")] = 32,
+    kv_heads: Annotated[int, typer.Option(help="Key/value heads (fewer: grouped-query).")] = 8,
+    head_dim: Annotated[int, typer.Option(help="Head dimension.")] = 128,
+    causal: Annotated[
+        str, typer.Option(help="none, top_left (torch's is_causal) or bottom_right.")
+    ] = "none",
+    dtype: Annotated[str, typer.Option(help="f16 or bf16.")] = "bf16",
+    cache: CacheOpt = None,
+    budget: BudgetOpt = TUNE_DEFAULTS.budget_s,
+    source: SourcesOpt = None,
+    launch: LaunchOpt = TUNE_DEFAULTS.launch,
+    confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
+    confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
+    isolate: IsolateOpt = False,
+) -> None:
+    """Tune scaled dot-product attention."""
+    options = tune_options(
+        budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
+        confirm_tries=confirm_tries, isolate=isolate,
+    )  # fmt: skip
+    key = SdpaKey(
+        batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+        head_dim=head_dim, causal=causal, dtype=dtype,
+    )  # fmt: skip
+    run_tune(key, cache, options)
+
+
+@tune_app.command("key")
+def tune_key(
+    key: Annotated[
+        str,
+        typer.Argument(
+            help='A key string, e.g. "gemm:m=1,n=4096,k=4096,dtype=bf16,out_dtype=bf16".'
+        ),
+    ],
+    cache: CacheOpt = None,
+    budget: BudgetOpt = TUNE_DEFAULTS.budget_s,
+    source: SourcesOpt = None,
+    launch: LaunchOpt = TUNE_DEFAULTS.launch,
+    confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
+    confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
+    isolate: IsolateOpt = False,
+) -> None:
+    """Tune the problem named by a key string (as ``tuner show --full-keys`` prints them)."""
+    options = tune_options(
+        budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
+        confirm_tries=confirm_tries, isolate=isolate,
+    )  # fmt: skip
+    run_tune(parse_key(key), cache, options)
+
+
+@app.command()
+def show(
+    cache: CacheOpt = None,
+    op: OpOpt = None,
+    source: Annotated[str | None, typer.Option(help="Only winners from this source.")] = None,
+    contains: Annotated[
+        str | None, typer.Option(help="Only keys containing this text, e.g. 'dtype=bf16'.")
+    ] = None,
+    all_devices: Annotated[
+        bool,
+        typer.Option("--all-devices", help="Winners of every device class, not only this one."),
+    ] = False,
+    full_keys: Annotated[
+        bool, typer.Option("--full-keys", help="Print full key strings instead of short labels.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List stored winners."""
+    check_op(op)
+    store = open_store(cache)
+    dc = None if all_devices else fingerprint().device_class
+    winners = store.winners(dc, op=op, source=source, contains=contains)
+    if as_json:
+        print(json.dumps([w.to_row() for w in winners], indent=1))
+        return
+    t = Table(title=f"{len(winners)} winners" + (f" on {dc}" if dc else ""))
+    for col in ("key", "winner", "launch", "us", "baseline us", "speedup"):
+        t.add_column(col, overflow="fold")
+    for w in winners:
+        color = "green" if w.speedup > 1.0 else "white"
+        t.add_row(
+            w.key if full_keys else parse_key(w.key).label, w.candidate, w.launch,
+            f"{w.median_us:.2f}", f"{w.baseline_us:.2f}", f"[{color}]{w.speedup:.2f}x[/{color}]",
+        )  # fmt: skip
+    console.print(t)
+
+
+@app.command()
+def export(
+    output: Annotated[Path, typer.Argument(help="JSON file to write ('-' for stdout).")],
+    cache: CacheOpt = None,
+    device_class: Annotated[str | None, typer.Option(help="Only this device class.")] = None,
+) -> None:
+    """Export measurements and winners as JSON."""
+    data = json.dumps(open_store(cache).export(device_class), indent=1)
+    if str(output) == "-":
+        print(data)
+        return
+    tmp = output.with_suffix(output.suffix + ".tmp")
+    try:
+        tmp.write_text(data)
+        tmp.replace(output)  # never leave a half-written export behind
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"{output}: cannot write: {e.strerror}") from None
+    typer.echo(f"wrote {output}", err=True)
+
+
+@app.command("import")
+def import_(
+    input: Annotated[
+        Path,
+        typer.Argument(help="JSON file written by 'tuner export'.", exists=True, dir_okay=False),
+    ],
+    cache: CacheOpt = None,
+) -> None:
+    """Merge an export into the cache (idempotent, all or nothing)."""
+    try:
+        data = json.loads(input.read_text())
+    except OSError as e:
+        raise ConfigError(f"{input}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{input}: not a text file (expected a 'tuner export' JSON)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{input}: not valid JSON: {e}") from None
+    counts = open_store(cache).import_(data)
+    console.print(
+        f"imported {counts['measurements']} new measurements, {counts['winners']} winners, "
+        f"{counts['devices']} devices"
+    )
