@@ -117,3 +117,34 @@ def test_unreadable_and_unwritable_files_get_one_line(tmp_path):
         assert r.returncode == 2, (args, r.stderr)
         assert message in r.stderr and "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_launch_and_confirmation_options_reach_the_winner(tmp_path):
+    cache = tmp_path / "c.db"
+    key = "gemm:m=8,n=8,k=8,dtype=f32,out_dtype=f32"
+    tuner("tune", "key", key, "--source", "torch", "--launch", "graph", "--confirm-rounds", "0",
+          "--budget", "0.01", cache=cache)  # fmt: skip
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: f32}\n")
+    tuner("tune-all", "--config", str(cfg), "--launch", "graph", "--confirm-tries", "1",
+          "--budget", "0.01", cache=cache)  # fmt: skip
+    shown = json.loads(tuner("show", "--json", cache=cache).stdout)
+    assert len(shown) == 2 and {w["launch"] for w in shown} == {"graph"}
+    r = tuner("tune", "key", key, "--launch", "warp", cache=cache, check=False)
+    assert r.returncode == 2 and "'warp' is not one of 'eager', 'graph'" in r.stderr
+
+
+def test_every_command_has_help_text():
+    from typer.main import get_command
+
+    from tuner.cli.main import app
+
+    def walk(command, path):
+        yield path, command
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, (*path, name))
+
+    for path, command in walk(get_command(app), ()):
+        assert (command.help or "").strip(), path
+        for param in command.params:  # options and arguments
+            assert (getattr(param, "help", None) or "").strip(), (path, param.name)

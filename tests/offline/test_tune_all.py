@@ -457,3 +457,18 @@ def test_a_worker_that_dies_mid_problem_is_recorded_and_replaced(tmp_path):
     assert "worker died (exit code -9)" in rows["list.yaml[0]"]["error"]
     assert rows["list.yaml[1]"]["status"] == rows["list.yaml[2]"]["status"] == "tuned"
     assert out.count("ready on") == 2  # the replacement
+
+
+def test_a_fleet_service_that_refuses_the_claim_fails_in_one_line(tmp_path):
+    from server.live import ThreadServer
+
+    with ThreadServer(tmp_path / "fleet.db") as srv:
+        env = {"TUNER_SERVER": srv.url, "TUNER_TOKEN": "tnr_0123456789ab_nope"}
+        p = subprocess.run(
+            [sys.executable, "-m", "tuner.cli", "tune-all", "--queue", "3"],
+            env=os.environ | env | {"TUNER_CACHE": str(tmp_path / "c.db")},
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stderr.startswith(f"error: fleet service {srv.url}: HTTP 401")
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr

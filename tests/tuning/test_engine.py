@@ -7,6 +7,7 @@ import torch
 from planted import PlantedGemm
 
 from tuner.candidates import registry
+from tuner.candidates.base import Source
 from tuner.core.keys import GemmKey, SdpaKey
 from tuner.measure.records import Measurement
 from tuner.tuning.engine import TuneOptions, choose, contenders, duels, ties, tune
@@ -267,9 +268,95 @@ def test_a_challenger_that_cannot_be_captured_loses():
     Uncapturable.slow = False
     registry.register(Uncapturable())
     try:
-        outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["uncapturable"]))
+        # a cut factor that cannot cut: the challenger must reach the duel on any host
+        options = TuneOptions(budget_s=0.02, cut_factor=1e9, sources=["uncapturable"])
+        outcome = tune(KEY, options=options)
     finally:
         registry.unregister("uncapturable")
     assert outcome.winner.source == "torch"
     assert "cannot be captured in a CUDA graph" in by_params(outcome)["uncapturable"].error
     assert torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
+
+
+class Compiling(Source):
+    """Logs its precompile and build calls; one name can fail its precompile."""
+
+    op = "gemm"
+    events: list[tuple[str, str, object]] = []
+
+    def __init__(self, name: str, *, broken: bool = False) -> None:
+        self.name, self.broken = name, broken
+
+    def candidates(self, key, device):
+        return [{"tile": 1}, {"tile": 2}]
+
+    def precompile(self, key, shortlist):
+        Compiling.events.append(("precompile", self.name, shortlist))
+        if self.broken:
+            raise RuntimeError("compiler crashed")
+
+    def build(self, key, params):
+        Compiling.events.append(("build", self.name, params))
+        return lambda a, b, out=None: torch.matmul(a, b, out=out)
+
+
+def test_every_source_precompiles_its_shortlist_before_any_timing():
+    Compiling.events = []
+    sources = [Compiling("compiling_a"), Compiling("compiling_b", broken=True)]
+    for src in sources:
+        registry.register(src)
+    try:
+        outcome = tune(KEY, options=TuneOptions(budget_s=0.005, sources=[s.name for s in sources]))
+    finally:
+        for src in sources:
+            registry.unregister(src.name)
+    kinds = [kind for kind, _, _ in Compiling.events]
+    assert kinds[:2] == ["precompile", "precompile"] and "precompile" not in kinds[2:]
+    shortlist = [{"tile": 1}, {"tile": 2}]
+    assert {(name, str(p)) for _, name, p in Compiling.events[:2]} == {
+        ("compiling_a", str(shortlist)), ("compiling_b", str(shortlist))
+    }  # fmt: skip
+    # a failed precompile leaves each candidate to its own build, which works here
+    statuses = {m.candidate: m.status for m in outcome.measurements if m.source == "compiling_b"}
+    assert len(statuses) == 2 and set(statuses.values()) <= {"ok", "cut"}
+
+
+def test_a_resumed_run_precompiles_only_what_is_left():
+    Compiling.events = []
+    src = Compiling("compiling_a")
+    registry.register(src)
+    try:
+        first = tune(KEY, options=TuneOptions(budget_s=0.005, sources=["compiling_a"]))
+        done = [m for m in first.measurements if m.params == {"tile": 1}]
+        Compiling.events = []
+        tune(KEY, options=TuneOptions(budget_s=0.005, sources=["compiling_a"]), prior=done)
+    finally:
+        registry.unregister("compiling_a")
+    assert Compiling.events[0] == ("precompile", "compiling_a", [{"tile": 2}])
+
+
+@pytest.mark.parametrize("launch", ["eager", "graph"])
+def test_the_winner_and_measurements_record_the_launch_mode(launch):
+    outcome = tune(KEY, options=TuneOptions(budget_s=0.005, sources=[], launch=launch))
+    assert outcome.winner.launch == launch
+    assert {m.launch for m in outcome.measurements} == {launch}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"launch": "warp"}, "launch must be one of ['eager', 'graph'], got 'warp'"),
+        ({"cut_factor": 0.5}, "cut_factor must be >= 1, got 0.5"),
+        ({"budget_s": -1.0}, "budget_s must be >= 0, got -1.0"),
+        ({"confirm_rounds": -1}, "confirm_rounds must be >= 0, got -1"),
+    ],
+)
+def test_bad_options_name_the_field_the_value_and_what_is_allowed(fields, message):
+    with pytest.raises(ValueError) as e:
+        TuneOptions(**fields)
+    assert str(e.value) == message
+
+
+def test_the_engine_runs_in_process_only():
+    with pytest.raises(ValueError, match="through tuner.tuning.tune"):
+        tune(KEY, options=TuneOptions(isolate=True))

@@ -139,10 +139,7 @@ def build(
     else:
         failed = {k for k, recs in records.items() if recs[-1]["status"] in ("failed", "timeout")}
         items = [(short_label(k), k) for k in sorted(set(winners) | failed, key=_order)]
-    rows = [
-        _row(label, key, winners.get(key), records.get(key, []), fp)
-        for label, key in items
-    ]
+    rows = [_row(label, key, winners.get(key), records.get(key, []), fp) for label, key in items]
     return Report(
         fp.device_class, fp.version_tag, rows,
         wall_s=run.wall_s if run else None, workers=run.workers if run else None,
