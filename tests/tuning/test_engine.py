@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from planted import PlantedGemm
@@ -282,7 +284,7 @@ class Compiling(Source):
     """Logs its precompile and build calls; one name can fail its precompile."""
 
     op = "gemm"
-    events: list[tuple[str, str, object]] = []
+    events: ClassVar[list[tuple[str, str, object]]] = []
 
     def __init__(self, name: str, *, broken: bool = False) -> None:
         self.name, self.broken = name, broken
@@ -358,5 +360,5 @@ def test_bad_options_name_the_field_the_value_and_what_is_allowed(fields, messag
 
 
 def test_the_engine_runs_in_process_only():
-    with pytest.raises(ValueError, match="through tuner.tuning.tune"):
+    with pytest.raises(ValueError, match=r"through tuner\.tuning\.tune"):
         tune(KEY, options=TuneOptions(isolate=True))

@@ -25,7 +25,8 @@ def speedup_plot(
 
     ``groups`` colours the bars (e.g. the winning source); ``floor`` draws the no-regression line.
     """
-    # matplotlib costs ~0.3 s to import: only here, not on `import tuner.offline.plots` (the CLI imports it)
+    # matplotlib is slow to import: only here, not on `import tuner.offline.plots` (the CLI
+    # imports it)
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on servers or CI

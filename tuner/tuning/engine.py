@@ -34,7 +34,7 @@ class TuneOptions:
 
     budget_s: float = 0.15  # timing budget per candidate
     cut_factor: float = 1.5  # probe slower than this x best so far -> cut
-    min_noise: float = 0.02  # a challenger must win by at least 2% ...
+    min_noise: float = 0.02  # a challenger must win by at least this share ...
     confirm_rounds: int = 3  # ... and again when re-timed alternately with the baseline
     # contenders (then, on the GPU, ties) confirmed in turn, fastest first, until one keeps its
     # win: eager times of small problems are host-bound and rank configs that are slow on the
@@ -100,10 +100,9 @@ def launch_cost_repaid(
 ) -> bool:
     """Eager callers are often bound by the host, not the GPU: a decode step launches dozens of
     small kernels and the GPU waits for each. There a kernel that is faster on the GPU but slower
-    to launch makes the whole step slower (measured: a Llama decoder layer 0.83x). So in eager
-    mode a winner may cost more host time per call than the baseline (beyond noise) only if it
-    saves at least that much GPU time: 4x faster on 4097^3 with 16 us more launch work is a
-    win; 1 us faster with 7 us more is not."""
+    to launch makes the whole step slower. So in eager mode a winner may cost more host time per
+    call than the baseline (beyond noise) only if it saves at least that much GPU time: a large
+    GEMM several times faster repays a longer launch; a small one a little faster does not."""
     if options.launch != "eager" or host_us is None or base_host_us is None:
         return True
     slack = max(options.host_slack_us, options.host_slack * base_host_us)
@@ -149,8 +148,8 @@ def contenders(measurements: list[Measurement], options: TuneOptions) -> list[Me
 def ties(measurements: list[Measurement], options: TuneOptions) -> list[Measurement]:
     """Challengers faster than the baseline in the trial but within the noise (and that repay
     any extra launch cost), fastest first. On the GPU the confirmation's CUDA-graph timing can
-    tell them apart: eager times of small kernels are host-bound (measured: a split-KV decode at
-    14.2 us on the GPU vs torch's 15.2, 26 vs 32 us per eager call with a 21% noise)."""
+    tell them apart: eager times of small kernels are host-bound, and their noise hides a real
+    difference on the GPU."""
     return _challengers(measurements, options)[1]
 
 
@@ -227,8 +226,7 @@ class _Trial:
             )
         if graph:
             # ranked by GPU time: an eager time of a small kernel is its host's launch time, so
-            # the candidate fastest on the GPU might never reach the duel (session 5: a 12.7 us
-            # decode kernel behind a 15.4 us torch, both ~30 us eagerly)
+            # the candidate fastest on the GPU might never reach the duel
             try:
                 g = timing.graph_time(lambda i: runner(*sets[i % len(sets)]))
             except Exception as e:
@@ -252,8 +250,8 @@ class _Trial:
         On the GPU both are also timed in a CUDA graph (GPU time alone, ``timing.graph_time``):
         with ``launch="graph"`` that is the time compared; eagerly the challenger must in addition
         be no slower on the GPU than the baseline beyond the margin. An eager win that is only a
-        cheaper launch (measured: a Triton GEMM at 12 us of host time vs cuBLAS's 16, but 4 us
-        slower on the GPU) would make every graph-replayed step slower. Eagerly a challenger
+        cheaper launch (a kernel quicker to launch than cuBLAS but slower on the GPU) would make
+        every graph-replayed step slower. Eagerly a challenger
         faster on the GPU beyond the graph's noise also wins when it is no slower eagerly. A
         challenger that cannot be captured loses: it could not serve a caller that runs its step
         as a graph.
@@ -306,8 +304,8 @@ class _Trial:
                 else:
                     gpu_ok = chal_gpu.median_us <= base_gpu.median_us * (1 + gpu_margin)
                     gpu_win = chal_gpu.median_us < base_gpu.median_us * (1 - gpu_margin)
-        # eager: a win beyond the eager noise, or a GPU win with no eager loss (a host that
-        # jitters by 15% hides a 7% GPU saving the graph replay measures cleanly)
+        # eager: a win beyond the eager noise, or a GPU win with no eager loss (a jittery host
+        # hides a GPU saving that the graph replay measures cleanly)
         won = chal_us < base_us * (1 - margin) or (gpu_win and chal_us <= base_us)
         launch_ok = launch_cost_repaid(chal_us, chal_host, base_us, base_host, options)
         kept = won and launch_ok and gpu_ok
