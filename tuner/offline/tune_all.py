@@ -1,26 +1,21 @@
-"""Offline tuning of many problems on every local GPU, resumable, with a per-problem and total budget.
+"""Offline tuning of many problems on every local GPU: resumable, with a per-problem and a total
+time limit. ``ProblemSet`` gathers the keys, ``pending`` drops those tuned already, ``run`` tunes
+the rest with one ``RunSettings``.
 
-    problems = ProblemSet(); problems.add_model(load_model(path)); ...
-    todo = pending(store, fp, problems)
-    summary = run(todo, store_path, RunOptions(...), on_event=...)
-
-- **Workers.** One process per local GPU (``torch.cuda.device_count()``; one on the CPU), started
-  with ``spawn``, each pinned to its GPU, each with its own store connection. They pull problem
-  keys from one shared queue, tune them with ``engine.tune`` and commit every problem's
-  measurements and winner in one transaction as soon as it is done.
+- **Workers.** One process per local GPU (one on the CPU), pinned to its GPU, supervised by
+  ``tuner.tuning.supervisor``; each pulls keys from one shared queue, tunes them with
+  ``tuner.tuning.tune`` and commits each problem's measurements and winner in one transaction.
 - **Resumable.** A problem with a winner for this device class and these versions is skipped, so
-  a killed run (even SIGKILL) loses at most the problems in flight. Workers die with the parent
-  (``PR_SET_PDEATHSIG`` on Linux, and a parent check between problems).
-- **Budgets.** A problem that runs past ``problem_timeout_s`` has its worker killed (that also
-  covers a candidate that hangs or kills its CUDA context); the problem is recorded as
-  ``timeout`` and a fresh worker takes the slot. Past ``time_limit_s`` no new problem starts.
+  a killed run (even SIGKILL) loses at most the problems in flight; workers die with the parent.
+- **Budgets.** A problem past ``problem_timeout_s`` has its worker killed (that also covers a
+  candidate that hangs or breaks its CUDA context): it is recorded as ``timeout`` and a fresh
+  worker takes the slot. Past ``time_limit_s`` no new problem starts.
 - **Failures** (the baseline itself failing, a crashed worker) are recorded and the run goes on.
-- **Ctrl-C** lets the problems in flight finish (everything finished is already stored);
-  a second Ctrl-C, or a SIGTERM, kills them; the run still ends with its report.
+- **Ctrl-C** lets the problems in flight finish; a second Ctrl-C, or a SIGTERM, kills them; the
+  run still ends with its report.
 
 Every finished problem also gets a line in the *journal* (``<cache>.tune-all.jsonl``): its
-tuning time, status and error. The report reads it for the tuning time per problem and for
-the failures, which have no winner in the store.
+tuning time, status and error, which the report reads (failures have no winner in the store).
 """
 
 from __future__ import annotations
