@@ -20,7 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from server import artifacts
 from server.api import router
+from server.blobs import BlobDir, default_dir
 from server.config import Settings
 from server.db import FleetDB
 from server.limits import BodyLimitMiddleware
@@ -70,6 +72,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.db = db
     app.state.metrics = metrics
     app.state.policy = Policy(settings.confirm_margin, settings.min_noise)
+    app.state.blobs = BlobDir(settings.artifacts_dir or default_dir(settings.db))
 
     def scrape() -> Iterator[GaugeMetricFamily]:
         store = db.store()
@@ -79,6 +82,11 @@ def create_app(settings: Settings) -> FastAPI:
         yield depth
         yield GaugeMetricFamily(
             "tuner_served_winners", "served winners", value=store.served_count()
+        )
+        yield GaugeMetricFamily(
+            "tuner_artifact_conflicting_specs",
+            "artifact specs published with more than one build (see /v1/artifacts/conflicts)",
+            value=store.conflicting_specs(),
         )
 
     metrics.add_collector(scrape)
@@ -117,6 +125,11 @@ def create_app(settings: Settings) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(router)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.include_router(artifacts.router)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        streamed=(artifacts.BLOBS, settings.max_artifact_bytes),
+    )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -14,3 +14,5 @@ class Settings(BaseModel):
     min_noise: float = Field(0.01, ge=0)  # a challenger must beat the baseline by at least this
     max_attempts: int = Field(3, ge=1)  # leases that end without a winner before a key fails
     max_body_bytes: int = Field(32 * 2**20, gt=0)  # larger requests get 413 before parsing
+    max_artifact_bytes: int = Field(512 * 2**20, gt=0)  # one uploaded artifact (streamed)
+    artifacts_dir: Path | None = None  # artifact blobs; default: ``<db>.artifacts/`` beside it

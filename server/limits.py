@@ -1,4 +1,8 @@
-"""Request-size limit: a body over the limit gets 413 before anything parses it."""
+"""Request-size limit: a body over the limit gets 413 before anything parses it.
+
+Streamed uploads (artifact blobs) have a limit of their own: a declared Content-Length over it
+gets 413 here, and a chunked body is passed on unread, for the route to count as it streams.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,22 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-def too_large(limit: int) -> JSONResponse:
-    return JSONResponse(
-        {"detail": f"request body too large: at most {limit} bytes; send smaller batches"}, 413
-    )
+def too_large(limit: int, advice: str) -> JSONResponse:
+    return JSONResponse({"detail": f"request body too large: at most {limit} bytes; {advice}"}, 413)
+
+
+BATCH_ADVICE = "send smaller batches"
+ARTIFACT_ADVICE = "the service's max_artifact_bytes limits one artifact"
 
 
 class BodyLimitMiddleware:
     """Checks Content-Length up front; reads a chunked body up to the limit before the app."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, streamed: tuple[str, int] | None = None
+    ) -> None:
+        """``streamed``: (path prefix, limit) of the routes that read their body as a stream."""
+        self.app, self.max_bytes, self.streamed = app, max_bytes, streamed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -27,10 +36,14 @@ class BodyLimitMiddleware:
             bad = JSONResponse({"detail": f"Content-Length must be a number, got {length!r}"}, 400)
             await bad(scope, receive, send)
             return
-        if length is not None and int(length) > self.max_bytes:
-            await too_large(self.max_bytes)(scope, receive, send)
+        streamed = self.streamed is not None and scope["path"].startswith(self.streamed[0])
+        limit, advice = (
+            (self.streamed[1], ARTIFACT_ADVICE) if streamed else (self.max_bytes, BATCH_ADVICE)
+        )
+        if length is not None and int(length) > limit:
+            await too_large(limit, advice)(scope, receive, send)
             return
-        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+        if length is None and not streamed and scope["method"] in ("POST", "PUT", "PATCH"):
             await self._buffered(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -47,7 +60,7 @@ class BodyLimitMiddleware:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await too_large(self.max_bytes)(scope, receive, send)
+                await too_large(self.max_bytes, BATCH_ADVICE)(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break

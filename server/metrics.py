@@ -37,6 +37,10 @@ class Metrics:
             "tuner_pending_changes", "large changes held for confirmation", registry=r
         )
         self.leases = Counter("tuner_leases", "queue lease events", ["event"], registry=r)
+        self.artifacts = Counter(
+            "tuner_artifact_publishes", "artifacts published, by outcome (new, same, conflict, "
+            "known conflict)", ["outcome"], registry=r,
+        )  # fmt: skip
 
     def add_collector(self, collect: Callable[[], Iterator[GaugeMetricFamily]]) -> None:
         """Gauges computed at scrape time (queue depth, served winners) from the database."""

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, model_validator
 
+from tuner.cache.artifacts import ArtifactSpec
 from tuner.core.device import Fingerprint
 from tuner.core.keys import parse_key
 from tuner.measure.records import LAUNCHES, STATUSES, Measurement
@@ -281,3 +282,75 @@ class PendingEntry(BaseModel):
     margin: float
     supporters: list[str]
     updated_at: float
+
+
+# --- compiled-kernel artifacts -----------------------------------------------------------------
+
+MAX_SPEC_CHARS = 8000  # an artifact spec's JSON (sent in the Tuner-Artifact-Spec header)
+MAX_ARTIFACT_PAGE = 5000
+SHA256_RE = r"^[0-9a-f]{64}$"
+Sha256 = Annotated[str, Field(pattern=SHA256_RE, examples=["0" * 64])]
+SpecName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:+-]{1,100}$")]
+
+
+class ArtifactSpecIn(Strict):
+    """What identifies a compiled kernel (``tuner.cache.artifacts.ArtifactSpec``)."""
+
+    source: SpecName
+    config: Annotated[dict[str, JsonValue], AfterValidator(_small_params)]
+    arch: SpecName
+    toolchain: Annotated[dict[Name, Name], Field(max_length=32)] = {}
+
+    def to_spec(self) -> ArtifactSpec:
+        return ArtifactSpec(self.source, self.config, self.arch, self.toolchain)
+
+
+class PublishOut(BaseModel):
+    spec_id: str = Field(description="sha256 of the spec's canonical JSON")
+    hash: str
+    size: int
+    outcome: Literal["new", "same", "conflict", "known conflict"] = Field(
+        description="new: now served; same: the served build again; conflict: a different "
+        "build of a served spec (recorded and reported, not served)"
+    )
+
+
+class ArtifactLookupIn(Strict):
+    spec_ids: Annotated[list[Sha256], Field(min_length=1, max_length=MAX_KEYS)]
+
+
+class ArtifactOut(BaseModel):
+    seq: int = Field(description="position in the listing: pass the largest seen as `since`")
+    spec_id: str
+    spec: str = Field(description="the spec as canonical JSON")
+    hash: str
+    size: int
+    builder: str = Field(description="id of the token that published it")
+    created_at: float
+
+
+class ArtifactLookupOut(BaseModel):
+    artifacts: list[ArtifactOut]
+    missing: list[str]
+
+
+class ArtifactFeedOut(BaseModel):
+    since: int
+    cursor: int = Field(description="pass as `since` next time")
+    more: bool = Field(description="true: call again with `since=cursor` right away")
+    artifacts: list[ArtifactOut]
+
+
+class BuildOut(BaseModel):
+    hash: str
+    builder: str
+    size: int
+    first_seen: float
+    last_seen: float
+
+
+class ConflictOut(BaseModel):
+    spec_id: str
+    spec: str
+    served: str = Field(description="the hash served: the first build published")
+    builds: list[BuildOut]

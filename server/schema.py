@@ -2,7 +2,9 @@
 
 The service keeps tokens, every host's measurements, the merged results, the served winners with
 their sequence numbers, pending changes, misses and the tuning queue (``srv_*`` tables), plus the
-fingerprints of the device classes it has seen. A host's cache has its own schema
+fingerprints of the device classes it has seen, and the compiled-kernel artifacts published by
+builders (spec -> served hash, every builder's build of a spec; the blobs themselves are files in
+``server.blobs``). A host's cache has its own schema
 (``tuner.cache.schema``); both are checked and migrated by ``tuner.cache.sqlite``. Files from
 before the two were split (one shared schema, version 2 in a ``meta`` table) open as version 1
 and lose the host's empty tables in the next migration.
@@ -27,7 +29,7 @@ def _v1(db: sqlite_utils.Database) -> None:
             "id": str,  # public part of the token, shown by ``tuner token list``
             "name": str,
             "secret_hash": str,  # sha256 of the secret part; the secret itself is never stored
-            "scopes": str,  # comma separated: read, submit, admin
+            "scopes": str,  # comma separated: read, submit, build, admin
             "created_at": float,
             "revoked_at": float,  # null while the token is valid
         },
@@ -179,6 +181,40 @@ def _v2(db: sqlite_utils.Database) -> None:
         db[table].drop(ignore=True)
 
 
+def _v3(db: sqlite_utils.Database) -> None:
+    """Compiled-kernel artifacts: the served build of each spec, and every builder's build."""
+    db["srv_artifacts"].create(  # the build served for a spec: the first one published
+        {
+            "seq": int,  # order of publication: the cursor of the artifact listing
+            "spec_id": str,  # sha256 of the spec's canonical JSON
+            "spec": str,
+            "source": str,
+            "arch": str,
+            "hash": str,
+            "size": int,
+            "builder": str,  # token id of the publisher
+            "created_at": float,
+        },
+        pk="seq",
+        not_null={"spec_id", "spec", "source", "arch", "hash", "size", "builder", "created_at"},
+    )
+    db["srv_artifacts"].create_index(["spec_id"], unique=True)
+    db["srv_artifacts"].create_index(["arch", "seq"])
+    db["srv_artifact_builds"].create(  # every (spec, hash) each builder published
+        {
+            "spec_id": str,
+            "hash": str,
+            "builder": str,
+            "size": int,
+            "first_seen": float,
+            "last_seen": float,
+        },
+        pk=("spec_id", "hash", "builder"),
+        not_null={"size", "first_seen", "last_seen"},
+    )
+    db["srv_artifact_builds"].create_index(["hash"])
+
+
 def _legacy_version(db: sqlite_utils.Database, path: Path) -> int:
     version = legacy_meta(db, path)
     if version != SHARED_SCHEMA_VERSION or "srv_tokens" not in db.table_names():
@@ -195,7 +231,7 @@ FLEET = register(
     Schema(
         kind="tuner fleet database",
         application_id=0x544E5246,  # "TNRF"
-        migrations=(_v1, _v2),
+        migrations=(_v1, _v2, _v3),
         legacy_version=_legacy_version,
     )
 )

@@ -373,3 +373,88 @@ class FleetStore(DeviceFile):
                 [device_class, limit] if device_class else [limit],
             )
         )
+
+    # --- compiled-kernel artifacts --------------------------------------------------------------
+
+    def add_build(self, spec: dict[str, str], digest: str, size: int, builder: str) -> str:
+        """Record that ``builder`` published ``digest`` for the spec (``spec_id``, ``spec``,
+        ``source``, ``arch``); the first build of a spec becomes the served one. Returns
+        ``new`` (now served), ``same`` (the served build again), ``conflict`` (a different
+        build, first seen now) or ``known conflict`` (one seen before)."""
+        now = time.time()
+        with self.transaction() as c:
+            seen = c.execute(
+                "select 1 from srv_artifact_builds where spec_id = ? and hash = ? limit 1",
+                (spec["spec_id"], digest),
+            ).fetchone()
+            c.execute(
+                "insert into srv_artifact_builds(spec_id, hash, builder, size, first_seen, "
+                "last_seen) values (?, ?, ?, ?, ?, ?) on conflict(spec_id, hash, builder) "
+                "do update set last_seen = excluded.last_seen",
+                (spec["spec_id"], digest, builder, size, now, now),
+            )
+            served = c.execute(
+                "select hash from srv_artifacts where spec_id = ?", (spec["spec_id"],)
+            ).fetchone()
+            if served is None:
+                c.execute(
+                    "insert into srv_artifacts(spec_id, spec, source, arch, hash, size, builder, "
+                    "created_at) values (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (spec["spec_id"], spec["spec"], spec["source"], spec["arch"], digest, size,
+                     builder, now),
+                )  # fmt: skip
+                return "new"
+        if served[0] == digest:
+            return "same"
+        return "known conflict" if seen else "conflict"
+
+    _ARTIFACT_COLS = "seq, spec_id, spec, hash, size, builder, created_at"
+
+    def served_artifacts(self, spec_ids: list[str]) -> list[dict[str, Any]]:
+        """The served build of each of these specs that has one."""
+        return list(
+            self.db.query(
+                f"select {self._ARTIFACT_COLS} from srv_artifacts where spec_id in "
+                f"({', '.join('?' * len(spec_ids))}) order by seq",
+                spec_ids,
+            )
+        )
+
+    def artifact_feed(self, archs: list[str], since: int, limit: int) -> list[dict[str, Any]]:
+        """Up to ``limit`` served builds published after ``since``, oldest first (all archs
+        when ``archs`` is empty)."""
+        where = f" and arch in ({', '.join('?' * len(archs))})" if archs else ""
+        return list(
+            self.db.query(
+                f"select {self._ARTIFACT_COLS} from srv_artifacts where seq > ?{where} "
+                "order by seq limit ?",
+                [since, *archs, limit],
+            )
+        )
+
+    def artifact_conflicts(self, limit: int) -> list[dict[str, Any]]:
+        """Specs published with more than one hash: the spec, its served hash and every build."""
+        specs = list(
+            self.db.query(
+                "select a.spec_id, a.spec, a.hash as served from srv_artifacts a where "
+                "(select count(distinct hash) from srv_artifact_builds b "
+                "where b.spec_id = a.spec_id) > 1 order by a.seq limit ?",
+                [limit],
+            )
+        )
+        for spec in specs:
+            spec["builds"] = list(
+                self.db.query(
+                    "select hash, builder, size, first_seen, last_seen from srv_artifact_builds "
+                    "where spec_id = ? order by first_seen, hash, builder",
+                    [spec["spec_id"]],
+                )
+            )
+        return specs
+
+    def conflicting_specs(self) -> int:
+        (n,) = self.db.conn.execute(
+            "select count(*) from (select spec_id from srv_artifact_builds group by spec_id "
+            "having count(distinct hash) > 1)"
+        ).fetchone()
+        return n

@@ -1,4 +1,8 @@
-"""Bearer tokens: ``tnr_<id>_<secret>``, scopes read < submit < admin, stored hashed.
+"""Bearer tokens: ``tnr_<id>_<secret>``, scopes read < submit < build < admin, stored hashed.
+
+``build`` sits above ``submit``: a published artifact is executable code that every host of the
+fleet will run, so a token that may only report measurements cannot publish one, while a builder
+also submits the results of what it built.
 
 The id is public (listed, used as the submitter's identity in the merge); only a SHA-256 of the
 secret is stored. The secret is 256 random bits, so a fast hash is enough: there is nothing to
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 
 from server.store import FleetStore
 
-SCOPES = ("read", "submit", "admin")  # each includes the ones before it
+SCOPES = ("read", "submit", "build", "admin")  # each includes the ones before it
 PREFIX = "tnr"
 _ID_RE = re.compile(r"^[0-9a-f]{12}$")
 

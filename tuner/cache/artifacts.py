@@ -241,7 +241,7 @@ def default_max_bytes() -> int:
     return value
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -354,7 +354,7 @@ class ArtifactStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        _fsync_dir(self.blobs)
+        fsync_dir(self.blobs)
 
     def _drop_unreferenced(self, c: sqlite3.Connection, digest: str) -> None:
         used = c.execute(
@@ -449,3 +449,14 @@ class ArtifactStore:
             hashes = tuple(h for (h,) in [*served, *others])
             out.append(Conflict(ArtifactSpec.from_json(spec), hashes))
         return out
+
+    def specs(self) -> list[tuple[ArtifactSpec, str]]:
+        """Every served artifact's spec and hash, oldest first (what a host publishes)."""
+        rows = self._index().db.conn.execute(
+            "select spec, hash from artifacts order by created, rowid"
+        )
+        return [(ArtifactSpec.from_json(spec), digest) for spec, digest in rows]
+
+    def hashes(self) -> dict[str, str]:
+        """Spec id -> hash of every served artifact (what a host already has)."""
+        return dict(self._index().db.conn.execute("select spec_id, hash from artifacts"))

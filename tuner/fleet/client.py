@@ -1,8 +1,11 @@
-"""Client of the fleet service: pull this device class's winners, push results, report misses.
+"""Client of the fleet service: pull this device class's winners, push results, report misses,
+and publish / fetch compiled-kernel artifacts.
 
     client = FleetClient("http://tuner.internal:8000", token="tnr_...")
     pull(client, store, fingerprint())        # incremental: only what changed since last time
     push(client, store, fingerprint())        # new local measurements and miss counts
+    push_artifacts(client, artifacts)         # this host's builds (needs a ``build`` token)
+    fetch_artifacts(client, artifacts, specs) # served builds, each checked against its hash
 
 Settings: ``TUNER_SERVER`` (base URL), ``TUNER_TOKEN``, ``TUNER_SYNC_INTERVAL`` (seconds).
 Every request has a bounded timeout and is retried with exponential backoff on connection
@@ -32,6 +35,8 @@ from typing import Any
 import httpx
 
 from tuner.cache import Store
+from tuner.cache.artifacts import ArtifactError, ArtifactSpec, ArtifactStore, Conflict, sha256
+from tuner.cache.sqlite import StoreError
 from tuner.core.device import Fingerprint
 from tuner.measure.records import Measurement, Winner
 from tuner.version import __version__
@@ -39,6 +44,7 @@ from tuner.version import __version__
 log = logging.getLogger(__name__)
 
 BATCH = 5000  # the service's per-request limit for measurements and misses
+BATCH_SPECS = 1000  # the service's per-request limit for artifact lookups
 RETRY_STATUS = (429, 502, 503, 504)
 
 
@@ -99,10 +105,22 @@ class FleetClient:
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         """One API call with retries; returns the decoded JSON body."""
+        r = self._send(path, lambda: self.http.request(method, path, **kwargs))
+        try:
+            return r.json()
+        except ValueError:  # e.g. --server names some other web server
+            raise FleetError(
+                f"{self.server}{path}: answered {r.status_code} without JSON; "
+                "is this a tuner service?",
+                r.status_code,
+            ) from None
+
+    def _send(self, path: str, send: Callable[[], httpx.Response]) -> httpx.Response:
+        """``send()`` with retries; its response if successful, else FleetError."""
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             try:
-                r = self.http.request(method, path, **kwargs)
+                r = send()
             except httpx.TransportError as e:  # refused, reset, timed out
                 if last:
                     raise FleetError(
@@ -110,14 +128,7 @@ class FleetClient:
                     ) from None
             else:
                 if r.status_code < 400:
-                    try:
-                        return r.json()
-                    except ValueError:  # e.g. --server names some other web server
-                        raise FleetError(
-                            f"{self.server}{path}: answered {r.status_code} without JSON; "
-                            "is this a tuner service?",
-                            r.status_code,
-                        ) from None
+                    return r
                 if r.status_code not in RETRY_STATUS or last:
                     raise FleetError(_message(r), r.status_code)
             time.sleep(self.backoff_s * 2**attempt * (0.5 + random.random()))
@@ -198,6 +209,49 @@ class FleetClient:
     def queue(self, **filters: Any) -> list[dict[str, Any]]:
         params = {k: v for k, v in filters.items() if v is not None}
         return self.request("GET", "/v1/queue", params=params)
+
+    # --- artifacts -----------------------------------------------------------------------------
+
+    def publish_artifact(self, spec: ArtifactSpec, data: bytes) -> dict[str, Any]:
+        """Publish one artifact (needs a ``build`` token); the service's PublishOut."""
+        return self.request(
+            "PUT", f"/v1/artifacts/blobs/{sha256(data)}", content=data,
+            headers={"Tuner-Artifact-Spec": spec.to_json(),
+                     "Content-Type": "application/octet-stream"},
+        )  # fmt: skip
+
+    def artifact_lookup(self, spec_ids: list[str]) -> dict[str, Any]:
+        """The served build of each spec id (at most ``BATCH_SPECS``) and the ids without one."""
+        return self.request("POST", "/v1/artifacts/lookup", json={"spec_ids": spec_ids})
+
+    def artifact_listing(self, archs: list[str], since: int, limit: int = 1000) -> dict[str, Any]:
+        params = {"arch": archs, "since": since, "limit": limit}
+        return self.request("GET", "/v1/artifacts", params=params)
+
+    def artifact_conflicts(self, limit: int = 10000) -> list[dict[str, Any]]:
+        return self.request("GET", "/v1/artifacts/conflicts", params={"limit": limit})
+
+    def download_artifact(self, digest: str, max_bytes: int) -> bytes:
+        """A blob's bytes as sent, streamed and cut off past ``max_bytes`` (FleetError). Not
+        checked here: ``ArtifactStore.add_verified`` checks them before anything is stored."""
+        path = f"/v1/artifacts/blobs/{digest}"
+
+        def send() -> httpx.Response:
+            with self.http.stream("GET", path) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    return r
+                data = bytearray()
+                for chunk in r.iter_bytes():
+                    data += chunk
+                    if len(data) > max_bytes:
+                        raise FleetError(
+                            f"{self.server}{path}: artifact larger than the {max_bytes} bytes "
+                            "announced; rejected"
+                        )
+                return httpx.Response(r.status_code, content=bytes(data))
+
+        return self._send(path, send).content
 
 
 def _message(r: httpx.Response) -> str:
@@ -331,11 +385,172 @@ def push(client: FleetClient, store: Store, fp: Fingerprint) -> PushResult:
     return PushResult(m["accepted"], m["duplicates"], m["skipped"], keys, queued)
 
 
+# --- compiled-kernel artifacts ----------------------------------------------------------------
+
+
+@dataclass
+class ArtifactsPushed:
+    published: int  # new on the service
+    conflicts: int  # the service serves another build of the spec: ours is recorded beside it
+    present: int  # the service already serves these very bytes
+
+
+@dataclass
+class ArtifactsFetched:
+    fetched: int
+    present: int  # already here with the served hash
+    missing: int  # the service has no build of the spec
+    rejected: list[str]  # one message per download refused (hash mismatch, spec mismatch, size)
+
+
+def push_artifacts(
+    client: FleetClient, artifacts: ArtifactStore, specs: list[ArtifactSpec] | None = None
+) -> ArtifactsPushed:
+    """Publish this host's artifacts (all, or those of ``specs``) that the service does not
+    serve with the same bytes. Needs a ``build`` token."""
+    local = artifacts.specs()
+    if specs is not None:
+        wanted = {s.id for s in specs}
+        local = [(spec, digest) for spec, digest in local if spec.id in wanted]
+    out = ArtifactsPushed(0, 0, 0)
+    for i in range(0, len(local), BATCH_SPECS):
+        chunk = local[i : i + BATCH_SPECS]
+        served = _served(client, [spec.id for spec, _ in chunk])
+        for spec, digest in chunk:
+            if served.get(spec.id, {}).get("hash") == digest:
+                out.present += 1
+                continue
+            data = artifacts.get(spec)
+            if data is None:  # evicted or found corrupt meanwhile: nothing to publish
+                continue
+            outcome = client.publish_artifact(spec, data)["outcome"]
+            if outcome == "new":
+                out.published += 1
+            elif outcome == "same":
+                out.present += 1
+            else:
+                out.conflicts += 1
+    return out
+
+
+def _served(client: FleetClient, spec_ids: list[str]) -> dict[str, dict[str, Any]]:
+    return {a["spec_id"]: a for a in client.artifact_lookup(spec_ids)["artifacts"]}
+
+
+def _fetch_one(
+    client: FleetClient, artifacts: ArtifactStore, spec: ArtifactSpec, row: dict[str, Any]
+) -> str | None:
+    """Download and store the served build ``row`` of ``spec``; None, or why it was refused."""
+    if spec.id != row["spec_id"]:
+        return f"the service listed spec {row['spec_id'][:12]} for spec {spec.id[:12]}; rejected"
+    try:
+        data = client.download_artifact(row["hash"], row["size"])
+        artifacts.add_verified(spec, row["hash"], data)
+    except (FleetError, ArtifactError) as e:
+        if isinstance(e, FleetError) and e.status is None:
+            raise  # unreachable: the next one would fail the same way
+        return str(e)
+    return None
+
+
+def fetch_artifacts(
+    client: FleetClient, artifacts: ArtifactStore, specs: list[ArtifactSpec]
+) -> ArtifactsFetched:
+    """Bring the served builds of ``specs`` into ``artifacts`` (e.g. before compiling them).
+
+    Every download is checked against the hash the service announced for it
+    (``ArtifactStore.add_verified``): a corrupt or substituted one is logged, listed in
+    ``rejected`` and never stored."""
+    have = artifacts.hashes()
+    out = ArtifactsFetched(0, 0, 0, [])
+    unique = list({s.id: s for s in specs}.values())
+    for i in range(0, len(unique), BATCH_SPECS):
+        chunk = unique[i : i + BATCH_SPECS]
+        served = _served(client, [s.id for s in chunk])
+        for spec in chunk:
+            row = served.get(spec.id)
+            if row is None:
+                out.missing += 1
+            elif have.get(spec.id) == row["hash"]:
+                out.present += 1
+            else:
+                _count_fetch(out, _fetch_one(client, artifacts, spec, row))
+    return out
+
+
+def _count_fetch(out: ArtifactsFetched, refused: str | None) -> None:
+    if refused is None:
+        out.fetched += 1
+    else:
+        log.error("artifact download rejected: %s", refused)
+        out.rejected.append(refused)
+
+
+def host_archs(fp: Fingerprint) -> list[str]:
+    """The artifact archs a host runs: Triton's target (``cuda:90``) and CUTLASS's (``sm90``);
+    none for a host without a GPU."""
+    if fp.kind != "cuda" or not fp.compute_capability:
+        return []
+    cc = fp.compute_capability.replace(".", "")
+    return [f"cuda:{cc}", f"sm{cc}"]
+
+
+def sync_artifacts(
+    client: FleetClient, artifacts: ArtifactStore, store: Store, archs: list[str],
+    *, full: bool = False,
+) -> ArtifactsFetched:  # fmt: skip
+    """Fetch every served build of ``archs`` published since the last sync (``full``: all).
+
+    The position is kept in ``store`` after each page. A rejected download is reported and
+    not retried by later syncs: ``fetch_artifacts`` of its spec, or a ``full`` sync, tries it
+    again."""
+    if not archs:
+        raise ValueError("sync_artifacts needs at least one arch (see host_archs)")
+    name = f"artifacts:{client.server}:{','.join(sorted(archs))}"
+    cursor = 0 if full else store.position(name)
+    out = ArtifactsFetched(0, 0, 0, [])
+    have = artifacts.hashes()
+    while True:
+        body = client.artifact_listing(archs, cursor)
+        for row in body["artifacts"]:
+            if have.get(row["spec_id"]) == row["hash"]:
+                out.present += 1
+                continue
+            try:
+                spec = ArtifactSpec.from_json(row["spec"])
+            except (ValueError, KeyError, TypeError) as e:
+                _count_fetch(out, f"the service listed an unreadable spec {row['spec_id']}: {e}")
+                continue
+            _count_fetch(out, _fetch_one(client, artifacts, spec, row))
+        cursor = body["cursor"]
+        store.set_position(name, cursor)
+        if not body["more"]:
+            return out
+
+
+@dataclass
+class ArtifactCheck:
+    service: list[dict[str, Any]]  # the service's ConflictOut entries
+    local: list[Conflict]  # this host's store: specs that arrived with more than one build
+
+    @property
+    def clean(self) -> bool:
+        return not self.service and not self.local
+
+
+def check_artifacts(client: FleetClient | None, artifacts: ArtifactStore) -> ArtifactCheck:
+    """Specs built differently by different builders, on the service and in this host's store
+    (``tuner artifacts --check``); the service's side is skipped without a client."""
+    service = client.artifact_conflicts() if client is not None else []
+    return ArtifactCheck(service, artifacts.conflicts())
+
+
 # --- background sync for the dispatcher --------------------------------------------------------
 
 
 class BackgroundSync:
-    """Push, then pull, every ``interval_s`` in a daemon thread; never raises into the caller.
+    """Push, then pull (winners, then the artifacts of this host's archs when given an artifact
+    store), every ``interval_s`` in a daemon thread; never raises into the caller.
 
     After a failure the next try comes sooner (5 s, doubling up to the interval), and the error
     is logged once per distinct message, so a service outage costs a log line, not a crash.
@@ -350,11 +565,12 @@ class BackgroundSync:
         push: bool = True,
         on_change: Callable[[], None] | None = None,
         fingerprint: Callable[[], Fingerprint] | None = None,
+        artifacts: ArtifactStore | None = None,
     ) -> None:
         from tuner.core.device import fingerprint as default_fingerprint
 
         self.client, self.store_path, self.interval_s = client, Path(store_path), interval_s
-        self.push, self.on_change = push, on_change
+        self.push, self.on_change, self.artifacts = push, on_change, artifacts
         self._fingerprint = fingerprint or default_fingerprint
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -411,6 +627,8 @@ class BackgroundSync:
                         raise
                     refused.append(f"{step.__name__}: {e}")
         result = pull(self.client, store, fp)
+        if self.artifacts is not None and (archs := host_archs(fp)):
+            sync_artifacts(self.client, self.artifacts, store, archs)
         if result.winners and self.on_change is not None:
             self.on_change()
         self.syncs += 1
@@ -419,6 +637,19 @@ class BackgroundSync:
             raise FleetError("; ".join(refused))
         self.last_error = None
         return result
+
+
+def _host_artifacts(fingerprint: Callable[[], Fingerprint] | None) -> ArtifactStore | None:
+    """This host's artifact store if it has a GPU to run artifacts on, else None."""
+    from tuner.core.device import fingerprint as default_fingerprint
+
+    if not host_archs((fingerprint or default_fingerprint)()):
+        return None
+    try:
+        return ArtifactStore()
+    except (StoreError, OSError, ValueError) as e:
+        log.warning("compiled kernels are not synced: the artifact store cannot be opened: %s", e)
+        return None
 
 
 def attach(
@@ -435,6 +666,8 @@ def attach(
         if client is None:
             return None
         kwargs.setdefault("interval_s", float(os.environ.get("TUNER_SYNC_INTERVAL", "60")))
+        if "artifacts" not in kwargs:
+            kwargs["artifacts"] = _host_artifacts(kwargs.get("fingerprint"))
         return BackgroundSync(
             client, dispatcher.store_path, on_change=dispatcher.reload, **kwargs
         ).start()

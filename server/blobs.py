@@ -1,0 +1,77 @@
+"""The service's artifact blobs: one file per sha256 in a directory beside its database.
+
+An upload is streamed into a temporary file in that directory while it is hashed, so a large
+artifact never sits in memory and is never visible half-written: it is renamed to its hash only
+once it is complete, within the size limit and equal to the hash the publisher declared (an
+upload that fails any check leaves nothing behind). Equal bytes share one file; a verified
+upload replaces the file of its hash, which mends one damaged on disk. Clients re-hash what they
+download, so a blob damaged after upload is refused there, never run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from tuner.cache.artifacts import fsync_dir
+
+
+class BlobError(Exception):
+    """An upload refused: ``status`` is the HTTP answer (413 too large, 422 hash mismatch)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def default_dir(db: Path) -> Path:
+    """``<db name>.artifacts/`` beside the database file."""
+    return db.with_name(db.name + ".artifacts")
+
+
+class BlobDir:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, digest: str) -> Path:
+        return self.root / digest
+
+    def has(self, digest: str) -> bool:
+        return self.path(digest).is_file()
+
+    async def receive(self, chunks: AsyncIterator[bytes], declared: str, max_bytes: int) -> int:
+        """Store a streamed upload as blob ``declared``; its size. BlobError, and nothing
+        stored, if it exceeds ``max_bytes`` or its sha256 is not ``declared``."""
+        digest, size = hashlib.sha256(), 0
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{declared[:12]}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise BlobError(
+                            f"artifact too large: more than {max_bytes} bytes "
+                            "(the service's max_artifact_bytes)",
+                            413,
+                        )
+                    digest.update(chunk)
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            if size == 0:
+                raise BlobError("artifact body is empty", 422)
+            if digest.hexdigest() != declared:
+                raise BlobError(
+                    f"artifact body has sha256 {digest.hexdigest()}, declared {declared}; "
+                    "nothing stored",
+                    422,
+                )
+            os.replace(tmp, self.path(declared))
+            fsync_dir(self.root)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return size
