@@ -140,3 +140,32 @@ def test_background_sync_fetches_the_artifacts_of_its_arch(
             sync.sync_once(cache)
         assert host.get(spec("mm")) == bundle("mm")
         assert host.get(spec("old", "cuda:80")) is None
+
+
+def test_push_artifacts_and_artifacts_check_commands(
+    fleet: ThreadServer, builder: ArtifactStore, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from tuner.cli.main import app
+
+    def cli(store: Path, *args: str) -> tuple[int, str]:
+        env = {"COLUMNS": "200", "TUNER_CACHE": str(tmp_path / "cache.db"),
+               "TUNER_ARTIFACTS": str(store), "TUNER_SERVER": fleet.url}  # fmt: skip
+        r = CliRunner().invoke(app, list(args), env=env)
+        return r.exit_code, r.output
+
+    code, out = cli(builder.root, "push", "--artifacts", "--token", fleet.token("b", "build"))
+    assert code == 0 and "published 3 compiled kernels (0 already there" in out
+    code, out = cli(builder.root, "artifacts", "--check", "--token", fleet.token("r", "read"))
+    assert code == 0 and "3 compiled kernels" in out and "no conflicting builds" in out
+    with ArtifactStore(tmp_path / "builder-2") as other:
+        other.put(spec("mm"), bundle("mm-rebuilt"))
+    code, out = cli(other.root, "push", "--artifacts", "--token", fleet.token("h", "submit"))
+    assert code == 1 and "this needs 'build'" in out
+    code, out = cli(
+        tmp_path / "builder-2", "push", "--artifacts", "--token", fleet.token("b2", "build")
+    )
+    assert code == 0 and "1 differing from the build the service serves" in out
+    code, out = cli(builder.root, "artifacts", "--check", "--token", fleet.token("r2", "read"))
+    assert code == 1 and f"service: spec {spec('mm').id[:12]}" in out

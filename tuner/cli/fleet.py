@@ -1,8 +1,10 @@
-"""``tuner serve``, ``tuner token create|list|revoke``, ``tuner sync``, ``tuner push``: the fleet
-service, its tokens, and a host's exchange of results with it (``tuner.fleet.client``)."""
+"""``tuner serve``, ``tuner token create|list|revoke``, ``tuner sync``, ``tuner push``,
+``tuner artifacts``: the fleet service, its tokens, and a host's exchange of results and
+compiled-kernel artifacts with it (``tuner.fleet.client``)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from pathlib import Path
 from typing import Annotated
@@ -11,10 +13,20 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tuner.cli.errors import fleet_service
+from tuner.cache.artifacts import ArtifactStore
+from tuner.cli.errors import FAILED, fleet_service
 from tuner.cli.options import CacheOpt, open_store
 from tuner.core.device import fingerprint
-from tuner.fleet.client import FleetClient, PushResult, pull, push
+from tuner.fleet.client import (
+    FleetClient,
+    PushResult,
+    check_artifacts,
+    host_archs,
+    pull,
+    push,
+    push_artifacts,
+    sync_artifacts,
+)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 console = Console()
@@ -77,7 +89,11 @@ def token_create(
     name: Annotated[str, typer.Option(help="Who holds it, e.g. the host or worker name.")],
     scope: Annotated[
         list[str],
-        typer.Option("--scope", help="read, submit or admin (each includes the previous)."),
+        typer.Option(
+            "--scope",
+            help="read, submit, build or admin (each includes the previous; build publishes "
+            "compiled kernels).",
+        ),
     ],
 ) -> None:
     """Create a token and print it (the only time it is shown)."""
@@ -141,6 +157,13 @@ def sync(
     push_first: Annotated[
         bool, typer.Option("--push/--no-push", help="Push local results and misses first.")
     ] = False,
+    artifacts: Annotated[
+        bool,
+        typer.Option(
+            help="Also fetch the compiled kernels served for this host's GPU arch "
+            "($TUNER_ARTIFACTS store), each checked against its sha256."
+        ),
+    ] = True,
 ) -> None:
     """Pull the served winners of this device class into the local cache (incremental)."""
     fp = fingerprint()
@@ -149,18 +172,84 @@ def sync(
         if push_first:
             _report_push(push(client, store, fp))
         r = pull(client, store, fp, full=full)
-    console.print(
-        f"pulled {r.winners} winners for {fp.device_class} in {r.pages} pages, "
-        f"{r.seconds:.2f} s (cursor {r.cursor})"
-    )
+        console.print(
+            f"pulled {r.winners} winners for {fp.device_class} in {r.pages} pages, "
+            f"{r.seconds:.2f} s (cursor {r.cursor})"
+        )
+        archs = host_archs(fp)
+        if artifacts and archs:
+            with ArtifactStore() as kernels:
+                a = sync_artifacts(client, kernels, store, archs, full=full)
+            console.print(f"fetched {a.fetched} compiled kernels ({a.present} already here)")
+            if a.rejected:
+                raise typer.Exit(FAILED)  # each rejection was logged with its reason
 
 
 @app.command("push")
-def push_command(server: ServerOpt = None, token: TokenOpt = None, cache: CacheOpt = None) -> None:
+def push_command(
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    cache: CacheOpt = None,
+    artifacts: Annotated[
+        bool,
+        typer.Option(
+            help="Also publish this host's compiled kernels ($TUNER_ARTIFACTS store) that the "
+            "service lacks; needs a token of scope build."
+        ),
+    ] = False,
+) -> None:
     """Send local measurements not sent yet, and the misses recorded here, to the service."""
     client = _client(server, token)
     with client, open_store(cache) as store, fleet_service(client.server):
         _report_push(push(client, store, fingerprint()))
+        if artifacts:
+            with ArtifactStore() as kernels:
+                a = push_artifacts(client, kernels)
+            console.print(
+                f"published {a.published} compiled kernels ({a.present} already there, "
+                f"{a.conflicts} differing from the build the service serves)"
+            )
+
+
+@app.command("artifacts")
+def artifacts_command(
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Report specs whose builds differ, on the service and here; exit 1 if any.",
+        ),
+    ] = False,
+) -> None:
+    """This host's compiled kernels ($TUNER_ARTIFACTS store) and, with --check, their conflicts."""
+    client = FleetClient(server, token) if server else None
+    with ArtifactStore() as kernels, contextlib.ExitStack() as open_client:
+        if client is not None:
+            open_client.enter_context(client)
+        entries = kernels.entries()
+        console.print(
+            f"{len(entries)} compiled kernels, {sum(e.size for e in entries)} bytes in {kernels.root}"
+        )
+        if not check:
+            return
+        with fleet_service(server or ""):
+            found = check_artifacts(client, kernels)
+    for c in found.service:
+        builds = ", ".join(f"{b['hash'][:12]} by {b['builder']}" for b in c["builds"])
+        console.print(
+            f"service: spec {c['spec_id'][:12]} {c['spec']}: serves {c['served'][:12]}; builds {builds}"
+        )
+    for c in found.local:
+        console.print(
+            f"here: {c.spec.source} spec {c.spec.id[:12]}: serves {c.hashes[0][:12]}; also {', '.join(h[:12] for h in c.hashes[1:])}"
+        )
+    if client is None:
+        console.print("service not checked: pass --server URL or set TUNER_SERVER")
+    if not found.clean:
+        raise typer.Exit(FAILED)
+    console.print("no conflicting builds")
 
 
 def _report_push(r: PushResult) -> None:
