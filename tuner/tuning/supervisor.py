@@ -18,7 +18,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tuner.tuning.lifetime import die_with_parent, exit_when_orphaned
+from tuner.core.lifetime import die_with_parent, exit_when_orphaned
 
 CTX = mp.get_context("spawn")  # CUDA cannot be forked; queues and events shared with children
 

@@ -34,7 +34,7 @@ from typing import Any
 import triton
 
 from tuner.candidates.base import Params, interpreting
-from tuner.tuning.lifetime import exit_when_orphaned
+from tuner.core.lifetime import exit_when_orphaned
 
 log = logging.getLogger(__name__)
 
