@@ -31,7 +31,8 @@ BUILTIN = {
 }
 
 
-def _load(target: str) -> type[Source]:
+def load_target(target: str) -> type[Source]:
+    """The Source class a ``module:Class`` target names (entry points, worker registration)."""
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -45,7 +46,7 @@ def all_sources() -> dict[str, Source | str]:
         targets.setdefault(ep.name, ep.value)
     for name, target in targets.items():
         try:
-            found[name] = _load(target)()
+            found[name] = load_target(target)()
         except ImportError as e:
             found[name] = f"package missing: {e.name or e}"
         except Exception as e:  # a broken plugin must not take the tuner down

@@ -22,16 +22,14 @@ and the suite's targets in the summary.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import torch
-import typer
 from rich.console import Console
 
 from tuner.cache import Store
@@ -43,7 +41,8 @@ from tuner.offline.model_config import gemm_key, load_model
 from tuner.offline.plots import geomean
 from tuner.suites.runner import run_suite
 from tuner.suites.sdpa import recheck
-from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device, tune
+from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
+from tuner.tuning.tune import tune
 
 console = Console()
 
@@ -332,53 +331,3 @@ def run_part(
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     print_report(result)
     return result
-
-
-def command(
-    suite: Annotated[str, typer.Option(help="Shape suite: llama.")] = "llama",
-    part: Annotated[
-        list[str] | None,
-        typer.Option(help=f"Part(s) to run (repeatable): {', '.join(PARTS)}; default all."),
-    ] = None,
-    out: Annotated[
-        Path, typer.Option(help="Folder for gemm_llama_<part>.json/.png/.db.", file_okay=False)
-    ] = Path("bench/results"),
-    budget: Annotated[float, typer.Option(help="Timing budget per candidate, seconds.")] = 0.05,
-    launch: Annotated[
-        str, typer.Option(help="eager: host launch time counts; graph: GPU time.")
-    ] = "eager",
-    inductor: Annotated[
-        bool, typer.Option(help="Also time Inductor max-autotune on a few shapes.")
-    ] = True,
-    warm_sample: Annotated[
-        int, typer.Option(help="Rows re-tuned warm per part (tuning time).")
-    ] = WARM_SAMPLE,
-    isolate: Annotated[
-        bool, typer.Option(help="Tune in a crash-isolating worker process.")
-    ] = False,
-    quick: Annotated[bool, typer.Option(help="Every 4th problem only (a smoke run).")] = False,
-    source: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--source", help="Only these candidate sources (repeatable); the baseline always runs."
-        ),
-    ] = None,
-) -> None:
-    """Tune the Llama GEMM suite and time cuBLAS (torch.matmul) against the winners."""
-    if suite != "llama":
-        raise ValueError(f"suite must be 'llama', got {suite!r}")
-    if launch not in ("eager", "graph"):
-        raise ValueError(f"launch must be eager or graph, got {launch!r}")
-    chosen = part or list(PARTS)
-    for p in chosen:
-        if p not in PARTS:
-            raise ValueError(f"part must be one of {list(PARTS)}, got {p!r}")
-    registry.check_names(source)
-    options = TuneOptions(budget_s=budget, launch=launch, sources=source)
-    if isolate:
-        options = dataclasses.replace(
-            options, isolate=True
-        )  # engine.tune hands it to tuner.tuning.isolation
-    for p in chosen:
-        probs = llama_suite(p)[:: 4 if quick else 1]
-        run_part(p, probs, out, options, inductor=inductor, warm_sample=warm_sample)

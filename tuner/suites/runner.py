@@ -32,7 +32,8 @@ from tuner.measure import samples, timing
 from tuner.measure.records import Winner
 from tuner.offline.plots import geomean, speedup_plot
 from tuner.offline.progress import progress_bar
-from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device, tune
+from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
+from tuner.tuning.tune import tune
 
 console = Console()
 Metrics = Callable[[Key, float], dict[str, float]]  # (key, time in us) -> extra columns

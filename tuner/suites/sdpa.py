@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import torch
-import typer
 from rich.console import Console
 
 from tuner.candidates import registry
@@ -33,7 +31,8 @@ from tuner.measure import samples, timing
 from tuner.measure.records import Measurement, candidate_name, candidate_params
 from tuner.offline.plots import geomean
 from tuner.suites.runner import run_suite
-from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device, tune
+from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
+from tuner.tuning.tune import tune
 
 console = Console()
 
@@ -272,35 +271,6 @@ def _print_extra(result: dict[str, Any], kind: str) -> None:
                 ]
                 console.print(f"{'':<32} CUDA graph: {', '.join(parts)}")
     console.print(json.dumps(result["summary"]))
-
-
-def command(
-    out: Annotated[
-        Path, typer.Option(help="Folder for sdpa_<part>.json and .png.", file_okay=False)
-    ] = Path("bench/results"),
-    part: Annotated[str, typer.Option(help="all, prefill or decode.")] = "all",
-    dtype: Annotated[str, typer.Option(help="bf16 or f16.")] = "bf16",
-    budget: Annotated[float, typer.Option(help="Timing budget per candidate, seconds.")] = 0.05,
-    launch: Annotated[
-        str, typer.Option(help="eager: host launch time counts when choosing; graph: GPU time.")
-    ] = "eager",
-    workers: Annotated[int, typer.Option(help="Processes compiling Triton candidates.")] = 12,
-    quick: Annotated[
-        bool, typer.Option(help="Every 4th problem only (a smoke run of the whole path).")
-    ] = False,
-) -> None:
-    """Tune attention shapes and time torch's default SDPA against the winners."""
-    parts = {"prefill": prefill_problems, "decode": decode_problems}
-    if part not in ("all", *parts):
-        raise ValueError(f"part must be all, prefill or decode, got {part!r}")
-    if launch not in ("eager", "graph"):
-        raise ValueError(f"launch must be eager or graph, got {launch!r}")
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1, got {workers}")
-    os.environ["TUNER_COMPILE_WORKERS"] = str(workers)  # read when the compile pool starts
-    chosen = list(parts) if part == "all" else [part]
-    suites = {p: parts[p](dtype)[:: 4 if quick else 1] for p in chosen}
-    run(suites, out, TuneOptions(budget_s=budget, launch=launch), dtype=dtype)
 
 
 def run(

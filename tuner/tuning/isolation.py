@@ -75,10 +75,8 @@ def _register(sources: dict[str, str]) -> list[str]:
 
     bad = []
     for name, target in sources.items():
-        module, _, attr = target.partition(":")
         try:
-            cls = getattr(__import__(module, fromlist=[attr]), attr)
-            registry.register(cls())
+            registry.register(registry.load_target(target)())
         except Exception as e:
             bad.append(f"{name} ({target}): {e!r}")
     return bad
