@@ -28,7 +28,7 @@ intermediate 14336; fused QKV and gate/up projections as vLLM runs them.
 JSON (device, versions, tuning log, per-phase times, ratios and on-vs-off numerics, which kernel
 served each problem, overhead, targets; rewritten after every stage) and a PNG of the ratios.
 ``--smoke`` runs the same script on the CPU with tiny dimensions (no CUDA graphs): that is how
-tests/test_torch_dropin.py checks it, and it imports the model classes from here too.
+tests/bench/test_dropin_decoder.py checks it; tests/serving/test_torch_routes.py imports its model classes.
 """
 
 from __future__ import annotations
