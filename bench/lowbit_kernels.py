@@ -48,7 +48,7 @@ from tuner.quant.tolerance import (
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                "down": (4096, 14336)}  # fmt: skip
-MS = (1, 16, 256, 2048)
+MS = (1, 4, 16, 256, 2048)
 GROUP = 128
 READ_BLOCK = 4096
 

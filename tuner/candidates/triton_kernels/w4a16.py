@@ -2,18 +2,20 @@
 
 The weight is our packed layout (``tuner.quant.int4``): uint8 [N, K / 2], byte j holding
 k = j (high nibble) and k = j + K / 2 (low nibble), with torch's [K / group, N, 2] scales and
-zeros. Each program loads [BN, BK] bytes of the weight (K-contiguous rows: wide loads); the two
-nibbles give two [BN, BK] weight tiles, one per half of K, each contiguous along K, so no
-interleave is undone in registers; the activations come as two [BM, BK] tiles, K / 2 apart.
-Dequantization ``(q - 8) * scale + zero`` runs in fp32 with one (scale, zero) pair per row of a
-tile: BK divides the group size and each half of K holds whole groups, so a tile never straddles
-two groups and each pair is one [BN, 2] load.
+zeros. Each program loads [BN, BK] bytes of the weight, 16 per thread along K (the row stride
+comes as its own argument, so Triton's divisibility specialisation allows 16-byte loads); the
+two nibbles give two [BN, BK] weight tiles, one per half of K, each contiguous along K,
+matched by two [BM, BK] activation tiles K / 2 apart. A nibble becomes a float through the
+mantissa of 2**23 (integer ops and one exact subtract) rather than an int-to-float convert,
+whose unit is a fraction of the FMA rate. BK divides the group size and each half of K holds
+whole groups, so a tile never straddles two groups: one (scale, zero) pair per row and tile.
 
-- ``w4a16_gemv`` (decode, M <= 16): multiply-adds on the CUDA cores into a [BM, BN, BK] fp32
-  accumulator reduced once at the end; tensor cores would idle on padding rows and the problem is
-  a read of the weight.
-- ``w4a16_tiled``: tensor-core tiles (the dequantized tile rounded to the activation dtype), for
-  prefill, and with BM = 16 for decode rows that the GEMV's registers cannot hold.
+- ``w4a16_gemv`` (decode, M <= 4): CUDA-core dot products of x with (q - 8) per tile, scaled
+  once per row and group; tensor cores would idle on padding rows and the problem is a read of
+  the weight.
+- ``w4a16_tiled``: tensor cores on out.T = W x.T, the dequantized weight as the first operand,
+  which Hopper's wgmma takes from registers (no shared-memory round trip for the weight); x's
+  tiles are the second operand, so BM (activation rows) may be 16 for decode.
 Both split K over a second grid axis: fp32 partials [SPLIT_K, M, N] summed in order by the tiled
 family's ``splitk_reduce`` (deterministic); with one split they store ``out`` directly.
 
@@ -38,67 +40,92 @@ MIN_CAPABILITY = (8, 0)
 REDUCE_BLOCK = 1024
 
 
-@triton.jit
-def _scale_zero(sz_ptr, rn, k, N, mask_n, GROUP: tl.constexpr):
-    pair = tl.arange(0, 2)
-    sz = tl.load(sz_ptr + (k // GROUP) * 2 * N + rn[:, None] * 2 + pair[None, :],
-                 mask=mask_n, other=0.0).to(tl.float32)  # fmt: skip
-    return tl.split(sz)
+# fp32 bits of 2**23: a nibble q ORed into the mantissa makes the float 2**23 + q, and
+# subtracting 2**23 + 8 leaves q - 8 exactly
+MAGIC: tl.constexpr = tl.constexpr(0x4B000000)
+MAGIC_OFFSET: tl.constexpr = tl.constexpr(8388616.0)
 
 
 @triton.jit
-def _dequant_tiles(w_ptr, sz_ptr, rn, j0, N, K, BK: tl.constexpr, GROUP: tl.constexpr):
-    """fp32 [BN, BK] tiles of the weight's rows ``rn`` at k = j0 .. j0 + BK (high nibbles) and
-    k = K / 2 + j0 .. (low nibbles); rows past N read as zero."""
-    half = K // 2
-    mask_n = rn[:, None] < N
-    rj = j0 + tl.arange(0, BK)
-    b = tl.load(w_ptr + rn[:, None].to(tl.int64) * half + rj[None, :], mask=mask_n, other=0)
-    s_hi, z_hi = _scale_zero(sz_ptr, rn, j0, N, mask_n, GROUP)
-    s_lo, z_lo = _scale_zero(sz_ptr, rn, half + j0, N, mask_n, GROUP)
-    w_hi = ((b >> 4).to(tl.float32) - 8.0) * s_hi[:, None] + z_hi[:, None]
-    w_lo = ((b & 15).to(tl.float32) - 8.0) * s_lo[:, None] + z_lo[:, None]
-    return w_hi, w_lo
+def _nibbles(b):
+    """fp32 (q - 8) of the high and low nibbles of a uint8 tile, with no int-to-float convert
+    (a slow unit): integer ops put each nibble into the mantissa of 2**23, one exact subtract
+    follows."""
+    w = b.to(tl.int32)
+    hi = ((w >> 4) | MAGIC).to(tl.float32, bitcast=True) - MAGIC_OFFSET
+    lo = ((w & 15) | MAGIC).to(tl.float32, bitcast=True) - MAGIC_OFFSET
+    return hi, lo
+
+
+@triton.jit
+def _scale_zero(sz_ptr, rn, k, N, GROUP: tl.constexpr):
+    """fp32 (scale, zero) [BN] of the group holding k, for the weight rows ``rn``."""
+    ptrs = sz_ptr + (k // GROUP) * 2 * N + rn * 2
+    mask = rn < N
+    s = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(ptrs + 1, mask=mask, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _weight_bytes(w_ptr, rn, j0, N, half, BK: tl.constexpr):
+    """The [BN, BK] packed bytes of rows ``rn`` at byte columns j0 .. j0 + BK (rows past N: 0)."""
+    rj = tl.max_contiguous(tl.multiple_of(j0 + tl.arange(0, BK), BK), BK)
+    ptrs = w_ptr + rn[:, None].to(tl.int64) * half + rj[None, :]
+    return tl.load(ptrs, mask=rn[:, None] < N, other=0)
 
 
 @triton.jit
 def _store(out_ptr, ws_ptr, acc, rm, rn, M, N, ldo, SPLIT_K: tl.constexpr):
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    """Store an fp32 [BN, BM] tile (weight rows x activation rows) as out[rm, rn], or as its
+    split's partial plane."""
+    mask = (rn[:, None] < N) & (rm[None, :] < M)
     if SPLIT_K == 1:
-        ptrs = out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :]
+        ptrs = out_ptr + rm[None, :].to(tl.int64) * ldo + rn[:, None]
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         plane = tl.program_id(1).to(tl.int64) * M * N
-        tl.store(ws_ptr + plane + rm[:, None] * N + rn[None, :], acc, mask=mask)
+        tl.store(ws_ptr + plane + rm[None, :] * N + rn[:, None], acc, mask=mask)
 
 
 @triton.jit
 def w4a16_gemv(
-    x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, M, N, K, ldx, ldo, k_split,
+    x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, M, N, half, ldx, ldo, k_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):  # fmt: skip
-    rm = tl.arange(0, BM)
+    """Per tile and activation row: dot(x, q - 8) and sum(x) reduced along K, then scaled
+    once per row and group (scale * dot + zero * sum), so each weight element costs integer
+    ops, a subtract and one FMA."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    cols = tl.arange(0, BM)
     j_lo = tl.program_id(1) * k_split
-    x_ptrs = x_ptr + rm[:, None] * ldx + rk[None, :]
-    mask_m = rm[:, None] < M
-    acc = tl.zeros((BM, BN, BK), dtype=tl.float32)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
     for j0 in range(j_lo, j_lo + k_split, BK):
-        x_hi = tl.load(x_ptrs + j0, mask=mask_m, other=0.0).to(tl.float32)
-        x_lo = tl.load(x_ptrs + K // 2 + j0, mask=mask_m, other=0.0).to(tl.float32)
-        w_hi, w_lo = _dequant_tiles(w_ptr, sz_ptr, rn, j0, N, K, BK, GROUP)
-        acc += x_hi[:, None, :] * w_hi[None, :, :] + x_lo[:, None, :] * w_lo[None, :, :]
-    _store(out_ptr, ws_ptr, tl.sum(acc, axis=2), rm, rn, M, N, ldo, SPLIT_K)
+        q_hi, q_lo = _nibbles(_weight_bytes(w_ptr, rn, j0, N, half, BK))
+        s_hi, z_hi = _scale_zero(sz_ptr, rn, j0, N, GROUP)
+        s_lo, z_lo = _scale_zero(sz_ptr, rn, half + j0, N, GROUP)
+        for m in tl.static_range(BM):
+            row = (m + 0 * rk) < M  # row m exists (a tensor mask, as the interpreter wants)
+            x_hi = tl.load(x_ptr + m * ldx + j0 + rk, mask=row, other=0.0).to(tl.float32)
+            x_lo = tl.load(x_ptr + m * ldx + half + j0 + rk, mask=row, other=0.0).to(tl.float32)
+            d_hi = tl.sum(q_hi * x_hi[None, :], axis=1)
+            d_lo = tl.sum(q_lo * x_lo[None, :], axis=1)
+            part = s_hi * d_hi + z_hi * tl.sum(x_hi) + s_lo * d_lo + z_lo * tl.sum(x_lo)
+            acc += tl.where(cols[None, :] == m, part[:, None], 0.0)
+    _store(out_ptr, ws_ptr, acc, cols, rn, M, N, ldo, SPLIT_K)
 
 
 @triton.jit
 def w4a16_tiled(
-    x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, M, N, K, ldx, ldo, k_split,
+    x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, M, N, half, ldx, ldo, k_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
+    """Tensor cores on out.T = W x.T: the dequantized weight tile is the dot's first operand,
+    so it can stay in registers (no trip through shared memory) while x's tiles are the
+    second; BM (activation rows) may be as small as 16."""
     pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -106,13 +133,17 @@ def w4a16_tiled(
     j_lo = tl.program_id(1) * k_split
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * ldx + rk[None, :]
     mask_m = rm[:, None] < M
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
     for j0 in range(j_lo, j_lo + k_split, BK):
+        q_hi, q_lo = _nibbles(_weight_bytes(w_ptr, rn, j0, N, half, BK))
+        s_hi, z_hi = _scale_zero(sz_ptr, rn, j0, N, GROUP)
+        s_lo, z_lo = _scale_zero(sz_ptr, rn, half + j0, N, GROUP)
         x_hi = tl.load(x_ptrs + j0, mask=mask_m, other=0.0)
-        x_lo = tl.load(x_ptrs + K // 2 + j0, mask=mask_m, other=0.0)
-        w_hi, w_lo = _dequant_tiles(w_ptr, sz_ptr, rn, j0, N, K, BK, GROUP)
-        acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc)
-        acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc)
+        x_lo = tl.load(x_ptrs + half + j0, mask=mask_m, other=0.0)
+        w_hi = (q_hi * s_hi[:, None] + z_hi[:, None]).to(x_hi.dtype)
+        w_lo = (q_lo * s_lo[:, None] + z_lo[:, None]).to(x_lo.dtype)
+        acc = tl.dot(w_hi, tl.trans(x_hi), acc)
+        acc = tl.dot(w_lo, tl.trans(x_lo), acc)
     _store(out_ptr, ws_ptr, acc, rm, rn, M, N, ldo, SPLIT_K)
 
 
@@ -183,7 +214,7 @@ def w4a16_matmul(
         ws,
         m,
         n,
-        k,
+        k // 2,
         x.stride(0),
         out.stride(0),
         k // 2 // split,
@@ -201,13 +232,20 @@ def w4a16_matmul(
     return out
 
 
-def _splits(n: int, k: int, bn: int, bk: int, sms: int) -> int:
-    """Enough K splits that the grid covers the SMs about twice; each split whole bk tiles of
-    the K / 2 bytes of a row."""
+def _splits(tiles: int, k: int, bk: int, sms: int) -> int:
+    """Enough K splits that ``tiles`` output tiles cover the SMs about twice; each split whole
+    bk tiles of the K / 2 bytes of a row."""
     split = 1
-    while triton.cdiv(n, bn) * split < 2 * sms and (k // 2) % (bk * split * 2) == 0 and split < 16:
+    while tiles * split < 2 * sms and (k // 2) % (bk * split * 2) == 0 and split < 16:
         split *= 2
     return split
+
+
+# Prefill tiles (bm activation rows, bn weight rows, warps, stages): bk = 64 keeps x's two
+# [bm, bk] tiles per stage within shared memory at bm = 256; a larger bm reuses each
+# dequantized weight tile for more rows.
+PREFILL_TILES = ((128, 128, 8, 3), (256, 128, 8, 3), (128, 256, 8, 3), (128, 64, 4, 4),
+                 (64, 128, 4, 4), (32, 64, 4, 4))  # fmt: skip
 
 
 def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Config]:
@@ -215,23 +253,22 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
     bk = min(128, group_size)
     out: list[Config] = []
     if m <= 4:
-        for bn, warps in ((32, 4), (64, 4), (16, 2)):
-            b = min(bk, 64) if bn >= 64 else bk
-            out.append({"kernel": "gemv", "bm": max(1, triton.next_power_of_2(m)), "bn": bn,
-                        "bk": b, "split_k": _splits(n, k, bn, b, sms), "warps": warps})  # fmt: skip
+        bm = triton.next_power_of_2(m)
+        for bn, warps in ((32, 4), (64, 4), (16, 4), (64, 8)):
+            split = _splits(triton.cdiv(n, bn), k, bk, sms)
+            out.append({"kernel": "gemv", "bm": bm, "bn": bn, "bk": bk, "split_k": split,
+                        "warps": warps})  # fmt: skip
     if m <= 16:
-        for bn in (64, 32):
-            out.append({"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk,
-                        "split_k": _splits(n, k, bn, bk, sms), "group_m": 1, "warps": 4,
-                        "stages": 4})  # fmt: skip
+        for bn, warps, stages in ((64, 4, 3), (128, 8, 3), (64, 4, 4)):
+            split = _splits(triton.cdiv(n, bn), k, bk, sms)
+            out.append({"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "split_k": split,
+                        "group_m": 1, "warps": warps, "stages": stages})  # fmt: skip
         return out
-    tiles = ((64, 64, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4))
-    for bm, bn, warps, stages in tiles:
+    pb = min(64, group_size)
+    for bm, bn, warps, stages in PREFILL_TILES:
         if bm <= 2 * max(m, 16):
-            out.append({"kernel": "tiled", "bm": bm, "bn": bn, "bk": min(64, group_size),
-                        "split_k": 1, "group_m": 8, "warps": warps, "stages": stages})  # fmt: skip
-    if m <= 256:
-        out.sort(key=lambda c: c["bm"])
-    else:
-        out.sort(key=lambda c: -c["bm"] * c["bn"])
+            split = _splits(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, pb, sms // 2)
+            out.append({"kernel": "tiled", "bm": bm, "bn": bn, "bk": pb, "split_k": split,
+                        "group_m": 8, "warps": warps, "stages": stages})  # fmt: skip
+    out.sort(key=lambda c: -c["bm"] * c["bn"] if m > 256 else c["bm"])
     return out
