@@ -7,6 +7,16 @@ declaration order, e.g.::
     gemm:m=128,n=4096,k=4096,batch=1,layout=nn,dtype=bf16,out_dtype=bf16,compute=f32,align=16
     sdpa:batch=1,q_heads=32,kv_heads=8,q_len=2048,kv_len=2048,head_dim=128,head_dim_v=128,causal=none,dtype=bf16,scale=0.08838834764831845
 
+Low-bit GEMMs (INT4 weight-only, FP8 scaled) are GEMM keys with a few more fields; each is written
+only when it differs from a plain GEMM's value, so plain keys (and the results stored under them)
+read exactly as before::
+
+    gemm:m=16,n=4096,k=4096,batch=1,layout=nt,dtype=bf16,out_dtype=bf16,compute=f32,align=16,wdtype=int4,group=128,zeros=float,scale=group
+    gemm:m=16,n=4096,k=4096,batch=1,layout=nt,dtype=fp8_e4m3,out_dtype=bf16,compute=f32,align=16,scale=row,accum=f32
+
+``lowbit_fields`` maps the short format names of model configs and the CLI (``int4-g128``,
+``fp8-rowwise``, ...) to those fields; ``lowbit_spec`` gives a key's name back.
+
 ``parse_key(str(key)) == key`` always holds. Invalid problems raise ``ValueError`` naming the field.
 Keys are plain data and import no torch (the fleet service uses them); the torch dtype tables
 ``DTYPES`` / ``DTYPE_NAMES`` and the tensor helpers load torch on first use.
@@ -32,6 +42,19 @@ LAYOUTS = ("nn", "nt", "tn", "tt")  # first letter: A, second: B; n = row-major,
 ALIGNMENTS = (16, 8, 4, 2)  # bytes: the largest that divides every pointer and leading stride
 CAUSAL_MODES = ("none", "top_left", "bottom_right")
 
+# Low-bit GEMMs. FP8 operands (activations and weights) are 1 byte; INT4 weights are
+# torch's packed format with per-group (scale, zero) pairs: w = (q - 8) * scale + zero, which
+# is the zero-point mode "float" (the zero is added in the float domain).
+FP8 = ("fp8_e4m3", "fp8_e5m2")
+WEIGHT_DTYPES = ("int4", *FP8)
+INT4_ACTIVATIONS = ("bf16", "f16")
+INT4_GROUPS = (32, 64, 128, 256)  # what torch's int4 GEMM accepts
+INT4_N_TILE = 8  # torch's tile-packed weight holds N in tiles of 8 rows
+ZERO_MODES = ("float",)
+FP8_SCALES = ("tensor", "row")
+ACCUM_MODES = ("f32", "fast")  # fast: the FP8 tensor cores' partial-precision accumulation
+FP8_SPEC_SCALES = {"tensorwise": "tensor", "rowwise": "row"}
+
 
 def _check_positive(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -45,9 +68,20 @@ def _check_choice(name: str, value: Any, allowed: tuple[Any, ...] | dict) -> Non
 
 @dataclass(frozen=True, slots=True)
 class GemmKey:
-    """C[batch, m, n] = A[batch, m, k] @ B[batch, k, n]."""
+    """C[batch, m, n] = A[batch, m, k] @ B[batch, k, n].
+
+    Low-bit GEMMs are ``x[m, k] @ W[n, k]^T`` (layout ``nt``, batch 1):
+    - INT4 weight-only: ``dtype`` bf16/f16 activations, ``wdtype="int4"``, ``group`` size,
+      ``zeros="float"`` and ``scale="group"`` (torch's [k / group, n, 2] scales_and_zeros);
+    - FP8: ``dtype`` and ``wdtype`` fp8_e4m3/fp8_e5m2 (``wdtype`` defaults to ``dtype``), float32
+      dequantization scales per ``scale`` ("tensor" or "row"), ``out_dtype`` bf16/f16/f32, and
+      ``accum`` "f32" or "fast" (``_scaled_mm``'s ``use_fast_accum``: another numerical
+      contract, so it is keyed, never chosen by the tuner).
+    """
 
     op: ClassVar[str] = "gemm"
+    # written into the string only when they differ from a plain GEMM's value
+    LOWBIT: ClassVar[tuple[str, ...]] = ("wdtype", "group", "zeros", "scale", "accum")
 
     m: int
     n: int
@@ -58,15 +92,110 @@ class GemmKey:
     out_dtype: str = "bf16"
     compute: str = "f32"
     align: int = 16
+    wdtype: str = ""  # weight (B) dtype; "" means "same as dtype", normalised in __post_init__
+    group: int = 0  # INT4 group size along k
+    zeros: str = ""  # INT4 zero-point mode
+    scale: str = ""  # scale granularity: "tensor", "row" (FP8), "group" (INT4)
+    accum: str = ""  # FP8 accumulation: "f32" or "fast"
 
     def __post_init__(self) -> None:
         for name in ("m", "n", "k", "batch"):
             _check_positive(name, getattr(self, name))
         _check_choice("layout", self.layout, LAYOUTS)
-        _check_choice("dtype", self.dtype, ITEMSIZE)
+        _check_choice("dtype", self.dtype, (*ITEMSIZE, *FP8))
+        if self.wdtype == "":
+            object.__setattr__(self, "wdtype", self.dtype)
+        _check_choice("wdtype", self.wdtype, (*ITEMSIZE, *WEIGHT_DTYPES))
         _check_choice("out_dtype", self.out_dtype, ITEMSIZE)
         _check_choice("compute", self.compute, COMPUTE_MODES)
         _check_choice("align", self.align, ALIGNMENTS)
+        if self.lowbit:
+            self._check_lowbit()
+        else:
+            self._check_plain()
+
+    @property
+    def lowbit(self) -> bool:
+        """An INT4 weight-only or FP8 GEMM (not a plain one)."""
+        return self.wdtype in WEIGHT_DTYPES or self.dtype in FP8
+
+    def _check_lowbit(self) -> None:
+        if self.wdtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"wdtype={self.wdtype!r} is impossible with dtype={self.dtype!r}: FP8 activations "
+                f"take FP8 weights, one of {list(FP8)}"
+            )
+        if self.layout != "nt":
+            raise ValueError(
+                f"layout must be 'nt' (x @ W.T) for low-bit GEMMs, got {self.layout!r}"
+            )
+        if self.batch != 1:
+            raise ValueError(f"batch must be 1 for low-bit GEMMs, got {self.batch!r}")
+        if self.compute != "f32":
+            raise ValueError(f"compute must be 'f32' for low-bit GEMMs, got {self.compute!r}")
+        if self.wdtype == "int4":
+            self._check_int4()
+        else:
+            self._check_fp8()
+        if (self.k * self.itemsize) % self.align:
+            raise ValueError(
+                f"align={self.align} is impossible: a's leading dimension {self.k} x "
+                f"{self.itemsize} bytes is not a multiple of {self.align}"
+            )
+
+    def _check_int4(self) -> None:
+        _check_choice("dtype", self.dtype, INT4_ACTIVATIONS)
+        if self.out_dtype != self.dtype:
+            raise ValueError(
+                f"out_dtype must equal dtype ({self.dtype!r}) for int4 weights, got {self.out_dtype!r}"
+            )
+        if self.group not in INT4_GROUPS:
+            raise ValueError(
+                f"group must be one of {list(INT4_GROUPS)} for int4 weights, got {self.group!r}"
+            )
+        if self.k % self.group:
+            raise ValueError(f"group={self.group} must divide k={self.k}")
+        if self.n % INT4_N_TILE:
+            raise ValueError(
+                f"n={self.n} must be a multiple of {INT4_N_TILE} for int4 weights (torch's tile packing)"
+            )
+        _check_choice("zeros", self.zeros, ZERO_MODES)
+        if self.scale != "group":
+            raise ValueError(f"scale must be 'group' for int4 weights, got {self.scale!r}")
+        if self.accum:
+            raise ValueError(
+                f"accum is for FP8 GEMMs only; int4 weights take accum='', got {self.accum!r}"
+            )
+
+    def _check_fp8(self) -> None:
+        if self.dtype not in FP8:
+            raise ValueError(
+                f"dtype must be one of {list(FP8)} with wdtype={self.wdtype!r} (FP8 GEMMs take FP8 "
+                f"activations), got {self.dtype!r}"
+            )
+        if self.dtype == self.wdtype == "fp8_e5m2":
+            raise ValueError(
+                "wdtype='fp8_e5m2' needs dtype='fp8_e4m3': two e5m2 operands are not supported"
+            )
+        _check_choice("scale", self.scale, FP8_SCALES)
+        _check_choice("accum", self.accum, ACCUM_MODES)
+        for name in ("group", "zeros"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name} is for int4 weights only, got {getattr(self, name)!r} with wdtype={self.wdtype!r}"
+                )
+
+    def _check_plain(self) -> None:
+        for name in self.LOWBIT[1:]:
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is for low-bit GEMMs only (wdtype one of "
+                    f"{list(WEIGHT_DTYPES)}), got wdtype={self.wdtype!r}"
+                )
+        if self.wdtype != self.dtype:
+            raise ValueError(
+                f"wdtype must equal dtype ({self.dtype!r}) for plain GEMMs, got {self.wdtype!r}"
+            )
         if self.out_dtype != self.dtype:
             raise ValueError(
                 f"out_dtype must equal dtype ({self.dtype!r}) for now, got {self.out_dtype!r}"
@@ -88,23 +217,39 @@ class GemmKey:
                 )
 
     @property
+    def itemsize(self) -> int:
+        """Bytes per activation (A) element."""
+        return 1 if self.dtype in FP8 else ITEMSIZE[self.dtype]
+
+    @property
     def flops(self) -> float:
         return 2.0 * self.batch * self.m * self.n * self.k
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of B as stored: packed nibbles and their scales for int4, one per element for
+        FP8 (plus its scales), the plain element size otherwise."""
+        if self.wdtype == "int4":
+            return self.n * self.k // 2 + (self.k // self.group) * self.n * 2 * ITEMSIZE[self.dtype]
+        if self.wdtype in FP8:
+            return self.n * self.k + 4 * (self.n if self.scale == "row" else 1)
+        return self.batch * self.k * self.n * ITEMSIZE[self.dtype]
+
+    @property
     def min_bytes(self) -> int:
         """Each input read once, the output written once: the memory floor."""
-        e = ITEMSIZE[self.dtype]
-        return (
-            self.batch * (self.m * self.k + self.k * self.n) * e
-            + self.batch * self.m * self.n * ITEMSIZE[self.out_dtype]
-        )
+        a = self.batch * self.m * self.k * self.itemsize
+        if self.dtype in FP8:
+            a += 4 * (self.m if self.scale == "row" else 1)
+        return a + self.weight_bytes + self.batch * self.m * self.n * ITEMSIZE[self.out_dtype]
 
     @property
     def label(self) -> str:
         """Short human form for tables, e.g. ``128x4096x4096 nt bf16``; not parseable."""
         extras = [f"batch {self.batch}"] * (self.batch > 1) + ["tf32"] * (self.compute == "tf32")
         extras += [f"align {self.align}"] * (self.align != 16)
+        if self.lowbit:
+            extras = [lowbit_spec(self), *extras]
         return " ".join([f"{self.m}x{self.n}x{self.k}", self.layout, self.dtype, *extras])
 
     @classmethod
@@ -199,12 +344,60 @@ Key = GemmKey | SdpaKey
 KEY_TYPES: dict[str, type[GemmKey] | type[SdpaKey]] = {"gemm": GemmKey, "sdpa": SdpaKey}
 
 
+def _written(key: Key, name: str, value: Any) -> bool:
+    """Every field but a low-bit GEMM field that holds a plain GEMM's value."""
+    if not isinstance(key, GemmKey) or name not in GemmKey.LOWBIT:
+        return True
+    return value != (key.dtype if name == "wdtype" else "" if isinstance(value, str) else 0)
+
+
 def _to_str(key: Key) -> str:
+    parts = ((f.name, getattr(key, f.name)) for f in fields(key))
     return (
         key.op
         + ":"
-        + ",".join(f"{f.name}={getattr(key, f.name)!r}".replace("'", "") for f in fields(key))
+        + ",".join(f"{n}={v!r}".replace("'", "") for n, v in parts if _written(key, n, v))
     )
+
+
+def lowbit_fields(spec: str) -> dict[str, Any]:
+    """The GemmKey fields of a low-bit format name, as model configs, ``tune-all`` and the bench
+    suite write it: ``int4-g{32,64,128,256}`` (bf16 activations), ``fp8-tensorwise`` and
+    ``fp8-rowwise`` (e4m3 operands, bf16 out, f32 accumulation), ``fp8-...-fast`` (fast
+    accumulation). Every low-bit GEMM is ``x @ W.T``, so ``layout`` is part of the answer."""
+    allowed = (
+        "int4-g32/64/128/256, fp8-tensorwise, fp8-rowwise, fp8-tensorwise-fast, fp8-rowwise-fast"
+    )
+    if not isinstance(spec, str):
+        raise ValueError(f"low-bit format must be one of {allowed}, got {spec!r}")
+    kind, _, rest = spec.partition("-")
+    if (
+        kind == "int4"
+        and rest.startswith("g")
+        and rest[1:].isdigit()
+        and int(rest[1:]) in INT4_GROUPS
+    ):
+        return {"layout": "nt", "dtype": "bf16", "out_dtype": "bf16", "wdtype": "int4",
+                "group": int(rest[1:]), "zeros": "float", "scale": "group", "accum": ""}  # fmt: skip
+    granularity, _, fast = rest.partition("-")
+    if kind == "fp8" and granularity in FP8_SPEC_SCALES and fast in ("", "fast"):
+        return {"layout": "nt", "dtype": "fp8_e4m3", "out_dtype": "bf16", "wdtype": "fp8_e4m3",
+                "group": 0, "zeros": "", "scale": FP8_SPEC_SCALES[granularity],
+                "accum": fast or "f32"}  # fmt: skip
+    raise ValueError(f"low-bit format must be one of {allowed}, got {spec!r}")
+
+
+def lowbit_spec(key: GemmKey) -> str:
+    """The format name of a low-bit key (the inverse of ``lowbit_fields`` where one exists;
+    other operand dtypes are named in full, e.g. ``int4-g128-f16``, ``fp8-rowwise-e5m2``), or ""
+    for a plain GEMM."""
+    if not key.lowbit:
+        return ""
+    if key.wdtype == "int4":
+        return f"int4-g{key.group}" + ("" if key.dtype == "bf16" else f"-{key.dtype}")
+    granularity = {v: k for k, v in FP8_SPEC_SCALES.items()}[key.scale]
+    dtypes = "" if key.dtype == key.wdtype == "fp8_e4m3" else f"-{key.dtype[4:]}x{key.wdtype[4:]}"
+    return f"fp8-{granularity}{dtypes}" + ("-fast" if key.accum == "fast" else "")
 
 
 def _split(text: str) -> tuple[str, str]:
