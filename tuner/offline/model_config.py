@@ -7,7 +7,8 @@
     num_kv_heads: 8
     head_dim: 128
     tp: 1                       # tensor-parallel degree: shapes are per GPU (rank)
-    dtypes: [bf16]              # f16, bf16, f32, tf32 (tf32: f32 GEMMs on the TF32 path)
+    dtypes: [bf16]              # f16, bf16, f32, tf32 (tf32: f32 GEMMs on the TF32 path), and
+                                # low-bit specs: int4-g128, fp8-rowwise, fp8-tensorwise, ...
     m_sizes: [1, 16, 128]       # GEMM rows M = tokens in one forward pass
     ops: [qkv, o, gate_up, down, attn_prefill, attn_decode]
     attention:                  # needed when an attention op is listed
@@ -24,6 +25,9 @@ Projections are ``y = F.linear(x, W)``: x is (M, K) row-major and W is stored (N
     down     N = hidden                              K = intermediate / t
 
 KV heads are split over ranks when there are at least t of them, else replicated (one per rank).
+A low-bit dtype spec (``tuner.core.keys.lowbit_fields``: int4 weights with bf16 activations, FP8
+operands with tensorwise or rowwise scales) keys the projections only, always ``nt``: the packed
+weight has no transposed form.
 Attention prefill is causal with q_len = kv_len (top-left and bottom-right masks coincide);
 decode is one query row against the whole cache, so no mask (``causal: none``). tf32 only
 applies to GEMMs; attention problems are made for the other dtypes.
@@ -37,14 +41,36 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
-from tuner.core.keys import ALIGNMENTS, ITEMSIZE, GemmKey, Key, SdpaKey
+from tuner.core.keys import ALIGNMENTS, FP8, ITEMSIZE, GemmKey, Key, SdpaKey, lowbit_fields
 from tuner.offline.problem_list import ConfigError, read_yaml
 
 GEMM_OPS = ("qkv", "o", "gate_up", "down")
 Op = Literal["qkv", "o", "gate_up", "down", "attn_prefill", "attn_decode"]
-DType = Literal["f16", "bf16", "f32", "tf32"]
+DENSE_DTYPES = ("f16", "bf16", "f32", "tf32")
+
+
+def check_dtype(spec: str) -> str:
+    """A dense dtype name or a low-bit spec; ValueError naming the allowed values otherwise."""
+    if spec in DENSE_DTYPES:
+        return spec
+    try:
+        lowbit_fields(spec)
+    except ValueError as e:
+        dense = ", ".join(map(repr, DENSE_DTYPES[:-1])) + f" or {DENSE_DTYPES[-1]!r}"
+        raise ValueError(f"Input should be {dense}, or a low-bit spec: {e}") from None
+    return spec
+
+
+DType = Annotated[str, AfterValidator(check_dtype)]
 Size = Annotated[int, Field(strict=True, gt=0)]
 Sizes = Annotated[list[Size], Field(min_length=1)]
 
@@ -133,13 +159,22 @@ class Problem:
 
 
 def dense_align(dtype: str, *leading_dims: int) -> int:
-    """The largest alignment class (bytes) that every leading dimension allows."""
-    item = ITEMSIZE[dtype]
-    return next(a for a in ALIGNMENTS if all((ld * item) % a == 0 for ld in leading_dims))
+    """The largest alignment class (bytes) that every leading dimension allows (the smallest
+    class where none does: the key then names the problem)."""
+    item = 1 if dtype in FP8 else ITEMSIZE[dtype]
+    fits = (a for a in ALIGNMENTS if all((ld * item) % a == 0 for ld in leading_dims))
+    return next(fits, ALIGNMENTS[-1])
 
 
 def gemm_key(m: int, n: int, k: int, *, layout: str, dtype: str, batch: int = 1) -> GemmKey:
-    """The key of a dense GEMM (leading dimensions equal to the matrix extents)."""
+    """The key of a dense GEMM (leading dimensions equal to the matrix extents), or of a low-bit
+    one for a low-bit spec (``x [M, K] @ W[N, K].T``, layout ``nt`` whatever ``layout`` says)."""
+    if dtype not in DENSE_DTYPES:
+        fields = lowbit_fields(dtype)
+        return GemmKey(**{
+            **fields, "m": m, "n": n, "k": k, "batch": batch, "layout": "nt",
+            "align": dense_align(fields["dtype"], k),
+        })  # fmt: skip
     lda = k if layout[0] == "n" else m
     ldb = n if layout[1] == "n" else k
     base, compute = ("f32", "tf32") if dtype == "tf32" else (dtype, "f32")
@@ -165,7 +200,7 @@ def _op_keys(model: ModelConfig, op: str, dtype: str) -> list[tuple[Key, str]]:
         return [
             (gemm_key(m, n, k, layout=model.layout, dtype=dtype), f"M={m}") for m in model.m_sizes
         ]
-    if dtype == "tf32":
+    if dtype not in DENSE_DTYPES[:3]:  # tf32 and low-bit formats: GEMMs only
         return []
     att = model.attention
     assert att is not None  # checked by the validator

@@ -1,0 +1,50 @@
+"""Model configs with low-bit dtype specs: projections keyed as low-bit GEMMs, attention left
+out, unknown specs reported with the file, the field and the allowed values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tuner.core.keys import GemmKey, lowbit_fields
+from tuner.offline.model_config import ConfigError, expand, load_model, parse_model
+
+MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+def test_lowbit_specs_expand_to_lowbit_projection_keys() -> None:
+    base = load_model(MODELS / "llama-3-8b.yaml").model_dump()
+    model = parse_model(
+        {**base, "dtypes": ["bf16", "int4-g128", "fp8-rowwise"], "m_sizes": [1, 16]}
+    )
+    problems = expand(model)
+    gemms = [p for p in problems if isinstance(p.key, GemmKey)]
+    assert len(gemms) == 3 * 4 * 2
+    int4 = [p.key for p in gemms if p.key.wdtype == "int4"]
+    assert len(int4) == 8 and all(k.group == 128 and k.dtype == "bf16" for k in int4)
+    assert all(k.layout == "nt" for k in int4)
+    fp8 = [p.key for p in gemms if p.label.endswith("fp8-rowwise")]
+    assert len(fp8) == 8
+    for key in fp8:
+        assert {f: getattr(key, f) for f in lowbit_fields("fp8-rowwise")} == lowbit_fields(
+            "fp8-rowwise"
+        )
+    assert {(k.n, k.k) for k in int4} == {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
+    attn_dtypes = {p.key.dtype for p in problems if not isinstance(p.key, GemmKey)}
+    assert attn_dtypes == {"bf16"}  # attention stays in the dense dtypes
+
+
+def test_shipped_qwen_config_lists_lowbit_dtypes() -> None:
+    qwen = load_model(MODELS / "qwen2.5-7b.yaml")
+    assert {"int4-g128", "fp8-rowwise"} <= set(qwen.dtypes)
+    assert any(isinstance(p.key, GemmKey) and p.key.wdtype == "int4" for p in expand(qwen))
+
+
+def test_unknown_spec_names_file_field_and_allowed_values() -> None:
+    base = load_model(MODELS / "llama-3-8b.yaml").model_dump()
+    with pytest.raises(ConfigError) as err:
+        parse_model({**base, "dtypes": ["bf16", "int4-g100"]}, "m.yaml")
+    text = str(err.value)
+    assert text.startswith("m.yaml: dtypes[1]: ")
+    assert "'int4-g100'" in text and "fp8-rowwise" in text and "'bf16'" in text
