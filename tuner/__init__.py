@@ -3,18 +3,20 @@
 import tuner
 c = tuner.matmul(a, b)          # the fastest known kernel for this problem on this GPU
 o = tuner.sdpa(q, k, v, causal=True)
+y = tuner.scaled_mm(a8, b8, scale_a, scale_b, out_dtype=torch.bfloat16)  # torch._scaled_mm's
+y = tuner.int4_linear(x, packed_w, scales_and_zeros, 128)  # int4 weights packed as torch packs
 
 ``import tuner`` is cheap: it loads neither torch nor the dispatcher and leaves the environment
-alone. ``matmul``, ``sdpa`` and ``set_mode`` are looked up on first use (PEP 562), and the config
-file is read when the process dispatcher is made, so tools that only need the cache or the fleet
-service (``server/``) never pay for torch.
+alone. ``matmul``, ``sdpa``, ``scaled_mm``, ``int4_linear`` and ``set_mode`` are looked up on
+first use (PEP 562), and the config file is read when the process dispatcher is made, so tools
+that only need the cache or the fleet service (``server/``) never pay for torch.
 """
 
 from typing import Any
 
 from tuner.version import __version__
 
-_LAZY = ("matmul", "sdpa", "set_mode")
+_LAZY = ("matmul", "sdpa", "scaled_mm", "int4_linear", "set_mode")
 __all__ = ["__version__", *_LAZY]
 
 

@@ -9,13 +9,16 @@
 **What is routed.** ``torch.matmul`` (also ``a @ b`` and ``Tensor.matmul``), ``torch.mm``, ``torch.bmm``,
 ``torch.addmm`` (``beta = alpha = 1``), ``F.linear`` and ``F.scaled_dot_product_attention`` (no
 dropout; no mask, ``is_causal`` or a ``CausalBias``), for plain f16/bf16/f32 tensors whose operands
-share a dtype. Leading batch dims are folded like torch does (``x.reshape(-1, K)``; a copy only where
+share a dtype; ``torch._scaled_mm`` (FP8, without bias or ``scale_result``) and torch's int4 GEMM
+(``aten._weight_int4pack_mm`` on CUDA, ``aten._weight_int4pack_mm_for_cpu``) through
+``tuner.scaled_mm`` / ``tuner.int4_linear``. Leading batch dims are folded like torch does (``x.reshape(-1, K)``; a copy only where
 torch copies too). Everything else (broadcast batches, ``out=``, mixed dtypes, subclasses, masks,
 dropout) is left to torch untouched, and the dispatcher itself falls back to torch for layouts the
 tuner does not key (odd strides). Results are always those of a checked kernel or of torch.
 
-**How.** ``enable()`` replaces those entry points (module attributes of ``torch`` and
-``torch.nn.functional``, methods of ``torch.Tensor``, ``@`` included) with small wrappers, and
+**How.** ``enable()`` replaces those entry points (module attributes of ``torch``,
+``torch.nn.functional`` and ``torch.ops.aten``, methods of ``torch.Tensor``, ``@`` included) with
+small wrappers (an aten op keeps its overloads, ``.default`` and the like, unrouted), and
 ``disable()`` puts the originals back. Calls made inside ``nn.Module`` forwards and inside torch's
 own Python code (``nn.MultiheadAttention`` calls ``F.linear`` and SDPA) are seen; every other torch
 op costs nothing extra (a ``TorchFunctionMode`` would tax every op, views and shape queries
@@ -35,13 +38,16 @@ gradient is served by torch's own SDPA (the tuned attention kernels have no back
 kernels in the graph, no graph breaks, ``fullgraph=True`` works. The GEMM op's backward is made of
 ``tuner::mm`` calls too; the SDPA op's backward recomputes the forward with torch's SDPA. Dynamo
 itself handles ``a @ b`` and tensor methods, and keeps ``F.multi_head_attention_forward`` as one
-call that AOTAutograd decomposes: in compiled code those stay torch's. Attention that needs a
+call that AOTAutograd decomposes: in compiled code those stay torch's, as do the low-bit ops. Attention that needs a
 gradient is left to torch there too (its fused backward beats a recompute).
 
 **CUDA graphs.** A hit allocates nothing beyond its output and never synchronizes. Signatures first
 seen during capture get torch's default and are not cached (no tuning, no kernel loading during
 capture; the miss is recorded in record/tune modes); warm up eagerly before capturing, as torch
 asks anyway, and the capture holds the tuned kernels.
+
+**Quantized models.** ``quantize_linear(model, "int4" | "fp8")`` replaces a model's
+``nn.Linear`` layers by quantized ones served by the tuner (``tuner.serving.quantize``).
 
 **Dynamic shapes.** ``enable(buckets=...)`` / ``TUNER_BUCKETS``: see ``tuner.serving.buckets``.
 
@@ -73,6 +79,7 @@ from tuner.serving.call_memo import (
     sdpa_key,
 )
 from tuner.serving.dispatcher import Dispatcher, Resolution, get_dispatcher
+from tuner.serving.quantize import quantize_linear
 
 _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
 _CAUSAL_BIAS = {CausalVariant.UPPER_LEFT: "top_left", CausalVariant.LOWER_RIGHT: "bottom_right"}
@@ -249,6 +256,17 @@ def _sdpa_args(
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
+def _scaled_mm_args(
+    self: Any, mat2: Any, scale_a: Any, scale_b: Any, bias: Any = None, scale_result: Any = None,
+    out_dtype: Any = None, use_fast_accum: bool = False,
+) -> tuple[Any, ...]:  # fmt: skip
+    return self, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum
+
+
+def _int4_args(self: Any, mat2: Any, qGroupSize: int, qScaleAndZeros: Any) -> tuple[Any, ...]:
+    return self, mat2, qGroupSize, qScaleAndZeros
+
+
 def _plain(t: Any) -> bool:
     return type(t) in PLAIN
 
@@ -381,6 +399,24 @@ class Router:
             y = y.add_(bias)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
 
+    # --- low-bit GEMMs (eager only: traced code keeps torch's ops) --------------------------------
+
+    def _scaled_mm(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
+        a, b, sa, sb, bias, scale_result, out_dtype, fast = _scaled_mm_args(*args, **kwargs)
+        if compiling or bias is not None or scale_result is not None:
+            return NotImplemented
+        if not all(_plain(t) for t in (a, b, sa, sb)):
+            return NotImplemented
+        runner, res = self.dispatcher.resolve_scaled_mm(a, b, sa, sb, out_dtype, fast)
+        return NotImplemented if self._torch_serves(res) else runner(a, b, sa, sb)
+
+    def _int4_mm(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
+        x, w, group_size, scales_and_zeros = _int4_args(*args, **kwargs)
+        if compiling or not all(_plain(t) for t in (x, w, scales_and_zeros)) or x.dim() != 2:
+            return NotImplemented
+        runner, res = self.dispatcher.resolve_int4(x, w, scales_and_zeros, group_size)
+        return NotImplemented if self._torch_serves(res) else runner(x, w, scales_and_zeros)
+
     # --- attention -----------------------------------------------------------------------------
 
     def _sdpa(self, args: tuple, kwargs: dict, compiling: bool, memo_key: tuple = ()) -> Any:
@@ -426,6 +462,9 @@ ENTRY_POINTS = (
     (torch.Tensor, "addmm", "_addmm"),
     (torch.nn.functional, "linear", "_linear"),
     (torch.nn.functional, "scaled_dot_product_attention", "_sdpa"),
+    (torch, "_scaled_mm", "_scaled_mm"),
+    (torch.ops.aten, "_weight_int4pack_mm", "_int4_mm"),
+    (torch.ops.aten, "_weight_int4pack_mm_for_cpu", "_int4_mm"),
 )
 _saved: list[tuple[Any, str, Any, bool]] = []  # (owner, name, original, owned its attribute)
 
@@ -558,16 +597,33 @@ def _causal_bias_aware(sdpa: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+class _RoutedOp:
+    """An aten op packet's stand-in: calls are routed, its overloads (``.default``, ...) and
+    everything else stay torch's."""
+
+    def __init__(self, routed: Callable[..., Any], packet: Any) -> None:
+        self._routed, self._packet = routed, packet
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._routed(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._packet, name)
+
+
 def _patch() -> None:
     for owner, name, handler in ENTRY_POINTS:
         original = getattr(owner, name)
         _saved.append((owner, name, original, name in vars(owner)))
+        wrapper: Any
         if handler == "_sdpa":
             wrapper = _sdpa_entry(original)
         elif handler == "_linear":
             wrapper = _linear_entry(original)
         else:
             wrapper = _entry(original, handler)
+        if owner is torch.ops.aten:
+            wrapper = _RoutedOp(wrapper, original)
         setattr(owner, name, wrapper)
 
 
@@ -752,6 +808,7 @@ __all__ = [
     "enabled",
     "is_enabled",
     "mm_grads",
+    "quantize_linear",
     "reset_stats",
     "stats",
     "tuned_mm",

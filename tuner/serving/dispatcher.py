@@ -35,6 +35,7 @@ from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, Key, SdpaKey
 from tuner.core.settings import load_config_file
 from tuner.measure.records import Winner
+from tuner.serving import lowbit
 from tuner.serving.buckets import DEFAULT_POLICY, BucketIndex, check_policy, transfer_problem
 
 log = logging.getLogger(__name__)
@@ -169,6 +170,52 @@ class Dispatcher:
         runner = (self._hot.get(sig) or self._resolve_sdpa(sig, q, k, v, causal, scale))[0]
         return runner(q, k, v)
 
+    def scaled_mm(
+        self, a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
+        scale_result: Any = None, out_dtype: Any = None, use_fast_accum: bool = False,
+    ) -> Any:  # fmt: skip
+        """``torch._scaled_mm``, tuned; a bias or ``scale_result`` (epilogues outside the key)
+        goes to torch as called."""
+        if bias is not None or scale_result is not None:
+            return torch._scaled_mm(
+                a, b, scale_a, scale_b, bias=bias, scale_result=scale_result,
+                out_dtype=out_dtype, use_fast_accum=use_fast_accum,
+            )  # fmt: skip
+        runner = self.resolve_scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum)[0]
+        return runner(a, b, scale_a, scale_b)
+
+    def resolve_scaled_mm(
+        self, a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any = None,
+        use_fast_accum: bool = False,
+    ) -> tuple[Runner, Resolution]:  # fmt: skip
+        sig = lowbit.scaled_mm_sig(a, b, scale_a, scale_b, out_dtype, use_fast_accum)
+        if sig not in self._hot:
+            lowbit.check_scaled_mm(a, b, scale_a, scale_b)  # bad input: an error, not torch's guess
+        return self._hot.get(sig) or self._resolve(
+            sig, lambda: lowbit.scaled_mm_key(a, b, scale_a, scale_b, out_dtype, use_fast_accum),
+            a.device, lowbit.torch_scaled_mm(out_dtype, use_fast_accum), grad=sig[-1],
+            torch_op=True,
+        )  # fmt: skip
+
+    def int4_linear(self, x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> Any:
+        """``x [..., K] @ W.T`` with W int4 in torch's packed format: out [..., N]."""
+        x2 = x.reshape(-1, x.shape[-1])
+        runner = self.resolve_int4(x2, packed, scales_and_zeros, group_size)[0]
+        y = runner(x2, packed, scales_and_zeros)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+    def resolve_int4(
+        self, x: Any, packed: Any, scales_and_zeros: Any, group_size: int
+    ) -> tuple[Runner, Resolution]:
+        """``int4_linear``'s runner for a 2-D ``x``, and how it was chosen."""
+        sig = lowbit.int4_sig(x, packed, scales_and_zeros, group_size)
+        if sig not in self._hot:
+            lowbit.check_int4(x, packed, scales_and_zeros, group_size)  # torch's CPU op does not
+        return self._hot.get(sig) or self._resolve(
+            sig, lambda: lowbit.int4_key(x, packed, scales_and_zeros, group_size), x.device,
+            lowbit.torch_int4_mm(x.device.type, group_size), grad=sig[-1], torch_op=True,
+        )  # fmt: skip
+
     def resolve_gemm(self, a: Any, b: Any) -> tuple[Runner, Resolution]:
         """``gemm_runner`` and how it was chosen (``tuner.torch`` hands torch-served calls back
         to torch's own entry point, untouched)."""
@@ -200,8 +247,11 @@ class Dispatcher:
         )  # fmt: skip
 
     def _resolve(
-        self, sig: tuple, make_key: Callable[[], Key], device: Any, fallback: Runner, *, grad: bool
-    ) -> tuple[Runner, Resolution]:
+        self, sig: tuple, make_key: Callable[[], Key], device: Any, fallback: Runner, *,
+        grad: bool, torch_op: bool = False,
+    ) -> tuple[Runner, Resolution]:  # fmt: skip
+        """``torch_op``: ``fallback`` is torch's own op for the call (the low-bit calls), and it
+        serves every resolution that torch's baseline would."""
         with self._lock:
             hot = self._hot.get(sig)
             if hot is not None:
@@ -215,6 +265,8 @@ class Dispatcher:
                 runner, res = fallback, Resolution(f"untunable: {e}", "untunable", "torch")
             else:
                 runner, res = self._build(key, self._choose(key, device.type, grad=grad))
+                if torch_op and res.by_torch:
+                    runner = fallback
             slot = (res.key, res.kind, res.candidate, res.via)
             res = self.resolutions[slot] = self.resolutions.pop(slot, res)  # latest last
             if self.counting:
@@ -415,6 +467,25 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
     return _via_dlpack(get_dispatcher().matmul, a, b, out=out)
 
 
+def scaled_mm(
+    a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None, scale_result: Any = None,
+    out_dtype: Any = None, use_fast_accum: bool = False,
+) -> Any:  # fmt: skip
+    """``torch._scaled_mm(...)`` (same arguments) through the fastest known kernel for this FP8
+    problem: tensorwise or rowwise scales, ``use_fast_accum`` keyed, never chosen silently."""
+    return get_dispatcher().scaled_mm(
+        a, b, scale_a, scale_b, bias=bias, scale_result=scale_result, out_dtype=out_dtype,
+        use_fast_accum=use_fast_accum,
+    )  # fmt: skip
+
+
+def int4_linear(x: Any, packed_w: Any, scales_and_zeros: Any, group_size: int) -> Any:
+    """``x [..., K] @ W.T`` -> [..., N] with W int4 in torch's packed format for x's device
+    (``aten._convert_weight_to_int4pack`` on CUDA, ``_convert_weight_to_int4pack_for_cpu`` on
+    the CPU) and torch's ``scales_and_zeros`` [K / group_size, N, 2]."""
+    return get_dispatcher().int4_linear(x, packed_w, scales_and_zeros, group_size)
+
+
 def sdpa(q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None) -> Any:
     """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)``, tuned.
 
@@ -432,7 +503,9 @@ __all__ = [
     "Dispatcher",
     "Resolution",
     "get_dispatcher",
+    "int4_linear",
     "matmul",
+    "scaled_mm",
     "sdpa",
     "set_mode",
 ]

@@ -1,0 +1,139 @@
+"""``tuner.scaled_mm`` and ``tuner.int4_linear`` on the CPU: torch's results, keys with the
+low-bit fields recorded on a miss, bad input refused, and the drop-in routing torch's ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tuner
+import tuner.torch as tt
+from tuner.cache import Store
+from tuner.core.keys import GemmKey, parse_key
+from tuner.quant import fp8, int4
+from tuner.serving import dispatcher as dispatch_module
+from tuner.serving.dispatcher import Dispatcher
+from tuner.serving.quantize import int4_pack_for
+
+N, K, GROUP = 64, 256, 128
+
+
+@pytest.fixture
+def disp(cache_path, monkeypatch: pytest.MonkeyPatch) -> Dispatcher:
+    """The process dispatcher, in record mode on a fresh cache."""
+    d = Dispatcher(cache_path, mode="record")
+    monkeypatch.setattr(dispatch_module, "_dispatcher", d)
+    return d
+
+
+def int4_weight(dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    q, sz = int4.quantize(torch.randn(N, K, dtype=dtype) * 0.05, GROUP)
+    return int4_pack_for(q), sz
+
+
+def fp8_operands(m: int, rowwise: bool) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(1)
+    x, w = torch.randn(m, K), torch.randn(N, K)
+    quant = fp8.quantize_rowwise if rowwise else fp8.quantize_tensorwise
+    (a, sa), (b, sb) = quant(x), quant(w)
+    return a, b.t(), sa, sb.t() if rowwise else sb
+
+
+def recorded(d: Dispatcher) -> list[GemmKey]:
+    keys = [parse_key(m["key"]) for m in Store(d.store_path).misses()]
+    assert all(isinstance(k, GemmKey) for k in keys)
+    return keys  # type: ignore[return-value]
+
+
+def test_int4_linear_is_torchs_int4_op_and_records_its_key(disp: Dispatcher) -> None:
+    packed, sz = int4_weight()
+    x = torch.randn(3, 5, K, dtype=torch.bfloat16)
+    want = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(15, K), packed, GROUP, sz)
+    for _ in range(2):
+        got = tuner.int4_linear(x, packed, sz, GROUP)
+        assert got.shape == (3, 5, N)
+        torch.testing.assert_close(got.reshape(15, N), want, rtol=0, atol=0)
+    (key,) = recorded(disp)
+    assert (key.m, key.n, key.k, key.layout, key.dtype) == (15, N, K, "nt", "bf16")
+    assert (key.wdtype, key.group) == ("int4", GROUP)
+    assert parse_key(str(key)) == key
+
+
+@pytest.mark.parametrize(("rowwise", "fast"), [(True, False), (False, False), (True, True)])
+def test_scaled_mm_is_torchs_and_keys_scales_and_accumulation(
+    disp: Dispatcher, rowwise: bool, fast: bool
+) -> None:
+    a, b, sa, sb = fp8_operands(8, rowwise)
+    want = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    got = tuner.scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    (key,) = recorded(disp)
+    assert (key.m, key.n, key.k, key.dtype, key.wdtype) == (8, N, K, "fp8_e4m3", "fp8_e4m3")
+    assert key.scale == ("row" if rowwise else "tensor")
+    assert key.accum == ("fast" if fast else "f32")
+
+
+def test_scaled_mm_with_bias_is_torchs(disp: Dispatcher) -> None:
+    a, b, sa, sb = fp8_operands(4, False)
+    bias = torch.randn(N, dtype=torch.bfloat16)
+    want = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+    got = tuner.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_bad_input_raises_torchs_error_or_names_the_field(disp: Dispatcher) -> None:
+    packed, sz = int4_weight()
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    with pytest.raises((RuntimeError, ValueError)):
+        tuner.int4_linear(x, packed, sz[:1], GROUP)  # scales of the wrong shape
+    with pytest.raises((RuntimeError, ValueError)):
+        tuner.int4_linear(x, packed, sz, 64)  # a group size the scales were not made for
+    with pytest.raises((RuntimeError, ValueError)):
+        tuner.int4_linear(torch.randn(2, K - 32, dtype=torch.bfloat16), packed, sz, GROUP)
+    a, b, sa, sb = fp8_operands(4, True)
+    with pytest.raises((RuntimeError, ValueError)):
+        tuner.scaled_mm(a, b, sa, sb[:, :-1], out_dtype=torch.bfloat16)  # scale_b short
+    with pytest.raises((RuntimeError, ValueError)):
+        tuner.scaled_mm(a, b, sa.double(), sb, out_dtype=torch.bfloat16)  # scale dtype
+    assert recorded(disp) == []  # nothing keyed from bad input
+
+
+def test_key_errors_name_the_field() -> None:
+    from tuner.serving.lowbit import int4_key, scaled_mm_key
+
+    packed, sz = int4_weight()
+    with pytest.raises(ValueError, match=r"scales_and_zeros\.shape"):
+        int4_key(torch.randn(2, K, dtype=torch.bfloat16), packed, sz[:1], GROUP)
+    with pytest.raises(ValueError, match=r"x\.dtype"):
+        int4_key(torch.randn(2, K), packed, sz, GROUP)
+    a, b, sa, sb = fp8_operands(4, True)
+    with pytest.raises(ValueError, match=r"scale_b\.shape"):
+        scaled_mm_key(a, b, sa, sb[:, :-1], torch.bfloat16, False)
+    with pytest.raises(ValueError, match="layout"):
+        scaled_mm_key(a, b.t().contiguous().t().contiguous(), sa, sb, torch.bfloat16, False)
+
+
+def test_drop_in_routes_the_low_bit_ops_and_restores_them(tmp_path) -> None:
+    scaled_mm, int4_op = torch._scaled_mm, torch.ops.aten._weight_int4pack_mm_for_cpu
+    d = Dispatcher(tmp_path / "c.db", mode="record")
+    packed, sz = int4_weight()
+    x = torch.randn(6, K, dtype=torch.bfloat16)
+    a, b, sa, sb = fp8_operands(8, True)
+    want_int4 = int4_op(x, packed, GROUP, sz)
+    want_fp8 = scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+    with tt.enabled(dispatcher=d):
+        assert torch._scaled_mm is not scaled_mm
+        routed = torch.ops.aten._weight_int4pack_mm_for_cpu
+        assert routed is not int4_op and routed.default is int4_op.default  # overloads stay
+        for _ in range(3):
+            got_int4 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
+            got_fp8 = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+        stats = tt.stats(d)
+    torch.testing.assert_close(got_int4, want_int4, rtol=0, atol=0)
+    torch.testing.assert_close(got_fp8, want_fp8, rtol=0, atol=0)
+    assert torch._scaled_mm is scaled_mm
+    assert torch.ops.aten._weight_int4pack_mm_for_cpu is int4_op
+    calls = {parse_key(r.key).wdtype: r.calls for r in stats.rows if r.kind == "miss"}
+    assert calls == {"int4": 3, "fp8_e4m3": 3}
+    assert stats.misses == 6

@@ -1,0 +1,89 @@
+"""``tuner.torch.quantize_linear`` on the CPU: a small MLP's linear layers replaced by int4 and
+FP8 ones served by the tuner, outputs within the formats' error, unsupported shapes left."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tuner.torch as tt
+from tuner.quant import fp8, int4
+from tuner.quant.tolerance import (
+    FP32_ACCUMULATE,
+    excess,
+    gemm_tolerance,
+    unit_roundoff,
+)
+from tuner.serving import dispatcher as dispatch_module
+from tuner.serving.dispatcher import Dispatcher
+from tuner.serving.quantize import Fp8Linear, Int4Linear
+
+
+@pytest.fixture(autouse=True)
+def disp(cache_path, monkeypatch: pytest.MonkeyPatch) -> Dispatcher:
+    d = Dispatcher(cache_path, mode="record")
+    monkeypatch.setattr(dispatch_module, "_dispatcher", d)
+    return d
+
+
+def mlp() -> nn.Sequential:
+    """Two layers the formats hold, and a 10-wide head neither does (N not a multiple of 16)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 256), nn.Linear(256, 10))
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(
+        (got.detach().float() - want.detach().float()).norm() / want.detach().float().norm()
+    )
+
+
+@pytest.mark.parametrize(("fmt", "layer", "bound"), [("int4", Int4Linear, 0.1),
+                                                     ("fp8", Fp8Linear, 0.1)])  # fmt: skip
+def test_mlp_quantized_close_to_float_and_layers_listed(fmt, layer, bound) -> None:
+    model = mlp()
+    x = torch.randn(4, 7, 256)
+    want = model(x)
+    q = tt.quantize_linear(mlp(), fmt)
+    assert q.quantized_layers == ["0", "2"]
+    assert list(q.quantized_skipped) == ["3"] and "N=10" in q.quantized_skipped["3"]
+    assert isinstance(q[0], layer) and isinstance(q[2], layer) and type(q[3]) is nn.Linear
+    got = q(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert rel_err(got, want) < bound
+    assert rel_err(got, want) > 0  # the weights really are quantized
+
+
+def test_int4_layer_is_exact_to_its_dequantized_weight() -> None:
+    lin = mlp()[0]
+    q = tt.quantize_linear(lin, "int4", group_size=64)
+    assert isinstance(q, Int4Linear)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    wq, sz = int4.quantize(lin.weight.detach().bfloat16(), 64)
+    w = int4.dequantize(wq, sz, 64)
+    ref = x.float() @ w.T + lin.bias.detach().bfloat16().float()
+    tol = gemm_tolerance(x, w, ref, operand_unit=unit_roundoff(torch.bfloat16),
+                         accumulate_unit=FP32_ACCUMULATE, out_dtype=torch.bfloat16)  # fmt: skip
+    assert excess(q(x), ref, 2 * tol) <= 1  # the bias is added after rounding: twice the bound
+
+
+def test_fp8_layer_is_exact_to_its_quantized_operands() -> None:
+    lin = nn.Linear(128, 64, bias=False)
+    q = tt.quantize_linear(lin, "fp8")
+    x = torch.randn(3, 128)
+    (xq, sx), (wq, sw) = fp8.quantize_rowwise(x), fp8.quantize_rowwise(lin.weight.detach())
+    da, db = fp8.dequantize(xq, sx), fp8.dequantize(wq, sw)
+    ref = da @ db.T
+    tol = gemm_tolerance(da, db, ref, operand_unit=0.0, accumulate_unit=FP32_ACCUMULATE,
+                         out_dtype=torch.bfloat16)  # fmt: skip
+    assert excess(q(x), ref, tol) <= 1
+
+
+def test_bad_arguments_name_the_field() -> None:
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        tt.quantize_linear(mlp(), "int8")
+    with pytest.raises(ValueError, match="group_size=100"):
+        tt.quantize_linear(mlp(), "int4", group_size=100)
+    with pytest.raises(ValueError, match="module: fp8 needs"):
+        tt.quantize_linear(nn.Linear(128, 10), "fp8")

@@ -1,0 +1,128 @@
+"""What the dispatcher needs for low-bit GEMMs: call signatures, keys, and torch's own ops.
+
+``tuner.scaled_mm`` takes ``torch._scaled_mm``'s arguments (FP8 operands, float32 scales,
+tensorwise or rowwise); ``tuner.int4_linear`` takes an activation [..., K] and a weight in
+torch's packed int4 format for its device (the tile-packed int32 tensor of
+``_convert_weight_to_int4pack`` on CUDA, the [N, K / 2] uint8 of
+``_convert_weight_to_int4pack_for_cpu`` on the CPU) with torch's ``scales_and_zeros``.
+
+A signature holds everything that decides the runner, as for ``tuner.matmul``. Operands that
+disagree (K, the scales' shapes and dtypes, the group size) raise a ``ValueError`` naming the
+field before anything runs: torch's CPU int4 op does not check its scales. A call that is valid
+but outside the keys (f32 activations, fp8 output, ...) is served by torch's op as made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tuner.candidates.base import Runner
+from tuner.core.keys import DTYPE_NAMES, GemmKey, alignment, lowbit_fields, matrix_layout
+from tuner.quant import fp8, int4
+
+FP8_NAMES = {dtype: f"fp8_{fmt}" for fmt, dtype in fp8.FORMATS.items()}
+
+
+def scaled_mm_sig(a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any, fast: bool) -> tuple:
+    """What decides a ``_scaled_mm`` call's runner (bias and scale_result go to torch)."""
+    return ("scaled_mm", a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype,
+            scale_a.shape, scale_b.shape, scale_a.dtype, scale_b.dtype, out_dtype, fast, a.device,
+            a.data_ptr() % 16, b.data_ptr() % 16, a.requires_grad and torch.is_grad_enabled())  # fmt: skip
+
+
+def int4_sig(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tuple:
+    """What decides an ``int4_linear`` call's runner; ``x`` is the 2-D activation."""
+    return ("int4", x.shape, x.stride(), x.dtype, packed.shape, packed.dtype,
+            scales_and_zeros.shape, scales_and_zeros.dtype, group_size, x.device,
+            x.data_ptr() % 16, x.requires_grad and torch.is_grad_enabled())  # fmt: skip
+
+
+def check_int4(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> None:
+    """ValueError naming the field unless the activation, weight and scales agree."""
+    n, k = int4_shape(packed)
+    if x.shape[-1] != k:
+        raise ValueError(f"x.shape={tuple(x.shape)}: K must be the weight's K={k}")
+    int4.check_scales_and_zeros(scales_and_zeros, n, k, group_size, x.dtype)
+
+
+def check_scaled_mm(a: Any, b: Any, scale_a: Any, scale_b: Any) -> None:
+    """ValueError naming the field unless the operands and their scales agree."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"a, b: expected [M, K] and [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")  # fmt: skip
+    fp8.check_scales(scale_a, scale_b, a.shape[0], b.shape[1])
+
+
+def scaled_mm_key(
+    a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any, fast: bool
+) -> GemmKey:
+    """The key of ``_scaled_mm(a, b, ...)``: a [M, K] row-major, b [K, N] column-major."""
+    check_scaled_mm(a, b, scale_a, scale_b)
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype not in FP8_NAMES:
+            raise ValueError(
+                f"{name}.dtype={t.dtype}: must be one of {sorted(map(str, FP8_NAMES))}"
+            )
+    if (matrix_layout(a), matrix_layout(b)) != ("n", "t"):
+        raise ValueError("layout: a must be row-major and b column-major, as _scaled_mm takes them")
+    m, k = a.shape
+    n = b.shape[1]
+    rowwise = fp8.check_scales(scale_a, scale_b, m, n)
+    out = DTYPE_NAMES.get(out_dtype if out_dtype is not None else a.dtype)
+    if out is None:
+        raise ValueError(f"out_dtype={out_dtype}: the tuner keys bf16, f16 and f32 outputs")
+    spec = "fp8-rowwise" if rowwise else "fp8-tensorwise"
+    fields = lowbit_fields(spec + "-fast" if fast else spec)
+    return GemmKey(**{
+        **fields, "m": m, "n": n, "k": k, "layout": "nt", "dtype": FP8_NAMES[a.dtype],
+        "wdtype": FP8_NAMES[b.dtype], "out_dtype": out,
+        "align": min(alignment(a, "n"), alignment(b, "t")),
+    })  # fmt: skip
+
+
+def int4_shape(packed: Any) -> tuple[int, int]:
+    """(N, K) of a weight in torch's packed int4 format (CUDA tile-packed or CPU)."""
+    if packed.dim() == 2 and packed.dtype == torch.uint8:  # torch's CPU format
+        return packed.shape[0], packed.shape[1] * 2
+    return int4.torch_int4pack_shape(packed)
+
+
+def int4_key(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> GemmKey:
+    """The key of ``x [M, K] @ W[N, K].T`` with W int4 in groups of ``group_size``."""
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [M, K], got {tuple(x.shape)}")
+    act = DTYPE_NAMES.get(x.dtype)
+    if act not in ("bf16", "f16"):
+        raise ValueError(f"x.dtype={x.dtype}: int4 GEMMs take bf16 or f16 activations")
+    check_int4(x, packed, scales_and_zeros, group_size)
+    n, k = int4_shape(packed)
+    if matrix_layout(x) != "n":
+        raise ValueError("layout: x must be row-major")
+    return GemmKey(**{
+        **lowbit_fields(f"int4-g{group_size}"), "m": x.shape[0], "n": n, "k": k,
+        "layout": "nt", "dtype": act, "out_dtype": act, "align": alignment(x, "n"),
+    })  # fmt: skip
+
+
+def torch_scaled_mm(out_dtype: Any, fast: bool) -> Runner:
+    """torch's ``_scaled_mm`` for calls the tuner does not key."""
+
+    def run(a: Any, b: Any, scale_a: Any, scale_b: Any) -> Any:
+        return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast)
+
+    return run
+
+
+def torch_int4_mm(device: str, group_size: int) -> Runner:
+    """torch's int4 GEMM of ``device`` for calls the tuner does not key."""
+    op = (
+        torch.ops.aten._weight_int4pack_mm_for_cpu
+        if device == "cpu"
+        else torch.ops.aten._weight_int4pack_mm
+    )
+
+    def run(x: Any, packed: Any, scales_and_zeros: Any) -> Any:
+        return op(x, packed, group_size, scales_and_zeros)
+
+    return run

@@ -1,0 +1,147 @@
+"""Quantized ``nn.Linear`` layers served by the tuner: ``tuner.torch.quantize_linear``.
+
+    import tuner.torch
+    model = tuner.torch.quantize_linear(model, "int4")    # or "fp8"
+    y = model(x)                                           # tuner.int4_linear / tuner.scaled_mm
+
+Each replaced layer quantizes its weight once, at replacement, and keeps only the packed form:
+
+- ``int4``: asymmetric per-group weights (``tuner.quant.int4``) in torch's packed format for the
+  weight's device (the tile-packed int32 tensor on CUDA, torch's [N, K / 2] uint8 on the CPU),
+  with torch's ``scales_and_zeros``; the forward is ``tuner.int4_linear``;
+- ``fp8``: e4m3 weights with a scale per output row; the forward quantizes the activations per
+  row, per call, and runs ``tuner.scaled_mm`` (rowwise scales).
+
+Both compute in bf16, the activation type the formats' kernels take, and return the input's
+dtype. A layer whose shape the format cannot hold stays as it was and is listed in
+``module.quantized_skipped`` beside ``module.quantized_layers`` (the replaced ones).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tuner.quant import fp8, int4
+from tuner.serving import dispatcher
+
+FORMATS = ("int4", "fp8")
+COMPUTE_DTYPE = torch.bfloat16
+INNER_K_TILES = 8  # torch's CUDA tile packing: K must be a multiple of 16 x this
+FP8_MULTIPLE = 16  # torch._scaled_mm: K and N multiples of 16
+
+
+def int4_pack_for(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> torch's packed weight for ``q``'s device (what
+    ``aten._weight_int4pack_mm`` on CUDA, or ``_weight_int4pack_mm_for_cpu``, takes)."""
+    if q.is_cuda:
+        return int4.to_torch_int4pack(int4.pack(q), INNER_K_TILES)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INNER_K_TILES)
+
+
+def unsupported(fmt: str, n: int, k: int, group_size: int) -> str | None:
+    """Why an [N, K] weight cannot take ``fmt``, or None when it can."""
+    if fmt == "int4":
+        if k % group_size:
+            return f"K={k} is not a multiple of group_size={group_size}"
+        if k % (16 * INNER_K_TILES) or n % 8:
+            return f"int4 packing needs K % {16 * INNER_K_TILES} == 0 and N % 8 == 0 (N={n}, K={k})"
+        return None
+    if k % FP8_MULTIPLE or n % FP8_MULTIPLE:
+        return f"fp8 needs K and N multiples of {FP8_MULTIPLE} (N={n}, K={k})"
+    return None
+
+
+def _bias(linear: nn.Linear) -> nn.Parameter | None:
+    if linear.bias is None:
+        return None
+    return nn.Parameter(linear.bias.detach().to(COMPUTE_DTYPE), requires_grad=False)
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W.T + b`` with W held as torch-packed int4 and per-group scales and zeros."""
+
+    def __init__(self, linear: nn.Linear, group_size: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group_size = group_size
+        q, scales_and_zeros = int4.quantize(linear.weight.detach().to(COMPUTE_DTYPE), group_size)
+        self.register_buffer("packed_weight", int4_pack_for(q))
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.bias = _bias(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = dispatcher.int4_linear(
+            x.to(COMPUTE_DTYPE), self.packed_weight, self.scales_and_zeros, self.group_size
+        )
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group_size={self.group_size}"
+
+
+class Fp8Linear(nn.Module):
+    """``y = x @ W.T + b`` with W held as e4m3 with a scale per output row; the activations are
+    quantized per row on every call (their range changes with every input)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, scale = fp8.quantize_rowwise(linear.weight.detach())
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale)  # [N, 1]; _scaled_mm takes its [1, N] view
+        self.bias = _bias(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        xq, x_scale = fp8.quantize_rowwise(x2)
+        y = dispatcher.scaled_mm(
+            xq, self.weight.t(), x_scale, self.weight_scale.t(), out_dtype=COMPUTE_DTYPE
+        )
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 rowwise"
+
+
+def quantize_linear(module: nn.Module, fmt: str, group_size: int = 128) -> nn.Module:
+    """Replace every ``nn.Linear`` in ``module`` (``module`` itself included) by a quantized
+    layer of format ``fmt`` (``"int4"`` or ``"fp8"``) served by the tuner; returns the module.
+
+    ``group_size``: int4 only, the number of K elements that share a scale and zero
+    (``tuner.quant.int4.GROUP_SIZES``). Layers whose shape the format cannot hold are left as
+    they are: ``module.quantized_skipped`` maps their names to the reason, and
+    ``module.quantized_layers`` lists the replaced ones.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {list(FORMATS)}, got {fmt!r}")
+    if fmt == "int4":
+        int4.check_group_size(group_size, group_size)
+    if isinstance(module, nn.Linear):  # a bare layer: nothing to leave in place
+        reason = unsupported(fmt, *module.weight.shape, group_size)
+        if reason:
+            raise ValueError(f"module: {reason}")
+        return _quantized(module, fmt, group_size)
+    replaced: list[str] = []
+    skipped: dict[str, str] = {}
+    for name, child in list(module.named_modules()):
+        if not isinstance(child, nn.Linear):
+            continue
+        reason = unsupported(fmt, *child.weight.shape, group_size)
+        if reason:
+            skipped[name] = reason
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent_name), attr, _quantized(child, fmt, group_size))
+        replaced.append(name)
+    module.quantized_layers = replaced
+    module.quantized_skipped = skipped
+    return module
+
+
+def _quantized(linear: nn.Linear, fmt: str, group_size: int) -> nn.Module:
+    return Int4Linear(linear, group_size) if fmt == "int4" else Fp8Linear(linear)
