@@ -19,7 +19,7 @@ from tuner.cli.options import (
     SourcesOpt,
     tune_options,
 )
-from tuner.suites import gemm, sdpa
+from tuner.suites import gemm, lowbit, sdpa
 
 app = typer.Typer(
     help="Benchmark suites: tune, then time baseline and winner side by side.", no_args_is_help=True
@@ -30,10 +30,15 @@ BENCH_BUDGET_S = 0.05  # suites tune hundreds of problems: a shorter budget than
 
 @app.command("gemm")
 def bench_gemm(
-    suite: Annotated[str, typer.Option(help="Shape suite: llama.")] = "llama",
+    suite: Annotated[
+        str, typer.Option(help="Shape suite: llama, or lowbit (int4 and fp8 GEMMs).")
+    ] = "llama",
     part: Annotated[
         list[str] | None,
-        typer.Option(help=f"Part(s) to run (repeatable): {', '.join(gemm.PARTS)}; default all."),
+        typer.Option(
+            help=f"Part(s) to run (repeatable): {', '.join(gemm.PARTS)}; for lowbit the formats "
+            f"{', '.join(lowbit.FORMATS)}; default all."
+        ),
     ] = None,
     out: Annotated[
         Path, typer.Option(help="Folder for gemm_llama_<part>.json/.png/.db.", file_okay=False)
@@ -52,17 +57,22 @@ def bench_gemm(
     ] = gemm.WARM_SAMPLE,
     quick: QuickOpt = False,
 ) -> None:
-    """Tune the Llama GEMM suite and time cuBLAS (torch.matmul) against the winners."""
-    if suite != "llama":
-        raise ValueError(f"suite must be 'llama', got {suite!r}")
-    chosen = part or list(gemm.PARTS)
+    """Tune the Llama GEMM suite and time cuBLAS (torch.matmul) against the winners; or the
+    low-bit suite beside torch's int4 / FP8 ops and bf16 cuBLAS."""
+    if suite not in ("llama", "lowbit"):
+        raise ValueError(f"suite must be 'llama' or 'lowbit', got {suite!r}")
+    parts = gemm.PARTS if suite == "llama" else lowbit.FORMATS
+    chosen = part or list(parts)
     for p in chosen:
-        if p not in gemm.PARTS:
-            raise ValueError(f"part must be one of {list(gemm.PARTS)}, got {p!r}")
+        if p not in parts:
+            raise ValueError(f"part must be one of {list(parts)}, got {p!r}")
     options = tune_options(
         budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, isolate=isolate,
     )  # fmt: skip
+    if suite == "lowbit":
+        lowbit.run(lowbit.problems(chosen)[:: 4 if quick else 1], out, options)
+        return
     for p in chosen:
         problems = gemm.llama_suite(p)[:: 4 if quick else 1]
         gemm.run_part(p, problems, out, options, inductor=inductor, warm_sample=warm_sample)
