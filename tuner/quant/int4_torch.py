@@ -1,0 +1,88 @@
+"""torch's packed INT4 weights on each device, and our layout of them, made once per weight.
+
+torch packs an [N, K] int4 weight differently per device: the int32 tile-packed tensor of
+``_convert_weight_to_int4pack`` on CUDA, a blocked uint8 [N, K / 2] tensor of
+``_convert_weight_to_int4pack_for_cpu`` on the CPU (not our layout, though its shape is). Both
+run through their device's ``_weight_int4pack_mm``. A kernel that reads our layout
+(``tuner.quant.int4``) takes ``ours(packed)``: it is worked out from torch's tensor once and
+memoised per tensor (and per in-place version of it), so a served runner does not repack per
+call and runners of several keys (M) sharing a weight share one copy: N * K / 2 extra bytes
+per weight. ``torch_pack`` records our layout as it packs, so weights packed here (problem
+inputs, quantized models) never need the conversion.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from tuner.quant import int4
+
+_OURS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # torch-packed tensor -> (version, ours)
+
+
+def inner_k_tiles(k: int) -> int:
+    """The largest of torch's inner K tiles (8, 4, 2) whose 16-wide tiles divide K."""
+    for tiles in sorted(int4.INNER_K_TILES, reverse=True):
+        if k % (tiles * 16) == 0:
+            return tiles
+    raise ValueError(f"K={k}: torch's int4 packing needs a multiple of 32")
+
+
+def torch_pack(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 on a device -> torch's packed weight for that device."""
+    ours = int4.pack(q)
+    tiles = inner_k_tiles(q.shape[1])
+    if q.is_cuda:
+        packed = int4.to_torch_int4pack(ours, tiles)
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), tiles)
+    _OURS[packed] = (packed._version, ours)
+    return packed
+
+
+def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of torch's packed weight (either device's format)."""
+    if packed.dim() == 2 and packed.dtype == torch.uint8:
+        return packed.shape[0], packed.shape[1] * 2
+    return int4.torch_int4pack_shape(packed)
+
+
+def int4_mm(
+    x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
+    """torch's int4 GEMM for the weight's device: ``x @ dequant(W).T``."""
+    op = (
+        torch.ops.aten._weight_int4pack_mm
+        if packed.is_cuda
+        else torch.ops.aten._weight_int4pack_mm_for_cpu
+    )
+    return op(x, packed, group_size, scales_and_zeros)
+
+
+def _decode_cpu(packed: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """torch's CPU-packed weight -> [N, K] nibbles, through torch's own CPU kernel: unit scales
+    and zeros of 8 make ``x @ W.T`` return the nibbles of the rows of an identity ``x``."""
+    n, k = packed_shape(packed)
+    unit = torch.tensor([1.0, 8.0], dtype=torch.bfloat16).expand(k // 32, n, 2).contiguous()
+    rows = []
+    for k0 in range(0, k, chunk):
+        eye = torch.zeros(min(chunk, k - k0), k, dtype=torch.bfloat16)
+        eye.diagonal(k0).fill_(1)
+        rows.append(int4_mm(eye, packed, 32, unit))
+    return torch.cat(rows).T.to(torch.uint8)
+
+
+def ours(packed: torch.Tensor) -> torch.Tensor:
+    """Our uint8 [N, K / 2] layout of torch's packed weight, memoised per tensor."""
+    known = _OURS.get(packed)
+    if known is not None and known[0] == packed._version:
+        return known[1]
+    layout = int4.from_torch_int4pack(packed) if packed.is_cuda else int4.pack(_decode_cpu(packed))
+    _OURS[packed] = (packed._version, layout)
+    return layout
+
+
+def nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The [N, K] values 0..15 of torch's packed weight."""
+    return int4.unpack(ours(packed))
