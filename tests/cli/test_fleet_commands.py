@@ -167,3 +167,21 @@ def test_tune_all_queue_with_the_service_down_names_it(tmp_path: Path) -> None:
     lines = [line for line in done.stderr.splitlines() if "fleet service" in line]
     assert any(url in line for line in lines), done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_serve_takes_its_artifact_limit_and_folder_from_flags(tmp_path: Path) -> None:
+    from tuner.cache.artifacts import ArtifactSpec
+    from tuner.fleet.client import FleetError
+
+    spec = ArtifactSpec("cutlass", {"tile": [128, 128, 64]}, "sm90", {"cutlass": "4.2.0"})
+    blobs = tmp_path / "blobs"
+    flags = ("--max-artifact-bytes", "1000", "--artifacts-dir", str(blobs))
+    with SubprocessServer(tmp_path / "fleet.db", *flags, log=tmp_path / "serve.log") as srv:
+        token = cli("token", "create", "--db", str(srv.db), "--name", "b", "--scope", "build")
+        assert token.exit_code == 0, token.output
+        with FleetClient(srv.url, token.output.strip().splitlines()[-1]) as client:
+            with pytest.raises(FleetError) as too_big:
+                client.publish_artifact(spec, b"x" * 2000)
+            assert too_big.value.status == 413 and "at most 1000 bytes" in str(too_big.value)
+            client.publish_artifact(spec, b"a compiled kernel")
+    assert len(list(blobs.iterdir())) == 1  # the one that fit, in the folder the flag named

@@ -67,6 +67,16 @@ def serve(
             min=0,
         ),
     ] = 0.25,
+    max_artifact_bytes: Annotated[
+        int, typer.Option(help="Largest compiled-kernel artifact one upload may carry.", min=1)
+    ] = 512 * 2**20,
+    artifacts_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder of artifact blobs (default: <db>.artifacts beside the database).",
+            file_okay=False,
+        ),
+    ] = None,
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
     log_level: Annotated[
         str, typer.Option(help=f"uvicorn log level: {', '.join(LOG_LEVELS)}.")
@@ -79,8 +89,12 @@ def serve(
 
     if log_level not in LOG_LEVELS:
         raise ValueError(f"--log-level must be one of {list(LOG_LEVELS)}, got {log_level!r}")
-    app = create_app(Settings(db=db, open_reads=open_reads, confirm_margin=confirm_margin))
-    uvicorn.run(app, host=host, port=port, access_log=access_log, log_level=log_level)
+    settings = Settings(
+        db=db, open_reads=open_reads, confirm_margin=confirm_margin,
+        max_artifact_bytes=max_artifact_bytes, artifacts_dir=artifacts_dir,
+    )  # fmt: skip
+    uvicorn_app = create_app(settings)
+    uvicorn.run(uvicorn_app, host=host, port=port, access_log=access_log, log_level=log_level)
 
 
 @token_app.command("create")
