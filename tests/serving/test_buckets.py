@@ -92,3 +92,13 @@ def test_source_can_refuse_params_for_another_m(
         got = F.linear(x, w)
     torch.testing.assert_close(got, want)
     assert served(bucket_disp, 6).kind == "miss"
+
+
+def test_a_low_bit_key_is_never_a_dense_keys_neighbour() -> None:
+    from tuner.core.keys import lowbit_fields
+    from tuner.serving.buckets import family
+
+    dense = GemmKey(m=16, n=4096, k=4096, layout="nt")
+    int4 = GemmKey(m=16, n=4096, k=4096, **lowbit_fields("int4-g128"))
+    assert family(dense) != family(int4)
+    assert family(int4) == family(replace(int4, m=64))  # only M may differ

@@ -28,7 +28,7 @@ from tuner.core.keys import GemmKey, parse_key
 POLICIES = ("exact", "next_tuned_above", "pow2")
 DEFAULT_POLICY = "exact"
 
-Family = tuple[int, int, int, str, str, str, str, int]
+Family = tuple[object, ...]
 
 
 def check_policy(policy: str) -> str:
@@ -38,17 +38,9 @@ def check_policy(policy: str) -> str:
 
 
 def family(key: GemmKey) -> Family:
-    """Everything that must match for a neighbour's params to be considered: all but M."""
-    return (
-        key.n,
-        key.k,
-        key.batch,
-        key.layout,
-        key.dtype,
-        key.out_dtype,
-        key.compute,
-        key.align,
-    )
+    """Everything that must match for a neighbour's params to be considered: every field but M
+    (the low-bit fields included, so an int4 key never borrows a bf16 neighbour's kernel)."""
+    return tuple(getattr(key, f.name) for f in dataclasses.fields(key) if f.name != "m")
 
 
 def next_pow2(m: int) -> int:
