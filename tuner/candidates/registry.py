@@ -14,6 +14,7 @@ import importlib.metadata
 import logging
 
 from tuner.candidates.base import Source
+from tuner.core.keys import Key
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,9 @@ BUILTIN = {
     "cublas": "tuner.candidates.cublas:CublasGemm",
     "cublaslt": "tuner.candidates.cublaslt:CublasLtGemm",
     "cutlass": "tuner.candidates.cutlass_gemm:CutlassGemm",
+    "torch_lowbit": "tuner.candidates.torch_lowbit:TorchLowbit",
+    "triton_w4a16": "tuner.candidates.triton_w4a16:TritonW4A16",
+    "triton_fp8": "tuner.candidates.triton_fp8:TritonFp8",
 }
 
 
@@ -86,8 +90,10 @@ def get(name: str) -> Source:
     return src
 
 
-def baseline(op: str) -> Source:
+def baseline(op: str, key: Key | None = None) -> Source:
+    """The baseline source of ``op``; with ``key``, the one that takes that key (torch's
+    low-bit ops for low-bit GEMM keys)."""
     for s in sources(op):
-        if s.baseline_params is not None:
+        if s.baseline_params is not None and (key is None or s.unsupported(key) is None):
             return s
-    raise LookupError(f"no baseline source for op {op!r}")
+    raise LookupError(f"no baseline source for op {op!r}" + (f" and key {key}" if key else ""))

@@ -1,6 +1,7 @@
 """torch's own kernels: the baselines on every device, and the whole CPU path.
 
-``torch.matmul`` is cuBLAS's default heuristic on NVIDIA GPUs, i.e. what a user gets without us.
+``torch.matmul`` is cuBLAS's default heuristic on NVIDIA GPUs, i.e. what a user gets without us
+(low-bit GEMMs have their own baseline, ``torch_lowbit``).
 For SDPA, torch's default dispatch is the baseline and each of its backends is also a candidate;
 ``torch_sdpa`` is torch's SDPA for a tuner causal mode, the one fallback the dispatcher and the
 drop-in use.
@@ -34,6 +35,9 @@ class TorchGemm(Source):
     name = "torch"
     op = "gemm"
     baseline_params: ClassVar[Params] = {}
+
+    def unsupported(self, key: GemmKey) -> str | None:
+        return "low-bit GEMMs: the torch_lowbit source" if key.lowbit else None
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         return [{}]
