@@ -323,6 +323,9 @@ class CublasLtGemm(Source):
         nvmath = ops.package_missing("nvmath", "nvmath-python")
         return ops.unavailable_reason(device, "cuBLASLt", nvmath, _lt)
 
+    def unsupported(self, key: GemmKey) -> str | None:
+        return "plain GEMMs only (no FP8 or INT4 path here yet)" if key.lowbit else None
+
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         return heuristic_params(key, torch.device("cuda", torch.cuda.current_device()))
 
