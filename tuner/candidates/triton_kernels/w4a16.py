@@ -15,7 +15,9 @@ whole groups, so a tile never straddles two groups: one (scale, zero) pair per r
   the weight.
 - ``w4a16_tiled``: tensor cores on out.T = W x.T, the dequantized weight as the first operand,
   which Hopper's wgmma takes from registers (no shared-memory round trip for the weight); x's
-  tiles are the second operand, so BM (activation rows) may be 16 for decode.
+  tiles are the second operand, so BM (activation rows) may be 16 for decode. Its dequant runs
+  in the activation dtype (exact q - 8 through the mantissa of 128 or 1024, then one fused
+  multiply-add, rounded once as the fp32 path would), which compiles to packed two-lane ops.
 Both split K over a second grid axis: fp32 partials [SPLIT_K, M, N] summed in order by the tiled
 family's ``splitk_reduce`` (deterministic); with one split they store ``out`` directly.
 
@@ -54,6 +56,20 @@ def _nibbles(b):
     w = b.to(tl.int32)
     hi = ((w >> 4) | MAGIC).to(tl.float32, bitcast=True) - MAGIC_OFFSET
     lo = ((w & 15) | MAGIC).to(tl.float32, bitcast=True) - MAGIC_OFFSET
+    return hi, lo
+
+
+@triton.jit
+def _nibbles16(b, dtype: tl.constexpr):
+    """(q - 8) of both nibbles in the activation dtype (exact), through the mantissa of 128
+    (bf16) or 1024 (fp16): integer ops and one 16-bit subtract."""
+    w = b.to(tl.int16)
+    if dtype == tl.bfloat16:
+        magic, offset = 0x4300, tl.full((), 136.0, dtype)
+    else:
+        magic, offset = 0x6400, tl.full((), 1032.0, dtype)
+    hi = ((w >> 4) | magic).to(tl.int16).to(dtype, bitcast=True) - offset.to(dtype)
+    lo = ((w & 15) | magic).to(tl.int16).to(dtype, bitcast=True) - offset.to(dtype)
     return hi, lo
 
 
@@ -135,13 +151,13 @@ def w4a16_tiled(
     mask_m = rm[:, None] < M
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for j0 in range(j_lo, j_lo + k_split, BK):
-        q_hi, q_lo = _nibbles(_weight_bytes(w_ptr, rn, j0, N, half, BK))
-        s_hi, z_hi = _scale_zero(sz_ptr, rn, j0, N, GROUP)
-        s_lo, z_lo = _scale_zero(sz_ptr, rn, half + j0, N, GROUP)
         x_hi = tl.load(x_ptrs + j0, mask=mask_m, other=0.0)
         x_lo = tl.load(x_ptrs + half + j0, mask=mask_m, other=0.0)
-        w_hi = (q_hi * s_hi[:, None] + z_hi[:, None]).to(x_hi.dtype)
-        w_lo = (q_lo * s_lo[:, None] + z_lo[:, None]).to(x_lo.dtype)
+        q_hi, q_lo = _nibbles16(_weight_bytes(w_ptr, rn, j0, N, half, BK), x_hi.dtype)
+        s_hi, z_hi = _scale_zero(sz_ptr, rn, j0, N, GROUP)
+        s_lo, z_lo = _scale_zero(sz_ptr, rn, half + j0, N, GROUP)
+        w_hi = tl.fma(q_hi, s_hi[:, None].to(x_hi.dtype), z_hi[:, None].to(x_hi.dtype))
+        w_lo = tl.fma(q_lo, s_lo[:, None].to(x_hi.dtype), z_lo[:, None].to(x_hi.dtype))
         acc = tl.dot(w_hi, tl.trans(x_hi), acc)
         acc = tl.dot(w_lo, tl.trans(x_lo), acc)
     _store(out_ptr, ws_ptr, acc, rm, rn, M, N, ldo, SPLIT_K)
@@ -244,7 +260,7 @@ def _splits(tiles: int, k: int, bk: int, sms: int) -> int:
 # Prefill tiles (bm activation rows, bn weight rows, warps, stages): bk = 64 keeps x's two
 # [bm, bk] tiles per stage within shared memory at bm = 256; a larger bm reuses each
 # dequantized weight tile for more rows.
-PREFILL_TILES = ((128, 128, 8, 3), (256, 128, 8, 3), (128, 256, 8, 3), (128, 64, 4, 4),
+PREFILL_TILES = ((128, 128, 8, 3), (256, 128, 8, 3), (128, 64, 4, 4),
                  (64, 128, 4, 4), (32, 64, 4, 4))  # fmt: skip
 
 
