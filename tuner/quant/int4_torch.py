@@ -70,7 +70,7 @@ def _decode_cpu(packed: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
         eye = torch.zeros(min(chunk, k - k0), k, dtype=torch.bfloat16)
         eye.diagonal(k0).fill_(1)
         rows.append(int4_mm(eye, packed, 32, unit))
-    return torch.cat(rows).T.to(torch.uint8)
+    return torch.cat(rows).T.to(torch.uint8).contiguous()
 
 
 def ours(packed: torch.Tensor) -> torch.Tensor:

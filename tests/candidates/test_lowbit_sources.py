@@ -1,0 +1,137 @@
+"""The low-bit sources: torch's baselines and the Triton W4A16 / FP8 candidates tuned through the
+engine (CPU: Triton's interpreter, small shapes; the tiled W4A16 path in fp16 there), a served
+INT4 runner converting each weight once, clear errors, and the reasons a source sits out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tuner.candidates import registry
+from tuner.candidates.base import interpreting
+from tuner.candidates.torch_lowbit import TorchLowbit
+from tuner.candidates.triton_fp8 import TritonFp8
+from tuner.candidates.triton_w4a16 import TritonW4A16
+from tuner.core.keys import GemmKey, lowbit_fields
+from tuner.measure import samples
+from tuner.quant import int4_torch
+from tuner.tuning.engine import TuneOptions, tune
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def key_of(spec: str, m: int, n: int = 32, k: int = 128, dtype: str | None = None) -> GemmKey:
+    fields = lowbit_fields(spec)
+    if dtype:
+        fields.update(dtype=dtype, out_dtype=dtype)
+    return GemmKey(m=m, n=n, k=k, **fields)
+
+
+CPU_KEYS = [
+    (key_of("int4-g32", 3), "triton_w4a16"),  # GEMV path, bf16
+    (key_of("int4-g32", 8, dtype="f16"), "triton_w4a16"),  # tiled path
+    (key_of("fp8-rowwise", 5), "triton_fp8"),
+    (key_of("fp8-tensorwise-fast", 5), "triton_fp8"),
+]
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the interpreter path; GPU hosts run the GPU test")
+@pytest.mark.parametrize(("key", "source"), CPU_KEYS, ids=[k.label for k, _ in CPU_KEYS])
+def test_lowbit_keys_tune_on_the_cpu_with_triton_candidates(monkeypatch, key, source):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    options = TuneOptions(sources=[source], budget_s=0.005, confirm_rounds=0, cut_factor=1e9)
+    outcome = tune(key, options=options, device="cpu")
+    ours = [m for m in outcome.measurements if m.source == source]
+    assert ours and all(m.status == "ok" and m.max_rel_err <= 1 for m in ours), ours
+    assert outcome.winner.source in ("torch_lowbit", source)
+    assert outcome.winner.baseline_us > 0
+
+
+def test_baselines_by_key():
+    assert registry.baseline("gemm").name == "torch"
+    assert registry.baseline("gemm", key_of("int4-g128", 1, k=256)).name == "torch_lowbit"
+    assert registry.baseline("gemm", key_of("fp8-rowwise", 1)).name == "torch_lowbit"
+    assert registry.baseline("gemm", GemmKey(m=8, n=8, k=8)).name == "torch"
+
+
+def test_sources_say_which_keys_they_take(monkeypatch):
+    plain = GemmKey(m=8, n=8, k=8)
+    assert "low-bit GEMMs only" in TorchLowbit().unsupported(plain)
+    assert TritonW4A16().unsupported(key_of("fp8-rowwise", 1)) == "int4 weights only"
+    assert TritonFp8().unsupported(key_of("int4-g32", 1)) == "fp8 operands only"
+    # each half of K must hold whole groups in our layout
+    assert "whole groups of 128" in TritonW4A16().unsupported(key_of("int4-g128", 1, k=384))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "bf16" in TritonW4A16().unsupported(key_of("int4-g32", 8))
+    assert TritonW4A16().unsupported(key_of("int4-g32", 8, dtype="f16")) is None
+    if not HAS_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        for src in (TritonW4A16(), TritonFp8()):
+            assert "TRITON_INTERPRET=1" in src.unavailable("cpu")
+
+
+def test_served_int4_runner_converts_each_weight_once(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    key = key_of("int4-g32", 2, k=256)
+    x, packed, sz = samples.make_inputs(key, "cpu", torch.Generator().manual_seed(0))
+    fresh = packed.clone()  # a weight packed elsewhere: our layout is not known for it yet
+    params = TritonW4A16().candidates(key, "cpu")[0]
+    run = TritonW4A16().build(key, params)
+    ref = samples.reference(key, (x, packed, sz))
+    assert samples.relative_error(run(x, fresh, sz), ref) <= 1
+    layout = int4_torch.ours(fresh)
+    assert samples.relative_error(run(x, fresh, sz), ref) <= 1
+    assert int4_torch.ours(fresh) is layout  # kept, not repacked
+    fresh.copy_(int4_torch.torch_pack(torch.zeros(32, 256, dtype=torch.uint8)))  # changed in place
+    assert int4_torch.ours(fresh) is not layout
+    assert int(int4_torch.nibbles(fresh).max()) == 0
+
+
+def test_bad_lowbit_inputs_raise_naming_the_field(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    key = key_of("int4-g32", 2, k=256)
+    x, packed, sz = samples.make_inputs(key, "cpu", torch.Generator().manual_seed(0))
+    run = TritonW4A16().build(key, TritonW4A16().candidates(key, "cpu")[0])
+    with pytest.raises(ValueError, match=r"scales_and_zeros\.shape"):
+        run(x, packed, sz[:4].contiguous())
+    with pytest.raises(ValueError, match=r"x\.dtype"):
+        run(x.float(), packed, sz)
+    with pytest.raises(ValueError, match="config\\['bk'\\]"):
+        TritonW4A16().build(key, {"kernel": "gemv", "bm": 2, "bn": 32, "bk": 64})
+    fkey = key_of("fp8-rowwise", 4)
+    a, b, sa, sb = samples.make_inputs(fkey, "cpu", torch.Generator().manual_seed(0))
+    frun = TritonFp8().build(fkey, TritonFp8().candidates(fkey, "cpu")[0])
+    with pytest.raises(ValueError, match=r"scale_a\.dtype"):
+        frun(a, b, sa.double(), sb)
+    with pytest.raises(ValueError, match=r"b\.shape"):
+        frun(a, b[:64], sa, sb)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+@pytest.mark.parametrize(
+    "key",
+    [key_of("int4-g128", m, n=4096, k=4096) for m in (1, 16, 256)]
+    + [
+        key_of(spec, m, n=4096, k=4096)
+        for spec in ("fp8-rowwise", "fp8-tensorwise-fast")
+        for m in (1, 16, 2048)
+    ],
+    ids=lambda k: k.label,
+)
+def test_lowbit_keys_tune_on_the_gpu(key):
+    assert not interpreting()
+    outcome = tune(key, options=TuneOptions(budget_s=0.05), device="cuda")
+    assert any(
+        m.is_baseline and m.source == "torch_lowbit" and m.status == "ok"
+        for m in outcome.measurements
+    )
+    assert not [m for m in outcome.measurements if m.status == "rejected"]
+    ours = [
+        m
+        for m in outcome.measurements
+        if m.source.startswith("triton_") and m.status in ("ok", "cut")
+    ]
+    if key.accum != "f32":
+        assert ours, outcome.measurements
+    assert outcome.winner.median_us <= outcome.winner.baseline_us
