@@ -422,12 +422,15 @@ def test_a_broken_local_source_fails_before_any_fleet_key_is_leased(tmp_path):
         assert {row["state"] for row in host.queue(device_class=fp.device_class)} == {"queued"}
 
 
-def _worker_of(parent: int) -> int:
-    """The tune-all worker among a process's children (not multiprocessing's resource tracker)."""
+def _worker_of(parent: int, cache: Path) -> int:
+    """The tune-all worker among a process's children: the one that holds the cache open (not
+    multiprocessing's resource tracker, nor a compile-pool process)."""
     for pid in _children(parent):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            return pid
+        try:
+            if any(os.readlink(fd) == str(cache) for fd in Path(f"/proc/{pid}/fd").iterdir()):
+                return pid
+        except OSError:
+            continue
     raise AssertionError(f"no worker process under {parent}")
 
 
@@ -449,7 +452,7 @@ def test_a_worker_that_dies_mid_problem_is_recorded_and_replaced(tmp_path):
         assert line, seen
         seen += line
     time.sleep(1.0)  # the first problem is running now
-    os.kill(_worker_of(p.pid), signal.SIGKILL)
+    os.kill(_worker_of(p.pid, cache), signal.SIGKILL)
     out = seen + p.communicate(timeout=180)[0]
     assert p.returncode == 1, out
     rows = {r["label"]: r for r in json.loads((tmp_path / "r" / "report.json").read_text())["rows"]}

@@ -9,9 +9,12 @@ that failed stay leased until the lease runs out and the service queues them aga
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -20,6 +23,7 @@ import typer
 from rich.console import Console
 
 from tuner.cache import Store
+from tuner.cache.artifacts import ArtifactStore
 from tuner.cli.errors import fleet_service
 from tuner.cli.options import (
     TUNE_DEFAULTS,
@@ -38,7 +42,14 @@ from tuner.cli.options import (
 )
 from tuner.core.device import Fingerprint, fingerprint
 from tuner.core.keys import Key, key_op, parse_key
-from tuner.fleet.client import BATCH, FleetClient
+from tuner.fleet.client import (
+    BATCH,
+    FleetClient,
+    FleetError,
+    host_archs,
+    push_artifacts,
+    sync_artifacts,
+)
 from tuner.measure.records import Measurement, Winner
 from tuner.offline import report, tunableop
 from tuner.offline.model_config import load_model
@@ -53,6 +64,7 @@ from tuner.offline.tune_all import (
     current_keys,
     journal_path,
     local_workers,
+    order,
     pending,
     read_journal,
     run,
@@ -122,6 +134,25 @@ def tune_all_command(
     force: Annotated[
         bool, typer.Option(help="Retune problems that already have a current winner.")
     ] = False,
+    retries: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Runs that may try a failed or timed-out problem again (after the rest)."
+        ),
+    ] = RunSettings.retries,
+    prune: Annotated[
+        bool,
+        typer.Option(
+            help="Leave out, uncompiled, candidates whose tile or roofline floor cannot beat the "
+            "baseline (--no-prune: compile and time everything)."
+        ),
+    ] = True,
+    compile_ahead: Annotated[
+        bool,
+        typer.Option(
+            help="Compile every problem's candidates ahead, on all CPU cores, in one pool."
+        ),
+    ] = RunSettings.compile_ahead,
     out: OutOpt = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Only list what would be tuned.")
@@ -136,8 +167,9 @@ def tune_all_command(
         confirm_tries=confirm_tries, isolate=isolate,
     )  # fmt: skip
     settings = RunSettings(
-        options, problem_timeout_s=problem_timeout, time_limit_s=time_limit, workers=workers,
-        force=force,
+        dataclasses.replace(options, prune=prune), problem_timeout_s=problem_timeout,
+        time_limit_s=time_limit, workers=workers, force=force, retries=retries,
+        compile_ahead=compile_ahead,
     )  # fmt: skip
     sources = Sources.of(model, config, tunableop_file, misses, op, queue)
     raise typer.Exit(tune_all(sources, cache_path(cache), settings, out=out, dry_run=dry_run))
@@ -329,7 +361,7 @@ def _won(m: Measurement, winners: dict[str, Winner]) -> bool:
 
 
 def _label(key: Key, problems: ProblemSet) -> str:
-    return problems.label(key) or key.label
+    return report.shape_label(key.label, problems.label(key))
 
 
 def _describe(result: Result, problems: ProblemSet) -> str:
@@ -342,7 +374,8 @@ def _describe(result: Result, problems: ProblemSet) -> str:
         )
     if result.status == "skipped":
         return f"[dim]skipped[/dim] {label}: tuned meanwhile by another process"
-    return f"[red]{result.status}[/red] {label}: {result.error[:300]}"
+    kept = "; kept its baseline" if result.winner else ""
+    return f"[red]{result.status}[/red] {label}: {result.error[:300]}{kept}"
 
 
 def run_with_progress(
@@ -388,14 +421,23 @@ def tune_all(
         for key, labels in leased.labels.items():
             for label in labels:
                 problems.add(key, label)
-    todo = pending(store, fp, problems, force=settings.force)
+    journal = read_journal(journal_path(store_path))
+    todo = pending(store, fp, problems, force=settings.force, journal=journal)
     console.print(
         f"{len(problems)} distinct problems on {fp.device_class}: "
         f"{len(problems) - len(todo)} already tuned, {len(todo)} to tune"
     )
+    ordered = order(todo, journal, fp.device_class, settings.retries)
+    for key, failures in ordered.given_up:
+        console.print(
+            f"  [yellow]not retried[/yellow] {_label(key, problems)}: failed or timed out "
+            f"{failures} times (--retries {settings.retries})"
+        )
     summary = None
-    if todo and not dry_run:
-        summary = run_with_progress(todo, problems, store_path, settings)
+    if ordered.todo and not dry_run:
+        with fleet_artifacts(fp, store_path) as artifacts:
+            summary = run_with_progress(ordered.todo, problems, store_path, settings)
+            artifacts.push()
     if sources.misses and not dry_run:
         tuned = current_keys(store, fp)
         store.clear_misses(fp.device_class, [str(k) for k in problems if str(k) in tuned])
@@ -410,6 +452,45 @@ def tune_all(
     report.render(rep, console, limit=40)
     _write_report(rep, out)
     return 0 if all(r.status == "tuned" for r in rep.rows) else 1
+
+
+class _Artifacts:
+    """The fleet's compiled kernels for this host, fetched before a run compiles anything, and
+    the ones the run built pushed after it (when the token may publish: scope build)."""
+
+    def __init__(self, fp: Fingerprint) -> None:
+        self.client = FleetClient.from_env()
+        self.archs = host_archs(fp)
+
+    def fetch(self, store: Store) -> None:
+        if self.client is None or not self.archs:
+            return
+        with fleet_service(self.client.server), ArtifactStore() as kernels:
+            got = sync_artifacts(self.client, kernels, store, self.archs)
+        console.print(f"fleet: fetched {got.fetched} compiled kernels ({got.present} already here)")
+
+    def push(self) -> None:
+        if self.client is None or not self.archs:
+            return
+        try:
+            with ArtifactStore() as kernels:
+                sent = push_artifacts(self.client, kernels)
+        except FleetError as e:  # a token without the build scope: the results still count
+            console.print(f"[yellow]fleet: compiled kernels not published: {e}[/yellow]")
+            return
+        console.print(f"fleet: published {sent.published} compiled kernels ({sent.present} there)")
+
+
+@contextlib.contextmanager
+def fleet_artifacts(fp: Fingerprint, store_path: Path) -> Iterator[_Artifacts]:
+    artifacts = _Artifacts(fp)
+    try:
+        with Store(store_path) as store:
+            artifacts.fetch(store)
+        yield artifacts
+    finally:
+        if artifacts.client is not None:
+            artifacts.client.close()
 
 
 def _write_report(rep: report.Report, out: Path | None) -> None:

@@ -24,17 +24,35 @@ from tuner.offline.plots import geomean, speedup_plot
 from tuner.offline.tune_all import ProblemSet, RunSummary
 
 
+def shape_label(shape: str, label: str = "") -> str:
+    """A problem's name in tables and plots: its shape always, then where it came from."""
+    return f"{shape} ({label})" if label and label != shape else shape
+
+
 @dataclass
 class Row:
-    label: str
+    label: str  # where the problem came from (model, list, misses), else its shape
     key: str
     status: str  # tuned | stale (winner from other versions) | failed | timeout | pending
     baseline_us: float | None = None
-    winner_us: float | None = None
+    winner_us: float | None = None  # a timed-out problem's is what it kept (its baseline)
     source: str = ""
     candidate: str = ""
     tune_s: float | None = None
     error: str = ""
+    shape: str = ""  # the key's short form (``GemmKey.label``)
+    wait_s: float | None = None  # of tune_s: waiting for this problem's kernels to compile
+    compile_s: float | None = None  # the compile pool's time on it (beside the GPU's work)
+    compiled: int | None = None  # candidates compiled (or found compiled)
+    pruned: dict[str, int] = field(default_factory=dict)  # left out uncompiled, by rule
+
+    @property
+    def title(self) -> str:
+        return shape_label(self.shape or short_label(self.key), self.label)
+
+    @property
+    def timing_s(self) -> float | None:
+        return None if self.tune_s is None else self.tune_s - (self.wait_s or 0.0)
 
     @property
     def speedup(self) -> float | None:
@@ -60,12 +78,20 @@ class Report:
         worst = min(timed, key=lambda r: r.speedup or 0.0, default=None)
         best = max(timed, key=lambda r: r.speedup or 0.0, default=None)
         counts = {s: sum(r.status == s for r in self.rows) for s in _STATUS_ORDER}
+        pruned: dict[str, int] = {}
+        for r in self.rows:
+            for rule, n in r.pruned.items():
+                pruned[rule] = pruned.get(rule, 0) + n
         return {
             "problems": len(self.rows),
             **counts,
             "geomean_speedup": geomean(speedups) if speedups else None,
-            "worst": {"label": worst.label, "speedup": worst.speedup} if worst else None,
-            "best": {"label": best.label, "speedup": best.speedup} if best else None,
+            "worst": {"label": worst.title, "speedup": worst.speedup} if worst else None,
+            "best": {"label": best.title, "speedup": best.speedup} if best else None,
+            "compiled": sum(r.compiled or 0 for r in self.rows),
+            "pruned": pruned,  # by rule: tile, roofline (tuner.tuning.pruning)
+            "compile_wait_s_total": sum(r.wait_s or 0.0 for r in self.rows),
+            "compile_pool_s_total": sum(r.compile_s or 0.0 for r in self.rows),
             "tuning_s_total": sum(tune_times),
             "tuning_s_median": sorted(tune_times)[len(tune_times) // 2] if tune_times else None,
             "wall_s": self.wall_s,
@@ -79,7 +105,10 @@ class Report:
             "versions": self.versions,
             "created_at": self.created_at,
             "summary": self.summary(),
-            "rows": [{**asdict(r), "speedup": r.speedup} for r in self.rows],
+            "rows": [
+                {**asdict(r), "speedup": r.speedup, "title": r.title, "timing_s": r.timing_s}
+                for r in self.rows
+            ],
         }
 
 
@@ -107,20 +136,34 @@ def _journal_index(journal: list[dict[str, Any]], device_class: str) -> dict[str
     return out
 
 
+def _costs(rec: dict[str, Any]) -> dict[str, Any]:
+    """A journal record's compile/timing split (absent in records of older runs)."""
+    return {
+        "tune_s": rec["seconds"], "wait_s": rec.get("wait_s"), "compile_s": rec.get("compile_s"),
+        "compiled": rec.get("compiled"), "pruned": rec.get("pruned") or {},
+    }  # fmt: skip
+
+
 def _row(label: str, key: str, winner: Winner | None, records: list[dict], fp: Fingerprint) -> Row:
+    shape = short_label(key)
+    last = records[-1] if records else None
+    if winner is not None and last is not None and last["status"] == "timeout":
+        return Row(
+            label, key, "timeout", winner.baseline_us, winner.median_us, winner.source,
+            winner.candidate, error=last["error"], shape=shape, **_costs(last),
+        )  # fmt: skip
     if winner is not None:
         tuned = [r for r in records if r["status"] == "tuned"]
         match = [r for r in tuned if r.get("run_id") == winner.run_id] or tuned[-1:]
+        costs = _costs(match[-1]) if match else {}
         return Row(
             label, key, "tuned" if winner.measured_under(fp) else "stale",
             winner.baseline_us, winner.median_us, winner.source, winner.candidate,
-            match[-1]["seconds"] if match else None,
+            shape=shape, **costs,
         )  # fmt: skip
-    if records:
-        last = records[-1]
-        if last["status"] in ("failed", "timeout"):
-            return Row(label, key, last["status"], tune_s=last["seconds"], error=last["error"])
-    return Row(label, key, "pending")
+    if last is not None and last["status"] in ("failed", "timeout"):
+        return Row(label, key, last["status"], error=last["error"], shape=shape, **_costs(last))
+    return Row(label, key, "pending", shape=shape)
 
 
 def build(
@@ -135,7 +178,7 @@ def build(
     winners = {w.key: w for w in store.winners(fp.device_class)}
     records = _journal_index(journal or [], fp.device_class)
     if problems is not None:
-        items = [(problems.label(k) or short_label(k), str(k)) for k in problems]
+        items = [(problems.label(k) or k.label, str(k)) for k in problems]
     else:
         failed = {k for k, recs in records.items() if recs[-1]["status"] in ("failed", "timeout")}
         items = [(short_label(k), k) for k in sorted(set(winners) | failed, key=_order)]
@@ -156,7 +199,7 @@ def write(report: Report, out_dir: Path, *, title: str = "tune-all") -> tuple[Pa
     if not plotted:
         return json_path, None
     png = speedup_plot(
-        [r.label for r in plotted],
+        [r.title for r in plotted],
         [r.speedup or 1.0 for r in plotted],
         out_dir / "speedup.png",
         title=f"{title} on {report.device_class}: speedup of the winner over the baseline",
@@ -172,7 +215,9 @@ def _fmt(x: float | None, spec: str) -> str:
 def render(report: Report, console: Console, *, limit: int | None = None) -> None:
     """A table of the problems (failures first) and the summary lines."""
     t = Table(title=f"{len(report.rows)} problems on {report.device_class}")
-    for col in ("problem", "status", "baseline us", "winner us", "speedup", "winner", "tune s"):
+    columns = ("problem", "status", "baseline us", "winner us", "speedup", "winner", "tune s",
+               "compile wait s", "pruned")  # fmt: skip
+    for col in columns:
         t.add_column(col, overflow="fold")
     order = {"failed": 0, "timeout": 1, "pending": 2, "stale": 3, "tuned": 4}
     rows = sorted(report.rows, key=lambda r: order[r.status])
@@ -181,8 +226,9 @@ def render(report: Report, console: Console, *, limit: int | None = None) -> Non
         color = "green" if sp and sp > 1.0 else ("red" if r.status in ("failed", "timeout") else "")
         speed = f"[{color}]{sp:.2f}x[/{color}]" if sp and color else _fmt(sp, ".2f")
         t.add_row(
-            r.label, r.status, _fmt(r.baseline_us, ".2f"), _fmt(r.winner_us, ".2f"), speed,
-            r.candidate[:48] or r.error[:48], _fmt(r.tune_s, ".1f"),
+            r.title, r.status, _fmt(r.baseline_us, ".2f"), _fmt(r.winner_us, ".2f"), speed,
+            r.candidate[:48] or r.error[:48], _fmt(r.tune_s, ".1f"), _fmt(r.wait_s, ".1f"),
+            str(sum(r.pruned.values())) if r.pruned else "-",
         )  # fmt: skip
     console.print(t)
     if limit is not None and len(rows) > limit:
@@ -201,3 +247,9 @@ def render(report: Report, console: Console, *, limit: int | None = None) -> Non
     if s["wall_s"] is not None:
         line += f"; wall time {s['wall_s']:.1f} s on {s['workers']} worker(s)"
     console.print(line + (f"; stopped early: {s['stopped']}" if s["stopped"] else ""))
+    pruned = ", ".join(f"{n} by {rule}" for rule, n in sorted(s["pruned"].items())) or "none"
+    console.print(
+        f"compiling: {s['compiled']} candidates compiled ahead ({s['compile_pool_s_total']:.1f} s "
+        f"of compile jobs), {s['compile_wait_s_total']:.1f} s waited for; pruned uncompiled: "
+        f"{pruned}"
+    )

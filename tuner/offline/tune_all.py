@@ -7,9 +7,15 @@ the rest with one ``RunSettings``.
   ``tuner.tuning.tune`` and commits each problem's measurements and winner in one transaction.
 - **Resumable.** A problem with a winner for this device class and these versions is skipped, so
   a killed run (even SIGKILL) loses at most the problems in flight; workers die with the parent.
+- **Compiling ahead.** One compile pool for the run (``tuner.tuning.compile_pool``) gets every
+  problem up front, in the run's order: while a worker times problem i, the CPU cores compile
+  the next ones; a worker waits only for its own problem's job.
 - **Budgets.** A problem past ``problem_timeout_s`` has its worker killed (that also covers a
-  candidate that hangs or breaks its CUDA context): it is recorded as ``timeout`` and a fresh
-  worker takes the slot. Past ``time_limit_s`` no new problem starts.
+  candidate that hangs or breaks its CUDA context): it is recorded as ``timeout``, keeps the
+  best it measured (its baseline, which no challenger beat in a finished duel) as its winner,
+  and a fresh worker takes the slot. Past ``time_limit_s`` no new problem starts.
+- **Retries.** A problem that failed or timed out is tried again by later runs at most
+  ``retries`` times, after every other problem, the longest-failing last (``order``).
 - **Failures** (the baseline itself failing, a crashed worker) are recorded and the run goes on.
 - **Ctrl-C** lets the problems in flight finish; a second Ctrl-C, or a SIGTERM, kills them; the
   run still ends with its report.
@@ -21,6 +27,7 @@ tuning time, status and error, which the report reads (failures have no winner i
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -38,10 +45,14 @@ from typing import Any
 from tuner.cache import Store
 from tuner.core.device import Fingerprint
 from tuner.core.keys import Key, parse_key
+from tuner.measure.records import Measurement, Winner
 from tuner.offline.model_config import ModelConfig, expand
 from tuner.offline.problem_list import load_problems
 from tuner.offline.tunableop import Imported
-from tuner.tuning.engine import TuneOptions
+from tuner.tuning import compile_pool, pruning
+from tuner.tuning.compile_pool import CompilePool
+from tuner.tuning.engine import TuneOptions, effective_us
+from tuner.tuning.isolation import runtime_sources
 from tuner.tuning.supervisor import CTX, Child, Supervised
 
 log = logging.getLogger(__name__)
@@ -109,9 +120,55 @@ def current_keys(store: Store, fp: Fingerprint) -> set[str]:
     return {w.key for w in store.winners(fp.device_class) if w.measured_under(fp)}
 
 
-def pending(store: Store, fp: Fingerprint, keys: Iterable[Key], force: bool = False) -> list[Key]:
-    done = set() if force else current_keys(store, fp)
+def pending(
+    store: Store,
+    fp: Fingerprint,
+    keys: Iterable[Key],
+    force: bool = False,
+    journal: list[dict[str, Any]] | None = None,
+) -> list[Key]:
+    """Keys without a current winner, or whose winner is what a timed-out run kept."""
+    done = set() if force else current_keys(store, fp) - kept_after_timeout(journal or [], fp)
     return [k for k in keys if str(k) not in done]
+
+
+def _last_records(journal: list[dict[str, Any]], device_class: str) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for rec in journal:
+        if rec.get("device_class") in (device_class, ""):
+            out[rec["key"]] = rec
+    return out
+
+
+def kept_after_timeout(journal: list[dict[str, Any]], fp: Fingerprint) -> set[str]:
+    """Keys whose last run timed out (whatever winner it kept is to be tuned again)."""
+    last = _last_records(journal, fp.device_class)
+    return {k for k, rec in last.items() if rec["status"] == "timeout"}
+
+
+@dataclass
+class Order:
+    todo: list[Key]  # never failed first, in their order; then earlier failures, shortest first
+    given_up: list[tuple[Key, int]]  # failed more than ``retries`` times: (key, failures)
+
+
+def order(keys: list[Key], journal: list[dict[str, Any]], device_class: str, retries: int) -> Order:
+    """The run's order: problems that failed or timed out before (since their last success)
+    go last, by the longest time one of their failures took, so one that hangs cannot hold up
+    the others; one that failed more than ``retries`` times is not tried again."""
+    failures: dict[str, list[float]] = {}
+    for rec in journal:
+        if rec.get("device_class") not in (device_class, ""):
+            continue
+        if rec["status"] == "tuned":
+            failures.pop(rec["key"], None)
+        elif rec["status"] in ("failed", "timeout"):
+            failures.setdefault(rec["key"], []).append(float(rec.get("seconds") or 0.0))
+    fresh = [k for k in keys if str(k) not in failures]
+    again = [k for k in keys if 0 < len(failures.get(str(k), ())) <= retries]
+    again.sort(key=lambda k: max(failures[str(k)]))
+    given_up = [(k, len(failures[str(k)])) for k in keys if len(failures.get(str(k), ())) > retries]
+    return Order(fresh + again, given_up)
 
 
 # --- the journal -------------------------------------------------------------------------------
@@ -155,6 +212,9 @@ class RunSettings:
     time_limit_s: float | None = None  # no new problem starts after this many seconds
     workers: int | None = None  # default: one per local GPU, one on the CPU
     force: bool = False  # retune problems that already have a current winner
+    retries: int = 2  # later runs try a failed or timed-out problem again at most this often
+    compile_ahead: bool = True  # one compile pool for the run (tuner.tuning.compile_pool)
+    compile_jobs: int | None = None  # problems compiled at once (default: compile_pool's)
 
     def __post_init__(self) -> None:
         if not self.problem_timeout_s > 0:
@@ -163,6 +223,10 @@ class RunSettings:
             raise ValueError(f"time_limit_s must be > 0 or None, got {self.time_limit_s!r}")
         if self.workers is not None and self.workers < 1:
             raise ValueError(f"workers must be >= 1 or None, got {self.workers!r}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries!r}")
+        if self.compile_jobs is not None and self.compile_jobs < 1:
+            raise ValueError(f"compile_jobs must be >= 1 or None, got {self.compile_jobs!r}")
 
 
 @dataclass
@@ -172,8 +236,12 @@ class Result:
     seconds: float
     worker: int
     device_class: str = ""
-    winner: dict[str, Any] | None = None  # Winner.to_row() when tuned
+    winner: dict[str, Any] | None = None  # Winner.to_row() when tuned, or kept at a timeout
     error: str = ""
+    wait_s: float = 0.0  # of ``seconds``: waiting for this problem's kernels to compile
+    compile_s: float | None = None  # the compile pool's time on this problem (off the GPU)
+    compiled: int | None = None  # candidates the compile pool compiled (or found compiled)
+    pruned: dict[str, int] = field(default_factory=dict)  # left out uncompiled, by rule
 
 
 @dataclass
@@ -188,9 +256,8 @@ class RunSummary:
         return sum(r.status == status for r in self.results)
 
 
-Event = tuple[
-    str, Any
-]  # ("ready", (slot, device_class)) | ("start", (slot, key)) | ("result", Result) | ("notice", text)
+# ("ready", (slot, device_class)) | ("start", (slot, key)) | ("result", Result) | ("notice", text)
+Event = tuple[str, Any]
 
 
 def local_workers(requested: int | None) -> tuple[int, list[int | None]]:
@@ -211,8 +278,20 @@ def run(
 ) -> RunSummary:
     """Tune ``keys`` in worker processes; results are in the store as soon as each is done."""
     _, devices = local_workers(settings.workers)
-    pool = _Pool(store_path.resolve(), settings, devices, on_event or (lambda e: None))
-    return pool.run(keys)
+    compiler = None
+    if settings.compile_ahead and keys:
+        compiler = CompilePool(
+            keys, settings.tune, "cpu" if devices[0] is None else "cuda",
+            jobs=settings.compile_jobs, sources=runtime_sources(),
+        )  # fmt: skip
+    pool = _Pool(store_path.resolve(), settings, devices, on_event or (lambda e: None), compiler)
+    try:
+        if compiler is not None:
+            compiler.start()
+        return pool.run(keys)
+    finally:
+        if compiler is not None:
+            compiler.close()
 
 
 @dataclass
@@ -225,6 +304,7 @@ class _Slot:
     key: Key | None = None  # the problem in flight
     started: float = 0.0
     deaths: int = 0
+    measured: list[Measurement] = field(default_factory=list)  # of the problem in flight
 
     @property
     def child(self) -> Child:
@@ -239,14 +319,17 @@ class _Pool:
         settings: RunSettings,
         devices: list[int | None],
         emit: Callable[[Event], None],
+        compiler: CompilePool | None = None,
     ) -> None:
         self.store_path, self.settings, self.emit = store_path, settings, emit
+        self.compiler = compiler
+        events = compiler.events if compiler else {}
         self.journal = journal_path(store_path)
         self.tasks = CTX.Queue()
         self.stop = CTX.Event()
         self.slots = [
             _Slot(i, Supervised(worker_main, (i, d, str(store_path), settings, self.tasks,
-                                              self.stop), name=f"tune-all-{i}"))
+                                              self.stop, events), name=f"tune-all-{i}"))
             for i, d in enumerate(devices)
         ]  # fmt: skip
         self.results: list[Result] = []
@@ -309,7 +392,7 @@ class _Pool:
 
     def _spawn(self, slot: _Slot) -> None:
         slot.worker.restart()
-        slot.ready, slot.key = False, None
+        slot.ready, slot.key, slot.measured = False, None, []
 
     def _kill_all(self) -> None:
         """Kill the workers; one that said "exit" first gets time to shut down cleanly, so that
@@ -366,13 +449,13 @@ class _Pool:
             slot.ready, slot.device_class = True, data
             self.emit(("ready", (slot.index, data)))
         elif kind == "start":
-            slot.key, slot.started = data, time.perf_counter()
+            slot.key, slot.started, slot.measured = data, time.perf_counter(), []
             self.emit(("start", (slot.index, data)))
+        elif kind == "measurement":
+            slot.measured.append(Measurement.from_row(data))
         elif kind == "result":
-            result = data
             slot.key = None
-            self.results.append(result)
-            self.emit(("result", result))
+            self._record(data)
         elif kind == "exit":
             slot.done = True
 
@@ -402,8 +485,35 @@ class _Pool:
         assert slot.key is not None
         seconds = time.perf_counter() - slot.started
         result = Result(slot.key, status, seconds, slot.index, slot.device_class, error=error)
+        if status == "timeout":
+            result.winner = self._keep_best(slot)
+            result.pruned = pruning.count(slot.measured)
         slot.key = None
-        append_journal(self.journal, _journal_record(result))
+        self._record(result)
+
+    def _keep_best(self, slot: _Slot) -> dict[str, Any] | None:
+        """A problem cut off by its limit keeps what it measured, its baseline as the winner
+        (no challenger finished its duel): served meanwhile, tuned again by a later run."""
+        base = next((m for m in slot.measured if m.is_baseline and m.status == "ok"), None)
+        if base is None or base.median_us is None:
+            return None
+        us = effective_us(base, self.settings.tune.launch)
+        winner = Winner(
+            device_class=base.device_class, key=base.key, source=base.source, params=base.params,
+            median_us=us, baseline_us=us, versions=base.versions, run_id=base.run_id,
+            launch=base.launch,
+        )  # fmt: skip
+        with Store(self.store_path) as store:
+            store.save_run(slot.measured, winner)
+        return winner.to_row()
+
+    def _record(self, result: Result) -> None:
+        """Journal and announce a finished problem, with what the compile pool did for it."""
+        done = self.compiler.result(result.key) if self.compiler else None
+        if done is not None:
+            result.compile_s, result.compiled = done.seconds, done.compiled
+        if result.status != "skipped":
+            append_journal(self.journal, _journal_record(result))
         self.results.append(result)
         self.emit(("result", result))
 
@@ -427,8 +537,11 @@ def worker_main(
     settings: RunSettings,
     tasks: Any,
     stop: Any,
+    compiled: dict[str, Any],
 ) -> None:
-    """Pull keys until the sentinel or the stop signal; commit each problem when it is done."""
+    """Pull keys until the sentinel or the stop signal; commit each problem when it is done.
+    Each measurement goes to the parent as it is made (a problem cut off keeps them);
+    ``compiled`` holds the run's compile-pool events, one per key."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # the parent decides; it dies, so do we
         signal.signal(sig, signal.SIG_IGN)
     if device is not None:  # before any CUDA call: this GPU becomes device 0, here and in children
@@ -438,7 +551,10 @@ def worker_main(
     from tuner.core.device import fingerprint
 
     fp = fingerprint("cuda" if device is not None else "cpu")
-    journal = journal_path(Path(store_path))
+
+    def measured(m: Measurement) -> None:
+        conn.send(("measurement", m.to_row()))
+
     with Store(store_path) as store:
         store.save_device(fp)
         conn.send(("ready", fp.device_class))
@@ -450,14 +566,21 @@ def worker_main(
             if key is None:
                 break
             conn.send(("start", key))
-            result = _tune_one(key, store, fp, settings, index)
-            if result.status != "skipped":
-                append_journal(journal, _journal_record(result))
+            wait = functools.partial(compile_pool.wait, compiled, key) if compiled else None
+            result = _tune_one(key, store, fp, settings, index, measured, wait)
             conn.send(("result", result))
     conn.send(("exit", None))
 
 
-def _tune_one(key: Key, store: Store, fp: Fingerprint, settings: RunSettings, index: int) -> Result:
+def _tune_one(
+    key: Key,
+    store: Store,
+    fp: Fingerprint,
+    settings: RunSettings,
+    index: int,
+    on_result: Callable[[Measurement], None],
+    compiled: Callable[[], Any] | None,
+) -> Result:
     from tuner.tuning.tune import tune
 
     t0 = time.perf_counter()
@@ -465,9 +588,12 @@ def _tune_one(key: Key, store: Store, fp: Fingerprint, settings: RunSettings, in
     if not settings.force and existing is not None and existing.measured_under(fp):
         return Result(key, "skipped", 0.0, index, fp.device_class, existing.to_row())
     try:
-        outcome = tune(key, options=settings.tune)
+        outcome = tune(key, options=settings.tune, on_result=on_result, compiled=compiled)
     except Exception as e:  # the baseline failed, or the problem cannot be set up here
         error = f"{type(e).__name__}: {e}"[:2000]
         return Result(key, "failed", time.perf_counter() - t0, index, fp.device_class, error=error)
     store.save_run(outcome.measurements, outcome.winner)
-    return Result(key, "tuned", outcome.seconds, index, fp.device_class, outcome.winner.to_row())
+    return Result(
+        key, "tuned", outcome.seconds, index, fp.device_class, outcome.winner.to_row(),
+        wait_s=outcome.compile_s, pruned=outcome.pruned,
+    )  # fmt: skip

@@ -1,7 +1,8 @@
 """tune(key): candidates -> build -> check numerics -> time -> winner.
 
 Every candidate ends as one Measurement: ``ok`` (timed), ``rejected`` (wrong numbers or NaN),
-``failed`` (did not build or crashed), ``cut`` (far slower than the best so far after a probe) or
+``failed`` (did not build or crashed), ``cut`` (far slower than the best so far after a probe, or
+pruned before compiling: it cannot beat the baseline, ``tuner.tuning.pruning``) or
 ``unsupported`` (its source has nothing for this key). The baseline (torch's default) keeps the
 win unless a challenger beats it by more than the measured noise, so a tuned result is never
 slower than doing nothing.
@@ -21,9 +22,10 @@ import torch
 from tuner.candidates import registry
 from tuner.candidates.base import Params, Runner, Source
 from tuner.core.device import fingerprint
-from tuner.core.keys import Key
+from tuner.core.keys import GemmKey, Key
 from tuner.measure import samples, timing
 from tuner.measure.records import LAUNCHES, Measurement, Winner, candidate_name
+from tuner.tuning import pruning
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class TuneOptions:
     sources: list[str] | None = None  # restrict to these source names
     max_candidates: int | None = None  # per source
     isolate: bool = False  # candidates in a replaceable worker process (tuner.tuning.tune)
+    prune: bool = True  # leave out, uncompiled, what cannot beat the baseline (tuning.pruning)
 
     def __post_init__(self) -> None:
         if self.launch not in LAUNCHES:
@@ -68,6 +71,12 @@ class TuneOutcome:
     winner: Winner
     measurements: list[Measurement] = field(default_factory=list)
     seconds: float = 0.0
+    compile_s: float = 0.0  # of ``seconds``: compiling (or waiting for the run's compile pool)
+
+    @property
+    def pruned(self) -> dict[str, int]:
+        """Candidates left out before compiling, by rule (``tuner.tuning.pruning``)."""
+        return pruning.count(self.measurements)
 
     @property
     def baseline(self) -> Measurement:
@@ -358,6 +367,30 @@ def _short(e: BaseException) -> str:
     return text if len(text) < 2000 else text[:2000] + "..."
 
 
+def _wanted(source: Source, options: TuneOptions) -> bool:
+    return (
+        options.sources is None
+        or source.name in options.sources
+        or source.baseline_params is not None
+    )
+
+
+def candidate_shortlists(
+    key: Key, device: str, options: TuneOptions
+) -> list[tuple[Source, list[Params]]]:
+    """Each wanted source that has candidates for ``key`` here, with its shortlist; sources
+    that cannot offer any are left out silently (``tune`` records why)."""
+    found = []
+    for source in registry.sources(key.op):
+        if not _wanted(source, options) or source.unavailable(device) or source.unsupported(key):
+            continue
+        try:
+            found.append((source, source.candidates(key, device)[: options.max_candidates]))
+        except Exception as e:
+            log.info("%s: no candidates for %s: %s", source.name, key, _short(e)[:300])
+    return found
+
+
 def _shortlists(
     key: Key,
     device: str,
@@ -366,16 +399,11 @@ def _shortlists(
     record: Callable[..., Measurement],
     measurements: list[Measurement],
 ) -> list[tuple[Source, list[Params]]]:
-    """Each source that has candidates for ``key`` here, with its shortlist, every shortlist
-    precompiled before any timing starts (a source compiles its own in parallel). A source that
-    is skipped, unsupported or cannot list candidates is recorded once, by name."""
+    """Each source that has candidates for ``key`` here, with its shortlist. A source that is
+    skipped, unsupported or cannot list candidates is recorded once, by name."""
     found: list[tuple[Source, list[Params]]] = []
     for source in registry.sources(key.op):
-        if (
-            options.sources is not None
-            and source.name not in options.sources
-            and source.baseline_params is None
-        ):
+        if not _wanted(source, options):
             continue
         earlier = done.get(candidate_name(source.name, {}))
         if earlier is not None and (
@@ -393,14 +421,56 @@ def _shortlists(
             record(source, {}, "failed", error=f"candidates: {_short(e)}")
             continue
         found.append((source, shortlist))
-    for source, shortlist in found:
+    return found
+
+
+def _prune(
+    key: Key,
+    device: str,
+    plan: list[tuple[Source, list[Params]]],
+    base: Measurement | None,
+    options: TuneOptions,
+    record: Callable[..., Measurement],
+    done: dict[str, Measurement],
+    measurements: list[Measurement],
+) -> list[tuple[Source, list[Params]]]:
+    """The plan less what ``pruning`` says cannot win, each of those recorded as ``cut`` with
+    its reason (so a resumed worker does not compile it either)."""
+    if not options.prune or not pruning.prunable(key):
+        return plan
+    baseline_us = (
+        None if base is None or base.status != "ok" else effective_us(base, options.launch)
+    )
+    assert isinstance(key, GemmKey)
+    on_gpu = baseline_us is not None and device == "cuda"  # host timings bound nothing
+    roof = pruning.measured_roof(device, key.dtype, key.compute) if on_gpu else None
+    out = []
+    for source, shortlist in plan:
+        challengers = [p for p in shortlist if not source.is_baseline(p)]
+        kept, pruned = pruning.prune(
+            key, challengers, roof=roof, baseline_us=baseline_us, margin=options.min_noise
+        )
+        for p in pruned:
+            earlier = done.get(candidate_name(source.name, p.params))
+            if earlier is not None:
+                measurements.append(earlier)
+            else:
+                record(source, p.params, "cut", error=pruning.describe(p))
+        out.append((source, [p for p in shortlist if source.is_baseline(p) or p in kept]))
+    return out
+
+
+def _precompile(
+    key: Key, plan: list[tuple[Source, list[Params]]], done: dict[str, Measurement]
+) -> None:
+    """Compile what is left to time, each source in parallel as it can, before any timing."""
+    for source, shortlist in plan:
         todo = [p for p in shortlist if candidate_name(source.name, p) not in done]
         if todo:
             try:
                 source.precompile(key, todo)
             except Exception as e:  # each candidate's build says what failed, on its own row
                 log.warning("%s: precompile failed on %s: %s", source.name, key, _short(e)[:300])
-    return found
 
 
 def tune(
@@ -412,6 +482,7 @@ def tune(
     prior: list[Measurement] | None = None,
     on_start: Callable[[Source, Params], None] | None = None,
     on_result: Callable[[Measurement], None] | None = None,
+    compiled: Callable[[], None] | None = None,
 ) -> TuneOutcome:
     """Tune one problem on the current device and return its winner and all measurements.
 
@@ -420,6 +491,11 @@ def tune(
     ``options.isolate``. The isolation worker uses the hooks: ``prior`` measurements (of an
     earlier, crashed worker) are taken as they are instead of running those candidates again;
     ``on_start`` is called before each candidate runs, ``on_result`` with each new measurement.
+
+    The baseline is timed first, so that ``pruning`` can drop what cannot beat it before
+    anything is compiled. ``compiled``, when given, replaces this process's precompile: it
+    returns once a run-wide compile pool (``tuner.tuning.compile_pool``) has compiled this
+    problem.
     """
     options = options or TuneOptions()
     if options.isolate:
@@ -459,27 +535,41 @@ def tune(
         record,
     )
 
+    plan = _shortlists(key, device, options, done, record, measurements)
     best_us: float | None = None
-    for source, shortlist in _shortlists(key, device, options, done, record, measurements):
+
+    def run(source: Source, params: Params) -> Measurement:
+        nonlocal best_us
+        # the baseline is never cut: every decision is relative to it
+        cutoff = (
+            None if source.is_baseline(params) or best_us is None else best_us * options.cut_factor
+        )
+        m = done.get(candidate_name(source.name, params))
+        if m is not None:
+            measurements.append(m)
+        else:
+            if on_start:
+                on_start(source, params)
+            m = trial.run(source, params, cutoff, options)
+        if m.status == "ok":
+            us = effective_us(m, options.launch)
+            best_us = us if best_us is None else min(best_us, us)
+        elif m.is_baseline:
+            log.error("baseline %s failed on %s: %s", m.candidate, key, m.error)
+        return m
+
+    base = next((run(s, p) for s, shortlist in plan for p in shortlist if s.is_baseline(p)), None)
+    plan = _prune(key, device, plan, base, options, record, done, measurements)
+    t0 = time.perf_counter()
+    if compiled is not None:
+        compiled()
+    else:
+        _precompile(key, plan, done)
+    compile_s = time.perf_counter() - t0
+    for source, shortlist in plan:
         for params in shortlist:
-            # the baseline is never cut: every decision is relative to it
-            cutoff = (
-                None
-                if source.is_baseline(params) or best_us is None
-                else best_us * options.cut_factor
-            )
-            m = done.get(candidate_name(source.name, params))
-            if m is not None:
-                measurements.append(m)
-            else:
-                if on_start:
-                    on_start(source, params)
-                m = trial.run(source, params, cutoff, options)
-            if m.status == "ok":
-                us = effective_us(m, options.launch)
-                best_us = us if best_us is None else min(best_us, us)
-            elif m.is_baseline:
-                log.error("baseline %s failed on %s: %s", m.candidate, key, m.error)
+            if not source.is_baseline(params):
+                run(source, params)
 
     base = next((m for m in measurements if m.is_baseline and m.status == "ok"), None)
     if base is None:
@@ -499,4 +589,4 @@ def tune(
         median_us=chosen_us, baseline_us=base_us, versions=fp.version_tag, run_id=run_id,
         launch=options.launch,
     )  # fmt: skip
-    return TuneOutcome(key, winner, measurements, time.perf_counter() - started)
+    return TuneOutcome(key, winner, measurements, time.perf_counter() - started, compile_s)

@@ -69,7 +69,7 @@ def _context_lost(m: Measurement, device: str) -> bool:
     return False
 
 
-def _register(sources: dict[str, str]) -> list[str]:
+def register_sources(sources: dict[str, str]) -> list[str]:
     """Register the parent's run-time sources here; the ones that cannot be imported."""
     from tuner.candidates import registry
 
@@ -94,7 +94,7 @@ def _serve(conn: Any) -> None:
         if request[0] == "stop":
             return
         _, key, options, device, prior_rows, sources = request
-        for text in _register(sources):
+        for text in register_sources(sources):
             conn.send(("warning", f"source not available in the worker: {text}"))
         device = device or engine.current_device()
 
@@ -123,13 +123,14 @@ def _serve(conn: Any) -> None:
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
             continue
-        conn.send(("done", outcome.winner.to_row(), [m.to_row() for m in outcome.measurements]))
+        rows = [m.to_row() for m in outcome.measurements]
+        conn.send(("done", outcome.winner.to_row(), rows, outcome.compile_s))
 
 
 # --- the parent side -----------------------------------------------------------------------------
 
 
-def _runtime_sources() -> dict[str, str]:
+def runtime_sources() -> dict[str, str]:
     """Sources registered at run time in this process (not built in, not plugins), by target."""
     from tuner.candidates import registry
     from tuner.candidates.base import Source
@@ -205,6 +206,7 @@ class WorkerPool:
         *,
         device: str | None = None,
         progress: Callable[[str], None] | None = None,
+        on_result: Callable[[Measurement], None] | None = None,
     ) -> TuneOutcome:
         options = dataclasses.replace(options or TuneOptions(), isolate=False)
         run = _Run(key)
@@ -213,9 +215,9 @@ class WorkerPool:
             worker = self._slot.live()
             worker.conn.send(
                 ("tune", key, options, device, [m.to_row() for m in run.measurements],
-                 _runtime_sources())
+                 runtime_sources())
             )  # fmt: skip
-            outcome = self._follow(worker, run, progress)
+            outcome = self._follow(worker, run, progress, on_result)
             if outcome is not None:
                 run_id = uuid.uuid4().hex
                 for m in outcome.measurements:
@@ -225,7 +227,11 @@ class WorkerPool:
                 return outcome
 
     def _follow(
-        self, worker: Child, run: _Run, progress: Callable[[str], None] | None
+        self,
+        worker: Child,
+        run: _Run,
+        progress: Callable[[str], None] | None,
+        on_result: Callable[[Measurement], None] | None,
     ) -> TuneOutcome | None:
         """Relay one worker's messages; the outcome, or None after the worker died."""
         while True:
@@ -253,6 +259,8 @@ class WorkerPool:
             elif kind == "result":
                 run.measurements.append(Measurement.from_row(msg[1]))
                 run.in_flight = None
+                if on_result:
+                    on_result(run.measurements[-1])
             elif kind == "warning":
                 log.warning("%s", msg[1])
             elif kind == "context_lost":
@@ -261,7 +269,7 @@ class WorkerPool:
                 raise RuntimeError(f"{msg[1]} (in tuning worker {worker.pid})\n{msg[2]}")
             elif kind == "done":
                 measurements = [Measurement.from_row(r) for r in msg[2]]
-                return TuneOutcome(run.key, Winner.from_row(msg[1]), measurements)
+                return TuneOutcome(run.key, Winner.from_row(msg[1]), measurements, compile_s=msg[3])
 
     def _died(
         self, worker: Child, run: _Run, progress: Callable[[str], None] | None
@@ -305,6 +313,7 @@ def tune_isolated(
     *,
     device: str | None = None,
     progress: Callable[[str], None] | None = None,
+    on_result: Callable[[Measurement], None] | None = None,
 ) -> TuneOutcome:
     """``engine.tune`` in a worker process of the default pool; see the module docstring."""
-    return default_pool().tune(key, options, device=device, progress=progress)
+    return default_pool().tune(key, options, device=device, progress=progress, on_result=on_result)

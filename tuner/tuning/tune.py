@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tuner.core.keys import Key
+from tuner.measure.records import Measurement
 from tuner.tuning import engine, isolation
 from tuner.tuning.engine import TuneOptions, TuneOutcome
 
@@ -20,9 +21,22 @@ def tune(
     options: TuneOptions | None = None,
     device: str | None = None,
     progress: Callable[[str], None] | None = None,
+    on_result: Callable[[Measurement], None] | None = None,
+    compiled: Callable[[], None] | None = None,
 ) -> TuneOutcome:
-    """Tune ``key`` and return its winner and measurements; nothing is stored here."""
+    """Tune ``key`` and return its winner and measurements; nothing is stored here.
+
+    ``on_result`` sees each measurement as it is made; ``compiled`` waits for a run-wide compile
+    pool to have compiled ``key`` (``engine.tune``; an isolated worker waits before it starts and
+    then finds the kernels in the on-disk caches)."""
     options = options or TuneOptions()
     if options.isolate:
-        return isolation.tune_isolated(key, options, device=device, progress=progress)
-    return engine.tune(key, options=options, device=device, progress=progress)
+        if compiled is not None:
+            compiled()
+        return isolation.tune_isolated(
+            key, options, device=device, progress=progress, on_result=on_result
+        )
+    return engine.tune(
+        key, options=options, device=device, progress=progress, on_result=on_result,
+        compiled=compiled,
+    )  # fmt: skip
