@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner.cache.artifacts import ArtifactStore, pack
-from tuner.candidates import triton_cache
+from tuner.cache.artifacts import ArtifactStore, pack, shared_store
 from tuner.candidates.triton_cache import ArtifactCacheManager, fetch_group, kernel_spec
 
 KEY = "Q2FUWNKLS3GLKAEHFEGFHQVQPGK3J5UVJHXMTKF7MZG6HOQE7NQA"  # a base32 key, as Triton passes
@@ -33,12 +32,12 @@ META = {"name": "add_kernel", "target": {"backend": "cuda", "arch": 90, "warp_si
 def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("TUNER_ARTIFACTS", str(tmp_path / "artifacts"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-a"))
-    triton_cache.shared_store.cache_clear()
+    shared_store.cache_clear()
     yield tmp_path
-    store = triton_cache.shared_store()
+    store = shared_store()
     if store is not None:
         store.close()
-    triton_cache.shared_store.cache_clear()
+    shared_store.cache_clear()
 
 
 def compile_like_triton(manager: ArtifactCacheManager) -> dict[str, str]:
@@ -60,7 +59,7 @@ def test_a_kernel_is_one_artifact_and_comes_back_elsewhere(
     dirs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     compile_like_triton(ArtifactCacheManager(KEY))
-    store = triton_cache.shared_store()
+    store = shared_store()
     assert store is not None
     assert len(store.entries()) == 1
     stored = store.get(kernel_spec(KEY, "add_kernel.json", "cuda:90"))
@@ -83,7 +82,7 @@ def test_other_targets_and_other_files_are_not_shared(
     manager = ArtifactCacheManager(KEY)
     compile_like_triton(manager)
     manager.put(b"launcher module", "cuda_utils.so")  # not a kernel group: a plain file
-    store = triton_cache.shared_store()
+    store = shared_store()
     assert store is not None and len(store.entries()) == 1
     monkeypatch.setenv("TRITON_CACHE_DIR", str(dirs / "triton-b"))
     assert fetch_group(ArtifactCacheManager(KEY), store, "add_kernel.json", "cuda:80") is None

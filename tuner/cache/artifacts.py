@@ -24,6 +24,7 @@ anything is written.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -460,3 +461,15 @@ class ArtifactStore:
     def hashes(self) -> dict[str, str]:
         """Spec id -> hash of every served artifact (what a host already has)."""
         return dict(self._index().db.conn.execute("select spec_id, hash from artifacts"))
+
+
+@functools.cache
+def shared_store() -> ArtifactStore | None:
+    """This process's artifact store, shared by the compile hooks (Triton's cache manager,
+    CUTLASS builds) and the warmup; None, reported once, when it cannot be opened: kernels are
+    then compiled and cached locally only."""
+    try:
+        return ArtifactStore()
+    except (StoreError, OSError, ValueError) as e:
+        log.warning("compiled kernels are not shared: the artifact store cannot be opened: %s", e)
+        return None

@@ -7,17 +7,31 @@ When ``plan.compile`` finds that row it loads both without compiling. So the art
 ``KernelSpec`` is that row as a bundle (``kernel.cubin``, ``host.so``, ``operation.json``);
 ``publish`` stores it after a build, and ``install`` writes it back into an empty
 ``compiled_cache.db`` and marks the spec compiled, after which ``cutlass_env.load`` finds it.
+``install_missing`` and ``publish_once`` are the builder's calls around ``compile_all``: a
+failing store costs a log line, never a build.
 The host module links against the CUDA runtime library, which the loading host needs.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
+from collections.abc import Iterable
 from typing import Any
 
-from tuner.cache.artifacts import ArtifactError, ArtifactSpec, ArtifactStore, pack, unpack
+from tuner.cache.artifacts import (
+    ArtifactError,
+    ArtifactSpec,
+    ArtifactStore,
+    pack,
+    shared_store,
+    unpack,
+)
+from tuner.cache.sqlite import StoreError
 from tuner.candidates import cutlass_env as env
+
+log = logging.getLogger(__name__)
 
 # cutlass_cppgen's table, created by its ArtifactManager on import; ``install`` may run first.
 _TABLE = (
@@ -77,5 +91,35 @@ def install(store: ArtifactStore, spec: env.KernelSpec) -> bool:
     with sqlite3.connect(path) as conn:
         conn.execute(_TABLE)
         conn.execute("insert or ignore into compiled_operations values (?, ?, ?, ?, ?)", row)
-    env._record(spec, "compiled", {"name": meta["name"], "artifact": artifact_spec(spec).id})
+    env.record(spec, "compiled", {"name": meta["name"], "artifact": artifact_spec(spec).id})
     return True
+
+
+def install_missing(specs: Iterable[env.KernelSpec], store: ArtifactStore | None = None) -> None:
+    """Install the stored kernel of every spec not yet compiled (nor failed) here, so that
+    ``compile_all`` compiles only what no host has built. ``store``: the shared one by default,
+    opened only when a spec needs it."""
+    for spec in specs:
+        if env.compiled_info(spec) is not None or env.failure(spec) is not None:
+            continue
+        store = store or shared_store()
+        if store is None:
+            return
+        try:
+            install(store, spec)
+        except (ArtifactError, StoreError, OSError, sqlite3.Error) as e:
+            log.warning("stored CUTLASS kernel %s not installed, compiling it: %s", spec.digest, e)
+
+
+def publish_once(spec: env.KernelSpec, op: Any, store: ArtifactStore | None = None) -> None:
+    """Publish the compiled ``op`` of ``spec`` (to the shared store by default) unless this
+    cache marks it published, or installed, already."""
+    info = env.compiled_info(spec)
+    if info is None or "artifact" in info or (store := store or shared_store()) is None:
+        return
+    try:
+        publish(store, spec, op)
+    except (LookupError, ArtifactError, StoreError, OSError, sqlite3.Error) as e:
+        log.warning("CUTLASS kernel %s not stored as an artifact: %s", spec.digest, e)
+        return
+    env.record(spec, "compiled", {**info, "artifact": artifact_spec(spec).id})

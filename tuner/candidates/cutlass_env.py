@@ -5,7 +5,8 @@ What this module fixes or adds around ``cutlass_cppgen``:
 - CUDA 13 imports: ``cuda.cuda``/``cuda.cudart``/``cuda.nvrtc`` are mapped onto
   ``cuda.bindings.driver/runtime/nvrtc`` and ``cuda.__version__`` is set before the import;
 - ``-DNDEBUG`` joins the nvcc options (without it ptxas serialises wgmma), ``CUDA_INSTALL_PATH``
-  is set from nvcc's location;
+  is set from nvcc's location; without nvcc the package still imports and loads compiled
+  kernels (``missing``: what loading needs, ``cannot_compile``: what compiling needs);
 - ``compiled_cache.db`` and every scratch file live in the cache directory
   (``$CUTLASS_CACHE_DIR``, else ``$XDG_CACHE_HOME/tuner/cutlass``, else
   ``~/.cache/tuner/cutlass``), never in the current directory;
@@ -63,7 +64,8 @@ def nvcc_path() -> str | None:
 
 
 def missing() -> str | None:
-    """Why cutlass_cppgen cannot compile here (packages, nvcc), without importing it."""
+    """Why compiled CUTLASS kernels cannot be loaded here (packages), without importing them.
+    Loading needs no nvcc: a kernel built elsewhere is installed from the artifact store."""
     import importlib.util
 
     if importlib.util.find_spec("cutlass_cppgen") is None:
@@ -73,6 +75,13 @@ def missing() -> str | None:
         or importlib.util.find_spec("cuda.bindings") is None
     ):
         return "package missing: cuda-bindings"
+    return None
+
+
+def cannot_compile() -> str | None:
+    """Why CUTLASS kernels cannot be compiled here (``missing``, or no nvcc), else None."""
+    if reason := missing():
+        return reason
     if nvcc_path() is None:
         return "nvcc not found: put it on PATH or set CUDA_INSTALL_PATH"
     return None
@@ -109,17 +118,16 @@ def _map_cuda_bindings() -> None:
 
 @functools.cache
 def cutlass() -> Any:
-    """``cutlass_cppgen``, imported with the fixes above (needs a GPU and nvcc)."""
+    """``cutlass_cppgen``, imported with the fixes above (needs a GPU; nvcc only to compile)."""
     reason = missing()
     if reason:
         raise ImportError(reason)
     _map_cuda_bindings()
     nvcc = nvcc_path()
-    assert nvcc is not None
-    os.environ.setdefault("CUDA_INSTALL_PATH", str(Path(nvcc).parent.parent))
-    bin_dir = str(Path(nvcc).parent)
-    if shutil.which("nvcc") is None:  # cutlass_cppgen runs `which nvcc` itself
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    if nvcc is not None:
+        os.environ.setdefault("CUDA_INSTALL_PATH", str(Path(nvcc).parent.parent))
+        if shutil.which("nvcc") is None:  # cutlass_cppgen runs `which nvcc` itself
+            os.environ["PATH"] = str(Path(nvcc).parent) + os.pathsep + os.environ.get("PATH", "")
     root = cache_dir()
     with _in_dir(root):  # its ArtifactManager opens compiled_cache.db at import time
         import cutlass_cppgen
@@ -132,6 +140,8 @@ def cutlass() -> Any:
         manager = cutlass_cppgen.backend.compiler  # the ArtifactManager instance
         if "-DNDEBUG" not in manager._nvcc_compile_options:
             manager._nvcc_compile_options.append("-DNDEBUG")
+        if nvcc is None:  # load only: what cutlass_cppgen would ask nvcc for, it never uses
+            _without_nvcc(cutlass_cppgen)
         cutlass_cppgen.initialize_cuda_context()  # also reads nvcc's version
         registry = OptionRegistry.__new__(OptionRegistry)
         gemm = cutlass_library.OperationKind.Gemm
@@ -139,6 +149,17 @@ def cutlass() -> Any:
         registry.registry = {SM: {gemm: ArchOptions(SM, SM, gemm, kinds)}}
         cutlass_cppgen._option_registry = registry
     return cutlass_cppgen
+
+
+def _without_nvcc(cutlass_cppgen: Any) -> None:
+    """Answer cutlass_cppgen's two nvcc questions on a host that only loads kernels: its CUDA
+    install path (it runs ``which nvcc``) and nvcc's version (it runs ``nvcc --version`` to
+    check it against cuda-bindings'). Loading a cached kernel uses neither; a compile on such a
+    host fails at ``compile_all`` with ``cannot_compile``'s reason, before cutlass_cppgen runs."""
+    import cuda
+
+    cutlass_cppgen._CUDA_INSTALL_PATH = os.environ.get("CUDA_INSTALL_PATH", "")
+    cutlass_cppgen._NVCC_VERSION = cuda.__version__.split("rc")[0]
 
 
 @functools.cache
@@ -199,7 +220,8 @@ def failure(spec: KernelSpec) -> str | None:
     return json.loads(path.read_text())["error"] if path.exists() else None
 
 
-def _record(spec: KernelSpec, kind: str, data: dict[str, Any]) -> None:
+def record(spec: KernelSpec, kind: str, data: dict[str, Any]) -> None:
+    """Mark ``spec`` compiled or failed (``kind``) with ``data``; the marker is written atomically."""
     path = _marker(spec, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps({"spec": json.loads(spec.to_json()), **data}))
@@ -273,7 +295,7 @@ def _compile_here(spec: KernelSpec) -> dict[str, Any]:
         text = f"{type(e).__name__}: {e}" + (f"\n{detail}" if detail else "")
         return {"ok": False, "permanent": permanent, "error": text[:4000]}
     seconds = time.perf_counter() - started
-    _record(spec, "compiled", {"seconds": round(seconds, 2), "name": op.procedural_name()})
+    record(spec, "compiled", {"seconds": round(seconds, 2), "name": op.procedural_name()})
     return {"ok": True, "seconds": seconds}
 
 
@@ -292,7 +314,7 @@ def _compile_child(spec: KernelSpec, timeout_s: float) -> str | None:
     if verdict["ok"]:
         return None
     if verdict["permanent"]:
-        _record(spec, "failed", {"error": verdict["error"]})
+        record(spec, "failed", {"error": verdict["error"]})
     return verdict["error"]
 
 
@@ -317,6 +339,8 @@ def compile_all(
             result[spec] = error
         else:
             todo.append(spec)
+    if todo and (reason := cannot_compile()):
+        return result | dict.fromkeys(todo, reason)
     if todo:
         with ThreadPoolExecutor(max_workers=jobs or default_jobs(len(todo))) as pool:
             for spec, error in zip(

@@ -14,7 +14,9 @@ The shortlist is shape-aware and small (4-6 configs: 64-row tiles and stream-K f
 tiles with 2-CTA clusters for large problems). ``precompile`` compiles the shortlist's missing
 kernels in parallel before any is timed (cutlass_env); kernels are shape-independent, so a warm
 cache makes this free. Runners launch through the driver API with the kernel arguments patched per
-call (pointers, strides): no per-call planning and no per-call allocation.
+call (pointers, strides): no per-call planning and no per-call allocation. Compiled kernels are
+artifacts (``cutlass_artifacts``): installed before compiling, published after a build, and
+loaded without nvcc on a host that has none.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from tuner.candidates import cutlass_artifacts
 from tuner.candidates import cutlass_env as env
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner, Source
@@ -317,18 +320,29 @@ class CutlassGemm(Source):
         return unsupported_reason(key)
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
-        return list(offered(key).values())
+        chosen = offered(key)
+        if env.cannot_compile():  # without nvcc only kernels built elsewhere can run
+            cutlass_artifacts.install_missing(chosen)
+            chosen = {s: p for s, p in chosen.items() if env.compiled_info(s) is not None}
+        return list(chosen.values())
 
     def precompile(self, key: GemmKey, shortlist: list[Params]) -> None:
-        """Compile the shortlist's missing kernels in parallel processes; a config that fails
-        is recorded by cutlass_env and raises, with its error, when the engine builds it."""
-        env.compile_all([kernel_spec(key, p) for p in shortlist])
+        """Install the shortlist's kernels that the artifact store holds, compile the others in
+        parallel processes; a config that fails is recorded by cutlass_env and raises, with its
+        error, when the engine builds it."""
+        specs = [kernel_spec(key, p) for p in shortlist]
+        cutlass_artifacts.install_missing(specs)
+        env.compile_all(specs)
 
     def build(self, key: GemmKey, params: Params) -> Runner:
+        """Load the kernel: installed from the artifact store if stored, else compiled here and
+        then stored (so that other hosts, or this one's next cache, need not compile it)."""
         spec = kernel_spec(key, params)
+        cutlass_artifacts.install_missing([spec])
         error = env.compile_all([spec])[spec]
         if error is not None:
             raise RuntimeError(f"CUTLASS kernel did not compile: {error}")
         op = env.load(spec)
+        cutlass_artifacts.publish_once(spec, op)
         device = torch.device("cuda", torch.cuda.current_device())
         return _Launcher(op, key, int(params.get("swizzle", 1)), device)

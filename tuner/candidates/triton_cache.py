@@ -1,8 +1,8 @@
 """Triton's cache manager hook: each compiled Triton kernel is one artifact of the artifact store.
 
-Selected with ``TRITON_CACHE_MANAGER=tuner.candidates.triton_cache:ArtifactCacheManager``. Triton
-writes a kernel's files (IRs, cubin, metadata json) one by one, then a group file that lists them;
-this manager then also stores the whole group as one bundle in ``tuner.cache.artifacts``. A lookup
+Selected with ``TRITON_CACHE_MANAGER=tuner.candidates.triton_cache:ArtifactCacheManager``
+(``share_compiled_kernels`` sets it). Triton writes a kernel's files (IRs, cubin, metadata json)
+one by one, then a group file that lists them; this manager then also stores the whole group as one bundle in ``tuner.cache.artifacts``. A lookup
 that misses Triton's own directory fetches the bundle and writes its files back into that
 directory, so a host that never compiled the kernel loads it without compiling. Everything else
 (the launcher modules Triton builds with the host's C compiler, autotuner timings, dump and
@@ -16,15 +16,22 @@ target.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
+import os
 from pathlib import Path
 
 import triton
 from triton.runtime.cache import FileCacheManager
 
-from tuner.cache.artifacts import ArtifactError, ArtifactSpec, ArtifactStore, pack, unpack
+from tuner.cache.artifacts import (
+    ArtifactError,
+    ArtifactSpec,
+    ArtifactStore,
+    pack,
+    shared_store,
+    unpack,
+)
 from tuner.cache.sqlite import StoreError
 
 log = logging.getLogger(__name__)
@@ -54,14 +61,14 @@ def _active_target() -> str | None:
     return target_name(target.backend, target.arch)
 
 
-@functools.cache
-def shared_store() -> ArtifactStore | None:
-    """This process's artifact store, or None (reported once) when it cannot be opened."""
-    try:
-        return ArtifactStore()
-    except (StoreError, OSError, ValueError) as e:
-        log.warning("Triton kernels are not shared: the artifact store cannot be opened: %s", e)
-        return None
+MANAGER = f"{__name__}:ArtifactCacheManager"
+
+
+def share_compiled_kernels() -> None:
+    """Route Triton's cache through this manager from now on (and in child processes started
+    after), unless the environment already names a cache manager. Called where the tuner first
+    compiles (tuning, background builds, warmup), not at import."""
+    os.environ.setdefault("TRITON_CACHE_MANAGER", MANAGER)
 
 
 class ArtifactCacheManager(FileCacheManager):
