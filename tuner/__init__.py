@@ -5,10 +5,11 @@ c = tuner.matmul(a, b)          # the fastest known kernel for this problem on t
 o = tuner.sdpa(q, k, v, causal=True)
 y = tuner.scaled_mm(a8, b8, scale_a, scale_b, out_dtype=torch.bfloat16)  # torch._scaled_mm's
 y = tuner.int4_linear(x, packed_w, scales_and_zeros, 128)  # int4 weights packed as torch packs
+tuner.warmup()                  # every stored winner loaded before a model starts
 
 ``import tuner`` is cheap: it loads neither torch nor the dispatcher and leaves the environment
-alone. ``matmul``, ``sdpa``, ``scaled_mm``, ``int4_linear`` and ``set_mode`` are looked up on
-first use (PEP 562), and the config file is read when the process dispatcher is made, so tools
+alone. ``matmul``, ``sdpa``, ``scaled_mm``, ``int4_linear``, ``set_mode`` and ``warmup`` are looked
+up on first use (PEP 562), and the config file is read when the process dispatcher is made, so tools
 that only need the cache or the fleet service (``server/``) never pay for torch.
 """
 
@@ -16,11 +17,15 @@ from typing import Any
 
 from tuner.version import __version__
 
-_LAZY = ("matmul", "sdpa", "scaled_mm", "int4_linear", "set_mode")
+_LAZY = ("matmul", "sdpa", "scaled_mm", "int4_linear", "set_mode", "warmup")
 __all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "warmup":  # load every stored winner before a model starts (tuner.serving.warmup)
+        from tuner.serving.warmup import warmup
+
+        return warmup
     if name in _LAZY:
         from tuner.serving import dispatcher
 

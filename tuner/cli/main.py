@@ -4,6 +4,7 @@
     tuner tune-all | report | tunableop show|export              (tuner.cli.tune_all)
     tuner serve | token ... | sync | push                         (tuner.cli.fleet)
     tuner bench gemm|sdpa                                         (tuner.cli.bench)
+    tuner warmup                                                  (tuner.cli.warmup)
 
 Startup here: logging, and the config file's defaults for unset ``TUNER_*`` variables.
 """
@@ -15,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from tuner.cli import bench, fleet, tune, tune_all
+from tuner.cli import bench, fleet, tune, tune_all, warmup
 from tuner.cli.errors import report_usage_errors
 from tuner.core.settings import load_config_file
 
@@ -28,6 +29,7 @@ app.add_typer(tune.app)
 app.add_typer(tune_all.app)
 app.add_typer(fleet.app)
 app.add_typer(bench.app, name="bench")
+app.add_typer(warmup.app)
 
 
 @app.callback()

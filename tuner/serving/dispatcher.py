@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from tuner.core.keys import GemmKey, Key, SdpaKey
 from tuner.core.settings import load_config_file
 from tuner.measure.records import Winner
 from tuner.serving import lowbit
+from tuner.serving.background import BackgroundLoader, load_runner, may_compile
 from tuner.serving.buckets import DEFAULT_POLICY, BucketIndex, check_policy, transfer_problem
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ RESOLUTION_KINDS = {
     "capture": "first seen during CUDA-graph capture: torch's default, not cached",
     "default": "torch's default by policy: mode off, autograd, or not the tuned device",
     "untunable": "outside what the tuner keys (broadcasting, odd strides, ...): torch",
+    "loading": "the winner's kernel is built in the background: torch's default until it is",
+    "failed": "the winner's kernel failed to build (Dispatcher.loader.failures): torch's default",
 }
 
 
@@ -147,6 +150,12 @@ class Dispatcher:
         self._lock = threading.RLock()
         self._store: Store | None = None
         self._store_failed = False
+        # winners' runners whose build may compile: built off the hot path (serving.background),
+        # kept across reloads; "<key> <- <candidate> on <device>" -> runner
+        self.loader = BackgroundLoader()
+        self.loaded: dict[str, Runner] = {}
+        self._loading: dict[str, list[tuple]] = {}  # job -> signatures served the baseline
+        self.switches = 0  # signatures switched from the baseline to a runner built meanwhile
 
     @property
     def choices(self) -> dict[str, str]:
@@ -264,7 +273,7 @@ class Dispatcher:
                 log.debug("not tunable, using torch: %s", e)
                 runner, res = fallback, Resolution(f"untunable: {e}", "untunable", "torch")
             else:
-                runner, res = self._build(key, self._choose(key, device.type, grad=grad))
+                runner, res = self._build(key, self._choose(key, device.type, grad=grad), device)
                 if torch_op and res.by_torch:
                     runner = fallback
             slot = (res.key, res.kind, res.candidate, res.via)
@@ -273,6 +282,8 @@ class Dispatcher:
                 runner = _counted(runner, res)
             if res.kind != "capture":  # resolved again after the capture, with tuning allowed
                 self._hot[sig] = (runner, res)
+            if res.kind == "loading":
+                self._loading.setdefault(_job(res.key, res.candidate, device), []).append(sig)
             return runner, res
 
     def _choose(self, key: Key, device: str, *, grad: bool) -> Resolution:
@@ -303,14 +314,25 @@ class Dispatcher:
             return Resolution(str(key), "capture", base.name)
         return Resolution(str(key), kind, winner.candidate, winner, via, by_torch=False)
 
-    def _build(self, key: Key, res: Resolution) -> tuple[Runner, Resolution]:
-        """The runner of a resolution, built for ``key`` itself (also for a bucketed winner)."""
+    def _build(self, key: Key, res: Resolution, device: Any) -> tuple[Runner, Resolution]:
+        """The runner of a resolution, built for ``key`` itself (also for a bucketed winner).
+
+        A winner whose build may compile (``background.may_compile``) and that is not loaded yet
+        is built by ``self.loader`` while the baseline serves (kind ``loading``); once built, the
+        signatures it served are resolved again, now to the loaded runner."""
         base = registry.baseline(key.op)
         w = res.winner
         if w is None or res.candidate == base.name:
             return base.build(key, base.baseline_params), res
+        job = _job(str(key), w.candidate, device)
+        if (runner := self.loaded.get(job)) is not None:
+            return runner, res
+        if job in self.loader.failures:
+            return base.build(key, base.baseline_params), _by_torch(res, "failed")
         try:
-            return registry.get(w.source).build(key, w.params), res
+            source = registry.get(w.source)
+            if not may_compile(source):
+                return source.build(key, w.params), res
         except Exception as e:
             log.warning(
                 "stored winner %s for %s no longer builds (%s); using the baseline",
@@ -319,6 +341,39 @@ class Dispatcher:
                 e,
             )
             return base.build(key, base.baseline_params), Resolution(str(key), "miss", base.name)
+        self.loader.submit(
+            job, lambda: _on_device(device, lambda: load_runner(source, key, w.params)),
+            lambda runner: self._loaded(job, runner), lambda error: self._loaded(job, None),
+        )  # fmt: skip
+        return base.build(key, base.baseline_params), _by_torch(res, "loading")
+
+    def winners(self, device_class: str) -> list[Winner]:
+        """The winners this dispatcher serves on ``device_class`` (stale policy applied)."""
+        with self._lock:
+            return list(self._known(device_class).values())
+
+    def load(self, key: Key, winner: Winner, device: Any) -> bool:
+        """Build ``winner``'s runner for ``key`` now, its kernels compiled or installed first
+        (``tuner.warmup``); raises what the build raises, and retries one that failed before.
+        False if it was loaded already. Calls of ``key`` then find it loaded."""
+        job = _job(str(key), winner.candidate, device)
+        if job in self.loaded:
+            return False
+        source = registry.get(winner.source)
+        self._loaded(job, _on_device(device, lambda: load_runner(source, key, winner.params)))
+        self.loader.failures.pop(job, None)
+        return True
+
+    def _loaded(self, job: str, runner: Runner | None) -> None:
+        """A background build finished (``runner``) or failed (None): the signatures it left
+        to the baseline resolve again on their next call, exactly once."""
+        with self._lock:
+            if runner is not None:
+                self.loaded[job] = runner
+            for sig in self._loading.pop(job, []):
+                if self._hot.pop(sig, None) is not None and runner is not None:
+                    self.switches += 1
+            self.memo.clear()  # front ends' memos of those calls go with them
 
     def _bucketed(self, device_class: str, key: GemmKey) -> Winner | None:
         """The winner of a tuned neighbour that may serve ``key`` under the bucket policy."""
@@ -409,9 +464,10 @@ class Dispatcher:
                 self._forget()
 
     def _forget(self) -> None:
-        """Drop every resolved runner (callers hold the lock)."""
+        """Drop every resolved runner (callers hold the lock); loaded ones stay for reuse."""
         self._hot.clear()
         self.memo.clear()
+        self._loading.clear()
 
     def reload(self) -> None:
         """Forget resolved runners and winners, e.g. after a sync brought new ones."""
@@ -419,6 +475,25 @@ class Dispatcher:
             self._forget()
             self._winners.clear()
             self._bucket_index.clear()
+
+
+def _by_torch(res: Resolution, kind: str) -> Resolution:
+    """``res`` served by torch's default meanwhile (``loading``) or for good (``failed``): its
+    candidate names the winner's kernel; no time saved."""
+    return replace(res, kind=kind, winner=None, by_torch=True)
+
+
+def _job(key: str, candidate: str, device: Any) -> str:
+    """A background build's name: one per runner, whatever signatures it serves."""
+    return f"{key} <- {candidate} on {device}"
+
+
+def _on_device(device: Any, build: Callable[[], Runner]) -> Runner:
+    """``build()`` with ``device`` current (a worker thread starts on the default device)."""
+    if device.type != "cuda":
+        return build()
+    with torch.cuda.device(device):
+        return build()
 
 
 def _capturing(device: str) -> bool:

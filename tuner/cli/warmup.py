@@ -1,0 +1,47 @@
+"""``tuner warmup``: load every stored winner of this device class before a model starts
+(``tuner.serving.warmup``), and say what could not be loaded and why."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tuner.cli.errors import FAILED
+from tuner.cli.options import CacheOpt, cache_path
+from tuner.serving.dispatcher import Dispatcher
+from tuner.serving.warmup import warmup as warm_up
+
+console = Console()
+app = typer.Typer()
+
+
+@app.command()
+def warmup(
+    cache: CacheOpt = None,
+    fetch: Annotated[
+        bool,
+        typer.Option(help="First fetch this host's compiled kernels from $TUNER_SERVER, if set."),
+    ] = True,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Build or fetch, and load, the kernel of every stored winner for this GPU; exit 1 if any
+    could not be loaded."""
+    report = warm_up(progress, dispatcher=Dispatcher(cache_path(cache)), fetch=fetch)
+    fetched = f", {report.fetched} kernels fetched" if report.fetched else ""
+    console.print(
+        f"{report.device_class}: {report.winners} winners: {report.loaded} loaded now, "
+        f"{report.ready} ready already, {len(report.failures)} failed{fetched}"
+    )
+    if report.fetch_error:
+        console.print(f"[yellow]fleet service: {report.fetch_error}[/yellow]")
+    if report.failures:
+        table = Table(title="not loaded (the baseline serves these)")
+        for column in ("key", "candidate", "why"):
+            table.add_column(column, overflow="fold")
+        for f in report.failures:
+            table.add_row(f.key, f.candidate, f.error)
+        console.print(table)
+        raise typer.Exit(FAILED)

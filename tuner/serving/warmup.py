@@ -1,0 +1,125 @@
+"""``tuner.warmup()``: load every stored winner of this device class before the work starts.
+
+Without it the dispatcher builds a winner whose kernel is not loaded in the background, on first
+use, and serves the baseline meanwhile. Warmup does that work up front, before a model starts
+or a CUDA graph is captured (nothing may be built during a capture): it brings this host's
+compiled kernels from the fleet service when one is configured (``$TUNER_SERVER``), waits for
+the dispatcher's builds in flight, then builds each winner's runner (installing stored kernels,
+compiling the rest) into the dispatcher. The report says what could not be loaded and why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tuner.candidates import registry
+from tuner.core.device import fingerprint
+from tuner.core.keys import parse_key
+from tuner.serving.dispatcher import Dispatcher, get_dispatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WarmupFailure:
+    key: str
+    candidate: str
+    error: str
+
+
+@dataclass
+class WarmupReport:
+    device_class: str
+    winners: int = 0  # stored for this device class
+    loaded: int = 0  # built now
+    ready: int = 0  # loaded before, or served by the baseline: nothing to build
+    failures: list[WarmupFailure] = field(default_factory=list)
+    fetched: int = 0  # kernels brought from the fleet service
+    fetch_error: str | None = None  # the fleet service could not be used (local kernels only)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def warmup(
+    progress: bool = True, *, dispatcher: Dispatcher | None = None, fetch: bool = True
+) -> WarmupReport:
+    """Load every stored winner of this device class into ``dispatcher`` (the process's by
+    default), with a progress bar unless ``progress`` is False. ``fetch``: first bring this
+    host's kernels from the fleet service, when one is configured."""
+    disp = dispatcher or get_dispatcher()
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
+    fp = fingerprint("cuda" if device is not None else "cpu")
+    report = WarmupReport(fp.device_class)
+    if fetch:
+        _fetch(disp, fp, report)
+    disp.loader.wait()  # builds the dispatcher started: done, or failed and retried below
+    winners = disp.winners(fp.device_class)
+    report.winners = len(winners)
+    with _bar(progress, len(winners), fp.device_class) as advance:
+        for w in winners:
+            try:
+                key = parse_key(w.key)
+                base = registry.baseline(key.op)
+                if w.source == base.name and base.is_baseline(w.params):
+                    report.ready += 1
+                elif disp.load(key, w, device or torch.device("cpu")):
+                    report.loaded += 1
+                else:
+                    report.ready += 1
+            except Exception as e:  # each winner's own failure, reported; the rest still load
+                report.failures.append(
+                    WarmupFailure(w.key, w.candidate, f"{type(e).__name__}: {e}")
+                )
+            advance()
+    return report
+
+
+def _fetch(disp: Dispatcher, fp: Any, report: WarmupReport) -> None:
+    """Bring the kernels of this host's archs from the fleet service, if one is configured."""
+    from tuner.cache import Store
+    from tuner.cache.artifacts import shared_store
+    from tuner.fleet.client import FleetClient, FleetError, host_archs, sync_artifacts
+
+    archs = host_archs(fp)
+    try:
+        client = FleetClient.from_env()
+    except (FleetError, ValueError) as e:
+        report.fetch_error = f"fleet service not usable: {e}"
+        return
+    artifacts = shared_store()
+    if client is None or not archs or artifacts is None:
+        return
+    try:
+        with client, Store(disp.store_path) as store:
+            fetched = sync_artifacts(client, artifacts, store, archs)
+    except Exception as e:  # the service down: warm up from what this host has
+        report.fetch_error = f"{type(e).__name__}: {e}"
+        log.warning("warmup: kernels not fetched from %s: %s", client.server, e)
+        return
+    report.fetched = fetched.fetched
+    if fetched.rejected:
+        report.fetch_error = f"{len(fetched.rejected)} downloads rejected: {fetched.rejected[0]}"
+
+
+@contextmanager
+def _bar(shown: bool, total: int, device_class: str) -> Iterator[Any]:
+    """A rich progress bar over ``total`` winners; its ``advance`` (a no-op when not shown)."""
+    if not shown:
+        yield lambda: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(f"loading winners for {device_class}", total=total)
+        yield lambda: bar.advance(task)
