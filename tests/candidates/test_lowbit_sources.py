@@ -18,6 +18,7 @@ from tuner.quant import int4_torch
 from tuner.tuning.engine import TuneOptions, tune
 
 HAS_GPU = torch.cuda.is_available()
+DENSE_SOURCES = ("torch", "triton_gemm", "cublas", "cublaslt", "cutlass")
 
 
 def key_of(spec: str, m: int, n: int = 32, k: int = 128, dtype: str | None = None) -> GemmKey:
@@ -68,6 +69,33 @@ def test_sources_say_which_keys_they_take(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         for src in (TritonW4A16(), TritonFp8()):
             assert "TRITON_INTERPRET=1" in src.unavailable("cpu")
+
+
+def test_dense_sources_decline_lowbit_keys_with_a_reason():
+    for spec in ("int4-g128", "fp8-rowwise", "fp8-tensorwise-fast"):
+        key = key_of(spec, 16, n=256, k=256)
+        for name in DENSE_SOURCES:
+            reason = registry.get(name).unsupported(key)
+            assert reason, name
+            assert "low-bit" in reason or "plain GEMMs only" in reason, (name, reason)
+    plain = GemmKey(m=16, n=256, k=256, layout="nt")
+    assert all(registry.get(n).unsupported(plain) is None for n in ("cublas", "cublaslt"))
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the interpreter path; GPU hosts run the GPU test")
+def test_unrestricted_tune_of_an_int4_key_records_no_dense_failures(monkeypatch):
+    """Every source allowed: the dense GEMM sources sit out with their reason, none is timed
+    (or fails) on the int4 key's operands."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    key = key_of("int4-g32", 8, dtype="f16")
+    options = TuneOptions(budget_s=0.005, confirm_rounds=0, cut_factor=1e9)
+    outcome = tune(key, options=options, device="cpu")
+    dense = [m for m in outcome.measurements if m.source in DENSE_SOURCES]
+    assert dense and all(m.status == "unsupported" and m.error for m in dense), dense
+    (triton_gemm,) = [m for m in dense if m.source == "triton_gemm"]
+    assert "plain GEMMs only" in triton_gemm.error
+    assert not [m for m in outcome.measurements if m.status == "failed"], outcome.measurements
+    assert outcome.winner.source in ("torch_lowbit", "triton_w4a16")
 
 
 def test_served_int4_runner_converts_each_weight_once(monkeypatch):
@@ -127,6 +155,9 @@ def test_lowbit_keys_tune_on_the_gpu(key):
         for m in outcome.measurements
     )
     assert not [m for m in outcome.measurements if m.status == "rejected"]
+    assert not [
+        m for m in outcome.measurements if m.source in DENSE_SOURCES and m.status != "unsupported"
+    ]
     ours = [
         m
         for m in outcome.measurements

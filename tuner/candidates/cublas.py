@@ -103,6 +103,9 @@ class CublasGemm(Source):
         cupy = ops.package_missing("cupy", "cupy (pip install cupy-cuda13x or cupy-cuda12x)")
         return ops.unavailable_reason(device, "cuBLAS", cupy, _library)
 
+    def unsupported(self, key: GemmKey) -> str | None:
+        return "plain GEMMs only (no FP8 or INT4 path in cublasGemmEx)" if key.lowbit else None
+
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         return [{"algo": a} for a in candidate_algos()]
 

@@ -156,6 +156,8 @@ def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
 
 
 def unsupported_reason(key: GemmKey) -> str | None:
+    if key.lowbit:
+        return "plain GEMMs only (no CUTLASS FP8 or mixed-input kernels here yet)"
     if key.dtype == "f32" and key.compute == "f32":
         return "CUTLASS SM90 fp32 GEMMs run on TF32 tensor cores; this key asks for IEEE fp32"
     if (key.n * ITEMSIZE[key.out_dtype]) % 16:

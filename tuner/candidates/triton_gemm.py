@@ -421,6 +421,8 @@ class TritonGemm(Source):
         return None
 
     def unsupported(self, key: GemmKey) -> str | None:
+        if key.lowbit:
+            return "plain GEMMs only (low-bit keys: triton_w4a16, triton_fp8)"
         if interpreting() and key.dtype == "bf16":
             return "Triton's interpreter computes bf16 tl.dot wrongly (triton 3.9); bf16 runs on the GPU only"
         return None
