@@ -10,10 +10,9 @@ import tuner
 import tuner.torch as tt
 from tuner.cache import Store
 from tuner.core.keys import GemmKey, parse_key
-from tuner.quant import fp8, int4
+from tuner.quant import fp8, int4, int4_torch
 from tuner.serving import dispatcher as dispatch_module
 from tuner.serving.dispatcher import Dispatcher
-from tuner.serving.quantize import int4_pack_for
 
 N, K, GROUP = 64, 256, 128
 
@@ -29,7 +28,7 @@ def disp(cache_path, monkeypatch: pytest.MonkeyPatch) -> Dispatcher:
 def int4_weight(dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     q, sz = int4.quantize(torch.randn(N, K, dtype=dtype) * 0.05, GROUP)
-    return int4_pack_for(q), sz
+    return int4_torch.torch_pack(q), sz
 
 
 def fp8_operands(m: int, rowwise: bool) -> tuple[torch.Tensor, ...]:

@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 import tuner.torch as tt
-from tuner.quant import fp8, int4
+from tuner.candidates.triton_w4a16 import TritonW4A16
+from tuner.core.keys import GemmKey, lowbit_fields
+from tuner.quant import fp8, int4, int4_torch
 from tuner.quant.tolerance import (
     FP32_ACCUMULATE,
     excess,
@@ -66,6 +68,22 @@ def test_int4_layer_is_exact_to_its_dequantized_weight() -> None:
     tol = gemm_tolerance(x, w, ref, operand_unit=unit_roundoff(torch.bfloat16),
                          accumulate_unit=FP32_ACCUMULATE, out_dtype=torch.bfloat16)  # fmt: skip
     assert excess(q(x), ref, 2 * tol) <= 1  # the bias is added after rounding: twice the bound
+
+
+def test_int4_layer_weight_is_served_by_triton_w4a16_with_no_conversion(monkeypatch) -> None:
+    """The layer packs with ``int4_torch.torch_pack``: our layout is known from the start, so
+    the W4A16 kernel never decodes torch's packed weight (a decode here fails the test)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(int4_torch, "_decode_cpu", lambda *_: pytest.fail("weight converted"))
+    lin = nn.Linear(256, 64, bias=False)
+    q = tt.quantize_linear(lin, "int4", group_size=64)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    key = GemmKey(m=2, n=64, k=256, **lowbit_fields("int4-g64"))
+    source = TritonW4A16()
+    run = source.build(key, source.candidates(key, "cpu")[0])
+    got = run(x, q.packed_weight, q.scales_and_zeros)
+    want = int4_torch.int4_mm(x, q.packed_weight, 64, q.scales_and_zeros)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 def test_fp8_layer_is_exact_to_its_quantized_operands() -> None:

@@ -24,6 +24,28 @@ def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
+def int4_runner(group_size: int) -> Runner:
+    """``aten._weight_int4pack_mm`` (or its CPU twin, by the weight's device) as a runner
+    ``(x, packed, scales_and_zeros, out=None)``: the baseline of INT4 keys, and the dispatcher's
+    fallback for INT4 calls outside the keys."""
+
+    def run(x, packed, scales_and_zeros, out=None):
+        return _into(int4_torch.int4_mm(x, packed, group_size, scales_and_zeros), out)
+
+    return run
+
+
+def scaled_mm_runner(out_dtype: torch.dtype | None, fast: bool) -> Runner:
+    """``torch._scaled_mm`` as a runner ``(a, b, scale_a, scale_b, out=None)``: the baseline of
+    FP8 keys, and the dispatcher's fallback for FP8 calls outside the keys."""
+
+    def run(a, b, scale_a, scale_b, out=None):
+        res = torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast)
+        return _into(res, out)
+
+    return run
+
+
 class TorchLowbit(Source):
     name = "torch_lowbit"
     op = "gemm"
@@ -37,16 +59,5 @@ class TorchLowbit(Source):
 
     def build(self, key: GemmKey, params: Params) -> Runner:
         if key.wdtype == "int4":
-            group = key.group
-
-            def run_int4(x, packed, scales_and_zeros, out=None):
-                return _into(int4_torch.int4_mm(x, packed, group, scales_and_zeros), out)
-
-            return run_int4
-        out_dtype, fast = DTYPES[key.out_dtype], key.accum == "fast"
-
-        def run_fp8(a, b, scale_a, scale_b, out=None):
-            res = torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast)
-            return _into(res, out)
-
-        return run_fp8
+            return int4_runner(key.group)
+        return scaled_mm_runner(DTYPES[key.out_dtype], key.accum == "fast")

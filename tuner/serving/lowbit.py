@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from tuner.candidates import torch_lowbit
 from tuner.candidates.base import Runner
 from tuner.core.keys import DTYPE_NAMES, GemmKey, alignment, lowbit_fields, matrix_layout
-from tuner.quant import fp8, int4
+from tuner.quant import fp8, int4, int4_torch
 
 FP8_NAMES = {dtype: f"fp8_{fmt}" for fmt, dtype in fp8.FORMATS.items()}
 
@@ -41,7 +42,7 @@ def int4_sig(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tup
 
 def check_int4(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> None:
     """ValueError naming the field unless the activation, weight and scales agree."""
-    n, k = int4_shape(packed)
+    n, k = int4_torch.packed_shape(packed)
     if x.shape[-1] != k:
         raise ValueError(f"x.shape={tuple(x.shape)}: K must be the weight's K={k}")
     int4.check_scales_and_zeros(scales_and_zeros, n, k, group_size, x.dtype)
@@ -81,13 +82,6 @@ def scaled_mm_key(
     })  # fmt: skip
 
 
-def int4_shape(packed: Any) -> tuple[int, int]:
-    """(N, K) of a weight in torch's packed int4 format (CUDA tile-packed or CPU)."""
-    if packed.dim() == 2 and packed.dtype == torch.uint8:  # torch's CPU format
-        return packed.shape[0], packed.shape[1] * 2
-    return int4.torch_int4pack_shape(packed)
-
-
 def int4_key(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> GemmKey:
     """The key of ``x [M, K] @ W[N, K].T`` with W int4 in groups of ``group_size``."""
     if x.dim() != 2:
@@ -96,7 +90,7 @@ def int4_key(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> Gem
     if act not in ("bf16", "f16"):
         raise ValueError(f"x.dtype={x.dtype}: int4 GEMMs take bf16 or f16 activations")
     check_int4(x, packed, scales_and_zeros, group_size)
-    n, k = int4_shape(packed)
+    n, k = int4_torch.packed_shape(packed)
     if matrix_layout(x) != "n":
         raise ValueError("layout: x must be row-major")
     return GemmKey(**{
@@ -107,22 +101,10 @@ def int4_key(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> Gem
 
 def torch_scaled_mm(out_dtype: Any, fast: bool) -> Runner:
     """torch's ``_scaled_mm`` for calls the tuner does not key."""
-
-    def run(a: Any, b: Any, scale_a: Any, scale_b: Any) -> Any:
-        return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast)
-
-    return run
+    return torch_lowbit.scaled_mm_runner(out_dtype, fast)
 
 
 def torch_int4_mm(device: str, group_size: int) -> Runner:
-    """torch's int4 GEMM of ``device`` for calls the tuner does not key."""
-    op = (
-        torch.ops.aten._weight_int4pack_mm_for_cpu
-        if device == "cpu"
-        else torch.ops.aten._weight_int4pack_mm
-    )
-
-    def run(x: Any, packed: Any, scales_and_zeros: Any) -> Any:
-        return op(x, packed, group_size, scales_and_zeros)
-
-    return run
+    """torch's int4 GEMM for calls the tuner does not key: the op of the weight's device, which
+    torch requires to be the call's ``device``."""
+    return torch_lowbit.int4_runner(group_size)

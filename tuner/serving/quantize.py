@@ -8,7 +8,9 @@ Each replaced layer quantizes its weight once, at replacement, and keeps only th
 
 - ``int4``: asymmetric per-group weights (``tuner.quant.int4``) in torch's packed format for the
   weight's device (the tile-packed int32 tensor on CUDA, torch's [N, K / 2] uint8 on the CPU),
-  with torch's ``scales_and_zeros``; the forward is ``tuner.int4_linear``;
+  with torch's ``scales_and_zeros``; the forward is ``tuner.int4_linear``. The weight is packed
+  by ``int4_torch.torch_pack``, which keeps our layout of it too, so the Triton W4A16 kernel
+  serves it with no conversion;
 - ``fp8``: e4m3 weights with a scale per output row; the forward quantizes the activations per
   row, per call, and runs ``tuner.scaled_mm`` (rowwise scales).
 
@@ -22,21 +24,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tuner.quant import fp8, int4
+from tuner.quant import fp8, int4, int4_torch
 from tuner.serving import dispatcher
 
 FORMATS = ("int4", "fp8")
 COMPUTE_DTYPE = torch.bfloat16
-INNER_K_TILES = 8  # torch's CUDA tile packing: K must be a multiple of 16 x this
+INT4_N_MULTIPLE = 8  # torch's CUDA tile packing: 8 output rows per tile
 FP8_MULTIPLE = 16  # torch._scaled_mm: K and N multiples of 16
-
-
-def int4_pack_for(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] values 0..15 -> torch's packed weight for ``q``'s device (what
-    ``aten._weight_int4pack_mm`` on CUDA, or ``_weight_int4pack_mm_for_cpu``, takes)."""
-    if q.is_cuda:
-        return int4.to_torch_int4pack(int4.pack(q), INNER_K_TILES)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INNER_K_TILES)
 
 
 def unsupported(fmt: str, n: int, k: int, group_size: int) -> str | None:
@@ -44,8 +38,8 @@ def unsupported(fmt: str, n: int, k: int, group_size: int) -> str | None:
     if fmt == "int4":
         if k % group_size:
             return f"K={k} is not a multiple of group_size={group_size}"
-        if k % (16 * INNER_K_TILES) or n % 8:
-            return f"int4 packing needs K % {16 * INNER_K_TILES} == 0 and N % 8 == 0 (N={n}, K={k})"
+        if n % INT4_N_MULTIPLE:
+            return f"int4 packing needs N % {INT4_N_MULTIPLE} == 0 (N={n}, K={k})"
         return None
     if k % FP8_MULTIPLE or n % FP8_MULTIPLE:
         return f"fp8 needs K and N multiples of {FP8_MULTIPLE} (N={n}, K={k})"
@@ -66,7 +60,7 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size = group_size
         q, scales_and_zeros = int4.quantize(linear.weight.detach().to(COMPUTE_DTYPE), group_size)
-        self.register_buffer("packed_weight", int4_pack_for(q))
+        self.register_buffer("packed_weight", int4_torch.torch_pack(q))
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.bias = _bias(linear)
 
