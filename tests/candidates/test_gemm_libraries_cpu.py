@@ -224,7 +224,7 @@ def test_cutlass_compile_failures_are_remembered_and_never_retried(tmp_path, mon
     monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path))
     spec = cutlass_gemm.kernel_spec(GemmKey(m=64, n=64, k=64), GOOD)
     assert cutlass_env.failure(spec) is None and cutlass_env.compiled_info(spec) is None
-    cutlass_env._record(spec, "failed", {"error": "static_assert failed: tile too large"})
+    cutlass_env.record(spec, "failed", {"error": "static_assert failed: tile too large"})
     assert "static_assert" in cutlass_env.failure(spec)
 
     def no_compiling(*args, **kwargs):

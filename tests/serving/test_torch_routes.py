@@ -32,6 +32,7 @@ import tuner.torch as tt
 from tuner.cache import Store
 from tuner.core.device import fingerprint
 from tuner.serving.dispatcher import Dispatcher
+from tuner.serving.warmup import warmup
 from tuner.tuning.engine import TuneOptions, tune
 
 HAS_GPU = torch.cuda.is_available()
@@ -374,6 +375,7 @@ def test_cuda_graph_replays_tuned_layer(tmp_path: Path) -> None:
             outcome = tune(key, options=TuneOptions(budget_s=0.02, max_candidates=4))
             store.save_run(outcome.measurements, outcome.winner)
         disp.reload()
+        warmup(progress=False, dispatcher=disp, fetch=False)  # load before capturing, as users must
         ref = step().clone()
         with tt.enabled(dispatcher=disp):
             bench.capture(step)  # warm-up on a side stream: every signature resolved eagerly

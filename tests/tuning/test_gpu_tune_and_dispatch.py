@@ -10,6 +10,7 @@ from tuner.cache import Store
 from tuner.candidates import registry
 from tuner.core.keys import GemmKey
 from tuner.serving.dispatcher import Dispatcher
+from tuner.serving.warmup import warmup
 from tuner.tuning.engine import TuneOptions, tune
 
 pytestmark = pytest.mark.gpu
@@ -36,6 +37,7 @@ def test_tune_store_dispatch(tmp_path, dtype, tf32, mnk):
     store.save_run(outcome.measurements, outcome.winner)
 
     d = Dispatcher(tmp_path / "c.db", mode="lookup")
+    warmup(progress=False, dispatcher=d, fetch=False)  # compiled winners load before the first call
     dt = {"bf16": torch.bfloat16, "f32": torch.float32}[dtype]
     a = torch.randn(m, k, device="cuda", dtype=dt)
     b = torch.randn(k, n, device="cuda", dtype=dt)
