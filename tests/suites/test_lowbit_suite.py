@@ -19,7 +19,10 @@ def test_suite_has_the_issue_shapes_and_formats() -> None:
     assert {k.m for _, k in problems} == set(lowbit.M_SIZES)
 
 
-def test_tiny_shapes_end_to_end(tmp_path: Path) -> None:
+def test_tiny_shapes_end_to_end(tmp_path: Path, monkeypatch) -> None:
+    """Every source allowed, Triton's low-bit kernels through the interpreter: each row times
+    torch's op for its format against the winner, and no candidate fails."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     problems = lowbit.problems(ms=(2,), shapes=[("tiny", 32, 256)])
     result = lowbit.run(problems, tmp_path, TuneOptions(budget_s=0.005))
     saved = json.loads((tmp_path / "gemm_lowbit.json").read_text())
@@ -30,6 +33,9 @@ def test_tiny_shapes_end_to_end(tmp_path: Path) -> None:
         assert row["baseline_us"] > 0 and row["winner_us"] > 0 and row["bf16_us"] > 0
         assert row["speedup_vs_bf16"] == row["bf16_us"] / row["winner_us"]
         assert row["bytes"] > 0 and row["pct_copy"] > 0
+        assert row["baseline_source"] == "torch_lowbit"
+        assert row["failures"] == []
+    assert {r["source"] for r in saved["rows"]} <= {"torch_lowbit", "triton_w4a16", "triton_fp8"}
     int4_row = saved["rows"][0]
     assert int4_row["bytes"] < saved["rows"][1]["bytes"]  # half-byte weights move fewer bytes
     assert saved["device"]["name"] and saved["versions"]["torch"]

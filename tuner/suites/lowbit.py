@@ -95,8 +95,8 @@ def stream_read(nbytes_: int, device: str) -> Callable[[int], Any]:
 
 
 def runners(key: GemmKey, row: dict[str, Any]) -> dict[str, Any]:
-    """torch's op for the format and, when it is not that op, the winner."""
-    base = registry.baseline("gemm")
+    """torch's op for the format (the key's baseline) and, when it is not that op, the winner."""
+    base = registry.baseline("gemm", key)
     out = {"baseline": base.build(key, base.baseline_params)}
     if row["source"] != base.name:
         out["winner"] = registry.get(row["source"]).build(key, candidate_params(row["candidate"]))
@@ -115,6 +115,7 @@ def annotate(row: dict[str, Any], copy_gbs: float, device: str, budget_s: float)
     sets = samples.input_sets(key, device, seed=1)
     bf16_sets = samples.input_sets(twin, device, seed=1)
     row.update(m=key.m, n=key.n, k=key.k, format=row["label"].rsplit(" ", 1)[-1])
+    row["baseline_source"] = registry.baseline("gemm", key).name
     row["bytes"] = moved_bytes(key, sets[0])
     row["bf16_bytes"] = moved_bytes(twin, bf16_sets[0])
     row["bf16_us"] = time_eager(timing.on_sets(torch.matmul, bf16_sets), device, budget_s)
