@@ -30,6 +30,7 @@ class SlowBuild(Source):
 
     name = "slow_build"
     op = "gemm"
+    builds_kernels = True
 
     def __init__(self, error: str | None = None) -> None:
         self.release = threading.Event()

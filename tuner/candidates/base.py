@@ -57,6 +57,10 @@ class Source(ABC):
     def build(self, key: Key, params: Params) -> Runner:
         """A runner for ``key``; raises on a config that does not compile or is invalid."""
 
+    builds_kernels: ClassVar[bool] = False
+    """Whether ``build`` (or a runner's first call) may compile a kernel: such builds belong off
+    the dispatcher's hot path. Sources that compile (Triton, CUTLASS) set it."""
+
     def precompile(self, key: Key, shortlist: list[Params]) -> None:
         """Compile the kernels behind ``shortlist`` ahead of timing, in parallel where the source
         can, so that ``build`` finds them compiled. Optional: the default does nothing. Failures

@@ -306,6 +306,7 @@ class _Launcher:
 
 
 class CutlassGemm(Source):
+    builds_kernels = True
     name = "cutlass"
     op = "gemm"
 

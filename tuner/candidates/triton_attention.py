@@ -291,6 +291,7 @@ SHORT_Q_CONFIG = (16, 64, 4, 3)  # q_len <= 16: decode-like shapes (triton_decod
 
 
 class TritonAttention(Source):
+    builds_kernels = True
     name = "triton_attention"
     op = "sdpa"
 

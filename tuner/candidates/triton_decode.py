@@ -289,6 +289,7 @@ def split_choices(key: SdpaKey, bn: int, sm_count: int) -> list[int]:
 
 
 class TritonDecode(Source):
+    builds_kernels = True
     name = "triton_decode"
     op = "sdpa"
 

@@ -19,6 +19,7 @@ IMPRECISE_CAPABILITY = (9, 0)
 
 
 class TritonFp8(Source):
+    builds_kernels = True
     name = "triton_fp8"
     op = "gemm"
 

@@ -410,6 +410,7 @@ CPU_PARAMS: Params = {"kernel": "tiled", "bm": 32, "bn": 32, "bk": 32, "group_m"
 
 
 class TritonGemm(Source):
+    builds_kernels = True
     name = "triton_gemm"
     op = "gemm"
     shortlist_limit = 20

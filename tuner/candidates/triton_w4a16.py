@@ -19,6 +19,7 @@ CPU_CANDIDATES = 2  # the interpreter is slow: the likeliest configs only
 
 
 class TritonW4A16(Source):
+    builds_kernels = True
     name = "triton_w4a16"
     op = "gemm"
 

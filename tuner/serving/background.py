@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from tuner.candidates.base import Params, Runner, Source, interpreting
 from tuner.core.keys import Key
 
@@ -32,9 +34,9 @@ DEFAULT_WORKERS = 2
 
 def may_compile(source: Source) -> bool:
     """Whether building ``source``'s runners may compile a kernel here, so that the build belongs
-    off the hot path: sources with a compile step (they implement ``Source.precompile``) may,
-    except under Triton's interpreter (``TRITON_INTERPRET=1``), which compiles nothing."""
-    return type(source).precompile is not Source.precompile and not interpreting()
+    off the hot path: sources that build kernels may, except under Triton's interpreter
+    (``TRITON_INTERPRET=1``), which compiles nothing."""
+    return source.builds_kernels and not interpreting()
 
 
 def load_runner(source: Source, key: Key, params: Params) -> Runner:
@@ -45,7 +47,24 @@ def load_runner(source: Source, key: Key, params: Params) -> Runner:
 
     share_compiled_kernels()
     source.precompile(key, [params])
-    return source.build(key, params)
+    runner = source.build(key, params)
+    if torch.cuda.is_available():
+        _run_once(runner, key)
+    return runner
+
+
+def _run_once(runner: Runner, key: Key) -> None:
+    """Call a fresh runner once on sample inputs, on a side stream: a kernel that compiles or
+    loads its module at its first launch (Triton's JIT, a CUTLASS module) does it here, not in
+    the caller's first call."""
+    from tuner.measure import samples
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device).manual_seed(0)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        runner(*samples.make_inputs(key, str(device), gen))
+    stream.synchronize()
 
 
 @dataclass(frozen=True)
