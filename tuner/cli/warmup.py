@@ -27,8 +27,7 @@ def warmup(
     ] = True,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
-    """Build or fetch, and load, the kernel of every stored winner for this GPU; exit 1 if any
-    could not be loaded."""
+    """Load the kernel of every stored winner for this GPU (fetched or built); exit 1 on a failure."""
     report = warm_up(progress, dispatcher=Dispatcher(cache_path(cache)), fetch=fetch)
     fetched = f", {report.fetched} kernels fetched" if report.fetched else ""
     console.print(
