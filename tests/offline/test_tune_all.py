@@ -475,3 +475,63 @@ def test_a_fleet_service_that_refuses_the_claim_fails_in_one_line(tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     assert p.stderr.startswith(f"error: fleet service {srv.url}: HTTP 401")
     assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+# --- tuning that finishes ----------------------------------------------------------------------
+
+
+def _rec(key: GemmKey, status: str, seconds: float) -> dict:
+    return {"key": str(key), "status": status, "seconds": seconds, "device_class": "cpu-x"}
+
+
+def test_earlier_failures_run_last_longest_last_and_stop_after_the_retries():
+    a, b, c, d, e = (GemmKey(m=m, n=8, k=8, dtype="f32", out_dtype="f32") for m in (8, 16, 24, 32, 40))
+    journal = [
+        _rec(a, "timeout", 200.0),
+        _rec(b, "failed", 3.0),
+        _rec(c, "timeout", 150.0),
+        _rec(c, "tuned", 20.0),  # a success clears c's failures
+        _rec(e, "timeout", 90.0),
+        _rec(e, "timeout", 95.0),
+        _rec(e, "timeout", 99.0),
+    ]
+    from tuner.offline.tune_all import order
+
+    got = order([a, b, c, d, e], journal, "cpu-x", retries=2)
+    assert got.todo == [c, d, b, a]  # fresh ones first in their order, then b (3 s), a (200 s)
+    assert got.given_up == [(e, 3)]
+    assert order([a, b, c, d, e], journal, "cpu-x", retries=0).todo == [c, d]
+
+
+def test_a_timed_out_problem_keeps_its_baseline_and_is_retried_last(tmp_path):
+    """The Triton candidate of a 512^3 GEMM runs for seconds in the interpreter: the problem is
+    cut off after its baseline was timed, keeps it as its winner, and the next run tunes it
+    again after the others, until it has timed out more than --retries times."""
+    cache = tmp_path / "c.db"
+    listed = tmp_path / "list.yaml"
+    slow = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
+    listed.write_text(
+        "problems:\n"
+        "  - {op: gemm, m: 512, n: 512, k: 512, dtype: f32}\n"
+        "  - {op: gemm, m: 8, n: 8, k: 8, dtype: f32}\n"
+    )
+    args = ("--config", str(listed), "--source", "triton_gemm", "--budget", "0.01",
+            "--problem-timeout", "3", "--retries", "1")  # fmt: skip
+    code, out = tune_all(*args, "--out", str(tmp_path / "r"), cache=cache)
+    assert code == 1, out
+    rows = {r["label"]: r for r in json.loads((tmp_path / "r" / "report.json").read_text())["rows"]}
+    kept = rows["list.yaml[0]"]
+    assert kept["status"] == "timeout" and kept["source"] == "torch", kept
+    assert kept["baseline_us"] > 0 and kept["winner_us"] == kept["baseline_us"]
+    assert kept["title"] == "512x512x512 nn f32 (list.yaml[0])"
+    assert "timeout 512x512x512 nn f32 (list.yaml[0])" in out and "kept its baseline" in out
+    fp = fingerprint()
+    with Store(cache) as store:
+        assert store.winner(fp.device_class, str(slow)).source == "torch"  # served meanwhile
+    # the next run: the tuned problem is done; the timed-out one is tried once more
+    code, out = tune_all(*args, cache=cache)
+    assert "1 already tuned, 1 to tune" in out and "timeout 512x512x512" in out
+    # and then no more: it timed out twice, more than --retries 1
+    code, out = tune_all(*args, cache=cache)
+    assert "not retried 512x512x512 nn f32 (list.yaml[0]): failed or timed out 2 times" in out
+    assert "timeout 512x512x512" not in out

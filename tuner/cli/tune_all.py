@@ -63,6 +63,7 @@ from tuner.offline.tune_all import (
     RunSummary,
     current_keys,
     journal_path,
+    kept_after_timeout,
     local_workers,
     order,
     pending,
@@ -379,7 +380,11 @@ def _describe(result: Result, problems: ProblemSet) -> str:
 
 
 def run_with_progress(
-    todo: list[Key], problems: ProblemSet, store_path: Path, settings: RunSettings
+    todo: list[Key],
+    problems: ProblemSet,
+    store_path: Path,
+    settings: RunSettings,
+    retune: set[str],
 ) -> RunSummary:
     in_flight: dict[int, str] = {}
     with progress_bar(console) as bar:
@@ -399,7 +404,7 @@ def run_with_progress(
                 bar.console.print(f"[yellow]{data}[/yellow]")
             bar.update(task, description=" | ".join(in_flight.values())[:60] or "waiting")
 
-        return run(todo, store_path, settings, on_event=on_event)
+        return run(todo, store_path, settings, on_event=on_event, retune=retune)
 
 
 def tune_all(
@@ -436,7 +441,8 @@ def tune_all(
     summary = None
     if ordered.todo and not dry_run:
         with fleet_artifacts(fp, store_path) as artifacts:
-            summary = run_with_progress(ordered.todo, problems, store_path, settings)
+            retune = kept_after_timeout(journal, fp)
+            summary = run_with_progress(ordered.todo, problems, store_path, settings, retune)
             artifacts.push()
     if sources.misses and not dry_run:
         tuned = current_keys(store, fp)

@@ -275,8 +275,10 @@ def run(
     settings: RunSettings,
     *,
     on_event: Callable[[Event], None] | None = None,
+    retune: set[str] | None = None,
 ) -> RunSummary:
-    """Tune ``keys`` in worker processes; results are in the store as soon as each is done."""
+    """Tune ``keys`` in worker processes; results are in the store as soon as each is done.
+    Keys in ``retune`` are tuned even where a winner is stored (one a timed-out run kept)."""
     _, devices = local_workers(settings.workers)
     compiler = None
     if settings.compile_ahead and keys:
@@ -288,7 +290,7 @@ def run(
     try:
         if compiler is not None:
             compiler.start()
-        return pool.run(keys)
+        return pool.run(keys, retune or set())
     finally:
         if compiler is not None:
             compiler.close()
@@ -340,10 +342,10 @@ class _Pool:
 
     # lifecycle
 
-    def run(self, keys: list[Key]) -> RunSummary:
+    def run(self, keys: list[Key], retune: set[str]) -> RunSummary:
         started = time.perf_counter()
         for k in keys:
-            self.tasks.put(k)
+            self.tasks.put((k, str(k) in retune))
         for _ in self.slots:
             self.tasks.put(None)  # one sentinel per slot: a replacement takes its predecessor's
         with self._signal_flags():
@@ -560,14 +562,15 @@ def worker_main(
         conn.send(("ready", fp.device_class))
         while not stop.is_set():
             try:
-                key = tasks.get(timeout=0.5)
+                task = tasks.get(timeout=0.5)
             except queue.Empty:
                 continue
-            if key is None:
+            if task is None:
                 break
+            key, retune = task
             conn.send(("start", key))
             wait = functools.partial(compile_pool.wait, compiled, key) if compiled else None
-            result = _tune_one(key, store, fp, settings, index, measured, wait)
+            result = _tune_one(key, store, fp, settings, index, measured, wait, retune)
             conn.send(("result", result))
     conn.send(("exit", None))
 
@@ -580,12 +583,13 @@ def _tune_one(
     index: int,
     on_result: Callable[[Measurement], None],
     compiled: Callable[[], Any] | None,
+    retune: bool,
 ) -> Result:
     from tuner.tuning.tune import tune
 
     t0 = time.perf_counter()
     existing = store.winner(fp.device_class, str(key))
-    if not settings.force and existing is not None and existing.measured_under(fp):
+    if not (settings.force or retune) and existing is not None and existing.measured_under(fp):
         return Result(key, "skipped", 0.0, index, fp.device_class, existing.to_row())
     try:
         outcome = tune(key, options=settings.tune, on_result=on_result, compiled=compiled)

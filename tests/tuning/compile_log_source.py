@@ -1,0 +1,32 @@
+"""A test-only GEMM source whose precompile writes what it was asked to compile to a file
+(``$TUNER_TEST_COMPILE_LOG``): the compile pool runs it in processes of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from tuner.candidates.base import Source
+
+TILES = [[16, 64], [64, 64], [128, 256]]  # on M=1 the last one wastes more than 4x the first
+
+
+class CompileLog(Source):
+    name = "compile_log"
+    op = "gemm"
+
+    def candidates(self, key, device):
+        return [{"tile": tile} for tile in TILES]
+
+    def precompile(self, key, shortlist):
+        line = json.dumps({"key": str(key), "tiles": [p["tile"] for p in shortlist]})
+        with open(os.environ["TUNER_TEST_COMPILE_LOG"], "a") as f:
+            f.write(line + "\n")
+
+    def build(self, key, params):
+        def run(a, b, out=None):
+            return torch.matmul(a, b, out=out)
+
+        return run

@@ -1,0 +1,43 @@
+"""The run-wide compile pool: every problem's job once, in the run's order, tile-pruned, in
+processes of its own (tuner.tuning.compile_pool)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.tuning.compile_log_source import CompileLog
+from tuner.candidates import registry
+from tuner.core.keys import GemmKey
+from tuner.tuning import compile_pool
+from tuner.tuning.compile_pool import CompilePool
+from tuner.tuning.engine import TuneOptions
+from tuner.tuning.isolation import runtime_sources
+
+
+def test_the_pool_gets_every_problem_once_in_order_and_prunes_tiles(tmp_path, monkeypatch):
+    log = tmp_path / "compiled.jsonl"
+    monkeypatch.setenv("TUNER_TEST_COMPILE_LOG", str(log))
+    registry.register(CompileLog())
+    keys = [GemmKey(m=m, n=256, k=64, dtype="f32", out_dtype="f32") for m in (1, 512, 1, 64)]
+    pool = CompilePool(
+        keys, TuneOptions(sources=["compile_log"]), "cpu", jobs=1, sources=runtime_sources()
+    )
+    try:
+        pool.start()
+        for key in keys:
+            compile_pool.wait(pool.events, key, timeout_s=120)
+        results = [pool.result(k) for k in keys[:2] + keys[3:]]
+    finally:
+        pool.close()
+        registry.unregister("compile_log")
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["key"] for line in lines] == [str(k) for k in (keys[0], keys[1], keys[3])]
+    assert lines[0]["tiles"] == [[16, 64], [64, 64]]  # M=1: the 128x256 tile is not compiled
+    assert lines[1]["tiles"] == [[16, 64], [64, 64], [128, 256]]
+    assert [r.compiled for r in results] == [2, 3, 3]
+    assert [r.pruned for r in results] == [{"tile": 1}, {}, {}]
+    assert not any(r.errors for r in results)
+
+
+def test_waiting_for_a_key_without_a_job_returns_at_once():
+    assert compile_pool.wait({}, GemmKey(m=8, n=8, k=8)) < 1.0
