@@ -79,6 +79,14 @@ for stage in "$@"; do
       TUNER_CACHE="$OUT/dropin_tuner.db" timeout -k 20 "${DROPIN_TIMEOUT:-570}" python3 bench/dropin_decoder.py \
         --out "$OUT/dropin_decoder.json" --plot "$OUT/dropin_decoder.png" \
         --tune-deadline-s "${DROPIN_TUNE_DEADLINE:-330}" ${DROPIN_ARGS:-} 2>&1 | tee "$OUT/dropin.log" || status=1 ;;
+    cold-start)  # cold tune-all of Qwen2.5-7B GEMMs + the suite's odd shapes on empty caches, CUTLASS
+      # on; COLD_START_PART=cold (pruned) or everything (--no-prune), one per call; results accumulate
+      # in $OUT/cold_start/cold_start.json (COLD_START_FROM=<earlier cold_start.json> to compare parts)
+      mkdir -p "$OUT/cold_start"
+      if [ -n "${COLD_START_FROM:-}" ]; then cp "$COLD_START_FROM" "$OUT/cold_start/cold_start.json" || status=1; fi
+      timeout -k 20 "${COLD_START_TIMEOUT:-570}" python3 bench/cold_start.py --out "$OUT/cold_start" \
+        --part "${COLD_START_PART:-cold}" --problem-timeout "${COLD_START_PROBLEM_TIMEOUT:-120}" 2>&1 | tee "$OUT/cold_start.log" || status=1
+      rm -rf "$OUT"/cold_start/*/triton "$OUT"/cold_start/*/cutlass "$OUT"/cold_start/*/artifacts ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
   pack
