@@ -292,7 +292,7 @@ class Dispatcher:
         During CUDA-graph capture nothing is tuned and no kernel but the default is built
         (loading a kernel module would invalidate the capture); the miss is still recorded.
         """
-        base = registry.baseline(key.op)
+        base = registry.baseline(key.op, key)
         if self.mode == "off" or grad or (device == "cuda") != torch.cuda.is_available():
             return Resolution(str(key), "default", base.name)
         dc = fingerprint(device).device_class
@@ -320,7 +320,7 @@ class Dispatcher:
         A winner whose build may compile (``background.may_compile``) and that is not loaded yet
         is built by ``self.loader`` while the baseline serves (kind ``loading``); once built, the
         signatures it served are resolved again, now to the loaded runner."""
-        base = registry.baseline(key.op)
+        base = registry.baseline(key.op, key)
         w = res.winner
         if w is None or res.candidate == base.name:
             return base.build(key, base.baseline_params), res

@@ -69,7 +69,7 @@ def warmup(
         for w in winners:
             try:
                 key = parse_key(w.key)
-                base = registry.baseline(key.op)
+                base = registry.baseline(key.op, key)
                 if w.source == base.name and base.is_baseline(w.params):
                     report.ready += 1
                 elif disp.load(key, w, device or torch.device("cpu")):

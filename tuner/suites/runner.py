@@ -72,7 +72,7 @@ def side_by_side(
     key: Key, winner: Winner, device: str, *, rounds: int = 3, budget_s: float = 0.1
 ) -> tuple[float, float]:
     """Median times (us) of the baseline and the winner, measured alternately on the same inputs."""
-    base_src = registry.baseline(key.op)
+    base_src = registry.baseline(key.op, key)
     base = base_src.build(key, base_src.baseline_params)
     if winner.source == base_src.name and base_src.is_baseline(winner.params):
         win = None
