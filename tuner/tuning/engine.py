@@ -367,12 +367,11 @@ def _short(e: BaseException) -> str:
     return text if len(text) < 2000 else text[:2000] + "..."
 
 
-def _wanted(source: Source, options: TuneOptions) -> bool:
-    return (
-        options.sources is None
-        or source.name in options.sources
-        or source.baseline_params is not None
-    )
+def _wanted(source: Source, key: Key, options: TuneOptions) -> bool:
+    """A source asked for, or the baseline that takes ``key`` (never left out)."""
+    if options.sources is None or source.name in options.sources:
+        return True
+    return source.baseline_params is not None and source.unsupported(key) is None
 
 
 def candidate_shortlists(
@@ -382,7 +381,11 @@ def candidate_shortlists(
     that cannot offer any are left out silently (``tune`` records why)."""
     found = []
     for source in registry.sources(key.op):
-        if not _wanted(source, options) or source.unavailable(device) or source.unsupported(key):
+        if (
+            not _wanted(source, key, options)
+            or source.unavailable(device)
+            or source.unsupported(key)
+        ):
             continue
         try:
             found.append((source, source.candidates(key, device)[: options.max_candidates]))
@@ -403,7 +406,7 @@ def _shortlists(
     skipped, unsupported or cannot list candidates is recorded once, by name."""
     found: list[tuple[Source, list[Params]]] = []
     for source in registry.sources(key.op):
-        if not _wanted(source, options):
+        if not _wanted(source, key, options):
             continue
         earlier = done.get(candidate_name(source.name, {}))
         if earlier is not None and (
