@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 import triton
-import triton.language as tl
 
 from tuner.candidates.triton_kernels import fp8 as fp8_kernels
 from tuner.candidates.triton_kernels import w4a16
+from tuner.candidates.triton_kernels.stream_read import BLOCK, read_all
 from tuner.measure import timing
 from tuner.quant import fp8, int4
 from tuner.quant.tolerance import (
@@ -50,19 +50,6 @@ PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                "down": (4096, 14336)}  # fmt: skip
 MS = (1, 4, 16, 256, 2048)
 GROUP = 128
-READ_BLOCK = 4096
-
-
-@triton.jit
-def _stream_read(src, sums, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(sums + tl.program_id(0), tl.sum(tl.load(src + offs, mask=offs < n, other=0), 0))
-
-
-def read_all(buf: torch.Tensor, sums: torch.Tensor) -> None:
-    words = buf.view(-1).view(torch.int32)
-    _stream_read[(triton.cdiv(words.numel(), READ_BLOCK),)](words, sums, words.numel(),
-                                                            BLOCK=READ_BLOCK, num_warps=8)  # fmt: skip
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 * 2**30) -> float:
@@ -110,7 +97,7 @@ def bench_projection(name: str, n: int, k: int, ms: tuple[int, ...], copy_gbs: f
     t4 = rotate(copies(tpacked, sz), tpacked, sz)
     f8 = rotate(copies(w8, s8), w8, s8)
     f8t = rotate(len(f8), w8t, s8t)
-    sums = torch.empty(triton.cdiv(n * k * 2 // 4, READ_BLOCK), device="cuda", dtype=torch.int32)
+    sums = torch.empty(triton.cdiv(n * k * 2 // 4, BLOCK), device="cuda", dtype=torch.int32)
 
     def row(m: int, impl: str, fn: Callable[[int], Any], moved: int, **extra: Any) -> dict:
         r = {"proj": name, "n": n, "k": k, "m": m, "impl": impl, **time_us(fn, m, budget_s),

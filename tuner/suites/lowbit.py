@@ -32,6 +32,7 @@ import torch
 
 from tuner.cache import Store
 from tuner.candidates import registry
+from tuner.candidates.triton_kernels import stream_read as stream_read_kernel
 from tuner.core.keys import GemmKey, parse_key
 from tuner.measure import samples, timing
 from tuner.measure.records import candidate_params
@@ -86,12 +87,13 @@ def moved_bytes(key: GemmKey, inputs: Sequence[torch.Tensor]) -> int:
 
 
 def stream_read(nbytes_: int, device: str) -> Callable[[int], Any]:
-    """``fn(i)`` reading ``nbytes_`` bytes (a torch sum over int32 words), rotated over enough
+    """``fn(i)`` reading ``nbytes_`` bytes with the bare streaming-read kernel, rotated over enough
     buffers that they are read from memory, not from the cache."""
     words = max(1, nbytes_ // 4)
     count = timing.rotation_sets(words * 4, device)
     bufs = [torch.ones(words, dtype=torch.int32, device=device) for _ in range(count)]
-    return lambda i: bufs[i % count].sum()
+    sums = stream_read_kernel.sums_for(bufs[0])
+    return lambda i: stream_read_kernel.read_all(bufs[i % count], sums)
 
 
 def runners(key: GemmKey, row: dict[str, Any]) -> dict[str, Any]:
