@@ -1,5 +1,7 @@
-"""bench/cold_start.py in its --dry-run mode: both tune-all runs (pruned, compile-everything) on
-fresh caches of their own on the CPU, the result file and the comparison of their winners."""
+"""bench/cold_start.py in its --dry-run mode on the CPU: both tune-all runs (pruned,
+compile-everything) on fresh caches of their own, the result file and the comparison of their
+winners; the fleet part (a real ``tuner serve`` on loopback, a second host's tune-all against it)
+and the first-call part (``tuner sync`` on fresh hosts, a fresh process per mode)."""
 
 from __future__ import annotations
 
@@ -30,9 +32,39 @@ def test_dry_run_writes_both_runs_and_their_comparison(tmp_path):
     assert result["comparison"]["geomean_ratio"] > 0
 
 
-def test_parts_not_written_yet_say_so(tmp_path):
+def run_part(out: Path, part: str) -> dict:
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--part", "fleet", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=60,
+        [sys.executable, str(SCRIPT), "--dry-run", "--part", part, "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert r.returncode == 2 and "fleet not implemented yet" in r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads((out / "cold_start.json").read_text())[part]
+
+
+def test_fleet_then_first_call_from_a_real_service(tmp_path):
+    fleet = run_part(tmp_path, "fleet")
+    assert fleet["cold_run_here"] and fleet["cold"]["summary"]["tuned"] == 5  # no cold run yet
+    assert fleet["exit"] == 0 and fleet["summary"]["tuned"] == 5
+    assert (tmp_path / "fleet" / "fleet.db").exists()  # the service's own database
+    assert (tmp_path / "fleet" / "host" / "tuner.db").exists()  # the second host's empty cache
+    assert set(fleet["published"]) >= {"kernels_published", "kernels_present"}
+    assert fleet["winners_compared"] == 5
+    assert fleet["winners_same"] + len(fleet["winners_differing"]) == 5
+    assert all(p["timing_s"] is not None for p in fleet["problems"])
+
+    first = run_part(tmp_path, "first-call")
+    assert not first["cold_run_here"]  # the fleet part's cold run is reused
+    assert first["published"]["push"].startswith("pushed 10 measurements")  # 5 winners + baselines
+    for mode in ("warmup", "no-warmup"):
+        run = first[mode]
+        assert "pulled 5 winners" in run["sync"]
+        assert run["summary"]["winners"] == 5 and len(run["rows"]) == 5
+        assert run["summary"]["max_first_ms"] >= run["summary"]["median_first_ms"] > 0
+        assert sum(run["summary"]["first_kinds"].values()) == 5
+        assert all(r["resolved_key"] == r["key"] for r in run["rows"])
+    warm = first["warmup"]
+    assert warm["warmup"]["winners"] == 5 and warm["warmup"]["failures"] == []
+    assert warm["summary"]["winner_serves_first"] == 5
+    cold = first["no-warmup"]
+    assert cold["loader_done"] and cold["loader_failures"] == {}
+    assert cold["summary"]["winner_serves_after_wait"] == 5
