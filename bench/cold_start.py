@@ -73,7 +73,8 @@ def problem_files(work: Path, dry_run: bool) -> list[str]:
         entries.append({"op": op, **{k: int(v) if v.isdigit() else v for k, v in pairs}})
     listed = work / "odd.yaml"
     listed.write_text(json.dumps({"problems": entries}))  # JSON is YAML
-    model = MODEL
+    model = work / "qwen2.5-7b-bf16.yaml"  # the problem set: the model's bf16 GEMMs
+    model.write_text(re.sub(r"(?m)^dtypes:.*$", "dtypes: [bf16]", MODEL.read_text()))
     if dry_run:
         model = work / "tiny.yaml"
         model.write_text(TINY)
@@ -411,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", choices=(*PARTS, "all"), default="all")
     ap.add_argument("--problem-timeout", type=float, default=200.0)
     ap.add_argument(
+        "--time-limit", type=float, help="tune-all's --time-limit: no problem starts after it."
+    )
+    ap.add_argument(
         "--cold-from",
         type=Path,
         help="A cold run's folder (tuner.db, report.json, artifacts/) for fleet / first-call.",
@@ -425,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     sources = problem_files(args.out, args.dry_run)
     extra = ["--problem-timeout", str(args.problem_timeout)]
+    if args.time_limit:
+        extra += ["--time-limit", str(args.time_limit)]
     result_path = args.out / "cold_start.json"
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
     for part in parts:

@@ -90,7 +90,7 @@ for stage in "$@"; do
       if [ -n "${COLD_START_FROM:-}" ]; then cp "$COLD_START_FROM" "$OUT/cold_start/cold_start.json" || status=1; fi
       from=(); if [ -f "$kept/artifacts/index.db" ]; then from=(--cold-from "$kept"); fi
       timeout -k 20 "${COLD_START_TIMEOUT:-570}" python3 bench/cold_start.py --out "$OUT/cold_start" "${from[@]}" \
-        --part "${COLD_START_PART:-cold}" --problem-timeout "${COLD_START_PROBLEM_TIMEOUT:-120}" 2>&1 | tee "$OUT/cold_start.log" || status=1
+        --part "${COLD_START_PART:-cold}" --problem-timeout "${COLD_START_PROBLEM_TIMEOUT:-120}" ${COLD_START_ARGS:-} 2>&1 | tee "$OUT/cold_start.log" || status=1
       if [ -f "$OUT/cold_start/cold/artifacts/index.db" ]; then
         rm -rf "$kept" && mkdir -p "$kept" && cp -r "$OUT"/cold_start/cold/{tuner.db,report.json,artifacts} "$kept"/
       fi
