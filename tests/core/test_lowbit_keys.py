@@ -114,7 +114,10 @@ FP8 = {"m": 4, "n": 64, "k": 256, **lowbit_fields("fp8-rowwise")}
         ({**INT4, "layout": "nn"}, "layout must be 'nt'"),
         ({**INT4, "batch": 2}, "batch must be 1"),
         ({**INT4, "wdtype": "int3"}, "wdtype must be one of"),
-        ({**FP8, "dtype": "bf16", "wdtype": "fp8_e4m3"}, r"dtype must be one of .* \(FP8 GEMMs take FP8"),
+        (
+            {**FP8, "dtype": "bf16", "wdtype": "fp8_e4m3"},
+            r"dtype must be one of .* \(FP8 GEMMs take FP8",
+        ),
         ({**FP8, "wdtype": "bf16"}, "wdtype='bf16' is impossible with dtype='fp8_e4m3'"),
         ({**FP8, "dtype": "fp8_e5m2", "wdtype": "fp8_e5m2"}, "two e5m2 operands"),
         ({**FP8, "scale": "group"}, "scale must be one of"),
