@@ -485,7 +485,9 @@ def _rec(key: GemmKey, status: str, seconds: float) -> dict:
 
 
 def test_earlier_failures_run_last_longest_last_and_stop_after_the_retries():
-    a, b, c, d, e = (GemmKey(m=m, n=8, k=8, dtype="f32", out_dtype="f32") for m in (8, 16, 24, 32, 40))
+    a, b, c, d, e = (
+        GemmKey(m=m, n=8, k=8, dtype="f32", out_dtype="f32") for m in (8, 16, 24, 32, 40)
+    )
     journal = [
         _rec(a, "timeout", 200.0),
         _rec(b, "failed", 3.0),
