@@ -41,6 +41,11 @@ class Source(ABC):
     def is_baseline(self, params: Params) -> bool:
         return self.baseline_params is not None and params == self.baseline_params
 
+    def chose_itself(self, source: str, params: Params) -> bool:
+        """Whether a stored winner (``source``, ``params``) is this baseline itself: nothing to
+        build or load, torch's own call serves it."""
+        return source == self.name and self.is_baseline(params)
+
     def unavailable(self, device: str) -> str | None:
         """Why this source cannot run on ``device`` ("cuda" or "cpu") here, or None if it can."""
         return None

@@ -308,7 +308,7 @@ class Dispatcher:
             kind, via = "bucketed", winner.key if winner else None
         if winner is None:
             return Resolution(str(key), "capture" if capturing else "miss", base.name)
-        if winner.source == base.name and base.is_baseline(winner.params):
+        if base.chose_itself(winner.source, winner.params):
             return Resolution(str(key), kind, base.name, winner, via)
         if capturing:
             return Resolution(str(key), "capture", base.name)

@@ -70,7 +70,7 @@ def warmup(
             try:
                 key = parse_key(w.key)
                 base = registry.baseline(key.op, key)
-                if w.source == base.name and base.is_baseline(w.params):
+                if base.chose_itself(w.source, w.params):
                     report.ready += 1
                 elif disp.load(key, w, device or torch.device("cpu")):
                     report.loaded += 1

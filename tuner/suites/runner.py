@@ -74,7 +74,7 @@ def side_by_side(
     """Median times (us) of the baseline and the winner, measured alternately on the same inputs."""
     base_src = registry.baseline(key.op, key)
     base = base_src.build(key, base_src.baseline_params)
-    if winner.source == base_src.name and base_src.is_baseline(winner.params):
+    if base_src.chose_itself(winner.source, winner.params):
         win = None
     else:
         win = registry.get(winner.source).build(key, winner.params)
