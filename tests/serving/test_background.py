@@ -59,7 +59,10 @@ class SlowBuild(Source):
 @pytest.fixture
 def compiling_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """A host where Triton compiles (not its interpreter): builds with a compile step go to the
-    background."""
+    background. Every source module is imported first: Triton decides interpreter or compiler
+    when a kernel is decorated, so a module first imported here would keep compiled kernels
+    for the rest of the session."""
+    registry.all_sources()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
