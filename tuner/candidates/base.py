@@ -30,6 +30,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def triton_unavailable(device: str) -> str | None:
+    """Why Triton kernels cannot run on ``device`` here: on the CPU only through the interpreter."""
+    if device == "cpu" and not interpreting():
+        return "no GPU (set TRITON_INTERPRET=1 to run Triton kernels on the CPU, slowly)"
+    return None
+
+
 class Source(ABC):
     """One family of kernels. Subclasses set ``name`` and ``op``. One source per op provides the
     baseline (what users get without us); its ``baseline_params`` name that candidate."""

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tuner.candidates.base import Params, Runner, Source, interpreting
+from tuner.candidates.base import Params, Runner, Source, interpreting, triton_unavailable
 from tuner.candidates.triton_kernels.launch import (
     FakeTensor,
     Launcher,
@@ -218,12 +218,6 @@ def head_dim_problem(key: SdpaKey, limit: int = MAX_HEAD_DIM) -> str | None:
         return f"head_dim_v ({key.head_dim_v}) != head_dim ({key.head_dim}) is not supported"
     if key.head_dim > limit:
         return f"head_dim {key.head_dim} > {limit} is not supported"
-    return None
-
-
-def triton_unavailable(device: str) -> str | None:
-    if device == "cpu" and not interpreting():
-        return "no GPU (set TRITON_INTERPRET=1 to run Triton kernels on the CPU, slowly)"
     return None
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tuner.candidates.base import Params, Runner, Source, interpreting
+from tuner.candidates.base import Params, Runner, Source, interpreting, triton_unavailable
 from tuner.candidates.triton_attention import (
     LOG2E,
     Launch,
@@ -38,7 +38,6 @@ from tuner.candidates.triton_attention import (
     output_for,
     padded_head_dim,
     qkvo_strides,
-    triton_unavailable,
 )
 from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob, precompile
 from tuner.core.keys import DTYPES, SdpaKey

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tuner.candidates.base import Params, Runner, Source, interpreting
+from tuner.candidates.base import Params, Runner, Source, interpreting, triton_unavailable
 from tuner.candidates.triton_kernels import fp8
 from tuner.core.keys import DTYPES, GemmKey
 
@@ -25,7 +25,7 @@ class TritonFp8(Source):
 
     def unavailable(self, device: str) -> str | None:
         if device == "cpu":
-            return None if interpreting() else "no GPU (set TRITON_INTERPRET=1 to run Triton kernels on the CPU, slowly)"  # fmt: skip
+            return triton_unavailable(device)
         cap = torch.cuda.get_device_capability()
         if cap < fp8.MIN_CAPABILITY:
             return f"compute capability {cap}: FP8 kernels need sm89 or newer"

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import triton
 
-from tuner.candidates.base import Params, Runner, Source, interpreting
+from tuner.candidates.base import Params, Runner, Source, interpreting, triton_unavailable
 from tuner.candidates.triton_kernels import configs
 from tuner.candidates.triton_kernels.gemv import gemv
 from tuner.candidates.triton_kernels.launch import (
@@ -417,9 +417,7 @@ class TritonGemm(Source):
     last_warm: WarmReport | None = None  # the last precompile (kernels compiled, seconds)
 
     def unavailable(self, device: str) -> str | None:
-        if device == "cpu" and not interpreting():
-            return "no GPU (set TRITON_INTERPRET=1 to run Triton kernels on the CPU, slowly)"
-        return None
+        return triton_unavailable(device)
 
     def unsupported(self, key: GemmKey) -> str | None:
         if key.lowbit:

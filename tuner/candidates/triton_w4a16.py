@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tuner.candidates.base import Params, Runner, Source, interpreting
+from tuner.candidates.base import Params, Runner, Source, interpreting, triton_unavailable
 from tuner.candidates.triton_kernels import w4a16
 from tuner.core.keys import GemmKey
 from tuner.quant import int4_torch
@@ -25,7 +25,7 @@ class TritonW4A16(Source):
 
     def unavailable(self, device: str) -> str | None:
         if device == "cpu":
-            return None if interpreting() else "no GPU (set TRITON_INTERPRET=1 to run Triton kernels on the CPU, slowly)"  # fmt: skip
+            return triton_unavailable(device)
         cap = torch.cuda.get_device_capability()
         if cap < w4a16.MIN_CAPABILITY:
             return f"compute capability {cap}: INT4 kernels need sm80 or newer"
