@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from tuner.cache.artifacts import fsync_dir
+from tuner.core.atomic import fsync_dir
 
 
 class BlobError(Exception):

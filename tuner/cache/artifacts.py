@@ -33,7 +33,6 @@ import os
 import re
 import sqlite3
 import tarfile
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -45,6 +44,7 @@ import sqlite_utils
 
 from tuner.cache.sqlite import Schema, SqliteFile, StoreError, register
 from tuner.cache.store import default_path
+from tuner.core.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -242,14 +242,6 @@ def default_max_bytes() -> int:
     return value
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class ArtifactStore:
     """The artifacts of one directory. Safe to share between threads (one index connection per
     thread) and between processes (writes serialise on the index's write lock)."""
@@ -345,17 +337,7 @@ class ArtifactStore:
         path = self._blob(digest)
         if path.exists() and sha256(path.read_bytes()) == digest:
             return
-        fd, tmp = tempfile.mkstemp(dir=self.blobs, prefix=f".{digest[:12]}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        fsync_dir(self.blobs)
+        write_atomic(path, data, durable=True)
 
     def _drop_unreferenced(self, c: sqlite3.Connection, digest: str) -> None:
         used = c.execute(

@@ -34,8 +34,13 @@ def write_atomic(path: str | Path, data: str | bytes, *, durable: bool = False) 
         tmp.unlink(missing_ok=True)
         raise
     if durable:
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+        fsync_dir(path.parent)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Flush a folder's entries (a rename into it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
