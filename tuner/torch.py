@@ -714,7 +714,9 @@ PASSTHROUGH = ("default", "untunable")
 class Stats:
     """Calls per resolved problem. Kinds (``tuner.serving.dispatcher.RESOLUTION_KINDS``): ``hit`` (the key's
     winner), ``bucketed`` (a neighbour's winner rebuilt for the key), ``miss`` and ``capture``
-    (torch's default for want of a winner), ``default``/``untunable`` (torch by policy or scope).
+    (torch's default for want of a winner), ``default``/``untunable`` (torch by policy or scope),
+    ``loading`` (torch while the winner's kernel is fetched or built in the background) and
+    ``failed`` (torch: that build failed, see the dispatcher's loader).
 
     ``saved_us``: calls x (winner's baseline_us - median_us), the estimate measured at tuning time;
     for bucketed calls it is the neighbour's figure, an estimate of an estimate.
