@@ -111,7 +111,7 @@ def test_unreadable_and_unwritable_files_get_one_line(tmp_path):
         (("tune-all", "--config", str(bad_yaml)), "p.yaml: not valid YAML at line 3"),
         (("import", str(binary)), "b.json: not a text file"),
         (("export", str(tmp_path / "no" / "x.json")), "x.json: cannot write"),
-        (("show", "--cache", str(tmp_path)), "is a directory, not a tuner cache file"),
+        (("show", "--cache", str(tmp_path)), "is a directory, not a cache file"),
     ]:
         r = tuner(*args, cache=tmp_path / "c.db", check=False)
         assert r.returncode == 2, (args, r.stderr)

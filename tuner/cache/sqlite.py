@@ -87,7 +87,9 @@ class SqliteFile:
         self._file: str | None = None
         if str(path) != ":memory:":
             if self.path.is_dir():
-                raise StoreError(f"{path} is a directory, not a {self.schema.kind} file")
+                raise StoreError(
+                    f"{path} is a directory, not a cache file (a {self.schema.kind} was expected)"
+                )
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
