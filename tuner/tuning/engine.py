@@ -375,35 +375,19 @@ def _wanted(source: Source, key: Key, options: TuneOptions) -> bool:
 
 
 def candidate_shortlists(
-    key: Key, device: str, options: TuneOptions
-) -> list[tuple[Source, list[Params]]]:
-    """Each wanted source that has candidates for ``key`` here, with its shortlist; sources
-    that cannot offer any are left out silently (``tune`` records why)."""
-    found = []
-    for source in registry.sources(key.op):
-        if (
-            not _wanted(source, key, options)
-            or source.unavailable(device)
-            or source.unsupported(key)
-        ):
-            continue
-        try:
-            found.append((source, source.candidates(key, device)[: options.max_candidates]))
-        except Exception as e:
-            log.info("%s: no candidates for %s: %s", source.name, key, _short(e)[:300])
-    return found
-
-
-def _shortlists(
     key: Key,
     device: str,
     options: TuneOptions,
-    done: dict[str, Measurement],
-    record: Callable[..., Measurement],
-    measurements: list[Measurement],
+    record: Callable[..., Measurement] | None = None,
+    done: dict[str, Measurement] | None = None,
+    measurements: list[Measurement] | None = None,
 ) -> list[tuple[Source, list[Params]]]:
-    """Each source that has candidates for ``key`` here, with its shortlist. A source that is
-    skipped, unsupported or cannot list candidates is recorded once, by name."""
+    """Each wanted source that has candidates for ``key`` here, with its shortlist.
+
+    With ``record`` (``tune``), a source that is unsupported or cannot list candidates is
+    recorded once, by name, and such a row in ``done`` is taken into ``measurements`` as it is;
+    without it (the compile pool) such sources are left out silently."""
+    done = done or {}
     found: list[tuple[Source, list[Params]]] = []
     for source in registry.sources(key.op):
         if not _wanted(source, key, options):
@@ -412,16 +396,21 @@ def _shortlists(
         if earlier is not None and (
             earlier.status == "unsupported" or earlier.error.startswith("candidates: ")
         ):
-            measurements.append(earlier)
+            if measurements is not None:
+                measurements.append(earlier)
             continue
         reason = source.unavailable(device) or source.unsupported(key)
         if reason:
-            record(source, {}, "unsupported", error=reason)
+            if record:
+                record(source, {}, "unsupported", error=reason)
             continue
         try:
             shortlist = source.candidates(key, device)[: options.max_candidates]
         except Exception as e:
-            record(source, {}, "failed", error=f"candidates: {_short(e)}")
+            if record:
+                record(source, {}, "failed", error=f"candidates: {_short(e)}")
+            else:
+                log.info("%s: no candidates for %s: %s", source.name, key, _short(e)[:300])
             continue
         found.append((source, shortlist))
     return found
@@ -538,7 +527,7 @@ def tune(
         record,
     )
 
-    plan = _shortlists(key, device, options, done, record, measurements)
+    plan = candidate_shortlists(key, device, options, record, done, measurements)
     best_us: float | None = None
 
     def run(source: Source, params: Params) -> Measurement:
