@@ -43,7 +43,8 @@ def check_scales_and_zeros(
         )
     if scales_and_zeros.dtype != dtype:
         raise ValueError(
-            f"scales_and_zeros.dtype={scales_and_zeros.dtype}: must be the activation dtype {dtype}"
+            f"scales_and_zeros.dtype={scales_and_zeros.dtype}: must be the activation's "
+            f"(x.dtype={dtype})"
         )
     if not scales_and_zeros.is_contiguous():
         raise ValueError("scales_and_zeros: must be contiguous")

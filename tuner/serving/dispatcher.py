@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from tuner.cache import Store, StoreError, default_path
-from tuner.candidates import registry
+from tuner.candidates import registry, torch_lowbit
 from tuner.candidates.base import Runner
 from tuner.candidates.torch_ref import torch_sdpa
 from tuner.core.device import fingerprint
@@ -198,13 +198,13 @@ class Dispatcher:
         use_fast_accum: bool = False,
     ) -> tuple[Runner, Resolution]:  # fmt: skip
         sig = lowbit.scaled_mm_sig(a, b, scale_a, scale_b, out_dtype, use_fast_accum)
-        if sig not in self._hot:
-            lowbit.check_scaled_mm(a, b, scale_a, scale_b)  # bad input: an error, not torch's guess
-        return self._hot.get(sig) or self._resolve(
-            sig, lambda: lowbit.scaled_mm_key(a, b, scale_a, scale_b, out_dtype, use_fast_accum),
-            a.device, lowbit.torch_scaled_mm(out_dtype, use_fast_accum), grad=sig[-1],
-            torch_op=True,
-        )  # fmt: skip
+        hot = self._hot.get(sig)
+        if hot is None:
+            hot = self._resolve(
+                sig, lambda: lowbit.scaled_mm_key(a, b, scale_a, scale_b, out_dtype, use_fast_accum),
+                a.device, torch_lowbit.scaled_mm_runner(out_dtype, use_fast_accum), grad=sig[-1],
+            )  # fmt: skip
+        return hot
 
     def int4_linear(self, x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> Any:
         """``x [..., K] @ W.T`` with W int4 in torch's packed format: out [..., N]."""
@@ -218,12 +218,13 @@ class Dispatcher:
     ) -> tuple[Runner, Resolution]:
         """``int4_linear``'s runner for a 2-D ``x``, and how it was chosen."""
         sig = lowbit.int4_sig(x, packed, scales_and_zeros, group_size)
-        if sig not in self._hot:
-            lowbit.check_int4(x, packed, scales_and_zeros, group_size)  # torch's CPU op does not
-        return self._hot.get(sig) or self._resolve(
-            sig, lambda: lowbit.int4_key(x, packed, scales_and_zeros, group_size), x.device,
-            lowbit.torch_int4_mm(x.device.type, group_size), grad=sig[-1], torch_op=True,
-        )  # fmt: skip
+        hot = self._hot.get(sig)
+        if hot is None:
+            hot = self._resolve(
+                sig, lambda: lowbit.int4_key(x, packed, scales_and_zeros, group_size), x.device,
+                torch_lowbit.int4_runner(group_size), grad=sig[-1],
+            )  # fmt: skip
+        return hot
 
     def resolve_gemm(self, a: Any, b: Any) -> tuple[Runner, Resolution]:
         """``gemm_runner`` and how it was chosen (``tuner.torch`` hands torch-served calls back
@@ -257,16 +258,18 @@ class Dispatcher:
 
     def _resolve(
         self, sig: tuple, make_key: Callable[[], Key], device: Any, fallback: Runner, *,
-        grad: bool, torch_op: bool = False,
+        grad: bool,
     ) -> tuple[Runner, Resolution]:  # fmt: skip
-        """``torch_op``: ``fallback`` is torch's own op for the call (the low-bit calls), and it
-        serves every resolution that torch's baseline would."""
+        """``fallback`` serves calls outside the keys; operands that disagree
+        (``lowbit.OperandError``) raise to the caller instead."""
         with self._lock:
             hot = self._hot.get(sig)
             if hot is not None:
                 return hot
             try:
                 key = make_key()
+            except lowbit.OperandError:  # bad input: an error, not torch's guess
+                raise
             except (
                 ValueError
             ) as e:  # outside what the tuner handles: torch decides (and errs) itself
@@ -274,8 +277,6 @@ class Dispatcher:
                 runner, res = fallback, Resolution(f"untunable: {e}", "untunable", "torch")
             else:
                 runner, res = self._build(key, self._choose(key, device.type, grad=grad), device)
-                if torch_op and res.by_torch:
-                    runner = fallback
             slot = (res.key, res.kind, res.candidate, res.via)
             res = self.resolutions[slot] = self.resolutions.pop(slot, res)  # latest last
             if self.counting:

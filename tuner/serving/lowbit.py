@@ -18,12 +18,15 @@ from typing import Any
 
 import torch
 
-from tuner.candidates import torch_lowbit
-from tuner.candidates.base import Runner
 from tuner.core.keys import DTYPE_NAMES, GemmKey, alignment, lowbit_fields, matrix_layout
 from tuner.quant import fp8, int4, int4_torch
 
 FP8_NAMES = {dtype: f"fp8_{fmt}" for fmt, dtype in fp8.FORMATS.items()}
+
+
+class OperandError(ValueError):
+    """Operands that disagree: an error for the caller, where a call merely outside the keys
+    (a plain ``ValueError`` from the key functions) goes to torch's op."""
 
 
 def scaled_mm_sig(a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any, fast: bool) -> tuple:
@@ -40,26 +43,35 @@ def int4_sig(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tup
             x.data_ptr() % 16, x.requires_grad and torch.is_grad_enabled())  # fmt: skip
 
 
-def check_int4(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> None:
-    """ValueError naming the field unless the activation, weight and scales agree."""
-    n, k = int4_torch.packed_shape(packed)
-    if x.shape[-1] != k:
-        raise ValueError(f"x.shape={tuple(x.shape)}: K must be the weight's K={k}")
-    int4.check_scales_and_zeros(scales_and_zeros, n, k, group_size, x.dtype)
+def check_int4(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tuple[int, int]:
+    """The weight's (N, K); ``OperandError`` naming the field unless the activation, weight and
+    scales agree."""
+    try:
+        n, k = int4_torch.packed_shape(packed)
+        if x.shape[-1] != k:
+            raise ValueError(f"x.shape={tuple(x.shape)}: K must be the weight's K={k}")
+        int4.check_scales_and_zeros(scales_and_zeros, n, k, group_size, x.dtype)
+    except ValueError as e:
+        raise OperandError(str(e)) from e
+    return n, k
 
 
-def check_scaled_mm(a: Any, b: Any, scale_a: Any, scale_b: Any) -> None:
-    """ValueError naming the field unless the operands and their scales agree."""
+def check_scaled_mm(a: Any, b: Any, scale_a: Any, scale_b: Any) -> bool:
+    """Whether the scales are rowwise; ``OperandError`` naming the field unless the operands and
+    their scales agree."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"a, b: expected [M, K] and [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")  # fmt: skip
-    fp8.check_scales(scale_a, scale_b, a.shape[0], b.shape[1])
+        raise OperandError(f"a, b: expected [M, K] and [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")  # fmt: skip
+    try:
+        return fp8.check_scales(scale_a, scale_b, a.shape[0], b.shape[1])
+    except ValueError as e:
+        raise OperandError(str(e)) from e
 
 
 def scaled_mm_key(
     a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any, fast: bool
 ) -> GemmKey:
     """The key of ``_scaled_mm(a, b, ...)``: a [M, K] row-major, b [K, N] column-major."""
-    check_scaled_mm(a, b, scale_a, scale_b)
+    rowwise = check_scaled_mm(a, b, scale_a, scale_b)
     for name, t in (("a", a), ("b", b)):
         if t.dtype not in FP8_NAMES:
             raise ValueError(
@@ -69,7 +81,6 @@ def scaled_mm_key(
         raise ValueError("layout: a must be row-major and b column-major, as _scaled_mm takes them")
     m, k = a.shape
     n = b.shape[1]
-    rowwise = fp8.check_scales(scale_a, scale_b, m, n)
     out = DTYPE_NAMES.get(out_dtype if out_dtype is not None else a.dtype)
     if out is None:
         raise ValueError(f"out_dtype={out_dtype}: the tuner keys bf16, f16 and f32 outputs")
@@ -84,27 +95,15 @@ def scaled_mm_key(
 
 def int4_key(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> GemmKey:
     """The key of ``x [M, K] @ W[N, K].T`` with W int4 in groups of ``group_size``."""
+    n, k = check_int4(x, packed, scales_and_zeros, group_size)
     if x.dim() != 2:
         raise ValueError(f"x: expected [M, K], got {tuple(x.shape)}")
     act = DTYPE_NAMES.get(x.dtype)
     if act not in ("bf16", "f16"):
         raise ValueError(f"x.dtype={x.dtype}: int4 GEMMs take bf16 or f16 activations")
-    check_int4(x, packed, scales_and_zeros, group_size)
-    n, k = int4_torch.packed_shape(packed)
     if matrix_layout(x) != "n":
         raise ValueError("layout: x must be row-major")
     return GemmKey(**{
         **lowbit_fields(f"int4-g{group_size}"), "m": x.shape[0], "n": n, "k": k,
         "layout": "nt", "dtype": act, "out_dtype": act, "align": alignment(x, "n"),
     })  # fmt: skip
-
-
-def torch_scaled_mm(out_dtype: Any, fast: bool) -> Runner:
-    """torch's ``_scaled_mm`` for calls the tuner does not key."""
-    return torch_lowbit.scaled_mm_runner(out_dtype, fast)
-
-
-def torch_int4_mm(device: str, group_size: int) -> Runner:
-    """torch's int4 GEMM for calls the tuner does not key: the op of the weight's device, which
-    torch requires to be the call's ``device``."""
-    return torch_lowbit.int4_runner(group_size)
