@@ -21,11 +21,10 @@ from tuner.fleet.client import (
     FleetClient,
     PushResult,
     check_artifacts,
-    host_archs,
+    fetch_host_artifacts,
     pull,
     push,
     push_artifacts,
-    sync_artifacts,
 )
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -190,10 +189,8 @@ def sync(
             f"pulled {r.winners} winners for {fp.device_class} in {r.pages} pages, "
             f"{r.seconds:.2f} s (cursor {r.cursor})"
         )
-        archs = host_archs(fp)
-        if artifacts and archs:
-            with ArtifactStore() as kernels:
-                a = sync_artifacts(client, kernels, store, archs, full=full)
+        a = fetch_host_artifacts(client, store, fp, full=full) if artifacts else None
+        if a is not None:
             console.print(f"fetched {a.fetched} compiled kernels ({a.present} already here)")
             if a.rejected:
                 raise typer.Exit(FAILED)  # each rejection was logged with its reason

@@ -46,9 +46,9 @@ from tuner.fleet.client import (
     BATCH,
     FleetClient,
     FleetError,
+    fetch_host_artifacts,
     host_archs,
     push_artifacts,
-    sync_artifacts,
 )
 from tuner.measure.records import Measurement, Winner
 from tuner.offline import report, tunableop
@@ -466,14 +466,18 @@ class _Artifacts:
 
     def __init__(self, fp: Fingerprint) -> None:
         self.client = FleetClient.from_env()
+        self.fp = fp
         self.archs = host_archs(fp)
 
     def fetch(self, store: Store) -> None:
-        if self.client is None or not self.archs:
+        if self.client is None:
             return
-        with fleet_service(self.client.server), ArtifactStore() as kernels:
-            got = sync_artifacts(self.client, kernels, store, self.archs)
-        console.print(f"fleet: fetched {got.fetched} compiled kernels ({got.present} already here)")
+        with fleet_service(self.client.server):
+            got = fetch_host_artifacts(self.client, store, self.fp)
+        if got is not None:
+            console.print(
+                f"fleet: fetched {got.fetched} compiled kernels ({got.present} already here)"
+            )
 
     def push(self) -> None:
         if self.client is None or not self.archs:

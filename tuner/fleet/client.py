@@ -35,8 +35,14 @@ from typing import Any
 import httpx
 
 from tuner.cache import Store
-from tuner.cache.artifacts import ArtifactError, ArtifactSpec, ArtifactStore, Conflict, sha256
-from tuner.cache.sqlite import StoreError
+from tuner.cache.artifacts import (
+    ArtifactError,
+    ArtifactSpec,
+    ArtifactStore,
+    Conflict,
+    sha256,
+    shared_store,
+)
 from tuner.core.device import Fingerprint
 from tuner.measure.records import Measurement, Winner
 from tuner.version import __version__
@@ -538,6 +544,22 @@ class ArtifactCheck:
         return not self.service and not self.local
 
 
+def fetch_host_artifacts(
+    client: FleetClient, store: Store, fp: Fingerprint, artifacts: ArtifactStore | None = None,
+    *, full: bool = False,
+) -> ArtifactsFetched | None:  # fmt: skip
+    """``sync_artifacts`` of this host's archs into ``artifacts``, by default the process's
+    shared store (the one the compile hooks read); None, fetching nothing, on a host without a
+    GPU or when that store cannot be opened."""
+    archs = host_archs(fp)
+    if not archs:
+        return None
+    kernels = artifacts if artifacts is not None else shared_store()
+    if kernels is None:
+        return None
+    return sync_artifacts(client, kernels, store, archs, full=full)
+
+
 def check_artifacts(client: FleetClient | None, artifacts: ArtifactStore) -> ArtifactCheck:
     """Specs built differently by different builders, on the service and in this host's store
     (``tuner artifacts --check``); the service's side is skipped without a client."""
@@ -627,8 +649,8 @@ class BackgroundSync:
                         raise
                     refused.append(f"{step.__name__}: {e}")
         result = pull(self.client, store, fp)
-        if self.artifacts is not None and (archs := host_archs(fp)):
-            sync_artifacts(self.client, self.artifacts, store, archs)
+        if self.artifacts is not None:
+            fetch_host_artifacts(self.client, store, fp, self.artifacts)
         if result.winners and self.on_change is not None:
             self.on_change()
         self.syncs += 1
@@ -637,19 +659,6 @@ class BackgroundSync:
             raise FleetError("; ".join(refused))
         self.last_error = None
         return result
-
-
-def _host_artifacts(fingerprint: Callable[[], Fingerprint] | None) -> ArtifactStore | None:
-    """This host's artifact store if it has a GPU to run artifacts on, else None."""
-    from tuner.core.device import fingerprint as default_fingerprint
-
-    if not host_archs((fingerprint or default_fingerprint)()):
-        return None
-    try:
-        return ArtifactStore()
-    except (StoreError, OSError, ValueError) as e:
-        log.warning("compiled kernels are not synced: the artifact store cannot be opened: %s", e)
-        return None
 
 
 def attach(
@@ -661,13 +670,16 @@ def attach(
     ``$TUNER_SYNC_INTERVAL`` seconds (default 60). Returns None (and logs) if no service is
     configured or the configuration is unusable: the dispatcher then works from its cache alone.
     """
+    from tuner.core.device import fingerprint as default_fingerprint
+
     try:
         client = client or FleetClient.from_env(timeout_s=5.0, retries=2)
         if client is None:
             return None
         kwargs.setdefault("interval_s", float(os.environ.get("TUNER_SYNC_INTERVAL", "60")))
         if "artifacts" not in kwargs:
-            kwargs["artifacts"] = _host_artifacts(kwargs.get("fingerprint"))
+            fp = (kwargs.get("fingerprint") or default_fingerprint)()
+            kwargs["artifacts"] = shared_store() if host_archs(fp) else None
         return BackgroundSync(
             client, dispatcher.store_path, on_change=dispatcher.reload, **kwargs
         ).start()

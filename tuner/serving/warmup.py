@@ -87,24 +87,23 @@ def warmup(
 def _fetch(disp: Dispatcher, fp: Any, report: WarmupReport) -> None:
     """Bring the kernels of this host's archs from the fleet service, if one is configured."""
     from tuner.cache import Store
-    from tuner.cache.artifacts import shared_store
-    from tuner.fleet.client import FleetClient, FleetError, host_archs, sync_artifacts
+    from tuner.fleet.client import FleetClient, FleetError, fetch_host_artifacts
 
-    archs = host_archs(fp)
     try:
         client = FleetClient.from_env()
     except (FleetError, ValueError) as e:
         report.fetch_error = f"fleet service not usable: {e}"
         return
-    artifacts = shared_store()
-    if client is None or not archs or artifacts is None:
+    if client is None:
         return
     try:
         with client, Store(disp.store_path) as store:
-            fetched = sync_artifacts(client, artifacts, store, archs)
+            fetched = fetch_host_artifacts(client, store, fp)
     except Exception as e:  # the service down: warm up from what this host has
         report.fetch_error = f"{type(e).__name__}: {e}"
         log.warning("warmup: kernels not fetched from %s: %s", client.server, e)
+        return
+    if fetched is None:
         return
     report.fetched = fetched.fetched
     if fetched.rejected:
