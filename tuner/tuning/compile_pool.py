@@ -25,7 +25,7 @@ from typing import Any
 from tuner.core.keys import Key
 from tuner.core.lifetime import exit_when_orphaned
 from tuner.tuning.engine import TuneOptions, candidate_shortlists
-from tuner.tuning.pruning import prune
+from tuner.tuning.pruning import prune_challengers
 from tuner.tuning.supervisor import CTX
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,9 @@ def compile_problem(key: Key, options: TuneOptions, device: str) -> Compiled:
     t0 = time.perf_counter()
     out = Compiled(str(key))
     for source, shortlist in candidate_shortlists(key, device, options):
-        kept, pruned = prune(key, shortlist) if options.prune else (shortlist, [])
+        kept, pruned = prune_challengers(key, source, shortlist, enabled=options.prune)
         for p in pruned:
             out.pruned[p.rule] = out.pruned.get(p.rule, 0) + 1
-        kept = [p for p in kept if not source.is_baseline(p)]
         if not kept:
             continue
         out.compiled += len(kept)

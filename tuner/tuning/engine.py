@@ -438,9 +438,8 @@ def _prune(
     roof = pruning.measured_roof(device, key.dtype, key.compute) if on_gpu else None
     out = []
     for source, shortlist in plan:
-        challengers = [p for p in shortlist if not source.is_baseline(p)]
-        kept, pruned = pruning.prune(
-            key, challengers, roof=roof, baseline_us=baseline_us, margin=options.min_noise
+        kept, pruned = pruning.prune_challengers(
+            key, source, shortlist, roof=roof, baseline_us=baseline_us, margin=options.min_noise
         )
         for p in pruned:
             earlier = done.get(candidate_name(source.name, p.params))

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tuner.candidates.base import Params
+from tuner.candidates.base import Params, Source
 from tuner.core.keys import GemmKey, Key
 from tuner.measure.records import Measurement
 
@@ -138,6 +138,24 @@ def prune(
                 continue
         kept.append(params)
     return kept, pruned
+
+
+def prune_challengers(
+    key: Key,
+    source: Source,
+    shortlist: list[Params],
+    *,
+    enabled: bool = True,
+    roof: Roof | None = None,
+    baseline_us: float | None = None,
+    margin: float = 0.0,
+) -> tuple[list[Params], list[Pruned]]:
+    """``source``'s challengers in ``shortlist`` (its baseline left out: it is never pruned),
+    split by ``prune`` into (kept, pruned); with ``enabled`` off every challenger is kept."""
+    challengers = [p for p in shortlist if not source.is_baseline(p)]
+    if not enabled:
+        return challengers, []
+    return prune(key, challengers, roof=roof, baseline_us=baseline_us, margin=margin)
 
 
 # --- this device's rates -------------------------------------------------------------------
