@@ -145,6 +145,16 @@ def measure(
     return Timing(median, _percentile(s, 0.1), _percentile(s, 0.9), len(s), host)
 
 
+def copy_bandwidth_gbs(device: str, nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth in GB/s, bytes read plus written: the memory ceiling."""
+    if device != "cuda":
+        nbytes = 64 * 2**20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    t = measure(lambda i: dst.copy_(src), device=device, budget_s=0.3, max_reps=50)
+    return 2 * nbytes / (t.median_us * 1e-6) / 1e9
+
+
 GRAPH_CALLS = 16  # calls per captured graph: the replay's own launch cost is spread over them
 
 

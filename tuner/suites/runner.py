@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -30,6 +29,7 @@ from tuner.core.device import fingerprint
 from tuner.core.keys import Key
 from tuner.measure import samples, timing
 from tuner.measure.records import Winner
+from tuner.measure.timing import copy_bandwidth_gbs
 from tuner.offline.plots import geomean, speedup_plot
 from tuner.offline.progress import progress_bar
 from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
@@ -56,16 +56,6 @@ class Row:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "speedup": self.speedup}
-
-
-def copy_bandwidth_gbs(device: str, nbytes: int = 2 * 2**30) -> float:
-    """Device-to-device copy bandwidth, bytes read plus written per second: the memory ceiling."""
-    if device != "cuda":
-        nbytes = 64 * 2**20
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    t = timing.measure(lambda i: dst.copy_(src), device=device, budget_s=0.3, max_reps=50)
-    return 2 * nbytes / (t.median_us * 1e-6) / 1e9
 
 
 def side_by_side(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,7 +28,6 @@ from tuner.measure.records import Measurement
 
 WASTE_LIMIT = 4.0  # padded output area over the smallest padded area of the same source
 HEADROOM = 1.25  # a kernel may beat the measured copy/matmul rates by this factor
-ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -83,12 +81,9 @@ def padded_area(key: GemmKey, tile: tuple[int, int]) -> int:
 
 def floor_us(key: GemmKey, roof: Roof, tile: tuple[int, int] | None) -> float:
     """The least time the shape can take on this device with that tile (None: no padding)."""
-    size = ELEMENT_BYTES.get(key.dtype, 2)
-    out_size = ELEMENT_BYTES.get(key.out_dtype, size)
-    moved = key.batch * ((key.m * key.k + key.k * key.n) * size + key.m * key.n * out_size)
     area = key.m * key.n if tile is None else padded_area(key, tile)
     flops = 2.0 * key.batch * area * key.k
-    return max(moved / roof.bandwidth, flops / roof.peak) / HEADROOM * 1e6
+    return max(key.min_bytes / roof.bandwidth, flops / roof.peak) / HEADROOM * 1e6
 
 
 def prunable(key: Key) -> bool:
@@ -168,36 +163,17 @@ def measured_roof(device: str, dtype: str, compute: str) -> Roof:
     """
     import torch
 
+    from tuner.candidates.torch_ref import tf32_mode
     from tuner.core.keys import DTYPES
+    from tuner.measure import timing
 
     big = device == "cuda"
-    n_copy = (256 << 20) if big else (16 << 20)
-    src = torch.empty(n_copy, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    bandwidth = 2 * n_copy / _best_seconds(lambda: dst.copy_(src), device)
+    bandwidth = timing.copy_bandwidth_gbs(device, 256 << 20) * 1e9
     side = 4096 if big else 256
     dt = DTYPES[dtype]
     a = torch.randn(side, side, device=device).to(dt)
     b = torch.randn(side, side, device=device).to(dt)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = compute == "tf32"
-    try:
-        peak = 2 * side**3 / _best_seconds(lambda: a @ b, device)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    with tf32_mode(compute == "tf32"):
+        t = timing.measure(lambda _i: a @ b, device=device, budget_s=0.05, max_reps=20)
+    peak = 2 * side**3 / (t.median_us * 1e-6)
     return Roof(bandwidth, peak)
-
-
-def _best_seconds(fn, device: str, reps: int = 5) -> float:
-    import torch
-
-    best = math.inf
-    for _ in range(reps + 1):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
