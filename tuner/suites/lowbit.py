@@ -13,7 +13,8 @@ M in 1, 2, 4, 8, 16, 64, 256, 2048, in each format (``int4-g128``, ``fp8-rowwise
 - decode rows (M <= 16) on a GPU: GPU times inside CUDA graphs (``timing.graph_time``) of torch's
   op, the winner and bf16 cuBLAS, each rotating over input sets larger than twice the L2 (a
   weight under the L2's size would otherwise be read from it), and a bare streaming read of
-  the same number of bytes (a torch reduction over as many rotated buffers): the floor.
+  the same number of bytes (the Triton ``stream_read`` kernel, every byte loaded once over as
+  many rotated buffers): the floor.
 
 Writes ``gemm_lowbit.json`` (rows, device and versions, targets), ``gemm_lowbit.png`` (speedup
 over torch's op) and ``gemm_lowbit_vs_bf16.png`` (speedup over bf16 cuBLAS), and the tuned cache
@@ -153,7 +154,7 @@ def served_speed(row: dict[str, Any]) -> tuple[float, float]:
 
 
 def targets(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets, per format, over this run's rows."""
+    """Targets per format over this run's rows."""
     out: dict[str, Any] = {}
     for fmt in dict.fromkeys(r["format"] for r in rows):
         mine = [r for r in rows if r["format"] == fmt]
