@@ -8,8 +8,8 @@ M in 1, 2, 4, 8, 16, 64, 256, 2048, in each format (``int4-g128``, ``fp8-rowwise
   ``torch._scaled_mm``) against the winner (``tuner.suites.runner``);
 - bf16 cuBLAS (``torch.matmul``) on the same shape, timed the same way: the speed the format
   is meant to beat;
-- the bytes actually read and written (every tensor of an input set plus the output) as a
-  share of the device-to-device copy bandwidth;
+- the bytes a call must move (``GemmKey.min_bytes``: every input read once, the output
+  written once) as a share of the device-to-device copy bandwidth;
 - decode rows (M <= 16) on a GPU: GPU times inside CUDA graphs (``timing.graph_time``) of torch's
   op, the winner and bf16 cuBLAS, each rotating over input sets larger than twice the L2 (a
   weight under the L2's size would otherwise be read from it), and a bare streaming read of
@@ -77,20 +77,10 @@ def bf16_twin(key: GemmKey) -> GemmKey:
     return gemm_key(key.m, key.n, key.k, layout="nt", dtype="bf16")
 
 
-def nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def moved_bytes(key: GemmKey, inputs: Sequence[torch.Tensor]) -> int:
-    """Every input tensor read once and the output written once: the bytes a call must move."""
-    out = samples.output_like(key, tuple(inputs))
-    return nbytes(inputs) + nbytes([out])
-
-
-def stream_read(nbytes_: int, device: str) -> Callable[[int], Any]:
-    """``fn(i)`` reading ``nbytes_`` bytes with the bare streaming-read kernel, rotated over enough
+def stream_read(nbytes: int, device: str) -> Callable[[int], Any]:
+    """``fn(i)`` reading ``nbytes`` bytes with the bare streaming-read kernel, rotated over enough
     buffers that they are read from memory, not from the cache."""
-    words = max(1, nbytes_ // 4)
+    words = max(1, nbytes // 4)
     count = timing.rotation_sets(words * 4, device)
     bufs = [torch.ones(words, dtype=torch.int32, device=device) for _ in range(count)]
     sums = stream_read_kernel.sums_for(bufs[0])
@@ -119,8 +109,8 @@ def annotate(row: dict[str, Any], copy_gbs: float, device: str, budget_s: float)
     bf16_sets = samples.input_sets(twin, device, seed=1)
     row.update(m=key.m, n=key.n, k=key.k, format=row["label"].rsplit(" ", 1)[-1])
     row["baseline_source"] = registry.baseline("gemm", key).name
-    row["bytes"] = moved_bytes(key, sets[0])
-    row["bf16_bytes"] = moved_bytes(twin, bf16_sets[0])
+    row["bytes"] = key.min_bytes
+    row["bf16_bytes"] = twin.min_bytes
     row["bf16_us"] = time_eager(timing.on_sets(torch.matmul, bf16_sets), device, budget_s)
     row["speedup_vs_bf16"] = row["bf16_us"] / row["winner_us"]
     row["pct_copy"] = 100 * row["bytes"] / row["winner_us"] / 1e3 / copy_gbs
