@@ -42,7 +42,7 @@ from tuner.candidates.triton_decode import DecodeKernels
 from tuner.core.device import fingerprint
 from tuner.core.keys import SdpaKey
 from tuner.measure import samples, timing
-from tuner.suites.runner import copy_bandwidth_gbs
+from tuner.measure.timing import copy_bandwidth_gbs
 
 SHAPES = {  # label -> (batch, q_len, kv_len); 32 q heads, 8 kv heads, head dim 128, bf16
     "q1 b1 kv8k": (1, 1, 8192),

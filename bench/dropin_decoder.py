@@ -752,7 +752,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         save()
     bandwidths: dict[str, float] = {}
     if device == "cuda":
-        from tuner.suites.runner import copy_bandwidth_gbs
+        from tuner.measure.timing import copy_bandwidth_gbs
 
         bandwidths = {"peak": peak_memory_gbs(), "copy": copy_bandwidth_gbs(device)}
         result["bandwidth_gbs"] = bandwidths

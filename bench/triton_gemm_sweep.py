@@ -25,8 +25,8 @@ from tuner.candidates.triton_kernels import configs
 from tuner.candidates.triton_kernels.launch import Launcher, warm
 from tuner.candidates.triton_kernels.pad import pad_pair
 from tuner.measure import samples, timing
+from tuner.measure.timing import copy_bandwidth_gbs
 from tuner.offline.model_config import gemm_key
-from tuner.suites.runner import copy_bandwidth_gbs
 from tuner.tuning.engine import TuneOptions, tune
 
 SHAPES = [  # most informative first: the sweep stops at its time box
