@@ -42,6 +42,7 @@ from tuner.cli.options import (
 )
 from tuner.core.device import Fingerprint, fingerprint
 from tuner.core.keys import Key, key_op, parse_key
+from tuner.core.progress import progress_bar
 from tuner.fleet.client import (
     BATCH,
     FleetClient,
@@ -54,7 +55,6 @@ from tuner.measure.records import Measurement, Winner
 from tuner.offline import report, tunableop
 from tuner.offline.model_config import load_model
 from tuner.offline.problem_list import ConfigError
-from tuner.offline.progress import progress_bar
 from tuner.offline.tune_all import (
     Event,
     ProblemSet,

@@ -116,9 +116,10 @@ def _bar(shown: bool, total: int, device_class: str) -> Iterator[Any]:
     if not shown:
         yield lambda: None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.console import Console
 
-    columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, TimeElapsedColumn(), transient=True) as bar:
+    from tuner.core.progress import progress_bar
+
+    with progress_bar(Console(stderr=True)) as bar:
         task = bar.add_task(f"loading winners for {device_class}", total=total)
         yield lambda: bar.advance(task)

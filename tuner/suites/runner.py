@@ -27,11 +27,11 @@ from tuner.cache import Store
 from tuner.candidates import registry
 from tuner.core.device import fingerprint
 from tuner.core.keys import Key
+from tuner.core.progress import progress_bar
 from tuner.measure import samples, timing
 from tuner.measure.records import Winner
 from tuner.measure.timing import copy_bandwidth_gbs
 from tuner.offline.plots import geomean, speedup_plot
-from tuner.offline.progress import progress_bar
 from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
 from tuner.tuning.tune import tune
 
