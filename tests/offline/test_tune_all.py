@@ -12,6 +12,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +24,16 @@ from tuner.core.keys import GemmKey, SdpaKey
 from tuner.offline.model_config import expand, load_model, parse_model
 from tuner.offline.problem_list import ConfigError
 from tuner.offline.tunableop import import_files
-from tuner.offline.tune_all import ProblemSet, journal_path, pending, read_journal
+from tuner.offline.tune_all import (
+    ProblemSet,
+    RunSettings,
+    _Pool,
+    journal_path,
+    pending,
+    read_journal,
+)
+from tuner.tuning.compile_pool import CompilePool
+from tuner.tuning.engine import TuneOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "configs" / "models"
@@ -537,3 +547,35 @@ def test_a_timed_out_problem_keeps_its_baseline_and_is_retried_last(tmp_path):
     code, out = tune_all(*args, cache=cache)
     assert "not retried 512x512x512 nn f32 (list.yaml[0]): failed or timed out 2 times" in out
     assert "timeout 512x512x512" not in out
+
+
+def test_an_idle_worker_is_handed_the_first_problem_whose_kernels_are_compiled(tmp_path):
+    keys = [GemmKey(m=m, n=8, k=8, dtype="f32", out_dtype="f32") for m in (1, 2, 3)]
+    options = TuneOptions(sources=["torch"], budget_s=0.01)
+    compiler = CompilePool(keys, options, "cpu", jobs=1)  # not started: the test compiles
+    started: list = []
+
+    def emit(event):
+        if event[0] == "start":
+            started.append(event[1][1])
+
+    def compile_in_this_order():
+        for key in (keys[2], keys[0], keys[1]):
+            time.sleep(0.5)
+            for event in compiler.events[str(key)]:
+                event.set()
+            deadline = time.time() + 60
+            while key not in started and time.time() < deadline:
+                time.sleep(0.02)
+
+    marker = threading.Thread(target=compile_in_this_order, daemon=True)
+    settings = RunSettings(tune=options, workers=1)
+    pool = _Pool(tmp_path / "c.db", settings, [None], emit, compiler)
+    marker.start()
+    try:
+        summary = pool.run(keys, set())
+    finally:
+        compiler.close()
+    assert started == [keys[2], keys[0], keys[1]]
+    assert [r.status for r in summary.results] == ["tuned"] * 3
+    assert summary.idle_s > 0.5  # the worker waited while nothing was compiled

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.tuning.compile_log_source import CompileLog
+from tests.tuning.compile_log_source import CompileLog, SharedLog
 from tuner.candidates import registry
 from tuner.core.keys import GemmKey
 from tuner.tuning import compile_pool
@@ -37,6 +37,39 @@ def test_the_pool_gets_every_problem_once_in_order_and_prunes_tiles(tmp_path, mo
     assert [r.compiled for r in results] == [2, 3, 3]
     assert [r.pruned for r in results] == [{"tile": 1}, {}, {}]
     assert not any(r.errors for r in results)
+
+
+def test_kernels_shared_by_all_shapes_are_compiled_once_for_the_whole_run(tmp_path, monkeypatch):
+    log = tmp_path / "compiled.jsonl"
+    monkeypatch.setenv("TUNER_TEST_COMPILE_LOG", str(log))
+    registry.register(CompileLog())
+    registry.register(SharedLog())
+    keys = [GemmKey(m=m, n=256, k=64, dtype="f32", out_dtype="f32") for m in (1, 512, 1, 64)]
+    options = TuneOptions(sources=["compile_log", "shared_log"])
+    pool = CompilePool(keys, options, "cpu", jobs=1, sources=runtime_sources())
+    try:
+        pool.start()
+        for key in keys:
+            compile_pool.wait(pool.events, key, timeout_s=120)
+        ready = [pool.ready(k) for k in keys]
+        shared = pool.result(compile_pool.SHARED)
+        results = [pool.result(k) for k in keys[:2] + keys[3:]]
+    finally:
+        pool.close()
+        registry.unregister("compile_log")
+        registry.unregister("shared_log")
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    runs = [line["run"] for line in lines if "run" in line]
+    assert runs == [  # one call, every distinct problem in the run's order, tile-pruned
+        [[str(keys[0]), [[16, 64], [64, 64]]], [str(keys[1]), [[16, 64], [64, 64], [128, 256]]],
+         [str(keys[3]), [[16, 64], [64, 64], [128, 256]]]]
+    ]  # fmt: skip
+    per_problem = [line["key"] for line in lines if "key" in line]
+    assert per_problem == [str(k) for k in (keys[0], keys[1], keys[3])]  # compile_log only
+    assert ready == [True] * 4
+    assert shared is not None and shared.compiled == 8 and not shared.errors
+    assert [r.compiled for r in results] == [4, 6, 6]  # both sources' candidates, per problem
+    assert [r.pruned for r in results] == [{"tile": 2}, {}, {}]
 
 
 def test_waiting_for_a_key_without_a_job_returns_at_once():

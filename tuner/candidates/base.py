@@ -78,3 +78,18 @@ class Source(ABC):
         can, so that ``build`` finds them compiled. Optional: the default does nothing. Failures
         are left for ``build`` to raise, one candidate at a time."""
         return None
+
+    shares_kernels: ClassVar[bool] = False
+    """Whether one compiled kernel serves every shape (its params name the whole kernel): a run
+    then compiles the union of all its problems' shortlists once, up front, on every core
+    (``precompile_run``), instead of problem by problem."""
+
+    def precompile_run(
+        self, shortlists: list[tuple[Key, list[Params]]], ready: Callable[[int], None]
+    ) -> None:
+        """Compile a whole run's ``shortlists``, each kernel once, the earliest needed first;
+        ``ready(i)`` is called once the kernels of ``shortlists[i]`` are all compiled (or have
+        failed). The default precompiles them one after the other."""
+        for i, (key, shortlist) in enumerate(shortlists):
+            self.precompile(key, shortlist)
+            ready(i)

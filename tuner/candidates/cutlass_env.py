@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -324,12 +324,18 @@ def default_jobs(n: int) -> int:
 
 
 def compile_all(
-    specs: list[KernelSpec], *, jobs: int | None = None, timeout_s: float = COMPILE_TIMEOUT_S
+    specs: list[KernelSpec],
+    *,
+    jobs: int | None = None,
+    timeout_s: float = COMPILE_TIMEOUT_S,
+    on_done: Callable[[KernelSpec], None] | None = None,
 ) -> dict[KernelSpec, str | None]:
-    """Compile every spec not yet compiled or failed, in parallel processes.
+    """Compile every spec not yet compiled or failed, in parallel processes, in the order given.
 
-    Returns spec -> None (compiled, now or earlier) or its error (now or recorded earlier).
+    Returns spec -> None (compiled, now or earlier) or its error (now or recorded earlier);
+    ``on_done(spec)`` is called as each spec's outcome is known (from the compiling threads).
     """
+    done = on_done or (lambda _spec: None)
     result: dict[KernelSpec, str | None] = {}
     todo: list[KernelSpec] = []
     for spec in dict.fromkeys(specs):
@@ -339,15 +345,24 @@ def compile_all(
             result[spec] = error
         else:
             todo.append(spec)
+            continue
+        done(spec)
     if todo and (reason := cannot_compile()):
-        return result | dict.fromkeys(todo, reason)
+        for spec in todo:
+            result[spec] = reason
+            done(spec)
+        todo = []
+
+    def compile_one(spec: KernelSpec) -> str | None:
+        error = _compile_child(spec, timeout_s)
+        result[spec] = error
+        done(spec)
+        return error
+
     if todo:
         with ThreadPoolExecutor(max_workers=jobs or default_jobs(len(todo))) as pool:
-            for spec, error in zip(
-                todo, pool.map(lambda s: _compile_child(s, timeout_s), todo), strict=True
-            ):
-                result[spec] = error
-    return result
+            list(pool.map(compile_one, todo))
+    return {spec: result[spec] for spec in dict.fromkeys(specs)}
 
 
 def _main(argv: list[str]) -> int:

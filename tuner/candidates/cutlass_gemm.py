@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -336,6 +338,32 @@ class CutlassGemm(Source):
         specs = [kernel_spec(key, p) for p in shortlist]
         cutlass_artifacts.install_missing(specs)
         env.compile_all(specs)
+
+    shares_kernels = True
+
+    def precompile_run(
+        self, shortlists: list[tuple[GemmKey, list[Params]]], ready: Callable[[int], None]
+    ) -> None:
+        """Every distinct kernel of the run once, on every core, in the order first needed;
+        a problem is ready once its own kernels are."""
+        specs_of = [[kernel_spec(key, p) for p in shortlist] for key, shortlist in shortlists]
+        specs = list(dict.fromkeys(s for specs in specs_of for s in specs))
+        missing = [set(specs) for specs in specs_of]
+        lock = threading.Lock()
+
+        def done(spec: env.KernelSpec) -> None:
+            with lock:
+                for i, need in enumerate(missing):
+                    if spec in need:
+                        need.discard(spec)
+                        if not need:
+                            ready(i)
+
+        for i, need in enumerate(missing):
+            if not need:
+                ready(i)
+        cutlass_artifacts.install_missing(specs)
+        env.compile_all(specs, on_done=done)
 
     def build(self, key: GemmKey, params: Params) -> Runner:
         """Load the kernel: installed from the artifact store if stored, else compiled here and

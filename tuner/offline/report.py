@@ -69,6 +69,8 @@ class Report:
     wall_s: float | None = None  # of the tune-all run, when the report ends one
     workers: int | None = None
     stopped: str = ""
+    idle_s: float = 0.0  # of the run: workers idle while every pending problem was compiling
+    shared_compile_s: float | None = None  # of the run: the compile pool's shared job
     created_at: float = field(default_factory=time.time)
 
     def summary(self) -> dict[str, Any]:
@@ -90,8 +92,9 @@ class Report:
             "best": {"label": best.title, "speedup": best.speedup} if best else None,
             "compiled": sum(r.compiled or 0 for r in self.rows),
             "pruned": pruned,  # by rule: tile, roofline (tuner.tuning.pruning)
-            "compile_wait_s_total": sum(r.wait_s or 0.0 for r in self.rows),
+            "compile_wait_s_total": sum(r.wait_s or 0.0 for r in self.rows) + self.idle_s,
             "compile_pool_s_total": sum(r.compile_s or 0.0 for r in self.rows),
+            "shared_compile_s": self.shared_compile_s,
             "tuning_s_total": sum(tune_times),
             "tuning_s_median": sorted(tune_times)[len(tune_times) // 2] if tune_times else None,
             "wall_s": self.wall_s,
@@ -186,7 +189,8 @@ def build(
     return Report(
         fp.device_class, fp.version_tag, rows,
         wall_s=run.wall_s if run else None, workers=run.workers if run else None,
-        stopped=run.stopped if run else "",
+        stopped=run.stopped if run else "", idle_s=run.idle_s if run else 0.0,
+        shared_compile_s=run.shared_compile_s if run else None,
     )  # fmt: skip
 
 
@@ -248,8 +252,10 @@ def render(report: Report, console: Console, *, limit: int | None = None) -> Non
         line += f"; wall time {s['wall_s']:.1f} s on {s['workers']} worker(s)"
     console.print(line + (f"; stopped early: {s['stopped']}" if s["stopped"] else ""))
     pruned = ", ".join(f"{n} by {rule}" for rule, n in sorted(s["pruned"].items())) or "none"
+    shared = s["shared_compile_s"]
+    shared = f", {shared:.1f} s for kernels shared by all shapes" if shared is not None else ""
     console.print(
         f"compiling: {s['compiled']} candidates compiled ahead ({s['compile_pool_s_total']:.1f} s "
-        f"of compile jobs), {s['compile_wait_s_total']:.1f} s waited for; pruned uncompiled: "
-        f"{pruned}"
+        f"of per-problem compile jobs{shared}), {s['compile_wait_s_total']:.1f} s waited for; "
+        f"pruned uncompiled: {pruned}"
     )

@@ -3,13 +3,14 @@ time limit. ``ProblemSet`` gathers the keys, ``pending`` drops those tuned alrea
 the rest with one ``RunSettings``.
 
 - **Workers.** One process per local GPU (one on the CPU), pinned to its GPU, supervised by
-  ``tuner.tuning.supervisor``; each pulls keys from one shared queue, tunes them with
+  ``tuner.tuning.supervisor``; each is handed keys one at a time, tunes them with
   ``tuner.tuning.tune`` and commits each problem's measurements and winner in one transaction.
 - **Resumable.** A problem with a winner for this device class and these versions is skipped, so
   a killed run (even SIGKILL) loses at most the problems in flight; workers die with the parent.
 - **Compiling ahead.** One compile pool for the run (``tuner.tuning.compile_pool``) gets every
   problem up front, in the run's order: while a worker times problem i, the CPU cores compile
-  the next ones; a worker waits only for its own problem's job.
+  the next ones. An idle worker is handed the first pending problem whose kernels are compiled,
+  so the GPU never waits for one problem's compile while another's is done.
 - **Budgets.** A problem past ``problem_timeout_s`` has its worker killed (that also covers a
   candidate that hangs or breaks its CUDA context): it is recorded as ``timeout``, keeps the
   best it measured (its baseline, which no challenger beat in a finished duel) as its winner,
@@ -251,6 +252,8 @@ class RunSummary:
     workers: int
     stopped: str = ""  # "" (finished), "ctrl-c", "time limit"
     not_started: list[Key] = field(default_factory=list)
+    idle_s: float = 0.0  # worker time idle while every pending problem was still compiling
+    shared_compile_s: float | None = None  # the compile pool's shared job (kernels of all shapes)
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -335,6 +338,9 @@ class _Pool:
             for i, d in enumerate(devices)
         ]  # fmt: skip
         self.results: list[Result] = []
+        self.backlog: list[tuple[Key, bool]] = []  # (key, retune) not yet handed to a worker
+        self.sentinels_sent = False
+        self.idle_s = 0.0  # worker time spent idle while every pending problem was compiling
         self.interrupts = 0  # Ctrl-C presses seen by the signal handler
         self.handled = 0  # ... and acted upon
         self.terminated = False  # SIGTERM seen
@@ -344,10 +350,7 @@ class _Pool:
 
     def run(self, keys: list[Key], retune: set[str]) -> RunSummary:
         started = time.perf_counter()
-        for k in keys:
-            self.tasks.put((k, str(k) in retune))
-        for _ in self.slots:
-            self.tasks.put(None)  # one sentinel per slot: a replacement takes its predecessor's
+        self.backlog = [(k, str(k) in retune) for k in keys]
         with self._signal_flags():
             for slot in self.slots:
                 self._spawn(slot)
@@ -359,12 +362,15 @@ class _Pool:
                 self.tasks.cancel_join_thread()  # unconsumed keys must not block the exit
                 self.tasks.close()
         finished = {r.key for r in self.results}
+        shared = self.compiler.result(compile_pool.SHARED) if self.compiler else None
         return RunSummary(
             self.results,
             time.perf_counter() - started,
             len(self.slots),
             self.stopped,
             [k for k in keys if k not in finished],
+            idle_s=self.idle_s,
+            shared_compile_s=shared.seconds if shared else None,
         )
 
     @contextlib.contextmanager
@@ -406,6 +412,8 @@ class _Pool:
 
     def _step(self, started: float) -> None:
         live = [s.child.conn for s in self.slots if not s.done]
+        t0 = time.perf_counter()
+        idle = self._feed()
         for conn in connection.wait(live, timeout=0.2):
             slot = next(s for s in self.slots if s.child.conn is conn)
             try:
@@ -413,6 +421,7 @@ class _Pool:
             except (EOFError, OSError):
                 self._on_exit(slot)
         now = time.perf_counter()
+        self.idle_s += idle * (now - t0)
         for slot in self.slots:
             if slot.key and now - slot.started > self.settings.problem_timeout_s:
                 slot.child.kill()
@@ -423,6 +432,32 @@ class _Pool:
         limit = self.settings.time_limit_s
         if limit is not None and now - started > limit and not self.stop.is_set():
             self._halt("time limit", f"total time limit of {limit:g} s reached: no new problems")
+
+    def _feed(self) -> int:
+        """Hand each idle worker the first pending problem whose kernels are compiled (in the
+        run's order among those), so the GPU times what is ready while the rest compiles; once
+        none is pending, one sentinel per slot (a replacement takes its predecessor's). Returns
+        how many workers stay idle only because every pending problem is still compiling."""
+        if self.stop.is_set() or self.sentinels_sent:
+            return 0
+        if not self.backlog:
+            for _ in self.slots:
+                self.tasks.put(None)
+            self.sentinels_sent = True
+            return 0
+        idle = sum(s.ready and not s.done and s.key is None for s in self.slots)
+        idle -= self.tasks.qsize()  # handed out, not yet started
+        while idle > 0:
+            ready = (i for i, (key, _) in enumerate(self.backlog) if self._compiled(key))
+            pick = next(ready, None)
+            if pick is None:
+                return idle
+            self.tasks.put(self.backlog.pop(pick))
+            idle -= 1
+        return 0
+
+    def _compiled(self, key: Key) -> bool:
+        return self.compiler is None or self.compiler.ready(key)
 
     def _on_interrupts(self) -> None:
         """First Ctrl-C: no new problems; the next one (or SIGTERM): kill those in flight too."""

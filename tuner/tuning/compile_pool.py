@@ -8,8 +8,14 @@ problem i+1 and later ones. A job compiles one problem: each source's shortlist,
 processes (capture hooks and CUDA state stay out of the process that times), ``jobs`` at a time,
 and the cores are split between them (``TUNER_COMPILE_WORKERS``, ``TUNER_CUTLASS_JOBS``).
 
-The process that tunes waits only for its own problem's job (``wait``), through an event made
-before the tuning processes start, so a replaced worker waits on the same one.
+Sources whose kernels serve every shape (``Source.shares_kernels``: CUTLASS) are not compiled
+per problem: one *shared* job takes the union of every problem's shortlists for them, so each
+kernel is compiled once per run, on every core, the earliest needed first, and marks each
+problem ready as soon as its own kernels are.
+
+A problem is compiled once both its job and its share of the shared job ended (``ready``). The
+process that tunes waits only for its own problem (``wait``), through events made before the
+tuning processes start, so a replaced worker waits on the same ones.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from tuner.candidates.base import Params, Source
 from tuner.core.keys import Key
 from tuner.core.lifetime import exit_when_orphaned
 from tuner.tuning.engine import TuneOptions, candidate_shortlists
@@ -33,13 +41,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Compiled:
-    """What the pool did for one problem."""
+    """What the pool did for one problem (or, for the shared job, for the whole run)."""
 
     key: str
     seconds: float = 0.0
     compiled: int = 0  # candidates handed to their source's precompile
     pruned: dict[str, int] = field(default_factory=dict)  # rule -> candidates left out
     errors: list[str] = field(default_factory=list)
+
+
+SourceList = tuple[Source, list[Params]]
+SHARED = "shared kernels"  # the shared job's ``Compiled.key``
 
 
 def default_jobs(cpus: int | None = None) -> int:
@@ -49,29 +61,44 @@ def default_jobs(cpus: int | None = None) -> int:
     return max(1, min(4, cpus // 4))
 
 
-def _start_job_process(cores: int, sources: dict[str, str]) -> None:
+_READY: dict[str, Any] = {}  # in the shared job's process: key -> its shared-kernels event
+
+
+def _start_job_process(
+    parent: int, cores: int, sources: dict[str, str], ready: dict[str, Any] | None = None
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the run's to handle
-    exit_when_orphaned()
+    exit_when_orphaned(parent)  # also when the run died while this process was starting
     os.environ.setdefault("TUNER_COMPILE_WORKERS", str(cores))
     os.environ.setdefault("TUNER_CUTLASS_JOBS", str(cores))
+    _READY.update(ready or {})
     from tuner.tuning.isolation import register_sources
 
     for bad in register_sources(sources):
         log.warning("compile pool: source not available: %s", bad)
 
 
-def compile_problem(key: Key, options: TuneOptions, device: str) -> Compiled:
-    """Job: compile ``key``'s shortlists (tile-pruned) in this process; errors stay per source
-    (the engine's build raises them again, one candidate at a time)."""
-    t0 = time.perf_counter()
-    out = Compiled(str(key))
+def _kept(key: Key, options: TuneOptions, device: str, out: Compiled) -> Iterator[SourceList]:
+    """``key``'s sources, each with its tile-pruned shortlist; what was kept and what was pruned
+    are counted into ``out``."""
     for source, shortlist in candidate_shortlists(key, device, options):
         kept, pruned = prune_challengers(key, source, shortlist, enabled=options.prune)
         for p in pruned:
             out.pruned[p.rule] = out.pruned.get(p.rule, 0) + 1
-        if not kept:
+        if kept:
+            out.compiled += len(kept)
+            yield source, kept
+
+
+def compile_problem(key: Key, options: TuneOptions, device: str) -> Compiled:
+    """Job: compile ``key``'s shortlists (tile-pruned) in this process, except those of sources
+    that share kernels (the shared job's); errors stay per source (the engine's build raises
+    them again, one candidate at a time)."""
+    t0 = time.perf_counter()
+    out = Compiled(str(key))
+    for source, kept in _kept(key, options, device, out):
+        if source.shares_kernels:
             continue
-        out.compiled += len(kept)
         try:
             source.precompile(key, kept)
         except Exception as e:
@@ -80,8 +107,43 @@ def compile_problem(key: Key, options: TuneOptions, device: str) -> Compiled:
     return out
 
 
+def compile_shared(keys: list[Key], options: TuneOptions, device: str) -> Compiled:
+    """Job: every kernel the run's problems need from sources that share kernels, each once, in
+    the run's order; each problem's event is set once its kernels are compiled (or failed)."""
+    t0 = time.perf_counter()
+    out = Compiled(SHARED)
+    plans: dict[str, tuple[Source, list[tuple[Key, list[Params]]]]] = {}
+    left = dict.fromkeys(map(str, keys), 0)  # per problem: sources whose kernels are not ready
+    for key in keys:
+        for source, kept in _kept(key, options, device, Compiled(str(key))):
+            if source.shares_kernels:
+                plans.setdefault(source.name, (source, []))[1].append((key, kept))
+                left[str(key)] += 1
+
+    def ready(name: str) -> None:
+        left[name] -= 1
+        if left[name] == 0:
+            _READY[name].set()
+
+    try:
+        for name, n in left.items():
+            if n == 0:
+                _READY[name].set()
+        for source, shortlists in plans.values():
+            out.compiled += sum(len(kept) for _, kept in shortlists)
+            try:
+                source.precompile_run(shortlists, lambda i, s=shortlists: ready(str(s[i][0])))
+            except Exception as e:
+                out.errors.append(f"{source.name}: {type(e).__name__}: {str(e)[:300]}")
+    finally:
+        for event in _READY.values():
+            event.set()  # a source that failed leaves its errors to the engine's build
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
 class CompilePool:
-    """The run's compile jobs, one per problem, in submission order."""
+    """The run's compile jobs: the shared job, and one per problem in submission order."""
 
     def __init__(
         self,
@@ -95,24 +157,44 @@ class CompilePool:
         self.keys = list(dict.fromkeys(keys))
         self.options, self.device = options, device
         self.jobs = jobs or default_jobs()
-        self.events = {str(k): CTX.Event() for k in self.keys}  # made before any tuning process
+        # made before any tuning process: per problem, (its job ended, its shared kernels ready)
+        self.events = {str(k): (CTX.Event(), CTX.Event()) for k in self.keys}
         self.futures: dict[str, Future[Compiled]] = {}
-        cores = max(1, (os.cpu_count() or 1) // self.jobs)
-        self.executor = ProcessPoolExecutor(
-            max_workers=self.jobs, mp_context=CTX, initializer=_start_job_process,
-            initargs=(cores, sources or {}),
-        )  # fmt: skip
+        cpus = os.cpu_count() or 1
+        self.executors = [
+            ProcessPoolExecutor(
+                max_workers=self.jobs, mp_context=CTX, initializer=_start_job_process,
+                initargs=(os.getpid(), max(1, cpus // self.jobs), sources or {}),
+            ),
+            ProcessPoolExecutor(
+                max_workers=1, mp_context=CTX, initializer=_start_job_process,
+                initargs=(os.getpid(), cpus, sources or {}, {k: e[1] for k, e in self.events.items()}),
+            ),
+        ]  # fmt: skip
 
     def start(self) -> None:
-        """Submit every problem, in order; each one's event is set when its job ends."""
+        """Submit the shared job, then every problem in order; a problem's first event is set
+        when its job ends, its second by the shared job."""
+        problems, shared = self.executors
+        self.futures[SHARED] = shared.submit(compile_shared, self.keys, self.options, self.device)
         for key in self.keys:
             name = str(key)
-            future = self.executor.submit(compile_problem, key, self.options, self.device)
-            future.add_done_callback(lambda _f, e=self.events[name]: e.set())
+            future = problems.submit(compile_problem, key, self.options, self.device)
+            future.add_done_callback(lambda _f, e=self.events[name][0]: e.set())
             self.futures[name] = future
+        self.futures[SHARED].add_done_callback(lambda _f: self._set(1))
+
+    def _set(self, which: int) -> None:
+        for events in self.events.values():
+            events[which].set()
+
+    def ready(self, key: Key | str) -> bool:
+        """Whether ``key`` is compiled (both its events set; a key without a job: True)."""
+        return all(e.is_set() for e in self.events.get(str(key), ()))
 
     def result(self, key: Key | str) -> Compiled | None:
-        """The job's outcome once it ended (None before, or if the job itself died)."""
+        """A job's outcome once it ended (None before, or if the job itself died); ``SHARED``
+        names the shared job."""
         future = self.futures.get(str(key))
         if future is None or not future.done() or future.cancelled():
             return None
@@ -123,20 +205,21 @@ class CompilePool:
 
     def close(self) -> None:
         """Cancel the jobs not started and stop those running: the run no longer needs them
-        (the executor has no public way to stop a running job, hence its process table)."""
-        processes = list(getattr(self.executor, "_processes", {}).values())
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-        for event in self.events.values():
-            event.set()  # nobody waits on a job that will not run
+        (an executor has no public way to stop a running job, hence its process table)."""
+        for executor in self.executors:
+            processes = list(getattr(executor, "_processes", {}).values())
+            executor.shutdown(wait=False, cancel_futures=True)
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()
+        self._set(0)
+        self._set(1)  # nobody waits on a job that will not run
 
 
 def wait(events: dict[str, Any], key: Key, timeout_s: float | None = None) -> float:
-    """Block until ``key``'s compile job ended (no job: at once); the seconds waited."""
-    event = events.get(str(key))
+    """Block until ``key`` is compiled (no job: at once); the seconds waited."""
     t0 = time.perf_counter()
-    if event is not None:
-        event.wait(timeout_s)
+    for event in events.get(str(key), ()):
+        remaining = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
+        event.wait(remaining)
     return time.perf_counter() - t0
