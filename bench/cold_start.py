@@ -406,10 +406,38 @@ def first_call(disp: Any, key: Any, inputs: tuple, sync: Any) -> tuple[float, An
     return ms, resolve()[1]
 
 
+def run_part(part: str, args: argparse.Namespace, sources: list[str], extra: list[str]) -> dict:
+    """One part's result, with a line on the console."""
+    if part == "fleet":
+        r = fleet_part(args, sources, extra)
+        print(
+            f"fleet: {r['wall_s']:.1f} s wall, fetched {r['kernels_fetched']}, compiled here "
+            f"{r['kernels_compiled_here']}, winners same {r['winners_same']}/{r['winners_compared']}"
+        )
+        return r
+    if part == "first-call":
+        r = first_call_part(args, sources, extra)
+        for mode in PROBES:
+            print(f"first call, {mode}: {r[mode]['summary']}")
+        return r
+    flags = extra + (["--no-prune"] if part == "everything" else [])
+    r = recorded(tune_all(args.out / part, sources, flags, args.dry_run))
+    s = r["summary"]
+    print(
+        f"{part}: {r['wall_s']:.1f} s wall, {s['problems']} problems ({s['tuned']} tuned, "
+        f"{s['timeout']} timeout), {s['compiled']} compiled, pruned {s['pruned']}, "
+        f"geomean {s['geomean_speedup']}"
+    )
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="Folder for runs and cold_start.json.")
-    ap.add_argument("--part", choices=(*PARTS, "all"), default="all")
+    ap.add_argument(
+        "--part", nargs="+", choices=(*PARTS, "all"), default=["all"],
+        help="Parts to run, in this order (all: cold, then everything).",
+    )  # fmt: skip
     ap.add_argument("--problem-timeout", type=float, default=200.0)
     ap.add_argument(
         "--time-limit", type=float, help="tune-all's --time-limit: no problem starts after it."
@@ -425,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe:
         args.out.write_text(json.dumps(probe(args.probe), indent=1))
         return 0
-    parts = ["cold", "everything"] if args.part == "all" else [args.part]
+    parts = [
+        p for part in args.part for p in (("cold", "everything") if part == "all" else (part,))
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     sources = problem_files(args.out, args.dry_run)
     extra = ["--problem-timeout", str(args.problem_timeout)]
@@ -434,34 +464,15 @@ def main(argv: list[str] | None = None) -> int:
     result_path = args.out / "cold_start.json"
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
     for part in parts:
-        if part == "fleet":
-            result[part] = r = fleet_part(args, sources, extra)
-            print(
-                f"fleet: {r['wall_s']:.1f} s wall, fetched {r['kernels_fetched']}, compiled here "
-                f"{r['kernels_compiled_here']}, winners same {r['winners_same']}/{r['winners_compared']}"
+        result[part] = run_part(part, args, sources, extra)
+        if "cold" in result and "everything" in result:
+            result["comparison"] = compare(
+                {"report": {"rows": result["cold"]["problems"]}},
+                {"report": {"rows": result["everything"]["problems"]}},
             )
-            continue
-        if part == "first-call":
-            result[part] = r = first_call_part(args, sources, extra)
-            for mode in PROBES:
-                print(f"first call, {mode}: {r[mode]['summary']}")
-            continue
-        flags = extra + (["--no-prune"] if part == "everything" else [])
-        result[part] = r = recorded(tune_all(args.out / part, sources, flags, args.dry_run))
-        s = r["summary"]
-        print(
-            f"{part}: {r['wall_s']:.1f} s wall, {s['problems']} problems ({s['tuned']} tuned, "
-            f"{s['timeout']} timeout), {s['compiled']} compiled, pruned {s['pruned']}, "
-            f"geomean {s['geomean_speedup']}"
-        )
-    if "cold" in result and "everything" in result:
-        result["comparison"] = compare(
-            {"report": {"rows": result["cold"]["problems"]}},
-            {"report": {"rows": result["everything"]["problems"]}},
-        )
-        print(f"pruned vs everything: geomean ratio {result['comparison']['geomean_ratio']}")
-    result_path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {result_path}")
+            print(f"pruned vs everything: geomean ratio {result['comparison']['geomean_ratio']}")
+        result_path.write_text(json.dumps(result, indent=1))  # after each part: a cut-off call
+        print(f"wrote {result_path}")  # keeps what the parts before it measured
     return 0
 
 

@@ -81,8 +81,8 @@ for stage in "$@"; do
         --tune-deadline-s "${DROPIN_TUNE_DEADLINE:-330}" ${DROPIN_ARGS:-} 2>&1 | tee "$OUT/dropin.log" || status=1 ;;
     cold-start)  # cold tune-all of Qwen2.5-7B GEMMs + the suite's odd shapes on empty caches, CUTLASS
       # on; COLD_START_PART=cold (pruned), everything (--no-prune), fleet (again, kernels fetched
-      # from a local tuner serve) or first-call (after tuner sync, with and without warmup), one per
-      # call; results accumulate in $OUT/cold_start/cold_start.json (COLD_START_FROM=<earlier
+      # from a local tuner serve) and/or first-call (after tuner sync, with and without warmup), in
+      # the order given (e.g. "cold fleet first-call"); results accumulate in $OUT/cold_start/cold_start.json (COLD_START_FROM=<earlier
       # cold_start.json> to compare parts). A cold run's cache and kernels are kept in
       # /tmp/cold_start_cold for a later fleet / first-call call on this machine, which otherwise
       # runs the cold tune-all itself first.
@@ -90,7 +90,7 @@ for stage in "$@"; do
       if [ -n "${COLD_START_FROM:-}" ]; then cp "$COLD_START_FROM" "$OUT/cold_start/cold_start.json" || status=1; fi
       from=(); if [ -f "$kept/artifacts/index.db" ]; then from=(--cold-from "$kept"); fi
       timeout -k 20 "${COLD_START_TIMEOUT:-570}" python3 bench/cold_start.py --out "$OUT/cold_start" "${from[@]}" \
-        --part "${COLD_START_PART:-cold}" --problem-timeout "${COLD_START_PROBLEM_TIMEOUT:-120}" ${COLD_START_ARGS:-} 2>&1 | tee "$OUT/cold_start.log" || status=1
+        --part ${COLD_START_PART:-cold} --problem-timeout "${COLD_START_PROBLEM_TIMEOUT:-120}" ${COLD_START_ARGS:-} 2>&1 | tee "$OUT/cold_start.log" || status=1
       if [ -f "$OUT/cold_start/cold/artifacts/index.db" ]; then
         rm -rf "$kept" && mkdir -p "$kept" && cp -r "$OUT"/cold_start/cold/{tuner.db,report.json,artifacts} "$kept"/
       fi

@@ -49,11 +49,11 @@ def load_runner(source: Source, key: Key, params: Params) -> Runner:
     source.precompile(key, [params])
     runner = source.build(key, params)
     if torch.cuda.is_available():
-        _run_once(runner, key)
+        run_once(runner, key)
     return runner
 
 
-def _run_once(runner: Runner, key: Key) -> None:
+def run_once(runner: Runner, key: Key) -> None:
     """Call a fresh runner once on sample inputs, on a side stream: a kernel that compiles or
     loads its module at its first launch (Triton's JIT, a CUTLASS module) does it here, not in
     the caller's first call."""

@@ -5,7 +5,9 @@ use, and serves the baseline meanwhile. Warmup does that work up front, before a
 or a CUDA graph is captured (nothing may be built during a capture): it brings this host's
 compiled kernels from the fleet service when one is configured (``$TUNER_SERVER``), waits for
 the dispatcher's builds in flight, then builds each winner's runner (installing stored kernels,
-compiling the rest) into the dispatcher. The report says what could not be loaded and why.
+compiling the rest) into the dispatcher and calls it once; a winner that is the baseline is
+called once too, so that the library's own first-call setup is not left to the first request.
+The report says what could not be loaded and why.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from tuner.candidates import registry
 from tuner.core.device import fingerprint
 from tuner.core.keys import parse_key
+from tuner.serving.background import run_once
 from tuner.serving.dispatcher import Dispatcher, get_dispatcher
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,8 @@ def warmup(
                 key = parse_key(w.key)
                 base = registry.baseline(key.op, key)
                 if base.chose_itself(w.source, w.params):
+                    if device is not None:  # the library's first call (handles, heuristics)
+                        run_once(base.build(key, w.params), key)
                     report.ready += 1
                 elif disp.load(key, w, device or torch.device("cpu")):
                     report.loaded += 1
