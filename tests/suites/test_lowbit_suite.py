@@ -1,15 +1,23 @@
-"""``tuner bench gemm --suite lowbit``: the suite's shapes, and a tiny shape list end to end on
-this device (JSON rows beside torch's op and bf16, both PNGs)."""
+"""``tuner bench gemm --suite lowbit``: the suite's shapes and its quick selection, the targets
+each row is judged by, and a tiny shape list end to end on this device (rows beside torch's op,
+bf16 cuBLAS and the tuner's own bf16 winner; per-target counts; the PNG)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
+from typer.testing import CliRunner
 
+from tuner.cache import Store
+from tuner.cli.main import app
+from tuner.core.device import fingerprint
 from tuner.suites import lowbit
 from tuner.tuning.engine import TuneOptions
+
+MODELS = {"Llama-3-8B", "Qwen2.5-7B"}
 
 
 def test_suite_has_the_issue_shapes_and_formats() -> None:
@@ -21,27 +29,116 @@ def test_suite_has_the_issue_shapes_and_formats() -> None:
     assert {k.m for _, k in problems} == set(lowbit.M_SIZES)
 
 
-def test_tiny_shapes_end_to_end(tmp_path: Path, monkeypatch) -> None:
+def test_quick_covers_every_format_on_both_models_with_few_rows() -> None:
+    quick = lowbit.quick_problems()
+    assert len(quick) == 2 * len(lowbit.QUICK_OPS) * len(lowbit.QUICK_M) * len(lowbit.FORMATS)
+    for fmt in lowbit.FORMATS:
+        mine = [label for label, _ in quick if label.endswith(f" {fmt}")]
+        assert {label.split(" ", 1)[0] for label in mine} == MODELS
+        assert {int(label.split("M=")[1].split()[0]) for label in mine} == set(lowbit.QUICK_M)
+    # each quick projection has a weight the decode targets judge (bf16 >= 64 MB)
+    assert min(lowbit.bf16_twin(k).weight_bytes for _, k in quick) >= 64 * lowbit.MB
+    fp8_only = lowbit.quick_problems(["fp8-rowwise"])
+    assert {label.rsplit(" ", 1)[1] for label, _ in fp8_only} == {"fp8-rowwise"}
+
+
+def test_unknown_projection_or_format_names_the_field() -> None:
+    with pytest.raises(ValueError, match="ops: 'lm_head'"):
+        lowbit.problems(ops=["lm_head"])
+    with pytest.raises(ValueError, match="low-bit format must be one of"):
+        lowbit.problems(formats=["int3"])
+    result = CliRunner().invoke(app, ["bench", "gemm", "--suite", "lowbit", "--part", "int8"])
+    assert isinstance(result.exception, ValueError) and "'int8'" in str(result.exception)
+
+
+def row(fmt: str, m: int, mb: int, **times: float) -> dict:
+    """A measured row as ``annotate`` leaves it before judging: ``mb`` MiB of bf16 weight."""
+    n = k = int((mb * lowbit.MB / 2) ** 0.5)
+    return {"label": f"w{mb} M={m} {fmt}", "format": fmt, "m": m, "n": n, "k": k,
+            "weight_bytes": n * k // (2 if fmt.startswith("int4") else 1),
+            "bf16_weight_bytes": 2 * n * k, "timing": "graph" if m <= 16 else "eager",
+            **times}  # fmt: skip
+
+
+def test_each_row_is_judged_by_the_targets_of_its_format_and_m() -> None:
+    rows = [
+        # int4 decode on a 128 MB bf16 weight: 2.5x bf16 cuBLAS in graphs misses the 3x target
+        row("int4-g128", 1, 128, graph_baseline_us=40.0, graph_winner_us=40.0,
+            graph_bf16_us=100.0, graph_bf16_served_us=90.0, graph_winner_pct_copy=50.0),
+        # int4 prefill: judged against 0.8x bf16 cuBLAS, not against the bf16 winner
+        row("int4-g128", 256, 128, baseline_us=500.0, winner_us=100.0, bf16_us=90.0,
+            bf16_served_us=85.0, winner_pct_copy=10.0),
+        # fp8 prefill: 1.0x torch, 1.5x bf16 cuBLAS and the bf16 winner
+        row("fp8-rowwise", 2048, 128, baseline_us=110.0, winner_us=100.0, bf16_us=160.0,
+            bf16_served_us=150.0, winner_pct_copy=30.0),
+        # fp8 decode whose winner's graph could not be captured: unmeasured, a miss
+        row("fp8-rowwise", 4, 128, graph_baseline_us=30.0, graph_bf16_us=60.0,
+            graph_bf16_served_us=60.0),
+        # a small fp8-tensorwise decode weight: no bandwidth target
+        row("fp8-tensorwise", 16, 8, graph_baseline_us=10.0, graph_winner_us=9.0,
+            graph_bf16_us=20.0, graph_bf16_served_us=20.0, graph_winner_pct_copy=40.0),
+    ]  # fmt: skip
+    for r in rows:
+        lowbit.judge(r)
+    int4_decode, int4_prefill, fp8_prefill, fp8_decode, small = rows
+    assert int4_decode["vs_bf16_cublas"] == 2.5 and int4_decode["vs_bf16_served"] == 2.25
+    assert int4_decode["missed"] == ["int4 decode >= 3x bf16 cuBLAS"]
+    assert set(int4_prefill["targets"]) == {"torch >= 0.98x", "int4 M>=256 >= 0.8x bf16 cuBLAS"}
+    assert int4_prefill["missed"] == []
+    assert set(fp8_prefill["targets"]) == {"torch >= 0.98x", "bf16 served >= 0.98x",
+                                           "fp8 prefill >= 1.0x torch",
+                                           "fp8 prefill >= 1.5x bf16 cuBLAS"}  # fmt: skip
+    assert fp8_prefill["missed"] == []
+    assert fp8_decode["vs_torch"] is None
+    assert fp8_decode["missed"] == ["torch >= 0.98x", "bf16 served >= 0.98x",
+                                    "fp8 decode >= 80% copy"]  # fmt: skip
+    assert set(small["targets"]) == {"torch >= 0.98x", "bf16 served >= 0.98x"}
+    counts = lowbit.target_counts(rows)
+    torch_target = counts["torch >= 0.98x"]
+    assert (torch_target["judged"], torch_target["met"], torch_target["unmeasured"]) == (5, 4, 1)
+    assert torch_target["missed"] == [fp8_decode["label"]]
+    assert counts["int4 decode >= 3x bf16 cuBLAS"]["worst"] == 2.5
+    geo = counts["fp8 geomean >= 1.15x torch"]
+    assert (geo["judged"], geo["met"], geo["unmeasured"]) == (1, 0, 1)
+
+
+def test_tiny_shapes_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every source allowed (Triton's low-bit kernels through the interpreter on a CPU host):
-    each row times torch's op for its format against the winner, and no candidate fails."""
+    each row times torch's op for its format against the winner, and the bf16 key of its shape
+    is tuned in the same run and stored beside the low-bit winners."""
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    problems = lowbit.problems(ms=(2,), shapes=[("tiny", 32, 256)])
+    problems = lowbit.problems(ms=(2,), shapes=[("tiny proj", 32, 256)])
     result = lowbit.run(problems, tmp_path, TuneOptions(budget_s=0.005))
     saved = json.loads((tmp_path / "gemm_lowbit.json").read_text())
-    assert saved["targets"] == json.loads(json.dumps(result["targets"]))
+    assert saved == json.loads(json.dumps(result))
     assert [r["format"] for r in saved["rows"]] == list(lowbit.FORMATS)
-    for row in saved["rows"]:
-        assert (row["m"], row["n"], row["k"]) == (2, 32, 256)
-        assert row["baseline_us"] > 0 and row["winner_us"] > 0 and row["bf16_us"] > 0
-        assert row["speedup_vs_bf16"] == row["bf16_us"] / row["winner_us"]
-        assert row["bytes"] > 0 and row["pct_copy"] > 0
-        assert row["baseline_source"] == "torch_lowbit"
-        assert row["failures"] == []
+    bf16_keys = {r["bf16_key"] for r in saved["rows"]}
+    assert len(bf16_keys) == 1  # one shape: its bf16 key tuned once for the three formats
+    with Store(tmp_path / "gemm_lowbit.db") as store:
+        stored = {w.key for w in store.winners(fingerprint().device_class)}
+    assert stored == {r["key"] for r in saved["rows"]} | bf16_keys
+    on_gpu = torch.cuda.is_available()
+    for r in saved["rows"]:
+        assert (r["m"], r["n"], r["k"], r["shape"]) == (2, 32, 256, "tiny proj")
+        assert r["baseline_us"] > 0 and r["winner_us"] > 0
+        assert r["bf16_us"] > 0 and r["bf16_served_us"] > 0 and r["bf16_tune_s"] > 0
+        assert r["bytes"] > 0 and r["winner_pct_copy"] > 0
+        assert r["baseline_source"] == "torch_lowbit"
+        assert r["failures"] == []
+        assert r["timing"] == ("graph" if on_gpu else "eager")
+        if on_gpu:  # decode rows: graph times, the bare read beside them
+            assert r["graph_read_us"] > 0 and r["graph_bf16_served_us"] > 0
+            assert r["vs_bf16_served"] == r["graph_bf16_served_us"] / r["graph_winner_us"]
+        else:
+            assert r["vs_bf16_served"] == r["bf16_served_us"] / r["winner_us"]
+            assert r["vs_bf16_cublas"] == r["bf16_us"] / r["winner_us"]
+        assert set(r["targets"]) == {"torch >= 0.98x", "bf16 served >= 0.98x"}
+        assert r["missed"] == [n for n, t in r["targets"].items() if not t["met"]]
     assert {r["source"] for r in saved["rows"]} <= {"torch_lowbit", "triton_w4a16", "triton_fp8"}
     int4_row = saved["rows"][0]
     assert int4_row["bytes"] < saved["rows"][1]["bytes"]  # half-byte weights move fewer bytes
     assert saved["device"]["name"] and saved["versions"]["torch"]
-    assert set(saved["targets"]) == set(lowbit.FORMATS)
-    for png in ("gemm_lowbit.png", "gemm_lowbit_vs_bf16.png"):
-        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    assert saved["targets"]["torch >= 0.98x"]["judged"] == 3
+    assert set(saved["formats"]) == set(lowbit.FORMATS)
+    assert (tmp_path / "gemm_lowbit.png").read_bytes()[:4] == b"\x89PNG"

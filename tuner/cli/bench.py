@@ -41,7 +41,11 @@ def bench_gemm(
         ),
     ] = None,
     out: Annotated[
-        Path, typer.Option(help="Folder for gemm_llama_<part>.json/.png/.db.", file_okay=False)
+        Path,
+        typer.Option(
+            help="Folder for gemm_llama_<part>.json/.png/.db (lowbit: gemm_lowbit.*).",
+            file_okay=False,
+        ),
     ] = Path("bench/results"),
     budget: BudgetOpt = BENCH_BUDGET_S,
     source: SourcesOpt = None,
@@ -55,7 +59,14 @@ def bench_gemm(
     warm_sample: Annotated[
         int, typer.Option(help="Rows re-tuned warm per part (tuning time).")
     ] = gemm.WARM_SAMPLE,
-    quick: QuickOpt = False,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            help="A smoke run: every 4th problem (llama); for lowbit each chosen format on both "
+            f"models' {' and '.join(lowbit.QUICK_OPS)} at M "
+            f"{', '.join(map(str, lowbit.QUICK_M))}."
+        ),
+    ] = False,
 ) -> None:
     """Tune the Llama GEMM suite and time cuBLAS (torch.matmul) against the winners; or the
     low-bit suite beside torch's int4 / FP8 ops and bf16 cuBLAS."""
@@ -71,7 +82,9 @@ def bench_gemm(
         confirm_tries=confirm_tries, isolate=isolate,
     )  # fmt: skip
     if suite == "lowbit":
-        lowbit.run(lowbit.problems(chosen)[:: 4 if quick else 1], out, options)
+        lowbit.run(
+            lowbit.quick_problems(chosen) if quick else lowbit.problems(chosen), out, options
+        )
         return
     for p in chosen:
         problems = gemm.llama_suite(p)[:: 4 if quick else 1]

@@ -1,69 +1,88 @@
-"""``tuner bench gemm --suite lowbit``: low-bit GEMMs tuned, beside torch's ops and bf16 cuBLAS.
+"""``tuner bench gemm --suite lowbit``: low-bit GEMMs tuned, beside torch's ops and bf16.
 
 The projections of Llama-3-8B and Qwen2.5-7B (configs/models/*.yaml: qkv, o, gate_up, down) at
 M in 1, 2, 4, 8, 16, 64, 256, 2048, in each format (``int4-g128``, ``fp8-rowwise``,
-``fp8-tensorwise``; ``--part`` picks formats). One run, per row:
+``fp8-tensorwise``; ``--part`` picks formats, ``--quick`` few rows of each). One run, per row:
 
 - tuning and the side-by-side timing of torch's op for the format (``aten._weight_int4pack_mm``,
   ``torch._scaled_mm``) against the winner (``tuner.suites.runner``);
-- bf16 cuBLAS (``torch.matmul``) on the same shape, timed the same way: the speed the format
-  is meant to beat;
+- bf16 on the same shape: the bf16 key tuned in the same run with the same options (what the
+  tuner serves in bf16), timed side by side with bf16 cuBLAS (``torch.matmul``);
 - the bytes a call must move (``GemmKey.min_bytes``: every input read once, the output
   written once) as a share of the device-to-device copy bandwidth;
 - decode rows (M <= 16) on a GPU: GPU times inside CUDA graphs (``timing.graph_time``) of torch's
-  op, the winner and bf16 cuBLAS, each rotating over input sets larger than twice the L2 (a
-  weight under the L2's size would otherwise be read from it), and a bare streaming read of
-  the same number of bytes (the Triton ``stream_read`` kernel, every byte loaded once over as
-  many rotated buffers): the floor.
+  op, the winner, bf16 cuBLAS and the bf16 winner, each rotating over input sets larger than
+  twice the L2 (a weight under the L2's size would otherwise be read from it), and a bare
+  streaming read of the same number of bytes (the Triton ``stream_read`` kernel, every byte
+  loaded once over as many rotated buffers): the floor. Decode rows are judged on these times,
+  as decode steps run as graphs; the other rows on eager times;
+- the targets the row is judged by (``TARGETS``, those of the issue for its format and M), each
+  with its value and whether it was met.
 
-Writes ``gemm_lowbit.json`` (rows, device and versions, targets), ``gemm_lowbit.png`` (speedup
-over torch's op) and ``gemm_lowbit_vs_bf16.png`` (speedup over bf16 cuBLAS), and the tuned cache
-``gemm_lowbit.db``.
+Writes ``gemm_lowbit.json`` (rows, device and versions, per-target counts), ``gemm_lowbit.png``
+(a panel per format and measure over M, targets drawn, misses ringed) and the tuned cache
+``gemm_lowbit.db`` (low-bit and bf16 winners).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from tuner.cache import Store
 from tuner.candidates import registry
 from tuner.candidates.triton_kernels import stream_read as stream_read_kernel
-from tuner.core.keys import GemmKey, parse_key
+from tuner.core.keys import GemmKey, lowbit_spec, parse_key
 from tuner.measure import samples, timing
 from tuner.measure.records import candidate_params
 from tuner.offline.model_config import gemm_key, load_model
-from tuner.offline.plots import geomean, speedup_plot
+from tuner.offline.plots import geomean
 from tuner.suites.gemm import MODELS_DIR, OPS, Recorder
-from tuner.suites.runner import run_suite
+from tuner.suites.runner import console, run_suite, side_by_side
 from tuner.tuning.engine import TuneOptions, current_device
 
 MODELS = ("llama-3-8b.yaml", "qwen2.5-7b.yaml")
 M_SIZES = (1, 2, 4, 8, 16, 64, 256, 2048)
 FORMATS = ("int4-g128", "fp8-rowwise", "fp8-tensorwise")
+# --quick: every format on both models, on the projections whose weights are large enough for
+# the decode targets (bf16 >= 64 MB, FP8 >= 32 MB), at one M of each regime the targets name
+QUICK_M = (1, 16, 256, 2048)
+QUICK_OPS = ("gate_up", "down")
 DECODE_M = 16
+PREFILL_M = 2048
+MB = 2**20
 NAME = "gemm_lowbit"
+TABLE_WIDTH = 220  # logs are not terminals: rich would wrap the table at 80 columns
 
 Problems = list[tuple[str, GemmKey]]
+Row = dict[str, Any]
 
 
 def problems(
     formats: Sequence[str] = FORMATS,
     ms: Sequence[int] = M_SIZES,
+    ops: Sequence[str] = OPS,
     shapes: Sequence[tuple[str, int, int]] | None = None,
 ) -> Problems:
     """(label, key) per projection, M and format. ``shapes``: (name, N, K) instead of the
-    models' projections."""
+    models' ``ops`` projections."""
+    for op in ops:
+        if op not in OPS:
+            raise ValueError(f"ops: {op!r} is not one of {list(OPS)}")
     if shapes is None:
         shapes = []
         for file in MODELS:
             cfg = load_model(MODELS_DIR / file)
-            shapes += [(f"{cfg.name} {op}", *cfg.gemm_shape(op)) for op in OPS]
+            shapes += [(f"{cfg.name} {op}", *cfg.gemm_shape(op)) for op in ops]
     return [
         (f"{name} M={m} {fmt}", gemm_key(m, n, k, layout="nt", dtype=fmt))
         for name, n, k in shapes
@@ -72,9 +91,140 @@ def problems(
     ]
 
 
+def quick_problems(formats: Sequence[str] = FORMATS) -> Problems:
+    """Few rows of every format on both models (``QUICK_OPS`` at ``QUICK_M``)."""
+    return problems(formats, QUICK_M, QUICK_OPS)
+
+
 def bf16_twin(key: GemmKey) -> GemmKey:
     """The bf16 GEMM of the same shape: what the format is meant to beat."""
     return gemm_key(key.m, key.n, key.k, layout="nt", dtype="bf16")
+
+
+# --- targets ---------------------------------------------------------------------------------------
+
+
+def _int4(row: Row) -> bool:
+    return row["format"].startswith("int4")
+
+
+def _fp8_rowwise(row: Row) -> bool:
+    return row["format"].startswith("fp8-rowwise")
+
+
+def _decode(row: Row) -> bool:
+    return row["m"] <= DECODE_M
+
+
+def meant_faster_than_bf16(row: Row) -> bool:
+    """Where the format is meant to beat bf16: decode (fewer bytes), and for FP8 also prefill
+    (twice the tensor-core rate). INT4's prefill target is a fraction of bf16, not a win."""
+    return _decode(row) or (not _int4(row) and row["m"] >= PREFILL_M)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Met when the row's ``column`` is at least ``goal``; judged on the rows ``applies`` picks
+    (``where`` says which, for the report)."""
+
+    name: str
+    column: str
+    goal: float
+    where: str
+    applies: Callable[[Row], bool]
+
+
+TARGETS = (
+    Target("torch >= 0.98x", "vs_torch", 0.98, "every row", lambda r: True),
+    Target("bf16 served >= 0.98x", "vs_bf16_served", 0.98,
+           "decode rows; FP8 also at M >= 2048", meant_faster_than_bf16),
+    Target("int4 decode >= 3x bf16 cuBLAS", "vs_bf16_cublas", 3.0,
+           "int4, M <= 16, bf16 weight >= 64 MB",
+           lambda r: _int4(r) and _decode(r) and r["bf16_weight_bytes"] >= 64 * MB),
+    Target("int4 M>=256 >= 0.8x bf16 cuBLAS", "vs_bf16_cublas", 0.8, "int4, M >= 256",
+           lambda r: _int4(r) and r["m"] >= 256),
+    Target("fp8 decode >= 80% copy", "served_pct_copy", 80.0,
+           "fp8-rowwise, M <= 16, FP8 weight >= 32 MB",
+           lambda r: _fp8_rowwise(r) and _decode(r) and r["weight_bytes"] >= 32 * MB),
+    Target("fp8 prefill >= 1.0x torch", "vs_torch", 1.0, "fp8-rowwise, M >= 2048",
+           lambda r: _fp8_rowwise(r) and r["m"] >= PREFILL_M),
+    Target("fp8 prefill >= 1.5x bf16 cuBLAS", "vs_bf16_cublas", 1.5, "fp8-rowwise, M >= 2048",
+           lambda r: _fp8_rowwise(r) and r["m"] >= PREFILL_M),
+)  # fmt: skip
+FP8_GEOMEAN = Target("fp8 geomean >= 1.15x torch", "vs_torch", 1.15,
+                     "the geomean of the fp8-rowwise rows", _fp8_rowwise)  # fmt: skip
+
+
+def judge(row: Row) -> None:
+    """The row's served ratios in its timing mode, and each target that applies to it."""
+    mode = "graph_" if row["timing"] == "graph" else ""
+    win = row.get(f"{mode}winner_us")
+    for ref, column in (("baseline", "vs_torch"), ("bf16_served", "vs_bf16_served"),
+                        ("bf16", "vs_bf16_cublas")):  # fmt: skip
+        t = row.get(f"{mode}{ref}_us")
+        row[column] = t / win if t and win else None
+    row["served_pct_copy"] = row.get(f"{mode}winner_pct_copy")
+    row["targets"] = {}
+    for t in TARGETS:
+        if t.applies(row):
+            value = row[t.column]
+            row["targets"][t.name] = {"goal": t.goal, "value": value,
+                                      "met": value is not None and value >= t.goal}  # fmt: skip
+    row["missed"] = [name for name, v in row["targets"].items() if not v["met"]]
+
+
+def target_counts(rows: Sequence[Row]) -> dict[str, Any]:
+    """Per target: rows judged, met, unmeasured (a time missing: a miss), the worst value and
+    the labels of the misses; the FP8 suite geomean as one judgement."""
+    out: dict[str, Any] = {}
+    for t in TARGETS:
+        judged = [r for r in rows if t.name in r["targets"]]
+        if not judged:
+            continue
+        values = [r["targets"][t.name]["value"] for r in judged]
+        measured = [v for v in values if v is not None]
+        out[t.name] = {
+            "goal": t.goal,
+            "where": t.where,
+            "judged": len(judged),
+            "met": sum(r["targets"][t.name]["met"] for r in judged),
+            "unmeasured": len(values) - len(measured),
+            "worst": min(measured, default=None),
+            "missed": [r["label"] for r in judged if not r["targets"][t.name]["met"]],
+        }
+    fp8 = [r[FP8_GEOMEAN.column] for r in rows if FP8_GEOMEAN.applies(r)]
+    if fp8:
+        measured = [v for v in fp8 if v is not None]
+        value = geomean(measured) if measured else None
+        met = value is not None and value >= FP8_GEOMEAN.goal and len(measured) == len(fp8)
+        out[FP8_GEOMEAN.name] = {
+            "goal": FP8_GEOMEAN.goal, "where": FP8_GEOMEAN.where, "judged": 1, "met": int(met),
+            "unmeasured": len(fp8) - len(measured), "worst": value,
+            "missed": [] if met else ["fp8-rowwise rows' geomean"],
+        }  # fmt: skip
+    return out
+
+
+def format_summary(rows: Sequence[Row]) -> dict[str, Any]:
+    """Per format: geomeans of the served ratios, tuning time beside bf16's, targets met."""
+    out: dict[str, Any] = {}
+    for fmt in dict.fromkeys(r["format"] for r in rows):
+        mine = [r for r in rows if r["format"] == fmt]
+        bf16_tune = {r["bf16_key"]: r["bf16_tune_s"] for r in mine if "bf16_tune_s" in r}
+        summary: dict[str, Any] = {"n": len(mine)}
+        for column in ("vs_torch", "vs_bf16_served", "vs_bf16_cublas"):
+            values = [r[column] for r in mine if r[column] is not None]
+            summary[f"geomean_{column}"] = geomean(values) if values else None
+        summary["median_tune_s"] = statistics.median(r["tune_s"] for r in mine)
+        summary["bf16_median_tune_s"] = statistics.median(bf16_tune.values()) if bf16_tune else None
+        summary["targets"] = {
+            name: f"{c['met']}/{c['judged']}" for name, c in target_counts(mine).items()
+        }
+        out[fmt] = summary
+    return out
+
+
+# --- measuring -------------------------------------------------------------------------------------
 
 
 def stream_read(nbytes: int, device: str) -> Callable[[int], Any]:
@@ -87,124 +237,261 @@ def stream_read(nbytes: int, device: str) -> Callable[[int], Any]:
     return lambda i: stream_read_kernel.read_all(bufs[i % count], sums)
 
 
-def runners(key: GemmKey, row: dict[str, Any]) -> dict[str, Any]:
-    """torch's op for the format (the key's baseline) and, when it is not that op, the winner."""
+def runners(key: GemmKey, source: str, candidate: str) -> tuple[Any, Any | None]:
+    """torch's runner for ``key`` (its baseline) and the winner's; None where the winner is
+    that baseline itself."""
     base = registry.baseline("gemm", key)
-    out = {"baseline": base.build(key, base.baseline_params)}
-    if row["source"] != base.name:
-        out["winner"] = registry.get(row["source"]).build(key, candidate_params(row["candidate"]))
+    params = candidate_params(candidate)
+    win = None if base.chose_itself(source, params) else registry.get(source).build(key, params)
+    return base.build(key, base.baseline_params), win
+
+
+def tune_bf16(
+    twins: Sequence[GemmKey], options: TuneOptions, recorder: Recorder, store: Store, device: str
+) -> dict[str, Row]:
+    """Each bf16 key tuned with the same options as the low-bit rows, its winner timed side by
+    side with bf16 cuBLAS: the ``bf16_*`` columns of the rows of that shape."""
+    out: dict[str, Row] = {}
+    for twin in dict.fromkeys(twins):
+        started = time.perf_counter()
+        try:
+            outcome = recorder(twin, options)
+            tune_s = time.perf_counter() - started
+            store.save_run(outcome.measurements, outcome.winner)
+            cublas_us, served_us = side_by_side(twin, outcome.winner, device)
+        except Exception as e:  # the low-bit rows stand; their bf16 targets show as unmeasured
+            out[str(twin)] = {"bf16_error": f"{type(e).__name__}: {e}"[:300]}
+            console.print(f"[red]bf16 {twin.label}: {e}[/red]")
+            continue
+        out[str(twin)] = {
+            "bf16_us": cublas_us, "bf16_served_us": served_us, "bf16_tune_s": tune_s,
+            "bf16_source": outcome.winner.source, "bf16_candidate": outcome.winner.candidate,
+        }  # fmt: skip
+        console.print(
+            f"bf16 {twin.label:<34} {cublas_us:9.1f} us -> {served_us:9.1f} us  "
+            f"{cublas_us / served_us:5.2f}x  {outcome.winner.source}"
+        )
     return out
 
 
-def time_eager(fn: Callable[[int], Any], device: str, budget_s: float) -> float:
-    return timing.measure(fn, device=device, budget_s=budget_s).median_us
+def graph_times(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
+    """GPU times in CUDA graphs of torch's op, the winner, bf16 cuBLAS, the bf16 winner and the
+    bare read of the row's bytes, with their shares of the copy bandwidth."""
+    sets = samples.input_sets(key, "cuda", seed=1)
+    base, win = runners(key, row["source"], row["candidate"])
+    fns: dict[str, Callable[[int], Any] | None] = {
+        "baseline": timing.on_sets(base, sets),
+        "winner": win and timing.on_sets(win, sets),
+    }
+    if "bf16_source" in row:
+        bf16_sets = samples.input_sets(twin, "cuda", seed=1)
+        cublas, served = runners(twin, row["bf16_source"], row["bf16_candidate"])
+        fns["bf16"] = timing.on_sets(cublas, bf16_sets)
+        fns["bf16_served"] = served and timing.on_sets(served, bf16_sets)
+    fns["read"] = stream_read(row["bytes"], "cuda")
+    for name, fn in fns.items():
+        if fn is None:  # the winner is the baseline: the same kernel, the same time
+            continue
+        try:
+            us = timing.graph_time(fn).median_us
+        except Exception as e:  # a capture failing is a finding: the row's graph target misses
+            row[f"graph_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+            continue
+        moved = row["bf16_bytes"] if name.startswith("bf16") else row["bytes"]
+        row[f"graph_{name}_us"] = us
+        row[f"graph_{name}_pct_copy"] = 100 * moved / us / 1e3 / copy_gbs
+    for name, same in (("winner", "baseline"), ("bf16_served", "bf16")):
+        if fns.get(name, False) is None and f"graph_{same}_us" in row:
+            row[f"graph_{name}_us"] = row[f"graph_{same}_us"]
+            row[f"graph_{name}_pct_copy"] = row[f"graph_{same}_pct_copy"]
 
 
-def annotate(row: dict[str, Any], copy_gbs: float, device: str, budget_s: float) -> None:
-    """bf16 cuBLAS beside the row, bytes and bandwidth shares; graph times for decode rows."""
+def annotate(row: Row, bf16: Row, copy_gbs: float, device: str) -> None:
+    """Shape, format, bytes and bandwidth shares beside the row; its bf16 columns; graph times
+    for decode rows on a GPU; then its targets."""
     key = parse_key(row["key"])
     assert isinstance(key, GemmKey)
     twin = bf16_twin(key)
-    sets = samples.input_sets(key, device, seed=1)
-    bf16_sets = samples.input_sets(twin, device, seed=1)
-    row.update(m=key.m, n=key.n, k=key.k, format=row["label"].rsplit(" ", 1)[-1])
+    row.update(m=key.m, n=key.n, k=key.k, format=lowbit_spec(key),
+               shape=row["label"].rsplit(" M=", 1)[0])  # fmt: skip
     row["baseline_source"] = registry.baseline("gemm", key).name
-    row["bytes"] = key.min_bytes
-    row["bf16_bytes"] = twin.min_bytes
-    row["bf16_us"] = time_eager(timing.on_sets(torch.matmul, bf16_sets), device, budget_s)
-    row["speedup_vs_bf16"] = row["bf16_us"] / row["winner_us"]
-    row["pct_copy"] = 100 * row["bytes"] / row["winner_us"] / 1e3 / copy_gbs
-    row["baseline_pct_copy"] = 100 * row["bytes"] / row["baseline_us"] / 1e3 / copy_gbs
-    if key.m > DECODE_M or device != "cuda":
-        return
-    timed = {name: timing.on_sets(run, sets) for name, run in runners(key, row).items()}
-    timed["bf16"] = timing.on_sets(torch.matmul, bf16_sets)
-    timed["read"] = stream_read(row["bytes"], device)
-    for name, fn in timed.items():
-        try:
-            us = timing.graph_time(fn).median_us
-        except Exception as e:  # a capture failing is a finding; the eager numbers stand
-            row[f"graph_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+    row["bytes"], row["weight_bytes"] = key.min_bytes, key.weight_bytes
+    row["bf16_key"], row["bf16_bytes"] = str(twin), twin.min_bytes
+    row["bf16_weight_bytes"] = twin.weight_bytes
+    row.update(bf16)
+    for name, moved in (("winner", "bytes"), ("baseline", "bytes"), ("bf16", "bf16_bytes"),
+                        ("bf16_served", "bf16_bytes")):  # fmt: skip
+        if f"{name}_us" in row:
+            row[f"{name}_pct_copy"] = 100 * row[moved] / row[f"{name}_us"] / 1e3 / copy_gbs
+    row["timing"] = "graph" if key.m <= DECODE_M and device == "cuda" else "eager"
+    if row["timing"] == "graph":
+        graph_times(row, key, twin, copy_gbs)
+    judge(row)
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}x"
+
+
+def print_table(rows: Sequence[Row], counts: dict[str, Any]) -> None:
+    """Each row's served ratios and the targets it missed; then the count of each target."""
+    table = Table(title="low-bit GEMMs: served time ratios (decode rows: CUDA-graph GPU times)")
+    for col in ("problem", "source", "vs torch", "vs bf16 served", "vs bf16 cuBLAS", "% copy",
+                "read floor %", "missed"):  # fmt: skip
+        table.add_column(col)
+    for r in rows:
+        pct, floor = r["served_pct_copy"], r.get("graph_read_pct_copy")
+        table.add_row(
+            r["label"], r["source"], _ratio(r["vs_torch"]), _ratio(r["vs_bf16_served"]),
+            _ratio(r["vs_bf16_cublas"]), "-" if pct is None else f"{pct:.0f}",
+            "-" if floor is None else f"{floor:.0f}",
+            f"[red]{'; '.join(r['missed'])}[/red]" if r["missed"] else "[green]all met[/green]",
+        )  # fmt: skip
+    report = Console(width=TABLE_WIDTH)
+    report.print(table)
+    for name, c in counts.items():
+        color = "green" if c["met"] == c["judged"] else "red"
+        worst = "" if c["worst"] is None else f", worst {c['worst']:.2f}"
+        report.print(
+            f"[{color}]{name} ({c['where']}): {c['met']}/{c['judged']} met{worst}[/{color}]"
+        )
+
+
+def _targets_on(column: str) -> list[Target]:
+    return [t for t in TARGETS if t.column == column]
+
+
+def _runs(ms: Sequence[int], judged: set[int]) -> list[tuple[int, int]]:
+    """(first, last) of each run of consecutive ``ms`` (sorted) that are in ``judged``."""
+    runs: list[tuple[int, int]] = []
+    for prev, m in zip((None, *ms), ms, strict=False):
+        if m not in judged:
             continue
-        moved = row["bf16_bytes"] if name == "bf16" else row["bytes"]
-        row[f"graph_{name}_us"] = us
-        row[f"graph_{name}_pct_copy"] = 100 * moved / us / 1e3 / copy_gbs
-    row.setdefault("graph_winner_us", row.get("graph_baseline_us"))
-    if "graph_winner_us" in row and "graph_baseline_us" in row:
-        row["graph_speedup"] = row["graph_baseline_us"] / row["graph_winner_us"]
-        if "graph_bf16_us" in row:
-            row["graph_speedup_vs_bf16"] = row["graph_bf16_us"] / row["graph_winner_us"]
-
-
-def served_speed(row: dict[str, Any]) -> tuple[float, float]:
-    """(speedup over torch's op, over bf16): graph times for decode rows where measured."""
-    if "graph_speedup" in row:
-        return row["graph_speedup"], row.get("graph_speedup_vs_bf16", row["speedup_vs_bf16"])
-    return row["speedup"], row["speedup_vs_bf16"]
-
-
-def targets(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Targets per format over this run's rows."""
-    out: dict[str, Any] = {}
-    for fmt in dict.fromkeys(r["format"] for r in rows):
-        mine = [r for r in rows if r["format"] == fmt]
-        speeds = [served_speed(r) for r in mine]
-        decode = [r for r in mine if r["m"] <= DECODE_M]
-        t: dict[str, Any] = {
-            "n": len(mine),
-            "n_below_0.98_vs_torch": sum(s < 0.98 for s, _ in speeds),
-            "geomean_vs_torch": geomean([s for s, _ in speeds]),
-            "geomean_vs_bf16": geomean([b for _, b in speeds]),
-            "decode_min_vs_bf16": min((served_speed(r)[1] for r in decode), default=None),
-        }
-        if fmt.startswith("int4"):
-            big = [r for r in decode if 2 * r["n"] * r["k"] >= 64 * 2**20]
-            t["decode_min_vs_bf16_weight_ge_64mb"] = min(
-                (served_speed(r)[1] for r in big), default=None
-            )
-            t["m_ge_256_min_vs_bf16"] = min(
-                (r["speedup_vs_bf16"] for r in mine if r["m"] >= 256), default=None
-            )
+        if runs and prev == runs[-1][1]:
+            runs[-1] = (runs[-1][0], m)
         else:
-            big = [r for r in decode if r["n"] * r["k"] >= 32 * 2**20]
-            t["decode_min_graph_pct_copy_weight_ge_32mb"] = min(
-                (r.get("graph_winner_pct_copy", r["pct_copy"]) for r in big), default=None
-            )
-            prefill = [r for r in mine if r["m"] >= 2048]
-            t["prefill_min_vs_torch"] = min((r["speedup"] for r in prefill), default=None)
-            t["prefill_min_vs_bf16"] = min((r["speedup_vs_bf16"] for r in prefill), default=None)
-        out[fmt] = t
-    return out
+            runs.append((m, m))
+    return runs
+
+
+PANELS = (
+    ("vs_torch", "served / torch's op"),
+    ("vs_bf16_served", "served / bf16 as the tuner serves it"),
+    ("vs_bf16_cublas", "served / bf16 cuBLAS"),
+    ("served_pct_copy", "decode: % of copy bandwidth"),
+)
+
+
+def plot(rows: Sequence[Row], path: Path, title: str) -> Path:
+    """A row of panels per format, one per measure, over M: a line per projection (colour:
+    projection, line style: model); each target a red dotted segment over the M it judges,
+    each miss ringed in red; the decode panel also marks the bare read's share (x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on servers or CI
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    formats = list(dict.fromkeys(r["format"] for r in rows))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    models = list(dict.fromkeys(s.rsplit(" ", 1)[0] for s in shapes))
+    ops = list(dict.fromkeys(s.rsplit(" ", 1)[-1] for s in shapes))
+    palette, styles = plt.get_cmap("tab10"), ("-", "--", "-.", ":")
+
+    def style(shape: str) -> dict[str, Any]:
+        model, op = shape.rsplit(" ", 1) if " " in shape else (shape, shape)
+        return {"color": palette(ops.index(op) % 10),
+                "linestyle": styles[models.index(model) % len(styles)]}  # fmt: skip
+
+    fig, axes = plt.subplots(len(formats), len(PANELS), figsize=(5 * len(PANELS), 3.4 * len(formats) + 1.2), squeeze=False)  # fmt: skip
+    ms_all = sorted({r["m"] for r in rows})
+    for i, fmt in enumerate(formats):
+        for j, (column, heading) in enumerate(PANELS):
+            ax = axes[i][j]
+            mine = [r for r in rows if r["format"] == fmt and r[column] is not None]
+            if column == "served_pct_copy":
+                mine = [r for r in mine if _decode(r)]
+            for shape in shapes:
+                pts = sorted((r for r in mine if r["shape"] == shape), key=lambda r: r["m"])
+                if not pts:
+                    continue
+                ax.plot([r["m"] for r in pts], [r[column] for r in pts], marker="o",
+                        markersize=3, **style(shape))  # fmt: skip
+                if column == "served_pct_copy":
+                    floor = [r for r in pts if "graph_read_pct_copy" in r]
+                    ax.scatter([r["m"] for r in floor], [r["graph_read_pct_copy"] for r in floor],
+                               marker="x", color=style(shape)["color"], s=25)  # fmt: skip
+            for t in _targets_on(column):
+                judged = [r for r in rows if r["format"] == fmt and t.name in r["targets"]]
+                for lo, hi in _runs(ms_all, {r["m"] for r in judged}):
+                    ax.hlines(t.goal, lo / 1.3, hi * 1.3, colors="red", linestyles=":",
+                              linewidth=1.2)  # fmt: skip
+                missed = [r for r in judged if not r["targets"][t.name]["met"]]
+                missed = [r for r in missed if r[column] is not None]
+                ax.scatter([r["m"] for r in missed], [r[column] for r in missed], s=90,
+                           facecolors="none", edgecolors="red", linewidths=1.2, zorder=4)  # fmt: skip
+            if column != "served_pct_copy":
+                ax.axhline(1.0, color="black", linewidth=0.8)
+                values = [r[column] for r in mine]
+                if values and max(values) / max(min(values), 1e-9) > 4:
+                    ax.set_yscale("log", base=2)
+            elif not mine:
+                ax.text(0.5, 0.5, "no decode rows timed", ha="center", transform=ax.transAxes)
+            ticks = [m for m in ms_all if column != "served_pct_copy" or m <= DECODE_M]
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(m) for m in ticks])
+            ax.set_title(f"{fmt}: {heading}", fontsize=10)
+            ax.grid(alpha=0.3)
+            if i == len(formats) - 1:
+                ax.set_xlabel("M (tokens)")
+    handles = [Line2D([], [], label=s, marker="o", markersize=3, **style(s)) for s in shapes]
+    handles += [
+        Line2D([], [], color="red", linestyle=":", label="target"),
+        Line2D([], [], marker="o", markersize=9, markerfacecolor="none", markeredgecolor="red",
+               linestyle="", label="target missed"),
+        Line2D([], [], marker="x", color="grey", linestyle="", label="bare read of the bytes"),
+    ]  # fmt: skip
+    fig.legend(handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
-    """Tune and time every row; write the JSON, both PNGs and the tuned cache into ``out``."""
+    """Tune and time every row and its bf16 twin; write the JSON, the PNG and the tuned cache
+    into ``out``."""
     device = current_device()
     out.mkdir(parents=True, exist_ok=True)
     recorder = Recorder()
+    store = Store(out / f"{NAME}.db")
     started = time.perf_counter()
     result = run_suite(
         NAME, problems_, out_dir=out, title="Low-bit GEMMs: tuned vs torch's op",
-        options=options, store=Store(out / f"{NAME}.db"), tuner=recorder,
+        options=options, store=store, tuner=recorder, plot=False,
     )  # fmt: skip
     result["versions"] = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    for row in result["rows"]:
-        annotate(row, result["copy_gbs"], device, options.budget_s)
+    rows = result["rows"]
+    twins = [bf16_twin(parse_key(r["key"])) for r in rows]  # type: ignore[arg-type]
+    bf16 = tune_bf16(twins, options, recorder, store, device)
+    for row, twin in zip(rows, twins, strict=True):
+        annotate(row, bf16[str(twin)], result["copy_gbs"], device)
         outcome = recorder.outcomes.get(row["key"])
         row["failures"] = [
             f"{m.candidate}: {m.error[:200]}"
             for m in (outcome.measurements if outcome else [])
             if m.status in ("failed", "rejected")
         ][:5]
-    rows = result["rows"]
-    if rows:
-        speedup_plot(
-            [r["label"] for r in rows], [served_speed(r)[1] for r in rows],
-            out / f"{NAME}_vs_bf16.png", title="Low-bit GEMMs: tuned vs bf16 cuBLAS",
-            groups=[r["format"] for r in rows], floor=None,
-        )  # fmt: skip
-    result["targets"] = targets(rows)
+    result["targets"] = target_counts(rows)
+    result["formats"] = format_summary(rows)
     result["wall_s"] = time.perf_counter() - started
+    if rows:
+        plot(rows, out / f"{NAME}.png", f"Low-bit GEMMs on {result['device']['name']}")
     (out / f"{NAME}.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["targets"], indent=1))
+    print_table(rows, result["targets"])
     return result

@@ -94,11 +94,13 @@ def run_suite(
     metrics: Metrics | None = None,
     store: Store | None = None,
     tuner: Callable[[Key, TuneOptions], TuneOutcome] | None = None,
+    plot: bool = True,
 ) -> dict[str, Any]:
     """Tune and measure every (label, key); write ``<name>.json`` and ``<name>.png`` into out_dir.
 
     ``tuner`` replaces ``engine.tune`` (e.g. a crash-isolating worker); ``store`` keeps every
-    measurement and winner (the tuned cache that comes back with the results).
+    measurement and winner (the tuned cache that comes back with the results); ``plot=False``
+    leaves the PNG to a suite that draws its own.
     """
     options = options or TuneOptions()
     run_tuner = tuner or (lambda key, opts: tune(key, options=opts))
@@ -155,7 +157,7 @@ def run_suite(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    if rows:
+    if rows and plot:
         speedup_plot(
             [r.label for r in rows],
             [r.speedup for r in rows],
