@@ -19,9 +19,9 @@ from __future__ import annotations
 import enum
 import functools
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -144,6 +144,24 @@ _HANDLES = ops.DeviceHandles(lambda: _lt().create())
 
 
 @dataclass(frozen=True)
+class MatmulTypes:
+    """What a cuBLASLt matmul is besides its shape, which the heuristic, the algorithm check and
+    every call must agree on: compute and data types, and further matmul descriptor attributes
+    (``MatmulDescAttribute`` name, value) such as FP8 scale modes."""
+
+    compute: int  # cublasComputeType_t
+    first: int  # cudaDataType_t of the column-major call's first operand (our B)
+    second: int  # of its second operand (our A)
+    out: int  # of C and D
+    attrs: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def dense(cls, key: GemmKey) -> MatmulTypes:
+        dt = ops.CUDA_DTYPE[key.dtype]
+        return cls(ops.compute_type(key), dt, dt, ops.CUDA_DTYPE[key.out_dtype])
+
+
+@dataclass(frozen=True)
 class _Alignments:
     a: int
     b: int
@@ -157,18 +175,38 @@ class _Alignments:
 class _Descriptors:
     """Matmul and matrix-layout descriptors of one column-major call, destroyed with the object."""
 
-    def __init__(self, key: GemmKey, call: ops.ColMajorCall) -> None:
+    def __init__(
+        self, key: GemmKey, call: ops.ColMajorCall, types: MatmulTypes | None = None
+    ) -> None:
         lt = _lt()
-        self.desc = lt.matmul_desc_create(ops.compute_type(key), ops.CUDA_R_32F)
+        types = types or MatmulTypes.dense(key)
+        self.desc = lt.matmul_desc_create(types.compute, ops.CUDA_R_32F)
         weakref.finalize(self, lt.matmul_desc_destroy, self.desc)
-        attr, dtype_of = lt.MatmulDescAttribute, lt.get_matmul_desc_attribute_dtype
-        _set(lt.matmul_desc_set_attribute, dtype_of, self.desc, attr.TRANSA, call.trans_first)
-        _set(lt.matmul_desc_set_attribute, dtype_of, self.desc, attr.TRANSB, call.trans_second)
+        self._pointers: dict[str, int] = {}
+        attrs = (("TRANSA", call.trans_first), ("TRANSB", call.trans_second), *types.attrs)
+        for name, value in attrs:
+            self.set(name, value)
         (rb, cb), (ra, ca), (rc, cc) = ops.stored_shapes(key)
-        dt, out_dt = ops.CUDA_DTYPE[key.dtype], ops.CUDA_DTYPE[key.out_dtype]
-        self.first = self._layout(key, dt, rb, cb, call.ld_first, call.stride_first)
-        self.second = self._layout(key, dt, ra, ca, call.ld_second, call.stride_second)
-        self.out = self._layout(key, out_dt, rc, cc, call.ld_out, call.stride_out)
+        self.first = self._layout(key, types.first, rb, cb, call.ld_first, call.stride_first)
+        self.second = self._layout(key, types.second, ra, ca, call.ld_second, call.stride_second)
+        self.out = self._layout(key, types.out, rc, cc, call.ld_out, call.stride_out)
+
+    def set(self, name: str, value: int) -> None:
+        """Set the matmul descriptor's attribute ``name`` (a ``MatmulDescAttribute`` member)."""
+        lt = _lt()
+        _set(
+            lt.matmul_desc_set_attribute,
+            lt.get_matmul_desc_attribute_dtype,
+            self.desc,
+            lt.MatmulDescAttribute[name],
+            value,
+        )
+
+    def point(self, name: str, pointer: int) -> None:
+        """Set the pointer attribute ``name`` (FP8 scales), skipped while it does not move."""
+        if self._pointers.get(name) != pointer:
+            self.set(name, pointer)
+            self._pointers[name] = pointer
 
     def _layout(self, key: GemmKey, dtype: int, rows: int, cols: int, ld: int, stride: int) -> int:
         lt = _lt()
@@ -224,14 +262,16 @@ class _Descriptors:
         return int(result["workspace_size"][0])
 
 
-def init_algo(key: GemmKey, handle: int, config: Mapping[str, int]) -> np.ndarray:
+def init_algo(
+    key: GemmKey, handle: int, config: Mapping[str, int], types: MatmulTypes | None = None
+) -> np.ndarray:
     """A cublasLtMatmulAlgo_t built from its config attributes (AlgoInit + ConfigSetAttribute)."""
     lt = _lt()
+    t = types or MatmulTypes.dense(key)
     algo = np.zeros(1, dtype=lt.matmul_algo_dtype)
-    dt, out_dt = ops.CUDA_DTYPE[key.dtype], ops.CUDA_DTYPE[key.out_dtype]
     lt.matmul_algo_init(
-        handle, ops.compute_type(key), ops.CUDA_R_32F, dt, dt, out_dt, out_dt,
-        config["ID"], algo.ctypes.data,
+        handle, t.compute, ops.CUDA_R_32F, t.first, t.second, t.out, t.out, config["ID"],
+        algo.ctypes.data,
     )  # fmt: skip
     attr, dtype_of = lt.MatmulAlgoConfigAttribute, lt.get_matmul_algo_config_attribute_dtype
     for name, value in config.items():
@@ -241,11 +281,14 @@ def init_algo(key: GemmKey, handle: int, config: Mapping[str, int]) -> np.ndarra
 
 
 def heuristic_params(
-    key: GemmKey, device: torch.device, limit: int = HEURISTIC_LIMIT
+    key: GemmKey,
+    device: torch.device,
+    limit: int = HEURISTIC_LIMIT,
+    types: MatmulTypes | None = None,
 ) -> list[Params]:
     """The heuristic's algorithms for packed operands of ``key``, best first, as params."""
     handle = _HANDLES.get(device)
-    desc = _Descriptors(key, ops.packed_call(key))
+    desc = _Descriptors(key, ops.packed_call(key), types)
     enums = _enums()
     out: list[Params] = []
     found = desc.heuristic(handle, _Alignments.of(key), limit)
@@ -256,16 +299,28 @@ def heuristic_params(
     return out
 
 
+class _Call(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+    c: torch.Tensor  # what cuBLASLt writes
+    user_out: Any  # the caller's out (filled from c if it is not c)
+    convert: Callable[[torch.Tensor], Any]
+    desc: _Descriptors
+
+
 class _LtRunner:
     """Runs one algorithm: descriptors per stride signature, prepared on first sight."""
 
-    def __init__(self, key: GemmKey, params: Params, device: torch.device) -> None:
+    def __init__(
+        self, key: GemmKey, params: Params, device: torch.device, types: MatmulTypes | None = None
+    ) -> None:
         self.key, self.params, self.device = key, params, device
+        self.types = types or MatmulTypes.dense(key)
+        self.config = to_config(params, _enums())
         self.handle = _HANDLES.get(device)
         self.align = _Alignments.of(key)
-        self.config = to_config(params, _enums())
         packed = ops.packed_call(key)
-        desc = _Descriptors(key, packed)
+        desc = _Descriptors(key, packed, self.types)
         self.algo, self.rebuilt = self._rebuild(desc)
         self.plans: dict[ops.ColMajorCall, _Descriptors] = {}
         self._workspace = torch.empty(0, dtype=torch.uint8, device=device)
@@ -277,7 +332,7 @@ class _LtRunner:
     def _rebuild(self, desc: _Descriptors) -> tuple[np.ndarray, bool]:
         """(algo, True) from init + config attributes, else the heuristic's identical algo."""
         try:
-            algo = init_algo(self.key, self.handle, self.config)
+            algo = init_algo(self.key, self.handle, self.config, self.types)
             desc.check(self.handle, algo)
             return algo, True
         except Exception as init_error:
@@ -299,20 +354,27 @@ class _LtRunner:
         self.plans[call] = desc
         return desc
 
-    def __call__(self, a: Any, b: Any, out: Any = None) -> Any:
+    def _prepare(self, a: Any, b: Any, out: Any) -> _Call:
+        """The operands as tensors, the buffer to write and the descriptors of their strides."""
         ta, tb, convert = ops.as_tensors(a, b)
         if ta.device != self.device:
             raise ValueError(f"this cublaslt runner was built on {self.device}, got {ta.device}")
         c, user_out = ops.output_for(self.key, ta, out, self.align.c)
         call = ops.colmajor_call(self.key, ta, tb, c)
-        desc = self.plans.get(call) or self._adopt(call, _Descriptors(self.key, call))
-        ws = self._workspace
+        desc = self.plans.get(call) or self._adopt(call, _Descriptors(self.key, call, self.types))
+        return _Call(ta, tb, c, user_out, convert, desc)
+
+    def _run(self, call: _Call) -> Any:
+        ws, desc, c = self._workspace, call.desc, call.c
         _lt().matmul(
-            self.handle, desc.desc, self.alpha, tb.data_ptr(), desc.first, ta.data_ptr(),
+            self.handle, desc.desc, self.alpha, call.b.data_ptr(), desc.first, call.a.data_ptr(),
             desc.second, self.beta, c.data_ptr(), desc.out, c.data_ptr(), desc.out,
             self.algo.ctypes.data, ws.data_ptr(), ws.numel(), ops.current_stream(self.device),
         )  # fmt: skip
-        return ops.finish(c, user_out, convert)
+        return ops.finish(c, call.user_out, call.convert)
+
+    def __call__(self, a: Any, b: Any, out: Any = None) -> Any:
+        return self._run(self._prepare(a, b, out))
 
 
 class CublasLtGemm(Source):
@@ -324,7 +386,7 @@ class CublasLtGemm(Source):
         return ops.unavailable_reason(device, "cuBLASLt", nvmath, _lt)
 
     def unsupported(self, key: GemmKey) -> str | None:
-        return "plain GEMMs only (no FP8 or INT4 path here yet)" if key.lowbit else None
+        return "plain GEMMs only (FP8 keys: cublaslt_fp8)" if key.lowbit else None
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         return heuristic_params(key, torch.device("cuda", torch.cuda.current_device()))

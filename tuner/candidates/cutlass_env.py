@@ -42,6 +42,10 @@ from tuner.core.atomic import write_atomic
 SM = 90
 COMPILE_TIMEOUT_S = float(os.environ.get("TUNER_CUTLASS_COMPILE_TIMEOUT", "900"))
 TMA_EPILOGUES = ("TmaWarpSpecialized", "TmaWarpSpecializedCooperative")
+SCALED_FIELDS = ("wdtype", "out_dtype", "scale")
+# (batch, M, N) of the example tensors scaled epilogues are traced on: sizes other than 0 and 1
+# keep every stride a runtime value, so that one kernel serves every shape.
+EVT_EXAMPLE = (2, 256, 256)
 _LOCK = threading.RLock()  # cutlass_cppgen keeps global state (cwd, tempfile.tempdir, plans)
 
 
@@ -177,9 +181,13 @@ def version() -> str:
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """Everything that makes one compiled kernel (and nothing about the problem's shape)."""
+    """Everything that makes one compiled kernel (and nothing about the problem's shape).
 
-    dtype: str  # f16 / bf16 / f32 (A, B, C and D; fp32 accumulation)
+    The last three fields describe scaled (FP8) GEMMs and are empty for plain ones; an empty
+    field is left out of the spec's JSON and digest, so that plain specs, and the stored
+    kernels their digests address, read exactly as before those fields existed."""
+
+    dtype: str  # f16 / bf16 / f32 (A, B, C and D; fp32 accumulation), or A's FP8 type
     layout: str  # "nn", "nt", "tn", "tt" of A and B; C is row-major
     align_ab: int  # elements
     align_c: int  # elements
@@ -188,14 +196,21 @@ class KernelSpec:
     kernel: str  # KernelScheduleType name
     epilogue: str  # "tma" or "default" (no shared-memory epilogue)
     scheduler: str  # TileSchedulerType name: "Default" or "StreamK"
+    wdtype: str = ""  # B's type where it is not dtype
+    out_dtype: str = ""  # D's type where it is not dtype
+    scale: str = ""  # "tensor" / "row": D = acc * scale_a * scale_b (an EVT epilogue)
+
+    def _fields(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {k: v for k, v in data.items() if v != "" or k not in SCALED_FIELDS}
 
     @property
     def digest(self) -> str:
-        text = json.dumps({**asdict(self), "sm": SM, "cutlass": version()}, sort_keys=True)
+        text = json.dumps({**self._fields(), "sm": SM, "cutlass": version()}, sort_keys=True)
         return hashlib.sha1(text.encode()).hexdigest()[:20]
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return json.dumps(self._fields(), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> KernelSpec:
@@ -230,18 +245,66 @@ def record(spec: KernelSpec, kind: str, data: dict[str, Any]) -> None:
 # --- building (in this process) ---------------------------------------------------------------
 
 
+def _element(dtype: str) -> Any:
+    import cutlass_library as cl
+
+    return {
+        "bf16": cl.DataType.bf16, "f16": cl.DataType.f16, "f32": cl.DataType.f32,
+        "fp8_e4m3": cl.DataType.e4m3, "fp8_e5m2": cl.DataType.e5m2,
+    }[dtype]  # fmt: skip
+
+
 @functools.cache
-def _plan(dtype: str, layout: str) -> Any:
+def _plan(dtype: str, layout: str, wdtype: str = "", out_dtype: str = "", scale: str = "") -> Any:
     cc = cutlass()
     import cutlass_library as cl
 
-    element = {"bf16": cl.DataType.bf16, "f16": cl.DataType.f16, "f32": cl.DataType.f32}[dtype]
     major = {"n": cl.LayoutType.RowMajor, "t": cl.LayoutType.ColumnMajor}
-    return cc.Gemm(
-        element_A=element, element_B=element, element_C=element, element_D=element,
-        element_accumulator=cl.DataType.f32, layout_A=major[layout[0]], layout_B=major[layout[1]],
-        layout_C=cl.LayoutType.RowMajor, cc=SM, kernel_cc=SM,
+    out = _element(out_dtype or dtype)
+    plan = cc.Gemm(
+        element_A=_element(dtype), element_B=_element(wdtype or dtype), element_C=out,
+        element_D=out, element_accumulator=cl.DataType.f32, layout_A=major[layout[0]],
+        layout_B=major[layout[1]], layout_C=cl.LayoutType.RowMajor, cc=SM, kernel_cc=SM,
     )  # fmt: skip
+    if scale:
+        plan.epilogue_visitor = scaled_epilogue(scale, out)
+    return plan
+
+
+def _plan_of(spec: KernelSpec) -> Any:
+    return _plan(spec.dtype, spec.layout, spec.wdtype, spec.out_dtype, spec.scale)
+
+
+# Parsed, not run: cutlass_cppgen traces this source into the epilogue (D names its output; a
+# docstring here would be traced as a constant).
+def _scale_product(accum: Any, scale_a: Any, scale_b: Any) -> Any:
+    D = accum * scale_a * scale_b
+    return D
+
+
+def scaled_epilogue(scale: str, out_element: Any) -> Any:
+    """The EVT epilogue ``D = acc * scale_a * scale_b`` (float32 math, D rounded once to
+    ``out_element``): tensorwise, two device scalars (``Sm90ScalarBroadcast`` through a
+    pointer, read by the kernel); rowwise, scale_a a column broadcast [M, 1] and scale_b a row
+    broadcast [1, N]. Traced on example tensors of one fixed size, so that the emitted kernel
+    (and its compile-cache entry) is the same for every problem; a launcher patches pointers
+    and D's strides into the arguments per call."""
+    cc = cutlass()
+    import cutlass_library as cl
+
+    batch, m, n = EVT_EXAMPLE
+    shapes = {"tensor": ((1, 1), (1, 1)), "row": ((m, 1), (1, n))}
+    if scale not in shapes:
+        raise ValueError(f"scale={scale!r}: allowed {sorted(shapes)}")
+
+    def example(element: Any, shape: tuple[int, ...]) -> Any:
+        return cc.Tensor(element=element, shape=shape, layout_tag=cl.LayoutType.RowMajor)
+
+    f32 = cl.DataType.f32
+    sa, sb = shapes[scale]
+    examples = {"accum": example(f32, (batch, m, n)), "scale_a": example(f32, sa),
+                "scale_b": example(f32, sb), "D": example(out_element, (batch, m, n))}  # fmt: skip
+    return cc.epilogue.trace(_scale_product, examples, cc=SM)
 
 
 def epilogue_kind(td: Any) -> str:
@@ -250,7 +313,7 @@ def epilogue_kind(td: Any) -> str:
 
 def tile_description(spec: KernelSpec) -> Any:
     """cutlass_cppgen's TileDescription of ``spec``; LookupError if it offers none."""
-    for td in _plan(spec.dtype, spec.layout).tile_descriptions():
+    for td in _plan_of(spec).tile_descriptions():
         if (
             tuple(td.threadblock_shape) == spec.tile
             and tuple(td.cluster_shape)[:2] == spec.cluster
@@ -265,7 +328,7 @@ def tile_description(spec: KernelSpec) -> Any:
 def load(spec: KernelSpec) -> Any:
     """The compiled GemmOperationUniversal of ``spec``: from the cache, else compiled here."""
     with _in_dir(cache_dir() / "work" / f"p{os.getpid()}"):
-        plan = _plan(spec.dtype, spec.layout)
+        plan = _plan_of(spec)
         td = tile_description(spec)
         return plan.compile(
             td, alignment_A=spec.align_ab, alignment_B=spec.align_ab, alignment_C=spec.align_c

@@ -26,7 +26,7 @@ import functools
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -159,7 +159,7 @@ def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
 
 def unsupported_reason(key: GemmKey) -> str | None:
     if key.lowbit:
-        return "plain GEMMs only (no CUTLASS FP8 or mixed-input kernels here yet)"
+        return "plain GEMMs only (FP8 keys: cutlass_fp8; no mixed-input kernels yet)"
     if key.dtype == "f32" and key.compute == "f32":
         return "CUTLASS SM90 fp32 GEMMs run on TF32 tensor cores; this key asks for IEEE fp32"
     if (key.n * ITEMSIZE[key.out_dtype]) % 16:
@@ -169,7 +169,8 @@ def unsupported_reason(key: GemmKey) -> str | None:
     return None
 
 
-def _offered(spec: env.KernelSpec) -> bool:
+def in_library(spec: env.KernelSpec) -> bool:
+    """Whether cutlass_cppgen offers the kernel ``spec`` describes."""
     try:
         env.tile_description(spec)
     except LookupError:
@@ -185,10 +186,10 @@ def offered(key: GemmKey) -> dict[env.KernelSpec, Params]:
     chosen: dict[env.KernelSpec, Params] = {}
     for params in shortlist(key):
         spec = kernel_spec(key, params)
-        if not _offered(spec) and params["epilogue"] == "tma":
+        if not in_library(spec) and params["epilogue"] == "tma":
             params = {**params, "epilogue": "default"}
             spec = replace(spec, epilogue="default")
-        if _offered(spec) and env.failure(spec) is None:
+        if in_library(spec) and env.failure(spec) is None:
             chosen.setdefault(spec, params)
     return chosen
 
@@ -203,8 +204,9 @@ def _libc_free() -> Any:
     return free
 
 
-class _Launcher:
-    """Launches one compiled kernel for one key: arguments built once, pointers patched per call."""
+class KernelLauncher:
+    """Launches one compiled kernel for one key: arguments built once, pointers patched per call.
+    Subclasses with another epilogue override ``_epilogue``, ``_point_out`` and ``_stride_out``."""
 
     def __init__(self, op: Any, key: GemmKey, swizzle: int, device: torch.device) -> None:
         from cuda.bindings import driver
@@ -223,9 +225,6 @@ class _Launcher:
         args_t, epilogue_t, _, hw_t = ct.get_gemm_arguments_3x(
             mainloop_t, op.epilogue_functor, scheduler, default_epilogue
         )
-        output_op = op.epilogue_type(1.0, 0.0)
-        if not default_epilogue and hasattr(output_op, "to_evt_params"):
-            output_op = output_op.to_evt_params()
         call = ops.packed_call(key)
         self.call = call
         mode = GemmUniversalMode.Batched if key.batch > 1 else GemmUniversalMode.Gemm
@@ -236,11 +235,11 @@ class _Launcher:
             ct.GemmCoordBatched_(GemmCoord(key.m, key.n, key.k), key.batch),
             mainloop_t(0, ct.StrideBatched_(call.ld_second, call.stride_second),
                        0, ct.StrideBatched_(call.ld_first, call.stride_first), 4),
-            epilogue_t(output_op, 0, ct.StrideBatched_(call.ld_out, call.stride_out),
-                       0, ct.StrideBatched_(call.ld_out, call.stride_out)),
+            self._epilogue(op, epilogue_t, default_epilogue),
             hw_t(device.index, sms, 0, zero3, zero3),
             scheduler,
         )  # fmt: skip
+        self._stride_out(call)
         self.get_args = rt.get_args
         self.rt, self.kernel = rt, rt.kernel
         size = int(rt.get_kernel_workspace_size(ctypes.byref(self.args)))
@@ -267,6 +266,24 @@ class _Launcher:
         cfg.numAttrs = 1
         return cfg
 
+    def _epilogue(self, op: Any, epilogue_t: Any, default_epilogue: bool) -> Any:
+        """The epilogue's arguments: D = acc (alpha 1, beta 0), C and D at the output."""
+        from cutlass_cppgen.backend import c_types as ct
+
+        output_op = op.epilogue_type(1.0, 0.0)
+        if not default_epilogue and hasattr(output_op, "to_evt_params"):
+            output_op = output_op.to_evt_params()
+        packed = ct.StrideBatched_(self.call.ld_out, self.call.stride_out)
+        return epilogue_t(output_op, 0, packed, 0, packed)
+
+    def _point_out(self, pointer: int) -> None:
+        ep = self.args.epilogue
+        ep.ptr_C = ep.ptr_D = pointer
+
+    def _stride_out(self, call: ops.ColMajorCall) -> None:
+        for stride in (self.args.epilogue.stride_C, self.args.epilogue.stride_D):
+            stride.major_stride, stride.batch_stride = call.ld_out, call.stride_out
+
     def __call__(self, a: Any, b: Any, out: Any = None) -> Any:
         ta, tb, convert = ops.as_tensors(a, b)
         if ta.device != self.device:
@@ -277,7 +294,7 @@ class _Launcher:
         if call != self.call:
             self._restride(call)
         args.mainloop.ptr_A, args.mainloop.ptr_B = ta.data_ptr(), tb.data_ptr()
-        args.epilogue.ptr_C = args.epilogue.ptr_D = c.data_ptr()
+        self._point_out(c.data_ptr())
         ws = self.workspace.data_ptr()
         if self.zero_workspace:
             self.workspace.zero_()
@@ -298,11 +315,10 @@ class _Launcher:
 
     def _restride(self, call: ops.ColMajorCall) -> None:
         """Strides other than packed ones (a padded leading dimension) for this and later calls."""
-        ml, ep = self.args.mainloop, self.args.epilogue
+        ml = self.args.mainloop
         ml.stride_A.major_stride, ml.stride_A.batch_stride = call.ld_second, call.stride_second
         ml.stride_B.major_stride, ml.stride_B.batch_stride = call.ld_first, call.stride_first
-        for stride in (ep.stride_C, ep.stride_D):
-            stride.major_stride, stride.batch_stride = call.ld_out, call.stride_out
+        self._stride_out(call)
         self.call = call
         self.config = None
 
@@ -311,6 +327,15 @@ class CutlassGemm(Source):
     builds_kernels = True
     name = "cutlass"
     op = "gemm"
+    launcher: ClassVar[type[KernelLauncher]] = KernelLauncher
+
+    def kernel_spec(self, key: GemmKey, params: Params) -> env.KernelSpec:
+        """The compiled kernel ``params`` name for ``key``."""
+        return kernel_spec(key, params)
+
+    def offered(self, key: GemmKey) -> dict[env.KernelSpec, Params]:
+        """The shortlist's kernels that cutlass_cppgen offers and that never failed to compile."""
+        return offered(key)
 
     def unavailable(self, device: str) -> str | None:
         reason = ops.unavailable_reason(device, "CUTLASS", env.missing)
@@ -325,7 +350,7 @@ class CutlassGemm(Source):
         return unsupported_reason(key)
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
-        chosen = offered(key)
+        chosen = self.offered(key)
         if env.cannot_compile():  # without nvcc only kernels built elsewhere can run
             cutlass_artifacts.install_missing(chosen)
             chosen = {s: p for s, p in chosen.items() if env.compiled_info(s) is not None}
@@ -335,7 +360,7 @@ class CutlassGemm(Source):
         """Install the shortlist's kernels that the artifact store holds, compile the others in
         parallel processes; a config that fails is recorded by cutlass_env and raises, with its
         error, when the engine builds it."""
-        specs = [kernel_spec(key, p) for p in shortlist]
+        specs = [self.kernel_spec(key, p) for p in shortlist]
         cutlass_artifacts.install_missing(specs)
         env.compile_all(specs)
 
@@ -346,7 +371,7 @@ class CutlassGemm(Source):
     ) -> None:
         """Every distinct kernel of the run once, on every core, in the order first needed;
         a problem is ready once its own kernels are."""
-        specs_of = [[kernel_spec(key, p) for p in shortlist] for key, shortlist in shortlists]
+        specs_of = [[self.kernel_spec(key, p) for p in shortlist] for key, shortlist in shortlists]
         specs = list(dict.fromkeys(s for specs in specs_of for s in specs))
         missing = [set(specs) for specs in specs_of]
         lock = threading.Lock()
@@ -368,7 +393,7 @@ class CutlassGemm(Source):
     def build(self, key: GemmKey, params: Params) -> Runner:
         """Load the kernel: installed from the artifact store if stored, else compiled here and
         then stored (so that other hosts, or this one's next cache, need not compile it)."""
-        spec = kernel_spec(key, params)
+        spec = self.kernel_spec(key, params)
         cutlass_artifacts.install_missing([spec])
         error = env.compile_all([spec])[spec]
         if error is not None:
@@ -376,4 +401,4 @@ class CutlassGemm(Source):
         op = env.load(spec)
         cutlass_artifacts.publish_once(spec, op)
         device = torch.device("cuda", torch.cuda.current_device())
-        return _Launcher(op, key, int(params.get("swizzle", 1)), device)
+        return self.launcher(op, key, int(params.get("swizzle", 1)), device)

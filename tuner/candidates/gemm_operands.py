@@ -178,6 +178,24 @@ def finish(c: torch.Tensor, out: Any, convert: Callable[[torch.Tensor], Any]) ->
     return out
 
 
+def scale_pointer(name: str, scale: torch.Tensor, length: int, device: torch.device) -> int:
+    """The device pointer of an FP8 GEMM's float32 scale of ``length`` elements (1: tensorwise),
+    which a library kernel reads in place; ValueError naming ``name`` unless it is one,
+    contiguous (as ``_scaled_mm`` requires of rowwise scales) and on ``device``."""
+    if (
+        scale.dtype != torch.float32
+        or scale.numel() != length
+        or not scale.is_contiguous()
+        or scale.device != device
+    ):
+        raise ValueError(
+            f"{name}: expected a contiguous torch.float32 tensor of {length} element(s) on "
+            f"{device}, got {scale.dtype} of shape {tuple(scale.shape)}, strides {scale.stride()} "
+            f"on {scale.device}"
+        )
+    return scale.data_ptr()
+
+
 def current_stream(device: torch.device) -> int:
     """The raw handle of torch's current stream on ``device`` (cheap: no Stream object)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -32,6 +32,8 @@ BUILTIN = {
     "torch_lowbit": "tuner.candidates.torch_lowbit:TorchLowbit",
     "triton_w4a16": "tuner.candidates.triton_w4a16:TritonW4A16",
     "triton_fp8": "tuner.candidates.triton_fp8:TritonFp8",
+    "cublaslt_fp8": "tuner.candidates.cublaslt_fp8:CublasLtFp8",
+    "cutlass_fp8": "tuner.candidates.cutlass_fp8:CutlassFp8",
 }
 
 
