@@ -73,6 +73,20 @@ def test_bad_inputs_name_the_field() -> None:
         int4.to_torch_int4pack(int4.pack(q), inner_k_tiles=3)
 
 
+@pytest.mark.skipif(
+    not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="torch has no CPU int4 mm"
+)
+@pytest.mark.parametrize("chunk", [96, 1024])  # a chunk that does not divide K, and one past it
+def test_cpu_packing_decodes_to_our_layout(chunk: int) -> None:
+    """The one decode of torch's packed weight (both devices' packings) on the CPU's: every
+    nibble back in our layout."""
+    q = torch.randint(0, 16, (48, 256), dtype=torch.uint8)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 2)
+    assert torch.equal(int4.from_torch_int4pack(packed, chunk=chunk), int4.pack(q))
+    with pytest.raises(ValueError, match="tpacked: expected"):
+        int4.from_torch_int4pack(packed.int())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("inner_k_tiles", [2, 8])
 def test_torch_tile_pack_round_trip_and_convention(inner_k_tiles: int) -> None:

@@ -74,7 +74,7 @@ def test_int4_layer_weight_is_served_by_triton_w4a16_with_no_conversion(monkeypa
     """The layer packs with ``int4_torch.torch_pack``: our layout is known from the start, so
     the W4A16 kernel never decodes torch's packed weight (a decode here fails the test)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(int4_torch, "_decode_cpu", lambda *_: pytest.fail("weight converted"))
+    monkeypatch.setattr(int4, "from_torch_int4pack", lambda *_: pytest.fail("weight converted"))
     lin = nn.Linear(256, 64, bias=False)
     q = tt.quantize_linear(lin, "int4", group_size=64)
     x = torch.randn(2, 256, dtype=torch.bfloat16)
@@ -105,3 +105,23 @@ def test_bad_arguments_name_the_field() -> None:
         tt.quantize_linear(mlp(), "int4", group_size=100)
     with pytest.raises(ValueError, match="module: fp8 needs"):
         tt.quantize_linear(nn.Linear(128, 10), "fp8")
+
+
+def test_int4_layers_torch_cannot_pack_here_are_skipped_with_the_reason() -> None:
+    """Each layer is checked against its own K and its device's packing (N a multiple of 16
+    on the CPU), before torch's packer could fail half-way through a model."""
+    model = nn.Sequential(nn.Linear(256, 96), nn.Linear(96, 64), nn.Linear(64, 24))
+    q = tt.quantize_linear(model, "int4", group_size=64)
+    assert q.quantized_layers == ["0"]
+    assert q.quantized_skipped == {
+        "1": "group_size=64: 64 must divide K=96",
+        "2": "int4 packing on cpu needs N % 16 == 0 (N=24, K=64)",
+    }
+    assert q(torch.randn(3, 256)).shape == (3, 24)
+
+
+def test_a_bad_group_size_leaves_the_model_untouched() -> None:
+    model = mlp()
+    with pytest.raises(ValueError, match=r"group_size=48: allowed \(32, 64, 128, 256\)"):
+        tt.quantize_linear(model, "int4", group_size=48)
+    assert all(type(m) is nn.Linear for m in model if not isinstance(m, nn.GELU))

@@ -112,25 +112,32 @@ def torch_int4pack_shape(tpacked: torch.Tensor) -> tuple[int, int]:
 
 
 def from_torch_int4pack(tpacked: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """torch's tile-packed weight -> our uint8 [N, K / 2] layout, once, at load time.
+    """torch's packed weight -> our uint8 [N, K / 2] layout, once, at load time. Either device's
+    packing: the tile-packed int32 tensor of ``_convert_weight_to_int4pack`` on CUDA, the blocked
+    uint8 [N, K / 2] tensor of ``_convert_weight_to_int4pack_for_cpu`` on the CPU.
 
-    Decodes through torch's own kernel rather than its undocumented tile order: with unit scales
-    and zeros of 8, ``_weight_int4pack_mm(I, w)`` returns the nibbles themselves, exactly (0..15
-    are exact in bf16). Rows of the identity go ``chunk`` at a time. Cost: one int4pack GEMM of
-    K x K x N (2 K^2 N flops at torch's int4 rate, which is slow for large M; paid once per
-    weight); extra memory: a [chunk, K] identity slice and a [chunk, N] bf16 result
+    Decodes through torch's own kernel for the device rather than its undocumented tile order:
+    with unit scales and zeros of 8, ``x @ W.T`` returns the nibbles themselves, exactly (0..15
+    are exact in bf16), for the rows of an identity ``x``, ``chunk`` rows at a time. Cost: one
+    int4 GEMM of K x K x N (2 K^2 N flops at torch's int4 rate, which is slow for large M; paid
+    once per weight); extra memory: a [chunk, K] identity slice and a [chunk, N] bf16 result
     alive at a time, plus the [N, K] uint8 nibbles before packing.
     """
-    n, k = torch_int4pack_shape(tpacked)
-    unit = torch.zeros(k // 32, n, 2, dtype=torch.bfloat16, device=tpacked.device)
-    unit[..., 0] = 1
-    unit[..., 1] = 8
+    if tpacked.is_cuda:
+        n, k = torch_int4pack_shape(tpacked)
+        mm = torch.ops.aten._weight_int4pack_mm
+    elif tpacked.dim() == 2 and tpacked.dtype == torch.uint8:
+        n, k = tpacked.shape[0], 2 * tpacked.shape[1]
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    else:
+        raise ValueError(f"tpacked: expected torch's uint8 [N, K / 2] CPU packing, got "
+                         f"{tpacked.dtype} {tuple(tpacked.shape)}")  # fmt: skip
+    unit = torch.tensor([1.0, 8.0], dtype=torch.bfloat16, device=tpacked.device)
+    unit = unit.expand(k // 32, n, 2).contiguous()
     q = torch.empty(n, k, dtype=torch.uint8, device=tpacked.device)
     for k0 in range(0, k, chunk):
         rows = min(chunk, k - k0)
         eye = torch.zeros(rows, k, dtype=torch.bfloat16, device=tpacked.device)
-        eye[:, k0 : k0 + rows].fill_diagonal_(1)
-        q[:, k0 : k0 + rows] = torch.ops.aten._weight_int4pack_mm(eye, tpacked, 32, unit).T.to(
-            torch.uint8
-        )
+        eye.diagonal(k0).fill_(1)
+        q[:, k0 : k0 + rows] = mm(eye, tpacked, 32, unit).T.to(torch.uint8)
     return pack(q)

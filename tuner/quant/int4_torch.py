@@ -60,25 +60,12 @@ def int4_mm(
     return op(x, packed, group_size, scales_and_zeros)
 
 
-def _decode_cpu(packed: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """torch's CPU-packed weight -> [N, K] nibbles, through torch's own CPU kernel: unit scales
-    and zeros of 8 make ``x @ W.T`` return the nibbles of the rows of an identity ``x``."""
-    n, k = packed_shape(packed)
-    unit = torch.tensor([1.0, 8.0], dtype=torch.bfloat16).expand(k // 32, n, 2).contiguous()
-    rows = []
-    for k0 in range(0, k, chunk):
-        eye = torch.zeros(min(chunk, k - k0), k, dtype=torch.bfloat16)
-        eye.diagonal(k0).fill_(1)
-        rows.append(int4_mm(eye, packed, 32, unit))
-    return torch.cat(rows).T.to(torch.uint8).contiguous()
-
-
 def ours(packed: torch.Tensor) -> torch.Tensor:
     """Our uint8 [N, K / 2] layout of torch's packed weight, memoised per tensor."""
     known = _OURS.get(packed)
     if known is not None and known[0] == packed._version:
         return known[1]
-    layout = int4.from_torch_int4pack(packed) if packed.is_cuda else int4.pack(_decode_cpu(packed))
+    layout = int4.from_torch_int4pack(packed)
     _OURS[packed] = (packed._version, layout)
     return layout
 
