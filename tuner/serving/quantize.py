@@ -29,17 +29,26 @@ from tuner.serving import dispatcher
 
 FORMATS = ("int4", "fp8")
 COMPUTE_DTYPE = torch.bfloat16
-INT4_N_MULTIPLE = 8  # torch's CUDA tile packing: 8 output rows per tile
 FP8_MULTIPLE = 16  # torch._scaled_mm: K and N multiples of 16
 
 
-def unsupported(fmt: str, n: int, k: int, group_size: int) -> str | None:
-    """Why an [N, K] weight cannot take ``fmt``, or None when it can."""
+def int4_n_multiple(device: torch.device) -> int:
+    """What N must be a multiple of for torch's int4 packing on ``device``: 8 output rows per
+    tile on CUDA, blocks of 16 on the CPU."""
+    return 8 if device.type == "cuda" else 16
+
+
+def unsupported(fmt: str, weight: torch.Tensor, group_size: int) -> str | None:
+    """Why an [N, K] weight (on its device) cannot take ``fmt``, or None when it can."""
+    n, k = weight.shape
     if fmt == "int4":
-        if k % group_size:
-            return f"K={k} is not a multiple of group_size={group_size}"
-        if n % INT4_N_MULTIPLE:
-            return f"int4 packing needs N % {INT4_N_MULTIPLE} == 0 (N={n}, K={k})"
+        try:
+            int4.check_group_size(group_size, k)
+        except ValueError as e:
+            return str(e)
+        multiple = int4_n_multiple(weight.device)
+        if n % multiple:
+            return f"int4 packing on {weight.device.type} needs N % {multiple} == 0 (N={n}, K={k})"
         return None
     if k % FP8_MULTIPLE or n % FP8_MULTIPLE:
         return f"fp8 needs K and N multiples of {FP8_MULTIPLE} (N={n}, K={k})"
@@ -113,10 +122,10 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int = 128) -> nn.Mo
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {list(FORMATS)}, got {fmt!r}")
-    if fmt == "int4":
-        int4.check_group_size(group_size, group_size)
+    if fmt == "int4" and group_size not in int4.GROUP_SIZES:  # each layer's K: unsupported()
+        raise ValueError(f"group_size={group_size}: allowed {int4.GROUP_SIZES}")
     if isinstance(module, nn.Linear):  # a bare layer: nothing to leave in place
-        reason = unsupported(fmt, *module.weight.shape, group_size)
+        reason = unsupported(fmt, module.weight, group_size)
         if reason:
             raise ValueError(f"module: {reason}")
         return _quantized(module, fmt, group_size)
@@ -125,7 +134,7 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int = 128) -> nn.Mo
     for name, child in list(module.named_modules()):
         if not isinstance(child, nn.Linear):
             continue
-        reason = unsupported(fmt, *child.weight.shape, group_size)
+        reason = unsupported(fmt, child.weight, group_size)
         if reason:
             skipped[name] = reason
             continue
