@@ -281,13 +281,13 @@ def graph_times(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
     base, win = runners(key, row["source"], row["candidate"])
     fns: dict[str, Callable[[int], Any] | None] = {
         "baseline": timing.on_sets(base, sets),
-        "winner": win and timing.on_sets(win, sets),
+        "winner": None if win is None else timing.on_sets(win, sets),
     }
     if "bf16_source" in row:
         bf16_sets = samples.input_sets(twin, "cuda", seed=1)
         cublas, served = runners(twin, row["bf16_source"], row["bf16_candidate"])
         fns["bf16"] = timing.on_sets(cublas, bf16_sets)
-        fns["bf16_served"] = served and timing.on_sets(served, bf16_sets)
+        fns["bf16_served"] = None if served is None else timing.on_sets(served, bf16_sets)
     fns["read"] = stream_read(row["bytes"], "cuda")
     for name, fn in fns.items():
         if fn is None:  # the winner is the baseline: the same kernel, the same time
