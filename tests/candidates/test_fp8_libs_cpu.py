@@ -135,6 +135,7 @@ def test_scale_pointer_names_the_bad_scale():
         good.double(),  # dtype
         torch.ones(5, 1),  # length
         torch.ones(8, 1)[::2],  # not contiguous
+        torch.ones(5, 1)[1:],  # 4 bytes past an aligned start
     ]
     for scale in bad:
         with pytest.raises(ValueError, match=r"scale_b: expected a contiguous torch\.float32"):

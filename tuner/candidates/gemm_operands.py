@@ -181,17 +181,20 @@ def finish(c: torch.Tensor, out: Any, convert: Callable[[torch.Tensor], Any]) ->
 def scale_pointer(name: str, scale: torch.Tensor, length: int, device: torch.device) -> int:
     """The device pointer of an FP8 GEMM's float32 scale of ``length`` elements (1: tensorwise),
     which a library kernel reads in place; ValueError naming ``name`` unless it is one,
-    contiguous (as ``_scaled_mm`` requires of rowwise scales) and on ``device``."""
+    contiguous (as ``_scaled_mm`` requires of rowwise scales), on ``device`` and, a vector,
+    16-byte aligned (kernels load it 16 bytes at a time)."""
     if (
         scale.dtype != torch.float32
         or scale.numel() != length
         or not scale.is_contiguous()
         or scale.device != device
+        or (length > 1 and scale.data_ptr() % 16)
     ):
         raise ValueError(
             f"{name}: expected a contiguous torch.float32 tensor of {length} element(s) on "
-            f"{device}, got {scale.dtype} of shape {tuple(scale.shape)}, strides {scale.stride()} "
-            f"on {scale.device}"
+            f"{device}" + (", 16-byte aligned" if length > 1 else "") + f", got {scale.dtype} of "
+            f"shape {tuple(scale.shape)}, strides {scale.stride()} on {scale.device} at "
+            f"{scale.data_ptr():#x}"
         )
     return scale.data_ptr()
 
