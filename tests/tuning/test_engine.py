@@ -12,7 +12,7 @@ from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.core.keys import GemmKey, SdpaKey
 from tuner.measure.records import Measurement
-from tuner.tuning.engine import TuneOptions, choose, contenders, duels, ties, tune
+from tuner.tuning.engine import TuneOptions, choose, contenders, cut_off, duels, ties, tune
 
 KEY = GemmKey(m=48, n=40, k=72, dtype="f32", out_dtype="f32")
 
@@ -365,3 +365,13 @@ def test_bad_options_name_the_field_the_value_and_what_is_allowed(fields, messag
 def test_the_engine_runs_in_process_only():
     with pytest.raises(ValueError, match=r"through tuner\.tuning\.tune"):
         tune(KEY, options=TuneOptions(isolate=True))
+
+
+def test_the_cut_is_tighter_where_the_best_is_a_steady_gpu_bound_call():
+    options = TuneOptions(cut_factor=1.5, steady_cut=1.1)
+    assert cut_off(None, "cuda", options) is None  # nothing timed yet: nothing to cut against
+    assert cut_off(1000.0, "cuda", options) == pytest.approx(1100.0)
+    assert cut_off(10.0, "cuda", options) == pytest.approx(15.0)  # launch-bound: noisy probes
+    assert cut_off(1000.0, "cpu", options) == pytest.approx(1500.0)
+    with pytest.raises(ValueError, match="steady_cut must be >= 1"):
+        TuneOptions(steady_cut=0.9)

@@ -9,6 +9,7 @@ from planted import PlantedGemm
 from tuner.cache import Store
 from tuner.candidates import registry
 from tuner.core.keys import GemmKey
+from tuner.measure import timing
 from tuner.serving.dispatcher import Dispatcher
 from tuner.serving.warmup import warmup
 from tuner.tuning.engine import TuneOptions, tune
@@ -71,10 +72,18 @@ def test_numerics_check_rejects_a_wrong_candidate_on_the_gpu():
 def test_graph_time_subtracts_its_fence():
     """The fence before each captured call is not charged to the call: a call that launches
     nothing costs ~0, one that launches a kernel costs more than that."""
-    from tuner.measure import timing
-
     x = torch.zeros(1 << 26, device="cuda")  # past L2: the kernel's time stands above the noise
     nothing = timing.graph_time(lambda i: None)
     one_kernel = timing.graph_time(lambda i: x.add_(1))
     assert 0.0 <= nothing.median_us < one_kernel.median_us
     assert timing.graph_time(lambda i: x.add_(1), fenced=False).median_us > 0
+
+
+def test_a_steady_gpu_bound_call_is_timed_with_few_samples():
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    long_call = timing.measure(lambda i: a @ a, device="cuda", budget_s=1.0)
+    assert long_call.median_us >= timing.STEADY_US
+    assert long_call.reps == timing.STEADY_REPS  # the budget alone would allow thousands
+    x = torch.zeros(1, device="cuda")
+    short_call = timing.measure(lambda i: x.add_(1), device="cuda", budget_s=0.05)
+    assert short_call.reps > timing.STEADY_REPS

@@ -5,7 +5,8 @@ figure they report follows the same rules.
 - Inputs rotate over several buffer sets whose total exceeds twice the L2 cache, so nothing is
   served from cache that a real workload would read from memory.
 - Repetitions fill a time budget (within [min_reps, max_reps]); the result is the median with the
-  10th/90th percentiles as spread.
+  10th/90th percentiles as spread. A call of ``STEADY_US`` or more is GPU-bound and steady:
+  ``STEADY_REPS`` samples place its median within noise, and more would only spend the budget.
 - A probe of a few calls first: a candidate far slower than the best so far is cut early.
 - The host time per eager call is measured too: for tiny problems the launch, not the kernel,
   is what the caller waits for.
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 
 CPU_L2_BYTES = 32 * 2**20  # a generous last-level cache guess; CPU rotation matters less
+STEADY_US = 100.0  # calls this long are GPU-bound: launch jitter is a small share of them
+STEADY_REPS = 20  # samples enough for such a call's median
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,8 @@ def measure(
         s = sorted(samples)
         return Timing(est, s[0], s[-1], len(s), est, cut=True)
     reps = int(min(max_reps, max(min_reps, budget_s * 1e6 / max(est, 1.0))))
+    if clock.cuda and est >= STEADY_US:
+        reps = min(reps, max(min_reps, STEADY_REPS))
     samples = clock.run(fn, warmup + probe, reps)
     s = sorted(samples)
     median = statistics.median(s)

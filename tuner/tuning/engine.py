@@ -36,6 +36,7 @@ class TuneOptions:
 
     budget_s: float = 0.15  # timing budget per candidate
     cut_factor: float = 1.5  # probe slower than this x best so far -> cut
+    steady_cut: float = 1.1  # ... where the best is steady (timing.STEADY_US): probes vary little
     min_noise: float = 0.02  # a challenger must win by at least this share ...
     confirm_rounds: int = 3  # ... and again when re-timed alternately with the baseline
     # contenders (then, on the GPU, ties) confirmed in turn, fastest first, until one keeps its
@@ -58,8 +59,9 @@ class TuneOptions:
         for name in ("budget_s", "min_noise", "host_slack_us", "host_slack"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not self.cut_factor >= 1:
-            raise ValueError(f"cut_factor must be >= 1, got {self.cut_factor!r}")
+        for name in ("cut_factor", "steady_cut"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("confirm_rounds", "confirm_tries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -374,6 +376,15 @@ def _wanted(source: Source, key: Key, options: TuneOptions) -> bool:
     return source.baseline_params is not None and source.unsupported(key) is None
 
 
+def cut_off(best_us: float | None, device: str, options: TuneOptions) -> float | None:
+    """The probe time past which a challenger is cut: a multiple of the best so far, tighter
+    where that best is a steady GPU-bound call, whose probes vary by a few percent at most."""
+    if best_us is None:
+        return None
+    steady = device == "cuda" and best_us >= timing.STEADY_US
+    return best_us * (options.steady_cut if steady else options.cut_factor)
+
+
 def candidate_shortlists(
     key: Key,
     device: str,
@@ -532,9 +543,7 @@ def tune(
     def run(source: Source, params: Params) -> Measurement:
         nonlocal best_us
         # the baseline is never cut: every decision is relative to it
-        cutoff = (
-            None if source.is_baseline(params) or best_us is None else best_us * options.cut_factor
-        )
+        cutoff = None if source.is_baseline(params) else cut_off(best_us, device, options)
         m = done.get(candidate_name(source.name, params))
         if m is not None:
             measurements.append(m)
