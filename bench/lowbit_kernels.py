@@ -7,6 +7,8 @@ Per projection (N x K) and M, side by side in one process, bf16 activations:
 - **bf16**: ``torch.matmul(x, w.T)`` (cuBLAS), the reference speed;
 - **int4pack_mm**: ``aten._weight_int4pack_mm`` (group 128, inner k tiles 8);
 - **w4a16**: our kernel, every config of ``w4a16.configs`` (best first in the row, all listed);
+- **bf16_triton** (M > 16): the tuner's bf16 Triton tiled GEMM with the best w4a16 config's
+  tile, warps and stages: how much of the prefill gap to bf16 is the dequantization;
 - **scaled_mm_rowwise / scaled_mm_tensorwise**: ``torch._scaled_mm`` on e4m3 operands;
 - **fp8_rowwise / fp8_tensorwise**: our kernel, every config of ``fp8.configs``;
 - **read_int4 / read_fp8 / read_bf16** (M <= 16): a bare streaming read of the weight's bytes:
@@ -18,7 +20,7 @@ activations are quantized ahead (not timed). M <= 16: GPU time per call in a CUD
 actually read and written (weight, scales, activations, output) per second over the
 device-to-device copy bandwidth. Our kernels' best configs are checked against a float32 GEMM on
 the dequantized operands (``tuner.quant.tolerance``): "excess" <= 1 passes. The JSON is
-rewritten after every projection.
+rewritten after every projection; ``--formats`` picks int4 and/or fp8.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import triton
 from tuner.candidates.triton_kernels import fp8 as fp8_kernels
 from tuner.candidates.triton_kernels import w4a16
 from tuner.candidates.triton_kernels.stream_read import BLOCK, read_all
+from tuner.candidates.triton_kernels.tiled import tiled_gemm
 from tuner.measure import timing
 from tuner.quant import fp8, int4
 from tuner.quant.tolerance import (
@@ -50,15 +53,6 @@ PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                "down": (4096, 14336)}  # fmt: skip
 MS = (1, 4, 16, 256, 2048)
 GROUP = 128
-
-
-def copy_bandwidth_gbs(nbytes: int = 2 * 2**30) -> float:
-    """Device-to-device copy, bytes read plus written per second (imports nothing of the suites,
-    whose console and plotting packages the GPU image may lack)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    t = timing.measure(lambda i: dst.copy_(src), device="cuda", budget_s=0.3, max_reps=50)
-    return 2 * nbytes / (t.median_us * 1e-6) / 1e9
 
 
 def time_us(fn: Callable[[int], Any], m: int, budget_s: float) -> dict[str, Any]:
@@ -82,8 +76,19 @@ def nbytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def bf16_same_tile(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
+    """The bf16 Triton tiled GEMM x @ w.T with a w4a16 config's tile, warps and stages."""
+    (m, k), n = x.shape, w.shape[0]
+    bm, bn = cfg["bm"], cfg["bn"]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), 1, 1)
+    tiled_gemm[grid](x, w, out, out, m, n, k, 0, x.stride(0), 1, 0, 1, w.stride(0), 0,
+                     out.stride(0), 1, BM=bm, BN=bn, BK=64, GROUP_M=8, SPLIT_K=1,
+                     EVEN_K=k % 64 == 0, PRECISION="ieee", num_warps=cfg["warps"],
+                     num_stages=cfg["stages"])  # fmt: skip
+
+
 def bench_projection(name: str, n: int, k: int, ms: tuple[int, ...], copy_gbs: float,
-                     budget_s: float) -> list[dict[str, Any]]:  # fmt: skip
+                     budget_s: float, formats: tuple[str, ...]) -> list[dict[str, Any]]:  # fmt: skip
     rows: list[dict[str, Any]] = []
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     q, sz = int4.quantize(w, GROUP)
@@ -110,24 +115,22 @@ def bench_projection(name: str, n: int, k: int, ms: tuple[int, ...], copy_gbs: f
 
     def one_m(m: int) -> None:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        x8, sx8 = fp8.quantize_rowwise(x)
-        x8t, sx8t = fp8.quantize_tensorwise(x)
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        io16, io8 = nbytes(x, out), nbytes(x8, out)
+        io16 = nbytes(x, out)
         if m <= 16:  # the floor of the weight-streaming (decode) rows
             row(m, "read_bf16", lambda i: read_all(bf[i % len(bf)][0], sums), nbytes(w))
             row(m, "read_int4", lambda i: read_all(i4[i % len(i4)][0], sums), nbytes(packed))
             row(m, "read_fp8", lambda i: read_all(f8[i % len(f8)][0], sums), nbytes(w8))
         base = row(m, "bf16", lambda i: torch.matmul(x, bf[i % len(bf)][0].T, out=out),
                    nbytes(w) + io16)  # fmt: skip
+        if "int4" in formats:
+            int4_rows(m, x, out, io16, base)
+        if "fp8" in formats:
+            fp8_rows(m, x, out, base)
+
+    def int4_rows(m: int, x: torch.Tensor, out: torch.Tensor, io16: int, base: dict) -> None:
         row(m, "int4pack_mm", lambda i: torch.ops.aten._weight_int4pack_mm(
             x, t4[i % len(t4)][0], GROUP, t4[i % len(t4)][1]), nbytes(packed, sz) + io16)  # fmt: skip
-        row(m, "scaled_mm_rowwise", lambda i: torch._scaled_mm(
-            x8, f8[i % len(f8)][0].T, sx8, f8[i % len(f8)][1].T, out_dtype=torch.bfloat16),
-            nbytes(w8, s8, sx8) + io8)  # fmt: skip
-        row(m, "scaled_mm_tensorwise", lambda i: torch._scaled_mm(
-            x8t, f8t[i % len(f8t)][0].T, sx8t, f8t[i % len(f8t)][1], out_dtype=torch.bfloat16),
-            nbytes(w8) + io8)  # fmt: skip
         ours = []
         for cfg in w4a16.configs(m, n, k, GROUP):
             ours.append(row(m, "w4a16", lambda i, c=cfg: w4a16.w4a16_matmul(
@@ -143,6 +146,20 @@ def bench_projection(name: str, n: int, k: int, ms: tuple[int, ...], copy_gbs: f
             x, wd, ref, operand_unit=unit_roundoff(x.dtype), accumulate_unit=FP32_ACCUMULATE,
             out_dtype=x.dtype)), 3)  # fmt: skip
         del wd
+        if m > 16:
+            row(m, "bf16_triton", lambda i: bf16_same_tile(x, bf[i % len(bf)][0], out,
+                best["config"]), nbytes(w) + io16, config=best["config"])  # fmt: skip
+
+    def fp8_rows(m: int, x: torch.Tensor, out: torch.Tensor, base: dict) -> None:
+        x8, sx8 = fp8.quantize_rowwise(x)
+        x8t, sx8t = fp8.quantize_tensorwise(x)
+        io8 = nbytes(x8, out)
+        row(m, "scaled_mm_rowwise", lambda i: torch._scaled_mm(
+            x8, f8[i % len(f8)][0].T, sx8, f8[i % len(f8)][1].T, out_dtype=torch.bfloat16),
+            nbytes(w8, s8, sx8) + io8)  # fmt: skip
+        row(m, "scaled_mm_tensorwise", lambda i: torch._scaled_mm(
+            x8t, f8t[i % len(f8t)][0].T, sx8t, f8t[i % len(f8t)][1], out_dtype=torch.bfloat16),
+            nbytes(w8) + io8)  # fmt: skip
         ours = []
         for cfg in fp8_kernels.configs(m, n, k):
             ours.append(row(m, "fp8_rowwise", lambda i, c=cfg: fp8_kernels.fp8_matmul(
@@ -177,9 +194,10 @@ def main() -> None:
     ap.add_argument("--proj", nargs="*", default=list(PROJECTIONS), choices=list(PROJECTIONS))
     ap.add_argument("--m", nargs="*", type=int, default=list(MS))
     ap.add_argument("--budget", type=float, default=0.05, help="seconds per event-timed point")
+    ap.add_argument("--formats", nargs="*", default=["int4", "fp8"], choices=["int4", "fp8"])
     args = ap.parse_args()
     torch.manual_seed(0)
-    copy_gbs = copy_bandwidth_gbs()
+    copy_gbs = timing.copy_bandwidth_gbs("cuda")
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
@@ -189,7 +207,8 @@ def main() -> None:
     t0 = time.time()
     for name in args.proj:
         n, k = PROJECTIONS[name]
-        result["rows"] += bench_projection(name, n, k, tuple(args.m), copy_gbs, args.budget)
+        result["rows"] += bench_projection(name, n, k, tuple(args.m), copy_gbs, args.budget,
+                                           tuple(args.formats))  # fmt: skip
         result["seconds"] = round(time.time() - t0, 1)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

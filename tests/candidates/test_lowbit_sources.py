@@ -1,5 +1,5 @@
 """The low-bit sources: torch's baselines and the Triton W4A16 / FP8 candidates tuned through the
-engine (CPU: Triton's interpreter, small shapes; the tiled W4A16 path in fp16 there), a served
+engine (CPU: Triton's interpreter, small shapes), a served
 INT4 runner converting each weight once, clear errors, and the reasons a source sits out."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def key_of(spec: str, m: int, n: int = 32, k: int = 128, dtype: str | None = Non
 
 
 CPU_KEYS = [
-    (key_of("int4-g32", 3), "triton_w4a16"),  # GEMV path, bf16
-    (key_of("int4-g32", 8, dtype="f16"), "triton_w4a16"),  # tiled path
+    (key_of("int4-g32", 3), "triton_w4a16"),
+    (key_of("int4-g128", 8, k=256, dtype="f16"), "triton_w4a16"),
     (key_of("fp8-rowwise", 5), "triton_fp8"),
     (key_of("fp8-tensorwise-fast", 5), "triton_fp8"),
 ]
@@ -62,10 +62,10 @@ def test_sources_say_which_keys_they_take(monkeypatch):
     assert "low-bit GEMMs only" in TorchLowbit().unsupported(plain)
     assert TritonW4A16().unsupported(key_of("fp8-rowwise", 1)) == "int4 weights only"
     assert TritonFp8().unsupported(key_of("int4-g32", 1)) == "fp8 operands only"
-    # each half of K must hold whole groups in our layout
-    assert "whole groups of 128" in TritonW4A16().unsupported(key_of("int4-g128", 1, k=384))
+    # our layout packs K in whole chunks of 128 values
+    assert "chunks of 128" in TritonW4A16().unsupported(key_of("int4-g32", 1, k=96))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert "bf16" in TritonW4A16().unsupported(key_of("int4-g32", 8))
+    assert TritonW4A16().unsupported(key_of("int4-g32", 8)) is None
     assert TritonW4A16().unsupported(key_of("int4-g32", 8, dtype="f16")) is None
     if not HAS_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -127,7 +127,7 @@ def test_bad_lowbit_inputs_raise_naming_the_field(monkeypatch):
     with pytest.raises(ValueError, match=r"x\.dtype"):
         run(x.float(), packed, sz)
     with pytest.raises(ValueError, match="config\\['bk'\\]"):
-        TritonW4A16().build(key, {"kernel": "gemv", "bm": 2, "bn": 32, "bk": 64})
+        TritonW4A16().build(key, {"kernel": "tiled", "bm": 16, "bn": 32, "bk": 64})
     fkey = key_of("fp8-rowwise", 4)
     a, b, sa, sb = samples.make_inputs(fkey, "cpu", torch.Generator().manual_seed(0))
     frun = TritonFp8().build(fkey, TritonFp8().candidates(fkey, "cpu")[0])

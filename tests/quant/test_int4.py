@@ -12,15 +12,27 @@ from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_
 HAS_GPU = torch.cuda.is_available()
 
 
-def test_pack_pairs_k_with_k_plus_half_of_k() -> None:
-    q = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
-    assert int4.pack(q).tolist() == [[0x1F, 0x20]]
+def test_pack_places_each_k_of_a_chunk_as_documented() -> None:
+    """Byte b = 16 c + i of a 128-value chunk: k = 2c + (i & 1) + 8 ((i >> 1) & 7) low, k + 64
+    high; the chunk after it starts 64 bytes on; a tail past whole chunks pairs (2j, 2j + 1)."""
+    k = int4.CHUNK * 2 + 4
+    q = (torch.arange(k) % 15 + 1).to(torch.uint8)[None, :]  # no zero nibble
+    packed = int4.pack(q)[0]
+    for kk in range(k):
+        chunk, r = divmod(kk, int4.CHUNK)
+        if chunk < 2:
+            lane, odd, step, high = (r >> 1) & 3, r & 1, (r >> 3) & 7, r >> 6
+            byte, shift = 64 * chunk + 16 * lane + odd + 2 * step, 4 * high
+        else:
+            byte, shift = 128 + r // 2, 4 * (r % 2)
+        assert (int(packed[byte]) >> shift) & 15 == int(q[0, kk]), kk
 
 
-def test_pack_unpack_round_trip() -> None:
-    q = torch.randint(0, 16, (24, 256), dtype=torch.uint8)
+@pytest.mark.parametrize("k", [256, 4, 384 + 6])  # whole chunks; a tail only; chunks and a tail
+def test_pack_unpack_round_trip(k: int) -> None:
+    q = torch.randint(0, 16, (24, k), dtype=torch.uint8)
     packed = int4.pack(q)
-    assert packed.shape == (24, 128) and packed.dtype == torch.uint8
+    assert packed.shape == (24, k // 2) and packed.dtype == torch.uint8
     assert torch.equal(int4.unpack(packed), q)
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from tuner.candidates.base import Params, Runner, Source, interpreting, triton_unavailable
+from tuner.candidates.base import Params, Runner, Source, triton_unavailable
 from tuner.candidates.triton_kernels import w4a16
 from tuner.core.keys import GemmKey
-from tuner.quant import int4_torch
+from tuner.quant import int4, int4_torch
 
 CPU_CANDIDATES = 2  # the interpreter is slow: the likeliest configs only
 
@@ -34,10 +34,8 @@ class TritonW4A16(Source):
     def unsupported(self, key: GemmKey) -> str | None:
         if key.wdtype != "int4":
             return "int4 weights only"
-        if key.k % (2 * key.group):
-            return f"k={key.k}: each half of K must hold whole groups of {key.group}"
-        if interpreting() and key.dtype == "bf16" and key.m > 4:
-            return "Triton's interpreter computes bf16 tl.dot wrongly; bf16 above M=4 runs on the GPU only"
+        if key.k % int4.CHUNK:
+            return f"k={key.k}: our layout packs K in whole chunks of {int4.CHUNK}"
         return None
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:

@@ -5,12 +5,15 @@ Values: ``q`` is an [N, K] integer tensor of 0..15; ``scales_and_zeros`` is torc
 ``w[n, k] = (q[n, k] - 8) * scale[k // group_size, n] + zero[k // group_size, n]``
 (the convention of ``torch.ops.aten._weight_int4pack_mm``).
 
-Our layout (what ``tuner.candidates.triton_kernels.w4a16`` reads): uint8 [N, K / 2]; byte j of
-row n holds k = j in its high nibble and k = j + K / 2 in its low nibble. A kernel's [BN, BK]
-tile of bytes then splits into two [BN, BK] weight tiles that are each contiguous along K (no
-interleave to undo in registers), matched by two contiguous loads of the activations; each half
-stays inside one scale group when K / 2 is a multiple of the group size. torch's packer takes
-the even k in the high nibble instead, so ``to_torch_int4pack`` reorders once.
+Our layout (what ``tuner.candidates.triton_kernels.w4a16`` reads): uint8 [N, K / 2], each row
+in chunks of ``CHUNK`` = 128 values (64 bytes). Byte b of a chunk, with c = b // 16 and
+i = b % 16, holds k = 2c + (i & 1) + 8 ((i >> 1) & 7) in its low nibble and k + 64 in its high
+nibble: the 16 bytes at 16c are the 32 values a thread with lane bits c holds of that row in the
+tensor cores' register-operand layout (pairs k, k + 1 with strides of 8), so one 16-byte load
+and in-register reshapes give the kernel its operand. A tail of K % 128 values (K even), which
+the kernel does not take, keeps k = 2j in the low and 2j + 1 in the high nibble of byte j.
+torch's packer takes the even k in the high nibble of its bytes, so ``to_torch_int4pack``
+reorders once.
 """
 
 from __future__ import annotations
@@ -18,16 +21,15 @@ from __future__ import annotations
 import torch
 
 GROUP_SIZES = (32, 64, 128, 256)
+CHUNK = 128  # values per permuted run of a row
 INNER_K_TILES = (2, 4, 8)
 
 
-def check_group_size(group_size: int, k: int, halves: bool = False) -> None:
-    """``halves``: our packed layout, where each half of K must hold whole groups."""
+def check_group_size(group_size: int, k: int) -> None:
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size={group_size}: allowed {GROUP_SIZES}")
-    step = 2 * group_size if halves else group_size
-    if k % step:
-        raise ValueError(f"group_size={group_size}: {step} must divide K={k}")
+    if k % group_size:
+        raise ValueError(f"group_size={group_size}: {group_size} must divide K={k}")
 
 
 def check_scales_and_zeros(
@@ -72,14 +74,25 @@ def dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int)
     return (q.float() - 8) * sz[..., 0].T + sz[..., 1].T
 
 
+# a chunk's [k6, k5, .., k0] bits (big-endian dims 2..8 of a [N, C, 2, .., 2] view) in byte
+# order: nibble (k6), then the byte's bits c1 c0 i3 i2 i1 i0 = k2 k1 k5 k4 k3 k0
+_TO_BYTES = (0, 1, 2, 6, 7, 3, 4, 5, 8)
+_FROM_BYTES = tuple(_TO_BYTES.index(d) for d in range(9))
+
+
 def pack(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] values 0..15 -> our uint8 [N, K / 2] layout (k and k + K / 2 share a byte)."""
+    """[N, K] values 0..15 -> our uint8 [N, K / 2] layout (see the module docstring)."""
     if q.dim() != 2 or q.shape[1] % 2:
         raise ValueError(f"q.shape={tuple(q.shape)}: expected [N, K] with K even")
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
         raise ValueError("q: values must lie in 0..15")
-    hi, lo = q.to(torch.uint8).chunk(2, dim=1)
-    return (hi << 4) | lo
+    n, k = q.shape
+    main = k - k % CHUNK  # values in whole chunks
+    v = q[:, :main].to(torch.uint8).reshape(n, main // CHUNK, *[2] * 7).permute(*_TO_BYTES)
+    v = v.reshape(n, main // CHUNK, 2, CHUNK // 2)
+    tail = q[:, main:].to(torch.uint8).reshape(n, -1, 2)
+    return torch.cat([(v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, main // 2),
+                      tail[..., 0] | (tail[..., 1] << 4)], dim=1)  # fmt: skip
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -87,7 +100,14 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise ValueError(f"packed: expected a uint8 [N, K / 2] tensor, got {packed.dtype} "
                          f"{tuple(packed.shape)}")  # fmt: skip
-    return torch.cat([packed >> 4, packed & 15], dim=1)
+    n, k = packed.shape[0], packed.shape[1] * 2
+    main = k - k % CHUNK  # values in whole chunks
+    b = packed[:, : main // 2].reshape(n, main // CHUNK, 1, CHUNK // 2)
+    v = torch.cat([b & 15, b >> 4], dim=2).reshape(n, main // CHUNK, *[2] * 7)
+    v = v.permute(*_FROM_BYTES).reshape(n, main)
+    t = packed[:, main // 2 :]
+    tail = torch.stack([t & 15, t >> 4], dim=2).reshape(n, k - main)
+    return torch.cat([v, tail], dim=1)
 
 
 def to_torch_int4pack(packed: torch.Tensor, inner_k_tiles: int = 8) -> torch.Tensor:

@@ -1,25 +1,22 @@
 """INT4 weight-only GEMM (W4A16): ``out = x @ dequant(w).T`` with bf16 or fp16 activations.
 
-The weight is our packed layout (``tuner.quant.int4``): uint8 [N, K / 2], byte j holding
-k = j (high nibble) and k = j + K / 2 (low nibble), with torch's [K / group, N, 2] scales and
-zeros. Each program loads [BN, BK] bytes of the weight, 16 per thread along K (the row stride
-comes as its own argument, so Triton's divisibility specialisation allows 16-byte loads); the
-two nibbles give two [BN, BK] weight tiles, one per half of K, each contiguous along K,
-matched by two [BM, BK] activation tiles K / 2 apart. A nibble becomes a float through the
-mantissa of 2**23 (integer ops and one exact subtract) rather than an int-to-float convert,
-whose unit is a fraction of the FMA rate. BK divides the group size and each half of K holds
-whole groups, so a tile never straddles two groups: one (scale, zero) pair per row and tile.
+The weight is our packed layout (``tuner.quant.int4``): uint8 [N, K / 2] whose rows hold K in
+chunks of 128 values (64 bytes), permuted inside each chunk so that the 16 bytes a thread loads
+are the 32 values it owns in Hopper's wgmma register-operand layout (and Ampere's mma one):
+after the in-register reshapes below, the dequantized tile needs no trip through shared memory
+and no shuffle before the tensor cores take it. ``scales_and_zeros`` is torch's [K / group, N, 2].
 
-- ``w4a16_gemv`` (decode, M <= 4): CUDA-core dot products of x with (q - 8) per tile, scaled
-  once per row and group; tensor cores would idle on padding rows and the problem is a read of
-  the weight.
-- ``w4a16_tiled``: tensor cores on out.T = W x.T, the dequantized weight as the first operand,
-  which Hopper's wgmma takes from registers (no shared-memory round trip for the weight); x's
-  tiles are the second operand, so BM (activation rows) may be 16 for decode. Its dequant runs
-  in the activation dtype (exact q - 8 through the mantissa of 128 or 1024, then one fused
-  multiply-add, rounded once as the fp32 path would), which compiles to packed two-lane ops.
-Both split K over a second grid axis: fp32 partials [SPLIT_K, M, N] summed in order by the tiled
-family's ``splitk_reduce`` (deterministic); with one split they store ``out`` directly.
+The kernel computes out.T = W x.T: the dequantized [BN, BK] weight tile is the dot's first
+operand, which wgmma takes from registers; x's [BM, BK] tiles are the second, so BM (activation
+rows) may be 16 for decode. Dequantization per 4 bytes: a nibble becomes a 16-bit float through
+the mantissa of 128 (bf16) or 1024 (fp16) with one ``lop3`` per pair of values (inline PTX; a
+pure-Triton path serves the interpreter), then one packed subtract and one packed fused
+multiply-add with the group's scale and zero, rounded once. ``DOTS`` dots per loop iteration:
+two keep Triton from splitting a register-operand dot into 16-wide wgmmas that each wait for the
+last (a fence per 512 weight bytes). Split-K: fp32 partials [SPLIT_K, M, N]; the last program of
+an output tile to finish (an atomic count per tile) sums them in split order, so the result is
+deterministic and needs no second launch (while a CUDA graph is being captured before the counts
+exist, a reduce launch does it instead).
 
 Entry point for a candidate source: ``w4a16_matmul(x, weight, scales_and_zeros, group_size,
 config)`` and ``configs(m, n, k, group_size)``, the configs worth timing for a shape.
@@ -33,134 +30,123 @@ import torch
 import triton
 import triton.language as tl
 
+from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
-from tuner.quant.int4 import check_group_size, check_scales_and_zeros
+from tuner.quant.int4 import CHUNK, check_group_size, check_scales_and_zeros
 
 Config = dict[str, Any]
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 MIN_CAPABILITY = (8, 0)
 REDUCE_BLOCK = 1024
+MIN_COUNTS = 4096  # per-tile arrival counts kept per device (grown on demand)
 
+_counts: dict[torch.device, torch.Tensor] = {}
+CHUNK_K: tl.constexpr = tl.constexpr(CHUNK)
 
-# fp32 bits of 2**23: a nibble q ORed into the mantissa makes the float 2**23 + q, and
-# subtracting 2**23 + 8 leaves q - 8 exactly
-MAGIC: tl.constexpr = tl.constexpr(0x4B000000)
-MAGIC_OFFSET: tl.constexpr = tl.constexpr(8388616.0)
+# lo, hi = 16-bit floats (magic + low nibble, magic + high nibble) of each byte, elementwise, so
+# the result does not depend on which 4 bytes Triton packs into one register; each output
+# register holds a pair of neighbouring values, as the packed ops and the tensor cores take them
+_VALUES_PTX = """{
+.reg .b32 t, u;
+prmt.b32 t, $4, 0, 0x4140;
+prmt.b32 u, $4, 0, 0x4342;
+lop3.b32 $0, t, 0x000f000f, MAGIC, 0xea;
+lop3.b32 $1, u, 0x000f000f, MAGIC, 0xea;
+shr.u32 t, t, 4;
+shr.u32 u, u, 4;
+lop3.b32 $2, t, 0x000f000f, MAGIC, 0xea;
+lop3.b32 $3, u, 0x000f000f, MAGIC, 0xea;
+}"""
+BF16_VALUES_PTX: tl.constexpr = tl.constexpr(_VALUES_PTX.replace("MAGIC", "0x43004300"))
+F16_VALUES_PTX: tl.constexpr = tl.constexpr(_VALUES_PTX.replace("MAGIC", "0x64006400"))
 
 
 @triton.jit
-def _nibbles(b):
-    """fp32 (q - 8) of the high and low nibbles of a uint8 tile, with no int-to-float convert
-    (a slow unit): integer ops put each nibble into the mantissa of 2**23, one exact subtract
-    follows."""
-    w = b.to(tl.int32)
-    hi = ((w >> 4) | MAGIC).to(tl.float32, bitcast=True) - MAGIC_OFFSET
-    lo = ((w & 15) | MAGIC).to(tl.float32, bitcast=True) - MAGIC_OFFSET
-    return hi, lo
-
-
-@triton.jit
-def _nibbles16(b, dtype: tl.constexpr):
-    """(q - 8) of both nibbles in the activation dtype (exact), through the mantissa of 128
-    (bf16) or 1024 (fp16): integer ops and one 16-bit subtract."""
-    w = b.to(tl.int16)
-    if dtype == tl.bfloat16:
-        magic, offset = 0x4300, tl.full((), 136.0, dtype)
+def _values(b, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """(magic + low nibble, magic + high nibble) of each byte of ``b`` in ``dtype``, exact:
+    magic 128 (bf16) or 1024 (fp16). The interpreter, whose bf16 arithmetic is wrong, gets the
+    same values in fp32."""
+    if INTERPRET:
+        magic: tl.constexpr = 128.0 if dtype == tl.bfloat16 else 1024.0
+        w = b.to(tl.int32)
+        return (w & 15).to(tl.float32) + magic, (w >> 4).to(tl.float32) + magic
+    elif dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(BF16_VALUES_PTX, "=r,=r,=r,=r,r", [b],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)  # fmt: skip
     else:
-        magic, offset = 0x6400, tl.full((), 1032.0, dtype)
-    hi = ((w >> 4) | magic).to(tl.int16).to(dtype, bitcast=True) - offset.to(dtype)
-    lo = ((w & 15) | magic).to(tl.int16).to(dtype, bitcast=True) - offset.to(dtype)
-    return hi, lo
+        return tl.inline_asm_elementwise(F16_VALUES_PTX, "=r,=r,=r,=r,r", [b],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)  # fmt: skip
 
 
 @triton.jit
-def _scale_zero(sz_ptr, rn, k, N, GROUP: tl.constexpr):
-    """fp32 (scale, zero) [BN] of the group holding k, for the weight rows ``rn``."""
-    ptrs = sz_ptr + (k // GROUP) * 2 * N + rn * 2
-    mask = rn < N
-    s = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(ptrs + 1, mask=mask, other=0.0).to(tl.float32)
-    return s, z
+def _weight_tile(w_ptr, sz_ptr, rn, k0, N, half, dtype: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """The dequantized [BN, BK] tile of weight rows ``rn`` at K offset ``k0`` (BK whole chunks),
+    in ``dtype`` (fp32 in the interpreter).
 
-
-@triton.jit
-def _weight_bytes(w_ptr, rn, j0, N, half, BK: tl.constexpr):
-    """The [BN, BK] packed bytes of rows ``rn`` at byte columns j0 .. j0 + BK (rows past N: 0)."""
-    rj = tl.max_contiguous(tl.multiple_of(j0 + tl.arange(0, BK), BK), BK)
-    ptrs = w_ptr + rn[:, None].to(tl.int64) * half + rj[None, :]
-    return tl.load(ptrs, mask=rn[:, None] < N, other=0)
-
-
-@triton.jit
-def _store(out_ptr, ws_ptr, acc, rm, rn, M, N, ldo, SPLIT_K: tl.constexpr):
-    """Store an fp32 [BN, BM] tile (weight rows x activation rows) as out[rm, rn], or as its
-    split's partial plane."""
-    mask = (rn[:, None] < N) & (rm[None, :] < M)
-    if SPLIT_K == 1:
-        ptrs = out_ptr + rm[None, :].to(tl.int64) * ldo + rn[:, None]
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        plane = tl.program_id(1).to(tl.int64) * M * N
-        tl.store(ws_ptr + plane + rm[None, :] * N + rn[:, None], acc, mask=mask)
-
-
-@triton.jit
-def w4a16_gemv(
-    x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, M, N, half, ldx, ldo, k_split,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-):  # fmt: skip
-    """Per tile and activation row: dot(x, q - 8) and sum(x) reduced along K, then scaled
-    once per row and group (scale * dot + zero * sum), so each weight element costs integer
-    ops, a subtract and one FMA."""
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    cols = tl.arange(0, BM)
-    j_lo = tl.program_id(1) * k_split
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for j0 in range(j_lo, j_lo + k_split, BK):
-        q_hi, q_lo = _nibbles(_weight_bytes(w_ptr, rn, j0, N, half, BK))
-        s_hi, z_hi = _scale_zero(sz_ptr, rn, j0, N, GROUP)
-        s_lo, z_lo = _scale_zero(sz_ptr, rn, half + j0, N, GROUP)
-        for m in tl.static_range(BM):
-            row = (m + 0 * rk) < M  # row m exists (a tensor mask, as the interpreter wants)
-            x_hi = tl.load(x_ptr + m * ldx + j0 + rk, mask=row, other=0.0).to(tl.float32)
-            x_lo = tl.load(x_ptr + m * ldx + half + j0 + rk, mask=row, other=0.0).to(tl.float32)
-            d_hi = tl.sum(q_hi * x_hi[None, :], axis=1)
-            d_lo = tl.sum(q_lo * x_lo[None, :], axis=1)
-            part = s_hi * d_hi + z_hi * tl.sum(x_hi) + s_lo * d_lo + z_lo * tl.sum(x_lo)
-            acc += tl.where(cols[None, :] == m, part[:, None], 0.0)
-    _store(out_ptr, ws_ptr, acc, cols, rn, M, N, ldo, SPLIT_K)
+    A chunk's byte b (0..63) holds, for c = b // 16 and i = b % 16, the values at k = 2c +
+    (i & 1) + 8 ((i >> 1) & 7) in its low nibble and k + 64 in its high one (``int4.pack``):
+    unpacked as [byte, nibble] the k bits come out in the order (k6, k0, k3, k4, k5, k1, k2)
+    from the lowest; the permute puts them back to (k0 .. k6)."""
+    rj = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BK // 2), BK // 2), BK // 2)
+    b = tl.load(w_ptr + rn[:, None].to(tl.int64) * half + rj[None, :], mask=rn[:, None] < N,
+                other=0)  # fmt: skip
+    lo, hi = _values(b, dtype, INTERPRET)
+    v = tl.join(lo, hi).reshape(BN, BK // CHUNK_K, 2, 2, 2, 2, 2, 2, 2)
+    v = v.permute(0, 1, 8, 4, 5, 6, 2, 3, 7).reshape(BN, BK)
+    offset = tl.full((), 136.0 if dtype == tl.bfloat16 else 1032.0, v.dtype)  # magic + 8
+    NG: tl.constexpr = BK // GROUP if BK > GROUP else 1  # groups in the tile
+    ptrs = (sz_ptr + (k0 // GROUP + tl.arange(0, NG))[None, :, None] * 2 * N
+            + rn[:, None, None] * 2 + tl.arange(0, 2)[None, None, :])  # fmt: skip
+    s, z = tl.split(tl.load(ptrs, mask=rn[:, None, None] < N, other=0.0).to(v.dtype))
+    s = tl.broadcast_to(s[:, :, None], (BN, NG, BK // NG)).reshape(BN, BK)
+    z = tl.broadcast_to(z[:, :, None], (BN, NG, BK // NG)).reshape(BN, BK)
+    return tl.fma(v - offset, s, z)
 
 
 @triton.jit
 def w4a16_tiled(
-    x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, M, N, half, ldx, ldo, k_split,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+    x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, counts_ptr, M, N, half, ldx, ldo, k_split,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOTS: tl.constexpr,
+    GROUP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+    REDUCE_HERE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Tensor cores on out.T = W x.T: the dequantized weight tile is the dot's first operand,
-    so it can stay in registers (no trip through shared memory) while x's tiles are the
-    second; BM (activation rows) may be as small as 16."""
-    pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    """Tensor cores on out.T = W x.T, ``DOTS`` [BN, BK] weight tiles per iteration; split-K
+    partials summed by the tile's last program when ``REDUCE_HERE``."""
+    tile = tl.program_id(0)
+    pid_m, pid_n = tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    j_lo = tl.program_id(1) * k_split
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * ldx + rk[None, :]
+    k_lo = tl.program_id(1) * k_split
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * ldx + tl.arange(0, BK)[None, :]
     mask_m = rm[:, None] < M
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for j0 in range(j_lo, j_lo + k_split, BK):
-        x_hi = tl.load(x_ptrs + j0, mask=mask_m, other=0.0)
-        x_lo = tl.load(x_ptrs + half + j0, mask=mask_m, other=0.0)
-        q_hi, q_lo = _nibbles16(_weight_bytes(w_ptr, rn, j0, N, half, BK), x_hi.dtype)
-        s_hi, z_hi = _scale_zero(sz_ptr, rn, j0, N, GROUP)
-        s_lo, z_lo = _scale_zero(sz_ptr, rn, half + j0, N, GROUP)
-        w_hi = tl.fma(q_hi, s_hi[:, None].to(x_hi.dtype), z_hi[:, None].to(x_hi.dtype))
-        w_lo = tl.fma(q_lo, s_lo[:, None].to(x_hi.dtype), z_lo[:, None].to(x_hi.dtype))
-        acc = tl.dot(w_hi, tl.trans(x_hi), acc)
-        acc = tl.dot(w_lo, tl.trans(x_lo), acc)
-    _store(out_ptr, ws_ptr, acc, rm, rn, M, N, ldo, SPLIT_K)
+    for k0 in range(k_lo, k_lo + k_split, DOTS * BK):
+        for d in tl.static_range(DOTS):
+            xt = tl.load(x_ptrs + k0 + d * BK, mask=mask_m, other=0.0)
+            w = _weight_tile(w_ptr, sz_ptr, rn, k0 + d * BK, N, half, xt.dtype, BN, BK, GROUP,
+                             INTERPRET)  # fmt: skip
+            if INTERPRET:  # the interpreter's bf16 dot is wrong: the same sums in fp32
+                acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc)
+            else:
+                acc = tl.dot(w, tl.trans(xt), acc)
+    mask = (rn[:, None] < N) & (rm[None, :] < M)
+    out_ptrs = out_ptr + rm[None, :].to(tl.int64) * ldo + rn[:, None]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = rm[None, :].to(tl.int64) * N + rn[:, None]
+        plane = M.to(tl.int64) * N
+        tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
+        if REDUCE_HERE:
+            tl.debug_barrier()  # every thread's partial is written before the count goes up
+            if tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                total = tl.zeros((BN, BM), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(ws_ptr + s * plane + part, mask=mask, other=0.0,
+                                     cache_modifier=".cg")  # fmt: skip
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(counts_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 def check_inputs(
@@ -180,8 +166,10 @@ def check_inputs(
     if weight.shape[1] * 2 != k:
         raise ValueError(f"weight.shape={tuple(weight.shape)}: K / 2 = {k // 2} columns expected "
                          f"for x.shape={tuple(x.shape)}")  # fmt: skip
+    if k % CHUNK:
+        raise ValueError(f"x.shape={tuple(x.shape)}: K={k} must be a multiple of {CHUNK}")
     check_scales_and_zeros(scales_and_zeros, n, k, group_size, x.dtype)
-    check_group_size(group_size, k, halves=True)
+    check_group_size(group_size, k)
     for name, t in (("weight", weight), ("scales_and_zeros", scales_and_zeros)):
         if t.device != x.device:
             raise ValueError(f"{name}.device={t.device}: must be x's device {x.device}")
@@ -193,14 +181,29 @@ def check_inputs(
 
 def check_config(config: Config, k: int, group_size: int) -> None:
     kernel, bk, split = config.get("kernel"), config["bk"], config.get("split_k", 1)
-    if kernel not in ("gemv", "tiled"):
-        raise ValueError(f"config['kernel']={kernel!r}: allowed 'gemv', 'tiled'")
-    if bk < 16 or group_size % bk:
-        raise ValueError(f"config['bk']={bk}: must be >= 16 and divide group_size={group_size}")
-    if split < 1 or (k // 2) % (bk * split):
-        raise ValueError(
-            f"config['split_k']={split}: K / 2 = {k // 2} must split into whole bk={bk} tiles"
-        )
+    dots = config.get("dots", 1)
+    if kernel != "tiled":
+        raise ValueError(f"config['kernel']={kernel!r}: allowed 'tiled'")
+    if bk % CHUNK:
+        raise ValueError(f"config['bk']={bk}: must be a multiple of {CHUNK}")
+    if dots not in (1, 2):
+        raise ValueError(f"config['dots']={dots}: allowed 1, 2")
+    if split < 1 or k % (bk * dots * split):
+        raise ValueError(f"config['split_k']={split}: K={k} must split into whole "
+                         f"bk * dots = {bk * dots} steps")  # fmt: skip
+
+
+def _arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """Zeroed per-tile counts for the in-kernel split-K reduction (each tile's last program
+    sets its count back to 0), or None while a CUDA graph is being captured before they exist:
+    an allocation made during capture belongs to the graph's memory pool."""
+    counts = _counts.get(device)
+    if counts is None or counts.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = torch.zeros(max(MIN_COUNTS, tiles), dtype=torch.int32, device=device)
+        _counts[device] = counts
+    return counts
 
 
 def w4a16_matmul(
@@ -218,29 +221,19 @@ def w4a16_matmul(
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     split = config.get("split_k", 1)
+    bm, bn = config["bm"], config["bn"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    bm, bn, bk = config["bm"], config["bn"], config["bk"]
-    common = dict(BM=bm, BN=bn, BK=bk, GROUP=group_size, SPLIT_K=split,
-                  num_warps=config.get("warps", 4), num_stages=config.get("stages", 2))  # fmt: skip
-    args = (
-        x,
-        weight,
-        scales_and_zeros,
-        out,
-        ws,
-        m,
-        n,
-        k // 2,
-        x.stride(0),
-        out.stride(0),
-        k // 2 // split,
-    )
-    if config["kernel"] == "gemv":
-        w4a16_gemv[(triton.cdiv(n, bn), split)](*args, **common)
-    else:
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
-        w4a16_tiled[grid](*args, GROUP_M=config.get("group_m", 8), **common)
-    if split > 1:
+    counts = _arrival_counts(x.device, tiles) if split > 1 else None
+    w4a16_tiled[(tiles, split)](
+        x, weight, scales_and_zeros, out, ws, out if counts is None else counts,
+        m, n, k // 2, x.stride(0), out.stride(0), k // split,
+        BM=bm, BN=bn, BK=config["bk"], DOTS=config.get("dots", 1), GROUP=group_size,
+        SPLIT_K=split, GROUP_M=config.get("group_m", 8), REDUCE_HERE=counts is not None,
+        INTERPRET=interpreting(), num_warps=config.get("warps", 4),
+        num_stages=config.get("stages", 2),
+    )  # fmt: skip
+    if split > 1 and counts is None:
         total = m * n
         splitk_reduce[(triton.cdiv(total, REDUCE_BLOCK),)](
             ws, out, m, n, total, 0, out.stride(0), 1, SPLIT_K=split, BLOCK=REDUCE_BLOCK
@@ -248,43 +241,44 @@ def w4a16_matmul(
     return out
 
 
-def _splits(tiles: int, k: int, bk: int, sms: int) -> int:
-    """Enough K splits that ``tiles`` output tiles cover the SMs about twice; each split whole
-    bk tiles of the K / 2 bytes of a row."""
+def _splits(tiles: int, k: int, step: int, sms: int, waves: float, least: int = 1) -> int:
+    """At least ``least`` K splits, and enough that ``tiles`` output tiles cover the SMs
+    ``waves`` times; each split whole ``step``s of K."""
     split = 1
-    while tiles * split < 2 * sms and (k // 2) % (bk * split * 2) == 0 and split < 16:
+    while (split < least or tiles * split < waves * sms) and k % (step * split * 2) == 0 \
+            and split < 16:  # fmt: skip
         split *= 2
     return split
 
 
-# Prefill tiles (bm activation rows, bn weight rows, warps, stages): bk = 64 keeps x's two
-# [bm, bk] tiles per stage within shared memory at bm = 256; a larger bm reuses each
-# dequantized weight tile for more rows.
-PREFILL_TILES = ((128, 128, 8, 3), (256, 128, 8, 3), (128, 64, 4, 4),
-                 (64, 128, 4, 4), (32, 64, 4, 4))  # fmt: skip
+# Decode (M <= 16, one 16-row activation tile): (bn, warps, stages, waves of CTAs over the SMs,
+# least split). 128 weight rows need 4 or 8 warps (one or two warpgroups of 64 rows); with 8
+# warps and one split, or 64 rows and several, ptxas (Triton 3.6) serializes the wgmmas
+# (C7515), hence the least splits and the 64-row tile's one split where it has tiles enough.
+DECODE_TILES = ((128, 8, 3, 2.0, 2), (128, 4, 4, 1.0, 2), (64, 4, 4, 2.0, 1), (128, 8, 4, 4.0, 2),
+                (64, 4, 3, 1.0, 1))  # fmt: skip
+# Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
+# dot, x's [bm, 128] tiles dominating shared memory.
+PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 64, 4, 3, 1), (64, 128, 4, 3, 1),
+                 (128, 128, 8, 2, 2))  # fmt: skip
 
 
 def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Config]:
     """Configs worth timing for an (M, N, K) problem, the likeliest first."""
-    bk = min(128, group_size)
     out: list[Config] = []
-    if m <= 4:
-        bm = triton.next_power_of_2(m)
-        for bn, warps in ((32, 4), (64, 4), (16, 4), (64, 8)):
-            split = _splits(triton.cdiv(n, bn), k, bk, sms)
-            out.append({"kernel": "gemv", "bm": bm, "bn": bn, "bk": bk, "split_k": split,
-                        "warps": warps})  # fmt: skip
     if m <= 16:
-        for bn, warps, stages in ((64, 4, 3), (128, 8, 3), (64, 4, 4)):
-            split = _splits(triton.cdiv(n, bn), k, bk, sms)
-            out.append({"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "split_k": split,
-                        "group_m": 1, "warps": warps, "stages": stages})  # fmt: skip
+        dots = 2 if k % (2 * CHUNK) == 0 else 1
+        for bn, warps, stages, waves, least in DECODE_TILES:
+            split = _splits(triton.cdiv(n, bn), k, CHUNK * dots, sms, waves, least)
+            config = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
+                      "split_k": split, "group_m": 1, "warps": warps, "stages": stages}  # fmt: skip
+            if config not in out:
+                out.append(config)
         return out
-    pb = min(64, group_size)
-    for bm, bn, warps, stages in PREFILL_TILES:
-        if bm <= 2 * max(m, 16):
-            split = _splits(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, pb, sms // 2)
-            out.append({"kernel": "tiled", "bm": bm, "bn": bn, "bk": pb, "split_k": split,
-                        "group_m": 8, "warps": warps, "stages": stages})  # fmt: skip
+    for bm, bn, warps, stages, dots in PREFILL_TILES:
+        if bm <= 2 * max(m, 16) and k % (dots * CHUNK) == 0:
+            split = _splits(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, dots * CHUNK, sms, 1.0)
+            out.append({"kernel": "tiled", "bm": bm, "bn": bn, "bk": CHUNK, "dots": dots,
+                        "split_k": split, "group_m": 8, "warps": warps, "stages": stages})  # fmt: skip
     out.sort(key=lambda c: -c["bm"] * c["bn"] if m > 256 else c["bm"])
     return out
