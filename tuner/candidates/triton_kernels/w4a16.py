@@ -252,11 +252,11 @@ def _splits(tiles: int, k: int, step: int, sms: int, waves: float, least: int = 
 
 
 # Decode (M <= 16, one 16-row activation tile): (bn, warps, stages, waves of CTAs over the SMs,
-# least split). 128 weight rows need 4 or 8 warps (one or two warpgroups of 64 rows); with 8
-# warps and one split, or 64 rows and several, ptxas (Triton 3.6) serializes the wgmmas
-# (C7515), hence the least splits and the 64-row tile's one split where it has tiles enough.
-DECODE_TILES = ((128, 8, 3, 2.0, 2), (128, 4, 4, 1.0, 2), (64, 4, 4, 2.0, 1), (128, 8, 4, 4.0, 2),
-                (64, 4, 3, 1.0, 1))  # fmt: skip
+# least split). A warpgroup (4 warps) takes 64 or 128 weight rows; with one split and 8 warps,
+# or 64 rows and several splits, ptxas (Triton 3.6) serializes the wgmmas (C7515), hence the
+# least splits and the 64-row tile's one split where it has tiles enough.
+DECODE_TILES = ((128, 8, 3, 2.0, 2), (128, 4, 4, 1.0, 2), (64, 4, 4, 2.0, 1), (256, 8, 3, 1.0, 2),
+                (128, 8, 4, 4.0, 2), (64, 4, 3, 1.0, 1))  # fmt: skip
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
 # dot, x's [bm, 128] tiles dominating shared memory.
 PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 64, 4, 3, 1), (64, 128, 4, 3, 1),
