@@ -6,7 +6,9 @@ Triton cache, CUTLASS cache, artifact store), every source on, CUTLASS included:
 - ``cold``: pruned (the default): wall time, per-problem compile wait vs timing, kernels compiled
   vs pruned (by rule), the winners' speedups;
 - ``everything``: the same with ``--no-prune``; the result compares both runs' winners (the
-  pruning must lose no measurable speedup) and their wall times.
+  pruning must lose no measurable speedup) and their wall times;
+- ``warm``: the cold run's tune-all again on the cold run's own caches, every problem retuned
+  (``--force``): nothing is left to compile, so this is what timing alone costs per problem.
 
 - ``fleet``: a second host, simulated by empty local caches, runs the same tune-all with the cold
   run's kernels published to a local ``tuner serve`` (``TUNER_SERVER``): wall time, per-problem
@@ -53,7 +55,7 @@ dtypes: [f32]
 m_sizes: [1, 16]
 ops: [qkv, down]
 """
-PARTS = ("cold", "everything", "fleet", "first-call")
+PARTS = ("cold", "everything", "warm", "fleet", "first-call")
 PROBES = ("warmup", "no-warmup")
 FIRST_CALL_TARGET_MS = 50.0  # the issue's target for a first call on a warmed host
 
@@ -104,15 +106,16 @@ def fresh_env(
 
 def tune_all(
     run_dir: Path, sources: list[str], extra: list[str], dry_run: bool,
-    server: tuple[str, str] | None = None,
+    server: tuple[str, str] | None = None, caches: Path | None = None,
 ) -> dict:  # fmt: skip
-    """One tune-all on fresh caches; its report, wall time and console output."""
+    """One tune-all on fresh caches (``caches``: those of an earlier run's folder instead); its
+    report, wall time and console output."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "tuner.cli", "tune-all", *sources, "--out", str(run_dir), *extra]
     if dry_run:
         cmd += ["--source", "torch", "--source", "triton_gemm", "--budget", "0.01"]
     t0 = time.perf_counter()
-    env = fresh_env(run_dir, dry_run, server)
+    env = fresh_env(caches or run_dir, dry_run, server)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     console = proc.stdout + proc.stderr
@@ -406,8 +409,28 @@ def first_call(disp: Any, key: Any, inputs: tuple, sync: Any) -> tuple[float, An
     return ms, resolve()[1]
 
 
+def warm_part(args: argparse.Namespace, sources: list[str], extra: list[str]) -> dict:
+    """The cold run's problems retuned on the cold run's caches (run first if this call has
+    none: a bench call's compiled kernels are not kept past the call)."""
+    cold = args.out / "cold"
+    result: dict[str, Any] = {}
+    if not all((cold / n).exists() for n in ("tuner.db", "triton")):
+        print("no cold run's caches here: running the cold tune-all first")
+        result["cold"] = recorded(tune_all(cold, sources, extra, args.dry_run))
+    run = tune_all(args.out / "warm", sources, [*extra, "--force"], args.dry_run, caches=cold)
+    result |= recorded(run)
+    tuned = result["summary"]["tuned"]
+    result["wall_s_per_problem"] = result["wall_s"] / tuned if tuned else None
+    return result
+
+
 def run_part(part: str, args: argparse.Namespace, sources: list[str], extra: list[str]) -> dict:
     """One part's result, with a line on the console."""
+    if part == "warm":
+        r = warm_part(args, sources, extra)
+        per = r["wall_s_per_problem"]
+        print(f"warm: {r['wall_s']:.1f} s wall, {per:.2f} s per problem" if per else "warm: none")
+        return r
     if part == "fleet":
         r = fleet_part(args, sources, extra)
         print(

@@ -82,7 +82,8 @@ for stage in "$@"; do
         --out "$OUT/dropin_decoder.json" --plot "$OUT/dropin_decoder.png" \
         --tune-deadline-s "${DROPIN_TUNE_DEADLINE:-330}" ${DROPIN_ARGS:-} 2>&1 | tee "$OUT/dropin.log" || status=1 ;;
     cold-start)  # cold tune-all of Qwen2.5-7B GEMMs + the suite's odd shapes on empty caches, CUTLASS
-      # on; COLD_START_PART=cold (pruned), everything (--no-prune), fleet (again, kernels fetched
+      # on; COLD_START_PART=cold (pruned), everything (--no-prune), warm (cold's problems again on
+      # its caches, --force), fleet (again, kernels fetched
       # from a local tuner serve) and/or first-call (after tuner sync, with and without warmup), in
       # the order given (e.g. "cold fleet first-call"); results accumulate in $OUT/cold_start/cold_start.json (COLD_START_FROM=<earlier
       # cold_start.json> to compare parts). A cold run's cache and kernels are kept in

@@ -68,3 +68,12 @@ def test_fleet_then_first_call_from_a_real_service(tmp_path):
     cold = first["no-warmup"]
     assert cold["loader_done"] and cold["loader_failures"] == {}
     assert cold["summary"]["winner_serves_after_wait"] == 5
+
+
+def test_warm_retunes_every_problem_on_the_cold_runs_caches(tmp_path):
+    warm = run_part(tmp_path, "warm")
+    assert warm["cold"]["summary"]["tuned"] == 5  # no cold run yet: made first
+    assert warm["exit"] == 0 and warm["summary"]["tuned"] == 5  # --force: none skipped
+    assert "--force" in warm["command"]
+    assert warm["wall_s_per_problem"] == warm["wall_s"] / 5
+    assert not (tmp_path / "warm" / "tuner.db").exists()  # the cold run's cache was used
