@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -10,6 +11,9 @@ from pathlib import Path
 def geomean(xs: Sequence[float]) -> float:
     xs = [x for x in xs if x > 0]
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+TITLE_WIDTH = 80  # characters per title line at the figure's width
 
 
 def speedup_plot(
@@ -51,9 +55,9 @@ def speedup_plot(
     if wide:  # a log axis only where the range needs it: a narrow one would show a single tick
         ax.set_xscale("log", base=2)
     ax.set_xlabel(f"speedup over baseline ({'log scale; ' if wide else ''}>1 is faster)")
-    ax.set_title(
-        f"{title}\ngeomean {geomean(speedups):.3f}x, min {min(speedups, default=float('nan')):.3f}x, max {max(speedups, default=float('nan')):.3f}x"
-    )
+    lo, hi = min(speedups, default=float("nan")), max(speedups, default=float("nan"))
+    wrapped = "\n".join(textwrap.wrap(title, TITLE_WIDTH))  # a long device name stays in the figure
+    ax.set_title(f"{wrapped}\ngeomean {geomean(speedups):.3f}x, min {lo:.3f}x, max {hi:.3f}x")
     handles, _ = ax.get_legend_handles_labels()
     # an empty barh() has no patch to take a colour from: legend entries need explicit patches
     handles += [Patch(color=palette(i % 10), label=name) for i, name in enumerate(names)]
