@@ -22,6 +22,7 @@ and the suite's targets in the summary.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -41,6 +42,8 @@ from tuner.offline.model_config import gemm_key, load_model
 from tuner.offline.plots import geomean
 from tuner.suites.runner import run_suite
 from tuner.suites.sdpa import recheck
+from tuner.tuning import compile_pool
+from tuner.tuning.compile_pool import CompilePool
 from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
 from tuner.tuning.tune import tune
 
@@ -106,14 +109,19 @@ def gemm_metrics(key: Any, us: float) -> dict[str, float]:
 
 
 class Recorder:
-    """engine.tune (or the crash-isolating worker), keeping outcomes and compile statistics."""
+    """engine.tune (or the crash-isolating worker), keeping outcomes and compile statistics;
+    with a run's compile pool (``compile_pool.ahead``) each problem waits for its own kernels."""
 
-    def __init__(self) -> None:
+    def __init__(self, compiler: CompilePool | None = None) -> None:
         self.outcomes: dict[str, TuneOutcome] = {}
         self.compiled: dict[str, int] = {}
+        self.compiler = compiler
 
     def __call__(self, key: Any, options: TuneOptions) -> TuneOutcome:
-        outcome = tune(key, options=options)
+        wait = None
+        if self.compiler is not None:
+            wait = functools.partial(compile_pool.wait, self.compiler.events, key)
+        outcome = tune(key, options=options, compiled=wait)
         self.outcomes[str(key)] = outcome
         src = registry.all_sources().get("triton_gemm")
         report = getattr(src, "last_warm", None)
@@ -307,12 +315,13 @@ def run_part(
     name = f"gemm_llama_{part}"
     out.mkdir(parents=True, exist_ok=True)
     store = Store(out / f"{name}.db")
-    recorder = Recorder()
     started = time.perf_counter()
-    result = run_suite(
-        name, problems_, out_dir=out, title=f"GEMM {part}: tuned vs cuBLAS (torch.matmul)",
-        options=options, metrics=gemm_metrics, store=store, tuner=recorder,
-    )  # fmt: skip
+    with compile_pool.ahead([k for _, k in problems_], options, device) as compiler:
+        recorder = Recorder(compiler)
+        result = run_suite(
+            name, problems_, out_dir=out, title=f"GEMM {part}: tuned vs cuBLAS (torch.matmul)",
+            options=options, metrics=gemm_metrics, store=store, tuner=recorder,
+        )  # fmt: skip
     annotate(result, recorder, device)
     result["warm_retune"] = warm_retune(problems_, options, warm_sample)
     result["inductor"] = []

@@ -48,6 +48,7 @@ from tuner.offline.model_config import gemm_key, load_model
 from tuner.offline.plots import geomean
 from tuner.suites.gemm import MODELS_DIR, OPS, Recorder
 from tuner.suites.runner import console, run_suite, side_by_side
+from tuner.tuning import compile_pool
 from tuner.tuning.engine import TuneOptions, current_device
 
 MODELS = ("llama-3-8b.yaml", "qwen2.5-7b.yaml")
@@ -468,17 +469,19 @@ def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
     into ``out``."""
     device = current_device()
     out.mkdir(parents=True, exist_ok=True)
-    recorder = Recorder()
     store = Store(out / f"{NAME}.db")
     started = time.perf_counter()
-    result = run_suite(
-        NAME, problems_, out_dir=out, title="Low-bit GEMMs: tuned vs torch's op",
-        options=options, store=store, tuner=recorder, plot=False,
-    )  # fmt: skip
+    keys = [k for _, k in problems_]
+    with compile_pool.ahead([*keys, *map(bf16_twin, keys)], options, device) as compiler:
+        recorder = Recorder(compiler)
+        result = run_suite(
+            NAME, problems_, out_dir=out, title="Low-bit GEMMs: tuned vs torch's op",
+            options=options, store=store, tuner=recorder, plot=False,
+        )  # fmt: skip
+        rows = result["rows"]
+        twins = [bf16_twin(parse_key(r["key"])) for r in rows]  # type: ignore[arg-type]
+        bf16 = tune_bf16(twins, options, recorder, store, device)
     result["versions"] = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    rows = result["rows"]
-    twins = [bf16_twin(parse_key(r["key"])) for r in rows]  # type: ignore[arg-type]
-    bf16 = tune_bf16(twins, options, recorder, store, device)
     for row, twin in zip(rows, twins, strict=True):
         annotate(row, bf16[str(twin)], result["copy_gbs"], device)
         outcome = recorder.outcomes.get(row["key"])

@@ -20,6 +20,7 @@ tuning processes start, so a replaced worker waits on the same ones.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -214,6 +215,23 @@ class CompilePool:
                     process.terminate()
         self._set(0)
         self._set(1)  # nobody waits on a job that will not run
+
+
+@contextlib.contextmanager
+def ahead(keys: list[Key], options: TuneOptions, device: str) -> Iterator[CompilePool | None]:
+    """A started pool over ``keys`` for a run that tunes them one after the other (a suite), on
+    the GPU; None on the CPU, where nothing takes long to compile."""
+    if device != "cuda" or not keys:
+        yield None
+        return
+    from tuner.tuning.isolation import runtime_sources
+
+    pool = CompilePool(keys, options, device, sources=runtime_sources())
+    try:
+        pool.start()
+        yield pool
+    finally:
+        pool.close()
 
 
 def wait(events: dict[str, Any], key: Key, timeout_s: float | None = None) -> float:
