@@ -96,9 +96,13 @@ def _weight_tile(w_ptr, sz_ptr, rn, k0, N, half, dtype: tl.constexpr, BN: tl.con
     v = v.permute(0, 1, 8, 4, 5, 6, 2, 3, 7).reshape(BN, BK)
     offset = tl.full((), 136.0 if dtype == tl.bfloat16 else 1032.0, v.dtype)  # magic + 8
     NG: tl.constexpr = BK // GROUP if BK > GROUP else 1  # groups in the tile
-    ptrs = (sz_ptr + (k0 // GROUP + tl.arange(0, NG))[None, :, None] * 2 * N
-            + rn[:, None, None] * 2 + tl.arange(0, 2)[None, None, :])  # fmt: skip
-    s, z = tl.split(tl.load(ptrs, mask=rn[:, None, None] < N, other=0.0).to(v.dtype))
+    # each (scale, zero) pair as one 32-bit word: 4-byte loads, which Triton's pipeliner copies
+    # ahead asynchronously (2-byte ones it loads in the iteration that uses them)
+    pairs = sz_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    sz = tl.load(pairs + (k0 // GROUP + tl.arange(0, NG))[None, :] * N + rn[:, None],
+                 mask=rn[:, None] < N, other=0)  # fmt: skip
+    s = (sz & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(v.dtype)
+    z = (sz >> 16).to(tl.int16).to(dtype, bitcast=True).to(v.dtype)
     s = tl.broadcast_to(s[:, :, None], (BN, NG, BK // NG)).reshape(BN, BK)
     z = tl.broadcast_to(z[:, :, None], (BN, NG, BK // NG)).reshape(BN, BK)
     return tl.fma(v - offset, s, z)
@@ -132,11 +136,13 @@ def w4a16_tiled(
                 acc = tl.dot(w, tl.trans(xt), acc)
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     out_ptrs = out_ptr + rm[None, :].to(tl.int64) * ldo + rn[:, None]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_K == 1:  # stored as [BM, BN]: with the [BN, BM] tile as is, ptxas (Triton 3.6)
+        # serializes the loop's wgmmas on most tiles (C7515)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :],
+                 tl.trans(acc.to(out_ptr.dtype.element_ty)), mask=tl.trans(mask))  # fmt: skip
     else:
         part = rm[None, :].to(tl.int64) * N + rn[:, None]
-        plane = M.to(tl.int64) * N
+        plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
         tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
         if REDUCE_HERE:
             tl.debug_barrier()  # every thread's partial is written before the count goes up
@@ -252,15 +258,15 @@ def _splits(tiles: int, k: int, step: int, sms: int, waves: float, least: int = 
 
 
 # Decode (M <= 16, one 16-row activation tile): (bn, warps, stages, waves of CTAs over the SMs,
-# least split). A warpgroup (4 warps) takes 64 or 128 weight rows; with one split and 8 warps,
-# or 64 rows and several splits, ptxas (Triton 3.6) serializes the wgmmas (C7515), hence the
-# least splits and the 64-row tile's one split where it has tiles enough.
-DECODE_TILES = ((128, 8, 3, 2.0, 2), (128, 4, 4, 1.0, 2), (64, 4, 4, 2.0, 1), (256, 8, 3, 1.0, 2),
-                (128, 8, 4, 4.0, 2), (64, 4, 3, 1.0, 1))  # fmt: skip
+# least split). A warpgroup (4 warps) takes 64, 128 or 256 weight rows. ptxas (Triton 3.6)
+# serializes the wgmmas (C7515) of 128 rows on 4 warps with one split and of 64 rows on 4 warps
+# always: the first gets a least split of 2, the second stays as the call-4 tile, for comparison.
+DECODE_TILES = ((128, 8, 3, 2.0, 1), (256, 4, 3, 1.0, 1), (256, 8, 3, 1.0, 1), (128, 4, 4, 1.0, 2),
+                (128, 8, 4, 4.0, 1), (64, 4, 4, 2.0, 1))  # fmt: skip
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
-# dot, x's [bm, 128] tiles dominating shared memory.
-PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 64, 4, 3, 1), (64, 128, 4, 3, 1),
-                 (128, 128, 8, 2, 2))  # fmt: skip
+# dot, x's [bm, 128] tiles dominating shared memory. 8 warps: on 4, most of these serialize.
+PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 128, 8, 2, 2), (64, 128, 8, 3, 1),
+                 (128, 256, 8, 2, 1), (64, 256, 8, 3, 1))  # fmt: skip
 
 
 def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Config]:
