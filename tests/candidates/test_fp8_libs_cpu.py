@@ -70,6 +70,11 @@ def test_cutlass_fp8_shortlist_is_small_and_shape_aware():
     assert 3 <= len(small) <= 4 and 3 <= len(large) <= 4
     assert all(p["scheduler"] == "streamk" for p in small[:2])
     assert small != large
+    fast = cutlass_fp8.shortlist(fp8("fp8-rowwise-fast", m=16))
+    assert all(p["scheduler"] == "default" for p in fast)  # cutlass_cppgen: no fast stream-K
+    assert cutlass_fp8.kernel_spec(fp8("fp8-rowwise-fast"), fast[0]).kernel == (
+        "TmaWarpSpecializedPingpongFP8FastAccum"
+    )
     for key, shortlist in ((fp8("fp8-tensorwise", m=16), small), (fp8("fp8-rowwise"), large)):
         specs = [cutlass_fp8.kernel_spec(key, p) for p in shortlist]
         assert len(set(specs)) == len(specs)

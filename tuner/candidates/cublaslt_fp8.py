@@ -14,7 +14,8 @@ bf16/f16/f32 output and float32 scales read on the device:
 cuBLASLt multiplies FP8 only as "TN" (its A transposed, its B not), which is exactly the key's
 ``x @ W.T`` read column-major: its A is our weight (b, column-major [K, N]) and its B our
 activation, so ``A_SCALE_POINTER`` takes ``scale_b`` and ``B_SCALE_POINTER`` ``scale_a``. The
-scale pointers are set per call only when they move.
+scale pointers are set per call only when they move (rowwise ones start at a placeholder:
+the heuristic wants them set).
 """
 
 from __future__ import annotations
@@ -40,13 +41,23 @@ MIN_CAPABILITY = (8, 9)
 ALIGN = 16  # bytes: FP8 operands' pointers and leading dimensions
 
 
-def fp8_types(key: GemmKey) -> MatmulTypes:
+@functools.cache
+def _placeholder(index: int) -> torch.Tensor:
+    """A device buffer whose address stands in for the scale vectors until a call brings its
+    own: cuBLASLt refuses a vector-scale heuristic (and algorithm check) while the scale
+    pointers are unset, though it reads no scale before a matmul."""
+    return torch.zeros(4, dtype=torch.float32, device=torch.device("cuda", index))
+
+
+def fp8_types(key: GemmKey, device: torch.device) -> MatmulTypes:
     """The matmul of an FP8 key: its operand and output types, its accumulation and, rowwise,
-    outer-vector scales on both operands."""
+    outer-vector scales on both operands (pointed at a placeholder until the first call)."""
     attrs = [("FAST_ACCUM", int(key.accum == "fast"))]
     if key.scale == "row":
         mode = int(_lt().MatmulMatrixScale.OUTER_VEC_32F)
+        placeholder = _placeholder(device.index).data_ptr()
         attrs += [("A_SCALE_MODE", mode), ("B_SCALE_MODE", mode)]
+        attrs += [("A_SCALE_POINTER", placeholder), ("B_SCALE_POINTER", placeholder)]
     return MatmulTypes(
         ops.CUBLAS_COMPUTE_32F,
         CUDA_FP8[key.wdtype],
@@ -63,10 +74,14 @@ def outer_vector_reason(index: int, accum: str) -> str | None:
     key = GemmKey(m=256, n=256, k=256, **{**lowbit_fields("fp8-rowwise"), "accum": accum})
     version = _lt().get_version()
     major, minor = torch.cuda.get_device_capability(index)
+    device = torch.device("cuda", index)
     try:
-        found = heuristic_params(key, torch.device("cuda", index), types=fp8_types(key))
+        found = heuristic_params(key, device, types=fp8_types(key, device))
     except Exception as e:  # a scale mode this cuBLASLt does not know
-        return f"cuBLASLt {version} takes no outer-vector (rowwise) FP8 scales: {e}"
+        return (
+            f"cuBLASLt {version} takes no outer-vector (rowwise) FP8 scales on "
+            f"sm{major}{minor}: {e}"
+        )
     if not found:
         return (
             f"cuBLASLt {version} offers no algorithm with outer-vector (rowwise) FP8 scales "
@@ -119,8 +134,8 @@ class CublasLtFp8(CublasLtGemm):
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         dev = torch.device("cuda", torch.cuda.current_device())
-        return heuristic_params(key, dev, types=fp8_types(key))
+        return heuristic_params(key, dev, types=fp8_types(key, dev))
 
     def build(self, key: GemmKey, params: Params) -> Runner:
         dev = torch.device("cuda", torch.cuda.current_device())
-        return _Fp8Runner(key, params, dev, fp8_types(key))
+        return _Fp8Runner(key, params, dev, fp8_types(key, dev))

@@ -9,8 +9,9 @@ Same params, compile cache, artifacts and launcher as ``cutlass_gemm``; what dif
   tensorwise, two float32 scalars read by the kernel through pointers; rowwise, a column
   broadcast of scale_a [M, 1] and a row broadcast of scale_b [1, N]. The scales' pointers are
   patched into the arguments per call, as the operands' are. EVT epilogues on SM90 need the TMA
-  epilogue, so every config uses it (cooperative kernels only: those are the ones the library
-  generates with it for FP8 with both accumulation modes).
+  epilogue, so every config uses it: cooperative kernels, and for fast accumulation on small M
+  pingpong ones (the library generates FP8 kernels with the TMA epilogue only in those
+  schedules).
 
 Kernels are shape-independent, one per (scale mode, accumulation, config), so the shortlist is
 small (three configs per shape class) to keep the compile bill down.
@@ -41,11 +42,21 @@ def _p(tm: int, tn: int, cluster: tuple[int, int], scheduler: str = "default") -
 
 
 SMALL = [_p(128, 128, (1, 2), "streamk"), _p(128, 256, (1, 2), "streamk"), _p(128, 128, (1, 2))]
+# cutlass_cppgen takes stream-K with the plain cooperative schedule only, not its FP8FastAccum
+# twin: fast accumulation on small M gets 64-row pingpong tiles instead (the library has those
+# with the TMA epilogue for fast accumulation only).
+SMALL_FAST = [
+    {**_p(64, 128, (1, 2)), "kernel": "pingpong"},
+    {**_p(64, 256, (1, 2)), "kernel": "pingpong"},
+    _p(128, 128, (1, 2)),
+]
 LARGE = [_p(256, 128, (2, 1)), _p(256, 256, (2, 1)), _p(128, 256, (1, 2))]
 
 
 def shortlist(key: GemmKey) -> list[Params]:
-    return SMALL if key.m <= SMALL_M else LARGE
+    if key.m > SMALL_M:
+        return LARGE
+    return SMALL_FAST if key.accum == "fast" else SMALL
 
 
 def unsupported_reason(key: GemmKey) -> str | None:
