@@ -2,14 +2,14 @@
 
 The weight is our packed layout (``tuner.quant.int4``): uint8 [N, K / 2] whose rows hold K in
 chunks of 128 values (64 bytes), permuted inside each chunk so that the 16 bytes a thread loads
-are the 32 values it owns in Hopper's wgmma register-operand layout (and Ampere's mma one):
-after the in-register reshapes below, the dequantized tile needs no trip through shared memory
+are the 32 values it owns in Hopper's wgmma register-operand layout (the same per-warp
+fragment as Ampere's mma, where the kernel also runs): after the in-register reshapes below, the dequantized tile needs no trip through shared memory
 and no shuffle before the tensor cores take it. ``scales_and_zeros`` is torch's [K / group, N, 2].
 
 The kernel computes out.T = W x.T: the dequantized [BN, BK] weight tile is the dot's first
 operand, which wgmma takes from registers; x's [BM, BK] tiles are the second, so BM (activation
-rows) may be 16 for decode. Dequantization per 4 bytes: a nibble becomes a 16-bit float through
-the mantissa of 128 (bf16) or 1024 (fp16) with one ``lop3`` per pair of values (inline PTX; a
+rows) may be 16 for decode. Dequantization: a nibble becomes a 16-bit float through the
+mantissa of 128 (bf16) or 1024 (fp16) with one ``lop3`` per pair of values (inline PTX; a
 pure-Triton path serves the interpreter), then one packed subtract and one packed fused
 multiply-add with the group's scale and zero, rounded once. ``DOTS`` dots per loop iteration:
 two keep Triton from splitting a register-operand dot into 16-wide wgmmas that each wait for the
