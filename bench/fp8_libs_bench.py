@@ -1,8 +1,9 @@
 """The FP8 library sources beside ``torch._scaled_mm`` on Llama-3-8B projections.
 
 Each key is tuned with the cuBLASLt and CUTLASS FP8 sources only (CUDA-graph GPU times, every
-candidate timed to the end, nothing pruned); per key the JSON holds torch's median, each
-source's best median with its params, the sources that declined and why, and the winner.
+candidate timed to the end, nothing pruned; CUTLASS kernels not yet built are compiled first);
+per key the JSON (rewritten after each key) holds torch's median, each source's best median
+with its params, the sources that declined and why, and the winner.
 
     python3 bench/fp8_libs_bench.py --out fp8_libs.json
 """
@@ -50,21 +51,16 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget", type=float, default=0.2, help="timing budget per candidate")
     args = parser.parse_args()
-    rows = []
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "launch": "graph", "rows": []}  # fmt: skip
     for spec in SPECS:
         for name, (m, n, k) in SHAPES.items():
-            rows.append(row(name, GemmKey(m=m, n=n, k=k, **lowbit_fields(spec)), args.budget))
-            r = rows[-1]
+            r = row(name, GemmKey(m=m, n=n, k=k, **lowbit_fields(spec)), args.budget)
+            result["rows"].append(r)
             mine = ", ".join(f"{s} {b['us']}" for s, b in r["best"].items())
             print(f"{r['label']}: torch {r['torch_us']} us; {mine}; winner {r['winner']}")
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "launch": "graph",
-        "rows": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+            with open(args.out, "w") as f:  # after every row: a call cut short keeps them
+                json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ ALIGN = 16  # bytes: FP8 operands' pointers and leading dimensions
 @functools.cache
 def _placeholder(index: int) -> torch.Tensor:
     """A device buffer whose address stands in for the scale vectors until a call brings its
-    own: cuBLASLt refuses a vector-scale heuristic (and algorithm check) while the scale
+    own: cuBLASLt answers a vector-scale heuristic query with INVALID_VALUE while the scale
     pointers are unset, though it reads no scale before a matmul."""
     return torch.zeros(4, dtype=torch.float32, device=torch.device("cuda", index))
 
