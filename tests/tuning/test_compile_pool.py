@@ -4,6 +4,7 @@ processes of its own (tuner.tuning.compile_pool)."""
 from __future__ import annotations
 
 import json
+import os
 
 from tests.tuning.compile_log_source import CompileLog, SharedLog
 from tuner.candidates import registry
@@ -75,3 +76,15 @@ def test_kernels_shared_by_all_shapes_are_compiled_once_for_the_whole_run(tmp_pa
 
 def test_waiting_for_a_key_without_a_job_returns_at_once():
     assert compile_pool.wait({}, GemmKey(m=8, n=8, k=8)) < 1.0
+
+
+def test_compiling_runs_at_a_lower_cpu_priority_than_timing():
+    key = GemmKey(m=8, n=8, k=8, dtype="f32", out_dtype="f32")
+    pool = CompilePool([key], TuneOptions(sources=["torch"]), "cpu", jobs=1)
+    try:
+        niceness = [ex.submit(os.getpriority, os.PRIO_PROCESS, 0) for ex in pool.executors]
+        found = [f.result(timeout=120) for f in niceness]
+    finally:
+        pool.close()
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert found == [min(19, own + compile_pool.COMPILE_NICENESS)] * 2

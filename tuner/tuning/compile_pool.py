@@ -7,6 +7,10 @@ problem i+1 and later ones. A job compiles one problem: each source's shortlist,
 (Triton's, CUTLASS's), where the tuning process's ``build`` finds it. Jobs run in spawned
 processes (capture hooks and CUDA state stay out of the process that times), ``jobs`` at a time,
 and the cores are split between them (``TUNER_COMPILE_WORKERS``, ``TUNER_CUTLASS_JOBS``).
+They run at a lower CPU priority (``COMPILE_NICENESS``, inherited by nvcc and Triton's workers):
+the tuning process shares the cores with them, and a launch slowed by a busy CPU inflates the
+host time per call that the engine weighs against the baseline's, so a contended run would turn
+down winners that an idle one keeps.
 
 Sources whose kernels serve every shape (``Source.shares_kernels``: CUTLASS) are not compiled
 per problem: one *shared* job takes the union of every problem's shortlists for them, so each
@@ -62,6 +66,7 @@ def default_jobs(cpus: int | None = None) -> int:
     return max(1, min(4, cpus // 4))
 
 
+COMPILE_NICENESS = 10  # added to the pool's processes' niceness: compiling yields to timing
 _READY: dict[str, Any] = {}  # in the shared job's process: key -> its shared-kernels event
 
 
@@ -70,6 +75,7 @@ def _start_job_process(
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the run's to handle
     exit_when_orphaned(parent)  # also when the run died while this process was starting
+    os.nice(COMPILE_NICENESS)
     os.environ.setdefault("TUNER_COMPILE_WORKERS", str(cores))
     os.environ.setdefault("TUNER_CUTLASS_JOBS", str(cores))
     _READY.update(ready or {})
