@@ -131,10 +131,11 @@ FP8_CASES = [
 ]
 
 
+@pytest.mark.parametrize("precise", [False, True], ids=["fast", "precise"])
 @pytest.mark.parametrize(("m", "rowwise", "fa", "fb", "config"), FP8_CASES)
-def test_fp8_matches_the_dequantized_gemm(m, rowwise, fa, fb, config) -> None:
+def test_fp8_matches_the_dequantized_gemm(m, rowwise, fa, fb, config, precise) -> None:
     a, b, sa, sb, ref, tol = fp8_problem(m, 40, 96, rowwise, fa, fb)
-    out = fp8_kernels.fp8_matmul(a, b, sa, sb.T if rowwise else sb, config)
+    out = fp8_kernels.fp8_matmul(a, b, sa, sb.T if rowwise else sb, config, precise=precise)
     assert out.dtype == torch.bfloat16 and out.shape == (m, 40)
     assert excess(out, ref, tol) <= 1
 
@@ -215,6 +216,31 @@ def test_fp8_every_config_on_the_gpu(m: int, rowwise: bool) -> None:
     a, b, sa, sb, ref, tol = fp8_problem(m, n, k, rowwise)
     sb = sb.T if rowwise else sb
     for config in fp8_kernels.configs(m, n, k):
-        assert excess(fp8_kernels.fp8_matmul(a, b, sa, sb, config), ref, tol) <= 1, config
+        for precise in (False, True):
+            out = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=precise)
+            assert excess(out, ref, tol) <= 1, (config, precise)
     torch_out = torch._scaled_mm(a, b.T, sa, sb, out_dtype=torch.bfloat16)
     assert excess(torch_out, ref, tol) <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [16, 512])
+def test_fp8_precise_mode_promotes_the_partial_sums(m: int) -> None:
+    """Long sums of positive products are where the tensor cores' partial-precision accumulator
+    drifts: precise mode (``_scaled_mm`` without fast accumulation) must stay near fp32."""
+    n, k = 256, 16384
+    one = torch.ones((), device="cuda")
+    a = (torch.rand(m, k, device="cuda") * 0.5 + 0.5).to(torch.float8_e4m3fn)
+    b = (torch.rand(n, k, device="cuda") * 0.5 + 0.5).to(torch.float8_e4m3fn)
+    ref = a.double() @ b.double().T
+    errors = {}
+    for config in fp8_kernels.configs(m, n, k):
+        for precise in (False, True):
+            out = torch.empty(m, n, dtype=torch.float32, device="cuda")
+            fp8_kernels.fp8_matmul(a, b, one, one, config, out=out, precise=precise)
+            err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+            errors[config["kernel"], config["bk"], precise] = err
+    for (kernel, bk, precise), err in errors.items():
+        if precise:  # a chunk of PROMOTE_EVERY products still sums in partial precision
+            fast = errors[kernel, bk, False]
+            assert err < 2e-3 and (err < fast / 4 or fast < 4e-4), (kernel, bk, errors)

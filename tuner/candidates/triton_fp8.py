@@ -1,21 +1,20 @@
 """Triton FP8 GEMM (``triton_kernels.fp8``) as a candidate source for FP8 keys.
 
 Runners take ``_scaled_mm``'s operands (b column-major [K, N]) and pass the kernel b's [N, K]
-row-major view. On sm90 Triton's fp8 ``tl.dot`` accumulates in the tensor cores' partial
-precision (its default ``max_num_imprecise_acc``), which is the ``accum="fast"`` contract, so
-keys asking for f32 accumulation are not served there.
+row-major view. Keys with ``accum="f32"`` run the kernels in precise mode (partial sums promoted
+to fp32 along K, as ``_scaled_mm`` does without ``use_fast_accum``); ``accum="fast"`` keys let the
+tensor cores accumulate in their partial precision.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tuner.candidates.base import Params, Runner, Source, interpreting, triton_unavailable
+from tuner.candidates.base import Params, Runner, Source, triton_unavailable
 from tuner.candidates.triton_kernels import fp8
 from tuner.core.keys import DTYPES, GemmKey
 
 CPU_CANDIDATES = 2  # the interpreter is slow: the likeliest configs only
-IMPRECISE_CAPABILITY = (9, 0)
 
 
 class TritonFp8(Source):
@@ -34,13 +33,6 @@ class TritonFp8(Source):
     def unsupported(self, key: GemmKey) -> str | None:
         if not key.lowbit or key.wdtype == "int4":
             return "fp8 operands only"
-        on_gpu = torch.cuda.is_available() and not interpreting()
-        if (
-            key.accum == "f32"
-            and on_gpu
-            and torch.cuda.get_device_capability() == IMPRECISE_CAPABILITY
-        ):
-            return "accum='f32': Triton's fp8 tl.dot accumulates in partial precision on sm90"
         return None
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
@@ -49,10 +41,11 @@ class TritonFp8(Source):
 
     def build(self, key: GemmKey, params: Params) -> Runner:
         config, out_dtype = dict(params), DTYPES[key.out_dtype]
+        precise = key.accum == "f32"
 
         def run(a, b, scale_a, scale_b, out=None):
             if out is None:
                 out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-            return fp8.fp8_matmul(a, b.T, scale_a, scale_b, config, out=out)
+            return fp8.fp8_matmul(a, b.T, scale_a, scale_b, config, out=out, precise=precise)
 
         return run

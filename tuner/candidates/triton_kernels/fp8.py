@@ -5,6 +5,11 @@ a: [M, K] e4m3 / e5m2 (activations), b: [N, K] e4m3 / e5m2 (the weight, K-contig
 the tensor cores take fp8 in). Scales (``tuner.quant.fp8``): tensorwise (one float32 each) or
 rowwise (scale_a [M, 1], scale_b [N, 1] or [1, N]), applied to the fp32 accumulator once per tile.
 
+Accumulation: on sm90 an fp8 ``tl.dot`` accumulates in the tensor cores' partial precision
+unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False``) passes
+``max_num_imprecise_acc`` so the partial sums are added into the fp32 accumulator every
+``PROMOTE_EVERY`` products along K, as CUTLASS's and cuBLASLt's non-fast FP8 kernels do.
+
 - ``fp8_tiled``: one output tile per program, grouped ordering; ``SPLIT_K > 1`` runs several
   programs per tile over contiguous K ranges (small M: enough programs to keep the weight
   streaming), each writing its *scaled* fp32 partial (scaling is linear) for the tiled family's
@@ -33,6 +38,7 @@ Config = dict[str, Any]
 MIN_CAPABILITY = (8, 9)
 TMA_CAPABILITY = (9, 0)
 REDUCE_BLOCK = 1024
+PROMOTE_EVERY = 128  # K products between promotions of the partial sum to fp32 (precise mode)
 
 
 @triton.jit
@@ -48,7 +54,7 @@ def _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE: tl.constexpr):
 def fp8_tiled(
     a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, M, N, K, lda, ldb, ldo, k_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -69,7 +75,7 @@ def fp8_tiled(
             in_k = (k0 + rk)[None, :] < k_hi
             a = tl.load(a_ptrs + k0, mask=mask_m & in_k, other=0.0)
             b = tl.load(b_ptrs + k0, mask=mask_n & in_k, other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc)
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
     acc = _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE)
     mask = mask_m & (rn[None, :] < N)
     if SPLIT_K == 1:
@@ -84,7 +90,7 @@ def fp8_tiled(
 def fp8_persistent_tma(
     a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, M, N, K, lda, ldb, ldo, num_programs,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    ROWWISE: tl.constexpr,
+    ROWWISE: tl.constexpr, PROMOTE: tl.constexpr,
 ):  # fmt: skip
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[lda, 1], block_shape=[BM, BK])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[ldb, 1], block_shape=[BN, BK])
@@ -99,7 +105,7 @@ def fp8_persistent_tma(
         for kt in range(k_tiles):
             a = a_desc.load([off_m, kt * BK])
             b = b_desc.load([off_n, kt * BK])
-            acc = tl.dot(a, b.T, acc)
+            acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=PROMOTE)
         rm = off_m + tl.arange(0, BM)
         rn = off_n + tl.arange(0, BN)
         c = _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE).to(out_ptr.dtype.element_ty)
@@ -159,8 +165,10 @@ def fp8_matmul(
     scale_b: torch.Tensor,
     config: Config | None = None,
     out: torch.Tensor | None = None,
+    precise: bool = False,
 ) -> torch.Tensor:
-    """bf16 ``(a @ b.T) * scale_a * scale_b``; ``config`` from ``configs`` (None: the first)."""
+    """bf16 ``(a @ b.T) * scale_a * scale_b``; ``config`` from ``configs`` (None: the first);
+    ``precise``: promote the partial sums to fp32 along K (not fast accumulation)."""
     m, n, k, rowwise = check_inputs(a, b, scale_a, scale_b)
     config = config or configs(m, n, k)[0]
     if out is None:
@@ -168,6 +176,7 @@ def fp8_matmul(
     sa, sb = scale_a.reshape(-1).contiguous(), scale_b.reshape(-1).contiguous()
     bm, bn, bk = config["bm"], config["bn"], config["bk"]
     launch = dict(num_warps=config.get("warps", 4), num_stages=config.get("stages", 3))
+    launch["PROMOTE"] = min(bk, PROMOTE_EVERY) if precise else None
     kernel = config.get("kernel")
     if kernel == "persistent_tma":
         why = tma_unsupported(a, b)
