@@ -148,7 +148,7 @@ def test_write_without_timed_rows_writes_no_png(tuned: Tuned, tmp_path: Path) ->
 
 
 def test_render_puts_failures_first_and_the_summary_below(tuned: Tuned) -> None:
-    run = RunSummary(results=[], wall_s=12.5, workers=2, stopped="time limit")
+    run = RunSummary(results=[], wall_s=12.5, workers=2, stopped="time limit", start_s=3.5)
     rep = report.build(tuned.store, FP, journal=tuned.journal, run=run)
     out = io.StringIO()
     report.render(rep, Console(file=out, width=200), limit=2)
@@ -157,4 +157,7 @@ def test_render_puts_failures_first_and_the_summary_below(tuned: Tuned) -> None:
     assert "failed" in lines[0] and "worker died" in lines[0]
     assert "... 2 more rows in report.json" in text
     assert "problems: 4 (2 tuned, 1 stale, 1 failed)" in text
-    assert "wall time 12.5 s on 2 worker(s); stopped early: time limit" in text
+    assert (
+        "wall time 12.5 s on 2 worker(s), 3.5 s of it starting them; stopped early: time limit"
+        in text
+    )

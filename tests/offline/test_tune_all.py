@@ -579,3 +579,4 @@ def test_an_idle_worker_is_handed_the_first_problem_whose_kernels_are_compiled(t
     assert started == [keys[2], keys[0], keys[1]]
     assert [r.status for r in summary.results] == ["tuned"] * 3
     assert summary.idle_s > 0.5  # the worker waited while nothing was compiled
+    assert summary.start_s is not None and 0 < summary.start_s < summary.wall_s

@@ -71,6 +71,7 @@ class Report:
     stopped: str = ""
     idle_s: float = 0.0  # of the run: workers idle while every pending problem was compiling
     shared_compile_s: float | None = None  # of the run: the compile pool's shared job
+    start_s: float | None = None  # of the run: until the first worker was ready
     created_at: float = field(default_factory=time.time)
 
     def summary(self) -> dict[str, Any]:
@@ -98,6 +99,7 @@ class Report:
             "tuning_s_total": sum(tune_times),
             "tuning_s_median": sorted(tune_times)[len(tune_times) // 2] if tune_times else None,
             "wall_s": self.wall_s,
+            "start_s": self.start_s,
             "workers": self.workers,
             "stopped": self.stopped,
         }
@@ -191,6 +193,7 @@ def build(
         wall_s=run.wall_s if run else None, workers=run.workers if run else None,
         stopped=run.stopped if run else "", idle_s=run.idle_s if run else 0.0,
         shared_compile_s=run.shared_compile_s if run else None,
+        start_s=run.start_s if run else None,
     )  # fmt: skip
 
 
@@ -250,6 +253,8 @@ def render(report: Report, console: Console, *, limit: int | None = None) -> Non
     line = f"tuning time: {s['tuning_s_total']:.1f} s in all, median {median} s per problem"
     if s["wall_s"] is not None:
         line += f"; wall time {s['wall_s']:.1f} s on {s['workers']} worker(s)"
+        if s["start_s"] is not None:
+            line += f", {s['start_s']:.1f} s of it starting them"
     console.print(line + (f"; stopped early: {s['stopped']}" if s["stopped"] else ""))
     pruned = ", ".join(f"{n} by {rule}" for rule, n in sorted(s["pruned"].items())) or "none"
     shared = s["shared_compile_s"]

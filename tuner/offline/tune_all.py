@@ -254,6 +254,7 @@ class RunSummary:
     not_started: list[Key] = field(default_factory=list)
     idle_s: float = 0.0  # worker time idle while every pending problem was still compiling
     shared_compile_s: float | None = None  # the compile pool's shared job (kernels of all shapes)
+    start_s: float | None = None  # until the first worker was ready (imports, device start)
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -341,6 +342,8 @@ class _Pool:
         self.backlog: list[tuple[Key, bool]] = []  # (key, retune) not yet handed to a worker
         self.sentinels_sent = False
         self.idle_s = 0.0  # worker time spent idle while every pending problem was compiling
+        self.started = 0.0
+        self.start_s: float | None = None  # until the first worker was ready
         self.interrupts = 0  # Ctrl-C presses seen by the signal handler
         self.handled = 0  # ... and acted upon
         self.terminated = False  # SIGTERM seen
@@ -349,7 +352,7 @@ class _Pool:
     # lifecycle
 
     def run(self, keys: list[Key], retune: set[str]) -> RunSummary:
-        started = time.perf_counter()
+        started = self.started = time.perf_counter()
         self.backlog = [(k, str(k) in retune) for k in keys]
         with self._signal_flags():
             for slot in self.slots:
@@ -371,6 +374,7 @@ class _Pool:
             [k for k in keys if k not in finished],
             idle_s=self.idle_s,
             shared_compile_s=shared.seconds if shared else None,
+            start_s=self.start_s,
         )
 
     @contextlib.contextmanager
@@ -484,6 +488,8 @@ class _Pool:
         kind, data = msg
         if kind == "ready":
             slot.ready, slot.device_class = True, data
+            if self.start_s is None:
+                self.start_s = time.perf_counter() - self.started
             self.emit(("ready", (slot.index, data)))
         elif kind == "start":
             slot.key, slot.started, slot.measured = data, time.perf_counter(), []
