@@ -4,6 +4,7 @@ bf16 cuBLAS and the tuner's own bf16 winner; per-target counts; the PNG)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 from tuner.cache import Store
 from tuner.cli.main import app
 from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.suites import lowbit
 from tuner.tuning.engine import TuneOptions
 
@@ -100,6 +102,16 @@ def test_each_row_is_judged_by_the_targets_of_its_format_and_m() -> None:
     assert counts["int4 decode >= 3x bf16 cuBLAS"]["worst"] == 2.5
     geo = counts["fp8 geomean >= 1.15x torch"]
     assert (geo["judged"], geo["met"], geo["unmeasured"]) == (1, 0, 1)
+
+
+def test_decode_rows_on_a_gpu_are_tuned_for_graph_replay() -> None:
+    eager = TuneOptions(launch="eager", budget_s=0.02)
+    decode, prefill = (GemmKey(m=m, n=512, k=256, **lowbit_fields("int4-g128")) for m in (16, 64))
+    assert lowbit.options_for(decode, eager, "cuda") == dataclasses.replace(eager, launch="graph")
+    assert lowbit.options_for(prefill, eager, "cuda") is eager
+    assert lowbit.options_for(decode, eager, "cpu") is eager  # no graphs on the CPU
+    twin = lowbit.bf16_twin(decode)
+    assert lowbit.options_for(twin, eager, "cuda").launch == "graph"
 
 
 def test_tiny_shapes_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,7 +31,11 @@ BENCH_BUDGET_S = 0.05  # suites tune hundreds of problems: a shorter budget than
 @app.command("gemm")
 def bench_gemm(
     suite: Annotated[
-        str, typer.Option(help="Shape suite: llama, or lowbit (int4 and fp8 GEMMs).")
+        str,
+        typer.Option(
+            help="Shape suite: llama, or lowbit (int4 and fp8 GEMMs; its decode rows, M <= 16, "
+            "are tuned and judged for CUDA-graph replay whatever --launch says)."
+        ),
     ] = "llama",
     part: Annotated[
         list[str] | None,

@@ -15,7 +15,8 @@ M in 1, 2, 4, 8, 16, 64, 256, 2048, in each format (``int4-g128``, ``fp8-rowwise
   twice the L2 (a weight under the L2's size would otherwise be read from it), and a bare
   streaming read of the same number of bytes (the Triton ``stream_read`` kernel, every byte
   loaded once over as many rotated buffers): the floor. Decode rows are judged on these times,
-  as decode steps run as graphs; the other rows on eager times;
+  as decode steps run as graphs, and so they are also tuned for graph replay (``launch="graph"``,
+  low-bit and bf16 alike, whatever ``--launch`` says); the other rows on eager times;
 - the targets the row is judged by (``TARGETS``, those of the issue for its format and M), each
   with its value and whether it was met.
 
@@ -26,6 +27,7 @@ Writes ``gemm_lowbit.json`` (rows, device and versions, per-target counts), ``ge
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -95,6 +97,16 @@ def problems(
 def quick_problems(formats: Sequence[str] = FORMATS) -> Problems:
     """Few rows of every format on both models (``QUICK_OPS`` at ``QUICK_M``)."""
     return problems(formats, QUICK_M, QUICK_OPS)
+
+
+def graph_judged(key: GemmKey, device: str) -> bool:
+    """Decode rows on a GPU: timed, judged and tuned as CUDA-graph replays."""
+    return device == "cuda" and key.m <= DECODE_M
+
+
+def options_for(key: GemmKey, options: TuneOptions, device: str) -> TuneOptions:
+    """``options``, for graph replay where the row is judged on graph times."""
+    return dataclasses.replace(options, launch="graph") if graph_judged(key, device) else options
 
 
 def bf16_twin(key: GemmKey) -> GemmKey:
@@ -250,13 +262,14 @@ def runners(key: GemmKey, source: str, candidate: str) -> tuple[Any, Any | None]
 def tune_bf16(
     twins: Sequence[GemmKey], options: TuneOptions, recorder: Recorder, store: Store, device: str
 ) -> dict[str, Row]:
-    """Each bf16 key tuned with the same options as the low-bit rows, its winner timed side by
-    side with bf16 cuBLAS: the ``bf16_*`` columns of the rows of that shape."""
+    """Each bf16 key tuned with the same options as the low-bit rows of its shape
+    (``options_for``), its winner timed side by side with bf16 cuBLAS: the ``bf16_*`` columns of
+    the rows of that shape."""
     out: dict[str, Row] = {}
     for twin in dict.fromkeys(twins):
         started = time.perf_counter()
         try:
-            outcome = recorder(twin, options)
+            outcome = recorder(twin, options_for(twin, options, device))
             tune_s = time.perf_counter() - started
             store.save_run(outcome.measurements, outcome.winner)
             cublas_us, served_us = side_by_side(twin, outcome.winner, device)
@@ -324,7 +337,7 @@ def annotate(row: Row, bf16: Row, copy_gbs: float, device: str) -> None:
                         ("bf16_served", "bf16_bytes")):  # fmt: skip
         if f"{name}_us" in row:
             row[f"{name}_pct_copy"] = 100 * row[moved] / row[f"{name}_us"] / 1e3 / copy_gbs
-    row["timing"] = "graph" if key.m <= DECODE_M and device == "cuda" else "eager"
+    row["timing"] = "graph" if graph_judged(key, device) else "eager"
     if row["timing"] == "graph":
         graph_times(row, key, twin, copy_gbs)
     judge(row)
@@ -476,7 +489,8 @@ def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
         recorder = Recorder(compiler)
         result = run_suite(
             NAME, problems_, out_dir=out, title="Low-bit GEMMs: tuned vs torch's op",
-            options=options, store=store, tuner=recorder, plot=False,
+            options=options, store=store, plot=False,
+            tuner=lambda key, opts: recorder(key, options_for(key, opts, device)),
         )  # fmt: skip
         rows = result["rows"]
         twins = [bf16_twin(parse_key(r["key"])) for r in rows]  # type: ignore[arg-type]
