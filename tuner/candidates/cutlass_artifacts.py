@@ -10,6 +10,9 @@ When ``plan.compile`` finds that row it loads both without compiling. So the art
 ``install_missing`` and ``publish_once`` are the builder's calls around ``compile_all``: a
 failing store costs a log line, never a build.
 The host module links against the CUDA runtime library, which the loading host needs.
+A kernel built as a shared library of its own (``cutlass_env.BUILDERS``; its "op" is the
+library's path) is the bundle of that one file, ``kernel.so``, installed at
+``cutlass_env.library_path``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import logging
 import sqlite3
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from tuner.cache.artifacts import (
@@ -30,6 +34,7 @@ from tuner.cache.artifacts import (
 )
 from tuner.cache.sqlite import StoreError
 from tuner.candidates import cutlass_env as env
+from tuner.core.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,9 @@ _TABLE = (
     "create table if not exists compiled_operations(op_key text not null unique, "
     "cubin blob not null, hostbin blob not null, op_name text not null, op_attrs text not null)"
 )
+
+
+LIBRARY = "kernel.so"
 
 
 def artifact_spec(spec: env.KernelSpec) -> ArtifactSpec:
@@ -53,7 +61,10 @@ def _op_key(op: Any) -> str:
 
 
 def bundle(op: Any) -> bytes:
-    """The cached row of ``op`` (a compiled GemmOperationUniversal) as an artifact bundle."""
+    """The cached row of ``op`` (a compiled GemmOperationUniversal) as an artifact bundle, or
+    ``op``'s file where it is a kernel's own shared library (a path)."""
+    if isinstance(op, Path):
+        return pack({LIBRARY: op.read_bytes()})
     key = _op_key(op)
     with sqlite3.connect(env.cache_dir() / "compiled_cache.db") as conn:
         row = conn.execute(
@@ -80,6 +91,12 @@ def install(store: ArtifactStore, spec: env.KernelSpec) -> bool:
     if data is None:
         return False
     files = unpack(data)
+    if LIBRARY in files:
+        path = env.library_path(spec)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, files[LIBRARY])
+        env.record(spec, "compiled", {"artifact": artifact_spec(spec).id})
+        return True
     try:
         meta = json.loads(files["operation.json"])
         row = (meta["op_key"], files["kernel.cubin"], files["host.so"], meta["op_name"])

@@ -46,6 +46,9 @@ SCALED_FIELDS = ("wdtype", "out_dtype", "scale")
 # (batch, M, N) of the example tensors scaled epilogues are traced on: sizes other than 0 and 1
 # keep every stride a runtime value, so that one kernel serves every shape.
 EVT_EXAMPLE = (2, 256, 256)
+# wdtype -> the module whose ``_main`` compiles such specs: kernels cutlass_cppgen cannot build,
+# made as shared libraries of their own (``library_path``); every other spec compiles here.
+BUILDERS = {"int4": "tuner.candidates.cutlass_w4a16"}
 _LOCK = threading.RLock()  # cutlass_cppgen keeps global state (cwd, tempfile.tempdir, plans)
 
 
@@ -223,6 +226,11 @@ def _marker(spec: KernelSpec, kind: str) -> Path:
     return cache_dir() / kind / f"{spec.digest}.json"
 
 
+def library_path(spec: KernelSpec) -> Path:
+    """Where a kernel built as a shared library of its own (``BUILDERS``) lives."""
+    return cache_dir() / "lib" / f"{spec.digest}.so"
+
+
 def compiled_info(spec: KernelSpec) -> dict[str, Any] | None:
     """{"seconds": compile time, "name": kernel name} once ``spec`` compiled, else None."""
     path = _marker(spec, "compiled")
@@ -364,7 +372,8 @@ def _compile_here(spec: KernelSpec) -> dict[str, Any]:
 
 def _compile_child(spec: KernelSpec, timeout_s: float) -> str | None:
     """Compile ``spec`` in a fresh process. None on success, else the error (recorded if final)."""
-    cmd = [sys.executable, "-m", "tuner.candidates.cutlass_env", spec.to_json()]
+    module = BUILDERS.get(spec.wdtype, "tuner.candidates.cutlass_env")
+    cmd = [sys.executable, "-m", module, spec.to_json()]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -390,6 +390,10 @@ class CutlassGemm(Source):
         cutlass_artifacts.install_missing(specs)
         env.compile_all(specs, on_done=done)
 
+    def load(self, spec: env.KernelSpec) -> Any:
+        """The compiled kernel of ``spec``, as ``launcher`` takes it."""
+        return env.load(spec)
+
     def build(self, key: GemmKey, params: Params) -> Runner:
         """Load the kernel: installed from the artifact store if stored, else compiled here and
         then stored (so that other hosts, or this one's next cache, need not compile it)."""
@@ -398,7 +402,7 @@ class CutlassGemm(Source):
         error = env.compile_all([spec])[spec]
         if error is not None:
             raise RuntimeError(f"CUTLASS kernel did not compile: {error}")
-        op = env.load(spec)
+        op = self.load(spec)
         cutlass_artifacts.publish_once(spec, op)
         device = torch.device("cuda", torch.cuda.current_device())
         return self.launcher(op, key, int(params.get("swizzle", 1)), device)

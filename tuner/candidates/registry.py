@@ -34,6 +34,7 @@ BUILTIN = {
     "triton_fp8": "tuner.candidates.triton_fp8:TritonFp8",
     "cublaslt_fp8": "tuner.candidates.cublaslt_fp8:CublasLtFp8",
     "cutlass_fp8": "tuner.candidates.cutlass_fp8:CutlassFp8",
+    "cutlass_w4a16": "tuner.candidates.cutlass_w4a16:CutlassW4A16",
 }
 
 

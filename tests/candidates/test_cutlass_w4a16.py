@@ -1,0 +1,224 @@
+"""CUTLASS SM90 mixed-input INT4 GEMMs (tuner.candidates.cutlass_w4a16): the keys it takes and
+why not the others, its kernel specs, the library's C++ (cutlass_library, where installed), the
+weight and scale conversions on real tensors, its artifact bundle; on a GPU, compiled kernels
+against the float32 GEMM on the dequantized weight, through the tuner's own numerics gate."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from tuner.cache.artifacts import ArtifactStore
+from tuner.candidates import cutlass_artifacts, cutlass_env, cutlass_gemm, registry
+from tuner.candidates import cutlass_w4a16 as w4
+from tuner.core.keys import GemmKey, lowbit_fields
+from tuner.measure import samples
+from tuner.quant import int4, int4_torch
+
+HAS_LIBRARY = importlib.util.find_spec("cutlass_library") is not None
+needs_library = pytest.mark.skipif(not HAS_LIBRARY, reason="needs nvidia-cutlass (cutlass_library)")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def key_of(spec: str, m: int, n: int = 256, k: int = 512, dtype: str = "bf16") -> GemmKey:
+    return GemmKey(m=m, n=n, k=k, **{**lowbit_fields(spec), "dtype": dtype, "out_dtype": dtype})
+
+
+def test_registered_beside_the_other_sources() -> None:
+    assert registry.BUILTIN["cutlass_w4a16"] == "tuner.candidates.cutlass_w4a16:CutlassW4A16"
+
+
+def test_which_keys_it_takes_and_why_not_the_others() -> None:
+    source = w4.CutlassW4A16()
+    assert source.unsupported(key_of("int4-g128", 16)) is None
+    assert source.unsupported(key_of("int4-g64", 300, dtype="f16")) is None
+    fp8 = GemmKey(m=16, n=256, k=512, **lowbit_fields("fp8-rowwise"))
+    assert source.unsupported(fp8) == "int4 weights only"
+    assert source.unsupported(GemmKey(m=8, n=8, k=8)) == "int4 weights only"
+    assert "group=32" in source.unsupported(key_of("int4-g32", 16))
+
+
+def test_unaligned_activations_are_refused_with_the_reason() -> None:
+    key = GemmKey(m=4, n=256, k=512, **{**lowbit_fields("int4-g128"), "align": 8})
+    assert "align=8" in w4.unsupported_reason(key)
+
+
+def test_shortlists_by_m_and_their_specs() -> None:
+    small, medium, large = (key_of("int4-g128", m) for m in (1, 300, 4096))
+    assert w4.shortlist(small) == w4.SMALL
+    assert w4.shortlist(medium) == w4.MEDIUM
+    assert w4.shortlist(large) == w4.LARGE
+    spec = w4.kernel_spec(small, w4.SMALL[2])
+    assert (spec.wdtype, spec.dtype, spec.layout, spec.align_ab, spec.align_c) == (
+        "int4", "bf16", "nt", 8, 8
+    )  # fmt: skip
+    assert (spec.tile, spec.cluster, spec.scheduler) == ((128, 128, 64), (2, 1), "StreamK")
+    assert spec.kernel == "TmaWarpSpecializedCooperative"
+    # one kernel per config and dtype, whatever the shape or group size
+    assert w4.kernel_spec(key_of("int4-g64", 7, n=4096, k=4096), w4.SMALL[2]) == spec
+    assert w4.kernel_spec(key_of("int4-g128", 1, dtype="f16"), w4.SMALL[2]) != spec
+    plain = cutlass_gemm.kernel_spec(GemmKey(m=8, n=256, k=512, layout="nt"), w4.SMALL[2])
+    assert plain.digest != spec.digest
+    assert cutlass_env.BUILDERS[spec.wdtype] == w4.__name__
+
+
+def test_bad_params_name_the_field() -> None:
+    key = key_of("int4-g128", 16)
+    with pytest.raises(ValueError, match="'kernel' must be one of"):
+        w4.kernel_spec(key, {**w4.SMALL[0], "kernel": "cpasync"})
+    with pytest.raises(ValueError, match="'epilogue' must be 'tma'"):
+        w4.kernel_spec(key, {**w4.SMALL[0], "epilogue": "default"})
+    with pytest.raises(ValueError, match="'tile' must be 3 positive ints"):
+        w4.kernel_spec(key, {**w4.SMALL[0], "tile": [64, 128]})
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_every_shortlisted_kernel_is_one_the_generator_lists(dtype: str) -> None:
+    for m in (1, 300, 4096):
+        key = key_of("int4-g128", m, dtype=dtype)
+        offered = w4.CutlassW4A16().offered(key)
+        assert list(offered.values()) == w4.shortlist(key)
+    odd = w4.kernel_spec(key_of("int4-g128", 1), {**w4.SMALL[0], "tile": [64, 64, 64]})
+    assert not w4.in_library(odd)
+    with pytest.raises(LookupError, match="lists no SM90 int4 GEMM"):
+        w4.source(odd)
+
+
+@needs_library
+def test_compile_all_hands_int4_specs_to_this_builder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child process runs this module's compile; a kernel the generator does not list fails
+    there for good (recorded, never compiled again)."""
+    monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path))
+    odd = w4.kernel_spec(key_of("int4-g128", 1), {**w4.SMALL[0], "tile": [64, 64, 64]})
+    error = cutlass_env._compile_child(odd, timeout_s=300)
+    assert error is not None and "lists no SM90 int4 GEMM" in error
+    assert cutlass_env.failure(odd) == error
+
+
+@needs_library
+def test_the_library_source_is_a_scale_and_zero_kernel_with_our_wrapper() -> None:
+    spec = w4.kernel_spec(key_of("int4-g128", 16), w4.SMALL[2])
+    text = w4.source(spec)
+    name = w4.operation(spec).procedural_name()
+    assert "_s4_bf16_" in name and "_sclzr_" in name and "shfl" not in name
+    assert "cute::tuple<cutlass::int4b_t, cutlass::bfloat16_t, cutlass::bfloat16_t>" in text
+    assert f"GemmUniversalAdapter<{name}>" in text
+    assert 'extern "C"' in text and "int tuner_run(" in text and "${" not in text
+    command = w4.nvcc_command(spec, Path("k.cu"), Path("k.so"))
+    assert "-gencode=arch=compute_90a,code=sm_90a" in command and "-DNDEBUG" in command
+
+
+def test_weight_bytes_round_trip_and_hold_signed_nibbles() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (24, 256), generator=gen, dtype=torch.uint8)
+    packed = w4.to_cutlass(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, 128)
+    assert torch.equal(w4.from_cutlass(packed), q)
+    low = (packed & 15).to(torch.int16)
+    signed = torch.where(low >= 8, low - 16, low)  # int4b_t's two's complement
+    assert torch.equal(signed, q[:, 0::2].to(torch.int16) - 8)
+    with pytest.raises(ValueError, match=r"q.shape=\(4, 3\)"):
+        w4.to_cutlass(q[:4, :3])
+    with pytest.raises(ValueError, match="packed: expected a uint8"):
+        w4.from_cutlass(packed.to(torch.int32))
+
+
+def test_torch_packed_weight_converts_once_per_tensor_version() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (16, 256), generator=gen, dtype=torch.uint8)
+    packed = int4_torch.torch_pack(q)  # this device's packing (the CPU's here)
+    converted = w4.weight(packed)
+    assert torch.equal(w4.from_cutlass(converted), q)
+    assert w4.weight(packed) is converted
+    packed.copy_(int4_torch.torch_pack(torch.full_like(q, 3)))  # changed in place
+    assert int(w4.from_cutlass(w4.weight(packed)).max()) == 3
+
+
+def test_scales_split_into_two_contiguous_n_major_tensors() -> None:
+    gen = torch.Generator().manual_seed(2)
+    sz = torch.randn(4, 24, 2, generator=gen).to(torch.bfloat16)
+    scale, zero = w4.scales(sz)
+    assert scale.is_contiguous() and zero.is_contiguous() and scale.shape == (4, 24)
+    assert torch.equal(scale, sz[..., 0]) and torch.equal(zero, sz[..., 1])
+    assert w4.scales(sz)[0] is scale
+    with pytest.raises(ValueError, match=r"scales_and_zeros.shape=\(4, 24\)"):
+        w4.split_scales(sz[..., 0])
+
+
+def test_a_library_bundle_installs_where_the_launcher_loads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path / "cutlass"))
+    spec = w4.kernel_spec(key_of("int4-g128", 16), w4.SMALL[0])
+    built = tmp_path / "built.so"
+    built.write_bytes(b"\x7fELF library")
+    with ArtifactStore(tmp_path / "artifacts") as store:
+        assert not cutlass_artifacts.install(store, spec)
+        cutlass_artifacts.publish(store, spec, built)
+        assert cutlass_artifacts.install(store, spec)
+    assert w4.CutlassW4A16().load(spec).read_bytes() == b"\x7fELF library"
+    assert cutlass_env.compiled_info(spec) is not None  # compile_all will not compile it
+
+
+# --- on a GPU -----------------------------------------------------------------------------------
+
+GPU_CASES = [
+    ("int4-g128", 16, 0, "bf16"),  # decode, warp-specialized
+    ("int4-g64", 200, 2, "f16"),  # stream-K, a partial tile of x
+    ("int4-g256", 600, 1, "bf16"),  # a large-M config
+]
+
+
+def _key(fmt: str, m: int, dtype: str = "bf16") -> GemmKey:
+    return key_of(fmt, m, n=384, k=1024, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def source() -> w4.CutlassW4A16:
+    """The source, with every kernel these tests run compiled at once (in parallel)."""
+    source = w4.CutlassW4A16()
+    keys = [(_key(fmt, m, dtype), index) for fmt, m, index, dtype in GPU_CASES]
+    specs = [w4.kernel_spec(key, w4.shortlist(key)[index]) for key, index in keys]
+    assert cutlass_env.compile_all(specs) == dict.fromkeys(specs)
+    return source
+
+
+def _runner(source: w4.CutlassW4A16, key: GemmKey, index: int):
+    assert source.unavailable("cuda") is None and source.unsupported(key) is None
+    return source.build(key, w4.shortlist(key)[index])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("fmt", "m", "index", "dtype"), GPU_CASES)
+def test_compiled_kernels_match_the_dequantized_fp32_gemm(
+    source: w4.CutlassW4A16, fmt: str, m: int, index: int, dtype: str
+) -> None:
+    key = _key(fmt, m, dtype)
+    inputs = samples.make_inputs(key, "cuda", torch.Generator("cuda").manual_seed(3))
+    out = samples.output_like(key, inputs)
+    assert _runner(source, key, index)(*inputs, out=out) is out
+    assert samples.relative_error(out, samples.reference(key, inputs)) <= 1
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_planted_wrong_weight_is_caught(source: w4.CutlassW4A16) -> None:
+    key = _key("int4-g128", 16)
+    x, packed, sz = samples.make_inputs(key, "cuda", torch.Generator("cuda").manual_seed(4))
+    ref = samples.reference(key, (x, packed, sz))
+    run = _runner(source, key, 0)
+    assert samples.relative_error(run(x, packed, sz), ref) <= 1
+    q = int4_torch.nibbles(packed)
+    swapped = int4_torch.torch_pack(q.reshape(key.n, -1, 2).flip(-1).reshape(key.n, key.k))
+    assert samples.relative_error(run(x, swapped, sz), ref) > 1
+    other_groups = sz.roll(1, dims=0).contiguous()
+    assert samples.relative_error(run(x, packed, other_groups), ref) > 1
+    wd = int4.dequantize(q, sz, key.group)
+    assert torch.allclose(ref.ref, x.float() @ wd.T)

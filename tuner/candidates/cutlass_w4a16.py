@@ -1,0 +1,444 @@
+"""CUTLASS 3 SM90 mixed-input GEMMs for INT4 weight-only keys: int4 weight x bf16/f16 activations,
+per-group scale and zero point, built as shared libraries of their own.
+
+cutlass_cppgen cannot build these (its argument structures have no scale or zero pointers), so
+this source uses the layer under it: cutlass_library's SM90 mixed-dtype generator lists the
+kernels and its emitter writes one as C++ (``MixedInputMode.ScaleWithZeroPoint``: A's element is
+``cute::tuple<int4b_t, T, T>``); a small extern "C" wrapper around ``GemmUniversalAdapter``
+(workspace size, run on a stream) makes it a shared library that nvcc builds in a child process of
+``cutlass_env.compile_all`` and ctypes loads. Only the compile needs nvcc and cutlass_library (the
+headers); the library is an artifact (``cutlass_artifacts``), so other hosts load it without them.
+
+The problem, in CUTLASS's terms: A = the weight [N, K] (K-major, the narrow operand, which must be
+A), B = x [M, K] (K-major), D = W x^T [N, M] column-major, which is out [M, N] row-major. The
+params' ``tile`` is CUTLASS's: [rows of W, rows of x, K] per CTA. ScaleWithZeroPoint computes
+``q_s * scale + zero`` with q_s = q - 8 in -8..7 (q: torch's 0..15), which is torch's
+``(q - 8) * scale + zero``; so A holds q ^ 8 as signed nibbles, two per byte, the even k in the
+low nibble. Scales and zeros are two [K / group, N] tensors (N contiguous): torch's interleaved
+[K / group, N, 2] is split once per tensor.
+
+Both conversions are made at a runner's first call on a weight and memoised per tensor (and per
+in-place version), as ``int4_torch.ours`` is: N * K / 2 extra bytes per weight (besides our
+layout, from which the nibbles come), and as many as the scales take.
+
+Not offered: CUTLASS's reordered ("shuffled") A layout, whose reorder atom lives in a utility
+header that needs cuRAND's headers; group size 32 (groups must be a multiple of the tile's K).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from tuner.candidates import cutlass_env as env
+from tuner.candidates import cutlass_gemm
+from tuner.candidates import gemm_operands as ops
+from tuner.candidates.base import Params
+from tuner.core.keys import DTYPES, GemmKey
+from tuner.quant import int4_torch
+
+TILE_K = 64  # 16-bit activations: 128 bytes of K per tile, the generator's only choice
+GROUPS = (64, 128, 256)  # the key's groups that are multiples of TILE_K
+KERNELS = ("ws", "coop", "pingpong")  # the TMA mainloops the mixed-dtype generator lists
+ALIGN = 16  # bytes: every operand goes through TMA
+SMALL_M, MEDIUM_M = 128, 512  # shortlist classes by M (the activations' rows)
+GENERATOR_CUDA = "13.0"  # the toolkit the generator lists kernels for: the GPU image's nvcc
+
+
+def _p(
+    tw: int, tx: int, cluster: tuple[int, int], kernel: str, scheduler: str = "default"
+) -> Params:
+    return {"tile": [tw, tx, TILE_K], "cluster": list(cluster), "kernel": kernel,
+            "epilogue": "tma", "scheduler": scheduler, "swizzle": 1}  # fmt: skip
+
+
+# M <= 128 fits one 128-row tile of x: clusters pair CTAs along the weight's rows (sharing x's
+# tile), stream-K spreads K over the SMs when N alone gives few tiles. The generator has no
+# tile narrower than 128 rows of x.
+SMALL = [
+    _p(64, 128, (2, 1), "ws"),
+    _p(64, 128, (2, 1), "pingpong"),
+    _p(128, 128, (2, 1), "coop", "streamk"),
+    _p(128, 128, (2, 1), "coop"),
+]
+MEDIUM = [
+    _p(128, 128, (2, 1), "coop"),
+    _p(64, 256, (2, 1), "pingpong"),
+    _p(128, 256, (2, 1), "coop", "streamk"),
+]
+LARGE = [
+    _p(128, 256, (1, 2), "coop"),
+    _p(256, 128, (2, 1), "coop"),
+    _p(128, 128, (1, 2), "pingpong"),
+]
+
+
+def shortlist(key: GemmKey) -> list[Params]:
+    if key.m <= SMALL_M:
+        return SMALL
+    return MEDIUM if key.m <= MEDIUM_M else LARGE
+
+
+def unsupported_reason(key: GemmKey) -> str | None:
+    if key.wdtype != "int4":
+        return "int4 weights only"
+    if key.group not in GROUPS:
+        return (
+            f"group={key.group}: CUTLASS needs groups that are multiples of its tile's K "
+            f"({TILE_K}): {list(GROUPS)}"
+        )
+    if key.align < ALIGN:
+        return f"align={key.align}: CUTLASS mixed-input kernels load x through TMA (16 bytes)"
+    return None  # N % 8 and K % group, which TMA and the scales need, every int4 key has
+
+
+def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
+    """The compiled kernel ``params`` name for the INT4 ``key``; ValueError naming a bad param."""
+    cutlass_gemm.check_params(params)
+    if params["kernel"] not in KERNELS:
+        raise ValueError(
+            f"cutlass_w4a16 param 'kernel' must be one of {list(KERNELS)}, got {params['kernel']!r}"
+        )
+    if params["epilogue"] != "tma":
+        raise ValueError(
+            f"cutlass_w4a16 param 'epilogue' must be 'tma' (the generator's only one), got "
+            f"{params['epilogue']!r}"
+        )
+    return env.KernelSpec(
+        dtype=key.dtype,
+        layout=key.layout,
+        align_ab=ALIGN // key.itemsize,
+        align_c=ALIGN // key.itemsize,
+        tile=tuple(params["tile"]),
+        cluster=tuple(params["cluster"]),
+        kernel=cutlass_gemm.KERNELS[params["kernel"]],
+        epilogue="tma",
+        scheduler=cutlass_gemm.SCHEDULERS[params["scheduler"]],
+        wdtype="int4",
+    )
+
+
+# --- the kernel's C++ ------------------------------------------------------------------------
+
+
+@functools.cache
+def _operations() -> tuple[Any, ...]:
+    """cutlass_library's SM90 s4 x 16-bit ScaleWithZeroPoint GEMMs (its plain A layout)."""
+    import cutlass_library as cl
+    from cutlass_library import generator, manifest
+
+    args = generator.define_parser().parse_args(["--kernels=all"])
+    found = manifest.Manifest(args)
+    generator.GenerateSM90_TensorOp_mixed_dtype_WGMMA_gemm(found, GENERATOR_CUDA)
+    return tuple(
+        op
+        for group in found.operations[cl.OperationKind.Gemm][env.SM].values()
+        for op in group
+        if op.A.element == cl.DataType.s4
+        and op.mixed_input_mode == cl.MixedInputMode.ScaleWithZeroPoint
+        and not op.mixed_input_shuffle
+    )
+
+
+def operation(spec: env.KernelSpec) -> Any:
+    """cutlass_library's operation for ``spec``; LookupError if the generator lists none."""
+    import cutlass_library as cl
+
+    element = {"bf16": cl.DataType.bf16, "f16": cl.DataType.f16}.get(spec.dtype)
+    for op in _operations():
+        td = op.tile_description
+        if (
+            op.B.element == element
+            and tuple(td.threadblock_shape) == spec.tile
+            and tuple(td.cluster_shape)[:2] == spec.cluster
+            and op.kernel_schedule.name == spec.kernel
+            and op.tile_scheduler.name == spec.scheduler
+            and op.B.alignment == spec.align_ab
+            and op.C.alignment == spec.align_c
+        ):
+            return op
+    raise LookupError(f"cutlass_library {env.version()} lists no SM90 int4 GEMM for {spec}")
+
+
+def in_library(spec: env.KernelSpec) -> bool:
+    try:
+        operation(spec)
+    except LookupError:
+        return False
+    return True
+
+
+# The host side: CUTLASS's problem is (N, M, K) with the weight as A; every pointer and size is
+# a call argument, so one library serves every shape.
+_WRAPPER = """
+#include <cstdint>
+#include <cuda_runtime.h>
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/util/packed_stride.hpp"
+${kernel}
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<${name}>;
+using Kernel = Gemm::GemmKernel;
+
+static Gemm::Arguments arguments(void const* w, void const* x, void const* scale,
+                                 void const* zero, void* out, int m, int n, int k, int group,
+                                 int swizzle, int device, int sms) {
+  Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = {n, m, k, 1};
+  auto& ml = args.mainloop;
+  ml.ptr_A = reinterpret_cast<decltype(ml.ptr_A)>(w);
+  ml.dA = cutlass::make_cute_packed_stride(Kernel::StrideA{}, cute::make_shape(n, k, 1));
+  ml.ptr_B = reinterpret_cast<decltype(ml.ptr_B)>(x);
+  ml.dB = cutlass::make_cute_packed_stride(Kernel::StrideB{}, cute::make_shape(m, k, 1));
+  ml.ptr_S = reinterpret_cast<decltype(ml.ptr_S)>(scale);
+  ml.dS = cutlass::make_cute_packed_stride(decltype(ml.dS){}, cute::make_shape(n, k / group, 1));
+  ml.group_size = group;
+  ml.ptr_Z = reinterpret_cast<decltype(ml.ptr_Z)>(zero);
+  auto& ep = args.epilogue;
+  ep.thread.alpha = 1.0f;
+  ep.thread.beta = 0.0f;
+  ep.ptr_C = reinterpret_cast<decltype(ep.ptr_C)>(out);
+  ep.dC = cutlass::make_cute_packed_stride(Kernel::StrideC{}, cute::make_shape(n, m, 1));
+  ep.ptr_D = reinterpret_cast<decltype(ep.ptr_D)>(out);
+  ep.dD = cutlass::make_cute_packed_stride(Kernel::StrideD{}, cute::make_shape(n, m, 1));
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sms;
+  args.scheduler.max_swizzle_size = swizzle;
+  return args;
+}
+
+extern "C" {
+
+int tuner_workspace_size(int m, int n, int k, int group, int swizzle, int device, int sms,
+                         size_t* bytes) {
+  auto args = arguments(nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, group, swizzle,
+                        device, sms);
+  *bytes = Gemm::get_workspace_size(args);
+  return 0;
+}
+
+// 0, or 1000 + a cutlass::Status, or a cudaError_t
+int tuner_run(void const* w, void const* x, void const* scale, void const* zero, void* out,
+              int m, int n, int k, int group, int swizzle, int device, int sms, void* workspace,
+              void* stream) {
+  auto args = arguments(w, x, scale, zero, out, m, n, k, group, swizzle, device, sms);
+  Gemm gemm;
+  auto s = static_cast<cudaStream_t>(stream);
+  cutlass::Status status = gemm.can_implement(args);
+  if (status == cutlass::Status::kSuccess) status = gemm.initialize(args, workspace, s);
+  if (status == cutlass::Status::kSuccess) status = gemm.run(s);
+  if (status != cutlass::Status::kSuccess) return 1000 + static_cast<int>(status);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}
+"""
+
+
+def source(spec: env.KernelSpec) -> str:
+    """The C++ of ``spec``'s shared library: cutlass_library's kernel and our host wrapper."""
+    from cutlass_library.gemm_operation import EmitGemmUniversal3xInstance
+
+    op = operation(spec)
+    emitter = EmitGemmUniversal3xInstance()
+    includes = "".join(f'#include "{h}"\n' for h in emitter.includes)
+    return _WRAPPER.replace("${kernel}", includes + emitter.emit(op)).replace(
+        "${name}", op.procedural_name()
+    )
+
+
+def nvcc_command(spec: env.KernelSpec, src: Path, out: Path) -> list[str]:
+    import cutlass_library
+
+    root = Path(cutlass_library.source_path)
+    return [
+        env.nvcc_path() or "nvcc",
+        "-std=c++17", "--expt-relaxed-constexpr", "-O3", "-DNDEBUG",
+        "-Xcudafe", "--diag_suppress=esa_on_defaulted_function_ignored",
+        f"-gencode=arch=compute_{env.SM}a,code=sm_{env.SM}a",
+        "-shared", "-Xcompiler", "-fPIC",
+        "-I", str(root / "include"), "-I", str(root / "tools" / "util" / "include"),
+        "-o", str(out), str(src),
+    ]  # fmt: skip
+
+
+def compile_library(spec: env.KernelSpec) -> dict[str, Any]:
+    """Child-process body of ``compile_all``: build ``spec``'s library into the cache; a verdict
+    in ``cutlass_env``'s form (a spec the generator does not list fails for good)."""
+    started = time.perf_counter()
+    try:
+        text = source(spec)
+    except (LookupError, ImportError) as e:
+        return {"ok": False, "permanent": isinstance(e, LookupError), "error": f"{e}"}
+    work = env.cache_dir() / "work" / f"p{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    src, out = work / f"{spec.digest}.cu", env.library_path(spec)
+    src.write_text(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    proc = subprocess.run(nvcc_command(spec, src, tmp), capture_output=True, text=True)
+    if proc.returncode != 0:  # a compile error stays one; a killed nvcc (< 0) may pass later
+        errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] or [
+            f"nvcc exited with {proc.returncode}: {proc.stderr.strip()[-1500:]}"
+        ]
+        return {
+            "ok": False,
+            "permanent": proc.returncode > 0,
+            "error": "\n".join(errors[:12])[:4000],
+        }
+    tmp.replace(out)
+    seconds = time.perf_counter() - started
+    name = operation(spec).procedural_name()
+    env.record(spec, "compiled", {"seconds": round(seconds, 2), "name": name})
+    return {"ok": True, "seconds": seconds}
+
+
+# --- operands --------------------------------------------------------------------------------
+
+
+def to_cutlass(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 (torch's q) -> A's bytes, uint8 [N, K / 2]: q ^ 8 (q - 8 as a signed
+    nibble), k = 2j in the low and 2j + 1 in the high nibble of byte j."""
+    if q.dim() != 2 or q.shape[1] % 2:
+        raise ValueError(f"q.shape={tuple(q.shape)}: expected [N, K] with K even")
+    s = q.to(torch.uint8) ^ 8
+    return s[:, 0::2] | (s[:, 1::2] << 4)
+
+
+def from_cutlass(packed: torch.Tensor) -> torch.Tensor:
+    """A's bytes -> the [N, K] values 0..15 they stand for (``to_cutlass`` undone)."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise ValueError(
+            f"packed: expected a uint8 [N, K / 2] tensor, got {packed.dtype} {tuple(packed.shape)}"
+        )
+    pairs = torch.stack([packed & 15, packed >> 4], dim=2)
+    return pairs.reshape(packed.shape[0], -1) ^ 8
+
+
+def split_scales(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's [K / group, N, 2] -> contiguous (scale, zero), each [K / group, N]."""
+    if scales_and_zeros.dim() != 3 or scales_and_zeros.shape[2] != 2:
+        raise ValueError(
+            f"scales_and_zeros.shape={tuple(scales_and_zeros.shape)}: expected [K / group, N, 2]"
+        )
+    return scales_and_zeros[..., 0].contiguous(), scales_and_zeros[..., 1].contiguous()
+
+
+_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # torch-packed weight -> (version, A)
+_SCALES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # scales_and_zeros -> (version, (s, z))
+
+
+def _memo(table: WeakIdKeyDictionary, tensor: torch.Tensor, make: Any) -> Any:
+    known = table.get(tensor)
+    if known is not None and known[0] == tensor._version:
+        return known[1]
+    value = make(tensor)
+    table[tensor] = (tensor._version, value)
+    return value
+
+
+def weight(packed: torch.Tensor) -> torch.Tensor:
+    """A's bytes of torch's packed weight, memoised per tensor."""
+    return _memo(_WEIGHTS, packed, lambda t: to_cutlass(int4_torch.nibbles(t)))
+
+
+def scales(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _memo(_SCALES, scales_and_zeros, split_scales)
+
+
+# --- the runner ------------------------------------------------------------------------------
+
+
+class W4A16Launcher:
+    """``(x, packed, scales_and_zeros, out=None)`` through one compiled library for one key."""
+
+    def __init__(self, library: Path, key: GemmKey, swizzle: int, device: torch.device) -> None:
+        lib = ctypes.CDLL(str(library))
+        self.run = lib.tuner_run
+        self.run.restype = ctypes.c_int
+        self.run.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7 + [ctypes.c_void_p] * 2
+        size = ctypes.c_size_t()
+        self.key, self.device, self.swizzle = key, device, swizzle
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        lib.tuner_workspace_size(
+            key.m, key.n, key.k, key.group, swizzle, device.index, self.sms, ctypes.byref(size)
+        )
+        self.workspace = torch.empty(max(size.value, 1), dtype=torch.uint8, device=device)
+        self.dtype = DTYPES[key.dtype]
+
+    def _check(self, x: torch.Tensor) -> None:
+        k = self.key
+        if tuple(x.shape) != (k.m, k.k) or x.dtype != self.dtype or x.device != self.device:
+            raise ValueError(
+                f"x: expected {self.dtype} [{k.m}, {k.k}] on {self.device}, got {x.dtype} "
+                f"{list(x.shape)} on {x.device}"
+            )
+        if x.stride(1) != 1 or x.stride(0) != k.k or x.data_ptr() % ALIGN:
+            raise ValueError(
+                f"x: must be contiguous and {ALIGN}-byte aligned, got strides {x.stride()} at "
+                f"{x.data_ptr():#x}"
+            )
+
+    def __call__(self, x: Any, packed: Any, scales_and_zeros: Any, out: Any = None) -> Any:
+        self._check(x)
+        k = self.key
+        w = weight(packed)
+        scale, zero = scales(scales_and_zeros)
+        c, user_out = ops.output_for(k, x, out, ALIGN)
+        if c.stride(0) != k.n:  # the kernel writes packed rows
+            c = torch.empty(k.m, k.n, dtype=self.dtype, device=self.device)
+        err = self.run(
+            w.data_ptr(), x.data_ptr(), scale.data_ptr(), zero.data_ptr(), c.data_ptr(),
+            k.m, k.n, k.k, k.group, self.swizzle, self.device.index, self.sms,
+            self.workspace.data_ptr(), ops.current_stream(self.device),
+        )  # fmt: skip
+        if err:
+            raise RuntimeError(f"CUTLASS int4 GEMM failed: code {err} (1000 + cutlass::Status, "
+                               "else cudaError_t)")  # fmt: skip
+        return ops.finish(c, user_out, lambda t: t)
+
+
+class CutlassW4A16(cutlass_gemm.CutlassGemm):
+    name = "cutlass_w4a16"
+    builds_kernels = True
+    launcher: ClassVar[Any] = W4A16Launcher
+
+    def unsupported(self, key: GemmKey) -> str | None:
+        return unsupported_reason(key)
+
+    def kernel_spec(self, key: GemmKey, params: Params) -> env.KernelSpec:
+        return kernel_spec(key, params)
+
+    def offered(self, key: GemmKey) -> dict[env.KernelSpec, Params]:
+        chosen: dict[env.KernelSpec, Params] = {}
+        for params in shortlist(key):
+            spec = kernel_spec(key, params)
+            if in_library(spec) and env.failure(spec) is None:
+                chosen.setdefault(spec, params)
+        return chosen
+
+    def load(self, spec: env.KernelSpec) -> Path:
+        """The compiled library of ``spec`` (what the launcher and the artifact store take)."""
+        return env.library_path(spec)
+
+
+def _main(argv: list[str]) -> int:
+    verdict = compile_library(env.KernelSpec.from_json(argv[0]))
+    shutil.rmtree(env.cache_dir() / "work" / f"p{os.getpid()}", ignore_errors=True)
+    print(json.dumps(verdict), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
