@@ -185,6 +185,21 @@ def test_w4a16_every_config_on_the_gpu(m: int, n: int, g: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [1, 4])
+def test_w4a16_later_calls_launch_directly_with_the_same_bits(split: int) -> None:
+    x, q, sz, ref, tol = int4_problem(4, 512, 4096, 128, torch.bfloat16)
+    packed = int4.pack(q)
+    config = {**TILED, "bn": 128, "warps": 8, "stages": 3, "split_k": split}
+    first = w4a16.w4a16_matmul(x, packed, sz, 128, config)
+    plan = w4a16.plan(4, 512, 4096, 128, tuple(sorted(config.items())))
+    assert plan.checked and plan.main.verified and plan.main.compiled  # the direct path is on
+    again = w4a16.w4a16_matmul(x, packed, sz, 128, config)
+    assert excess(first, ref, tol) <= 1 and torch.equal(first, again)
+    half = w4a16.w4a16_matmul(x.half(), packed, sz.half(), 128, config)  # same plan, fp16 kernel
+    assert half.dtype == torch.float16 and excess(half, ref, tol) <= 1
+
+
+@pytest.mark.gpu
 def test_w4a16_split_k_sums_alike_in_the_kernel_and_in_a_captured_graph() -> None:
     """The tile's last program sums the partials (counts back at zero after each call); a graph
     captured before the counts exist reduces with a second launch, in the same order."""

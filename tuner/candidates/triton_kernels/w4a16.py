@@ -24,6 +24,7 @@ config)`` and ``configs(m, n, k, group_size)``, the configs worth timing for a s
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.base import interpreting
+from tuner.candidates.triton_kernels.launch import Launcher, verify_direct
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.int4 import CHUNK, check_group_size, check_scales_and_zeros
 
@@ -226,25 +228,74 @@ def w4a16_matmul(
     check_config(config, k, group_size)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    split = config.get("split_k", 1)
-    bm, bn = config["bm"], config["bn"]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    counts = _arrival_counts(x.device, tiles) if split > 1 else None
-    w4a16_tiled[(tiles, split)](
-        x, weight, scales_and_zeros, out, ws, out if counts is None else counts,
-        m, n, k // 2, x.stride(0), out.stride(0), k // split,
-        BM=bm, BN=bn, BK=config["bk"], DOTS=config.get("dots", 1), GROUP=group_size,
-        SPLIT_K=split, GROUP_M=config.get("group_m", 8), REDUCE_HERE=counts is not None,
-        INTERPRET=interpreting(), num_warps=config.get("warps", 4),
-        num_stages=config.get("stages", 2),
-    )  # fmt: skip
-    if split > 1 and counts is None:
+    plan(m, n, k, group_size, tuple(sorted(config.items())))(x, weight, scales_and_zeros, out)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(m: int, n: int, k: int, group_size: int, config: tuple[tuple[str, Any], ...]) -> Plan:
+    """The launch plan of one shape and (checked) config, kept across calls."""
+    return Plan(m, n, k, group_size, dict(config))
+
+
+class Plan:
+    """The kernel bound to one shape and config. Its first call goes through Triton's JIT; once
+    a direct relaunch reproduced that call bit for bit (``verify_direct``), calls with the same
+    strides and pointer alignments launch the compiled kernel directly: a decode GEMM's kernel
+    is shorter than the JIT's dispatch."""
+
+    def __init__(self, m: int, n: int, k: int, group_size: int, config: Config) -> None:
+        self.m, self.n, self.k, self.split = m, n, k, config.get("split_k", 1)
+        self.tiles = triton.cdiv(m, config["bm"]) * triton.cdiv(n, config["bn"])
+        self.meta = dict(
+            BM=config["bm"], BN=config["bn"], BK=config["bk"], DOTS=config.get("dots", 1),
+            GROUP=group_size, SPLIT_K=self.split, GROUP_M=config.get("group_m", 8),
+            INTERPRET=interpreting(),
+        )  # fmt: skip
+        self.launch = dict(num_warps=config.get("warps", 4), num_stages=config.get("stages", 2))
+        self.main = Launcher(w4a16_tiled, (self.tiles, self.split),
+                             {**self.meta, "REDUCE_HERE": self.split > 1}, **self.launch)  # fmt: skip
+        self.checked = False
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor,
+                 out: torch.Tensor) -> None:  # fmt: skip
+        self._launch(x, weight, sz, out)
+        if not self.checked:
+            self.checked = verify_direct([self.main], out,
+                                         lambda again: self._launch(x, weight, sz, again),
+                                         f"w4a16 {self.m}x{self.n}x{self.k}")  # fmt: skip
+
+    def _launch(self, x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor,
+                out: torch.Tensor) -> None:  # fmt: skip
+        split = self.split
+        ws = torch.empty(split, self.m, self.n, dtype=torch.float32, device=x.device) \
+            if split > 1 else out  # fmt: skip
+        counts = _arrival_counts(x.device, self.tiles) if split > 1 else out
+        if counts is None:
+            self._reduce_apart(x, weight, sz, out, ws)
+            return
+        ptrs = (x.data_ptr(), weight.data_ptr(), sz.data_ptr(), out.data_ptr(), ws.data_ptr(),
+                counts.data_ptr())  # fmt: skip
+        ints = (self.m, self.n, self.k // 2, x.stride(0), out.stride(0), self.k // split)
+        guard = (x.device, x.dtype, out.dtype, *ints[3:5], *(p % 16 for p in ptrs))
+        if self.main.ready(guard):
+            self.main.raw((*ptrs, *ints))
+        else:
+            self.main((x, weight, sz, out, ws, counts, *ints), guard)
+
+    def _reduce_apart(self, x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor,
+                      out: torch.Tensor, ws: torch.Tensor) -> None:  # fmt: skip
+        """While a CUDA graph is captured before the arrival counts exist: partials, then a
+        reduce launch (both through the JIT)."""
+        m, n, split = self.m, self.n, self.split
+        w4a16_tiled[(self.tiles, split)](
+            x, weight, sz, out, ws, out, m, n, self.k // 2, x.stride(0), out.stride(0),
+            self.k // split, **self.meta, REDUCE_HERE=False, **self.launch,
+        )  # fmt: skip
         total = m * n
         splitk_reduce[(triton.cdiv(total, REDUCE_BLOCK),)](
             ws, out, m, n, total, 0, out.stride(0), 1, SPLIT_K=split, BLOCK=REDUCE_BLOCK
         )
-    return out
 
 
 def _splits(tiles: int, k: int, step: int, sms: int, waves: float, least: int = 1) -> int:
