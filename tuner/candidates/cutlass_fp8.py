@@ -183,9 +183,4 @@ class CutlassFp8(cutlass_gemm.CutlassGemm):
         return kernel_spec(key, params)
 
     def offered(self, key: GemmKey) -> dict[env.KernelSpec, Params]:
-        chosen: dict[env.KernelSpec, Params] = {}
-        for params in shortlist(key):
-            spec = kernel_spec(key, params)
-            if cutlass_gemm.in_library(spec) and env.failure(spec) is None:
-                chosen.setdefault(spec, params)
-        return chosen
+        return cutlass_gemm.compilable((kernel_spec(key, p), p) for p in shortlist(key))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -183,13 +183,25 @@ def offered(key: GemmKey) -> dict[env.KernelSpec, Params]:
 
     A config whose TMA epilogue is not offered (fp32 row/row, say) falls back to the default one.
     """
-    chosen: dict[env.KernelSpec, Params] = {}
+    pairs = []
     for params in shortlist(key):
         spec = kernel_spec(key, params)
         if not in_library(spec) and params["epilogue"] == "tma":
             params = {**params, "epilogue": "default"}
             spec = replace(spec, epilogue="default")
-        if in_library(spec) and env.failure(spec) is None:
+        pairs.append((spec, params))
+    return compilable(pairs)
+
+
+def compilable(
+    pairs: Iterable[tuple[env.KernelSpec, Params]],
+    offers: Callable[[env.KernelSpec], bool] = in_library,
+) -> dict[env.KernelSpec, Params]:
+    """Kernel -> its first config, for the kernels the library ``offers`` that never failed to
+    compile (a failure is remembered: ``env.failure``)."""
+    chosen: dict[env.KernelSpec, Params] = {}
+    for spec, params in pairs:
+        if offers(spec) and env.failure(spec) is None:
             chosen.setdefault(spec, params)
     return chosen
 

@@ -421,12 +421,8 @@ class CutlassW4A16(cutlass_gemm.CutlassGemm):
         return kernel_spec(key, params)
 
     def offered(self, key: GemmKey) -> dict[env.KernelSpec, Params]:
-        chosen: dict[env.KernelSpec, Params] = {}
-        for params in shortlist(key):
-            spec = kernel_spec(key, params)
-            if in_library(spec) and env.failure(spec) is None:
-                chosen.setdefault(spec, params)
-        return chosen
+        pairs = ((kernel_spec(key, p), p) for p in shortlist(key))
+        return cutlass_gemm.compilable(pairs, in_library)
 
     def load(self, spec: env.KernelSpec) -> Path:
         """The compiled library of ``spec`` (what the launcher and the artifact store take)."""
