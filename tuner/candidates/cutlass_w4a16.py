@@ -339,22 +339,13 @@ _WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # torch-packed weight -> 
 _SCALES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # scales_and_zeros -> (version, (s, z))
 
 
-def _memo(table: WeakIdKeyDictionary, tensor: torch.Tensor, make: Any) -> Any:
-    known = table.get(tensor)
-    if known is not None and known[0] == tensor._version:
-        return known[1]
-    value = make(tensor)
-    table[tensor] = (tensor._version, value)
-    return value
-
-
 def weight(packed: torch.Tensor) -> torch.Tensor:
     """A's bytes of torch's packed weight, memoised per tensor."""
-    return _memo(_WEIGHTS, packed, lambda t: to_cutlass(int4_torch.nibbles(t)))
+    return int4_torch.memoised(_WEIGHTS, packed, lambda t: to_cutlass(int4_torch.nibbles(t)))
 
 
 def scales(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _memo(_SCALES, scales_and_zeros, split_scales)
+    return int4_torch.memoised(_SCALES, scales_and_zeros, split_scales)
 
 
 # --- the runner ------------------------------------------------------------------------------

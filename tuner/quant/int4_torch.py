@@ -13,11 +13,15 @@ inputs, quantized models) never need the conversion.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tuner.quant import int4
 
+T = TypeVar("T")
 _OURS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # torch-packed tensor -> (version, ours)
 
 
@@ -60,14 +64,21 @@ def int4_mm(
     return op(x, packed, group_size, scales_and_zeros)
 
 
+def memoised(
+    table: WeakIdKeyDictionary, tensor: torch.Tensor, make: Callable[[torch.Tensor], T]
+) -> T:
+    """``make(tensor)``, kept in ``table`` while the tensor lives and is not changed in place."""
+    known = table.get(tensor)
+    if known is not None and known[0] == tensor._version:
+        return known[1]
+    value = make(tensor)
+    table[tensor] = (tensor._version, value)
+    return value
+
+
 def ours(packed: torch.Tensor) -> torch.Tensor:
     """Our uint8 [N, K / 2] layout of torch's packed weight, memoised per tensor."""
-    known = _OURS.get(packed)
-    if known is not None and known[0] == packed._version:
-        return known[1]
-    layout = int4.from_torch_int4pack(packed)
-    _OURS[packed] = (packed._version, layout)
-    return layout
+    return memoised(_OURS, packed, int4.from_torch_int4pack)
 
 
 def nibbles(packed: torch.Tensor) -> torch.Tensor:

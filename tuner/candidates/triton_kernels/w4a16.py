@@ -252,9 +252,11 @@ class Plan:
             GROUP=group_size, SPLIT_K=self.split, GROUP_M=config.get("group_m", 8),
             INTERPRET=interpreting(),
         )  # fmt: skip
-        self.launch = dict(num_warps=config.get("warps", 4), num_stages=config.get("stages", 2))
+        self.warps_stages = dict(
+            num_warps=config.get("warps", 4), num_stages=config.get("stages", 2)
+        )
         self.main = Launcher(w4a16_tiled, (self.tiles, self.split),
-                             {**self.meta, "REDUCE_HERE": self.split > 1}, **self.launch)  # fmt: skip
+                             {**self.meta, "REDUCE_HERE": self.split > 1}, **self.warps_stages)  # fmt: skip
         self.checked = False
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor,
@@ -290,7 +292,7 @@ class Plan:
         m, n, split = self.m, self.n, self.split
         w4a16_tiled[(self.tiles, split)](
             x, weight, sz, out, ws, out, m, n, self.k // 2, x.stride(0), out.stride(0),
-            self.k // split, **self.meta, REDUCE_HERE=False, **self.launch,
+            self.k // split, **self.meta, REDUCE_HERE=False, **self.warps_stages,
         )  # fmt: skip
         total = m * n
         splitk_reduce[(triton.cdiv(total, REDUCE_BLOCK),)](
