@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install what its image lacks, then run the named stages.
 #   bash bench/gpu_check.sh tests dispatch        (carry .whl; results land under $OUT)
-# Stages: tests (pytest -m gpu; GPU_TESTS="tests/serving ..." narrows it), dispatch (hit-path
+# Stages: tests (pytest -m gpu; GPU_TESTS="tests/serving ..." narrows it, GPU_TESTS_TIMEOUT seconds), dispatch (hit-path
 #   overhead benchmark), decode-sweep (bench/decode_sweep.py), decode-ncu (its --profile under
 #   Nsight Compute); more are added per area.
 #   triton-sweep (whole Triton GEMM config space on sample shapes), triton-tests, gemm
@@ -40,7 +40,7 @@ for stage in "$@"; do
   echo "=== stage $stage ==="
   case "$stage" in
     tests)  # the schema tests (CPU only) need schemathesis, which the device image lacks
-      python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 --ignore=tests/server/test_schema.py ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
+      timeout -k 20 "${GPU_TESTS_TIMEOUT:-3000}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 --ignore=tests/server/test_schema.py ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
     decode-sweep)  # split-KV decode on small batches: floor read, copy, torch, a wide config grid
       timeout -k 20 "${DECODE_SWEEP_TIMEOUT:-240}" python3 bench/decode_sweep.py --out "$OUT/decode_sweep.json" \
         --time-limit "${DECODE_SWEEP_LIMIT:-200}" ${DECODE_SWEEP_ARGS:-} 2>&1 | tee "$OUT/decode_sweep.log" || status=1 ;;
