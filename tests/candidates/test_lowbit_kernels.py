@@ -11,6 +11,7 @@ import torch
 
 from tuner.candidates.triton_kernels import fp8 as fp8_kernels
 from tuner.candidates.triton_kernels import w4a16
+from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
 from tuner.quant import fp8, int4
 from tuner.quant.tolerance import (
     FP8_TENSOR_CORE_ACCUMULATE,
@@ -81,6 +82,20 @@ def test_w4a16_configs_are_valid_for_llama_shapes() -> None:
                     w4a16.check_config(config, k, g)
                     if m <= 16:
                         assert config["bm"] >= m
+
+
+@pytest.mark.parametrize("out_bytes", [2, 4])
+def test_fp8_persistent_configs_leave_room_for_the_output_tile(out_bytes: int) -> None:
+    """The persistent kernel keeps its output tile in shared memory beside the pipeline's
+    stages: a float32 output gets fewer stages, never more than fit."""
+    for m in (64, 512, 4096):
+        for config in fp8_kernels.configs(m, 4096, 4096, out_bytes=out_bytes):
+            if config["kernel"] == "persistent_tma":
+                bm, bn, bk = config["bm"], config["bn"], config["bk"]
+                staged = config["stages"] * (bm + bn) * bk + bm * bn * out_bytes
+                assert config["stages"] >= 2 and staged <= SMEM_LIMIT, config
+    wide, narrow = (fp8_kernels.configs(4096, 4096, 4096, out_bytes=b)[0] for b in (4, 2))
+    assert wide["stages"] < narrow["stages"]
 
 
 def test_w4a16_bad_inputs_name_the_field() -> None:
@@ -249,7 +264,7 @@ def test_fp8_precise_mode_promotes_the_partial_sums(m: int) -> None:
     b = (torch.rand(n, k, device="cuda") * 0.5 + 0.5).to(torch.float8_e4m3fn)
     ref = a.double() @ b.double().T
     errors = {}
-    for config in fp8_kernels.configs(m, n, k):
+    for config in fp8_kernels.configs(m, n, k, out_bytes=4):
         for precise in (False, True):
             out = torch.empty(m, n, dtype=torch.float32, device="cuda")
             fp8_kernels.fp8_matmul(a, b, one, one, config, out=out, precise=precise)

@@ -36,7 +36,8 @@ class TritonFp8(Source):
         return None
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
-        shortlist = fp8.configs(key.m, key.n, key.k)
+        out_bytes = DTYPES[key.out_dtype].itemsize
+        shortlist = fp8.configs(key.m, key.n, key.k, out_bytes=out_bytes)
         return shortlist[:CPU_CANDIDATES] if device == "cpu" else shortlist
 
     def build(self, key: GemmKey, params: Params) -> Runner:

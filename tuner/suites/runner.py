@@ -61,7 +61,8 @@ class Row:
 def side_by_side(
     key: Key, winner: Winner, device: str, *, rounds: int = 3, budget_s: float = 0.1
 ) -> tuple[float, float]:
-    """Median times (us) of the baseline and the winner, measured alternately on the same inputs."""
+    """Median times (us) of the baseline and the winner, measured alternately on the same inputs,
+    in the launch mode the winner was chosen for (GPU times inside CUDA graphs for ``graph``)."""
     base_src = registry.baseline(key.op, key)
     base = base_src.build(key, base_src.baseline_params)
     if base_src.chose_itself(winner.source, winner.params):
@@ -69,17 +70,18 @@ def side_by_side(
     else:
         win = registry.get(winner.source).build(key, winner.params)
     sets = samples.input_sets(key, device, seed=1)
+
+    def time_us(runner: Callable[..., Any]) -> float:
+        fn = timing.on_sets(runner, sets)
+        if winner.launch == "graph" and device == "cuda":
+            return timing.graph_time(fn).median_us
+        return timing.measure(fn, device=device, budget_s=budget_s).median_us
+
     b_times, w_times = [], []
     for _ in range(rounds):
-        b_times.append(
-            timing.measure(timing.on_sets(base, sets), device=device, budget_s=budget_s).median_us
-        )
+        b_times.append(time_us(base))
         if win is not None:
-            w_times.append(
-                timing.measure(
-                    timing.on_sets(win, sets), device=device, budget_s=budget_s
-                ).median_us
-            )
+            w_times.append(time_us(win))
     b = statistics.median(b_times)
     return b, (statistics.median(w_times) if win is not None else b)
 
@@ -141,7 +143,8 @@ def run_suite(
                 } | metrics(key, win_us)
             rows.append(row)
             bar.console.print(
-                f"{label:<40} {base_us:9.1f} us -> {win_us:9.1f} us  {row.speedup:5.2f}x  {row.source}"
+                f"{label:<40} {base_us:9.1f} us -> {win_us:9.1f} us  {row.speedup:5.2f}x  "
+                f"{row.source}{' (graph)' if outcome.winner.launch == 'graph' else ''}"
             )
             bar.advance(task)
     result = {

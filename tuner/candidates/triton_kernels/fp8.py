@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.fp8 import FP8_DTYPES, check_scales
@@ -211,8 +212,9 @@ def fp8_matmul(
     return out
 
 
-def configs(m: int, n: int, k: int, sms: int = 132) -> list[Config]:
-    """Configs worth timing for an (M, N, K) problem, the likeliest first."""
+def configs(m: int, n: int, k: int, sms: int = 132, out_bytes: int = 2) -> list[Config]:
+    """Configs worth timing for an (M, N, K) problem, the likeliest first. ``out_bytes``: the
+    output's element size (the persistent kernel stages its output tile in shared memory)."""
     if m <= 16:
         out = []
         for bn, bk in ((64, 256), (128, 128), (32, 512)):
@@ -223,15 +225,27 @@ def configs(m: int, n: int, k: int, sms: int = 132) -> list[Config]:
                         "group_m": 1, "warps": 4, "stages": 4})  # fmt: skip
         return out
     if m <= 256:
-        return [
+        shortlist = [
             {"kernel": "tiled", "bm": 64, "bn": 128, "bk": 128, "group_m": 8, "warps": 4, "stages": 4},
             {"kernel": "persistent_tma", "bm": 64, "bn": 128, "bk": 128, "group_m": 8, "warps": 4, "stages": 4},
             {"kernel": "tiled", "bm": 128, "bn": 128, "bk": 128, "group_m": 8, "warps": 8, "stages": 4},
             {"kernel": "tiled", "bm": 64, "bn": 64, "bk": 128, "group_m": 8, "warps": 4, "stages": 5},
         ]  # fmt: skip
-    return [
-        {"kernel": "persistent_tma", "bm": 128, "bn": 256, "bk": 128, "group_m": 8, "warps": 8, "stages": 3},
-        {"kernel": "persistent_tma", "bm": 128, "bn": 128, "bk": 128, "group_m": 8, "warps": 8, "stages": 4},
-        {"kernel": "tiled", "bm": 128, "bn": 256, "bk": 128, "group_m": 8, "warps": 8, "stages": 3},
-        {"kernel": "tiled", "bm": 128, "bn": 128, "bk": 128, "group_m": 8, "warps": 4, "stages": 4},
-    ]  # fmt: skip
+    else:
+        shortlist = [
+            {"kernel": "persistent_tma", "bm": 128, "bn": 256, "bk": 128, "group_m": 8, "warps": 8, "stages": 3},
+            {"kernel": "persistent_tma", "bm": 128, "bn": 128, "bk": 128, "group_m": 8, "warps": 8, "stages": 4},
+            {"kernel": "tiled", "bm": 128, "bn": 256, "bk": 128, "group_m": 8, "warps": 8, "stages": 3},
+            {"kernel": "tiled", "bm": 128, "bn": 128, "bk": 128, "group_m": 8, "warps": 4, "stages": 4},
+        ]  # fmt: skip
+    return [fitted(c, out_bytes) for c in shortlist]
+
+
+def fitted(config: Config, out_bytes: int) -> Config:
+    """``config`` with as many pipeline stages as fit in shared memory beside the persistent
+    kernel's output tile (a wider output leaves room for fewer)."""
+    if config["kernel"] != "persistent_tma":
+        return config
+    bm, bn, bk = config["bm"], config["bn"], config["bk"]
+    room = (SMEM_LIMIT - bm * bn * out_bytes) // ((bm + bn) * bk)  # FP8 operands: 1 byte each
+    return {**config, "stages": max(2, min(config["stages"], room))}
