@@ -11,8 +11,17 @@ from planted import PlantedGemm
 from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.core.keys import GemmKey, SdpaKey
-from tuner.measure.records import Measurement
-from tuner.tuning.engine import TuneOptions, choose, contenders, cut_off, duels, ties, tune
+from tuner.measure.records import Measurement, candidate_name
+from tuner.tuning.engine import (
+    TuneOptions,
+    choose,
+    contenders,
+    cut_off,
+    duels,
+    earlier_times,
+    ties,
+    tune,
+)
 
 KEY = GemmKey(m=48, n=40, k=72, dtype="f32", out_dtype="f32")
 
@@ -375,3 +384,23 @@ def test_the_cut_is_tighter_where_the_best_is_a_steady_gpu_bound_call():
     assert cut_off(1000.0, "cpu", options) == pytest.approx(1500.0)
     with pytest.raises(ValueError, match="steady_cut must be >= 1"):
         TuneOptions(steady_cut=0.9)
+
+
+def test_challengers_timed_in_an_earlier_run_go_first_fastest_first(planted):
+    """A warm re-tune times what was fastest last time first, so the cut-off is tight at once."""
+    first = tune(KEY, options=TuneOptions(budget_s=0.005, sources=["planted"]))
+    earlier = earlier_times(first.measurements, "eager")
+    ok = {m.candidate for m in first.measurements if m.status == "ok"}
+    assert set(earlier) == ok and all(t > 0 for t in earlier.values())
+    assert earlier_times(first.measurements, "graph") == {}  # other launch modes say nothing
+
+    names = [m.candidate for m in first.measurements if not m.is_baseline and m.params]
+    hinted = {names[-1]: 1.0, names[-2]: 2.0}  # the plan's last two, in reverse
+    order = []
+    tune(
+        KEY, options=TuneOptions(budget_s=0.005, sources=["planted"]), earlier=hinted,
+        on_start=lambda source, params: order.append(candidate_name(source.name, params)),
+    )  # fmt: skip
+    challengers = [n for n in order if n in names]
+    assert challengers[:2] == [names[-1], names[-2]]
+    assert challengers[2:] == [n for n in names if n not in hinted]

@@ -7,9 +7,11 @@ import re
 
 import pytest
 from crashing_source import CrashingGemm
+from planted import PlantedGemm
 
 from tuner.candidates import registry
 from tuner.core.keys import GemmKey
+from tuner.measure.records import candidate_name
 from tuner.tuning.engine import TuneOptions
 from tuner.tuning.isolation import WorkerPool
 from tuner.tuning.tune import tune
@@ -82,3 +84,20 @@ def test_the_worker_is_reused_across_problems_and_tune_can_isolate(crashing, mon
         assert len(pool.started) == 1 and alive(pool.started[0])
     finally:
         pool.close()
+
+
+def test_an_isolated_worker_times_earlier_fast_challengers_first(monkeypatch):
+    registry.register(PlantedGemm())
+    pool = WorkerPool()
+    monkeypatch.setattr("tuner.tuning.isolation._POOL", pool)
+    names = [candidate_name("planted", p) for p in PlantedGemm().candidates(KEY, "cpu")]
+    try:
+        outcome = tune(
+            KEY, options=TuneOptions(budget_s=0.01, sources=["planted"], isolate=True),
+            device="cpu", earlier={names[-1]: 1.0},
+        )  # fmt: skip
+    finally:
+        pool.close()
+        registry.unregister("planted")
+    challengers = [m.candidate for m in outcome.measurements if m.source == "planted"]
+    assert challengers == [names[-1], *names[:-1]]

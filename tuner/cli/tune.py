@@ -30,7 +30,7 @@ from tuner.cli.options import (
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, Key, SdpaKey, parse_key
 from tuner.offline.problem_list import ConfigError
-from tuner.tuning.engine import TuneOptions, current_device
+from tuner.tuning.engine import TuneOptions, current_device, earlier_times
 from tuner.tuning.tune import tune
 
 app = typer.Typer()
@@ -70,9 +70,11 @@ def info() -> None:
 def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     """Tune ``key``, store the run and print every candidate's measurement and the winner."""
     store = open_store(cache)
-    store.save_device(fingerprint())
+    fp = fingerprint()
+    store.save_device(fp)
+    earlier = earlier_times(store.measurements(fp.device_class, str(key)), options.launch)
     with console.status(f"tuning {key}"):
-        outcome = tune(key, options=options)
+        outcome = tune(key, options=options, earlier=earlier)
     store.save_run(outcome.measurements, outcome.winner)
     t = Table(title=str(key))
     for col in ("candidate", "status", "median us", "p10..p90", "rel err", "note"):

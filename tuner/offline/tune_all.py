@@ -626,14 +626,18 @@ def _tune_one(
     compiled: Callable[[], Any] | None,
     retune: bool,
 ) -> Result:
+    from tuner.tuning.engine import earlier_times
     from tuner.tuning.tune import tune
 
     t0 = time.perf_counter()
     existing = store.winner(fp.device_class, str(key))
     if not (settings.force or retune) and existing is not None and existing.measured_under(fp):
         return Result(key, "skipped", 0.0, index, fp.device_class, existing.to_row())
+    earlier = earlier_times(store.measurements(fp.device_class, str(key)), settings.tune.launch)
     try:
-        outcome = tune(key, options=settings.tune, on_result=on_result, compiled=compiled)
+        outcome = tune(
+            key, options=settings.tune, on_result=on_result, compiled=compiled, earlier=earlier
+        )
     except Exception as e:  # the baseline failed, or the problem cannot be set up here
         error = f"{type(e).__name__}: {e}"[:2000]
         return Result(key, "failed", time.perf_counter() - t0, index, fp.device_class, error=error)

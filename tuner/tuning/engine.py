@@ -11,10 +11,11 @@ slower than doing nothing.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -475,6 +476,28 @@ def _precompile(
                 log.warning("%s: precompile failed on %s: %s", source.name, key, _short(e)[:300])
 
 
+def earlier_times(measurements: Iterable[Measurement], launch: str) -> dict[str, float]:
+    """Each candidate's best time in ``measurements`` (stored by earlier runs) for ``launch``,
+    as ``tune`` takes them for ``earlier``."""
+    out: dict[str, float] = {}
+    for m in measurements:
+        if m.status == "ok" and m.launch == launch and m.median_us is not None:
+            us = effective_us(m, launch)
+            out[m.candidate] = min(us, out.get(m.candidate, math.inf))
+    return out
+
+
+def fastest_first(
+    plan: list[tuple[Source, list[Params]]], earlier: Mapping[str, float]
+) -> list[tuple[Source, Params]]:
+    """The plan's challengers, those with an earlier time fastest first, then the others in
+    the plan's order."""
+    challengers = [(s, p) for s, shortlist in plan for p in shortlist if not s.is_baseline(p)]
+    return sorted(
+        challengers, key=lambda sp: earlier.get(candidate_name(sp[0].name, sp[1]), math.inf)
+    )
+
+
 def tune(
     key: Key,
     *,
@@ -485,6 +508,7 @@ def tune(
     on_start: Callable[[Source, Params], None] | None = None,
     on_result: Callable[[Measurement], None] | None = None,
     compiled: Callable[[], None] | None = None,
+    earlier: Mapping[str, float] | None = None,
 ) -> TuneOutcome:
     """Tune one problem on the current device and return its winner and all measurements.
 
@@ -498,6 +522,10 @@ def tune(
     anything is compiled. ``compiled``, when given, replaces this process's precompile: it
     returns once a run-wide compile pool (``tuner.tuning.compile_pool``) has compiled this
     problem.
+
+    ``earlier``: times (us, as ``effective_us``) that candidates took on this key in an earlier
+    run. Those challengers are timed fastest first, so that the cut-off is tight from the first
+    one and the rest are cut after their probe; nothing is left out for them.
     """
     options = options or TuneOptions()
     if options.isolate:
@@ -566,10 +594,8 @@ def tune(
     else:
         _precompile(key, plan, done)
     compile_s = time.perf_counter() - t0
-    for source, shortlist in plan:
-        for params in shortlist:
-            if not source.is_baseline(params):
-                run(source, params)
+    for source, params in fastest_first(plan, earlier or {}):
+        run(source, params)
 
     base = next((m for m in measurements if m.is_baseline and m.status == "ok"), None)
     if base is None:

@@ -24,7 +24,7 @@ import signal
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -93,7 +93,7 @@ def _serve(conn: Any) -> None:
             return
         if request[0] == "stop":
             return
-        _, key, options, device, prior_rows, sources = request
+        _, key, options, device, prior_rows, sources, earlier = request
         for text in register_sources(sources):
             conn.send(("warning", f"source not available in the worker: {text}"))
         device = device or engine.current_device()
@@ -119,6 +119,7 @@ def _serve(conn: Any) -> None:
                 prior=[Measurement.from_row(r) for r in prior_rows],
                 on_start=on_start,
                 on_result=on_result,
+                earlier=earlier,
             )
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
@@ -207,6 +208,7 @@ class WorkerPool:
         device: str | None = None,
         progress: Callable[[str], None] | None = None,
         on_result: Callable[[Measurement], None] | None = None,
+        earlier: Mapping[str, float] | None = None,
     ) -> TuneOutcome:
         options = dataclasses.replace(options or TuneOptions(), isolate=False)
         run = _Run(key)
@@ -215,7 +217,7 @@ class WorkerPool:
             worker = self._slot.live()
             worker.conn.send(
                 ("tune", key, options, device, [m.to_row() for m in run.measurements],
-                 runtime_sources())
+                 runtime_sources(), dict(earlier or {}))
             )  # fmt: skip
             outcome = self._follow(worker, run, progress, on_result)
             if outcome is not None:
@@ -314,6 +316,9 @@ def tune_isolated(
     device: str | None = None,
     progress: Callable[[str], None] | None = None,
     on_result: Callable[[Measurement], None] | None = None,
+    earlier: Mapping[str, float] | None = None,
 ) -> TuneOutcome:
     """``engine.tune`` in a worker process of the default pool; see the module docstring."""
-    return default_pool().tune(key, options, device=device, progress=progress, on_result=on_result)
+    return default_pool().tune(
+        key, options, device=device, progress=progress, on_result=on_result, earlier=earlier
+    )

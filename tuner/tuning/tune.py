@@ -7,7 +7,7 @@ both, so that the engine knows nothing of the worker that runs it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from tuner.core.keys import Key
 from tuner.measure.records import Measurement
@@ -23,20 +23,22 @@ def tune(
     progress: Callable[[str], None] | None = None,
     on_result: Callable[[Measurement], None] | None = None,
     compiled: Callable[[], None] | None = None,
+    earlier: Mapping[str, float] | None = None,
 ) -> TuneOutcome:
     """Tune ``key`` and return its winner and measurements; nothing is stored here.
 
     ``on_result`` sees each measurement as it is made; ``compiled`` waits for a run-wide compile
     pool to have compiled ``key`` (``engine.tune``; an isolated worker waits before it starts and
-    then finds the kernels in the on-disk caches)."""
+    then finds the kernels in the on-disk caches); ``earlier``: candidates' times from an
+    earlier run, which order the challengers (``engine.tune``)."""
     options = options or TuneOptions()
     if options.isolate:
         if compiled is not None:
             compiled()
         return isolation.tune_isolated(
-            key, options, device=device, progress=progress, on_result=on_result
+            key, options, device=device, progress=progress, on_result=on_result, earlier=earlier
         )
     return engine.tune(
         key, options=options, device=device, progress=progress, on_result=on_result,
-        compiled=compiled,
+        compiled=compiled, earlier=earlier,
     )  # fmt: skip
