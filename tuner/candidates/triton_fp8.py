@@ -4,6 +4,10 @@ Runners take ``_scaled_mm``'s operands (b column-major [K, N]) and pass the kern
 row-major view. Keys with ``accum="f32"`` run the kernels in precise mode (partial sums promoted
 to fp32 along K, as ``_scaled_mm`` does without ``use_fast_accum``); ``accum="fast"`` keys let the
 tensor cores accumulate in their partial precision.
+
+Compilation: ``precompile`` compiles a shortlist's kernels in parallel worker processes into
+Triton's on-disk cache (``triton_kernels/launch.py``), so that a runner's first call loads its
+kernels instead of compiling them on the timing path.
 """
 
 from __future__ import annotations
@@ -12,15 +16,23 @@ import torch
 
 from tuner.candidates.base import Params, Runner, Source, triton_unavailable
 from tuner.candidates.triton_kernels import fp8
+from tuner.candidates.triton_kernels.launch import WarmJob, WarmReport, precompile
 from tuner.core.keys import DTYPES, GemmKey
+from tuner.quant.fp8 import fp8_dtype
 
 CPU_CANDIDATES = 2  # the interpreter is slow: the likeliest configs only
+
+
+def precise(key: GemmKey) -> bool:
+    """Whether the kernels promote their partial sums to fp32 (not fast accumulation)."""
+    return key.accum == "f32"
 
 
 class TritonFp8(Source):
     builds_kernels = True
     name = "triton_fp8"
     op = "gemm"
+    last_warm: WarmReport | None = None  # the last precompile (kernels compiled, seconds)
 
     def unavailable(self, device: str) -> str | None:
         if device == "cpu":
@@ -40,13 +52,22 @@ class TritonFp8(Source):
         shortlist = fp8.configs(key.m, key.n, key.k, out_bytes=out_bytes)
         return shortlist[:CPU_CANDIDATES] if device == "cpu" else shortlist
 
+    def precompile(self, key: GemmKey, shortlist: list[Params]) -> None:
+        a_dtype, b_dtype = (fp8_dtype(d.removeprefix("fp8_")) for d in (key.dtype, key.wdtype))
+
+        def jobs(params: Params) -> list[WarmJob]:
+            return fp8.jobs(key.m, key.n, key.k, dict(params), rowwise=key.scale == "row",
+                            precise=precise(key), out_dtype=DTYPES[key.out_dtype],
+                            a_dtype=a_dtype, b_dtype=b_dtype, align=key.align)  # fmt: skip
+
+        self.last_warm = precompile(shortlist, jobs)
+
     def build(self, key: GemmKey, params: Params) -> Runner:
-        config, out_dtype = dict(params), DTYPES[key.out_dtype]
-        precise = key.accum == "f32"
+        config, out_dtype, precise_mode = dict(params), DTYPES[key.out_dtype], precise(key)
 
         def run(a, b, scale_a, scale_b, out=None):
             if out is None:
                 out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-            return fp8.fp8_matmul(a, b.T, scale_a, scale_b, config, out=out, precise=precise)
+            return fp8.fp8_matmul(a, b.T, scale_a, scale_b, config, out=out, precise=precise_mode)
 
         return run

@@ -4,6 +4,10 @@ Runners take torch's packed weight, as the baseline does, and read our layout of
 (``int4_torch.ours``): made once per weight and kept while the weight lives (N * K / 2 bytes),
 so a served runner converts at its first call on a weight, not per call; weights packed by
 ``int4_torch.torch_pack`` (problem inputs, quantized models) carry it from the start.
+
+Compilation: ``precompile`` compiles a shortlist's kernels in parallel worker processes into
+Triton's on-disk cache (``triton_kernels/launch.py``), so that a runner's first call loads its
+kernel instead of compiling it on the timing path.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import torch
 
 from tuner.candidates.base import Params, Runner, Source, triton_unavailable
 from tuner.candidates.triton_kernels import w4a16
-from tuner.core.keys import GemmKey
+from tuner.candidates.triton_kernels.launch import WarmReport, precompile
+from tuner.core.keys import DTYPES, GemmKey
 from tuner.quant import int4, int4_torch
 
 CPU_CANDIDATES = 2  # the interpreter is slow: the likeliest configs only
@@ -22,6 +27,7 @@ class TritonW4A16(Source):
     builds_kernels = True
     name = "triton_w4a16"
     op = "gemm"
+    last_warm: WarmReport | None = None  # the last precompile (kernels compiled, seconds)
 
     def unavailable(self, device: str) -> str | None:
         if device == "cpu":
@@ -41,6 +47,13 @@ class TritonW4A16(Source):
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         shortlist = w4a16.configs(key.m, key.n, key.k, key.group)
         return shortlist[:CPU_CANDIDATES] if device == "cpu" else shortlist
+
+    def precompile(self, key: GemmKey, shortlist: list[Params]) -> None:
+        dtype = DTYPES[key.dtype]
+        self.last_warm = precompile(
+            shortlist,
+            lambda p: w4a16.checked_plan(key.m, key.n, key.k, key.group, p).jobs(dtype, key.align),
+        )
 
     def build(self, key: GemmKey, params: Params) -> Runner:
         w4a16.check_config(params, key.k, key.group)

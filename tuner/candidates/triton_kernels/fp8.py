@@ -19,18 +19,24 @@ unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False
   16-byte aligned bases and row strides (K % 16 == 0 for fp8).
 
 Entry point for a candidate source: ``fp8_matmul(a, b, scale_a, scale_b, config)`` and
-``configs(m, n, k)``.
+``configs(m, n, k)``; ``jobs(m, n, k, config, ...)`` lists what a config's first call compiles
+(the same launches, described once), for ``launch.precompile`` to compile ahead in worker
+processes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
+from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.fp8 import FP8_DTYPES, check_scales
@@ -147,16 +153,85 @@ def check_inputs(
     return m, n, k, rowwise
 
 
-def tma_unsupported(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """Why the persistent TMA kernel cannot take these operands here, or None."""
+def tma_unsupported(device: torch.device, rows: dict[str, tuple[int, int]]) -> str | None:
+    """Why the persistent TMA kernel cannot take operands on ``device`` whose (row stride, data
+    pointer) are ``rows[name]``, or None."""
     if not HAS_DEVICE_TMA:
         return "this Triton has no device-side tensor descriptors"
-    if a.is_cuda and torch.cuda.get_device_capability(a.device) < TMA_CAPABILITY:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < TMA_CAPABILITY:
         return "TMA needs sm90"
-    for name, t in (("a", a), ("b", b)):
-        if t.stride(0) % 16 or t.data_ptr() % 16:
+    for name, (ld, ptr) in rows.items():
+        if ld % 16 or ptr % 16:
             return f"{name}: TMA needs 16-byte aligned rows and base"
     return None
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """One kernel launch, ``fn[grid](*args, **kwargs)``: run by a call, compiled ahead as a
+    ``WarmJob`` (same arguments) by ``jobs``."""
+
+    fn: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def __call__(self) -> None:
+        self.fn[self.grid](*self.args, **self.kwargs)
+
+    def job(self) -> WarmJob:
+        return WarmJob(self.fn, self.args, self.kwargs)
+
+
+def _launches(
+    operands: tuple[Any, Any, Any, Any, Any],
+    mnk: tuple[int, int, int],
+    lds: tuple[int, int, int],
+    config: Config,
+    rowwise: bool,
+    precise: bool,
+    device: torch.device,
+    workspace: Callable[[int], Any],
+) -> list[_Launch]:
+    """The launches of one ``fp8_matmul`` call, in order. ``operands``: a, b, the flat scales and
+    out (tensors or ``FakeTensor``s), ``lds`` their row strides (a, b, out); ``workspace(split)``
+    gives split-K's float32 partials. A ValueError names a config that cannot run them."""
+    a, b, sa, sb, out = operands
+    m, n, k = mnk
+    lda, ldb, ldo = lds
+    bm, bn, bk = config["bm"], config["bn"], config["bk"]
+    group_m = config.get("group_m", 8)
+    options = dict(num_warps=config.get("warps", 4), num_stages=config.get("stages", 3),
+                   PROMOTE=min(bk, PROMOTE_EVERY) if precise else None)  # fmt: skip
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    kernel = config.get("kernel")
+    if kernel == "persistent_tma":
+        why = tma_unsupported(device, {"a": (lda, a.data_ptr()), "b": (ldb, b.data_ptr())})
+        if why:
+            raise ValueError(f"config['kernel']='persistent_tma': {why}")
+        sms = torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else 4  # fmt: skip
+        programs = min(sms, tiles)
+        args = (a, b, sa, sb, out, m, n, k, lda, ldb, ldo, programs)
+        consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, ROWWISE=rowwise, **options)
+        return [_Launch(fp8_persistent_tma, (programs,), args, consts)]
+    if kernel != "tiled":
+        raise ValueError(f"config['kernel']={kernel!r}: allowed 'tiled', 'persistent_tma'")
+    split = config.get("split_k", 1)
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    if split < 1 or k_split * (split - 1) >= k:
+        raise ValueError(f"config['split_k']={split}: more splits than bk={bk} tiles in K={k}")
+    ws = workspace(split) if split > 1 else out
+    args = (a, b, sa, sb, out, ws, m, n, k, lda, ldb, ldo, k_split)
+    consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split, ROWWISE=rowwise,
+                  EVEN_K=k % bk == 0 and k_split * split == k, **options)  # fmt: skip
+    tiled = _Launch(fp8_tiled, (tiles, split), args, consts)
+    if split == 1:
+        return [tiled]
+    total = m * n
+    reduce = _Launch(splitk_reduce, (triton.cdiv(total, REDUCE_BLOCK),),
+                     (ws, out, m, n, total, 0, ldo, 1), dict(SPLIT_K=split, BLOCK=REDUCE_BLOCK))  # fmt: skip
+    return [tiled, reduce]
 
 
 def fp8_matmul(
@@ -175,41 +250,43 @@ def fp8_matmul(
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     sa, sb = scale_a.reshape(-1).contiguous(), scale_b.reshape(-1).contiguous()
-    bm, bn, bk = config["bm"], config["bn"], config["bk"]
-    launch = dict(num_warps=config.get("warps", 4), num_stages=config.get("stages", 3))
-    launch["PROMOTE"] = min(bk, PROMOTE_EVERY) if precise else None
-    kernel = config.get("kernel")
-    if kernel == "persistent_tma":
-        why = tma_unsupported(a, b)
-        if why:
-            raise ValueError(f"config['kernel']='persistent_tma': {why}")
-        sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
-        programs = min(sms, triton.cdiv(m, bm) * triton.cdiv(n, bn))
+
+    def workspace(split: int) -> torch.Tensor:
+        return torch.empty(split, m, n, dtype=torch.float32, device=a.device)
+
+    launches = _launches((a, b, sa, sb, out), (m, n, k), (a.stride(0), b.stride(0), out.stride(0)),
+                         config, rowwise, precise, a.device, workspace)  # fmt: skip
+    if launches[0].fn is fp8_persistent_tma:
         triton.set_allocator(_tma_scratch)
-        fp8_persistent_tma[(programs,)](
-            a, b, sa, sb, out, m, n, k, a.stride(0), b.stride(0), out.stride(0), programs,
-            BM=bm, BN=bn, BK=bk, GROUP_M=config.get("group_m", 8), ROWWISE=rowwise, **launch,
-        )  # fmt: skip
-        return out
-    if kernel != "tiled":
-        raise ValueError(f"config['kernel']={kernel!r}: allowed 'tiled', 'persistent_tma'")
-    split = config.get("split_k", 1)
-    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    if split < 1 or k_split * (split - 1) >= k:
-        raise ValueError(f"config['split_k']={split}: more splits than bk={bk} tiles in K={k}")
-    ws = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else out
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
-    fp8_tiled[grid](
-        a, b, sa, sb, out, ws, m, n, k, a.stride(0), b.stride(0), out.stride(0), k_split,
-        BM=bm, BN=bn, BK=bk, GROUP_M=config.get("group_m", 8), SPLIT_K=split, ROWWISE=rowwise,
-        EVEN_K=k % bk == 0 and k_split * split == k, **launch,
-    )  # fmt: skip
-    if split > 1:
-        total = m * n
-        splitk_reduce[(triton.cdiv(total, REDUCE_BLOCK),)](
-            ws, out, m, n, total, 0, out.stride(0), 1, SPLIT_K=split, BLOCK=REDUCE_BLOCK
-        )
+    for launch in launches:
+        launch()
     return out
+
+
+def jobs(
+    m: int,
+    n: int,
+    k: int,
+    config: Config,
+    *,
+    rowwise: bool,
+    precise: bool,
+    out_dtype: torch.dtype = torch.bfloat16,
+    a_dtype: torch.dtype = torch.float8_e4m3fn,
+    b_dtype: torch.dtype = torch.float8_e4m3fn,
+    align: int = 16,
+) -> list[WarmJob]:
+    """What ``fp8_matmul``'s first call with ``config`` compiles for contiguous operands of an
+    (M, N, K) problem: a [M, K] in ``a_dtype`` (``align``-byte aligned), b [N, K] row-major in
+    ``b_dtype`` (as ``TritonFp8`` passes ``_scaled_mm``'s column-major b), float32 scales and an
+    [M, N] output in ``out_dtype``. A ValueError for a config that cannot run here."""
+    on_gpu = not interpreting()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    scale = FakeTensor(torch.float32)
+    a, b, out = FakeTensor(a_dtype, align), FakeTensor(b_dtype), FakeTensor(out_dtype)
+    launches = _launches((a, b, scale, scale, out), (m, n, k), (k, k, n), config, rowwise,
+                         precise, device, lambda split: FakeTensor(torch.float32))  # fmt: skip
+    return [launch.job() for launch in launches]
 
 
 def configs(m: int, n: int, k: int, sms: int = 132, out_bytes: int = 2) -> list[Config]:

@@ -19,7 +19,9 @@ deterministic and needs no second launch (while a CUDA graph is being captured b
 exist, a reduce launch does it instead).
 
 Entry point for a candidate source: ``w4a16_matmul(x, weight, scales_and_zeros, group_size,
-config)`` and ``configs(m, n, k, group_size)``, the configs worth timing for a shape.
+config)`` and ``configs(m, n, k, group_size)``, the configs worth timing for a shape;
+``checked_plan(...).jobs(dtype)`` lists what a config's first call compiles, for
+``launch.precompile`` to compile ahead in worker processes.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.base import interpreting
-from tuner.candidates.triton_kernels.launch import Launcher, verify_direct
+from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, verify_direct
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.int4 import CHUNK, check_group_size, check_scales_and_zeros
 
@@ -225,11 +227,17 @@ def w4a16_matmul(
     """``x @ dequant(weight).T`` in x's dtype; ``config`` from ``configs`` (None: the first)."""
     m, n, k = check_inputs(x, weight, scales_and_zeros, group_size)
     config = config or configs(m, n, k, group_size)[0]
-    check_config(config, k, group_size)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    plan(m, n, k, group_size, tuple(sorted(config.items())))(x, weight, scales_and_zeros, out)
+    checked_plan(m, n, k, group_size, config)(x, weight, scales_and_zeros, out)
     return out
+
+
+def checked_plan(m: int, n: int, k: int, group_size: int, config: Config) -> Plan:
+    """``plan`` of ``config`` once ``check_config`` accepted it: what ``w4a16_matmul`` runs and
+    a source precompiles (``Plan.jobs``)."""
+    check_config(config, k, group_size)
+    return plan(m, n, k, group_size, tuple(sorted(config.items())))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -239,7 +247,8 @@ def plan(m: int, n: int, k: int, group_size: int, config: tuple[tuple[str, Any],
 
 
 class Plan:
-    """The kernel bound to one shape and config. Its first call goes through Triton's JIT; once
+    """The kernel bound to one shape and config. Its first call goes through Triton's JIT (which
+    loads the kernel from Triton's on-disk cache where ``jobs`` were precompiled); once
     a direct relaunch reproduced that call bit for bit (``verify_direct``), calls with the same
     strides and pointer alignments launch the compiled kernel directly: a decode GEMM's kernel
     is shorter than the JIT's dispatch."""
@@ -278,12 +287,30 @@ class Plan:
             return
         ptrs = (x.data_ptr(), weight.data_ptr(), sz.data_ptr(), out.data_ptr(), ws.data_ptr(),
                 counts.data_ptr())  # fmt: skip
-        ints = (self.m, self.n, self.k // 2, x.stride(0), out.stride(0), self.k // split)
-        guard = (x.device, x.dtype, out.dtype, *ints[3:5], *(p % 16 for p in ptrs))
+        ldx, ldo = x.stride(0), out.stride(0)
+        guard = (x.device, x.dtype, out.dtype, ldx, ldo, *(p % 16 for p in ptrs))
         if self.main.ready(guard):
-            self.main.raw((*ptrs, *ints))
+            self.main.raw(self._args(*ptrs, ldx, ldo))
         else:
-            self.main((x, weight, sz, out, ws, counts, *ints), guard)
+            self.main(self._args(x, weight, sz, out, ws, counts, ldx, ldo), guard)
+
+    def _args(self, x: Any, weight: Any, sz: Any, out: Any, ws: Any, counts: Any, ldx: int,
+              ldo: int) -> tuple[Any, ...]:  # fmt: skip
+        """``w4a16_tiled``'s runtime arguments in declaration order (tensors, their pointers or
+        ``FakeTensor``s): every launch and ``jobs`` build them here."""
+        return (x, weight, sz, out, ws, counts, self.m, self.n, self.k // 2, ldx, ldo,
+                self.k // self.split)  # fmt: skip
+
+    def jobs(self, dtype: torch.dtype, align: int = 16) -> list[WarmJob]:
+        """What the first eager call compiles for contiguous operands: x [M, K] (``align``-byte
+        aligned) and scales_and_zeros in ``dtype``, our uint8 weight, an [M, N] output in
+        ``dtype``, split-K's float32 partials and int32 arrival counts."""
+        x, out = FakeTensor(dtype, align), FakeTensor(dtype)
+        ws, counts = (FakeTensor(torch.float32), FakeTensor(torch.int32)) if self.split > 1 \
+            else (out, out)  # fmt: skip
+        args = self._args(x, FakeTensor(torch.uint8), FakeTensor(dtype), out, ws, counts,
+                          self.k, self.n)  # fmt: skip
+        return [WarmJob(w4a16_tiled, args, self.main.kwargs)]
 
     def _reduce_apart(self, x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor,
                       out: torch.Tensor, ws: torch.Tensor) -> None:  # fmt: skip
@@ -291,8 +318,8 @@ class Plan:
         reduce launch (both through the JIT)."""
         m, n, split = self.m, self.n, self.split
         w4a16_tiled[(self.tiles, split)](
-            x, weight, sz, out, ws, out, m, n, self.k // 2, x.stride(0), out.stride(0),
-            self.k // split, **self.meta, REDUCE_HERE=False, **self.warps_stages,
+            *self._args(x, weight, sz, out, ws, out, x.stride(0), out.stride(0)), **self.meta,
+            REDUCE_HERE=False, **self.warps_stages,
         )  # fmt: skip
         total = m * n
         splitk_reduce[(triton.cdiv(total, REDUCE_BLOCK),)](
