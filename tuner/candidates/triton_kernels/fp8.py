@@ -12,8 +12,9 @@ unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False
 
 - ``fp8_tiled``: one output tile per program, grouped ordering; ``SPLIT_K > 1`` runs several
   programs per tile over contiguous K ranges (small M: enough programs to keep the weight
-  streaming), each writing its *scaled* fp32 partial (scaling is linear) for the tiled family's
-  deterministic ``splitk_reduce``.
+  streaming), each writing its *scaled* fp32 partial (scaling is linear), summed in split order
+  by the tile's last program (``splitk_arrival``: no second launch in a decode step), or by the
+  tiled family's ``splitk_reduce`` while a CUDA graph is captured before the counts exist.
 - ``fp8_persistent_tma`` (Hopper): one program per SM walks the tiles; A and B move through TMA
   descriptors made on the device, which zero-fill the K tail and out-of-range rows. TMA needs
   16-byte aligned bases and row strides (K % 16 == 0 for fp8).
@@ -38,6 +39,7 @@ from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
 from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA
+from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts, reduce_if_last
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.fp8 import FP8_DTYPES, check_scales
 
@@ -46,6 +48,8 @@ MIN_CAPABILITY = (8, 9)
 TMA_CAPABILITY = (9, 0)
 REDUCE_BLOCK = 1024
 PROMOTE_EVERY = 128  # K products between promotions of the partial sum to fp32 (precise mode)
+
+_counts = ArrivalCounts()
 
 
 @triton.jit
@@ -59,10 +63,13 @@ def _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE: tl.constexpr):
 
 @triton.jit
 def fp8_tiled(
-    a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, M, N, K, lda, ldb, ldo, k_split,
+    a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, M, N, K, lda, ldb, ldo, k_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
+    REDUCE_HERE: tl.constexpr,
 ):  # fmt: skip
+    """One output tile per program; split-K partials summed by the tile's last program when
+    ``REDUCE_HERE``, else by a ``splitk_reduce`` launch."""
     pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -85,12 +92,16 @@ def fp8_tiled(
         acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
     acc = _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE)
     mask = mask_m & (rn[None, :] < N)
+    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :]
     if SPLIT_K == 1:
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        plane = tl.program_id(1).to(tl.int64) * M * N
-        tl.store(ws_ptr + plane + rm[:, None] * N + rn[None, :], acc, mask=mask)
+        part = rm[:, None].to(tl.int64) * N + rn[None, :]
+        plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
+        tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
+        if REDUCE_HERE:
+            reduce_if_last(ws_ptr, counts_ptr, tl.program_id(0), part, plane, mask, out_ptrs,
+                           SPLIT_K)  # fmt: skip
 
 
 @triton.jit
@@ -192,10 +203,13 @@ def _launches(
     precise: bool,
     device: torch.device,
     workspace: Callable[[int], Any],
+    counts: Callable[[int], Any | None],
 ) -> list[_Launch]:
     """The launches of one ``fp8_matmul`` call, in order. ``operands``: a, b, the flat scales and
     out (tensors or ``FakeTensor``s), ``lds`` their row strides (a, b, out); ``workspace(split)``
-    gives split-K's float32 partials. A ValueError names a config that cannot run them."""
+    gives split-K's float32 partials, ``counts(tiles)`` the arrival counts of the in-kernel
+    reduction (None: reduce with a second launch). A ValueError names a config that cannot run
+    them."""
     a, b, sa, sb, out = operands
     m, n, k = mnk
     lda, ldb, ldo = lds
@@ -222,11 +236,14 @@ def _launches(
     if split < 1 or k_split * (split - 1) >= k:
         raise ValueError(f"config['split_k']={split}: more splits than bk={bk} tiles in K={k}")
     ws = workspace(split) if split > 1 else out
-    args = (a, b, sa, sb, out, ws, m, n, k, lda, ldb, ldo, k_split)
+    arrivals = counts(tiles) if split > 1 else None
+    args = (a, b, sa, sb, out, ws, out if arrivals is None else arrivals, m, n, k, lda, ldb, ldo,
+            k_split)  # fmt: skip
     consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split, ROWWISE=rowwise,
-                  EVEN_K=k % bk == 0 and k_split * split == k, **options)  # fmt: skip
+                  EVEN_K=k % bk == 0 and k_split * split == k, REDUCE_HERE=arrivals is not None,
+                  **options)  # fmt: skip
     tiled = _Launch(fp8_tiled, (tiles, split), args, consts)
-    if split == 1:
+    if split == 1 or arrivals is not None:
         return [tiled]
     total = m * n
     reduce = _Launch(splitk_reduce, (triton.cdiv(total, REDUCE_BLOCK),),
@@ -255,7 +272,8 @@ def fp8_matmul(
         return torch.empty(split, m, n, dtype=torch.float32, device=a.device)
 
     launches = _launches((a, b, sa, sb, out), (m, n, k), (a.stride(0), b.stride(0), out.stride(0)),
-                         config, rowwise, precise, a.device, workspace)  # fmt: skip
+                         config, rowwise, precise, a.device, workspace,
+                         lambda tiles: _counts.get(a.device, tiles))  # fmt: skip
     if launches[0].fn is fp8_persistent_tma:
         triton.set_allocator(_tma_scratch)
     for launch in launches:
@@ -285,7 +303,8 @@ def jobs(
     scale = FakeTensor(torch.float32)
     a, b, out = FakeTensor(a_dtype, align), FakeTensor(b_dtype), FakeTensor(out_dtype)
     launches = _launches((a, b, scale, scale, out), (m, n, k), (k, k, n), config, rowwise,
-                         precise, device, lambda split: FakeTensor(torch.float32))  # fmt: skip
+                         precise, device, lambda split: FakeTensor(torch.float32),
+                         lambda tiles: FakeTensor(torch.int32))  # fmt: skip
     return [launch.job() for launch in launches]
 
 

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, verify_direct
+from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts, reduce_if_last
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.int4 import CHUNK, check_group_size, check_scales_and_zeros
 
@@ -42,9 +43,8 @@ Config = dict[str, Any]
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 MIN_CAPABILITY = (8, 0)
 REDUCE_BLOCK = 1024
-MIN_COUNTS = 4096  # per-tile arrival counts kept per device (grown on demand)
 
-_counts: dict[torch.device, torch.Tensor] = {}
+_counts = ArrivalCounts()
 CHUNK_K: tl.constexpr = tl.constexpr(CHUNK)
 
 # lo, hi = 16-bit floats (magic + low nibble, magic + high nibble) of each byte, elementwise, so
@@ -149,14 +149,7 @@ def w4a16_tiled(
         plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
         tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
         if REDUCE_HERE:
-            tl.debug_barrier()  # every thread's partial is written before the count goes up
-            if tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                total = tl.zeros((BN, BM), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):
-                    total += tl.load(ws_ptr + s * plane + part, mask=mask, other=0.0,
-                                     cache_modifier=".cg")  # fmt: skip
-                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(counts_ptr + tile, 0, sem="relaxed", scope="gpu")
+            reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K)
 
 
 def check_inputs(
@@ -201,19 +194,6 @@ def check_config(config: Config, k: int, group_size: int) -> None:
     if split < 1 or k % (bk * dots * split):
         raise ValueError(f"config['split_k']={split}: K={k} must split into whole "
                          f"bk * dots = {bk * dots} steps")  # fmt: skip
-
-
-def _arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """Zeroed per-tile counts for the in-kernel split-K reduction (each tile's last program
-    sets its count back to 0), or None while a CUDA graph is being captured before they exist:
-    an allocation made during capture belongs to the graph's memory pool."""
-    counts = _counts.get(device)
-    if counts is None or counts.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = torch.zeros(max(MIN_COUNTS, tiles), dtype=torch.int32, device=device)
-        _counts[device] = counts
-    return counts
 
 
 def w4a16_matmul(
@@ -281,7 +261,7 @@ class Plan:
         split = self.split
         ws = torch.empty(split, self.m, self.n, dtype=torch.float32, device=x.device) \
             if split > 1 else out  # fmt: skip
-        counts = _arrival_counts(x.device, self.tiles) if split > 1 else out
+        counts = _counts.get(x.device, self.tiles) if split > 1 else out
         if counts is None:
             self._reduce_apart(x, weight, sz, out, ws)
             return

@@ -1,0 +1,61 @@
+"""Split-K partials summed inside the kernel by each output tile's last program to finish.
+
+The alternative, ``tiled.splitk_reduce``, is a second launch; in a decode step (a CUDA graph of
+short kernels) that launch and the round trip of the partials through it are a visible share of
+the GEMM's time. Here every program stores its float32 partial, bumps its tile's arrival count,
+and the program that brings the count to ``SPLIT_K`` sums the partials in split order (the same
+sum, bit for bit, as ``splitk_reduce``), stores the output and sets the count back to zero, so
+the counts are ready for the next launch on the stream.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_COUNTS = 4096  # counts kept per device (grown on demand)
+
+
+@triton.jit
+def reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K: tl.constexpr):
+    """Call after storing this program's partial at ``ws_ptr + split * plane + part``: the
+    tile's last program to arrive stores the sum of the ``SPLIT_K`` partials at ``out_ptrs``."""
+    tl.debug_barrier()  # every thread's partial is written before the count goes up
+    if tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+        total = tl.load(ws_ptr + part, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            total += tl.load(ws_ptr + s * plane + part, mask=mask, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+        tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counts_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+class ArrivalCounts:
+    """Zeroed int32 counts, one per output tile, per device. One instance per kernel family, so
+    that two families' launches never share a count."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, tiles: int) -> torch.Tensor | None:
+        """Counts for ``tiles`` tiles, or None while a CUDA graph is being captured before they
+        exist (an allocation made during capture belongs to the graph's memory pool): the caller
+        then reduces with a second launch."""
+        counts = self._by_device.get(device)
+        if counts is None or counts.numel() < tiles:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            counts = torch.zeros(max(MIN_COUNTS, triton.next_power_of_2(tiles)),
+                                 dtype=torch.int32, device=device)  # fmt: skip
+            self._by_device[device] = counts
+        return counts
+
+    def clear(self) -> None:
+        self._by_device.clear()
+
+    def __contains__(self, device: torch.device) -> bool:
+        return device in self._by_device
+
+    def __getitem__(self, device: torch.device) -> torch.Tensor:
+        return self._by_device[device]
