@@ -311,14 +311,16 @@ def jobs(
 def configs(m: int, n: int, k: int, sms: int = 132, out_bytes: int = 2) -> list[Config]:
     """Configs worth timing for an (M, N, K) problem, the likeliest first. ``out_bytes``: the
     output's element size (the persistent kernel stages its output tile in shared memory)."""
-    if m <= 16:
+    if m <= 16:  # split-K: two waves of programs (two fit on an SM), or what fits in one
         out = []
         for bn, bk in ((64, 256), (128, 128), (32, 512)):
-            split = 1
-            while triton.cdiv(n, bn) * split < 2 * sms and k >= bk * split * 4 and split < 16:
+            tiles, split = triton.cdiv(n, bn), 1
+            while tiles * split < 2 * sms and k >= bk * split * 4 and split < 16:
                 split *= 2
-            out.append({"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "split_k": split,
-                        "group_m": 1, "warps": 4, "stages": 4})  # fmt: skip
+            one_wave = split // 2 if tiles * split > 2 * sms and split > 1 else split
+            for s in dict.fromkeys((split, one_wave)):
+                out.append({"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "split_k": s,
+                            "group_m": 1, "warps": 4, "stages": 4})  # fmt: skip
         return out
     if m <= 256:
         shortlist = [
