@@ -194,6 +194,16 @@ class _Launch:
         return WarmJob(self.fn, self.args, self.kwargs)
 
 
+def _k_per_split(k: int, bk: int, split: int) -> int:
+    """Each split's share of K, in whole ``bk`` tiles (the last split takes what is left)."""
+    return triton.cdiv(triton.cdiv(k, split), bk) * bk
+
+
+def split_fits(k: int, bk: int, split: int) -> bool:
+    """Whether K in ``bk`` tiles leaves every one of ``split`` splits some work."""
+    return split >= 1 and _k_per_split(k, bk, split) * (split - 1) < k
+
+
 def _launches(
     operands: tuple[Any, Any, Any, Any, Any],
     mnk: tuple[int, int, int],
@@ -232,9 +242,9 @@ def _launches(
     if kernel != "tiled":
         raise ValueError(f"config['kernel']={kernel!r}: allowed 'tiled', 'persistent_tma'")
     split = config.get("split_k", 1)
-    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    if split < 1 or k_split * (split - 1) >= k:
+    if not split_fits(k, bk, split):
         raise ValueError(f"config['split_k']={split}: more splits than bk={bk} tiles in K={k}")
+    k_split = _k_per_split(k, bk, split)
     ws = workspace(split) if split > 1 else out
     arrivals = counts(tiles) if split > 1 else None
     args = (a, b, sa, sb, out, ws, out if arrivals is None else arrivals, m, n, k, lda, ldb, ldo,
@@ -315,7 +325,8 @@ def configs(m: int, n: int, k: int, sms: int = 132, out_bytes: int = 2) -> list[
         out = []
         for bn, bk in ((64, 256), (128, 128), (32, 512)):
             tiles, split = triton.cdiv(n, bn), 1
-            while tiles * split < 2 * sms and k >= bk * split * 4 and split < 16:
+            while tiles * split < 2 * sms and k >= bk * split * 4 and split < 16 \
+                    and split_fits(k, bk, split * 2):  # fmt: skip
                 split *= 2
             one_wave = split // 2 if tiles * split > 2 * sms and split > 1 else split
             for s in dict.fromkeys((split, one_wave)):
