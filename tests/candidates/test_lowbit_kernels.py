@@ -223,6 +223,22 @@ def test_w4a16_later_calls_launch_directly_with_the_same_bits(split: int) -> Non
     assert half.dtype == torch.float16 and excess(half, ref, tol) <= 1
 
 
+def replays_alike_when_captured_first(counts, first: torch.Tensor, call) -> None:
+    """``call(out)`` captured in a CUDA graph before ``counts`` exist (so its split-K partials
+    are summed by a second launch) replays to ``first``'s bits."""
+    counts.clear()
+    out = torch.empty_like(first)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            call(out)
+    assert first.device not in counts
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+
+
 @pytest.mark.gpu
 def test_w4a16_split_k_sums_alike_in_the_kernel_and_in_a_captured_graph() -> None:
     """The tile's last program sums the partials (counts back at zero after each call); a graph
@@ -235,17 +251,9 @@ def test_w4a16_split_k_sums_alike_in_the_kernel_and_in_a_captured_graph() -> Non
     again = w4a16.w4a16_matmul(x, packed, sz, 128, config)
     assert excess(first, ref, tol) <= 1 and torch.equal(first, again)
     assert int(w4a16._counts[x.device].abs().sum()) == 0
-    w4a16._counts.clear()
-    out = torch.empty_like(first)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            w4a16.w4a16_matmul(x, packed, sz, 128, config, out=out)
-    assert x.device not in w4a16._counts
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, first)
+    replays_alike_when_captured_first(
+        w4a16._counts, first, lambda out: w4a16.w4a16_matmul(x, packed, sz, 128, config, out=out)
+    )
 
 
 @pytest.mark.gpu
@@ -262,17 +270,10 @@ def test_fp8_split_k_sums_alike_in_the_kernel_and_in_a_captured_graph() -> None:
     ref = (a.float() @ b.float().T) * sa.reshape(-1, 1) * sb.reshape(1, -1)
     assert torch.equal(first, again) and torch.allclose(first.float(), ref, rtol=2e-2, atol=1e-1)
     assert int(fp8_kernels._counts[a.device].abs().sum()) == 0
-    fp8_kernels._counts.clear()
-    out = torch.empty_like(first)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            fp8_kernels.fp8_matmul(a, b, sa, sb, config, out=out, precise=True)
-    assert a.device not in fp8_kernels._counts
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, first)
+    replays_alike_when_captured_first(
+        fp8_kernels._counts, first,
+        lambda out: fp8_kernels.fp8_matmul(a, b, sa, sb, config, out=out, precise=True),
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
