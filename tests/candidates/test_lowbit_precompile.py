@@ -107,9 +107,11 @@ def test_fp8_jobs_are_the_first_calls_launches(
     assert calls == described(jobs)
 
 
-SHORTLIST_KEYS = [key_of("int4-g128", m, 4096, 4096) for m in (16, 256)] + [
-    key_of("fp8-rowwise", m, 4096, 4096) for m in (16, 512)
-]
+SHORTLIST_KEYS = (
+    [key_of("int4-g128", m, 4096, 4096) for m in (16, 256)]
+    + [key_of("fp8-rowwise", m, 4096, 4096) for m in (16, 512)]
+    + [key_of("fp8-rowwise-fast", 16, 4096, 4096)]
+)  # fast accumulation: PROMOTE=None
 
 
 def source_of(key: GemmKey) -> TritonW4A16 | TritonFp8:
@@ -119,7 +121,8 @@ def source_of(key: GemmKey) -> TritonW4A16 | TritonFp8:
 def jobs_of(key: GemmKey, params: dict[str, Any]) -> list[WarmJob]:
     if key.wdtype == "int4":
         return w4a16.checked_plan(key.m, key.n, key.k, key.group, params).jobs(torch.bfloat16)
-    return fp8_kernels.jobs(key.m, key.n, key.k, params, rowwise=True, precise=True)
+    return fp8_kernels.jobs(key.m, key.n, key.k, params, rowwise=key.scale == "row",
+                            precise=key.accum == "f32")  # fmt: skip
 
 
 @pytest.mark.parametrize("key", SHORTLIST_KEYS, ids=lambda k: k.label)
