@@ -149,7 +149,6 @@ def w4a16_tiled(
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * ldx + tl.arange(0, BK)[None, :]
     mask_m = rm[:, None] < M
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    offset: tl.constexpr = 136.0 if x_ptr.dtype.element_ty == tl.bfloat16 else 1032.0  # magic + 8
     for k0 in range(k_lo, k_lo + k_split, DOTS * BK):
         for d in tl.static_range(DOTS):
             xt = tl.load(x_ptrs + k0 + d * BK, mask=mask_m, other=0.0)
@@ -160,6 +159,7 @@ def w4a16_tiled(
                 s, z = _scale_zero(sz_ptr, (k0 + d * BK) // GROUP, rn, N, xt.dtype)
                 s, z = s.to(tl.float32), z.to(tl.float32)
                 xsum = tl.sum(xt.to(tl.float32), axis=1)
+                offset: tl.constexpr = 136.0 if xt.dtype == tl.bfloat16 else 1032.0  # magic + 8
                 acc += tl.dot(v, tl.trans(xd)) * s[:, None] \
                     + (z - offset * s)[:, None] * xsum[None, :]  # fmt: skip
             else:
