@@ -83,10 +83,10 @@ def _values(b, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _magic_tile(w_ptr, rn, k0, N, half, dtype: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """magic + q for the [BN, BK] tile of weight rows ``rn`` at K offset ``k0`` (BK whole
-    chunks), exact in ``dtype`` (fp32 in the interpreter); q is the stored nibble 0..15.
+def _weight_tile(w_ptr, sz_ptr, rn, k0, N, half, dtype: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """The dequantized [BN, BK] tile of weight rows ``rn`` at K offset ``k0`` (BK whole chunks),
+    in ``dtype`` (fp32 in the interpreter).
 
     A chunk's byte b (0..63) holds, for c = b // 16 and i = b % 16, the values at k = 2c +
     (i & 1) + 8 ((i >> 1) & 7) in its low nibble and k + 64 in its high one (``int4.pack``):
@@ -97,34 +97,19 @@ def _magic_tile(w_ptr, rn, k0, N, half, dtype: tl.constexpr, BN: tl.constexpr,
                 other=0)  # fmt: skip
     lo, hi = _values(b, dtype, INTERPRET)
     v = tl.join(lo, hi).reshape(BN, BK // CHUNK_K, 2, 2, 2, 2, 2, 2, 2)
-    return v.permute(0, 1, 8, 4, 5, 6, 2, 3, 7).reshape(BN, BK)
-
-
-@triton.jit
-def _scale_zero(sz_ptr, groups, rn, N, dtype: tl.constexpr):
-    """(scale, zero) of weight rows ``rn`` in groups ``groups`` (any shape broadcasting with
-    ``rn``), in ``dtype``: each pair read as one 32-bit word, a 4-byte load that Triton's
-    pipeliner copies ahead asynchronously (2-byte ones it loads in the iteration that uses
-    them)."""
-    pairs = sz_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    sz = tl.load(pairs + groups * N + rn, mask=rn < N, other=0)
-    s = (sz & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
-    z = (sz >> 16).to(tl.int16).to(dtype, bitcast=True)
-    return s, z
-
-
-@triton.jit
-def _weight_tile(w_ptr, sz_ptr, rn, k0, N, half, dtype: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """The dequantized [BN, BK] tile, ``(q - 8) * scale + zero``, in ``dtype`` (fp32 in the
-    interpreter)."""
-    v = _magic_tile(w_ptr, rn, k0, N, half, dtype, BN, BK, INTERPRET)
+    v = v.permute(0, 1, 8, 4, 5, 6, 2, 3, 7).reshape(BN, BK)
+    offset = tl.full((), 136.0 if dtype == tl.bfloat16 else 1032.0, v.dtype)  # magic + 8
     NG: tl.constexpr = BK // GROUP if BK > GROUP else 1  # groups in the tile
-    s, z = _scale_zero(sz_ptr, (k0 // GROUP + tl.arange(0, NG))[None, :], rn[:, None], N, dtype)
-    s = tl.broadcast_to(s.to(v.dtype)[:, :, None], (BN, NG, BK // NG)).reshape(BN, BK)
-    z = tl.broadcast_to(z.to(v.dtype)[:, :, None], (BN, NG, BK // NG)).reshape(BN, BK)
-    offset: tl.constexpr = 136.0 if dtype == tl.bfloat16 else 1032.0  # magic + 8
-    return tl.fma(v - tl.full((), offset, v.dtype), s, z)
+    # each (scale, zero) pair as one 32-bit word: 4-byte loads, which Triton's pipeliner copies
+    # ahead asynchronously (2-byte ones it loads in the iteration that uses them)
+    pairs = sz_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    sz = tl.load(pairs + (k0 // GROUP + tl.arange(0, NG))[None, :] * N + rn[:, None],
+                 mask=rn[:, None] < N, other=0)  # fmt: skip
+    s = (sz & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(v.dtype)
+    z = (sz >> 16).to(tl.int16).to(dtype, bitcast=True).to(v.dtype)
+    s = tl.broadcast_to(s[:, :, None], (BN, NG, BK // NG)).reshape(BN, BK)
+    z = tl.broadcast_to(z[:, :, None], (BN, NG, BK // NG)).reshape(BN, BK)
+    return tl.fma(v - offset, s, z)
 
 
 @triton.jit
@@ -132,15 +117,10 @@ def w4a16_tiled(
     x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, counts_ptr, M, N, half, ldx, ldo, k_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOTS: tl.constexpr,
     GROUP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-    REDUCE_HERE: tl.constexpr, SCALE_AFTER: tl.constexpr, INTERPRET: tl.constexpr,
+    REDUCE_HERE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Tensor cores on out.T = W x.T, ``DOTS`` [BN, BK] weight tiles per iteration; split-K
-    partials summed by the tile's last program when ``REDUCE_HERE``.
-
-    ``SCALE_AFTER`` (a group spans whole BK tiles): the tile goes into the dot as the raw
-    magic + q values, and the group's scale and zero are applied to the dot's [BN, BM] result:
-    (q - 8) s + z summed against x is s (dot - (magic + 8) sum(x)) + z sum(x), two FMAs per
-    output element instead of a subtraction and an FMA per weight element."""
+    partials summed by the tile's last program when ``REDUCE_HERE``."""
     tile = tl.program_id(0)
     pid_m, pid_n = tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -152,20 +132,12 @@ def w4a16_tiled(
     for k0 in range(k_lo, k_lo + k_split, DOTS * BK):
         for d in tl.static_range(DOTS):
             xt = tl.load(x_ptrs + k0 + d * BK, mask=mask_m, other=0.0)
-            # the interpreter's bf16 dot is wrong: the same sums in fp32 there
-            xd = xt.to(tl.float32) if INTERPRET else xt
-            if SCALE_AFTER:
-                v = _magic_tile(w_ptr, rn, k0 + d * BK, N, half, xt.dtype, BN, BK, INTERPRET)
-                s, z = _scale_zero(sz_ptr, (k0 + d * BK) // GROUP, rn, N, xt.dtype)
-                s, z = s.to(tl.float32), z.to(tl.float32)
-                xsum = tl.sum(xt.to(tl.float32), axis=1)
-                offset: tl.constexpr = 136.0 if xt.dtype == tl.bfloat16 else 1032.0  # magic + 8
-                acc += tl.dot(v, tl.trans(xd)) * s[:, None] \
-                    + (z - offset * s)[:, None] * xsum[None, :]  # fmt: skip
+            w = _weight_tile(w_ptr, sz_ptr, rn, k0 + d * BK, N, half, xt.dtype, BN, BK, GROUP,
+                             INTERPRET)  # fmt: skip
+            if INTERPRET:  # the interpreter's bf16 dot is wrong: the same sums in fp32
+                acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc)
             else:
-                w = _weight_tile(w_ptr, sz_ptr, rn, k0 + d * BK, N, half, xt.dtype, BN, BK,
-                                 GROUP, INTERPRET)  # fmt: skip
-                acc = tl.dot(w, tl.trans(xd), acc)
+                acc = tl.dot(w, tl.trans(xt), acc)
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     out_ptrs = out_ptr + rm[None, :].to(tl.int64) * ldo + rn[:, None]
     if SPLIT_K == 1:  # stored as [BM, BN]: with the [BN, BM] tile as is, ptxas (Triton 3.6)
@@ -222,11 +194,6 @@ def check_config(config: Config, k: int, group_size: int) -> None:
     if split < 1 or k % (bk * dots * split):
         raise ValueError(f"config['split_k']={split}: K={k} must split into whole "
                          f"bk * dots = {bk * dots} steps")  # fmt: skip
-    if config.get("scale_after", 0) not in (0, 1):
-        raise ValueError(f"config['scale_after']={config['scale_after']!r}: allowed 0, 1")
-    if config.get("scale_after") and group_size % bk:
-        raise ValueError(f"config['scale_after']=1: group_size={group_size} must span whole "
-                         f"bk={bk} tiles")  # fmt: skip
 
 
 def w4a16_matmul(
@@ -272,7 +239,7 @@ class Plan:
         self.meta = dict(
             BM=config["bm"], BN=config["bn"], BK=config["bk"], DOTS=config.get("dots", 1),
             GROUP=group_size, SPLIT_K=self.split, GROUP_M=config.get("group_m", 8),
-            SCALE_AFTER=bool(config.get("scale_after", 0)), INTERPRET=interpreting(),
+            INTERPRET=interpreting(),
         )  # fmt: skip
         self.warps_stages = dict(
             num_warps=config.get("warps", 4), num_stages=config.get("stages", 2)
@@ -373,8 +340,6 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
                       "split_k": split, "group_m": 1, "warps": warps, "stages": stages}  # fmt: skip
             if config not in out:
                 out.append(config)
-        if group_size % CHUNK == 0:  # scales after the dot: less work per weight element
-            out += [{**c, "scale_after": 1} for c in out]
         return out
     for bm, bn, warps, stages, dots in PREFILL_TILES:
         if bm <= 2 * max(m, 16) and k % (dots * CHUNK) == 0:
