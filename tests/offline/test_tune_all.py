@@ -17,10 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tuner.cache import Store
+from tuner.candidates import registry
+from tuner.candidates.base import Source
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, SdpaKey
+from tuner.measure.records import candidate_name
 from tuner.offline.model_config import expand, load_model, parse_model
 from tuner.offline.problem_list import ConfigError
 from tuner.offline.tunableop import import_files
@@ -28,6 +32,7 @@ from tuner.offline.tune_all import (
     ProblemSet,
     RunSettings,
     _Pool,
+    _tune_one,
     journal_path,
     pending,
     read_journal,
@@ -580,3 +585,42 @@ def test_an_idle_worker_is_handed_the_first_problem_whose_kernels_are_compiled(t
     assert [r.status for r in summary.results] == ["tuned"] * 3
     assert summary.idle_s > 0.5  # the worker waited while nothing was compiled
     assert summary.start_s is not None and 0 < summary.start_s < summary.wall_s
+
+
+class Delayed(Source):
+    """Two challengers that differ only in a host delay: the slower one listed first."""
+
+    name, op = "delayed", "gemm"
+
+    def candidates(self, key, device):
+        return [{"delay_ms": 5}, {"delay_ms": 0}]
+
+    def build(self, key, params):
+        delay = params["delay_ms"] / 1e3
+
+        def run(a, b, out=None):
+            time.sleep(delay)
+            return torch.matmul(a, b, out=out)
+
+        return run
+
+
+def test_a_forced_retune_times_what_was_fastest_in_the_cache_first(tmp_path):
+    """``--force`` re-tunes with the cache's earlier times (here both challengers' probes, both
+    cut): the faster one, listed second, goes first the second time."""
+    key = GemmKey(m=8, n=16, k=32, dtype="f32", out_dtype="f32")
+    settings = RunSettings(tune=TuneOptions(budget_s=0.005, sources=["delayed"]), force=True)
+    fp = fingerprint("cpu")
+    registry.register(Delayed())
+    try:
+        with Store(tmp_path / "c.db") as store:
+            orders = []
+            for _ in range(2):
+                seen: list[str] = []
+                _tune_one(key, store, fp, settings, 0, lambda m, seen=seen: seen.append(m.candidate),
+                          None, retune=False)  # fmt: skip
+                orders.append([c for c in seen if c.startswith("delayed")])
+    finally:
+        registry.unregister("delayed")
+    slow, fast = (candidate_name("delayed", {"delay_ms": d}) for d in (5, 0))
+    assert orders == [[slow, fast], [fast, slow]]

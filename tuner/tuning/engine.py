@@ -478,10 +478,10 @@ def _precompile(
 
 def earlier_times(measurements: Iterable[Measurement], launch: str) -> dict[str, float]:
     """Each candidate's best time in ``measurements`` (stored by earlier runs) for ``launch``,
-    as ``tune`` takes them for ``earlier``."""
+    as ``tune`` takes them for ``earlier``; a challenger cut after its probe has the probe's."""
     out: dict[str, float] = {}
     for m in measurements:
-        if m.status == "ok" and m.launch == launch and m.median_us is not None:
+        if m.status in ("ok", "cut") and m.launch == launch and m.median_us is not None:
             us = effective_us(m, launch)
             out[m.candidate] = min(us, out.get(m.candidate, math.inf))
     return out
