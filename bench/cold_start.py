@@ -106,18 +106,23 @@ def fresh_env(
 
 def tune_all(
     run_dir: Path, sources: list[str], extra: list[str], dry_run: bool,
-    server: tuple[str, str] | None = None, caches: Path | None = None,
+    server: tuple[str, str] | None = None, caches: Path | None = None, profile: bool = False,
 ) -> dict:  # fmt: skip
     """One tune-all on fresh caches (``caches``: those of an earlier run's folder instead); its
-    report, wall time and console output."""
+    report, wall time and console output. ``profile``: its processes' cProfile files in
+    ``run_dir/profile`` (``TUNER_PROFILE``), summed up in ``profile.txt``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "tuner.cli", "tune-all", *sources, "--out", str(run_dir), *extra]
     if dry_run:
         cmd += ["--source", "torch", "--source", "triton_gemm", "--budget", "0.01"]
     t0 = time.perf_counter()
     env = fresh_env(caches or run_dir, dry_run, server)
+    if profile:
+        env["TUNER_PROFILE"] = str(run_dir / "profile")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    if profile:
+        summarize_profiles(run_dir / "profile", run_dir / "profile.txt")
     console = proc.stdout + proc.stderr
     (run_dir / "console.txt").write_text(console)
     report_path = run_dir / "report.json"
@@ -130,6 +135,26 @@ def tune_all(
         "command": cmd[2:], "exit": proc.returncode, "wall_s": wall, "report": report,
         "console": console,
     }  # fmt: skip
+
+
+def summarize_profiles(folder: Path, out: Path, top: int = 45) -> None:
+    """Each process's heaviest calls by cumulative time, and the imports' total, as text."""
+    import io
+    import pstats
+
+    with out.open("w") as f:
+        f.write(f"import tuner.cli.main in a fresh interpreter: {import_seconds():.2f} s\n")
+        for path in sorted(folder.glob("*.prof")):
+            text = io.StringIO()
+            stats = pstats.Stats(str(path), stream=text)
+            stats.sort_stats("cumulative").print_stats(top)
+            f.write(f"\n===== {path.name}\n{text.getvalue()}")
+
+
+def import_seconds() -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import tuner.cli.main"], check=True)
+    return time.perf_counter() - t0
 
 
 def problems(run: dict) -> list[dict]:
@@ -417,7 +442,8 @@ def warm_part(args: argparse.Namespace, sources: list[str], extra: list[str]) ->
     if not all((cold / n).exists() for n in ("tuner.db", "triton")):
         print("no cold run's caches here: running the cold tune-all first")
         result["cold"] = recorded(tune_all(cold, sources, extra, args.dry_run))
-    run = tune_all(args.out / "warm", sources, [*extra, "--force"], args.dry_run, caches=cold)
+    run = tune_all(args.out / "warm", sources, [*extra, "--force"], args.dry_run, caches=cold,
+                   profile=args.profile)  # fmt: skip
     result |= recorded(run)
     tuned = result["summary"]["tuned"]
     result["wall_s_per_problem"] = result["wall_s"] / tuned if tuned else None
@@ -471,6 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         help="A cold run's folder (tuner.db, report.json, artifacts/) for fleet / first-call.",
     )
     ap.add_argument("--dry-run", action="store_true", help="Tiny problems on the CPU.")
+    ap.add_argument(
+        "--profile", action="store_true",
+        help="warm: cProfile the tune-all command and its workers (warm/profile.txt).",
+    )  # fmt: skip
     ap.add_argument("--probe", choices=PROBES, help=argparse.SUPPRESS)  # the first-call child
     args = ap.parse_args(argv)
     if args.probe:

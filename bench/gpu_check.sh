@@ -10,6 +10,7 @@
 #   $OUT/gemm_lowbit.json/.png, gemm_lowbit_vs_bf16.png, gemm_lowbit.db; LOWBIT_BENCH_ARGS="--part
 #   fp8-rowwise ...", LOWBIT_BENCH_TIMEOUT seconds). lowbit-kernels (bench/lowbit_kernels.py -> $OUT/
 #   lowbit_kernels.json, .log; LOWBIT_KERNELS_ARGS="--formats int4 ...", LOWBIT_KERNELS_TIMEOUT).
+#   lowbit-ncu (Nsight Compute sections of the low-bit decode kernels -> $OUT/lowbit_ncu.log).
 #   tuneall (tune-all Llama-3-8B projections -> $OUT/tuneall: report.json, speedup.png, tuner.db,
 #   journal, tunableop_results0.csv; TUNEALL_TIME_LIMIT, TUNEALL_RESUME_FROM, TUNEALL_ARGS).
 #   libs (cuBLAS/cuBLASLt/CUTLASS: precompile, tests/candidates/test_gemm_libraries.py, bench/libs_bench.py
@@ -49,6 +50,14 @@ for stage in "$@"; do
       timeout -k 20 "${DECODE_NCU_TIMEOUT:-240}" "$NCU" --clock-control none -k "regex:${DECODE_NCU_KERNELS:-_read_kv|_decode}" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats python3 bench/decode_sweep.py --out /dev/null --profile 2>&1 | tee "$OUT/decode_ncu.log" || status=1 ;;
+    lowbit-ncu)  # Nsight Compute counters of the low-bit decode kernels: each once (NVTX range
+      # "profile") after a warm-up; LOWBIT_NCU_ARGS (default: int4, gate_up + down, M 1 and 16)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      timeout -k 20 "${LOWBIT_NCU_TIMEOUT:-300}" "$NCU" --clock-control none --nvtx --nvtx-include "profile/" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
+        python3 bench/lowbit_kernels.py --out /dev/null --profile ${LOWBIT_NCU_ARGS:---formats int4 --proj gate_up down --m 1 16} \
+        2>&1 | tee "$OUT/lowbit_ncu.log" || status=1 ;;
     dispatch) python3 bench/dispatch_overhead.py --out "$OUT/dispatch_overhead.json" || status=1 ;;
     sdpa-tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests/candidates/test_attention.py 2>&1 | tee "$OUT/sdpa_tests.log" || status=1 ;;
     sdpa) timeout -k 20 "${SDPA_BENCH_TIMEOUT:-215}" python3 -m tuner.cli bench sdpa --out "$OUT" ${SDPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/sdpa_bench.log" || status=1 ;;

@@ -42,6 +42,7 @@ from tuner.cli.options import (
 )
 from tuner.core.device import Fingerprint, fingerprint
 from tuner.core.keys import Key, key_op, parse_key
+from tuner.core.profiling import profiled
 from tuner.core.progress import progress_bar
 from tuner.fleet.client import (
     BATCH,
@@ -173,7 +174,9 @@ def tune_all_command(
         compile_ahead=compile_ahead,
     )  # fmt: skip
     sources = Sources.of(model, config, tunableop_file, misses, op, queue)
-    raise typer.Exit(tune_all(sources, cache_path(cache), settings, out=out, dry_run=dry_run))
+    with profiled("tune-all"):
+        status = tune_all(sources, cache_path(cache), settings, out=out, dry_run=dry_run)
+    raise typer.Exit(status)
 
 
 @app.command("report")
