@@ -261,3 +261,24 @@ def test_unavailable_reasons(source, module, reason):
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed here")
     assert source.unavailable("cuda").startswith(reason)
+
+
+def test_cutlass_offers_asks_the_library_only_about_unknown_kernels(tmp_path, monkeypatch):
+    """A compiled kernel is offered and a missing one is remembered: warm runs build no registry."""
+    monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path))
+    key = GemmKey(m=64, n=64, k=64)
+    compiled = cutlass_gemm.kernel_spec(key, GOOD)
+    missing = cutlass_gemm.kernel_spec(key, {**GOOD, "tile": [64, 64, 64]})
+    unknown = cutlass_gemm.kernel_spec(key, {**GOOD, "tile": [128, 64, 64]})
+    asked = []
+
+    def lookup(spec: cutlass_env.KernelSpec) -> None:
+        asked.append(spec)
+        if spec == missing:
+            raise LookupError("not in this library")
+
+    cutlass_env.record(compiled, "compiled", {"seconds": 1.0, "name": "k"})
+    assert cutlass_env.offers(compiled, lookup) and asked == []
+    assert not cutlass_env.offers(missing, lookup) and asked == [missing]
+    assert not cutlass_env.offers(missing, lookup) and asked == [missing]
+    assert cutlass_env.offers(unknown, lookup) and asked == [missing, unknown]

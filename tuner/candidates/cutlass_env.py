@@ -315,22 +315,49 @@ def scaled_epilogue(scale: str, out_element: Any) -> Any:
     return cc.epilogue.trace(_scale_product, examples, cc=SM)
 
 
+def offers(spec: KernelSpec, lookup: Callable[[KernelSpec], Any]) -> bool:
+    """Whether the library offers ``spec`` (``lookup`` raises LookupError where it does not).
+
+    Asking the library means building its kernel registry, seconds per process; a spec that
+    compiled is offered, and a spec found missing is marked so (in the cache, per library
+    version), so a warm run's shortlists need no registry."""
+    if compiled_info(spec) is not None:
+        return True
+    if _marker(spec, "absent").exists():
+        return False
+    try:
+        lookup(spec)
+    except LookupError:
+        record(spec, "absent", {})
+        return False
+    return True
+
+
 def epilogue_kind(td: Any) -> str:
     return "tma" if td.epilogue_schedule.name in TMA_EPILOGUES else "default"
 
 
 def tile_description(spec: KernelSpec) -> Any:
     """cutlass_cppgen's TileDescription of ``spec``; LookupError if it offers none."""
-    for td in _plan_of(spec).tile_descriptions():
-        if (
-            tuple(td.threadblock_shape) == spec.tile
-            and tuple(td.cluster_shape)[:2] == spec.cluster
-            and td.kernel_schedule.name == spec.kernel
-            and td.tile_scheduler.name == spec.scheduler
-            and epilogue_kind(td) == spec.epilogue
-        ):
-            return td
-    raise LookupError(f"cutlass_cppgen {version()} offers no SM90 kernel for {spec}")
+    plan = (spec.dtype, spec.layout, spec.wdtype, spec.out_dtype, spec.scale)
+    found = _tile_descriptions(*plan).get(
+        (spec.tile, spec.cluster, spec.kernel, spec.scheduler, spec.epilogue)
+    )
+    if found is None:
+        raise LookupError(f"cutlass_cppgen {version()} offers no SM90 kernel for {spec}")
+    return found
+
+
+@functools.cache
+def _tile_descriptions(*plan: str) -> dict[tuple[Any, ...], Any]:
+    """A plan's tile descriptions by the spec fields that pick one (the first of equals wins):
+    the plan builds its list anew on every call."""
+    index: dict[tuple[Any, ...], Any] = {}
+    for td in _plan(*plan).tile_descriptions():
+        fields = (tuple(td.threadblock_shape), tuple(td.cluster_shape)[:2],
+                  td.kernel_schedule.name, td.tile_scheduler.name, epilogue_kind(td))  # fmt: skip
+        index.setdefault(fields, td)
+    return index
 
 
 def load(spec: KernelSpec) -> Any:

@@ -171,11 +171,7 @@ def unsupported_reason(key: GemmKey) -> str | None:
 
 def in_library(spec: env.KernelSpec) -> bool:
     """Whether cutlass_cppgen offers the kernel ``spec`` describes."""
-    try:
-        env.tile_description(spec)
-    except LookupError:
-        return False
-    return True
+    return env.offers(spec, env.tile_description)
 
 
 def offered(key: GemmKey) -> dict[env.KernelSpec, Params]:
