@@ -144,6 +144,7 @@ def summarize_profiles(folder: Path, out: Path, top: int = 45) -> None:
 
     with out.open("w") as f:
         f.write(f"import tuner.cli.main in a fresh interpreter: {import_seconds():.2f} s\n")
+        f.write(heaviest_imports())
         for path in sorted(folder.glob("*.prof")):
             text = io.StringIO()
             stats = pstats.Stats(str(path), stream=text)
@@ -155,6 +156,19 @@ def import_seconds() -> float:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import tuner.cli.main"], check=True)
     return time.perf_counter() - t0
+
+
+def heaviest_imports(top: int = 30) -> str:
+    """``python -X importtime`` of the CLI: the modules with the most cumulative time."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import tuner.cli.main"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    rows = []
+    for line in proc.stderr.splitlines():
+        parts = line.removeprefix("import time:").split("|")
+        if len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]), parts[2].rstrip()))
+    rows.sort(reverse=True)
+    return "".join(f"{us / 1e6:8.3f} s {name}\n" for us, name in rows[:top])
 
 
 def problems(run: dict) -> list[dict]:

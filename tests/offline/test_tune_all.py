@@ -555,6 +555,9 @@ def test_a_timed_out_problem_keeps_its_baseline_and_is_retried_last(tmp_path):
 
 
 def test_an_idle_worker_is_handed_the_first_problem_whose_kernels_are_compiled(tmp_path):
+    """A fresh worker takes the first problem at once and waits for its kernels inside, past
+    the problem's time limit (its limit starts once they are compiled); after that, an idle
+    worker gets the first problem that is compiled, or waits while none is."""
     keys = [GemmKey(m=m, n=8, k=8, dtype="f32", out_dtype="f32") for m in (1, 2, 3)]
     options = TuneOptions(sources=["torch"], budget_s=0.01)
     compiler = CompilePool(keys, options, "cpu", jobs=1)  # not started: the test compiles
@@ -564,26 +567,34 @@ def test_an_idle_worker_is_handed_the_first_problem_whose_kernels_are_compiled(t
         if event[0] == "start":
             started.append(event[1][1])
 
+    def compiled(key):
+        for event in compiler.events[str(key)]:
+            event.set()
+
     def compile_in_this_order():
-        for key in (keys[2], keys[0], keys[1]):
-            time.sleep(0.5)
-            for event in compiler.events[str(key)]:
-                event.set()
-            deadline = time.time() + 60
-            while key not in started and time.time() < deadline:
-                time.sleep(0.02)
+        deadline = time.time() + 60
+        while not started and time.time() < deadline:
+            time.sleep(0.02)
+        compiled(keys[2])
+        time.sleep(3.0)  # longer than the problem's time limit
+        compiled(keys[0])
+        while len(started) < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)
+        compiled(keys[1])
 
     marker = threading.Thread(target=compile_in_this_order, daemon=True)
-    settings = RunSettings(tune=options, workers=1)
+    settings = RunSettings(tune=options, workers=1, problem_timeout_s=2.0)
     pool = _Pool(tmp_path / "c.db", settings, [None], emit, compiler)
     marker.start()
     try:
         summary = pool.run(keys, set())
     finally:
         compiler.close()
-    assert started == [keys[2], keys[0], keys[1]]
+    assert started == [keys[0], keys[2], keys[1]]
     assert [r.status for r in summary.results] == ["tuned"] * 3
-    assert summary.idle_s > 0.5  # the worker waited while nothing was compiled
+    assert summary.results[0].wait_s > 2.5  # waited for its kernels, and was not cut off
+    assert summary.idle_s > 0.3  # then idle while keys[1] was the only one left, compiling
     assert summary.start_s is not None and 0 < summary.start_s < summary.wall_s
 
 

@@ -79,6 +79,12 @@ class Source(ABC):
         are left for ``build`` to raise, one candidate at a time."""
         return None
 
+    def prepare(self, key: Key) -> None:
+        """Per-process set-up that the first ``build`` for ``key`` needs anyway (a kernel
+        registry, say), done while the kernels are still compiling elsewhere. Optional: the
+        default does nothing; errors are left for ``build`` to raise."""
+        return None
+
     shares_kernels: ClassVar[bool] = False
     """Whether one compiled kernel serves every shape (its params name the whole kernel): a run
     then compiles the union of all its problems' shortlists once, up front, on every core

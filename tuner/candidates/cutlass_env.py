@@ -279,8 +279,18 @@ def _plan(dtype: str, layout: str, wdtype: str = "", out_dtype: str = "", scale:
     return plan
 
 
+def _plan_fields(spec: KernelSpec) -> tuple[str, ...]:
+    return (spec.dtype, spec.layout, spec.wdtype, spec.out_dtype, spec.scale)
+
+
 def _plan_of(spec: KernelSpec) -> Any:
-    return _plan(spec.dtype, spec.layout, spec.wdtype, spec.out_dtype, spec.scale)
+    return _plan(*_plan_fields(spec))
+
+
+def prepare(spec: KernelSpec) -> None:
+    """Build what ``load`` of a kernel like ``spec`` needs first: the library's registry (seconds
+    per process), the plan and its tile descriptions."""
+    _tile_descriptions(*_plan_fields(spec))
 
 
 # Parsed, not run: cutlass_cppgen traces this source into the epilogue (D names its output; a
@@ -339,8 +349,7 @@ def epilogue_kind(td: Any) -> str:
 
 def tile_description(spec: KernelSpec) -> Any:
     """cutlass_cppgen's TileDescription of ``spec``; LookupError if it offers none."""
-    plan = (spec.dtype, spec.layout, spec.wdtype, spec.out_dtype, spec.scale)
-    found = _tile_descriptions(*plan).get(
+    found = _tile_descriptions(*_plan_fields(spec)).get(
         (spec.tile, spec.cluster, spec.kernel, spec.scheduler, spec.epilogue)
     )
     if found is None:

@@ -398,6 +398,12 @@ class CutlassGemm(Source):
         cutlass_artifacts.install_missing(specs)
         env.compile_all(specs, on_done=done)
 
+    def prepare(self, key: GemmKey) -> None:
+        """cutlass_cppgen's registry and ``key``'s plan, which ``load`` needs."""
+        chosen = self.offered(key)
+        if chosen:
+            env.prepare(next(iter(chosen)))
+
     def load(self, spec: env.KernelSpec) -> Any:
         """The compiled kernel of ``spec``, as ``launcher`` takes it."""
         return env.load(spec)

@@ -411,6 +411,9 @@ class CutlassW4A16(cutlass_gemm.CutlassGemm):
         pairs = ((kernel_spec(key, p), p) for p in shortlist(key))
         return cutlass_gemm.compilable(pairs, in_library)
 
+    def prepare(self, key: GemmKey) -> None:
+        """Nothing: these kernels load as shared libraries of their own, without cutlass_cppgen."""
+
     def load(self, spec: env.KernelSpec) -> Path:
         """The compiled library of ``spec`` (what the launcher and the artifact store take)."""
         return env.library_path(spec)

@@ -53,7 +53,7 @@ from tuner.fleet.client import (
     push_artifacts,
 )
 from tuner.measure.records import Measurement, Winner
-from tuner.offline import report, tunableop
+from tuner.offline import plots, report, tunableop
 from tuner.offline.model_config import load_model
 from tuner.offline.problem_list import ConfigError
 from tuner.offline.tune_all import (
@@ -443,6 +443,8 @@ def tune_all(
         )
     summary = None
     if ordered.todo and not dry_run:
+        if out is not None:
+            plots.preload()
         with fleet_artifacts(fp, store_path) as artifacts:
             retune = kept_after_timeout(journal, fp)
             summary = run_with_progress(ordered.todo, problems, store_path, settings, retune)

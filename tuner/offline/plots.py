@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import textwrap
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
 def geomean(xs: Sequence[float]) -> float:
@@ -14,6 +16,23 @@ def geomean(xs: Sequence[float]) -> float:
 
 
 TITLE_WIDTH = 80  # characters per title line at the figure's width
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend (no display on servers or CI). Slow to
+    import: only when a plot is made, not on ``import tuner.offline.plots`` (the CLI imports it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def preload() -> None:
+    """Import matplotlib in a background thread, while a long run waits on its workers: the
+    plot at its end then starts at once."""
+    threading.Thread(target=pyplot, name="preload-matplotlib", daemon=True).start()
 
 
 def speedup_plot(
@@ -29,12 +48,7 @@ def speedup_plot(
 
     ``groups`` colours the bars (e.g. the winning source); ``floor`` draws the no-regression line.
     """
-    # matplotlib is slow to import: only here, not on `import tuner.offline.plots` (the CLI
-    # imports it)
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; no display on servers or CI
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     path = Path(path)

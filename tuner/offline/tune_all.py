@@ -311,6 +311,8 @@ class _Slot:
     key: Key | None = None  # the problem in flight
     started: float = 0.0
     deaths: int = 0
+    fresh: bool = True  # has not started a problem yet
+    waiting: bool = False  # its problem was handed out before the compile pool had compiled it
     measured: list[Measurement] = field(default_factory=list)  # of the problem in flight
 
     @property
@@ -428,7 +430,11 @@ class _Pool:
         now = time.perf_counter()
         self.idle_s += idle * (now - t0)
         for slot in self.slots:
-            if slot.key and now - slot.started > self.settings.problem_timeout_s:
+            if (
+                slot.key
+                and not slot.waiting
+                and now - slot.started > self.settings.problem_timeout_s
+            ):
                 slot.child.kill()
                 limit = self.settings.problem_timeout_s
                 self._finish(slot, "timeout", f"ran past the per-problem limit of {limit:g} s")
@@ -441,8 +447,12 @@ class _Pool:
     def _feed(self) -> int:
         """Hand each idle worker the first pending problem whose kernels are compiled (in the
         run's order among those), so the GPU times what is ready while the rest compiles; once
-        none is pending, one sentinel per slot (a replacement takes its predecessor's). Returns
-        how many workers stay idle only because every pending problem is still compiling."""
+        none is pending, one sentinel per slot (a replacement takes its predecessor's). A worker
+        that has not started a problem yet gets the first pending one even if it is compiling:
+        its first problem's set-up (imports, libraries' registries, the baseline's timing)
+        overlaps the compiling, and it waits for the kernels in the engine, outside the
+        problem's time limit. Returns how many workers stay idle only because every pending
+        problem is still compiling."""
         if self.stop.is_set() or self.sentinels_sent:
             return 0
         if not self.backlog:
@@ -450,15 +460,16 @@ class _Pool:
                 self.tasks.put(None)
             self.sentinels_sent = True
             return 0
-        idle = sum(s.ready and not s.done and s.key is None for s in self.slots)
-        idle -= self.tasks.qsize()  # handed out, not yet started
-        while idle > 0:
+        idle_slots = [s for s in self.slots if s.ready and not s.done and s.key is None]
+        queued = self.tasks.qsize()  # handed out, not yet started
+        idle, fresh = len(idle_slots) - queued, sum(s.fresh for s in idle_slots) - queued
+        while idle > 0 and self.backlog:
             ready = (i for i, (key, _) in enumerate(self.backlog) if self._compiled(key))
-            pick = next(ready, None)
+            pick = next(ready, 0 if fresh > 0 else None)
             if pick is None:
                 return idle
             self.tasks.put(self.backlog.pop(pick))
-            idle -= 1
+            idle, fresh = idle - 1, fresh - 1
         return 0
 
     def _compiled(self, key: Key) -> bool:
@@ -494,7 +505,10 @@ class _Pool:
             self.emit(("ready", (slot.index, data)))
         elif kind == "start":
             slot.key, slot.started, slot.measured = data, time.perf_counter(), []
+            slot.fresh, slot.waiting = False, not self._compiled(data)
             self.emit(("start", (slot.index, data)))
+        elif kind == "compiled" and slot.waiting and slot.key == data:
+            slot.started, slot.waiting = time.perf_counter(), False  # its limit starts now
         elif kind == "measurement":
             slot.measured.append(Measurement.from_row(data))
         elif kind == "result":
@@ -625,10 +639,18 @@ def _work(
                 break
             key, retune = task
             conn.send(("start", key))
-            wait = functools.partial(compile_pool.wait, compiled, key) if compiled else None
+            wait = functools.partial(_wait_compiled, conn, compiled, key) if compiled else None
             result = _tune_one(key, store, fp, settings, index, measured, wait, retune)
             conn.send(("result", result))
     conn.send(("exit", None))
+
+
+def _wait_compiled(conn: Connection, compiled: dict[str, Any], key: Key) -> float:
+    """Wait until the compile pool compiled ``key``, then tell the parent (the problem's time
+    limit starts there); the seconds waited."""
+    waited = compile_pool.wait(compiled, key)
+    conn.send(("compiled", key))
+    return waited
 
 
 def _tune_one(

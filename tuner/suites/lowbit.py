@@ -47,7 +47,7 @@ from tuner.core.keys import GemmKey, lowbit_spec, parse_key
 from tuner.measure import samples, timing
 from tuner.measure.records import candidate_params
 from tuner.offline.model_config import gemm_key, load_model
-from tuner.offline.plots import geomean
+from tuner.offline.plots import geomean, pyplot
 from tuner.suites.gemm import MODELS_DIR, OPS, Recorder
 from tuner.suites.runner import console, run_suite, side_by_side
 from tuner.tuning import compile_pool
@@ -403,11 +403,9 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> Path:
     """A row of panels per format, one per measure, over M: a line per projection (colour:
     projection, line style: model); each target a red dotted segment over the M it judges,
     each miss ringed in red; the decode panel also marks the bare read's share (x)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; no display on servers or CI
-    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
+
+    plt = pyplot()
 
     formats = list(dict.fromkeys(r["format"] for r in rows))
     shapes = list(dict.fromkeys(r["shape"] for r in rows))

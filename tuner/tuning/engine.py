@@ -498,6 +498,18 @@ def fastest_first(
     )
 
 
+def _prepare(key: Key, plan: list[tuple[Source, list[Params]]]) -> None:
+    """Each source's per-process set-up (``Source.prepare``) before the wait for the compile
+    pool, so that it overlaps the compiling; a failure is the first build's to raise."""
+    for source, shortlist in plan:
+        if not shortlist:
+            continue
+        try:
+            source.prepare(key)
+        except Exception as e:
+            log.debug("%s: prepare failed on %s: %r", source.name, key, e)
+
+
 def tune(
     key: Key,
     *,
@@ -588,6 +600,7 @@ def tune(
 
     base = next((run(s, p) for s, shortlist in plan for p in shortlist if s.is_baseline(p)), None)
     plan = _prune(key, device, plan, base, options, record, done, measurements)
+    _prepare(key, plan)
     t0 = time.perf_counter()
     if compiled is not None:
         compiled()
