@@ -231,8 +231,9 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor | Bounded) -> float:
     share of its bound), NaN if ``out`` has any NaN or Inf (so it can never pass)."""
     if isinstance(ref, Bounded):
         return excess(out, ref.ref, ref.tol) if torch.isfinite(out).all() else float("nan")
-    o = out.to(ref.dtype)
-    if not torch.isfinite(o).all():
-        return float("nan")
-    denom = torch.linalg.vector_norm(ref).item() or 1.0
-    return torch.linalg.vector_norm(o - ref).item() / denom
+    # one pass in ref's precision (``out - ref`` promotes), and one read back for all three
+    err, denom, finite = torch.stack((
+        torch.linalg.vector_norm(out - ref), torch.linalg.vector_norm(ref),
+        torch.isfinite(out).all().to(ref.dtype),
+    )).tolist()  # fmt: skip
+    return err / (denom or 1.0) if finite else float("nan")
