@@ -28,6 +28,7 @@ LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
 TILED = {"kernel": "tiled", "bm": 16, "bn": 32, "bk": 128, "dots": 2, "split_k": 1}
 TILED_SPLIT = {**TILED, "split_k": 2}
 ONE_DOT_SPLIT = {**TILED, "dots": 1, "split_k": 2}
+STREAM = {"kernel": "stream_k", "bm": 16, "bn": 32, "bk": 128, "dots": 1, "programs": 5}
 
 
 def int4_problem(m: int, n: int, k: int, g: int, dtype: torch.dtype, device: str = DEVICE):
@@ -47,6 +48,12 @@ W4_CASES = [
     (5, ONE_DOT_SPLIT, 128, torch.bfloat16, 256),
     (37, TILED, 256, torch.float16, 256),
     (16, {**TILED, "dots": 1, "split_k": 3}, 128, torch.bfloat16, 384),
+    # stream-K, n = 40 in two tiles: 6 steps each cut into 5 runs (3 programs per tile), ...
+    (1, STREAM, 64, torch.bfloat16, 768),
+    # ... 2 steps each in 3 runs (tile 0 in two, tile 1 whole), ...
+    (16, {**STREAM, "dots": 2, "programs": 3}, 128, torch.float16, 512),
+    # ... one program per tile
+    (7, {**STREAM, "programs": 2}, 32, torch.bfloat16, 384),
 ]
 
 
@@ -58,7 +65,7 @@ def test_w4a16_matches_the_dequantized_gemm(m, config, g, dtype, k) -> None:
     assert excess(out, ref, tol) <= 1
 
 
-@pytest.mark.parametrize("config", [TILED, ONE_DOT_SPLIT])
+@pytest.mark.parametrize("config", [TILED, ONE_DOT_SPLIT, {**STREAM, "bn": 16, "programs": 3}])
 def test_w4a16_planted_errors_are_caught(config) -> None:
     """Nibbles in the wrong order, the scales of the neighbouring group, one K tile dropped."""
     g = 32
@@ -79,7 +86,7 @@ def test_w4a16_configs_are_valid_for_llama_shapes() -> None:
                 shortlist = w4a16.configs(m, n, k, g)
                 assert shortlist
                 for config in shortlist:
-                    w4a16.check_config(config, k, g)
+                    w4a16.check_config(config, m, n, k, g)
                     if m <= 16:
                         assert config["bm"] >= m
 
@@ -134,6 +141,33 @@ def test_w4a16_bad_inputs_name_the_field() -> None:
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "dots": 3})
     with pytest.raises(ValueError, match="config\\['kernel'\\]"):
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "kernel": "cutlass"})
+    # stream-K: K = 256 in 128-wide steps and one tile of 16 rows: 2 units
+    with pytest.raises(ValueError, match="config\\['programs'\\]=3: allowed 1 .. 2"):
+        w4a16.w4a16_matmul(x, w, sz, 32, {**STREAM, "bn": 16, "programs": 3})
+    with pytest.raises(ValueError, match="config\\['programs'\\]=None"):
+        w4a16.w4a16_matmul(x, w, sz, 32, {**STREAM, "programs": None})
+    x384, q384, sz384, _, _ = int4_problem(2, 16, 384, 32, torch.float16, "cpu")
+    with pytest.raises(ValueError, match="config\\['dots'\\]=2: K=384"):
+        w4a16.w4a16_matmul(x384, int4.pack(q384), sz384, 32, {**STREAM, "dots": 2})
+    x17 = torch.randn(17, 256, dtype=torch.float16)
+    with pytest.raises(ValueError, match="M=17 > config\\['bm'\\]=16"):
+        w4a16.w4a16_matmul(x17, w, sz, 32, STREAM)
+
+
+@pytest.mark.parametrize(("tiles", "steps", "programs"),
+                         [(2, 6, 5), (224, 16, 264), (28, 74, 264), (3, 4, 12), (7, 3, 2)])  # fmt: skip
+def test_w4a16_stream_k_runs_cover_every_unit_once(tiles: int, steps: int, programs: int) -> None:
+    """Program p runs units [p * U // P, (p + 1) * U // P): no run is empty, ``owner`` names the
+    run that holds each unit, and a plan's ``parts`` is the most runs that meet in one tile."""
+    units = tiles * steps
+    runs = [range(p * units // programs, (p + 1) * units // programs) for p in range(programs)]
+    assert all(runs) and [u for r in runs for u in r] == list(range(units))
+    assert all(w4a16.owner(u, units, programs) == p for p, r in enumerate(runs) for u in r)
+    meeting = max(len({w4a16.owner(u, units, programs) for u in range(t * steps, (t + 1) * steps)})
+                  for t in range(tiles))  # fmt: skip
+    config = {**STREAM, "bn": 16, "programs": programs}
+    assert w4a16.plan(1, 16 * tiles, 128 * steps, 128, tuple(sorted(config.items()))).parts \
+        == meeting  # fmt: skip
 
 
 def fp8_problem(m: int, n: int, k: int, rowwise: bool, fa: str = "e4m3", fb: str = "e4m3"):
@@ -208,12 +242,20 @@ def test_w4a16_every_config_on_the_gpu(m: int, n: int, g: int) -> None:
     assert excess(torch_out, ref, tol) <= 1
 
 
+# n = 512, K = 4096: 4 tiles of 128 rows, 16 steps each; 3 stream-K programs store tile 0
+# whole and meet in tiles 1-3
+GPU_CONFIGS = [
+    {**TILED, "bn": 128, "warps": 8, "stages": 3},
+    {**TILED, "bn": 128, "warps": 8, "stages": 3, "split_k": 4},
+    {**STREAM, "bn": 128, "dots": 2, "programs": 3, "warps": 8, "stages": 4},
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [1, 4])
-def test_w4a16_later_calls_launch_directly_with_the_same_bits(split: int) -> None:
+@pytest.mark.parametrize("config", GPU_CONFIGS)
+def test_w4a16_later_calls_launch_directly_with_the_same_bits(config) -> None:
     x, q, sz, ref, tol = int4_problem(4, 512, 4096, 128, torch.bfloat16)
     packed = int4.pack(q)
-    config = {**TILED, "bn": 128, "warps": 8, "stages": 3, "split_k": split}
     first = w4a16.w4a16_matmul(x, packed, sz, 128, config)
     plan = w4a16.plan(4, 512, 4096, 128, tuple(sorted(config.items())))
     assert plan.checked and plan.main.verified and plan.main.compiled  # the direct path is on
@@ -240,12 +282,12 @@ def replays_alike_when_captured_first(counts, first: torch.Tensor, call) -> None
 
 
 @pytest.mark.gpu
-def test_w4a16_split_k_sums_alike_in_the_kernel_and_in_a_captured_graph() -> None:
+@pytest.mark.parametrize("config", GPU_CONFIGS[1:])
+def test_w4a16_split_k_sums_alike_in_the_kernel_and_in_a_captured_graph(config) -> None:
     """The tile's last program sums the partials (counts back at zero after each call); a graph
     captured before the counts exist reduces with a second launch, in the same order."""
     x, q, sz, ref, tol = int4_problem(4, 512, 4096, 128, torch.bfloat16)
     packed = int4.pack(q)
-    config = {**TILED, "bn": 128, "warps": 8, "stages": 3, "split_k": 8}
     w4a16._counts.clear()
     first = w4a16.w4a16_matmul(x, packed, sz, 128, config)
     again = w4a16.w4a16_matmul(x, packed, sz, 128, config)

@@ -13,6 +13,7 @@ from tuner.candidates.base import Source
 from tuner.core.keys import GemmKey, SdpaKey
 from tuner.measure.records import Measurement, candidate_name
 from tuner.tuning.engine import (
+    PHASES,
     TuneOptions,
     choose,
     contenders,
@@ -384,6 +385,8 @@ def test_the_cut_is_tighter_where_the_best_is_a_steady_gpu_bound_call():
     assert cut_off(1000.0, "cpu", options) == pytest.approx(1500.0)
     with pytest.raises(ValueError, match="steady_cut must be >= 1"):
         TuneOptions(steady_cut=0.9)
+    with pytest.raises(ValueError, match="late_cut must be >= 1"):
+        TuneOptions(late_cut=0.9)
 
 
 def test_challengers_timed_in_an_earlier_run_go_first_fastest_first(planted):
@@ -405,3 +408,11 @@ def test_challengers_timed_in_an_earlier_run_go_first_fastest_first(planted):
     challengers = [n for n in order if n in names]
     assert challengers[:2] == [names[-1], names[-2]]
     assert challengers[2:] == [n for n in names if n not in hinted]
+
+
+def test_a_problems_tuning_time_is_split_into_its_phases(planted):
+    outcome = tune(KEY, options=TuneOptions(budget_s=0.005, sources=["planted"]))
+    assert list(outcome.phases) == list(PHASES)
+    assert all(t >= 0 for t in outcome.phases.values())
+    assert sum(outcome.phases.values()) == pytest.approx(outcome.seconds)
+    assert outcome.phases["compile"] >= outcome.compile_s

@@ -56,7 +56,7 @@ class TritonW4A16(Source):
         )
 
     def build(self, key: GemmKey, params: Params) -> Runner:
-        w4a16.check_config(params, key.k, key.group)
+        w4a16.check_config(params, key.m, key.n, key.k, key.group)
         config, group = dict(params), key.group
 
         def run(x, packed, scales_and_zeros, out=None):

@@ -7,7 +7,9 @@ figure they report follows the same rules.
 - Repetitions fill a time budget (within [min_reps, max_reps]); the result is the median with the
   10th/90th percentiles as spread. A call of ``STEADY_US`` or more is GPU-bound and steady:
   ``STEADY_REPS`` samples place its median within noise, and more would only spend the budget.
-- A probe of a few calls first: a candidate far slower than the best so far is cut early.
+- A probe of a few calls first: a candidate far slower than the best so far is cut early; one
+  that passes is cut after its first ``LATE_REPS`` timed calls if their median is already slower
+  than a tighter cut-off, since a few dozen calls place a median within a few percent.
 - The host time per eager call is measured too: for tiny problems the launch, not the kernel,
   is what the caller waits for.
 - ``graph_time``: GPU time alone, from calls captured in a CUDA graph and replayed (what a caller
@@ -29,6 +31,7 @@ import torch
 CPU_L2_BYTES = 32 * 2**20  # a generous last-level cache guess; CPU rotation matters less
 STEADY_US = 100.0  # calls this long are GPU-bound: launch jitter is a small share of them
 STEADY_REPS = 20  # samples enough for such a call's median
+LATE_REPS = 30  # timed calls before the late cut-off is applied
 
 
 @dataclass(frozen=True)
@@ -124,11 +127,14 @@ def measure(
     min_reps: int = 5,
     max_reps: int = 500,
     cutoff_us: float | None = None,
+    late_cutoff_us: float | None = None,
 ) -> Timing:
     """Time ``fn(i)`` (which runs the candidate on input set ``i``) per the rules above.
 
     ``cutoff_us``: after the probe, stop if its median exceeds this (the caller passes a multiple
     of the best median so far); the Timing then has ``cut=True`` and only the probe's numbers.
+    ``late_cutoff_us`` (tighter): the same after the first ``LATE_REPS`` timed calls, where
+    the budget allows at least twice as many.
     """
     clock = _Clock(device)
     for i in range(warmup):
@@ -137,18 +143,29 @@ def measure(
     samples = clock.run(fn, warmup, probe)
     est = statistics.median(samples)
     if cutoff_us is not None and est > cutoff_us:
-        s = sorted(samples)
-        return Timing(est, s[0], s[-1], len(s), est, cut=True)
+        return _cut(samples)
     reps = int(min(max_reps, max(min_reps, budget_s * 1e6 / max(est, 1.0))))
     if clock.cuda and est >= STEADY_US:
         reps = min(reps, max(min_reps, STEADY_REPS))
-    samples = clock.run(fn, warmup + probe, reps)
+    samples = []
+    if late_cutoff_us is not None and reps >= 2 * LATE_REPS:
+        samples = clock.run(fn, warmup + probe, LATE_REPS)
+        if statistics.median(samples) > late_cutoff_us:
+            return _cut(samples)
+    samples += clock.run(fn, warmup + probe + len(samples), reps - len(samples))
     s = sorted(samples)
     median = statistics.median(s)
     host = (
         host_time_us(fn, min(reps, 20), clock) if clock.cuda else median
     )  # CPU work is synchronous
     return Timing(median, _percentile(s, 0.1), _percentile(s, 0.9), len(s), host)
+
+
+def _cut(samples: list[float]) -> Timing:
+    """A candidate stopped at a cut-off: the median and range of the calls it ran."""
+    s = sorted(samples)
+    median = statistics.median(s)
+    return Timing(median, s[0], s[-1], len(s), median, cut=True)
 
 
 def copy_bandwidth_gbs(device: str, nbytes: int = 2 * 2**30) -> float:

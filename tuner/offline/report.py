@@ -45,6 +45,7 @@ class Row:
     compile_s: float | None = None  # the compile pool's time on it (beside the GPU's work)
     compiled: int | None = None  # candidates compiled (or found compiled)
     pruned: dict[str, int] = field(default_factory=dict)  # left out uncompiled, by rule
+    phases: dict[str, float] = field(default_factory=dict)  # of tune_s (engine.PHASES)
 
     @property
     def title(self) -> str:
@@ -97,6 +98,7 @@ class Report:
             "compile_pool_s_total": sum(r.compile_s or 0.0 for r in self.rows),
             "shared_compile_s": self.shared_compile_s,
             "tuning_s_total": sum(tune_times),
+            "tuning_s_by_phase": _phase_totals(self.rows),
             "tuning_s_median": sorted(tune_times)[len(tune_times) // 2] if tune_times else None,
             "wall_s": self.wall_s,
             "start_s": self.start_s,
@@ -141,11 +143,21 @@ def _journal_index(journal: list[dict[str, Any]], device_class: str) -> dict[str
     return out
 
 
+def _phase_totals(rows: list[Row]) -> dict[str, float]:
+    """Each tuning phase's seconds summed over the rows (``engine.PHASES``)."""
+    totals: dict[str, float] = {}
+    for r in rows:
+        for phase, seconds in r.phases.items():
+            totals[phase] = totals.get(phase, 0.0) + seconds
+    return totals
+
+
 def _costs(rec: dict[str, Any]) -> dict[str, Any]:
     """A journal record's compile/timing split (absent in records of older runs)."""
     return {
         "tune_s": rec["seconds"], "wait_s": rec.get("wait_s"), "compile_s": rec.get("compile_s"),
         "compiled": rec.get("compiled"), "pruned": rec.get("pruned") or {},
+        "phases": rec.get("phases") or {},
     }  # fmt: skip
 
 
@@ -256,6 +268,9 @@ def render(report: Report, console: Console, *, limit: int | None = None) -> Non
         if s["start_s"] is not None:
             line += f", {s['start_s']:.1f} s of it starting them"
     console.print(line + (f"; stopped early: {s['stopped']}" if s["stopped"] else ""))
+    if s["tuning_s_by_phase"]:
+        split = ", ".join(f"{phase} {t:.1f} s" for phase, t in s["tuning_s_by_phase"].items())
+        console.print(f"tuning time by phase: {split}")
     pruned = ", ".join(f"{n} by {rule}" for rule, n in sorted(s["pruned"].items())) or "none"
     shared = s["shared_compile_s"]
     shared = f", {shared:.1f} s for kernels shared by all shapes" if shared is not None else ""

@@ -244,6 +244,7 @@ class Result:
     compile_s: float | None = None  # the compile pool's time on this problem (off the GPU)
     compiled: int | None = None  # candidates the compile pool compiled (or found compiled)
     pruned: dict[str, int] = field(default_factory=dict)  # left out uncompiled, by rule
+    phases: dict[str, float] = field(default_factory=dict)  # of ``seconds`` (engine.PHASES)
 
 
 @dataclass
@@ -681,5 +682,5 @@ def _tune_one(
     store.save_run(outcome.measurements, outcome.winner)
     return Result(
         key, "tuned", outcome.seconds, index, fp.device_class, outcome.winner.to_row(),
-        wait_s=outcome.compile_s, pruned=outcome.pruned,
+        wait_s=outcome.compile_s, pruned=outcome.pruned, phases=outcome.phases,
     )  # fmt: skip

@@ -38,6 +38,7 @@ class TuneOptions:
     budget_s: float = 0.15  # timing budget per candidate
     cut_factor: float = 1.5  # probe slower than this x best so far -> cut
     steady_cut: float = 1.1  # ... where the best is steady (timing.STEADY_US): probes vary little
+    late_cut: float = 1.1  # after timing.LATE_REPS timed calls slower than this x best -> cut
     min_noise: float = 0.02  # a challenger must win by at least this share ...
     confirm_rounds: int = 3  # ... and again when re-timed alternately with the baseline
     # contenders (then, on the GPU, ties) confirmed in turn, fastest first, until one keeps its
@@ -60,7 +61,7 @@ class TuneOptions:
         for name in ("budget_s", "min_noise", "host_slack_us", "host_slack"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("cut_factor", "steady_cut"):
+        for name in ("cut_factor", "steady_cut", "late_cut"):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("confirm_rounds", "confirm_tries"):
@@ -75,6 +76,7 @@ class TuneOutcome:
     measurements: list[Measurement] = field(default_factory=list)
     seconds: float = 0.0
     compile_s: float = 0.0  # of ``seconds``: compiling (or waiting for the run's compile pool)
+    phases: dict[str, float] = field(default_factory=dict)  # of ``seconds``, by PHASES
 
     @property
     def pruned(self) -> dict[str, int]:
@@ -203,7 +205,12 @@ class _Trial:
         self.runners: dict[str, Runner] = {}  # candidates that passed the numerics check
 
     def run(
-        self, source: Source, params: Params, cutoff_us: float | None, options: TuneOptions
+        self,
+        source: Source,
+        params: Params,
+        cutoff_us: float | None,
+        options: TuneOptions,
+        late_cutoff_us: float | None = None,
     ) -> Measurement:
         try:
             runner = source.build(self.key, params)
@@ -231,6 +238,7 @@ class _Trial:
                 # in graph mode only its host time is used, from a shorter run
                 budget_s=min(options.budget_s, 0.01) if graph else options.budget_s,
                 cutoff_us=None if graph else cutoff_us,  # a cutoff from GPU times: not eager's
+                late_cutoff_us=None if graph else late_cutoff_us,
             )
         except Exception as e:
             return self.record(
@@ -249,7 +257,7 @@ class _Trial:
         return self.record(
             source, params, "cut" if t.cut else "ok", max_rel_err=err,
             median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, reps=t.reps, host_us=t.host_us,
-            error=f"probe {t.median_us:.1f} us > cutoff {cutoff_us:.1f} us" if t.cut else "",
+            error=_cut_reason(t, cutoff_us, late_cutoff_us) if t.cut else "",
         )  # fmt: skip
 
     def confirm(
@@ -363,6 +371,12 @@ class _Trial:
                 torch.cuda.synchronize()
             errors.append(samples.relative_error(out, self.ref))
         return float("nan") if any(e != e for e in errors) else max(errors)
+
+
+def _cut_reason(t: timing.Timing, cutoff_us: float | None, late_cutoff_us: float | None) -> str:
+    if t.reps < timing.LATE_REPS or late_cutoff_us is None:
+        return f"probe {t.median_us:.1f} us > cutoff {cutoff_us:.1f} us"
+    return f"{t.reps} calls {t.median_us:.1f} us > late cutoff {late_cutoff_us:.1f} us"
 
 
 def _short(e: BaseException) -> str:
@@ -498,6 +512,12 @@ def fastest_first(
     )
 
 
+PHASES = ("setup", "baseline", "compile", "challengers", "confirm")
+"""Where a problem's tuning time goes: inputs, reference and shortlists; timing the baseline
+(and pruning); compiling or waiting for the compile pool (with ``Source.prepare``); timing the
+challengers; the duels that confirm a winner."""
+
+
 def _prepare(key: Key, plan: list[tuple[Source, list[Params]]]) -> None:
     """Each source's per-process set-up (``Source.prepare``) before the wait for the compile
     pool, so that it overlaps the compiling; a failure is the first build's to raise."""
@@ -583,14 +603,16 @@ def tune(
     def run(source: Source, params: Params) -> Measurement:
         nonlocal best_us
         # the baseline is never cut: every decision is relative to it
-        cutoff = None if source.is_baseline(params) else cut_off(best_us, device, options)
+        challenger = not source.is_baseline(params)
+        cutoff = cut_off(best_us, device, options) if challenger else None
+        late = best_us * options.late_cut if challenger and best_us is not None else None
         m = done.get(candidate_name(source.name, params))
         if m is not None:
             measurements.append(m)
         else:
             if on_start:
                 on_start(source, params)
-            m = trial.run(source, params, cutoff, options)
+            m = trial.run(source, params, cutoff, options, late)
         if m.status == "ok":
             us = effective_us(m, options.launch)
             best_us = us if best_us is None else min(best_us, us)
@@ -598,8 +620,10 @@ def tune(
             log.error("baseline %s failed on %s: %s", m.candidate, key, m.error)
         return m
 
+    marks = [started, time.perf_counter()]
     base = next((run(s, p) for s, shortlist in plan for p in shortlist if s.is_baseline(p)), None)
     plan = _prune(key, device, plan, base, options, record, done, measurements)
+    marks.append(time.perf_counter())
     _prepare(key, plan)
     t0 = time.perf_counter()
     if compiled is not None:
@@ -607,8 +631,10 @@ def tune(
     else:
         _precompile(key, plan, done)
     compile_s = time.perf_counter() - t0
+    marks.append(time.perf_counter())
     for source, params in fastest_first(plan, earlier or {}):
         run(source, params)
+    marks.append(time.perf_counter())
 
     base = next((m for m in measurements if m.is_baseline and m.status == "ok"), None)
     if base is None:
@@ -628,4 +654,6 @@ def tune(
         median_us=chosen_us, baseline_us=base_us, versions=fp.version_tag, run_id=run_id,
         launch=options.launch,
     )  # fmt: skip
-    return TuneOutcome(key, winner, measurements, time.perf_counter() - started, compile_s)
+    marks.append(time.perf_counter())
+    phases = {name: b - a for name, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True)}
+    return TuneOutcome(key, winner, measurements, marks[-1] - started, compile_s, phases)

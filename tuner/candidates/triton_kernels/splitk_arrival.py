@@ -18,13 +18,15 @@ MIN_COUNTS = 4096  # counts kept per device (grown on demand)
 
 
 @triton.jit
-def reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K: tl.constexpr):
-    """Call after storing this program's partial at ``ws_ptr + split * plane + part``: the
-    tile's last program to arrive stores the sum of the ``SPLIT_K`` partials at ``out_ptrs``."""
+def reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, parts):
+    """Call after storing this program's partial at ``ws_ptr + rank * plane + part``: the
+    tile's last program to arrive stores the sum of the ``parts`` partials at ``out_ptrs``
+    (``parts``: a constexpr split count, or the tile's count of programs at run time). Not
+    inside a K loop: Triton software-pipelines innermost loops only, and this has one."""
     tl.debug_barrier()  # every thread's partial is written before the count goes up
-    if tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+    if tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu") == parts - 1:
         total = tl.load(ws_ptr + part, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLIT_K):
+        for s in range(1, parts):
             total += tl.load(ws_ptr + s * plane + part, mask=mask, other=0.0,
                              cache_modifier=".cg")  # fmt: skip
         tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)

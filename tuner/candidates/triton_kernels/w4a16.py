@@ -40,6 +40,7 @@ from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.int4 import CHUNK, check_group_size, check_scales_and_zeros
 
 Config = dict[str, Any]
+KERNELS = ("tiled", "stream_k")
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 MIN_CAPABILITY = (8, 0)
 REDUCE_BLOCK = 1024
@@ -83,17 +84,21 @@ def _values(b, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(w_ptr, sz_ptr, rn, k0, N, half, dtype: tl.constexpr, BN: tl.constexpr,
+def _weight_tile(w_ptr, sz_ptr, n0, k0, N, half, dtype: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """The dequantized [BN, BK] tile of weight rows ``rn`` at K offset ``k0`` (BK whole chunks),
-    in ``dtype`` (fp32 in the interpreter).
+    """The dequantized [BN, BK] tile of weight rows ``n0 + arange(BN)`` at K offset ``k0`` (BK
+    whole chunks), in ``dtype`` (fp32 in the interpreter). Addresses are a scalar base plus
+    offsets that do not depend on ``n0`` or ``k0``, so a loop whose tile moves (stream-K) keeps
+    the per-element part out of the loop.
 
     A chunk's byte b (0..63) holds, for c = b // 16 and i = b % 16, the values at k = 2c +
     (i & 1) + 8 ((i >> 1) & 7) in its low nibble and k + 64 in its high one (``int4.pack``):
     unpacked as [byte, nibble] the k bits come out in the order (k6, k0, k3, k4, k5, k1, k2)
     from the lowest; the permute puts them back to (k0 .. k6)."""
-    rj = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BK // 2), BK // 2), BK // 2)
-    b = tl.load(w_ptr + rn[:, None].to(tl.int64) * half + rj[None, :], mask=rn[:, None] < N,
+    rl = tl.arange(0, BN)
+    rows = rl[:, None] < N - n0
+    base = n0.to(tl.int64) * half + tl.multiple_of(k0 // 2, BK // 2)
+    b = tl.load(w_ptr + base + (rl[:, None] * half + tl.arange(0, BK // 2)[None, :]), mask=rows,
                 other=0)  # fmt: skip
     lo, hi = _values(b, dtype, INTERPRET)
     v = tl.join(lo, hi).reshape(BN, BK // CHUNK_K, 2, 2, 2, 2, 2, 2, 2)
@@ -103,13 +108,29 @@ def _weight_tile(w_ptr, sz_ptr, rn, k0, N, half, dtype: tl.constexpr, BN: tl.con
     # each (scale, zero) pair as one 32-bit word: 4-byte loads, which Triton's pipeliner copies
     # ahead asynchronously (2-byte ones it loads in the iteration that uses them)
     pairs = sz_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    sz = tl.load(pairs + (k0 // GROUP + tl.arange(0, NG))[None, :] * N + rn[:, None],
-                 mask=rn[:, None] < N, other=0)  # fmt: skip
+    sz = tl.load(pairs + (k0 // GROUP * N + n0) + (tl.arange(0, NG)[None, :] * N + rl[:, None]),
+                 mask=rows, other=0)  # fmt: skip
     s = (sz & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(v.dtype)
     z = (sz >> 16).to(tl.int16).to(dtype, bitcast=True).to(v.dtype)
     s = tl.broadcast_to(s[:, :, None], (BN, NG, BK // NG)).reshape(BN, BK)
     z = tl.broadcast_to(z[:, :, None], (BN, NG, BK // NG)).reshape(BN, BK)
     return tl.fma(v - offset, s, z)
+
+
+@triton.jit
+def _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, n0, k0, N, half, BN: tl.constexpr, BK: tl.constexpr,
+          DOTS: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """``acc`` [BN, BM] plus the ``DOTS`` dots of weight rows from ``n0`` and x's rows at K
+    offset ``k0`` (one step of DOTS * BK)."""
+    for d in tl.static_range(DOTS):
+        xt = tl.load(x_ptrs + k0 + d * BK, mask=mask_m, other=0.0)
+        w = _weight_tile(w_ptr, sz_ptr, n0, k0 + d * BK, N, half, xt.dtype, BN, BK, GROUP,
+                         INTERPRET)  # fmt: skip
+        if INTERPRET:  # the interpreter's bf16 dot is wrong: the same sums in fp32
+            acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc)
+        else:
+            acc = tl.dot(w, tl.trans(xt), acc)
+    return acc
 
 
 @triton.jit
@@ -130,14 +151,8 @@ def w4a16_tiled(
     mask_m = rm[:, None] < M
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_split, DOTS * BK):
-        for d in tl.static_range(DOTS):
-            xt = tl.load(x_ptrs + k0 + d * BK, mask=mask_m, other=0.0)
-            w = _weight_tile(w_ptr, sz_ptr, rn, k0 + d * BK, N, half, xt.dtype, BN, BK, GROUP,
-                             INTERPRET)  # fmt: skip
-            if INTERPRET:  # the interpreter's bf16 dot is wrong: the same sums in fp32
-                acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc)
-            else:
-                acc = tl.dot(w, tl.trans(xt), acc)
+        acc = _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, pid_n * BN, k0, N, half, BN, BK, DOTS,
+                    GROUP, INTERPRET)  # fmt: skip
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     out_ptrs = out_ptr + rm[None, :].to(tl.int64) * ldo + rn[:, None]
     if SPLIT_K == 1:  # stored as [BM, BN]: with the [BN, BM] tile as is, ptxas (Triton 3.6)
@@ -150,6 +165,66 @@ def w4a16_tiled(
         tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
         if REDUCE_HERE:
             reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K)
+
+
+@triton.jit
+def w4a16_stream_k(
+    x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, counts_ptr, M, N, half, ldx, ldo, steps, units,
+    programs, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOTS: tl.constexpr,
+    GROUP: tl.constexpr, REDUCE_HERE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Decode (M <= BM, one row of tiles): the ``units`` = tiles x ``steps`` (tile, K step)
+    units, tile-major, cut into ``programs`` contiguous runs of whole steps, one per program, in
+    one flat loop (the copy pipeline runs on across a tile boundary). A tile that one program
+    covers is stored from the loop; otherwise each program stores its fp32 partial in the
+    plane of its rank among the tile's programs, and after the loop the tile's last program to
+    arrive sums them (an arrival inside the loop would keep Triton from pipelining it)."""
+    p = tl.program_id(0)
+    lo = (p.to(tl.int64) * units // programs).to(tl.int32)
+    hi = ((p + 1).to(tl.int64) * units // programs).to(tl.int32)
+    tile = lo // steps
+    kk = lo - tile * steps  # the step within the tile
+    rm = tl.arange(0, BM)
+    mask_m = rm[:, None] < M
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * ldx + tl.arange(0, BK)[None, :]
+    plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for u in range(lo, hi):
+        acc = _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, tile * BN, kk * (DOTS * BK), N, half, BN,
+                    BK, DOTS, GROUP, INTERPRET)  # fmt: skip
+        last_step = kk == steps - 1
+        flush = last_step | (u == hi - 1)
+        if flush:
+            first = _owner(tile * steps, units, programs)
+            whole = _owner(tile * steps + steps - 1, units, programs) == first
+            rn = tile * BN + tl.arange(0, BN)
+            mask = (rn[:, None] < N) & (rm[None, :] < M)
+            if REDUCE_HERE and whole:  # stored as [BM, BN]: see w4a16_tiled
+                tl.store(out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :],
+                         tl.trans(acc.to(out_ptr.dtype.element_ty)), mask=tl.trans(mask))  # fmt: skip
+            else:
+                part = rm[None, :].to(tl.int64) * N + rn[:, None]
+                tl.store(ws_ptr + (p - first) * plane + part, acc, mask=mask)
+        # reset after the branch: reset inside it, ptxas (sm_90) serializes the loop's wgmmas
+        acc = tl.where(flush, 0.0, acc)
+        tile += last_step.to(tl.int32)
+        kk = tl.where(last_step, 0, kk + 1)
+    if REDUCE_HERE:
+        for t in range(lo // steps, (hi - 1) // steps + 1):
+            first = _owner(t * steps, units, programs)
+            parts = _owner(t * steps + steps - 1, units, programs) - first + 1
+            if parts > 1:
+                rn = t * BN + tl.arange(0, BN)
+                mask = (rn[:, None] < N) & (rm[None, :] < M)
+                part = rm[None, :].to(tl.int64) * N + rn[:, None]
+                out_ptrs = out_ptr + rm[None, :].to(tl.int64) * ldo + rn[:, None]
+                reduce_if_last(ws_ptr, counts_ptr, t, part, plane, mask, out_ptrs, parts)
+
+
+@triton.jit
+def _owner(unit, units, programs):
+    """The program whose run holds ``unit``: the last p with p * units // programs <= unit."""
+    return (((unit + 1).to(tl.int64) * programs - 1) // units).to(tl.int32)
 
 
 def check_inputs(
@@ -182,18 +257,32 @@ def check_inputs(
     return m, n, k
 
 
-def check_config(config: Config, k: int, group_size: int) -> None:
-    kernel, bk, split = config.get("kernel"), config["bk"], config.get("split_k", 1)
-    dots = config.get("dots", 1)
-    if kernel != "tiled":
-        raise ValueError(f"config['kernel']={kernel!r}: allowed 'tiled'")
+def check_config(config: Config, m: int, n: int, k: int, group_size: int) -> None:
+    """A ValueError naming the config field that cannot run an (M, N, K) problem."""
+    kernel, bk, dots = config.get("kernel"), config["bk"], config.get("dots", 1)
+    if kernel not in KERNELS:
+        raise ValueError(f"config['kernel']={kernel!r}: allowed {sorted(KERNELS)}")
     if bk % CHUNK:
         raise ValueError(f"config['bk']={bk}: must be a multiple of {CHUNK}")
     if dots not in (1, 2):
         raise ValueError(f"config['dots']={dots}: allowed 1, 2")
-    if split < 1 or k % (bk * dots * split):
-        raise ValueError(f"config['split_k']={split}: K={k} must split into whole "
-                         f"bk * dots = {bk * dots} steps")  # fmt: skip
+    if kernel == "tiled":
+        split = config.get("split_k", 1)
+        if split < 1 or k % (bk * dots * split):
+            raise ValueError(f"config['split_k']={split}: K={k} must split into whole "
+                             f"bk * dots = {bk * dots} steps")  # fmt: skip
+        return
+    if k % (bk * dots):
+        raise ValueError(f"config['bk']={bk}, config['dots']={dots}: K={k} must be whole steps "
+                         f"of bk * dots")  # fmt: skip
+    if m > config["bm"]:
+        raise ValueError(f"config['kernel']='stream_k': one row of tiles only, M={m} > "
+                         f"config['bm']={config['bm']}")  # fmt: skip
+    units = triton.cdiv(n, config["bn"]) * (k // (bk * dots))
+    programs = config.get("programs")
+    if not isinstance(programs, int) or not 1 <= programs <= units:
+        raise ValueError(f"config['programs']={programs!r}: allowed 1 .. {units}, the (tile, "
+                         f"K step) units of this problem")  # fmt: skip
 
 
 def w4a16_matmul(
@@ -216,7 +305,7 @@ def w4a16_matmul(
 def checked_plan(m: int, n: int, k: int, group_size: int, config: Config) -> Plan:
     """``plan`` of ``config`` once ``check_config`` accepted it: what ``w4a16_matmul`` runs and
     a source precompiles (``Plan.jobs``)."""
-    check_config(config, k, group_size)
+    check_config(config, m, n, k, group_size)
     return plan(m, n, k, group_size, tuple(sorted(config.items())))
 
 
@@ -231,21 +320,35 @@ class Plan:
     loads the kernel from Triton's on-disk cache where ``jobs`` were precompiled); once
     a direct relaunch reproduced that call bit for bit (``verify_direct``), calls with the same
     strides and pointer alignments launch the compiled kernel directly: a decode GEMM's kernel
-    is shorter than the JIT's dispatch."""
+    is shorter than the JIT's dispatch. ``parts``: the most fp32 partials of one output tile
+    (1: none, the kernel stores the output)."""
 
     def __init__(self, m: int, n: int, k: int, group_size: int, config: Config) -> None:
-        self.m, self.n, self.k, self.split = m, n, k, config.get("split_k", 1)
-        self.tiles = triton.cdiv(m, config["bm"]) * triton.cdiv(n, config["bn"])
-        self.meta = dict(
-            BM=config["bm"], BN=config["bn"], BK=config["bk"], DOTS=config.get("dots", 1),
-            GROUP=group_size, SPLIT_K=self.split, GROUP_M=config.get("group_m", 8),
-            INTERPRET=interpreting(),
-        )  # fmt: skip
+        self.m, self.n, self.k = m, n, k
+        bm, bn, bk, dots = config["bm"], config["bn"], config["bk"], config.get("dots", 1)
+        self.tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        meta = dict(BM=bm, BN=bn, BK=bk, DOTS=dots, GROUP=group_size, INTERPRET=interpreting())
+        self.stream = config["kernel"] == "stream_k"
+        if self.stream:
+            steps, programs = k // (bk * dots), config["programs"]
+            units = self.tiles * steps
+            self.kernel, self.grid = w4a16_stream_k, (programs,)
+            self.parts = max(owner(t * steps + steps - 1, units, programs)
+                             - owner(t * steps, units, programs) + 1 for t in range(self.tiles))  # fmt: skip
+            self.meta = meta
+            self.tail: tuple[int, ...] = (steps, units, programs)
+        else:
+            self.parts = config.get("split_k", 1)
+            self.kernel, self.grid = w4a16_tiled, (self.tiles, self.parts)
+            self.meta = {**meta, "SPLIT_K": self.parts, "GROUP_M": config.get("group_m", 8)}
+            self.tail = (k // self.parts,)
         self.warps_stages = dict(
             num_warps=config.get("warps", 4), num_stages=config.get("stages", 2)
         )
-        self.main = Launcher(w4a16_tiled, (self.tiles, self.split),
-                             {**self.meta, "REDUCE_HERE": self.split > 1}, **self.warps_stages)  # fmt: skip
+        # stream-K stores whole tiles itself, so it always reduces in the kernel
+        reduce_here = self.stream or self.parts > 1
+        self.main = Launcher(self.kernel, self.grid, {**self.meta, "REDUCE_HERE": reduce_here},
+                             **self.warps_stages)  # fmt: skip
         self.checked = False
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor,
@@ -258,10 +361,10 @@ class Plan:
 
     def _launch(self, x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor,
                 out: torch.Tensor) -> None:  # fmt: skip
-        split = self.split
-        ws = torch.empty(split, self.m, self.n, dtype=torch.float32, device=x.device) \
-            if split > 1 else out  # fmt: skip
-        counts = _counts.get(x.device, self.tiles) if split > 1 else out
+        parts = self.parts
+        ws = torch.empty(parts, self.m, self.n, dtype=torch.float32, device=x.device) \
+            if parts > 1 else out  # fmt: skip
+        counts = _counts.get(x.device, self.tiles) if parts > 1 else out
         if counts is None:
             self._reduce_apart(x, weight, sz, out, ws)
             return
@@ -276,35 +379,43 @@ class Plan:
 
     def _args(self, x: Any, weight: Any, sz: Any, out: Any, ws: Any, counts: Any, ldx: int,
               ldo: int) -> tuple[Any, ...]:  # fmt: skip
-        """``w4a16_tiled``'s runtime arguments in declaration order (tensors, their pointers or
+        """The kernel's runtime arguments in declaration order (tensors, their pointers or
         ``FakeTensor``s): every launch and ``jobs`` build them here."""
         return (x, weight, sz, out, ws, counts, self.m, self.n, self.k // 2, ldx, ldo,
-                self.k // self.split)  # fmt: skip
+                *self.tail)  # fmt: skip
 
     def jobs(self, dtype: torch.dtype, align: int = 16) -> list[WarmJob]:
         """What the first eager call compiles for contiguous operands: x [M, K] (``align``-byte
         aligned) and scales_and_zeros in ``dtype``, our uint8 weight, an [M, N] output in
         ``dtype``, split-K's float32 partials and int32 arrival counts."""
         x, out = FakeTensor(dtype, align), FakeTensor(dtype)
-        ws, counts = (FakeTensor(torch.float32), FakeTensor(torch.int32)) if self.split > 1 \
+        ws, counts = (FakeTensor(torch.float32), FakeTensor(torch.int32)) if self.parts > 1 \
             else (out, out)  # fmt: skip
         args = self._args(x, FakeTensor(torch.uint8), FakeTensor(dtype), out, ws, counts,
                           self.k, self.n)  # fmt: skip
-        return [WarmJob(w4a16_tiled, args, self.main.kwargs)]
+        return [WarmJob(self.kernel, args, self.main.kwargs)]
 
     def _reduce_apart(self, x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor,
                       out: torch.Tensor, ws: torch.Tensor) -> None:  # fmt: skip
         """While a CUDA graph is captured before the arrival counts exist: partials, then a
-        reduce launch (both through the JIT)."""
-        m, n, split = self.m, self.n, self.split
-        w4a16_tiled[(self.tiles, split)](
+        reduce launch (both through the JIT). A stream-K tile fills only as many planes as it
+        has programs: the others must read as zeros."""
+        m, n = self.m, self.n
+        if self.stream:
+            ws.zero_()
+        self.kernel[self.grid](
             *self._args(x, weight, sz, out, ws, out, x.stride(0), out.stride(0)), **self.meta,
             REDUCE_HERE=False, **self.warps_stages,
         )  # fmt: skip
         total = m * n
         splitk_reduce[(triton.cdiv(total, REDUCE_BLOCK),)](
-            ws, out, m, n, total, 0, out.stride(0), 1, SPLIT_K=split, BLOCK=REDUCE_BLOCK
+            ws, out, m, n, total, 0, out.stride(0), 1, SPLIT_K=self.parts, BLOCK=REDUCE_BLOCK
         )
+
+
+def owner(unit: int, units: int, programs: int) -> int:
+    """The stream-K program whose run of units holds ``unit`` (as ``_owner`` in the kernel)."""
+    return ((unit + 1) * programs - 1) // units
 
 
 def _splits(tiles: int, k: int, step: int, sms: int, waves: float, least: int = 1) -> int:
@@ -323,6 +434,9 @@ def _splits(tiles: int, k: int, step: int, sms: int, waves: float, least: int = 
 # always: the first gets a least split of 2, the second stays as the call-4 tile, for comparison.
 DECODE_TILES = ((128, 8, 3, 2.0, 1), (256, 4, 3, 1.0, 1), (256, 8, 3, 1.0, 1), (128, 4, 4, 1.0, 2),
                 (128, 8, 4, 4.0, 1), (64, 4, 4, 2.0, 1))  # fmt: skip
+# Decode, stream-K: (bn, warps, stages, programs per SM), one wave of programs.
+STREAM_TILES = ((128, 8, 3, 2), (128, 8, 3, 3), (128, 8, 4, 2), (128, 8, 5, 1), (64, 4, 4, 3),
+                (64, 4, 3, 4), (256, 8, 4, 1))  # fmt: skip
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
 # dot, x's [bm, 128] tiles dominating shared memory. 8 warps: on 4, most of these serialize.
 PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 128, 8, 2, 2), (64, 128, 8, 3, 1),
@@ -340,6 +454,10 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
                       "split_k": split, "group_m": 1, "warps": warps, "stages": stages}  # fmt: skip
             if config not in out:
                 out.append(config)
+        for bn, warps, stages, per_sm in STREAM_TILES:
+            units = triton.cdiv(n, bn) * (k // (CHUNK * dots))
+            out.append({"kernel": "stream_k", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
+                        "programs": min(units, per_sm * sms), "warps": warps, "stages": stages})  # fmt: skip
         return out
     for bm, bn, warps, stages, dots in PREFILL_TILES:
         if bm <= 2 * max(m, 16) and k % (dots * CHUNK) == 0:

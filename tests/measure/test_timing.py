@@ -1,0 +1,39 @@
+"""``timing.measure``'s cut-offs, on the host clock (no GPU): a candidate slower than a cut-off
+stops early, with the numbers of the calls it ran."""
+
+from __future__ import annotations
+
+import time
+
+from tuner.measure import timing
+
+
+def sleeper(seconds: float):
+    return lambda i: time.sleep(seconds)
+
+
+def test_a_probe_slower_than_the_cutoff_stops_after_the_probe():
+    t = timing.measure(sleeper(0.002), device="cpu", budget_s=0.2, cutoff_us=500.0)
+    assert t.cut and t.reps == 3 and t.median_us > 1500
+
+
+def test_a_candidate_past_the_probe_but_slower_than_the_late_cutoff_stops_after_late_reps():
+    t = timing.measure(
+        sleeper(0.001), device="cpu", budget_s=0.5, cutoff_us=1e6, late_cutoff_us=500.0
+    )
+    assert t.cut and t.reps == timing.LATE_REPS and t.median_us > 900
+
+
+def test_a_candidate_within_both_cutoffs_is_timed_in_full():
+    t = timing.measure(
+        sleeper(0.001), device="cpu", budget_s=0.2, cutoff_us=1e6, late_cutoff_us=1e6
+    )
+    assert not t.cut and t.reps > 2 * timing.LATE_REPS
+
+
+def test_the_late_cutoff_waits_for_a_budget_of_twice_its_calls():
+    """Too few calls in the budget to stop after LATE_REPS of them: all are timed."""
+    t = timing.measure(
+        sleeper(0.001), device="cpu", budget_s=0.04, cutoff_us=1e6, late_cutoff_us=500.0
+    )
+    assert not t.cut and t.reps < 2 * timing.LATE_REPS
