@@ -196,10 +196,11 @@ def w4a16_stream_k(
         flush = last_step | (u == hi - 1)
         if flush:
             first = _owner(tile * steps, units, programs)
-            whole = _owner(tile * steps + steps - 1, units, programs) == first
+            # reduced apart (REDUCE_HERE false), every tile's partial goes to the workspace
+            whole = (_owner(tile * steps + steps - 1, units, programs) == first) & REDUCE_HERE
             rn = tile * BN + tl.arange(0, BN)
             mask = (rn[:, None] < N) & (rm[None, :] < M)
-            if REDUCE_HERE and whole:  # stored as [BM, BN]: see w4a16_tiled
+            if whole:  # stored as [BM, BN]: see w4a16_tiled
                 tl.store(out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :],
                          tl.trans(acc.to(out_ptr.dtype.element_ty)), mask=tl.trans(mask))  # fmt: skip
             else:
