@@ -164,21 +164,24 @@ def w4a16_tiled(
         plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
         tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
         if REDUCE_HERE:
-            reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K)
+            reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K,
+                           SPLIT_K)  # fmt: skip
 
 
 @triton.jit
 def w4a16_stream_k(
     x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, counts_ptr, M, N, half, ldx, ldo, steps, units,
     programs, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOTS: tl.constexpr,
-    GROUP: tl.constexpr, REDUCE_HERE: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUP: tl.constexpr, MAX_PARTS: tl.constexpr, REDUCE_HERE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Decode (M <= BM, one row of tiles): the ``units`` = tiles x ``steps`` (tile, K step)
     units, tile-major, cut into ``programs`` contiguous runs of whole steps, one per program, in
     one flat loop (the copy pipeline runs on across a tile boundary). A tile that one program
     covers is stored from the loop; otherwise each program stores its fp32 partial in the
-    plane of its rank among the tile's programs, and after the loop the tile's last program to
-    arrive sums them (an arrival inside the loop would keep Triton from pipelining it)."""
+    plane of its rank among the tile's programs (``MAX_PARTS`` at most), and after the loop the
+    tile's last program to arrive sums them (an arrival inside the loop would keep Triton from
+    pipelining it)."""
     p = tl.program_id(0)
     lo = (p.to(tl.int64) * units // programs).to(tl.int32)
     hi = ((p + 1).to(tl.int64) * units // programs).to(tl.int32)
@@ -219,7 +222,8 @@ def w4a16_stream_k(
                 mask = (rn[:, None] < N) & (rm[None, :] < M)
                 part = rm[None, :].to(tl.int64) * N + rn[:, None]
                 out_ptrs = out_ptr + rm[None, :].to(tl.int64) * ldo + rn[:, None]
-                reduce_if_last(ws_ptr, counts_ptr, t, part, plane, mask, out_ptrs, parts)
+                reduce_if_last(ws_ptr, counts_ptr, t, part, plane, mask, out_ptrs, parts,
+                               MAX_PARTS)  # fmt: skip
 
 
 @triton.jit
@@ -336,7 +340,7 @@ class Plan:
             self.kernel, self.grid = w4a16_stream_k, (programs,)
             self.parts = max(owner(t * steps + steps - 1, units, programs)
                              - owner(t * steps, units, programs) + 1 for t in range(self.tiles))  # fmt: skip
-            self.meta = meta
+            self.meta = {**meta, "MAX_PARTS": self.parts}
             self.tail: tuple[int, ...] = (steps, units, programs)
         else:
             self.parts = config.get("split_k", 1)
@@ -435,9 +439,10 @@ def _splits(tiles: int, k: int, step: int, sms: int, waves: float, least: int = 
 # always: the first gets a least split of 2, the second stays as the call-4 tile, for comparison.
 DECODE_TILES = ((128, 8, 3, 2.0, 1), (256, 4, 3, 1.0, 1), (256, 8, 3, 1.0, 1), (128, 4, 4, 1.0, 2),
                 (128, 8, 4, 4.0, 1), (64, 4, 4, 2.0, 1))  # fmt: skip
-# Decode, stream-K: (bn, warps, stages, programs per SM), one wave of programs.
-STREAM_TILES = ((128, 8, 3, 2), (128, 8, 3, 3), (128, 8, 4, 2), (128, 8, 5, 1), (64, 4, 4, 3),
-                (64, 4, 3, 4), (256, 8, 4, 1))  # fmt: skip
+# Decode, stream-K: (bn, warps, stages, programs per SM), one wave of programs. On 2 warps
+# Triton uses Ampere's mma (no wgmma, so no proxy fence between the copies and the dot).
+STREAM_TILES = ((128, 8, 3, 2), (64, 4, 3, 4), (64, 4, 4, 3), (64, 4, 2, 4), (64, 4, 2, 6),
+                (32, 2, 3, 5), (32, 2, 3, 8), (128, 4, 3, 2))  # fmt: skip
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
 # dot, x's [bm, 128] tiles dominating shared memory. 8 warps: on 4, most of these serialize.
 PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 128, 8, 2, 2), (64, 128, 8, 3, 1),
