@@ -37,3 +37,11 @@ def test_the_late_cutoff_waits_for_a_budget_of_twice_its_calls():
         sleeper(0.001), device="cpu", budget_s=0.04, cutoff_us=1e6, late_cutoff_us=500.0
     )
     assert not t.cut and t.reps < 2 * timing.LATE_REPS
+
+
+def test_graph_calls_spread_the_replay_launch_and_cover_every_input_set():
+    assert timing.graph_calls(5.0) == timing.GRAPH_CALLS  # short calls: as many as allowed
+    assert timing.graph_calls(3000.0) == 1  # a long call needs no company
+    assert timing.graph_calls(3000.0, sets=3) == 3  # ... but each input set once per replay
+    assert timing.graph_calls(100.0) == 3
+    assert timing.graph_calls(3000.0, sets=64) == timing.GRAPH_CALLS

@@ -179,6 +179,16 @@ def copy_bandwidth_gbs(device: str, nbytes: int = 2 * 2**30) -> float:
 
 
 GRAPH_CALLS = 16  # calls per captured graph: the replay's own launch cost is spread over them
+GRAPH_REPLAY_US = 300.0  # GPU time per replay that makes its own launch cost a small share
+
+
+def graph_calls(call_us: float, sets: int = 1) -> int:
+    """Calls per captured graph for a call of about ``call_us``: enough to spread the replay's
+    launch cost (at most ``GRAPH_CALLS``; a long call needs few, and each replay of many long
+    calls only spends time), and one per input set (up to ``GRAPH_CALLS``), so that replays
+    rotate over all of them and nothing is served from L2 that a real step reads from memory."""
+    spread = math.ceil(GRAPH_REPLAY_US / max(call_us, 1e-3))
+    return max(1, min(GRAPH_CALLS, max(spread, sets)))
 
 
 def graph_time(

@@ -248,7 +248,8 @@ class _Trial:
             # ranked by GPU time: an eager time of a small kernel is its host's launch time, so
             # the candidate fastest on the GPU might never reach the duel
             try:
-                g = timing.graph_time(lambda i: runner(*sets[i % len(sets)]))
+                calls = timing.graph_calls(t.median_us, len(sets))
+                g = timing.graph_time(lambda i: runner(*sets[i % len(sets)]), calls)
             except Exception as e:
                 torch.cuda.synchronize()
                 error = f"cannot be captured in a CUDA graph: {_short(e)}"
@@ -292,6 +293,7 @@ class _Trial:
                     lambda i, r=runner: r(*self.sets[i % len(self.sets)]),
                     device=self.device,
                     budget_s=options.budget_s,
+                    max_reps=CONFIRM_REPS,
                 )
                 eager = options.launch == "eager"
                 times[m.candidate].append(max(t.median_us, t.host_us) if eager else t.median_us)
@@ -345,10 +347,13 @@ class _Trial:
             return None
         out: list[timing.Timing | None] = []
         sets = self.sets
+        # both timed alike: as many calls per graph as the quicker one needs
+        call_us = min(m.median_us or math.inf for m in (base, challenger))
+        calls = timing.graph_calls(call_us, len(sets))
         for m in (base, challenger):
             runner = runners[m.candidate]
             try:
-                out.append(timing.graph_time(lambda i, r=runner: r(*sets[i % len(sets)])))
+                out.append(timing.graph_time(lambda i, r=runner: r(*sets[i % len(sets)]), calls))
             except Exception as e:  # e.g. a library launching on a stream of its own
                 log.info("%s: no CUDA-graph time: %s", m.candidate, _short(e)[:300])
                 torch.cuda.synchronize()
@@ -511,6 +516,8 @@ def fastest_first(
         challengers, key=lambda sp: earlier.get(candidate_name(sp[0].name, sp[1]), math.inf)
     )
 
+
+CONFIRM_REPS = 100  # calls per duel round at most: alternating rounds, not long ones, catch drift
 
 PHASES = ("setup", "baseline", "compile", "challengers", "confirm")
 """Where a problem's tuning time goes: inputs, reference and shortlists; timing the baseline
