@@ -35,6 +35,7 @@ KNOWN = {
     "triton_fast_launch": "launch compiled Triton kernels directly (1/0)",
     "cutlass_jobs": "parallel CUTLASS compilations",
     "cutlass_compile_timeout": "seconds per CUTLASS compilation",
+    "profile": "a folder for cProfile files of tune-all and its workers (diagnostics)",
 }
 
 
