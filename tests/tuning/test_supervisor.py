@@ -77,3 +77,18 @@ def test_children_exit_with_a_killed_parent():
         time.sleep(0.1)
     else:
         raise AssertionError(f"child {child} outlived its killed parent")
+
+
+def test_a_child_writes_its_profile_where_tuner_profile_asks(tmp_path, monkeypatch):
+    """``TUNER_PROFILE``: the child's cProfile file, named after it, once it returns."""
+    import pstats
+
+    monkeypatch.setenv("TUNER_PROFILE", str(tmp_path))
+    slot = Supervised(echo, name="echo", stop_message="stop", grace_s=10)
+    try:
+        pid, _ = ask(slot, "a")
+    finally:
+        slot.close()
+    (path,) = tmp_path.glob("*.prof")
+    assert path.name == f"echo-{pid}.prof"
+    assert any(fn[2] == "echo" for fn in pstats.Stats(str(path)).stats)

@@ -1,9 +1,9 @@
 """Opt-in profile of a process's Python time: ``TUNER_PROFILE=<folder>``.
 
 A tuning run's fixed costs (imports, device start, first loads of each library) are spread over
-several processes; with the variable set, each long-lived one (the tune-all command and its
-workers) writes a cProfile file ``<name>-<pid>.prof`` there when it ends, for ``pstats`` or
-snakeviz to read.
+several processes; with the variable set, each long-lived one (the tune-all command and every
+supervised worker: tune-all's, the isolated candidate runner) writes a cProfile file
+``<name>-<pid>.prof`` there when it ends, for ``pstats`` or snakeviz to read.
 """
 
 from __future__ import annotations

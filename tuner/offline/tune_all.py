@@ -46,7 +46,6 @@ from typing import Any
 from tuner.cache import Store
 from tuner.core.device import Fingerprint
 from tuner.core.keys import Key, parse_key
-from tuner.core.profiling import profiled
 from tuner.measure.records import Measurement, Winner
 from tuner.offline.model_config import ModelConfig, expand
 from tuner.offline.problem_list import load_problems
@@ -603,20 +602,6 @@ def worker_main(
     ``compiled`` holds the run's compile-pool events, one per key."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # the parent decides; it dies, so do we
         signal.signal(sig, signal.SIG_IGN)
-    with profiled(f"tune-all-worker-{index}"):
-        _work(conn, index, device, store_path, settings, tasks, stop, compiled)
-
-
-def _work(
-    conn: Connection,
-    index: int,
-    device: int | None,
-    store_path: str,
-    settings: RunSettings,
-    tasks: Any,
-    stop: Any,
-    compiled: dict[str, Any],
-) -> None:
     if device is not None:  # before any CUDA call: this GPU becomes device 0, here and in children
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(device + 1)]

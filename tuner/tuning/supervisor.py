@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tuner.core.lifetime import die_with_parent, exit_when_orphaned
+from tuner.core.profiling import profiled
 
 CTX = mp.get_context("spawn")  # CUDA cannot be forked; queues and events shared with children
 
@@ -31,14 +32,16 @@ def _child_main(
     pdeathsig: bool,
     log_path: str | None,
 ) -> None:
-    """Runs in the child: tie it to the parent, send stderr to the log, then ``target(conn, *args)``."""
+    """Runs in the child: tie it to the parent, send stderr to the log, then ``target(conn, *args)``
+    (profiled where ``TUNER_PROFILE`` asks for it)."""
     if pdeathsig:
         die_with_parent()
     exit_when_orphaned(parent)
     if log_path is not None:
         fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         os.dup2(fd, 2)  # the tail of stderr says why a child died
-    target(conn, *args)
+    with profiled(mp.current_process().name):
+        target(conn, *args)
 
 
 class Child:
