@@ -1,4 +1,4 @@
-"""Low-bit GEMMs on Llama-3-8B projections and Qwen2.5-7B's down: ours beside torch's.
+"""Low-bit GEMMs on Llama-3-8B projections and Qwen2.5-7B's MLP: ours beside torch's.
 
 Qwen's down projection (K = 18944, 148 chunks of 128) is the shape whose K splits poorly.
 
@@ -52,7 +52,8 @@ from tuner.quant.tolerance import (
 )
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-               "down": (4096, 14336), "qwen_down": (3584, 18944)}  # fmt: skip
+               "down": (4096, 14336), "qwen_gate_up": (37888, 3584),
+               "qwen_down": (3584, 18944)}  # fmt: skip
 MS = (1, 4, 16, 256, 2048)
 GROUP = 128
 

@@ -54,8 +54,9 @@ W4_CASES = [
     (1, STREAM, 64, torch.bfloat16, 768),
     # ... 2 steps each in 3 runs (tile 0 in two, tile 1 whole), ...
     (16, {**STREAM, "dots": 2, "programs": 3}, 128, torch.float16, 512),
-    # ... one program per tile
+    # ... one program per tile; four dots a step
     (7, {**STREAM, "programs": 2}, 32, torch.bfloat16, 384),
+    (2, {**STREAM, "dots": 4, "programs": 3}, 128, torch.bfloat16, 1024),
 ]
 
 

@@ -13,7 +13,7 @@ mantissa of 128 (bf16) or 1024 (fp16) with one ``lop3`` per pair of values (inli
 pure-Triton path serves the interpreter), then one packed subtract and one packed fused
 multiply-add with the group's scale and zero, rounded once. ``DOTS`` dots per loop iteration:
 two keep Triton from splitting a register-operand dot into 16-wide wgmmas that each wait for the
-last (a fence per 512 weight bytes). Split-K: fp32 partials [SPLIT_K, M, N]; the last program of
+last (a fence per 512 weight bytes); four read each weight row in longer runs. Split-K: fp32 partials [SPLIT_K, M, N]; the last program of
 an output tile to finish (an atomic count per tile) sums them in split order, so the result is
 deterministic and needs no second launch (while a CUDA graph is being captured before the counts
 exist, a reduce launch does it instead).
@@ -269,8 +269,8 @@ def check_config(config: Config, m: int, n: int, k: int, group_size: int) -> Non
         raise ValueError(f"config['kernel']={kernel!r}: allowed {sorted(KERNELS)}")
     if bk % CHUNK:
         raise ValueError(f"config['bk']={bk}: must be a multiple of {CHUNK}")
-    if dots not in (1, 2):
-        raise ValueError(f"config['dots']={dots}: allowed 1, 2")
+    if dots not in (1, 2, 4):
+        raise ValueError(f"config['dots']={dots}: allowed 1, 2, 4")
     if kernel == "tiled":
         split = config.get("split_k", 1)
         if split < 1 or k % (bk * dots * split):
@@ -423,26 +423,30 @@ def owner(unit: int, units: int, programs: int) -> int:
     return ((unit + 1) * programs - 1) // units
 
 
-def _splits(tiles: int, k: int, step: int, sms: int, waves: float, least: int = 1) -> int:
-    """At least ``least`` K splits, and enough that ``tiles`` output tiles cover the SMs
-    ``waves`` times; each split whole ``step``s of K."""
+def _splits(tiles: int, k: int, step: int, sms: int, waves: float) -> int:
+    """Enough K splits that ``tiles`` output tiles cover the SMs ``waves`` times; each split
+    whole ``step``s of K."""
     split = 1
-    while (split < least or tiles * split < waves * sms) and k % (step * split * 2) == 0 \
-            and split < 16:  # fmt: skip
+    while tiles * split < waves * sms and k % (step * split * 2) == 0 and split < 16:
         split *= 2
     return split
 
 
-# Decode (M <= 16, one 16-row activation tile): (bn, warps, stages, waves of CTAs over the SMs,
-# least split). A warpgroup (4 warps) takes 64, 128 or 256 weight rows. ptxas (Triton 3.6)
-# serializes the wgmmas (C7515) of 128 rows on 4 warps with one split and of 64 rows on 4 warps
-# always: the first gets a least split of 2, the second stays as the call-4 tile, for comparison.
-DECODE_TILES = ((128, 8, 3, 2.0, 1), (256, 4, 3, 1.0, 1), (256, 8, 3, 1.0, 1), (128, 4, 4, 1.0, 2),
-                (128, 8, 4, 4.0, 1), (64, 4, 4, 2.0, 1))  # fmt: skip
-# Decode, stream-K: (bn, warps, stages, programs per SM), one wave of programs. On 2 warps
-# Triton uses Ampere's mma (no wgmma, so no proxy fence between the copies and the dot).
-STREAM_TILES = ((128, 8, 3, 2), (64, 4, 3, 4), (64, 4, 4, 3), (64, 4, 2, 4), (64, 4, 2, 6),
-                (32, 2, 3, 5), (32, 2, 3, 8), (128, 4, 3, 2))  # fmt: skip
+def _dots(k: int, most: int) -> int:
+    """The most dots per step, up to ``most``, whose steps cut K whole."""
+    return next(d for d in (4, 2, 1) if d <= most and k % (d * CHUNK) == 0)
+
+
+# Decode (M <= 16, one 16-row activation tile), split-K: (bn, warps, stages, waves of CTAs over
+# the SMs). 128 rows on 8 warps is the split-K tile that wins (narrow N, long K: Llama's down);
+# ptxas (Triton 3.6) serializes the wgmmas (C7515) of 64 rows on 4 warps, kept where its one
+# split fills the SMs (wide N, short K).
+DECODE_TILES = ((128, 8, 3, 2.0), (64, 4, 4, 2.0))
+# Decode, stream-K: (bn, warps, stages, programs per SM, dots), one wave of programs. Four dots
+# a step read 256 bytes of each weight row where two read 128 (DRAM favours the longer runs:
+# bench/w4a16_read_patterns.py).
+STREAM_TILES = ((64, 4, 3, 4, 2), (64, 4, 4, 3, 2), (128, 4, 3, 2, 2), (64, 4, 2, 4, 4),
+                (64, 4, 3, 2, 4))  # fmt: skip
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
 # dot, x's [bm, 128] tiles dominating shared memory. 8 warps: on 4, most of these serialize.
 PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 128, 8, 2, 2), (64, 128, 8, 3, 1),
@@ -453,17 +457,18 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
     """Configs worth timing for an (M, N, K) problem, the likeliest first."""
     out: list[Config] = []
     if m <= 16:
-        dots = 2 if k % (2 * CHUNK) == 0 else 1
-        for bn, warps, stages, waves, least in DECODE_TILES:
-            split = _splits(triton.cdiv(n, bn), k, CHUNK * dots, sms, waves, least)
-            config = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
-                      "split_k": split, "group_m": 1, "warps": warps, "stages": stages}  # fmt: skip
+        for bn, warps, stages, per_sm, most in STREAM_TILES:
+            dots = _dots(k, most)
+            units = triton.cdiv(n, bn) * (k // (CHUNK * dots))
+            config = {"kernel": "stream_k", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
+                      "programs": min(units, per_sm * sms), "warps": warps, "stages": stages}  # fmt: skip
             if config not in out:
                 out.append(config)
-        for bn, warps, stages, per_sm in STREAM_TILES:
-            units = triton.cdiv(n, bn) * (k // (CHUNK * dots))
-            out.append({"kernel": "stream_k", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
-                        "programs": min(units, per_sm * sms), "warps": warps, "stages": stages})  # fmt: skip
+        dots = _dots(k, 2)
+        for bn, warps, stages, waves in DECODE_TILES:
+            split = _splits(triton.cdiv(n, bn), k, CHUNK * dots, sms, waves)
+            out.append({"kernel": "tiled", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
+                        "split_k": split, "group_m": 1, "warps": warps, "stages": stages})  # fmt: skip
         return out
     for bm, bn, warps, stages, dots in PREFILL_TILES:
         if bm <= 2 * max(m, 16) and k % (dots * CHUNK) == 0:
