@@ -16,7 +16,9 @@ two keep Triton from splitting a register-operand dot into 16-wide wgmmas that e
 last (a fence per 512 weight bytes); four read each weight row in longer runs. Split-K: fp32 partials [SPLIT_K, M, N]; the last program of
 an output tile to finish (an atomic count per tile) sums them in split order, so the result is
 deterministic and needs no second launch (while a CUDA graph is being captured before the counts
-exist, a reduce launch does it instead).
+exist, a reduce launch does it instead). Decode also has a stream-K kernel (``w4a16_stream_k``):
+one wave of programs over the (tile, K step) units, so that neither the output tiles nor K's
+divisors set the grid.
 
 Entry point for a candidate source: ``w4a16_matmul(x, weight, scales_and_zeros, group_size,
 config)`` and ``configs(m, n, k, group_size)``, the configs worth timing for a shape;
@@ -438,15 +440,14 @@ def _dots(k: int, most: int) -> int:
 
 
 # Decode (M <= 16, one 16-row activation tile), split-K: (bn, warps, stages, waves of CTAs over
-# the SMs). 128 rows on 8 warps is the split-K tile that wins (narrow N, long K: Llama's down);
-# ptxas (Triton 3.6) serializes the wgmmas (C7515) of 64 rows on 4 warps, kept where its one
-# split fills the SMs (wide N, short K).
+# the SMs). 128 rows on 8 warps wins where N is narrow and K long (Llama's down: 256 CTAs of 7
+# steps); ptxas (Triton 3.6) serializes the wgmmas (C7515) of 64 rows on 4 warps, which still
+# wins at one split on Qwen's gate_up at M = 16 (wide N, short K).
 DECODE_TILES = ((128, 8, 3, 2.0), (64, 4, 4, 2.0))
-# Decode, stream-K: (bn, warps, stages, programs per SM, dots), one wave of programs. Four dots
-# a step read 256 bytes of each weight row where two read 128 (DRAM favours the longer runs:
-# bench/w4a16_read_patterns.py).
-STREAM_TILES = ((64, 4, 3, 4, 2), (64, 4, 4, 3, 2), (128, 4, 3, 2, 2), (64, 4, 2, 4, 4),
-                (64, 4, 3, 2, 4))  # fmt: skip
+# Decode, stream-K: (bn, warps, stages, programs per SM, most dots a step), one wave of
+# programs. Four dots read 256 bytes of each weight row per step where two read 128 (DRAM
+# favours the longer runs: bench/w4a16_read_patterns.py); they win at M = 16 only.
+STREAM_TILES = ((64, 4, 3, 4, 2), (128, 4, 3, 2, 2), (64, 4, 3, 2, 4))
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
 # dot, x's [bm, 128] tiles dominating shared memory. 8 warps: on 4, most of these serialize.
 PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 128, 8, 2, 2), (64, 128, 8, 3, 1),
