@@ -41,7 +41,12 @@ CPU_KEYS = [
 def test_lowbit_keys_tune_on_the_cpu_with_triton_candidates(monkeypatch, key, source):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     options = TuneOptions(
-        sources=[source], budget_s=0.005, confirm_rounds=0, cut_factor=1e9, steady_cut=1e9
+        sources=[source],
+        budget_s=0.005,
+        confirm_rounds=0,
+        cut_factor=1e9,
+        late_cut=1e9,
+        steady_cut=1e9,
     )
     outcome = tune(key, options=options, device="cpu")
     ours = [m for m in outcome.measurements if m.source == source]
@@ -90,7 +95,9 @@ def test_unrestricted_tune_of_an_int4_key_records_no_dense_failures(monkeypatch)
     (or fails) on the int4 key's operands."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     key = key_of("int4-g32", 8, dtype="f16")
-    options = TuneOptions(budget_s=0.005, confirm_rounds=0, cut_factor=1e9, steady_cut=1e9)
+    options = TuneOptions(
+        budget_s=0.005, confirm_rounds=0, cut_factor=1e9, late_cut=1e9, steady_cut=1e9
+    )
     outcome = tune(key, options=options, device="cpu")
     dense = [m for m in outcome.measurements if m.source in DENSE_SOURCES]
     assert dense and all(m.status == "unsupported" and m.error for m in dense), dense

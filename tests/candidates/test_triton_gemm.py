@@ -218,7 +218,10 @@ def test_precompile_is_on_every_source_and_does_nothing_by_default() -> None:
 @pytest.mark.skipif(HAS_GPU, reason="the CPU path of the engine")
 def test_engine_times_the_triton_candidate_on_cpu() -> None:
     key = key_for(24, 40, 56, "nt", "f32")
-    outcome = tune(key, options=TuneOptions(budget_s=0.01, cut_factor=1e9, sources=["triton_gemm"]))
+    outcome = tune(
+        key,
+        options=TuneOptions(budget_s=0.01, cut_factor=1e9, late_cut=1e9, sources=["triton_gemm"]),
+    )
     ours = [m for m in outcome.measurements if m.source == "triton_gemm"]
     assert ours and all(m.status == "ok" for m in ours), [m.error for m in ours]
     assert all(m.max_rel_err <= samples.tolerance(key) for m in ours)

@@ -53,7 +53,7 @@ def test_wrong_nan_and_broken_candidates_are_recorded_never_chosen(planted):
 def test_interpreted_triton_candidate_is_checked_and_timed():
     outcome = tune(
         GemmKey(m=40, n=24, k=56, dtype="f16", out_dtype="f16"),
-        options=TuneOptions(budget_s=0.02, cut_factor=1e9),
+        options=TuneOptions(budget_s=0.02, cut_factor=1e9, late_cut=1e9),
     )
     triton = [m for m in outcome.measurements if m.source == "triton_gemm"]
     assert triton and all(m.status == "ok" for m in triton)
@@ -227,8 +227,10 @@ HAS_GPU = torch.cuda.is_available()
 @pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
 def test_confirmation_times_both_in_a_cuda_graph(memoized):
     for launch in ("eager", "graph"):
-        # a cut factor that cannot cut: the rule under test is the duel's, not this host's speed
-        options = TuneOptions(budget_s=0.02, cut_factor=1e9, sources=["memoized"], launch=launch)
+        # cut-offs that cannot cut: the rule under test is the duel's, not this host's speed
+        options = TuneOptions(
+            budget_s=0.02, cut_factor=1e9, late_cut=1e9, sources=["memoized"], launch=launch
+        )
         outcome = tune(KEY, options=options)
         errors = {m.candidate: m.error for m in outcome.measurements}
         assert outcome.winner.source == "memoized", (launch, errors)
@@ -283,8 +285,8 @@ def test_a_challenger_that_cannot_be_captured_loses():
     Uncapturable.slow = False
     registry.register(Uncapturable())
     try:
-        # a cut factor that cannot cut: the challenger must reach the duel on any host
-        options = TuneOptions(budget_s=0.02, cut_factor=1e9, sources=["uncapturable"])
+        # cut-offs that cannot cut: the challenger must reach the duel on any host
+        options = TuneOptions(budget_s=0.02, cut_factor=1e9, late_cut=1e9, sources=["uncapturable"])
         outcome = tune(KEY, options=options)
     finally:
         registry.unregister("uncapturable")

@@ -40,7 +40,7 @@ def test_crashing_candidates_are_failed_and_the_run_goes_on(crashing):
     try:
         outcome = pool.tune(
             KEY,
-            TuneOptions(budget_s=0.01, cut_factor=1e9, sources=["crash_test"]),
+            TuneOptions(budget_s=0.01, cut_factor=1e9, late_cut=1e9, sources=["crash_test"]),
             device="cpu",
             progress=lines.append,
         )
