@@ -249,7 +249,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigkill_mid_run_then_resume_equals_an_uninterrupted_run(tmp_path):
-    model = tiny(tmp_path, m_sizes="[1, 16]", ops="[qkv, o, gate_up, down]")  # 8 GEMMs
+    # 8 GEMMs large enough that each takes its whole budget: the kill lands mid-run even on a
+    # busy 2-core box
+    model = tiny(tmp_path, m_sizes="[1024, 2048]", ops="[qkv, o, gate_up, down]")
     args = (
         "--model",
         str(model),
