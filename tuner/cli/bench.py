@@ -19,7 +19,7 @@ from tuner.cli.options import (
     SourcesOpt,
     tune_options,
 )
-from tuner.suites import gemm, lowbit, sdpa
+from tuner.suites import catalog
 
 app = typer.Typer(
     help="Benchmark suites: tune, then time baseline and winner side by side.", no_args_is_help=True
@@ -40,8 +40,8 @@ def bench_gemm(
     part: Annotated[
         list[str] | None,
         typer.Option(
-            help=f"Part(s) to run (repeatable): {', '.join(gemm.PARTS)}; for lowbit the formats "
-            f"{', '.join(lowbit.FORMATS)}; default all."
+            help=f"Part(s) to run (repeatable): {', '.join(catalog.GEMM_PARTS)}; for lowbit the formats "
+            f"{', '.join(catalog.LOWBIT_FORMATS)}; default all."
         ),
     ] = None,
     out: Annotated[
@@ -62,18 +62,20 @@ def bench_gemm(
     ] = True,
     warm_sample: Annotated[
         int, typer.Option(help="Rows re-tuned warm per part (tuning time).")
-    ] = gemm.WARM_SAMPLE,
+    ] = catalog.GEMM_WARM_SAMPLE,
     quick: Annotated[
         bool,
         typer.Option(
             help="A smoke run: every 4th problem (llama); for lowbit each chosen format on both "
-            f"models' {' and '.join(lowbit.QUICK_OPS)} at M "
-            f"{', '.join(map(str, lowbit.QUICK_M))}."
+            f"models' {' and '.join(catalog.LOWBIT_QUICK_OPS)} at M "
+            f"{', '.join(map(str, catalog.LOWBIT_QUICK_M))}."
         ),
     ] = False,
 ) -> None:
     """Tune the Llama GEMM suite and time cuBLAS (torch.matmul) against the winners; or the
     low-bit suite beside torch's int4 / FP8 ops and bf16 cuBLAS."""
+    from tuner.suites import gemm, lowbit
+
     if suite not in ("llama", "lowbit"):
         raise ValueError(f"suite must be 'llama' or 'lowbit', got {suite!r}")
     parts = gemm.PARTS if suite == "llama" else lowbit.FORMATS
@@ -112,6 +114,8 @@ def bench_sdpa(
     quick: QuickOpt = False,
 ) -> None:
     """Tune attention shapes and time torch's default SDPA against the winners."""
+    from tuner.suites import sdpa
+
     parts = {"prefill": sdpa.prefill_problems, "decode": sdpa.decode_problems}
     if part not in ("all", *parts):
         raise ValueError(f"part must be all, prefill or decode, got {part!r}")

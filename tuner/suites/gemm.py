@@ -40,6 +40,7 @@ from tuner.measure import samples, timing
 from tuner.measure.records import candidate_params
 from tuner.offline.model_config import gemm_key, load_model
 from tuner.offline.plots import geomean
+from tuner.suites import catalog
 from tuner.suites.runner import run_suite
 from tuner.suites.sdpa import recheck
 from tuner.tuning import compile_pool
@@ -56,7 +57,7 @@ M_BF16 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 M_SMALL = (1, 16, 128, 1024, 8192)
 ODD = ((4097, 4099, 4101), (127, 5120, 3333), (1, 4099, 4101), (33, 11001, 4097),
        (2049, 2050, 1026), (8191, 3001, 1999))  # fmt: skip
-PARTS = ("bf16-8b", "bf16-70b", "odd", "fp16", "fp32")
+PARTS = catalog.GEMM_PARTS
 # Inductor max-autotune compiles for minutes over a whole part; these few shapes per part suffice
 INDUCTOR = {
     "bf16-8b": ("8B qkv M=1", "8B gate_up M=128", "8B o M=4096"),
@@ -66,7 +67,7 @@ INDUCTOR = {
     "fp32": ("8B qkv M=1024 tf32",),
 }
 DECODE_M = 16
-WARM_SAMPLE = 8  # rows re-tuned with every kernel already compiled
+WARM_SAMPLE = catalog.GEMM_WARM_SAMPLE
 
 Problems = list[tuple[str, GemmKey]]
 

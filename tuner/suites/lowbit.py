@@ -48,6 +48,7 @@ from tuner.measure import samples, timing
 from tuner.measure.records import candidate_params
 from tuner.offline.model_config import gemm_key, load_model
 from tuner.offline.plots import geomean, pyplot
+from tuner.suites import catalog
 from tuner.suites.gemm import MODELS_DIR, OPS, Recorder
 from tuner.suites.runner import console, run_suite, side_by_side
 from tuner.tuning import compile_pool
@@ -55,11 +56,9 @@ from tuner.tuning.engine import TuneOptions, current_device
 
 MODELS = ("llama-3-8b.yaml", "qwen2.5-7b.yaml")
 M_SIZES = (1, 2, 4, 8, 16, 64, 256, 2048)
-FORMATS = ("int4-g128", "fp8-rowwise", "fp8-tensorwise")
-# --quick: every format on both models, on the projections whose weights are large enough for
-# the decode targets (bf16 >= 64 MB, FP8 >= 32 MB), at one M of each regime the targets name
-QUICK_M = (1, 16, 256, 2048)
-QUICK_OPS = ("gate_up", "down")
+FORMATS = catalog.LOWBIT_FORMATS
+QUICK_M = catalog.LOWBIT_QUICK_M
+QUICK_OPS = catalog.LOWBIT_QUICK_OPS
 DECODE_M = 16
 PREFILL_M = 2048
 MB = 2**20
