@@ -79,10 +79,10 @@ class Source(ABC):
         are left for ``build`` to raise, one candidate at a time."""
         return None
 
-    def prepare(self, key: Key) -> None:
-        """Per-process set-up that the first ``build`` for ``key`` needs anyway (a kernel
-        registry, say), done while the kernels are still compiling elsewhere. Optional: the
-        default does nothing; errors are left for ``build`` to raise."""
+    def prepare(self, key: Key, shortlist: list[Params]) -> None:
+        """Per-process set-up that the first ``build`` of ``shortlist`` (not empty) for ``key``
+        needs anyway (a kernel registry, say), done while the kernels are still compiling
+        elsewhere. Optional: the default does nothing; errors are left for ``build`` to raise."""
         return None
 
     shares_kernels: ClassVar[bool] = False

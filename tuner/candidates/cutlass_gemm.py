@@ -398,11 +398,9 @@ class CutlassGemm(Source):
         cutlass_artifacts.install_missing(specs)
         env.compile_all(specs, on_done=done)
 
-    def prepare(self, key: GemmKey) -> None:
+    def prepare(self, key: GemmKey, shortlist: list[Params]) -> None:
         """cutlass_cppgen's registry and ``key``'s plan, which ``load`` needs."""
-        chosen = self.offered(key)
-        if chosen:
-            env.prepare(next(iter(chosen)))
+        env.prepare(self.kernel_spec(key, shortlist[0]))
 
     def load(self, spec: env.KernelSpec) -> Any:
         """The compiled kernel of ``spec``, as ``launcher`` takes it."""

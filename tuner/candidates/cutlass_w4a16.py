@@ -411,7 +411,7 @@ class CutlassW4A16(cutlass_gemm.CutlassGemm):
         pairs = ((kernel_spec(key, p), p) for p in shortlist(key))
         return cutlass_gemm.compilable(pairs, in_library)
 
-    def prepare(self, key: GemmKey) -> None:
+    def prepare(self, key: GemmKey, shortlist: list[Params]) -> None:
         """Nothing: these kernels load as shared libraries of their own, without cutlass_cppgen."""
 
     def load(self, spec: env.KernelSpec) -> Path:

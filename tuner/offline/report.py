@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,10 +83,6 @@ class Report:
         worst = min(timed, key=lambda r: r.speedup or 0.0, default=None)
         best = max(timed, key=lambda r: r.speedup or 0.0, default=None)
         counts = {s: sum(r.status == s for r in self.rows) for s in _STATUS_ORDER}
-        pruned: dict[str, int] = {}
-        for r in self.rows:
-            for rule, n in r.pruned.items():
-                pruned[rule] = pruned.get(rule, 0) + n
         return {
             "problems": len(self.rows),
             **counts,
@@ -93,12 +90,12 @@ class Report:
             "worst": {"label": worst.title, "speedup": worst.speedup} if worst else None,
             "best": {"label": best.title, "speedup": best.speedup} if best else None,
             "compiled": sum(r.compiled or 0 for r in self.rows),
-            "pruned": pruned,  # by rule: tile, roofline (tuner.tuning.pruning)
+            "pruned": _summed(r.pruned for r in self.rows),  # by rule (tuner.tuning.pruning)
             "compile_wait_s_total": sum(r.wait_s or 0.0 for r in self.rows) + self.idle_s,
             "compile_pool_s_total": sum(r.compile_s or 0.0 for r in self.rows),
             "shared_compile_s": self.shared_compile_s,
             "tuning_s_total": sum(tune_times),
-            "tuning_s_by_phase": _phase_totals(self.rows),
+            "tuning_s_by_phase": _summed(r.phases for r in self.rows),  # engine.PHASES
             "tuning_s_median": sorted(tune_times)[len(tune_times) // 2] if tune_times else None,
             "wall_s": self.wall_s,
             "start_s": self.start_s,
@@ -143,12 +140,13 @@ def _journal_index(journal: list[dict[str, Any]], device_class: str) -> dict[str
     return out
 
 
-def _phase_totals(rows: list[Row]) -> dict[str, float]:
-    """Each tuning phase's seconds summed over the rows (``engine.PHASES``)."""
-    totals: dict[str, float] = {}
-    for r in rows:
-        for phase, seconds in r.phases.items():
-            totals[phase] = totals.get(phase, 0.0) + seconds
+def _summed(counts: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Per name, the sum of its values over ``counts`` (pruned candidates by rule, seconds by
+    tuning phase)."""
+    totals: dict[str, Any] = {}
+    for each in counts:
+        for name, value in each.items():
+            totals[name] = totals.get(name, 0) + value
     return totals
 
 

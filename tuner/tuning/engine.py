@@ -532,7 +532,7 @@ def _prepare(key: Key, plan: list[tuple[Source, list[Params]]]) -> None:
         if not shortlist:
             continue
         try:
-            source.prepare(key)
+            source.prepare(key, shortlist)
         except Exception as e:
             log.debug("%s: prepare failed on %s: %r", source.name, key, e)
 
