@@ -205,3 +205,15 @@ def test_cutlass_runs_on_the_current_stream(cutlass_params):
     key = CUTLASS_KEYS[0]
     runner = registry.get("cutlass").build(key, chosen[key])
     assert queued_behind_a_busy_stream(runner, key) == 0.0
+
+
+def test_cutlass_prepare_builds_the_plan_that_load_needs():
+    """The engine runs ``prepare`` while the compile pool works and only logs its failures, so a
+    broken ``prepare`` would go unseen: call it directly, from an empty plan cache."""
+    from tuner.candidates import cutlass_env
+
+    cutlass = source("cutlass")
+    key = CUTLASS_KEYS[0]
+    cutlass_env._tile_descriptions.cache_clear()
+    cutlass.prepare(key, cutlass.candidates(key, "cuda"))
+    assert cutlass_env._tile_descriptions.cache_info().currsize == 1
