@@ -1,0 +1,132 @@
+"""The FP8 stream-K decode kernel (``fp8.fp8_stream_k``): runs of (tile, K step) units that cross
+tiles, whole tiles stored from the loop, ragged N and K, against float32 GEMMs on the
+dequantized operands; its configs for the decode shapes; the sum of a tile's partials in the
+kernel and, in a CUDA graph captured before the arrival counts exist, by a second launch."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tests.candidates.test_lowbit_kernels import fp8_problem, replays_alike_when_captured_first
+from tuner.candidates.triton_kernels import fp8 as fp8_kernels
+from tuner.quant import fp8
+from tuner.quant.tolerance import excess
+
+STREAM = {"kernel": "stream_k", "bm": 16, "bn": 16, "bk": 32, "programs": 4}
+DECODE_SHAPES = [(4096, 14336), (3584, 18944), (28672, 4096), (37888, 3584), (4096, 4096)]
+
+# (m, rowwise, fa, fb, k, config) on n = 40
+CASES = [
+    # 3 tiles of 3 steps in 4 runs: tiles 0 and 2 in two runs each, runs crossing tiles
+    (1, True, "e4m3", "e4m3", 96, STREAM),
+    # 2 tiles of 3 steps, one program each: stored from the loop
+    (16, False, "e4m3", "e4m3", 96, {**STREAM, "bn": 32, "programs": 2}),
+    # K = 80 in 32-wide steps (the last one half), one unit per program: 3 partials a tile
+    (5, True, "e5m2", "e4m3", 80, {**STREAM, "programs": 9}),
+    # one program, one tile wider than N
+    (3, True, "e4m3", "e5m2", 96, {**STREAM, "bn": 64, "bk": 64, "programs": 1}),
+]
+
+
+@pytest.mark.parametrize("precise", [False, True], ids=["fast", "precise"])
+@pytest.mark.parametrize(("m", "rowwise", "fa", "fb", "k", "config"), CASES)
+def test_fp8_stream_k_matches_the_dequantized_gemm(m, rowwise, fa, fb, k, config, precise) -> None:
+    a, b, sa, sb, ref, tol = fp8_problem(m, 40, k, rowwise, fa, fb)
+    out = fp8_kernels.fp8_matmul(a, b, sa, sb.T if rowwise else sb, config, precise=precise)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, 40)
+    assert excess(out, ref, tol) <= 1
+
+
+def test_fp8_stream_k_planted_errors_are_caught() -> None:
+    """Scales of the wrong rows, one K step's products missing (a run that skipped a unit)."""
+    a, b, sa, sb, ref, tol = fp8_problem(5, 40, 96, True)
+    assert excess(fp8_kernels.fp8_matmul(a, b, sa, sb.flip(0), STREAM), ref, tol) > 1
+    short = a.clone()
+    short[:, 32:64] = 0
+    assert excess(fp8_kernels.fp8_matmul(short, b, sa, sb, STREAM), ref, tol) > 1
+
+
+def test_fp8_stream_k_bad_configs_name_the_field() -> None:
+    a, b, sa, sb, _, _ = fp8_problem(4, 40, 96, True)
+    # 3 tiles of 16 rows x 3 steps of 32: 9 units
+    for programs in (0, 10, None):
+        field = re.escape(f"config['programs']={programs}: allowed 1 .. 9")
+        with pytest.raises(ValueError, match=field):
+            fp8_kernels.fp8_matmul(a, b, sa, sb, {**STREAM, "programs": programs})
+    a17, sa17 = fp8.quantize_rowwise(torch.randn(17, 96, device=a.device))
+    with pytest.raises(ValueError, match="M=17 > config\\['bm'\\]=16"):
+        fp8_kernels.fp8_matmul(a17, b, sa17, sb, STREAM)
+    with pytest.raises(ValueError, match="config\\['kernel'\\]='gemv': allowed tiled, stream_k"):
+        fp8_kernels.fp8_matmul(a, b, sa, sb, {**STREAM, "kernel": "gemv"})
+
+
+@pytest.mark.parametrize(("n", "k"), DECODE_SHAPES)
+def test_fp8_stream_k_decode_configs_make_one_wave(n: int, k: int) -> None:
+    """Every decode shortlist offers stream-K configs whose programs fit in one wave of the
+    SMs, and each builds its launches (``jobs``) for both scalings."""
+    sms = 132
+    for m in (1, 16):
+        stream = [c for c in fp8_kernels.configs(m, n, k, sms) if c["kernel"] == "stream_k"]
+        assert len(stream) == len(fp8_kernels.STREAM_TILES)
+        for config in stream:
+            per_sm = next(t[-1] for t in fp8_kernels.STREAM_TILES
+                          if (t[0], t[1], t[3]) == (config["bn"], config["bk"], config["stages"]))  # fmt: skip
+            tiles, steps, programs = fp8_kernels.stream_shape(m, n, k, config)
+            assert programs == min(tiles * steps, per_sm * sms)
+            for rowwise in (True, False):
+                assert fp8_kernels.jobs(m, n, k, config, rowwise=rowwise, precise=False)
+
+
+@pytest.mark.parametrize(("tiles", "steps", "programs"), [(3, 3, 4), (64, 56, 264), (2, 3, 2)])
+def test_fp8_stream_k_parts_is_the_most_runs_in_a_tile(tiles: int, steps: int, programs: int):
+    units = tiles * steps
+    runs = [range(p * units // programs, (p + 1) * units // programs) for p in range(programs)]
+    meeting = max(sum(1 for r in runs if set(r) & set(range(t * steps, (t + 1) * steps)))
+                  for t in range(tiles))  # fmt: skip
+    assert fp8_kernels.stream_parts(tiles, steps, programs) == meeting
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "rowwise"), [(1, True), (16, False)])
+def test_fp8_stream_k_every_decode_config_on_a_down_projection(m: int, rowwise: bool) -> None:
+    """N = 1000 (a ragged last tile) and Llama's down K: each stream-K config within the
+    tolerance in both accumulation modes, and bit for bit the same on a second call."""
+    n, k = 1000, 14336
+    a, b, sa, sb, ref, tol = fp8_problem(m, n, k, rowwise)
+    sb = sb.T if rowwise else sb
+    for config in fp8_kernels.configs(m, n, k):
+        if config["kernel"] != "stream_k":
+            continue
+        for precise in (False, True):
+            out = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=precise)
+            assert excess(out, ref, tol) <= 1, (config, precise)
+            again = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=precise)
+            assert torch.equal(out, again), (config, precise)
+
+
+@pytest.mark.gpu
+def test_fp8_stream_k_sums_alike_in_the_kernel_and_in_a_captured_graph() -> None:
+    """The tile's last program sums the partials and leaves its count at zero; a graph captured
+    before the counts exist reduces with a second launch over a zeroed workspace, to the same
+    bits (tiles stored from the loop included)."""
+    a, sa = fp8.quantize_rowwise(torch.randn(16, 4096, device="cuda"), "e4m3")
+    b, sb = fp8.quantize_rowwise(torch.randn(520, 4096, device="cuda"), "e4m3")
+    # 9 tiles x 16 steps in 20 runs: most tiles in three runs, some in two
+    config = {"kernel": "stream_k", "bm": 16, "bn": 64, "bk": 256, "programs": 20, "warps": 4,
+              "stages": 4}  # fmt: skip
+    fp8_kernels._counts.clear()
+    first = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=True)
+    again = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=True)
+    ref = (a.float() @ b.float().T) * sa.reshape(-1, 1) * sb.reshape(1, -1)
+    assert torch.equal(first, again) and torch.allclose(first.float(), ref, rtol=2e-2, atol=1e-1)
+    assert int(fp8_kernels._counts[a.device].abs().sum()) == 0
+    replays_alike_when_captured_first(
+        fp8_kernels._counts, first,
+        lambda out: fp8_kernels.fp8_matmul(a, b, sa, sb, config, out=out, precise=True),
+    )  # fmt: skip
