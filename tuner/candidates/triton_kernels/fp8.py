@@ -459,9 +459,10 @@ def jobs(
 
 
 # Decode, stream-K: (bn, bk, warps, stages, programs per SM), one wave of programs. 64 weight
-# rows fill one warpgroup's wgmma; bk sets how many contiguous bytes of each row a step reads.
-STREAM_TILES = ((64, 256, 4, 4, 2), (64, 256, 4, 3, 3), (64, 512, 4, 2, 2), (128, 256, 4, 3, 2),
-                (64, 128, 4, 4, 4))  # fmt: skip
+# rows fill one warpgroup's wgmma (32 take Ampere's mma); bk sets how many contiguous bytes of
+# each row a step reads.
+STREAM_TILES = ((64, 512, 4, 2, 2), (64, 512, 4, 3, 1), (64, 256, 4, 4, 2), (64, 256, 4, 3, 3),
+                (64, 256, 4, 2, 4), (128, 256, 4, 3, 2), (64, 128, 4, 4, 4), (32, 512, 4, 4, 2))  # fmt: skip
 
 
 def configs(m: int, n: int, k: int, sms: int = 132, out_bytes: int = 2) -> list[Config]:
