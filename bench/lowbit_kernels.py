@@ -39,6 +39,7 @@ import triton
 
 from tuner.candidates.triton_kernels import fp8 as fp8_kernels
 from tuner.candidates.triton_kernels import w4a16
+from tuner.candidates.triton_kernels.launch import warm
 from tuner.candidates.triton_kernels.stream_read import BLOCK, read_all
 from tuner.candidates.triton_kernels.tiled import tiled_gemm
 from tuner.measure import timing
@@ -77,6 +78,16 @@ def rotate(n: int, *parts: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
 
 def nbytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
+
+
+def precompile_int4(projections: list[str], ms: tuple[int, ...]) -> None:
+    """Compile every W4A16 config the run will time, in parallel worker processes, before any
+    timing (the first call then loads each kernel from Triton's cache)."""
+    shapes = [(m, *PROJECTIONS[name]) for name in projections for m in ms]
+    report = warm([job for m, n, k in shapes for cfg in w4a16.configs(m, n, k, GROUP)
+                   for job in w4a16.checked_plan(m, n, k, GROUP, cfg).jobs(torch.bfloat16)])  # fmt: skip
+    print(f"precompiled {report.compiled} of {report.requested} w4a16 kernels in "
+          f"{report.seconds:.1f} s; errors: {report.errors[:3]}", flush=True)  # fmt: skip
 
 
 def bf16_same_tile(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
@@ -235,6 +246,8 @@ def main() -> None:
     }  # fmt: skip
     print(f"{result['device']}: copy {copy_gbs:.0f} GB/s", flush=True)
     t0 = time.time()
+    if "int4" in args.formats:
+        precompile_int4(args.proj, tuple(args.m))
     for name in args.proj:
         n, k = PROJECTIONS[name]
         result["rows"] += bench_projection(name, n, k, tuple(args.m), copy_gbs, args.budget,

@@ -68,6 +68,21 @@ def test_w4a16_matches_the_dequantized_gemm(m, config, g, dtype, k) -> None:
     assert excess(out, ref, tol) <= 1
 
 
+# n = 200: three whole 64-row blocks and a ragged one of 8 rows; K = 384, three chunks
+BLOCK_CASES = [
+    {**TILED, "bn": 128, "dots": 1},  # two blocks a tile, the ragged one in the second
+    {**TILED, "bn": 64, "dots": 1, "split_k": 3},
+    {**TILED, "bn": 16, "dots": 1},  # four tiles a block, one in the ragged block
+    {**STREAM, "bn": 128, "programs": 4},  # the tiles' steps in runs that cross them
+]
+
+
+@pytest.mark.parametrize("config", BLOCK_CASES)
+def test_w4a16_reads_every_tile_major_block(config) -> None:
+    x, q, sz, ref, tol = int4_problem(3, 200, 384, 128, torch.bfloat16)
+    assert excess(w4a16.w4a16_matmul(x, int4.pack(q), sz, 128, config), ref, tol) <= 1
+
+
 @pytest.mark.parametrize("config", [TILED, ONE_DOT_SPLIT, {**STREAM, "bn": 16, "programs": 3}])
 def test_w4a16_planted_errors_are_caught(config) -> None:
     """Nibbles in the wrong order, the scales of the neighbouring group, one K tile dropped."""
@@ -137,8 +152,11 @@ def test_w4a16_bad_inputs_name_the_field() -> None:
     x96, q96, sz96, _, _ = int4_problem(2, 16, 96, 32, torch.float16, "cpu")
     with pytest.raises(ValueError, match="K=96 must be a multiple of 128"):
         w4a16.w4a16_matmul(x96, int4.pack(q96), sz96, 32)
-    with pytest.raises(ValueError, match="config\\['bk'\\]"):
-        w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "bk": 64})
+    for bk in (64, 256):  # one chunk of the layout per dot
+        with pytest.raises(ValueError, match=f"config\\['bk'\\]={bk}: must be 128"):
+            w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "bk": bk})
+    with pytest.raises(ValueError, match="config\\['bn'\\]=96: must divide 64"):
+        w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "bn": 96})
     with pytest.raises(ValueError, match="config\\['split_k'\\]"):
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "split_k": 3})
     with pytest.raises(ValueError, match="config\\['dots'\\]"):

@@ -28,11 +28,31 @@ def test_pack_places_each_k_of_a_chunk_as_documented() -> None:
         assert (int(packed[byte]) >> shift) & 15 == int(q[0, kk]), kk
 
 
-@pytest.mark.parametrize("k", [256, 4, 384 + 6])  # whole chunks; a tail only; chunks and a tail
-def test_pack_unpack_round_trip(k: int) -> None:
-    q = torch.randint(0, 16, (24, k), dtype=torch.uint8)
+def test_pack_stores_64_row_blocks_chunk_by_chunk() -> None:
+    """Block b of r rows (the last one: N % 64) starts at byte 64 b * K / 2 and holds its row i's
+    chunk c at 64 (c r + i), then its row i's tail at 64 C r + i * tail (C chunks a row): each
+    row's bytes are those of that row packed alone."""
+    n, k = 2 * 64 + 9, int4.CHUNK * 3 + 10
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    packed = int4.pack(q).reshape(-1)
+    h, body = k // 2, int4.CHUNK // 2 * 3
+    for row in range(n):
+        alone = int4.pack(q[row : row + 1])[0]
+        b, i = divmod(row, 64)
+        r = min(64, n - 64 * b)
+        start = 64 * b * h
+        at = [start + 64 * (j // 64 * r + i) + j % 64 for j in range(body)]
+        at += [start + body * r + i * (h - body) + j for j in range(h - body)]
+        assert torch.equal(packed[at], alone), row
+
+
+@pytest.mark.parametrize(("n", "k"), [(24, 256), (24, 4), (24, 384 + 6), (64, 256), (130, 390)])
+def test_pack_unpack_round_trip(n: int, k: int) -> None:
+    """Whole chunks, a tail only, chunks and a tail; one block of fewer than 64 rows, one whole
+    block, whole blocks and a ragged one."""
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     packed = int4.pack(q)
-    assert packed.shape == (24, k // 2) and packed.dtype == torch.uint8
+    assert packed.shape == (n, k // 2) and packed.dtype == torch.uint8
     assert torch.equal(int4.unpack(packed), q)
 
 

@@ -5,15 +5,20 @@ Values: ``q`` is an [N, K] integer tensor of 0..15; ``scales_and_zeros`` is torc
 ``w[n, k] = (q[n, k] - 8) * scale[k // group_size, n] + zero[k // group_size, n]``
 (the convention of ``torch.ops.aten._weight_int4pack_mm``).
 
-Our layout (what ``tuner.candidates.triton_kernels.w4a16`` reads): uint8 [N, K / 2], each row
-in chunks of ``CHUNK`` = 128 values (64 bytes). Byte b of a chunk, with c = b // 16 and
-i = b % 16, holds k = 2c + (i & 1) + 8 ((i >> 1) & 7) in its low nibble and k + 64 in its high
-nibble: the 16 bytes at 16c are the 32 values a thread with lane bits c holds of that row in the
-tensor cores' register-operand layout (pairs k, k + 1 with strides of 8), so one 16-byte load
-and in-register reshapes give the kernel its operand. A tail of K % 128 values (K even), which
-the kernel does not take, keeps k = 2j in the low and 2j + 1 in the high nibble of byte j.
-torch's packer takes the even k in the high nibble of its bytes, so ``to_torch_int4pack``
-reorders once.
+Our layout (what ``tuner.candidates.triton_kernels.w4a16`` reads): uint8 [N, K / 2], K in
+chunks of ``CHUNK`` = 128 values (64 bytes of a row), stored tile-major: rows in blocks of
+``BLOCK_ROWS`` = 64 (the last block holds the N % 64 rows left, unpadded), and a block of r
+rows stores, chunk after chunk, the chunk's [r rows x 64 bytes] contiguously (then its K tail
+as [r rows x tail bytes]). A block starts at byte 64 b * K / 2, as its first row would row by
+row; one K chunk of a whole block is one 4 KB run, which DRAM serves faster than 64 runs of 64
+bytes a row apart (``bench/w4a16_read_patterns.py``). Byte b of a row's chunk, with c = b // 16
+and i = b % 16, holds k = 2c + (i & 1) + 8 ((i >> 1) & 7) in its low nibble and k + 64 in its
+high nibble: the 16 bytes at 16c are the 32 values a thread with lane bits c holds of that row
+in the tensor cores' register-operand layout (pairs k, k + 1 with strides of 8), so one 16-byte
+load and in-register reshapes give the kernel its operand. A tail of K % 128 values (K even),
+which the kernel does not take, keeps k = 2j in the low and 2j + 1 in the high nibble of the
+row's tail byte j. torch's packer takes the even k in the high nibble of its bytes, so
+``to_torch_int4pack`` reorders once.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 GROUP_SIZES = (32, 64, 128, 256)
 CHUNK = 128  # values per permuted run of a row
+BLOCK_ROWS = 64  # rows per tile-major block
 INNER_K_TILES = (2, 4, 8)
 
 
@@ -80,6 +86,41 @@ _TO_BYTES = (0, 1, 2, 6, 7, 3, 4, 5, 8)
 _FROM_BYTES = tuple(_TO_BYTES.index(d) for d in range(9))
 
 
+def _blocks(n: int) -> list[tuple[int, int, int]]:
+    """(first row, blocks, rows per block) of N rows: the whole blocks, then the ragged one."""
+    whole = n // BLOCK_ROWS
+    spans = [(0, whole, BLOCK_ROWS)]
+    return [*spans, (whole * BLOCK_ROWS, 1, n % BLOCK_ROWS)] if n % BLOCK_ROWS else spans
+
+
+def _tile_major(rows: torch.Tensor) -> torch.Tensor:
+    """Row-major [N, K / 2] bytes -> the same bytes stored block by block, chunk by chunk."""
+    n, h = rows.shape
+    body = h - h % (CHUNK // 2)  # bytes in whole chunks
+    parts = []
+    for lo, blocks, r in _blocks(n):
+        v = rows[lo : lo + blocks * r].reshape(blocks, r, h)
+        chunks = v[..., :body].reshape(blocks, r, body * 2 // CHUNK, CHUNK // 2).transpose(1, 2)
+        parts.append(torch.cat([chunks.reshape(blocks, r * body),
+                                v[..., body:].reshape(blocks, r * (h - body))], dim=1).reshape(-1))  # fmt: skip
+    return torch.cat(parts).reshape(n, h)
+
+
+def _row_major(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_tile_major``."""
+    n, h = packed.shape
+    body = h - h % (CHUNK // 2)
+    flat = packed.reshape(-1)
+    parts = []
+    for lo, blocks, r in _blocks(n):
+        t = flat[lo * h : (lo + blocks * r) * h].reshape(blocks, r * h)
+        chunks = t[:, : body * r].reshape(blocks, body * 2 // CHUNK, r, CHUNK // 2).transpose(1, 2)
+        parts.append(torch.cat([chunks.reshape(blocks, r, body),
+                                t[:, body * r :].reshape(blocks, r, h - body)],
+                               dim=2).reshape(blocks * r, h))  # fmt: skip
+    return torch.cat(parts)
+
+
 def pack(q: torch.Tensor) -> torch.Tensor:
     """[N, K] values 0..15 -> our uint8 [N, K / 2] layout (see the module docstring)."""
     if q.dim() != 2 or q.shape[1] % 2:
@@ -91,8 +132,8 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     v = q[:, :main].to(torch.uint8).reshape(n, main // CHUNK, *[2] * 7).permute(*_TO_BYTES)
     v = v.reshape(n, main // CHUNK, 2, CHUNK // 2)
     tail = q[:, main:].to(torch.uint8).reshape(n, -1, 2)
-    return torch.cat([(v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, main // 2),
-                      tail[..., 0] | (tail[..., 1] << 4)], dim=1)  # fmt: skip
+    return _tile_major(torch.cat([(v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, main // 2),
+                                  tail[..., 0] | (tail[..., 1] << 4)], dim=1))  # fmt: skip
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -100,12 +141,13 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise ValueError(f"packed: expected a uint8 [N, K / 2] tensor, got {packed.dtype} "
                          f"{tuple(packed.shape)}")  # fmt: skip
+    rows = _row_major(packed)
     n, k = packed.shape[0], packed.shape[1] * 2
     main = k - k % CHUNK  # values in whole chunks
-    b = packed[:, : main // 2].reshape(n, main // CHUNK, 1, CHUNK // 2)
+    b = rows[:, : main // 2].reshape(n, main // CHUNK, 1, CHUNK // 2)
     v = torch.cat([b & 15, b >> 4], dim=2).reshape(n, main // CHUNK, *[2] * 7)
     v = v.permute(*_FROM_BYTES).reshape(n, main)
-    t = packed[:, main // 2 :]
+    t = rows[:, main // 2 :]
     tail = torch.stack([t & 15, t >> 4], dim=2).reshape(n, k - main)
     return torch.cat([v, tail], dim=1)
 

@@ -1,10 +1,12 @@
 """INT4 weight-only GEMM (W4A16): ``out = x @ dequant(w).T`` with bf16 or fp16 activations.
 
-The weight is our packed layout (``tuner.quant.int4``): uint8 [N, K / 2] whose rows hold K in
-chunks of 128 values (64 bytes), permuted inside each chunk so that the 16 bytes a thread loads
-are the 32 values it owns in Hopper's wgmma register-operand layout (the same per-warp
-fragment as Ampere's mma, where the kernel also runs): after the in-register reshapes below, the dequantized tile needs no trip through shared memory
-and no shuffle before the tensor cores take it. ``scales_and_zeros`` is torch's [K / group, N, 2].
+The weight is our packed layout (``tuner.quant.int4``): uint8 [N, K / 2], K in chunks of 128
+values (64 bytes of a row), tile-major (one chunk of a 64-row block is one contiguous 4 KB run,
+so a [BN, 128] weight tile is one run or BN / 64 of them; hence BN divides 64 or is a multiple
+of it), permuted inside each chunk so that the 16 bytes a thread loads are the 32 values it
+owns in Hopper's wgmma register-operand layout (the same per-warp fragment as Ampere's mma,
+where the kernel also runs): after the in-register reshapes below, the dequantized tile needs
+no trip through shared memory and no shuffle before the tensor cores take it. ``scales_and_zeros`` is torch's [K / group, N, 2].
 
 The kernel computes out.T = W x.T: the dequantized [BN, BK] weight tile is the dot's first
 operand, which wgmma takes from registers; x's [BM, BK] tiles are the second, so BM (activation
@@ -39,7 +41,7 @@ from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, verify_direct
 from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts, reduce_if_last
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
-from tuner.quant.int4 import CHUNK, check_group_size, check_scales_and_zeros
+from tuner.quant.int4 import BLOCK_ROWS, CHUNK, check_group_size, check_scales_and_zeros
 
 Config = dict[str, Any]
 KERNELS = ("tiled", "stream_k")
@@ -87,26 +89,39 @@ def _values(b, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _weight_tile(w_ptr, sz_ptr, n0, k0, N, half, dtype: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """The dequantized [BN, BK] tile of weight rows ``n0 + arange(BN)`` at K offset ``k0`` (BK
-    whole chunks), in ``dtype`` (fp32 in the interpreter). Addresses are a scalar base plus
-    offsets that do not depend on ``n0`` or ``k0``, so a loop whose tile moves (stream-K) keeps
-    the per-element part out of the loop.
+                 GROUP: tl.constexpr, RAGGED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """The dequantized [BN, CHUNK] tile of weight rows ``n0 + arange(BN)`` at K offset ``k0``
+    (a whole chunk), in ``dtype`` (fp32 in the interpreter). BN divides 64 or is a multiple of
+    it, so the tile's rows fill part of one 64-row block or whole blocks; ``RAGGED``: N % 64 > 0,
+    the last block has fewer rows (a narrower stride). Addresses are a scalar base plus offsets
+    that do not depend on ``n0`` or ``k0`` (but for a ragged block's rows), so a loop whose tile
+    moves (stream-K) keeps the per-element part out of the loop.
 
-    A chunk's byte b (0..63) holds, for c = b // 16 and i = b % 16, the values at k = 2c +
-    (i & 1) + 8 ((i >> 1) & 7) in its low nibble and k + 64 in its high one (``int4.pack``):
-    unpacked as [byte, nibble] the k bits come out in the order (k6, k0, k3, k4, k5, k1, k2)
-    from the lowest; the permute puts them back to (k0 .. k6)."""
+    Tile-major layout (``int4.pack``): block b of r rows starts at byte 64 b * half and holds
+    chunk c of its row i at 64 (c r + i). A chunk's byte b (0..63) holds, for c = b // 16 and
+    i = b % 16, the values at k = 2c + (i & 1) + 8 ((i >> 1) & 7) in its low nibble and k + 64
+    in its high one: unpacked as [byte, nibble] the k bits come out in the order (k6, k0, k3,
+    k4, k5, k1, k2) from the lowest; the permute puts them back to (k0 .. k6)."""
     rl = tl.arange(0, BN)
     rows = rl[:, None] < N - n0
-    base = n0.to(tl.int64) * half + tl.multiple_of(k0 // 2, BK // 2)
-    b = tl.load(w_ptr + base + (rl[:, None] * half + tl.arange(0, BK // 2)[None, :]), mask=rows,
-                other=0)  # fmt: skip
+    chunk = k0 // CHUNK_K
+    cols = tl.arange(0, CHUNK_K // 2)[None, :]
+    if BN <= 64:  # rows n0 % 64 + rl of block n0 // 64
+        first = n0 // 64 * 64
+        stride = tl.minimum(N - first, 64) if RAGGED else 64  # the block's rows
+        base = first.to(tl.int64) * half + (chunk * stride + n0 - first) * 64
+        offs = rl[:, None] * 64 + cols
+    else:  # n0 % 64 == 0: rows rl % 64 of block (n0 + rl) // 64
+        base = n0.to(tl.int64) * half + chunk * 4096
+        offs = (rl // 64 * 64 * half + rl % 64 * 64)[:, None] + cols
+        if RAGGED:  # the last block's rows: chunk * (its rows - 64) * 64 bytes nearer
+            offs += (chunk * 64 * (tl.minimum(N - n0 - rl // 64 * 64, 64) - 64))[:, None]
+    b = tl.load(w_ptr + base + offs, mask=rows, other=0)
     lo, hi = _values(b, dtype, INTERPRET)
-    v = tl.join(lo, hi).reshape(BN, BK // CHUNK_K, 2, 2, 2, 2, 2, 2, 2)
-    v = v.permute(0, 1, 8, 4, 5, 6, 2, 3, 7).reshape(BN, BK)
+    v = tl.join(lo, hi).reshape(BN, 2, 2, 2, 2, 2, 2, 2)
+    v = v.permute(0, 7, 3, 4, 5, 1, 2, 6).reshape(BN, CHUNK_K)
     offset = tl.full((), 136.0 if dtype == tl.bfloat16 else 1032.0, v.dtype)  # magic + 8
-    NG: tl.constexpr = BK // GROUP if BK > GROUP else 1  # groups in the tile
+    NG: tl.constexpr = CHUNK_K // GROUP if CHUNK_K > GROUP else 1  # groups in the tile
     # each (scale, zero) pair as one 32-bit word: 4-byte loads, which Triton's pipeliner copies
     # ahead asynchronously (2-byte ones it loads in the iteration that uses them)
     pairs = sz_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -114,19 +129,20 @@ def _weight_tile(w_ptr, sz_ptr, n0, k0, N, half, dtype: tl.constexpr, BN: tl.con
                  mask=rows, other=0)  # fmt: skip
     s = (sz & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(v.dtype)
     z = (sz >> 16).to(tl.int16).to(dtype, bitcast=True).to(v.dtype)
-    s = tl.broadcast_to(s[:, :, None], (BN, NG, BK // NG)).reshape(BN, BK)
-    z = tl.broadcast_to(z[:, :, None], (BN, NG, BK // NG)).reshape(BN, BK)
+    s = tl.broadcast_to(s[:, :, None], (BN, NG, CHUNK_K // NG)).reshape(BN, CHUNK_K)
+    z = tl.broadcast_to(z[:, :, None], (BN, NG, CHUNK_K // NG)).reshape(BN, CHUNK_K)
     return tl.fma(v - offset, s, z)
 
 
 @triton.jit
 def _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, n0, k0, N, half, BN: tl.constexpr, BK: tl.constexpr,
-          DOTS: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+          DOTS: tl.constexpr, GROUP: tl.constexpr, RAGGED: tl.constexpr,
+          INTERPRET: tl.constexpr):  # fmt: skip
     """``acc`` [BN, BM] plus the ``DOTS`` dots of weight rows from ``n0`` and x's rows at K
-    offset ``k0`` (one step of DOTS * BK)."""
+    offset ``k0`` (one step of DOTS * BK; BK is one chunk)."""
     for d in tl.static_range(DOTS):
         xt = tl.load(x_ptrs + k0 + d * BK, mask=mask_m, other=0.0)
-        w = _weight_tile(w_ptr, sz_ptr, n0, k0 + d * BK, N, half, xt.dtype, BN, BK, GROUP,
+        w = _weight_tile(w_ptr, sz_ptr, n0, k0 + d * BK, N, half, xt.dtype, BN, GROUP, RAGGED,
                          INTERPRET)  # fmt: skip
         if INTERPRET:  # the interpreter's bf16 dot is wrong: the same sums in fp32
             acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc)
@@ -140,7 +156,7 @@ def w4a16_tiled(
     x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, counts_ptr, M, N, half, ldx, ldo, k_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOTS: tl.constexpr,
     GROUP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-    REDUCE_HERE: tl.constexpr, INTERPRET: tl.constexpr,
+    REDUCE_HERE: tl.constexpr, RAGGED: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Tensor cores on out.T = W x.T, ``DOTS`` [BN, BK] weight tiles per iteration; split-K
     partials summed by the tile's last program when ``REDUCE_HERE``."""
@@ -154,7 +170,7 @@ def w4a16_tiled(
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_split, DOTS * BK):
         acc = _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, pid_n * BN, k0, N, half, BN, BK, DOTS,
-                    GROUP, INTERPRET)  # fmt: skip
+                    GROUP, RAGGED, INTERPRET)  # fmt: skip
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     out_ptrs = out_ptr + rm[None, :].to(tl.int64) * ldo + rn[:, None]
     if SPLIT_K == 1:  # stored as [BM, BN]: with the [BN, BM] tile as is, ptxas (Triton 3.6)
@@ -175,7 +191,7 @@ def w4a16_stream_k(
     x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, counts_ptr, M, N, half, ldx, ldo, steps, units,
     programs, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOTS: tl.constexpr,
     GROUP: tl.constexpr, MAX_PARTS: tl.constexpr, REDUCE_HERE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    RAGGED: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Decode (M <= BM, one row of tiles): the ``units`` = tiles x ``steps`` (tile, K step)
     units, tile-major, cut into ``programs`` contiguous runs of whole steps, one per program, in
@@ -196,7 +212,7 @@ def w4a16_stream_k(
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for u in range(lo, hi):
         acc = _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, tile * BN, kk * (DOTS * BK), N, half, BN,
-                    BK, DOTS, GROUP, INTERPRET)  # fmt: skip
+                    BK, DOTS, GROUP, RAGGED, INTERPRET)  # fmt: skip
         last_step = kk == steps - 1
         flush = last_step | (u == hi - 1)
         if flush:
@@ -269,8 +285,13 @@ def check_config(config: Config, m: int, n: int, k: int, group_size: int) -> Non
     kernel, bk, dots = config.get("kernel"), config["bk"], config.get("dots", 1)
     if kernel not in KERNELS:
         raise ValueError(f"config['kernel']={kernel!r}: allowed {sorted(KERNELS)}")
-    if bk % CHUNK:
-        raise ValueError(f"config['bk']={bk}: must be a multiple of {CHUNK}")
+    if bk != CHUNK:
+        raise ValueError(f"config['bk']={bk}: must be {CHUNK}, one chunk of the layout per dot "
+                         f"(config['dots'] lengthens a step)")  # fmt: skip
+    bn = config["bn"]
+    if bn % BLOCK_ROWS and BLOCK_ROWS % bn:
+        raise ValueError(f"config['bn']={bn}: must divide {BLOCK_ROWS} or be a multiple of it "
+                         f"(the weight's tile-major blocks of rows)")  # fmt: skip
     if dots not in (1, 2, 4):
         raise ValueError(f"config['dots']={dots}: allowed 1, 2, 4")
     if kernel == "tiled":
@@ -334,7 +355,8 @@ class Plan:
         self.m, self.n, self.k = m, n, k
         bm, bn, bk, dots = config["bm"], config["bn"], config["bk"], config.get("dots", 1)
         self.tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        meta = dict(BM=bm, BN=bn, BK=bk, DOTS=dots, GROUP=group_size, INTERPRET=interpreting())
+        meta = dict(BM=bm, BN=bn, BK=bk, DOTS=dots, GROUP=group_size, RAGGED=n % BLOCK_ROWS > 0,
+                    INTERPRET=interpreting())  # fmt: skip
         self.stream = config["kernel"] == "stream_k"
         if self.stream:
             steps, programs = k // (bk * dots), config["programs"]
