@@ -65,6 +65,18 @@ def test_shortlists_by_m_and_their_specs() -> None:
     assert cutlass_env.BUILDERS[spec.wdtype] == w4.__name__
 
 
+def test_the_wrapper_text_is_part_of_int4_kernel_digests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapper change addresses new int4 libraries (old ones are never loaded with a new
+    Python side); plain kernels' digests do not depend on it."""
+    spec = w4.kernel_spec(key_of("int4-g128", 16), w4.SMALL[0])
+    plain = cutlass_gemm.kernel_spec(GemmKey(m=8, n=256, k=512, layout="nt"), w4.SMALL[0])
+    before = (spec.digest, plain.digest)
+    assert cutlass_env._builder_fields(spec.wdtype) == {"wrapper": w4.WRAPPER_DIGEST}
+    assert cutlass_env._builder_fields(plain.wdtype) == {}
+    monkeypatch.setattr(w4, "WRAPPER_DIGEST", "another")
+    assert spec.digest != before[0] and plain.digest == before[1]
+
+
 def test_bad_params_name_the_field() -> None:
     key = key_of("int4-g128", 16)
     with pytest.raises(ValueError, match="'kernel' must be one of"):
@@ -109,7 +121,7 @@ def test_the_library_source_is_a_scale_and_zero_kernel_with_our_wrapper() -> Non
     assert "_s4_bf16_" in name and "_sclzr_" in name and "shfl" not in name
     assert "cute::tuple<cutlass::int4b_t, cutlass::bfloat16_t, cutlass::bfloat16_t>" in text
     assert f"GemmUniversalAdapter<{name}>" in text
-    assert 'extern "C"' in text and "int tuner_run(" in text and "${" not in text
+    assert 'extern "C"' in text and "int tuner_plan_run(" in text and "${" not in text
     command = w4.nvcc_command(spec, Path("k.cu"), Path("k.so"))
     assert "-gencode=arch=compute_90a,code=sm_90a" in command and "-DNDEBUG" in command
 
@@ -222,3 +234,32 @@ def test_a_planted_wrong_weight_is_caught(source: w4.CutlassW4A16) -> None:
     assert samples.relative_error(run(x, packed, other_groups), ref) > 1
     wd = int4.dequantize(q, sz, key.group)
     assert torch.allclose(ref.ref, x.float() @ wd.T)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_known_and_new_pointer_sets_each_give_their_own_result(
+    source: w4.CutlassW4A16, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launcher keeps initialized params per operand pointer set: a known set only launches
+    (stream-K's workspace re-zeroed each call), a new x or out is initialized anew, and a set
+    evicted from a full plan comes back right."""
+    monkeypatch.setattr(w4, "PLAN_ENTRIES", 2)
+    key = _key("int4-g64", 200, "f16")
+    run = _runner(source, key, 2)
+    assert w4.shortlist(key)[2]["scheduler"] == "streamk"
+    gen = torch.Generator("cuda").manual_seed(5)
+    sets = [samples.make_inputs(key, "cuda", gen) for _ in range(3)]
+    refs = [samples.reference(key, s) for s in sets]
+    outs = [samples.output_like(key, s) for s in sets]
+    for i in (0, 0, 0, 1, 0, 2, 1, 2, 0, 1):  # 3 sets through 2 entries: hits and evictions
+        outs[i].fill_(float("nan"))  # an element left unwritten fails
+        assert run(*sets[i], out=outs[i]) is outs[i]
+        assert samples.relative_error(outs[i], refs[i]) <= 1
+    x, (_, packed, sz) = sets[1][0], sets[0]  # only x differs from a known set
+    mixed = samples.reference(key, (x, packed, sz))
+    assert samples.relative_error(run(x, packed, sz, out=outs[0]), mixed) <= 1
+    fresh = samples.output_like(key, sets[0])  # only out differs
+    assert run(*sets[0], out=fresh) is fresh
+    assert samples.relative_error(fresh, refs[0]) <= 1
+    assert samples.relative_error(run(*sets[2]), refs[2]) <= 1  # out allocated by the launcher

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -209,8 +210,8 @@ class KernelSpec:
 
     @property
     def digest(self) -> str:
-        text = json.dumps({**self._fields(), "sm": SM, "cutlass": version()}, sort_keys=True)
-        return hashlib.sha1(text.encode()).hexdigest()[:20]
+        fields = {**self._fields(), "sm": SM, "cutlass": version(), **_builder_fields(self.wdtype)}
+        return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
 
     def to_json(self) -> str:
         return json.dumps(self._fields(), sort_keys=True)
@@ -220,6 +221,13 @@ class KernelSpec:
         data = json.loads(text)
         data["tile"], data["cluster"] = tuple(data["tile"]), tuple(data["cluster"])
         return cls(**data)
+
+
+def _builder_fields(wdtype: str) -> dict[str, str]:
+    """A builder's own host C++ is part of the libraries it makes (``BUILDERS``: its module's
+    ``WRAPPER_DIGEST``), so that a wrapper change addresses new ones; nothing for other specs."""
+    module = BUILDERS.get(wdtype)
+    return {} if module is None else {"wrapper": importlib.import_module(module).WRAPPER_DIGEST}
 
 
 def _marker(spec: KernelSpec, kind: str) -> Path:

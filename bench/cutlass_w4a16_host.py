@@ -1,0 +1,132 @@
+"""Host and GPU time per eager call of the CUTLASS INT4 launcher (``cutlass_w4a16``), apart, beside
+the bf16 baseline (torch) on the same shape.
+
+    python bench/cutlass_w4a16_host.py --out $OUT/cutlass_w4a16_host.json
+
+Per shape and kernel config: the eager event time the suites report (``timing.measure`` over the
+rotating input sets) and its host time per call; the GPU time alone (``timing.graph_time``); host
+time per call of N back-to-back calls (perf_counter, no sync in between) split into the Python
+part (checks, memo lookups, output allocation: ``W4A16Launcher.operands``), the ctypes call of a
+known pointer set, and the library's own steps timed in C++ (``W4A16Launcher.step_times_us``:
+can_implement, initialize, launch; what every call paid before plans kept initialized params).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tuner.candidates import cutlass_env, registry
+from tuner.candidates import cutlass_w4a16 as w4
+from tuner.candidates import gemm_operands as ops
+from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey
+from tuner.measure import samples, timing
+from tuner.offline.model_config import gemm_key
+from tuner.suites.lowbit import bf16_twin
+
+# (label, M, N, K): the projections whose INT4 rows were host-bound
+SHAPES = {
+    "qwen-o": (3584, 3584),
+    "qwen-qkv": (4608, 3584),
+    "llama-o": (4096, 4096),
+    "llama-qkv": (6144, 4096),
+}
+
+
+def per_call_us(fn: Callable[[int], Any], calls: int) -> float:
+    """Host microseconds per call of ``calls`` back-to-back calls, the GPU drained around them."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    spent = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return spent / calls * 1e6
+
+
+def eager_and_graph(fn: Callable[[int], Any], calls: int) -> dict[str, float]:
+    eager = timing.measure(fn, device="cuda", budget_s=0.1)
+    return {
+        "event_us": eager.median_us,
+        "measure_host_us": eager.host_us,
+        "host_us": per_call_us(fn, calls),
+        "gpu_us": timing.graph_time(fn).median_us,
+    }
+
+
+def int4_row(key: GemmKey, params: dict[str, Any], calls: int, reps: int) -> dict[str, Any]:
+    launcher = w4.CutlassW4A16().build(key, params)
+    sets = samples.input_sets(key, "cuda", seed=1)
+    fn = timing.on_sets(launcher, sets)
+    row: dict[str, Any] = {"params": params, "sets": len(sets), **eager_and_graph(fn, calls)}
+    prepared = [launcher.operands(*s) for s in sets]
+    stream = ops.current_stream(launcher.device)
+    row["python_us"] = per_call_us(lambda i: launcher.operands(*sets[i % len(sets)]), calls)
+    row["ctypes_known_us"] = per_call_us(
+        lambda i: launcher.run(launcher.plan, *prepared[i % len(prepared)][0], stream), calls
+    )
+    steps = launcher.step_times_us(prepared[0][0], reps)
+    torch.cuda.synchronize()
+    row["steps_us"] = steps
+    row["old_path_host_us"] = (
+        row["python_us"] + steps["can_implement"] + steps["initialize"] + steps["launch"]
+    )
+    return row
+
+
+def bf16_row(key: GemmKey, calls: int) -> dict[str, Any]:
+    twin = bf16_twin(key)
+    base = registry.baseline(twin.op, twin)
+    runner = base.build(twin, base.baseline_params)
+    sets = samples.input_sets(twin, "cuda", seed=1)
+    return {"source": base.name, **eager_and_graph(timing.on_sets(runner, sets), calls)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", nargs="+", default=["qwen-o", "llama-qkv"], choices=list(SHAPES))
+    ap.add_argument("--m", type=int, nargs="+", default=[256])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--reps", type=int, default=200)
+    args = ap.parse_args()
+    keys = [
+        (f"{name} M={m}", gemm_key(m, *SHAPES[name], layout="nt", dtype="int4-g128"))
+        for name in args.shapes
+        for m in args.m
+    ]
+    specs = [w4.kernel_spec(k, p) for _, k in keys for p in w4.shortlist(k)]
+    errors = {s: e for s, e in cutlass_env.compile_all(specs).items() if e is not None}
+    if errors:
+        raise RuntimeError(f"kernels did not compile: {errors}")
+    rows = []
+    for label, key in keys:
+        bf16 = bf16_row(key, args.calls)
+        configs = [int4_row(key, p, args.calls, args.reps) for p in w4.shortlist(key)]
+        best = min(configs, key=lambda r: r["event_us"])
+        rows.append({"label": label, "key": str(key), "bf16": bf16, "int4": configs,
+                     "best_vs_bf16": bf16["event_us"] / best["event_us"]})  # fmt: skip
+        print(f"{label}: bf16 {bf16['event_us']:.1f} us (host {bf16['host_us']:.1f}, GPU "
+              f"{bf16['gpu_us']:.1f})")  # fmt: skip
+        for r in configs:
+            steps = " ".join(f"{k} {v:.1f}" for k, v in r["steps_us"].items())
+            print(f"  {json.dumps(r['params'])}: {r['event_us']:.1f} us (host {r['host_us']:.1f}, "
+                  f"GPU {r['gpu_us']:.1f}; python {r['python_us']:.1f}, ctypes known "
+                  f"{r['ctypes_known_us']:.1f}; C++ {steps}; old path {r['old_path_host_us']:.1f})")  # fmt: skip
+    fp = fingerprint("cuda")
+    medians = {"best_vs_bf16_median": statistics.median(r["best_vs_bf16"] for r in rows)}
+    result = {"benchmark": "cutlass_w4a16_host", "device": fp.name, "versions": fp.versions,
+              "calls": args.calls, "reps": args.reps, **medians, "rows": rows}  # fmt: skip
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
