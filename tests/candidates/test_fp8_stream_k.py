@@ -1,7 +1,8 @@
-"""The FP8 stream-K decode kernel (``fp8.fp8_stream_k``): runs of (tile, K step) units that cross
-tiles, whole tiles stored from the loop, ragged N and K, against float32 GEMMs on the
-dequantized operands; its configs for the decode shapes; the sum of a tile's partials in the
-kernel and, in a CUDA graph captured before the arrival counts exist, by a second launch."""
+"""The FP8 decode kernels beside split-K: stream-K (``fp8.fp8_stream_k``: runs of (tile, K step)
+units that cross tiles, whole tiles stored from the loop, ragged N and K) and split-K with
+interleaved splits, against float32 GEMMs on the dequantized operands; the decode configs; the
+sum of a tile's partials in the kernel and, in a CUDA graph captured before the arrival counts
+exist, by a second launch."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tuner.quant import fp8
 from tuner.quant.tolerance import excess
 
 STREAM = {"kernel": "stream_k", "bm": 16, "bn": 16, "bk": 32, "programs": 4}
+INTERLEAVED = {"kernel": "tiled", "bm": 16, "bn": 16, "bk": 32, "split_k": 3, "interleave": True}
 DECODE_SHAPES = [(4096, 14336), (3584, 18944), (28672, 4096), (37888, 3584), (4096, 4096)]
 
 # (m, rowwise, fa, fb, k, config) on n = 40
@@ -28,12 +30,18 @@ CASES = [
     (5, True, "e5m2", "e4m3", 80, {**STREAM, "programs": 9}),
     # one program, one tile wider than N
     (3, True, "e4m3", "e5m2", 96, {**STREAM, "bn": 64, "bk": 64, "programs": 1}),
+    # split-K, interleaved: split 0 takes steps 0 and 2, split 1 step 1 ...
+    (4, True, "e4m3", "e4m3", 96, {**INTERLEAVED, "split_k": 2}),
+    # ... and with K = 80, split 2 takes the half step
+    (7, False, "e4m3", "e4m3", 80, INTERLEAVED),
 ]
 
 
 @pytest.mark.parametrize("precise", [False, True], ids=["fast", "precise"])
 @pytest.mark.parametrize(("m", "rowwise", "fa", "fb", "k", "config"), CASES)
-def test_fp8_stream_k_matches_the_dequantized_gemm(m, rowwise, fa, fb, k, config, precise) -> None:
+def test_fp8_decode_kernels_match_the_dequantized_gemm(
+    m, rowwise, fa, fb, k, config, precise
+) -> None:
     a, b, sa, sb, ref, tol = fp8_problem(m, 40, k, rowwise, fa, fb)
     out = fp8_kernels.fp8_matmul(a, b, sa, sb.T if rowwise else sb, config, precise=precise)
     assert out.dtype == torch.bfloat16 and out.shape == (m, 40)
@@ -64,20 +72,16 @@ def test_fp8_stream_k_bad_configs_name_the_field() -> None:
 
 
 @pytest.mark.parametrize(("n", "k"), DECODE_SHAPES)
-def test_fp8_stream_k_decode_configs_make_one_wave(n: int, k: int) -> None:
-    """Every decode shortlist offers stream-K configs whose programs fit in one wave of the
-    SMs, and each builds its launches (``jobs``) for both scalings."""
-    sms = 132
+def test_fp8_decode_configs_build_for_every_decode_shape(n: int, k: int) -> None:
+    """Each decode shortlist offers split-K, interleaved split-K and stream-K configs, and each
+    builds its launches (``jobs``) for both scalings."""
     for m in (1, 16):
-        stream = [c for c in fp8_kernels.configs(m, n, k, sms) if c["kernel"] == "stream_k"]
-        assert len(stream) == len(fp8_kernels.STREAM_TILES)
-        for config in stream:
-            per_sm = next(t[-1] for t in fp8_kernels.STREAM_TILES
-                          if (t[0], t[1], t[3]) == (config["bn"], config["bk"], config["stages"]))  # fmt: skip
-            tiles, steps, programs = fp8_kernels.stream_shape(m, n, k, config)
-            assert programs == min(tiles * steps, per_sm * sms)
+        kinds = set()
+        for config in fp8_kernels.configs(m, n, k):
+            kinds.add((config["kernel"], config.get("interleave", False)))
             for rowwise in (True, False):
                 assert fp8_kernels.jobs(m, n, k, config, rowwise=rowwise, precise=False)
+        assert kinds == {("tiled", False), ("tiled", True), ("stream_k", False)}
 
 
 @pytest.mark.parametrize(("tiles", "steps", "programs"), [(3, 3, 4), (64, 56, 264), (2, 3, 2)])

@@ -127,7 +127,8 @@ def test_fp8_decode_shortlists_only_split_k_so_that_every_split_has_work() -> No
     """K = 18944 in 128-wide tiles cannot be cut in 16 (the 16th split would be empty)."""
     for n, k in [*LLAMA3_8B, (3584, 18944), (37888, 3584), (4608, 3584)]:
         for m in (1, 16):
-            tiled = [c for c in fp8_kernels.configs(m, n, k) if c["kernel"] == "tiled"]
+            tiled = [c for c in fp8_kernels.configs(m, n, k)
+                     if c["kernel"] == "tiled" and not c.get("interleave")]  # fmt: skip
             for config in tiled:
                 assert fp8_kernels.split_fits(k, config["bk"], config["split_k"]), (n, k, config)
     assert not fp8_kernels.split_fits(18944, 128, 16) and fp8_kernels.split_fits(18944, 128, 8)

@@ -77,22 +77,28 @@ def fp8_tiled(
     a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, M, N, K, lda, ldb, ldo, k_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
-    REDUCE_HERE: tl.constexpr,
+    REDUCE_HERE: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):  # fmt: skip
     """One output tile per program; split-K partials summed by the tile's last program when
-    ``REDUCE_HERE``, else by a ``splitk_reduce`` launch."""
+    ``REDUCE_HERE``, else by a ``splitk_reduce`` launch. ``INTERLEAVE``: split s takes the K
+    steps s, s + SPLIT_K, ... (not a contiguous range), so that a tile's splits, running
+    together, read adjacent steps of the same rows."""
     pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    k_lo = tl.program_id(1) * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
+    if INTERLEAVE:
+        k_lo = tl.program_id(1) * BK
+        k_hi = K
+    else:
+        k_lo = tl.program_id(1) * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
     a_ptrs = a_ptr + rm[:, None].to(tl.int64) * lda + rk[None, :]
     b_ptrs = b_ptr + rn[:, None].to(tl.int64) * ldb + rk[None, :]
     mask_m = rm[:, None] < M
     mask_n = rn[:, None] < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
+    for k0 in range(k_lo, k_hi, BK * SPLIT_K if INTERLEAVE else BK):
         if EVEN_K:
             a = tl.load(a_ptrs + k0, mask=mask_m, other=0.0)
             b = tl.load(b_ptrs + k0, mask=mask_n, other=0.0)
@@ -323,8 +329,8 @@ def _launches(
         return _stream_k_launches(operands, mnk, lds, config, rowwise, options, workspace, counts)
     if kernel != "tiled":
         raise ValueError(f"config['kernel']={kernel!r}: allowed {', '.join(KERNELS)}")
-    split = config.get("split_k", 1)
-    if not split_fits(k, bk, split):
+    split, interleave = config.get("split_k", 1), config.get("interleave", False)
+    if not (1 <= split <= triton.cdiv(k, bk) if interleave else split_fits(k, bk, split)):
         raise ValueError(f"config['split_k']={split}: more splits than bk={bk} tiles in K={k}")
     k_split = _k_per_split(k, bk, split)
     ws = workspace(split, False) if split > 1 else out
@@ -332,8 +338,8 @@ def _launches(
     args = (a, b, sa, sb, out, ws, out if arrivals is None else arrivals, m, n, k, lda, ldb, ldo,
             k_split)  # fmt: skip
     consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split, ROWWISE=rowwise,
-                  EVEN_K=k % bk == 0 and k_split * split == k, REDUCE_HERE=arrivals is not None,
-                  **options)  # fmt: skip
+                  EVEN_K=k % bk == 0 and (interleave or k_split * split == k),
+                  REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave, **options)  # fmt: skip
     tiled = _Launch(fp8_tiled, (tiles, split), args, consts)
     if split == 1 or arrivals is not None:
         return [tiled]
@@ -458,11 +464,16 @@ def jobs(
     return [launch.job() for launch in launches]
 
 
-# Decode, stream-K: (bn, bk, warps, stages, programs per SM), one wave of programs. 64 weight
-# rows fill one warpgroup's wgmma (32 take Ampere's mma); bk sets how many contiguous bytes of
-# each row a step reads.
-STREAM_TILES = ((64, 512, 4, 2, 2), (64, 512, 4, 3, 1), (64, 256, 4, 4, 2), (64, 256, 4, 3, 3),
-                (64, 256, 4, 2, 4), (128, 256, 4, 3, 2), (64, 128, 4, 4, 4), (32, 512, 4, 4, 2))  # fmt: skip
+# Decode, stream-K in one wave: (bn, bk, warps, stages, programs per SM). 64 weight rows fill
+# one warpgroup's wgmma; bk sets how many contiguous bytes of each row a step reads.
+STREAM_TILES = ((64, 512, 4, 3, 1), (64, 256, 4, 3, 3))
+# Decode, stream-K in short runs of (tile, K step) units, several waves: (bn, bk, warps, stages,
+# steps a run). Programs next to each other in launch order read the same rows' next K steps,
+# and the SMs take new programs as they free up (no wave's tail set by the slowest program).
+RUN_TILES = ((64, 256, 4, 2, 2), (64, 256, 4, 3, 4), (64, 512, 4, 2, 2), (64, 128, 4, 4, 4))
+# Decode, split-K with interleaved splits: (bn, bk, splits); a tile's splits read its rows'
+# adjacent K steps together.
+INTERLEAVED_TILES = ((64, 256, 4), (32, 512, 2), (128, 128, 8))
 
 
 def configs(m: int, n: int, k: int, sms: int = 132, out_bytes: int = 2) -> list[Config]:
@@ -479,10 +490,18 @@ def configs(m: int, n: int, k: int, sms: int = 132, out_bytes: int = 2) -> list[
             for s in dict.fromkeys((split, one_wave)):
                 out.append({"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "split_k": s,
                             "group_m": 1, "warps": 4, "stages": 4})  # fmt: skip
+        for bn, bk, split in INTERLEAVED_TILES:
+            if split <= triton.cdiv(k, bk):
+                out.append({"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "split_k": split,
+                            "interleave": True, "group_m": 1, "warps": 4, "stages": 4})  # fmt: skip
         for bn, bk, warps, stages, per_sm in STREAM_TILES:
             units = triton.cdiv(n, bn) * triton.cdiv(k, bk)
             out.append({"kernel": "stream_k", "bm": 16, "bn": bn, "bk": bk,
                         "programs": min(units, per_sm * sms), "warps": warps, "stages": stages})  # fmt: skip
+        for bn, bk, warps, stages, run in RUN_TILES:
+            units = triton.cdiv(n, bn) * triton.cdiv(k, bk)
+            out.append({"kernel": "stream_k", "bm": 16, "bn": bn, "bk": bk,
+                        "programs": triton.cdiv(units, run), "warps": warps, "stages": stages})  # fmt: skip
         return out
     if m <= 256:
         shortlist = [
