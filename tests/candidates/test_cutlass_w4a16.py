@@ -66,15 +66,23 @@ def test_shortlists_by_m_and_their_specs() -> None:
 
 
 def test_the_wrapper_text_is_part_of_int4_kernel_digests(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A wrapper change addresses new int4 libraries (old ones are never loaded with a new
-    Python side); plain kernels' digests do not depend on it."""
+    """A wrapper change addresses new int4 libraries, in the local cache and in the artifact
+    store (old ones are never loaded with a new Python side); plain kernels' keys do not
+    depend on it."""
     spec = w4.kernel_spec(key_of("int4-g128", 16), w4.SMALL[0])
     plain = cutlass_gemm.kernel_spec(GemmKey(m=8, n=256, k=512, layout="nt"), w4.SMALL[0])
-    before = (spec.digest, plain.digest)
-    assert cutlass_env._builder_fields(spec.wdtype) == {"wrapper": w4.WRAPPER_DIGEST}
-    assert cutlass_env._builder_fields(plain.wdtype) == {}
+
+    def keys() -> tuple[str, ...]:
+        ids = (cutlass_artifacts.artifact_spec(s).id for s in (spec, plain))
+        return (spec.digest, plain.digest, *ids)
+
+    before = keys()
+    assert cutlass_env.builder_fields(spec.wdtype) == {"wrapper": w4.WRAPPER_DIGEST}
+    assert cutlass_env.builder_fields(plain.wdtype) == {}
     monkeypatch.setattr(w4, "WRAPPER_DIGEST", "another")
-    assert spec.digest != before[0] and plain.digest == before[1]
+    after = keys()
+    assert (after[0] != before[0], after[1] == before[1]) == (True, True)
+    assert (after[2] != before[2], after[3] == before[3]) == (True, True)
 
 
 def test_bad_params_name_the_field() -> None:

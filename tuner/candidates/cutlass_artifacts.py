@@ -49,9 +49,10 @@ LIBRARY = "kernel.so"
 
 
 def artifact_spec(spec: env.KernelSpec) -> ArtifactSpec:
-    return ArtifactSpec(
-        "cutlass", json.loads(spec.to_json()), f"sm{env.SM}", {"cutlass": env.version()}
-    )
+    """What stores ``spec``'s kernel: its fields, the arch, the CUTLASS version and, for kernels
+    built as libraries of their own, the wrapper that built them (``env.builder_fields``)."""
+    toolchain = {"cutlass": env.version(), **env.builder_fields(spec.wdtype)}
+    return ArtifactSpec("cutlass", json.loads(spec.to_json()), f"sm{env.SM}", toolchain)
 
 
 def _op_key(op: Any) -> str:

@@ -210,7 +210,7 @@ class KernelSpec:
 
     @property
     def digest(self) -> str:
-        fields = {**self._fields(), "sm": SM, "cutlass": version(), **_builder_fields(self.wdtype)}
+        fields = {**self._fields(), "sm": SM, "cutlass": version(), **builder_fields(self.wdtype)}
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
 
     def to_json(self) -> str:
@@ -223,7 +223,7 @@ class KernelSpec:
         return cls(**data)
 
 
-def _builder_fields(wdtype: str) -> dict[str, str]:
+def builder_fields(wdtype: str) -> dict[str, str]:
     """A builder's own host C++ is part of the libraries it makes (``BUILDERS``: its module's
     ``WRAPPER_DIGEST``), so that a wrapper change addresses new ones; nothing for other specs."""
     module = BUILDERS.get(wdtype)

@@ -499,6 +499,9 @@ class W4A16Launcher:
                 f"{x.data_ptr():#x}"
             )
 
+    def _fresh(self) -> torch.Tensor:
+        return torch.empty(self.key.m, self.key.n, dtype=self.dtype, device=self.device)
+
     def operands(
         self, x: Any, packed: Any, scales_and_zeros: Any, out: Any = None
     ) -> tuple[list[int], torch.Tensor, Any]:
@@ -508,9 +511,9 @@ class W4A16Launcher:
         k = self.key
         w = weight(packed)
         scale, zero = scales(scales_and_zeros)
-        c, user_out = ops.output_for(k, x, out, ALIGN)
+        c, user_out = (self._fresh(), None) if out is None else ops.output_for(k, x, out, ALIGN)
         if c.stride(0) != k.n:  # the kernel writes packed rows
-            c = torch.empty(k.m, k.n, dtype=self.dtype, device=self.device)
+            c = self._fresh()
         ptrs = [w.data_ptr(), x.data_ptr(), scale.data_ptr(), zero.data_ptr(), c.data_ptr()]
         return ptrs, c, user_out
 
