@@ -18,7 +18,9 @@ from tuner.quant.tolerance import excess
 
 STREAM = {"kernel": "stream_k", "bm": 16, "bn": 16, "bk": 32, "programs": 4}
 INTERLEAVED = {"kernel": "tiled", "bm": 16, "bn": 16, "bk": 32, "split_k": 3, "interleave": True}
-DECODE_SHAPES = [(4096, 14336), (3584, 18944), (28672, 4096), (37888, 3584), (4096, 4096)]
+# (N, K, interleaved split-K offered): Llama and Qwen down, gate_up, Llama o
+DECODE_SHAPES = [(4096, 14336, True), (3584, 18944, True), (28672, 4096, False),
+                 (37888, 3584, False), (4096, 4096, True)]  # fmt: skip
 
 # (m, rowwise, fa, fb, k, config) on n = 40
 CASES = [
@@ -71,17 +73,22 @@ def test_fp8_stream_k_bad_configs_name_the_field() -> None:
         fp8_kernels.fp8_matmul(a, b, sa, sb, {**STREAM, "kernel": "gemv"})
 
 
-@pytest.mark.parametrize(("n", "k"), DECODE_SHAPES)
-def test_fp8_decode_configs_build_for_every_decode_shape(n: int, k: int) -> None:
-    """Each decode shortlist offers split-K, interleaved split-K and stream-K configs, and each
-    builds its launches (``jobs``) for both scalings."""
+@pytest.mark.parametrize(("n", "k", "interleaved"), DECODE_SHAPES)
+def test_fp8_decode_configs_build_for_every_decode_shape(n: int, k: int, interleaved: bool) -> None:
+    """Each decode shortlist offers split-K and stream-K configs, and interleaved split-K where
+    one wave of programs needs several splits (the down projections, not the wide gate_up);
+    every config builds its launches (``jobs``) for both scalings."""
     for m in (1, 16):
-        kinds = set()
-        for config in fp8_kernels.configs(m, n, k):
-            kinds.add((config["kernel"], config.get("interleave", False)))
+        configs = fp8_kernels.configs(m, n, k)
+        kinds = {(c["kernel"], c.get("interleave", False)) for c in configs}
+        expected = {("tiled", False), ("stream_k", False)}
+        if interleaved:
+            expected.add(("tiled", True))
+        assert kinds == expected
+        assert configs[0].get("interleave", False) == interleaved  # the likeliest first
+        for config in configs:
             for rowwise in (True, False):
                 assert fp8_kernels.jobs(m, n, k, config, rowwise=rowwise, precise=False)
-        assert kinds == {("tiled", False), ("tiled", True), ("stream_k", False)}
 
 
 @pytest.mark.parametrize(("tiles", "steps", "programs"), [(3, 3, 4), (64, 56, 264), (2, 3, 2)])
@@ -98,15 +105,17 @@ def test_fp8_stream_k_parts_is_the_most_runs_in_a_tile(tiles: int, steps: int, p
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("m", "rowwise"), [(1, True), (16, False)])
-def test_fp8_stream_k_every_decode_config_on_a_down_projection(m: int, rowwise: bool) -> None:
-    """N = 1000 (a ragged last tile) and Llama's down K: each stream-K config within the
-    tolerance in both accumulation modes, and bit for bit the same on a second call."""
+def test_fp8_decode_kernels_every_config_on_a_down_projection(m: int, rowwise: bool) -> None:
+    """N = 1000 (a ragged last tile) and Llama's down K: each stream-K and interleaved split-K
+    config of the shortlist within the tolerance in both accumulation modes, and bit for bit
+    the same on a second call."""
     n, k = 1000, 14336
     a, b, sa, sb, ref, tol = fp8_problem(m, n, k, rowwise)
     sb = sb.T if rowwise else sb
-    for config in fp8_kernels.configs(m, n, k):
-        if config["kernel"] != "stream_k":
-            continue
+    configs = [c for c in fp8_kernels.configs(m, n, k)
+               if c["kernel"] == "stream_k" or c.get("interleave")]  # fmt: skip
+    assert configs
+    for config in configs:
         for precise in (False, True):
             out = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=precise)
             assert excess(out, ref, tol) <= 1, (config, precise)

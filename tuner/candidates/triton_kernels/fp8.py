@@ -12,11 +12,13 @@ unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False
 
 - ``fp8_tiled``: one output tile per program, grouped ordering; ``SPLIT_K > 1`` runs several
   programs per tile over contiguous K ranges (small M: enough programs to keep the weight
-  streaming), each writing its *scaled* fp32 partial (scaling is linear), summed in split order
-  by the tile's last program (``splitk_arrival``: no second launch in a decode step), or by the
-  tiled family's ``splitk_reduce`` while a CUDA graph is captured before the counts exist.
-- ``fp8_stream_k`` (decode, M <= BM): one wave of ``programs`` programs over the (tile, K step)
-  units, tile-major, each a contiguous run in one flat loop (the copies run on across a tile
+  streaming), or with ``interleave`` over every SPLIT_K-th K step (a tile's splits, running
+  together, read adjacent steps of the same rows: longer runs of DRAM addresses at once), each
+  writing its *scaled* fp32 partial (scaling is linear), summed in split order by the tile's
+  last program (``splitk_arrival``: no second launch in a decode step), or by the tiled
+  family's ``splitk_reduce`` while a CUDA graph is captured before the counts exist.
+- ``fp8_stream_k`` (decode, M <= BM): ``programs`` programs (one wave in the shortlist) over
+  the (tile, K step) units, tile-major, each a contiguous run in one flat loop (the copies run on across a tile
   boundary), so neither the output tiles nor K's divisors set the grid. It computes out.T =
   b a.T: the weight's [BN, BK] tile is the dot's first operand (64 rows fill a wgmma's M) and the
   activations' 16 rows its N. A tile one program covers is stored from the loop; where runs
@@ -464,45 +466,40 @@ def jobs(
     return [launch.job() for launch in launches]
 
 
+# Decode, split-K tiles: (bn, bk, interleaved). Each tile with the splits that make two waves
+# of programs (two fit on an SM) and one wave; a tile marked interleaved takes the one-wave
+# splits interleaved (split s: K steps s, s + S, ...), so that a tile's splits, running
+# together, read adjacent steps of the same rows.
+DECODE_TILES = ((64, 256, True), (128, 128, False), (32, 512, True))
 # Decode, stream-K in one wave: (bn, bk, warps, stages, programs per SM). 64 weight rows fill
 # one warpgroup's wgmma; bk sets how many contiguous bytes of each row a step reads.
 STREAM_TILES = ((64, 512, 4, 3, 1), (64, 256, 4, 3, 3))
-# Decode, stream-K in short runs of (tile, K step) units, several waves: (bn, bk, warps, stages,
-# steps a run). Programs next to each other in launch order read the same rows' next K steps,
-# and the SMs take new programs as they free up (no wave's tail set by the slowest program).
-RUN_TILES = ((64, 256, 4, 2, 2), (64, 256, 4, 3, 4), (64, 512, 4, 2, 2), (64, 128, 4, 4, 4))
-# Decode, split-K with interleaved splits: (bn, bk, splits); a tile's splits read its rows'
-# adjacent K steps together.
-INTERLEAVED_TILES = ((64, 256, 4), (32, 512, 2), (128, 128, 8))
 
 
 def configs(m: int, n: int, k: int, sms: int = 132, out_bytes: int = 2) -> list[Config]:
     """Configs worth timing for an (M, N, K) problem, the likeliest first. ``out_bytes``: the
     output's element size (the persistent kernel stages its output tile in shared memory)."""
-    if m <= 16:  # split-K: two waves of programs (two fit on an SM), or what fits in one
-        out = []
-        for bn, bk in ((64, 256), (128, 128), (32, 512)):
+    if m <= 16:
+        interleaved, contiguous = [], []
+        for bn, bk, interleave in DECODE_TILES:
             tiles, split = triton.cdiv(n, bn), 1
             while tiles * split < 2 * sms and k >= bk * split * 4 and split < 16 \
                     and split_fits(k, bk, split * 2):  # fmt: skip
                 split *= 2
             one_wave = split // 2 if tiles * split > 2 * sms and split > 1 else split
-            for s in dict.fromkeys((split, one_wave)):
-                out.append({"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "split_k": s,
-                            "group_m": 1, "warps": 4, "stages": 4})  # fmt: skip
-        for bn, bk, split in INTERLEAVED_TILES:
-            if split <= triton.cdiv(k, bk):
-                out.append({"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "split_k": split,
-                            "interleave": True, "group_m": 1, "warps": 4, "stages": 4})  # fmt: skip
+            tile = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "group_m": 1, "warps": 4,
+                    "stages": 4}  # fmt: skip
+            splits = dict.fromkeys((split, one_wave))
+            if interleave and one_wave > 1:
+                interleaved.append({**tile, "split_k": one_wave, "interleave": True})
+                del splits[one_wave]
+            contiguous += [{**tile, "split_k": s} for s in splits]
+        stream = []
         for bn, bk, warps, stages, per_sm in STREAM_TILES:
             units = triton.cdiv(n, bn) * triton.cdiv(k, bk)
-            out.append({"kernel": "stream_k", "bm": 16, "bn": bn, "bk": bk,
-                        "programs": min(units, per_sm * sms), "warps": warps, "stages": stages})  # fmt: skip
-        for bn, bk, warps, stages, run in RUN_TILES:
-            units = triton.cdiv(n, bn) * triton.cdiv(k, bk)
-            out.append({"kernel": "stream_k", "bm": 16, "bn": bn, "bk": bk,
-                        "programs": triton.cdiv(units, run), "warps": warps, "stages": stages})  # fmt: skip
-        return out
+            stream.append({"kernel": "stream_k", "bm": 16, "bn": bn, "bk": bk,
+                           "programs": min(units, per_sm * sms), "warps": warps, "stages": stages})  # fmt: skip
+        return interleaved + contiguous + stream
     if m <= 256:
         shortlist = [
             {"kernel": "tiled", "bm": 64, "bn": 128, "bk": 128, "group_m": 8, "warps": 4, "stages": 4},
