@@ -18,13 +18,13 @@ unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False
   last program (``splitk_arrival``: no second launch in a decode step), or by the tiled
   family's ``splitk_reduce`` while a CUDA graph is captured before the counts exist.
 - ``fp8_stream_k`` (decode, M <= BM): ``programs`` programs (one wave in the shortlist) over
-  the (tile, K step) units, tile-major, each a contiguous run in one flat loop (the copies run on across a tile
-  boundary), so neither the output tiles nor K's divisors set the grid. It computes out.T =
-  b a.T: the weight's [BN, BK] tile is the dot's first operand (64 rows fill a wgmma's M) and the
-  activations' 16 rows its N. A tile one program covers is stored from the loop; where runs
-  meet, each stores its scaled fp32 partial in the plane of its rank and the tile's last program
-  to arrive sums them in rank order (``splitk_arrival``, the run bookkeeping of
-  ``w4a16.w4a16_stream_k``).
+  the (tile, K step) units, tile-major, each a contiguous run in one flat loop (the copies run
+  on across a tile boundary), so neither the output tiles nor K's divisors set the grid. It
+  computes out.T = b a.T: the weight's [BN, BK] tile is the dot's first operand (64 rows fill a
+  wgmma's M) and the activations' 16 rows its N. A tile one program covers is stored from the
+  loop; where runs meet, each stores its scaled fp32 partial in the plane of its rank and the
+  tile's last program to arrive sums them in rank order (``splitk_arrival``, the run
+  bookkeeping of ``w4a16.w4a16_stream_k``).
 - ``fp8_persistent_tma`` (Hopper): one program per SM walks the tiles; A and B move through TMA
   descriptors made on the device, which zero-fill the K tail and out-of-range rows. TMA needs
   16-byte aligned bases and row strides (K % 16 == 0 for fp8).
@@ -175,7 +175,8 @@ def fp8_stream_k(
             else:
                 part = rm[:, None].to(tl.int64) * N + rn[None, :]
                 tl.store(ws_ptr + (p - first) * plane + part, c, mask=mask)
-        # reset after the branch, as in w4a16_stream_k (ptxas serializes the wgmmas otherwise)
+        # reset after the branch, as in w4a16_stream_k (reset inside it, ptxas serialized the
+        # wgmmas there)
         acc = tl.where(flush, 0.0, acc)
         tile += last_step.to(tl.int32)
         kk = tl.where(last_step, 0, kk + 1)
@@ -352,7 +353,8 @@ def _reduce(ws: Any, out: Any, m: int, n: int, ldo: int, planes: int) -> _Launch
     """The second launch that sums ``planes`` partials into ``out`` (split order)."""
     total = m * n
     return _Launch(splitk_reduce, (triton.cdiv(total, REDUCE_BLOCK),),
-                   (ws, out, m, n, total, 0, ldo, 1), dict(SPLIT_K=planes, BLOCK=REDUCE_BLOCK))  # fmt: skip
+                   (ws, out, m, n, total, 0, ldo, 1),
+                   dict(SPLIT_K=planes, BLOCK=REDUCE_BLOCK))  # fmt: skip
 
 
 def stream_shape(m: int, n: int, k: int, config: Config) -> tuple[int, int, int]:
@@ -498,7 +500,8 @@ def configs(m: int, n: int, k: int, sms: int = 132, out_bytes: int = 2) -> list[
         for bn, bk, warps, stages, per_sm in STREAM_TILES:
             units = triton.cdiv(n, bn) * triton.cdiv(k, bk)
             stream.append({"kernel": "stream_k", "bm": 16, "bn": bn, "bk": bk,
-                           "programs": min(units, per_sm * sms), "warps": warps, "stages": stages})  # fmt: skip
+                           "programs": min(units, per_sm * sms), "warps": warps,
+                           "stages": stages})  # fmt: skip
         return interleaved + contiguous + stream
     if m <= 256:
         shortlist = [
