@@ -447,11 +447,12 @@ def owner(unit: int, units: int, programs: int) -> int:
     return ((unit + 1) * programs - 1) // units
 
 
-def _splits(tiles: int, k: int, step: int, sms: int, waves: float) -> int:
+def _splits(tiles: int, k: int, step: int, sms: int, waves: float, fit: bool = False) -> int:
     """Enough K splits that ``tiles`` output tiles cover the SMs ``waves`` times; each split
-    whole ``step``s of K."""
+    whole ``step``s of K. ``fit``: never more CTAs than that (all resident at once)."""
     split = 1
-    while tiles * split < waves * sms and k % (step * split * 2) == 0 and split < 16:
+    while (tiles * split < waves * sms and k % (step * split * 2) == 0 and split < 16
+           and (not fit or tiles * split * 2 <= waves * sms)):  # fmt: skip
         split *= 2
     return split
 
@@ -465,12 +466,11 @@ def _dots(k: int, most: int) -> int:
 # the SMs). 128 rows on 8 warps wins where N is narrow and K long (Llama's down: 256 CTAs of 7
 # steps); ptxas (Triton 3.6) serializes the wgmmas (C7515) of 64 rows on 4 warps, which still
 # wins at one split on Qwen's gate_up at M = 16 (wide N, short K).
-DECODE_TILES = ((128, 8, 3, 2.0), (64, 4, 4, 2.0), (64, 4, 3, 4.0))
+DECODE_TILES = ((64, 4, 3, 2, 5), (64, 4, 5, 1, 6), (64, 4, 4, 1, 7), (128, 8, 3, 2, 2))
 # Decode, stream-K: (bn, warps, stages, programs per SM, most dots a step), one wave of
 # programs. Four dots read 256 bytes of each weight row per step where two read 128 (DRAM
 # favours the longer runs: bench/w4a16_read_patterns.py); they win at M = 16 only.
-STREAM_TILES = ((64, 4, 3, 4, 2), (128, 4, 3, 2, 2), (64, 4, 3, 2, 4), (64, 4, 4, 3, 2),
-                (64, 4, 2, 5, 2), (64, 4, 2, 4, 4), (128, 8, 3, 2, 2))
+STREAM_TILES = ((64, 4, 3, 4, 2), (128, 4, 3, 2, 2), (64, 4, 4, 3, 2), (64, 4, 5, 5, 1))
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
 # dot, x's [bm, 128] tiles dominating shared memory. 8 warps: on 4, most of these serialize.
 PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 128, 8, 2, 2), (64, 128, 8, 3, 1),
@@ -488,11 +488,13 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
                       "programs": min(units, per_sm * sms), "warps": warps, "stages": stages}  # fmt: skip
             if config not in out:
                 out.append(config)
-        dots = _dots(k, 2)
-        for bn, warps, stages, waves in DECODE_TILES:
-            split = _splits(triton.cdiv(n, bn), k, CHUNK * dots, sms, waves)
-            out.append({"kernel": "tiled", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
-                        "split_k": split, "group_m": 1, "warps": warps, "stages": stages})  # fmt: skip
+        for bn, warps, stages, most, per_sm in DECODE_TILES:
+            dots = _dots(k, most)
+            split = _splits(triton.cdiv(n, bn), k, CHUNK * dots, sms, per_sm, fit=True)
+            config = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
+                      "split_k": split, "group_m": 1, "warps": warps, "stages": stages}  # fmt: skip
+            if config not in out:
+                out.append(config)
         return out
     for bm, bn, warps, stages, dots in PREFILL_TILES:
         if bm <= 2 * max(m, 16) and k % (dots * CHUNK) == 0:
