@@ -160,6 +160,24 @@ def test_torch_packed_weight_converts_once_per_tensor_version() -> None:
     assert int(w4.from_cutlass(w4.weight(packed)).max()) == 3
 
 
+def test_memo_keeps_a_value_per_live_unchanged_tensor_only() -> None:
+    """A tensor changed in place is made again, a dead one is forgotten, and a new tensor (which
+    may take a dead one's id) always gets a value made from itself."""
+    made: list[torch.Tensor] = []
+    memo = w4.TensorMemo(lambda t: made.append(t.clone()) or len(made) - 1)
+    a = torch.zeros(4)
+    assert (memo(a), memo(a), len(memo)) == (0, 0, 1)
+    a.add_(1)
+    assert memo(a) == 1 and len(memo) == 1
+    del a
+    assert len(memo) == 0
+    for i in range(20):
+        b = torch.full((4,), float(i))
+        assert made[memo(b)][0] == i
+        del b
+    assert len(memo) == 0
+
+
 def test_scales_split_into_two_contiguous_n_major_tensors() -> None:
     gen = torch.Generator().manual_seed(2)
     sz = torch.randn(4, 24, 2, generator=gen).to(torch.bfloat16)
@@ -271,3 +289,18 @@ def test_known_and_new_pointer_sets_each_give_their_own_result(
     assert run(*sets[0], out=fresh) is fresh
     assert samples.relative_error(fresh, refs[0]) <= 1
     assert samples.relative_error(run(*sets[2]), refs[2]) <= 1  # out allocated by the launcher
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_activations_it_cannot_take_are_refused_with_the_reason(source: w4.CutlassW4A16) -> None:
+    key = _key("int4-g128", 16)
+    x, packed, sz = samples.make_inputs(key, "cuda", torch.Generator("cuda").manual_seed(6))
+    run = _runner(source, key, 0)
+    with pytest.raises(ValueError, match=r"x: expected torch.bfloat16 \[16, 1024\]"):
+        run(x.float(), packed, sz)
+    with pytest.raises(ValueError, match=r"x: expected .* got torch.bfloat16 \[8, 1024\]"):
+        run(x[:8], packed, sz)
+    with pytest.raises(ValueError, match="must be contiguous and 16-byte aligned"):
+        run(x.t().contiguous().t(), packed, sz)
+    assert samples.relative_error(run(x, packed, sz), samples.reference(key, (x, packed, sz))) <= 1
