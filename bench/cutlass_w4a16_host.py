@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["qwen-o", "llama-qkv"], choices=list(SHAPES))
     ap.add_argument("--m", type=int, nargs="+", default=[256])
     # back-to-back calls: few enough that the launch queue does not fill and make the host wait
-    # for the GPU (1000 calls read close to the GPU time on the H100)
+    # for the GPU (then a host figure reads the GPU's time)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args()
