@@ -466,11 +466,12 @@ def _dots(k: int, most: int) -> int:
 # the SMs). 128 rows on 8 warps wins where N is narrow and K long (Llama's down: 256 CTAs of 7
 # steps); ptxas (Triton 3.6) serializes the wgmmas (C7515) of 64 rows on 4 warps, which still
 # wins at one split on Qwen's gate_up at M = 16 (wide N, short K).
-DECODE_TILES = ((64, 4, 3, 2, 5), (64, 4, 5, 1, 6), (64, 4, 4, 1, 7), (128, 8, 3, 2, 2))
+DECODE_TILES = ((64, 4, 3, 2, 5), (64, 4, 2, 2, 8), (64, 4, 3, 1, 10), (64, 4, 4, 1, 7),
+                (128, 8, 3, 2, 2))
 # Decode, stream-K: (bn, warps, stages, programs per SM, most dots a step), one wave of
 # programs. Four dots read 256 bytes of each weight row per step where two read 128 (DRAM
 # favours the longer runs: bench/w4a16_read_patterns.py); they win at M = 16 only.
-STREAM_TILES = ((64, 4, 3, 4, 2), (128, 4, 3, 2, 2), (64, 4, 4, 3, 2), (64, 4, 5, 5, 1))
+STREAM_TILES = ((128, 4, 3, 2, 2), (64, 4, 4, 3, 2))
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
 # dot, x's [bm, 128] tiles dominating shared memory. 8 warps: on 4, most of these serialize.
 PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 128, 8, 2, 2), (64, 128, 8, 3, 1),
