@@ -418,3 +418,21 @@ def test_a_problems_tuning_time_is_split_into_its_phases(planted):
     assert all(t >= 0 for t in outcome.phases.values())
     assert sum(outcome.phases.values()) == pytest.approx(outcome.seconds)
     assert outcome.phases["compile"] >= outcome.compile_s
+
+
+def test_every_input_set_is_run_once_before_a_candidate_is_timed(memoized, monkeypatch):
+    """A runner's first call on an operand may convert it (a weight layout made once per tensor):
+    that call belongs to set-up, so the warm-up covers every input set before the clock starts."""
+    from tuner.measure import samples, timing
+
+    real, warmups = timing.measure, []
+
+    def recording(fn, **kwargs):
+        warmups.append(kwargs.get("warmup", timing.WARMUP))
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(timing, "measure", recording)
+    tune(KEY, options=TuneOptions(budget_s=0.005, sources=["memoized"]))
+    sets = len(samples.input_sets(KEY, "cpu", 0))
+    assert sets > timing.WARMUP  # else this test shows nothing
+    assert warmups and all(w >= sets for w in warmups[:2])  # the baseline's and the challenger's

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 CPU_L2_BYTES = 32 * 2**20  # a generous last-level cache guess; CPU rotation matters less
+WARMUP = 3  # untimed calls before the clock starts (callers add one per input set)
 STEADY_US = 100.0  # calls this long are GPU-bound: launch jitter is a small share of them
 STEADY_REPS = 20  # samples enough for such a call's median
 LATE_REPS = 30  # timed calls before the late cut-off is applied
@@ -122,7 +123,7 @@ def measure(
     *,
     device: str,
     budget_s: float = 0.2,
-    warmup: int = 3,
+    warmup: int = WARMUP,
     probe: int = 3,
     min_reps: int = 5,
     max_reps: int = 500,
