@@ -154,3 +154,17 @@ def test_tiny_shapes_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert saved["targets"]["torch >= 0.98x"]["judged"] == 3
     assert set(saved["formats"]) == set(lowbit.FORMATS)
     assert (tmp_path / "gemm_lowbit.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.gpu
+def test_eager_rows_are_judged_on_times_taken_side_by_side_after_tuning(tmp_path: Path) -> None:
+    """Rows past decode are timed again once the compile pool is closed, torch's op, the winner
+    and both bf16 runners in turn, and their ratios come from those times."""
+    problems = lowbit.problems(formats=("int4-g128",), ms=(64,), shapes=[("small", 256, 512)])
+    row = lowbit.run(problems, tmp_path, TuneOptions(budget_s=0.005))["rows"][0]
+    assert row["timing"] == "eager"
+    for name in ("baseline", "winner", "bf16", "bf16_served"):
+        assert row[f"eager_{name}_us"] > 0 and row[f"eager_{name}_pct_copy"] > 0
+    assert row["vs_torch"] == row["eager_baseline_us"] / row["eager_winner_us"]
+    assert row["vs_bf16_cublas"] == row["eager_bf16_us"] / row["eager_winner_us"]
+    assert "graph_read_us" not in row  # the bare read is a decode row's floor

@@ -169,7 +169,8 @@ FP8_GEOMEAN = Target("fp8 geomean >= 1.15x torch", "vs_torch", 1.15,
 
 def judge(row: Row) -> None:
     """The row's served ratios in its timing mode, and each target that applies to it."""
-    mode = "graph_" if row["timing"] == "graph" else ""
+    retimed = row["timing"] == "graph" or "eager_baseline_us" in row  # else: the tuning's times
+    mode = f"{row['timing']}_" if retimed else ""
     win = row.get(f"{mode}winner_us")
     for ref, column in (("baseline", "vs_torch"), ("bf16_served", "vs_bf16_served"),
                         ("bf16", "vs_bf16_cublas")):  # fmt: skip
@@ -287,9 +288,17 @@ def tune_bf16(
     return out
 
 
-def graph_times(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
-    """GPU times in CUDA graphs of torch's op, the winner, bf16 cuBLAS, the bf16 winner and the
-    bare read of the row's bytes, with their shares of the copy bandwidth."""
+SIDE_BY_SIDE_ROUNDS = 3  # eager rows: rounds of the four runners timed in turn
+
+
+def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
+    """The row's runners timed again once every row is tuned and the compile pool is closed:
+    torch's op, the winner, bf16 cuBLAS and the bf16 winner, side by side under the same load
+    (a host-bound eager call is slowed by compiles running beside it, and the low-bit rows are
+    tuned while the pool still builds kernels of later rows). Decode rows: GPU times in CUDA
+    graphs (``graph_*`` columns), with the bare read of the row's bytes; other rows: eager times,
+    the median of ``SIDE_BY_SIDE_ROUNDS`` rounds that take the runners in turn (``eager_*``)."""
+    graph = row["timing"] == "graph"
     sets = samples.input_sets(key, "cuda", seed=1)
     base, win = runners(key, row["source"], row["candidate"])
     fns: dict[str, Callable[[int], Any] | None] = {
@@ -301,27 +310,38 @@ def graph_times(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
         cublas, served = runners(twin, row["bf16_source"], row["bf16_candidate"])
         fns["bf16"] = timing.on_sets(cublas, bf16_sets)
         fns["bf16_served"] = None if served is None else timing.on_sets(served, bf16_sets)
-    fns["read"] = stream_read(row["bytes"], "cuda")
-    for name, fn in fns.items():
-        if fn is None:  # the winner is the baseline: the same kernel, the same time
-            continue
-        try:
-            us = timing.graph_time(fn).median_us
-        except Exception as e:  # a capture failing is a finding: the row's graph target misses
-            row[f"graph_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-            continue
+    if graph:
+        fns["read"] = stream_read(row["bytes"], "cuda")
+    mode = "graph" if graph else "eager"
+    live = {name: fn for name, fn in fns.items() if fn is not None}
+    times: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(1 if graph else SIDE_BY_SIDE_ROUNDS):
+        for name in list(times):
+            try:
+                t = (
+                    timing.graph_time(live[name])
+                    if graph
+                    else timing.measure(live[name], device="cuda")
+                )
+            except Exception as e:  # a capture failing is a finding: the row's target misses
+                row[f"{mode}_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+                del times[name]
+                continue
+            times[name].append(t.median_us)
+    for name, ts in times.items():
+        us = statistics.median(ts)
         moved = row["bf16_bytes"] if name.startswith("bf16") else row["bytes"]
-        row[f"graph_{name}_us"] = us
-        row[f"graph_{name}_pct_copy"] = 100 * moved / us / 1e3 / copy_gbs
+        row[f"{mode}_{name}_us"] = us
+        row[f"{mode}_{name}_pct_copy"] = 100 * moved / us / 1e3 / copy_gbs
     for name, same in (("winner", "baseline"), ("bf16_served", "bf16")):
-        if fns.get(name, False) is None and f"graph_{same}_us" in row:
-            row[f"graph_{name}_us"] = row[f"graph_{same}_us"]
-            row[f"graph_{name}_pct_copy"] = row[f"graph_{same}_pct_copy"]
+        if fns.get(name, False) is None and f"{mode}_{same}_us" in row:
+            row[f"{mode}_{name}_us"] = row[f"{mode}_{same}_us"]
+            row[f"{mode}_{name}_pct_copy"] = row[f"{mode}_{same}_pct_copy"]
 
 
 def annotate(row: Row, bf16: Row, copy_gbs: float, device: str) -> None:
-    """Shape, format, bytes and bandwidth shares beside the row; its bf16 columns; graph times
-    for decode rows on a GPU; then its targets."""
+    """Shape, format, bytes and bandwidth shares beside the row; its bf16 columns; on a GPU its
+    runners timed again side by side (``retime``); then its targets."""
     key = parse_key(row["key"])
     assert isinstance(key, GemmKey)
     twin = bf16_twin(key)
@@ -337,8 +357,8 @@ def annotate(row: Row, bf16: Row, copy_gbs: float, device: str) -> None:
         if f"{name}_us" in row:
             row[f"{name}_pct_copy"] = 100 * row[moved] / row[f"{name}_us"] / 1e3 / copy_gbs
     row["timing"] = "graph" if graph_judged(key, device) else "eager"
-    if row["timing"] == "graph":
-        graph_times(row, key, twin, copy_gbs)
+    if device == "cuda":
+        retime(row, key, twin, copy_gbs)
     judge(row)
 
 
