@@ -15,7 +15,8 @@ mantissa of 128 (bf16) or 1024 (fp16) with one ``lop3`` per pair of values (inli
 pure-Triton path serves the interpreter), then one packed subtract and one packed fused
 multiply-add with the group's scale and zero, rounded once. ``DOTS`` dots per loop iteration:
 two keep Triton from splitting a register-operand dot into 16-wide wgmmas that each wait for the
-last (a fence per 512 weight bytes); four read each weight row in longer runs. Split-K: fp32 partials [SPLIT_K, M, N]; the last program of
+last (a fence per 512 weight bytes); one takes half the shared memory a stage (more CTAs fit
+per SM). Split-K: fp32 partials [SPLIT_K, M, N]; the last program of
 an output tile to finish (an atomic count per tile) sums them in split order, so the result is
 deterministic and needs no second launch (while a CUDA graph is being captured before the counts
 exist, a reduce launch does it instead). Decode also has a stream-K kernel (``w4a16_stream_k``):
@@ -462,15 +463,17 @@ def _dots(k: int, most: int) -> int:
     return next(d for d in (4, 2, 1) if d <= most and k % (d * CHUNK) == 0)
 
 
-# Decode (M <= 16, one 16-row activation tile), split-K: (bn, warps, stages, waves of CTAs over
-# the SMs). 128 rows on 8 warps wins where N is narrow and K long (Llama's down: 256 CTAs of 7
-# steps); ptxas (Triton 3.6) serializes the wgmmas (C7515) of 64 rows on 4 warps, which still
-# wins at one split on Qwen's gate_up at M = 16 (wide N, short K).
-DECODE_TILES = ((64, 4, 3, 2, 5), (64, 4, 2, 2, 8), (64, 4, 3, 1, 10), (64, 4, 4, 1, 7),
-                (128, 8, 3, 2, 2))
+# Decode (M <= 16, one 16-row activation tile), split-K: (bn, warps, stages, most dots a step,
+# CTAs per SM), with as many K splits as keep every CTA resident at once (``fit``): the weight
+# streams at the rate of the bytes in flight, and a second wave or an idle slot loses that
+# rate. Shared memory sets the CTAs per SM: x's [16, 128] tiles take a buffer per stage, the
+# weight's one fewer (64 rows x 3 stages x 2 dots: 42 KB, 5 per SM; one dot: 21 KB, 10 per SM).
+# 128 rows on 8 warps: 2 per SM (registers). ptxas (Triton 3.6) serializes the wgmmas (C7515)
+# of 64 rows on 4 warps, which win anyway.
+DECODE_TILES = ((64, 4, 3, 2, 5), (64, 4, 3, 1, 10), (64, 4, 4, 1, 7), (128, 8, 3, 2, 2))
 # Decode, stream-K: (bn, warps, stages, programs per SM, most dots a step), one wave of
-# programs. Four dots read 256 bytes of each weight row per step where two read 128 (DRAM
-# favours the longer runs: bench/w4a16_read_patterns.py); they win at M = 16 only.
+# programs: for K that splits poorly (Qwen's down, 148 chunks) and too few tiles to fill the
+# SMs otherwise.
 STREAM_TILES = ((128, 4, 3, 2, 2), (64, 4, 4, 3, 2))
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
 # dot, x's [bm, 128] tiles dominating shared memory. 8 warps: on 4, most of these serialize.
@@ -482,13 +485,6 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
     """Configs worth timing for an (M, N, K) problem, the likeliest first."""
     out: list[Config] = []
     if m <= 16:
-        for bn, warps, stages, per_sm, most in STREAM_TILES:
-            dots = _dots(k, most)
-            units = triton.cdiv(n, bn) * (k // (CHUNK * dots))
-            config = {"kernel": "stream_k", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
-                      "programs": min(units, per_sm * sms), "warps": warps, "stages": stages}  # fmt: skip
-            if config not in out:
-                out.append(config)
         for bn, warps, stages, most, per_sm in DECODE_TILES:
             dots = _dots(k, most)
             split = _splits(triton.cdiv(n, bn), k, CHUNK * dots, sms, per_sm, fit=True)
@@ -496,6 +492,11 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
                       "split_k": split, "group_m": 1, "warps": warps, "stages": stages}  # fmt: skip
             if config not in out:
                 out.append(config)
+        for bn, warps, stages, per_sm, most in STREAM_TILES:
+            dots = _dots(k, most)
+            units = triton.cdiv(n, bn) * (k // (CHUNK * dots))
+            out.append({"kernel": "stream_k", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
+                        "programs": min(units, per_sm * sms), "warps": warps, "stages": stages})  # fmt: skip
         return out
     for bm, bn, warps, stages, dots in PREFILL_TILES:
         if bm <= 2 * max(m, 16) and k % (dots * CHUNK) == 0:
