@@ -160,24 +160,6 @@ def test_torch_packed_weight_converts_once_per_tensor_version() -> None:
     assert int(w4.from_cutlass(w4.weight(packed)).max()) == 3
 
 
-def test_memo_keeps_a_value_per_live_unchanged_tensor_only() -> None:
-    """A tensor changed in place is made again, a dead one is forgotten, and a new tensor (which
-    may take a dead one's id) always gets a value made from itself."""
-    made: list[torch.Tensor] = []
-    memo = w4.TensorMemo(lambda t: made.append(t.clone()) or len(made) - 1)
-    a = torch.zeros(4)
-    assert (memo(a), memo(a), len(memo)) == (0, 0, 1)
-    a.add_(1)
-    assert memo(a) == 1 and len(memo) == 1
-    del a
-    assert len(memo) == 0
-    for i in range(20):
-        b = torch.full((4,), float(i))
-        assert made[memo(b)][0] == i
-        del b
-    assert len(memo) == 0
-
-
 def test_scales_split_into_two_contiguous_n_major_tensors() -> None:
     gen = torch.Generator().manual_seed(2)
     sz = torch.randn(4, 24, 2, generator=gen).to(torch.bfloat16)

@@ -37,9 +37,8 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -451,37 +450,13 @@ def split_scales(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return scales_and_zeros[..., 0].contiguous(), scales_and_zeros[..., 1].contiguous()
 
 
-class TensorMemo(Generic[T]):
-    """``make(t)`` per tensor, kept while ``t`` lives and is not changed in place (its
-    ``_version``): ``int4_torch.memoised``'s rule, looked up in a dict by ``id`` through a weak
-    reference, a few times cheaper per lookup than a WeakIdKeyDictionary (which builds a
-    reference object per lookup); every launcher call makes two."""
-
-    def __init__(self, make: Callable[[torch.Tensor], T]) -> None:
-        self._make = make
-        self._table: dict[int, tuple[weakref.ref[torch.Tensor], int, T]] = {}
-
-    def __len__(self) -> int:
-        return len(self._table)
-
-    def __call__(self, t: torch.Tensor) -> T:
-        known = self._table.get(id(t))
-        if known is not None and known[0]() is t and known[1] == t._version:
-            return known[2]
-        value = self._make(t)
-        key = id(t)
-
-        def forget(ref: weakref.ref[torch.Tensor]) -> None:  # t died: its id may be reused
-            if self._table.get(key, (None,))[0] is ref:
-                del self._table[key]
-
-        self._table[key] = (weakref.ref(t, forget), t._version, value)
-        return value
-
-
 # A's bytes of torch's packed weight; (scale, zero) of torch's scales_and_zeros
-weight: TensorMemo[torch.Tensor] = TensorMemo(lambda t: to_cutlass(int4_torch.nibbles(t)))
-scales: TensorMemo[tuple[torch.Tensor, torch.Tensor]] = TensorMemo(split_scales)
+weight: int4_torch.TensorMemo[torch.Tensor] = int4_torch.TensorMemo(
+    lambda t: to_cutlass(int4_torch.nibbles(t))
+)
+scales: int4_torch.TensorMemo[tuple[torch.Tensor, torch.Tensor]] = int4_torch.TensorMemo(
+    split_scales
+)
 
 
 # --- the runner ------------------------------------------------------------------------------

@@ -13,16 +13,49 @@ inputs, quantized models) never need the conversion.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from tuner.quant import int4
 
 T = TypeVar("T")
-_OURS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # torch-packed tensor -> (version, ours)
+
+
+class TensorMemo(Generic[T]):
+    """``make(t)`` per tensor, kept while ``t`` lives and is not changed in place (its
+    ``_version``). Looked up in a dict by ``id`` through a weak reference: a few times cheaper
+    per lookup than a WeakIdKeyDictionary (which builds a reference object per lookup), and a
+    launcher looks up on every call."""
+
+    def __init__(self, make: Callable[[torch.Tensor], T]) -> None:
+        self._make = make
+        self._table: dict[int, tuple[weakref.ref[torch.Tensor], int, T]] = {}
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __call__(self, t: torch.Tensor) -> T:
+        known = self._table.get(id(t))
+        if known is not None and known[0]() is t and known[1] == t._version:
+            return known[2]
+        return self.put(t, self._make(t))
+
+    def put(self, t: torch.Tensor, value: T) -> T:
+        """Keep ``value`` as what ``t`` makes (its maker knew it already)."""
+        key = id(t)
+
+        def forget(ref: weakref.ref[torch.Tensor]) -> None:  # t died: its id may be reused
+            if self._table.get(key, (None,))[0] is ref:
+                del self._table[key]
+
+        self._table[key] = (weakref.ref(t, forget), t._version, value)
+        return value
+
+
+_OURS: TensorMemo[torch.Tensor] = TensorMemo(int4.from_torch_int4pack)
 
 
 def inner_k_tiles(k: int) -> int:
@@ -41,7 +74,7 @@ def torch_pack(q: torch.Tensor) -> torch.Tensor:
         packed = int4.to_torch_int4pack(ours, tiles)
     else:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), tiles)
-    _OURS[packed] = (packed._version, ours)
+    _OURS.put(packed, ours)
     return packed
 
 
@@ -64,21 +97,9 @@ def int4_mm(
     return op(x, packed, group_size, scales_and_zeros)
 
 
-def memoised(
-    table: WeakIdKeyDictionary, tensor: torch.Tensor, make: Callable[[torch.Tensor], T]
-) -> T:
-    """``make(tensor)``, kept in ``table`` while the tensor lives and is not changed in place."""
-    known = table.get(tensor)
-    if known is not None and known[0] == tensor._version:
-        return known[1]
-    value = make(tensor)
-    table[tensor] = (tensor._version, value)
-    return value
-
-
 def ours(packed: torch.Tensor) -> torch.Tensor:
     """Our uint8 [N, K / 2] layout of torch's packed weight, memoised per tensor."""
-    return memoised(_OURS, packed, int4.from_torch_int4pack)
+    return _OURS(packed)
 
 
 def nibbles(packed: torch.Tensor) -> torch.Tensor:
