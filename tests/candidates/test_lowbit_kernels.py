@@ -271,7 +271,10 @@ def test_w4a16_every_config_on_the_gpu(m: int, n: int, g: int) -> None:
     k = 2048
     x, q, sz, ref, tol = int4_problem(m, n, k, g, torch.bfloat16)
     packed = int4.pack(q)
-    for config in w4a16.configs(m, n, k, g):
+    shortlist = w4a16.configs(m, n, k, g)
+    # and each decode tile with x loaded a step ahead (not in the shortlist until measured)
+    ahead = [{**c, "x_ahead": True} for c in shortlist if c["kernel"] == "tiled" and m <= 16]
+    for config in shortlist + ahead:
         assert excess(w4a16.w4a16_matmul(x, packed, sz, g, config), ref, tol) <= 1, config
     torch_out = torch.ops.aten._weight_int4pack_mm(x, int4.to_torch_int4pack(packed), g, sz)
     assert excess(torch_out, ref, tol) <= 1
