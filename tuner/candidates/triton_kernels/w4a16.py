@@ -507,13 +507,16 @@ def _dots(k: int, most: int) -> int:
 
 
 # Decode (M <= 16, one 16-row activation tile), split-K: (bn, warps, stages, most dots a step,
-# CTAs per SM), with as many K splits as keep every CTA resident at once (``fit``): the weight
+# CTAs per SM, x_ahead), with as many K splits as keep every CTA resident at once (``fit``): the weight
 # streams at the rate of the bytes in flight, and a second wave or an idle slot loses that
 # rate. Shared memory sets the CTAs per SM: x's [16, 128] tiles take a buffer per stage, the
 # weight's one fewer (64 rows x 3 stages x 2 dots: 42 KB, 5 per SM; one dot: 21 KB, 10 per SM).
 # 128 rows on 8 warps: 2 per SM (registers). ptxas (Triton 3.6) serializes the wgmmas (C7515)
-# of 64 rows on 4 warps, which win anyway.
-DECODE_TILES = ((64, 4, 3, 2, 5), (64, 4, 3, 1, 10), (64, 4, 4, 1, 7), (128, 8, 3, 2, 2))
+# of 64 rows on 4 warps, which win anyway. ``x_ahead`` tiles load x in registers outside the
+# copy pipeline, so the stages hold only the weight: more CTAs per SM, registers the limit.
+DECODE_TILES = ((64, 4, 3, 2, 5, False), (64, 4, 3, 1, 10, False), (64, 4, 4, 1, 7, False),
+                (128, 8, 3, 2, 2, False), (64, 4, 3, 2, 6, True), (64, 4, 4, 2, 6, True),
+                (64, 4, 4, 1, 7, True))  # fmt: skip
 # Decode, stream-K: (bn, warps, stages, programs per SM, most dots a step), one wave of
 # programs: for K that splits poorly (Qwen's down, 148 chunks) and too few tiles to fill the
 # SMs otherwise.
@@ -528,11 +531,13 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
     """Configs worth timing for an (M, N, K) problem, the likeliest first."""
     out: list[Config] = []
     if m <= 16:
-        for bn, warps, stages, most, per_sm in DECODE_TILES:
+        for bn, warps, stages, most, per_sm, x_ahead in DECODE_TILES:
             dots = _dots(k, most)
             split = _splits(triton.cdiv(n, bn), k, CHUNK * dots, sms, per_sm, fit=True)
             config = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
                       "split_k": split, "group_m": 1, "warps": warps, "stages": stages}  # fmt: skip
+            if x_ahead:
+                config["x_ahead"] = True
             if config not in out:
                 out.append(config)
         for bn, warps, stages, per_sm, most in STREAM_TILES:
