@@ -31,7 +31,6 @@ TILED = {"kernel": "tiled", "bm": 16, "bn": 32, "bk": 128, "dots": 2, "split_k":
 TILED_SPLIT = {**TILED, "split_k": 2}
 ONE_DOT_SPLIT = {**TILED, "dots": 1, "split_k": 2}
 STREAM = {"kernel": "stream_k", "bm": 16, "bn": 32, "bk": 128, "dots": 1, "programs": 5}
-AHEAD = {**TILED, "x_ahead": True}
 
 
 def int4_problem(m: int, n: int, k: int, g: int, dtype: torch.dtype, device: str = DEVICE):
@@ -58,12 +57,6 @@ W4_CASES = [
     # ... one program per tile; four dots a step
     (7, {**STREAM, "programs": 2}, 32, torch.bfloat16, 384),
     (2, {**STREAM, "dots": 4, "programs": 3}, 128, torch.bfloat16, 1024),
-    # x loaded a step ahead: M = 1 as a row vector, one step and three steps a split ...
-    (1, AHEAD, 32, torch.bfloat16, 256),
-    (1, {**AHEAD, "dots": 1, "split_k": 2}, 64, torch.float16, 768),
-    # ... else x's whole tiles, several steps a split, more than one tile of rows
-    (5, {**AHEAD, "split_k": 2}, 128, torch.bfloat16, 1024),
-    (37, {**AHEAD, "dots": 1}, 128, torch.float16, 384),
 ]
 
 
@@ -90,9 +83,7 @@ def test_w4a16_reads_every_tile_major_block(config) -> None:
     assert excess(w4a16.w4a16_matmul(x, int4.pack(q), sz, 128, config), ref, tol) <= 1
 
 
-@pytest.mark.parametrize(
-    "config", [TILED, ONE_DOT_SPLIT, {**STREAM, "bn": 16, "programs": 3}, {**AHEAD, "dots": 1}]
-)
+@pytest.mark.parametrize("config", [TILED, ONE_DOT_SPLIT, {**STREAM, "bn": 16, "programs": 3}])
 def test_w4a16_planted_errors_are_caught(config) -> None:
     """Nibbles in the wrong order, the scales of the neighbouring group, one K tile dropped."""
     g = 32
@@ -173,9 +164,6 @@ def test_w4a16_bad_inputs_name_the_field() -> None:
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "dots": 3})
     with pytest.raises(ValueError, match="config\\['kernel'\\]"):
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "kernel": "cutlass"})
-    for config in ({**STREAM, "x_ahead": True}, {**AHEAD, "dots": 4, "split_k": 1}):
-        with pytest.raises(ValueError, match="config\\['x_ahead'\\]=True: only for kernel"):
-            w4a16.w4a16_matmul(x, w, sz, 32, config)
     # stream-K: K = 256 in 128-wide steps and one tile of 16 rows: 2 units
     with pytest.raises(ValueError, match=re.escape("config['programs']=3: allowed 1 .. 2")):
         w4a16.w4a16_matmul(x, w, sz, 32, {**STREAM, "bn": 16, "programs": 3})
@@ -271,10 +259,7 @@ def test_w4a16_every_config_on_the_gpu(m: int, n: int, g: int) -> None:
     k = 2048
     x, q, sz, ref, tol = int4_problem(m, n, k, g, torch.bfloat16)
     packed = int4.pack(q)
-    shortlist = w4a16.configs(m, n, k, g)
-    # and each decode tile with x loaded a step ahead (not in the shortlist until measured)
-    ahead = [{**c, "x_ahead": True} for c in shortlist if c["kernel"] == "tiled" and m <= 16]
-    for config in shortlist + ahead:
+    for config in w4a16.configs(m, n, k, g):
         assert excess(w4a16.w4a16_matmul(x, packed, sz, g, config), ref, tol) <= 1, config
     torch_out = torch.ops.aten._weight_int4pack_mm(x, int4.to_torch_int4pack(packed), g, sz)
     assert excess(torch_out, ref, tol) <= 1
@@ -286,7 +271,6 @@ GPU_CONFIGS = [
     {**TILED, "bn": 128, "warps": 8, "stages": 3},
     {**TILED, "bn": 128, "warps": 8, "stages": 3, "split_k": 4},
     {**STREAM, "bn": 128, "dots": 2, "programs": 3, "warps": 8, "stages": 4},
-    {**AHEAD, "bn": 64, "stages": 3, "split_k": 2},
 ]
 
 

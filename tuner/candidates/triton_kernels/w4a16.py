@@ -136,22 +136,13 @@ def _weight_tile(w_ptr, sz_ptr, n0, k0, N, half, dtype: tl.constexpr, BN: tl.con
 
 
 @triton.jit
-def _step(acc, x_ptrs, mask_m, x0, x1, w_ptr, sz_ptr, n0, k0, N, half, BN: tl.constexpr,
-          BK: tl.constexpr, DOTS: tl.constexpr, GROUP: tl.constexpr, RAGGED: tl.constexpr,
-          X_AHEAD: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+def _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, n0, k0, N, half, BN: tl.constexpr, BK: tl.constexpr,
+          DOTS: tl.constexpr, GROUP: tl.constexpr, RAGGED: tl.constexpr,
+          INTERPRET: tl.constexpr):  # fmt: skip
     """``acc`` [BN, BM] plus the ``DOTS`` dots of weight rows from ``n0`` and x's rows at K
-    offset ``k0`` (one step of DOTS * BK; BK is one chunk). ``X_AHEAD`` > 0: x's tiles are
-    ``x0`` and ``x1`` (DOTS <= 2), loaded by the caller a step ahead (``_x_tiles``); else they
-    are loaded here."""
+    offset ``k0`` (one step of DOTS * BK; BK is one chunk)."""
     for d in tl.static_range(DOTS):
-        if X_AHEAD == 0:
-            xt = tl.load(x_ptrs + k0 + d * BK, mask=mask_m, other=0.0)
-        elif d == 0:
-            xt = x0
-        else:
-            xt = x1
-        if X_AHEAD == 1:  # x's one row: the dot's [BM, BK] tile, zero past it
-            xt = tl.where(mask_m, xt[None, :], 0.0)
+        xt = tl.load(x_ptrs + k0 + d * BK, mask=mask_m, other=0.0)
         w = _weight_tile(w_ptr, sz_ptr, n0, k0 + d * BK, N, half, xt.dtype, BN, GROUP, RAGGED,
                          INTERPRET)  # fmt: skip
         if INTERPRET:  # the interpreter's bf16 dot is wrong: the same sums in fp32
@@ -162,38 +153,14 @@ def _step(acc, x_ptrs, mask_m, x0, x1, w_ptr, sz_ptr, n0, k0, N, half, BN: tl.co
 
 
 @triton.jit
-def _x_tiles(x_ptrs, mask_m, k0, BK: tl.constexpr, DOTS: tl.constexpr, X_AHEAD: tl.constexpr):
-    """x's tiles of the step at K offset ``k0`` for ``_step``'s ``x0``, ``x1``: ``X_AHEAD`` 1
-    (M = 1): [BK] row vectors from ``x_ptrs`` [BK], a register or two a thread where the [BM,
-    BK] tile takes eight; ``X_AHEAD`` = BM: [BM, BK] tiles; 0: placeholders ``_step`` ignores."""
-    x0 = x_ptrs
-    x1 = x_ptrs
-    if X_AHEAD == 1:
-        x0 = tl.load(x_ptrs + k0)
-        x1 = x0
-        if DOTS == 2:
-            x1 = tl.load(x_ptrs + k0 + BK)
-    elif X_AHEAD > 1:
-        x0 = tl.load(x_ptrs + k0, mask=mask_m, other=0.0)
-        x1 = x0
-        if DOTS == 2:
-            x1 = tl.load(x_ptrs + k0 + BK, mask=mask_m, other=0.0)
-    return x0, x1
-
-
-@triton.jit
 def w4a16_tiled(
     x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, counts_ptr, M, N, half, ldx, ldo, k_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOTS: tl.constexpr,
     GROUP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-    REDUCE_HERE: tl.constexpr, RAGGED: tl.constexpr, X_AHEAD: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    REDUCE_HERE: tl.constexpr, RAGGED: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Tensor cores on out.T = W x.T, ``DOTS`` [BN, BK] weight tiles per iteration; split-K
-    partials summed by the tile's last program when ``REDUCE_HERE``. ``X_AHEAD`` > 0: x's
-    tiles are loaded into registers a step ahead instead of through the copy pipeline, whose
-    stages then hold only the weight (decode: x's [16, 128] tile per dot per stage is most of a
-    stage's shared memory, so more CTAs fit per SM); 1 when M = 1 (x's one row), else BM."""
+    partials summed by the tile's last program when ``REDUCE_HERE``."""
     tile = tl.program_id(0)
     pid_m, pid_n = tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -202,15 +169,9 @@ def w4a16_tiled(
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * ldx + tl.arange(0, BK)[None, :]
     mask_m = rm[:, None] < M
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    xa_ptrs = x_ptr + tl.arange(0, BK) if X_AHEAD == 1 else x_ptrs
-    x0, x1 = _x_tiles(xa_ptrs, mask_m, k_lo, BK, DOTS, X_AHEAD)
     for k0 in range(k_lo, k_lo + k_split, DOTS * BK):
-        acc = _step(acc, x_ptrs, mask_m, x0, x1, w_ptr, sz_ptr, pid_n * BN, k0, N, half, BN, BK,
-                    DOTS, GROUP, RAGGED, X_AHEAD, INTERPRET)  # fmt: skip
-        if X_AHEAD > 0:  # the next step's x (the last step reloads its own): a plain load that
-            # Triton's pipeliner leaves alone, its result carried to the next iteration
-            nxt = tl.minimum(k0 + DOTS * BK, k_lo + k_split - DOTS * BK)
-            x0, x1 = _x_tiles(xa_ptrs, mask_m, nxt, BK, DOTS, X_AHEAD)
+        acc = _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, pid_n * BN, k0, N, half, BN, BK, DOTS,
+                    GROUP, RAGGED, INTERPRET)  # fmt: skip
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     out_ptrs = out_ptr + rm[None, :].to(tl.int64) * ldo + rn[:, None]
     if SPLIT_K == 1:  # stored as [BM, BN]: with the [BN, BM] tile as is, ptxas (Triton 3.6)
@@ -251,8 +212,8 @@ def w4a16_stream_k(
     plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for u in range(lo, hi):
-        acc = _step(acc, x_ptrs, mask_m, x_ptrs, x_ptrs, w_ptr, sz_ptr, tile * BN, kk * (DOTS * BK),
-                    N, half, BN, BK, DOTS, GROUP, RAGGED, 0, INTERPRET)  # fmt: skip
+        acc = _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, tile * BN, kk * (DOTS * BK), N, half, BN,
+                    BK, DOTS, GROUP, RAGGED, INTERPRET)  # fmt: skip
         last_step = kk == steps - 1
         flush = last_step | (u == hi - 1)
         if flush:
@@ -334,9 +295,6 @@ def check_config(config: Config, m: int, n: int, k: int, group_size: int) -> Non
                          f"(the weight's tile-major blocks of rows)")  # fmt: skip
     if dots not in (1, 2, 4):
         raise ValueError(f"config['dots']={dots}: allowed 1, 2, 4")
-    if config.get("x_ahead", False) and (kernel != "tiled" or dots > 2):
-        raise ValueError(f"config['x_ahead']={config['x_ahead']!r}: only for kernel 'tiled' "
-                         f"with dots 1 or 2 (got {kernel!r}, dots {dots})")  # fmt: skip
     if kernel == "tiled":
         split = config.get("split_k", 1)
         if split < 1 or k % (bk * dots * split):
@@ -412,8 +370,7 @@ class Plan:
         else:
             self.parts = config.get("split_k", 1)
             self.kernel, self.grid = w4a16_tiled, (self.tiles, self.parts)
-            self.meta = {**meta, "SPLIT_K": self.parts, "GROUP_M": config.get("group_m", 8),
-                         "X_AHEAD": (1 if m == 1 else bm) if config.get("x_ahead") else 0}  # fmt: skip
+            self.meta = {**meta, "SPLIT_K": self.parts, "GROUP_M": config.get("group_m", 8)}
             self.tail = (k // self.parts,)
         self.warps_stages = dict(
             num_warps=config.get("warps", 4), num_stages=config.get("stages", 2)
@@ -507,16 +464,13 @@ def _dots(k: int, most: int) -> int:
 
 
 # Decode (M <= 16, one 16-row activation tile), split-K: (bn, warps, stages, most dots a step,
-# CTAs per SM, x_ahead), with as many K splits as keep every CTA resident at once (``fit``): the weight
+# CTAs per SM), with as many K splits as keep every CTA resident at once (``fit``): the weight
 # streams at the rate of the bytes in flight, and a second wave or an idle slot loses that
 # rate. Shared memory sets the CTAs per SM: x's [16, 128] tiles take a buffer per stage, the
 # weight's one fewer (64 rows x 3 stages x 2 dots: 42 KB, 5 per SM; one dot: 21 KB, 10 per SM).
 # 128 rows on 8 warps: 2 per SM (registers). ptxas (Triton 3.6) serializes the wgmmas (C7515)
-# of 64 rows on 4 warps, which win anyway. ``x_ahead`` tiles load x in registers outside the
-# copy pipeline, so the stages hold only the weight: more CTAs per SM, registers the limit.
-DECODE_TILES = ((64, 4, 3, 2, 5, False), (64, 4, 3, 1, 10, False), (64, 4, 4, 1, 7, False),
-                (128, 8, 3, 2, 2, False), (64, 4, 3, 2, 6, True), (64, 4, 4, 2, 6, True),
-                (64, 4, 4, 1, 7, True))  # fmt: skip
+# of 64 rows on 4 warps, which win anyway.
+DECODE_TILES = ((64, 4, 3, 2, 5), (64, 4, 3, 1, 10), (64, 4, 4, 1, 7), (128, 8, 3, 2, 2))
 # Decode, stream-K: (bn, warps, stages, programs per SM, most dots a step), one wave of
 # programs: for K that splits poorly (Qwen's down, 148 chunks) and too few tiles to fill the
 # SMs otherwise.
@@ -531,13 +485,11 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
     """Configs worth timing for an (M, N, K) problem, the likeliest first."""
     out: list[Config] = []
     if m <= 16:
-        for bn, warps, stages, most, per_sm, x_ahead in DECODE_TILES:
+        for bn, warps, stages, most, per_sm in DECODE_TILES:
             dots = _dots(k, most)
             split = _splits(triton.cdiv(n, bn), k, CHUNK * dots, sms, per_sm, fit=True)
             config = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
                       "split_k": split, "group_m": 1, "warps": warps, "stages": stages}  # fmt: skip
-            if x_ahead:
-                config["x_ahead"] = True
             if config not in out:
                 out.append(config)
         for bn, warps, stages, per_sm, most in STREAM_TILES:
