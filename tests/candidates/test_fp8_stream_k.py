@@ -91,15 +91,6 @@ def test_fp8_decode_configs_build_for_every_decode_shape(n: int, k: int, interle
                 assert fp8_kernels.jobs(m, n, k, config, rowwise=rowwise, precise=False)
 
 
-@pytest.mark.parametrize(("tiles", "steps", "programs"), [(3, 3, 4), (64, 56, 264), (2, 3, 2)])
-def test_fp8_stream_k_parts_is_the_most_runs_in_a_tile(tiles: int, steps: int, programs: int):
-    units = tiles * steps
-    runs = [range(p * units // programs, (p + 1) * units // programs) for p in range(programs)]
-    meeting = max(sum(1 for r in runs if set(r) & set(range(t * steps, (t + 1) * steps)))
-                  for t in range(tiles))  # fmt: skip
-    assert fp8_kernels.stream_parts(tiles, steps, programs) == meeting
-
-
 # --- GPU ------------------------------------------------------------------------------------
 
 

@@ -37,7 +37,6 @@ processes.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +50,8 @@ from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
 from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA
 from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts, reduce_if_last
+from tuner.candidates.triton_kernels.stream_k import _owner, most_parts, reduce_shared_tiles
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
-from tuner.candidates.triton_kernels.w4a16 import _owner, owner
 from tuner.quant.fp8 import FP8_DTYPES, check_scales
 
 Config = dict[str, Any]
@@ -181,16 +180,8 @@ def fp8_stream_k(
         tile += last_step.to(tl.int32)
         kk = tl.where(last_step, 0, kk + 1)
     if REDUCE_HERE:
-        for t in range(lo // steps, (hi - 1) // steps + 1):
-            first = _owner(t * steps, units, programs)
-            parts = _owner(t * steps + steps - 1, units, programs) - first + 1
-            if parts > 1:
-                rn = t * BN + rl
-                mask = mask_m & (rn[None, :] < N)
-                part = rm[:, None].to(tl.int64) * N + rn[None, :]
-                out_ptrs = out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :]
-                reduce_if_last(ws_ptr, counts_ptr, t, part, plane, mask, out_ptrs, parts,
-                               MAX_PARTS)  # fmt: skip
+        reduce_shared_tiles(ws_ptr, counts_ptr, out_ptr, lo, hi, steps, units, programs, plane, M,
+                            N, ldo, BM, BN, MAX_PARTS)  # fmt: skip
 
 
 @triton.jit
@@ -372,14 +363,6 @@ def stream_shape(m: int, n: int, k: int, config: Config) -> tuple[int, int, int]
     return tiles, steps, programs
 
 
-@functools.lru_cache(maxsize=1024)
-def stream_parts(tiles: int, steps: int, programs: int) -> int:
-    """The most stream-K runs that meet in one output tile (1: every tile is one program's)."""
-    units = tiles * steps
-    return max(owner(t * steps + steps - 1, units, programs) - owner(t * steps, units, programs)
-               + 1 for t in range(tiles))  # fmt: skip
-
-
 def _stream_k_launches(
     operands: tuple[Any, Any, Any, Any, Any],
     mnk: tuple[int, int, int],
@@ -396,7 +379,7 @@ def _stream_k_launches(
     m, n, k = mnk
     lda, ldb, ldo = lds
     tiles, steps, programs = stream_shape(m, n, k, config)
-    parts = stream_parts(tiles, steps, programs)
+    parts = most_parts(tiles, steps, programs)
     arrivals = counts(tiles) if parts > 1 else out
     ws = workspace(parts, arrivals is None) if parts > 1 else out
     args = (a, b, sa, sb, out, ws, out if arrivals is None else arrivals, m, n, k, lda, ldb, ldo,

@@ -41,6 +41,7 @@ import triton.language as tl
 from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, verify_direct
 from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts, reduce_if_last
+from tuner.candidates.triton_kernels.stream_k import _owner, most_parts, reduce_shared_tiles
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.int4 import BLOCK_ROWS, CHUNK, check_group_size, check_scales_and_zeros
 
@@ -233,22 +234,8 @@ def w4a16_stream_k(
         tile += last_step.to(tl.int32)
         kk = tl.where(last_step, 0, kk + 1)
     if REDUCE_HERE:
-        for t in range(lo // steps, (hi - 1) // steps + 1):
-            first = _owner(t * steps, units, programs)
-            parts = _owner(t * steps + steps - 1, units, programs) - first + 1
-            if parts > 1:
-                rn = t * BN + tl.arange(0, BN)
-                mask = (rn[:, None] < N) & (rm[None, :] < M)
-                part = rm[None, :].to(tl.int64) * N + rn[:, None]
-                out_ptrs = out_ptr + rm[None, :].to(tl.int64) * ldo + rn[:, None]
-                reduce_if_last(ws_ptr, counts_ptr, t, part, plane, mask, out_ptrs, parts,
-                               MAX_PARTS)  # fmt: skip
-
-
-@triton.jit
-def _owner(unit, units, programs):
-    """The program whose run holds ``unit``: the last p with p * units // programs <= unit."""
-    return (((unit + 1).to(tl.int64) * programs - 1) // units).to(tl.int32)
+        reduce_shared_tiles(ws_ptr, counts_ptr, out_ptr, lo, hi, steps, units, programs, plane, M,
+                            N, ldo, BM, BN, MAX_PARTS)  # fmt: skip
 
 
 def check_inputs(
@@ -363,8 +350,7 @@ class Plan:
             steps, programs = k // (bk * dots), config["programs"]
             units = self.tiles * steps
             self.kernel, self.grid = w4a16_stream_k, (programs,)
-            self.parts = max(owner(t * steps + steps - 1, units, programs)
-                             - owner(t * steps, units, programs) + 1 for t in range(self.tiles))  # fmt: skip
+            self.parts = most_parts(self.tiles, steps, programs)
             self.meta = {**meta, "MAX_PARTS": self.parts}
             self.tail: tuple[int, ...] = (steps, units, programs)
         else:
@@ -441,11 +427,6 @@ class Plan:
         splitk_reduce[(triton.cdiv(total, REDUCE_BLOCK),)](
             ws, out, m, n, total, 0, out.stride(0), 1, SPLIT_K=self.parts, BLOCK=REDUCE_BLOCK
         )
-
-
-def owner(unit: int, units: int, programs: int) -> int:
-    """The stream-K program whose run of units holds ``unit`` (as ``_owner`` in the kernel)."""
-    return ((unit + 1) * programs - 1) // units
 
 
 def _splits(tiles: int, k: int, step: int, sms: int, waves: float, fit: bool = False) -> int:
