@@ -73,6 +73,15 @@ def on_sets(runner: Callable[..., Any], sets: Sequence[tuple[Any, ...]]) -> Call
     return lambda i: runner(*sets[i % n])
 
 
+def measure_sets(
+    runner: Callable[..., Any], sets: Sequence[tuple[Any, ...]], **options: Any
+) -> Timing:
+    """``measure`` of ``runner`` round robin over ``sets``, each set run once before the clock
+    starts: a runner's first call on an operand may convert it (a layout made once per tensor,
+    then memoised), which is set-up, not a call."""
+    return measure(on_sets(runner, sets), warmup=max(WARMUP, len(sets)), **options)
+
+
 def _percentile(sorted_xs: list[float], q: float) -> float:
     idx = min(len(sorted_xs) - 1, max(0, round(q * (len(sorted_xs) - 1))))
     return sorted_xs[idx]

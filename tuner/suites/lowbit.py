@@ -50,7 +50,7 @@ from tuner.offline.model_config import gemm_key, load_model
 from tuner.offline.plots import geomean, pyplot
 from tuner.suites import catalog
 from tuner.suites.gemm import MODELS_DIR, OPS, Recorder
-from tuner.suites.runner import console, run_suite, side_by_side
+from tuner.suites.runner import Timed, console, in_turn, run_suite, side_by_side
 from tuner.tuning import compile_pool
 from tuner.tuning.engine import TuneOptions, current_device
 
@@ -240,14 +240,14 @@ def format_summary(rows: Sequence[Row]) -> dict[str, Any]:
 # --- measuring -------------------------------------------------------------------------------------
 
 
-def stream_read(nbytes: int, device: str) -> Callable[[int], Any]:
-    """``fn(i)`` reading ``nbytes`` bytes with the bare streaming-read kernel, rotated over enough
-    buffers that they are read from memory, not from the cache."""
+def stream_read(nbytes: int, device: str) -> Timed:
+    """The bare streaming-read kernel over ``nbytes`` bytes, as a runner and its input sets:
+    enough buffers that they are read from memory, not from the cache."""
     words = max(1, nbytes // 4)
     count = timing.rotation_sets(words * 4, device)
     bufs = [torch.ones(words, dtype=torch.int32, device=device) for _ in range(count)]
     sums = stream_read_kernel.sums_for(bufs[0])
-    return lambda i: stream_read_kernel.read_all(bufs[i % count], sums)
+    return (lambda buf: stream_read_kernel.read_all(buf, sums)), [(b,) for b in bufs]
 
 
 def runners(key: GemmKey, source: str, candidate: str) -> tuple[Any, Any | None]:
@@ -300,42 +300,32 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
     graphs (``graph_*`` columns), with the bare read of the row's bytes; other rows: eager times,
     the median of ``SIDE_BY_SIDE_ROUNDS`` rounds that take the runners in turn (``eager_*``)."""
     graph = row["timing"] == "graph"
+    mode = "graph" if graph else "eager"
     sets = samples.input_sets(key, "cuda", seed=1)
     base, win = runners(key, row["source"], row["candidate"])
-    fns: dict[str, Callable[[int], Any] | None] = {
-        "baseline": timing.on_sets(base, sets),
-        "winner": None if win is None else timing.on_sets(win, sets),
-    }
+    timed: dict[str, Timed] = {"baseline": (base, sets)}
+    if win is not None:
+        timed["winner"] = (win, sets)
     if "bf16_source" in row:
         bf16_sets = samples.input_sets(twin, "cuda", seed=1)
         cublas, served = runners(twin, row["bf16_source"], row["bf16_candidate"])
-        fns["bf16"] = timing.on_sets(cublas, bf16_sets)
-        fns["bf16_served"] = None if served is None else timing.on_sets(served, bf16_sets)
+        timed["bf16"] = (cublas, bf16_sets)
+        if served is not None:
+            timed["bf16_served"] = (served, bf16_sets)
     if graph:
-        fns["read"] = stream_read(row["bytes"], "cuda")
-    mode = "graph" if graph else "eager"
-    live = {name: fn for name, fn in fns.items() if fn is not None}
-    times: dict[str, list[float]] = {name: [] for name in live}
-    for _ in range(1 if graph else SIDE_BY_SIDE_ROUNDS):
-        for name in list(times):
-            try:
-                t = (
-                    timing.graph_time(live[name])
-                    if graph
-                    else timing.measure(live[name], device="cuda", budget_s=SIDE_BY_SIDE_BUDGET_S)
-                )
-            except Exception as e:  # a capture failing is a finding: the row's target misses
-                row[f"{mode}_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-                del times[name]
-                continue
-            times[name].append(t.median_us)
-    for name, ts in times.items():
-        us = statistics.median(ts)
+        timed["read"] = stream_read(row["bytes"], "cuda")
+
+    def failed(name: str, e: Exception) -> None:  # a capture failing is a finding: a miss
+        row[f"{mode}_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+
+    times = in_turn(timed, "cuda", graph=graph, rounds=1 if graph else SIDE_BY_SIDE_ROUNDS,
+                    budget_s=SIDE_BY_SIDE_BUDGET_S, on_error=failed)  # fmt: skip
+    for name, us in times.items():
         moved = row["bf16_bytes"] if name.startswith("bf16") else row["bytes"]
         row[f"{mode}_{name}_us"] = us
         row[f"{mode}_{name}_pct_copy"] = 100 * moved / us / 1e3 / copy_gbs
     for name, same in (("winner", "baseline"), ("bf16_served", "bf16")):
-        if fns.get(name, False) is None and f"{mode}_{same}_us" in row:
+        if name not in timed and f"{mode}_{same}_us" in row:  # the same runner: the same time
             row[f"{mode}_{name}_us"] = row[f"{mode}_{same}_us"]
             row[f"{mode}_{name}_pct_copy"] = row[f"{mode}_{same}_pct_copy"]
 

@@ -58,32 +58,54 @@ class Row:
         return {**asdict(self), "speedup": self.speedup}
 
 
+Timed = tuple[Callable[..., Any], Sequence[tuple[Any, ...]]]  # a runner and its input sets
+
+
+def in_turn(
+    runners: dict[str, Timed],
+    device: str,
+    *,
+    graph: bool,
+    rounds: int = 3,
+    budget_s: float = 0.1,
+    on_error: Callable[[str, Exception], None] | None = None,
+) -> dict[str, float]:
+    """Median times (us) of each runner over ``rounds`` rounds that time the runners in turn,
+    each on its own input sets, so that all are measured under the same load: GPU times inside
+    CUDA graphs (``graph``), else eager times. ``on_error(name, e)``: a runner that raises is
+    dropped and reported there; without it the error propagates."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name in list(times):
+            runner, sets = runners[name]
+            try:
+                if graph:
+                    t = timing.graph_time(timing.on_sets(runner, sets))
+                else:
+                    t = timing.measure_sets(runner, sets, device=device, budget_s=budget_s)
+            except Exception as e:
+                if on_error is None:
+                    raise
+                on_error(name, e)
+                del times[name]
+                continue
+            times[name].append(t.median_us)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def side_by_side(
     key: Key, winner: Winner, device: str, *, rounds: int = 3, budget_s: float = 0.1
 ) -> tuple[float, float]:
-    """Median times (us) of the baseline and the winner, measured alternately on the same inputs,
+    """Median times (us) of the baseline and the winner, measured in turn on the same inputs,
     in the launch mode the winner was chosen for (GPU times inside CUDA graphs for ``graph``)."""
     base_src = registry.baseline(key.op, key)
-    base = base_src.build(key, base_src.baseline_params)
-    if base_src.chose_itself(winner.source, winner.params):
-        win = None
-    else:
-        win = registry.get(winner.source).build(key, winner.params)
     sets = samples.input_sets(key, device, seed=1)
-
-    def time_us(runner: Callable[..., Any]) -> float:
-        fn = timing.on_sets(runner, sets)
-        if winner.launch == "graph" and device == "cuda":
-            return timing.graph_time(fn).median_us
-        return timing.measure(fn, device=device, budget_s=budget_s).median_us
-
-    b_times, w_times = [], []
-    for _ in range(rounds):
-        b_times.append(time_us(base))
-        if win is not None:
-            w_times.append(time_us(win))
-    b = statistics.median(b_times)
-    return b, (statistics.median(w_times) if win is not None else b)
+    runners: dict[str, Timed] = {"baseline": (base_src.build(key, base_src.baseline_params), sets)}
+    if not base_src.chose_itself(winner.source, winner.params):
+        runners["winner"] = (registry.get(winner.source).build(key, winner.params), sets)
+    graph = winner.launch == "graph" and device == "cuda"
+    t = in_turn(runners, device, graph=graph, rounds=rounds, budget_s=budget_s)
+    return t["baseline"], t.get("winner", t["baseline"])
 
 
 def run_suite(

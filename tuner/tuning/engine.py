@@ -232,12 +232,10 @@ class _Trial:
         sets = self.sets
         graph = options.launch == "graph" and self.device == "cuda"
         try:
-            t = timing.measure(
-                lambda i: runner(*sets[i % len(sets)]),
+            t = timing.measure_sets(
+                runner,
+                sets,
                 device=self.device,
-                # every input set once before the clock starts: a runner's first call on an
-                # operand may convert it (a weight layout made once per tensor, then memoised)
-                warmup=max(timing.WARMUP, len(sets)),
                 # in graph mode only its host time is used, from a shorter run
                 budget_s=min(options.budget_s, 0.01) if graph else options.budget_s,
                 cutoff_us=None if graph else cutoff_us,  # a cutoff from GPU times: not eager's
@@ -252,7 +250,7 @@ class _Trial:
             # the candidate fastest on the GPU might never reach the duel
             try:
                 calls = timing.graph_calls(t.median_us, len(sets))
-                g = timing.graph_time(lambda i: runner(*sets[i % len(sets)]), calls)
+                g = timing.graph_time(timing.on_sets(runner, sets), calls)
             except Exception as e:
                 torch.cuda.synchronize()
                 error = f"cannot be captured in a CUDA graph: {_short(e)}"
@@ -292,8 +290,9 @@ class _Trial:
         for _ in range(options.confirm_rounds):
             for m in (base, challenger):
                 runner = runners[m.candidate]
-                t = timing.measure(
-                    lambda i, r=runner: r(*self.sets[i % len(self.sets)]),
+                t = timing.measure_sets(
+                    runner,
+                    self.sets,
                     device=self.device,
                     budget_s=options.budget_s,
                     max_reps=CONFIRM_REPS,
@@ -356,7 +355,7 @@ class _Trial:
         for m in (base, challenger):
             runner = runners[m.candidate]
             try:
-                out.append(timing.graph_time(lambda i, r=runner: r(*sets[i % len(sets)]), calls))
+                out.append(timing.graph_time(timing.on_sets(runner, sets), calls))
             except Exception as e:  # e.g. a library launching on a stream of its own
                 log.info("%s: no CUDA-graph time: %s", m.candidate, _short(e)[:300])
                 torch.cuda.synchronize()
