@@ -8,8 +8,8 @@ rotating input sets) and its host time per call; the GPU time alone (``timing.gr
 time per call of N back-to-back calls (perf_counter, no sync in between) split into the Python
 part (checks, memo lookups, output allocation: ``W4A16Launcher.operands``), the ctypes call of a
 known pointer set, and the library's own steps timed in C++ (``W4A16Launcher.step_times_us``:
-can_implement, initialize, initialize and launch: what every call paid before plans kept
-initialized params).
+can_implement, initialize, initialize and launch: what a call pays without initialized params
+kept for its pointer set).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def int4_row(key: GemmKey, params: dict[str, Any], calls: int, reps: int) -> dic
     steps = launcher.step_times_us(prepared[0][0], reps)
     torch.cuda.synchronize()
     row["steps_us"] = steps
-    row["old_path_host_us"] = (
+    row["init_each_call_host_us"] = (
         row["python_us"] + steps["can_implement"] + steps["initialize_and_launch"]
     )
     return row
@@ -131,8 +131,8 @@ def main() -> None:
             steps = " ".join(f"{k} {v:.1f}" for k, v in r["steps_us"].items())
             print(f"  {json.dumps(params)}: {r['event_us']:.1f} us (host {r['host_us']:.1f}, "
                   f"GPU {r['gpu_us']:.1f}; python {r['python_us']:.1f}, ctypes known "
-                  f"{r['ctypes_known_us']:.1f}; C++ {steps}; old path "
-                  f"{r['old_path_host_us']:.1f})", flush=True)  # fmt: skip
+                  f"{r['ctypes_known_us']:.1f}; C++ {steps}; init each call "
+                  f"{r['init_each_call_host_us']:.1f})", flush=True)  # fmt: skip
         timed = [r["event_us"] for r in configs if "event_us" in r]
         best = bf16["event_us"] / min(timed) if timed else None
         result["rows"].append({"label": label, "key": str(key), "bf16": bf16, "int4": configs,

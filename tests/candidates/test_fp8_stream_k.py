@@ -71,6 +71,9 @@ def test_fp8_stream_k_bad_configs_name_the_field() -> None:
         fp8_kernels.fp8_matmul(a17, b, sa17, sb, STREAM)
     with pytest.raises(ValueError, match="config\\['kernel'\\]='gemv': allowed tiled, stream_k"):
         fp8_kernels.fp8_matmul(a, b, sa, sb, {**STREAM, "kernel": "gemv"})
+    tiled = {"kernel": "tiled", "bm": 16, "bn": 16, "bk": 32, "split_k": 2, "group_m": 1}
+    with pytest.raises(ValueError, match="config\\['interleave'\\]='yes': allowed True, False"):
+        fp8_kernels.fp8_matmul(a, b, sa, sb, {**tiled, "interleave": "yes"})
 
 
 @pytest.mark.parametrize(("n", "k", "interleaved"), DECODE_SHAPES)

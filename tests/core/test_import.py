@@ -23,7 +23,9 @@ def run(code: str, env: dict[str, str] | None = None) -> str:
     return out.stdout.strip()
 
 
-@pytest.mark.parametrize("module", ["tuner", "server", "tuner.cache", "tuner.core.keys"])
+@pytest.mark.parametrize(
+    "module", ["tuner", "server", "tuner.cache", "tuner.core.keys", "tuner.core.tensor_memo"]
+)
 def test_import_loads_no_torch(module):
     loaded = run(
         f"import sys, json, {module}; print(json.dumps(sorted(m for m in sys.modules "

@@ -38,7 +38,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -47,9 +47,9 @@ from tuner.candidates import cutlass_gemm
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params
 from tuner.core.keys import DTYPES, GemmKey
+from tuner.core.tensor_memo import TensorMemo
 from tuner.quant import int4_torch
 
-T = TypeVar("T")
 TILE_K = 64  # 16-bit activations: 128 bytes of K per tile, the generator's only choice
 GROUPS = (64, 128, 256)  # the key's groups that are multiples of TILE_K
 KERNELS = ("ws", "coop", "pingpong")  # the TMA mainloops the mixed-dtype generator lists
@@ -451,12 +451,8 @@ def split_scales(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 # A's bytes of torch's packed weight; (scale, zero) of torch's scales_and_zeros
-weight: int4_torch.TensorMemo[torch.Tensor] = int4_torch.TensorMemo(
-    lambda t: to_cutlass(int4_torch.nibbles(t))
-)
-scales: int4_torch.TensorMemo[tuple[torch.Tensor, torch.Tensor]] = int4_torch.TensorMemo(
-    split_scales
-)
+weight: TensorMemo[torch.Tensor] = TensorMemo(lambda t: to_cutlass(int4_torch.nibbles(t)))
+scales: TensorMemo[tuple[torch.Tensor, torch.Tensor]] = TensorMemo(split_scales)
 
 
 # --- the runner ------------------------------------------------------------------------------
@@ -537,8 +533,8 @@ class W4A16Launcher:
 
     def step_times_us(self, ptrs: list[int], reps: int) -> dict[str, float]:
         """Host microseconds per call of each step of a launch on ``ptrs`` (``operands``), timed
-        in the library: can_implement, initialize, initialize and launch (what every call ran
-        before plans), and a plan call of a known set."""
+        in the library: can_implement, initialize, initialize and launch (a call with no
+        initialized params kept), and a plan call of a known set."""
         us = (ctypes.c_double * 4)()
         args = (ctypes.c_void_p * 5)(*ptrs)
         stream = ops.current_stream(self.device)

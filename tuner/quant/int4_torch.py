@@ -13,47 +13,10 @@ inputs, quantized models) never need the conversion.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
-from typing import Generic, TypeVar
-
 import torch
 
+from tuner.core.tensor_memo import TensorMemo
 from tuner.quant import int4
-
-T = TypeVar("T")
-
-
-class TensorMemo(Generic[T]):
-    """``make(t)`` per tensor, kept while ``t`` lives and is not changed in place (its
-    ``_version``). Looked up in a dict by ``id`` through a weak reference: a few times cheaper
-    per lookup than a WeakIdKeyDictionary (which builds a reference object per lookup), and a
-    launcher looks up on every call."""
-
-    def __init__(self, make: Callable[[torch.Tensor], T]) -> None:
-        self._make = make
-        self._table: dict[int, tuple[weakref.ref[torch.Tensor], int, T]] = {}
-
-    def __len__(self) -> int:
-        return len(self._table)
-
-    def __call__(self, t: torch.Tensor) -> T:
-        known = self._table.get(id(t))
-        if known is not None and known[0]() is t and known[1] == t._version:
-            return known[2]
-        return self.put(t, self._make(t))
-
-    def put(self, t: torch.Tensor, value: T) -> T:
-        """Keep ``value`` as what ``t`` makes (its maker knew it already)."""
-        key = id(t)
-
-        def forget(ref: weakref.ref[torch.Tensor]) -> None:  # t died: its id may be reused
-            if self._table.get(key, (None,))[0] is ref:
-                del self._table[key]
-
-        self._table[key] = (weakref.ref(t, forget), t._version, value)
-        return value
-
 
 _OURS: TensorMemo[torch.Tensor] = TensorMemo(int4.from_torch_int4pack)
 

@@ -50,7 +50,7 @@ from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
 from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA
 from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts, reduce_if_last
-from tuner.candidates.triton_kernels.stream_k import _owner, most_parts, reduce_shared_tiles
+from tuner.candidates.triton_kernels.stream_k import owner_of, most_parts, reduce_shared_tiles
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.fp8 import FP8_DTYPES, check_scales
 
@@ -162,9 +162,9 @@ def fp8_stream_k(
         last_step = kk == steps - 1
         flush = last_step | (u == hi - 1)
         if flush:
-            first = _owner(tile * steps, units, programs)
+            first = owner_of(tile * steps, units, programs)
             # reduced apart (REDUCE_HERE false), every tile's partial goes to the workspace
-            whole = (_owner(tile * steps + steps - 1, units, programs) == first) & REDUCE_HERE
+            whole = (owner_of(tile * steps + steps - 1, units, programs) == first) & REDUCE_HERE
             rn = n0 + rl
             c = _scaled(tl.trans(acc), sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE)
             mask = mask_m & (rn[None, :] < N)
@@ -174,8 +174,7 @@ def fp8_stream_k(
             else:
                 part = rm[:, None].to(tl.int64) * N + rn[None, :]
                 tl.store(ws_ptr + (p - first) * plane + part, c, mask=mask)
-        # reset after the branch, as in w4a16_stream_k (reset inside it, ptxas serialized the
-        # wgmmas there)
+        # reset after the branch: reset inside it, ptxas (sm_90) serializes the loop's wgmmas
         acc = tl.where(flush, 0.0, acc)
         tile += last_step.to(tl.int32)
         kk = tl.where(last_step, 0, kk + 1)
@@ -324,6 +323,8 @@ def _launches(
     if kernel != "tiled":
         raise ValueError(f"config['kernel']={kernel!r}: allowed {', '.join(KERNELS)}")
     split, interleave = config.get("split_k", 1), config.get("interleave", False)
+    if interleave not in (True, False):
+        raise ValueError(f"config['interleave']={interleave!r}: allowed True, False")
     if not (1 <= split <= triton.cdiv(k, bk) if interleave else split_fits(k, bk, split)):
         raise ValueError(f"config['split_k']={split}: more splits than bk={bk} tiles in K={k}")
     k_split = _k_per_split(k, bk, split)

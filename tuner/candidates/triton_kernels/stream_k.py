@@ -16,13 +16,13 @@ from tuner.candidates.triton_kernels.splitk_arrival import reduce_if_last
 
 
 @triton.jit
-def _owner(unit, units, programs):
+def owner_of(unit, units, programs):
     """The program whose run holds ``unit``: the last p with p * units // programs <= unit."""
     return (((unit + 1).to(tl.int64) * programs - 1) // units).to(tl.int32)
 
 
 def owner(unit: int, units: int, programs: int) -> int:
-    """The program whose run of units holds ``unit`` (as ``_owner`` in a kernel)."""
+    """The program whose run of units holds ``unit`` (as ``owner_of`` in a kernel)."""
     return ((unit + 1) * programs - 1) // units
 
 
@@ -44,8 +44,8 @@ def reduce_shared_tiles(ws_ptr, counts_ptr, out_ptr, lo, hi, steps, units, progr
     (M <= BM)."""
     rm = tl.arange(0, BM)
     for t in range(lo // steps, (hi - 1) // steps + 1):
-        first = _owner(t * steps, units, programs)
-        parts = _owner(t * steps + steps - 1, units, programs) - first + 1
+        first = owner_of(t * steps, units, programs)
+        parts = owner_of(t * steps + steps - 1, units, programs) - first + 1
         if parts > 1:
             rn = t * BN + tl.arange(0, BN)
             mask = (rm[:, None] < M) & (rn[None, :] < N)

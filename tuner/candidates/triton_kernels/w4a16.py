@@ -41,7 +41,7 @@ import triton.language as tl
 from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, verify_direct
 from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts, reduce_if_last
-from tuner.candidates.triton_kernels.stream_k import _owner, most_parts, reduce_shared_tiles
+from tuner.candidates.triton_kernels.stream_k import owner_of, most_parts, reduce_shared_tiles
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.int4 import BLOCK_ROWS, CHUNK, check_group_size, check_scales_and_zeros
 
@@ -218,9 +218,9 @@ def w4a16_stream_k(
         last_step = kk == steps - 1
         flush = last_step | (u == hi - 1)
         if flush:
-            first = _owner(tile * steps, units, programs)
+            first = owner_of(tile * steps, units, programs)
             # reduced apart (REDUCE_HERE false), every tile's partial goes to the workspace
-            whole = (_owner(tile * steps + steps - 1, units, programs) == first) & REDUCE_HERE
+            whole = (owner_of(tile * steps + steps - 1, units, programs) == first) & REDUCE_HERE
             rn = tile * BN + tl.arange(0, BN)
             mask = (rn[:, None] < N) & (rm[None, :] < M)
             if whole:  # stored as [BM, BN]: see w4a16_tiled
@@ -450,7 +450,7 @@ def _dots(k: int, most: int) -> int:
 # rate. Shared memory sets the CTAs per SM: x's [16, 128] tiles take a buffer per stage, the
 # weight's one fewer (64 rows x 3 stages x 2 dots: 42 KB, 5 per SM; one dot: 21 KB, 10 per SM).
 # 128 rows on 8 warps: 2 per SM (registers). ptxas (Triton 3.6) serializes the wgmmas (C7515)
-# of 64 rows on 4 warps, which win anyway.
+# of 64 rows on 4 warps; the shortlist keeps both.
 DECODE_TILES = ((64, 4, 3, 2, 5), (64, 4, 3, 1, 10), (64, 4, 4, 1, 7), (128, 8, 3, 2, 2))
 # Decode, stream-K: (bn, warps, stages, programs per SM, most dots a step), one wave of
 # programs: for K that splits poorly (Qwen's down, 148 chunks) and too few tiles to fill the
