@@ -285,4 +285,6 @@ def test_activations_it_cannot_take_are_refused_with_the_reason(source: w4.Cutla
         run(x[:8], packed, sz)
     with pytest.raises(ValueError, match="must be contiguous and 16-byte aligned"):
         run(x.t().contiguous().t(), packed, sz)
+    with pytest.raises(ValueError, match=r"with scales \[4, .*group=128"):
+        run(x, packed, sz[:4].contiguous())  # half the groups of K
     assert samples.relative_error(run(x, packed, sz), samples.reference(key, (x, packed, sz))) <= 1

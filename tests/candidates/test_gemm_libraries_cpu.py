@@ -73,6 +73,11 @@ def test_output_buffer_is_the_callers_only_when_a_library_can_write_it():
     assert c is not transposed and c.is_contiguous() and out is transposed
     c.fill_(2.0)
     assert ops.finish(c, out, lambda t: t) is transposed and bool((transposed == 2.0).all())
+    wider = torch.empty(4, 8, dtype=torch.float64)  # another dtype: written through a copy
+    c, out = ops.output_for(key, a, wider, 16)
+    assert c is not wider and c.dtype == torch.float32 and out is wider
+    with pytest.raises(ValueError, match=r"out.shape=\(3, 8\): expected \(4, 8\)"):
+        ops.output_for(key, a, torch.empty(3, 8), 16)
 
 
 def test_out_alignment_and_compute_types():

@@ -517,6 +517,12 @@ class W4A16Launcher:
         k = self.key
         w = weight(packed)
         scale, zero = scales(scales_and_zeros)
+        if w.shape != (k.n, k.k // 2) or scale.shape != (k.k // k.group, k.n):
+            n, k2 = w.shape
+            raise ValueError(
+                f"packed / scales_and_zeros: a weight of N={n}, K={2 * k2} with scales "
+                f"{list(scale.shape)}, for a key of N={k.n}, K={k.k}, group={k.group}"
+            )
         c, user_out = (self._fresh(), None) if out is None else ops.output_for(k, x, out, ALIGN)
         if c.stride(0) != k.n:  # the kernel writes packed rows
             c = self._fresh()

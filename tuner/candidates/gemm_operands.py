@@ -151,21 +151,26 @@ def as_tensors(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor, Callable[[to
 def output_for(key: GemmKey, a: torch.Tensor, out: Any, align: int) -> tuple[torch.Tensor, Any]:
     """(buffer the library writes, the caller's ``out``): a packed row-major tensor.
 
-    A caller's ``out`` is written in place when it is row-major with rows aligned to ``align``
-    bytes; otherwise the library writes a fresh buffer and the runner copies it into ``out``.
+    A caller's ``out`` is written in place when it has the key's output dtype and is row-major
+    with rows aligned to ``align`` bytes; otherwise the library writes a fresh buffer and the
+    runner copies it into ``out``. ValueError if ``out`` has another shape.
     """
     shape = (key.m, key.n) if a.dim() == 2 else (key.batch, key.m, key.n)
+    dtype = DTYPES[key.out_dtype]
     if out is not None:
         t = out if isinstance(out, torch.Tensor) else torch.from_dlpack(out)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"out.shape={tuple(t.shape)}: expected {shape}")
         item = t.element_size()
         if (
-            t.stride(-1) == 1
+            t.dtype == dtype
+            and t.stride(-1) == 1
             and t.stride(-2) >= key.n
             and t.data_ptr() % align == 0
             and (t.stride(-2) * item) % align == 0
         ):
             return t, out
-    return torch.empty(shape, dtype=DTYPES[key.out_dtype], device=a.device), out
+    return torch.empty(shape, dtype=dtype, device=a.device), out
 
 
 def finish(c: torch.Tensor, out: Any, convert: Callable[[torch.Tensor], Any]) -> Any:
