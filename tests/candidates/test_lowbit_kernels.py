@@ -68,18 +68,20 @@ def test_w4a16_matches_the_dequantized_gemm(m, config, g, dtype, k) -> None:
     assert excess(out, ref, tol) <= 1
 
 
-# n = 200: three whole 64-row blocks and a ragged one of 8 rows; K = 384, three chunks
+# n = 200: three whole 64-row blocks and a ragged one of 8 rows; n = 240: a ragged block of 48
+# rows, three 16-row tiles in it; K = 384, three chunks
 BLOCK_CASES = [
-    {**TILED, "bn": 128, "dots": 1},  # two blocks a tile, the ragged one in the second
-    {**TILED, "bn": 64, "dots": 1, "split_k": 3},
-    {**TILED, "bn": 16, "dots": 1},  # four tiles a block, one in the ragged block
-    {**STREAM, "bn": 128, "programs": 4},  # the tiles' steps in runs that cross them
+    (200, {**TILED, "bn": 128, "dots": 1}),  # two blocks a tile, the ragged one in the second
+    (200, {**TILED, "bn": 64, "dots": 1, "split_k": 3}),
+    (200, {**TILED, "bn": 16, "dots": 1}),  # four tiles a block, one in the ragged block
+    (240, {**TILED, "bn": 16, "dots": 1}),  # tiles that start inside the ragged block
+    (200, {**STREAM, "bn": 128, "programs": 4}),  # the tiles' steps in runs that cross them
 ]
 
 
-@pytest.mark.parametrize("config", BLOCK_CASES)
-def test_w4a16_reads_every_tile_major_block(config) -> None:
-    x, q, sz, ref, tol = int4_problem(3, 200, 384, 128, torch.bfloat16)
+@pytest.mark.parametrize(("n", "config"), BLOCK_CASES)
+def test_w4a16_reads_every_tile_major_block(n: int, config) -> None:
+    x, q, sz, ref, tol = int4_problem(3, n, 384, 128, torch.bfloat16)
     assert excess(w4a16.w4a16_matmul(x, int4.pack(q), sz, 128, config), ref, tol) <= 1
 
 
@@ -123,14 +125,17 @@ def test_fp8_persistent_configs_leave_room_for_the_output_tile(out_bytes: int) -
     assert wide["stages"] < narrow["stages"]
 
 
-def test_fp8_decode_shortlists_only_split_k_so_that_every_split_has_work() -> None:
-    """K = 18944 in 128-wide tiles cannot be cut in 16 (the 16th split would be empty)."""
+def test_fp8_decode_shortlists_give_every_split_work() -> None:
+    """K = 18944 in 128-wide tiles cannot be cut in 16 contiguous splits (the 16th would be
+    empty); interleaved splits take every S-th K step, so each needs one step at least."""
     for n, k in [*LLAMA3_8B, (3584, 18944), (37888, 3584), (4608, 3584)]:
         for m in (1, 16):
-            tiled = [c for c in fp8_kernels.configs(m, n, k)
-                     if c["kernel"] == "tiled" and not c.get("interleave")]  # fmt: skip
-            for config in tiled:
-                assert fp8_kernels.split_fits(k, config["bk"], config["split_k"]), (n, k, config)
+            for config in (c for c in fp8_kernels.configs(m, n, k) if c["kernel"] == "tiled"):
+                split, bk = config["split_k"], config["bk"]
+                if config.get("interleave"):
+                    assert 1 <= split <= -(-k // bk), (n, k, config)
+                else:
+                    assert fp8_kernels.split_fits(k, bk, split), (n, k, config)
     assert not fp8_kernels.split_fits(18944, 128, 16) and fp8_kernels.split_fits(18944, 128, 8)
 
 
