@@ -4,4 +4,4 @@ pyproject.toml takes it from here (a dynamic version); the device fingerprint an
 client's User-Agent read it without loading torch or the dispatcher.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
