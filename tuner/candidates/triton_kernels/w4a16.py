@@ -41,7 +41,7 @@ import triton.language as tl
 from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, verify_direct
 from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts, reduce_if_last
-from tuner.candidates.triton_kernels.stream_k import owner_of, most_parts, reduce_shared_tiles
+from tuner.candidates.triton_kernels.stream_k import most_parts, owner_of, reduce_shared_tiles
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.int4 import BLOCK_ROWS, CHUNK, check_group_size, check_scales_and_zeros
 
