@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 CPU_L2_BYTES = 32 * 2**20  # a generous last-level cache guess; CPU rotation matters less
-WARMUP = 3  # untimed calls before the clock starts (callers add one per input set)
+WARMUP = 3  # untimed calls before the clock starts (measure_sets: at least one per input set)
 STEADY_US = 100.0  # calls this long are GPU-bound: launch jitter is a small share of them
 STEADY_REPS = 20  # samples enough for such a call's median
 LATE_REPS = 30  # timed calls before the late cut-off is applied

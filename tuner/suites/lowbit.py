@@ -50,7 +50,7 @@ from tuner.offline.model_config import gemm_key, load_model
 from tuner.offline.plots import geomean, pyplot
 from tuner.suites import catalog
 from tuner.suites.gemm import MODELS_DIR, OPS, Recorder
-from tuner.suites.runner import Timed, console, in_turn, run_suite, side_by_side
+from tuner.suites.runner import Timed, built, console, in_turn, run_suite, side_by_side
 from tuner.tuning import compile_pool
 from tuner.tuning.engine import TuneOptions, current_device
 
@@ -250,15 +250,6 @@ def stream_read(nbytes: int, device: str) -> Timed:
     return (lambda buf: stream_read_kernel.read_all(buf, sums)), [(b,) for b in bufs]
 
 
-def runners(key: GemmKey, source: str, candidate: str) -> tuple[Any, Any | None]:
-    """torch's runner for ``key`` (its baseline) and the winner's; None where the winner is
-    that baseline itself."""
-    base = registry.baseline("gemm", key)
-    params = candidate_params(candidate)
-    win = None if base.chose_itself(source, params) else registry.get(source).build(key, params)
-    return base.build(key, base.baseline_params), win
-
-
 def tune_bf16(
     twins: Sequence[GemmKey], options: TuneOptions, recorder: Recorder, store: Store, device: str
 ) -> dict[str, Row]:
@@ -302,13 +293,13 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
     graph = row["timing"] == "graph"
     mode = "graph" if graph else "eager"
     sets = samples.input_sets(key, "cuda", seed=1)
-    base, win = runners(key, row["source"], row["candidate"])
+    base, win = built(key, row["source"], candidate_params(row["candidate"]))
     timed: dict[str, Timed] = {"baseline": (base, sets)}
     if win is not None:
         timed["winner"] = (win, sets)
     if "bf16_source" in row:
         bf16_sets = samples.input_sets(twin, "cuda", seed=1)
-        cublas, served = runners(twin, row["bf16_source"], row["bf16_candidate"])
+        cublas, served = built(twin, row["bf16_source"], candidate_params(row["bf16_candidate"]))
         timed["bf16"] = (cublas, bf16_sets)
         if served is not None:
             timed["bf16_served"] = (served, bf16_sets)

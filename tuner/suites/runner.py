@@ -25,6 +25,7 @@ from rich.table import Table
 
 from tuner.cache import Store
 from tuner.candidates import registry
+from tuner.candidates.base import Params, Runner
 from tuner.core.device import fingerprint
 from tuner.core.keys import Key
 from tuner.core.progress import progress_bar
@@ -93,16 +94,24 @@ def in_turn(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def built(key: Key, source: str, params: Params) -> tuple[Runner, Runner | None]:
+    """torch's runner for ``key`` (its baseline) and the winner's; None where the winner is
+    that baseline itself."""
+    base = registry.baseline(key.op, key)
+    win = None if base.chose_itself(source, params) else registry.get(source).build(key, params)
+    return base.build(key, base.baseline_params), win
+
+
 def side_by_side(
     key: Key, winner: Winner, device: str, *, rounds: int = 3, budget_s: float = 0.1
 ) -> tuple[float, float]:
     """Median times (us) of the baseline and the winner, measured in turn on the same inputs,
     in the launch mode the winner was chosen for (GPU times inside CUDA graphs for ``graph``)."""
-    base_src = registry.baseline(key.op, key)
+    base, win = built(key, winner.source, winner.params)
     sets = samples.input_sets(key, device, seed=1)
-    runners: dict[str, Timed] = {"baseline": (base_src.build(key, base_src.baseline_params), sets)}
-    if not base_src.chose_itself(winner.source, winner.params):
-        runners["winner"] = (registry.get(winner.source).build(key, winner.params), sets)
+    runners: dict[str, Timed] = {"baseline": (base, sets)}
+    if win is not None:
+        runners["winner"] = (win, sets)
     graph = winner.launch == "graph" and device == "cuda"
     t = in_turn(runners, device, graph=graph, rounds=rounds, budget_s=budget_s)
     return t["baseline"], t.get("winner", t["baseline"])
