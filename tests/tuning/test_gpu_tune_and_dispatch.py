@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from planted import PlantedGemm
@@ -77,6 +79,25 @@ def test_graph_time_subtracts_its_fence():
     one_kernel = timing.graph_time(lambda i: x.add_(1))
     assert 0.0 <= nothing.median_us < one_kernel.median_us
     assert timing.graph_time(lambda i: x.add_(1), fenced=False).median_us > 0
+
+
+def test_queued_samples_are_gpu_time_however_slow_the_host():
+    """A call whose host side outlasts its kernel is charged the host's time when each sample is
+    taken as it comes, and only its kernel's when the calls are queued behind a held GPU (how
+    graph replays are timed)."""
+    x = torch.zeros(1, device="cuda")
+
+    def slow_host(i: int) -> None:
+        until = time.perf_counter() + 30e-6
+        while time.perf_counter() < until:
+            pass
+        x.add_(1)
+
+    # a hundred calls: their launches and events fit the launch queue while the GPU is held
+    as_it_comes = timing.measure(slow_host, device="cuda", max_reps=100)
+    queued = timing.measure(slow_host, device="cuda", max_reps=100, queued=True)
+    assert as_it_comes.median_us >= 25.0
+    assert queued.median_us < as_it_comes.median_us / 2
 
 
 def test_a_steady_gpu_bound_call_is_timed_with_few_samples():

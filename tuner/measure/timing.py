@@ -33,6 +33,8 @@ WARMUP = 3  # untimed calls before the clock starts (measure_sets: at least one 
 STEADY_US = 100.0  # calls this long are GPU-bound: launch jitter is a small share of them
 STEADY_REPS = 20  # samples enough for such a call's median
 LATE_REPS = 30  # timed calls before the late cut-off is applied
+HOLD_US_PER_CALL = 50.0  # GPU held per queued call: several times a graph launch's host cost
+HOLD_CYCLES_PER_US = 2000  # at least the SM clock in MHz: a held GPU spins no shorter than asked
 
 
 @dataclass(frozen=True)
@@ -88,10 +90,16 @@ def _percentile(sorted_xs: list[float], q: float) -> float:
 
 
 class _Clock:
-    """Per-call durations in microseconds: CUDA events on the GPU, perf_counter on the CPU."""
+    """Per-call durations in microseconds: CUDA events on the GPU, perf_counter on the CPU.
 
-    def __init__(self, device: str) -> None:
+    ``queued``: a spin kernel holds the GPU while the host queues the timed calls, so that each
+    sample is GPU time alone. A call quicker on the GPU than its launch on the host (a graph of
+    tiny kernels, the graph timer's fence) would otherwise be charged the host's gaps, and a
+    loaded host (a compile pool at work) would inflate it further."""
+
+    def __init__(self, device: str, queued: bool = False) -> None:
         self.cuda = device == "cuda"
+        self.queued = queued and self.cuda
 
     def run(self, fn: Callable[[int], Any], start: int, n: int) -> list[float]:
         if not self.cuda:
@@ -104,6 +112,8 @@ class _Clock:
         begin = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         end = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         stream = torch.cuda.current_stream()  # looked up once: per record it costs microseconds
+        if self.queued:
+            torch.cuda._sleep(int(n * HOLD_US_PER_CALL * HOLD_CYCLES_PER_US))
         for j in range(n):
             begin[j].record(stream)
             fn(start + j)
@@ -138,15 +148,17 @@ def measure(
     max_reps: int = 500,
     cutoff_us: float | None = None,
     late_cutoff_us: float | None = None,
+    queued: bool = False,
 ) -> Timing:
     """Time ``fn(i)`` (which runs the candidate on input set ``i``) per the rules above.
 
     ``cutoff_us``: after the probe, stop if its median exceeds this (the caller passes a multiple
     of the best median so far); the Timing then has ``cut=True`` and only the probe's numbers.
     ``late_cutoff_us`` (tighter): the same after the first ``LATE_REPS`` timed calls, where
-    the budget allows at least twice as many.
+    the budget allows at least twice as many. ``queued``: samples are GPU time alone (see
+    ``_Clock``), not what an eager caller waits for.
     """
-    clock = _Clock(device)
+    clock = _Clock(device, queued)
     for i in range(warmup):
         fn(i)
     clock.sync()
@@ -229,6 +241,8 @@ def graph_time(
     with torch.cuda.graph(graph, stream=side):
         for i in range(calls):
             fn(i)
-    t = measure(lambda i: graph.replay(), device="cuda", budget_s=budget_s, max_reps=30)
+    t = measure(
+        lambda i: graph.replay(), device="cuda", budget_s=budget_s, max_reps=30, queued=True
+    )
     return Timing(t.median_us / calls, t.p10_us / calls, t.p90_us / calls, t.reps,
                   t.host_us / calls)  # fmt: skip
