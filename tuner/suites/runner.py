@@ -102,6 +102,12 @@ def built(key: Key, source: str, params: Params) -> tuple[Runner, Runner | None]
     return base.build(key, base.baseline_params), win
 
 
+def tuned_times(key: Key, winner: Winner, device: str) -> tuple[float, float]:
+    """The baseline's and the winner's times as the tuning confirmed them (``Winner``), for
+    rows timed again side by side later: no second timing of the same pair."""
+    return winner.baseline_us, winner.median_us
+
+
 def side_by_side(
     key: Key, winner: Winner, device: str, *, rounds: int = 3, budget_s: float = 0.1
 ) -> tuple[float, float]:
@@ -128,15 +134,19 @@ def run_suite(
     store: Store | None = None,
     tuner: Callable[[Key, TuneOptions], TuneOutcome] | None = None,
     plot: bool = True,
+    times: Callable[[Key, Winner, str], tuple[float, float]] | None = None,
 ) -> dict[str, Any]:
     """Tune and measure every (label, key); write ``<name>.json`` and ``<name>.png`` into out_dir.
 
     ``tuner`` replaces ``engine.tune`` (e.g. a crash-isolating worker); ``store`` keeps every
     measurement and winner (the tuned cache that comes back with the results); ``plot=False``
-    leaves the PNG to a suite that draws its own.
+    leaves the PNG to a suite that draws its own; ``times(key, winner, device)`` gives a row's
+    baseline and winner times (default ``side_by_side``; ``tuned_times`` for a suite that times
+    its rows again once all are tuned).
     """
     options = options or TuneOptions()
     run_tuner = tuner or (lambda key, opts: tune(key, options=opts))
+    row_times = times or side_by_side
     device = current_device()
     fp = fingerprint(device)
     if store is not None:
@@ -158,7 +168,7 @@ def run_suite(
             tune_s = time.perf_counter() - started
             if store is not None:
                 store.save_run(outcome.measurements, outcome.winner)
-            base_us, win_us = side_by_side(key, outcome.winner, device)
+            base_us, win_us = row_times(key, outcome.winner, device)
             row = Row(
                 label,
                 str(key),
