@@ -25,6 +25,8 @@ unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False
   loop; where runs meet, each stores its scaled fp32 partial in the plane of its rank and the
   tile's last program to arrive sums them in rank order (``splitk_arrival``, the run
   bookkeeping of ``w4a16.w4a16_stream_k``).
+- Either decode kernel with ``pdl`` (Hopper): launched with programmatic dependent launch, so
+  that its launch overlaps the end of the kernel before it (``_after_previous``).
 - ``fp8_persistent_tma`` (Hopper): one program per SM walks the tiles; A and B move through TMA
   descriptors made on the device, which zero-fill the K tail and out-of-range rows. TMA needs
   16-byte aligned bases and row strides (K % 16 == 0 for fp8).
@@ -46,6 +48,7 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.base import interpreting
+from tuner.candidates.triton_decode import pdl_problem
 from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
 from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA
@@ -56,6 +59,7 @@ from tuner.quant.fp8 import FP8_DTYPES, check_scales
 
 Config = dict[str, Any]
 KERNELS = ("tiled", "stream_k", "persistent_tma")
+DECODE_KERNELS = ("tiled", "stream_k")  # the kernels that take ``pdl``
 MIN_CAPABILITY = (8, 9)
 TMA_CAPABILITY = (9, 0)
 REDUCE_BLOCK = 1024
@@ -74,16 +78,27 @@ def _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE: tl.constexpr):
 
 
 @triton.jit
+def _after_previous(PDL: tl.constexpr):
+    """``PDL`` (programmatic dependent launch, Hopper): the grid is launched while the kernel
+    before it on the stream finishes; every program waits for that kernel's writes before its
+    first load (any operand may be its output), then lets the next kernel launch and wait."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def fp8_tiled(
     a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, M, N, K, lda, ldb, ldo, k_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
-    REDUCE_HERE: tl.constexpr, INTERLEAVE: tl.constexpr,
+    REDUCE_HERE: tl.constexpr, INTERLEAVE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One output tile per program; split-K partials summed by the tile's last program when
     ``REDUCE_HERE``, else by a ``splitk_reduce`` launch. ``INTERLEAVE``: split s takes the K
     steps s, s + SPLIT_K, ... (not a contiguous range), so that a tile's splits, running
-    together, read adjacent steps of the same rows."""
+    together, read adjacent steps of the same rows. ``PDL``: see ``_after_previous``."""
+    _after_previous(PDL)
     pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -127,12 +142,13 @@ def fp8_stream_k(
     a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, M, N, K, lda, ldb, ldo, steps,
     units, programs, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
-    MAX_PARTS: tl.constexpr, REDUCE_HERE: tl.constexpr,
+    MAX_PARTS: tl.constexpr, REDUCE_HERE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Decode (M <= BM, one row of tiles): program p runs units [p U / P, (p + 1) U / P) of
     the ``units`` = tiles x ``steps`` (tile, BK step) units, tile-major. ``REDUCE_HERE`` false
     (a CUDA graph captured before the arrival counts exist): every tile's partial goes to the
-    workspace, for a ``splitk_reduce`` launch."""
+    workspace, for a ``splitk_reduce`` launch. ``PDL``: see ``_after_previous``."""
+    _after_previous(PDL)
     p = tl.program_id(0)
     lo = (p.to(tl.int64) * units // programs).to(tl.int32)
     hi = ((p + 1).to(tl.int64) * units // programs).to(tl.int32)
@@ -308,6 +324,15 @@ def _launches(
                    PROMOTE=min(bk, PROMOTE_EVERY) if precise else None)  # fmt: skip
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     kernel = config.get("kernel")
+    pdl = config.get("pdl", False)
+    if pdl not in (True, False):
+        raise ValueError(f"config['pdl']={pdl!r}: allowed True, False")
+    if pdl and kernel not in DECODE_KERNELS:
+        raise ValueError(f"config['pdl']=True: decode kernels only ({', '.join(DECODE_KERNELS)})")
+    if pdl and (why := pdl_problem()):
+        raise ValueError(f"config['pdl']=True: {why}")
+    if kernel in DECODE_KERNELS:
+        options.update(PDL=pdl, **({"launch_pdl": True} if pdl else {}))  # a launch option too
     if kernel == "persistent_tma":
         why = tma_unsupported(device, {"a": (lda, a.data_ptr()), "b": (ldb, b.data_ptr())})
         if why:

@@ -1,0 +1,201 @@
+"""FP8 rowwise decode (M <= 16): a grid of split-K tiles beside the shortlist and a bare read.
+
+    python bench/fp8_decode_sweep.py --out fp8_decode_sweep.json --proj down qwen_down --m 1 16
+
+Picks the decode shortlist of ``fp8.configs`` from measurements rather than guesses: every
+config of ``GRID`` (``--grid``) or of the shortlist itself (``--shortlist``) on the same rotated
+weights (``lowbit_kernels``' projections and rotation), CUDA-graph GPU time per call, in grid
+order and then in reverse (a drift over the run shows as a gap between the two passes), and
+each config's output against a float32 GEMM on the dequantized operands ("excess" <= 1
+passes). All kernels are compiled first in worker processes (``launch.warm``), so the timing
+process compiles nothing; ``--precompile-only`` stops there (warming Triton's cache for a later
+``lowbit_kernels`` run of the shortlist). A config that cannot run a shape is recorded with its
+error. The JSON is rewritten after every projection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from typing import Any
+
+import torch
+import triton
+
+from bench.lowbit_kernels import PROJECTIONS, copies, nbytes, rotate, time_us
+from tuner.candidates.triton_decode import pdl_problem
+from tuner.candidates.triton_kernels import fp8 as fp8_kernels
+from tuner.candidates.triton_kernels.launch import warm
+from tuner.candidates.triton_kernels.stream_read import read_all, sums_for
+from tuner.measure import timing
+from tuner.quant import fp8
+from tuner.quant.tolerance import FP8_TENSOR_CORE_ACCUMULATE, excess, gemm_tolerance
+
+WIDE_N = 16384  # from here on a projection takes one split per tile (enough tiles for a wave)
+# (bn, bk, splits, interleaved, warps, stages, PDL) of the tiled kernel; splits apply below
+# WIDE_N, PDL where the GPU has it. The first three without PDL: the shortlist before it.
+GRID = [
+    (64, 256, 4, True, 4, 4, False), (32, 512, 2, True, 4, 4, False),
+    (16, 1024, 1, False, 4, 3, False),
+    (64, 256, 4, True, 4, 4, True), (64, 256, 4, False, 4, 4, True), (32, 512, 2, True, 4, 4, True),
+    (64, 256, 4, True, 4, 3, True), (64, 256, 4, True, 4, 5, True), (64, 256, 4, True, 4, 6, True),
+    (64, 256, 4, True, 8, 4, True), (64, 256, 4, True, 8, 5, True), (64, 256, 8, True, 4, 3, True),
+    (16, 1024, 1, False, 4, 3, True), (16, 1024, 1, False, 4, 4, True),
+    (16, 1024, 1, False, 8, 3, True), (16, 512, 1, False, 4, 4, True),
+    (16, 512, 1, False, 4, 6, True), (16, 512, 2, True, 4, 4, True), (16, 256, 4, True, 4, 4, True),
+    (32, 512, 1, False, 4, 4, True), (32, 512, 1, False, 4, 6, True),
+    (32, 1024, 1, False, 4, 3, True), (32, 512, 4, True, 4, 3, True), (32, 256, 4, True, 4, 4, True),
+    (64, 128, 8, True, 4, 4, True), (64, 512, 2, True, 4, 3, True), (64, 512, 4, True, 4, 3, True),
+    (128, 256, 8, True, 4, 3, True), (128, 256, 8, True, 8, 3, True),
+    (128, 256, 4, True, 8, 3, True),
+]  # fmt: skip
+
+
+def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
+    """``GRID`` as configs for N (one split each on wide N), then the shortlist's others."""
+    pdl_here = pdl_problem() is None
+    out: list[dict[str, Any]] = []
+    for bn, bk, split, interleave, warps, stages, pdl in GRID:
+        split = 1 if n >= WIDE_N else split
+        cfg = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "split_k": split, "group_m": 1,
+               "warps": warps, "stages": stages}  # fmt: skip
+        if split > 1 and interleave:
+            cfg["interleave"] = True
+        if pdl and pdl_here:
+            cfg["pdl"] = True
+        if cfg not in out:
+            out.append(cfg)
+    return out + [c for c in fp8_kernels.configs(m, n, k) if c not in out]
+
+
+def precompile(shapes: list[tuple[int, int, int]], which: str, scales: list[str]) -> None:
+    """Compile every config's kernels for every shape and scaling in worker processes."""
+    jobs = []
+    for m, n, k in shapes:
+        for cfg in candidates(m, n, k, which):
+            for scale in scales:
+                try:
+                    jobs += fp8_kernels.jobs(m, n, k, cfg, rowwise=scale == "row", precise=False)
+                except ValueError:
+                    continue  # recorded with its error when timed
+    report = warm(jobs)
+    print(f"precompiled {report.compiled} of {report.requested} fp8 kernels in "
+          f"{report.seconds:.1f} s; errors: {report.errors[:3]}", flush=True)  # fmt: skip
+
+
+def candidates(m: int, n: int, k: int, which: str) -> list[dict[str, Any]]:
+    return fp8_kernels.configs(m, n, k) if which == "shortlist" else grid_configs(m, n, k)
+
+
+def sweep(name: str, ms: list[int], which: str, copy_gbs: float) -> list[dict[str, Any]]:
+    n, k = PROJECTIONS[name]
+    w8, s8 = fp8.quantize_rowwise(torch.randn(n, k, device="cuda") * 0.02)
+    sets = rotate(copies(w8, s8), w8, s8)
+    rows: list[dict[str, Any]] = []
+    for m in ms:
+        rows += sweep_m(name, m, sets, which, copy_gbs)
+    return rows
+
+
+def sweep_m(
+    name: str, m: int, sets: list[tuple[torch.Tensor, ...]], which: str, copy_gbs: float
+) -> list[dict[str, Any]]:
+    """The bare read, then every config at one M: checked, then timed in two passes."""
+    w8, s8 = sets[0]
+    (n, k), sums = w8.shape, sums_for(w8)
+    x8, sx8 = fp8.quantize_rowwise(torch.randn(m, k, device="cuda"))
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    moved = nbytes(w8, s8, x8, sx8, out)
+    da, db = fp8.dequantize(x8, sx8), fp8.dequantize(w8, s8)
+    ref = da @ db.T
+    tol = gemm_tolerance(da, db, ref, operand_unit=0.0,
+                         accumulate_unit=FP8_TENSOR_CORE_ACCUMULATE, out_dtype=out.dtype)  # fmt: skip
+    del da, db
+    base = {"proj": name, "n": n, "k": k, "m": m}
+    read = time_us(lambda i: read_all(sets[i % len(sets)][0], sums), m, 0.0)
+    rows = [{**base, "impl": "read_fp8", **read, "bytes": nbytes(w8),
+             "pct_copy": pct(nbytes(w8), read["us"], copy_gbs)}]  # fmt: skip
+    timed: list[dict[str, Any]] = []
+    for cfg in candidates(m, n, k, which):
+        row = {**base, "impl": "fp8_rowwise", "config": cfg, "bytes": moved}
+        try:
+            row["excess"] = round(excess(fp8_kernels.fp8_matmul(x8, w8, sx8, s8, cfg), ref, tol), 3)
+        except Exception as e:  # a config that cannot run this shape is a finding
+            row["error"] = repr(e)[-300:]
+            print(f"{name:9s} m={m:2d} {cfg} FAILED {e!r}"[:300], flush=True)
+            rows.append(row)
+            continue
+        timed.append(row)
+
+    def call(cfg: dict[str, Any]) -> Any:
+        return lambda i: fp8_kernels.fp8_matmul(x8, sets[i % len(sets)][0], sx8,
+                                                sets[i % len(sets)][1], cfg, out=out)  # fmt: skip
+
+    for rnd, order in enumerate((timed, timed[::-1])):
+        for row in order:
+            row[f"us_{rnd}"] = time_us(call(row["config"]), m, 0.0)["us"]
+    for row in timed:
+        row["us"] = round((row["us_0"] + row["us_1"]) / 2, 2)
+        row["pct_copy"] = pct(moved, row["us"], copy_gbs)
+    for i, row in enumerate(sorted(timed, key=lambda r: r["us"])):
+        row["rank"] = i
+        print(f"{name:9s} m={m:2d} {row['us']:7.2f} us {row['pct_copy']:5.1f}% "
+              f"({row['us_0']:.2f}/{row['us_1']:.2f}) x{row['excess']:.2f} {label(row['config'])}",
+              flush=True)  # fmt: skip
+    print(f"{name:9s} m={m:2d} read {read['us']:.2f} us {rows[0]['pct_copy']}%", flush=True)
+    return rows + timed
+
+
+def pct(moved: int, us: float, copy_gbs: float) -> float:
+    return round(100 * moved / (us * 1e-6) / (copy_gbs * 1e9), 1)
+
+
+def label(cfg: dict[str, Any]) -> str:
+    if cfg["kernel"] == "stream_k":
+        pdl = " pdl" if cfg.get("pdl") else ""
+        return f"stream {cfg['bn']}x{cfg['bk']} w{cfg['warps']} s{cfg['stages']} @{cfg['programs']}{pdl}"
+    il = "i" if cfg.get("interleave") else ""
+    pdl = " pdl" if cfg.get("pdl") else ""
+    return (f"tiled {cfg['bn']}x{cfg['bk']} split {cfg.get('split_k', 1)}{il} w{cfg['warps']} "
+            f"s{cfg['stages']}{pdl}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--proj", nargs="*", default=["down", "qwen_down"], choices=list(PROJECTIONS))
+    ap.add_argument("--m", nargs="*", type=int, default=[1, 16])
+    ap.add_argument("--shortlist", action="store_true", help="fp8.configs instead of GRID")
+    ap.add_argument("--precompile-only", action="store_true")
+    ap.add_argument("--scales", nargs="*", default=["row"], choices=["row", "tensor"],
+                    help="scalings to precompile (the sweep times rowwise)")  # fmt: skip
+    args = ap.parse_args()
+    if any(not 1 <= m <= 16 for m in args.m):
+        raise ValueError(f"--m {args.m}: decode sizes only, 1 .. 16")
+    which = "shortlist" if args.shortlist else "grid"
+    shapes = [(m, *PROJECTIONS[p]) for p in args.proj for m in args.m]
+    precompile(shapes, which, args.scales)
+    if args.precompile_only:
+        return
+    torch.manual_seed(0)
+    copy_gbs = timing.copy_bandwidth_gbs("cuda")
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "cuda": torch.version.cuda,
+        "python": platform.python_version(), "copy_gbs": round(copy_gbs, 1), "configs": which,
+        "rows": [],
+    }  # fmt: skip
+    print(f"{result['device']}: copy {copy_gbs:.0f} GB/s", flush=True)
+    t0 = time.time()
+    for name in args.proj:
+        result["rows"] += sweep(name, args.m, which, copy_gbs)
+        result["seconds"] = round(time.time() - t0, 1)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
