@@ -9,6 +9,7 @@ Per projection (N x K) and M, side by side in one process, bf16 activations:
 - **bf16**: ``torch.matmul(x, w.T)`` (cuBLAS), the reference speed;
 - **int4pack_mm**: ``aten._weight_int4pack_mm`` (group 128, inner k tiles 8);
 - **w4a16**: our kernel, every config of ``w4a16.configs`` (best first in the row, all listed);
+- **w4a16_extra**: configs outside the shortlist (``--extra``, per projection), timed beside it;
 - **bf16_triton** (M > 16): the tuner's bf16 Triton tiled GEMM with the best w4a16 config's
   tile, warps and stages: how much of the prefill gap to bf16 is the dequantization;
 - **scaled_mm_rowwise / scaled_mm_tensorwise**: ``torch._scaled_mm`` on e4m3 operands;
@@ -80,11 +81,21 @@ def nbytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def precompile_int4(projections: list[str], ms: tuple[int, ...]) -> None:
+def int4_configs(m: int, n: int, k: int, extra: list[dict]) -> list[tuple[str, dict]]:
+    """(impl, config) of every W4A16 config timed on a row: the shortlist, then ``extra``."""
+    shortlist = w4a16.configs(m, n, k, GROUP)
+    return [("w4a16", c) for c in shortlist] + [
+        ("w4a16_extra", c) for c in extra if c not in shortlist
+    ]
+
+
+def precompile_int4(projections: list[str], ms: tuple[int, ...],
+                    extra: dict[str, list[dict]]) -> None:  # fmt: skip
     """Compile every W4A16 config the run will time, in parallel worker processes, before any
     timing (the first call then loads each kernel from Triton's cache)."""
-    shapes = [(m, *PROJECTIONS[name]) for name in projections for m in ms]
-    report = warm([job for m, n, k in shapes for cfg in w4a16.configs(m, n, k, GROUP)
+    shapes = [(name, m, *PROJECTIONS[name]) for name in projections for m in ms]
+    report = warm([job for name, m, n, k in shapes
+                   for _, cfg in int4_configs(m, n, k, extra.get(name, []))
                    for job in w4a16.checked_plan(m, n, k, GROUP, cfg).jobs(torch.bfloat16)])  # fmt: skip
     print(f"precompiled {report.compiled} of {report.requested} w4a16 kernels in "
           f"{report.seconds:.1f} s; errors: {report.errors[:3]}", flush=True)  # fmt: skip
@@ -102,8 +113,8 @@ def bf16_same_tile(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dic
 
 
 def bench_projection(name: str, n: int, k: int, ms: tuple[int, ...], copy_gbs: float,
-                     budget_s: float, formats: tuple[str, ...],
-                     profile: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+                     budget_s: float, formats: tuple[str, ...], profile: bool = False,
+                     extra: list[dict] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     rows: list[dict[str, Any]] = []
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     q, sz = int4.quantize(w, GROUP)
@@ -149,18 +160,20 @@ def bench_projection(name: str, n: int, k: int, ms: tuple[int, ...], copy_gbs: f
         row(m, "int4pack_mm", lambda i: torch.ops.aten._weight_int4pack_mm(
             x, t4[i % len(t4)][0], GROUP, t4[i % len(t4)][1]), nbytes(packed, sz) + io16)  # fmt: skip
         ours = []
-        for cfg in w4a16.configs(m, n, k, GROUP):
+        for impl, cfg in int4_configs(m, n, k, extra or []):
             try:
-                ours.append(row(m, "w4a16", lambda i, c=cfg: w4a16.w4a16_matmul(
+                ours.append(row(m, impl, lambda i, c=cfg: w4a16.w4a16_matmul(
                     x, i4[i % len(i4)][0], i4[i % len(i4)][1], GROUP, c, out=out),
                     nbytes(packed, sz) + io16, config=cfg))  # fmt: skip
             except Exception as e:  # one config's failure is a finding, not the end of the sweep
-                rows.append({"proj": name, "n": n, "k": k, "m": m, "impl": "w4a16",
+                rows.append({"proj": name, "n": n, "k": k, "m": m, "impl": impl,
                              "config": cfg, "error": repr(e)[-500:]})  # fmt: skip
-                print(f"{name:8s} m={m:5d} w4a16 {cfg} FAILED {e!r}"[:300], flush=True)
+                print(f"{name:8s} m={m:5d} {impl} {cfg} FAILED {e!r}"[:300], flush=True)
         if profile:
             return
-        best = min(ours, key=lambda r: r["us"])
+        for extra_row in (r for r in ours if r["impl"] == "w4a16_extra"):
+            extra_row["speedup_vs_bf16"] = round(base["us"] / extra_row["us"], 3)
+        best = min((r for r in ours if r["impl"] == "w4a16"), key=lambda r: r["us"])
         best["best"] = True
         best["speedup_vs_bf16"] = round(base["us"] / best["us"], 3)
         wd = int4.dequantize(int4.unpack(packed), sz, GROUP)
@@ -230,13 +243,27 @@ def profiled(name: str, m: int, impl: str, fn: Callable[[int], Any], extra: dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--proj", nargs="*", default=list(PROJECTIONS), choices=list(PROJECTIONS))
+    ap.add_argument("--proj", nargs="*", help=f"default: all of {list(PROJECTIONS)} and --shape's")
     ap.add_argument("--m", nargs="*", type=int, default=list(MS))
     ap.add_argument("--budget", type=float, default=0.05, help="seconds per event-timed point")
     ap.add_argument("--formats", nargs="*", default=["int4", "fp8"], choices=["int4", "fp8"])
     ap.add_argument("--profile", action="store_true",
                     help="no timing: each kernel once in an NVTX range 'profile', for ncu")  # fmt: skip
+    ap.add_argument("--shape", nargs="*", default=[], metavar="NAME=N,K",
+                    help="more projections (timed when --proj names them, or by default)")  # fmt: skip
+    ap.add_argument("--extra", type=json.loads, default={},
+                    help='W4A16 configs beside the shortlist, JSON {"proj": [config, ...]}')  # fmt: skip
     args = ap.parse_args()
+    for spec in args.shape:
+        name, _, dims = spec.partition("=")
+        n_k = dims.split(",")
+        if not name or len(n_k) != 2 or not all(d.isdigit() for d in n_k):
+            ap.error(f"--shape {spec!r}: expected NAME=N,K with integers N and K")
+        PROJECTIONS[name] = (int(n_k[0]), int(n_k[1]))
+    args.proj = args.proj or list(PROJECTIONS)
+    for name in [*args.proj, *args.extra]:
+        if name not in PROJECTIONS:
+            ap.error(f"projection {name!r}: allowed {sorted(PROJECTIONS)} (or add it with --shape)")
     torch.manual_seed(0)
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
     result: dict[str, Any] = {
@@ -247,11 +274,12 @@ def main() -> None:
     print(f"{result['device']}: copy {copy_gbs:.0f} GB/s", flush=True)
     t0 = time.time()
     if "int4" in args.formats:
-        precompile_int4(args.proj, tuple(args.m))
+        precompile_int4(args.proj, tuple(args.m), args.extra)
     for name in args.proj:
         n, k = PROJECTIONS[name]
         result["rows"] += bench_projection(name, n, k, tuple(args.m), copy_gbs, args.budget,
-                                           tuple(args.formats), args.profile)  # fmt: skip
+                                           tuple(args.formats), args.profile,
+                                           args.extra.get(name, []))  # fmt: skip
         result["seconds"] = round(time.time() - t0, 1)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -139,40 +139,48 @@ def _weight_tile(w_ptr, sz_ptr, n0, k0, N, half, dtype: tl.constexpr, BN: tl.con
 @triton.jit
 def _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, n0, k0, N, half, BN: tl.constexpr, BK: tl.constexpr,
           DOTS: tl.constexpr, GROUP: tl.constexpr, RAGGED: tl.constexpr,
-          INTERPRET: tl.constexpr):  # fmt: skip
+          STEP_SUM: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     """``acc`` [BN, BM] plus the ``DOTS`` dots of weight rows from ``n0`` and x's rows at K
-    offset ``k0`` (one step of DOTS * BK; BK is one chunk)."""
+    offset ``k0`` (one step of DOTS * BK; BK is one chunk). ``STEP_SUM``: the step's dots start
+    from zero and their sum is added to ``acc`` after them, so that no wgmma's accumulator is
+    carried around the loop (which makes ptxas serialize a 64-row tile's wgmmas, C7515)."""
+    part = tl.zeros_like(acc) if STEP_SUM else acc
     for d in tl.static_range(DOTS):
         xt = tl.load(x_ptrs + k0 + d * BK, mask=mask_m, other=0.0)
         w = _weight_tile(w_ptr, sz_ptr, n0, k0 + d * BK, N, half, xt.dtype, BN, GROUP, RAGGED,
                          INTERPRET)  # fmt: skip
         if INTERPRET:  # the interpreter's bf16 dot is wrong: the same sums in fp32
-            acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc)
+            part = tl.dot(w, tl.trans(xt.to(tl.float32)), part)
         else:
-            acc = tl.dot(w, tl.trans(xt), acc)
-    return acc
+            part = tl.dot(w, tl.trans(xt), part)
+    if STEP_SUM:
+        part += acc
+    return part
 
 
 @triton.jit
 def w4a16_tiled(
-    x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, counts_ptr, M, N, half, ldx, ldo, k_split,
+    x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, counts_ptr, M, N, half, ldx, ldo, steps,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOTS: tl.constexpr,
     GROUP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-    REDUCE_HERE: tl.constexpr, RAGGED: tl.constexpr, INTERPRET: tl.constexpr,
+    REDUCE_HERE: tl.constexpr, RAGGED: tl.constexpr, STEP_SUM: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Tensor cores on out.T = W x.T, ``DOTS`` [BN, BK] weight tiles per iteration; split-K
-    partials summed by the tile's last program when ``REDUCE_HERE``."""
+    """Tensor cores on out.T = W x.T, ``DOTS`` [BN, BK] weight tiles per iteration; K's
+    ``steps`` of DOTS * BK cut into ``SPLIT_K`` runs of whole steps (their lengths differ by one
+    at most), whose partials the tile's last program sums when ``REDUCE_HERE``."""
     tile = tl.program_id(0)
     pid_m, pid_n = tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    k_lo = tl.program_id(1) * k_split
+    k_lo = tl.program_id(1) * steps // SPLIT_K * (DOTS * BK)
+    k_hi = (tl.program_id(1) + 1) * steps // SPLIT_K * (DOTS * BK)
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * ldx + tl.arange(0, BK)[None, :]
     mask_m = rm[:, None] < M
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + k_split, DOTS * BK):
+    for k0 in range(k_lo, k_hi, DOTS * BK):
         acc = _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, pid_n * BN, k0, N, half, BN, BK, DOTS,
-                    GROUP, RAGGED, INTERPRET)  # fmt: skip
+                    GROUP, RAGGED, STEP_SUM, INTERPRET)  # fmt: skip
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     out_ptrs = out_ptr + rm[None, :].to(tl.int64) * ldo + rn[:, None]
     if SPLIT_K == 1:  # stored as [BM, BN]: with the [BN, BM] tile as is, ptxas (Triton 3.6)
@@ -193,7 +201,7 @@ def w4a16_stream_k(
     x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, counts_ptr, M, N, half, ldx, ldo, steps, units,
     programs, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOTS: tl.constexpr,
     GROUP: tl.constexpr, MAX_PARTS: tl.constexpr, REDUCE_HERE: tl.constexpr,
-    RAGGED: tl.constexpr, INTERPRET: tl.constexpr,
+    RAGGED: tl.constexpr, STEP_SUM: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Decode (M <= BM, one row of tiles): the ``units`` = tiles x ``steps`` (tile, K step)
     units, tile-major, cut into ``programs`` contiguous runs of whole steps, one per program, in
@@ -214,7 +222,7 @@ def w4a16_stream_k(
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for u in range(lo, hi):
         acc = _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, tile * BN, kk * (DOTS * BK), N, half, BN,
-                    BK, DOTS, GROUP, RAGGED, INTERPRET)  # fmt: skip
+                    BK, DOTS, GROUP, RAGGED, STEP_SUM, INTERPRET)  # fmt: skip
         last_step = kk == steps - 1
         flush = last_step | (u == hi - 1)
         if flush:
@@ -282,15 +290,19 @@ def check_config(config: Config, m: int, n: int, k: int, group_size: int) -> Non
                          f"(the weight's tile-major blocks of rows)")  # fmt: skip
     if dots not in (1, 2, 4):
         raise ValueError(f"config['dots']={dots}: allowed 1, 2, 4")
-    if kernel == "tiled":
-        split = config.get("split_k", 1)
-        if split < 1 or k % (bk * dots * split):
-            raise ValueError(f"config['split_k']={split}: K={k} must split into whole "
-                             f"bk * dots = {bk * dots} steps")  # fmt: skip
-        return
+    step_sum = config.get("step_sum", False)
+    if not isinstance(step_sum, bool) or (step_sum and dots == 1):
+        raise ValueError(f"config['step_sum']={step_sum!r}: allowed True (with 2 or 4 dots a step, "
+                         f"config['dots']={dots}) or False")  # fmt: skip
     if k % (bk * dots):
         raise ValueError(f"config['bk']={bk}, config['dots']={dots}: K={k} must be whole steps "
                          f"of bk * dots")  # fmt: skip
+    if kernel == "tiled":
+        split, steps = config.get("split_k", 1), k // (bk * dots)
+        if not isinstance(split, int) or not 1 <= split <= steps:
+            raise ValueError(f"config['split_k']={split!r}: allowed 1 .. {steps}, the bk * dots = "
+                             f"{bk * dots} steps of K={k}")  # fmt: skip
+        return
     if m > config["bm"]:
         raise ValueError(f"config['kernel']='stream_k': one row of tiles only, M={m} > "
                          f"config['bm']={config['bm']}")  # fmt: skip
@@ -344,10 +356,11 @@ class Plan:
         bm, bn, bk, dots = config["bm"], config["bn"], config["bk"], config.get("dots", 1)
         self.tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         meta = dict(BM=bm, BN=bn, BK=bk, DOTS=dots, GROUP=group_size, RAGGED=n % BLOCK_ROWS > 0,
-                    INTERPRET=interpreting())  # fmt: skip
+                    STEP_SUM=config.get("step_sum", False), INTERPRET=interpreting())  # fmt: skip
         self.stream = config["kernel"] == "stream_k"
+        steps = k // (bk * dots)
         if self.stream:
-            steps, programs = k // (bk * dots), config["programs"]
+            programs = config["programs"]
             units = self.tiles * steps
             self.kernel, self.grid = w4a16_stream_k, (programs,)
             self.parts = most_parts(self.tiles, steps, programs)
@@ -357,7 +370,7 @@ class Plan:
             self.parts = config.get("split_k", 1)
             self.kernel, self.grid = w4a16_tiled, (self.tiles, self.parts)
             self.meta = {**meta, "SPLIT_K": self.parts, "GROUP_M": config.get("group_m", 8)}
-            self.tail = (k // self.parts,)
+            self.tail = (steps,)
         self.warps_stages = dict(
             num_warps=config.get("warps", 4), num_stages=config.get("stages", 2)
         )
@@ -429,12 +442,11 @@ class Plan:
         )
 
 
-def _splits(tiles: int, k: int, step: int, sms: int, waves: float, fit: bool = False) -> int:
+def _splits(tiles: int, k: int, step: int, sms: int, waves: float) -> int:
     """Enough K splits that ``tiles`` output tiles cover the SMs ``waves`` times; each split
-    whole ``step``s of K. ``fit``: never more CTAs than that (all resident at once)."""
+    whole ``step``s of K."""
     split = 1
-    while (tiles * split < waves * sms and k % (step * split * 2) == 0 and split < 16
-           and (not fit or tiles * split * 2 <= waves * sms)):  # fmt: skip
+    while tiles * split < waves * sms and k % (step * split * 2) == 0 and split < 16:
         split *= 2
     return split
 
@@ -445,13 +457,14 @@ def _dots(k: int, most: int) -> int:
 
 
 # Decode (M <= 16, one 16-row activation tile), split-K: (bn, warps, stages, most dots a step,
-# CTAs per SM), with as many K splits as keep every CTA resident at once (``fit``): the weight
-# streams at the rate of the bytes in flight, and a second wave or an idle slot loses that
-# rate. Shared memory sets the CTAs per SM: x's [16, 128] tiles take a buffer per stage, the
-# weight's one fewer (64 rows x 3 stages x 2 dots: 42 KB, 5 per SM; one dot: 21 KB, 10 per SM).
-# 128 rows on 8 warps: 2 per SM (registers). ptxas (Triton 3.6) serializes the wgmmas (C7515)
-# of 64 rows on 4 warps; the shortlist keeps both.
-DECODE_TILES = ((64, 4, 3, 2, 5), (64, 4, 3, 1, 10), (64, 4, 4, 1, 7), (128, 8, 3, 2, 2))
+# CTAs per SM, step_sum), with as many K splits as keep every CTA resident at once: the weight
+# streams at the rate of the bytes in flight, and a second wave or an idle slot loses that rate.
+# Shared memory sets the CTAs per SM: x's [16, 128] tiles take a buffer per stage, the weight's
+# one fewer (64 rows x 3 stages x 2 dots: 42 KB, 5 per SM; one dot: 21 KB, 10 per SM). 128 rows
+# on 8 warps: 2 per SM (registers). ptxas (Triton 3.6) serializes the wgmmas (C7515) of 64 rows
+# on 4 warps unless each step sums apart (``step_sum``: 2 dots or more).
+DECODE_TILES = ((64, 4, 3, 2, 5, False), (64, 4, 3, 2, 5, True), (64, 4, 3, 1, 10, False),
+                (64, 4, 4, 1, 7, False), (128, 8, 3, 2, 2, False))  # fmt: skip
 # Decode, stream-K: (bn, warps, stages, programs per SM, most dots a step), one wave of
 # programs: for K that splits poorly (Qwen's down, 148 chunks) and too few tiles to fill the
 # SMs otherwise.
@@ -466,11 +479,16 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
     """Configs worth timing for an (M, N, K) problem, the likeliest first."""
     out: list[Config] = []
     if m <= 16:
-        for bn, warps, stages, most, per_sm in DECODE_TILES:
+        for bn, warps, stages, most, per_sm, step_sum in DECODE_TILES:
             dots = _dots(k, most)
-            split = _splits(triton.cdiv(n, bn), k, CHUNK * dots, sms, per_sm, fit=True)
+            if step_sum and dots == 1:
+                continue
+            # the most splits (runs of whole steps) whose CTAs are all resident at once
+            split = max(1, min(k // (CHUNK * dots), per_sm * sms // triton.cdiv(n, bn)))
             config = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
                       "split_k": split, "group_m": 1, "warps": warps, "stages": stages}  # fmt: skip
+            if step_sum:
+                config["step_sum"] = True
             if config not in out:
                 out.append(config)
         for bn, warps, stages, per_sm, most in STREAM_TILES:
