@@ -43,10 +43,13 @@ from tuner.suites.lowbit import bf16_twin, problems
 from tuner.suites.runner import Timed, in_turn
 
 FORMAT = "int4-g128"
-# Triton tiled tiles swept (bm activation rows, bn weight rows, warps, stages, dots) at K splits
-# 1, 2, 4, and stream-K tiles (bm, bn, warps, stages, programs per SM), which take M <= bm only
-SWEEP_TILED = ((128, 64, 4, 3, 1), (64, 64, 4, 3, 1), (64, 64, 4, 4, 1), (256, 64, 8, 2, 1),
-               (128, 64, 8, 3, 1), (256, 128, 8, 2, 1), (128, 64, 8, 2, 2))  # fmt: skip
+# Triton tiled tiles swept (bm activation rows, bn weight rows, warps, stages, dots, step_sum)
+# at K splits 1, 2, 4, and stream-K tiles (bm, bn, warps, stages, programs per SM), which take
+# M <= bm only
+SWEEP_TILED = ((128, 64, 4, 3, 1, False), (64, 64, 4, 3, 1, False), (64, 64, 4, 4, 1, False),
+               (256, 64, 8, 2, 1, False), (128, 64, 8, 3, 1, False), (256, 128, 8, 2, 1, False),
+               (128, 64, 8, 2, 2, False), (64, 64, 4, 2, 2, True), (128, 64, 4, 2, 2, True),
+               (64, 128, 8, 3, 2, True))  # fmt: skip
 SWEEP_SPLITS = (1, 2, 4)
 SWEEP_STREAM = ((256, 64, 8, 2, 1), (256, 128, 8, 2, 1))
 # CUTLASS mixed-input kernels the generator lists beside the shortlists' (tile, cluster, kernel,
@@ -61,11 +64,12 @@ NARROW_FIRST = ("qkv", "o", "down", "gate_up")
 
 def sweep_triton(key: GemmKey, sms: int) -> list[Params]:
     out: list[Params] = []
-    for bm, bn, warps, stages, dots in SWEEP_TILED:
+    for bm, bn, warps, stages, dots, step_sum in SWEEP_TILED:
         for split in SWEEP_SPLITS:
             if key.k % (w4a16.CHUNK * dots * split) == 0:
-                out.append({"kernel": "tiled", "bm": bm, "bn": bn, "bk": w4a16.CHUNK, "dots": dots,
-                            "split_k": split, "group_m": 8, "warps": warps, "stages": stages})  # fmt: skip
+                config = {"kernel": "tiled", "bm": bm, "bn": bn, "bk": w4a16.CHUNK, "dots": dots,
+                          "split_k": split, "group_m": 8, "warps": warps, "stages": stages}  # fmt: skip
+                out.append({**config, "step_sum": True} if step_sum else config)
     for bm, bn, warps, stages, per_sm in SWEEP_STREAM:
         units = triton.cdiv(key.n, bn) * (key.k // w4a16.CHUNK)
         if key.m <= bm:
