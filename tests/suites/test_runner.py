@@ -85,3 +85,17 @@ def test_summary_counts_rows_slower_than_the_floor() -> None:
     assert summary["geomean"] == pytest.approx((2.0 * 1.0 * 100 / 104) ** (1 / 3))
     assert summary["slower_than_0.98"] == 1
     assert (summary["median_tune_s"], summary["total_tune_s"]) == (2.0, 7.0)
+
+
+def test_in_turn_reverses_the_order_every_other_round() -> None:
+    """No runner is always timed first: a GPU heating over a round would favour it."""
+    seen: list[str] = []
+
+    def call(name: str):
+        return lambda: seen.append(name)
+
+    timed = {name: (call(name), [()]) for name in ("a", "b", "c")}
+    times = runner.in_turn(timed, "cpu", graph=False, rounds=2, budget_s=0.001)
+    assert set(times) == {"a", "b", "c"}
+    turns = [name for i, name in enumerate(seen) if i == 0 or seen[i - 1] != name]
+    assert turns == ["a", "b", "c", "b", "a"]  # c, last of round one, opens round two

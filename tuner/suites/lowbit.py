@@ -298,8 +298,8 @@ def row_times(device: str) -> Callable[[Key, Winner, str], tuple[float, float]]:
     return tuned_times if device == "cuda" else side_by_side
 
 
-SIDE_BY_SIDE_ROUNDS = 3  # eager rows: rounds of the four runners timed in turn
-SIDE_BY_SIDE_BUDGET_S = 0.05  # timing budget of each runner in a round
+SIDE_BY_SIDE_ROUNDS = 4  # eager rows: rounds of the four runners timed in turn, even: as many
+SIDE_BY_SIDE_BUDGET_S = 0.04  # in reverse order as in order; each runner's budget in a round
 
 
 def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:

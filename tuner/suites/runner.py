@@ -67,17 +67,20 @@ def in_turn(
     device: str,
     *,
     graph: bool,
-    rounds: int = 3,
-    budget_s: float = 0.1,
+    rounds: int = 4,
+    budget_s: float = 0.075,
     on_error: Callable[[str, Exception], None] | None = None,
 ) -> dict[str, float]:
     """Median times (us) of each runner over ``rounds`` rounds that time the runners in turn,
     each on its own input sets, so that all are measured under the same load: GPU times inside
-    CUDA graphs (``graph``), else eager times. ``on_error(name, e)``: a runner that raises is
-    dropped and reported there; without it the error propagates."""
+    CUDA graphs (``graph``), else eager times. Every other round takes them in reverse order: a
+    GPU that heats over a round of long compute-bound calls lowers its clock, and a fixed order
+    would favour the runners timed first. ``on_error(name, e)``: a runner that raises is dropped
+    and reported there; without it the error propagates."""
     times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name in list(times):
+    for round_ in range(rounds):
+        order = list(times)
+        for name in order if round_ % 2 == 0 else reversed(order):
             runner, sets = runners[name]
             try:
                 if graph:
@@ -109,7 +112,7 @@ def tuned_times(key: Key, winner: Winner, device: str) -> tuple[float, float]:
 
 
 def side_by_side(
-    key: Key, winner: Winner, device: str, *, rounds: int = 3, budget_s: float = 0.1
+    key: Key, winner: Winner, device: str, *, rounds: int = 4, budget_s: float = 0.075
 ) -> tuple[float, float]:
     """Median times (us) of the baseline and the winner, measured in turn on the same inputs,
     in the launch mode the winner was chosen for (GPU times inside CUDA graphs for ``graph``)."""

@@ -265,9 +265,11 @@ class _Trial:
     def confirm(
         self, base: Measurement, challenger: Measurement, options: TuneOptions
     ) -> tuple[Measurement, float, float]:
-        """Re-time baseline and challenger alternately on the same inputs. The challenger keeps
-        the win only if it still beats the baseline by the margin: one lucky measurement (clock
-        drift, a quiet moment) must not make a winner that is slower in use.
+        """Re-time baseline and challenger alternately on the same inputs, every other round
+        challenger first (a GPU heating over long calls lowers its clock: a fixed order would
+        favour one). The challenger keeps the win only if it still beats the baseline by the
+        margin: one lucky measurement (clock drift, a quiet moment) must not make a winner that
+        is slower in use.
 
         On the GPU both are also timed in a CUDA graph (GPU time alone, ``timing.graph_time``):
         with ``launch="graph"`` that is the time compared; eagerly the challenger must in addition
@@ -287,8 +289,8 @@ class _Trial:
         }
         times: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         hosts: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
-        for _ in range(options.confirm_rounds):
-            for m in (base, challenger):
+        for round_ in range(options.confirm_rounds):
+            for m in (base, challenger) if round_ % 2 == 0 else (challenger, base):
                 runner = runners[m.candidate]
                 t = timing.measure_sets(
                     runner,
