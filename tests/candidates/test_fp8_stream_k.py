@@ -18,9 +18,9 @@ from tuner.quant.tolerance import excess
 
 STREAM = {"kernel": "stream_k", "bm": 16, "bn": 16, "bk": 32, "programs": 4}
 INTERLEAVED = {"kernel": "tiled", "bm": 16, "bn": 16, "bk": 32, "split_k": 3, "interleave": True}
-# (N, K, interleaved split-K offered): Llama and Qwen down, gate_up, Llama o
+# (N, K, narrow): Llama and Qwen down, gate_up, Llama o and qkv
 DECODE_SHAPES = [(4096, 14336, True), (3584, 18944, True), (28672, 4096, False),
-                 (37888, 3584, False), (4096, 4096, True)]  # fmt: skip
+                 (37888, 3584, False), (4096, 4096, True), (6144, 4096, True)]  # fmt: skip
 
 # (m, rowwise, fa, fb, k, config) on n = 40
 CASES = [
@@ -76,19 +76,24 @@ def test_fp8_stream_k_bad_configs_name_the_field() -> None:
         fp8_kernels.fp8_matmul(a, b, sa, sb, {**tiled, "interleave": "yes"})
 
 
-@pytest.mark.parametrize(("n", "k", "interleaved"), DECODE_SHAPES)
-def test_fp8_decode_configs_build_for_every_decode_shape(n: int, k: int, interleaved: bool) -> None:
-    """Each decode shortlist offers split-K and stream-K configs, and interleaved split-K where
-    one wave of programs needs several splits (the down projections, not the wide gate_up);
-    every config builds its launches (``jobs``) for both scalings."""
-    for m in (1, 16):
+@pytest.mark.parametrize(("n", "k", "narrow"), DECODE_SHAPES)
+def test_fp8_decode_configs_build_for_every_decode_shape(n: int, k: int, narrow: bool) -> None:
+    """Narrow N (the down projections, o, qkv) is led by interleaved split-K filling one wave,
+    wide N (gate_up) takes one split per tile; the one-program-per-SM tile only where its
+    programs fit one wave and M > 1; no config twice; every config builds its launches
+    (``jobs``) for both scalings."""
+    for m in (1, 2, 16):
         configs = fp8_kernels.configs(m, n, k)
-        kinds = {(c["kernel"], c.get("interleave", False)) for c in configs}
-        expected = {("tiled", False), ("stream_k", False)}
-        if interleaved:
-            expected.add(("tiled", True))
-        assert kinds == expected
-        assert configs[0].get("interleave", False) == interleaved  # the likeliest first
+        assert configs and all(c["kernel"] == "tiled" for c in configs)
+        assert len({tuple(sorted(c.items())) for c in configs}) == len(configs)
+        first = configs[0]
+        if narrow:
+            assert first["interleave"] and first["split_k"] > 1
+            assert first["split_k"] * -(-n // first["bn"]) <= 2 * 132  # one wave, two per SM
+        else:
+            assert all(c["split_k"] == 1 for c in configs)
+        deep = [c for c in configs if c["split_k"] == 1 and c["stages"] == 6]
+        assert bool(deep) == (narrow and m > 1 and -(-n // 32) <= 132)
         for config in configs:
             for rowwise in (True, False):
                 assert fp8_kernels.jobs(m, n, k, config, rowwise=rowwise, precise=False)
@@ -100,16 +105,14 @@ def test_fp8_decode_configs_build_for_every_decode_shape(n: int, k: int, interle
 @pytest.mark.gpu
 @pytest.mark.parametrize(("m", "rowwise"), [(1, True), (16, False)])
 def test_fp8_decode_kernels_every_config_on_a_down_projection(m: int, rowwise: bool) -> None:
-    """N = 1000 (a ragged last tile) and Llama's down K: each stream-K and interleaved split-K
-    config of the shortlist within the tolerance in both accumulation modes, and bit for bit
+    """N = 1000 (a ragged last tile) and Llama's down K: each config of the decode shortlist and
+    a one-wave stream-K config within the tolerance in both accumulation modes, and bit for bit
     the same on a second call."""
     n, k = 1000, 14336
     a, b, sa, sb, ref, tol = fp8_problem(m, n, k, rowwise)
     sb = sb.T if rowwise else sb
-    configs = [c for c in fp8_kernels.configs(m, n, k)
-               if c["kernel"] == "stream_k" or c.get("interleave")]  # fmt: skip
-    assert configs
-    for config in configs:
+    stream = {"kernel": "stream_k", "bm": 16, "bn": 64, "bk": 256, "programs": 132, "stages": 3}
+    for config in [*fp8_kernels.configs(m, n, k), stream]:
         for precise in (False, True):
             out = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=precise)
             assert excess(out, ref, tol) <= 1, (config, precise)

@@ -17,7 +17,7 @@ unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False
   writing its *scaled* fp32 partial (scaling is linear), summed in split order by the tile's
   last program (``splitk_arrival``: no second launch in a decode step), or by the tiled
   family's ``splitk_reduce`` while a CUDA graph is captured before the counts exist.
-- ``fp8_stream_k`` (decode, M <= BM): ``programs`` programs (one wave in the shortlist) over
+- ``fp8_stream_k`` (decode, M <= BM; not in the shortlist): ``programs`` programs over
   the (tile, K step) units, tile-major, each a contiguous run in one flat loop (the copies run
   on across a tile boundary), so neither the output tiles nor K's divisors set the grid. It
   computes out.T = b a.T: the weight's [BN, BK] tile is the dot's first operand (64 rows fill a
@@ -25,8 +25,6 @@ unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False
   loop; where runs meet, each stores its scaled fp32 partial in the plane of its rank and the
   tile's last program to arrive sums them in rank order (``splitk_arrival``, the run
   bookkeeping of ``w4a16.w4a16_stream_k``).
-- Either decode kernel with ``pdl`` (Hopper): launched with programmatic dependent launch, so
-  that its launch overlaps the end of the kernel before it (``_after_previous``).
 - ``fp8_persistent_tma`` (Hopper): one program per SM walks the tiles; A and B move through TMA
   descriptors made on the device, which zero-fill the K tail and out-of-range rows. TMA needs
   16-byte aligned bases and row strides (K % 16 == 0 for fp8).
@@ -48,7 +46,6 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.base import interpreting
-from tuner.candidates.triton_decode import pdl_problem
 from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
 from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA
@@ -59,7 +56,6 @@ from tuner.quant.fp8 import FP8_DTYPES, check_scales
 
 Config = dict[str, Any]
 KERNELS = ("tiled", "stream_k", "persistent_tma")
-DECODE_KERNELS = ("tiled", "stream_k")  # the kernels that take ``pdl``
 MIN_CAPABILITY = (8, 9)
 TMA_CAPABILITY = (9, 0)
 REDUCE_BLOCK = 1024
@@ -78,27 +74,16 @@ def _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE: tl.constexpr):
 
 
 @triton.jit
-def _after_previous(PDL: tl.constexpr):
-    """``PDL`` (programmatic dependent launch, Hopper): the grid is launched while the kernel
-    before it on the stream finishes; every program waits for that kernel's writes before its
-    first load (any operand may be its output), then lets the next kernel launch and wait."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def fp8_tiled(
     a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, M, N, K, lda, ldb, ldo, k_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
-    REDUCE_HERE: tl.constexpr, INTERLEAVE: tl.constexpr, PDL: tl.constexpr,
+    REDUCE_HERE: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):  # fmt: skip
     """One output tile per program; split-K partials summed by the tile's last program when
     ``REDUCE_HERE``, else by a ``splitk_reduce`` launch. ``INTERLEAVE``: split s takes the K
     steps s, s + SPLIT_K, ... (not a contiguous range), so that a tile's splits, running
-    together, read adjacent steps of the same rows. ``PDL``: see ``_after_previous``."""
-    _after_previous(PDL)
+    together, read adjacent steps of the same rows."""
     pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -142,13 +127,12 @@ def fp8_stream_k(
     a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, M, N, K, lda, ldb, ldo, steps,
     units, programs, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
-    MAX_PARTS: tl.constexpr, REDUCE_HERE: tl.constexpr, PDL: tl.constexpr,
+    MAX_PARTS: tl.constexpr, REDUCE_HERE: tl.constexpr,
 ):  # fmt: skip
     """Decode (M <= BM, one row of tiles): program p runs units [p U / P, (p + 1) U / P) of
     the ``units`` = tiles x ``steps`` (tile, BK step) units, tile-major. ``REDUCE_HERE`` false
     (a CUDA graph captured before the arrival counts exist): every tile's partial goes to the
-    workspace, for a ``splitk_reduce`` launch. ``PDL``: see ``_after_previous``."""
-    _after_previous(PDL)
+    workspace, for a ``splitk_reduce`` launch."""
     p = tl.program_id(0)
     lo = (p.to(tl.int64) * units // programs).to(tl.int32)
     hi = ((p + 1).to(tl.int64) * units // programs).to(tl.int32)
@@ -324,15 +308,6 @@ def _launches(
                    PROMOTE=min(bk, PROMOTE_EVERY) if precise else None)  # fmt: skip
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     kernel = config.get("kernel")
-    pdl = config.get("pdl", False)
-    if pdl not in (True, False):
-        raise ValueError(f"config['pdl']={pdl!r}: allowed True, False")
-    if pdl and kernel not in DECODE_KERNELS:
-        raise ValueError(f"config['pdl']=True: decode kernels only ({', '.join(DECODE_KERNELS)})")
-    if pdl and (why := pdl_problem()):
-        raise ValueError(f"config['pdl']=True: {why}")
-    if kernel in DECODE_KERNELS:
-        options.update(PDL=pdl, **({"launch_pdl": True} if pdl else {}))  # a launch option too
     if kernel == "persistent_tma":
         why = tma_unsupported(device, {"a": (lda, a.data_ptr()), "b": (ldb, b.data_ptr())})
         if why:
@@ -477,41 +452,52 @@ def jobs(
     return [launch.job() for launch in launches]
 
 
-# Decode, split-K tiles: (bn, bk, interleaved). Each tile with the splits that make two waves
-# of programs (two fit on an SM) and one wave; a tile marked interleaved takes the one-wave
-# splits interleaved (split s: K steps s, s + S, ...), so that a tile's splits, running
-# together, read adjacent steps of the same rows.
-DECODE_TILES = ((64, 256, True), (128, 128, False), (32, 512, True))
-# Decode, stream-K in one wave: (bn, bk, warps, stages, programs per SM). 64 weight rows fill
-# one warpgroup's wgmma; bk sets how many contiguous bytes of each row a step reads.
-STREAM_TILES = ((64, 512, 4, 3, 1), (64, 256, 4, 3, 3))
+# Decode (M <= 16), tiled kernel: the tiles that won a row of the H100 grid bench
+# (``bench/fp8_decode_sweep.py``; stream-K ran 3-10 points behind them on every decode row).
+# N narrower than two waves of 64-row tiles (two programs per SM): (bn, bk, stages, splits):
+# "wave", the most splits whose programs fit one wave, interleaved (a tile's splits, running
+# together, read adjacent steps of the same rows); "per_sm", one split at one program per SM
+# (a deep pipeline), offered where N / bn programs fit one wave of them and M > 1 (Triton's
+# M = 1 specialization ran it at 63-68% of copy); "fill", one split where N / bn programs fill
+# a wave of one per SM alone.
+NARROW_TILES = ((64, 256, 4, "wave"), (32, 512, 6, "per_sm"), (32, 512, 4, "fill"))
+# N that fills two waves of 64-row tiles: one split each, (bn, bk, stages).
+WIDE_TILES = ((64, 256, 3), (64, 256, 4))
+
+
+def _wave_splits(tiles: int, k: int, bk: int, sms: int) -> int:
+    """The most splits (a power of two up to 16, each at least 4 ``bk`` steps) whose ``tiles``
+    x splits programs fit one wave at two per SM."""
+    split = 1
+    while tiles * split * 2 <= 2 * sms and k >= bk * split * 4 and split < 16 \
+            and split_fits(k, bk, split * 2):  # fmt: skip
+        split *= 2
+    return split
+
+
+def decode_configs(m: int, n: int, k: int, sms: int = 132) -> list[Config]:
+    """``configs`` for M <= 16."""
+    tile = {"kernel": "tiled", "bm": 16, "group_m": 1, "warps": 4}
+    if triton.cdiv(n, 64) >= 2 * sms:
+        return [
+            {**tile, "bn": bn, "bk": bk, "stages": st, "split_k": 1} for bn, bk, st in WIDE_TILES
+        ]
+    out: list[Config] = []
+    for bn, bk, stages, splits in NARROW_TILES:
+        tiles = triton.cdiv(n, bn)
+        if (splits == "per_sm" and (tiles > sms or m == 1)) or (splits == "fill" and tiles <= sms):
+            continue
+        split = _wave_splits(tiles, k, bk, sms) if splits == "wave" else 1
+        interleave = {"interleave": True} if split > 1 else {}
+        out.append({**tile, "bn": bn, "bk": bk, "stages": stages, "split_k": split, **interleave})
+    return out
 
 
 def configs(m: int, n: int, k: int, sms: int = 132, out_bytes: int = 2) -> list[Config]:
     """Configs worth timing for an (M, N, K) problem, the likeliest first. ``out_bytes``: the
     output's element size (the persistent kernel stages its output tile in shared memory)."""
     if m <= 16:
-        interleaved, contiguous = [], []
-        for bn, bk, interleave in DECODE_TILES:
-            tiles, split = triton.cdiv(n, bn), 1
-            while tiles * split < 2 * sms and k >= bk * split * 4 and split < 16 \
-                    and split_fits(k, bk, split * 2):  # fmt: skip
-                split *= 2
-            one_wave = split // 2 if tiles * split > 2 * sms and split > 1 else split
-            tile = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "group_m": 1, "warps": 4,
-                    "stages": 4}  # fmt: skip
-            splits = dict.fromkeys((split, one_wave))
-            if interleave and one_wave > 1:
-                interleaved.append({**tile, "split_k": one_wave, "interleave": True})
-                del splits[one_wave]
-            contiguous += [{**tile, "split_k": s} for s in splits]
-        stream = []
-        for bn, bk, warps, stages, per_sm in STREAM_TILES:
-            units = triton.cdiv(n, bn) * triton.cdiv(k, bk)
-            stream.append({"kernel": "stream_k", "bm": 16, "bn": bn, "bk": bk,
-                           "programs": min(units, per_sm * sms), "warps": warps,
-                           "stages": stages})  # fmt: skip
-        return interleaved + contiguous + stream
+        return decode_configs(m, n, k, sms)
     if m <= 256:
         shortlist = [
             {"kernel": "tiled", "bm": 64, "bn": 128, "bk": 128, "group_m": 8, "warps": 4, "stages": 4},
