@@ -39,6 +39,11 @@ pack() {
   ( cd "$OUT" && find . -type f ! -name bundle.tar.gz | tar -czf /tmp/bundle.tar.gz -T - ) && mv /tmp/bundle.tar.gz "$OUT/bundle.tar.gz"
 }
 status=0
+# SM clock, power, temperature and throttle reasons every 200 ms while the stages run: the time of
+# a compute-bound call moves with the clock, and this says what the clock was
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+  --format=csv -lms 200 > "$OUT/clocks.csv" 2>/dev/null &
+clock_log=$!
 for stage in "$@"; do
   echo "=== stage $stage ==="
   case "$stage" in
@@ -114,4 +119,6 @@ for stage in "$@"; do
   esac
   pack
 done
+kill "$clock_log" 2>/dev/null
+pack
 exit $status
