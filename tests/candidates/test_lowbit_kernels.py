@@ -53,6 +53,8 @@ W4_CASES = [
     # K's 5 steps in 3 runs of 1, 2 and 2 steps; each step's dots summed apart
     (3, {**TILED, "split_k": 3}, 64, torch.float16, 1280),
     (16, {**TILED, "split_k": 3, "step_sum": True}, 128, torch.bfloat16, 1280),
+    # the last split waits for the others' partials
+    (5, {**TILED, "split_k": 3, "step_sum": True, "split_wait": True}, 64, torch.bfloat16, 1280),
     # stream-K, n = 40 in two tiles: 6 steps each cut into 5 runs (3 programs per tile), ...
     (1, STREAM, 64, torch.bfloat16, 768),
     # ... 2 steps each in 3 runs (tile 0 in two, tile 1 whole), ...
@@ -90,7 +92,8 @@ def test_w4a16_reads_every_tile_major_block(n: int, config) -> None:
 
 
 @pytest.mark.parametrize("config", [TILED, ONE_DOT_SPLIT, {**STREAM, "bn": 16, "programs": 3},
-                                    {**TILED, "step_sum": True}])  # fmt: skip
+                                    {**TILED, "step_sum": True},
+                                    {**ONE_DOT_SPLIT, "split_wait": True}])  # fmt: skip
 def test_w4a16_planted_errors_are_caught(config) -> None:
     """Nibbles in the wrong order, the scales of the neighbouring group, one K tile dropped."""
     g = 32
@@ -173,6 +176,9 @@ def test_w4a16_bad_inputs_name_the_field() -> None:
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "split_k": 2})
     for bad in ({**TILED, "dots": 1, "step_sum": True}, {**TILED, "step_sum": 1}):
         with pytest.raises(ValueError, match="config\\['step_sum'\\]"):
+            w4a16.w4a16_matmul(x, w, sz, 32, bad)
+    for bad in ({**STREAM, "split_wait": True}, {**TILED, "split_wait": "yes"}):
+        with pytest.raises(ValueError, match="config\\['split_wait'\\]"):
             w4a16.w4a16_matmul(x, w, sz, 32, bad)
     with pytest.raises(ValueError, match="config\\['dots'\\]"):
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "dots": 3})
@@ -271,11 +277,21 @@ def test_w4a16_every_config_on_the_gpu(m: int, n: int, g: int) -> None:
 
 
 # n = 512, K = 4096: 4 tiles of 128 rows, 16 steps each; 3 stream-K programs store tile 0
-# whole and meet in tiles 1-3; 5 splits: runs of 3 and 4 steps
+# whole and meet in tiles 1-3; 5 splits: runs of 3 and 4 steps (summed by the last to arrive,
+# or by the last split once the others arrived)
 GPU_CONFIGS = [
     {**TILED, "bn": 128, "warps": 8, "stages": 3},
     {**TILED, "bn": 128, "warps": 8, "stages": 3, "split_k": 4},
     {**TILED, "bn": 64, "warps": 4, "stages": 3, "split_k": 5, "step_sum": True},
+    {
+        **TILED,
+        "bn": 64,
+        "warps": 4,
+        "stages": 3,
+        "split_k": 5,
+        "step_sum": True,
+        "split_wait": True,
+    },
     {**STREAM, "bn": 128, "dots": 2, "programs": 3, "warps": 8, "stages": 4},
 ]
 

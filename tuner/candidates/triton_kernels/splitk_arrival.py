@@ -35,6 +35,33 @@ def reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, parts,
         tl.atomic_xchg(counts_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit
+def arrive(counts_ptr, tile):
+    """Call after storing this program's partial: count it in its tile's arrivals, released (the
+    partial is visible before the count), without waiting for the count."""
+    tl.debug_barrier()  # every thread's partial is written before the count goes up
+    tl.atomic_add(counts_ptr + tile, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def sum_when_arrived(ws_ptr, counts_ptr, tile, acc, part, plane, mask, out_ptrs,
+                     PARTS: tl.constexpr):  # fmt: skip
+    """The program of a tile's last split, whose own partial is ``acc``: wait until the other
+    ``PARTS - 1`` have ``arrive``d (rank r's partial at ``ws_ptr + r * plane + part``), store the
+    sum in split order (the same sum, bit for bit, as ``reduce_if_last``) and zero the count.
+    Its partial never makes the round trip through memory, and it waits for one count instead of
+    bumping it. Only for the program launched after the tile's others (the highest linear block
+    index among them): those are then running or done, so the wait cannot deadlock."""
+    while tl.atomic_add(counts_ptr + tile, 0, sem="acquire", scope="gpu") < PARTS - 1:
+        pass
+    total = tl.load(ws_ptr + part, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, PARTS - 1):
+        total += tl.load(ws_ptr + s * plane + part, mask=mask, other=0.0, cache_modifier=".cg")
+    total += acc
+    tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+    tl.atomic_xchg(counts_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
 class ArrivalCounts:
     """Zeroed int32 counts, one per output tile, per device. One instance per kernel family, so
     that two families' launches never share a count."""

@@ -40,7 +40,12 @@ import triton.language as tl
 
 from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, verify_direct
-from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts, reduce_if_last
+from tuner.candidates.triton_kernels.splitk_arrival import (
+    ArrivalCounts,
+    arrive,
+    reduce_if_last,
+    sum_when_arrived,
+)
 from tuner.candidates.triton_kernels.stream_k import most_parts, owner_of, reduce_shared_tiles
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.int4 import BLOCK_ROWS, CHUNK, check_group_size, check_scales_and_zeros
@@ -164,11 +169,12 @@ def w4a16_tiled(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOTS: tl.constexpr,
     GROUP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     REDUCE_HERE: tl.constexpr, RAGGED: tl.constexpr, STEP_SUM: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    SPLIT_WAIT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Tensor cores on out.T = W x.T, ``DOTS`` [BN, BK] weight tiles per iteration; K's
     ``steps`` of DOTS * BK cut into ``SPLIT_K`` runs of whole steps (their lengths differ by one
-    at most), whose partials the tile's last program sums when ``REDUCE_HERE``."""
+    at most), whose partials, when ``REDUCE_HERE``, the tile's last program to arrive sums, or
+    (``SPLIT_WAIT``) the program of its last split once the others have arrived."""
     tile = tl.program_id(0)
     pid_m, pid_n = tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -190,10 +196,18 @@ def w4a16_tiled(
     else:
         part = rm[None, :].to(tl.int64) * N + rn[:, None]
         plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
-        tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
-        if REDUCE_HERE:
-            reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K,
-                           SPLIT_K)  # fmt: skip
+        if REDUCE_HERE and SPLIT_WAIT:  # grid (tiles, SPLIT_K): split SPLIT_K - 1 launches last
+            if tl.program_id(1) == SPLIT_K - 1:
+                sum_when_arrived(ws_ptr, counts_ptr, tile, acc, part, plane, mask, out_ptrs,
+                                 SPLIT_K)  # fmt: skip
+            else:
+                tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
+                arrive(counts_ptr, tile)
+        else:
+            tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
+            if REDUCE_HERE:
+                reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K,
+                               SPLIT_K)  # fmt: skip
 
 
 @triton.jit
@@ -297,6 +311,10 @@ def check_config(config: Config, m: int, n: int, k: int, group_size: int) -> Non
     if k % (bk * dots):
         raise ValueError(f"config['bk']={bk}, config['dots']={dots}: K={k} must be whole steps "
                          f"of bk * dots")  # fmt: skip
+    split_wait = config.get("split_wait", False)
+    if not isinstance(split_wait, bool) or (split_wait and kernel != "tiled"):
+        raise ValueError(f"config['split_wait']={split_wait!r}: allowed True (kernel 'tiled') "
+                         f"or False")  # fmt: skip
     if kernel == "tiled":
         split, steps = config.get("split_k", 1), k // (bk * dots)
         if not isinstance(split, int) or not 1 <= split <= steps:
@@ -369,7 +387,8 @@ class Plan:
         else:
             self.parts = config.get("split_k", 1)
             self.kernel, self.grid = w4a16_tiled, (self.tiles, self.parts)
-            self.meta = {**meta, "SPLIT_K": self.parts, "GROUP_M": config.get("group_m", 8)}
+            self.meta = {**meta, "SPLIT_K": self.parts, "GROUP_M": config.get("group_m", 8),
+                         "SPLIT_WAIT": config.get("split_wait", False)}  # fmt: skip
             self.tail = (steps,)
         self.warps_stages = dict(
             num_warps=config.get("warps", 4), num_stages=config.get("stages", 2)
@@ -451,24 +470,34 @@ def _splits(tiles: int, k: int, step: int, sms: int, waves: float) -> int:
     return split
 
 
+def _resident_splits(tiles: int, steps: int, per_sm: int, sms: int) -> int:
+    """K splits for ``tiles`` output tiles of ``steps`` steps each, their CTAs all resident at
+    once (``per_sm`` per SM): the fewest step-times per SM, taking the longest run (splits differ
+    by one step at most) times the CTAs per SM, and no fewer than 4 of them, below which the
+    weight streams slower than the bytes in flight allow; the most splits among equals."""
+    fits = range(1, max(1, min(steps, per_sm * sms // tiles)) + 1)
+    knee = min(per_sm, 4) * sms
+    return min(fits, key=lambda p: (-(-steps // p) * max(tiles * p, knee), -p))
+
+
 def _dots(k: int, most: int) -> int:
     """The most dots per step, up to ``most``, whose steps cut K whole."""
     return next(d for d in (4, 2, 1) if d <= most and k % (d * CHUNK) == 0)
 
 
 # Decode (M <= 16, one 16-row activation tile), split-K: (bn, warps, stages, most dots a step,
-# CTAs per SM, step_sum), with as many K splits as keep every CTA resident at once: the weight
-# streams at the rate of the bytes in flight, and a second wave or an idle slot loses that rate.
-# Shared memory sets the CTAs per SM: x's [16, 128] tiles take a buffer per stage, the weight's
-# one fewer (64 rows x 3 stages x 2 dots: 42 KB, 5 per SM; one dot: 21 KB, 10 per SM). 128 rows
-# on 8 warps: 2 per SM (registers). ptxas (Triton 3.6) serializes the wgmmas (C7515) of 64 rows
-# on 4 warps unless each step sums apart (``step_sum``: 2 dots or more).
-DECODE_TILES = ((64, 4, 3, 2, 5, False), (64, 4, 3, 2, 5, True), (64, 4, 3, 1, 10, False),
-                (64, 4, 4, 1, 7, False), (128, 8, 3, 2, 2, False))  # fmt: skip
+# CTAs per SM, more config keys), split by ``_resident_splits``: the weight streams at the rate
+# of the bytes in flight, and a second wave or an idle slot loses that rate. Shared memory and
+# registers set the CTAs per SM: x's [16, 128] tiles take a buffer per stage, the weight's one
+# fewer (64 rows x 3 stages x 2 dots: 42 KB and ~96 registers with ``step_sum``, 5 per SM); 128
+# rows on 8 warps: 2 per SM (registers). ptxas (Triton 3.6) serializes the wgmmas (C7515) of 64
+# rows on 4 warps unless each step sums apart (``step_sum``, dropped where a step is one dot).
+DECODE_TILES = ((64, 4, 3, 2, 5, {"step_sum": True}),
+                (64, 4, 3, 2, 5, {"step_sum": True, "split_wait": True}),
+                (128, 8, 3, 2, 2, {}))  # fmt: skip
 # Decode, stream-K: (bn, warps, stages, programs per SM, most dots a step), one wave of
-# programs: for K that splits poorly (Qwen's down, 148 chunks) and too few tiles to fill the
-# SMs otherwise.
-STREAM_TILES = ((128, 4, 3, 2, 2), (64, 4, 4, 3, 2))
+# programs: any K and few tiles still make one even wave.
+STREAM_TILES = ((64, 4, 4, 3, 2),)
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
 # dot, x's [bm, 128] tiles dominating shared memory. 8 warps: on 4, most of these serialize.
 PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 128, 8, 2, 2), (64, 128, 8, 3, 1),
@@ -479,16 +508,14 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
     """Configs worth timing for an (M, N, K) problem, the likeliest first."""
     out: list[Config] = []
     if m <= 16:
-        for bn, warps, stages, most, per_sm, step_sum in DECODE_TILES:
+        for bn, warps, stages, most, per_sm, keys in DECODE_TILES:
             dots = _dots(k, most)
-            if step_sum and dots == 1:
-                continue
-            # the most splits (runs of whole steps) whose CTAs are all resident at once
-            split = max(1, min(k // (CHUNK * dots), per_sm * sms // triton.cdiv(n, bn)))
+            tiles = triton.cdiv(n, bn)
+            split = _resident_splits(tiles, k // (CHUNK * dots), per_sm, sms)
             config = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
                       "split_k": split, "group_m": 1, "warps": warps, "stages": stages}  # fmt: skip
-            if step_sum:
-                config["step_sum"] = True
+            config |= {key: on for key, on in keys.items()
+                       if (key != "step_sum" or dots > 1) and (key != "split_wait" or split > 1)}  # fmt: skip
             if config not in out:
                 out.append(config)
         for bn, warps, stages, per_sm, most in STREAM_TILES:
