@@ -78,23 +78,33 @@ def test_fp8_stream_k_bad_configs_name_the_field() -> None:
 
 @pytest.mark.parametrize(("n", "k", "narrow"), DECODE_SHAPES)
 def test_fp8_decode_configs_build_for_every_decode_shape(n: int, k: int, narrow: bool) -> None:
-    """Narrow N (the down projections, o, qkv) is led by interleaved split-K filling one wave,
-    wide N (gate_up) takes one split per tile; the one-program-per-SM tile only where its
-    programs fit one wave and M > 1; no config twice; every config builds its launches
-    (``jobs``) for both scalings."""
+    """Narrow N (the down projections, o, qkv) is led by interleaved split-K filling one wave
+    at two programs per SM; the deep-pipeline tiles (6-8 stages) run at most one wave at one
+    per SM and fill 3/4 of it, the 32 x 512 one only from M = 2; wide N (gate_up) takes one
+    split per tile; no config twice; every config builds its launches (``jobs``) for both
+    scalings."""
+    sms = 132
     for m in (1, 2, 16):
         configs = fp8_kernels.configs(m, n, k)
         assert configs and all(c["kernel"] == "tiled" for c in configs)
         assert len({tuple(sorted(c.items())) for c in configs}) == len(configs)
-        first = configs[0]
+
+        def programs(c: dict) -> int:
+            return -(-n // c["bn"]) * c["split_k"]
+
         if narrow:
+            first = configs[0]
             assert first["interleave"] and first["split_k"] > 1
-            assert first["split_k"] * -(-n // first["bn"]) <= 2 * 132  # one wave, two per SM
+            assert sms < programs(first) <= 2 * sms
         else:
             assert all(c["split_k"] == 1 for c in configs)
-        deep = [c for c in configs if c["split_k"] == 1 and c["stages"] == 6]
-        assert bool(deep) == (narrow and m > 1 and -(-n // 32) <= 132)
+        deep = [c for c in configs if c["stages"] >= 6]
+        assert all(3 * sms <= 4 * programs(c) <= 4 * sms for c in deep)
+        assert any(c["bn"] == 32 and c["bk"] == 512 for c in deep) == (
+            narrow and m > 1 and -(-n // 32) <= sms
+        )
         for config in configs:
+            assert config.get("interleave", False) == (config["split_k"] > 1)
             for rowwise in (True, False):
                 assert fp8_kernels.jobs(m, n, k, config, rowwise=rowwise, precise=False)
 

@@ -454,22 +454,23 @@ def jobs(
 
 # Decode (M <= 16), tiled kernel: the tiles that won a row of the H100 grid bench
 # (``bench/fp8_decode_sweep.py``; stream-K ran 3-10 points behind them on every decode row).
-# N narrower than two waves of 64-row tiles (two programs per SM): (bn, bk, stages, splits):
-# "wave", the most splits whose programs fit one wave, interleaved (a tile's splits, running
-# together, read adjacent steps of the same rows); "per_sm", one split at one program per SM
-# (a deep pipeline), offered where N / bn programs fit one wave of them and M > 1 (Triton's
-# M = 1 specialization ran it at 63-68% of copy); "fill", one split where N / bn programs fill
-# a wave of one per SM alone.
-NARROW_TILES = ((64, 256, 4, "wave"), (32, 512, 6, "per_sm"), (32, 512, 4, "fill"))
+# N narrower than two waves of 64-row tiles: (bn, bk, stages, splits, least M), splits:
+# "wave", the most whose programs fit one wave at two per SM; "per_sm", the most whose
+# programs fit one wave at one per SM (a deep pipeline), offered where they fill 3/4 of it at
+# least; "fill", one, offered where N / bn programs fill one wave at one per SM alone. Splits
+# are interleaved (a tile's splits, running together, read adjacent steps of the same rows).
+# 32 x 512 x 6 from M = 2: Triton's M = 1 specialization of it ran at 63-68% of copy.
+NARROW_TILES = ((64, 256, 4, "wave", 1), (64, 256, 6, "per_sm", 1), (32, 512, 6, "per_sm", 2),
+                (32, 256, 8, "per_sm", 1), (32, 512, 4, "fill", 1))  # fmt: skip
 # N that fills two waves of 64-row tiles: one split each, (bn, bk, stages).
 WIDE_TILES = ((64, 256, 3), (64, 256, 4))
 
 
-def _wave_splits(tiles: int, k: int, bk: int, sms: int) -> int:
+def _splits(tiles: int, k: int, bk: int, programs: int) -> int:
     """The most splits (a power of two up to 16, each at least 4 ``bk`` steps) whose ``tiles``
-    x splits programs fit one wave at two per SM."""
+    x splits programs are at most ``programs``."""
     split = 1
-    while tiles * split * 2 <= 2 * sms and k >= bk * split * 4 and split < 16 \
+    while tiles * split * 2 <= programs and k >= bk * split * 4 and split < 16 \
             and split_fits(k, bk, split * 2):  # fmt: skip
         split *= 2
     return split
@@ -483,11 +484,13 @@ def decode_configs(m: int, n: int, k: int, sms: int = 132) -> list[Config]:
             {**tile, "bn": bn, "bk": bk, "stages": st, "split_k": 1} for bn, bk, st in WIDE_TILES
         ]
     out: list[Config] = []
-    for bn, bk, stages, splits in NARROW_TILES:
+    for bn, bk, stages, rule, least_m in NARROW_TILES:
         tiles = triton.cdiv(n, bn)
-        if (splits == "per_sm" and (tiles > sms or m == 1)) or (splits == "fill" and tiles <= sms):
+        split = _splits(tiles, k, bk, 2 * sms if rule == "wave" else sms) if rule != "fill" else 1
+        programs = tiles * split
+        offered = {"wave": True, "per_sm": 3 * sms <= 4 * programs <= 4 * sms, "fill": tiles > sms}
+        if m < least_m or not offered[rule]:
             continue
-        split = _wave_splits(tiles, k, bk, sms) if splits == "wave" else 1
         interleave = {"interleave": True} if split > 1 else {}
         out.append({**tile, "bn": bn, "bk": bk, "stages": stages, "split_k": split, **interleave})
     return out
