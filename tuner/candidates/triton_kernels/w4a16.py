@@ -16,12 +16,13 @@ pure-Triton path serves the interpreter), then one packed subtract and one packe
 multiply-add with the group's scale and zero, rounded once. ``DOTS`` dots per loop iteration:
 two keep Triton from splitting a register-operand dot into 16-wide wgmmas that each wait for the
 last (a fence per 512 weight bytes); one takes half the shared memory a stage (more CTAs fit
-per SM). Split-K: fp32 partials [SPLIT_K, M, N]; the last program of
-an output tile to finish (an atomic count per tile) sums them in split order, so the result is
-deterministic and needs no second launch (while a CUDA graph is being captured before the counts
-exist, a reduce launch does it instead). Decode also has a stream-K kernel (``w4a16_stream_k``):
-one wave of programs over the (tile, K step) units, so that neither the output tiles nor K's
-divisors set the grid.
+per SM). Split-K: K's steps in runs of whole steps (any count of them), fp32 partials
+[SPLIT_K, M, N]; the last program of an output tile to finish (an atomic count per tile), or the
+tile's last split once the others arrived (``split_wait``), sums them in split order, so the
+result is deterministic and needs no second launch (while a CUDA graph is being captured before
+the counts exist, a reduce launch does it instead). Decode also has a stream-K kernel
+(``w4a16_stream_k``, which ``configs`` does not offer): one wave of programs over the (tile, K
+step) units.
 
 Entry point for a candidate source: ``w4a16_matmul(x, weight, scales_and_zeros, group_size,
 config)`` and ``configs(m, n, k, group_size)``, the configs worth timing for a shape;
@@ -489,15 +490,12 @@ def _dots(k: int, most: int) -> int:
 # CTAs per SM, more config keys), split by ``_resident_splits``: the weight streams at the rate
 # of the bytes in flight, and a second wave or an idle slot loses that rate. Shared memory and
 # registers set the CTAs per SM: x's [16, 128] tiles take a buffer per stage, the weight's one
-# fewer (64 rows x 3 stages x 2 dots: 42 KB and ~96 registers with ``step_sum``, 5 per SM); 128
-# rows on 8 warps: 2 per SM (registers). ptxas (Triton 3.6) serializes the wgmmas (C7515) of 64
-# rows on 4 warps unless each step sums apart (``step_sum``, dropped where a step is one dot).
+# fewer (64 rows x 3 stages x 2 dots: 42 KB, 80-96 registers: 5 per SM). ptxas (Triton 3.6)
+# serializes the wgmmas (C7515) of 64 rows on 4 warps unless each step sums apart
+# (``step_sum``, dropped where a step is one dot). The partials are summed by the last to arrive
+# or (``split_wait``, where split > 1) by the last split; neither wins every row.
 DECODE_TILES = ((64, 4, 3, 2, 5, {"step_sum": True}),
-                (64, 4, 3, 2, 5, {"step_sum": True, "split_wait": True}),
-                (128, 8, 3, 2, 2, {}))  # fmt: skip
-# Decode, stream-K: (bn, warps, stages, programs per SM, most dots a step), one wave of
-# programs: any K and few tiles still make one even wave.
-STREAM_TILES = ((64, 4, 4, 3, 2),)
+                (64, 4, 3, 2, 5, {"step_sum": True, "split_wait": True}))  # fmt: skip
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
 # dot, x's [bm, 128] tiles dominating shared memory. 8 warps: on 4, most of these serialize.
 PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 128, 8, 2, 2), (64, 128, 8, 3, 1),
@@ -518,11 +516,6 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
                        if (key != "step_sum" or dots > 1) and (key != "split_wait" or split > 1)}  # fmt: skip
             if config not in out:
                 out.append(config)
-        for bn, warps, stages, per_sm, most in STREAM_TILES:
-            dots = _dots(k, most)
-            units = triton.cdiv(n, bn) * (k // (CHUNK * dots))
-            out.append({"kernel": "stream_k", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
-                        "programs": min(units, per_sm * sms), "warps": warps, "stages": stages})  # fmt: skip
         return out
     for bm, bn, warps, stages, dots in PREFILL_TILES:
         if bm <= 2 * max(m, 16) and k % (dots * CHUNK) == 0:
