@@ -45,12 +45,29 @@ def test_quick_covers_every_format_on_both_models_with_few_rows() -> None:
 
 
 def test_unknown_projection_or_format_names_the_field() -> None:
-    with pytest.raises(ValueError, match="ops: 'lm_head'"):
+    with pytest.raises(ValueError, match="projection 'lm_head'"):
         lowbit.problems(ops=["lm_head"])
     with pytest.raises(ValueError, match="low-bit format must be one of"):
         lowbit.problems(formats=["int3"])
     result = CliRunner().invoke(app, ["bench", "gemm", "--suite", "lowbit", "--part", "int8"])
     assert isinstance(result.exception, ValueError) and "'int8'" in str(result.exception)
+
+
+def test_the_command_line_can_choose_rows_by_m_and_projection() -> None:
+    chosen = lowbit.chosen_problems(["int4-g128"], ms=[1, 2048], ops=["down"])
+    assert [label for label, _ in chosen] == [
+        f"{model} down M={m} int4-g128" for model in ("Llama-3-8B", "Qwen2.5-7B") for m in (1, 2048)
+    ]
+    quick_down = lowbit.chosen_problems(["fp8-rowwise"], quick=True, ops=["down"])
+    assert {k.m for _, k in quick_down} == set(lowbit.QUICK_M)
+    assert lowbit.chosen_problems(lowbit.FORMATS) == lowbit.problems()
+    with pytest.raises(ValueError, match="M must be >= 1, got 0"):
+        lowbit.chosen_problems(["int4-g128"], ms=[0])
+    for args, named in ((["--proj", "lm_head"], "'lm_head'"), (["--m", "0"], "got 0")):
+        result = CliRunner().invoke(app, ["bench", "gemm", "--suite", "lowbit", *args])
+        assert isinstance(result.exception, ValueError) and named in str(result.exception)
+    result = CliRunner().invoke(app, ["bench", "gemm", "--m", "1"])
+    assert isinstance(result.exception, ValueError) and "lowbit" in str(result.exception)
 
 
 def row(fmt: str, m: int, mb: int, **times: float) -> dict:

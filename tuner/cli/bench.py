@@ -71,6 +71,21 @@ def bench_gemm(
             f"{', '.join(map(str, catalog.LOWBIT_QUICK_M))}."
         ),
     ] = False,
+    m: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--m",
+            help="lowbit: only these M (repeatable; default "
+            f"{', '.join(map(str, catalog.LOWBIT_M_SIZES))}, or --quick's).",
+        ),
+    ] = None,
+    proj: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="lowbit: only these projections (repeatable): "
+            f"{', '.join(catalog.MODEL_OPS)}; default all, or --quick's.",
+        ),
+    ] = None,
 ) -> None:
     """Tune the Llama GEMM suite and time cuBLAS (torch.matmul) against the winners; or the
     low-bit suite beside torch's int4 / FP8 ops and bf16 cuBLAS."""
@@ -88,10 +103,10 @@ def bench_gemm(
         confirm_tries=confirm_tries, isolate=isolate,
     )  # fmt: skip
     if suite == "lowbit":
-        lowbit.run(
-            lowbit.quick_problems(chosen) if quick else lowbit.problems(chosen), out, options
-        )
+        lowbit.run(lowbit.chosen_problems(chosen, quick=quick, ms=m, ops=proj), out, options)
         return
+    if m or proj:
+        raise ValueError("--m and --proj choose rows of the lowbit suite, not of --suite llama")
     for p in chosen:
         problems = gemm.llama_suite(p)[:: 4 if quick else 1]
         gemm.run_part(p, problems, out, options, inductor=inductor, warm_sample=warm_sample)

@@ -3,9 +3,11 @@ them, and the suites themselves (which import both) are loaded only when one run
 
 from __future__ import annotations
 
+MODEL_OPS = ("qkv", "o", "gate_up", "down")  # the projections a model config names
 GEMM_PARTS = ("bf16-8b", "bf16-70b", "odd", "fp16", "fp32")
 GEMM_WARM_SAMPLE = 8  # rows re-tuned with every kernel already compiled
 LOWBIT_FORMATS = ("int4-g128", "fp8-rowwise", "fp8-tensorwise")
+LOWBIT_M_SIZES = (1, 2, 4, 8, 16, 64, 256, 2048)
 # --quick: every format on both models, on the projections whose weights are large enough for
 # the decode targets (bf16 >= 64 MB, FP8 >= 32 MB), at one M of each regime the targets name
 LOWBIT_QUICK_M = (1, 16, 256, 2048)

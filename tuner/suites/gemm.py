@@ -52,7 +52,7 @@ console = Console()
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"  # a source checkout
 MODELS = {"8b": "llama-3-8b.yaml", "70b": "llama-3-70b.yaml"}
-OPS = ("qkv", "o", "gate_up", "down")
+OPS = catalog.MODEL_OPS
 M_BF16 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 M_SMALL = (1, 16, 128, 1024, 8192)
 ODD = ((4097, 4099, 4101), (127, 5120, 3333), (1, 4099, 4101), (33, 11001, 4097),

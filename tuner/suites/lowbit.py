@@ -66,7 +66,7 @@ from tuner.tuning import compile_pool
 from tuner.tuning.engine import TuneOptions, current_device
 
 MODELS = ("llama-3-8b.yaml", "qwen2.5-7b.yaml")
-M_SIZES = (1, 2, 4, 8, 16, 64, 256, 2048)
+M_SIZES = catalog.LOWBIT_M_SIZES
 FORMATS = catalog.LOWBIT_FORMATS
 QUICK_M = catalog.LOWBIT_QUICK_M
 QUICK_OPS = catalog.LOWBIT_QUICK_OPS
@@ -90,7 +90,10 @@ def problems(
     models' ``ops`` projections."""
     for op in ops:
         if op not in OPS:
-            raise ValueError(f"ops: {op!r} is not one of {list(OPS)}")
+            raise ValueError(f"projection {op!r} is not one of {list(OPS)}")
+    for m in ms:
+        if m < 1:
+            raise ValueError(f"ms: M must be >= 1, got {m}")
     if shapes is None:
         shapes = []
         for file in MODELS:
@@ -105,8 +108,22 @@ def problems(
 
 
 def quick_problems(formats: Sequence[str] = FORMATS) -> Problems:
-    """Few rows of every format on both models (``QUICK_OPS`` at ``QUICK_M``)."""
+    """Few rows of every format on both models (``QUICK_OPS`` at ``QUICK_M``): ``--quick``."""
     return problems(formats, QUICK_M, QUICK_OPS)
+
+
+def chosen_problems(
+    formats: Sequence[str],
+    *,
+    quick: bool = False,
+    ms: Sequence[int] | None = None,
+    ops: Sequence[str] | None = None,
+) -> Problems:
+    """The rows the command line asks for: every M and projection, or ``--quick``'s few, with
+    ``ms`` and ``ops`` (when given) in place of either's (re-running the rows a change touched)."""
+    return problems(
+        formats, ms or (QUICK_M if quick else M_SIZES), ops or (QUICK_OPS if quick else OPS)
+    )
 
 
 def graph_judged(key: GemmKey, device: str) -> bool:
