@@ -15,6 +15,9 @@
 #   journal, tunableop_results0.csv; TUNEALL_TIME_LIMIT, TUNEALL_RESUME_FROM, TUNEALL_ARGS).
 #   w4a16-prefill (bench/w4a16_prefill.py: INT4 Triton and CUTLASS configs beside bf16 cuBLAS at M >= 256
 #   -> $OUT/w4a16_prefill.json, .log; W4A16_PREFILL_ARGS="--m 256 --sweep", W4A16_PREFILL_TIMEOUT).
+#   fp8-prefill (bench/fp8_prefill.py: every FP8 source's configs beside _scaled_mm and bf16 cuBLAS at
+#   M = 2048 -> $OUT/fp8_prefill.json, .log, fp8_prefill_cutlass_cache.tar.xz; FP8_PREFILL_ARGS="--sweep",
+#   FP8_PREFILL_TIMEOUT).
 #   libs (cuBLAS/cuBLASLt/CUTLASS: precompile, tests/candidates/test_gemm_libraries.py, bench/libs_bench.py
 #   -> $OUT/libs.json, libs_details.json, libs_compile.json, cutlass_cache.tar.xz; LIBS_CUTLASS_SEED).
 set -uo pipefail
@@ -73,6 +76,8 @@ for stage in "$@"; do
     lowbit) timeout -k 20 "${LOWBIT_BENCH_TIMEOUT:-560}" python3 -m tuner.cli bench gemm --suite lowbit --out "$OUT" ${LOWBIT_BENCH_ARGS:-} 2>&1 | tee "$OUT/lowbit_bench.log" || status=1 ;;
     lowbit-kernels) timeout -k 20 "${LOWBIT_KERNELS_TIMEOUT:-400}" python3 bench/lowbit_kernels.py --out "$OUT/lowbit_kernels.json" ${LOWBIT_KERNELS_ARGS:-} 2>&1 | tee "$OUT/lowbit_kernels.log" || status=1 ;;
     w4a16-prefill) timeout -k 20 "${W4A16_PREFILL_TIMEOUT:-250}" python3 bench/w4a16_prefill.py --out "$OUT/w4a16_prefill.json" ${W4A16_PREFILL_ARGS:-} 2>&1 | tee "$OUT/w4a16_prefill.log" || status=1 ;;
+    fp8-prefill) timeout -k 20 "${FP8_PREFILL_TIMEOUT:-250}" python3 bench/fp8_prefill.py --out "$OUT/fp8_prefill.json" ${FP8_PREFILL_ARGS:-} 2>&1 | tee "$OUT/fp8_prefill.log" || status=1
+      tar cJf "$OUT/fp8_prefill_cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work . || status=1 ;;
     gemm) timeout -k 20 "${GEMM_BENCH_TIMEOUT:-560}" python3 -m tuner.cli bench gemm --out "$OUT" ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/gemm_bench.log" || status=1 ;;
     tuneall)  # tune-all over Llama-3-8B's projections (M 1..8192, bf16) on every GPU; resumable:
       # TUNEALL_RESUME_FROM=<an earlier $OUT/tuneall dir> continues that run's cache and journal
