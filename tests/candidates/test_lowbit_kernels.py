@@ -55,6 +55,15 @@ W4_CASES = [
     (16, {**TILED, "split_k": 3, "step_sum": True}, 128, torch.bfloat16, 1280),
     # the last split waits for the others' partials
     (5, {**TILED, "split_k": 3, "step_sum": True, "split_wait": True}, 64, torch.bfloat16, 1280),
+    # hybrid: tile 0 whole, tile 1 in 3 splits, summed by the last to arrive / the last split
+    (3, {**TILED, "split_k": 3, "whole_tiles": 1}, 64, torch.float16, 1280),
+    (
+        16,
+        {**TILED, "split_k": 2, "whole_tiles": 1, "step_sum": True, "split_wait": True},
+        128,
+        torch.bfloat16,
+        768,
+    ),
     # stream-K, n = 40 in two tiles: 6 steps each cut into 5 runs (3 programs per tile), ...
     (1, STREAM, 64, torch.bfloat16, 768),
     # ... 2 steps each in 3 runs (tile 0 in two, tile 1 whole), ...
@@ -82,6 +91,8 @@ BLOCK_CASES = [
     (200, {**TILED, "bn": 16, "dots": 1}),  # four tiles a block, one in the ragged block
     (240, {**TILED, "bn": 16, "dots": 1}),  # tiles that start inside the ragged block
     (200, {**STREAM, "bn": 128, "programs": 4}),  # the tiles' steps in runs that cross them
+    (200, {**TILED, "bn": 64, "dots": 1, "split_k": 2, "whole_tiles": 3}),  # the ragged one split
+    (240, {**TILED, "bn": 16, "dots": 1, "split_k": 3, "whole_tiles": 12, "split_wait": True}),
 ]
 
 
@@ -93,7 +104,8 @@ def test_w4a16_reads_every_tile_major_block(n: int, config) -> None:
 
 @pytest.mark.parametrize("config", [TILED, ONE_DOT_SPLIT, {**STREAM, "bn": 16, "programs": 3},
                                     {**TILED, "step_sum": True},
-                                    {**ONE_DOT_SPLIT, "split_wait": True}])  # fmt: skip
+                                    {**ONE_DOT_SPLIT, "split_wait": True},
+                                    {**ONE_DOT_SPLIT, "bn": 16, "whole_tiles": 1}])  # fmt: skip
 def test_w4a16_planted_errors_are_caught(config) -> None:
     """Nibbles in the wrong order, the scales of the neighbouring group, one K tile dropped."""
     g = 32
@@ -117,6 +129,23 @@ def test_w4a16_configs_are_valid_for_llama_shapes() -> None:
                     w4a16.check_config(config, m, n, k, g)
                     if m <= 16:
                         assert config["bm"] >= m
+
+
+@pytest.mark.parametrize(("n", "k"), [(28672, 4096), (37888, 3584), (28672, 2048)])
+def test_w4a16_decode_shortlist_evens_out_the_wide_projections(n: int, k: int) -> None:
+    """Where 64-row tiles outnumber the SMs, the shortlist also offers whole waves of tiles and
+    the others split, every program resident at 5 per SM, the busiest SM given fewer steps."""
+    for m in (1, 16):
+        shortlist = w4a16.configs(m, n, k, 128, sms=132)
+        hybrids = [c for c in shortlist if c.get("whole_tiles")]
+        assert hybrids and {c.get("split_wait", False) for c in hybrids} == {False, True}
+        tiles, steps = n // 64, k // 256
+        for c in hybrids:
+            whole, split = c["whole_tiles"], c["split_k"]
+            assert whole % 132 == 0 and whole + (tiles - whole) * split <= 5 * 132
+            busiest = whole // 132 * steps + -(-(tiles - whole) * split // 132) * -(-steps // split)
+            assert busiest < -(-tiles // 132) * steps
+    assert not any(c.get("whole_tiles") for c in w4a16.configs(1, 4096, 14336, 128))
 
 
 @pytest.mark.parametrize("out_bytes", [2, 4])
@@ -179,6 +208,12 @@ def test_w4a16_bad_inputs_name_the_field() -> None:
             w4a16.w4a16_matmul(x, w, sz, 32, bad)
     for bad in ({**STREAM, "split_wait": True}, {**TILED, "split_wait": "yes"}):
         with pytest.raises(ValueError, match="config\\['split_wait'\\]"):
+            w4a16.w4a16_matmul(x, w, sz, 32, bad)
+    # whole tiles: fewer than the problem's (one here), with a split of the others, tiled only
+    for bad in ({**ONE_DOT_SPLIT, "whole_tiles": 1}, {**TILED, "bn": 8, "whole_tiles": 1},
+                {**ONE_DOT_SPLIT, "bn": 8, "whole_tiles": True},
+                {**STREAM, "whole_tiles": 1}):  # fmt: skip
+        with pytest.raises(ValueError, match="config\\['whole_tiles'\\]"):
             w4a16.w4a16_matmul(x, w, sz, 32, bad)
     with pytest.raises(ValueError, match="config\\['dots'\\]"):
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "dots": 3})
@@ -264,7 +299,17 @@ def test_fp8_bad_inputs_name_the_field() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("m", "n", "g"), [(1, 512, 32), (1, 520, 128), (16, 512, 256), (300, 520, 128), (64, 512, 64)]
+    ("m", "n", "g"),
+    # Llama's and Qwen's gate_up N: more tiles than SMs, so the shortlist's hybrid configs too
+    [
+        (1, 512, 32),
+        (1, 520, 128),
+        (16, 512, 256),
+        (300, 520, 128),
+        (64, 512, 64),
+        (1, 28672, 128),
+        (16, 37888, 128),
+    ],
 )
 def test_w4a16_every_config_on_the_gpu(m: int, n: int, g: int) -> None:
     k = 2048
@@ -293,6 +338,18 @@ GPU_CONFIGS = [
         "split_wait": True,
     },
     {**STREAM, "bn": 128, "dots": 2, "programs": 3, "warps": 8, "stages": 4},
+    # hybrid, 8 tiles of 64 rows: 5 whole, 3 in 3 splits each
+    {**TILED, "bn": 64, "warps": 4, "stages": 3, "split_k": 3, "whole_tiles": 5, "step_sum": True},
+    {
+        **TILED,
+        "bn": 64,
+        "warps": 4,
+        "stages": 3,
+        "split_k": 3,
+        "whole_tiles": 5,
+        "step_sum": True,
+        "split_wait": True,
+    },
 ]
 
 

@@ -20,7 +20,9 @@ per SM). Split-K: K's steps in runs of whole steps (any count of them), fp32 par
 [SPLIT_K, M, N]; the last program of an output tile to finish (an atomic count per tile), or the
 tile's last split once the others arrived (``split_wait``), sums them in split order, so the
 result is deterministic and needs no second launch (while a CUDA graph is being captured before
-the counts exist, a reduce launch does it instead). Decode also has a stream-K kernel
+the counts exist, a reduce launch does it instead). Where a decode problem has more tiles than
+SMs, a hybrid (``whole_tiles``) takes whole waves of tiles whole and splits the others' K, so that
+no SM is left a whole tile more than others. Decode also has a stream-K kernel
 (``w4a16_stream_k``, which ``configs`` does not offer): one wave of programs over the (tile, K
 step) units.
 
@@ -166,22 +168,32 @@ def _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, n0, k0, N, half, BN: tl.constexpr,
 
 @triton.jit
 def w4a16_tiled(
-    x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, counts_ptr, M, N, half, ldx, ldo, steps,
+    x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, counts_ptr, M, N, half, ldx, ldo, steps, whole,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOTS: tl.constexpr,
     GROUP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     REDUCE_HERE: tl.constexpr, RAGGED: tl.constexpr, STEP_SUM: tl.constexpr,
-    SPLIT_WAIT: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_WAIT: tl.constexpr, HYBRID: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Tensor cores on out.T = W x.T, ``DOTS`` [BN, BK] weight tiles per iteration; K's
     ``steps`` of DOTS * BK cut into ``SPLIT_K`` runs of whole steps (their lengths differ by one
     at most), whose partials, when ``REDUCE_HERE``, the tile's last program to arrive sums, or
-    (``SPLIT_WAIT``) the program of its last split once the others have arrived."""
-    tile = tl.program_id(0)
+    (``SPLIT_WAIT``) the program of its last split once the others have arrived. ``HYBRID``
+    (a 1-d grid): the first ``whole`` tiles take one program each over all of K, and each later
+    tile its ``SPLIT_K`` programs in turn, so that a wave of whole tiles and the short split
+    programs even out the work per SM."""
+    if HYBRID:
+        p = tl.program_id(0)
+        q = tl.maximum(p - whole, 0)
+        tile = tl.where(p < whole, p, whole + q // SPLIT_K)
+        split = tl.where(p < whole, 0, q % SPLIT_K)
+        runs = tl.where(p < whole, 1, SPLIT_K)
+    else:
+        tile, split, runs = tl.program_id(0), tl.program_id(1), SPLIT_K
     pid_m, pid_n = tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    k_lo = tl.program_id(1) * steps // SPLIT_K * (DOTS * BK)
-    k_hi = (tl.program_id(1) + 1) * steps // SPLIT_K * (DOTS * BK)
+    k_lo = split * steps // runs * (DOTS * BK)
+    k_hi = (split + 1) * steps // runs * (DOTS * BK)
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * ldx + tl.arange(0, BK)[None, :]
     mask_m = rm[:, None] < M
     acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -190,25 +202,49 @@ def w4a16_tiled(
                     GROUP, RAGGED, STEP_SUM, INTERPRET)  # fmt: skip
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     out_ptrs = out_ptr + rm[None, :].to(tl.int64) * ldo + rn[:, None]
-    if SPLIT_K == 1:  # stored as [BM, BN]: with the [BN, BM] tile as is, ptxas (Triton 3.6)
-        # serializes the loop's wgmmas on most tiles (C7515)
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :],
-                 tl.trans(acc.to(out_ptr.dtype.element_ty)), mask=tl.trans(mask))  # fmt: skip
-    else:
-        part = rm[None, :].to(tl.int64) * N + rn[:, None]
-        plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
-        if REDUCE_HERE and SPLIT_WAIT:  # grid (tiles, SPLIT_K): split SPLIT_K - 1 launches last
-            if tl.program_id(1) == SPLIT_K - 1:
-                sum_when_arrived(ws_ptr, counts_ptr, tile, acc, part, plane, mask, out_ptrs,
-                                 SPLIT_K)  # fmt: skip
-            else:
-                tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
-                arrive(counts_ptr, tile)
-        else:
-            tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
+    part = rm[None, :].to(tl.int64) * N + rn[:, None]
+    plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
+    if SPLIT_K == 1:
+        _store_whole(out_ptr, acc, rm, rn, mask, ldo)
+    elif HYBRID:
+        if runs == 1:  # reduced apart, a whole tile is plane 0 of a zeroed workspace
             if REDUCE_HERE:
-                reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K,
-                               SPLIT_K)  # fmt: skip
+                _store_whole(out_ptr, acc, rm, rn, mask, ldo)
+            else:
+                tl.store(ws_ptr + part, acc, mask=mask)
+        else:
+            _store_split(ws_ptr, counts_ptr, tile, split, acc, part, plane, mask, out_ptrs,
+                         SPLIT_K, REDUCE_HERE, SPLIT_WAIT)  # fmt: skip
+    else:
+        _store_split(ws_ptr, counts_ptr, tile, split, acc, part, plane, mask, out_ptrs, SPLIT_K,
+                     REDUCE_HERE, SPLIT_WAIT)  # fmt: skip
+
+
+@triton.jit
+def _store_whole(out_ptr, acc, rm, rn, mask, ldo):
+    """The [BN, BM] tile stored as [BM, BN]: stored as is, ptxas (Triton 3.6) serializes the
+    loop's wgmmas on most tiles (C7515)."""
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :],
+             tl.trans(acc.to(out_ptr.dtype.element_ty)), mask=tl.trans(mask))  # fmt: skip
+
+
+@triton.jit
+def _store_split(ws_ptr, counts_ptr, tile, split, acc, part, plane, mask, out_ptrs,
+                 SPLIT_K: tl.constexpr, REDUCE_HERE: tl.constexpr, SPLIT_WAIT: tl.constexpr):  # fmt: skip
+    """Split ``split``'s partial of ``tile``: stored in its plane, then summed by the tile's
+    last program to arrive or (``SPLIT_WAIT``) by its last split, which launches after the
+    tile's others."""
+    if REDUCE_HERE and SPLIT_WAIT:
+        if split == SPLIT_K - 1:
+            sum_when_arrived(ws_ptr, counts_ptr, tile, acc, part, plane, mask, out_ptrs, SPLIT_K)
+        else:
+            tl.store(ws_ptr + split * plane + part, acc, mask=mask)
+            arrive(counts_ptr, tile)
+    else:
+        tl.store(ws_ptr + split * plane + part, acc, mask=mask)
+        if REDUCE_HERE:
+            reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K,
+                           SPLIT_K)  # fmt: skip
 
 
 @triton.jit
@@ -246,9 +282,8 @@ def w4a16_stream_k(
             whole = (owner_of(tile * steps + steps - 1, units, programs) == first) & REDUCE_HERE
             rn = tile * BN + tl.arange(0, BN)
             mask = (rn[:, None] < N) & (rm[None, :] < M)
-            if whole:  # stored as [BM, BN]: see w4a16_tiled
-                tl.store(out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :],
-                         tl.trans(acc.to(out_ptr.dtype.element_ty)), mask=tl.trans(mask))  # fmt: skip
+            if whole:
+                _store_whole(out_ptr, acc, rm, rn, mask, ldo)
             else:
                 part = rm[None, :].to(tl.int64) * N + rn[:, None]
                 tl.store(ws_ptr + (p - first) * plane + part, acc, mask=mask)
@@ -316,12 +351,20 @@ def check_config(config: Config, m: int, n: int, k: int, group_size: int) -> Non
     if not isinstance(split_wait, bool) or (split_wait and kernel != "tiled"):
         raise ValueError(f"config['split_wait']={split_wait!r}: allowed True (kernel 'tiled') "
                          f"or False")  # fmt: skip
+    whole = config.get("whole_tiles", 0)
     if kernel == "tiled":
         split, steps = config.get("split_k", 1), k // (bk * dots)
         if not isinstance(split, int) or not 1 <= split <= steps:
             raise ValueError(f"config['split_k']={split!r}: allowed 1 .. {steps}, the bk * dots = "
                              f"{bk * dots} steps of K={k}")  # fmt: skip
+        tiles = triton.cdiv(m, config["bm"]) * triton.cdiv(n, bn)
+        if whole != 0 and (type(whole) is not int or not 1 <= whole < tiles or split == 1):
+            raise ValueError(f"config['whole_tiles']={whole!r}: allowed 0 (none), or from 1 to "
+                             f"one less than the problem's {tiles} tiles with config['split_k'] "
+                             f">= 2")  # fmt: skip
         return
+    if whole != 0:
+        raise ValueError(f"config['whole_tiles']={whole!r}: allowed with kernel 'tiled' only")
     if m > config["bm"]:
         raise ValueError(f"config['kernel']='stream_k': one row of tiles only, M={m} > "
                          f"config['bm']={config['bm']}")  # fmt: skip
@@ -387,10 +430,14 @@ class Plan:
             self.tail: tuple[int, ...] = (steps, units, programs)
         else:
             self.parts = config.get("split_k", 1)
+            self.whole = config.get("whole_tiles", 0)
             self.kernel, self.grid = w4a16_tiled, (self.tiles, self.parts)
+            if self.whole:
+                self.grid = (self.whole + (self.tiles - self.whole) * self.parts,)
             self.meta = {**meta, "SPLIT_K": self.parts, "GROUP_M": config.get("group_m", 8),
-                         "SPLIT_WAIT": config.get("split_wait", False)}  # fmt: skip
-            self.tail = (steps,)
+                         "SPLIT_WAIT": config.get("split_wait", False),
+                         "HYBRID": self.whole > 0}  # fmt: skip
+            self.tail = (steps, self.whole)
         self.warps_stages = dict(
             num_warps=config.get("warps", 4), num_stages=config.get("stages", 2)
         )
@@ -448,9 +495,9 @@ class Plan:
                       out: torch.Tensor, ws: torch.Tensor) -> None:  # fmt: skip
         """While a CUDA graph is captured before the arrival counts exist: partials, then a
         reduce launch (both through the JIT). A stream-K tile fills only as many planes as it
-        has programs: the others must read as zeros."""
+        has programs, a hybrid's whole tile only plane 0: the others must read as zeros."""
         m, n = self.m, self.n
-        if self.stream:
+        if self.stream or self.meta.get("HYBRID"):
             ws.zero_()
         self.kernel[self.grid](
             *self._args(x, weight, sz, out, ws, out, x.stride(0), out.stride(0)), **self.meta,
@@ -481,6 +528,26 @@ def _resident_splits(tiles: int, steps: int, per_sm: int, sms: int) -> int:
     return min(fits, key=lambda p: (-(-steps // p) * max(tiles * p, knee), -p))
 
 
+def _hybrid(tiles: int, steps: int, per_sm: int, sms: int) -> tuple[int, int] | None:
+    """(whole tiles, K splits of the others) where one program per tile leaves some SMs a tile
+    more than the rest: whole waves of one tile per SM, then the other tiles' split programs,
+    all resident, dealt one per SM in launch order. The split giving the fewest steps to the
+    busiest SM, the fewest splits among equals; None where none gives fewer than one program
+    per tile does."""
+    whole, rest = tiles // sms * sms, tiles % sms
+    if not whole or not rest:
+        return None
+
+    def busiest(split: int) -> int:
+        return whole // sms * steps + -(-rest * split // sms) * -(-steps // split)
+
+    fits = [p for p in range(2, steps + 1) if whole + rest * p <= per_sm * sms]
+    best = min(fits, key=lambda p: (busiest(p), p), default=None)
+    if best is None or busiest(best) >= -(-tiles // sms) * steps:
+        return None
+    return whole, best
+
+
 def _dots(k: int, most: int) -> int:
     """The most dots per step, up to ``most``, whose steps cut K whole."""
     return next(d for d in (4, 2, 1) if d <= most and k % (d * CHUNK) == 0)
@@ -493,7 +560,8 @@ def _dots(k: int, most: int) -> int:
 # fewer (64 rows x 3 stages x 2 dots: 42 KB, 80-96 registers: 5 per SM). ptxas (Triton 3.6)
 # serializes the wgmmas (C7515) of 64 rows on 4 warps unless each step sums apart
 # (``step_sum``, dropped where a step is one dot). The partials are summed by the last to arrive
-# or (``split_wait``, where split > 1) by the last split; neither wins every row.
+# or (``split_wait``, where split > 1) by the last split; neither wins every row. Where the tiles
+# outnumber the SMs and one split is resident, also the hybrid of ``_hybrid`` (``whole_tiles``).
 DECODE_TILES = ((64, 4, 3, 2, 5, {"step_sum": True}),
                 (64, 4, 3, 2, 5, {"step_sum": True, "split_wait": True}))  # fmt: skip
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
@@ -508,14 +576,19 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
     if m <= 16:
         for bn, warps, stages, most, per_sm, keys in DECODE_TILES:
             dots = _dots(k, most)
-            tiles = triton.cdiv(n, bn)
-            split = _resident_splits(tiles, k // (CHUNK * dots), per_sm, sms)
-            config = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
-                      "split_k": split, "group_m": 1, "warps": warps, "stages": stages}  # fmt: skip
-            config |= {key: on for key, on in keys.items()
-                       if (key != "step_sum" or dots > 1) and (key != "split_wait" or split > 1)}  # fmt: skip
-            if config not in out:
-                out.append(config)
+            tiles, steps = triton.cdiv(n, bn), k // (CHUNK * dots)
+            split = _resident_splits(tiles, steps, per_sm, sms)
+            layouts: list[Config] = [{"split_k": split}]
+            hybrid = _hybrid(tiles, steps, per_sm, sms) if split == 1 else None
+            if hybrid:
+                layouts.append({"split_k": hybrid[1], "whole_tiles": hybrid[0]})
+            for layout in layouts:
+                config = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
+                          "group_m": 1, "warps": warps, "stages": stages, **layout}  # fmt: skip
+                config |= {key: on for key, on in keys.items() if (key != "step_sum" or dots > 1)
+                           and (key != "split_wait" or config["split_k"] > 1)}  # fmt: skip
+                if config not in out:
+                    out.append(config)
         return out
     for bm, bn, warps, stages, dots in PREFILL_TILES:
         if bm <= 2 * max(m, 16) and k % (dots * CHUNK) == 0:
