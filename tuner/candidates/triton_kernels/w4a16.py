@@ -561,7 +561,8 @@ def _dots(k: int, most: int) -> int:
 # serializes the wgmmas (C7515) of 64 rows on 4 warps unless each step sums apart
 # (``step_sum``, dropped where a step is one dot). The partials are summed by the last to arrive
 # or (``split_wait``, where split > 1) by the last split; neither wins every row. Where the tiles
-# outnumber the SMs and one split is resident, also the hybrid of ``_hybrid`` (``whole_tiles``).
+# outnumber the SMs and one split is resident, the hybrid of ``_hybrid`` (``whole_tiles``) with
+# split_wait takes the one split's place: an SM with a whole tile more than others sets the time.
 DECODE_TILES = ((64, 4, 3, 2, 5, {"step_sum": True}),
                 (64, 4, 3, 2, 5, {"step_sum": True, "split_wait": True}))  # fmt: skip
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
@@ -578,17 +579,16 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
             dots = _dots(k, most)
             tiles, steps = triton.cdiv(n, bn), k // (CHUNK * dots)
             split = _resident_splits(tiles, steps, per_sm, sms)
-            layouts: list[Config] = [{"split_k": split}]
+            layout: Config = {"split_k": split}
             hybrid = _hybrid(tiles, steps, per_sm, sms) if split == 1 else None
-            if hybrid:
-                layouts.append({"split_k": hybrid[1], "whole_tiles": hybrid[0]})
-            for layout in layouts:
-                config = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
-                          "group_m": 1, "warps": warps, "stages": stages, **layout}  # fmt: skip
-                config |= {key: on for key, on in keys.items() if (key != "step_sum" or dots > 1)
-                           and (key != "split_wait" or config["split_k"] > 1)}  # fmt: skip
-                if config not in out:
-                    out.append(config)
+            if hybrid:  # in place of the one split, and always with split_wait
+                layout = {"split_k": hybrid[1], "whole_tiles": hybrid[0], "split_wait": True}
+            config = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": CHUNK, "dots": dots,
+                      "group_m": 1, "warps": warps, "stages": stages, **layout}  # fmt: skip
+            config |= {key: on for key, on in keys.items() if (key != "step_sum" or dots > 1)
+                       and (key != "split_wait" or config["split_k"] > 1)}  # fmt: skip
+            if config not in out:
+                out.append(config)
         return out
     for bm, bn, warps, stages, dots in PREFILL_TILES:
         if bm <= 2 * max(m, 16) and k % (dots * CHUNK) == 0:
