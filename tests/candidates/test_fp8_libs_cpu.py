@@ -13,7 +13,7 @@ import torch
 
 from tuner.candidates import cutlass_env, cutlass_fp8, cutlass_gemm, registry
 from tuner.candidates import gemm_operands as ops
-from tuner.candidates.cublaslt_fp8 import CublasLtFp8
+from tuner.candidates.cublaslt_fp8 import CLUSTER_TWIN, CublasLtFp8, with_cluster_twin
 from tuner.candidates.cutlass_fp8 import CutlassFp8
 from tuner.core.keys import GemmKey, lowbit_fields
 
@@ -67,7 +67,7 @@ def test_cutlass_fp8_shortlist_is_small_and_shape_aware():
         cutlass_fp8.shortlist(fp8("fp8-rowwise", m=16)),
         cutlass_fp8.shortlist(fp8("fp8-rowwise", m=2048)),
     )
-    assert 3 <= len(small) <= 4 and 3 <= len(large) <= 4
+    assert 3 <= len(small) <= 4 and 2 <= len(large) <= 3
     assert all(p["scheduler"] == "streamk" for p in small[:2])
     assert small != large
     fast = cutlass_fp8.shortlist(fp8("fp8-rowwise-fast", m=16))
@@ -157,3 +157,15 @@ def test_plain_cutlass_params_still_make_plain_specs():
         "dtype", "layout", "align_ab", "align_c", "tile", "cluster", "kernel", "epilogue",
         "scheduler",
     }  # fmt: skip
+
+
+def test_cublaslt_fp8_offers_the_first_algorithm_on_a_1x2_cluster_past_decode():
+    first = {"id": 66, "tile": "128x128", "cluster": "1x1x1", "custom": 7}
+    other = {**first, "tile": "64x128"}
+    for m in (16, 256):
+        assert with_cluster_twin(fp8("fp8-rowwise", m=m), [first, other]) == [first, other]
+    prefill = fp8("fp8-rowwise", m=2048)
+    twin = {**first, "cluster": CLUSTER_TWIN}
+    assert with_cluster_twin(prefill, [first, other]) == [first, other, twin]
+    assert with_cluster_twin(prefill, [twin, first]) == [twin, first]  # no repeat
+    assert with_cluster_twin(prefill, []) == []

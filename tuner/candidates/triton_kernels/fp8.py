@@ -512,7 +512,6 @@ def configs(m: int, n: int, k: int, sms: int = 132, out_bytes: int = 2) -> list[
         shortlist = [
             {"kernel": "persistent_tma", "bm": 128, "bn": 256, "bk": 128, "group_m": 8, "warps": 8, "stages": 3},
             {"kernel": "persistent_tma", "bm": 128, "bn": 128, "bk": 128, "group_m": 8, "warps": 8, "stages": 4},
-            {"kernel": "tiled", "bm": 128, "bn": 256, "bk": 128, "group_m": 8, "warps": 8, "stages": 3},
             {"kernel": "tiled", "bm": 128, "bn": 128, "bk": 128, "group_m": 8, "warps": 4, "stages": 4},
         ]  # fmt: skip
     return [fitted(c, out_bytes) for c in shortlist]
