@@ -14,13 +14,18 @@ suite's ``retime`` judges a prefill row.
 
 CUTLASS kernels compile (one pool for the whole run, ``precompile_run``) while the Triton
 kernels compile in their worker processes; the JSON is rewritten after every row, the narrow
-projections first.
+projections first. ``--profile-host N``: on the first row, where the host time of a call goes
+(cProfile over N eager calls of ``_scaled_mm`` and of each source's first config), printed and
+kept in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import threading
 import time
 from pathlib import Path
@@ -167,12 +172,41 @@ def bench_key(label: str, key: GemmKey, todo: list[tuple[str, Params, bool]]) ->
     return result
 
 
+def profile_host(key: GemmKey, todo: list[tuple[str, Params, bool]], calls: int) -> dict[str, str]:
+    """cProfile's top entries (by own time) over ``calls`` eager calls of ``_scaled_mm`` and of
+    each source's first config, by source."""
+    sets = samples.input_sets(key, "cuda", seed=1)
+    base = registry.baseline(key.op, key)
+    firsts = {BASELINE: base.baseline_params}
+    for source, params, _ in todo:
+        firsts.setdefault(source, params)
+    out: dict[str, str] = {}
+    for source, params in firsts.items():
+        runner = registry.get(source).build(key, params)
+        for s in sets:  # first calls on each set (layouts made once) are set-up
+            runner(*s)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(calls):
+            runner(*sets[i % len(sets)])
+        prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        out[source] = text.getvalue()
+        print(f"--- host profile {source} ({calls} calls)\n{out[source]}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--m", type=int, nargs="+", default=[2048])
     ap.add_argument("--ops", nargs="+", default=list(NARROW_FIRST), choices=NARROW_FIRST)
     ap.add_argument("--sweep", action="store_true", help="also the bench's wider config grid")
+    ap.add_argument("--profile-host", type=int, default=0, metavar="N",
+                    help="first row: cProfile of N eager calls per source")  # fmt: skip
     args = ap.parse_args()
     keys = [(label, key) for m in args.m for op in args.ops
             for label, key in problems([FORMAT], [m], [op])]  # fmt: skip
@@ -182,6 +216,9 @@ def main() -> None:
                               "versions": fp.versions, "sweep": args.sweep, "rows": []}  # fmt: skip
     t0 = time.perf_counter()
     result["compile_s"] = compile_everything(todo)
+    if args.profile_host:
+        label, key = keys[0]
+        result["host_profile"] = {"label": label, **profile_host(key, todo[key], args.profile_host)}
     for label, key in keys:
         print(f"{label} ({len(todo[key])} configs)", flush=True)
         result["rows"].append(bench_key(label, key, todo[key]))
