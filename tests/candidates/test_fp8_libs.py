@@ -116,7 +116,7 @@ def test_cublaslt_fp8_tunes_through_the_engine():
 # small and large shapes.
 CUTLASS_CASES = [
     (fp8("fp8-tensorwise", 16, 6144, 4096), 3),
-    (fp8("fp8-rowwise", 2048, 4096, 14336), 3),
+    (fp8("fp8-rowwise", 2048, 4096, 14336), 2),
     (fp8("fp8-rowwise", 5, 256, 512), 1),
     (fp8("fp8-tensorwise-fast", 2048, 4096, 4096), 1),
     (fp8("fp8-rowwise-fast", 16, 6144, 4096), 2),

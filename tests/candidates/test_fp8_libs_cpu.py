@@ -159,7 +159,7 @@ def test_plain_cutlass_params_still_make_plain_specs():
     }  # fmt: skip
 
 
-def test_cublaslt_fp8_offers_the_first_algorithm_on_a_1x2_cluster_past_decode():
+def test_cublaslt_fp8_offers_the_rowwise_algorithm_on_a_1x2_cluster_past_decode():
     first = {"id": 66, "tile": "128x128", "cluster": "1x1x1", "custom": 7}
     other = {**first, "tile": "64x128"}
     for m in (16, 256):
@@ -169,3 +169,5 @@ def test_cublaslt_fp8_offers_the_first_algorithm_on_a_1x2_cluster_past_decode():
     assert with_cluster_twin(prefill, [first, other]) == [first, other, twin]
     assert with_cluster_twin(prefill, [twin, first]) == [twin, first]  # no repeat
     assert with_cluster_twin(prefill, []) == []
+    tensorwise = fp8("fp8-tensorwise", m=2048)  # its heuristic offers clusters of its own
+    assert with_cluster_twin(tensorwise, [first]) == [first]

@@ -39,7 +39,7 @@ from tuner.core.keys import FP8, GemmKey, lowbit_fields
 CUDA_FP8 = {"fp8_e4m3": 28, "fp8_e5m2": 29}  # cudaDataType_t CUDA_R_8F_E4M3 / CUDA_R_8F_E5M2
 MIN_CAPABILITY = (8, 9)
 ALIGN = 16  # bytes: FP8 operands' pointers and leading dimensions
-# Past this M the heuristic's first algorithm is also offered on a 1x2x1 cluster: the two CTAs
+# Past this M a rowwise key's heuristic algorithm is also offered on a 1x2x1 cluster: the two CTAs
 # along cuBLASLt's N (our activation rows) share each weight tile. For rowwise scales the
 # heuristic offers one algorithm, on a 1x1x1 cluster, though the 1x2x1 one is faster on large
 # outputs (bench/NOTES.md, session 12 fp8pre).
@@ -97,9 +97,9 @@ def outer_vector_reason(index: int, accum: str) -> str | None:
 
 
 def with_cluster_twin(key: GemmKey, found: list[Params]) -> list[Params]:
-    """The heuristic's algorithms ``found`` and, past ``CLUSTER_TWIN_M``, its first one on a
-    ``CLUSTER_TWIN`` cluster (checked like any algorithm when it is built)."""
-    if key.m <= CLUSTER_TWIN_M or not found:
+    """The heuristic's algorithms ``found`` and, for a rowwise key past ``CLUSTER_TWIN_M``, its
+    first one on a ``CLUSTER_TWIN`` cluster (checked like any algorithm when it is built)."""
+    if key.scale != "row" or key.m <= CLUSTER_TWIN_M or not found:
         return found
     twin = {**found[0], "cluster": CLUSTER_TWIN}
     return found if twin in found else [*found, twin]
