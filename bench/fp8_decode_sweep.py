@@ -16,15 +16,19 @@ error. The JSON is rewritten after every projection.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import time
 from typing import Any
 
 import torch
-import triton
 
-from bench.lowbit_kernels import PROJECTIONS, copies, nbytes, rotate, time_us
+from bench.lowbit_kernels import (
+    PROJECTIONS,
+    copies,
+    header,
+    nbytes,
+    rotate,
+    time_us,
+    write_as_it_goes,
+)
 from tuner.candidates.triton_kernels import fp8 as fp8_kernels
 from tuner.candidates.triton_kernels.launch import warm
 from tuner.candidates.triton_kernels.stream_read import read_all, sums_for
@@ -166,20 +170,8 @@ def main() -> None:
         return
     torch.manual_seed(0)
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
-    result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": triton.__version__, "cuda": torch.version.cuda,
-        "python": platform.python_version(), "copy_gbs": round(copy_gbs, 1), "configs": which,
-        "rows": [],
-    }  # fmt: skip
-    print(f"{result['device']}: copy {copy_gbs:.0f} GB/s", flush=True)
-    t0 = time.time()
-    for name in args.proj:
-        result["rows"] += sweep(name, args.m, which, copy_gbs)
-        result["seconds"] = round(time.time() - t0, 1)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        torch.cuda.empty_cache()
+    result = header(copy_gbs, configs=which)
+    write_as_it_goes(result, args.out, args.proj, lambda name: sweep(name, args.m, which, copy_gbs))
 
 
 if __name__ == "__main__":

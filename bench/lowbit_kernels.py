@@ -240,6 +240,30 @@ def profiled(name: str, m: int, impl: str, fn: Callable[[int], Any], extra: dict
     return {"impl": impl, "us": 1.0}
 
 
+def header(copy_gbs: float, **extra: Any) -> dict[str, Any]:
+    """A kernel bench's JSON before its rows: device, versions, the copy bandwidth, ``extra``."""
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "cuda": torch.version.cuda,
+              "python": platform.python_version(), "copy_gbs": round(copy_gbs, 1), **extra,
+              "rows": []}  # fmt: skip
+    print(f"{result['device']}: copy {copy_gbs:.0f} GB/s", flush=True)
+    return result
+
+
+def write_as_it_goes(
+    result: dict[str, Any], out: str, names: list[str], rows_of: Callable[[str], list[Any]]
+) -> None:
+    """``rows_of(name)`` added to ``result['rows']`` for each name, the JSON rewritten after each:
+    a run cut off by its time limit keeps what it measured."""
+    t0 = time.time()
+    for name in names:
+        result["rows"] += rows_of(name)
+        result["seconds"] = round(time.time() - t0, 1)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -266,24 +290,16 @@ def main() -> None:
             ap.error(f"projection {name!r}: allowed {sorted(PROJECTIONS)} (or add it with --shape)")
     torch.manual_seed(0)
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
-    result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-        "copy_gbs": round(copy_gbs, 1), "group_size": GROUP, "rows": [],
-    }  # fmt: skip
-    print(f"{result['device']}: copy {copy_gbs:.0f} GB/s", flush=True)
-    t0 = time.time()
+    result = header(copy_gbs, group_size=GROUP)
     if "int4" in args.formats:
         precompile_int4(args.proj, tuple(args.m), args.extra)
-    for name in args.proj:
+
+    def rows_of(name: str) -> list[dict[str, Any]]:
         n, k = PROJECTIONS[name]
-        result["rows"] += bench_projection(name, n, k, tuple(args.m), copy_gbs, args.budget,
-                                           tuple(args.formats), args.profile,
-                                           args.extra.get(name, []))  # fmt: skip
-        result["seconds"] = round(time.time() - t0, 1)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        torch.cuda.empty_cache()
+        return bench_projection(name, n, k, tuple(args.m), copy_gbs, args.budget,
+                                tuple(args.formats), args.profile, args.extra.get(name, []))  # fmt: skip
+
+    write_as_it_goes(result, args.out, args.proj, rows_of)
 
 
 if __name__ == "__main__":
