@@ -38,8 +38,7 @@ from tuner.quant.tolerance import FP8_TENSOR_CORE_ACCUMULATE, excess, gemm_toler
 
 WIDE_N = 16384  # from here on a projection takes one split per tile (enough tiles for a wave)
 # (bn, bk, splits, interleaved, warps, stages) of the tiled kernel; splits apply below WIDE_N.
-# Around the one-program-per-SM tile (32 x 512, one split, 6 stages) that won M = 16 in the
-# first grid (session 12 call 1; its grid is in that call's results file).
+# Around the one-program-per-SM tile (32 x 512, one split, 6 stages).
 GRID = [
     (32, 512, 1, False, 4, 5), (32, 512, 1, False, 4, 7), (32, 512, 1, False, 4, 8),
     (32, 512, 1, False, 8, 6), (32, 1024, 1, False, 4, 4), (32, 256, 1, False, 4, 8),

@@ -160,14 +160,16 @@ def test_plain_cutlass_params_still_make_plain_specs():
 
 
 def test_cublaslt_fp8_offers_the_rowwise_algorithm_on_a_1x2_cluster_past_decode():
+    H100 = (9, 0)
     first = {"id": 66, "tile": "128x128", "cluster": "1x1x1", "custom": 7}
     other = {**first, "tile": "64x128"}
     for m in (16, 256):
-        assert with_cluster_twin(fp8("fp8-rowwise", m=m), [first, other]) == [first, other]
+        assert with_cluster_twin(fp8("fp8-rowwise", m=m), [first, other], H100) == [first, other]
     prefill = fp8("fp8-rowwise", m=2048)
     twin = {**first, "cluster": CLUSTER_TWIN}
-    assert with_cluster_twin(prefill, [first, other]) == [first, other, twin]
-    assert with_cluster_twin(prefill, [twin, first]) == [twin, first]  # no repeat
-    assert with_cluster_twin(prefill, []) == []
+    assert with_cluster_twin(prefill, [first, other], H100) == [first, other, twin]
+    assert with_cluster_twin(prefill, [twin, first], H100) == [twin, first]  # no repeat
+    assert with_cluster_twin(prefill, [], H100) == []
+    assert with_cluster_twin(prefill, [first], (8, 9)) == [first]  # sm89: no clusters
     tensorwise = fp8("fp8-tensorwise", m=2048)  # its heuristic offers clusters of its own
-    assert with_cluster_twin(tensorwise, [first]) == [first]
+    assert with_cluster_twin(tensorwise, [first], H100) == [first]

@@ -201,17 +201,23 @@ def test_w4a16_bad_inputs_name_the_field() -> None:
     with pytest.raises(ValueError, match="config\\['bn'\\]=96: must divide 64"):
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "bn": 96})
     # K = 256 is one step of two dots
-    with pytest.raises(ValueError, match=re.escape("config['split_k']=2: allowed 1 .. 1")):
-        w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "split_k": 2})
+    for split in (2, True):  # a bool is not a split count
+        with pytest.raises(
+            ValueError, match=re.escape(f"config['split_k']={split}: allowed 1 .. 1")
+        ):
+            w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "split_k": split})
     for bad in ({**TILED, "dots": 1, "step_sum": True}, {**TILED, "step_sum": 1}):
         with pytest.raises(ValueError, match="config\\['step_sum'\\]"):
             w4a16.w4a16_matmul(x, w, sz, 32, bad)
-    for bad in ({**STREAM, "split_wait": True}, {**TILED, "split_wait": "yes"}):
+    # nothing to wait for: one split
+    for bad in ({**STREAM, "split_wait": True}, {**TILED, "split_wait": "yes"},
+                {**TILED, "split_wait": True}):  # fmt: skip
         with pytest.raises(ValueError, match="config\\['split_wait'\\]"):
             w4a16.w4a16_matmul(x, w, sz, 32, bad)
     # whole tiles: fewer than the problem's (one here), with a split of the others, tiled only
     for bad in ({**ONE_DOT_SPLIT, "whole_tiles": 1}, {**TILED, "bn": 8, "whole_tiles": 1},
                 {**ONE_DOT_SPLIT, "bn": 8, "whole_tiles": True},
+                {**ONE_DOT_SPLIT, "bn": 8, "whole_tiles": 0.0},
                 {**STREAM, "whole_tiles": 1}):  # fmt: skip
         with pytest.raises(ValueError, match="config\\['whole_tiles'\\]"):
             w4a16.w4a16_matmul(x, w, sz, 32, bad)

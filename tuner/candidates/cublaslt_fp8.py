@@ -41,10 +41,11 @@ MIN_CAPABILITY = (8, 9)
 ALIGN = 16  # bytes: FP8 operands' pointers and leading dimensions
 # Past this M a rowwise key's heuristic algorithm is also offered on a 1x2x1 cluster: the two CTAs
 # along cuBLASLt's N (our activation rows) share each weight tile. For rowwise scales the
-# heuristic offers one algorithm, on a 1x1x1 cluster, though the 1x2x1 one is faster on large
-# outputs (bench/NOTES.md, session 12 fp8pre).
+# heuristic offers one algorithm, on a 1x1x1 cluster, though the 1x2x1 one can be faster on large
+# outputs. Clusters need sm90.
 CLUSTER_TWIN_M = 256
 CLUSTER_TWIN = "1x2x1"
+CLUSTER_CAPABILITY = (9, 0)
 
 
 @functools.cache
@@ -96,10 +97,15 @@ def outer_vector_reason(index: int, accum: str) -> str | None:
     return None
 
 
-def with_cluster_twin(key: GemmKey, found: list[Params]) -> list[Params]:
-    """The heuristic's algorithms ``found`` and, for a rowwise key past ``CLUSTER_TWIN_M``, its
-    first one on a ``CLUSTER_TWIN`` cluster (checked like any algorithm when it is built)."""
+def with_cluster_twin(
+    key: GemmKey, found: list[Params], capability: tuple[int, int]
+) -> list[Params]:
+    """The heuristic's algorithms ``found`` and, for a rowwise key past ``CLUSTER_TWIN_M`` on a
+    device of ``capability`` with clusters, its first one on a ``CLUSTER_TWIN`` cluster (checked
+    like any algorithm when it is built)."""
     if key.scale != "row" or key.m <= CLUSTER_TWIN_M or not found:
+        return found
+    if capability < CLUSTER_CAPABILITY:
         return found
     twin = {**found[0], "cluster": CLUSTER_TWIN}
     return found if twin in found else [*found, twin]
@@ -149,7 +155,8 @@ class CublasLtFp8(CublasLtGemm):
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         dev = torch.device("cuda", torch.cuda.current_device())
-        return with_cluster_twin(key, heuristic_params(key, dev, types=fp8_types(key, dev)))
+        found = heuristic_params(key, dev, types=fp8_types(key, dev))
+        return with_cluster_twin(key, found, torch.cuda.get_device_capability(dev))
 
     def build(self, key: GemmKey, params: Params) -> Runner:
         dev = torch.device("cuda", torch.cuda.current_device())

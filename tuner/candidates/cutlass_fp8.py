@@ -52,7 +52,7 @@ SMALL_FAST = [
     _p(128, 128, (1, 2)),
 ]
 # 128x128 CTAs, as torch's own rowwise kernel: the 128x256 CTA of 256x256 (2, 1) spills the
-# doubled accumulators of fp32 promotion (bench/NOTES.md, session 12 fp8pre)
+# doubled accumulators of fp32 promotion
 LARGE = [_p(256, 128, (2, 1)), _p(128, 256, (1, 2))]
 
 

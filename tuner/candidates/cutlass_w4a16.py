@@ -79,12 +79,12 @@ SMALL = [
     _p(128, 128, (2, 1), "coop", "streamk"),
     _p(128, 128, (2, 1), "coop"),
 ]
-# A mixed-input CTA spends most of its time dequantizing its weight tile, so narrow N (the small
-# projections, fewer output tiles than SMs) takes 64 weight rows by 256 rows of x, each weight
-# element dequantized once up to M = 256, on the one-consumer mainloop (a second consumer has
-# no second tile to work on); 64 x 128 pingpong where N / 64 x 2 tiles still fit one wave;
-# cooperative stream-K where wide N or long K give every SM work. LARGE also offers MEDIUM's
-# 128 x 256 stream-K kernel for narrow N.
+# M up to MEDIUM_M. A mixed-input CTA spends most of its time dequantizing its weight tile, so
+# the list opens with 64 weight rows by 256 rows of x (each weight element dequantized once up
+# to M = 256) on the one-consumer mainloop (a second consumer would have no second tile on the
+# narrow projections); then 64 x 128 pingpong (twice the tiles, for N that leaves SMs idle) and
+# cooperative stream-K (K spread over the SMs where the tiles are few). The tuner times them all:
+# the list is not filtered by N.
 MEDIUM = [
     _p(64, 256, (2, 1), "ws"),
     _p(64, 128, (2, 1), "pingpong"),

@@ -452,14 +452,14 @@ def jobs(
     return [launch.job() for launch in launches]
 
 
-# Decode (M <= 16), tiled kernel: the tiles that won a row of the H100 grid bench
-# (``bench/fp8_decode_sweep.py``; stream-K ran 3-10 points behind them on every decode row).
+# Decode (M <= 16), tiled kernel: the tiles that won a decode row of the grid bench
+# (``bench/fp8_decode_sweep.py``, figures in bench/NOTES.md), which stream-K won none of.
 # N narrower than two waves of 64-row tiles: (bn, bk, stages, splits, least M), splits:
 # "wave", the most whose programs fit one wave at two per SM; "per_sm", the most whose
 # programs fit one wave at one per SM (a deep pipeline), offered where they fill 3/4 of it at
-# least; "fill", one, offered where N / bn programs fill one wave at one per SM alone. Splits
-# are interleaved (a tile's splits, running together, read adjacent steps of the same rows).
-# 32 x 512 x 6 from M = 2: Triton's M = 1 specialization of it ran at 63-68% of copy.
+# least; "fill", one, offered where N / bn programs alone are more than one wave at one per SM.
+# Splits are interleaved (a tile's splits, running together, read adjacent steps of the same
+# rows). 32 x 512 x 6 from M = 2: Triton's M = 1 specialization of it reads slower.
 NARROW_TILES = ((64, 256, 4, "wave", 1), (64, 256, 6, "per_sm", 1), (32, 512, 6, "per_sm", 2),
                 (32, 256, 8, "per_sm", 1), (32, 512, 4, "fill", 1))  # fmt: skip
 # N that fills two waves of 64-row tiles: one split each, (bn, bk, stages).
@@ -467,8 +467,9 @@ WIDE_TILES = ((64, 256, 3), (64, 256, 4))
 
 
 def _splits(tiles: int, k: int, bk: int, programs: int) -> int:
-    """The most splits (a power of two up to 16, each at least 4 ``bk`` steps) whose ``tiles``
-    x splits programs are at most ``programs``."""
+    """The most splits (a power of two up to 16, doubled while the current count leaves each at
+    least 4 ``bk`` steps: the last doubling may leave 2) whose ``tiles`` x splits programs are at
+    most ``programs``."""
     split = 1
     while tiles * split * 2 <= programs and k >= bk * split * 4 and split < 16 \
             and split_fits(k, bk, split * 2):  # fmt: skip

@@ -348,17 +348,18 @@ def check_config(config: Config, m: int, n: int, k: int, group_size: int) -> Non
         raise ValueError(f"config['bk']={bk}, config['dots']={dots}: K={k} must be whole steps "
                          f"of bk * dots")  # fmt: skip
     split_wait = config.get("split_wait", False)
-    if not isinstance(split_wait, bool) or (split_wait and kernel != "tiled"):
-        raise ValueError(f"config['split_wait']={split_wait!r}: allowed True (kernel 'tiled') "
-                         f"or False")  # fmt: skip
+    split = config.get("split_k", 1)
+    if not isinstance(split_wait, bool) or (split_wait and (kernel != "tiled" or split == 1)):
+        raise ValueError(f"config['split_wait']={split_wait!r}: allowed True (kernel 'tiled', "
+                         f"config['split_k'] >= 2) or False")  # fmt: skip
     whole = config.get("whole_tiles", 0)
     if kernel == "tiled":
-        split, steps = config.get("split_k", 1), k // (bk * dots)
-        if not isinstance(split, int) or not 1 <= split <= steps:
+        steps = k // (bk * dots)
+        if type(split) is not int or not 1 <= split <= steps:
             raise ValueError(f"config['split_k']={split!r}: allowed 1 .. {steps}, the bk * dots = "
                              f"{bk * dots} steps of K={k}")  # fmt: skip
         tiles = triton.cdiv(m, config["bm"]) * triton.cdiv(n, bn)
-        if whole != 0 and (type(whole) is not int or not 1 <= whole < tiles or split == 1):
+        if type(whole) is not int or (whole != 0 and (not 1 <= whole < tiles or split == 1)):
             raise ValueError(f"config['whole_tiles']={whole!r}: allowed 0 (none), or from 1 to "
                              f"one less than the problem's {tiles} tiles with config['split_k'] "
                              f">= 2")  # fmt: skip
@@ -509,11 +510,11 @@ class Plan:
         )
 
 
-def _splits(tiles: int, k: int, step: int, sms: int, waves: float) -> int:
-    """Enough K splits that ``tiles`` output tiles cover the SMs ``waves`` times; each split
-    whole ``step``s of K."""
+def _splits(tiles: int, k: int, step: int, sms: int) -> int:
+    """Enough K splits (a power of two up to 16) that ``tiles`` output tiles cover the SMs once;
+    each split whole ``step``s of K."""
     split = 1
-    while tiles * split < waves * sms and k % (step * split * 2) == 0 and split < 16:
+    while tiles * split < sms and k % (step * split * 2) == 0 and split < 16:
         split *= 2
     return split
 
@@ -560,7 +561,7 @@ def _dots(k: int, most: int) -> int:
 # fewer (64 rows x 3 stages x 2 dots: 42 KB, 80-96 registers: 5 per SM). ptxas (Triton 3.6)
 # serializes the wgmmas (C7515) of 64 rows on 4 warps unless each step sums apart
 # (``step_sum``, dropped where a step is one dot). The partials are summed by the last to arrive
-# or (``split_wait``, where split > 1) by the last split; neither wins every row. Where the tiles
+# or (``split_wait``, where split > 1) by the last split; the shortlist keeps both. Where the tiles
 # outnumber the SMs and one split is resident, the hybrid of ``_hybrid`` (``whole_tiles``) with
 # split_wait takes the one split's place: an SM with a whole tile more than others sets the time.
 DECODE_TILES = ((64, 4, 3, 2, 5, {"step_sum": True}),
@@ -592,7 +593,7 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
         return out
     for bm, bn, warps, stages, dots in PREFILL_TILES:
         if bm <= 2 * max(m, 16) and k % (dots * CHUNK) == 0:
-            split = _splits(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, dots * CHUNK, sms, 1.0)
+            split = _splits(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, dots * CHUNK, sms)
             out.append({"kernel": "tiled", "bm": bm, "bn": bn, "bk": CHUNK, "dots": dots,
                         "split_k": split, "group_m": 8, "warps": warps, "stages": stages})  # fmt: skip
     out.sort(key=lambda c: -c["bm"] * c["bn"] if m > 256 else c["bm"])
