@@ -45,3 +45,17 @@ def test_graph_calls_spread_the_replay_launch_and_cover_every_input_set():
     assert timing.graph_calls(3000.0, sets=3) == 3  # ... but each input set once per replay
     assert timing.graph_calls(100.0) == 3
     assert timing.graph_calls(3000.0, sets=64) == timing.GRAPH_CALLS
+
+
+def test_rounds_taken_side_by_side_alternate_their_order():
+    assert [timing.round_order("abc", r) for r in range(3)] == [
+        ["a", "b", "c"],
+        ["c", "b", "a"],
+        ["a", "b", "c"],
+    ]
+
+
+def test_queued_is_only_a_gpu_clock():
+    """Off the GPU nothing can be queued: the samples are the host's clock as always."""
+    t = timing.measure(lambda i: time.sleep(0.001), device="cpu", max_reps=5, queued=True)
+    assert t.median_us >= 900

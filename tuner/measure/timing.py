@@ -24,9 +24,11 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 CPU_L2_BYTES = 32 * 2**20  # a generous last-level cache guess; CPU rotation matters less
 WARMUP = 3  # untimed calls before the clock starts (measure_sets: at least one per input set)
@@ -82,6 +84,13 @@ def measure_sets(
     starts: a runner's first call on an operand may convert it (a layout made once per tensor,
     then memoised), which is set-up, not a call."""
     return measure(on_sets(runner, sets), warmup=max(WARMUP, len(sets)), **options)
+
+
+def round_order(items: Sequence[T], round_: int) -> list[T]:
+    """The order of round ``round_`` of runners timed side by side: every other round reversed.
+    A GPU that heats over a round of long compute-bound calls lowers its clock, and a fixed
+    order would favour the runners timed first."""
+    return list(items) if round_ % 2 == 0 else list(reversed(items))
 
 
 def _percentile(sorted_xs: list[float], q: float) -> float:

@@ -73,14 +73,11 @@ def in_turn(
 ) -> dict[str, float]:
     """Median times (us) of each runner over ``rounds`` rounds that time the runners in turn,
     each on its own input sets, so that all are measured under the same load: GPU times inside
-    CUDA graphs (``graph``), else eager times. Every other round takes them in reverse order: a
-    GPU that heats over a round of long compute-bound calls lowers its clock, and a fixed order
-    would favour the runners timed first. ``on_error(name, e)``: a runner that raises is dropped
-    and reported there; without it the error propagates."""
+    CUDA graphs (``graph``), else eager times, in ``timing.round_order``. ``on_error(name, e)``:
+    a runner that raises is dropped and reported there; without it the error propagates."""
     times: dict[str, list[float]] = {name: [] for name in runners}
     for round_ in range(rounds):
-        order = list(times)
-        for name in order if round_ % 2 == 0 else reversed(order):
+        for name in timing.round_order(list(times), round_):
             runner, sets = runners[name]
             try:
                 if graph:

@@ -265,9 +265,8 @@ class _Trial:
     def confirm(
         self, base: Measurement, challenger: Measurement, options: TuneOptions
     ) -> tuple[Measurement, float, float]:
-        """Re-time baseline and challenger alternately on the same inputs, every other round
-        challenger first (a GPU heating over long calls lowers its clock: a fixed order would
-        favour one). The challenger keeps the win only if it still beats the baseline by the
+        """Re-time baseline and challenger alternately on the same inputs, in
+        ``timing.round_order``. The challenger keeps the win only if it still beats the baseline by the
         margin: one lucky measurement (clock drift, a quiet moment) must not make a winner that
         is slower in use.
 
@@ -290,7 +289,7 @@ class _Trial:
         times: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         hosts: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         for round_ in range(options.confirm_rounds):
-            for m in (base, challenger) if round_ % 2 == 0 else (challenger, base):
+            for m in timing.round_order((base, challenger), round_):
                 runner = runners[m.candidate]
                 t = timing.measure_sets(
                     runner,
