@@ -12,6 +12,7 @@ the format (the baseline a challenger must beat in the tuner's duel).
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
@@ -25,7 +26,7 @@ from tuner.candidates.base import Params
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey
 from tuner.measure import samples, timing
-from tuner.suites.lowbit import bf16_twin
+from tuner.suites.lowbit import bf16_twin, problems
 from tuner.suites.runner import Timed, in_turn
 
 SIDE_BY_SIDE = 3  # the fastest configs by GPU time and by eager time that are timed in turn
@@ -34,6 +35,21 @@ GRAPH_ROUNDS = 2
 NARROW_FIRST = ("qkv", "o", "down", "gate_up")  # the projections, in the order they are run
 
 Todo = list[tuple[str, Params, bool]]  # (source, params, shortlisted)
+
+
+def arguments(description: str, default_m: list[int]) -> argparse.ArgumentParser:
+    """The options both prefill benches take: --out, --m, --ops, --sweep."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--m", type=int, nargs="+", default=default_m)
+    ap.add_argument("--ops", nargs="+", default=list(NARROW_FIRST), choices=NARROW_FIRST)
+    ap.add_argument("--sweep", action="store_true", help="also the bench's wider config grid")
+    return ap
+
+
+def keys_of(fmt: str, ms: Sequence[int], ops: Sequence[str]) -> list[tuple[str, GemmKey]]:
+    """The low-bit suite's (label, key) of format ``fmt`` at each M, projection by projection."""
+    return [(label, key) for m in ms for op in ops for label, key in problems([fmt], [m], [op])]
 
 
 def unique(shortlisted: Sequence[tuple[str, Params]], extra: Sequence[tuple[str, Params]]) -> Todo:
@@ -82,8 +98,8 @@ def time_config(
         eager = timing.measure_sets(runner, sets, device="cuda", budget_s=0.05)
         row["eager_us"], row["host_us"] = eager.median_us, eager.host_us
     except Exception as e:  # one config's failure is a finding, not the end of the sweep
-        torch.cuda.synchronize()
         row["failed"] = f"{type(e).__name__}: {e}"[:400]
+        torch.cuda.synchronize()  # a sticky CUDA error raises here: then the sweep cannot go on
         return row, None
     return row, runner
 

@@ -36,8 +36,8 @@ from tuner.measure import timing
 from tuner.quant import fp8
 from tuner.quant.tolerance import FP8_TENSOR_CORE_ACCUMULATE, excess, gemm_tolerance
 
-WIDE_N = 16384  # from here on a projection takes one split per tile (enough tiles for a wave)
-# (bn, bk, splits, interleaved, warps, stages) of the tiled kernel; splits apply below WIDE_N.
+# (bn, bk, splits, interleaved, warps, stages) of the tiled kernel; splits apply where N is not
+# wide (``fp8.wide``: one split per tile there).
 # Around the one-program-per-SM tile (32 x 512, one split, 6 stages).
 GRID = [
     (32, 512, 1, False, 4, 5), (32, 512, 1, False, 4, 7), (32, 512, 1, False, 4, 8),
@@ -49,8 +49,9 @@ GRID = [
 def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     """``GRID`` as configs for N (one split each on wide N), then the shortlist's others."""
     out: list[dict[str, Any]] = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for bn, bk, split, interleave, warps, stages in GRID:
-        split = 1 if n >= WIDE_N else split
+        split = 1 if fp8_kernels.wide(n, sms) else split
         cfg = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "split_k": split, "group_m": 1,
                "warps": warps, "stages": stages}  # fmt: skip
         if split > 1 and interleave:

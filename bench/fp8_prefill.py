@@ -15,7 +15,6 @@ each source's first config), printed and kept in the JSON.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -23,12 +22,11 @@ from typing import Any
 
 import torch
 
-from bench.config_sweep import NARROW_FIRST, Todo, compile_everything, run, unique
+from bench.config_sweep import Todo, arguments, compile_everything, keys_of, run, unique
 from tuner.candidates import cutlass_fp8, registry
 from tuner.candidates.base import Params
 from tuner.core.keys import GemmKey
 from tuner.measure import samples
-from tuner.suites.lowbit import problems
 
 FORMAT = "fp8-rowwise"
 SOURCES = ("cutlass_fp8", "cublaslt_fp8", "triton_fp8")
@@ -106,16 +104,11 @@ def profile_host(key: GemmKey, todo: list[tuple[str, Params, bool]], calls: int)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--m", type=int, nargs="+", default=[2048])
-    ap.add_argument("--ops", nargs="+", default=list(NARROW_FIRST), choices=NARROW_FIRST)
-    ap.add_argument("--sweep", action="store_true", help="also the bench's wider config grid")
+    ap = arguments(__doc__.split("\n")[0], default_m=[2048])
     ap.add_argument("--profile-host", type=int, default=0, metavar="N",
                     help="first row: cProfile of N eager calls per source")  # fmt: skip
     args = ap.parse_args()
-    keys = [(label, key) for m in args.m for op in args.ops
-            for label, key in problems([FORMAT], [m], [op])]  # fmt: skip
+    keys = keys_of(FORMAT, args.m, args.ops)
     todo = {key: configs_of(key, args.sweep) for _, key in keys}
     extra: dict[str, Any] = {"sweep": args.sweep}
     extra["compile_s"] = compile_everything(todo, cutlass="cutlass_fp8", triton="triton_fp8")

@@ -173,7 +173,9 @@ def bench_projection(name: str, n: int, k: int, ms: tuple[int, ...], copy_gbs: f
             return
         for extra_row in (r for r in ours if r["impl"] == "w4a16_extra"):
             extra_row["speedup_vs_bf16"] = round(base["us"] / extra_row["us"], 3)
-        best = min((r for r in ours if r["impl"] == "w4a16"), key=lambda r: r["us"])
+        best = min((r for r in ours if r["impl"] == "w4a16"), key=lambda r: r["us"], default=None)
+        if best is None:  # every shortlisted config failed (recorded above): nothing to check
+            return
         best["best"] = True
         best["speedup_vs_bf16"] = round(base["us"] / best["us"], 3)
         wd = int4.dequantize(int4.unpack(packed), sz, GROUP)

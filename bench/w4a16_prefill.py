@@ -12,17 +12,14 @@ the JSON is rewritten after every row, narrow projections first.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import triton
 
-from bench.config_sweep import NARROW_FIRST, Todo, compile_everything, run, unique
+from bench.config_sweep import Todo, arguments, compile_everything, keys_of, run, unique
 from tuner.candidates import cutlass_w4a16 as cw
 from tuner.candidates.base import Params
 from tuner.candidates.triton_kernels import w4a16
 from tuner.core.keys import GemmKey
-from tuner.suites.lowbit import problems
 
 FORMAT = "int4-g128"
 # Triton tiled tiles swept (bm activation rows, bn weight rows, warps, stages, dots, step_sum)
@@ -73,15 +70,9 @@ def configs_of(key: GemmKey, sweep: bool, sms: int) -> Todo:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--m", type=int, nargs="+", default=[256, 2048])
-    ap.add_argument("--ops", nargs="+", default=list(NARROW_FIRST), choices=NARROW_FIRST)
-    ap.add_argument("--sweep", action="store_true", help="also the bench's wider config grid")
-    args = ap.parse_args()
+    args = arguments(__doc__.split("\n")[0], default_m=[256, 2048]).parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    keys = [(label, key) for m in args.m for op in args.ops
-            for label, key in problems([FORMAT], [m], [op])]  # fmt: skip
+    keys = keys_of(FORMAT, args.m, args.ops)
     todo = {key: configs_of(key, args.sweep, sms) for _, key in keys}
     compiled = compile_everything(todo, cutlass="cutlass_w4a16", triton="triton_w4a16")
     run("w4a16_prefill", keys, todo, args.out, with_torch=False,

@@ -470,3 +470,18 @@ def test_fp8_precise_mode_promotes_the_partial_sums(m: int) -> None:
         if precise:  # a chunk of PROMOTE_EVERY products still sums in partial precision
             fast = errors[kernel, bk, False]
             assert err < 2e-3 and (err < fast / 4 or fast < 4e-4), (kernel, bk, errors)
+
+
+def test_w4a16_decode_split_rules_on_the_models_shapes() -> None:
+    """Splits whose CTAs are all resident at once (5 per SM on 132 SMs), K steps of two dots:
+    the down projections split K (Llama 64 tiles x 56 steps, Qwen 56 x 74); the gate_up ones have
+    more tiles than SMs, so one split, and the hybrid deals the tail of tiles past whole waves
+    of one tile per SM out in two splits."""
+    assert w4a16._resident_splits(64, 56, 5, 132) == 8
+    assert w4a16._resident_splits(56, 74, 5, 132) == 11
+    assert w4a16._resident_splits(448, 16, 5, 132) == 1
+    assert w4a16._resident_splits(4, 3, 5, 132) == 3  # never more splits than steps
+    assert w4a16._hybrid(448, 16, 5, 132) == (396, 2)
+    assert w4a16._hybrid(592, 14, 5, 132) == (528, 2)
+    assert w4a16._hybrid(264, 16, 5, 132) is None  # whole waves only: nothing to even out
+    assert w4a16._hybrid(100, 16, 5, 132) is None  # fewer tiles than SMs: split-K's case

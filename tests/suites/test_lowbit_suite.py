@@ -32,7 +32,7 @@ def test_suite_has_the_issue_shapes_and_formats() -> None:
 
 
 def test_quick_covers_every_format_on_both_models_with_few_rows() -> None:
-    quick = lowbit.quick_problems()
+    quick = lowbit.chosen_problems(lowbit.FORMATS, quick=True)
     assert len(quick) == 2 * len(lowbit.QUICK_OPS) * len(lowbit.QUICK_M) * len(lowbit.FORMATS)
     for fmt in lowbit.FORMATS:
         mine = [label for label, _ in quick if label.endswith(f" {fmt}")]
@@ -40,7 +40,7 @@ def test_quick_covers_every_format_on_both_models_with_few_rows() -> None:
         assert {int(label.split("M=")[1].split()[0]) for label in mine} == set(lowbit.QUICK_M)
     # each quick projection has a weight the decode targets judge (bf16 >= 64 MB)
     assert min(lowbit.bf16_twin(k).weight_bytes for _, k in quick) >= 64 * lowbit.MB
-    fp8_only = lowbit.quick_problems(["fp8-rowwise"])
+    fp8_only = lowbit.chosen_problems(["fp8-rowwise"], quick=True)
     assert {label.rsplit(" ", 1)[1] for label, _ in fp8_only} == {"fp8-rowwise"}
 
 
@@ -54,7 +54,7 @@ def test_unknown_projection_or_format_names_the_field() -> None:
 
 
 def test_the_command_line_can_choose_rows_by_m_and_projection() -> None:
-    chosen = lowbit.chosen_problems(["int4-g128"], ms=[1, 2048], ops=["down"])
+    chosen = lowbit.chosen_problems(["int4-g128"], ms=[1, 2048, 1], ops=["down"])  # each once
     assert [label for label, _ in chosen] == [
         f"{model} down M={m} int4-g128" for model in ("Llama-3-8B", "Qwen2.5-7B") for m in (1, 2048)
     ]

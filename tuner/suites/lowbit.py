@@ -107,11 +107,6 @@ def problems(
     ]
 
 
-def quick_problems(formats: Sequence[str] = FORMATS) -> Problems:
-    """Few rows of every format on both models (``QUICK_OPS`` at ``QUICK_M``): ``--quick``."""
-    return problems(formats, QUICK_M, QUICK_OPS)
-
-
 def chosen_problems(
     formats: Sequence[str],
     *,
@@ -119,11 +114,11 @@ def chosen_problems(
     ms: Sequence[int] | None = None,
     ops: Sequence[str] | None = None,
 ) -> Problems:
-    """The rows the command line asks for: every M and projection, or ``--quick``'s few, with
-    ``ms`` and ``ops`` (when given) in place of either's (re-running the rows a change touched)."""
-    return problems(
-        formats, ms or (QUICK_M if quick else M_SIZES), ops or (QUICK_OPS if quick else OPS)
-    )
+    """The rows the command line asks for: every M and projection, or ``--quick``'s few (every
+    format on both models' ``QUICK_OPS`` at ``QUICK_M``), with ``ms`` and ``ops`` (when given) in
+    place of either's (re-running the rows a change touched), each once."""
+    ms = dict.fromkeys(ms or (QUICK_M if quick else M_SIZES))
+    return problems(formats, list(ms), list(dict.fromkeys(ops or (QUICK_OPS if quick else OPS))))
 
 
 def graph_judged(key: GemmKey, device: str) -> bool:

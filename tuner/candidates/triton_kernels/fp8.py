@@ -477,10 +477,15 @@ def _splits(tiles: int, k: int, bk: int, programs: int) -> int:
     return split
 
 
+def wide(n: int, sms: int) -> bool:
+    """Whether N gives two waves of 64-row tiles: then decode takes one split per tile."""
+    return triton.cdiv(n, 64) >= 2 * sms
+
+
 def decode_configs(m: int, n: int, k: int, sms: int = 132) -> list[Config]:
     """``configs`` for M <= 16."""
     tile = {"kernel": "tiled", "bm": 16, "group_m": 1, "warps": 4}
-    if triton.cdiv(n, 64) >= 2 * sms:
+    if wide(n, sms):
         return [
             {**tile, "bn": bn, "bk": bk, "stages": st, "split_k": 1} for bn, bk, st in WIDE_TILES
         ]
