@@ -134,19 +134,18 @@ def run_suite(
     store: Store | None = None,
     tuner: Callable[[Key, TuneOptions], TuneOutcome] | None = None,
     plot: bool = True,
-    times: Callable[[Key, Winner, str], tuple[float, float]] | None = None,
+    times: Callable[[Key, Winner, str], tuple[float, float]] = side_by_side,
 ) -> dict[str, Any]:
     """Tune and measure every (label, key); write ``<name>.json`` and ``<name>.png`` into out_dir.
 
     ``tuner`` replaces ``engine.tune`` (e.g. a crash-isolating worker); ``store`` keeps every
     measurement and winner (the tuned cache that comes back with the results); ``plot=False``
     leaves the PNG to a suite that draws its own; ``times(key, winner, device)`` gives a row's
-    baseline and winner times (default ``side_by_side``; ``tuned_times`` for a suite that times
-    its rows again once all are tuned).
+    baseline and winner times (``tuned_times`` for a suite that times its rows again once all
+    are tuned).
     """
     options = options or TuneOptions()
     run_tuner = tuner or (lambda key, opts: tune(key, options=opts))
-    row_times = times or side_by_side
     device = current_device()
     fp = fingerprint(device)
     if store is not None:
@@ -168,7 +167,7 @@ def run_suite(
             tune_s = time.perf_counter() - started
             if store is not None:
                 store.save_run(outcome.measurements, outcome.winner)
-            base_us, win_us = row_times(key, outcome.winner, device)
+            base_us, win_us = times(key, outcome.winner, device)
             row = Row(
                 label,
                 str(key),

@@ -266,9 +266,9 @@ class _Trial:
         self, base: Measurement, challenger: Measurement, options: TuneOptions
     ) -> tuple[Measurement, float, float]:
         """Re-time baseline and challenger alternately on the same inputs, in
-        ``timing.round_order``. The challenger keeps the win only if it still beats the baseline by the
-        margin: one lucky measurement (clock drift, a quiet moment) must not make a winner that
-        is slower in use.
+        ``timing.round_order``. The challenger keeps the win only if it still beats the baseline
+        by the margin: one lucky measurement (clock drift, a quiet moment) must not make a winner
+        that is slower in use.
 
         On the GPU both are also timed in a CUDA graph (GPU time alone, ``timing.graph_time``):
         with ``launch="graph"`` that is the time compared; eagerly the challenger must in addition
