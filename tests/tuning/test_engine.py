@@ -433,9 +433,12 @@ def test_a_runners_first_call_on_each_input_set_is_set_up_not_timing(monkeypatch
     assert len(samples.input_sets(KEY, "cpu", 0)) >= 4  # the probe's 3 calls: all first sights
     registry.register(ConvertsOnFirstSight())
     try:
-        outcome = tune(
-            KEY, options=TuneOptions(budget_s=0.005, sources=["converts_on_first_sight"])
+        # cut-offs far above this host's noise and far below a conversion (tens of ms): a probe
+        # that converted is still cut, one slowed by a busy box is not
+        options = TuneOptions(
+            budget_s=0.005, cut_factor=100, late_cut=100, sources=["converts_on_first_sight"]
         )
+        outcome = tune(KEY, options=options)
     finally:
         registry.unregister("converts_on_first_sight")
     timed = by_params(outcome)["converts_on_first_sight"]
