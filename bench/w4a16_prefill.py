@@ -22,14 +22,17 @@ from tuner.candidates.triton_kernels import w4a16
 from tuner.core.keys import GemmKey
 
 FORMAT = "int4-g128"
-# Triton tiled tiles swept (bm activation rows, bn weight rows, warps, stages, dots, step_sum)
-# at K splits 1, 2, 4, and stream-K tiles (bm, bn, warps, stages, programs per SM), which take
-# M <= bm only
-SWEEP_TILED = ((128, 64, 4, 3, 1, False), (64, 64, 4, 3, 1, False), (64, 64, 4, 4, 1, False),
-               (256, 64, 8, 2, 1, False), (128, 64, 8, 3, 1, False), (256, 128, 8, 2, 1, False),
-               (128, 64, 8, 2, 2, False), (64, 64, 4, 2, 2, True), (128, 64, 4, 2, 2, True),
-               (64, 128, 8, 3, 2, True))  # fmt: skip
-SWEEP_SPLITS = (1, 2, 4)
+# Triton tiled tiles swept (bm activation rows, bn weight rows, warps, stages, dots, step_sum),
+# each at the K splits of ``sweep_splits``, and stream-K tiles (bm, bn, warps, stages, programs
+# per SM), which take M <= bm only. Offline (Triton 3.6, sm_90a) a two-dot step overlaps its
+# wgmmas (4 warps only with step_sum) and 3 or more stages keep a load in flight across the
+# loop (at 2 the loop waits for every copy at its top); the one-dot and 2-stage tiles are their
+# serialized / unpipelined twins.
+SWEEP_TILED = ((64, 64, 4, 3, 2, True), (64, 64, 4, 2, 2, True), (128, 64, 4, 3, 2, True),
+               (64, 128, 8, 3, 2, True), (64, 128, 8, 4, 2, True), (128, 128, 8, 3, 2, True),
+               (128, 128, 8, 3, 2, False), (128, 128, 8, 2, 2, True), (64, 256, 8, 3, 2, True),
+               (128, 64, 4, 3, 1, False), (64, 128, 8, 3, 1, False))  # fmt: skip
+MOST_SPLITS = 4
 SWEEP_STREAM = ((256, 64, 8, 2, 1), (256, 128, 8, 2, 1))
 # CUTLASS mixed-input kernels the generator lists beside the shortlists' (tile, cluster, kernel,
 # scheduler)
@@ -39,14 +42,22 @@ SWEEP_CUTLASS = (((64, 128), (2, 1), "ws", "default"), ((128, 128), (2, 1), "pin
                  ((128, 128), (1, 2), "coop", "streamk"))  # fmt: skip
 
 
+def sweep_splits(tiles: int, steps: int, sms: int) -> list[int]:
+    """K splits (runs of whole steps) worth timing for ``tiles`` output tiles of ``steps`` steps:
+    1, and up to ``MOST_SPLITS`` while the programs stay within two per SM."""
+    return [s for s in range(1, min(MOST_SPLITS, steps) + 1) if s == 1 or tiles * s <= 2 * sms]
+
+
 def sweep_triton(key: GemmKey, sms: int) -> list[Params]:
     out: list[Params] = []
     for bm, bn, warps, stages, dots, step_sum in SWEEP_TILED:
-        for split in SWEEP_SPLITS:
-            if key.k % (w4a16.CHUNK * dots * split) == 0:
-                config = {"kernel": "tiled", "bm": bm, "bn": bn, "bk": w4a16.CHUNK, "dots": dots,
-                          "split_k": split, "group_m": 8, "warps": warps, "stages": stages}  # fmt: skip
-                out.append({**config, "step_sum": True} if step_sum else config)
+        if key.k % (w4a16.CHUNK * dots):
+            continue
+        tiles = triton.cdiv(key.m, bm) * triton.cdiv(key.n, bn)
+        for split in sweep_splits(tiles, key.k // (w4a16.CHUNK * dots), sms):
+            config = {"kernel": "tiled", "bm": bm, "bn": bn, "bk": w4a16.CHUNK, "dots": dots,
+                      "split_k": split, "group_m": 8, "warps": warps, "stages": stages}  # fmt: skip
+            out.append({**config, "step_sum": True} if step_sum else config)
     for bm, bn, warps, stages, per_sm in SWEEP_STREAM:
         units = triton.cdiv(key.n, bn) * (key.k // w4a16.CHUNK)
         if key.m <= bm:
