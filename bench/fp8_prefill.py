@@ -31,15 +31,15 @@ from tuner.measure import samples
 FORMAT = "fp8-rowwise"
 SOURCES = ("cutlass_fp8", "cublaslt_fp8", "triton_fp8")
 BASELINE = "torch_lowbit"  # torch._scaled_mm
-# CUTLASS cooperative FP8 kernels the generator lists beside the shortlist's (tile, cluster,
-# scheduler): 128x128 is the tile torch's own rowwise kernel takes at these shapes
-SWEEP_CUTLASS = (((128, 128), (1, 2), "default"), ((128, 128), (2, 1), "default"),
-                 ((128, 128), (1, 2), "streamk"), ((128, 128), (2, 1), "streamk"),
-                 ((128, 256), (1, 2), "streamk"), ((128, 256), (2, 1), "streamk"),
-                 ((128, 256), (2, 1), "default"), ((256, 128), (1, 2), "default"))  # fmt: skip
+# CUTLASS cooperative FP8 kernels beside the shortlist's (cluster tile, cluster, scheduler): 128x192
+# CTAs (derived: the generator lists none) on either 2-CTA cluster, persistent and stream-K, and
+# 256x96 CTAs; 128x128 CTAs stream-K, the tile torch's own rowwise kernel takes at these shapes
+SWEEP_CUTLASS = (((128, 384), (1, 2), "default"), ((256, 192), (2, 1), "default"),
+                 ((256, 192), (1, 2), "default"), ((128, 384), (1, 2), "streamk"),
+                 ((256, 192), (2, 1), "streamk"), ((128, 256), (1, 2), "streamk"))  # fmt: skip
 # raster swizzles (a launch-time argument, no new kernel) tried on these (tile, cluster, scheduler)
 SWEEP_SWIZZLES = (2, 8)
-SWIZZLED = (((128, 128), (1, 2), "default"), ((128, 128), (1, 2), "streamk"))
+SWIZZLED = (((128, 384), (1, 2), "default"), ((256, 192), (2, 1), "default"))
 # cuBLASLt tiles (its M is our N: it multiplies W @ x.T) and clusters tried on the heuristic's
 # first algorithm; the ones this cuBLASLt cannot run fail at build and are recorded so
 SWEEP_LT_TILES = ("128x128", "128x256", "256x128", "192x128", "128x192")

@@ -32,13 +32,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tuner.core.atomic import write_atomic
+from tuner.core.keys import FP8
 
 SM = 90
 COMPILE_TIMEOUT_S = float(os.environ.get("TUNER_CUTLASS_COMPILE_TIMEOUT", "900"))
@@ -50,6 +51,9 @@ EVT_EXAMPLE = (2, 256, 256)
 # wdtype -> the module whose ``_main`` compiles such specs: kernels cutlass_cppgen cannot build,
 # made as shared libraries of their own (``library_path``); every other spec compiles here.
 BUILDERS = {"int4": "tuner.candidates.cutlass_w4a16"}
+# FP8 CTA widths ``derived`` may take: the cooperative TMA epilogue's subtile (32 columns) up to
+# the widest wgmma (256)
+DERIVED_N_STEP, DERIVED_N_MAX = 32, 256
 _LOCK = threading.RLock()  # cutlass_cppgen keeps global state (cwd, tempfile.tempdir, plans)
 
 
@@ -356,13 +360,41 @@ def epilogue_kind(td: Any) -> str:
 
 
 def tile_description(spec: KernelSpec) -> Any:
-    """cutlass_cppgen's TileDescription of ``spec``; LookupError if it offers none."""
-    found = _tile_descriptions(*_plan_fields(spec)).get(
-        (spec.tile, spec.cluster, spec.kernel, spec.scheduler, spec.epilogue)
-    )
+    """cutlass_cppgen's TileDescription of ``spec`` (listed, or for FP8 ``derived``);
+    LookupError if it offers none."""
+    index = _tile_descriptions(*_plan_fields(spec))
+    found = index.get((spec.tile, spec.cluster, spec.kernel, spec.scheduler, spec.epilogue))
+    if found is None and spec.dtype in FP8:
+        found = derived(spec, index.items())
     if found is None:
         raise LookupError(f"cutlass_cppgen {version()} offers no SM90 kernel for {spec}")
     return found
+
+
+def derivable(tile: tuple[int, int, int], cluster: tuple[int, int]) -> bool:
+    """Whether an FP8 ``derived`` tile may take this (cluster tile, cluster): whole CTAs whose
+    N is a multiple of the cooperative TMA epilogue's 32 columns, at most the widest wgmma's."""
+    if any(t % c for t, c in zip(tile, cluster, strict=False)):
+        return False
+    cta_n = tile[1] // cluster[1]
+    return cta_n % DERIVED_N_STEP == 0 and cta_n <= DERIVED_N_MAX
+
+
+def derived(spec: KernelSpec, listed: Iterable[tuple[tuple[Any, ...], Any]]) -> Any:
+    """A TileDescription for an FP8 tile the generator does not list (it lists 128- and
+    256-wide CTAs only; SM90's CollectiveBuilder takes any wgmma width), cloned from a listed
+    one of the same cluster, schedules and tile K: only ``threadblock_shape`` differs, which is
+    all the SM90 emitter reads of it (the builder picks the wgmma from the tile). None where
+    no listed kernel matches or the tile is not ``derivable``; the builder's static_asserts
+    judge the rest, at compile time (a failure is recorded like any other)."""
+    if not derivable(spec.tile, spec.cluster):
+        return None
+    for (tile, cluster, kernel, scheduler, epilogue), td in listed:
+        if (cluster, kernel, scheduler, epilogue, tile[2]) == (
+            spec.cluster, spec.kernel, spec.scheduler, spec.epilogue, spec.tile[2]
+        ):  # fmt: skip
+            return td.clone_and_update({"threadblock_shape": list(spec.tile)})
+    return None
 
 
 @functools.cache
