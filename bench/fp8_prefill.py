@@ -39,7 +39,8 @@ SWEEP_CUTLASS = (((128, 384), (1, 2), "default"), ((256, 192), (2, 1), "default"
                  ((256, 192), (2, 1), "streamk"), ((128, 256), (1, 2), "streamk"))  # fmt: skip
 # raster swizzles (a launch-time argument, no new kernel) tried on these (tile, cluster, scheduler)
 SWEEP_SWIZZLES = (2, 8)
-SWIZZLED = (((128, 384), (1, 2), "default"), ((256, 192), (2, 1), "default"))
+SWIZZLED = (((128, 384), (1, 2), "default"), ((256, 192), (2, 1), "default"),
+            ((128, 256), (1, 2), "default"))  # fmt: skip
 # cuBLASLt tiles (its M is our N: it multiplies W @ x.T) and clusters tried on the heuristic's
 # first algorithm; the ones this cuBLASLt cannot run fail at build and are recorded so
 SWEEP_LT_TILES = ("128x128", "128x256", "256x128", "192x128", "128x192")
