@@ -1,0 +1,142 @@
+"""The CUDA W4A16 decode kernel (tuner.candidates.cuda_w4a16): its config checks and shared-memory
+rule on the CPU; on a GPU, its libraries built by nvcc and run on small and odd shapes (ragged N,
+every group size, fp16, M past 8, clusters) against the float32 GEMM on the dequantized weight,
+bit-identical from one call to the next, and a planted wrong group size caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tuner.candidates import cuda_w4a16 as cw
+from tuner.quant import int4
+from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_roundoff
+
+
+def cfg(
+    slices: int = 1, ntiles: int = 1, stages: int = 4, warps: int = 8, cluster: int = 1
+) -> dict:
+    return {"slices": slices, "ntiles": ntiles, "stages": stages, "warps": warps,
+            "cluster": cluster}  # fmt: skip
+
+
+def test_configs_are_checked_field_by_field() -> None:
+    cw.check_config(cfg(), 8, 4096, 14336, 128)
+    cw.check_config(cfg(4, 2, 3, 8, 4), 16, 3584, 18944, 32)
+    bad = [
+        (dict(cfg(), slices=3), 1, "config['slices']=3"),
+        (dict(cfg(), ntiles=True), 1, "config['ntiles']=True"),
+        (dict(cfg(), stages=1), 1, "config['stages']=1"),
+        (dict(cfg(), warps=17), 1, "config['warps']=17"),
+        (dict(cfg(), cluster=0), 1, "config['cluster']=0"),
+        ({**cfg(), "split_k": 2}, 1, "unknown keys ['split_k']"),
+        (cfg(ntiles=1), 9, "M=9"),
+        (cfg(ntiles=2), 17, "M=17"),
+    ]
+    for config, m, message in bad:
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            cw.check_config(config, m, 4096, 4096, 128)
+    with pytest.raises(ValueError, match="K=200"):
+        cw.check_config(cfg(), 1, 64, 200, 128)
+    with pytest.raises(ValueError, match="K=128"):
+        cw.check_config(cfg(cluster=2), 1, 64, 128, 128)
+    with pytest.raises(ValueError, match="group_size=48"):
+        cw.check_config(cfg(), 1, 64, 384, 48)
+    with pytest.raises(ValueError, match="shared memory"):
+        cw.check_config(cfg(4, 2, 8, 16), 16, 4096, 4096, 32)
+
+
+def test_shared_memory_is_the_rings_or_the_partial_sums() -> None:
+    # 16 rows: 1 KB of weight, 64 B of (scale, zero) words, one 272-byte row of x: 1408 B a stage
+    assert cw.smem_bytes(cfg(1, 1, 4, 8), 1, 128) == 8 * 4 * 1408
+    # group 32 takes four words a row and chunk (1552 B, rounded to 128)
+    assert cw.smem_bytes(cfg(1, 1, 4, 8), 1, 32) == 8 * 4 * 1664
+    # one stage of one warp: the partial sums [warps + 1][rows][M] are larger
+    assert cw.smem_bytes(cfg(4, 2, 2, 1), 16, 128) == max(2 * 8704, 2 * 64 * 16 * 4)
+
+
+def test_each_compile_time_part_is_its_own_library() -> None:
+    a, b = cw.library_path(cfg(warps=4)), cw.library_path(cfg(warps=8, cluster=2))
+    assert a == b  # launch parameters share the library
+    assert cw.library_path(cfg(stages=6)) != a
+    command = cw.nvcc_command("nvcc", cfg(2, 2, 3), a)
+    assert {"-DGEMV_SLICES=2", "-DGEMV_NTILES=2", "-DGEMV_STAGES=3", f"-arch={cw.ARCH}"} <= set(
+        command
+    )
+
+
+# (M, N, K, group, dtype): ragged N (a last block of 8 or 56 rows, N not a multiple of 16), every
+# group size, fp16, M past 8, K of one chunk and of an odd number of chunks
+SHAPES = [
+    (1, 64, 128, 128, torch.bfloat16),
+    (3, 520, 384, 32, torch.float16),
+    (8, 72, 1024, 64, torch.bfloat16),
+    (9, 200, 2048, 256, torch.bfloat16),
+    (16, 3584, 1152, 128, torch.float16),
+    (5, 4100, 640, 128, torch.bfloat16),
+]
+CONFIGS = [cfg(1, 1, 4, 8, 1), cfg(2, 1, 3, 4, 2), cfg(4, 1, 2, 8, 4), cfg(1, 1, 8, 3, 1)]
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    """Every library the GPU tests load, built at once in parallel (nvcc in child processes)."""
+    configs = [{**c, "ntiles": t} for c in CONFIGS for t in cw.NTILES]
+    assert not {key: e for key, e in cw.compile_all(configs).items() if e}
+
+
+def _problem(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> tuple:
+    w = torch.randn(n, k, device="cuda") * 0.05
+    q, sz = int4.quantize(w, group)
+    packed = int4.pack(q)
+    sz = sz.to(dtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    wd = int4.dequantize(q, sz, group)
+    ref = x.float() @ wd.T
+    tol = gemm_tolerance(x, wd, ref, operand_unit=unit_roundoff(dtype),
+                         accumulate_unit=FP32_ACCUMULATE, out_dtype=dtype)  # fmt: skip
+    return x, packed, sz, ref, tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:4])) + str(s[4])[-4:])
+def test_every_config_matches_the_float32_reference(shape: tuple, built: None) -> None:
+    m, n, k, group, dtype = shape
+    x, packed, sz, ref, tol = _problem(m, n, k, group, dtype)
+    for base in CONFIGS:
+        config = {**base, "ntiles": 1 if m <= 8 else 2}
+        if k < 128 * config["cluster"]:
+            continue
+        fn = cw.launcher(config)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        cw.run(fn, config, x, packed, sz, group, out)
+        again = torch.full_like(out, float("nan"))
+        cw.run(fn, config, x, packed, sz, group, again)
+        torch.cuda.synchronize()
+        assert excess(out, ref, tol) <= 1, (config, excess(out, ref, tol))
+        assert torch.equal(out, again), config  # the sum order is fixed
+
+
+@pytest.mark.gpu
+def test_a_planted_wrong_group_size_fails_the_gate(built: None) -> None:
+    x, packed, sz, ref, tol = _problem(4, 256, 1024, 128, torch.bfloat16)
+    config = cfg()
+    out = torch.empty(4, 256, device="cuda", dtype=torch.bfloat16)
+    cw.run(cw.launcher(config), config, x, packed, sz[::2].contiguous(), 256, out)
+    assert excess(out, ref, tol) > 1
+
+
+@pytest.mark.gpu
+def test_inside_a_cuda_graph(built: None) -> None:
+    x, packed, sz, ref, tol = _problem(2, 576, 896, 64, torch.bfloat16)
+    config = cfg(2, 1, 3, 4, 2)
+    fn = cw.launcher(config)
+    out = torch.empty(2, 576, device="cuda", dtype=torch.bfloat16)
+    cw.run(fn, config, x, packed, sz, 64, out)  # loads the module before the capture
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cw.run(fn, config, x, packed, sz, 64, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert excess(out, ref, tol) <= 1

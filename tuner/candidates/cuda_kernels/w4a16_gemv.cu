@@ -1,0 +1,498 @@
+// INT4 weight-only decode GEMM (W4A16, M <= 16): out[M, N] = x[M, K] @ dequant(w)[N, K]^T.
+//
+// GEMV-style: a CTA owns ROWS = 16 * SLICES weight rows and a contiguous run of K (all of it,
+// or 1 / C of it in a cluster of C CTAs); its warps take interleaved 128-value chunks of that
+// run and each sums its own chunks, so no CTA ever waits on another's partial in global memory.
+// At the end the warps' [ROWS, M] partials are summed in shared memory in warp order, and in a
+// cluster the CTAs' sums are read through distributed shared memory in rank order: the result
+// is deterministic, with no workspace, no arrival counter and no second pass.
+//
+// The weight is our packed layout (tuner/quant/int4.py): 64-row blocks, a block's K chunk one
+// contiguous [r rows x 64 bytes] run, and in each row's 64 bytes the 16 at 16 t hold the 32
+// values lane t of a quad owns in mma.m16n8k16's A fragment (k = 16 j + 2 t + {0, 1, 8, 9} for
+// the eight k16 blocks j: byte pairs of word j % 4, low nibbles for j < 4, high ones above).
+// So a warp's 16-row slice of a chunk is 1 KB, and lane (g, t) needs the 16 bytes of rows g and
+// g + 8 at 16 t: the same bytes it copies. Scales and zeros: torch's [K / group, N, 2].
+//
+// Per warp, a ring of STAGES chunks in shared memory filled by cp.async (weight slices, the
+// chunk's (scale, zero) words, x's [M, 128] slab), STAGES - 1 in flight while one is computed.
+// A nibble q becomes a 16-bit float by the magic-number trick (q | magic = magic + q, exact),
+// then (v - (magic + 8)) * scale + zero (one exact subtract, one rounding fma), the same values
+// as the Triton kernel; x is the mma's B operand (ldmatrix from the slab; rows past M read row
+// M - 1 and only produce output columns that are never stored).
+//
+// One shared library per (SLICES, NTILES, STAGES): -DGEMV_SLICES=1|2|4 (16-row slices per
+// CTA), -DGEMV_NTILES=1|2 (n8 tiles: M <= 8 or M <= 16), -DGEMV_STAGES=2..8; warps per CTA and
+// the cluster size are launch arguments.
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifndef GEMV_SLICES
+#define GEMV_SLICES 1
+#endif
+#ifndef GEMV_NTILES
+#define GEMV_NTILES 1
+#endif
+#ifndef GEMV_STAGES
+#define GEMV_STAGES 4
+#endif
+
+namespace cg = cooperative_groups;
+
+constexpr int SLICES = GEMV_SLICES;
+constexpr int NTILES = GEMV_NTILES;
+constexpr int STAGES = GEMV_STAGES;
+constexpr int ROWS = 16 * SLICES;
+constexpr int CHUNK = 128;          // K values per chunk
+constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so ldmatrix's 8 rows hit 8 bank groups
+constexpr int MAX_WARPS = 16;
+constexpr int MAX_DEVICES = 64;
+static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a CTA's rows lie in one 64-row block");
+static_assert(NTILES == 1 || NTILES == 2, "M <= 16");
+static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
+
+struct Params {
+  const uint16_t* x;
+  const uint8_t* w;
+  const uint32_t* sz;  // (scale, zero) pairs as one word each
+  uint16_t* out;
+  long long ldx, ldo;
+  int m, n, k;
+  int group_shift;  // log2(group size)
+  int stage_bytes;  // one warp's stage: weight, (scale, zero) words, x's slab
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void copy4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+__device__ __forceinline__ void wait_ring() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ void ldmatrix4(uint32_t (&d)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t lop_or_magic(uint32_t v, uint32_t magic) {
+  uint32_t d;  // (v & 0x000f000f) | magic
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(d) : "r"(v), "n"(0x000f000f), "r"(magic));
+  return d;
+}
+
+template <bool F16>
+struct Half2Ops;
+
+template <>
+struct Half2Ops<false> {  // bf16
+  static constexpr uint32_t MAGIC = 0x43004300u;  // 128: magic | q = 128 + q
+  static constexpr uint32_t ONES = 0x3f803f80u;
+  static constexpr float BIAS = 136.f;  // magic + 8
+  __device__ static __forceinline__ float lo(uint32_t v) { return __uint_as_float(v << 16); }
+  __device__ static __forceinline__ float hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+  __device__ static __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ static __forceinline__ uint16_t round(float v) {
+    __nv_bfloat16 h = __float2bfloat16_rn(v);
+    return *reinterpret_cast<uint16_t*>(&h);
+  }
+};
+
+template <>
+struct Half2Ops<true> {  // fp16
+  static constexpr uint32_t MAGIC = 0x64006400u;  // 1024: magic | q = 1024 + q
+  static constexpr uint32_t ONES = 0x3c003c00u;
+  static constexpr float BIAS = 1032.f;  // magic + 8
+  __device__ static __forceinline__ float lo(uint32_t v) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(v & 0xffffu)));
+  }
+  __device__ static __forceinline__ float hi(uint32_t v) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(v >> 16)));
+  }
+  __device__ static __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ static __forceinline__ uint16_t round(float v) {
+    __half h = __float2half_rn(v);
+    return *reinterpret_cast<uint16_t*>(&h);
+  }
+};
+
+// One lane's share of a warp's copies, chunk after chunk: built once (the addresses that do
+// not move, which rows exist), then each `issue` copies the current chunk into a stage and
+// moves on by the warp's stride (`warps` chunks). Each lane copies the weight bytes it reads
+// back itself (rows g and g + 8 of each slice at 16 t); the (scale, zero) words of the
+// chunk's NG groups ([NG][ROWS] words) and x's [M, 128] slab (16-byte pieces) are shared out.
+template <int NG>
+struct Copier {
+  static constexpr int SZ_COPIES = (ROWS * NG + 31) / 32;
+  static constexpr int X_COPIES = 8 * NTILES * 16 / 32;  // two rows of x per copy round
+  const uint8_t* w;      // this lane's first weight byte of the current chunk
+  long long w_step;      // bytes to the warp's next chunk
+  const uint32_t* sz;    // this lane's first (scale, zero) word of the chunk's first group
+  long long n;           // (scale, zero) words per group
+  const uint16_t* x;     // this lane's first x piece of the current chunk
+  long long ldx;
+  int chunk, chunk_step, group_shift;
+  uint32_t w_valid, sz_valid, x_valid;  // bit per copy: its rows exist
+  uint32_t lane_w, lane_sz, lane_x;     // this lane's offsets in a stage
+
+  __device__ __forceinline__ Copier(const Params& p, const uint8_t* block, int rows, int offset,
+                                    int n0, int first, int warps, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    lane_w = g * 64 + t * 16;
+    w = block + 64ll * (static_cast<long long>(first) * rows + offset) + lane_w;
+    w_step = 64ll * warps * rows;
+    w_valid = 0;
+#pragma unroll
+    for (int h = 0; h < 2 * SLICES; ++h)
+      if (offset + 8 * h + g < rows) w_valid |= 1u << h;
+    n = p.n;
+    sz = p.sz + n0 + lane % ROWS + static_cast<long long>(lane / ROWS) * p.n;
+    lane_sz = ROWS * 64 + lane * 4;
+    sz_valid = 0;
+#pragma unroll
+    for (int it = 0; it < SZ_COPIES; ++it)
+      if (32 * it + lane < ROWS * NG && n0 + lane % ROWS + 32 * it % ROWS < p.n)
+        sz_valid |= 1u << it;
+    ldx = p.ldx;
+    x = p.x + (lane >> 4) * p.ldx + (lane & 15) * 8 + static_cast<long long>(first) * CHUNK;
+    lane_x = ROWS * 64 + ROWS * 4 * NG + (lane >> 4) * XROW + (lane & 15) * 16;
+    x_valid = 0;
+#pragma unroll
+    for (int it = 0; it < X_COPIES; ++it)
+      if (2 * it + (lane >> 4) < p.m) x_valid |= 1u << it;
+    chunk = first;
+    chunk_step = warps;
+    group_shift = p.group_shift;
+  }
+
+  __device__ __forceinline__ void issue(uint32_t stage) {
+#pragma unroll
+    for (int h = 0; h < 2 * SLICES; ++h) {
+      const bool valid = w_valid >> h & 1;
+      copy16(stage + lane_w + h * 512, valid ? w + h * 512 : w - lane_w, valid);
+    }
+    const uint32_t* words = sz + ((static_cast<long long>(chunk) * CHUNK) >> group_shift) * n;
+#pragma unroll
+    for (int it = 0; it < SZ_COPIES; ++it) {
+      const bool valid = sz_valid >> it & 1;
+      copy4(stage + lane_sz + it * 128, valid ? words + (32 * it / ROWS) * n + 32 * it % ROWS : sz,
+            valid);
+    }
+#pragma unroll
+    for (int it = 0; it < X_COPIES; ++it)
+      if (x_valid >> it & 1) copy16(stage + lane_x + 2 * it * XROW, x + 2 * it * ldx, true);
+    w += w_step;
+    x += chunk_step * CHUNK;
+    chunk += chunk_step;
+  }
+};
+
+// Adds the chunk in `stage` to the lane's accumulators. The tensor cores take the raw
+// magic + q (exact), group by group, and the group's scale and zero apply to the dot after it:
+// s * (dot - (magic + 8) * X) + z * X = s * dot + (z - (magic + 8) * s) * X, in fp32, where X
+// (x's sum over the group) comes from the same B fragments times ones.
+//
+// Which mma k label holds which value: a quad's lane t takes, in k16 block j (k = 16 j + ...),
+// the byte pairs (0, 2) and (1, 3) of its word j % 4 as the A pairs (2 t, 2 t + 1) and
+// (2 t + 8, 2 t + 9), i.e. true k (2 t, 2 t + 8) and (2 t + 1, 2 t + 9): one lop3 makes a pair
+// (the nibbles at bits 0 and 16), with no byte permute. x's fragments, loaded by ldmatrix in
+// true order, are permuted to match (two prmt a block, shared by every slice).
+template <bool F16, int NG>
+__device__ __forceinline__ void compute(const Params& p, uint32_t stage, int lane,
+                                        float (&acc)[SLICES][NTILES][4]) {
+  using Ops = Half2Ops<F16>;
+  constexpr int BLOCKS = 8 / NG;  // k16 blocks per group
+  const int g = lane >> 2, t = lane & 3;
+  const uint32_t sz_at = stage + ROWS * 64;
+  const uint32_t x_at = sz_at + ROWS * 4 * NG;
+  // x's B fragments for the chunk's eight k16 blocks: ldmatrix x4 gives two blocks; lane i
+  // points at row i % 8 (of the n8 tile) of matrix i / 8 (block 2 * (i / 16) + its half)
+  uint32_t b[NTILES][8][2];
+#pragma unroll
+  for (int nt = 0; nt < NTILES; ++nt) {
+    const int row = min(8 * nt + (lane & 7), p.m - 1);
+    const int mat = lane >> 3;
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      uint32_t d[4];
+      ldmatrix4(d, x_at + row * XROW + (16 * (j + (mat >> 1)) + 8 * (mat & 1)) * 2);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        b[nt][j + h][0] = prmt(d[2 * h], d[2 * h + 1], 0x5410);  // x[2 t], x[2 t + 8]
+        b[nt][j + h][1] = prmt(d[2 * h], d[2 * h + 1], 0x7632);  // x[2 t + 1], x[2 t + 9]
+      }
+    }
+  }
+  // X: x's sum over each group, for the columns 2 t, 2 t + 1 of each n8 tile
+  float xsum[NG][NTILES][2];
+  const uint32_t ones[4] = {Ops::ONES, Ops::ONES, Ops::ONES, Ops::ONES};
+#pragma unroll
+  for (int i = 0; i < NG; ++i)
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt) {
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) Ops::mma(c, ones, b[nt][j][0], b[nt][j][1]);
+      xsum[i][nt][0] = c[0];
+      xsum[i][nt][1] = c[1];
+    }
+#pragma unroll
+  for (int s = 0; s < SLICES; ++s) {
+    const uint4 lo = lds128(stage + (16 * s + g) * 64 + t * 16);      // row g
+    const uint4 hi = lds128(stage + (16 * s + g + 8) * 64 + t * 16);  // row g + 8
+    const uint32_t wl[4] = {lo.x, lo.y, lo.z, lo.w};
+    const uint32_t wh[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int i = 0; i < NG; ++i) {
+      const uint32_t zs_g = lds32(sz_at + (i * ROWS + 16 * s + g) * 4);
+      const uint32_t zs_h = lds32(sz_at + (i * ROWS + 16 * s + g + 8) * 4);
+      const float sc[2] = {Ops::lo(zs_g), Ops::lo(zs_h)};  // rows g, g + 8
+      const float zc[2] = {fmaf(-Ops::BIAS, sc[0], Ops::hi(zs_g)),
+                           fmaf(-Ops::BIAS, sc[1], Ops::hi(zs_h))};
+      float dot[NTILES][4] = {};
+#pragma unroll
+      for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) {
+        const int shift = j < 4 ? 0 : 4;
+        const uint32_t vl = wl[j & 3] >> shift, vh = wh[j & 3] >> shift;
+        uint32_t a[4];
+        a[0] = lop_or_magic(vl, Ops::MAGIC);       // row g: bytes 0, 2
+        a[1] = lop_or_magic(vh, Ops::MAGIC);       // row g + 8
+        a[2] = lop_or_magic(vl >> 8, Ops::MAGIC);  // row g: bytes 1, 3
+        a[3] = lop_or_magic(vh >> 8, Ops::MAGIC);
+#pragma unroll
+        for (int nt = 0; nt < NTILES; ++nt) Ops::mma(dot[nt], a, b[nt][j][0], b[nt][j][1]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = fmaf(sc[e >> 1], dot[nt][e], acc[s][nt][e]);
+          acc[s][nt][e] = fmaf(zc[e >> 1], xsum[i][nt][e & 1], v);
+        }
+    }
+  }
+}
+
+template <bool F16, int NG>
+__global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  const int n0 = (blockIdx.x / ranks) * ROWS;
+  const int first_row = n0 / 64 * 64;  // of the CTA's 64-row block
+  const int rows = min(64, p.n - first_row);
+  const uint8_t* block = p.w + static_cast<long long>(first_row) * (p.k / 2);
+
+  const int chunks = p.k / CHUNK;
+  const int c_lo = static_cast<int>(static_cast<long long>(rank) * chunks / ranks);
+  const int c_hi = static_cast<int>(static_cast<long long>(rank + 1) * chunks / ranks);
+  const int mine = c_lo + warp < c_hi ? (c_hi - c_lo - warp + warps - 1) / warps : 0;
+
+  const uint32_t ring = smem_addr(smem) + warp * STAGES * p.stage_bytes;
+  Copier<NG> copier(p, block, rows, n0 - first_row, n0, c_lo + warp, warps, lane);
+  float acc[SLICES][NTILES][4] = {};
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < mine) copier.issue(ring + i * p.stage_bytes);
+    commit();
+  }
+  int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
+  for (int i = 0; i < mine; ++i) {
+    if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
+    commit();
+    wait_ring();
+    __syncwarp();
+    compute<F16, NG>(p, ring + slot * p.stage_bytes, lane, acc);
+    __syncwarp();
+    slot = slot + 1 == STAGES ? 0 : slot + 1;
+    next = next + 1 == STAGES ? 0 : next + 1;
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+
+  // the warps' partials [warps][ROWS][M] (after the ring is done with), summed in warp order
+  __syncthreads();
+  float* part = reinterpret_cast<float*>(smem);
+  const int g = lane >> 2, t = lane & 3, m = p.m;
+#pragma unroll
+  for (int s = 0; s < SLICES; ++s)
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = 16 * s + g + 8 * (e >> 1), col = 8 * nt + 2 * t + (e & 1);
+        if (col < m) part[(warp * m + col) * ROWS + row] = acc[s][nt][e];
+      }
+  __syncthreads();
+  const int outputs = ROWS * m;
+  float* sums = part + warps * outputs;
+  for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
+    float v = 0.f;
+    for (int w = 0; w < warps; ++w) v += part[w * outputs + q];
+    sums[q] = v;
+  }
+  if (ranks > 1) cluster.sync();  // every rank's sums written
+  const int q_lo = ranks > 1 ? rank * outputs / ranks : 0;
+  const int q_hi = ranks > 1 ? (rank + 1) * outputs / ranks : outputs;
+  if (ranks == 1) __syncthreads();
+  for (int q = q_lo + threadIdx.x; q < q_hi; q += blockDim.x) {
+    float v = sums[q];
+    if (ranks > 1) {
+      v = 0.f;
+      for (int r = 0; r < ranks; ++r) v += cluster.map_shared_rank(sums, r)[q];
+    }
+    const int col = q / ROWS, row = q % ROWS;
+    if (n0 + row < p.n) p.out[col * p.ldo + n0 + row] = Half2Ops<F16>::round(v);
+  }
+  if (ranks > 1) cluster.sync();  // no rank leaves while another reads its sums
+}
+
+namespace {
+
+int stage_bytes(int m, int group) {
+  const int ng = group < CHUNK ? CHUNK / group : 1;
+  const int bytes = ROWS * 64 + ROWS * 4 * ng + m * XROW;
+  return (bytes + 127) / 128 * 128;
+}
+
+int smem_bytes(int m, int group, int warps) {
+  const int ring = warps * STAGES * stage_bytes(m, group);
+  const int reduce = (warps + 1) * ROWS * m * 4;
+  return ring > reduce ? ring : reduce;
+}
+
+template <bool F16, int NG>
+cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
+  const int smem = smem_bytes(p.m, CHUNK / NG, warps);
+  static int allowed[MAX_DEVICES] = {};  // per device: raised once to the most asked
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  if (device >= MAX_DEVICES) return cudaErrorInvalidDevice;
+  if (smem > 48 * 1024 && smem > allowed[device]) {
+    e = cudaFuncSetAttribute(w4a16_gemv_kernel<F16, NG>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    allowed[device] = smem;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>((p.n + ROWS - 1) / ROWS * cluster));
+  config.blockDim = dim3(static_cast<unsigned>(warps * 32));
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, w4a16_gemv_kernel<F16, NG>, p);
+}
+
+template <bool F16>
+cudaError_t launch_group(const Params& p, int group, int warps, int cluster, cudaStream_t s) {
+  if (group == 32) return launch<F16, 4>(p, warps, cluster, s);
+  if (group == 64) return launch<F16, 2>(p, warps, cluster, s);
+  return launch<F16, 1>(p, warps, cluster, s);
+}
+
+}  // namespace
+
+extern "C" {
+
+// This library's compile-time config: slices (16-row) per CTA, n8 tiles, stages.
+void w4a16_gemv_config(int* slices, int* ntiles, int* stages) {
+  *slices = SLICES;
+  *ntiles = NTILES;
+  *stages = STAGES;
+}
+
+// Shared memory one launch takes (bytes), for a caller that checks the device's limit first.
+int w4a16_gemv_smem(int m, int group, int warps) { return smem_bytes(m, group, warps); }
+
+// out[m, ldo] (x's dtype) = x[m, ldx] @ dequant(w, sz).T; returns a cudaError_t. The caller
+// checks the operands (tuner/candidates/cuda_w4a16.py); this refuses what would read or write
+// out of bounds: m outside 1..8 * NTILES, K not whole chunks, a group size other than 32, 64,
+// 128, 256 that divides K, warps outside 1..16, a cluster outside 1..8 or wider than K's chunks,
+// x or w not 16-byte aligned.
+int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
+               int group, long long ldx, long long ldo, int f16, int warps, int cluster,
+               void* stream) {
+  const bool group_ok = (group == 32 || group == 64 || group == 128 || group == 256) && k % group == 0;
+  if (m < 1 || m > 8 * NTILES || n < 1 || k < CHUNK || k % CHUNK || !group_ok || warps < 1 ||
+      warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster > k / CHUNK || ldx % 8 ||
+      ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
+      reinterpret_cast<uintptr_t>(sz) % 4)
+    return static_cast<int>(cudaErrorInvalidValue);
+  Params p;
+  p.x = static_cast<const uint16_t*>(x);
+  p.w = static_cast<const uint8_t*>(w);
+  p.sz = static_cast<const uint32_t*>(sz);
+  p.out = static_cast<uint16_t*>(out);
+  p.ldx = ldx;
+  p.ldo = ldo;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.group_shift = __builtin_ctz(static_cast<unsigned>(group));
+  p.stage_bytes = stage_bytes(m, group);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return static_cast<int>(f16 ? launch_group<true>(p, group, warps, cluster, s)
+                              : launch_group<false>(p, group, warps, cluster, s));
+}
+
+}  // extern "C"
