@@ -72,6 +72,9 @@ W4_CASES = [
     (7, {**STREAM, "programs": 2}, 32, torch.bfloat16, 384),
     (2, {**STREAM, "dots": 4, "programs": 3}, 128, torch.bfloat16, 1024),
     (4, {**STREAM, "dots": 2, "programs": 5, "step_sum": True}, 128, torch.float16, 768),
+    # three bands of 16 rows (the last of 5) each on their own 3 programs, tile 0 shared by two
+    (37, {**STREAM, "programs": 3}, 64, torch.bfloat16, 768),
+    (20, {**STREAM, "dots": 2, "programs": 2, "step_sum": True}, 128, torch.float16, 1024),
 ]
 
 
@@ -233,16 +236,22 @@ def test_w4a16_bad_inputs_name_the_field() -> None:
     x384, q384, sz384, _, _ = int4_problem(2, 16, 384, 32, torch.float16, "cpu")
     with pytest.raises(ValueError, match="config\\['dots'\\]=2: K=384"):
         w4a16.w4a16_matmul(x384, int4.pack(q384), sz384, 32, {**STREAM, "dots": 2})
-    x17 = torch.randn(17, 256, dtype=torch.float16)
-    with pytest.raises(ValueError, match="M=17 > config\\['bm'\\]=16"):
-        w4a16.w4a16_matmul(x17, w, sz, 32, STREAM)
+    with pytest.raises(ValueError, match="config\\['programs'\\]=True"):
+        w4a16.w4a16_matmul(x, w, sz, 32, {**STREAM, "programs": True})
 
 
-@pytest.mark.parametrize(("tiles", "steps", "programs"), [(2, 6, 5), (224, 16, 264), (28, 74, 264)])
-def test_w4a16_stream_k_plan_takes_the_most_runs_in_a_tile(tiles: int, steps: int, programs: int):
+@pytest.mark.parametrize(
+    ("m", "tiles", "steps", "programs"),
+    [(1, 2, 6, 5), (1, 224, 16, 264), (1, 28, 74, 264), (40, 56, 14, 66)],
+)
+def test_w4a16_stream_k_plan_takes_the_most_runs_in_a_tile(
+    m: int, tiles: int, steps: int, programs: int
+) -> None:
+    """``programs`` for each band of bm rows: the grid is (programs, bands)."""
     config = {**STREAM, "bn": 16, "programs": programs}
-    plan = w4a16.plan(1, 16 * tiles, 128 * steps, 128, tuple(sorted(config.items())))
+    plan = w4a16.plan(m, 16 * tiles, 128 * steps, 128, tuple(sorted(config.items())))
     assert plan.parts == stream_k.most_parts(tiles, steps, programs)
+    assert plan.grid == (programs, -(-m // 16))
 
 
 def fp8_problem(m: int, n: int, k: int, rowwise: bool, fa: str = "e4m3", fb: str = "e4m3"):
@@ -315,6 +324,7 @@ def test_fp8_bad_inputs_name_the_field() -> None:
         (64, 512, 64),
         (1, 28672, 128),
         (16, 37888, 128),
+        (256, 3584, 128),  # Qwen o's N: stream-K over four bands of 64 rows
     ],
 )
 def test_w4a16_every_config_on_the_gpu(m: int, n: int, g: int) -> None:
@@ -359,13 +369,20 @@ GPU_CONFIGS = [
 ]
 
 
+# (M, config): the configs above at M = 4, and stream-K over two bands of 64 rows (the second of
+# 36), 8 tiles of 32 steps each in 5 runs a band
+GPU_CASES = [(4, config) for config in GPU_CONFIGS] + [
+    (100, {**STREAM, "bm": 64, "bn": 64, "programs": 5, "warps": 4, "stages": 4})
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", GPU_CONFIGS)
-def test_w4a16_later_calls_launch_directly_with_the_same_bits(config) -> None:
-    x, q, sz, ref, tol = int4_problem(4, 512, 4096, 128, torch.bfloat16)
+@pytest.mark.parametrize(("m", "config"), GPU_CASES)
+def test_w4a16_later_calls_launch_directly_with_the_same_bits(m: int, config) -> None:
+    x, q, sz, ref, tol = int4_problem(m, 512, 4096, 128, torch.bfloat16)
     packed = int4.pack(q)
     first = w4a16.w4a16_matmul(x, packed, sz, 128, config)
-    plan = w4a16.plan(4, 512, 4096, 128, tuple(sorted(config.items())))
+    plan = w4a16.plan(m, 512, 4096, 128, tuple(sorted(config.items())))
     assert plan.checked and plan.main.verified and plan.main.compiled  # the direct path is on
     again = w4a16.w4a16_matmul(x, packed, sz, 128, config)
     assert excess(first, ref, tol) <= 1 and torch.equal(first, again)
@@ -390,11 +407,11 @@ def replays_alike_when_captured_first(counts, first: torch.Tensor, call) -> None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", GPU_CONFIGS[1:])
-def test_w4a16_split_k_sums_alike_in_the_kernel_and_in_a_captured_graph(config) -> None:
+@pytest.mark.parametrize(("m", "config"), GPU_CASES[1:])
+def test_w4a16_split_k_sums_alike_in_the_kernel_and_in_a_captured_graph(m: int, config) -> None:
     """The tile's last program sums the partials (counts back at zero after each call); a graph
     captured before the counts exist reduces with a second launch, in the same order."""
-    x, q, sz, ref, tol = int4_problem(4, 512, 4096, 128, torch.bfloat16)
+    x, q, sz, ref, tol = int4_problem(m, 512, 4096, 128, torch.bfloat16)
     packed = int4.pack(q)
     w4a16._counts.clear()
     first = w4a16.w4a16_matmul(x, packed, sz, 128, config)

@@ -22,9 +22,10 @@ tile's last split once the others arrived (``split_wait``), sums them in split o
 result is deterministic and needs no second launch (while a CUDA graph is being captured before
 the counts exist, a reduce launch does it instead). Where a decode problem has more tiles than
 SMs, a hybrid (``whole_tiles``) takes whole waves of tiles whole and splits the others' K, so that
-no SM is left a whole tile more than others. Decode also has a stream-K kernel
-(``w4a16_stream_k``, which ``configs`` does not offer): one wave of programs over the (tile, K
-step) units.
+no SM is left a whole tile more than others. The stream-K kernel (``w4a16_stream_k``) cuts each
+band of BM rows' (tile, K step) units into even runs, one per program, all programs resident at
+once; ``configs`` offers it past decode up to ``STREAM_M`` rows, where whole tiles leave some SMs
+a tile more than others.
 
 Entry point for a candidate source: ``w4a16_matmul(x, weight, scales_and_zeros, group_size,
 config)`` and ``configs(m, n, k, group_size)``, the configs worth timing for a shape;
@@ -254,22 +255,28 @@ def w4a16_stream_k(
     GROUP: tl.constexpr, MAX_PARTS: tl.constexpr, REDUCE_HERE: tl.constexpr,
     RAGGED: tl.constexpr, STEP_SUM: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Decode (M <= BM, one row of tiles): the ``units`` = tiles x ``steps`` (tile, K step)
-    units, tile-major, cut into ``programs`` contiguous runs of whole steps, one per program, in
-    one flat loop (the copy pipeline runs on across a tile boundary). A tile that one program
-    covers is stored from the loop; otherwise each program stores its fp32 partial in the
-    plane of its rank among the tile's programs (``MAX_PARTS`` at most), and after the loop the
-    tile's last program to arrive sums them (an arrival inside the loop would keep Triton from
-    pipelining it)."""
+    """Each row of tiles (program_id 1: its BM rows of x and of the output) on its own: its
+    ``units`` = tiles x ``steps`` (tile, K step) units, tile-major, cut into ``programs``
+    contiguous runs of whole steps, one per program, in one flat loop (the copy pipeline runs on
+    across a tile boundary). A tile that one program covers is stored from the loop; otherwise
+    each program stores its fp32 partial in the plane of its rank among the tile's programs
+    (``MAX_PARTS`` at most), and after the loop the tile's last program to arrive sums them (an
+    arrival inside the loop would keep Triton from pipelining it)."""
     p = tl.program_id(0)
+    row = tl.program_id(1)  # the band of BM rows; its tiles' counts follow the band before it
+    x_ptr += row.to(tl.int64) * BM * ldx
+    out_ptr += row.to(tl.int64) * BM * ldo
+    ws_ptr += row.to(tl.int64) * BM * N
+    counts_ptr += row * tl.cdiv(N, BN)
+    plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
+    rows = M - row * BM  # the band's rows, and those below it
     lo = (p.to(tl.int64) * units // programs).to(tl.int32)
     hi = ((p + 1).to(tl.int64) * units // programs).to(tl.int32)
     tile = lo // steps
     kk = lo - tile * steps  # the step within the tile
     rm = tl.arange(0, BM)
-    mask_m = rm[:, None] < M
+    mask_m = rm[:, None] < rows
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * ldx + tl.arange(0, BK)[None, :]
-    plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for u in range(lo, hi):
         acc = _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, tile * BN, kk * (DOTS * BK), N, half, BN,
@@ -281,7 +288,7 @@ def w4a16_stream_k(
             # reduced apart (REDUCE_HERE false), every tile's partial goes to the workspace
             whole = (owner_of(tile * steps + steps - 1, units, programs) == first) & REDUCE_HERE
             rn = tile * BN + tl.arange(0, BN)
-            mask = (rn[:, None] < N) & (rm[None, :] < M)
+            mask = (rn[:, None] < N) & (rm[None, :] < rows)
             if whole:
                 _store_whole(out_ptr, acc, rm, rn, mask, ldo)
             else:
@@ -292,8 +299,8 @@ def w4a16_stream_k(
         tile += last_step.to(tl.int32)
         kk = tl.where(last_step, 0, kk + 1)
     if REDUCE_HERE:
-        reduce_shared_tiles(ws_ptr, counts_ptr, out_ptr, lo, hi, steps, units, programs, plane, M,
-                            N, ldo, BM, BN, MAX_PARTS)  # fmt: skip
+        reduce_shared_tiles(ws_ptr, counts_ptr, out_ptr, lo, hi, steps, units, programs, plane,
+                            rows, N, ldo, BM, BN, MAX_PARTS)  # fmt: skip
 
 
 def check_inputs(
@@ -366,14 +373,11 @@ def check_config(config: Config, m: int, n: int, k: int, group_size: int) -> Non
         return
     if whole != 0:
         raise ValueError(f"config['whole_tiles']={whole!r}: allowed with kernel 'tiled' only")
-    if m > config["bm"]:
-        raise ValueError(f"config['kernel']='stream_k': one row of tiles only, M={m} > "
-                         f"config['bm']={config['bm']}")  # fmt: skip
     units = triton.cdiv(n, config["bn"]) * (k // (bk * dots))
     programs = config.get("programs")
-    if not isinstance(programs, int) or not 1 <= programs <= units:
+    if type(programs) is not int or not 1 <= programs <= units:
         raise ValueError(f"config['programs']={programs!r}: allowed 1 .. {units}, the (tile, "
-                         f"K step) units of this problem")  # fmt: skip
+                         f"K step) units of one row of tiles of this problem")  # fmt: skip
 
 
 def w4a16_matmul(
@@ -396,8 +400,22 @@ def w4a16_matmul(
 def checked_plan(m: int, n: int, k: int, group_size: int, config: Config) -> Plan:
     """``plan`` of ``config`` once ``check_config`` accepted it: what ``w4a16_matmul`` runs and
     a source precompiles (``Plan.jobs``)."""
-    check_config(config, m, n, k, group_size)
-    return plan(m, n, k, group_size, tuple(sorted(config.items())))
+    items = tuple(sorted(config.items()))
+    try:
+        _check_once(m, n, k, group_size, items)
+    except TypeError:  # a value that cannot be hashed: ``check_config`` names the field
+        check_config(config, m, n, k, group_size)
+        raise
+    return plan(m, n, k, group_size, items)
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_once(
+    m: int, n: int, k: int, group_size: int, config: tuple[tuple[str, Any], ...]
+) -> None:
+    """``check_config`` once per shape and config that passed it: its checks would take a good
+    part of an eager call's host time."""
+    check_config(dict(config), m, n, k, group_size)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -422,11 +440,11 @@ class Plan:
                     STEP_SUM=config.get("step_sum", False), INTERPRET=interpreting())  # fmt: skip
         self.stream = config["kernel"] == "stream_k"
         steps = k // (bk * dots)
-        if self.stream:
-            programs = config["programs"]
-            units = self.tiles * steps
-            self.kernel, self.grid = w4a16_stream_k, (programs,)
-            self.parts = most_parts(self.tiles, steps, programs)
+        if self.stream:  # ``programs`` for each row of tiles
+            programs, tiles = config["programs"], triton.cdiv(n, bn)
+            units = tiles * steps
+            self.kernel, self.grid = w4a16_stream_k, (programs, triton.cdiv(m, bm))
+            self.parts = most_parts(tiles, steps, programs)
             self.meta = {**meta, "MAX_PARTS": self.parts}
             self.tail: tuple[int, ...] = (steps, units, programs)
         else:
@@ -570,6 +588,12 @@ DECODE_TILES = ((64, 4, 3, 2, 5, {"step_sum": True}),
 # dot, x's [bm, 128] tiles dominating shared memory. 8 warps: on 4, most of these serialize.
 PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 128, 8, 2, 2), (64, 128, 8, 3, 1),
                  (128, 256, 8, 2, 1), (64, 256, 8, 3, 1))  # fmt: skip
+# Prefill up to STREAM_M rows, stream-K: (bm, bn, warps, stages, CTAs per SM), the programs of
+# all bands resident at once. One dot a step: the stream-K loop waits for its wgmmas once a step
+# (the tiled one-dot loop once a wgmma), and at 4 stages (85 KB, ~200 registers) a copy stays in
+# flight and two CTAs fit per SM.
+PREFILL_STREAM = ((64, 64, 4, 4, 2),)
+STREAM_M = 256
 
 
 def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Config]:
@@ -596,5 +620,10 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
             split = _splits(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, dots * CHUNK, sms)
             out.append({"kernel": "tiled", "bm": bm, "bn": bn, "bk": CHUNK, "dots": dots,
                         "split_k": split, "group_m": 8, "warps": warps, "stages": stages})  # fmt: skip
+    for bm, bn, warps, stages, per_sm in PREFILL_STREAM if m <= STREAM_M else ():
+        units = triton.cdiv(n, bn) * (k // CHUNK)  # of one band of bm rows
+        programs = min(units, max(1, per_sm * sms // triton.cdiv(m, bm)))
+        out.append({"kernel": "stream_k", "bm": bm, "bn": bn, "bk": CHUNK, "dots": 1,
+                    "programs": programs, "warps": warps, "stages": stages})  # fmt: skip
     out.sort(key=lambda c: -c["bm"] * c["bn"] if m > 256 else c["bm"])
     return out
