@@ -101,3 +101,15 @@ def test_tile_description_derives_for_fp8_specs_only(monkeypatch):
         cutlass_env.tile_description(plain)
     with pytest.raises(LookupError, match="offers no SM90 kernel"):
         cutlass_env.tile_description(spec_of((128, 576), (1, 2)))
+
+
+def test_the_prefill_shortlist_takes_128x192_ctas_and_no_fast_stream_k():
+    specs = [cutlass_fp8.kernel_spec(ROWWISE, p) for p in cutlass_fp8.shortlist(ROWWISE)]
+    ctas = {(s.tile[0] // s.cluster[0], s.tile[1] // s.cluster[1]) for s in specs}
+    assert {(128, 192), (128, 128)} <= ctas
+    assert all(cutlass_env.derivable(s.tile, s.cluster) for s in specs)
+    assert "StreamK" in {s.scheduler for s in specs}
+    fast = GemmKey(m=2048, n=4608, k=3584, **lowbit_fields("fp8-rowwise-fast"))
+    fast_specs = [cutlass_fp8.kernel_spec(fast, p) for p in cutlass_fp8.shortlist(fast)]
+    assert fast_specs and all(s.scheduler == "Default" for s in fast_specs)
+    assert all(s.kernel.endswith(cutlass_fp8.FAST_ACCUM) for s in fast_specs)

@@ -15,7 +15,8 @@ Same params, compile cache, artifacts and launcher as ``cutlass_gemm``; what dif
 
 Kernels are shape-independent, one per (scale mode, accumulation, config), so the shortlist is
 small (two or three configs per shape class) to keep the compile bill down. A tile here is the
-cluster's: each CTA computes tile / cluster (the cooperative kernel wants 128 rows per CTA).
+cluster's: each CTA computes tile / cluster (the cooperative kernel wants 128 rows per CTA); a
+tile the library's listing lacks is derived from a listed kernel (``cutlass_env.derived``).
 """
 
 from __future__ import annotations
@@ -51,13 +52,17 @@ SMALL_FAST = [
     {**_p(64, 256, (1, 2)), "kernel": "pingpong"},
     _p(128, 128, (1, 2)),
 ]
-# 128x128 CTAs, as torch's own rowwise kernel: the 128x256 CTA of 256x256 (2, 1) spills the
-# doubled accumulators of fp32 promotion
-LARGE = [_p(256, 128, (2, 1)), _p(128, 256, (1, 2))]
+# 128x192 CTAs (a tile the generator does not list: cutlass_env.derived) cut wide N into a third
+# fewer tiles than 128x128 ones, which can fill a persistent kernel's last wave better; 128x128
+# CTAs, as torch's own rowwise kernel; stream-K 128x192 for a ragged last wave. Wider CTAs spill
+# the doubled accumulators of fp32 promotion.
+LARGE = [_p(128, 384, (1, 2)), _p(128, 256, (1, 2)), _p(256, 192, (2, 1), "streamk")]
 
 
 def shortlist(key: GemmKey) -> list[Params]:
     if key.m > SMALL_M:
+        if key.accum == "fast":  # no fast stream-K (above)
+            return [p for p in LARGE if p["scheduler"] == "default"]
         return LARGE
     return SMALL_FAST if key.accum == "fast" else SMALL
 
