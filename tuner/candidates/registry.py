@@ -35,6 +35,7 @@ BUILTIN = {
     "cublaslt_fp8": "tuner.candidates.cublaslt_fp8:CublasLtFp8",
     "cutlass_fp8": "tuner.candidates.cutlass_fp8:CutlassFp8",
     "cutlass_w4a16": "tuner.candidates.cutlass_w4a16:CutlassW4A16",
+    "cuda_w4a16": "tuner.candidates.cuda_w4a16:CudaW4A16",
 }
 
 
