@@ -43,12 +43,12 @@ from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_
 
 GROUP = 128
 MS = (1, 4, 16)
-# (slices of 16 rows, stages, warps, cluster): around 16-row CTAs of 8 warps (2 per SM on
-# N = 4096), 64-row CTAs whose K splits over a cluster, and in between
+# (slices of 16 rows, stages, warps, cluster): 32-row CTAs over all of K with deeper rings and
+# more warps, 16-row CTAs, and 64-row CTAs whose K splits over a cluster
 GRID = [
-    (1, 4, 8, 1), (1, 6, 8, 1), (1, 4, 4, 1), (1, 8, 4, 1), (1, 4, 8, 2), (1, 4, 8, 4),
-    (2, 4, 8, 1), (2, 4, 8, 2), (2, 3, 8, 2), (2, 6, 4, 2),
-    (4, 3, 8, 2), (4, 4, 8, 2), (4, 3, 8, 4), (4, 2, 8, 4), (4, 4, 4, 4),
+    (2, 4, 8, 1), (2, 6, 8, 1), (2, 8, 8, 1), (2, 4, 16, 1), (2, 3, 16, 1), (2, 4, 12, 1),
+    (1, 4, 4, 1), (1, 4, 8, 1), (1, 6, 16, 1),
+    (2, 4, 8, 2), (4, 3, 8, 2), (4, 4, 8, 2), (4, 6, 8, 2), (4, 2, 8, 4), (4, 3, 8, 4),
 ]  # fmt: skip
 
 

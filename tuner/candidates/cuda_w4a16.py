@@ -9,7 +9,13 @@ and no second pass, and the sum order is fixed (deterministic). It reads our pac
 A config is the library's compile-time part (``slices`` of 16 rows per CTA, ``ntiles`` n8
 tiles of activations: 1 for M <= 8, 2 for M <= 16, ``stages`` of each warp's copy ring) and its
 launch part (``warps`` per CTA, ``cluster`` CTAs splitting K). Each compile-time part is one
-shared library, built by nvcc for sm_90a in a child process and loaded with ctypes.
+shared library (the CUDA runtime linked in statically), built by nvcc for sm_90a in a child
+process and loaded with ctypes; it is an artifact (``tuner.cache.artifacts``): ``precompile``
+installs what another host built before compiling the rest, and publishes what it compiled, so
+a host without nvcc runs a stored library.
+
+As a candidate source (``CudaW4A16``) its runners take torch's packed weight, as the baseline
+does, and read our layout of it (``int4_torch.ours``: made once per weight, memoised).
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
+import sqlite3
 import subprocess
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,8 +34,17 @@ from typing import Any
 
 import torch
 
+from tuner.cache.artifacts import ArtifactError, ArtifactSpec, pack, shared_store, unpack
+from tuner.cache.sqlite import StoreError
+from tuner.candidates.base import Params, Runner, Source
 from tuner.candidates.cutlass_env import nvcc_path
+from tuner.candidates.triton_kernels.w4a16 import check_inputs
+from tuner.core.atomic import write_atomic
+from tuner.core.keys import GemmKey
+from tuner.quant import int4_torch
 from tuner.quant.int4 import CHUNK, GROUP_SIZES
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cuda_kernels" / "w4a16_gemv.cu"
 ARCH = "sm_90a"
@@ -35,7 +52,9 @@ SLICES, NTILES, STAGES = (1, 2, 4), (1, 2), range(2, 9)
 MAX_WARPS, MAX_CLUSTER = 16, 8
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may take on sm_90
 COMPILE_TIMEOUT_S = 300.0
-ACT_DTYPES = (torch.bfloat16, torch.float16)
+ACT_DTYPES = ("bf16", "f16")
+ALIGN = 16  # bytes: x's rows, the weight and the scales are copied in 16-byte runs
+LIBRARY = "kernel.so"  # the artifact bundle's one file
 
 Config = dict[str, Any]
 
@@ -53,10 +72,10 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     extra = set(config) - {"slices", "ntiles", "stages", "warps", "cluster"}
     if extra:
         raise ValueError(f"config: unknown keys {sorted(extra)}")
-    _choice(config, "slices", SLICES)
+    slices = _choice(config, "slices", SLICES)
     ntiles = _choice(config, "ntiles", NTILES)
     _choice(config, "stages", STAGES)
-    _choice(config, "warps", range(1, MAX_WARPS + 1))
+    _choice(config, "warps", range(1, max_warps(slices, ntiles) + 1))
     cluster = _choice(config, "cluster", range(1, MAX_CLUSTER + 1))
     if not 1 <= m <= 8 * ntiles:
         raise ValueError(f"M={m}: config['ntiles']={ntiles} takes M from 1 to {8 * ntiles}")
@@ -65,21 +84,27 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
                          f"config['cluster']={cluster}")  # fmt: skip
     if group not in GROUP_SIZES or k % group:
         raise ValueError(f"group_size={group}: allowed {GROUP_SIZES}, dividing K={k}")
-    if n < 1:
-        raise ValueError(f"N={n}: must be at least 1")
+    if n < 1 or n % 4:
+        raise ValueError(f"N={n}: must be a positive multiple of 4 (the (scale, zero) words of "
+                         f"a CTA's rows are copied in 16-byte runs)")  # fmt: skip
     if smem_bytes(config, m, group) > SMEM_LIMIT:
         raise ValueError(f"config {config}: {smem_bytes(config, m, group)} bytes of shared memory "
                          f"at M={m}, more than a CTA's {SMEM_LIMIT}")  # fmt: skip
 
 
+def max_warps(slices: int, ntiles: int) -> int:
+    """Warps a CTA may have: 64-row CTAs over M > 8 take more registers than 512 threads leave."""
+    return 8 if slices * ntiles >= 4 else MAX_WARPS
+
+
 def smem_bytes(config: Config, m: int, group: int) -> int:
-    """Shared memory of one CTA (as the launcher computes it): the warps' copy rings, or the
-    partial sums after them if larger."""
-    rows = 16 * config["slices"]
+    """Shared memory of one CTA (as the launcher computes it): the warps' copy barriers, then
+    their copy rings, or the partial sums after them if larger."""
+    rows, warps, stages = 16 * config["slices"], config["warps"], config["stages"]
     groups = CHUNK // group if group < CHUNK else 1
     stage = -(-(rows * 64 + rows * 4 * groups + m * (2 * CHUNK + 16)) // 128) * 128
-    ring = config["warps"] * config["stages"] * stage
-    return max(ring, (config["warps"] + 1) * rows * m * 4)
+    barriers = -(-warps * stages * 8 // 128) * 128
+    return barriers + max(warps * stages * stage, (warps + 1) * rows * m * 4)
 
 
 def library_key(config: Config) -> tuple[int, int, int]:
@@ -158,9 +183,57 @@ def _load(path: Path) -> Any:
     return fn
 
 
+def artifact_spec(config: Config) -> ArtifactSpec:
+    """What stores ``config``'s library: its compile-time part, the arch, the source's digest."""
+    slices, ntiles, stages = library_key(config)
+    return ArtifactSpec("cuda_w4a16", {"slices": slices, "ntiles": ntiles, "stages": stages},
+                        ARCH, {"w4a16_gemv.cu": _source_digest()})  # fmt: skip
+
+
+def install(config: Config) -> bool:
+    """Write the stored library of ``config`` where ``launcher`` loads it; False if none is."""
+    store = shared_store()
+    data = store.get(artifact_spec(config)) if store is not None else None
+    if data is None:
+        return False
+    files = unpack(data)
+    if LIBRARY not in files:
+        raise ArtifactError(f"not a cuda_w4a16 bundle: no {LIBRARY}")
+    path = library_path(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, files[LIBRARY])
+    return True
+
+
+def ensure(configs: Iterable[Config]) -> dict[tuple, str | None]:
+    """Every library of ``configs`` ready to load: installed from the artifact store, else
+    compiled here (in parallel) and published. Library key -> None or why it is missing."""
+    todo = {library_key(c): c for c in configs if not library_path(c).is_file()}
+    for key, config in list(todo.items()):
+        try:
+            if install(config):
+                del todo[key]
+        except (ArtifactError, StoreError, OSError, sqlite3.Error) as e:
+            log.warning("stored cuda_w4a16 library %s not installed, compiling it: %s", key, e)
+    errors = compile_all(todo.values()) if todo else {}
+    store = shared_store() if any(e is None for e in errors.values()) else None
+    for key, error in errors.items():
+        if error is None and store is not None:
+            try:
+                store.put(
+                    artifact_spec(todo[key]), pack({LIBRARY: library_path(todo[key]).read_bytes()})
+                )
+            except (ArtifactError, StoreError, OSError, sqlite3.Error) as e:
+                log.warning("cuda_w4a16 library %s not stored as an artifact: %s", key, e)
+    return errors
+
+
 def launcher(config: Config) -> Any:
-    """The library's ``w4a16_gemv`` entry point (built here if missing)."""
-    return _load(compile_library(config))
+    """The library's ``w4a16_gemv`` entry point (installed or built here if missing)."""
+    error = ensure([config]).get(library_key(config))
+    if error:
+        raise RuntimeError(f"cuda_w4a16 library {library_key(config)}: {error}")
+    return _load(library_path(config))
 
 
 def run(fn: Any, config: Config, x: torch.Tensor, weight: torch.Tensor,
@@ -174,3 +247,108 @@ def run(fn: Any, config: Config, x: torch.Tensor, weight: torch.Tensor,
              torch.cuda.current_stream(x.device).cuda_stream)  # fmt: skip
     if err:
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
+
+
+# Decode shortlists: (slices, stages, warps, cluster), the likeliest first. M <= 8 (one n8 tile):
+# 32-row CTAs of 8 warps over all of K won every row of the grid; deeper rings keep more bytes in
+# flight where an SM holds one CTA; 16-row CTAs of 4 warps came second on the wide projections.
+# M <= 16: x's slab per chunk is as large as the weight's, so 64-row CTAs (split over a cluster
+# of 2) read each slab for the most rows.
+NARROW_M = ((2, 4, 8, 1), (2, 6, 8, 1), (1, 4, 4, 1))
+WIDE_M = ((4, 3, 8, 2), (2, 4, 8, 1))
+
+
+def configs(m: int, n: int, k: int, group: int) -> list[Config]:
+    """Configs worth timing for a decode problem (M <= 16), those that fit it."""
+    out = []
+    for slices, stages, warps, cluster in NARROW_M if m <= 8 else WIDE_M:
+        config = {"slices": slices, "ntiles": 1 if m <= 8 else 2, "stages": stages,
+                  "warps": warps, "cluster": cluster}  # fmt: skip
+        try:
+            check_config(config, m, n, k, group)
+        except ValueError:
+            continue
+        out.append(config)
+    return out
+
+
+def unsupported_reason(key: GemmKey) -> str | None:
+    if key.wdtype != "int4":
+        return "int4 weights only"
+    if key.m > 16:
+        return f"m={key.m}: a decode kernel (M <= 16)"
+    if key.dtype not in ACT_DTYPES:
+        return f"dtype={key.dtype}: bf16 or f16 activations only"
+    if key.k % CHUNK:
+        return f"k={key.k}: our layout packs K in whole chunks of {CHUNK}"
+    if key.align < ALIGN:
+        return f"align={key.align}: x's rows are copied in {ALIGN}-byte runs"
+    if not configs(key.m, key.n, key.k, key.group):
+        return f"no config fits m={key.m}, n={key.n}, k={key.k}, group={key.group}"
+    return None
+
+
+class CudaW4A16(Source):
+    name = "cuda_w4a16"
+    op = "gemm"
+    builds_kernels = True
+
+    def unavailable(self, device: str) -> str | None:
+        if device != "cuda":
+            return "a CUDA kernel: needs an NVIDIA GPU"
+        cap = torch.cuda.get_device_capability()
+        if cap != (9, 0):
+            return f"compute capability {cap}: the kernel is built for sm_90a (Hopper) only"
+        if nvcc_path() is None and not any(_stored(c) for c in _all_configs()):
+            return "nvcc not found and no built cuda_w4a16 library here or in the artifact store"
+        return None
+
+    def unsupported(self, key: GemmKey) -> str | None:
+        return unsupported_reason(key)
+
+    def candidates(self, key: GemmKey, device: str) -> list[Params]:
+        return configs(key.m, key.n, key.k, key.group)
+
+    def precompile(self, key: GemmKey, shortlist: list[Params]) -> None:
+        ensure(shortlist)  # failures are left for build to raise
+
+    def build(self, key: GemmKey, params: Params) -> Runner:
+        check_config(params, key.m, key.n, key.k, key.group)
+        config, group, fn = dict(params), key.group, launcher(params)
+        shape = (key.m, key.n, key.k)
+
+        def runner(x, packed, scales_and_zeros, out=None):
+            weight = int4_torch.ours(packed)
+            if check_inputs(x, weight, scales_and_zeros, group) != shape:
+                raise ValueError(f"x.shape={tuple(x.shape)}, weight N={weight.shape[0]}: this "
+                                 f"runner is built for (M, N, K)={shape}")  # fmt: skip
+            if x.data_ptr() % ALIGN or x.stride(0) * x.element_size() % ALIGN:
+                raise ValueError(f"x: rows must start on {ALIGN}-byte boundaries (data_ptr "
+                                 f"{x.data_ptr()}, strides {x.stride()})")  # fmt: skip
+            if out is None:
+                out = torch.empty(key.m, key.n, dtype=x.dtype, device=x.device)
+            elif out.shape != (key.m, key.n) or out.dtype != x.dtype or out.stride(1) != 1:
+                raise ValueError(f"out: expected a [{key.m}, {key.n}] {x.dtype} tensor with unit "
+                                 f"stride along N, got {out.dtype} {tuple(out.shape)} strides "
+                                 f"{out.stride()}")  # fmt: skip
+            run(fn, config, x, weight, scales_and_zeros, group, out)
+            return out
+
+        return runner
+
+
+def _all_configs() -> list[Config]:
+    """One config per library the shortlists name."""
+    return [{"slices": s, "ntiles": t, "stages": st, "warps": 1, "cluster": 1}
+            for t, table in ((1, NARROW_M), (2, WIDE_M)) for s, st, _, _ in table]  # fmt: skip
+
+
+def _stored(config: Config) -> bool:
+    """Whether ``config``'s library is here or in the artifact store."""
+    if library_path(config).is_file():
+        return True
+    store = shared_store()
+    try:
+        return store is not None and store.get(artifact_spec(config)) is not None
+    except (ArtifactError, StoreError, OSError, sqlite3.Error):
+        return False
