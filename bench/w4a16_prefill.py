@@ -33,8 +33,7 @@ SWEEP_TILED = ((64, 64, 4, 3, 2, True), (64, 64, 4, 2, 2, True), (128, 64, 4, 3,
                (128, 128, 8, 3, 2, False), (128, 128, 8, 2, 2, True), (64, 256, 8, 3, 2, True),
                (128, 64, 4, 3, 1, False), (64, 128, 8, 3, 1, False))  # fmt: skip
 MOST_SPLITS = 4
-SWEEP_STREAM = ((64, 64, 4, 3, 1, False, 2), (64, 64, 4, 4, 1, False, 2), (64, 64, 4, 5, 1, False, 2),
-                (64, 64, 4, 3, 2, True, 1), (64, 128, 8, 4, 1, False, 1), (128, 64, 4, 4, 1, False, 1))  # fmt: skip
+SWEEP_STREAM = ((64, 64, 4, 4, 1, False, 2),)
 # CUTLASS mixed-input kernels the generator lists beside the shortlists' (tile, cluster, kernel,
 # scheduler)
 SWEEP_CUTLASS = (((64, 128), (2, 1), "ws", "default"), ((128, 128), (2, 1), "pingpong", "default"),

@@ -324,7 +324,7 @@ def test_fp8_bad_inputs_name_the_field() -> None:
         (64, 512, 64),
         (1, 28672, 128),
         (16, 37888, 128),
-        (256, 3584, 128),  # Qwen o's N: stream-K over four bands of 64 rows
+        (256, 3584, 128),  # Qwen o's N at M = 256: 64-row tiles over four bands of x
     ],
 )
 def test_w4a16_every_config_on_the_gpu(m: int, n: int, g: int) -> None:

@@ -22,10 +22,9 @@ tile's last split once the others arrived (``split_wait``), sums them in split o
 result is deterministic and needs no second launch (while a CUDA graph is being captured before
 the counts exist, a reduce launch does it instead). Where a decode problem has more tiles than
 SMs, a hybrid (``whole_tiles``) takes whole waves of tiles whole and splits the others' K, so that
-no SM is left a whole tile more than others. The stream-K kernel (``w4a16_stream_k``) cuts each
-band of BM rows' (tile, K step) units into even runs, one per program, all programs resident at
-once; ``configs`` offers it past decode up to ``STREAM_M`` rows, where whole tiles leave some SMs
-a tile more than others.
+no SM is left a whole tile more than others. A stream-K kernel (``w4a16_stream_k``, which
+``configs`` does not offer) cuts each band of BM rows' (tile, K step) units into even runs, one
+per program, all programs resident at once.
 
 Entry point for a candidate source: ``w4a16_matmul(x, weight, scales_and_zeros, group_size,
 config)`` and ``configs(m, n, k, group_size)``, the configs worth timing for a shape;
@@ -584,16 +583,14 @@ def _dots(k: int, most: int) -> int:
 # split_wait takes the one split's place: an SM with a whole tile more than others sets the time.
 DECODE_TILES = ((64, 4, 3, 2, 5, {"step_sum": True}),
                 (64, 4, 3, 2, 5, {"step_sum": True, "split_wait": True}))  # fmt: skip
-# Prefill: (bm activation rows, bn weight rows, warps, stages, dots); one 128-wide K tile per
-# dot, x's [bm, 128] tiles dominating shared memory. 8 warps: on 4, most of these serialize.
-PREFILL_TILES = ((128, 128, 8, 3, 1), (256, 128, 8, 2, 1), (128, 128, 8, 2, 2), (64, 128, 8, 3, 1),
-                 (128, 256, 8, 2, 1), (64, 256, 8, 3, 1))  # fmt: skip
-# Prefill up to STREAM_M rows, stream-K: (bm, bn, warps, stages, CTAs per SM), the programs of
-# all bands resident at once. One dot a step: the stream-K loop waits for its wgmmas once a step
-# (the tiled one-dot loop once a wgmma), and at 4 stages (85 KB, ~200 registers) a copy stays in
-# flight and two CTAs fit per SM.
-PREFILL_STREAM = ((64, 64, 4, 4, 2),)
-STREAM_M = 256
+# Prefill: (bm activation rows, bn weight rows, warps, stages, dots, step_sum); one 128-wide K
+# tile per dot, x's [bm, 128] tiles dominating shared memory. Triton 3.6 serializes the wgmmas of
+# a one-dot step, and of a two-dot step on 4 warps unless it sums apart (``step_sum``); at 2
+# stages a step waits for all its copies (nothing in flight while it computes), at 3 one step's
+# copies stay in flight. 64 x 64 on 4 warps (113 KB, two CTAs per SM) comes first up to M = 256.
+PREFILL_TILES = ((128, 128, 8, 3, 1, False), (256, 128, 8, 2, 1, False), (128, 128, 8, 3, 2, False),
+                 (64, 64, 4, 3, 2, True), (64, 128, 8, 3, 1, False), (128, 256, 8, 2, 1, False),
+                 (64, 256, 8, 3, 1, False))  # fmt: skip
 
 
 def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Config]:
@@ -615,15 +612,11 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
             if config not in out:
                 out.append(config)
         return out
-    for bm, bn, warps, stages, dots in PREFILL_TILES:
+    for bm, bn, warps, stages, dots, step_sum in PREFILL_TILES:
         if bm <= 2 * max(m, 16) and k % (dots * CHUNK) == 0:
             split = _splits(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, dots * CHUNK, sms)
-            out.append({"kernel": "tiled", "bm": bm, "bn": bn, "bk": CHUNK, "dots": dots,
-                        "split_k": split, "group_m": 8, "warps": warps, "stages": stages})  # fmt: skip
-    for bm, bn, warps, stages, per_sm in PREFILL_STREAM if m <= STREAM_M else ():
-        units = triton.cdiv(n, bn) * (k // CHUNK)  # of one band of bm rows
-        programs = min(units, max(1, per_sm * sms // triton.cdiv(m, bm)))
-        out.append({"kernel": "stream_k", "bm": bm, "bn": bn, "bk": CHUNK, "dots": 1,
-                    "programs": programs, "warps": warps, "stages": stages})  # fmt: skip
+            config = {"kernel": "tiled", "bm": bm, "bn": bn, "bk": CHUNK, "dots": dots,
+                      "split_k": split, "group_m": 8, "warps": warps, "stages": stages}  # fmt: skip
+            out.append({**config, "step_sum": True} if step_sum else config)
     out.sort(key=lambda c: -c["bm"] * c["bn"] if m > 256 else c["bm"])
     return out
