@@ -42,13 +42,12 @@ from tuner.quant import int4
 from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_roundoff
 
 GROUP = 128
-MS = (1, 4, 16)
-# (slices of 16 rows, stages, warps, cluster): 32-row CTAs over all of K with deeper rings and
-# more warps, 16-row CTAs, and 64-row CTAs whose K splits over a cluster
+MS = (1, 4, 8)
+# (slices of 16 rows, stages, warps, cluster): 32-row CTAs over all of K (one per SM) with 8-16
+# warps and 3-6 stages, beside a 16-row and a 64-row (K over a cluster of 2) CTA
 GRID = [
-    (2, 4, 8, 1), (2, 6, 8, 1), (2, 8, 8, 1), (2, 4, 16, 1), (2, 3, 16, 1), (2, 4, 12, 1),
-    (1, 4, 4, 1), (1, 4, 8, 1), (1, 6, 16, 1),
-    (2, 4, 8, 2), (4, 3, 8, 2), (4, 4, 8, 2), (4, 6, 8, 2), (4, 2, 8, 4), (4, 3, 8, 4),
+    (2, 4, 8, 1), (2, 3, 16, 1), (2, 4, 12, 1), (2, 4, 16, 1), (2, 6, 8, 1), (2, 3, 12, 1),
+    (1, 4, 4, 1), (4, 3, 8, 2),
 ]  # fmt: skip
 
 

@@ -45,7 +45,6 @@ def test_configs_are_checked_field_by_field() -> None:
         ({**cfg(), "split_k": 2}, 1, "unknown keys ['split_k']"),
         (cfg(ntiles=1), 9, "M=9"),
         (cfg(ntiles=2), 17, "M=17"),
-        (cfg(4, 2, 2, 9), 16, "config['warps']=9"),
     ]
     for config, m, message in bad:
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -54,24 +53,21 @@ def test_configs_are_checked_field_by_field() -> None:
         cw.check_config(cfg(), 1, 64, 200, 128)
     with pytest.raises(ValueError, match="K=128"):
         cw.check_config(cfg(cluster=2), 1, 64, 128, 128)
-    with pytest.raises(ValueError, match="N=66"):
-        cw.check_config(cfg(), 1, 66, 256, 128)
     with pytest.raises(ValueError, match="group_size=48"):
         cw.check_config(cfg(), 1, 64, 384, 48)
     with pytest.raises(ValueError, match="shared memory"):
-        cw.check_config(cfg(4, 2, 8, 8), 16, 4096, 4096, 32)
+        cw.check_config(cfg(4, 2, 8, 16), 16, 4096, 4096, 32)
 
 
 def test_shared_memory_is_the_rings_or_the_partial_sums() -> None:
-    # 16 rows: 1 KB of weight, 64 B of (scale, zero) words, one 272-byte row of x: 1408 B a
-    # stage; 32 barriers of 8 bytes before the rings
-    assert cw.smem_bytes(cfg(1, 1, 4, 8), 1, 128) == 256 + 8 * 4 * 1408
+    # 16 rows: 1 KB of weight, 64 B of (scale, zero) words, one 272-byte row of x: 1408 B a stage
+    assert cw.smem_bytes(cfg(1, 1, 4, 8), 1, 128) == 8 * 4 * 1408
     # group 32 takes four words a row and chunk (1552 B, rounded to 128)
-    assert cw.smem_bytes(cfg(1, 1, 4, 8), 1, 32) == 256 + 8 * 4 * 1664
+    assert cw.smem_bytes(cfg(1, 1, 4, 8), 1, 32) == 8 * 4 * 1664
     # 64 rows, M = 16 on one warp of two stages: the rings (2 x 8704 B) beat the partial sums
-    assert cw.smem_bytes(cfg(4, 2, 2, 1), 16, 128) == 128 + max(2 * 8704, 2 * 64 * 16 * 4)
+    assert cw.smem_bytes(cfg(4, 2, 2, 1), 16, 128) == max(2 * 8704, 2 * 64 * 16 * 4)
     # 16 rows, M = 16, 16 warps of two stages: the partial sums [warps + 1][rows][M] win
-    assert cw.smem_bytes(cfg(1, 2, 2, 16), 16, 128) == 256 + max(32 * 5504, 17 * 16 * 16 * 4)
+    assert cw.smem_bytes(cfg(1, 2, 2, 16), 16, 128) == max(32 * 5504, 17 * 16 * 16 * 4)
 
 
 def test_each_compile_time_part_is_its_own_library() -> None:
@@ -88,24 +84,22 @@ def test_registered_and_which_keys_it_takes() -> None:
     assert registry.BUILTIN["cuda_w4a16"] == "tuner.candidates.cuda_w4a16:CudaW4A16"
     source = cw.CudaW4A16()
     assert source.unsupported(key_of("int4-g128", 1)) is None
-    assert source.unsupported(key_of("int4-g32", 16, n=520, k=384, dtype="f16")) is None
+    assert source.unsupported(key_of("int4-g32", 8, n=520, k=384, dtype="f16")) is None
     assert source.unsupported(GemmKey(m=1, n=64, k=128)) == "int4 weights only"
     assert source.unsupported(key_of("fp8-rowwise", 1)) == "int4 weights only"
-    assert "decode kernel" in source.unsupported(key_of("int4-g128", 17))
+    assert "M <= 8" in source.unsupported(key_of("int4-g128", 9))
     assert "chunks of 128" in source.unsupported(key_of("int4-g32", 1, k=160))
     assert "align=8" in source.unsupported(key_of("int4-g128", 1, k=256, align=8))
     assert source.unavailable("cpu") == "a CUDA kernel: needs an NVIDIA GPU"
 
 
-def test_shortlists_by_m() -> None:
-    narrow, wide = cw.configs(4, 4096, 14336, 128), cw.configs(16, 4096, 14336, 128)
-    assert [(c["slices"], c["stages"], c["warps"], c["cluster"]) for c in narrow] == list(
-        cw.NARROW_M
+def test_the_decode_shortlist() -> None:
+    shortlist = cw.configs(4, 4096, 14336, 128)
+    assert [(c["slices"], c["stages"], c["warps"], c["cluster"]) for c in shortlist] == list(
+        cw.SHORTLIST
     )
-    assert {c["ntiles"] for c in narrow} == {1} and {c["ntiles"] for c in wide} == {2}
-    assert len(wide) == len(cw.WIDE_M)
-    # K of one chunk: no cluster of 2 fits it
-    assert all(c["cluster"] == 1 for c in cw.configs(16, 256, 128, 128))
+    assert {c["ntiles"] for c in shortlist} == {1}
+    assert cw.configs(9, 4096, 14336, 128) == []
     assert cw.CudaW4A16().candidates(key_of("int4-g128", 2), "cuda") == cw.configs(
         2, 4096, 14336, 128
     )
@@ -204,8 +198,9 @@ def test_inside_a_cuda_graph(built: None) -> None:
     assert excess(out, ref, tol) <= 1
 
 
-TUNED = [key_of("int4-g128", 1, n=4096, k=2048), key_of("int4-g32", 6, n=520, k=384, dtype="f16"),
-         key_of("int4-g64", 16, n=3584, k=1152)]  # fmt: skip
+# bf16: torch's int4 baseline, which the engine runs first, takes no f16 (the direct tests cover it)
+TUNED = [key_of("int4-g128", 1, n=4096, k=2048), key_of("int4-g32", 6, n=520, k=384),
+         key_of("int4-g64", 8, n=3584, k=1152)]  # fmt: skip
 
 
 @pytest.mark.gpu

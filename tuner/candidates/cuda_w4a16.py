@@ -53,7 +53,7 @@ MAX_WARPS, MAX_CLUSTER = 16, 8
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may take on sm_90
 COMPILE_TIMEOUT_S = 300.0
 ACT_DTYPES = ("bf16", "f16")
-ALIGN = 16  # bytes: x's rows, the weight and the scales are copied in 16-byte runs
+ALIGN = 16  # bytes: x's rows and the weight are copied in 16-byte pieces
 LIBRARY = "kernel.so"  # the artifact bundle's one file
 
 Config = dict[str, Any]
@@ -72,10 +72,10 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     extra = set(config) - {"slices", "ntiles", "stages", "warps", "cluster"}
     if extra:
         raise ValueError(f"config: unknown keys {sorted(extra)}")
-    slices = _choice(config, "slices", SLICES)
+    _choice(config, "slices", SLICES)
     ntiles = _choice(config, "ntiles", NTILES)
     _choice(config, "stages", STAGES)
-    _choice(config, "warps", range(1, max_warps(slices, ntiles) + 1))
+    _choice(config, "warps", range(1, MAX_WARPS + 1))
     cluster = _choice(config, "cluster", range(1, MAX_CLUSTER + 1))
     if not 1 <= m <= 8 * ntiles:
         raise ValueError(f"M={m}: config['ntiles']={ntiles} takes M from 1 to {8 * ntiles}")
@@ -84,27 +84,20 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
                          f"config['cluster']={cluster}")  # fmt: skip
     if group not in GROUP_SIZES or k % group:
         raise ValueError(f"group_size={group}: allowed {GROUP_SIZES}, dividing K={k}")
-    if n < 1 or n % 4:
-        raise ValueError(f"N={n}: must be a positive multiple of 4 (the (scale, zero) words of "
-                         f"a CTA's rows are copied in 16-byte runs)")  # fmt: skip
+    if n < 1:
+        raise ValueError(f"N={n}: must be at least 1")
     if smem_bytes(config, m, group) > SMEM_LIMIT:
         raise ValueError(f"config {config}: {smem_bytes(config, m, group)} bytes of shared memory "
                          f"at M={m}, more than a CTA's {SMEM_LIMIT}")  # fmt: skip
 
 
-def max_warps(slices: int, ntiles: int) -> int:
-    """Warps a CTA may have: 64-row CTAs over M > 8 take more registers than 512 threads leave."""
-    return 8 if slices * ntiles >= 4 else MAX_WARPS
-
-
 def smem_bytes(config: Config, m: int, group: int) -> int:
-    """Shared memory of one CTA (as the launcher computes it): the warps' copy barriers, then
-    their copy rings, or the partial sums after them if larger."""
-    rows, warps, stages = 16 * config["slices"], config["warps"], config["stages"]
+    """Shared memory of one CTA (as the launcher computes it): the warps' copy rings, or the
+    partial sums after them if larger."""
+    rows, warps = 16 * config["slices"], config["warps"]
     groups = CHUNK // group if group < CHUNK else 1
     stage = -(-(rows * 64 + rows * 4 * groups + m * (2 * CHUNK + 16)) // 128) * 128
-    barriers = -(-warps * stages * 8 // 128) * 128
-    return barriers + max(warps * stages * stage, (warps + 1) * rows * m * 4)
+    return max(warps * config["stages"] * stage, (warps + 1) * rows * m * 4)
 
 
 def library_key(config: Config) -> tuple[int, int, int]:
@@ -249,21 +242,21 @@ def run(fn: Any, config: Config, x: torch.Tensor, weight: torch.Tensor,
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlists: (slices, stages, warps, cluster), the likeliest first. M <= 8 (one n8 tile):
-# 32-row CTAs of 8 warps over all of K won every row of the grid; deeper rings keep more bytes in
-# flight where an SM holds one CTA; 16-row CTAs of 4 warps came second on the wide projections.
-# M <= 16: x's slab per chunk is as large as the weight's, so 64-row CTAs (split over a cluster
-# of 2) read each slab for the most rows.
-NARROW_M = ((2, 4, 8, 1), (2, 6, 8, 1), (1, 4, 4, 1))
-WIDE_M = ((4, 3, 8, 2), (2, 4, 8, 1))
+# Decode shortlist, M <= 8 (one n8 tile): (slices, stages, warps, cluster), the likeliest first.
+# 32-row CTAs over all of K, one per SM: splitting K over a cluster, or 16- or 64-row CTAs, lost
+# on every row; 12 or 16 warps keep more chunks in flight than 8 on the narrow projections.
+# M > 8 is not offered: each warp copies x's [M, 128] slab per chunk, at M = 16 as many bytes as
+# the weight's, and the Triton tiles, which share x's tile across 64 rows, serve it better.
+SHORTLIST = ((2, 4, 8, 1), (2, 3, 16, 1), (2, 4, 12, 1))
+MAX_M = 8
 
 
 def configs(m: int, n: int, k: int, group: int) -> list[Config]:
-    """Configs worth timing for a decode problem (M <= 16), those that fit it."""
+    """Configs worth timing for a decode problem (M <= ``MAX_M``), those that fit it."""
     out = []
-    for slices, stages, warps, cluster in NARROW_M if m <= 8 else WIDE_M:
-        config = {"slices": slices, "ntiles": 1 if m <= 8 else 2, "stages": stages,
-                  "warps": warps, "cluster": cluster}  # fmt: skip
+    for slices, stages, warps, cluster in SHORTLIST if m <= MAX_M else ():
+        config = {"slices": slices, "ntiles": 1, "stages": stages, "warps": warps,
+                  "cluster": cluster}  # fmt: skip
         try:
             check_config(config, m, n, k, group)
         except ValueError:
@@ -275,14 +268,14 @@ def configs(m: int, n: int, k: int, group: int) -> list[Config]:
 def unsupported_reason(key: GemmKey) -> str | None:
     if key.wdtype != "int4":
         return "int4 weights only"
-    if key.m > 16:
-        return f"m={key.m}: a decode kernel (M <= 16)"
+    if key.m > MAX_M:
+        return f"m={key.m}: offered for decode at M <= {MAX_M} (x's slab per warp outweighs more)"
     if key.dtype not in ACT_DTYPES:
         return f"dtype={key.dtype}: bf16 or f16 activations only"
     if key.k % CHUNK:
         return f"k={key.k}: our layout packs K in whole chunks of {CHUNK}"
     if key.align < ALIGN:
-        return f"align={key.align}: x's rows are copied in {ALIGN}-byte runs"
+        return f"align={key.align}: x's rows are copied in {ALIGN}-byte pieces"
     if not configs(key.m, key.n, key.k, key.group):
         return f"no config fits m={key.m}, n={key.n}, k={key.k}, group={key.group}"
     return None
@@ -339,8 +332,8 @@ class CudaW4A16(Source):
 
 def _all_configs() -> list[Config]:
     """One config per library the shortlists name."""
-    return [{"slices": s, "ntiles": t, "stages": st, "warps": 1, "cluster": 1}
-            for t, table in ((1, NARROW_M), (2, WIDE_M)) for s, st, _, _ in table]  # fmt: skip
+    return [{"slices": s, "ntiles": 1, "stages": st, "warps": 1, "cluster": 1}
+            for s, st, _, _ in SHORTLIST]  # fmt: skip
 
 
 def _stored(config: Config) -> bool:

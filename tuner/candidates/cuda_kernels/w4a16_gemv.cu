@@ -49,8 +49,7 @@ constexpr int STAGES = GEMV_STAGES;
 constexpr int ROWS = 16 * SLICES;
 constexpr int CHUNK = 128;          // K values per chunk
 constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so ldmatrix's 8 rows hit 8 bank groups
-// 64-row CTAs over 16 M take more registers than 512 threads leave a thread
-constexpr int MAX_WARPS = SLICES * NTILES >= 4 ? 8 : 16;
+constexpr int MAX_WARPS = 16;
 constexpr int MAX_DEVICES = 64;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a CTA's rows lie in one 64-row block");
 static_assert(NTILES == 1 || NTILES == 2, "M <= 16");
@@ -71,33 +70,20 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void barrier_init(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+__device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
 }
 
-// One arrival that also tells the barrier how many bytes its copies will bring.
-__device__ __forceinline__ void expect_bytes(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
+__device__ __forceinline__ void copy4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
 }
 
-__device__ __forceinline__ void wait_phase(uint32_t bar, uint32_t phase) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(phase)
-      : "memory");
-}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
-// A bulk copy (TMA) of `bytes` (a multiple of 16, both ends 16-byte aligned), counted by `bar`.
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes,
-                                          uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
+__device__ __forceinline__ void wait_ring() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
 }
 
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
@@ -181,50 +167,71 @@ struct Half2Ops<true> {  // fp16
   }
 };
 
-// A warp's copies, chunk after chunk, as bulk copies (TMA) counted by the stage's barrier: the
-// CTA's weight rows of the chunk (one contiguous run), the (scale, zero) words of its NG groups
-// (a run of the CTA's rows each) and x's M rows of 128 values. Built once; each `issue` copies
-// the current chunk and moves on by the warp's stride (`warps` chunks). Rows past N are not
-// copied: their stale bytes only reach output rows that are never stored.
+// One lane's share of a warp's copies, chunk after chunk: built once (the addresses that do
+// not move, which rows exist), then each `issue` copies the current chunk into a stage and
+// moves on by the warp's stride (`warps` chunks). Each lane copies the weight bytes it reads
+// back itself (rows g and g + 8 of each slice at 16 t); the (scale, zero) words of the
+// chunk's NG groups ([NG][ROWS] words) and x's [M, 128] slab (16-byte pieces) are shared out.
 template <int NG>
 struct Copier {
-  const uint8_t* w;    // the CTA's first weight byte of the current chunk
-  long long w_step;    // bytes to the warp's next chunk
-  const uint32_t* sz;  // lane i < NG: the first (scale, zero) word of group i of chunk 0
-  long long n;         // (scale, zero) words per group
-  const uint16_t* x;   // lane i < M: row i of x at the current chunk
-  int lane, m, chunk, chunk_step, group_shift;
-  uint32_t w_bytes, sz_bytes, stage_bytes;  // bytes each copy brings, and all of them
-  uint32_t lane_sz, lane_x;                 // this lane's run in a stage
+  static constexpr int SZ_COPIES = (ROWS * NG + 31) / 32;
+  static constexpr int X_COPIES = 8 * NTILES * 16 / 32;  // two rows of x per copy round
+  const uint8_t* w;      // this lane's first weight byte of the current chunk
+  long long w_step;      // bytes to the warp's next chunk
+  const uint32_t* sz;    // this lane's first (scale, zero) word of the chunk's first group
+  long long n;           // (scale, zero) words per group
+  const uint16_t* x;     // this lane's first x piece of the current chunk
+  long long ldx;
+  int chunk, chunk_step, group_shift;
+  uint32_t w_valid, sz_valid, x_valid;  // bit per copy: its rows exist
+  uint32_t lane_w, lane_sz, lane_x;     // this lane's offsets in a stage
 
   __device__ __forceinline__ Copier(const Params& p, const uint8_t* block, int rows, int offset,
-                                    int n0, int first, int warps, int lane_) {
-    lane = lane_;
-    m = p.m;
-    const int valid = min(ROWS, rows - offset);  // the CTA's rows that exist
-    w = block + 64ll * (static_cast<long long>(first) * rows + offset);
+                                    int n0, int first, int warps, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    lane_w = g * 64 + t * 16;
+    w = block + 64ll * (static_cast<long long>(first) * rows + offset) + lane_w;
     w_step = 64ll * warps * rows;
-    w_bytes = valid * 64;
+    w_valid = 0;
+#pragma unroll
+    for (int h = 0; h < 2 * SLICES; ++h)
+      if (offset + 8 * h + g < rows) w_valid |= 1u << h;
     n = p.n;
-    sz = p.sz + n0 + lane * n;
-    sz_bytes = valid * 4;
-    x = p.x + lane * p.ldx + static_cast<long long>(first) * CHUNK;
-    lane_sz = ROWS * 64 + lane * ROWS * 4;
-    lane_x = ROWS * 64 + ROWS * 4 * NG + lane * XROW;
-    stage_bytes = w_bytes + NG * sz_bytes + m * 2 * CHUNK;
+    sz = p.sz + n0 + lane % ROWS + static_cast<long long>(lane / ROWS) * p.n;
+    lane_sz = ROWS * 64 + lane * 4;
+    sz_valid = 0;
+#pragma unroll
+    for (int it = 0; it < SZ_COPIES; ++it)
+      if (32 * it + lane < ROWS * NG && n0 + lane % ROWS + 32 * it % ROWS < p.n)
+        sz_valid |= 1u << it;
+    ldx = p.ldx;
+    x = p.x + (lane >> 4) * p.ldx + (lane & 15) * 8 + static_cast<long long>(first) * CHUNK;
+    lane_x = ROWS * 64 + ROWS * 4 * NG + (lane >> 4) * XROW + (lane & 15) * 16;
+    x_valid = 0;
+#pragma unroll
+    for (int it = 0; it < X_COPIES; ++it)
+      if (2 * it + (lane >> 4) < p.m) x_valid |= 1u << it;
     chunk = first;
     chunk_step = warps;
     group_shift = p.group_shift;
   }
 
-  __device__ __forceinline__ void issue(uint32_t stage, uint32_t bar) {
-    if (lane == 0) expect_bytes(bar, stage_bytes);
-    __syncwarp();
-    if (lane == 0) bulk_copy(stage, w, w_bytes, bar);
-    if (lane < NG)
-      bulk_copy(stage + lane_sz, sz + ((static_cast<long long>(chunk) * CHUNK) >> group_shift) * n,
-                sz_bytes, bar);
-    if (lane < m) bulk_copy(stage + lane_x, x, 2 * CHUNK, bar);
+  __device__ __forceinline__ void issue(uint32_t stage) {
+#pragma unroll
+    for (int h = 0; h < 2 * SLICES; ++h) {
+      const bool valid = w_valid >> h & 1;
+      copy16(stage + lane_w + h * 512, valid ? w + h * 512 : w - lane_w, valid);
+    }
+    const uint32_t* words = sz + ((static_cast<long long>(chunk) * CHUNK) >> group_shift) * n;
+#pragma unroll
+    for (int it = 0; it < SZ_COPIES; ++it) {
+      const bool valid = sz_valid >> it & 1;
+      copy4(stage + lane_sz + it * 128, valid ? words + (32 * it / ROWS) * n + 32 * it % ROWS : sz,
+            valid);
+    }
+#pragma unroll
+    for (int it = 0; it < X_COPIES; ++it)
+      if (x_valid >> it & 1) copy16(stage + lane_x + 2 * it * XROW, x + 2 * it * ldx, true);
     w += w_step;
     x += chunk_step * CHUNK;
     chunk += chunk_step;
@@ -317,11 +324,6 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t stage, int lan
   }
 }
 
-// The warps' copy barriers at the start of shared memory (8 bytes each), rounded to 128.
-__host__ __device__ __forceinline__ int barrier_bytes(int warps) {
-  return (warps * STAGES * 8 + 127) / 128 * 128;
-}
-
 template <bool F16, int NG>
 __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -340,33 +342,30 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   const int c_hi = static_cast<int>(static_cast<long long>(rank + 1) * chunks / ranks);
   const int mine = c_lo + warp < c_hi ? (c_hi - c_lo - warp + warps - 1) / warps : 0;
 
-  // per warp: STAGES barriers, then its ring of STAGES stages
-  const uint32_t bars = smem_addr(smem) + warp * STAGES * 8;
-  const uint32_t ring = smem_addr(smem) + barrier_bytes(warps) + warp * STAGES * p.stage_bytes;
-  if (lane == 0) {
-    for (int i = 0; i < STAGES; ++i) barrier_init(bars + i * 8);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncwarp();
+  const uint32_t ring = smem_addr(smem) + warp * STAGES * p.stage_bytes;
   Copier<NG> copier(p, block, rows, n0 - first_row, n0, c_lo + warp, warps, lane);
   float acc[SLICES][NTILES][4] = {};
-  for (int i = 0; i < STAGES - 1 && i < mine; ++i)
-    copier.issue(ring + i * p.stage_bytes, bars + i * 8);
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < mine) copier.issue(ring + i * p.stage_bytes);
+    commit();
+  }
   int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
-  uint32_t phase = 0;               // of the computed stage's barrier
   for (int i = 0; i < mine; ++i) {
-    if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes, bars + next * 8);
-    wait_phase(bars + slot * 8, phase);
+    if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
+    commit();
+    wait_ring();
+    __syncwarp();
     compute<F16, NG>(p, ring + slot * p.stage_bytes, lane, acc);
-    __syncwarp();  // every lane is done with the stage before it is filled again
+    __syncwarp();
     slot = slot + 1 == STAGES ? 0 : slot + 1;
     next = next + 1 == STAGES ? 0 : next + 1;
-    phase ^= slot == 0;
   }
+  asm volatile("cp.async.wait_all;\n" ::);
 
   // the warps' partials [warps][ROWS][M] (after the ring is done with), summed in warp order
   __syncthreads();
-  float* part = reinterpret_cast<float*>(smem + barrier_bytes(warps));
+  float* part = reinterpret_cast<float*>(smem);
   const int g = lane >> 2, t = lane & 3, m = p.m;
 #pragma unroll
   for (int s = 0; s < SLICES; ++s)
@@ -412,7 +411,7 @@ int stage_bytes(int m, int group) {
 int smem_bytes(int m, int group, int warps) {
   const int ring = warps * STAGES * stage_bytes(m, group);
   const int reduce = (warps + 1) * ROWS * m * 4;
-  return barrier_bytes(warps) + (ring > reduce ? ring : reduce);
+  return ring > reduce ? ring : reduce;
 }
 
 template <bool F16, int NG>
@@ -468,16 +467,16 @@ int w4a16_gemv_smem(int m, int group, int warps) { return smem_bytes(m, group, w
 // out[m, ldo] (x's dtype) = x[m, ldx] @ dequant(w, sz).T; returns a cudaError_t. The caller
 // checks the operands (tuner/candidates/cuda_w4a16.py); this refuses what would read or write
 // out of bounds: m outside 1..8 * NTILES, K not whole chunks, a group size other than 32, 64,
-// 128, 256 that divides K, warps outside 1..16 (1..8 for 64 rows and M > 8), a cluster outside 1..8 or wider than K's chunks,
+// 128, 256 that divides K, warps outside 1..16, a cluster outside 1..8 or wider than K's chunks,
 // x or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
                void* stream) {
   const bool group_ok = (group == 32 || group == 64 || group == 128 || group == 256) && k % group == 0;
   if (m < 1 || m > 8 * NTILES || n < 1 || k < CHUNK || k % CHUNK || !group_ok || warps < 1 ||
-      warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster > k / CHUNK || n % 4 || ldx % 8 ||
+      warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster > k / CHUNK || ldx % 8 ||
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
-      reinterpret_cast<uintptr_t>(sz) % 16)
+      reinterpret_cast<uintptr_t>(sz) % 4)
     return static_cast<int>(cudaErrorInvalidValue);
   Params p;
   p.x = static_cast<const uint16_t*>(x);
