@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: install what its image lacks, then run the named stages.
 #   bash bench/gpu_check.sh tests dispatch        (carry .whl; results land under $OUT)
 # Stages: tests (pytest -m gpu; GPU_TESTS="tests/serving ..." narrows it, GPU_TESTS_TIMEOUT seconds), dispatch (hit-path
-#   overhead benchmark), decode-sweep (bench/decode_sweep.py), decode-ncu (its --profile under
+#   overhead benchmark), contention (bench/cpu_contention.py: eager calls beside busy compilers), decode-sweep (bench/decode_sweep.py), decode-ncu (its --profile under
 #   Nsight Compute); more are added per area.
 #   triton-sweep (whole Triton GEMM config space on sample shapes), triton-tests, gemm
 #   (tuner bench gemm; GEMM_BENCH_ARGS="--part odd ...", GEMM_BENCH_TIMEOUT seconds).
@@ -69,6 +69,7 @@ for stage in "$@"; do
         python3 bench/lowbit_kernels.py --out /dev/null --profile ${LOWBIT_NCU_ARGS:---formats int4 --proj gate_up down --m 1 16} \
         2>&1 | tee "$OUT/lowbit_ncu.log" || status=1 ;;
     dispatch) python3 bench/dispatch_overhead.py --out "$OUT/dispatch_overhead.json" || status=1 ;;
+    contention) python3 bench/cpu_contention.py --out "$OUT/cpu_contention.json" 2>&1 | tee "$OUT/cpu_contention.log" || status=1 ;;
     sdpa-tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests/candidates/test_attention.py 2>&1 | tee "$OUT/sdpa_tests.log" || status=1 ;;
     sdpa) timeout -k 20 "${SDPA_BENCH_TIMEOUT:-215}" python3 -m tuner.cli bench sdpa --out "$OUT" ${SDPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/sdpa_bench.log" || status=1 ;;
     triton-sweep) timeout -k 20 "${TRITON_SWEEP_TIMEOUT:-150}" python3 bench/triton_gemm_sweep.py --out "$OUT/triton_sweep.json" ${TRITON_SWEEP_ARGS:-} 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;

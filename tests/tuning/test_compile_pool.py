@@ -88,3 +88,27 @@ def test_compiling_runs_at_a_lower_cpu_priority_than_timing():
         pool.close()
     own = os.getpriority(os.PRIO_PROCESS, 0)
     assert found == [min(19, own + compile_pool.COMPILE_NICENESS)] * 2
+
+
+def test_compiling_leaves_the_first_physical_core_to_timing():
+    key = GemmKey(m=8, n=8, k=8, dtype="f32", out_dtype="f32")
+    pool = CompilePool([key], TuneOptions(sources=["torch"]), "cpu", jobs=1)
+    try:
+        futures = [ex.submit(os.sched_getaffinity, 0) for ex in pool.executors]
+        found = [f.result(timeout=120) for f in futures]
+    finally:
+        pool.close()
+    own = os.sched_getaffinity(0)
+    assert found == [compile_pool.compile_cpus(own) or own] * 2
+
+
+def test_compile_cpus_spare_one_whole_core_where_there_are_enough():
+    def siblings(cpu: int) -> set[int]:  # 8 cores of two hyperthreads: cpu c and c + 8
+        return {cpu % 8, cpu % 8 + 8}
+
+    assert compile_pool.compile_cpus(set(range(16)), siblings) == set(range(16)) - {0, 8}
+    assert compile_pool.compile_cpus({4, 5, 6, 7, 12}, siblings) == {5, 6, 7}
+    assert compile_pool.compile_cpus({0, 1, 8}, siblings) is None  # too few to spare one
+    assert compile_pool.compile_cpus({0, 8, 1, 9}, lambda c: {0, 8, 1, 9}) is None  # one core
+    assert 0 in compile_pool.thread_siblings(0)
+    assert compile_pool.thread_siblings(10_000) == {10_000}  # no such CPU: itself

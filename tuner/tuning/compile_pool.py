@@ -7,10 +7,11 @@ problem i+1 and later ones. A job compiles one problem: each source's shortlist,
 (Triton's, CUTLASS's), where the tuning process's ``build`` finds it. Jobs run in spawned
 processes (capture hooks and CUDA state stay out of the process that times), ``jobs`` at a time,
 and the cores are split between them (``TUNER_COMPILE_WORKERS``, ``TUNER_CUTLASS_JOBS``).
-They run at a lower CPU priority (``COMPILE_NICENESS``, inherited by nvcc and Triton's workers):
-the tuning process shares the cores with them, and a launch slowed by a busy CPU inflates the
-host time per call that the engine weighs against the baseline's, so a contended run would turn
-down winners that an idle one keeps.
+They run at a lower CPU priority (``COMPILE_NICENESS``, inherited by nvcc and Triton's workers)
+and off one physical core (``compile_cpus``), left to the tuning process: a launch slowed by a
+busy CPU inflates the host time per call that the engine weighs against the baseline's (and its
+probe cut-off), so a contended run would turn down winners that an idle one keeps, and a niced
+compiler on the timing thread's hyperthread sibling still slows it.
 
 Sources whose kernels serve every shape (``Source.shares_kernels``: CUTLASS) are not compiled
 per problem: one *shared* job takes the union of every problem's shortlists for them, so each
@@ -29,9 +30,10 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tuner.candidates.base import Params, Source
@@ -67,6 +69,35 @@ def default_jobs(cpus: int | None = None) -> int:
 
 
 COMPILE_NICENESS = 10  # added to the pool's processes' niceness: compiling yields to timing
+MIN_CPUS_TO_SPARE = 4  # below this many CPUs, compiling keeps them all
+
+
+def thread_siblings(cpu: int) -> set[int]:
+    """The logical CPUs of ``cpu``'s physical core (Linux sysfs; just ``cpu`` where unknown)."""
+    path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return {cpu}
+    found: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        found.update(range(int(lo), int(hi or lo) + 1))
+    return found or {cpu}
+
+
+def compile_cpus(
+    cpus: set[int], siblings: Callable[[int], set[int]] = thread_siblings
+) -> set[int] | None:
+    """The CPUs compile processes may use: all of ``cpus`` but the first one's physical core,
+    which the tuning process then has to itself. None (keep them all) where fewer than
+    ``MIN_CPUS_TO_SPARE`` are available or sparing the core would leave none."""
+    if len(cpus) < MIN_CPUS_TO_SPARE:
+        return None
+    left = cpus - siblings(min(cpus))
+    return left or None
+
+
 _READY: dict[str, Any] = {}  # in the shared job's process: key -> its shared-kernels event
 
 
@@ -76,6 +107,8 @@ def _start_job_process(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the run's to handle
     exit_when_orphaned(parent)  # also when the run died while this process was starting
     os.nice(COMPILE_NICENESS)
+    if hasattr(os, "sched_setaffinity") and (allowed := compile_cpus(os.sched_getaffinity(0))):
+        os.sched_setaffinity(0, allowed)  # inherited by nvcc and Triton's compile workers
     os.environ.setdefault("TUNER_COMPILE_WORKERS", str(cores))
     os.environ.setdefault("TUNER_CUTLASS_JOBS", str(cores))
     _READY.update(ready or {})
