@@ -7,7 +7,7 @@
 #   triton-sweep (whole Triton GEMM config space on sample shapes), triton-tests, gemm
 #   (tuner bench gemm; GEMM_BENCH_ARGS="--part odd ...", GEMM_BENCH_TIMEOUT seconds).
 #   lowbit (tuner bench gemm --suite lowbit: int4/fp8 beside torch's ops and bf16 cuBLAS ->
-#   $OUT/gemm_lowbit.json/.png, gemm_lowbit_vs_bf16.png, gemm_lowbit.db; LOWBIT_BENCH_ARGS="--part
+#   $OUT/gemm_lowbit.json/.png, gemm_lowbit_vs_bf16.png, gemm_lowbit.db, lowbit_cutlass_cache.tar.xz; LOWBIT_BENCH_ARGS="--part
 #   fp8-rowwise ...", LOWBIT_BENCH_TIMEOUT seconds). lowbit-kernels (bench/lowbit_kernels.py -> $OUT/
 #   lowbit_kernels.json, .log; LOWBIT_KERNELS_ARGS="--formats int4 ...", LOWBIT_KERNELS_TIMEOUT).
 #   lowbit-ncu (Nsight Compute sections of the low-bit decode kernels -> $OUT/lowbit_ncu.log).
@@ -31,9 +31,14 @@ else
 fi
 export TUNER_CACHE=${TUNER_CACHE:-$OUT/tuner.db}
 export CUTLASS_CACHE_DIR=${CUTLASS_CACHE_DIR:-/tmp/cutlass_cache}
-# CUTLASS_SEED=<a cutlass_cache.tar.xz from an earlier call, e.g. bench/results/cutlass_cache_h200_sm90.tar.xz>
-# starts every stage with those compiled kernels (cold CUTLASS compiles cost 35-52 s each)
-if [ -n "${CUTLASS_SEED:-}" ]; then mkdir -p "$CUTLASS_CACHE_DIR" && tar xJf "$CUTLASS_SEED" -C "$CUTLASS_CACHE_DIR"; fi
+# CUTLASS_SEED=<cutlass_cache.tar.xz files from earlier calls, space-separated, e.g.
+# bench/results/cutlass_cache_h200_sm90.tar.xz> starts every stage with those compiled kernels (cold
+# CUTLASS compiles cost 35-52 s each); at most one of them may hold compiled_cache.db (the kernels
+# cutlass_cppgen builds): a later one's would replace it, while shared libraries (lib/) add up
+if [ -n "${CUTLASS_SEED:-}" ]; then
+  mkdir -p "$CUTLASS_CACHE_DIR"
+  for seed in $CUTLASS_SEED; do tar xJf "$seed" -C "$CUTLASS_CACHE_DIR" || exit 1; done
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -m tuner.cli info 2>&1 | tee "$OUT/info.txt"
 # The device tool brings back at most 8 files: everything is packed into one archive after each
@@ -74,7 +79,8 @@ for stage in "$@"; do
     sdpa) timeout -k 20 "${SDPA_BENCH_TIMEOUT:-215}" python3 -m tuner.cli bench sdpa --out "$OUT" ${SDPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/sdpa_bench.log" || status=1 ;;
     triton-sweep) timeout -k 20 "${TRITON_SWEEP_TIMEOUT:-150}" python3 bench/triton_gemm_sweep.py --out "$OUT/triton_sweep.json" ${TRITON_SWEEP_ARGS:-} 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
     triton-tests) timeout -k 20 "${TRITON_TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/candidates/test_triton_gemm.py 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
-    lowbit) timeout -k 20 "${LOWBIT_BENCH_TIMEOUT:-560}" python3 -m tuner.cli bench gemm --suite lowbit --out "$OUT" ${LOWBIT_BENCH_ARGS:-} 2>&1 | tee "$OUT/lowbit_bench.log" || status=1 ;;
+    lowbit) timeout -k 20 "${LOWBIT_BENCH_TIMEOUT:-560}" python3 -m tuner.cli bench gemm --suite lowbit --out "$OUT" ${LOWBIT_BENCH_ARGS:-} 2>&1 | tee "$OUT/lowbit_bench.log" || status=1
+      tar cJf "$OUT/lowbit_cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work . || status=1 ;;
     lowbit-kernels) timeout -k 20 "${LOWBIT_KERNELS_TIMEOUT:-400}" python3 bench/lowbit_kernels.py --out "$OUT/lowbit_kernels.json" ${LOWBIT_KERNELS_ARGS:-} 2>&1 | tee "$OUT/lowbit_kernels.log" || status=1 ;;
     w4a16-prefill) timeout -k 20 "${W4A16_PREFILL_TIMEOUT:-250}" python3 bench/w4a16_prefill.py --out "$OUT/w4a16_prefill.json" ${W4A16_PREFILL_ARGS:-} 2>&1 | tee "$OUT/w4a16_prefill.log" || status=1 ;;
     fp8-prefill) timeout -k 20 "${FP8_PREFILL_TIMEOUT:-250}" python3 bench/fp8_prefill.py --out "$OUT/fp8_prefill.json" ${FP8_PREFILL_ARGS:-} 2>&1 | tee "$OUT/fp8_prefill.log" || status=1
