@@ -149,7 +149,8 @@ def _set_stride(stride: ctypes.Structure, values: tuple[int, ...]) -> None:
 
 class ScaledLauncher(cutlass_gemm.KernelLauncher):
     """``_scaled_mm``'s call ``(a, b, scale_a, scale_b, out=None)`` through one kernel with the
-    scaled EVT epilogue: the scales' pointers and D's strides are patched into the arguments."""
+    scaled EVT epilogue: the scales' pointers join the pointer set its params are kept by, and
+    D's strides are patched into the arguments."""
 
     def __init__(self, op: Any, key: GemmKey, swizzle: int, device: torch.device) -> None:
         super().__init__(op, key, swizzle, device)
@@ -164,6 +165,11 @@ class ScaledLauncher(cutlass_gemm.KernelLauncher):
         output_op = op.epilogue_type({"scale_a": placeholder, "scale_b": placeholder})
         return epilogue_t(output_op, 0, None, 0, None)
 
+    def _point(self, pointers: tuple[int, ...]) -> None:
+        super()._point(pointers)
+        for (node, field), pointer in zip((self.scale_a, self.scale_b), pointers[3:], strict=True):
+            setattr(node, field, pointer)
+
     def _point_out(self, pointer: int) -> None:
         ep = self.args.epilogue
         ep.arg_C.ptr_D = ep.arg_D.ptr_D = pointer
@@ -173,11 +179,10 @@ class ScaledLauncher(cutlass_gemm.KernelLauncher):
             _set_stride(arg.stride_D, (call.ld_out, 1, call.stride_out))
 
     def __call__(self, a: Any, b: Any, scale_a: Any, scale_b: Any, out: Any = None) -> Any:
-        (node_a, field_a), (node_b, field_b) = self.scale_a, self.scale_b
         length_a, length_b = self.lengths
-        setattr(node_a, field_a, ops.scale_pointer("scale_a", scale_a, length_a, self.device))
-        setattr(node_b, field_b, ops.scale_pointer("scale_b", scale_b, length_b, self.device))
-        return super().__call__(a, b, out)
+        pointer_a = ops.scale_pointer("scale_a", scale_a, length_a, self.device)
+        pointer_b = ops.scale_pointer("scale_b", scale_b, length_b, self.device)
+        return self.launch(a, b, out, pointer_a, pointer_b)
 
 
 class CutlassFp8(cutlass_gemm.CutlassGemm):

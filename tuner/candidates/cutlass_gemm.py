@@ -26,7 +26,7 @@ import functools
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -47,6 +47,8 @@ SCHEDULERS = {"default": "Default", "streamk": "StreamK"}
 EPILOGUES = ("tma", "default")
 SWIZZLES = (1, 2, 4, 8)
 PARAM_NAMES = ("tile", "cluster", "kernel", "epilogue", "scheduler", "swizzle")
+
+T = TypeVar("T")
 
 
 def _p(
@@ -204,6 +206,9 @@ def compilable(
 
 # --- the launcher ------------------------------------------------------------------------------
 
+PARAM_SETS = 64  # pointer sets whose built params a launcher keeps (a timing rotation uses <= 32)
+CLUSTER_DIMENSION = 4  # CUlaunchAttributeID CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+
 
 @functools.cache
 def _libc_free() -> Any:
@@ -212,9 +217,73 @@ def _libc_free() -> Any:
     return free
 
 
+class LaunchAttribute(ctypes.Structure):
+    """cuda.h's CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value (a cluster
+    dimension's x, y, z are its first three unsigned ints)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.c_void_p),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+@functools.cache
+def _driver() -> Any:
+    """libcuda's launch and memset entry points, called through ctypes with prebuilt structures
+    (cuda-bindings marshals its Python launch config and a stream object on every call)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    pointer, byte, size = ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t
+    lib.cuMemsetD8Async.argtypes = [pointer, byte, size, ctypes.c_void_p]
+    lib.cuMemsetD8Async.restype = ctypes.c_int
+    return lib
+
+
+class ParamSets(Generic[T]):
+    """What ``build`` makes of each pointer set, for the ``size`` sets used last (the least
+    recently used one dropped first). A kernel's params (TMA descriptors included) are a function
+    of its arguments, so a launcher whose other arguments stay fixed keys them by its pointers."""
+
+    def __init__(self, build: Callable[[tuple[int, ...]], T], size: int) -> None:
+        if size < 1:
+            raise ValueError(f"size={size}: a ParamSets keeps at least one pointer set")
+        self._build, self._size = build, size
+        self._known: dict[tuple[int, ...], T] = {}
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def __call__(self, pointers: tuple[int, ...]) -> T:
+        known = self._known
+        built = known.pop(pointers, None)
+        if built is None:
+            built = self._build(pointers)
+            if len(known) >= self._size:
+                del known[next(iter(known))]
+        known[pointers] = built  # the most recently used last
+        return built
+
+    def clear(self) -> None:
+        self._known.clear()
+
+
 class KernelLauncher:
-    """Launches one compiled kernel for one key: arguments built once, pointers patched per call.
-    Subclasses with another epilogue override ``_epilogue``, ``_point_out`` and ``_stride_out``."""
+    """Launches one compiled kernel for one key. Arguments are built once; the kernel params the
+    host library makes of them are kept per pointer set (``ParamSets``), so a call on known
+    pointers only launches, through libcuda with a prebuilt launch configuration. Subclasses
+    with another epilogue override ``_epilogue``, ``_point_out`` and ``_stride_out``, and with
+    more pointers ``_point``."""
 
     def __init__(self, op: Any, key: GemmKey, swizzle: int, device: torch.device) -> None:
         from cuda.bindings import driver
@@ -248,31 +317,32 @@ class KernelLauncher:
             scheduler,
         )  # fmt: skip
         self._stride_out(call)
+        self.strides: tuple[Any, ...] = ()  # the tensors' strides self.call was made of
         self.get_args = rt.get_args
-        self.rt, self.kernel = rt, rt.kernel
+        self.rt, self.kernel = rt, int(rt.kernel)
         size = int(rt.get_kernel_workspace_size(ctypes.byref(self.args)))
         self.workspace = torch.zeros(max(size, 1), dtype=torch.uint8, device=device)
-        self.zero_workspace = size > 0  # stream-K's reduction flags start at zero every launch
-        self.packed = (ctypes.c_void_p * 1)()
-        self.config: Any = None  # built at the first launch (the grid needs real pointers)
-        self.cluster = tuple(td.cluster_shape)
+        self.workspace_ptr = self.workspace.data_ptr()
+        self.zero_bytes = size  # stream-K's reduction flags start at zero every launch
+        self.params = ParamSets(self._build, PARAM_SETS)
+        self.cluster = LaunchAttribute(CLUSTER_DIMENSION)
+        self.cluster.value[:3] = td.cluster_shape
+        self.config: LaunchConfig | None = None  # made with the first params (the grid needs them)
+        self.config_ptr = 0
+        self.stream = ops.stream_getter(device)
         self.c_align = ops.out_alignment(key)
 
-    def _launch_config(self, ws: int) -> Any:
-        d = self.driver
-        grid = self.rt.get_grid_shape(ctypes.byref(self.args), ctypes.c_void_p(ws))
+    def _launch_config(self, ws: ctypes.c_void_p) -> LaunchConfig:
+        grid = self.rt.get_grid_shape(ctypes.byref(self.args), ws)
         block = self.rt.get_block_shape()
-        cfg = d.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid.x, grid.y, grid.z
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block.x, block.y, block.z
-        cfg.sharedMemBytes = self.rt.shared_memory_capacity
-        attr = d.CUlaunchAttribute()
-        ids = getattr(d, "CUlaunchAttributeID", None) or d.CUstreamAttrID
-        attr.id = ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = self.cluster
-        cfg.attrs = [attr]
-        cfg.numAttrs = 1
-        return cfg
+        return LaunchConfig(
+            (grid.x, grid.y, grid.z),
+            (block.x, block.y, block.z),
+            self.rt.shared_memory_capacity,
+            None,
+            ctypes.addressof(self.cluster),
+            1,
+        )
 
     def _epilogue(self, op: Any, epilogue_t: Any, default_epilogue: bool) -> Any:
         """The epilogue's arguments: D = acc (alpha 1, beta 0), C and D at the output."""
@@ -284,6 +354,12 @@ class KernelLauncher:
         packed = ct.StrideBatched_(self.call.ld_out, self.call.stride_out)
         return epilogue_t(output_op, 0, packed, 0, packed)
 
+    def _point(self, pointers: tuple[int, ...]) -> None:
+        """Write a call's pointers into the arguments: A, B, the output, then a subclass's."""
+        ml = self.args.mainloop
+        ml.ptr_A, ml.ptr_B = pointers[0], pointers[1]
+        self._point_out(pointers[2])
+
     def _point_out(self, pointer: int) -> None:
         ep = self.args.epilogue
         ep.ptr_C = ep.ptr_D = pointer
@@ -292,42 +368,60 @@ class KernelLauncher:
         for stride in (self.args.epilogue.stride_C, self.args.epilogue.stride_D):
             stride.major_stride, stride.batch_stride = call.ld_out, call.stride_out
 
+    def _build(self, pointers: tuple[int, ...]) -> tuple[int, Any, Any]:
+        """(address of the kernel's parameter list, what keeps it alive) for ``pointers``: the
+        host library's params copied into memory of ours, its own buffer freed at once."""
+        self._point(pointers)
+        ws = ctypes.c_void_p(self.workspace_ptr)
+        made = self.get_args(ctypes.byref(self.args), ws)
+        try:
+            if self.config is None:
+                self.config = self._launch_config(ws)
+                self.config_ptr = ctypes.addressof(self.config)
+            params = type(made.contents).from_buffer_copy(made.contents)
+        finally:
+            _libc_free()(ctypes.cast(made, ctypes.c_void_p))  # get_params returns new char[]
+        packed = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        return ctypes.addressof(packed), params, packed
+
     def __call__(self, a: Any, b: Any, out: Any = None) -> Any:
+        return self.launch(a, b, out)
+
+    def launch(self, a: Any, b: Any, out: Any, *more: int) -> Any:
+        """``a @ b`` into ``out`` (or a new tensor); ``more``: the pointers a subclass's
+        ``_point`` writes after A, B and the output's."""
         ta, tb, convert = ops.as_tensors(a, b)
         if ta.device != self.device:
             raise ValueError(f"this cutlass runner was built on {self.device}, got {ta.device}")
         c, user_out = ops.output_for(self.key, ta, out, self.c_align)
-        args = self.args
-        call = ops.colmajor_call(self.key, ta, tb, c)
-        if call != self.call:
-            self._restride(call)
-        args.mainloop.ptr_A, args.mainloop.ptr_B = ta.data_ptr(), tb.data_ptr()
-        self._point_out(c.data_ptr())
-        ws = self.workspace.data_ptr()
-        if self.zero_workspace:
-            self.workspace.zero_()
-        params = self.get_args(ctypes.byref(args), ctypes.c_void_p(ws))
-        try:
-            if self.config is None:
-                self.config = self._launch_config(ws)
-            self.packed[0] = ctypes.addressof(params.contents)
-            self.config.hStream = self.driver.CUstream(ops.current_stream(self.device))
-            (err,) = self.driver.cuLaunchKernelEx(
-                self.config, self.kernel, ctypes.addressof(self.packed), 0
-            )
-        finally:
-            _libc_free()(ctypes.cast(params, ctypes.c_void_p))  # get_params returns new char[]
-        if err != self.driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"CUTLASS kernel launch failed: {err}")
+        strides = (ta.stride(), tb.stride(), c.stride())
+        if strides != self.strides:
+            self._restride(ops.colmajor_call(self.key, ta, tb, c), strides)
+        kernel_params = self.params((ta.data_ptr(), tb.data_ptr(), c.data_ptr(), *more))[0]
+        stream, lib = self.stream(), _driver()
+        if self.zero_bytes:
+            self._check(lib.cuMemsetD8Async(self.workspace_ptr, 0, self.zero_bytes, stream))
+        self.config.stream = stream  # the config is made with the first params, above
+        self._check(lib.cuLaunchKernelEx(self.config_ptr, self.kernel, kernel_params, None))
         return ops.finish(c, user_out, convert)
 
-    def _restride(self, call: ops.ColMajorCall) -> None:
-        """Strides other than packed ones (a padded leading dimension) for this and later calls."""
+    def _check(self, err: int) -> None:
+        if err:
+            raise RuntimeError(f"CUTLASS kernel launch failed: {self.driver.CUresult(err)!r}")
+
+    def _restride(self, call: ops.ColMajorCall, strides: tuple[Any, ...]) -> None:
+        """Tensors with other strides than the last call's: a new call (a padded leading
+        dimension, say) rewrites the arguments' strides, and the params made with the old ones
+        are dropped."""
+        self.strides = strides
+        if call == self.call:
+            return
         ml = self.args.mainloop
         ml.stride_A.major_stride, ml.stride_A.batch_stride = call.ld_second, call.stride_second
         ml.stride_B.major_stride, ml.stride_B.batch_stride = call.ld_first, call.stride_first
         self._stride_out(call)
         self.call = call
+        self.params.clear()
         self.config = None
 
 

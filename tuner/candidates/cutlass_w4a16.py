@@ -486,6 +486,10 @@ class W4A16Launcher:
         self.workspace = torch.empty(max(size.value, 1), dtype=torch.uint8, device=device)
         self.dtype = DTYPES[key.dtype]
         self.x_shape = torch.Size((key.m, key.k))
+        self.w_shape = torch.Size((key.n, key.k // 2))  # A's bytes
+        self.scale_shape = torch.Size((key.k // key.group, key.n))
+        self.out_shape = (key.m, key.n)
+        self.stream = ops.stream_getter(device)
         shape = (key.m, key.n, key.k, key.group, swizzle, device.index, self.sms, PLAN_ENTRIES)
         self.plan = lib.tuner_plan_create(*shape, self.workspace.data_ptr())
         weakref.finalize(self, lib.tuner_plan_destroy, self.plan)
@@ -510,8 +514,8 @@ class W4A16Launcher:
             f"{x.data_ptr():#x}"
         )
 
-    def _fresh(self) -> torch.Tensor:
-        return torch.empty(self.key.m, self.key.n, dtype=self.dtype, device=self.device)
+    def _fresh(self) -> torch.Tensor:  # a shape as ints parses faster than as a tuple
+        return torch.empty(*self.out_shape, dtype=self.dtype, device=self.device)
 
     def operands(
         self, x: Any, packed: Any, scales_and_zeros: Any, out: Any = None
@@ -519,24 +523,27 @@ class W4A16Launcher:
         """The kernel's five operand pointers (w, x, scale, zero, out), the buffer it writes and
         the caller's ``out``."""
         self._check(x)
-        k = self.key
         w = weight(packed)
         scale, zero = scales(scales_and_zeros)
-        if w.shape != (k.n, k.k // 2) or scale.shape != (k.k // k.group, k.n):
+        if w.shape != self.w_shape or scale.shape != self.scale_shape:
+            k = self.key
             n, k2 = w.shape
             raise ValueError(
                 f"packed / scales_and_zeros: a weight of N={n}, K={2 * k2} with scales "
                 f"{list(scale.shape)}, for a key of N={k.n}, K={k.k}, group={k.group}"
             )
-        c, user_out = (self._fresh(), None) if out is None else ops.output_for(k, x, out, ALIGN)
-        if c.stride(0) != k.n:  # the kernel writes packed rows
-            c = self._fresh()
+        if out is None:
+            c, user_out = self._fresh(), None
+        else:
+            c, user_out = ops.output_for(self.key, x, out, ALIGN)
+            if c.stride(0) != self.key.n:  # the kernel writes packed rows
+                c = self._fresh()
         ptrs = [w.data_ptr(), x.data_ptr(), scale.data_ptr(), zero.data_ptr(), c.data_ptr()]
         return ptrs, c, user_out
 
     def __call__(self, x: Any, packed: Any, scales_and_zeros: Any, out: Any = None) -> Any:
         (w, xp, scale, zero, cp), c, user_out = self.operands(x, packed, scales_and_zeros, out)
-        err = self.run(self.plan, w, xp, scale, zero, cp, ops.current_stream(self.device))
+        err = self.run(self.plan, w, xp, scale, zero, cp, self.stream())
         if err:
             raise RuntimeError(f"CUTLASS int4 GEMM failed: code {err} (1000 + cutlass::Status, "
                                "else cudaError_t)")  # fmt: skip

@@ -12,6 +12,7 @@ kind, without copies.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import threading
@@ -170,7 +171,7 @@ def output_for(key: GemmKey, a: torch.Tensor, out: Any, align: int) -> tuple[tor
             and (t.stride(-2) * item) % align == 0
         ):
             return t, out
-    return torch.empty(shape, dtype=dtype, device=a.device), out
+    return torch.empty(*shape, dtype=dtype, device=a.device), out  # ints parse faster than a tuple
 
 
 def finish(c: torch.Tensor, out: Any, convert: Callable[[torch.Tensor], Any]) -> Any:
@@ -204,12 +205,19 @@ def scale_pointer(name: str, scale: torch.Tensor, length: int, device: torch.dev
     return scale.data_ptr()
 
 
-def current_stream(device: torch.device) -> int:
-    """The raw handle of torch's current stream on ``device`` (cheap: no Stream object)."""
+def stream_getter(device: torch.device) -> Callable[[], int]:
+    """A function returning the raw handle of torch's current stream on ``device`` (cheap: no
+    Stream object; for runners that ask on every call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
-        return raw(device.index if device.index is not None else torch.cuda.current_device())
-    return torch.cuda.current_stream(device).cuda_stream
+        return functools.partial(raw, index)
+    return lambda: torch.cuda.current_stream(index).cuda_stream
+
+
+def current_stream(device: torch.device) -> int:
+    """The raw handle of torch's current stream on ``device``."""
+    return stream_getter(device)()
 
 
 class DeviceHandles:
