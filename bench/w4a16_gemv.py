@@ -42,21 +42,29 @@ from tuner.quant import int4
 from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_roundoff
 
 GROUP = 128
-MS = (1, 4, 8)
-# (slices of 16 rows, stages, warps, cluster): 32-row CTAs over all of K (one per SM) with 8-16
-# warps and 3-6 stages, beside a 16-row and a 64-row (K over a cluster of 2) CTA
+MS = (1, 4, 8, 16)
+# (split, slices of 16 rows per warp, stages, warps, cluster). Warps splitting K: 32-row CTAs over
+# all of K (one per SM), 8-16 warps. Warps splitting rows: CTAs of 64-256 rows with K over a
+# cluster, about one CTA per SM on N = 3584-4096 (112 and 224 rows: Qwen's 3584 in 32 or 16
+# blocks), 4-8 stages, 16- or 32-row warps; and two CTAs per SM (128 rows, cluster of 8).
 GRID = [
-    (2, 4, 8, 1), (2, 3, 16, 1), (2, 4, 12, 1), (2, 4, 16, 1), (2, 6, 8, 1), (2, 3, 12, 1),
-    (1, 4, 4, 1), (4, 3, 8, 2),
+    ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
+    ("rows", 1, 4, 8, 4), ("rows", 1, 6, 8, 4), ("rows", 1, 8, 8, 4), ("rows", 2, 6, 4, 4),
+    ("rows", 2, 4, 4, 4), ("rows", 1, 4, 16, 8), ("rows", 1, 6, 16, 8), ("rows", 2, 4, 8, 8),
+    ("rows", 2, 6, 8, 8), ("rows", 1, 8, 4, 2), ("rows", 1, 6, 7, 4), ("rows", 1, 6, 14, 8),
+    ("rows", 1, 4, 8, 8), ("rows", 1, 6, 8, 8),
 ]  # fmt: skip
 
 
-def grid_configs(m: int, n: int, k: int) -> list[dict[str, int]]:
-    """``GRID`` as configs for an (M, N, K) problem, those that fit it."""
+def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
+    """``GRID`` as configs for an (M, N, K) problem, those that fit it and whose split is offered
+    at that M."""
     out = []
-    for slices, stages, warps, cluster in GRID:
-        cfg = {"slices": slices, "ntiles": 1 if m <= 8 else 2, "stages": stages, "warps": warps,
-               "cluster": cluster}  # fmt: skip
+    for split, slices, stages, warps, cluster in GRID:
+        if m > cuda_w4a16.SPLIT_MAX_M[split]:
+            continue
+        cfg = {"split": split, "slices": slices, "ntiles": 1 if m <= 8 else 2, "stages": stages,
+               "warps": warps, "cluster": cluster}  # fmt: skip
         try:
             cuda_w4a16.check_config(cfg, m, n, k, GROUP)
         except ValueError:

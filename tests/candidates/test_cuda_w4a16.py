@@ -1,9 +1,9 @@
 """The CUDA W4A16 decode kernel (tuner.candidates.cuda_w4a16): its config checks, shared-memory
 rule, shortlists, the keys its source takes and why not the others, its artifact bundle (CPU);
-on a GPU, its libraries built by nvcc and run on small and odd shapes (ragged N, every group
-size, fp16, M past 8, clusters) against the float32 GEMM on the dequantized weight, bit-identical
-from one call to the next, a planted wrong group size caught, a CUDA graph, and every shortlisted
-config tuned through the engine's numerics gate."""
+on a GPU, its libraries built by nvcc and run, with warps splitting K or rows, on small and odd
+shapes (ragged N, every group size, fp16, M past 8, clusters) against the float32 GEMM on the
+dequantized weight, bit-identical from one call to the next, a planted wrong group size caught,
+a CUDA graph, and every shortlisted config tuned through the engine's numerics gate."""
 
 from __future__ import annotations
 
@@ -27,16 +27,25 @@ def key_of(spec: str, m: int, n: int = 4096, k: int = 14336, **extra) -> GemmKey
 
 
 def cfg(
-    slices: int = 1, ntiles: int = 1, stages: int = 4, warps: int = 8, cluster: int = 1
+    slices: int = 1,
+    ntiles: int = 1,
+    stages: int = 4,
+    warps: int = 8,
+    cluster: int = 1,
+    split: str = "k",
 ) -> dict:
-    return {"slices": slices, "ntiles": ntiles, "stages": stages, "warps": warps,
+    return {"split": split, "slices": slices, "ntiles": ntiles, "stages": stages, "warps": warps,
             "cluster": cluster}  # fmt: skip
 
 
 def test_configs_are_checked_field_by_field() -> None:
     cw.check_config(cfg(), 8, 4096, 14336, 128)
     cw.check_config(cfg(4, 2, 3, 8, 4), 16, 3584, 18944, 32)
+    cw.check_config(cfg(1, 2, 6, 8, 4, split="rows"), 16, 4096, 14336, 128)
+    missing_split = {key: v for key, v in cfg().items() if key != "split"}
     bad = [
+        (dict(cfg(), split="cols"), 1, "config['split']='cols'"),
+        (missing_split, 1, "config['split']=None"),
         (dict(cfg(), slices=3), 1, "config['slices']=3"),
         (dict(cfg(), ntiles=True), 1, "config['ntiles']=True"),
         (dict(cfg(), stages=1), 1, "config['stages']=1"),
@@ -57,6 +66,8 @@ def test_configs_are_checked_field_by_field() -> None:
         cw.check_config(cfg(), 1, 64, 384, 48)
     with pytest.raises(ValueError, match="shared memory"):
         cw.check_config(cfg(4, 2, 8, 16), 16, 4096, 4096, 32)
+    with pytest.raises(ValueError, match="shared memory"):  # one ring of 1024 rows a stage
+        cw.check_config(cfg(4, 2, 4, 16, split="rows"), 16, 4096, 4096, 128)
 
 
 def test_shared_memory_is_the_rings_or_the_partial_sums() -> None:
@@ -68,16 +79,22 @@ def test_shared_memory_is_the_rings_or_the_partial_sums() -> None:
     assert cw.smem_bytes(cfg(4, 2, 2, 1), 16, 128) == max(2 * 8704, 2 * 64 * 16 * 4)
     # 16 rows, M = 16, 16 warps of two stages: the partial sums [warps + 1][rows][M] win
     assert cw.smem_bytes(cfg(1, 2, 2, 16), 16, 128) == max(32 * 5504, 17 * 16 * 16 * 4)
+    # warps splitting rows share one ring: a stage holds 8 warps' 1088 B and one row of x
+    # (8976 B, rounded to 9088), against the sums of the CTA's 128 rows
+    assert cw.smem_bytes(cfg(1, 1, 4, 8, split="rows"), 1, 128) == max(4 * 9088, 128 * 4)
+    # 64-row warps, two of them, M = 16: 2 x 4352 B and 16 rows of x (13056 B) a stage
+    assert cw.smem_bytes(cfg(4, 2, 3, 2, split="rows"), 16, 128) == max(3 * 13056, 128 * 16 * 4)
 
 
 def test_each_compile_time_part_is_its_own_library() -> None:
     a, b = cw.library_path(cfg(warps=4)), cw.library_path(cfg(warps=8, cluster=2))
     assert a == b  # launch parameters share the library
     assert cw.library_path(cfg(stages=6)) != a
+    assert cw.library_path(cfg(warps=8, split="rows")) != a
     command = cw.nvcc_command("nvcc", cfg(2, 2, 3), a)
-    assert {"-DGEMV_SLICES=2", "-DGEMV_NTILES=2", "-DGEMV_STAGES=3", f"-arch={cw.ARCH}"} <= set(
-        command
-    )
+    assert {"-DGEMV_SPLIT_ROWS=0", "-DGEMV_SLICES=2", "-DGEMV_NTILES=2", "-DGEMV_STAGES=3",
+            f"-arch={cw.ARCH}"} <= set(command)  # fmt: skip
+    assert "-DGEMV_SPLIT_ROWS=1" in cw.nvcc_command("nvcc", cfg(split="rows"), a)
 
 
 def test_registered_and_which_keys_it_takes() -> None:
@@ -87,19 +104,26 @@ def test_registered_and_which_keys_it_takes() -> None:
     assert source.unsupported(key_of("int4-g32", 8, n=520, k=384, dtype="f16")) is None
     assert source.unsupported(GemmKey(m=1, n=64, k=128)) == "int4 weights only"
     assert source.unsupported(key_of("fp8-rowwise", 1)) == "int4 weights only"
-    assert "M <= 8" in source.unsupported(key_of("int4-g128", 9))
+    assert source.unsupported(key_of("int4-g128", 9)) is None
+    assert "M <= 16" in source.unsupported(key_of("int4-g128", 17))
     assert "chunks of 128" in source.unsupported(key_of("int4-g32", 1, k=160))
     assert "align=8" in source.unsupported(key_of("int4-g128", 1, k=256, align=8))
     assert source.unavailable("cpu") == "a CUDA kernel: needs an NVIDIA GPU"
 
 
+def entry(config: dict) -> tuple:
+    return tuple(config[key] for key in ("split", "slices", "stages", "warps", "cluster"))
+
+
 def test_the_decode_shortlist() -> None:
     shortlist = cw.configs(4, 4096, 14336, 128)
-    assert [(c["slices"], c["stages"], c["warps"], c["cluster"]) for c in shortlist] == list(
-        cw.SHORTLIST
-    )
+    assert [entry(c) for c in shortlist] == list(cw.SHORTLIST)
     assert {c["ntiles"] for c in shortlist} == {1}
-    assert cw.configs(9, 4096, 14336, 128) == []
+    # past M = 8, two n8 tiles, and only the splits offered there
+    wide = cw.configs(12, 4096, 14336, 128)
+    assert [entry(c) for c in wide] == [e for e in cw.SHORTLIST if cw.SPLIT_MAX_M[e[0]] >= 12]
+    assert wide and {c["ntiles"] for c in wide} == {2}
+    assert cw.configs(cw.MAX_M + 1, 4096, 14336, 128) == []
     assert cw.CudaW4A16().candidates(key_of("int4-g128", 2), "cuda") == cw.configs(
         2, 4096, 14336, 128
     )
@@ -131,7 +155,11 @@ SHAPES = [
     (16, 3584, 1152, 128, torch.float16),
     (5, 4100, 640, 128, torch.bfloat16),
 ]
-CONFIGS = [cfg(1, 1, 4, 8, 1), cfg(2, 1, 3, 4, 2), cfg(4, 1, 2, 8, 4), cfg(1, 1, 8, 3, 1)]
+# warps splitting rows: 128-row CTAs over a cluster of 4 (N = 520: a last CTA of one part-filled
+# warp and seven past N), 96-row CTAs of 32-row warps across 64-row blocks (cluster 3), 64-row
+# warps of two stages
+CONFIGS = [cfg(1, 1, 4, 8, 1), cfg(2, 1, 3, 4, 2), cfg(4, 1, 2, 8, 4), cfg(1, 1, 8, 3, 1),
+           cfg(1, 1, 6, 8, 4, "rows"), cfg(2, 1, 3, 3, 3, "rows"), cfg(4, 1, 2, 2, 1, "rows")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -174,18 +202,19 @@ def test_every_config_matches_the_float32_reference(shape: tuple, built: None) -
 
 
 @pytest.mark.gpu
-def test_a_planted_wrong_group_size_fails_the_gate(built: None) -> None:
+@pytest.mark.parametrize("split", cw.SPLITS)
+def test_a_planted_wrong_group_size_fails_the_gate(split: str, built: None) -> None:
     x, packed, sz, ref, tol = _problem(4, 256, 1024, 128, torch.bfloat16)
-    config = cfg()
+    config = cfg(split=split)
     out = torch.empty(4, 256, device="cuda", dtype=torch.bfloat16)
     cw.run(cw.launcher(config), config, x, packed, sz[::2].contiguous(), 256, out)
     assert excess(out, ref, tol) > 1
 
 
 @pytest.mark.gpu
-def test_inside_a_cuda_graph(built: None) -> None:
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[5]], ids=cw.SPLITS)
+def test_inside_a_cuda_graph(config: dict, built: None) -> None:
     x, packed, sz, ref, tol = _problem(2, 576, 896, 64, torch.bfloat16)
-    config = cfg(2, 1, 3, 4, 2)
     fn = cw.launcher(config)
     out = torch.empty(2, 576, device="cuda", dtype=torch.bfloat16)
     cw.run(fn, config, x, packed, sz, 64, out)  # loads the module before the capture
@@ -200,7 +229,7 @@ def test_inside_a_cuda_graph(built: None) -> None:
 
 # bf16: torch's int4 baseline, which the engine runs first, takes no f16 (the direct tests cover it)
 TUNED = [key_of("int4-g128", 1, n=4096, k=2048), key_of("int4-g32", 6, n=520, k=384),
-         key_of("int4-g64", 8, n=3584, k=1152)]  # fmt: skip
+         key_of("int4-g64", 8, n=3584, k=1152), key_of("int4-g128", 12, n=1000, k=2048)]  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -1,14 +1,17 @@
 """A hand-written CUDA W4A16 decode kernel (``cuda_kernels/w4a16_gemv.cu``) for INT4 keys, M <= 16.
 
-GEMV-style: a CTA owns 16, 32 or 64 weight rows and a run of K, its warps split that run's
-128-value chunks and sum in shared memory, and a cluster of CTAs that split K sums through
-distributed shared memory; no partial ever goes through global memory, so there is no workspace
-and no second pass, and the sum order is fixed (deterministic). It reads our packed layout
-(``tuner.quant.int4``) as the Triton kernel does.
+GEMV-style: a warp owns 16, 32 or 64 weight rows, a CTA a run of K, and a cluster of CTAs that
+split K sums through distributed shared memory. The CTA's warps split either K (``split`` "k":
+the CTA's rows are one warp's, each warp takes every ``warps``-th 128-value chunk of the run from
+its own copy ring, and the warps sum in shared memory) or rows (``split`` "rows": the CTA owns
+``warps`` x its warp's rows, every warp takes every chunk from one ring the CTA shares, so each
+chunk of x is copied once per CTA, not once per warp). No partial ever goes through global
+memory, so there is no workspace and no second pass, and the sum order is fixed
+(deterministic). It reads our packed layout (``tuner.quant.int4``) as the Triton kernel does.
 
-A config is the library's compile-time part (``slices`` of 16 rows per CTA, ``ntiles`` n8
-tiles of activations: 1 for M <= 8, 2 for M <= 16, ``stages`` of each warp's copy ring) and its
-launch part (``warps`` per CTA, ``cluster`` CTAs splitting K). Each compile-time part is one
+A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
+``ntiles`` n8 tiles of activations: 1 for M <= 8, 2 for M <= 16, ``stages`` of each copy ring)
+and its launch part (``warps`` per CTA, ``cluster`` CTAs splitting K). Each compile-time part is one
 shared library (the CUDA runtime linked in statically), built by nvcc for sm_90a in a child
 process and loaded with ctypes; it is an artifact (``tuner.cache.artifacts``): ``precompile``
 installs what another host built before compiling the rest, and publishes what it compiled, so
@@ -48,7 +51,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cuda_kernels" / "w4a16_gemv.cu"
 ARCH = "sm_90a"
-SLICES, NTILES, STAGES = (1, 2, 4), (1, 2), range(2, 9)
+SPLITS, SLICES, NTILES, STAGES = ("k", "rows"), (1, 2, 4), (1, 2), range(2, 9)
 MAX_WARPS, MAX_CLUSTER = 16, 8
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may take on sm_90
 COMPILE_TIMEOUT_S = 300.0
@@ -59,19 +62,20 @@ LIBRARY = "kernel.so"  # the artifact bundle's one file
 Config = dict[str, Any]
 
 
-def _choice(config: Config, key: str, allowed: Iterable[int]) -> int:
+def _choice(config: Config, key: str, allowed: Iterable[Any]) -> Any:
     value = config.get(key)
     allowed = tuple(allowed)
-    if type(value) is not int or value not in allowed:
+    if type(value) is not type(allowed[0]) or value not in allowed:
         raise ValueError(f"config[{key!r}]={value!r}: allowed {allowed}")
     return value
 
 
 def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     """ValueError naming the field unless ``config`` can run the (M, N, K, group) problem."""
-    extra = set(config) - {"slices", "ntiles", "stages", "warps", "cluster"}
+    extra = set(config) - {"split", "slices", "ntiles", "stages", "warps", "cluster"}
     if extra:
         raise ValueError(f"config: unknown keys {sorted(extra)}")
+    _choice(config, "split", SPLITS)
     _choice(config, "slices", SLICES)
     ntiles = _choice(config, "ntiles", NTILES)
     _choice(config, "stages", STAGES)
@@ -92,16 +96,19 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
 
 
 def smem_bytes(config: Config, m: int, group: int) -> int:
-    """Shared memory of one CTA (as the launcher computes it): the warps' copy rings, or the
-    partial sums after them if larger."""
-    rows, warps = 16 * config["slices"], config["warps"]
+    """Shared memory of one CTA (as the launcher computes it): the copy rings (one per warp, or
+    the CTA's one when warps split rows), or the sums after them if larger (splitting K, the
+    warps' partials and their sum; splitting rows, the CTA's [rows, M])."""
+    rows, warps, by_rows = 16 * config["slices"], config["warps"], config["split"] == "rows"
     groups = CHUNK // group if group < CHUNK else 1
-    stage = -(-(rows * 64 + rows * 4 * groups + m * (2 * CHUNK + 16)) // 128) * 128
-    return max(warps * config["stages"] * stage, (warps + 1) * rows * m * 4)
+    parts = (warps if by_rows else 1) * (rows * 64 + rows * 4 * groups)
+    stage = -(-(parts + m * (2 * CHUNK + 16)) // 128) * 128
+    rings, sums = (1, warps) if by_rows else (warps, warps + 1)
+    return max(rings * config["stages"] * stage, sums * rows * m * 4)
 
 
-def library_key(config: Config) -> tuple[int, int, int]:
-    return config["slices"], config["ntiles"], config["stages"]
+def library_key(config: Config) -> tuple[str, int, int, int]:
+    return config["split"], config["slices"], config["ntiles"], config["stages"]
 
 
 @functools.cache
@@ -118,16 +125,17 @@ def build_dir() -> Path:
 
 
 def library_path(config: Config) -> Path:
-    slices, ntiles, stages = library_key(config)
-    name = f"w4a16_gemv_s{slices}_n{ntiles}_st{stages}_{ARCH}_{_source_digest()}.so"
+    split, slices, ntiles, stages = library_key(config)
+    name = f"w4a16_gemv_{split}_s{slices}_n{ntiles}_st{stages}_{ARCH}_{_source_digest()}.so"
     return build_dir() / name
 
 
 def nvcc_command(nvcc: str, config: Config, out: Path) -> list[str]:
-    slices, ntiles, stages = library_key(config)
-    return [nvcc, "-O3", "-lineinfo", f"-arch={ARCH}", "-std=c++17", "-shared",
-            "-Xcompiler", "-fPIC", f"-DGEMV_SLICES={slices}", f"-DGEMV_NTILES={ntiles}",
-            f"-DGEMV_STAGES={stages}", "-o", str(out), str(SOURCE)]  # fmt: skip
+    split, slices, ntiles, stages = library_key(config)
+    return [nvcc, "-O3", "-lineinfo", f"-arch={ARCH}", "-std=c++17", "-shared", "-Xcompiler",
+            "-fPIC", f"-DGEMV_SPLIT_ROWS={int(split == 'rows')}", f"-DGEMV_SLICES={slices}",
+            f"-DGEMV_NTILES={ntiles}", f"-DGEMV_STAGES={stages}", "-o", str(out),
+            str(SOURCE)]  # fmt: skip
 
 
 def compile_library(config: Config, timeout_s: float = COMPILE_TIMEOUT_S) -> Path:
@@ -178,8 +186,9 @@ def _load(path: Path) -> Any:
 
 def artifact_spec(config: Config) -> ArtifactSpec:
     """What stores ``config``'s library: its compile-time part, the arch, the source's digest."""
-    slices, ntiles, stages = library_key(config)
-    return ArtifactSpec("cuda_w4a16", {"slices": slices, "ntiles": ntiles, "stages": stages},
+    split, slices, ntiles, stages = library_key(config)
+    return ArtifactSpec("cuda_w4a16", {"split": split, "slices": slices, "ntiles": ntiles,
+                                       "stages": stages},
                         ARCH, {"w4a16_gemv.cu": _source_digest()})  # fmt: skip
 
 
@@ -242,22 +251,26 @@ def run(fn: Any, config: Config, x: torch.Tensor, weight: torch.Tensor,
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlist, M <= 8 (one n8 tile): (slices, stages, warps, cluster), the likeliest first.
-# 32-row CTAs over all of K, one per SM: splitting K over a cluster, or 16- or 64-row CTAs, lost
-# on every row; 16 warps of 3 stages keep more chunks in flight than 8 of 4 on the narrow
-# projections, 8 of 4 win the wide ones and M = 8.
-# M > 8 is not offered: each warp copies x's [M, 128] slab per chunk, at M = 16 as many bytes as
-# the weight's, and the Triton tiles, which share x's tile across 64 rows, serve it better.
-SHORTLIST = ((2, 4, 8, 1), (2, 3, 16, 1))
-MAX_M = 8
+# Decode shortlist: (split, slices, stages, warps, cluster), the likeliest first.
+# Warps splitting K: 32-row CTAs over all of K, one per SM (splitting K over a cluster, or 16- or
+# 64-row CTAs, lost on every row); 16 warps of 3 stages keep more chunks in flight than 8 of 4 on
+# the narrow projections, 8 of 4 win the wide ones and M = 8. Not past M = 8: each warp copies
+# x's [M, 128] slab per chunk, at M = 16 as many bytes as the weight's.
+# Warps splitting rows: 128-row CTAs (8 warps of 16 rows) share each chunk's slab, K split over a
+# cluster of 4 (N = 4096: 128 CTAs, one per SM).
+SHORTLIST = (("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("rows", 1, 6, 8, 4))
+SPLIT_MAX_M = {"k": 8, "rows": 16}  # the largest M each split is offered for
+MAX_M = max(SPLIT_MAX_M.values())
 
 
 def configs(m: int, n: int, k: int, group: int) -> list[Config]:
     """Configs worth timing for a decode problem (M <= ``MAX_M``), those that fit it."""
     out = []
-    for slices, stages, warps, cluster in SHORTLIST if m <= MAX_M else ():
-        config = {"slices": slices, "ntiles": 1, "stages": stages, "warps": warps,
-                  "cluster": cluster}  # fmt: skip
+    for split, slices, stages, warps, cluster in SHORTLIST:
+        if m > SPLIT_MAX_M[split]:
+            continue
+        config = {"split": split, "slices": slices, "ntiles": 1 if m <= 8 else 2,
+                  "stages": stages, "warps": warps, "cluster": cluster}  # fmt: skip
         try:
             check_config(config, m, n, k, group)
         except ValueError:
@@ -270,7 +283,7 @@ def unsupported_reason(key: GemmKey) -> str | None:
     if key.wdtype != "int4":
         return "int4 weights only"
     if key.m > MAX_M:
-        return f"m={key.m}: offered for decode at M <= {MAX_M} (x's slab per warp outweighs more)"
+        return f"m={key.m}: offered for decode at M <= {MAX_M} (n8 tiles of x per warp)"
     if key.dtype not in ACT_DTYPES:
         return f"dtype={key.dtype}: bf16 or f16 activations only"
     if key.k % CHUNK:
@@ -333,8 +346,9 @@ class CudaW4A16(Source):
 
 def _all_configs() -> list[Config]:
     """One config per library the shortlists name."""
-    return [{"slices": s, "ntiles": 1, "stages": st, "warps": 1, "cluster": 1}
-            for s, st, _, _ in SHORTLIST]  # fmt: skip
+    return [{"split": split, "slices": s, "ntiles": ntiles, "stages": st, "warps": 1, "cluster": 1}
+            for split, s, st, _, _ in SHORTLIST
+            for ntiles in NTILES if 8 * (ntiles - 1) < SPLIT_MAX_M[split]]  # fmt: skip
 
 
 def _stored(config: Config) -> bool:

@@ -1,11 +1,16 @@
 // INT4 weight-only decode GEMM (W4A16, M <= 16): out[M, N] = x[M, K] @ dequant(w)[N, K]^T.
 //
-// GEMV-style: a CTA owns ROWS = 16 * SLICES weight rows and a contiguous run of K (all of it,
-// or 1 / C of it in a cluster of C CTAs); its warps take interleaved 128-value chunks of that
-// run and each sums its own chunks, so no CTA ever waits on another's partial in global memory.
-// At the end the warps' [ROWS, M] partials are summed in shared memory in warp order, and in a
-// cluster the CTAs' sums are read through distributed shared memory in rank order: the result
-// is deterministic, with no workspace, no arrival counter and no second pass.
+// GEMV-style: a warp owns ROWS = 16 * SLICES weight rows. A CTA owns a contiguous run of K (all
+// of it, or 1 / C of it in a cluster of C CTAs), and its warps split either
+// - K (GEMV_SPLIT_ROWS=0): the CTA's rows are one warp's; its warps take interleaved 128-value
+//   chunks of the run, each from its own copy ring, and their [ROWS, M] partials are summed in
+//   shared memory in warp order; or
+// - rows (GEMV_SPLIT_ROWS=1): the CTA's rows are `warps` x ROWS, every warp takes every chunk
+//   of the run from one ring the CTA shares, so x's [M, 128] slab of a chunk is copied once per
+//   CTA instead of once per warp (x's bytes per weight byte: 4 M / (warps x ROWS), not 4 M / ROWS).
+// In a cluster the CTAs' sums are read through distributed shared memory in rank order. No CTA
+// waits on another's partial in global memory: the result is deterministic, with no workspace,
+// no arrival counter and no second pass.
 //
 // The weight is our packed layout (tuner/quant/int4.py): 64-row blocks, a block's K chunk one
 // contiguous [r rows x 64 bytes] run, and in each row's 64 bytes the 16 at 16 t hold the 32
@@ -14,16 +19,17 @@
 // So a warp's 16-row slice of a chunk is 1 KB, and lane (g, t) needs the 16 bytes of rows g and
 // g + 8 at 16 t: the same bytes it copies. Scales and zeros: torch's [K / group, N, 2].
 //
-// Per warp, a ring of STAGES chunks in shared memory filled by cp.async (weight slices, the
-// chunk's (scale, zero) words, x's [M, 128] slab), STAGES - 1 in flight while one is computed.
+// A ring of STAGES chunks in shared memory (per warp, or per CTA when warps split rows) filled
+// by cp.async (weight slices, the chunk's (scale, zero) words, x's [M, 128] slab), STAGES - 1 in
+// flight while one is computed.
 // A nibble q becomes a 16-bit float by the magic-number trick (q | magic = magic + q, exact),
 // then (v - (magic + 8)) * scale + zero (one exact subtract, one rounding fma), the same values
 // as the Triton kernel; x is the mma's B operand (ldmatrix from the slab; rows past M read row
 // M - 1 and only produce output columns that are never stored).
 //
-// One shared library per (SLICES, NTILES, STAGES): -DGEMV_SLICES=1|2|4 (16-row slices per
-// CTA), -DGEMV_NTILES=1|2 (n8 tiles: M <= 8 or M <= 16), -DGEMV_STAGES=2..8; warps per CTA and
-// the cluster size are launch arguments.
+// One shared library per (SPLIT_ROWS, SLICES, NTILES, STAGES): -DGEMV_SPLIT_ROWS=0|1 (warps
+// split K or rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_NTILES=1|2 (n8 tiles:
+// M <= 8 or M <= 16), -DGEMV_STAGES=2..8; warps per CTA and the cluster size are launch arguments.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -31,6 +37,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#ifndef GEMV_SPLIT_ROWS
+#define GEMV_SPLIT_ROWS 0
+#endif
 #ifndef GEMV_SLICES
 #define GEMV_SLICES 1
 #endif
@@ -43,6 +52,7 @@
 
 namespace cg = cooperative_groups;
 
+constexpr bool SPLIT_ROWS = GEMV_SPLIT_ROWS;
 constexpr int SLICES = GEMV_SLICES;
 constexpr int NTILES = GEMV_NTILES;
 constexpr int STAGES = GEMV_STAGES;
@@ -51,7 +61,7 @@ constexpr int CHUNK = 128;          // K values per chunk
 constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so ldmatrix's 8 rows hit 8 bank groups
 constexpr int MAX_WARPS = 16;
 constexpr int MAX_DEVICES = 64;
-static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a CTA's rows lie in one 64-row block");
+static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(NTILES == 1 || NTILES == 2, "M <= 16");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
 
@@ -82,8 +92,16 @@ __device__ __forceinline__ void copy4(uint32_t dst, const void* src, bool valid)
 
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
-__device__ __forceinline__ void wait_ring() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+
+// A warp's part of a stage: its weight slices [ROWS][64 bytes], then the chunk's (scale, zero)
+// words [NG][ROWS]; x's slab follows (after the one warp's part, or after every warp's).
+template <int NG>
+__host__ __device__ constexpr int warp_bytes() {
+  return ROWS * 64 + ROWS * 4 * NG;
 }
 
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
@@ -167,52 +185,61 @@ struct Half2Ops<true> {  // fp16
   }
 };
 
-// One lane's share of a warp's copies, chunk after chunk: built once (the addresses that do
+// One lane's share of a ring's copies, chunk after chunk: built once (the addresses that do
 // not move, which rows exist), then each `issue` copies the current chunk into a stage and
-// moves on by the warp's stride (`warps` chunks). Each lane copies the weight bytes it reads
-// back itself (rows g and g + 8 of each slice at 16 t); the (scale, zero) words of the
-// chunk's NG groups ([NG][ROWS] words) and x's [M, 128] slab (16-byte pieces) are shared out.
+// moves on by `step` chunks (the warps when they split K, else 1). Each lane copies the weight
+// bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t); its warp's
+// (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over the warp,
+// and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the ring.
 template <int NG>
 struct Copier {
   static constexpr int SZ_COPIES = (ROWS * NG + 31) / 32;
-  static constexpr int X_COPIES = 8 * NTILES * 16 / 32;  // two rows of x per copy round
+  static constexpr int X_COPIES = 8 * NTILES * 16 / 32;  // rounds when one warp copies the slab
   const uint8_t* w;      // this lane's first weight byte of the current chunk
-  long long w_step;      // bytes to the warp's next chunk
+  long long w_step;      // bytes to the next chunk
   const uint32_t* sz;    // this lane's first (scale, zero) word of the chunk's first group
   long long n;           // (scale, zero) words per group
-  const uint16_t* x;     // this lane's first x piece of the current chunk
-  long long ldx;
+  const uint16_t* x;     // this thread's first x piece of the current chunk
+  long long x_round;     // x elements between two copy rounds (x_threads / 16 rows)
   int chunk, chunk_step, group_shift;
   uint32_t w_valid, sz_valid, x_valid;  // bit per copy: its rows exist
-  uint32_t lane_w, lane_sz, lane_x;     // this lane's offsets in a stage
+  uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
+  uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
+  uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
 
+  // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
+  // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
   __device__ __forceinline__ Copier(const Params& p, const uint8_t* block, int rows, int offset,
-                                    int n0, int first, int warps, int lane) {
+                                    int n0, int first, int step, int lane, uint32_t w_at,
+                                    uint32_t x_at, int x_thread, int x_threads) {
     const int g = lane >> 2, t = lane & 3;
-    lane_w = g * 64 + t * 16;
-    w = block + 64ll * (static_cast<long long>(first) * rows + offset) + lane_w;
-    w_step = 64ll * warps * rows;
+    w_lane = g * 64 + t * 16;
+    lane_w = w_at + w_lane;
+    w = block + 64ll * (static_cast<long long>(first) * rows + offset) + w_lane;
+    w_step = 64ll * step * rows;
     w_valid = 0;
 #pragma unroll
     for (int h = 0; h < 2 * SLICES; ++h)
       if (offset + 8 * h + g < rows) w_valid |= 1u << h;
     n = p.n;
     sz = p.sz + n0 + lane % ROWS + static_cast<long long>(lane / ROWS) * p.n;
-    lane_sz = ROWS * 64 + lane * 4;
+    lane_sz = w_at + ROWS * 64 + lane * 4;
     sz_valid = 0;
 #pragma unroll
     for (int it = 0; it < SZ_COPIES; ++it)
-      if (32 * it + lane < ROWS * NG && n0 + lane % ROWS + 32 * it % ROWS < p.n)
+      if (32 * it + lane < ROWS * NG && offset + lane % ROWS + 32 * it % ROWS < rows)
         sz_valid |= 1u << it;
-    ldx = p.ldx;
-    x = p.x + (lane >> 4) * p.ldx + (lane & 15) * 8 + static_cast<long long>(first) * CHUNK;
-    lane_x = ROWS * 64 + ROWS * 4 * NG + (lane >> 4) * XROW + (lane & 15) * 16;
+    const int x_row = x_thread >> 4, x_rows = x_threads >> 4;
+    x = p.x + x_row * p.ldx + (x_thread & 15) * 8 + static_cast<long long>(first) * CHUNK;
+    x_round = x_rows * p.ldx;
+    lane_x = x_at + x_row * XROW + (x_thread & 15) * 16;
+    x_round_bytes = x_rows * XROW;
     x_valid = 0;
 #pragma unroll
     for (int it = 0; it < X_COPIES; ++it)
-      if (2 * it + (lane >> 4) < p.m) x_valid |= 1u << it;
+      if (x_row + it * x_rows < p.m) x_valid |= 1u << it;
     chunk = first;
-    chunk_step = warps;
+    chunk_step = step;
     group_shift = p.group_shift;
   }
 
@@ -220,7 +247,7 @@ struct Copier {
 #pragma unroll
     for (int h = 0; h < 2 * SLICES; ++h) {
       const bool valid = w_valid >> h & 1;
-      copy16(stage + lane_w + h * 512, valid ? w + h * 512 : w - lane_w, valid);
+      copy16(stage + lane_w + h * 512, valid ? w + h * 512 : w - w_lane, valid);
     }
     const uint32_t* words = sz + ((static_cast<long long>(chunk) * CHUNK) >> group_shift) * n;
 #pragma unroll
@@ -231,15 +258,16 @@ struct Copier {
     }
 #pragma unroll
     for (int it = 0; it < X_COPIES; ++it)
-      if (x_valid >> it & 1) copy16(stage + lane_x + 2 * it * XROW, x + 2 * it * ldx, true);
+      if (x_valid >> it & 1) copy16(stage + lane_x + it * x_round_bytes, x + it * x_round, true);
     w += w_step;
     x += chunk_step * CHUNK;
     chunk += chunk_step;
   }
 };
 
-// Adds the chunk in `stage` to the lane's accumulators. The tensor cores take the raw
-// magic + q (exact), group by group, and the group's scale and zero apply to the dot after it:
+// Adds the chunk of a stage (the warp's part at `part`, x's slab at `x_at`) to the lane's
+// accumulators. The tensor cores take the raw magic + q (exact), group by group, and the
+// group's scale and zero apply to the dot after it:
 // s * (dot - (magic + 8) * X) + z * X = s * dot + (z - (magic + 8) * s) * X, in fp32, where X
 // (x's sum over the group) comes from the same B fragments times ones.
 //
@@ -249,13 +277,12 @@ struct Copier {
 // (the nibbles at bits 0 and 16), with no byte permute. x's fragments, loaded by ldmatrix in
 // true order, are permuted to match (two prmt a block, shared by every slice).
 template <bool F16, int NG>
-__device__ __forceinline__ void compute(const Params& p, uint32_t stage, int lane,
+__device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t x_at, int lane,
                                         float (&acc)[SLICES][NTILES][4]) {
   using Ops = Half2Ops<F16>;
   constexpr int BLOCKS = 8 / NG;  // k16 blocks per group
   const int g = lane >> 2, t = lane & 3;
-  const uint32_t sz_at = stage + ROWS * 64;
-  const uint32_t x_at = sz_at + ROWS * 4 * NG;
+  const uint32_t sz_at = part + ROWS * 64;
   // x's B fragments for the chunk's eight k16 blocks: ldmatrix x4 gives two blocks; lane i
   // points at row i % 8 (of the n8 tile) of matrix i / 8 (block 2 * (i / 16) + its half)
   uint32_t b[NTILES][8][2];
@@ -289,8 +316,8 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t stage, int lan
     }
 #pragma unroll
   for (int s = 0; s < SLICES; ++s) {
-    const uint4 lo = lds128(stage + (16 * s + g) * 64 + t * 16);      // row g
-    const uint4 hi = lds128(stage + (16 * s + g + 8) * 64 + t * 16);  // row g + 8
+    const uint4 lo = lds128(part + (16 * s + g) * 64 + t * 16);      // row g
+    const uint4 hi = lds128(part + (16 * s + g + 8) * 64 + t * 16);  // row g + 8
     const uint32_t wl[4] = {lo.x, lo.y, lo.z, lo.w};
     const uint32_t wh[4] = {hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
@@ -332,18 +359,30 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   const int rank = static_cast<int>(cluster.block_rank());
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
-  const int n0 = (blockIdx.x / ranks) * ROWS;
-  const int first_row = n0 / 64 * 64;  // of the CTA's 64-row block
-  const int rows = min(64, p.n - first_row);
+  const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
+  const int n0 = (blockIdx.x / ranks) * cta_rows;
+  // the warp's first row; a warp of the last CTA may lie wholly past N: it copies nothing
+  // (no rows), from addresses in bounds (those of row 0)
+  const int warp_n0 = SPLIT_ROWS ? n0 + warp * ROWS : n0;
+  const bool live = warp_n0 < p.n;
+  const int first_row = live ? warp_n0 / 64 * 64 : 0;  // of the warp's 64-row block
+  const int rows = live ? min(64, p.n - first_row) : 0;
+  const int offset = live ? warp_n0 - first_row : 0;
   const uint8_t* block = p.w + static_cast<long long>(first_row) * (p.k / 2);
 
   const int chunks = p.k / CHUNK;
   const int c_lo = static_cast<int>(static_cast<long long>(rank) * chunks / ranks);
   const int c_hi = static_cast<int>(static_cast<long long>(rank + 1) * chunks / ranks);
-  const int mine = c_lo + warp < c_hi ? (c_hi - c_lo - warp + warps - 1) / warps : 0;
+  // splitting K, the warp takes chunks c_lo + warp, + warps, ...; splitting rows, all of them
+  const int first = SPLIT_ROWS ? c_lo : c_lo + warp, step = SPLIT_ROWS ? 1 : warps;
+  const int mine = first < c_hi ? (c_hi - first + step - 1) / step : 0;
 
-  const uint32_t ring = smem_addr(smem) + warp * STAGES * p.stage_bytes;
-  Copier<NG> copier(p, block, rows, n0 - first_row, n0, c_lo + warp, warps, lane);
+  // a ring per warp (its part, then x's slab), or one per CTA (every warp's part, then the slab)
+  const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
+  const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
+  const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
+  Copier<NG> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at, x_at,
+                    SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NTILES][4] = {};
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
@@ -352,21 +391,37 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   }
   int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
   for (int i = 0; i < mine; ++i) {
-    if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
-    commit();
-    wait_ring();
-    __syncwarp();
-    compute<F16, NG>(p, ring + slot * p.stage_bytes, lane, acc);
-    __syncwarp();
+    const uint32_t stage = ring + slot * p.stage_bytes;
+    if constexpr (SPLIT_ROWS) {
+      // the slab is copied by other warps: one barrier a chunk, after this thread's copies of
+      // chunk i landed, both publishes chunk i and frees the stage chunk i - 1 took
+      wait_copies<STAGES - 2>();
+      __syncthreads();
+      if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
+      commit();
+      compute<F16, NG>(p, stage + part_at, stage + x_at, lane, acc);
+    } else {
+      if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
+      commit();
+      wait_copies<STAGES - 1>();
+      __syncwarp();
+      compute<F16, NG>(p, stage, stage + x_at, lane, acc);
+      __syncwarp();
+    }
     slot = slot + 1 == STAGES ? 0 : slot + 1;
     next = next + 1 == STAGES ? 0 : next + 1;
   }
   asm volatile("cp.async.wait_all;\n" ::);
 
-  // the warps' partials [warps][ROWS][M] (after the ring is done with), summed in warp order
+  // (after the ring is done with) splitting K, the warps' partials [warps][M][ROWS], summed in
+  // warp order into the CTA's sums [M][ROWS]; splitting rows, each warp's rows of the sums
+  // [M][cta_rows]
   __syncthreads();
-  float* part = reinterpret_cast<float*>(smem);
   const int g = lane >> 2, t = lane & 3, m = p.m;
+  const int outputs = cta_rows * m;
+  float* part = reinterpret_cast<float*>(smem);
+  float* sums = SPLIT_ROWS ? part : part + warps * outputs;
+  float* mine_at = SPLIT_ROWS ? part + warp * ROWS : part + warp * outputs;
 #pragma unroll
   for (int s = 0; s < SLICES; ++s)
 #pragma unroll
@@ -374,15 +429,15 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = 16 * s + g + 8 * (e >> 1), col = 8 * nt + 2 * t + (e & 1);
-        if (col < m) part[(warp * m + col) * ROWS + row] = acc[s][nt][e];
+        if (col < m) mine_at[col * cta_rows + row] = acc[s][nt][e];
       }
-  __syncthreads();
-  const int outputs = ROWS * m;
-  float* sums = part + warps * outputs;
-  for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
-    float v = 0.f;
-    for (int w = 0; w < warps; ++w) v += part[w * outputs + q];
-    sums[q] = v;
+  if constexpr (!SPLIT_ROWS) {
+    __syncthreads();
+    for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
+      float v = 0.f;
+      for (int w = 0; w < warps; ++w) v += part[w * outputs + q];
+      sums[q] = v;
+    }
   }
   if (ranks > 1) cluster.sync();  // every rank's sums written
   const int q_lo = ranks > 1 ? rank * outputs / ranks : 0;
@@ -394,7 +449,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
       v = 0.f;
       for (int r = 0; r < ranks; ++r) v += cluster.map_shared_rank(sums, r)[q];
     }
-    const int col = q / ROWS, row = q % ROWS;
+    const int col = q / cta_rows, row = q % cta_rows;
     if (n0 + row < p.n) p.out[col * p.ldo + n0 + row] = Half2Ops<F16>::round(v);
   }
   if (ranks > 1) cluster.sync();  // no rank leaves while another reads its sums
@@ -402,15 +457,18 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
 
 namespace {
 
-int stage_bytes(int m, int group) {
+// One stage of a ring: the warps' parts (one, or all `warps` when they split rows), x's slab.
+int stage_bytes(int m, int group, int warps) {
   const int ng = group < CHUNK ? CHUNK / group : 1;
-  const int bytes = ROWS * 64 + ROWS * 4 * ng + m * XROW;
+  const int bytes = (SPLIT_ROWS ? warps : 1) * (ROWS * 64 + ROWS * 4 * ng) + m * XROW;
   return (bytes + 127) / 128 * 128;
 }
 
+// The rings (one per warp, or the CTA's), or the sums after them if larger: splitting K, the
+// warps' partials and their sum ((warps + 1) x ROWS x M floats); splitting rows, warps x ROWS x M.
 int smem_bytes(int m, int group, int warps) {
-  const int ring = warps * STAGES * stage_bytes(m, group);
-  const int reduce = (warps + 1) * ROWS * m * 4;
+  const int ring = (SPLIT_ROWS ? 1 : warps) * STAGES * stage_bytes(m, group, warps);
+  const int reduce = (SPLIT_ROWS ? warps : warps + 1) * ROWS * m * 4;
   return ring > reduce ? ring : reduce;
 }
 
@@ -429,7 +487,8 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
     allowed[device] = smem;
   }
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>((p.n + ROWS - 1) / ROWS * cluster));
+  const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
+  config.gridDim = dim3(static_cast<unsigned>((p.n + cta_rows - 1) / cta_rows * cluster));
   config.blockDim = dim3(static_cast<unsigned>(warps * 32));
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = stream;
@@ -454,8 +513,10 @@ cudaError_t launch_group(const Params& p, int group, int warps, int cluster, cud
 
 extern "C" {
 
-// This library's compile-time config: slices (16-row) per CTA, n8 tiles, stages.
-void w4a16_gemv_config(int* slices, int* ntiles, int* stages) {
+// This library's compile-time config: warps split rows (1) or K (0), slices (16-row) per warp,
+// n8 tiles, stages.
+void w4a16_gemv_config(int* split_rows, int* slices, int* ntiles, int* stages) {
+  *split_rows = SPLIT_ROWS;
   *slices = SLICES;
   *ntiles = NTILES;
   *stages = STAGES;
@@ -489,7 +550,7 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.n = n;
   p.k = k;
   p.group_shift = __builtin_ctz(static_cast<unsigned>(group));
-  p.stage_bytes = stage_bytes(m, group);
+  p.stage_bytes = stage_bytes(m, group, warps);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return static_cast<int>(f16 ? launch_group<true>(p, group, warps, cluster, s)
                               : launch_group<false>(p, group, warps, cluster, s));
