@@ -57,12 +57,9 @@ GRID = [
 
 
 def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
-    """``GRID`` as configs for an (M, N, K) problem, those that fit it and whose split is offered
-    at that M."""
+    """``GRID`` as configs for an (M, N, K) problem, those that fit it."""
     out = []
     for split, slices, stages, warps, cluster in GRID:
-        if m > cuda_w4a16.SPLIT_MAX_M[split]:
-            continue
         cfg = {"split": split, "slices": slices, "ntiles": 1 if m <= 8 else 2, "stages": stages,
                "warps": warps, "cluster": cluster}  # fmt: skip
         try:

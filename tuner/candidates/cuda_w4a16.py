@@ -251,24 +251,24 @@ def run(fn: Any, config: Config, x: torch.Tensor, weight: torch.Tensor,
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlist: (split, slices, stages, warps, cluster), the likeliest first.
-# Warps splitting K: 32-row CTAs over all of K, one per SM (splitting K over a cluster, or 16- or
-# 64-row CTAs, lost on every row); 16 warps of 3 stages keep more chunks in flight than 8 of 4 on
-# the narrow projections, 8 of 4 win the wide ones and M = 8. Not past M = 8: each warp copies
-# x's [M, 128] slab per chunk, at M = 16 as many bytes as the weight's.
-# Warps splitting rows: 128-row CTAs (8 warps of 16 rows) share each chunk's slab, K split over a
-# cluster of 4 (N = 4096: 128 CTAs, one per SM).
-SHORTLIST = (("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("rows", 1, 6, 8, 4))
-SPLIT_MAX_M = {"k": 8, "rows": 16}  # the largest M each split is offered for
-MAX_M = max(SPLIT_MAX_M.values())
+# Decode shortlist, M <= 8 (one n8 tile): (split, slices, stages, warps, cluster), the likeliest
+# first. Warps splitting K: 32-row CTAs over all of K, one per SM (splitting K over a cluster, or
+# 16- or 64-row CTAs, lost on every row); 16 warps of 3 stages keep more chunks in flight than 8
+# of 4 on the narrow projections, 8 of 4 win the wide ones and M = 8. Warps splitting rows: 8
+# warps of 32 rows share each chunk's x slab, K over a cluster of 8: ahead of the K split where
+# x's slab weighs most (Qwen's down projection at M = 8), behind it where N's CTAs come in 16
+# clusters of 8 (Llama's down); 16-row warps ran slower than 32-row ones.
+# M > 8 is not offered: the K split copies x's [M, 128] slab per warp and chunk (at M = 16 as
+# many bytes as the weight's), and the row split's two n8 tiles per warp lost to the Triton
+# tiles on both down projections.
+SHORTLIST = (("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("rows", 2, 4, 8, 8))
+MAX_M = 8
 
 
 def configs(m: int, n: int, k: int, group: int) -> list[Config]:
     """Configs worth timing for a decode problem (M <= ``MAX_M``), those that fit it."""
     out = []
-    for split, slices, stages, warps, cluster in SHORTLIST:
-        if m > SPLIT_MAX_M[split]:
-            continue
+    for split, slices, stages, warps, cluster in SHORTLIST if m <= MAX_M else ():
         config = {"split": split, "slices": slices, "ntiles": 1 if m <= 8 else 2,
                   "stages": stages, "warps": warps, "cluster": cluster}  # fmt: skip
         try:
@@ -283,7 +283,7 @@ def unsupported_reason(key: GemmKey) -> str | None:
     if key.wdtype != "int4":
         return "int4 weights only"
     if key.m > MAX_M:
-        return f"m={key.m}: offered for decode at M <= {MAX_M} (n8 tiles of x per warp)"
+        return f"m={key.m}: offered for decode at M <= {MAX_M} (x's slab per warp outweighs more)"
     if key.dtype not in ACT_DTYPES:
         return f"dtype={key.dtype}: bf16 or f16 activations only"
     if key.k % CHUNK:
@@ -346,9 +346,8 @@ class CudaW4A16(Source):
 
 def _all_configs() -> list[Config]:
     """One config per library the shortlists name."""
-    return [{"split": split, "slices": s, "ntiles": ntiles, "stages": st, "warps": 1, "cluster": 1}
-            for split, s, st, _, _ in SHORTLIST
-            for ntiles in NTILES if 8 * (ntiles - 1) < SPLIT_MAX_M[split]]  # fmt: skip
+    return [{"split": split, "slices": s, "ntiles": 1, "stages": st, "warps": 1, "cluster": 1}
+            for split, s, st, _, _ in SHORTLIST]  # fmt: skip
 
 
 def _stored(config: Config) -> bool:

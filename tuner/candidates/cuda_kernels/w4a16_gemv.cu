@@ -203,6 +203,7 @@ struct Copier {
   long long x_round;     // x elements between two copy rounds (x_threads / 16 rows)
   int chunk, chunk_step, group_shift;
   uint32_t w_valid, sz_valid, x_valid;  // bit per copy: its rows exist
+  uint32_t sz_slots;                    // bit per copy: its word lies in the part (lane < ROWS * NG)
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
@@ -224,11 +225,13 @@ struct Copier {
     n = p.n;
     sz = p.sz + n0 + lane % ROWS + static_cast<long long>(lane / ROWS) * p.n;
     lane_sz = w_at + ROWS * 64 + lane * 4;
-    sz_valid = 0;
+    sz_valid = sz_slots = 0;
 #pragma unroll
-    for (int it = 0; it < SZ_COPIES; ++it)
+    for (int it = 0; it < SZ_COPIES; ++it) {
+      if (32 * it + lane < ROWS * NG) sz_slots |= 1u << it;
       if (32 * it + lane < ROWS * NG && offset + lane % ROWS + 32 * it % ROWS < rows)
         sz_valid |= 1u << it;
+    }
     const int x_row = x_thread >> 4, x_rows = x_threads >> 4;
     x = p.x + x_row * p.ldx + (x_thread & 15) * 8 + static_cast<long long>(first) * CHUNK;
     x_round = x_rows * p.ldx;
@@ -250,8 +253,12 @@ struct Copier {
       copy16(stage + lane_w + h * 512, valid ? w + h * 512 : w - w_lane, valid);
     }
     const uint32_t* words = sz + ((static_cast<long long>(chunk) * CHUNK) >> group_shift) * n;
+    // a copy of no bytes still zero-fills its 4: a lane past the part's words (16 rows of one
+    // group: lanes 16-31) must not issue one, or it clears the bytes after the part (the next
+    // warp's first weight row, or x's slab) while their own copies land
 #pragma unroll
     for (int it = 0; it < SZ_COPIES; ++it) {
+      if (ROWS * NG % 32 && !(sz_slots >> it & 1)) continue;
       const bool valid = sz_valid >> it & 1;
       copy4(stage + lane_sz + it * 128, valid ? words + (32 * it / ROWS) * n + 32 * it % ROWS : sz,
             valid);
