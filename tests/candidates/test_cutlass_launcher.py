@@ -111,3 +111,31 @@ def test_w4a16_into_its_own_and_a_callers_output() -> None:
     for inputs in [samples.make_inputs(key, "cuda", gen) for _ in range(2)]:
         assert_right(run, key, inputs)
         assert_right(run, key, inputs, samples.output_like(key, inputs))
+
+
+def test_one_runner_called_from_two_threads_gives_each_its_own_result() -> None:
+    """The dispatcher hands one runner to every caller: threads on their own streams must not
+    build one another's params or launch on one another's stream."""
+    import threading
+
+    key = LARGE
+    run = fp8_runner(key, 0)
+    gen = torch.Generator("cuda").manual_seed(2)
+    sets = [[samples.make_inputs(key, "cuda", gen) for _ in range(4)] for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def calls(mine: list[tuple[torch.Tensor, ...]]) -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                for _ in range(25):
+                    for inputs in mine:
+                        assert_right(run, key, inputs)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=calls, args=(mine,)) for mine in sets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]

@@ -331,6 +331,7 @@ class KernelLauncher:
         self.config_ptr = 0
         self.stream = ops.stream_getter(device)
         self.c_align = ops.out_alignment(key)
+        self.lock = threading.Lock()
 
     def _launch_config(self, ws: ctypes.c_void_p) -> LaunchConfig:
         grid = self.rt.get_grid_shape(ctypes.byref(self.args), ws)
@@ -395,14 +396,19 @@ class KernelLauncher:
             raise ValueError(f"this cutlass runner was built on {self.device}, got {ta.device}")
         c, user_out = ops.output_for(self.key, ta, out, self.c_align)
         strides = (ta.stride(), tb.stride(), c.stride())
-        if strides != self.strides:
-            self._restride(ops.colmajor_call(self.key, ta, tb, c), strides)
-        kernel_params = self.params((ta.data_ptr(), tb.data_ptr(), c.data_ptr(), *more))[0]
+        pointers = (ta.data_ptr(), tb.data_ptr(), c.data_ptr(), *more)
         stream, lib = self.stream(), _driver()
-        if self.zero_bytes:
-            self._check(lib.cuMemsetD8Async(self.workspace_ptr, 0, self.zero_bytes, stream))
-        self.config.stream = stream  # the config is made with the first params, above
-        self._check(lib.cuLaunchKernelEx(self.config_ptr, self.kernel, kernel_params, None))
+        # the arguments, the kept params and the config's stream are shared state: a runner
+        # called from two threads (the dispatcher hands one out to every caller) must not build
+        # one thread's params with the other's pointers, or launch on the other's stream
+        with self.lock:
+            if strides != self.strides:
+                self._restride(ops.colmajor_call(self.key, ta, tb, c), strides)
+            kernel_params = self.params(pointers)[0]
+            if self.zero_bytes:
+                self._check(lib.cuMemsetD8Async(self.workspace_ptr, 0, self.zero_bytes, stream))
+            self.config.stream = stream  # the config is made with the first params, above
+            self._check(lib.cuLaunchKernelEx(self.config_ptr, self.kernel, kernel_params, None))
         return ops.finish(c, user_out, convert)
 
     def _check(self, err: int) -> None:
