@@ -8,10 +8,11 @@ problem i+1 and later ones. A job compiles one problem: each source's shortlist,
 processes (capture hooks and CUDA state stay out of the process that times), ``jobs`` at a time,
 and the cores are split between them (``TUNER_COMPILE_WORKERS``, ``TUNER_CUTLASS_JOBS``).
 They run at a lower CPU priority (``COMPILE_NICENESS``, inherited by nvcc and Triton's workers)
-and off one physical core (``compile_cpus``), left to the tuning process: a launch slowed by a
-busy CPU inflates the host time per call that the engine weighs against the baseline's (and its
-probe cut-off), so a contended run would turn down winners that an idle one keeps, and a niced
-compiler on the timing thread's hyperthread sibling still slows it.
+and off one physical core (``compile_cpus``), which stays free for the tuning process (not
+pinned there: the scheduler moves it to the idle core): a launch slowed by a busy CPU inflates
+the host time per call that the engine weighs against the baseline's (and its probe cut-off), so
+a contended run would turn down winners that an idle one keeps, and a niced compiler on the
+timing thread's CPU or its hyperthread sibling still slows it.
 
 Sources whose kernels serve every shape (``Source.shares_kernels``: CUTLASS) are not compiled
 per problem: one *shared* job takes the union of every problem's shortlists for them, so each
@@ -90,12 +91,20 @@ def compile_cpus(
     cpus: set[int], siblings: Callable[[int], set[int]] = thread_siblings
 ) -> set[int] | None:
     """The CPUs compile processes may use: all of ``cpus`` but the first one's physical core,
-    which the tuning process then has to itself. None (keep them all) where fewer than
+    left free for the tuning process. None (keep them all) where fewer than
     ``MIN_CPUS_TO_SPARE`` are available or sparing the core would leave none."""
     if len(cpus) < MIN_CPUS_TO_SPARE:
         return None
     left = cpus - siblings(min(cpus))
     return left or None
+
+
+def usable_cpus() -> set[int] | None:
+    """The CPUs this process's compile jobs run on (``compile_cpus`` of its own), or None where
+    the platform cannot pin processes or nothing is spared."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    return compile_cpus(os.sched_getaffinity(0))
 
 
 _READY: dict[str, Any] = {}  # in the shared job's process: key -> its shared-kernels event
@@ -107,7 +116,7 @@ def _start_job_process(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the run's to handle
     exit_when_orphaned(parent)  # also when the run died while this process was starting
     os.nice(COMPILE_NICENESS)
-    if hasattr(os, "sched_setaffinity") and (allowed := compile_cpus(os.sched_getaffinity(0))):
+    if allowed := usable_cpus():
         os.sched_setaffinity(0, allowed)  # inherited by nvcc and Triton's compile workers
     os.environ.setdefault("TUNER_COMPILE_WORKERS", str(cores))
     os.environ.setdefault("TUNER_CUTLASS_JOBS", str(cores))
@@ -200,7 +209,7 @@ class CompilePool:
         # made before any tuning process: per problem, (its job ended, its shared kernels ready)
         self.events = {str(k): (CTX.Event(), CTX.Event()) for k in self.keys}
         self.futures: dict[str, Future[Compiled]] = {}
-        cpus = os.cpu_count() or 1
+        cpus = len(usable_cpus() or ()) or os.cpu_count() or 1  # the jobs' share of the cores
         self.executors = [
             ProcessPoolExecutor(
                 max_workers=self.jobs, mp_context=CTX, initializer=_start_job_process,
