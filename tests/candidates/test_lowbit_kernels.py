@@ -203,8 +203,10 @@ def test_w4a16_bad_inputs_name_the_field() -> None:
             w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "bk": bk})
     with pytest.raises(ValueError, match="config\\['bn'\\]=96: must divide 64"):
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "bn": 96})
-    # K = 256 is one step of two dots
-    for split in (2, True):  # a bool is not a split count
+    # K = 256 is one step of two dots; a bool is not a split count, even once the config's
+    # checks passed for the split count it equals (they are kept per typed config)
+    w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "split_k": 1})
+    for split in (2, True):
         with pytest.raises(
             ValueError, match=re.escape(f"config['split_k']={split}: allowed 1 .. 1")
         ):
@@ -226,6 +228,8 @@ def test_w4a16_bad_inputs_name_the_field() -> None:
             w4a16.w4a16_matmul(x, w, sz, 32, bad)
     with pytest.raises(ValueError, match="config\\['dots'\\]"):
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "dots": 3})
+    with pytest.raises(ValueError, match="config\\['note'\\]=\\[1\\]: allowed a number"):
+        w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "note": [1]})  # cannot be hashed
     with pytest.raises(ValueError, match="config\\['kernel'\\]"):
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "kernel": "cutlass"})
     # stream-K: K = 256 in 128-wide steps and one tile of 16 rows: 2 units

@@ -399,22 +399,29 @@ def w4a16_matmul(
 def checked_plan(m: int, n: int, k: int, group_size: int, config: Config) -> Plan:
     """``plan`` of ``config`` once ``check_config`` accepted it: what ``w4a16_matmul`` runs and
     a source precompiles (``Plan.jobs``)."""
-    items = tuple(sorted(config.items()))
+    # typed: True == 1 and 1.0 == 1, but the checks refuse a bool or a float where an int is due
+    typed = tuple(sorted((name, type(value).__name__, value) for name, value in config.items()))
     try:
-        _check_once(m, n, k, group_size, items)
-    except TypeError:  # a value that cannot be hashed: ``check_config`` names the field
+        _check_once(m, n, k, group_size, typed)
+    except TypeError:  # a value that cannot be hashed
         check_config(config, m, n, k, group_size)
+        for name, value in config.items():
+            try:
+                hash(value)
+            except TypeError:
+                raise ValueError(f"config[{name!r}]={value!r}: allowed a number, a string or a "
+                                 f"bool") from None  # fmt: skip
         raise
-    return plan(m, n, k, group_size, items)
+    return plan(m, n, k, group_size, tuple((name, value) for name, _, value in typed))
 
 
 @functools.lru_cache(maxsize=4096)
 def _check_once(
-    m: int, n: int, k: int, group_size: int, config: tuple[tuple[str, Any], ...]
+    m: int, n: int, k: int, group_size: int, config: tuple[tuple[str, str, Any], ...]
 ) -> None:
-    """``check_config`` once per shape and config that passed it: its checks would take a good
-    part of an eager call's host time."""
-    check_config(dict(config), m, n, k, group_size)
+    """``check_config`` once per shape and (name, type, value) config that passed it: its checks
+    would take a good part of an eager call's host time."""
+    check_config({name: value for name, _, value in config}, m, n, k, group_size)
 
 
 @functools.lru_cache(maxsize=4096)
