@@ -591,10 +591,10 @@ def _dots(k: int, most: int) -> int:
 DECODE_TILES = ((64, 4, 3, 2, 5, {"step_sum": True}),
                 (64, 4, 3, 2, 5, {"step_sum": True, "split_wait": True}))  # fmt: skip
 # Prefill: (bm activation rows, bn weight rows, warps, stages, dots, step_sum); one 128-wide K
-# tile per dot, x's [bm, 128] tiles dominating shared memory. Triton 3.6 serializes the wgmmas of
-# a one-dot step, and of a two-dot step on 4 warps unless it sums apart (``step_sum``); at 2
-# stages a step waits for all its copies (nothing in flight while it computes), at 3 one step's
-# copies stay in flight. 64 x 64 on 4 warps (113 KB, two CTAs per SM) comes first up to M = 256.
+# tile per dot, x's [bm, 128] tiles dominating shared memory. Triton serializes the wgmmas of a
+# one-dot step, and of a two-dot step on 4 warps unless it sums apart (``step_sum``); at 2 stages
+# a step waits for all its copies (nothing in flight while it computes), at 3 one step's copies
+# stay in flight. 64 x 64 on 4 warps (two CTAs per SM) comes first up to M = 256.
 PREFILL_TILES = ((128, 128, 8, 3, 1, False), (256, 128, 8, 2, 1, False), (128, 128, 8, 3, 2, False),
                  (64, 64, 4, 3, 2, True), (64, 128, 8, 3, 1, False), (128, 256, 8, 2, 1, False),
                  (64, 256, 8, 3, 1, False))  # fmt: skip
