@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from dispatch_overhead import per_call_us
 
+from bench.dispatch_overhead import per_call_us
 from tuner.quant.fp8 import quantize_rowwise
 from tuner.tuning import compile_pool
 
