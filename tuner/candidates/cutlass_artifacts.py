@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,12 @@ _TABLE = (
 LIBRARY = "kernel.so"
 
 
-def artifact_spec(spec: env.KernelSpec) -> ArtifactSpec:
+def artifact_spec(spec: env.Spec) -> ArtifactSpec:
     """What stores ``spec``'s kernel: its fields, the arch, the CUTLASS version and, for kernels
-    built as libraries of their own, the wrapper that built them (``env.builder_fields``)."""
+    built as libraries of their own, the wrapper that built them (``env.builder_fields``); another
+    source's library (``env.LibrarySpec``) names its own."""
+    if not isinstance(spec, env.KernelSpec):
+        return spec.artifact_spec()
     toolchain = {"cutlass": env.version(), **env.builder_fields(spec.wdtype)}
     return ArtifactSpec("cutlass", json.loads(spec.to_json()), f"sm{env.SM}", toolchain)
 
@@ -81,12 +85,12 @@ def bundle(op: Any) -> bytes:
     )
 
 
-def publish(store: ArtifactStore, spec: env.KernelSpec, op: Any) -> str:
+def publish(store: ArtifactStore, spec: env.Spec, op: Any) -> str:
     """Store the compiled ``op`` of ``spec``; the artifact's hash."""
     return store.put(artifact_spec(spec), bundle(op))
 
 
-def install(store: ArtifactStore, spec: env.KernelSpec) -> bool:
+def install(store: ArtifactStore, spec: env.Spec) -> bool:
     """Put ``spec``'s stored kernel where ``cutlass_env.load`` finds it; False if not stored."""
     data = store.get(artifact_spec(spec))
     if data is None:
@@ -113,7 +117,7 @@ def install(store: ArtifactStore, spec: env.KernelSpec) -> bool:
     return True
 
 
-def install_missing(specs: Iterable[env.KernelSpec], store: ArtifactStore | None = None) -> None:
+def install_missing(specs: Iterable[env.Spec], store: ArtifactStore | None = None) -> None:
     """Install the stored kernel of every spec not yet compiled (nor failed) here, so that
     ``compile_all`` compiles only what no host has built. ``store``: the shared one by default,
     opened only when a spec needs it."""
@@ -129,7 +133,7 @@ def install_missing(specs: Iterable[env.KernelSpec], store: ArtifactStore | None
             log.warning("stored CUTLASS kernel %s not installed, compiling it: %s", spec.digest, e)
 
 
-def publish_once(spec: env.KernelSpec, op: Any, store: ArtifactStore | None = None) -> None:
+def publish_once(spec: env.Spec, op: Any, store: ArtifactStore | None = None) -> None:
     """Publish the compiled ``op`` of ``spec`` (to the shared store by default) unless this
     cache marks it published, or installed, already."""
     info = env.compiled_info(spec)
@@ -141,3 +145,31 @@ def publish_once(spec: env.KernelSpec, op: Any, store: ArtifactStore | None = No
         log.warning("CUTLASS kernel %s not stored as an artifact: %s", spec.digest, e)
         return
     env.record(spec, "compiled", {**info, "artifact": artifact_spec(spec).id})
+
+
+def compile_run(
+    specs_of: list[list[env.Spec]],
+    ready: Callable[[int], None],
+    needs: Callable[[], str | None] | None = None,
+) -> None:
+    """A tuning run's kernels (``Source.precompile_run``): every distinct spec of ``specs_of``
+    (one list per problem) installed or compiled once, on every core, in the order first needed;
+    ``ready(i)`` once the specs of problem i are all compiled (or failed); ``needs`` as
+    ``env.compile_all``'s."""
+    specs = list(dict.fromkeys(s for specs in specs_of for s in specs))
+    missing = [set(specs) for specs in specs_of]
+    lock = threading.Lock()
+
+    def done(spec: env.Spec) -> None:
+        with lock:
+            for i, need in enumerate(missing):
+                if spec in need:
+                    need.discard(spec)
+                    if not need:
+                        ready(i)
+
+    for i, need in enumerate(missing):
+        if not need:
+            ready(i)
+    install_missing(specs)
+    env.compile_all(specs, on_done=done, needs=needs)

@@ -36,10 +36,13 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tuner.core.atomic import write_atomic
 from tuner.core.keys import FP8
+
+if TYPE_CHECKING:
+    from tuner.cache.artifacts import ArtifactSpec
 
 SM = 90
 COMPILE_TIMEOUT_S = float(os.environ.get("TUNER_CUTLASS_COMPILE_TIMEOUT", "900"))
@@ -220,11 +223,36 @@ class KernelSpec:
     def to_json(self) -> str:
         return json.dumps(self._fields(), sort_keys=True)
 
+    @property
+    def builder(self) -> str:
+        """The module whose ``_main`` compiles this spec in a child process."""
+        return BUILDERS.get(self.wdtype, __name__)
+
     @classmethod
     def from_json(cls, text: str) -> KernelSpec:
         data = json.loads(text)
         data["tile"], data["cluster"] = tuple(data["tile"]), tuple(data["cluster"])
         return cls(**data)
+
+
+class LibrarySpec(Protocol):
+    """A kernel of another source built as a shared library of its own through this module's
+    machinery (``compile_all``, its markers, ``library_path``, ``cutlass_artifacts``): its
+    ``builder`` module's ``_main`` takes ``to_json()`` and builds it (``build_library``); it is
+    stored under its own ``artifact_spec()``."""
+
+    @property
+    def digest(self) -> str: ...
+
+    @property
+    def builder(self) -> str: ...
+
+    def to_json(self) -> str: ...
+
+    def artifact_spec(self) -> ArtifactSpec: ...
+
+
+Spec = KernelSpec | LibrarySpec
 
 
 def builder_fields(wdtype: str) -> dict[str, str]:
@@ -234,28 +262,28 @@ def builder_fields(wdtype: str) -> dict[str, str]:
     return {} if module is None else {"wrapper": importlib.import_module(module).WRAPPER_DIGEST}
 
 
-def _marker(spec: KernelSpec, kind: str) -> Path:
+def _marker(spec: Spec, kind: str) -> Path:
     return cache_dir() / kind / f"{spec.digest}.json"
 
 
-def library_path(spec: KernelSpec) -> Path:
+def library_path(spec: Spec) -> Path:
     """Where a kernel built as a shared library of its own (``BUILDERS``) lives."""
     return cache_dir() / "lib" / f"{spec.digest}.so"
 
 
-def compiled_info(spec: KernelSpec) -> dict[str, Any] | None:
+def compiled_info(spec: Spec) -> dict[str, Any] | None:
     """{"seconds": compile time, "name": kernel name} once ``spec`` compiled, else None."""
     path = _marker(spec, "compiled")
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def failure(spec: KernelSpec) -> str | None:
+def failure(spec: Spec) -> str | None:
     """The recorded compile error of ``spec``, or None if it never failed."""
     path = _marker(spec, "failed")
     return json.loads(path.read_text())["error"] if path.exists() else None
 
 
-def record(spec: KernelSpec, kind: str, data: dict[str, Any]) -> None:
+def record(spec: Spec, kind: str, data: dict[str, Any]) -> None:
     """Mark ``spec`` compiled or failed (``kind``) with ``data``; the marker is written atomically."""
     path = _marker(spec, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -446,10 +474,9 @@ def _compile_here(spec: KernelSpec) -> dict[str, Any]:
     return {"ok": True, "seconds": seconds}
 
 
-def _compile_child(spec: KernelSpec, timeout_s: float) -> str | None:
+def _compile_child(spec: Spec, timeout_s: float) -> str | None:
     """Compile ``spec`` in a fresh process. None on success, else the error (recorded if final)."""
-    module = BUILDERS.get(spec.wdtype, "tuner.candidates.cutlass_env")
-    cmd = [sys.executable, "-m", module, spec.to_json()]
+    cmd = [sys.executable, "-m", spec.builder, spec.to_json()]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -472,20 +499,23 @@ def default_jobs(n: int) -> int:
 
 
 def compile_all(
-    specs: list[KernelSpec],
+    specs: list[Spec],
     *,
     jobs: int | None = None,
     timeout_s: float = COMPILE_TIMEOUT_S,
-    on_done: Callable[[KernelSpec], None] | None = None,
-) -> dict[KernelSpec, str | None]:
+    on_done: Callable[[Spec], None] | None = None,
+    needs: Callable[[], str | None] | None = None,
+) -> dict[Spec, str | None]:
     """Compile every spec not yet compiled or failed, in parallel processes, in the order given.
 
     Returns spec -> None (compiled, now or earlier) or its error (now or recorded earlier);
     ``on_done(spec)`` is called as each spec's outcome is known (from the compiling threads).
+    ``needs``: why the specs cannot be compiled here (their builder's tools missing), else None;
+    ``cannot_compile`` by default.
     """
     done = on_done or (lambda _spec: None)
-    result: dict[KernelSpec, str | None] = {}
-    todo: list[KernelSpec] = []
+    result: dict[Spec, str | None] = {}
+    todo: list[Spec] = []
     for spec in dict.fromkeys(specs):
         if compiled_info(spec) is not None:
             result[spec] = None
@@ -495,13 +525,13 @@ def compile_all(
             todo.append(spec)
             continue
         done(spec)
-    if todo and (reason := cannot_compile()):
+    if todo and (reason := (needs or cannot_compile)()):
         for spec in todo:
             result[spec] = reason
             done(spec)
         todo = []
 
-    def compile_one(spec: KernelSpec) -> str | None:
+    def compile_one(spec: Spec) -> str | None:
         error = _compile_child(spec, timeout_s)
         result[spec] = error
         done(spec)
@@ -511,6 +541,30 @@ def compile_all(
         with ThreadPoolExecutor(max_workers=jobs or default_jobs(len(todo))) as pool:
             list(pool.map(compile_one, todo))
     return {spec: result[spec] for spec in dict.fromkeys(specs)}
+
+
+def build_library(spec: Spec, command: Callable[[Path], list[str]], info: dict[str, Any]) -> dict:
+    """Child-process body of a builder (``BUILDERS``, ``LibrarySpec.builder``): ``command(out)``
+    (nvcc) writes a file of this process's own, which then replaces ``library_path(spec)`` in one
+    step, so that no loader opens a library being written and two builds of one spec never share
+    a file; ``spec`` is then marked compiled with ``info``. A verdict as ``_compile_here``'s: a
+    compile error fails for good, a killed nvcc (a negative exit) may pass later."""
+    started = time.perf_counter()
+    out = library_path(spec)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    proc = subprocess.run(command(tmp), capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] or [
+            f"nvcc exited with {proc.returncode}: {proc.stderr.strip()[-1500:]}"
+        ]
+        text = "\n".join(errors[:12])[:4000]
+        return {"ok": False, "permanent": proc.returncode > 0, "error": text}
+    tmp.replace(out)
+    seconds = time.perf_counter() - started
+    record(spec, "compiled", {"seconds": round(seconds, 2), **info})
+    return {"ok": True, "seconds": seconds}
 
 
 def _main(argv: list[str]) -> int:

@@ -480,23 +480,7 @@ class CutlassGemm(Source):
         """Every distinct kernel of the run once, on every core, in the order first needed;
         a problem is ready once its own kernels are."""
         specs_of = [[self.kernel_spec(key, p) for p in shortlist] for key, shortlist in shortlists]
-        specs = list(dict.fromkeys(s for specs in specs_of for s in specs))
-        missing = [set(specs) for specs in specs_of]
-        lock = threading.Lock()
-
-        def done(spec: env.KernelSpec) -> None:
-            with lock:
-                for i, need in enumerate(missing):
-                    if spec in need:
-                        need.discard(spec)
-                        if not need:
-                            ready(i)
-
-        for i, need in enumerate(missing):
-            if not need:
-                ready(i)
-        cutlass_artifacts.install_missing(specs)
-        env.compile_all(specs, on_done=done)
+        cutlass_artifacts.compile_run(specs_of, ready)
 
     def prepare(self, key: GemmKey, shortlist: list[Params]) -> None:
         """cutlass_cppgen's registry and ``key``'s plan, which ``load`` needs."""

@@ -33,9 +33,7 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 import weakref
 from pathlib import Path
 from typing import Any, ClassVar
@@ -396,32 +394,16 @@ def nvcc_command(spec: env.KernelSpec, src: Path, out: Path) -> list[str]:
 def compile_library(spec: env.KernelSpec) -> dict[str, Any]:
     """Child-process body of ``compile_all``: build ``spec``'s library into the cache; a verdict
     in ``cutlass_env``'s form (a spec the generator does not list fails for good)."""
-    started = time.perf_counter()
     try:
         text = source(spec)
     except (LookupError, ImportError) as e:
         return {"ok": False, "permanent": isinstance(e, LookupError), "error": f"{e}"}
     work = env.cache_dir() / "work" / f"p{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
-    src, out = work / f"{spec.digest}.cu", env.library_path(spec)
+    src = work / f"{spec.digest}.cu"
     src.write_text(text)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    proc = subprocess.run(nvcc_command(spec, src, tmp), capture_output=True, text=True)
-    if proc.returncode != 0:  # a compile error stays one; a killed nvcc (< 0) may pass later
-        errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] or [
-            f"nvcc exited with {proc.returncode}: {proc.stderr.strip()[-1500:]}"
-        ]
-        return {
-            "ok": False,
-            "permanent": proc.returncode > 0,
-            "error": "\n".join(errors[:12])[:4000],
-        }
-    tmp.replace(out)
-    seconds = time.perf_counter() - started
     name = operation(spec).procedural_name()
-    env.record(spec, "compiled", {"seconds": round(seconds, 2), "name": name})
-    return {"ok": True, "seconds": seconds}
+    return env.build_library(spec, lambda out: nvcc_command(spec, src, out), {"name": name})
 
 
 # --- operands --------------------------------------------------------------------------------
