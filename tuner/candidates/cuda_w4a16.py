@@ -1,4 +1,4 @@
-"""A hand-written CUDA W4A16 decode kernel (``cuda_kernels/w4a16_gemv.cu``) for INT4 keys, M <= 16.
+"""A hand-written CUDA W4A16 decode kernel (``cuda_kernels/w4a16_gemv.cu``) for INT4 keys, M <= 8.
 
 GEMV-style: a warp owns 16, 32 or 64 weight rows, a CTA a run of K, and a cluster of CTAs that
 split K sums through distributed shared memory. The CTA's warps split either K (``split`` "k":
@@ -10,12 +10,12 @@ memory, so there is no workspace and no second pass, and the sum order is fixed
 (deterministic). It reads our packed layout (``tuner.quant.int4``) as the Triton kernel does.
 
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
-``ntiles`` n8 tiles of activations: 1 for M <= 8, 2 for M <= 16, ``stages`` of each copy ring)
-and its launch part (``warps`` per CTA, ``cluster`` CTAs splitting K). Each compile-time part is one
-shared library (the CUDA runtime linked in statically), built by nvcc for sm_90a in a child
-process and loaded with ctypes; it is an artifact (``tuner.cache.artifacts``): ``precompile``
-installs what another host built before compiling the rest, and publishes what it compiled, so
-a host without nvcc runs a stored library.
+``stages`` of each copy ring: a ``Library``) and its launch part (``warps`` per CTA, ``cluster``
+CTAs splitting K). Each library (the CUDA runtime linked in statically) serves every shape and is
+built by nvcc for sm_90a through ``cutlass_env``'s machinery (``compile_all``: a child process
+per library, a failure remembered and never compiled again) and loaded with ctypes; it is an
+artifact (``cutlass_artifacts``), keyed by the kernel source, nvcc's release and the flags, so
+a host without nvcc runs a library another host built with the same toolkit.
 
 As a candidate source (``CudaW4A16``) its runners take torch's packed weight, as the baseline
 does, and read our layout of it (``int4_torch.ours``: made once per weight, memoised).
@@ -26,40 +26,40 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
-import os
-import sqlite3
+import json
+import re
 import subprocess
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tuner.cache.artifacts import ArtifactError, ArtifactSpec, pack, shared_store, unpack
-from tuner.cache.sqlite import StoreError
+from tuner.cache.artifacts import ArtifactSpec
+from tuner.candidates import cutlass_artifacts
+from tuner.candidates import cutlass_env as env
+from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner, Source
-from tuner.candidates.cutlass_env import nvcc_path
 from tuner.candidates.triton_kernels.w4a16 import check_inputs
-from tuner.core.atomic import write_atomic
 from tuner.core.keys import GemmKey
 from tuner.quant import int4_torch
 from tuner.quant.int4 import CHUNK, GROUP_SIZES
 
-log = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).parent / "cuda_kernels" / "w4a16_gemv.cu"
 ARCH = "sm_90a"
-SPLITS, SLICES, NTILES, STAGES = ("k", "rows"), (1, 2, 4), (1, 2), range(2, 9)
+SPLITS, SLICES, STAGES = ("k", "rows"), (1, 2, 4), range(2, 9)
+MAX_M = 8  # one n8 tile of activations
 MAX_WARPS, MAX_CLUSTER = 16, 8
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may take on sm_90
-COMPILE_TIMEOUT_S = 300.0
 ACT_DTYPES = ("bf16", "f16")
 ALIGN = 16  # bytes: x's rows and the weight are copied in 16-byte pieces
-LIBRARY = "kernel.so"  # the artifact bundle's one file
+SZ_ALIGN = 4  # bytes: a (scale, zero) pair is copied as one word
+BUILDER = "tuner.candidates.cuda_w4a16"  # this module, also when it runs as __main__
 
 Config = dict[str, Any]
+CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster")
 
 
 def _choice(config: Config, key: str, allowed: Iterable[Any]) -> Any:
@@ -72,17 +72,16 @@ def _choice(config: Config, key: str, allowed: Iterable[Any]) -> Any:
 
 def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     """ValueError naming the field unless ``config`` can run the (M, N, K, group) problem."""
-    extra = set(config) - {"split", "slices", "ntiles", "stages", "warps", "cluster"}
+    extra = set(config) - set(CONFIG_KEYS)
     if extra:
-        raise ValueError(f"config: unknown keys {sorted(extra)}")
+        raise ValueError(f"config: unknown keys {sorted(extra)}; allowed {list(CONFIG_KEYS)}")
     _choice(config, "split", SPLITS)
     _choice(config, "slices", SLICES)
-    ntiles = _choice(config, "ntiles", NTILES)
     _choice(config, "stages", STAGES)
     _choice(config, "warps", range(1, MAX_WARPS + 1))
     cluster = _choice(config, "cluster", range(1, MAX_CLUSTER + 1))
-    if not 1 <= m <= 8 * ntiles:
-        raise ValueError(f"M={m}: config['ntiles']={ntiles} takes M from 1 to {8 * ntiles}")
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"M={m}: allowed 1 to {MAX_M} (one n8 tile of activations)")
     if k % CHUNK or k < CHUNK * cluster:
         raise ValueError(f"K={k}: must be whole chunks of {CHUNK}, at least one per CTA of "
                          f"config['cluster']={cluster}")  # fmt: skip
@@ -107,75 +106,105 @@ def smem_bytes(config: Config, m: int, group: int) -> int:
     return max(rings * config["stages"] * stage, sums * rows * m * 4)
 
 
-def library_key(config: Config) -> tuple[str, int, int, int]:
-    return config["split"], config["slices"], config["ntiles"], config["stages"]
-
-
 @functools.cache
 def _source_digest() -> str:
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
-def build_dir() -> Path:
-    """Where the libraries live: ``$TUNER_CUDA_KERNELS``, else beside the CUTLASS cache."""
-    if env := os.environ.get("TUNER_CUDA_KERNELS"):
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tuner" / "cuda"
+@functools.cache
+def toolkit() -> str:
+    """nvcc's release ("13.0"), which the libraries built here carry in their names; without
+    nvcc, the CUDA release torch was built for: the toolkit whose libraries this host loads."""
+    nvcc = env.nvcc_path()
+    if nvcc is not None:
+        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        if found := re.search(r"release (\d+\.\d+)", text):
+            return found.group(1)
+    return torch.version.cuda or "none"
 
 
-def library_path(config: Config) -> Path:
-    split, slices, ntiles, stages = library_key(config)
-    name = f"w4a16_gemv_{split}_s{slices}_n{ntiles}_st{stages}_{ARCH}_{_source_digest()}.so"
-    return build_dir() / name
+def cannot_compile() -> str | None:
+    """Why libraries cannot be compiled here (no nvcc), else None."""
+    if env.nvcc_path() is None:
+        return "nvcc not found: put it on PATH or set CUDA_INSTALL_PATH"
+    return None
 
 
-def nvcc_command(nvcc: str, config: Config, out: Path) -> list[str]:
-    split, slices, ntiles, stages = library_key(config)
-    return [nvcc, "-O3", "-lineinfo", f"-arch={ARCH}", "-std=c++17", "-shared", "-Xcompiler",
-            "-fPIC", f"-DGEMV_SPLIT_ROWS={int(split == 'rows')}", f"-DGEMV_SLICES={slices}",
-            f"-DGEMV_NTILES={ntiles}", f"-DGEMV_STAGES={stages}", "-o", str(out),
-            str(SOURCE)]  # fmt: skip
+@dataclass(frozen=True)
+class Library:
+    """A config's compile-time part: one shared library (an ``env.LibrarySpec``)."""
+
+    split: str
+    slices: int
+    stages: int
+
+    @property
+    def builder(self) -> str:
+        return BUILDER
+
+    def flags(self) -> list[str]:
+        """nvcc's options, all but the output and the source."""
+        return ["-O3", "-lineinfo", f"-arch={ARCH}", "-std=c++17", "-shared", "-Xcompiler",
+                "-fPIC", f"-DGEMV_SPLIT_ROWS={int(self.split == 'rows')}",
+                f"-DGEMV_SLICES={self.slices}", f"-DGEMV_STAGES={self.stages}"]  # fmt: skip
+
+    def toolchain(self) -> dict[str, str]:
+        """What besides the config decides the library: the source, nvcc's release, the flags."""
+        flags = hashlib.sha256(" ".join(self.flags()).encode()).hexdigest()[:16]
+        return {"w4a16_gemv.cu": _source_digest(), "nvcc": toolkit(), "flags": flags}
+
+    @property
+    def digest(self) -> str:
+        fields = {**asdict(self), "arch": ARCH, **self.toolchain()}
+        return (
+            "cuda_w4a16_"
+            + hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Library:
+        return cls(**json.loads(text))
+
+    def artifact_spec(self) -> ArtifactSpec:
+        return ArtifactSpec("cuda_w4a16", asdict(self), ARCH, self.toolchain())
 
 
-def compile_library(config: Config, timeout_s: float = COMPILE_TIMEOUT_S) -> Path:
-    """Build ``config``'s library (nvcc in a child process) unless it exists; its path.
-    RuntimeError with nvcc's message if it fails."""
-    path = library_path(config)
-    if path.is_file():
-        return path
-    nvcc = nvcc_path()
+def library(config: Config) -> Library:
+    return Library(config["split"], config["slices"], config["stages"])
+
+
+def nvcc_command(nvcc: str, lib: Library, out: Path) -> list[str]:
+    return [nvcc, *lib.flags(), "-o", str(out), str(SOURCE)]
+
+
+def compile_library(lib: Library) -> dict[str, Any]:
+    """Child-process body of ``env.compile_all``: build ``lib`` into the cache; its verdict."""
+    nvcc = env.nvcc_path()
     if nvcc is None:
-        raise RuntimeError("nvcc not found: put it on PATH or set CUDA_INSTALL_PATH")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    proc = subprocess.run(nvcc_command(nvcc, config, partial), capture_output=True, text=True,
-                          timeout=timeout_s)  # fmt: skip
-    if proc.returncode:
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(f"nvcc failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    partial.replace(path)
-    return path
+        return {"ok": False, "permanent": False, "error": cannot_compile()}
+    return env.build_library(lib, lambda out: nvcc_command(nvcc, lib, out), {})
 
 
-def compile_all(configs: Iterable[Config], jobs: int | None = None) -> dict[tuple, str | None]:
-    """Build the libraries of ``configs`` in parallel: library key -> None or the error."""
-    todo = {library_key(c): c for c in configs}
+def compile_all(configs: Iterable[Config]) -> dict[Library, str | None]:
+    """The libraries of ``configs`` installed from the artifact store, or compiled in parallel
+    child processes (then published): library -> None or why it is missing."""
+    libs = list(dict.fromkeys(map(library, configs)))
+    cutlass_artifacts.install_missing(libs)
+    errors = env.compile_all(libs, needs=cannot_compile)
+    for lib, error in errors.items():
+        if error is None:
+            cutlass_artifacts.publish_once(lib, env.library_path(lib))
+    return errors
 
-    def one(config: Config) -> str | None:
-        try:
-            compile_library(config)
-        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-            return str(e)
-        return None
 
-    workers = jobs or max(1, min(len(todo), os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return dict(zip(todo, pool.map(one, todo.values()), strict=True))
+Launcher = Callable[..., int]
 
 
 @functools.cache
-def _load(path: Path) -> Any:
+def _load(path: Path) -> Launcher:
     lib = ctypes.CDLL(str(path))
     fn = lib.w4a16_gemv
     fn.restype = ctypes.c_int
@@ -184,93 +213,75 @@ def _load(path: Path) -> Any:
     return fn
 
 
-def artifact_spec(config: Config) -> ArtifactSpec:
-    """What stores ``config``'s library: its compile-time part, the arch, the source's digest."""
-    split, slices, ntiles, stages = library_key(config)
-    return ArtifactSpec("cuda_w4a16", {"split": split, "slices": slices, "ntiles": ntiles,
-                                       "stages": stages},
-                        ARCH, {"w4a16_gemv.cu": _source_digest()})  # fmt: skip
+def launcher(config: Config) -> Launcher:
+    """The ``w4a16_gemv`` entry point of ``config``'s library: installed from the artifact store,
+    else compiled here, unless it failed before (RuntimeError with the error)."""
+    lib = library(config)
+    if error := compile_all([config])[lib]:
+        raise RuntimeError(f"cuda_w4a16 library {lib}: {error}")
+    return _load(env.library_path(lib))
 
 
-def install(config: Config) -> bool:
-    """Write the stored library of ``config`` where ``launcher`` loads it; False if none is."""
-    store = shared_store()
-    data = store.get(artifact_spec(config)) if store is not None else None
-    if data is None:
-        return False
-    files = unpack(data)
-    if LIBRARY not in files:
-        raise ArtifactError(f"not a cuda_w4a16 bundle: no {LIBRARY}")
-    path = library_path(config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, files[LIBRARY])
-    return True
+def check_operands(
+    x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
+    out: torch.Tensor | None,
+) -> tuple[int, int, int]:  # fmt: skip
+    """(M, N, K), or a ValueError naming the operand that the kernel's entry point would refuse
+    (or read or write out of bounds); ``out`` None: one is made after."""
+    m, n, k = check_inputs(x, weight, scales_and_zeros, group)
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"x.shape={tuple(x.shape)}: M={m}, allowed 1 to {MAX_M}")
+    if x.data_ptr() % ALIGN or x.stride(0) * x.element_size() % ALIGN:
+        raise ValueError(f"x: rows must start on {ALIGN}-byte boundaries (data_ptr "
+                         f"{x.data_ptr():#x}, strides {x.stride()})")  # fmt: skip
+    if weight.data_ptr() % ALIGN:
+        raise ValueError(f"weight: must be {ALIGN}-byte aligned, data_ptr {weight.data_ptr():#x}")
+    if scales_and_zeros.data_ptr() % SZ_ALIGN:
+        raise ValueError(f"scales_and_zeros: must be {SZ_ALIGN}-byte aligned (a (scale, zero) "
+                         f"pair is one word), data_ptr {scales_and_zeros.data_ptr():#x}")  # fmt: skip
+    if out is not None:
+        check_out(out, m, n, x)
+    if not x.is_cuda:
+        raise ValueError(f"x.device={x.device}: must be a CUDA device")
+    return m, n, k
 
 
-def ensure(configs: Iterable[Config]) -> dict[tuple, str | None]:
-    """Every library of ``configs`` ready to load: installed from the artifact store, else
-    compiled here (in parallel) and published. Library key -> None or why it is missing."""
-    todo = {library_key(c): c for c in configs if not library_path(c).is_file()}
-    for key, config in list(todo.items()):
-        try:
-            if install(config):
-                del todo[key]
-        except (ArtifactError, StoreError, OSError, sqlite3.Error) as e:
-            log.warning("stored cuda_w4a16 library %s not installed, compiling it: %s", key, e)
-    errors = compile_all(todo.values()) if todo else {}
-    store = shared_store() if any(e is None for e in errors.values()) else None
-    for key, error in errors.items():
-        if error is None and store is not None:
-            try:
-                store.put(
-                    artifact_spec(todo[key]), pack({LIBRARY: library_path(todo[key]).read_bytes()})
-                )
-            except (ArtifactError, StoreError, OSError, sqlite3.Error) as e:
-                log.warning("cuda_w4a16 library %s not stored as an artifact: %s", key, e)
-    return errors
+def check_out(out: torch.Tensor, m: int, n: int, x: torch.Tensor) -> None:
+    """ValueError unless the kernel can write ``out`` in place: [M, N] of x's dtype on x's
+    device, unit stride along N, rows at least N apart."""
+    if out.shape != (m, n) or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out: expected a [{m}, {n}] {x.dtype} tensor on {x.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")  # fmt: skip
+    if out.stride(1) != 1 or out.stride(0) < n:
+        raise ValueError(f"out.stride()={out.stride()}: expected unit stride along N and rows at "
+                         f"least N={n} apart")  # fmt: skip
 
 
-def launcher(config: Config) -> Any:
-    """The library's ``w4a16_gemv`` entry point (installed or built here if missing)."""
-    error = ensure([config]).get(library_key(config))
-    if error:
-        raise RuntimeError(f"cuda_w4a16 library {library_key(config)}: {error}")
-    return _load(library_path(config))
-
-
-def run(fn: Any, config: Config, x: torch.Tensor, weight: torch.Tensor,
-        scales_and_zeros: torch.Tensor, group: int, out: torch.Tensor) -> None:  # fmt: skip
-    """``out = x @ dequant(weight).T`` through ``fn`` (``launcher(config)``), on the current
-    stream; the operands already checked (``check_inputs``)."""
+def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
+        scales_and_zeros: torch.Tensor, group: int, out: torch.Tensor, stream: int) -> None:  # fmt: skip
+    """``out = x @ dequant(weight).T`` through ``fn`` (``launcher(config)``) on ``stream``; the
+    operands already checked (``check_operands``)."""
     m, k = x.shape
     err = fn(x.data_ptr(), weight.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(), m,
              weight.shape[0], k, group, x.stride(0), out.stride(0),
-             int(x.dtype == torch.float16), config["warps"], config["cluster"],
-             torch.cuda.current_stream(x.device).cuda_stream)  # fmt: skip
+             int(x.dtype == torch.float16), config["warps"], config["cluster"], stream)  # fmt: skip
     if err:
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlist, M <= 8 (one n8 tile): (split, slices, stages, warps, cluster), the likeliest
-# first. Warps splitting K: 32-row CTAs over all of K, one per SM (splitting K over a cluster, or
-# 16- or 64-row CTAs, lost on every row); 16 warps of 3 stages keep more chunks in flight than 8
-# of 4 on the narrow projections, 8 of 4 win the wide ones and M = 8. Warps splitting rows: 8
-# warps of 32 rows share each chunk's x slab, K over a cluster of 8: ahead of the K split where
-# x's slab weighs most (Qwen's down projection at M = 8), behind it where N's CTAs come in 16
-# clusters of 8 (Llama's down); 16-row warps ran slower than 32-row ones.
-# M > 8 is not offered: the K split copies x's [M, 128] slab per warp and chunk (at M = 16 as
-# many bytes as the weight's), and the row split's two n8 tiles per warp lost to the Triton
-# tiles on both down projections.
+# Decode shortlist (split, slices, stages, warps, cluster), the likeliest first. Warps splitting
+# K: 32-row CTAs over all of K, one per SM; 16 warps of 3 stages keep more chunks in flight than
+# 8 of 4 on the narrow projections, 8 of 4 win the wide ones. Warps splitting rows: 8 warps of 32
+# rows share each chunk's x slab, K over a cluster of 8: ahead where x's slab weighs most.
+# Nothing past M = 8: the K split copies x's [M, 128] slab per warp and chunk.
 SHORTLIST = (("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("rows", 2, 4, 8, 8))
-MAX_M = 8
 
 
 def configs(m: int, n: int, k: int, group: int) -> list[Config]:
     """Configs worth timing for a decode problem (M <= ``MAX_M``), those that fit it."""
     out = []
-    for split, slices, stages, warps, cluster in SHORTLIST if m <= MAX_M else ():
-        config = {"split": split, "slices": slices, "ntiles": 1 if m <= 8 else 2,
-                  "stages": stages, "warps": warps, "cluster": cluster}  # fmt: skip
+    for entry in SHORTLIST:
+        config = dict(zip(CONFIG_KEYS, entry, strict=True))
         try:
             check_config(config, m, n, k, group)
         except ValueError:
@@ -295,18 +306,28 @@ def unsupported_reason(key: GemmKey) -> str | None:
     return None
 
 
+def _stored(lib: Library) -> bool:
+    """Whether ``lib`` is built here or held by the artifact store (its index, not its bytes)."""
+    if env.compiled_info(lib) is not None:
+        return True
+    store = cutlass_artifacts.shared_store()
+    return store is not None and lib.artifact_spec().id in store.hashes()
+
+
 class CudaW4A16(Source):
     name = "cuda_w4a16"
     op = "gemm"
     builds_kernels = True
+    shares_kernels = True  # a library serves every shape
 
     def unavailable(self, device: str) -> str | None:
-        if device != "cuda":
-            return "a CUDA kernel: needs an NVIDIA GPU"
+        if reason := ops.unavailable_reason(device, "cuda_w4a16", lambda: None):
+            return reason
         cap = torch.cuda.get_device_capability()
         if cap != (9, 0):
             return f"compute capability {cap}: the kernel is built for sm_90a (Hopper) only"
-        if nvcc_path() is None and not any(_stored(c) for c in _all_configs()):
+        if cannot_compile() and not any(_stored(library(dict(zip(CONFIG_KEYS, e, strict=True))))
+                                        for e in SHORTLIST):  # fmt: skip
             return "nvcc not found and no built cuda_w4a16 library here or in the artifact store"
         return None
 
@@ -314,48 +335,57 @@ class CudaW4A16(Source):
         return unsupported_reason(key)
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
-        return configs(key.m, key.n, key.k, key.group)
+        """The shortlist less configs whose library failed to compile; without nvcc, only
+        those whose library is built here or stored (installed now)."""
+        chosen = [c for c in configs(key.m, key.n, key.k, key.group)
+                  if env.failure(library(c)) is None]  # fmt: skip
+        if cannot_compile():
+            cutlass_artifacts.install_missing(map(library, chosen))
+            chosen = [c for c in chosen if env.compiled_info(library(c)) is not None]
+        return chosen
 
     def precompile(self, key: GemmKey, shortlist: list[Params]) -> None:
-        ensure(shortlist)  # failures are left for build to raise
+        compile_all(shortlist)  # failures are recorded, and raised by build
+
+    def precompile_run(
+        self, shortlists: list[tuple[GemmKey, list[Params]]], ready: Callable[[int], None]
+    ) -> None:
+        """Every distinct library of the run once, on every core, in the order first needed."""
+        libs_of: list[list[env.Spec]] = [[library(p) for p in s] for _, s in shortlists]
+        cutlass_artifacts.compile_run(libs_of, ready, cannot_compile)
+        for lib in dict.fromkeys(lib for libs in libs_of for lib in libs):
+            if env.compiled_info(lib) is not None:
+                cutlass_artifacts.publish_once(lib, env.library_path(lib))
 
     def build(self, key: GemmKey, params: Params) -> Runner:
         check_config(params, key.m, key.n, key.k, key.group)
         config, group, fn = dict(params), key.group, launcher(params)
         shape = (key.m, key.n, key.k)
+        device = torch.device("cuda", torch.cuda.current_device())
+        stream = ops.stream_getter(device)
 
-        def runner(x, packed, scales_and_zeros, out=None):
+        def runner(
+            x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+            out: torch.Tensor | None = None,
+        ) -> torch.Tensor:  # fmt: skip
             weight = int4_torch.ours(packed)
-            if check_inputs(x, weight, scales_and_zeros, group) != shape:
+            if check_operands(x, weight, scales_and_zeros, group, out) != shape:
                 raise ValueError(f"x.shape={tuple(x.shape)}, weight N={weight.shape[0]}: this "
                                  f"runner is built for (M, N, K)={shape}")  # fmt: skip
-            if x.data_ptr() % ALIGN or x.stride(0) * x.element_size() % ALIGN:
-                raise ValueError(f"x: rows must start on {ALIGN}-byte boundaries (data_ptr "
-                                 f"{x.data_ptr()}, strides {x.stride()})")  # fmt: skip
+            if x.device != device:
+                raise ValueError(f"x.device={x.device}: this runner is built for {device}")
             if out is None:
-                out = torch.empty(key.m, key.n, dtype=x.dtype, device=x.device)
-            elif out.shape != (key.m, key.n) or out.dtype != x.dtype or out.stride(1) != 1:
-                raise ValueError(f"out: expected a [{key.m}, {key.n}] {x.dtype} tensor with unit "
-                                 f"stride along N, got {out.dtype} {tuple(out.shape)} strides "
-                                 f"{out.stride()}")  # fmt: skip
-            run(fn, config, x, weight, scales_and_zeros, group, out)
+                out = torch.empty(key.m, key.n, dtype=x.dtype, device=device)
+            run(fn, config, x, weight, scales_and_zeros, group, out, stream())
             return out
 
         return runner
 
 
-def _all_configs() -> list[Config]:
-    """One config per library the shortlists name."""
-    return [{"split": split, "slices": s, "ntiles": 1, "stages": st, "warps": 1, "cluster": 1}
-            for split, s, st, _, _ in SHORTLIST]  # fmt: skip
+def _main(argv: list[str]) -> int:
+    print(json.dumps(compile_library(Library.from_json(argv[0]))), flush=True)
+    return 0
 
 
-def _stored(config: Config) -> bool:
-    """Whether ``config``'s library is here or in the artifact store."""
-    if library_path(config).is_file():
-        return True
-    store = shared_store()
-    try:
-        return store is not None and store.get(artifact_spec(config)) is not None
-    except (ArtifactError, StoreError, OSError, sqlite3.Error):
-        return False
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-// INT4 weight-only decode GEMM (W4A16, M <= 16): out[M, N] = x[M, K] @ dequant(w)[N, K]^T.
+// INT4 weight-only decode GEMM (W4A16, M <= 8): out[M, N] = x[M, K] @ dequant(w)[N, K]^T.
 //
 // GEMV-style: a warp owns ROWS = 16 * SLICES weight rows. A CTA owns a contiguous run of K (all
 // of it, or 1 / C of it in a cluster of C CTAs), and its warps split either
@@ -27,9 +27,11 @@
 // as the Triton kernel; x is the mma's B operand (ldmatrix from the slab; rows past M read row
 // M - 1 and only produce output columns that are never stored).
 //
-// One shared library per (SPLIT_ROWS, SLICES, NTILES, STAGES): -DGEMV_SPLIT_ROWS=0|1 (warps
-// split K or rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_NTILES=1|2 (n8 tiles:
-// M <= 8 or M <= 16), -DGEMV_STAGES=2..8; warps per CTA and the cluster size are launch arguments.
+// x's M rows are one n8 tile of the mma (M <= 8).
+//
+// One shared library per (SPLIT_ROWS, SLICES, STAGES): -DGEMV_SPLIT_ROWS=0|1 (warps split K or
+// rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_STAGES=2..8; warps per CTA and the
+// cluster size are launch arguments.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -43,9 +45,6 @@
 #ifndef GEMV_SLICES
 #define GEMV_SLICES 1
 #endif
-#ifndef GEMV_NTILES
-#define GEMV_NTILES 1
-#endif
 #ifndef GEMV_STAGES
 #define GEMV_STAGES 4
 #endif
@@ -54,15 +53,14 @@ namespace cg = cooperative_groups;
 
 constexpr bool SPLIT_ROWS = GEMV_SPLIT_ROWS;
 constexpr int SLICES = GEMV_SLICES;
-constexpr int NTILES = GEMV_NTILES;
 constexpr int STAGES = GEMV_STAGES;
 constexpr int ROWS = 16 * SLICES;
 constexpr int CHUNK = 128;          // K values per chunk
 constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so ldmatrix's 8 rows hit 8 bank groups
+constexpr int MAX_M = 8;  // one n8 tile
 constexpr int MAX_WARPS = 16;
 constexpr int MAX_DEVICES = 64;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
-static_assert(NTILES == 1 || NTILES == 2, "M <= 16");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
 
 struct Params {
@@ -194,7 +192,7 @@ struct Half2Ops<true> {  // fp16
 template <int NG>
 struct Copier {
   static constexpr int SZ_COPIES = (ROWS * NG + 31) / 32;
-  static constexpr int X_COPIES = 8 * NTILES * 16 / 32;  // rounds when one warp copies the slab
+  static constexpr int X_COPIES = MAX_M * 16 / 32;  // rounds when one warp copies the slab
   const uint8_t* w;      // this lane's first weight byte of the current chunk
   long long w_step;      // bytes to the next chunk
   const uint32_t* sz;    // this lane's first (scale, zero) word of the chunk's first group
@@ -285,42 +283,37 @@ struct Copier {
 // true order, are permuted to match (two prmt a block, shared by every slice).
 template <bool F16, int NG>
 __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t x_at, int lane,
-                                        float (&acc)[SLICES][NTILES][4]) {
+                                        float (&acc)[SLICES][4]) {
   using Ops = Half2Ops<F16>;
   constexpr int BLOCKS = 8 / NG;  // k16 blocks per group
   const int g = lane >> 2, t = lane & 3;
   const uint32_t sz_at = part + ROWS * 64;
   // x's B fragments for the chunk's eight k16 blocks: ldmatrix x4 gives two blocks; lane i
   // points at row i % 8 (of the n8 tile) of matrix i / 8 (block 2 * (i / 16) + its half)
-  uint32_t b[NTILES][8][2];
+  uint32_t b[8][2];
+  const int row = min(lane & 7, p.m - 1);
+  const int mat = lane >> 3;
 #pragma unroll
-  for (int nt = 0; nt < NTILES; ++nt) {
-    const int row = min(8 * nt + (lane & 7), p.m - 1);
-    const int mat = lane >> 3;
+  for (int j = 0; j < 8; j += 2) {
+    uint32_t d[4];
+    ldmatrix4(d, x_at + row * XROW + (16 * (j + (mat >> 1)) + 8 * (mat & 1)) * 2);
 #pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      uint32_t d[4];
-      ldmatrix4(d, x_at + row * XROW + (16 * (j + (mat >> 1)) + 8 * (mat & 1)) * 2);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        b[nt][j + h][0] = prmt(d[2 * h], d[2 * h + 1], 0x5410);  // x[2 t], x[2 t + 8]
-        b[nt][j + h][1] = prmt(d[2 * h], d[2 * h + 1], 0x7632);  // x[2 t + 1], x[2 t + 9]
-      }
+    for (int h = 0; h < 2; ++h) {
+      b[j + h][0] = prmt(d[2 * h], d[2 * h + 1], 0x5410);  // x[2 t], x[2 t + 8]
+      b[j + h][1] = prmt(d[2 * h], d[2 * h + 1], 0x7632);  // x[2 t + 1], x[2 t + 9]
     }
   }
-  // X: x's sum over each group, for the columns 2 t, 2 t + 1 of each n8 tile
-  float xsum[NG][NTILES][2];
+  // X: x's sum over each group, for the columns 2 t, 2 t + 1 of the n8 tile
+  float xsum[NG][2];
   const uint32_t ones[4] = {Ops::ONES, Ops::ONES, Ops::ONES, Ops::ONES};
 #pragma unroll
-  for (int i = 0; i < NG; ++i)
+  for (int i = 0; i < NG; ++i) {
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int nt = 0; nt < NTILES; ++nt) {
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) Ops::mma(c, ones, b[nt][j][0], b[nt][j][1]);
-      xsum[i][nt][0] = c[0];
-      xsum[i][nt][1] = c[1];
-    }
+    for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) Ops::mma(c, ones, b[j][0], b[j][1]);
+    xsum[i][0] = c[0];
+    xsum[i][1] = c[1];
+  }
 #pragma unroll
   for (int s = 0; s < SLICES; ++s) {
     const uint4 lo = lds128(part + (16 * s + g) * 64 + t * 16);      // row g
@@ -334,7 +327,7 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
       const float sc[2] = {Ops::lo(zs_g), Ops::lo(zs_h)};  // rows g, g + 8
       const float zc[2] = {fmaf(-Ops::BIAS, sc[0], Ops::hi(zs_g)),
                            fmaf(-Ops::BIAS, sc[1], Ops::hi(zs_h))};
-      float dot[NTILES][4] = {};
+      float dot[4] = {};
 #pragma unroll
       for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) {
         const int shift = j < 4 ? 0 : 4;
@@ -344,16 +337,13 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
         a[1] = lop_or_magic(vh, Ops::MAGIC);       // row g + 8
         a[2] = lop_or_magic(vl >> 8, Ops::MAGIC);  // row g: bytes 1, 3
         a[3] = lop_or_magic(vh >> 8, Ops::MAGIC);
-#pragma unroll
-        for (int nt = 0; nt < NTILES; ++nt) Ops::mma(dot[nt], a, b[nt][j][0], b[nt][j][1]);
+        Ops::mma(dot, a, b[j][0], b[j][1]);
       }
 #pragma unroll
-      for (int nt = 0; nt < NTILES; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = fmaf(sc[e >> 1], dot[nt][e], acc[s][nt][e]);
-          acc[s][nt][e] = fmaf(zc[e >> 1], xsum[i][nt][e & 1], v);
-        }
+      for (int e = 0; e < 4; ++e) {
+        float v = fmaf(sc[e >> 1], dot[e], acc[s][e]);
+        acc[s][e] = fmaf(zc[e >> 1], xsum[i][e & 1], v);
+      }
     }
   }
 }
@@ -390,7 +380,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
   Copier<NG> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at, x_at,
                     SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
-  float acc[SLICES][NTILES][4] = {};
+  float acc[SLICES][4] = {};
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     if (i < mine) copier.issue(ring + i * p.stage_bytes);
@@ -432,12 +422,10 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
 #pragma unroll
   for (int s = 0; s < SLICES; ++s)
 #pragma unroll
-    for (int nt = 0; nt < NTILES; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = 16 * s + g + 8 * (e >> 1), col = 8 * nt + 2 * t + (e & 1);
-        if (col < m) mine_at[col * cta_rows + row] = acc[s][nt][e];
-      }
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * s + g + 8 * (e >> 1), col = 2 * t + (e & 1);
+      if (col < m) mine_at[col * cta_rows + row] = acc[s][e];
+    }
   if constexpr (!SPLIT_ROWS) {
     __syncthreads();
     for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
@@ -521,11 +509,10 @@ cudaError_t launch_group(const Params& p, int group, int warps, int cluster, cud
 extern "C" {
 
 // This library's compile-time config: warps split rows (1) or K (0), slices (16-row) per warp,
-// n8 tiles, stages.
-void w4a16_gemv_config(int* split_rows, int* slices, int* ntiles, int* stages) {
+// stages.
+void w4a16_gemv_config(int* split_rows, int* slices, int* stages) {
   *split_rows = SPLIT_ROWS;
   *slices = SLICES;
-  *ntiles = NTILES;
   *stages = STAGES;
 }
 
@@ -534,14 +521,14 @@ int w4a16_gemv_smem(int m, int group, int warps) { return smem_bytes(m, group, w
 
 // out[m, ldo] (x's dtype) = x[m, ldx] @ dequant(w, sz).T; returns a cudaError_t. The caller
 // checks the operands (tuner/candidates/cuda_w4a16.py); this refuses what would read or write
-// out of bounds: m outside 1..8 * NTILES, K not whole chunks, a group size other than 32, 64,
+// out of bounds: m outside 1..MAX_M, K not whole chunks, a group size other than 32, 64,
 // 128, 256 that divides K, warps outside 1..16, a cluster outside 1..8 or wider than K's chunks,
 // x or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
                void* stream) {
   const bool group_ok = (group == 32 || group == 64 || group == 128 || group == 256) && k % group == 0;
-  if (m < 1 || m > 8 * NTILES || n < 1 || k < CHUNK || k % CHUNK || !group_ok || warps < 1 ||
+  if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !group_ok || warps < 1 ||
       warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster > k / CHUNK || ldx % 8 ||
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
