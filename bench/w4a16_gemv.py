@@ -33,7 +33,7 @@ from bench.lowbit_kernels import (
     time_us,
     write_as_it_goes,
 )
-from tuner.candidates import cuda_w4a16
+from tuner.candidates import cuda_w4a16, gemm_operands
 from tuner.candidates.triton_kernels import w4a16
 from tuner.candidates.triton_kernels.launch import warm
 from tuner.candidates.triton_kernels.stream_read import read_all, sums_for
@@ -42,7 +42,7 @@ from tuner.quant import int4
 from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_roundoff
 
 GROUP = 128
-MS = (1, 4, 8, 16)
+MS = (1, 4, 8)
 # (split, slices of 16 rows per warp, stages, warps, cluster). Warps splitting K: 32-row CTAs over
 # all of K (one per SM), 8-16 warps. Warps splitting rows: CTAs of 64-256 rows with K over a
 # cluster, about one CTA per SM on N = 3584-4096 (112 and 224 rows: Qwen's 3584 in 32 or 16
@@ -59,9 +59,8 @@ GRID = [
 def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     """``GRID`` as configs for an (M, N, K) problem, those that fit it."""
     out = []
-    for split, slices, stages, warps, cluster in GRID:
-        cfg = {"split": split, "slices": slices, "ntiles": 1 if m <= 8 else 2, "stages": stages,
-               "warps": warps, "cluster": cluster}  # fmt: skip
+    for entry in GRID:
+        cfg = dict(zip(cuda_w4a16.CONFIG_KEYS, entry, strict=True))
         try:
             cuda_w4a16.check_config(cfg, m, n, k, GROUP)
         except ValueError:
@@ -74,8 +73,8 @@ def build(projections: list[str], ms: tuple[int, ...]) -> None:
     """Every library and Triton kernel the run times, compiled in parallel before any timing."""
     started = time.perf_counter()
     cfgs = [c for name in projections for m in ms for c in grid_configs(m, *PROJECTIONS[name])]
-    errors = {key: e for key, e in cuda_w4a16.compile_all(cfgs).items() if e}
-    print(f"built {len({cuda_w4a16.library_key(c) for c in cfgs})} CUDA libraries in "
+    errors = {str(lib): e for lib, e in cuda_w4a16.compile_all(cfgs).items() if e}
+    print(f"built {len({cuda_w4a16.library(c) for c in cfgs})} CUDA libraries in "
           f"{time.perf_counter() - started:.1f} s; errors: {errors}", flush=True)  # fmt: skip
     report = warm([job for name in projections for m in ms
                    for cfg in w4a16.configs(m, *PROJECTIONS[name], GROUP)
@@ -88,6 +87,7 @@ def build(projections: list[str], ms: tuple[int, ...]) -> None:
 def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float) -> list[dict[str, Any]]:
     n, k = PROJECTIONS[name]
     rows: list[dict[str, Any]] = []
+    stream = gemm_operands.stream_getter(torch.device("cuda", torch.cuda.current_device()))
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     q, sz = int4.quantize(w, GROUP)
     packed = int4.pack(q)
@@ -135,7 +135,7 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float) -> list[di
         for cfg in grid_configs(m, n, k):
             fn = cuda_w4a16.launcher(cfg)
             checked("cuda_gemv", cfg, lambda i, o, c=cfg, f=fn: cuda_w4a16.run(
-                f, c, x, i4[i % len(i4)][0], i4[i % len(i4)][1], GROUP, o))  # fmt: skip
+                f, c, x, i4[i % len(i4)][0], i4[i % len(i4)][1], GROUP, o, stream()))  # fmt: skip
         for impl in ("w4a16", "cuda_gemv"):
             ok = [r for r in rows if r["m"] == m and r["impl"] == impl and r.get("excess", 9) <= 1]
             if ok:
@@ -158,7 +158,7 @@ def main() -> None:
     torch.manual_seed(0)
     build(args.proj, tuple(args.m))
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
-    result = header(copy_gbs, group_size=GROUP, nvcc=cuda_w4a16.nvcc_path())
+    result = header(copy_gbs, group_size=GROUP, nvcc=cuda_w4a16.toolkit())
     write_as_it_goes(result, args.out, args.proj,
                      lambda name: bench_projection(name, tuple(args.m), copy_gbs))  # fmt: skip
 
