@@ -101,7 +101,9 @@ def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:
     command = cw.nvcc_command("nvcc", cw.library(cfg(2, 3)), env.library_path(a))
     assert {"-DGEMV_SPLIT_ROWS=0", "-DGEMV_SLICES=2", "-DGEMV_STAGES=3",
             f"-arch={cw.ARCH}"} <= set(command)  # fmt: skip
-    assert "-DGEMV_SPLIT_ROWS=1" in cw.nvcc_command("nvcc", cw.library(cfg(split="rows")), "x")
+    assert "-DGEMV_SPLIT_ROWS=1" in cw.nvcc_command(
+        "nvcc", cw.library(cfg(split="rows")), env.library_path(a)
+    )
     # the name and the artifact spec carry the toolkit and the flags: another one never reuses it
     spec = a.artifact_spec()
     assert spec.source == "cuda_w4a16" and spec.arch == cw.ARCH

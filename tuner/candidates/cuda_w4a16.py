@@ -194,10 +194,15 @@ def compile_all(configs: Iterable[Config]) -> dict[Library, str | None]:
     libs = list(dict.fromkeys(map(library, configs)))
     cutlass_artifacts.install_missing(libs)
     errors = env.compile_all(libs, needs=cannot_compile)
-    for lib, error in errors.items():
-        if error is None:
-            cutlass_artifacts.publish_once(lib, env.library_path(lib))
+    publish(lib for lib, error in errors.items() if error is None)
     return errors
+
+
+def publish(libs: Iterable[Library]) -> None:
+    """Store each built library in the artifact store, unless it came from there or is stored."""
+    for lib in libs:
+        if env.compiled_info(lib) is not None:
+            cutlass_artifacts.publish_once(lib, env.library_path(lib))
 
 
 Launcher = Callable[..., int]
@@ -351,11 +356,9 @@ class CudaW4A16(Source):
         self, shortlists: list[tuple[GemmKey, list[Params]]], ready: Callable[[int], None]
     ) -> None:
         """Every distinct library of the run once, on every core, in the order first needed."""
-        libs_of: list[list[env.Spec]] = [[library(p) for p in s] for _, s in shortlists]
+        libs_of = [[library(p) for p in s] for _, s in shortlists]
         cutlass_artifacts.compile_run(libs_of, ready, cannot_compile)
-        for lib in dict.fromkeys(lib for libs in libs_of for lib in libs):
-            if env.compiled_info(lib) is not None:
-                cutlass_artifacts.publish_once(lib, env.library_path(lib))
+        publish(dict.fromkeys(lib for libs in libs_of for lib in libs))
 
     def build(self, key: GemmKey, params: Params) -> Runner:
         check_config(params, key.m, key.n, key.k, key.group)

@@ -21,7 +21,7 @@ import json
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +148,7 @@ def publish_once(spec: env.Spec, op: Any, store: ArtifactStore | None = None) ->
 
 
 def compile_run(
-    specs_of: list[list[env.Spec]],
+    specs_of: Sequence[Sequence[env.Spec]],
     ready: Callable[[int], None],
     needs: Callable[[], str | None] | None = None,
 ) -> None:
