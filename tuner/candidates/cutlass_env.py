@@ -226,7 +226,7 @@ class KernelSpec:
     @property
     def builder(self) -> str:
         """The module whose ``_main`` compiles this spec in a child process."""
-        return BUILDERS.get(self.wdtype, __name__)
+        return BUILDERS.get(self.wdtype, "tuner.candidates.cutlass_env")
 
     @classmethod
     def from_json(cls, text: str) -> KernelSpec:
@@ -267,7 +267,7 @@ def _marker(spec: Spec, kind: str) -> Path:
 
 
 def library_path(spec: Spec) -> Path:
-    """Where a kernel built as a shared library of its own (``BUILDERS``) lives."""
+    """Where a kernel built as a shared library of its own (``BUILDERS``, ``LibrarySpec``) lives."""
     return cache_dir() / "lib" / f"{spec.digest}.so"
 
 
