@@ -69,6 +69,18 @@ def time_us(fn: Callable[[int], Any], m: int, budget_s: float) -> dict[str, Any]
             "p90_us": round(t.p90_us, 2), "timing": how}  # fmt: skip
 
 
+def timed_row(name: str, n: int, k: int, m: int, impl: str, fn: Callable[[int], Any], moved: int,
+              copy_gbs: float, budget_s: float, **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """``fn`` timed at M = ``m`` as a result row, with its % of copy bandwidth on the ``moved``
+    bytes, printed as it is measured."""
+    r = {"proj": name, "n": n, "k": k, "m": m, "impl": impl, **time_us(fn, m, budget_s),
+         "bytes": moved, **extra}  # fmt: skip
+    r["pct_copy"] = round(100 * moved / (r["us"] * 1e-6) / (copy_gbs * 1e9), 1)
+    print(f"{name:12s} m={m:5d} {impl:22s} {r['us']:9.2f} us {r['pct_copy']:6.1f}% copy "
+          f"{extra.get('config', '')} {extra.get('excess', '')}", flush=True)  # fmt: skip
+    return r
+
+
 def copies(*parts: torch.Tensor) -> int:
     return timing.rotation_sets(sum(p.numel() * p.element_size() for p in parts), "cuda")
 
@@ -133,12 +145,8 @@ def bench_projection(name: str, n: int, k: int, ms: tuple[int, ...], copy_gbs: f
     def row(m: int, impl: str, fn: Callable[[int], Any], moved: int, **extra: Any) -> dict:
         if profile:
             return profiled(name, m, impl, fn, extra)
-        r = {"proj": name, "n": n, "k": k, "m": m, "impl": impl, **time_us(fn, m, budget_s),
-             "bytes": moved, **extra}  # fmt: skip
-        r["pct_copy"] = round(100 * moved / (r["us"] * 1e-6) / (copy_gbs * 1e9), 1)
+        r = timed_row(name, n, k, m, impl, fn, moved, copy_gbs, budget_s, **extra)
         rows.append(r)
-        print(f"{name:8s} m={m:5d} {impl:22s} {r['us']:9.2f} us {r['pct_copy']:6.1f}% copy"
-              f" {extra.get('config', '')}", flush=True)  # fmt: skip
         return r
 
     def one_m(m: int) -> None:

@@ -30,7 +30,7 @@ from bench.lowbit_kernels import (
     header,
     nbytes,
     rotate,
-    time_us,
+    timed_row,
     write_as_it_goes,
 )
 from tuner.candidates import cuda_w4a16, gemm_operands
@@ -98,12 +98,8 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float) -> list[di
     sums = sums_for(packed)
 
     def row(m: int, impl: str, fn: Callable[[int], Any], moved: int, **extra: Any) -> dict:
-        r = {"proj": name, "n": n, "k": k, "m": m, "impl": impl, **time_us(fn, m, 0.05),
-             "bytes": moved, **extra}  # fmt: skip
-        r["pct_copy"] = round(100 * moved / (r["us"] * 1e-6) / (copy_gbs * 1e9), 1)
+        r = timed_row(name, n, k, m, impl, fn, moved, copy_gbs, 0.05, **extra)
         rows.append(r)
-        print(f"{name:12s} m={m:3d} {impl:10s} {r['us']:8.2f} us {r['pct_copy']:6.1f}% copy "
-              f"{extra.get('config', '')} {extra.get('excess', '')}", flush=True)  # fmt: skip
         return r
 
     def one_m(m: int) -> None:
