@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tuner.core.atomic import write_atomic
 from tuner.core.keys import FP8
+from tuner.core.lifetime import group_dies_with_parent, run_group
 
 if TYPE_CHECKING:
     from tuner.cache.artifacts import ArtifactSpec
@@ -478,7 +479,7 @@ def _compile_child(spec: Spec, timeout_s: float) -> str | None:
     """Compile ``spec`` in a fresh process. None on success, else the error (recorded if final)."""
     cmd = [sys.executable, "-m", spec.builder, spec.to_json()]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = run_group(cmd, timeout_s)  # the child's nvcc dies with it, and it with this run
     except subprocess.TimeoutExpired:
         return f"compile timed out after {timeout_s:.0f} s"
     last = proc.stdout.strip().splitlines()[-1:] or [""]
@@ -568,6 +569,7 @@ def build_library(spec: Spec, command: Callable[[Path], list[str]], info: dict[s
 
 
 def _main(argv: list[str]) -> int:
+    group_dies_with_parent()
     spec = KernelSpec.from_json(argv[0])
     verdict = _compile_here(spec)
     shutil.rmtree(cache_dir() / "work" / f"p{os.getpid()}", ignore_errors=True)

@@ -45,6 +45,7 @@ from tuner.candidates import cutlass_gemm
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params
 from tuner.core.keys import DTYPES, GemmKey
+from tuner.core.lifetime import group_dies_with_parent
 from tuner.core.tensor_memo import TensorMemo
 from tuner.quant import int4_torch
 
@@ -572,6 +573,7 @@ class CutlassW4A16(cutlass_gemm.CutlassGemm):
 
 
 def _main(argv: list[str]) -> int:
+    group_dies_with_parent()
     verdict = compile_library(env.KernelSpec.from_json(argv[0]))
     shutil.rmtree(env.cache_dir() / "work" / f"p{os.getpid()}", ignore_errors=True)
     print(json.dumps(verdict), flush=True)
