@@ -7,7 +7,7 @@
 #   triton-sweep (whole Triton GEMM config space on sample shapes), triton-tests, gemm
 #   (tuner bench gemm; GEMM_BENCH_ARGS="--part odd ...", GEMM_BENCH_TIMEOUT seconds).
 #   lowbit (tuner bench gemm --suite lowbit: int4/fp8 beside torch's ops and bf16 cuBLAS ->
-#   $OUT/gemm_lowbit.json/.png, gemm_lowbit_vs_bf16.png, gemm_lowbit.db, lowbit_cutlass_cache.tar.xz; LOWBIT_BENCH_ARGS="--part
+#   $OUT/gemm_lowbit.json/.png, gemm_lowbit.db, lowbit_cutlass_cache.tar.xz; LOWBIT_BENCH_ARGS="--part
 #   fp8-rowwise ...", LOWBIT_BENCH_TIMEOUT seconds). lowbit-kernels (bench/lowbit_kernels.py -> $OUT/
 #   lowbit_kernels.json, .log; LOWBIT_KERNELS_ARGS="--formats int4 ...", LOWBIT_KERNELS_TIMEOUT).
 #   lowbit-ncu (Nsight Compute sections of the low-bit decode kernels -> $OUT/lowbit_ncu.log).
