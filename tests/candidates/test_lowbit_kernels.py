@@ -253,7 +253,7 @@ def test_w4a16_stream_k_plan_takes_the_most_runs_in_a_tile(
 ) -> None:
     """``programs`` for each band of bm rows: the grid is (programs, bands)."""
     config = {**STREAM, "bn": 16, "programs": programs}
-    plan = w4a16.plan(m, 16 * tiles, 128 * steps, 128, tuple(sorted(config.items())))
+    plan = w4a16.checked_plan(m, 16 * tiles, 128 * steps, 128, config)
     assert plan.parts == stream_k.most_parts(tiles, steps, programs)
     assert plan.grid == (programs, -(-m // 16))
 
@@ -386,7 +386,7 @@ def test_w4a16_later_calls_launch_directly_with_the_same_bits(m: int, config) ->
     x, q, sz, ref, tol = int4_problem(m, 512, 4096, 128, torch.bfloat16)
     packed = int4.pack(q)
     first = w4a16.w4a16_matmul(x, packed, sz, 128, config)
-    plan = w4a16.plan(m, 512, 4096, 128, tuple(sorted(config.items())))
+    plan = w4a16.checked_plan(m, 512, 4096, 128, config)  # the one the calls ran
     assert plan.checked and plan.main.verified and plan.main.compiled  # the direct path is on
     again = w4a16.w4a16_matmul(x, packed, sz, 128, config)
     assert excess(first, ref, tol) <= 1 and torch.equal(first, again)

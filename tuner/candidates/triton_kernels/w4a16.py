@@ -402,7 +402,7 @@ def checked_plan(m: int, n: int, k: int, group_size: int, config: Config) -> Pla
     # typed: True == 1 and 1.0 == 1, but the checks refuse a bool or a float where an int is due
     typed = tuple(sorted((name, type(value).__name__, value) for name, value in config.items()))
     try:
-        _check_once(m, n, k, group_size, typed)
+        found = plan(m, n, k, group_size, typed)
     except TypeError:  # a value that cannot be hashed
         check_config(config, m, n, k, group_size)
         for name, value in config.items():
@@ -412,22 +412,17 @@ def checked_plan(m: int, n: int, k: int, group_size: int, config: Config) -> Pla
                 raise ValueError(f"config[{name!r}]={value!r}: allowed a number, a string or a "
                                  f"bool") from None  # fmt: skip
         raise
-    return plan(m, n, k, group_size, tuple((name, value) for name, _, value in typed))
+    return found
 
 
 @functools.lru_cache(maxsize=4096)
-def _check_once(
-    m: int, n: int, k: int, group_size: int, config: tuple[tuple[str, str, Any], ...]
-) -> None:
-    """``check_config`` once per shape and (name, type, value) config that passed it: its checks
-    would take a good part of an eager call's host time."""
-    check_config({name: value for name, _, value in config}, m, n, k, group_size)
-
-
-@functools.lru_cache(maxsize=4096)
-def plan(m: int, n: int, k: int, group_size: int, config: tuple[tuple[str, Any], ...]) -> Plan:
-    """The launch plan of one shape and (checked) config, kept across calls."""
-    return Plan(m, n, k, group_size, dict(config))
+def plan(m: int, n: int, k: int, group_size: int, config: tuple[tuple[str, str, Any], ...]) -> Plan:
+    """The launch plan of one shape and (name, type, value) config, made once ``check_config``
+    passed it and kept across calls: the checks would take a good part of an eager call's host
+    time."""
+    values = {name: value for name, _, value in config}
+    check_config(values, m, n, k, group_size)
+    return Plan(m, n, k, group_size, values)
 
 
 class Plan:
