@@ -501,4 +501,8 @@ class CutlassGemm(Source):
         op = self.load(spec)
         cutlass_artifacts.publish_once(spec, op)
         device = torch.device("cuda", torch.cuda.current_device())
-        return self.launcher(op, key, int(params.get("swizzle", 1)), device)
+        return self.launcher(op, key, self.launch_options(params), device)
+
+    def launch_options(self, params: Params) -> Any:
+        """What ``launcher`` takes besides the kernel: the raster swizzle, a runtime argument."""
+        return int(params.get("swizzle", 1))
