@@ -1,13 +1,17 @@
 """cuBLASLt and CUTLASS FP8 candidates on the GPU, on small and Llama-3-8B-like shapes: every
 candidate built and run into NaN-poisoned outputs against the float32 reference of the
 dequantized operands (within the format's bound) and beside ``torch._scaled_mm``; a second input
-set with other scales shows the scales are read per call; both tune through the engine."""
+set with other scales shows the scales are read per call; both tune through the engine. The
+cuBLASLt runner also over moving scale pointers, new strides, a replayed graph and two threads."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
+from tests.candidates.test_cutlass_launcher import assert_right
 from tuner.candidates import cutlass_artifacts, cutlass_env, cutlass_fp8, registry
 from tuner.candidates.torch_lowbit import scaled_mm_runner
 from tuner.core.keys import DTYPES, GemmKey, lowbit_fields
@@ -99,6 +103,68 @@ def test_cublaslt_fp8_rowwise_is_taken_or_declined_with_its_reason():
             assert src.candidates(key, "cuda")
         else:
             assert "outer-vector (rowwise)" in reason, reason
+
+
+def padded(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The same operands with 16 bytes of padding after every row of a and column of b."""
+    a, b, scale_a, scale_b = inputs
+    wide_a = torch.empty(a.shape[0], a.shape[1] + 16, dtype=a.dtype, device=a.device)
+    wide_b = torch.empty(b.shape[1], b.shape[0] + 16, dtype=b.dtype, device=b.device)
+    wide_a[:, : a.shape[1]] = a
+    wide_b[:, : b.shape[0]] = b.T
+    return wide_a[:, : a.shape[1]], wide_b[:, : b.shape[0]].T, scale_a, scale_b
+
+
+@pytest.mark.parametrize("spec", ["fp8-rowwise", "fp8-tensorwise"])
+def test_cublaslt_fp8_runner_follows_pointers_strides_and_graphs(spec):
+    """One runner over input sets whose scales move every call, padded then packed rows, and a
+    CUDA graph replayed after eager calls moved the scale pointers: each call gives its own
+    inputs' result (the descriptors are found by strides and keep the last pointers set)."""
+    key = fp8(spec, 384, 768, 512)
+    run = source("cublaslt_fp8", key).build(
+        key, registry.get("cublaslt_fp8").candidates(key, "cuda")[0]
+    )
+    gen = torch.Generator("cuda").manual_seed(4)
+    sets = [samples.make_inputs(key, "cuda", gen) for _ in range(3)]
+    for inputs in [*sets, padded(sets[1]), sets[1], *sets]:
+        assert_right(run, key, inputs)
+        assert_right(run, key, inputs, samples.output_like(key, inputs))
+    out = samples.output_like(key, sets[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(*sets[0], out=out)
+    assert_right(run, key, sets[2])
+    out.fill_(float("nan"))
+    graph.replay()
+    assert samples.relative_error(out, samples.reference(key, sets[0])) <= 1
+
+
+def test_cublaslt_fp8_one_runner_called_from_two_threads():
+    """The dispatcher hands one runner to every caller: threads on their own streams, with
+    their own scales, must not run with one another's scale pointers or workspace."""
+    key = fp8("fp8-rowwise", 384, 768, 512)
+    run = source("cublaslt_fp8", key).build(
+        key, registry.get("cublaslt_fp8").candidates(key, "cuda")[0]
+    )
+    gen = torch.Generator("cuda").manual_seed(5)
+    sets = [[samples.make_inputs(key, "cuda", gen) for _ in range(4)] for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def calls(mine: list[tuple[torch.Tensor, ...]]) -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                for _ in range(25):
+                    for inputs in mine:
+                        assert_right(run, key, inputs)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=calls, args=(mine,)) for mine in sets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
 
 
 def test_cublaslt_fp8_tunes_through_the_engine():

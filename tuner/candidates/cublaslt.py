@@ -11,13 +11,16 @@ attribute) and re-checks it against this problem (cublasLtMatmulAlgoCheck): a st
 the installed cuBLASLt no longer supports raises, so the dispatcher drops it. Should the rebuilt
 struct fail the check although the heuristic still offers the same configuration, the heuristic's
 own struct is used. The hot path calls ``cublasLtMatmul`` directly with descriptors prepared once
-(no planning per call), on torch's current stream.
+per stride signature (no planning per call), on torch's current stream; a call on strides seen
+before works out no column-major call and calls no cuBLASLt function but the matmul (and, for
+FP8, the attribute of a scale pointer that moved).
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -161,6 +164,24 @@ class MatmulTypes:
         return cls(ops.compute_type(key), dt, dt, ops.CUDA_DTYPE[key.out_dtype])
 
 
+@dataclass
+class _Pointer:
+    """A pointer attribute of a matmul descriptor: its value buffer (address taken once) and
+    the value last set (None: never)."""
+
+    attr: int
+    buffer: np.ndarray
+    address: int
+    value: int | None = None
+
+    @classmethod
+    def of(cls, name: str) -> _Pointer:
+        lt = _lt()
+        attr = lt.MatmulDescAttribute[name]
+        buffer = np.zeros(1, dtype=lt.get_matmul_desc_attribute_dtype(attr))
+        return cls(int(attr), buffer, buffer.ctypes.data)
+
+
 @dataclass(frozen=True)
 class _Alignments:
     a: int
@@ -182,7 +203,7 @@ class _Descriptors:
         types = types or MatmulTypes.dense(key)
         self.desc = lt.matmul_desc_create(types.compute, ops.CUDA_R_32F)
         weakref.finalize(self, lt.matmul_desc_destroy, self.desc)
-        self._pointers: dict[str, int] = {}
+        self._pointers: dict[str, _Pointer] = {}
         attrs = (("TRANSA", call.trans_first), ("TRANSB", call.trans_second), *types.attrs)
         for name, value in attrs:
             self.set(name, value)
@@ -203,10 +224,17 @@ class _Descriptors:
         )
 
     def point(self, name: str, pointer: int) -> None:
-        """Set the pointer attribute ``name`` (FP8 scales), skipped while it does not move."""
-        if self._pointers.get(name) != pointer:
-            self.set(name, pointer)
-            self._pointers[name] = pointer
+        """Set the pointer attribute ``name`` (FP8 scales), skipped while it does not move: one
+        write into a buffer bound once and one attribute call when it does."""
+        held = self._pointers.get(name)
+        if held is None:
+            held = self._pointers[name] = _Pointer.of(name)
+        if held.value != pointer:
+            held.buffer[0] = pointer
+            _lt().matmul_desc_set_attribute(
+                self.desc, held.attr, held.address, held.buffer.itemsize
+            )
+            held.value = pointer
 
     def _layout(self, key: GemmKey, dtype: int, rows: int, cols: int, ld: int, stride: int) -> int:
         lt = _lt()
@@ -308,8 +336,16 @@ class _Call(NamedTuple):
     desc: _Descriptors
 
 
+Strides = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # a, b and c's
+
+
 class _LtRunner:
-    """Runs one algorithm: descriptors per stride signature, prepared on first sight."""
+    """Runs one algorithm: descriptors per stride signature, prepared on first sight and found
+    again by the tensors' strides (the column-major call is worked out for new strides only).
+    A lock guards what calls share (descriptors' pointer attributes, the plans, the workspaces)
+    from the attribute writes to the enqueue, so that a runner called from several threads runs
+    each call with its own pointers; each stream has its own workspace, made on it, so that
+    two threads' calls on their streams never share one."""
 
     def __init__(
         self, key: GemmKey, params: Params, device: torch.device, types: MatmulTypes | None = None
@@ -322,12 +358,18 @@ class _LtRunner:
         packed = ops.packed_call(key)
         desc = _Descriptors(key, packed, self.types)
         self.algo, self.rebuilt = self._rebuild(desc)
+        self.algo_ptr = self.algo.ctypes.data
         self.plans: dict[ops.ColMajorCall, _Descriptors] = {}
-        self._workspace = torch.empty(0, dtype=torch.uint8, device=device)
+        self.by_strides: dict[Strides, _Descriptors] = {}
+        self.need = 0  # workspace bytes the adopted plans need at most
+        self.workspaces: dict[int, tuple[int, int, torch.Tensor]] = {}  # stream -> ptr, size, ws
+        self.lock = threading.Lock()
         self._adopt(packed, desc)
         self.scalars = np.array([1.0, 0.0], dtype=np.float32)
         self.alpha = self.scalars.ctypes.data
         self.beta = self.alpha + 4
+        self.stream = ops.stream_getter(device)
+        self.matmul = _lt().matmul
 
     def _rebuild(self, desc: _Descriptors) -> tuple[np.ndarray, bool]:
         """(algo, True) from init + config attributes, else the heuristic's identical algo."""
@@ -348,10 +390,21 @@ class _LtRunner:
             ) from None
 
     def _adopt(self, call: ops.ColMajorCall, desc: _Descriptors) -> _Descriptors:
-        need = desc.check(self.handle, self.algo)
-        if need > self._workspace.numel():
-            self._workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+        self.need = max(self.need, desc.check(self.handle, self.algo))
         self.plans[call] = desc
+        return desc
+
+    def _describe(
+        self, ta: torch.Tensor, tb: torch.Tensor, c: torch.Tensor, strides: Strides
+    ) -> _Descriptors:
+        """The descriptors of tensors whose strides were not seen before: their call's (strides
+        that make the same call share them), made and checked if the call is new."""
+        call = ops.colmajor_call(self.key, ta, tb, c)
+        with self.lock:
+            desc = self.plans.get(call) or self._adopt(
+                call, _Descriptors(self.key, call, self.types)
+            )
+            self.by_strides[strides] = desc
         return desc
 
     def _prepare(self, a: Any, b: Any, out: Any) -> _Call:
@@ -360,17 +413,33 @@ class _LtRunner:
         if ta.device != self.device:
             raise ValueError(f"this cublaslt runner was built on {self.device}, got {ta.device}")
         c, user_out = ops.output_for(self.key, ta, out, self.align.c)
-        call = ops.colmajor_call(self.key, ta, tb, c)
-        desc = self.plans.get(call) or self._adopt(call, _Descriptors(self.key, call, self.types))
+        strides = (ta.stride(), tb.stride(), c.stride())
+        desc = self.by_strides.get(strides) or self._describe(ta, tb, c, strides)
         return _Call(ta, tb, c, user_out, convert, desc)
 
-    def _run(self, call: _Call) -> Any:
-        ws, desc, c = self._workspace, call.desc, call.c
-        _lt().matmul(
-            self.handle, desc.desc, self.alpha, call.b.data_ptr(), desc.first, call.a.data_ptr(),
-            desc.second, self.beta, c.data_ptr(), desc.out, c.data_ptr(), desc.out,
-            self.algo.ctypes.data, ws.data_ptr(), ws.numel(), ops.current_stream(self.device),
-        )  # fmt: skip
+    def _workspace(self, stream: int) -> tuple[int, int, torch.Tensor]:
+        """(pointer, bytes, tensor) of ``stream``'s workspace, made on that stream (the current
+        one) when it has none that is large enough; called under the lock."""
+        held = self.workspaces.get(stream)
+        if held is None or held[1] < self.need:
+            ws = torch.empty(self.need, dtype=torch.uint8, device=self.device)
+            held = self.workspaces[stream] = (ws.data_ptr(), self.need, ws)
+        return held
+
+    def _run(self, call: _Call, points: tuple[tuple[str, int], ...] = ()) -> Any:
+        """``cublasLtMatmul`` on the current stream, after setting the pointer attributes
+        ``points`` ((name, pointer) pairs) of the call's matmul descriptor."""
+        desc, c = call.desc, call.c
+        a, b, out = call.a.data_ptr(), call.b.data_ptr(), c.data_ptr()
+        stream = self.stream()
+        with self.lock:
+            for name, pointer in points:
+                desc.point(name, pointer)
+            ws, size, _ = self._workspace(stream)
+            self.matmul(
+                self.handle, desc.desc, self.alpha, b, desc.first, a, desc.second, self.beta,
+                out, desc.out, out, desc.out, self.algo_ptr, ws, size, stream,
+            )  # fmt: skip
         return ops.finish(c, call.user_out, call.convert)
 
     def __call__(self, a: Any, b: Any, out: Any = None) -> Any:

@@ -15,7 +15,8 @@ cuBLASLt multiplies FP8 only as "TN" (its A transposed, its B not), which is exa
 ``x @ W.T`` read column-major: its A is our weight (b, column-major [K, N]) and its B our
 activation, so ``A_SCALE_POINTER`` takes ``scale_b`` and ``B_SCALE_POINTER`` ``scale_a``. The
 scale pointers are set per call only when they move (rowwise ones start at a placeholder:
-the heuristic wants them set).
+the heuristic wants them set), under the runner's lock up to the enqueue (cuBLASLt reads them
+when it enqueues: a graph captured earlier keeps the pointers of its capture).
 """
 
 from __future__ import annotations
@@ -114,18 +115,23 @@ def with_cluster_twin(
 class _Fp8Runner(_LtRunner):
     """``_scaled_mm``'s call ``(a, b, scale_a, scale_b, out=None)`` through one algorithm."""
 
+    def __init__(
+        self, key: GemmKey, params: Params, device: torch.device, types: MatmulTypes
+    ) -> None:
+        super().__init__(key, params, device, types)
+        rows = key.scale == "row"
+        self.scale_lengths = (key.m, key.n) if rows else (1, 1)  # scale_a's, scale_b's
+
     def __call__(self, a: Any, b: Any, scale_a: Any, scale_b: Any, out: Any = None) -> Any:
         call = self._prepare(a, b, out)
-        rows = self.key.scale == "row"
-        call.desc.point(
-            "A_SCALE_POINTER",
-            ops.scale_pointer("scale_b", scale_b, self.key.n if rows else 1, self.device),
+        len_a, len_b = self.scale_lengths
+        return self._run(
+            call,
+            (
+                ("A_SCALE_POINTER", ops.scale_pointer("scale_b", scale_b, len_b, self.device)),
+                ("B_SCALE_POINTER", ops.scale_pointer("scale_a", scale_a, len_a, self.device)),
+            ),
         )
-        call.desc.point(
-            "B_SCALE_POINTER",
-            ops.scale_pointer("scale_a", scale_a, self.key.m if rows else 1, self.device),
-        )
-        return self._run(call)
 
 
 class CublasLtFp8(CublasLtGemm):
