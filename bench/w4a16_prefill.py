@@ -23,9 +23,8 @@ from tuner.core.keys import GemmKey
 
 FORMAT = "int4-g128"
 # Triton tiled tiles swept (bm activation rows, bn weight rows, warps, stages, dots, step_sum),
-# each at the K splits of ``sweep_splits``, and stream-K tiles (bm, bn, warps, stages, dots,
-# step_sum, programs per SM), their programs shared out evenly among the bands of bm rows. Offline (Triton 3.6, sm_90a) a two-dot step overlaps its
-# wgmmas (4 warps only with step_sum) and 3 or more stages keep a load in flight across the
+# each at the K splits of ``sweep_splits``. Offline (Triton 3.6, sm_90a) a two-dot step overlaps
+# its wgmmas (4 warps only with step_sum) and 3 or more stages keep a load in flight across the
 # loop (at 2 the loop waits for every copy at its top); the one-dot and 2-stage tiles are their
 # serialized / unpipelined twins.
 SWEEP_TILED = ((64, 64, 4, 3, 2, True), (64, 64, 4, 2, 2, True), (128, 64, 4, 3, 2, True),
@@ -33,7 +32,6 @@ SWEEP_TILED = ((64, 64, 4, 3, 2, True), (64, 64, 4, 2, 2, True), (128, 64, 4, 3,
                (128, 128, 8, 3, 2, False), (128, 128, 8, 2, 2, True), (64, 256, 8, 3, 2, True),
                (128, 64, 4, 3, 1, False), (64, 128, 8, 3, 1, False))  # fmt: skip
 MOST_SPLITS = 4
-SWEEP_STREAM = ((64, 64, 4, 4, 1, False, 2),)
 # CUTLASS mixed-input kernels the generator lists beside the shortlists' (tile, cluster, kernel,
 # scheduler)
 SWEEP_CUTLASS = (((64, 128), (2, 1), "ws", "default"), ((128, 128), (2, 1), "pingpong", "default"),
@@ -58,14 +56,6 @@ def sweep_triton(key: GemmKey, sms: int) -> list[Params]:
             config = {"kernel": "tiled", "bm": bm, "bn": bn, "bk": w4a16.CHUNK, "dots": dots,
                       "split_k": split, "group_m": 8, "warps": warps, "stages": stages}  # fmt: skip
             out.append({**config, "step_sum": True} if step_sum else config)
-    for bm, bn, warps, stages, dots, step_sum, per_sm in SWEEP_STREAM:
-        if key.k % (w4a16.CHUNK * dots):
-            continue
-        units = triton.cdiv(key.n, bn) * (key.k // (w4a16.CHUNK * dots))  # of one band
-        programs = min(units, max(1, per_sm * sms // triton.cdiv(key.m, bm)))
-        config = {"kernel": "stream_k", "bm": bm, "bn": bn, "bk": w4a16.CHUNK, "dots": dots,
-                  "programs": programs, "warps": warps, "stages": stages}  # fmt: skip
-        out.append({**config, "step_sum": True} if step_sum else config)
     return out
 
 
