@@ -95,13 +95,77 @@ def test_bad_params_name_the_field() -> None:
         w4.kernel_spec(key, {**w4.SMALL[0], "tile": [64, 128]})
 
 
+STREAM_K = w4._p(128, 256, (2, 1), "coop", "streamk")
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({**STREAM_K, "splits": 0}, r"'splits' must be an int in 1\.\.16, got 0"),
+        ({**STREAM_K, "splits": 3.0, "decomposition": "splitk"}, "'splits' must be an int"),
+        ({**STREAM_K, "splits": True}, "'splits' must be an int"),
+        ({**STREAM_K, "decomposition": "split-k"}, r"'decomposition' must be one of \['heur"),
+        ({**STREAM_K, "raster": "m"}, r"'raster' must be one of \['heuristic', 'weight', 'x'\]"),
+        ({**STREAM_K, "decomposition": "splitk"}, "'splitk' takes 2 or more splits"),
+        ({**STREAM_K, "splits": 2}, r"'splits'=2 and 'decomposition'='heuristic'"),
+        ({**w4.MEDIUM[0], "decomposition": "streamk"}, "needs scheduler 'streamk', got 'default'"),
+        ({**w4.MEDIUM[0], "raster": "x"}, "the 'ws' kernel is not persistent"),
+        ({**STREAM_K, "reduction": "nondeterministic"}, r"unknown cutlass params \['reduction'\]"),
+    ],
+)
+def test_bad_scheduler_params_name_the_field_and_the_allowed_values(
+    params: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        w4.kernel_spec(key_of("int4-g128", 256), params)
+
+
+def test_scheduler_params_are_runtime_arguments_of_one_kernel() -> None:
+    """Splits, decomposition and raster order reach the launcher as CUTLASS's enum values and
+    address no new library."""
+    key = key_of("int4-g128", 256)
+    split = {**STREAM_K, "decomposition": "splitk", "splits": 3, "swizzle": 2}
+    assert w4.kernel_spec(key, split) == w4.kernel_spec(key, STREAM_K)
+    assert w4.scheduler_args(split) == w4.Scheduler(swizzle=2, splits=3, decomposition=2, raster=0)
+    assert w4.scheduler_args(STREAM_K) == w4.Scheduler(1, 1, 0, 0)
+    forced = {**STREAM_K, "decomposition": "streamk", "raster": "x"}
+    assert w4.scheduler_args(forced) == w4.Scheduler(1, 1, 3, 2)
+    pingpong = {**w4.MEDIUM[1], "raster": "weight"}
+    assert w4.scheduler_args(pingpong) == w4.Scheduler(1, 1, 0, 1)
+    assert w4.CutlassW4A16().launch_options(split) == w4.scheduler_args(split)
+
+
+@needs_library
+def test_configs_that_share_a_kernel_are_all_candidates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The split-K configs of MEDIUM share the stream-K kernel: each stays a candidate while the
+    kernel can run, and all go with it once it failed to compile."""
+    monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path))
+    key = key_of("int4-g128", 256)
+    specs = [w4.kernel_spec(key, p) for p in w4.MEDIUM]
+    assert len(set(specs)) < len(specs)
+    for spec in specs:
+        cutlass_env.record(spec, "compiled", {"seconds": 1.0})
+    source = w4.CutlassW4A16()
+    assert source.candidates(key, "cuda") == w4.MEDIUM
+    shared = w4.kernel_spec(key, STREAM_K)
+    (tmp_path / "compiled" / f"{shared.digest}.json").unlink()
+    cutlass_env.record(shared, "failed", {"error": "ptxas: too many resources"})
+    left = source.candidates(key, "cuda")
+    assert left == [p for p in w4.MEDIUM if w4.kernel_spec(key, p) != shared]
+    assert len(left) == len(w4.MEDIUM) - 4
+
+
 @needs_library
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_every_shortlisted_kernel_is_one_the_generator_lists(dtype: str) -> None:
     for m in (1, 300, 4096):
         key = key_of("int4-g128", m, dtype=dtype)
         offered = w4.CutlassW4A16().offered(key)
-        assert list(offered.values()) == w4.shortlist(key)
+        assert list(offered) == list(
+            dict.fromkeys(w4.kernel_spec(key, p) for p in w4.shortlist(key))
+        )
     odd = w4.kernel_spec(key_of("int4-g128", 1), {**w4.SMALL[0], "tile": [64, 64, 64]})
     assert not w4.in_library(odd)
     with pytest.raises(LookupError, match="lists no SM90 int4 GEMM"):
@@ -130,6 +194,7 @@ def test_the_library_source_is_a_scale_and_zero_kernel_with_our_wrapper() -> Non
     assert "cute::tuple<cutlass::int4b_t, cutlass::bfloat16_t, cutlass::bfloat16_t>" in text
     assert f"GemmUniversalAdapter<{name}>" in text
     assert 'extern "C"' in text and "int tuner_plan_run(" in text and "${" not in text
+    assert "decompose(args.scheduler, sched.splits, sched.decomposition, 0);" in text
     command = w4.nvcc_command(spec, Path("k.cu"), Path("k.so"))
     assert "-gencode=arch=compute_90a,code=sm_90a" in command and "-DNDEBUG" in command
 
@@ -288,3 +353,29 @@ def test_activations_it_cannot_take_are_refused_with_the_reason(source: w4.Cutla
     with pytest.raises(ValueError, match=r"with scales \[4, .*group=128"):
         run(x, packed, sz[:4].contiguous())  # half the groups of K
     assert samples.relative_error(run(x, packed, sz), samples.reference(key, (x, packed, sz))) <= 1
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    "runtime",
+    [
+        {"decomposition": "splitk", "splits": 3},
+        {"decomposition": "splitk", "splits": 16},  # more splits than K steps: CUTLASS caps them
+        {"decomposition": "streamk"},
+        {"decomposition": "dataparallel", "raster": "x"},
+    ],
+)
+def test_scheduler_arguments_keep_the_result_and_repeat_it_bit_for_bit(
+    source: w4.CutlassW4A16, runtime: dict
+) -> None:
+    """The stream-K kernel of GPU_CASES under each decomposition: every element written, within
+    the numerics gate, and the same bits on every call (partial tiles summed in a fixed order)."""
+    key = _key("int4-g64", 200, "f16")
+    run = source.build(key, {**w4.shortlist(key)[2], **runtime})
+    inputs = samples.make_inputs(key, "cuda", torch.Generator("cuda").manual_seed(7))
+    first = samples.output_like(key, inputs).fill_(float("nan"))
+    run(*inputs, out=first)
+    assert samples.relative_error(first, samples.reference(key, inputs)) <= 1
+    for _ in range(3):
+        assert torch.equal(run(*inputs), first)

@@ -36,7 +36,7 @@ import shutil
 import sys
 import weakref
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -60,13 +60,76 @@ GENERATOR_CUDA = "13.0"  # the toolkit the generator lists kernels for: the GPU 
 # model whose layers of one shape cycle through more sets than this initializes on every call:
 # host time lost, never a wrong result.
 PLAN_ENTRIES = 64
+# The tile scheduler's runtime arguments besides the swizzle (no new kernel): how a stream-K
+# kernel shares out K ("decomposition": CUTLASS's DecompositionMode, with "splits" K splits per
+# output tile for "splitk") and the raster order of a persistent kernel's tiles ("weight": along
+# CUTLASS's M, the weight's rows; "x": along x's rows). Names in the order of CUTLASS's enums.
+# Partial tiles are always summed in CUTLASS's deterministic order (its default ReductionMode).
+DECOMPOSITIONS = ("heuristic", "dataparallel", "splitk", "streamk")
+RASTERS = ("heuristic", "weight", "x")
+MOST_SPLITS = 16
+SCHEDULER_PARAMS = ("splits", "decomposition", "raster")
+
+
+class Scheduler(NamedTuple):
+    """A launcher's tile scheduler arguments, as the library's C entry points take them."""
+
+    swizzle: int
+    splits: int
+    decomposition: int
+    raster: int
+
+
+def scheduler_args(params: Params) -> Scheduler:
+    """The scheduler arguments ``params`` name (absent ones at CUTLASS's defaults); ValueError
+    naming a bad one, or one the kernel has no use for."""
+    splits = params.get("splits", 1)
+    decomposition = params.get("decomposition", "heuristic")
+    raster = params.get("raster", "heuristic")
+    if type(splits) is not int or not 1 <= splits <= MOST_SPLITS:
+        raise ValueError(
+            f"cutlass_w4a16 param 'splits' must be an int in 1..{MOST_SPLITS}, got {splits!r}"
+        )
+    if decomposition not in DECOMPOSITIONS:
+        raise ValueError(
+            f"cutlass_w4a16 param 'decomposition' must be one of {list(DECOMPOSITIONS)}, got "
+            f"{decomposition!r}"
+        )
+    if raster not in RASTERS:
+        raise ValueError(
+            f"cutlass_w4a16 param 'raster' must be one of {list(RASTERS)}, got {raster!r}"
+        )
+    if (splits > 1) != (decomposition == "splitk"):
+        raise ValueError(
+            f"cutlass_w4a16 params 'splits'={splits} and 'decomposition'={decomposition!r}: "
+            "'splitk' takes 2 or more splits, the other decompositions 1"
+        )
+    if decomposition != "heuristic" and params.get("scheduler") != "streamk":
+        raise ValueError(
+            f"cutlass_w4a16 param 'decomposition'={decomposition!r} needs scheduler 'streamk', "
+            f"got {params.get('scheduler')!r}"
+        )
+    if raster != "heuristic" and params.get("kernel") == "ws":
+        raise ValueError(
+            f"cutlass_w4a16 param 'raster'={raster!r}: the 'ws' kernel is not persistent (one CTA "
+            "per tile, no raster order); allowed there: 'heuristic'"
+        )
+    return Scheduler(
+        int(params.get("swizzle", 1)), splits, DECOMPOSITIONS.index(decomposition),
+        RASTERS.index(raster),
+    )  # fmt: skip
 
 
 def _p(
-    tw: int, tx: int, cluster: tuple[int, int], kernel: str, scheduler: str = "default"
+    tw: int,
+    tx: int,
+    cluster: tuple[int, int],
+    kernel: str,
+    scheduler: str = "default",
+    **runtime: Any,
 ) -> Params:
     return {"tile": [tw, tx, TILE_K], "cluster": list(cluster), "kernel": kernel,
-            "epilogue": "tma", "scheduler": scheduler, "swizzle": 1}  # fmt: skip
+            "epilogue": "tma", "scheduler": scheduler, "swizzle": 1, **runtime}  # fmt: skip
 
 
 # M <= 128 fits one 128-row tile of x: clusters pair CTAs along the weight's rows (sharing x's
@@ -82,13 +145,16 @@ SMALL = [
 # the list opens with 64 weight rows by 256 rows of x (each weight element dequantized once up
 # to M = 256) on the one-consumer mainloop (a second consumer would have no second tile on the
 # narrow projections); then 64 x 128 pingpong (twice the tiles, for N that leaves SMs idle) and
-# cooperative stream-K (K spread over the SMs where the tiles are few). The tuner times them all:
-# the list is not filtered by N.
+# cooperative stream-K (K spread over the SMs where the tiles are few), as CUTLASS's heuristic
+# shares it out and split 2-4 ways per tile (a tile's splits run side by side and are summed
+# once, where the heuristic's units straddle tiles and wait on each other's partial sums). The
+# tuner times them all: the list is not filtered by N.
 MEDIUM = [
     _p(64, 256, (2, 1), "ws"),
     _p(64, 128, (2, 1), "pingpong"),
     _p(128, 256, (2, 1), "coop", "streamk"),
     _p(128, 128, (2, 1), "coop", "streamk"),
+    *(_p(128, 256, (2, 1), "coop", "streamk", decomposition="splitk", splits=s) for s in (2, 3, 4)),
 ]
 LARGE = [
     _p(128, 256, (1, 2), "coop"),
@@ -119,7 +185,8 @@ def unsupported_reason(key: GemmKey) -> str | None:
 
 def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
     """The compiled kernel ``params`` name for the INT4 ``key``; ValueError naming a bad param."""
-    cutlass_gemm.check_params(params)
+    cutlass_gemm.check_params({k: v for k, v in params.items() if k not in SCHEDULER_PARAMS})
+    scheduler_args(params)
     if params["kernel"] not in KERNELS:
         raise ValueError(
             f"cutlass_w4a16 param 'kernel' must be one of {list(KERNELS)}, got {params['kernel']!r}"
@@ -208,9 +275,22 @@ ${kernel}
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<${name}>;
 using Kernel = Gemm::GemmKernel;
 
+// Stream-K schedulers' K decomposition; nothing for the schedulers that have none.
+template <class S>
+static auto decompose(S& s, int splits, int mode, int) -> decltype(s.splits, void()) {
+  s.splits = splits;
+  s.decomposition_mode = static_cast<decltype(s.decomposition_mode)>(mode);
+}
+template <class S>
+static void decompose(S&, int, int, long) {}
+
+struct Sched {
+  int swizzle, splits, decomposition, raster;
+};
+
 static Gemm::Arguments arguments(void const* w, void const* x, void const* scale,
                                  void const* zero, void* out, int m, int n, int k, int group,
-                                 int swizzle, int device, int sms) {
+                                 Sched sched, int device, int sms) {
   Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   args.problem_shape = {n, m, k, 1};
@@ -232,7 +312,9 @@ static Gemm::Arguments arguments(void const* w, void const* x, void const* scale
   ep.dD = cutlass::make_cute_packed_stride(Kernel::StrideD{}, cute::make_shape(n, m, 1));
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sms;
-  args.scheduler.max_swizzle_size = swizzle;
+  args.scheduler.max_swizzle_size = sched.swizzle;
+  args.scheduler.raster_order = static_cast<decltype(args.scheduler.raster_order)>(sched.raster);
+  decompose(args.scheduler, sched.splits, sched.decomposition, 0);
   return args;
 }
 
@@ -250,7 +332,9 @@ struct Entry {
 };
 
 struct Shape {
-  int m, n, k, group, swizzle, device, sms, entries;
+  int m, n, k, group;
+  Sched sched;
+  int device, sms, entries;
   void* workspace;
 };
 
@@ -264,7 +348,7 @@ struct Plan {
 
   Gemm::Arguments args(void const* const* p) const {
     return arguments(p[0], p[1], p[2], p[3], const_cast<void*>(p[4]), s.m, s.n, s.k, s.group,
-                     s.swizzle, s.device, s.sms);
+                     s.sched, s.device, s.sms);
   }
 
   // The entry of the pointer set p, made (can_implement, initialize) if new; null on failure.
@@ -311,17 +395,20 @@ static double host_us(int reps, F&& f) {
 
 extern "C" {
 
-int tuner_workspace_size(int m, int n, int k, int group, int swizzle, int device, int sms,
-                         size_t* bytes) {
-  auto args = arguments(nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, group, swizzle,
+int tuner_workspace_size(int m, int n, int k, int group, int swizzle, int splits,
+                         int decomposition, int raster, int device, int sms, size_t* bytes) {
+  Sched sched{swizzle, splits, decomposition, raster};
+  auto args = arguments(nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, group, sched,
                         device, sms);
   *bytes = Gemm::get_workspace_size(args);
   return 0;
 }
 
-void* tuner_plan_create(int m, int n, int k, int group, int swizzle, int device, int sms,
-                        int entries, void* workspace) {
-  return new Plan(Shape{m, n, k, group, swizzle, device, sms, entries, workspace});
+void* tuner_plan_create(int m, int n, int k, int group, int swizzle, int splits,
+                        int decomposition, int raster, int device, int sms, int entries,
+                        void* workspace) {
+  Sched sched{swizzle, splits, decomposition, raster};
+  return new Plan(Shape{m, n, k, group, sched, device, sms, entries, workspace});
 }
 
 void tuner_plan_destroy(void* plan) { delete static_cast<Plan*>(plan); }
@@ -449,10 +536,12 @@ scales: TensorMemo[tuple[torch.Tensor, torch.Tensor]] = TensorMemo(split_scales)
 class W4A16Launcher:
     """``(x, packed, scales_and_zeros, out=None)`` through one compiled library for one key."""
 
-    def __init__(self, library: Path, key: GemmKey, swizzle: int, device: torch.device) -> None:
+    def __init__(
+        self, library: Path, key: GemmKey, scheduler: Scheduler, device: torch.device
+    ) -> None:
         lib = ctypes.CDLL(str(library))
         lib.tuner_plan_create.restype = ctypes.c_void_p
-        lib.tuner_plan_create.argtypes = [ctypes.c_int] * 8 + [ctypes.c_void_p]
+        lib.tuner_plan_create.argtypes = [ctypes.c_int] * 11 + [ctypes.c_void_p]
         lib.tuner_plan_destroy.argtypes = [ctypes.c_void_p]
         self.run = lib.tuner_plan_run
         self.run.restype = ctypes.c_int
@@ -461,11 +550,10 @@ class W4A16Launcher:
         self.host_us.restype = ctypes.c_int
         self.host_us.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p]
         size = ctypes.c_size_t()
-        self.key, self.device, self.swizzle = key, device, swizzle
+        self.key, self.device, self.scheduler = key, device, scheduler
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
-        lib.tuner_workspace_size(
-            key.m, key.n, key.k, key.group, swizzle, device.index, self.sms, ctypes.byref(size)
-        )
+        problem = (key.m, key.n, key.k, key.group, *scheduler, device.index, self.sms)
+        lib.tuner_workspace_size(*problem, ctypes.byref(size))
         self.workspace = torch.empty(max(size.value, 1), dtype=torch.uint8, device=device)
         self.dtype = DTYPES[key.dtype]
         self.x_shape = torch.Size((key.m, key.k))
@@ -473,8 +561,7 @@ class W4A16Launcher:
         self.scale_shape = torch.Size((key.k // key.group, key.n))
         self.out_shape = (key.m, key.n)
         self.stream = ops.stream_getter(device)
-        shape = (key.m, key.n, key.k, key.group, swizzle, device.index, self.sms, PLAN_ENTRIES)
-        self.plan = lib.tuner_plan_create(*shape, self.workspace.data_ptr())
+        self.plan = lib.tuner_plan_create(*problem, PLAN_ENTRIES, self.workspace.data_ptr())
         weakref.finalize(self, lib.tuner_plan_destroy, self.plan)
 
     def _check(self, x: torch.Tensor) -> None:
@@ -563,6 +650,15 @@ class CutlassW4A16(cutlass_gemm.CutlassGemm):
     def offered(self, key: GemmKey) -> dict[env.KernelSpec, Params]:
         pairs = ((kernel_spec(key, p), p) for p in shortlist(key))
         return cutlass_gemm.compilable(pairs, in_library)
+
+    def candidates(self, key: GemmKey, device: str) -> list[Params]:
+        """Every shortlisted config whose kernel can run here: the configs that share a kernel
+        (scheduler arguments apart) all stay."""
+        usable = {self.kernel_spec(key, p) for p in super().candidates(key, device)}
+        return [p for p in shortlist(key) if self.kernel_spec(key, p) in usable]
+
+    def launch_options(self, params: Params) -> Scheduler:
+        return scheduler_args(params)
 
     def prepare(self, key: GemmKey, shortlist: list[Params]) -> None:
         """Nothing: these kernels load as shared libraries of their own, without cutlass_cppgen."""
