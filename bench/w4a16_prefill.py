@@ -1,6 +1,7 @@
 """INT4 (W4A16, group 128) past decode: Triton and CUTLASS configs beside bf16 cuBLAS.
 
     python bench/w4a16_prefill.py --out $OUT/w4a16_prefill.json [--m 256 2048] [--sweep]
+        [--sources cutlass_w4a16]
 
 Per projection (the low-bit suite's eight: qkv, o, gate_up, down of Llama-3-8B and Qwen2.5-7B)
 and M, every config the tuner shortlists (``triton_w4a16``: ``w4a16.configs``; ``cutlass_w4a16``:
@@ -11,6 +12,8 @@ the JSON is rewritten after every row, narrow projections first.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -32,12 +35,20 @@ SWEEP_TILED = ((64, 64, 4, 3, 2, True), (64, 64, 4, 2, 2, True), (128, 64, 4, 3,
                (128, 128, 8, 3, 2, False), (128, 128, 8, 2, 2, True), (64, 256, 8, 3, 2, True),
                (128, 64, 4, 3, 1, False), (64, 128, 8, 3, 1, False))  # fmt: skip
 MOST_SPLITS = 4
-# CUTLASS mixed-input kernels the generator lists beside the shortlists' (tile, cluster, kernel,
-# scheduler)
-SWEEP_CUTLASS = (((64, 128), (2, 1), "ws", "default"), ((128, 128), (2, 1), "pingpong", "default"),
-                 ((64, 256), (2, 1), "ws", "default"), ((64, 128), (1, 2), "pingpong", "default"),
-                 ((128, 256), (2, 1), "coop", "default"), ((256, 128), (2, 1), "coop", "default"),
-                 ((128, 128), (1, 2), "coop", "streamk"))  # fmt: skip
+# CUTLASS: the shortlists' cooperative stream-K kernels (tile, cluster) under each of the tile
+# scheduler's runtime arguments (``cutlass_w4a16.scheduler_args``): every decomposition, split-K
+# 2..MOST_CUTLASS_SPLITS ways, and the heuristic's decomposition in either raster order. No kernel
+# beyond the shortlists' is compiled.
+SWEEP_CUTLASS = (((128, 256), (2, 1)), ((128, 128), (2, 1)))
+MOST_CUTLASS_SPLITS = 6
+SWEEP_SCHEDULES = (
+    {"decomposition": "dataparallel"},
+    {"decomposition": "streamk"},
+    *({"decomposition": "splitk", "splits": s} for s in range(2, MOST_CUTLASS_SPLITS + 1)),
+    {"raster": "weight"},
+    {"raster": "x"},
+)
+SOURCES = ("triton_w4a16", "cutlass_w4a16")
 
 
 def sweep_splits(tiles: int, steps: int, sms: int) -> list[int]:
@@ -60,24 +71,27 @@ def sweep_triton(key: GemmKey, sms: int) -> list[Params]:
 
 
 def sweep_cutlass() -> list[Params]:
-    return [cw._p(*tile, cluster, kernel, scheduler) for tile, cluster, kernel, scheduler in
-            SWEEP_CUTLASS]  # fmt: skip
+    return [cw._p(*tile, cluster, "coop", "streamk", **schedule)
+            for tile, cluster in SWEEP_CUTLASS for schedule in SWEEP_SCHEDULES]  # fmt: skip
 
 
-def configs_of(key: GemmKey, sweep: bool, sms: int) -> Todo:
-    """(source, params, shortlisted) of every config to time for ``key``, without repeats."""
+def configs_of(key: GemmKey, sweep: bool, sms: int, sources: Sequence[str] = SOURCES) -> Todo:
+    """(source, params, shortlisted) of every config of ``sources`` to time for ``key``, without
+    repeats."""
     shortlisted = [("triton_w4a16", p) for p in w4a16.configs(key.m, key.n, key.k, key.group)]
     shortlisted += [("cutlass_w4a16", p) for p in cw.shortlist(key)]
     extra = [("triton_w4a16", p) for p in sweep_triton(key, sms)] if sweep else []
     extra += [("cutlass_w4a16", p) for p in sweep_cutlass()] if sweep else []
-    return unique(shortlisted, extra)
+    return [c for c in unique(shortlisted, extra) if c[0] in sources]
 
 
 def main() -> None:
-    args = arguments(__doc__.split("\n")[0], default_m=[256, 2048]).parse_args()
+    parser = arguments(__doc__.split("\n")[0], default_m=[256, 2048])
+    parser.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES)
+    args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     keys = keys_of(FORMAT, args.m, args.ops)
-    todo = {key: configs_of(key, args.sweep, sms) for _, key in keys}
+    todo = {key: configs_of(key, args.sweep, sms, args.sources) for _, key in keys}
     compiled = compile_everything(todo, cutlass="cutlass_w4a16", triton="triton_w4a16")
     run("w4a16_prefill", keys, todo, args.out, with_torch=False,
         extra={"sweep": args.sweep, "compile_s": compiled})  # fmt: skip
