@@ -144,8 +144,6 @@ def pct(moved: int, us: float, copy_gbs: float) -> float:
 
 
 def label(cfg: dict[str, Any]) -> str:
-    if cfg["kernel"] == "stream_k":
-        return f"stream {cfg['bn']}x{cfg['bk']} w{cfg['warps']} s{cfg['stages']} @{cfg['programs']}"
     il = "i" if cfg.get("interleave") else ""
     return (f"tiled {cfg['bn']}x{cfg['bk']} split {cfg.get('split_k', 1)}{il} w{cfg['warps']} "
             f"s{cfg['stages']}")  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tuner.candidates.triton_kernels import fp8 as fp8_kernels
-from tuner.candidates.triton_kernels import stream_k, w4a16
+from tuner.candidates.triton_kernels import w4a16
 from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
 from tuner.quant import fp8, int4
 from tuner.quant.tolerance import (
@@ -30,7 +30,6 @@ LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
 TILED = {"kernel": "tiled", "bm": 16, "bn": 32, "bk": 128, "dots": 2, "split_k": 1}
 TILED_SPLIT = {**TILED, "split_k": 2}
 ONE_DOT_SPLIT = {**TILED, "dots": 1, "split_k": 2}
-STREAM = {"kernel": "stream_k", "bm": 16, "bn": 32, "bk": 128, "dots": 1, "programs": 5}
 
 
 def int4_problem(m: int, n: int, k: int, g: int, dtype: torch.dtype, device: str = DEVICE):
@@ -64,17 +63,6 @@ W4_CASES = [
         torch.bfloat16,
         768,
     ),
-    # stream-K, n = 40 in two tiles: 6 steps each cut into 5 runs (3 programs per tile), ...
-    (1, STREAM, 64, torch.bfloat16, 768),
-    # ... 2 steps each in 3 runs (tile 0 in two, tile 1 whole), ...
-    (16, {**STREAM, "dots": 2, "programs": 3}, 128, torch.float16, 512),
-    # ... one program per tile; four dots a step
-    (7, {**STREAM, "programs": 2}, 32, torch.bfloat16, 384),
-    (2, {**STREAM, "dots": 4, "programs": 3}, 128, torch.bfloat16, 1024),
-    (4, {**STREAM, "dots": 2, "programs": 5, "step_sum": True}, 128, torch.float16, 768),
-    # three bands of 16 rows (the last of 5) each on their own 3 programs, tile 0 shared by two
-    (37, {**STREAM, "programs": 3}, 64, torch.bfloat16, 768),
-    (20, {**STREAM, "dots": 2, "programs": 2, "step_sum": True}, 128, torch.float16, 1024),
 ]
 
 
@@ -93,7 +81,6 @@ BLOCK_CASES = [
     (200, {**TILED, "bn": 64, "dots": 1, "split_k": 3}),
     (200, {**TILED, "bn": 16, "dots": 1}),  # four tiles a block, one in the ragged block
     (240, {**TILED, "bn": 16, "dots": 1}),  # tiles that start inside the ragged block
-    (200, {**STREAM, "bn": 128, "programs": 4}),  # the tiles' steps in runs that cross them
     (200, {**TILED, "bn": 64, "dots": 1, "split_k": 2, "whole_tiles": 3}),  # the ragged one split
     (240, {**TILED, "bn": 16, "dots": 1, "split_k": 3, "whole_tiles": 12, "split_wait": True}),
 ]
@@ -105,8 +92,7 @@ def test_w4a16_reads_every_tile_major_block(n: int, config) -> None:
     assert excess(w4a16.w4a16_matmul(x, int4.pack(q), sz, 128, config), ref, tol) <= 1
 
 
-@pytest.mark.parametrize("config", [TILED, ONE_DOT_SPLIT, {**STREAM, "bn": 16, "programs": 3},
-                                    {**TILED, "step_sum": True},
+@pytest.mark.parametrize("config", [TILED, ONE_DOT_SPLIT, {**TILED, "step_sum": True},
                                     {**ONE_DOT_SPLIT, "split_wait": True},
                                     {**ONE_DOT_SPLIT, "bn": 16, "whole_tiles": 1}])  # fmt: skip
 def test_w4a16_planted_errors_are_caught(config) -> None:
@@ -215,47 +201,25 @@ def test_w4a16_bad_inputs_name_the_field() -> None:
         with pytest.raises(ValueError, match="config\\['step_sum'\\]"):
             w4a16.w4a16_matmul(x, w, sz, 32, bad)
     # nothing to wait for: one split
-    for bad in ({**STREAM, "split_wait": True}, {**TILED, "split_wait": "yes"},
-                {**TILED, "split_wait": True}):  # fmt: skip
+    for bad in ({**TILED, "split_wait": "yes"}, {**TILED, "split_wait": True}):
         with pytest.raises(ValueError, match="config\\['split_wait'\\]"):
             w4a16.w4a16_matmul(x, w, sz, 32, bad)
-    # whole tiles: fewer than the problem's (one here), with a split of the others, tiled only
+    # whole tiles: fewer than the problem's (one here), with a split of the others
     for bad in ({**ONE_DOT_SPLIT, "whole_tiles": 1}, {**TILED, "bn": 8, "whole_tiles": 1},
                 {**ONE_DOT_SPLIT, "bn": 8, "whole_tiles": True},
-                {**ONE_DOT_SPLIT, "bn": 8, "whole_tiles": 0.0},
-                {**STREAM, "whole_tiles": 1}):  # fmt: skip
+                {**ONE_DOT_SPLIT, "bn": 8, "whole_tiles": 0.0}):  # fmt: skip
         with pytest.raises(ValueError, match="config\\['whole_tiles'\\]"):
             w4a16.w4a16_matmul(x, w, sz, 32, bad)
     with pytest.raises(ValueError, match="config\\['dots'\\]"):
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "dots": 3})
     with pytest.raises(ValueError, match="config\\['note'\\]=\\[1\\]: allowed a number"):
         w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "note": [1]})  # cannot be hashed
-    with pytest.raises(ValueError, match="config\\['kernel'\\]"):
-        w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "kernel": "cutlass"})
-    # stream-K: K = 256 in 128-wide steps and one tile of 16 rows: 2 units
-    with pytest.raises(ValueError, match=re.escape("config['programs']=3: allowed 1 .. 2")):
-        w4a16.w4a16_matmul(x, w, sz, 32, {**STREAM, "bn": 16, "programs": 3})
-    with pytest.raises(ValueError, match="config\\['programs'\\]=None"):
-        w4a16.w4a16_matmul(x, w, sz, 32, {**STREAM, "programs": None})
+    for kernel in ("cutlass", "stream_k"):
+        with pytest.raises(ValueError, match=re.escape(f"config['kernel']='{kernel}': allowed")):
+            w4a16.w4a16_matmul(x, w, sz, 32, {**TILED, "kernel": kernel})
     x384, q384, sz384, _, _ = int4_problem(2, 16, 384, 32, torch.float16, "cpu")
     with pytest.raises(ValueError, match="config\\['dots'\\]=2: K=384"):
-        w4a16.w4a16_matmul(x384, int4.pack(q384), sz384, 32, {**STREAM, "dots": 2})
-    with pytest.raises(ValueError, match="config\\['programs'\\]=True"):
-        w4a16.w4a16_matmul(x, w, sz, 32, {**STREAM, "programs": True})
-
-
-@pytest.mark.parametrize(
-    ("m", "tiles", "steps", "programs"),
-    [(1, 2, 6, 5), (1, 224, 16, 264), (1, 28, 74, 264), (40, 56, 14, 66)],
-)
-def test_w4a16_stream_k_plan_takes_the_most_runs_in_a_tile(
-    m: int, tiles: int, steps: int, programs: int
-) -> None:
-    """``programs`` for each band of bm rows: the grid is (programs, bands)."""
-    config = {**STREAM, "bn": 16, "programs": programs}
-    plan = w4a16.checked_plan(m, 16 * tiles, 128 * steps, 128, config)
-    assert plan.parts == stream_k.most_parts(tiles, steps, programs)
-    assert plan.grid == (programs, -(-m // 16))
+        w4a16.w4a16_matmul(x384, int4.pack(q384), sz384, 32, TILED)
 
 
 def fp8_problem(m: int, n: int, k: int, rowwise: bool, fa: str = "e4m3", fb: str = "e4m3"):
@@ -341,9 +305,8 @@ def test_w4a16_every_config_on_the_gpu(m: int, n: int, g: int) -> None:
     assert excess(torch_out, ref, tol) <= 1
 
 
-# n = 512, K = 4096: 4 tiles of 128 rows, 16 steps each; 3 stream-K programs store tile 0
-# whole and meet in tiles 1-3; 5 splits: runs of 3 and 4 steps (summed by the last to arrive,
-# or by the last split once the others arrived)
+# n = 512, K = 4096: 4 tiles of 128 rows, 16 steps each; 5 splits: runs of 3 and 4 steps
+# (summed by the last to arrive, or by the last split once the others arrived)
 GPU_CONFIGS = [
     {**TILED, "bn": 128, "warps": 8, "stages": 3},
     {**TILED, "bn": 128, "warps": 8, "stages": 3, "split_k": 4},
@@ -357,7 +320,6 @@ GPU_CONFIGS = [
         "step_sum": True,
         "split_wait": True,
     },
-    {**STREAM, "bn": 128, "dots": 2, "programs": 3, "warps": 8, "stages": 4},
     # hybrid, 8 tiles of 64 rows: 5 whole, 3 in 3 splits each
     {**TILED, "bn": 64, "warps": 4, "stages": 3, "split_k": 3, "whole_tiles": 5, "step_sum": True},
     {
@@ -373,11 +335,7 @@ GPU_CONFIGS = [
 ]
 
 
-# (M, config): the configs above at M = 4, and stream-K over two bands of 64 rows (the second of
-# 36), 8 tiles of 32 steps each in 5 runs a band
-GPU_CASES = [(4, config) for config in GPU_CONFIGS] + [
-    (100, {**STREAM, "bm": 64, "bn": 64, "programs": 5, "warps": 4, "stages": 4})
-]
+GPU_CASES = [(4, config) for config in GPU_CONFIGS]  # (M, config)
 
 
 @pytest.mark.gpu
@@ -433,10 +391,6 @@ def test_w4a16_split_k_sums_alike_in_the_kernel_and_in_a_captured_graph(m: int, 
     [
         (512, {"kernel": "tiled", "bm": 16, "bn": 64, "bk": 256, "split_k": 8, "group_m": 1,
                "warps": 4, "stages": 4}),
-        # stream-K: 9 tiles x 16 steps in 20 runs, most tiles in three runs, some in two (tiles
-        # stored whole from the loop included)
-        (520, {"kernel": "stream_k", "bm": 16, "bn": 64, "bk": 256, "programs": 20, "warps": 4,
-               "stages": 4}),
     ],
 )  # fmt: skip
 def test_fp8_split_k_sums_alike_in_the_kernel_and_in_a_captured_graph(n: int, config) -> None:

@@ -68,8 +68,6 @@ W4_CASES = [  # (m, group, activation dtype, config)
                             "split_k": 2, "group_m": 1, "warps": 4, "stages": 3}),
     (20, 128, torch.bfloat16, {"kernel": "tiled", "bm": 16, "bn": 16, "bk": 128, "dots": 1,
                                "split_k": 2}),
-    (5, 64, torch.float16, {"kernel": "stream_k", "bm": 16, "bn": 16, "bk": 128, "dots": 1,
-                            "programs": 4, "warps": 4, "stages": 3}),
 ]  # fmt: skip
 
 

@@ -6,8 +6,8 @@
 - ``gemv``: decode shapes (M <= 8): streams B with wide loads and FMAs, no tensor cores;
 - ``persistent``: Hopper TMA tensor descriptors made on the device, one program per SM;
 - ``pad``: copies an operand into a K-padded, 16-byte aligned buffer (for odd shapes);
-- ``w4a16`` and ``fp8``: the low-bit GEMMs (INT4 weight-only, FP8 with scales), tiled, split-K
-  and stream-K;
+- ``w4a16`` and ``fp8``: the low-bit GEMMs (INT4 weight-only, FP8 with scales), tiled and
+  split-K;
 - ``splitk_arrival``: split-K partials summed in the kernel by each tile's last program;
 - ``stream_read``: the bare streaming read that benchmarks put beside a kernel as its floor;
 - ``configs``: the plain GEMM family's config spaces and shortlist; ``launch``: launching and

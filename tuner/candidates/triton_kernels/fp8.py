@@ -17,14 +17,6 @@ unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False
   writing its *scaled* fp32 partial (scaling is linear), summed in split order by the tile's
   last program (``splitk_arrival``: no second launch in a decode step), or by the tiled
   family's ``splitk_reduce`` while a CUDA graph is captured before the counts exist.
-- ``fp8_stream_k`` (decode, M <= BM; not in the shortlist): ``programs`` programs over
-  the (tile, K step) units, tile-major, each a contiguous run in one flat loop (the copies run
-  on across a tile boundary), so neither the output tiles nor K's divisors set the grid. It
-  computes out.T = b a.T: the weight's [BN, BK] tile is the dot's first operand (64 rows fill a
-  wgmma's M) and the activations' 16 rows its N. A tile one program covers is stored from the
-  loop; where runs meet, each stores its scaled fp32 partial in the plane of its rank and the
-  tile's last program to arrive sums them in rank order (``splitk_arrival``, the run
-  bookkeeping of ``w4a16.w4a16_stream_k``).
 - ``fp8_persistent_tma`` (Hopper): one program per SM walks the tiles; A and B move through TMA
   descriptors made on the device, which zero-fill the K tail and out-of-range rows. TMA needs
   16-byte aligned bases and row strides (K % 16 == 0 for fp8).
@@ -50,12 +42,11 @@ from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
 from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA
 from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts, reduce_if_last
-from tuner.candidates.triton_kernels.stream_k import most_parts, owner_of, reduce_shared_tiles
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.fp8 import FP8_DTYPES, check_scales
 
 Config = dict[str, Any]
-KERNELS = ("tiled", "stream_k", "persistent_tma")
+KERNELS = ("tiled", "persistent_tma")
 MIN_CAPABILITY = (8, 9)
 TMA_CAPABILITY = (9, 0)
 REDUCE_BLOCK = 1024
@@ -120,67 +111,6 @@ def fp8_tiled(
         if REDUCE_HERE:
             reduce_if_last(ws_ptr, counts_ptr, tl.program_id(0), part, plane, mask, out_ptrs,
                            SPLIT_K, SPLIT_K)  # fmt: skip
-
-
-@triton.jit
-def fp8_stream_k(
-    a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, M, N, K, lda, ldb, ldo, steps,
-    units, programs, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
-    MAX_PARTS: tl.constexpr, REDUCE_HERE: tl.constexpr,
-):  # fmt: skip
-    """Decode (M <= BM, one row of tiles): program p runs units [p U / P, (p + 1) U / P) of
-    the ``units`` = tiles x ``steps`` (tile, BK step) units, tile-major. ``REDUCE_HERE`` false
-    (a CUDA graph captured before the arrival counts exist): every tile's partial goes to the
-    workspace, for a ``splitk_reduce`` launch."""
-    p = tl.program_id(0)
-    lo = (p.to(tl.int64) * units // programs).to(tl.int32)
-    hi = ((p + 1).to(tl.int64) * units // programs).to(tl.int32)
-    tile = lo // steps
-    kk = lo - tile * steps  # the step within the tile
-    rm = tl.arange(0, BM)
-    rl = tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    mask_m = rm[:, None] < M
-    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * lda + rk[None, :]
-    b_offs = rl[:, None].to(tl.int64) * ldb + rk[None, :]
-    plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for u in range(lo, hi):
-        n0 = tile * BN
-        k0 = kk * BK
-        rows = rl[:, None] < N - n0
-        if EVEN_K:
-            a = tl.load(a_ptrs + k0, mask=mask_m, other=0.0)
-            b = tl.load(b_ptr + n0.to(tl.int64) * ldb + k0 + b_offs, mask=rows, other=0.0)
-        else:
-            in_k = rk[None, :] < K - k0
-            a = tl.load(a_ptrs + k0, mask=mask_m & in_k, other=0.0)
-            b = tl.load(b_ptr + n0.to(tl.int64) * ldb + k0 + b_offs, mask=rows & in_k,
-                        other=0.0)  # fmt: skip
-        acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)
-        last_step = kk == steps - 1
-        flush = last_step | (u == hi - 1)
-        if flush:
-            first = owner_of(tile * steps, units, programs)
-            # reduced apart (REDUCE_HERE false), every tile's partial goes to the workspace
-            whole = (owner_of(tile * steps + steps - 1, units, programs) == first) & REDUCE_HERE
-            rn = n0 + rl
-            c = _scaled(tl.trans(acc), sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE)
-            mask = mask_m & (rn[None, :] < N)
-            if whole:
-                tl.store(out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :],
-                         c.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-            else:
-                part = rm[:, None].to(tl.int64) * N + rn[None, :]
-                tl.store(ws_ptr + (p - first) * plane + part, c, mask=mask)
-        # reset after the branch: reset inside it, ptxas (sm_90) serializes the loop's wgmmas
-        acc = tl.where(flush, 0.0, acc)
-        tile += last_step.to(tl.int32)
-        kk = tl.where(last_step, 0, kk + 1)
-    if REDUCE_HERE:
-        reduce_shared_tiles(ws_ptr, counts_ptr, out_ptr, lo, hi, steps, units, programs, plane, M,
-                            N, ldo, BM, BN, MAX_PARTS)  # fmt: skip
 
 
 @triton.jit
@@ -291,14 +221,13 @@ def _launches(
     rowwise: bool,
     precise: bool,
     device: torch.device,
-    workspace: Callable[[int, bool], Any],
+    workspace: Callable[[int], Any],
     counts: Callable[[int], Any | None],
 ) -> list[_Launch]:
     """The launches of one ``fp8_matmul`` call, in order. ``operands``: a, b, the flat scales and
-    out (tensors or ``FakeTensor``s), ``lds`` their row strides (a, b, out); ``workspace(planes,
-    zeroed)`` gives the float32 partials (zero-filled where a tile may leave planes unwritten),
-    ``counts(tiles)`` the arrival counts of the in-kernel reduction (None: reduce with a second
-    launch). A ValueError names a config that cannot run them."""
+    out (tensors or ``FakeTensor``s), ``lds`` their row strides (a, b, out); ``workspace(planes)``
+    gives the float32 partials, ``counts(tiles)`` the arrival counts of the in-kernel reduction
+    (None: reduce with a second launch). A ValueError names a config that cannot run them."""
     a, b, sa, sb, out = operands
     m, n, k = mnk
     lda, ldb, ldo = lds
@@ -318,8 +247,6 @@ def _launches(
         args = (a, b, sa, sb, out, m, n, k, lda, ldb, ldo, programs)
         consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, ROWWISE=rowwise, **options)
         return [_Launch(fp8_persistent_tma, (programs,), args, consts)]
-    if kernel == "stream_k":
-        return _stream_k_launches(operands, mnk, lds, config, rowwise, options, workspace, counts)
     if kernel != "tiled":
         raise ValueError(f"config['kernel']={kernel!r}: allowed {', '.join(KERNELS)}")
     split, interleave = config.get("split_k", 1), config.get("interleave", False)
@@ -328,7 +255,7 @@ def _launches(
     if not (1 <= split <= triton.cdiv(k, bk) if interleave else split_fits(k, bk, split)):
         raise ValueError(f"config['split_k']={split}: more splits than bk={bk} tiles in K={k}")
     k_split = _k_per_split(k, bk, split)
-    ws = workspace(split, False) if split > 1 else out
+    ws = workspace(split) if split > 1 else out
     arrivals = counts(tiles) if split > 1 else None
     args = (a, b, sa, sb, out, ws, out if arrivals is None else arrivals, m, n, k, lda, ldb, ldo,
             k_split)  # fmt: skip
@@ -349,51 +276,6 @@ def _reduce(ws: Any, out: Any, m: int, n: int, ldo: int, planes: int) -> _Launch
                    dict(SPLIT_K=planes, BLOCK=REDUCE_BLOCK))  # fmt: skip
 
 
-def stream_shape(m: int, n: int, k: int, config: Config) -> tuple[int, int, int]:
-    """(tiles, steps, programs) of a stream-K config on an (M, N, K) problem, or a ValueError
-    naming the config field that cannot run it."""
-    bm, bn, bk = config["bm"], config["bn"], config["bk"]
-    if m > bm:
-        raise ValueError(f"config['kernel']='stream_k': one row of tiles only, M={m} > "
-                         f"config['bm']={bm}")  # fmt: skip
-    tiles, steps = triton.cdiv(n, bn), triton.cdiv(k, bk)
-    programs = config.get("programs")
-    if not isinstance(programs, int) or not 1 <= programs <= tiles * steps:
-        raise ValueError(f"config['programs']={programs!r}: allowed 1 .. {tiles * steps}, the "
-                         f"(tile, K step) units of this problem")  # fmt: skip
-    return tiles, steps, programs
-
-
-def _stream_k_launches(
-    operands: tuple[Any, Any, Any, Any, Any],
-    mnk: tuple[int, int, int],
-    lds: tuple[int, int, int],
-    config: Config,
-    rowwise: bool,
-    options: dict[str, Any],
-    workspace: Callable[[int, bool], Any],
-    counts: Callable[[int], Any | None],
-) -> list[_Launch]:
-    """``_launches`` of a stream-K config: the kernel, and a reduce launch where the counts
-    are missing (the kernel then leaves every partial in a zeroed workspace)."""
-    a, b, sa, sb, out = operands
-    m, n, k = mnk
-    lda, ldb, ldo = lds
-    tiles, steps, programs = stream_shape(m, n, k, config)
-    parts = most_parts(tiles, steps, programs)
-    arrivals = counts(tiles) if parts > 1 else out
-    ws = workspace(parts, arrivals is None) if parts > 1 else out
-    args = (a, b, sa, sb, out, ws, out if arrivals is None else arrivals, m, n, k, lda, ldb, ldo,
-            steps, tiles * steps, programs)  # fmt: skip
-    consts = dict(BM=config["bm"], BN=config["bn"], BK=config["bk"], ROWWISE=rowwise,
-                  EVEN_K=k % config["bk"] == 0, MAX_PARTS=parts,
-                  REDUCE_HERE=arrivals is not None, **options)  # fmt: skip
-    stream = _Launch(fp8_stream_k, (programs,), args, consts)
-    if arrivals is not None:
-        return [stream]
-    return [stream, _reduce(ws, out, m, n, ldo, parts)]
-
-
 def fp8_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -411,9 +293,8 @@ def fp8_matmul(
         out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     sa, sb = scale_a.reshape(-1).contiguous(), scale_b.reshape(-1).contiguous()
 
-    def workspace(planes: int, zeroed: bool) -> torch.Tensor:
-        make = torch.zeros if zeroed else torch.empty
-        return make(planes, m, n, dtype=torch.float32, device=a.device)
+    def workspace(planes: int) -> torch.Tensor:
+        return torch.empty(planes, m, n, dtype=torch.float32, device=a.device)
 
     launches = _launches((a, b, sa, sb, out), (m, n, k), (a.stride(0), b.stride(0), out.stride(0)),
                          config, rowwise, precise, a.device, workspace,
@@ -447,13 +328,13 @@ def jobs(
     scale = FakeTensor(torch.float32)
     a, b, out = FakeTensor(a_dtype, align), FakeTensor(b_dtype), FakeTensor(out_dtype)
     launches = _launches((a, b, scale, scale, out), (m, n, k), (k, k, n), config, rowwise,
-                         precise, device, lambda planes, zeroed: FakeTensor(torch.float32),
+                         precise, device, lambda planes: FakeTensor(torch.float32),
                          lambda tiles: FakeTensor(torch.int32))  # fmt: skip
     return [launch.job() for launch in launches]
 
 
 # Decode (M <= 16), tiled kernel: the tiles that won a decode row of the grid bench
-# (``bench/fp8_decode_sweep.py``, figures in bench/NOTES.md), which stream-K won none of.
+# (``bench/fp8_decode_sweep.py``, figures in bench/NOTES.md).
 # N narrower than two waves of 64-row tiles: (bn, bk, stages, splits, least M), splits:
 # "wave", the most whose programs fit one wave at two per SM; "per_sm", the most whose
 # programs fit one wave at one per SM (a deep pipeline), offered where they fill 3/4 of it at

@@ -22,9 +22,7 @@ tile's last split once the others arrived (``split_wait``), sums them in split o
 result is deterministic and needs no second launch (while a CUDA graph is being captured before
 the counts exist, a reduce launch does it instead). Where a decode problem has more tiles than
 SMs, a hybrid (``whole_tiles``) takes whole waves of tiles whole and splits the others' K, so that
-no SM is left a whole tile more than others. A stream-K kernel (``w4a16_stream_k``, which
-``configs`` does not offer) cuts each band of BM rows' (tile, K step) units into even runs, one
-per program, all programs resident at once.
+no SM is left a whole tile more than others.
 
 Entry point for a candidate source: ``w4a16_matmul(x, weight, scales_and_zeros, group_size,
 config)`` and ``configs(m, n, k, group_size)``, the configs worth timing for a shape;
@@ -49,12 +47,11 @@ from tuner.candidates.triton_kernels.splitk_arrival import (
     reduce_if_last,
     sum_when_arrived,
 )
-from tuner.candidates.triton_kernels.stream_k import most_parts, owner_of, reduce_shared_tiles
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.int4 import BLOCK_ROWS, CHUNK, check_group_size, check_scales_and_zeros
 
 Config = dict[str, Any]
-KERNELS = ("tiled", "stream_k")
+KERNELS = ("tiled",)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 MIN_CAPABILITY = (8, 0)
 REDUCE_BLOCK = 1024
@@ -104,8 +101,8 @@ def _weight_tile(w_ptr, sz_ptr, n0, k0, N, half, dtype: tl.constexpr, BN: tl.con
     (a whole chunk), in ``dtype`` (fp32 in the interpreter). BN divides 64 or is a multiple of
     it, so the tile's rows fill part of one 64-row block or whole blocks; ``RAGGED``: N % 64 > 0,
     the last block has fewer rows (a narrower stride). Addresses are a scalar base plus offsets
-    that do not depend on ``n0`` or ``k0`` (but for a ragged block's rows), so a loop whose tile
-    moves (stream-K) keeps the per-element part out of the loop.
+    that do not depend on ``n0`` or ``k0`` (but for a ragged block's rows), so the K loop keeps
+    the per-element part out of the loop.
 
     Tile-major layout (``int4.pack``): block b of r rows starts at byte 64 b * half and holds
     chunk c of its row i at 64 (c r + i). A chunk's byte b (0..63) holds, for c = b // 16 and
@@ -247,61 +244,6 @@ def _store_split(ws_ptr, counts_ptr, tile, split, acc, part, plane, mask, out_pt
                            SPLIT_K)  # fmt: skip
 
 
-@triton.jit
-def w4a16_stream_k(
-    x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, counts_ptr, M, N, half, ldx, ldo, steps, units,
-    programs, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOTS: tl.constexpr,
-    GROUP: tl.constexpr, MAX_PARTS: tl.constexpr, REDUCE_HERE: tl.constexpr,
-    RAGGED: tl.constexpr, STEP_SUM: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """Each row of tiles (program_id 1: its BM rows of x and of the output) on its own: its
-    ``units`` = tiles x ``steps`` (tile, K step) units, tile-major, cut into ``programs``
-    contiguous runs of whole steps, one per program, in one flat loop (the copy pipeline runs on
-    across a tile boundary). A tile that one program covers is stored from the loop; otherwise
-    each program stores its fp32 partial in the plane of its rank among the tile's programs
-    (``MAX_PARTS`` at most), and after the loop the tile's last program to arrive sums them (an
-    arrival inside the loop would keep Triton from pipelining it)."""
-    p = tl.program_id(0)
-    row = tl.program_id(1)  # the band of BM rows; its tiles' counts follow the band before it
-    x_ptr += row.to(tl.int64) * BM * ldx
-    out_ptr += row.to(tl.int64) * BM * ldo
-    ws_ptr += row.to(tl.int64) * BM * N
-    counts_ptr += row * tl.cdiv(N, BN)
-    plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
-    rows = M - row * BM  # the band's rows, and those below it
-    lo = (p.to(tl.int64) * units // programs).to(tl.int32)
-    hi = ((p + 1).to(tl.int64) * units // programs).to(tl.int32)
-    tile = lo // steps
-    kk = lo - tile * steps  # the step within the tile
-    rm = tl.arange(0, BM)
-    mask_m = rm[:, None] < rows
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * ldx + tl.arange(0, BK)[None, :]
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for u in range(lo, hi):
-        acc = _step(acc, x_ptrs, mask_m, w_ptr, sz_ptr, tile * BN, kk * (DOTS * BK), N, half, BN,
-                    BK, DOTS, GROUP, RAGGED, STEP_SUM, INTERPRET)  # fmt: skip
-        last_step = kk == steps - 1
-        flush = last_step | (u == hi - 1)
-        if flush:
-            first = owner_of(tile * steps, units, programs)
-            # reduced apart (REDUCE_HERE false), every tile's partial goes to the workspace
-            whole = (owner_of(tile * steps + steps - 1, units, programs) == first) & REDUCE_HERE
-            rn = tile * BN + tl.arange(0, BN)
-            mask = (rn[:, None] < N) & (rm[None, :] < rows)
-            if whole:
-                _store_whole(out_ptr, acc, rm, rn, mask, ldo)
-            else:
-                part = rm[None, :].to(tl.int64) * N + rn[:, None]
-                tl.store(ws_ptr + (p - first) * plane + part, acc, mask=mask)
-        # reset after the branch: reset inside it, ptxas (sm_90) serializes the loop's wgmmas
-        acc = tl.where(flush, 0.0, acc)
-        tile += last_step.to(tl.int32)
-        kk = tl.where(last_step, 0, kk + 1)
-    if REDUCE_HERE:
-        reduce_shared_tiles(ws_ptr, counts_ptr, out_ptr, lo, hi, steps, units, programs, plane,
-                            rows, N, ldo, BM, BN, MAX_PARTS)  # fmt: skip
-
-
 def check_inputs(
     x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
 ) -> tuple[int, int, int]:
@@ -355,28 +297,18 @@ def check_config(config: Config, m: int, n: int, k: int, group_size: int) -> Non
                          f"of bk * dots")  # fmt: skip
     split_wait = config.get("split_wait", False)
     split = config.get("split_k", 1)
-    if not isinstance(split_wait, bool) or (split_wait and (kernel != "tiled" or split == 1)):
-        raise ValueError(f"config['split_wait']={split_wait!r}: allowed True (kernel 'tiled', "
-                         f"config['split_k'] >= 2) or False")  # fmt: skip
+    if not isinstance(split_wait, bool) or (split_wait and split == 1):
+        raise ValueError(f"config['split_wait']={split_wait!r}: allowed True (config['split_k'] "
+                         f">= 2) or False")  # fmt: skip
+    steps = k // (bk * dots)
+    if type(split) is not int or not 1 <= split <= steps:
+        raise ValueError(f"config['split_k']={split!r}: allowed 1 .. {steps}, the bk * dots = "
+                         f"{bk * dots} steps of K={k}")  # fmt: skip
     whole = config.get("whole_tiles", 0)
-    if kernel == "tiled":
-        steps = k // (bk * dots)
-        if type(split) is not int or not 1 <= split <= steps:
-            raise ValueError(f"config['split_k']={split!r}: allowed 1 .. {steps}, the bk * dots = "
-                             f"{bk * dots} steps of K={k}")  # fmt: skip
-        tiles = triton.cdiv(m, config["bm"]) * triton.cdiv(n, bn)
-        if type(whole) is not int or (whole != 0 and (not 1 <= whole < tiles or split == 1)):
-            raise ValueError(f"config['whole_tiles']={whole!r}: allowed 0 (none), or from 1 to "
-                             f"one less than the problem's {tiles} tiles with config['split_k'] "
-                             f">= 2")  # fmt: skip
-        return
-    if whole != 0:
-        raise ValueError(f"config['whole_tiles']={whole!r}: allowed with kernel 'tiled' only")
-    units = triton.cdiv(n, config["bn"]) * (k // (bk * dots))
-    programs = config.get("programs")
-    if type(programs) is not int or not 1 <= programs <= units:
-        raise ValueError(f"config['programs']={programs!r}: allowed 1 .. {units}, the (tile, "
-                         f"K step) units of one row of tiles of this problem")  # fmt: skip
+    tiles = triton.cdiv(m, config["bm"]) * triton.cdiv(n, bn)
+    if type(whole) is not int or (whole != 0 and (not 1 <= whole < tiles or split == 1)):
+        raise ValueError(f"config['whole_tiles']={whole!r}: allowed 0 (none), or from 1 to one "
+                         f"less than the problem's {tiles} tiles with config['split_k'] >= 2")  # fmt: skip
 
 
 def w4a16_matmul(
@@ -439,31 +371,18 @@ class Plan:
         self.tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         meta = dict(BM=bm, BN=bn, BK=bk, DOTS=dots, GROUP=group_size, RAGGED=n % BLOCK_ROWS > 0,
                     STEP_SUM=config.get("step_sum", False), INTERPRET=interpreting())  # fmt: skip
-        self.stream = config["kernel"] == "stream_k"
-        steps = k // (bk * dots)
-        if self.stream:  # ``programs`` for each row of tiles
-            programs, tiles = config["programs"], triton.cdiv(n, bn)
-            units = tiles * steps
-            self.kernel, self.grid = w4a16_stream_k, (programs, triton.cdiv(m, bm))
-            self.parts = most_parts(tiles, steps, programs)
-            self.meta = {**meta, "MAX_PARTS": self.parts}
-            self.tail: tuple[int, ...] = (steps, units, programs)
-        else:
-            self.parts = config.get("split_k", 1)
-            self.whole = config.get("whole_tiles", 0)
-            self.kernel, self.grid = w4a16_tiled, (self.tiles, self.parts)
-            if self.whole:
-                self.grid = (self.whole + (self.tiles - self.whole) * self.parts,)
-            self.meta = {**meta, "SPLIT_K": self.parts, "GROUP_M": config.get("group_m", 8),
-                         "SPLIT_WAIT": config.get("split_wait", False),
-                         "HYBRID": self.whole > 0}  # fmt: skip
-            self.tail = (steps, self.whole)
+        self.parts = config.get("split_k", 1)
+        self.whole = config.get("whole_tiles", 0)
+        self.kernel, self.grid = w4a16_tiled, (self.tiles, self.parts)
+        if self.whole:
+            self.grid = (self.whole + (self.tiles - self.whole) * self.parts,)
+        self.meta = {**meta, "SPLIT_K": self.parts, "GROUP_M": config.get("group_m", 8),
+                     "SPLIT_WAIT": config.get("split_wait", False), "HYBRID": self.whole > 0}  # fmt: skip
+        self.tail = (k // (bk * dots), self.whole)  # steps of K, whole tiles
         self.warps_stages = dict(
             num_warps=config.get("warps", 4), num_stages=config.get("stages", 2)
         )
-        # stream-K stores whole tiles itself, so it always reduces in the kernel
-        reduce_here = self.stream or self.parts > 1
-        self.main = Launcher(self.kernel, self.grid, {**self.meta, "REDUCE_HERE": reduce_here},
+        self.main = Launcher(self.kernel, self.grid, {**self.meta, "REDUCE_HERE": self.parts > 1},
                              **self.warps_stages)  # fmt: skip
         self.checked = False
 
@@ -514,10 +433,10 @@ class Plan:
     def _reduce_apart(self, x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor,
                       out: torch.Tensor, ws: torch.Tensor) -> None:  # fmt: skip
         """While a CUDA graph is captured before the arrival counts exist: partials, then a
-        reduce launch (both through the JIT). A stream-K tile fills only as many planes as it
-        has programs, a hybrid's whole tile only plane 0: the others must read as zeros."""
+        reduce launch (both through the JIT). A hybrid's whole tile fills only plane 0: the
+        others must read as zeros."""
         m, n = self.m, self.n
-        if self.stream or self.meta.get("HYBRID"):
+        if self.whole:
             ws.zero_()
         self.kernel[self.grid](
             *self._args(x, weight, sz, out, ws, out, x.stride(0), out.stride(0)), **self.meta,

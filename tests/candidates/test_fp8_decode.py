@@ -1,8 +1,6 @@
-"""The FP8 decode kernels beside split-K: stream-K (``fp8.fp8_stream_k``: runs of (tile, K step)
-units that cross tiles, whole tiles stored from the loop, ragged N and K) and split-K with
-interleaved splits, against float32 GEMMs on the dequantized operands; the decode configs; the
-sum of a tile's partials in the kernel and, in a CUDA graph captured before the arrival counts
-exist, by a second launch."""
+"""The FP8 decode kernels: split-K with interleaved splits (ragged N and K) against float32 GEMMs
+on the dequantized operands; the decode configs, built for every decode shape and run on the
+GPU."""
 
 from __future__ import annotations
 
@@ -13,10 +11,8 @@ import torch
 
 from tests.candidates.test_lowbit_kernels import fp8_problem
 from tuner.candidates.triton_kernels import fp8 as fp8_kernels
-from tuner.quant import fp8
 from tuner.quant.tolerance import excess
 
-STREAM = {"kernel": "stream_k", "bm": 16, "bn": 16, "bk": 32, "programs": 4}
 INTERLEAVED = {"kernel": "tiled", "bm": 16, "bn": 16, "bk": 32, "split_k": 3, "interleave": True}
 # (N, K, narrow): Llama and Qwen down, gate_up, Llama o and qkv
 DECODE_SHAPES = [(4096, 14336, True), (3584, 18944, True), (28672, 4096, False),
@@ -24,14 +20,6 @@ DECODE_SHAPES = [(4096, 14336, True), (3584, 18944, True), (28672, 4096, False),
 
 # (m, rowwise, fa, fb, k, config) on n = 40
 CASES = [
-    # 3 tiles of 3 steps in 4 runs: tiles 0 and 2 in two runs each, runs crossing tiles
-    (1, True, "e4m3", "e4m3", 96, STREAM),
-    # 2 tiles of 3 steps, one program each: stored from the loop
-    (16, False, "e4m3", "e4m3", 96, {**STREAM, "bn": 32, "programs": 2}),
-    # K = 80 in 32-wide steps (the last one half), one unit per program: 3 partials a tile
-    (5, True, "e5m2", "e4m3", 80, {**STREAM, "programs": 9}),
-    # one program, one tile wider than N
-    (3, True, "e4m3", "e5m2", 96, {**STREAM, "bn": 64, "bk": 64, "programs": 1}),
     # split-K, interleaved: split 0 takes steps 0 and 2, split 1 step 1 ...
     (4, True, "e4m3", "e4m3", 96, {**INTERLEAVED, "split_k": 2}),
     # ... and with K = 80, split 2 takes the half step
@@ -50,28 +38,13 @@ def test_fp8_decode_kernels_match_the_dequantized_gemm(
     assert excess(out, ref, tol) <= 1
 
 
-def test_fp8_stream_k_planted_errors_are_caught() -> None:
-    """Scales of the wrong rows, one K step's products missing (a run that skipped a unit)."""
-    a, b, sa, sb, ref, tol = fp8_problem(5, 40, 96, True)
-    assert excess(fp8_kernels.fp8_matmul(a, b, sa, sb.flip(0), STREAM), ref, tol) > 1
-    short = a.clone()
-    short[:, 32:64] = 0
-    assert excess(fp8_kernels.fp8_matmul(short, b, sa, sb, STREAM), ref, tol) > 1
-
-
-def test_fp8_stream_k_bad_configs_name_the_field() -> None:
+def test_fp8_decode_bad_configs_name_the_field() -> None:
     a, b, sa, sb, _, _ = fp8_problem(4, 40, 96, True)
-    # 3 tiles of 16 rows x 3 steps of 32: 9 units
-    for programs in (0, 10, None):
-        field = re.escape(f"config['programs']={programs}: allowed 1 .. 9")
-        with pytest.raises(ValueError, match=field):
-            fp8_kernels.fp8_matmul(a, b, sa, sb, {**STREAM, "programs": programs})
-    a17, sa17 = fp8.quantize_rowwise(torch.randn(17, 96, device=a.device))
-    with pytest.raises(ValueError, match="M=17 > config\\['bm'\\]=16"):
-        fp8_kernels.fp8_matmul(a17, b, sa17, sb, STREAM)
-    with pytest.raises(ValueError, match="config\\['kernel'\\]='gemv': allowed tiled, stream_k"):
-        fp8_kernels.fp8_matmul(a, b, sa, sb, {**STREAM, "kernel": "gemv"})
     tiled = {"kernel": "tiled", "bm": 16, "bn": 16, "bk": 32, "split_k": 2, "group_m": 1}
+    for kernel in ("gemv", "stream_k"):
+        field = re.escape(f"config['kernel']='{kernel}': allowed tiled, persistent_tma")
+        with pytest.raises(ValueError, match=field):
+            fp8_kernels.fp8_matmul(a, b, sa, sb, {**tiled, "kernel": kernel})
     with pytest.raises(ValueError, match="config\\['interleave'\\]='yes': allowed True, False"):
         fp8_kernels.fp8_matmul(a, b, sa, sb, {**tiled, "interleave": "yes"})
 
@@ -115,14 +88,12 @@ def test_fp8_decode_configs_build_for_every_decode_shape(n: int, k: int, narrow:
 @pytest.mark.gpu
 @pytest.mark.parametrize(("m", "rowwise"), [(1, True), (16, False)])
 def test_fp8_decode_kernels_every_config_on_a_down_projection(m: int, rowwise: bool) -> None:
-    """N = 1000 (a ragged last tile) and Llama's down K: each config of the decode shortlist and
-    a one-wave stream-K config within the tolerance in both accumulation modes, and bit for bit
-    the same on a second call."""
+    """N = 1000 (a ragged last tile) and Llama's down K: each config of the decode shortlist
+    within the tolerance in both accumulation modes, and bit for bit the same on a second call."""
     n, k = 1000, 14336
     a, b, sa, sb, ref, tol = fp8_problem(m, n, k, rowwise)
     sb = sb.T if rowwise else sb
-    stream = {"kernel": "stream_k", "bm": 16, "bn": 64, "bk": 256, "programs": 132, "stages": 3}
-    for config in [*fp8_kernels.configs(m, n, k), stream]:
+    for config in fp8_kernels.configs(m, n, k):
         for precise in (False, True):
             out = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=precise)
             assert excess(out, ref, tol) <= 1, (config, precise)
