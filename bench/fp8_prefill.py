@@ -1,6 +1,7 @@
 """FP8 rowwise prefill: every FP8 source's configs beside ``_scaled_mm`` and bf16 cuBLAS.
 
     python bench/fp8_prefill.py --out $OUT/fp8_prefill.json [--m 2048] [--ops qkv o] [--sweep]
+        [--sources cublaslt_fp8]
 
 Per projection (the low-bit suite's eight: qkv, o, gate_up, down of Llama-3-8B and Qwen2.5-7B)
 and M, the shortlist of each FP8 source (``cutlass_fp8``, ``cublaslt_fp8``, ``triton_fp8``:
@@ -18,6 +19,7 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -61,11 +63,12 @@ def sweep_of(source: str, shortlist: list[Params]) -> list[Params]:
     return []
 
 
-def configs_of(key: GemmKey, sweep: bool) -> Todo:
-    """(source, params, shortlisted) of every config to time for ``key``, without repeats."""
+def configs_of(key: GemmKey, sweep: bool, sources: Sequence[str] = SOURCES) -> Todo:
+    """(source, params, shortlisted) of every config of ``sources`` to time for ``key``, without
+    repeats."""
     shortlisted: list[tuple[str, Params]] = []
     extra: list[tuple[str, Params]] = []
-    for source in SOURCES:
+    for source in sources:
         src = registry.get(source)
         reason = src.unavailable("cuda") or src.unsupported(key)
         if reason:
@@ -108,9 +111,10 @@ def main() -> None:
     ap = arguments(__doc__.split("\n")[0], default_m=[2048])
     ap.add_argument("--profile-host", type=int, default=0, metavar="N",
                     help="first row: cProfile of N eager calls per source")  # fmt: skip
+    ap.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES)
     args = ap.parse_args()
     keys = keys_of(FORMAT, args.m, args.ops)
-    todo = {key: configs_of(key, args.sweep) for _, key in keys}
+    todo = {key: configs_of(key, args.sweep, args.sources) for _, key in keys}
     extra: dict[str, Any] = {"sweep": args.sweep}
     extra["compile_s"] = compile_everything(todo, cutlass="cutlass_fp8", triton="triton_fp8")
     if args.profile_host:
