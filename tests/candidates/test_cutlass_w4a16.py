@@ -139,22 +139,24 @@ def test_scheduler_params_are_runtime_arguments_of_one_kernel() -> None:
 def test_configs_that_share_a_kernel_are_all_candidates(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The split-K configs of MEDIUM share the stream-K kernel: each stays a candidate while the
-    kernel can run, and all go with it once it failed to compile."""
+    """Configs that differ in scheduler arguments share one kernel: each stays a candidate while
+    the kernel can run, and all go with it once it failed to compile."""
     monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path))
+    split = [{**STREAM_K, "decomposition": "splitk", "splits": s} for s in (2, 3)]
+    listed = [*w4.MEDIUM, *split, {**STREAM_K, "raster": "x"}]
+    monkeypatch.setattr(w4, "MEDIUM", listed)
     key = key_of("int4-g128", 256)
-    specs = [w4.kernel_spec(key, p) for p in w4.MEDIUM]
-    assert len(set(specs)) < len(specs)
+    specs = [w4.kernel_spec(key, p) for p in listed]
     for spec in specs:
         cutlass_env.record(spec, "compiled", {"seconds": 1.0})
     source = w4.CutlassW4A16()
-    assert source.candidates(key, "cuda") == w4.MEDIUM
+    assert source.candidates(key, "cuda") == listed
     shared = w4.kernel_spec(key, STREAM_K)
     (tmp_path / "compiled" / f"{shared.digest}.json").unlink()
     cutlass_env.record(shared, "failed", {"error": "ptxas: too many resources"})
     left = source.candidates(key, "cuda")
-    assert left == [p for p in w4.MEDIUM if w4.kernel_spec(key, p) != shared]
-    assert len(left) == len(w4.MEDIUM) - 4
+    assert left == [p for p in listed if w4.kernel_spec(key, p) != shared]
+    assert len(left) == len(listed) - 4
 
 
 @needs_library
