@@ -8,8 +8,7 @@ group 128, CUDA-graph GPU time (``timing.graph_time``), weights rotated past the
 
 - **bf16**: ``torch.matmul(x, w.T)`` (cuBLAS); **read_int4**: a bare read of the packed weight;
 - **w4a16**: every config of the Triton kernel's shortlist (``w4a16.configs``);
-- **cuda_gemv**: every config of ``GRID`` that fits M and K (its libraries built first, in
-  parallel).
+- **cuda_gemv**: every config of ``GRID`` that fits M (its libraries built first, in parallel).
 
 "pct_copy" is the bytes read and written (weight, scales, activations, output) per second over the
 device-to-device copy bandwidth. Every W4A16 config's output is checked against a float32 GEMM on
@@ -43,23 +42,16 @@ from tuner.quant import int4
 from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_roundoff
 
 GROUP = 128
-MS = (1, 4, 8, 16)
-# (split, slices of 16 rows per warp, stages, warps, cluster, groups, splits).
-# Shared-memory rings (M <= 8): the shortlist's K splits (32-row CTAs over all of K, one per SM)
-# and rows split (256-row CTAs, K over a cluster of 8).
-# Registers (M <= 16): about 128 CTAs on the down projections: 32-row CTAs over all of K, or
-# 64 / 128 rows over 2 / 4 K splits (x's run a CTA keeps: M x K / splits); 8 warps of 32-row
-# warps (one CTA per SM: their registers) or 4 warps, or 16-row warps (two CTAs per SM), twice
-# the CTAs; on gate_up (N = 28672) 64- and 128-row CTAs over all of K.
+MS = (1, 4, 8)
+# (split, slices of 16 rows per warp, stages, warps, cluster, splits). The shortlist's: warps
+# splitting K, 32-row CTAs over all of K (one per SM); warps splitting rows, 256-row CTAs with K
+# over a cluster of 8. K over CTAs without a cluster (workspace, arrival counts): the same
+# 256-row CTAs over 8 or 16 splits (one or two CTAs per SM on the down projections), 128-row
+# CTAs over 4, 32-row K-split CTAs over 2 (two per SM).
 GRID = [
-    ("k", 2, 4, 8, 1, 1, 1), ("k", 2, 3, 16, 1, 1, 1), ("rows", 2, 4, 8, 8, 1, 1),
-    ("regs", 2, 4, 8, 1, 1, 1), ("regs", 2, 4, 8, 1, 2, 2), ("regs", 2, 4, 8, 1, 4, 4),
-    ("regs", 2, 4, 8, 1, 2, 1), ("regs", 2, 4, 8, 1, 4, 1),
-    ("regs", 2, 3, 8, 1, 1, 1), ("regs", 2, 3, 8, 1, 4, 4),
-    ("regs", 2, 4, 4, 1, 1, 2), ("regs", 2, 4, 4, 1, 2, 4), ("regs", 2, 4, 4, 1, 4, 8),
-    ("regs", 2, 4, 4, 1, 1, 1),
-    ("regs", 1, 6, 8, 1, 2, 2), ("regs", 1, 6, 8, 1, 4, 4), ("regs", 1, 6, 8, 1, 8, 8),
-    ("regs", 1, 4, 8, 1, 2, 2), ("regs", 1, 4, 8, 1, 8, 8),
+    ("k", 2, 4, 8, 1, 1), ("k", 2, 3, 16, 1, 1), ("rows", 2, 4, 8, 8, 1),
+    ("rows", 2, 4, 8, 1, 8), ("rows", 2, 6, 8, 1, 8), ("rows", 2, 4, 8, 1, 16),
+    ("rows", 2, 4, 4, 1, 4), ("k", 2, 4, 8, 1, 2), ("k", 2, 4, 4, 1, 2),
 ]  # fmt: skip
 
 

@@ -1,23 +1,21 @@
-"""A hand-written CUDA W4A16 decode kernel (``cuda_kernels/w4a16_gemv.cu``) for INT4 keys, M <= 16.
+"""A hand-written CUDA W4A16 decode kernel (``cuda_kernels/w4a16_gemv.cu``) for INT4 keys, M <= 8.
 
-GEMV-style: a warp owns 16, 32 or 64 weight rows and a CTA a run of K. Three modes (``split``):
-- "k" (M <= 8): the CTA's rows are one warp's, each warp takes every ``warps``-th 128-value chunk
-  of the run from its own copy ring in shared memory, and the warps sum in shared memory; K may
-  be split over a cluster of CTAs, summed through distributed shared memory;
-- "rows" (M <= 8): the CTA owns ``warps`` x its warp's rows, every warp takes every chunk from
-  one ring the CTA shares (x's slab of a chunk copied once per CTA), K over a cluster as above;
-- "regs" (M <= 16): the CTA owns ``groups`` x its warp's rows and 1 / ``splits`` of K, whose x
-  run it copies into shared memory once; its warps split the rows into ``groups`` and K into
-  interleaved chunks, and each lane loads the weight bytes and (scale, zero) words it uses
-  straight into registers, ``stages`` chunks ahead (loads in flight without copy rings). With
-  ``splits`` > 1 the CTAs of a row block write fp32 sums to a workspace and the last to arrive
-  (an arrival count per row block, left at zero for the next launch) sums them.
-Every sum has a fixed order (deterministic). It reads our packed layout (``tuner.quant.int4``) as
-the Triton kernel does.
+GEMV-style: a warp owns 16, 32 or 64 weight rows and a CTA a run of K. CTAs that split K either
+form a cluster, summed through distributed shared memory, or (``splits``) write fp32 sums to a
+workspace, which the last CTA of a row block to arrive sums (an arrival count per row block,
+left at zero for the next launch, so a CUDA graph replays it as is). The CTA's warps split either
+K (``split`` "k": the CTA's rows are one warp's, each warp takes every ``warps``-th 128-value
+chunk of the run from its own copy ring, and the warps sum in shared memory) or rows (``split``
+"rows": the CTA owns ``warps`` x its warp's rows, every warp takes every chunk from one ring the
+CTA shares, so each chunk of x is copied once per CTA, not once per warp). Every sum has a fixed
+order (deterministic), and there is no second pass. Launched with programmatic dependent launch:
+a grid's setup overlaps the end of the kernel before it. It reads our packed layout
+(``tuner.quant.int4``) as the Triton kernel does.
 
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
-``stages`` of each copy ring or register ring: a ``Library``) and its launch part (``warps`` per
-CTA, ``cluster`` CTAs splitting K, and for "regs" ``groups`` and ``splits``). Each library (the CUDA runtime linked in statically) serves every shape and is
+``stages`` of each copy ring: a ``Library``) and its launch part (``warps`` per CTA, ``cluster``
+CTAs splitting K through distributed shared memory, ``splits`` CTAs splitting K through the
+workspace). Each library (the CUDA runtime linked in statically) serves every shape and is
 built by nvcc for sm_90a through ``cutlass_env``'s machinery (``compile_all``: a child process
 per library, a failure remembered and never compiled again) and loaded with ctypes; it is an
 artifact (``cutlass_artifacts``), keyed by the kernel source, nvcc's release and the flags, so
@@ -57,11 +55,9 @@ from tuner.quant.int4 import CHUNK, GROUP_SIZES
 
 SOURCE = Path(__file__).parent / "cuda_kernels" / "w4a16_gemv.cu"
 ARCH = "sm_90a"
-SPLITS, SLICES, STAGES = ("k", "rows", "regs"), (1, 2, 4), range(2, 9)
-MAX_M = 16  # "regs": two n8 tiles of activations
-SLAB_MAX_M = 8  # "k" and "rows": one n8 tile (each warp or CTA copies x's slab per chunk)
-MAX_WARPS, MAX_CLUSTER = 16, 8
-REGS_MAX_WARPS, MAX_K_SPLITS = 8, 16
+SPLITS, SLICES, STAGES = ("k", "rows"), (1, 2, 4), range(2, 9)
+MAX_M = 8  # one n8 tile of activations
+MAX_WARPS, MAX_CLUSTER, MAX_K_SPLITS = 16, 8, 16
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may take on sm_90
 ACT_DTYPES = ("bf16", "f16")
 ALIGN = 16  # bytes: x's rows and the weight are copied in 16-byte pieces
@@ -69,9 +65,7 @@ SZ_ALIGN = 4  # bytes: a (scale, zero) pair is copied as one word
 BUILDER = "tuner.candidates.cuda_w4a16"  # this module, also when it runs as __main__
 
 Config = dict[str, Any]
-CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster", "groups", "splits")
-# "groups" and "splits" may be left out (1): configs stored before they existed
-OPTIONAL_KEYS = ("groups", "splits")
+CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster", "splits")
 
 
 def _choice(config: Config, key: str, allowed: Iterable[Any]) -> Any:
@@ -82,55 +76,41 @@ def _choice(config: Config, key: str, allowed: Iterable[Any]) -> Any:
     return value
 
 
-def launch_part(config: Config) -> tuple[int, int]:
-    """(groups, splits) of a config: 1 where left out."""
-    return config.get("groups", 1), config.get("splits", 1)
-
-
 def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     """ValueError naming the field unless ``config`` can run the (M, N, K, group) problem."""
     extra = set(config) - set(CONFIG_KEYS)
     if extra:
         raise ValueError(f"config: unknown keys {sorted(extra)}; allowed {list(CONFIG_KEYS)}")
-    regs = _choice(config, "split", SPLITS) == "regs"
+    _choice(config, "split", SPLITS)
     _choice(config, "slices", SLICES)
     _choice(config, "stages", STAGES)
-    warps = _choice(config, "warps", range(1, (REGS_MAX_WARPS if regs else MAX_WARPS) + 1))
-    cluster = _choice(config, "cluster", range(1, (1 if regs else MAX_CLUSTER) + 1))
-    full = {key: 1 for key in OPTIONAL_KEYS} | config
-    divisors = [d for d in range(1, warps + 1) if warps % d == 0]
-    _choice(full, "groups", divisors if regs else [1])
-    splits = _choice(full, "splits", range(1, (MAX_K_SPLITS if regs else 1) + 1))
-    max_m = MAX_M if regs else SLAB_MAX_M
-    if not 1 <= m <= max_m:
-        raise ValueError(f"M={m}: allowed 1 to {max_m} with config['split']={config['split']!r}")
+    _choice(config, "warps", range(1, MAX_WARPS + 1))
+    cluster = _choice(config, "cluster", range(1, MAX_CLUSTER + 1))
+    # "splits" may be left out (1): configs stored before it existed
+    splits = _choice({"splits": 1} | config, "splits",
+                     range(1, (MAX_K_SPLITS if cluster == 1 else 1) + 1))  # fmt: skip
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"M={m}: allowed 1 to {MAX_M} (one n8 tile of activations)")
     if k % CHUNK or k < CHUNK * cluster * splits:
         raise ValueError(f"K={k}: must be whole chunks of {CHUNK}, at least one per CTA of "
-                         f"config['cluster']={cluster}, config['splits']={splits}")  # fmt: skip
+                         f"config['cluster']={cluster} x config['splits']={splits}")  # fmt: skip
     if group not in GROUP_SIZES or k % group:
         raise ValueError(f"group_size={group}: allowed {GROUP_SIZES}, dividing K={k}")
     if n < 1:
         raise ValueError(f"N={n}: must be at least 1")
-    if smem_bytes(config, m, k, group) > SMEM_LIMIT:
-        raise ValueError(f"config {config}: {smem_bytes(config, m, k, group)} bytes of shared "
-                         f"memory at M={m}, K={k}, more than a CTA's {SMEM_LIMIT}")  # fmt: skip
+    if smem_bytes(config, m, group) > SMEM_LIMIT:
+        raise ValueError(f"config {config}: {smem_bytes(config, m, group)} bytes of shared memory "
+                         f"at M={m}, more than a CTA's {SMEM_LIMIT}")  # fmt: skip
 
 
-XROW = 2 * CHUNK + 16  # bytes of one x row of a chunk in shared memory (padded for ldmatrix)
-
-
-def smem_bytes(config: Config, m: int, k: int, group: int) -> int:
-    """Shared memory of one CTA (as the launcher computes it). "k" and "rows": the copy rings
-    (one per warp, or the CTA's one when warps split rows), or the sums after them if larger
-    (splitting K, the warps' partials and their sum; splitting rows, the CTA's [rows, M]).
-    "regs": x's run of the longest K split, or the warps' partials if larger."""
+def smem_bytes(config: Config, m: int, group: int) -> int:
+    """Shared memory of one CTA (as the launcher computes it): the copy rings (one per warp, or
+    the CTA's one when warps split rows), or the sums after them if larger (splitting K, the
+    warps' partials and their sum; splitting rows, the CTA's [rows, M])."""
     rows, warps, by_rows = 16 * config["slices"], config["warps"], config["split"] == "rows"
-    if config["split"] == "regs":
-        longest = -(-(k // CHUNK) // launch_part(config)[1])  # chunks of the longest split
-        return max(longest * m * XROW, warps * rows * m * 4)
     groups = CHUNK // group if group < CHUNK else 1
     parts = (warps if by_rows else 1) * (rows * 64 + rows * 4 * groups)
-    stage = -(-(parts + m * XROW) // 128) * 128
+    stage = -(-(parts + m * (2 * CHUNK + 16)) // 128) * 128
     rings, sums = (1, warps) if by_rows else (warps, warps + 1)
     return max(rings * config["stages"] * stage, sums * rows * m * 4)
 
@@ -175,7 +155,6 @@ class Library:
         """nvcc's options, all but the output and the source."""
         return ["-O3", "-lineinfo", f"-arch={ARCH}", "-std=c++17", "-shared", "-Xcompiler",
                 "-fPIC", f"-DGEMV_SPLIT_ROWS={int(self.split == 'rows')}",
-                *(["-DGEMV_REGS=1"] if self.split == "regs" else []),
                 f"-DGEMV_SLICES={self.slices}", f"-DGEMV_STAGES={self.stages}"]  # fmt: skip
 
     def toolchain(self) -> dict[str, str]:
@@ -244,7 +223,7 @@ def _load(path: Path) -> Launcher:
     fn = lib.w4a16_gemv
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_longlong] * 2 + \
-        [ctypes.c_int] * 5 + [ctypes.c_void_p] * 3  # fmt: skip
+        [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3  # fmt: skip
     return fn
 
 
@@ -262,8 +241,7 @@ def check_operands(
     out: torch.Tensor | None,
 ) -> tuple[int, int, int]:  # fmt: skip
     """(M, N, K), or a ValueError naming the operand that the kernel's entry point would refuse
-    (or read or write out of bounds); ``out`` None: one is made after. (M up to ``MAX_M``; a
-    runner's M is its key's, which its config was checked for.)"""
+    (or read or write out of bounds); ``out`` None: one is made after."""
     m, n, k = check_inputs(x, weight, scales_and_zeros, group)
     if not 1 <= m <= MAX_M:
         raise ValueError(f"x.shape={tuple(x.shape)}: M={m}, allowed 1 to {MAX_M}")
@@ -307,22 +285,23 @@ def operand_guard(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch
             None if out is None else (out.device, out.dtype, out.shape, out.stride()))  # fmt: skip
 
 
-_counts = ArrivalCounts()  # per device, for "regs" configs that split K over CTAs
+_counts = ArrivalCounts()  # per device, for configs that split K over CTAs without a cluster
 
 
-def workspace_floats(config: Config, m: int, n: int) -> int:
-    """fp32 sums a "regs" launch splitting K over CTAs writes: one [M, rows] plane per split and
-    row block of ``groups`` x 16 ``slices`` rows (0 without splits)."""
-    groups, splits = launch_part(config)
-    if splits == 1:
-        return 0
-    cta_rows = groups * 16 * config["slices"]
-    return splits * -(-n // cta_rows) * cta_rows * m
+def cta_rows(config: Config) -> int:
+    return (config["warps"] if config["split"] == "rows" else 1) * 16 * config["slices"]
 
 
 def row_blocks(config: Config, n: int) -> int:
-    """CTAs along N of a "regs" launch (one arrival count each)."""
-    return -(-n // (launch_part(config)[0] * 16 * config["slices"]))
+    """CTAs along N (one arrival count each when K is split over CTAs)."""
+    return -(-n // cta_rows(config))
+
+
+def workspace_floats(config: Config, m: int, n: int) -> int:
+    """fp32 sums a launch splitting K over ``splits`` CTAs writes: an [M, CTA rows] plane per
+    split and row block (0 without splits)."""
+    splits = config.get("splits", 1)
+    return 0 if splits == 1 else splits * row_blocks(config, n) * cta_rows(config) * m
 
 
 def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
@@ -333,7 +312,7 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
     before those exist, counts made inside the capture (zeroed by the graph at each replay)."""
     m, k = x.shape
     n = weight.shape[0]
-    groups, splits = launch_part(config)
+    splits = config.get("splits", 1)
     ws = counts = None
     if splits > 1:
         ws = torch.empty(workspace_floats(config, m, n), dtype=torch.float32, device=x.device)
@@ -342,20 +321,20 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
             counts = torch.zeros(row_blocks(config, n), dtype=torch.int32, device=x.device)
     err = fn(x.data_ptr(), weight.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(), m,
              n, k, group, x.stride(0), out.stride(0), int(x.dtype == torch.float16),
-             config["warps"], config["cluster"], groups, splits,
-             None if ws is None else ws.data_ptr(), None if counts is None else counts.data_ptr(),
-             stream)  # fmt: skip
+             config["warps"], config["cluster"], splits, None if ws is None else ws.data_ptr(),
+             None if counts is None else counts.data_ptr(), stream)  # fmt: skip
     if err:
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlist (split, slices, stages, warps, cluster, groups, splits), the likeliest first.
-# Warps splitting K: 32-row CTAs over all of K, one per SM; 16 warps of 3 stages keep more chunks
-# in flight than 8 of 4 on the narrow projections, 8 of 4 win the wide ones. Warps splitting
-# rows: 8 warps of 32 rows share each chunk's x slab, K over a cluster of 8. Registers: loads in
-# flight without copy rings, x's run copied once per CTA (M <= 16).
-SHORTLIST = (("k", 2, 4, 8, 1, 1, 1), ("k", 2, 3, 16, 1, 1, 1), ("rows", 2, 4, 8, 8, 1, 1),
-             ("regs", 2, 4, 8, 1, 1, 1), ("regs", 2, 4, 8, 1, 4, 4))  # fmt: skip
+# Decode shortlist (split, slices, stages, warps, cluster, splits), the likeliest first. Warps
+# splitting K: 32-row CTAs over all of K, one per SM; 16 warps of 3 stages keep more chunks in
+# flight than 8 of 4 on the narrow projections, 8 of 4 win the wide ones. Warps splitting rows:
+# 8 warps of 32 rows share each chunk's x slab, K over a cluster of 8 or over 8 CTAs without
+# one (workspace): ahead where x's slab weighs most. Nothing past M = 8: the K split copies x's
+# [M, 128] slab per warp and chunk.
+SHORTLIST = (("k", 2, 4, 8, 1, 1), ("k", 2, 3, 16, 1, 1), ("rows", 2, 4, 8, 8, 1),
+             ("rows", 2, 4, 8, 1, 8))  # fmt: skip
 
 
 def configs(m: int, n: int, k: int, group: int) -> list[Config]:
@@ -375,7 +354,7 @@ def unsupported_reason(key: GemmKey) -> str | None:
     if key.wdtype != "int4":
         return "int4 weights only"
     if key.m > MAX_M:
-        return f"m={key.m}: offered for decode at M <= {MAX_M} (two n8 tiles of activations)"
+        return f"m={key.m}: offered for decode at M <= {MAX_M} (x's slab per warp outweighs more)"
     if key.dtype not in ACT_DTYPES:
         return f"dtype={key.dtype}: bf16 or f16 activations only"
     if key.k % CHUNK:
