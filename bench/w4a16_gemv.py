@@ -43,15 +43,16 @@ from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_
 
 GROUP = 128
 MS = (1, 4, 8)
-# (split, slices of 16 rows per warp, stages, warps, cluster, splits). The shortlist's: warps
-# splitting K, 32-row CTAs over all of K (one per SM); warps splitting rows, 256-row CTAs with K
-# over a cluster of 8. K over CTAs without a cluster (workspace, arrival counts): the same
-# 256-row CTAs over 8 or 16 splits (one or two CTAs per SM on the down projections), 128-row
-# CTAs over 4, 32-row K-split CTAs over 2 (two per SM).
+# (split, slices of 16 rows per warp, stages, warps, cluster). Warps splitting K: 32-row CTAs over
+# all of K (one per SM), 8-16 warps. Warps splitting rows: CTAs of 64-256 rows with K over a
+# cluster, about one CTA per SM on N = 3584-4096 (112 and 224 rows: Qwen's 3584 in 32 or 16
+# blocks), 4-8 stages, 16- or 32-row warps; and two CTAs per SM (128 rows, cluster of 8).
 GRID = [
-    ("k", 2, 4, 8, 1, 1), ("k", 2, 3, 16, 1, 1), ("rows", 2, 4, 8, 8, 1),
-    ("rows", 2, 4, 8, 1, 8), ("rows", 2, 6, 8, 1, 8), ("rows", 2, 4, 8, 1, 16),
-    ("rows", 2, 4, 4, 1, 4), ("k", 2, 4, 8, 1, 2), ("k", 2, 4, 4, 1, 2),
+    ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
+    ("rows", 1, 4, 8, 4), ("rows", 1, 6, 8, 4), ("rows", 1, 8, 8, 4), ("rows", 2, 6, 4, 4),
+    ("rows", 2, 4, 4, 4), ("rows", 1, 4, 16, 8), ("rows", 1, 6, 16, 8), ("rows", 2, 4, 8, 8),
+    ("rows", 2, 6, 8, 8), ("rows", 1, 8, 4, 2), ("rows", 1, 6, 7, 4), ("rows", 1, 6, 14, 8),
+    ("rows", 1, 4, 8, 8), ("rows", 1, 6, 8, 8),
 ]  # fmt: skip
 
 

@@ -1,21 +1,19 @@
 """A hand-written CUDA W4A16 decode kernel (``cuda_kernels/w4a16_gemv.cu``) for INT4 keys, M <= 8.
 
-GEMV-style: a warp owns 16, 32 or 64 weight rows and a CTA a run of K. CTAs that split K either
-form a cluster, summed through distributed shared memory, or (``splits``) write fp32 sums to a
-workspace, which the last CTA of a row block to arrive sums (an arrival count per row block,
-left at zero for the next launch, so a CUDA graph replays it as is). The CTA's warps split either
-K (``split`` "k": the CTA's rows are one warp's, each warp takes every ``warps``-th 128-value
-chunk of the run from its own copy ring, and the warps sum in shared memory) or rows (``split``
-"rows": the CTA owns ``warps`` x its warp's rows, every warp takes every chunk from one ring the
-CTA shares, so each chunk of x is copied once per CTA, not once per warp). Every sum has a fixed
-order (deterministic), and there is no second pass. Launched with programmatic dependent launch:
-a grid's setup overlaps the end of the kernel before it. It reads our packed layout
-(``tuner.quant.int4``) as the Triton kernel does.
+GEMV-style: a warp owns 16, 32 or 64 weight rows, a CTA a run of K, and a cluster of CTAs that
+split K sums through distributed shared memory. The CTA's warps split either K (``split`` "k":
+the CTA's rows are one warp's, each warp takes every ``warps``-th 128-value chunk of the run from
+its own copy ring, and the warps sum in shared memory) or rows (``split`` "rows": the CTA owns
+``warps`` x its warp's rows, every warp takes every chunk from one ring the CTA shares, so each
+chunk of x is copied once per CTA, not once per warp). No partial ever goes through global
+memory, so there is no workspace and no second pass, and the sum order is fixed
+(deterministic). Launched with programmatic dependent launch: a grid's launch and setup overlap
+the end of the kernel before it. It reads our packed layout (``tuner.quant.int4``) as the Triton
+kernel does.
 
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
 ``stages`` of each copy ring: a ``Library``) and its launch part (``warps`` per CTA, ``cluster``
-CTAs splitting K through distributed shared memory, ``splits`` CTAs splitting K through the
-workspace). Each library (the CUDA runtime linked in statically) serves every shape and is
+CTAs splitting K). Each library (the CUDA runtime linked in statically) serves every shape and is
 built by nvcc for sm_90a through ``cutlass_env``'s machinery (``compile_all``: a child process
 per library, a failure remembered and never compiled again) and loaded with ctypes; it is an
 artifact (``cutlass_artifacts``), keyed by the kernel source, nvcc's release and the flags, so
@@ -46,7 +44,6 @@ from tuner.candidates import cutlass_artifacts
 from tuner.candidates import cutlass_env as env
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner, Source
-from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts
 from tuner.candidates.triton_kernels.w4a16 import check_inputs
 from tuner.core.keys import GemmKey
 from tuner.core.lifetime import group_dies_with_parent
@@ -57,7 +54,7 @@ SOURCE = Path(__file__).parent / "cuda_kernels" / "w4a16_gemv.cu"
 ARCH = "sm_90a"
 SPLITS, SLICES, STAGES = ("k", "rows"), (1, 2, 4), range(2, 9)
 MAX_M = 8  # one n8 tile of activations
-MAX_WARPS, MAX_CLUSTER, MAX_K_SPLITS = 16, 8, 16
+MAX_WARPS, MAX_CLUSTER = 16, 8
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may take on sm_90
 ACT_DTYPES = ("bf16", "f16")
 ALIGN = 16  # bytes: x's rows and the weight are copied in 16-byte pieces
@@ -65,7 +62,7 @@ SZ_ALIGN = 4  # bytes: a (scale, zero) pair is copied as one word
 BUILDER = "tuner.candidates.cuda_w4a16"  # this module, also when it runs as __main__
 
 Config = dict[str, Any]
-CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster", "splits")
+CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster")
 
 
 def _choice(config: Config, key: str, allowed: Iterable[Any]) -> Any:
@@ -86,14 +83,11 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     _choice(config, "stages", STAGES)
     _choice(config, "warps", range(1, MAX_WARPS + 1))
     cluster = _choice(config, "cluster", range(1, MAX_CLUSTER + 1))
-    # "splits" may be left out (1): configs stored before it existed
-    splits = _choice({"splits": 1} | config, "splits",
-                     range(1, (MAX_K_SPLITS if cluster == 1 else 1) + 1))  # fmt: skip
     if not 1 <= m <= MAX_M:
         raise ValueError(f"M={m}: allowed 1 to {MAX_M} (one n8 tile of activations)")
-    if k % CHUNK or k < CHUNK * cluster * splits:
+    if k % CHUNK or k < CHUNK * cluster:
         raise ValueError(f"K={k}: must be whole chunks of {CHUNK}, at least one per CTA of "
-                         f"config['cluster']={cluster} x config['splits']={splits}")  # fmt: skip
+                         f"config['cluster']={cluster}")  # fmt: skip
     if group not in GROUP_SIZES or k % group:
         raise ValueError(f"group_size={group}: allowed {GROUP_SIZES}, dividing K={k}")
     if n < 1:
@@ -223,7 +217,7 @@ def _load(path: Path) -> Launcher:
     fn = lib.w4a16_gemv
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_longlong] * 2 + \
-        [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3  # fmt: skip
+        [ctypes.c_int] * 3 + [ctypes.c_void_p]  # fmt: skip
     return fn
 
 
@@ -285,56 +279,24 @@ def operand_guard(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch
             None if out is None else (out.device, out.dtype, out.shape, out.stride()))  # fmt: skip
 
 
-_counts = ArrivalCounts()  # per device, for configs that split K over CTAs without a cluster
-
-
-def cta_rows(config: Config) -> int:
-    return (config["warps"] if config["split"] == "rows" else 1) * 16 * config["slices"]
-
-
-def row_blocks(config: Config, n: int) -> int:
-    """CTAs along N (one arrival count each when K is split over CTAs)."""
-    return -(-n // cta_rows(config))
-
-
-def workspace_floats(config: Config, m: int, n: int) -> int:
-    """fp32 sums a launch splitting K over ``splits`` CTAs writes: an [M, CTA rows] plane per
-    split and row block (0 without splits)."""
-    splits = config.get("splits", 1)
-    return 0 if splits == 1 else splits * row_blocks(config, n) * cta_rows(config) * m
-
-
 def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
         scales_and_zeros: torch.Tensor, group: int, out: torch.Tensor, stream: int) -> None:  # fmt: skip
     """``out = x @ dequant(weight).T`` through ``fn`` (``launcher(config)``) on ``stream``; the
-    operands already checked (``check_operands``). A config splitting K over CTAs takes a
-    workspace (torch's allocator) and the device's arrival counts; while a CUDA graph is captured
-    before those exist, counts made inside the capture (zeroed by the graph at each replay)."""
+    operands already checked (``check_operands``)."""
     m, k = x.shape
-    n = weight.shape[0]
-    splits = config.get("splits", 1)
-    ws = counts = None
-    if splits > 1:
-        ws = torch.empty(workspace_floats(config, m, n), dtype=torch.float32, device=x.device)
-        counts = _counts.get(x.device, row_blocks(config, n))
-        if counts is None:
-            counts = torch.zeros(row_blocks(config, n), dtype=torch.int32, device=x.device)
     err = fn(x.data_ptr(), weight.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(), m,
-             n, k, group, x.stride(0), out.stride(0), int(x.dtype == torch.float16),
-             config["warps"], config["cluster"], splits, None if ws is None else ws.data_ptr(),
-             None if counts is None else counts.data_ptr(), stream)  # fmt: skip
+             weight.shape[0], k, group, x.stride(0), out.stride(0),
+             int(x.dtype == torch.float16), config["warps"], config["cluster"], stream)  # fmt: skip
     if err:
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlist (split, slices, stages, warps, cluster, splits), the likeliest first. Warps
-# splitting K: 32-row CTAs over all of K, one per SM; 16 warps of 3 stages keep more chunks in
-# flight than 8 of 4 on the narrow projections, 8 of 4 win the wide ones. Warps splitting rows:
-# 8 warps of 32 rows share each chunk's x slab, K over a cluster of 8 or over 8 CTAs without
-# one (workspace): ahead where x's slab weighs most. Nothing past M = 8: the K split copies x's
-# [M, 128] slab per warp and chunk.
-SHORTLIST = (("k", 2, 4, 8, 1, 1), ("k", 2, 3, 16, 1, 1), ("rows", 2, 4, 8, 8, 1),
-             ("rows", 2, 4, 8, 1, 8))  # fmt: skip
+# Decode shortlist (split, slices, stages, warps, cluster), the likeliest first. Warps splitting
+# K: 32-row CTAs over all of K, one per SM; 16 warps of 3 stages keep more chunks in flight than
+# 8 of 4 on the narrow projections, 8 of 4 win the wide ones. Warps splitting rows: 8 warps of 32
+# rows share each chunk's x slab, K over a cluster of 8: ahead where x's slab weighs most.
+# Nothing past M = 8: the K split copies x's [M, 128] slab per warp and chunk.
+SHORTLIST = (("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("rows", 2, 4, 8, 8))
 
 
 def configs(m: int, n: int, k: int, group: int) -> list[Config]:

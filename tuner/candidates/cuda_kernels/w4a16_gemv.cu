@@ -1,19 +1,16 @@
 // INT4 weight-only decode GEMM (W4A16, M <= 8): out[M, N] = x[M, K] @ dequant(w)[N, K]^T.
 //
 // GEMV-style: a warp owns ROWS = 16 * SLICES weight rows. A CTA owns a contiguous run of K (all
-// of it, 1 / C of it in a cluster of C CTAs, or 1 / S of it as one of S CTAs that split K
-// without a cluster), and its warps split either
+// of it, or 1 / C of it in a cluster of C CTAs), and its warps split either
 // - K (GEMV_SPLIT_ROWS=0): the CTA's rows are one warp's; its warps take interleaved 128-value
 //   chunks of the run, each from its own copy ring, and their [ROWS, M] partials are summed in
 //   shared memory in warp order; or
 // - rows (GEMV_SPLIT_ROWS=1): the CTA's rows are `warps` x ROWS, every warp takes every chunk
 //   of the run from one ring the CTA shares, so x's [M, 128] slab of a chunk is copied once per
 //   CTA instead of once per warp (x's bytes per weight byte: 4 M / (warps x ROWS), not 4 M / ROWS).
-// In a cluster the CTAs' sums are read through distributed shared memory in rank order. Split
-// over S CTAs, each writes its fp32 sums to a workspace and the last CTA of a row block to
-// arrive (an arrival count per row block) sums the S in split order, stores the output and sets
-// the count back to zero for the next launch (no memset per call: a CUDA graph replays it as
-// is). No CTA waits on another: every sum has a fixed order (deterministic), and no second pass.
+// In a cluster the CTAs' sums are read through distributed shared memory in rank order. No CTA
+// waits on another's partial in global memory: the result is deterministic, with no workspace,
+// no arrival counter and no second pass.
 //
 // Launched with programmatic dependent launch: the grid may start while the kernel before it on
 // the stream finishes; it sets up its addresses, then waits (griddepcontrol.wait) for that
@@ -38,8 +35,8 @@
 // x's M rows are one n8 tile of the mma (M <= 8).
 //
 // One shared library per (SPLIT_ROWS, SLICES, STAGES): -DGEMV_SPLIT_ROWS=0|1 (warps split K or
-// rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_STAGES=2..8; warps per CTA, the
-// cluster size and the K splits are launch arguments.
+// rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_STAGES=2..8; warps per CTA and the
+// cluster size are launch arguments.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -68,7 +65,6 @@ constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so l
 constexpr int MAX_M = 8;  // one n8 tile
 constexpr int MAX_WARPS = 16;
 constexpr int MAX_DEVICES = 64;
-constexpr int MAX_SPLITS = 16;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
 
@@ -81,8 +77,6 @@ struct Params {
   int m, n, k;
   int group_shift;  // log2(group size)
   int stage_bytes;  // one warp's stage: weight, (scale, zero) words, x's slab
-  float* ws;        // K split over CTAs: [splits][row blocks][M][CTA rows] sums
-  int* counts;      // K split over CTAs: arrivals per row block, zero between launches
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -359,28 +353,6 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
   }
 }
 
-// K split over CTAs, after each thread wrote its part of the CTA's sums to the workspace: the
-// last CTA of the row block to arrive sums the splits' sums in split order, stores the output
-// and sets the row block's count back to zero.
-template <bool F16>
-__device__ __forceinline__ void sum_if_last(const Params& p, int n0, int cta_rows, int outputs) {
-  const int splits = gridDim.y;
-  __threadfence();  // this thread's sums are visible before the count goes up
-  const bool last =
-      __syncthreads_or(threadIdx.x == 0 && atomicAdd(p.counts + blockIdx.x, 1) == splits - 1);
-  if (!last) return;
-  __threadfence();
-  const float* sums = p.ws + static_cast<long long>(blockIdx.x) * outputs;
-  const long long plane = static_cast<long long>(gridDim.x) * outputs;
-  for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
-    float v = 0.f;
-    for (int s = 0; s < splits; ++s) v += __ldcg(sums + s * plane + q);
-    const int col = q / cta_rows, row = q % cta_rows;
-    if (n0 + row < p.n) p.out[col * p.ldo + n0 + row] = Half2Ops<F16>::round(v);
-  }
-  if (threadIdx.x == 0) p.counts[blockIdx.x] = 0;  // for the next launch
-}
-
 template <bool F16, int NG>
 __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -400,11 +372,9 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   const int offset = live ? warp_n0 - first_row : 0;
   const uint8_t* block = p.w + static_cast<long long>(first_row) * (p.k / 2);
 
-  // the CTA's run of K: part `rank` of a cluster, or `blockIdx.y` of the CTAs splitting K
-  const int chunks = p.k / CHUNK, splits = gridDim.y;
-  const int parts = ranks * splits, part_of_k = blockIdx.y * ranks + rank;
-  const int c_lo = static_cast<int>(static_cast<long long>(part_of_k) * chunks / parts);
-  const int c_hi = static_cast<int>(static_cast<long long>(part_of_k + 1) * chunks / parts);
+  const int chunks = p.k / CHUNK;
+  const int c_lo = static_cast<int>(static_cast<long long>(rank) * chunks / ranks);
+  const int c_hi = static_cast<int>(static_cast<long long>(rank + 1) * chunks / ranks);
   // splitting K, the warp takes chunks c_lo + warp, + warps, ...; splitting rows, all of them
   const int first = SPLIT_ROWS ? c_lo : c_lo + warp, step = SPLIT_ROWS ? 1 : warps;
   const int mine = first < c_hi ? (c_hi - first + step - 1) / step : 0;
@@ -477,12 +447,6 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   const int q_lo = ranks > 1 ? rank * outputs / ranks : 0;
   const int q_hi = ranks > 1 ? (rank + 1) * outputs / ranks : outputs;
   if (ranks == 1) __syncthreads();
-  if (splits > 1) {  // (no cluster) the CTA's sums to the workspace; the last CTA sums them
-    float* ws = p.ws + (static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x) * outputs;
-    for (int q = threadIdx.x; q < outputs; q += blockDim.x) ws[q] = sums[q];
-    sum_if_last<F16>(p, n0, cta_rows, outputs);
-    return;
-  }
   for (int q = q_lo + threadIdx.x; q < q_hi; q += blockDim.x) {
     float v = sums[q];
     if (ranks > 1) {
@@ -513,7 +477,7 @@ int smem_bytes(int m, int group, int warps) {
 }
 
 template <bool F16, int NG>
-cudaError_t launch(const Params& p, int warps, int cluster, int splits, cudaStream_t stream) {
+cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
   const int smem = smem_bytes(p.m, CHUNK / NG, warps);
   static int allowed[MAX_DEVICES] = {};  // per device: raised once to the most asked
   int device = 0;
@@ -528,8 +492,7 @@ cudaError_t launch(const Params& p, int warps, int cluster, int splits, cudaStre
   }
   cudaLaunchConfig_t config = {};
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  config.gridDim = dim3(static_cast<unsigned>((p.n + cta_rows - 1) / cta_rows * cluster),
-                        static_cast<unsigned>(splits));
+  config.gridDim = dim3(static_cast<unsigned>((p.n + cta_rows - 1) / cta_rows * cluster));
   config.blockDim = dim3(static_cast<unsigned>(warps * 32));
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = stream;
@@ -546,11 +509,10 @@ cudaError_t launch(const Params& p, int warps, int cluster, int splits, cudaStre
 }
 
 template <bool F16>
-cudaError_t launch_group(const Params& p, int group, int warps, int cluster, int splits,
-                         cudaStream_t s) {
-  if (group == 32) return launch<F16, 4>(p, warps, cluster, splits, s);
-  if (group == 64) return launch<F16, 2>(p, warps, cluster, splits, s);
-  return launch<F16, 1>(p, warps, cluster, splits, s);
+cudaError_t launch_group(const Params& p, int group, int warps, int cluster, cudaStream_t s) {
+  if (group == 32) return launch<F16, 4>(p, warps, cluster, s);
+  if (group == 64) return launch<F16, 2>(p, warps, cluster, s);
+  return launch<F16, 1>(p, warps, cluster, s);
 }
 
 }  // namespace
@@ -571,20 +533,15 @@ int w4a16_gemv_smem(int m, int group, int warps) { return smem_bytes(m, group, w
 // out[m, ldo] (x's dtype) = x[m, ldx] @ dequant(w, sz).T; returns a cudaError_t. The caller
 // checks the operands (tuner/candidates/cuda_w4a16.py); this refuses what would read or write
 // out of bounds: m outside 1..MAX_M, K not whole chunks, a group size other than 32, 64,
-// 128, 256 that divides K, warps outside 1..16, a cluster outside 1..8, K splits outside 1..16
-// or both a cluster and K splits, fewer chunks of K than CTAs splitting it, x or w not 16-byte
-// aligned; with K splits, no workspace or arrival counts (ws: splits x row blocks x CTA rows x
-// m floats; counts: one int per row block, zero, left zero by every launch).
+// 128, 256 that divides K, warps outside 1..16, a cluster outside 1..8 or wider than K's chunks,
+// x or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
-               int splits, void* ws, void* counts, void* stream) {
+               void* stream) {
   const bool group_ok = (group == 32 || group == 64 || group == 128 || group == 256) && k % group == 0;
-  const bool split_ok = splits >= 1 && splits <= MAX_SPLITS &&
-                        (splits == 1 || (cluster == 1 && ws != nullptr && counts != nullptr));
   if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !group_ok || warps < 1 ||
-      warps > MAX_WARPS || cluster < 1 || cluster > 8 || !split_ok ||
-      cluster * splits > k / CHUNK || ldx % 8 || ldo < n ||
-      reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
+      warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster > k / CHUNK || ldx % 8 ||
+      ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
     return static_cast<int>(cudaErrorInvalidValue);
   Params p;
@@ -599,11 +556,9 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.k = k;
   p.group_shift = __builtin_ctz(static_cast<unsigned>(group));
   p.stage_bytes = stage_bytes(m, group, warps);
-  p.ws = static_cast<float*>(ws);
-  p.counts = static_cast<int*>(counts);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return static_cast<int>(f16 ? launch_group<true>(p, group, warps, cluster, splits, s)
-                              : launch_group<false>(p, group, warps, cluster, splits, s));
+  return static_cast<int>(f16 ? launch_group<true>(p, group, warps, cluster, s)
+                              : launch_group<false>(p, group, warps, cluster, s));
 }
 
 }  // extern "C"
