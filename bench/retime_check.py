@@ -1,0 +1,89 @@
+"""A suite row's winner against torch's op again, in many ways, when its side-by-side retime
+disagrees with its tuning (a winner that tuned faster and retimed slower).
+
+    python bench/retime_check.py --suite-json bench/results/gemm_lowbit_...json \
+        --label "Qwen2.5-7B o M=2048 fp8-tensorwise" --out retime_check.json
+
+For each row: the retime's own in-turn rounds, one by one (eager), then each runner alone
+(eager time, host time per call, GPU time in a CUDA graph), then the in-turn rounds again after
+those warm calls, and the winner rebuilt on one input set (pointers that never move).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+from bench.lowbit_kernels import header
+from tuner.core.keys import parse_key
+from tuner.measure import samples, timing
+from tuner.measure.records import candidate_params
+from tuner.suites.runner import built, in_turn
+
+ROUNDS = 8
+BUDGET_S = 0.04
+
+
+def rounds(runners: dict[str, Any]) -> dict[str, list[float]]:
+    """Each round's eager time of each runner, timed in turn as the suite's retime does."""
+    out: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(ROUNDS):
+        for name, us in in_turn(runners, "cuda", graph=False, rounds=1, budget_s=BUDGET_S).items():
+            out[name].append(round(us, 2))
+    return out
+
+
+def alone(runner: Any, sets: list[tuple[Any, ...]]) -> dict[str, float]:
+    t = timing.measure_sets(runner, sets, device="cuda", budget_s=0.2)
+    graph = timing.graph_time(timing.on_sets(runner, sets))
+    return {"eager_us": t.median_us, "host_us": t.host_us, "gpu_us": graph.median_us}
+
+
+def check(row: dict[str, Any]) -> dict[str, Any]:
+    key = parse_key(row["key"])
+    sets = samples.input_sets(key, "cuda", seed=1)
+    base, win = built(key, row["source"], candidate_params(row["candidate"]))
+    assert win is not None, f"{row['label']}: torch's op is the winner, nothing to compare"
+    runners = {"baseline": (base, sets), "winner": (win, sets)}
+    first = rounds(runners)
+    solo = {name: alone(r, sets) for name, (r, _) in runners.items()}
+    again = rounds(runners)
+    one_set = rounds({"baseline": (base, sets[:1]), "winner": (win, sets[:1])})
+    result = {
+        "label": row["label"], "key": row["key"], "candidate": row["candidate"],
+        "sets": len(sets), "suite": {n: row.get(n) for n in (
+            "baseline_us", "winner_us", "eager_baseline_us", "eager_winner_us")},
+        "in_turn_first": first, "alone": solo, "in_turn_again": again, "in_turn_one_set": one_set,
+    }  # fmt: skip
+    for name in ("in_turn_first", "in_turn_again", "in_turn_one_set"):
+        med = {n: statistics.median(ts) for n, ts in result[name].items()}
+        result[name + "_ratio"] = round(med["baseline"] / med["winner"], 3)
+        print(f"{row['label']:<42} {name:<16} torch {med['baseline']:7.1f} us  "
+              f"winner {med['winner']:7.1f} us  ratio {result[name + '_ratio']:.3f}")  # fmt: skip
+    for n, s in solo.items():
+        print(f"{row['label']:<42} alone {n:<9} eager {s['eager_us']:7.1f}  host "
+              f"{s['host_us']:6.1f}  gpu {s['gpu_us']:7.1f} us")  # fmt: skip
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite-json", required=True, help="a `tuner bench gemm` result JSON")
+    parser.add_argument("--label", action="append", required=True, help="a row's label")
+    parser.add_argument("--out", required=True, help="where the JSON goes")
+    args = parser.parse_args()
+    with open(args.suite_json) as f:
+        rows = {r["label"]: r for r in json.load(f)["rows"]}
+    missing = [label for label in args.label if label not in rows]
+    if missing:
+        parser.error(f"--label {missing}: not rows of {args.suite_json}")
+    out = header(timing.copy_bandwidth_gbs("cuda"), benchmark="retime_check")
+    out["rows"] = [check(rows[label]) for label in args.label]
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
