@@ -4,9 +4,10 @@ disagrees with its tuning (a winner that tuned faster and retimed slower).
     python bench/retime_check.py --suite-json bench/results/gemm_lowbit_...json \
         --label "Qwen2.5-7B o M=2048 fp8-tensorwise" --out retime_check.json
 
-For each row: the retime's own in-turn rounds, one by one (eager), then each runner alone
-(eager time, host time per call, GPU time in a CUDA graph), then the in-turn rounds again after
-those warm calls, and the winner rebuilt on one input set (pointers that never move).
+For each row: the suite's own retime (``lowbit.retime``: torch's op, the winner and the two bf16
+runners in turn) a few times over, then the two low-bit runners in turn round by round (eager),
+each alone (eager time, host time per call, GPU time in a CUDA graph), in turn again after those
+warm calls, and in turn on one input set (pointers that never move).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from bench.lowbit_kernels import header
 from tuner.core.keys import parse_key
 from tuner.measure import samples, timing
 from tuner.measure.records import candidate_params
+from tuner.suites.lowbit import bf16_twin, retime
 from tuner.suites.runner import built, in_turn
 
 ROUNDS = 8
+RETIMES = 3
 BUDGET_S = 0.04
 
 
@@ -43,6 +46,13 @@ def alone(runner: Any, sets: list[tuple[Any, ...]]) -> dict[str, float]:
 
 def check(row: dict[str, Any]) -> dict[str, Any]:
     key = parse_key(row["key"])
+    copy_gbs = timing.copy_bandwidth_gbs("cuda")
+    suite = []
+    for _ in range(RETIMES):
+        again = {n: v for n, v in row.items() if not n.startswith("eager_")}
+        retime(again, key, bf16_twin(key), copy_gbs)
+        suite.append({n: round(v, 2) for n, v in again.items() if n.startswith("eager_")})
+        print(f"{row['label']:<42} suite retime     {suite[-1]}")
     sets = samples.input_sets(key, "cuda", seed=1)
     base, win = built(key, row["source"], candidate_params(row["candidate"]))
     assert win is not None, f"{row['label']}: torch's op is the winner, nothing to compare"
@@ -55,7 +65,8 @@ def check(row: dict[str, Any]) -> dict[str, Any]:
         "label": row["label"], "key": row["key"], "candidate": row["candidate"],
         "sets": len(sets), "suite": {n: row.get(n) for n in (
             "baseline_us", "winner_us", "eager_baseline_us", "eager_winner_us")},
-        "in_turn_first": first, "alone": solo, "in_turn_again": again, "in_turn_one_set": one_set,
+        "suite_retimes": suite, "in_turn_first": first, "alone": solo, "in_turn_again": again,
+        "in_turn_one_set": one_set,
     }  # fmt: skip
     for name in ("in_turn_first", "in_turn_again", "in_turn_one_set"):
         med = {n: statistics.median(ts) for n, ts in result[name].items()}
