@@ -13,13 +13,25 @@ group 128, CUDA-graph GPU time (``timing.graph_time``), weights rotated past the
 "pct_copy" is the bytes read and written (weight, scales, activations, output) per second over the
 device-to-device copy bandwidth. Every W4A16 config's output is checked against a float32 GEMM on
 the dequantized operands (``tuner.quant.tolerance``): "excess" <= 1 passes.
+
+Bench-only builds of a config's library (``VARIANTS``, extra ``-D`` flags, built beside the run):
+``AB`` configs are also timed without the L2 prefetch before the PDL wait (impl
+"cuda_gemv_noprefetch"); with ``--trace``, ``TRACED`` configs run a build that stamps each CTA
+(``%globaltimer`` at its start and end, ``clock64`` at its start, after the wait, when warp 0's
+first chunk landed, at each warp's last chunk, after the warps' sums, at its end) and the row
+carries the stamps and a summary (impl "cuda_gemv_trace"). ``--profile``: no timing, each kernel
+of ``PROFILED`` once in an NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,11 +41,13 @@ from bench.lowbit_kernels import (
     copies,
     header,
     nbytes,
+    profiled,
     rotate,
     timed_row,
     write_as_it_goes,
 )
 from tuner.candidates import cuda_w4a16, gemm_operands
+from tuner.candidates import cutlass_env as env
 from tuner.candidates.triton_kernels import w4a16
 from tuner.candidates.triton_kernels.launch import warm
 from tuner.candidates.triton_kernels.stream_read import read_all, sums_for
@@ -44,23 +58,98 @@ from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_
 GROUP = 128
 MS = (1, 4, 8)
 # (split, slices of 16 rows per warp, stages, warps, cluster). Warps splitting K: 32-row CTAs over
-# all of K (one per SM), 8-16 warps. Warps splitting rows: CTAs of 64-256 rows with K over a
-# cluster, about one CTA per SM on N = 3584-4096 (112 and 224 rows: Qwen's 3584 in 32 or 16
-# blocks), 4-8 stages, 16- or 32-row warps; and two CTAs per SM (128 rows, cluster of 8).
+# all of K (one per SM), 8-16 warps, 2-6 stages. Warps splitting rows: 256-row CTAs with K over a
+# cluster of 8 (Qwen down M = 8's winner).
 GRID = [
-    ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
-    ("rows", 1, 4, 8, 4), ("rows", 1, 6, 8, 4), ("rows", 1, 8, 8, 4), ("rows", 2, 6, 4, 4),
-    ("rows", 2, 4, 4, 4), ("rows", 1, 4, 16, 8), ("rows", 1, 6, 16, 8), ("rows", 2, 4, 8, 8),
-    ("rows", 2, 6, 8, 8), ("rows", 1, 8, 4, 2), ("rows", 1, 6, 7, 4), ("rows", 1, 6, 14, 8),
-    ("rows", 1, 4, 8, 8), ("rows", 1, 6, 8, 8),
+    ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 2, 16, 1), ("k", 2, 6, 8, 1),
+    ("k", 2, 3, 12, 1), ("rows", 2, 4, 8, 8),
 ]  # fmt: skip
+AB = [("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("rows", 2, 4, 8, 8)]
+TRACED = [("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1)]
+PROFILED = [("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1)]
+VARIANTS = {"noprefetch": ["-DGEMV_PREFETCH=0"], "trace": ["-DGEMV_TRACE=1"]}
+VARIANT_DIR = Path(tempfile.gettempdir()) / "w4a16_gemv_variants"
+# a trace row's fields (w4a16_gemv.cu): sm id, globaltimer at start / end, clock64 at start,
+# after the wait, warp 0's first chunk, after the sums, at the end; then each warp's last chunk
+SMID, G_START, G_END, C_START, C_WAITED, C_FIRST, C_SUMMED, C_END, C_WARP = range(9)
 
 
-def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
-    """``GRID`` as configs for an (M, N, K) problem, those that fit it."""
+def as_config(entry: tuple) -> dict[str, Any]:
+    return dict(zip(cuda_w4a16.CONFIG_KEYS, entry, strict=True))
+
+
+def variant_path(cfg: dict[str, Any], variant: str) -> Path:
+    return VARIANT_DIR / f"{cuda_w4a16.library(cfg).digest}_{variant}.so"
+
+
+def build_variants(pairs: list[tuple[dict[str, Any], str]]) -> None:
+    """The bench-only libraries of (config, variant) pairs, nvcc in parallel."""
+    nvcc = env.nvcc_path()
+    if nvcc is None:
+        raise RuntimeError(cuda_w4a16.cannot_compile())
+    VARIANT_DIR.mkdir(parents=True, exist_ok=True)
+    procs = {}
+    for cfg, variant in pairs:
+        path = variant_path(cfg, variant)
+        if path not in procs and not path.exists():
+            cmd = cuda_w4a16.nvcc_command(nvcc, cuda_w4a16.library(cfg), path) + VARIANTS[variant]
+            procs[path] = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    for path, proc in procs.items():
+        _, err = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"nvcc {path.name}: {err[-2000:]}")
+
+
+def read_trace(path: Path, ctas: int) -> list[list[int]]:
+    """The stamps of the last launch of the traced library at ``path``, one row per CTA."""
+    lib = ctypes.CDLL(str(path))
+    cap, fields = ctypes.c_int(), ctypes.c_int()
+    lib.w4a16_gemv_trace_shape(ctypes.byref(cap), ctypes.byref(fields))
+    buf = (ctypes.c_ulonglong * (cap.value * fields.value))()
+    if err := lib.w4a16_gemv_trace(buf):
+        raise RuntimeError(f"w4a16_gemv_trace: CUDA error {err}")
+    f = fields.value
+    return [list(buf[i * f : (i + 1) * f]) for i in range(min(ctas, cap.value))]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+    return {q: round(v[min(len(v) - 1, int(p * len(v)))], 1)
+            for q, p in (("min", 0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("max", 1))}  # fmt: skip
+
+
+def trace_summary(trace: list[list[int]], warps: int) -> dict[str, Any]:
+    """Where a launch's time went, from its CTAs' stamps (ns; SM clocks converted with the
+    median ratio of each CTA's globaltimer and clock64 spans)."""
+    ratios = sorted((t[G_END] - t[G_START]) / max(1, t[C_END] - t[C_START]) for t in trace)
+    ns = ratios[len(ratios) // 2]
+    t0 = min(t[G_START] for t in trace)
+    last = [max(t[C_WARP : C_WARP + warps]) for t in trace]
+    first = [min(t[C_WARP : C_WARP + warps]) for t in trace]
+    ends = sorted(range(len(trace)), key=lambda i: trace[i][G_START] + ns * (
+        trace[i][C_END] - trace[i][C_START]))  # fmt: skip
+    return {
+        "ns_per_clock": round(ns, 4),
+        "span_ns": max(t[G_END] for t in trace) - t0,
+        "start_ns": spread([t[G_START] - t0 for t in trace]),
+        "end_ns": spread([t[G_START] - t0 + ns * (t[C_END] - t[C_START]) for t in trace]),
+        "wait_ns": spread([ns * (t[C_WAITED] - t[C_START]) for t in trace]),
+        "first_chunk_ns": spread([ns * (t[C_FIRST] - t[C_WAITED]) for t in trace]),
+        "stream_ns": spread([ns * (last[i] - t[C_FIRST]) for i, t in enumerate(trace)]),
+        "warp_spread_ns": spread([ns * (last[i] - first[i]) for i in range(len(trace))]),
+        "sum_ns": spread([ns * (t[C_SUMMED] - last[i]) for i, t in enumerate(trace)]),
+        "store_ns": spread([ns * (t[C_END] - t[C_SUMMED]) for t in trace]),
+        "cta_ns": spread([ns * (t[C_END] - t[C_START]) for t in trace]),
+        "last_sms": [trace[i][SMID] for i in ends[-8:]],
+        "first_sms": [trace[i][SMID] for i in ends[:8]],
+    }
+
+
+def grid_configs(m: int, n: int, k: int, entries: list[tuple] = GRID) -> list[dict[str, Any]]:
+    """``entries`` (default ``GRID``) as configs for an (M, N, K) problem, those that fit it."""
     out = []
-    for entry in GRID:
-        cfg = dict(zip(cuda_w4a16.CONFIG_KEYS, entry, strict=True))
+    for entry in entries:
+        cfg = as_config(entry)
         try:
             cuda_w4a16.check_config(cfg, m, n, k, GROUP)
         except ValueError:
@@ -69,12 +158,16 @@ def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     return out
 
 
-def build(projections: list[str], ms: tuple[int, ...]) -> None:
+def build(projections: list[str], ms: tuple[int, ...], trace: bool) -> None:
     """Every library and Triton kernel the run times, compiled in parallel before any timing."""
     started = time.perf_counter()
-    cfgs = [c for name in projections for m in ms for c in grid_configs(m, *PROJECTIONS[name])]
+    shapes = [(m, *PROJECTIONS[name]) for name in projections for m in ms]
+    cfgs = [c for shape in shapes for c in grid_configs(*shape)]
     errors = {str(lib): e for lib, e in cuda_w4a16.compile_all(cfgs).items() if e}
-    print(f"built {len({cuda_w4a16.library(c) for c in cfgs})} CUDA libraries in "
+    build_variants([(c, "noprefetch") for shape in shapes for c in grid_configs(*shape, AB)] +
+                   [(c, "trace") for shape in shapes for c in grid_configs(*shape, TRACED)
+                    if trace])  # fmt: skip
+    print(f"built {len({cuda_w4a16.library(c) for c in cfgs})} CUDA libraries and the variants in "
           f"{time.perf_counter() - started:.1f} s; errors: {errors}", flush=True)  # fmt: skip
     report = warm([job for name in projections for m in ms
                    for cfg in w4a16.configs(m, *PROJECTIONS[name], GROUP)
@@ -84,7 +177,8 @@ def build(projections: list[str], ms: tuple[int, ...]) -> None:
           f"{report.seconds:.1f} s", flush=True)  # fmt: skip
 
 
-def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float) -> list[dict[str, Any]]:
+def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: bool = False,
+                     profile: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     n, k = PROJECTIONS[name]
     rows: list[dict[str, Any]] = []
     stream = gemm_operands.stream_getter(torch.device("cuda", torch.cuda.current_device()))
@@ -109,6 +203,19 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float) -> list[di
         tol = gemm_tolerance(x, wd, ref, operand_unit=unit_roundoff(x.dtype),
                              accumulate_unit=FP32_ACCUMULATE, out_dtype=x.dtype)  # fmt: skip
         moved = nbytes(packed, sz, x, out)
+
+        def gemv(fn: cuda_w4a16.Launcher, cfg: dict) -> Callable[[int, torch.Tensor], Any]:
+            return lambda i, o: cuda_w4a16.run(fn, cfg, x, i4[i % len(i4)][0],
+                                               i4[i % len(i4)][1], GROUP, o, stream())  # fmt: skip
+
+        if profile:
+            profiled(name, m, "read_int4", lambda i: read_all(i4[i % len(i4)][0], sums), {})
+            for cfg in grid_configs(m, n, k, PROFILED):
+                for impl, path in (("cuda_gemv", None),
+                                   ("cuda_gemv_noprefetch", variant_path(cfg, "noprefetch"))):  # fmt: skip
+                    fn = cuda_w4a16.launcher(cfg) if path is None else cuda_w4a16.load(path)
+                    profiled(name, m, impl, lambda i, f=gemv(fn, cfg): f(i, out), {"config": cfg})
+            return
         row(m, "read_int4", lambda i: read_all(i4[i % len(i4)][0], sums), nbytes(packed))
         base = row(m, "bf16", lambda i: torch.matmul(x, bf[i % len(bf)][0].T, out=out),
                    nbytes(w, x, out))  # fmt: skip
@@ -129,9 +236,20 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float) -> list[di
             checked("w4a16", cfg, lambda i, o, c=cfg: w4a16.w4a16_matmul(
                 x, i4[i % len(i4)][0], i4[i % len(i4)][1], GROUP, c, out=o))  # fmt: skip
         for cfg in grid_configs(m, n, k):
-            fn = cuda_w4a16.launcher(cfg)
-            checked("cuda_gemv", cfg, lambda i, o, c=cfg, f=fn: cuda_w4a16.run(
-                f, c, x, i4[i % len(i4)][0], i4[i % len(i4)][1], GROUP, o, stream()))  # fmt: skip
+            checked("cuda_gemv", cfg, gemv(cuda_w4a16.launcher(cfg), cfg))
+        for cfg in grid_configs(m, n, k, AB):
+            path = variant_path(cfg, "noprefetch")
+            checked("cuda_gemv_noprefetch", cfg, gemv(cuda_w4a16.load(path), cfg))
+        for cfg in grid_configs(m, n, k, TRACED) if trace else []:
+            path = variant_path(cfg, "trace")
+            checked("cuda_gemv_trace", cfg, gemv(cuda_w4a16.load(path), cfg))
+            if "error" in rows[-1]:
+                continue
+            ctas = -(-n // (16 * cfg["slices"]))
+            stamps = read_trace(path, ctas)
+            rows[-1]["trace"] = trace_summary(stamps, cfg["warps"])
+            rows[-1]["stamps"] = stamps
+            print(f"  trace {cfg}: {rows[-1]['trace']}", flush=True)
         for impl in ("w4a16", "cuda_gemv"):
             ok = [r for r in rows if r["m"] == m and r["impl"] == impl and r.get("excess", 9) <= 1]
             if ok:
@@ -147,16 +265,24 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--proj", nargs="*", default=["down", "qwen_down", "gate_up", "qwen_gate_up"])
     ap.add_argument("--m", nargs="*", type=int, default=list(MS))
+    ap.add_argument("--trace", action="store_true",
+                    help="also time the traced builds of TRACED and keep their stamps")  # fmt: skip
+    ap.add_argument("--profile", action="store_true",
+                    help="no timing: read_int4 and PROFILED once each in an NVTX range 'profile'")  # fmt: skip
     args = ap.parse_args()
     for name in args.proj:
         if name not in PROJECTIONS:
             ap.error(f"projection {name!r}: allowed {sorted(PROJECTIONS)}")
     torch.manual_seed(0)
-    build(args.proj, tuple(args.m))
+    build(args.proj, tuple(args.m), args.trace)
+    if args.profile:
+        for name in args.proj:
+            bench_projection(name, tuple(args.m), 0.0, profile=True)
+        return
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
     result = header(copy_gbs, group_size=GROUP, nvcc=cuda_w4a16.toolkit())
-    write_as_it_goes(result, args.out, args.proj,
-                     lambda name: bench_projection(name, tuple(args.m), copy_gbs))  # fmt: skip
+    write_as_it_goes(result, args.out, args.proj, lambda name: bench_projection(
+        name, tuple(args.m), copy_gbs, args.trace))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -228,7 +228,29 @@ def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) ->
     assert env.compiled_info(lib)["seconds"] > 0
     stored = unpack(store.get(lib.artifact_spec()))
     assert stored == {cutlass_artifacts.LIBRARY: path.read_bytes()}
-    assert cw._load(path).restype is ctypes.c_int  # the CUDA runtime is linked in: no GPU needed
+    assert cw.load(path).restype is ctypes.c_int  # the CUDA runtime is linked in: no GPU needed
+
+
+def test_the_bench_only_trace_build_and_its_summary(tmp_path, monkeypatch) -> None:
+    """bench/w4a16_gemv.py's trace build (the kernel with per-CTA stamps) compiles from the same
+    source and exports its trace; a trace sums up as its stamps say."""
+    from bench import w4a16_gemv as bench
+
+    monkeypatch.setattr(bench, "VARIANT_DIR", tmp_path)
+    config = cfg(1, 2, 4, 1)
+    bench.build_variants([(config, "trace")])
+    lib = ctypes.CDLL(str(bench.variant_path(config, "trace")))
+    ctas, fields = ctypes.c_int(), ctypes.c_int()
+    lib.w4a16_gemv_trace_shape(ctypes.byref(ctas), ctypes.byref(fields))
+    assert fields.value == bench.C_WARP + cw.MAX_WARPS and ctas.value >= 132
+    # two CTAs of two warps at 2 ns a clock: the second starts 1 us later, runs 1 us longer
+    stamps = [[7, 1000, 10900, 100, 150, 600, 5000, 5050, 4800, 4900],
+              [9, 2000, 13000, 100, 200, 700, 5500, 5600, 5000, 5400]]  # fmt: skip
+    summary = bench.trace_summary(stamps, warps=2)
+    assert summary["ns_per_clock"] == 2.0 and summary["span_ns"] == 12000
+    assert summary["end_ns"]["min"] == 9900 and summary["end_ns"]["max"] == 12000
+    assert summary["first_chunk_ns"]["min"] == 900 and summary["warp_spread_ns"]["max"] == 800
+    assert summary["sum_ns"]["min"] == 200 and summary["last_sms"] == [7, 9]
 
 
 # (M, N, K, group, dtype): ragged N (a last block of 8 or 56 rows, N not a multiple of 16), every

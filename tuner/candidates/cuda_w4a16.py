@@ -212,7 +212,8 @@ Launcher = Callable[..., int]
 
 
 @functools.cache
-def _load(path: Path) -> Launcher:
+def load(path: Path) -> Launcher:
+    """The `w4a16_gemv` entry point of the library at ``path`` (loaded once)."""
     lib = ctypes.CDLL(str(path))
     fn = lib.w4a16_gemv
     fn.restype = ctypes.c_int
@@ -227,7 +228,7 @@ def launcher(config: Config) -> Launcher:
     lib = library(config)
     if error := compile_all([config])[lib]:
         raise RuntimeError(f"cuda_w4a16 library {lib}: {error}")
-    return _load(env.library_path(lib))
+    return load(env.library_path(lib))
 
 
 def check_operands(

@@ -13,8 +13,10 @@
 // no arrival counter and no second pass.
 //
 // Launched with programmatic dependent launch: the grid may start while the kernel before it on
-// the stream finishes; it sets up its addresses, then waits (griddepcontrol.wait) for that
-// kernel's writes before its first load or store, and lets the next kernel launch once its
+// the stream finishes; it sets up its addresses and asks the L2 for the weight runs of its first
+// chunks (a prefetch: it consumes nothing, so a weight written by that kernel is still read
+// after the wait, through the L2, the point of coherence), then waits (griddepcontrol.wait) for
+// that kernel's writes before its first copy or store, and lets the next kernel launch once its
 // loads are done.
 //
 // The weight is our packed layout (tuner/quant/int4.py): 64-row blocks, a block's K chunk one
@@ -53,6 +55,12 @@
 #ifndef GEMV_STAGES
 #define GEMV_STAGES 4
 #endif
+#ifndef GEMV_PREFETCH
+#define GEMV_PREFETCH 1  // 1: a warp asks the L2 for its first chunks' weight runs before the wait
+#endif
+#ifndef GEMV_TRACE
+#define GEMV_TRACE 0  // bench builds only: per-CTA timestamps (w4a16_gemv_trace)
+#endif
 
 namespace cg = cooperative_groups;
 
@@ -67,6 +75,35 @@ constexpr int MAX_WARPS = 16;
 constexpr int MAX_DEVICES = 64;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
+constexpr int PREFETCH = GEMV_PREFETCH ? STAGES - 1 : 0;  // the chunks the ring's prologue copies
+
+// Trace (GEMV_TRACE=1): per CTA, [smid, globaltimer at start and end, clock64 at start, after
+// the wait, when warp 0's first chunk landed, after the warps' sums, at the end, then each
+// warp's clock64 when its last chunk was computed].
+
+#if GEMV_TRACE
+constexpr int TRACE_CTAS = 1024, TRACE_FIELDS = 8 + MAX_WARPS;
+__device__ unsigned long long g_trace[TRACE_CTAS * TRACE_FIELDS];
+#endif
+
+enum Stamp { SM_ID, GLOBAL_NS, CLOCK };
+
+// Records `what` now as the CTA's trace field `field` (nothing unless GEMV_TRACE).
+__device__ __forceinline__ void stamp(int field, Stamp what) {
+#if GEMV_TRACE
+  unsigned long long v;
+  if (what == SM_ID) {
+    unsigned s;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+    v = s;
+  } else if (what == GLOBAL_NS) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+  } else {
+    v = clock64();
+  }
+  if (blockIdx.x < TRACE_CTAS) g_trace[blockIdx.x * TRACE_FIELDS + field] = v;
+#endif
+}
 
 struct Params {
   const uint16_t* x;
@@ -210,6 +247,7 @@ struct Copier {
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
+  uint32_t run_bytes;                   // the warp's weight bytes of a chunk (its rows that exist)
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
   // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
@@ -221,6 +259,7 @@ struct Copier {
     lane_w = w_at + w_lane;
     w = block + 64ll * (static_cast<long long>(first) * rows + offset) + w_lane;
     w_step = 64ll * step * rows;
+    run_bytes = 64 * max(0, min(ROWS, rows - offset));
     w_valid = 0;
 #pragma unroll
     for (int h = 0; h < 2 * SLICES; ++h)
@@ -247,6 +286,15 @@ struct Copier {
     chunk = first;
     chunk_step = step;
     group_shift = p.group_shift;
+  }
+
+  // Lane 0 asks the L2 for the warp's weight runs of its next `count` chunks (copies nothing).
+  __device__ __forceinline__ void prefetch(int count, int lane) const {
+    if (lane != 0 || run_bytes == 0) return;
+    for (int i = 0; i < count; ++i)
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(w + i * w_step),
+                   "r"(run_bytes)
+                   : "memory");
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
@@ -356,6 +404,11 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
 template <bool F16, int NG>
 __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
+  if (threadIdx.x == 0) {
+    stamp(3, CLOCK);
+    stamp(1, GLOBAL_NS);
+    stamp(0, SM_ID);
+  }
   cg::cluster_group cluster = cg::this_cluster();
   const int ranks = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
@@ -386,8 +439,10 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   Copier<NG> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at, x_at,
                     SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][4] = {};
+  copier.prefetch(min(PREFETCH, mine), lane);
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (threadIdx.x == 0) stamp(4, CLOCK);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     if (i < mine) copier.issue(ring + i * p.stage_bytes);
@@ -403,18 +458,21 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
       __syncthreads();
       if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
+      if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
       compute<F16, NG>(p, stage + part_at, stage + x_at, lane, acc);
     } else {
       if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
       wait_copies<STAGES - 1>();
       __syncwarp();
+      if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
       compute<F16, NG>(p, stage, stage + x_at, lane, acc);
       __syncwarp();
     }
     slot = slot + 1 == STAGES ? 0 : slot + 1;
     next = next + 1 == STAGES ? 0 : next + 1;
   }
+  if (lane == 0) stamp(8 + warp, CLOCK);
   asm volatile("cp.async.wait_all;\n" ::);
   // the next kernel may launch once every CTA got here (it waits for this grid's writes itself)
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -447,6 +505,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   const int q_lo = ranks > 1 ? rank * outputs / ranks : 0;
   const int q_hi = ranks > 1 ? (rank + 1) * outputs / ranks : outputs;
   if (ranks == 1) __syncthreads();
+  if (threadIdx.x == 0) stamp(6, CLOCK);
   for (int q = q_lo + threadIdx.x; q < q_hi; q += blockDim.x) {
     float v = sums[q];
     if (ranks > 1) {
@@ -457,6 +516,10 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
     if (n0 + row < p.n) p.out[col * p.ldo + n0 + row] = Half2Ops<F16>::round(v);
   }
   if (ranks > 1) cluster.sync();  // no rank leaves while another reads its sums
+  if (threadIdx.x == 0) {
+    stamp(7, CLOCK);
+    stamp(2, GLOBAL_NS);
+  }
 }
 
 namespace {
@@ -560,5 +623,17 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   return static_cast<int>(f16 ? launch_group<true>(p, group, warps, cluster, s)
                               : launch_group<false>(p, group, warps, cluster, s));
 }
+
+#if GEMV_TRACE
+// The trace's shape (CTAs, fields a CTA), then its words of the last launch copied to `host`.
+void w4a16_gemv_trace_shape(int* ctas, int* fields) {
+  *ctas = TRACE_CTAS;
+  *fields = TRACE_FIELDS;
+}
+
+int w4a16_gemv_trace(void* host) {
+  return static_cast<int>(cudaMemcpyFromSymbol(host, g_trace, sizeof(g_trace)));
+}
+#endif
 
 }  // extern "C"
