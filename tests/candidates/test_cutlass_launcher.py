@@ -6,6 +6,8 @@ specs the FP8 and INT4 prefill benches already built (a seeded cache loads them)
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -45,6 +47,30 @@ def assert_right(run, key: GemmKey, inputs: tuple[torch.Tensor, ...], out=None) 
     else:
         out = run(*inputs)
     assert samples.relative_error(out, samples.reference(key, inputs)) <= 1
+
+
+def assert_right_from_two_threads(run, key: GemmKey, seed: int) -> None:
+    """Two threads, each on a stream of its own with four input sets of its own, call ``run``
+    in turn; every call within the format's bound."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    sets = [[samples.make_inputs(key, "cuda", gen) for _ in range(4)] for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def calls(mine: list[tuple[torch.Tensor, ...]]) -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                for _ in range(25):
+                    for inputs in mine:
+                        assert_right(run, key, inputs)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=calls, args=(mine,)) for mine in sets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
 
 
 @pytest.mark.parametrize(("key", "index"), CASES, ids=["128x192", "128x192-streamk", "streamk"])
@@ -116,26 +142,4 @@ def test_w4a16_into_its_own_and_a_callers_output() -> None:
 def test_one_runner_called_from_two_threads_gives_each_its_own_result() -> None:
     """The dispatcher hands one runner to every caller: threads on their own streams must not
     build one another's params or launch on one another's stream."""
-    import threading
-
-    key = LARGE
-    run = fp8_runner(key, 0)
-    gen = torch.Generator("cuda").manual_seed(2)
-    sets = [[samples.make_inputs(key, "cuda", gen) for _ in range(4)] for _ in range(2)]
-    errors: list[BaseException] = []
-
-    def calls(mine: list[tuple[torch.Tensor, ...]]) -> None:
-        try:
-            with torch.cuda.stream(torch.cuda.Stream()):
-                for _ in range(25):
-                    for inputs in mine:
-                        assert_right(run, key, inputs)
-        except BaseException as e:  # reported by the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=calls, args=(mine,)) for mine in sets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    assert_right_from_two_threads(fp8_runner(LARGE, 0), LARGE, seed=2)

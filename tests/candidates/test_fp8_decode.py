@@ -1,6 +1,6 @@
 """The FP8 decode kernels: split-K with interleaved splits (ragged N and K) against float32 GEMMs
-on the dequantized operands; the decode configs, built for every decode shape and run on the
-GPU."""
+on the dequantized operands; the decode configs, built for every decode shape (run on the GPU
+by ``test_lowbit_kernels.test_fp8_every_config_on_the_gpu``)."""
 
 from __future__ import annotations
 
@@ -80,22 +80,3 @@ def test_fp8_decode_configs_build_for_every_decode_shape(n: int, k: int, narrow:
             assert config.get("interleave", False) == (config["split_k"] > 1)
             for rowwise in (True, False):
                 assert fp8_kernels.jobs(m, n, k, config, rowwise=rowwise, precise=False)
-
-
-# --- GPU ------------------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("m", "rowwise"), [(1, True), (16, False)])
-def test_fp8_decode_kernels_every_config_on_a_down_projection(m: int, rowwise: bool) -> None:
-    """N = 1000 (a ragged last tile) and Llama's down K: each config of the decode shortlist
-    within the tolerance in both accumulation modes, and bit for bit the same on a second call."""
-    n, k = 1000, 14336
-    a, b, sa, sb, ref, tol = fp8_problem(m, n, k, rowwise)
-    sb = sb.T if rowwise else sb
-    for config in fp8_kernels.configs(m, n, k):
-        for precise in (False, True):
-            out = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=precise)
-            assert excess(out, ref, tol) <= 1, (config, precise)
-            again = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=precise)
-            assert torch.equal(out, again), (config, precise)

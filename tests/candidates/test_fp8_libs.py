@@ -6,12 +6,10 @@ cuBLASLt runner also over moving scale pointers, new strides, a replayed graph a
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from tests.candidates.test_cutlass_launcher import assert_right
+from tests.candidates.test_cutlass_launcher import assert_right, assert_right_from_two_threads
 from tuner.candidates import cutlass_artifacts, cutlass_env, cutlass_fp8, registry
 from tuner.candidates.torch_lowbit import scaled_mm_runner
 from tuner.core.keys import DTYPES, GemmKey, lowbit_fields
@@ -146,25 +144,7 @@ def test_cublaslt_fp8_one_runner_called_from_two_threads():
     run = source("cublaslt_fp8", key).build(
         key, registry.get("cublaslt_fp8").candidates(key, "cuda")[0]
     )
-    gen = torch.Generator("cuda").manual_seed(5)
-    sets = [[samples.make_inputs(key, "cuda", gen) for _ in range(4)] for _ in range(2)]
-    errors: list[BaseException] = []
-
-    def calls(mine: list[tuple[torch.Tensor, ...]]) -> None:
-        try:
-            with torch.cuda.stream(torch.cuda.Stream()):
-                for _ in range(25):
-                    for inputs in mine:
-                        assert_right(run, key, inputs)
-        except BaseException as e:  # reported by the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=calls, args=(mine,)) for mine in sets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    assert_right_from_two_threads(run, key, seed=5)
 
 
 def test_cublaslt_fp8_tunes_through_the_engine():

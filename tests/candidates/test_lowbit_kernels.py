@@ -411,15 +411,23 @@ def test_fp8_split_k_sums_alike_in_the_kernel_and_in_a_captured_graph(n: int, co
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("m", "rowwise"), [(1, True), (16, False), (200, True), (1024, True)])
-def test_fp8_every_config_on_the_gpu(m: int, rowwise: bool) -> None:
-    n, k = 512, 2048
+@pytest.mark.parametrize(
+    ("m", "n", "k", "rowwise"),
+    [(1, 512, 2048, True), (16, 512, 2048, False), (200, 512, 2048, True),
+     (1024, 512, 2048, True), (1, 1000, 14336, True), (16, 1000, 14336, False)],
+)  # fmt: skip
+def test_fp8_every_config_on_the_gpu(m: int, n: int, k: int, rowwise: bool) -> None:
+    """Each config of the shortlist within the tolerance in both accumulation modes, and bit for
+    bit the same on a second call; N = 1000 with Llama's down K: a ragged last tile, the decode
+    configs' split-K."""
     a, b, sa, sb, ref, tol = fp8_problem(m, n, k, rowwise)
     sb = sb.T if rowwise else sb
     for config in fp8_kernels.configs(m, n, k):
         for precise in (False, True):
             out = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=precise)
             assert excess(out, ref, tol) <= 1, (config, precise)
+            again = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=precise)
+            assert torch.equal(out, again), (config, precise)
     torch_out = torch._scaled_mm(a, b.T, sa, sb, out_dtype=torch.bfloat16)
     assert excess(torch_out, ref, tol) <= 1
 
