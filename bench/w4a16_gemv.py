@@ -14,13 +14,13 @@ group 128, CUDA-graph GPU time (``timing.graph_time``), weights rotated past the
 device-to-device copy bandwidth. Every W4A16 config's output is checked against a float32 GEMM on
 the dequantized operands (``tuner.quant.tolerance``): "excess" <= 1 passes.
 
-Bench-only builds of a config's library (``VARIANTS``, extra ``-D`` flags, built beside the run):
-``AB`` configs are also timed without the L2 prefetch before the PDL wait (impl
-"cuda_gemv_noprefetch"); with ``--trace``, ``TRACED`` configs run a build that stamps each CTA
-(``%globaltimer`` at its start and end, ``clock64`` at its start, after the wait, when warp 0's
-first chunk landed, at each warp's last chunk, after the warps' sums, at its end) and the row
-carries the stamps and a summary (impl "cuda_gemv_trace"). ``--profile``: no timing, each kernel
-of ``PROFILED`` once in an NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
+With ``--trace``, ``TRACED`` configs also run a bench-only build of their library (``VARIANTS``:
+extra ``-D`` flags, built beside the run) that stamps each CTA (``%globaltimer`` at its start and
+end, ``clock64`` at its start, after the wait, when warp 0's first chunk landed, at each warp's
+last chunk, once the warps' partials are in shared memory, at its end); the row carries the
+stamps and a summary (impl "cuda_gemv_trace"). ``--profile``: no timing, the bare read and each
+config of ``PROFILED`` once in an NVTX range "profile" for Nsight Compute (as
+``bench/lowbit_kernels.py``).
 """
 
 from __future__ import annotations
@@ -58,16 +58,15 @@ from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_
 GROUP = 128
 MS = (1, 4, 8)
 # (split, slices of 16 rows per warp, stages, warps, cluster). Warps splitting K: 32-row CTAs over
-# all of K (one per SM), 8-16 warps, 2-6 stages. Warps splitting rows: 256-row CTAs with K over a
+# all of K (one per SM), 8-16 warps, 2-4 stages. Warps splitting rows: 256-row CTAs with K over a
 # cluster of 8 (Qwen down M = 8's winner).
 GRID = [
-    ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 2, 16, 1), ("k", 2, 6, 8, 1),
-    ("k", 2, 3, 12, 1), ("rows", 2, 4, 8, 8),
+    ("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
+    ("k", 2, 2, 12, 1), ("k", 2, 3, 8, 1), ("rows", 2, 4, 8, 8),
 ]  # fmt: skip
-AB = [("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("rows", 2, 4, 8, 8)]
-TRACED = [("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1)]
-PROFILED = [("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1)]
-VARIANTS = {"noprefetch": ["-DGEMV_PREFETCH=0"], "trace": ["-DGEMV_TRACE=1"]}
+TRACED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
+PROFILED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
+VARIANTS = {"trace": ["-DGEMV_TRACE=1"]}
 VARIANT_DIR = Path(tempfile.gettempdir()) / "w4a16_gemv_variants"
 # a trace row's fields (w4a16_gemv.cu): sm id, globaltimer at start / end, clock64 at start,
 # after the wait, warp 0's first chunk, after the sums, at the end; then each warp's last chunk
@@ -164,9 +163,8 @@ def build(projections: list[str], ms: tuple[int, ...], trace: bool) -> None:
     shapes = [(m, *PROJECTIONS[name]) for name in projections for m in ms]
     cfgs = [c for shape in shapes for c in grid_configs(*shape)]
     errors = {str(lib): e for lib, e in cuda_w4a16.compile_all(cfgs).items() if e}
-    build_variants([(c, "noprefetch") for shape in shapes for c in grid_configs(*shape, AB)] +
-                   [(c, "trace") for shape in shapes for c in grid_configs(*shape, TRACED)
-                    if trace])  # fmt: skip
+    if trace:
+        build_variants([(c, "trace") for shape in shapes for c in grid_configs(*shape, TRACED)])
     print(f"built {len({cuda_w4a16.library(c) for c in cfgs})} CUDA libraries and the variants in "
           f"{time.perf_counter() - started:.1f} s; errors: {errors}", flush=True)  # fmt: skip
     report = warm([job for name in projections for m in ms
@@ -211,10 +209,8 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
         if profile:
             profiled(name, m, "read_int4", lambda i: read_all(i4[i % len(i4)][0], sums), {})
             for cfg in grid_configs(m, n, k, PROFILED):
-                for impl, path in (("cuda_gemv", None),
-                                   ("cuda_gemv_noprefetch", variant_path(cfg, "noprefetch"))):  # fmt: skip
-                    fn = cuda_w4a16.launcher(cfg) if path is None else cuda_w4a16.load(path)
-                    profiled(name, m, impl, lambda i, f=gemv(fn, cfg): f(i, out), {"config": cfg})
+                call = gemv(cuda_w4a16.launcher(cfg), cfg)
+                profiled(name, m, "cuda_gemv", lambda i, f=call: f(i, out), {"config": cfg})
             return
         row(m, "read_int4", lambda i: read_all(i4[i % len(i4)][0], sums), nbytes(packed))
         base = row(m, "bf16", lambda i: torch.matmul(x, bf[i % len(bf)][0].T, out=out),
@@ -237,9 +233,6 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
                 x, i4[i % len(i4)][0], i4[i % len(i4)][1], GROUP, c, out=o))  # fmt: skip
         for cfg in grid_configs(m, n, k):
             checked("cuda_gemv", cfg, gemv(cuda_w4a16.launcher(cfg), cfg))
-        for cfg in grid_configs(m, n, k, AB):
-            path = variant_path(cfg, "noprefetch")
-            checked("cuda_gemv_noprefetch", cfg, gemv(cuda_w4a16.load(path), cfg))
         for cfg in grid_configs(m, n, k, TRACED) if trace else []:
             path = variant_path(cfg, "trace")
             checked("cuda_gemv_trace", cfg, gemv(cuda_w4a16.load(path), cfg))

@@ -293,11 +293,13 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 
 
 # Decode shortlist (split, slices, stages, warps, cluster), the likeliest first. Warps splitting
-# K: 32-row CTAs over all of K, one per SM; 16 warps of 3 stages keep more chunks in flight than
-# 8 of 4 on the narrow projections, 8 of 4 win the wide ones. Warps splitting rows: 8 warps of 32
-# rows share each chunk's x slab, K over a cluster of 8: ahead where x's slab weighs most.
+# K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing its ~340
+# instructions a chunk, so more warps a CTA and a shallow ring (its first chunk sooner) lead on
+# the narrow projections; 8 warps of 4 stages win the wide ones. Warps splitting rows: 8 warps of
+# 32 rows share each chunk's x slab, K over a cluster of 8: ahead where x's slab weighs most.
 # Nothing past M = 8: the K split copies x's [M, 128] slab per warp and chunk.
-SHORTLIST = (("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("rows", 2, 4, 8, 8))
+SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
+             ("rows", 2, 4, 8, 8))  # fmt: skip
 
 
 def configs(m: int, n: int, k: int, group: int) -> list[Config]:

@@ -13,10 +13,8 @@
 // no arrival counter and no second pass.
 //
 // Launched with programmatic dependent launch: the grid may start while the kernel before it on
-// the stream finishes; it sets up its addresses and asks the L2 for the weight runs of its first
-// chunks (a prefetch: it consumes nothing, so a weight written by that kernel is still read
-// after the wait, through the L2, the point of coherence), then waits (griddepcontrol.wait) for
-// that kernel's writes before its first copy or store, and lets the next kernel launch once its
+// the stream finishes; it sets up its addresses, then waits (griddepcontrol.wait) for that
+// kernel's writes before its first load or store, and lets the next kernel launch once its
 // loads are done.
 //
 // The weight is our packed layout (tuner/quant/int4.py): 64-row blocks, a block's K chunk one
@@ -55,9 +53,6 @@
 #ifndef GEMV_STAGES
 #define GEMV_STAGES 4
 #endif
-#ifndef GEMV_PREFETCH
-#define GEMV_PREFETCH 1  // 1: a warp asks the L2 for its first chunks' weight runs before the wait
-#endif
 #ifndef GEMV_TRACE
 #define GEMV_TRACE 0  // bench builds only: per-CTA timestamps (w4a16_gemv_trace)
 #endif
@@ -75,11 +70,10 @@ constexpr int MAX_WARPS = 16;
 constexpr int MAX_DEVICES = 64;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
-constexpr int PREFETCH = GEMV_PREFETCH ? STAGES - 1 : 0;  // the chunks the ring's prologue copies
 
 // Trace (GEMV_TRACE=1): per CTA, [smid, globaltimer at start and end, clock64 at start, after
-// the wait, when warp 0's first chunk landed, after the warps' sums, at the end, then each
-// warp's clock64 when its last chunk was computed].
+// the wait, when warp 0's first chunk landed, once the warps' partials are in shared memory, at
+// the end, then each warp's clock64 when its last chunk was computed].
 
 #if GEMV_TRACE
 constexpr int TRACE_CTAS = 1024, TRACE_FIELDS = 8 + MAX_WARPS;
@@ -247,7 +241,6 @@ struct Copier {
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
-  uint32_t run_bytes;                   // the warp's weight bytes of a chunk (its rows that exist)
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
   // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
@@ -259,7 +252,6 @@ struct Copier {
     lane_w = w_at + w_lane;
     w = block + 64ll * (static_cast<long long>(first) * rows + offset) + w_lane;
     w_step = 64ll * step * rows;
-    run_bytes = 64 * max(0, min(ROWS, rows - offset));
     w_valid = 0;
 #pragma unroll
     for (int h = 0; h < 2 * SLICES; ++h)
@@ -286,15 +278,6 @@ struct Copier {
     chunk = first;
     chunk_step = step;
     group_shift = p.group_shift;
-  }
-
-  // Lane 0 asks the L2 for the warp's weight runs of its next `count` chunks (copies nothing).
-  __device__ __forceinline__ void prefetch(int count, int lane) const {
-    if (lane != 0 || run_bytes == 0) return;
-    for (int i = 0; i < count; ++i)
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(w + i * w_step),
-                   "r"(run_bytes)
-                   : "memory");
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
@@ -439,13 +422,21 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   Copier<NG> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at, x_at,
                     SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][4] = {};
-  copier.prefetch(min(PREFETCH, mine), lane);
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (threadIdx.x == 0) stamp(4, CLOCK);
+  // Splitting K, a warp's first chunk goes out alone and the rest of its ring once that chunk has
+  // landed: every warp's first chunk is then the first thing the memory serves (the whole rings
+  // of every CTA asked for at once land the first chunks late, the warps idle meanwhile, and the
+  // warps are busy issuing instructions once they stream). Splitting rows, the ring fills at once.
+  if constexpr (SPLIT_ROWS) {
 #pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < mine) copier.issue(ring + i * p.stage_bytes);
+    for (int i = 0; i < STAGES - 1; ++i) {
+      if (i < mine) copier.issue(ring + i * p.stage_bytes);
+      commit();
+    }
+  } else {
+    if (mine > 0) copier.issue(ring);
     commit();
   }
   int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
@@ -461,9 +452,18 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
       compute<F16, NG>(p, stage + part_at, stage + x_at, lane, acc);
     } else {
-      if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
-      commit();
-      wait_copies<STAGES - 1>();
+      if (i == 0) {
+        wait_copies<0>();
+#pragma unroll
+        for (int j = 1; j < STAGES; ++j) {  // chunks 1 .. STAGES - 1 into stages 1 .. STAGES - 1
+          if (j < mine) copier.issue(ring + j * p.stage_bytes);
+          commit();
+        }
+      } else {
+        if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
+        commit();
+        wait_copies<STAGES - 1>();  // every group but the newest STAGES - 1: chunk i
+      }
       __syncwarp();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
       compute<F16, NG>(p, stage, stage + x_at, lane, acc);
@@ -493,29 +493,40 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
       const int row = 16 * s + g + 8 * (e >> 1), col = 2 * t + (e & 1);
       if (col < m) mine_at[col * cta_rows + row] = acc[s][e];
     }
+  const auto store = [&](int q, float v) {  // output q of the CTA's [M][cta_rows]
+    const int col = q / cta_rows, row = q % cta_rows;
+    if (n0 + row < p.n) p.out[col * p.ldo + n0 + row] = Half2Ops<F16>::round(v);
+  };
+  // splitting K without a cluster, an output is stored as soon as its warps' partials are summed
+  const bool stored_here = !SPLIT_ROWS && ranks == 1;
   if constexpr (!SPLIT_ROWS) {
     __syncthreads();
+    if (threadIdx.x == 0) stamp(6, CLOCK);
     for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
       float v = 0.f;
       for (int w = 0; w < warps; ++w) v += part[w * outputs + q];
-      sums[q] = v;
+      if (stored_here)
+        store(q, v);
+      else
+        sums[q] = v;
     }
   }
-  if (ranks > 1) cluster.sync();  // every rank's sums written
-  const int q_lo = ranks > 1 ? rank * outputs / ranks : 0;
-  const int q_hi = ranks > 1 ? (rank + 1) * outputs / ranks : outputs;
-  if (ranks == 1) __syncthreads();
-  if (threadIdx.x == 0) stamp(6, CLOCK);
-  for (int q = q_lo + threadIdx.x; q < q_hi; q += blockDim.x) {
-    float v = sums[q];
-    if (ranks > 1) {
-      v = 0.f;
-      for (int r = 0; r < ranks; ++r) v += cluster.map_shared_rank(sums, r)[q];
+  if (!stored_here) {
+    if (ranks > 1) cluster.sync();  // every rank's sums written
+    const int q_lo = ranks > 1 ? rank * outputs / ranks : 0;
+    const int q_hi = ranks > 1 ? (rank + 1) * outputs / ranks : outputs;
+    if (ranks == 1) __syncthreads();
+    if (SPLIT_ROWS && threadIdx.x == 0) stamp(6, CLOCK);
+    for (int q = q_lo + threadIdx.x; q < q_hi; q += blockDim.x) {
+      float v = sums[q];
+      if (ranks > 1) {
+        v = 0.f;
+        for (int r = 0; r < ranks; ++r) v += cluster.map_shared_rank(sums, r)[q];
+      }
+      store(q, v);
     }
-    const int col = q / cta_rows, row = q % cta_rows;
-    if (n0 + row < p.n) p.out[col * p.ldo + n0 + row] = Half2Ops<F16>::round(v);
+    if (ranks > 1) cluster.sync();  // no rank leaves while another reads its sums
   }
-  if (ranks > 1) cluster.sync();  // no rank leaves while another reads its sums
   if (threadIdx.x == 0) {
     stamp(7, CLOCK);
     stamp(2, GLOBAL_NS);
