@@ -293,9 +293,9 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 
 
 # Decode shortlist (split, slices, stages, warps, cluster), the likeliest first. Warps splitting
-# K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing its ~340
-# instructions a chunk, so more warps a CTA and a shallow ring (its first chunk sooner) lead on
-# the narrow projections; 8 warps of 4 stages win the wide ones. Warps splitting rows: 8 warps of
+# K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing instructions, not
+# waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the narrow projections;
+# 8 warps of 4 stages win the wide ones. Warps splitting rows: 8 warps of
 # 32 rows share each chunk's x slab, K over a cluster of 8: ahead where x's slab weighs most.
 # Nothing past M = 8: the K split copies x's [M, 128] slab per warp and chunk.
 SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),

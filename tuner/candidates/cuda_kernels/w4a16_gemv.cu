@@ -74,7 +74,6 @@ static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
 // Trace (GEMV_TRACE=1): per CTA, [smid, globaltimer at start and end, clock64 at start, after
 // the wait, when warp 0's first chunk landed, once the warps' partials are in shared memory, at
 // the end, then each warp's clock64 when its last chunk was computed].
-
 #if GEMV_TRACE
 constexpr int TRACE_CTAS = 1024, TRACE_FIELDS = 8 + MAX_WARPS;
 __device__ unsigned long long g_trace[TRACE_CTAS * TRACE_FIELDS];
@@ -425,18 +424,9 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (threadIdx.x == 0) stamp(4, CLOCK);
-  // Splitting K, a warp's first chunk goes out alone and the rest of its ring once that chunk has
-  // landed: every warp's first chunk is then the first thing the memory serves (the whole rings
-  // of every CTA asked for at once land the first chunks late, the warps idle meanwhile, and the
-  // warps are busy issuing instructions once they stream). Splitting rows, the ring fills at once.
-  if constexpr (SPLIT_ROWS) {
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-      if (i < mine) copier.issue(ring + i * p.stage_bytes);
-      commit();
-    }
-  } else {
-    if (mine > 0) copier.issue(ring);
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < mine) copier.issue(ring + i * p.stage_bytes);
     commit();
   }
   int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
@@ -452,18 +442,9 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
       compute<F16, NG>(p, stage + part_at, stage + x_at, lane, acc);
     } else {
-      if (i == 0) {
-        wait_copies<0>();
-#pragma unroll
-        for (int j = 1; j < STAGES; ++j) {  // chunks 1 .. STAGES - 1 into stages 1 .. STAGES - 1
-          if (j < mine) copier.issue(ring + j * p.stage_bytes);
-          commit();
-        }
-      } else {
-        if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
-        commit();
-        wait_copies<STAGES - 1>();  // every group but the newest STAGES - 1: chunk i
-      }
+      if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
+      commit();
+      wait_copies<STAGES - 1>();
       __syncwarp();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
       compute<F16, NG>(p, stage, stage + x_at, lane, acc);
