@@ -428,8 +428,9 @@ def test_fp8_every_config_on_the_gpu(m: int, n: int, k: int, rowwise: bool) -> N
             assert excess(out, ref, tol) <= 1, (config, precise)
             again = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=precise)
             assert torch.equal(out, again), (config, precise)
-    torch_out = torch._scaled_mm(a, b.T, sa, sb, out_dtype=torch.bfloat16)
-    assert excess(torch_out, ref, tol) <= 1
+    if n % 16 == 0:  # the bound holds torch's op too (_scaled_mm takes N in multiples of 16)
+        torch_out = torch._scaled_mm(a, b.T, sa, sb, out_dtype=torch.bfloat16)
+        assert excess(torch_out, ref, tol) <= 1
 
 
 @pytest.mark.gpu
