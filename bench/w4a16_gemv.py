@@ -238,7 +238,8 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             checked("cuda_gemv_trace", cfg, gemv(cuda_w4a16.load(path), cfg))
             if "error" in rows[-1]:
                 continue
-            ctas = -(-n // (16 * cfg["slices"]))
+            rows_per_cta = 16 * cfg["slices"] * (cfg["warps"] if cfg["split"] == "rows" else 1)
+            ctas = -(-n // rows_per_cta) * cfg["cluster"]
             stamps = read_trace(path, ctas)
             rows[-1]["trace"] = trace_summary(stamps, cfg["warps"])
             rows[-1]["stamps"] = stamps

@@ -2,8 +2,8 @@
 
     python bench/w4a16_read_patterns.py --out bench/results/w4a16_read_patterns.json
 
-A stream-K W4A16 decode kernel walks [BN rows x SEG bytes] tiles of the [N, K / 2] weight, one
-K step at a time. Here the same runs of (tile, step) units are only
+The access pattern measured is a stream-K walk (no kernel of the tuner's takes it) over
+[BN rows x SEG bytes] tiles of the [N, K / 2] weight, one K step at a time. Here the same runs of (tile, step) units are only
 loaded (plain loads, two units in flight per program) and summed: if this read is well below the
 contiguous floor (``read_all``), the access pattern costs bandwidth before any dequantization
 does. ``tiles`` reads a row-major weight (a step's rows SEG bytes each, K / 2 apart);

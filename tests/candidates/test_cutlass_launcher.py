@@ -54,6 +54,7 @@ def assert_right_from_two_threads(run, key: GemmKey, seed: int) -> None:
     in turn; every call within the format's bound."""
     gen = torch.Generator("cuda").manual_seed(seed)
     sets = [[samples.make_inputs(key, "cuda", gen) for _ in range(4)] for _ in range(2)]
+    torch.cuda.synchronize()  # the inputs, made on the default stream, are read on others
     errors: list[BaseException] = []
 
     def calls(mine: list[tuple[torch.Tensor, ...]]) -> None:
@@ -139,7 +140,16 @@ def test_w4a16_into_its_own_and_a_callers_output() -> None:
         assert_right(run, key, inputs, samples.output_like(key, inputs))
 
 
-def test_one_runner_called_from_two_threads_gives_each_its_own_result() -> None:
+@pytest.mark.parametrize(("key", "index"), [CASES[0], CASES[2]], ids=["128x192", "streamk"])
+def test_one_runner_called_from_two_threads_gives_each_its_own_result(
+    key: GemmKey, index: int
+) -> None:
     """The dispatcher hands one runner to every caller: threads on their own streams must not
-    build one another's params or launch on one another's stream."""
-    assert_right_from_two_threads(fp8_runner(LARGE, 0), LARGE, seed=2)
+    build one another's params, launch on one another's stream or share stream-K's workspace."""
+    assert_right_from_two_threads(fp8_runner(key, index), key, seed=2)
+
+
+def test_w4a16_stream_k_runner_called_from_two_threads() -> None:
+    key = GemmKey(m=16, n=384, k=1024, **lowbit_fields("int4-g128"))
+    stream_k = next(p for p in w4.SMALL if p["scheduler"] == "streamk")
+    assert_right_from_two_threads(runner("cutlass_w4a16", key, stream_k), key, seed=4)

@@ -110,7 +110,11 @@ STREAM_K = w4._p(128, 256, (2, 1), "coop", "streamk")
         ({**STREAM_K, "splits": 2}, r"'splits'=2 and 'decomposition'='heuristic'"),
         ({**w4.MEDIUM[0], "decomposition": "streamk"}, "needs scheduler 'streamk', got 'default'"),
         ({**w4.MEDIUM[0], "raster": "x"}, "the 'ws' kernel is not persistent"),
-        ({**STREAM_K, "reduction": "nondeterministic"}, r"unknown cutlass params \['reduction'\]"),
+        (
+            {**STREAM_K, "reduction": "nondeterministic"},
+            r"unknown cutlass_w4a16 params \['reduction'\]; allowed: \[.*'splits', 'decomposition'",
+        ),
+        ({**STREAM_K, "split": 2}, r"unknown cutlass_w4a16 params \['split'\]"),
     ],
 )
 def test_bad_scheduler_params_name_the_field_and_the_allowed_values(

@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import weakref
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -184,6 +185,12 @@ def unsupported_reason(key: GemmKey) -> str | None:
 
 def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
     """The compiled kernel ``params`` name for the INT4 ``key``; ValueError naming a bad param."""
+    unknown = set(params) - {*cutlass_gemm.PARAM_NAMES, *SCHEDULER_PARAMS}
+    if unknown:
+        raise ValueError(
+            f"unknown cutlass_w4a16 params {sorted(unknown)}; allowed: "
+            f"{[*cutlass_gemm.PARAM_NAMES, *SCHEDULER_PARAMS]}"
+        )
     cutlass_gemm.check_params({k: v for k, v in params.items() if k not in SCHEDULER_PARAMS})
     scheduler_args(params)
     if params["kernel"] not in KERNELS:
@@ -549,19 +556,34 @@ class W4A16Launcher:
         self.host_us.restype = ctypes.c_int
         self.host_us.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p]
         size = ctypes.c_size_t()
-        self.key, self.device, self.scheduler = key, device, scheduler
+        self.lib, self.key, self.device, self.scheduler = lib, key, device, scheduler
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
-        problem = (key.m, key.n, key.k, key.group, *scheduler, device.index, self.sms)
-        lib.tuner_workspace_size(*problem, ctypes.byref(size))
-        self.workspace = torch.empty(max(size.value, 1), dtype=torch.uint8, device=device)
+        self.problem = (key.m, key.n, key.k, key.group, *scheduler, device.index, self.sms)
+        lib.tuner_workspace_size(*self.problem, ctypes.byref(size))
+        self.workspace_bytes = max(size.value, 1)
         self.dtype = DTYPES[key.dtype]
         self.x_shape = torch.Size((key.m, key.k))
         self.w_shape = torch.Size((key.n, key.k // 2))  # A's bytes
         self.scale_shape = torch.Size((key.k // key.group, key.n))
         self.out_shape = (key.m, key.n)
         self.stream = ops.stream_getter(device)
-        self.plan = lib.tuner_plan_create(*problem, PLAN_ENTRIES, self.workspace.data_ptr())
-        weakref.finalize(self, lib.tuner_plan_destroy, self.plan)
+        self.plans: dict[int, tuple[int, torch.Tensor]] = {}  # stream -> (plan, its workspace)
+        self.making = threading.Lock()
+
+    def plan(self, stream: int) -> int:
+        """``stream``'s own plan and workspace, made on it at its first call: calls of two
+        threads on their streams run at once, and must not share stream-K's flags and partial
+        tiles (a plan's mutex orders enqueues, not the kernels)."""
+        held = self.plans.get(stream)
+        if held is None:
+            with self.making:
+                held = self.plans.get(stream)
+                if held is None:
+                    ws = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+                    made = self.lib.tuner_plan_create(*self.problem, PLAN_ENTRIES, ws.data_ptr())
+                    weakref.finalize(ws, self.lib.tuner_plan_destroy, made)
+                    held = self.plans[stream] = (made, ws)
+        return held[0]
 
     def _check(self, x: torch.Tensor) -> None:
         if (
@@ -612,7 +634,8 @@ class W4A16Launcher:
 
     def __call__(self, x: Any, packed: Any, scales_and_zeros: Any, out: Any = None) -> Any:
         (w, xp, scale, zero, cp), c, user_out = self.operands(x, packed, scales_and_zeros, out)
-        err = self.run(self.plan, w, xp, scale, zero, cp, self.stream())
+        stream = self.stream()
+        err = self.run(self.plan(stream), w, xp, scale, zero, cp, stream)
         if err:
             raise RuntimeError(f"CUTLASS int4 GEMM failed: code {err} (1000 + cutlass::Status, "
                                "else cudaError_t)")  # fmt: skip
@@ -625,7 +648,7 @@ class W4A16Launcher:
         us = (ctypes.c_double * 4)()
         args = (ctypes.c_void_p * 5)(*ptrs)
         stream = ops.current_stream(self.device)
-        if err := self.host_us(self.plan, args, stream, reps, us):
+        if err := self.host_us(self.plan(stream), args, stream, reps, us):
             raise RuntimeError(f"CUTLASS int4 GEMM failed: code {err}")
         names = ("can_implement", "initialize", "initialize_and_launch", "known_call")
         return dict(zip(names, us, strict=True))
