@@ -110,7 +110,7 @@ def fp8_tiled(
         tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
         if REDUCE_HERE:
             reduce_if_last(ws_ptr, counts_ptr, tl.program_id(0), part, plane, mask, out_ptrs,
-                           SPLIT_K, SPLIT_K)  # fmt: skip
+                           SPLIT_K)  # fmt: skip
 
 
 @triton.jit

@@ -18,19 +18,16 @@ MIN_COUNTS = 4096  # counts kept per device (grown on demand)
 
 
 @triton.jit
-def reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, parts,
-                   MAX_PARTS: tl.constexpr):  # fmt: skip
+def reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, PARTS: tl.constexpr):
     """Call after storing this program's partial at ``ws_ptr + rank * plane + part``: the
-    tile's last program to arrive stores the sum of the ``parts`` (<= ``MAX_PARTS``, a
-    constexpr) partials at ``out_ptrs``. Unrolled, so that the loads are in flight together
-    (a loop over ``parts`` waits for each load in turn), and never inside a K loop (Triton
-    software-pipelines innermost loops only)."""
+    tile's last program to arrive stores the sum of the ``PARTS`` partials at ``out_ptrs``.
+    Unrolled, so that the loads are in flight together (a loop would wait for each load in
+    turn), and never inside a K loop (Triton software-pipelines innermost loops only)."""
     tl.debug_barrier()  # every thread's partial is written before the count goes up
-    if tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu") == parts - 1:
+    if tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu") == PARTS - 1:
         total = tl.load(ws_ptr + part, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, MAX_PARTS):
-            total += tl.load(ws_ptr + s * plane + part, mask=tl.where(s < parts, mask, False),
-                             other=0.0, cache_modifier=".cg")  # fmt: skip
+        for s in tl.static_range(1, PARTS):
+            total += tl.load(ws_ptr + s * plane + part, mask=mask, other=0.0, cache_modifier=".cg")
         tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
         tl.atomic_xchg(counts_ptr + tile, 0, sem="relaxed", scope="gpu")
 

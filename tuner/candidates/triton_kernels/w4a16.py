@@ -240,8 +240,7 @@ def _store_split(ws_ptr, counts_ptr, tile, split, acc, part, plane, mask, out_pt
     else:
         tl.store(ws_ptr + split * plane + part, acc, mask=mask)
         if REDUCE_HERE:
-            reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K,
-                           SPLIT_K)  # fmt: skip
+            reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K)
 
 
 def check_inputs(
