@@ -108,6 +108,18 @@ def test_w4a16_planted_errors_are_caught(config) -> None:
     assert excess(w4a16.w4a16_matmul(short, int4.pack(q), sz, g, config), ref, tol) > 1
 
 
+def test_w4a16_two_dot_128_tile_drops_a_stage_where_a_step_spans_many_groups() -> None:
+    """Its scales' buffers overflow shared memory at 3 stages with groups under 128."""
+
+    def stages(group: int) -> int:
+        tile = [c for c in w4a16.configs(64, 512, 2048, group)
+                if (c["bm"], c["bn"], c["dots"]) == (128, 128, 2)]  # fmt: skip
+        assert len(tile) == 1
+        return tile[0]["stages"]
+
+    assert [stages(g) for g in (32, 64, 128, 256)] == [2, 2, 3, 3]
+
+
 def test_w4a16_configs_are_valid_for_llama_shapes() -> None:
     for n, k in LLAMA3_8B:
         for m in (1, 3, 16, 256, 2048):

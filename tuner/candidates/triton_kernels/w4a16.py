@@ -511,6 +511,10 @@ DECODE_TILES = ((64, 4, 3, 2, 5, {"step_sum": True}),
 PREFILL_TILES = ((128, 128, 8, 3, 1, False), (256, 128, 8, 2, 1, False), (128, 128, 8, 3, 2, False),
                  (64, 64, 4, 3, 2, True), (64, 128, 8, 3, 1, False), (128, 256, 8, 2, 1, False),
                  (64, 256, 8, 3, 1, False))  # fmt: skip
+# A step's scales and zeros take shared memory per stage too: (bm, bn, dots) of the tiles whose
+# 3-stage buffers overflow Hopper's shared memory once a step spans more than two groups (group
+# size under 128), and the stages they keep there.
+MANY_GROUPS_STAGES = {(128, 128, 2): 2}
 
 
 def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Config]:
@@ -535,6 +539,8 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
     for bm, bn, warps, stages, dots, step_sum in PREFILL_TILES:
         if bm <= 2 * max(m, 16) and k % (dots * CHUNK) == 0:
             split = _splits(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, dots * CHUNK, sms)
+            if dots * CHUNK > 2 * group_size:
+                stages = MANY_GROUPS_STAGES.get((bm, bn, dots), stages)
             config = {"kernel": "tiled", "bm": bm, "bn": bn, "bk": CHUNK, "dots": dots,
                       "split_k": split, "group_m": 8, "warps": warps, "stages": stages}  # fmt: skip
             out.append({**config, "step_sum": True} if step_sum else config)
