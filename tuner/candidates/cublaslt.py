@@ -363,6 +363,7 @@ class _LtRunner:
         self.by_strides: dict[Strides, _Descriptors] = {}
         self.need = 0  # workspace bytes the adopted plans need at most
         self.workspaces: dict[int, tuple[int, int, torch.Tensor]] = {}  # stream -> ptr, size, ws
+        self.outgrown: list[torch.Tensor] = []  # workspaces replaced by larger ones, kept alive
         self.lock = threading.Lock()
         self._adopt(packed, desc)
         self.scalars = np.array([1.0, 0.0], dtype=np.float32)
@@ -422,6 +423,8 @@ class _LtRunner:
         one) when it has none that is large enough; called under the lock."""
         held = self.workspaces.get(stream)
         if held is None or held[1] < self.need:
+            if held is not None:  # a CUDA graph captured with it may still replay on it
+                self.outgrown.append(held[2])
             ws = torch.empty(self.need, dtype=torch.uint8, device=self.device)
             held = self.workspaces[stream] = (ws.data_ptr(), self.need, ws)
         return held
