@@ -203,8 +203,9 @@ def test_operands_the_kernel_would_refuse() -> None:
 
 
 def test_operands_are_checked_once_per_guard() -> None:
-    """A runner skips the checks for operands whose guard passed them before: the guard holds
-    every property the checks read, so operands that would fail never share a passed one's."""
+    """A runner skips the checks for operands whose guard passed them before, which is safe
+    only if the guard holds every property the checks read: operands that differ in any one of
+    them have another guard."""
     m, n, k = 4, 64, 256
     x = torch.randn(m, k, dtype=torch.bfloat16)
     weight = int4.pack(torch.randint(0, 16, (n, k), dtype=torch.uint8))
@@ -333,8 +334,9 @@ def test_a_planted_wrong_group_size_fails_the_gate(split: str, built: None) -> N
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[5]], ids=cw.SPLITS)
 def test_inside_a_cuda_graph(config: dict, built: None) -> None:
-    """Replayed three times, x changed in place between replays (each launch waits for the
-    writes of the kernel before it: programmatic dependent launch)."""
+    """Replayed three times, x changed in place between replays: each replay reads the x of
+    its own time. (One kernel in the graph: it does not prove the PDL wait orders the kernel
+    after a kernel that writes its x.)"""
     m, n, k, group = 2, 576, 896, 64
     x, packed, sz, _, _ = _problem(m, n, k, group, torch.bfloat16)
     fn = cw.launcher(config)
