@@ -91,6 +91,19 @@ def test_out_alignment_and_compute_types():
 # --- cuBLAS -------------------------------------------------------------------------------------
 
 
+def test_stream_workspaces_are_one_per_stream_and_never_freed_while_a_graph_may_replay():
+    spaces = ops.StreamWorkspaces(torch.device("cpu"), zeroed=True)
+    first, size = spaces.get(stream=1, nbytes=0)
+    assert size == 1  # a launch takes a valid pointer even when nothing is needed
+    assert spaces.get(stream=1, nbytes=1) == (first, 1)  # found again, not remade
+    other, _ = spaces.get(stream=2, nbytes=1)
+    assert other != first  # two streams never share one
+    grown, size = spaces.get(stream=1, nbytes=4096)
+    assert size == 4096 and grown != first
+    assert [buf.data_ptr() for buf in spaces.outgrown] == [first]  # kept alive
+    assert not spaces.by_stream[1][2].any()  # zeroed
+
+
 def test_cublas_params_and_algos(monkeypatch):
     key = GemmKey(m=8, n=8, k=8)
     src = cublas.CublasGemm()

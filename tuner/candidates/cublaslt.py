@@ -362,8 +362,7 @@ class _LtRunner:
         self.plans: dict[ops.ColMajorCall, _Descriptors] = {}
         self.by_strides: dict[Strides, _Descriptors] = {}
         self.need = 0  # workspace bytes the adopted plans need at most
-        self.workspaces: dict[int, tuple[int, int, torch.Tensor]] = {}  # stream -> ptr, size, ws
-        self.outgrown: list[torch.Tensor] = []  # workspaces replaced by larger ones, kept alive
+        self.workspaces = ops.StreamWorkspaces(device)
         self.lock = threading.Lock()
         self._adopt(packed, desc)
         self.scalars = np.array([1.0, 0.0], dtype=np.float32)
@@ -418,17 +417,6 @@ class _LtRunner:
         desc = self.by_strides.get(strides) or self._describe(ta, tb, c, strides)
         return _Call(ta, tb, c, user_out, convert, desc)
 
-    def _workspace(self, stream: int) -> tuple[int, int, torch.Tensor]:
-        """(pointer, bytes, tensor) of ``stream``'s workspace, made on that stream (the current
-        one) when it has none that is large enough; called under the lock."""
-        held = self.workspaces.get(stream)
-        if held is None or held[1] < self.need:
-            if held is not None:  # a CUDA graph captured with it may still replay on it
-                self.outgrown.append(held[2])
-            ws = torch.empty(self.need, dtype=torch.uint8, device=self.device)
-            held = self.workspaces[stream] = (ws.data_ptr(), self.need, ws)
-        return held
-
     def _run(self, call: _Call, points: tuple[tuple[str, int], ...] = ()) -> Any:
         """``cublasLtMatmul`` on the current stream, after setting the pointer attributes
         ``points`` ((name, pointer) pairs) of the call's matmul descriptor."""
@@ -438,7 +426,7 @@ class _LtRunner:
         with self.lock:
             for name, pointer in points:
                 desc.point(name, pointer)
-            ws, size, _ = self._workspace(stream)
+            ws, size = self.workspaces.get(stream, self.need)
             self.matmul(
                 self.handle, desc.desc, self.alpha, b, desc.first, a, desc.second, self.beta,
                 out, desc.out, out, desc.out, self.algo_ptr, ws, size, stream,

@@ -321,8 +321,8 @@ class KernelLauncher:
         self.get_args = rt.get_args
         self.rt, self.kernel = rt, int(rt.kernel)
         size = int(rt.get_kernel_workspace_size(ctypes.byref(self.args)))
-        self.workspace_bytes = max(size, 1)
-        self.workspaces: dict[int, torch.Tensor] = {}  # stream -> its own (``_workspace``)
+        self.workspace_bytes = size
+        self.workspaces = ops.StreamWorkspaces(device, zeroed=True)
         self.zero_bytes = size  # stream-K's reduction flags start at zero every launch
         self.params = ParamSets(self._build, PARAM_SETS)
         self.cluster = LaunchAttribute(CLUSTER_DIMENSION)
@@ -369,16 +369,6 @@ class KernelLauncher:
         for stride in (self.args.epilogue.stride_C, self.args.epilogue.stride_D):
             stride.major_stride, stride.batch_stride = call.ld_out, call.stride_out
 
-    def _workspace(self, stream: int) -> int:
-        """The address of ``stream``'s own workspace, made on it at its first call: calls of
-        two threads on their streams run at once, and must not share stream-K's flags and
-        partial tiles."""
-        ws = self.workspaces.get(stream)
-        if ws is None:
-            ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
-            self.workspaces[stream] = ws
-        return ws.data_ptr()
-
     def _build(self, pointers: tuple[int, ...]) -> tuple[int, Any, Any]:
         """(address of the kernel's parameter list, what keeps it alive) for ``pointers`` (the
         operands', then the workspace's): the host library's params copied into memory of ours,
@@ -415,7 +405,7 @@ class KernelLauncher:
         with self.lock:
             if strides != self.strides:
                 self._restride(ops.colmajor_call(self.key, ta, tb, c), strides)
-            ws = self._workspace(stream)
+            ws = self.workspaces.get(stream, self.workspace_bytes)[0]
             kernel_params = self.params((*pointers, ws))[0]
             if self.zero_bytes:
                 self._check(lib.cuMemsetD8Async(ws, 0, self.zero_bytes, stream))

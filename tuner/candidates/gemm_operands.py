@@ -236,3 +236,31 @@ class DeviceHandles:
                 handle = self._handles.get(index) or self._create()
                 self._handles[index] = handle
         return handle
+
+
+class StreamWorkspaces:
+    """Scratch memory of a library GEMM runner, one buffer per CUDA stream.
+
+    Calls from two threads on their own streams run at once and must not share a workspace
+    (stream-K's flags and partial tiles, split-K sums). A stream's buffer is made on that stream
+    (the current one) at its first call. One outgrown by a larger need is kept alive rather than
+    freed, and no stream's buffer is ever evicted: a CUDA graph captured with it replays on it.
+    Not locked: the runner calls ``get`` under its own lock."""
+
+    def __init__(self, device: torch.device, zeroed: bool = False) -> None:
+        self.device = device
+        self.zeroed = zeroed  # made with zeros (the runner re-zeroes what it needs per launch)
+        self.by_stream: dict[int, tuple[int, int, torch.Tensor]] = {}  # stream -> ptr, bytes, buf
+        self.outgrown: list[torch.Tensor] = []
+
+    def get(self, stream: int, nbytes: int) -> tuple[int, int]:
+        """(pointer, bytes) of ``stream``'s workspace, at least ``nbytes`` (and one) large."""
+        held = self.by_stream.get(stream)
+        if held is None or held[1] < nbytes:
+            if held is not None:
+                self.outgrown.append(held[2])
+            size = max(nbytes, 1)
+            make = torch.zeros if self.zeroed else torch.empty
+            buf = make(size, dtype=torch.uint8, device=self.device)
+            held = self.by_stream[stream] = (buf.data_ptr(), size, buf)
+        return held[0], held[1]
