@@ -160,3 +160,28 @@ class ConvertsOnFirstSight(Memoized):
 
     name = "converts_on_first_sight"
     first_sight_s = 0.05
+
+
+class Disturbed(Source):
+    """torch's kernel, disturbed while its first timing runs: each of its calls 60 to 159 waits
+    1 ms (as a call would beside a compile), about a fifth of that timing's calls, and none
+    after. The engine must see the disturbance and time it again."""
+
+    name = "disturbed"
+    op = "gemm"
+    window = range(60, 160)
+    wait_s = 0.001
+
+    def candidates(self, key, device):
+        return [{}]
+
+    def build(self, key, params):
+        calls = [0]
+
+        def run(a, b, out=None):
+            calls[0] += 1
+            if calls[0] in self.window:
+                time.sleep(self.wait_s)
+            return torch.matmul(a, b, out=out)
+
+        return run

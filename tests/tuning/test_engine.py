@@ -11,6 +11,7 @@ from planted import PlantedGemm
 from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.core.keys import GemmKey, SdpaKey
+from tuner.measure import timing
 from tuner.measure.records import Measurement, candidate_name
 from tuner.tuning.engine import (
     PHASES,
@@ -20,6 +21,7 @@ from tuner.tuning.engine import (
     cut_off,
     duels,
     earlier_times,
+    steadier,
     ties,
     tune,
 )
@@ -207,6 +209,35 @@ def test_a_lucky_measurement_does_not_survive_the_confirmation(memoized):
     )
     assert outcome.winner.source == "torch"
     assert "lost" in by_params(outcome)["memoized"].error
+
+
+def test_a_disturbed_timing_is_taken_again():
+    from planted import Disturbed
+
+    registry.register(Disturbed())
+    try:
+        # a budget of hundreds of its calls: the disturbed ones are a fifth of the first timing
+        outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["disturbed"]))
+    finally:
+        registry.unregister("disturbed")
+    timed = by_params(outcome)["disturbed"]
+    assert timed.status == "ok", timed.error
+    assert timed.p90_us < Disturbed.wait_s * 1e6 / 2  # the retake's, not the disturbed one's
+
+
+def test_only_a_disturbed_timing_is_retaken_and_only_a_steadier_retake_replaces_it():
+    steady = timing.Timing(10.0, 9.5, 10.5, 100, 10.0)
+    disturbed = timing.Timing(12.0, 9.5, 900.0, 100, 12.0)
+    cut = timing.Timing(50.0, 49.0, 900.0, 3, 50.0, cut=True)
+
+    def never() -> timing.Timing:
+        raise AssertionError("retaken")
+
+    assert steadier(steady, never) is steady
+    assert steadier(cut, never) is cut  # stopped for being slow: no timing to trust or retake
+    assert steadier(disturbed, lambda: steady) is steady
+    assert steadier(disturbed, lambda: cut) is disturbed
+    assert steadier(disturbed, lambda: timing.Timing(15.0, 9.0, 1500.0, 100, 15.0)) is disturbed
 
 
 def test_the_numerics_check_covers_a_later_call_not_only_the_first():

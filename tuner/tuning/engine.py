@@ -10,6 +10,7 @@ slower than doing nothing.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import statistics
@@ -103,6 +104,20 @@ def effective_us(m: Measurement, launch: str) -> float:
 def noise(m: Measurement, floor: float) -> float:
     """Half the relative p10..p90 spread, at least ``floor``."""
     return max(floor, m.spread / 2)
+
+
+DISTURBED_SPREAD = 0.5  # a timing's (p90 - p10) / median beyond this: something ran beside it
+
+
+def steadier(t: timing.Timing, retake: Callable[[], timing.Timing]) -> timing.Timing:
+    """``t``, or where it was disturbed (a compile, a collector, a neighbour's kernel beside a
+    part of its calls), a retake if that one is steadier. A disturbed timing's spread becomes
+    its noise margin, so a disturbed challenger could not win and a disturbed baseline could
+    not be beaten, whatever their true times."""
+    if t.cut or t.spread <= DISTURBED_SPREAD:
+        return t
+    again = retake()
+    return again if not again.cut and again.spread < t.spread else t
 
 
 def launch_cost_repaid(
@@ -231,16 +246,18 @@ class _Trial:
         self.runners[candidate_name(source.name, params)] = runner
         sets = self.sets
         graph = options.launch == "graph" and self.device == "cuda"
+        measure = functools.partial(
+            timing.measure_sets,
+            runner,
+            sets,
+            device=self.device,
+            # in graph mode only its host time is used, from a shorter run
+            budget_s=min(options.budget_s, 0.01) if graph else options.budget_s,
+            cutoff_us=None if graph else cutoff_us,  # a cutoff from GPU times: not eager's
+            late_cutoff_us=None if graph else late_cutoff_us,
+        )
         try:
-            t = timing.measure_sets(
-                runner,
-                sets,
-                device=self.device,
-                # in graph mode only its host time is used, from a shorter run
-                budget_s=min(options.budget_s, 0.01) if graph else options.budget_s,
-                cutoff_us=None if graph else cutoff_us,  # a cutoff from GPU times: not eager's
-                late_cutoff_us=None if graph else late_cutoff_us,
-            )
+            t = steadier(measure(), measure)
         except Exception as e:
             return self.record(
                 source, params, "failed", max_rel_err=err, error=f"timing: {_short(e)}"
