@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from tuner.candidates import int4_operands
 from tuner.candidates.base import Params, Runner, Source, triton_unavailable
 from tuner.candidates.triton_kernels import w4a16
 from tuner.candidates.triton_kernels.launch import WarmReport, precompile
@@ -56,11 +57,24 @@ class TritonW4A16(Source):
         )
 
     def build(self, key: GemmKey, params: Params) -> Runner:
-        w4a16.check_config(params, key.m, key.n, key.k, key.group)
-        config, group = dict(params), key.group
+        m, n, k, group = key.m, key.n, key.k, key.group
+        plan = w4a16.checked_plan(m, n, k, group, params)
+
+        def check(x, weight, scales_and_zeros, out):
+            if w4a16.check_inputs(x, weight, scales_and_zeros, group) != (m, n, k):
+                raise ValueError(f"x.shape={tuple(x.shape)}, weight N={weight.shape[0]}: this "
+                                 f"runner is built for (M, N, K)={(m, n, k)}")  # fmt: skip
+            if out is not None:
+                int4_operands.check_out(out, m, n, x)
+
+        checked = int4_operands.CheckedOnce(check)
 
         def run(x, packed, scales_and_zeros, out=None):
             weight = int4_torch.ours(packed)
-            return w4a16.w4a16_matmul(x, weight, scales_and_zeros, group, config, out=out)
+            checked(x, weight, scales_and_zeros, out)
+            if out is None:
+                out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+            plan(x, weight, scales_and_zeros, out)
+            return out
 
         return run
