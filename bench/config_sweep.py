@@ -13,7 +13,10 @@ the format (the baseline a challenger must beat in the tuner's duel).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -165,6 +168,33 @@ def bench_key(label: str, key: GemmKey, todo: Todo, *, with_torch: bool) -> dict
           f"({best.get('vs_bf16_eager', 0):.3f}x bf16, GPU {best.get('vs_bf16_gpu', 0):.3f}x)"
           + (f", {best.get('vs_torch_eager', 0):.3f}x torch" if torch_name else ""), flush=True)  # fmt: skip
     return result
+
+
+def profile_host(key: GemmKey, todo: list[tuple[str, Params, bool]], calls: int) -> dict[str, str]:
+    """cProfile's top entries (by own time) over ``calls`` eager calls of torch's op for the
+    format and of each source's first config in ``todo``, by source."""
+    sets = samples.input_sets(key, "cuda", seed=1)
+    base = registry.baseline(key.op, key)
+    firsts = {base.name: base.baseline_params}
+    for source, params, _ in todo:
+        firsts.setdefault(source, params)
+    out: dict[str, str] = {}
+    for source, params in firsts.items():
+        runner = registry.get(source).build(key, params)
+        for s in sets:  # first calls on each set (layouts made once) are set-up
+            runner(*s)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(calls):
+            runner(*sets[i % len(sets)])
+        prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        out[source] = text.getvalue()
+        print(f"--- host profile {source} ({calls} calls)\n{out[source]}", flush=True)
+    return out
 
 
 def run(

@@ -16,23 +16,24 @@ each source's first config), printed and kept in the JSON.
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from bench.config_sweep import Todo, arguments, compile_everything, keys_of, run, unique
+from bench.config_sweep import (
+    Todo,
+    arguments,
+    compile_everything,
+    keys_of,
+    profile_host,
+    run,
+    unique,
+)
 from tuner.candidates import cutlass_fp8, registry
 from tuner.candidates.base import Params
 from tuner.core.keys import GemmKey
-from tuner.measure import samples
 
 FORMAT = "fp8-rowwise"
 SOURCES = ("cutlass_fp8", "cublaslt_fp8", "triton_fp8")
-BASELINE = "torch_lowbit"  # torch._scaled_mm
 # CUTLASS cooperative FP8 kernels beside the shortlist's (cluster tile, cluster, scheduler): 128x192
 # CTAs (derived: the generator lists none) on either 2-CTA cluster, persistent and stream-K, and
 # 256x96 CTAs; 128x128 CTAs stream-K, the tile torch's own rowwise kernel takes at these shapes
@@ -78,33 +79,6 @@ def configs_of(key: GemmKey, sweep: bool, sources: Sequence[str] = SOURCES) -> T
         shortlisted += [(source, p) for p in shortlist]
         extra += [(source, p) for p in sweep_of(source, shortlist)] if sweep else []
     return unique(shortlisted, extra)
-
-
-def profile_host(key: GemmKey, todo: list[tuple[str, Params, bool]], calls: int) -> dict[str, str]:
-    """cProfile's top entries (by own time) over ``calls`` eager calls of ``_scaled_mm`` and of
-    each source's first config, by source."""
-    sets = samples.input_sets(key, "cuda", seed=1)
-    base = registry.baseline(key.op, key)
-    firsts = {BASELINE: base.baseline_params}
-    for source, params, _ in todo:
-        firsts.setdefault(source, params)
-    out: dict[str, str] = {}
-    for source, params in firsts.items():
-        runner = registry.get(source).build(key, params)
-        for s in sets:  # first calls on each set (layouts made once) are set-up
-            runner(*s)
-        torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        prof.enable()
-        for i in range(calls):
-            runner(*sets[i % len(sets)])
-        prof.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
-        out[source] = text.getvalue()
-        print(f"--- host profile {source} ({calls} calls)\n{out[source]}", flush=True)
-    return out
 
 
 def main() -> None:
