@@ -80,27 +80,39 @@ class Memoized(Source):
         return run
 
 
-class RightOnce(Source):
-    """Right on its first call, wrong on every later one: the path that is timed and served."""
+class Counted(Source):
+    """One candidate whose product depends on how many times its runner was called: ``product(n,
+    a, b)`` for the n-th call (from 1)."""
 
-    name = "right_once"
     op = "gemm"
 
     def candidates(self, key, device):
         return [{}]
+
+    def product(self, n, a, b):
+        raise NotImplementedError
 
     def build(self, key, params):
         calls = [0]
 
         def run(a, b, out=None):
             calls[0] += 1
-            c = a @ b if calls[0] == 1 else (a @ b) * 1.5
+            c = self.product(calls[0], a, b)
             if out is not None:
                 out.copy_(c)
                 return out
             return c
 
         return run
+
+
+class RightOnce(Counted):
+    """Right on its first call, wrong on every later one: the path that is timed and served."""
+
+    name = "right_once"
+
+    def product(self, n, a, b):
+        return a @ b if n == 1 else (a @ b) * 1.5
 
 
 class Uncapturable(Memoized):
@@ -162,26 +174,16 @@ class ConvertsOnFirstSight(Memoized):
     first_sight_s = 0.05
 
 
-class Disturbed(Source):
+class Disturbed(Counted):
     """torch's kernel, disturbed while its first timing runs: each of its calls 60 to 159 waits
     1 ms (as a call would beside a compile), about a fifth of that timing's calls, and none
     after. The engine must see the disturbance and time it again."""
 
     name = "disturbed"
-    op = "gemm"
     window = range(60, 160)
     wait_s = 0.001
 
-    def candidates(self, key, device):
-        return [{}]
-
-    def build(self, key, params):
-        calls = [0]
-
-        def run(a, b, out=None):
-            calls[0] += 1
-            if calls[0] in self.window:
-                time.sleep(self.wait_s)
-            return torch.matmul(a, b, out=out)
-
-        return run
+    def product(self, n, a, b):
+        if n in self.window:
+            time.sleep(self.wait_s)
+        return a @ b

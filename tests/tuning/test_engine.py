@@ -12,10 +12,11 @@ from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.core.keys import GemmKey, SdpaKey
 from tuner.measure import timing
-from tuner.measure.records import Measurement, candidate_name
+from tuner.measure.records import LAUNCHES, Measurement, candidate_name
 from tuner.tuning.engine import (
     PHASES,
     TuneOptions,
+    TuneOutcome,
     choose,
     contenders,
     cut_off,
@@ -34,6 +35,15 @@ def planted():
     registry.register(PlantedGemm())
     yield
     registry.unregister("planted")
+
+
+def tuned_with(source: Source, launch: str = "eager", **options) -> TuneOutcome:
+    """``KEY`` tuned with ``source`` registered for the run, against the baseline alone."""
+    registry.register(source)
+    try:
+        return tune(KEY, options=TuneOptions(sources=[source.name], launch=launch, **options))
+    finally:
+        registry.unregister(source.name)
 
 
 def by_params(outcome):
@@ -214,12 +224,8 @@ def test_a_lucky_measurement_does_not_survive_the_confirmation(memoized):
 def test_a_disturbed_timing_is_taken_again():
     from planted import Disturbed
 
-    registry.register(Disturbed())
-    try:
-        # a budget of hundreds of its calls: the disturbed ones are a fifth of the first timing
-        outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["disturbed"]))
-    finally:
-        registry.unregister("disturbed")
+    # a budget of hundreds of its calls: the disturbed ones are a fifth of the first timing
+    outcome = tuned_with(Disturbed(), budget_s=0.02)
     timed = by_params(outcome)["disturbed"]
     assert timed.status == "ok", timed.error
     assert timed.p90_us < Disturbed.wait_s * 1e6 / 2  # the retake's, not the disturbed one's
@@ -243,11 +249,7 @@ def test_only_a_disturbed_timing_is_retaken_and_only_a_steadier_retake_replaces_
 def test_the_numerics_check_covers_a_later_call_not_only_the_first():
     from planted import RightOnce
 
-    registry.register(RightOnce())
-    try:
-        outcome = tune(KEY, options=TuneOptions(budget_s=0.01, sources=["right_once"]))
-    finally:
-        registry.unregister("right_once")
+    outcome = tuned_with(RightOnce(), budget_s=0.01)
     assert by_params(outcome)["right_once"].status == "rejected"
 
 
@@ -273,11 +275,7 @@ def test_confirmation_times_both_in_a_cuda_graph(memoized):
 def test_a_tie_goes_to_the_duel_and_a_twin_of_the_baseline_does_not_win():
     from planted import Twin
 
-    registry.register(Twin())
-    try:
-        outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["twin"]))
-    finally:
-        registry.unregister("twin")
+    outcome = tuned_with(Twin(), budget_s=0.02)
     twin = by_params(outcome)["twin"]
     assert outcome.winner.source == "torch"
     if twin in duels(outcome.measurements, TuneOptions(), "cuda"):
@@ -292,16 +290,7 @@ def test_graph_launch_ranks_candidates_by_gpu_time():
     from planted import HostHeavy, Memoized
 
     Memoized.slow = False
-    registry.register(HostHeavy())
-    try:
-        winners = {
-            launch: tune(
-                KEY, options=TuneOptions(budget_s=0.02, sources=["hostheavy"], launch=launch)
-            )
-            for launch in ("eager", "graph")
-        }
-    finally:
-        registry.unregister("hostheavy")
+    winners = {launch: tuned_with(HostHeavy(), launch, budget_s=0.02) for launch in LAUNCHES}
     assert winners["eager"].winner.source == "torch"
     graph = winners["graph"]
     assert graph.winner.source == "hostheavy", {m.candidate: m.error for m in graph.measurements}
@@ -314,13 +303,8 @@ def test_a_challenger_that_cannot_be_captured_loses():
     from planted import Uncapturable
 
     Uncapturable.slow = False
-    registry.register(Uncapturable())
-    try:
-        # cut-offs that cannot cut: the challenger must reach the duel on any host
-        options = TuneOptions(budget_s=0.02, cut_factor=1e9, late_cut=1e9, sources=["uncapturable"])
-        outcome = tune(KEY, options=options)
-    finally:
-        registry.unregister("uncapturable")
+    # cut-offs that cannot cut: the challenger must reach the duel on any host
+    outcome = tuned_with(Uncapturable(), budget_s=0.02, cut_factor=1e9, late_cut=1e9)
     assert outcome.winner.source == "torch"
     assert "cannot be captured in a CUDA graph" in by_params(outcome)["uncapturable"].error
     assert torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
@@ -457,21 +441,14 @@ def test_a_runners_first_call_on_each_input_set_is_set_up_not_timing(monkeypatch
     timed call includes a conversion (else the probe's calls would, and it would be cut)."""
     from planted import ConvertsOnFirstSight, Memoized
 
-    from tuner.measure import samples, timing
+    from tuner.measure import samples
 
     monkeypatch.setattr(timing, "WARMUP", 1)
     monkeypatch.setattr(Memoized, "slow", False)
     assert len(samples.input_sets(KEY, "cpu", 0)) >= 4  # the probe's 3 calls: all first sights
-    registry.register(ConvertsOnFirstSight())
-    try:
-        # cut-offs far above this host's noise and far below a conversion (tens of ms): a probe
-        # that converted is still cut, one slowed by a busy box is not
-        options = TuneOptions(
-            budget_s=0.005, cut_factor=100, late_cut=100, sources=["converts_on_first_sight"]
-        )
-        outcome = tune(KEY, options=options)
-    finally:
-        registry.unregister("converts_on_first_sight")
+    # cut-offs far above this host's noise and far below a conversion (tens of ms): a probe
+    # that converted is still cut, one slowed by a busy box is not
+    outcome = tuned_with(ConvertsOnFirstSight(), budget_s=0.005, cut_factor=100, late_cut=100)
     timed = by_params(outcome)["converts_on_first_sight"]
     assert timed.status == "ok", timed.error
     assert timed.median_us < ConvertsOnFirstSight.first_sight_s * 1e6 / 10
