@@ -3,9 +3,10 @@ rule, shortlists, the keys its source takes and why not the others, its librarie
 artifacts, the configs it offers (none that failed; without nvcc, only stored ones), operands it
 refuses, and one library built by nvcc and loaded (CPU, where nvcc is); on a GPU, its libraries
 run, with warps splitting K or rows, on small and odd shapes (ragged N, every group size, fp16,
-clusters) against the float32 GEMM on the dequantized weight, bit-identical from one call to the
-next, a planted wrong group size caught, a CUDA graph, and every shortlisted config tuned through
-the engine's numerics gate."""
+clusters, one n8 tile of x or two) against the float32 GEMM on the dequantized weight,
+bit-identical from one call to the next, a planted wrong group size caught, a CUDA graph, two
+calls chained on one stream (the programmatic dependent launch's wait), and every shortlisted
+config tuned through the engine's numerics gate."""
 
 from __future__ import annotations
 
@@ -61,8 +62,9 @@ def test_configs_are_checked_field_by_field() -> None:
         (dict(cfg(), warps=17), 1, "config['warps']=17"),
         (dict(cfg(), cluster=0), 1, "config['cluster']=0"),
         ({**cfg(), "ntiles": 2}, 1, "unknown keys ['ntiles']"),
-        (cfg(), 9, "M=9"),
+        (cfg(), 17, "M=17"),
         (cfg(), 0, "M=0"),
+        (cfg(4, 3, 16), 9, "config['warps']=16"),
     ]
     for config, m, message in bad:
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -128,7 +130,8 @@ def test_registered_and_which_keys_it_takes() -> None:
     assert source.unsupported(key_of("int4-g32", 8, n=520, k=384, dtype="f16")) is None
     assert source.unsupported(GemmKey(m=1, n=64, k=128)) == "int4 weights only"
     assert source.unsupported(key_of("fp8-rowwise", 1)) == "int4 weights only"
-    assert "M <= 8" in source.unsupported(key_of("int4-g128", 9))
+    assert source.unsupported(key_of("int4-g128", 16)) is None
+    assert "M <= 16" in source.unsupported(key_of("int4-g128", 17))
     assert "chunks of 128" in source.unsupported(key_of("int4-g32", 1, k=160))
     assert "align=8" in source.unsupported(key_of("int4-g128", 1, k=256, align=8))
     assert "no GPU" in source.unavailable("cpu")
@@ -141,7 +144,8 @@ def entry(config: dict) -> tuple:
 def test_the_decode_shortlist(store: ArtifactStore) -> None:
     shortlist = cw.configs(4, 4096, 14336, 128)
     assert [entry(c) for c in shortlist] == list(cw.SHORTLIST)
-    assert cw.configs(9, 4096, 14336, 128) == []
+    assert [entry(c) for c in cw.configs(9, 4096, 14336, 128)] == list(cw.WIDE_SHORTLIST)
+    assert cw.configs(17, 4096, 14336, 128) == []
     # a cluster of 8 CTAs needs 8 chunks of K: with 3, only the K splits fit
     assert [entry(c) for c in cw.configs(4, 520, 384, 32)] == [
         e for e in cw.SHORTLIST if e[-1] == 1
@@ -185,8 +189,8 @@ def test_operands_the_kernel_would_refuse() -> None:
     out = torch.empty(m, n, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"x\.device=cpu"):  # every other check passed
         cw.check_operands(x, weight, sz, group, out)
-    with pytest.raises(ValueError, match="M=9"):
-        cw.check_operands(torch.randn(9, k, dtype=torch.bfloat16), weight, sz, group, None)
+    with pytest.raises(ValueError, match="M=17"):
+        cw.check_operands(torch.randn(17, k, dtype=torch.bfloat16), weight, sz, group, None)
     odd = torch.empty(sz.numel() + 1, dtype=sz.dtype)[1:].view(sz.shape)
     with pytest.raises(ValueError, match=r"scales_and_zeros: must be 4-byte aligned"):
         cw.check_operands(x, weight, odd, group, out)
@@ -264,7 +268,7 @@ def test_a_trace_sums_up_as_its_stamps_say() -> None:
 
 
 # (M, N, K, group, dtype): ragged N (a last block of 8 or 56 rows, N not a multiple of 16), every
-# group size, fp16, K of one chunk and of an odd number of chunks
+# group size, fp16, K of one chunk and of an odd number of chunks; M = 9-16: two n8 tiles
 SHAPES = [
     (1, 64, 128, 128, torch.bfloat16),
     (3, 520, 384, 32, torch.float16),
@@ -272,11 +276,14 @@ SHAPES = [
     (7, 200, 2048, 256, torch.bfloat16),
     (8, 3584, 1152, 128, torch.float16),
     (5, 4100, 640, 128, torch.bfloat16),
+    (9, 520, 384, 32, torch.bfloat16),
+    (12, 200, 2048, 64, torch.float16),
+    (16, 4100, 1152, 128, torch.bfloat16),
 ]
 # warps splitting rows: 128-row CTAs over a cluster of 4 (N = 520: a last CTA of one part-filled
 # warp and seven past N), 96-row CTAs of 32-row warps across 64-row blocks (cluster 3), 64-row
-# warps of two stages
-CONFIGS = [cfg(1, 4, 8, 1), cfg(2, 3, 4, 2), cfg(4, 2, 8, 4), cfg(1, 8, 3, 1),
+# warps of two stages; 16 warps of 32 rows (the register-tight two-tile build)
+CONFIGS = [cfg(1, 4, 8, 1), cfg(2, 3, 4, 2), cfg(4, 2, 8, 4), cfg(1, 8, 3, 1), cfg(2, 2, 16, 1),
            cfg(1, 6, 8, 4, "rows"), cfg(2, 3, 3, 3, "rows"), cfg(4, 2, 2, 1, "rows")]  # fmt: skip
 
 
@@ -309,7 +316,9 @@ def test_every_config_matches_the_float32_reference(shape: tuple, built: None) -
     m, n, k, group, dtype = shape
     x, packed, sz, ref, tol = _problem(m, n, k, group, dtype)
     for config in CONFIGS:
-        if k < 128 * config["cluster"]:
+        try:
+            cw.check_config(config, m, n, k, group)
+        except ValueError:  # a cluster wider than K's chunks, or its shared memory
             continue
         fn = cw.launcher(config)
         out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
@@ -357,9 +366,51 @@ def test_inside_a_cuda_graph(config: dict, built: None) -> None:
         x.copy_(torch.randn_like(x))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
+def test_a_call_reads_the_output_of_the_call_before_it(m: int, graphed: bool, built: None) -> None:
+    """y = f(f(x)) on one stream, the second call's x the first's output, made NaN just before
+    the first call: the second kernel may start (programmatic dependent launch) while the first
+    still writes, and reads its x only after its wait, so a missing wait reads NaNs or a part
+    of y. N = K; eager and as one CUDA graph replayed three times with new x."""
+    n = k = 4096
+    group, config = 128, CONFIGS[4]
+    fn = cw.launcher(config)
+    x, packed, sz, _, _ = _problem(m, n, k, group, torch.bfloat16)
+    _, packed2, sz2, _, _ = _problem(m, n, k, group, torch.bfloat16)
+    mid = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(mid)
+
+    def chain() -> None:
+        mid.fill_(float("nan"))
+        cw.run(fn, config, x, packed, sz, group, mid, stream())
+        cw.run(fn, config, mid, packed2, sz2, group, out, stream())
+
+    chain()  # loads the module before a capture
+    graph = torch.cuda.CUDAGraph()
+    if graphed:
+        with torch.cuda.graph(graph):
+            chain()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        if graphed:
+            graph.replay()
+        else:
+            chain()
+        torch.cuda.synchronize()
+        for a, w, s, got in ((x, packed, sz, mid), (mid, packed2, sz2, out)):
+            wd = int4.dequantize(int4.unpack(w), s, group)
+            ref = a.float() @ wd.T
+            tol = gemm_tolerance(a, wd, ref, operand_unit=unit_roundoff(a.dtype),
+                                 accumulate_unit=FP32_ACCUMULATE, out_dtype=a.dtype)  # fmt: skip
+            assert excess(got, ref, tol) <= 1
+        x.copy_(torch.randn_like(x))
+
+
 # bf16: torch's int4 baseline, which the engine runs first, takes no f16 (the direct tests cover it)
 TUNED = [key_of("int4-g128", 1, n=4096, k=2048), key_of("int4-g32", 6, n=520, k=384),
-         key_of("int4-g64", 8, n=3584, k=1152)]  # fmt: skip
+         key_of("int4-g64", 8, n=3584, k=1152), key_of("int4-g128", 16, n=4096, k=2048)]  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""A hand-written CUDA W4A16 decode kernel (``cuda_kernels/w4a16_gemv.cu``) for INT4 keys, M <= 8.
+"""A hand-written CUDA W4A16 decode kernel (``cuda_kernels/w4a16_gemv.cu``) for INT4 keys, M <= 16.
 
 GEMV-style: a warp owns 16, 32 or 64 weight rows, a CTA a run of K, and a cluster of CTAs that
 split K sums through distributed shared memory. The CTA's warps split either K (``split`` "k":
@@ -7,8 +7,9 @@ its own copy ring, and the warps sum in shared memory) or rows (``split`` "rows"
 ``warps`` x its warp's rows, every warp takes every chunk from one ring the CTA shares, so each
 chunk of x is copied once per CTA, not once per warp). No partial ever goes through global
 memory, so there is no workspace and no second pass, and the sum order is fixed
-(deterministic). Launched with programmatic dependent launch: a grid's launch and setup overlap
-the end of the kernel before it. It reads our packed layout (``tuner.quant.int4``) as the Triton
+(deterministic). x's rows are one n8 tile of the tensor cores' mma (M <= 8) or two (M = 9-16,
+each dequantized weight fragment feeding both). Launched with programmatic dependent launch: a
+grid's launch and setup overlap the end of the kernel before it. It reads our packed layout (``tuner.quant.int4``) as the Triton
 kernel does.
 
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
@@ -53,7 +54,9 @@ from tuner.quant.int4 import CHUNK, GROUP_SIZES
 SOURCE = Path(__file__).parent / "cuda_kernels" / "w4a16_gemv.cu"
 ARCH = "sm_90a"
 SPLITS, SLICES, STAGES = ("k", "rows"), (1, 2, 4), range(2, 9)
-MAX_M = 8  # one n8 tile of activations
+MAX_M = 16  # two n8 tiles of activations
+NARROW_M = 8  # one n8 tile
+WIDE_MAX_WARPS = 8  # 64-row warps over two n8 tiles: their registers
 MAX_WARPS, MAX_CLUSTER = 16, 8
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may take on sm_90
 ACT_DTYPES = ("bf16", "f16")
@@ -84,7 +87,10 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     _choice(config, "warps", range(1, MAX_WARPS + 1))
     cluster = _choice(config, "cluster", range(1, MAX_CLUSTER + 1))
     if not 1 <= m <= MAX_M:
-        raise ValueError(f"M={m}: allowed 1 to {MAX_M} (one n8 tile of activations)")
+        raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
+    if config["slices"] == 4 and m > NARROW_M and config["warps"] > WIDE_MAX_WARPS:
+        raise ValueError(f"config['warps']={config['warps']}: allowed 1 to {WIDE_MAX_WARPS} for "
+                         f"64-row warps (config['slices']=4) at M={m} > {NARROW_M}")  # fmt: skip
     if k % CHUNK or k < CHUNK * cluster:
         raise ValueError(f"K={k}: must be whole chunks of {CHUNK}, at least one per CTA of "
                          f"config['cluster']={cluster}")  # fmt: skip
@@ -292,20 +298,27 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlist (split, slices, stages, warps, cluster), the likeliest first. Warps splitting
+# Decode shortlists (split, slices, stages, warps, cluster), the likeliest first. Warps splitting
 # K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing instructions, not
 # waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the narrow projections;
 # 8 warps of 4 stages win the wide ones. Warps splitting rows: 8 warps of
 # 32 rows share each chunk's x slab, K over a cluster of 8: ahead where x's slab weighs most.
-# Nothing past M = 8: the K split copies x's [M, 128] slab per warp and chunk.
 SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
              ("rows", 2, 4, 8, 8))  # fmt: skip
+# M = 9-16 (two n8 tiles): the K split copies x's [M, 128] slab per warp and chunk, twice the
+# weight's bytes; 64-row warps over half of K, or CTAs whose warps share the slab, copy less.
+WIDE_SHORTLIST = (("k", 2, 2, 16, 1), ("k", 4, 3, 8, 2), ("rows", 2, 4, 8, 8))
+
+
+def shortlist(m: int) -> tuple[tuple, ...]:
+    """The shortlist for M: one n8 tile of x (M <= 8) or two."""
+    return SHORTLIST if m <= NARROW_M else WIDE_SHORTLIST
 
 
 def configs(m: int, n: int, k: int, group: int) -> list[Config]:
     """Configs worth timing for a decode problem (M <= ``MAX_M``), those that fit it."""
     out = []
-    for entry in SHORTLIST:
+    for entry in shortlist(m):
         config = dict(zip(CONFIG_KEYS, entry, strict=True))
         try:
             check_config(config, m, n, k, group)
@@ -319,7 +332,7 @@ def unsupported_reason(key: GemmKey) -> str | None:
     if key.wdtype != "int4":
         return "int4 weights only"
     if key.m > MAX_M:
-        return f"m={key.m}: offered for decode at M <= {MAX_M} (x's slab per warp outweighs more)"
+        return f"m={key.m}: offered for decode at M <= {MAX_M} (two n8 tiles of activations)"
     if key.dtype not in ACT_DTYPES:
         return f"dtype={key.dtype}: bf16 or f16 activations only"
     if key.k % CHUNK:
@@ -357,7 +370,7 @@ class CudaW4A16(Source):
         if cap != (9, 0):
             return f"compute capability {cap}: the kernel is built for sm_90a (Hopper) only"
         if cannot_compile() and not _any_stored(
-            library(dict(zip(CONFIG_KEYS, e, strict=True))) for e in SHORTLIST
+            library(dict(zip(CONFIG_KEYS, e, strict=True))) for e in SHORTLIST + WIDE_SHORTLIST
         ):
             return "nvcc not found and no built cuda_w4a16 library here or in the artifact store"
         return None

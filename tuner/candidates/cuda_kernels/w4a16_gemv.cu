@@ -1,4 +1,4 @@
-// INT4 weight-only decode GEMM (W4A16, M <= 8): out[M, N] = x[M, K] @ dequant(w)[N, K]^T.
+// INT4 weight-only decode GEMM (W4A16, M <= 16): out[M, N] = x[M, K] @ dequant(w)[N, K]^T.
 //
 // GEMV-style: a warp owns ROWS = 16 * SLICES weight rows. A CTA owns a contiguous run of K (all
 // of it, or 1 / C of it in a cluster of C CTAs), and its warps split either
@@ -14,8 +14,8 @@
 //
 // Launched with programmatic dependent launch: the grid may start while the kernel before it on
 // the stream finishes; it sets up its addresses, then waits (griddepcontrol.wait) for that
-// kernel's writes before its first load or store, and lets the next kernel launch once its
-// loads are done.
+// kernel's writes before it loads x, w or the scales or stores out (the trace build's stamps,
+// bench-only, are written before it), and lets the next kernel launch once its loads are done.
 //
 // The weight is our packed layout (tuner/quant/int4.py): 64-row blocks, a block's K chunk one
 // contiguous [r rows x 64 bytes] run, and in each row's 64 bytes the 16 at 16 t hold the 32
@@ -32,7 +32,8 @@
 // as the Triton kernel; x is the mma's B operand (ldmatrix from the slab; rows past M read row
 // M - 1 and only produce output columns that are never stored).
 //
-// x's M rows are one n8 tile of the mma (M <= 8).
+// x's M rows are one n8 tile of the mma (M <= 8) or two (M = 9-16): each dequantized A fragment
+// then feeds two mma, so a second tile costs x's copies and mma, not the dequant.
 //
 // One shared library per (SPLIT_ROWS, SLICES, STAGES): -DGEMV_SPLIT_ROWS=0|1 (warps split K or
 // rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_STAGES=2..8; warps per CTA and the
@@ -56,6 +57,9 @@
 #ifndef GEMV_TRACE
 #define GEMV_TRACE 0  // bench builds only: per-CTA timestamps (w4a16_gemv_trace)
 #endif
+#ifndef GEMV_ROTATE
+#define GEMV_ROTATE 0  // bench A/B builds only: each CTA takes its chunk rounds from another one on
+#endif
 
 namespace cg = cooperative_groups;
 
@@ -65,7 +69,7 @@ constexpr int STAGES = GEMV_STAGES;
 constexpr int ROWS = 16 * SLICES;
 constexpr int CHUNK = 128;          // K values per chunk
 constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so ldmatrix's 8 rows hit 8 bank groups
-constexpr int MAX_M = 8;  // one n8 tile
+constexpr int MAX_M = 16;  // two n8 tiles
 constexpr int MAX_WARPS = 16;
 constexpr int MAX_DEVICES = 64;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
@@ -224,17 +228,19 @@ struct Half2Ops<true> {  // fp16
 // bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t); its warp's
 // (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over the warp,
 // and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the ring.
-template <int NG>
+template <int NG, int NT>
 struct Copier {
   static constexpr int SZ_COPIES = (ROWS * NG + 31) / 32;
-  static constexpr int X_COPIES = MAX_M * 16 / 32;  // rounds when one warp copies the slab
+  static constexpr int X_COPIES = 8 * NT * 16 / 32;  // rounds when one warp copies the slab
   const uint8_t* w;      // this lane's first weight byte of the current chunk
   long long w_step;      // bytes to the next chunk
-  const uint32_t* sz;    // this lane's first (scale, zero) word of the chunk's first group
-  long long n;           // (scale, zero) words per group
+  const uint32_t* sz;    // this lane's first (scale, zero) word of group 0
+  uint32_t n;            // (scale, zero) words per group (the entry point keeps N x groups < 2^31)
   const uint16_t* x;     // this thread's first x piece of the current chunk
   long long x_round;     // x elements between two copy rounds (x_threads / 16 rows)
   int chunk, chunk_step, group_shift;
+  int round, rounds;  // this copier's round (chunk) of its `rounds`, in copy order
+  long long rounds_w, rounds_x;  // w's and x's moves over `rounds` rounds
   uint32_t w_valid, sz_valid, x_valid;  // bit per copy: its rows exist
   uint32_t sz_slots;                    // bit per copy: its word lies in the part (lane < ROWS * NG)
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
@@ -242,10 +248,11 @@ struct Copier {
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
-  // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
+  // row in N; first, step, mine: its chunks; start: the round it copies first (GEMV_ROTATE);
+  // w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
   __device__ __forceinline__ Copier(const Params& p, const uint8_t* block, int rows, int offset,
-                                    int n0, int first, int step, int lane, uint32_t w_at,
-                                    uint32_t x_at, int x_thread, int x_threads) {
+                                    int n0, int first, int step, int mine, int start, int lane,
+                                    uint32_t w_at, uint32_t x_at, int x_thread, int x_threads) {
     const int g = lane >> 2, t = lane & 3;
     w_lane = g * 64 + t * 16;
     lane_w = w_at + w_lane;
@@ -255,7 +262,7 @@ struct Copier {
 #pragma unroll
     for (int h = 0; h < 2 * SLICES; ++h)
       if (offset + 8 * h + g < rows) w_valid |= 1u << h;
-    n = p.n;
+    n = static_cast<uint32_t>(p.n);
     sz = p.sz + n0 + lane % ROWS + static_cast<long long>(lane / ROWS) * p.n;
     lane_sz = w_at + ROWS * 64 + lane * 4;
     sz_valid = sz_slots = 0;
@@ -277,6 +284,16 @@ struct Copier {
     chunk = first;
     chunk_step = step;
     group_shift = p.group_shift;
+    round = 0;
+    rounds = mine;
+    rounds_w = mine * w_step;
+    rounds_x = static_cast<long long>(mine) * step * CHUNK;
+    if (GEMV_ROTATE && mine > 0) {
+      round = start % mine;
+      w += round * w_step;
+      x += static_cast<long long>(round) * step * CHUNK;
+      chunk += round * step;
+    }
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
@@ -285,7 +302,7 @@ struct Copier {
       const bool valid = w_valid >> h & 1;
       copy16(stage + lane_w + h * 512, valid ? w + h * 512 : w - w_lane, valid);
     }
-    const uint32_t* words = sz + ((static_cast<long long>(chunk) * CHUNK) >> group_shift) * n;
+    const uint32_t* words = sz + (static_cast<uint32_t>(chunk * CHUNK) >> group_shift) * n;
     // a copy of no bytes still zero-fills its 4: a lane past the part's words (16 rows of one
     // group: lanes 16-31) must not issue one, or it clears the bytes after the part (the next
     // warp's first weight row, or x's slab) while their own copies land
@@ -302,6 +319,12 @@ struct Copier {
     w += w_step;
     x += chunk_step * CHUNK;
     chunk += chunk_step;
+    if (GEMV_ROTATE && ++round == rounds) {  // back to round 0
+      w -= rounds_w;
+      x -= rounds_x;
+      chunk -= rounds * chunk_step;
+      round = 0;
+    }
   }
 };
 
@@ -316,39 +339,46 @@ struct Copier {
 // (2 t + 8, 2 t + 9), i.e. true k (2 t, 2 t + 8) and (2 t + 1, 2 t + 9): one lop3 makes a pair
 // (the nibbles at bits 0 and 16), with no byte permute. x's fragments, loaded by ldmatrix in
 // true order, are permuted to match (two prmt a block, shared by every slice).
-template <bool F16, int NG>
+template <bool F16, int NG, int NT>
 __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t x_at, int lane,
-                                        float (&acc)[SLICES][4]) {
+                                        float (&acc)[SLICES][NT][4]) {
   using Ops = Half2Ops<F16>;
   constexpr int BLOCKS = 8 / NG;  // k16 blocks per group
   const int g = lane >> 2, t = lane & 3;
   const uint32_t sz_at = part + ROWS * 64;
-  // x's B fragments for the chunk's eight k16 blocks: ldmatrix x4 gives two blocks; lane i
-  // points at row i % 8 (of the n8 tile) of matrix i / 8 (block 2 * (i / 16) + its half)
-  uint32_t b[8][2];
-  const int row = min(lane & 7, p.m - 1);
+  // x's B fragments for the chunk's eight k16 blocks, per n8 tile: ldmatrix x4 gives two
+  // blocks; lane i points at row i % 8 (of the tile) of matrix i / 8 (block 2 * (i / 16) + its
+  // half)
+  uint32_t b[NT][8][2];
   const int mat = lane >> 3;
 #pragma unroll
-  for (int j = 0; j < 8; j += 2) {
-    uint32_t d[4];
-    ldmatrix4(d, x_at + row * XROW + (16 * (j + (mat >> 1)) + 8 * (mat & 1)) * 2);
+  for (int n8 = 0; n8 < NT; ++n8) {
+    const int row = min(8 * n8 + (lane & 7), p.m - 1);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      b[j + h][0] = prmt(d[2 * h], d[2 * h + 1], 0x5410);  // x[2 t], x[2 t + 8]
-      b[j + h][1] = prmt(d[2 * h], d[2 * h + 1], 0x7632);  // x[2 t + 1], x[2 t + 9]
+    for (int j = 0; j < 8; j += 2) {
+      uint32_t d[4];
+      ldmatrix4(d, x_at + row * XROW + (16 * (j + (mat >> 1)) + 8 * (mat & 1)) * 2);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        b[n8][j + h][0] = prmt(d[2 * h], d[2 * h + 1], 0x5410);  // x[2 t], x[2 t + 8]
+        b[n8][j + h][1] = prmt(d[2 * h], d[2 * h + 1], 0x7632);  // x[2 t + 1], x[2 t + 9]
+      }
     }
   }
-  // X: x's sum over each group, for the columns 2 t, 2 t + 1 of the n8 tile
-  float xsum[NG][2];
+  // X: x's sum over each group, for the columns 2 t, 2 t + 1 of each n8 tile
+  float xsum[NG][NT][2];
   const uint32_t ones[4] = {Ops::ONES, Ops::ONES, Ops::ONES, Ops::ONES};
 #pragma unroll
-  for (int i = 0; i < NG; ++i) {
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int i = 0; i < NG; ++i)
 #pragma unroll
-    for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) Ops::mma(c, ones, b[j][0], b[j][1]);
-    xsum[i][0] = c[0];
-    xsum[i][1] = c[1];
-  }
+    for (int n8 = 0; n8 < NT; ++n8) {
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j)
+        Ops::mma(c, ones, b[n8][j][0], b[n8][j][1]);
+      xsum[i][n8][0] = c[0];
+      xsum[i][n8][1] = c[1];
+    }
 #pragma unroll
   for (int s = 0; s < SLICES; ++s) {
     const uint4 lo = lds128(part + (16 * s + g) * 64 + t * 16);      // row g
@@ -362,7 +392,7 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
       const float sc[2] = {Ops::lo(zs_g), Ops::lo(zs_h)};  // rows g, g + 8
       const float zc[2] = {fmaf(-Ops::BIAS, sc[0], Ops::hi(zs_g)),
                            fmaf(-Ops::BIAS, sc[1], Ops::hi(zs_h))};
-      float dot[4] = {};
+      float dot[NT][4] = {};
 #pragma unroll
       for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) {
         const int shift = j < 4 ? 0 : 4;
@@ -372,19 +402,28 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
         a[1] = lop_or_magic(vh, Ops::MAGIC);       // row g + 8
         a[2] = lop_or_magic(vl >> 8, Ops::MAGIC);  // row g: bytes 1, 3
         a[3] = lop_or_magic(vh >> 8, Ops::MAGIC);
-        Ops::mma(dot, a, b[j][0], b[j][1]);
+#pragma unroll
+        for (int n8 = 0; n8 < NT; ++n8) Ops::mma(dot[n8], a, b[n8][j][0], b[n8][j][1]);
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = fmaf(sc[e >> 1], dot[e], acc[s][e]);
-        acc[s][e] = fmaf(zc[e >> 1], xsum[i][e & 1], v);
-      }
+      for (int n8 = 0; n8 < NT; ++n8)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = fmaf(sc[e >> 1], dot[n8][e], acc[s][n8][e]);
+          acc[s][n8][e] = fmaf(zc[e >> 1], xsum[i][n8][e & 1], v);
+        }
     }
   }
 }
 
-template <bool F16, int NG>
-__global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
+// 64-row warps over two n8 tiles need more than 128 registers a thread: at most 8 warps a CTA
+template <int NT>
+constexpr int max_warps() {
+  return SLICES * NT > 4 ? 8 : MAX_WARPS;
+}
+
+template <bool F16, int NG, int NT>
+__global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   if (threadIdx.x == 0) {
     stamp(3, CLOCK);
@@ -418,9 +457,10 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
   const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
   const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
-  Copier<NG> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at, x_at,
-                    SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
-  float acc[SLICES][4] = {};
+  Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, first, step, mine,
+                        blockIdx.x / ranks, lane, part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
+                        SPLIT_ROWS ? blockDim.x : 32);
+  float acc[SLICES][NT][4] = {};
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (threadIdx.x == 0) stamp(4, CLOCK);
@@ -440,14 +480,14 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
       if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
-      compute<F16, NG>(p, stage + part_at, stage + x_at, lane, acc);
+      compute<F16, NG, NT>(p, stage + part_at, stage + x_at, lane, acc);
     } else {
       if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
       wait_copies<STAGES - 1>();
       __syncwarp();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
-      compute<F16, NG>(p, stage, stage + x_at, lane, acc);
+      compute<F16, NG, NT>(p, stage, stage + x_at, lane, acc);
       __syncwarp();
     }
     slot = slot + 1 == STAGES ? 0 : slot + 1;
@@ -470,10 +510,12 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) w4a16_gemv_kernel(Params p) {
 #pragma unroll
   for (int s = 0; s < SLICES; ++s)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = 16 * s + g + 8 * (e >> 1), col = 2 * t + (e & 1);
-      if (col < m) mine_at[col * cta_rows + row] = acc[s][e];
-    }
+    for (int n8 = 0; n8 < NT; ++n8)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
+        if (col < m) mine_at[col * cta_rows + row] = acc[s][n8][e];
+      }
   const auto store = [&](int q, float v) {  // output q of the CTA's [M][cta_rows]
     const int col = q / cta_rows, row = q % cta_rows;
     if (n0 + row < p.n) p.out[col * p.ldo + n0 + row] = Half2Ops<F16>::round(v);
@@ -531,8 +573,9 @@ int smem_bytes(int m, int group, int warps) {
   return ring > reduce ? ring : reduce;
 }
 
-template <bool F16, int NG>
+template <bool F16, int NG, int NT>
 cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
+  if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
   const int smem = smem_bytes(p.m, CHUNK / NG, warps);
   static int allowed[MAX_DEVICES] = {};  // per device: raised once to the most asked
   int device = 0;
@@ -540,7 +583,7 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   if (e != cudaSuccess) return e;
   if (device >= MAX_DEVICES) return cudaErrorInvalidDevice;
   if (smem > 48 * 1024 && smem > allowed[device]) {
-    e = cudaFuncSetAttribute(w4a16_gemv_kernel<F16, NG>,
+    e = cudaFuncSetAttribute(w4a16_gemv_kernel<F16, NG, NT>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     allowed[device] = smem;
@@ -560,14 +603,20 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, w4a16_gemv_kernel<F16, NG>, p);
+  return cudaLaunchKernelEx(&config, w4a16_gemv_kernel<F16, NG, NT>, p);
+}
+
+template <bool F16, int NT>
+cudaError_t launch_group(const Params& p, int group, int warps, int cluster, cudaStream_t s) {
+  if (group == 32) return launch<F16, 4, NT>(p, warps, cluster, s);
+  if (group == 64) return launch<F16, 2, NT>(p, warps, cluster, s);
+  return launch<F16, 1, NT>(p, warps, cluster, s);
 }
 
 template <bool F16>
-cudaError_t launch_group(const Params& p, int group, int warps, int cluster, cudaStream_t s) {
-  if (group == 32) return launch<F16, 4>(p, warps, cluster, s);
-  if (group == 64) return launch<F16, 2>(p, warps, cluster, s);
-  return launch<F16, 1>(p, warps, cluster, s);
+cudaError_t launch_tiles(const Params& p, int group, int warps, int cluster, cudaStream_t s) {
+  return p.m > 8 ? launch_group<F16, 2>(p, group, warps, cluster, s)
+                 : launch_group<F16, 1>(p, group, warps, cluster, s);
 }
 
 }  // namespace
@@ -588,13 +637,14 @@ int w4a16_gemv_smem(int m, int group, int warps) { return smem_bytes(m, group, w
 // out[m, ldo] (x's dtype) = x[m, ldx] @ dequant(w, sz).T; returns a cudaError_t. The caller
 // checks the operands (tuner/candidates/cuda_w4a16.py); this refuses what would read or write
 // out of bounds: m outside 1..MAX_M, K not whole chunks, a group size other than 32, 64,
-// 128, 256 that divides K, warps outside 1..16, a cluster outside 1..8 or wider than K's chunks,
-// x or w not 16-byte aligned.
+// 128, 256 that divides K, N x K / group (scale, zero) words past 32-bit indices, warps outside
+// 1..16 (1..8 for 64-row warps at M > 8), a cluster outside 1..8 or wider than K's chunks, x or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
                void* stream) {
   const bool group_ok = (group == 32 || group == 64 || group == 128 || group == 256) && k % group == 0;
-  if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !group_ok || warps < 1 ||
+  const bool words_ok = group_ok && static_cast<long long>(n) * (k / group) < (1ll << 31);
+  if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !words_ok || warps < 1 ||
       warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster > k / CHUNK || ldx % 8 ||
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
@@ -612,8 +662,8 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.group_shift = __builtin_ctz(static_cast<unsigned>(group));
   p.stage_bytes = stage_bytes(m, group, warps);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return static_cast<int>(f16 ? launch_group<true>(p, group, warps, cluster, s)
-                              : launch_group<false>(p, group, warps, cluster, s));
+  return static_cast<int>(f16 ? launch_tiles<true>(p, group, warps, cluster, s)
+                              : launch_tiles<false>(p, group, warps, cluster, s));
 }
 
 #if GEMV_TRACE
