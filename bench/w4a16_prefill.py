@@ -1,11 +1,14 @@
-"""INT4 (W4A16, group 128) past decode: Triton and CUTLASS configs beside bf16 cuBLAS.
+"""INT4 (W4A16, group 128) past decode: Triton, CUTLASS and dequantize-then-GEMM configs beside
+bf16 cuBLAS.
 
     python bench/w4a16_prefill.py --out $OUT/w4a16_prefill.json [--m 256 2048] [--sweep]
-        [--sources cutlass_w4a16]
+        [--sources cutlass_w4a16 dequant_gemm]
 
 Per projection (the low-bit suite's eight: qkv, o, gate_up, down of Llama-3-8B and Qwen2.5-7B)
 and M, every config the tuner shortlists (``triton_w4a16``: ``w4a16.configs``; ``cutlass_w4a16``:
-``shortlist``), and with ``--sweep`` the wider grid below, each built as its source builds it,
+``shortlist``; ``dequant_gemm``: ``shortlist``), always the chunk counts of ``DEQUANT_CHUNKS``
+besides (its shortlist is one or two configs), and with ``--sweep`` the wider grid below, each
+built as its source builds it,
 timed alone and then the fastest beside bf16 cuBLAS in turn (``config_sweep``: the machinery
 shared with ``fp8_prefill``). The kernels compile first, CUTLASS's and Triton's at the same time;
 the JSON is rewritten after every row, narrow projections first.
@@ -20,9 +23,11 @@ import triton
 
 from bench.config_sweep import Todo, arguments, compile_everything, keys_of, run, unique
 from tuner.candidates import cutlass_w4a16 as cw
+from tuner.candidates import dequant_gemm as dg
 from tuner.candidates.base import Params
 from tuner.candidates.triton_kernels import w4a16
 from tuner.core.keys import GemmKey
+from tuner.measure.timing import cache_bytes
 
 FORMAT = "int4-g128"
 # Triton tiled tiles swept (bm activation rows, bn weight rows, warps, stages, dots, step_sum),
@@ -48,7 +53,11 @@ SWEEP_SCHEDULES = (
     {"raster": "weight"},
     {"raster": "x"},
 )
-SOURCES = ("triton_w4a16", "cutlass_w4a16")
+# dequant_gemm: chunk counts timed beside its shortlist (those that split N into exactly that
+# many 256-row steps), and the dequantizing program's other block heights on the whole weight
+DEQUANT_CHUNKS = (1, 2, 3, 4, 6, 8, 12, 16)
+DEQUANT_BLOCKS = (32, 128)
+SOURCES = ("triton_w4a16", "cutlass_w4a16", "dequant_gemm")
 
 
 def sweep_splits(tiles: int, steps: int, sms: int) -> list[int]:
@@ -75,12 +84,28 @@ def sweep_cutlass() -> list[Params]:
             for tile, cluster in SWEEP_CUTLASS for schedule in SWEEP_SCHEDULES]  # fmt: skip
 
 
+def more_dequant(key: GemmKey) -> list[Params]:
+    """``DEQUANT_CHUNKS`` that ``dequant_gemm`` takes for ``key``, then the other blocks."""
+    out: list[Params] = []
+    for chunks in DEQUANT_CHUNKS:
+        params = {"chunks": chunks, "bn": dg.DEFAULT_BN}
+        try:
+            dg.check_params(params, key.n, key.k)
+        except ValueError:  # N does not split into exactly that many 256-row steps
+            continue
+        out.append(params)
+    return out + [{"chunks": 1, "bn": bn} for bn in DEQUANT_BLOCKS]
+
+
 def configs_of(key: GemmKey, sweep: bool, sms: int, sources: Sequence[str] = SOURCES) -> Todo:
     """(source, params, shortlisted) of every config of ``sources`` to time for ``key``, without
     repeats."""
     shortlisted = [("triton_w4a16", p) for p in w4a16.configs(key.m, key.n, key.k, key.group)]
     shortlisted += [("cutlass_w4a16", p) for p in cw.shortlist(key)]
-    extra = [("triton_w4a16", p) for p in sweep_triton(key, sms)] if sweep else []
+    l2 = cache_bytes("cuda")
+    shortlisted += [("dequant_gemm", p) for p in dg.shortlist(key.m, key.n, key.k, l2, sms)]
+    extra = [("dequant_gemm", p) for p in more_dequant(key)]
+    extra += [("triton_w4a16", p) for p in sweep_triton(key, sms)] if sweep else []
     extra += [("cutlass_w4a16", p) for p in sweep_cutlass()] if sweep else []
     return [c for c in unique(shortlisted, extra) if c[0] in sources]
 
