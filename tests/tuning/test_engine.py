@@ -231,7 +231,7 @@ def test_a_disturbed_timing_is_taken_again():
     assert timed.p90_us < Disturbed.wait_s * 1e6 / 2  # the retake's, not the disturbed one's
 
 
-def test_only_a_disturbed_timing_is_retaken_and_only_a_steadier_retake_replaces_it():
+def test_only_a_disturbed_timing_or_cut_is_retaken_and_only_a_better_retake_replaces_it():
     steady = timing.Timing(10.0, 9.5, 10.5, 100, 10.0)
     disturbed = timing.Timing(12.0, 9.5, 900.0, 100, 12.0)
     cut = timing.Timing(50.0, 49.0, 900.0, 3, 50.0, cut=True)
@@ -240,7 +240,10 @@ def test_only_a_disturbed_timing_is_retaken_and_only_a_steadier_retake_replaces_
         raise AssertionError("retaken")
 
     assert steadier(steady, never) is steady
-    assert steadier(cut, never) is cut  # stopped for being slow: no timing to trust or retake
+    assert steadier(cut, never, cut_at=40.0) is cut  # even its fastest call was too slow
+    mixed = timing.Timing(50.0, 30.0, 900.0, 3, 50.0, cut=True)  # one probe call under 40 us
+    assert steadier(mixed, lambda: steady, cut_at=40.0) is steady
+    assert steadier(mixed, lambda: cut, cut_at=40.0) is mixed
     assert steadier(disturbed, lambda: steady) is steady
     assert steadier(disturbed, lambda: cut) is disturbed
     assert steadier(disturbed, lambda: timing.Timing(15.0, 9.0, 1500.0, 100, 15.0)) is disturbed

@@ -109,12 +109,21 @@ def noise(m: Measurement, floor: float) -> float:
 DISTURBED_SPREAD = 0.5  # a timing's (p90 - p10) / median beyond this: something ran beside it
 
 
-def steadier(t: timing.Timing, retake: Callable[[], timing.Timing]) -> timing.Timing:
-    """``t``, or where it was disturbed (a compile, a collector, a neighbour's kernel beside a
-    part of its calls), a retake if that one is steadier. A disturbed timing's spread becomes
-    its noise margin, so a disturbed challenger could not win and a disturbed baseline could
-    not be beaten, whatever their true times."""
-    if t.cut or t.spread <= DISTURBED_SPREAD:
+def steadier(
+    t: timing.Timing, retake: Callable[[], timing.Timing], cut_at: float | None = None
+) -> timing.Timing:
+    """``t``, or where it may have been disturbed (a compile, a collector, a neighbour's kernel
+    beside a part of its calls), a retake if that one is steadier. A disturbed timing's spread
+    becomes its noise margin, so a disturbed challenger could not win and a disturbed baseline
+    could not be beaten, whatever their true times. A cut (``cut_at``: the cut-off that stopped
+    it) may have been disturbed where its fastest call was under the cut-off: the retake stands
+    if it is not cut."""
+    if t.cut:
+        if cut_at is None or t.p10_us >= cut_at:
+            return t
+        again = retake()
+        return t if again.cut else again
+    if t.spread <= DISTURBED_SPREAD:
         return t
     again = retake()
     return again if not again.cut and again.spread < t.spread else t
@@ -257,7 +266,8 @@ class _Trial:
             late_cutoff_us=None if graph else late_cutoff_us,
         )
         try:
-            t = steadier(measure(), measure)
+            t = measure()
+            t = steadier(t, measure, _cut_at(t, cutoff_us, late_cutoff_us))
         except Exception as e:
             return self.record(
                 source, params, "failed", max_rel_err=err, error=f"timing: {_short(e)}"
@@ -398,8 +408,22 @@ class _Trial:
         return float("nan") if any(e != e for e in errors) else max(errors)
 
 
+def _late(t: timing.Timing, late_cutoff_us: float | None) -> bool:
+    """Stopped by the late cut-off (after ``LATE_REPS`` calls), not by the probe's."""
+    return t.reps >= timing.LATE_REPS and late_cutoff_us is not None
+
+
+def _cut_at(
+    t: timing.Timing, cutoff_us: float | None, late_cutoff_us: float | None
+) -> float | None:
+    """The cut-off that stopped ``t`` (None where it was not cut)."""
+    if not t.cut:
+        return None
+    return late_cutoff_us if _late(t, late_cutoff_us) else cutoff_us
+
+
 def _cut_reason(t: timing.Timing, cutoff_us: float | None, late_cutoff_us: float | None) -> str:
-    if t.reps < timing.LATE_REPS or late_cutoff_us is None:
+    if not _late(t, late_cutoff_us):
         return f"probe {t.median_us:.1f} us > cutoff {cutoff_us:.1f} us"
     return f"{t.reps} calls {t.median_us:.1f} us > late cutoff {late_cutoff_us:.1f} us"
 
