@@ -18,8 +18,7 @@ With ``--trace``, ``TRACED`` configs also run a bench-only build of their librar
 extra ``-D`` flags, built beside the run) that stamps each CTA (``%globaltimer`` at its start and
 end, ``clock64`` at its start, after the wait, when warp 0's first chunk landed, at each warp's
 last chunk, once the warps' partials are in shared memory, at its end); the row carries the
-stamps and a summary (impl "cuda_gemv_trace"). ``--rotate``: ``ROTATED`` configs also from a build
-whose CTAs each start their chunk rounds at another one (impl "cuda_gemv_rotate"). ``--profile``: no timing, the bare read and each
+stamps and a summary (impl "cuda_gemv_trace"). ``--profile``: no timing, the bare read and each
 config of ``PROFILED`` once in an NVTX range "profile" for Nsight Compute (as
 ``bench/lowbit_kernels.py``).
 """
@@ -60,20 +59,15 @@ GROUP = 128
 MS = (1, 4, 8)
 # (split, slices of 16 rows per warp, stages, warps, cluster). Warps splitting K: 32-row CTAs over
 # all of K (one per SM), 8-16 warps, 2-4 stages; 64-row CTAs over half of K (cluster 2: x's slab
-# copied per 64 rows). Warps splitting rows (x's slab copied once per CTA): 256-row CTAs with K
-# over a cluster of 8 (Qwen down M = 8's winner), 128-row CTAs over a cluster of 4 (Llama's 16
-# clusters of 8 may not all fit one wave).
+# copied once per 64 rows, ahead where x weighs most). Warps splitting rows: 256-row CTAs with K
+# over a cluster of 8 (Qwen down M = 8's winner).
 GRID = [
     ("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
-    ("k", 4, 2, 8, 2), ("k", 4, 3, 8, 2), ("k", 4, 2, 16, 2),
-    ("rows", 2, 4, 8, 8), ("rows", 1, 3, 16, 8), ("rows", 1, 4, 8, 4), ("rows", 1, 3, 8, 4),
-    ("rows", 2, 4, 4, 4), ("rows", 2, 3, 4, 4),
+    ("k", 4, 2, 8, 2), ("k", 4, 3, 8, 2), ("k", 4, 2, 16, 2), ("rows", 2, 4, 8, 8),
 ]  # fmt: skip
 TRACED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
 PROFILED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
-ROTATED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 4, 3, 8, 2), ("rows", 2, 4, 8, 8),
-           ("rows", 1, 4, 8, 4)]  # fmt: skip
-VARIANTS = {"trace": ["-DGEMV_TRACE=1"], "rotate": ["-DGEMV_ROTATE=1"]}
+VARIANTS = {"trace": ["-DGEMV_TRACE=1"]}
 VARIANT_DIR = Path(tempfile.gettempdir()) / "w4a16_gemv_variants"
 # a trace row's fields (w4a16_gemv.cu): sm id, globaltimer at start / end, clock64 at start,
 # after the wait, warp 0's first chunk, after the sums, at the end; then each warp's last chunk
@@ -164,17 +158,14 @@ def grid_configs(m: int, n: int, k: int, entries: list[tuple] = GRID) -> list[di
     return out
 
 
-VARIANT_CONFIGS = {"trace": TRACED, "rotate": ROTATED}
-
-
-def build(projections: list[str], ms: tuple[int, ...], variants: list[str]) -> None:
+def build(projections: list[str], ms: tuple[int, ...], trace: bool) -> None:
     """Every library and Triton kernel the run times, compiled in parallel before any timing."""
     started = time.perf_counter()
     shapes = [(m, *PROJECTIONS[name]) for name in projections for m in ms]
     cfgs = [c for shape in shapes for c in grid_configs(*shape)]
     errors = {str(lib): e for lib, e in cuda_w4a16.compile_all(cfgs).items() if e}
-    build_variants([(c, v) for v in variants for shape in shapes
-                    for c in grid_configs(*shape, VARIANT_CONFIGS[v])])  # fmt: skip
+    if trace:
+        build_variants([(c, "trace") for shape in shapes for c in grid_configs(*shape, TRACED)])
     print(f"built {len({cuda_w4a16.library(c) for c in cfgs})} CUDA libraries and the variants in "
           f"{time.perf_counter() - started:.1f} s; errors: {errors}", flush=True)  # fmt: skip
     report = warm([job for name in projections for m in ms
@@ -186,7 +177,7 @@ def build(projections: list[str], ms: tuple[int, ...], variants: list[str]) -> N
 
 
 def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: bool = False,
-                     profile: bool = False, rotated: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+                     profile: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     n, k = PROJECTIONS[name]
     rows: list[dict[str, Any]] = []
     stream = gemm_operands.stream_getter(torch.device("cuda", torch.cuda.current_device()))
@@ -243,10 +234,6 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
                 x, i4[i % len(i4)][0], i4[i % len(i4)][1], GROUP, c, out=o))  # fmt: skip
         for cfg in grid_configs(m, n, k):
             checked("cuda_gemv", cfg, gemv(cuda_w4a16.launcher(cfg), cfg))
-        for cfg in grid_configs(m, n, k, ROTATED) if rotated else []:
-            checked(
-                "cuda_gemv_rotate", cfg, gemv(cuda_w4a16.load(variant_path(cfg, "rotate")), cfg)
-            )
         for cfg in grid_configs(m, n, k, TRACED) if trace else []:
             path = variant_path(cfg, "trace")
             checked("cuda_gemv_trace", cfg, gemv(cuda_w4a16.load(path), cfg))
@@ -258,7 +245,7 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             rows[-1]["trace"] = trace_summary(stamps, cfg["warps"])
             rows[-1]["stamps"] = stamps
             print(f"  trace {cfg}: {rows[-1]['trace']}", flush=True)
-        for impl in ("w4a16", "cuda_gemv", "cuda_gemv_rotate"):
+        for impl in ("w4a16", "cuda_gemv"):
             ok = [r for r in rows if r["m"] == m and r["impl"] == impl and r.get("excess", 9) <= 1]
             if ok:
                 min(ok, key=lambda r: r["us"])["best"] = True
@@ -275,8 +262,6 @@ def main() -> None:
     ap.add_argument("--m", nargs="*", type=int, default=list(MS))
     ap.add_argument("--trace", action="store_true",
                     help="also time the traced builds of TRACED and keep their stamps")  # fmt: skip
-    ap.add_argument("--rotate", action="store_true",
-                    help="also time ROTATED from the build whose CTAs start at other rounds")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
                     help="no timing: read_int4 and PROFILED once each in an NVTX range 'profile'")  # fmt: skip
     args = ap.parse_args()
@@ -284,7 +269,7 @@ def main() -> None:
         if name not in PROJECTIONS:
             ap.error(f"projection {name!r}: allowed {sorted(PROJECTIONS)}")
     torch.manual_seed(0)
-    build(args.proj, tuple(args.m), [v for v in VARIANTS if getattr(args, v)])
+    build(args.proj, tuple(args.m), args.trace)
     if args.profile:
         for name in args.proj:
             bench_projection(name, tuple(args.m), 0.0, profile=True)
@@ -292,7 +277,7 @@ def main() -> None:
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
     result = header(copy_gbs, group_size=GROUP, nvcc=cuda_w4a16.toolkit())
     write_as_it_goes(result, args.out, args.proj, lambda name: bench_projection(
-        name, tuple(args.m), copy_gbs, args.trace, rotated=args.rotate))  # fmt: skip
+        name, tuple(args.m), copy_gbs, args.trace))  # fmt: skip
 
 
 if __name__ == "__main__":

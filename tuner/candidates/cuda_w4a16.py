@@ -301,13 +301,14 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 # Decode shortlists (split, slices, stages, warps, cluster), the likeliest first. Warps splitting
 # K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing instructions, not
 # waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the narrow projections;
-# 8 warps of 4 stages win the wide ones. Warps splitting rows: 8 warps of
-# 32 rows share each chunk's x slab, K over a cluster of 8: ahead where x's slab weighs most.
+# 8 warps of 4 stages win the wide ones. Where x's [M, 128] slab weighs most (M near 8, copied per
+# CTA and chunk beside the CTA's weight), 64-row warps over half of K (a cluster of 2: x copied
+# once per 64 rows), or 8 warps of 32 rows sharing each chunk's slab with K over a cluster of 8.
 SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
-             ("rows", 2, 4, 8, 8))  # fmt: skip
-# M = 9-16 (two n8 tiles): the K split copies x's [M, 128] slab per warp and chunk, twice the
-# weight's bytes; 64-row warps over half of K, or CTAs whose warps share the slab, copy less.
-WIDE_SHORTLIST = (("k", 2, 2, 16, 1), ("k", 4, 3, 8, 2), ("rows", 2, 4, 8, 8))
+             ("rows", 2, 4, 8, 8), ("k", 4, 2, 8, 2))  # fmt: skip
+# M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows; only the 64-row
+# warps over half of K come near the Triton kernel on the narrow projections.
+WIDE_SHORTLIST = (("k", 4, 2, 8, 2),)
 
 
 def shortlist(m: int) -> tuple[tuple, ...]:

@@ -57,9 +57,6 @@
 #ifndef GEMV_TRACE
 #define GEMV_TRACE 0  // bench builds only: per-CTA timestamps (w4a16_gemv_trace)
 #endif
-#ifndef GEMV_ROTATE
-#define GEMV_ROTATE 0  // bench A/B builds only: each CTA takes its chunk rounds from another one on
-#endif
 
 namespace cg = cooperative_groups;
 
@@ -239,8 +236,6 @@ struct Copier {
   const uint16_t* x;     // this thread's first x piece of the current chunk
   long long x_round;     // x elements between two copy rounds (x_threads / 16 rows)
   int chunk, chunk_step, group_shift;
-  int round, rounds;  // this copier's round (chunk) of its `rounds`, in copy order
-  long long rounds_w, rounds_x;  // w's and x's moves over `rounds` rounds
   uint32_t w_valid, sz_valid, x_valid;  // bit per copy: its rows exist
   uint32_t sz_slots;                    // bit per copy: its word lies in the part (lane < ROWS * NG)
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
@@ -248,11 +243,10 @@ struct Copier {
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
-  // row in N; first, step, mine: its chunks; start: the round it copies first (GEMV_ROTATE);
-  // w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
+  // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
   __device__ __forceinline__ Copier(const Params& p, const uint8_t* block, int rows, int offset,
-                                    int n0, int first, int step, int mine, int start, int lane,
-                                    uint32_t w_at, uint32_t x_at, int x_thread, int x_threads) {
+                                    int n0, int first, int step, int lane, uint32_t w_at,
+                                    uint32_t x_at, int x_thread, int x_threads) {
     const int g = lane >> 2, t = lane & 3;
     w_lane = g * 64 + t * 16;
     lane_w = w_at + w_lane;
@@ -284,16 +278,6 @@ struct Copier {
     chunk = first;
     chunk_step = step;
     group_shift = p.group_shift;
-    round = 0;
-    rounds = mine;
-    rounds_w = mine * w_step;
-    rounds_x = static_cast<long long>(mine) * step * CHUNK;
-    if (GEMV_ROTATE && mine > 0) {
-      round = start % mine;
-      w += round * w_step;
-      x += static_cast<long long>(round) * step * CHUNK;
-      chunk += round * step;
-    }
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
@@ -319,12 +303,6 @@ struct Copier {
     w += w_step;
     x += chunk_step * CHUNK;
     chunk += chunk_step;
-    if (GEMV_ROTATE && ++round == rounds) {  // back to round 0
-      w -= rounds_w;
-      x -= rounds_x;
-      chunk -= rounds * chunk_step;
-      round = 0;
-    }
   }
 };
 
@@ -457,9 +435,8 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
   const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
-  Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, first, step, mine,
-                        blockIdx.x / ranks, lane, part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
-                        SPLIT_ROWS ? blockDim.x : 32);
+  Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at,
+                        x_at, SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
