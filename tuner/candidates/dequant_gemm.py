@@ -165,14 +165,17 @@ class DequantGemm(Source):
                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
             weight = int4_torch.ours(packed)
             checked(x, weight, scales_and_zeros, out)
+            scratch = torch.empty(rows, k, dtype=x.dtype, device=x.device)
+            if chunks == 1:  # out=None: torch allocates the result, with less host time
+                fill.fill(weight, scales_and_zeros, scratch, 0, n)
+                return torch.mm(x, scratch.T, out=out)
             if out is None:
                 out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-            scratch = torch.empty(rows, k, dtype=x.dtype, device=x.device)
             for start in range(0, n, rows):
-                part = scratch[: min(rows, n - start)]
-                fill(weight, scales_and_zeros, part, start)
-                target = out if chunks == 1 else out[:, start : start + part.shape[0]]
-                torch.mm(x, part.T, out=target)
+                end = min(start + rows, n)
+                part = scratch[: end - start]
+                fill.fill(weight, scales_and_zeros, part, start, end)
+                torch.mm(x, part.T, out=out[:, start:end])
             return out
 
         return run

@@ -90,6 +90,12 @@ class Dequantizer:
         if start % BLOCK_ROWS or out.shape[0] > self.rows or end > self.n:
             raise ValueError(f"start={start}, out.shape={tuple(out.shape)}: rows from a multiple "
                              f"of {BLOCK_ROWS}, at most {self.rows} of them, within N={self.n}")  # fmt: skip
+        self.fill(weight, sz, out, start, end)
+
+    def fill(self, weight: torch.Tensor, sz: torch.Tensor, out: torch.Tensor, start: int,
+             end: int) -> None:  # fmt: skip
+        """``__call__`` without its checks, for a caller that made ``out`` itself: each check
+        is host time on every eager call."""
         self._launch(weight, sz, out, start, end)
         if not self.checked:
             self.checked = verify_direct([self.launcher], out,
@@ -99,7 +105,7 @@ class Dequantizer:
     def _launch(self, weight: torch.Tensor, sz: torch.Tensor, out: torch.Tensor, start: int,
                 end: int) -> None:  # fmt: skip
         ptrs = (weight.data_ptr(), sz.data_ptr(), out.data_ptr())
-        guard = (out.device, out.dtype, *(p % 16 for p in ptrs))
+        guard = (out.get_device(), out.dtype, *(p % 16 for p in ptrs))
         if self.launcher.ready(guard):
             self.launcher.raw((*ptrs, self.n, self.k // 2, start, end))
         else:
