@@ -104,7 +104,7 @@ def test_keys_it_takes_and_its_shortlist() -> None:
     assert f"below {dg.MIN_M} rows" in src.unsupported(key_of("int4-g128", 63, 512, 256))
     assert src.unsupported(key_of("int4-g128", 64, 512, 256, dtype="f16")) is None
     l2 = 50 * 2**20
-    # Qwen2.5-7B qkv at M = 2048: the whole weight, then 2 chunks (a scratch under half the L2)
+    # Qwen2.5-7B qkv at M = 2048: the whole weight, then halves (their scratch under half the L2)
     found = dg.shortlist(2048, 4608, 3584, l2, 132)
     assert found[0] == {"chunks": 1, "bn": dg.DEFAULT_BN} and len(found) == 2
     for params in found[1:]:

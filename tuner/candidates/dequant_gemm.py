@@ -41,9 +41,9 @@ from tuner.measure.timing import cache_bytes
 from tuner.quant import int4, int4_torch
 
 MIN_M = 64
-# Scratch sizes tried besides the whole weight, as shares of the L2: the fewest chunks whose
-# scratch fits each.
-L2_SHARES = (2, 4)
+# Chunk counts tried besides the whole weight: two halves, and the fewest chunks whose scratch
+# fits this share of the L2.
+HALVES, L2_SHARE = 2, 2
 ROW_STEP = 256  # chunk heights in whole 256-column tiles of the GEMM's output (and 64-row blocks)
 GEMM_TILE = (128, 256)  # the output tile of a large bf16 cuBLAS GEMM on Hopper (rows, columns)
 DEFAULT_BN = 64
@@ -83,18 +83,16 @@ def check_params(params: Params, n: int, k: int) -> tuple[int, int]:
 
 
 def shortlist(m: int, n: int, k: int, l2_bytes: int, sms: int) -> list[Params]:
-    """The whole weight at once, then the fewest chunks whose scratch fits each share of the L2,
-    where a chunk's GEMM still has most of a wave of output tiles (9 in 10 SMs busy): fewer
-    leave SMs idle in every chunk."""
+    """The whole weight at once, then two halves and the fewest chunks whose scratch fits
+    1 / ``L2_SHARE`` of the L2, where a chunk's GEMM keeps at least half a wave of output tiles
+    (fewer leave most SMs idle in every chunk)."""
+    fits = next(c for c in range(1, triton.cdiv(n, ROW_STEP) + 1)
+                if scratch_bytes(n, k, c) * L2_SHARE <= l2_bytes or chunk_rows(n, c) == ROW_STEP)  # fmt: skip
     counts = [1]
-    for share in L2_SHARES:
-        fits = next((c for c in range(1, triton.cdiv(n, ROW_STEP) + 1)
-                     if scratch_bytes(n, k, c) * share <= l2_bytes), None)  # fmt: skip
-        if fits is None:
-            continue
-        rows = chunk_rows(n, fits)
+    for chunks in (HALVES, fits):
+        rows = chunk_rows(n, chunks)
         tiles = triton.cdiv(m, GEMM_TILE[0]) * triton.cdiv(rows, GEMM_TILE[1])
-        if tiles * 10 >= sms * 9:
+        if rows < n and 2 * tiles >= sms:
             counts.append(triton.cdiv(n, rows))  # the count that gives chunks of that height
     return [{"chunks": c, "bn": DEFAULT_BN} for c in dict.fromkeys(counts)]
 
