@@ -206,28 +206,6 @@ def test_operands_the_kernel_would_refuse() -> None:
         cw.check_operands(x, weight, sz, group, torch.empty(m, n, dtype=torch.float16))
 
 
-def test_operands_are_checked_once_per_guard() -> None:
-    """A runner skips the checks for operands whose guard passed them before, which is safe
-    only if the guard holds every property the checks read: operands that differ in any one of
-    them have another guard."""
-    m, n, k = 4, 64, 256
-    x = torch.randn(m, k, dtype=torch.bfloat16)
-    weight = int4.pack(torch.randint(0, 16, (n, k), dtype=torch.uint8))
-    sz = torch.randn(k // 128, n, 2, dtype=torch.bfloat16)
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    guard = cw.operand_guard(x, weight, sz, out)
-    assert cw.operand_guard(x.clone(), weight.clone(), sz.clone(), out.clone()) == guard
-    odd = torch.empty(sz.numel() + 1, dtype=sz.dtype)[1:].view(sz.shape)  # 2-byte aligned
-    rows = torch.empty(m, k + 8, dtype=x.dtype)[:, :k]
-    others = [
-        (x.half(), weight, sz, out), (x[:2], weight, sz, out), (rows, weight, sz, out),
-        (x, weight[:32], sz, out), (x, weight, sz.float(), out), (x, weight, odd, out),
-        (x, weight, sz, out.half()), (x, weight, sz, out.t().contiguous().t()),
-        (x, weight, sz, None),
-    ]  # fmt: skip
-    assert all(cw.operand_guard(*ops) != guard for ops in others)
-
-
 @pytest.mark.skipif(env.nvcc_path() is None, reason="needs nvcc")
 def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) -> None:
     config = cw.configs(1, 4096, 14336, 128)[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tuner.candidates import int4_operands, registry
+from tuner.candidates import registry
 from tuner.candidates.base import interpreting
 from tuner.candidates.torch_lowbit import TorchLowbit
 from tuner.candidates.triton_fp8 import TritonFp8
@@ -122,27 +122,6 @@ def test_served_int4_runner_converts_each_weight_once(monkeypatch):
     fresh.copy_(int4_torch.torch_pack(torch.zeros(32, 256, dtype=torch.uint8)))  # changed in place
     assert int4_torch.ours(fresh) is not layout
     assert int(int4_torch.nibbles(fresh).max()) == 0
-
-
-def test_int4_operands_are_checked_once_per_guard():
-    key = key_of("int4-g32", 2, k=256)
-    x, packed, sz = samples.make_inputs(key, "cpu", torch.Generator().manual_seed(0))
-    seen = []
-    checked = int4_operands.CheckedOnce(lambda *operands: seen.append(operands))
-    checked(x, packed, sz, None)
-    checked(x.clone(), packed, sz, None)  # other memory, same guard: not checked again
-    assert len(seen) == 1
-    checked(x.t().contiguous().t(), packed, sz, None)  # other strides: a new guard
-    checked(x, packed, sz, torch.empty(2, 32, dtype=x.dtype))  # an out: a new guard
-    assert len(seen) == 3
-
-    def refuse(*operands):
-        raise ValueError("x: refused")
-
-    strict = int4_operands.CheckedOnce(refuse)
-    for _ in range(2):  # a guard that failed is not remembered: it fails every time
-        with pytest.raises(ValueError, match="refused"):
-            strict(x, packed, sz, None)
 
 
 def test_bad_lowbit_inputs_raise_naming_the_field(monkeypatch):

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from tuner.cache.artifacts import ArtifactSpec
-from tuner.candidates import cutlass_artifacts
+from tuner.candidates import cutlass_artifacts, int4_operands
 from tuner.candidates import cutlass_env as env
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner, Source
@@ -255,35 +255,10 @@ def check_operands(
         raise ValueError(f"scales_and_zeros: must be {SZ_ALIGN}-byte aligned (a (scale, zero) "
                          f"pair is one word), data_ptr {scales_and_zeros.data_ptr():#x}")  # fmt: skip
     if out is not None:
-        check_out(out, m, n, x)
+        int4_operands.check_out(out, m, n, x)
     if not x.is_cuda:
         raise ValueError(f"x.device={x.device}: must be a CUDA device")
     return m, n, k
-
-
-def check_out(out: torch.Tensor, m: int, n: int, x: torch.Tensor) -> None:
-    """ValueError unless the kernel can write ``out`` in place: [M, N] of x's dtype on x's
-    device, unit stride along N, rows at least N apart."""
-    if out.shape != (m, n) or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(f"out: expected a [{m}, {n}] {x.dtype} tensor on {x.device}, got "
-                         f"{out.dtype} {tuple(out.shape)} on {out.device}")  # fmt: skip
-    if out.stride(1) != 1 or out.stride(0) < n:
-        raise ValueError(f"out.stride()={out.stride()}: expected unit stride along N and rows at "
-                         f"least N={n} apart")  # fmt: skip
-
-
-MAX_GUARDS = 64  # operand guards a runner remembers
-
-
-def operand_guard(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor,
-                  out: torch.Tensor | None) -> tuple:  # fmt: skip
-    """Everything ``check_operands`` looks at, as a key: operands with the same guard pass or
-    fail it alike (devices, dtypes, shapes, strides, pointer alignments)."""
-    sz = scales_and_zeros
-    return (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() % ALIGN, weight.device,
-            weight.dtype, weight.shape, weight.stride(), weight.data_ptr() % ALIGN, sz.device,
-            sz.dtype, sz.shape, sz.stride(), sz.data_ptr() % SZ_ALIGN,
-            None if out is None else (out.device, out.dtype, out.shape, out.stride()))  # fmt: skip
 
 
 def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
@@ -406,23 +381,22 @@ class CudaW4A16(Source):
         shape = (key.m, key.n, key.k)
         device = torch.device("cuda", torch.cuda.current_device())
         stream = ops.stream_getter(device)
-        checked: set[tuple] = set()  # operand guards that passed the checks (eager fast path)
+
+        def check(x, weight, scales_and_zeros, out):
+            if check_operands(x, weight, scales_and_zeros, group, out) != shape:
+                raise ValueError(f"x.shape={tuple(x.shape)}, weight N={weight.shape[0]}: "
+                                 f"this runner is built for (M, N, K)={shape}")  # fmt: skip
+            if x.device != device:
+                raise ValueError(f"x.device={x.device}: this runner is built for {device}")
+
+        checked = int4_operands.CheckedOnce(check)
 
         def runner(
             x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
             out: torch.Tensor | None = None,
         ) -> torch.Tensor:  # fmt: skip
             weight = int4_torch.ours(packed)
-            guard = operand_guard(x, weight, scales_and_zeros, out)
-            if guard not in checked:
-                if check_operands(x, weight, scales_and_zeros, group, out) != shape:
-                    raise ValueError(f"x.shape={tuple(x.shape)}, weight N={weight.shape[0]}: "
-                                     f"this runner is built for (M, N, K)={shape}")  # fmt: skip
-                if x.device != device:
-                    raise ValueError(f"x.device={x.device}: this runner is built for {device}")
-                if len(checked) >= MAX_GUARDS:
-                    checked.clear()
-                checked.add(guard)
+            checked(x, weight, scales_and_zeros, out)
             if out is None:
                 out = torch.empty(key.m, key.n, dtype=x.dtype, device=device)
             run(fn, config, x, weight, scales_and_zeros, group, out, stream())
