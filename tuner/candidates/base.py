@@ -30,10 +30,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def triton_unavailable(device: str) -> str | None:
-    """Why Triton kernels cannot run on ``device`` here: on the CPU only through the interpreter."""
-    if device == "cpu" and not interpreting():
-        return "no GPU (set TRITON_INTERPRET=1 to run Triton kernels on the CPU, slowly)"
+def triton_unavailable(
+    device: str, needs: tuple[int, int] | None = None, what: str = ""
+) -> str | None:
+    """Why Triton kernels cannot run on ``device`` here: on the CPU only through the interpreter;
+    on the GPU, ``what`` kernels only from compute capability ``needs`` on."""
+    if device == "cpu":
+        if not interpreting():
+            return "no GPU (set TRITON_INTERPRET=1 to run Triton kernels on the CPU, slowly)"
+        return None
+    if needs is not None:
+        import torch
+
+        cap = torch.cuda.get_device_capability()
+        if cap < needs:
+            return f"compute capability {cap}: {what} kernels need sm{needs[0]}{needs[1]} or newer"
     return None
 
 

@@ -32,13 +32,13 @@ import functools
 import torch
 import triton
 
-from tuner.candidates import int4_operands
-from tuner.candidates.base import Params, Runner, Source, triton_unavailable
+from tuner.candidates import int4_operands, triton_w4a16
+from tuner.candidates.base import Params, Runner, Source
 from tuner.candidates.triton_kernels import dequant, w4a16
 from tuner.candidates.triton_kernels.launch import WarmReport, precompile
 from tuner.core.keys import DTYPES, GemmKey
 from tuner.measure.timing import cache_bytes
-from tuner.quant import int4, int4_torch
+from tuner.quant import int4_torch
 
 MIN_M = 64
 # Chunk counts tried besides the whole weight: two halves, and the fewest chunks whose scratch
@@ -110,18 +110,12 @@ class DequantGemm(Source):
     last_warm: WarmReport | None = None
 
     def unavailable(self, device: str) -> str | None:
-        if device == "cpu":
-            return triton_unavailable(device)
-        cap = torch.cuda.get_device_capability()
-        if cap < w4a16.MIN_CAPABILITY:
-            return f"compute capability {cap}: INT4 kernels need sm80 or newer"
-        return None
+        return triton_w4a16.unavailable(device)
 
     def unsupported(self, key: GemmKey) -> str | None:
-        if key.wdtype != "int4":
-            return "int4 weights only"
-        if key.k % int4.CHUNK:
-            return f"k={key.k}: our layout packs K in whole chunks of {int4.CHUNK}"
+        reason = triton_w4a16.unsupported(key)
+        if reason:
+            return reason
         if key.m < MIN_M:
             return (f"m={key.m}: below {MIN_M} rows the GEMM streams its weight, and a 16-bit "
                     f"copy of it costs more than reading the 4-bit bytes once")  # fmt: skip

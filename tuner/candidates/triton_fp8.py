@@ -35,12 +35,7 @@ class TritonFp8(Source):
     last_warm: WarmReport | None = None  # the last precompile (kernels compiled, seconds)
 
     def unavailable(self, device: str) -> str | None:
-        if device == "cpu":
-            return triton_unavailable(device)
-        cap = torch.cuda.get_device_capability()
-        if cap < fp8.MIN_CAPABILITY:
-            return f"compute capability {cap}: FP8 kernels need sm89 or newer"
-        return None
+        return triton_unavailable(device, fp8.MIN_CAPABILITY, "FP8")
 
     def unsupported(self, key: GemmKey) -> str | None:
         if not key.lowbit or key.wdtype == "int4":

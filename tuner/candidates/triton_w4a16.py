@@ -24,6 +24,20 @@ from tuner.quant import int4, int4_torch
 CPU_CANDIDATES = 2  # the interpreter is slow: the likeliest configs only
 
 
+def unavailable(device: str) -> str | None:
+    """Why a Triton kernel on our INT4 layout cannot run on ``device`` (None: it can)."""
+    return triton_unavailable(device, w4a16.MIN_CAPABILITY, "INT4")
+
+
+def unsupported(key: GemmKey) -> str | None:
+    """Why a Triton kernel on our INT4 layout cannot take ``key`` (None: it can)."""
+    if key.wdtype != "int4":
+        return "int4 weights only"
+    if key.k % int4.CHUNK:
+        return f"k={key.k}: our layout packs K in whole chunks of {int4.CHUNK}"
+    return None
+
+
 class TritonW4A16(Source):
     builds_kernels = True
     name = "triton_w4a16"
@@ -31,19 +45,10 @@ class TritonW4A16(Source):
     last_warm: WarmReport | None = None  # the last precompile (kernels compiled, seconds)
 
     def unavailable(self, device: str) -> str | None:
-        if device == "cpu":
-            return triton_unavailable(device)
-        cap = torch.cuda.get_device_capability()
-        if cap < w4a16.MIN_CAPABILITY:
-            return f"compute capability {cap}: INT4 kernels need sm80 or newer"
-        return None
+        return unavailable(device)
 
     def unsupported(self, key: GemmKey) -> str | None:
-        if key.wdtype != "int4":
-            return "int4 weights only"
-        if key.k % int4.CHUNK:
-            return f"k={key.k}: our layout packs K in whole chunks of {int4.CHUNK}"
-        return None
+        return unsupported(key)
 
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         shortlist = w4a16.configs(key.m, key.n, key.k, key.group)
