@@ -86,8 +86,18 @@ def test_bad_params_and_calls_raise_naming_the_field() -> None:
     sz = torch.zeros(2, 1024, 2, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="start=32"):
         fill(weight, sz, torch.empty(256, 256, dtype=torch.bfloat16), 32)
-    with pytest.raises(ValueError, match=r"out: expected a contiguous tensor"):
+    with pytest.raises(ValueError, match=r"out: expected a contiguous \[rows, K=256\]"):
         fill(weight, sz, torch.empty(256, 256, dtype=torch.float32), 0)
+    with pytest.raises(ValueError, match=r"out: expected a contiguous \[rows, K=256\]"):
+        fill(
+            weight, sz, torch.empty(128, 128, dtype=torch.bfloat16), 0
+        )  # too narrow: never written
+    with pytest.raises(ValueError, match="start=-64"):
+        fill(weight, sz, torch.empty(64, 256, dtype=torch.bfloat16), -64)
+    with pytest.raises(ValueError, match=r"weight: expected a contiguous uint8 \[1024, 128\]"):
+        fill(weight[:512], sz, torch.empty(256, 256, dtype=torch.bfloat16), 0)
+    with pytest.raises(ValueError, match=r"scales_and_zeros\.dtype"):
+        fill(weight, sz.half(), torch.empty(256, 256, dtype=torch.bfloat16), 0)
     key = key_of("int4-g128", 64, 512, 256)
     x, packed, scales = samples.make_inputs(key, "cpu", torch.Generator().manual_seed(0))
     run = dg.DequantGemm().build(key, {"chunks": 1, "bn": 64})
@@ -95,6 +105,9 @@ def test_bad_params_and_calls_raise_naming_the_field() -> None:
         run(x, packed, scales[:1].contiguous())
     with pytest.raises(ValueError, match=r"x\.dtype"):
         run(x.float(), packed, scales)
+    with pytest.raises(ValueError, match=r"built for \(M, N, K\)=\(64, 512, 256\)"):
+        run(x[:32], packed, scales)
+    assert dg.shortlist(256, 200, 131072, 50 * 2**20, 132) == [{"chunks": 1, "bn": 64}]
 
 
 def test_keys_it_takes_and_its_shortlist() -> None:

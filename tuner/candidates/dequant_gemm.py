@@ -86,8 +86,9 @@ def shortlist(m: int, n: int, k: int, l2_bytes: int, sms: int) -> list[Params]:
     """The whole weight at once, then two halves and the fewest chunks whose scratch fits
     1 / ``L2_SHARE`` of the L2, where a chunk's GEMM keeps at least half a wave of output tiles
     (fewer leave most SMs idle in every chunk)."""
-    fits = next(c for c in range(1, triton.cdiv(n, ROW_STEP) + 1)
-                if scratch_bytes(n, k, c) * L2_SHARE <= l2_bytes or chunk_rows(n, c) == ROW_STEP)  # fmt: skip
+    most = triton.cdiv(n, ROW_STEP)
+    fits = next((c for c in range(1, most + 1) if scratch_bytes(n, k, c) * L2_SHARE <= l2_bytes),
+                most)  # fmt: skip
     counts = [1]
     for chunks in (HALVES, fits):
         rows = chunk_rows(n, chunks)
@@ -144,12 +145,11 @@ class DequantGemm(Source):
 
         def check(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor,
                   out: torch.Tensor | None) -> None:  # fmt: skip
-            m, got_n, got_k = w4a16.check_inputs(x, weight, scales_and_zeros, group)
-            if (got_n, got_k) != (n, k):
-                raise ValueError(f"x.shape={tuple(x.shape)}, weight N={got_n}: this runner is "
-                                 f"built for N={n}, K={k}")  # fmt: skip
+            if w4a16.check_inputs(x, weight, scales_and_zeros, group) != (key.m, n, k):
+                raise ValueError(f"x.shape={tuple(x.shape)}, weight N={weight.shape[0]}: this "
+                                 f"runner is built for (M, N, K)={(key.m, n, k)}")  # fmt: skip
             if out is not None:
-                int4_operands.check_out(out, m, n, x)
+                int4_operands.check_out(out, key.m, n, x)
 
         checked = int4_operands.CheckedOnce(check)
 

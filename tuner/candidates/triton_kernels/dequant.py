@@ -24,7 +24,7 @@ import triton.language as tl
 from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, verify_direct
 from tuner.candidates.triton_kernels.w4a16 import ACT_DTYPES, CHUNK_K, _weight_tile
-from tuner.quant.int4 import BLOCK_ROWS, CHUNK
+from tuner.quant.int4 import BLOCK_ROWS, CHUNK, check_scales_and_zeros
 
 BLOCKS = (32, 64, 128)  # weight rows per program: parts of a 64-row block, one block or two
 WARPS = 4
@@ -75,7 +75,7 @@ class Dequantizer:
         if rows <= 0 or (rows % BLOCK_ROWS and rows != n):
             raise ValueError(f"rows={rows}: a multiple of {BLOCK_ROWS} (the layout's blocks) "
                              f"or all N={n} rows")  # fmt: skip
-        self.n, self.k, self.rows = n, k, rows
+        self.n, self.k, self.rows, self.group = n, k, rows, group_size
         meta = dict(BN=bn, GROUP=group_size, RAGGED=n % BLOCK_ROWS > 0, INTERPRET=interpreting())
         grid = (triton.cdiv(rows, bn), k // CHUNK)
         self.launcher = Launcher(dequant_rows, grid, meta, num_warps=WARPS, num_stages=1)
@@ -83,13 +83,25 @@ class Dequantizer:
 
     def __call__(self, weight: torch.Tensor, sz: torch.Tensor, out: torch.Tensor,
                  start: int) -> None:  # fmt: skip
-        if out.dtype not in ACT_DTYPES or not out.is_contiguous():
-            raise ValueError(f"out: expected a contiguous tensor of {ACT_DTYPES}, got {out.dtype} "
-                             f"strides {out.stride()}")  # fmt: skip
+        """Rows ``start ..`` of our ``weight`` layout, dequantized by ``sz``, into ``out``; a
+        ValueError names any operand the kernel would read or write out of bounds."""
+        n, k = self.n, self.k
+        if out.dtype not in ACT_DTYPES or out.dim() != 2 or out.shape[1] != k or \
+                not out.is_contiguous():  # fmt: skip
+            raise ValueError(f"out: expected a contiguous [rows, K={k}] tensor of {ACT_DTYPES}, "
+                             f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")  # fmt: skip
         end = start + out.shape[0]
-        if start % BLOCK_ROWS or out.shape[0] > self.rows or end > self.n:
+        if start < 0 or start % BLOCK_ROWS or out.shape[0] > self.rows or end > n:
             raise ValueError(f"start={start}, out.shape={tuple(out.shape)}: rows from a multiple "
-                             f"of {BLOCK_ROWS}, at most {self.rows} of them, within N={self.n}")  # fmt: skip
+                             f"of {BLOCK_ROWS}, at most {self.rows} of them, within N={n}")  # fmt: skip
+        if weight.dtype != torch.uint8 or weight.shape != (n, k // 2) or \
+                not weight.is_contiguous():  # fmt: skip
+            raise ValueError(f"weight: expected a contiguous uint8 [{n}, {k // 2}] tensor, got "
+                             f"{weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+        check_scales_and_zeros(sz, n, k, self.group, out.dtype)
+        for name, t in (("weight", weight), ("scales_and_zeros", sz)):
+            if t.device != out.device:
+                raise ValueError(f"{name}.device={t.device}: must be out's device {out.device}")
         self.fill(weight, sz, out, start, end)
 
     def fill(self, weight: torch.Tensor, sz: torch.Tensor, out: torch.Tensor, start: int,
@@ -105,7 +117,7 @@ class Dequantizer:
     def _launch(self, weight: torch.Tensor, sz: torch.Tensor, out: torch.Tensor, start: int,
                 end: int) -> None:  # fmt: skip
         ptrs = (weight.data_ptr(), sz.data_ptr(), out.data_ptr())
-        guard = (out.get_device(), out.dtype, *(p % 16 for p in ptrs))
+        guard = (out.get_device(), out.dtype, sz.dtype, *(p % 16 for p in ptrs))
         if self.launcher.ready(guard):
             self.launcher.raw((*ptrs, self.n, self.k // 2, start, end))
         else:
