@@ -193,10 +193,10 @@ def measure(
 
 
 def _cut(samples: list[float]) -> Timing:
-    """A candidate stopped at a cut-off: the median and range of the calls it ran."""
+    """A candidate stopped at a cut-off: the median and spread of the calls it ran."""
     s = sorted(samples)
     median = statistics.median(s)
-    return Timing(median, s[0], s[-1], len(s), median, cut=True)
+    return Timing(median, _percentile(s, 0.1), _percentile(s, 0.9), len(s), median, cut=True)
 
 
 def copy_bandwidth_gbs(device: str, nbytes: int = 2 * 2**30) -> float:
