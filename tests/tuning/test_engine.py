@@ -22,6 +22,7 @@ from tuner.tuning.engine import (
     cut_off,
     duels,
     earlier_times,
+    host_hides_gpu,
     steadier,
     ties,
     tune,
@@ -248,6 +249,12 @@ def test_only_a_disturbed_timing_or_cut_is_retaken_and_only_a_better_retake_repl
     assert steadier(disturbed, lambda: steady) is steady
     assert steadier(disturbed, lambda: cut) is disturbed
     assert steadier(disturbed, lambda: timing.Timing(15.0, 9.0, 1500.0, 100, 15.0)) is disturbed
+
+
+def test_a_gpu_win_decides_an_eager_tie_only_where_the_host_hides_the_kernels():
+    assert host_hides_gpu(host_us=(20.0, 22.0), gpu_us=(15.0, 12.0))  # a launch-bound call
+    assert host_hides_gpu(host_us=(20.0, 14.0), gpu_us=(19.0, 16.0))  # one side's launch
+    assert not host_hides_gpu(host_us=(51.0, 52.8), gpu_us=(84.5, 82.5))  # kernels longer
 
 
 def test_the_numerics_check_covers_a_later_call_not_only_the_first():
