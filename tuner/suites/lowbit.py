@@ -312,6 +312,7 @@ def row_times(device: str) -> Callable[[Key, Winner, str], tuple[float, float]]:
 
 SIDE_BY_SIDE_ROUNDS = 4  # eager rows: rounds of the four runners timed in turn, even: as many
 SIDE_BY_SIDE_BUDGET_S = 0.04  # in reverse order as in order; each runner's budget in a round
+GRAPH_ROUNDS = 3  # decode rows: rounds of CUDA-graph times; the median outlasts one disturbed
 
 
 def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
@@ -319,8 +320,9 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
     torch's op, the winner, bf16 cuBLAS and the bf16 winner, side by side under the same load
     (a host-bound eager call is slowed by compiles running beside it, and the low-bit rows are
     tuned while the pool still builds kernels of later rows). Decode rows: GPU times in CUDA
-    graphs (``graph_*`` columns), with the bare read of the row's bytes; other rows: eager times,
-    the median of ``SIDE_BY_SIDE_ROUNDS`` rounds that take the runners in turn (``eager_*``)."""
+    graphs (``graph_*`` columns, the median of ``GRAPH_ROUNDS`` rounds), with the bare read of the
+    row's bytes; other rows: eager times, the median of ``SIDE_BY_SIDE_ROUNDS`` rounds; each round
+    takes the runners in turn (``eager_*``)."""
     graph = row["timing"] == "graph"
     mode = "graph" if graph else "eager"
     sets = samples.input_sets(key, "cuda", seed=1)
@@ -340,8 +342,9 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
     def failed(name: str, e: Exception) -> None:  # a capture failing is a finding: a miss
         row[f"{mode}_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
 
-    times = in_turn(timed, "cuda", graph=graph, rounds=1 if graph else SIDE_BY_SIDE_ROUNDS,
-                    budget_s=SIDE_BY_SIDE_BUDGET_S, on_error=failed)  # fmt: skip
+    rounds = GRAPH_ROUNDS if graph else SIDE_BY_SIDE_ROUNDS
+    times = in_turn(timed, "cuda", graph=graph, rounds=rounds, budget_s=SIDE_BY_SIDE_BUDGET_S,
+                    on_error=failed)  # fmt: skip
     for name, us in times.items():
         moved = row["bf16_bytes"] if name.startswith("bf16") else row["bytes"]
         row[f"{mode}_{name}_us"] = us
