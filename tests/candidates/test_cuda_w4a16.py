@@ -11,6 +11,7 @@ config tuned through the engine's numerics gate."""
 from __future__ import annotations
 
 import ctypes
+import re
 
 import pytest
 import torch
@@ -296,7 +297,9 @@ def test_every_config_matches_the_float32_reference(shape: tuple, built: None) -
     for config in CONFIGS:
         try:
             cw.check_config(config, m, n, k, group)
-        except ValueError:  # a cluster wider than K's chunks, or its shared memory
+        except ValueError as e:  # only a shape's limits: a cluster, 64-row warps, shared memory
+            if not re.search(r"config\['cluster'\]|64-row warps|shared memory", str(e)):
+                raise
             continue
         fn = cw.launcher(config)
         out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)

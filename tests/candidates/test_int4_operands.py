@@ -17,7 +17,8 @@ KEY = GemmKey(m=2, n=32, k=256, **lowbit_fields("int4-g32"))
 def test_the_guard_holds_every_property_a_check_reads() -> None:
     """A runner skips the checks for operands whose guard passed them before, which is safe
     only if the guard holds every property the checks read: operands that differ in any one of
-    them (dtype, shape, strides, alignment, the out given or not) have another guard."""
+    them (dtype, shape, strides, alignment, the out given or not, out's alignment) have another
+    guard."""
     m, n, k = 4, 64, 256
     x = torch.randn(m, k, dtype=torch.bfloat16)
     weight = int4.pack(torch.randint(0, 16, (n, k), dtype=torch.uint8))
@@ -31,7 +32,7 @@ def test_the_guard_holds_every_property_a_check_reads() -> None:
         (x.half(), weight, sz, out), (x[:2], weight, sz, out), (rows, weight, sz, out),
         (x, weight[:32], sz, out), (x, weight, sz.float(), out), (x, weight, odd, out),
         (x, weight, sz, out.half()), (x, weight, sz, out.t().contiguous().t()),
-        (x, weight, sz, None),
+        (x, weight, sz, None), (x, weight, sz, torch.empty(out.numel() + 1, dtype=out.dtype)[1:].view(out.shape)),
     ]  # fmt: skip
     assert all(int4_operands.guard(*ops) != guard for ops in others)
 

@@ -9,8 +9,8 @@ chunk of x is copied once per CTA, not once per warp). No partial ever goes thro
 memory, so there is no workspace and no second pass, and the sum order is fixed
 (deterministic). x's rows are one n8 tile of the tensor cores' mma (M <= 8) or two (M = 9-16,
 each dequantized weight fragment feeding both). Launched with programmatic dependent launch: a
-grid's launch and setup overlap the end of the kernel before it. It reads our packed layout (``tuner.quant.int4``) as the Triton
-kernel does.
+grid's launch and setup overlap the end of the kernel before it. It reads our packed layout
+(``tuner.quant.int4``) as the Triton kernel does.
 
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
 ``stages`` of each copy ring: a ``Library``) and its launch part (``warps`` per CTA, ``cluster``
@@ -281,8 +281,8 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 # once per 64 rows), or 8 warps of 32 rows sharing each chunk's slab with K over a cluster of 8.
 SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
              ("rows", 2, 4, 8, 8), ("k", 4, 2, 8, 2))  # fmt: skip
-# M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows; only the 64-row
-# warps over half of K come near the Triton kernel on the narrow projections.
+# M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so only the 64-row
+# warps over half of K, which copy the least x per weight byte.
 WIDE_SHORTLIST = (("k", 4, 2, 8, 2),)
 
 
@@ -346,7 +346,8 @@ class CudaW4A16(Source):
         if cap != (9, 0):
             return f"compute capability {cap}: the kernel is built for sm_90a (Hopper) only"
         if cannot_compile() and not _any_stored(
-            library(dict(zip(CONFIG_KEYS, e, strict=True))) for e in SHORTLIST + WIDE_SHORTLIST
+            library(dict(zip(CONFIG_KEYS, e, strict=True)))
+            for e in dict.fromkeys(SHORTLIST + WIDE_SHORTLIST)
         ):
             return "nvcc not found and no built cuda_w4a16 library here or in the artifact store"
         return None
@@ -382,7 +383,8 @@ class CudaW4A16(Source):
         device = torch.device("cuda", torch.cuda.current_device())
         stream = ops.stream_getter(device)
 
-        def check(x, weight, scales_and_zeros, out):
+        def check(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor,
+                  out: torch.Tensor | None) -> None:  # fmt: skip
             if check_operands(x, weight, scales_and_zeros, group, out) != shape:
                 raise ValueError(f"x.shape={tuple(x.shape)}, weight N={weight.shape[0]}: "
                                  f"this runner is built for (M, N, K)={shape}")  # fmt: skip

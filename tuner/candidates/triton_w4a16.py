@@ -65,7 +65,8 @@ class TritonW4A16(Source):
         m, n, k, group = key.m, key.n, key.k, key.group
         plan = w4a16.checked_plan(m, n, k, group, params)
 
-        def check(x, weight, scales_and_zeros, out):
+        def check(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor,
+                  out: torch.Tensor | None) -> None:  # fmt: skip
             if w4a16.check_inputs(x, weight, scales_and_zeros, group) != (m, n, k):
                 raise ValueError(f"x.shape={tuple(x.shape)}, weight N={weight.shape[0]}: this "
                                  f"runner is built for (M, N, K)={(m, n, k)}")  # fmt: skip
