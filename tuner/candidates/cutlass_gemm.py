@@ -322,7 +322,7 @@ class KernelLauncher:
         self.rt, self.kernel = rt, int(rt.kernel)
         size = int(rt.get_kernel_workspace_size(ctypes.byref(self.args)))
         self.workspace_bytes = size
-        self.workspaces = ops.StreamWorkspaces(device, zeroed=True)
+        self.workspaces = ops.StreamWorkspaces(device)
         self.zero_bytes = size  # stream-K's reduction flags start at zero every launch
         self.params = ParamSets(self._build, PARAM_SETS)
         self.cluster = LaunchAttribute(CLUSTER_DIMENSION)

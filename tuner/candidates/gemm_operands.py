@@ -247,9 +247,8 @@ class StreamWorkspaces:
     freed, and no stream's buffer is ever evicted: a CUDA graph captured with it replays on it.
     Not locked: the runner calls ``get`` under its own lock."""
 
-    def __init__(self, device: torch.device, zeroed: bool = False) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.zeroed = zeroed  # made with zeros (the runner re-zeroes what it needs per launch)
         self.by_stream: dict[int, tuple[int, int, torch.Tensor]] = {}  # stream -> ptr, bytes, buf
         self.outgrown: list[torch.Tensor] = []
 
@@ -260,7 +259,6 @@ class StreamWorkspaces:
             if held is not None:
                 self.outgrown.append(held[2])
             size = max(nbytes, 1)
-            make = torch.zeros if self.zeroed else torch.empty
-            buf = make(size, dtype=torch.uint8, device=self.device)
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
             held = self.by_stream[stream] = (buf.data_ptr(), size, buf)
         return held[0], held[1]
