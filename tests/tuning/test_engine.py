@@ -22,6 +22,7 @@ from tuner.tuning.engine import (
     cut_off,
     duels,
     earlier_times,
+    gpu_only_win,
     host_hides_gpu,
     steadier,
     ties,
@@ -255,6 +256,14 @@ def test_a_gpu_win_decides_an_eager_tie_only_where_the_host_hides_the_kernels():
     assert host_hides_gpu(host_us=(20.0, 22.0), gpu_us=(15.0, 12.0))  # a launch-bound call
     assert host_hides_gpu(host_us=(20.0, 14.0), gpu_us=(19.0, 16.0))  # one side's launch
     assert not host_hides_gpu(host_us=(51.0, 52.8), gpu_us=(84.5, 82.5))  # kernels longer
+
+
+def test_a_gpu_only_win_needs_a_launch_no_longer_than_the_baselines():
+    # eager times are launch times here: the challenger's longer launch loses a quiet host's tie
+    assert gpu_only_win(host_us=(33.5, 33.5), gpu_us=(11.6, 11.1), margin=0.02)
+    assert not gpu_only_win(host_us=(33.5, 34.0), gpu_us=(11.6, 11.1), margin=0.02)
+    assert not gpu_only_win(host_us=(33.5, 33.0), gpu_us=(11.6, 11.5), margin=0.02)  # GPU tie
+    assert not gpu_only_win(host_us=(51.0, 50.0), gpu_us=(84.5, 70.0), margin=0.02)  # not hidden
 
 
 def test_the_numerics_check_covers_a_later_call_not_only_the_first():

@@ -137,6 +137,19 @@ def host_hides_gpu(host_us: tuple[float, float], gpu_us: tuple[float, float]) ->
     return max(host_us) >= min(gpu_us)
 
 
+def gpu_only_win(host_us: tuple[float, float], gpu_us: tuple[float, float], margin: float) -> bool:
+    """Whether the challenger (second of each pair; the baseline first) wins an eager tie on its
+    GPU time alone: where the host hides the kernels (``host_hides_gpu``), faster in the graph
+    beyond ``margin``, and no longer to launch. Eager times there are launch times, so a longer
+    launch inside a tie is a loss that a quieter host shows."""
+    (base_host, chal_host), (base_gpu, chal_gpu) = host_us, gpu_us
+    return (
+        host_hides_gpu(host_us, gpu_us)
+        and chal_host <= base_host
+        and chal_gpu < base_gpu * (1 - margin)
+    )
+
+
 def launch_cost_repaid(
     us: float,
     host_us: float | None,
@@ -312,7 +325,7 @@ class _Trial:
         cheaper launch (a kernel quicker to launch than cuBLAS but slower on the GPU) would make
         every graph-replayed step slower. Eagerly a challenger
         faster on the GPU beyond the graph's noise also wins when it is no slower eagerly, where
-        the host's launch hides the kernels (``host_hides_gpu``). A
+        the host's launch hides the kernels and its own launch is no longer (``gpu_only_win``). A
         challenger that cannot be captured loses: it could not serve a caller that runs its step
         as a graph.
 
@@ -365,9 +378,9 @@ class _Trial:
                     margin = gpu_margin
                 else:
                     gpu_ok = chal_gpu.median_us <= base_gpu.median_us * (1 + gpu_margin)
-                    gpu_win = host_hides_gpu(
-                        (base_host, chal_host), (base_gpu.median_us, chal_gpu.median_us)
-                    ) and chal_gpu.median_us < base_gpu.median_us * (1 - gpu_margin)
+                    gpu_win = gpu_only_win(
+                        (base_host, chal_host), (base_gpu.median_us, chal_gpu.median_us), gpu_margin
+                    )
         # eager: a win beyond the eager noise, or, where the host's launch hides the kernels, a
         # GPU win with no eager loss (the graph replay measures cleanly what the host hides)
         won = chal_us < base_us * (1 - margin) or (gpu_win and chal_us <= base_us)
