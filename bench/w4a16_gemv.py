@@ -18,15 +18,18 @@ With ``--trace``, ``TRACED`` configs also run a bench-only build of their librar
 extra ``-D`` flags, built beside the run) that stamps each CTA (``%globaltimer`` at its start and
 end, ``clock64`` at its start, after the wait, when warp 0's first chunk landed, at each warp's
 last chunk, once the warps' partials are in shared memory, at its end); the row carries the
-stamps and a summary (impl "cuda_gemv_trace"). ``--profile``: no timing, the bare read and each
-config of ``PROFILED`` once in an NVTX range "profile" for Nsight Compute (as
-``bench/lowbit_kernels.py``).
+stamps and a summary (impl "cuda_gemv_trace"). With ``--baseline PATH``, every config is also
+built from the kernel source at PATH (another version of ``w4a16_gemv.cu``, e.g. the committed
+one) and timed right after the current one (impl "cuda_gemv_baseline"): an A/B of a kernel change
+on one machine in one run. ``--profile``: no timing, the bare read and each config of
+``PROFILED`` once in an NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import subprocess
 import tempfile
 import time
@@ -67,7 +70,7 @@ GRID = [
 ]  # fmt: skip
 TRACED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
 PROFILED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
-VARIANTS = {"trace": ["-DGEMV_TRACE=1"]}
+VARIANTS = {"trace": ["-DGEMV_TRACE=1"], "baseline": []}
 VARIANT_DIR = Path(tempfile.gettempdir()) / "w4a16_gemv_variants"
 # a trace row's fields (w4a16_gemv.cu): sm id, globaltimer at start / end, clock64 at start,
 # after the wait, warp 0's first chunk, after the sums, at the end; then each warp's last chunk
@@ -78,21 +81,26 @@ def as_config(entry: tuple) -> dict[str, Any]:
     return dict(zip(cuda_w4a16.CONFIG_KEYS, entry, strict=True))
 
 
-def variant_path(cfg: dict[str, Any], variant: str) -> Path:
-    return VARIANT_DIR / f"{cuda_w4a16.library(cfg).digest}_{variant}.so"
+def variant_path(cfg: dict[str, Any], variant: str, source: Path = cuda_w4a16.SOURCE) -> Path:
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    return VARIANT_DIR / f"{cuda_w4a16.library(cfg).digest}_{variant}_{digest}.so"
 
 
-def build_variants(pairs: list[tuple[dict[str, Any], str]]) -> None:
-    """The bench-only libraries of (config, variant) pairs, nvcc in parallel."""
+def build_variants(
+    pairs: list[tuple[dict[str, Any], str]], source: Path = cuda_w4a16.SOURCE
+) -> None:
+    """The bench-only libraries of (config, variant) pairs built from ``source``, nvcc in
+    parallel."""
     nvcc = env.nvcc_path()
     if nvcc is None:
         raise RuntimeError(cuda_w4a16.cannot_compile())
     VARIANT_DIR.mkdir(parents=True, exist_ok=True)
     procs = {}
     for cfg, variant in pairs:
-        path = variant_path(cfg, variant)
+        path = variant_path(cfg, variant, source)
         if path not in procs and not path.exists():
-            cmd = cuda_w4a16.nvcc_command(nvcc, cuda_w4a16.library(cfg), path) + VARIANTS[variant]
+            cmd = cuda_w4a16.nvcc_command(nvcc, cuda_w4a16.library(cfg), path)
+            cmd = [*cmd[:-1], *VARIANTS[variant], str(source)]
             procs[path] = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     for path, proc in procs.items():
         _, err = proc.communicate()
@@ -158,7 +166,7 @@ def grid_configs(m: int, n: int, k: int, entries: list[tuple] = GRID) -> list[di
     return out
 
 
-def build(projections: list[str], ms: tuple[int, ...], trace: bool) -> None:
+def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Path | None) -> None:
     """Every library and Triton kernel the run times, compiled in parallel before any timing."""
     started = time.perf_counter()
     shapes = [(m, *PROJECTIONS[name]) for name in projections for m in ms]
@@ -166,6 +174,8 @@ def build(projections: list[str], ms: tuple[int, ...], trace: bool) -> None:
     errors = {str(lib): e for lib, e in cuda_w4a16.compile_all(cfgs).items() if e}
     if trace:
         build_variants([(c, "trace") for shape in shapes for c in grid_configs(*shape, TRACED)])
+    if baseline is not None:
+        build_variants([(c, "baseline") for c in cfgs], baseline)
     print(f"built {len({cuda_w4a16.library(c) for c in cfgs})} CUDA libraries and the variants in "
           f"{time.perf_counter() - started:.1f} s; errors: {errors}", flush=True)  # fmt: skip
     report = warm([job for name in projections for m in ms
@@ -177,7 +187,7 @@ def build(projections: list[str], ms: tuple[int, ...], trace: bool) -> None:
 
 
 def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: bool = False,
-                     profile: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+                     profile: bool = False, baseline: Path | None = None) -> list[dict[str, Any]]:  # fmt: skip
     n, k = PROJECTIONS[name]
     rows: list[dict[str, Any]] = []
     stream = gemm_operands.stream_getter(torch.device("cuda", torch.cuda.current_device()))
@@ -234,6 +244,9 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
                 x, i4[i % len(i4)][0], i4[i % len(i4)][1], GROUP, c, out=o))  # fmt: skip
         for cfg in grid_configs(m, n, k):
             checked("cuda_gemv", cfg, gemv(cuda_w4a16.launcher(cfg), cfg))
+            if baseline is not None:
+                fn = cuda_w4a16.load(variant_path(cfg, "baseline", baseline))
+                checked("cuda_gemv_baseline", cfg, gemv(fn, cfg))
         for cfg in grid_configs(m, n, k, TRACED) if trace else []:
             path = variant_path(cfg, "trace")
             checked("cuda_gemv_trace", cfg, gemv(cuda_w4a16.load(path), cfg))
@@ -245,7 +258,7 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             rows[-1]["trace"] = trace_summary(stamps, cfg["warps"])
             rows[-1]["stamps"] = stamps
             print(f"  trace {cfg}: {rows[-1]['trace']}", flush=True)
-        for impl in ("w4a16", "cuda_gemv"):
+        for impl in ("w4a16", "cuda_gemv", "cuda_gemv_baseline"):
             ok = [r for r in rows if r["m"] == m and r["impl"] == impl and r.get("excess", 9) <= 1]
             if ok:
                 min(ok, key=lambda r: r["us"])["best"] = True
@@ -262,6 +275,8 @@ def main() -> None:
     ap.add_argument("--m", nargs="*", type=int, default=list(MS))
     ap.add_argument("--trace", action="store_true",
                     help="also time the traced builds of TRACED and keep their stamps")  # fmt: skip
+    ap.add_argument("--baseline", type=Path,
+                    help="also time every config built from this version of w4a16_gemv.cu")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
                     help="no timing: read_int4 and PROFILED once each in an NVTX range 'profile'")  # fmt: skip
     args = ap.parse_args()
@@ -269,7 +284,7 @@ def main() -> None:
         if name not in PROJECTIONS:
             ap.error(f"projection {name!r}: allowed {sorted(PROJECTIONS)}")
     torch.manual_seed(0)
-    build(args.proj, tuple(args.m), args.trace)
+    build(args.proj, tuple(args.m), args.trace, args.baseline)
     if args.profile:
         for name in args.proj:
             bench_projection(name, tuple(args.m), 0.0, profile=True)
@@ -277,7 +292,7 @@ def main() -> None:
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
     result = header(copy_gbs, group_size=GROUP, nvcc=cuda_w4a16.toolkit())
     write_as_it_goes(result, args.out, args.proj, lambda name: bench_projection(
-        name, tuple(args.m), copy_gbs, args.trace))  # fmt: skip
+        name, tuple(args.m), copy_gbs, args.trace, baseline=args.baseline))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -234,6 +234,27 @@ def test_the_bench_only_trace_build_compiles_and_exports_its_trace(tmp_path, mon
     assert fields.value == bench.C_WARP + cw.MAX_WARPS and ctas.value >= 132
 
 
+@pytest.mark.skipif(env.nvcc_path() is None, reason="needs nvcc")
+def test_the_bench_builds_a_baseline_from_another_source(tmp_path, monkeypatch) -> None:
+    """bench/w4a16_gemv.py --baseline builds each config from the source it is given (here a
+    copy whose library reports another stage count), not from the kernel's own."""
+    bench = load_script("w4a16_gemv")
+    monkeypatch.setattr(bench, "VARIANT_DIR", tmp_path)
+    source = tmp_path / "other.cu"
+    text = cw.SOURCE.read_text()
+    assert "*stages = STAGES;" in text
+    source.write_text(text.replace("*stages = STAGES;", "*stages = 99;"))
+    config = cfg(1, 2, 4, 1)
+    bench.build_variants([(config, "baseline")], source)
+    path = bench.variant_path(config, "baseline", source)
+    assert path != bench.variant_path(config, "baseline")
+    split_rows, slices, stages = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    ctypes.CDLL(str(path)).w4a16_gemv_config(
+        ctypes.byref(split_rows), ctypes.byref(slices), ctypes.byref(stages)
+    )
+    assert (split_rows.value, slices.value, stages.value) == (0, 1, 99)
+
+
 def test_a_trace_sums_up_as_its_stamps_say() -> None:
     bench = load_script("w4a16_gemv")
     # two CTAs of two warps at 2 ns a clock: the second starts 1 us later, runs 1 us longer
