@@ -22,6 +22,12 @@ from tuner.serving.dispatcher import Dispatcher, Resolution
 from tuner.tuning.engine import TuneOptions, tune
 
 bench = load_script("dropin_decoder")
+TRITON_GEMMS = {"int4": "triton_w4a16", "fp8_e4m3": "triton_fp8", "fp8_e5m2": "triton_fp8"}
+
+
+def triton_source(key: GemmKey) -> str:
+    """The Triton kernel source of a GEMM key's weight format."""
+    return TRITON_GEMMS.get(key.wdtype, "triton_gemm")
 
 
 def recorded_keys(disp: Dispatcher, run: Callable[[], object]) -> list[Key]:
@@ -37,11 +43,13 @@ def recorded_keys(disp: Dispatcher, run: Callable[[], object]) -> list[Key]:
 def store_winners(
     disp: Dispatcher, keys: list[Key], *, triton: bool, sdpa_source: str | None = None
 ) -> None:
-    """Tune ``keys``; with ``triton``, GEMMs get the Triton candidate as their winner (and SDPA
-    problems ``sdpa_source``'s), with the times the engine measured for it and for torch."""
+    """Tune ``keys``; with ``triton``, GEMMs get the Triton candidate of their format as their
+    winner (and SDPA problems ``sdpa_source``'s), with the times the engine measured for it and
+    for torch."""
     store = Store(disp.store_path)
     for key in keys:
-        source = ("triton_gemm" if triton else None) if isinstance(key, GemmKey) else sdpa_source
+        gemm = isinstance(key, GemmKey)
+        source = (triton_source(key) if triton else None) if gemm else sdpa_source
         if source:
             outcome = tune(key, options=TuneOptions(budget_s=0.01, sources=[source]))
             m = next(m for m in outcome.measurements if m.source == source)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dropin_support import store_winners, triton_source
 
 import tuner
 import tuner.torch as tt
@@ -13,6 +14,7 @@ from tuner.core.keys import GemmKey, parse_key
 from tuner.quant import fp8, int4, int4_torch
 from tuner.serving import dispatcher as dispatch_module
 from tuner.serving.dispatcher import Dispatcher
+from tuner.serving.warmup import warmup
 
 N, K, GROUP = 64, 256, 128
 
@@ -81,20 +83,47 @@ def test_scaled_mm_with_bias_is_torchs(disp: Dispatcher) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_stored_low_bit_winners_are_served(disp: Dispatcher) -> None:
+    """Winners of the Triton W4A16 and FP8 kernels, stored, then loaded by warmup, serve the
+    calls (hits, not torch's op) with torch's results within the format's error."""
+    packed, sz = int4_weight()
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    a, b, sa, sb = fp8_operands(4, True)
+
+    def calls() -> tuple[torch.Tensor, torch.Tensor]:
+        return (tuner.int4_linear(x, packed, sz, GROUP),
+                tuner.scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16))  # fmt: skip
+
+    want_int4, want_fp8 = calls()  # a miss each: torch's ops, keys recorded
+    keys = recorded(disp)
+    store_winners(disp, keys, triton=True)
+    disp.set_mode("lookup")
+    assert warmup(progress=False, dispatcher=disp, fetch=False).loaded == 2
+    got_int4, got_fp8 = calls()
+    torch.testing.assert_close(got_int4, want_int4, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_fp8, want_fp8, rtol=2e-2, atol=2e-2)
+    hits = [r for r in disp.resolutions.values() if r.kind == "hit"]
+    assert hits and not any(r.by_torch for r in hits)
+    served = {r.candidate.split(":")[0] for r in hits}
+    assert served == {triton_source(k) for k in keys} == {"triton_w4a16", "triton_fp8"}
+
+
 def test_bad_input_raises_torchs_error_or_names_the_field(disp: Dispatcher) -> None:
     packed, sz = int4_weight()
     x = torch.randn(2, K, dtype=torch.bfloat16)
-    with pytest.raises((RuntimeError, ValueError)):
-        tuner.int4_linear(x, packed, sz[:1], GROUP)  # scales of the wrong shape
-    with pytest.raises((RuntimeError, ValueError)):
+    with pytest.raises(ValueError, match=r"scales_and_zeros\.shape"):
+        tuner.int4_linear(x, packed, sz[:1], GROUP)
+    with pytest.raises(ValueError, match=r"scales_and_zeros\.shape"):
         tuner.int4_linear(x, packed, sz, 64)  # a group size the scales were not made for
-    with pytest.raises((RuntimeError, ValueError)):
+    with pytest.raises(ValueError, match=r"x\.shape"):
         tuner.int4_linear(torch.randn(2, K - 32, dtype=torch.bfloat16), packed, sz, GROUP)
     a, b, sa, sb = fp8_operands(4, True)
-    with pytest.raises((RuntimeError, ValueError)):
-        tuner.scaled_mm(a, b, sa, sb[:, :-1], out_dtype=torch.bfloat16)  # scale_b short
-    with pytest.raises((RuntimeError, ValueError)):
-        tuner.scaled_mm(a, b, sa.double(), sb, out_dtype=torch.bfloat16)  # scale dtype
+    with pytest.raises(ValueError, match=r"scale_b\.shape=\(1, 63\)"):
+        tuner.scaled_mm(a, b, sa, sb[:, :-1], out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"scale_a\.dtype=torch\.float64: must be torch\.float32"):
+        tuner.scaled_mm(a, b, sa.double(), sb, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"scale_b\.shape=\(1, 2\): expected one element"):
+        tuner.scaled_mm(a, b, sa.max(), sb[:, :2], out_dtype=torch.bfloat16)  # tensorwise scale_a
     assert recorded(disp) == []  # nothing keyed from bad input
 
 

@@ -56,6 +56,9 @@ def check_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int) -
     if scale_a.numel() == 1 and scale_b.numel() == 1:
         return False
     if tuple(scale_a.shape) != (m, 1):
+        if scale_a.numel() == 1:  # tensorwise scale_a: scale_b is the odd one
+            raise ValueError(f"scale_b.shape={tuple(scale_b.shape)}: expected one element, as "
+                             f"scale_a is (tensorwise)")  # fmt: skip
         raise ValueError(f"scale_a.shape={tuple(scale_a.shape)}: expected one element or ({m}, 1)")
     if tuple(scale_b.shape) not in ((n, 1), (1, n)):
         raise ValueError(
