@@ -112,7 +112,7 @@ def tune_all(
     report, wall time and console output. ``profile``: its processes' cProfile files in
     ``run_dir/profile`` (``TUNER_PROFILE``), summed up in ``profile.txt``."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "tuner.cli", "tune-all", *sources, "--out", str(run_dir), *extra]
+    cmd = [sys.executable, "-m", "tuner", "tune-all", *sources, "--out", str(run_dir), *extra]
     if dry_run:
         cmd += ["--source", "torch", "--source", "triton_gemm", "--budget", "0.01"]
     t0 = time.perf_counter()
@@ -245,7 +245,7 @@ def publish(url: str, token: str, source: Path, workdir: Path, *, winners: bool)
         cache = workdir / "publisher.db"
         shutil.copy(source / "tuner.db", cache)
         env = os.environ | {"TUNER_SERVER": url, "TUNER_TOKEN": token, "TUNER_CACHE": str(cache)}
-        proc = run_logged([sys.executable, "-m", "tuner.cli", "push"], env, workdir / "push.txt")
+        proc = run_logged([sys.executable, "-m", "tuner", "push"], env, workdir / "push.txt")
         out["push"] = proc.stdout.strip()
     return out
 
@@ -316,7 +316,7 @@ def first_call_part(args: argparse.Namespace, sources: list[str], extra: list[st
             env = fresh_env(host, args.dry_run, (srv.url, srv.token(mode, "read")))
             host.mkdir()
             t0 = time.perf_counter()
-            synced = run_logged([sys.executable, "-m", "tuner.cli", "sync"], env, host / "sync.txt")
+            synced = run_logged([sys.executable, "-m", "tuner", "sync"], env, host / "sync.txt")
             sync_s = time.perf_counter() - t0
             out = host / "probe.json"
             cmd = [

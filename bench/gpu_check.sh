@@ -40,7 +40,7 @@ if [ -n "${CUTLASS_SEED:-}" ]; then
   for seed in $CUTLASS_SEED; do tar xJf "$seed" -C "$CUTLASS_CACHE_DIR" || exit 1; done
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m tuner.cli info 2>&1 | tee "$OUT/info.txt"
+python3 -m tuner info 2>&1 | tee "$OUT/info.txt"
 # The device tool brings back at most 8 files: everything is packed into one archive after each
 # stage, so a call cut off in a later stage still returns what the earlier ones made.
 pack() {
@@ -76,24 +76,24 @@ for stage in "$@"; do
     dispatch) python3 bench/dispatch_overhead.py --out "$OUT/dispatch_overhead.json" || status=1 ;;
     contention) python3 bench/cpu_contention.py --out "$OUT/cpu_contention.json" 2>&1 | tee "$OUT/cpu_contention.log" || status=1 ;;
     sdpa-tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests/candidates/test_attention.py 2>&1 | tee "$OUT/sdpa_tests.log" || status=1 ;;
-    sdpa) timeout -k 20 "${SDPA_BENCH_TIMEOUT:-215}" python3 -m tuner.cli bench sdpa --out "$OUT" ${SDPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/sdpa_bench.log" || status=1 ;;
+    sdpa) timeout -k 20 "${SDPA_BENCH_TIMEOUT:-215}" python3 -m tuner bench sdpa --out "$OUT" ${SDPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/sdpa_bench.log" || status=1 ;;
     triton-sweep) timeout -k 20 "${TRITON_SWEEP_TIMEOUT:-150}" python3 bench/triton_gemm_sweep.py --out "$OUT/triton_sweep.json" ${TRITON_SWEEP_ARGS:-} 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
     triton-tests) timeout -k 20 "${TRITON_TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/candidates/test_triton_gemm.py 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
-    lowbit) timeout -k 20 "${LOWBIT_BENCH_TIMEOUT:-560}" python3 -m tuner.cli bench gemm --suite lowbit --out "$OUT" ${LOWBIT_BENCH_ARGS:-} 2>&1 | tee "$OUT/lowbit_bench.log" || status=1
+    lowbit) timeout -k 20 "${LOWBIT_BENCH_TIMEOUT:-560}" python3 -m tuner bench gemm --suite lowbit --out "$OUT" ${LOWBIT_BENCH_ARGS:-} 2>&1 | tee "$OUT/lowbit_bench.log" || status=1
       tar cJf "$OUT/lowbit_cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work . || status=1 ;;
     lowbit-kernels) timeout -k 20 "${LOWBIT_KERNELS_TIMEOUT:-400}" python3 bench/lowbit_kernels.py --out "$OUT/lowbit_kernels.json" ${LOWBIT_KERNELS_ARGS:-} 2>&1 | tee "$OUT/lowbit_kernels.log" || status=1 ;;
     w4a16-prefill) timeout -k 20 "${W4A16_PREFILL_TIMEOUT:-250}" python3 bench/w4a16_prefill.py --out "$OUT/w4a16_prefill.json" ${W4A16_PREFILL_ARGS:-} 2>&1 | tee "$OUT/w4a16_prefill.log" || status=1 ;;
     fp8-prefill) timeout -k 20 "${FP8_PREFILL_TIMEOUT:-250}" python3 bench/fp8_prefill.py --out "$OUT/fp8_prefill.json" ${FP8_PREFILL_ARGS:-} 2>&1 | tee "$OUT/fp8_prefill.log" || status=1
       tar cJf "$OUT/fp8_prefill_cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work . || status=1 ;;
-    gemm) timeout -k 20 "${GEMM_BENCH_TIMEOUT:-560}" python3 -m tuner.cli bench gemm --out "$OUT" ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/gemm_bench.log" || status=1 ;;
+    gemm) timeout -k 20 "${GEMM_BENCH_TIMEOUT:-560}" python3 -m tuner bench gemm --out "$OUT" ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/gemm_bench.log" || status=1 ;;
     tuneall)  # tune-all over Llama-3-8B's projections (M 1..8192, bf16) on every GPU; resumable:
       # TUNEALL_RESUME_FROM=<an earlier $OUT/tuneall dir> continues that run's cache and journal
       mkdir -p "$OUT/tuneall"
       if [ -n "${TUNEALL_RESUME_FROM:-}" ]; then cp "$TUNEALL_RESUME_FROM"/tuner.db "$TUNEALL_RESUME_FROM"/tuner.tune-all.jsonl "$OUT/tuneall/" || status=1; fi
-      timeout -k 20 "${TUNEALL_TIMEOUT:-570}" python3 -m tuner.cli tune-all --cache "$OUT/tuneall/tuner.db" \
+      timeout -k 20 "${TUNEALL_TIMEOUT:-570}" python3 -m tuner tune-all --cache "$OUT/tuneall/tuner.db" \
         --model configs/models/llama-3-8b.yaml --op gemm --time-limit "${TUNEALL_TIME_LIMIT:-420}" \
         --problem-timeout "${TUNEALL_PROBLEM_TIMEOUT:-240}" --out "$OUT/tuneall" ${TUNEALL_ARGS:-} 2>&1 | tee "$OUT/tuneall/tune_all.log" || status=1
-      python3 -m tuner.cli tunableop export "$OUT/tuneall/tunableop_results0.csv" --cache "$OUT/tuneall/tuner.db" 2>&1 | tee -a "$OUT/tuneall/tune_all.log" || status=1 ;;
+      python3 -m tuner tunableop export "$OUT/tuneall/tunableop_results0.csv" --cache "$OUT/tuneall/tuner.db" 2>&1 | tee -a "$OUT/tuneall/tune_all.log" || status=1 ;;
     libs)  # cuBLAS / cuBLASLt / CUTLASS sources: compile, GPU tests, best vs torch.matmul, details
       # LIBS_CUTLASS_SEED=<cutlass_cache.tar.xz of an earlier call> starts with its compiled kernels
       if [ -n "${LIBS_CUTLASS_SEED:-}" ]; then mkdir -p "$CUTLASS_CACHE_DIR" && tar xJf "$LIBS_CUTLASS_SEED" -C "$CUTLASS_CACHE_DIR" || status=1; fi

@@ -123,7 +123,7 @@ class SubprocessServer(_Tokens):
             self.url = f"http://127.0.0.1:{port}"
             out = self._log_file or subprocess.DEVNULL
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tuner.cli", "serve", "--db", str(self.db),
+                [sys.executable, "-m", "tuner", "serve", "--db", str(self.db),
                  "--port", str(port), "--log-level", "warning", *self.args],
                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ},
             )  # fmt: skip

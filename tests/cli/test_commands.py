@@ -17,7 +17,7 @@ def tuner(*args: str, cache=None, check: bool = True) -> subprocess.CompletedPro
     if cache is not None:
         env["TUNER_CACHE"] = str(cache)
     return subprocess.run(
-        [sys.executable, "-m", "tuner.cli", *args],
+        [sys.executable, "-m", "tuner", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -42,9 +42,9 @@ def cli(*args: str, cache: Path | None = None, **env: str) -> Result:
 
 
 def tuner_process(*args: str, **env: str) -> subprocess.CompletedProcess:
-    """``python -m tuner.cli ARGS`` as its own process: its real exit status and stderr."""
+    """``python -m tuner ARGS`` as its own process: its real exit status and stderr."""
     return subprocess.run(
-        [sys.executable, "-m", "tuner.cli", *args],
+        [sys.executable, "-m", "tuner", *args],
         capture_output=True, text=True, timeout=120,
         env={**os.environ, "COLUMNS": "200", **env},
     )  # fmt: skip

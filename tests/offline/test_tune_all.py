@@ -72,7 +72,7 @@ def start(*args: str, cache: Path, **kw) -> subprocess.Popen:
         "TUNER_CACHE": str(cache), "TRITON_INTERPRET": "1", "COLUMNS": "200", "PYTHONUNBUFFERED": "1"
     }  # fmt: skip
     return subprocess.Popen(
-        [sys.executable, "-m", "tuner.cli", "tune-all", *args], env=env,
+        [sys.executable, "-m", "tuner", "tune-all", *args], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw,
     )  # fmt: skip
 
@@ -329,7 +329,7 @@ def test_failure_and_timeout_are_recorded_and_the_run_goes_on(tmp_path):
     # on demand, without sources: every winner and failure of this device class
     env = os.environ | {"TUNER_CACHE": str(cache), "COLUMNS": "200"}
     r = subprocess.run(
-        [sys.executable, "-m", "tuner.cli", "report", "--out", str(tmp_path / "later")],
+        [sys.executable, "-m", "tuner", "report", "--out", str(tmp_path / "later")],
         env=env, capture_output=True, text=True,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -406,7 +406,7 @@ def test_fleet_queue_keys_are_tuned_and_completed_on_the_service(tmp_path):
         assert host.report_misses(fp, [(str(k), 3) for k in keys]) == 2
         env = {"TUNER_SERVER": srv.url, "TUNER_TOKEN": srv.token("tuner-worker", "submit")}
         p = subprocess.run(
-            [sys.executable, "-m", "tuner.cli", "tune-all", "--queue", "10", "--source", "torch",
+            [sys.executable, "-m", "tuner", "tune-all", "--queue", "10", "--source", "torch",
              "--budget", "0.02"],
             env=os.environ | env | {"TUNER_CACHE": str(tmp_path / "c.db"), "COLUMNS": "200"},
             capture_output=True, text=True, timeout=240,
@@ -431,7 +431,7 @@ def test_a_broken_local_source_fails_before_any_fleet_key_is_leased(tmp_path):
         host.report_misses(fp, [(str(key), 1)])
         env = {"TUNER_SERVER": srv.url, "TUNER_TOKEN": srv.token("tuner-worker", "submit")}
         p = subprocess.run(
-            [sys.executable, "-m", "tuner.cli", "tune-all", "--queue", "10", "--model", str(bad)],
+            [sys.executable, "-m", "tuner", "tune-all", "--queue", "10", "--model", str(bad)],
             env=os.environ | env | {"TUNER_CACHE": str(tmp_path / "c.db"), "COLUMNS": "200"},
             capture_output=True, text=True, timeout=240,
         )  # fmt: skip
@@ -485,7 +485,7 @@ def test_a_fleet_service_that_refuses_the_claim_fails_in_one_line(tmp_path):
     with ThreadServer(tmp_path / "fleet.db") as srv:
         env = {"TUNER_SERVER": srv.url, "TUNER_TOKEN": "tnr_0123456789ab_nope"}
         p = subprocess.run(
-            [sys.executable, "-m", "tuner.cli", "tune-all", "--queue", "3"],
+            [sys.executable, "-m", "tuner", "tune-all", "--queue", "3"],
             env=os.environ | env | {"TUNER_CACHE": str(tmp_path / "c.db")},
             capture_output=True, text=True, timeout=240,
         )  # fmt: skip

@@ -121,7 +121,7 @@ def test_whole_path_tune_store_then_new_process_dispatches(cache_path):
         [
             sys.executable,
             "-m",
-            "tuner.cli",
+            "tuner",
             "tune",
             "gemm",
             "-m",

@@ -360,14 +360,17 @@ def _to_str(key: Key) -> str:
     )
 
 
+LOWBIT_FORMAT_NAMES = (
+    "int4-g32/64/128/256, fp8-tensorwise, fp8-rowwise, fp8-tensorwise-fast, fp8-rowwise-fast"
+)
+
+
 def lowbit_fields(spec: str) -> dict[str, Any]:
     """The GemmKey fields of a low-bit format name, as model configs, ``tune-all`` and the bench
     suite write it: ``int4-g{32,64,128,256}`` (bf16 activations), ``fp8-tensorwise`` and
     ``fp8-rowwise`` (e4m3 operands, bf16 out, f32 accumulation), ``fp8-...-fast`` (fast
     accumulation). Every low-bit GEMM is ``x @ W.T``, so ``layout`` is part of the answer."""
-    allowed = (
-        "int4-g32/64/128/256, fp8-tensorwise, fp8-rowwise, fp8-tensorwise-fast, fp8-rowwise-fast"
-    )
+    allowed = LOWBIT_FORMAT_NAMES
     if not isinstance(spec, str):
         raise ValueError(f"low-bit format must be one of {allowed}, got {spec!r}")
     kind, _, rest = spec.partition("-")

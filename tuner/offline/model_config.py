@@ -50,7 +50,16 @@ from pydantic import (
     model_validator,
 )
 
-from tuner.core.keys import ALIGNMENTS, FP8, ITEMSIZE, GemmKey, Key, SdpaKey, lowbit_fields
+from tuner.core.keys import (
+    ALIGNMENTS,
+    FP8,
+    ITEMSIZE,
+    LOWBIT_FORMAT_NAMES,
+    GemmKey,
+    Key,
+    SdpaKey,
+    lowbit_fields,
+)
 from tuner.offline.problem_list import ConfigError, read_yaml
 
 GEMM_OPS = ("qkv", "o", "gate_up", "down")
@@ -64,9 +73,10 @@ def check_dtype(spec: str) -> str:
         return spec
     try:
         lowbit_fields(spec)
-    except ValueError as e:
+    except ValueError:
         dense = ", ".join(map(repr, DENSE_DTYPES[:-1])) + f" or {DENSE_DTYPES[-1]!r}"
-        raise ValueError(f"Input should be {dense}, or a low-bit spec: {e}") from None
+        raise ValueError(f"Input should be {dense}, or a low-bit format: one of "
+                         f"{LOWBIT_FORMAT_NAMES}") from None  # fmt: skip
     return spec
 
 

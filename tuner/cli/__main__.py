@@ -1,5 +1,0 @@
-"""``python -m tuner.cli``: the same as the ``tuner`` console command."""
-
-from tuner.cli.main import main
-
-main()
