@@ -10,7 +10,8 @@
 #   $OUT/gemm_lowbit.json/.png, gemm_lowbit.db, lowbit_cutlass_cache.tar.xz; LOWBIT_BENCH_ARGS="--part
 #   fp8-rowwise ...", LOWBIT_BENCH_TIMEOUT seconds). lowbit-kernels (bench/lowbit_kernels.py -> $OUT/
 #   lowbit_kernels.json, .log; LOWBIT_KERNELS_ARGS="--formats int4 ...", LOWBIT_KERNELS_TIMEOUT).
-#   lowbit-ncu (Nsight Compute sections of the low-bit decode kernels -> $OUT/lowbit_ncu.log).
+#   int4-layouts (bench/int4_layouts.py: time and memory of each INT4 kernel's weight layout -> $OUT/
+#   int4_layouts.json, .log). lowbit-ncu (Nsight Compute sections of the low-bit decode kernels -> $OUT/lowbit_ncu.log).
 #   tuneall (tune-all Llama-3-8B projections -> $OUT/tuneall: report.json, speedup.png, tuner.db,
 #   journal, tunableop_results0.csv; TUNEALL_TIME_LIMIT, TUNEALL_RESUME_FROM, TUNEALL_ARGS).
 #   w4a16-prefill (bench/w4a16_prefill.py: INT4 Triton and CUTLASS configs beside bf16 cuBLAS at M >= 256
@@ -81,6 +82,7 @@ for stage in "$@"; do
     triton-tests) timeout -k 20 "${TRITON_TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/candidates/test_triton_gemm.py 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
     lowbit) timeout -k 20 "${LOWBIT_BENCH_TIMEOUT:-560}" python3 -m tuner bench gemm --suite lowbit --out "$OUT" ${LOWBIT_BENCH_ARGS:-} 2>&1 | tee "$OUT/lowbit_bench.log" || status=1
       tar cJf "$OUT/lowbit_cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work . || status=1 ;;
+    int4-layouts) timeout -k 20 "${INT4_LAYOUTS_TIMEOUT:-120}" python3 -m bench.int4_layouts --out "$OUT/int4_layouts.json" 2>&1 | tee "$OUT/int4_layouts.log" || status=1 ;;
     lowbit-kernels) timeout -k 20 "${LOWBIT_KERNELS_TIMEOUT:-400}" python3 bench/lowbit_kernels.py --out "$OUT/lowbit_kernels.json" ${LOWBIT_KERNELS_ARGS:-} 2>&1 | tee "$OUT/lowbit_kernels.log" || status=1 ;;
     w4a16-prefill) timeout -k 20 "${W4A16_PREFILL_TIMEOUT:-250}" python3 bench/w4a16_prefill.py --out "$OUT/w4a16_prefill.json" ${W4A16_PREFILL_ARGS:-} 2>&1 | tee "$OUT/w4a16_prefill.log" || status=1 ;;
     fp8-prefill) timeout -k 20 "${FP8_PREFILL_TIMEOUT:-250}" python3 bench/fp8_prefill.py --out "$OUT/fp8_prefill.json" ${FP8_PREFILL_ARGS:-} 2>&1 | tee "$OUT/fp8_prefill.log" || status=1
