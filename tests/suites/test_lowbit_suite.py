@@ -170,6 +170,9 @@ def test_tiny_shapes_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert saved["device"]["name"] and saved["versions"]["torch"]
     assert saved["targets"]["torch >= 0.98x"]["judged"] == 3
     assert set(saved["formats"]) == set(lowbit.FORMATS)
+    for summary in saved["formats"].values():
+        met = summary["median_tune_s"] <= summary["bf16_median_tune_s"]
+        assert summary["targets"]["tuning <= bf16 (median)"] == f"{int(met)}/1"
     assert (tmp_path / "gemm_lowbit.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -251,11 +251,14 @@ def format_summary(rows: Sequence[Row]) -> dict[str, Any]:
         for column in ("vs_torch", "vs_bf16_served", "vs_bf16_cublas"):
             values = [r[column] for r in mine if r[column] is not None]
             summary[f"geomean_{column}"] = geomean(values) if values else None
-        summary["median_tune_s"] = statistics.median(r["tune_s"] for r in mine)
-        summary["bf16_median_tune_s"] = statistics.median(bf16_tune.values()) if bf16_tune else None
+        tune_s = statistics.median(r["tune_s"] for r in mine)
+        bf16_s = statistics.median(bf16_tune.values()) if bf16_tune else None
+        summary["median_tune_s"], summary["bf16_median_tune_s"] = tune_s, bf16_s
         summary["targets"] = {
             name: f"{c['met']}/{c['judged']}" for name, c in target_counts(mine).items()
         }
+        if bf16_s is not None:  # the issue's: tuning a low-bit problem costs no more than bf16
+            summary["targets"]["tuning <= bf16 (median)"] = f"{int(tune_s <= bf16_s)}/1"
         out[fmt] = summary
     return out
 
