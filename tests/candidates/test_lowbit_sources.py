@@ -178,3 +178,21 @@ def test_lowbit_keys_tune_on_the_gpu(key):
     ]
     assert ours, outcome.measurements
     assert outcome.winner.median_us <= outcome.winner.baseline_us
+
+
+@pytest.mark.parametrize(
+    ("capability", "refused"),
+    [((7, 5), {"triton_w4a16", "dequant_gemm", "triton_fp8"}), ((8, 6), {"triton_fp8"}),
+     ((8, 9), set())],
+)  # fmt: skip
+def test_triton_sources_refuse_gpus_below_their_formats_capability(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], refused: set[str]
+) -> None:
+    """INT4 kernels need sm80, FP8 ones sm89: below that a source says why, naming both."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
+    reasons = {name: registry.get(name).unavailable("cuda")
+               for name in ("triton_w4a16", "dequant_gemm", "triton_fp8")}  # fmt: skip
+    assert {name for name, why in reasons.items() if why} == refused
+    for name in refused:
+        needs = "sm89" if name == "triton_fp8" else "sm80"
+        assert f"compute capability {capability}" in reasons[name] and needs in reasons[name]
