@@ -23,7 +23,7 @@ from tuner.cache import Store
 from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.core.device import fingerprint
-from tuner.core.keys import GemmKey, SdpaKey
+from tuner.core.keys import GemmKey, SdpaKey, parse_key
 from tuner.measure.records import candidate_name
 from tuner.offline.model_config import expand, load_model, parse_model
 from tuner.offline.problem_list import ConfigError
@@ -227,6 +227,27 @@ def test_tune_all_small_config_on_the_cpu_path(tmp_path):
     assert all(r["tune_s"] > 0 and r["baseline_us"] > 0 for r in report["rows"])
     assert (tmp_path / "rep" / "speedup.png").stat().st_size > 10_000
     assert len(read_journal(journal_path(cache))) == 8
+
+
+def test_tune_all_tunes_a_models_low_bit_projections(tmp_path):
+    """``dtypes: [int4-g128, fp8-rowwise]`` in a model config: its projections keyed and tuned
+    in those formats (torch's ops as baselines, Triton's kernels through the interpreter)."""
+    model = tmp_path / "lowbit.yaml"
+    model.write_text(
+        "name: Lowbit\nhidden_size: 256\nintermediate_size: 512\nnum_heads: 4\n"
+        "num_kv_heads: 2\nhead_dim: 64\ndtypes: [int4-g128, fp8-rowwise]\nm_sizes: [1, 16]\n"
+        "ops: [o, down]\n"
+    )
+    cache = tmp_path / "c.db"
+    code, out = tune_all("--model", str(model), "--budget", "0.01", cache=cache)
+    assert code == 0, out
+    assert "8 distinct problems" in out
+    keys = [parse_key(k) for k in winner_keys(cache)]
+    assert sorted((k.wdtype, k.m) for k in keys) == sorted(
+        (w, m) for w in ("int4", "fp8_e4m3") for m in (1, 16) for _ in ("o", "down")
+    )
+    assert all(k.group == 128 for k in keys if k.wdtype == "int4")
+    assert all(k.scale == "row" for k in keys if k.wdtype == "fp8_e4m3")
 
 
 def _children(pid: int) -> list[int]:
