@@ -27,15 +27,17 @@ def disp(cache_path, monkeypatch: pytest.MonkeyPatch) -> Dispatcher:
     return d
 
 
-def int4_weight(dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_weight(
+    dtype: torch.dtype = torch.bfloat16, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    q, sz = int4.quantize(torch.randn(N, K, dtype=dtype) * 0.05, GROUP)
+    q, sz = int4.quantize(torch.randn(N, K, dtype=dtype, device=device) * 0.05, GROUP)
     return int4_torch.torch_pack(q), sz
 
 
-def fp8_operands(m: int, rowwise: bool) -> tuple[torch.Tensor, ...]:
+def fp8_operands(m: int, rowwise: bool, device: str = "cpu") -> tuple[torch.Tensor, ...]:
     torch.manual_seed(1)
-    x, w = torch.randn(m, K), torch.randn(N, K)
+    x, w = torch.randn(m, K, device=device), torch.randn(N, K, device=device)
     quant = fp8.quantize_rowwise if rowwise else fp8.quantize_tensorwise
     (a, sa), (b, sb) = quant(x), quant(w)
     return a, b.t(), sa, sb.t() if rowwise else sb
@@ -142,26 +144,34 @@ def test_key_errors_name_the_field() -> None:
         scaled_mm_key(a, b.t().contiguous().t().contiguous(), sa, sb, torch.bfloat16, False)
 
 
-def test_drop_in_routes_the_low_bit_ops_and_restores_them(tmp_path) -> None:
-    scaled_mm, int4_op = torch._scaled_mm, torch.ops.aten._weight_int4pack_mm_for_cpu
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@pytest.mark.parametrize(
+    ("device", "op_name"),
+    [("cpu", "_weight_int4pack_mm_for_cpu"),
+     pytest.param("cuda", "_weight_int4pack_mm", marks=[pytest.mark.gpu, GPU])],
+)  # fmt: skip
+def test_drop_in_routes_the_low_bit_ops_and_restores_them(tmp_path, device, op_name) -> None:
+    scaled_mm, int4_op = torch._scaled_mm, getattr(torch.ops.aten, op_name)
     d = Dispatcher(tmp_path / "c.db", mode="record")
-    packed, sz = int4_weight()
-    x = torch.randn(6, K, dtype=torch.bfloat16)
-    a, b, sa, sb = fp8_operands(8, True)
+    packed, sz = int4_weight(device=device)
+    x = torch.randn(6, K, dtype=torch.bfloat16, device=device)
+    a, b, sa, sb = fp8_operands(8, True, device)
     want_int4 = int4_op(x, packed, GROUP, sz)
     want_fp8 = scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
     with tt.enabled(dispatcher=d):
         assert torch._scaled_mm is not scaled_mm
-        routed = torch.ops.aten._weight_int4pack_mm_for_cpu
+        routed = getattr(torch.ops.aten, op_name)
         assert routed is not int4_op and routed.default is int4_op.default  # overloads stay
         for _ in range(3):
-            got_int4 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
+            got_int4 = getattr(torch.ops.aten, op_name)(x, packed, GROUP, sz)
             got_fp8 = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
         stats = tt.stats(d)
     torch.testing.assert_close(got_int4, want_int4, rtol=0, atol=0)
     torch.testing.assert_close(got_fp8, want_fp8, rtol=0, atol=0)
     assert torch._scaled_mm is scaled_mm
-    assert torch.ops.aten._weight_int4pack_mm_for_cpu is int4_op
+    assert getattr(torch.ops.aten, op_name) is int4_op
     calls = {parse_key(r.key).wdtype: r.calls for r in stats.rows if r.kind == "miss"}
     assert calls == {"int4": 3, "fp8_e4m3": 3}
     assert stats.misses == 6
