@@ -20,11 +20,9 @@ end, ``clock64`` at its start, after the wait, when warp 0's first chunk landed,
 last chunk, once the warps' partials are in shared memory, at its end); the row carries the
 stamps and a summary (impl "cuda_gemv_trace"). With ``--baseline PATH``, every config is also
 built from the kernel source at PATH (another version of ``w4a16_gemv.cu``, e.g. the committed
-one) and timed right after the current one (impl "cuda_gemv_baseline"): an A/B of a kernel change
-on one machine in one run. ``--variant NAME`` times every config also from a build with the
-variant's flags (impl "cuda_gemv_NAME"; "bulk": warps splitting K copy each chunk's weight run as
-one bulk copy). ``--profile``: no timing, the bare read and each config of ``PROFILED`` once in an
-NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
+one) and timed right before the current one (impl "cuda_gemv_baseline"): an A/B of a kernel change
+on one machine in one run. ``--profile``: no timing, the bare read and each config of
+``PROFILED`` once in an NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
 """
 
 from __future__ import annotations
@@ -72,9 +70,7 @@ GRID = [
 ]  # fmt: skip
 TRACED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
 PROFILED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
-# bench-only builds: "trace" (--trace), "baseline" (--baseline), and those --variant times
-VARIANTS = {"trace": ["-DGEMV_TRACE=1"], "baseline": [], "bulk": ["-DGEMV_BULK=1"]}
-TIMED_VARIANTS = ("bulk",)
+VARIANTS = {"trace": ["-DGEMV_TRACE=1"], "baseline": []}
 VARIANT_DIR = Path(tempfile.gettempdir()) / "w4a16_gemv_variants"
 # a trace row's fields (w4a16_gemv.cu): sm id, globaltimer at start / end, clock64 at start,
 # after the wait, warp 0's first chunk, after the sums, at the end; then each warp's last chunk
@@ -170,13 +166,7 @@ def grid_configs(m: int, n: int, k: int, entries: list[tuple] = GRID) -> list[di
     return out
 
 
-def build(
-    projections: list[str],
-    ms: tuple[int, ...],
-    trace: bool,
-    baseline: Path | None,
-    variants: tuple[str, ...] = (),
-) -> None:
+def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Path | None) -> None:
     """Every library and Triton kernel the run times, compiled in parallel before any timing."""
     started = time.perf_counter()
     shapes = [(m, *PROJECTIONS[name]) for name in projections for m in ms]
@@ -186,7 +176,6 @@ def build(
         build_variants([(c, "trace") for shape in shapes for c in grid_configs(*shape, TRACED)])
     if baseline is not None:
         build_variants([(c, "baseline") for c in cfgs], baseline)
-    build_variants([(c, variant) for c in cfgs for variant in variants])
     print(f"built {len({cuda_w4a16.library(c) for c in cfgs})} CUDA libraries and the variants in "
           f"{time.perf_counter() - started:.1f} s; errors: {errors}", flush=True)  # fmt: skip
     report = warm([job for name in projections for m in ms
@@ -198,8 +187,7 @@ def build(
 
 
 def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: bool = False,
-                     profile: bool = False, baseline: Path | None = None,
-                     variants: tuple[str, ...] = ()) -> list[dict[str, Any]]:  # fmt: skip
+                     profile: bool = False, baseline: Path | None = None) -> list[dict[str, Any]]:  # fmt: skip
     n, k = PROJECTIONS[name]
     rows: list[dict[str, Any]] = []
     stream = gemm_operands.stream_getter(torch.device("cuda", torch.cuda.current_device()))
@@ -255,13 +243,10 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             checked("w4a16", cfg, lambda i, o, c=cfg: w4a16.w4a16_matmul(
                 x, i4[i % len(i4)][0], i4[i % len(i4)][1], GROUP, c, out=o))  # fmt: skip
         for cfg in grid_configs(m, n, k):
-            checked("cuda_gemv", cfg, gemv(cuda_w4a16.launcher(cfg), cfg))
-            for variant in variants:
-                fn = cuda_w4a16.load(variant_path(cfg, variant))
-                checked(f"cuda_gemv_{variant}", cfg, gemv(fn, cfg))
             if baseline is not None:
                 fn = cuda_w4a16.load(variant_path(cfg, "baseline", baseline))
                 checked("cuda_gemv_baseline", cfg, gemv(fn, cfg))
+            checked("cuda_gemv", cfg, gemv(cuda_w4a16.launcher(cfg), cfg))
         for cfg in grid_configs(m, n, k, TRACED) if trace else []:
             path = variant_path(cfg, "trace")
             checked("cuda_gemv_trace", cfg, gemv(cuda_w4a16.load(path), cfg))
@@ -273,8 +258,7 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             rows[-1]["trace"] = trace_summary(stamps, cfg["warps"])
             rows[-1]["stamps"] = stamps
             print(f"  trace {cfg}: {rows[-1]['trace']}", flush=True)
-        impls = ["w4a16", "cuda_gemv", "cuda_gemv_baseline", *(f"cuda_gemv_{v}" for v in variants)]
-        for impl in impls:
+        for impl in ("w4a16", "cuda_gemv", "cuda_gemv_baseline"):
             ok = [r for r in rows if r["m"] == m and r["impl"] == impl and r.get("excess", 9) <= 1]
             if ok:
                 min(ok, key=lambda r: r["us"])["best"] = True
@@ -291,8 +275,6 @@ def main() -> None:
     ap.add_argument("--m", nargs="*", type=int, default=list(MS))
     ap.add_argument("--trace", action="store_true",
                     help="also time the traced builds of TRACED and keep their stamps")  # fmt: skip
-    ap.add_argument("--variant", action="append", default=[], choices=TIMED_VARIANTS,
-                    help="also time every config built with this variant's flags")  # fmt: skip
     ap.add_argument("--baseline", type=Path,
                     help="also time every config built from this version of w4a16_gemv.cu")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
@@ -302,8 +284,7 @@ def main() -> None:
         if name not in PROJECTIONS:
             ap.error(f"projection {name!r}: allowed {sorted(PROJECTIONS)}")
     torch.manual_seed(0)
-    variants = tuple(args.variant)
-    build(args.proj, tuple(args.m), args.trace, args.baseline, variants)
+    build(args.proj, tuple(args.m), args.trace, args.baseline)
     if args.profile:
         for name in args.proj:
             bench_projection(name, tuple(args.m), 0.0, profile=True)
@@ -311,7 +292,7 @@ def main() -> None:
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
     result = header(copy_gbs, group_size=GROUP, nvcc=cuda_w4a16.toolkit())
     write_as_it_goes(result, args.out, args.proj, lambda name: bench_projection(
-        name, tuple(args.m), copy_gbs, args.trace, baseline=args.baseline, variants=variants))  # fmt: skip
+        name, tuple(args.m), copy_gbs, args.trace, baseline=args.baseline))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -255,20 +255,6 @@ def test_the_bench_builds_a_baseline_from_another_source(tmp_path, monkeypatch) 
     assert (split_rows.value, slices.value, stages.value) == (0, 1, 99)
 
 
-@pytest.mark.skipif(env.nvcc_path() is None, reason="needs nvcc")
-def test_the_bench_only_timed_variants_compile(tmp_path, monkeypatch) -> None:
-    """Each build bench/w4a16_gemv.py --variant times compiles from the kernel's source and
-    serves the entry point, for warps splitting K (what its flags change) and rows."""
-    bench = load_script("w4a16_gemv")
-    monkeypatch.setattr(bench, "VARIANT_DIR", tmp_path)
-    configs = [cfg(2, 2, 16, 1), cfg(1, 6, 8, 4, "rows")]
-    bench.build_variants([(c, v) for c in configs for v in bench.TIMED_VARIANTS])
-    for config in configs:
-        for variant in bench.TIMED_VARIANTS:
-            lib = ctypes.CDLL(str(bench.variant_path(config, variant)))
-            assert lib.w4a16_gemv_smem(8, 128, config["warps"]) == cw.smem_bytes(config, 8, 128)
-
-
 def test_a_trace_sums_up_as_its_stamps_say() -> None:
     bench = load_script("w4a16_gemv")
     # two CTAs of two warps at 2 ns a clock: the second starts 1 us later, runs 1 us longer

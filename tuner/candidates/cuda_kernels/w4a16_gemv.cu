@@ -57,9 +57,6 @@
 #ifndef GEMV_TRACE
 #define GEMV_TRACE 0  // bench builds only: per-CTA timestamps (w4a16_gemv_trace)
 #endif
-#ifndef GEMV_BULK
-#define GEMV_BULK 0  // bench builds only: warps splitting K copy weight and x in bulk
-#endif
 
 namespace cg = cooperative_groups;
 
@@ -75,7 +72,6 @@ constexpr int MAX_WARPS = 16;
 constexpr int MAX_DEVICES = 64;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
-constexpr bool BULK = GEMV_BULK && !SPLIT_ROWS;
 
 // Trace (GEMV_TRACE=1): per CTA, [smid, globaltimer at start and end, clock64 at start, after
 // the wait, when warp 0's first chunk landed, once the warps' partials are in shared memory, at
@@ -142,37 +138,6 @@ __device__ __forceinline__ void copy4(uint32_t dst, const void* src, bool valid)
 }
 
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// BULK: a stage's mbarrier (one arrival a phase: the lane that arms it with the phase's bytes)
-__device__ __forceinline__ void init_barrier(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void expect_bytes(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes,
-                                          uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(dst), "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
-
-// until the mbarrier at `bar` completed its phase of parity `parity`
-__device__ __forceinline__ void wait_barrier(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
 
 template <int PENDING>
 __device__ __forceinline__ void wait_copies() {
@@ -277,15 +242,12 @@ struct Half2Ops<true> {  // fp16
 // over the warp (where a part has fewer words than lanes, 16 rows of one group, the lanes past
 // them copy the same words to the same place again); x's [M, 128] slab in 16-byte pieces over the
 // `x_threads` threads that fill the ring, a row's 16 pieces side by side (whole lines).
-// BULK (warps splitting K, -DGEMV_BULK=1): the warp's weight run of a chunk (one contiguous run
-// of its 64-row block) goes as one bulk copy (the tensor memory accelerator, not a copy per lane
-// and 16 bytes), which completes on the stage's mbarrier.
 template <int NG, int NT>
 struct Copier {
   static constexpr int SZ_WORDS = ROWS * NG;  // a part's (scale, zero) words
   static constexpr int SZ_COPIES = (SZ_WORDS + 31) / 32;
   static constexpr int X_COPIES = 8 * NT * 16 / 32;  // rounds when one warp copies the slab
-  const uint8_t* w;       // this lane's first weight byte of chunk 0 (BULK: its warp's)
+  const uint8_t* w;       // this lane's first weight byte of chunk 0
   const uint8_t* w_any;   // a weight byte in bounds: the source of a copy of no bytes
   const uint8_t* sz;      // this lane's first (scale, zero) word of group 0
   const uint8_t* x;       // this thread's first x piece of chunk 0
@@ -299,8 +261,6 @@ struct Copier {
   bool full;                         // every row of the warp exists: no copy needs a check
   uint32_t w_valid, sz_valid;        // else, bit per copy: its row exists
   uint32_t x_valid;                  // bit per round: this thread's row of it exists
-  uint32_t w_bytes;                  // BULK: the warp's weight run of a chunk (its rows that exist)
-  bool lead;                         // BULK: lane 0 (arms the mbarrier, copies the weight run)
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
   // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
@@ -309,15 +269,14 @@ struct Copier {
                                     uint32_t x_at, int x_thread, int x_threads) {
     const int g = lane >> 2;
     w_chunk = once(64u * static_cast<uint32_t>(rows));
-    w = once(block + 64ll * offset + (BULK ? 0 : 16 * lane));
+    w = once(block + 64ll * offset + 16 * lane);
     w_any = block;
-    lane_w = once(w_at + (BULK ? 0 : 16 * lane));
+    lane_w = once(w_at + 16 * lane);
     full = offset + ROWS <= rows;
     w_valid = 0;
 #pragma unroll
     for (int h = 0; h < 2 * SLICES; ++h)
       if (offset + 8 * h + g < rows) w_valid |= 1u << h;
-    w_bytes = 64u * static_cast<uint32_t>(max(0, min(ROWS, rows - offset)));
     const int word = SZ_WORDS < 32 ? lane % SZ_WORDS : lane;
     sz_group = once(4u * static_cast<uint32_t>(p.n));
     sz = once(reinterpret_cast<const uint8_t*>(p.sz + n0 + word % ROWS +
@@ -336,35 +295,21 @@ struct Copier {
 #pragma unroll
     for (int it = 0; it < X_COPIES; ++it)
       if (x_row + it * x_rows < p.m) x_valid |= 1u << it;
-    lead = lane == 0;
     chunk = first;
     chunk_step = once(step);
     chunk_shift = NG > 1 ? 0 : p.group_shift - CHUNK_LOG2;
   }
 
-  // Copies the current chunk into the stage at `stage` (BULK: armed on the mbarrier at `bar`),
-  // then moves on to the next.
-  __device__ __forceinline__ void issue(uint32_t stage, uint32_t bar) {
+  // Copies the current chunk into the stage at `stage`, then moves on to the next.
+  __device__ __forceinline__ void issue(uint32_t stage) {
     const uint32_t c = static_cast<uint32_t>(chunk);
     const uint8_t* wc = w + static_cast<unsigned long long>(c) * w_chunk;
     const uint32_t group = NG > 1 ? c * NG : c >> chunk_shift;
     const uint8_t* words = sz + static_cast<unsigned long long>(group) * sz_group;
     const uint8_t* xc = x + static_cast<unsigned long long>(c) * (2 * CHUNK);
     const uint32_t dw = stage + lane_w, dsz = stage + lane_sz, dx = stage + lane_x;
-    if constexpr (BULK) {
-      if (lead) {
-        expect_bytes(bar, w_bytes);
-        if (w_bytes) bulk_copy(dw, wc, w_bytes, bar);
-      }
-      if (full) {
-#pragma unroll
-        for (int it = 0; it < SZ_COPIES; ++it) copy4(dsz + it * 128, sz_word(words, it), true);
-      } else {
-        copy_sz_checked(dsz, words);
-      }
-      copy_x(dx, xc);
-    } else if (full) {
-      // (each branch issues all its copies at once, with no branch between them)
+    // (each branch issues all its copies at once, with no branch between them)
+    if (full) {
 #pragma unroll
       for (int h = 0; h < 2 * SLICES; ++h) copy16(dw + h * 512, wc + h * 512, true);
 #pragma unroll
@@ -549,60 +494,40 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at,
                         x_at, SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
   const Reader<NT> at(p.m, lane, part_at, x_at);
-  // BULK: the warp's ring's mbarriers, one a stage
-  uint32_t bars = 0;
-  if constexpr (BULK) {
-    __shared__ __align__(8) uint64_t barriers[MAX_WARPS * STAGES];
-    bars = smem_addr(barriers) + warp * STAGES * 8;
-    if (lane == 0) {
-      for (int i = 0; i < STAGES; ++i) init_barrier(bars + 8 * i);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncwarp();
-  }
   float acc[SLICES][NT][4] = {};
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (threadIdx.x == 0) stamp(4, CLOCK);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < mine) copier.issue(ring + i * p.stage_bytes, bars + 8 * i);
+    if (i < mine) copier.issue(ring + i * p.stage_bytes);
     commit();
   }
-  // the stage computed, and the one filled meanwhile: the one the chunk before took (their
-  // mbarriers, and the parity of the phase the computed one completes)
+  // the stage computed, and the one filled meanwhile: the one the chunk before took
   const uint32_t ring_end = ring + STAGES * p.stage_bytes;
   uint32_t stage = ring, fill = ring_end - p.stage_bytes;
-  uint32_t bar = bars, fill_bar = bars + 8 * (STAGES - 1), parity = 0;
   for (int i = 0; i < mine; ++i) {
     if constexpr (SPLIT_ROWS) {
       // the slab is copied by other warps: one barrier a chunk, after this thread's copies of
       // chunk i landed, both publishes chunk i and frees the stage chunk i - 1 took
       wait_copies<STAGES - 2>();
       __syncthreads();
-      if (i + STAGES - 1 < mine) copier.issue(fill, fill_bar);
+      if (i + STAGES - 1 < mine) copier.issue(fill);
       commit();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
       compute<F16, NG, NT>(stage, at, acc);
     } else {
-      if (i + STAGES - 1 < mine) copier.issue(fill, fill_bar);
+      if (i + STAGES - 1 < mine) copier.issue(fill);
       commit();
       wait_copies<STAGES - 1>();
-      if (BULK) wait_barrier(bar, parity);
       __syncwarp();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
       compute<F16, NG, NT>(stage, at, acc);
       __syncwarp();
     }
     fill = stage;
-    fill_bar = bar;
     stage += p.stage_bytes;
-    bar += 8;
-    if (stage == ring_end) {
-      stage = ring;
-      bar = bars;
-      parity ^= 1;
-    }
+    if (stage == ring_end) stage = ring;
   }
   if (lane == 0) stamp(8 + warp, CLOCK);
   asm volatile("cp.async.wait_all;\n" ::);
