@@ -64,8 +64,7 @@ constexpr bool SPLIT_ROWS = GEMV_SPLIT_ROWS;
 constexpr int SLICES = GEMV_SLICES;
 constexpr int STAGES = GEMV_STAGES;
 constexpr int ROWS = 16 * SLICES;
-constexpr int CHUNK_LOG2 = 7;
-constexpr int CHUNK = 1 << CHUNK_LOG2;  // K values per chunk
+constexpr int CHUNK = 128;          // K values per chunk
 constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so ldmatrix's 8 rows hit 8 bank groups
 constexpr int MAX_M = 16;  // two n8 tiles
 constexpr int MAX_WARPS = 16;
@@ -113,18 +112,6 @@ struct Params {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// `v`, held in a register from here on: without this, the compiler works a lane's offsets out
-// again from the thread index in every chunk, in the loop whose instructions bound the rate; a
-// shuffle's result is not worked out again
-__device__ __forceinline__ uint32_t once(uint32_t v) { return __shfl_xor_sync(~0u, v, 0); }
-
-template <typename T>
-__device__ __forceinline__ const T* once(const T* v) {
-  const auto bits = reinterpret_cast<uintptr_t>(v);
-  const uintptr_t lo = once(static_cast<uint32_t>(bits)), hi = once(static_cast<uint32_t>(bits >> 32));
-  return reinterpret_cast<const T*>(lo | hi << 32);
 }
 
 __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
@@ -232,143 +219,96 @@ struct Half2Ops<true> {  // fp16
   }
 };
 
-// One lane's share of a ring's copies, chunk after chunk. What does not move from a chunk to the
-// next is worked out once here (the lane's sources at chunk 0, its destinations in a stage,
-// which rows exist), so that `issue` only adds the chunk's offset to each source and the stage's
-// address to each destination (the rest are immediates or held), then moves on by `step` chunks
-// (the warps when they split K, else 1). Each lane copies the weight bytes it reads back itself
-// (rows g and g + 8 of each of its warp's slices at 16 t: bytes 16 lane of each 512 of its warp's
-// run); its warp's (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out
-// over the warp (where a part has fewer words than lanes, 16 rows of one group, the lanes past
-// them copy the same words to the same place again); x's [M, 128] slab in 16-byte pieces over the
-// `x_threads` threads that fill the ring, a row's 16 pieces side by side (whole lines).
+// One lane's share of a ring's copies, chunk after chunk: built once (the addresses that do
+// not move, which rows exist), then each `issue` copies the current chunk into a stage and
+// moves on by `step` chunks (the warps when they split K, else 1). Each lane copies the weight
+// bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t); its warp's
+// (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over the warp,
+// and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the ring.
 template <int NG, int NT>
 struct Copier {
-  static constexpr int SZ_WORDS = ROWS * NG;  // a part's (scale, zero) words
-  static constexpr int SZ_COPIES = (SZ_WORDS + 31) / 32;
+  static constexpr int SZ_COPIES = (ROWS * NG + 31) / 32;
   static constexpr int X_COPIES = 8 * NT * 16 / 32;  // rounds when one warp copies the slab
-  const uint8_t* w;       // this lane's first weight byte of chunk 0
-  const uint8_t* w_any;   // a weight byte in bounds: the source of a copy of no bytes
-  const uint8_t* sz;      // this lane's first (scale, zero) word of group 0
-  const uint8_t* x;       // this thread's first x piece of chunk 0
-  uint32_t w_chunk;       // weight bytes from one chunk to the next (its 64-row block's rows x 64)
-  uint32_t sz_group;      // bytes from one group's (scale, zero) words to the next's (4 N)
-  uint32_t x_round;       // x bytes between two copy rounds (x_threads / 16 rows)
-  uint32_t x_round_dst;   // stage bytes between two copy rounds of x
-  int chunk, chunk_step;
-  int chunk_shift;                   // chunk -> group, for groups of 128 or 256 (NG = 1)
-  uint32_t lane_w, lane_sz, lane_x;  // this lane's destinations in a stage
-  bool full;                         // every row of the warp exists: no copy needs a check
-  uint32_t w_valid, sz_valid;        // else, bit per copy: its row exists
-  uint32_t x_valid;                  // bit per round: this thread's row of it exists
+  const uint8_t* w;      // this lane's first weight byte of the current chunk
+  long long w_step;      // bytes to the next chunk
+  const uint32_t* sz;    // this lane's first (scale, zero) word of group 0
+  uint32_t n;            // (scale, zero) words per group (the entry point keeps N x groups < 2^31)
+  const uint16_t* x;     // this thread's first x piece of the current chunk
+  long long x_round;     // x elements between two copy rounds (x_threads / 16 rows)
+  int chunk, chunk_step, group_shift;
+  uint32_t w_valid, sz_valid, x_valid;  // bit per copy: its rows exist
+  uint32_t sz_slots;                    // bit per copy: its word lies in the part (lane < ROWS * NG)
+  uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
+  uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
+  uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
   // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
   __device__ __forceinline__ Copier(const Params& p, const uint8_t* block, int rows, int offset,
                                     int n0, int first, int step, int lane, uint32_t w_at,
                                     uint32_t x_at, int x_thread, int x_threads) {
-    const int g = lane >> 2;
-    w_chunk = once(64u * static_cast<uint32_t>(rows));
-    w = once(block + 64ll * offset + 16 * lane);
-    w_any = block;
-    lane_w = once(w_at + 16 * lane);
-    full = offset + ROWS <= rows;
+    const int g = lane >> 2, t = lane & 3;
+    w_lane = g * 64 + t * 16;
+    lane_w = w_at + w_lane;
+    w = block + 64ll * (static_cast<long long>(first) * rows + offset) + w_lane;
+    w_step = 64ll * step * rows;
     w_valid = 0;
 #pragma unroll
     for (int h = 0; h < 2 * SLICES; ++h)
       if (offset + 8 * h + g < rows) w_valid |= 1u << h;
-    const int word = SZ_WORDS < 32 ? lane % SZ_WORDS : lane;
-    sz_group = once(4u * static_cast<uint32_t>(p.n));
-    sz = once(reinterpret_cast<const uint8_t*>(p.sz + n0 + word % ROWS +
-                                               static_cast<long long>(word / ROWS) * p.n));
-    lane_sz = once(w_at + ROWS * 64 + word * 4);
-    sz_valid = 0;
+    n = static_cast<uint32_t>(p.n);
+    sz = p.sz + n0 + lane % ROWS + static_cast<long long>(lane / ROWS) * p.n;
+    lane_sz = w_at + ROWS * 64 + lane * 4;
+    sz_valid = sz_slots = 0;
 #pragma unroll
-    for (int it = 0; it < SZ_COPIES; ++it)
-      if (offset + word % ROWS + 32 * it % ROWS < rows) sz_valid |= 1u << it;
+    for (int it = 0; it < SZ_COPIES; ++it) {
+      if (32 * it + lane < ROWS * NG) sz_slots |= 1u << it;
+      if (32 * it + lane < ROWS * NG && offset + lane % ROWS + 32 * it % ROWS < rows)
+        sz_valid |= 1u << it;
+    }
     const int x_row = x_thread >> 4, x_rows = x_threads >> 4;
-    x = once(reinterpret_cast<const uint8_t*>(p.x + x_row * p.ldx + (x_thread & 15) * 8));
-    x_round = once(static_cast<uint32_t>(x_rows * p.ldx * 2));
-    x_round_dst = x_rows * XROW;
-    lane_x = once(x_at + x_row * XROW + (x_thread & 15) * 16);
+    x = p.x + x_row * p.ldx + (x_thread & 15) * 8 + static_cast<long long>(first) * CHUNK;
+    x_round = x_rows * p.ldx;
+    lane_x = x_at + x_row * XROW + (x_thread & 15) * 16;
+    x_round_bytes = x_rows * XROW;
     x_valid = 0;
 #pragma unroll
     for (int it = 0; it < X_COPIES; ++it)
       if (x_row + it * x_rows < p.m) x_valid |= 1u << it;
     chunk = first;
-    chunk_step = once(step);
-    chunk_shift = NG > 1 ? 0 : p.group_shift - CHUNK_LOG2;
+    chunk_step = step;
+    group_shift = p.group_shift;
   }
 
-  // Copies the current chunk into the stage at `stage`, then moves on to the next.
   __device__ __forceinline__ void issue(uint32_t stage) {
-    const uint32_t c = static_cast<uint32_t>(chunk);
-    const uint8_t* wc = w + static_cast<unsigned long long>(c) * w_chunk;
-    const uint32_t group = NG > 1 ? c * NG : c >> chunk_shift;
-    const uint8_t* words = sz + static_cast<unsigned long long>(group) * sz_group;
-    const uint8_t* xc = x + static_cast<unsigned long long>(c) * (2 * CHUNK);
-    const uint32_t dw = stage + lane_w, dsz = stage + lane_sz, dx = stage + lane_x;
-    // (each branch issues all its copies at once, with no branch between them)
-    if (full) {
 #pragma unroll
-      for (int h = 0; h < 2 * SLICES; ++h) copy16(dw + h * 512, wc + h * 512, true);
-#pragma unroll
-      for (int it = 0; it < SZ_COPIES; ++it) copy4(dsz + it * 128, sz_word(words, it), true);
-      copy_x(dx, xc);
-    } else {
-#pragma unroll
-      for (int h = 0; h < 2 * SLICES; ++h) {
-        const bool valid = w_valid >> h & 1;
-        copy16(dw + h * 512, valid ? wc + h * 512 : w_any, valid);
-      }
-      copy_sz_checked(dsz, words);
-      copy_x(dx, xc);
+    for (int h = 0; h < 2 * SLICES; ++h) {
+      const bool valid = w_valid >> h & 1;
+      copy16(stage + lane_w + h * 512, valid ? w + h * 512 : w - w_lane, valid);
     }
-    chunk += chunk_step;
-  }
-
-  __device__ __forceinline__ void copy_sz_checked(uint32_t dsz, const uint8_t* words) const {
+    const uint32_t* words = sz + (static_cast<uint32_t>(chunk * CHUNK) >> group_shift) * n;
+    // a copy of no bytes still zero-fills its 4: a lane past the part's words (16 rows of one
+    // group: lanes 16-31) must not issue one, or it clears the bytes after the part (the next
+    // warp's first weight row, or x's slab) while their own copies land
 #pragma unroll
     for (int it = 0; it < SZ_COPIES; ++it) {
+      if (ROWS * NG % 32 && !(sz_slots >> it & 1)) continue;
       const bool valid = sz_valid >> it & 1;
-      copy4(dsz + it * 128, valid ? sz_word(words, it) : sz, valid);
+      copy4(stage + lane_sz + it * 128, valid ? words + (32 * it / ROWS) * n + 32 * it % ROWS : sz,
+            valid);
     }
-  }
-
-  __device__ __forceinline__ void copy_x(uint32_t dx, const uint8_t* xc) const {
 #pragma unroll
     for (int it = 0; it < X_COPIES; ++it)
-      if (x_valid >> it & 1) copy16(dx + it * x_round_dst, xc + it * x_round, true);
-  }
-
-  // this lane's word of its copy `it`, from the chunk's first group's words at `words`
-  __device__ __forceinline__ const uint8_t* sz_word(const uint8_t* words, int it) const {
-    return words + (32 * it / ROWS) * sz_group + 32 * it % ROWS * 4;
+      if (x_valid >> it & 1) copy16(stage + lane_x + it * x_round_bytes, x + it * x_round, true);
+    w += w_step;
+    x += chunk_step * CHUNK;
+    chunk += chunk_step;
   }
 };
 
-// Where a lane reads a stage, worked out once (each read then adds the stage's address, the
-// rest immediates): per n8 tile, its ldmatrix row of x's slab (lane i: row i % 8 of the tile, of
-// matrix i / 8, i.e. block 2 * (i / 16) + its half, of the first two k16 blocks); its weight
-// words (row g of slice 0 at 16 t: 16 lane) and its (scale, zero) word (row g of group 0) in its
-// warp's part at `part`.
-template <int NT>
-struct Reader {
-  uint32_t x[NT], w, sz;
-  __device__ __forceinline__ Reader(int m, int lane, uint32_t part, uint32_t x_at) {
-    const int mat = lane >> 3;
-#pragma unroll
-    for (int n8 = 0; n8 < NT; ++n8)
-      x[n8] = once(x_at + min(8 * n8 + (lane & 7), m - 1) * XROW +
-                   (16 * (mat >> 1) + 8 * (mat & 1)) * 2);
-    w = once(part + 16 * lane);
-    sz = once(part + ROWS * 64 + (lane >> 2) * 4);
-  }
-};
-
-// Adds the chunk of a stage (at `stage`, read where `at` says) to the lane's accumulators. The
-// tensor cores take the raw magic + q (exact), group by group, and the group's scale and zero
-// apply to the dot after it:
+// Adds the chunk of a stage (the warp's part at `part`, x's slab at `x_at`) to the lane's
+// accumulators. The tensor cores take the raw magic + q (exact), group by group, and the
+// group's scale and zero apply to the dot after it:
 // s * (dot - (magic + 8) * X) + z * X = s * dot + (z - (magic + 8) * s) * X, in fp32, where X
 // (x's sum over the group) comes from the same B fragments times ones.
 //
@@ -378,19 +318,24 @@ struct Reader {
 // (the nibbles at bits 0 and 16), with no byte permute. x's fragments, loaded by ldmatrix in
 // true order, are permuted to match (two prmt a block, shared by every slice).
 template <bool F16, int NG, int NT>
-__device__ __forceinline__ void compute(uint32_t stage, const Reader<NT>& at,
+__device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t x_at, int lane,
                                         float (&acc)[SLICES][NT][4]) {
   using Ops = Half2Ops<F16>;
   constexpr int BLOCKS = 8 / NG;  // k16 blocks per group
-  // x's B fragments for the chunk's eight k16 blocks, per n8 tile: ldmatrix x4 gives two blocks
+  const int g = lane >> 2, t = lane & 3;
+  const uint32_t sz_at = part + ROWS * 64;
+  // x's B fragments for the chunk's eight k16 blocks, per n8 tile: ldmatrix x4 gives two
+  // blocks; lane i points at row i % 8 (of the tile) of matrix i / 8 (block 2 * (i / 16) + its
+  // half)
   uint32_t b[NT][8][2];
+  const int mat = lane >> 3;
 #pragma unroll
   for (int n8 = 0; n8 < NT; ++n8) {
-    const uint32_t x_at = stage + at.x[n8];
+    const int row = min(8 * n8 + (lane & 7), p.m - 1);
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
       uint32_t d[4];
-      ldmatrix4(d, x_at + 32 * j);
+      ldmatrix4(d, x_at + row * XROW + (16 * (j + (mat >> 1)) + 8 * (mat & 1)) * 2);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         b[n8][j + h][0] = prmt(d[2 * h], d[2 * h + 1], 0x5410);  // x[2 t], x[2 t + 8]
@@ -412,17 +357,16 @@ __device__ __forceinline__ void compute(uint32_t stage, const Reader<NT>& at,
       xsum[i][n8][0] = c[0];
       xsum[i][n8][1] = c[1];
     }
-  const uint32_t w_at = stage + at.w, sz_at = stage + at.sz;
 #pragma unroll
   for (int s = 0; s < SLICES; ++s) {
-    const uint4 lo = lds128(w_at + s * 1024);        // row g
-    const uint4 hi = lds128(w_at + s * 1024 + 512);  // row g + 8
+    const uint4 lo = lds128(part + (16 * s + g) * 64 + t * 16);      // row g
+    const uint4 hi = lds128(part + (16 * s + g + 8) * 64 + t * 16);  // row g + 8
     const uint32_t wl[4] = {lo.x, lo.y, lo.z, lo.w};
     const uint32_t wh[4] = {hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
     for (int i = 0; i < NG; ++i) {
-      const uint32_t zs_g = lds32(sz_at + (i * ROWS + 16 * s) * 4);
-      const uint32_t zs_h = lds32(sz_at + (i * ROWS + 16 * s + 8) * 4);
+      const uint32_t zs_g = lds32(sz_at + (i * ROWS + 16 * s + g) * 4);
+      const uint32_t zs_h = lds32(sz_at + (i * ROWS + 16 * s + g + 8) * 4);
       const float sc[2] = {Ops::lo(zs_g), Ops::lo(zs_h)};  // rows g, g + 8
       const float zc[2] = {fmaf(-Ops::BIAS, sc[0], Ops::hi(zs_g)),
                            fmaf(-Ops::BIAS, sc[1], Ops::hi(zs_h))};
@@ -488,12 +432,11 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   const int mine = first < c_hi ? (c_hi - first + step - 1) / step : 0;
 
   // a ring per warp (its part, then x's slab), or one per CTA (every warp's part, then the slab)
-  const uint32_t ring = once(smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes));
+  const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
   const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
   Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at,
                         x_at, SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
-  const Reader<NT> at(p.m, lane, part_at, x_at);
   float acc[SLICES][NT][4] = {};
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -503,31 +446,29 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
     if (i < mine) copier.issue(ring + i * p.stage_bytes);
     commit();
   }
-  // the stage computed, and the one filled meanwhile: the one the chunk before took
-  const uint32_t ring_end = ring + STAGES * p.stage_bytes;
-  uint32_t stage = ring, fill = ring_end - p.stage_bytes;
+  int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
   for (int i = 0; i < mine; ++i) {
+    const uint32_t stage = ring + slot * p.stage_bytes;
     if constexpr (SPLIT_ROWS) {
       // the slab is copied by other warps: one barrier a chunk, after this thread's copies of
       // chunk i landed, both publishes chunk i and frees the stage chunk i - 1 took
       wait_copies<STAGES - 2>();
       __syncthreads();
-      if (i + STAGES - 1 < mine) copier.issue(fill);
+      if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
-      compute<F16, NG, NT>(stage, at, acc);
+      compute<F16, NG, NT>(p, stage + part_at, stage + x_at, lane, acc);
     } else {
-      if (i + STAGES - 1 < mine) copier.issue(fill);
+      if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
       wait_copies<STAGES - 1>();
       __syncwarp();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
-      compute<F16, NG, NT>(stage, at, acc);
+      compute<F16, NG, NT>(p, stage, stage + x_at, lane, acc);
       __syncwarp();
     }
-    fill = stage;
-    stage += p.stage_bytes;
-    if (stage == ring_end) stage = ring;
+    slot = slot + 1 == STAGES ? 0 : slot + 1;
+    next = next + 1 == STAGES ? 0 : next + 1;
   }
   if (lane == 0) stamp(8 + warp, CLOCK);
   asm volatile("cp.async.wait_all;\n" ::);
