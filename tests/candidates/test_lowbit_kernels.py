@@ -280,7 +280,7 @@ def test_fp8_bad_inputs_name_the_field() -> None:
         ((a, b[:, :32], sa, sb), "b.shape"),
         ((a, b, sa.double(), sb), "scale_a.dtype"),
         ((a, b, sa, one), "scale_b.shape"),
-        ((a, b, one, sb), "scale_a.shape"),
+        ((a, b, one, sb), "scale_b.shape"),  # a tensorwise scale_a: scale_b is the odd one
     ]
     for args, field in cases:
         with pytest.raises(ValueError, match=field):
