@@ -148,22 +148,31 @@ class Twin(Source):
         return run
 
 
-class HostHeavy(Memoized):
-    """Memoized's GPU work (none, after the first call) behind 200 us of host work per call:
-    slowest eagerly, fastest in a CUDA graph, where the host's work is not replayed."""
+class Busy(Memoized):
+    """Memoized's product behind ``busy_s`` of host work per call (a busy wait, not a sleep: as
+    steady as the clock), which a test may change at any moment."""
 
-    name = "hostheavy"
+    name = "busy"
+    busy_s = 100e-6
 
     def build(self, key, params):
         run = super().build(key, params)
 
         def busy(a, b, out=None):
-            until = time.perf_counter() + 200e-6
+            until = time.perf_counter() + type(self).busy_s
             while time.perf_counter() < until:
                 pass
             return run(a, b, out)
 
         return busy
+
+
+class HostHeavy(Busy):
+    """Memoized's GPU work (none, after the first call) behind 200 us of host work per call:
+    slowest eagerly, fastest in a CUDA graph, where the host's work is not replayed."""
+
+    name = "hostheavy"
+    busy_s = 200e-6
 
 
 class ConvertsOnFirstSight(Memoized):

@@ -20,10 +20,12 @@ from tuner.tuning.engine import (
     choose,
     contenders,
     cut_off,
+    disturbed_duel,
     duels,
     earlier_times,
     gpu_only_win,
     host_hides_gpu,
+    runner_up,
     steadier,
     ties,
     tune,
@@ -220,7 +222,42 @@ def test_a_lucky_measurement_does_not_survive_the_confirmation(memoized):
         on_result=slow_down_after_its_trial,
     )
     assert outcome.winner.source == "torch"
-    assert "lost" in by_params(outcome)["memoized"].error
+    error = by_params(outcome)["memoized"].error
+    assert "lost" in error and "disturbed twice" in error  # far off its trial, taken again
+
+
+def test_a_winner_confirmed_slower_than_a_runner_ups_trial_meets_the_runner_up(monkeypatch):
+    """Both beat torch's 512^3 GEMM on the CPU by far; the first ranked first on its trial, then
+    its confirmation reads it slower than the second's trial: the second duels too and wins."""
+    from planted import Busy, Memoized
+
+    monkeypatch.setattr(Memoized, "slow", False)
+
+    class First(Busy):
+        name, busy_s = "first", 100e-6
+
+    class Second(Busy):
+        name, busy_s = "second", 115e-6
+
+    def slow_down_after_its_trial(m):
+        if m.source == "first":
+            First.busy_s = 140e-6  # slower, though not beyond a disturbed spread
+
+    key = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
+    for source in (First(), Second()):
+        registry.register(source)
+    try:
+        options = TuneOptions(budget_s=0.02, sources=["first", "second"], cut_factor=1e9,
+                              late_cut=1e9)  # fmt: skip
+        outcome = tune(key, options=options, on_result=slow_down_after_its_trial)
+    finally:
+        registry.unregister("first")
+        registry.unregister("second")
+    first = by_params(outcome)["first"]
+    assert outcome.winner.source == "second", [
+        (m.candidate, m.median_us) for m in outcome.measurements
+    ]
+    assert "kept" in first.error and "then second confirmed faster" in first.error
 
 
 def test_a_disturbed_timing_is_taken_again():
@@ -264,6 +301,23 @@ def test_a_gpu_only_win_needs_a_launch_no_longer_than_the_baselines():
     assert not gpu_only_win(host_us=(33.5, 34.0), gpu_us=(11.6, 11.1), margin=0.02)
     assert not gpu_only_win(host_us=(33.5, 33.0), gpu_us=(11.6, 11.5), margin=0.02)  # GPU tie
     assert not gpu_only_win(host_us=(51.0, 50.0), gpu_us=(84.5, 70.0), margin=0.02)  # not hidden
+
+
+def test_a_duel_far_off_both_trials_is_disturbed():
+    # (baseline, challenger): a trial tie, then the baseline's rounds beside a disturbance
+    assert disturbed_duel(trial_us=(29.4, 28.9), duel_us=(102.9, 53.9))
+    assert disturbed_duel(trial_us=(29.4, 28.9), duel_us=(30.0, 45.0))  # either side
+    assert not disturbed_duel(trial_us=(29.4, 28.9), duel_us=(36.0, 31.0))  # a slower moment
+
+
+def test_the_runner_up_duels_where_the_winners_confirmation_reads_it_slower():
+    options = TuneOptions()
+    triton, cuda = m("triton", 30.2, 30.1, 30.3), m("cuda", 42.2, 42.0, 42.4)
+    # the kept challenger read 29.8 in its trial, 40.8 in its confirmation: triton's 30.2 beats it
+    assert runner_up([triton, cuda], confirmed_us=40.8, options=options) is triton
+    assert runner_up([cuda, triton], confirmed_us=40.8, options=options) is triton
+    assert runner_up([triton], confirmed_us=30.5, options=options) is None  # within noise
+    assert runner_up([], confirmed_us=40.8, options=options) is None
 
 
 def test_the_numerics_check_covers_a_later_call_not_only_the_first():
