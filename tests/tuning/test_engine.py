@@ -246,11 +246,14 @@ def test_a_winner_confirmed_slower_than_a_runner_ups_trial_meets_the_runner_up(m
     key = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
     for source in (First(), Second()):
         registry.register(source)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a steady baseline on a busy host: one thread, no scheduling jumps
     try:
         options = TuneOptions(budget_s=0.02, sources=["first", "second"], cut_factor=1e9,
                               late_cut=1e9)  # fmt: skip
         outcome = tune(key, options=options, on_result=slow_down_after_its_trial)
     finally:
+        torch.set_num_threads(threads)
         registry.unregister("first")
         registry.unregister("second")
     first = by_params(outcome)["first"]
@@ -303,7 +306,7 @@ def test_a_gpu_only_win_needs_a_launch_no_longer_than_the_baselines():
     assert not gpu_only_win(host_us=(51.0, 50.0), gpu_us=(84.5, 70.0), margin=0.02)  # not hidden
 
 
-def test_a_duel_far_off_both_trials_is_disturbed():
+def test_a_duel_far_off_either_trial_is_disturbed():
     # (baseline, challenger): a trial tie, then the baseline's rounds beside a disturbance
     assert disturbed_duel(trial_us=(29.4, 28.9), duel_us=(102.9, 53.9))
     assert disturbed_duel(trial_us=(29.4, 28.9), duel_us=(30.0, 45.0))  # either side

@@ -252,8 +252,8 @@ def _confirmed(
 ) -> tuple[Measurement, float, float]:
     """The first of ``order`` (up to ``confirm_tries``) that keeps its win over the baseline in
     the confirmation, else the baseline; where the kept one's confirmed time is beaten by a later
-    duellist's trial time (``runner_up``), that one duels too and the faster confirmed of the two
-    wins. Returns (chosen, baseline's time, chosen's time)."""
+    duellist's trial time (``runner_up``), that one duels too and the faster of the two, each
+    relative to its own duel's baseline, wins. Returns (chosen, baseline's time, chosen's time)."""
     base_us = effective_us(base, options.launch)
     for i, challenger in enumerate(order[: max(1, options.confirm_tries)]):
         if options.confirm_rounds <= 0:
@@ -264,9 +264,12 @@ def _confirmed(
         rival = runner_up(order[i + 1 :], chosen_us, options)
         if rival is not None:
             other, other_base_us, other_us = trial.confirm(base, rival, options)
-            if other is not base and other_us < chosen_us:
+            # each against its own duel's baseline: the two duels ran at different moments
+            if other is not base and other_us / other_base_us < chosen_us / base_us:
                 challenger.error += f"; then {rival.candidate} confirmed faster ({other_us:.2f} us)"
                 return other, other_base_us, other_us
+            if other is not base:
+                rival.error += f"; {challenger.candidate} confirmed faster: it serves"
         return chosen, base_us, chosen_us
     return base, base_us, base_us
 
@@ -371,8 +374,8 @@ class _Trial:
         faster on the GPU beyond the graph's noise also wins when it is no slower eagerly, where
         the host's launch hides the kernels and its own launch is no longer (``gpu_only_win``). A
         challenger that cannot be captured loses: it could not serve a caller that runs its step
-        as a graph. Eagerly, rounds far off both runners' trial times (``disturbed_duel``) are
-        taken again once; disturbed twice, the baseline stays.
+        as a graph. Eagerly, rounds far off either runner's trial time (``disturbed_duel``) are
+        taken again once; disturbed twice, the baseline stays, at its trial time.
 
         Returns the chosen measurement and the baseline's and chosen one's times (us).
         """
@@ -389,11 +392,12 @@ class _Trial:
             disturbed = disturbed_duel(trial_us, (base_us, chal_us))
         margin = max(noise(base, options.min_noise), noise(challenger, options.min_noise))
         gpu, gpu_ok, gpu_win = self.gpu_times(runners, base, challenger), True, False
-        note = "; disturbed twice, far off the trial's times" if disturbed else ""
+        note = "; disturbed twice, far off a trial's time" if disturbed else ""
         if gpu is not None:
             base_gpu, chal_gpu = gpu
             if chal_gpu is None:
-                gpu_ok, note = False, "; cannot be captured in a CUDA graph"
+                gpu_ok = False
+                note += "; cannot be captured in a CUDA graph"
             elif base_gpu is not None:
                 # graph replays are steady: their own spread, not the eager one, is the noise,
                 # in us relative to the baseline's time (a challenger of ~0 us on the GPU would
@@ -401,7 +405,7 @@ class _Trial:
                 jitter_us = (chal_gpu.p90_us - chal_gpu.p10_us) / 2
                 chal_jitter = jitter_us / base_gpu.median_us if base_gpu.median_us else 0.0
                 gpu_margin = max(options.min_noise, base_gpu.spread / 2, chal_jitter)
-                note = (
+                note += (
                     f"; GPU {chal_gpu.median_us:.2f} vs {base_gpu.median_us:.2f} us in a CUDA "
                     f"graph (margin {gpu_margin:.1%})"
                 )
@@ -423,6 +427,8 @@ class _Trial:
             f"{chal_host:.2f} vs {base_host:.2f} us per call{note}, "
             f"{'kept' if kept else 'lost'} (margin {margin:.1%})"
         )
+        if disturbed:  # neither reading says what the baseline costs; its trial does
+            base_us = trial_us[0]
         return (challenger, base_us, chal_us) if kept else (base, base_us, base_us)
 
     def rounds(
