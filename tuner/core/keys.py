@@ -360,8 +360,9 @@ def _to_str(key: Key) -> str:
     )
 
 
-LOWBIT_FORMAT_NAMES = (
-    "int4-g32/64/128/256, fp8-tensorwise, fp8-rowwise, fp8-tensorwise-fast, fp8-rowwise-fast"
+LOWBIT_FORMAT_NAMES = ", ".join(
+    ["int4-g" + "/".join(map(str, INT4_GROUPS))]
+    + [f"fp8-{g}{fast}" for fast in ("", "-fast") for g in FP8_SPEC_SCALES]
 )
 
 
@@ -370,9 +371,8 @@ def lowbit_fields(spec: str) -> dict[str, Any]:
     suite write it: ``int4-g{32,64,128,256}`` (bf16 activations), ``fp8-tensorwise`` and
     ``fp8-rowwise`` (e4m3 operands, bf16 out, f32 accumulation), ``fp8-...-fast`` (fast
     accumulation). Every low-bit GEMM is ``x @ W.T``, so ``layout`` is part of the answer."""
-    allowed = LOWBIT_FORMAT_NAMES
     if not isinstance(spec, str):
-        raise ValueError(f"low-bit format must be one of {allowed}, got {spec!r}")
+        raise ValueError(f"low-bit format must be one of {LOWBIT_FORMAT_NAMES}, got {spec!r}")
     kind, _, rest = spec.partition("-")
     if (
         kind == "int4"
@@ -387,7 +387,7 @@ def lowbit_fields(spec: str) -> dict[str, Any]:
         return {"layout": "nt", "dtype": "fp8_e4m3", "out_dtype": "bf16", "wdtype": "fp8_e4m3",
                 "group": 0, "zeros": "", "scale": FP8_SPEC_SCALES[granularity],
                 "accum": fast or "f32"}  # fmt: skip
-    raise ValueError(f"low-bit format must be one of {allowed}, got {spec!r}")
+    raise ValueError(f"low-bit format must be one of {LOWBIT_FORMAT_NAMES}, got {spec!r}")
 
 
 def lowbit_spec(key: GemmKey) -> str:

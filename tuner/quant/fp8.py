@@ -58,7 +58,7 @@ def check_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int) -
     if tuple(scale_a.shape) != (m, 1):
         if scale_a.numel() == 1:  # tensorwise scale_a: scale_b is the odd one
             raise ValueError(f"scale_b.shape={tuple(scale_b.shape)}: expected one element, as "
-                             f"scale_a is (tensorwise); rowwise takes scale_a ({m}, 1)")  # fmt: skip
+                             f"scale_a is tensorwise (one element); rowwise takes scale_a ({m}, 1)")  # fmt: skip
         raise ValueError(f"scale_a.shape={tuple(scale_a.shape)}: expected one element or ({m}, 1)")
     if tuple(scale_b.shape) not in ((n, 1), (1, n)):
         raise ValueError(
