@@ -48,9 +48,12 @@ def torch_pack(q: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), tiles)
 
 
-def timed(make: Callable[[], Any], reps: int, device: torch.device) -> tuple[Any, float, int]:
-    """(the last result, median seconds, peak bytes allocated beyond the start) of ``make()``."""
-    seconds, peak, out = [], 0, None
+def timed(
+    make: Callable[[], Any], reps: int, device: torch.device
+) -> tuple[Any, float, int | None]:
+    """(the last result, median seconds, peak bytes allocated beyond the start: CUDA only) of
+    ``make()``."""
+    seconds, peak, out = [], None, None
     for _ in range(reps):
         out = None
         if device.type == "cuda":
@@ -61,7 +64,7 @@ def timed(make: Callable[[], Any], reps: int, device: torch.device) -> tuple[Any
         out = make()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            peak = max(peak, torch.cuda.max_memory_allocated(device) - before)
+            peak = max(peak or 0, torch.cuda.max_memory_allocated(device) - before)
         seconds.append(time.perf_counter() - start)
     return out, statistics.median(seconds), peak
 
@@ -104,6 +107,12 @@ def main() -> None:
     ap.add_argument("--shape", nargs=3, action="append", metavar=("NAME", "N", "K"),
                     help="a weight of its own instead of the suite's (repeatable)")  # fmt: skip
     args = ap.parse_args()
+    if args.reps < 1:
+        ap.error(f"--reps={args.reps}: allowed 1 or more")
+    for name, n, k in args.shape or []:
+        if not (n.isdigit() and k.isdigit() and int(n) % 16 == 0 and int(k) % GROUP == 0):
+            ap.error(f"--shape {name} {n} {k}: N must be a multiple of 16 (torch's packing) and "
+                     f"K of the group size {GROUP}")  # fmt: skip
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = [(s, int(n), int(k)) for s, n, k in args.shape] if args.shape else suite_shapes()
     fp = fingerprint(device.type)

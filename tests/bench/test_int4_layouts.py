@@ -28,3 +28,15 @@ def test_small_weights_get_every_layout_checked_timed_and_sized(tmp_path: Path) 
         for layout in ("torch_packed", "ours", "cutlass_a"):
             assert row[layout]["bytes"] == n * k // 2 and row[layout]["seconds"] > 0
         assert row["cutlass_scales"]["bytes"] == 2 * (k // 128) * n * 2
+
+
+def test_bad_arguments_are_named(tmp_path: Path) -> None:
+    for args, named in (
+        (["--reps", "0"], "--reps=0"),
+        (["--shape", "w", "64", "200"], "--shape w 64 200"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "bench.int4_layouts", "--out", str(tmp_path / "x.json"), *args],
+            capture_output=True, text=True, timeout=600, cwd=REPO,
+        )  # fmt: skip
+        assert r.returncode == 2 and named in r.stderr and "Traceback" not in r.stderr
