@@ -70,8 +70,7 @@ def timed(
 
 
 def nbytes(t: torch.Tensor | tuple[torch.Tensor, ...]) -> int:
-    parts = t if isinstance(t, tuple) else (t,)
-    return sum(p.numel() * p.element_size() for p in parts)
+    return sum(p.nbytes for p in (t if isinstance(t, tuple) else (t,)))
 
 
 def measure(name: str, n: int, k: int, reps: int, device: torch.device) -> dict[str, Any]:
