@@ -87,9 +87,9 @@ def environment() -> dict[str, Any]:
         name: (src if isinstance(src, str) else src.unavailable("cuda") or "available")
         for name, src in registry.all_sources().items()
     }
-    from tuner.candidates import cutlass_env
+    from tuner.candidates import nvcc_build
 
-    out["nvcc"] = cutlass_env.nvcc_path()
+    out["nvcc"] = nvcc_build.nvcc_path()
     return out
 
 
@@ -105,7 +105,7 @@ def precompile_keys() -> list[Any]:
 
 
 def precompile() -> dict[str, Any]:
-    from tuner.candidates import cutlass_env, cutlass_gemm
+    from tuner.candidates import cutlass_env, cutlass_gemm, nvcc_build
 
     started = time.perf_counter()
     specs: dict[Any, None] = {}
@@ -116,13 +116,13 @@ def precompile() -> dict[str, Any]:
         # the tests take the first offered config of their 4096^3 keys
         for spec in list(offered)[: None if i < len(SHAPES) else 1]:
             specs[spec] = None
-    errors = cutlass_env.compile_all(list(specs))
+    errors = nvcc_build.compile_all(list(specs), needs=cutlass_env.cannot_compile)
     wall = time.perf_counter() - started
     return {
         "wall_s": round(wall, 1),
-        "jobs": cutlass_env.default_jobs(len(specs)),
+        "jobs": nvcc_build.default_jobs(len(specs)),
         "kernels": [
-            {"spec": json.loads(s.to_json()), **(cutlass_env.compiled_info(s) or {}), "error": e}
+            {"spec": json.loads(s.to_json()), **(nvcc_build.compiled_info(s) or {}), "error": e}
             for s, e in errors.items()
         ],
     }
@@ -298,13 +298,13 @@ def launch_overhead() -> dict[str, Any]:
 
 def cutlass_loads() -> dict[str, Any]:
     """Compile time (recorded by the compiler processes) and in-process load time per kernel."""
-    from tuner.candidates import cutlass_env, cutlass_gemm
+    from tuner.candidates import cutlass_env, cutlass_gemm, nvcc_build
 
     out = []
     for spec in cutlass_gemm.offered(gemm_key(*SHAPES[0])) | cutlass_gemm.offered(
         gemm_key(*SHAPES[-1])
     ):
-        info = cutlass_env.compiled_info(spec)
+        info = nvcc_build.compiled_info(spec)
         if info is None:
             continue  # never compile here: details must not wait for nvcc
         t0 = time.perf_counter()
@@ -324,13 +324,13 @@ def cutlass_reference_path() -> dict[str, Any]:
     from cutlass_cppgen.shape import GemmCoord
     from cutlass_library import GemmUniversalMode
 
-    from tuner.candidates import cutlass_env, cutlass_gemm, registry
+    from tuner.candidates import cutlass_env, cutlass_gemm, nvcc_build, registry
     from tuner.candidates import gemm_operands as ops
     from tuner.measure import samples
 
     key = gemm_key(4096, 4096, 4096)
     spec, params = next(iter(cutlass_gemm.offered(key).items()))
-    if cutlass_env.compiled_info(spec) is None:
+    if nvcc_build.compiled_info(spec) is None:
         return {"skipped": f"{spec} is not compiled"}
     op = cutlass_env.load(spec)
     a, b = samples.make_inputs(key, "cuda", torch.Generator(device="cuda").manual_seed(0))

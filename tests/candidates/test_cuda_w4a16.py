@@ -19,8 +19,7 @@ import torch
 from tests.bench_scripts import load_script
 from tuner.cache.artifacts import ArtifactStore, pack, unpack
 from tuner.candidates import cuda_w4a16 as cw
-from tuner.candidates import cutlass_artifacts, registry
-from tuner.candidates import cutlass_env as env
+from tuner.candidates import cutlass_artifacts, nvcc_build, registry
 from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.quant import int4
 from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_roundoff
@@ -102,11 +101,11 @@ def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:
     assert cw.library(cfg(stages=6)) != a
     assert cw.library(cfg(warps=8, split="rows")) != a
     assert cw.Library.from_json(a.to_json()) == a
-    command = cw.nvcc_command("nvcc", cw.library(cfg(2, 3)), env.library_path(a))
+    command = cw.nvcc_command("nvcc", cw.library(cfg(2, 3)), nvcc_build.library_path(a))
     assert {"-DGEMV_SPLIT_ROWS=0", "-DGEMV_SLICES=2", "-DGEMV_STAGES=3",
             f"-arch={cw.ARCH}"} <= set(command)  # fmt: skip
     assert "-DGEMV_SPLIT_ROWS=1" in cw.nvcc_command(
-        "nvcc", cw.library(cfg(split="rows")), env.library_path(a)
+        "nvcc", cw.library(cfg(split="rows")), nvcc_build.library_path(a)
     )
     # the name and the artifact spec carry the toolkit and the flags: another one never reuses it
     spec = a.artifact_spec()
@@ -159,7 +158,7 @@ def test_the_decode_shortlist(store: ArtifactStore) -> None:
 def test_a_failed_library_is_neither_offered_nor_compiled_again(store: ArtifactStore) -> None:
     key = key_of("int4-g128", 2)
     first, *rest = cw.configs(key.m, key.n, key.k, key.group)
-    env.record(cw.library(first), "failed", {"error": "ptxas: too many resources"})
+    nvcc_build.record(cw.library(first), "failed", {"error": "ptxas: too many resources"})
     assert cw.CudaW4A16().candidates(key, "cuda") == rest
     # no nvcc runs: the recorded error comes back at once
     assert cw.compile_all([first]) == {cw.library(first): "ptxas: too many resources"}
@@ -178,7 +177,7 @@ def test_without_nvcc_only_stored_libraries_are_offered(store: ArtifactStore, mo
     shared = [c for c in cw.configs(key.m, key.n, key.k, key.group)
               if cw.library(c) == cw.library(config)]  # fmt: skip
     assert cw.CudaW4A16().candidates(key, "cuda") == shared  # installed on the way
-    assert env.library_path(cw.library(config)).read_bytes() == b"an .so"
+    assert nvcc_build.library_path(cw.library(config)).read_bytes() == b"an .so"
     assert cw.compile_all([config]) == {cw.library(config): None}  # installed: nothing to build
 
 
@@ -207,20 +206,20 @@ def test_operands_the_kernel_would_refuse() -> None:
         cw.check_operands(x, weight, sz, group, torch.empty(m, n, dtype=torch.float16))
 
 
-@pytest.mark.skipif(env.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.skipif(nvcc_build.nvcc_path() is None, reason="needs nvcc")
 def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) -> None:
     config = cw.configs(1, 4096, 14336, 128)[0]
     lib = cw.library(config)
     assert cw.compile_all([config]) == {lib: None}
-    path = env.library_path(lib)
+    path = nvcc_build.library_path(lib)
     assert not list(path.parent.glob("*.tmp"))  # built aside, then renamed
-    assert env.compiled_info(lib)["seconds"] > 0
+    assert nvcc_build.compiled_info(lib)["seconds"] > 0
     stored = unpack(store.get(lib.artifact_spec()))
     assert stored == {cutlass_artifacts.LIBRARY: path.read_bytes()}
     assert cw.load(path).restype is ctypes.c_int  # the CUDA runtime is linked in: no GPU needed
 
 
-@pytest.mark.skipif(env.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.skipif(nvcc_build.nvcc_path() is None, reason="needs nvcc")
 def test_the_bench_only_trace_build_compiles_and_exports_its_trace(tmp_path, monkeypatch) -> None:
     """bench/w4a16_gemv.py's trace build (the kernel with per-CTA stamps) compiles from the same
     source and exports its trace's shape."""
@@ -234,7 +233,7 @@ def test_the_bench_only_trace_build_compiles_and_exports_its_trace(tmp_path, mon
     assert fields.value == bench.C_WARP + cw.MAX_WARPS and ctas.value >= 132
 
 
-@pytest.mark.skipif(env.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.skipif(nvcc_build.nvcc_path() is None, reason="needs nvcc")
 def test_the_bench_builds_a_baseline_from_another_source(tmp_path, monkeypatch) -> None:
     """bench/w4a16_gemv.py --baseline builds each config from the source it is given (here a
     copy whose library reports another stage count), not from the kernel's own."""

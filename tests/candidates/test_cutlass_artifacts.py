@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tuner.cache.artifacts import ArtifactError, ArtifactStore, pack
-from tuner.candidates import cutlass_artifacts, cutlass_env
+from tuner.candidates import cutlass_artifacts, cutlass_env, nvcc_build
 
 SPEC = cutlass_env.KernelSpec(
     "bf16", "nn", 8, 8, (64, 256, 64), (1, 2), "TmaWarpSpecializedPingpong", "tma", "Default"
@@ -48,19 +48,19 @@ def test_install_writes_the_row_cutlass_cppgen_looks_up(
         .fetchall()
     )
     assert rows == [("<emitted source>name nvcc", b"cubin", b"\x7fELF so", "k", "[96]")]
-    assert cutlass_env.compiled_info(SPEC) is not None  # compile_all will not compile it
+    assert nvcc_build.compiled_info(SPEC) is not None  # compile_all will not compile it
 
 
 BUILD = textwrap.dedent(
     """
     import json
     from tuner.cache.artifacts import ArtifactStore
-    from tuner.candidates import cutlass_artifacts, cutlass_env, cutlass_gemm
+    from tuner.candidates import cutlass_artifacts, cutlass_env, cutlass_gemm, nvcc_build
     from tuner.core.keys import GemmKey
 
     key = GemmKey(m=256, n=512, k=384)
     spec, params = next(iter(cutlass_gemm.offered(key).items()))
-    assert cutlass_env.compile_all([spec])[spec] is None
+    assert nvcc_build.compile_all([spec], needs=cutlass_env.cannot_compile)[spec] is None
     with ArtifactStore() as store:
         cutlass_artifacts.publish(store, spec, cutlass_env.load(spec))
     print(json.dumps(params))
@@ -74,9 +74,9 @@ LOAD = textwrap.dedent(
     sys.addaudithook(lambda event, args: event == "subprocess.Popen" and runs.append(args[1]))
     import torch
     from tuner.cache.artifacts import ArtifactStore
-    from tuner.candidates import cutlass_artifacts, cutlass_env, cutlass_gemm
+    from tuner.candidates import cutlass_artifacts, cutlass_env, cutlass_gemm, nvcc_build
 
-    cutlass_env.nvcc_path = lambda: None  # no nvcc anywhere, /usr/local/cuda's included
+    nvcc_build.nvcc_path = lambda: None  # no nvcc anywhere, /usr/local/cuda's included
     assert cutlass_env.cannot_compile() and cutlass_env.missing() is None
     from tuner.core.keys import GemmKey
 
@@ -109,7 +109,7 @@ def test_a_host_without_nvcc_runs_a_stored_kernel(tmp_path: Path) -> None:
     assert build.returncode == 0, build.stderr[-3000:]
     params = build.stdout.strip().splitlines()[-1]
 
-    nvcc_dirs = {str(Path(p).parent) for p in [cutlass_env.nvcc_path()] if p}
+    nvcc_dirs = {str(Path(p).parent) for p in [nvcc_build.nvcc_path()] if p}
     path = [d for d in base["PATH"].split(os.pathsep) if d not in nvcc_dirs]
     env = {k: v for k, v in base.items() if k != "CUDA_INSTALL_PATH"}
     env |= {"PATH": os.pathsep.join(path), "CUTLASS_CACHE_DIR": str(tmp_path / "fresh")}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tuner.cache.artifacts import ArtifactStore
-from tuner.candidates import cutlass_artifacts, cutlass_env, cutlass_gemm, registry
+from tuner.candidates import cutlass_artifacts, cutlass_env, cutlass_gemm, nvcc_build, registry
 from tuner.candidates import cutlass_w4a16 as w4
 from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.measure import samples
@@ -152,12 +152,12 @@ def test_configs_that_share_a_kernel_are_all_candidates(
     key = key_of("int4-g128", 256)
     specs = [w4.kernel_spec(key, p) for p in listed]
     for spec in specs:
-        cutlass_env.record(spec, "compiled", {"seconds": 1.0})
+        nvcc_build.record(spec, "compiled", {"seconds": 1.0})
     source = w4.CutlassW4A16()
     assert source.candidates(key, "cuda") == listed
     shared = w4.kernel_spec(key, STREAM_K)
     (tmp_path / "compiled" / f"{shared.digest}.json").unlink()
-    cutlass_env.record(shared, "failed", {"error": "ptxas: too many resources"})
+    nvcc_build.record(shared, "failed", {"error": "ptxas: too many resources"})
     left = source.candidates(key, "cuda")
     assert left == [p for p in listed if w4.kernel_spec(key, p) != shared]
     assert len(left) == len(listed) - 4
@@ -186,9 +186,9 @@ def test_compile_all_hands_int4_specs_to_this_builder(
     there for good (recorded, never compiled again)."""
     monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path))
     odd = w4.kernel_spec(key_of("int4-g128", 1), {**w4.SMALL[0], "tile": [64, 64, 64]})
-    error = cutlass_env._compile_child(odd, timeout_s=300)
+    error = nvcc_build._compile_child(odd, timeout_s=300)
     assert error is not None and "lists no SM90 int4 GEMM" in error
-    assert cutlass_env.failure(odd) == error
+    assert nvcc_build.failure(odd) == error
 
 
 @needs_library
@@ -254,7 +254,7 @@ def test_a_library_bundle_installs_where_the_launcher_loads_it(
         cutlass_artifacts.publish(store, spec, built)
         assert cutlass_artifacts.install(store, spec)
     assert w4.CutlassW4A16().load(spec).read_bytes() == b"\x7fELF library"
-    assert cutlass_env.compiled_info(spec) is not None  # compile_all will not compile it
+    assert nvcc_build.compiled_info(spec) is not None  # compile_all will not compile it
 
 
 # --- on a GPU -----------------------------------------------------------------------------------
@@ -276,7 +276,7 @@ def source() -> w4.CutlassW4A16:
     source = w4.CutlassW4A16()
     keys = [(_key(fmt, m, dtype), index) for fmt, m, index, dtype in GPU_CASES]
     specs = [w4.kernel_spec(key, w4.shortlist(key)[index]) for key, index in keys]
-    assert cutlass_env.compile_all(specs) == dict.fromkeys(specs)
+    assert nvcc_build.compile_all(specs, needs=cutlass_env.cannot_compile) == dict.fromkeys(specs)
     return source
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tuner.candidates import cublas, cublaslt, cutlass_env, cutlass_gemm
+from tuner.candidates import cublas, cublaslt, cutlass_env, cutlass_gemm, nvcc_build
 from tuner.candidates import gemm_operands as ops
 from tuner.core.keys import GemmKey
 from tuner.measure import samples
@@ -240,25 +240,26 @@ def test_cutlass_unsupported_keys_say_why():
 def test_cutlass_compile_failures_are_remembered_and_never_retried(tmp_path, monkeypatch):
     monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path))
     spec = cutlass_gemm.kernel_spec(GemmKey(m=64, n=64, k=64), GOOD)
-    assert cutlass_env.failure(spec) is None and cutlass_env.compiled_info(spec) is None
-    cutlass_env.record(spec, "failed", {"error": "static_assert failed: tile too large"})
-    assert "static_assert" in cutlass_env.failure(spec)
+    assert nvcc_build.failure(spec) is None and nvcc_build.compiled_info(spec) is None
+    nvcc_build.record(spec, "failed", {"error": "static_assert failed: tile too large"})
+    assert "static_assert" in nvcc_build.failure(spec)
 
     def no_compiling(*args, **kwargs):
         raise AssertionError("a remembered failure was compiled again")
 
-    monkeypatch.setattr(cutlass_env, "_compile_child", no_compiling)
-    assert cutlass_env.compile_all([spec]) == {spec: "static_assert failed: tile too large"}
+    monkeypatch.setattr(nvcc_build, "_compile_child", no_compiling)
+    errors = nvcc_build.compile_all([spec], needs=cutlass_env.cannot_compile)
+    assert errors == {spec: "static_assert failed: tile too large"}
     with pytest.raises(RuntimeError, match="static_assert"):
         cutlass_gemm.CutlassGemm().build(GemmKey(m=64, n=64, k=64), GOOD)
 
 
 def test_cutlass_cache_dir_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path / "c"))
-    assert cutlass_env.cache_dir() == tmp_path / "c"
+    assert nvcc_build.cache_dir() == tmp_path / "c"
     monkeypatch.delenv("CUTLASS_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert cutlass_env.cache_dir() == tmp_path / "tuner" / "cutlass"
+    assert nvcc_build.cache_dir() == tmp_path / "tuner" / "cutlass"
 
 
 # --- why they do not run here ----------------------------------------------------------------------
@@ -294,7 +295,7 @@ def test_cutlass_offers_asks_the_library_only_about_unknown_kernels(tmp_path, mo
         if spec == missing:
             raise LookupError("not in this library")
 
-    cutlass_env.record(compiled, "compiled", {"seconds": 1.0, "name": "k"})
+    nvcc_build.record(compiled, "compiled", {"seconds": 1.0, "name": "k"})
     assert cutlass_env.offers(compiled, lookup) and asked == []
     assert not cutlass_env.offers(missing, lookup) and asked == [missing]
     assert not cutlass_env.offers(missing, lookup) and asked == [missing]

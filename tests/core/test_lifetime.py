@@ -50,7 +50,7 @@ def test_compile_pool_workers_exit_with_a_killed_parent():
     assert not [p for p in pids if _alive(p)]
 
 
-# A compiler child as `cutlass_env._compile_child` starts it (through `run_group`): it watches its
+# A compiler child as `nvcc_build._compile_child` starts it (through `run_group`): it watches its
 # parent, starts a grandchild (nvcc's stand-in) and writes both pids to the file it is given.
 COMPILER = textwrap.dedent(
     """

@@ -15,7 +15,7 @@ grid's launch and setup overlap the end of the kernel before it. It reads our pa
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
 ``stages`` of each copy ring: a ``Library``) and its launch part (``warps`` per CTA, ``cluster``
 CTAs splitting K). Each library (the CUDA runtime linked in statically) serves every shape and is
-built by nvcc for sm_90a through ``cutlass_env``'s machinery (``compile_all``: a child process
+built by nvcc for sm_90a through ``nvcc_build`` (``compile_all``: a child process
 per library, a failure remembered and never compiled again) and loaded with ctypes; it is an
 artifact (``cutlass_artifacts``), keyed by the kernel source, nvcc's release and the flags, so
 a host without nvcc runs a library another host built with the same toolkit.
@@ -41,8 +41,7 @@ from typing import Any
 import torch
 
 from tuner.cache.artifacts import ArtifactSpec
-from tuner.candidates import cutlass_artifacts, int4_operands
-from tuner.candidates import cutlass_env as env
+from tuner.candidates import cutlass_artifacts, int4_operands, nvcc_build
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner, Source
 from tuner.candidates.triton_kernels.w4a16 import check_inputs
@@ -124,7 +123,7 @@ def _source_digest() -> str:
 def toolkit() -> str:
     """nvcc's release ("13.0"), which the libraries built here carry in their names; without
     nvcc, the CUDA release torch was built for: the toolkit whose libraries this host loads."""
-    nvcc = env.nvcc_path()
+    nvcc = nvcc_build.nvcc_path()
     if nvcc is not None:
         text = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
         if found := re.search(r"release (\d+\.\d+)", text):
@@ -134,14 +133,14 @@ def toolkit() -> str:
 
 def cannot_compile() -> str | None:
     """Why libraries cannot be compiled here (no nvcc), else None."""
-    if env.nvcc_path() is None:
+    if nvcc_build.nvcc_path() is None:
         return "nvcc not found: put it on PATH or set CUDA_INSTALL_PATH"
     return None
 
 
 @dataclass(frozen=True)
 class Library:
-    """A config's compile-time part: one shared library (an ``env.LibrarySpec``)."""
+    """A config's compile-time part: one shared library (an ``nvcc_build.LibrarySpec``)."""
 
     split: str
     slices: int
@@ -190,11 +189,11 @@ def nvcc_command(nvcc: str, lib: Library, out: Path) -> list[str]:
 
 
 def compile_library(lib: Library) -> dict[str, Any]:
-    """Child-process body of ``env.compile_all``: build ``lib`` into the cache; its verdict."""
-    nvcc = env.nvcc_path()
+    """Child-process body of ``nvcc_build.compile_all``: build ``lib`` in the cache; a verdict."""
+    nvcc = nvcc_build.nvcc_path()
     if nvcc is None:
         return {"ok": False, "permanent": False, "error": cannot_compile()}
-    return env.build_library(lib, lambda out: nvcc_command(nvcc, lib, out), {})
+    return nvcc_build.build_library(lib, lambda out: nvcc_command(nvcc, lib, out), {})
 
 
 def compile_all(configs: Iterable[Config]) -> dict[Library, str | None]:
@@ -202,7 +201,7 @@ def compile_all(configs: Iterable[Config]) -> dict[Library, str | None]:
     child processes (then published): library -> None or why it is missing."""
     libs = list(dict.fromkeys(map(library, configs)))
     cutlass_artifacts.install_missing(libs)
-    errors = env.compile_all(libs, needs=cannot_compile)
+    errors = nvcc_build.compile_all(libs, needs=cannot_compile)
     publish(lib for lib, error in errors.items() if error is None)
     return errors
 
@@ -210,8 +209,8 @@ def compile_all(configs: Iterable[Config]) -> dict[Library, str | None]:
 def publish(libs: Iterable[Library]) -> None:
     """Store each built library in the artifact store, unless it came from there or is stored."""
     for lib in libs:
-        if env.compiled_info(lib) is not None:
-            cutlass_artifacts.publish_once(lib, env.library_path(lib))
+        if nvcc_build.compiled_info(lib) is not None:
+            cutlass_artifacts.publish_once(lib, nvcc_build.library_path(lib))
 
 
 Launcher = Callable[..., int]
@@ -234,7 +233,7 @@ def launcher(config: Config) -> Launcher:
     lib = library(config)
     if error := compile_all([config])[lib]:
         raise RuntimeError(f"cuda_w4a16 library {lib}: {error}")
-    return load(env.library_path(lib))
+    return load(nvcc_build.library_path(lib))
 
 
 def check_operands(
@@ -324,7 +323,7 @@ def _any_stored(libs: Iterable[Library]) -> bool:
     """Whether one of ``libs`` is built here or held by the artifact store (its index, read
     once, not the bytes)."""
     libs = list(libs)
-    if any(env.compiled_info(lib) is not None for lib in libs):
+    if any(nvcc_build.compiled_info(lib) is not None for lib in libs):
         return True
     store = cutlass_artifacts.shared_store()
     if store is None:
@@ -359,10 +358,10 @@ class CudaW4A16(Source):
         """The shortlist less configs whose library failed to compile; without nvcc, only
         those whose library is built here or stored (installed now)."""
         chosen = [c for c in configs(key.m, key.n, key.k, key.group)
-                  if env.failure(library(c)) is None]  # fmt: skip
+                  if nvcc_build.failure(library(c)) is None]  # fmt: skip
         if cannot_compile():
             cutlass_artifacts.install_missing(map(library, chosen))
-            chosen = [c for c in chosen if env.compiled_info(library(c)) is not None]
+            chosen = [c for c in chosen if nvcc_build.compiled_info(library(c)) is not None]
         return chosen
 
     def precompile(self, key: GemmKey, shortlist: list[Params]) -> None:

@@ -1,7 +1,7 @@
 """A compiled CUTLASS kernel as an artifact, so that a host without nvcc can load and run it.
 
 cutlass_cppgen keeps each compiled kernel as one row of ``compiled_cache.db`` (in
-``cutlass_env.cache_dir()``): the device cubin, the host module (a shared object with the
+``nvcc_build.cache_dir()``): the device cubin, the host module (a shared object with the
 argument packing functions), the kernel's name and attributes, keyed by the emitted C++ source.
 When ``plan.compile`` finds that row it loads both without compiling. So the artifact of a
 ``KernelSpec`` is that row as a bundle (``kernel.cubin``, ``host.so``, ``operation.json``);
@@ -12,7 +12,7 @@ failing store costs a log line, never a build.
 The host module links against the CUDA runtime library, which the loading host needs.
 A kernel built as a shared library of its own (``cutlass_env.BUILDERS``; its "op" is the
 library's path) is the bundle of that one file, ``kernel.so``, installed at
-``cutlass_env.library_path``.
+``nvcc_build.library_path``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from tuner.cache.artifacts import (
 )
 from tuner.cache.sqlite import StoreError
 from tuner.candidates import cutlass_env as env
+from tuner.candidates import nvcc_build
 from tuner.core.atomic import write_atomic
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ LIBRARY = "kernel.so"
 def artifact_spec(spec: env.Spec) -> ArtifactSpec:
     """What stores ``spec``'s kernel: its fields, the arch, the CUTLASS version and, for kernels
     built as libraries of their own, the wrapper that built them (``env.builder_fields``); another
-    source's library (``env.LibrarySpec``) names its own."""
+    source's library (``nvcc_build.LibrarySpec``) names its own."""
     if not isinstance(spec, env.KernelSpec):
         return spec.artifact_spec()
     toolchain = {"cutlass": env.version(), **env.builder_fields(spec.wdtype)}
@@ -71,7 +72,7 @@ def bundle(op: Any) -> bytes:
     if isinstance(op, Path):
         return pack({LIBRARY: op.read_bytes()})
     key = _op_key(op)
-    with sqlite3.connect(env.cache_dir() / "compiled_cache.db") as conn:
+    with sqlite3.connect(nvcc_build.cache_dir() / "compiled_cache.db") as conn:
         row = conn.execute(
             "select cubin, hostbin, op_name, op_attrs from compiled_operations where op_key = ?",
             (key,),
@@ -97,10 +98,10 @@ def install(store: ArtifactStore, spec: env.Spec) -> bool:
         return False
     files = unpack(data)
     if LIBRARY in files:
-        path = env.library_path(spec)
+        path = nvcc_build.library_path(spec)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, files[LIBRARY])
-        env.record(spec, "compiled", {"artifact": artifact_spec(spec).id})
+        nvcc_build.record(spec, "compiled", {"artifact": artifact_spec(spec).id})
         return True
     try:
         meta = json.loads(files["operation.json"])
@@ -108,12 +109,12 @@ def install(store: ArtifactStore, spec: env.Spec) -> bool:
         row += (meta["op_attrs"],)
     except (KeyError, ValueError) as e:
         raise ArtifactError(f"not a CUTLASS kernel bundle: missing {e}") from None
-    path = env.cache_dir() / "compiled_cache.db"
+    path = nvcc_build.cache_dir() / "compiled_cache.db"
     path.parent.mkdir(parents=True, exist_ok=True)
     with sqlite3.connect(path) as conn:
         conn.execute(_TABLE)
         conn.execute("insert or ignore into compiled_operations values (?, ?, ?, ?, ?)", row)
-    env.record(spec, "compiled", {"name": meta["name"], "artifact": artifact_spec(spec).id})
+    nvcc_build.record(spec, "compiled", {"name": meta["name"], "artifact": artifact_spec(spec).id})
     return True
 
 
@@ -122,7 +123,7 @@ def install_missing(specs: Iterable[env.Spec], store: ArtifactStore | None = Non
     ``compile_all`` compiles only what no host has built. ``store``: the shared one by default,
     opened only when a spec needs it."""
     for spec in specs:
-        if env.compiled_info(spec) is not None or env.failure(spec) is not None:
+        if nvcc_build.compiled_info(spec) is not None or nvcc_build.failure(spec) is not None:
             continue
         store = store or shared_store()
         if store is None:
@@ -136,7 +137,7 @@ def install_missing(specs: Iterable[env.Spec], store: ArtifactStore | None = Non
 def publish_once(spec: env.Spec, op: Any, store: ArtifactStore | None = None) -> None:
     """Publish the compiled ``op`` of ``spec`` (to the shared store by default) unless this
     cache marks it published, or installed, already."""
-    info = env.compiled_info(spec)
+    info = nvcc_build.compiled_info(spec)
     if info is None or "artifact" in info or (store := store or shared_store()) is None:
         return
     try:
@@ -144,18 +145,18 @@ def publish_once(spec: env.Spec, op: Any, store: ArtifactStore | None = None) ->
     except (LookupError, ArtifactError, StoreError, OSError, sqlite3.Error) as e:
         log.warning("CUTLASS kernel %s not stored as an artifact: %s", spec.digest, e)
         return
-    env.record(spec, "compiled", {**info, "artifact": artifact_spec(spec).id})
+    nvcc_build.record(spec, "compiled", {**info, "artifact": artifact_spec(spec).id})
 
 
 def compile_run(
     specs_of: Sequence[Sequence[env.Spec]],
     ready: Callable[[int], None],
-    needs: Callable[[], str | None] | None = None,
+    needs: Callable[[], str | None],
 ) -> None:
     """A tuning run's kernels (``Source.precompile_run``): every distinct spec of ``specs_of``
     (one list per problem) installed or compiled once, on every core, in the order first needed;
     ``ready(i)`` once the specs of problem i are all compiled (or failed); ``needs`` as
-    ``env.compile_all``'s."""
+    ``nvcc_build.compile_all``'s."""
     specs = list(dict.fromkeys(s for specs in specs_of for s in specs))
     missing = [set(specs) for specs in specs_of]
     lock = threading.Lock()
@@ -172,4 +173,4 @@ def compile_run(
         if not need:
             ready(i)
     install_missing(specs)
-    env.compile_all(specs, on_done=done, needs=needs)
+    nvcc_build.compile_all(specs, on_done=done, needs=needs)

@@ -7,15 +7,13 @@ What this module fixes or adds around ``cutlass_cppgen``:
 - ``-DNDEBUG`` joins the nvcc options (without it ptxas serialises wgmma), ``CUDA_INSTALL_PATH``
   is set from nvcc's location; without nvcc the package still imports and loads compiled
   kernels (``missing``: what loading needs, ``cannot_compile``: what compiling needs);
-- ``compiled_cache.db`` and every scratch file live in the cache directory
-  (``$CUTLASS_CACHE_DIR``, else ``$XDG_CACHE_HOME/tuner/cutlass``, else
-  ``~/.cache/tuner/cutlass``), never in the current directory;
+- ``compiled_cache.db`` and every scratch file live in ``nvcc_build``'s cache directory, never
+  in the current directory;
 - the option registry holds SM90 GEMMs only (much faster to build than every arch's).
 
 A compiled kernel is shape-independent: one per ``KernelSpec`` (dtypes, layouts, alignments, tile,
-cluster, schedules), reused for every problem. ``compile_all`` compiles missing specs in parallel,
-each in its own process (a compiler crash cannot take the tuner down); a spec that fails to compile
-is remembered with its error under ``failed/`` and never compiled again.
+cluster, schedules), reused for every problem; ``nvcc_build.compile_all`` compiles missing specs,
+each in a child process that runs this module (or the spec's ``BUILDERS`` module).
 """
 
 from __future__ import annotations
@@ -27,56 +25,33 @@ import importlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
-from tuner.core.atomic import write_atomic
+from tuner.candidates import nvcc_build
 from tuner.core.keys import FP8
-from tuner.core.lifetime import group_dies_with_parent, run_group
-
-if TYPE_CHECKING:
-    from tuner.cache.artifacts import ArtifactSpec
+from tuner.core.lifetime import group_dies_with_parent
 
 SM = 90
-COMPILE_TIMEOUT_S = float(os.environ.get("TUNER_CUTLASS_COMPILE_TIMEOUT", "900"))
 TMA_EPILOGUES = ("TmaWarpSpecialized", "TmaWarpSpecializedCooperative")
 SCALED_FIELDS = ("wdtype", "out_dtype", "scale")
 # (batch, M, N) of the example tensors scaled epilogues are traced on: sizes other than 0 and 1
 # keep every stride a runtime value, so that one kernel serves every shape.
 EVT_EXAMPLE = (2, 256, 256)
 # wdtype -> the module whose ``_main`` compiles such specs: kernels cutlass_cppgen cannot build,
-# made as shared libraries of their own (``library_path``); every other spec compiles here.
+# made as shared libraries of their own (``nvcc_build.build_library``); every other spec compiles
+# here.
 BUILDERS = {"int4": "tuner.candidates.cutlass_w4a16"}
 # FP8 CTA widths ``derived`` may take: the cooperative TMA epilogue's subtile (32 columns) up to
 # the widest wgmma (256)
 DERIVED_N_STEP, DERIVED_N_MAX = 32, 256
 _LOCK = threading.RLock()  # cutlass_cppgen keeps global state (cwd, tempfile.tempdir, plans)
-
-
-def cache_dir() -> Path:
-    if env := os.environ.get("CUTLASS_CACHE_DIR"):
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tuner" / "cutlass"
-
-
-def nvcc_path() -> str | None:
-    """nvcc from $CUDA_INSTALL_PATH, PATH, or /usr/local/cuda, whichever comes first."""
-    candidates = []
-    if root := os.environ.get("CUDA_INSTALL_PATH"):
-        candidates.append(Path(root) / "bin" / "nvcc")
-    if found := shutil.which("nvcc"):
-        candidates.append(Path(found))
-    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
-    return next((str(p) for p in candidates if p.is_file()), None)
 
 
 def missing() -> str | None:
@@ -98,7 +73,7 @@ def cannot_compile() -> str | None:
     """Why CUTLASS kernels cannot be compiled here (``missing``, or no nvcc), else None."""
     if reason := missing():
         return reason
-    if nvcc_path() is None:
+    if nvcc_build.nvcc_path() is None:
         return "nvcc not found: put it on PATH or set CUDA_INSTALL_PATH"
     return None
 
@@ -139,12 +114,12 @@ def cutlass() -> Any:
     if reason:
         raise ImportError(reason)
     _map_cuda_bindings()
-    nvcc = nvcc_path()
+    nvcc = nvcc_build.nvcc_path()
     if nvcc is not None:
         os.environ.setdefault("CUDA_INSTALL_PATH", str(Path(nvcc).parent.parent))
         if shutil.which("nvcc") is None:  # cutlass_cppgen runs `which nvcc` itself
             os.environ["PATH"] = str(Path(nvcc).parent) + os.pathsep + os.environ.get("PATH", "")
-    root = cache_dir()
+    root = nvcc_build.cache_dir()
     with _in_dir(root):  # its ArtifactManager opens compiled_cache.db at import time
         import cutlass_cppgen
         import cutlass_library
@@ -171,7 +146,8 @@ def _without_nvcc(cutlass_cppgen: Any) -> None:
     """Answer cutlass_cppgen's two nvcc questions on a host that only loads kernels: its CUDA
     install path (it runs ``which nvcc``) and nvcc's version (it runs ``nvcc --version`` to
     check it against cuda-bindings'). Loading a cached kernel uses neither; a compile on such a
-    host fails at ``compile_all`` with ``cannot_compile``'s reason, before cutlass_cppgen runs."""
+    host fails at ``nvcc_build.compile_all`` with ``cannot_compile``'s reason, before
+    cutlass_cppgen runs."""
     import cuda
 
     cutlass_cppgen._CUDA_INSTALL_PATH = os.environ.get("CUDA_INSTALL_PATH", "")
@@ -236,26 +212,6 @@ class KernelSpec:
         return cls(**data)
 
 
-class LibrarySpec(Protocol):
-    """A kernel of another source built as a shared library of its own through this module's
-    machinery (``compile_all``, its markers, ``library_path``, ``cutlass_artifacts``): its
-    ``builder`` module's ``_main`` takes ``to_json()`` and builds it (``build_library``); it is
-    stored under its own ``artifact_spec()``."""
-
-    @property
-    def digest(self) -> str: ...
-
-    @property
-    def builder(self) -> str: ...
-
-    def to_json(self) -> str: ...
-
-    def artifact_spec(self) -> ArtifactSpec: ...
-
-
-Spec = KernelSpec | LibrarySpec
-
-
 def builder_fields(wdtype: str) -> dict[str, str]:
     """A builder's own host C++ is part of the libraries it makes (``BUILDERS``: its module's
     ``WRAPPER_DIGEST``), so that a wrapper change addresses new ones; nothing for other specs."""
@@ -263,32 +219,8 @@ def builder_fields(wdtype: str) -> dict[str, str]:
     return {} if module is None else {"wrapper": importlib.import_module(module).WRAPPER_DIGEST}
 
 
-def _marker(spec: Spec, kind: str) -> Path:
-    return cache_dir() / kind / f"{spec.digest}.json"
-
-
-def library_path(spec: Spec) -> Path:
-    """Where a kernel built as a shared library of its own (``BUILDERS``, ``LibrarySpec``) lives."""
-    return cache_dir() / "lib" / f"{spec.digest}.so"
-
-
-def compiled_info(spec: Spec) -> dict[str, Any] | None:
-    """{"seconds": compile time, "name": kernel name} once ``spec`` compiled, else None."""
-    path = _marker(spec, "compiled")
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def failure(spec: Spec) -> str | None:
-    """The recorded compile error of ``spec``, or None if it never failed."""
-    path = _marker(spec, "failed")
-    return json.loads(path.read_text())["error"] if path.exists() else None
-
-
-def record(spec: Spec, kind: str, data: dict[str, Any]) -> None:
-    """Mark ``spec`` compiled or failed (``kind``) with ``data``; the marker is written atomically."""
-    path = _marker(spec, kind)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps({"spec": json.loads(spec.to_json()), **data}))
+# What the CUTLASS artifact store keeps: CUTLASS kernels and other sources' own libraries.
+Spec = KernelSpec | nvcc_build.LibrarySpec
 
 
 # --- building (in this process) ---------------------------------------------------------------
@@ -372,14 +304,14 @@ def offers(spec: KernelSpec, lookup: Callable[[KernelSpec], Any]) -> bool:
     Asking the library means building its kernel registry, seconds per process; a spec that
     compiled is offered, and a spec found missing is marked so (in the cache, per library
     version), so a warm run's shortlists need no registry."""
-    if compiled_info(spec) is not None:
+    if nvcc_build.compiled_info(spec) is not None:
         return True
-    if _marker(spec, "absent").exists():
+    if nvcc_build.marker(spec, "absent").exists():
         return False
     try:
         lookup(spec)
     except LookupError:
-        record(spec, "absent", {})
+        nvcc_build.record(spec, "absent", {})
         return False
     return True
 
@@ -440,7 +372,7 @@ def _tile_descriptions(*plan: str) -> dict[tuple[Any, ...], Any]:
 
 def load(spec: KernelSpec) -> Any:
     """The compiled GemmOperationUniversal of ``spec``: from the cache, else compiled here."""
-    with _in_dir(cache_dir() / "work" / f"p{os.getpid()}"):
+    with _in_dir(nvcc_build.work_dir()):
         plan = _plan_of(spec)
         td = tile_description(spec)
         return plan.compile(
@@ -448,7 +380,7 @@ def load(spec: KernelSpec) -> Any:
         )
 
 
-# --- compiling (in child processes) ------------------------------------------------------------
+# --- compiling (in a child process of nvcc_build.compile_all) ------------------------------------
 
 
 def _compile_errors(workdir: Path) -> str:
@@ -466,105 +398,13 @@ def _compile_here(spec: KernelSpec) -> dict[str, Any]:
     try:
         op = load(spec)
     except Exception as e:
-        detail = _compile_errors(cache_dir() / "work" / f"p{os.getpid()}")
+        detail = _compile_errors(nvcc_build.work_dir())
         permanent = isinstance(e, LookupError | ValueError) or "Invalid" in str(e)
         text = f"{type(e).__name__}: {e}" + (f"\n{detail}" if detail else "")
         return {"ok": False, "permanent": permanent, "error": text[:4000]}
     seconds = time.perf_counter() - started
-    record(spec, "compiled", {"seconds": round(seconds, 2), "name": op.procedural_name()})
-    return {"ok": True, "seconds": seconds}
-
-
-def _compile_child(spec: Spec, timeout_s: float) -> str | None:
-    """Compile ``spec`` in a fresh process. None on success, else the error (recorded if final)."""
-    cmd = [sys.executable, "-m", spec.builder, spec.to_json()]
-    try:
-        proc = run_group(cmd, timeout_s)  # the child's nvcc dies with it, and it with this run
-    except subprocess.TimeoutExpired:
-        return f"compile timed out after {timeout_s:.0f} s"
-    last = proc.stdout.strip().splitlines()[-1:] or [""]
-    try:
-        verdict = json.loads(last[0])
-    except json.JSONDecodeError:
-        return f"compiler process exited with {proc.returncode}: {proc.stderr.strip()[-1500:]}"
-    if verdict["ok"]:
-        return None
-    if verdict["permanent"]:
-        record(spec, "failed", {"error": verdict["error"]})
-    return verdict["error"]
-
-
-def default_jobs(n: int) -> int:
-    env = os.environ.get("TUNER_CUTLASS_JOBS")
-    return max(1, int(env) if env else min(n, os.cpu_count() or 1, 16))
-
-
-def compile_all(
-    specs: list[Spec],
-    *,
-    jobs: int | None = None,
-    timeout_s: float = COMPILE_TIMEOUT_S,
-    on_done: Callable[[Spec], None] | None = None,
-    needs: Callable[[], str | None] | None = None,
-) -> dict[Spec, str | None]:
-    """Compile every spec not yet compiled or failed, in parallel processes, in the order given.
-
-    Returns spec -> None (compiled, now or earlier) or its error (now or recorded earlier);
-    ``on_done(spec)`` is called as each spec's outcome is known (from the compiling threads).
-    ``needs``: why the specs cannot be compiled here (their builder's tools missing), else None;
-    ``cannot_compile`` by default.
-    """
-    done = on_done or (lambda _spec: None)
-    result: dict[Spec, str | None] = {}
-    todo: list[Spec] = []
-    for spec in dict.fromkeys(specs):
-        if compiled_info(spec) is not None:
-            result[spec] = None
-        elif (error := failure(spec)) is not None:
-            result[spec] = error
-        else:
-            todo.append(spec)
-            continue
-        done(spec)
-    if todo and (reason := (needs or cannot_compile)()):
-        for spec in todo:
-            result[spec] = reason
-            done(spec)
-        todo = []
-
-    def compile_one(spec: Spec) -> str | None:
-        error = _compile_child(spec, timeout_s)
-        result[spec] = error
-        done(spec)
-        return error
-
-    if todo:
-        with ThreadPoolExecutor(max_workers=jobs or default_jobs(len(todo))) as pool:
-            list(pool.map(compile_one, todo))
-    return {spec: result[spec] for spec in dict.fromkeys(specs)}
-
-
-def build_library(spec: Spec, command: Callable[[Path], list[str]], info: dict[str, Any]) -> dict:
-    """Child-process body of a builder (``BUILDERS``, ``LibrarySpec.builder``): ``command(out)``
-    (nvcc) writes a file of this process's own, which then replaces ``library_path(spec)`` in one
-    step, so that no loader opens a library being written and two builds of one spec never share
-    a file; ``spec`` is then marked compiled with ``info``. A verdict as ``_compile_here``'s: a
-    compile error fails for good, a killed nvcc (a negative exit) may pass later."""
-    started = time.perf_counter()
-    out = library_path(spec)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    proc = subprocess.run(command(tmp), capture_output=True, text=True)
-    if proc.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] or [
-            f"nvcc exited with {proc.returncode}: {proc.stderr.strip()[-1500:]}"
-        ]
-        text = "\n".join(errors[:12])[:4000]
-        return {"ok": False, "permanent": proc.returncode > 0, "error": text}
-    tmp.replace(out)
-    seconds = time.perf_counter() - started
-    record(spec, "compiled", {"seconds": round(seconds, 2), **info})
+    info = {"seconds": round(seconds, 2), "name": op.procedural_name()}
+    nvcc_build.record(spec, "compiled", info)
     return {"ok": True, "seconds": seconds}
 
 
@@ -572,7 +412,7 @@ def _main(argv: list[str]) -> int:
     group_dies_with_parent()
     spec = KernelSpec.from_json(argv[0])
     verdict = _compile_here(spec)
-    shutil.rmtree(cache_dir() / "work" / f"p{os.getpid()}", ignore_errors=True)
+    shutil.rmtree(nvcc_build.work_dir(), ignore_errors=True)
     print(json.dumps(verdict), flush=True)
     return 0
 

@@ -12,7 +12,7 @@ raster swizzle (1, 2, 4, 8: a runtime argument, no new kernel).
 
 The shortlist is shape-aware and small (4-6 configs: 64-row tiles and stream-K for decode, 128/256
 tiles with 2-CTA clusters for large problems). ``precompile`` compiles the shortlist's missing
-kernels in parallel before any is timed (cutlass_env); kernels are shape-independent, so a warm
+kernels in parallel before any is timed (nvcc_build); kernels are shape-independent, so a warm
 cache makes this free. Runners launch through the driver API with the kernel arguments patched per
 call (pointers, strides): no per-call planning and no per-call allocation. Compiled kernels are
 artifacts (``cutlass_artifacts``): installed before compiling, published after a build, and
@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from tuner.candidates import cutlass_artifacts
+from tuner.candidates import cutlass_artifacts, nvcc_build
 from tuner.candidates import cutlass_env as env
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner, Source
@@ -196,10 +196,10 @@ def compilable(
     offers: Callable[[env.KernelSpec], bool] = in_library,
 ) -> dict[env.KernelSpec, Params]:
     """Kernel -> its first config, for the kernels the library ``offers`` that never failed to
-    compile (a failure is remembered: ``env.failure``)."""
+    compile (a failure is remembered: ``nvcc_build.failure``)."""
     chosen: dict[env.KernelSpec, Params] = {}
     for spec, params in pairs:
-        if offers(spec) and env.failure(spec) is None:
+        if offers(spec) and nvcc_build.failure(spec) is None:
             chosen.setdefault(spec, params)
     return chosen
 
@@ -463,16 +463,16 @@ class CutlassGemm(Source):
         chosen = self.offered(key)
         if env.cannot_compile():  # without nvcc only kernels built elsewhere can run
             cutlass_artifacts.install_missing(chosen)
-            chosen = {s: p for s, p in chosen.items() if env.compiled_info(s) is not None}
+            chosen = {s: p for s, p in chosen.items() if nvcc_build.compiled_info(s) is not None}
         return list(chosen.values())
 
     def precompile(self, key: GemmKey, shortlist: list[Params]) -> None:
         """Install the shortlist's kernels that the artifact store holds, compile the others in
-        parallel processes; a config that fails is recorded by cutlass_env and raises, with its
+        parallel processes; a config that fails is recorded by nvcc_build and raises, with its
         error, when the engine builds it."""
         specs = [self.kernel_spec(key, p) for p in shortlist]
         cutlass_artifacts.install_missing(specs)
-        env.compile_all(specs)
+        nvcc_build.compile_all(specs, needs=env.cannot_compile)
 
     shares_kernels = True
 
@@ -482,7 +482,7 @@ class CutlassGemm(Source):
         """Every distinct kernel of the run once, on every core, in the order first needed;
         a problem is ready once its own kernels are."""
         specs_of = [[self.kernel_spec(key, p) for p in shortlist] for key, shortlist in shortlists]
-        cutlass_artifacts.compile_run(specs_of, ready)
+        cutlass_artifacts.compile_run(specs_of, ready, env.cannot_compile)
 
     def prepare(self, key: GemmKey, shortlist: list[Params]) -> None:
         """cutlass_cppgen's registry and ``key``'s plan, which ``load`` needs."""
@@ -497,7 +497,7 @@ class CutlassGemm(Source):
         then stored (so that other hosts, or this one's next cache, need not compile it)."""
         spec = self.kernel_spec(key, params)
         cutlass_artifacts.install_missing([spec])
-        error = env.compile_all([spec])[spec]
+        error = nvcc_build.compile_all([spec], needs=env.cannot_compile)[spec]
         if error is not None:
             raise RuntimeError(f"CUTLASS kernel did not compile: {error}")
         op = self.load(spec)

@@ -6,7 +6,7 @@ this source uses the layer under it: cutlass_library's SM90 mixed-dtype generato
 kernels and its emitter writes one as C++ (``MixedInputMode.ScaleWithZeroPoint``: A's element is
 ``cute::tuple<int4b_t, T, T>``); a small extern "C" wrapper around ``GemmUniversalAdapter``
 (workspace size, run on a stream) makes it a shared library that nvcc builds in a child process of
-``cutlass_env.compile_all`` and ctypes loads. Only the compile needs nvcc and cutlass_library (the
+``nvcc_build.compile_all`` and ctypes loads. Only the compile needs nvcc and cutlass_library (the
 headers); the library is an artifact (``cutlass_artifacts``), so other hosts load it without them.
 
 The problem, in CUTLASS's terms: A = the weight [N, K] (K-major, the narrow operand, which must be
@@ -31,7 +31,6 @@ import ctypes
 import functools
 import hashlib
 import json
-import os
 import shutil
 import sys
 import threading
@@ -42,7 +41,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from tuner.candidates import cutlass_env as env
-from tuner.candidates import cutlass_gemm
+from tuner.candidates import cutlass_gemm, nvcc_build
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params
 from tuner.core.keys import DTYPES, GemmKey
@@ -475,7 +474,7 @@ def nvcc_command(spec: env.KernelSpec, src: Path, out: Path) -> list[str]:
 
     root = Path(cutlass_library.source_path)
     return [
-        env.nvcc_path() or "nvcc",
+        nvcc_build.nvcc_path() or "nvcc",
         "-std=c++17", "--expt-relaxed-constexpr", "-O3", "-DNDEBUG",
         "-Xcudafe", "--diag_suppress=esa_on_defaulted_function_ignored",
         f"-gencode=arch=compute_{env.SM}a,code=sm_{env.SM}a",
@@ -487,17 +486,17 @@ def nvcc_command(spec: env.KernelSpec, src: Path, out: Path) -> list[str]:
 
 def compile_library(spec: env.KernelSpec) -> dict[str, Any]:
     """Child-process body of ``compile_all``: build ``spec``'s library into the cache; a verdict
-    in ``cutlass_env``'s form (a spec the generator does not list fails for good)."""
+    in ``nvcc_build``'s form (a spec the generator does not list fails for good)."""
     try:
         text = source(spec)
     except (LookupError, ImportError) as e:
         return {"ok": False, "permanent": isinstance(e, LookupError), "error": f"{e}"}
-    work = env.cache_dir() / "work" / f"p{os.getpid()}"
+    work = nvcc_build.work_dir()
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"{spec.digest}.cu"
     src.write_text(text)
     name = operation(spec).procedural_name()
-    return env.build_library(spec, lambda out: nvcc_command(spec, src, out), {"name": name})
+    return nvcc_build.build_library(spec, lambda out: nvcc_command(spec, src, out), {"name": name})
 
 
 # --- operands --------------------------------------------------------------------------------
@@ -687,13 +686,13 @@ class CutlassW4A16(cutlass_gemm.CutlassGemm):
 
     def load(self, spec: env.KernelSpec) -> Path:
         """The compiled library of ``spec`` (what the launcher and the artifact store take)."""
-        return env.library_path(spec)
+        return nvcc_build.library_path(spec)
 
 
 def _main(argv: list[str]) -> int:
     group_dies_with_parent()
     verdict = compile_library(env.KernelSpec.from_json(argv[0]))
-    shutil.rmtree(env.cache_dir() / "work" / f"p{os.getpid()}", ignore_errors=True)
+    shutil.rmtree(nvcc_build.work_dir(), ignore_errors=True)
     print(json.dumps(verdict), flush=True)
     return 0
 

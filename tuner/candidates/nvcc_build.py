@@ -1,0 +1,205 @@
+"""Building compiled kernels with nvcc, each in a child process, into one compile cache.
+
+Every source that compiles CUDA code ahead of timing builds here: CUTLASS kernels
+(``cutlass_env``), CUTLASS mixed-input kernels and our own CUDA kernels built as shared libraries
+of their own (``cutlass_w4a16``, ``cuda_w4a16``). What they share:
+
+- the cache directory (``$CUTLASS_CACHE_DIR``, else ``$XDG_CACHE_HOME/tuner/cutlass``, else
+  ``~/.cache/tuner/cutlass``) with a marker per spec (``compiled/``, ``failed/``, named by the
+  spec's digest) and the shared libraries (``lib/``);
+- ``compile_all``: missing specs compiled in parallel, each in its own process running its
+  ``builder`` module (a compiler crash cannot take the tuner down); a spec that fails to compile
+  is remembered with its error and never compiled again;
+- ``build_library``: a builder's nvcc run that makes one shared library, written in one step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from tuner.core.atomic import write_atomic
+from tuner.core.lifetime import run_group
+
+if TYPE_CHECKING:
+    from tuner.cache.artifacts import ArtifactSpec
+
+COMPILE_TIMEOUT_S = float(os.environ.get("TUNER_CUTLASS_COMPILE_TIMEOUT", "900"))
+
+
+def cache_dir() -> Path:
+    if env := os.environ.get("CUTLASS_CACHE_DIR"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tuner" / "cutlass"
+
+
+def work_dir() -> Path:
+    """This process's scratch directory in the cache (sources, compiler logs)."""
+    return cache_dir() / "work" / f"p{os.getpid()}"
+
+
+def nvcc_path() -> str | None:
+    """nvcc from $CUDA_INSTALL_PATH, PATH, or /usr/local/cuda, whichever comes first."""
+    candidates = []
+    if root := os.environ.get("CUDA_INSTALL_PATH"):
+        candidates.append(Path(root) / "bin" / "nvcc")
+    if found := shutil.which("nvcc"):
+        candidates.append(Path(found))
+    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
+    return next((str(p) for p in candidates if p.is_file()), None)
+
+
+class BuildSpec(Protocol):
+    """What ``compile_all`` builds: its ``builder`` module's ``_main`` takes ``to_json()`` in a
+    child process and prints a verdict; ``digest`` names its markers and library."""
+
+    @property
+    def digest(self) -> str: ...
+
+    @property
+    def builder(self) -> str: ...
+
+    def to_json(self) -> str: ...
+
+
+class LibrarySpec(BuildSpec, Protocol):
+    """A kernel of a source's own built as a shared library (``build_library``), stored in the
+    artifact store under its own ``artifact_spec()``."""
+
+    def artifact_spec(self) -> ArtifactSpec: ...
+
+
+S = TypeVar("S", bound=BuildSpec)
+
+
+def marker(spec: BuildSpec, kind: str) -> Path:
+    """The file that marks ``spec`` as ``kind`` (compiled, failed, or a builder's own kind)."""
+    return cache_dir() / kind / f"{spec.digest}.json"
+
+
+def library_path(spec: BuildSpec) -> Path:
+    """Where a kernel built as a shared library of its own (``build_library``) lives."""
+    return cache_dir() / "lib" / f"{spec.digest}.so"
+
+
+def compiled_info(spec: BuildSpec) -> dict[str, Any] | None:
+    """The compiled marker's data (compile seconds, the builder's info) once built, else None."""
+    path = marker(spec, "compiled")
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def failure(spec: BuildSpec) -> str | None:
+    """The recorded compile error of ``spec``, or None if it never failed."""
+    path = marker(spec, "failed")
+    return json.loads(path.read_text())["error"] if path.exists() else None
+
+
+def record(spec: BuildSpec, kind: str, data: dict[str, Any]) -> None:
+    """Mark ``spec`` as ``kind`` with ``data``; the marker is written atomically."""
+    path = marker(spec, kind)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps({"spec": json.loads(spec.to_json()), **data}))
+
+
+def _compile_child(spec: BuildSpec, timeout_s: float) -> str | None:
+    """Compile ``spec`` in a fresh process. None on success, else the error (recorded if final)."""
+    cmd = [sys.executable, "-m", spec.builder, spec.to_json()]
+    try:
+        proc = run_group(cmd, timeout_s)  # the child's nvcc dies with it, and it with this run
+    except subprocess.TimeoutExpired:
+        return f"compile timed out after {timeout_s:.0f} s"
+    last = proc.stdout.strip().splitlines()[-1:] or [""]
+    try:
+        verdict = json.loads(last[0])
+    except json.JSONDecodeError:
+        return f"compiler process exited with {proc.returncode}: {proc.stderr.strip()[-1500:]}"
+    if verdict["ok"]:
+        return None
+    if verdict["permanent"]:
+        record(spec, "failed", {"error": verdict["error"]})
+    return verdict["error"]
+
+
+def default_jobs(n: int) -> int:
+    env = os.environ.get("TUNER_CUTLASS_JOBS")
+    return max(1, int(env) if env else min(n, os.cpu_count() or 1, 16))
+
+
+def compile_all(
+    specs: Sequence[S],
+    *,
+    needs: Callable[[], str | None],
+    jobs: int | None = None,
+    timeout_s: float = COMPILE_TIMEOUT_S,
+    on_done: Callable[[S], None] | None = None,
+) -> dict[S, str | None]:
+    """Compile every spec not yet compiled or failed, in parallel processes, in the order given.
+
+    Returns spec -> None (compiled, now or earlier) or its error (now or recorded earlier);
+    ``on_done(spec)`` is called as each spec's outcome is known (from the compiling threads).
+    ``needs``: why the specs cannot be compiled here (their builder's tools missing), else None;
+    asked once, before any child starts, so that a host without the tools spawns none.
+    """
+    done = on_done or (lambda _spec: None)
+    result: dict[S, str | None] = {}
+    todo: list[S] = []
+    for spec in dict.fromkeys(specs):
+        if compiled_info(spec) is not None:
+            result[spec] = None
+        elif (error := failure(spec)) is not None:
+            result[spec] = error
+        else:
+            todo.append(spec)
+            continue
+        done(spec)
+    if todo and (reason := needs()):
+        for spec in todo:
+            result[spec] = reason
+            done(spec)
+        todo = []
+
+    def compile_one(spec: S) -> str | None:
+        error = _compile_child(spec, timeout_s)
+        result[spec] = error
+        done(spec)
+        return error
+
+    if todo:
+        with ThreadPoolExecutor(max_workers=jobs or default_jobs(len(todo))) as pool:
+            list(pool.map(compile_one, todo))
+    return {spec: result[spec] for spec in dict.fromkeys(specs)}
+
+
+def build_library(
+    spec: BuildSpec, command: Callable[[Path], list[str]], info: dict[str, Any]
+) -> dict[str, Any]:
+    """Child-process body of a builder: ``command(out)`` (nvcc) writes a file of this process's
+    own, which then replaces ``library_path(spec)`` in one step, so that no loader opens a
+    library being written and two builds of one spec never share a file; ``spec`` is then marked
+    compiled with ``info``. The verdict ``compile_all`` reads: a compile error fails for good, a
+    killed nvcc (a negative exit) may pass later."""
+    started = time.perf_counter()
+    out = library_path(spec)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    proc = subprocess.run(command(tmp), capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] or [
+            f"nvcc exited with {proc.returncode}: {proc.stderr.strip()[-1500:]}"
+        ]
+        text = "\n".join(errors[:12])[:4000]
+        return {"ok": False, "permanent": proc.returncode > 0, "error": text}
+    tmp.replace(out)
+    seconds = time.perf_counter() - started
+    record(spec, "compiled", {"seconds": round(seconds, 2), **info})
+    return {"ok": True, "seconds": seconds}
