@@ -226,7 +226,9 @@ def test_a_lucky_measurement_does_not_survive_the_confirmation(memoized):
     assert "lost" in error and "disturbed twice" in error  # far off its trial, taken again
 
 
-def test_a_winner_confirmed_slower_than_a_runner_ups_trial_meets_the_runner_up(monkeypatch):
+def test_a_winner_confirmed_slower_than_a_runner_ups_trial_meets_the_runner_up(
+    monkeypatch, one_thread
+):
     """Both beat torch's 512^3 GEMM on the CPU by far; the first ranked first on its trial, then
     its confirmation reads it slower than the second's trial: the second duels too and wins."""
     from planted import Busy, Memoized
@@ -246,14 +248,11 @@ def test_a_winner_confirmed_slower_than_a_runner_ups_trial_meets_the_runner_up(m
     key = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
     for source in (First(), Second()):
         registry.register(source)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a steady baseline on a busy host: one thread, no scheduling jumps
     try:
         options = TuneOptions(budget_s=0.02, sources=["first", "second"], cut_factor=1e9,
                               late_cut=1e9)  # fmt: skip
         outcome = tune(key, options=options, on_result=slow_down_after_its_trial)
     finally:
-        torch.set_num_threads(threads)
         registry.unregister("first")
         registry.unregister("second")
     first = by_params(outcome)["first"]
@@ -263,7 +262,7 @@ def test_a_winner_confirmed_slower_than_a_runner_ups_trial_meets_the_runner_up(m
     assert "kept" in first.error and "then second confirmed faster" in first.error
 
 
-def test_a_disturbed_timing_is_taken_again():
+def test_a_disturbed_timing_is_taken_again(one_thread):
     from planted import Disturbed
 
     # a budget of hundreds of its calls: the disturbed ones are a fifth of the first timing;

@@ -37,6 +37,7 @@ STEADY_REPS = 20  # samples enough for such a call's median
 LATE_REPS = 30  # timed calls before the late cut-off is applied
 HOLD_US_PER_CALL = 50.0  # GPU held per queued call: several times a graph launch's host cost
 HOLD_CYCLES_PER_US = 2000  # at least the SM clock in MHz: a held GPU spins no shorter than asked
+HOST_CALLS = 20  # eager calls per host reading at most: a launch's jitter spread, still cheap
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,16 @@ def host_time_us(fn: Callable[[int], Any], n: int, clock: _Clock) -> float:
     return elapsed / n * 1e6
 
 
+def host_reading(fn: Callable[[int], Any], device: str, calls: int = HOST_CALLS) -> float:
+    """A fresh reading of the host time per eager call of ``fn(i)``, taken as ``measure`` takes
+    it (on the CPU, where a call is synchronous, the median of the calls' times), for a reading
+    a disturbance may have inflated: it can only add time, never take it away."""
+    clock = _Clock(device)
+    if clock.cuda:
+        return host_time_us(fn, calls, clock)
+    return statistics.median(clock.run(fn, 0, calls))
+
+
 def measure(
     fn: Callable[[int], Any],
     *,
@@ -187,7 +198,7 @@ def measure(
     s = sorted(samples)
     median = statistics.median(s)
     host = (
-        host_time_us(fn, min(reps, 20), clock) if clock.cuda else median
+        host_time_us(fn, min(reps, HOST_CALLS), clock) if clock.cuda else median
     )  # CPU work is synchronous
     return Timing(median, _percentile(s, 0.1), _percentile(s, 0.9), len(s), host)
 

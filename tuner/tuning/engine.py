@@ -10,6 +10,7 @@ slower than doing nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -189,6 +190,25 @@ def launch_cost_repaid(
     return extra <= 0 or base_us - us >= extra
 
 
+def host_decides(median_us: float, host_us: float, base: Measurement, options: TuneOptions) -> bool:
+    """Whether a challenger faster than the baseline on its own time (eager: ``median_us``
+    against the baseline's ``effective_us``) is kept from the duel by its host time alone: its
+    launch cost is not repaid, or its host time makes it no faster eagerly. There one disturbed
+    host reading would drop it with no duel to correct it, so that reading is taken again.
+
+    The baseline's reading is not: a disturbed (high) one only lets more challengers into the
+    duel, which reads both host times again over alternating rounds and applies the launch rule
+    to those readings. A host time above the call's own time is no sign of a disturbance
+    either: it is what every launch-bound call reads."""
+    if options.launch != "eager" or base.host_us is None:
+        return False
+    base_us = effective_us(base, options.launch)
+    if median_us >= base_us:
+        return False
+    repaid = launch_cost_repaid(median_us, host_us, base.median_us, base.host_us, options)
+    return not repaid or max(median_us, host_us) >= base_us
+
+
 def _challengers(
     measurements: list[Measurement], options: TuneOptions
 ) -> tuple[list[Measurement], list[Measurement]]:
@@ -296,6 +316,18 @@ class _Trial:
         )
         self.runners: dict[str, Runner] = {}  # candidates that passed the numerics check
 
+    @classmethod
+    def for_key(
+        cls, key: Key, device: str, seed: int, record: Callable[..., Measurement]
+    ) -> _Trial:
+        """A trial on ``key``'s rotation of input sets (``seed``) and its reference."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        n_sets = timing.rotation_sets(samples.bytes_per_set(key), device)
+        sets = [samples.make_inputs(key, device, gen) for _ in range(n_sets)]
+        return cls(
+            key, device, sets, samples.reference(key, sets[0]), samples.tolerance(key), record
+        )
+
     def run(
         self,
         source: Source,
@@ -303,7 +335,10 @@ class _Trial:
         cutoff_us: float | None,
         options: TuneOptions,
         late_cutoff_us: float | None = None,
+        base: Measurement | None = None,
     ) -> Measurement:
+        """The candidate's measurement; ``base``, the baseline's, for a challenger (its host
+        reading is taken again where the launch-cost verdict hinges on it: ``host_decides``)."""
         try:
             runner = source.build(self.key, params)
         except Exception as e:
@@ -352,10 +387,17 @@ class _Trial:
                 error = f"cannot be captured in a CUDA graph: {_short(e)}"
                 return self.record(source, params, "failed", max_rel_err=err, error=error)
             t = timing.Timing(g.median_us, g.p10_us, g.p90_us, g.reps, t.host_us)
+        note = _cut_reason(t, cutoff_us, late_cutoff_us) if t.cut else ""
+        if base is not None and not t.cut and host_decides(t.median_us, t.host_us, base, options):
+            again = timing.host_reading(timing.on_sets(runner, sets), self.device)
+            note = (
+                f"host time read again: {t.host_us:.2f} then {again:.2f} us a call, the lower kept"
+            )
+            t = dataclasses.replace(t, host_us=min(t.host_us, again))
         return self.record(
             source, params, "cut" if t.cut else "ok", max_rel_err=err,
             median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, reps=t.reps, host_us=t.host_us,
-            error=_cut_reason(t, cutoff_us, late_cutoff_us) if t.cut else "",
+            error=note,
         )  # fmt: skip
 
     def confirm(
@@ -422,11 +464,13 @@ class _Trial:
         won = chal_us < base_us * (1 - margin) or (gpu_win and chal_us <= base_us)
         launch_ok = launch_cost_repaid(chal_us, chal_host, base_us, base_host, options)
         kept = won and launch_ok and gpu_ok and not disturbed
-        challenger.error = (
+        verdict = (
             f"confirmation: {chal_us:.2f} us vs baseline {base_us:.2f} us, host "
             f"{chal_host:.2f} vs {base_host:.2f} us per call{note}, "
             f"{'kept' if kept else 'lost'} (margin {margin:.1%})"
         )
+        # after the trial's own note (a host time read again), which says why it is here
+        challenger.error = f"{challenger.error}; {verdict}" if challenger.error else verdict
         if disturbed:  # neither reading says what the baseline costs; its trial does
             base_us = trial_us[0]
         return (challenger, base_us, chal_us) if kept else (base, base_us, base_us)
@@ -500,6 +544,11 @@ class _Trial:
                 torch.cuda.synchronize()
             errors.append(samples.relative_error(out, self.ref))
         return float("nan") if any(e != e for e in errors) else max(errors)
+
+
+def _baseline(measurements: Iterable[Measurement]) -> Measurement | None:
+    """The baseline's timed measurement, once there is one."""
+    return next((m for m in measurements if m.is_baseline and m.status == "ok"), None)
 
 
 def _late(t: timing.Timing, late_cutoff_us: float | None) -> bool:
@@ -730,17 +779,7 @@ def tune(
 
     done = {m.candidate: m for m in prior or ()}
 
-    gen = torch.Generator(device=device).manual_seed(options.seed)
-    n_sets = timing.rotation_sets(samples.bytes_per_set(key), device)
-    input_sets = [samples.make_inputs(key, device, gen) for _ in range(n_sets)]
-    trial = _Trial(
-        key,
-        device,
-        input_sets,
-        samples.reference(key, input_sets[0]),
-        samples.tolerance(key),
-        record,
-    )
+    trial = _Trial.for_key(key, device, options.seed, record)
 
     plan = candidate_shortlists(key, device, options, record, done, measurements)
     best_us: float | None = None
@@ -757,7 +796,8 @@ def tune(
         else:
             if on_start:
                 on_start(source, params)
-            m = trial.run(source, params, cutoff, options, late)
+            baseline = _baseline(measurements) if challenger else None
+            m = trial.run(source, params, cutoff, options, late, baseline)
         if m.status == "ok":
             us = effective_us(m, options.launch)
             best_us = us if best_us is None else min(best_us, us)
@@ -781,7 +821,7 @@ def tune(
         run(source, params)
     marks.append(time.perf_counter())
 
-    base = next((m for m in measurements if m.is_baseline and m.status == "ok"), None)
+    base = _baseline(measurements)
     if base is None:
         errors = "; ".join(f"{m.candidate}: {m.error}" for m in measurements if m.is_baseline)
         raise RuntimeError(f"the baseline failed on {key}: {errors}")
