@@ -21,10 +21,8 @@ last chunk, once the warps' partials are in shared memory, at its end); the row 
 stamps and a summary (impl "cuda_gemv_trace"). With ``--baseline PATH``, every config is also
 built from the kernel source at PATH (another version of ``w4a16_gemv.cu``, e.g. the committed
 one) and timed right before the current one (impl "cuda_gemv_baseline"): an A/B of a kernel change
-on one machine in one run. ``--variant NAME ...``: every config also built from this source with
-the flags ``VARIANTS`` names (e.g. ``turns1``: ``-DGEMV_TURNS=1``) and timed right before the
-default build (impl "cuda_gemv_NAME"); ``--repeat R`` times each config's builds R times in
-turn. ``--profile``: no timing, the bare read and each config of
+on one machine in one run; ``--repeat R`` times each config's builds R times in turn (the A/B's
+noise). ``--profile``: no timing, the bare read and each config of
 ``PROFILED`` once in an NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
 """
 
@@ -73,8 +71,7 @@ GRID = [
 ]  # fmt: skip
 TRACED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
 PROFILED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
-VARIANTS = {"trace": ["-DGEMV_TRACE=1"], "baseline": [],
-            **{f"turns{t}": [f"-DGEMV_TURNS={t}"] for t in (1, 4, 16, 1024)}}  # fmt: skip
+VARIANTS = {"trace": ["-DGEMV_TRACE=1"], "baseline": []}
 VARIANT_DIR = Path(tempfile.gettempdir()) / "w4a16_gemv_variants"
 # a trace row's fields (w4a16_gemv.cu): sm id, globaltimer at start / end, clock64 at start,
 # after the wait, warp 0's first chunk, after the sums, at the end; then each warp's last chunk
@@ -170,13 +167,7 @@ def grid_configs(m: int, n: int, k: int, entries: list[tuple] = GRID) -> list[di
     return out
 
 
-def build(
-    projections: list[str],
-    ms: tuple[int, ...],
-    trace: bool,
-    baseline: Path | None,
-    variants: list[str],
-) -> None:
+def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Path | None) -> None:
     """Every library and Triton kernel the run times, compiled in parallel before any timing."""
     started = time.perf_counter()
     shapes = [(m, *PROJECTIONS[name]) for name in projections for m in ms]
@@ -186,7 +177,6 @@ def build(
         build_variants([(c, "trace") for shape in shapes for c in grid_configs(*shape, TRACED)])
     if baseline is not None:
         build_variants([(c, "baseline") for c in cfgs], baseline)
-    build_variants([(c, v) for c in cfgs for v in variants])
     print(f"built {len({cuda_w4a16.library(c) for c in cfgs})} CUDA libraries and the variants in "
           f"{time.perf_counter() - started:.1f} s; errors: {errors}", flush=True)  # fmt: skip
     report = warm([job for name in projections for m in ms
@@ -199,7 +189,7 @@ def build(
 
 def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: bool = False,
                      profile: bool = False, baseline: Path | None = None,
-                     variants: tuple[str, ...] = (), repeats: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+                     repeats: int = 1) -> list[dict[str, Any]]:  # fmt: skip
     n, k = PROJECTIONS[name]
     rows: list[dict[str, Any]] = []
     stream = gemm_operands.stream_getter(torch.device("cuda", torch.cuda.current_device()))
@@ -258,9 +248,6 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             if baseline is not None:
                 fn = cuda_w4a16.load(variant_path(cfg, "baseline", baseline))
                 checked("cuda_gemv_baseline", cfg, gemv(fn, cfg))
-            for variant in variants:
-                fn = cuda_w4a16.load(variant_path(cfg, variant))
-                checked(f"cuda_gemv_{variant}", cfg, gemv(fn, cfg))
             checked("cuda_gemv", cfg, gemv(cuda_w4a16.launcher(cfg), cfg))
         for cfg in grid_configs(m, n, k, TRACED) if trace else []:
             path = variant_path(cfg, "trace")
@@ -273,8 +260,7 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             rows[-1]["trace"] = trace_summary(stamps, cfg["warps"])
             rows[-1]["stamps"] = stamps
             print(f"  trace {cfg}: {rows[-1]['trace']}", flush=True)
-        for impl in ("w4a16", "cuda_gemv", "cuda_gemv_baseline",
-                     *(f"cuda_gemv_{v}" for v in variants)):  # fmt: skip
+        for impl in ("w4a16", "cuda_gemv", "cuda_gemv_baseline"):
             ok = [r for r in rows if r["m"] == m and r["impl"] == impl and r.get("excess", 9) <= 1]
             if ok:
                 min(ok, key=lambda r: r["us"])["best"] = True
@@ -293,9 +279,6 @@ def main() -> None:
                     help="also time the traced builds of TRACED and keep their stamps")  # fmt: skip
     ap.add_argument("--baseline", type=Path,
                     help="also time every config built from this version of w4a16_gemv.cu")  # fmt: skip
-    ap.add_argument("--variant", nargs="*", default=[],
-                    choices=[v for v in VARIANTS if v not in ("trace", "baseline")],
-                    help="also time every config built with these VARIANTS' flags")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=1,
                     help="time each config's builds this many times in turn (an A/B's noise)")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
@@ -304,8 +287,10 @@ def main() -> None:
     for name in args.proj:
         if name not in PROJECTIONS:
             ap.error(f"projection {name!r}: allowed {sorted(PROJECTIONS)}")
+    if args.repeat < 1:
+        ap.error(f"--repeat {args.repeat}: at least 1")
     torch.manual_seed(0)
-    build(args.proj, tuple(args.m), args.trace, args.baseline, args.variant)
+    build(args.proj, tuple(args.m), args.trace, args.baseline)
     if args.profile:
         for name in args.proj:
             bench_projection(name, tuple(args.m), 0.0, profile=True)
@@ -313,8 +298,7 @@ def main() -> None:
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
     result = header(copy_gbs, group_size=GROUP, nvcc=cuda_w4a16.toolkit())
     write_as_it_goes(result, args.out, args.proj, lambda name: bench_projection(
-        name, tuple(args.m), copy_gbs, args.trace, baseline=args.baseline,
-        variants=tuple(args.variant), repeats=args.repeat))  # fmt: skip
+        name, tuple(args.m), copy_gbs, args.trace, baseline=args.baseline, repeats=args.repeat))  # fmt: skip
 
 
 if __name__ == "__main__":
