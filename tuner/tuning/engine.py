@@ -212,9 +212,11 @@ def host_decides(median_us: float, host_us: float, base: Measurement, options: T
 def _challengers(
     measurements: list[Measurement], options: TuneOptions
 ) -> tuple[list[Measurement], list[Measurement]]:
-    """The challengers faster than the baseline in the trial (``effective_us``) that repay any
-    extra launch cost, split into those beyond both sides' noise and those within it (ties),
-    each fastest first."""
+    """The challengers that repay any extra launch cost, split into those faster than the
+    baseline in the trial (``effective_us``) beyond both sides' noise and those within
+    ``min_noise`` of it either side (ties), each fastest first. A tie may read a hair slower: one
+    eager reading of a GPU-bound call moves by a few percent, and only its duel, alternating
+    rounds and a CUDA graph, says which of the two is faster."""
     ok = [m for m in measurements if m.status == "ok"]
     base = next(m for m in ok if m.is_baseline)
     base_us = effective_us(base, options.launch)
@@ -229,7 +231,7 @@ def _challengers(
         margin = max(noise(base, options.min_noise), noise(m, options.min_noise))
         if us < base_us * (1 - margin):
             beyond.append(m)
-        elif us < base_us:
+        elif us < base_us * (1 + options.min_noise):
             within.append(m)
 
     def fastest_first(ms: list[Measurement]) -> list[Measurement]:
@@ -245,10 +247,10 @@ def contenders(measurements: list[Measurement], options: TuneOptions) -> list[Me
 
 
 def ties(measurements: list[Measurement], options: TuneOptions) -> list[Measurement]:
-    """Challengers faster than the baseline in the trial but within the noise (and that repay
-    any extra launch cost), fastest first. On the GPU the confirmation's CUDA-graph timing can
-    tell them apart: eager times of small kernels are host-bound, and their noise hides a real
-    difference on the GPU."""
+    """Challengers faster than the baseline in the trial but within the noise, or slower by at
+    most ``min_noise`` (and that repay any extra launch cost), fastest first. On the GPU the
+    confirmation's CUDA-graph timing can tell them apart: eager times of small kernels are
+    host-bound, and their noise hides a real difference on the GPU."""
     return _challengers(measurements, options)[1]
 
 
