@@ -23,6 +23,7 @@ from tuner.tuning.engine import (
     disturbed_duel,
     duels,
     earlier_times,
+    gap_unexplained,
     gpu_only_win,
     host_hides_gpu,
     runner_up,
@@ -313,6 +314,18 @@ def test_a_duel_far_off_either_trial_is_disturbed():
     assert disturbed_duel(trial_us=(29.4, 28.9), duel_us=(102.9, 53.9))
     assert disturbed_duel(trial_us=(29.4, 28.9), duel_us=(30.0, 45.0))  # either side
     assert not disturbed_duel(trial_us=(29.4, 28.9), duel_us=(36.0, 31.0))  # a slower moment
+
+
+def test_an_eager_gap_between_kernel_bound_calls_must_show_in_their_graph_times():
+    # (baseline, challenger), an FP8 prefill row: torch's rounds read 99.3 us beside a
+    # disturbance, while both kernels ran 80-81 us in a graph, longer than either launch
+    hosts, gpus = (71.7, 37.5), (81.0, 80.4)
+    assert gap_unexplained((99.3, 81.9), hosts, gpus, margin=0.046)
+    assert not gap_unexplained((84.7, 81.9), hosts, gpus, margin=0.046)  # within the noise
+    # a real win shows in the graph too (CUTLASS 128x384 on Qwen qkv M = 2048)
+    assert not gap_unexplained((59.7, 56.6), (44.0, 29.2), (60.4, 53.6), margin=0.021)
+    # launch-bound calls: eager times are launch times, which the graph does not see
+    assert not gap_unexplained((40.0, 25.0), (38.0, 24.0), (12.0, 11.9), margin=0.02)
 
 
 def test_the_runner_up_duels_where_the_winners_confirmation_reads_it_slower():

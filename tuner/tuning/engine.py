@@ -138,6 +138,20 @@ def host_hides_gpu(host_us: tuple[float, float], gpu_us: tuple[float, float]) ->
     return max(host_us) >= min(gpu_us)
 
 
+def gap_unexplained(
+    eager_us: tuple[float, float],
+    host_us: tuple[float, float],
+    gpu_us: tuple[float, float],
+    margin: float,
+) -> bool:
+    """Whether an eager duel's win (baseline first, challenger second in each pair) between two
+    calls whose kernels outlast their launches (not ``host_hides_gpu``) is wider than their
+    graph times' gap by more than ``margin`` of the baseline's time. Eager times of such calls
+    are their kernels' times, so a wider gap is one reading's disturbance, not the kernels."""
+    (base, chal), (base_gpu, chal_gpu) = eager_us, gpu_us
+    return not host_hides_gpu(host_us, gpu_us) and base - chal > base_gpu - chal_gpu + margin * base
+
+
 def gpu_only_win(host_us: tuple[float, float], gpu_us: tuple[float, float], margin: float) -> bool:
     """Whether the challenger (second of each pair; the baseline first) wins an eager tie on its
     GPU time alone: where the host hides the kernels (``host_hides_gpu``), faster in the graph
@@ -418,8 +432,10 @@ class _Trial:
         faster on the GPU beyond the graph's noise also wins when it is no slower eagerly, where
         the host's launch hides the kernels and its own launch is no longer (``gpu_only_win``). A
         challenger that cannot be captured loses: it could not serve a caller that runs its step
-        as a graph. Eagerly, rounds far off either runner's trial time (``disturbed_duel``) are
-        taken again once; disturbed twice, the baseline stays, at its trial time.
+        as a graph. Eagerly, rounds far off either runner's trial time (``disturbed_duel``), or
+        whose win between two kernel-bound calls is wider than their graph times allow
+        (``gap_unexplained``), are taken again once; disturbed twice, the baseline stays, at its
+        trial time.
 
         Returns the chosen measurement and the baseline's and chosen one's times (us).
         """
@@ -457,10 +473,17 @@ class _Trial:
                     base_us, chal_us = base_gpu.median_us, chal_gpu.median_us
                     margin = gpu_margin
                 else:
+                    gpu_us = (base_gpu.median_us, chal_gpu.median_us)
+                    hosts = (base_host, chal_host)
+                    if not disturbed and gap_unexplained((base_us, chal_us), hosts, gpu_us, margin):
+                        base_us, chal_us, base_host, chal_host = self.rounds(
+                            runners, base, challenger, options
+                        )
+                        hosts = (base_host, chal_host)
+                        disturbed = gap_unexplained((base_us, chal_us), hosts, gpu_us, margin)
+                        note += "; eager gap twice wider than the GPU's" if disturbed else ""
                     gpu_ok = chal_gpu.median_us <= base_gpu.median_us * (1 + gpu_margin)
-                    gpu_win = gpu_only_win(
-                        (base_host, chal_host), (base_gpu.median_us, chal_gpu.median_us), gpu_margin
-                    )
+                    gpu_win = gpu_only_win(hosts, gpu_us, gpu_margin)
         # eager: a win beyond the eager noise, or, where the host's launch hides the kernels, a
         # GPU win with no eager loss (the graph replay measures cleanly what the host hides)
         won = chal_us < base_us * (1 - margin) or (gpu_win and chal_us <= base_us)
