@@ -145,11 +145,14 @@ def gap_unexplained(
     margin: float,
 ) -> bool:
     """Whether an eager duel's win (baseline first, challenger second in each pair) between two
-    calls whose kernels outlast their launches (not ``host_hides_gpu``) is wider than their
-    graph times' gap by more than ``margin`` of the baseline's time. Eager times of such calls
-    are their kernels' times, so a wider gap is one reading's disturbance, not the kernels."""
+    calls whose kernels outlast their launches (not ``host_hides_gpu``) is one their graph times
+    do not show: the graph's win below ``margin``, and the eager one wider than it by more than
+    ``margin``. Eager times of such calls are their kernels' times, so that win is one
+    reading's disturbance, not the kernels. Wins are shares of the baseline's time, not
+    microseconds: an eager and a graph time of one long call differ by a few percent of it."""
     (base, chal), (base_gpu, chal_gpu) = eager_us, gpu_us
-    return not host_hides_gpu(host_us, gpu_us) and base - chal > base_gpu - chal_gpu + margin * base
+    eager_win, gpu_win = 1 - chal / base, 1 - chal_gpu / base_gpu
+    return not host_hides_gpu(host_us, gpu_us) and gpu_win < margin and eager_win > gpu_win + margin
 
 
 def gpu_only_win(host_us: tuple[float, float], gpu_us: tuple[float, float], margin: float) -> bool:
