@@ -146,13 +146,17 @@ def gap_unexplained(
 ) -> bool:
     """Whether an eager duel's win (baseline first, challenger second in each pair) between two
     calls whose kernels outlast their launches (not ``host_hides_gpu``) is one their graph times
-    do not show: the graph's win below ``margin``, and the eager one wider than it by more than
-    ``margin``. Eager times of such calls are their kernels' times, so that win is one
+    do not show: an eager win beyond ``margin``, the graph's below it, and the eager one wider
+    than the graph's by more than ``margin``. Eager times of such calls are their kernels' times, so that win is one
     reading's disturbance, not the kernels. Wins are shares of the baseline's time, not
     microseconds: an eager and a graph time of one long call differ by a few percent of it."""
     (base, chal), (base_gpu, chal_gpu) = eager_us, gpu_us
     eager_win, gpu_win = 1 - chal / base, 1 - chal_gpu / base_gpu
-    return not host_hides_gpu(host_us, gpu_us) and gpu_win < margin and eager_win > gpu_win + margin
+    return (
+        not host_hides_gpu(host_us, gpu_us)
+        and eager_win > margin > gpu_win
+        and eager_win > gpu_win + margin
+    )
 
 
 def gpu_only_win(host_us: tuple[float, float], gpu_us: tuple[float, float], margin: float) -> bool:
