@@ -133,9 +133,7 @@ def toolkit() -> str:
 
 def cannot_compile() -> str | None:
     """Why libraries cannot be compiled here (no nvcc), else None."""
-    if nvcc_build.nvcc_path() is None:
-        return "nvcc not found: put it on PATH or set CUDA_INSTALL_PATH"
-    return None
+    return nvcc_build.missing_nvcc()
 
 
 @dataclass(frozen=True)

@@ -71,11 +71,7 @@ def missing() -> str | None:
 
 def cannot_compile() -> str | None:
     """Why CUTLASS kernels cannot be compiled here (``missing``, or no nvcc), else None."""
-    if reason := missing():
-        return reason
-    if nvcc_build.nvcc_path() is None:
-        return "nvcc not found: put it on PATH or set CUDA_INSTALL_PATH"
-    return None
+    return missing() or nvcc_build.missing_nvcc()
 
 
 # --- the import -------------------------------------------------------------------------------

@@ -58,6 +58,13 @@ def nvcc_path() -> str | None:
     return next((str(p) for p in candidates if p.is_file()), None)
 
 
+def missing_nvcc() -> str | None:
+    """Why nothing can be compiled here (no nvcc), else None."""
+    if nvcc_path() is None:
+        return "nvcc not found: put it on PATH or set CUDA_INSTALL_PATH"
+    return None
+
+
 class BuildSpec(Protocol):
     """What ``compile_all`` builds: its ``builder`` module's ``_main`` takes ``to_json()`` in a
     child process and prints a verdict; ``digest`` names its markers and library."""
