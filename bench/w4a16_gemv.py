@@ -229,12 +229,13 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
         base = row(m, "bf16", lambda i: torch.matmul(x, bf[i % len(bf)][0].T, out=out),
                    nbytes(w, x, out))  # fmt: skip
 
-        def checked(impl: str, cfg: dict, call: Callable[[int, torch.Tensor], Any]) -> None:
+        def checked(impl: str, cfg: dict, call: Callable[[int, torch.Tensor], Any],
+                    **extra: Any) -> None:  # fmt: skip
             try:
                 got = torch.full_like(out, float("nan"))
                 call(0, got)
                 err = round(excess(got, ref, tol), 3)
-                r = row(m, impl, lambda i: call(i, out), moved, config=cfg, excess=err)
+                r = row(m, impl, lambda i: call(i, out), moved, config=cfg, excess=err, **extra)
                 r["speedup_vs_bf16"] = round(base["us"] / r["us"], 3)
             except Exception as e:  # one config's failure is a finding, not the end of the sweep
                 rows.append({"proj": name, "n": n, "k": k, "m": m, "impl": impl, "config": cfg,
@@ -244,11 +245,11 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
         for cfg in w4a16.configs(m, n, k, GROUP):
             checked("w4a16", cfg, lambda i, o, c=cfg: w4a16.w4a16_matmul(
                 x, i4[i % len(i4)][0], i4[i % len(i4)][1], GROUP, c, out=o))  # fmt: skip
-        for cfg, _ in itertools.product(grid_configs(m, n, k), range(repeats)):
+        for cfg, rep in itertools.product(grid_configs(m, n, k), range(repeats)):
             if baseline is not None:
                 fn = cuda_w4a16.load(variant_path(cfg, "baseline", baseline))
-                checked("cuda_gemv_baseline", cfg, gemv(fn, cfg))
-            checked("cuda_gemv", cfg, gemv(cuda_w4a16.launcher(cfg), cfg))
+                checked("cuda_gemv_baseline", cfg, gemv(fn, cfg), repeat=rep)
+            checked("cuda_gemv", cfg, gemv(cuda_w4a16.launcher(cfg), cfg), repeat=rep)
         for cfg in grid_configs(m, n, k, TRACED) if trace else []:
             path = variant_path(cfg, "trace")
             checked("cuda_gemv_trace", cfg, gemv(cuda_w4a16.load(path), cfg))

@@ -2,14 +2,18 @@
 
 CPU timings read the host time from the timed calls themselves (a CPU call is synchronous), so
 no CPU baseline can be quick to launch and slow to run. The baseline here is therefore a
-measurement with a GPU's shape (a long kernel, a short launch: run M's Qwen qkv M = 2048 row,
-scaled) while the challengers are real runners timed by the real trial.
+measurement with a GPU's shape (a long kernel, a short launch) while the challengers are real
+runners timed by the real trial. Its times are long enough that a disturbed challenger's reading
+stays where the verdict hinges on it (between half the baseline's time and the tie ceiling) on
+a loaded 2-core machine too, where a busy-wait reads several times what it asked for.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -20,7 +24,7 @@ from tuner.measure.records import Measurement
 from tuner.tuning.engine import TuneOptions, _Trial, contenders, host_decides, ties
 
 KEY = GemmKey(m=48, n=40, k=72, dtype="f32", out_dtype="f32")
-BUSY_S = 2e-3  # host work per disturbed call: far above the kernel's few microseconds
+BUSY_S = 40e-3  # host work per disturbed call: far above the kernel's few microseconds
 
 
 def _in_timing() -> bool:
@@ -39,14 +43,14 @@ class Spinning(Source):
 
     op = "gemm"
 
-    def candidates(self, key, device):
+    def candidates(self, key: GemmKey, device: str) -> list[Params]:
         return [{}]
 
     def busy(self) -> bool:
         return True
 
-    def build(self, key, params):
-        def run(a, b, out=None):
+    def build(self, key: GemmKey, params: Params) -> Callable[..., torch.Tensor]:
+        def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
             if self.busy():
                 until = time.perf_counter() + BUSY_S
                 while time.perf_counter() < until:
@@ -82,15 +86,15 @@ class Quiet(Spinning):
 
 
 def gpu_shaped_baseline() -> Measurement:
-    """A baseline long on the GPU and quick to launch: 3.5 ms a call, 0.2 ms of host time."""
+    """A baseline long on the GPU and quick to launch: 60 ms a call, 2 ms of host time."""
     return Measurement(
         device_class="cpu", key=str(KEY), source="torch", params={}, status="ok",
-        is_baseline=True, median_us=3500.0, p10_us=3490.0, p90_us=3510.0, reps=50, host_us=200.0,
-        launch="eager",
+        is_baseline=True, median_us=60000.0, p10_us=59900.0, p90_us=60100.0, reps=50,
+        host_us=2000.0, launch="eager",
     )  # fmt: skip
 
 
-def record(source: Source, params: Params, status: str, **fields) -> Measurement:
+def record(source: Source, params: Params, status: str, **fields: Any) -> Measurement:
     return Measurement(
         device_class="cpu", key=str(KEY), source=source.name, params=params, status=status,
         is_baseline=source.is_baseline(params), launch="eager", **fields,
@@ -107,15 +111,16 @@ def trial_of(source: Source, base: Measurement) -> tuple[_Trial, Measurement]:
 
 def test_the_verdict_hinges_on_the_host_reading_only_where_it_alone_drops_a_faster_one():
     base = gpu_shaped_baseline()
-    base.median_us, base.host_us = 59.1, 45.0  # run M: torch's op on Qwen qkv M = 2048 fp8
+    base.median_us, base.host_us = 59.1, 45.0  # torch's FP8 op on a prefill row
     eager = TuneOptions()
-    assert host_decides(56.6, 72.6, base, eager)  # CUTLASS: 4.2% faster, host read at 72.6
-    assert not host_decides(56.6, 33.0, base, eager)  # its sibling's host time: in contention
-    assert not host_decides(60.0, 72.6, base, eager)  # slower anyway: the reading decides nothing
+    assert host_decides(56.6, 72.6, base, eager)  # a kernel 4.2% faster, its host read at 72.6
+    assert not host_decides(56.6, 33.0, base, eager)  # a sibling's host time: in contention
+    assert host_decides(60.0, 72.6, base, eager)  # a hair slower: a tie, but for that reading
+    assert not host_decides(61.0, 72.6, base, eager)  # past the tie ceiling: decides nothing
     assert not host_decides(56.6, 72.6, base, TuneOptions(launch="graph"))  # no launch rule
     base.median_us, base.host_us = 100.0, 10.0
-    assert host_decides(5.0, 101.0, base, eager)  # launch repaid, but no faster eagerly
-    assert not host_decides(5.0, 99.0, base, eager)
+    assert host_decides(5.0, 103.0, base, eager)  # launch repaid, but past the ceiling eagerly
+    assert not host_decides(5.0, 101.0, base, eager)  # a tie eagerly: it duels
 
 
 def test_a_disturbed_host_reading_is_taken_again_and_the_challenger_contends(one_thread):

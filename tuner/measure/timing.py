@@ -149,8 +149,10 @@ def host_time_us(fn: Callable[[int], Any], n: int, clock: _Clock) -> float:
 
 def host_reading(fn: Callable[[int], Any], device: str, calls: int = HOST_CALLS) -> float:
     """A fresh reading of the host time per eager call of ``fn(i)``, taken as ``measure`` takes
-    it (on the CPU, where a call is synchronous, the median of the calls' times), for a reading
-    a disturbance may have inflated: it can only add time, never take it away."""
+    it, for a reading a disturbance may have inflated: it can only add time, never take it
+    away. On the CPU, where a call is synchronous, it is the median of the calls' times: there
+    host and call time are one reading, so only a baseline with a GPU's shape (a test's) makes
+    a CPU challenger's host time decide a verdict."""
     clock = _Clock(device)
     if clock.cuda:
         return host_time_us(fn, calls, clock)

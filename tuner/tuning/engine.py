@@ -147,16 +147,15 @@ def gap_unexplained(
     """Whether an eager duel's win (baseline first, challenger second in each pair) between two
     calls whose kernels outlast their launches (not ``host_hides_gpu``) is one their graph times
     do not show: an eager win beyond ``margin``, the graph's below it, and the eager one wider
-    than the graph's by more than ``margin``. Eager times of such calls are their kernels' times, so that win is one
-    reading's disturbance, not the kernels. Wins are shares of the baseline's time, not
-    microseconds: an eager and a graph time of one long call differ by a few percent of it."""
+    than the graph's by more than ``margin``. Eager times of such calls are their kernels'
+    times, so that win is a disturbance of the eager readings, not the kernels. Wins are shares
+    of the baseline's time, not microseconds: an eager and a graph time of one long call differ
+    by a few percent of it."""
     (base, chal), (base_gpu, chal_gpu) = eager_us, gpu_us
+    if host_hides_gpu(host_us, gpu_us) or base <= 0 or base_gpu <= 0:
+        return False  # (a kernel of no GPU time is hidden by any launch)
     eager_win, gpu_win = 1 - chal / base, 1 - chal_gpu / base_gpu
-    return (
-        not host_hides_gpu(host_us, gpu_us)
-        and eager_win > margin > gpu_win
-        and eager_win > gpu_win + margin
-    )
+    return eager_win > margin > gpu_win and eager_win > gpu_win + margin
 
 
 def gpu_only_win(host_us: tuple[float, float], gpu_us: tuple[float, float], margin: float) -> bool:
@@ -211,11 +210,19 @@ def launch_cost_repaid(
     return extra <= 0 or base_us - us >= extra
 
 
+def tie_ceiling(base_us: float, options: TuneOptions) -> float:
+    """The slowest trial time (``effective_us``) a tie may read: one eager reading of a
+    GPU-bound call moves by a few percent, and only its duel, alternating rounds and a CUDA
+    graph, says which of the two is faster."""
+    return base_us * (1 + options.min_noise)
+
+
 def host_decides(median_us: float, host_us: float, base: Measurement, options: TuneOptions) -> bool:
-    """Whether a challenger faster than the baseline on its own time (eager: ``median_us``
-    against the baseline's ``effective_us``) is kept from the duel by its host time alone: its
-    launch cost is not repaid, or its host time makes it no faster eagerly. There one disturbed
-    host reading would drop it with no duel to correct it, so that reading is taken again.
+    """Whether a challenger that would contend or tie on its own time (eager: ``median_us``
+    below ``tie_ceiling`` of the baseline's ``effective_us``) is kept from the duel by its host
+    time alone: its launch cost is not repaid, or its host time lifts it past the ceiling. There
+    one disturbed host reading would drop it with no duel to correct it, so that reading is
+    taken again.
 
     The baseline's reading is not: a disturbed (high) one only lets more challengers into the
     duel, which reads both host times again over alternating rounds and applies the launch rule
@@ -223,21 +230,19 @@ def host_decides(median_us: float, host_us: float, base: Measurement, options: T
     either: it is what every launch-bound call reads."""
     if options.launch != "eager" or base.host_us is None:
         return False
-    base_us = effective_us(base, options.launch)
-    if median_us >= base_us:
+    ceiling = tie_ceiling(effective_us(base, options.launch), options)
+    if median_us >= ceiling:
         return False
     repaid = launch_cost_repaid(median_us, host_us, base.median_us, base.host_us, options)
-    return not repaid or max(median_us, host_us) >= base_us
+    return not repaid or max(median_us, host_us) >= ceiling
 
 
 def _challengers(
     measurements: list[Measurement], options: TuneOptions
 ) -> tuple[list[Measurement], list[Measurement]]:
     """The challengers that repay any extra launch cost, split into those faster than the
-    baseline in the trial (``effective_us``) beyond both sides' noise and those within
-    ``min_noise`` of it either side (ties), each fastest first. A tie may read a hair slower: one
-    eager reading of a GPU-bound call moves by a few percent, and only its duel, alternating
-    rounds and a CUDA graph, says which of the two is faster."""
+    baseline in the trial (``effective_us``) beyond both sides' noise, and the ties: faster
+    within that noise, or slower but under ``tie_ceiling``; each fastest first."""
     ok = [m for m in measurements if m.status == "ok"]
     base = next(m for m in ok if m.is_baseline)
     base_us = effective_us(base, options.launch)
@@ -252,7 +257,7 @@ def _challengers(
         margin = max(noise(base, options.min_noise), noise(m, options.min_noise))
         if us < base_us * (1 - margin):
             beyond.append(m)
-        elif us < base_us * (1 + options.min_noise):
+        elif us < tie_ceiling(base_us, options):
             within.append(m)
 
     def fastest_first(ms: list[Measurement]) -> list[Measurement]:
@@ -451,15 +456,31 @@ class _Trial:
             or registry.get(m.source).build(self.key, m.params)
             for m in (base, challenger)
         }
-        base_us, chal_us, base_host, chal_host = self.rounds(runners, base, challenger, options)
         trial_us = (effective_us(base, options.launch), effective_us(challenger, options.launch))
-        disturbed = options.launch == "eager" and disturbed_duel(trial_us, (base_us, chal_us))
-        if disturbed:  # taken again once; a duel disturbed twice keeps the baseline
-            base_us, chal_us, base_host, chal_host = self.rounds(runners, base, challenger, options)
-            disturbed = disturbed_duel(trial_us, (base_us, chal_us))
         margin = max(noise(base, options.min_noise), noise(challenger, options.min_noise))
-        gpu, gpu_ok, gpu_win = self.gpu_times(runners, base, challenger), True, False
-        note = "; disturbed twice, far off a trial's time" if disturbed else ""
+        # the graph first: the eager rounds are judged against it
+        gpu = self.gpu_times(runners, base, challenger)
+        gpu_us = (gpu[0].median_us, gpu[1].median_us) if gpu and gpu[0] and gpu[1] else None
+
+        def off(readings: tuple[float, float, float, float]) -> str:
+            """Why eager rounds (baseline's and challenger's times, then host times) do not say
+            what the kernels cost, or "" where they do."""
+            eager_us, host_us = readings[:2], readings[2:]
+            if disturbed_duel(trial_us, eager_us):
+                return "far off a trial's time"
+            if gpu_us and gap_unexplained(eager_us, host_us, gpu_us, margin):
+                return "a win the GPU times do not show"
+            return ""
+
+        readings = self.rounds(runners, base, challenger, options)
+        why = off(readings) if options.launch == "eager" else ""
+        if why:  # taken again once; a duel disturbed twice keeps the baseline
+            readings = self.rounds(runners, base, challenger, options)
+            why = off(readings)
+        disturbed = bool(why)
+        base_us, chal_us, base_host, chal_host = readings
+        gpu_ok, gpu_win = True, False
+        note = f"; disturbed twice: {why}" if disturbed else ""
         if gpu is not None:
             base_gpu, chal_gpu = gpu
             if chal_gpu is None:
@@ -480,17 +501,8 @@ class _Trial:
                     base_us, chal_us = base_gpu.median_us, chal_gpu.median_us
                     margin = gpu_margin
                 else:
-                    gpu_us = (base_gpu.median_us, chal_gpu.median_us)
-                    hosts = (base_host, chal_host)
-                    if not disturbed and gap_unexplained((base_us, chal_us), hosts, gpu_us, margin):
-                        base_us, chal_us, base_host, chal_host = self.rounds(
-                            runners, base, challenger, options
-                        )
-                        hosts = (base_host, chal_host)
-                        disturbed = gap_unexplained((base_us, chal_us), hosts, gpu_us, margin)
-                        note += "; eager gap twice wider than the GPU's" if disturbed else ""
                     gpu_ok = chal_gpu.median_us <= base_gpu.median_us * (1 + gpu_margin)
-                    gpu_win = gpu_only_win(hosts, gpu_us, gpu_margin)
+                    gpu_win = gpu_only_win((base_host, chal_host), gpu_us, gpu_margin)
         # eager: a win beyond the eager noise, or, where the host's launch hides the kernels, a
         # GPU win with no eager loss (the graph replay measures cleanly what the host hides)
         won = chal_us < base_us * (1 - margin) or (gpu_win and chal_us <= base_us)
