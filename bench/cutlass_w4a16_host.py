@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tuner.candidates import cutlass_env, nvcc_build, registry
+from tuner.candidates import cutlass_env, registry
 from tuner.candidates import cutlass_w4a16 as w4
 from tuner.candidates import gemm_operands as ops
 from tuner.core.device import fingerprint
@@ -108,7 +108,7 @@ def main() -> None:
         for m in args.m
     ]
     specs = [w4.kernel_spec(k, p) for _, k in keys for p in w4.shortlist(k)]
-    compiled = nvcc_build.compile_all(specs, needs=cutlass_env.cannot_compile)
+    compiled = cutlass_env.compile_all(specs)
     errors = {s: e for s, e in compiled.items() if e is not None}
     if errors:
         raise RuntimeError(f"kernels did not compile: {errors}")

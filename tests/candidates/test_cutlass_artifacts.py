@@ -60,7 +60,7 @@ BUILD = textwrap.dedent(
 
     key = GemmKey(m=256, n=512, k=384)
     spec, params = next(iter(cutlass_gemm.offered(key).items()))
-    assert nvcc_build.compile_all([spec], needs=cutlass_env.cannot_compile)[spec] is None
+    assert cutlass_env.compile_all([spec])[spec] is None
     with ArtifactStore() as store:
         cutlass_artifacts.publish(store, spec, cutlass_env.load(spec))
     print(json.dumps(params))

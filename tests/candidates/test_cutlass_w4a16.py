@@ -276,7 +276,7 @@ def source() -> w4.CutlassW4A16:
     source = w4.CutlassW4A16()
     keys = [(_key(fmt, m, dtype), index) for fmt, m, index, dtype in GPU_CASES]
     specs = [w4.kernel_spec(key, w4.shortlist(key)[index]) for key, index in keys]
-    assert nvcc_build.compile_all(specs, needs=cutlass_env.cannot_compile) == dict.fromkeys(specs)
+    assert cutlass_env.compile_all(specs) == dict.fromkeys(specs)
     return source
 
 

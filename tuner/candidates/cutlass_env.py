@@ -29,14 +29,16 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tuner.candidates import nvcc_build
 from tuner.core.keys import FP8
 from tuner.core.lifetime import group_dies_with_parent
+
+S = TypeVar("S", bound=nvcc_build.BuildSpec)
 
 SM = 90
 TMA_EPILOGUES = ("TmaWarpSpecialized", "TmaWarpSpecializedCooperative")
@@ -72,6 +74,12 @@ def missing() -> str | None:
 def cannot_compile() -> str | None:
     """Why CUTLASS kernels cannot be compiled here (``missing``, or no nvcc), else None."""
     return missing() or nvcc_build.missing_nvcc()
+
+
+def compile_all(specs: Sequence[S], **options: Any) -> dict[S, str | None]:
+    """``nvcc_build.compile_all`` for CUTLASS specs (CUTLASS's own and the mixed-input
+    libraries built on its headers): refused where CUTLASS or nvcc is missing."""
+    return nvcc_build.compile_all(specs, needs=cannot_compile, **options)
 
 
 # --- the import -------------------------------------------------------------------------------

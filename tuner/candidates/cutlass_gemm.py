@@ -472,7 +472,7 @@ class CutlassGemm(Source):
         error, when the engine builds it."""
         specs = [self.kernel_spec(key, p) for p in shortlist]
         cutlass_artifacts.install_missing(specs)
-        nvcc_build.compile_all(specs, needs=env.cannot_compile)
+        env.compile_all(specs)
 
     shares_kernels = True
 
@@ -497,7 +497,7 @@ class CutlassGemm(Source):
         then stored (so that other hosts, or this one's next cache, need not compile it)."""
         spec = self.kernel_spec(key, params)
         cutlass_artifacts.install_missing([spec])
-        error = nvcc_build.compile_all([spec], needs=env.cannot_compile)[spec]
+        error = env.compile_all([spec])[spec]
         if error is not None:
             raise RuntimeError(f"CUTLASS kernel did not compile: {error}")
         op = self.load(spec)
