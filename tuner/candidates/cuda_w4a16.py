@@ -46,7 +46,6 @@ from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner, Source
 from tuner.candidates.triton_kernels.w4a16 import check_inputs
 from tuner.core.keys import GemmKey
-from tuner.core.lifetime import group_dies_with_parent
 from tuner.quant import int4_torch
 from tuner.quant.int4 import CHUNK, GROUP_SIZES
 
@@ -405,9 +404,7 @@ class CudaW4A16(Source):
 
 
 def _main(argv: list[str]) -> int:
-    group_dies_with_parent()
-    print(json.dumps(compile_library(Library.from_json(argv[0]))), flush=True)
-    return 0
+    return nvcc_build.child_main(argv, lambda text: compile_library(Library.from_json(text)))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 
 from tuner.candidates import nvcc_build
 from tuner.core.keys import FP8
-from tuner.core.lifetime import group_dies_with_parent
 
 S = TypeVar("S", bound=nvcc_build.BuildSpec)
 
@@ -413,12 +412,7 @@ def _compile_here(spec: KernelSpec) -> dict[str, Any]:
 
 
 def _main(argv: list[str]) -> int:
-    group_dies_with_parent()
-    spec = KernelSpec.from_json(argv[0])
-    verdict = _compile_here(spec)
-    shutil.rmtree(nvcc_build.work_dir(), ignore_errors=True)
-    print(json.dumps(verdict), flush=True)
-    return 0
+    return nvcc_build.child_main(argv, lambda text: _compile_here(KernelSpec.from_json(text)))
 
 
 if __name__ == "__main__":

@@ -30,8 +30,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import json
-import shutil
 import sys
 import threading
 import weakref
@@ -45,7 +43,6 @@ from tuner.candidates import cutlass_gemm, nvcc_build
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params
 from tuner.core.keys import DTYPES, GemmKey
-from tuner.core.lifetime import group_dies_with_parent
 from tuner.core.tensor_memo import TensorMemo
 from tuner.quant import int4_torch
 
@@ -690,11 +687,7 @@ class CutlassW4A16(cutlass_gemm.CutlassGemm):
 
 
 def _main(argv: list[str]) -> int:
-    group_dies_with_parent()
-    verdict = compile_library(env.KernelSpec.from_json(argv[0]))
-    shutil.rmtree(nvcc_build.work_dir(), ignore_errors=True)
-    print(json.dumps(verdict), flush=True)
-    return 0
+    return nvcc_build.child_main(argv, lambda text: compile_library(env.KernelSpec.from_json(text)))
 
 
 if __name__ == "__main__":

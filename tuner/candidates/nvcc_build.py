@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tuner.core.atomic import write_atomic
-from tuner.core.lifetime import run_group
+from tuner.core.lifetime import group_dies_with_parent, run_group
 
 if TYPE_CHECKING:
     from tuner.cache.artifacts import ArtifactSpec
@@ -134,6 +134,17 @@ def _compile_child(spec: BuildSpec, timeout_s: float) -> str | None:
     if verdict["permanent"]:
         record(spec, "failed", {"error": verdict["error"]})
     return verdict["error"]
+
+
+def child_main(argv: list[str], build: Callable[[str], dict[str, Any]]) -> int:
+    """A builder module's ``_main``, the child process ``compile_all`` starts: ``build`` the spec
+    whose JSON is ``argv[0]``, drop this process's scratch directory, print the verdict as the
+    last line of stdout (what ``_compile_child`` reads). The child dies with its parent."""
+    group_dies_with_parent()
+    verdict = build(argv[0])
+    shutil.rmtree(work_dir(), ignore_errors=True)
+    print(json.dumps(verdict), flush=True)
+    return 0
 
 
 def default_jobs(n: int) -> int:

@@ -531,6 +531,7 @@ class _Trial:
         as (baseline, challenger, baseline host, challenger host)."""
         times: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         hosts: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
+        eager = options.launch == "eager"
         for round_ in range(options.confirm_rounds):
             for m in timing.round_order((base, challenger), round_):
                 t = timing.measure_sets(
@@ -540,7 +541,6 @@ class _Trial:
                     budget_s=options.budget_s,
                     max_reps=CONFIRM_REPS,
                 )
-                eager = options.launch == "eager"
                 times[m.candidate].append(max(t.median_us, t.host_us) if eager else t.median_us)
                 hosts[m.candidate].append(t.host_us)
         return (
