@@ -78,6 +78,18 @@ VARIANT_DIR = Path(tempfile.gettempdir()) / "w4a16_gemv_variants"
 SMID, G_START, G_END, C_START, C_WAITED, C_FIRST, C_SUMMED, C_END, C_WARP = range(9)
 
 
+def shape_of(proj: str) -> tuple[int, int]:
+    """(N, K) of a named projection, or of an ad-hoc ``NxK`` (a probe beside the named ones)."""
+    if proj in PROJECTIONS:
+        return PROJECTIONS[proj]
+    n, sep, k = proj.partition("x")
+    if not (sep and n.isdigit() and k.isdigit()):
+        raise ValueError(
+            f"projection {proj!r}: allowed {sorted(PROJECTIONS)} or NxK, e.g. 4096x18944"
+        )
+    return int(n), int(k)
+
+
 def as_config(entry: tuple) -> dict[str, Any]:
     return dict(zip(cuda_w4a16.CONFIG_KEYS, entry, strict=True))
 
@@ -170,7 +182,7 @@ def grid_configs(m: int, n: int, k: int, entries: list[tuple] = GRID) -> list[di
 def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Path | None) -> None:
     """Every library and Triton kernel the run times, compiled in parallel before any timing."""
     started = time.perf_counter()
-    shapes = [(m, *PROJECTIONS[name]) for name in projections for m in ms]
+    shapes = [(m, *shape_of(name)) for name in projections for m in ms]
     cfgs = [c for shape in shapes for c in grid_configs(*shape)]
     errors = {str(lib): e for lib, e in cuda_w4a16.compile_all(cfgs).items() if e}
     if trace:
@@ -180,8 +192,8 @@ def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Pa
     print(f"built {len({cuda_w4a16.library(c) for c in cfgs})} CUDA libraries and the variants in "
           f"{time.perf_counter() - started:.1f} s; errors: {errors}", flush=True)  # fmt: skip
     report = warm([job for name in projections for m in ms
-                   for cfg in w4a16.configs(m, *PROJECTIONS[name], GROUP)
-                   for job in w4a16.checked_plan(m, *PROJECTIONS[name], GROUP, cfg)
+                   for cfg in w4a16.configs(m, *shape_of(name), GROUP)
+                   for job in w4a16.checked_plan(m, *shape_of(name), GROUP, cfg)
                    .jobs(torch.bfloat16)])  # fmt: skip
     print(f"precompiled {report.compiled} of {report.requested} Triton kernels in "
           f"{report.seconds:.1f} s", flush=True)  # fmt: skip
@@ -190,7 +202,7 @@ def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Pa
 def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: bool = False,
                      profile: bool = False, baseline: Path | None = None,
                      repeats: int = 1) -> list[dict[str, Any]]:  # fmt: skip
-    n, k = PROJECTIONS[name]
+    n, k = shape_of(name)
     rows: list[dict[str, Any]] = []
     stream = gemm_operands.stream_getter(torch.device("cuda", torch.cuda.current_device()))
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -286,8 +298,10 @@ def main() -> None:
                     help="no timing: read_int4 and PROFILED once each in an NVTX range 'profile'")  # fmt: skip
     args = ap.parse_args()
     for name in args.proj:
-        if name not in PROJECTIONS:
-            ap.error(f"projection {name!r}: allowed {sorted(PROJECTIONS)}")
+        try:
+            shape_of(name)
+        except ValueError as e:
+            ap.error(str(e))
     if args.repeat < 1:
         ap.error(f"--repeat {args.repeat}: at least 1")
     torch.manual_seed(0)

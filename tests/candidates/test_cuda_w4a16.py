@@ -254,6 +254,14 @@ def test_the_bench_builds_a_baseline_from_another_source(tmp_path, monkeypatch) 
     assert (split_rows.value, slices.value, stages.value) == (0, 1, 99)
 
 
+def test_the_bench_takes_named_projections_and_ad_hoc_shapes() -> None:
+    bench = load_script("w4a16_gemv")
+    assert bench.shape_of("qwen_down") == (3584, 18944)
+    assert bench.shape_of("4096x18944") == (4096, 18944)
+    with pytest.raises(ValueError, match="'4096x': allowed .* or NxK"):
+        bench.shape_of("4096x")
+
+
 def test_a_trace_sums_up_as_its_stamps_say() -> None:
     bench = load_script("w4a16_gemv")
     # two CTAs of two warps at 2 ns a clock: the second starts 1 us later, runs 1 us longer
