@@ -378,7 +378,7 @@ def test_a_tie_goes_to_the_duel_and_a_twin_of_the_baseline_does_not_win():
 
     outcome = tuned_with(Twin(), budget_s=0.02)
     twin = by_params(outcome)["twin"]
-    assert outcome.winner.source == "torch"
+    assert outcome.winner.source == "torch", twin.error
     if twin in duels(outcome.measurements, TuneOptions(), "cuda"):
         assert "in a CUDA graph" in twin.error and "lost" in twin.error  # it met the baseline
 

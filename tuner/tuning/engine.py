@@ -458,7 +458,10 @@ class _Trial:
         }
         trial_us = (effective_us(base, options.launch), effective_us(challenger, options.launch))
         margin = max(noise(base, options.min_noise), noise(challenger, options.min_noise))
-        # the graph first: the eager rounds are judged against it
+        readings = self.rounds(runners, base, challenger, options)
+        # the graph after the rounds, which warm the GPU for both runners alike (timed first, the
+        # baseline's graph would run on a GPU still ramping up from the trials), and before the
+        # rounds are judged: they are judged against it
         gpu = self.gpu_times(runners, base, challenger)
         gpu_us = (gpu[0].median_us, gpu[1].median_us) if gpu and gpu[0] and gpu[1] else None
 
@@ -472,7 +475,6 @@ class _Trial:
                 return "a win the GPU times do not show"
             return ""
 
-        readings = self.rounds(runners, base, challenger, options)
         why = off(readings) if options.launch == "eager" else ""
         if why:  # taken again once; a duel disturbed twice keeps the baseline
             readings = self.rounds(runners, base, challenger, options)
