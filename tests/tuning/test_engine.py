@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import pytest
@@ -120,6 +121,12 @@ def test_baseline_keeps_the_win_within_noise():
     assert choose([base, m("x", 97.0, 96.0, 98.0)], TuneOptions()).source == "torch"
     assert choose([base, m("x", 90.0, 89.0, 91.0)], TuneOptions()).source == "x"
     assert choose([base, m("x", 101.0, 100.0, 102.0)], TuneOptions()).source == "torch"
+
+
+def test_challengers_rank_only_against_a_timed_baseline():
+    failed = dataclasses.replace(m("torch", 100.0, 95.0, 105.0, baseline=True), status="failed")
+    with pytest.raises(ValueError, match="no timed baseline"):
+        choose([failed, m("x", 90.0, 89.0, 91.0)], TuneOptions())
 
 
 def test_contenders_are_the_challengers_beyond_noise_fastest_first():

@@ -244,7 +244,7 @@ def _challengers(
     baseline in the trial (``effective_us``) beyond both sides' noise, and the ties: faster
     within that noise, or slower but under ``tie_ceiling``; each fastest first."""
     ok = [m for m in measurements if m.status == "ok"]
-    base = next(m for m in ok if m.is_baseline)
+    base = _timed_baseline(ok)
     base_us = effective_us(base, options.launch)
     beyond: list[Measurement] = []
     within: list[Measurement] = []
@@ -290,9 +290,7 @@ def duels(measurements: list[Measurement], options: TuneOptions, device: str) ->
 def choose(measurements: list[Measurement], options: TuneOptions) -> Measurement:
     """The fastest contender, else the baseline."""
     found = contenders(measurements, options)
-    return (
-        found[0] if found else next(m for m in measurements if m.is_baseline and m.status == "ok")
-    )
+    return found[0] if found else _timed_baseline(measurements)
 
 
 def _confirmed(
@@ -595,6 +593,13 @@ class _Trial:
 def _baseline(measurements: Iterable[Measurement]) -> Measurement | None:
     """The baseline's timed measurement, once there is one."""
     return next((m for m in measurements if m.is_baseline and m.status == "ok"), None)
+
+
+def _timed_baseline(measurements: Iterable[Measurement]) -> Measurement:
+    """The baseline's timed measurement, which ranking challengers needs."""
+    if (base := _baseline(measurements)) is None:
+        raise ValueError("no timed baseline among the measurements: challengers rank against it")
+    return base
 
 
 def _late(t: timing.Timing, late_cutoff_us: float | None) -> bool:
