@@ -19,7 +19,7 @@ import torch
 from tests.bench_scripts import load_script
 from tuner.cache.artifacts import ArtifactStore, pack, unpack
 from tuner.candidates import cuda_w4a16 as cw
-from tuner.candidates import cutlass_artifacts, nvcc_build, registry
+from tuner.candidates import kernel_artifacts, nvcc_build, registry
 from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.quant import int4
 from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_roundoff
@@ -50,7 +50,7 @@ def store(tmp_path, monkeypatch) -> ArtifactStore:
     """A kernel cache and an artifact store of this test's own."""
     monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path / "cache"))
     shared = ArtifactStore(tmp_path / "store")
-    monkeypatch.setattr(cutlass_artifacts, "shared_store", lambda: shared)
+    monkeypatch.setattr(kernel_artifacts, "shared_store", lambda: shared)
     return shared
 
 
@@ -196,7 +196,7 @@ def test_without_nvcc_only_stored_libraries_are_offered(store: ArtifactStore, mo
     assert cw.CudaW4A16().candidates(key, "cuda") == []
     config = cw.configs(key.m, key.n, key.k, key.group)[2]
     assert not cw._any_stored([cw.library(config)])
-    store.put(cw.library(config).artifact_spec(), pack({cutlass_artifacts.LIBRARY: b"an .so"}))
+    store.put(cw.library(config).artifact_spec(), pack({kernel_artifacts.LIBRARY: b"an .so"}))
     assert cw._any_stored(map(cw.library, cw.configs(key.m, key.n, key.k, key.group)))  # index
     shared = [c for c in cw.configs(key.m, key.n, key.k, key.group)
               if cw.library(c) == cw.library(config)]  # fmt: skip
@@ -239,7 +239,7 @@ def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) ->
     assert not list(path.parent.glob("*.tmp"))  # built aside, then renamed
     assert nvcc_build.compiled_info(lib)["seconds"] > 0
     stored = unpack(store.get(lib.artifact_spec()))
-    assert stored == {cutlass_artifacts.LIBRARY: path.read_bytes()}
+    assert stored == {kernel_artifacts.LIBRARY: path.read_bytes()}
     assert cw.load(path).restype is ctypes.c_int  # the CUDA runtime is linked in: no GPU needed
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tuner.cache.artifacts import ArtifactStore
-from tuner.candidates import cutlass_artifacts, cutlass_env, cutlass_gemm, nvcc_build, registry
+from tuner.candidates import cutlass_env, cutlass_gemm, kernel_artifacts, nvcc_build, registry
 from tuner.candidates import cutlass_w4a16 as w4
 from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.measure import samples
@@ -73,7 +73,7 @@ def test_the_wrapper_text_is_part_of_int4_kernel_digests(monkeypatch: pytest.Mon
     plain = cutlass_gemm.kernel_spec(GemmKey(m=8, n=256, k=512, layout="nt"), w4.SMALL[0])
 
     def keys() -> tuple[str, ...]:
-        ids = (cutlass_artifacts.artifact_spec(s).id for s in (spec, plain))
+        ids = (kernel_artifacts.artifact_spec(s).id for s in (spec, plain))
         return (spec.digest, plain.digest, *ids)
 
     before = keys()
@@ -250,9 +250,9 @@ def test_a_library_bundle_installs_where_the_launcher_loads_it(
     built = tmp_path / "built.so"
     built.write_bytes(b"\x7fELF library")
     with ArtifactStore(tmp_path / "artifacts") as store:
-        assert not cutlass_artifacts.install(store, spec)
-        cutlass_artifacts.publish(store, spec, built)
-        assert cutlass_artifacts.install(store, spec)
+        assert not kernel_artifacts.install(store, spec)
+        kernel_artifacts.publish(store, spec, built)
+        assert kernel_artifacts.install(store, spec)
     assert w4.CutlassW4A16().load(spec).read_bytes() == b"\x7fELF library"
     assert nvcc_build.compiled_info(spec) is not None  # compile_all will not compile it
 

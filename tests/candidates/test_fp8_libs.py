@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.candidates.test_cutlass_launcher import assert_right, assert_right_from_two_threads
-from tuner.candidates import cutlass_artifacts, cutlass_env, cutlass_fp8, registry
+from tuner.candidates import cutlass_env, cutlass_fp8, kernel_artifacts, registry
 from tuner.candidates.torch_lowbit import scaled_mm_runner
 from tuner.core.keys import DTYPES, GemmKey, lowbit_fields
 from tuner.measure import samples
@@ -181,7 +181,7 @@ def cutlass_compiled() -> dict[cutlass_env.KernelSpec, str | None]:
         for key, count in CUTLASS_CASES
         for p in cutlass_fp8.shortlist(key)[:count]
     ]
-    cutlass_artifacts.install_missing(specs)
+    kernel_artifacts.install_missing(specs)
     return cutlass_env.compile_all(specs)
 
 

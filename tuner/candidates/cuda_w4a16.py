@@ -19,7 +19,7 @@ they share: 1, or up to ``cluster`` where fewer row blocks than SMs would leave 
 CTA then taking an even share of the blocks' (block, chunk) units). Each library (the CUDA runtime linked in statically) serves every shape and is
 built by nvcc for sm_90a through ``nvcc_build`` (``compile_all``: a child process
 per library, a failure remembered and never compiled again) and loaded with ctypes; it is an
-artifact (``cutlass_artifacts``), keyed by the kernel source, nvcc's release and the flags, so
+artifact (``kernel_artifacts``), keyed by the kernel source, nvcc's release and the flags, so
 a host without nvcc runs a library another host built with the same toolkit.
 
 As a candidate source (``CudaW4A16``) its runners take torch's packed weight, as the baseline
@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 from tuner.cache.artifacts import ArtifactSpec
-from tuner.candidates import cutlass_artifacts, int4_operands, nvcc_build
 from tuner.candidates import gemm_operands as ops
+from tuner.candidates import int4_operands, kernel_artifacts, nvcc_build
 from tuner.candidates.base import Params, Runner, Source
 from tuner.candidates.triton_kernels.w4a16 import check_inputs
 from tuner.core.keys import GemmKey
@@ -225,7 +225,7 @@ def compile_all(configs: Iterable[Config]) -> dict[Library, str | None]:
     """The libraries of ``configs`` installed from the artifact store, or compiled in parallel
     child processes (then published): library -> None or why it is missing."""
     libs = list(dict.fromkeys(map(library, configs)))
-    cutlass_artifacts.install_missing(libs)
+    kernel_artifacts.install_missing(libs)
     errors = nvcc_build.compile_all(libs, needs=cannot_compile)
     publish(lib for lib, error in errors.items() if error is None)
     return errors
@@ -235,7 +235,7 @@ def publish(libs: Iterable[Library]) -> None:
     """Store each built library in the artifact store, unless it came from there or is stored."""
     for lib in libs:
         if nvcc_build.compiled_info(lib) is not None:
-            cutlass_artifacts.publish_once(lib, nvcc_build.library_path(lib))
+            kernel_artifacts.publish_once(lib, nvcc_build.library_path(lib))
 
 
 Launcher = Callable[..., int]
@@ -367,7 +367,7 @@ def _any_stored(libs: Iterable[Library]) -> bool:
     libs = list(libs)
     if any(nvcc_build.compiled_info(lib) is not None for lib in libs):
         return True
-    store = cutlass_artifacts.shared_store()
+    store = kernel_artifacts.shared_store()
     if store is None:
         return False
     stored = store.hashes()
@@ -402,7 +402,7 @@ class CudaW4A16(Source):
         chosen = [c for c in configs(key.m, key.n, key.k, key.group, device_sms())
                   if nvcc_build.failure(library(c)) is None]  # fmt: skip
         if cannot_compile():
-            cutlass_artifacts.install_missing(map(library, chosen))
+            kernel_artifacts.install_missing(map(library, chosen))
             chosen = [c for c in chosen if nvcc_build.compiled_info(library(c)) is not None]
         return chosen
 
@@ -414,7 +414,7 @@ class CudaW4A16(Source):
     ) -> None:
         """Every distinct library of the run once, on every core, in the order first needed."""
         libs_of = [[library(p) for p in s] for _, s in shortlists]
-        cutlass_artifacts.compile_run(libs_of, ready, cannot_compile)
+        kernel_artifacts.compile_run(libs_of, ready, cannot_compile)
         publish(dict.fromkeys(lib for libs in libs_of for lib in libs))
 
     def build(self, key: GemmKey, params: Params) -> Runner:

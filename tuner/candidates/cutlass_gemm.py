@@ -15,7 +15,7 @@ tiles with 2-CTA clusters for large problems). ``precompile`` compiles the short
 kernels in parallel before any is timed (nvcc_build); kernels are shape-independent, so a warm
 cache makes this free. Runners launch through the driver API with the kernel arguments patched per
 call (pointers, strides): no per-call planning and no per-call allocation. Compiled kernels are
-artifacts (``cutlass_artifacts``): installed before compiling, published after a build, and
+artifacts (``kernel_artifacts``): installed before compiling, published after a build, and
 loaded without nvcc on a host that has none.
 """
 
@@ -30,9 +30,9 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from tuner.candidates import cutlass_artifacts, nvcc_build
 from tuner.candidates import cutlass_env as env
 from tuner.candidates import gemm_operands as ops
+from tuner.candidates import kernel_artifacts, nvcc_build
 from tuner.candidates.base import Params, Runner, Source
 from tuner.core.keys import ITEMSIZE, GemmKey
 
@@ -462,7 +462,7 @@ class CutlassGemm(Source):
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         chosen = self.offered(key)
         if env.cannot_compile():  # without nvcc only kernels built elsewhere can run
-            cutlass_artifacts.install_missing(chosen)
+            kernel_artifacts.install_missing(chosen)
             chosen = {s: p for s, p in chosen.items() if nvcc_build.compiled_info(s) is not None}
         return list(chosen.values())
 
@@ -471,7 +471,7 @@ class CutlassGemm(Source):
         parallel processes; a config that fails is recorded by nvcc_build and raises, with its
         error, when the engine builds it."""
         specs = [self.kernel_spec(key, p) for p in shortlist]
-        cutlass_artifacts.install_missing(specs)
+        kernel_artifacts.install_missing(specs)
         env.compile_all(specs)
 
     shares_kernels = True
@@ -482,7 +482,7 @@ class CutlassGemm(Source):
         """Every distinct kernel of the run once, on every core, in the order first needed;
         a problem is ready once its own kernels are."""
         specs_of = [[self.kernel_spec(key, p) for p in shortlist] for key, shortlist in shortlists]
-        cutlass_artifacts.compile_run(specs_of, ready, env.cannot_compile)
+        kernel_artifacts.compile_run(specs_of, ready, env.cannot_compile)
 
     def prepare(self, key: GemmKey, shortlist: list[Params]) -> None:
         """cutlass_cppgen's registry and ``key``'s plan, which ``load`` needs."""
@@ -496,12 +496,12 @@ class CutlassGemm(Source):
         """Load the kernel: installed from the artifact store if stored, else compiled here and
         then stored (so that other hosts, or this one's next cache, need not compile it)."""
         spec = self.kernel_spec(key, params)
-        cutlass_artifacts.install_missing([spec])
+        kernel_artifacts.install_missing([spec])
         error = env.compile_all([spec])[spec]
         if error is not None:
             raise RuntimeError(f"CUTLASS kernel did not compile: {error}")
         op = self.load(spec)
-        cutlass_artifacts.publish_once(spec, op)
+        kernel_artifacts.publish_once(spec, op)
         device = torch.device("cuda", torch.cuda.current_device())
         return self.launcher(op, key, self.launch_options(params), device)
 

@@ -7,7 +7,7 @@ kernels and its emitter writes one as C++ (``MixedInputMode.ScaleWithZeroPoint``
 ``cute::tuple<int4b_t, T, T>``); a small extern "C" wrapper around ``GemmUniversalAdapter``
 (workspace size, run on a stream) makes it a shared library that nvcc builds in a child process of
 ``nvcc_build.compile_all`` and ctypes loads. Only the compile needs nvcc and cutlass_library (the
-headers); the library is an artifact (``cutlass_artifacts``), so other hosts load it without them.
+headers); the library is an artifact (``kernel_artifacts``), so other hosts load it without them.
 
 The problem, in CUTLASS's terms: A = the weight [N, K] (K-major, the narrow operand, which must be
 A), B = x [M, K] (K-major), D = W x^T [N, M] column-major, which is out [M, N] row-major. The

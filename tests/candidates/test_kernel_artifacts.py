@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tuner.cache.artifacts import ArtifactError, ArtifactStore, pack
-from tuner.candidates import cutlass_artifacts, cutlass_env, nvcc_build
+from tuner.candidates import cutlass_env, kernel_artifacts, nvcc_build
 
 SPEC = cutlass_env.KernelSpec(
     "bf16", "nn", 8, 8, (64, 256, 64), (1, 2), "TmaWarpSpecializedPingpong", "tma", "Default"
@@ -33,15 +33,15 @@ def test_install_writes_the_row_cutlass_cppgen_looks_up(
         "operation.json": json.dumps(meta).encode(),
     }
     with ArtifactStore(tmp_path / "artifacts") as store:
-        assert not cutlass_artifacts.install(store, SPEC)  # nothing stored yet
-        spec = cutlass_artifacts.artifact_spec(SPEC)
+        assert not kernel_artifacts.install(store, SPEC)  # nothing stored yet
+        spec = kernel_artifacts.artifact_spec(SPEC)
         store.put(spec, pack(files))
-        assert cutlass_artifacts.install(store, SPEC)
-        assert cutlass_artifacts.install(store, SPEC)  # again: no duplicate row
+        assert kernel_artifacts.install(store, SPEC)
+        assert kernel_artifacts.install(store, SPEC)  # again: no duplicate row
         other = replace(SPEC, dtype="f16")
-        store.put(cutlass_artifacts.artifact_spec(other), pack({"x": b""}))
+        store.put(kernel_artifacts.artifact_spec(other), pack({"x": b""}))
         with pytest.raises(ArtifactError, match="not a CUTLASS kernel bundle"):
-            cutlass_artifacts.install(store, other)
+            kernel_artifacts.install(store, other)
     rows = (
         sqlite3.connect(tmp_path / "cutlass" / "compiled_cache.db")
         .execute("select * from compiled_operations")
@@ -55,14 +55,14 @@ BUILD = textwrap.dedent(
     """
     import json
     from tuner.cache.artifacts import ArtifactStore
-    from tuner.candidates import cutlass_artifacts, cutlass_env, cutlass_gemm, nvcc_build
+    from tuner.candidates import kernel_artifacts, cutlass_env, cutlass_gemm, nvcc_build
     from tuner.core.keys import GemmKey
 
     key = GemmKey(m=256, n=512, k=384)
     spec, params = next(iter(cutlass_gemm.offered(key).items()))
     assert cutlass_env.compile_all([spec])[spec] is None
     with ArtifactStore() as store:
-        cutlass_artifacts.publish(store, spec, cutlass_env.load(spec))
+        kernel_artifacts.publish(store, spec, cutlass_env.load(spec))
     print(json.dumps(params))
     """
 )
@@ -74,7 +74,7 @@ LOAD = textwrap.dedent(
     sys.addaudithook(lambda event, args: event == "subprocess.Popen" and runs.append(args[1]))
     import torch
     from tuner.cache.artifacts import ArtifactStore
-    from tuner.candidates import cutlass_artifacts, cutlass_env, cutlass_gemm, nvcc_build
+    from tuner.candidates import kernel_artifacts, cutlass_env, cutlass_gemm, nvcc_build
 
     nvcc_build.nvcc_path = lambda: None  # no nvcc anywhere, /usr/local/cuda's included
     assert cutlass_env.cannot_compile() and cutlass_env.missing() is None
@@ -82,7 +82,7 @@ LOAD = textwrap.dedent(
 
     key, params = GemmKey(m=256, n=512, k=384), json.loads(sys.argv[1])
     with ArtifactStore() as store:
-        installed = cutlass_artifacts.install(store, cutlass_gemm.kernel_spec(key, params))
+        installed = kernel_artifacts.install(store, cutlass_gemm.kernel_spec(key, params))
     runner = cutlass_gemm.CutlassGemm().build(key, params)
     a = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16)

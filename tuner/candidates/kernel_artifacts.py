@@ -1,4 +1,5 @@
-"""A compiled CUTLASS kernel as an artifact, so that a host without nvcc can load and run it.
+"""A compiled kernel as an artifact, so that a host without nvcc can load and run it: a CUTLASS
+kernel, or a shared library that ``nvcc_build`` built (CUTLASS wrappers, our own CUDA kernels).
 
 cutlass_cppgen keeps each compiled kernel as one row of ``compiled_cache.db`` (in
 ``nvcc_build.cache_dir()``): the device cubin, the host module (a shared object with the
@@ -10,9 +11,10 @@ When ``plan.compile`` finds that row it loads both without compiling. So the art
 ``install_missing`` and ``publish_once`` are the builder's calls around ``compile_all``: a
 failing store costs a log line, never a build.
 The host module links against the CUDA runtime library, which the loading host needs.
-A kernel built as a shared library of its own (``cutlass_env.BUILDERS``; its "op" is the
-library's path) is the bundle of that one file, ``kernel.so``, installed at
-``nvcc_build.library_path``.
+A kernel built as a shared library of its own (``cutlass_env.BUILDERS``, or another source's
+``nvcc_build.LibrarySpec``; its "op" is the library's path) is the bundle of that one file,
+``kernel.so``, installed at ``nvcc_build.library_path``. ``compile_run`` is a tuning run's
+install-or-compile of all of them.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def install_missing(specs: Iterable[env.Spec], store: ArtifactStore | None = Non
         try:
             install(store, spec)
         except (ArtifactError, StoreError, OSError, sqlite3.Error) as e:
-            log.warning("stored CUTLASS kernel %s not installed, compiling it: %s", spec.digest, e)
+            log.warning("stored kernel %s not installed, compiling it: %s", spec.digest, e)
 
 
 def publish_once(spec: env.Spec, op: Any, store: ArtifactStore | None = None) -> None:
@@ -143,7 +145,7 @@ def publish_once(spec: env.Spec, op: Any, store: ArtifactStore | None = None) ->
     try:
         publish(store, spec, op)
     except (LookupError, ArtifactError, StoreError, OSError, sqlite3.Error) as e:
-        log.warning("CUTLASS kernel %s not stored as an artifact: %s", spec.digest, e)
+        log.warning("kernel %s not stored as an artifact: %s", spec.digest, e)
         return
     nvcc_build.record(spec, "compiled", {**info, "artifact": artifact_spec(spec).id})
 
