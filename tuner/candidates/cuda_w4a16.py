@@ -13,10 +13,8 @@ grid's launch and setup overlap the end of the kernel before it. It reads our pa
 (``tuner.quant.int4``) as the Triton kernel does.
 
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
-``stages`` of each copy ring, and whether a cluster may share several row blocks: a ``Library``)
-and its launch part (``warps`` per CTA, ``cluster`` CTAs splitting K, and the ``blocks`` of rows
-they share: 1, or up to ``cluster`` where fewer row blocks than SMs would leave SMs idle, each
-CTA then taking an even share of the blocks' (block, chunk) units). Each library (the CUDA runtime linked in statically) serves every shape and is
+``stages`` of each copy ring: a ``Library``) and its launch part (``warps`` per CTA, ``cluster``
+CTAs splitting K). Each library (the CUDA runtime linked in statically) serves every shape and is
 built by nvcc for sm_90a through ``nvcc_build`` (``compile_all``: a child process
 per library, a failure remembered and never compiled again) and loaded with ctypes; it is an
 artifact (``kernel_artifacts``), keyed by the kernel source, nvcc's release and the flags, so
@@ -65,7 +63,7 @@ SZ_ALIGN = 4  # bytes: a (scale, zero) pair is copied as one word
 BUILDER = "tuner.candidates.cuda_w4a16"  # this module, also when it runs as __main__
 
 Config = dict[str, Any]
-CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster", "blocks")
+CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster")
 
 
 def _choice(config: Config, key: str, allowed: Iterable[Any]) -> Any:
@@ -86,11 +84,6 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     _choice(config, "stages", STAGES)
     _choice(config, "warps", range(1, MAX_WARPS + 1))
     cluster = _choice(config, "cluster", range(1, MAX_CLUSTER + 1))
-    if "blocks" in config:  # absent from configs stored before it existed: one block
-        blocks = _choice(config, "blocks", range(1, cluster + 1))
-        if blocks > 1 and config["split"] != "k":
-            raise ValueError(f"config['blocks']={config['blocks']}: a cluster shares row blocks "
-                             "only when its warps split K (config['split']='k')")  # fmt: skip
     if not 1 <= m <= MAX_M:
         raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
     if config["slices"] == 4 and m > NARROW_M and config["warps"] > WIDE_MAX_WARPS:
@@ -116,27 +109,8 @@ def smem_bytes(config: Config, m: int, group: int) -> int:
     groups = CHUNK // group if group < CHUNK else 1
     parts = (warps if by_rows else 1) * (rows * 64 + rows * 4 * groups)
     stage = -(-(parts + m * (2 * CHUNK + 16)) // 128) * 128
-    slots = 2 if library(config).spread else 1  # row blocks a CTA's run touches
-    rings, sums = (1, warps) if by_rows else (warps, slots * (warps + 1))
+    rings, sums = (1, warps) if by_rows else (warps, warps + 1)
     return max(rings * config["stages"] * stage, sums * rows * m * 4)
-
-
-def shared_blocks(config: Config) -> int:
-    """Row blocks a cluster shares; configs stored before the key existed share one."""
-    return config.get("blocks", 1)
-
-
-def spread(row_blocks: int, sms: int) -> tuple[int, int] | None:
-    """(cluster, blocks) that fill the most of ``sms`` SMs with one wave of CTAs where
-    ``row_blocks`` CTAs alone leave some idle, each cluster sharing fewer blocks than it has
-    CTAs; None where no such split adds CTAs."""
-    best = None
-    for cluster in range(2, MAX_CLUSTER + 1):
-        for blocks in range(2, cluster):
-            ctas = -(-row_blocks // blocks) * cluster
-            if row_blocks < ctas <= sms and (best is None or ctas > best[0]):
-                best = (ctas, cluster, blocks)
-    return None if best is None else best[1:]
 
 
 @functools.cache
@@ -168,7 +142,6 @@ class Library:
     split: str
     slices: int
     stages: int
-    spread: bool = False
 
     @property
     def builder(self) -> str:
@@ -178,8 +151,7 @@ class Library:
         """nvcc's options, all but the output and the source."""
         return ["-O3", "-lineinfo", f"-arch={ARCH}", "-std=c++17", "-shared", "-Xcompiler",
                 "-fPIC", f"-DGEMV_SPLIT_ROWS={int(self.split == 'rows')}",
-                f"-DGEMV_SLICES={self.slices}", f"-DGEMV_STAGES={self.stages}",
-                f"-DGEMV_SPREAD={int(self.spread)}"]  # fmt: skip
+                f"-DGEMV_SLICES={self.slices}", f"-DGEMV_STAGES={self.stages}"]  # fmt: skip
 
     def toolchain(self) -> dict[str, str]:
         """What besides the config decides the library: the source, nvcc's release, the flags."""
@@ -206,7 +178,7 @@ class Library:
 
 
 def library(config: Config) -> Library:
-    return Library(config["split"], config["slices"], config["stages"], shared_blocks(config) > 1)
+    return Library(config["split"], config["slices"], config["stages"])
 
 
 def nvcc_command(nvcc: str, lib: Library, out: Path) -> list[str]:
@@ -248,7 +220,7 @@ def load(path: Path) -> Launcher:
     fn = lib.w4a16_gemv
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_longlong] * 2 + \
-        [ctypes.c_int] * 4 + [ctypes.c_void_p]  # fmt: skip
+        [ctypes.c_int] * 3 + [ctypes.c_void_p]  # fmt: skip
     return fn
 
 
@@ -292,26 +264,22 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
     m, k = x.shape
     err = fn(x.data_ptr(), weight.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(), m,
              weight.shape[0], k, group, x.stride(0), out.stride(0),
-             int(x.dtype == torch.float16), config["warps"], config["cluster"],
-             shared_blocks(config), stream)  # fmt: skip
+             int(x.dtype == torch.float16), config["warps"], config["cluster"], stream)  # fmt: skip
     if err:
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlists (split, slices, stages, warps, cluster, blocks), the likeliest first. Warps splitting
+# Decode shortlists (split, slices, stages, warps, cluster), the likeliest first. Warps splitting
 # K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing instructions, not
 # waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the narrow projections;
 # 8 warps of 4 stages win the wide ones. Where x's [M, 128] slab weighs most (M near 8, copied per
 # CTA and chunk beside the CTA's weight), 64-row warps over half of K (a cluster of 2: x copied
 # once per 64 rows), or 8 warps of 32 rows sharing each chunk's slab with K over a cluster of 8.
-SHORTLIST = (("k", 2, 2, 16, 1, 1), ("k", 2, 4, 8, 1, 1), ("k", 2, 3, 16, 1, 1),
-             ("k", 2, 3, 12, 1, 1), ("rows", 2, 4, 8, 8, 1), ("k", 4, 2, 8, 2, 1))  # fmt: skip
+SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
+             ("rows", 2, 4, 8, 8), ("k", 4, 2, 8, 2))  # fmt: skip
 # M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so only the 64-row
 # warps over half of K, which copy the least x per weight byte.
-WIDE_SHORTLIST = (("k", 4, 2, 8, 2, 1),)
-# M <= 8 where the 32-row CTAs leave SMs idle: the two leading K splits with their row blocks
-# spread over clusters (``spread``)
-SPREAD_SHORTLIST = (("k", 2, 2, 16), ("k", 2, 4, 8))
+WIDE_SHORTLIST = (("k", 4, 2, 8, 2),)
 
 
 def shortlist(m: int) -> tuple[tuple, ...]:
@@ -319,16 +287,10 @@ def shortlist(m: int) -> tuple[tuple, ...]:
     return SHORTLIST if m <= NARROW_M else WIDE_SHORTLIST
 
 
-def configs(m: int, n: int, k: int, group: int, sms: int | None = None) -> list[Config]:
-    """Configs worth timing for a decode problem (M <= ``MAX_M``), those that fit it; with the
-    device's ``sms``, also the spread ones where they fill idle SMs."""
-    entries = list(shortlist(m))
-    if sms is not None and m <= NARROW_M:
-        for base in SPREAD_SHORTLIST:
-            if found := spread(-(-n // (16 * base[1])), sms):
-                entries.append((*base, *found))
+def configs(m: int, n: int, k: int, group: int) -> list[Config]:
+    """Configs worth timing for a decode problem (M <= ``MAX_M``), those that fit it."""
     out = []
-    for entry in entries:
+    for entry in shortlist(m):
         config = dict(zip(CONFIG_KEYS, entry, strict=True))
         try:
             check_config(config, m, n, k, group)
@@ -336,13 +298,6 @@ def configs(m: int, n: int, k: int, group: int, sms: int | None = None) -> list[
             continue
         out.append(config)
     return out
-
-
-def device_sms() -> int | None:
-    """The current device's SMs; None without CUDA (no spread configs offered)."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def unsupported_reason(key: GemmKey) -> str | None:
@@ -399,7 +354,7 @@ class CudaW4A16(Source):
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         """The shortlist less configs whose library failed to compile; without nvcc, only
         those whose library is built here or stored (installed now)."""
-        chosen = [c for c in configs(key.m, key.n, key.k, key.group, device_sms())
+        chosen = [c for c in configs(key.m, key.n, key.k, key.group)
                   if nvcc_build.failure(library(c)) is None]  # fmt: skip
         if cannot_compile():
             kernel_artifacts.install_missing(map(library, chosen))
