@@ -61,17 +61,16 @@ from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_
 
 GROUP = 128
 MS = (1, 4, 8)
-# (split, slices of 16 rows per warp, stages, warps, cluster, ctas). Warps splitting K: 32-row
-# CTAs over all of K (one per SM), 8-16 warps, 2-4 stages; 64-row CTAs over half of K (cluster 2:
-# x's slab copied once per 64 rows, ahead where x weighs most). Warps splitting rows: 256-row CTAs
-# with K over a cluster of 8 (Qwen down M = 8's winner). Beside these, the spread grids the tuner
-# offers on this device (``cuda_w4a16.configs``).
+# (split, slices of 16 rows per warp, stages, warps, cluster). Warps splitting K: 32-row CTAs over
+# all of K (one per SM), 8-16 warps, 2-4 stages; 64-row CTAs over half of K (cluster 2: x's slab
+# copied once per 64 rows, ahead where x weighs most). Warps splitting rows: 256-row CTAs with K
+# over a cluster of 8 (Qwen down M = 8's winner).
 GRID = [
-    ("k", 2, 2, 16, 1, 0), ("k", 2, 4, 8, 1, 0), ("k", 2, 3, 16, 1, 0), ("k", 2, 3, 12, 1, 0),
-    ("k", 4, 2, 8, 2, 0), ("k", 4, 3, 8, 2, 0), ("k", 4, 2, 16, 2, 0), ("rows", 2, 4, 8, 8, 0),
+    ("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
+    ("k", 4, 2, 8, 2), ("k", 4, 3, 8, 2), ("k", 4, 2, 16, 2), ("rows", 2, 4, 8, 8),
 ]  # fmt: skip
-TRACED = [("k", 2, 2, 16, 1, 0), ("k", 2, 4, 8, 1, 0)]
-PROFILED = [("k", 2, 2, 16, 1, 0), ("k", 2, 4, 8, 1, 0)]
+TRACED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
+PROFILED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
 VARIANTS = {"trace": ["-DGEMV_TRACE=1"], "baseline": []}
 VARIANT_DIR = Path(tempfile.gettempdir()) / "w4a16_gemv_variants"
 # a trace row's fields (w4a16_gemv.cu): sm id, globaltimer at start / end, clock64 at start,
@@ -168,8 +167,7 @@ def trace_summary(trace: list[list[int]], warps: int) -> dict[str, Any]:
 
 
 def grid_configs(m: int, n: int, k: int, entries: list[tuple] = GRID) -> list[dict[str, Any]]:
-    """``entries`` (default ``GRID``, with the spread grids) as configs for an (M, N, K)
-    problem, those that fit it."""
+    """``entries`` (default ``GRID``) as configs for an (M, N, K) problem, those that fit it."""
     out = []
     for entry in entries:
         cfg = as_config(entry)
@@ -178,9 +176,6 @@ def grid_configs(m: int, n: int, k: int, entries: list[tuple] = GRID) -> list[di
         except ValueError:
             continue
         out.append(cfg)
-    if entries is GRID:
-        spread = cuda_w4a16.configs(m, n, k, GROUP, cuda_w4a16.device_sms())
-        out += [c for c in spread if c["ctas"]]
     return out
 
 
@@ -192,8 +187,8 @@ def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Pa
     errors = {str(lib): e for lib, e in cuda_w4a16.compile_all(cfgs).items() if e}
     if trace:
         build_variants([(c, "trace") for shape in shapes for c in grid_configs(*shape, TRACED)])
-    if baseline is not None:  # the spread grids are new: no baseline of theirs
-        build_variants([(c, "baseline") for c in cfgs if not c["ctas"]], baseline)
+    if baseline is not None:
+        build_variants([(c, "baseline") for c in cfgs], baseline)
     print(f"built {len({cuda_w4a16.library(c) for c in cfgs})} CUDA libraries and the variants in "
           f"{time.perf_counter() - started:.1f} s; errors: {errors}", flush=True)  # fmt: skip
     report = warm([job for name in projections for m in ms
@@ -233,9 +228,8 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
         moved = nbytes(packed, sz, x, out)
 
         def gemv(fn: cuda_w4a16.Launcher, cfg: dict) -> Callable[[int, torch.Tensor], Any]:
-            scratch = cuda_w4a16.Scratch(cfg, m, n, x.device) if cfg["ctas"] else None
-            return lambda i, o: cuda_w4a16.run(fn, cfg, x, i4[i % len(i4)][0], i4[i % len(i4)][1],
-                                               GROUP, o, stream(), scratch)  # fmt: skip
+            return lambda i, o: cuda_w4a16.run(fn, cfg, x, i4[i % len(i4)][0],
+                                               i4[i % len(i4)][1], GROUP, o, stream())  # fmt: skip
 
         if profile:
             profiled(name, m, "read_int4", lambda i: read_all(i4[i % len(i4)][0], sums), {})
@@ -264,7 +258,7 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             checked("w4a16", cfg, lambda i, o, c=cfg: w4a16.w4a16_matmul(
                 x, i4[i % len(i4)][0], i4[i % len(i4)][1], GROUP, c, out=o))  # fmt: skip
         for cfg, rep in itertools.product(grid_configs(m, n, k), range(repeats)):
-            if baseline is not None and not cfg["ctas"]:
+            if baseline is not None:
                 fn = cuda_w4a16.load(variant_path(cfg, "baseline", baseline))
                 checked("cuda_gemv_baseline", cfg, gemv(fn, cfg), repeat=rep)
             checked("cuda_gemv", cfg, gemv(cuda_w4a16.launcher(cfg), cfg), repeat=rep)
@@ -274,7 +268,7 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             if "error" in rows[-1]:
                 continue
             rows_per_cta = 16 * cfg["slices"] * (cfg["warps"] if cfg["split"] == "rows" else 1)
-            ctas = cfg["ctas"] or -(-n // rows_per_cta) * cfg["cluster"]
+            ctas = -(-n // rows_per_cta) * cfg["cluster"]
             stamps = read_trace(path, ctas)
             rows[-1]["trace"] = trace_summary(stamps, cfg["warps"])
             rows[-1]["stamps"] = stamps

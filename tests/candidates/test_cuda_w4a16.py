@@ -34,15 +34,9 @@ def key_of(spec: str, m: int, n: int = 4096, k: int = 14336, **extra) -> GemmKey
 
 
 def cfg(
-    slices: int = 1,
-    stages: int = 4,
-    warps: int = 8,
-    cluster: int = 1,
-    split: str = "k",
-    ctas: int = 0,
+    slices: int = 1, stages: int = 4, warps: int = 8, cluster: int = 1, split: str = "k"
 ) -> dict:
-    return {"split": split, "slices": slices, "stages": stages, "warps": warps,
-            "cluster": cluster, "ctas": ctas}  # fmt: skip
+    return {"split": split, "slices": slices, "stages": stages, "warps": warps, "cluster": cluster}
 
 
 @pytest.fixture
@@ -71,19 +65,10 @@ def test_configs_are_checked_field_by_field() -> None:
         (cfg(), 17, "M=17"),
         (cfg(), 0, "M=0"),
         (cfg(4, 3, 16), 9, "config['warps']=16"),
-        (cfg(2, 2, 16, ctas=127), 1, "config['ctas']=127: allowed 128"),
-        (cfg(2, 2, 16, ctas=4097), 1, "config['ctas']=4097: allowed 128"),
-        (cfg(2, 2, 16, 2, ctas=132), 1, "config['ctas']=132: a spread grid takes"),
-        (cfg(2, 4, 8, 1, "rows", ctas=132), 1, "config['ctas']=132: a spread grid takes"),
-        (cfg(2, 2, 16, ctas=-1), 1, "config['ctas']=-1: allowed 0"),
     ]
     for config, m, message in bad:
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
             cw.check_config(config, m, 4096, 4096, 128)
-    stored_before_ctas = {key: v for key, v in cfg().items() if key != "ctas"}
-    cw.check_config(stored_before_ctas, 8, 4096, 14336, 128)
-    assert cw.library(stored_before_ctas) == cw.library(cfg())
-    assert cw.library(cfg(2, 2, 16, ctas=132)).spread
     with pytest.raises(ValueError, match="K=200"):
         cw.check_config(cfg(), 1, 64, 200, 128)
     with pytest.raises(ValueError, match="K=128"):
@@ -156,25 +141,15 @@ def entry(config: dict) -> tuple:
     return tuple(config[key] for key in cw.CONFIG_KEYS)
 
 
-def test_spread_grids_only_where_row_blocks_leave_sms_idle() -> None:
-    # Qwen2.5's 3584 rows: 112 CTAs of 32 rows leave 20 of 132 SMs idle; a spread grid of 132
-    # CTAs gives each 112/132 of a block's K
-    assert cw.spread(8, 3584, 2, sms=132) == 132
-    assert cw.spread(8, 4608, 2, sms=132) is None  # 144 row blocks: every SM busy already
-    assert cw.spread(9, 3584, 2, sms=132) is None  # two n8 tiles: not offered
-    spread = [entry(c) for c in cw.configs(8, 3584, 18944, 128, sms=132) if c["ctas"]]
-    assert spread == [(*base, 132) for base in cw.SPREAD_SHORTLIST]
-    assert [entry(c) for c in cw.configs(8, 3584, 18944, 128)] == list(cw.SHORTLIST)
-    assert not any(c["ctas"] for c in cw.configs(16, 3584, 18944, 128, sms=132))
-
-
 def test_the_decode_shortlist(store: ArtifactStore) -> None:
     shortlist = cw.configs(4, 4096, 14336, 128)
     assert [entry(c) for c in shortlist] == list(cw.SHORTLIST)
     assert [entry(c) for c in cw.configs(9, 4096, 14336, 128)] == list(cw.WIDE_SHORTLIST)
     assert cw.configs(17, 4096, 14336, 128) == []
     # a cluster of C CTAs needs C chunks of K: with 3, the cluster of 8 does not fit
-    assert [entry(c) for c in cw.configs(4, 520, 384, 32)] == [e for e in cw.SHORTLIST if e[4] <= 3]
+    assert [entry(c) for c in cw.configs(4, 520, 384, 32)] == [
+        e for e in cw.SHORTLIST if e[-1] <= 3
+    ]
     assert cw.CudaW4A16().candidates(key_of("int4-g128", 2), "cuda") == cw.configs(
         2, 4096, 14336, 128
     )
@@ -272,18 +247,18 @@ def test_the_bench_builds_a_baseline_from_another_source(tmp_path, monkeypatch) 
     bench.build_variants([(config, "baseline")], source)
     path = bench.variant_path(config, "baseline", source)
     assert path != bench.variant_path(config, "baseline")
-    split_rows, slices, stages, spread = (ctypes.c_int() for _ in range(4))
+    split_rows, slices, stages = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     ctypes.CDLL(str(path)).w4a16_gemv_config(
-        ctypes.byref(split_rows), ctypes.byref(slices), ctypes.byref(stages), ctypes.byref(spread)
+        ctypes.byref(split_rows), ctypes.byref(slices), ctypes.byref(stages)
     )
-    assert (split_rows.value, slices.value, stages.value, spread.value) == (0, 1, 99, 0)
+    assert (split_rows.value, slices.value, stages.value) == (0, 1, 99)
 
 
 def test_the_bench_takes_named_projections_and_ad_hoc_shapes() -> None:
     bench = load_script("w4a16_gemv")
     assert bench.shape_of("qwen_down") == (3584, 18944)
     assert bench.shape_of("4096x18944") == (4096, 18944)
-    with pytest.raises(ValueError, match=r"'4096x': allowed .* or NxK"):
+    with pytest.raises(ValueError, match="'4096x': allowed .* or NxK"):
         bench.shape_of("4096x")
 
 
@@ -319,19 +294,10 @@ CONFIGS = [cfg(1, 4, 8, 1), cfg(2, 3, 4, 2), cfg(4, 2, 8, 4), cfg(1, 8, 3, 1), c
            cfg(1, 6, 8, 4, "rows"), cfg(2, 3, 3, 3, "rows"), cfg(4, 2, 2, 1, "rows")]  # fmt: skip
 
 
-def spread_configs(n: int) -> list[dict]:
-    """Spread grids for N rows: one CTA more than row blocks (each CTA's run crosses a block
-    boundary, nearly every block split between two), three per block (blocks split over three
-    or four, some CTAs' runs inside one block), one per block (every block held whole)."""
-    blocks = lambda slices: -(-n // (16 * slices))  # noqa: E731
-    return [cfg(2, 2, 16, ctas=blocks(2) + 1), cfg(1, 4, 8, ctas=3 * blocks(1)),
-            cfg(2, 4, 8, ctas=blocks(2))]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def built() -> None:
     """Every library the GPU tests load, built at once in parallel (nvcc in child processes)."""
-    assert not {lib: e for lib, e in cw.compile_all(CONFIGS + spread_configs(64)).items() if e}
+    assert not {lib: e for lib, e in cw.compile_all(CONFIGS).items() if e}
 
 
 def stream() -> int:
@@ -356,19 +322,18 @@ def _problem(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> tuple:
 def test_every_config_matches_the_float32_reference(shape: tuple, built: None) -> None:
     m, n, k, group, dtype = shape
     x, packed, sz, ref, tol = _problem(m, n, k, group, dtype)
-    for config in CONFIGS + spread_configs(n):
+    for config in CONFIGS:
         try:
             cw.check_config(config, m, n, k, group)
-        except ValueError as e:  # only a shape's limits: K's chunks, 64-row warps, shared memory
-            if not re.search(r"config\['(cluster|ctas)'\]|64-row warps|shared memory", str(e)):
+        except ValueError as e:  # only a shape's limits: a cluster, 64-row warps, shared memory
+            if not re.search(r"config\['cluster'\]|64-row warps|shared memory", str(e)):
                 raise
             continue
         fn = cw.launcher(config)
-        scratch = cw.Scratch(config, m, n, x.device) if config["ctas"] else None
         out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-        cw.run(fn, config, x, packed, sz, group, out, stream(), scratch)
-        again = torch.full_like(out, float("nan"))  # the arrival counts were set back to zero
-        cw.run(fn, config, x, packed, sz, group, again, stream(), scratch)
+        cw.run(fn, config, x, packed, sz, group, out, stream())
+        again = torch.full_like(out, float("nan"))
+        cw.run(fn, config, x, packed, sz, group, again, stream())
         torch.cuda.synchronize()
         assert excess(out, ref, tol) <= 1, (config, excess(out, ref, tol))
         assert torch.equal(out, again), config  # the sum order is fixed
@@ -385,9 +350,7 @@ def test_a_planted_wrong_group_size_fails_the_gate(split: str, built: None) -> N
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "config", [CONFIGS[1], CONFIGS[5], spread_configs(576)[0]], ids=[*cw.SPLITS, "spread"]
-)
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[5]], ids=cw.SPLITS)
 def test_inside_a_cuda_graph(config: dict, built: None) -> None:
     """Replayed three times, x changed in place between replays: each replay reads the x of
     its own time. (One kernel in the graph: it does not prove the PDL wait orders the kernel
@@ -395,14 +358,11 @@ def test_inside_a_cuda_graph(config: dict, built: None) -> None:
     m, n, k, group = 2, 576, 896, 64
     x, packed, sz, _, _ = _problem(m, n, k, group, torch.bfloat16)
     fn = cw.launcher(config)
-    # a spread grid's workspace: the capturing stream's is made (zeroed) inside the capture
-    scratch = cw.Scratch(config, m, n, x.device) if config["ctas"] else None
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    # loads the module before the capture
-    cw.run(fn, config, x, packed, sz, group, out, stream(), scratch)
+    cw.run(fn, config, x, packed, sz, group, out, stream())  # loads the module before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cw.run(fn, config, x, packed, sz, group, out, stream(), scratch)
+        cw.run(fn, config, x, packed, sz, group, out, stream())
     wd = int4.dequantize(int4.unpack(packed), sz, group)
     for _ in range(3):
         out.fill_(float("nan"))
@@ -469,5 +429,5 @@ def test_every_shortlisted_config_passes_the_engines_gate(key: GemmKey) -> None:
                           cut_factor=1e9, late_cut=1e9, steady_cut=1e9)  # fmt: skip
     outcome = tune(key, options=options, device="cuda")
     ours = [m for m in outcome.measurements if m.source == "cuda_w4a16"]
-    assert len(ours) == len(cw.configs(key.m, key.n, key.k, key.group, cw.device_sms()))
+    assert len(ours) == len(cw.configs(key.m, key.n, key.k, key.group))
     assert all(m.status == "ok" and m.max_rel_err <= 1 for m in ours), ours

@@ -13,11 +13,8 @@ grid's launch and setup overlap the end of the kernel before it. It reads our pa
 (``tuner.quant.int4``) as the Triton kernel does.
 
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
-``stages`` of each copy ring, and whether it spreads: a ``Library``) and its launch part
-(``warps`` per CTA, ``cluster`` CTAs splitting K, and ``ctas``: 0, a CTA per row block and
-cluster rank, or a spread grid of that many CTAs sharing all the row blocks, each an even run of
-their (block, chunk) units, where the row blocks alone would leave SMs idle; a block split
-between CTAs is summed through a workspace of the runner's, one per CTA stream, ``Scratch``). Each library (the CUDA runtime linked in statically) serves every shape and is
+``stages`` of each copy ring: a ``Library``) and its launch part (``warps`` per CTA, ``cluster``
+CTAs splitting K). Each library (the CUDA runtime linked in statically) serves every shape and is
 built by nvcc for sm_90a through ``nvcc_build`` (``compile_all``: a child process
 per library, a failure remembered and never compiled again) and loaded with ctypes; it is an
 artifact (``kernel_artifacts``), keyed by the kernel source, nvcc's release and the flags, so
@@ -66,7 +63,7 @@ SZ_ALIGN = 4  # bytes: a (scale, zero) pair is copied as one word
 BUILDER = "tuner.candidates.cuda_w4a16"  # this module, also when it runs as __main__
 
 Config = dict[str, Any]
-CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster", "ctas")
+CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster")
 
 
 def _choice(config: Config, key: str, allowed: Iterable[Any]) -> Any:
@@ -87,11 +84,6 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     _choice(config, "stages", STAGES)
     _choice(config, "warps", range(1, MAX_WARPS + 1))
     cluster = _choice(config, "cluster", range(1, MAX_CLUSTER + 1))
-    if spread_ctas(config):
-        _check_spread(config, n, k)
-    elif config.get("ctas", 0) != 0:  # absent from configs stored before it existed: 0
-        raise ValueError(f"config['ctas']={config['ctas']!r}: allowed 0 (a CTA per row block) "
-                         "or a positive int (a spread grid)")  # fmt: skip
     if not 1 <= m <= MAX_M:
         raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
     if config["slices"] == 4 and m > NARROW_M and config["warps"] > WIDE_MAX_WARPS:
@@ -109,29 +101,6 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
                          f"at M={m}, more than a CTA's {SMEM_LIMIT}")  # fmt: skip
 
 
-def spread_ctas(config: Config) -> int:
-    """The CTAs of a spread config's grid; 0 where each row block has its own (and configs stored
-    before the key existed)."""
-    ctas = config.get("ctas", 0)
-    return ctas if type(ctas) is int and ctas > 0 else 0
-
-
-def _check_spread(config: Config, n: int, k: int) -> None:
-    row_blocks = -(-n // (16 * config["slices"]))
-    if config["split"] != "k" or config["cluster"] != 1:
-        raise ValueError(f"config['ctas']={config['ctas']}: a spread grid takes warps splitting K "
-                         "(config['split']='k') and no cluster (config['cluster']=1)")  # fmt: skip
-    if not row_blocks <= config["ctas"] <= row_blocks * (k // CHUNK):
-        raise ValueError(f"config['ctas']={config['ctas']}: allowed {row_blocks} (the row blocks "
-                         f"of N={n}) to {row_blocks * (k // CHUNK)} (their chunks of K={k})")  # fmt: skip
-
-
-def spread(m: int, n: int, slices: int, sms: int) -> int | None:
-    """The CTAs of a spread grid for N rows in warps of ``slices`` x 16: one per SM, where the
-    row blocks alone leave SMs idle (a one-tile M, one wave); else None."""
-    return sms if m <= NARROW_M and -(-n // (16 * slices)) < sms else None
-
-
 def smem_bytes(config: Config, m: int, group: int) -> int:
     """Shared memory of one CTA (as the launcher computes it): the copy rings (one per warp, or
     the CTA's one when warps split rows), or the sums after them if larger (splitting K, the
@@ -140,8 +109,7 @@ def smem_bytes(config: Config, m: int, group: int) -> int:
     groups = CHUNK // group if group < CHUNK else 1
     parts = (warps if by_rows else 1) * (rows * 64 + rows * 4 * groups)
     stage = -(-(parts + m * (2 * CHUNK + 16)) // 128) * 128
-    slots = 2 if spread_ctas(config) else 1  # row blocks a CTA's run touches
-    rings, sums = (1, warps) if by_rows else (warps, slots * (warps + 1))
+    rings, sums = (1, warps) if by_rows else (warps, warps + 1)
     return max(rings * config["stages"] * stage, sums * rows * m * 4)
 
 
@@ -174,7 +142,6 @@ class Library:
     split: str
     slices: int
     stages: int
-    spread: bool = False
 
     @property
     def builder(self) -> str:
@@ -184,8 +151,7 @@ class Library:
         """nvcc's options, all but the output and the source."""
         return ["-O3", "-lineinfo", f"-arch={ARCH}", "-std=c++17", "-shared", "-Xcompiler",
                 "-fPIC", f"-DGEMV_SPLIT_ROWS={int(self.split == 'rows')}",
-                f"-DGEMV_SLICES={self.slices}", f"-DGEMV_STAGES={self.stages}",
-                f"-DGEMV_SPREAD={int(self.spread)}"]  # fmt: skip
+                f"-DGEMV_SLICES={self.slices}", f"-DGEMV_STAGES={self.stages}"]  # fmt: skip
 
     def toolchain(self) -> dict[str, str]:
         """What besides the config decides the library: the source, nvcc's release, the flags."""
@@ -212,7 +178,7 @@ class Library:
 
 
 def library(config: Config) -> Library:
-    return Library(config["split"], config["slices"], config["stages"], spread_ctas(config) > 0)
+    return Library(config["split"], config["slices"], config["stages"])
 
 
 def nvcc_command(nvcc: str, lib: Library, out: Path) -> list[str]:
@@ -254,7 +220,7 @@ def load(path: Path) -> Launcher:
     fn = lib.w4a16_gemv
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_longlong] * 2 + \
-        [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3  # fmt: skip
+        [ctypes.c_int] * 3 + [ctypes.c_void_p]  # fmt: skip
     return fn
 
 
@@ -291,59 +257,29 @@ def check_operands(
     return m, n, k
 
 
-class Scratch:
-    """A spread config's workspace for an (M, N) problem, one per CUDA stream (calls on two
-    streams run at once): each CTA's partials of the row blocks it shares, and an arrival count
-    per row block, zero between launches (the kernel's last arrival sets it back). Made on the
-    stream at its first call and kept: a CUDA graph captured with it replays on it."""
-
-    def __init__(self, config: Config, m: int, n: int, device: torch.device) -> None:
-        rows = 16 * config["slices"]
-        self.partials = spread_ctas(config) * 2 * m * rows  # floats: [ctas][2 blocks][M][rows]
-        self.blocks = -(-n // rows)
-        self.device = device
-        self.by_stream: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def get(self, stream: int) -> tuple[int, int]:
-        """(partials, counts) pointers of ``stream``'s workspace."""
-        held = self.by_stream.get(stream)
-        if held is None:
-            held = self.by_stream.setdefault(stream, (
-                torch.empty(self.partials, dtype=torch.float32, device=self.device),
-                torch.zeros(self.blocks, dtype=torch.int32, device=self.device),
-            ))  # fmt: skip
-        return held[0].data_ptr(), held[1].data_ptr()
-
-
 def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
-        scales_and_zeros: torch.Tensor, group: int, out: torch.Tensor, stream: int,
-        scratch: Scratch | None = None) -> None:  # fmt: skip
+        scales_and_zeros: torch.Tensor, group: int, out: torch.Tensor, stream: int) -> None:  # fmt: skip
     """``out = x @ dequant(weight).T`` through ``fn`` (``launcher(config)``) on ``stream``; the
-    operands already checked (``check_operands``); a spread config needs its ``scratch``."""
+    operands already checked (``check_operands``)."""
     m, k = x.shape
-    ws, counts = scratch.get(stream) if scratch is not None else (0, 0)
     err = fn(x.data_ptr(), weight.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(), m,
              weight.shape[0], k, group, x.stride(0), out.stride(0),
-             int(x.dtype == torch.float16), config["warps"], config["cluster"],
-             spread_ctas(config), ws, counts, stream)  # fmt: skip
+             int(x.dtype == torch.float16), config["warps"], config["cluster"], stream)  # fmt: skip
     if err:
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlists (split, slices, stages, warps, cluster, ctas), the likeliest first. Warps splitting
+# Decode shortlists (split, slices, stages, warps, cluster), the likeliest first. Warps splitting
 # K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing instructions, not
 # waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the narrow projections;
 # 8 warps of 4 stages win the wide ones. Where x's [M, 128] slab weighs most (M near 8, copied per
 # CTA and chunk beside the CTA's weight), 64-row warps over half of K (a cluster of 2: x copied
 # once per 64 rows), or 8 warps of 32 rows sharing each chunk's slab with K over a cluster of 8.
-SHORTLIST = (("k", 2, 2, 16, 1, 0), ("k", 2, 4, 8, 1, 0), ("k", 2, 3, 16, 1, 0),
-             ("k", 2, 3, 12, 1, 0), ("rows", 2, 4, 8, 8, 0), ("k", 4, 2, 8, 2, 0))  # fmt: skip
+SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
+             ("rows", 2, 4, 8, 8), ("k", 4, 2, 8, 2))  # fmt: skip
 # M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so only the 64-row
 # warps over half of K, which copy the least x per weight byte.
-WIDE_SHORTLIST = (("k", 4, 2, 8, 2, 0),)
-# Where the row blocks alone leave SMs idle (``spread``): the two leading K splits as spread
-# grids of one CTA per SM
-SPREAD_SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1))
+WIDE_SHORTLIST = (("k", 4, 2, 8, 2),)
 
 
 def shortlist(m: int) -> tuple[tuple, ...]:
@@ -351,16 +287,10 @@ def shortlist(m: int) -> tuple[tuple, ...]:
     return SHORTLIST if m <= NARROW_M else WIDE_SHORTLIST
 
 
-def configs(m: int, n: int, k: int, group: int, sms: int | None = None) -> list[Config]:
-    """Configs worth timing for a decode problem (M <= ``MAX_M``), those that fit it; with the
-    device's ``sms``, also the spread grids where they fill SMs the row blocks leave idle."""
-    entries = list(shortlist(m))
-    if sms is not None:
-        for base in SPREAD_SHORTLIST:
-            if ctas := spread(m, n, base[1], sms):
-                entries.append((*base, ctas))
+def configs(m: int, n: int, k: int, group: int) -> list[Config]:
+    """Configs worth timing for a decode problem (M <= ``MAX_M``), those that fit it."""
     out = []
-    for entry in entries:
+    for entry in shortlist(m):
         config = dict(zip(CONFIG_KEYS, entry, strict=True))
         try:
             check_config(config, m, n, k, group)
@@ -368,13 +298,6 @@ def configs(m: int, n: int, k: int, group: int, sms: int | None = None) -> list[
             continue
         out.append(config)
     return out
-
-
-def device_sms() -> int | None:
-    """The current device's SMs; None without CUDA (no spread grids offered)."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def unsupported_reason(key: GemmKey) -> str | None:
@@ -431,7 +354,7 @@ class CudaW4A16(Source):
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         """The shortlist less configs whose library failed to compile; without nvcc, only
         those whose library is built here or stored (installed now)."""
-        chosen = [c for c in configs(key.m, key.n, key.k, key.group, device_sms())
+        chosen = [c for c in configs(key.m, key.n, key.k, key.group)
                   if nvcc_build.failure(library(c)) is None]  # fmt: skip
         if cannot_compile():
             kernel_artifacts.install_missing(map(library, chosen))
@@ -455,7 +378,6 @@ class CudaW4A16(Source):
         shape = (key.m, key.n, key.k)
         device = torch.device("cuda", torch.cuda.current_device())
         stream = ops.stream_getter(device)
-        scratch = Scratch(config, key.m, key.n, device) if spread_ctas(config) else None
 
         def check(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor,
                   out: torch.Tensor | None) -> None:  # fmt: skip
@@ -475,7 +397,7 @@ class CudaW4A16(Source):
             checked(x, weight, scales_and_zeros, out)
             if out is None:
                 out = torch.empty(key.m, key.n, dtype=x.dtype, device=device)
-            run(fn, config, x, weight, scales_and_zeros, group, out, stream(), scratch)
+            run(fn, config, x, weight, scales_and_zeros, group, out, stream())
             return out
 
         return runner

@@ -12,14 +12,6 @@
 // waits on another's partial in global memory: the result is deterministic, with no workspace,
 // no arrival counter and no second pass.
 //
-// Spread builds (GEMV_SPREAD=1, warps splitting K, no cluster): a grid of `ctas` CTAs, at least
-// one per row block, shares all the row blocks, their (block, chunk) units split evenly over
-// the CTAs in order, so a CTA's run crosses at most one block boundary and its copy ring runs on
-// across it. Fewer row blocks than SMs then fill every SM instead of leaving some idle. A block
-// that one CTA holds whole is stored by it; a block split between CTAs goes through a workspace:
-// each stores its partial and counts itself in the block's arrivals, and the last to arrive sums
-// the partials in CTA order (deterministic) and sets the count back to zero for the next launch.
-//
 // Launched with programmatic dependent launch: the grid may start while the kernel before it on
 // the stream finishes; it sets up its addresses, then waits (griddepcontrol.wait) for that
 // kernel's writes before it loads x, w or the scales or stores out (the trace build's stamps,
@@ -62,9 +54,6 @@
 #ifndef GEMV_STAGES
 #define GEMV_STAGES 4
 #endif
-#ifndef GEMV_SPREAD
-#define GEMV_SPREAD 0
-#endif
 #ifndef GEMV_TRACE
 #define GEMV_TRACE 0  // bench builds only: per-CTA timestamps (w4a16_gemv_trace)
 #endif
@@ -72,7 +61,6 @@
 namespace cg = cooperative_groups;
 
 constexpr bool SPLIT_ROWS = GEMV_SPLIT_ROWS;
-constexpr bool SPREAD = GEMV_SPREAD;
 constexpr int SLICES = GEMV_SLICES;
 constexpr int STAGES = GEMV_STAGES;
 constexpr int ROWS = 16 * SLICES;
@@ -83,8 +71,6 @@ constexpr int MAX_WARPS = 16;
 constexpr int MAX_DEVICES = 64;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
-static_assert(!(SPREAD && SPLIT_ROWS), "CTAs share row blocks only when warps split K");
-constexpr int SLOTS = SPREAD ? 2 : 1;  // row blocks a CTA's run touches, at most
 
 // Trace (GEMV_TRACE=1): per CTA, [smid, globaltimer at start and end, clock64 at start, after
 // the wait, when warp 0's first chunk landed, once the warps' partials are in shared memory, at
@@ -120,9 +106,6 @@ struct Params {
   uint16_t* out;
   long long ldx, ldo;
   int m, n, k;
-  int ctas;         // SPREAD: the grid, sharing every row block (else 0)
-  float* ws;        // SPREAD: each CTA's partials of the blocks it shares, [ctas][SLOTS][M][ROWS]
-  int* counts;      // SPREAD: arrivals per row block, zero between launches
   int group_shift;  // log2(group size)
   int stage_bytes;  // one warp's stage: weight, (scale, zero) words, x's slab
 };
@@ -237,12 +220,11 @@ struct Half2Ops<true> {  // fp16
 };
 
 // One lane's share of a ring's copies, chunk after chunk: built once (the addresses that do
-// not move), pointed at a row block and chunk (`enter`: which rows exist), then each `issue`
-// copies the current chunk into a stage and moves on by `step` chunks (the warps when they split
-// K, else 1), in a spread build on into the next row block past the last chunk. Each lane copies
-// the weight bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t);
-// its warp's (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over
-// the warp, and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the ring.
+// not move, which rows exist), then each `issue` copies the current chunk into a stage and
+// moves on by `step` chunks (the warps when they split K, else 1). Each lane copies the weight
+// bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t); its warp's
+// (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over the warp,
+// and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the ring.
 template <int NG, int NT>
 struct Copier {
   static constexpr int SZ_COPIES = (ROWS * NG + 31) / 32;
@@ -251,10 +233,8 @@ struct Copier {
   long long w_step;      // bytes to the next chunk
   const uint32_t* sz;    // this lane's first (scale, zero) word of group 0
   uint32_t n;            // (scale, zero) words per group (the entry point keeps N x groups < 2^31)
-  const uint16_t* x0;    // this thread's first x piece of chunk 0
   const uint16_t* x;     // this thread's first x piece of the current chunk
   long long x_round;     // x elements between two copy rounds (x_threads / 16 rows)
-  int warp_n0;           // the warp's first row
   int chunk, chunk_step, group_shift;
   uint32_t w_valid, sz_valid, x_valid;  // bit per copy: its rows exist
   uint32_t sz_slots;                    // bit per copy: its word lies in the part (lane < ROWS * NG)
@@ -262,21 +242,32 @@ struct Copier {
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
 
-  // w_at, x_at: the warp's slices' and the slab's offsets in a stage; x_thread of x_threads;
-  // then as `enter`
-  __device__ __forceinline__ Copier(const Params& p, int n0, int first, int step, int lane,
-                                    uint32_t w_at, uint32_t x_at, int x_thread, int x_threads) {
+  // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
+  // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
+  __device__ __forceinline__ Copier(const Params& p, const uint8_t* block, int rows, int offset,
+                                    int n0, int first, int step, int lane, uint32_t w_at,
+                                    uint32_t x_at, int x_thread, int x_threads) {
     const int g = lane >> 2, t = lane & 3;
     w_lane = g * 64 + t * 16;
     lane_w = w_at + w_lane;
-    n = static_cast<uint32_t>(p.n);
-    lane_sz = w_at + ROWS * 64 + lane * 4;
-    sz_slots = 0;
+    w = block + 64ll * (static_cast<long long>(first) * rows + offset) + w_lane;
+    w_step = 64ll * step * rows;
+    w_valid = 0;
 #pragma unroll
-    for (int it = 0; it < SZ_COPIES; ++it)
+    for (int h = 0; h < 2 * SLICES; ++h)
+      if (offset + 8 * h + g < rows) w_valid |= 1u << h;
+    n = static_cast<uint32_t>(p.n);
+    sz = p.sz + n0 + lane % ROWS + static_cast<long long>(lane / ROWS) * p.n;
+    lane_sz = w_at + ROWS * 64 + lane * 4;
+    sz_valid = sz_slots = 0;
+#pragma unroll
+    for (int it = 0; it < SZ_COPIES; ++it) {
       if (32 * it + lane < ROWS * NG) sz_slots |= 1u << it;
+      if (32 * it + lane < ROWS * NG && offset + lane % ROWS + 32 * it % ROWS < rows)
+        sz_valid |= 1u << it;
+    }
     const int x_row = x_thread >> 4, x_rows = x_threads >> 4;
-    x0 = p.x + x_row * p.ldx + (x_thread & 15) * 8;
+    x = p.x + x_row * p.ldx + (x_thread & 15) * 8 + static_cast<long long>(first) * CHUNK;
     x_round = x_rows * p.ldx;
     lane_x = x_at + x_row * XROW + (x_thread & 15) * 16;
     x_round_bytes = x_rows * XROW;
@@ -284,38 +275,12 @@ struct Copier {
 #pragma unroll
     for (int it = 0; it < X_COPIES; ++it)
       if (x_row + it * x_rows < p.m) x_valid |= 1u << it;
+    chunk = first;
     chunk_step = step;
     group_shift = p.group_shift;
-    enter(p, n0, first, lane);
   }
 
-  // Points the copies at chunk `c` of the warp's rows from row n0 on; a warp wholly past N
-  // copies nothing (no rows), from addresses in bounds (those of row 0).
-  __device__ __forceinline__ void enter(const Params& p, int n0, int c, int lane) {
-    const int g = lane >> 2;
-    const bool live = n0 < p.n;
-    const int first_row = live ? n0 / 64 * 64 : 0;  // of the warp's 64-row block
-    const int rows = live ? min(64, p.n - first_row) : 0;
-    const int offset = live ? n0 - first_row : 0;
-    const uint8_t* block = p.w + static_cast<long long>(first_row) * (p.k / 2);
-    w = block + 64ll * (static_cast<long long>(c) * rows + offset) + w_lane;
-    w_step = 64ll * chunk_step * rows;
-    w_valid = 0;
-#pragma unroll
-    for (int h = 0; h < 2 * SLICES; ++h)
-      if (offset + 8 * h + g < rows) w_valid |= 1u << h;
-    sz = p.sz + (first_row + offset) + lane % ROWS + static_cast<long long>(lane / ROWS) * p.n;
-    sz_valid = 0;
-#pragma unroll
-    for (int it = 0; it < SZ_COPIES; ++it)
-      if (32 * it + lane < ROWS * NG && offset + lane % ROWS + 32 * it % ROWS < rows)
-        sz_valid |= 1u << it;
-    x = x0 + static_cast<long long>(c) * CHUNK;
-    warp_n0 = n0;
-    chunk = c;
-  }
-
-  __device__ __forceinline__ void issue(const Params& p, uint32_t stage) {
+  __device__ __forceinline__ void issue(uint32_t stage) {
 #pragma unroll
     for (int h = 0; h < 2 * SLICES; ++h) {
       const bool valid = w_valid >> h & 1;
@@ -338,10 +303,6 @@ struct Copier {
     w += w_step;
     x += chunk_step * CHUNK;
     chunk += chunk_step;
-    if constexpr (SPREAD) {  // past the block's last chunk: on in the next block (a CTA's rows)
-      const int chunks = p.k / CHUNK;
-      if (chunk >= chunks) enter(p, warp_n0 + ROWS, chunk - chunks, threadIdx.x & 31);
-    }
   }
 };
 
@@ -453,42 +414,36 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  // the row blocks (of cta_rows) shared: the cluster's one (its ranks the shares), or spread,
-  // all of them (the grid's CTAs the shares), as (block, chunk) units in that order, split
-  // evenly over the shares in order: this CTA's run [u_lo, u_hi)
+  const int n0 = (blockIdx.x / ranks) * cta_rows;
+  // the warp's first row; a warp of the last CTA may lie wholly past N: it copies nothing
+  // (no rows), from addresses in bounds (those of row 0)
+  const int warp_n0 = SPLIT_ROWS ? n0 + warp * ROWS : n0;
+  const bool live = warp_n0 < p.n;
+  const int first_row = live ? warp_n0 / 64 * 64 : 0;  // of the warp's 64-row block
+  const int rows = live ? min(64, p.n - first_row) : 0;
+  const int offset = live ? warp_n0 - first_row : 0;
+  const uint8_t* block = p.w + static_cast<long long>(first_row) * (p.k / 2);
+
   const int chunks = p.k / CHUNK;
-  const int shares = SPREAD ? p.ctas : ranks, share = SPREAD ? blockIdx.x : rank;
-  const int b0 = SPREAD ? 0 : blockIdx.x / ranks;
-  const int units = (SPREAD ? (p.n + cta_rows - 1) / cta_rows : 1) * chunks;
-  const auto run_start = [&](int r) {  // of share r
-    return static_cast<int>(static_cast<long long>(r) * units / shares);
-  };
-  const int u_lo = run_start(share), u_hi = run_start(share + 1);
-  const int fb = u_lo / chunks;  // the CTA's first block
-  // splitting K, the warp takes units u_lo + warp, + warps, ...; splitting rows, all of them
-  const int first = SPLIT_ROWS ? u_lo : u_lo + warp, step = SPLIT_ROWS ? 1 : warps;
-  const int mine = first < u_hi ? (u_hi - first + step - 1) / step : 0;
-  const int warp_block = SPREAD ? first / chunks : fb;  // of the warp's first unit
-  // the warp's first row (a warp of the last CTA may lie wholly past N)
-  const int warp_n0 = (b0 + warp_block) * cta_rows + (SPLIT_ROWS ? warp * ROWS : 0);
+  const int c_lo = static_cast<int>(static_cast<long long>(rank) * chunks / ranks);
+  const int c_hi = static_cast<int>(static_cast<long long>(rank + 1) * chunks / ranks);
+  // splitting K, the warp takes chunks c_lo + warp, + warps, ...; splitting rows, all of them
+  const int first = SPLIT_ROWS ? c_lo : c_lo + warp, step = SPLIT_ROWS ? 1 : warps;
+  const int mine = first < c_hi ? (c_hi - first + step - 1) / step : 0;
 
   // a ring per warp (its part, then x's slab), or one per CTA (every warp's part, then the slab)
   const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
   const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
-  Copier<NG, NT> copier(p, warp_n0, first - warp_block * chunks, step, lane, part_at, x_at,
-                        SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
+  Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at,
+                        x_at, SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
-  // spread: the warp's sums of its first block once its units turned to the next block
-  float turned_acc[SLICES][NT][4] = {};
-  bool turned = false;
-  int unit = first;
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (threadIdx.x == 0) stamp(4, CLOCK);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < mine) copier.issue(p, ring + i * p.stage_bytes);
+    if (i < mine) copier.issue(ring + i * p.stage_bytes);
     commit();
   }
   int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
@@ -499,31 +454,16 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
       // chunk i landed, both publishes chunk i and frees the stage chunk i - 1 took
       wait_copies<STAGES - 2>();
       __syncthreads();
-      if (i + STAGES - 1 < mine) copier.issue(p, ring + next * p.stage_bytes);
+      if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
       compute<F16, NG, NT>(p, stage + part_at, stage + x_at, lane, acc);
     } else {
-      if (i + STAGES - 1 < mine) copier.issue(p, ring + next * p.stage_bytes);
+      if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
       wait_copies<STAGES - 1>();
       __syncwarp();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
-      if constexpr (SPREAD) {
-        if (!turned && unit >= (warp_block + 1) * chunks) {
-#pragma unroll
-          for (int s = 0; s < SLICES; ++s)
-#pragma unroll
-            for (int n8 = 0; n8 < NT; ++n8)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                turned_acc[s][n8][e] = acc[s][n8][e];
-                acc[s][n8][e] = 0.f;
-              }
-          turned = true;
-        }
-        unit += step;
-      }
       compute<F16, NG, NT>(p, stage, stage + x_at, lane, acc);
       __syncwarp();
     }
@@ -535,89 +475,43 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   // the next kernel may launch once every CTA got here (it waits for this grid's writes itself)
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-  // (after the ring is done with) splitting K, the warps' partials [SLOTS][warps][M][ROWS] (a
-  // slot per row block the CTA's run touches), summed in warp order into the CTA's sums
-  // [SLOTS][M][ROWS]; splitting rows, each warp's rows of the sums [M][cta_rows]
+  // (after the ring is done with) splitting K, the warps' partials [warps][M][ROWS], summed in
+  // warp order into the CTA's sums [M][ROWS]; splitting rows, each warp's rows of the sums
+  // [M][cta_rows]
   __syncthreads();
   const int g = lane >> 2, t = lane & 3, m = p.m;
   const int outputs = cta_rows * m;
-  const int slots = SPREAD ? (u_hi - 1) / chunks - fb + 1 : 1;
-  // acc's slot: its block's (past the CTA's slots, with nothing summed, for a warp with no units)
-  const int acc_slot = turned ? 1 : warp_block - fb;
   float* part = reinterpret_cast<float*>(smem);
-  // at the same offset in every CTA of a cluster, which reads the others' through it
-  float* sums = SPLIT_ROWS ? part : part + SLOTS * warps * outputs;
-  for (int slot = 0; slot < slots; ++slot) {
-    float* mine_at = SPLIT_ROWS ? part + warp * ROWS : part + (slot * warps + warp) * outputs;
+  float* sums = SPLIT_ROWS ? part : part + warps * outputs;
+  float* mine_at = SPLIT_ROWS ? part + warp * ROWS : part + warp * outputs;
 #pragma unroll
-    for (int s = 0; s < SLICES; ++s)
+  for (int s = 0; s < SLICES; ++s)
 #pragma unroll
-      for (int n8 = 0; n8 < NT; ++n8)
+    for (int n8 = 0; n8 < NT; ++n8)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
-          const float v = slot == acc_slot            ? acc[s][n8][e]
-                          : SPREAD && turned && !slot ? turned_acc[s][n8][e]
-                                                      : 0.f;
-          if (col < m) mine_at[col * cta_rows + row] = v;
-        }
-  }
-  // output q of the [M][cta_rows] of row block b0 + `block`
-  const auto store = [&](int block, int q, float v) {
-    const int col = q / cta_rows, row = (b0 + block) * cta_rows + q % cta_rows;
-    if (row < p.n) p.out[col * p.ldo + row] = Half2Ops<F16>::round(v);
+      for (int e = 0; e < 4; ++e) {
+        const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
+        if (col < m) mine_at[col * cta_rows + row] = acc[s][n8][e];
+      }
+  const auto store = [&](int q, float v) {  // output q of the CTA's [M][cta_rows]
+    const int col = q / cta_rows, row = q % cta_rows;
+    if (n0 + row < p.n) p.out[col * p.ldo + n0 + row] = Half2Ops<F16>::round(v);
   };
-  // splitting K without a cluster (and not spread), an output is stored as soon as its warps'
-  // partials are summed
-  const bool stored_here = !SPLIT_ROWS && ranks == 1 && !SPREAD;
+  // splitting K without a cluster, an output is stored as soon as its warps' partials are summed
+  const bool stored_here = !SPLIT_ROWS && ranks == 1;
   if constexpr (!SPLIT_ROWS) {
     __syncthreads();
     if (threadIdx.x == 0) stamp(6, CLOCK);
-    for (int q = threadIdx.x; q < slots * outputs; q += blockDim.x) {
-      const int slot = SPREAD ? q / outputs : 0, at = q - slot * outputs;
+    for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
       float v = 0.f;
-      for (int w = 0; w < warps; ++w) v += part[(slot * warps + w) * outputs + at];
+      for (int w = 0; w < warps; ++w) v += part[w * outputs + q];
       if (stored_here)
-        store(fb, q, v);
+        store(q, v);
       else
         sums[q] = v;
     }
   }
-  if constexpr (SPREAD) {
-    __shared__ int last;  // whether this CTA arrived last at the block
-    const auto owner = [&](int u) {  // the share whose run holds unit u
-      return static_cast<int>((static_cast<long long>(u + 1) * shares - 1) / units);
-    };
-    __syncthreads();
-    for (int slot = 0; slot < slots; ++slot) {
-      const int block = fb + slot;
-      // the shares whose runs hold units of the block
-      const int from = owner(block * chunks), to = owner((block + 1) * chunks - 1);
-      const float* mine = sums + slot * outputs;
-      if (from == to) {  // the block is this CTA's alone
-        for (int q = threadIdx.x; q < outputs; q += blockDim.x) store(block, q, mine[q]);
-        continue;
-      }
-      float* ws = p.ws + (static_cast<long long>(share) * SLOTS + slot) * outputs;
-      for (int q = threadIdx.x; q < outputs; q += blockDim.x) __stcg(ws + q, mine[q]);
-      __threadfence();  // the partial is visible before the count goes up
-      __syncthreads();
-      if (threadIdx.x == 0) last = atomicAdd(p.counts + block, 1) == to - from;
-      __syncthreads();
-      if (!last) continue;
-      __threadfence();  // the others' partials are read after their counts
-      for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
-        float v = 0.f;
-        for (int r = from; r <= to; ++r) {
-          const int r_slot = block - run_start(r) / chunks;
-          v += r == share ? mine[q]
-                          : __ldcg(p.ws + (static_cast<long long>(r) * SLOTS + r_slot) * outputs + q);
-        }
-        store(block, q, v);
-      }
-      if (threadIdx.x == 0) atomicExch(p.counts + block, 0);  // ready for the next launch
-    }
-  } else if (!stored_here) {
+  if (!stored_here) {
     if (ranks > 1) cluster.sync();  // every rank's sums written
     const int q_lo = ranks > 1 ? rank * outputs / ranks : 0;
     const int q_hi = ranks > 1 ? (rank + 1) * outputs / ranks : outputs;
@@ -629,7 +523,7 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
         v = 0.f;
         for (int r = 0; r < ranks; ++r) v += cluster.map_shared_rank(sums, r)[q];
       }
-      store(0, q, v);
+      store(q, v);
     }
     if (ranks > 1) cluster.sync();  // no rank leaves while another reads its sums
   }
@@ -649,11 +543,10 @@ int stage_bytes(int m, int group, int warps) {
 }
 
 // The rings (one per warp, or the CTA's), or the sums after them if larger: splitting K, the
-// warps' partials and their sum (SLOTS x (warps + 1) x ROWS x M floats); splitting rows,
-// warps x ROWS x M.
+// warps' partials and their sum ((warps + 1) x ROWS x M floats); splitting rows, warps x ROWS x M.
 int smem_bytes(int m, int group, int warps) {
   const int ring = (SPLIT_ROWS ? 1 : warps) * STAGES * stage_bytes(m, group, warps);
-  const int reduce = (SPLIT_ROWS ? warps : SLOTS * (warps + 1)) * ROWS * m * 4;
+  const int reduce = (SPLIT_ROWS ? warps : warps + 1) * ROWS * m * 4;
   return ring > reduce ? ring : reduce;
 }
 
@@ -674,8 +567,7 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   }
   cudaLaunchConfig_t config = {};
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  const int row_blocks = (p.n + cta_rows - 1) / cta_rows;
-  config.gridDim = dim3(static_cast<unsigned>(SPREAD ? p.ctas : row_blocks * cluster));
+  config.gridDim = dim3(static_cast<unsigned>((p.n + cta_rows - 1) / cta_rows * cluster));
   config.blockDim = dim3(static_cast<unsigned>(warps * 32));
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = stream;
@@ -709,12 +601,11 @@ cudaError_t launch_tiles(const Params& p, int group, int warps, int cluster, cud
 extern "C" {
 
 // This library's compile-time config: warps split rows (1) or K (0), slices (16-row) per warp,
-// stages, spread (1: the grid's CTAs share the row blocks).
-void w4a16_gemv_config(int* split_rows, int* slices, int* stages, int* spread) {
+// stages.
+void w4a16_gemv_config(int* split_rows, int* slices, int* stages) {
   *split_rows = SPLIT_ROWS;
   *slices = SLICES;
   *stages = STAGES;
-  *spread = SPREAD;
 }
 
 // Shared memory one launch takes (bytes), for a caller that checks the device's limit first.
@@ -724,13 +615,10 @@ int w4a16_gemv_smem(int m, int group, int warps) { return smem_bytes(m, group, w
 // checks the operands (tuner/candidates/cuda_w4a16.py); this refuses what would read or write
 // out of bounds: m outside 1..MAX_M, K not whole chunks, a group size other than 32, 64,
 // 128, 256 that divides K, N x K / group (scale, zero) words past 32-bit indices, warps outside
-// 1..16 (1..8 for 64-row warps at M > 8), a cluster outside 1..8 or wider than K's chunks,
-// x or w not 16-byte aligned; a spread build: a cluster, fewer `ctas` than row blocks (of 16 x
-// slices rows) or more than their chunks, no workspace `ws` (ctas x 2 x M x 16 x slices floats)
-// or `counts` (an int per row block, zero); a build that does not spread: ctas other than 0.
+// 1..16 (1..8 for 64-row warps at M > 8), a cluster outside 1..8 or wider than K's chunks, x or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
-               int ctas, void* ws, void* counts, void* stream) {
+               void* stream) {
   const bool group_ok = (group == 32 || group == 64 || group == 128 || group == 256) && k % group == 0;
   const bool words_ok = group_ok && static_cast<long long>(n) * (k / group) < (1ll << 31);
   if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !words_ok || warps < 1 ||
@@ -738,10 +626,6 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
     return static_cast<int>(cudaErrorInvalidValue);
-  const long long row_blocks = (n + ROWS - 1) / ROWS;
-  const bool spread_ok = cluster == 1 && ctas >= row_blocks && ctas <= row_blocks * (k / CHUNK) &&
-                         ws != nullptr && counts != nullptr;
-  if (SPREAD ? !spread_ok : ctas != 0) return static_cast<int>(cudaErrorInvalidValue);
   Params p;
   p.x = static_cast<const uint16_t*>(x);
   p.w = static_cast<const uint8_t*>(w);
@@ -752,9 +636,6 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.m = m;
   p.n = n;
   p.k = k;
-  p.ctas = ctas;
-  p.ws = static_cast<float*>(ws);
-  p.counts = static_cast<int*>(counts);
   p.group_shift = __builtin_ctz(static_cast<unsigned>(group));
   p.stage_bytes = stage_bytes(m, group, warps);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
