@@ -258,7 +258,7 @@ def test_the_bench_takes_named_projections_and_ad_hoc_shapes() -> None:
     bench = load_script("w4a16_gemv")
     assert bench.shape_of("qwen_down") == (3584, 18944)
     assert bench.shape_of("4096x18944") == (4096, 18944)
-    with pytest.raises(ValueError, match="'4096x': allowed .* or NxK"):
+    with pytest.raises(ValueError, match=r"'4096x': allowed .* or NxK"):
         bench.shape_of("4096x")
 
 
