@@ -457,9 +457,9 @@ class _Trial:
         trial_us = (effective_us(base, options.launch), effective_us(challenger, options.launch))
         margin = max(noise(base, options.min_noise), noise(challenger, options.min_noise))
         readings = self.rounds(runners, base, challenger, options)
-        # the graph after the rounds, which warm the GPU for both runners alike (timed first, the
-        # baseline's graph would run on a GPU still ramping up from the trials), and before the
-        # rounds are judged: they are judged against it
+        # the graph after the rounds, so that both graphs run on a GPU the rounds warmed alike
+        # (timed straight after the trials, the baseline's would be timed first, on whatever
+        # state the trials left), and before the rounds are judged: they are judged against it
         gpu = self.gpu_times(runners, base, challenger)
         gpu_us = (gpu[0].median_us, gpu[1].median_us) if gpu and gpu[0] and gpu[1] else None
 
