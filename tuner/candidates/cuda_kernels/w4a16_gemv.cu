@@ -15,7 +15,9 @@
 // over all of K, whose warp w takes the same chunks in the same order: rank 0's warp w copies
 // each chunk's x slab once, multicast into every CTA's stage (bulk copies on a "full" mbarrier per
 // stage), so x's bytes per weight byte fall by the cluster's size. A CTA's warp frees a stage by
-// arriving on rank 0's "empty" mbarrier of it; rank 0 refills a stage once every CTA freed it.
+// arriving on rank 0's "empty" mbarrier of it; rank 0's warp issues x into a stage once every CTA
+// freed it: at each chunk it issues those already freed without waiting, and waits only for the
+// chunk it is about to compute (so it does not run at the pace of the cluster's slowest CTA).
 // Each CTA sums and stores its own rows.
 //
 // Launched with programmatic dependent launch: the grid may start while the kernel before it on
@@ -147,6 +149,18 @@ __device__ __forceinline__ void bar_init(uint32_t bar, int count) {
 __device__ __forceinline__ void bar_expect(uint32_t bar, int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                : "memory");
+}
+
+// Whether the barrier's phase of parity `parity` is complete (lane 0's test, for the warp).
+__device__ __forceinline__ bool bar_done(uint32_t bar, int parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return __shfl_sync(0xffffffffu, done, 0);
 }
 
 // Waits until the barrier's phase of parity `parity` is complete.
@@ -504,15 +518,27 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     cluster.sync();  // no copy lands on a barrier not yet made
   }
-  // the warp's i-th chunk's x slab into `stage` (slot `slot`): on rank 0 once the cluster freed
-  // the slot from chunk i - STAGES
-  const auto multicast_x = [&](int i, int slot, uint32_t stage) {
+  // (rank 0) the warp's chunks below `issued` have their x slab multicast: each of those below
+  // `limit` whose stage the cluster freed (from the chunk STAGES before), waiting only for those
+  // below `need`
+  int issued = 0;
+  const auto multicast_x = [&](int need, int limit) {
+    while (issued < limit) {
+      const int slot = issued % STAGES, parity = (issued / STAGES - 1) & 1;
+      if (issued >= STAGES && !bar_done(empty + slot * 16, parity)) {
+        if (issued >= need) return;
+        bar_wait(empty + slot * 16, parity);
+      }
+      if (lane < p.m)
+        bulk_multicast(ring + slot * p.stage_bytes + x_at + lane * XROW,
+                       p.x + lane * p.ldx + (first + issued * step) * CHUNK, CHUNK * 2,
+                       full + slot * 16, static_cast<uint16_t>((1u << ranks) - 1));
+      ++issued;
+    }
+  };
+  // every CTA's warp expects its chunk's x slab on the stage's full barrier
+  const auto expect_x = [&](int slot) {
     if (lane == 0) bar_expect(full + slot * 16, p.m * CHUNK * 2);
-    if (rank != 0) return;
-    if (i >= STAGES) bar_wait(empty + slot * 16, (i / STAGES - 1) & 1);
-    if (lane < p.m)
-      bulk_multicast(stage + x_at + lane * XROW, p.x + lane * p.ldx + (first + i * step) * CHUNK,
-                     CHUNK * 2, full + slot * 16, static_cast<uint16_t>((1u << ranks) - 1));
   };
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -521,10 +547,11 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   for (int i = 0; i < STAGES - 1; ++i) {
     if (i < mine) {
       copier.issue(ring + i * p.stage_bytes);
-      if constexpr (MCAST_X) multicast_x(i, i, ring + i * p.stage_bytes);
+      if constexpr (MCAST_X) expect_x(i);
     }
     commit();
   }
+  if (MCAST_X && rank == 0) multicast_x(0, min(STAGES - 1, mine));
   int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
   for (int i = 0; i < mine; ++i) {
     const uint32_t stage = ring + slot * p.stage_bytes;
@@ -540,10 +567,13 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
     } else {
       if (i + STAGES - 1 < mine) {
         copier.issue(ring + next * p.stage_bytes);
-        if constexpr (MCAST_X) multicast_x(i + STAGES - 1, next, ring + next * p.stage_bytes);
+        if constexpr (MCAST_X) expect_x(next);
       }
       commit();
-      if constexpr (MCAST_X) bar_wait(full + slot * 16, (i / STAGES) & 1);
+      if constexpr (MCAST_X) {
+        if (rank == 0) multicast_x(i + 1, min(i + STAGES, mine));
+        bar_wait(full + slot * 16, (i / STAGES) & 1);
+      }
       wait_copies<STAGES - 1>();
       __syncwarp();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
