@@ -287,7 +287,8 @@ struct Half2Ops<true> {  // fp16
 
 // One lane's share of a ring's copies, chunk after chunk: built once (the addresses that do
 // not move, which rows exist), then each `issue` copies the current chunk into a stage and
-// moves on by `step` chunks (the warps when they split K, else 1). Each lane copies the weight
+// moves on by `step` chunks (the warps when they split K, else 1), from the run's last chunk
+// back to its first (a run starts where its CTA's rotation says). Each lane copies the weight
 // bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t); its warp's
 // (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over the warp,
 // and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the ring (unless
@@ -303,6 +304,7 @@ struct Copier {
   const uint16_t* x;     // this thread's first x piece of the current chunk
   long long x_round;     // x elements between two copy rounds (x_threads / 16 rows)
   int chunk, chunk_step, group_shift;
+  int lap, until_wrap;  // chunks from the run's last chunk back to its first; issues until then
   uint32_t w_valid, sz_valid, x_valid;  // bit per copy: its rows exist
   uint32_t sz_slots;                    // bit per copy: its word lies in the part (lane < ROWS * NG)
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
@@ -310,10 +312,12 @@ struct Copier {
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
-  // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
+  // row in N; first: the chunk copied first, after which come `wrap` more before the run's
+  // last; lap: the run's chunks times `step`; w_at, x_at: its slices' and the slab's offsets in
+  // a stage; x_thread of x_threads.
   __device__ __forceinline__ Copier(const Params& p, const uint8_t* block, int rows, int offset,
-                                    int n0, int first, int step, int lane, uint32_t w_at,
-                                    uint32_t x_at, int x_thread, int x_threads) {
+                                    int n0, int first, int wrap, int lap, int step, int lane,
+                                    uint32_t w_at, uint32_t x_at, int x_thread, int x_threads) {
     const int g = lane >> 2, t = lane & 3;
     w_lane = g * 64 + t * 16;
     lane_w = w_at + w_lane;
@@ -345,6 +349,8 @@ struct Copier {
     chunk = first;
     chunk_step = step;
     group_shift = p.group_shift;
+    this->lap = lap;
+    until_wrap = wrap + 1;
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
@@ -372,6 +378,11 @@ struct Copier {
     w += w_step;
     x += chunk_step * CHUNK;
     chunk += chunk_step;
+    if (--until_wrap == 0) {  // past the run's last chunk: back to its first
+      w -= w_step / chunk_step * lap;
+      x -= lap * CHUNK;
+      chunk -= lap;
+    }
   }
 };
 
@@ -500,13 +511,21 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   // splitting K, the warp takes chunks c_lo + warp, + warps, ...; splitting rows, all of them
   const int first = SPLIT_ROWS ? c_lo : c_lo + warp, step = SPLIT_ROWS ? 1 : warps;
   const int mine = first < c_hi ? (c_hi - first + step - 1) / step : 0;
+  // Every CTA reads the same x: walked in the same order, all the CTAs would ask L2 for the
+  // same x lines at once. So each row block (each cluster, sharing x) starts its runs at its
+  // own chunk (the warp's chunk `rot` of its `mine`) and wraps around; the sum order stays fixed.
+  const int rot = mine > 0 ? static_cast<int>(blockIdx.x / ranks % mine) : 0;
+  const auto chunk_at = [&](int i) {  // the warp's i-th chunk
+    return first + (i + rot < mine ? i + rot : i + rot - mine) * step;
+  };
 
   // a ring per warp (its part, then x's slab), or one per CTA (every warp's part, then the slab)
   const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
   const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
-  Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at,
-                        x_at, SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
+  Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, chunk_at(0), mine - 1 - rot,
+                        mine * step, step, lane, part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
+                        SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
   // (MCAST_X) the warp's full and empty barriers, a pair per stage of its ring
   const uint32_t full = smem_addr(smem) + p.bars_at + warp * STAGES * 16, empty = full + 8;
@@ -531,7 +550,7 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
       }
       if (lane < p.m)
         bulk_multicast(ring + slot * p.stage_bytes + x_at + lane * XROW,
-                       p.x + lane * p.ldx + (first + issued * step) * CHUNK, CHUNK * 2,
+                       p.x + lane * p.ldx + chunk_at(issued) * CHUNK, CHUNK * 2,
                        full + slot * 16, static_cast<uint16_t>((1u << ranks) - 1));
       ++issued;
     }
