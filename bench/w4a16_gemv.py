@@ -64,14 +64,14 @@ MS = (1, 4, 8)
 # (split, slices of 16 rows per warp, stages, warps, cluster). Warps splitting K: 32-row CTAs over
 # all of K (one per SM), 8-16 warps, 2-4 stages; 64-row CTAs over half of K (cluster 2: x's slab
 # copied once per 64 rows, ahead where x weighs most). Warps splitting rows: 256-row CTAs with K
-# over a cluster of 8 (Qwen down M = 8's winner). The K split sharing x over a cluster of 2 or 4.
+# over a cluster of 8 (Qwen down M = 8's winner); 64-row CTAs of 2-4 warps with deep rings, K
+# over a cluster of 2 (x once per 64 rows, one wave of clusters of 2).
 GRID = [
     ("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
     ("k", 4, 2, 8, 2), ("k", 4, 3, 8, 2), ("k", 4, 2, 16, 2), ("rows", 2, 4, 8, 8),
-    ("k_multicast", 2, 2, 16, 2), ("k_multicast", 2, 3, 16, 2), ("k_multicast", 2, 3, 12, 2),
-    ("k_multicast", 2, 4, 8, 2), ("k_multicast", 2, 2, 16, 4), ("k_multicast", 2, 3, 16, 4),
+    ("rows", 1, 8, 4, 2), ("rows", 1, 5, 4, 2), ("rows", 2, 8, 2, 2),
 ]  # fmt: skip
-TRACED = [("k", 2, 2, 16, 1), ("k_multicast", 2, 2, 16, 2), ("k_multicast", 2, 3, 16, 2)]
+TRACED = [("k", 2, 2, 16, 1), ("rows", 1, 8, 4, 2)]
 PROFILED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
 VARIANTS = {"trace": ["-DGEMV_TRACE=1"], "baseline": []}
 VARIANT_DIR = Path(tempfile.gettempdir()) / "w4a16_gemv_variants"
@@ -269,7 +269,9 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             checked("cuda_gemv_trace", cfg, gemv(cuda_w4a16.load(path), cfg))
             if "error" in rows[-1]:
                 continue
-            stamps = read_trace(path, cuda_w4a16.ctas(cfg, n))
+            rows_per_cta = 16 * cfg["slices"] * (cfg["warps"] if cfg["split"] == "rows" else 1)
+            ctas = -(-n // rows_per_cta) * cfg["cluster"]
+            stamps = read_trace(path, ctas)
             rows[-1]["trace"] = trace_summary(stamps, cfg["warps"])
             rows[-1]["stamps"] = stamps
             print(f"  trace {cfg}: {rows[-1]['trace']}", flush=True)

@@ -2,10 +2,10 @@
 rule, shortlists, the keys its source takes and why not the others, its libraries' names and
 artifacts, the configs it offers (none that failed; without nvcc, only stored ones), operands it
 refuses, and one library built by nvcc and loaded (CPU, where nvcc is); on a GPU, its libraries
-run, with warps splitting K or rows and clusters splitting K or sharing x (multicast), on small
-and odd shapes (ragged N, every group size, fp16, clusters, one n8 tile of x or two) against the float32 GEMM on the dequantized weight,
-bit-identical from one call to the next, a planted wrong group size caught, a CUDA graph, two
-calls chained on one stream (the programmatic dependent launch's wait), and every shortlisted
+run, with warps splitting K or rows, on small and odd shapes (ragged N, every group size, fp16,
+clusters, one n8 tile of x or two) against the float32 GEMM on the dequantized weight,
+bit-identical from one call to the next (also where each 64-row block starts K at its own
+chunk), a planted wrong group size caught, a CUDA graph, two calls chained on one stream (the programmatic dependent launch's wait), and every shortlisted
 config tuned through the engine's numerics gate."""
 
 from __future__ import annotations
@@ -73,8 +73,6 @@ def test_configs_are_checked_field_by_field() -> None:
         cw.check_config(cfg(), 1, 64, 200, 128)
     with pytest.raises(ValueError, match="K=128"):
         cw.check_config(cfg(cluster=2), 1, 64, 128, 128)
-    # a cluster sharing x spans row blocks, not K: one chunk is enough for any cluster
-    cw.check_config(cfg(2, 2, 16, 8, "k_multicast"), 16, 64, 128, 128)
     with pytest.raises(ValueError, match="group_size=48"):
         cw.check_config(cfg(), 1, 64, 384, 48)
     with pytest.raises(ValueError, match="shared memory"):
@@ -95,16 +93,6 @@ def test_shared_memory_is_the_rings_or_the_partial_sums() -> None:
     assert cw.smem_bytes(cfg(1, 4, 8, split="rows"), 1, 128) == max(4 * 9088, 128 * 4)
     # 64-row warps, two of them, M = 8: 2 x 4352 B and 8 rows of x (10880 B) a stage
     assert cw.smem_bytes(cfg(4, 3, 2, split="rows"), 8, 128) == max(3 * 10880, 128 * 8 * 4)
-    # sharing x: the K split's rings, then two 8-byte mbarriers per stage of each warp's ring
-    assert cw.smem_bytes(cfg(1, 4, 8, 4, "k_multicast"), 1, 128) == 8 * 4 * 1408 + 8 * 4 * 16
-
-
-def test_a_launch_takes_whole_clusters() -> None:
-    # 4100 rows: 129 blocks of 32 rows; a cluster splitting K multiplies them, one sharing x
-    # rounds them up to whole clusters (the CTAs past N copy no weight and store nothing)
-    assert cw.ctas(cfg(2, 2, 16, 4), 4100) == 129 * 4
-    assert cw.ctas(cfg(2, 2, 16, 4, "k_multicast"), 4100) == 132
-    assert cw.ctas(cfg(2, 4, 8, 8, "rows"), 4100) == 17 * 8
 
 
 def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:
@@ -119,9 +107,6 @@ def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:
     assert "-DGEMV_SPLIT_ROWS=1" in cw.nvcc_command(
         "nvcc", cw.library(cfg(split="rows")), nvcc_build.library_path(a)
     )
-    assert {"-DGEMV_SPLIT_ROWS=0", "-DGEMV_MCAST_X=1"} <= set(cw.nvcc_command(
-        "nvcc", cw.library(cfg(split="k_multicast")), nvcc_build.library_path(a)
-    ))  # fmt: skip
     # the name and the artifact spec carry the toolkit and the flags: another one never reuses it
     spec = a.artifact_spec()
     assert spec.source == "cuda_w4a16" and spec.arch == cw.ARCH
@@ -161,10 +146,9 @@ def test_the_decode_shortlist(store: ArtifactStore) -> None:
     assert [entry(c) for c in shortlist] == list(cw.SHORTLIST)
     assert [entry(c) for c in cw.configs(9, 4096, 14336, 128)] == list(cw.WIDE_SHORTLIST)
     assert cw.configs(17, 4096, 14336, 128) == []
-    # a cluster of C CTAs splitting K needs C chunks of K: with 3, the cluster of 8 does not
-    # fit; clusters sharing x do
+    # a cluster of C CTAs needs C chunks of K: with 3, the cluster of 8 does not fit
     assert [entry(c) for c in cw.configs(4, 520, 384, 32)] == [
-        e for e in cw.SHORTLIST if e[-1] <= 3 or e[0] == "k_multicast"
+        e for e in cw.SHORTLIST if e[-1] <= 3
     ]
     assert cw.CudaW4A16().candidates(key_of("int4-g128", 2), "cuda") == cw.configs(
         2, 4096, 14336, 128
@@ -263,11 +247,11 @@ def test_the_bench_builds_a_baseline_from_another_source(tmp_path, monkeypatch) 
     bench.build_variants([(config, "baseline")], source)
     path = bench.variant_path(config, "baseline", source)
     assert path != bench.variant_path(config, "baseline")
-    split_rows, mcast_x, slices, stages = (ctypes.c_int() for _ in range(4))
+    split_rows, slices, stages = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     ctypes.CDLL(str(path)).w4a16_gemv_config(
-        *map(ctypes.byref, (split_rows, mcast_x, slices, stages))
+        ctypes.byref(split_rows), ctypes.byref(slices), ctypes.byref(stages)
     )
-    assert (split_rows.value, mcast_x.value, slices.value, stages.value) == (0, 0, 1, 99)
+    assert (split_rows.value, slices.value, stages.value) == (0, 1, 99)
 
 
 def test_the_bench_takes_named_projections_and_ad_hoc_shapes() -> None:
@@ -291,9 +275,12 @@ def test_a_trace_sums_up_as_its_stamps_say() -> None:
 
 
 # (M, N, K, group, dtype): ragged N (a last block of 8 or 56 rows, N not a multiple of 16), every
-# group size, fp16, K of one chunk and of an odd number of chunks; M = 9-16: two n8 tiles
+# group size, fp16, K of one chunk and of an odd number of chunks; M = 9-16: two n8 tiles; a grid
+# of one wave whose warps take several chunks each (each 64-row block starts its runs at its own
+# chunk and wraps around)
 SHAPES = [
     (1, 64, 128, 128, torch.bfloat16),
+    (6, 1000, 6144, 64, torch.bfloat16),
     (3, 520, 384, 32, torch.float16),
     (8, 72, 1024, 64, torch.bfloat16),
     (7, 200, 2048, 256, torch.bfloat16),
@@ -305,13 +292,9 @@ SHAPES = [
 ]
 # warps splitting rows: 128-row CTAs over a cluster of 4 (N = 520: a last CTA of one part-filled
 # warp and seven past N), 96-row CTAs of 32-row warps across 64-row blocks (cluster 3), 64-row
-# warps of two stages; 16 warps of 32 rows (the register-tight two-tile build); clusters sharing
-# x: 4 CTAs of 16 warps (N = 4100: 129 row blocks, three CTAs past N in the last cluster), 3 of
-# 64-row warps, 2 of 16-row warps of three stages (K = 384: each warp one chunk or none)
+# warps of two stages; 16 warps of 32 rows (the register-tight two-tile build)
 CONFIGS = [cfg(1, 4, 8, 1), cfg(2, 3, 4, 2), cfg(4, 2, 8, 4), cfg(1, 8, 3, 1), cfg(2, 2, 16, 1),
-           cfg(1, 6, 8, 4, "rows"), cfg(2, 3, 3, 3, "rows"), cfg(4, 2, 2, 1, "rows"),
-           cfg(2, 2, 16, 4, "k_multicast"), cfg(4, 2, 4, 3, "k_multicast"),
-           cfg(1, 3, 8, 2, "k_multicast")]  # fmt: skip
+           cfg(1, 6, 8, 4, "rows"), cfg(2, 3, 3, 3, "rows"), cfg(4, 2, 2, 1, "rows")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +353,7 @@ def test_a_planted_wrong_group_size_fails_the_gate(split: str, built: None) -> N
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[5], CONFIGS[8]], ids=cw.SPLITS)
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[5]], ids=cw.SPLITS)
 def test_inside_a_cuda_graph(config: dict, built: None) -> None:
     """Replayed three times, x changed in place between replays: each replay reads the x of
     its own time. (One kernel in the graph: it does not prove the PDL wait orders the kernel
@@ -398,17 +381,13 @@ def test_inside_a_cuda_graph(config: dict, built: None) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8, 16])
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
-@pytest.mark.parametrize("config", [CONFIGS[4], CONFIGS[8]], ids=["k", "k_multicast"])
-def test_a_call_reads_the_output_of_the_call_before_it(
-    m: int, graphed: bool, config: dict, built: None
-) -> None:
+def test_a_call_reads_the_output_of_the_call_before_it(m: int, graphed: bool, built: None) -> None:
     """y = f(f(x)) on one stream, the second call's x the first's output, made NaN just before
     the first call: the second kernel may start (programmatic dependent launch) while the first
     still writes, and reads its x only after its wait, so a missing wait reads NaNs or a part
-    of y. N = K; eager and as one CUDA graph replayed three times with new x; x copied per warp,
-    and multicast."""
+    of y. N = K; eager and as one CUDA graph replayed three times with new x."""
     n = k = 4096
-    group = 128
+    group, config = 128, CONFIGS[4]
     fn = cw.launcher(config)
     x, packed, sz, _, _ = _problem(m, n, k, group, torch.bfloat16)
     _, packed2, sz2, _, _ = _problem(m, n, k, group, torch.bfloat16)

@@ -5,18 +5,16 @@ split K sums through distributed shared memory. The CTA's warps split either K (
 the CTA's rows are one warp's, each warp takes every ``warps``-th 128-value chunk of the run from
 its own copy ring, and the warps sum in shared memory) or rows (``split`` "rows": the CTA owns
 ``warps`` x its warp's rows, every warp takes every chunk from one ring the CTA shares, so each
-chunk of x is copied once per CTA, not once per warp). ``split`` "k_multicast" is the K split
-whose cluster does not split K but shares x: its CTAs hold neighbouring row blocks over all of K,
-and each chunk's x is copied once per cluster, multicast into every CTA's ring (x's bytes per
-weight byte over the cluster's size). No partial ever goes through global memory, so there is no
-workspace and no second pass, and the sum order is fixed (deterministic). x's rows are one n8 tile of the tensor cores' mma (M <= 8) or two (M = 9-16,
+chunk of x is copied once per CTA, not once per warp). No partial ever goes through global
+memory, so there is no workspace and no second pass, and the sum order is fixed
+(deterministic). x's rows are one n8 tile of the tensor cores' mma (M <= 8) or two (M = 9-16,
 each dequantized weight fragment feeding both). Launched with programmatic dependent launch: a
 grid's launch and setup overlap the end of the kernel before it. It reads our packed layout
 (``tuner.quant.int4``) as the Triton kernel does.
 
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
 ``stages`` of each copy ring: a ``Library``) and its launch part (``warps`` per CTA, ``cluster``
-CTAs splitting K, or sharing x). Each library (the CUDA runtime linked in statically) serves every shape and is
+CTAs splitting K). Each library (the CUDA runtime linked in statically) serves every shape and is
 built by nvcc for sm_90a through ``nvcc_build`` (``compile_all``: a child process
 per library, a failure remembered and never compiled again) and loaded with ctypes; it is an
 artifact (``kernel_artifacts``), keyed by the kernel source, nvcc's release and the flags, so
@@ -53,7 +51,7 @@ from tuner.quant.int4 import CHUNK, GROUP_SIZES
 
 SOURCE = Path(__file__).parent / "cuda_kernels" / "w4a16_gemv.cu"
 ARCH = "sm_90a"
-SPLITS, SLICES, STAGES = ("k", "rows", "k_multicast"), (1, 2, 4), range(2, 9)
+SPLITS, SLICES, STAGES = ("k", "rows"), (1, 2, 4), range(2, 9)
 MAX_M = 16  # two n8 tiles of activations
 NARROW_M = 8  # one n8 tile
 WIDE_MAX_WARPS = 8  # 64-row warps over two n8 tiles: their registers
@@ -91,8 +89,7 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     if config["slices"] == 4 and m > NARROW_M and config["warps"] > WIDE_MAX_WARPS:
         raise ValueError(f"config['warps']={config['warps']}: allowed 1 to {WIDE_MAX_WARPS} for "
                          f"64-row warps (config['slices']=4) at M={m} > {NARROW_M}")  # fmt: skip
-    parts = 1 if config["split"] == "k_multicast" else cluster  # CTAs a row block's K spans
-    if k % CHUNK or k < CHUNK * parts:
+    if k % CHUNK or k < CHUNK * cluster:
         raise ValueError(f"K={k}: must be whole chunks of {CHUNK}, at least one per CTA of "
                          f"config['cluster']={cluster}")  # fmt: skip
     if group not in GROUP_SIZES or k % group:
@@ -107,23 +104,13 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
 def smem_bytes(config: Config, m: int, group: int) -> int:
     """Shared memory of one CTA (as the launcher computes it): the copy rings (one per warp, or
     the CTA's one when warps split rows), or the sums after them if larger (splitting K, the
-    warps' partials and their sum; splitting rows, the CTA's [rows, M]); sharing x, then a full
-    and an empty mbarrier (8 bytes each) per stage of each warp's ring."""
+    warps' partials and their sum; splitting rows, the CTA's [rows, M])."""
     rows, warps, by_rows = 16 * config["slices"], config["warps"], config["split"] == "rows"
     groups = CHUNK // group if group < CHUNK else 1
     parts = (warps if by_rows else 1) * (rows * 64 + rows * 4 * groups)
     stage = -(-(parts + m * (2 * CHUNK + 16)) // 128) * 128
     rings, sums = (1, warps) if by_rows else (warps, warps + 1)
-    barriers = warps * config["stages"] * 16 if config["split"] == "k_multicast" else 0
-    return max(rings * config["stages"] * stage, sums * rows * m * 4) + barriers
-
-
-def ctas(config: Config, n: int) -> int:
-    """CTAs of one launch for N rows (as the launcher computes them): a row block's CTAs times
-    the cluster splitting K, or sharing x, row blocks rounded up to whole clusters."""
-    rows = 16 * config["slices"] * (config["warps"] if config["split"] == "rows" else 1)
-    blocks, cluster = -(-n // rows), config["cluster"]
-    return -(-blocks // cluster) * cluster if config["split"] == "k_multicast" else blocks * cluster
+    return max(rings * config["stages"] * stage, sums * rows * m * 4)
 
 
 @functools.cache
@@ -164,7 +151,6 @@ class Library:
         """nvcc's options, all but the output and the source."""
         return ["-O3", "-lineinfo", f"-arch={ARCH}", "-std=c++17", "-shared", "-Xcompiler",
                 "-fPIC", f"-DGEMV_SPLIT_ROWS={int(self.split == 'rows')}",
-                f"-DGEMV_MCAST_X={int(self.split == 'k_multicast')}",
                 f"-DGEMV_SLICES={self.slices}", f"-DGEMV_STAGES={self.stages}"]  # fmt: skip
 
     def toolchain(self) -> dict[str, str]:
@@ -288,14 +274,12 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 # waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the narrow projections;
 # 8 warps of 4 stages win the wide ones. Where x's [M, 128] slab weighs most (M near 8, copied per
 # CTA and chunk beside the CTA's weight), 64-row warps over half of K (a cluster of 2: x copied
-# once per 64 rows), 8 warps of 32 rows sharing each chunk's slab with K over a cluster of 8, or
-# the K split whose cluster of 2 or 4 CTAs shares each chunk's slab (multicast).
+# once per 64 rows), or 8 warps of 32 rows sharing each chunk's slab with K over a cluster of 8.
 SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
-             ("rows", 2, 4, 8, 8), ("k", 4, 2, 8, 2), ("k_multicast", 2, 2, 16, 2),
-             ("k_multicast", 2, 2, 16, 4))  # fmt: skip
-# M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so only what copies
-# the least x per weight byte: the 64-row warps over half of K, the K split sharing x over 4 CTAs.
-WIDE_SHORTLIST = (("k", 4, 2, 8, 2), ("k_multicast", 2, 2, 16, 4), ("k_multicast", 2, 4, 8, 4))
+             ("rows", 2, 4, 8, 8), ("k", 4, 2, 8, 2))  # fmt: skip
+# M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so only the 64-row
+# warps over half of K, which copy the least x per weight byte.
+WIDE_SHORTLIST = (("k", 4, 2, 8, 2),)
 
 
 def shortlist(m: int) -> tuple[tuple, ...]:

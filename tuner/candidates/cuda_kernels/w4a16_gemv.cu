@@ -11,14 +11,12 @@
 // In a cluster the CTAs' sums are read through distributed shared memory in rank order. No CTA
 // waits on another's partial in global memory: the result is deterministic, with no workspace,
 // no arrival counter and no second pass.
-// Or (GEMV_MCAST_X=1, warps splitting K) a cluster is of CTAs of neighbouring row blocks, each
-// over all of K, whose warp w takes the same chunks in the same order: rank 0's warp w copies
-// each chunk's x slab once, multicast into every CTA's stage (bulk copies on a "full" mbarrier per
-// stage), so x's bytes per weight byte fall by the cluster's size. A CTA's warp frees a stage by
-// arriving on rank 0's "empty" mbarrier of it; rank 0's warp issues x into a stage once every CTA
-// freed it: at each chunk it issues those already freed without waiting, and waits only for the
-// chunk it is about to compute (so it does not run at the pace of the cluster's slowest CTA).
-// Each CTA sums and stores its own rows.
+//
+// Every CTA reads all of x. In a grid of one wave the CTAs start together, and walking K in the
+// same order they would all ask L2 for the same few x lines at once (those lines' slices serve
+// them in turn, the others idle): so there each 64-row block starts its warps' runs at its own
+// chunk (block b at its b mod (chunks) of each run) and wraps around. The CTAs of one 64-row block
+// keep one order, reading each chunk's contiguous run together. The sum order stays fixed.
 //
 // Launched with programmatic dependent launch: the grid may start while the kernel before it on
 // the stream finishes; it sets up its addresses, then waits (griddepcontrol.wait) for that
@@ -43,10 +41,9 @@
 // x's M rows are one n8 tile of the mma (M <= 8) or two (M = 9-16): each dequantized A fragment
 // then feeds two mma, so a second tile costs x's copies and mma, not the dequant.
 //
-// One shared library per (SPLIT_ROWS, MCAST_X, SLICES, STAGES): -DGEMV_SPLIT_ROWS=0|1 (warps
-// split K or rows), -DGEMV_MCAST_X=0|1 (a cluster splits K, or shares x), -DGEMV_SLICES=1|2|4
-// (16-row slices per warp), -DGEMV_STAGES=2..8; warps per CTA and the cluster size are launch
-// arguments.
+// One shared library per (SPLIT_ROWS, SLICES, STAGES): -DGEMV_SPLIT_ROWS=0|1 (warps split K or
+// rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_STAGES=2..8; warps per CTA and the
+// cluster size are launch arguments.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -56,9 +53,6 @@
 
 #ifndef GEMV_SPLIT_ROWS
 #define GEMV_SPLIT_ROWS 0
-#endif
-#ifndef GEMV_MCAST_X
-#define GEMV_MCAST_X 0
 #endif
 #ifndef GEMV_SLICES
 #define GEMV_SLICES 1
@@ -73,7 +67,6 @@
 namespace cg = cooperative_groups;
 
 constexpr bool SPLIT_ROWS = GEMV_SPLIT_ROWS;
-constexpr bool MCAST_X = GEMV_MCAST_X;
 constexpr int SLICES = GEMV_SLICES;
 constexpr int STAGES = GEMV_STAGES;
 constexpr int ROWS = 16 * SLICES;
@@ -84,7 +77,6 @@ constexpr int MAX_WARPS = 16;
 constexpr int MAX_DEVICES = 64;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
-static_assert(!(MCAST_X && SPLIT_ROWS), "x is multicast to CTAs whose warps split K");
 
 // Trace (GEMV_TRACE=1): per CTA, [smid, globaltimer at start and end, clock64 at start, after
 // the wait, when warp 0's first chunk landed, once the warps' partials are in shared memory, at
@@ -122,7 +114,7 @@ struct Params {
   int m, n, k;
   int group_shift;  // log2(group size)
   int stage_bytes;  // one warp's stage: weight, (scale, zero) words, x's slab
-  int bars_at;      // (MCAST_X) shared memory offset of the mbarriers, past the rings and sums
+  int rotate;       // the grid is one wave: each 64-row block starts K at its own chunk
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -140,57 +132,6 @@ __device__ __forceinline__ void copy4(uint32_t dst, const void* src, bool valid)
 }
 
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-__device__ __forceinline__ void bar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-
-// One arrival on the barrier at `bar`, and `bytes` more that its phase waits for.
-__device__ __forceinline__ void bar_expect(uint32_t bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-// Whether the barrier's phase of parity `parity` is complete (lane 0's test, for the warp).
-__device__ __forceinline__ bool bar_done(uint32_t bar, int parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return __shfl_sync(0xffffffffu, done, 0);
-}
-
-// Waits until the barrier's phase of parity `parity` is complete.
-__device__ __forceinline__ void bar_wait(uint32_t bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-// One arrival on the barrier at `bar`'s offset in the cluster's CTA `rank`.
-__device__ __forceinline__ void bar_arrive_at(uint32_t bar, int rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
-               : "memory");
-}
-
-// `bytes` from global `src` to `dst` in every CTA of the cluster in `ranks`, each completing
-// them on its barrier at `bar` (both offsets the same in every CTA).
-__device__ __forceinline__ void bulk_multicast(uint32_t dst, const void* src, int bytes,
-                                               uint32_t bar, uint16_t ranks) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
-      "[%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar), "h"(ranks)
-      : "memory");
-}
 
 template <int PENDING>
 __device__ __forceinline__ void wait_copies() {
@@ -288,11 +229,10 @@ struct Half2Ops<true> {  // fp16
 // One lane's share of a ring's copies, chunk after chunk: built once (the addresses that do
 // not move, which rows exist), then each `issue` copies the current chunk into a stage and
 // moves on by `step` chunks (the warps when they split K, else 1), from the run's last chunk
-// back to its first (a run starts where its CTA's rotation says). Each lane copies the weight
+// back to its first (a run may start inside it). Each lane copies the weight
 // bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t); its warp's
 // (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over the warp,
-// and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the ring (unless
-// MCAST_X: then rank 0 multicasts the slab).
+// and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the ring.
 template <int NG, int NT>
 struct Copier {
   static constexpr int SZ_COPIES = (ROWS * NG + 31) / 32;
@@ -304,7 +244,7 @@ struct Copier {
   const uint16_t* x;     // this thread's first x piece of the current chunk
   long long x_round;     // x elements between two copy rounds (x_threads / 16 rows)
   int chunk, chunk_step, group_shift;
-  int lap, until_wrap;  // chunks from the run's last chunk back to its first; issues until then
+  int lap, until_wrap;  // the run's chunks times the step; issues until its last chunk is passed
   uint32_t w_valid, sz_valid, x_valid;  // bit per copy: its rows exist
   uint32_t sz_slots;                    // bit per copy: its word lies in the part (lane < ROWS * NG)
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
@@ -312,12 +252,13 @@ struct Copier {
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
-  // row in N; first: the chunk copied first, after which come `wrap` more before the run's
-  // last; lap: the run's chunks times `step`; w_at, x_at: its slices' and the slab's offsets in
-  // a stage; x_thread of x_threads.
+  // row in N; first: the chunk copied first, `before_wrap` - 1 chunks before the run's last;
+  // lap: the run's chunks times `step`; w_at, x_at: its slices' and the slab's offsets in a
+  // stage; x_thread of x_threads.
   __device__ __forceinline__ Copier(const Params& p, const uint8_t* block, int rows, int offset,
-                                    int n0, int first, int wrap, int lap, int step, int lane,
-                                    uint32_t w_at, uint32_t x_at, int x_thread, int x_threads) {
+                                    int n0, int first, int before_wrap, int lap, int step,
+                                    int lane, uint32_t w_at, uint32_t x_at, int x_thread,
+                                    int x_threads) {
     const int g = lane >> 2, t = lane & 3;
     w_lane = g * 64 + t * 16;
     lane_w = w_at + w_lane;
@@ -350,7 +291,7 @@ struct Copier {
     chunk_step = step;
     group_shift = p.group_shift;
     this->lap = lap;
-    until_wrap = wrap + 1;
+    until_wrap = before_wrap;
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
@@ -370,11 +311,9 @@ struct Copier {
       copy4(stage + lane_sz + it * 128, valid ? words + (32 * it / ROWS) * n + 32 * it % ROWS : sz,
             valid);
     }
-    if constexpr (!MCAST_X) {
 #pragma unroll
-      for (int it = 0; it < X_COPIES; ++it)
-        if (x_valid >> it & 1) copy16(stage + lane_x + it * x_round_bytes, x + it * x_round, true);
-    }
+    for (int it = 0; it < X_COPIES; ++it)
+      if (x_valid >> it & 1) copy16(stage + lane_x + it * x_round_bytes, x + it * x_round, true);
     w += w_step;
     x += chunk_step * CHUNK;
     chunk += chunk_step;
@@ -494,7 +433,7 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  const int n0 = (MCAST_X ? blockIdx.x : blockIdx.x / ranks) * cta_rows;
+  const int n0 = (blockIdx.x / ranks) * cta_rows;
   // the warp's first row; a warp of the last CTA may lie wholly past N: it copies nothing
   // (no rows), from addresses in bounds (those of row 0)
   const int warp_n0 = SPLIT_ROWS ? n0 + warp * ROWS : n0;
@@ -505,72 +444,29 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   const uint8_t* block = p.w + static_cast<long long>(first_row) * (p.k / 2);
 
   const int chunks = p.k / CHUNK;
-  const int parts = MCAST_X ? 1 : ranks, part_of = MCAST_X ? 0 : rank;  // the cluster's K split
-  const int c_lo = static_cast<int>(static_cast<long long>(part_of) * chunks / parts);
-  const int c_hi = static_cast<int>(static_cast<long long>(part_of + 1) * chunks / parts);
+  const int c_lo = static_cast<int>(static_cast<long long>(rank) * chunks / ranks);
+  const int c_hi = static_cast<int>(static_cast<long long>(rank + 1) * chunks / ranks);
   // splitting K, the warp takes chunks c_lo + warp, + warps, ...; splitting rows, all of them
   const int first = SPLIT_ROWS ? c_lo : c_lo + warp, step = SPLIT_ROWS ? 1 : warps;
   const int mine = first < c_hi ? (c_hi - first + step - 1) / step : 0;
-  // Every CTA reads the same x: walked in the same order, all the CTAs would ask L2 for the
-  // same x lines at once. So each row block (each cluster, sharing x) starts its runs at its
-  // own chunk (the warp's chunk `rot` of its `mine`) and wraps around; the sum order stays fixed.
-  const int rot = mine > 0 ? static_cast<int>(blockIdx.x / ranks % mine) : 0;
-  const auto chunk_at = [&](int i) {  // the warp's i-th chunk
-    return first + (i + rot < mine ? i + rot : i + rot - mine) * step;
-  };
+  const int rot = p.rotate && mine > 0 ? n0 / 64 % mine : 0;  // the run starts at its chunk rot
 
   // a ring per warp (its part, then x's slab), or one per CTA (every warp's part, then the slab)
   const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
   const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
-  Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, chunk_at(0), mine - 1 - rot,
-                        mine * step, step, lane, part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
-                        SPLIT_ROWS ? blockDim.x : 32);
+  Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, first + rot * step,
+                        mine - rot, mine * step, step, lane, part_at, x_at,
+                        SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
-  // (MCAST_X) the warp's full and empty barriers, a pair per stage of its ring
-  const uint32_t full = smem_addr(smem) + p.bars_at + warp * STAGES * 16, empty = full + 8;
-  if constexpr (MCAST_X) {
-    if (lane < STAGES) {
-      bar_init(full + lane * 16, 1);
-      bar_init(empty + lane * 16, ranks);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    cluster.sync();  // no copy lands on a barrier not yet made
-  }
-  // (rank 0) the warp's chunks below `issued` have their x slab multicast: each of those below
-  // `limit` whose stage the cluster freed (from the chunk STAGES before), waiting only for those
-  // below `need`
-  int issued = 0;
-  const auto multicast_x = [&](int need, int limit) {
-    while (issued < limit) {
-      const int slot = issued % STAGES, parity = (issued / STAGES - 1) & 1;
-      if (issued >= STAGES && !bar_done(empty + slot * 16, parity)) {
-        if (issued >= need) return;
-        bar_wait(empty + slot * 16, parity);
-      }
-      if (lane < p.m)
-        bulk_multicast(ring + slot * p.stage_bytes + x_at + lane * XROW,
-                       p.x + lane * p.ldx + chunk_at(issued) * CHUNK, CHUNK * 2,
-                       full + slot * 16, static_cast<uint16_t>((1u << ranks) - 1));
-      ++issued;
-    }
-  };
-  // every CTA's warp expects its chunk's x slab on the stage's full barrier
-  const auto expect_x = [&](int slot) {
-    if (lane == 0) bar_expect(full + slot * 16, p.m * CHUNK * 2);
-  };
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (threadIdx.x == 0) stamp(4, CLOCK);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < mine) {
-      copier.issue(ring + i * p.stage_bytes);
-      if constexpr (MCAST_X) expect_x(i);
-    }
+    if (i < mine) copier.issue(ring + i * p.stage_bytes);
     commit();
   }
-  if (MCAST_X && rank == 0) multicast_x(0, min(STAGES - 1, mine));
   int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
   for (int i = 0; i < mine; ++i) {
     const uint32_t stage = ring + slot * p.stage_bytes;
@@ -584,22 +480,13 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
       compute<F16, NG, NT>(p, stage + part_at, stage + x_at, lane, acc);
     } else {
-      if (i + STAGES - 1 < mine) {
-        copier.issue(ring + next * p.stage_bytes);
-        if constexpr (MCAST_X) expect_x(next);
-      }
+      if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
-      if constexpr (MCAST_X) {
-        if (rank == 0) multicast_x(i + 1, min(i + STAGES, mine));
-        bar_wait(full + slot * 16, (i / STAGES) & 1);
-      }
       wait_copies<STAGES - 1>();
       __syncwarp();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
       compute<F16, NG, NT>(p, stage, stage + x_at, lane, acc);
       __syncwarp();
-      // rank 0 waits for exactly the stages it refills, so no arrival comes after it is gone
-      if (MCAST_X && lane == 0 && i + STAGES < mine) bar_arrive_at(empty + slot * 16, 0);
     }
     slot = slot + 1 == STAGES ? 0 : slot + 1;
     next = next + 1 == STAGES ? 0 : next + 1;
@@ -632,7 +519,7 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
     if (n0 + row < p.n) p.out[col * p.ldo + n0 + row] = Half2Ops<F16>::round(v);
   };
   // splitting K without a cluster, an output is stored as soon as its warps' partials are summed
-  const bool stored_here = !SPLIT_ROWS && (ranks == 1 || MCAST_X);
+  const bool stored_here = !SPLIT_ROWS && ranks == 1;
   if constexpr (!SPLIT_ROWS) {
     __syncthreads();
     if (threadIdx.x == 0) stamp(6, CLOCK);
@@ -678,26 +565,26 @@ int stage_bytes(int m, int group, int warps) {
 
 // The rings (one per warp, or the CTA's), or the sums after them if larger: splitting K, the
 // warps' partials and their sum ((warps + 1) x ROWS x M floats); splitting rows, warps x ROWS x M.
-// Then (MCAST_X) a full and an empty mbarrier per stage of each warp's ring.
-int bars_at(int m, int group, int warps) {
+int smem_bytes(int m, int group, int warps) {
   const int ring = (SPLIT_ROWS ? 1 : warps) * STAGES * stage_bytes(m, group, warps);
   const int reduce = (SPLIT_ROWS ? warps : warps + 1) * ROWS * m * 4;
   return ring > reduce ? ring : reduce;
 }
 
-int smem_bytes(int m, int group, int warps) {
-  return bars_at(m, group, warps) + (MCAST_X ? warps * STAGES * 16 : 0);
-}
-
 template <bool F16, int NG, int NT>
-cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
+cudaError_t launch(Params p, int warps, int cluster, cudaStream_t stream) {
   if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
   const int smem = smem_bytes(p.m, CHUNK / NG, warps);
   static int allowed[MAX_DEVICES] = {};  // per device: raised once to the most asked
+  static int sms[MAX_DEVICES] = {};      // per device: its SMs, read once
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return e;
   if (device >= MAX_DEVICES) return cudaErrorInvalidDevice;
+  if (sms[device] == 0) {
+    e = cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess) return e;
+  }
   if (smem > 48 * 1024 && smem > allowed[device]) {
     e = cudaFuncSetAttribute(w4a16_gemv_kernel<F16, NG, NT>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -706,8 +593,8 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   }
   cudaLaunchConfig_t config = {};
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  const int blocks = (p.n + cta_rows - 1) / cta_rows;  // a cluster splits K or (MCAST_X) shares x
-  const int ctas = MCAST_X ? (blocks + cluster - 1) / cluster * cluster : blocks * cluster;
+  const int ctas = (p.n + cta_rows - 1) / cta_rows * cluster;
+  p.rotate = ctas <= sms[device];
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   config.blockDim = dim3(static_cast<unsigned>(warps * 32));
   config.dynamicSmemBytes = static_cast<size_t>(smem);
@@ -741,11 +628,10 @@ cudaError_t launch_tiles(const Params& p, int group, int warps, int cluster, cud
 
 extern "C" {
 
-// This library's compile-time config: warps split rows (1) or K (0), a cluster shares x (1) or
-// splits K (0), slices (16-row) per warp, stages.
-void w4a16_gemv_config(int* split_rows, int* mcast_x, int* slices, int* stages) {
+// This library's compile-time config: warps split rows (1) or K (0), slices (16-row) per warp,
+// stages.
+void w4a16_gemv_config(int* split_rows, int* slices, int* stages) {
   *split_rows = SPLIT_ROWS;
-  *mcast_x = MCAST_X;
   *slices = SLICES;
   *stages = STAGES;
 }
@@ -757,16 +643,14 @@ int w4a16_gemv_smem(int m, int group, int warps) { return smem_bytes(m, group, w
 // checks the operands (tuner/candidates/cuda_w4a16.py); this refuses what would read or write
 // out of bounds: m outside 1..MAX_M, K not whole chunks, a group size other than 32, 64,
 // 128, 256 that divides K, N x K / group (scale, zero) words past 32-bit indices, warps outside
-// 1..16 (1..8 for 64-row warps at M > 8), a cluster outside 1..8 or, splitting K, wider than
-// K's chunks, x or w not 16-byte aligned.
+// 1..16 (1..8 for 64-row warps at M > 8), a cluster outside 1..8 or wider than K's chunks, x or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
                void* stream) {
   const bool group_ok = (group == 32 || group == 64 || group == 128 || group == 256) && k % group == 0;
   const bool words_ok = group_ok && static_cast<long long>(n) * (k / group) < (1ll << 31);
   if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !words_ok || warps < 1 ||
-      warps > MAX_WARPS || cluster < 1 || cluster > 8 || (!MCAST_X && cluster > k / CHUNK) ||
-      ldx % 8 ||
+      warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster > k / CHUNK || ldx % 8 ||
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
     return static_cast<int>(cudaErrorInvalidValue);
@@ -782,7 +666,6 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.k = k;
   p.group_shift = __builtin_ctz(static_cast<unsigned>(group));
   p.stage_bytes = stage_bytes(m, group, warps);
-  p.bars_at = bars_at(m, group, warps);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return static_cast<int>(f16 ? launch_tiles<true>(p, group, warps, cluster, s)
                               : launch_tiles<false>(p, group, warps, cluster, s));
