@@ -5,8 +5,9 @@ refuses, and one library built by nvcc and loaded (CPU, where nvcc is); on a GPU
 run, with warps splitting K or rows, on small and odd shapes (ragged N, every group size, fp16,
 clusters, one n8 tile of x or two) against the float32 GEMM on the dequantized weight,
 bit-identical from one call to the next (also where each 64-row block starts K at its own
-chunk), a planted wrong group size caught, a CUDA graph, two calls chained on one stream (the programmatic dependent launch's wait), and every shortlisted
-config tuned through the engine's numerics gate."""
+chunk), a planted wrong group size caught, a CUDA graph, two calls chained on one stream (the
+programmatic dependent launch's wait), and every shortlisted config tuned through the engine's
+numerics gate."""
 
 from __future__ import annotations
 
