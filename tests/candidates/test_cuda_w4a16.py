@@ -4,10 +4,9 @@ artifacts, the configs it offers (none that failed; without nvcc, only stored on
 refuses, and one library built by nvcc and loaded (CPU, where nvcc is); on a GPU, its libraries
 run, with warps splitting K or rows, on small and odd shapes (ragged N, every group size, fp16,
 clusters, one n8 tile of x or two) against the float32 GEMM on the dequantized weight,
-bit-identical from one call to the next (also where each 64-row block starts K at its own
-chunk), a planted wrong group size caught, a CUDA graph, two calls chained on one stream (the
-programmatic dependent launch's wait), and every shortlisted config tuned through the engine's
-numerics gate."""
+bit-identical from one call to the next, a planted wrong group size caught, a CUDA graph, two
+calls chained on one stream (the programmatic dependent launch's wait), and every shortlisted
+config tuned through the engine's numerics gate."""
 
 from __future__ import annotations
 
@@ -276,9 +275,8 @@ def test_a_trace_sums_up_as_its_stamps_say() -> None:
 
 
 # (M, N, K, group, dtype): ragged N (a last block of 8 or 56 rows, N not a multiple of 16), every
-# group size, fp16, K of one chunk and of an odd number of chunks; M = 9-16: two n8 tiles; a grid
-# of one wave whose warps take several chunks each (each 64-row block starts its runs at its own
-# chunk and wraps around)
+# group size, fp16, K of one chunk and of an odd number of chunks; M = 9-16: two n8 tiles; warps
+# of several chunks each beside a ragged N
 SHAPES = [
     (1, 64, 128, 128, torch.bfloat16),
     (6, 1000, 6144, 64, torch.bfloat16),

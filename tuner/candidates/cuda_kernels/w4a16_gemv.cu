@@ -12,12 +12,6 @@
 // waits on another's partial in global memory: the result is deterministic, with no workspace,
 // no arrival counter and no second pass.
 //
-// Every CTA reads all of x. In a grid of one wave the CTAs start together, and walking K in the
-// same order they would all ask L2 for the same few x lines at once (those lines' slices serve
-// them in turn, the others idle): so there each 64-row block starts its warps' runs at its own
-// chunk (block b at its b mod (chunks) of each run) and wraps around. The CTAs of one 64-row block
-// keep one order, reading each chunk's contiguous run together. The sum order stays fixed.
-//
 // Launched with programmatic dependent launch: the grid may start while the kernel before it on
 // the stream finishes; it sets up its addresses, then waits (griddepcontrol.wait) for that
 // kernel's writes before it loads x, w or the scales or stores out (the trace build's stamps,
@@ -114,7 +108,6 @@ struct Params {
   int m, n, k;
   int group_shift;  // log2(group size)
   int stage_bytes;  // one warp's stage: weight, (scale, zero) words, x's slab
-  int rotate;       // the grid is one wave: each 64-row block starts K at its own chunk
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -228,8 +221,7 @@ struct Half2Ops<true> {  // fp16
 
 // One lane's share of a ring's copies, chunk after chunk: built once (the addresses that do
 // not move, which rows exist), then each `issue` copies the current chunk into a stage and
-// moves on by `step` chunks (the warps when they split K, else 1), from the run's last chunk
-// back to its first (a run may start inside it). Each lane copies the weight
+// moves on by `step` chunks (the warps when they split K, else 1). Each lane copies the weight
 // bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t); its warp's
 // (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over the warp,
 // and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the ring.
@@ -244,7 +236,6 @@ struct Copier {
   const uint16_t* x;     // this thread's first x piece of the current chunk
   long long x_round;     // x elements between two copy rounds (x_threads / 16 rows)
   int chunk, chunk_step, group_shift;
-  int lap, until_wrap;  // the run's chunks times the step; issues until its last chunk is passed
   uint32_t w_valid, sz_valid, x_valid;  // bit per copy: its rows exist
   uint32_t sz_slots;                    // bit per copy: its word lies in the part (lane < ROWS * NG)
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
@@ -252,13 +243,10 @@ struct Copier {
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
-  // row in N; first: the chunk copied first, `before_wrap` - 1 chunks before the run's last;
-  // lap: the run's chunks times `step`; w_at, x_at: its slices' and the slab's offsets in a
-  // stage; x_thread of x_threads.
+  // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
   __device__ __forceinline__ Copier(const Params& p, const uint8_t* block, int rows, int offset,
-                                    int n0, int first, int before_wrap, int lap, int step,
-                                    int lane, uint32_t w_at, uint32_t x_at, int x_thread,
-                                    int x_threads) {
+                                    int n0, int first, int step, int lane, uint32_t w_at,
+                                    uint32_t x_at, int x_thread, int x_threads) {
     const int g = lane >> 2, t = lane & 3;
     w_lane = g * 64 + t * 16;
     lane_w = w_at + w_lane;
@@ -290,8 +278,6 @@ struct Copier {
     chunk = first;
     chunk_step = step;
     group_shift = p.group_shift;
-    this->lap = lap;
-    until_wrap = before_wrap;
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
@@ -317,11 +303,6 @@ struct Copier {
     w += w_step;
     x += chunk_step * CHUNK;
     chunk += chunk_step;
-    if (--until_wrap == 0) {  // past the run's last chunk: back to its first
-      w -= w_step / chunk_step * lap;
-      x -= lap * CHUNK;
-      chunk -= lap;
-    }
   }
 };
 
@@ -449,15 +430,13 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   // splitting K, the warp takes chunks c_lo + warp, + warps, ...; splitting rows, all of them
   const int first = SPLIT_ROWS ? c_lo : c_lo + warp, step = SPLIT_ROWS ? 1 : warps;
   const int mine = first < c_hi ? (c_hi - first + step - 1) / step : 0;
-  const int rot = p.rotate && mine > 0 ? n0 / 64 % mine : 0;  // the run starts at its chunk rot
 
   // a ring per warp (its part, then x's slab), or one per CTA (every warp's part, then the slab)
   const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
   const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
-  Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, first + rot * step,
-                        mine - rot, mine * step, step, lane, part_at, x_at,
-                        SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
+  Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at,
+                        x_at, SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -572,19 +551,14 @@ int smem_bytes(int m, int group, int warps) {
 }
 
 template <bool F16, int NG, int NT>
-cudaError_t launch(Params p, int warps, int cluster, cudaStream_t stream) {
+cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
   if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
   const int smem = smem_bytes(p.m, CHUNK / NG, warps);
   static int allowed[MAX_DEVICES] = {};  // per device: raised once to the most asked
-  static int sms[MAX_DEVICES] = {};      // per device: its SMs, read once
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return e;
   if (device >= MAX_DEVICES) return cudaErrorInvalidDevice;
-  if (sms[device] == 0) {
-    e = cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);
-    if (e != cudaSuccess) return e;
-  }
   if (smem > 48 * 1024 && smem > allowed[device]) {
     e = cudaFuncSetAttribute(w4a16_gemv_kernel<F16, NG, NT>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -593,9 +567,7 @@ cudaError_t launch(Params p, int warps, int cluster, cudaStream_t stream) {
   }
   cudaLaunchConfig_t config = {};
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  const int ctas = (p.n + cta_rows - 1) / cta_rows * cluster;
-  p.rotate = ctas <= sms[device];
-  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.gridDim = dim3(static_cast<unsigned>((p.n + cta_rows - 1) / cta_rows * cluster));
   config.blockDim = dim3(static_cast<unsigned>(warps * 32));
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = stream;
