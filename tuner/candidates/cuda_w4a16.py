@@ -1,7 +1,7 @@
 """A hand-written CUDA W4A16 decode kernel (``cuda_kernels/w4a16_gemv.cu``) for INT4 keys, M <= 16.
 
 GEMV-style: a warp owns 16, 32 or 64 weight rows, a CTA a run of K, and a cluster of CTAs that
-split K sums through distributed shared memory. The CTA's warps split either K (``split`` "k":
+split K sums through distributed shared memory (each rank pushes its sums into rank 0's inbox). The CTA's warps split either K (``split`` "k":
 the CTA's rows are one warp's, each warp takes every ``warps``-th 128-value chunk of the run from
 its own copy ring, and the warps sum in shared memory) or rows (``split`` "rows": the CTA owns
 ``warps`` x its warp's rows, every warp takes every chunk from one ring the CTA shares, so each
@@ -104,13 +104,16 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
 def smem_bytes(config: Config, m: int, group: int) -> int:
     """Shared memory of one CTA (as the launcher computes it): the copy rings (one per warp, or
     the CTA's one when warps split rows), or the sums after them if larger (splitting K, the
-    warps' partials and their sum; splitting rows, the CTA's [rows, M])."""
+    warps' partials and their sum; splitting rows, the CTA's [rows, M]); then, in a cluster,
+    rank 0's inbox: an 8-byte mbarrier and the other ranks' sums."""
     rows, warps, by_rows = 16 * config["slices"], config["warps"], config["split"] == "rows"
     groups = CHUNK // group if group < CHUNK else 1
     parts = (warps if by_rows else 1) * (rows * 64 + rows * 4 * groups)
     stage = -(-(parts + m * (2 * CHUNK + 16)) // 128) * 128
     rings, sums = (1, warps) if by_rows else (warps, warps + 1)
-    return max(rings * config["stages"] * stage, sums * rows * m * 4)
+    cta_rows, cluster = rows * (warps if by_rows else 1), config["cluster"]
+    inbox = 8 + (cluster - 1) * cta_rows * m * 4 if cluster > 1 else 0
+    return max(rings * config["stages"] * stage, sums * rows * m * 4) + inbox
 
 
 @functools.cache

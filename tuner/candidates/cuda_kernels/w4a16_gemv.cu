@@ -8,9 +8,10 @@
 // - rows (GEMV_SPLIT_ROWS=1): the CTA's rows are `warps` x ROWS, every warp takes every chunk
 //   of the run from one ring the CTA shares, so x's [M, 128] slab of a chunk is copied once per
 //   CTA instead of once per warp (x's bytes per weight byte: 4 M / (warps x ROWS), not 4 M / ROWS).
-// In a cluster the CTAs' sums are read through distributed shared memory in rank order. No CTA
-// waits on another's partial in global memory: the result is deterministic, with no workspace,
-// no arrival counter and no second pass.
+// In a cluster each rank > 0 pushes its sums through distributed shared memory into rank 0's
+// inbox (past its rings) and leaves; rank 0 waits for them on an mbarrier, adds them in rank
+// order and stores. No CTA waits on another's partial in global memory: the result is
+// deterministic, with no workspace, no arrival counter and no second pass.
 //
 // Launched with programmatic dependent launch: the grid may start while the kernel before it on
 // the stream finishes; it sets up its addresses, then waits (griddepcontrol.wait) for that
@@ -108,6 +109,7 @@ struct Params {
   int m, n, k;
   int group_shift;  // log2(group size)
   int stage_bytes;  // one warp's stage: weight, (scale, zero) words, x's slab
+  int inbox_at;     // (a cluster) rank 0's inbox: an mbarrier, then [ranks - 1][cta_rows x M]
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -125,6 +127,30 @@ __device__ __forceinline__ void copy4(uint32_t dst, const void* src, bool valid)
 }
 
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+__device__ __forceinline__ void bar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+
+// Waits until the barrier's phase of parity `parity` is complete, acquiring what the cluster's
+// CTAs released by their arrivals.
+__device__ __forceinline__ void bar_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// One arrival on the barrier at `bar`'s offset in the cluster's CTA `rank`, releasing this
+// thread's writes before it.
+__device__ __forceinline__ void bar_arrive_at(uint32_t bar, int rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
+               : "memory");
+}
 
 template <int PENDING>
 __device__ __forceinline__ void wait_copies() {
@@ -412,6 +438,15 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   const int ranks = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // (a cluster) rank 0's inbox: its barrier waits for one arrival from each thread of the others
+  if (ranks > 1) {
+    if (rank == 0 && threadIdx.x == 0) {
+      bar_init(smem_addr(smem) + p.inbox_at, (ranks - 1) * blockDim.x);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    // waited for only before the pushes, long after
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::);
+  }
 
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   const int n0 = (blockIdx.x / ranks) * cta_rows;
@@ -512,20 +547,23 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
     }
   }
   if (!stored_here) {
-    if (ranks > 1) cluster.sync();  // every rank's sums written
-    const int q_lo = ranks > 1 ? rank * outputs / ranks : 0;
-    const int q_hi = ranks > 1 ? (rank + 1) * outputs / ranks : outputs;
-    if (ranks == 1) __syncthreads();
+    __syncthreads();  // the CTA's sums written
     if (SPLIT_ROWS && threadIdx.x == 0) stamp(6, CLOCK);
-    for (int q = q_lo + threadIdx.x; q < q_hi; q += blockDim.x) {
-      float v = sums[q];
-      if (ranks > 1) {
-        v = 0.f;
-        for (int r = 0; r < ranks; ++r) v += cluster.map_shared_rank(sums, r)[q];
+    if (ranks > 1) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // inbox made
+    const uint32_t inbox_bar = smem_addr(smem) + p.inbox_at;
+    float* inbox = reinterpret_cast<float*>(smem + p.inbox_at + 8);
+    if (rank > 0) {
+      float* to = cluster.map_shared_rank(inbox, 0) + (rank - 1) * outputs;
+      for (int q = threadIdx.x; q < outputs; q += blockDim.x) to[q] = sums[q];
+      bar_arrive_at(inbox_bar, 0);
+    } else {
+      if (ranks > 1) bar_wait(inbox_bar, 0);
+      for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
+        float v = sums[q];
+        for (int r = 1; r < ranks; ++r) v += inbox[(r - 1) * outputs + q];
+        store(q, v);
       }
-      store(q, v);
     }
-    if (ranks > 1) cluster.sync();  // no rank leaves while another reads its sums
   }
   if (threadIdx.x == 0) {
     stamp(7, CLOCK);
@@ -544,16 +582,23 @@ int stage_bytes(int m, int group, int warps) {
 
 // The rings (one per warp, or the CTA's), or the sums after them if larger: splitting K, the
 // warps' partials and their sum ((warps + 1) x ROWS x M floats); splitting rows, warps x ROWS x M.
-int smem_bytes(int m, int group, int warps) {
+int inbox_at(int m, int group, int warps) {
   const int ring = (SPLIT_ROWS ? 1 : warps) * STAGES * stage_bytes(m, group, warps);
   const int reduce = (SPLIT_ROWS ? warps : warps + 1) * ROWS * m * 4;
   return ring > reduce ? ring : reduce;
 }
 
+// Then, in a cluster, rank 0's inbox: an mbarrier and the other ranks' sums.
+int smem_bytes(int m, int group, int warps, int cluster) {
+  const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
+  const int inbox = cluster > 1 ? 8 + (cluster - 1) * cta_rows * m * 4 : 0;
+  return inbox_at(m, group, warps) + inbox;
+}
+
 template <bool F16, int NG, int NT>
 cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
   if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
-  const int smem = smem_bytes(p.m, CHUNK / NG, warps);
+  const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster);
   static int allowed[MAX_DEVICES] = {};  // per device: raised once to the most asked
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
@@ -609,7 +654,9 @@ void w4a16_gemv_config(int* split_rows, int* slices, int* stages) {
 }
 
 // Shared memory one launch takes (bytes), for a caller that checks the device's limit first.
-int w4a16_gemv_smem(int m, int group, int warps) { return smem_bytes(m, group, warps); }
+int w4a16_gemv_smem(int m, int group, int warps, int cluster) {
+  return smem_bytes(m, group, warps, cluster);
+}
 
 // out[m, ldo] (x's dtype) = x[m, ldx] @ dequant(w, sz).T; returns a cudaError_t. The caller
 // checks the operands (tuner/candidates/cuda_w4a16.py); this refuses what would read or write
@@ -638,6 +685,7 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.k = k;
   p.group_shift = __builtin_ctz(static_cast<unsigned>(group));
   p.stage_bytes = stage_bytes(m, group, warps);
+  p.inbox_at = inbox_at(m, group, warps);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return static_cast<int>(f16 ? launch_tiles<true>(p, group, warps, cluster, s)
                               : launch_tiles<false>(p, group, warps, cluster, s));
