@@ -93,8 +93,10 @@ def test_shared_memory_is_the_rings_or_the_partial_sums() -> None:
     assert cw.smem_bytes(cfg(1, 4, 8, split="rows"), 1, 128) == max(4 * 9088, 128 * 4)
     # 64-row warps, two of them, M = 8: 2 x 4352 B and 8 rows of x (10880 B) a stage
     assert cw.smem_bytes(cfg(4, 3, 2, split="rows"), 8, 128) == max(3 * 10880, 128 * 8 * 4)
-    # a cluster adds rank 0's inbox: an mbarrier and the other ranks' sums (64 rows x M = 8)
-    assert cw.smem_bytes(cfg(4, 2, 8, 2), 8, 128) == 8 * 2 * 6528 + 8 + 64 * 8 * 4
+    # a cluster adds an inbox: an mbarrier and a share of the outputs (64 rows x M = 8, over 2
+    # ranks) from each rank; 3 ranks share 64 x 5 outputs as 106 + 107 + 107
+    assert cw.smem_bytes(cfg(4, 2, 8, 2), 8, 128) == 8 * 2 * 6528 + 8 + 2 * 256 * 4
+    assert cw.smem_bytes(cfg(4, 2, 8, 3), 5, 128) == 8 * 2 * 5760 + 8 + 3 * 107 * 4
 
 
 def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:

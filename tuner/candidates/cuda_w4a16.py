@@ -1,9 +1,9 @@
 """A hand-written CUDA W4A16 decode kernel (``cuda_kernels/w4a16_gemv.cu``) for INT4 keys, M <= 16.
 
 GEMV-style: a warp owns 16, 32 or 64 weight rows, a CTA a run of K, and a cluster of CTAs that
-split K sums through distributed shared memory (each rank pushes its sums into rank 0's inbox). The CTA's warps split either K (``split`` "k":
-the CTA's rows are one warp's, each warp takes every ``warps``-th 128-value chunk of the run from
-its own copy ring, and the warps sum in shared memory) or rows (``split`` "rows": the CTA owns
+split K sums through distributed shared memory (each rank pushes the others' shares of its
+sums into their inboxes). The CTA's warps split either K (``split`` "k": the CTA's rows are one
+warp's, each warp takes every ``warps``-th 128-value chunk of the run from its own copy ring, and the warps sum in shared memory) or rows (``split`` "rows": the CTA owns
 ``warps`` x its warp's rows, every warp takes every chunk from one ring the CTA shares, so each
 chunk of x is copied once per CTA, not once per warp). No partial ever goes through global
 memory, so there is no workspace and no second pass, and the sum order is fixed
@@ -105,14 +105,15 @@ def smem_bytes(config: Config, m: int, group: int) -> int:
     """Shared memory of one CTA (as the launcher computes it): the copy rings (one per warp, or
     the CTA's one when warps split rows), or the sums after them if larger (splitting K, the
     warps' partials and their sum; splitting rows, the CTA's [rows, M]); then, in a cluster,
-    rank 0's inbox: an 8-byte mbarrier and the other ranks' sums."""
+    the inbox: an 8-byte mbarrier and, from each rank, its sums of this rank's share of the
+    outputs."""
     rows, warps, by_rows = 16 * config["slices"], config["warps"], config["split"] == "rows"
     groups = CHUNK // group if group < CHUNK else 1
     parts = (warps if by_rows else 1) * (rows * 64 + rows * 4 * groups)
     stage = -(-(parts + m * (2 * CHUNK + 16)) // 128) * 128
     rings, sums = (1, warps) if by_rows else (warps, warps + 1)
-    cta_rows, cluster = rows * (warps if by_rows else 1), config["cluster"]
-    inbox = 8 + (cluster - 1) * cta_rows * m * 4 if cluster > 1 else 0
+    outputs, cluster = rows * (warps if by_rows else 1) * m, config["cluster"]
+    inbox = 8 + cluster * -(-outputs // cluster) * 4 if cluster > 1 else 0
     return max(rings * config["stages"] * stage, sums * rows * m * 4) + inbox
 
 

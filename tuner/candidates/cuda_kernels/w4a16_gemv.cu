@@ -8,10 +8,12 @@
 // - rows (GEMV_SPLIT_ROWS=1): the CTA's rows are `warps` x ROWS, every warp takes every chunk
 //   of the run from one ring the CTA shares, so x's [M, 128] slab of a chunk is copied once per
 //   CTA instead of once per warp (x's bytes per weight byte: 4 M / (warps x ROWS), not 4 M / ROWS).
-// In a cluster each rank > 0 pushes its sums through distributed shared memory into rank 0's
-// inbox (past its rings) and leaves; rank 0 waits for them on an mbarrier, adds them in rank
-// order and stores. No CTA waits on another's partial in global memory: the result is
-// deterministic, with no workspace, no arrival counter and no second pass.
+// In a cluster each rank owns a share of the outputs: it pushes the other ranks' shares of its
+// sums through distributed shared memory into their inboxes (past their rings), waits on its
+// own inbox's mbarrier for theirs, adds them in rank order and stores its share: no
+// cluster-wide barrier after the stream, no remote reads. No CTA waits on another's partial in
+// global memory: the result is deterministic, with no workspace, no arrival counter and no
+// second pass.
 //
 // Launched with programmatic dependent launch: the grid may start while the kernel before it on
 // the stream finishes; it sets up its addresses, then waits (griddepcontrol.wait) for that
@@ -109,7 +111,7 @@ struct Params {
   int m, n, k;
   int group_shift;  // log2(group size)
   int stage_bytes;  // one warp's stage: weight, (scale, zero) words, x's slab
-  int inbox_at;     // (a cluster) rank 0's inbox: an mbarrier, then [ranks - 1][cta_rows x M]
+  int inbox_at;     // (a cluster) the inbox: an mbarrier, then [ranks][a share of the outputs]
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -438,10 +440,10 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   const int ranks = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // (a cluster) rank 0's inbox: its barrier waits for one arrival from each thread of the others
+  // (a cluster) the inbox's barrier waits for one arrival from each other rank
   if (ranks > 1) {
-    if (rank == 0 && threadIdx.x == 0) {
-      bar_init(smem_addr(smem) + p.inbox_at, (ranks - 1) * blockDim.x);
+    if (threadIdx.x == 0) {
+      bar_init(smem_addr(smem) + p.inbox_at, ranks - 1);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     // waited for only before the pushes, long after
@@ -549,20 +551,28 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   if (!stored_here) {
     __syncthreads();  // the CTA's sums written
     if (SPLIT_ROWS && threadIdx.x == 0) stamp(6, CLOCK);
-    if (ranks > 1) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // inbox made
     const uint32_t inbox_bar = smem_addr(smem) + p.inbox_at;
-    float* inbox = reinterpret_cast<float*>(smem + p.inbox_at + 8);
-    if (rank > 0) {
-      float* to = cluster.map_shared_rank(inbox, 0) + (rank - 1) * outputs;
-      for (int q = threadIdx.x; q < outputs; q += blockDim.x) to[q] = sums[q];
-      bar_arrive_at(inbox_bar, 0);
-    } else {
-      if (ranks > 1) bar_wait(inbox_bar, 0);
-      for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
-        float v = sums[q];
-        for (int r = 1; r < ranks; ++r) v += inbox[(r - 1) * outputs + q];
-        store(q, v);
+    float* inbox = reinterpret_cast<float*>(smem + p.inbox_at + 8);  // [sender][share]
+    const int share = (outputs + ranks - 1) / ranks;
+    const auto q_lo = [&](int r) { return r * outputs / ranks; };  // rank r's share begins
+    if (ranks > 1) {
+      asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every inbox made
+      for (int r = 0; r < ranks; ++r) {
+        if (r == rank) continue;
+        float* to = cluster.map_shared_rank(inbox, r) + rank * share - q_lo(r);
+        for (int q = q_lo(r) + threadIdx.x; q < q_lo(r + 1); q += blockDim.x) to[q] = sums[q];
       }
+      __syncthreads();  // the CTA's pushes made; thread r tells rank r
+      if (threadIdx.x < ranks && threadIdx.x != rank) {
+        asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
+        bar_arrive_at(inbox_bar, threadIdx.x);
+      }
+      bar_wait(inbox_bar, 0);
+    }
+    for (int q = q_lo(rank) + threadIdx.x; q < q_lo(rank + 1); q += blockDim.x) {
+      float v = 0.f;
+      for (int r = 0; r < ranks; ++r) v += r == rank ? sums[q] : inbox[r * share + q - q_lo(rank)];
+      store(q, v);
     }
   }
   if (threadIdx.x == 0) {
@@ -588,10 +598,10 @@ int inbox_at(int m, int group, int warps) {
   return ring > reduce ? ring : reduce;
 }
 
-// Then, in a cluster, rank 0's inbox: an mbarrier and the other ranks' sums.
+// Then, in a cluster, the inbox: an mbarrier and a share of the outputs from each rank.
 int smem_bytes(int m, int group, int warps, int cluster) {
-  const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  const int inbox = cluster > 1 ? 8 + (cluster - 1) * cta_rows * m * 4 : 0;
+  const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * m;
+  const int inbox = cluster > 1 ? 8 + cluster * ((outputs + cluster - 1) / cluster) * 4 : 0;
   return inbox_at(m, group, warps) + inbox;
 }
 
