@@ -9,9 +9,10 @@
 //   of the run from one ring the CTA shares, so x's [M, 128] slab of a chunk is copied once per
 //   CTA instead of once per warp (x's bytes per weight byte: 4 M / (warps x ROWS), not 4 M / ROWS).
 // In a cluster each rank owns a share of the outputs: it pushes the other ranks' shares of its
-// sums through distributed shared memory into their inboxes (past their rings), waits on its
-// own inbox's mbarrier for theirs, adds them in rank order and stores its share: no
-// cluster-wide barrier after the stream, no remote reads. No CTA waits on another's partial in
+// sums into their inboxes (past their rings) with asynchronous stores to distributed shared
+// memory that count their bytes on the inbox's mbarrier, waits there for theirs, adds them in
+// rank order and stores its share: no cluster-wide barrier after the stream, no remote reads,
+// no fences. No CTA waits on another's partial in
 // global memory: the result is deterministic, with no workspace, no arrival counter and no
 // second pass.
 //
@@ -145,12 +146,25 @@ __device__ __forceinline__ void bar_wait(uint32_t bar, int parity) {
       : "memory");
 }
 
-// One arrival on the barrier at `bar`'s offset in the cluster's CTA `rank`, releasing this
-// thread's writes before it.
-__device__ __forceinline__ void bar_arrive_at(uint32_t bar, int rank) {
+// One arrival on the barrier at `bar`, and `bytes` more that its phase waits for.
+__device__ __forceinline__ void bar_expect(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+// The address of `addr` (this CTA's shared memory) in the cluster's CTA `rank`.
+__device__ __forceinline__ uint32_t at_rank(uint32_t addr, int rank) {
   uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+
+// Stores `v` at `remote` (another CTA's shared memory), counting its 4 bytes on the barrier at
+// `remote_bar` there.
+__device__ __forceinline__ void store_at(uint32_t remote, float v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(
+                   remote),
+               "r"(__float_as_uint(v)), "r"(remote_bar)
                : "memory");
 }
 
@@ -440,11 +454,14 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   const int ranks = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // (a cluster) the inbox's barrier waits for one arrival from each other rank
+  // (a cluster) the inbox's barrier waits for the other ranks' sums of this rank's share
   if (ranks > 1) {
     if (threadIdx.x == 0) {
-      bar_init(smem_addr(smem) + p.inbox_at, ranks - 1);
+      const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * p.m;
+      const int mine = (rank + 1) * outputs / ranks - rank * outputs / ranks;
+      bar_init(smem_addr(smem) + p.inbox_at, 1);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      bar_expect(smem_addr(smem) + p.inbox_at, (ranks - 1) * mine * 4);
     }
     // waited for only before the pushes, long after
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::);
@@ -559,13 +576,10 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
       asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every inbox made
       for (int r = 0; r < ranks; ++r) {
         if (r == rank) continue;
-        float* to = cluster.map_shared_rank(inbox, r) + rank * share - q_lo(r);
-        for (int q = q_lo(r) + threadIdx.x; q < q_lo(r + 1); q += blockDim.x) to[q] = sums[q];
-      }
-      __syncthreads();  // the CTA's pushes made; thread r tells rank r
-      if (threadIdx.x < ranks && threadIdx.x != rank) {
-        asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
-        bar_arrive_at(inbox_bar, threadIdx.x);
+        const uint32_t to = at_rank(smem_addr(inbox + rank * share - q_lo(r)), r);
+        const uint32_t bar = at_rank(inbox_bar, r);
+        for (int q = q_lo(r) + threadIdx.x; q < q_lo(r + 1); q += blockDim.x)
+          store_at(to + q * 4, sums[q], bar);
       }
       bar_wait(inbox_bar, 0);
     }
