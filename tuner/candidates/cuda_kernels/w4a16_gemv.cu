@@ -12,9 +12,8 @@
 // sums into their inboxes (past their rings) with asynchronous stores to distributed shared
 // memory that count their bytes on the inbox's mbarrier, waits there for theirs, adds them in
 // rank order and stores its share: no cluster-wide barrier after the stream, no remote reads,
-// no fences. No CTA waits on another's partial in
-// global memory: the result is deterministic, with no workspace, no arrival counter and no
-// second pass.
+// no fences. No CTA waits on another's partial in global memory: the result is deterministic,
+// with no workspace, no arrival counter and no second pass.
 //
 // Launched with programmatic dependent launch: the grid may start while the kernel before it on
 // the stream finishes; it sets up its addresses, then waits (griddepcontrol.wait) for that
@@ -135,8 +134,8 @@ __device__ __forceinline__ void bar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
 }
 
-// Waits until the barrier's phase of parity `parity` is complete, acquiring what the cluster's
-// CTAs released by their arrivals.
+// Waits until the barrier's phase of parity `parity` is complete, acquiring at cluster scope
+// (the bytes other CTAs stored into this one and counted on it).
 __device__ __forceinline__ void bar_wait(uint32_t bar, int parity) {
   asm volatile(
       "{\n.reg .pred done;\nWAIT_%=:\n"
