@@ -7,7 +7,10 @@ disagrees with its tuning (a winner that tuned faster and retimed slower).
 For each row: the suite's own retime (``lowbit.retime``: torch's op, the winner and the two bf16
 runners in turn) a few times over, then the two low-bit runners in turn round by round (eager),
 each alone (eager time, host time per call, GPU time in a CUDA graph), in turn again after those
-warm calls, and in turn on one input set (pointers that never move).
+warm calls, and in turn on one input set (pointers that never move). With ``--timeline``, first
+of all (so the process has run neither), the winner, torch's op and the winner again, each built
+anew and called back to back for a second: the time a call in batches of ten, against the time
+since the first call (whether a fresh runner is slow at first, and for how long).
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from typing import Any
+
+import torch
 
 from bench.lowbit_kernels import header
 from tuner.core.keys import parse_key
@@ -27,6 +33,9 @@ from tuner.suites.runner import built, in_turn
 ROUNDS = 8
 RETIMES = 3
 BUDGET_S = 0.04
+TIMELINE_S = 1.0
+TIMELINE_BATCH = 10  # calls between two syncs
+TIMELINE_BUCKET_MS = 100  # the printed summary: the median batch of each bucket
 
 
 def rounds(runners: dict[str, Any]) -> dict[str, list[float]]:
@@ -44,8 +53,45 @@ def alone(runner: Any, sets: list[tuple[Any, ...]]) -> dict[str, float]:
     return {"eager_us": t.median_us, "host_us": t.host_us, "gpu_us": graph.median_us}
 
 
-def check(row: dict[str, Any]) -> dict[str, Any]:
+def timeline(runner: Any, sets: list[tuple[Any, ...]]) -> list[tuple[float, float]]:
+    """(ms since the first call, us a call) of each batch of ``runner``'s calls, back to back
+    for ``TIMELINE_S``."""
+    fn = timing.on_sets(runner, sets)
+    torch.cuda.synchronize()
+    start = last = time.perf_counter()
+    batches, i = [], 0
+    while last - start < TIMELINE_S:
+        for _ in range(TIMELINE_BATCH):
+            fn(i)
+            i += 1
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        batches.append(
+            (round((now - start) * 1e3, 2), round((now - last) * 1e6 / TIMELINE_BATCH, 2))
+        )
+        last = now
+    return batches
+
+
+def timelines(row: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+    """The winner, torch's op and the winner again, each built anew, on a timeline."""
     key = parse_key(row["key"])
+    sets = samples.input_sets(key, "cuda", seed=1)
+    out = {}
+    for name in ("winner", "baseline", "winner_again"):
+        base, win = built(key, row["source"], candidate_params(row["candidate"]))
+        out[name] = timeline(base if name == "baseline" else win, sets)
+        buckets: dict[int, list[float]] = {}
+        for ms, us in out[name]:
+            buckets.setdefault(int(ms // TIMELINE_BUCKET_MS), []).append(us)
+        print(f"{row['label']:<42} timeline {name:<12} us a call per {TIMELINE_BUCKET_MS} ms: "
+              f"{[round(statistics.median(v), 1) for _, v in sorted(buckets.items())]}")  # fmt: skip
+    return out
+
+
+def check(row: dict[str, Any], with_timeline: bool = False) -> dict[str, Any]:
+    key = parse_key(row["key"])
+    lines = timelines(row) if with_timeline else None
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
     suite = []
     for _ in range(RETIMES):
@@ -68,6 +114,8 @@ def check(row: dict[str, Any]) -> dict[str, Any]:
         "suite_retimes": suite, "in_turn_first": first, "alone": solo, "in_turn_again": again,
         "in_turn_one_set": one_set,
     }  # fmt: skip
+    if lines is not None:
+        result["timeline"] = lines
     for name in ("in_turn_first", "in_turn_again", "in_turn_one_set"):
         med = {n: statistics.median(ts) for n, ts in result[name].items()}
         result[name + "_ratio"] = round(med["baseline"] / med["winner"], 3)
@@ -84,6 +132,8 @@ def main() -> None:
     parser.add_argument("--suite-json", required=True, help="a `tuner bench gemm` result JSON")
     parser.add_argument("--label", action="append", required=True, help="a row's label")
     parser.add_argument("--out", required=True, help="where the JSON goes")
+    parser.add_argument("--timeline", action="store_true",
+                        help="first, each runner built anew and called back to back for a second")  # fmt: skip
     args = parser.parse_args()
     with open(args.suite_json) as f:
         rows = {r["label"]: r for r in json.load(f)["rows"]}
@@ -94,7 +144,7 @@ def main() -> None:
     if served_by_torch:
         parser.error(f"--label {served_by_torch}: torch's op is the winner, nothing to compare")
     out = header(timing.copy_bandwidth_gbs("cuda"), benchmark="retime_check")
-    out["rows"] = [check(rows[label]) for label in args.label]
+    out["rows"] = [check(rows[label], args.timeline) for label in args.label]
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
 
