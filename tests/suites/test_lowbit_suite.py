@@ -187,6 +187,8 @@ def test_tiny_shapes_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert int4_row["bytes"] < saved["rows"][1]["bytes"]  # half-byte weights move fewer bytes
     assert saved["device"]["name"] and saved["versions"]["torch"]
     assert saved["targets"]["torch >= 0.98x"]["judged"] == 3
+    # the tuning's own times are summed up under their own name, not as the judged summary
+    assert "summary" not in saved and saved["tuning_summary"]["n"] == 3
     assert set(saved["formats"]) == set(lowbit.FORMATS)
     assert all(lowbit.TUNING_TARGET in f["targets"] for f in saved["formats"].values())
     assert (tmp_path / "gemm_lowbit.png").read_bytes()[:4] == b"\x89PNG"
