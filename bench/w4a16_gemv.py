@@ -21,8 +21,10 @@ last chunk, once the warps' partials are in shared memory, at its end); the row 
 stamps and a summary (impl "cuda_gemv_trace"). With ``--baseline PATH``, every config is also
 built from the kernel source at PATH (another version of ``w4a16_gemv.cu``, e.g. the committed
 one) and timed right before the current one (impl "cuda_gemv_baseline"): an A/B of a kernel change
-on one machine in one run; ``--repeat R`` times each config's builds R times in turn (the A/B's
-noise). ``--profile``: no timing, the bare read and each config of
+on one machine in one run; ``--variant NAME=FLAGS`` (repeatable) does the same for the current
+source built with extra ``-D`` flags (impl "cuda_gemv_NAME", e.g. ``pf0=-DGEMV_PREFETCH=0``);
+``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER`` (repeatable) times those configs instead of
+``GRID``; ``--repeat R`` times each config's builds R times in turn (the A/B's noise). ``--profile``: no timing, the bare read and each config of
 ``PROFILED`` once in an NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
 """
 
@@ -92,6 +94,19 @@ def shape_of(proj: str) -> tuple[int, int]:
 
 def as_config(entry: tuple) -> dict[str, Any]:
     return dict(zip(cuda_w4a16.CONFIG_KEYS, entry, strict=True))
+
+
+def parse_config(text: str) -> tuple:
+    """``"k,4,2,8,2"`` as a ``GRID`` entry; ValueError naming the text unless it is one."""
+    parts = text.split(",")
+    if (
+        len(parts) != 5
+        or parts[0] not in cuda_w4a16.SPLITS
+        or not all(p.isdigit() for p in parts[1:])
+    ):
+        raise ValueError(f"--config {text!r}: expected SPLIT,SLICES,STAGES,WARPS,CLUSTER with "
+                         f"SPLIT in {cuda_w4a16.SPLITS}, e.g. k,4,2,8,2")  # fmt: skip
+    return (parts[0], *map(int, parts[1:]))
 
 
 def variant_path(cfg: dict[str, Any], variant: str, source: Path = cuda_w4a16.SOURCE) -> Path:
@@ -166,10 +181,12 @@ def trace_summary(trace: list[list[int]], warps: int) -> dict[str, Any]:
     }
 
 
-def grid_configs(m: int, n: int, k: int, entries: list[tuple] = GRID) -> list[dict[str, Any]]:
+def grid_configs(
+    m: int, n: int, k: int, entries: list[tuple] | None = None
+) -> list[dict[str, Any]]:
     """``entries`` (default ``GRID``) as configs for an (M, N, K) problem, those that fit it."""
     out = []
-    for entry in entries:
+    for entry in GRID if entries is None else entries:
         cfg = as_config(entry)
         try:
             cuda_w4a16.check_config(cfg, m, n, k, GROUP)
@@ -179,7 +196,8 @@ def grid_configs(m: int, n: int, k: int, entries: list[tuple] = GRID) -> list[di
     return out
 
 
-def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Path | None) -> None:
+def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Path | None,
+          variants: list[str]) -> None:  # fmt: skip
     """Every library and Triton kernel the run times, compiled in parallel before any timing."""
     started = time.perf_counter()
     shapes = [(m, *shape_of(name)) for name in projections for m in ms]
@@ -189,6 +207,7 @@ def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Pa
         build_variants([(c, "trace") for shape in shapes for c in grid_configs(*shape, TRACED)])
     if baseline is not None:
         build_variants([(c, "baseline") for c in cfgs], baseline)
+    build_variants([(c, v) for c in cfgs for v in variants])
     print(f"built {len({cuda_w4a16.library(c) for c in cfgs})} CUDA libraries and the variants in "
           f"{time.perf_counter() - started:.1f} s; errors: {errors}", flush=True)  # fmt: skip
     report = warm([job for name in projections for m in ms
@@ -201,7 +220,7 @@ def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Pa
 
 def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: bool = False,
                      profile: bool = False, baseline: Path | None = None,
-                     repeats: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+                     repeats: int = 1, variants: tuple[str, ...] = ()) -> list[dict[str, Any]]:  # fmt: skip
     n, k = shape_of(name)
     rows: list[dict[str, Any]] = []
     stream = gemm_operands.stream_getter(torch.device("cuda", torch.cuda.current_device()))
@@ -261,6 +280,9 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             if baseline is not None:
                 fn = cuda_w4a16.load(variant_path(cfg, "baseline", baseline))
                 checked("cuda_gemv_baseline", cfg, gemv(fn, cfg), repeat=rep)
+            for variant in variants:
+                fn = cuda_w4a16.load(variant_path(cfg, variant))
+                checked(f"cuda_gemv_{variant}", cfg, gemv(fn, cfg), repeat=rep)
             checked("cuda_gemv", cfg, gemv(cuda_w4a16.launcher(cfg), cfg), repeat=rep)
         for cfg in grid_configs(m, n, k, TRACED) if trace else []:
             path = variant_path(cfg, "trace")
@@ -273,7 +295,12 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             rows[-1]["trace"] = trace_summary(stamps, cfg["warps"])
             rows[-1]["stamps"] = stamps
             print(f"  trace {cfg}: {rows[-1]['trace']}", flush=True)
-        for impl in ("w4a16", "cuda_gemv", "cuda_gemv_baseline"):
+        for impl in (
+            "w4a16",
+            "cuda_gemv",
+            "cuda_gemv_baseline",
+            *(f"cuda_gemv_{v}" for v in variants),
+        ):
             ok = [r for r in rows if r["m"] == m and r["impl"] == impl and r.get("excess", 9) <= 1]
             if ok:
                 min(ok, key=lambda r: r["us"])["best"] = True
@@ -292,6 +319,10 @@ def main() -> None:
                     help="also time the traced builds of TRACED and keep their stamps")  # fmt: skip
     ap.add_argument("--baseline", type=Path,
                     help="also time every config built from this version of w4a16_gemv.cu")  # fmt: skip
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="also time every config built with these extra nvcc flags")  # fmt: skip
+    ap.add_argument("--config", action="append", default=[], metavar="SPLIT,SLICES,STAGES,WARPS,CLUSTER",
+                    help="time these configs instead of GRID")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=1,
                     help="time each config's builds this many times in turn (an A/B's noise)")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
@@ -304,8 +335,20 @@ def main() -> None:
             ap.error(str(e))
     if args.repeat < 1:
         ap.error(f"--repeat {args.repeat}: at least 1")
+    for spec in args.variant:
+        variant, sep, flags = spec.partition("=")
+        if not (sep and variant.isidentifier() and flags.split()) or variant in VARIANTS:
+            ap.error(f"--variant {spec!r}: expected NAME=FLAGS with a new NAME, e.g. "
+                     f"pf0=-DGEMV_PREFETCH=0")  # fmt: skip
+        VARIANTS[variant] = flags.split()
+    if args.config:
+        try:
+            GRID[:] = [parse_config(c) for c in args.config]
+        except ValueError as e:
+            ap.error(str(e))
+    variants = tuple(spec.partition("=")[0] for spec in args.variant)
     torch.manual_seed(0)
-    build(args.proj, tuple(args.m), args.trace, args.baseline)
+    build(args.proj, tuple(args.m), args.trace, args.baseline, list(variants))
     if args.profile:
         for name in args.proj:
             bench_projection(name, tuple(args.m), 0.0, profile=True)
@@ -313,7 +356,8 @@ def main() -> None:
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
     result = header(copy_gbs, group_size=GROUP, nvcc=cuda_w4a16.toolkit())
     write_as_it_goes(result, args.out, args.proj, lambda name: bench_projection(
-        name, tuple(args.m), copy_gbs, args.trace, baseline=args.baseline, repeats=args.repeat))  # fmt: skip
+        name, tuple(args.m), copy_gbs, args.trace, baseline=args.baseline, repeats=args.repeat,
+        variants=variants))  # fmt: skip
 
 
 if __name__ == "__main__":
