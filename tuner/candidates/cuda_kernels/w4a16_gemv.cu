@@ -57,9 +57,6 @@
 #ifndef GEMV_STAGES
 #define GEMV_STAGES 4
 #endif
-#ifndef GEMV_PREFETCH
-#define GEMV_PREFETCH 0
-#endif
 #ifndef GEMV_TRACE
 #define GEMV_TRACE 0  // bench builds only: per-CTA timestamps (w4a16_gemv_trace)
 #endif
@@ -69,10 +66,6 @@ namespace cg = cooperative_groups;
 constexpr bool SPLIT_ROWS = GEMV_SPLIT_ROWS;
 constexpr int SLICES = GEMV_SLICES;
 constexpr int STAGES = GEMV_STAGES;
-// Chunks of a warp's weight and scales asked into L2 ahead of its copies: the first ones before
-// the wait (they do not depend on the kernel before, and a prefetch is only a hint, so nothing
-// stale is ever read), then, past the ring, one a chunk at this distance.
-constexpr int PREFETCH = GEMV_PREFETCH;
 constexpr int ROWS = 16 * SLICES;
 constexpr int CHUNK = 128;          // K values per chunk
 constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so ldmatrix's 8 rows hit 8 bank groups
@@ -81,7 +74,6 @@ constexpr int MAX_WARPS = 16;
 constexpr int MAX_DEVICES = 64;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
-static_assert(PREFETCH >= 0, "chunks ahead");
 
 // Trace (GEMV_TRACE=1): per CTA, [smid, globaltimer at start and end, clock64 at start, after
 // the wait, when warp 0's first chunk landed, once the warps' partials are in shared memory, at
@@ -134,10 +126,6 @@ __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid
 __device__ __forceinline__ void copy4(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 4 : 0));
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* src) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src));
 }
 
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -300,9 +288,6 @@ struct Copier {
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
-  const uint8_t* line;  // this lane's 128-byte line of its warp's weight run of the first chunk
-  bool line_used;       // that line holds some of the warp's rows
-  int chunk0;           // the first chunk
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
   // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
@@ -337,9 +322,7 @@ struct Copier {
 #pragma unroll
     for (int it = 0; it < X_COPIES; ++it)
       if (x_row + it * x_rows < p.m) x_valid |= 1u << it;
-    line = block + 64ll * (static_cast<long long>(first) * rows + offset) + 128 * lane;
-    line_used = 2 * lane < min(ROWS, rows - offset);
-    chunk = chunk0 = first;
+    chunk = first;
     chunk_step = step;
     group_shift = p.group_shift;
   }
@@ -367,16 +350,6 @@ struct Copier {
     w += w_step;
     x += chunk_step * CHUNK;
     chunk += chunk_step;
-  }
-
-  // Asks L2 for the weight and (scale, zero) words of the warp's chunk `j` (0: the first).
-  __device__ __forceinline__ void prefetch(int j) const {
-    if (line_used) prefetch_l2(line + j * w_step);
-    const int c = chunk0 + j * chunk_step;
-    const uint32_t* words = sz + (static_cast<uint32_t>(c * CHUNK) >> group_shift) * n;
-#pragma unroll
-    for (int it = 0; it < SZ_COPIES; ++it)
-      if (sz_valid >> it & 1) prefetch_l2(words + (32 * it / ROWS) * n + 32 * it % ROWS);
   }
 };
 
@@ -524,7 +497,6 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
   Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at,
                         x_at, SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
-  for (int j = 0; j < PREFETCH && j < mine; ++j) copier.prefetch(j);
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (threadIdx.x == 0) stamp(4, CLOCK);
@@ -543,13 +515,11 @@ __global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params
       __syncthreads();
       if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
-      if (PREFETCH >= STAGES && i + PREFETCH < mine) copier.prefetch(i + PREFETCH);
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
       compute<F16, NG, NT>(p, stage + part_at, stage + x_at, lane, acc);
     } else {
       if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
-      if (PREFETCH >= STAGES && i + PREFETCH < mine) copier.prefetch(i + PREFETCH);
       wait_copies<STAGES - 1>();
       __syncwarp();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
