@@ -203,6 +203,11 @@ def test_eager_rows_are_judged_on_times_taken_side_by_side_after_tuning(tmp_path
     assert row["timing"] == "eager"
     for name in ("baseline", "winner", "bf16", "bf16_served"):
         assert row[f"eager_{name}_us"] > 0 and row[f"eager_{name}_pct_copy"] > 0
+    for name in ("baseline", "winner"):  # each round beside the median, with the host's time
+        rounds = row[f"eager_{name}_rounds_us"]
+        assert len(rounds) == lowbit.SIDE_BY_SIDE_ROUNDS
+        assert min(rounds) <= row[f"eager_{name}_us"] <= max(rounds)
+        assert len(row[f"eager_{name}_host_us"]) == len(rounds)
     assert row["vs_torch"] == row["eager_baseline_us"] / row["eager_winner_us"]
     assert row["vs_bf16_cublas"] == row["eager_bf16_us"] / row["eager_winner_us"]
     assert "graph_read_us" not in row  # the bare read is a decode row's floor

@@ -4,6 +4,7 @@ baseline, written to JSON and a PNG, and kept in a real store."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -99,3 +100,28 @@ def test_in_turn_reverses_the_order_every_other_round() -> None:
     assert set(times) == {"a", "b", "c"}
     turns = [name for i, name in enumerate(seen) if i == 0 or seen[i - 1] != name]
     assert turns == ["a", "b", "c", "b", "a"]  # c, last of round one, opens round two
+
+
+def test_in_turn_rounds_keeps_each_round_and_times_none_of_the_warmup_rounds() -> None:
+    """A warm-up round runs every runner in turn before the timed rounds and is not kept: a
+    runner slow for its first calls (a library's first uses) is timed once it is warm."""
+    calls: list[str] = []
+    slow_calls = 11  # a's whole first round: 3 warm-up calls, a probe of 3, 5 timed
+
+    def call(name: str):
+        def run() -> None:
+            calls.append(name)
+            time.sleep(0.02 if len(calls) <= slow_calls else 0.0)
+
+        return run
+
+    timed = {name: (call(name), [()]) for name in ("a", "b")}
+    options = {"graph": False, "rounds": 3, "budget_s": 0.001}
+    cold = runner.in_turn_rounds(timed, "cpu", **options)
+    assert cold["a"][0].median_us > 10_000  # without a warm-up round, a's first round is slow
+    calls.clear()
+    warm = runner.in_turn_rounds(timed, "cpu", warmup_rounds=1, **options)
+    assert {name: len(ts) for name, ts in warm.items()} == {"a": 3, "b": 3}
+    assert max(t.median_us for ts in warm.values() for t in ts) < 10_000
+    times = runner.in_turn(timed, "cpu", **options)
+    assert times == pytest.approx({"a": 0.0, "b": 0.0}, abs=10_000)

@@ -59,7 +59,7 @@ from tuner.suites.runner import (
     Timed,
     built,
     console,
-    in_turn,
+    in_turn_rounds,
     run_suite,
     side_by_side,
     tuned_times,
@@ -321,6 +321,7 @@ def row_times(device: str) -> Callable[[Key, Winner, str], tuple[float, float]]:
 
 SIDE_BY_SIDE_ROUNDS = 4  # eager rows: rounds of the four runners timed in turn, even: as many
 SIDE_BY_SIDE_BUDGET_S = 0.04  # in reverse order as in order; each runner's budget in a round
+EAGER_WARMUP_ROUNDS = 1  # eager rows: untimed rounds of every runner in turn before the timed ones
 GRAPH_ROUNDS = 3  # decode rows: rounds of CUDA-graph times; the median outlasts one disturbed
 
 
@@ -330,8 +331,11 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
     (a host-bound eager call is slowed by compiles running beside it, and the low-bit rows are
     tuned while the pool still builds kernels of later rows). Decode rows: GPU times in CUDA
     graphs (``graph_*`` columns, the median of ``GRAPH_ROUNDS`` rounds), with the bare read of the
-    row's bytes; other rows: eager times, the median of ``SIDE_BY_SIDE_ROUNDS`` rounds; each round
-    takes the runners in turn (``eager_*``)."""
+    row's bytes; other rows: eager times, the median of ``SIDE_BY_SIDE_ROUNDS`` rounds after
+    ``EAGER_WARMUP_ROUNDS`` untimed ones; each round takes the runners in turn (``eager_*``).
+    Each round's time is kept beside the median (``*_rounds_us``), and for eager rows the host
+    time a call (``*_host_us``), so that a slow reading shows whether it was one round or all and
+    whether the host was slow with it."""
     graph = row["timing"] == "graph"
     mode = "graph" if graph else "eager"
     sets = samples.input_sets(key, "cuda", seed=1)
@@ -351,13 +355,19 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
     def failed(name: str, e: Exception) -> None:  # a capture failing is a finding: a miss
         row[f"{mode}_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
 
-    rounds = GRAPH_ROUNDS if graph else SIDE_BY_SIDE_ROUNDS
-    times = in_turn(timed, "cuda", graph=graph, rounds=rounds, budget_s=SIDE_BY_SIDE_BUDGET_S,
-                    on_error=failed)  # fmt: skip
-    for name, us in times.items():
+    rounds = in_turn_rounds(
+        timed, "cuda", graph=graph, rounds=GRAPH_ROUNDS if graph else SIDE_BY_SIDE_ROUNDS,
+        budget_s=SIDE_BY_SIDE_BUDGET_S, warmup_rounds=0 if graph else EAGER_WARMUP_ROUNDS,
+        on_error=failed,
+    )  # fmt: skip
+    for name, timings in rounds.items():
         moved = row["bf16_bytes"] if name.startswith("bf16") else row["bytes"]
+        us = statistics.median(t.median_us for t in timings)
         row[f"{mode}_{name}_us"] = us
         row[f"{mode}_{name}_pct_copy"] = 100 * moved / us / 1e3 / copy_gbs
+        row[f"{mode}_{name}_rounds_us"] = [round(t.median_us, 2) for t in timings]
+        if not graph:  # an eager call's host time: a slow round with a slow host is host-bound
+            row[f"{mode}_{name}_host_us"] = [round(t.host_us, 2) for t in timings]
     for name, same in (("winner", "baseline"), ("bf16_served", "bf16")):
         if name not in timed and f"{mode}_{same}_us" in row:  # the same runner: the same time
             row[f"{mode}_{name}_us"] = row[f"{mode}_{same}_us"]

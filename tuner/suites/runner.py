@@ -62,21 +62,25 @@ class Row:
 Timed = tuple[Callable[..., Any], Sequence[tuple[Any, ...]]]  # a runner and its input sets
 
 
-def in_turn(
+def in_turn_rounds(
     runners: dict[str, Timed],
     device: str,
     *,
     graph: bool,
     rounds: int = 4,
     budget_s: float = 0.075,
+    warmup_rounds: int = 0,
     on_error: Callable[[str, Exception], None] | None = None,
-) -> dict[str, float]:
-    """Median times (us) of each runner over ``rounds`` rounds that time the runners in turn,
-    each on its own input sets, so that all are measured under the same load: GPU times inside
-    CUDA graphs (``graph``), else eager times, in ``timing.round_order``. ``on_error(name, e)``:
-    a runner that raises is dropped and reported there; without it the error propagates."""
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for round_ in range(rounds):
+) -> dict[str, list[timing.Timing]]:
+    """Each runner's timings over ``rounds`` rounds that time the runners in turn, each on its
+    own input sets, so that all are measured under the same load: GPU times inside CUDA graphs
+    (``graph``), else eager times, in ``timing.round_order``. ``warmup_rounds`` rounds like them
+    come first, untimed: a runner just built may run slow for a while (first uses of its library
+    in the process), and a round of every runner outlasts that before any is timed.
+    ``on_error(name, e)``: a runner that raises is dropped and reported there; without it the
+    error propagates."""
+    times: dict[str, list[timing.Timing]] = {name: [] for name in runners}
+    for round_ in range(-warmup_rounds, rounds):
         for name in timing.round_order(list(times), round_):
             runner, sets = runners[name]
             try:
@@ -90,8 +94,15 @@ def in_turn(
                 on_error(name, e)
                 del times[name]
                 continue
-            times[name].append(t.median_us)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            if round_ >= 0:
+                times[name].append(t)
+    return times
+
+
+def in_turn(runners: dict[str, Timed], device: str, **options: Any) -> dict[str, float]:
+    """Median times (us) of each runner over the rounds of ``in_turn_rounds`` (same options)."""
+    rounds = in_turn_rounds(runners, device, **options)
+    return {name: statistics.median(t.median_us for t in ts) for name, ts in rounds.items()}
 
 
 def built(key: Key, source: str, params: Params) -> tuple[Runner, Runner | None]:
