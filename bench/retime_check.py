@@ -9,8 +9,9 @@ runners in turn) a few times over, then the two low-bit runners in turn round by
 each alone (eager time, host time per call, GPU time in a CUDA graph), in turn again after those
 warm calls, and in turn on one input set (pointers that never move). With ``--timeline``, first
 of all (so the process has run neither), the winner, torch's op and the winner again, each built
-anew and called back to back for a second: the time a call in batches of ten, against the time
-since the first call (whether a fresh runner is slow at first, and for how long).
+anew and called back to back for a second (``--timeline-s``): the time a call in batches of ten,
+against the time since the first call (whether a fresh runner is slow at first, and for how
+long; over seconds, a compute-bound call's time once the GPU runs at its power limit).
 """
 
 from __future__ import annotations
@@ -53,14 +54,16 @@ def alone(runner: Any, sets: list[tuple[Any, ...]]) -> dict[str, float]:
     return {"eager_us": t.median_us, "host_us": t.host_us, "gpu_us": graph.median_us}
 
 
-def timeline(runner: Any, sets: list[tuple[Any, ...]]) -> list[tuple[float, float]]:
+def timeline(
+    runner: Any, sets: list[tuple[Any, ...]], seconds: float = TIMELINE_S
+) -> list[tuple[float, float]]:
     """(ms since the first call, us a call) of each batch of ``runner``'s calls, back to back
-    for ``TIMELINE_S``."""
+    for ``seconds``."""
     fn = timing.on_sets(runner, sets)
     torch.cuda.synchronize()
     start = last = time.perf_counter()
     batches, i = [], 0
-    while last - start < TIMELINE_S:
+    while last - start < seconds:
         for _ in range(TIMELINE_BATCH):
             fn(i)
             i += 1
@@ -73,14 +76,14 @@ def timeline(runner: Any, sets: list[tuple[Any, ...]]) -> list[tuple[float, floa
     return batches
 
 
-def timelines(row: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+def timelines(row: dict[str, Any], seconds: float) -> dict[str, list[tuple[float, float]]]:
     """The winner, torch's op and the winner again, each built anew, on a timeline."""
     key = parse_key(row["key"])
     sets = samples.input_sets(key, "cuda", seed=1)
     out = {}
     for name in ("winner", "baseline", "winner_again"):
         base, win = built(key, row["source"], candidate_params(row["candidate"]))
-        out[name] = timeline(base if name == "baseline" else win, sets)
+        out[name] = timeline(base if name == "baseline" else win, sets, seconds)
         buckets: dict[int, list[float]] = {}
         for ms, us in out[name]:
             buckets.setdefault(int(ms // TIMELINE_BUCKET_MS), []).append(us)
@@ -89,9 +92,9 @@ def timelines(row: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
     return out
 
 
-def check(row: dict[str, Any], with_timeline: bool = False) -> dict[str, Any]:
+def check(row: dict[str, Any], timeline_s: float | None = None) -> dict[str, Any]:
     key = parse_key(row["key"])
-    lines = timelines(row) if with_timeline else None
+    lines = timelines(row, timeline_s) if timeline_s else None
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
     suite = []
     for _ in range(RETIMES):
@@ -134,7 +137,11 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="where the JSON goes")
     parser.add_argument("--timeline", action="store_true",
                         help="first, each runner built anew and called back to back for a second")  # fmt: skip
+    parser.add_argument("--timeline-s", type=float, default=TIMELINE_S,
+                        help="seconds of each runner's timeline (with --timeline)")  # fmt: skip
     args = parser.parse_args()
+    if args.timeline_s <= 0:
+        parser.error(f"--timeline-s {args.timeline_s}: must be > 0")
     with open(args.suite_json) as f:
         rows = {r["label"]: r for r in json.load(f)["rows"]}
     missing = [label for label in args.label if label not in rows]
@@ -144,7 +151,8 @@ def main() -> None:
     if served_by_torch:
         parser.error(f"--label {served_by_torch}: torch's op is the winner, nothing to compare")
     out = header(timing.copy_bandwidth_gbs("cuda"), benchmark="retime_check")
-    out["rows"] = [check(rows[label], args.timeline) for label in args.label]
+    out["rows"] = [check(rows[label], args.timeline_s if args.timeline else None)
+                   for label in args.label]  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
 

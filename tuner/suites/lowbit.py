@@ -369,9 +369,10 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
         if not graph:  # an eager call's host time: a slow round with a slow host is host-bound
             row[f"{mode}_{name}_host_us"] = [round(t.host_us, 2) for t in timings]
     for name, same in (("winner", "baseline"), ("bf16_served", "bf16")):
-        if name not in timed and f"{mode}_{same}_us" in row:  # the same runner: the same time
-            row[f"{mode}_{name}_us"] = row[f"{mode}_{same}_us"]
-            row[f"{mode}_{name}_pct_copy"] = row[f"{mode}_{same}_pct_copy"]
+        if name not in timed and f"{mode}_{same}_us" in row:  # the same runner: the same times
+            for column in ("us", "pct_copy", "rounds_us", "host_us"):
+                if f"{mode}_{same}_{column}" in row:
+                    row[f"{mode}_{name}_{column}"] = row[f"{mode}_{same}_{column}"]
 
 
 def annotate(row: Row, bf16: Row, copy_gbs: float, device: str) -> None:
