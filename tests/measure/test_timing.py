@@ -1,5 +1,5 @@
 """``timing.measure``'s cut-offs, on the host clock (no GPU): a candidate slower than a cut-off
-stops early, with the numbers of the calls it ran."""
+stops early, with the numbers of the calls it ran; and the other timers' rules."""
 
 from __future__ import annotations
 
@@ -59,3 +59,21 @@ def test_queued_is_only_a_gpu_clock():
     """Off the GPU nothing can be queued: the samples are the host's clock as always."""
     t = timing.measure(lambda i: time.sleep(0.001), device="cpu", max_reps=5, queued=True)
     assert t.median_us >= 900
+
+
+def test_sustained_time_reads_the_pace_a_long_run_settles_at():
+    """A call that slows once it has run for a while (a GPU lowering its clock at its power
+    limit) reads fast over a short measurement and at its settled pace over a sustained one."""
+    first_call: list[float] = []
+
+    def call(i: int) -> None:
+        now = time.perf_counter()
+        if not first_call:
+            first_call.append(now)
+        time.sleep(100e-6 if now - first_call[0] < 0.03 else 400e-6)
+
+    short = timing.measure(call, device="cpu", budget_s=0.005)
+    first_call.clear()
+    settled = timing.sustained_time(call, device="cpu", seconds=0.3)
+    assert short.median_us < 300 < settled.median_us
+    assert settled.reps > timing.SUSTAINED_BATCH and settled.p10_us <= settled.median_us

@@ -29,6 +29,7 @@ from tuner.tuning.engine import (
     host_hides_gpu,
     runner_up,
     steadier,
+    sustained_duel,
     ties,
     tune,
 )
@@ -342,6 +343,22 @@ def test_an_eager_gap_between_kernel_bound_calls_must_show_in_their_graph_times(
     assert not gap_unexplained((137.6, 141.3), (33.3, 33.3), (137.7, 147.6), margin=0.02)
     # a graph time of 0 (a fenced time clamped at 0): any launch hides it, nothing divides by it
     assert not gap_unexplained((10.0, 9.0), (5.0, 5.0), (0.0, 0.0), margin=0.02)
+
+
+def test_a_duel_of_gpu_bound_calls_is_timed_over_sustained_stretches():
+    """Compute-bound kernels draw the GPU to its power limit in use: their duel is timed there,
+    not at the full clock of a short timing; a duel with a short call, off the GPU, or with the
+    stretches turned off is timed as before."""
+    heavy, also_heavy, light = (
+        m("torch", 180.0, 178.0, 182.0),
+        m("x", 171.0, 170, 172),
+        m("y", 40.0, 39.0, 41.0),
+    )
+    options = TuneOptions()
+    assert sustained_duel("cuda", (heavy, also_heavy), options)
+    assert not sustained_duel("cuda", (heavy, light), options)
+    assert not sustained_duel("cpu", (heavy, also_heavy), options)
+    assert not sustained_duel("cuda", (heavy, also_heavy), TuneOptions(sustained_s=0))
 
 
 def test_the_runner_up_duels_where_the_winners_confirmation_reads_it_slower():

@@ -108,3 +108,15 @@ def test_a_steady_gpu_bound_call_is_timed_with_few_samples():
     x = torch.zeros(1, device="cuda")
     short_call = timing.measure(lambda i: x.add_(1), device="cuda", budget_s=0.05)
     assert short_call.reps > timing.STEADY_REPS
+
+
+def test_duels_of_compute_bound_gemms_are_timed_over_sustained_stretches():
+    """A bf16 GEMM of 4096^3 is GPU-bound (well over ``timing.STEADY_US``): its duels run each
+    runner over stretches of calls back to back, at the clock the power limit leaves, and the
+    verdict says so. cuBLASLt's heuristic algorithms tie with torch's (the same kernels), and
+    ties are dueled on the GPU."""
+    key = GemmKey(m=4096, n=4096, k=4096, dtype="bf16", out_dtype="bf16")
+    outcome = tune(key, options=TuneOptions(budget_s=0.02, sources=["cublaslt"], max_candidates=4))
+    dueled = [x for x in outcome.measurements if "confirmation" in (x.error or "")]
+    assert dueled, [(x.candidate, x.status, x.median_us, x.error) for x in outcome.measurements]
+    assert all("s stretches (GPU-bound calls)" in x.error for x in dueled)

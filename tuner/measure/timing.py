@@ -12,6 +12,8 @@ figure they report follows the same rules.
   than a tighter cut-off, since a few dozen calls place a median within a few percent.
 - The host time per eager call is measured too: for tiny problems the launch, not the kernel,
   is what the caller waits for.
+- ``sustained_time``: a compute-bound call's time over a stretch of calls back to back, at the
+  clock the GPU keeps at its power limit (the tuner's duels of GPU-bound calls use it).
 - ``graph_time``: GPU time alone, from calls captured in a CUDA graph and replayed (what a caller
   that runs its step as a graph sees; event times of small eager calls are host-bound). It is the
   one CUDA-graph timer: the tuner and every suite and bench script use it, fence included.
@@ -202,6 +204,26 @@ def measure(
     host = (
         host_time_us(fn, min(reps, HOST_CALLS), clock) if clock.cuda else median
     )  # CPU work is synchronous
+    return Timing(median, _percentile(s, 0.1), _percentile(s, 0.9), len(s), host)
+
+
+SUSTAINED_BATCH = 32  # calls between two syncs of ``sustained_time``: the GPU never waits long
+
+
+def sustained_time(fn: Callable[[int], Any], *, device: str, seconds: float) -> Timing:
+    """``fn(i)``'s time per call over ``seconds`` of calls back to back: what a compute-bound
+    call costs once the GPU has drawn its power limit for a while and lowered its clock, as it
+    does in a model's long run of such calls. ``measure`` times such a call over a few ms, at
+    whatever clock the moment gives, and two kernels that differ there can be equal at the
+    limit. The spread is over the calls; the host time is read after them."""
+    clock = _Clock(device)
+    samples: list[float] = []
+    start = time.perf_counter()
+    while not samples or time.perf_counter() - start < seconds:
+        samples += clock.run(fn, len(samples), SUSTAINED_BATCH)
+    s = sorted(samples)
+    median = statistics.median(s)
+    host = host_time_us(fn, HOST_CALLS, clock) if clock.cuda else median
     return Timing(median, _percentile(s, 0.1), _percentile(s, 0.9), len(s), host)
 
 

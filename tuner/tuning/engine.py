@@ -47,6 +47,9 @@ class TuneOptions:
     # win: eager times of small problems are host-bound and rank configs that are slow on the
     # GPU beside fast ones
     confirm_tries: int = 3
+    sustained_s: float = 0.15  # on the GPU, a duel of calls of timing.STEADY_US or more times
+    # each runner over this long a stretch a round, after as long a one untimed: compute-bound
+    # kernels are compared at the clock the power limit leaves them (0: as short ones)
     seed: int = 0
     launch: str = "eager"  # "eager": host launch time counts; "graph": GPU time only (candidates
     # timed in CUDA graphs, on the GPU)
@@ -60,7 +63,7 @@ class TuneOptions:
     def __post_init__(self) -> None:
         if self.launch not in LAUNCHES:
             raise ValueError(f"launch must be one of {list(LAUNCHES)}, got {self.launch!r}")
-        for name in ("budget_s", "min_noise", "host_slack_us", "host_slack"):
+        for name in ("budget_s", "min_noise", "host_slack_us", "host_slack", "sustained_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("cut_factor", "steady_cut", "late_cut"):
@@ -176,6 +179,18 @@ def disturbed_duel(trial_us: tuple[float, float], duel_us: tuple[float, float]) 
     side slower than in its own trial by more than a disturbed spread. Such a verdict would
     say more about the disturbance than about the kernels."""
     return any(d > t * (1 + DISTURBED_SPREAD) for t, d in zip(trial_us, duel_us, strict=True))
+
+
+def sustained_duel(device: str, duellists: Iterable[Measurement], options: TuneOptions) -> bool:
+    """Whether a duel times its runners over sustained stretches (``timing.sustained_time``):
+    on the GPU, where every duellist's trial call is GPU-bound (``timing.STEADY_US`` or more).
+    Such calls draw the GPU to its power limit in use, and a kernel faster at the full clock of
+    a short timing need not be faster there."""
+    return (
+        device == "cuda"
+        and options.sustained_s > 0
+        and all(m.median_us >= timing.STEADY_US for m in duellists)
+    )
 
 
 def runner_up(
@@ -300,14 +315,17 @@ def _confirmed(
     the confirmation, else the baseline; where the kept one's confirmed time is beaten by a later
     duellist's trial time (``runner_up``), that one duels too and the faster of the two, each
     relative to its own duel's baseline, wins. Returns (chosen, baseline's time, chosen's time)."""
-    base_us = effective_us(base, options.launch)
+    base_us = trial_base_us = effective_us(base, options.launch)
     for i, challenger in enumerate(order[: max(1, options.confirm_tries)]):
         if options.confirm_rounds <= 0:
             return challenger, base_us, effective_us(challenger, options.launch)
         chosen, base_us, chosen_us = trial.confirm(base, challenger, options)
         if chosen is base:
             continue
-        rival = runner_up(order[i + 1 :], chosen_us, options)
+        # a sustained duel reads both runners slower than their trials: compared in its terms
+        sustained = sustained_duel(trial.device, (base, chosen), options)
+        scale = trial_base_us / base_us if sustained else 1.0
+        rival = runner_up(order[i + 1 :], chosen_us * scale, options)
         if rival is not None:
             other, other_base_us, other_us = trial.confirm(base, rival, options)
             # each against its own duel's baseline: the two duels ran at different moments
@@ -481,6 +499,8 @@ class _Trial:
         base_us, chal_us, base_host, chal_host = readings
         gpu_ok, gpu_win = True, False
         note = f"; disturbed twice: {why}" if disturbed else ""
+        if sustained_duel(self.device, (base, challenger), options):
+            note += f"; rounds of {options.sustained_s:g} s stretches (GPU-bound calls)"
         if gpu is not None:
             base_gpu, chal_gpu = gpu
             if chal_gpu is None:
@@ -532,15 +552,21 @@ class _Trial:
         times: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         hosts: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         eager = options.launch == "eager"
+        sustained = sustained_duel(self.device, (base, challenger), options)
+
+        def timed(m: Measurement) -> timing.Timing:
+            runner = runners[m.candidate]
+            if sustained:
+                fn = timing.on_sets(runner, self.sets)
+                return timing.sustained_time(fn, device=self.device, seconds=options.sustained_s)
+            return timing.measure_sets(runner, self.sets, device=self.device,
+                                       budget_s=options.budget_s, max_reps=CONFIRM_REPS)  # fmt: skip
+
+        if sustained:  # the GPU brought to its power limit before the first timed stretch
+            timed(base)
         for round_ in range(options.confirm_rounds):
             for m in timing.round_order((base, challenger), round_):
-                t = timing.measure_sets(
-                    runners[m.candidate],
-                    self.sets,
-                    device=self.device,
-                    budget_s=options.budget_s,
-                    max_reps=CONFIRM_REPS,
-                )
+                t = timed(m)
                 times[m.candidate].append(max(t.median_us, t.host_us) if eager else t.median_us)
                 hosts[m.candidate].append(t.host_us)
         return (
