@@ -139,6 +139,16 @@ def test_tuning_a_format_is_judged_against_its_bf16_twins_median() -> None:
     assert summary["fp8-tensorwise"]["targets"][lowbit.TUNING_TARGET] == "0/1"  # unmeasured
 
 
+def test_gpu_bound_rows_are_retimed_over_sustained_stretches() -> None:
+    """A row whose tuned calls are GPU-bound is judged at the power limit's clock, as the
+    engine's duel judged it; a shorter call, or stretches turned off, over a short budget."""
+    options = TuneOptions()
+    assert lowbit.sustained_s({"baseline_us": 180.0, "winner_us": 171.0}, options) == 0.15
+    assert lowbit.sustained_s({"baseline_us": 180.0, "winner_us": 40.0}, options) == 0.0
+    off = TuneOptions(sustained_s=0)
+    assert lowbit.sustained_s({"baseline_us": 180.0, "winner_us": 171.0}, off) == 0.0
+
+
 def test_decode_rows_on_a_gpu_are_tuned_for_graph_replay() -> None:
     eager = TuneOptions(launch="eager", budget_s=0.02)
     decode, prefill = (GemmKey(m=m, n=512, k=256, **lowbit_fields("int4-g128")) for m in (16, 64))

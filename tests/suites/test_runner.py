@@ -13,6 +13,7 @@ import pytest
 from tuner.cache import Store
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, Key
+from tuner.measure import timing
 from tuner.suites import runner
 from tuner.tuning.engine import TuneOptions, TuneOutcome, tune
 
@@ -125,3 +126,12 @@ def test_in_turn_rounds_keeps_each_round_and_times_none_of_the_warmup_rounds() -
     assert max(t.median_us for ts in warm.values() for t in ts) < 10_000
     times = runner.in_turn(timed, "cpu", **options)
     assert times == pytest.approx({"a": 0.0, "b": 0.0}, abs=10_000)
+
+
+def test_in_turn_rounds_times_sustained_stretches_when_asked():
+    """GPU-bound rows are retimed over stretches of calls back to back (the power limit's
+    clock), not over a short budget: many more calls a round."""
+    timed = {"a": (lambda: time.sleep(0.001), [()])}
+    short = runner.in_turn_rounds(timed, "cpu", graph=False, rounds=1, budget_s=0.001)
+    held = runner.in_turn_rounds(timed, "cpu", graph=False, rounds=1, sustained_s=0.05)
+    assert short["a"][0].reps < timing.SUSTAINED_BATCH <= held["a"][0].reps

@@ -65,7 +65,7 @@ from tuner.suites.runner import (
     tuned_times,
 )
 from tuner.tuning import compile_pool
-from tuner.tuning.engine import TuneOptions, current_device
+from tuner.tuning.engine import TuneOptions, current_device, sustained_duel
 
 MODELS = ("llama-3-8b.yaml", "qwen2.5-7b.yaml")
 M_SIZES = catalog.LOWBIT_M_SIZES
@@ -325,7 +325,15 @@ EAGER_WARMUP_ROUNDS = 1  # eager rows: untimed rounds of every runner in turn be
 GRAPH_ROUNDS = 3  # decode rows: rounds of CUDA-graph times; the median outlasts one disturbed
 
 
-def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
+def sustained_s(row: Row, options: TuneOptions) -> float:
+    """Seconds of each sustained stretch the row's eager runners are retimed over, or 0: rows
+    whose calls are GPU-bound (by their tuned times) are judged at the GPU's power limit, as the
+    engine's duels judged them (``engine.sustained_duel``)."""
+    tuned = (row["baseline_us"], row["winner_us"])
+    return options.sustained_s if sustained_duel("cuda", tuned, options) else 0.0
+
+
+def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, stretch_s: float = 0.0) -> None:
     """The row's runners timed again once every row is tuned and the compile pool is closed:
     torch's op, the winner, bf16 cuBLAS and the bf16 winner, side by side under the same load
     (a host-bound eager call is slowed by compiles running beside it, and the low-bit rows are
@@ -335,7 +343,8 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
     ``EAGER_WARMUP_ROUNDS`` untimed ones; each round takes the runners in turn (``eager_*``).
     Each round's time is kept beside the median (``*_rounds_us``), and for eager rows the host
     time a call (``*_host_us``), so that a slow reading shows whether it was one round or all and
-    whether the host was slow with it."""
+    whether the host was slow with it. ``stretch_s`` (``sustained_s``): eager runners timed over
+    sustained stretches of that many seconds (``eager_sustained_s``)."""
     graph = row["timing"] == "graph"
     mode = "graph" if graph else "eager"
     sets = samples.input_sets(key, "cuda", seed=1)
@@ -358,8 +367,10 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
     rounds = in_turn_rounds(
         timed, "cuda", graph=graph, rounds=GRAPH_ROUNDS if graph else SIDE_BY_SIDE_ROUNDS,
         budget_s=SIDE_BY_SIDE_BUDGET_S, warmup_rounds=0 if graph else EAGER_WARMUP_ROUNDS,
-        on_error=failed,
+        sustained_s=0.0 if graph else stretch_s, on_error=failed,
     )  # fmt: skip
+    if not graph:
+        row["eager_sustained_s"] = stretch_s
     for name, timings in rounds.items():
         moved = row["bf16_bytes"] if name.startswith("bf16") else row["bytes"]
         us = statistics.median(t.median_us for t in timings)
@@ -375,7 +386,7 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float) -> None:
                     row[f"{mode}_{name}_{column}"] = row[f"{mode}_{same}_{column}"]
 
 
-def annotate(row: Row, bf16: Row, copy_gbs: float, device: str) -> None:
+def annotate(row: Row, bf16: Row, copy_gbs: float, device: str, options: TuneOptions) -> None:
     """Shape, format, bytes and bandwidth shares beside the row; its bf16 columns; on a GPU its
     runners timed again side by side (``retime``); then its targets."""
     key = parse_key(row["key"])
@@ -394,7 +405,7 @@ def annotate(row: Row, bf16: Row, copy_gbs: float, device: str) -> None:
             row[f"{name}_pct_copy"] = 100 * row[moved] / row[f"{name}_us"] / 1e3 / copy_gbs
     row["timing"] = "graph" if graph_judged(key, device) else "eager"
     if device == "cuda":
-        retime(row, key, twin, copy_gbs)
+        retime(row, key, twin, copy_gbs, sustained_s(row, options))
     judge(row)
 
 
@@ -557,7 +568,7 @@ def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
         bf16 = tune_bf16(twins, options, recorder, store, device)
     result["versions"] = {"torch": torch.__version__, "cuda": torch.version.cuda}
     for row, twin in zip(rows, twins, strict=True):
-        annotate(row, bf16[str(twin)], result["copy_gbs"], device)
+        annotate(row, bf16[str(twin)], result["copy_gbs"], device, options)
         outcome = recorder.outcomes.get(row["key"])
         row["failures"] = [
             f"{m.candidate}: {m.error[:200]}"

@@ -70,6 +70,7 @@ def in_turn_rounds(
     rounds: int = 4,
     budget_s: float = 0.075,
     warmup_rounds: int = 0,
+    sustained_s: float = 0.0,
     on_error: Callable[[str, Exception], None] | None = None,
 ) -> dict[str, list[timing.Timing]]:
     """Each runner's timings over ``rounds`` rounds that time the runners in turn, each on its
@@ -77,7 +78,9 @@ def in_turn_rounds(
     (``graph``), else eager times, in ``timing.round_order``. ``warmup_rounds`` rounds like them
     come first, untimed: a runner just built may run slow for a while (first uses of its library
     in the process), and a round of every runner outlasts that before any is timed.
-    ``on_error(name, e)``: a runner that raises is dropped and reported there; without it the
+    ``sustained_s``: eager times over stretches of that many seconds of calls back to back
+    (``timing.sustained_time``), for GPU-bound calls compared at the GPU's power limit as the
+    engine's duels compare them. ``on_error(name, e)``: a runner that raises is dropped and reported there; without it the
     error propagates."""
     times: dict[str, list[timing.Timing]] = {name: [] for name in runners}
     for round_ in range(-warmup_rounds, rounds):
@@ -86,6 +89,9 @@ def in_turn_rounds(
             try:
                 if graph:
                     t = timing.graph_time(timing.on_sets(runner, sets))
+                elif sustained_s > 0:
+                    fn = timing.on_sets(runner, sets)
+                    t = timing.sustained_time(fn, device=device, seconds=sustained_s)
                 else:
                     t = timing.measure_sets(runner, sets, device=device, budget_s=budget_s)
             except Exception as e:

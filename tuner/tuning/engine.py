@@ -181,15 +181,15 @@ def disturbed_duel(trial_us: tuple[float, float], duel_us: tuple[float, float]) 
     return any(d > t * (1 + DISTURBED_SPREAD) for t, d in zip(trial_us, duel_us, strict=True))
 
 
-def sustained_duel(device: str, duellists: Iterable[Measurement], options: TuneOptions) -> bool:
-    """Whether a duel times its runners over sustained stretches (``timing.sustained_time``):
-    on the GPU, where every duellist's trial call is GPU-bound (``timing.STEADY_US`` or more).
-    Such calls draw the GPU to its power limit in use, and a kernel faster at the full clock of
-    a short timing need not be faster there."""
+def sustained_duel(device: str, trial_us: Iterable[float], options: TuneOptions) -> bool:
+    """Whether runners with these trial times (us a call) are compared over sustained stretches
+    (``timing.sustained_time``): on the GPU, where every one is GPU-bound (``timing.STEADY_US``
+    or more). Such calls draw the GPU to its power limit in use, and a kernel faster at the full
+    clock of a short timing need not be faster there."""
     return (
         device == "cuda"
         and options.sustained_s > 0
-        and all(m.median_us >= timing.STEADY_US for m in duellists)
+        and all(us >= timing.STEADY_US for us in trial_us)
     )
 
 
@@ -323,7 +323,7 @@ def _confirmed(
         if chosen is base:
             continue
         # a sustained duel reads both runners slower than their trials: compared in its terms
-        sustained = sustained_duel(trial.device, (base, chosen), options)
+        sustained = sustained_duel(trial.device, (base.median_us, chosen.median_us), options)
         scale = trial_base_us / base_us if sustained else 1.0
         rival = runner_up(order[i + 1 :], chosen_us * scale, options)
         if rival is not None:
@@ -499,7 +499,7 @@ class _Trial:
         base_us, chal_us, base_host, chal_host = readings
         gpu_ok, gpu_win = True, False
         note = f"; disturbed twice: {why}" if disturbed else ""
-        if sustained_duel(self.device, (base, challenger), options):
+        if sustained_duel(self.device, (base.median_us, challenger.median_us), options):
             note += f"; rounds of {options.sustained_s:g} s stretches (GPU-bound calls)"
         if gpu is not None:
             base_gpu, chal_gpu = gpu
@@ -552,7 +552,7 @@ class _Trial:
         times: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         hosts: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         eager = options.launch == "eager"
-        sustained = sustained_duel(self.device, (base, challenger), options)
+        sustained = sustained_duel(self.device, (base.median_us, challenger.median_us), options)
 
         def timed(m: Measurement) -> timing.Timing:
             runner = runners[m.candidate]
