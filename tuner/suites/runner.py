@@ -80,8 +80,8 @@ def in_turn_rounds(
     in the process), and a round of every runner outlasts that before any is timed.
     ``sustained_s``: eager times over stretches of that many seconds of calls back to back
     (``timing.sustained_time``), for GPU-bound calls compared at the GPU's power limit as the
-    engine's duels compare them. ``on_error(name, e)``: a runner that raises is dropped and reported there; without it the
-    error propagates."""
+    engine's duels compare them. ``on_error(name, e)``: a runner that raises is dropped and
+    reported there; without it the error propagates."""
     times: dict[str, list[timing.Timing]] = {name: [] for name in runners}
     for round_ in range(-warmup_rounds, rounds):
         for name in timing.round_order(list(times), round_):
