@@ -22,10 +22,11 @@ stamps and a summary (impl "cuda_gemv_trace"). With ``--baseline PATH``, every c
 built from the kernel source at PATH (another version of ``w4a16_gemv.cu``, e.g. the committed
 one) and timed right before the current one (impl "cuda_gemv_baseline"): an A/B of a kernel change
 on one machine in one run; ``--variant NAME=FLAGS`` (repeatable) does the same for the current
-source built with extra ``-D`` flags (impl "cuda_gemv_NAME", e.g. ``pf0=-DGEMV_PREFETCH=0``);
+source built with extra ``-D`` flags (impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``);
 ``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER`` (repeatable) times those configs instead of
-``GRID``; ``--repeat R`` times each config's builds R times in turn (the A/B's noise). ``--profile``: no timing, the bare read and each config of
-``PROFILED`` once in an NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
+``GRID``; ``--repeat R`` times each config's builds R times in turn (the A/B's noise).
+``--profile``: no timing, the bare read and each config of ``PROFILED`` once in an NVTX range
+"profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
 """
 
 from __future__ import annotations
@@ -220,7 +221,8 @@ def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Pa
 
 def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: bool = False,
                      profile: bool = False, baseline: Path | None = None,
-                     repeats: int = 1, variants: tuple[str, ...] = ()) -> list[dict[str, Any]]:  # fmt: skip
+                     repeats: int = 1,
+                     variants: tuple[str, ...] = ()) -> list[dict[str, Any]]:  # fmt: skip
     n, k = shape_of(name)
     rows: list[dict[str, Any]] = []
     stream = gemm_operands.stream_getter(torch.device("cuda", torch.cuda.current_device()))
@@ -321,7 +323,8 @@ def main() -> None:
                     help="also time every config built from this version of w4a16_gemv.cu")  # fmt: skip
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="also time every config built with these extra nvcc flags")  # fmt: skip
-    ap.add_argument("--config", action="append", default=[], metavar="SPLIT,SLICES,STAGES,WARPS,CLUSTER",
+    ap.add_argument("--config", action="append", default=[],
+                    metavar="SPLIT,SLICES,STAGES,WARPS,CLUSTER",
                     help="time these configs instead of GRID")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=1,
                     help="time each config's builds this many times in turn (an A/B's noise)")  # fmt: skip
@@ -339,7 +342,7 @@ def main() -> None:
         variant, sep, flags = spec.partition("=")
         if not (sep and variant.isidentifier() and flags.split()) or variant in VARIANTS:
             ap.error(f"--variant {spec!r}: expected NAME=FLAGS with a new NAME, e.g. "
-                     f"pf0=-DGEMV_PREFETCH=0")  # fmt: skip
+                     f"traced=-DGEMV_TRACE=1")  # fmt: skip
         VARIANTS[variant] = flags.split()
     if args.config:
         try:

@@ -559,8 +559,10 @@ class _Trial:
             if sustained:
                 fn = timing.on_sets(runner, self.sets)
                 return timing.sustained_time(fn, device=self.device, seconds=options.sustained_s)
-            return timing.measure_sets(runner, self.sets, device=self.device,
-                                       budget_s=options.budget_s, max_reps=CONFIRM_REPS)  # fmt: skip
+            return timing.measure_sets(
+                runner, self.sets, device=self.device, budget_s=options.budget_s,
+                max_reps=CONFIRM_REPS,
+            )  # fmt: skip
 
         if sustained:  # the GPU brought to its power limit before the first timed stretch
             timed(base)
