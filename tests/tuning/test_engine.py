@@ -26,6 +26,7 @@ from tuner.tuning.engine import (
     earlier_times,
     gap_unexplained,
     gpu_only_win,
+    graph_reading_off,
     host_hides_gpu,
     runner_up,
     steadier,
@@ -343,6 +344,16 @@ def test_an_eager_gap_between_kernel_bound_calls_must_show_in_their_graph_times(
     assert not gap_unexplained((137.6, 141.3), (33.3, 33.3), (137.7, 147.6), margin=0.02)
     # a graph time of 0 (a fenced time clamped at 0): any launch hides it, nothing divides by it
     assert not gap_unexplained((10.0, 9.0), (5.0, 5.0), (0.0, 0.0), margin=0.02)
+
+
+def test_a_graph_duel_reading_far_off_the_trials_graph_times_is_not_believed():
+    """Graph replays of one kernel vary by a few percent: a duel reading a challenger 37% under
+    its own trial (12.14 -> 7.66 us, under the bare read of its bytes) is not its kernel's time,
+    nor is one far over it; a few percent either way, or under a microsecond, is."""
+    assert graph_reading_off((12.18, 12.14), (12.07, 7.66))
+    assert graph_reading_off((12.18, 12.14), (18.0, 12.1))
+    assert not graph_reading_off((12.18, 12.14), (12.07, 11.6))
+    assert not graph_reading_off((2.0, 1.5), (2.1, 2.3))  # within a microsecond
 
 
 def test_a_duel_of_gpu_bound_calls_is_timed_over_sustained_stretches():
