@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tuner.cache import Store
+from tuner.tuning.engine import TuneOptions
 
 
 def tuner(*args: str, cache=None, check: bool = True) -> subprocess.CompletedProcess:
@@ -132,6 +133,17 @@ def test_launch_and_confirmation_options_reach_the_winner(tmp_path):
     assert len(shown) == 2 and {w["launch"] for w in shown} == {"graph"}
     r = tuner("tune", "key", key, "--launch", "warp", cache=cache, check=False)
     assert r.returncode == 2 and "'warp' is not one of 'eager', 'graph'" in r.stderr
+    tuner("tune", "key", key, "--source", "torch", "--sustained", "0", "--budget",
+          "0.01", cache=cache)  # fmt: skip
+    r = tuner("tune", "key", key, "--sustained", "-1", cache=cache, check=False)
+    assert r.returncode == 2 and "--sustained" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_sustained_stretch_reaches_the_tuning_options():
+    from tuner.cli.options import tune_options
+
+    assert tune_options(budget=0.1, sustained=0.3).sustained_s == 0.3
+    assert tune_options(budget=0.1).sustained_s == TuneOptions().sustained_s
 
 
 def test_every_command_has_help_text():

@@ -17,6 +17,7 @@ from tuner.cli.options import (
     IsolateOpt,
     LaunchOpt,
     SourcesOpt,
+    SustainedOpt,
     tune_options,
 )
 from tuner.suites import catalog
@@ -56,6 +57,7 @@ def bench_gemm(
     launch: LaunchOpt = TUNE_DEFAULTS.launch,
     confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
     confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
+    sustained: SustainedOpt = TUNE_DEFAULTS.sustained_s,
     isolate: IsolateOpt = False,
     inductor: Annotated[
         bool, typer.Option(help="Also time Inductor max-autotune on a few shapes.")
@@ -100,7 +102,7 @@ def bench_gemm(
             raise ValueError(f"part must be one of {list(parts)}, got {p!r}")
     options = tune_options(
         budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
-        confirm_tries=confirm_tries, isolate=isolate,
+        confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
     if suite == "lowbit":
         lowbit.run(lowbit.chosen_problems(chosen, quick=quick, ms=m, ops=proj), out, options)
@@ -123,6 +125,7 @@ def bench_sdpa(
     launch: LaunchOpt = TUNE_DEFAULTS.launch,
     confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
     confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
+    sustained: SustainedOpt = TUNE_DEFAULTS.sustained_s,
     workers: Annotated[
         int, typer.Option(min=1, help="Processes compiling Triton candidates.")
     ] = 12,
@@ -135,7 +138,11 @@ def bench_sdpa(
     if part not in ("all", *parts):
         raise ValueError(f"part must be all, prefill or decode, got {part!r}")
     options = tune_options(
-        budget=budget, launch=launch, confirm_rounds=confirm_rounds, confirm_tries=confirm_tries
+        budget=budget,
+        launch=launch,
+        confirm_rounds=confirm_rounds,
+        confirm_tries=confirm_tries,
+        sustained=sustained,
     )
     os.environ["TUNER_COMPILE_WORKERS"] = str(workers)  # read when the compile pool starts
     chosen = list(parts) if part == "all" else [part]

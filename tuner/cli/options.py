@@ -53,6 +53,16 @@ ConfirmTriesOpt = Annotated[
     int,
     typer.Option(min=0, help="Challengers confirmed in turn, fastest first, until one wins."),
 ]
+SustainedOpt = Annotated[
+    float,
+    typer.Option(
+        "--sustained",
+        min=0,
+        help="Seconds of each round's stretch of calls back to back in a duel of GPU-bound calls "
+        "(100 us or more): compute-bound kernels compared at the GPU's power limit (0: short "
+        "rounds, as for other calls).",
+    ),
+]
 OpOpt = Annotated[str | None, typer.Option("--op", help="Only 'gemm' or only 'sdpa' problems.")]
 IsolateOpt = Annotated[
     bool,
@@ -69,13 +79,14 @@ def tune_options(
     launch: str = TUNE_DEFAULTS.launch,
     confirm_rounds: int = TUNE_DEFAULTS.confirm_rounds,
     confirm_tries: int = TUNE_DEFAULTS.confirm_tries,
+    sustained: float = TUNE_DEFAULTS.sustained_s,
     isolate: bool = False,
 ) -> TuneOptions:
     """The ``TuneOptions`` of a command's flags; a clear error for an unknown source."""
     registry.check_names(source)
     return TuneOptions(
         budget_s=budget, sources=source, launch=launch, confirm_rounds=confirm_rounds,
-        confirm_tries=confirm_tries, isolate=isolate,
+        confirm_tries=confirm_tries, sustained_s=sustained, isolate=isolate,
     )  # fmt: skip
 
 

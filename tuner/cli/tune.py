@@ -23,6 +23,7 @@ from tuner.cli.options import (
     LaunchOpt,
     OpOpt,
     SourcesOpt,
+    SustainedOpt,
     check_op,
     open_store,
     tune_options,
@@ -112,12 +113,13 @@ def tune_gemm(
     launch: LaunchOpt = TUNE_DEFAULTS.launch,
     confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
     confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
+    sustained: SustainedOpt = TUNE_DEFAULTS.sustained_s,
     isolate: IsolateOpt = False,
 ) -> None:
     """Tune C = A @ B."""
     options = tune_options(
         budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
-        confirm_tries=confirm_tries, isolate=isolate,
+        confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
     key = GemmKey(
         m=m, n=n, k=k, batch=batch, layout=layout, dtype=dtype, out_dtype=dtype,
@@ -144,12 +146,13 @@ def tune_sdpa(
     launch: LaunchOpt = TUNE_DEFAULTS.launch,
     confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
     confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
+    sustained: SustainedOpt = TUNE_DEFAULTS.sustained_s,
     isolate: IsolateOpt = False,
 ) -> None:
     """Tune scaled dot-product attention."""
     options = tune_options(
         budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
-        confirm_tries=confirm_tries, isolate=isolate,
+        confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
     key = SdpaKey(
         batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
@@ -172,12 +175,13 @@ def tune_key(
     launch: LaunchOpt = TUNE_DEFAULTS.launch,
     confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
     confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
+    sustained: SustainedOpt = TUNE_DEFAULTS.sustained_s,
     isolate: IsolateOpt = False,
 ) -> None:
     """Tune the problem named by a key string (as ``tuner show --full-keys`` prints them)."""
     options = tune_options(
         budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
-        confirm_tries=confirm_tries, isolate=isolate,
+        confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
     run_tune(parse_key(key), cache, options)
 

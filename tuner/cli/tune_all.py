@@ -35,6 +35,7 @@ from tuner.cli.options import (
     LaunchOpt,
     OpOpt,
     SourcesOpt,
+    SustainedOpt,
     cache_path,
     check_op,
     open_store,
@@ -123,6 +124,7 @@ def tune_all_command(
     launch: LaunchOpt = TUNE_DEFAULTS.launch,
     confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
     confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
+    sustained: SustainedOpt = TUNE_DEFAULTS.sustained_s,
     isolate: IsolateOpt = False,
     problem_timeout: Annotated[
         float, typer.Option(help="Seconds a problem may take before its worker is killed.")
@@ -166,7 +168,7 @@ def tune_all_command(
     a report ends the run. Exit status 0 when every problem has a winner, else 1."""
     options = tune_options(
         budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
-        confirm_tries=confirm_tries, isolate=isolate,
+        confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
     settings = RunSettings(
         dataclasses.replace(options, prune=prune), problem_timeout_s=problem_timeout,
