@@ -341,8 +341,7 @@ def _confirmed(
         if chosen is base:
             continue
         # a sustained duel reads both runners slower than their trials: compared in its terms
-        sustained = sustained_duel(trial.device, (base.median_us, chosen.median_us), options)
-        scale = trial_base_us / base_us if sustained else 1.0
+        scale = trial_base_us / base_us if trial.sustained(base, chosen, options) else 1.0
         rival = runner_up(order[i + 1 :], chosen_us * scale, options)
         if rival is not None:
             other, other_base_us, other_us = trial.confirm(base, rival, options)
@@ -495,14 +494,14 @@ class _Trial:
         margin = max(noise(base, options.min_noise), noise(challenger, options.min_noise))
         readings = self.rounds(runners, base, challenger, options)
 
-        # the graph after the rounds, so that both graphs run on a GPU the rounds warmed alike
-        # (timed straight after the trials, the baseline's would be timed first, on whatever
-        # state the trials left), and before the rounds are judged: they are judged against it
         def graph_times() -> tuple[GraphPair, tuple[float, float] | None]:
             """Both runners' graph timings, and their medians where both were captured."""
             gpu = self.gpu_times(runners, base, challenger)
             return gpu, (gpu[0].median_us, gpu[1].median_us) if gpu and gpu[0] and gpu[1] else None
 
+        # the graph after the rounds, so that both graphs run on a GPU the rounds warmed alike
+        # (timed straight after the trials, the baseline's would be timed first, on whatever
+        # state the trials left), and before the rounds are judged: they are judged against it
         gpu, gpu_us = graph_times()
         graph = options.launch == "graph"
         if graph and gpu_us and graph_reading_off(trial_us, gpu_us):  # taken again once
@@ -528,7 +527,7 @@ class _Trial:
         base_us, chal_us, base_host, chal_host = readings
         gpu_ok, gpu_win = True, False
         note = f"; disturbed twice: {why}" if disturbed else ""
-        if sustained_duel(self.device, (base.median_us, challenger.median_us), options):
+        if self.sustained(base, challenger, options):
             note += f"; rounds of {options.sustained_s:g} s stretches (GPU-bound calls)"
         if gpu is not None:
             base_gpu, chal_gpu = gpu
@@ -581,7 +580,7 @@ class _Trial:
         times: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         hosts: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         eager = options.launch == "eager"
-        sustained = sustained_duel(self.device, (base.median_us, challenger.median_us), options)
+        sustained = self.sustained(base, challenger, options)
 
         def timed(m: Measurement) -> timing.Timing:
             runner = runners[m.candidate]
@@ -606,6 +605,10 @@ class _Trial:
             statistics.median(hosts[base.candidate]),
             statistics.median(hosts[challenger.candidate]),
         )
+
+    def sustained(self, base: Measurement, challenger: Measurement, options: TuneOptions) -> bool:
+        """Whether their duel times stretches of calls back to back (``sustained_duel``)."""
+        return sustained_duel(self.device, (base.median_us, challenger.median_us), options)
 
     def gpu_times(
         self, runners: dict[str, Runner], base: Measurement, challenger: Measurement
