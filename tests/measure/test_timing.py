@@ -77,3 +77,22 @@ def test_sustained_time_reads_the_pace_a_long_run_settles_at():
     settled = timing.sustained_time(call, device="cpu", seconds=0.3)
     assert short.median_us < 300 < settled.median_us
     assert settled.reps > timing.SUSTAINED_BATCH and settled.p10_us <= settled.median_us
+
+
+def test_eager_time_takes_a_sustained_stretch_only_when_asked():
+    """``eager_time`` is ``measure_sets`` (its options, a budget of calls) unless given a
+    sustained stretch, which runs calls back to back for that long however few the budget."""
+    calls: list[int] = []
+
+    def runner(x: int) -> None:
+        calls.append(x)
+        time.sleep(200e-6)
+
+    sets = [(0,), (1,)]
+    short = timing.eager_time(runner, sets, device="cpu", max_reps=5)
+    assert short.reps == 5 and set(calls) == {0, 1}
+    calls.clear()
+    start = time.perf_counter()
+    long = timing.eager_time(runner, sets, device="cpu", sustained_s=0.1, max_reps=5)
+    assert time.perf_counter() - start >= 0.1
+    assert long.reps > 5 and set(calls) == {0, 1}

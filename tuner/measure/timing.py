@@ -89,6 +89,22 @@ def measure_sets(
     return measure(on_sets(runner, sets), warmup=max(WARMUP, len(sets)), **options)
 
 
+def eager_time(
+    runner: Callable[..., Any],
+    sets: Sequence[tuple[Any, ...]],
+    *,
+    device: str,
+    sustained_s: float = 0.0,
+    **options: Any,
+) -> Timing:
+    """``runner``'s eager time round robin over ``sets``: over a stretch of ``sustained_s``
+    seconds of calls back to back where that is positive (``sustained_time``), else
+    ``measure_sets`` with ``options``."""
+    if sustained_s > 0:
+        return sustained_time(on_sets(runner, sets), device=device, seconds=sustained_s)
+    return measure_sets(runner, sets, device=device, **options)
+
+
 def round_order(items: Sequence[T], round_: int) -> list[T]:
     """The order of round ``round_`` of runners timed side by side: every other round reversed.
     A GPU that heats over a round of long compute-bound calls lowers its clock, and a fixed

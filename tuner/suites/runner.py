@@ -89,11 +89,10 @@ def in_turn_rounds(
             try:
                 if graph:
                     t = timing.graph_time(timing.on_sets(runner, sets))
-                elif sustained_s > 0:
-                    fn = timing.on_sets(runner, sets)
-                    t = timing.sustained_time(fn, device=device, seconds=sustained_s)
                 else:
-                    t = timing.measure_sets(runner, sets, device=device, budget_s=budget_s)
+                    t = timing.eager_time(
+                        runner, sets, device=device, sustained_s=sustained_s, budget_s=budget_s
+                    )
             except Exception as e:
                 if on_error is None:
                     raise

@@ -583,12 +583,9 @@ class _Trial:
         sustained = self.sustained(base, challenger, options)
 
         def timed(m: Measurement) -> timing.Timing:
-            runner = runners[m.candidate]
-            if sustained:
-                fn = timing.on_sets(runner, self.sets)
-                return timing.sustained_time(fn, device=self.device, seconds=options.sustained_s)
-            return timing.measure_sets(
-                runner, self.sets, device=self.device, budget_s=options.budget_s,
+            return timing.eager_time(
+                runners[m.candidate], self.sets, device=self.device,
+                sustained_s=options.sustained_s if sustained else 0.0, budget_s=options.budget_s,
                 max_reps=CONFIRM_REPS,
             )  # fmt: skip
 
