@@ -30,7 +30,7 @@ from tuner.measure import samples, timing
 from tuner.measure.records import candidate_params
 from tuner.suites.lowbit import bf16_twin, retime, sustained_s
 from tuner.suites.runner import built, in_turn
-from tuner.tuning.engine import TuneOptions, heavy_rate
+from tuner.tuning.engine import TuneOptions
 
 ROUNDS = 8
 RETIMES = 3
@@ -98,10 +98,9 @@ def check(row: dict[str, Any], timeline_s: float | None = None) -> dict[str, Any
     lines = timelines(row, timeline_s) if timeline_s else None
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
     suite = []
-    stretch_s = sustained_s(row, TuneOptions(), heavy_rate("cuda"))
     for _ in range(RETIMES):
         again = {n: v for n, v in row.items() if not n.startswith(("eager_", "graph_"))}
-        retime(again, key, bf16_twin(key), copy_gbs, stretch_s)
+        retime(again, key, bf16_twin(key), copy_gbs, sustained_s(row, TuneOptions()))
         mode = "graph_" if row["timing"] == "graph" else "eager_"  # what the suite judged
         suite.append({n: round(v, 2) for n, v in again.items()
                       if n.startswith(mode) and isinstance(v, float)})  # fmt: skip

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar
 
 import pytest
@@ -28,7 +27,6 @@ from tuner.tuning.engine import (
     gap_unexplained,
     gpu_only_win,
     graph_reading_off,
-    heavy_rate,
     host_hides_gpu,
     runner_up,
     steadier,
@@ -368,23 +366,6 @@ def test_a_duel_of_gpu_bound_calls_is_timed_over_sustained_stretches():
     assert not sustained_duel("cuda", (heavy, light), options)
     assert not sustained_duel("cpu", (heavy, also_heavy), options)
     assert not sustained_duel("cuda", (heavy, also_heavy), TuneOptions(sustained_s=0))
-
-
-def test_a_duel_of_heavy_calls_is_timed_over_sustained_stretches_however_short():
-    """A call under ``timing.STEADY_US`` that multiplies near the tensor cores' peak (an FP8
-    GEMM of 30 GFLOP in 34 us) holds the GPU at its power limit when run back to back, as a
-    model's prefill runs it: its duel is timed there too when both runners reach the heavy
-    rate; a lighter call (or either runner below the rate) is timed as before."""
-    heavy_from = 5e8  # FLOPs per us (0.5 PFLOP/s)
-    options = TuneOptions()
-    flops = 30.1e9
-    assert sustained_duel("cuda", (34.3, 33.0), options, flops, heavy_from)
-    assert not sustained_duel("cuda", (34.3, 80.0), options, flops, heavy_from)
-    assert not sustained_duel("cuda", (22.0, 21.0), options, 8.6e9, heavy_from)
-    assert not sustained_duel("cuda", (34.3, 33.0), options, flops)  # no rate given: never heavy
-    assert not sustained_duel("cpu", (34.3, 33.0), options, flops, heavy_from)
-    assert not sustained_duel("cuda", (34.3, 33.0), TuneOptions(sustained_s=0), flops, heavy_from)
-    assert heavy_rate("cpu") == math.inf
 
 
 def test_the_runner_up_duels_where_the_winners_confirmation_reads_it_slower():

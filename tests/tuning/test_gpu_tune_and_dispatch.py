@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 
 import pytest
@@ -15,7 +14,7 @@ from tuner.core.keys import GemmKey
 from tuner.measure import timing
 from tuner.serving.dispatcher import Dispatcher
 from tuner.serving.warmup import warmup
-from tuner.tuning.engine import TuneOptions, heavy_rate, tune
+from tuner.tuning.engine import TuneOptions, tune
 
 pytestmark = pytest.mark.gpu
 
@@ -120,17 +119,4 @@ def test_duels_of_compute_bound_gemms_are_timed_over_sustained_stretches():
     outcome = tune(key, options=TuneOptions(budget_s=0.02, sources=["cublaslt"], max_candidates=4))
     dueled = [x for x in outcome.measurements if "confirmation" in (x.error or "")]
     assert dueled, [(x.candidate, x.status, x.median_us, x.error) for x in outcome.measurements]
-    assert all("s stretches (GPU-bound or heavy calls)" in x.error for x in dueled)
-
-
-def test_a_large_gemm_is_heavy_and_a_decode_one_is_not():
-    """``heavy_rate`` is a share of this GPU's own bf16 matmul peak: a 2048 x 4096 x 4096 bf16
-    GEMM, under ``timing.STEADY_US`` on a Hopper GPU, multiplies past it; a decode GEMM of 16
-    rows, bound by reading its weight, stays far under it."""
-    rate = heavy_rate("cuda")
-    assert 0 < rate < math.inf
-    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    for m, heavy in ((2048, True), (16, False)):
-        a = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-        t = timing.measure(lambda i, a=a: a @ b, device="cuda", budget_s=0.05)
-        assert (2.0 * m * 4096 * 4096 / t.median_us >= rate) == heavy, (m, t.median_us, rate)
+    assert all("s stretches (GPU-bound calls)" in x.error for x in dueled)

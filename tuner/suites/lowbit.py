@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -66,7 +65,7 @@ from tuner.suites.runner import (
     tuned_times,
 )
 from tuner.tuning import compile_pool
-from tuner.tuning.engine import TuneOptions, current_device, heavy_rate, sustained_duel
+from tuner.tuning.engine import TuneOptions, current_device, sustained_duel
 
 MODELS = ("llama-3-8b.yaml", "qwen2.5-7b.yaml")
 M_SIZES = catalog.LOWBIT_M_SIZES
@@ -326,15 +325,12 @@ EAGER_WARMUP_ROUNDS = 1  # eager rows: untimed rounds of every runner in turn be
 GRAPH_ROUNDS = 3  # decode rows: rounds of CUDA-graph times; the median outlasts one disturbed
 
 
-def sustained_s(row: Row, options: TuneOptions, heavy_from: float = math.inf) -> float:
+def sustained_s(row: Row, options: TuneOptions) -> float:
     """Seconds of each sustained stretch the row's eager runners are retimed over, or 0: rows
-    whose calls are GPU-bound or heavy (``heavy_from``: ``engine.heavy_rate``), by their tuned
-    times, are judged at the GPU's power limit, as the engine's duels judged them
-    (``engine.sustained_duel``)."""
+    whose calls are GPU-bound (by their tuned times) are judged at the GPU's power limit, as the
+    engine's duels judged them (``engine.sustained_duel``)."""
     tuned = (row["baseline_us"], row["winner_us"])
-    flops = 2.0 * row["m"] * row["n"] * row["k"]
-    at_limit = sustained_duel("cuda", tuned, options, flops, heavy_from)
-    return options.sustained_s if at_limit else 0.0
+    return options.sustained_s if sustained_duel("cuda", tuned, options) else 0.0
 
 
 def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, stretch_s: float = 0.0) -> None:
@@ -409,7 +405,7 @@ def annotate(row: Row, bf16: Row, copy_gbs: float, device: str, options: TuneOpt
             row[f"{name}_pct_copy"] = 100 * row[moved] / row[f"{name}_us"] / 1e3 / copy_gbs
     row["timing"] = "graph" if graph_judged(key, device) else "eager"
     if device == "cuda":
-        retime(row, key, twin, copy_gbs, sustained_s(row, options, heavy_rate(device)))
+        retime(row, key, twin, copy_gbs, sustained_s(row, options))
     judge(row)
 
 

@@ -47,10 +47,9 @@ class TuneOptions:
     # win: eager times of small problems are host-bound and rank configs that are slow on the
     # GPU beside fast ones
     confirm_tries: int = 3
-    sustained_s: float = 0.15  # on the GPU, a duel of calls of timing.STEADY_US or more, or of
-    # heavy ones (``heavy_rate``), times each runner over this long a stretch a round, after as
-    # long a one untimed: compute-bound kernels are compared at the clock the power limit leaves
-    # them (0: as short ones)
+    sustained_s: float = 0.15  # on the GPU, a duel of calls of timing.STEADY_US or more times
+    # each runner over this long a stretch a round, after as long a one untimed: compute-bound
+    # kernels are compared at the clock the power limit leaves them (0: as short ones)
     seed: int = 0
     launch: str = "eager"  # "eager": host launch time counts; "graph": GPU time only (candidates
     # timed in CUDA graphs, on the GPU)
@@ -200,40 +199,15 @@ def graph_reading_off(trial_us: tuple[float, float], gpu_us: tuple[float, float]
     )
 
 
-# A call multiplying at this share of the device's measured bf16 matmul peak or more is heavy:
-# run back to back, as a model's layers run at prefill, such calls hold the GPU at its power
-# limit, however short each one is.
-HEAVY_SHARE = 0.75
-
-
-def heavy_rate(device: str) -> float:
-    """FLOPs per us from which a call on ``device`` is heavy (``HEAVY_SHARE`` of its measured
-    bf16 matmul peak); infinite off the GPU."""
-    if device != "cuda":
-        return math.inf
-    return HEAVY_SHARE * pruning.measured_roof(device, "bf16", "f32").peak * 1e-6
-
-
-def sustained_duel(
-    device: str,
-    trial_us: Iterable[float],
-    options: TuneOptions,
-    flops: float = 0.0,
-    heavy_from: float = math.inf,
-) -> bool:
-    """Whether runners with these trial times (us a call) of a call of ``flops`` are compared
-    over sustained stretches (``timing.sustained_time``): on the GPU, where every one is
-    GPU-bound (``timing.STEADY_US`` or more) or heavy (``heavy_from`` FLOPs per us or more:
-    ``heavy_rate``). Such calls draw the GPU to its power limit in use, and a kernel faster at
-    the full clock of a short timing need not be faster there."""
-    us = list(trial_us)
+def sustained_duel(device: str, trial_us: Iterable[float], options: TuneOptions) -> bool:
+    """Whether runners with these trial times (us a call) are compared over sustained stretches
+    (``timing.sustained_time``): on the GPU, where every one is GPU-bound (``timing.STEADY_US``
+    or more). Such calls draw the GPU to its power limit in use, and a kernel faster at the full
+    clock of a short timing need not be faster there."""
     return (
         device == "cuda"
         and options.sustained_s > 0
-        and (
-            all(t >= timing.STEADY_US for t in us)
-            or (flops > 0 and all(flops / t >= heavy_from for t in us))
-        )
+        and all(us >= timing.STEADY_US for us in trial_us)
     )
 
 
@@ -554,7 +528,7 @@ class _Trial:
         gpu_ok, gpu_win = True, False
         note = f"; disturbed twice: {why}" if disturbed else ""
         if self.sustained(base, challenger, options):
-            note += f"; rounds of {options.sustained_s:g} s stretches (GPU-bound or heavy calls)"
+            note += f"; rounds of {options.sustained_s:g} s stretches (GPU-bound calls)"
         if gpu is not None:
             base_gpu, chal_gpu = gpu
             if chal_gpu is None:
@@ -631,9 +605,7 @@ class _Trial:
 
     def sustained(self, base: Measurement, challenger: Measurement, options: TuneOptions) -> bool:
         """Whether their duel times stretches of calls back to back (``sustained_duel``)."""
-        trial_us = (base.median_us, challenger.median_us)
-        heavy_from = heavy_rate(self.device) if options.sustained_s > 0 else math.inf
-        return sustained_duel(self.device, trial_us, options, self.key.flops, heavy_from)
+        return sustained_duel(self.device, (base.median_us, challenger.median_us), options)
 
     def gpu_times(
         self, runners: dict[str, Runner], base: Measurement, challenger: Measurement
