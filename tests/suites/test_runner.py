@@ -135,3 +135,35 @@ def test_in_turn_rounds_times_sustained_stretches_when_asked():
     short = runner.in_turn_rounds(timed, "cpu", graph=False, rounds=1, budget_s=0.001)
     held = runner.in_turn_rounds(timed, "cpu", graph=False, rounds=1, sustained_s=0.05)
     assert short["a"][0].reps < timing.SUSTAINED_BATCH <= held["a"][0].reps
+
+
+def rounds_of(**us: list[float]) -> runner.Rounds:
+    """Rounds as ``in_turn_rounds`` returns them, one timing of each median a round."""
+    return {name: [timing.Timing(t, t, t, 10, t) for t in ts] for name, ts in us.items()}
+
+
+def test_rounds_spread_is_the_widest_of_any_runner():
+    """(max - min) / median of each runner's round times; the widest decides."""
+    rounds = rounds_of(steady=[10.0, 10.2, 9.9, 10.1], shaken=[50.8, 143.5, 112.6, 79.9])
+    assert runner.rounds_spread(rounds) == pytest.approx((143.5 - 50.8) / 96.25)
+    assert runner.rounds_spread(rounds_of(one=[12.0])) == 0.0
+    assert runner.rounds_spread({}) == 0.0
+
+
+def test_disturbed_rounds_are_taken_again_and_the_steadier_take_judged():
+    """A take whose rounds spread past the limit (something ran beside some of them) is taken
+    again; the steadier of the two is returned, with the first for the record. A steady first
+    take is not taken again."""
+    takes = iter([rounds_of(a=[53.2, 87.7, 61.0, 49.6], b=[50.8, 143.5, 112.6, 79.9]),
+                  rounds_of(a=[49.9, 50.1, 49.8, 50.0], b=[48.6, 48.9, 48.5, 48.7])])  # fmt: skip
+    judged, first = runner.steadier_rounds(lambda: next(takes), limit=0.5)
+    assert [t.median_us for t in judged["b"]] == [48.6, 48.9, 48.5, 48.7]
+    assert first is not None and [t.median_us for t in first["b"]][1] == 143.5
+
+    worse = iter([rounds_of(a=[10.0, 20.0]), rounds_of(a=[10.0, 30.0])])
+    judged, first = runner.steadier_rounds(lambda: next(worse), limit=0.5)
+    assert [t.median_us for t in judged["a"]] == [10.0, 20.0] and first is not None
+
+    steady = iter([rounds_of(a=[10.0, 10.5])])  # a second take would raise StopIteration
+    judged, first = runner.steadier_rounds(lambda: next(steady), limit=0.5)
+    assert first is None and len(judged["a"]) == 2

@@ -56,16 +56,18 @@ from tuner.offline.plots import geomean, pyplot
 from tuner.suites import catalog
 from tuner.suites.gemm import MODELS_DIR, OPS, Recorder
 from tuner.suites.runner import (
+    Rounds,
     Timed,
     built,
     console,
     in_turn_rounds,
     run_suite,
     side_by_side,
+    steadier_rounds,
     tuned_times,
 )
 from tuner.tuning import compile_pool
-from tuner.tuning.engine import TuneOptions, current_device, sustained_duel
+from tuner.tuning.engine import DISTURBED_SPREAD, TuneOptions, current_device, sustained_duel
 
 MODELS = ("llama-3-8b.yaml", "qwen2.5-7b.yaml")
 M_SIZES = catalog.LOWBIT_M_SIZES
@@ -343,7 +345,9 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, stretch_s: fl
     ``EAGER_WARMUP_ROUNDS`` untimed ones; each round takes the runners in turn (``eager_*``).
     Each round's time is kept beside the median (``*_rounds_us``), and for eager rows the host
     time a call (``*_host_us``), so that a slow reading shows whether it was one round or all and
-    whether the host was slow with it. ``stretch_s`` (``sustained_s``): eager runners timed over
+    whether the host was slow with it. Rounds of a runner spread past ``DISTURBED_SPREAD`` (a
+    disturbance beside some of them) are all taken again once, the steadier take judged and the
+    other kept (``*_disturbed_rounds_us``). ``stretch_s`` (``sustained_s``): eager runners timed over
     sustained stretches of that many seconds (``eager_sustained_s``)."""
     graph = row["timing"] == "graph"
     mode = "graph" if graph else "eager"
@@ -364,11 +368,18 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, stretch_s: fl
     def failed(name: str, e: Exception) -> None:  # a capture failing is a finding: a miss
         row[f"{mode}_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
 
-    rounds = in_turn_rounds(
-        timed, "cuda", graph=graph, rounds=GRAPH_ROUNDS if graph else SIDE_BY_SIDE_ROUNDS,
-        budget_s=SIDE_BY_SIDE_BUDGET_S, warmup_rounds=0 if graph else EAGER_WARMUP_ROUNDS,
-        sustained_s=0.0 if graph else stretch_s, on_error=failed,
-    )  # fmt: skip
+    def take() -> Rounds:
+        return in_turn_rounds(
+            timed, "cuda", graph=graph, rounds=GRAPH_ROUNDS if graph else SIDE_BY_SIDE_ROUNDS,
+            budget_s=SIDE_BY_SIDE_BUDGET_S, warmup_rounds=0 if graph else EAGER_WARMUP_ROUNDS,
+            sustained_s=0.0 if graph else stretch_s, on_error=failed,
+        )  # fmt: skip
+
+    rounds, disturbed = steadier_rounds(take, DISTURBED_SPREAD)
+    if disturbed is not None:  # the take set aside, for whoever wonders why the row was retaken
+        row[f"{mode}_disturbed_rounds_us"] = {
+            name: [round(t.median_us, 2) for t in ts] for name, ts in disturbed.items()
+        }
     if not graph:
         row["eager_sustained_s"] = stretch_s
     for name, timings in rounds.items():

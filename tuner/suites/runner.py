@@ -60,6 +60,7 @@ class Row:
 
 
 Timed = tuple[Callable[..., Any], Sequence[tuple[Any, ...]]]  # a runner and its input sets
+Rounds = dict[str, list[timing.Timing]]  # each runner's timings, a round each
 
 
 def in_turn_rounds(
@@ -72,7 +73,7 @@ def in_turn_rounds(
     warmup_rounds: int = 0,
     sustained_s: float = 0.0,
     on_error: Callable[[str, Exception], None] | None = None,
-) -> dict[str, list[timing.Timing]]:
+) -> Rounds:
     """Each runner's timings over ``rounds`` rounds that time the runners in turn, each on its
     own input sets, so that all are measured under the same load: GPU times inside CUDA graphs
     (``graph``), else eager times, in ``timing.round_order``. ``warmup_rounds`` rounds like them
@@ -82,7 +83,7 @@ def in_turn_rounds(
     (``timing.sustained_time``), for GPU-bound calls compared at the GPU's power limit as the
     engine's duels compare them. ``on_error(name, e)``: a runner that raises is dropped and
     reported there; without it the error propagates."""
-    times: dict[str, list[timing.Timing]] = {name: [] for name in runners}
+    times: Rounds = {name: [] for name in runners}
     for round_ in range(-warmup_rounds, rounds):
         for name in timing.round_order(list(times), round_):
             runner, sets = runners[name]
@@ -102,6 +103,28 @@ def in_turn_rounds(
             if round_ >= 0:
                 times[name].append(t)
     return times
+
+
+def rounds_spread(rounds: Rounds) -> float:
+    """The widest spread of any runner's round times, (max - min) / median: rounds that took one
+    runner in turn under the same load read alike unless something ran beside some of them."""
+    spreads = [
+        (max(us) - min(us)) / statistics.median(us)
+        for us in ([t.median_us for t in ts] for ts in rounds.values())
+        if us and statistics.median(us) > 0
+    ]
+    return max(spreads, default=0.0)
+
+
+def steadier_rounds(take: Callable[[], Rounds], limit: float) -> tuple[Rounds, Rounds | None]:
+    """``take()``'s rounds, or where a runner's rounds spread past ``limit`` (``rounds_spread``:
+    a disturbance beside some rounds, whose median it may move), a second take's if they spread
+    less; and the first take where a second was made (None otherwise), to be reported beside."""
+    first = take()
+    if rounds_spread(first) <= limit:
+        return first, None
+    again = take()
+    return (again if rounds_spread(again) < rounds_spread(first) else first), first
 
 
 def in_turn(runners: dict[str, Timed], device: str, **options: Any) -> dict[str, float]:
