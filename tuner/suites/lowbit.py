@@ -375,11 +375,12 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, stretch_s: fl
             sustained_s=0.0 if graph else stretch_s, on_error=failed,
         )  # fmt: skip
 
+    def medians(timings: list[timing.Timing]) -> list[float]:
+        return [round(t.median_us, 2) for t in timings]
+
     rounds, disturbed = steadier_rounds(take, DISTURBED_SPREAD)
     if disturbed is not None:  # the take set aside, for whoever wonders why the row was retaken
-        row[f"{mode}_disturbed_rounds_us"] = {
-            name: [round(t.median_us, 2) for t in ts] for name, ts in disturbed.items()
-        }
+        row[f"{mode}_disturbed_rounds_us"] = {name: medians(ts) for name, ts in disturbed.items()}
     if not graph:
         row["eager_sustained_s"] = stretch_s
     for name, timings in rounds.items():
@@ -387,7 +388,7 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, stretch_s: fl
         us = statistics.median(t.median_us for t in timings)
         row[f"{mode}_{name}_us"] = us
         row[f"{mode}_{name}_pct_copy"] = 100 * moved / us / 1e3 / copy_gbs
-        row[f"{mode}_{name}_rounds_us"] = [round(t.median_us, 2) for t in timings]
+        row[f"{mode}_{name}_rounds_us"] = medians(timings)
         if not graph:  # an eager call's host time: a slow round with a slow host is host-bound
             row[f"{mode}_{name}_host_us"] = [round(t.host_us, 2) for t in timings]
     for name, same in (("winner", "baseline"), ("bf16_served", "bf16")):
