@@ -139,14 +139,26 @@ def test_tuning_a_format_is_judged_against_its_bf16_twins_median() -> None:
     assert summary["fp8-tensorwise"]["targets"][lowbit.TUNING_TARGET] == "0/1"  # unmeasured
 
 
-def test_gpu_bound_rows_are_retimed_over_sustained_stretches() -> None:
-    """A row whose tuned calls are GPU-bound is judged at the power limit's clock, as the
-    engine's duel judged it; a shorter call, or stretches turned off, over a short budget."""
+def test_gpu_bound_and_heavy_rows_are_retimed_over_sustained_stretches() -> None:
+    """A row whose tuned calls are GPU-bound and long, or whose runners hold the GPU at its power
+    limit by their graph times, is judged at the power limit's clock, as the engine's duel judged
+    it; a host-bound row of fast kernels, a light one, or stretches turned off, over a short
+    budget."""
     options = TuneOptions()
-    assert lowbit.sustained_s({"baseline_us": 180.0, "winner_us": 171.0}, options) == 0.15
-    assert lowbit.sustained_s({"baseline_us": 180.0, "winner_us": 40.0}, options) == 0.0
+    down = {"m": 256, "n": 4096, "k": 14336}  # 30.1 GFLOP
+    qkv = {"m": 256, "n": 6144, "k": 4096}  # 12.9 GFLOP
+    assert lowbit.sustained_s({**down, "baseline_us": 180.0, "winner_us": 171.0}, options) == 0.15
+    assert lowbit.sustained_s({**down, "baseline_us": 180.0, "winner_us": 40.0}, options) == 0.0
+    heavy_from = 5e8  # FLOPs per us
+    row = {**down, "baseline_us": 34.5, "winner_us": 32.8, "bf16_us": 62.1}
+    gpu_us = {"baseline": 31.7, "winner": 30.8, "bf16": 59.2}
+    assert lowbit.sustained_s(row, options, gpu_us, heavy_from) == 0.15
+    assert lowbit.sustained_s(row, options) == 0.0  # no graph times: no power reading
+    host_bound = {**qkv, "baseline_us": 22.0, "winner_us": 19.5}
+    gpu_us = {"baseline": 13.7, "winner": 13.8}
+    assert lowbit.sustained_s(host_bound, options, gpu_us, heavy_from) == 0.0
     off = TuneOptions(sustained_s=0)
-    assert lowbit.sustained_s({"baseline_us": 180.0, "winner_us": 171.0}, off) == 0.0
+    assert lowbit.sustained_s({**down, "baseline_us": 180.0, "winner_us": 171.0}, off) == 0.0
 
 
 def test_decode_rows_on_a_gpu_are_tuned_for_graph_replay() -> None:

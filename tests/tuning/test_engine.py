@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import pytest
@@ -18,6 +19,7 @@ from tuner.tuning.engine import (
     PHASES,
     TuneOptions,
     TuneOutcome,
+    at_power_limit,
     choose,
     contenders,
     cut_off,
@@ -27,7 +29,9 @@ from tuner.tuning.engine import (
     gap_unexplained,
     gpu_only_win,
     graph_reading_off,
+    heavy_rate,
     host_hides_gpu,
+    may_hold_power_limit,
     runner_up,
     steadier,
     sustained_duel,
@@ -366,6 +370,29 @@ def test_a_duel_of_gpu_bound_calls_is_timed_over_sustained_stretches():
     assert not sustained_duel("cuda", (heavy, light), options)
     assert not sustained_duel("cpu", (heavy, also_heavy), options)
     assert not sustained_duel("cuda", (heavy, also_heavy), TuneOptions(sustained_s=0))
+
+
+def test_heavy_gpu_bound_calls_hold_the_power_limit_however_short():
+    """A call under ``timing.STEADY_US`` that multiplies near the tensor cores' peak (an FP8
+    GEMM of 30 GFLOP in 31 us on the GPU) holds the GPU at its power limit when run back to back,
+    as a model's prefill runs it, and its duel is timed there. A call whose launch outlasts its
+    kernel does not, however fast its kernel multiplies: back to back, its GPU idles between
+    calls (an FP8 GEMM of 12.9 GFLOP: 13.8 us on the GPU, 19.5 us eagerly)."""
+    heavy_from = 5e8  # FLOPs per us (0.5 PFLOP/s)
+    down, qkv = 30.1e9, 12.9e9
+    assert at_power_limit(down, (35.4, 33.0), (31.7, 30.8), heavy_from)
+    assert at_power_limit(down, (35.4, 62.1), (31.7, 59.2), heavy_from)  # one of them heavy
+    assert not at_power_limit(qkv, (22.0, 19.5), (13.7, 13.8), heavy_from)  # host-bound
+    assert not at_power_limit(down, (90.0, 95.0), (88.0, 93.0), heavy_from)  # light
+    # an eager rate this low cannot belong to a heavy GPU-bound call: no graph times needed
+    assert may_hold_power_limit(down, (35.4, 33.0), heavy_from)
+    assert not may_hold_power_limit(down, (90.0, 95.0), heavy_from)
+    options = TuneOptions()
+    assert sustained_duel("cuda", (35.4, 33.0), options, heavy=True)
+    assert not sustained_duel("cuda", (35.4, 33.0), options)
+    assert not sustained_duel("cpu", (35.4, 33.0), options, heavy=True)
+    assert not sustained_duel("cuda", (35.4, 33.0), TuneOptions(sustained_s=0), heavy=True)
+    assert heavy_rate("cpu") == math.inf
 
 
 def test_the_runner_up_duels_where_the_winners_confirmation_reads_it_slower():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from tuner.core.keys import GemmKey
 from tuner.measure import timing
 from tuner.serving.dispatcher import Dispatcher
 from tuner.serving.warmup import warmup
-from tuner.tuning.engine import TuneOptions, tune
+from tuner.tuning.engine import TuneOptions, at_power_limit, heavy_rate, tune
 
 pytestmark = pytest.mark.gpu
 
@@ -119,4 +120,35 @@ def test_duels_of_compute_bound_gemms_are_timed_over_sustained_stretches():
     outcome = tune(key, options=TuneOptions(budget_s=0.02, sources=["cublaslt"], max_candidates=4))
     dueled = [x for x in outcome.measurements if "confirmation" in (x.error or "")]
     assert dueled, [(x.candidate, x.status, x.median_us, x.error) for x in outcome.measurements]
-    assert all("s stretches (GPU-bound calls)" in x.error for x in dueled)
+    assert all("s stretches (GPU-bound or heavy calls)" in x.error for x in dueled)
+
+
+def test_a_large_gemm_holds_the_power_limit_and_decode_or_host_bound_ones_do_not():
+    """``heavy_rate`` is a share of this GPU's own bf16 matmul peak. A 2048 x 4096 x 4096 bf16
+    GEMM (under ``timing.STEADY_US`` on a Hopper GPU) is GPU-bound and multiplies past it; a
+    decode GEMM of 16 rows, bound by reading its weight, stays far under it; and a small GEMM
+    behind a slow launch is host-bound, its GPU idle between calls."""
+    rate = heavy_rate("cuda")
+    assert 0 < rate < math.inf
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def readings(fn) -> tuple[float, float]:  # eager and GPU time, us a call
+        eager = timing.measure(fn, device="cuda", budget_s=0.05)
+        return max(eager.median_us, eager.host_us), timing.graph_time(fn).median_us
+
+    for m, held in ((2048, True), (16, False)):
+        a = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        eager_us, gpu_us = readings(lambda i, a=a: a @ b)
+        flops = 2.0 * m * 4096 * 4096
+        assert at_power_limit(flops, [eager_us], [gpu_us], rate) == held, (m, eager_us, gpu_us)
+    small = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def slow_launch(i: int) -> torch.Tensor:
+        time.sleep(100e-6)  # host work before the launch, as a heavy Python wrapper's
+        return small @ w
+
+    eager_us, gpu_us = readings(slow_launch)
+    assert gpu_us < eager_us * 0.5, (eager_us, gpu_us)
+    any_rate = 0.0  # every call counts as heavy here: only its launch decides
+    assert not at_power_limit(2.0 * 256 * 1024 * 1024, [eager_us], [gpu_us], any_rate)

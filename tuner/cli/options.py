@@ -59,8 +59,9 @@ SustainedOpt = Annotated[
         "--sustained",
         min=0,
         help="Seconds of each round's stretch of calls back to back in a duel of GPU-bound calls "
-        "(100 us or more): compute-bound kernels compared at the GPU's power limit (0: short "
-        "rounds, as for other calls).",
+        "(100 us or more) or heavy ones (kernels outlasting their launches, one multiplying at 75% "
+        "of the GPU's bf16 matmul peak or more): compute-bound kernels compared at the GPU's power "
+        "limit (0: short rounds, as for other calls).",
     ),
 ]
 OpOpt = Annotated[str | None, typer.Option("--op", help="Only 'gemm' or only 'sdpa' problems.")]

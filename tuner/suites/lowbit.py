@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,15 @@ from tuner.suites.runner import (
     tuned_times,
 )
 from tuner.tuning import compile_pool
-from tuner.tuning.engine import DISTURBED_SPREAD, TuneOptions, current_device, sustained_duel
+from tuner.tuning.engine import (
+    DISTURBED_SPREAD,
+    TuneOptions,
+    at_power_limit,
+    current_device,
+    heavy_rate,
+    may_hold_power_limit,
+    sustained_duel,
+)
 
 MODELS = ("llama-3-8b.yaml", "qwen2.5-7b.yaml")
 M_SIZES = catalog.LOWBIT_M_SIZES
@@ -327,15 +336,45 @@ EAGER_WARMUP_ROUNDS = 1  # eager rows: untimed rounds of every runner in turn be
 GRAPH_ROUNDS = 3  # decode rows: rounds of CUDA-graph times; the median outlasts one disturbed
 
 
-def sustained_s(row: Row, options: TuneOptions) -> float:
+def sustained_s(
+    row: Row,
+    options: TuneOptions,
+    gpu_us: Mapping[str, float] | None = None,
+    heavy_from: float = math.inf,
+) -> float:
     """Seconds of each sustained stretch the row's eager runners are retimed over, or 0: rows
-    whose calls are GPU-bound (by their tuned times) are judged at the GPU's power limit, as the
-    engine's duels judged them (``engine.sustained_duel``)."""
+    judged at the GPU's power limit, as the engine's duels judged them (``engine.sustained_duel``).
+    Those are rows whose tuned calls are GPU-bound and long, and rows whose runners, by their
+    graph times ``gpu_us`` (runner -> us a call) beside their tuned times, hold the GPU at its
+    power limit (``engine.at_power_limit``; ``heavy_from``: ``engine.heavy_rate``)."""
     tuned = (row["baseline_us"], row["winner_us"])
-    return options.sustained_s if sustained_duel("cuda", tuned, options) else 0.0
+    flops = 2.0 * row["m"] * row["n"] * row["k"]
+    gpu_us = gpu_us or {}
+    eager_us = [row[f"{name}_us"] for name in gpu_us]
+    heavy = bool(gpu_us) and at_power_limit(flops, eager_us, list(gpu_us.values()), heavy_from)
+    return options.sustained_s if sustained_duel("cuda", tuned, options, heavy) else 0.0
 
 
-def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, stretch_s: float = 0.0) -> None:
+def power_readings(row: Row, timed: Mapping[str, Timed], options: TuneOptions) -> dict[str, float]:
+    """The row's runners' graph times (us a call) where their tuned times allow calls that hold
+    the GPU at its power limit (``engine.may_hold_power_limit``), kept in the row
+    (``eager_gpu_us``); none elsewhere, or where a runner cannot be captured."""
+    flops = 2.0 * row["m"] * row["n"] * row["k"]
+    tuned = [row[f"{name}_us"] for name in timed]
+    if options.sustained_s <= 0 or not may_hold_power_limit(flops, tuned, heavy_rate("cuda")):
+        return {}
+    gpu: dict[str, float] = {}
+    for name, (runner, sets) in timed.items():
+        try:
+            gpu[name] = timing.graph_time(timing.on_sets(runner, sets)).median_us
+        except Exception:  # judged on its eager times, as before the check
+            torch.cuda.synchronize()
+            return {}
+    row["eager_gpu_us"] = {name: round(us, 2) for name, us in gpu.items()}
+    return gpu
+
+
+def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, options: TuneOptions) -> None:
     """The row's runners timed again once every row is tuned and the compile pool is closed:
     torch's op, the winner, bf16 cuBLAS and the bf16 winner, side by side under the same load
     (a host-bound eager call is slowed by compiles running beside it, and the low-bit rows are
@@ -347,8 +386,8 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, stretch_s: fl
     time a call (``*_host_us``), so that a slow reading shows whether it was one round or all and
     whether the host was slow with it. Rounds of a runner spread past ``DISTURBED_SPREAD`` (a
     disturbance beside some of them) are all taken again once, the steadier take judged and the
-    other kept (``*_disturbed_rounds_us``). ``stretch_s`` (``sustained_s``): eager runners timed over
-    sustained stretches of that many seconds (``eager_sustained_s``)."""
+    other kept (``*_disturbed_rounds_us``). Eager rows judged at the power limit (``sustained_s``,
+    ``power_readings``) are timed over sustained stretches (``eager_sustained_s``)."""
     graph = row["timing"] == "graph"
     mode = "graph" if graph else "eager"
     sets = samples.input_sets(key, "cuda", seed=1)
@@ -364,6 +403,11 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, stretch_s: fl
             timed["bf16_served"] = (served, bf16_sets)
     if graph:
         timed["read"] = stream_read(row["bytes"], "cuda")
+        stretch_s = 0.0
+    else:
+        stretch_s = sustained_s(
+            row, options, power_readings(row, timed, options), heavy_rate("cuda")
+        )
 
     def failed(name: str, e: Exception) -> None:  # a capture failing is a finding: a miss
         row[f"{mode}_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -417,7 +461,7 @@ def annotate(row: Row, bf16: Row, copy_gbs: float, device: str, options: TuneOpt
             row[f"{name}_pct_copy"] = 100 * row[moved] / row[f"{name}_us"] / 1e3 / copy_gbs
     row["timing"] = "graph" if graph_judged(key, device) else "eager"
     if device == "cuda":
-        retime(row, key, twin, copy_gbs, sustained_s(row, options))
+        retime(row, key, twin, copy_gbs, options)
     judge(row)
 
 

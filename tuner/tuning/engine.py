@@ -17,7 +17,7 @@ import math
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -199,15 +199,56 @@ def graph_reading_off(trial_us: tuple[float, float], gpu_us: tuple[float, float]
     )
 
 
-def sustained_duel(device: str, trial_us: Iterable[float], options: TuneOptions) -> bool:
+# A call multiplying at this share of the device's measured bf16 matmul peak or more is heavy:
+# run back to back, as a model's layers run at prefill, such calls hold the GPU at its power
+# limit, however short each one is.
+HEAVY_SHARE = 0.75
+# A call whose GPU time is this share of its eager time or more is GPU-bound: back to back, its
+# kernels follow each other with no idle GPU between them. A host-bound call's GPU waits for
+# the next launch, and stretches of such calls would time launches, not kernels at the limit.
+GPU_BOUND_SHARE = 0.85
+
+
+def heavy_rate(device: str) -> float:
+    """FLOPs per us from which a call on ``device`` is heavy (``HEAVY_SHARE`` of its measured
+    bf16 matmul peak); infinite off the GPU."""
+    if device != "cuda":
+        return math.inf
+    return HEAVY_SHARE * pruning.measured_roof(device, "bf16", "f32").peak * 1e-6
+
+
+def may_hold_power_limit(flops: float, eager_us: Iterable[float], heavy_from: float) -> bool:
+    """Whether calls of ``flops`` with these eager times could pass ``at_power_limit``: a
+    GPU-bound call's GPU time is at least ``GPU_BOUND_SHARE`` of its eager time, so one that is
+    heavy multiplies at ``GPU_BOUND_SHARE * heavy_from`` or more by its eager time. Cheap: it
+    spares the graph times that ``at_power_limit`` needs where no call could be heavy."""
+    return any(us > 0 and flops / us >= GPU_BOUND_SHARE * heavy_from for us in eager_us)
+
+
+def at_power_limit(
+    flops: float, eager_us: Sequence[float], gpu_us: Sequence[float], heavy_from: float
+) -> bool:
+    """Whether calls of ``flops`` with these eager and GPU (graph) times, run back to back, hold
+    the GPU at its power limit: every one GPU-bound (``GPU_BOUND_SHARE``) and one of them heavy
+    (``heavy_from`` FLOPs per us of GPU time or more: ``heavy_rate``). An eager time alone cannot
+    say this: a host-bound call's eager time is its launch's, and its rate by that time can read
+    heavy while its GPU idles between calls."""
+    bound = all(g >= GPU_BOUND_SHARE * e for e, g in zip(eager_us, gpu_us, strict=True))
+    return bound and any(g > 0 and flops / g >= heavy_from for g in gpu_us)
+
+
+def sustained_duel(
+    device: str, trial_us: Iterable[float], options: TuneOptions, heavy: bool = False
+) -> bool:
     """Whether runners with these trial times (us a call) are compared over sustained stretches
-    (``timing.sustained_time``): on the GPU, where every one is GPU-bound (``timing.STEADY_US``
-    or more). Such calls draw the GPU to its power limit in use, and a kernel faster at the full
-    clock of a short timing need not be faster there."""
+    (``timing.sustained_time``): on the GPU, where every one is GPU-bound and long
+    (``timing.STEADY_US`` or more) or the calls are heavy (``heavy``: ``at_power_limit``). Such
+    calls draw the GPU to its power limit in use, and a kernel faster at the full clock of a
+    short timing need not be faster there."""
     return (
         device == "cuda"
         and options.sustained_s > 0
-        and all(us >= timing.STEADY_US for us in trial_us)
+        and (heavy or all(us >= timing.STEADY_US for us in trial_us))
     )
 
 
@@ -341,7 +382,9 @@ def _confirmed(
         if chosen is base:
             continue
         # a sustained duel reads both runners slower than their trials: compared in its terms
-        scale = trial_base_us / base_us if trial.sustained(base, chosen, options) else 1.0
+        scale = (
+            trial_base_us / base_us if trial.stretched[base.candidate, chosen.candidate] else 1.0
+        )
         rival = runner_up(order[i + 1 :], chosen_us * scale, options)
         if rival is not None:
             other, other_base_us, other_us = trial.confirm(base, rival, options)
@@ -376,6 +419,7 @@ class _Trial:
             record,
         )
         self.runners: dict[str, Runner] = {}  # candidates that passed the numerics check
+        self.stretched: dict[tuple[str, str], bool] = {}  # (baseline, challenger): sustained
 
     @classmethod
     def for_key(
@@ -492,7 +536,8 @@ class _Trial:
         }
         trial_us = (effective_us(base, options.launch), effective_us(challenger, options.launch))
         margin = max(noise(base, options.min_noise), noise(challenger, options.min_noise))
-        readings = self.rounds(runners, base, challenger, options)
+        sustained = self.sustained(runners, base, challenger, options)
+        readings = self.rounds(runners, base, challenger, options, sustained)
 
         def graph_times() -> tuple[GraphPair, tuple[float, float] | None]:
             """Both runners' graph timings, and their medians where both were captured."""
@@ -519,7 +564,7 @@ class _Trial:
 
         why = off(readings) if options.launch == "eager" else ""
         if why:  # taken again once; a duel disturbed twice keeps the baseline
-            readings = self.rounds(runners, base, challenger, options)
+            readings = self.rounds(runners, base, challenger, options, sustained)
             why = off(readings)
         if graph and gpu_us and graph_reading_off(trial_us, gpu_us):
             why = "graph times far off the trials' graph times"
@@ -527,8 +572,8 @@ class _Trial:
         base_us, chal_us, base_host, chal_host = readings
         gpu_ok, gpu_win = True, False
         note = f"; disturbed twice: {why}" if disturbed else ""
-        if self.sustained(base, challenger, options):
-            note += f"; rounds of {options.sustained_s:g} s stretches (GPU-bound calls)"
+        if sustained:
+            note += f"; rounds of {options.sustained_s:g} s stretches (GPU-bound or heavy calls)"
         if gpu is not None:
             base_gpu, chal_gpu = gpu
             if chal_gpu is None:
@@ -573,14 +618,15 @@ class _Trial:
         base: Measurement,
         challenger: Measurement,
         options: TuneOptions,
+        sustained: bool,
     ) -> tuple[float, float, float, float]:
         """The duel's rounds, each runner in ``timing.round_order``: the median over the rounds
         of each one's time (eager: its host time where that is longer) and host time per call,
-        as (baseline, challenger, baseline host, challenger host)."""
+        as (baseline, challenger, baseline host, challenger host); ``sustained``: over
+        stretches of calls back to back."""
         times: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         hosts: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         eager = options.launch == "eager"
-        sustained = self.sustained(base, challenger, options)
 
         def timed(m: Measurement) -> timing.Timing:
             return timing.eager_time(
@@ -603,9 +649,30 @@ class _Trial:
             statistics.median(hosts[challenger.candidate]),
         )
 
-    def sustained(self, base: Measurement, challenger: Measurement, options: TuneOptions) -> bool:
-        """Whether their duel times stretches of calls back to back (``sustained_duel``)."""
-        return sustained_duel(self.device, (base.median_us, challenger.median_us), options)
+    def sustained(
+        self,
+        runners: dict[str, Runner],
+        base: Measurement,
+        challenger: Measurement,
+        options: TuneOptions,
+    ) -> bool:
+        """Whether their duel times stretches of calls back to back (``sustained_duel``), decided
+        once a pair: where the trial times allow heavy calls (``may_hold_power_limit``), their
+        graph times say whether they are (``at_power_limit``)."""
+        pair = (base.candidate, challenger.candidate)
+        if pair not in self.stretched:
+            heavy = False
+            if self.device == "cuda" and options.sustained_s > 0:
+                eager_us = tuple(effective_us(m, options.launch) for m in (base, challenger))
+                heavy_from = heavy_rate(self.device)
+                if may_hold_power_limit(self.key.flops, eager_us, heavy_from):
+                    gpu = self.gpu_times(runners, base, challenger)
+                    if gpu and gpu[0] and gpu[1]:
+                        gpu_us = (gpu[0].median_us, gpu[1].median_us)
+                        heavy = at_power_limit(self.key.flops, eager_us, gpu_us, heavy_from)
+            trial_us = (base.median_us, challenger.median_us)
+            self.stretched[pair] = sustained_duel(self.device, trial_us, options, heavy)
+        return self.stretched[pair]
 
     def gpu_times(
         self, runners: dict[str, Runner], base: Measurement, challenger: Measurement
