@@ -16,6 +16,7 @@ from tuner.cache import Store
 from tuner.cli.main import app
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, lowbit_fields
+from tuner.measure.timing import Timing
 from tuner.suites import lowbit
 from tuner.tuning.engine import TuneOptions
 
@@ -139,26 +140,54 @@ def test_tuning_a_format_is_judged_against_its_bf16_twins_median() -> None:
     assert summary["fp8-tensorwise"]["targets"][lowbit.TUNING_TARGET] == "0/1"  # unmeasured
 
 
-def test_gpu_bound_and_heavy_rows_are_retimed_over_sustained_stretches() -> None:
-    """A row whose tuned calls are GPU-bound and long, or whose runners hold the GPU at its power
-    limit by their graph times, is judged at the power limit's clock, as the engine's duel judged
-    it; a host-bound row of fast kernels, a light one, or stretches turned off, over a short
-    budget."""
+def test_rows_are_retimed_over_sustained_stretches_as_the_engine_duelled_them() -> None:
+    """A row is timed at the power limit's clock where a pair the tuning duelled (torch's op and
+    the winner, or bf16 cuBLAS and the bf16 winner) is GPU-bound and long, or holds the GPU at
+    its power limit by its graph times, judged from short full-clock timings as the engine's
+    trials are; a host-bound pair of fast kernels, a light one, or stretches turned off, over a
+    short budget. Graph times are read only where the eager times allow a heavy call."""
     options = TuneOptions()
-    down = {"m": 256, "n": 4096, "k": 14336}  # 30.1 GFLOP
-    qkv = {"m": 256, "n": 6144, "k": 4096}  # 12.9 GFLOP
-    assert lowbit.sustained_s({**down, "baseline_us": 180.0, "winner_us": 171.0}, options) == 0.15
-    assert lowbit.sustained_s({**down, "baseline_us": 180.0, "winner_us": 40.0}, options) == 0.0
     heavy_from = 5e8  # FLOPs per us
-    row = {**down, "baseline_us": 34.5, "winner_us": 32.8, "bf16_us": 62.1}
-    gpu_us = {"baseline": 31.7, "winner": 30.8, "bf16": 59.2}
-    assert lowbit.sustained_s(row, options, gpu_us, heavy_from) == 0.15
-    assert lowbit.sustained_s(row, options) == 0.0  # no graph times: no power reading
-    host_bound = {**qkv, "baseline_us": 22.0, "winner_us": 19.5}
-    gpu_us = {"baseline": 13.7, "winner": 13.8}
-    assert lowbit.sustained_s(host_bound, options, gpu_us, heavy_from) == 0.0
-    off = TuneOptions(sustained_s=0)
-    assert lowbit.sustained_s({**down, "baseline_us": 180.0, "winner_us": 171.0}, off) == 0.0
+    down, qkv = 2.0 * 256 * 4096 * 14336, 2.0 * 256 * 6144 * 4096  # 30.1 and 12.9 GFLOP
+    asked: list[list[str]] = []
+
+    def short(**us: tuple[float, float]) -> dict[str, Timing]:  # runner -> (GPU, host) us
+        return {name: Timing(gpu, gpu, gpu, 50, host) for name, (gpu, host) in us.items()}
+
+    def graph(**us: float):
+        def read(names):
+            asked.append(list(names))
+            return [us[name] for name in names]
+
+        return read
+
+    def stretch(flops: float, timings: dict[str, Timing], read, opts=options) -> float:
+        return lowbit.sustained_s(flops, timings, read, opts, heavy_from)
+
+    # long GPU-bound calls: no graph time needed
+    long = short(baseline=(180.0, 20.0), winner=(171.0, 20.0))
+    assert stretch(down, long, graph()) == 0.15 and asked == []
+    # a heavy pair (session 21 call 3's FP8 down projection, M = 256): held at the limit
+    heavy = short(baseline=(35.4, 20.0), winner=(33.0, 20.0), bf16=(62.1, 20.0))
+    assert stretch(down, heavy, graph(baseline=31.7, winner=30.8, bf16=59.2)) == 0.15
+    assert asked.pop() == ["baseline", "winner"]
+    # a host-bound pair (session 21 call 5's qkv M = 256: GPU 13.8 us, host 19.5 us)
+    host_bound = short(baseline=(14.0, 22.0), winner=(13.9, 19.5))
+    assert stretch(qkv, host_bound, graph(baseline=13.7, winner=13.8)) == 0.0
+    # the bf16 pair alone held at the limit times the row so too (a host-bound low-bit winner)
+    asked.clear()
+    bf16_heavy = short(baseline=(2317.0, 30.0), winner=(60.0, 80.0), bf16=(92.6, 25.0),
+                       bf16_served=(93.0, 25.0))  # fmt: skip
+    read = graph(baseline=2300.0, winner=60.0, bf16=90.0, bf16_served=91.0)
+    assert stretch(2.0 * 2048 * 4096 * 4096, bf16_heavy, read) == 0.15
+    assert asked == [["baseline", "winner"], ["bf16", "bf16_served"]]
+    # light calls: no graph time read, no stretch
+    asked.clear()
+    light = short(baseline=(90.0, 20.0), winner=(95.0, 20.0))
+    assert stretch(down, light, graph()) == 0.0 and asked == []
+    # a call that cannot be captured is not heavy
+    assert stretch(down, heavy, lambda names: None) == 0.0
+    assert stretch(down, long, graph(), TuneOptions(sustained_s=0)) == 0.0
 
 
 def test_decode_rows_on_a_gpu_are_tuned_for_graph_replay() -> None:
@@ -233,6 +262,25 @@ def test_eager_rows_are_judged_on_times_taken_side_by_side_after_tuning(tmp_path
     assert row["vs_torch"] == row["eager_baseline_us"] / row["eager_winner_us"]
     assert row["vs_bf16_cublas"] == row["eager_bf16_us"] / row["eager_winner_us"]
     assert "graph_read_us" not in row  # the bare read is a decode row's floor
+    # light calls: read again at full clock for the power check, no graph times, no stretches
+    assert row["eager_check_us"]["baseline"] > 0 and "eager_gpu_us" not in row
+    assert row["eager_sustained_s"] == 0.0
     # the plain columns are the tuning's own times: the pair is not timed twice
     winner = Store(tmp_path / "gemm_lowbit.db").winner(fingerprint("cuda").device_class, row["key"])
     assert (row["baseline_us"], row["winner_us"]) == (winner.baseline_us, winner.median_us)
+
+
+@pytest.mark.gpu
+def test_a_heavy_pair_is_judged_at_the_power_limit_from_readings_taken_at_full_clock() -> None:
+    """``power_check`` times each runner anew (short, at full clock, as the engine's trials) and
+    reads graph times only where those allow a heavy call: a 2048 x 4096 x 4096 bf16 GEMM holds
+    the GPU at its power limit and its row is retimed over stretches; a 64-row one is light."""
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    options = TuneOptions()
+    for m, stretch in ((2048, options.sustained_s), (64, 0.0)):
+        sets = [(torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16),) for _ in range(2)]
+        timed = {"baseline": (lambda a: a @ b, sets), "winner": (lambda a: torch.mm(a, b), sets)}
+        row: dict = {}
+        assert lowbit.power_check(row, 2.0 * m * 4096 * 4096, timed, options) == stretch, row
+        assert set(row["eager_check_us"]) == {"baseline", "winner"}
+        assert ("eager_gpu_us" in row) == (m == 2048), row

@@ -32,6 +32,7 @@ from tuner.tuning.engine import (
     heavy_rate,
     host_hides_gpu,
     may_hold_power_limit,
+    power_limited,
     runner_up,
     steadier,
     sustained_duel,
@@ -393,6 +394,22 @@ def test_heavy_gpu_bound_calls_hold_the_power_limit_however_short():
     assert not sustained_duel("cpu", (35.4, 33.0), options, heavy=True)
     assert not sustained_duel("cuda", (35.4, 33.0), TuneOptions(sustained_s=0), heavy=True)
     assert heavy_rate("cpu") == math.inf
+
+
+def test_graph_times_are_read_only_where_the_eager_times_allow_a_heavy_call():
+    """``power_limited`` spares the graph timings of light calls, and a call that cannot be
+    captured in a graph (no GPU time: None) is judged not heavy."""
+    heavy_from, down = 5e8, 30.1e9
+    read: list[str] = []
+
+    def gpu_times(*us: float):
+        return lambda: read.append("read") or us
+
+    assert power_limited(down, (35.4, 33.0), gpu_times(31.7, 30.8), heavy_from)
+    assert read == ["read"]
+    assert not power_limited(down, (90.0, 95.0), gpu_times(88.0, 93.0), heavy_from)
+    assert read == ["read"]  # light by their eager times: no graph timing
+    assert not power_limited(down, (35.4, 33.0), lambda: None, heavy_from)
 
 
 def test_the_runner_up_duels_where_the_winners_confirmation_reads_it_slower():

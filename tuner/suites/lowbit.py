@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -71,10 +70,9 @@ from tuner.tuning import compile_pool
 from tuner.tuning.engine import (
     DISTURBED_SPREAD,
     TuneOptions,
-    at_power_limit,
     current_device,
     heavy_rate,
-    may_hold_power_limit,
+    power_limited,
     sustained_duel,
 )
 
@@ -336,42 +334,68 @@ EAGER_WARMUP_ROUNDS = 1  # eager rows: untimed rounds of every runner in turn be
 GRAPH_ROUNDS = 3  # decode rows: rounds of CUDA-graph times; the median outlasts one disturbed
 
 
+POWER_CHECK_BUDGET_S = 0.02  # each runner's short, full-clock timing that decides a row's stretch
+DUELS = (("baseline", "winner"), ("bf16", "bf16_served"))  # the pairs the tuning duelled
+
+
 def sustained_s(
-    row: Row,
+    flops: float,
+    short: Mapping[str, timing.Timing],
+    read_gpu: Callable[[Sequence[str]], Sequence[float] | None],
     options: TuneOptions,
-    gpu_us: Mapping[str, float] | None = None,
-    heavy_from: float = math.inf,
+    heavy_from: float,
 ) -> float:
-    """Seconds of each sustained stretch the row's eager runners are retimed over, or 0: rows
-    judged at the GPU's power limit, as the engine's duels judged them (``engine.sustained_duel``).
-    Those are rows whose tuned calls are GPU-bound and long, and rows whose runners, by their
-    graph times ``gpu_us`` (runner -> us a call) beside their tuned times, hold the GPU at its
-    power limit (``engine.at_power_limit``; ``heavy_from``: ``engine.heavy_rate``)."""
-    tuned = (row["baseline_us"], row["winner_us"])
-    flops = 2.0 * row["m"] * row["n"] * row["k"]
-    gpu_us = gpu_us or {}
-    eager_us = [row[f"{name}_us"] for name in gpu_us]
-    heavy = bool(gpu_us) and at_power_limit(flops, eager_us, list(gpu_us.values()), heavy_from)
-    return options.sustained_s if sustained_duel("cuda", tuned, options, heavy) else 0.0
+    """Seconds of each sustained stretch the row's eager runners are retimed over, or 0. Each
+    pair the tuning duelled (``DUELS``) is judged as the engine judged its duel
+    (``engine.sustained_duel``, ``engine.power_limited``): from its runners' short timings
+    ``short`` (runner -> Timing, taken at full clock like the duel's trials) and, where those
+    allow a heavy call, their graph times (``read_gpu(names)``; ``heavy_from``:
+    ``engine.heavy_rate``). One pair judged so times the whole row over stretches."""
+    if options.sustained_s <= 0:
+        return 0.0
+    for pair in DUELS:
+        names = [name for name in pair if name in short]
+        if not names:
+            continue
+        trial_us = [short[name].median_us for name in names]
+        eager_us = [max(short[name].median_us, short[name].host_us) for name in names]
+        heavy = power_limited(flops, eager_us, lambda names=names: read_gpu(names), heavy_from)
+        if sustained_duel("cuda", trial_us, options, heavy):
+            return options.sustained_s
+    return 0.0
 
 
-def power_readings(row: Row, timed: Mapping[str, Timed], options: TuneOptions) -> dict[str, float]:
-    """The row's runners' graph times (us a call) where their tuned times allow calls that hold
-    the GPU at its power limit (``engine.may_hold_power_limit``), kept in the row
-    (``eager_gpu_us``); none elsewhere, or where a runner cannot be captured."""
-    flops = 2.0 * row["m"] * row["n"] * row["k"]
-    tuned = [row[f"{name}_us"] for name in timed]
-    if options.sustained_s <= 0 or not may_hold_power_limit(flops, tuned, heavy_rate("cuda")):
-        return {}
+def power_check(row: Row, flops: float, timed: Mapping[str, Timed], options: TuneOptions) -> float:
+    """The row's stretch (``sustained_s``) from readings taken now, not from its tuned times: a
+    duel timed at the power limit leaves times of that clock, under which a GPU-bound call reads
+    host-bound. The readings stay in the row: each runner's short eager time (``eager_check_us``)
+    and, where read, its graph time (``eager_gpu_us``)."""
+    if options.sustained_s <= 0:
+        return 0.0
+    short = {
+        name: timing.measure_sets(runner, sets, device="cuda", budget_s=POWER_CHECK_BUDGET_S)
+        for name, (runner, sets) in timed.items()
+    }
+    row["eager_check_us"] = {
+        name: round(max(t.median_us, t.host_us), 2) for name, t in short.items()
+    }
     gpu: dict[str, float] = {}
-    for name, (runner, sets) in timed.items():
+
+    def read_gpu(names: Sequence[str]) -> list[float] | None:
         try:
-            gpu[name] = timing.graph_time(timing.on_sets(runner, sets)).median_us
-        except Exception:  # judged on its eager times, as before the check
+            for name in names:
+                if name not in gpu:
+                    runner, sets = timed[name]
+                    gpu[name] = timing.graph_time(timing.on_sets(runner, sets)).median_us
+        except Exception:  # judged on its eager times alone: not heavy
             torch.cuda.synchronize()
-            return {}
-    row["eager_gpu_us"] = {name: round(us, 2) for name, us in gpu.items()}
-    return gpu
+            return None
+        return [gpu[name] for name in names]
+
+    stretch = sustained_s(flops, short, read_gpu, options, heavy_rate("cuda"))
+    if gpu:
+        row["eager_gpu_us"] = {name: round(us, 2) for name, us in gpu.items()}
+    return stretch
 
 
 def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, options: TuneOptions) -> None:
@@ -386,8 +410,8 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, options: Tune
     time a call (``*_host_us``), so that a slow reading shows whether it was one round or all and
     whether the host was slow with it. Rounds of a runner spread past ``DISTURBED_SPREAD`` (a
     disturbance beside some of them) are all taken again once, the steadier take judged and the
-    other kept (``*_disturbed_rounds_us``). Eager rows judged at the power limit (``sustained_s``,
-    ``power_readings``) are timed over sustained stretches (``eager_sustained_s``)."""
+    other kept (``*_disturbed_rounds_us``). Eager rows judged at the power limit (``power_check``)
+    are timed over sustained stretches (``eager_sustained_s``)."""
     graph = row["timing"] == "graph"
     mode = "graph" if graph else "eager"
     sets = samples.input_sets(key, "cuda", seed=1)
@@ -405,9 +429,7 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, options: Tune
         timed["read"] = stream_read(row["bytes"], "cuda")
         stretch_s = 0.0
     else:
-        stretch_s = sustained_s(
-            row, options, power_readings(row, timed, options), heavy_rate("cuda")
-        )
+        stretch_s = power_check(row, key.flops, timed, options)
 
     def failed(name: str, e: Exception) -> None:  # a capture failing is a finding: a miss
         row[f"{mode}_{name}_error"] = f"{type(e).__name__}: {e}"[:300]

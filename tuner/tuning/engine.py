@@ -237,6 +237,22 @@ def at_power_limit(
     return bound and any(g > 0 and flops / g >= heavy_from for g in gpu_us)
 
 
+def power_limited(
+    flops: float,
+    eager_us: Sequence[float],
+    read_gpu: Callable[[], Sequence[float] | None],
+    heavy_from: float,
+) -> bool:
+    """``at_power_limit`` for calls with these eager times, read at full clock (a short timing:
+    a time taken at the power limit is slower, and would make a GPU-bound call read host-bound).
+    Their graph times are read (``read_gpu``: None where a call cannot be captured, which then
+    counts as not heavy) only where ``may_hold_power_limit`` allows a heavy call."""
+    if not may_hold_power_limit(flops, eager_us, heavy_from):
+        return False
+    gpu_us = read_gpu()
+    return gpu_us is not None and at_power_limit(flops, eager_us, gpu_us, heavy_from)
+
+
 def sustained_duel(
     device: str, trial_us: Iterable[float], options: TuneOptions, heavy: bool = False
 ) -> bool:
@@ -661,15 +677,17 @@ class _Trial:
         graph times say whether they are (``at_power_limit``)."""
         pair = (base.candidate, challenger.candidate)
         if pair not in self.stretched:
+
+            def read_gpu() -> tuple[float, float] | None:
+                gpu = self.gpu_times(runners, base, challenger)
+                if gpu and gpu[0] and gpu[1]:
+                    return gpu[0].median_us, gpu[1].median_us
+                return None
+
             heavy = False
             if self.device == "cuda" and options.sustained_s > 0:
                 eager_us = tuple(effective_us(m, options.launch) for m in (base, challenger))
-                heavy_from = heavy_rate(self.device)
-                if may_hold_power_limit(self.key.flops, eager_us, heavy_from):
-                    gpu = self.gpu_times(runners, base, challenger)
-                    if gpu and gpu[0] and gpu[1]:
-                        gpu_us = (gpu[0].median_us, gpu[1].median_us)
-                        heavy = at_power_limit(self.key.flops, eager_us, gpu_us, heavy_from)
+                heavy = power_limited(self.key.flops, eager_us, read_gpu, heavy_rate(self.device))
             trial_us = (base.median_us, challenger.median_us)
             self.stretched[pair] = sustained_duel(self.device, trial_us, options, heavy)
         return self.stretched[pair]
