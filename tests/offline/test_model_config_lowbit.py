@@ -48,3 +48,12 @@ def test_unknown_spec_names_file_field_and_allowed_values() -> None:
     text = str(err.value)
     assert text.startswith("m.yaml: dtypes[1]: ")
     assert text.count("'int4-g100'") == 1 and "fp8-rowwise" in text and "'bf16'" in text
+
+
+def test_a_group_that_does_not_divide_a_projection_names_file_op_and_dtype() -> None:
+    base = load_model(MODELS / "llama-3-8b.yaml").model_dump()
+    with pytest.raises(ConfigError) as err:
+        parse_model({**base, "hidden_size": 4000, "dtypes": ["int4-g128"]}, "m.yaml")
+    text = str(err.value)
+    assert text.startswith("m.yaml: ops: ") and "with dtypes: int4-g128: " in text
+    assert "group=128 must divide k=4000" in text

@@ -133,6 +133,39 @@ def test_bad_input_raises_torchs_error_or_names_the_field(disp: Dispatcher) -> N
     assert recorded(disp) == []  # nothing keyed from bad input
 
 
+def test_operands_that_are_not_tensors_raise_torchs_type_error(disp: Dispatcher) -> None:
+    packed, sz = int4_weight()
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    with pytest.raises(
+        TypeError, match=r"scales_and_zeros: expected a torch\.Tensor, got NoneType"
+    ):
+        tuner.int4_linear(x, packed, None, GROUP)
+    with pytest.raises(TypeError, match=r"packed: expected a torch\.Tensor, got float"):
+        tuner.int4_linear(x, 1.0, sz, GROUP)
+    with pytest.raises(ValueError, match="x: expected an activation"):
+        tuner.int4_linear(torch.tensor(1.0, dtype=torch.bfloat16), packed, sz, GROUP)
+    for group in (128.0, True):
+        with pytest.raises(ValueError, match=rf"group_size={group!r}: must be an int"):
+            tuner.int4_linear(x, packed, sz, group)
+    a, b, _, sb = fp8_operands(4, True)
+    with pytest.raises(TypeError, match=r"scale_a: expected a torch\.Tensor, got NoneType"):
+        tuner.scaled_mm(a, b, None, sb, out_dtype=torch.bfloat16)
+    assert recorded(disp) == []
+
+
+def test_scales_that_are_not_contiguous_are_checked_on_every_signature(disp: Dispatcher) -> None:
+    """A signature holds the scales' strides: once a call of contiguous scales has resolved, a
+    call of the same shapes with a transposed copy is checked again, not served wrongly by the
+    runner of the first (torch's CPU op does not look at strides)."""
+    packed, sz = int4_weight()
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    tuner.int4_linear(x, packed, sz, GROUP)
+    strided = sz.transpose(0, 1).contiguous().transpose(0, 1)  # same shape, other strides
+    assert strided.shape == sz.shape and not strided.is_contiguous()
+    with pytest.raises(ValueError, match="scales_and_zeros: must be contiguous"):
+        tuner.int4_linear(x, packed, strided, GROUP)
+
+
 def test_key_errors_name_the_field() -> None:
     from tuner.serving.lowbit import int4_key, scaled_mm_key
 

@@ -105,6 +105,28 @@ def test_bad_arguments_name_the_field() -> None:
         tt.quantize_linear(mlp(), "int4", group_size=100)
     with pytest.raises(ValueError, match="module: fp8 needs"):
         tt.quantize_linear(nn.Linear(128, 10), "fp8")
+    for group in (128.0, True, "128"):  # a size is an int, shown as given
+        with pytest.raises(ValueError, match=rf"group_size={group!r}: must be an int"):
+            tt.quantize_linear(mlp(), "int4", group_size=group)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_quantized_layers_refuse_what_nn_linear_refuses_and_take_empty_batches(fmt) -> None:
+    """An integer activation would come back truncated, and a wrong K would fail deep inside
+    the op: both are refused naming the field. A batch of no rows (an expert that got no
+    tokens) gives no rows, as ``nn.Linear`` does."""
+    layer = tt.quantize_linear(nn.Linear(256, 64), fmt)
+    with pytest.raises(ValueError, match=r"x\.dtype=torch\.int64: expected a floating-point"):
+        layer(torch.ones(2, 256, dtype=torch.int64))
+    with pytest.raises(
+        ValueError, match=r"x\.shape=\(2, 128\): expected \[\.\.\., in_features=256\]"
+    ):
+        layer(torch.randn(2, 128))
+    with pytest.raises(ValueError, match=r"x\.shape=\(\)"):
+        layer(torch.tensor(1.0))
+    empty = layer(torch.randn(0, 256))
+    assert empty.shape == (0, 64) and empty.dtype == torch.float32
+    assert layer(torch.randn(2, 0, 256)).shape == (2, 0, 64)
 
 
 def test_int4_layers_torch_cannot_pack_here_are_skipped_with_the_reason() -> None:

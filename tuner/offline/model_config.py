@@ -199,7 +199,11 @@ def expand(model: ModelConfig) -> list[Problem]:
     out: dict[Key, Problem] = {}
     for dtype in model.dtypes:
         for op in model.ops:
-            for key, size in _op_keys(model, op, dtype):
+            try:
+                keys = _op_keys(model, op, dtype)
+            except ValueError as e:  # e.g. a group size that does not divide the op's K
+                raise ValueError(f"ops: {op} with dtypes: {dtype}: {e}") from None
+            for key, size in keys:
                 out.setdefault(key, Problem(key, f"{model.name} {op} {size} {dtype}"))
     return list(out.values())
 
@@ -257,12 +261,19 @@ def format_errors(path: Path | str, err: ValidationError) -> str:
 
 
 def parse_model(data: Any, path: Path | str = "<model>") -> ModelConfig:
+    """The model config in ``data``; ``ConfigError`` naming the file and the field unless it is
+    valid and every problem it names can be made (``expand``)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of model fields, got {type(data).__name__}")
     try:
-        return ModelConfig.model_validate(data)
+        model = ModelConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_errors(path, e)) from None
+    try:
+        expand(model)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return model
 
 
 def load_model(path: str | Path) -> ModelConfig:

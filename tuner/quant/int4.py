@@ -31,9 +31,18 @@ BLOCK_ROWS = 64  # rows per tile-major block
 INNER_K_TILES = (2, 4, 8)
 
 
-def check_group_size(group_size: int, k: int) -> None:
+def check_group(group_size: int) -> None:
+    """ValueError naming the value unless ``group_size`` is one of ``GROUP_SIZES`` (an int:
+    ``128.0`` or ``True`` are refused, not taken for a size)."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise ValueError(f"group_size={group_size!r}: must be an int, one of {GROUP_SIZES}")
     if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size={group_size}: allowed {GROUP_SIZES}")
+        raise ValueError(f"group_size={group_size!r}: allowed {GROUP_SIZES}")
+
+
+def check_group_size(group_size: int, k: int) -> None:
+    """``check_group``, and the group must divide K."""
+    check_group(group_size)
     if k % group_size:
         raise ValueError(f"group_size={group_size}: {group_size} must divide K={k}")
 

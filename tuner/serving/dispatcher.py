@@ -197,7 +197,11 @@ class Dispatcher:
         self, a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any = None,
         use_fast_accum: bool = False,
     ) -> tuple[Runner, Resolution]:  # fmt: skip
-        sig = lowbit.scaled_mm_sig(a, b, scale_a, scale_b, out_dtype, use_fast_accum)
+        try:
+            sig = lowbit.scaled_mm_sig(a, b, scale_a, scale_b, out_dtype, use_fast_accum)
+        except AttributeError:
+            lowbit.check_operands(a=a, b=b, scale_a=scale_a, scale_b=scale_b)
+            raise
         hot = self._hot.get(sig)
         if hot is None:
             hot = self._resolve(
@@ -208,7 +212,11 @@ class Dispatcher:
 
     def int4_linear(self, x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> Any:
         """``x [..., K] @ W.T`` with W int4 in torch's packed format: out [..., N]."""
-        x2 = x.reshape(-1, x.shape[-1])
+        try:
+            x2 = x.reshape(-1, x.shape[-1])
+        except (AttributeError, IndexError):
+            lowbit.check_operands(x=x)
+            raise
         runner = self.resolve_int4(x2, packed, scales_and_zeros, group_size)[0]
         y = runner(x2, packed, scales_and_zeros)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
@@ -217,7 +225,11 @@ class Dispatcher:
         self, x: Any, packed: Any, scales_and_zeros: Any, group_size: int
     ) -> tuple[Runner, Resolution]:
         """``int4_linear``'s runner for a 2-D ``x``, and how it was chosen."""
-        sig = lowbit.int4_sig(x, packed, scales_and_zeros, group_size)
+        try:
+            sig = lowbit.int4_sig(x, packed, scales_and_zeros, group_size)
+        except AttributeError:
+            lowbit.check_operands(x=x, packed=packed, scales_and_zeros=scales_and_zeros)
+            raise
         hot = self._hot.get(sig)
         if hot is None:
             hot = self._resolve(

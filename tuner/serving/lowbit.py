@@ -29,6 +29,17 @@ class OperandError(ValueError):
     (a plain ``ValueError`` from the key functions) goes to torch's op."""
 
 
+def check_operands(**operands: Any) -> None:
+    """Why a call cannot be made of these operands, raised as torch's ops would: a TypeError
+    naming the first that is not a tensor, a ValueError for a 0-d activation (``x``). Called
+    where building a signature failed, so the hot path pays nothing for it."""
+    for name, t in operands.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if name == "x" and t.dim() == 0:
+            raise ValueError("x: expected an activation [..., K], got a 0-d tensor")
+
+
 def scaled_mm_sig(a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any, fast: bool) -> tuple:
     """What decides a ``_scaled_mm`` call's runner (bias and scale_result go to torch)."""
     return ("scaled_mm", a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype,
@@ -38,8 +49,9 @@ def scaled_mm_sig(a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any, fa
 
 def int4_sig(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tuple:
     """What decides an ``int4_linear`` call's runner; ``x`` is the 2-D activation."""
-    return ("int4", x.shape, x.stride(), x.dtype, packed.shape, packed.dtype,
-            scales_and_zeros.shape, scales_and_zeros.dtype, group_size, x.device,
+    return ("int4", x.shape, x.stride(), x.dtype, packed.shape, packed.stride(), packed.dtype,
+            scales_and_zeros.shape, scales_and_zeros.stride(), scales_and_zeros.dtype,
+            group_size, type(group_size), x.device,
             x.data_ptr() % 16, x.requires_grad and torch.is_grad_enabled())  # fmt: skip
 
 

@@ -61,6 +61,15 @@ def _bias(linear: nn.Linear) -> nn.Parameter | None:
     return nn.Parameter(linear.bias.detach().to(COMPUTE_DTYPE), requires_grad=False)
 
 
+def check_activation(x: torch.Tensor, in_features: int) -> None:
+    """ValueError naming the field unless ``x`` is a floating-point [..., in_features], as
+    ``nn.Linear`` refuses other inputs (an integer one would come back truncated)."""
+    if not x.is_floating_point():
+        raise ValueError(f"x.dtype={x.dtype}: expected a floating-point activation")
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ValueError(f"x.shape={tuple(x.shape)}: expected [..., in_features={in_features}]")
+
+
 class Int4Linear(nn.Module):
     """``y = x @ W.T + b`` with W held as torch-packed int4 and per-group scales and zeros."""
 
@@ -74,6 +83,7 @@ class Int4Linear(nn.Module):
         self.bias = _bias(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_activation(x, self.in_features)
         y = dispatcher.int4_linear(
             x.to(COMPUTE_DTYPE), self.packed_weight, self.scales_and_zeros, self.group_size
         )
@@ -98,6 +108,9 @@ class Fp8Linear(nn.Module):
         self.bias = _bias(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_activation(x, self.in_features)
+        if x.numel() == 0:  # no rows (an expert that got no tokens): no scales to make
+            return x.new_empty(*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features)
         xq, x_scale = fp8.quantize_rowwise(x2)
         y = dispatcher.scaled_mm(
@@ -122,8 +135,8 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int = 128) -> nn.Mo
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {list(FORMATS)}, got {fmt!r}")
-    if fmt == "int4" and group_size not in int4.GROUP_SIZES:  # each layer's K: unsupported()
-        raise ValueError(f"group_size={group_size}: allowed {int4.GROUP_SIZES}")
+    if fmt == "int4":  # each layer's K: unsupported()
+        int4.check_group(group_size)
     if isinstance(module, nn.Linear):  # a bare layer: nothing to leave in place
         reason = unsupported(fmt, module.weight, group_size)
         if reason:
