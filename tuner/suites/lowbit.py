@@ -603,6 +603,7 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> Path:
                     ax.set_yscale("log", base=2)
             elif not mine:
                 ax.text(0.5, 0.5, "no decode rows timed", ha="center", transform=ax.transAxes)
+                ax.set_yticks([])  # an empty panel: no scale to read
             ticks = [m for m in ms_all if column != "served_pct_copy" or m <= DECODE_M]
             ax.set_xscale("log", base=2)
             ax.set_xticks(ticks, [str(m) for m in ticks])
