@@ -18,7 +18,7 @@ from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.measure.timing import Timing
 from tuner.suites import lowbit
-from tuner.tuning.engine import TuneOptions
+from tuner.tuning.engine import PHASES, TuneOptions
 
 MODELS = {"Llama-3-8B", "Qwen2.5-7B"}
 
@@ -221,6 +221,9 @@ def test_tiny_shapes_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         assert (r["m"], r["n"], r["k"], r["shape"]) == (2, 32, 256, "tiny proj")
         assert r["baseline_us"] > 0 and r["winner_us"] > 0
         assert r["bf16_us"] > 0 and r["bf16_served_us"] > 0 and r["bf16_tune_s"] > 0
+        # where the tuning time went (compiling apart from timing), for both formats
+        assert set(r["phases"]) == set(r["bf16_phases"]) == set(PHASES)
+        assert sum(r["phases"].values()) <= r["tune_s"] + 0.005  # each rounded to 1 ms
         assert r["bytes"] > 0 and r["winner_pct_copy"] > 0
         assert r["baseline_source"] == "torch_lowbit"
         assert r["failures"] == []

@@ -312,6 +312,7 @@ def tune_bf16(
             continue
         out[str(twin)] = {
             "bf16_us": cublas_us, "bf16_served_us": served_us, "bf16_tune_s": tune_s,
+            "bf16_phases": {name: round(s, 3) for name, s in outcome.phases.items()},
             "bf16_source": outcome.winner.source, "bf16_candidate": outcome.winner.candidate,
         }  # fmt: skip
         console.print(

@@ -49,6 +49,7 @@ class Row:
     source: str
     candidate: str
     tune_s: float
+    phases: dict[str, float] = field(default_factory=dict)  # of tune_s, by engine.PHASES
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -215,6 +216,7 @@ def run_suite(
                 outcome.winner.source,
                 outcome.winner.candidate,
                 tune_s,
+                {name: round(seconds, 3) for name, seconds in outcome.phases.items()},
             )
             if metrics:
                 row.extra = {
