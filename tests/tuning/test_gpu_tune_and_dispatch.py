@@ -141,6 +141,7 @@ def test_a_large_gemm_holds_the_power_limit_and_decode_or_host_bound_ones_do_not
         eager_us, gpu_us = readings(lambda i, a=a: a @ b)
         flops = 2.0 * m * 4096 * 4096
         assert at_power_limit(flops, [eager_us], [gpu_us], rate) == held, (m, eager_us, gpu_us)
+        assert (flops / gpu_us >= rate) == held, (m, gpu_us)  # the rate decides, not the launch
     small = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
 
