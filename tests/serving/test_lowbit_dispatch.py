@@ -151,6 +151,9 @@ def test_operands_that_are_not_tensors_raise_torchs_type_error(disp: Dispatcher)
     with pytest.raises(TypeError, match=r"scale_a: expected a torch\.Tensor, got NoneType"):
         tuner.scaled_mm(a, b, None, sb, out_dtype=torch.bfloat16)
     assert recorded(disp) == []
+    np = pytest.importorskip("numpy")  # a NumPy integer is a group size, as torch's ops take it
+    assert tuner.int4_linear(x, packed, sz, np.int64(GROUP)).shape == (2, N)
+    assert [k.group for k in recorded(disp)] == [GROUP]
 
 
 def test_scales_that_are_not_contiguous_are_checked_on_every_signature(disp: Dispatcher) -> None:

@@ -277,13 +277,25 @@ def test_eager_rows_are_judged_on_times_taken_side_by_side_after_tuning(tmp_path
 def test_a_heavy_pair_is_judged_at_the_power_limit_from_readings_taken_at_full_clock() -> None:
     """``power_check`` times each runner anew (short, at full clock, as the engine's trials) and
     reads graph times only where those allow a heavy call: a 2048 x 4096 x 4096 bf16 GEMM holds
-    the GPU at its power limit and its row is retimed over stretches; a 64-row one is light."""
+    the GPU at its power limit and its row is retimed over stretches; a 64-row one is light. A
+    runner that fails is left out of the check, its error kept in the row."""
     b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     options = TuneOptions()
-    for m, stretch in ((2048, options.sustained_s), (64, 0.0)):
+    stretch_of_2048 = options.sustained_s
+    for m, stretch in ((2048, stretch_of_2048), (64, 0.0)):
         sets = [(torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16),) for _ in range(2)]
         timed = {"baseline": (lambda a: a @ b, sets), "winner": (lambda a: torch.mm(a, b), sets)}
         row: dict = {}
         assert lowbit.power_check(row, 2.0 * m * 4096 * 4096, timed, options) == stretch, row
         assert set(row["eager_check_us"]) == {"baseline", "winner"}
         assert ("eager_gpu_us" in row) == (m == 2048), row
+
+    def broken(a: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a runner that fails when called")
+
+    sets = [(torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16),)]
+    row = {}
+    timed = {"baseline": (lambda a: a @ b, sets), "winner": (broken, sets)}
+    assert lowbit.power_check(row, 2.0 * 2048 * 4096 * 4096, timed, options) == stretch_of_2048
+    assert set(row["eager_check_us"]) == {"baseline"}  # the rounds record the winner's error
+    assert row["eager_check_winner_error"] == "RuntimeError: a runner that fails when called"

@@ -23,6 +23,8 @@ row's tail byte j. torch's packer takes the even k in the high nibble of its byt
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -32,11 +34,18 @@ INNER_K_TILES = (2, 4, 8)
 
 
 def check_group(group_size: int) -> None:
-    """ValueError naming the value unless ``group_size`` is one of ``GROUP_SIZES`` (an int:
-    ``128.0`` or ``True`` are refused, not taken for a size)."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise ValueError(f"group_size={group_size!r}: must be an int, one of {GROUP_SIZES}")
-    if group_size not in GROUP_SIZES:
+    """ValueError naming the value unless ``group_size`` is one of ``GROUP_SIZES``, as an
+    integer (a Python or NumPy int, as torch's ops take; ``128.0``, ``True`` or ``"128"`` are
+    refused, not taken for a size)."""
+    try:
+        if isinstance(group_size, bool):
+            raise TypeError
+        size = operator.index(group_size)
+    except TypeError:
+        raise ValueError(
+            f"group_size={group_size!r}: must be an int, one of {GROUP_SIZES}"
+        ) from None
+    if size not in GROUP_SIZES:
         raise ValueError(f"group_size={group_size!r}: allowed {GROUP_SIZES}")
 
 

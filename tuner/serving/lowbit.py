@@ -51,7 +51,7 @@ def int4_sig(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tup
     """What decides an ``int4_linear`` call's runner; ``x`` is the 2-D activation."""
     return ("int4", x.shape, x.stride(), x.dtype, packed.shape, packed.stride(), packed.dtype,
             scales_and_zeros.shape, scales_and_zeros.stride(), scales_and_zeros.dtype,
-            group_size, type(group_size), x.device,
+            group_size, x.device,
             x.data_ptr() % 16, x.requires_grad and torch.is_grad_enabled())  # fmt: skip
 
 

@@ -373,10 +373,15 @@ def power_check(row: Row, flops: float, timed: Mapping[str, Timed], options: Tun
     and, where read, its graph time (``eager_gpu_us``)."""
     if options.sustained_s <= 0:
         return 0.0
-    short = {
-        name: timing.measure_sets(runner, sets, device="cuda", budget_s=POWER_CHECK_BUDGET_S)
-        for name, (runner, sets) in timed.items()
-    }
+    short: dict[str, timing.Timing] = {}
+    for name, (runner, sets) in timed.items():
+        try:
+            short[name] = timing.measure_sets(
+                runner, sets, device="cuda", budget_s=POWER_CHECK_BUDGET_S
+            )
+        except Exception as e:  # left out of the check; the rounds record the runner's error
+            torch.cuda.synchronize()
+            row[f"eager_check_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
     row["eager_check_us"] = {
         name: round(max(t.median_us, t.host_us), 2) for name, t in short.items()
     }
