@@ -88,6 +88,37 @@ def test_bad_config_names_entry_and_field(tmp_path):
     assert r.returncode == 2 and "problems[1]: n must be a positive integer" in r.stderr
 
 
+def test_a_dry_run_lists_what_it_would_tune_and_writes_nothing(tmp_path):
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("problems:\n  - {op: gemm, m: 8, n: 16, k: 16, dtype: f32}\n")
+    cache = tmp_path / "c.db"
+    out = tuner("tune-all", "--config", str(cfg), "--dry-run", cache=cache).stdout
+    assert "1 distinct problems" in out and "0 already tuned, 1 to tune" in out
+    assert "would tune" in out and "gemm:m=8,n=16,k=16" in out
+    assert not cache.exists()
+
+
+def test_a_config_refused_leaves_no_cache_behind(tmp_path):
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("problems:\n  - {op: gemm, m: 8, n: -1, k: 16}\n")
+    cache = tmp_path / "c.db"
+    r = tuner("tune-all", "--config", str(cfg), cache=cache, check=False)
+    assert r.returncode == 2 and "n must be a positive integer" in r.stderr
+    assert not cache.exists()
+
+
+def test_warmup_refuses_a_missing_or_broken_cache(tmp_path):
+    missing = tmp_path / "typo.db"
+    r = tuner("warmup", "--no-fetch", "--no-progress", cache=missing, check=False)
+    assert r.returncode == 2 and "typo.db: no such cache" in r.stderr
+    assert not missing.exists()
+    broken = tmp_path / "notes.db"
+    broken.write_text("not a database")
+    r = tuner("warmup", "--no-fetch", "--no-progress", cache=broken, check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert broken.read_text() == "not a database"
+
+
 def test_corrupt_cache_is_reported_not_overwritten(tmp_path):
     cache = tmp_path / "c.db"
     cache.write_bytes(b"\x00garbage" * 100)

@@ -199,7 +199,12 @@ def report_command(
     path = cache_path(cache)
     store = Store(path)
     fp = fingerprint()
-    problems = None if sources.empty() else collect(sources, store, fp, Console(quiet=True), None)
+    quiet = Console(quiet=True)
+    problems = (
+        None
+        if sources.empty()
+        else add_recorded(read_files(sources, quiet), sources, store, fp, quiet, None)
+    )
     rep = report.build(store, fp, problems=problems, journal=read_journal(journal_path(path)))
     if problems is None and sources.op:
         rep.rows = [r for r in rep.rows if key_op(r.key) == sources.op]
@@ -290,14 +295,10 @@ class FleetLease:
     keys: list[Key]
 
 
-def collect(
-    sources: Sources, store: Store, fp: Fingerprint, console: Console, lease: FleetLease | None
-) -> ProblemSet:
-    """Every problem the sources name, de-duplicated, with a line per source on the console.
-
-    The local sources are read before the caller leases any fleet keys (``lease`` comes from a
-    second call), so a broken file fails the run without holding keys until their lease runs out.
-    """
+def read_files(sources: Sources, console: Console) -> ProblemSet:
+    """The problems of the sources' local files (model configs, problem lists, TunableOp files),
+    with a line per file on the console. Read before any cache is opened or fleet key leased, so
+    that a broken file fails the run with nothing written and no keys held."""
     problems = ProblemSet()
     for path in sources.models:
         model = load_model(path)
@@ -315,6 +316,19 @@ def collect(
             console.print(
                 f"  [yellow]skipped[/yellow] {path.name}:{entry.line} {entry.op}: {reason}"
             )
+    return problems
+
+
+def add_recorded(
+    problems: ProblemSet,
+    sources: Sources,
+    store: Store,
+    fp: Fingerprint,
+    console: Console,
+    lease: FleetLease | None,
+) -> ProblemSet:
+    """``problems`` with the cache's recorded misses (``sources.misses``) and a fleet lease's
+    keys added, then narrowed to ``sources.op``."""
     if sources.misses:
         rows = store.misses(fp.device_class)
         for bad in problems.add_misses(rows):
@@ -420,14 +434,17 @@ def tune_all(
         raise ConfigError(
             "nothing to tune: give --model, --config, --tunableop, --misses or --queue"
         )
-    store = Store(store_path)
+    files = read_files(sources, console)
+    # a dry run writes nothing: with no cache yet, nothing is tuned and nothing recorded
+    store = Store(":memory:" if dry_run and not store_path.exists() else store_path)
     fp = fingerprint()
-    store.save_device(fp)
-    problems = collect(sources, store, fp, console, None)
+    if not dry_run:
+        store.save_device(fp)
+    problems = add_recorded(files, sources, store, fp, console, None)
     lease = None
     if sources.queue and not dry_run:
         lease = claim_queue(sources.queue, fp, settings, local_workers(settings.workers)[0])
-        leased = collect(Sources(op=sources.op), store, fp, console, lease)
+        leased = add_recorded(ProblemSet(), Sources(op=sources.op), store, fp, console, lease)
         for key, labels in leased.labels.items():
             for label in labels:
                 problems.add(key, label)
@@ -458,6 +475,8 @@ def tune_all(
         done = complete_queue(lease, store, fp)
         console.print(f"fleet queue: completed lease {lease.lease_id}: {done}")
     if dry_run:
+        for key in ordered.todo:
+            console.print(f"  would tune {_label(key, problems)}  [dim]{key}[/dim]")
         return 0
     rep = report.build(
         store, fp, problems=problems, journal=read_journal(journal_path(store_path)), run=summary
