@@ -88,6 +88,22 @@ def test_bad_config_names_entry_and_field(tmp_path):
     assert r.returncode == 2 and "problems[1]: n must be a positive integer" in r.stderr
 
 
+def test_one_low_bit_problem_is_tuned_by_its_format_name_and_shown_by_it(tmp_path):
+    cache = tmp_path / "c.db"
+    out = tuner("tune", "gemm", "-m", "2", "-n", "64", "-k", "256", "--dtype", "int4-g128",
+                "--source", "torch_lowbit", "--budget", "0.01", cache=cache).stdout  # fmt: skip
+    assert "winner (eager): torch_lowbit" in out
+    shown = json.loads(tuner("show", "--json", "--contains", "int4-g128", cache=cache).stdout)
+    assert [w["key"] for w in shown] == [
+        "gemm:m=2,n=64,k=256,batch=1,layout=nt,dtype=bf16,out_dtype=bf16,compute=f32,align=16,"
+        "wdtype=int4,group=128,zeros=float,scale=group"
+    ]
+    assert json.loads(tuner("show", "--json", "--contains", "fp8", cache=cache).stdout) == []
+    r = tuner("tune", "gemm", "-m", "2", "-n", "64", "-k", "256", "--dtype", "int4",
+              cache=cache, check=False)  # fmt: skip
+    assert r.returncode == 2 and "--dtype must be one of" in r.stderr and "int4-g32" in r.stderr
+
+
 def test_a_dry_run_lists_what_it_would_tune_and_writes_nothing(tmp_path):
     cfg = tmp_path / "p.yaml"
     cfg.write_text("problems:\n  - {op: gemm, m: 8, n: 16, k: 16, dtype: f32}\n")

@@ -169,6 +169,13 @@ def test_scales_that_are_not_contiguous_are_checked_on_every_signature(disp: Dis
         tuner.int4_linear(x, packed, strided, GROUP)
 
 
+def test_a_low_bit_field_left_out_of_a_key_string_is_named_as_missing() -> None:
+    fp8 = "gemm:m=16,n=4096,k=4096,layout=nt,dtype=fp8_e4m3,out_dtype=bf16,scale=row"
+    with pytest.raises(ValueError, match=r"accum is missing: it must be one of \['f32', 'fast'\]"):
+        parse_key(fp8)
+    assert parse_key(fp8 + ",accum=fast").accum == "fast"
+
+
 def test_key_errors_name_the_field() -> None:
     from tuner.serving.lowbit import int4_key, scaled_mm_key
 

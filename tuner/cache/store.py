@@ -173,13 +173,10 @@ class Store(DeviceFile):
         *,
         op: str | None = None,
         source: str | None = None,
-        contains: str | None = None,
         since: float | None = None,
         limit: int | None = None,
     ) -> list[Winner]:
-        where, args = self._filters(
-            device_class=device_class, op=op, source=source, contains=contains
-        )
+        where, args = self._filters(device_class=device_class, op=op, source=source)
         if since is not None:
             where.append("updated_at > ?")
             args.append(since)
@@ -255,12 +252,9 @@ class Store(DeviceFile):
             )
 
     @staticmethod
-    def _filters(contains: str | None = None, **equal: str | None) -> tuple[list[str], list[Any]]:
+    def _filters(**equal: str | None) -> tuple[list[str], list[Any]]:
         where = [f"{col} = ?" for col, v in equal.items() if v is not None]
         args: list[Any] = [v for v in equal.values() if v is not None]
-        if contains:  # a plain substring: LIKE would take '_' and '%' in keys as wildcards
-            where.append("instr(key, ?) > 0")
-            args.append(contains)
         return where, args
 
     # --- export / import -----------------------------------------------------------------------

@@ -29,7 +29,15 @@ from tuner.cli.options import (
     tune_options,
 )
 from tuner.core.device import fingerprint
-from tuner.core.keys import GemmKey, Key, SdpaKey, parse_key
+from tuner.core.keys import (
+    ITEMSIZE,
+    LOWBIT_FORMAT_NAMES,
+    GemmKey,
+    Key,
+    SdpaKey,
+    lowbit_fields,
+    parse_key,
+)
 from tuner.offline.problem_list import ConfigError
 from tuner.tuning.engine import TuneOptions, current_device, earlier_times
 from tuner.tuning.tune import tune
@@ -101,7 +109,14 @@ def tune_gemm(
     n: Annotated[int, typer.Option("-n", help="Columns of B and C.")],
     k: Annotated[int, typer.Option("-k", help="Inner dimension.")],
     batch: Annotated[int, typer.Option(help="Batch count (bmm).")] = 1,
-    dtype: Annotated[str, typer.Option(help="f16, bf16 or f32.")] = "bf16",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="f16, bf16 or f32; or a low-bit format: int4-g128 (also g32, g64, g256), "
+            "fp8-rowwise, fp8-tensorwise, fp8-rowwise-fast, fp8-tensorwise-fast "
+            "(x @ W.T: layout nt)."
+        ),
+    ] = "bf16",
     layout: Annotated[
         str, typer.Option(help="nn, nt, tn or tt (n: row-major, t: column-major; A then B).")
     ] = "nn",
@@ -121,11 +136,28 @@ def tune_gemm(
         budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
-    key = GemmKey(
-        m=m, n=n, k=k, batch=batch, layout=layout, dtype=dtype, out_dtype=dtype,
-        compute="tf32" if tf32 else "f32", align=align,
-    )  # fmt: skip
-    run_tune(key, cache, options)
+    run_tune(gemm_key(m, n, k, batch, dtype, layout, tf32, align), cache, options)
+
+
+def gemm_key(
+    m: int, n: int, k: int, batch: int, dtype: str, layout: str, tf32: bool, align: int
+) -> GemmKey:
+    """The key ``tune gemm`` tunes: a plain GEMM, or a low-bit one named by its format."""
+    if dtype in ITEMSIZE:
+        return GemmKey(
+            m=m, n=n, k=k, batch=batch, layout=layout, dtype=dtype, out_dtype=dtype,
+            compute="tf32" if tf32 else "f32", align=align,
+        )  # fmt: skip
+    try:
+        fields = lowbit_fields(dtype)
+    except ValueError:
+        raise ValueError(
+            f"--dtype must be one of {list(ITEMSIZE)} or a low-bit format "
+            f"({LOWBIT_FORMAT_NAMES}), got {dtype!r}"
+        ) from None
+    if layout not in ("nn", "nt") or tf32:  # nn: the option's default
+        raise ValueError(f"--dtype {dtype}: a low-bit GEMM is x @ W.T (layout nt, no --tf32)")
+    return GemmKey(m=m, n=n, k=k, batch=batch, align=align, **fields)
 
 
 @tune_app.command("sdpa")
@@ -192,7 +224,11 @@ def show(
     op: OpOpt = None,
     source: Annotated[str | None, typer.Option(help="Only winners from this source.")] = None,
     contains: Annotated[
-        str | None, typer.Option(help="Only keys containing this text, e.g. 'dtype=bf16'.")
+        str | None,
+        typer.Option(
+            help="Only keys whose string or short label contains this text, e.g. 'dtype=bf16' "
+            "or 'int4-g128'."
+        ),
     ] = None,
     all_devices: Annotated[
         bool,
@@ -207,7 +243,11 @@ def show(
     check_op(op)
     store = open_store(cache)
     dc = None if all_devices else fingerprint().device_class
-    winners = store.winners(dc, op=op, source=source, contains=contains)
+    winners = [
+        w
+        for w in store.winners(dc, op=op, source=source)
+        if contains is None or contains in w.key or contains in parse_key(w.key).label
+    ]
     if as_json:
         print(json.dumps([w.to_row() for w in winners], indent=1))
         return

@@ -62,6 +62,8 @@ def _check_positive(name: str, value: Any) -> None:
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[Any, ...] | dict) -> None:
+    if value == "":  # a field left out of a key string
+        raise ValueError(f"{name} is missing: it must be one of {sorted(allowed)}")
     if not isinstance(value, (str, int)) or value not in allowed:  # a YAML list is unhashable
         raise ValueError(f"{name} must be one of {sorted(allowed)}, got {value!r}")
 
