@@ -57,3 +57,21 @@ def test_a_group_that_does_not_divide_a_projection_names_file_op_and_dtype() -> 
     text = str(err.value)
     assert text.startswith("m.yaml: ops: ") and "with dtypes: int4-g128: " in text
     assert "group=128 must divide k=4000" in text
+
+
+def test_a_problem_list_names_low_bit_gemms_by_format_as_model_configs_do(tmp_path: Path) -> None:
+    from tuner.offline.problem_list import load_problems
+
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "problems:\n"
+        "  - {op: gemm, m: 16, n: 4096, k: 4096, dtype: int4-g128}\n"
+        "  - {op: gemm, m: 16, n: 4096, k: 4096, dtype: fp8-rowwise}\n"
+        "  - {op: gemm, m: 16, n: 4096, k: 4096, dtype: int4-g100}\n"
+    )
+    with pytest.raises(ConfigError, match=r"problems\[2\]: low-bit format must be one of"):
+        load_problems(path)
+    path.write_text("\n".join(path.read_text().splitlines()[:3]) + "\n")
+    int4, fp8 = load_problems(path)
+    assert int4 == GemmKey(m=16, n=4096, k=4096, align=16, **lowbit_fields("int4-g128"))
+    assert fp8 == GemmKey(m=16, n=4096, k=4096, align=16, **lowbit_fields("fp8-rowwise"))

@@ -4,9 +4,12 @@
       - {op: gemm, m: 128, n: 4096, k: 4096, dtype: bf16}
       - {op: gemm, m: 1, n: 4096, k: 4096, dtype: f32, compute: tf32}
       - {op: sdpa, batch: 1, q_heads: 32, kv_heads: 8, q_len: 2048, kv_len: 2048, head_dim: 128, causal: top_left}
+      - {op: gemm, m: 16, n: 4096, k: 4096, dtype: int4-g128}
       - key: "gemm:m=64,n=64,k=64,batch=1,layout=nn,dtype=f16,out_dtype=f16,compute=f32,align=16"
 
-For GEMMs ``out_dtype`` defaults to ``dtype``. Errors name the entry and the field.
+For GEMMs ``out_dtype`` defaults to ``dtype``, and ``dtype`` may name a low-bit format as model
+configs do (``int4-g128``, ``fp8-rowwise``, ...: its fields, layout ``nt``). Errors name the
+entry and the field.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from tuner.core.keys import Key, key_from_dict, parse_key
+from tuner.core.keys import Key, key_from_dict, lowbit_fields, parse_key
 
 
 class ConfigError(ValueError):
@@ -36,6 +39,8 @@ def parse_problem(entry: Any, where: str) -> Key:
         if op is None:
             raise ValueError("missing field 'op' (gemm or sdpa)")
         if op == "gemm" and "dtype" in fields:
+            if str(fields["dtype"]).startswith(("int4-", "fp8-")):
+                fields = {**fields, **lowbit_fields(fields["dtype"])}
             fields.setdefault("out_dtype", fields["dtype"])
         return key_from_dict(op, fields)
     except ValueError as e:

@@ -219,11 +219,11 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         if not self.problem_timeout_s > 0:
-            raise ValueError(f"problem_timeout_s must be > 0, got {self.problem_timeout_s!r}")
+            raise ValueError(f"--problem-timeout must be > 0, got {self.problem_timeout_s!r}")
         if self.time_limit_s is not None and not self.time_limit_s > 0:
-            raise ValueError(f"time_limit_s must be > 0 or None, got {self.time_limit_s!r}")
+            raise ValueError(f"--time-limit must be > 0, got {self.time_limit_s!r}")
         if self.workers is not None and self.workers < 1:
-            raise ValueError(f"workers must be >= 1 or None, got {self.workers!r}")
+            raise ValueError(f"--workers must be >= 1, got {self.workers!r}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries!r}")
         if self.compile_jobs is not None and self.compile_jobs < 1:

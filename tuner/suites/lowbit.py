@@ -104,7 +104,7 @@ def problems(
             raise ValueError(f"projection {op!r} is not one of {list(OPS)}")
     for m in ms:
         if m < 1:
-            raise ValueError(f"ms: M must be >= 1, got {m}")
+            raise ValueError(f"--m must be >= 1, got {m}")
     if shapes is None:
         shapes = []
         for file in MODELS:
