@@ -62,7 +62,7 @@ def test_the_command_line_can_choose_rows_by_m_and_projection() -> None:
     quick_down = lowbit.chosen_problems(["fp8-rowwise"], quick=True, ops=["down"])
     assert {k.m for _, k in quick_down} == set(lowbit.QUICK_M)
     assert lowbit.chosen_problems(lowbit.FORMATS) == lowbit.problems()
-    with pytest.raises(ValueError, match="M must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="--m must be >= 1, got 0"):
         lowbit.chosen_problems(["int4-g128"], ms=[0])
     for args, named in ((["--proj", "lm_head"], "'lm_head'"), (["--m", "0"], "got 0")):
         result = CliRunner().invoke(app, ["bench", "gemm", "--suite", "lowbit", *args])
