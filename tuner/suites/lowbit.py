@@ -500,10 +500,19 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}x"
 
 
+def _percent(pct: float | None) -> str:
+    """A share of copy bandwidth for the table: whole points, a decimal under 10 (CPU rows)."""
+    if pct is None:
+        return "-"
+    return f"{pct:.1f}" if pct < 10 else f"{pct:.0f}"
+
+
 def print_table(rows: Sequence[Row], counts: dict[str, Any], formats: dict[str, Any]) -> None:
     """Each row's served ratios and the targets it missed; then the count of each target, and
     each format's tuning time beside bf16's."""
-    table = Table(title="low-bit GEMMs: served time ratios (decode rows: CUDA-graph GPU times)")
+    graph = any(r["timing"] == "graph" for r in rows)
+    how = "decode rows: CUDA-graph GPU times" if graph else "eager times"
+    table = Table(title=f"low-bit GEMMs: served time ratios ({how})")
     for col in ("problem", "source", "vs torch", "vs bf16 served", "vs bf16 cuBLAS", "% copy",
                 "read floor %", "missed"):  # fmt: skip
         table.add_column(col)
@@ -511,8 +520,7 @@ def print_table(rows: Sequence[Row], counts: dict[str, Any], formats: dict[str, 
         pct, floor = r["served_pct_copy"], r.get("graph_read_pct_copy")
         table.add_row(
             r["label"], r["source"], _ratio(r["vs_torch"]), _ratio(r["vs_bf16_served"]),
-            _ratio(r["vs_bf16_cublas"]), "-" if pct is None else f"{pct:.0f}",
-            "-" if floor is None else f"{floor:.0f}",
+            _ratio(r["vs_bf16_cublas"]), _percent(pct), _percent(floor),
             f"[red]{'; '.join(r['missed'])}[/red]" if r["missed"] else "[green]all met[/green]",
         )  # fmt: skip
     report = Console(width=TABLE_WIDTH)
@@ -527,8 +535,9 @@ def print_table(rows: Sequence[Row], counts: dict[str, Any], formats: dict[str, 
         color = "green" if f["targets"][TUNING_TARGET] == "1/1" else "red"
         bf16 = f["bf16_median_tune_s"]
         bf16_text = "unmeasured" if bf16 is None else f"{bf16:.2f} s"
+        verdict = "met" if f["targets"][TUNING_TARGET] == "1/1" else "missed"
         report.print(f"[{color}]{TUNING_TARGET}, {fmt}: {f['median_tune_s']:.2f} s against bf16's "
-                     f"{bf16_text}[/{color}]")  # fmt: skip
+                     f"{bf16_text}: {verdict}[/{color}]")  # fmt: skip
 
 
 def _targets_on(column: str) -> list[Target]:
