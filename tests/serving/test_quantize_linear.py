@@ -105,6 +105,8 @@ def test_bad_arguments_name_the_field() -> None:
         tt.quantize_linear(mlp(), "int4", group_size=100)
     with pytest.raises(ValueError, match="module: fp8 needs"):
         tt.quantize_linear(nn.Linear(128, 10), "fp8")
+    with pytest.raises(ValueError, match=r"group_size=64: int4 only \(fp8 scales are per row\)"):
+        tt.quantize_linear(mlp(), "fp8", group_size=64)
     for group in (128.0, True, "128"):  # a size is an int, shown as given
         with pytest.raises(ValueError, match=rf"group_size={group!r}: must be an int"):
             tt.quantize_linear(mlp(), "int4", group_size=group)
@@ -129,11 +131,17 @@ def test_quantized_layers_refuse_what_nn_linear_refuses_and_take_empty_batches(f
     assert layer(torch.randn(2, 0, 256)).shape == (2, 0, 64)
 
 
-def test_int4_layers_torch_cannot_pack_here_are_skipped_with_the_reason() -> None:
+def test_int4_layers_torch_cannot_pack_here_are_skipped_with_the_reason(caplog) -> None:
     """Each layer is checked against its own K and its device's packing (N a multiple of 16
-    on the CPU), before torch's packer could fail half-way through a model."""
+    on the CPU), before torch's packer could fail half-way through a model; each layer left
+    as it was is logged."""
     model = nn.Sequential(nn.Linear(256, 96), nn.Linear(96, 64), nn.Linear(64, 24))
-    q = tt.quantize_linear(model, "int4", group_size=64)
+    with caplog.at_level("WARNING", logger="tuner.serving.quantize"):
+        q = tt.quantize_linear(model, "int4", group_size=64)
+    assert [r.getMessage().split(":")[1].strip() for r in caplog.records] == [
+        "1 left as nn.Linear",
+        "2 left as nn.Linear",
+    ]
     assert q.quantized_layers == ["0"]
     assert q.quantized_skipped == {
         "1": "group_size=64: 64 must divide K=96",

@@ -21,13 +21,18 @@ dtype. A layer whose shape the format cannot hold stays as it was and is listed 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from tuner.quant import fp8, int4, int4_torch
 from tuner.serving import dispatcher
 
+log = logging.getLogger(__name__)
+
 FORMATS = ("int4", "fp8")
+DEFAULT_GROUP = 128  # K elements sharing an int4 scale and zero, as torch's INT4 recipes use
 COMPUTE_DTYPE = torch.bfloat16
 FP8_MULTIPLE = 16  # torch._scaled_mm: K and N multiples of 16
 
@@ -38,7 +43,7 @@ def int4_n_multiple(device: torch.device) -> int:
     return 8 if device.type == "cuda" else 16
 
 
-def unsupported(fmt: str, weight: torch.Tensor, group_size: int) -> str | None:
+def unsupported(fmt: str, weight: torch.Tensor, group_size: int | None) -> str | None:
     """Why an [N, K] weight (on its device) cannot take ``fmt``, or None when it can."""
     n, k = weight.shape
     if fmt == "int4":
@@ -124,18 +129,21 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 rowwise"
 
 
-def quantize_linear(module: nn.Module, fmt: str, group_size: int = 128) -> nn.Module:
+def quantize_linear(module: nn.Module, fmt: str, group_size: int | None = None) -> nn.Module:
     """Replace every ``nn.Linear`` in ``module`` (``module`` itself included) by a quantized
     layer of format ``fmt`` (``"int4"`` or ``"fp8"``) served by the tuner; returns the module.
 
-    ``group_size``: int4 only, the number of K elements that share a scale and zero
-    (``tuner.quant.int4.GROUP_SIZES``). Layers whose shape the format cannot hold are left as
-    they are: ``module.quantized_skipped`` maps their names to the reason, and
-    ``module.quantized_layers`` lists the replaced ones.
+    ``group_size``: int4 only (default ``DEFAULT_GROUP``), the number of K elements that share a
+    scale and zero (``tuner.quant.int4.GROUP_SIZES``). Layers whose shape the format cannot hold
+    are left as they are, with a warning in the log: ``module.quantized_skipped`` maps their
+    names to the reason, and ``module.quantized_layers`` lists the replaced ones.
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {list(FORMATS)}, got {fmt!r}")
+    if fmt == "fp8" and group_size is not None:  # rowwise scales: no groups to size
+        raise ValueError(f"group_size={group_size!r}: int4 only (fp8 scales are per row)")
     if fmt == "int4":  # each layer's K: unsupported()
+        group_size = DEFAULT_GROUP if group_size is None else group_size
         int4.check_group(group_size)
     if isinstance(module, nn.Linear):  # a bare layer: nothing to leave in place
         reason = unsupported(fmt, module.weight, group_size)
@@ -154,10 +162,12 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int = 128) -> nn.Mo
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name), attr, _quantized(child, fmt, group_size))
         replaced.append(name)
+    for name, reason in skipped.items():
+        log.warning("quantize_linear: %s left as nn.Linear: %s", name, reason)
     module.quantized_layers = replaced
     module.quantized_skipped = skipped
     return module
 
 
-def _quantized(linear: nn.Linear, fmt: str, group_size: int) -> nn.Module:
+def _quantized(linear: nn.Linear, fmt: str, group_size: int | None) -> nn.Module:
     return Int4Linear(linear, group_size) if fmt == "int4" else Fp8Linear(linear)
