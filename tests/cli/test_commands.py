@@ -93,6 +93,7 @@ def test_one_low_bit_problem_is_tuned_by_its_format_name_and_shown_by_it(tmp_pat
     out = tuner("tune", "gemm", "-m", "2", "-n", "64", "-k", "256", "--dtype", "int4-g128",
                 "--source", "torch_lowbit", "--budget", "0.01", cache=cache).stdout  # fmt: skip
     assert "winner (eager): torch_lowbit" in out
+    assert "error / bound" in out  # checked against its format's per-element bound
     shown = json.loads(tuner("show", "--json", "--contains", "int4-g128", cache=cache).stdout)
     assert [w["key"] for w in shown] == [
         "gemm:m=2,n=64,k=256,batch=1,layout=nt,dtype=bf16,out_dtype=bf16,compute=f32,align=16,"

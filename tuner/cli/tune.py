@@ -76,6 +76,13 @@ def info() -> None:
     console.print(s)
 
 
+def _error_text(err: float | None, bounded: bool) -> str:
+    """A candidate's numerics: a share of its format's bound (low-bit), else a relative error."""
+    if err is None:
+        return ""
+    return f"{err:.2f}" if bounded else f"{err:.1e}"
+
+
 def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     """Tune ``key``, store the run and print every candidate's measurement and the winner."""
     store = open_store(cache)
@@ -86,14 +93,17 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
         outcome = tune(key, options=options, earlier=earlier)
     store.save_run(outcome.measurements, outcome.winner)
     t = Table(title=str(key))
-    for col in ("candidate", "status", "median us", "p10..p90", "rel err", "note"):
+    # a low-bit result is checked element by element against a bound derived from its format
+    bounded = isinstance(key, GemmKey) and key.lowbit
+    error = "error / bound" if bounded else "rel err"
+    for col in ("candidate", "status", "median us", "p10..p90", error, "note"):
         t.add_column(col)
     for m in sorted(outcome.measurements, key=lambda m: (m.median_us is None, m.median_us or 0)):
         spread = f"{m.p10_us:.1f}..{m.p90_us:.1f}" if m.p10_us is not None else ""
+        err = _error_text(m.max_rel_err, bounded)
         t.add_row(
             m.candidate + (" (baseline)" if m.is_baseline else ""), m.status,
-            f"{m.median_us:.2f}" if m.median_us else "", spread,
-            f"{m.max_rel_err:.1e}" if m.max_rel_err is not None else "", m.error[:60],
+            f"{m.median_us:.2f}" if m.median_us else "", spread, err, m.error[:60],
         )  # fmt: skip
     console.print(t)
     w = outcome.winner
