@@ -27,6 +27,7 @@ app = typer.Typer(
 )
 QuickOpt = Annotated[bool, typer.Option(help="Every 4th problem only (a smoke run).")]
 BENCH_BUDGET_S = 0.05  # suites tune hundreds of problems: a shorter budget than one `tuner tune`
+BENCH_OUT = Path("tuner-bench")  # in the current folder; results worth keeping are copied by hand
 
 
 @app.command("gemm")
@@ -48,10 +49,11 @@ def bench_gemm(
     out: Annotated[
         Path,
         typer.Option(
-            help="Folder for gemm_llama_<part>.json/.png/.db (lowbit: gemm_lowbit.*).",
+            help="Folder for gemm_llama_<part>.json/.png/.db (lowbit: gemm_lowbit.*); not the "
+            "repository's bench/results, whose committed runs a new one would overwrite.",
             file_okay=False,
         ),
-    ] = Path("bench/results"),
+    ] = BENCH_OUT,
     budget: BudgetOpt = BENCH_BUDGET_S,
     source: SourcesOpt = None,
     launch: LaunchOpt = TUNE_DEFAULTS.launch,
@@ -118,7 +120,7 @@ def bench_gemm(
 def bench_sdpa(
     out: Annotated[
         Path, typer.Option(help="Folder for sdpa_<part>.json and .png.", file_okay=False)
-    ] = Path("bench/results"),
+    ] = BENCH_OUT,
     part: Annotated[str, typer.Option(help="all, prefill or decode.")] = "all",
     dtype: Annotated[str, typer.Option(help="bf16 or f16.")] = "bf16",
     budget: BudgetOpt = BENCH_BUDGET_S,
