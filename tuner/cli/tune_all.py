@@ -476,7 +476,7 @@ def tune_all(
         console.print(f"fleet queue: completed lease {lease.lease_id}: {done}")
     if dry_run:
         for key in ordered.todo:
-            console.print(f"  would tune {_label(key, problems)}  [dim]{key}[/dim]")
+            console.print(f"  would tune {_label(key, problems)}")
         return 0
     rep = report.build(
         store, fp, problems=problems, journal=read_journal(journal_path(store_path)), run=summary
