@@ -146,13 +146,14 @@ def tune_gemm(
         budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
-    run_tune(gemm_key(m, n, k, batch, dtype, layout, tf32, align), cache, options)
+    run_tune(_gemm_key(m, n, k, batch, dtype, layout, tf32, align), cache, options)
 
 
-def gemm_key(
+def _gemm_key(
     m: int, n: int, k: int, batch: int, dtype: str, layout: str, tf32: bool, align: int
 ) -> GemmKey:
-    """The key ``tune gemm`` tunes: a plain GEMM, or a low-bit one named by its format."""
+    """The key ``tune gemm`` tunes, a plain GEMM or a low-bit one named by its format, with the
+    alignment as given (``model_config.gemm_key`` derives it from a model's extents instead)."""
     if dtype in ITEMSIZE:
         return GemmKey(
             m=m, n=n, k=k, batch=batch, layout=layout, dtype=dtype, out_dtype=dtype,

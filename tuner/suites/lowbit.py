@@ -532,10 +532,10 @@ def print_table(rows: Sequence[Row], counts: dict[str, Any], formats: dict[str, 
             f"[{color}]{name} ({c['where']}): {c['met']}/{c['judged']} met{worst}[/{color}]"
         )
     for fmt, f in formats.items():
-        color = "green" if f["targets"][TUNING_TARGET] == "1/1" else "red"
+        met = f["targets"][TUNING_TARGET] == "1/1"
+        color, verdict = ("green", "met") if met else ("red", "missed")
         bf16 = f["bf16_median_tune_s"]
         bf16_text = "unmeasured" if bf16 is None else f"{bf16:.2f} s"
-        verdict = "met" if f["targets"][TUNING_TARGET] == "1/1" else "missed"
         report.print(f"[{color}]{TUNING_TARGET}, {fmt}: {f['median_tune_s']:.2f} s against bf16's "
                      f"{bf16_text}: {verdict}[/{color}]")  # fmt: skip
 

@@ -677,15 +677,15 @@ class _Trial:
         graph times say whether they are (``at_power_limit``)."""
         pair = (base.candidate, challenger.candidate)
         if pair not in self.stretched:
-
-            def read_gpu() -> tuple[float, float] | None:
-                gpu = self.gpu_times(runners, base, challenger)
-                if gpu and gpu[0] and gpu[1]:
-                    return gpu[0].median_us, gpu[1].median_us
-                return None
-
             heavy = False
             if self.device == "cuda" and options.sustained_s > 0:
+
+                def read_gpu() -> tuple[float, float] | None:
+                    gpu = self.gpu_times(runners, base, challenger)
+                    if gpu and gpu[0] and gpu[1]:
+                        return gpu[0].median_us, gpu[1].median_us
+                    return None
+
                 eager_us = tuple(effective_us(m, options.launch) for m in (base, challenger))
                 heavy = power_limited(self.key.flops, eager_us, read_gpu, heavy_rate(self.device))
             trial_us = (base.median_us, challenger.median_us)
