@@ -12,6 +12,7 @@
 #   lowbit_kernels.json, .log; LOWBIT_KERNELS_ARGS="--formats int4 ...", LOWBIT_KERNELS_TIMEOUT).
 #   int4-layouts (bench/int4_layouts.py: time and memory of each INT4 kernel's weight layout -> $OUT/
 #   int4_layouts.json, .log). lowbit-ncu (Nsight Compute sections of the low-bit decode kernels -> $OUT/lowbit_ncu.log).
+#   gemv-ncu (the same for the CUDA W4A16 decode kernel, bench/w4a16_gemv.py --profile -> $OUT/gemv_ncu.log).
 #   tuneall (tune-all Llama-3-8B projections -> $OUT/tuneall: report.json, speedup.png, tuner.db,
 #   journal, tunableop_results0.csv; TUNEALL_TIME_LIMIT, TUNEALL_RESUME_FROM, TUNEALL_ARGS).
 #   w4a16-prefill (bench/w4a16_prefill.py: INT4 Triton and CUTLASS configs beside bf16 cuBLAS at M >= 256
@@ -74,6 +75,14 @@ for stage in "$@"; do
         --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
         python3 bench/lowbit_kernels.py --out /dev/null --profile ${LOWBIT_NCU_ARGS:---formats int4 --proj gate_up down --m 1 16} \
         2>&1 | tee "$OUT/lowbit_ncu.log" || status=1 ;;
+    gemv-ncu)  # Nsight Compute counters of the CUDA W4A16 decode kernel beside the bare read: pipes,
+      # issue, warp states; GEMV_NCU_ARGS (default: gate_up + down, M 1 and 8, PROFILED's configs)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      timeout -k 20 "${GEMV_NCU_TIMEOUT:-300}" "$NCU" --clock-control none --nvtx --nvtx-include "profile/" \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section SchedulerStats --section InstructionStats \
+        python3 bench/w4a16_gemv.py --out /dev/null --profile ${GEMV_NCU_ARGS:---proj gate_up down --m 1 8} \
+        2>&1 | tee "$OUT/gemv_ncu.log" || status=1 ;;
     dispatch) python3 bench/dispatch_overhead.py --out "$OUT/dispatch_overhead.json" || status=1 ;;
     contention) python3 bench/cpu_contention.py --out "$OUT/cpu_contention.json" 2>&1 | tee "$OUT/cpu_contention.log" || status=1 ;;
     sdpa-tests) python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests/candidates/test_attention.py 2>&1 | tee "$OUT/sdpa_tests.log" || status=1 ;;

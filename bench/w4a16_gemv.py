@@ -325,7 +325,7 @@ def main() -> None:
                     help="also time every config built with these extra nvcc flags")  # fmt: skip
     ap.add_argument("--config", action="append", default=[],
                     metavar="SPLIT,SLICES,STAGES,WARPS,CLUSTER",
-                    help="time these configs instead of GRID")  # fmt: skip
+                    help="time (or with --profile, profile) these configs instead of GRID (PROFILED)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=1,
                     help="time each config's builds this many times in turn (an A/B's noise)")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
@@ -346,7 +346,7 @@ def main() -> None:
         VARIANTS[variant] = flags.split()
     if args.config:
         try:
-            GRID[:] = [parse_config(c) for c in args.config]
+            GRID[:] = PROFILED[:] = [parse_config(c) for c in args.config]
         except ValueError as e:
             ap.error(str(e))
     variants = tuple(spec.partition("=")[0] for spec in args.variant)
