@@ -76,11 +76,12 @@ for stage in "$@"; do
         python3 bench/lowbit_kernels.py --out /dev/null --profile ${LOWBIT_NCU_ARGS:---formats int4 --proj gate_up down --m 1 16} \
         2>&1 | tee "$OUT/lowbit_ncu.log" || status=1 ;;
     gemv-ncu)  # Nsight Compute counters of the CUDA W4A16 decode kernel beside the bare read: pipes,
-      # issue, warp states; GEMV_NCU_ARGS (default: gate_up + down, M 1 and 8, PROFILED's configs)
+      # issue, warp states and each stall reason's cycles an issue; GEMV_NCU_ARGS (default: gate_up + down, M 1 and 8, PROFILED's configs)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       timeout -k 20 "${GEMV_NCU_TIMEOUT:-300}" "$NCU" --clock-control none --nvtx --nvtx-include "profile/" \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
         --section LaunchStats --section WarpStateStats --section SchedulerStats --section InstructionStats \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         python3 bench/w4a16_gemv.py --out /dev/null --profile ${GEMV_NCU_ARGS:---proj gate_up down --m 1 8} \
         2>&1 | tee "$OUT/gemv_ncu.log" || status=1 ;;
     dispatch) python3 bench/dispatch_overhead.py --out "$OUT/dispatch_overhead.json" || status=1 ;;
