@@ -114,10 +114,12 @@ def test_a_steady_gpu_bound_call_is_timed_with_few_samples():
 def test_duels_of_compute_bound_gemms_are_timed_over_sustained_stretches():
     """A bf16 GEMM of 4096^3 is GPU-bound (well over ``timing.STEADY_US``): its duels run each
     runner over stretches of calls back to back, at the clock the power limit leaves, and the
-    verdict says so. cuBLASLt's heuristic algorithms tie with torch's (the same kernels), and
-    ties are dueled on the GPU."""
+    verdict says so. Ties are dueled on the GPU, and a noise share of 10% makes ties of
+    cuBLASLt's first heuristic algorithms, which run within a few percent of torch's kernel (on
+    an H100 the same kernel, on an H200 another)."""
     key = GemmKey(m=4096, n=4096, k=4096, dtype="bf16", out_dtype="bf16")
-    outcome = tune(key, options=TuneOptions(budget_s=0.02, sources=["cublaslt"], max_candidates=4))
+    options = TuneOptions(budget_s=0.02, sources=["cublaslt"], max_candidates=4, min_noise=0.1)
+    outcome = tune(key, options=options)
     dueled = [x for x in outcome.measurements if "confirmation" in (x.error or "")]
     assert dueled, [(x.candidate, x.status, x.median_us, x.error) for x in outcome.measurements]
     assert all("s stretches (GPU-bound or heavy calls)" in x.error for x in dueled)

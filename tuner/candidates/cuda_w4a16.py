@@ -276,11 +276,13 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 # Decode shortlists (split, slices, stages, warps, cluster), the likeliest first. Warps splitting
 # K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing instructions, not
 # waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the narrow projections;
-# 8 warps of 4 stages win the wide ones. Where x's [M, 128] slab weighs most (M near 8, copied per
-# CTA and chunk beside the CTA's weight), 64-row warps over half of K (a cluster of 2: x copied
-# once per 64 rows), or 8 warps of 32 rows sharing each chunk's slab with K over a cluster of 8.
-SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
-             ("rows", 2, 4, 8, 8), ("k", 4, 2, 8, 2))  # fmt: skip
+# 8 warps of 4 stages win the wide ones, or there 64-row warps over all of K, whose x fragments
+# serve four slices (on a GPU whose weight stream outruns the kernel's instructions). Where x's
+# [M, 128] slab weighs most (M near 8, copied per CTA and chunk beside the CTA's weight), 64-row
+# warps over half of K (a cluster of 2: x copied once per 64 rows), or 8 warps of 32 rows sharing
+# each chunk's slab with K over a cluster of 8.
+SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 4, 2, 8, 1), ("k", 2, 3, 16, 1),
+             ("k", 2, 3, 12, 1), ("rows", 2, 4, 8, 8), ("k", 4, 2, 8, 2))  # fmt: skip
 # M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so only the 64-row
 # warps over half of K, which copy the least x per weight byte.
 WIDE_SHORTLIST = (("k", 4, 2, 8, 2),)
