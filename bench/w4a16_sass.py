@@ -1,0 +1,126 @@
+"""Instructions a weight byte in the CUDA W4A16 decode kernel's K loop, read from its SASS: no
+GPU needed, only nvcc and cuobjdump (``--cuobjdump``; pip's ``nvidia-cuda-cuobjdump`` has one).
+
+On an H200 the kernel streams its weight at the rate its instructions allow, not at the HBM's,
+so the instruction count of one pass of the K loop (one chunk of 128 K values per warp) over the
+warp's weight bytes (``ROWS`` x 64) is the figure a kernel change should move. For each library
+(``--config SPLIT,SLICES,STAGES``, the launch's warps and cluster do not change the code) and
+each n8 tile count (M <= 8: 1, M = 9-16: 2), the K loop is the largest loop that both copies
+(``LDGSTS``) and multiplies (``HMMA``); its opcodes are counted as the SASS lists them.
+
+    python bench/w4a16_sass.py --config k,2,4 --config k,4,2 --flags -DGEMV_SOMETHING=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from tuner.candidates import cuda_w4a16
+
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+BACK_BRANCH = re.compile(r"BRA (0x[0-9a-f]+)")
+
+
+def kernel_name(f16: bool, groups: int, tiles: int) -> str:
+    """The mangled name of ``w4a16_gemv_kernel<F16, NG, NT>``."""
+    return f"_Z17w4a16_gemv_kernelILb{int(f16)}ELi{groups}ELi{tiles}EEv6Params"
+
+
+def opcode(text: str) -> str:
+    """``@!P0 LDGSTS.E.BYPASS.128 [...]`` -> ``LDGSTS``."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def k_loop(sass: str) -> list[str]:
+    """The instructions of the largest loop (a backward branch's span) that copies and
+    multiplies."""
+    code = [(int(a, 16), t) for a, t in LINE.findall(sass)]
+    loops = []
+    for at, text in code:
+        if (found := BACK_BRANCH.search(text)) and int(found.group(1), 16) < at:
+            body = [t for a, t in code if int(found.group(1), 16) <= a <= at]
+            ops = {opcode(t) for t in body}
+            if {"LDGSTS", "HMMA"} <= ops:
+                loops.append(body)
+    if not loops:
+        raise ValueError("no loop with both LDGSTS and HMMA in the SASS")
+    return max(loops, key=len)
+
+
+def count(
+    config: tuple[str, int, int], flags: list[str], cuobjdump: str, groups: int
+) -> list[dict]:
+    """One row per n8 tile count: the K loop's instructions, a weight KB's share, the opcodes."""
+    split, slices, stages = config
+    lib = cuda_w4a16.Library(split, slices, stages)
+    nvcc_flags = [f for f in lib.flags() if f not in ("-shared", "-Xcompiler", "-fPIC")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        subprocess.run(["nvcc", *nvcc_flags, *flags, "-cubin", "-o", str(cubin),
+                        str(cuda_w4a16.SOURCE)], check=True)  # fmt: skip
+        for tiles in (1, 2):
+            sass = subprocess.run([cuobjdump, "-sass", "-fun", kernel_name(False, groups, tiles),
+                                   str(cubin)], check=True, capture_output=True, text=True).stdout  # fmt: skip
+            body = k_loop(sass)
+            ops = collections.Counter(opcode(t) for t in body)
+            weight_kb = 16 * slices * 64 / 1024
+            rows.append({"config": f"{split},{slices},{stages}", "tiles": tiles,
+                         "instructions": len(body), "per_weight_kb": round(len(body) / weight_kb, 1),
+                         "opcodes": dict(ops.most_common())})  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", action="append", default=[], metavar="SPLIT,SLICES,STAGES",
+                    help="a library to count (default: those of the decode shortlist)")  # fmt: skip
+    ap.add_argument("--flags", nargs="*", default=[], help="extra nvcc flags (a -D variant)")
+    ap.add_argument("--group", type=int, default=128, choices=cuda_w4a16.GROUP_SIZES)
+    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args()
+    configs = []
+    for text in args.config or sorted({",".join(map(str, c[:3])) for c in cuda_w4a16.SHORTLIST}):
+        split, *numbers = text.split(",")
+        if (
+            split not in cuda_w4a16.SPLITS
+            or len(numbers) != 2
+            or not all(map(str.isdigit, numbers))
+        ):
+            ap.error(f"--config {text!r}: expected SPLIT,SLICES,STAGES, e.g. k,2,4")
+        slices, stages = map(int, numbers)
+        if slices not in cuda_w4a16.SLICES or stages not in cuda_w4a16.STAGES:
+            ap.error(f"--config {text!r}: slices in {cuda_w4a16.SLICES}, stages 2 to 8")
+        configs.append((split, slices, stages))
+    if shutil.which(args.cuobjdump) is None:
+        ap.error(f"--cuobjdump {args.cuobjdump!r}: not found (pip install nvidia-cuda-cuobjdump)")
+    groups = max(1, cuda_w4a16.CHUNK // args.group)
+    rows = [row for config in configs for row in count(config, args.flags, args.cuobjdump, groups)]
+    for r in rows:
+        top = ", ".join(f"{op} {n}" for op, n in list(r["opcodes"].items())[:8])
+        print(f"{r['config']:8s} n8 tiles {r['tiles']}: {r['instructions']:4d} instructions a "
+              f"chunk, {r['per_weight_kb']:6.1f} a weight KB ({top})")  # fmt: skip
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "nvcc": cuda_w4a16.toolkit(),
+                    "arch": cuda_w4a16.ARCH,
+                    "flags": args.flags,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
