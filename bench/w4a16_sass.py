@@ -8,7 +8,7 @@ warp's weight bytes (``ROWS`` x 64) is the figure a kernel change should move. F
 each n8 tile count (M <= 8: 1, M = 9-16: 2), the K loop is the largest loop that both copies
 (``LDGSTS``) and multiplies (``HMMA``); its opcodes are counted as the SASS lists them.
 
-    python bench/w4a16_sass.py --config k,2,4 --config k,4,2 --flags -DGEMV_SOMETHING=1
+    python bench/w4a16_sass.py --config k,2,4 --config k,4,2 --flags='-DGEMV_MIN_CTAS=3 -DGEMV_MAX_WARPS=8'
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", action="append", default=[], metavar="SPLIT,SLICES,STAGES",
                     help="a library to count (default: those of the decode shortlist)")  # fmt: skip
-    ap.add_argument("--flags", nargs="*", default=[], help="extra nvcc flags (a -D variant)")
+    ap.add_argument(
+        "--flags", default="", help="extra nvcc flags, one string: --flags='-DA=1 -DB=2'"
+    )
     ap.add_argument("--group", type=int, default=128, choices=cuda_w4a16.GROUP_SIZES)
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
     ap.add_argument("--json", type=Path, help="also write the rows here")
@@ -103,7 +105,8 @@ def main() -> None:
     if shutil.which(args.cuobjdump) is None:
         ap.error(f"--cuobjdump {args.cuobjdump!r}: not found (pip install nvidia-cuda-cuobjdump)")
     groups = max(1, cuda_w4a16.CHUNK // args.group)
-    rows = [row for config in configs for row in count(config, args.flags, args.cuobjdump, groups)]
+    flags = args.flags.split()
+    rows = [row for config in configs for row in count(config, flags, args.cuobjdump, groups)]
     for r in rows:
         top = ", ".join(f"{op} {n}" for op, n in list(r["opcodes"].items())[:8])
         print(f"{r['config']:8s} n8 tiles {r['tiles']}: {r['instructions']:4d} instructions a "
@@ -114,7 +117,7 @@ def main() -> None:
                 {
                     "nvcc": cuda_w4a16.toolkit(),
                     "arch": cuda_w4a16.ARCH,
-                    "flags": args.flags,
+                    "flags": flags,
                     "rows": rows,
                 },
                 indent=1,

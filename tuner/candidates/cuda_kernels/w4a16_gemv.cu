@@ -57,6 +57,12 @@
 #ifndef GEMV_STAGES
 #define GEMV_STAGES 4
 #endif
+#ifndef GEMV_MAX_WARPS
+#define GEMV_MAX_WARPS 16  // bench A/B with GEMV_MIN_CTAS: registers for that many CTAs an SM
+#endif
+#ifndef GEMV_MIN_CTAS
+#define GEMV_MIN_CTAS 1
+#endif
 #ifndef GEMV_TRACE
 #define GEMV_TRACE 0  // bench builds only: per-CTA timestamps (w4a16_gemv_trace)
 #endif
@@ -70,7 +76,7 @@ constexpr int ROWS = 16 * SLICES;
 constexpr int CHUNK = 128;          // K values per chunk
 constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so ldmatrix's 8 rows hit 8 bank groups
 constexpr int MAX_M = 16;  // two n8 tiles
-constexpr int MAX_WARPS = 16;
+constexpr int MAX_WARPS = GEMV_MAX_WARPS;
 constexpr int MAX_DEVICES = 64;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
@@ -448,7 +454,8 @@ constexpr int max_warps() {
 }
 
 template <bool F16, int NG, int NT>
-__global__ void __launch_bounds__(max_warps<NT>() * 32) w4a16_gemv_kernel(Params p) {
+__global__ void __launch_bounds__(max_warps<NT>() * 32, GEMV_MIN_CTAS)
+    w4a16_gemv_kernel(Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   if (threadIdx.x == 0) {
     stamp(3, CLOCK);
