@@ -33,7 +33,7 @@ def test_suite_has_the_issue_shapes_and_formats() -> None:
 
 
 def test_quick_covers_every_format_on_both_models_with_few_rows() -> None:
-    quick = lowbit.chosen_problems(lowbit.FORMATS, quick=True)
+    quick = lowbit.chosen_problems(lowbit.FORMATS, quick=True, device="cuda")
     assert len(quick) == 2 * len(lowbit.QUICK_OPS) * len(lowbit.QUICK_M) * len(lowbit.FORMATS)
     for fmt in lowbit.FORMATS:
         mine = [label for label, _ in quick if label.endswith(f" {fmt}")]
@@ -43,6 +43,21 @@ def test_quick_covers_every_format_on_both_models_with_few_rows() -> None:
     assert min(lowbit.bf16_twin(k).weight_bytes for _, k in quick) >= 64 * lowbit.MB
     fp8_only = lowbit.chosen_problems(["fp8-rowwise"], quick=True)
     assert {label.rsplit(" ", 1)[1] for label, _ in fp8_only} == {"fp8-rowwise"}
+
+
+def test_a_quick_run_on_a_cpu_keeps_the_decode_rows_only() -> None:
+    """On a CPU the prefill rows take minutes each: a smoke run there times M = 1 only, every
+    format and projection of the GPU's quick run."""
+    on_cpu = lowbit.chosen_problems(lowbit.FORMATS, quick=True, device="cpu")
+    assert {k.m for _, k in on_cpu} == set(lowbit.QUICK_CPU_M) == {1}
+    on_gpu = lowbit.chosen_problems(lowbit.FORMATS, quick=True, device="cuda")
+    assert [label for label, _ in on_cpu] == [
+        label for label, k in on_gpu if k.m in lowbit.QUICK_CPU_M
+    ]
+    # rows named on the command line are kept as given
+    assert {
+        k.m for _, k in lowbit.chosen_problems(["int4-g128"], quick=True, ms=[16], device="cpu")
+    } == {16}
 
 
 def test_unknown_projection_or_format_names_the_field() -> None:
@@ -59,7 +74,7 @@ def test_the_command_line_can_choose_rows_by_m_and_projection() -> None:
     assert [label for label, _ in chosen] == [
         f"{model} down M={m} int4-g128" for model in ("Llama-3-8B", "Qwen2.5-7B") for m in (1, 2048)
     ]
-    quick_down = lowbit.chosen_problems(["fp8-rowwise"], quick=True, ops=["down"])
+    quick_down = lowbit.chosen_problems(["fp8-rowwise"], quick=True, ops=["down"], device="cuda")
     assert {k.m for _, k in quick_down} == set(lowbit.QUICK_M)
     assert lowbit.chosen_problems(lowbit.FORMATS) == lowbit.problems()
     with pytest.raises(ValueError, match="--m must be >= 1, got 0"):

@@ -72,7 +72,8 @@ def bench_gemm(
         typer.Option(
             help="A smoke run: every 4th problem (llama); for lowbit each chosen format on both "
             f"models' {' and '.join(catalog.LOWBIT_QUICK_OPS)} at M "
-            f"{', '.join(map(str, catalog.LOWBIT_QUICK_M))}."
+            f"{', '.join(map(str, catalog.LOWBIT_QUICK_M))} (on a CPU, M "
+            f"{', '.join(map(str, catalog.LOWBIT_QUICK_CPU_M))})."
         ),
     ] = False,
     m: Annotated[

@@ -80,6 +80,7 @@ MODELS = ("llama-3-8b.yaml", "qwen2.5-7b.yaml")
 M_SIZES = catalog.LOWBIT_M_SIZES
 FORMATS = catalog.LOWBIT_FORMATS
 QUICK_M = catalog.LOWBIT_QUICK_M
+QUICK_CPU_M = catalog.LOWBIT_QUICK_CPU_M
 QUICK_OPS = catalog.LOWBIT_QUICK_OPS
 DECODE_M = 16
 PREFILL_M = 2048
@@ -124,11 +125,14 @@ def chosen_problems(
     quick: bool = False,
     ms: Sequence[int] | None = None,
     ops: Sequence[str] | None = None,
+    device: str | None = None,
 ) -> Problems:
     """The rows the command line asks for: every M and projection, or ``--quick``'s few (every
-    format on both models' ``QUICK_OPS`` at ``QUICK_M``), with ``ms`` and ``ops`` (when given) in
-    place of either's (re-running the rows a change touched), each once."""
-    ms = dict.fromkeys(ms or (QUICK_M if quick else M_SIZES))
+    format on both models' ``QUICK_OPS`` at ``QUICK_M``, or on a CPU ``device`` at
+    ``QUICK_CPU_M``), with ``ms`` and ``ops`` (when given) in place of either's (re-running the
+    rows a change touched), each once."""
+    quick_m = QUICK_M if (device or current_device()) == "cuda" else QUICK_CPU_M
+    ms = dict.fromkeys(ms or (quick_m if quick else M_SIZES))
     return problems(formats, list(ms), list(dict.fromkeys(ops or (QUICK_OPS if quick else OPS))))
 
 
