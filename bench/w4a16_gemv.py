@@ -25,8 +25,8 @@ on one machine in one run; ``--variant NAME=FLAGS`` (repeatable) does the same f
 source built with extra ``-D`` flags (impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``);
 ``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER`` (repeatable) times those configs instead of
 ``GRID``; ``--repeat R`` times each config's builds R times in turn (the A/B's noise).
-``--profile``: no timing, the bare read and each config of ``PROFILED`` once in an NVTX range
-"profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
+``--profile``: no timing, the bare read and each config of ``PROFILED`` (or of ``--config``) once
+in an NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Instructions a weight byte in the CUDA W4A16 decode kernel's K loop, read from its SASS: no
 GPU needed, only nvcc and cuobjdump (``--cuobjdump``; pip's ``nvidia-cuda-cuobjdump`` has one).
 
-On an H200 the kernel streams its weight at the rate its instructions allow, not at the HBM's,
-so the instruction count of one pass of the K loop (one chunk of 128 K values per warp) over the
-warp's weight bytes (``ROWS`` x 64) is the figure a kernel change should move. For each library
+Where the kernel streams its weight at the rate its instructions allow rather than at the
+memory's, the instruction count of one pass of the K loop (one chunk of 128 K values per warp)
+over the warp's weight bytes (``ROWS`` x 64) is the figure a kernel change should move. For each
+library
 (``--config SPLIT,SLICES,STAGES``, the launch's warps and cluster do not change the code) and
 each n8 tile count (M <= 8: 1, M = 9-16: 2), the K loop is the largest loop that both copies
 (``LDGSTS``) and multiplies (``HMMA``); its opcodes are counted as the SASS lists them.
@@ -17,6 +18,7 @@ import argparse
 import collections
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -65,7 +67,7 @@ def count(
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         subprocess.run(["nvcc", *nvcc_flags, *flags, "-cubin", "-o", str(cubin),
-                        str(cuda_w4a16.SOURCE)], check=True)  # fmt: skip
+                        str(cuda_w4a16.SOURCE)], check=True, capture_output=True, text=True)  # fmt: skip
         for tiles in (1, 2):
             sass = subprocess.run([cuobjdump, "-sass", "-fun", kernel_name(False, groups, tiles),
                                    str(cubin)], check=True, capture_output=True, text=True).stdout  # fmt: skip
@@ -90,7 +92,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
     configs = []
-    for text in args.config or sorted({",".join(map(str, c[:3])) for c in cuda_w4a16.SHORTLIST}):
+    shortlists = cuda_w4a16.SHORTLIST + cuda_w4a16.WIDE_SHORTLIST
+    for text in args.config or sorted({",".join(map(str, c[:3])) for c in shortlists}):
         split, *numbers = text.split(",")
         if (
             split not in cuda_w4a16.SPLITS
@@ -102,11 +105,20 @@ def main() -> None:
         if slices not in cuda_w4a16.SLICES or stages not in cuda_w4a16.STAGES:
             ap.error(f"--config {text!r}: slices in {cuda_w4a16.SLICES}, stages 2 to 8")
         configs.append((split, slices, stages))
+    if shutil.which("nvcc") is None:
+        ap.error("nvcc: not found on PATH (the CUDA toolkit builds the libraries counted)")
     if shutil.which(args.cuobjdump) is None:
         ap.error(f"--cuobjdump {args.cuobjdump!r}: not found (pip install nvidia-cuda-cuobjdump)")
     groups = max(1, cuda_w4a16.CHUNK // args.group)
-    flags = args.flags.split()
-    rows = [row for config in configs for row in count(config, flags, args.cuobjdump, groups)]
+    flags = shlex.split(args.flags)
+    try:
+        rows = [row for config in configs for row in count(config, flags, args.cuobjdump, groups)]
+    except subprocess.CalledProcessError as e:
+        ap.error(
+            f"{' '.join(map(str, e.cmd[:1]))} failed (flags {flags}): {e.stderr or ''}"[-2000:]
+        )
+    except ValueError as e:
+        ap.error(str(e))
     for r in rows:
         top = ", ".join(f"{op} {n}" for op, n in list(r["opcodes"].items())[:8])
         print(f"{r['config']:8s} n8 tiles {r['tiles']}: {r['instructions']:4d} instructions a "

@@ -24,9 +24,32 @@ LISTING = """
 """
 
 
-def test_the_k_loop_is_the_loop_that_copies_and_multiplies() -> None:
-    body = sass.k_loop(LISTING)
-    assert [sass.opcode(t) for t in body] == ["LDGSTS", "HMMA", "LDGSTS", "LOP3", "BRA"]
+SMALLER_LOOP = """
+        /*0090*/                   LDGSTS.E [R5], desc[UR4][R6.64] ;         /* 0x0 */
+        /*00a0*/                   HMMA.16816.F32.BF16 R8, R12, R16, R8 ;     /* 0x0 */
+        /*00b0*/             @!UP0 BRA 0x90 ;                                 /* 0x0 */
+"""
+
+
+def test_the_k_loop_is_the_largest_loop_that_copies_and_multiplies() -> None:
+    for listing in (LISTING, LISTING + SMALLER_LOOP):
+        body = sass.k_loop(listing)
+        assert [sass.opcode(t) for t in body] == ["LDGSTS", "HMMA", "LDGSTS", "LOP3", "BRA"]
+    assert [sass.opcode(t) for t in sass.k_loop(SMALLER_LOOP)] == ["LDGSTS", "HMMA", "BRA"]
+
+
+@pytest.mark.parametrize(
+    ("text", "op"),
+    [
+        ("LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64], !P1", "LDGSTS"),
+        ("@!P0 BRA 0x10", "BRA"),
+        ("@P3 LOP3.LUT R9, R10, 0xf000f, R11, 0xea, !PT", "LOP3"),
+        ("@!UP0 UBLKCP.S.G [UR8], [UR4], UR10", "UBLKCP"),
+        ("@PT LDS RZ, [RZ]", "LDS"),
+    ],
+)
+def test_an_opcode_is_read_past_its_predicate_and_modifiers(text: str, op: str) -> None:
+    assert sass.opcode(text) == op
 
 
 def test_a_listing_without_a_k_loop_is_refused() -> None:

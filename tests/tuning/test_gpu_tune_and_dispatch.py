@@ -115,8 +115,8 @@ def test_duels_of_compute_bound_gemms_are_timed_over_sustained_stretches():
     """A bf16 GEMM of 4096^3 is GPU-bound (well over ``timing.STEADY_US``): its duels run each
     runner over stretches of calls back to back, at the clock the power limit leaves, and the
     verdict says so. Ties are dueled on the GPU, and a noise share of 10% makes ties of
-    cuBLASLt's first heuristic algorithms, which run within a few percent of torch's kernel (on
-    an H100 the same kernel, on an H200 another)."""
+    cuBLASLt's first heuristic algorithms, which run within a few percent of torch's kernel
+    (the same kernel on some GPUs, another on others)."""
     key = GemmKey(m=4096, n=4096, k=4096, dtype="bf16", out_dtype="bf16")
     options = TuneOptions(budget_s=0.02, sources=["cublaslt"], max_candidates=4, min_noise=0.1)
     outcome = tune(key, options=options)

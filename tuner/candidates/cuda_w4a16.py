@@ -277,7 +277,7 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 # K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing instructions, not
 # waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the narrow projections;
 # 8 warps of 4 stages win the wide ones, or there 64-row warps over all of K, whose x fragments
-# serve four slices (on a GPU whose weight stream outruns the kernel's instructions). Where x's
+# serve four slices (where the kernel's instructions, not the weight stream, set the pace). Where x's
 # [M, 128] slab weighs most (M near 8, copied per CTA and chunk beside the CTA's weight), 64-row
 # warps over half of K (a cluster of 2: x copied once per 64 rows), or 8 warps of 32 rows sharing
 # each chunk's slab with K over a cluster of 8.

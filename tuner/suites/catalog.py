@@ -11,5 +11,5 @@ LOWBIT_M_SIZES = (1, 2, 4, 8, 16, 64, 256, 2048)
 # --quick: every format on both models, on the projections whose weights are large enough for
 # the decode targets (bf16 >= 64 MB, FP8 >= 32 MB), at one M of each regime the targets name
 LOWBIT_QUICK_M = (1, 16, 256, 2048)
-LOWBIT_QUICK_CPU_M = (1,)  # on a CPU the larger rows take minutes each: the decode row only
+LOWBIT_QUICK_CPU_M = (1,)  # on a CPU the larger rows are too slow for a smoke run: decode only
 LOWBIT_QUICK_OPS = ("gate_up", "down")

@@ -131,8 +131,10 @@ def chosen_problems(
     format on both models' ``QUICK_OPS`` at ``QUICK_M``, or on a CPU ``device`` at
     ``QUICK_CPU_M``), with ``ms`` and ``ops`` (when given) in place of either's (re-running the
     rows a change touched), each once."""
-    quick_m = QUICK_M if (device or current_device()) == "cuda" else QUICK_CPU_M
-    ms = dict.fromkeys(ms or (quick_m if quick else M_SIZES))
+    if not ms:
+        on_gpu = quick and (device or current_device()) == "cuda"
+        ms = (QUICK_M if on_gpu else QUICK_CPU_M) if quick else M_SIZES
+    ms = dict.fromkeys(ms)
     return problems(formats, list(ms), list(dict.fromkeys(ops or (QUICK_OPS if quick else OPS))))
 
 

@@ -58,10 +58,13 @@
 #define GEMV_STAGES 4
 #endif
 #ifndef GEMV_MAX_WARPS
-#define GEMV_MAX_WARPS 16  // bench A/B with GEMV_MIN_CTAS: registers for that many CTAs an SM
+#define GEMV_MAX_WARPS 16
 #endif
-#ifndef GEMV_MIN_CTAS
-#define GEMV_MIN_CTAS 1
+// bench A/B only: -DGEMV_MIN_CTAS=c (with GEMV_MAX_WARPS) caps registers for c CTAs an SM
+#ifdef GEMV_MIN_CTAS
+#define GEMV_LAUNCH_BOUNDS(threads) __launch_bounds__(threads, GEMV_MIN_CTAS)
+#else
+#define GEMV_LAUNCH_BOUNDS(threads) __launch_bounds__(threads)
 #endif
 #ifndef GEMV_TRACE
 #define GEMV_TRACE 0  // bench builds only: per-CTA timestamps (w4a16_gemv_trace)
@@ -450,12 +453,11 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
 // 64-row warps over two n8 tiles need more than 128 registers a thread: at most 8 warps a CTA
 template <int NT>
 constexpr int max_warps() {
-  return SLICES * NT > 4 ? 8 : MAX_WARPS;
+  return SLICES * NT > 4 && MAX_WARPS > 8 ? 8 : MAX_WARPS;
 }
 
 template <bool F16, int NG, int NT>
-__global__ void __launch_bounds__(max_warps<NT>() * 32, GEMV_MIN_CTAS)
-    w4a16_gemv_kernel(Params p) {
+__global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   if (threadIdx.x == 0) {
     stamp(3, CLOCK);
@@ -698,7 +700,7 @@ int w4a16_gemv_smem(int m, int group, int warps, int cluster) {
 // checks the operands (tuner/candidates/cuda_w4a16.py); this refuses what would read or write
 // out of bounds: m outside 1..MAX_M, K not whole chunks, a group size other than 32, 64,
 // 128, 256 that divides K, N x K / group (scale, zero) words past 32-bit indices, warps outside
-// 1..16 (1..8 for 64-row warps at M > 8), a cluster outside 1..8 or wider than K's chunks, x or w not 16-byte aligned.
+// 1..MAX_WARPS (1..8 for 64-row warps at M > 8), a cluster outside 1..8 or wider than K's chunks, x or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
                void* stream) {
