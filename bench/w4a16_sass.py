@@ -6,8 +6,9 @@ memory's, the instruction count of one pass of the K loop (one chunk of 128 K va
 over the warp's weight bytes (``ROWS`` x 64) is the figure a kernel change should move. For each
 library
 (``--config SPLIT,SLICES,STAGES``, the launch's warps and cluster do not change the code) and
-each n8 tile count (M <= 8: 1, M = 9-16: 2), the K loop is the largest loop that both copies
-(``LDGSTS``) and multiplies (``HMMA``); its opcodes are counted as the SASS lists them.
+each n8 tile count (M <= 8: 1, M = 9-16: 2), the K loop is the smallest loop that multiplies
+(``HMMA``) and either copies (``LDGSTS``) or waits on a stage's barrier (``SYNCS``, where
+another warp fills the stages); its opcodes are counted as the SASS lists them.
 
     python bench/w4a16_sass.py --config k,2,4 --config k,4,2 --flags='-DGEMV_MIN_CTAS=3 -DGEMV_MAX_WARPS=8'
 """
@@ -41,19 +42,19 @@ def opcode(text: str) -> str:
 
 
 def k_loop(sass: str) -> list[str]:
-    """The instructions of the largest loop (a backward branch's span) that copies and
-    multiplies."""
+    """The instructions of the smallest loop (a backward branch's span) that multiplies and
+    copies or waits for a stage: the loops around it hold it whole."""
     code = [(int(a, 16), t) for a, t in LINE.findall(sass)]
     loops = []
     for at, text in code:
         if (found := BACK_BRANCH.search(text)) and int(found.group(1), 16) < at:
             body = [t for a, t in code if int(found.group(1), 16) <= a <= at]
             ops = {opcode(t) for t in body}
-            if {"LDGSTS", "HMMA"} <= ops:
+            if "HMMA" in ops and ops & {"LDGSTS", "SYNCS"}:
                 loops.append(body)
     if not loops:
-        raise ValueError("no loop with both LDGSTS and HMMA in the SASS")
-    return max(loops, key=len)
+        raise ValueError("no loop with HMMA and LDGSTS or SYNCS in the SASS")
+    return min(loops, key=len)
 
 
 def count(

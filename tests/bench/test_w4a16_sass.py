@@ -24,18 +24,22 @@ LISTING = """
 """
 
 
-SMALLER_LOOP = """
-        /*0090*/                   LDGSTS.E [R5], desc[UR4][R6.64] ;         /* 0x0 */
-        /*00a0*/                   HMMA.16816.F32.BF16 R8, R12, R16, R8 ;     /* 0x0 */
-        /*00b0*/             @!UP0 BRA 0x90 ;                                 /* 0x0 */
+AROUND_IT = """
+        /*0090*/             @!UP0 BRA 0x0 ;                                  /* 0x0 */
+"""
+WAITING_LOOP = """
+        /*00a0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2], R3 ;  /* 0x0 */
+        /*00b0*/                   HMMA.16816.F32.BF16 R8, R12, R16, R8 ;     /* 0x0 */
+        /*00c0*/               @P1 BRA 0xa0 ;                                 /* 0x0 */
 """
 
 
-def test_the_k_loop_is_the_largest_loop_that_copies_and_multiplies() -> None:
-    for listing in (LISTING, LISTING + SMALLER_LOOP):
+def test_the_k_loop_is_the_innermost_loop_that_copies_and_multiplies() -> None:
+    for listing in (LISTING, LISTING + AROUND_IT):  # a loop around the K loop holds it whole
         body = sass.k_loop(listing)
         assert [sass.opcode(t) for t in body] == ["LDGSTS", "HMMA", "LDGSTS", "LOP3", "BRA"]
-    assert [sass.opcode(t) for t in sass.k_loop(SMALLER_LOOP)] == ["LDGSTS", "HMMA", "BRA"]
+    # where another warp fills the stages, the K loop waits on their barrier instead of copying
+    assert [sass.opcode(t) for t in sass.k_loop(WAITING_LOOP)] == ["SYNCS", "HMMA", "BRA"]
 
 
 @pytest.mark.parametrize(
@@ -53,7 +57,7 @@ def test_an_opcode_is_read_past_its_predicate_and_modifiers(text: str, op: str) 
 
 
 def test_a_listing_without_a_k_loop_is_refused() -> None:
-    with pytest.raises(ValueError, match="no loop with both LDGSTS and HMMA"):
+    with pytest.raises(ValueError, match="no loop with HMMA and LDGSTS or SYNCS"):
         sass.k_loop(LISTING.replace("HMMA", "FFMA"))
 
 
