@@ -29,6 +29,7 @@ from tuner.candidates import cuda_w4a16
 
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 BACK_BRANCH = re.compile(r"BRA (0x[0-9a-f]+)")
+REGISTERS = re.compile(r"REG:(\d+)")
 
 
 def kernel_name(f16: bool, groups: int, tiles: int) -> str:
@@ -60,7 +61,8 @@ def k_loop(sass: str) -> list[str]:
 def count(
     config: tuple[str, int, int], flags: list[str], cuobjdump: str, groups: int
 ) -> list[dict]:
-    """One row per n8 tile count: the K loop's instructions, a weight KB's share, the opcodes."""
+    """One row per n8 tile count: the K loop's instructions, a weight KB's share, the opcodes,
+    and the kernel's registers a thread (which bound the warps an SM holds)."""
     split, slices, stages = config
     lib = cuda_w4a16.Library(split, slices, stages)
     nvcc_flags = [f for f in lib.flags() if f not in ("-shared", "-Xcompiler", "-fPIC")]
@@ -70,14 +72,19 @@ def count(
         subprocess.run(["nvcc", *nvcc_flags, *flags, "-cubin", "-o", str(cubin),
                         str(cuda_w4a16.SOURCE)], check=True, capture_output=True, text=True)  # fmt: skip
         for tiles in (1, 2):
-            sass = subprocess.run([cuobjdump, "-sass", "-fun", kernel_name(False, groups, tiles),
-                                   str(cubin)], check=True, capture_output=True, text=True).stdout  # fmt: skip
-            body = k_loop(sass)
+            name = kernel_name(False, groups, tiles)
+
+            def dump(what: str, name: str = name) -> str:
+                return subprocess.run([cuobjdump, what, "-fun", name, str(cubin)], check=True,
+                                      capture_output=True, text=True).stdout  # fmt: skip
+
+            body = k_loop(dump("-sass"))
+            registers = int(REGISTERS.search(dump("-res-usage")).group(1))
             ops = collections.Counter(opcode(t) for t in body)
             weight_kb = 16 * slices * 64 / 1024
             rows.append({"config": f"{split},{slices},{stages}", "tiles": tiles,
                          "instructions": len(body), "per_weight_kb": round(len(body) / weight_kb, 1),
-                         "opcodes": dict(ops.most_common())})  # fmt: skip
+                         "registers": registers, "opcodes": dict(ops.most_common())})  # fmt: skip
     return rows
 
 
@@ -123,7 +130,7 @@ def main() -> None:
     for r in rows:
         top = ", ".join(f"{op} {n}" for op, n in list(r["opcodes"].items())[:8])
         print(f"{r['config']:8s} n8 tiles {r['tiles']}: {r['instructions']:4d} instructions a "
-              f"chunk, {r['per_weight_kb']:6.1f} a weight KB ({top})")  # fmt: skip
+              f"chunk, {r['per_weight_kb']:6.1f} a weight KB, {r['registers']} registers ({top})")  # fmt: skip
     if args.json:
         args.json.write_text(
             json.dumps(

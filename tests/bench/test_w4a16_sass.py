@@ -75,4 +75,4 @@ def test_wider_warps_spend_fewer_instructions_a_weight_byte() -> None:
     assert [r["tiles"] for r in narrow] == [1, 2]
     assert wide[0]["per_weight_kb"] < narrow[0]["per_weight_kb"]
     assert narrow[1]["instructions"] > narrow[0]["instructions"]
-    assert all(r["opcodes"]["HMMA"] > 0 for r in narrow + wide)
+    assert all(r["opcodes"]["HMMA"] > 0 and 0 < r["registers"] <= 255 for r in narrow + wide)
