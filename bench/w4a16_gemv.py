@@ -54,7 +54,7 @@ from bench.lowbit_kernels import (
     timed_row,
     write_as_it_goes,
 )
-from tuner.candidates import cuda_w4a16, gemm_operands, nvcc_build
+from tuner.candidates import cuda_library, cuda_w4a16, gemm_operands, nvcc_build
 from tuner.candidates.triton_kernels import w4a16
 from tuner.candidates.triton_kernels.launch import warm
 from tuner.candidates.triton_kernels.stream_read import read_all, sums_for
@@ -122,13 +122,13 @@ def build_variants(
     parallel."""
     nvcc = nvcc_build.nvcc_path()
     if nvcc is None:
-        raise RuntimeError(cuda_w4a16.cannot_compile())
+        raise RuntimeError(cuda_library.cannot_compile())
     VARIANT_DIR.mkdir(parents=True, exist_ok=True)
     procs = {}
     for cfg, variant in pairs:
         path = variant_path(cfg, variant, source)
         if path not in procs and not path.exists():
-            cmd = cuda_w4a16.nvcc_command(nvcc, cuda_w4a16.library(cfg), path)
+            cmd = cuda_w4a16.library(cfg).nvcc_command(nvcc, path)
             cmd = [*cmd[:-1], *VARIANTS[variant], str(source)]
             procs[path] = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     for path, proc in procs.items():
@@ -357,7 +357,7 @@ def main() -> None:
             bench_projection(name, tuple(args.m), 0.0, profile=True)
         return
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
-    result = header(copy_gbs, group_size=GROUP, nvcc=cuda_w4a16.toolkit())
+    result = header(copy_gbs, group_size=GROUP, nvcc=cuda_library.toolkit())
     write_as_it_goes(result, args.out, args.proj, lambda name: bench_projection(
         name, tuple(args.m), copy_gbs, args.trace, baseline=args.baseline, repeats=args.repeat,
         variants=variants))  # fmt: skip

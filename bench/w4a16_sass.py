@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tuner.candidates import cuda_w4a16
+from tuner.candidates import cuda_library, cuda_w4a16
 
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 BACK_BRANCH = re.compile(r"BRA (0x[0-9a-f]+)")
@@ -135,8 +135,8 @@ def main() -> None:
         args.json.write_text(
             json.dumps(
                 {
-                    "nvcc": cuda_w4a16.toolkit(),
-                    "arch": cuda_w4a16.ARCH,
+                    "nvcc": cuda_library.toolkit(),
+                    "arch": cuda_library.ARCH,
                     "flags": flags,
                     "rows": rows,
                 },

@@ -18,8 +18,8 @@ import torch
 
 from tests.bench_scripts import load_script
 from tuner.cache.artifacts import ArtifactStore, pack, unpack
+from tuner.candidates import cuda_library, kernel_artifacts, nvcc_build, registry
 from tuner.candidates import cuda_w4a16 as cw
-from tuner.candidates import kernel_artifacts, nvcc_build, registry
 from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.quant import int4
 from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_roundoff
@@ -105,19 +105,19 @@ def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:
     assert cw.library(cfg(stages=6)) != a
     assert cw.library(cfg(warps=8, split="rows")) != a
     assert cw.Library.from_json(a.to_json()) == a
-    command = cw.nvcc_command("nvcc", cw.library(cfg(2, 3)), nvcc_build.library_path(a))
+    command = cw.library(cfg(2, 3)).nvcc_command("nvcc", nvcc_build.library_path(a))
     assert {"-DGEMV_SPLIT_ROWS=0", "-DGEMV_SLICES=2", "-DGEMV_STAGES=3",
-            f"-arch={cw.ARCH}"} <= set(command)  # fmt: skip
-    assert "-DGEMV_SPLIT_ROWS=1" in cw.nvcc_command(
-        "nvcc", cw.library(cfg(split="rows")), nvcc_build.library_path(a)
+            f"-arch={cuda_library.ARCH}"} <= set(command)  # fmt: skip
+    assert "-DGEMV_SPLIT_ROWS=1" in cw.library(cfg(split="rows")).nvcc_command(
+        "nvcc", nvcc_build.library_path(a)
     )
     # the name and the artifact spec carry the toolkit and the flags: another one never reuses it
     spec = a.artifact_spec()
-    assert spec.source == "cuda_w4a16" and spec.arch == cw.ARCH
+    assert spec.source == "cuda_w4a16" and spec.arch == cuda_library.ARCH
     assert "warps" not in spec.config  # one library serves every launch shape
     assert set(spec.toolchain) == {"w4a16_gemv.cu", "nvcc", "flags"}
     built_here = (a.digest, spec.id)
-    monkeypatch.setattr(cw, "toolkit", lambda: "12.8")
+    monkeypatch.setattr(cuda_library, "toolkit", lambda: "12.8")
     assert a.artifact_spec().toolchain["nvcc"] == "12.8"
     assert a.digest != built_here[0] and a.artifact_spec().id != built_here[1]
     other_toolkit = (a.digest, a.artifact_spec().id)
@@ -171,13 +171,13 @@ def test_a_failed_library_is_neither_offered_nor_compiled_again(store: ArtifactS
 
 
 def test_without_nvcc_only_stored_libraries_are_offered(store: ArtifactStore, monkeypatch) -> None:
-    monkeypatch.setattr(cw, "cannot_compile", lambda: "nvcc not found")
+    monkeypatch.setattr(cuda_library, "cannot_compile", lambda: "nvcc not found")
     key = key_of("int4-g128", 2)
     assert cw.CudaW4A16().candidates(key, "cuda") == []
     config = cw.configs(key.m, key.n, key.k, key.group)[2]
-    assert not cw._any_stored([cw.library(config)])
+    assert not cuda_library.any_stored([cw.library(config)])
     store.put(cw.library(config).artifact_spec(), pack({kernel_artifacts.LIBRARY: b"an .so"}))
-    assert cw._any_stored(map(cw.library, cw.configs(key.m, key.n, key.k, key.group)))  # index
+    assert cuda_library.any_stored(map(cw.library, cw.configs(key.m, key.n, key.k, key.group)))  # index
     shared = [c for c in cw.configs(key.m, key.n, key.k, key.group)
               if cw.library(c) == cw.library(config)]  # fmt: skip
     assert cw.CudaW4A16().candidates(key, "cuda") == shared  # installed on the way

@@ -15,10 +15,7 @@ It reads our packed layout (``tuner.quant.int4``) as the Triton kernel does.
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
 ``stages`` of each copy ring: a ``Library``) and its launch part (``warps`` per CTA, ``cluster``
 CTAs splitting K). Each library (the CUDA runtime linked in statically) serves every shape and is
-built by nvcc for sm_90a through ``nvcc_build`` (``compile_all``: a child process
-per library, a failure remembered and never compiled again) and loaded with ctypes; it is an
-artifact (``kernel_artifacts``), keyed by the kernel source, nvcc's release and the flags, so
-a host without nvcc runs a library another host built with the same toolkit.
+built, stored and loaded as ``cuda_library`` says.
 
 As a candidate source (``CudaW4A16``) its runners take torch's packed weight, as the baseline
 does, and read our layout of it (``int4_torch.ours``: made once per weight, memoised).
@@ -27,30 +24,24 @@ does, and read our layout of it (``int4_torch.ours``: made once per weight, memo
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import json
-import re
-import subprocess
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from tuner.cache.artifacts import ArtifactSpec
+from tuner.candidates import cuda_library, int4_operands, nvcc_build
 from tuner.candidates import gemm_operands as ops
-from tuner.candidates import int4_operands, kernel_artifacts, nvcc_build
 from tuner.candidates.base import Params, Runner, Source
+from tuner.candidates.cuda_library import Launcher
 from tuner.candidates.triton_kernels.w4a16 import check_inputs
 from tuner.core.keys import GemmKey
 from tuner.quant import int4_torch
 from tuner.quant.int4 import CHUNK, GROUP_SIZES
 
-SOURCE = Path(__file__).parent / "cuda_kernels" / "w4a16_gemv.cu"
-ARCH = "sm_90a"
+SOURCE = cuda_library.KERNELS / "w4a16_gemv.cu"
 SPLITS, SLICES, STAGES = ("k", "rows"), (1, 2, 4), range(2, 9)
 MAX_M = 16  # two n8 tiles of activations
 NARROW_M = 8  # one n8 tile
@@ -117,124 +108,47 @@ def smem_bytes(config: Config, m: int, group: int) -> int:
     return max(rings * config["stages"] * stage, sums * rows * m * 4) + inbox
 
 
-@functools.cache
-def _source_digest() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-
-
-@functools.cache
-def toolkit() -> str:
-    """nvcc's release ("13.0"), which the libraries built here carry in their names; without
-    nvcc, the CUDA release torch was built for: the toolkit whose libraries this host loads."""
-    nvcc = nvcc_build.nvcc_path()
-    if nvcc is not None:
-        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-        if found := re.search(r"release (\d+\.\d+)", text):
-            return found.group(1)
-    return torch.version.cuda or "none"
-
-
-def cannot_compile() -> str | None:
-    """Why libraries cannot be compiled here (no nvcc), else None."""
-    return nvcc_build.missing_nvcc()
-
-
 @dataclass(frozen=True)
-class Library:
-    """A config's compile-time part: one shared library (an ``nvcc_build.LibrarySpec``)."""
+class Library(cuda_library.CudaLibrary):
+    """A config's compile-time part: one shared library."""
+
+    kind: ClassVar[str] = "cuda_w4a16"
+    source: ClassVar[Path] = SOURCE
+    builder: ClassVar[str] = BUILDER
 
     split: str
     slices: int
     stages: int
 
-    @property
-    def builder(self) -> str:
-        return BUILDER
-
-    def flags(self) -> list[str]:
-        """nvcc's options, all but the output and the source."""
-        return ["-O3", "-lineinfo", f"-arch={ARCH}", "-std=c++17", "-shared", "-Xcompiler",
-                "-fPIC", f"-DGEMV_SPLIT_ROWS={int(self.split == 'rows')}",
-                f"-DGEMV_SLICES={self.slices}", f"-DGEMV_STAGES={self.stages}"]  # fmt: skip
-
-    def toolchain(self) -> dict[str, str]:
-        """What besides the config decides the library: the source, nvcc's release, the flags."""
-        flags = hashlib.sha256(" ".join(self.flags()).encode()).hexdigest()[:16]
-        return {"w4a16_gemv.cu": _source_digest(), "nvcc": toolkit(), "flags": flags}
-
-    @property
-    def digest(self) -> str:
-        fields = {**asdict(self), "arch": ARCH, **self.toolchain()}
-        return (
-            "cuda_w4a16_"
-            + hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
-        )
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> Library:
-        return cls(**json.loads(text))
-
-    def artifact_spec(self) -> ArtifactSpec:
-        return ArtifactSpec("cuda_w4a16", asdict(self), ARCH, self.toolchain())
+    def defines(self) -> list[str]:
+        return [f"-DGEMV_SPLIT_ROWS={int(self.split == 'rows')}", f"-DGEMV_SLICES={self.slices}",
+                f"-DGEMV_STAGES={self.stages}"]  # fmt: skip
 
 
 def library(config: Config) -> Library:
     return Library(config["split"], config["slices"], config["stages"])
 
 
-def nvcc_command(nvcc: str, lib: Library, out: Path) -> list[str]:
-    return [nvcc, *lib.flags(), "-o", str(out), str(SOURCE)]
-
-
-def compile_library(lib: Library) -> dict[str, Any]:
-    """Child-process body of ``nvcc_build.compile_all``: build ``lib`` in the cache; a verdict."""
-    nvcc = nvcc_build.nvcc_path()
-    if nvcc is None:
-        return {"ok": False, "permanent": False, "error": cannot_compile()}
-    return nvcc_build.build_library(lib, lambda out: nvcc_command(nvcc, lib, out), {})
-
-
 def compile_all(configs: Iterable[Config]) -> dict[Library, str | None]:
     """The libraries of ``configs`` installed from the artifact store, or compiled in parallel
     child processes (then published): library -> None or why it is missing."""
-    libs = list(dict.fromkeys(map(library, configs)))
-    kernel_artifacts.install_missing(libs)
-    errors = nvcc_build.compile_all(libs, needs=cannot_compile)
-    publish(lib for lib, error in errors.items() if error is None)
-    return errors
+    return cuda_library.compile_all(map(library, configs))
 
 
-def publish(libs: Iterable[Library]) -> None:
-    """Store each built library in the artifact store, unless it came from there or is stored."""
-    for lib in libs:
-        if nvcc_build.compiled_info(lib) is not None:
-            kernel_artifacts.publish_once(lib, nvcc_build.library_path(lib))
+ENTRY = "w4a16_gemv"
+ARGTYPES = (*[ctypes.c_void_p] * 4, *[ctypes.c_int] * 4, *[ctypes.c_longlong] * 2,
+            *[ctypes.c_int] * 3, ctypes.c_void_p)  # fmt: skip
 
 
-Launcher = Callable[..., int]
-
-
-@functools.cache
 def load(path: Path) -> Launcher:
     """The `w4a16_gemv` entry point of the library at ``path`` (loaded once)."""
-    lib = ctypes.CDLL(str(path))
-    fn = lib.w4a16_gemv
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_longlong] * 2 + \
-        [ctypes.c_int] * 3 + [ctypes.c_void_p]  # fmt: skip
-    return fn
+    return cuda_library.load(path, ENTRY, ARGTYPES)
 
 
 def launcher(config: Config) -> Launcher:
     """The ``w4a16_gemv`` entry point of ``config``'s library: installed from the artifact store,
     else compiled here, unless it failed before (RuntimeError with the error)."""
-    lib = library(config)
-    if error := compile_all([config])[lib]:
-        raise RuntimeError(f"cuda_w4a16 library {lib}: {error}")
-    return load(nvcc_build.library_path(lib))
+    return cuda_library.built(library(config), ENTRY, ARGTYPES)
 
 
 def check_operands(
@@ -322,19 +236,6 @@ def unsupported_reason(key: GemmKey) -> str | None:
     return None
 
 
-def _any_stored(libs: Iterable[Library]) -> bool:
-    """Whether one of ``libs`` is built here or held by the artifact store (its index, read
-    once, not the bytes)."""
-    libs = list(libs)
-    if any(nvcc_build.compiled_info(lib) is not None for lib in libs):
-        return True
-    store = kernel_artifacts.shared_store()
-    if store is None:
-        return False
-    stored = store.hashes()
-    return any(lib.artifact_spec().id in stored for lib in libs)
-
-
 class CudaW4A16(Source):
     name = "cuda_w4a16"
     op = "gemm"
@@ -347,7 +248,7 @@ class CudaW4A16(Source):
         cap = torch.cuda.get_device_capability()
         if cap != (9, 0):
             return f"compute capability {cap}: the kernel is built for sm_90a (Hopper) only"
-        if cannot_compile() and not _any_stored(
+        if cuda_library.cannot_compile() and not cuda_library.any_stored(
             library(dict(zip(CONFIG_KEYS, e, strict=True)))
             for e in dict.fromkeys(SHORTLIST + WIDE_SHORTLIST)
         ):
@@ -360,12 +261,9 @@ class CudaW4A16(Source):
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         """The shortlist less configs whose library failed to compile; without nvcc, only
         those whose library is built here or stored (installed now)."""
-        chosen = [c for c in configs(key.m, key.n, key.k, key.group)
-                  if nvcc_build.failure(library(c)) is None]  # fmt: skip
-        if cannot_compile():
-            kernel_artifacts.install_missing(map(library, chosen))
-            chosen = [c for c in chosen if nvcc_build.compiled_info(library(c)) is not None]
-        return chosen
+        chosen = configs(key.m, key.n, key.k, key.group)
+        usable = set(cuda_library.usable(map(library, chosen)))
+        return [c for c in chosen if library(c) in usable]
 
     def precompile(self, key: GemmKey, shortlist: list[Params]) -> None:
         compile_all(shortlist)  # failures are recorded, and raised by build
@@ -373,10 +271,7 @@ class CudaW4A16(Source):
     def precompile_run(
         self, shortlists: list[tuple[GemmKey, list[Params]]], ready: Callable[[int], None]
     ) -> None:
-        """Every distinct library of the run once, on every core, in the order first needed."""
-        libs_of = [[library(p) for p in s] for _, s in shortlists]
-        kernel_artifacts.compile_run(libs_of, ready, cannot_compile)
-        publish(dict.fromkeys(lib for libs in libs_of for lib in libs))
+        cuda_library.precompile_run([[library(p) for p in s] for _, s in shortlists], ready)
 
     def build(self, key: GemmKey, params: Params) -> Runner:
         check_config(params, key.m, key.n, key.k, key.group)
@@ -410,7 +305,9 @@ class CudaW4A16(Source):
 
 
 def _main(argv: list[str]) -> int:
-    return nvcc_build.child_main(argv, lambda text: compile_library(Library.from_json(text)))
+    return nvcc_build.child_main(
+        argv, lambda text: cuda_library.compile_library(Library.from_json(text))
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,170 @@
+"""Our own CUDA kernels (``cuda_kernels/*.cu``), each config built as a shared library by nvcc.
+
+What the hand-written kernel sources (``cuda_w4a16``, ``cuda_fp8``) share: a config's
+compile-time part is a frozen dataclass that mixes in ``CudaLibrary`` (its fields become ``-D``
+defines); each library carries the CUDA runtime linked in statically, is built for sm_90a
+through ``nvcc_build`` (``compile_all``: a child process per library, a failure remembered and
+never compiled again) and loaded with ctypes. It is an artifact (``kernel_artifacts``), keyed by
+the kernel source, nvcc's release and the flags, so a host without nvcc runs a library another
+host built with the same toolkit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import re
+import subprocess
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from tuner.cache.artifacts import ArtifactSpec
+from tuner.candidates import kernel_artifacts, nvcc_build
+
+ARCH = "sm_90a"
+KERNELS = Path(__file__).parent / "cuda_kernels"
+
+Launcher = Callable[..., int]
+
+
+@functools.cache
+def source_digest(source: Path) -> str:
+    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+
+
+@functools.cache
+def toolkit() -> str:
+    """nvcc's release ("13.0"), which the libraries built here carry in their names; without
+    nvcc, the CUDA release torch was built for: the toolkit whose libraries this host loads."""
+    nvcc = nvcc_build.nvcc_path()
+    if nvcc is not None:
+        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        if found := re.search(r"release (\d+\.\d+)", text):
+            return found.group(1)
+    return torch.version.cuda or "none"
+
+
+def cannot_compile() -> str | None:
+    """Why libraries cannot be compiled here (no nvcc), else None."""
+    return nvcc_build.missing_nvcc()
+
+
+class CudaLibrary:
+    """Mixin for a frozen dataclass naming one library of a kernel source: ``kind`` (the
+    source's name, the artifacts' kind), ``source`` (the .cu file), ``builder`` (the module whose
+    ``__main__`` compiles one in a child process) and ``defines()`` (its ``-D`` flags)."""
+
+    kind: ClassVar[str]
+    source: ClassVar[Path]
+    builder: ClassVar[str]
+
+    def defines(self) -> list[str]:
+        raise NotImplementedError
+
+    def flags(self) -> list[str]:
+        """nvcc's options, all but the output and the source."""
+        return ["-O3", "-lineinfo", f"-arch={ARCH}", "-std=c++17", "-shared", "-Xcompiler",
+                "-fPIC", *self.defines()]  # fmt: skip
+
+    def toolchain(self) -> dict[str, str]:
+        """What besides the config decides the library: the source, nvcc's release, the flags."""
+        flags = hashlib.sha256(" ".join(self.flags()).encode()).hexdigest()[:16]
+        return {self.source.name: source_digest(self.source), "nvcc": toolkit(), "flags": flags}
+
+    @property
+    def digest(self) -> str:
+        fields = {**asdict(self), "arch": ARCH, **self.toolchain()}  # type: ignore[call-overload]
+        return (
+            f"{self.kind}_"
+            + hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls, text: str) -> Any:
+        return cls(**json.loads(text))
+
+    def artifact_spec(self) -> ArtifactSpec:
+        return ArtifactSpec(self.kind, asdict(self), ARCH, self.toolchain())  # type: ignore[call-overload]
+
+    def nvcc_command(self, nvcc: str, out: Path) -> list[str]:
+        return [nvcc, *self.flags(), "-o", str(out), str(self.source)]
+
+
+def compile_library(lib: CudaLibrary) -> dict[str, Any]:
+    """Child-process body of ``nvcc_build.compile_all``: build ``lib`` in the cache; a verdict."""
+    nvcc = nvcc_build.nvcc_path()
+    if nvcc is None:
+        return {"ok": False, "permanent": False, "error": cannot_compile()}
+    return nvcc_build.build_library(lib, lambda out: lib.nvcc_command(nvcc, out), {})
+
+
+def compile_all(libs: Iterable[CudaLibrary]) -> dict[Any, str | None]:
+    """``libs`` installed from the artifact store, or compiled in parallel child processes (then
+    published): library -> None or why it is missing."""
+    libs = list(dict.fromkeys(libs))
+    kernel_artifacts.install_missing(libs)
+    errors = nvcc_build.compile_all(libs, needs=cannot_compile)
+    publish(lib for lib, error in errors.items() if error is None)
+    return errors
+
+
+def publish(libs: Iterable[CudaLibrary]) -> None:
+    """Store each built library in the artifact store, unless it came from there or is stored."""
+    for lib in libs:
+        if nvcc_build.compiled_info(lib) is not None:
+            kernel_artifacts.publish_once(lib, nvcc_build.library_path(lib))
+
+
+@functools.cache
+def load(path: Path, entry: str, argtypes: tuple[Any, ...]) -> Launcher:
+    """The C entry point ``entry`` of the library at ``path`` (loaded once), returning an int."""
+    fn = getattr(ctypes.CDLL(str(path)), entry)
+    fn.restype = ctypes.c_int
+    fn.argtypes = list(argtypes)
+    return fn
+
+
+def built(lib: CudaLibrary, entry: str, argtypes: tuple[Any, ...]) -> Launcher:
+    """``entry`` of ``lib``: installed from the artifact store, else compiled here, unless it
+    failed before (RuntimeError with the error)."""
+    if error := compile_all([lib])[lib]:
+        raise RuntimeError(f"{lib.kind} library {lib}: {error}")
+    return load(nvcc_build.library_path(lib), entry, argtypes)
+
+
+def any_stored(libs: Iterable[CudaLibrary]) -> bool:
+    """Whether one of ``libs`` is built here or held by the artifact store (its index, read
+    once, not the bytes)."""
+    libs = list(libs)
+    if any(nvcc_build.compiled_info(lib) is not None for lib in libs):
+        return True
+    store = kernel_artifacts.shared_store()
+    if store is None:
+        return False
+    stored = store.hashes()
+    return any(lib.artifact_spec().id in stored for lib in libs)
+
+
+def usable(libs: Iterable[CudaLibrary]) -> list[CudaLibrary]:
+    """``libs`` less those that failed to compile; without nvcc, only those built here or stored
+    (installed now)."""
+    chosen = [lib for lib in libs if nvcc_build.failure(lib) is None]
+    if cannot_compile():
+        kernel_artifacts.install_missing(chosen)
+        chosen = [lib for lib in chosen if nvcc_build.compiled_info(lib) is not None]
+    return chosen
+
+
+def precompile_run(libs_of: list[list[CudaLibrary]], ready: Callable[[int], None]) -> None:
+    """A tuning run's libraries (per key, in the order first needed), each once, on every core."""
+    kernel_artifacts.compile_run(libs_of, ready, cannot_compile)
+    publish(dict.fromkeys(lib for libs in libs_of for lib in libs))
