@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tuner.candidates import cuda_library, int4_operands, nvcc_build
+from tuner.candidates import cuda_library, int4_operands, nvcc_build, operand_guard
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner, Source
 from tuner.candidates.cuda_library import Launcher
@@ -288,7 +288,7 @@ class CudaW4A16(Source):
             if x.device != device:
                 raise ValueError(f"x.device={x.device}: this runner is built for {device}")
 
-        checked = int4_operands.CheckedOnce(check)
+        checked = operand_guard.CheckedOnce(check)
 
         def runner(
             x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,

@@ -32,7 +32,7 @@ import functools
 import torch
 import triton
 
-from tuner.candidates import int4_operands, triton_w4a16
+from tuner.candidates import int4_operands, operand_guard, triton_w4a16
 from tuner.candidates.base import Params, Runner, Source
 from tuner.candidates.triton_kernels import dequant, w4a16
 from tuner.candidates.triton_kernels.launch import WarmReport, precompile
@@ -151,7 +151,7 @@ class DequantGemm(Source):
             if out is not None:
                 int4_operands.check_out(out, key.m, n, x)
 
-        checked = int4_operands.CheckedOnce(check)
+        checked = operand_guard.CheckedOnce(check)
 
         def run(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tuner.candidates import int4_operands
+from tuner.candidates import int4_operands, operand_guard
 from tuner.candidates.base import Params, Runner, Source, triton_unavailable
 from tuner.candidates.triton_kernels import w4a16
 from tuner.candidates.triton_kernels.launch import WarmReport, precompile
@@ -73,7 +73,7 @@ class TritonW4A16(Source):
             if out is not None:
                 int4_operands.check_out(out, m, n, x)
 
-        checked = int4_operands.CheckedOnce(check)
+        checked = operand_guard.CheckedOnce(check)
 
         def run(x, packed, scales_and_zeros, out=None):
             weight = int4_torch.ours(packed)

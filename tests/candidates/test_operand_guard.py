@@ -1,12 +1,12 @@
-"""The operands of the INT4 runners: checked once per guard, and the guard tells apart every
-property a check reads."""
+"""A runner's operands (an INT4 runner's here): checked once per guard, and the guard tells
+apart every property a check reads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tuner.candidates import int4_operands
+from tuner.candidates import operand_guard
 from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.measure import samples
 from tuner.quant import int4
@@ -24,8 +24,8 @@ def test_the_guard_holds_every_property_a_check_reads() -> None:
     weight = int4.pack(torch.randint(0, 16, (n, k), dtype=torch.uint8))
     sz = torch.randn(k // 128, n, 2, dtype=torch.bfloat16)
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    guard = int4_operands.guard(x, weight, sz, out)
-    assert int4_operands.guard(x.clone(), weight.clone(), sz.clone(), out.clone()) == guard
+    guard = operand_guard.guard(x, weight, sz, out)
+    assert operand_guard.guard(x.clone(), weight.clone(), sz.clone(), out.clone()) == guard
     odd = torch.empty(sz.numel() + 1, dtype=sz.dtype)[1:].view(sz.shape)  # 2-byte aligned
     rows = torch.empty(m, k + 8, dtype=x.dtype)[:, :k]
     others = [
@@ -34,13 +34,13 @@ def test_the_guard_holds_every_property_a_check_reads() -> None:
         (x, weight, sz, out.half()), (x, weight, sz, out.t().contiguous().t()),
         (x, weight, sz, None), (x, weight, sz, torch.empty(out.numel() + 1, dtype=out.dtype)[1:].view(out.shape)),
     ]  # fmt: skip
-    assert all(int4_operands.guard(*ops) != guard for ops in others)
+    assert all(operand_guard.guard(*ops) != guard for ops in others)
 
 
 def test_operands_are_checked_once_per_guard() -> None:
     x, packed, sz = samples.make_inputs(KEY, "cpu", torch.Generator().manual_seed(0))
     seen = []
-    checked = int4_operands.CheckedOnce(lambda *operands: seen.append(operands))
+    checked = operand_guard.CheckedOnce(lambda *operands: seen.append(operands))
     checked(x, packed, sz, None)
     checked(x.clone(), packed, sz, None)  # other memory, same guard: not checked again
     assert len(seen) == 1
@@ -51,7 +51,7 @@ def test_operands_are_checked_once_per_guard() -> None:
     def refuse(*operands):
         raise ValueError("x: refused")
 
-    strict = int4_operands.CheckedOnce(refuse)
+    strict = operand_guard.CheckedOnce(refuse)
     for _ in range(2):  # a guard that failed is not remembered: it fails every time
         with pytest.raises(ValueError, match="refused"):
             strict(x, packed, sz, None)
