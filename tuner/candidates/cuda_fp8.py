@@ -37,7 +37,7 @@ from tuner.core.keys import DTYPES, GemmKey
 
 SOURCE = cuda_library.KERNELS / "fp8_gemv.cu"
 BUILDER = "tuner.candidates.cuda_fp8"  # this module, also when it runs as __main__
-SLICES, UNROLL = (1, 2, 4), (2, 4, 8)
+SLICES, UNROLL = (1, 2, 4), (1, 2, 4)
 MAX_M, NARROW_M = 16, 8  # two n8 tiles of x; one up to NARROW_M
 MAX_WARPS = 16
 SMEM_LIMIT = 48 * 1024  # the partials: within the default, no opt-in

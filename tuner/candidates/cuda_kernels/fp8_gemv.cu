@@ -12,8 +12,10 @@
 //
 // A warp owns ROWS = 16 x FP8_SLICES weight rows (x's fragment serves every slice), a CTA the
 // same rows, and its warps split K: warp w takes batches w, w + warps, ... of FP8_UNROLL spans,
-// so that the warps of a CTA read adjacent runs of each row at about the same time. A batch's
-// loads are all issued before its mma; the SM hides their latency with other warps. The warps'
+// so that the warps of a CTA read adjacent runs of each row at about the same time. A warp holds
+// two batches in registers and issues the loads of the next before it multiplies the current
+// one (the compiler would otherwise place each span's mma right after its own loads, and the
+// warp would wait on every load in turn). The warps'
 // [ROWS, M] partials are summed in shared memory in warp order (deterministic), scaled and
 // stored. Each span's two mma start from zero and are added into the fp32 sums: the tensor
 // cores' partial-precision FP8 accumulation never runs over more than 64 products of K.
@@ -46,7 +48,7 @@ constexpr int MAX_M = 16;
 constexpr int MAX_WARPS = 16;
 constexpr int SMEM_LIMIT = 48 * 1024;  // the partials' bytes: no opt-in needed
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "16, 32 or 64 rows a warp");
-static_assert(UNROLL >= 1 && UNROLL <= 16, "1..16 spans a batch");
+static_assert(UNROLL >= 1 && UNROLL <= 8, "1..8 spans a batch");
 
 enum Fp8 { E4M3, E5M2 };
 enum Out { BF16, F16, F32 };
@@ -84,7 +86,7 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
                                     uint32_t a3, uint32_t b0, uint32_t b1) {
   const float z = 0.f;
 #define FP8_MMA(WT, XT)                                                                   \
-  asm("mma.sync.aligned.m16n8k32.row.col.f32." WT "." XT ".f32 "                 \
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32." WT "." XT ".f32 "                 \
                "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};\n"    \
                : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                             \
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(z))
@@ -95,31 +97,42 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
 #undef FP8_MMA
 }
 
-// One batch: UNROLL spans of the warp's rows and of x, loaded (CHECK: lanes past K read zeros),
-// then multiplied into `acc`.
-template <Fp8 W, Fp8 X, int NT, bool CHECK>
-__device__ __forceinline__ void batch(const uint8_t* const (&wrow)[SLICES][2],
-                                      const uint8_t* const (&xrow)[NT], int span0, int lane_k,
-                                      int k, float (&acc)[SLICES][NT][4]) {
-  uint4 a[UNROLL][SLICES][2], b[UNROLL][NT];
+// One batch: UNROLL spans of the warp's rows (a) and of x (b), in registers.
+template <int NT>
+struct Batch {
+  uint4 a[UNROLL][SLICES][2];
+  uint4 b[UNROLL][NT];
+};
+
+// Issues the loads of the batch whose first byte of K is `at0`; lanes past K read zeros (so do
+// whole batches past K: a warp's last prefetch).
+template <int NT>
+__device__ __forceinline__ void load(Batch<NT>& r, const uint8_t* const (&wrow)[SLICES][2],
+                                     const uint8_t* const (&xrow)[NT], long long at0, int lane_k,
+                                     int k) {
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
-    const long long at = static_cast<long long>(span0 + u) * SPAN;
-    const bool valid = !CHECK || at + lane_k < k;
+    const long long at = at0 + u * SPAN;
+    const bool valid = at + lane_k < k;
 #pragma unroll
     for (int s = 0; s < SLICES; ++s)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) a[u][s][h] = valid ? load_stream(wrow[s][h] + at) : uint4{};
+      for (int h = 0; h < 2; ++h) r.a[u][s][h] = valid ? load_stream(wrow[s][h] + at) : uint4{};
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) b[u][nt] = valid ? load_shared_operand(xrow[nt] + at) : uint4{};
+    for (int nt = 0; nt < NT; ++nt) r.b[u][nt] = valid ? load_shared_operand(xrow[nt] + at) : uint4{};
   }
+}
+
+// acc += the batch's products, each span's two mma summed from zero first.
+template <Fp8 W, Fp8 X, int NT>
+__device__ __forceinline__ void compute(const Batch<NT>& r, float (&acc)[SLICES][NT][4]) {
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
     for (int s = 0; s < SLICES; ++s)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        const uint4 &r0 = a[u][s][0], &r8 = a[u][s][1], &x = b[u][nt];
+        const uint4 &r0 = r.a[u][s][0], &r8 = r.a[u][s][1], &x = r.b[u][nt];
         float lo[4], hi[4];
         mma<W, X>(lo, r0.x, r8.x, r0.y, r8.y, x.x, x.y);
         mma<W, X>(hi, r0.z, r8.z, r0.w, r8.w, x.z, x.w);
@@ -160,16 +173,22 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) fp8_gemv_kernel(const Params p
   const uint8_t* xrow[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) xrow[nt] = p.x + min(8 * nt + g, p.m - 1) * p.ldx + lane_k;
-  const int spans = (p.k + SPAN - 1) / SPAN, full = spans / UNROLL;
+  const int batches = (p.k + UNROLL * SPAN - 1) / (UNROLL * SPAN);
+  const long long step = static_cast<long long>(warps) * UNROLL * SPAN;  // K bytes a turn
   float acc[SLICES][NT][4] = {};
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  // whole batches inside K unchecked, then the (at most two) the last span may cut
-  const int whole = p.k % SPAN ? full - 1 : full;
-  int b = warp;
-  for (; b < whole; b += warps) batch<W, X, NT, false>(wrow, xrow, b * UNROLL, lane_k, p.k, acc);
-  for (; b * UNROLL < spans; b += warps)
-    batch<W, X, NT, true>(wrow, xrow, b * UNROLL, lane_k, p.k, acc);
+  // two batches in registers: the next one's loads are in flight while this one is multiplied
+  Batch<NT> r0, r1;
+  long long at = static_cast<long long>(warp) * UNROLL * SPAN;
+  load(r0, wrow, xrow, at, lane_k, p.k);
+  for (int b = warp; b < batches; b += 2 * warps, at += 2 * step) {
+    load(r1, wrow, xrow, at + step, lane_k, p.k);
+    compute<W, X, NT>(r0, acc);
+    if (b + warps >= batches) break;
+    load(r0, wrow, xrow, at + 2 * step, lane_k, p.k);
+    compute<W, X, NT>(r1, acc);
+  }
   // the next kernel may launch once every CTA got here (it waits for this grid's writes itself)
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
