@@ -50,8 +50,9 @@ GRID = [
 ]  # fmt: skip
 
 
-# (slices, unroll, warps) of the CUDA kernel: 16-64 rows a warp, 2-8 spans a batch, 4-16 warps.
-CUDA_GRID = [(s, u, w) for s in cuda_fp8.SLICES for u in cuda_fp8.UNROLL for w in (4, 8, 16)]
+# (slices, unroll, stages, warps) of the CUDA kernel: 16-32 rows a warp, 1-2 spans a batch,
+# 4-8 stages, 4-16 warps (those whose rings fit).
+CUDA_GRID = [(s, u, st, w) for s in (1, 2) for u in (1, 2) for st in (4, 6, 8) for w in (4, 8, 16)]
 TRITON, CUDA = "fp8_rowwise", "cuda_fp8"
 
 
@@ -177,7 +178,8 @@ def pct(moved: int, us: float, copy_gbs: float) -> float:
 
 def label(cfg: dict[str, Any]) -> str:
     if "unroll" in cfg:
-        return f"cuda {16 * cfg['slices']} rows x {cfg['unroll']} spans w{cfg['warps']}"
+        return (f"cuda {16 * cfg['slices']} rows x {cfg['unroll']} spans s{cfg['stages']} "
+                f"w{cfg['warps']}")  # fmt: skip
     il = "i" if cfg.get("interleave") else ""
     return (f"tiled {cfg['bn']}x{cfg['bk']} split {cfg.get('split_k', 1)}{il} w{cfg['warps']} "
             f"s{cfg['stages']}")  # fmt: skip

@@ -37,16 +37,16 @@ from tuner.core.keys import DTYPES, GemmKey
 
 SOURCE = cuda_library.KERNELS / "fp8_gemv.cu"
 BUILDER = "tuner.candidates.cuda_fp8"  # this module, also when it runs as __main__
-SLICES, UNROLL = (1, 2, 4), (1, 2, 4)
+SLICES, UNROLL, STAGES = (1, 2, 4), (1, 2, 4), range(2, 9)
 MAX_M, NARROW_M = 16, 8  # two n8 tiles of x; one up to NARROW_M
 MAX_WARPS = 16
-SMEM_LIMIT = 48 * 1024  # the partials: within the default, no opt-in
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may take on sm_90
 ALIGN = 16  # bytes: x's and w's rows are loaded in 16-byte pieces
 FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 Config = dict[str, Any]
-CONFIG_KEYS = ("slices", "unroll", "warps")
+CONFIG_KEYS = ("slices", "unroll", "stages", "warps")
 
 
 def _choice(config: Config, key: str, allowed: Iterable[Any]) -> Any:
@@ -58,8 +58,12 @@ def _choice(config: Config, key: str, allowed: Iterable[Any]) -> Any:
 
 
 def smem_bytes(config: Config, m: int) -> int:
-    """Shared memory of one CTA: the warps' [n8 tiles x 8, rows] float32 partials."""
-    return config["warps"] * (16 if m > NARROW_M else 8) * 16 * config["slices"] * 4
+    """Shared memory of one CTA (as the launcher computes it): each warp's ring (``stages`` x
+    ``unroll`` spans of its two rows a slice and its n8 tiles of x, 512 bytes each) and its
+    [n8 tiles x 8, rows] float32 partials."""
+    tiles, slices = (2 if m > NARROW_M else 1), config["slices"]
+    ring = config["stages"] * config["unroll"] * (2 * slices + tiles) * 512
+    return config["warps"] * (ring + tiles * 8 * 16 * slices * 4)
 
 
 def check_config(config: Config, m: int, n: int, k: int) -> None:
@@ -69,6 +73,7 @@ def check_config(config: Config, m: int, n: int, k: int) -> None:
         raise ValueError(f"config: unknown keys {sorted(extra)}; allowed {list(CONFIG_KEYS)}")
     _choice(config, "slices", SLICES)
     _choice(config, "unroll", UNROLL)
+    _choice(config, "stages", STAGES)
     _choice(config, "warps", range(1, MAX_WARPS + 1))
     if not 1 <= m <= MAX_M:
         raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
@@ -77,8 +82,8 @@ def check_config(config: Config, m: int, n: int, k: int) -> None:
     if n < 1:
         raise ValueError(f"N={n}: must be at least 1")
     if smem_bytes(config, m) > SMEM_LIMIT:
-        raise ValueError(f"config {config}: {smem_bytes(config, m)} bytes of partials at M={m}, "
-                         f"more than {SMEM_LIMIT}")  # fmt: skip
+        raise ValueError(f"config {config}: {smem_bytes(config, m)} bytes of shared memory at M={m}, "
+                         f"more than a CTA's {SMEM_LIMIT}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -91,13 +96,15 @@ class Library(cuda_library.CudaLibrary):
 
     slices: int
     unroll: int
+    stages: int
 
     def defines(self) -> list[str]:
-        return [f"-DFP8_SLICES={self.slices}", f"-DFP8_UNROLL={self.unroll}"]
+        return [f"-DFP8_SLICES={self.slices}", f"-DFP8_UNROLL={self.unroll}",
+                f"-DFP8_STAGES={self.stages}"]  # fmt: skip
 
 
 def library(config: Config) -> Library:
-    return Library(config["slices"], config["unroll"])
+    return Library(config["slices"], config["unroll"], config["stages"])
 
 
 def compile_all(configs: Iterable[Config]) -> dict[Library, str | None]:
@@ -174,8 +181,8 @@ def fp8_gemv(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     return out
 
 
-# Decode shortlist (slices, unroll, warps), the likeliest first.
-SHORTLIST = ((1, 4, 8), (2, 4, 8), (1, 8, 8), (2, 2, 8))
+# Decode shortlist (slices, unroll, stages, warps), the likeliest first.
+SHORTLIST = ((1, 1, 8, 8), (1, 2, 4, 8), (2, 1, 8, 4), (1, 1, 4, 16))
 
 
 def configs(m: int, n: int, k: int) -> list[Config]:

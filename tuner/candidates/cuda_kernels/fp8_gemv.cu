@@ -35,20 +35,26 @@
 #define FP8_SLICES 1
 #endif
 #ifndef FP8_UNROLL
-#define FP8_UNROLL 4
+#define FP8_UNROLL 1
+#endif
+#ifndef FP8_STAGES
+#define FP8_STAGES 4
 #endif
 
 namespace {
 
 constexpr int SLICES = FP8_SLICES;
 constexpr int UNROLL = FP8_UNROLL;
+constexpr int STAGES = FP8_STAGES;
 constexpr int ROWS = 16 * SLICES;
 constexpr int SPAN = 64;  // bytes of K per lane-quad load: 16 per lane
 constexpr int MAX_M = 16;
 constexpr int MAX_WARPS = 16;
-constexpr int SMEM_LIMIT = 48 * 1024;  // the partials' bytes: no opt-in needed
+constexpr int SMEM_LIMIT = 227 * 1024;  // a CTA's shared memory on sm_90
+constexpr int MAX_DEVICES = 64;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "16, 32 or 64 rows a warp");
-static_assert(UNROLL >= 1 && UNROLL <= 8, "1..8 spans a batch");
+static_assert(UNROLL >= 1 && UNROLL <= 4, "1..4 spans a batch");
+static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
 
 enum Fp8 { E4M3, E5M2 };
 enum Out { BF16, F16, F32 };
@@ -63,22 +69,6 @@ struct Params {
   int m, n, k;
   int rowwise;
 };
-
-__device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint4 load_shared_operand(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 // d = A (16 x 32, weight rows) x B (32 x 8, x's rows) in fp32, from zero.
 template <Fp8 W, Fp8 X>
@@ -97,48 +87,71 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
 #undef FP8_MMA
 }
 
-// One batch: UNROLL spans of the warp's rows (a) and of x (b), in registers.
+// A warp's stage of its ring: UNROLL spans, each [2 SLICES + NT pieces][32 lanes][16 bytes]
+// (each weight row pair's, then each x tile's): a lane copies, then reads, only its own bytes.
 template <int NT>
-struct Batch {
-  uint4 a[UNROLL][SLICES][2];
-  uint4 b[UNROLL][NT];
-};
+__host__ __device__ constexpr int stage_bytes() {
+  return UNROLL * (2 * SLICES + NT) * 32 * 16;
+}
 
-// Issues the loads of the batch whose first byte of K is `at0`; lanes past K read zeros (so do
-// whole batches past K: a warp's last prefetch).
+__device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  return v;
+}
+
+// Copies the batch whose first byte of K is `at0` into the stage at `stage` (this lane's bytes;
+// lanes past K, and whole batches past it, get zeros), as one commit group.
 template <int NT>
-__device__ __forceinline__ void load(Batch<NT>& r, const uint8_t* const (&wrow)[SLICES][2],
-                                     const uint8_t* const (&xrow)[NT], long long at0, int lane_k,
-                                     int k) {
+__device__ __forceinline__ void issue(uint32_t stage, const uint8_t* const (&wrow)[SLICES][2],
+                                      const uint8_t* const (&xrow)[NT], long long at0, int lane_k,
+                                      int k) {
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
     const long long at = at0 + u * SPAN;
     const bool valid = at + lane_k < k;
+    const uint32_t span = stage + u * (2 * SLICES + NT) * 512;
 #pragma unroll
     for (int s = 0; s < SLICES; ++s)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) r.a[u][s][h] = valid ? load_stream(wrow[s][h] + at) : uint4{};
+      for (int h = 0; h < 2; ++h) copy16(span + (2 * s + h) * 512, wrow[s][h] + (valid ? at : 0), valid);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) r.b[u][nt] = valid ? load_shared_operand(xrow[nt] + at) : uint4{};
+    for (int nt = 0; nt < NT; ++nt)
+      copy16(span + (2 * SLICES + nt) * 512, xrow[nt] + (valid ? at : 0), valid);
   }
+  asm volatile("cp.async.commit_group;\n" ::);
 }
 
-// acc += the batch's products, each span's two mma summed from zero first.
+// acc += the products of the stage at `stage` (this lane's bytes), each span's two mma summed
+// from zero first.
 template <Fp8 W, Fp8 X, int NT>
-__device__ __forceinline__ void compute(const Batch<NT>& r, float (&acc)[SLICES][NT][4]) {
+__device__ __forceinline__ void compute(uint32_t stage, float (&acc)[SLICES][NT][4]) {
 #pragma unroll
-  for (int u = 0; u < UNROLL; ++u)
+  for (int u = 0; u < UNROLL; ++u) {
+    const uint32_t span = stage + u * (2 * SLICES + NT) * 512;
+    uint4 x[NT];
 #pragma unroll
-    for (int s = 0; s < SLICES; ++s)
+    for (int nt = 0; nt < NT; ++nt) x[nt] = lds128(span + (2 * SLICES + nt) * 512);
+#pragma unroll
+    for (int s = 0; s < SLICES; ++s) {
+      const uint4 r0 = lds128(span + 2 * s * 512), r8 = lds128(span + (2 * s + 1) * 512);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        const uint4 &r0 = r.a[u][s][0], &r8 = r.a[u][s][1], &x = r.b[u][nt];
         float lo[4], hi[4];
-        mma<W, X>(lo, r0.x, r8.x, r0.y, r8.y, x.x, x.y);
-        mma<W, X>(hi, r0.z, r8.z, r0.w, r8.w, x.z, x.w);
+        mma<W, X>(lo, r0.x, r8.x, r0.y, r8.y, x[nt].x, x[nt].y);
+        mma<W, X>(hi, r0.z, r8.z, r0.w, r8.w, x[nt].z, x[nt].w);
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[s][nt][e] += lo[e] + hi[e];
       }
+    }
+  }
 }
 
 template <typename T>
@@ -158,7 +171,8 @@ __device__ __forceinline__ float convert(float v) {
 
 template <Fp8 W, Fp8 X, int NT, typename T>
 __global__ void __launch_bounds__(MAX_WARPS * 32) fp8_gemv_kernel(const Params p) {
-  extern __shared__ __align__(16) float part[];  // [warps][NT * 8 tokens][ROWS]
+  // the warps' rings, then their partials [warps][NT * 8 tokens][ROWS]
+  extern __shared__ __align__(16) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3, lane_k = 16 * t;
   const int row0 = blockIdx.x * ROWS;
@@ -178,28 +192,35 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) fp8_gemv_kernel(const Params p
   float acc[SLICES][NT][4] = {};
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  // two batches in registers: the next one's loads are in flight while this one is multiplied
-  Batch<NT> r0, r1;
+  // a ring of STAGES batches a warp, STAGES - 1 of them in flight while one is multiplied
+  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) +
+                        (warp * STAGES * stage_bytes<NT>() + lane * 16);
+  const int mine = warp < batches ? (batches - warp + warps - 1) / warps : 0;
   long long at = static_cast<long long>(warp) * UNROLL * SPAN;
-  load(r0, wrow, xrow, at, lane_k, p.k);
-  for (int b = warp; b < batches; b += 2 * warps, at += 2 * step) {
-    load(r1, wrow, xrow, at + step, lane_k, p.k);
-    compute<W, X, NT>(r0, acc);
-    if (b + warps >= batches) break;
-    load(r0, wrow, xrow, at + 2 * step, lane_k, p.k);
-    compute<W, X, NT>(r1, acc);
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) issue(ring + i * stage_bytes<NT>(), wrow, xrow, at + i * step, lane_k, p.k);
+  int slot = 0;
+  for (int i = 0; i < mine; ++i, at += step) {
+    // the stage this lane read a turn ago is free: its reads fed that turn's mma
+    const int fill = slot == 0 ? STAGES - 1 : slot - 1;
+    issue(ring + fill * stage_bytes<NT>(), wrow, xrow, at + (STAGES - 1) * step, lane_k, p.k);
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
+    compute<W, X, NT>(ring + slot * stage_bytes<NT>(), acc);
+    slot = slot + 1 == STAGES ? 0 : slot + 1;
   }
+  asm volatile("cp.async.wait_all;\n" ::);
   // the next kernel may launch once every CTA got here (it waits for this grid's writes itself)
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-  float* mine = part + warp * NT * 8 * ROWS;
+  float* part = reinterpret_cast<float*>(smem + warps * STAGES * stage_bytes<NT>());
+  float* own = part + warp * NT * 8 * ROWS;
 #pragma unroll
   for (int s = 0; s < SLICES; ++s)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        mine[(8 * nt + 2 * t + (e & 1)) * ROWS + 16 * s + g + 8 * (e >> 1)] = acc[s][nt][e];
+        own[(8 * nt + 2 * t + (e & 1)) * ROWS + 16 * s + g + 8 * (e >> 1)] = acc[s][nt][e];
   __syncthreads();
   for (int i = threadIdx.x; i < p.m * ROWS; i += blockDim.x) {
     const int token = i / ROWS, r = i % ROWS, n = row0 + r;
@@ -211,14 +232,29 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) fp8_gemv_kernel(const Params p
   }
 }
 
-int smem_bytes(int m, int warps) { return warps * (m > 8 ? 16 : 8) * ROWS * 4; }
+int smem_bytes(int m, int warps) {
+  const int tiles = m > 8 ? 2 : 1;
+  return warps * (STAGES * UNROLL * (2 * SLICES + tiles) * 512 + tiles * 8 * ROWS * 4);
+}
 
 template <Fp8 W, Fp8 X, int NT, typename T>
 cudaError_t launch(const Params& p, int warps, cudaStream_t stream) {
+  const int smem = smem_bytes(p.m, warps);
+  static int allowed[MAX_DEVICES] = {};  // per device: raised once to the most asked
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  if (device >= MAX_DEVICES) return cudaErrorInvalidDevice;
+  if (smem > 48 * 1024 && smem > allowed[device]) {
+    e = cudaFuncSetAttribute(fp8_gemv_kernel<W, X, NT, T>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    allowed[device] = smem;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>((p.n + ROWS - 1) / ROWS));
   config.blockDim = dim3(static_cast<unsigned>(warps * 32));
-  config.dynamicSmemBytes = static_cast<size_t>(smem_bytes(p.m, warps));
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
