@@ -2,9 +2,6 @@
 
     python bench/fp8_decode_sweep.py --out fp8_decode_sweep.json --proj down qwen_down --m 1 16
 
-``--cuda`` adds the CUDA FP8 decode kernel (``cuda_fp8``) on every config of ``CUDA_GRID``
-(its libraries built in parallel child processes first), timed in the same passes.
-
 Picks the decode shortlist of ``fp8.configs`` from measurements rather than guesses: every
 config of ``GRID`` (``--grid``) or of the shortlist itself (``--shortlist``) on the same rotated
 weights (``lowbit_kernels``' projections and rotation), CUDA-graph GPU time per call, in grid
@@ -32,7 +29,6 @@ from bench.lowbit_kernels import (
     time_us,
     write_as_it_goes,
 )
-from tuner.candidates import cuda_fp8, cuda_library
 from tuner.candidates.triton_kernels import fp8 as fp8_kernels
 from tuner.candidates.triton_kernels.launch import warm
 from tuner.candidates.triton_kernels.stream_read import read_all, sums_for
@@ -48,25 +44,6 @@ GRID = [
     (32, 512, 1, False, 8, 6), (32, 1024, 1, False, 4, 4), (32, 256, 1, False, 4, 8),
     (16, 512, 1, False, 4, 8), (64, 256, 2, True, 4, 6), (64, 256, 2, True, 4, 8),
 ]  # fmt: skip
-
-
-# (slices, unroll, stages, warps) of the CUDA kernel: 16-32 rows a warp, 1-2 spans a batch,
-# 4-8 stages, 4-16 warps (those whose rings fit).
-CUDA_GRID = [(s, u, st, w) for s in (1, 2) for u in (1, 2) for st in (4, 6, 8) for w in (4, 8, 16)]
-TRITON, CUDA = "fp8_rowwise", "cuda_fp8"
-
-
-def cuda_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
-    """``CUDA_GRID`` as configs, those that fit (M, N, K)."""
-    out = []
-    for entry in CUDA_GRID:
-        cfg = dict(zip(cuda_fp8.CONFIG_KEYS, entry, strict=True))
-        try:
-            cuda_fp8.check_config(cfg, m, n, k)
-        except ValueError:
-            continue
-        out.append(cfg)
-    return out
 
 
 def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
@@ -103,27 +80,19 @@ def candidates(m: int, n: int, k: int, which: str) -> list[dict[str, Any]]:
     return fp8_kernels.configs(m, n, k) if which == "shortlist" else grid_configs(m, n, k)
 
 
-def matmul(impl: str) -> Any:
-    """The entry point that runs ``impl``'s configs, as ``fp8_matmul(a, b, sa, sb, cfg, out)``."""
-    return cuda_fp8.fp8_gemv if impl == CUDA else fp8_kernels.fp8_matmul
-
-
-def sweep(
-    name: str, ms: list[int], which: str, copy_gbs: float, cuda: bool
-) -> list[dict[str, Any]]:
+def sweep(name: str, ms: list[int], which: str, copy_gbs: float) -> list[dict[str, Any]]:
     n, k = PROJECTIONS[name]
     w8, s8 = fp8.quantize_rowwise(torch.randn(n, k, device="cuda") * 0.02)
     sets = rotate(copies(w8, s8), w8, s8)
     rows: list[dict[str, Any]] = []
     for m in ms:
-        rows += sweep_m(name, m, sets, which, copy_gbs, cuda)
+        rows += sweep_m(name, m, sets, which, copy_gbs)
     return rows
 
 
 def sweep_m(
-    name: str, m: int, sets: list[tuple[torch.Tensor, ...]], which: str, copy_gbs: float,
-    cuda: bool,
-) -> list[dict[str, Any]]:  # fmt: skip
+    name: str, m: int, sets: list[tuple[torch.Tensor, ...]], which: str, copy_gbs: float
+) -> list[dict[str, Any]]:
     """The bare read, then every config at one M: checked, then timed in two passes."""
     w8, s8 = sets[0]
     (n, k), sums = w8.shape, sums_for(w8)
@@ -140,12 +109,10 @@ def sweep_m(
     rows = [{**base, "impl": "read_fp8", **read, "bytes": nbytes(w8),
              "pct_copy": pct(nbytes(w8), read["us"], copy_gbs)}]  # fmt: skip
     timed: list[dict[str, Any]] = []
-    configs = [(TRITON, c) for c in candidates(m, n, k, which)]
-    configs += [(CUDA, c) for c in cuda_configs(m, n, k)] if cuda else []
-    for impl, cfg in configs:
-        row = {**base, "impl": impl, "config": cfg, "bytes": moved}
+    for cfg in candidates(m, n, k, which):
+        row = {**base, "impl": "fp8_rowwise", "config": cfg, "bytes": moved}
         try:
-            row["excess"] = round(excess(matmul(impl)(x8, w8, sx8, s8, cfg), ref, tol), 3)
+            row["excess"] = round(excess(fp8_kernels.fp8_matmul(x8, w8, sx8, s8, cfg), ref, tol), 3)
         except Exception as e:  # a config that cannot run this shape is a finding
             row["error"] = repr(e)[-300:]
             print(f"{name:9s} m={m:2d} {cfg} FAILED {e!r}"[:300], flush=True)
@@ -153,13 +120,13 @@ def sweep_m(
             continue
         timed.append(row)
 
-    def call(impl: str, cfg: dict[str, Any]) -> Any:
-        fn = matmul(impl)
-        return lambda i: fn(x8, sets[i % len(sets)][0], sx8, sets[i % len(sets)][1], cfg, out=out)
+    def call(cfg: dict[str, Any]) -> Any:
+        return lambda i: fp8_kernels.fp8_matmul(x8, sets[i % len(sets)][0], sx8,
+                                                sets[i % len(sets)][1], cfg, out=out)  # fmt: skip
 
     for rnd, order in enumerate((timed, timed[::-1])):
         for row in order:
-            row[f"us_{rnd}"] = time_us(call(row["impl"], row["config"]), m, 0.0)["us"]
+            row[f"us_{rnd}"] = time_us(call(row["config"]), m, 0.0)["us"]
     for row in timed:
         row["us"] = round((row["us_0"] + row["us_1"]) / 2, 2)
         row["pct_copy"] = pct(moved, row["us"], copy_gbs)
@@ -177,9 +144,6 @@ def pct(moved: int, us: float, copy_gbs: float) -> float:
 
 
 def label(cfg: dict[str, Any]) -> str:
-    if "unroll" in cfg:
-        return (f"cuda {16 * cfg['slices']} rows x {cfg['unroll']} spans s{cfg['stages']} "
-                f"w{cfg['warps']}")  # fmt: skip
     il = "i" if cfg.get("interleave") else ""
     return (f"tiled {cfg['bn']}x{cfg['bk']} split {cfg.get('split_k', 1)}{il} w{cfg['warps']} "
             f"s{cfg['stages']}")  # fmt: skip
@@ -191,7 +155,6 @@ def main() -> None:
     ap.add_argument("--proj", nargs="*", default=["down", "qwen_down"], choices=list(PROJECTIONS))
     ap.add_argument("--m", nargs="*", type=int, default=[1, 16])
     ap.add_argument("--shortlist", action="store_true", help="fp8.configs instead of GRID")
-    ap.add_argument("--cuda", action="store_true", help="also the CUDA kernel on CUDA_GRID")
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--scales", nargs="*", default=["row"], choices=["row", "tensor"],
                     help="scalings to precompile (the sweep times rowwise)")  # fmt: skip
@@ -201,19 +164,12 @@ def main() -> None:
     which = "shortlist" if args.shortlist else "grid"
     shapes = [(m, *PROJECTIONS[p]) for p in args.proj for m in args.m]
     precompile(shapes, which, args.scales)
-    if args.cuda:
-        errors = {
-            str(lib): e for lib, e in cuda_fp8.compile_all(cuda_configs(1, 1, 64)).items() if e
-        }
-        print(f"cuda_fp8 libraries built; errors: {errors}", flush=True)
     if args.precompile_only:
         return
     torch.manual_seed(0)
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
-    result = header(copy_gbs, configs=which, nvcc=cuda_library.toolkit() if args.cuda else None)
-    write_as_it_goes(
-        result, args.out, args.proj, lambda name: sweep(name, args.m, which, copy_gbs, args.cuda)
-    )
+    result = header(copy_gbs, configs=which)
+    write_as_it_goes(result, args.out, args.proj, lambda name: sweep(name, args.m, which, copy_gbs))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Our own CUDA kernels (``cuda_kernels/*.cu``), each config built as a shared library by nvcc.
 
-What the hand-written kernel sources (``cuda_w4a16``, ``cuda_fp8``) share: a config's
+What a hand-written kernel source (``cuda_w4a16``) needs beyond its kernel: a config's
 compile-time part is a frozen dataclass that mixes in ``CudaLibrary`` (its fields become ``-D``
 defines); each library carries the CUDA runtime linked in statically, is built for sm_90a
 through ``nvcc_build`` (``compile_all``: a child process per library, a failure remembered and
