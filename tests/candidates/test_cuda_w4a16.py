@@ -177,7 +177,9 @@ def test_without_nvcc_only_stored_libraries_are_offered(store: ArtifactStore, mo
     config = cw.configs(key.m, key.n, key.k, key.group)[2]
     assert not cuda_library.any_stored([cw.library(config)])
     store.put(cw.library(config).artifact_spec(), pack({kernel_artifacts.LIBRARY: b"an .so"}))
-    assert cuda_library.any_stored(map(cw.library, cw.configs(key.m, key.n, key.k, key.group)))  # index
+    assert cuda_library.any_stored(
+        map(cw.library, cw.configs(key.m, key.n, key.k, key.group))
+    )  # index
     shared = [c for c in cw.configs(key.m, key.n, key.k, key.group)
               if cw.library(c) == cw.library(config)]  # fmt: skip
     assert cw.CudaW4A16().candidates(key, "cuda") == shared  # installed on the way
