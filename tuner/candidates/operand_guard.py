@@ -21,8 +21,10 @@ Check = Callable[..., None]
 def guard(*operands: torch.Tensor | None) -> tuple:
     """Devices, dtypes, shapes, strides and pointer alignments of the operands, as a key."""
     return tuple(
-        None if t is None else (t.device, t.dtype, t.shape, t.stride(), t.data_ptr() % ALIGN)
-        for t in operands
+        [  # a list, not a generator: this runs on every eager call
+            None if t is None else (t.device, t.dtype, t.shape, t.stride(), t.data_ptr() % ALIGN)
+            for t in operands
+        ]
     )
 
 
