@@ -17,6 +17,9 @@ unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False
   writing its *scaled* fp32 partial (scaling is linear), summed in split order by the tile's
   last program (``splitk_arrival``: no second launch in a decode step), or by the tiled
   family's ``splitk_reduce`` while a CUDA graph is captured before the counts exist.
+- ``fp8_units`` (decode): as many programs as fit an SM take work units (a tile's rows by one
+  of its contiguous K ranges) from a counter until none are left: the SMs that run ahead take
+  more, where a one-wave grid of equal programs leaves them idle while the slowest finish.
 - ``fp8_persistent_tma`` (Hopper): one program per SM walks the tiles; A and B move through TMA
   descriptors made on the device, which zero-fill the K tail and out-of-range rows. TMA needs
   16-byte aligned bases and row strides (K % 16 == 0 for fp8).
@@ -46,7 +49,7 @@ from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.fp8 import FP8_DTYPES, check_scales
 
 Config = dict[str, Any]
-KERNELS = ("tiled", "persistent_tma")
+KERNELS = ("tiled", "units", "persistent_tma")
 MIN_CAPABILITY = (8, 9)
 TMA_CAPABILITY = (9, 0)
 REDUCE_BLOCK = 1024
@@ -65,6 +68,42 @@ def _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE: tl.constexpr):
 
 
 @triton.jit
+def _dot_steps(a_ptrs, b_ptrs, mask_m, mask_n, rk, k_lo, k_hi, BM: tl.constexpr,
+               BN: tl.constexpr, STEP: tl.constexpr, EVEN_K: tl.constexpr,
+               PROMOTE: tl.constexpr):  # fmt: skip
+    """The fp32 sum of ``a @ b.T`` over the BK-wide K steps k_lo, k_lo + STEP, ... below k_hi."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, STEP):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=mask_m, other=0.0)
+            b = tl.load(b_ptrs + k0, mask=mask_n, other=0.0)
+        else:
+            in_k = (k0 + rk)[None, :] < k_hi
+            a = tl.load(a_ptrs + k0, mask=mask_m & in_k, other=0.0)
+            b = tl.load(b_ptrs + k0, mask=mask_n & in_k, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
+    return acc
+
+
+@triton.jit
+def _write(acc, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, rm, rn, M, N, ldo, tile, split,
+           SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, REDUCE_HERE: tl.constexpr):  # fmt: skip
+    """Scale a tile's sum and store it, or with ``SPLIT_K > 1`` store it as partial ``split``
+    (and sum the tile's partials if this is its last one, ``REDUCE_HERE``)."""
+    acc = _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = rm[:, None].to(tl.int64) * N + rn[None, :]
+        plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
+        tl.store(ws_ptr + split * plane + part, acc, mask=mask)
+        if REDUCE_HERE:
+            reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K)
+
+
+@triton.jit
 def fp8_tiled(
     a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, M, N, K, lda, ldb, ldo, k_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -75,7 +114,8 @@ def fp8_tiled(
     ``REDUCE_HERE``, else by a ``splitk_reduce`` launch. ``INTERLEAVE``: split s takes the K
     steps s, s + SPLIT_K, ... (not a contiguous range), so that a tile's splits, running
     together, read adjacent steps of the same rows."""
-    pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    tile = tl.program_id(0)
+    pid_m, pid_n = tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -87,30 +127,46 @@ def fp8_tiled(
         k_hi = tl.minimum(k_lo + k_split, K)
     a_ptrs = a_ptr + rm[:, None].to(tl.int64) * lda + rk[None, :]
     b_ptrs = b_ptr + rn[:, None].to(tl.int64) * ldb + rk[None, :]
-    mask_m = rm[:, None] < M
-    mask_n = rn[:, None] < N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK * SPLIT_K if INTERLEAVE else BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs + k0, mask=mask_m, other=0.0)
-            b = tl.load(b_ptrs + k0, mask=mask_n, other=0.0)
-        else:
-            in_k = (k0 + rk)[None, :] < k_hi
-            a = tl.load(a_ptrs + k0, mask=mask_m & in_k, other=0.0)
-            b = tl.load(b_ptrs + k0, mask=mask_n & in_k, other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
-    acc = _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE)
-    mask = mask_m & (rn[None, :] < N)
-    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        part = rm[:, None].to(tl.int64) * N + rn[None, :]
-        plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
-        tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
-        if REDUCE_HERE:
-            reduce_if_last(ws_ptr, counts_ptr, tl.program_id(0), part, plane, mask, out_ptrs,
-                           SPLIT_K)  # fmt: skip
+    acc = _dot_steps(a_ptrs, b_ptrs, rm[:, None] < M, rn[:, None] < N, rk, k_lo, k_hi, BM, BN,
+                     BK * SPLIT_K if INTERLEAVE else BK, EVEN_K, PROMOTE)  # fmt: skip
+    _write(acc, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, rm, rn, M, N, ldo, tile,
+           tl.program_id(1), SPLIT_K, ROWWISE, REDUCE_HERE)  # fmt: skip
+
+
+@triton.jit
+def fp8_units(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, M, N, K, lda, ldb, ldo, k_split,
+    tiles, programs,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
+):  # fmt: skip
+    """Decode (M <= BM): ``programs`` resident programs take work units (BN rows by one of
+    SPLIT_K contiguous K ranges, split-major within a tile) from a counter, so that an SM whose
+    programs finish early takes more units instead of idling while one wave drains, and units'
+    split-K epilogues fall at different times. The counter (``counts_ptr[tiles]``, beside the
+    tiles' arrival counts) and the count of programs done (``counts_ptr[tiles + 1]``) are set
+    back to zero by the last program to finish, ready for the next launch on the stream. The
+    partials and their sum are those of ``fp8_tiled`` with the same contiguous splits."""
+    tickets = counts_ptr + tiles
+    rm = tl.arange(0, BM)
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * lda + rk[None, :]
+    unit = tl.atomic_add(tickets, 1, sem="relaxed", scope="gpu")
+    while unit < tiles * SPLIT_K:
+        following = tl.atomic_add(tickets, 1, sem="relaxed", scope="gpu")  # in flight meanwhile
+        tile = unit // SPLIT_K
+        split = unit % SPLIT_K
+        rn = tile * BN + tl.arange(0, BN)
+        k_lo = split * k_split
+        b_ptrs = b_ptr + rn[:, None].to(tl.int64) * ldb + rk[None, :]
+        acc = _dot_steps(a_ptrs, b_ptrs, rm[:, None] < M, rn[:, None] < N, rk, k_lo,
+                         tl.minimum(k_lo + k_split, K), BM, BN, BK, EVEN_K, PROMOTE)  # fmt: skip
+        _write(acc, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, rm, rn, M, N, ldo, tile, split,
+               SPLIT_K, ROWWISE, True)  # fmt: skip
+        unit = following
+    if tl.atomic_add(tickets + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
+        tl.atomic_xchg(tickets, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(tickets + 1, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -241,13 +297,11 @@ def _launches(
         why = tma_unsupported(device, {"a": (lda, a.data_ptr()), "b": (ldb, b.data_ptr())})
         if why:
             raise ValueError(f"config['kernel']='persistent_tma': {why}")
-        sms = torch.cuda.get_device_properties(device).multi_processor_count \
-            if device.type == "cuda" else 4  # fmt: skip
-        programs = min(sms, tiles)
+        programs = min(_sms(device), tiles)
         args = (a, b, sa, sb, out, m, n, k, lda, ldb, ldo, programs)
         consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, ROWWISE=rowwise, **options)
         return [_Launch(fp8_persistent_tma, (programs,), args, consts)]
-    if kernel != "tiled":
+    if kernel not in KERNELS:
         raise ValueError(f"config['kernel']={kernel!r}: allowed {', '.join(KERNELS)}")
     split, interleave = config.get("split_k", 1), config.get("interleave", False)
     if interleave not in (True, False):
@@ -256,16 +310,64 @@ def _launches(
         raise ValueError(f"config['split_k']={split}: more splits than bk={bk} tiles in K={k}")
     k_split = _k_per_split(k, bk, split)
     ws = workspace(split) if split > 1 else out
+    even_k = k % bk == 0 and (interleave or k_split * split == k)
+    if kernel == "units":
+        unit = _units_launch(
+            operands, ws, mnk, lds, config, rowwise, even_k, options, device, counts
+        )
+        if unit is not None:
+            return [unit]
     arrivals = counts(tiles) if split > 1 else None
     args = (a, b, sa, sb, out, ws, out if arrivals is None else arrivals, m, n, k, lda, ldb, ldo,
             k_split)  # fmt: skip
     consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split, ROWWISE=rowwise,
-                  EVEN_K=k % bk == 0 and (interleave or k_split * split == k),
-                  REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave, **options)  # fmt: skip
+                  EVEN_K=even_k, REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave, **options)  # fmt: skip
     tiled = _Launch(fp8_tiled, (tiles, split), args, consts)
     if split == 1 or arrivals is not None:
         return [tiled]
     return [tiled, _reduce(ws, out, m, n, ldo, split)]
+
+
+def _sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a small stand-in in the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count \
+        if device.type == "cuda" else 4  # fmt: skip
+
+
+def _units_launch(
+    operands: tuple[Any, Any, Any, Any, Any],
+    ws: Any,
+    mnk: tuple[int, int, int],
+    lds: tuple[int, int, int],
+    config: Config,
+    rowwise: bool,
+    even_k: bool,
+    options: dict[str, Any],
+    device: torch.device,
+    counts: Callable[[int], Any | None],
+) -> _Launch | None:
+    """The ``units`` kernel's launch: ``per_sm`` programs an SM (at most one a unit). None while
+    a CUDA graph is captured before the counter exists: the caller then runs ``fp8_tiled`` with
+    the same contiguous splits, which stores the same partials and sum."""
+    a, b, sa, sb, out = operands
+    m, n, k = mnk
+    bm, bn, bk, split = config["bm"], config["bn"], config["bk"], config.get("split_k", 1)
+    if m > bm:
+        raise ValueError(f"config['kernel']='units': decode only, M={m} above bm={bm}")
+    if config.get("interleave", False):
+        raise ValueError("config['interleave']=True: the 'units' kernel takes contiguous splits")
+    per_sm = config.get("per_sm", 2)
+    if not (isinstance(per_sm, int) and 1 <= per_sm <= 16):
+        raise ValueError(f"config['per_sm']={per_sm!r}: allowed 1 .. 16 programs an SM")
+    tiles = triton.cdiv(n, bn)
+    arrivals = counts(tiles + 2)
+    if arrivals is None:
+        return None
+    programs = min(tiles * split, _sms(device) * per_sm)
+    args = (a, b, sa, sb, out, ws, arrivals, m, n, k, *lds, _k_per_split(k, bk, split), tiles,
+            programs)  # fmt: skip
+    consts = dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, ROWWISE=rowwise, EVEN_K=even_k, **options)
+    return _Launch(fp8_units, (programs,), args, consts)
 
 
 def _reduce(ws: Any, out: Any, m: int, n: int, ldo: int, planes: int) -> _Launch:
