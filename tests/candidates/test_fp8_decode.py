@@ -1,6 +1,5 @@
 """The FP8 decode kernels: split-K with interleaved splits (ragged N and K) against float32 GEMMs
-on the dequantized operands; the ``units`` kernel (work units from a counter) against the tiled
-kernel with the same splits; the decode configs, built for every decode shape (run on the GPU
+on the dequantized operands; the CUDA-core GEMV (one to four rows of x); the decode configs, built for every decode shape (run on the GPU
 by ``test_lowbit_kernels.test_fp8_every_config_on_the_gpu``)."""
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from tuner.candidates.triton_kernels import fp8 as fp8_kernels
 from tuner.quant.tolerance import excess
 
 INTERLEAVED = {"kernel": "tiled", "bm": 16, "bn": 16, "bk": 32, "split_k": 3, "interleave": True}
-UNITS = {"kernel": "units", "bm": 16, "bn": 16, "bk": 32, "split_k": 3}
+GEMV = {"kernel": "gemv", "bm": 4, "bn": 8, "bk": 32}
 # (N, K, narrow): Llama and Qwen down, gate_up, Llama o and qkv
 DECODE_SHAPES = [(4096, 14336, True), (3584, 18944, True), (28672, 4096, False),
                  (37888, 3584, False), (4096, 4096, True), (6144, 4096, True)]  # fmt: skip
@@ -40,39 +39,30 @@ def test_fp8_decode_kernels_match_the_dequantized_gemm(
     assert excess(out, ref, tol) <= 1
 
 
-@pytest.mark.parametrize("per_sm", [1, 16])
+@pytest.mark.parametrize(("m", "bm"), [(1, 1), (3, 4)])
 @pytest.mark.parametrize(("split", "k"), [(1, 96), (3, 80)])
-def test_fp8_units_kernel_stores_the_tiled_kernels_sum(per_sm: int, split: int, k: int) -> None:
-    """Units handed out by a counter (to one program an SM, or to as many as there are units)
-    give the tiled kernel's partials and sum, bit for bit; the last program sets the counter back, so
-    a second launch gives the same output again."""
-    a, b, sa, sb, ref, tol = fp8_problem(5, 40, k, True)
-    config = {**UNITS, "split_k": split, "per_sm": per_sm}
-    out = fp8_kernels.fp8_matmul(a, b, sa, sb.T, config)
+def test_fp8_gemv_matches_the_dequantized_gemm(m: int, bm: int, split: int, k: int) -> None:
+    """Whole K or three contiguous splits (K = 80: the last split takes a half step), one row
+    of x or three of four."""
+    a, b, sa, sb, ref, tol = fp8_problem(m, 40, k, True)
+    out = fp8_kernels.fp8_matmul(a, b, sa, sb.T, {**GEMV, "bm": bm, "split_k": split})
     assert excess(out, ref, tol) <= 1
-    tiled = {**UNITS, "kernel": "tiled", "split_k": split}
-    assert torch.equal(out, fp8_kernels.fp8_matmul(a, b, sa, sb.T, tiled))
-    assert not fp8_kernels._counts[a.device].any()
-    assert torch.equal(out, fp8_kernels.fp8_matmul(a, b, sa, sb.T, config))
 
 
 def test_fp8_decode_bad_configs_name_the_field() -> None:
     a, b, sa, sb, _, _ = fp8_problem(4, 40, 96, True)
     tiled = {"kernel": "tiled", "bm": 16, "bn": 16, "bk": 32, "split_k": 2, "group_m": 1}
-    for kernel in ("gemv", "stream_k"):
-        field = re.escape(f"config['kernel']='{kernel}': allowed tiled, units, persistent_tma")
+    for kernel in ("fma", "stream_k"):
+        field = re.escape(f"config['kernel']='{kernel}': allowed tiled, gemv, persistent_tma")
         with pytest.raises(ValueError, match=field):
             fp8_kernels.fp8_matmul(a, b, sa, sb, {**tiled, "kernel": kernel})
     with pytest.raises(ValueError, match="config\\['interleave'\\]='yes': allowed True, False"):
         fp8_kernels.fp8_matmul(a, b, sa, sb, {**tiled, "interleave": "yes"})
-    bad_units = [
-        ({"interleave": True}, "config['interleave']=True: the 'units' kernel takes contiguous"),
-        ({"per_sm": 0}, "config['per_sm']=0: allowed 1 .. 16 programs an SM"),
-        ({"bm": 2}, "config['kernel']='units': decode only, M=4 above bm=2"),
-    ]
-    for change, message in bad_units:
-        with pytest.raises(ValueError, match=re.escape(message)):
-            fp8_kernels.fp8_matmul(a, b, sa, sb, {**UNITS, **change})
+    only = "config['kernel']='gemv': contiguous splits and M <= bm only"
+    with pytest.raises(ValueError, match=re.escape(f"{only}, got M=4, bm=2, interleave=False")):
+        fp8_kernels.fp8_matmul(a, b, sa, sb, {**GEMV, "bm": 2})
+    with pytest.raises(ValueError, match=re.escape(f"{only}, got M=4, bm=4, interleave=True")):
+        fp8_kernels.fp8_matmul(a, b, sa, sb, {**GEMV, "split_k": 2, "interleave": True})
 
 
 @pytest.mark.parametrize(("n", "k", "narrow"), DECODE_SHAPES)

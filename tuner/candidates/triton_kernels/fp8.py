@@ -17,9 +17,8 @@ unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False
   writing its *scaled* fp32 partial (scaling is linear), summed in split order by the tile's
   last program (``splitk_arrival``: no second launch in a decode step), or by the tiled
   family's ``splitk_reduce`` while a CUDA graph is captured before the counts exist.
-- ``fp8_units`` (decode): as many programs as fit an SM take work units (a tile's rows by one
-  of its contiguous K ranges) from a counter until none are left: the SMs that run ahead take
-  more, where a one-wave grid of equal programs leaves them idle while the slowest finish.
+- ``fp8_gemv`` (decode, M <= bm of 1-4): the tiled kernel's grid and split-K epilogue around an
+  fp32 product on the CUDA cores, without shared memory or tensor cores.
 - ``fp8_persistent_tma`` (Hopper): one program per SM walks the tiles; A and B move through TMA
   descriptors made on the device, which zero-fill the K tail and out-of-range rows. TMA needs
   16-byte aligned bases and row strides (K % 16 == 0 for fp8).
@@ -49,7 +48,7 @@ from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.fp8 import FP8_DTYPES, check_scales
 
 Config = dict[str, Any]
-KERNELS = ("tiled", "units", "persistent_tma")
+KERNELS = ("tiled", "gemv", "persistent_tma")
 MIN_CAPABILITY = (8, 9)
 TMA_CAPABILITY = (9, 0)
 REDUCE_BLOCK = 1024
@@ -134,39 +133,38 @@ def fp8_tiled(
 
 
 @triton.jit
-def fp8_units(
+def fp8_gemv(
     a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, M, N, K, lda, ldb, ldo, k_split,
-    tiles, programs,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-    ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
+    ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, REDUCE_HERE: tl.constexpr,
 ):  # fmt: skip
-    """Decode (M <= BM): ``programs`` resident programs take work units (BN rows by one of
-    SPLIT_K contiguous K ranges, split-major within a tile) from a counter, so that an SM whose
-    programs finish early takes more units instead of idling while one wave drains, and units'
-    split-K epilogues fall at different times. The counter (``counts_ptr[tiles]``, beside the
-    tiles' arrival counts) and the count of programs done (``counts_ptr[tiles + 1]``) are set
-    back to zero by the last program to finish, ready for the next launch on the stream. The
-    partials and their sum are those of ``fp8_tiled`` with the same contiguous splits."""
-    tickets = counts_ptr + tiles
+    """Decode on the CUDA cores (M <= BM, a few rows): no shared memory and no tensor cores,
+    so a program is as light as a streaming read's and the SMs hold many of them. Each
+    program takes BN weight rows over one contiguous K range, multiplies in fp32 element by
+    element and sums along K once, after its loop."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
     rm = tl.arange(0, BM)
+    rn = tile * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    k_lo = split * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
     a_ptrs = a_ptr + rm[:, None].to(tl.int64) * lda + rk[None, :]
-    unit = tl.atomic_add(tickets, 1, sem="relaxed", scope="gpu")
-    while unit < tiles * SPLIT_K:
-        following = tl.atomic_add(tickets, 1, sem="relaxed", scope="gpu")  # in flight meanwhile
-        tile = unit // SPLIT_K
-        split = unit % SPLIT_K
-        rn = tile * BN + tl.arange(0, BN)
-        k_lo = split * k_split
-        b_ptrs = b_ptr + rn[:, None].to(tl.int64) * ldb + rk[None, :]
-        acc = _dot_steps(a_ptrs, b_ptrs, rm[:, None] < M, rn[:, None] < N, rk, k_lo,
-                         tl.minimum(k_lo + k_split, K), BM, BN, BK, EVEN_K, PROMOTE)  # fmt: skip
-        _write(acc, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, rm, rn, M, N, ldo, tile, split,
-               SPLIT_K, ROWWISE, True)  # fmt: skip
-        unit = following
-    if tl.atomic_add(tickets + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
-        tl.atomic_xchg(tickets, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(tickets + 1, 0, sem="relaxed", scope="gpu")
+    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * ldb + rk[None, :]
+    mask_m = rm[:, None] < M
+    mask_n = rn[:, None] < N
+    acc = tl.zeros((BM, BN, BK), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=mask_m, other=0.0)
+            b = tl.load(b_ptrs + k0, mask=mask_n, other=0.0)
+        else:
+            in_k = (k0 + rk)[None, :] < k_hi
+            a = tl.load(a_ptrs + k0, mask=mask_m & in_k, other=0.0)
+            b = tl.load(b_ptrs + k0, mask=mask_n & in_k, other=0.0)
+        acc += a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :]
+    _write(tl.sum(acc, axis=2), sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, rm, rn, M, N, ldo,
+           tile, split, SPLIT_K, ROWWISE, REDUCE_HERE)  # fmt: skip
 
 
 @triton.jit
@@ -311,18 +309,22 @@ def _launches(
     k_split = _k_per_split(k, bk, split)
     ws = workspace(split) if split > 1 else out
     even_k = k % bk == 0 and (interleave or k_split * split == k)
-    if kernel == "units":
-        unit = _units_launch(
-            operands, ws, mnk, lds, config, rowwise, even_k, options, device, counts
-        )
-        if unit is not None:
-            return [unit]
     arrivals = counts(tiles) if split > 1 else None
     args = (a, b, sa, sb, out, ws, out if arrivals is None else arrivals, m, n, k, lda, ldb, ldo,
             k_split)  # fmt: skip
-    consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split, ROWWISE=rowwise,
-                  EVEN_K=even_k, REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave, **options)  # fmt: skip
-    tiled = _Launch(fp8_tiled, (tiles, split), args, consts)
+    if kernel == "gemv":
+        if m > bm or interleave:
+            raise ValueError(f"config['kernel']='gemv': contiguous splits and M <= bm only, "
+                             f"got M={m}, bm={bm}, interleave={interleave}")  # fmt: skip
+        consts = dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, ROWWISE=rowwise, EVEN_K=even_k,
+                      REDUCE_HERE=arrivals is not None, num_warps=options["num_warps"],
+                      num_stages=options["num_stages"])  # fmt: skip
+        tiled = _Launch(fp8_gemv, (tiles, split), args, consts)
+    else:
+        consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split, ROWWISE=rowwise,
+                      EVEN_K=even_k, REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave,
+                      **options)  # fmt: skip
+        tiled = _Launch(fp8_tiled, (tiles, split), args, consts)
     if split == 1 or arrivals is not None:
         return [tiled]
     return [tiled, _reduce(ws, out, m, n, ldo, split)]
@@ -332,42 +334,6 @@ def _sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (a small stand-in in the interpreter)."""
     return torch.cuda.get_device_properties(device).multi_processor_count \
         if device.type == "cuda" else 4  # fmt: skip
-
-
-def _units_launch(
-    operands: tuple[Any, Any, Any, Any, Any],
-    ws: Any,
-    mnk: tuple[int, int, int],
-    lds: tuple[int, int, int],
-    config: Config,
-    rowwise: bool,
-    even_k: bool,
-    options: dict[str, Any],
-    device: torch.device,
-    counts: Callable[[int], Any | None],
-) -> _Launch | None:
-    """The ``units`` kernel's launch: ``per_sm`` programs an SM (at most one a unit). None while
-    a CUDA graph is captured before the counter exists: the caller then runs ``fp8_tiled`` with
-    the same contiguous splits, which stores the same partials and sum."""
-    a, b, sa, sb, out = operands
-    m, n, k = mnk
-    bm, bn, bk, split = config["bm"], config["bn"], config["bk"], config.get("split_k", 1)
-    if m > bm:
-        raise ValueError(f"config['kernel']='units': decode only, M={m} above bm={bm}")
-    if config.get("interleave", False):
-        raise ValueError("config['interleave']=True: the 'units' kernel takes contiguous splits")
-    per_sm = config.get("per_sm", 2)
-    if not (isinstance(per_sm, int) and 1 <= per_sm <= 16):
-        raise ValueError(f"config['per_sm']={per_sm!r}: allowed 1 .. 16 programs an SM")
-    tiles = triton.cdiv(n, bn)
-    arrivals = counts(tiles + 2)
-    if arrivals is None:
-        return None
-    programs = min(tiles * split, _sms(device) * per_sm)
-    args = (a, b, sa, sb, out, ws, arrivals, m, n, k, *lds, _k_per_split(k, bk, split), tiles,
-            programs)  # fmt: skip
-    consts = dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, ROWWISE=rowwise, EVEN_K=even_k, **options)
-    return _Launch(fp8_units, (programs,), args, consts)
 
 
 def _reduce(ws: Any, out: Any, m: int, n: int, ldo: int, planes: int) -> _Launch:
