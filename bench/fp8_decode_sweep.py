@@ -1,11 +1,9 @@
 """FP8 rowwise decode (M <= 16): a grid of split-K tiles beside the shortlist and a bare read.
 
     python bench/fp8_decode_sweep.py --out fp8_decode_sweep.json --proj down qwen_down --m 1 16
-        [--shortlist | --gemv]
 
 Picks the decode shortlist of ``fp8.configs`` from measurements rather than guesses: every
-config of ``GRID``, of the shortlist itself (``--shortlist``) or of the CUDA-core GEMV
-(``--gemv``, then the shortlist) on the same rotated
+config of ``GRID`` (``--grid``) or of the shortlist itself (``--shortlist``) on the same rotated
 weights (``lowbit_kernels``' projections and rotation), CUDA-graph GPU time per call, in grid
 order and then in reverse (a drift over the run shows as a gap between the two passes), and
 each config's output against a float32 GEMM on the dequantized operands ("excess" <= 1
@@ -47,34 +45,6 @@ GRID = [
     (16, 512, 1, False, 4, 8), (64, 256, 2, True, 4, 6), (64, 256, 2, True, 4, 8),
 ]  # fmt: skip
 
-# The CUDA-core GEMV (``fp8_gemv``, M <= 4): (bn, bk, K bytes a program or None for all of K,
-# warps, stages); bm is M rounded up to a power of two.
-GEMV = [
-    (8, 512, None, 4, 1), (4, 1024, None, 4, 1), (8, 256, None, 2, 1), (8, 512, 2048, 4, 1),
-    (16, 512, 2048, 4, 1), (8, 1024, 2048, 4, 1), (8, 256, 1024, 2, 1), (16, 256, 4096, 4, 1),
-    (32, 256, 4096, 8, 1), (8, 512, 2048, 4, 2), (8, 512, None, 4, 2), (16, 512, None, 8, 1),
-]  # fmt: skip
-
-
-def gemv_splits(k: int, bk: int, unit_k: int | None) -> int:
-    """The most contiguous splits, at most K / ``unit_k``, that leave every split some work."""
-    split = 1 if unit_k is None else max(1, -(-k // unit_k))
-    while split > 1 and not fp8_kernels.split_fits(k, bk, split):
-        split -= 1
-    return split
-
-
-def gemv_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
-    """``GEMV`` (M <= 4), then the shortlist."""
-    out: list[dict[str, Any]] = []
-    bm = 1 << (m - 1).bit_length()
-    for bn, bk, unit_k, warps, stages in GEMV if m <= 4 else ():
-        if bm * bn * bk > 16384:  # the fp32 products: at most 128 registers a thread at 4 warps
-            continue
-        out.append({"kernel": "gemv", "bm": bm, "bn": bn, "bk": bk, "warps": warps,
-                    "stages": stages, "split_k": gemv_splits(k, bk, unit_k)})  # fmt: skip
-    return out + fp8_kernels.configs(m, n, k)
-
 
 def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     """``GRID`` as configs for N (one split each on wide N), then the shortlist's others."""
@@ -107,8 +77,6 @@ def precompile(shapes: list[tuple[int, int, int]], which: str, scales: list[str]
 
 
 def candidates(m: int, n: int, k: int, which: str) -> list[dict[str, Any]]:
-    if which == "gemv":
-        return gemv_configs(m, n, k)
     return fp8_kernels.configs(m, n, k) if which == "shortlist" else grid_configs(m, n, k)
 
 
@@ -177,9 +145,8 @@ def pct(moved: int, us: float, copy_gbs: float) -> float:
 
 def label(cfg: dict[str, Any]) -> str:
     il = "i" if cfg.get("interleave") else ""
-    bm = f"{cfg['bm']}x" if cfg["kernel"] == "gemv" else ""
-    return (f"{cfg['kernel']} {bm}{cfg['bn']}x{cfg['bk']} split {cfg.get('split_k', 1)}{il} "
-            f"w{cfg['warps']} s{cfg['stages']}")  # fmt: skip
+    return (f"tiled {cfg['bn']}x{cfg['bk']} split {cfg.get('split_k', 1)}{il} w{cfg['warps']} "
+            f"s{cfg['stages']}")  # fmt: skip
 
 
 def main() -> None:
@@ -187,16 +154,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--proj", nargs="*", default=["down", "qwen_down"], choices=list(PROJECTIONS))
     ap.add_argument("--m", nargs="*", type=int, default=[1, 16])
-    which = ap.add_mutually_exclusive_group()
-    which.add_argument("--shortlist", action="store_true", help="fp8.configs instead of GRID")
-    which.add_argument("--gemv", action="store_true", help="the GEMV's GEMV, then fp8.configs")
+    ap.add_argument("--shortlist", action="store_true", help="fp8.configs instead of GRID")
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--scales", nargs="*", default=["row"], choices=["row", "tensor"],
                     help="scalings to precompile (the sweep times rowwise)")  # fmt: skip
     args = ap.parse_args()
     if any(not 1 <= m <= 16 for m in args.m):
         raise ValueError(f"--m {args.m}: decode sizes only, 1 .. 16")
-    which = "shortlist" if args.shortlist else "gemv" if args.gemv else "grid"
+    which = "shortlist" if args.shortlist else "grid"
     shapes = [(m, *PROJECTIONS[p]) for p in args.proj for m in args.m]
     precompile(shapes, which, args.scales)
     if args.precompile_only:

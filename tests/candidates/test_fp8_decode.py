@@ -1,5 +1,5 @@
 """The FP8 decode kernels: split-K with interleaved splits (ragged N and K) against float32 GEMMs
-on the dequantized operands; the CUDA-core GEMV (one to four rows of x); the decode configs, built for every decode shape (run on the GPU
+on the dequantized operands; the decode configs, built for every decode shape (run on the GPU
 by ``test_lowbit_kernels.test_fp8_every_config_on_the_gpu``)."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from tuner.candidates.triton_kernels import fp8 as fp8_kernels
 from tuner.quant.tolerance import excess
 
 INTERLEAVED = {"kernel": "tiled", "bm": 16, "bn": 16, "bk": 32, "split_k": 3, "interleave": True}
-GEMV = {"kernel": "gemv", "bm": 4, "bn": 8, "bk": 32}
 # (N, K, narrow): Llama and Qwen down, gate_up, Llama o and qkv
 DECODE_SHAPES = [(4096, 14336, True), (3584, 18944, True), (28672, 4096, False),
                  (37888, 3584, False), (4096, 4096, True), (6144, 4096, True)]  # fmt: skip
@@ -39,30 +38,15 @@ def test_fp8_decode_kernels_match_the_dequantized_gemm(
     assert excess(out, ref, tol) <= 1
 
 
-@pytest.mark.parametrize(("m", "bm"), [(1, 1), (3, 4)])
-@pytest.mark.parametrize(("split", "k"), [(1, 96), (3, 80)])
-def test_fp8_gemv_matches_the_dequantized_gemm(m: int, bm: int, split: int, k: int) -> None:
-    """Whole K or three contiguous splits (K = 80: the last split takes a half step), one row
-    of x or three of four."""
-    a, b, sa, sb, ref, tol = fp8_problem(m, 40, k, True)
-    out = fp8_kernels.fp8_matmul(a, b, sa, sb.T, {**GEMV, "bm": bm, "split_k": split})
-    assert excess(out, ref, tol) <= 1
-
-
 def test_fp8_decode_bad_configs_name_the_field() -> None:
     a, b, sa, sb, _, _ = fp8_problem(4, 40, 96, True)
     tiled = {"kernel": "tiled", "bm": 16, "bn": 16, "bk": 32, "split_k": 2, "group_m": 1}
-    for kernel in ("fma", "stream_k"):
-        field = re.escape(f"config['kernel']='{kernel}': allowed tiled, gemv, persistent_tma")
+    for kernel in ("gemv", "stream_k"):
+        field = re.escape(f"config['kernel']='{kernel}': allowed tiled, persistent_tma")
         with pytest.raises(ValueError, match=field):
             fp8_kernels.fp8_matmul(a, b, sa, sb, {**tiled, "kernel": kernel})
     with pytest.raises(ValueError, match="config\\['interleave'\\]='yes': allowed True, False"):
         fp8_kernels.fp8_matmul(a, b, sa, sb, {**tiled, "interleave": "yes"})
-    only = "config['kernel']='gemv': contiguous splits and M <= bm only"
-    with pytest.raises(ValueError, match=re.escape(f"{only}, got M=4, bm=2, interleave=False")):
-        fp8_kernels.fp8_matmul(a, b, sa, sb, {**GEMV, "bm": 2})
-    with pytest.raises(ValueError, match=re.escape(f"{only}, got M=4, bm=4, interleave=True")):
-        fp8_kernels.fp8_matmul(a, b, sa, sb, {**GEMV, "split_k": 2, "interleave": True})
 
 
 @pytest.mark.parametrize(("n", "k", "narrow"), DECODE_SHAPES)

@@ -17,8 +17,6 @@ unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False
   writing its *scaled* fp32 partial (scaling is linear), summed in split order by the tile's
   last program (``splitk_arrival``: no second launch in a decode step), or by the tiled
   family's ``splitk_reduce`` while a CUDA graph is captured before the counts exist.
-- ``fp8_gemv`` (decode, M <= bm of 1-4): the tiled kernel's grid and split-K epilogue around an
-  fp32 product on the CUDA cores, without shared memory or tensor cores.
 - ``fp8_persistent_tma`` (Hopper): one program per SM walks the tiles; A and B move through TMA
   descriptors made on the device, which zero-fill the K tail and out-of-range rows. TMA needs
   16-byte aligned bases and row strides (K % 16 == 0 for fp8).
@@ -48,7 +46,7 @@ from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
 from tuner.quant.fp8 import FP8_DTYPES, check_scales
 
 Config = dict[str, Any]
-KERNELS = ("tiled", "gemv", "persistent_tma")
+KERNELS = ("tiled", "persistent_tma")
 MIN_CAPABILITY = (8, 9)
 TMA_CAPABILITY = (9, 0)
 REDUCE_BLOCK = 1024
@@ -67,42 +65,6 @@ def _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE: tl.constexpr):
 
 
 @triton.jit
-def _dot_steps(a_ptrs, b_ptrs, mask_m, mask_n, rk, k_lo, k_hi, BM: tl.constexpr,
-               BN: tl.constexpr, STEP: tl.constexpr, EVEN_K: tl.constexpr,
-               PROMOTE: tl.constexpr):  # fmt: skip
-    """The fp32 sum of ``a @ b.T`` over the BK-wide K steps k_lo, k_lo + STEP, ... below k_hi."""
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, STEP):
-        if EVEN_K:
-            a = tl.load(a_ptrs + k0, mask=mask_m, other=0.0)
-            b = tl.load(b_ptrs + k0, mask=mask_n, other=0.0)
-        else:
-            in_k = (k0 + rk)[None, :] < k_hi
-            a = tl.load(a_ptrs + k0, mask=mask_m & in_k, other=0.0)
-            b = tl.load(b_ptrs + k0, mask=mask_n & in_k, other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
-    return acc
-
-
-@triton.jit
-def _write(acc, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, rm, rn, M, N, ldo, tile, split,
-           SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, REDUCE_HERE: tl.constexpr):  # fmt: skip
-    """Scale a tile's sum and store it, or with ``SPLIT_K > 1`` store it as partial ``split``
-    (and sum the tile's partials if this is its last one, ``REDUCE_HERE``)."""
-    acc = _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        part = rm[:, None].to(tl.int64) * N + rn[None, :]
-        plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
-        tl.store(ws_ptr + split * plane + part, acc, mask=mask)
-        if REDUCE_HERE:
-            reduce_if_last(ws_ptr, counts_ptr, tile, part, plane, mask, out_ptrs, SPLIT_K)
-
-
-@triton.jit
 def fp8_tiled(
     a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, M, N, K, lda, ldb, ldo, k_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -113,8 +75,7 @@ def fp8_tiled(
     ``REDUCE_HERE``, else by a ``splitk_reduce`` launch. ``INTERLEAVE``: split s takes the K
     steps s, s + SPLIT_K, ... (not a contiguous range), so that a tile's splits, running
     together, read adjacent steps of the same rows."""
-    tile = tl.program_id(0)
-    pid_m, pid_n = tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -126,35 +87,10 @@ def fp8_tiled(
         k_hi = tl.minimum(k_lo + k_split, K)
     a_ptrs = a_ptr + rm[:, None].to(tl.int64) * lda + rk[None, :]
     b_ptrs = b_ptr + rn[:, None].to(tl.int64) * ldb + rk[None, :]
-    acc = _dot_steps(a_ptrs, b_ptrs, rm[:, None] < M, rn[:, None] < N, rk, k_lo, k_hi, BM, BN,
-                     BK * SPLIT_K if INTERLEAVE else BK, EVEN_K, PROMOTE)  # fmt: skip
-    _write(acc, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, rm, rn, M, N, ldo, tile,
-           tl.program_id(1), SPLIT_K, ROWWISE, REDUCE_HERE)  # fmt: skip
-
-
-@triton.jit
-def fp8_gemv(
-    a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, M, N, K, lda, ldb, ldo, k_split,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-    ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, REDUCE_HERE: tl.constexpr,
-):  # fmt: skip
-    """Decode on the CUDA cores (M <= BM, a few rows): no shared memory and no tensor cores,
-    so a program is as light as a streaming read's and the SMs hold many of them. Each
-    program takes BN weight rows over one contiguous K range, multiplies in fp32 element by
-    element and sums along K once, after its loop."""
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    rm = tl.arange(0, BM)
-    rn = tile * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    k_lo = split * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
-    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * lda + rk[None, :]
-    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * ldb + rk[None, :]
     mask_m = rm[:, None] < M
     mask_n = rn[:, None] < N
-    acc = tl.zeros((BM, BN, BK), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK * SPLIT_K if INTERLEAVE else BK):
         if EVEN_K:
             a = tl.load(a_ptrs + k0, mask=mask_m, other=0.0)
             b = tl.load(b_ptrs + k0, mask=mask_n, other=0.0)
@@ -162,9 +98,19 @@ def fp8_gemv(
             in_k = (k0 + rk)[None, :] < k_hi
             a = tl.load(a_ptrs + k0, mask=mask_m & in_k, other=0.0)
             b = tl.load(b_ptrs + k0, mask=mask_n & in_k, other=0.0)
-        acc += a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :]
-    _write(tl.sum(acc, axis=2), sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, rm, rn, M, N, ldo,
-           tile, split, SPLIT_K, ROWWISE, REDUCE_HERE)  # fmt: skip
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
+    acc = _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE)
+    mask = mask_m & (rn[None, :] < N)
+    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = rm[:, None].to(tl.int64) * N + rn[None, :]
+        plane = tl.cast(M, tl.int64) * N  # M may arrive as the constant 1
+        tl.store(ws_ptr + tl.program_id(1) * plane + part, acc, mask=mask)
+        if REDUCE_HERE:
+            reduce_if_last(ws_ptr, counts_ptr, tl.program_id(0), part, plane, mask, out_ptrs,
+                           SPLIT_K)  # fmt: skip
 
 
 @triton.jit
@@ -295,11 +241,13 @@ def _launches(
         why = tma_unsupported(device, {"a": (lda, a.data_ptr()), "b": (ldb, b.data_ptr())})
         if why:
             raise ValueError(f"config['kernel']='persistent_tma': {why}")
-        programs = min(_sms(device), tiles)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else 4  # fmt: skip
+        programs = min(sms, tiles)
         args = (a, b, sa, sb, out, m, n, k, lda, ldb, ldo, programs)
         consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, ROWWISE=rowwise, **options)
         return [_Launch(fp8_persistent_tma, (programs,), args, consts)]
-    if kernel not in KERNELS:
+    if kernel != "tiled":
         raise ValueError(f"config['kernel']={kernel!r}: allowed {', '.join(KERNELS)}")
     split, interleave = config.get("split_k", 1), config.get("interleave", False)
     if interleave not in (True, False):
@@ -308,32 +256,16 @@ def _launches(
         raise ValueError(f"config['split_k']={split}: more splits than bk={bk} tiles in K={k}")
     k_split = _k_per_split(k, bk, split)
     ws = workspace(split) if split > 1 else out
-    even_k = k % bk == 0 and (interleave or k_split * split == k)
     arrivals = counts(tiles) if split > 1 else None
     args = (a, b, sa, sb, out, ws, out if arrivals is None else arrivals, m, n, k, lda, ldb, ldo,
             k_split)  # fmt: skip
-    if kernel == "gemv":
-        if m > bm or interleave:
-            raise ValueError(f"config['kernel']='gemv': contiguous splits and M <= bm only, "
-                             f"got M={m}, bm={bm}, interleave={interleave}")  # fmt: skip
-        consts = dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, ROWWISE=rowwise, EVEN_K=even_k,
-                      REDUCE_HERE=arrivals is not None, num_warps=options["num_warps"],
-                      num_stages=options["num_stages"])  # fmt: skip
-        tiled = _Launch(fp8_gemv, (tiles, split), args, consts)
-    else:
-        consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split, ROWWISE=rowwise,
-                      EVEN_K=even_k, REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave,
-                      **options)  # fmt: skip
-        tiled = _Launch(fp8_tiled, (tiles, split), args, consts)
+    consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split, ROWWISE=rowwise,
+                  EVEN_K=k % bk == 0 and (interleave or k_split * split == k),
+                  REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave, **options)  # fmt: skip
+    tiled = _Launch(fp8_tiled, (tiles, split), args, consts)
     if split == 1 or arrivals is not None:
         return [tiled]
     return [tiled, _reduce(ws, out, m, n, ldo, split)]
-
-
-def _sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (a small stand-in in the interpreter)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count \
-        if device.type == "cuda" else 4  # fmt: skip
 
 
 def _reduce(ws: Any, out: Any, m: int, n: int, ldo: int, planes: int) -> _Launch:
