@@ -1,9 +1,11 @@
 """FP8 rowwise decode (M <= 16): a grid of split-K tiles beside the shortlist and a bare read.
 
     python bench/fp8_decode_sweep.py --out fp8_decode_sweep.json --proj down qwen_down --m 1 16
+        [--shortlist | --swap]
 
 Picks the decode shortlist of ``fp8.configs`` from measurements rather than guesses: every
-config of ``GRID`` (``--grid``) or of the shortlist itself (``--shortlist``) on the same rotated
+config of ``GRID``, of the shortlist itself (``--shortlist``) or of the shortlist beside its
+swapped twins (``--swap``, then more swapped tiles) on the same rotated
 weights (``lowbit_kernels``' projections and rotation), CUDA-graph GPU time per call, in grid
 order and then in reverse (a drift over the run shows as a gap between the two passes), and
 each config's output against a float32 GEMM on the dequantized operands ("excess" <= 1
@@ -46,6 +48,31 @@ GRID = [
 ]  # fmt: skip
 
 
+# Swapped tiles (``swap``: b @ a.T, a wgmma whose n is x's rows) beyond the shortlist's own,
+# (bn, bk, splits, interleaved, warps, stages).
+SWAPPED = [(64, 256, 6, True, 4, 3), (64, 512, 4, True, 4, 3), (128, 256, 2, True, 4, 4),
+           (128, 256, 2, True, 8, 4), (64, 256, 8, True, 4, 3)]  # fmt: skip
+
+
+def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
+    """The shortlist, each config as is, swapped, and swapped with an 8-row x tile up to M = 8;
+    then ``SWAPPED`` (one split on wide N)."""
+    out: list[dict[str, Any]] = []
+    narrow = ({"bm": 8},) if m <= 8 else ()
+    for cfg in fp8_kernels.configs(m, n, k):
+        out += [cfg, {**cfg, "swap": True}] + [{**cfg, "swap": True, **c} for c in narrow]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for bn, bk, split, interleave, warps, stages in SWAPPED:
+        split = 1 if fp8_kernels.wide(n, sms) else split
+        cfg = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "split_k": split, "group_m": 1,
+               "warps": warps, "stages": stages, "swap": True}  # fmt: skip
+        if split > 1 and interleave:
+            cfg["interleave"] = True
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     """``GRID`` as configs for N (one split each on wide N), then the shortlist's others."""
     out: list[dict[str, Any]] = []
@@ -77,6 +104,8 @@ def precompile(shapes: list[tuple[int, int, int]], which: str, scales: list[str]
 
 
 def candidates(m: int, n: int, k: int, which: str) -> list[dict[str, Any]]:
+    if which == "swap":
+        return swap_configs(m, n, k)
     return fp8_kernels.configs(m, n, k) if which == "shortlist" else grid_configs(m, n, k)
 
 
@@ -145,8 +174,9 @@ def pct(moved: int, us: float, copy_gbs: float) -> float:
 
 def label(cfg: dict[str, Any]) -> str:
     il = "i" if cfg.get("interleave") else ""
+    swap = f" swap bm{cfg['bm']}" if cfg.get("swap") else ""
     return (f"tiled {cfg['bn']}x{cfg['bk']} split {cfg.get('split_k', 1)}{il} w{cfg['warps']} "
-            f"s{cfg['stages']}")  # fmt: skip
+            f"s{cfg['stages']}{swap}")  # fmt: skip
 
 
 def main() -> None:
@@ -154,14 +184,17 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--proj", nargs="*", default=["down", "qwen_down"], choices=list(PROJECTIONS))
     ap.add_argument("--m", nargs="*", type=int, default=[1, 16])
-    ap.add_argument("--shortlist", action="store_true", help="fp8.configs instead of GRID")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--shortlist", action="store_true", help="fp8.configs instead of GRID")
+    which.add_argument("--swap", action="store_true",
+                       help="fp8.configs as they are and swapped, then SWAPPED")  # fmt: skip
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--scales", nargs="*", default=["row"], choices=["row", "tensor"],
                     help="scalings to precompile (the sweep times rowwise)")  # fmt: skip
     args = ap.parse_args()
     if any(not 1 <= m <= 16 for m in args.m):
         raise ValueError(f"--m {args.m}: decode sizes only, 1 .. 16")
-    which = "shortlist" if args.shortlist else "grid"
+    which = "shortlist" if args.shortlist else "swap" if args.swap else "grid"
     shapes = [(m, *PROJECTIONS[p]) for p in args.proj for m in args.m]
     precompile(shapes, which, args.scales)
     if args.precompile_only:

@@ -24,6 +24,9 @@ CASES = [
     (4, True, "e4m3", "e4m3", 96, {**INTERLEAVED, "split_k": 2}),
     # ... and with K = 80, split 2 takes the half step
     (7, False, "e4m3", "e4m3", 80, INTERLEAVED),
+    # swapped (b @ a.T: the weight's 64 rows are the wgmma's m), 8 and 16 rows of x
+    (3, True, "e4m3", "e4m3", 96, {**INTERLEAVED, "bn": 64, "bm": 8, "split_k": 2, "swap": True}),
+    (16, True, "e5m2", "e4m3", 80, {**INTERLEAVED, "bn": 64, "swap": True}),
 ]
 
 
@@ -45,8 +48,11 @@ def test_fp8_decode_bad_configs_name_the_field() -> None:
         field = re.escape(f"config['kernel']='{kernel}': allowed tiled, persistent_tma")
         with pytest.raises(ValueError, match=field):
             fp8_kernels.fp8_matmul(a, b, sa, sb, {**tiled, "kernel": kernel})
-    with pytest.raises(ValueError, match="config\\['interleave'\\]='yes': allowed True, False"):
-        fp8_kernels.fp8_matmul(a, b, sa, sb, {**tiled, "interleave": "yes"})
+    for name in ("interleave", "swap"):
+        with pytest.raises(
+            ValueError, match=re.escape(f"config['{name}']='yes': allowed True, False")
+        ):
+            fp8_kernels.fp8_matmul(a, b, sa, sb, {**tiled, name: "yes"})
 
 
 @pytest.mark.parametrize(("n", "k", "narrow"), DECODE_SHAPES)

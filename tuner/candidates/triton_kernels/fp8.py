@@ -69,12 +69,14 @@ def fp8_tiled(
     a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ws_ptr, counts_ptr, M, N, K, lda, ldb, ldo, k_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
-    REDUCE_HERE: tl.constexpr, INTERLEAVE: tl.constexpr,
+    REDUCE_HERE: tl.constexpr, INTERLEAVE: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     """One output tile per program; split-K partials summed by the tile's last program when
     ``REDUCE_HERE``, else by a ``splitk_reduce`` launch. ``INTERLEAVE``: split s takes the K
     steps s, s + SPLIT_K, ... (not a contiguous range), so that a tile's splits, running
-    together, read adjacent steps of the same rows."""
+    together, read adjacent steps of the same rows. ``SWAP`` computes the tile's transpose,
+    b @ a.T, so that on Hopper a 16-row a (decode) is the n of a wgmma whose m is b's 64 rows
+    (FP8 wgmma, where a 16-row a alone takes mma.sync through fp16)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -89,7 +91,7 @@ def fp8_tiled(
     b_ptrs = b_ptr + rn[:, None].to(tl.int64) * ldb + rk[None, :]
     mask_m = rm[:, None] < M
     mask_n = rn[:, None] < N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK * SPLIT_K if INTERLEAVE else BK):
         if EVEN_K:
             a = tl.load(a_ptrs + k0, mask=mask_m, other=0.0)
@@ -98,7 +100,12 @@ def fp8_tiled(
             in_k = (k0 + rk)[None, :] < k_hi
             a = tl.load(a_ptrs + k0, mask=mask_m & in_k, other=0.0)
             b = tl.load(b_ptrs + k0, mask=mask_n & in_k, other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
+        if SWAP:
+            acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
+    if SWAP:
+        acc = tl.trans(acc)
     acc = _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE)
     mask = mask_m & (rn[None, :] < N)
     out_ptrs = out_ptr + rm[:, None].to(tl.int64) * ldo + rn[None, :]
@@ -250,8 +257,10 @@ def _launches(
     if kernel != "tiled":
         raise ValueError(f"config['kernel']={kernel!r}: allowed {', '.join(KERNELS)}")
     split, interleave = config.get("split_k", 1), config.get("interleave", False)
-    if interleave not in (True, False):
-        raise ValueError(f"config['interleave']={interleave!r}: allowed True, False")
+    swap = config.get("swap", False)
+    for name, value in (("interleave", interleave), ("swap", swap)):
+        if value not in (True, False):
+            raise ValueError(f"config['{name}']={value!r}: allowed True, False")
     if not (1 <= split <= triton.cdiv(k, bk) if interleave else split_fits(k, bk, split)):
         raise ValueError(f"config['split_k']={split}: more splits than bk={bk} tiles in K={k}")
     k_split = _k_per_split(k, bk, split)
@@ -261,7 +270,8 @@ def _launches(
             k_split)  # fmt: skip
     consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split, ROWWISE=rowwise,
                   EVEN_K=k % bk == 0 and (interleave or k_split * split == k),
-                  REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave, **options)  # fmt: skip
+                  REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave, SWAP=swap,
+                  **options)  # fmt: skip
     tiled = _Launch(fp8_tiled, (tiles, split), args, consts)
     if split == 1 or arrivals is not None:
         return [tiled]
