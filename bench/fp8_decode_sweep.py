@@ -50,8 +50,9 @@ GRID = [
 
 # Swapped tiles (``swap``: b @ a.T, a wgmma whose n is x's rows) beyond the shortlist's own,
 # (bn, bk, splits, interleaved, warps, stages).
-SWAPPED = [(64, 256, 6, True, 4, 3), (64, 512, 4, True, 4, 3), (128, 256, 2, True, 4, 4),
-           (128, 256, 2, True, 8, 4), (64, 256, 8, True, 4, 3)]  # fmt: skip
+SWAPPED = [(64, 256, 2, True, 4, 5), (64, 256, 2, True, 4, 7), (64, 256, 2, True, 4, 8),
+           (64, 256, 3, True, 4, 5), (64, 256, 2, False, 4, 6), (64, 128, 4, True, 4, 8),
+           (64, 128, 2, True, 4, 10), (128, 256, 1, False, 4, 4)]  # fmt: skip
 
 
 def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
@@ -88,14 +89,17 @@ def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     return out + [c for c in fp8_kernels.configs(m, n, k) if c not in out]
 
 
-def precompile(shapes: list[tuple[int, int, int]], which: str, scales: list[str]) -> None:
+def precompile(
+    shapes: list[tuple[int, int, int]], which: str, scales: list[str], precise: bool
+) -> None:
     """Compile every config's kernels for every shape and scaling in worker processes."""
     jobs = []
     for m, n, k in shapes:
         for cfg in candidates(m, n, k, which):
             for scale in scales:
                 try:
-                    jobs += fp8_kernels.jobs(m, n, k, cfg, rowwise=scale == "row", precise=False)
+                    jobs += fp8_kernels.jobs(m, n, k, cfg, rowwise=scale == "row",
+                                             precise=precise)  # fmt: skip
                 except ValueError:
                     continue  # recorded with its error when timed
     report = warm(jobs)
@@ -109,20 +113,28 @@ def candidates(m: int, n: int, k: int, which: str) -> list[dict[str, Any]]:
     return fp8_kernels.configs(m, n, k) if which == "shortlist" else grid_configs(m, n, k)
 
 
-def sweep(name: str, ms: list[int], which: str, copy_gbs: float) -> list[dict[str, Any]]:
+def sweep(
+    name: str, ms: list[int], which: str, copy_gbs: float, precise: bool
+) -> list[dict[str, Any]]:
     n, k = PROJECTIONS[name]
     w8, s8 = fp8.quantize_rowwise(torch.randn(n, k, device="cuda") * 0.02)
     sets = rotate(copies(w8, s8), w8, s8)
     rows: list[dict[str, Any]] = []
     for m in ms:
-        rows += sweep_m(name, m, sets, which, copy_gbs)
+        rows += sweep_m(name, m, sets, which, copy_gbs, precise)
     return rows
 
 
 def sweep_m(
-    name: str, m: int, sets: list[tuple[torch.Tensor, ...]], which: str, copy_gbs: float
+    name: str,
+    m: int,
+    sets: list[tuple[torch.Tensor, ...]],
+    which: str,
+    copy_gbs: float,
+    precise: bool,
 ) -> list[dict[str, Any]]:
-    """The bare read, then every config at one M: checked, then timed in two passes."""
+    """The bare read, then every config at one M: checked, then timed in two passes;
+    ``precise``: partial sums promoted to fp32 (``_scaled_mm``'s default), else fast."""
     w8, s8 = sets[0]
     (n, k), sums = w8.shape, sums_for(w8)
     x8, sx8 = fp8.quantize_rowwise(torch.randn(m, k, device="cuda"))
@@ -141,7 +153,8 @@ def sweep_m(
     for cfg in candidates(m, n, k, which):
         row = {**base, "impl": "fp8_rowwise", "config": cfg, "bytes": moved}
         try:
-            row["excess"] = round(excess(fp8_kernels.fp8_matmul(x8, w8, sx8, s8, cfg), ref, tol), 3)
+            got = fp8_kernels.fp8_matmul(x8, w8, sx8, s8, cfg, precise=precise)
+            row["excess"] = round(excess(got, ref, tol), 3)
         except Exception as e:  # a config that cannot run this shape is a finding
             row["error"] = repr(e)[-300:]
             print(f"{name:9s} m={m:2d} {cfg} FAILED {e!r}"[:300], flush=True)
@@ -151,7 +164,8 @@ def sweep_m(
 
     def call(cfg: dict[str, Any]) -> Any:
         return lambda i: fp8_kernels.fp8_matmul(x8, sets[i % len(sets)][0], sx8,
-                                                sets[i % len(sets)][1], cfg, out=out)  # fmt: skip
+                                                sets[i % len(sets)][1], cfg, out=out,
+                                                precise=precise)  # fmt: skip
 
     for rnd, order in enumerate((timed, timed[::-1])):
         for row in order:
@@ -189,6 +203,8 @@ def main() -> None:
     which.add_argument("--swap", action="store_true",
                        help="fp8.configs as they are and swapped, then SWAPPED")  # fmt: skip
     ap.add_argument("--precompile-only", action="store_true")
+    ap.add_argument("--precise", action="store_true",
+                    help="partial sums promoted to fp32, as the suite's accum=f32 keys run")  # fmt: skip
     ap.add_argument("--scales", nargs="*", default=["row"], choices=["row", "tensor"],
                     help="scalings to precompile (the sweep times rowwise)")  # fmt: skip
     args = ap.parse_args()
@@ -196,13 +212,14 @@ def main() -> None:
         raise ValueError(f"--m {args.m}: decode sizes only, 1 .. 16")
     which = "shortlist" if args.shortlist else "swap" if args.swap else "grid"
     shapes = [(m, *PROJECTIONS[p]) for p in args.proj for m in args.m]
-    precompile(shapes, which, args.scales)
+    precompile(shapes, which, args.scales, args.precise)
     if args.precompile_only:
         return
     torch.manual_seed(0)
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
-    result = header(copy_gbs, configs=which)
-    write_as_it_goes(result, args.out, args.proj, lambda name: sweep(name, args.m, which, copy_gbs))
+    result = header(copy_gbs, configs=which, precise=args.precise)
+    write_as_it_goes(result, args.out, args.proj,
+                     lambda name: sweep(name, args.m, which, copy_gbs, args.precise))  # fmt: skip
 
 
 if __name__ == "__main__":
