@@ -49,28 +49,32 @@ GRID = [
 
 
 # Swapped tiles (``swap``: b @ a.T, a wgmma whose n is x's rows) beyond the shortlist's own,
-# (bn, bk, splits, interleaved, warps, stages).
-SWAPPED = [(64, 256, 2, True, 4, 5), (64, 256, 2, True, 4, 7), (64, 256, 2, True, 4, 8),
-           (64, 256, 3, True, 4, 5), (64, 256, 2, False, 4, 6), (64, 128, 4, True, 4, 8),
-           (64, 128, 2, True, 4, 10), (128, 256, 1, False, 4, 4)]  # fmt: skip
+# (bn, bk, dots a step, splits, interleaved, warps, stages).
+SWAPPED = [(64, 128, 2, 6, True, 4, 3), (64, 128, 2, 2, True, 4, 6), (64, 128, 2, 3, True, 4, 5),
+           (64, 128, 2, 4, True, 4, 5), (64, 128, 4, 2, True, 4, 3)]  # fmt: skip
 
 
 def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
-    """The shortlist, each config as is, swapped, and swapped with an 8-row x tile up to M = 8;
-    then ``SWAPPED`` (one split on wide N)."""
+    """The shortlist, each config as is and swapped, swapped with a step of two 128-wide dots
+    in place of one 256-wide (in precise mode each dot's sum is added apart), and both with an
+    8-row x tile up to M = 8; then ``SWAPPED`` (one split on wide N)."""
     out: list[dict[str, Any]] = []
-    narrow = ({"bm": 8},) if m <= 8 else ()
     for cfg in fp8_kernels.configs(m, n, k):
-        out += [cfg, {**cfg, "swap": True}] + [{**cfg, "swap": True, **c} for c in narrow]
+        dotted = {"bk": cfg["bk"] // 2, "dots": 2} if cfg["bk"] == 256 else {}
+        for swapped in ({"swap": True}, {"swap": True, **dotted}):
+            for rows in ({}, {"bm": 8}) if m <= 8 else ({},):
+                out.append({**cfg, **swapped, **rows})
+        out.append(cfg)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for bn, bk, split, interleave, warps, stages in SWAPPED:
+    for bn, bk, dots, split, interleave, warps, stages in SWAPPED:
         split = 1 if fp8_kernels.wide(n, sms) else split
-        cfg = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "split_k": split, "group_m": 1,
-               "warps": warps, "stages": stages, "swap": True}  # fmt: skip
+        cfg = {"kernel": "tiled", "bm": 16, "bn": bn, "bk": bk, "dots": dots, "split_k": split,
+               "group_m": 1, "warps": warps, "stages": stages, "swap": True}  # fmt: skip
         if split > 1 and interleave:
             cfg["interleave"] = True
-        if cfg not in out:
-            out.append(cfg)
+        for rows in ({}, {"bm": 8}) if m <= 8 else ({},):
+            if {**cfg, **rows} not in out:
+                out.append({**cfg, **rows})
     return out
 
 
@@ -189,7 +193,8 @@ def pct(moved: int, us: float, copy_gbs: float) -> float:
 def label(cfg: dict[str, Any]) -> str:
     il = "i" if cfg.get("interleave") else ""
     swap = f" swap bm{cfg['bm']}" if cfg.get("swap") else ""
-    return (f"tiled {cfg['bn']}x{cfg['bk']} split {cfg.get('split_k', 1)}{il} w{cfg['warps']} "
+    dots = f"x{cfg['dots']}" if cfg.get("dots", 1) > 1 else ""
+    return (f"tiled {cfg['bn']}x{cfg['bk']}{dots} split {cfg.get('split_k', 1)}{il} w{cfg['warps']} "
             f"s{cfg['stages']}{swap}")  # fmt: skip
 
 

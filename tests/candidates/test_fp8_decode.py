@@ -27,6 +27,8 @@ CASES = [
     # swapped (b @ a.T: the weight's 64 rows are the wgmma's m), 8 and 16 rows of x
     (3, True, "e4m3", "e4m3", 96, {**INTERLEAVED, "bn": 64, "bm": 8, "split_k": 2, "swap": True}),
     (16, True, "e5m2", "e4m3", 80, {**INTERLEAVED, "bn": 64, "swap": True}),
+    # two dots a step (in precise mode each summed apart), K = 80: the last step is ragged
+    (5, True, "e4m3", "e4m3", 80, {**INTERLEAVED, "bn": 64, "bk": 16, "dots": 2, "swap": True}),
 ]
 
 
@@ -48,6 +50,8 @@ def test_fp8_decode_bad_configs_name_the_field() -> None:
         field = re.escape(f"config['kernel']='{kernel}': allowed tiled, persistent_tma")
         with pytest.raises(ValueError, match=field):
             fp8_kernels.fp8_matmul(a, b, sa, sb, {**tiled, "kernel": kernel})
+    with pytest.raises(ValueError, match=re.escape("config['dots']=3: allowed 1, 2, 4 dots")):
+        fp8_kernels.fp8_matmul(a, b, sa, sb, {**tiled, "dots": 3})
     for name in ("interleave", "swap"):
         with pytest.raises(
             ValueError, match=re.escape(f"config['{name}']='yes': allowed True, False")

@@ -70,19 +70,23 @@ def fp8_tiled(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
     REDUCE_HERE: tl.constexpr, INTERLEAVE: tl.constexpr, SWAP: tl.constexpr,
+    DOTS: tl.constexpr, FRESH: tl.constexpr,
 ):  # fmt: skip
     """One output tile per program; split-K partials summed by the tile's last program when
     ``REDUCE_HERE``, else by a ``splitk_reduce`` launch. ``INTERLEAVE``: split s takes the K
     steps s, s + SPLIT_K, ... (not a contiguous range), so that a tile's splits, running
     together, read adjacent steps of the same rows. ``SWAP`` computes the tile's transpose,
     b @ a.T, so that on Hopper a 16-row a (decode) is the n of a wgmma whose m is b's 64 rows
-    (FP8 wgmma, where a 16-row a alone takes mma.sync through fp16)."""
+    (FP8 wgmma, where a 16-row a alone takes mma.sync through fp16). A K step is ``DOTS`` dots
+    of BK; ``FRESH``: each dot starts from zero and is added to the fp32 sum (the promotion of
+    precise mode, one per dot of at most ``PROMOTE_EVERY``, without Triton's wait after each
+    wgmma that ``max_num_imprecise_acc`` splits a longer dot with)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     if INTERLEAVE:
-        k_lo = tl.program_id(1) * BK
+        k_lo = tl.program_id(1) * BK * DOTS
         k_hi = K
     else:
         k_lo = tl.program_id(1) * k_split
@@ -92,18 +96,25 @@ def fp8_tiled(
     mask_m = rm[:, None] < M
     mask_n = rn[:, None] < N
     acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK * SPLIT_K if INTERLEAVE else BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs + k0, mask=mask_m, other=0.0)
-            b = tl.load(b_ptrs + k0, mask=mask_n, other=0.0)
-        else:
-            in_k = (k0 + rk)[None, :] < k_hi
-            a = tl.load(a_ptrs + k0, mask=mask_m & in_k, other=0.0)
-            b = tl.load(b_ptrs + k0, mask=mask_n & in_k, other=0.0)
-        if SWAP:
-            acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)
-        else:
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
+    for k0 in range(k_lo, k_hi, BK * DOTS * SPLIT_K if INTERLEAVE else BK * DOTS):
+        for d in tl.static_range(DOTS):
+            kd = k0 + d * BK
+            if EVEN_K:
+                a = tl.load(a_ptrs + kd, mask=mask_m, other=0.0)
+                b = tl.load(b_ptrs + kd, mask=mask_n, other=0.0)
+            else:
+                in_k = (kd + rk)[None, :] < k_hi
+                a = tl.load(a_ptrs + kd, mask=mask_m & in_k, other=0.0)
+                b = tl.load(b_ptrs + kd, mask=mask_n & in_k, other=0.0)
+            if FRESH:
+                if SWAP:
+                    acc += tl.dot(b, tl.trans(a), max_num_imprecise_acc=PROMOTE)
+                else:
+                    acc += tl.dot(a, tl.trans(b), max_num_imprecise_acc=PROMOTE)
+            elif SWAP:
+                acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
     if SWAP:
         acc = tl.trans(acc)
     acc = _scaled(acc, sa_ptr, sb_ptr, rm, rn, M, N, ROWWISE)
@@ -257,21 +268,25 @@ def _launches(
     if kernel != "tiled":
         raise ValueError(f"config['kernel']={kernel!r}: allowed {', '.join(KERNELS)}")
     split, interleave = config.get("split_k", 1), config.get("interleave", False)
-    swap = config.get("swap", False)
+    swap, dots = config.get("swap", False), config.get("dots", 1)
     for name, value in (("interleave", interleave), ("swap", swap)):
         if value not in (True, False):
             raise ValueError(f"config['{name}']={value!r}: allowed True, False")
-    if not (1 <= split <= triton.cdiv(k, bk) if interleave else split_fits(k, bk, split)):
-        raise ValueError(f"config['split_k']={split}: more splits than bk={bk} tiles in K={k}")
-    k_split = _k_per_split(k, bk, split)
+    if dots not in (1, 2, 4):
+        raise ValueError(f"config['dots']={dots!r}: allowed 1, 2, 4 dots of bk a K step")
+    step = bk * dots
+    if not (1 <= split <= triton.cdiv(k, step) if interleave else split_fits(k, step, split)):
+        raise ValueError(f"config['split_k']={split}: more splits than the {step}-wide steps "
+                         f"(bk={bk} x dots={dots}) of K={k}")  # fmt: skip
+    k_split = _k_per_split(k, step, split)
     ws = workspace(split) if split > 1 else out
     arrivals = counts(tiles) if split > 1 else None
     args = (a, b, sa, sb, out, ws, out if arrivals is None else arrivals, m, n, k, lda, ldb, ldo,
             k_split)  # fmt: skip
     consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split, ROWWISE=rowwise,
-                  EVEN_K=k % bk == 0 and (interleave or k_split * split == k),
+                  EVEN_K=k % step == 0 and (interleave or k_split * split == k),
                   REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave, SWAP=swap,
-                  **options)  # fmt: skip
+                  DOTS=dots, FRESH=precise and dots > 1, **options)  # fmt: skip
     tiled = _Launch(fp8_tiled, (tiles, split), args, consts)
     if split == 1 or arrivals is not None:
         return [tiled]
