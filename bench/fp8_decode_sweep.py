@@ -55,16 +55,20 @@ SWAPPED = [(64, 128, 2, 6, True, 4, 3), (64, 128, 2, 2, True, 4, 6), (64, 128, 2
 
 
 def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
-    """The shortlist, each config as is and swapped, swapped with a step of two 128-wide dots
-    in place of one 256-wide (in precise mode each dot's sum is added apart), and both with an
-    8-row x tile up to M = 8; then ``SWAPPED`` (one split on wide N)."""
+    """The shortlist's swapped tiles (two 128-wide dots a step; in precise mode each dot's sum
+    is added apart) beside the same tiles as they were before (one 256-wide dot, not swapped)
+    and swapped with one dot, each with an 8-row x tile too up to M = 8; the shortlist's other
+    tiles; then ``SWAPPED`` (one split on wide N)."""
     out: list[dict[str, Any]] = []
     for cfg in fp8_kernels.configs(m, n, k):
-        dotted = {"bk": cfg["bk"] // 2, "dots": 2} if cfg["bk"] == 256 else {}
-        for swapped in ({"swap": True}, {"swap": True, **dotted}):
+        if not cfg.get("swap"):
+            out.append(cfg)
+            continue
+        plain = {key: v for key, v in cfg.items() if key not in ("swap", "dots")} | {"bk": 256}
+        for variant in (cfg, {**plain, "swap": True}):
             for rows in ({}, {"bm": 8}) if m <= 8 else ({},):
-                out.append({**cfg, **swapped, **rows})
-        out.append(cfg)
+                out.append({**variant, **rows})
+        out.append(plain)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for bn, bk, dots, split, interleave, warps, stages in SWAPPED:
         split = 1 if fp8_kernels.wide(n, sms) else split

@@ -27,8 +27,15 @@ CASES = [
     # swapped (b @ a.T: the weight's 64 rows are the wgmma's m), 8 and 16 rows of x
     (3, True, "e4m3", "e4m3", 96, {**INTERLEAVED, "bn": 64, "bm": 8, "split_k": 2, "swap": True}),
     (16, True, "e5m2", "e4m3", 80, {**INTERLEAVED, "bn": 64, "swap": True}),
-    # two dots a step (in precise mode each summed apart), K = 80: the last step is ragged
-    (5, True, "e4m3", "e4m3", 80, {**INTERLEAVED, "bn": 64, "bk": 16, "dots": 2, "swap": True}),
+    # two dots a step (in precise mode each summed apart), K = 160: the last step is half a step
+    (
+        5,
+        True,
+        "e4m3",
+        "e4m3",
+        160,
+        {**INTERLEAVED, "bn": 64, "bk": 32, "dots": 2, "split_k": 2, "swap": True},
+    ),
 ]
 
 
@@ -64,8 +71,8 @@ def test_fp8_decode_configs_build_for_every_decode_shape(n: int, k: int, narrow:
     """Narrow N (the down projections, o, qkv) is led by interleaved split-K filling one wave
     at two programs per SM; the deep-pipeline tiles (6-8 stages) run at most one wave at one
     per SM and fill 3/4 of it, the 32 x 512 one only from M = 2; wide N (gate_up) takes one
-    split per tile; no config twice; every config builds its launches (``jobs``) for both
-    scalings."""
+    split per tile; the 64-row tiles run swapped, two 128-byte dots a step; no config twice;
+    every config builds its launches (``jobs``) for both scalings."""
     sms = 132
     for m in (1, 2, 16):
         configs = fp8_kernels.configs(m, n, k)
@@ -88,5 +95,10 @@ def test_fp8_decode_configs_build_for_every_decode_shape(n: int, k: int, narrow:
         )
         for config in configs:
             assert config.get("interleave", False) == (config["split_k"] > 1)
+            # 64 weight rows: the wgmma's m, two 128-byte dots a step
+            assert config.get("swap", False) == (config["bn"] == 64)
+            assert (config["bk"], config.get("dots", 1)) == (
+                (128, 2) if config["bn"] == 64 else (config["bk"], 1)
+            )
             for rowwise in (True, False):
                 assert fp8_kernels.jobs(m, n, k, config, rowwise=rowwise, precise=False)

@@ -365,7 +365,8 @@ def jobs(
 # programs fit one wave at one per SM (a deep pipeline), offered where they fill 3/4 of it at
 # least; "fill", one, offered where N / bn programs alone are more than one wave at one per SM.
 # Splits are interleaved (a tile's splits, running together, read adjacent steps of the same
-# rows). 32 x 512 x 6 from M = 2: Triton's M = 1 specialization of it reads slower.
+# rows). 32 x 512 x 6 from M = 2: Triton's M = 1 specialization of it reads slower. The 64-row
+# tiles run ``swapped``.
 NARROW_TILES = ((64, 256, 4, "wave", 1), (64, 256, 6, "per_sm", 1), (32, 512, 6, "per_sm", 2),
                 (32, 256, 8, "per_sm", 1), (32, 512, 4, "fill", 1))  # fmt: skip
 # N that fills two waves of 64-row tiles: one split each, (bn, bk, stages).
@@ -388,8 +389,20 @@ def wide(n: int, sms: int) -> bool:
     return triton.cdiv(n, 64) >= 2 * sms
 
 
+def swapped(config: Config) -> Config:
+    """A decode tile of 64 weight rows and 256-byte steps as a wgmma's m (``swap``), each step
+    two 128-byte dots (``dots``): in precise mode each dot's sum is added apart."""
+    if config["bn"] != 64 or config["bk"] != 256:
+        return config
+    return {**config, "bk": 128, "dots": 2, "swap": True}
+
+
 def decode_configs(m: int, n: int, k: int, sms: int = 132) -> list[Config]:
     """``configs`` for M <= 16."""
+    return [swapped(c) for c in _decode_tiles(m, n, k, sms)]
+
+
+def _decode_tiles(m: int, n: int, k: int, sms: int) -> list[Config]:
     tile = {"kernel": "tiled", "bm": 16, "group_m": 1, "warps": 4}
     if wide(n, sms):
         return [
