@@ -8,7 +8,9 @@ rowwise (scale_a [M, 1], scale_b [N, 1] or [1, N]), applied to the fp32 accumula
 Accumulation: on sm90 an fp8 ``tl.dot`` accumulates in the tensor cores' partial precision
 unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False``) passes
 ``max_num_imprecise_acc`` so the partial sums are added into the fp32 accumulator every
-``PROMOTE_EVERY`` products along K, as CUTLASS's and cuBLASLt's non-fast FP8 kernels do.
+``PROMOTE_EVERY`` products along K, as CUTLASS's and cuBLASLt's non-fast FP8 kernels do; a K
+step of ``dots`` dots of at most that many products each sums them apart instead (one wait a
+dot rather than one a wgmma).
 
 - ``fp8_tiled``: one output tile per program, grouped ordering; ``SPLIT_K > 1`` runs several
   programs per tile over contiguous K ranges (small M: enough programs to keep the weight
@@ -16,7 +18,9 @@ unless told otherwise; ``precise=True`` (``_scaled_mm``'s ``use_fast_accum=False
   together, read adjacent steps of the same rows: longer runs of DRAM addresses at once), each
   writing its *scaled* fp32 partial (scaling is linear), summed in split order by the tile's
   last program (``splitk_arrival``: no second launch in a decode step), or by the tiled
-  family's ``splitk_reduce`` while a CUDA graph is captured before the counts exist.
+  family's ``splitk_reduce`` while a CUDA graph is captured before the counts exist. ``swap``
+  computes the tile as b @ a.T: at decode a's few rows become a wgmma's n and b's 64 rows its m
+  (native FP8 wgmma, where 16 rows of a as m would take mma.sync through fp16).
 - ``fp8_persistent_tma`` (Hopper): one program per SM walks the tiles; A and B move through TMA
   descriptors made on the device, which zero-fill the K tail and out-of-range rows. TMA needs
   16-byte aligned bases and row strides (K % 16 == 0 for fp8).
