@@ -50,8 +50,8 @@ GRID = [
 
 # Swapped tiles (``swap``: b @ a.T, a wgmma whose n is x's rows) beyond the shortlist's own,
 # (bn, bk, dots a step, splits, interleaved, warps, stages).
-SWAPPED = [(64, 128, 2, 6, True, 4, 3), (64, 128, 2, 2, True, 4, 6), (64, 128, 2, 3, True, 4, 5),
-           (64, 128, 2, 4, True, 4, 5), (64, 128, 4, 2, True, 4, 3)]  # fmt: skip
+SWAPPED = [(64, 128, 2, 4, True, 8, 4), (64, 128, 2, 2, True, 8, 6), (64, 128, 2, 6, True, 8, 3),
+           (64, 128, 2, 4, False, 4, 4), (64, 128, 2, 8, True, 4, 2), (64, 128, 2, 4, True, 4, 3)]  # fmt: skip
 
 
 def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
