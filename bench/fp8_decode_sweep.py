@@ -207,9 +207,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--proj", nargs="*", default=["down", "qwen_down"], choices=list(PROJECTIONS))
     ap.add_argument("--m", nargs="*", type=int, default=[1, 16])
-    which = ap.add_mutually_exclusive_group()
-    which.add_argument("--shortlist", action="store_true", help="fp8.configs instead of GRID")
-    which.add_argument("--swap", action="store_true",
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--shortlist", action="store_true", help="fp8.configs instead of GRID")
+    mode.add_argument("--swap", action="store_true",
                        help="fp8.configs as they are and swapped, then SWAPPED")  # fmt: skip
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--precise", action="store_true",

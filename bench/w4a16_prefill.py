@@ -34,13 +34,11 @@ FORMAT = "int4-g128"
 # each at the K splits of ``sweep_splits``. Offline (Triton 3.6, sm_90a) a two-dot step overlaps
 # its wgmmas (4 warps only with step_sum) and 3 or more stages keep a load in flight across the
 # loop (at 2 the loop waits for every copy at its top); the one-dot and 2-stage tiles are their
-# serialized / unpipelined twins. 256 rows of x by 64 weight rows: every weight element
-# dequantized once up to M = 256, the SMs filled by K splits.
+# serialized / unpipelined twins.
 SWEEP_TILED = ((64, 64, 4, 3, 2, True), (64, 64, 4, 2, 2, True), (128, 64, 4, 3, 2, True),
                (64, 128, 8, 3, 2, True), (64, 128, 8, 4, 2, True), (128, 128, 8, 3, 2, True),
                (128, 128, 8, 3, 2, False), (128, 128, 8, 2, 2, True), (64, 256, 8, 3, 2, True),
-               (128, 64, 4, 3, 1, False), (64, 128, 8, 3, 1, False), (256, 64, 8, 2, 1, False),
-               (256, 64, 8, 3, 1, False), (128, 64, 8, 3, 1, False))  # fmt: skip
+               (128, 64, 4, 3, 1, False), (64, 128, 8, 3, 1, False))  # fmt: skip
 MOST_SPLITS = 4
 # CUTLASS: the shortlists' cooperative stream-K kernels (tile, cluster) under each of the tile
 # scheduler's runtime arguments (``cutlass_w4a16.scheduler_args``): every decomposition, split-K

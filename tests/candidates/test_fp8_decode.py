@@ -28,15 +28,9 @@ CASES = [
     (3, True, "e4m3", "e4m3", 96, {**INTERLEAVED, "bn": 64, "bm": 8, "split_k": 2, "swap": True}),
     (16, True, "e5m2", "e4m3", 80, {**INTERLEAVED, "bn": 64, "swap": True}),
     # two dots a step (in precise mode each summed apart), K = 160: the last step is half a step
-    (
-        5,
-        True,
-        "e4m3",
-        "e4m3",
-        160,
-        {**INTERLEAVED, "bn": 64, "bk": 32, "dots": 2, "split_k": 2, "swap": True},
-    ),
-]
+    (5, True, "e4m3", "e4m3", 160, {**INTERLEAVED, "bn": 64, "bk": 32, "dots": 2, "split_k": 2,
+                                    "swap": True}),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("precise", [False, True], ids=["fast", "precise"])
