@@ -50,22 +50,22 @@ GRID = [
 
 # Swapped tiles (``swap``: b @ a.T, a wgmma whose n is x's rows) beyond the shortlist's own,
 # (bn, bk, dots a step, splits, interleaved, warps, stages).
-SWAPPED = [(64, 128, 2, 4, True, 4, 5), (64, 128, 2, 2, True, 4, 8)]  # fmt: skip
+SWAPPED = [(64, 128, 2, 4, True, 8, 4), (64, 128, 2, 2, True, 8, 6), (64, 128, 2, 6, True, 8, 3),
+           (64, 128, 2, 4, False, 4, 4), (64, 128, 2, 8, True, 4, 2), (64, 128, 2, 4, True, 4, 3)]  # fmt: skip
 
 
 def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     """The shortlist's swapped tiles (two 128-wide dots a step; in precise mode each dot's sum
-    is added apart), the same through host-made tensor descriptors (``tma``), beside the tiles
-    as they were before (one 256-wide dot, not swapped) and swapped with one dot, each with an
-    8-row x tile too up to M = 8; the shortlist's other tiles; then ``SWAPPED`` (one split on
-    wide N)."""
+    is added apart) beside the same tiles as they were before (one 256-wide dot, not swapped)
+    and swapped with one dot, each with an 8-row x tile too up to M = 8; the shortlist's other
+    tiles; then ``SWAPPED`` (one split on wide N)."""
     out: list[dict[str, Any]] = []
     for cfg in fp8_kernels.configs(m, n, k):
         if not cfg.get("swap"):
             out.append(cfg)
             continue
         plain = {key: v for key, v in cfg.items() if key not in ("swap", "dots")} | {"bk": 256}
-        for variant in (cfg, {**cfg, "tma": True}, {**plain, "swap": True}):
+        for variant in (cfg, {**plain, "swap": True}):
             for rows in ({}, {"bm": 8}) if m <= 8 else ({},):
                 out.append({**variant, **rows})
         out.append(plain)
@@ -198,7 +198,6 @@ def label(cfg: dict[str, Any]) -> str:
     il = "i" if cfg.get("interleave") else ""
     swap = f" swap bm{cfg['bm']}" if cfg.get("swap") else ""
     dots = f"x{cfg['dots']}" if cfg.get("dots", 1) > 1 else ""
-    swap += " tma" if cfg.get("tma") else ""
     return (f"tiled {cfg['bn']}x{cfg['bk']}{dots} split {cfg.get('split_k', 1)}{il} w{cfg['warps']} "
             f"s{cfg['stages']}{swap}")  # fmt: skip
 

@@ -40,7 +40,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
@@ -75,7 +74,7 @@ def fp8_tiled(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
     REDUCE_HERE: tl.constexpr, INTERLEAVE: tl.constexpr, SWAP: tl.constexpr,
-    DOTS: tl.constexpr, FRESH: tl.constexpr, TMA: tl.constexpr,
+    DOTS: tl.constexpr, FRESH: tl.constexpr,
 ):  # fmt: skip
     """One output tile per program; split-K partials summed by the tile's last program when
     ``REDUCE_HERE``, else by a ``splitk_reduce`` launch. ``INTERLEAVE``: split s takes the K
@@ -85,9 +84,7 @@ def fp8_tiled(
     (FP8 wgmma, where a 16-row a alone takes mma.sync through fp16). A K step is ``DOTS`` dots
     of BK; ``FRESH``: each dot starts from zero and is added to the fp32 sum (the promotion of
     precise mode, one per dot of at most ``PROMOTE_EVERY``, without Triton's wait after each
-    wgmma that ``max_num_imprecise_acc`` splits a longer dot with). ``TMA``: ``a_ptr`` and
-    ``b_ptr`` are host-made tensor descriptors of [BM, BK] and [BN, BK] blocks (one copy a tile,
-    zero-filled past M, N and K); only where a program's K range ends at K."""
+    wgmma that ``max_num_imprecise_acc`` splits a longer dot with)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -98,19 +95,15 @@ def fp8_tiled(
     else:
         k_lo = tl.program_id(1) * k_split
         k_hi = tl.minimum(k_lo + k_split, K)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * lda + rk[None, :]
+    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * ldb + rk[None, :]
     mask_m = rm[:, None] < M
     mask_n = rn[:, None] < N
-    if not TMA:
-        a_ptrs = a_ptr + rm[:, None].to(tl.int64) * lda + rk[None, :]
-        b_ptrs = b_ptr + rn[:, None].to(tl.int64) * ldb + rk[None, :]
     acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK * DOTS * SPLIT_K if INTERLEAVE else BK * DOTS):
         for d in tl.static_range(DOTS):
             kd = k0 + d * BK
-            if TMA:
-                a = a_ptr.load([pid_m * BM, kd])
-                b = b_ptr.load([pid_n * BN, kd])
-            elif EVEN_K:
+            if EVEN_K:
                 a = tl.load(a_ptrs + kd, mask=mask_m, other=0.0)
                 b = tl.load(b_ptrs + kd, mask=mask_n, other=0.0)
             else:
@@ -279,8 +272,8 @@ def _launches(
     if kernel != "tiled":
         raise ValueError(f"config['kernel']={kernel!r}: allowed {', '.join(KERNELS)}")
     split, interleave = config.get("split_k", 1), config.get("interleave", False)
-    swap, dots, tma = config.get("swap", False), config.get("dots", 1), config.get("tma", False)
-    for name, value in (("interleave", interleave), ("swap", swap), ("tma", tma)):
+    swap, dots = config.get("swap", False), config.get("dots", 1)
+    for name, value in (("interleave", interleave), ("swap", swap)):
         if value not in (True, False):
             raise ValueError(f"config['{name}']={value!r}: allowed True, False")
     if dots not in (1, 2, 4):
@@ -290,22 +283,14 @@ def _launches(
         raise ValueError(f"config['split_k']={split}: more splits than the {step}-wide steps "
                          f"(bk={bk} x dots={dots}) of K={k}")  # fmt: skip
     k_split = _k_per_split(k, step, split)
-    even_k = k % step == 0 and (interleave or k_split * split == k)
-    if tma:
-        why = tma_unsupported(device, {"a": (lda, a.data_ptr()), "b": (ldb, b.data_ptr())})
-        if why or not (interleave or split == 1 or even_k):
-            raise ValueError(
-                f"config['tma']=True: {why or 'contiguous splits need K in whole steps'}"
-            )
-        a = TensorDescriptor(a, [m, k], [lda, 1], [bm, bk])
-        b = TensorDescriptor(b, [n, k], [ldb, 1], [bn, bk])
     ws = workspace(split) if split > 1 else out
     arrivals = counts(tiles) if split > 1 else None
     args = (a, b, sa, sb, out, ws, out if arrivals is None else arrivals, m, n, k, lda, ldb, ldo,
             k_split)  # fmt: skip
     consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split, ROWWISE=rowwise,
-                  EVEN_K=even_k, REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave,
-                  SWAP=swap, DOTS=dots, FRESH=precise and dots > 1, TMA=tma, **options)  # fmt: skip
+                  EVEN_K=k % step == 0 and (interleave or k_split * split == k),
+                  REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave, SWAP=swap,
+                  DOTS=dots, FRESH=precise and dots > 1, **options)  # fmt: skip
     tiled = _Launch(fp8_tiled, (tiles, split), args, consts)
     if split == 1 or arrivals is not None:
         return [tiled]
