@@ -37,9 +37,12 @@ SOURCES = ("cutlass_fp8", "cublaslt_fp8", "triton_fp8")
 # CUTLASS cooperative FP8 kernels beside the shortlist's (cluster tile, cluster, scheduler): 128x192
 # CTAs (derived: the generator lists none) on either 2-CTA cluster, persistent and stream-K, and
 # 256x96 CTAs; 128x128 CTAs stream-K, the tile torch's own rowwise kernel takes at these shapes
+# At decode (--m 1 16) CUTLASS's M is the weight's rows and its N x's few rows: 128 x 32 CTAs
+# (derived), stream-K over the SMs, on either 2-CTA cluster
 SWEEP_CUTLASS = (((128, 384), (1, 2), "default"), ((256, 192), (2, 1), "default"),
                  ((256, 192), (1, 2), "default"), ((128, 384), (1, 2), "streamk"),
-                 ((256, 192), (2, 1), "streamk"), ((128, 256), (1, 2), "streamk"))  # fmt: skip
+                 ((256, 192), (2, 1), "streamk"), ((128, 256), (1, 2), "streamk"),
+                 ((128, 64), (1, 2), "streamk"), ((256, 32), (2, 1), "streamk"))  # fmt: skip
 # raster swizzles (a launch-time argument, no new kernel) tried on these (tile, cluster, scheduler)
 SWEEP_SWIZZLES = (2, 8)
 SWIZZLED = (((128, 384), (1, 2), "default"), ((256, 192), (2, 1), "default"),
