@@ -3,9 +3,6 @@
     python bench/fp8_prefill.py --out $OUT/fp8_prefill.json [--m 2048] [--ops qkv o] [--sweep]
         [--sources cublaslt_fp8]
 
-(``--m 1 16``: the same at decode, CUDA-graph GPU times; ``--sweep`` then adds CUTLASS's narrow
-CTAs, ``DECODE_CUTLASS``.)
-
 Per projection (the low-bit suite's eight: qkv, o, gate_up, down of Llama-3-8B and Qwen2.5-7B)
 and M, the shortlist of each FP8 source (``cutlass_fp8``, ``cublaslt_fp8``, ``triton_fp8``:
 their ``candidates``), and with ``--sweep`` the wider grid below, each built as its source
@@ -43,9 +40,6 @@ SOURCES = ("cutlass_fp8", "cublaslt_fp8", "triton_fp8")
 SWEEP_CUTLASS = (((128, 384), (1, 2), "default"), ((256, 192), (2, 1), "default"),
                  ((256, 192), (1, 2), "default"), ((128, 384), (1, 2), "streamk"),
                  ((256, 192), (2, 1), "streamk"), ((128, 256), (1, 2), "streamk"))  # fmt: skip
-# At decode (M <= 16) CUTLASS's M is the weight's rows and its N x's few rows (the launchers
-# multiply column-major): 128 x 32 CTAs (derived), stream-K over the SMs, either 2-CTA cluster
-DECODE_CUTLASS = (((128, 64), (1, 2), "streamk"), ((256, 32), (2, 1), "streamk"))
 # raster swizzles (a launch-time argument, no new kernel) tried on these (tile, cluster, scheduler)
 SWEEP_SWIZZLES = (2, 8)
 SWIZZLED = (((128, 384), (1, 2), "default"), ((256, 192), (2, 1), "default"),
@@ -56,11 +50,8 @@ SWEEP_LT_TILES = ("128x128", "128x256", "256x128", "192x128", "128x192")
 SWEEP_LT_CLUSTERS = ("1x1x1", "2x1x1", "1x2x1")
 
 
-def sweep_of(source: str, shortlist: list[Params], decode: bool = False) -> list[Params]:
-    """The ``--sweep`` configs of ``source`` (its shortlist tells cuBLASLt's algorithm);
-    ``decode``: CUTLASS's narrow CTAs only."""
-    if source == "cutlass_fp8" and decode:
-        return [cutlass_fp8._p(*tile, cluster, sched) for tile, cluster, sched in DECODE_CUTLASS]
+def sweep_of(source: str, shortlist: list[Params]) -> list[Params]:
+    """The ``--sweep`` configs of ``source`` (its shortlist tells cuBLASLt's algorithm)."""
     if source == "cutlass_fp8":
         out = [cutlass_fp8._p(*tile, cluster, sched) for tile, cluster, sched in SWEEP_CUTLASS]
         return out + [{**cutlass_fp8._p(*tile, cluster, sched), "swizzle": s}
@@ -86,7 +77,7 @@ def configs_of(key: GemmKey, sweep: bool, sources: Sequence[str] = SOURCES) -> T
             continue
         shortlist = src.candidates(key, "cuda")
         shortlisted += [(source, p) for p in shortlist]
-        extra += [(source, p) for p in sweep_of(source, shortlist, key.m <= 16)] if sweep else []
+        extra += [(source, p) for p in sweep_of(source, shortlist)] if sweep else []
     return unique(shortlisted, extra)
 
 

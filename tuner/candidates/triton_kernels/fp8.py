@@ -110,13 +110,10 @@ def fp8_tiled(
                 in_k = (kd + rk)[None, :] < k_hi
                 a = tl.load(a_ptrs + kd, mask=mask_m & in_k, other=0.0)
                 b = tl.load(b_ptrs + kd, mask=mask_n & in_k, other=0.0)
+            if SWAP:
+                a, b = b, a
             if FRESH:
-                if SWAP:
-                    acc += tl.dot(b, tl.trans(a), max_num_imprecise_acc=PROMOTE)
-                else:
-                    acc += tl.dot(a, tl.trans(b), max_num_imprecise_acc=PROMOTE)
-            elif SWAP:
-                acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)
+                acc += tl.dot(a, tl.trans(b), max_num_imprecise_acc=PROMOTE)
             else:
                 acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
     if SWAP:
