@@ -77,8 +77,8 @@ def test_the_wrapper_text_is_part_of_int4_kernel_digests(monkeypatch: pytest.Mon
         return (spec.digest, plain.digest, *ids)
 
     before = keys()
-    assert cutlass_env.builder_fields(spec.wdtype) == {"wrapper": w4.WRAPPER_DIGEST}
-    assert cutlass_env.builder_fields(plain.wdtype) == {}
+    assert cutlass_env.builder_fields(spec) == {"wrapper": w4.WRAPPER_DIGEST}
+    assert cutlass_env.builder_fields(plain) == {}
     monkeypatch.setattr(w4, "WRAPPER_DIGEST", "another")
     after = keys()
     assert (after[0] != before[0], after[1] == before[1]) == (True, True)
@@ -136,7 +136,7 @@ def test_scheduler_params_are_runtime_arguments_of_one_kernel() -> None:
     assert w4.scheduler_args(forced) == w4.Scheduler(1, 1, 3, 2)
     pingpong = {**w4.MEDIUM[1], "raster": "weight"}
     assert w4.scheduler_args(pingpong) == w4.Scheduler(1, 1, 0, 1)
-    assert w4.CutlassW4A16().launch_options(split) == w4.scheduler_args(split)
+    assert w4.CutlassW4A16().launch_options(split) == w4.Options(w4.scheduler_args(split), False)
 
 
 @needs_library
@@ -231,6 +231,48 @@ def test_torch_packed_weight_converts_once_per_tensor_version() -> None:
     assert int(w4.from_cutlass(w4.weight(packed)).max()) == 3
 
 
+def test_reorder_places_each_nibble_where_the_atom_says() -> None:
+    """Nibble (m, k) lands at 256 (N / 16) kt + 256 mt + 32 m0 + 8 k1 + 4 k0 + 2 k2 + m1, with
+    m = 16 mt + 8 m1 + m0 and k = 16 kt + 8 k2 + 2 k1 + k0 (CUTLASS's 16 x 16 reorder atom for
+    bf16 / f16 MMAs, tiled along N first); element e is byte e // 2's low nibble when e is even."""
+    n, k = 48, 64
+    q = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
+    a = w4.to_cutlass(q)
+    out = w4.reorder(a)
+    assert out.shape == a.shape and out.dtype == torch.uint8
+    flat = torch.stack([out & 15, out >> 4], dim=2).reshape(-1)
+    for m in range(n):
+        for kk in range(k):
+            mt, m1, m0 = m // 16, (m // 8) % 2, m % 8
+            kt, k2, k1, k0 = kk // 16, (kk // 8) % 2, (kk // 2) % 4, kk % 2
+            e = 256 * (n // 16) * kt + 256 * mt + 32 * m0 + 8 * k1 + 4 * k0 + 2 * k2 + m1
+            assert int(flat[e]) == int(q[m, kk]) ^ 8
+    with pytest.raises(ValueError, match="N and K in 16s, got N=40, K=64"):
+        w4.reorder(a[:40])
+    with pytest.raises(ValueError, match="a: expected a uint8"):
+        w4.reorder(a.to(torch.int32))
+
+
+def test_the_reordered_layout_is_a_kernel_of_its_own() -> None:
+    """``a_layout`` names another library (its own wrapper code in the digest) and reaches the
+    launcher; row-major kernels' digests and artifact ids do not move."""
+    key = key_of("int4-g128", 256)
+    plain, reordered = w4.MEDIUM[0], {**w4.MEDIUM[0], "a_layout": "reordered"}
+    spec = w4.kernel_spec(key, reordered)
+    assert spec.a_layout == "reordered" and spec != w4.kernel_spec(key, plain)
+    assert "a_layout" not in w4.kernel_spec(key, plain).to_json()
+    assert cutlass_env.builder_fields(spec) == {
+        "wrapper": w4.WRAPPER_DIGEST,
+        "reordered": w4.REORDERED_DIGEST,
+    }
+    assert w4.launch_options(reordered) == w4.Options(w4.scheduler_args(plain), True)
+    assert w4.launch_options(plain).reordered is False
+    with pytest.raises(ValueError, match="'a_layout' must be one of \\['reordered'\\]"):
+        w4.kernel_spec(key, {**plain, "a_layout": "shuffled"})
+    with pytest.raises(ValueError, match=r"needs N in 16s .* got N=264"):
+        w4.kernel_spec(key_of("int4-g128", 256, n=264), reordered)
+
+
 def test_scales_split_into_two_contiguous_n_major_tensors() -> None:
     gen = torch.Generator().manual_seed(2)
     sz = torch.randn(4, 24, 2, generator=gen).to(torch.bfloat16)
@@ -259,10 +301,12 @@ def test_a_library_bundle_installs_where_the_launcher_loads_it(
 
 # --- on a GPU -----------------------------------------------------------------------------------
 
+REORDERED = {"a_layout": "reordered"}
 GPU_CASES = [
-    ("int4-g128", 16, 0, "bf16"),  # decode, warp-specialized
-    ("int4-g64", 200, 2, "f16"),  # stream-K, a partial tile of x
-    ("int4-g256", 600, 1, "bf16"),  # a large-M config
+    ("int4-g128", 16, 0, "bf16", {}),  # decode, warp-specialized
+    ("int4-g64", 200, 2, "f16", {}),  # stream-K, a partial tile of x
+    ("int4-g256", 600, 1, "bf16", {}),  # a large-M config
+    ("int4-g128", 256, 0, "bf16", REORDERED),  # the 64 x 256 ws kernel on the reordered A
 ]
 
 
@@ -270,32 +314,58 @@ def _key(fmt: str, m: int, dtype: str = "bf16") -> GemmKey:
     return key_of(fmt, m, n=384, k=1024, dtype=dtype)
 
 
+def _params(key: GemmKey, index: int, layout: dict) -> dict:
+    return {**w4.shortlist(key)[index], **layout}
+
+
 @pytest.fixture(scope="module")
 def source() -> w4.CutlassW4A16:
     """The source, with every kernel these tests run compiled at once (in parallel)."""
     source = w4.CutlassW4A16()
-    keys = [(_key(fmt, m, dtype), index) for fmt, m, index, dtype in GPU_CASES]
-    specs = [w4.kernel_spec(key, w4.shortlist(key)[index]) for key, index in keys]
+    cases = [(_key(fmt, m, dtype), index, layout) for fmt, m, index, dtype, layout in GPU_CASES]
+    specs = [w4.kernel_spec(key, _params(key, index, layout)) for key, index, layout in cases]
     assert cutlass_env.compile_all(specs) == dict.fromkeys(specs)
     return source
 
 
-def _runner(source: w4.CutlassW4A16, key: GemmKey, index: int):
+def _runner(source: w4.CutlassW4A16, key: GemmKey, index: int, layout: dict | None = None):
     assert source.unavailable("cuda") is None and source.unsupported(key) is None
-    return source.build(key, w4.shortlist(key)[index])
+    return source.build(key, _params(key, index, layout or {}))
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize(("fmt", "m", "index", "dtype"), GPU_CASES)
+@pytest.mark.parametrize(("fmt", "m", "index", "dtype", "layout"), GPU_CASES)
 def test_compiled_kernels_match_the_dequantized_fp32_gemm(
-    source: w4.CutlassW4A16, fmt: str, m: int, index: int, dtype: str
+    source: w4.CutlassW4A16, fmt: str, m: int, index: int, dtype: str, layout: dict
 ) -> None:
     key = _key(fmt, m, dtype)
     inputs = samples.make_inputs(key, "cuda", torch.Generator("cuda").manual_seed(3))
     out = samples.output_like(key, inputs)
-    assert _runner(source, key, index)(*inputs, out=out) is out
+    assert _runner(source, key, index, layout)(*inputs, out=out) is out
     assert samples.relative_error(out, samples.reference(key, inputs)) <= 1
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_reordered_kernel_reads_what_the_row_major_one_reads(source: w4.CutlassW4A16) -> None:
+    """The same tile on either A layout passes the gate, and a wrong weight (nibble pairs
+    swapped) or the row-major bytes handed to the reordered kernel fail it."""
+    key = _key("int4-g128", 256)
+    x, packed, sz = samples.make_inputs(key, "cuda", torch.Generator("cuda").manual_seed(8))
+    ref = samples.reference(key, (x, packed, sz))
+    reordered = _runner(source, key, 0, REORDERED)
+    assert samples.relative_error(reordered(x, packed, sz), ref) <= 1
+    assert samples.relative_error(_runner(source, key, 0)(x, packed, sz), ref) <= 1
+    q = int4_torch.nibbles(packed)
+    swapped = int4_torch.torch_pack(q.reshape(key.n, -1, 2).flip(-1).reshape(key.n, key.k))
+    assert samples.relative_error(reordered(x, swapped, sz), ref) > 1
+    (w, *rest), c, _ = reordered.operands(x, packed, sz)
+    assert w == w4.reordered_weight(packed).data_ptr()
+    row_major = w4.weight(packed)
+    rows = [row_major.data_ptr(), *rest]
+    assert reordered.run(reordered.plan(reordered.stream()), *rows, reordered.stream()) == 0
+    assert samples.relative_error(c, ref) > 1
 
 
 @pytest.mark.gpu

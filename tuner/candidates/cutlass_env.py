@@ -41,7 +41,7 @@ S = TypeVar("S", bound=nvcc_build.BuildSpec)
 
 SM = 90
 TMA_EPILOGUES = ("TmaWarpSpecialized", "TmaWarpSpecializedCooperative")
-SCALED_FIELDS = ("wdtype", "out_dtype", "scale")
+OPTIONAL_FIELDS = ("wdtype", "out_dtype", "scale", "a_layout")
 # (batch, M, N) of the example tensors scaled epilogues are traced on: sizes other than 0 and 1
 # keep every stride a runtime value, so that one kernel serves every shape.
 EVT_EXAMPLE = (2, 256, 256)
@@ -174,7 +174,7 @@ def version() -> str:
 class KernelSpec:
     """Everything that makes one compiled kernel (and nothing about the problem's shape).
 
-    The last three fields describe scaled (FP8) GEMMs and are empty for plain ones; an empty
+    The last four fields describe low-precision GEMMs and are empty for plain ones; an empty
     field is left out of the spec's JSON and digest, so that plain specs, and the stored
     kernels their digests address, read exactly as before those fields existed."""
 
@@ -190,14 +190,15 @@ class KernelSpec:
     wdtype: str = ""  # B's type where it is not dtype
     out_dtype: str = ""  # D's type where it is not dtype
     scale: str = ""  # "tensor" / "row": D = acc * scale_a * scale_b (an EVT epilogue)
+    a_layout: str = ""  # the narrow operand's layout where not row-major: "reordered"
 
     def _fields(self) -> dict[str, Any]:
         data = asdict(self)
-        return {k: v for k, v in data.items() if v != "" or k not in SCALED_FIELDS}
+        return {k: v for k, v in data.items() if v != "" or k not in OPTIONAL_FIELDS}
 
     @property
     def digest(self) -> str:
-        fields = {**self._fields(), "sm": SM, "cutlass": version(), **builder_fields(self.wdtype)}
+        fields = {**self._fields(), "sm": SM, "cutlass": version(), **builder_fields(self)}
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
 
     def to_json(self) -> str:
@@ -215,11 +216,11 @@ class KernelSpec:
         return cls(**data)
 
 
-def builder_fields(wdtype: str) -> dict[str, str]:
+def builder_fields(spec: KernelSpec) -> dict[str, str]:
     """A builder's own host C++ is part of the libraries it makes (``BUILDERS``: its module's
-    ``WRAPPER_DIGEST``), so that a wrapper change addresses new ones; nothing for other specs."""
-    module = BUILDERS.get(wdtype)
-    return {} if module is None else {"wrapper": importlib.import_module(module).WRAPPER_DIGEST}
+    ``wrapper_fields``), so that a wrapper change addresses new ones; nothing for other specs."""
+    module = BUILDERS.get(spec.wdtype)
+    return {} if module is None else importlib.import_module(module).wrapper_fields(spec)
 
 
 # What the CUTLASS artifact store keeps: CUTLASS kernels and other sources' own libraries.

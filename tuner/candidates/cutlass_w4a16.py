@@ -21,8 +21,13 @@ Both conversions are made at a runner's first call on a weight and memoised per 
 in-place version), as ``int4_torch.ours`` is: N * K / 2 extra bytes per weight (besides our
 layout, from which the nibbles come), and as many as the scales take.
 
-Not offered: CUTLASS's reordered ("shuffled") A layout, whose reorder atom lives in a utility
-header that needs cuRAND's headers; group size 32 (groups must be a multiple of the tile's K).
+``a_layout="reordered"`` builds the kernel for CUTLASS's reordered ("shuffled") A: each thread's
+eight nibbles of an MMA fragment lie in one 32-bit word, in the order the interleaved converter
+takes, so the mainloop loads A from shared memory in words and converts it with fewer
+instructions. ``reorder`` makes that layout from A's bytes with one permute (the kernel's own
+reorder atom is defined in the wrapper: CUTLASS keeps it in a utility header that needs
+cuRAND's); it is memoised beside A, another N * K / 2 bytes per weight. Not offered: group size
+32 (groups must be a multiple of the tile's K).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ DECOMPOSITIONS = ("heuristic", "dataparallel", "splitk", "streamk")
 RASTERS = ("heuristic", "weight", "x")
 MOST_SPLITS = 16
 SCHEDULER_PARAMS = ("splits", "decomposition", "raster")
+A_LAYOUTS = ("reordered",)  # the param 'a_layout' where A is not row-major
 
 
 class Scheduler(NamedTuple):
@@ -115,6 +121,18 @@ def scheduler_args(params: Params) -> Scheduler:
         int(params.get("swizzle", 1)), splits, DECOMPOSITIONS.index(decomposition),
         RASTERS.index(raster),
     )  # fmt: skip
+
+
+class Options(NamedTuple):
+    """What a launcher takes besides its library: the tile scheduler's arguments and whether
+    the kernel reads A reordered."""
+
+    scheduler: Scheduler
+    reordered: bool
+
+
+def launch_options(params: Params) -> Options:
+    return Options(scheduler_args(params), params.get("a_layout") == "reordered")
 
 
 def _p(
@@ -181,13 +199,24 @@ def unsupported_reason(key: GemmKey) -> str | None:
 
 def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
     """The compiled kernel ``params`` name for the INT4 ``key``; ValueError naming a bad param."""
-    unknown = set(params) - {*cutlass_gemm.PARAM_NAMES, *SCHEDULER_PARAMS}
+    own = (*SCHEDULER_PARAMS, "a_layout")
+    unknown = set(params) - {*cutlass_gemm.PARAM_NAMES, *own}
     if unknown:
         raise ValueError(
             f"unknown cutlass_w4a16 params {sorted(unknown)}; allowed: "
-            f"{[*cutlass_gemm.PARAM_NAMES, *SCHEDULER_PARAMS]}"
+            f"{[*cutlass_gemm.PARAM_NAMES, *own]}"
         )
-    cutlass_gemm.check_params({k: v for k, v in params.items() if k not in SCHEDULER_PARAMS})
+    cutlass_gemm.check_params({k: v for k, v in params.items() if k not in own})
+    a_layout = params.get("a_layout", "")
+    if a_layout and a_layout not in A_LAYOUTS:
+        raise ValueError(
+            f"cutlass_w4a16 param 'a_layout' must be one of {list(A_LAYOUTS)} (or absent: "
+            f"row-major), got {a_layout!r}"
+        )
+    if a_layout and key.n % 16:
+        raise ValueError(
+            f"cutlass_w4a16 param 'a_layout'={a_layout!r} needs N in 16s (its atoms), got N={key.n}"
+        )
     scheduler_args(params)
     if params["kernel"] not in KERNELS:
         raise ValueError(
@@ -209,6 +238,7 @@ def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
         epilogue="tma",
         scheduler=cutlass_gemm.SCHEDULERS[params["scheduler"]],
         wdtype="int4",
+        a_layout=a_layout,
     )
 
 
@@ -217,7 +247,7 @@ def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
 
 @functools.cache
 def _operations() -> tuple[Any, ...]:
-    """cutlass_library's SM90 s4 x 16-bit ScaleWithZeroPoint GEMMs (its plain A layout)."""
+    """cutlass_library's SM90 s4 x 16-bit ScaleWithZeroPoint GEMMs (A row-major or reordered)."""
     import cutlass_library as cl
     from cutlass_library import generator, manifest
 
@@ -230,7 +260,6 @@ def _operations() -> tuple[Any, ...]:
         for op in group
         if op.A.element == cl.DataType.s4
         and op.mixed_input_mode == cl.MixedInputMode.ScaleWithZeroPoint
-        and not op.mixed_input_shuffle
     )
 
 
@@ -249,6 +278,7 @@ def operation(spec: env.KernelSpec) -> Any:
             and op.tile_scheduler.name == spec.scheduler
             and op.B.alignment == spec.align_ab
             and op.C.alignment == spec.align_c
+            and op.mixed_input_shuffle == (spec.a_layout == "reordered")
         ):
             return op
     raise LookupError(f"cutlass_library {env.version()} lists no SM90 int4 GEMM for {spec}")
@@ -451,7 +481,52 @@ int tuner_host_us(void* plan, void const* const* p, void* stream, int reps, doub
 """
 
 
-WRAPPER_DIGEST = hashlib.sha1(_WRAPPER.encode()).hexdigest()[:12]  # in the kernel specs' digests
+# A reordered kernel's code names CUTLASS's reorder atom (``compute_memory_reordering_atom``, in
+# tools/util's mixed_dtype_utils.hpp, whose includes need cuRAND's headers): defined here before
+# the kernel, as that header defines it. After the kernel, the wrapper's one call that makes A's
+# stride makes the reordered layout instead: the kernel takes that layout where a stride would be.
+_REORDER_ATOM = """
+#include "cute/arch/mma_sm90.hpp"
+namespace cutlass {
+// The layout of an SM90 register-sourced MMA's A tile in which each thread's values are
+// contiguous, repeated atom_layout times along K, values permuted by val_layout.
+template <class ElementMma, class AtomLayout = cute::Layout<cute::_1>,
+          class ValLayout = cute::Layout<cute::_1>>
+constexpr auto compute_memory_reordering_atom(AtomLayout atom_layout = {},
+                                              ValLayout val_layout = {}) {
+  using namespace cute;
+  using Mma = decltype(SM90::GMMA::rs_op_selector<ElementMma, ElementMma, float,
+                                                  Shape<_64, _16, _32>>());
+  using Traits = MMA_Traits<Mma>;
+  auto tv = typename Traits::ALayout{};  // (thread, value) -> (m, k) of the whole MMA
+  auto warp_tv = make_layout_like(composition(tv, make_shape(Int<32>{}, size<1>(tv))));
+  auto warps = size(typename Traits::ThrID{}) / Int<32>{};  // A is split over warps along M
+  auto warp_mk = right_inverse(warp_tv).with_shape(
+      shape_div(select<0, 2>(typename Traits::Shape_MNK{}), warps));
+  auto target_mk = blocked_product(warp_mk, atom_layout);
+  auto val_offset = logical_product(val_layout, size<1>(tv) / size(val_layout) * size(atom_layout));
+  auto tv_offset = select<1, 0>(logical_product(val_offset, make_layout(size<0>(warp_tv))));
+  return composition(tv_offset, target_mk);
+}
+}  // namespace cutlass
+"""
+_REORDERED_STRIDE = """
+namespace cutlass {
+inline ${name}_LayoutNarrowReordered make_cute_packed_stride(${name}_LayoutNarrowReordered,
+                                                             cute::Shape<int, int, int> nk1) {
+  return cute::tile_to_shape(${name}_LayoutAtomQuant{}, nk1);
+}
+}  // namespace cutlass
+"""
+# in the kernel specs' digests
+WRAPPER_DIGEST = hashlib.sha1(_WRAPPER.encode()).hexdigest()[:12]
+REORDERED_DIGEST = hashlib.sha1((_REORDER_ATOM + _REORDERED_STRIDE).encode()).hexdigest()[:12]
+
+
+def wrapper_fields(spec: env.KernelSpec) -> dict[str, str]:
+    """The digests of the host C++ that ``spec``'s library is built with."""
+    fields = {"wrapper": WRAPPER_DIGEST}
+    return {**fields, "reordered": REORDERED_DIGEST} if spec.a_layout else fields
 
 
 def source(spec: env.KernelSpec) -> str:
@@ -460,10 +535,12 @@ def source(spec: env.KernelSpec) -> str:
 
     op = operation(spec)
     emitter = EmitGemmUniversal3xInstance()
-    includes = "".join(f'#include "{h}"\n' for h in emitter.includes)
-    return _WRAPPER.replace("${kernel}", includes + emitter.emit(op)).replace(
-        "${name}", op.procedural_name()
-    )
+    kernel = "".join(f'#include "{h}"\n' for h in emitter.includes)
+    if spec.a_layout:
+        kernel += _REORDER_ATOM + emitter.emit(op) + _REORDERED_STRIDE
+    else:
+        kernel += emitter.emit(op)
+    return _WRAPPER.replace("${kernel}", kernel).replace("${name}", op.procedural_name())
 
 
 def nvcc_command(spec: env.KernelSpec, src: Path, out: Path) -> list[str]:
@@ -518,6 +595,21 @@ def from_cutlass(packed: torch.Tensor) -> torch.Tensor:
     return pairs.reshape(packed.shape[0], -1) ^ 8
 
 
+def reorder(a: torch.Tensor) -> torch.Tensor:
+    """A's bytes [N, K / 2] (``to_cutlass``) -> the same nibbles in CUTLASS's reordered layout,
+    the ``tile_to_shape`` of its 16 x 16 reorder atom over [N, K] (atoms along N first): with
+    m = 16 mt + 8 m1 + m0 and k = 16 kt + 8 k2 + 2 k1 + k0, nibble (m, k) goes to
+    256 (N / 16) kt + 256 mt + 32 m0 + 8 k1 + 4 k0 + 2 k2 + m1."""
+    if a.dtype != torch.uint8 or a.dim() != 2:
+        raise ValueError(f"a: expected a uint8 [N, K / 2] tensor, got {a.dtype} {tuple(a.shape)}")
+    n, k = a.shape[0], 2 * a.shape[1]
+    if n % 16 or k % 16:
+        raise ValueError(f"a: the reordered layout needs N and K in 16s, got N={n}, K={k}")
+    nibbles = torch.stack([a & 15, a >> 4], dim=2).view(n // 16, 2, 8, k // 16, 2, 4, 2)
+    flat = nibbles.permute(3, 0, 2, 5, 6, 4, 1).reshape(-1)
+    return (flat[0::2] | (flat[1::2] << 4)).view(n, k // 2)
+
+
 def split_scales(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's [K / group, N, 2] -> contiguous (scale, zero), each [K / group, N]."""
     if scales_and_zeros.dim() != 3 or scales_and_zeros.shape[2] != 2:
@@ -527,8 +619,10 @@ def split_scales(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return scales_and_zeros[..., 0].contiguous(), scales_and_zeros[..., 1].contiguous()
 
 
-# A's bytes of torch's packed weight; (scale, zero) of torch's scales_and_zeros
+# A's bytes of torch's packed weight, row-major and reordered; (scale, zero) of torch's
+# scales_and_zeros
 weight: TensorMemo[torch.Tensor] = TensorMemo(lambda t: to_cutlass(int4_torch.nibbles(t)))
+reordered_weight: TensorMemo[torch.Tensor] = TensorMemo(lambda t: reorder(weight(t)))
 scales: TensorMemo[tuple[torch.Tensor, torch.Tensor]] = TensorMemo(split_scales)
 
 
@@ -538,9 +632,7 @@ scales: TensorMemo[tuple[torch.Tensor, torch.Tensor]] = TensorMemo(split_scales)
 class W4A16Launcher:
     """``(x, packed, scales_and_zeros, out=None)`` through one compiled library for one key."""
 
-    def __init__(
-        self, library: Path, key: GemmKey, scheduler: Scheduler, device: torch.device
-    ) -> None:
+    def __init__(self, library: Path, key: GemmKey, options: Options, device: torch.device) -> None:
         lib = ctypes.CDLL(str(library))
         lib.tuner_plan_create.restype = ctypes.c_void_p
         lib.tuner_plan_create.argtypes = [ctypes.c_int] * 11 + [ctypes.c_void_p]
@@ -552,9 +644,10 @@ class W4A16Launcher:
         self.host_us.restype = ctypes.c_int
         self.host_us.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p]
         size = ctypes.c_size_t()
-        self.lib, self.key, self.device, self.scheduler = lib, key, device, scheduler
+        self.lib, self.key, self.device, self.scheduler = lib, key, device, options.scheduler
+        self.weight = reordered_weight if options.reordered else weight
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.problem = (key.m, key.n, key.k, key.group, *scheduler, device.index, self.sms)
+        self.problem = (key.m, key.n, key.k, key.group, *self.scheduler, device.index, self.sms)
         lib.tuner_workspace_size(*self.problem, ctypes.byref(size))
         self.workspace_bytes = max(size.value, 1)
         self.dtype = DTYPES[key.dtype]
@@ -610,7 +703,7 @@ class W4A16Launcher:
         """The kernel's five operand pointers (w, x, scale, zero, out), the buffer it writes and
         the caller's ``out``."""
         self._check(x)
-        w = weight(packed)
+        w = self.weight(packed)
         scale, zero = scales(scales_and_zeros)
         if w.shape != self.w_shape or scale.shape != self.scale_shape:
             k = self.key
@@ -675,8 +768,8 @@ class CutlassW4A16(cutlass_gemm.CutlassGemm):
         usable = {self.kernel_spec(key, p) for p in super().candidates(key, device)}
         return [p for p in shortlist(key) if self.kernel_spec(key, p) in usable]
 
-    def launch_options(self, params: Params) -> Scheduler:
-        return scheduler_args(params)
+    def launch_options(self, params: Params) -> Options:
+        return launch_options(params)
 
     def prepare(self, key: GemmKey, shortlist: list[Params]) -> None:
         """Nothing: these kernels load as shared libraries of their own, without cutlass_cppgen."""

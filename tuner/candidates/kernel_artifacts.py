@@ -58,7 +58,7 @@ def artifact_spec(spec: env.Spec) -> ArtifactSpec:
     source's library (``nvcc_build.LibrarySpec``) names its own."""
     if not isinstance(spec, env.KernelSpec):
         return spec.artifact_spec()
-    toolchain = {"cutlass": env.version(), **env.builder_fields(spec.wdtype)}
+    toolchain = {"cutlass": env.version(), **env.builder_fields(spec)}
     return ArtifactSpec("cutlass", json.loads(spec.to_json()), f"sm{env.SM}", toolchain)
 
 
