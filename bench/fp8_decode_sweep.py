@@ -1,7 +1,7 @@
 """FP8 rowwise decode (M <= 16): a grid of split-K tiles beside the shortlist and a bare read.
 
     python bench/fp8_decode_sweep.py --out fp8_decode_sweep.json --proj down qwen_down --m 1 16
-        [--shortlist | --swap | --upcast]
+        [--shortlist | --swap]
 
 Picks the decode shortlist of ``fp8.configs`` from measurements rather than guesses: every
 config of ``GRID``, of the shortlist itself (``--shortlist``) or of the shortlist beside its
@@ -82,19 +82,6 @@ def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     return out
 
 
-def upcast_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
-    """The shortlist, each swapped tile beside its ``upcast`` twins (fp16 MMAs: no promotion in
-    precise mode) with two 128-wide dots or one 256-wide dot a step, at 4 and 8 warps."""
-    out: list[dict[str, Any]] = []
-    for cfg in fp8_kernels.configs(m, n, k):
-        out.append(cfg)
-        if cfg.get("swap"):
-            for step in ({}, {"bk": 256, "dots": 1}):
-                for warps in (4, 8):
-                    out.append({**cfg, **step, "warps": warps, "upcast": True})
-    return out
-
-
 def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     """``GRID`` as configs for N (one split each on wide N), then the shortlist's others."""
     out: list[dict[str, Any]] = []
@@ -131,8 +118,6 @@ def precompile(
 def candidates(m: int, n: int, k: int, which: str) -> list[dict[str, Any]]:
     if which == "swap":
         return swap_configs(m, n, k)
-    if which == "upcast":
-        return upcast_configs(m, n, k)
     return fp8_kernels.configs(m, n, k) if which == "shortlist" else grid_configs(m, n, k)
 
 
@@ -213,7 +198,6 @@ def label(cfg: dict[str, Any]) -> str:
     il = "i" if cfg.get("interleave") else ""
     swap = f" swap bm{cfg['bm']}" if cfg.get("swap") else ""
     dots = f"x{cfg['dots']}" if cfg.get("dots", 1) > 1 else ""
-    swap += " f16" if cfg.get("upcast") else ""
     return (f"tiled {cfg['bn']}x{cfg['bk']}{dots} split {cfg.get('split_k', 1)}{il} w{cfg['warps']} "
             f"s{cfg['stages']}{swap}")  # fmt: skip
 
@@ -227,8 +211,6 @@ def main() -> None:
     mode.add_argument("--shortlist", action="store_true", help="fp8.configs instead of GRID")
     mode.add_argument("--swap", action="store_true",
                        help="fp8.configs as they are and swapped, then SWAPPED")  # fmt: skip
-    mode.add_argument("--upcast", action="store_true",
-                      help="fp8.configs, each swapped tile beside its fp16-MMA twins")  # fmt: skip
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--precise", action="store_true",
                     help="partial sums promoted to fp32, as the suite's accum=f32 keys run")  # fmt: skip
@@ -237,8 +219,7 @@ def main() -> None:
     args = ap.parse_args()
     if any(not 1 <= m <= 16 for m in args.m):
         raise ValueError(f"--m {args.m}: decode sizes only, 1 .. 16")
-    which = ("shortlist" if args.shortlist else "swap" if args.swap
-             else "upcast" if args.upcast else "grid")  # fmt: skip
+    which = "shortlist" if args.shortlist else "swap" if args.swap else "grid"
     shapes = [(m, *PROJECTIONS[p]) for p in args.proj for m in args.m]
     precompile(shapes, which, args.scales, args.precise)
     if args.precompile_only:

@@ -2,13 +2,14 @@
 bf16 cuBLAS.
 
     python bench/w4a16_prefill.py --out $OUT/w4a16_prefill.json [--m 256 2048] [--sweep]
-        [--reordered] [--sources cutlass_w4a16 dequant_gemm]
+        [--row-major] [--sources cutlass_w4a16 dequant_gemm]
 
 Per projection (the low-bit suite's eight: qkv, o, gate_up, down of Llama-3-8B and Qwen2.5-7B)
 and M, every config the tuner shortlists (``triton_w4a16``: ``w4a16.configs``; ``cutlass_w4a16``:
 ``shortlist``; ``dequant_gemm``: ``shortlist``), always the chunk counts of ``DEQUANT_CHUNKS``
-besides (its shortlist is one or two configs), with ``--reordered`` each shortlisted CUTLASS
-config on the reordered A layout too, and with ``--sweep`` the wider grid below, each
+besides (its shortlist is one or two configs), with ``--row-major`` each shortlisted CUTLASS
+config on the row-major A layout too (the shortlist's read A reordered), and with ``--sweep``
+the wider grid below, each
 built as its source builds it,
 timed alone and then the fastest beside bf16 cuBLAS in turn (``config_sweep``: the machinery
 shared with ``fp8_prefill``). The kernels compile first, CUTLASS's and Triton's at the same time;
@@ -103,7 +104,7 @@ def configs_of(
     sweep: bool,
     sms: int,
     sources: Sequence[str] = SOURCES,
-    reordered: bool = False,
+    row_major: bool = False,
 ) -> Todo:
     """(source, params, shortlisted) of every config of ``sources`` to time for ``key``, without
     repeats."""
@@ -114,23 +115,23 @@ def configs_of(
     extra = [("dequant_gemm", p) for p in more_dequant(key)]
     extra += [("triton_w4a16", p) for p in sweep_triton(key, sms)] if sweep else []
     extra += [("cutlass_w4a16", p) for p in sweep_cutlass()] if sweep else []
-    if reordered:
-        extra += [("cutlass_w4a16", {**p, "a_layout": "reordered"}) for p in cw.shortlist(key)]
+    if row_major:
+        extra += [("cutlass_w4a16", cw.row_major(p)) for p in cw.shortlist(key)]
     return [c for c in unique(shortlisted, extra) if c[0] in sources]
 
 
 def main() -> None:
     parser = arguments(__doc__.split("\n")[0], default_m=[256, 2048])
     parser.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES)
-    parser.add_argument("--reordered", action="store_true",
-                        help="also each shortlisted CUTLASS config on the reordered A layout")  # fmt: skip
+    parser.add_argument("--row-major", action="store_true",
+                        help="also each shortlisted CUTLASS config on the row-major A layout")  # fmt: skip
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     keys = keys_of(FORMAT, args.m, args.ops)
-    todo = {key: configs_of(key, args.sweep, sms, args.sources, args.reordered) for _, key in keys}
+    todo = {key: configs_of(key, args.sweep, sms, args.sources, args.row_major) for _, key in keys}
     compiled = compile_everything(todo, cutlass="cutlass_w4a16", triton="triton_w4a16")
     run("w4a16_prefill", keys, todo, args.out, with_torch=False,
-        extra={"sweep": args.sweep, "reordered": args.reordered, "compile_s": compiled})  # fmt: skip
+        extra={"sweep": args.sweep, "row_major": args.row_major, "compile_s": compiled})  # fmt: skip
 
 
 if __name__ == "__main__":

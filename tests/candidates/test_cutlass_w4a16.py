@@ -56,11 +56,15 @@ def test_shortlists_by_m_and_their_specs() -> None:
         "int4", "bf16", "nt", 8, 8
     )  # fmt: skip
     assert (spec.tile, spec.cluster, spec.scheduler) == ((128, 128, 64), (2, 1), "StreamK")
-    assert spec.kernel == "TmaWarpSpecializedCooperative"
+    assert (spec.kernel, spec.a_layout) == ("TmaWarpSpecializedCooperative", "reordered")
     # one kernel per config and dtype, whatever the shape or group size
     assert w4.kernel_spec(key_of("int4-g64", 7, n=4096, k=4096), w4.SMALL[2]) == spec
     assert w4.kernel_spec(key_of("int4-g128", 1, dtype="f16"), w4.SMALL[2]) != spec
-    plain = cutlass_gemm.kernel_spec(GemmKey(m=8, n=256, k=512, layout="nt"), w4.SMALL[2])
+    # N out of the reordered atom's 16s: the same tiles on the row-major A
+    odd_n = w4.shortlist(key_of("int4-g128", 300, n=264))
+    assert odd_n == [w4.row_major(p) for p in w4.MEDIUM] and "a_layout" not in odd_n[0]
+    plain_params = w4.row_major(w4.SMALL[2])
+    plain = cutlass_gemm.kernel_spec(GemmKey(m=8, n=256, k=512, layout="nt"), plain_params)
     assert plain.digest != spec.digest
     assert cutlass_env.BUILDERS[spec.wdtype] == w4.__name__
 
@@ -69,8 +73,9 @@ def test_the_wrapper_text_is_part_of_int4_kernel_digests(monkeypatch: pytest.Mon
     """A wrapper change addresses new int4 libraries, in the local cache and in the artifact
     store (old ones are never loaded with a new Python side); plain kernels' keys do not
     depend on it."""
-    spec = w4.kernel_spec(key_of("int4-g128", 16), w4.SMALL[0])
-    plain = cutlass_gemm.kernel_spec(GemmKey(m=8, n=256, k=512, layout="nt"), w4.SMALL[0])
+    spec = w4.kernel_spec(key_of("int4-g128", 16), w4.row_major(w4.SMALL[0]))
+    plain_params = w4.row_major(w4.SMALL[0])
+    plain = cutlass_gemm.kernel_spec(GemmKey(m=8, n=256, k=512, layout="nt"), plain_params)
 
     def keys() -> tuple[str, ...]:
         ids = (kernel_artifacts.artifact_spec(s).id for s in (spec, plain))
@@ -136,7 +141,7 @@ def test_scheduler_params_are_runtime_arguments_of_one_kernel() -> None:
     assert w4.scheduler_args(forced) == w4.Scheduler(1, 1, 3, 2)
     pingpong = {**w4.MEDIUM[1], "raster": "weight"}
     assert w4.scheduler_args(pingpong) == w4.Scheduler(1, 1, 0, 1)
-    assert w4.CutlassW4A16().launch_options(split) == w4.Options(w4.scheduler_args(split), False)
+    assert w4.CutlassW4A16().launch_options(split) == w4.Options(w4.scheduler_args(split), True)
 
 
 @needs_library
@@ -257,7 +262,7 @@ def test_the_reordered_layout_is_a_kernel_of_its_own() -> None:
     """``a_layout`` names another library (its own wrapper code in the digest) and reaches the
     launcher; row-major kernels' digests and artifact ids do not move."""
     key = key_of("int4-g128", 256)
-    plain, reordered = w4.MEDIUM[0], {**w4.MEDIUM[0], "a_layout": "reordered"}
+    plain, reordered = w4.row_major(w4.MEDIUM[0]), w4.MEDIUM[0]
     spec = w4.kernel_spec(key, reordered)
     assert spec.a_layout == "reordered" and spec != w4.kernel_spec(key, plain)
     assert "a_layout" not in w4.kernel_spec(key, plain).to_json()
@@ -301,12 +306,11 @@ def test_a_library_bundle_installs_where_the_launcher_loads_it(
 
 # --- on a GPU -----------------------------------------------------------------------------------
 
-REORDERED = {"a_layout": "reordered"}
-GPU_CASES = [
-    ("int4-g128", 16, 0, "bf16", {}),  # decode, warp-specialized
-    ("int4-g64", 200, 2, "f16", {}),  # stream-K, a partial tile of x
-    ("int4-g256", 600, 1, "bf16", {}),  # a large-M config
-    ("int4-g128", 256, 0, "bf16", REORDERED),  # the 64 x 256 ws kernel on the reordered A
+GPU_CASES = [  # the shortlists' kernels, A reordered, and one on the row-major A
+    ("int4-g128", 16, 0, "bf16", False),  # decode, warp-specialized
+    ("int4-g64", 200, 2, "f16", False),  # stream-K, a partial tile of x
+    ("int4-g256", 600, 1, "bf16", False),  # a large-M config
+    ("int4-g128", 256, 0, "bf16", True),  # the 64 x 256 ws kernel on the row-major A
 ]
 
 
@@ -314,35 +318,37 @@ def _key(fmt: str, m: int, dtype: str = "bf16") -> GemmKey:
     return key_of(fmt, m, n=384, k=1024, dtype=dtype)
 
 
-def _params(key: GemmKey, index: int, layout: dict) -> dict:
-    return {**w4.shortlist(key)[index], **layout}
+def _params(key: GemmKey, index: int, row_major: bool) -> dict:
+    params = w4.shortlist(key)[index]
+    return w4.row_major(params) if row_major else params
 
 
 @pytest.fixture(scope="module")
 def source() -> w4.CutlassW4A16:
     """The source, with every kernel these tests run compiled at once (in parallel)."""
     source = w4.CutlassW4A16()
-    cases = [(_key(fmt, m, dtype), index, layout) for fmt, m, index, dtype, layout in GPU_CASES]
-    specs = [w4.kernel_spec(key, _params(key, index, layout)) for key, index, layout in cases]
+    cases = [(_key(fmt, m, dtype), index, rows) for fmt, m, index, dtype, rows in GPU_CASES]
+    specs = [w4.kernel_spec(key, _params(key, index, rows)) for key, index, rows in cases]
+    specs.append(w4.kernel_spec(_key("int4-g128", 256), w4.MEDIUM[0]))  # reordered, beside it
     assert cutlass_env.compile_all(specs) == dict.fromkeys(specs)
     return source
 
 
-def _runner(source: w4.CutlassW4A16, key: GemmKey, index: int, layout: dict | None = None):
+def _runner(source: w4.CutlassW4A16, key: GemmKey, index: int, row_major: bool = False):
     assert source.unavailable("cuda") is None and source.unsupported(key) is None
-    return source.build(key, _params(key, index, layout or {}))
+    return source.build(key, _params(key, index, row_major))
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize(("fmt", "m", "index", "dtype", "layout"), GPU_CASES)
+@pytest.mark.parametrize(("fmt", "m", "index", "dtype", "row_major"), GPU_CASES)
 def test_compiled_kernels_match_the_dequantized_fp32_gemm(
-    source: w4.CutlassW4A16, fmt: str, m: int, index: int, dtype: str, layout: dict
+    source: w4.CutlassW4A16, fmt: str, m: int, index: int, dtype: str, row_major: bool
 ) -> None:
     key = _key(fmt, m, dtype)
     inputs = samples.make_inputs(key, "cuda", torch.Generator("cuda").manual_seed(3))
     out = samples.output_like(key, inputs)
-    assert _runner(source, key, index, layout)(*inputs, out=out) is out
+    assert _runner(source, key, index, row_major)(*inputs, out=out) is out
     assert samples.relative_error(out, samples.reference(key, inputs)) <= 1
 
 
@@ -354,9 +360,9 @@ def test_the_reordered_kernel_reads_what_the_row_major_one_reads(source: w4.Cutl
     key = _key("int4-g128", 256)
     x, packed, sz = samples.make_inputs(key, "cuda", torch.Generator("cuda").manual_seed(8))
     ref = samples.reference(key, (x, packed, sz))
-    reordered = _runner(source, key, 0, REORDERED)
+    reordered = _runner(source, key, 0)
     assert samples.relative_error(reordered(x, packed, sz), ref) <= 1
-    assert samples.relative_error(_runner(source, key, 0)(x, packed, sz), ref) <= 1
+    assert samples.relative_error(_runner(source, key, 0, row_major=True)(x, packed, sz), ref) <= 1
     q = int4_torch.nibbles(packed)
     swapped = int4_torch.torch_pack(q.reshape(key.n, -1, 2).flip(-1).reshape(key.n, key.k))
     assert samples.relative_error(reordered(x, swapped, sz), ref) > 1

@@ -26,8 +26,8 @@ eight nibbles of an MMA fragment lie in one 32-bit word, in the order the interl
 takes, so the mainloop loads A from shared memory in words and converts it with fewer
 instructions. ``reorder`` makes that layout from A's bytes with one permute (the kernel's own
 reorder atom is defined in the wrapper: CUTLASS keeps it in a utility header that needs
-cuRAND's); it is memoised beside A, another N * K / 2 bytes per weight. Not offered: group size
-32 (groups must be a multiple of the tile's K).
+cuRAND's); it is memoised apart from the row-major bytes, N * K / 2 bytes per weight for each
+layout a runner has read. Not offered: group size 32 (groups must be a multiple of the tile's K).
 """
 
 from __future__ import annotations
@@ -144,9 +144,17 @@ def _p(
     **runtime: Any,
 ) -> Params:
     return {"tile": [tw, tx, TILE_K], "cluster": list(cluster), "kernel": kernel,
-            "epilogue": "tma", "scheduler": scheduler, "swizzle": 1, **runtime}  # fmt: skip
+            "epilogue": "tma", "scheduler": scheduler, "swizzle": 1, "a_layout": "reordered",
+            **runtime}  # fmt: skip
 
 
+def row_major(params: Params) -> Params:
+    """``params`` on the row-major A layout (for N that is not in the reordered atom's 16s)."""
+    return {k: v for k, v in params.items() if k != "a_layout"}
+
+
+# Every config reads A reordered (faster than row-major on every tile and projection measured,
+# bench/NOTES.md); row-major where N is not in 16s.
 # M <= 128 fits one 128-row tile of x: clusters pair CTAs along the weight's rows (sharing x's
 # tile), stream-K spreads K over the SMs when N alone gives few tiles. The generator has no
 # tile narrower than 128 rows of x.
@@ -179,9 +187,8 @@ LARGE = [
 
 
 def shortlist(key: GemmKey) -> list[Params]:
-    if key.m <= SMALL_M:
-        return SMALL
-    return MEDIUM if key.m <= MEDIUM_M else LARGE
+    listed = SMALL if key.m <= SMALL_M else MEDIUM if key.m <= MEDIUM_M else LARGE
+    return [row_major(p) for p in listed] if key.n % 16 else listed
 
 
 def unsupported_reason(key: GemmKey) -> str | None:
@@ -622,7 +629,9 @@ def split_scales(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 # A's bytes of torch's packed weight, row-major and reordered; (scale, zero) of torch's
 # scales_and_zeros
 weight: TensorMemo[torch.Tensor] = TensorMemo(lambda t: to_cutlass(int4_torch.nibbles(t)))
-reordered_weight: TensorMemo[torch.Tensor] = TensorMemo(lambda t: reorder(weight(t)))
+reordered_weight: TensorMemo[torch.Tensor] = TensorMemo(
+    lambda t: reorder(to_cutlass(int4_torch.nibbles(t)))
+)
 scales: TensorMemo[tuple[torch.Tensor, torch.Tensor]] = TensorMemo(split_scales)
 
 

@@ -74,7 +74,7 @@ def fp8_tiled(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
     REDUCE_HERE: tl.constexpr, INTERLEAVE: tl.constexpr, SWAP: tl.constexpr,
-    DOTS: tl.constexpr, FRESH: tl.constexpr, UPCAST: tl.constexpr,
+    DOTS: tl.constexpr, FRESH: tl.constexpr,
 ):  # fmt: skip
     """One output tile per program; split-K partials summed by the tile's last program when
     ``REDUCE_HERE``, else by a ``splitk_reduce`` launch. ``INTERLEAVE``: split s takes the K
@@ -84,9 +84,7 @@ def fp8_tiled(
     (FP8 wgmma, where a 16-row a alone takes mma.sync through fp16). A K step is ``DOTS`` dots
     of BK; ``FRESH``: each dot starts from zero and is added to the fp32 sum (the promotion of
     precise mode, one per dot of at most ``PROMOTE_EVERY``, without Triton's wait after each
-    wgmma that ``max_num_imprecise_acc`` splits a longer dot with). ``UPCAST``: both tiles are
-    converted to fp16 (exact for e4m3 and e5m2) before the dot, a 16-bit MMA whose fp32 sums
-    need no promotion (swapped, b's tile goes to the wgmma from registers)."""
+    wgmma that ``max_num_imprecise_acc`` splits a longer dot with)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -114,8 +112,6 @@ def fp8_tiled(
                 b = tl.load(b_ptrs + kd, mask=mask_n & in_k, other=0.0)
             if SWAP:
                 a, b = b, a
-            if UPCAST:
-                a, b = a.to(tl.float16), b.to(tl.float16)
             if FRESH:
                 acc += tl.dot(a, tl.trans(b), max_num_imprecise_acc=PROMOTE)
             else:
@@ -256,9 +252,8 @@ def _launches(
     lda, ldb, ldo = lds
     bm, bn, bk = config["bm"], config["bn"], config["bk"]
     group_m = config.get("group_m", 8)
-    promote = precise and not config.get("upcast")  # 16-bit MMAs sum in fp32 throughout
     options = dict(num_warps=config.get("warps", 4), num_stages=config.get("stages", 3),
-                   PROMOTE=min(bk, PROMOTE_EVERY) if promote else None)  # fmt: skip
+                   PROMOTE=min(bk, PROMOTE_EVERY) if precise else None)  # fmt: skip
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     kernel = config.get("kernel")
     if kernel == "persistent_tma":
@@ -275,8 +270,7 @@ def _launches(
         raise ValueError(f"config['kernel']={kernel!r}: allowed {', '.join(KERNELS)}")
     split, interleave = config.get("split_k", 1), config.get("interleave", False)
     swap, dots = config.get("swap", False), config.get("dots", 1)
-    upcast = config.get("upcast", False)
-    for name, value in (("interleave", interleave), ("swap", swap), ("upcast", upcast)):
+    for name, value in (("interleave", interleave), ("swap", swap)):
         if value not in (True, False):
             raise ValueError(f"config['{name}']={value!r}: allowed True, False")
     if dots not in (1, 2, 4):
@@ -293,7 +287,7 @@ def _launches(
     consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split, ROWWISE=rowwise,
                   EVEN_K=k % step == 0 and (interleave or k_split * split == k),
                   REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave, SWAP=swap,
-                  DOTS=dots, FRESH=promote and dots > 1, UPCAST=upcast, **options)  # fmt: skip
+                  DOTS=dots, FRESH=precise and dots > 1, **options)  # fmt: skip
     tiled = _Launch(fp8_tiled, (tiles, split), args, consts)
     if split == 1 or arrivals is not None:
         return [tiled]
