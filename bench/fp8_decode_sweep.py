@@ -1,7 +1,7 @@
 """FP8 rowwise decode (M <= 16): a grid of split-K tiles beside the shortlist and a bare read.
 
     python bench/fp8_decode_sweep.py --out fp8_decode_sweep.json --proj down qwen_down --m 1 16
-        [--shortlist | --swap | --blocked]
+        [--shortlist | --swap]
 
 Picks the decode shortlist of ``fp8.configs`` from measurements rather than guesses: every
 config of ``GRID``, of the shortlist itself (``--shortlist``) or of the shortlist beside its
@@ -82,17 +82,6 @@ def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     return out
 
 
-def blocked_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
-    """The shortlist, each swapped tile beside its twin reading the weight in ``fp8.blocked``
-    layout (each 64-row x bk block contiguous)."""
-    out: list[dict[str, Any]] = []
-    for cfg in fp8_kernels.configs(m, n, k):
-        out.append(cfg)
-        if cfg.get("swap"):
-            out.append({**cfg, "blocked": True})
-    return out
-
-
 def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     """``GRID`` as configs for N (one split each on wide N), then the shortlist's others."""
     out: list[dict[str, Any]] = []
@@ -129,8 +118,6 @@ def precompile(
 def candidates(m: int, n: int, k: int, which: str) -> list[dict[str, Any]]:
     if which == "swap":
         return swap_configs(m, n, k)
-    if which == "blocked":
-        return blocked_configs(m, n, k)
     return fp8_kernels.configs(m, n, k) if which == "shortlist" else grid_configs(m, n, k)
 
 
@@ -171,21 +158,10 @@ def sweep_m(
     rows = [{**base, "impl": "read_fp8", **read, "bytes": nbytes(w8),
              "pct_copy": pct(nbytes(w8), read["us"], copy_gbs)}]  # fmt: skip
     timed: list[dict[str, Any]] = []
-    layouts: dict[tuple[int, int], list[torch.Tensor]] = {}
-
-    def weight(cfg: dict[str, Any], i: int) -> torch.Tensor:
-        """Set i's weight as ``cfg`` reads it (``fp8.blocked`` copies made once per block)."""
-        if not cfg.get("blocked"):
-            return sets[i][0]
-        block = (cfg["bn"], cfg["bk"])
-        if block not in layouts:
-            layouts[block] = [fp8_kernels.blocked(s[0], *block) for s in sets]
-        return layouts[block][i]
-
     for cfg in candidates(m, n, k, which):
         row = {**base, "impl": "fp8_rowwise", "config": cfg, "bytes": moved}
         try:
-            got = fp8_kernels.fp8_matmul(x8, weight(cfg, 0), sx8, s8, cfg, precise=precise)
+            got = fp8_kernels.fp8_matmul(x8, w8, sx8, s8, cfg, precise=precise)
             row["excess"] = round(excess(got, ref, tol), 3)
         except Exception as e:  # a config that cannot run this shape is a finding
             row["error"] = repr(e)[-300:]
@@ -195,7 +171,7 @@ def sweep_m(
         timed.append(row)
 
     def call(cfg: dict[str, Any]) -> Any:
-        return lambda i: fp8_kernels.fp8_matmul(x8, weight(cfg, i % len(sets)), sx8,
+        return lambda i: fp8_kernels.fp8_matmul(x8, sets[i % len(sets)][0], sx8,
                                                 sets[i % len(sets)][1], cfg, out=out,
                                                 precise=precise)  # fmt: skip
 
@@ -222,7 +198,6 @@ def label(cfg: dict[str, Any]) -> str:
     il = "i" if cfg.get("interleave") else ""
     swap = f" swap bm{cfg['bm']}" if cfg.get("swap") else ""
     dots = f"x{cfg['dots']}" if cfg.get("dots", 1) > 1 else ""
-    swap += " blocked" if cfg.get("blocked") else ""
     return (f"tiled {cfg['bn']}x{cfg['bk']}{dots} split {cfg.get('split_k', 1)}{il} w{cfg['warps']} "
             f"s{cfg['stages']}{swap}")  # fmt: skip
 
@@ -236,8 +211,6 @@ def main() -> None:
     mode.add_argument("--shortlist", action="store_true", help="fp8.configs instead of GRID")
     mode.add_argument("--swap", action="store_true",
                        help="fp8.configs as they are and swapped, then SWAPPED")  # fmt: skip
-    mode.add_argument("--blocked", action="store_true",
-                      help="fp8.configs, each swapped tile beside its blocked-weight twin")  # fmt: skip
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--precise", action="store_true",
                     help="partial sums promoted to fp32, as the suite's accum=f32 keys run")  # fmt: skip
@@ -246,8 +219,7 @@ def main() -> None:
     args = ap.parse_args()
     if any(not 1 <= m <= 16 for m in args.m):
         raise ValueError(f"--m {args.m}: decode sizes only, 1 .. 16")
-    which = ("shortlist" if args.shortlist else "swap" if args.swap
-             else "blocked" if args.blocked else "grid")  # fmt: skip
+    which = "shortlist" if args.shortlist else "swap" if args.swap else "grid"
     shapes = [(m, *PROJECTIONS[p]) for p in args.proj for m in args.m]
     precompile(shapes, which, args.scales, args.precise)
     if args.precompile_only:

@@ -74,7 +74,7 @@ def fp8_tiled(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
     REDUCE_HERE: tl.constexpr, INTERLEAVE: tl.constexpr, SWAP: tl.constexpr,
-    DOTS: tl.constexpr, FRESH: tl.constexpr, BLOCKED: tl.constexpr,
+    DOTS: tl.constexpr, FRESH: tl.constexpr,
 ):  # fmt: skip
     """One output tile per program; split-K partials summed by the tile's last program when
     ``REDUCE_HERE``, else by a ``splitk_reduce`` launch. ``INTERLEAVE``: split s takes the K
@@ -84,8 +84,7 @@ def fp8_tiled(
     (FP8 wgmma, where a 16-row a alone takes mma.sync through fp16). A K step is ``DOTS`` dots
     of BK; ``FRESH``: each dot starts from zero and is added to the fp32 sum (the promotion of
     precise mode, one per dot of at most ``PROMOTE_EVERY``, without Triton's wait after each
-    wgmma that ``max_num_imprecise_acc`` splits a longer dot with). ``BLOCKED``: b is stored
-    in ``blocked`` layout, each BN x BK block of it contiguous (N % BN == 0, K % BK == 0)."""
+    wgmma that ``max_num_imprecise_acc`` splits a longer dot with)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -97,12 +96,7 @@ def fp8_tiled(
         k_lo = tl.program_id(1) * k_split
         k_hi = tl.minimum(k_lo + k_split, K)
     a_ptrs = a_ptr + rm[:, None].to(tl.int64) * lda + rk[None, :]
-    if BLOCKED:  # block (tile, kd / BK) at tile * BN * K + kd * BN
-        b_ptrs = b_ptr + pid_n.to(tl.int64) * BN * K + tl.arange(0, BN)[:, None] * BK + rk[None, :]
-        b_step = BN
-    else:
-        b_ptrs = b_ptr + rn[:, None].to(tl.int64) * ldb + rk[None, :]
-        b_step = 1
+    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * ldb + rk[None, :]
     mask_m = rm[:, None] < M
     mask_n = rn[:, None] < N
     acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
@@ -111,11 +105,11 @@ def fp8_tiled(
             kd = k0 + d * BK
             if EVEN_K:
                 a = tl.load(a_ptrs + kd, mask=mask_m, other=0.0)
-                b = tl.load(b_ptrs + kd * b_step, mask=mask_n, other=0.0)
+                b = tl.load(b_ptrs + kd, mask=mask_n, other=0.0)
             else:
                 in_k = (kd + rk)[None, :] < k_hi
                 a = tl.load(a_ptrs + kd, mask=mask_m & in_k, other=0.0)
-                b = tl.load(b_ptrs + kd * b_step, mask=mask_n & in_k, other=0.0)
+                b = tl.load(b_ptrs + kd, mask=mask_n & in_k, other=0.0)
             if SWAP:
                 a, b = b, a
             if FRESH:
@@ -276,15 +270,11 @@ def _launches(
         raise ValueError(f"config['kernel']={kernel!r}: allowed {', '.join(KERNELS)}")
     split, interleave = config.get("split_k", 1), config.get("interleave", False)
     swap, dots = config.get("swap", False), config.get("dots", 1)
-    blocked = config.get("blocked", False)
-    for name, value in (("interleave", interleave), ("swap", swap), ("blocked", blocked)):
+    for name, value in (("interleave", interleave), ("swap", swap)):
         if value not in (True, False):
             raise ValueError(f"config['{name}']={value!r}: allowed True, False")
     if dots not in (1, 2, 4):
         raise ValueError(f"config['dots']={dots!r}: allowed 1, 2, 4 dots of bk a K step")
-    if blocked and (n % bn or k % bk):
-        raise ValueError(f"config['blocked']=True: N={n} and K={k} must be multiples of bn={bn} "
-                         f"and bk={bk}")  # fmt: skip
     step = bk * dots
     if not (1 <= split <= triton.cdiv(k, step) if interleave else split_fits(k, step, split)):
         raise ValueError(f"config['split_k']={split}: more splits than the {step}-wide steps "
@@ -297,21 +287,11 @@ def _launches(
     consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT_K=split, ROWWISE=rowwise,
                   EVEN_K=k % step == 0 and (interleave or k_split * split == k),
                   REDUCE_HERE=arrivals is not None, INTERLEAVE=interleave, SWAP=swap,
-                  DOTS=dots, FRESH=precise and dots > 1, BLOCKED=blocked, **options)  # fmt: skip
+                  DOTS=dots, FRESH=precise and dots > 1, **options)  # fmt: skip
     tiled = _Launch(fp8_tiled, (tiles, split), args, consts)
     if split == 1 or arrivals is not None:
         return [tiled]
     return [tiled, _reduce(ws, out, m, n, ldo, split)]
-
-
-def blocked(b: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
-    """b [N, K] stored block by block for ``blocked`` configs: each bn x bk block contiguous,
-    the blocks of a bn-row tile in K order, tile after tile (returned as an [N, K] tensor whose
-    rows are not b's)."""
-    n, k = b.shape
-    if n % bn or k % bk:
-        raise ValueError(f"b.shape={tuple(b.shape)}: N and K must be multiples of {bn} and {bk}")
-    return b.view(n // bn, bn, k // bk, bk).permute(0, 2, 1, 3).contiguous().view(n, k)
 
 
 def _reduce(ws: Any, out: Any, m: int, n: int, ldo: int, planes: int) -> _Launch:
