@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from tests.candidates.test_lowbit_kernels import fp8_problem
+from tuner.candidates.triton_fp8 import TritonFp8
 from tuner.candidates.triton_kernels import fp8 as fp8_kernels
+from tuner.core.keys import GemmKey, lowbit_fields
+from tuner.measure import samples
 from tuner.quant.tolerance import excess
 
 INTERLEAVED = {"kernel": "tiled", "bm": 16, "bn": 16, "bk": 32, "split_k": 3, "interleave": True}
@@ -96,3 +99,61 @@ def test_fp8_decode_configs_build_for_every_decode_shape(n: int, k: int, narrow:
             )
             for rowwise in (True, False):
                 assert fp8_kernels.jobs(m, n, k, config, rowwise=rowwise, precise=False)
+
+
+def _key(spec: str, m: int, n: int = 128, k: int = 256) -> GemmKey:
+    return GemmKey(m=m, n=n, k=k, **{**lowbit_fields(spec), "out_dtype": "bf16"})
+
+
+def test_a_plan_is_made_once_per_shape_and_config() -> None:
+    """Launches are derived once per shape, scaling, accumulation and config: an eager decode
+    call is too short to derive them every time. True and 1 are different configs."""
+    config = {**INTERLEAVED, "bn": 64, "split_k": 2, "swap": True}
+    plan = fp8_kernels.checked_plan(4, 40, 96, True, True, config)
+    assert fp8_kernels.checked_plan(4, 40, 96, True, True, dict(config)) is plan
+    assert fp8_kernels.checked_plan(4, 40, 96, True, False, config) is not plan
+    assert fp8_kernels.checked_plan(4, 40, 96, True, True, {**config, "swap": 1}) is not plan
+    assert (plan.splits, plan.direct) == (2, True)
+    with pytest.raises(ValueError, match=re.escape("config['bk']=[32]: allowed a number")):
+        fp8_kernels.checked_plan(4, 40, 96, True, True, {**config, "bk": [32]})
+    with pytest.raises(ValueError, match=re.escape("config['dots']=3: allowed 1, 2, 4 dots")):
+        fp8_kernels.checked_plan(4, 40, 96, True, True, {**config, "dots": 3})
+
+
+def test_the_runner_checks_its_operands_and_names_what_is_wrong() -> None:
+    key = _key("fp8-rowwise", 4)
+    run = TritonFp8().build(key, TritonFp8().candidates(key, "cpu")[0])
+    a, b, sa, sb = samples.make_inputs(key, "cpu", torch.Generator().manual_seed(0))
+    ref = fp8_kernels.fp8_matmul(a, b.T, sa, sb, TritonFp8().candidates(key, "cpu")[0],
+                                 precise=True)  # fmt: skip
+    assert torch.equal(run(a, b, sa, sb), ref)
+    out = torch.empty(4, 128, dtype=torch.bfloat16)
+    assert run(a, b, sa, sb, out=out) is out and torch.equal(out, ref)
+    with pytest.raises(ValueError, match=r"a.shape=\(2, 256\).*built for \(M, N, K\)=\(4, 128"):
+        run(a[:2], b, sa[:2], sb)
+    with pytest.raises(ValueError, match=r"out: expected torch.bfloat16 \[4, 128\] .* got "):
+        run(a, b, sa, sb, out=out.t().contiguous().t())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_tiled_calls_launch_directly_once_a_relaunch_matched_the_jit() -> None:
+    """After its first call a decode config's kernel launches without Triton's JIT dispatch (a
+    relaunch checked bit for bit first), on every later call and inside a CUDA graph."""
+    m, n, k = 4, 4096, 1024
+    a, b, sa, sb, ref, tol = fp8_problem(m, n, k, True)
+    config = fp8_kernels.configs(m, n, k)[0]
+    assert config["split_k"] > 1  # the arrival counts' path
+    first = fp8_kernels.fp8_matmul(a, b, sa, sb.T, config, precise=True)
+    assert excess(first, ref, tol) <= 1
+    plan = fp8_kernels.checked_plan(m, n, k, True, True, config)
+    assert plan.checked and plan.main.verified and plan.main.compiled
+    for _ in range(3):
+        assert torch.equal(fp8_kernels.fp8_matmul(a, b, sa, sb.T, config, precise=True), first)
+    out = torch.empty_like(first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8_kernels.fp8_matmul(a, b, sa, sb.T, config, out=out, precise=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from tuner.candidates import operand_guard
 from tuner.candidates.base import Params, Runner, Source, triton_unavailable
 from tuner.candidates.triton_kernels import fp8
 from tuner.candidates.triton_kernels.launch import WarmJob, WarmReport, precompile
@@ -58,11 +59,29 @@ class TritonFp8(Source):
         self.last_warm = precompile(shortlist, jobs)
 
     def build(self, key: GemmKey, params: Params) -> Runner:
-        config, out_dtype, precise_mode = dict(params), DTYPES[key.out_dtype], precise(key)
+        m, n, k, out_dtype = key.m, key.n, key.k, DTYPES[key.out_dtype]
+        plan = fp8.checked_plan(m, n, k, key.scale == "row", precise(key), dict(params))
+
+        def check(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                  scale_b: torch.Tensor, out: torch.Tensor | None) -> None:  # fmt: skip
+            if fp8.check_inputs(a, b, scale_a, scale_b) != (m, n, k, plan.rowwise):
+                raise ValueError(f"a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)} with "
+                                 f"{scale_a.numel()} / {scale_b.numel()} scales: this runner is "
+                                 f"built for (M, N, K)={(m, n, k)}, {key.scale} scales")  # fmt: skip
+            if out is not None and (out.shape != (m, n) or out.dtype != out_dtype
+                                    or out.stride(1) != 1 or out.device != a.device):  # fmt: skip
+                raise ValueError(f"out: expected {out_dtype} [{m}, {n}] with unit column stride "
+                                 f"on {a.device}, got {out.dtype} {list(out.shape)} strides "
+                                 f"{out.stride()} on {out.device}")  # fmt: skip
+
+        checked = operand_guard.CheckedOnce(check)
 
         def run(a, b, scale_a, scale_b, out=None):
+            b = b.T  # _scaled_mm's column-major [K, N]: the kernel's [N, K] row-major
+            checked(a, b, scale_a, scale_b, out)
             if out is None:
-                out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-            return fp8.fp8_matmul(a, b.T, scale_a, scale_b, config, out=out, precise=precise_mode)
+                out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+            plan(a, b, scale_a, scale_b, out)
+            return out
 
         return run

@@ -33,6 +33,7 @@ processes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +44,14 @@ import triton.language as tl
 
 from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
-from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob
+from tuner.candidates.triton_kernels.launch import (
+    ConfigKey,
+    FakeTensor,
+    Launcher,
+    WarmJob,
+    config_key,
+    verify_direct,
+)
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA
 from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts, reduce_if_last
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
@@ -317,7 +325,22 @@ def fp8_matmul(
     config = config or configs(m, n, k)[0]
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
-    sa, sb = scale_a.reshape(-1).contiguous(), scale_b.reshape(-1).contiguous()
+    checked_plan(m, n, k, rowwise, precise, config)(a, b, scale_a, scale_b, out)
+    return out
+
+
+def _through_jit(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+    config: Config,
+    rowwise: bool,
+    precise: bool,
+) -> None:
+    """Every launch of one call through Triton's JIT, as ``_launches`` lists them."""
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    sa, sb = scales
 
     def workspace(planes: int) -> torch.Tensor:
         return torch.empty(planes, m, n, dtype=torch.float32, device=a.device)
@@ -329,7 +352,80 @@ def fp8_matmul(
         triton.set_allocator(_tma_scratch)
     for launch in launches:
         launch()
-    return out
+
+
+def checked_plan(m: int, n: int, k: int, rowwise: bool, precise: bool, config: Config) -> Plan:
+    """``plan`` of ``config`` once ``_launches`` accepted it (a ValueError names what it cannot
+    run): what ``fp8_matmul`` and the candidate source's runners call."""
+
+    def check() -> None:
+        jobs(m, n, k, config, rowwise=rowwise, precise=precise)
+
+    return plan(m, n, k, rowwise, precise, config_key(config, check))
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(m: int, n: int, k: int, rowwise: bool, precise: bool, config: ConfigKey) -> Plan:
+    """The plan of one shape, scaling, accumulation and (name, type, value) config, made once
+    and kept across calls: deriving the launches takes a good part of an eager call's host
+    time."""
+    return Plan(m, n, k, rowwise, precise, {name: value for name, _, value in config})
+
+
+class Plan:
+    """One shape's launches bound to a config. A tiled config's kernel launches directly once a
+    direct relaunch reproduced its first (JIT) call bit for bit (``launch.verify_direct``), for
+    calls with the same strides, dtypes and pointer alignments; the persistent TMA kernel, and a
+    split-K call while a CUDA graph is captured before the arrival counts exist, go through the
+    JIT (``_through_jit``). Scales: contiguous ones are read in place."""
+
+    def __init__(self, m: int, n: int, k: int, rowwise: bool, precise: bool, config: Config):
+        self.m, self.n, self.k, self.rowwise, self.precise = m, n, k, rowwise, precise
+        self.config = config
+        fake = FakeTensor(torch.float32)
+        first = _fake_launches((fake,) * 4, (m, n, k), config, rowwise, precise)[0]
+        self.direct = first.fn is fp8_tiled
+        self.tiles, self.splits = first.grid[0], first.grid[1] if self.direct else 1
+        self.k_split = first.args[-1]  # the tiled kernel's last runtime argument
+        consts = dict(first.kwargs)
+        warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
+        self.main = Launcher(first.fn, first.grid, consts, num_warps=warps, num_stages=stages)
+        self.checked = False
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                 scale_b: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
+        sa = scale_a if scale_a.is_contiguous() else scale_a.reshape(-1).contiguous()
+        sb = scale_b if scale_b.is_contiguous() else scale_b.reshape(-1).contiguous()
+        if not self.direct or not self._launch(a, b, sa, sb, out):
+            _through_jit(a, b, (sa, sb), out, self.config, self.rowwise, self.precise)
+            return
+        if not self.checked:
+            self.checked = verify_direct([self.main], out,
+                                         lambda again: self._launch(a, b, sa, sb, again),
+                                         f"fp8 {self.m}x{self.n}x{self.k}")  # fmt: skip
+
+    def _launch(self, a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                out: torch.Tensor) -> bool:  # fmt: skip
+        """The tiled kernel's one launch; False where it cannot reduce in place (a CUDA graph
+        captured before the arrival counts exist)."""
+        m, n, splits = self.m, self.n, self.splits
+        if splits > 1:
+            counts = _counts.get(a.device, self.tiles)
+            if counts is None:
+                return False
+            ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
+        else:
+            ws = counts = out
+        lda, ldb, ldo = a.stride(0), b.stride(0), out.stride(0)
+        tail = (m, n, self.k, lda, ldb, ldo, self.k_split)
+        ptrs = (a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), out.data_ptr(),
+                ws.data_ptr(), counts.data_ptr())  # fmt: skip
+        guard = (a.device, a.dtype, b.dtype, out.dtype, lda, ldb, ldo, *(p % 16 for p in ptrs))
+        if self.main.ready(guard):
+            self.main.raw((*ptrs, *tail))
+        else:
+            self.main((a, b, sa, sb, out, ws, counts, *tail), guard)
+        return True
 
 
 def jobs(
@@ -349,14 +445,28 @@ def jobs(
     (M, N, K) problem: a [M, K] in ``a_dtype`` (``align``-byte aligned), b [N, K] row-major in
     ``b_dtype`` (as ``TritonFp8`` passes ``_scaled_mm``'s column-major b), float32 scales and an
     [M, N] output in ``out_dtype``. A ValueError for a config that cannot run here."""
-    on_gpu = not interpreting()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     scale = FakeTensor(torch.float32)
     a, b, out = FakeTensor(a_dtype, align), FakeTensor(b_dtype), FakeTensor(out_dtype)
-    launches = _launches((a, b, scale, scale, out), (m, n, k), (k, k, n), config, rowwise,
-                         precise, device, lambda planes: FakeTensor(torch.float32),
-                         lambda tiles: FakeTensor(torch.int32))  # fmt: skip
-    return [launch.job() for launch in launches]
+    return [launch.job() for launch in _fake_launches((a, b, out, scale), (m, n, k), config,
+                                                      rowwise, precise)]  # fmt: skip
+
+
+def _fake_launches(
+    operands: tuple[FakeTensor, FakeTensor, FakeTensor, FakeTensor],
+    mnk: tuple[int, int, int],
+    config: Config,
+    rowwise: bool,
+    precise: bool,
+) -> list[_Launch]:
+    """``_launches`` for contiguous ``FakeTensor`` operands (a, b, out, the scales) on this
+    process's device; a ValueError for a config that cannot run here."""
+    on_gpu = not interpreting()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    a, b, out, scale = operands
+    _, n, k = mnk
+    return _launches((a, b, scale, scale, out), mnk, (k, k, n), config, rowwise, precise, device,
+                     lambda planes: FakeTensor(torch.float32),
+                     lambda tiles: FakeTensor(torch.int32))  # fmt: skip
 
 
 # Decode (M <= 16), tiled kernel: the tiles that won a decode row of the grid bench

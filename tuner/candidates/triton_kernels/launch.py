@@ -19,6 +19,7 @@ compile once.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import logging
@@ -171,6 +172,31 @@ class Launcher:
             g = self.grid
             self.scratch_bytes = run.global_scratch_size * g[0] * g[1] * g[2] * run.num_ctas
             self._direct = run.launch
+
+
+ConfigKey = tuple[tuple[str, str, Any], ...]
+
+
+def config_key(config: Params, check: Callable[[], None]) -> ConfigKey:
+    """``config`` as a hashable key of (name, type, value): True == 1 and 1.0 == 1, but the
+    config checks refuse a bool or a float where an int is due, so the type is part of the key.
+    An unhashable value is refused: by ``check()`` (which names what the config allows) where it
+    can, else (``check()`` passing it, or failing to compare it) by a ValueError naming the
+    field."""
+    key = tuple(sorted((name, type(value).__name__, value) for name, value in config.items()))
+    try:
+        hash(key)
+    except TypeError:
+        with contextlib.suppress(TypeError):  # a check that cannot compare the value
+            check()
+        for name, value in config.items():
+            try:
+                hash(value)
+            except TypeError:
+                raise ValueError(f"config[{name!r}]={value!r}: allowed a number, a string or a "
+                                 f"bool") from None  # fmt: skip
+        raise
+    return key
 
 
 def verify_direct(

@@ -40,7 +40,14 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.base import interpreting
-from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, verify_direct
+from tuner.candidates.triton_kernels.launch import (
+    ConfigKey,
+    FakeTensor,
+    Launcher,
+    WarmJob,
+    config_key,
+    verify_direct,
+)
 from tuner.candidates.triton_kernels.splitk_arrival import (
     ArrivalCounts,
     arrive,
@@ -330,24 +337,12 @@ def w4a16_matmul(
 def checked_plan(m: int, n: int, k: int, group_size: int, config: Config) -> Plan:
     """``plan`` of ``config`` once ``check_config`` accepted it: what ``w4a16_matmul`` runs and
     a source precompiles (``Plan.jobs``)."""
-    # typed: True == 1 and 1.0 == 1, but the checks refuse a bool or a float where an int is due
-    typed = tuple(sorted((name, type(value).__name__, value) for name, value in config.items()))
-    try:
-        found = plan(m, n, k, group_size, typed)
-    except TypeError:  # a value that cannot be hashed
-        check_config(config, m, n, k, group_size)
-        for name, value in config.items():
-            try:
-                hash(value)
-            except TypeError:
-                raise ValueError(f"config[{name!r}]={value!r}: allowed a number, a string or a "
-                                 f"bool") from None  # fmt: skip
-        raise
-    return found
+    key = config_key(config, lambda: check_config(config, m, n, k, group_size))
+    return plan(m, n, k, group_size, key)
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(m: int, n: int, k: int, group_size: int, config: tuple[tuple[str, str, Any], ...]) -> Plan:
+def plan(m: int, n: int, k: int, group_size: int, config: ConfigKey) -> Plan:
     """The launch plan of one shape and (name, type, value) config, made once ``check_config``
     passed it and kept across calls: the checks would take a good part of an eager call's host
     time."""
