@@ -43,15 +43,9 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.base import interpreting
+from tuner.candidates.triton_kernels import launch
 from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
-from tuner.candidates.triton_kernels.launch import (
-    ConfigKey,
-    FakeTensor,
-    Launcher,
-    WarmJob,
-    config_key,
-    verify_direct,
-)
+from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA
 from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts, reduce_if_last
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
@@ -350,8 +344,8 @@ def _through_jit(
                          lambda tiles: _counts.get(a.device, tiles))  # fmt: skip
     if launches[0].fn is fp8_persistent_tma:
         triton.set_allocator(_tma_scratch)
-    for launch in launches:
-        launch()
+    for step in launches:
+        step()
 
 
 def checked_plan(m: int, n: int, k: int, rowwise: bool, precise: bool, config: Config) -> Plan:
@@ -361,11 +355,11 @@ def checked_plan(m: int, n: int, k: int, rowwise: bool, precise: bool, config: C
     def check() -> None:
         jobs(m, n, k, config, rowwise=rowwise, precise=precise)
 
-    return plan(m, n, k, rowwise, precise, config_key(config, check))
+    return plan(m, n, k, rowwise, precise, launch.config_key(config, check))
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(m: int, n: int, k: int, rowwise: bool, precise: bool, config: ConfigKey) -> Plan:
+def plan(m: int, n: int, k: int, rowwise: bool, precise: bool, config: launch.ConfigKey) -> Plan:
     """The plan of one shape, scaling, accumulation and (name, type, value) config, made once
     and kept across calls: deriving the launches takes a good part of an eager call's host
     time."""
@@ -389,7 +383,9 @@ class Plan:
         self.k_split = first.args[-1]  # the tiled kernel's last runtime argument
         consts = dict(first.kwargs)
         warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
-        self.main = Launcher(first.fn, first.grid, consts, num_warps=warps, num_stages=stages)
+        self.main = launch.Launcher(
+            first.fn, first.grid, consts, num_warps=warps, num_stages=stages
+        )
         self.checked = False
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
@@ -400,7 +396,7 @@ class Plan:
             _through_jit(a, b, (sa, sb), out, self.config, self.rowwise, self.precise)
             return
         if not self.checked:
-            self.checked = verify_direct([self.main], out,
+            self.checked = launch.verify_direct([self.main], out,
                                          lambda again: self._launch(a, b, sa, sb, again),
                                          f"fp8 {self.m}x{self.n}x{self.k}")  # fmt: skip
 
@@ -447,7 +443,7 @@ def jobs(
     [M, N] output in ``out_dtype``. A ValueError for a config that cannot run here."""
     scale = FakeTensor(torch.float32)
     a, b, out = FakeTensor(a_dtype, align), FakeTensor(b_dtype), FakeTensor(out_dtype)
-    return [launch.job() for launch in _fake_launches((a, b, out, scale), (m, n, k), config,
+    return [step.job() for step in _fake_launches((a, b, out, scale), (m, n, k), config,
                                                       rowwise, precise)]  # fmt: skip
 
 
