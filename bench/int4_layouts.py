@@ -7,7 +7,8 @@ low-bit suite, beside torch's own packing of the same weight.
 Per weight: torch's packing (``_convert_weight_to_int4pack``, what a user pays to get the weight
 torch's INT4 op takes), our tile-major layout from torch's packed weight (``int4.from_torch_
 int4pack``: Triton W4A16, the CUDA GEMV and dequant_gemm read it), CUTLASS W4A16's A operand from
-ours (``cutlass_w4a16.to_cutlass``) and its split scales and zeros. Each is timed ``--reps``
+ours (``cutlass_w4a16.to_cutlass``), that operand reordered as CUTLASS's shortlisted kernels read
+it (``cutlass_w4a16.reorder``), and its split scales and zeros. Each is timed ``--reps``
 times on fresh inputs (median, synchronized), with the peak of memory allocated while it ran
 beyond what was allocated before; each result is checked against the nibbles it was made from.
 """
@@ -82,10 +83,12 @@ def measure(name: str, n: int, k: int, reps: int, device: torch.device) -> dict[
     ours, ours_s, ours_peak = timed(lambda: int4.from_torch_int4pack(packed), reps, device)
     nibbles = int4.unpack(ours)
     cut, cut_s, cut_peak = timed(lambda: cutlass_w4a16.to_cutlass(nibbles), reps, device)
+    shuf, shuf_s, shuf_peak = timed(lambda: cutlass_w4a16.reorder(cut), reps, device)
     split, split_s, split_peak = timed(lambda: cutlass_w4a16.split_scales(sz), reps, device)
     checked = (
         torch.equal(nibbles, q)
         and torch.equal(cutlass_w4a16.from_cutlass(cut), q)
+        and torch.equal(cutlass_w4a16.unreorder(shuf), cut)
         and torch.equal(torch.stack(split, dim=2), sz)
     )
     row = {"name": name, "n": n, "k": k, "bf16_weight_bytes": n * k * 2, "checked": checked}
@@ -93,6 +96,7 @@ def measure(name: str, n: int, k: int, reps: int, device: torch.device) -> dict[
         ("torch_packed", packed, torch_s, torch_peak),
         ("ours", ours, ours_s, ours_peak),
         ("cutlass_a", cut, cut_s, cut_peak),
+        ("cutlass_a_reordered", shuf, shuf_s, shuf_peak),
         ("cutlass_scales", split, split_s, split_peak),
     ):
         row[layout] = {"seconds": s, "bytes": nbytes(t), "peak_bytes": peak}
@@ -122,7 +126,8 @@ def main() -> None:
         result["rows"].append(row)
         cells = "  ".join(f"{layout} {row[layout]['seconds'] * 1e3:8.2f} ms "
                           f"{row[layout]['bytes'] / 2**20:6.1f} MiB"
-                          for layout in ("torch_packed", "ours", "cutlass_a", "cutlass_scales"))  # fmt: skip
+                          for layout in ("torch_packed", "ours", "cutlass_a",
+                                         "cutlass_a_reordered", "cutlass_scales"))  # fmt: skip
         print(f"{name:22s} {n:6d} x {k:6d}  {cells}  checked={row['checked']}", flush=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

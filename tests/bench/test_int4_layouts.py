@@ -25,7 +25,7 @@ def test_small_weights_get_every_layout_checked_timed_and_sized(tmp_path: Path) 
     for row in result["rows"]:
         n, k = row["n"], row["k"]
         assert row["checked"]
-        for layout in ("torch_packed", "ours", "cutlass_a"):
+        for layout in ("torch_packed", "ours", "cutlass_a", "cutlass_a_reordered"):
             assert row[layout]["bytes"] == n * k // 2 and row[layout]["seconds"] > 0
         assert row["cutlass_scales"]["bytes"] == 2 * (k // 128) * n * 2
 

@@ -252,6 +252,7 @@ def test_reorder_places_each_nibble_where_the_atom_says() -> None:
             kt, k2, k1, k0 = kk // 16, (kk // 8) % 2, (kk // 2) % 4, kk % 2
             e = 256 * (n // 16) * kt + 256 * mt + 32 * m0 + 8 * k1 + 4 * k0 + 2 * k2 + m1
             assert int(flat[e]) == int(q[m, kk]) ^ 8
+    assert torch.equal(w4.unreorder(out), a)
     with pytest.raises(ValueError, match="N and K in 16s, got N=40, K=64"):
         w4.reorder(a[:40])
     with pytest.raises(ValueError, match="a: expected a uint8"):

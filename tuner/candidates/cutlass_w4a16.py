@@ -617,6 +617,14 @@ def reorder(a: torch.Tensor) -> torch.Tensor:
     return (flat[0::2] | (flat[1::2] << 4)).view(n, k // 2)
 
 
+def unreorder(a: torch.Tensor) -> torch.Tensor:
+    """``reorder`` undone: reordered bytes -> A's row-major bytes [N, K / 2]."""
+    n, k = a.shape[0], 2 * a.shape[1]
+    nibbles = torch.stack([a & 15, a >> 4], dim=2).view(k // 16, n // 16, 8, 4, 2, 2, 2)
+    rows = nibbles.permute(1, 6, 2, 0, 5, 3, 4).reshape(n, k)
+    return rows[:, 0::2] | (rows[:, 1::2] << 4)
+
+
 def split_scales(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's [K / group, N, 2] -> contiguous (scale, zero), each [K / group, N]."""
     if scales_and_zeros.dim() != 3 or scales_and_zeros.shape[2] != 2:
