@@ -1,7 +1,8 @@
 """Triton FP8 GEMM (``triton_kernels.fp8``) as a candidate source for FP8 keys.
 
 Runners take ``_scaled_mm``'s operands (b column-major [K, N]) and pass the kernel b's [N, K]
-row-major view. Keys with ``accum="f32"`` run the kernels in precise mode (partial sums promoted
+row-major view; each checks its operands once per guard (``operand_guard``) and calls its
+config's plan (``fp8.checked_plan``: launches derived once, then launched directly). Keys with ``accum="f32"`` run the kernels in precise mode (partial sums promoted
 to fp32 along K, as ``_scaled_mm`` does without ``use_fast_accum``); ``accum="fast"`` keys let the
 tensor cores accumulate in their partial precision.
 

@@ -25,10 +25,11 @@ dot rather than one a wgmma).
   descriptors made on the device, which zero-fill the K tail and out-of-range rows. TMA needs
   16-byte aligned bases and row strides (K % 16 == 0 for fp8).
 
-Entry point for a candidate source: ``fp8_matmul(a, b, scale_a, scale_b, config)`` and
-``configs(m, n, k)``; ``jobs(m, n, k, config, ...)`` lists what a config's first call compiles
-(the same launches, described once), for ``launch.precompile`` to compile ahead in worker
-processes.
+Entry point for a candidate source: ``fp8_matmul(a, b, scale_a, scale_b, config)`` (checks its
+operands on every call) or ``checked_plan(m, n, k, rowwise, precise, config)`` (a ``Plan``, made
+once per shape and config, that a runner calls with operands it checked), and ``configs(m, n,
+k)``; ``jobs(m, n, k, config, ...)`` lists what a config's first call compiles (the same
+launches, described once), for ``launch.precompile`` to compile ahead in worker processes.
 """
 
 from __future__ import annotations
@@ -380,7 +381,7 @@ class Plan:
         first = _fake_launches((fake,) * 4, (m, n, k), config, rowwise, precise)[0]
         self.direct = first.fn is fp8_tiled
         self.tiles, self.splits = first.grid[0], first.grid[1] if self.direct else 1
-        self.k_split = first.args[-1]  # the tiled kernel's last runtime argument
+        self.k_split = first.args[-1] if self.direct else 0  # the tiled kernel's last argument
         consts = dict(first.kwargs)
         warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
         self.main = launch.Launcher(
@@ -397,8 +398,8 @@ class Plan:
             return
         if not self.checked:
             self.checked = launch.verify_direct([self.main], out,
-                                         lambda again: self._launch(a, b, sa, sb, again),
-                                         f"fp8 {self.m}x{self.n}x{self.k}")  # fmt: skip
+                                                lambda again: self._launch(a, b, sa, sb, again),
+                                                f"fp8 {self.m}x{self.n}x{self.k}")  # fmt: skip
 
     def _launch(self, a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
                 out: torch.Tensor) -> bool:  # fmt: skip
@@ -443,8 +444,8 @@ def jobs(
     [M, N] output in ``out_dtype``. A ValueError for a config that cannot run here."""
     scale = FakeTensor(torch.float32)
     a, b, out = FakeTensor(a_dtype, align), FakeTensor(b_dtype), FakeTensor(out_dtype)
-    return [step.job() for step in _fake_launches((a, b, out, scale), (m, n, k), config,
-                                                      rowwise, precise)]  # fmt: skip
+    steps = _fake_launches((a, b, out, scale), (m, n, k), config, rowwise, precise)
+    return [step.job() for step in steps]
 
 
 def _fake_launches(
