@@ -9,10 +9,8 @@ and M, every config the tuner shortlists (``triton_w4a16``: ``w4a16.configs``; `
 ``shortlist``; ``dequant_gemm``: ``shortlist``), always the chunk counts of ``DEQUANT_CHUNKS``
 besides (its shortlist is one or two configs), with ``--row-major`` each shortlisted CUTLASS
 config on the row-major A layout too (the shortlist's read A reordered), and with ``--sweep``
-the wider grid below, each
-built as its source builds it,
-timed alone and then the fastest beside bf16 cuBLAS in turn (``config_sweep``: the machinery
-shared with ``fp8_prefill``). The kernels compile first, CUTLASS's and Triton's at the same time;
+the wider grid below, each built as its source builds it, timed alone and then the fastest
+beside bf16 cuBLAS in turn (``config_sweep``: the machinery shared with ``fp8_prefill``). The kernels compile first, CUTLASS's and Triton's at the same time;
 the JSON is rewritten after every row, narrow projections first.
 """
 
