@@ -167,6 +167,24 @@ class Busy(Memoized):
         return busy
 
 
+class GpuBusy(Busy):
+    """Busy's host work, then ``gpu_cycles`` of a spinning kernel on the GPU: as quick to
+    launch as Busy, slower on the GPU."""
+
+    name = "gpubusy"
+    gpu_cycles = 50_000
+
+    def build(self, key, params):
+        run = super().build(key, params)
+
+        def spin(a, b, out=None):
+            if a.is_cuda:
+                torch.cuda._sleep(type(self).gpu_cycles)
+            return run(a, b, out)
+
+        return spin
+
+
 class HostHeavy(Busy):
     """Memoized's GPU work (none, after the first call) behind 200 us of host work per call:
     slowest eagerly, fastest in a CUDA graph, where the host's work is not replayed."""

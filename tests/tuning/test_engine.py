@@ -36,6 +36,7 @@ from tuner.tuning.engine import (
     runner_up,
     steadier,
     sustained_duel,
+    tied_rival,
     ties,
     tune,
 )
@@ -422,6 +423,14 @@ def test_the_runner_up_duels_where_the_winners_confirmation_reads_it_slower():
     assert runner_up([], confirmed_us=40.8, options=options) is None
 
 
+def test_a_later_duellist_whose_eager_trial_ties_the_kept_one_duels_it():
+    kept = m("cutlass_ws", 25.09, 25.0, 25.2)
+    pingpong, slower = m("cutlass_pingpong", 25.50, 25.4, 25.6), m("triton", 27.0, 26.9, 27.1)
+    assert tied_rival([pingpong, slower], kept, TuneOptions()) is pingpong
+    assert tied_rival([slower], kept, TuneOptions()) is None  # beyond the tie ceiling
+    assert tied_rival([pingpong], kept, TuneOptions(launch="graph")) is None  # graph times ranked
+
+
 def test_the_numerics_check_covers_a_later_call_not_only_the_first():
     from planted import RightOnce
 
@@ -484,6 +493,45 @@ def test_a_challenger_that_cannot_be_captured_loses():
     assert outcome.winner.source == "torch"
     assert "cannot be captured in a CUDA graph" in by_params(outcome)["uncapturable"].error
     assert torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
+def test_of_two_challengers_tied_by_their_launches_the_faster_on_the_gpu_serves(monkeypatch):
+    """Both beat torch's ~0.3 ms f32 GEMM by far behind the same ~40 us of host work a call;
+    one also keeps the GPU busy for ~25 us a call. Whichever the trials rank first, the one
+    that leaves the GPU idle serves: the first trial of it was slower (a compile beside it)."""
+    from planted import Busy, GpuBusy, Memoized
+
+    monkeypatch.setattr(Memoized, "slow", False)
+
+    class Quick(Busy):
+        name, busy_s = "quick_gpu", 41e-6  # its trial, beside a disturbance
+
+    class Slow(GpuBusy):
+        name, busy_s = "slow_gpu", 40e-6
+
+    def quieter_after_its_trial(m):
+        if m.source == "quick_gpu":
+            Quick.busy_s = 39e-6
+
+    key = GemmKey(m=1024, n=1024, k=8192, dtype="f32", out_dtype="f32")
+    for source in (Quick(), Slow()):
+        registry.register(source)
+    try:
+        options = TuneOptions(budget_s=0.02, sources=["quick_gpu", "slow_gpu"], cut_factor=1e9,
+                              late_cut=1e9)  # fmt: skip
+        outcome = tune(key, options=options, on_result=quieter_after_its_trial)
+    finally:
+        registry.unregister("quick_gpu")
+        registry.unregister("slow_gpu")
+    got = by_params(outcome)
+    errors = {name: (m.median_us, m.host_us, m.error) for name, m in got.items()}
+    assert outcome.winner.source == "quick_gpu", errors
+    assert outcome.winner.median_us < outcome.winner.baseline_us / 2
+    if "kept" in got["slow_gpu"].error:  # the trials ranked it first: the tied one duelled it
+        assert "quick_gpu, whose trial tied it, won their duel" in got["slow_gpu"].error
+        assert "vs slow_gpu" in got["quick_gpu"].error
 
 
 class Compiling(Source):

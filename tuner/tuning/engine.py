@@ -281,6 +281,19 @@ def runner_up(
     return None
 
 
+def tied_rival(
+    rest: list[Measurement], kept: Measurement, options: TuneOptions
+) -> Measurement | None:
+    """Eager: the first later duellist whose trial time ties the kept challenger's (under its
+    ``tie_ceiling``), if any. Where launches hide the kernels, two challengers' eager trials
+    read their hosts and tie whatever their kernels cost, and one disturbed reading (a compile
+    beside it) ranks them; only their own duel's graph times say which is faster on the GPU."""
+    if options.launch != "eager":
+        return None
+    ceiling = tie_ceiling(effective_us(kept, options.launch), options)
+    return next((m for m in rest if effective_us(m, options.launch) < ceiling), None)
+
+
 def launch_cost_repaid(
     us: float,
     host_us: float | None,
@@ -389,7 +402,9 @@ def _confirmed(
     """The first of ``order`` (up to ``confirm_tries``) that keeps its win over the baseline in
     the confirmation, else the baseline; where the kept one's confirmed time is beaten by a later
     duellist's trial time (``runner_up``), that one duels too and the faster of the two, each
-    relative to its own duel's baseline, wins. Returns (chosen, baseline's time, chosen's time)."""
+    relative to its own duel's baseline, wins. Else, on the GPU, a later duellist whose trial
+    tied the kept one's (``tied_rival``) duels the kept one, as a challenger duels the baseline,
+    and serves if it wins. Returns (chosen, baseline's time, chosen's time)."""
     base_us = trial_base_us = effective_us(base, options.launch)
     for i, challenger in enumerate(order[: max(1, options.confirm_tries)]):
         if options.confirm_rounds <= 0:
@@ -410,6 +425,13 @@ def _confirmed(
                 return other, other_base_us, other_us
             if other is not base:
                 rival.error += f"; {challenger.candidate} confirmed faster: it serves"
+            return chosen, base_us, chosen_us
+        tied = tied_rival(order[i + 1 :], chosen, options) if trial.device == "cuda" else None
+        if tied is not None:
+            other, kept_us, other_us = trial.confirm(chosen, tied, options, chosen.candidate)
+            if other is tied:  # its time relative to the baseline, through the kept one's
+                challenger.error += f"; then {tied.candidate}, whose trial tied it, won their duel"
+                return tied, base_us, chosen_us * other_us / kept_us
         return chosen, base_us, chosen_us
     return base, base_us, base_us
 
@@ -522,7 +544,11 @@ class _Trial:
         )  # fmt: skip
 
     def confirm(
-        self, base: Measurement, challenger: Measurement, options: TuneOptions
+        self,
+        base: Measurement,
+        challenger: Measurement,
+        options: TuneOptions,
+        base_name: str = "baseline",
     ) -> tuple[Measurement, float, float]:
         """Re-time baseline and challenger alternately on the same inputs, in
         ``timing.round_order``. The challenger keeps the win only if it still beats the baseline
@@ -543,6 +569,7 @@ class _Trial:
         trial time. So, with ``launch="graph"``, are graph readings far off either runner's trial
         graph time (``graph_reading_off``).
 
+        ``base_name``: what the verdict calls ``base`` (a kept challenger that a tied one duels).
         Returns the chosen measurement and the baseline's and chosen one's times (us).
         """
         runners = {
@@ -618,7 +645,7 @@ class _Trial:
         launch_ok = launch_cost_repaid(chal_us, chal_host, base_us, base_host, options)
         kept = won and launch_ok and gpu_ok and not disturbed
         verdict = (
-            f"confirmation: {chal_us:.2f} us vs baseline {base_us:.2f} us, host "
+            f"confirmation: {chal_us:.2f} us vs {base_name} {base_us:.2f} us, host "
             f"{chal_host:.2f} vs {base_host:.2f} us per call{note}, "
             f"{'kept' if kept else 'lost'} (margin {margin:.1%})"
         )
