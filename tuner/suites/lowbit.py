@@ -68,7 +68,6 @@ from tuner.suites.runner import (
 )
 from tuner.tuning import compile_pool
 from tuner.tuning.engine import (
-    DISTURBED_SPREAD,
     TuneOptions,
     current_device,
     heavy_rate,
@@ -339,6 +338,10 @@ SIDE_BY_SIDE_ROUNDS = 4  # eager rows: rounds of the four runners timed in turn,
 SIDE_BY_SIDE_BUDGET_S = 0.04  # in reverse order as in order; each runner's budget in a round
 EAGER_WARMUP_ROUNDS = 1  # eager rows: untimed rounds of every runner in turn before the timed ones
 GRAPH_ROUNDS = 3  # decode rows: rounds of CUDA-graph times; the median outlasts one disturbed
+# a runner's rounds spread past this share of their median: something ran beside some of them
+# (rounds of one runner in turn under the same load read within a few percent), and with two
+# of four rounds disturbed the median is neither reading
+ROUNDS_DISTURBED = 0.25
 
 
 POWER_CHECK_BUDGET_S = 0.02  # each runner's short, full-clock timing that decides a row's stretch
@@ -420,7 +423,7 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, options: Tune
     ``EAGER_WARMUP_ROUNDS`` untimed ones; each round takes the runners in turn (``eager_*``).
     Each round's time is kept beside the median (``*_rounds_us``), and for eager rows the host
     time a call (``*_host_us``), so that a slow reading shows whether it was one round or all and
-    whether the host was slow with it. Rounds of a runner spread past ``DISTURBED_SPREAD`` (a
+    whether the host was slow with it. Rounds of a runner spread past ``ROUNDS_DISTURBED`` (a
     disturbance beside some of them) are all taken again once, the steadier take judged and the
     other kept (``*_disturbed_rounds_us``). Eager rows judged at the power limit (``power_check``)
     are timed over sustained stretches (``eager_sustained_s``)."""
@@ -456,7 +459,7 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, options: Tune
     def medians(timings: list[timing.Timing]) -> list[float]:
         return [round(t.median_us, 2) for t in timings]
 
-    rounds, disturbed = steadier_rounds(take, DISTURBED_SPREAD)
+    rounds, disturbed = steadier_rounds(take, ROUNDS_DISTURBED)
     if disturbed is not None:  # the take set aside, for whoever wonders why the row was retaken
         row[f"{mode}_disturbed_rounds_us"] = {name: medians(ts) for name, ts in disturbed.items()}
     if not graph:
