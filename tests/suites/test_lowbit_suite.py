@@ -137,6 +137,28 @@ def test_each_row_is_judged_by_the_targets_of_its_format_and_m() -> None:
     assert (geo["judged"], geo["met"], geo["unmeasured"]) == (1, 0, 1)
 
 
+def test_an_eager_rows_verdict_has_its_kernels_graph_times_beside() -> None:
+    """Both calls host-bound (eager ~26-28 us a call): the eager ratio meets 0.8x bf16 cuBLAS,
+    the kernels' own graph times (22.6 against 14.8 us) do not; the count reports both."""
+    host_bound = row("int4-g128", 256, 128, eager_baseline_us=400.0, eager_winner_us=26.4,
+                     eager_bf16_us=27.9, eager_bf16_served_us=27.9, eager_winner_pct_copy=30.0,
+                     gpu_baseline_us=390.0, gpu_winner_us=22.6, gpu_bf16_us=14.8,
+                     gpu_bf16_served_us=14.8)  # fmt: skip
+    gpu_bound = row("int4-g128", 2048, 128, eager_baseline_us=9000.0, eager_winner_us=100.0,
+                    eager_bf16_us=98.0, eager_bf16_served_us=98.0, eager_winner_pct_copy=3.0,
+                    gpu_baseline_us=8900.0, gpu_winner_us=97.0, gpu_bf16_us=95.0,
+                    gpu_bf16_served_us=95.0)  # fmt: skip
+    for r in (host_bound, gpu_bound):
+        lowbit.judge(r)
+    target = "int4 M>=256 >= 0.8x bf16 cuBLAS"
+    assert host_bound["vs_bf16_cublas"] == pytest.approx(27.9 / 26.4)
+    assert host_bound["vs_bf16_cublas_gpu"] == pytest.approx(14.8 / 22.6)
+    assert host_bound["targets"][target]["met"] and not host_bound["targets"][target]["met_on_gpu"]
+    count = lowbit.target_counts([host_bound, gpu_bound])[target]
+    assert (count["judged"], count["met"]) == (2, 2)
+    assert count["on_gpu"] == {"judged": 2, "met": 1, "worst": pytest.approx(14.8 / 22.6)}
+
+
 def test_tuning_a_format_is_judged_against_its_bf16_twins_median() -> None:
     def row(fmt: str, tune_s: float, bf16_tune_s: float | None, twin: str) -> dict:
         bf16 = {} if bf16_tune_s is None else {"bf16_tune_s": bf16_tune_s}

@@ -211,17 +211,23 @@ def judge(row: Row) -> None:
     retimed = row["timing"] == "graph" or "eager_baseline_us" in row  # else: the tuning's times
     mode = f"{row['timing']}_" if retimed else ""
     win = row.get(f"{mode}winner_us")
+    gpu_win = row.get("gpu_winner_us")
     for ref, column in (("baseline", "vs_torch"), ("bf16_served", "vs_bf16_served"),
                         ("bf16", "vs_bf16_cublas")):  # fmt: skip
         t = row.get(f"{mode}{ref}_us")
         row[column] = t / win if t and win else None
+        gpu = row.get(f"gpu_{ref}_us")
+        row[f"{column}_gpu"] = gpu / gpu_win if gpu and gpu_win else None
     row["served_pct_copy"] = row.get(f"{mode}winner_pct_copy")
     row["targets"] = {}
     for t in TARGETS:
         if t.applies(row):
             value = row[t.column]
-            row["targets"][t.name] = {"goal": t.goal, "value": value,
-                                      "met": value is not None and value >= t.goal}  # fmt: skip
+            verdict = {"goal": t.goal, "value": value, "met": value is not None and value >= t.goal}
+            gpu_value = row.get(f"{t.column}_gpu")
+            if gpu_value is not None:  # an eager row: the kernels' own ratio beside
+                verdict |= {"gpu_value": gpu_value, "met_on_gpu": gpu_value >= t.goal}
+            row["targets"][t.name] = verdict
     row["missed"] = [name for name, v in row["targets"].items() if not v["met"]]
 
 
@@ -244,6 +250,13 @@ def target_counts(rows: Sequence[Row]) -> dict[str, Any]:
             "worst": min(measured, default=None),
             "missed": [r["label"] for r in judged if not r["targets"][t.name]["met"]],
         }
+        on_gpu = [r["targets"][t.name] for r in judged if "met_on_gpu" in r["targets"][t.name]]
+        if on_gpu:  # eager rows: what their kernels' graph times alone say
+            out[t.name]["on_gpu"] = {
+                "judged": len(on_gpu),
+                "met": sum(v["met_on_gpu"] for v in on_gpu),
+                "worst": min(v["gpu_value"] for v in on_gpu),
+            }
     fp8 = [r[FP8_GEOMEAN.column] for r in rows if FP8_GEOMEAN.applies(r)]
     if fp8:
         measured = [v for v in fp8 if v is not None]
@@ -426,7 +439,9 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, options: Tune
     whether the host was slow with it. Rounds of a runner spread past ``ROUNDS_DISTURBED`` (a
     disturbance beside some of them) are all taken again once, the steadier take judged and the
     other kept (``*_disturbed_rounds_us``). Eager rows judged at the power limit (``power_check``)
-    are timed over sustained stretches (``eager_sustained_s``)."""
+    are timed over sustained stretches (``eager_sustained_s``). Eager rows also get one round of
+    CUDA-graph times (``gpu_*_us``): where calls are host-bound, the eager ratio is the hosts'
+    and the graph's says what the kernels do."""
     graph = row["timing"] == "graph"
     mode = "graph" if graph else "eager"
     sets = samples.input_sets(key, "cuda", seed=1)
@@ -459,6 +474,15 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, options: Tune
     def medians(timings: list[timing.Timing]) -> list[float]:
         return [round(t.median_us, 2) for t in timings]
 
+    if not graph:  # the kernels' own times beside: an eager ratio of host-bound calls is hosts'
+
+        def uncaptured(name: str, e: Exception) -> None:
+            row[f"gpu_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+
+        gpu = in_turn_rounds(timed, "cuda", graph=True, rounds=1, budget_s=SIDE_BY_SIDE_BUDGET_S,
+                             on_error=uncaptured)  # fmt: skip
+        for name, timings in gpu.items():
+            row[f"gpu_{name}_us"] = timings[0].median_us
     rounds, disturbed = steadier_rounds(take, ROUNDS_DISTURBED)
     if disturbed is not None:  # the take set aside, for whoever wonders why the row was retaken
         row[f"{mode}_disturbed_rounds_us"] = {name: medians(ts) for name, ts in disturbed.items()}
@@ -522,14 +546,15 @@ def print_table(rows: Sequence[Row], counts: dict[str, Any], formats: dict[str, 
     graph = any(r["timing"] == "graph" for r in rows)
     how = "decode rows: CUDA-graph GPU times" if graph else "eager times"
     table = Table(title=f"low-bit GEMMs: served time ratios ({how})")
-    for col in ("problem", "source", "vs torch", "vs bf16 served", "vs bf16 cuBLAS", "% copy",
-                "read floor %", "missed"):  # fmt: skip
+    for col in ("problem", "source", "vs torch", "vs bf16 served", "vs bf16 cuBLAS",
+                "vs bf16 cuBLAS, GPU", "% copy", "read floor %", "missed"):  # fmt: skip
         table.add_column(col)
     for r in rows:
         pct, floor = r["served_pct_copy"], r.get("graph_read_pct_copy")
         table.add_row(
             r["label"], r["source"], _ratio(r["vs_torch"]), _ratio(r["vs_bf16_served"]),
-            _ratio(r["vs_bf16_cublas"]), _percent(pct), _percent(floor),
+            _ratio(r["vs_bf16_cublas"]), _ratio(r.get("vs_bf16_cublas_gpu")), _percent(pct),
+            _percent(floor),
             f"[red]{'; '.join(r['missed'])}[/red]" if r["missed"] else "[green]all met[/green]",
         )  # fmt: skip
     report = Console(width=TABLE_WIDTH)
@@ -537,8 +562,15 @@ def print_table(rows: Sequence[Row], counts: dict[str, Any], formats: dict[str, 
     for name, c in counts.items():
         color = "green" if c["met"] == c["judged"] else "red"
         worst = "" if c["worst"] is None else f", worst {c['worst']:.2f}"
+        g = c.get("on_gpu")
+        on_gpu = (
+            f"; eager rows by their CUDA-graph times alone: {g['met']}/{g['judged']} met, "
+            f"worst {g['worst']:.2f}"
+            if g
+            else ""
+        )
         report.print(
-            f"[{color}]{name} ({c['where']}): {c['met']}/{c['judged']} met{worst}[/{color}]"
+            f"[{color}]{name} ({c['where']}): {c['met']}/{c['judged']} met{worst}{on_gpu}[/{color}]"
         )
     for fmt, f in formats.items():
         met = f["targets"][TUNING_TARGET] == "1/1"
@@ -577,7 +609,8 @@ PANELS = (
 def plot(rows: Sequence[Row], path: Path, title: str) -> Path:
     """A row of panels per format, one per measure, over M: a line per projection (colour:
     projection, line style: model); each target a red dotted segment over the M it judges,
-    each miss ringed in red; the decode panel also marks the bare read's share (x)."""
+    each miss ringed in red; the decode panel also marks the bare read's share (x), and the
+    ratio panels an eager row's ratio of CUDA-graph times (hollow triangle)."""
     from matplotlib.lines import Line2D
 
     plt = pyplot()
@@ -607,6 +640,10 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> Path:
                     continue
                 ax.plot([r["m"] for r in pts], [r[column] for r in pts], marker="o",
                         markersize=3, **style(shape))  # fmt: skip
+                on_gpu = [r for r in pts if r.get(f"{column}_gpu") is not None]
+                ax.scatter([r["m"] for r in on_gpu], [r[f"{column}_gpu"] for r in on_gpu],
+                           marker="^", s=22, facecolors="none",
+                           edgecolors=style(shape)["color"])  # fmt: skip
                 if column == "served_pct_copy":
                     floor = [r for r in pts if "graph_read_pct_copy" in r]
                     ax.scatter([r["m"] for r in floor], [r["graph_read_pct_copy"] for r in floor],
@@ -641,6 +678,8 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> Path:
         Line2D([], [], marker="o", markersize=9, markerfacecolor="none", markeredgecolor="red",
                linestyle="", label="target missed"),
         Line2D([], [], marker="x", color="grey", linestyle="", label="bare read of the bytes"),
+        Line2D([], [], marker="^", markerfacecolor="none", markeredgecolor="grey", linestyle="",
+               label="eager rows: the kernels' CUDA-graph ratio"),
     ]  # fmt: skip
     fig.legend(handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=8)
     fig.suptitle(title)

@@ -284,14 +284,19 @@ def runner_up(
 def tied_rival(
     rest: list[Measurement], kept: Measurement, options: TuneOptions
 ) -> Measurement | None:
-    """Eager: the first later duellist whose trial time ties the kept challenger's (under its
-    ``tie_ceiling``), if any. Where launches hide the kernels, two challengers' eager trials
-    read their hosts and tie whatever their kernels cost, and one disturbed reading (a compile
-    beside it) ranks them; only their own duel's graph times say which is faster on the GPU."""
+    """Eager: the first later duellist whose trial time ties the kept challenger's, slower by
+    less than either one's noise, if any. Where launches hide the kernels, two challengers'
+    eager trials read their hosts and tie whatever their kernels cost, and one disturbed reading
+    (a compile beside it) ranks them; only their own duel's graph times say which is faster on
+    the GPU."""
     if options.launch != "eager":
         return None
-    ceiling = tie_ceiling(effective_us(kept, options.launch), options)
-    return next((m for m in rest if effective_us(m, options.launch) < ceiling), None)
+    kept_us = effective_us(kept, options.launch)
+    for m in rest:
+        margin = max(noise(kept, options.min_noise), noise(m, options.min_noise))
+        if effective_us(m, options.launch) < kept_us * (1 + margin):
+            return m
+    return None
 
 
 def launch_cost_repaid(
