@@ -439,9 +439,9 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, options: Tune
     whether the host was slow with it. Rounds of a runner spread past ``ROUNDS_DISTURBED`` (a
     disturbance beside some of them) are all taken again once, the steadier take judged and the
     other kept (``*_disturbed_rounds_us``). Eager rows judged at the power limit (``power_check``)
-    are timed over sustained stretches (``eager_sustained_s``). Eager rows also get one round of
-    CUDA-graph times (``gpu_*_us``): where calls are host-bound, the eager ratio is the hosts'
-    and the graph's says what the kernels do."""
+    are timed over sustained stretches (``eager_sustained_s``). Other eager rows also get one
+    round of CUDA-graph times (``gpu_*_us``): where calls are host-bound, the eager ratio is the
+    hosts' and the graph's says what the kernels do."""
     graph = row["timing"] == "graph"
     mode = "graph" if graph else "eager"
     sets = samples.input_sets(key, "cuda", seed=1)
@@ -474,7 +474,9 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, options: Tune
     def medians(timings: list[timing.Timing]) -> list[float]:
         return [round(t.median_us, 2) for t in timings]
 
-    if not graph:  # the kernels' own times beside: an eager ratio of host-bound calls is hosts'
+    if not graph and not stretch_s:  # the kernels' own times beside (host-bound calls' eager
+        # ratio is their hosts'); rows at the power limit are GPU-bound, their eager ratio the
+        # kernels' at the clock they keep, which a short graph timing would not run at
 
         def uncaptured(name: str, e: Exception) -> None:
             row[f"gpu_{name}_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -501,6 +503,8 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, options: Tune
             for column in ("us", "pct_copy", "rounds_us", "host_us"):
                 if f"{mode}_{same}_{column}" in row:
                     row[f"{mode}_{name}_{column}"] = row[f"{mode}_{same}_{column}"]
+            if f"gpu_{same}_us" in row:
+                row[f"gpu_{name}_us"] = row[f"gpu_{same}_us"]
 
 
 def annotate(row: Row, bf16: Row, copy_gbs: float, device: str, options: TuneOptions) -> None:
