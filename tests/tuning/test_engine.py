@@ -60,6 +60,20 @@ def tuned_with(source: Source, launch: str = "eager", **options) -> TuneOutcome:
         registry.unregister(source.name)
 
 
+def tuned_uncut(key: GemmKey, sources: list[Source], **hooks) -> TuneOutcome:
+    """``key`` tuned with ``sources`` registered for the run and cut-offs that cannot cut: the
+    rule under test is the duels', not this host's speed."""
+    for source in sources:
+        registry.register(source)
+    try:
+        options = TuneOptions(budget_s=0.02, sources=[s.name for s in sources], cut_factor=1e9,
+                              late_cut=1e9)  # fmt: skip
+        return tune(key, options=options, **hooks)
+    finally:
+        for source in sources:
+            registry.unregister(source.name)
+
+
 def by_params(outcome):
     return {m.params.get("bug", m.source): m for m in outcome.measurements}
 
@@ -265,15 +279,7 @@ def test_a_winner_confirmed_slower_than_a_runner_ups_trial_meets_the_runner_up(
             First.busy_s = 140e-6  # slower, though not beyond a disturbed spread
 
     key = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
-    for source in (First(), Second()):
-        registry.register(source)
-    try:
-        options = TuneOptions(budget_s=0.02, sources=["first", "second"], cut_factor=1e9,
-                              late_cut=1e9)  # fmt: skip
-        outcome = tune(key, options=options, on_result=slow_down_after_its_trial)
-    finally:
-        registry.unregister("first")
-        registry.unregister("second")
+    outcome = tuned_uncut(key, [First(), Second()], on_result=slow_down_after_its_trial)
     first = by_params(outcome)["first"]
     assert outcome.winner.source == "second", [
         (m.candidate, m.median_us) for m in outcome.measurements
@@ -519,15 +525,7 @@ def test_of_two_challengers_tied_by_their_launches_the_faster_on_the_gpu_serves(
             Quick.busy_s = 39e-6
 
     key = GemmKey(m=1024, n=1024, k=8192, dtype="f32", out_dtype="f32")
-    for source in (Quick(), Slow()):
-        registry.register(source)
-    try:
-        options = TuneOptions(budget_s=0.02, sources=["quick_gpu", "slow_gpu"], cut_factor=1e9,
-                              late_cut=1e9)  # fmt: skip
-        outcome = tune(key, options=options, on_result=quieter_after_its_trial)
-    finally:
-        registry.unregister("quick_gpu")
-        registry.unregister("slow_gpu")
+    outcome = tuned_uncut(key, [Quick(), Slow()], on_result=quieter_after_its_trial)
     got = by_params(outcome)
     errors = {name: (m.median_us, m.host_us, m.error) for name, m in got.items()}
     assert outcome.winner.source == "quick_gpu", errors
