@@ -156,7 +156,16 @@ def test_an_eager_rows_verdict_has_its_kernels_graph_times_beside() -> None:
     assert host_bound["targets"][target]["met"] and not host_bound["targets"][target]["met_on_gpu"]
     count = lowbit.target_counts([host_bound, gpu_bound])[target]
     assert (count["judged"], count["met"]) == (2, 2)
-    assert count["on_gpu"] == {"judged": 2, "met": 1, "worst": pytest.approx(14.8 / 22.6)}
+    assert count["on_gpu"] == {"judged": 2, "met": 1, "unmeasured": 0,
+                               "worst": pytest.approx(14.8 / 22.6)}  # fmt: skip
+    # a winner that could not be captured: a miss by graph times, counted unmeasured
+    uncaptured = {k: v for k, v in gpu_bound.items() if k != "gpu_winner_us"}
+    uncaptured["gpu_winner_error"] = "RuntimeError: not permitted when stream is capturing"
+    lowbit.judge(uncaptured)
+    verdict = uncaptured["targets"][target]
+    assert verdict["met"] and verdict["gpu_value"] is None and verdict["met_on_gpu"] is False
+    count = lowbit.target_counts([host_bound, uncaptured])[target]["on_gpu"]
+    assert (count["judged"], count["met"], count["unmeasured"]) == (2, 0, 1)
 
 
 def test_tuning_a_format_is_judged_against_its_bf16_twins_median() -> None:

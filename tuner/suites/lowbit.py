@@ -207,7 +207,9 @@ FP8_GEOMEAN = Target("fp8 geomean >= 1.15x torch", "vs_torch", 1.15,
 
 
 def judge(row: Row) -> None:
-    """The row's served ratios in its timing mode, and each target that applies to it."""
+    """The row's served ratios in its timing mode, and each target that applies to it; for an
+    eager row given a round of CUDA-graph times, the same ratios of those (``*_gpu``) and each
+    target's verdict on them (a runner not captured: a miss)."""
     retimed = row["timing"] == "graph" or "eager_baseline_us" in row  # else: the tuning's times
     mode = f"{row['timing']}_" if retimed else ""
     win = row.get(f"{mode}winner_us")
@@ -224,16 +226,18 @@ def judge(row: Row) -> None:
         if t.applies(row):
             value = row[t.column]
             verdict = {"goal": t.goal, "value": value, "met": value is not None and value >= t.goal}
-            gpu_value = row.get(f"{t.column}_gpu")
-            if gpu_value is not None:  # an eager row: the kernels' own ratio beside
-                verdict |= {"gpu_value": gpu_value, "met_on_gpu": gpu_value >= t.goal}
+            if any(k.startswith("gpu_") for k in row):  # an eager row timed in graphs too
+                gpu_value = row.get(f"{t.column}_gpu")
+                met = gpu_value is not None and gpu_value >= t.goal
+                verdict |= {"gpu_value": gpu_value, "met_on_gpu": met}
             row["targets"][t.name] = verdict
     row["missed"] = [name for name, v in row["targets"].items() if not v["met"]]
 
 
 def target_counts(rows: Sequence[Row]) -> dict[str, Any]:
     """Per target: rows judged, met, unmeasured (a time missing: a miss), the worst value and
-    the labels of the misses; the FP8 suite geomean as one judgement."""
+    the labels of the misses, and (``on_gpu``) the same for its eager rows' CUDA-graph ratios;
+    the FP8 suite geomean as one judgement."""
     out: dict[str, Any] = {}
     for t in TARGETS:
         judged = [r for r in rows if t.name in r["targets"]]
@@ -252,10 +256,12 @@ def target_counts(rows: Sequence[Row]) -> dict[str, Any]:
         }
         on_gpu = [r["targets"][t.name] for r in judged if "met_on_gpu" in r["targets"][t.name]]
         if on_gpu:  # eager rows: what their kernels' graph times alone say
+            gpu_values = [v["gpu_value"] for v in on_gpu if v["gpu_value"] is not None]
             out[t.name]["on_gpu"] = {
                 "judged": len(on_gpu),
                 "met": sum(v["met_on_gpu"] for v in on_gpu),
-                "worst": min(v["gpu_value"] for v in on_gpu),
+                "unmeasured": len(on_gpu) - len(gpu_values),
+                "worst": min(gpu_values, default=None),
             }
     fp8 = [r[FP8_GEOMEAN.column] for r in rows if FP8_GEOMEAN.applies(r)]
     if fp8:
@@ -351,9 +357,9 @@ SIDE_BY_SIDE_ROUNDS = 4  # eager rows: rounds of the four runners timed in turn,
 SIDE_BY_SIDE_BUDGET_S = 0.04  # in reverse order as in order; each runner's budget in a round
 EAGER_WARMUP_ROUNDS = 1  # eager rows: untimed rounds of every runner in turn before the timed ones
 GRAPH_ROUNDS = 3  # decode rows: rounds of CUDA-graph times; the median outlasts one disturbed
-# a runner's rounds spread past this share of their median: something ran beside some of them
-# (rounds of one runner in turn under the same load read within a few percent), and with two
-# of four rounds disturbed the median is neither reading
+# a runner's rounds (eager or graph) spread past this share of their median: something ran
+# beside some of them (rounds of one runner in turn under the same load read within a few
+# percent), and with two of four rounds disturbed the median is neither reading
 ROUNDS_DISTURBED = 0.25
 
 
@@ -568,8 +574,8 @@ def print_table(rows: Sequence[Row], counts: dict[str, Any], formats: dict[str, 
         worst = "" if c["worst"] is None else f", worst {c['worst']:.2f}"
         g = c.get("on_gpu")
         on_gpu = (
-            f"; eager rows by their CUDA-graph times alone: {g['met']}/{g['judged']} met, "
-            f"worst {g['worst']:.2f}"
+            f"; eager rows by their CUDA-graph times alone: {g['met']}/{g['judged']} met"
+            + ("" if g["worst"] is None else f", worst {g['worst']:.2f}")
             if g
             else ""
         )
@@ -664,6 +670,7 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> Path:
             if column != "served_pct_copy":
                 ax.axhline(1.0, color="black", linewidth=0.8)
                 values = [r[column] for r in mine]
+                values += [r[f"{column}_gpu"] for r in mine if r.get(f"{column}_gpu")]
                 if values and max(values) / max(min(values), 1e-9) > 4:
                     ax.set_yscale("log", base=2)
             elif not mine:

@@ -284,8 +284,8 @@ def runner_up(
 def tied_rival(
     rest: list[Measurement], kept: Measurement, options: TuneOptions
 ) -> Measurement | None:
-    """Eager: the first later duellist whose trial time ties the kept challenger's, slower by
-    less than either one's noise, if any. Where launches hide the kernels, two challengers'
+    """Eager: the first later duellist whose trial time ties the kept challenger's (under it
+    plus either one's noise), if any. Where launches hide the kernels, two challengers'
     eager trials read their hosts and tie whatever their kernels cost, and one disturbed reading
     (a compile beside it) ranks them; only their own duel's graph times say which is faster on
     the GPU."""
