@@ -436,7 +436,7 @@ def test_a_later_duellist_whose_eager_trial_ties_the_kept_one_duels_it():
     kept = m("cutlass_ws", 25.09, 25.0, 25.2)
     pingpong, slower = m("cutlass_pingpong", 25.70, 25.0, 26.4), m("triton", 27.0, 26.9, 27.1)
     assert tied_rival([pingpong, slower], kept, TuneOptions()) is pingpong
-    assert tied_rival([slower], kept, TuneOptions()) is None  # beyond both one's noise
+    assert tied_rival([slower], kept, TuneOptions()) is None  # beyond either one's noise
     steady = m("cutlass_pingpong", 25.70, 25.65, 25.75)
     assert tied_rival([steady], kept, TuneOptions()) is None  # 2.4% apart, both steady
     assert tied_rival([pingpong], kept, TuneOptions(launch="graph")) is None  # graph times ranked

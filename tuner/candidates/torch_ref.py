@@ -45,8 +45,8 @@ class TorchGemm(Source):
     def build(self, key: GemmKey, params: Params) -> Runner:
         want_tf32 = key.compute == "tf32"
 
-        # the switch read through torch._C: the baseline times torch.matmul, and reading it
-        # through torch.backends costs its call more host time than the matmul's launch
+        # the switch read through torch._C, its cheapest read: the baseline times what a call
+        # of torch.matmul costs, and a caller's call reads no switch
         def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
             if key.dtype != "f32" or torch._C._get_cublas_allow_tf32() == want_tf32:
                 return torch.matmul(a, b, out=out)
