@@ -671,7 +671,7 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> Path:
                 ax.axhline(1.0, color="black", linewidth=0.8)
                 values = [r[column] for r in mine]
                 values += [r[f"{column}_gpu"] for r in mine if r.get(f"{column}_gpu")]
-                if values and max(values) / max(min(values), 1e-9) > 4:
+                if values and max(values) / max(min(values), 1e-9) > 8:
                     ax.set_yscale("log", base=2)
             elif not mine:
                 ax.text(0.5, 0.5, "no decode rows timed", ha="center", transform=ax.transAxes)
