@@ -2,9 +2,10 @@
 
 Runners take ``_scaled_mm``'s operands (b column-major [K, N]) and pass the kernel b's [N, K]
 row-major view; each checks its operands once per guard (``operand_guard``) and calls its
-config's plan (``fp8.checked_plan``: launches derived once, then launched directly). Keys with ``accum="f32"`` run the kernels in precise mode (partial sums promoted
-to fp32 along K, as ``_scaled_mm`` does without ``use_fast_accum``); ``accum="fast"`` keys let the
-tensor cores accumulate in their partial precision.
+config's plan (``fp8.checked_plan``: launches derived once, then launched directly). Keys with
+``accum="f32"`` run the kernels in precise mode (partial sums promoted to fp32 along K, as
+``_scaled_mm`` does without ``use_fast_accum``); ``accum="fast"`` keys let the tensor cores
+accumulate in their partial precision.
 
 Compilation: ``precompile`` compiles a shortlist's kernels in parallel worker processes into
 Triton's on-disk cache (``triton_kernels/launch.py``), so that a runner's first call loads its
