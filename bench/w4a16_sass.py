@@ -32,9 +32,10 @@ BACK_BRANCH = re.compile(r"BRA (0x[0-9a-f]+)")
 REGISTERS = re.compile(r"REG:(\d+)")
 
 
-def kernel_name(f16: bool, groups: int, tiles: int) -> str:
-    """The mangled name of ``w4a16_gemv_kernel<F16, NG, NT>``."""
-    return f"_Z17w4a16_gemv_kernelILb{int(f16)}ELi{groups}ELi{tiles}EEv6Params"
+def kernel_name(f16: bool, groups: int, tiles: int, full: bool = True) -> str:
+    """The mangled name of ``w4a16_gemv_kernel<F16, NG, NT, FULL>`` (FULL: N a multiple of
+    64, every weight block whole, as in every projection the suites time)."""
+    return f"_Z17w4a16_gemv_kernelILb{int(f16)}ELi{groups}ELi{tiles}ELb{int(full)}EEv6Params"
 
 
 def opcode(text: str) -> str:

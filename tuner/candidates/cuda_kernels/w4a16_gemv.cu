@@ -281,7 +281,10 @@ struct Half2Ops<true> {  // fp16
 // bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t); its warp's
 // (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over the warp,
 // and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the ring.
-template <int NG, int NT>
+// FULL: every 64-row block of the weight is whole (N a multiple of 64), so every copy of a
+// weight row or (scale, zero) word has its bytes: one base address, pieces at fixed offsets, none
+// of the per-copy choices (and registers) of a partial last block.
+template <int NG, int NT, bool FULL>
 struct Copier {
   static constexpr int SZ_COPIES = (ROWS * NG + 31) / 32;
   static constexpr int X_COPIES = 8 * NT * 16 / 32;  // rounds when one warp copies the slab
@@ -337,25 +340,35 @@ struct Copier {
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
-#pragma unroll
-    for (int h = 0; h < 2 * SLICES; ++h) {
-      const bool valid = w_valid >> h & 1;
-      copy16(stage + lane_w + h * 512, valid ? w + h * 512 : w - w_lane, valid);
-    }
     const uint32_t* words = sz + (static_cast<uint32_t>(chunk * CHUNK) >> group_shift) * n;
-    // a copy of no bytes still zero-fills its 4: a lane past the part's words (16 rows of one
-    // group: lanes 16-31) must not issue one, or it clears the bytes after the part (the next
-    // warp's first weight row, or x's slab) while their own copies land
+    if constexpr (FULL) {
 #pragma unroll
-    for (int it = 0; it < SZ_COPIES; ++it) {
-      if (ROWS * NG % 32 && !(sz_slots >> it & 1)) continue;
-      const bool valid = sz_valid >> it & 1;
-      copy4(stage + lane_sz + it * 128, valid ? words + (32 * it / ROWS) * n + 32 * it % ROWS : sz,
-            valid);
+      for (int h = 0; h < 2 * SLICES; ++h) copy16(stage + lane_w + h * 512, w + h * 512, true);
+#pragma unroll
+      for (int it = 0; it < SZ_COPIES; ++it)
+        if (!(ROWS * NG % 32) || sz_slots >> it & 1)
+          copy4(stage + lane_sz + it * 128, words + (32 * it / ROWS) * n + 32 * it % ROWS, true);
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2 * SLICES; ++h) {
+        const bool valid = w_valid >> h & 1;
+        copy16(stage + lane_w + h * 512, valid ? w + h * 512 : w - w_lane, valid);
+      }
+      // a copy of no bytes still zero-fills its 4: a lane past the part's words (16 rows of
+      // one group: lanes 16-31) must not issue one, or it clears the bytes after the part (the
+      // next warp's first weight row, or x's slab) while their own copies land
+#pragma unroll
+      for (int it = 0; it < SZ_COPIES; ++it) {
+        if (ROWS * NG % 32 && !(sz_slots >> it & 1)) continue;
+        const bool valid = sz_valid >> it & 1;
+        copy4(stage + lane_sz + it * 128,
+              valid ? words + (32 * it / ROWS) * n + 32 * it % ROWS : sz, valid);
+      }
     }
+    const uint16_t* piece = x;
 #pragma unroll
-    for (int it = 0; it < X_COPIES; ++it)
-      if (x_valid >> it & 1) copy16(stage + lane_x + it * x_round_bytes, x + it * x_round, true);
+    for (int it = 0; it < X_COPIES; ++it, piece += x_round)
+      if (x_valid >> it & 1) copy16(stage + lane_x + it * x_round_bytes, piece, true);
     w += w_step;
     x += chunk_step * CHUNK;
     chunk += chunk_step;
@@ -456,7 +469,7 @@ constexpr int max_warps() {
   return SLICES * NT > 4 && MAX_WARPS > 8 ? 8 : MAX_WARPS;
 }
 
-template <bool F16, int NG, int NT>
+template <bool F16, int NG, int NT, bool FULL>
 __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   if (threadIdx.x == 0) {
@@ -503,7 +516,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
   const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
-  Copier<NG, NT> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at,
+  Copier<NG, NT, FULL> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at,
                         x_at, SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
   // the kernel before this one on the stream has written x (and read out) once this returns
@@ -633,7 +646,7 @@ int smem_bytes(int m, int group, int warps, int cluster) {
   return inbox_at(m, group, warps) + inbox;
 }
 
-template <bool F16, int NG, int NT>
+template <bool F16, int NG, int NT, bool FULL>
 cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
   if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
   const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster);
@@ -643,7 +656,7 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   if (e != cudaSuccess) return e;
   if (device >= MAX_DEVICES) return cudaErrorInvalidDevice;
   if (smem > 48 * 1024 && smem > allowed[device]) {
-    e = cudaFuncSetAttribute(w4a16_gemv_kernel<F16, NG, NT>,
+    e = cudaFuncSetAttribute(w4a16_gemv_kernel<F16, NG, NT, FULL>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     allowed[device] = smem;
@@ -663,14 +676,20 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, w4a16_gemv_kernel<F16, NG, NT>, p);
+  return cudaLaunchKernelEx(&config, w4a16_gemv_kernel<F16, NG, NT, FULL>, p);
+}
+
+template <bool F16, int NG, int NT>
+cudaError_t launch_blocks(const Params& p, int warps, int cluster, cudaStream_t s) {
+  return p.n % 64 ? launch<F16, NG, NT, false>(p, warps, cluster, s)
+                  : launch<F16, NG, NT, true>(p, warps, cluster, s);
 }
 
 template <bool F16, int NT>
 cudaError_t launch_group(const Params& p, int group, int warps, int cluster, cudaStream_t s) {
-  if (group == 32) return launch<F16, 4, NT>(p, warps, cluster, s);
-  if (group == 64) return launch<F16, 2, NT>(p, warps, cluster, s);
-  return launch<F16, 1, NT>(p, warps, cluster, s);
+  if (group == 32) return launch_blocks<F16, 4, NT>(p, warps, cluster, s);
+  if (group == 64) return launch_blocks<F16, 2, NT>(p, warps, cluster, s);
+  return launch_blocks<F16, 1, NT>(p, warps, cluster, s);
 }
 
 template <bool F16>
