@@ -203,6 +203,9 @@ def test_operands_the_kernel_would_refuse() -> None:
     rows = torch.empty(m + 1, k + 4, dtype=x.dtype)[:m, :k]  # rows 520 bytes apart
     with pytest.raises(ValueError, match=r"x: rows must start on 16-byte boundaries"):
         cw.check_operands(rows, weight, sz, group, out)
+    far = torch.empty(k, dtype=x.dtype).as_strided((1, k), (cw.MAX_X_STRIDE, 1))
+    with pytest.raises(ValueError, match=r"x\.stride\(\)=\(67108864, 1\)"):
+        cw.check_operands(far, weight, sz, group, None)
     overlapping = torch.empty(m * n, dtype=x.dtype).as_strided((m, n), (n - 1, 1))
     with pytest.raises(ValueError, match=r"out.stride\(\)=\(63, 1\)"):
         cw.check_operands(x, weight, sz, group, overlapping)

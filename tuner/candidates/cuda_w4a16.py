@@ -51,6 +51,7 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may take on sm_90
 ACT_DTYPES = ("bf16", "f16")
 ALIGN = 16  # bytes: x's rows and the weight are copied in 16-byte pieces
 SZ_ALIGN = 4  # bytes: a (scale, zero) pair is copied as one word
+MAX_X_STRIDE = 2**31 // (2 * MAX_WARPS)  # x's row stride, elements: copy rounds use 32-bit steps
 BUILDER = "tuner.candidates.cuda_w4a16"  # this module, also when it runs as __main__
 
 Config = dict[str, Any]
@@ -163,6 +164,8 @@ def check_operands(
     if x.data_ptr() % ALIGN or x.stride(0) * x.element_size() % ALIGN:
         raise ValueError(f"x: rows must start on {ALIGN}-byte boundaries (data_ptr "
                          f"{x.data_ptr():#x}, strides {x.stride()})")  # fmt: skip
+    if x.stride(0) >= MAX_X_STRIDE:
+        raise ValueError(f"x.stride()={x.stride()}: rows at most {MAX_X_STRIDE - 1} elements apart")
     if weight.data_ptr() % ALIGN:
         raise ValueError(f"weight: must be {ALIGN}-byte aligned, data_ptr {weight.data_ptr():#x}")
     if scales_and_zeros.data_ptr() % SZ_ALIGN:

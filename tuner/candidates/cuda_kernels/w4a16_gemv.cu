@@ -281,22 +281,23 @@ struct Half2Ops<true> {  // fp16
 // bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t); its warp's
 // (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over the warp,
 // and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the ring.
-// FULL: every 64-row block of the weight is whole (N a multiple of 64), so every copy of a
-// weight row or (scale, zero) word has its bytes: one base address, pieces at fixed offsets, none
-// of the per-copy choices (and registers) of a partial last block.
+// FULL: every 64-row block of the weight is whole (N a multiple of 64) and the (scale, zero)
+// words 16-byte aligned, so every copy has its bytes: one base address and fixed offsets for the
+// weight, the words in 16-byte pieces, none of the per-copy choices (and registers) of a partial
+// last block.
 template <int NG, int NT, bool FULL>
 struct Copier {
-  static constexpr int SZ_COPIES = (ROWS * NG + 31) / 32;
+  static constexpr int SZ_COPIES = FULL ? (ROWS * NG / 4 + 31) / 32 : (ROWS * NG + 31) / 32;
   static constexpr int X_COPIES = 8 * NT * 16 / 32;  // rounds when one warp copies the slab
   const uint8_t* w;      // this lane's first weight byte of the current chunk
-  long long w_step;      // bytes to the next chunk
+  int w_step;            // bytes to the next chunk
   const uint32_t* sz;    // this lane's first (scale, zero) word of group 0
   uint32_t n;            // (scale, zero) words per group (the entry point keeps N x groups < 2^31)
   const uint16_t* x;     // this thread's first x piece of the current chunk
-  long long x_round;     // x elements between two copy rounds (x_threads / 16 rows)
+  int x_round;           // x elements between two copy rounds (x_threads / 16 rows)
   int chunk, chunk_step, group_shift;
   uint32_t w_valid, sz_valid, x_valid;  // bit per copy: its rows exist
-  uint32_t sz_slots;                    // bit per copy: its word lies in the part (lane < ROWS * NG)
+  uint32_t sz_slots;                    // bit per copy: its word (FULL: piece) lies in the part
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
@@ -310,24 +311,33 @@ struct Copier {
     w_lane = g * 64 + t * 16;
     lane_w = w_at + w_lane;
     w = block + 64ll * (static_cast<long long>(first) * rows + offset) + w_lane;
-    w_step = 64ll * step * rows;
+    w_step = 64 * step * rows;
     w_valid = 0;
 #pragma unroll
     for (int h = 0; h < 2 * SLICES; ++h)
       if (offset + 8 * h + g < rows) w_valid |= 1u << h;
     n = static_cast<uint32_t>(p.n);
-    sz = p.sz + n0 + lane % ROWS + static_cast<long long>(lane / ROWS) * p.n;
-    lane_sz = w_at + ROWS * 64 + lane * 4;
     sz_valid = sz_slots = 0;
+    if constexpr (FULL) {
+      // piece q: words 4 q .. 4 q + 3 of the part's [NG][ROWS], group 4 q / ROWS
+      sz = p.sz + n0 + 4 * lane % ROWS + static_cast<long long>(4 * lane / ROWS) * p.n;
+      lane_sz = w_at + ROWS * 64 + lane * 16;
 #pragma unroll
-    for (int it = 0; it < SZ_COPIES; ++it) {
-      if (32 * it + lane < ROWS * NG) sz_slots |= 1u << it;
-      if (32 * it + lane < ROWS * NG && offset + lane % ROWS + 32 * it % ROWS < rows)
-        sz_valid |= 1u << it;
+      for (int it = 0; it < SZ_COPIES; ++it)
+        if (32 * it + lane < ROWS * NG / 4) sz_slots |= 1u << it;
+    } else {
+      sz = p.sz + n0 + lane % ROWS + static_cast<long long>(lane / ROWS) * p.n;
+      lane_sz = w_at + ROWS * 64 + lane * 4;
+#pragma unroll
+      for (int it = 0; it < SZ_COPIES; ++it) {
+        if (32 * it + lane < ROWS * NG) sz_slots |= 1u << it;
+        if (32 * it + lane < ROWS * NG && offset + lane % ROWS + 32 * it % ROWS < rows)
+          sz_valid |= 1u << it;
+      }
     }
     const int x_row = x_thread >> 4, x_rows = x_threads >> 4;
     x = p.x + x_row * p.ldx + (x_thread & 15) * 8 + static_cast<long long>(first) * CHUNK;
-    x_round = x_rows * p.ldx;
+    x_round = x_rows * static_cast<int>(p.ldx);
     lane_x = x_at + x_row * XROW + (x_thread & 15) * 16;
     x_round_bytes = x_rows * XROW;
     x_valid = 0;
@@ -346,8 +356,9 @@ struct Copier {
       for (int h = 0; h < 2 * SLICES; ++h) copy16(stage + lane_w + h * 512, w + h * 512, true);
 #pragma unroll
       for (int it = 0; it < SZ_COPIES; ++it)
-        if (!(ROWS * NG % 32) || sz_slots >> it & 1)
-          copy4(stage + lane_sz + it * 128, words + (32 * it / ROWS) * n + 32 * it % ROWS, true);
+        if (!(ROWS * NG / 4 % 32) || sz_slots >> it & 1)
+          copy16(stage + lane_sz + it * 512, words + (128 * it / ROWS) * n + 128 * it % ROWS,
+                 true);
     } else {
 #pragma unroll
       for (int h = 0; h < 2 * SLICES; ++h) {
@@ -679,10 +690,13 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   return cudaLaunchKernelEx(&config, w4a16_gemv_kernel<F16, NG, NT, FULL>, p);
 }
 
+// FULL where every 64-row block is whole and the (scale, zero) words can be copied 16 bytes at
+// a time
 template <bool F16, int NG, int NT>
 cudaError_t launch_blocks(const Params& p, int warps, int cluster, cudaStream_t s) {
-  return p.n % 64 ? launch<F16, NG, NT, false>(p, warps, cluster, s)
-                  : launch<F16, NG, NT, true>(p, warps, cluster, s);
+  const bool full = p.n % 64 == 0 && reinterpret_cast<uintptr_t>(p.sz) % 16 == 0;
+  return full ? launch<F16, NG, NT, true>(p, warps, cluster, s)
+              : launch<F16, NG, NT, false>(p, warps, cluster, s);
 }
 
 template <bool F16, int NT>
@@ -719,7 +733,8 @@ int w4a16_gemv_smem(int m, int group, int warps, int cluster) {
 // checks the operands (tuner/candidates/cuda_w4a16.py); this refuses what would read or write
 // out of bounds: m outside 1..MAX_M, K not whole chunks, a group size other than 32, 64,
 // 128, 256 that divides K, N x K / group (scale, zero) words past 32-bit indices, warps outside
-// 1..MAX_WARPS (1..8 for 64-row warps at M > 8), a cluster outside 1..8 or wider than K's chunks, x or w not 16-byte aligned.
+// 1..MAX_WARPS (1..8 for 64-row warps at M > 8), a cluster outside 1..8 or wider than K's
+// chunks, x's row stride past 32-bit offsets between copy rounds, x or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
                void* stream) {
@@ -727,6 +742,7 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   const bool words_ok = group_ok && static_cast<long long>(n) * (k / group) < (1ll << 31);
   if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !words_ok || warps < 1 ||
       warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster > k / CHUNK || ldx % 8 ||
+      ldx * MAX_WARPS * 2 >= (1ll << 31) ||
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
     return static_cast<int>(cudaErrorInvalidValue);
