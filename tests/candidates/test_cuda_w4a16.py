@@ -351,6 +351,21 @@ def test_every_config_matches_the_float32_reference(shape: tuple, built: None) -
 
 
 @pytest.mark.gpu
+def test_whole_blocks_with_scales_off_16_byte_boundaries(built: None) -> None:
+    """N a multiple of 64 but the (scale, zero) words 4 bytes past a 16-byte boundary: the
+    kernel copies them word by word (its build for partial blocks), not in 16-byte pieces."""
+    m, n, k, group = 3, 256, 1024, 128
+    x, packed, sz, ref, tol = _problem(m, n, k, group, torch.bfloat16)
+    shifted = torch.empty(sz.numel() + 2, device="cuda", dtype=sz.dtype)[2:].view(sz.shape)
+    shifted.copy_(sz)
+    assert shifted.data_ptr() % 16 == 4
+    for config in (CONFIGS[0], CONFIGS[5]):
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
+        cw.run(cw.launcher(config), config, x, packed, shifted, group, out, stream())
+        assert excess(out, ref, tol) <= 1, config
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("split", cw.SPLITS)
 def test_a_planted_wrong_group_size_fails_the_gate(split: str, built: None) -> None:
     x, packed, sz, ref, tol = _problem(4, 256, 1024, 128, torch.bfloat16)
