@@ -376,15 +376,10 @@ struct Copier {
               valid ? words + (32 * it / ROWS) * n + 32 * it % ROWS : sz, valid);
       }
     }
-    if (x_valid & 1) copy16(stage + lane_x, x, true);
-    if (x_valid > 1) {  // rounds past the first (none at M <= 2 when one warp copies the slab)
-      const uint16_t* piece = x;
+    const uint16_t* piece = x;
 #pragma unroll
-      for (int it = 1; it < X_COPIES; ++it) {
-        piece += x_round;
-        if (x_valid >> it & 1) copy16(stage + lane_x + it * x_round_bytes, piece, true);
-      }
-    }
+    for (int it = 0; it < X_COPIES; ++it, piece += x_round)
+      if (x_valid >> it & 1) copy16(stage + lane_x + it * x_round_bytes, piece, true);
     w += w_step;
     x += chunk_step * CHUNK;
     chunk += chunk_step;
