@@ -44,9 +44,11 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -m tuner info 2>&1 | tee "$OUT/info.txt"
 # The device tool brings back at most 8 files: everything is packed into one archive after each
-# stage, so a call cut off in a later stage still returns what the earlier ones made.
+# stage, so a call cut off in a later stage still returns what the earlier ones made (and what a
+# command before this script wrote under $OUT). Compiled kernels (the tuner's artifacts/) stay
+# out: they would take the archive past the tool's 16 MiB a file.
 pack() {
-  ( cd "$OUT" && find . -type f ! -name bundle.tar.gz | tar -czf /tmp/bundle.tar.gz -T - ) && mv /tmp/bundle.tar.gz "$OUT/bundle.tar.gz"
+  ( cd "$OUT" && find . -type f ! -name bundle.tar.gz ! -path '*/artifacts/*' | tar -czf /tmp/bundle.tar.gz -T - ) && mv /tmp/bundle.tar.gz "$OUT/bundle.tar.gz"
 }
 status=0
 # SM clock, power, temperature and throttle reasons every 200 ms while the stages run: the time of
