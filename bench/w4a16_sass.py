@@ -8,7 +8,9 @@ library
 (``--config SPLIT,SLICES,STAGES``, the launch's warps and cluster do not change the code) and
 each n8 tile count (M <= 8: 1, M = 9-16: 2), the K loop is the smallest loop that multiplies
 (``HMMA``) and either copies (``LDGSTS``) or waits on a stage's barrier (``SYNCS``, where
-another warp fills the stages); its opcodes are counted as the SASS lists them.
+another warp fills the stages); its opcodes are counted as the SASS lists them. The kernel counted
+is the build for whole 64-row blocks (``FULL``: N a multiple of 64, the scales 16-byte aligned),
+which every projection of the suites takes.
 
     python bench/w4a16_sass.py --config k,2,4 --config k,4,2 --flags='-DGEMV_MIN_CTAS=3 -DGEMV_MAX_WARPS=8'
 """
@@ -32,10 +34,9 @@ BACK_BRANCH = re.compile(r"BRA (0x[0-9a-f]+)")
 REGISTERS = re.compile(r"REG:(\d+)")
 
 
-def kernel_name(f16: bool, groups: int, tiles: int, full: bool = True) -> str:
-    """The mangled name of ``w4a16_gemv_kernel<F16, NG, NT, FULL>`` (FULL: N a multiple of
-    64, every weight block whole, as in every projection the suites time)."""
-    return f"_Z17w4a16_gemv_kernelILb{int(f16)}ELi{groups}ELi{tiles}ELb{int(full)}EEv6Params"
+def kernel_name(f16: bool, groups: int, tiles: int) -> str:
+    """The mangled name of ``w4a16_gemv_kernel<F16, NG, NT, true>``: the FULL build."""
+    return f"_Z17w4a16_gemv_kernelILb{int(f16)}ELi{groups}ELi{tiles}ELb1EEv6Params"
 
 
 def opcode(text: str) -> str:

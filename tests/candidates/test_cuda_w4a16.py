@@ -4,7 +4,8 @@ artifacts, the configs it offers (none that failed; without nvcc, only stored on
 refuses, and one library built by nvcc and loaded (CPU, where nvcc is); on a GPU, its libraries
 run, with warps splitting K or rows, on small and odd shapes (ragged N, every group size, fp16,
 clusters, one n8 tile of x or two) against the float32 GEMM on the dequantized weight,
-bit-identical from one call to the next, a planted wrong group size caught, a CUDA graph, two
+bit-identical from one call to the next and between its builds for whole and partial weight
+blocks, a planted wrong group size caught, a CUDA graph, two
 calls chained on one stream (the programmatic dependent launch's wait), and every shortlisted
 config tuned through the engine's numerics gate."""
 
@@ -225,7 +226,11 @@ def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) ->
     assert nvcc_build.compiled_info(lib)["seconds"] > 0
     stored = unpack(store.get(lib.artifact_spec()))
     assert stored == {kernel_artifacts.LIBRARY: path.read_bytes()}
-    assert cw.load(path).restype is ctypes.c_int  # the CUDA runtime is linked in: no GPU needed
+    entry = cw.load(path)
+    assert entry.restype is ctypes.c_int  # the CUDA runtime is linked in: no GPU needed
+    # refused before any CUDA call: x's rows too far apart for the copy rounds' 32-bit steps
+    too_far = cw.MAX_X_STRIDE
+    assert entry(0, 0, 0, 0, 1, 64, 128, 128, too_far, 64, 0, 1, 1, 0) == 1  # cudaErrorInvalidValue
 
 
 @pytest.mark.skipif(nvcc_build.nvcc_path() is None, reason="needs nvcc")
@@ -297,6 +302,8 @@ SHAPES = [
     (9, 520, 384, 32, torch.bfloat16),
     (12, 200, 2048, 64, torch.float16),
     (16, 4100, 1152, 128, torch.bfloat16),
+    (4, 512, 1024, 32, torch.bfloat16),
+    (5, 192, 2048, 256, torch.float16),
 ]
 # warps splitting rows: 128-row CTAs over a cluster of 4 (N = 520: a last CTA of one part-filled
 # warp and seven past N), 96-row CTAs of 32-row warps across 64-row blocks (cluster 3), 64-row
@@ -351,18 +358,30 @@ def test_every_config_matches_the_float32_reference(shape: tuple, built: None) -
 
 
 @pytest.mark.gpu
-def test_whole_blocks_with_scales_off_16_byte_boundaries(built: None) -> None:
-    """N a multiple of 64 but the (scale, zero) words 4 bytes past a 16-byte boundary: the
-    kernel copies them word by word (its build for partial blocks), not in 16-byte pieces."""
-    m, n, k, group = 3, 256, 1024, 128
+@pytest.mark.parametrize("group", [32, 128, 256])
+def test_whole_blocks_match_the_build_for_partial_ones(group: int, built: None) -> None:
+    """N a multiple of 64: with the (scale, zero) words on a 16-byte boundary the kernel takes
+    its build for whole blocks (one base address, the words 16 bytes at a time); 4 bytes past
+    one, its build for partial blocks (every copy checked, word by word). The same sums in the
+    same order: bit-identical outputs, for every config that fits."""
+    m, n, k = 3, 256, 1024
     x, packed, sz, ref, tol = _problem(m, n, k, group, torch.bfloat16)
     shifted = torch.empty(sz.numel() + 2, device="cuda", dtype=sz.dtype)[2:].view(sz.shape)
     shifted.copy_(sz)
-    assert shifted.data_ptr() % 16 == 4
-    for config in (CONFIGS[0], CONFIGS[5]):
-        out = torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
-        cw.run(cw.launcher(config), config, x, packed, shifted, group, out, stream())
-        assert excess(out, ref, tol) <= 1, config
+    assert sz.data_ptr() % 16 == 0 and shifted.data_ptr() % 16 == 4
+    for config in CONFIGS:
+        try:
+            cw.check_config(config, m, n, k, group)
+        except ValueError:
+            continue
+        fn = cw.launcher(config)
+        whole, partial = (torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
+                          for _ in range(2))  # fmt: skip
+        cw.run(fn, config, x, packed, sz, group, whole, stream())
+        cw.run(fn, config, x, packed, shifted, group, partial, stream())
+        torch.cuda.synchronize()
+        assert excess(whole, ref, tol) <= 1, config
+        assert torch.equal(whole, partial), config
 
 
 @pytest.mark.gpu

@@ -507,8 +507,9 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
 
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   const int n0 = (blockIdx.x / ranks) * cta_rows;
-  // the warp's first row; a warp of the last CTA may lie wholly past N: it copies nothing
-  // (no rows), from addresses in bounds (those of row 0)
+  // the warp's first row; a warp of the last CTA may lie wholly past N: its copies read in
+  // bounds (row 0's bytes; none at all in the build for partial blocks) and nothing of it is
+  // stored
   const int warp_n0 = SPLIT_ROWS ? n0 + warp * ROWS : n0;
   const bool live = warp_n0 < p.n;
   const int first_row = live ? warp_n0 / 64 * 64 : 0;  // of the warp's 64-row block
@@ -527,8 +528,9 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
   const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
-  Copier<NG, NT, FULL> copier(p, block, rows, offset, first_row + offset, first, step, lane, part_at,
-                        x_at, SPLIT_ROWS ? threadIdx.x : lane, SPLIT_ROWS ? blockDim.x : 32);
+  Copier<NG, NT, FULL> copier(p, block, rows, offset, first_row + offset, first, step, lane,
+                              part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
+                              SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
   // the kernel before this one on the stream has written x (and read out) once this returns
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -742,7 +744,7 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   const bool words_ok = group_ok && static_cast<long long>(n) * (k / group) < (1ll << 31);
   if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !words_ok || warps < 1 ||
       warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster > k / CHUNK || ldx % 8 ||
-      ldx * MAX_WARPS * 2 >= (1ll << 31) ||
+      ldx >= (1ll << 31) / (2 * MAX_WARPS) ||
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
     return static_cast<int>(cudaErrorInvalidValue);
