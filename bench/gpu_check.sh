@@ -91,8 +91,8 @@ for stage in "$@"; do
     gemv-ab)  # an A/B of whole runs, for a change w4a16_gemv.py --baseline cannot time (one that
       # moves the weight's layout): AB_TREE holds another version's tuner/ and bench/, e.g.
       # `git archive main tuner bench ':(exclude)bench/results' | tar -x -C ab_main` (a folder
-      # .git/info/exclude ignores, carried); its run and
-      # this tree's take GEMV_AB_ROUNDS (default 2) turns on this machine with GEMV_AB_ARGS
+      # .git/info/exclude ignores, carried); its run and this tree's take GEMV_AB_ROUNDS
+      # (default 2) turns on this machine with GEMV_AB_ARGS
       if [ ! -d "${AB_TREE:-}/tuner" ]; then
         echo "gemv-ab: AB_TREE='${AB_TREE:-}' holds no tuner/ (another version's tree)"; status=1
       else
