@@ -13,16 +13,17 @@ HAS_GPU = torch.cuda.is_available()
 
 
 def test_pack_places_each_k_of_a_chunk_as_documented() -> None:
-    """Byte b = 16 c + i of a 128-value chunk: k = 2c + (i & 1) + 8 ((i >> 1) & 7) low, k + 64
-    high; the chunk after it starts 64 bytes on; a tail past whole chunks pairs (2j, 2j + 1)."""
+    """Byte b = 16 c + i of a 128-value chunk: k = 2c + ((i >> 1) & 1) + 8 (i & 1) + 16 (i >> 2)
+    low, k + 64 high; the chunk after it starts 64 bytes on; a tail past whole chunks pairs
+    (2j, 2j + 1)."""
     k = int4.CHUNK * 2 + 4
     q = (torch.arange(k) % 15 + 1).to(torch.uint8)[None, :]  # no zero nibble
     packed = int4.pack(q)[0]
     for kk in range(k):
         chunk, r = divmod(kk, int4.CHUNK)
         if chunk < 2:
-            lane, odd, step, high = (r >> 1) & 3, r & 1, (r >> 3) & 7, r >> 6
-            byte, shift = 64 * chunk + 16 * lane + odd + 2 * step, 4 * high
+            lane, odd, eighth, word, high = (r >> 1) & 3, r & 1, (r >> 3) & 1, (r >> 4) & 3, r >> 6
+            byte, shift = 64 * chunk + 16 * lane + 4 * word + 2 * odd + eighth, 4 * high
         else:
             byte, shift = 128 + r // 2, 4 * (r % 2)
         assert (int(packed[byte]) >> shift) & 15 == int(q[0, kk]), kk

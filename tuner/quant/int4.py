@@ -12,12 +12,14 @@ rows stores, chunk after chunk, the chunk's [r rows x 64 bytes] contiguously (th
 as [r rows x tail bytes]). A block starts at byte 64 b * K / 2, as its first row would row by
 row; one K chunk of a whole block is one 4 KB run, which DRAM serves faster than 64 runs of 64
 bytes a row apart (``bench/w4a16_read_patterns.py``). Byte b of a row's chunk, with c = b // 16
-and i = b % 16, holds k = 2c + (i & 1) + 8 ((i >> 1) & 7) in its low nibble and k + 64 in its
-high nibble: the 16 bytes at 16c are the 32 values a thread with lane bits c holds of that row
-in the tensor cores' register-operand layout (pairs k, k + 1 with strides of 8), so one 16-byte
-load and in-register reshapes give the kernel its operand. A tail of K % 128 values (K even),
-which the kernel does not take, keeps k = 2j in the low and 2j + 1 in the high nibble of the
-row's tail byte j. torch's packer takes the even k in the high nibble of its bytes, so
+and i = b % 16, holds k = 2c + ((i >> 1) & 1) + 8 (i & 1) + 16 (i >> 2) in its low nibble and
+k + 64 in its high nibble: the 16 bytes at 16c are the 32 values a thread with lane bits c holds
+of that row in the tensor cores' register-operand layout, and in each 32-bit word the low
+nibbles of bytes 0 and 2 are an operand pair (k, k + 1), those of bytes 1 and 3 the pair
+(k + 8, k + 9): one masked OR of a word (or of it shifted by 4, 8, 12) makes a pair in k order,
+so one 16-byte load gives the kernel its operand with x in its own order. A tail of K % 128
+values (K even), which the kernel does not take, keeps k = 2j in the low and 2j + 1 in the high
+nibble of the row's tail byte j. torch's packer takes the even k in the high nibble of its bytes, so
 ``to_torch_int4pack`` reorders once.
 """
 
@@ -99,8 +101,8 @@ def dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int)
 
 
 # a chunk's [k6, k5, .., k0] bits (big-endian dims 2..8 of a [N, C, 2, .., 2] view) in byte
-# order: nibble (k6), then the byte's bits c1 c0 i3 i2 i1 i0 = k2 k1 k5 k4 k3 k0
-_TO_BYTES = (0, 1, 2, 6, 7, 3, 4, 5, 8)
+# order: nibble (k6), then the byte's bits c1 c0 i3 i2 i1 i0 = k2 k1 k5 k4 k0 k3
+_TO_BYTES = (0, 1, 2, 6, 7, 3, 4, 8, 5)
 _FROM_BYTES = tuple(_TO_BYTES.index(d) for d in range(9))
 
 

@@ -23,7 +23,8 @@
 // The weight is our packed layout (tuner/quant/int4.py): 64-row blocks, a block's K chunk one
 // contiguous [r rows x 64 bytes] run, and in each row's 64 bytes the 16 at 16 t hold the 32
 // values lane t of a quad owns in mma.m16n8k16's A fragment (k = 16 j + 2 t + {0, 1, 8, 9} for
-// the eight k16 blocks j: byte pairs of word j % 4, low nibbles for j < 4, high ones above).
+// the eight k16 blocks j: word j % 4, low nibbles for j < 4, high ones above; in a word, bytes
+// 0 and 2 hold k and k + 1, bytes 1 and 3 k + 8 and k + 9).
 // So a warp's 16-row slice of a chunk is 1 KB, and lane (g, t) needs the 16 bytes of rows g and
 // g + 8 at 16 t: the same bytes it copies. Scales and zeros: torch's [K / group, N, 2].
 //
@@ -214,12 +215,6 @@ __device__ __forceinline__ void ldmatrix4(uint32_t (&d)[4], uint32_t addr) {
                : "r"(addr));
 }
 
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
 __device__ __forceinline__ uint32_t lop_or_magic(uint32_t v, uint32_t magic) {
   uint32_t d;  // (v & 0x000f000f) | magic
   asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(d) : "r"(v), "n"(0x000f000f), "r"(magic));
@@ -392,11 +387,9 @@ struct Copier {
 // s * (dot - (magic + 8) * X) + z * X = s * dot + (z - (magic + 8) * s) * X, in fp32, where X
 // (x's sum over the group) comes from the same B fragments times ones.
 //
-// Which mma k label holds which value: a quad's lane t takes, in k16 block j (k = 16 j + ...),
-// the byte pairs (0, 2) and (1, 3) of its word j % 4 as the A pairs (2 t, 2 t + 1) and
-// (2 t + 8, 2 t + 9), i.e. true k (2 t, 2 t + 8) and (2 t + 1, 2 t + 9): one lop3 makes a pair
-// (the nibbles at bits 0 and 16), with no byte permute. x's fragments, loaded by ldmatrix in
-// true order, are permuted to match (two prmt a block, shared by every slice).
+// A quad's lane t takes, in k16 block j (k = 16 j + ...), the byte pairs (0, 2) and (1, 3) of
+// its word j % 4 as the A pairs (2 t, 2 t + 1) and (2 t + 8, 2 t + 9): one lop3 makes a pair
+// (the nibbles at bits 0 and 16) in k order, so x's fragments are ldmatrix's as they load.
 template <bool F16, int NG, int NT>
 __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t x_at, int lane,
                                         float (&acc)[SLICES][NT][4]) {
@@ -405,8 +398,9 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
   const int g = lane >> 2, t = lane & 3;
   const uint32_t sz_at = part + ROWS * 64;
   // x's B fragments for the chunk's eight k16 blocks, per n8 tile: ldmatrix x4 gives two
-  // blocks; lane i points at row i % 8 (of the tile) of matrix i / 8 (block 2 * (i / 16) + its
-  // half)
+  // blocks; lane i points at row i % 8 (of the tile) of matrix i / 8 (block j + i / 16, its k
+  // half (i / 8) % 2), so the four registers are blocks j and j + 1's (x[2 t, 2 t + 1],
+  // x[2 t + 8, 2 t + 9]) of row g
   uint32_t b[NT][8][2];
   const int mat = lane >> 3;
 #pragma unroll
@@ -416,11 +410,10 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
     for (int j = 0; j < 8; j += 2) {
       uint32_t d[4];
       ldmatrix4(d, x_at + row * XROW + (16 * (j + (mat >> 1)) + 8 * (mat & 1)) * 2);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        b[n8][j + h][0] = prmt(d[2 * h], d[2 * h + 1], 0x5410);  // x[2 t], x[2 t + 8]
-        b[n8][j + h][1] = prmt(d[2 * h], d[2 * h + 1], 0x7632);  // x[2 t + 1], x[2 t + 9]
-      }
+      b[n8][j][0] = d[0];
+      b[n8][j][1] = d[1];
+      b[n8][j + 1][0] = d[2];
+      b[n8][j + 1][1] = d[3];
     }
   }
   // X: x's sum over each group, for the columns 2 t, 2 t + 1 of each n8 tile

@@ -5,8 +5,9 @@ values (64 bytes of a row), tile-major (one chunk of a 64-row block is one conti
 so a [BN, 128] weight tile is one run or BN / 64 of them; hence BN divides 64 or is a multiple
 of it), permuted inside each chunk so that the 16 bytes a thread loads are the 32 values it
 owns in Hopper's wgmma register-operand layout (the same per-warp fragment as Ampere's mma,
-where the kernel also runs): after the in-register reshapes below, the dequantized tile needs
-no trip through shared memory and no shuffle before the tensor cores take it. ``scales_and_zeros`` is torch's [K / group, N, 2].
+where the kernel also runs): after the reshapes below the dequantized tile is in the
+operand's order (how Triton lowers them, in registers or through shared memory, is its choice:
+check the SASS for ``STS`` of the weight). ``scales_and_zeros`` is torch's [K / group, N, 2].
 
 The kernel computes out.T = W x.T: the dequantized [BN, BK] weight tile is the dot's first
 operand, which wgmma takes from registers; x's [BM, BK] tiles are the second, so BM (activation
@@ -68,7 +69,8 @@ CHUNK_K: tl.constexpr = tl.constexpr(CHUNK)
 
 # lo, hi = 16-bit floats (magic + low nibble, magic + high nibble) of each byte, elementwise, so
 # the result does not depend on which 4 bytes Triton packs into one register; each output
-# register holds a pair of neighbouring values, as the packed ops and the tensor cores take them
+# register holds the values of two neighbouring bytes (k and k + 8 in our layout), and the
+# permute in ``_weight_tile`` puts them in k order for the packed ops and the tensor cores
 _VALUES_PTX = """{
 .reg .b32 t, u;
 prmt.b32 t, $4, 0, 0x4140;
@@ -113,9 +115,9 @@ def _weight_tile(w_ptr, sz_ptr, n0, k0, N, half, dtype: tl.constexpr, BN: tl.con
 
     Tile-major layout (``int4.pack``): block b of r rows starts at byte 64 b * half and holds
     chunk c of its row i at 64 (c r + i). A chunk's byte b (0..63) holds, for c = b // 16 and
-    i = b % 16, the values at k = 2c + (i & 1) + 8 ((i >> 1) & 7) in its low nibble and k + 64
-    in its high one: unpacked as [byte, nibble] the k bits come out in the order (k6, k0, k3,
-    k4, k5, k1, k2) from the lowest; the permute puts them back to (k0 .. k6)."""
+    i = b % 16, the values at k = 2c + ((i >> 1) & 1) + 8 (i & 1) + 16 (i >> 2) in its low
+    nibble and k + 64 in its high one: unpacked as [byte, nibble] the k bits come out in the
+    order (k6, k3, k0, k4, k5, k1, k2) from the lowest; the permute puts them back to (k0 .. k6)."""
     rl = tl.arange(0, BN)
     rows = rl[:, None] < N - n0
     chunk = k0 // CHUNK_K
@@ -133,7 +135,7 @@ def _weight_tile(w_ptr, sz_ptr, n0, k0, N, half, dtype: tl.constexpr, BN: tl.con
     b = tl.load(w_ptr + base + offs, mask=rows, other=0)
     lo, hi = _values(b, dtype, INTERPRET)
     v = tl.join(lo, hi).reshape(BN, 2, 2, 2, 2, 2, 2, 2)
-    v = v.permute(0, 7, 3, 4, 5, 1, 2, 6).reshape(BN, CHUNK_K)
+    v = v.permute(0, 7, 3, 4, 6, 1, 2, 5).reshape(BN, CHUNK_K)
     offset = tl.full((), 136.0 if dtype == tl.bfloat16 else 1032.0, v.dtype)  # magic + 8
     NG: tl.constexpr = CHUNK_K // GROUP if CHUNK_K > GROUP else 1  # groups in the tile
     # each (scale, zero) pair as one 32-bit word: 4-byte loads, which Triton's pipeliner copies
