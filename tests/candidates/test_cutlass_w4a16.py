@@ -491,7 +491,8 @@ def test_scheduler_arguments_keep_the_result_and_repeat_it_bit_for_bit(
     """The stream-K kernel of GPU_CASES under each decomposition: every element written, within
     the numerics gate, and the same bits on every call (partial tiles summed in a fixed order)."""
     key = _key("int4-g64", 200, "f16")
-    run = source.build(key, {**w4.shortlist(key)[2], **runtime})
+    assert w4.shortlist(key)[3]["scheduler"] == "streamk"
+    run = source.build(key, {**w4.shortlist(key)[3], **runtime})
     inputs = samples.make_inputs(key, "cuda", torch.Generator("cuda").manual_seed(7))
     first = samples.output_like(key, inputs).fill_(float("nan"))
     run(*inputs, out=first)
