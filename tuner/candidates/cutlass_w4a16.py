@@ -28,10 +28,6 @@ instructions. ``reorder`` makes that layout from A's bytes with one permute (the
 reorder atom is defined in the wrapper: CUTLASS keeps it in a utility header that needs
 cuRAND's); it is memoised apart from the row-major bytes, N * K / 2 bytes per weight for each
 layout a runner has read. Not offered: group size 32 (groups must be a multiple of the tile's K).
-
-``kernel="ws_splitk"`` is the generator's ws kernel (one CTA per tile) with two consumer
-warpgroups that split the tile's K between them (``cuda_kernels/cutlass_w4a16_splitk.hpp``): for
-narrow projections, whose few tiles leave SMs idle while one warpgroup per CTA dequantizes.
 """
 
 from __future__ import annotations
@@ -57,10 +53,7 @@ from tuner.quant import int4_torch
 
 TILE_K = 64  # 16-bit activations: 128 bytes of K per tile, the generator's only choice
 GROUPS = (64, 128, 256)  # the key's groups that are multiples of TILE_K
-KERNELS = ("ws", "coop", "pingpong", "ws_splitk")  # the generator's TMA mainloops, and ours
-# ws_splitk's spec.kernel: a name CUTLASS does not use, built on the ws schedule's operation
-SPLIT_K_KERNEL = "TmaWarpSpecializedSplitK2"
-SPLIT_K_HEADER = Path(__file__).parent / "cuda_kernels" / "cutlass_w4a16_splitk.hpp"
+KERNELS = ("ws", "coop", "pingpong")  # the TMA mainloops the mixed-dtype generator lists
 ALIGN = 16  # bytes: every operand goes through TMA
 SMALL_M, MEDIUM_M = 128, 512  # shortlist classes by M (the activations' rows)
 GENERATOR_CUDA = "13.0"  # the toolkit the generator lists kernels for: the GPU image's nvcc
@@ -119,10 +112,10 @@ def scheduler_args(params: Params) -> Scheduler:
             f"cutlass_w4a16 param 'decomposition'={decomposition!r} needs scheduler 'streamk', "
             f"got {params.get('scheduler')!r}"
         )
-    if raster != "heuristic" and params.get("kernel") in ("ws", "ws_splitk"):
+    if raster != "heuristic" and params.get("kernel") == "ws":
         raise ValueError(
-            f"cutlass_w4a16 param 'raster'={raster!r}: the {params['kernel']!r} kernel is not "
-            "persistent (one CTA per tile, no raster order); allowed there: 'heuristic'"
+            f"cutlass_w4a16 param 'raster'={raster!r}: the 'ws' kernel is not persistent (one CTA "
+            "per tile, no raster order); allowed there: 'heuristic'"
         )
     return Scheduler(
         int(params.get("swizzle", 1)), splits, DECOMPOSITIONS.index(decomposition),
@@ -174,15 +167,13 @@ SMALL = [
 # M up to MEDIUM_M. A mixed-input CTA spends most of its time dequantizing its weight tile, so
 # the list opens with 64 weight rows by 256 rows of x (each weight element dequantized once up
 # to M = 256) on the one-consumer mainloop (a second consumer would have no second tile on the
-# narrow projections); its twin whose second consumer warpgroup takes half of each tile's K
-# (where the tiles are too few to fill the SMs); then 64 x 128 pingpong (twice the tiles, for N
-# that leaves SMs idle) and cooperative stream-K (K spread over the SMs where the tiles are few).
-# Splitting K over CTAs (the scheduler's "splitk" decomposition) costs each extra unit more than
-# the K steps it saves at these sizes, so no such variant is listed. The tuner times them all: the
-# list is not filtered by N.
+# narrow projections); then 64 x 128 pingpong (twice the tiles, for N that leaves SMs idle) and
+# cooperative stream-K (K spread over the SMs where the tiles are few). Splitting K further (the
+# scheduler's "splitk" decomposition) costs each extra unit more than the K steps it saves at
+# these sizes, so no split-K variant is listed. The tuner times them all: the list is not
+# filtered by N.
 MEDIUM = [
     _p(64, 256, (2, 1), "ws"),
-    _p(64, 256, (2, 1), "ws_splitk"),
     _p(64, 128, (2, 1), "pingpong"),
     _p(128, 256, (2, 1), "coop", "streamk"),
     _p(128, 128, (2, 1), "coop", "streamk"),
@@ -222,15 +213,7 @@ def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
             f"unknown cutlass_w4a16 params {sorted(unknown)}; allowed: "
             f"{[*cutlass_gemm.PARAM_NAMES, *own]}"
         )
-    if params.get("kernel") not in KERNELS:
-        raise ValueError(
-            f"cutlass_w4a16 param 'kernel' must be one of {list(KERNELS)}, got "
-            f"{params.get('kernel')!r}"
-        )
-    generated = {k: v for k, v in params.items() if k not in own}
-    if params["kernel"] == "ws_splitk":
-        generated["kernel"] = "ws"  # its tile, cluster and schedules are the ws kernel's
-    cutlass_gemm.check_params(generated)
+    cutlass_gemm.check_params({k: v for k, v in params.items() if k not in own})
     a_layout = params.get("a_layout", "")
     if a_layout and a_layout not in A_LAYOUTS:
         raise ValueError(
@@ -242,6 +225,10 @@ def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
             f"cutlass_w4a16 param 'a_layout'={a_layout!r} needs N in 16s (its atoms), got N={key.n}"
         )
     scheduler_args(params)
+    if params["kernel"] not in KERNELS:
+        raise ValueError(
+            f"cutlass_w4a16 param 'kernel' must be one of {list(KERNELS)}, got {params['kernel']!r}"
+        )
     if params["epilogue"] != "tma":
         raise ValueError(
             f"cutlass_w4a16 param 'epilogue' must be 'tma' (the generator's only one), got "
@@ -254,9 +241,7 @@ def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
         align_c=ALIGN // key.itemsize,
         tile=tuple(params["tile"]),
         cluster=tuple(params["cluster"]),
-        kernel=SPLIT_K_KERNEL
-        if params["kernel"] == "ws_splitk"
-        else cutlass_gemm.KERNELS[params["kernel"]],
+        kernel=cutlass_gemm.KERNELS[params["kernel"]],
         epilogue="tma",
         scheduler=cutlass_gemm.SCHEDULERS[params["scheduler"]],
         wdtype="int4",
@@ -290,14 +275,13 @@ def operation(spec: env.KernelSpec) -> Any:
     import cutlass_library as cl
 
     element = {"bf16": cl.DataType.bf16, "f16": cl.DataType.f16}.get(spec.dtype)
-    schedule = cutlass_gemm.KERNELS["ws"] if spec.kernel == SPLIT_K_KERNEL else spec.kernel
     for op in _operations():
         td = op.tile_description
         if (
             op.B.element == element
             and tuple(td.threadblock_shape) == spec.tile
             and tuple(td.cluster_shape)[:2] == spec.cluster
-            and op.kernel_schedule.name == schedule
+            and op.kernel_schedule.name == spec.kernel
             and op.tile_scheduler.name == spec.scheduler
             and op.B.alignment == spec.align_ab
             and op.C.alignment == spec.align_c
@@ -547,13 +531,9 @@ REORDERED_DIGEST = hashlib.sha1((_REORDER_ATOM + _REORDERED_STRIDE).encode()).he
 
 
 def wrapper_fields(spec: env.KernelSpec) -> dict[str, str]:
-    """The digests of the C++ besides cutlass_library's that ``spec``'s library is built with."""
+    """The digests of the host C++ that ``spec``'s library is built with."""
     fields = {"wrapper": WRAPPER_DIGEST}
-    if spec.a_layout:
-        fields["reordered"] = REORDERED_DIGEST
-    if spec.kernel == SPLIT_K_KERNEL:
-        fields["splitk"] = hashlib.sha1(SPLIT_K_HEADER.read_bytes()).hexdigest()[:12]
-    return fields
+    return {**fields, "reordered": REORDERED_DIGEST} if spec.a_layout else fields
 
 
 def source(spec: env.KernelSpec) -> str:
@@ -563,14 +543,10 @@ def source(spec: env.KernelSpec) -> str:
     op = operation(spec)
     emitter = EmitGemmUniversal3xInstance()
     kernel = "".join(f'#include "{h}"\n' for h in emitter.includes)
-    emitted = emitter.emit(op)
-    if spec.kernel == SPLIT_K_KERNEL:
-        kernel += SPLIT_K_HEADER.read_text()
-        emitted = emitted.replace("cutlass::gemm::kernel::GemmUniversal<", "tuner::GemmSplitK2<")
     if spec.a_layout:
-        kernel += _REORDER_ATOM + emitted + _REORDERED_STRIDE
+        kernel += _REORDER_ATOM + emitter.emit(op) + _REORDERED_STRIDE
     else:
-        kernel += emitted
+        kernel += emitter.emit(op)
     return _WRAPPER.replace("${kernel}", kernel).replace("${name}", op.procedural_name())
 
 
