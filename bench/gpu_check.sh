@@ -19,6 +19,9 @@
 #   journal, tunableop_results0.csv; TUNEALL_TIME_LIMIT, TUNEALL_RESUME_FROM, TUNEALL_ARGS).
 #   w4a16-prefill (bench/w4a16_prefill.py: INT4 Triton and CUTLASS configs beside bf16 cuBLAS at M >= 256
 #   -> $OUT/w4a16_prefill.json, .log; W4A16_PREFILL_ARGS="--m 256 --sweep", W4A16_PREFILL_TIMEOUT).
+#   w4a16-streamk (bench/w4a16_streamk.py: the stream-K ws kernel by cluster and grid size beside ws
+#   -> $OUT/w4a16_streamk.json, .log; W4A16_STREAMK_ARGS="--ops qkv o --sms 132 66", W4A16_STREAMK_TIMEOUT).
+#   streamk-ncu (the same under Nsight Compute, --profile -> $OUT/streamk_ncu.log; STREAMK_NCU_ARGS).
 #   fp8-prefill (bench/fp8_prefill.py: every FP8 source's configs beside _scaled_mm and bf16 cuBLAS at
 #   M = 2048 -> $OUT/fp8_prefill.json, .log, fp8_prefill_cutlass_cache.tar.xz; FP8_PREFILL_ARGS="--sweep",
 #   FP8_PREFILL_TIMEOUT).
@@ -122,6 +125,12 @@ for stage in "$@"; do
       tar cJf "$OUT/lowbit_cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work . || status=1 ;;
     int4-layouts) timeout -k 20 "${INT4_LAYOUTS_TIMEOUT:-120}" python3 -m bench.int4_layouts --out "$OUT/int4_layouts.json" 2>&1 | tee "$OUT/int4_layouts.log" || status=1 ;;
     lowbit-kernels) timeout -k 20 "${LOWBIT_KERNELS_TIMEOUT:-400}" python3 bench/lowbit_kernels.py --out "$OUT/lowbit_kernels.json" ${LOWBIT_KERNELS_ARGS:-} 2>&1 | tee "$OUT/lowbit_kernels.log" || status=1 ;;
+    w4a16-streamk) timeout -k 20 "${W4A16_STREAMK_TIMEOUT:-200}" python3 bench/w4a16_streamk.py --out "$OUT/w4a16_streamk.json" ${W4A16_STREAMK_ARGS:-} 2>&1 | tee "$OUT/w4a16_streamk.log" || status=1 ;;
+    streamk-ncu)  # Nsight Compute sections of the ws kernel and the stream-K ws kernels (Qwen qkv, M = 256)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      timeout -k 20 "${STREAMK_NCU_TIMEOUT:-200}" "$NCU" --clock-control none --kernel-name regex:device_kernel \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section SourceCounters \
+        python3 bench/w4a16_streamk.py --out "$OUT/streamk_ncu.json" --profile ${STREAMK_NCU_ARGS:---ops qkv --sms 132} 2>&1 | tee "$OUT/streamk_ncu.log" || status=1 ;;
     w4a16-prefill) timeout -k 20 "${W4A16_PREFILL_TIMEOUT:-250}" python3 bench/w4a16_prefill.py --out "$OUT/w4a16_prefill.json" ${W4A16_PREFILL_ARGS:-} 2>&1 | tee "$OUT/w4a16_prefill.log" || status=1 ;;
     fp8-prefill) timeout -k 20 "${FP8_PREFILL_TIMEOUT:-250}" python3 bench/fp8_prefill.py --out "$OUT/fp8_prefill.json" ${FP8_PREFILL_ARGS:-} 2>&1 | tee "$OUT/fp8_prefill.log" || status=1
       tar cJf "$OUT/fp8_prefill_cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work . || status=1 ;;

@@ -101,6 +101,21 @@ def test_bad_params_name_the_field() -> None:
 
 
 STREAM_K = w4._p(128, 256, (2, 1), "coop", "streamk")
+WS_STREAM_K = w4._p(64, 256, (2, 1), "ws_streamk")  # MEDIUM's
+
+
+def test_the_stream_k_ws_kernel_is_a_kernel_of_its_own() -> None:
+    """``ws_streamk``: the ws kernel's tile and mainloop under our own name, its header's digest
+    in its spec's, so that a change to the header addresses new libraries."""
+    key = key_of("int4-g128", 256)
+    assert WS_STREAM_K in w4.MEDIUM
+    spec = w4.kernel_spec(key, WS_STREAM_K)
+    assert (spec.kernel, spec.cluster, spec.tile) == (w4.STREAM_K_KERNEL, (2, 1), (64, 256, 64))
+    ws = w4.kernel_spec(key, w4.MEDIUM[0])
+    assert spec != ws and ws.cluster == spec.cluster
+    assert w4.kernel_spec(key, {**WS_STREAM_K, "cluster": [1, 1]}) != spec
+    assert set(w4.wrapper_fields(spec)) == {"wrapper", "reordered", "streamk"}
+    assert set(w4.wrapper_fields(ws)) == {"wrapper", "reordered"}
 
 
 @pytest.mark.parametrize(
@@ -115,6 +130,9 @@ STREAM_K = w4._p(128, 256, (2, 1), "coop", "streamk")
         ({**STREAM_K, "splits": 2}, r"'splits'=2 and 'decomposition'='heuristic'"),
         ({**w4.MEDIUM[0], "decomposition": "streamk"}, "needs scheduler 'streamk', got 'default'"),
         ({**w4.MEDIUM[0], "raster": "x"}, "the 'ws' kernel is not persistent"),
+        ({**WS_STREAM_K, "raster": "x"}, "the 'ws_streamk' kernel takes the steps in its own"),
+        ({**WS_STREAM_K, "cluster": [1, 2]}, r"'cluster' must be one of \[\[1, 1\], \[2, 1\]"),
+        ({**WS_STREAM_K, "scheduler": "streamk"}, "'scheduler' must be 'default' for kernel 'ws_"),
         (
             {**STREAM_K, "reduction": "nondeterministic"},
             r"unknown cutlass_w4a16 params \['reduction'\]; allowed: \[.*'splits', 'decomposition'",
@@ -181,6 +199,22 @@ def test_every_shortlisted_kernel_is_one_the_generator_lists(dtype: str) -> None
     assert not w4.in_library(odd)
     with pytest.raises(LookupError, match="lists no SM90 int4 GEMM"):
         w4.source(odd)
+
+
+@needs_library
+def test_the_stream_k_source_renames_the_ws_kernel_and_sets_its_cluster() -> None:
+    spec = w4.kernel_spec(key_of("int4-g128", 256), WS_STREAM_K)
+    text = w4.source(spec)
+    name = w4.operation(spec).procedural_name()
+    assert "_2x1x1_" in name and w4.operation(spec).kernel_schedule.name == "TmaWarpSpecialized"
+    base = "cutlass::gemm::kernel::GemmUniversal<"  # only in the header: the emitted kernel's
+    assert "tuner::GemmStreamK1<" in text
+    assert text.count(base) == w4.STREAM_K_HEADER.read_text().count(base)
+    assert "cute::Shape<cute::_2, cute::_1, cute::_1>" in text
+    one = w4.kernel_spec(key_of("int4-g128", 256), {**WS_STREAM_K, "cluster": [1, 1]})
+    assert "_1x1x1_" in w4.operation(one).procedural_name()  # the listed 2 x 1 op, made 1 x 1
+    assert "cute::Shape<cute::_1, cute::_1, cute::_1>" in w4.source(one)
+    assert w4.in_library(spec) and w4.in_library(one)
 
 
 @needs_library
@@ -331,6 +365,11 @@ def source() -> w4.CutlassW4A16:
     cases = [(_key(fmt, m, dtype), index, rows) for fmt, m, index, dtype, rows in GPU_CASES]
     specs = [w4.kernel_spec(key, _params(key, index, rows)) for key, index, rows in cases]
     specs.append(w4.kernel_spec(_key("int4-g128", 256), w4.MEDIUM[0]))  # reordered, beside it
+    specs += [
+        w4.kernel_spec(_key("int4-g128", 256, d), {**WS_STREAM_K, "cluster": c})
+        for d in ("bf16", "f16")
+        for c in ([2, 1], [1, 1])
+    ]
     assert cutlass_env.compile_all(specs) == dict.fromkeys(specs)
     return source
 
@@ -436,6 +475,43 @@ def test_activations_it_cannot_take_are_refused_with_the_reason(source: w4.Cutla
     with pytest.raises(ValueError, match=r"with scales \[4, .*group=128"):
         run(x, packed, sz[:4].contiguous())  # half the groups of K
     assert samples.relative_error(run(x, packed, sz), samples.reference(key, (x, packed, sz))) <= 1
+
+
+# (fmt, m, n, k, dtype): a tile split over up to 16 CTAs (fewer steps than SMs), a partial tile
+# of x in f16, a narrow projection's shape (72 tiles of 56 steps on every SM), and whole tiles
+# between a CTA's partial ones (several stores a CTA)
+WS_STREAM_K_CASES = [
+    ("int4-g128", 256, 384, 1024, "bf16"),
+    ("int4-g64", 200, 384, 1024, "f16"),
+    ("int4-g128", 256, 4608, 3584, "bf16"),
+    ("int4-g128", 300, 8192, 1024, "bf16"),
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("cluster", [[2, 1], [1, 1]])
+@pytest.mark.parametrize(("fmt", "m", "n", "k", "dtype"), WS_STREAM_K_CASES)
+def test_the_stream_k_ws_kernel_sums_split_tiles_right_and_bit_for_bit(
+    source: w4.CutlassW4A16, fmt: str, m: int, n: int, k: int, dtype: str, cluster: list[int]
+) -> None:
+    """Every element written, within the numerics gate, the same bits on every call (partials
+    summed in CTA order; the owners reset the flags the next call counts on), and a planted
+    wrong weight caught."""
+    key = key_of(fmt, m, n=n, k=k, dtype=dtype)
+    run = source.build(key, {**WS_STREAM_K, "cluster": cluster})
+    inputs = samples.make_inputs(key, "cuda", torch.Generator("cuda").manual_seed(9))
+    ref = samples.reference(key, inputs)
+    first = samples.output_like(key, inputs).fill_(float("nan"))
+    assert run(*inputs, out=first) is first
+    assert samples.relative_error(first, ref) <= 1
+    for _ in range(3):
+        assert torch.equal(run(*inputs), first)
+    x, packed, sz = inputs
+    q = int4_torch.nibbles(packed)
+    swapped = int4_torch.torch_pack(q.reshape(key.n, -1, 2).flip(-1).reshape(key.n, key.k))
+    assert samples.relative_error(run(x, swapped, sz), ref) > 1
+    assert torch.equal(run(*inputs), first)
 
 
 @pytest.mark.gpu

@@ -28,10 +28,18 @@ instructions. ``reorder`` makes that layout from A's bytes with one permute (the
 reorder atom is defined in the wrapper: CUTLASS keeps it in a utility header that needs
 cuRAND's); it is memoised apart from the row-major bytes, N * K / 2 bytes per weight for each
 layout a runner has read. Not offered: group size 32 (groups must be a multiple of the tile's K).
+
+``kernel="ws_streamk"`` is the generator's ws kernel (one consumer warpgroup, 64-row tiles) made
+persistent and stream-K (``cuda_kernels/cutlass_w4a16_streamk.hpp``): one CTA an SM shares out
+every tile's K steps, so a narrow projection, whose tiles are fewer than the SMs, still fills the
+GPU. CUTLASS offers stream-K only on its cooperative kernel, whose 128-row tiles halve the tiles
+again. Its cluster is 1 x 1; its workspace (a flag per tile, a partial tile per CTA) is zeroed
+once, when a launcher makes it.
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import hashlib
@@ -53,7 +61,11 @@ from tuner.quant import int4_torch
 
 TILE_K = 64  # 16-bit activations: 128 bytes of K per tile, the generator's only choice
 GROUPS = (64, 128, 256)  # the key's groups that are multiples of TILE_K
-KERNELS = ("ws", "coop", "pingpong")  # the TMA mainloops the mixed-dtype generator lists
+KERNELS = ("ws", "coop", "pingpong", "ws_streamk")  # the generator's TMA mainloops, and ours
+# ws_streamk's spec.kernel (a name CUTLASS does not use): the ws kernel's code, made stream-K
+STREAM_K_KERNEL = "TmaWarpSpecializedStreamK1"
+STREAM_K_HEADER = Path(__file__).parent / "cuda_kernels" / "cutlass_w4a16_streamk.hpp"
+STREAM_K_CLUSTERS = [[1, 1], [2, 1], [4, 1]]
 ALIGN = 16  # bytes: every operand goes through TMA
 SMALL_M, MEDIUM_M = 128, 512  # shortlist classes by M (the activations' rows)
 GENERATOR_CUDA = "13.0"  # the toolkit the generator lists kernels for: the GPU image's nvcc
@@ -117,6 +129,11 @@ def scheduler_args(params: Params) -> Scheduler:
             f"cutlass_w4a16 param 'raster'={raster!r}: the 'ws' kernel is not persistent (one CTA "
             "per tile, no raster order); allowed there: 'heuristic'"
         )
+    if raster != "heuristic" and params.get("kernel") == "ws_streamk":
+        raise ValueError(
+            f"cutlass_w4a16 param 'raster'={raster!r}: the 'ws_streamk' kernel takes the steps "
+            "in its own order; allowed there: 'heuristic'"
+        )
     return Scheduler(
         int(params.get("swizzle", 1)), splits, DECOMPOSITIONS.index(decomposition),
         RASTERS.index(raster),
@@ -167,16 +184,18 @@ SMALL = [
 # M up to MEDIUM_M. A mixed-input CTA spends most of its time dequantizing its weight tile, so
 # the list opens with 64 weight rows by 256 rows of x (each weight element dequantized once up
 # to M = 256) on the one-consumer mainloop (a second consumer would have no second tile on the
-# narrow projections); then 64 x 128 pingpong (twice the tiles, for N that leaves SMs idle) and
-# cooperative stream-K (K spread over the SMs where the tiles are few). Splitting K further (the
-# scheduler's "splitk" decomposition) costs each extra unit more than the K steps it saves at
-# these sizes, so no split-K variant is listed. The tuner times them all: the list is not
-# filtered by N.
+# narrow projections); then 64 x 128 pingpong (twice the tiles, for N that leaves SMs idle),
+# cooperative stream-K (K spread over the SMs where the tiles are few) and our stream-K ws kernel
+# (the same 64 x 256 CTAs as ws, every SM busy however few the tiles). Splitting K over CTAs of
+# CUTLASS's kernels (the scheduler's "splitk" decomposition) costs each extra unit more than the
+# K steps it saves at these sizes, so no such variant is listed. The tuner times them all: the
+# list is not filtered by N.
 MEDIUM = [
     _p(64, 256, (2, 1), "ws"),
     _p(64, 128, (2, 1), "pingpong"),
     _p(128, 256, (2, 1), "coop", "streamk"),
     _p(128, 128, (2, 1), "coop", "streamk"),
+    _p(64, 256, (2, 1), "ws_streamk"),
 ]
 LARGE = [
     _p(128, 256, (1, 2), "coop"),
@@ -213,7 +232,25 @@ def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
             f"unknown cutlass_w4a16 params {sorted(unknown)}; allowed: "
             f"{[*cutlass_gemm.PARAM_NAMES, *own]}"
         )
-    cutlass_gemm.check_params({k: v for k, v in params.items() if k not in own})
+    if params.get("kernel") not in KERNELS:
+        raise ValueError(
+            f"cutlass_w4a16 param 'kernel' must be one of {list(KERNELS)}, got "
+            f"{params.get('kernel')!r}"
+        )
+    streamk = params["kernel"] == "ws_streamk"
+    generated = {k: v for k, v in params.items() if k not in own}
+    cutlass_gemm.check_params({**generated, "kernel": "ws"} if streamk else generated)
+    if streamk and list(params["cluster"]) not in STREAM_K_CLUSTERS:
+        raise ValueError(
+            f"cutlass_w4a16 param 'cluster' must be one of {STREAM_K_CLUSTERS} for kernel "
+            f"'ws_streamk' (a cluster's CTAs share x's tile, along the weight's rows), got "
+            f"{params['cluster']!r}"
+        )
+    if streamk and params["scheduler"] != "default":
+        raise ValueError(
+            f"cutlass_w4a16 param 'scheduler' must be 'default' for kernel 'ws_streamk' (it "
+            f"shares out its steps itself), got {params['scheduler']!r}"
+        )
     a_layout = params.get("a_layout", "")
     if a_layout and a_layout not in A_LAYOUTS:
         raise ValueError(
@@ -225,10 +262,6 @@ def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
             f"cutlass_w4a16 param 'a_layout'={a_layout!r} needs N in 16s (its atoms), got N={key.n}"
         )
     scheduler_args(params)
-    if params["kernel"] not in KERNELS:
-        raise ValueError(
-            f"cutlass_w4a16 param 'kernel' must be one of {list(KERNELS)}, got {params['kernel']!r}"
-        )
     if params["epilogue"] != "tma":
         raise ValueError(
             f"cutlass_w4a16 param 'epilogue' must be 'tma' (the generator's only one), got "
@@ -241,7 +274,7 @@ def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
         align_c=ALIGN // key.itemsize,
         tile=tuple(params["tile"]),
         cluster=tuple(params["cluster"]),
-        kernel=cutlass_gemm.KERNELS[params["kernel"]],
+        kernel=STREAM_K_KERNEL if streamk else cutlass_gemm.KERNELS[params["kernel"]],
         epilogue="tma",
         scheduler=cutlass_gemm.SCHEDULERS[params["scheduler"]],
         wdtype="int4",
@@ -271,22 +304,29 @@ def _operations() -> tuple[Any, ...]:
 
 
 def operation(spec: env.KernelSpec) -> Any:
-    """cutlass_library's operation for ``spec``; LookupError if the generator lists none."""
+    """cutlass_library's operation for ``spec``; LookupError if the generator lists none. A
+    stream-K spec's is the ws kernel's of its tile, whatever the listed cluster, set to 1 x 1."""
     import cutlass_library as cl
 
     element = {"bf16": cl.DataType.bf16, "f16": cl.DataType.f16}.get(spec.dtype)
+    streamk = spec.kernel == STREAM_K_KERNEL
+    schedule = cutlass_gemm.KERNELS["ws"] if streamk else spec.kernel
     for op in _operations():
         td = op.tile_description
         if (
             op.B.element == element
             and tuple(td.threadblock_shape) == spec.tile
-            and tuple(td.cluster_shape)[:2] == spec.cluster
-            and op.kernel_schedule.name == spec.kernel
+            and (streamk or tuple(td.cluster_shape)[:2] == spec.cluster)
+            and op.kernel_schedule.name == schedule
             and op.tile_scheduler.name == spec.scheduler
             and op.B.alignment == spec.align_ab
             and op.C.alignment == spec.align_c
             and op.mixed_input_shuffle == (spec.a_layout == "reordered")
         ):
+            if streamk:
+                op = copy.deepcopy(op)
+                op.tile_description.cluster_shape = [*spec.cluster, 1]
+                op.__dict__.pop("_procedural_name", None)  # cached from the listed cluster
             return op
     raise LookupError(f"cutlass_library {env.version()} lists no SM90 int4 GEMM for {spec}")
 
@@ -531,9 +571,13 @@ REORDERED_DIGEST = hashlib.sha1((_REORDER_ATOM + _REORDERED_STRIDE).encode()).he
 
 
 def wrapper_fields(spec: env.KernelSpec) -> dict[str, str]:
-    """The digests of the host C++ that ``spec``'s library is built with."""
+    """The digests of the C++ besides cutlass_library's that ``spec``'s library is built with."""
     fields = {"wrapper": WRAPPER_DIGEST}
-    return {**fields, "reordered": REORDERED_DIGEST} if spec.a_layout else fields
+    if spec.a_layout:
+        fields["reordered"] = REORDERED_DIGEST
+    if spec.kernel == STREAM_K_KERNEL:
+        fields["streamk"] = hashlib.sha1(STREAM_K_HEADER.read_bytes()).hexdigest()[:12]
+    return fields
 
 
 def source(spec: env.KernelSpec) -> str:
@@ -543,10 +587,14 @@ def source(spec: env.KernelSpec) -> str:
     op = operation(spec)
     emitter = EmitGemmUniversal3xInstance()
     kernel = "".join(f'#include "{h}"\n' for h in emitter.includes)
+    emitted = emitter.emit(op)
+    if spec.kernel == STREAM_K_KERNEL:
+        kernel += STREAM_K_HEADER.read_text()
+        emitted = emitted.replace("cutlass::gemm::kernel::GemmUniversal<", "tuner::GemmStreamK1<")
     if spec.a_layout:
-        kernel += _REORDER_ATOM + emitter.emit(op) + _REORDERED_STRIDE
+        kernel += _REORDER_ATOM + emitted + _REORDERED_STRIDE
     else:
-        kernel += emitter.emit(op)
+        kernel += emitted
     return _WRAPPER.replace("${kernel}", kernel).replace("${name}", op.procedural_name())
 
 
@@ -649,7 +697,15 @@ scales: TensorMemo[tuple[torch.Tensor, torch.Tensor]] = TensorMemo(split_scales)
 class W4A16Launcher:
     """``(x, packed, scales_and_zeros, out=None)`` through one compiled library for one key."""
 
-    def __init__(self, library: Path, key: GemmKey, options: Options, device: torch.device) -> None:
+    def __init__(
+        self,
+        library: Path,
+        key: GemmKey,
+        options: Options,
+        device: torch.device,
+        sms: int | None = None,
+    ) -> None:
+        """``sms``: the SMs a persistent kernel's grid fills (default: the device's)."""
         lib = ctypes.CDLL(str(library))
         lib.tuner_plan_create.restype = ctypes.c_void_p
         lib.tuner_plan_create.argtypes = [ctypes.c_int] * 11 + [ctypes.c_void_p]
@@ -663,7 +719,7 @@ class W4A16Launcher:
         size = ctypes.c_size_t()
         self.lib, self.key, self.device, self.scheduler = lib, key, device, options.scheduler
         self.weight = reordered_weight if options.reordered else weight
-        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.sms = sms or torch.cuda.get_device_properties(device).multi_processor_count
         self.problem = (key.m, key.n, key.k, key.group, *self.scheduler, device.index, self.sms)
         lib.tuner_workspace_size(*self.problem, ctypes.byref(size))
         self.workspace_bytes = max(size.value, 1)
@@ -685,7 +741,8 @@ class W4A16Launcher:
             with self.making:
                 held = self.plans.get(stream)
                 if held is None:
-                    ws = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+                    # zeroed: a stream-K kernel's flags start at zero, and its owners reset them
+                    ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
                     made = self.lib.tuner_plan_create(*self.problem, PLAN_ENTRIES, ws.data_ptr())
                     weakref.finalize(ws, self.lib.tuner_plan_destroy, made)
                     held = self.plans[stream] = (made, ws)
