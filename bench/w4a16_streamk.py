@@ -10,7 +10,7 @@ and about half), by GPU time alone (``timing.graph_time`` over the key's rotatin
 with its error against the float32 reference. A kernel that runs no faster on every SM than on
 half of them is held back by what its CTAs share (x's reads from L2), not by its SMs.
 ``--profile``: each config instead only runs a few eager calls (for Nsight Compute).
-``--library NAME=PATH``: also the library at PATH (a build of the 1 x 1 stream-K kernel, e.g. with
+``--library NAME=PATH``: also the library at PATH (a build of the stream-K kernel at the 1 x 1 cluster, e.g. with
 a stage left out) as config NAME.
 """
 
@@ -105,7 +105,7 @@ def main() -> None:
                 timed = time_one(key, streamk, sms, sets, ref, args.profile, Path(path))
                 row["configs"].append({**timed, "library": name})
                 print(
-                    f"{label:34s} {name:10s} cluster [1, 1] sms {sms:3d} GPU "
+                    f"{label:34s} {name:10s} cluster {streamk['cluster']} sms {sms:3d} GPU "
                     f"{timed['gpu_us']:7.2f} us err {timed['error']:.2f}",
                     flush=True,
                 )

@@ -104,7 +104,9 @@ STREAM_K = w4._p(128, 256, (2, 1), "coop", "streamk")
 WS_STREAM_K = w4._p(64, 256, (2, 1), "ws_streamk")  # MEDIUM's
 
 
-def test_the_stream_k_ws_kernel_is_a_kernel_of_its_own() -> None:
+def test_the_stream_k_ws_kernel_is_a_kernel_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``ws_streamk``: the ws kernel's tile and mainloop under our own name, its header's digest
     in its spec's, so that a change to the header addresses new libraries."""
     key = key_of("int4-g128", 256)
@@ -116,6 +118,11 @@ def test_the_stream_k_ws_kernel_is_a_kernel_of_its_own() -> None:
     assert w4.kernel_spec(key, {**WS_STREAM_K, "cluster": [1, 1]}) != spec
     assert set(w4.wrapper_fields(spec)) == {"wrapper", "reordered", "streamk"}
     assert set(w4.wrapper_fields(ws)) == {"wrapper", "reordered"}
+    digests = spec.digest, ws.digest  # a digest reads the header when it is asked for
+    edited = tmp_path / "streamk.hpp"
+    edited.write_text(w4.STREAM_K_HEADER.read_text() + "\n")
+    monkeypatch.setattr(w4, "STREAM_K_HEADER", edited)
+    assert (spec.digest, ws.digest) != digests and ws.digest == digests[1]
 
 
 @pytest.mark.parametrize(
@@ -131,8 +138,11 @@ def test_the_stream_k_ws_kernel_is_a_kernel_of_its_own() -> None:
         ({**w4.MEDIUM[0], "decomposition": "streamk"}, "needs scheduler 'streamk', got 'default'"),
         ({**w4.MEDIUM[0], "raster": "x"}, "the 'ws' kernel is not persistent"),
         ({**WS_STREAM_K, "raster": "x"}, "the 'ws_streamk' kernel takes the steps in its own"),
-        ({**WS_STREAM_K, "cluster": [1, 2]}, r"'cluster' must be one of \[\[1, 1\], \[2, 1\]"),
-        ({**WS_STREAM_K, "scheduler": "streamk"}, "'scheduler' must be 'default' for kernel 'ws_"),
+        ({**WS_STREAM_K, "cluster": [4, 1]}, r"'cluster' must be one of \[\[1, 1\], \[2, 1\]\]"),
+        ({**WS_STREAM_K, "scheduler": "streamk"}, r"'scheduler' must be one of \['default'\] for"),
+        ({**WS_STREAM_K, "swizzle": 2}, r"'swizzle' must be one of \[1\] for kernel 'ws_streamk'"),
+        ({**WS_STREAM_K, "tile": [64, 128, 64]}, r"'tile' must be one of \[\[64, 256, 64\]\] for"),
+        ({k: v for k, v in WS_STREAM_K.items() if k != "kernel"}, r"need \['kernel'\]"),
         (
             {**STREAM_K, "reduction": "nondeterministic"},
             r"unknown cutlass_w4a16 params \['reduction'\]; allowed: \[.*'splits', 'decomposition'",
@@ -208,7 +218,7 @@ def test_the_stream_k_source_renames_the_ws_kernel_and_sets_its_cluster() -> Non
     name = w4.operation(spec).procedural_name()
     assert "_2x1x1_" in name and w4.operation(spec).kernel_schedule.name == "TmaWarpSpecialized"
     base = "cutlass::gemm::kernel::GemmUniversal<"  # only in the header: the emitted kernel's
-    assert "tuner::GemmStreamK1<" in text
+    assert f"{name}_base = tuner::GemmStreamK1<" in text
     assert text.count(base) == w4.STREAM_K_HEADER.read_text().count(base)
     assert "cute::Shape<cute::_2, cute::_1, cute::_1>" in text
     one = w4.kernel_spec(key_of("int4-g128", 256), {**WS_STREAM_K, "cluster": [1, 1]})
@@ -477,11 +487,12 @@ def test_activations_it_cannot_take_are_refused_with_the_reason(source: w4.Cutla
     assert samples.relative_error(run(x, packed, sz), samples.reference(key, (x, packed, sz))) <= 1
 
 
-# (fmt, m, n, k, dtype): a tile split over up to 16 CTAs (fewer steps than SMs), a partial tile
-# of x in f16, a narrow projection's shape (72 tiles of 56 steps on every SM), and whole tiles
+# (fmt, m, n, k, dtype): a tile split over up to 16 CTAs (fewer steps than SMs), tiles of weight
+# rows that do not fill the last cluster, a partial tile of x in f16, a narrow projection's shape (72 tiles of 56 steps on every SM), and whole tiles
 # between a CTA's partial ones (several stores a CTA)
 WS_STREAM_K_CASES = [
     ("int4-g128", 256, 384, 1024, "bf16"),
+    ("int4-g128", 256, 320, 1024, "bf16"),  # 5 tiles of weight rows: a cluster's second CTA idle
     ("int4-g64", 200, 384, 1024, "f16"),
     ("int4-g128", 256, 4608, 3584, "bf16"),
     ("int4-g128", 300, 8192, 1024, "bf16"),

@@ -33,8 +33,8 @@ layout a runner has read. Not offered: group size 32 (groups must be a multiple 
 persistent and stream-K (``cuda_kernels/cutlass_w4a16_streamk.hpp``): one CTA an SM shares out
 every tile's K steps, so a narrow projection, whose tiles are fewer than the SMs, still fills the
 GPU. CUTLASS offers stream-K only on its cooperative kernel, whose 128-row tiles halve the tiles
-again. Its cluster is 1 x 1; its workspace (a flag per tile, a partial tile per CTA) is zeroed
-once, when a launcher makes it.
+again. A cluster's CTAs run the same steps on adjacent tiles (x's tile multicast to them); its
+workspace (a flag per tile, a partial tile per CTA) is zeroed once, when a launcher makes it.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ KERNELS = ("ws", "coop", "pingpong", "ws_streamk")  # the generator's TMA mainlo
 # ws_streamk's spec.kernel (a name CUTLASS does not use): the ws kernel's code, made stream-K
 STREAM_K_KERNEL = "TmaWarpSpecializedStreamK1"
 STREAM_K_HEADER = Path(__file__).parent / "cuda_kernels" / "cutlass_w4a16_streamk.hpp"
-STREAM_K_CLUSTERS = [[1, 1], [2, 1], [4, 1]]
+STREAM_K_TILE = [64, 256, 64]  # the ws tile whose partial an owner gathers in its idle stages
+# clusters of 4 CTAs ran 1.6-2x slower than 2 (bench/NOTES.md): likely not all resident at once
+STREAM_K_CLUSTERS = [[1, 1], [2, 1]]
 ALIGN = 16  # bytes: every operand goes through TMA
 SMALL_M, MEDIUM_M = 128, 512  # shortlist classes by M (the activations' rows)
 GENERATOR_CUDA = "13.0"  # the toolkit the generator lists kernels for: the GPU image's nvcc
@@ -223,6 +225,23 @@ def unsupported_reason(key: GemmKey) -> str | None:
     return None  # N % 8 and K % group, which TMA and the scales need, every int4 key has
 
 
+def check_stream_k(params: Params) -> None:
+    """What ``ws_streamk`` takes besides the ws kernel's params; ValueError naming the field."""
+    for name, allowed in (
+        ("tile", [STREAM_K_TILE]),
+        ("cluster", STREAM_K_CLUSTERS),
+        ("scheduler", ["default"]),  # it shares its steps out itself
+        ("swizzle", [1]),
+    ):
+        value = params.get(name, 1)
+        value = list(value) if isinstance(value, list | tuple) else value
+        if value not in allowed:
+            raise ValueError(
+                f"cutlass_w4a16 param {name!r} must be one of {allowed} for kernel 'ws_streamk', "
+                f"got {params.get(name)!r}"
+            )
+
+
 def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
     """The compiled kernel ``params`` name for the INT4 ``key``; ValueError naming a bad param."""
     own = (*SCHEDULER_PARAMS, "a_layout")
@@ -232,25 +251,15 @@ def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
             f"unknown cutlass_w4a16 params {sorted(unknown)}; allowed: "
             f"{[*cutlass_gemm.PARAM_NAMES, *own]}"
         )
-    if params.get("kernel") not in KERNELS:
+    if "kernel" in params and params["kernel"] not in KERNELS:
         raise ValueError(
-            f"cutlass_w4a16 param 'kernel' must be one of {list(KERNELS)}, got "
-            f"{params.get('kernel')!r}"
+            f"cutlass_w4a16 param 'kernel' must be one of {list(KERNELS)}, got {params['kernel']!r}"
         )
-    streamk = params["kernel"] == "ws_streamk"
+    streamk = params.get("kernel") == "ws_streamk"
     generated = {k: v for k, v in params.items() if k not in own}
     cutlass_gemm.check_params({**generated, "kernel": "ws"} if streamk else generated)
-    if streamk and list(params["cluster"]) not in STREAM_K_CLUSTERS:
-        raise ValueError(
-            f"cutlass_w4a16 param 'cluster' must be one of {STREAM_K_CLUSTERS} for kernel "
-            f"'ws_streamk' (a cluster's CTAs share x's tile, along the weight's rows), got "
-            f"{params['cluster']!r}"
-        )
-    if streamk and params["scheduler"] != "default":
-        raise ValueError(
-            f"cutlass_w4a16 param 'scheduler' must be 'default' for kernel 'ws_streamk' (it "
-            f"shares out its steps itself), got {params['scheduler']!r}"
-        )
+    if streamk:
+        check_stream_k(params)
     a_layout = params.get("a_layout", "")
     if a_layout and a_layout not in A_LAYOUTS:
         raise ValueError(
@@ -305,7 +314,7 @@ def _operations() -> tuple[Any, ...]:
 
 def operation(spec: env.KernelSpec) -> Any:
     """cutlass_library's operation for ``spec``; LookupError if the generator lists none. A
-    stream-K spec's is the ws kernel's of its tile, whatever the listed cluster, set to 1 x 1."""
+    stream-K spec's is the ws kernel's of its tile, whatever the listed cluster, set to its own."""
     import cutlass_library as cl
 
     element = {"bf16": cl.DataType.bf16, "f16": cl.DataType.f16}.get(spec.dtype)
@@ -590,7 +599,11 @@ def source(spec: env.KernelSpec) -> str:
     emitted = emitter.emit(op)
     if spec.kernel == STREAM_K_KERNEL:
         kernel += STREAM_K_HEADER.read_text()
-        emitted = emitted.replace("cutlass::gemm::kernel::GemmUniversal<", "tuner::GemmStreamK1<")
+        universal = "cutlass::gemm::kernel::GemmUniversal<"
+        if emitted.count(universal) != 1:
+            raise LookupError(f"cutlass_library {env.version()} emits no one {universal}...> to "
+                              "build the stream-K kernel on")  # fmt: skip
+        emitted = emitted.replace(universal, "tuner::GemmStreamK1<")
     if spec.a_layout:
         kernel += _REORDER_ATOM + emitted + _REORDERED_STRIDE
     else:
@@ -719,7 +732,10 @@ class W4A16Launcher:
         size = ctypes.c_size_t()
         self.lib, self.key, self.device, self.scheduler = lib, key, device, options.scheduler
         self.weight = reordered_weight if options.reordered else weight
-        self.sms = sms or torch.cuda.get_device_properties(device).multi_processor_count
+        every = torch.cuda.get_device_properties(device).multi_processor_count
+        if sms is not None and not 0 < sms <= every:
+            raise ValueError(f"sms={sms}: the device has {every} SMs; allowed: 1..{every}")
+        self.sms = sms or every
         self.problem = (key.m, key.n, key.k, key.group, *self.scheduler, device.index, self.sms)
         lib.tuner_workspace_size(*self.problem, ctypes.byref(size))
         self.workspace_bytes = max(size.value, 1)

@@ -78,7 +78,7 @@ class GemmStreamK1 : public cutlass::gemm::kernel::GemmUniversal<
     typename Base::Params gemm;
     int clusters;  // cluster c runs steps [c * steps / clusters, (c + 1) * steps / clusters)
     int* flags;    // per tile: partials written
-    float* slots;  // per CTA: the partial of its last segment, [values][threads]
+    float* slots;  // per CTA: the partial of its last segment, [values / 4][threads] of float4
   };
 
   // A step is (cluster tile, K tile); a cluster tile is kCluster tiles of weight rows (those
@@ -307,7 +307,10 @@ class GemmStreamK1 : public cutlass::gemm::kernel::GemmUniversal<
         constexpr int kChunk = 16384;  // bytes a bulk copy
         uint64_t* gather = &shared_storage.pipelines.gather;
         auto* stage = reinterpret_cast<float4*>(&shared_storage.tensors.mainloop);
+        static_assert(kSlotBytes % kChunk == 0, "a partial is whole chunks");
         int64_t helper_cta = int64_t(cluster - helpers) * kCluster + rank;
+        // every thread's reads of the stages done before the TMA unit writes them
+        cutlass::arch::NamedBarrier::sync(kThreads, kConsumerSync);
         if (warp_group_thread_idx == 0) {
           while (atomicCAS(flag, helpers, 0) != helpers) {
           }
