@@ -69,13 +69,15 @@ def time_one(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--m", type=int, nargs="+", default=[256])
-    parser.add_argument("--ops", nargs="+", default=["qkv", "o", "down", "gate_up"])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--out", type=Path, required=True, help="the JSON written")
+    parser.add_argument("--m", type=int, nargs="+", default=[256], help="rows of x (default: 256)")
+    parser.add_argument("--ops", nargs="+", default=["qkv", "o", "down", "gate_up"],
+                        help="the projections (default: all four)")  # fmt: skip
     parser.add_argument("--sms", type=int, nargs="+", help="SM counts to fill (default: all, half)")
     parser.add_argument("--profile", action="store_true", help="only a few eager calls a config")
-    parser.add_argument("--library", nargs="*", default=[], metavar="NAME=PATH")
+    parser.add_argument("--library", nargs="*", default=[], metavar="NAME=PATH",
+                        help="a library built apart, timed as config NAME")  # fmt: skip
     args = parser.parse_args()
     every = torch.cuda.get_device_properties(0).multi_processor_count
     sms_counts = args.sms or [every, every // 2]
