@@ -384,6 +384,12 @@ def source() -> w4.CutlassW4A16:
     return source
 
 
+def _nibble_pairs_swapped(key: GemmKey, packed: torch.Tensor) -> torch.Tensor:
+    """``packed`` with each pair of neighbouring k swapped: a planted wrong weight."""
+    q = int4_torch.nibbles(packed)
+    return int4_torch.torch_pack(q.reshape(key.n, -1, 2).flip(-1).reshape(key.n, key.k))
+
+
 def _runner(source: w4.CutlassW4A16, key: GemmKey, index: int, row_major: bool = False):
     assert source.unavailable("cuda") is None and source.unsupported(key) is None
     return source.build(key, _params(key, index, row_major))
@@ -413,8 +419,7 @@ def test_the_reordered_kernel_reads_what_the_row_major_one_reads(source: w4.Cutl
     reordered = _runner(source, key, 0)
     assert samples.relative_error(reordered(x, packed, sz), ref) <= 1
     assert samples.relative_error(_runner(source, key, 0, row_major=True)(x, packed, sz), ref) <= 1
-    q = int4_torch.nibbles(packed)
-    swapped = int4_torch.torch_pack(q.reshape(key.n, -1, 2).flip(-1).reshape(key.n, key.k))
+    swapped = _nibble_pairs_swapped(key, packed)
     assert samples.relative_error(reordered(x, swapped, sz), ref) > 1
     (w, *rest), c, _ = reordered.operands(x, packed, sz)
     assert w == w4.reordered_weight(packed).data_ptr()
@@ -432,12 +437,11 @@ def test_a_planted_wrong_weight_is_caught(source: w4.CutlassW4A16) -> None:
     ref = samples.reference(key, (x, packed, sz))
     run = _runner(source, key, 0)
     assert samples.relative_error(run(x, packed, sz), ref) <= 1
-    q = int4_torch.nibbles(packed)
-    swapped = int4_torch.torch_pack(q.reshape(key.n, -1, 2).flip(-1).reshape(key.n, key.k))
+    swapped = _nibble_pairs_swapped(key, packed)
     assert samples.relative_error(run(x, swapped, sz), ref) > 1
     other_groups = sz.roll(1, dims=0).contiguous()
     assert samples.relative_error(run(x, packed, other_groups), ref) > 1
-    wd = int4.dequantize(q, sz, key.group)
+    wd = int4.dequantize(int4_torch.nibbles(packed), sz, key.group)
     assert torch.allclose(ref.ref, x.float() @ wd.T)
 
 
@@ -488,8 +492,9 @@ def test_activations_it_cannot_take_are_refused_with_the_reason(source: w4.Cutla
 
 
 # (fmt, m, n, k, dtype): a tile split over up to 16 CTAs (fewer steps than SMs), tiles of weight
-# rows that do not fill the last cluster, a partial tile of x in f16, a narrow projection's shape (72 tiles of 56 steps on every SM), and whole tiles
-# between a CTA's partial ones (several stores a CTA)
+# rows that do not fill the last cluster, a partial tile of x in f16, a narrow projection's shape
+# (72 tiles of 56 steps on every SM), and whole tiles between a CTA's partial ones (several
+# stores a CTA)
 WS_STREAM_K_CASES = [
     ("int4-g128", 256, 384, 1024, "bf16"),
     ("int4-g128", 256, 320, 1024, "bf16"),  # 5 tiles of weight rows: a cluster's second CTA idle
@@ -519,8 +524,7 @@ def test_the_stream_k_ws_kernel_sums_split_tiles_right_and_bit_for_bit(
     for _ in range(3):
         assert torch.equal(run(*inputs), first)
     x, packed, sz = inputs
-    q = int4_torch.nibbles(packed)
-    swapped = int4_torch.torch_pack(q.reshape(key.n, -1, 2).flip(-1).reshape(key.n, key.k))
+    swapped = _nibble_pairs_swapped(key, packed)
     assert samples.relative_error(run(x, swapped, sz), ref) > 1
     assert torch.equal(run(*inputs), first)
 
