@@ -10,8 +10,8 @@ and about half), by GPU time alone (``timing.graph_time`` over the key's rotatin
 with its error against the float32 reference. A kernel that runs no faster on every SM than on
 half of them is held back by what its CTAs share (x's reads from L2), not by its SMs.
 ``--profile``: each config instead only runs a few eager calls (for Nsight Compute).
-``--library NAME=PATH``: also the library at PATH (a build of the stream-K kernel at the 1 x 1 cluster, e.g. with
-a stage left out) as config NAME.
+``--library NAME=PATH``: also the library at PATH (another build of the stream-K kernel at the
+shortlist's cluster, e.g. with one change to its header) as config NAME.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> None:
                     f" GPU {timed['gpu_us']:7.2f} us err {timed['error']:.2f}",
                     flush=True,
                 )
-        streamk = next(p for p in configs() if p["kernel"] == "ws_streamk")
+        streamk = next(p for p in cw.MEDIUM if p["kernel"] == "ws_streamk")
         for name, path in (item.split("=", 1) for item in args.library):
             for sms in sms_counts:
                 timed = time_one(key, streamk, sms, sets, ref, args.profile, Path(path))

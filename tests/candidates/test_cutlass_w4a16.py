@@ -116,7 +116,8 @@ def test_the_stream_k_ws_kernel_is_a_kernel_of_its_own(
     ws = w4.kernel_spec(key, w4.MEDIUM[0])
     assert spec != ws and ws.cluster == spec.cluster
     assert w4.kernel_spec(key, {**WS_STREAM_K, "cluster": [1, 1]}) != spec
-    assert set(w4.wrapper_fields(spec)) == {"wrapper", "reordered", "streamk"}
+    assert w4.wrapper_fields(spec).keys() == {"wrapper", "reordered", "streamk", "streamk_c"}
+    assert w4.wrapper_fields(spec)["streamk_c"] == w4.STREAM_K_C
     assert set(w4.wrapper_fields(ws)) == {"wrapper", "reordered"}
     digests = spec.digest, ws.digest  # a digest reads the header when it is asked for
     edited = tmp_path / "streamk.hpp"
@@ -221,6 +222,11 @@ def test_the_stream_k_source_renames_the_ws_kernel_and_sets_its_cluster() -> Non
     assert f"{name}_base = tuner::GemmStreamK1<" in text
     assert text.count(base) == w4.STREAM_K_HEADER.read_text().count(base)
     assert "cute::Shape<cute::_2, cute::_1, cute::_1>" in text
+    epilogue = text.split("epilogue::collective::CollectiveBuilder<")[1].split("::CollectiveOp")[0]
+    assert "void, cutlass::layout::ColumnMajor" in epilogue  # no C (beta is 0), D is bf16
+    assert "cutlass::bfloat16_t, cutlass::layout::ColumnMajor" in epilogue
+    ws = w4.kernel_spec(key_of("int4-g128", 256), w4.MEDIUM[0])
+    assert w4.operation(ws).C.element.name == "bf16"  # the listed op is left as it was
     one = w4.kernel_spec(key_of("int4-g128", 256), {**WS_STREAM_K, "cluster": [1, 1]})
     assert "_1x1x1_" in w4.operation(one).procedural_name()  # the listed 2 x 1 op, made 1 x 1
     assert "cute::Shape<cute::_1, cute::_1, cute::_1>" in w4.source(one)

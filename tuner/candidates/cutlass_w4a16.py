@@ -68,6 +68,9 @@ STREAM_K_HEADER = Path(__file__).parent / "cuda_kernels" / "cutlass_w4a16_stream
 STREAM_K_TILE = [64, 256, 64]  # the ws tile whose partial an owner gathers in its idle stages
 # clusters of 4 CTAs ran 1.6-2x slower than 2 (bench/NOTES.md): likely not all resident at once
 STREAM_K_CLUSTERS = [[1, 1], [2, 1]]
+# its epilogue's C: beta is 0, and with no C in shared memory CUTLASS's epilogue issues each
+# subtile's TMA store after the next subtile's writes instead of waiting on it
+STREAM_K_C = "void"
 ALIGN = 16  # bytes: every operand goes through TMA
 SMALL_M, MEDIUM_M = 128, 512  # shortlist classes by M (the activations' rows)
 GENERATOR_CUDA = "13.0"  # the toolkit the generator lists kernels for: the GPU image's nvcc
@@ -335,6 +338,8 @@ def operation(spec: env.KernelSpec) -> Any:
             if streamk:
                 op = copy.deepcopy(op)
                 op.tile_description.cluster_shape = [*spec.cluster, 1]
+                op.C = copy.copy(op.C)
+                op.C.element = getattr(cl.DataType, STREAM_K_C)
                 op.__dict__.pop("_procedural_name", None)  # cached from the listed cluster
             return op
     raise LookupError(f"cutlass_library {env.version()} lists no SM90 int4 GEMM for {spec}")
@@ -586,6 +591,7 @@ def wrapper_fields(spec: env.KernelSpec) -> dict[str, str]:
         fields["reordered"] = REORDERED_DIGEST
     if spec.kernel == STREAM_K_KERNEL:
         fields["streamk"] = hashlib.sha1(STREAM_K_HEADER.read_bytes()).hexdigest()[:12]
+        fields["streamk_c"] = STREAM_K_C
     return fields
 
 

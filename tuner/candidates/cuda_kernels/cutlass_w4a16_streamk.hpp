@@ -139,6 +139,9 @@ class GemmStreamK1 : public cutlass::gemm::kernel::GemmUniversal<
     using namespace cute;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr uint32_t kConsumerSync = 0;  // a named barrier of the consumer warpgroup
+    // the consumer's partial written (it arrives) -> the signaling warp counts it (it waits)
+    constexpr uint32_t kPartialWritten = 1;
+    constexpr uint32_t kSignaler = 1;  // the producer warpgroup's warp that signals for it
     SharedStorage& shared_storage = *reinterpret_cast<SharedStorage*>(smem_buf);
     int thread_idx = int(threadIdx.x);
     int lane_idx = cutlass::canonical_lane_idx();
@@ -264,7 +267,21 @@ class GemmStreamK1 : public cutlass::gemm::kernel::GemmUniversal<
       }
       return;
     }
-    if (!consumer) return;
+    // A run that ends inside a tile helps that tile's owner: the signaling warp publishes the
+    // consumer's partial (fence, then the count) while the consumer goes on with its next
+    // segment, instead of the consumer's first thread stalling the warpgroup on the fence.
+    if (!consumer) {
+      bool helps = last > first && last % work.k_tiles != 0;
+      if (warp_idx % cutlass::NumWarpsPerWarpGroup == kSignaler && helps) {
+        cutlass::arch::NamedBarrier::sync(kThreads + cutlass::NumThreadsPerWarp, kPartialWritten);
+        if (lane_idx == 0) {
+          int* flag = params.flags + segment_before(last).tile * kCluster + rank;
+          asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+          asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(flag) : "memory");
+        }
+      }
+      return;
+    }
 
     cutlass::arch::wait_on_dependent_grids();  // the previous call's owners are done with slots
     bool stored = false;
@@ -289,11 +306,7 @@ class GemmStreamK1 : public cutlass::gemm::kernel::GemmUniversal<
           my_slot[i / 4 * kThreads + warp_group_thread_idx] =
               make_float4(accumulators(i), accumulators(i + 1), accumulators(i + 2), accumulators(i + 3));
         }
-        cutlass::arch::NamedBarrier::sync(kThreads, kConsumerSync);
-        if (warp_group_thread_idx == 0) {
-          asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-          asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(flag) : "memory");
-        }
+        cutlass::arch::NamedBarrier::arrive(kThreads + cutlass::NumThreadsPerWarp, kPartialWritten);
         continue;
       }
       int64_t tile_first = int64_t(s.tile) * work.k_tiles;
