@@ -190,8 +190,9 @@ SMALL = [
 # the list opens with 64 weight rows by 256 rows of x (each weight element dequantized once up
 # to M = 256) on the one-consumer mainloop (a second consumer would have no second tile on the
 # narrow projections); then 64 x 128 pingpong (twice the tiles, for N that leaves SMs idle),
-# cooperative stream-K (K spread over the SMs where the tiles are few) and our stream-K ws kernel
-# (the same 64 x 256 CTAs as ws, every SM busy however few the tiles). Splitting K over CTAs of
+# cooperative stream-K (K spread over the SMs where the tiles are few) and our stream-K ws
+# kernel (the same 64 x 256 CTAs as ws, every SM busy however few the tiles; at both clusters:
+# pairs share x's reads, single CTAs share the steps out finer). Splitting K over CTAs of
 # CUTLASS's kernels (the scheduler's "splitk" decomposition) costs each extra unit more than the
 # K steps it saves at these sizes, so no such variant is listed. The tuner times them all: the
 # list is not filtered by N.
@@ -201,6 +202,7 @@ MEDIUM = [
     _p(128, 256, (2, 1), "coop", "streamk"),
     _p(128, 128, (2, 1), "coop", "streamk"),
     _p(64, 256, (2, 1), "ws_streamk"),
+    _p(64, 256, (1, 1), "ws_streamk"),
 ]
 LARGE = [
     _p(128, 256, (1, 2), "coop"),
