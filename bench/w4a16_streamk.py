@@ -10,8 +10,8 @@ and about half), by GPU time alone (``timing.graph_time`` over the key's rotatin
 with its error against the float32 reference. A kernel that runs no faster on every SM than on
 half of them is held back by what its CTAs share (x's reads from L2), not by its SMs.
 ``--profile``: each config instead only runs a few eager calls (for Nsight Compute).
-``--library NAME=PATH``: also the library at PATH (another build of the stream-K kernel at the
-shortlist's cluster, e.g. with one change to its header) as config NAME.
+``--library NAME=PATH``: also the library at PATH (another build of the stream-K kernel, e.g.
+with one change to its header) as config NAME, at ``--library-cluster`` (C x 1, default 2).
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="only a few eager calls a config")
     parser.add_argument("--library", nargs="*", default=[], metavar="NAME=PATH",
                         help="a library built apart, timed as config NAME")  # fmt: skip
+    parser.add_argument("--library-cluster", type=int, default=2,
+                        choices=[c for c, _ in cw.STREAM_K_CLUSTERS],
+                        help="the cluster (C x 1) the --library builds have (default: 2)")  # fmt: skip
     args = parser.parse_args()
     every = torch.cuda.get_device_properties(0).multi_processor_count
     sms_counts = args.sms or [every, every // 2]
@@ -101,7 +104,7 @@ def main() -> None:
                     f" GPU {timed['gpu_us']:7.2f} us err {timed['error']:.2f}",
                     flush=True,
                 )
-        streamk = next(p for p in cw.MEDIUM if p["kernel"] == "ws_streamk")
+        streamk = {**configs()[1], "cluster": [args.library_cluster, 1]}
         for name, path in (item.split("=", 1) for item in args.library):
             for sms in sms_counts:
                 timed = time_one(key, streamk, sms, sets, ref, args.profile, Path(path))
