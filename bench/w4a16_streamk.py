@@ -9,6 +9,9 @@ Per projection and M: the shortlist's ws kernel, then ``ws_streamk`` on each clu
 and about half), by GPU time alone (``timing.graph_time`` over the key's rotating input sets),
 with its error against the float32 reference. A kernel that runs no faster on every SM than on
 half of them is held back by what its CTAs share (x's reads from L2), not by its SMs.
+``--shares``: the share-outs each ``ws_streamk`` config is timed with (default: every one of
+``stream_k_share.SHARES``); ``cost:H,O,E`` is the cost model at those weights (helper, owner,
+store), ``split`` each tile in as many equal parts as the clusters allow (none crossing tiles).
 ``--profile``: each config instead only runs a few eager calls (for Nsight Compute).
 ``--library NAME=PATH``: also the library at PATH (another build of the stream-K kernel, e.g.
 with one change to its header) as config NAME, at ``--library-cluster`` (C x 1, default 2).
@@ -17,14 +20,16 @@ with one change to its header) as config NAME, at ``--library-cluster`` (C x 1, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.config_sweep import keys_of
-from tuner.candidates import cutlass_env
+from tuner.candidates import cutlass_env, stream_k_share
 from tuner.candidates import cutlass_w4a16 as cw
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey
@@ -41,6 +46,28 @@ def configs() -> list[cw.Params]:
 
 
 PROFILED_CALLS = 2
+Runs = Callable[[stream_k_share.Layout], list[int]]
+
+
+def split(layout: stream_k_share.Layout) -> list[int]:
+    """Each tile in the same number of equal parts, as many as the clusters allow (at least
+    one); the clusters left over run nothing."""
+    parts = max(1, layout.clusters // layout.tiles)
+    if layout.tiles > layout.clusters:
+        return stream_k_share.even(layout)
+    starts = [t * layout.k_tiles + j * layout.k_tiles // parts
+              for t in range(layout.tiles) for j in range(parts)]  # fmt: skip
+    return starts + [layout.steps] * (layout.clusters + 1 - len(starts))
+
+
+def share_of(name: str) -> Runs:
+    """``--shares``' NAME: a name of ``stream_k_share.SHARES``, ``split`` or ``cost:H,O,E``."""
+    if name == "split":
+        return split
+    if name.startswith("cost:"):
+        weights = stream_k_share.Weights(*(float(w) for w in name[5:].split(",")))
+        return functools.partial(stream_k_share.by_cost, weights=weights)
+    return stream_k_share.SHARES[name]
 
 
 def time_one(
@@ -51,10 +78,11 @@ def time_one(
     ref: Any,
     profile: bool,
     library: Path | None = None,
+    runs: Runs | None = None,
 ) -> dict:
     library = library or cw.CutlassW4A16().load(cw.kernel_spec(key, params))
     run = cw.W4A16Launcher(library, key, cw.launch_options(params), DEVICE,
-                           sms=sms)  # fmt: skip
+                           sms=sms, runs=runs)  # fmt: skip
     out = samples.output_like(key, sets[0])
     run(*sets[0], out=out)
     if profile:
@@ -81,6 +109,8 @@ def main() -> None:
     parser.add_argument("--library-cluster", type=int, default=2,
                         choices=[c for c, _ in cw.STREAM_K_CLUSTERS],
                         help="the cluster (C x 1) the --library builds have (default: 2)")  # fmt: skip
+    parser.add_argument("--shares", nargs="+", default=list(stream_k_share.SHARES),
+                        help="share-outs of ws_streamk: names, split, cost:H,O,E")  # fmt: skip
     args = parser.parse_args()
     every = torch.cuda.get_device_properties(0).multi_processor_count
     sms_counts = args.sms or [every, every // 2]
@@ -95,23 +125,24 @@ def main() -> None:
         sets = samples.input_sets(key, "cuda", seed=1)
         ref = samples.reference(key, sets[0])
         row: dict[str, Any] = {"label": label, "key": str(key), "configs": []}
-        for params in configs():
-            for sms in sms_counts if params["kernel"] == "ws_streamk" else [every]:
-                timed = time_one(key, params, sms, sets, ref, args.profile)
-                row["configs"].append(timed)
-                print(
-                    f"{label:34s} {params['kernel']:10s} cluster {params['cluster']} sms {sms:3d}"
-                    f" GPU {timed['gpu_us']:7.2f} us err {timed['error']:.2f}",
-                    flush=True,
-                )
         streamk = {**configs()[1], "cluster": [args.library_cluster, 1]}
-        for name, path in (item.split("=", 1) for item in args.library):
-            for sms in sms_counts:
-                timed = time_one(key, streamk, sms, sets, ref, args.profile, Path(path))
-                row["configs"].append({**timed, "library": name})
+        todo = [
+            (params, share, None)
+            for params in configs()
+            for share in (args.shares if params["kernel"] == "ws_streamk" else [None])
+        ]
+        todo += [(streamk, None, item) for item in args.library]  # fmt: skip
+        for params, share, library in todo:
+            streamk_sms = sms_counts if params["kernel"] == "ws_streamk" else [every]
+            name, path = library.split("=", 1) if library else (params["kernel"], None)
+            for sms in streamk_sms:
+                runs = share_of(share) if share else None
+                timed = time_one(key, params, sms, sets, ref, args.profile,
+                                 Path(path) if path else None, runs)  # fmt: skip
+                row["configs"].append({**timed, "share": share, "library": library and name})
                 print(
-                    f"{label:34s} {name:10s} cluster {streamk['cluster']} sms {sms:3d} GPU "
-                    f"{timed['gpu_us']:7.2f} us err {timed['error']:.2f}",
+                    f"{label:34s} {name:10s} {share or '':14s} cluster {params['cluster']} sms "
+                    f"{sms:3d} GPU {timed['gpu_us']:7.2f} us err {timed['error']:.2f}",
                     flush=True,
                 )
         result["rows"].append(row)

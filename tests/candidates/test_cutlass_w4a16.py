@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from tuner.cache.artifacts import ArtifactStore
-from tuner.candidates import cutlass_env, cutlass_gemm, kernel_artifacts, nvcc_build, registry
+from tuner.candidates import (
+    cutlass_env,
+    cutlass_gemm,
+    kernel_artifacts,
+    nvcc_build,
+    registry,
+    stream_k_share,
+)
 from tuner.candidates import cutlass_w4a16 as w4
 from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.measure import samples
@@ -142,6 +149,11 @@ def test_the_stream_k_ws_kernel_is_a_kernel_of_its_own(
         ({**WS_STREAM_K, "cluster": [4, 1]}, r"'cluster' must be one of \[\[1, 1\], \[2, 1\]\]"),
         ({**WS_STREAM_K, "scheduler": "streamk"}, r"'scheduler' must be one of \['default'\] for"),
         ({**WS_STREAM_K, "swizzle": 2}, r"'swizzle' must be one of \[1\] for kernel 'ws_streamk'"),
+        ({**WS_STREAM_K, "share": "fair"}, r"'share' must be one of \['even', 'cost'\] for kernel"),
+        (
+            {**w4.MEDIUM[0], "share": "even"},
+            "'share' is the 'ws_streamk' kernel's, got kernel 'ws'",
+        ),
         ({**WS_STREAM_K, "tile": [64, 128, 64]}, r"'tile' must be one of \[\[64, 256, 64\]\] for"),
         ({k: v for k, v in WS_STREAM_K.items() if k != "kernel"}, r"need \['kernel'\]"),
         (
@@ -171,6 +183,16 @@ def test_scheduler_params_are_runtime_arguments_of_one_kernel() -> None:
     pingpong = {**w4.MEDIUM[1], "raster": "weight"}
     assert w4.scheduler_args(pingpong) == w4.Scheduler(1, 1, 0, 1)
     assert w4.CutlassW4A16().launch_options(split) == w4.Options(w4.scheduler_args(split), True)
+
+
+def test_the_share_out_is_a_runtime_argument_of_the_stream_k_ws_kernel() -> None:
+    """``share`` reaches the launcher and addresses no new library; the ws kernel has none."""
+    key = key_of("int4-g128", 256)
+    cost = {**WS_STREAM_K, "share": "cost"}
+    assert w4.kernel_spec(key, cost) == w4.kernel_spec(key, WS_STREAM_K)
+    assert w4.launch_options(cost).share == "cost"
+    assert w4.launch_options(WS_STREAM_K).share == "even"
+    assert w4.launch_options(w4.MEDIUM[0]).share is None
 
 
 @needs_library
@@ -222,6 +244,10 @@ def test_the_stream_k_source_renames_the_ws_kernel_and_sets_its_cluster() -> Non
     assert f"{name}_base = tuner::GemmStreamK1<" in text
     assert text.count(base) == w4.STREAM_K_HEADER.read_text().count(base)
     assert "cute::Shape<cute::_2, cute::_1, cute::_1>" in text
+    assert 'extern "C" int tuner_streamk_layout(' in text
+    assert "tuner_streamk_layout" not in w4.source(
+        w4.kernel_spec(key_of("int4-g128", 256), w4.MEDIUM[0])
+    )
     epilogue = text.split("epilogue::collective::CollectiveBuilder<")[1].split("::CollectiveOp")[0]
     assert "void, cutlass::layout::ColumnMajor" in epilogue  # no C (beta is 0), D is bf16
     assert "cutlass::bfloat16_t, cutlass::layout::ColumnMajor" in epilogue
@@ -499,29 +525,38 @@ def test_activations_it_cannot_take_are_refused_with_the_reason(source: w4.Cutla
 
 # (fmt, m, n, k, dtype): a tile split over up to 16 CTAs (fewer steps than SMs), tiles of weight
 # rows that do not fill the last cluster, a partial tile of x in f16, a narrow projection's shape
-# (72 tiles of 56 steps on every SM), and whole tiles between a CTA's partial ones (several
-# stores a CTA)
+# (72 tiles of 56 steps on every SM), whole tiles between a CTA's partial ones (several stores a
+# CTA), and a shape whose cost share-out leaves the last clusters idle (64 tiles, 2 runs each)
 WS_STREAM_K_CASES = [
     ("int4-g128", 256, 384, 1024, "bf16"),
     ("int4-g128", 256, 320, 1024, "bf16"),  # 5 tiles of weight rows: a cluster's second CTA idle
     ("int4-g64", 200, 384, 1024, "f16"),
     ("int4-g128", 256, 4608, 3584, "bf16"),
     ("int4-g128", 300, 8192, 1024, "bf16"),
+    ("int4-g128", 256, 4096, 4096, "bf16"),
 ]
 
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("share", list(stream_k_share.SHARES))
 @pytest.mark.parametrize("cluster", [[2, 1], [1, 1]])
 @pytest.mark.parametrize(("fmt", "m", "n", "k", "dtype"), WS_STREAM_K_CASES)
 def test_the_stream_k_ws_kernel_sums_split_tiles_right_and_bit_for_bit(
-    source: w4.CutlassW4A16, fmt: str, m: int, n: int, k: int, dtype: str, cluster: list[int]
+    source: w4.CutlassW4A16,
+    fmt: str,
+    m: int,
+    n: int,
+    k: int,
+    dtype: str,
+    cluster: list[int],
+    share: str,
 ) -> None:
     """Every element written, within the numerics gate, the same bits on every call (partials
     summed in CTA order; the owners reset the flags the next call counts on), and a planted
-    wrong weight caught."""
+    wrong weight caught; under each share-out."""
     key = key_of(fmt, m, n=n, k=k, dtype=dtype)
-    run = source.build(key, {**WS_STREAM_K, "cluster": cluster})
+    run = source.build(key, {**WS_STREAM_K, "cluster": cluster, "share": share})
     inputs = samples.make_inputs(key, "cuda", torch.Generator("cuda").manual_seed(9))
     ref = samples.reference(key, inputs)
     first = samples.output_like(key, inputs).fill_(float("nan"))

@@ -46,13 +46,14 @@ import hashlib
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from tuner.candidates import cutlass_env as env
-from tuner.candidates import cutlass_gemm, nvcc_build
+from tuner.candidates import cutlass_gemm, nvcc_build, stream_k_share
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params
 from tuner.core.keys import DTYPES, GemmKey
@@ -146,15 +147,17 @@ def scheduler_args(params: Params) -> Scheduler:
 
 
 class Options(NamedTuple):
-    """What a launcher takes besides its library: the tile scheduler's arguments and whether
-    the kernel reads A reordered."""
+    """What a launcher takes besides its library: the tile scheduler's arguments, whether the
+    kernel reads A reordered, and the stream-K ws kernel's share-out (``stream_k_share``)."""
 
     scheduler: Scheduler
     reordered: bool
+    share: str | None = None
 
 
 def launch_options(params: Params) -> Options:
-    return Options(scheduler_args(params), params.get("a_layout") == "reordered")
+    share = params.get("share", "even") if params.get("kernel") == "ws_streamk" else None
+    return Options(scheduler_args(params), params.get("a_layout") == "reordered", share)
 
 
 def _p(
@@ -237,8 +240,9 @@ def check_stream_k(params: Params) -> None:
         ("cluster", STREAM_K_CLUSTERS),
         ("scheduler", ["default"]),  # it shares its steps out itself
         ("swizzle", [1]),
+        ("share", list(stream_k_share.SHARES)),
     ):
-        value = params.get(name, 1)
+        value = params.get(name, "even" if name == "share" else 1)
         value = list(value) if isinstance(value, list | tuple) else value
         if value not in allowed:
             raise ValueError(
@@ -249,7 +253,7 @@ def check_stream_k(params: Params) -> None:
 
 def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
     """The compiled kernel ``params`` name for the INT4 ``key``; ValueError naming a bad param."""
-    own = (*SCHEDULER_PARAMS, "a_layout")
+    own = (*SCHEDULER_PARAMS, "a_layout", "share")
     unknown = set(params) - {*cutlass_gemm.PARAM_NAMES, *own}
     if unknown:
         raise ValueError(
@@ -265,6 +269,11 @@ def kernel_spec(key: GemmKey, params: Params) -> env.KernelSpec:
     cutlass_gemm.check_params({**generated, "kernel": "ws"} if streamk else generated)
     if streamk:
         check_stream_k(params)
+    elif "share" in params:
+        raise ValueError(
+            f"cutlass_w4a16 param 'share' is the 'ws_streamk' kernel's, got kernel "
+            f"{params.get('kernel')!r}"
+        )
     a_layout = params.get("a_layout", "")
     if a_layout and a_layout not in A_LAYOUTS:
         raise ValueError(
@@ -581,6 +590,14 @@ inline ${name}_LayoutNarrowReordered make_cute_packed_stride(${name}_LayoutNarro
 }
 }  // namespace cutlass
 """
+# The stream-K ws library's one more entry point: where its share-out goes in the workspace.
+_STREAM_K_LAYOUT = """
+extern "C" int tuner_streamk_layout(int m, int n, int k, int group, int sms, int64_t* out) {
+  Kernel::layout(arguments(nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, group,
+                           Sched{1, 1, 0, 0}, 0, sms), out);
+  return 0;
+}
+"""
 # in the kernel specs' digests
 WRAPPER_DIGEST = hashlib.sha1(_WRAPPER.encode()).hexdigest()[:12]
 REORDERED_DIGEST = hashlib.sha1((_REORDER_ATOM + _REORDERED_STRIDE).encode()).hexdigest()[:12]
@@ -592,7 +609,8 @@ def wrapper_fields(spec: env.KernelSpec) -> dict[str, str]:
     if spec.a_layout:
         fields["reordered"] = REORDERED_DIGEST
     if spec.kernel == STREAM_K_KERNEL:
-        fields["streamk"] = hashlib.sha1(STREAM_K_HEADER.read_bytes()).hexdigest()[:12]
+        streamk = STREAM_K_HEADER.read_bytes() + _STREAM_K_LAYOUT.encode()
+        fields["streamk"] = hashlib.sha1(streamk).hexdigest()[:12]
         fields["streamk_c"] = STREAM_K_C
     return fields
 
@@ -616,7 +634,8 @@ def source(spec: env.KernelSpec) -> str:
         kernel += _REORDER_ATOM + emitted + _REORDERED_STRIDE
     else:
         kernel += emitted
-    return _WRAPPER.replace("${kernel}", kernel).replace("${name}", op.procedural_name())
+    wrapped = _WRAPPER + (_STREAM_K_LAYOUT if spec.kernel == STREAM_K_KERNEL else "")
+    return wrapped.replace("${kernel}", kernel).replace("${name}", op.procedural_name())
 
 
 def nvcc_command(spec: env.KernelSpec, src: Path, out: Path) -> list[str]:
@@ -725,8 +744,10 @@ class W4A16Launcher:
         options: Options,
         device: torch.device,
         sms: int | None = None,
+        runs: Callable[[stream_k_share.Layout], list[int]] | None = None,
     ) -> None:
-        """``sms``: the SMs a persistent kernel's grid fills (default: the device's)."""
+        """``sms``: the SMs a persistent kernel's grid fills (default: the device's); ``runs``:
+        the stream-K ws kernel's share-out, instead of the one ``options.share`` names."""
         lib = ctypes.CDLL(str(library))
         lib.tuner_plan_create.restype = ctypes.c_void_p
         lib.tuner_plan_create.argtypes = [ctypes.c_int] * 11 + [ctypes.c_void_p]
@@ -747,6 +768,8 @@ class W4A16Launcher:
         self.problem = (key.m, key.n, key.k, key.group, *self.scheduler, device.index, self.sms)
         lib.tuner_workspace_size(*self.problem, ctypes.byref(size))
         self.workspace_bytes = max(size.value, 1)
+        share = runs or (stream_k_share.SHARES[options.share] if options.share else None)
+        self.share_out = None if share is None else self._share_out(share)
         self.dtype = DTYPES[key.dtype]
         self.x_shape = torch.Size((key.m, key.k))
         self.w_shape = torch.Size((key.n, key.k // 2))  # A's bytes
@@ -767,10 +790,26 @@ class W4A16Launcher:
                 if held is None:
                     # zeroed: a stream-K kernel's flags start at zero, and its owners reset them
                     ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+                    if self.share_out is not None:
+                        offset, first = self.share_out
+                        ws[offset : offset + first.numel() * 8].copy_(first.view(torch.uint8))
                     made = self.lib.tuner_plan_create(*self.problem, PLAN_ENTRIES, ws.data_ptr())
                     weakref.finalize(ws, self.lib.tuner_plan_destroy, made)
                     held = self.plans[stream] = (made, ws)
         return held[0]
+
+    def _share_out(
+        self, share: Callable[[stream_k_share.Layout], list[int]]
+    ) -> tuple[int, torch.Tensor]:
+        """Where the stream-K ws kernel's runs go in its workspace, and the runs."""
+        out = (ctypes.c_int64 * len(stream_k_share.Layout._fields))()
+        self.lib.tuner_streamk_layout.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p]
+        k = self.key
+        self.lib.tuner_streamk_layout(k.m, k.n, k.k, k.group, self.sms, out)
+        layout = stream_k_share.Layout(*out)
+        runs = share(layout)
+        stream_k_share.check(runs, layout)
+        return layout.offset, torch.tensor(runs, dtype=torch.int64)
 
     def _check(self, x: torch.Tensor) -> None:
         if (

@@ -18,6 +18,10 @@
 // result does not depend on timing), and resets the flag for the next call; the workspace must
 // be zero before the first one.
 //
+// How the steps are shared out is the caller's: the runs' first steps, written once into the
+// workspace (`share_offset`); a workspace without them (the last entry is not the step count)
+// gets the even share-out.
+//
 // A cluster of C x 1 CTAs runs as one: its CTAs take C adjacent tiles of weight rows through the
 // same steps, so that x's tile of a step is read from L2 once for all of them (multicast) as in
 // the ws kernel.
@@ -76,8 +80,9 @@ class GemmStreamK1 : public cutlass::gemm::kernel::GemmUniversal<
 
   struct Params {
     typename Base::Params gemm;
-    int clusters;  // cluster c runs steps [c * steps / clusters, (c + 1) * steps / clusters)
-    int* flags;    // per tile: partials written
+    int clusters;
+    int* flags;            // per tile: partials written
+    int64_t const* share;  // cluster c runs steps [share[c], share[c + 1]) if share[clusters] == steps
     float* slots;  // per CTA: the partial of its last segment, [values / 4][threads] of float4
   };
 
@@ -109,8 +114,26 @@ class GemmStreamK1 : public cutlass::gemm::kernel::GemmUniversal<
     return cute::round_up(sizeof(int) * kCluster * work_of(mnkl).tiles, size_t(128));
   }
 
+  // The workspace: flags, then the share-out (clusters + 1 first steps), then the slots.
+  static size_t share_offset(Arguments const& args) { return flag_bytes(args); }
+
+  static size_t slot_offset(Arguments const& args) {
+    return share_offset(args) +
+           cute::round_up(sizeof(int64_t) * (clusters_of(args) + 1), size_t(128));
+  }
+
   static size_t get_workspace_size(Arguments const& args) {
-    return flag_bytes(args) + kSlotBytes * kCluster * clusters_of(args);
+    return slot_offset(args) + kSlotBytes * kCluster * clusters_of(args);
+  }
+
+  // What a caller needs to write a share-out: {clusters, steps, k_tiles, tiles, share_offset}.
+  static void layout(Arguments const& args, int64_t* out) {
+    Work work = work_of(cute::append<4>(args.problem_shape, cute::Int<1>{}));
+    out[0] = clusters_of(args);
+    out[1] = work.steps;
+    out[2] = work.k_tiles;
+    out[3] = work.tiles;
+    out[4] = int64_t(share_offset(args));
   }
 
   // Nothing per call: owners reset their flags; the caller zeroes the workspace once.
@@ -127,7 +150,9 @@ class GemmStreamK1 : public cutlass::gemm::kernel::GemmUniversal<
   static Params to_underlying_arguments(Arguments const& args, void* workspace) {
     auto* bytes = static_cast<uint8_t*>(workspace);
     return {Base::to_underlying_arguments(args, workspace), clusters_of(args),
-            reinterpret_cast<int*>(bytes), reinterpret_cast<float*>(bytes + flag_bytes(args))};
+            reinterpret_cast<int*>(bytes),
+            reinterpret_cast<int64_t const*>(bytes + share_offset(args)),
+            reinterpret_cast<float*>(bytes + slot_offset(args))};
   }
 
   static dim3 get_grid_shape(Params const& params) {
@@ -212,11 +237,21 @@ class GemmStreamK1 : public cutlass::gemm::kernel::GemmUniversal<
     // This cluster's steps [first, last) and which cluster ran a step.
     Work work = work_of(problem_shape_MNKL);
     int cluster = int(blockIdx.x) / kCluster;
-    auto start = [&](int c) { return int64_t(c) * work.steps / params.clusters; };
-    auto cluster_of = [&](int64_t step) {
-      int c = int(step * params.clusters / work.steps);
-      while (c + 1 < params.clusters && start(c + 1) <= step) ++c;
-      return c;
+    bool shared_out = params.share[params.clusters] == work.steps;
+    auto start = [&](int c) {
+      return shared_out ? params.share[c] : int64_t(c) * work.steps / params.clusters;
+    };
+    auto cluster_of = [&](int64_t step) {  // the last cluster whose run starts at or before it
+      int lo = 0, hi = params.clusters - 1;
+      while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (start(mid) <= step) {
+          lo = mid;
+        } else {
+          hi = mid - 1;
+        }
+      }
+      return lo;
     };
     int64_t first = start(cluster), last = start(cluster + 1);
 

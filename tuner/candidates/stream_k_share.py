@@ -1,0 +1,104 @@
+"""How the stream-K ws kernel (``cutlass_w4a16`` kernel ``ws_streamk``) shares its steps out.
+
+A step is one K tile of one cluster tile; cluster ``c`` runs the steps ``[runs[c], runs[c + 1])``.
+A run that ends inside a tile writes that tile's head as a partial for the tile's owner (the
+run that holds its last K tile), which adds every helper's partial before it stores the tile.
+So besides the longest run, what a share-out costs is its split tiles: each partial is 64 KB
+written and read back through L2, mostly at the end of the kernel when every CTA does the same.
+
+- ``even``: runs of equal length (the longest run is shortest; a tile can be split three ways).
+- ``cost``: the runs whose longest *cost* is least, where a run's cost is its steps plus what
+  its split tiles and stores cost it, in steps (``Weights``): fewer split tiles, slightly longer
+  runs.
+
+The kernel reads the runs from its workspace (``Layout.offset``), written once per workspace.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class Layout(NamedTuple):
+    """One problem's steps and where its share-out goes in the kernel's workspace."""
+
+    clusters: int  # runs
+    steps: int
+    k_tiles: int  # steps a tile
+    tiles: int
+    offset: int  # bytes into the workspace of the runs' first steps (int64, clusters + 1)
+
+
+class Weights(NamedTuple):
+    """What a run pays, in steps, for a helper's partial (it ends inside a tile), for owning a
+    split tile (it starts inside one) and for each tile it stores."""
+
+    helper: float
+    owner: float
+    store: float
+
+
+COST_WEIGHTS = Weights(helper=1.0, owner=2.0, store=1.0)
+
+
+def even(layout: Layout) -> list[int]:
+    return [c * layout.steps // layout.clusters for c in range(layout.clusters + 1)]
+
+
+def by_cost(layout: Layout, weights: Weights = COST_WEIGHTS) -> list[int]:
+    """The contiguous runs whose longest cost is least (to a quarter step): a binary search on
+    the limit, each limit filled greedily (every run as long as the limit allows). Runs left
+    over at the end are empty."""
+    steps, k_tiles, clusters = layout.steps, layout.k_tiles, layout.clusters
+
+    def cost(a: int, b: int) -> float:
+        c = b - a + weights.store * (b // k_tiles - a // k_tiles)
+        if a % k_tiles:
+            c += weights.owner
+        if b % k_tiles and b < steps:
+            c += weights.helper
+        return c
+
+    def fill(limit: float) -> list[int] | None:
+        runs, a = [0], 0
+        for _ in range(clusters):
+            b = min(steps, a + max(1, int(limit)))
+            while b > a + 1 and cost(a, b) > limit:
+                b -= 1
+            runs.append(b)
+            a = b
+        return runs if a >= steps else None
+
+    low = steps / clusters
+    high = steps + weights.owner + weights.helper + weights.store * (layout.tiles + 1)
+    best = fill(high)
+    while high - low > 0.25:
+        middle = (low + high) / 2
+        runs = fill(middle)
+        if runs is None:
+            low = middle
+        else:
+            high, best = middle, runs
+    assert best is not None  # the first limit fits every step into one run
+    return best
+
+
+SHARES: dict[str, Callable[[Layout], list[int]]] = {"even": even, "cost": by_cost}
+
+
+def check(runs: list[int], layout: Layout) -> None:
+    """ValueError unless ``runs`` covers every step once, in order, with its empty runs (if
+    any) at the end: an owner counts every cluster between its first helper and itself as a
+    helper, so an empty run among them would never be waited out."""
+    if len(runs) != layout.clusters + 1 or runs[0] != 0 or runs[-1] != layout.steps:
+        raise ValueError(
+            f"a share-out must be {layout.clusters + 1} first steps from 0 to {layout.steps}, "
+            f"got {len(runs)} from {runs[0] if runs else None} to {runs[-1] if runs else None}"
+        )
+    lengths = [b - a for a, b in itertools.pairwise(runs)]
+    if any(n < 0 for n in lengths):
+        raise ValueError("a share-out's first steps must not decrease")
+    if 0 in lengths and any(lengths[lengths.index(0) :]):
+        raise ValueError(f"a share-out's empty runs must come last, got lengths {lengths}")
