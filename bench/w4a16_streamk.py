@@ -11,7 +11,7 @@ with its error against the float32 reference. A kernel that runs no faster on ev
 half of them is held back by what its CTAs share (x's reads from L2), not by its SMs.
 ``--shares``: the share-outs each ``ws_streamk`` config is timed with (default: every one of
 ``stream_k_share.SHARES``); ``cost:H,O,E`` is the cost model at those weights (helper, owner,
-store), ``split`` each tile in as many equal parts as the clusters allow (none crossing tiles).
+store).
 ``--profile``: each config instead only runs a few eager calls (for Nsight Compute).
 ``--library NAME=PATH``: also the library at PATH (another build of the stream-K kernel, e.g.
 with one change to its header) as config NAME, at ``--library-cluster`` (C x 1, default 2).
@@ -49,21 +49,8 @@ PROFILED_CALLS = 2
 Runs = Callable[[stream_k_share.Layout], list[int]]
 
 
-def split(layout: stream_k_share.Layout) -> list[int]:
-    """Each tile in the same number of equal parts, as many as the clusters allow (at least
-    one); the clusters left over run nothing."""
-    parts = max(1, layout.clusters // layout.tiles)
-    if layout.tiles > layout.clusters:
-        return stream_k_share.even(layout)
-    starts = [t * layout.k_tiles + j * layout.k_tiles // parts
-              for t in range(layout.tiles) for j in range(parts)]  # fmt: skip
-    return starts + [layout.steps] * (layout.clusters + 1 - len(starts))
-
-
 def share_of(name: str) -> Runs:
-    """``--shares``' NAME: a name of ``stream_k_share.SHARES``, ``split`` or ``cost:H,O,E``."""
-    if name == "split":
-        return split
+    """``--shares``' NAME: a name of ``stream_k_share.SHARES`` or ``cost:H,O,E``."""
     if name.startswith("cost:"):
         weights = stream_k_share.Weights(*(float(w) for w in name[5:].split(",")))
         return functools.partial(stream_k_share.by_cost, weights=weights)
@@ -110,7 +97,7 @@ def main() -> None:
                         choices=[c for c, _ in cw.STREAM_K_CLUSTERS],
                         help="the cluster (C x 1) the --library builds have (default: 2)")  # fmt: skip
     parser.add_argument("--shares", nargs="+", default=list(stream_k_share.SHARES),
-                        help="share-outs of ws_streamk: names, split, cost:H,O,E")  # fmt: skip
+                        help="share-outs of ws_streamk: names or cost:H,O,E")  # fmt: skip
     args = parser.parse_args()
     every = torch.cuda.get_device_properties(0).multi_processor_count
     sms_counts = args.sms or [every, every // 2]

@@ -108,7 +108,7 @@ def test_bad_params_name_the_field() -> None:
 
 
 STREAM_K = w4._p(128, 256, (2, 1), "coop", "streamk")
-WS_STREAM_K = w4._p(64, 256, (2, 1), "ws_streamk")  # MEDIUM's
+WS_STREAM_K = w4._p(64, 256, (2, 1), "ws_streamk", share="even")  # one of MEDIUM's
 
 
 def test_the_stream_k_ws_kernel_is_a_kernel_of_its_own(
@@ -149,7 +149,10 @@ def test_the_stream_k_ws_kernel_is_a_kernel_of_its_own(
         ({**WS_STREAM_K, "cluster": [4, 1]}, r"'cluster' must be one of \[\[1, 1\], \[2, 1\]\]"),
         ({**WS_STREAM_K, "scheduler": "streamk"}, r"'scheduler' must be one of \['default'\] for"),
         ({**WS_STREAM_K, "swizzle": 2}, r"'swizzle' must be one of \[1\] for kernel 'ws_streamk'"),
-        ({**WS_STREAM_K, "share": "fair"}, r"'share' must be one of \['even', 'cost'\] for kernel"),
+        (
+            {**WS_STREAM_K, "share": "fair"},
+            r"'share' must be one of \['even', 'cost', 'split'\] for",
+        ),
         (
             {**w4.MEDIUM[0], "share": "even"},
             "'share' is the 'ws_streamk' kernel's, got kernel 'ws'",

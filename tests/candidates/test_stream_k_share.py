@@ -11,12 +11,13 @@ from tuner.candidates import stream_k_share as share
 from tuner.candidates.stream_k_share import Layout
 
 # (clusters, steps, k_tiles, tiles) of M = 256 projections on 132 SMs: Qwen qkv at 2 x 1,
-# Llama o at 1 x 1, Llama down at 2 x 1; and as many clusters as steps (the kernel's most)
+# Llama o at 1 x 1, Llama down at 2 x 1; as many clusters as steps (the kernel's most)
 LAYOUTS = [
     Layout(66, 36 * 56, 56, 36, 0),
     Layout(132, 64 * 64, 64, 64, 0),
     Layout(66, 32 * 224, 224, 32, 0),
     Layout(6, 6, 3, 2, 0),
+    Layout(4, 6 * 3, 3, 6, 0),  # more tiles than clusters
 ]
 
 
@@ -77,3 +78,36 @@ def test_a_share_out_the_kernel_cannot_run_is_refused_with_the_reason(
 
 def test_empty_runs_at_the_end_are_allowed() -> None:
     share.check([0, 2, 4, 6, 6, 6, 6], LAYOUTS[3])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", list(share.SHARES))
+def test_each_owner_is_told_how_many_runs_hold_its_tiles_head(name: str, layout: Layout) -> None:
+    """The owner of a split tile (the run with its last step) waits for, and adds, one partial
+    from every other run that holds a step of it: counted here step by step."""
+    runs = share.SHARES[name](layout)
+    told = share.helpers(runs, layout)
+    run_of = [c for c, (a, b) in enumerate(itertools.pairwise(runs)) for _ in range(a, b)]
+    for c, (a, b) in enumerate(itertools.pairwise(runs)):
+        tile = a // layout.k_tiles
+        owns = b > a and a % layout.k_tiles and b >= (tile + 1) * layout.k_tiles
+        if owns:
+            holders = {run_of[s] for s in range(tile * layout.k_tiles, a)}
+            assert told[c] == len(holders) > 0
+        elif a % layout.k_tiles == 0 or a == b:
+            assert told[c] == 0
+    words = share.workspace_words(runs, layout)
+    assert words == [*runs, *told] and len(words) == 2 * layout.clusters + 1
+
+
+def test_words_of_a_share_out_the_kernel_cannot_run_are_refused() -> None:
+    with pytest.raises(ValueError, match="must not decrease"):
+        share.workspace_words([0, 2, 1, 3, 4, 5, 6], LAYOUTS[3])
+
+
+def test_split_gives_each_tile_equal_parts_and_no_run_crosses_a_tile() -> None:
+    layout = LAYOUTS[2]  # Llama down at 2 x 1: 32 tiles of 224 steps on 66 clusters
+    runs = share.split(layout)
+    assert lengths(runs) == [112] * 64 + [0, 0]
+    assert share.helpers(runs, layout) == [0, 1] * 32 + [0, 0]
+    assert share.split(LAYOUTS[4]) == share.even(LAYOUTS[4])  # no tile to give a cluster whole

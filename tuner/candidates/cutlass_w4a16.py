@@ -195,17 +195,20 @@ SMALL = [
 # narrow projections); then 64 x 128 pingpong (twice the tiles, for N that leaves SMs idle),
 # cooperative stream-K (K spread over the SMs where the tiles are few) and our stream-K ws
 # kernel (the same 64 x 256 CTAs as ws, every SM busy however few the tiles; at both clusters:
-# pairs share x's reads, single CTAs share the steps out finer). Splitting K over CTAs of
-# CUTLASS's kernels (the scheduler's "splitk" decomposition) costs each extra unit more than the
-# K steps it saves at these sizes, so no such variant is listed. The tuner times them all: the
-# list is not filtered by N.
+# pairs share x's reads, single CTAs share the steps out finer; under each of its share-outs,
+# which win on different shapes). Splitting K over CTAs of CUTLASS's kernels (the scheduler's
+# "splitk" decomposition) costs each extra unit more than the K steps it saves at these sizes,
+# so no such variant is listed. The tuner times them all: the list is not filtered by N.
 MEDIUM = [
     _p(64, 256, (2, 1), "ws"),
     _p(64, 128, (2, 1), "pingpong"),
     _p(128, 256, (2, 1), "coop", "streamk"),
     _p(128, 128, (2, 1), "coop", "streamk"),
-    _p(64, 256, (2, 1), "ws_streamk"),
-    _p(64, 256, (1, 1), "ws_streamk"),
+    *(
+        _p(64, 256, c, "ws_streamk", share=s)
+        for s in stream_k_share.SHARES
+        for c in ((2, 1), (1, 1))
+    ),
 ]
 LARGE = [
     _p(128, 256, (1, 2), "coop"),
@@ -791,8 +794,8 @@ class W4A16Launcher:
                     # zeroed: a stream-K kernel's flags start at zero, and its owners reset them
                     ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
                     if self.share_out is not None:
-                        offset, first = self.share_out
-                        ws[offset : offset + first.numel() * 8].copy_(first.view(torch.uint8))
+                        offset, words = self.share_out
+                        ws[offset : offset + words.numel() * 8].copy_(words.view(torch.uint8))
                     made = self.lib.tuner_plan_create(*self.problem, PLAN_ENTRIES, ws.data_ptr())
                     weakref.finalize(ws, self.lib.tuner_plan_destroy, made)
                     held = self.plans[stream] = (made, ws)
@@ -801,15 +804,14 @@ class W4A16Launcher:
     def _share_out(
         self, share: Callable[[stream_k_share.Layout], list[int]]
     ) -> tuple[int, torch.Tensor]:
-        """Where the stream-K ws kernel's runs go in its workspace, and the runs."""
+        """Where the stream-K ws kernel's share-out goes in its workspace, and what it is."""
         out = (ctypes.c_int64 * len(stream_k_share.Layout._fields))()
         self.lib.tuner_streamk_layout.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p]
         k = self.key
         self.lib.tuner_streamk_layout(k.m, k.n, k.k, k.group, self.sms, out)
         layout = stream_k_share.Layout(*out)
-        runs = share(layout)
-        stream_k_share.check(runs, layout)
-        return layout.offset, torch.tensor(runs, dtype=torch.int64)
+        words = stream_k_share.workspace_words(share(layout), layout)
+        return layout.offset, torch.tensor(words, dtype=torch.int64)
 
     def _check(self, x: torch.Tensor) -> None:
         if (

@@ -10,12 +10,18 @@ written and read back through L2, mostly at the end of the kernel when every CTA
 - ``cost``: the runs whose longest *cost* is least, where a run's cost is its steps plus what
   its split tiles and stores cost it, in steps (``Weights``): fewer split tiles, slightly longer
   runs.
+- ``split``: each tile in as many equal parts as the clusters allow, no run crossing a tile
+  (split-K): one store a run, and every partial written at the same time.
 
-The kernel reads the runs from its workspace (``Layout.offset``), written once per workspace.
+Which wins depends on the shape in ways no model here predicts, so the tuner times them.
+
+The kernel reads the runs and their helpers from its workspace (``Layout.offset``), written
+once per workspace (``workspace_words``).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -85,7 +91,35 @@ def by_cost(layout: Layout, weights: Weights = COST_WEIGHTS) -> list[int]:
     return best
 
 
-SHARES: dict[str, Callable[[Layout], list[int]]] = {"even": even, "cost": by_cost}
+def split(layout: Layout) -> list[int]:
+    """Each tile in the same number of equal parts, as many as the clusters allow; the clusters
+    left over run nothing. Even where there are more tiles than clusters."""
+    if layout.tiles > layout.clusters:
+        return even(layout)
+    parts = layout.clusters // layout.tiles
+    k_tiles = layout.k_tiles
+    starts = [t * k_tiles + j * k_tiles // parts for t in range(layout.tiles) for j in range(parts)]
+    return starts + [layout.steps] * (layout.clusters + 1 - len(starts))
+
+
+SHARES: dict[str, Callable[[Layout], list[int]]] = {"even": even, "cost": by_cost, "split": split}
+
+
+def helpers(runs: list[int], layout: Layout) -> list[int]:
+    """Per run that starts inside a tile: the runs before it that hold the tile's earlier
+    steps (the partials its owner adds); 0 for a run that starts a tile or is empty."""
+    out = []
+    for c, (a, b) in enumerate(itertools.pairwise(runs)):
+        tile_first = a - a % layout.k_tiles
+        out.append(c - (bisect.bisect_right(runs, tile_first) - 1) if b > a > tile_first else 0)
+    return out
+
+
+def workspace_words(runs: list[int], layout: Layout) -> list[int]:
+    """What the kernel reads at ``layout.offset`` (int64s): the runs' first steps, then each
+    run's helpers."""
+    check(runs, layout)
+    return [*runs, *helpers(runs, layout)]
 
 
 def check(runs: list[int], layout: Layout) -> None:

@@ -18,9 +18,10 @@
 // result does not depend on timing), and resets the flag for the next call; the workspace must
 // be zero before the first one.
 //
-// How the steps are shared out is the caller's: the runs' first steps, written once into the
-// workspace (`share_offset`); a workspace without them (the last entry is not the step count)
-// gets the even share-out.
+// How the steps are shared out is the caller's: the runs' first steps and each run's helpers
+// (of the tile it owns, if it starts inside one), written once into the workspace
+// (`share_offset`); a workspace without them (entry `clusters` is not the step count) gets the
+// even share-out.
 //
 // A cluster of C x 1 CTAs runs as one: its CTAs take C adjacent tiles of weight rows through the
 // same steps, so that x's tile of a step is read from L2 once for all of them (multicast) as in
@@ -82,7 +83,9 @@ class GemmStreamK1 : public cutlass::gemm::kernel::GemmUniversal<
     typename Base::Params gemm;
     int clusters;
     int* flags;            // per tile: partials written
-    int64_t const* share;  // cluster c runs steps [share[c], share[c + 1]) if share[clusters] == steps
+    // if share[clusters] == steps: cluster c runs steps [share[c], share[c + 1]) and the tile it
+    // owns has share[clusters + 1 + c] helpers
+    int64_t const* share;
     float* slots;  // per CTA: the partial of its last segment, [values / 4][threads] of float4
   };
 
@@ -114,12 +117,13 @@ class GemmStreamK1 : public cutlass::gemm::kernel::GemmUniversal<
     return cute::round_up(sizeof(int) * kCluster * work_of(mnkl).tiles, size_t(128));
   }
 
-  // The workspace: flags, then the share-out (clusters + 1 first steps), then the slots.
+  // The workspace: flags, then the share-out (clusters + 1 first steps, clusters helpers), then
+  // the slots.
   static size_t share_offset(Arguments const& args) { return flag_bytes(args); }
 
   static size_t slot_offset(Arguments const& args) {
     return share_offset(args) +
-           cute::round_up(sizeof(int64_t) * (clusters_of(args) + 1), size_t(128));
+           cute::round_up(sizeof(int64_t) * (2 * clusters_of(args) + 1), size_t(128));
   }
 
   static size_t get_workspace_size(Arguments const& args) {
@@ -234,26 +238,22 @@ class GemmStreamK1 : public cutlass::gemm::kernel::GemmUniversal<
     Tensor gA_mkl = get<0>(load_inputs);
     Tensor gB_nkl = get<1>(load_inputs);
 
-    // This cluster's steps [first, last) and which cluster ran a step.
+    // This cluster's steps [first, last) and the helpers of the tile it owns (if it starts in one).
     Work work = work_of(problem_shape_MNKL);
     int cluster = int(blockIdx.x) / kCluster;
-    bool shared_out = params.share[params.clusters] == work.steps;
-    auto start = [&](int c) {
-      return shared_out ? params.share[c] : int64_t(c) * work.steps / params.clusters;
-    };
-    auto cluster_of = [&](int64_t step) {  // the last cluster whose run starts at or before it
-      int lo = 0, hi = params.clusters - 1;
-      while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (start(mid) <= step) {
-          lo = mid;
-        } else {
-          hi = mid - 1;
-        }
-      }
-      return lo;
-    };
-    int64_t first = start(cluster), last = start(cluster + 1);
+    // the caller's share-out (its loads in flight at once), else the even one
+    int64_t const* share = params.share;
+    int64_t written = share[params.clusters], first = share[cluster], last = share[cluster + 1];
+    int64_t owner_helpers = share[params.clusters + 1 + cluster];
+    if (written != work.steps) {
+      auto start = [&](int c) { return int64_t(c) * work.steps / params.clusters; };
+      first = start(cluster);
+      last = start(cluster + 1);
+      int64_t tile_first = first - first % work.k_tiles;
+      int c = int(tile_first * params.clusters / work.steps);  // the cluster that runs tile_first
+      while (c + 1 < params.clusters && start(c + 1) <= tile_first) ++c;
+      owner_helpers = cluster - c;
+    }
 
     // Segment s of this CTA's run, counted from its end: (tile, first K tile, K tiles).
     struct Segment {
@@ -344,8 +344,8 @@ class GemmStreamK1 : public cutlass::gemm::kernel::GemmUniversal<
         cutlass::arch::NamedBarrier::arrive(kThreads + cutlass::NumThreadsPerWarp, kPartialWritten);
         continue;
       }
-      int64_t tile_first = int64_t(s.tile) * work.k_tiles;
-      int helpers = s.k_begin == 0 ? 0 : cluster - cluster_of(tile_first);
+      // a stored segment that starts inside its tile starts the run: the tile this run owns
+      int helpers = s.k_begin == 0 ? 0 : int(owner_helpers);
       if (helpers > 0) {
         // The helpers' partials in CTA order, each copied whole into the mainloop's stages (idle:
         // a segment with helpers is the CTA's last) by the TMA unit, then read from there: one
