@@ -50,10 +50,18 @@ Runs = Callable[[stream_k_share.Layout], list[int]]
 
 
 def share_of(name: str) -> Runs:
-    """``--shares``' NAME: a name of ``stream_k_share.SHARES`` or ``cost:H,O,E``."""
+    """``--shares``' NAME: a name of ``stream_k_share.SHARES`` or ``cost:H,O,E``; ValueError
+    naming what is allowed."""
     if name.startswith("cost:"):
-        weights = stream_k_share.Weights(*(float(w) for w in name[5:].split(",")))
+        try:
+            weights = stream_k_share.Weights(*(float(w) for w in name[5:].split(",")))
+        except (TypeError, ValueError):
+            weights = None
+        if weights is None or min(weights) < 0:
+            raise ValueError(f"--shares {name!r}: cost:H,O,E takes three weights >= 0")
         return functools.partial(stream_k_share.by_cost, weights=weights)
+    if name not in stream_k_share.SHARES:
+        raise ValueError(f"--shares {name!r}: allowed: {list(stream_k_share.SHARES)} or cost:H,O,E")
     return stream_k_share.SHARES[name]
 
 
@@ -99,6 +107,10 @@ def main() -> None:
     parser.add_argument("--shares", nargs="+", default=list(stream_k_share.SHARES),
                         help="share-outs of ws_streamk: names or cost:H,O,E")  # fmt: skip
     args = parser.parse_args()
+    try:
+        shares = {name: share_of(name) for name in args.shares}
+    except ValueError as e:
+        parser.error(str(e))
     every = torch.cuda.get_device_properties(0).multi_processor_count
     sms_counts = args.sms or [every, every // 2]
     keys = keys_of(FORMAT, args.m, args.ops)
@@ -123,12 +135,13 @@ def main() -> None:
             streamk_sms = sms_counts if params["kernel"] == "ws_streamk" else [every]
             name, path = library.split("=", 1) if library else (params["kernel"], None)
             for sms in streamk_sms:
-                runs = share_of(share) if share else None
+                runs = shares[share] if share else None
                 timed = time_one(key, params, sms, sets, ref, args.profile,
                                  Path(path) if path else None, runs)  # fmt: skip
-                row["configs"].append({**timed, "share": share, "library": library and name})
+                shared_out = share or params.get("share")
+                row["configs"].append({**timed, "share": shared_out, "library": library and name})
                 print(
-                    f"{label:34s} {name:10s} {share or '':14s} cluster {params['cluster']} sms "
+                    f"{label:34s} {name:10s} {shared_out or '':14s} cluster {params['cluster']} sms "
                     f"{sms:3d} GPU {timed['gpu_us']:7.2f} us err {timed['error']:.2f}",
                     flush=True,
                 )

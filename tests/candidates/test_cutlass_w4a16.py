@@ -6,6 +6,7 @@ against the float32 GEMM on the dequantized weight, through the tuner's own nume
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -564,6 +565,12 @@ def test_the_stream_k_ws_kernel_sums_split_tiles_right_and_bit_for_bit(
     ref = samples.reference(key, inputs)
     first = samples.output_like(key, inputs).fill_(float("nan"))
     assert run(*inputs, out=first) is first
+    ((_, workspace),) = run.plans.values()  # the share-out is in the workspace the kernel read
+    offset, words = run.share_out
+    assert torch.equal(workspace[offset : offset + words.numel() * 8].view(torch.int64), words)
+    clusters = (words.numel() - 1) // 2
+    steps = math.ceil(math.ceil(n / 64) / cluster[0]) * math.ceil(k / 64)  # tiles x K tiles
+    assert (int(words[0]), int(words[clusters])) == (0, steps)
     assert samples.relative_error(first, ref) <= 1
     for _ in range(3):
         assert torch.equal(run(*inputs), first)

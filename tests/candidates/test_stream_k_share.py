@@ -111,3 +111,10 @@ def test_split_gives_each_tile_equal_parts_and_no_run_crosses_a_tile() -> None:
     assert lengths(runs) == [112] * 64 + [0, 0]
     assert share.helpers(runs, layout) == [0, 1] * 32 + [0, 0]
     assert share.split(LAYOUTS[4]) == share.even(LAYOUTS[4])  # no tile to give a cluster whole
+
+
+def test_the_cost_model_keeps_the_best_limit_it_found() -> None:
+    """Seven tiles of two steps on 14 clusters: a run of one step costs an owner or helper its
+    weight on top, so seven whole tiles (cost 3: two steps and a store) beat 14 halves."""
+    layout = Layout(14, 14, 2, 7, 0)
+    assert lengths(share.by_cost(layout)) == [2] * 7 + [0] * 7

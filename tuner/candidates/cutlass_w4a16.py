@@ -33,8 +33,10 @@ layout a runner has read. Not offered: group size 32 (groups must be a multiple 
 persistent and stream-K (``cuda_kernels/cutlass_w4a16_streamk.hpp``): one CTA an SM shares out
 every tile's K steps, so a narrow projection, whose tiles are fewer than the SMs, still fills the
 GPU. CUTLASS offers stream-K only on its cooperative kernel, whose 128-row tiles halve the tiles
-again. A cluster's CTAs run the same steps on adjacent tiles (x's tile multicast to them); its
-workspace (a flag per tile, a partial tile per CTA) is zeroed once, when a launcher makes it.
+again. A cluster's CTAs run the same steps on adjacent tiles (x's tile multicast to them). How the
+steps are shared out among the CTAs is the runtime param ``share`` (``stream_k_share``). Its
+workspace (a flag per tile, the share-out, a partial tile per CTA) is zeroed, and the share-out
+written, once, when a launcher makes it.
 """
 
 from __future__ import annotations
@@ -793,7 +795,7 @@ class W4A16Launcher:
                 if held is None:
                     # zeroed: a stream-K kernel's flags start at zero, and its owners reset them
                     ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
-                    if self.share_out is not None:
+                    if self.share_out is not None:  # a device-to-device copy: capturable
                         offset, words = self.share_out
                         ws[offset : offset + words.numel() * 8].copy_(words.view(torch.uint8))
                     made = self.lib.tuner_plan_create(*self.problem, PLAN_ENTRIES, ws.data_ptr())
@@ -811,7 +813,7 @@ class W4A16Launcher:
         self.lib.tuner_streamk_layout(k.m, k.n, k.k, k.group, self.sms, out)
         layout = stream_k_share.Layout(*out)
         words = stream_k_share.workspace_words(share(layout), layout)
-        return layout.offset, torch.tensor(words, dtype=torch.int64)
+        return layout.offset, torch.tensor(words, dtype=torch.int64, device=self.device)
 
     def _check(self, x: torch.Tensor) -> None:
         if (

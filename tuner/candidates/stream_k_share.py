@@ -34,7 +34,7 @@ class Layout(NamedTuple):
     steps: int
     k_tiles: int  # steps a tile
     tiles: int
-    offset: int  # bytes into the workspace of the runs' first steps (int64, clusters + 1)
+    offset: int  # bytes into the workspace of the share-out (int64s: ``workspace_words``)
 
 
 class Weights(NamedTuple):
@@ -73,6 +73,8 @@ def by_cost(layout: Layout, weights: Weights = COST_WEIGHTS) -> list[int]:
             b = min(steps, a + max(1, int(limit)))
             while b > a + 1 and cost(a, b) > limit:
                 b -= 1
+            if b > a and cost(a, b) > limit:  # not even one step fits
+                return None
             runs.append(b)
             a = b
         return runs if a >= steps else None
@@ -107,7 +109,8 @@ SHARES: dict[str, Callable[[Layout], list[int]]] = {"even": even, "cost": by_cos
 
 def helpers(runs: list[int], layout: Layout) -> list[int]:
     """Per run that starts inside a tile: the runs before it that hold the tile's earlier
-    steps (the partials its owner adds); 0 for a run that starts a tile or is empty."""
+    steps (the partials its owner adds; the kernel reads it only where the run owns the tile,
+    i.e. reaches its end); 0 for a run that starts a tile or is empty."""
     out = []
     for c, (a, b) in enumerate(itertools.pairwise(runs)):
         tile_first = a - a % layout.k_tiles

@@ -1,8 +1,8 @@
 // CUTLASS's SM90 mixed-input warp-specialized GEMM (KernelTmaWarpSpecialized: a producer warp
 // feeding one consumer warpgroup by TMA) made persistent and stream-K: a grid of at most one CTA
-// an SM shares the (tile, K tile) steps of the whole problem out evenly, each cluster of CTAs a
-// contiguous run of them, which crosses tiles wherever the tiles do not divide among the
-// clusters.
+// an SM shares out the (tile, K tile) steps of the whole problem, each cluster of CTAs a
+// contiguous run of them (evenly, or as the caller says), which crosses tiles wherever the tiles
+// do not divide among the clusters.
 //
 // Why: a narrow projection has fewer tiles of weight rows than the GPU has SMs, and CUTLASS's
 // stream-K schedulers come only with its cooperative kernel, whose two consumer warpgroups need
