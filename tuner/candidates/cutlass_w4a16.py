@@ -158,7 +158,8 @@ class Options(NamedTuple):
 
 
 def launch_options(params: Params) -> Options:
-    share = params.get("share", "even") if params.get("kernel") == "ws_streamk" else None
+    streamk = params.get("kernel") == "ws_streamk"
+    share = params.get("share", stream_k_share.DEFAULT) if streamk else None
     return Options(scheduler_args(params), params.get("a_layout") == "reordered", share)
 
 
@@ -247,7 +248,7 @@ def check_stream_k(params: Params) -> None:
         ("swizzle", [1]),
         ("share", list(stream_k_share.SHARES)),
     ):
-        value = params.get(name, "even" if name == "share" else 1)
+        value = params.get(name, stream_k_share.DEFAULT if name == "share" else 1)
         value = list(value) if isinstance(value, list | tuple) else value
         if value not in allowed:
             raise ValueError(

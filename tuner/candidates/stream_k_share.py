@@ -105,6 +105,7 @@ def split(layout: Layout) -> list[int]:
 
 
 SHARES: dict[str, Callable[[Layout], list[int]]] = {"even": even, "cost": by_cost, "split": split}
+DEFAULT = "even"  # a config that names no share-out
 
 
 def helpers(runs: list[int], layout: Layout) -> list[int]:
