@@ -84,9 +84,10 @@ def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     return out
 
 
-# The CUDA kernel's configs (slices, stages, warps, cluster) timed by ``--cuda``, those that fit.
-CUDA_GRID = [(s, st, w, c) for s in (1, 2, 4) for st in (2, 3, 4) for w in (8, 16)
-             for c in (1, 2, 4)]  # fmt: skip
+# The CUDA kernel's configs (slices, stages, chunk, warps, cluster) timed by ``--cuda``, those
+# that fit.
+CUDA_GRID = [(s, st, c, w, 1) for s in (1, 2, 4) for st in (2, 3) for c in (128, 256, 512)
+             for w in (8, 16)]  # fmt: skip
 
 
 def cuda_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:

@@ -30,8 +30,10 @@ def key_of(spec: str, m: int, n: int = 4096, k: int = 14336, **extra) -> GemmKey
     return GemmKey(m=m, n=n, k=k, **{**lowbit_fields(spec), **extra})
 
 
-def cfg(slices: int = 2, stages: int = 3, warps: int = 8, cluster: int = 1) -> dict:
-    return {"slices": slices, "stages": stages, "warps": warps, "cluster": cluster}
+def cfg(
+    slices: int = 2, stages: int = 3, warps: int = 8, cluster: int = 1, chunk: int = 128
+) -> dict:
+    return {"slices": slices, "stages": stages, "chunk": chunk, "warps": warps, "cluster": cluster}
 
 
 @pytest.fixture
@@ -50,6 +52,7 @@ def test_configs_are_checked_field_by_field() -> None:
         (dict(cfg(), slices=3), 1, "config['slices']=3"),
         (dict(cfg(), slices=True), 1, "config['slices']=True"),
         (dict(cfg(), stages=9), 1, "config['stages']=9"),
+        (dict(cfg(), chunk=64), 1, "config['chunk']=64"),
         (dict(cfg(), warps=0), 1, "config['warps']=0"),
         (dict(cfg(), cluster=9), 1, "config['cluster']=9"),
         ({**cfg(), "split": "k"}, 1, "unknown keys ['split']"),
@@ -65,6 +68,10 @@ def test_configs_are_checked_field_by_field() -> None:
         cf.check_config(cfg(), 1, 64, 200)
     with pytest.raises(ValueError, match="K=128"):
         cf.check_config(cfg(cluster=2), 1, 64, 128)
+    with pytest.raises(
+        ValueError, match=re.escape("K=384: must be whole chunks of config['chunk']=256")
+    ):
+        cf.check_config(cfg(chunk=256), 1, 64, 384)
     with pytest.raises(ValueError, match="N=0"):
         cf.check_config(cfg(), 1, 0, 128)
     with pytest.raises(ValueError, match="shared memory"):  # 16 rings of 8 stages of 9 KB
@@ -80,6 +87,8 @@ def test_shared_memory_is_the_rings_or_the_partial_sums() -> None:
     assert cf.smem_bytes(cfg(4, 2, 1), 16) == max(2 * 10240, 2 * 64 * 16 * 4)
     # a cluster adds an inbox: an mbarrier and a share of the 32 x 5 outputs from each of 3 ranks
     assert cf.smem_bytes(cfg(2, 2, 8, 3), 5) == 8 * 2 * 5120 + 8 + 3 * 54 * 4
+    # chunks of 512 bytes: four times the bytes a stage
+    assert cf.smem_bytes(cfg(1, 2, 8, chunk=512), 1) == 8 * 2 * (16 + 8) * 512
 
 
 def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:
@@ -87,8 +96,10 @@ def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:
     assert a == cf.library(cfg(warps=8, cluster=2))  # launch parameters share the library
     assert cf.library(cfg(stages=6)) != a
     assert cf.Library.from_json(a.to_json()) == a
-    command = cf.library(cfg(4, 5)).nvcc_command("nvcc", nvcc_build.library_path(a))
-    assert {"-DGEMV_SLICES=4", "-DGEMV_STAGES=5", f"-arch={cuda_library.ARCH}"} <= set(command)
+    assert cf.library(cfg(chunk=512)) != a
+    command = cf.library(cfg(4, 5, chunk=256)).nvcc_command("nvcc", nvcc_build.library_path(a))
+    assert {"-DGEMV_SLICES=4", "-DGEMV_STAGES=5", "-DGEMV_CHUNK=256",
+            f"-arch={cuda_library.ARCH}"} <= set(command)  # fmt: skip
     spec = a.artifact_spec()
     assert spec.source == "cuda_fp8" and "warps" not in spec.config
     assert set(spec.toolchain) == {"fp8_gemv.cu", "nvcc", "flags"}
@@ -117,7 +128,7 @@ def test_registered_and_which_keys_it_takes() -> None:
     assert source.unsupported(key_of("int4-g128", 1)) == "fp8 operands only"
     assert source.unsupported(GemmKey(m=1, n=64, k=128)) == "fp8 operands only"
     assert "M <= 16" in source.unsupported(key_of("fp8-rowwise", 17))
-    assert "chunks of 128" in source.unsupported(key_of("fp8-rowwise", 1, k=4160))
+    assert "runs of 128" in source.unsupported(key_of("fp8-rowwise", 1, k=4160))
     assert "align=8" in source.unsupported(key_of("fp8-rowwise", 1, k=256, align=8))
     assert "no GPU" in source.unavailable("cpu")
 
@@ -130,8 +141,10 @@ def test_the_decode_shortlists(store: ArtifactStore) -> None:
     assert [entry(c) for c in cf.configs(4, 4096, 14336)] == list(cf.SHORTLIST)
     assert [entry(c) for c in cf.configs(9, 4096, 14336)] == list(cf.WIDE_SHORTLIST)
     assert cf.configs(17, 4096, 14336) == []
-    # one chunk of K: no cluster of two fits
-    assert [entry(c) for c in cf.configs(4, 64, 128)] == [e for e in cf.SHORTLIST if e[-1] == 1]
+    # one run of K: neither a cluster of two nor chunks of 512 fit
+    assert [entry(c) for c in cf.configs(4, 64, 128)] == [
+        e for e in cf.SHORTLIST if e[-1] == 1 and e[2] == 128
+    ]
     key = key_of("fp8-rowwise", 2)
     assert cf.CudaFp8().candidates(key, "cuda") == cf.configs(2, 4096, 14336)
     first, *rest = cf.configs(2, 4096, 14336)
@@ -157,7 +170,7 @@ def test_operands_the_kernel_would_refuse() -> None:
         cf.check_operands(a8, b8, sa, sb, out)
     with pytest.raises(ValueError, match="M=17"):
         cf.check_operands(*fp8_operands(17, n, k, device="cpu"), None)
-    with pytest.raises(ValueError, match="K=192 must be whole chunks of 128"):
+    with pytest.raises(ValueError, match="K=192 must be whole runs of 128"):
         cf.check_operands(*fp8_operands(m, n, 192, device="cpu"), None)
     rows = torch.empty(m, k + 8, dtype=a8.dtype)[:, :k]  # rows 264 bytes apart
     with pytest.raises(ValueError, match=r"a: rows must start on 16-byte boundaries"):
@@ -182,9 +195,9 @@ def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) ->
     assert unpack(store.get(lib.artifact_spec())) == {kernel_artifacts.LIBRARY: path.read_bytes()}
     entry = cf.load(path)
     assert entry.restype is ctypes.c_int  # the CUDA runtime is linked in: no GPU needed
-    slices, stages = ctypes.c_int(), ctypes.c_int()
-    ctypes.CDLL(str(path)).fp8_gemv_config(ctypes.byref(slices), ctypes.byref(stages))
-    assert (slices.value, stages.value) == (config["slices"], config["stages"])
+    got = [ctypes.c_int() for _ in range(3)]
+    ctypes.CDLL(str(path)).fp8_gemv_config(*map(ctypes.byref, got))
+    assert [v.value for v in got] == [config["slices"], config["stages"], config["chunk"]]
     # refused before any CUDA call: two e5m2 operands (cudaErrorInvalidValue)
     assert entry(0, 0, 0, 0, 0, 1, 64, 128, 128, 128, 64, 1, 1, 0, 1, 8, 1, 0) == 1
 
@@ -200,9 +213,10 @@ SHAPES = [
     (5, 1024, 3584, E4M3, E4M3, torch.bfloat16, True),
     (12, 72, 640, E4M3, E4M3, torch.float16, False),
 ]
-# 16-, 32- and 64-row warps; 16 warps; clusters of 2, 3 and 4 (K split unevenly); deep rings
+# 16-, 32- and 64-row warps; 16 warps; clusters of 2, 3 and 4 (K split unevenly); deep rings;
+# chunks of 256 and 512 bytes
 CONFIGS = [cfg(1, 3, 8, 1), cfg(2, 2, 16, 1), cfg(4, 2, 8, 2), cfg(2, 3, 4, 3), cfg(1, 8, 3, 1),
-           cfg(2, 4, 8, 4)]  # fmt: skip
+           cfg(2, 4, 8, 4), cfg(1, 2, 4, 1, 512), cfg(1, 3, 4, 2, 256)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +301,8 @@ def test_inside_a_cuda_graph_and_after_the_kernel_that_writes_its_input(built: N
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref, tol = reference(*fp8.quantize_rowwise(x), b8, sb, torch.bfloat16)
+        q, s = fp8.quantize_rowwise(x)
+        ref, tol = reference(q, b8, s, sb, torch.bfloat16)
         assert excess(out, ref, tol) <= 1
 
 
@@ -306,7 +321,7 @@ def test_the_runner_takes_scaled_mms_operands_and_checks_them(built: None) -> No
         runner(a8, b8.T, sa, sb.T, torch.empty(4, 512, device="cuda", dtype=torch.float16))
 
 
-TUNED = [key_of("fp8-rowwise", 1, n=4096, k=2048), key_of("fp8-tensorwise", 6, n=520, k=384),
+TUNED = [key_of("fp8-rowwise", 1, n=4096, k=2048), key_of("fp8-tensorwise", 6, n=528, k=384),
          key_of("fp8-rowwise-fast", 16, n=3584, k=1152)]  # fmt: skip
 
 

@@ -569,7 +569,8 @@ def test_the_stream_k_ws_kernel_sums_split_tiles_right_and_bit_for_bit(
     offset, words = run.share_out
     assert torch.equal(workspace[offset : offset + words.numel() * 8].view(torch.int64), words)
     clusters = (words.numel() - 1) // 2
-    steps = math.ceil(math.ceil(n / 64) / cluster[0]) * math.ceil(k / 64)  # tiles x K tiles
+    # the weight's 64-row tiles over the cluster, x's 256-row tiles, K's 64-value tiles
+    steps = math.ceil(math.ceil(n / 64) / cluster[0]) * math.ceil(m / 256) * math.ceil(k / 64)
     assert (int(words[0]), int(words[clusters])) == (0, steps)
     assert samples.relative_error(first, ref) <= 1
     for _ in range(3):

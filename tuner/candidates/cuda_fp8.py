@@ -12,7 +12,7 @@ added to the fp32 sum apart, as ``_scaled_mm`` promotes its partial sums without
 dependent launch.
 
 A config is the library's compile-time part (``slices`` of 16 rows per warp, ``stages`` of each
-copy ring: a ``Library``) and its launch part (``warps`` per CTA, ``cluster`` CTAs splitting K).
+copy ring, ``chunk`` bytes of K a warp copies of each row at a time: a ``Library``) and its launch part (``warps`` per CTA, ``cluster`` CTAs splitting K).
 Each library serves every shape and format and is built, stored and loaded as ``cuda_library``
 says. Runners take ``_scaled_mm``'s operands (b column-major [K, N]), as ``triton_fp8``'s do.
 """
@@ -36,7 +36,8 @@ from tuner.core.keys import DTYPES, GemmKey
 
 SOURCE = cuda_library.KERNELS / "fp8_gemv.cu"
 SLICES, STAGES = (1, 2, 4), range(2, 9)
-CHUNK = 128  # K values (bytes) a warp takes at a time
+CHUNKS = (128, 256, 512)  # K bytes a warp takes at a time: one row's run of DRAM addresses
+RUN = 128  # K bytes of one chunk's four mma
 MAX_M = 16  # two n8 tiles of activations
 NARROW_M = 8  # one n8 tile
 MAX_WARPS, WIDE_MAX_WARPS, MAX_CLUSTER = 16, 8, 8
@@ -47,7 +48,7 @@ OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 BUILDER = "tuner.candidates.cuda_fp8"  # this module, also when it runs as __main__
 
 Config = dict[str, Any]
-CONFIG_KEYS = ("slices", "stages", "warps", "cluster")
+CONFIG_KEYS = ("slices", "stages", "chunk", "warps", "cluster")
 
 
 def max_warps(slices: int, m: int) -> int:
@@ -62,6 +63,7 @@ def check_config(config: Config, m: int, n: int, k: int) -> None:
         raise ValueError(f"config: unknown keys {sorted(extra)}; allowed {list(CONFIG_KEYS)}")
     slices = choice(config, "slices", SLICES)
     choice(config, "stages", STAGES)
+    chunk = choice(config, "chunk", CHUNKS)
     warps = choice(config, "warps", range(1, MAX_WARPS + 1))
     cluster = choice(config, "cluster", range(1, MAX_CLUSTER + 1))
     if not 1 <= m <= MAX_M:
@@ -69,9 +71,9 @@ def check_config(config: Config, m: int, n: int, k: int) -> None:
     if warps > max_warps(slices, m):
         raise ValueError(f"config['warps']={warps}: allowed 1 to {max_warps(slices, m)} for "
                          f"config['slices']={slices} at M={m}")  # fmt: skip
-    if k % CHUNK or k < CHUNK * cluster:
-        raise ValueError(f"K={k}: must be whole chunks of {CHUNK}, at least one per CTA of "
-                         f"config['cluster']={cluster}")  # fmt: skip
+    if k % chunk or k < chunk * cluster:
+        raise ValueError(f"K={k}: must be whole chunks of config['chunk']={chunk}, at least one "
+                         f"per CTA of config['cluster']={cluster}")  # fmt: skip
     if n < 1:
         raise ValueError(f"N={n}: must be at least 1")
     if smem_bytes(config, m) > SMEM_LIMIT:
@@ -81,11 +83,12 @@ def check_config(config: Config, m: int, n: int, k: int) -> None:
 
 def smem_bytes(config: Config, m: int) -> int:
     """Shared memory of one CTA (as the launcher computes it): the warps' copy rings (a stage:
-    the warp's slices of the weight, 2 KB each, and x's n8 tiles, 1 KB each), or the warps'
+    the warp's slices of the weight, 16 rows x chunk bytes each, and x's n8 tiles, 8 rows x chunk
+    bytes each), or the warps'
     partial sums and their sum if larger; then, in a cluster, the inbox: an 8-byte mbarrier
     and, from each rank, its sums of this rank's share of the outputs."""
     rows, warps, cluster = 16 * config["slices"], config["warps"], config["cluster"]
-    stage = config["slices"] * 16 * CHUNK + (2 if m > NARROW_M else 1) * 8 * CHUNK
+    stage = (config["slices"] * 16 + (2 if m > NARROW_M else 1) * 8) * config["chunk"]
     inbox = 8 + cluster * -(-rows * m // cluster) * 4 if cluster > 1 else 0
     return max(warps * config["stages"] * stage, (warps + 1) * rows * m * 4) + inbox
 
@@ -100,13 +103,15 @@ class Library(cuda_library.CudaLibrary):
 
     slices: int
     stages: int
+    chunk: int
 
     def defines(self) -> list[str]:
-        return [f"-DGEMV_SLICES={self.slices}", f"-DGEMV_STAGES={self.stages}"]
+        return [f"-DGEMV_SLICES={self.slices}", f"-DGEMV_STAGES={self.stages}",
+                f"-DGEMV_CHUNK={self.chunk}"]  # fmt: skip
 
 
 def library(config: Config) -> Library:
-    return Library(config["slices"], config["stages"])
+    return Library(config["slices"], config["stages"], config["chunk"])
 
 
 def compile_all(configs: Iterable[Config]) -> dict[Library, str | None]:
@@ -146,8 +151,8 @@ def check_operands(
     m, n, k, rowwise = check_inputs(a, b, scale_a, scale_b)
     if not 1 <= m <= MAX_M:
         raise ValueError(f"a.shape={tuple(a.shape)}: M={m}, allowed 1 to {MAX_M}")
-    if k % CHUNK:
-        raise ValueError(f"a.shape={tuple(a.shape)}: K={k} must be whole chunks of {CHUNK}")
+    if k % RUN:
+        raise ValueError(f"a.shape={tuple(a.shape)}: K={k} must be whole runs of {RUN}")
     for name, t in (("a", a), ("b", b)):
         if t.data_ptr() % ALIGN or t.stride(0) % ALIGN:
             raise ValueError(f"{name}: rows must start on {ALIGN}-byte boundaries (data_ptr "
@@ -181,9 +186,9 @@ def run(fn: Launcher, config: Config, a: torch.Tensor, b: torch.Tensor, scale_a:
         raise RuntimeError(f"fp8_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlists (slices, stages, warps, cluster), the likeliest first.
-SHORTLIST = ((2, 2, 16, 1), (2, 4, 8, 1), (1, 3, 8, 1), (4, 2, 8, 2), (2, 3, 8, 2))
-WIDE_SHORTLIST = ((1, 3, 8, 1), (2, 3, 8, 1), (1, 2, 16, 1), (2, 2, 8, 2))
+# Decode shortlists (slices, stages, chunk, warps, cluster), the likeliest first.
+SHORTLIST = ((2, 2, 128, 8, 1), (2, 3, 128, 8, 1), (1, 2, 128, 16, 1), (1, 2, 512, 8, 1))
+WIDE_SHORTLIST = ((2, 2, 128, 8, 1), (4, 2, 128, 8, 2), (1, 2, 256, 8, 1))
 
 
 def shortlist(m: int) -> tuple[tuple, ...]:
@@ -209,8 +214,8 @@ def unsupported_reason(key: GemmKey) -> str | None:
         return "fp8 operands only"
     if key.m > MAX_M:
         return f"m={key.m}: offered for decode at M <= {MAX_M} (two n8 tiles of activations)"
-    if key.k % CHUNK:
-        return f"k={key.k}: the kernel takes K in whole chunks of {CHUNK}"
+    if key.k % RUN:
+        return f"k={key.k}: the kernel takes K in whole runs of {RUN}"
     if key.align < ALIGN:
         return f"align={key.align}: rows are copied in {ALIGN}-byte pieces"
     if DTYPES[key.out_dtype] not in OUT_KINDS:

@@ -11,7 +11,7 @@
 //
 // The tensor cores take b's rows as mma.m16n8k32's A (16 rows a slice) and a's rows as its B
 // (one n8 tile for M <= 8, two above), both in their fp8 format. A dot product does not depend
-// on the order of K, so each lane takes contiguous bytes: in a 128-byte chunk of a row, lane
+// on the order of K, so each lane takes contiguous bytes: in each 128-byte run of a row, lane
 // (g, t) of a quad holds the 16 bytes at 16 t and the 16 at 64 + 16 t (eight words), of rows g
 // and g + 8 of a slice and of a's row g of an n8 tile; the mma of k32 block j takes words 2 j and
 // 2 j + 1 as the fragment's two k halves (a0 / a2 of rows g, a1 / a3 of rows g + 8, b0 / b1),
@@ -19,12 +19,15 @@
 // lanes a row) and write each piece where the lane that reads it finds its words in order
 // (slot [piece][lane] x 16 bytes: conflict-free 16-byte shared loads).
 //
-// Accumulation: each chunk's four mma (128 products) start from zero and their sum is added to
+// A chunk is CHUNK bytes of K (-DGEMV_CHUNK=128|256|512): the longer, the longer each row's run of
+// DRAM addresses a warp reads at once.
+//
+// Accumulation: each 128 bytes' four mma (128 products) start from zero and their sum is added to
 // the fp32 accumulator, as _scaled_mm's non-fast kernels promote their partial sums; the scales
 // apply once, to the final sum.
 //
-// One shared library per (SLICES, STAGES): -DGEMV_SLICES=1|2|4 (16-row slices per warp),
-// -DGEMV_STAGES=2..8; warps per CTA and the cluster size are launch arguments.
+// One shared library per (SLICES, STAGES, CHUNK): -DGEMV_SLICES=1|2|4 (16-row slices per warp),
+// -DGEMV_STAGES=2..8, -DGEMV_CHUNK; warps per CTA and the cluster size are launch arguments.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -37,6 +40,9 @@
 #ifndef GEMV_STAGES
 #define GEMV_STAGES 3
 #endif
+#ifndef GEMV_CHUNK
+#define GEMV_CHUNK 128
+#endif
 
 namespace cg = cooperative_groups;
 using namespace gemv;
@@ -44,11 +50,12 @@ using namespace gemv;
 constexpr int SLICES = GEMV_SLICES;
 constexpr int STAGES = GEMV_STAGES;
 constexpr int ROWS = 16 * SLICES;
-constexpr int CHUNK = 128;  // K values (bytes) per chunk
+constexpr int CHUNK = GEMV_CHUNK;  // K values (bytes) a warp takes at a time
 constexpr int MAX_M = 16;   // two n8 tiles
 constexpr int MAX_WARPS = 16;
-constexpr int SLICE_BYTES = 16 * CHUNK;  // a slice's chunk: 4 slots x 32 lanes x 16 bytes
-constexpr int TILE_BYTES = 8 * CHUNK;    // an n8 tile of a's chunk: 2 slots x 32 lanes x 16 bytes
+constexpr int SLICE_BYTES = 16 * CHUNK;  // a slice's chunk: per 128-byte run, 4 slots x 32 lanes x 16 bytes
+constexpr int TILE_BYTES = 8 * CHUNK;    // an n8 tile of a's chunk: per run, 2 slots x 32 lanes x 16 bytes
+static_assert(CHUNK == 128 || CHUNK == 256 || CHUNK == 512, "chunks of 128, 256 or 512 bytes");
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "16, 32 or 64 rows a warp");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
 
@@ -67,54 +74,59 @@ struct Params {
   int inbox_at;     // (a cluster) the inbox: an mbarrier, then [ranks][a share of the outputs]
 };
 
-// A quad lane's slot for byte `piece` x 16 of a chunk's row `r` of eight (16 t and 64 + 16 t are
-// lane t's): [piece / 4][lane 4 r + piece % 4].
+// A quad lane's slot for byte `piece` x 16 of a 128-byte run of row `r` of eight (16 t and
+// 64 + 16 t are lane t's): [piece / 4][lane 4 r + piece % 4].
 __device__ __forceinline__ uint32_t slot_of(int r, int piece) {
   return ((piece >> 2) * 32 + 4 * r + (piece & 3)) * 16;
 }
 
-// One lane's copies of the chunks of its warp's ring: a lane copies pieces lane and lane + 32,
-// ... of a 16-row slice (row q / 8, bytes 16 (q % 8)) and of a's n8 tiles, whole lines per eight
-// lanes; rows past N or M are zero-filled.
+// Where the 16 bytes at 16 `piece` of a chunk's row `row` land in a stage's part of 8 (a's n8
+// tile) or 16 rows (a weight slice): 128-byte runs one after the other (RUN_BYTES for a slice's
+// 16 rows, half that for 8), and in a run, rows 8 and up after the first eight.
+__device__ __forceinline__ uint32_t place(int row, int piece, int rows) {
+  return (piece >> 3) * rows * 128 + (row >> 3) * 1024 + slot_of(row & 7, piece & 7);
+}
+
+// One lane's copies of the chunks of its warp's ring: whole rows of a chunk per PIECES lanes
+// (16 bytes each), COPY_ROWS rows an instruction, of each 16-row slice of the weight and of a's
+// n8 tiles; rows past N or M are zero-filled.
 template <int NT>
 struct Copier {
+  static constexpr int PIECES = CHUNK / 16;  // a row's 16-byte pieces in a chunk
+  static constexpr int COPY_ROWS = 32 / PIECES;
+  static constexpr int B_COPIES = 16 / COPY_ROWS;  // a slice's copies
+  static constexpr int A_COPIES = 8 / COPY_ROWS;   // an n8 tile's copies
   const uint8_t* b;  // this lane's first piece of the current chunk
   const uint8_t* a;
   const uint8_t* b_base;  // read by copies of no bytes (rows past N or M)
   const uint8_t* a_base;
-  long long ldb16;  // bytes between the lane's pieces of one slice (4 rows apart)
-  long long lda4;   // bytes between the lane's two pieces of an n8 tile (4 rows apart)
-  uint32_t b_valid, a_valid;  // bit per copy: its row exists
-  uint32_t b_at[4], a_at[2];  // where each of the lane's pieces lands in a stage
-  int step;                   // bytes to the lane's next chunk
+  long long b_round, a_round;  // bytes between the lane's rows of two copies (COPY_ROWS rows)
+  uint64_t b_valid;            // bit per copy: its row exists
+  uint32_t a_valid;
+  int r, piece;
+  int step;  // bytes to the lane's next chunk
 
   __device__ __forceinline__ Copier(const Params& p, int n0, int first, int chunk_step, int lane) {
-    const int r = lane >> 3, piece = lane & 7;
+    r = lane / PIECES;
+    piece = lane % PIECES;
     const long long k0 = static_cast<long long>(first) * CHUNK + piece * 16;
     b = p.b + (n0 + r) * p.ldb + k0;
     a = p.a + r * p.lda + k0;
     b_base = p.b;
     a_base = p.a;
-    ldb16 = 4 * p.ldb;
-    lda4 = 4 * p.lda;
+    b_round = COPY_ROWS * p.ldb;
+    a_round = COPY_ROWS * p.lda;
     b_valid = a_valid = 0;
 #pragma unroll
     for (int s = 0; s < SLICES; ++s)
 #pragma unroll
-      for (int i = 0; i < 4; ++i)  // rows r + 4 i of slice s
-        if (n0 + 16 * s + r + 4 * i < p.n) b_valid |= 1u << (4 * s + i);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // row r + 4 i of a slice: row (r + 4 i) % 8 of half i / 2
-      const int row = r + 4 * i;
-      b_at[i] = ((row >> 3) * 2 * 32) * 16 + slot_of(row & 7, piece);
-    }
+      for (int i = 0; i < B_COPIES; ++i)
+        if (n0 + 16 * s + r + COPY_ROWS * i < p.n) b_valid |= 1ull << (B_COPIES * s + i);
 #pragma unroll
     for (int n8 = 0; n8 < NT; ++n8)
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
-        if (8 * n8 + r + 4 * i < p.m) a_valid |= 1u << (2 * n8 + i);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) a_at[i] = slot_of(r + 4 * i, piece);
+      for (int i = 0; i < A_COPIES; ++i)
+        if (8 * n8 + r + COPY_ROWS * i < p.m) a_valid |= 1u << (A_COPIES * n8 + i);
     step = chunk_step * CHUNK;
   }
 
@@ -122,25 +134,30 @@ struct Copier {
 #pragma unroll
     for (int s = 0; s < SLICES; ++s)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const bool valid = b_valid >> (4 * s + i) & 1;
-        copy16(stage + s * SLICE_BYTES + b_at[i], valid ? b + (4 * s + i) * ldb16 : b_base, valid);
+      for (int i = 0; i < B_COPIES; ++i) {
+        const int at = B_COPIES * s + i;  // row r + COPY_ROWS at of the warp's rows
+        const bool valid = b_valid >> at & 1;
+        copy16(stage + s * SLICE_BYTES + place(r + COPY_ROWS * i, piece, 16),
+               valid ? b + at * b_round : b_base, valid);
       }
     const uint32_t x_at = stage + SLICES * SLICE_BYTES;
 #pragma unroll
     for (int n8 = 0; n8 < NT; ++n8)
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const bool valid = a_valid >> (2 * n8 + i) & 1;
-        copy16(x_at + n8 * TILE_BYTES + a_at[i], valid ? a + (2 * n8 + i) * lda4 : a_base, valid);
+      for (int i = 0; i < A_COPIES; ++i) {
+        const int at = A_COPIES * n8 + i;
+        const bool valid = a_valid >> at & 1;
+        copy16(x_at + n8 * TILE_BYTES + place(r + COPY_ROWS * i, piece, 8),
+               valid ? a + at * a_round : a_base, valid);
       }
     b += step;
     a += step;
   }
 };
 
-// mma.m16n8k32 with fp8 operands of formats A, B (0: e4m3, 1: e5m2), f32 accumulators.
-template <int A, int B>
+// mma.m16n8k32 with fp8 operands of formats W (A: the weight) and X (B: the activations), 0
+// e4m3 or 1 e5m2, f32 accumulators.
+template <int W, int X>
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                     uint32_t b1) {
 #define GEMV_FP8_MMA(TA, TB)                                                                     \
@@ -148,47 +165,53 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
                ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"        \
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
-  if constexpr (A == 0 && B == 0)
+  if constexpr (W == 0 && X == 0)
     GEMV_FP8_MMA("e4m3", "e4m3");
-  else if constexpr (A == 0)
+  else if constexpr (W == 0)
     GEMV_FP8_MMA("e4m3", "e5m2");
   else
     GEMV_FP8_MMA("e5m2", "e4m3");
 #undef GEMV_FP8_MMA
 }
 
-// Adds the stage's chunk to the lane's accumulators (b's rows as A, a's as B: see the top).
+// Adds the stage's chunk to the lane's accumulators (b's rows as A, a's as B: see the top),
+// 128 bytes of K at a time.
 template <int FA, int FB, int NT>
 __device__ __forceinline__ void compute(uint32_t stage, int lane, float (&acc)[SLICES][NT][4]) {
-  uint32_t x[NT][8];
 #pragma unroll
-  for (int n8 = 0; n8 < NT; ++n8)
+  for (int run = 0; run < CHUNK / 128; ++run) {
+    uint32_t x[NT][8];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint4 v = lds128(stage + SLICES * SLICE_BYTES + n8 * TILE_BYTES + (h * 32 + lane) * 16);
-      x[n8][4 * h] = v.x, x[n8][4 * h + 1] = v.y, x[n8][4 * h + 2] = v.z, x[n8][4 * h + 3] = v.w;
-    }
-#pragma unroll
-  for (int s = 0; s < SLICES; ++s) {
-    uint32_t w[2][8];  // rows g, g + 8
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
+    for (int n8 = 0; n8 < NT; ++n8)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint4 v = lds128(stage + s * SLICE_BYTES + ((2 * half + h) * 32 + lane) * 16);
-        w[half][4 * h] = v.x, w[half][4 * h + 1] = v.y, w[half][4 * h + 2] = v.z,
-        w[half][4 * h + 3] = v.w;
+        const uint4 v = lds128(stage + SLICES * SLICE_BYTES + n8 * TILE_BYTES + run * 1024 +
+                               (h * 32 + lane) * 16);
+        x[n8][4 * h] = v.x, x[n8][4 * h + 1] = v.y, x[n8][4 * h + 2] = v.z, x[n8][4 * h + 3] = v.w;
       }
 #pragma unroll
-    for (int n8 = 0; n8 < NT; ++n8) {
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < SLICES; ++s) {
+      uint32_t w[2][8];  // rows g, g + 8
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t frag[4] = {w[0][2 * j], w[1][2 * j], w[0][2 * j + 1], w[1][2 * j + 1]};
-        mma<FA, FB>(c, frag, x[n8][2 * j], x[n8][2 * j + 1]);
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint4 v = lds128(stage + s * SLICE_BYTES + run * 2048 +
+                                 ((2 * half + h) * 32 + lane) * 16);
+          w[half][4 * h] = v.x, w[half][4 * h + 1] = v.y, w[half][4 * h + 2] = v.z,
+          w[half][4 * h + 3] = v.w;
+        }
+#pragma unroll
+      for (int n8 = 0; n8 < NT; ++n8) {
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t frag[4] = {w[0][2 * j], w[1][2 * j], w[0][2 * j + 1], w[1][2 * j + 1]};
+          mma<FB, FA>(c, frag, x[n8][2 * j], x[n8][2 * j + 1]);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[s][n8][e] += c[e];
       }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[s][n8][e] += c[e];
     }
   }
 }
@@ -320,10 +343,11 @@ cudaError_t launch_tiles(const Params& p, int out, int warps, int cluster, cudaS
 
 extern "C" {
 
-// This library's compile-time config: 16-row slices per warp, stages.
-void fp8_gemv_config(int* slices, int* stages) {
+// This library's compile-time config: 16-row slices per warp, stages, chunk bytes.
+void fp8_gemv_config(int* slices, int* stages, int* chunk) {
   *slices = SLICES;
   *stages = STAGES;
+  *chunk = CHUNK;
 }
 
 // Shared memory one launch takes (bytes), for a caller that checks the device's limit first.
