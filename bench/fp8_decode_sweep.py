@@ -1,12 +1,11 @@
 """FP8 rowwise decode (M <= 16): a grid of split-K tiles beside the shortlist and a bare read.
 
     python bench/fp8_decode_sweep.py --out fp8_decode_sweep.json --proj down qwen_down --m 1 16
-        [--shortlist | --swap | --cuda]
+        [--shortlist | --swap]
 
 Picks the decode shortlist of ``fp8.configs`` from measurements rather than guesses: every
 config of ``GRID``, of the shortlist itself (``--shortlist``) or of the shortlist beside its
-swapped twins (``--swap``, then more swapped tiles), or of the shortlist beside the CUDA
-kernel's (``cuda_fp8``) configs of ``CUDA_GRID`` (``--cuda``), on the same rotated
+swapped twins (``--swap``, then more swapped tiles) on the same rotated
 weights (``lowbit_kernels``' projections and rotation), CUDA-graph GPU time per call, in grid
 order and then in reverse (a drift over the run shows as a gap between the two passes), and
 each config's output against a float32 GEMM on the dequantized operands ("excess" <= 1
@@ -32,7 +31,6 @@ from bench.lowbit_kernels import (
     time_us,
     write_as_it_goes,
 )
-from tuner.candidates import cuda_fp8
 from tuner.candidates.triton_kernels import fp8 as fp8_kernels
 from tuner.candidates.triton_kernels.launch import warm
 from tuner.candidates.triton_kernels.stream_read import read_all, sums_for
@@ -84,24 +82,6 @@ def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     return out
 
 
-# The CUDA kernel's configs (slices, stages, chunk, warps, cluster) timed by ``--cuda``, those
-# that fit.
-CUDA_GRID = [(s, st, c, w, 1) for s in (1, 2, 4) for st in (2, 3) for c in (128, 256, 512)
-             for w in (8, 16)]  # fmt: skip
-
-
-def cuda_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
-    out = []
-    for entry in dict.fromkeys(cuda_fp8.SHORTLIST + cuda_fp8.WIDE_SHORTLIST + tuple(CUDA_GRID)):
-        cfg = dict(zip(cuda_fp8.CONFIG_KEYS, entry, strict=True))
-        try:
-            cuda_fp8.check_config(cfg, m, n, k)
-        except ValueError:
-            continue
-        out.append(cfg)
-    return out
-
-
 def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     """``GRID`` as configs for N (one split each on wide N), then the shortlist's others."""
     out: list[dict[str, Any]] = []
@@ -123,51 +103,22 @@ def precompile(
     """Compile every config's kernels for every shape and scaling in worker processes."""
     jobs = []
     for m, n, k in shapes:
-        for _, cfg in kernels(m, n, k, which):
-            if "kernel" not in cfg:
-                continue
+        for cfg in candidates(m, n, k, which):
             for scale in scales:
                 try:
                     jobs += fp8_kernels.jobs(m, n, k, cfg, rowwise=scale == "row",
                                              precise=precise)  # fmt: skip
                 except ValueError:
                     continue  # recorded with its error when timed
-    if which == "cuda":
-        cfgs = [c for m, n, k in shapes for c in cuda_configs(m, n, k)]
-        errors = {str(lib): e for lib, e in cuda_fp8.compile_all(cfgs).items() if e}
-        print(f"built {len({cuda_fp8.library(c) for c in cfgs})} cuda_fp8 libraries; errors: "
-              f"{errors}", flush=True)  # fmt: skip
     report = warm(jobs)
     print(f"precompiled {report.compiled} of {report.requested} fp8 kernels in "
           f"{report.seconds:.1f} s; errors: {report.errors[:3]}", flush=True)  # fmt: skip
 
 
-def kernels(m: int, n: int, k: int, which: str) -> list[tuple[str, dict[str, Any]]]:
-    """(impl, config) of every kernel timed: Triton's ("fp8_rowwise"), then ``cuda_fp8``'s."""
+def candidates(m: int, n: int, k: int, which: str) -> list[dict[str, Any]]:
     if which == "swap":
-        triton = swap_configs(m, n, k)
-    elif which in ("shortlist", "cuda"):
-        triton = fp8_kernels.configs(m, n, k)
-    else:
-        triton = grid_configs(m, n, k)
-    cuda = cuda_configs(m, n, k) if which == "cuda" else []
-    return [("fp8_rowwise", c) for c in triton] + [("cuda_fp8", c) for c in cuda]
-
-
-def matmul(impl: str, cfg: dict[str, Any], precise: bool) -> Any:
-    """``f(a, b, scale_a, scale_b, out)`` running one kernel config (b the weight [N, K])."""
-    if impl == "cuda_fp8":
-        fn = cuda_fp8.launcher(cfg)
-
-        def cuda(a, b, scale_a, scale_b, out):
-            stream = torch.cuda.current_stream().cuda_stream
-            cuda_fp8.run(fn, cfg, a, b, scale_a, scale_b, True, out, stream)
-            return out
-
-        return cuda
-    return lambda a, b, scale_a, scale_b, out: fp8_kernels.fp8_matmul(
-        a, b, scale_a, scale_b, cfg, out=out, precise=precise
-    )
+        return swap_configs(m, n, k)
+    return fp8_kernels.configs(m, n, k) if which == "shortlist" else grid_configs(m, n, k)
 
 
 def sweep(
@@ -207,10 +158,10 @@ def sweep_m(
     rows = [{**base, "impl": "read_fp8", **read, "bytes": nbytes(w8),
              "pct_copy": pct(nbytes(w8), read["us"], copy_gbs)}]  # fmt: skip
     timed: list[dict[str, Any]] = []
-    for impl, cfg in kernels(m, n, k, which):
-        row = {**base, "impl": impl, "config": cfg, "bytes": moved}
+    for cfg in candidates(m, n, k, which):
+        row = {**base, "impl": "fp8_rowwise", "config": cfg, "bytes": moved}
         try:
-            got = matmul(impl, cfg, precise)(x8, w8, sx8, s8, torch.full_like(out, float("nan")))
+            got = fp8_kernels.fp8_matmul(x8, w8, sx8, s8, cfg, precise=precise)
             row["excess"] = round(excess(got, ref, tol), 3)
         except Exception as e:  # a config that cannot run this shape is a finding
             row["error"] = repr(e)[-300:]
@@ -219,13 +170,14 @@ def sweep_m(
             continue
         timed.append(row)
 
-    def call(row: dict[str, Any]) -> Any:
-        fn = matmul(row["impl"], row["config"], precise)
-        return lambda i: fn(x8, sets[i % len(sets)][0], sx8, sets[i % len(sets)][1], out)
+    def call(cfg: dict[str, Any]) -> Any:
+        return lambda i: fp8_kernels.fp8_matmul(x8, sets[i % len(sets)][0], sx8,
+                                                sets[i % len(sets)][1], cfg, out=out,
+                                                precise=precise)  # fmt: skip
 
     for rnd, order in enumerate((timed, timed[::-1])):
         for row in order:
-            row[f"us_{rnd}"] = time_us(call(row), m, 0.0)["us"]
+            row[f"us_{rnd}"] = time_us(call(row["config"]), m, 0.0)["us"]
     for row in timed:
         row["us"] = round((row["us_0"] + row["us_1"]) / 2, 2)
         row["pct_copy"] = pct(moved, row["us"], copy_gbs)
@@ -243,8 +195,6 @@ def pct(moved: int, us: float, copy_gbs: float) -> float:
 
 
 def label(cfg: dict[str, Any]) -> str:
-    if "kernel" not in cfg:
-        return "cuda_fp8 " + ",".join(str(cfg[key]) for key in cuda_fp8.CONFIG_KEYS)
     il = "i" if cfg.get("interleave") else ""
     swap = f" swap bm{cfg['bm']}" if cfg.get("swap") else ""
     dots = f"x{cfg['dots']}" if cfg.get("dots", 1) > 1 else ""
@@ -261,8 +211,6 @@ def main() -> None:
     mode.add_argument("--shortlist", action="store_true", help="fp8.configs instead of GRID")
     mode.add_argument("--swap", action="store_true",
                        help="fp8.configs as they are and swapped, then SWAPPED")  # fmt: skip
-    mode.add_argument("--cuda", action="store_true",
-                      help="fp8.configs beside the cuda_fp8 kernel's CUDA_GRID")  # fmt: skip
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--precise", action="store_true",
                     help="partial sums promoted to fp32, as the suite's accum=f32 keys run")  # fmt: skip
@@ -271,8 +219,7 @@ def main() -> None:
     args = ap.parse_args()
     if any(not 1 <= m <= 16 for m in args.m):
         raise ValueError(f"--m {args.m}: decode sizes only, 1 .. 16")
-    which = ("shortlist" if args.shortlist else "swap" if args.swap
-             else "cuda" if args.cuda else "grid")  # fmt: skip
+    which = "shortlist" if args.shortlist else "swap" if args.swap else "grid"
     shapes = [(m, *PROJECTIONS[p]) for p in args.proj for m in args.m]
     precompile(shapes, which, args.scales, args.precise)
     if args.precompile_only:

@@ -23,7 +23,7 @@
 #   -> $OUT/w4a16_streamk.json, .log; W4A16_STREAMK_ARGS="--ops qkv o --sms 132 66", W4A16_STREAMK_TIMEOUT).
 #   streamk-ncu (the same under Nsight Compute, --profile -> $OUT/streamk_ncu.log; STREAMK_NCU_ARGS).
 #   fp8-decode (bench/fp8_decode_sweep.py: FP8 rowwise decode configs beside a bare read -> $OUT/fp8_decode.json,
-#   .log; FP8_DECODE_ARGS (default "--cuda --precise": Triton's shortlist beside the cuda_fp8 kernel's grid), FP8_DECODE_TIMEOUT).
+#   .log; FP8_DECODE_ARGS (default "--shortlist --precise": the shortlist in precise mode), FP8_DECODE_TIMEOUT).
 #   fp8-prefill (bench/fp8_prefill.py: every FP8 source's configs beside _scaled_mm and bf16 cuBLAS at
 #   M = 2048 -> $OUT/fp8_prefill.json, .log, fp8_prefill_cutlass_cache.tar.xz; FP8_PREFILL_ARGS="--sweep",
 #   FP8_PREFILL_TIMEOUT).
@@ -134,7 +134,7 @@ for stage in "$@"; do
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section SourceCounters \
         python3 bench/w4a16_streamk.py --out "$OUT/streamk_ncu.json" --profile ${STREAMK_NCU_ARGS:---ops qkv --sms 132} 2>&1 | tee "$OUT/streamk_ncu.log" || status=1 ;;
     w4a16-prefill) timeout -k 20 "${W4A16_PREFILL_TIMEOUT:-250}" python3 bench/w4a16_prefill.py --out "$OUT/w4a16_prefill.json" ${W4A16_PREFILL_ARGS:-} 2>&1 | tee "$OUT/w4a16_prefill.log" || status=1 ;;
-    fp8-decode) timeout -k 20 "${FP8_DECODE_TIMEOUT:-250}" python3 bench/fp8_decode_sweep.py --out "$OUT/fp8_decode.json" ${FP8_DECODE_ARGS:---cuda --precise} 2>&1 | tee "$OUT/fp8_decode.log" || status=1 ;;
+    fp8-decode) timeout -k 20 "${FP8_DECODE_TIMEOUT:-250}" python3 bench/fp8_decode_sweep.py --out "$OUT/fp8_decode.json" ${FP8_DECODE_ARGS:---shortlist --precise} 2>&1 | tee "$OUT/fp8_decode.log" || status=1 ;;
     fp8-prefill) timeout -k 20 "${FP8_PREFILL_TIMEOUT:-250}" python3 bench/fp8_prefill.py --out "$OUT/fp8_prefill.json" ${FP8_PREFILL_ARGS:-} 2>&1 | tee "$OUT/fp8_prefill.log" || status=1
       tar cJf "$OUT/fp8_prefill_cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work . || status=1 ;;
     gemm) timeout -k 20 "${GEMM_BENCH_TIMEOUT:-560}" python3 -m tuner bench gemm --out "$OUT" ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/gemm_bench.log" || status=1 ;;

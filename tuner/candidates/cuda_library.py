@@ -25,42 +25,17 @@ from typing import Any, ClassVar
 import torch
 
 from tuner.cache.artifacts import ArtifactSpec
-from tuner.candidates import gemm_operands, kernel_artifacts, nvcc_build
+from tuner.candidates import kernel_artifacts, nvcc_build
 
 ARCH = "sm_90a"
 KERNELS = Path(__file__).parent / "cuda_kernels"
 
 Launcher = Callable[..., int]
-Config = dict[str, Any]
-
-
-LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
-
-
-def sources_of(source: Path) -> list[Path]:
-    """``source`` and the headers it includes from its own folder (``#include "x.cuh"``), each
-    once, in the order first included."""
-    found: list[Path] = []
-    todo = [source]
-    while todo:
-        path = todo.pop(0)
-        if path in found:
-            continue
-        found.append(path)
-        for name in LOCAL_INCLUDE.findall(path.read_bytes()):
-            header = path.parent / name.decode()
-            if header.is_file():
-                todo.append(header)
-    return found
 
 
 @functools.cache
 def source_digest(source: Path) -> str:
-    """The digest of ``source`` with its local headers: a library is rebuilt when either moves."""
-    digest = hashlib.sha256()
-    for path in sources_of(source):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
 
 
 @functools.cache
@@ -193,33 +168,3 @@ def precompile_run(libs_of: list[list[CudaLibrary]], ready: Callable[[int], None
     """A tuning run's libraries (per key, in the order first needed), each once, on every core."""
     kernel_artifacts.compile_run(libs_of, ready, cannot_compile)
     publish(dict.fromkeys(lib for libs in libs_of for lib in libs))
-
-
-def choice(config: Config, key: str, allowed: Iterable[Any]) -> Any:
-    """``config[key]``, or a ValueError naming the field unless it is one of ``allowed`` (of
-    their type: ``True`` is not 1)."""
-    value = config.get(key)
-    allowed = tuple(allowed)
-    if type(value) is not type(allowed[0]) or value not in allowed:
-        raise ValueError(f"config[{key!r}]={value!r}: allowed {allowed}")
-    return value
-
-
-def sm90_unavailable(device: str, name: str, libs: Iterable[CudaLibrary]) -> str | None:
-    """Why a source of our sm_90a kernels cannot run here: no GPU, not Hopper, or neither nvcc
-    nor one of its shortlisted libraries ``libs`` built or stored."""
-    if reason := gemm_operands.unavailable_reason(device, name, lambda: None):
-        return reason
-    cap = torch.cuda.get_device_capability()
-    if cap != (9, 0):
-        return f"compute capability {cap}: the kernel is built for sm_90a (Hopper) only"
-    if cannot_compile() and not any_stored(libs):
-        return f"nvcc not found and no built {name} library here or in the artifact store"
-    return None
-
-
-def usable_configs(configs: list[Config], library: Callable[[Config], CudaLibrary]) -> list[Config]:
-    """``configs`` less those whose library failed to compile; without nvcc, only those whose
-    library is built here or stored (installed now)."""
-    usable_libs = set(usable(map(library, configs)))
-    return [c for c in configs if library(c) in usable_libs]

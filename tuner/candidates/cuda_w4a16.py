@@ -35,7 +35,7 @@ import torch
 from tuner.candidates import cuda_library, int4_operands, nvcc_build, operand_guard
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner, Source
-from tuner.candidates.cuda_library import Launcher, choice
+from tuner.candidates.cuda_library import Launcher
 from tuner.candidates.triton_kernels.w4a16 import check_inputs
 from tuner.core.keys import GemmKey
 from tuner.quant import int4_torch
@@ -60,16 +60,24 @@ Config = dict[str, Any]
 CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster")
 
 
+def _choice(config: Config, key: str, allowed: Iterable[Any]) -> Any:
+    value = config.get(key)
+    allowed = tuple(allowed)
+    if type(value) is not type(allowed[0]) or value not in allowed:
+        raise ValueError(f"config[{key!r}]={value!r}: allowed {allowed}")
+    return value
+
+
 def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     """ValueError naming the field unless ``config`` can run the (M, N, K, group) problem."""
     extra = set(config) - set(CONFIG_KEYS)
     if extra:
         raise ValueError(f"config: unknown keys {sorted(extra)}; allowed {list(CONFIG_KEYS)}")
-    choice(config, "split", SPLITS)
-    choice(config, "slices", SLICES)
-    choice(config, "stages", STAGES)
-    choice(config, "warps", range(1, MAX_WARPS + 1))
-    cluster = choice(config, "cluster", range(1, MAX_CLUSTER + 1))
+    _choice(config, "split", SPLITS)
+    _choice(config, "slices", SLICES)
+    _choice(config, "stages", STAGES)
+    _choice(config, "warps", range(1, MAX_WARPS + 1))
+    cluster = _choice(config, "cluster", range(1, MAX_CLUSTER + 1))
     if not 1 <= m <= MAX_M:
         raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
     if config["slices"] == 4 and m > NARROW_M and config["warps"] > WIDE_MAX_WARPS:
@@ -240,9 +248,17 @@ class CudaW4A16(Source):
     shares_kernels = True  # a library serves every shape
 
     def unavailable(self, device: str) -> str | None:
-        shortlisted = dict.fromkeys(SHORTLIST + WIDE_SHORTLIST)
-        libs = (library(dict(zip(CONFIG_KEYS, e, strict=True))) for e in shortlisted)
-        return cuda_library.sm90_unavailable(device, "cuda_w4a16", libs)
+        if reason := ops.unavailable_reason(device, "cuda_w4a16", lambda: None):
+            return reason
+        cap = torch.cuda.get_device_capability()
+        if cap != (9, 0):
+            return f"compute capability {cap}: the kernel is built for sm_90a (Hopper) only"
+        if cuda_library.cannot_compile() and not cuda_library.any_stored(
+            library(dict(zip(CONFIG_KEYS, e, strict=True)))
+            for e in dict.fromkeys(SHORTLIST + WIDE_SHORTLIST)
+        ):
+            return "nvcc not found and no built cuda_w4a16 library here or in the artifact store"
+        return None
 
     def unsupported(self, key: GemmKey) -> str | None:
         return unsupported_reason(key)
@@ -250,7 +266,9 @@ class CudaW4A16(Source):
     def candidates(self, key: GemmKey, device: str) -> list[Params]:
         """The shortlist less configs whose library failed to compile; without nvcc, only
         those whose library is built here or stored (installed now)."""
-        return cuda_library.usable_configs(configs(key.m, key.n, key.k, key.group), library)
+        chosen = configs(key.m, key.n, key.k, key.group)
+        usable = set(cuda_library.usable(map(library, chosen)))
+        return [c for c in chosen if library(c) in usable]
 
     def precompile(self, key: GemmKey, shortlist: list[Params]) -> None:
         compile_all(shortlist)  # failures are recorded, and raised by build

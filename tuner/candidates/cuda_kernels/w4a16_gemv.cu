@@ -8,8 +8,12 @@
 // - rows (GEMV_SPLIT_ROWS=1): the CTA's rows are `warps` x ROWS, every warp takes every chunk
 //   of the run from one ring the CTA shares, so x's [M, 128] slab of a chunk is copied once per
 //   CTA instead of once per warp (x's bytes per weight byte: 4 M / (warps x ROWS), not 4 M / ROWS).
-// A cluster's CTAs sum their partials through distributed shared memory (gemv_cluster.cuh; the
-// inbox lies past the rings): deterministic, no workspace, no arrival counter, no second pass.
+// In a cluster each rank owns a share of the outputs: it pushes the other ranks' shares of its
+// sums into their inboxes (past their rings) with asynchronous stores to distributed shared
+// memory that count their bytes on the inbox's mbarrier, waits there for theirs, adds them in
+// rank order and stores its share: no cluster-wide barrier after the stream, no remote reads,
+// no fences. No CTA waits on another's partial in global memory: the result is deterministic,
+// with no workspace, no arrival counter and no second pass.
 //
 // Launched with programmatic dependent launch: the grid may start while the kernel before it on
 // the stream finishes; it sets up its addresses, then waits (griddepcontrol.wait) for that
@@ -39,10 +43,11 @@
 // rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_STAGES=2..8; warps per CTA and the
 // cluster size are launch arguments.
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-
-#include "gemv_cluster.cuh"
+#include <cuda_runtime.h>
+#include <stdint.h>
 
 #ifndef GEMV_SPLIT_ROWS
 #define GEMV_SPLIT_ROWS 0
@@ -67,7 +72,6 @@
 #endif
 
 namespace cg = cooperative_groups;
-using namespace gemv;
 
 constexpr bool SPLIT_ROWS = GEMV_SPLIT_ROWS;
 constexpr int SLICES = GEMV_SLICES;
@@ -77,6 +81,7 @@ constexpr int CHUNK = 128;          // K values per chunk
 constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so ldmatrix's 8 rows hit 8 bank groups
 constexpr int MAX_M = 16;  // two n8 tiles
 constexpr int MAX_WARPS = GEMV_MAX_WARPS;
+constexpr int MAX_DEVICES = 64;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
 
@@ -119,9 +124,68 @@ struct Params {
   int inbox_at;     // (a cluster) the inbox: an mbarrier, then [ranks][a share of the outputs]
 };
 
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+
 __device__ __forceinline__ void copy4(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 4 : 0));
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+__device__ __forceinline__ void bar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+
+// Waits until the barrier's phase of parity `parity` is complete, acquiring at cluster scope
+// (the bytes other CTAs stored into this one and counted on it).
+__device__ __forceinline__ void bar_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// One arrival on the barrier at `bar`, and `bytes` more that its phase waits for.
+__device__ __forceinline__ void bar_expect(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+// The address of `addr` (this CTA's shared memory) in the cluster's CTA `rank`.
+__device__ __forceinline__ uint32_t at_rank(uint32_t addr, int rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+
+// Stores `v` at `remote` (another CTA's shared memory), counting its 4 bytes on the barrier at
+// `remote_bar` there.
+__device__ __forceinline__ void store_at(uint32_t remote, float v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(
+                   remote),
+               "r"(__float_as_uint(v)), "r"(remote_bar)
+               : "memory");
+}
+
+// Where rank `r`'s share of a CTA's `outputs` begins (in a cluster of `ranks`, each rank stores
+// its share).
+__device__ __forceinline__ int share_begin(int r, int outputs, int ranks) {
+  return r * outputs / ranks;
+}
+
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
 // A warp's part of a stage: its weight slices [ROWS][64 bytes], then the chunk's (scale, zero)
@@ -129,6 +193,14 @@ __device__ __forceinline__ void copy4(uint32_t dst, const void* src, bool valid)
 template <int NG>
 __host__ __device__ constexpr int warp_bytes() {
   return ROWS * 64 + ROWS * 4 * NG;
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  return v;
 }
 
 __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
@@ -413,8 +485,20 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const int ranks = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // (a cluster) the inbox's barrier waits for the other ranks' sums of this rank's share
+  if (ranks > 1) {
+    if (threadIdx.x == 0) {
+      const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * p.m;
+      const int mine = share_begin(rank + 1, outputs, ranks) - share_begin(rank, outputs, ranks);
+      bar_init(smem_addr(smem) + p.inbox_at, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      bar_expect(smem_addr(smem) + p.inbox_at, (ranks - 1) * mine * 4);
+    }
+    // waited for only before the pushes, long after
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::);
+  }
+
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  open_inbox(smem + p.inbox_at, cta_rows * p.m, rank, ranks);
   const int n0 = (blockIdx.x / ranks) * cta_rows;
   // the warp's first row; a warp of the last CTA may lie wholly past N: its copies read in
   // bounds (row 0's bytes; none at all in the build for partial blocks) and nothing of it is
@@ -441,7 +525,8 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
                               part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
                               SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
-  wait_for_previous_grid();  // its writes of x (and reads of out)
+  // the kernel before this one on the stream has written x (and read out) once this returns
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (threadIdx.x == 0) stamp(4, CLOCK);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
@@ -474,7 +559,8 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   }
   if (lane == 0) stamp(8 + warp, CLOCK);
   asm volatile("cp.async.wait_all;\n" ::);
-  let_next_grid_launch();
+  // the next kernel may launch once every CTA got here (it waits for this grid's writes itself)
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   // (after the ring is done with) splitting K, the warps' partials [warps][M][ROWS], summed in
   // warp order into the CTA's sums [M][ROWS]; splitting rows, each warp's rows of the sums
@@ -515,7 +601,26 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   if (!stored_here) {
     __syncthreads();  // the CTA's sums written
     if (SPLIT_ROWS && threadIdx.x == 0) stamp(6, CLOCK);
-    cluster_sum(sums, smem + p.inbox_at, outputs, rank, ranks, store);
+    const uint32_t inbox_bar = smem_addr(smem) + p.inbox_at;
+    float* inbox = reinterpret_cast<float*>(smem + p.inbox_at + 8);  // [sender][share]
+    const int share = (outputs + ranks - 1) / ranks;
+    const auto q_lo = [&](int r) { return share_begin(r, outputs, ranks); };
+    if (ranks > 1) {
+      asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every inbox made
+      for (int r = 0; r < ranks; ++r) {
+        if (r == rank) continue;
+        const uint32_t to = at_rank(smem_addr(inbox + rank * share - q_lo(r)), r);
+        const uint32_t bar = at_rank(inbox_bar, r);
+        for (int q = q_lo(r) + threadIdx.x; q < q_lo(r + 1); q += blockDim.x)
+          store_at(to + q * 4, sums[q], bar);
+      }
+      bar_wait(inbox_bar, 0);
+    }
+    for (int q = q_lo(rank) + threadIdx.x; q < q_lo(rank + 1); q += blockDim.x) {
+      float v = 0.f;
+      for (int r = 0; r < ranks; ++r) v += r == rank ? sums[q] : inbox[r * share + q - q_lo(rank)];
+      store(q, v);
+    }
   }
   if (threadIdx.x == 0) {
     stamp(7, CLOCK);
@@ -540,18 +645,44 @@ int inbox_at(int m, int group, int warps) {
   return ring > reduce ? ring : reduce;
 }
 
-// Then, in a cluster, the inbox.
+// Then, in a cluster, the inbox: an mbarrier and a share of the outputs from each rank.
 int smem_bytes(int m, int group, int warps, int cluster) {
-  return inbox_at(m, group, warps) + inbox_bytes((SPLIT_ROWS ? warps * ROWS : ROWS) * m, cluster);
+  const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * m;
+  const int inbox = cluster > 1 ? 8 + cluster * ((outputs + cluster - 1) / cluster) * 4 : 0;
+  return inbox_at(m, group, warps) + inbox;
 }
 
 template <bool F16, int NG, int NT, bool FULL>
 cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
   if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
+  const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster);
+  static int allowed[MAX_DEVICES] = {};  // per device: raised once to the most asked
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  if (device >= MAX_DEVICES) return cudaErrorInvalidDevice;
+  if (smem > 48 * 1024 && smem > allowed[device]) {
+    e = cudaFuncSetAttribute(w4a16_gemv_kernel<F16, NG, NT, FULL>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    allowed[device] = smem;
+  }
+  cudaLaunchConfig_t config = {};
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  const int ctas = (p.n + cta_rows - 1) / cta_rows * cluster;
-  return launch_cluster<Params, w4a16_gemv_kernel<F16, NG, NT, FULL>>(
-      p, ctas, warps * 32, smem_bytes(p.m, CHUNK / NG, warps, cluster), cluster, stream);
+  config.gridDim = dim3(static_cast<unsigned>((p.n + cta_rows - 1) / cta_rows * cluster));
+  config.blockDim = dim3(static_cast<unsigned>(warps * 32));
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 2;
+  return cudaLaunchKernelEx(&config, w4a16_gemv_kernel<F16, NG, NT, FULL>, p);
 }
 
 // FULL where every 64-row block is whole and the (scale, zero) words can be copied 16 bytes at
