@@ -373,6 +373,12 @@ def test_a_graph_duel_reading_far_off_the_trials_in_the_challengers_favour_is_no
     assert not graph_reading_off((2.0, 1.5), (2.1, 2.3))  # within a microsecond
     assert not graph_reading_off((16.46, 8.9), (12.51, 8.65))  # the suite's Qwen qkv M = 1, s33
     assert not graph_reading_off((12.18, 8.0), (12.2, 11.0))
+    # both off against the challenger: judged; both off in its favour: not believed
+    assert not graph_reading_off((16.0, 8.0), (12.0, 11.0))
+    assert graph_reading_off((12.0, 11.0), (16.0, 8.0))
+    # the share is of the trial: 18% under a 10 us trial is within it, 21% is not
+    assert not graph_reading_off((12.0, 10.0), (12.0, 8.2))
+    assert graph_reading_off((12.0, 10.0), (12.0, 7.9))
 
 
 def test_a_duel_of_gpu_bound_calls_is_timed_over_sustained_stretches():

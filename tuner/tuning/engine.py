@@ -183,7 +183,7 @@ def disturbed_duel(trial_us: tuple[float, float], duel_us: tuple[float, float]) 
 
 GraphPair = tuple[timing.Timing | None, timing.Timing | None] | None  # baseline's, challenger's
 
-# A graph reading off the same runner's trial graph time, either way, by this share and by at
+# A graph reading off the same runner's trial graph time by this share of the trial and by at
 # least this many us is not a reading of its kernel: replays of one kernel are steady.
 GRAPH_OFF = 0.2
 GRAPH_OFF_US = 1.0
@@ -198,11 +198,9 @@ def graph_reading_off(trial_us: tuple[float, float], gpu_us: tuple[float, float]
     trial was the disturbed reading (a baseline's trial far over its duel readings) the duel's
     fresh readings are the ones to judge on."""
     (base_trial, chal_trial), (base_gpu, chal_gpu) = trial_us, gpu_us
-
-    def far(t: float, g: float) -> bool:
-        return g - t > max(t * GRAPH_OFF, GRAPH_OFF_US)
-
-    return far(base_trial, base_gpu) or far(chal_gpu, chal_trial)
+    base_over = base_gpu - base_trial > max(base_trial * GRAPH_OFF, GRAPH_OFF_US)
+    chal_under = chal_trial - chal_gpu > max(chal_trial * GRAPH_OFF, GRAPH_OFF_US)
+    return base_over or chal_under
 
 
 # A call multiplying at this share of the device's measured bf16 matmul peak or more is heavy:
@@ -574,11 +572,11 @@ class _Trial:
         faster on the GPU beyond the graph's noise also wins when it is no slower eagerly, where
         the host's launch hides the kernels and its own launch is no longer (``gpu_only_win``). A
         challenger that cannot be captured loses: it could not serve a caller that runs its step
-        as a graph. Eagerly, rounds far off either runner's trial time (``disturbed_duel``), or
+        as a graph. Eagerly, rounds far over either runner's trial time (``disturbed_duel``), or
         whose win between two kernel-bound calls is wider than their graph times allow
         (``gap_unexplained``), are taken again once; disturbed twice, the baseline stays, at its
-        trial time. So, with ``launch="graph"``, are graph readings far off either runner's trial
-        graph time (``graph_reading_off``).
+        trial time. So, with ``launch="graph"``, are graph readings far off the runners' trial
+        graph times the way that favours the challenger (``graph_reading_off``).
 
         ``base_name``: what the verdict calls ``base`` (a kept challenger that a tied one duels).
         Returns the chosen measurement and the baseline's and chosen one's times (us).
