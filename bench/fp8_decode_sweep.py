@@ -1,11 +1,13 @@
 """FP8 rowwise decode (M <= 16): a grid of split-K tiles beside the shortlist and a bare read.
 
     python bench/fp8_decode_sweep.py --out fp8_decode_sweep.json --proj down qwen_down --m 1 16
-        [--shortlist | --swap]
+        [--shortlist | --swap | --wgmma]
 
 Picks the decode shortlist of ``fp8.configs`` from measurements rather than guesses: every
 config of ``GRID``, of the shortlist itself (``--shortlist``) or of the shortlist beside its
-swapped twins (``--swap``, then more swapped tiles) on the same rotated
+swapped twins (``--swap``, then more swapped tiles), or of the shortlist beside the draft
+wgmma kernel of ``bench/fp8_wgmma_gemv.cu`` at each of ``WGMMA_STAGES`` x ``WGMMA_CLUSTERS``
+(``--wgmma``: e4m3 operands, rowwise, bf16 out), on the same rotated
 weights (``lowbit_kernels``' projections and rotation), CUDA-graph GPU time per call, in grid
 order and then in reverse (a drift over the run shows as a gap between the two passes), and
 each config's output against a float32 GEMM on the dequantized operands ("excess" <= 1
@@ -18,6 +20,10 @@ error. The JSON is rewritten after every projection.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +37,7 @@ from bench.lowbit_kernels import (
     time_us,
     write_as_it_goes,
 )
+from tuner.candidates import nvcc_build
 from tuner.candidates.triton_kernels import fp8 as fp8_kernels
 from tuner.candidates.triton_kernels.launch import warm
 from tuner.candidates.triton_kernels.stream_read import read_all, sums_for
@@ -82,6 +89,35 @@ def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     return out
 
 
+WGMMA_SOURCE = Path(__file__).parent / "fp8_wgmma_gemv.cu"
+WGMMA_STAGES = (3, 4, 6, 8, 10)
+WGMMA_CLUSTERS = (1, 2, 4)
+WGMMA_ARGTYPES = [*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 3, *[ctypes.c_longlong] * 3,
+                  ctypes.c_int, ctypes.c_int, ctypes.c_void_p]  # fmt: skip
+_wgmma: dict[int, Any] = {}  # stages -> the draft kernel's entry point
+
+
+def build_wgmma() -> None:
+    """The draft kernel at each of ``WGMMA_STAGES``, nvcc in parallel (sm_90a code only: its
+    wgmma with FP8 types has no compute_90 form)."""
+    nvcc, folder = nvcc_build.nvcc_path(), Path(tempfile.mkdtemp())
+    if nvcc is None:
+        raise RuntimeError("nvcc not found")
+    procs = {}
+    for stages in WGMMA_STAGES:
+        out = folder / f"fp8_wgmma_s{stages}.so"
+        cmd = [nvcc, "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", "-shared",
+               "-Xcompiler", "-fPIC", f"-DWG_STAGES={stages}", "-o", str(out), str(WGMMA_SOURCE)]  # fmt: skip
+        procs[stages] = (out, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
+    for stages, (out, proc) in procs.items():
+        _, err = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"nvcc WG_STAGES={stages}: {err[-2000:]}")
+        fn = ctypes.CDLL(str(out)).fp8_wgmma_gemv_run
+        fn.restype, fn.argtypes = ctypes.c_int, WGMMA_ARGTYPES
+        _wgmma[stages] = fn
+
+
 def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     """``GRID`` as configs for N (one split each on wide N), then the shortlist's others."""
     out: list[dict[str, Any]] = []
@@ -104,6 +140,8 @@ def precompile(
     jobs = []
     for m, n, k in shapes:
         for cfg in candidates(m, n, k, which):
+            if "wgmma_stages" in cfg:
+                continue
             for scale in scales:
                 try:
                     jobs += fp8_kernels.jobs(m, n, k, cfg, rowwise=scale == "row",
@@ -116,9 +154,33 @@ def precompile(
 
 
 def candidates(m: int, n: int, k: int, which: str) -> list[dict[str, Any]]:
+    """Triton's configs, then (``--wgmma``) the draft kernel's as {"wgmma_stages", "cluster"}."""
     if which == "swap":
         return swap_configs(m, n, k)
-    return fp8_kernels.configs(m, n, k) if which == "shortlist" else grid_configs(m, n, k)
+    if which == "grid":
+        return grid_configs(m, n, k)
+    wgmma = [{"wgmma_stages": s, "cluster": c} for s in WGMMA_STAGES for c in WGMMA_CLUSTERS
+             if k >= 128 * c] if which == "wgmma" else []  # fmt: skip
+    return fp8_kernels.configs(m, n, k) + wgmma
+
+
+def matmul(cfg: dict[str, Any], precise: bool) -> Any:
+    """``f(a, b, scale_a, scale_b, out)`` running one config (b the weight [N, K])."""
+    if "wgmma_stages" not in cfg:
+        return lambda a, b, sa, sb, out: fp8_kernels.fp8_matmul(a, b, sa, sb, cfg, out=out,
+                                                                precise=precise)  # fmt: skip
+    fn, cluster = _wgmma[cfg["wgmma_stages"]], cfg["cluster"]
+
+    def wgmma(a, b, sa, sb, out):
+        err = fn(a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), out.data_ptr(),
+                 a.shape[0], b.shape[0], a.shape[1], a.stride(0), b.stride(0), out.stride(0),
+                 int(sa.numel() > 1 or sb.numel() > 1), cluster,
+                 torch.cuda.current_stream().cuda_stream)  # fmt: skip
+        if err:
+            raise RuntimeError(f"fp8_wgmma_gemv: CUDA error {err}")
+        return out
+
+    return wgmma
 
 
 def sweep(
@@ -161,7 +223,7 @@ def sweep_m(
     for cfg in candidates(m, n, k, which):
         row = {**base, "impl": "fp8_rowwise", "config": cfg, "bytes": moved}
         try:
-            got = fp8_kernels.fp8_matmul(x8, w8, sx8, s8, cfg, precise=precise)
+            got = matmul(cfg, precise)(x8, w8, sx8, s8, torch.full_like(out, float("nan")))
             row["excess"] = round(excess(got, ref, tol), 3)
         except Exception as e:  # a config that cannot run this shape is a finding
             row["error"] = repr(e)[-300:]
@@ -171,9 +233,8 @@ def sweep_m(
         timed.append(row)
 
     def call(cfg: dict[str, Any]) -> Any:
-        return lambda i: fp8_kernels.fp8_matmul(x8, sets[i % len(sets)][0], sx8,
-                                                sets[i % len(sets)][1], cfg, out=out,
-                                                precise=precise)  # fmt: skip
+        fn = matmul(cfg, precise)
+        return lambda i: fn(x8, sets[i % len(sets)][0], sx8, sets[i % len(sets)][1], out)
 
     for rnd, order in enumerate((timed, timed[::-1])):
         for row in order:
@@ -195,6 +256,8 @@ def pct(moved: int, us: float, copy_gbs: float) -> float:
 
 
 def label(cfg: dict[str, Any]) -> str:
+    if "wgmma_stages" in cfg:
+        return f"wgmma draft {cfg['wgmma_stages']} stages cluster {cfg['cluster']}"
     il = "i" if cfg.get("interleave") else ""
     swap = f" swap bm{cfg['bm']}" if cfg.get("swap") else ""
     dots = f"x{cfg['dots']}" if cfg.get("dots", 1) > 1 else ""
@@ -211,6 +274,8 @@ def main() -> None:
     mode.add_argument("--shortlist", action="store_true", help="fp8.configs instead of GRID")
     mode.add_argument("--swap", action="store_true",
                        help="fp8.configs as they are and swapped, then SWAPPED")  # fmt: skip
+    mode.add_argument("--wgmma", action="store_true",
+                      help="fp8.configs beside the draft wgmma kernel (bench/fp8_wgmma_gemv.cu)")  # fmt: skip
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--precise", action="store_true",
                     help="partial sums promoted to fp32, as the suite's accum=f32 keys run")  # fmt: skip
@@ -219,7 +284,10 @@ def main() -> None:
     args = ap.parse_args()
     if any(not 1 <= m <= 16 for m in args.m):
         raise ValueError(f"--m {args.m}: decode sizes only, 1 .. 16")
-    which = "shortlist" if args.shortlist else "swap" if args.swap else "grid"
+    which = ("shortlist" if args.shortlist else "swap" if args.swap
+             else "wgmma" if args.wgmma else "grid")  # fmt: skip
+    if which == "wgmma":
+        build_wgmma()
     shapes = [(m, *PROJECTIONS[p]) for p in args.proj for m in args.m]
     precompile(shapes, which, args.scales, args.precise)
     if args.precompile_only:

@@ -1,0 +1,292 @@
+// DRAFT (session 33, compiled for sm_90a, never run): an FP8 decode GEMM on Hopper's native FP8
+// path, out[M, N] = (a[M, K] @ b[N, K]^T) * scale_a * scale_b, M <= 16.
+//
+// One warpgroup a CTA owns 64 rows of the weight b (wgmma's A, K-major) and a run of K; a's M
+// rows are wgmma's B (n = 8 or 16, K-major). A cluster of C CTAs splits K and sums its partials
+// through distributed shared memory, so no partial goes through global memory: the split-K
+// epilogue the Triton tile pays (a partial store, a fence, an atomic, the last program's loads)
+// is not there, and unlike mma.sync (converted to f16 on sm_90) wgmma takes e4m3 / e5m2 as they
+// are.
+//
+// A stage: b's 64 rows x 128 bytes of K (8 KB) then a's NB rows x 128 bytes, both in the
+// 128-byte swizzle wgmma's K-major descriptors read (8-row atoms of 1 KB, 16-byte piece c of
+// row r at ((c ^ r % 8) * 16)), filled by cp.async from all 128 threads; a chunk's four
+// m64nNk32 wgmma (128 products) start from zero and are added to the fp32 sum apart (the
+// precise contract of accum=f32).
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifndef WG_STAGES
+#define WG_STAGES 6
+#endif
+
+namespace cg = cooperative_groups;
+
+constexpr int STAGES = WG_STAGES;
+constexpr int ROWS = 64;      // weight rows a CTA
+constexpr int CHUNK = 128;    // K bytes a stage
+constexpr int A_BYTES = ROWS * CHUNK;
+constexpr int MAX_M = 16;
+static_assert(STAGES >= 3 && STAGES <= 12, "3..12 stages");
+
+struct Params {
+  const uint8_t* a;  // [M, K] activations
+  const uint8_t* b;  // [N, K] weight
+  const float* scale_a;
+  const float* scale_b;
+  __nv_bfloat16* out;  // [M, N], rows ldo apart
+  long long lda, ldb, ldo;
+  int m, n, k, rowwise;
+  int stage_bytes;
+  int inbox_at;  // (a cluster) an mbarrier, then [ranks][a share of the outputs]
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+
+// Where the 16 bytes at 16 c of row r land in a 128-byte-swizzled K-major tile.
+__device__ __forceinline__ uint32_t swizzled(int r, int c) {
+  return (r >> 3) * 1024 + (r & 7) * 128 + ((c ^ (r & 7)) << 4);
+}
+
+// A K-major, 128-byte-swizzled wgmma descriptor of the tile at `addr` (1 KB aligned, plus a K
+// offset within the 128-byte rows): 8-row atoms 1 KB apart.
+__device__ __forceinline__ uint64_t descriptor(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) |
+         (1ull << 62);
+}
+
+template <int NB>
+__device__ __forceinline__ void wgmma(float (&d)[NB / 2], uint64_t da, uint64_t db, int accumulate);
+
+template <>
+__device__ __forceinline__ void wgmma<8>(float (&d)[4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma<16>(float (&d)[8], uint64_t da, uint64_t db,
+                                          int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "%8, %9, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+template <int NB>
+__global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int outputs = ROWS * p.m;
+  const uint32_t inbox_bar = smem_addr(smem + p.inbox_at);
+  float* inbox = reinterpret_cast<float*>(smem + p.inbox_at + 8);
+  if (ranks > 1) {
+    if (tid == 0) {
+      const int mine_q = (rank + 1) * outputs / ranks - rank * outputs / ranks;
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(inbox_bar));
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(inbox_bar),
+                   "r"((ranks - 1) * mine_q * 4)
+                   : "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::);
+  }
+
+  const int n0 = (blockIdx.x / ranks) * ROWS;
+  const int chunks = p.k / CHUNK;
+  const int c_lo = static_cast<int>(static_cast<long long>(rank) * chunks / ranks);
+  const int c_hi = static_cast<int>(static_cast<long long>(rank + 1) * chunks / ranks);
+  const int mine = c_hi - c_lo;
+  // the swizzle atoms want 1 KB alignment: the ring starts at the first 1 KB boundary
+  const uint32_t ring = (smem_addr(smem) + 1023) & ~1023u;
+
+  // this thread's pieces: four of b's 64 rows (row q / 8, piece q % 8 for q = tid + 128 i) and
+  // one of a's (tid < 8 NB); addresses made once, moved on by a chunk a copy
+  const int r0 = tid >> 3, c = tid & 7;
+  const uint8_t* b_src = p.b + (n0 + r0) * p.ldb + static_cast<long long>(c_lo) * CHUNK + c * 16;
+  const long long b_rows16 = 16 * p.ldb;  // rows q / 8 of q = tid + 128 i: 16 i rows on
+  uint32_t b_valid = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    if (n0 + r0 + 16 * i < p.n) b_valid |= 1u << i;
+  const bool a_copies = tid < 8 * NB, a_valid = r0 < p.m;
+  const uint8_t* a_src = p.a + (a_valid ? r0 * p.lda : 0) + static_cast<long long>(c_lo) * CHUNK + c * 16;
+  const uint32_t b_dst = swizzled(r0, c), a_dst = A_BYTES + swizzled(r0, c);  // + 1 KB x 2 i
+  const auto issue = [&](uint32_t stage) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bool valid = b_valid >> i & 1;
+      copy16(stage + b_dst + 2048 * i, valid ? b_src + i * b_rows16 : p.b, valid);
+    }
+    if (a_copies) copy16(stage + a_dst, a_src, a_valid);
+    b_src += CHUNK;
+    a_src += CHUNK;
+  };
+
+  float acc[NB / 2] = {};
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  const int stage_bytes = p.stage_bytes;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < mine) issue(ring + s * stage_bytes);
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
+  for (int i = 0; i < mine; ++i) {
+    // chunk i landed (this thread's copies), visible to wgmma's async proxy, then everyone's;
+    // the barrier also frees the stage chunk i - 1 took, which the next copy overwrites
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    if (i + STAGES - 1 < mine) issue(ring + next * stage_bytes);
+    asm volatile("cp.async.commit_group;\n" ::);
+    const uint32_t stage = ring + slot * stage_bytes;
+    slot = slot + 1 == STAGES ? 0 : slot + 1;
+    next = next + 1 == STAGES ? 0 : next + 1;
+    float part[NB / 2];
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      wgmma<NB>(part, descriptor(stage + 32 * j), descriptor(stage + A_BYTES + 32 * j), j);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int e = 0; e < NB / 2; ++e) acc[e] += part[e];
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+  // the CTA's partial [M][64] (wgmma's D: warp w's rows 16 w + g (+ 8), columns 2 t (+ 1),
+  // + 8 for the second n8 half)
+  __syncthreads();
+  float* sums = reinterpret_cast<float*>(smem);
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int e = 0; e < NB / 2; ++e) {
+    const int row = 16 * warp + g + 8 * ((e >> 1) & 1), col = 8 * (e >> 2) + 2 * t + (e & 1);
+    if (col < p.m) sums[col * ROWS + row] = acc[e];
+  }
+  __syncthreads();
+  const int share = (outputs + ranks - 1) / ranks;
+  const auto q_lo = [&](int r) { return r * outputs / ranks; };
+  if (ranks > 1) {
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+    for (int r = 0; r < ranks; ++r) {
+      if (r == rank) continue;
+      uint32_t to, bar;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+                   : "=r"(to)
+                   : "r"(smem_addr(inbox + rank * share - q_lo(r))), "r"(r));
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(bar) : "r"(inbox_bar), "r"(r));
+      for (int q = q_lo(r) + tid; q < q_lo(r + 1); q += blockDim.x)
+        asm volatile(
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(
+                to + q * 4),
+            "r"(__float_as_uint(sums[q])), "r"(bar)
+            : "memory");
+    }
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], 0;\n"
+        "@!done bra WAIT_%=;\n}\n" ::"r"(inbox_bar)
+        : "memory");
+  }
+  for (int q = q_lo(rank) + tid; q < q_lo(rank + 1); q += blockDim.x) {
+    float v = 0.f;
+    for (int r = 0; r < ranks; ++r) v += r == rank ? sums[q] : inbox[r * share + q - q_lo(rank)];
+    const int col = q / ROWS, n = n0 + q % ROWS;
+    if (n >= p.n) continue;
+    v *= p.rowwise ? p.scale_a[col] * p.scale_b[n] : p.scale_a[0] * p.scale_b[0];
+    p.out[col * p.ldo + n] = __float2bfloat16_rn(v);
+  }
+}
+
+namespace {
+
+int stage_bytes(int m) { return A_BYTES + (m > 8 ? 16 : 8) * CHUNK; }
+
+int smem_bytes(int m, int cluster, int* inbox_at) {
+  const int rings = 1024 + STAGES * stage_bytes(m), sums = ROWS * m * 4;  // + the alignment
+  *inbox_at = rings > sums ? rings : sums;
+  const int outputs = ROWS * m;
+  return *inbox_at + (cluster > 1 ? 8 + cluster * ((outputs + cluster - 1) / cluster) * 4 : 0);
+}
+
+template <int NB>
+cudaError_t launch(const Params& p, int smem, int cluster, cudaStream_t stream) {
+  static int allowed = 0;
+  if (smem > 48 * 1024 && smem > allowed) {
+    const cudaError_t e = cudaFuncSetAttribute(
+        fp8_wgmma_gemv<NB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    allowed = smem;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>((p.n + ROWS - 1) / ROWS * cluster));
+  config.blockDim = dim3(128);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 2;
+  return cudaLaunchKernelEx(&config, fp8_wgmma_gemv<NB>, p);
+}
+
+}  // namespace
+
+extern "C" {
+
+// e4m3 x e4m3, bf16 out: out[m, ldo] = (a[m, lda] @ b[n, ldb].T) * scale_a * scale_b; the
+// caller checks the operands (16-byte aligned rows and bases, K whole chunks of 128, M <= 16).
+int fp8_wgmma_gemv_run(const void* a, const void* b, const void* scale_a, const void* scale_b,
+                       void* out, int m, int n, int k, long long lda, long long ldb,
+                       long long ldo, int rowwise, int cluster, void* stream) {
+  if (m < 1 || m > MAX_M || n < 1 || k % CHUNK || k < CHUNK * cluster || cluster < 1 ||
+      cluster > 8 || lda % 16 || ldb % 16 || ldo < n)
+    return static_cast<int>(cudaErrorInvalidValue);
+  Params p;
+  p.a = static_cast<const uint8_t*>(a);
+  p.b = static_cast<const uint8_t*>(b);
+  p.scale_a = static_cast<const float*>(scale_a);
+  p.scale_b = static_cast<const float*>(scale_b);
+  p.out = static_cast<__nv_bfloat16*>(out);
+  p.lda = lda;
+  p.ldb = ldb;
+  p.ldo = ldo;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.rowwise = rowwise;
+  p.stage_bytes = stage_bytes(m);
+  const int smem = smem_bytes(m, cluster, &p.inbox_at);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return static_cast<int>(m > 8 ? launch<16>(p, smem, cluster, s) : launch<8>(p, smem, cluster, s));
+}
+
+}  // extern "C"
