@@ -6,7 +6,7 @@
 Picks the decode shortlist of ``fp8.configs`` from measurements rather than guesses: every
 config of ``GRID``, of the shortlist itself (``--shortlist``) or of the shortlist beside its
 swapped twins (``--swap``, then more swapped tiles), or of the shortlist beside the draft
-wgmma kernel of ``bench/fp8_wgmma_gemv.cu`` at each of ``WGMMA_STAGES`` x ``WGMMA_CLUSTERS``
+wgmma kernel of ``bench/fp8_wgmma_gemv.cu`` at each of ``WGMMA_BUILDS`` x ``WGMMA_CLUSTERS``
 (``--wgmma``: e4m3 operands, rowwise, bf16 out), on the same rotated
 weights (``lowbit_kernels``' projections and rotation), CUDA-graph GPU time per call, in grid
 order and then in reverse (a drift over the run shows as a gap between the two passes), and
@@ -90,32 +90,33 @@ def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
 
 
 WGMMA_SOURCE = Path(__file__).parent / "fp8_wgmma_gemv.cu"
-WGMMA_STAGES = (3, 4, 6, 8, 10)
+WGMMA_BUILDS = ((8, 1), (10, 1), (12, 1), (4, 2), (5, 2), (6, 2), (8, 2))  # (stages, atoms)
 WGMMA_CLUSTERS = (1, 2, 4)
 WGMMA_ARGTYPES = [*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 3, *[ctypes.c_longlong] * 3,
                   ctypes.c_int, ctypes.c_int, ctypes.c_void_p]  # fmt: skip
-_wgmma: dict[int, Any] = {}  # stages -> the draft kernel's entry point
+_wgmma: dict[tuple[int, int], Any] = {}  # (stages, atoms) -> the draft kernel's entry point
 
 
 def build_wgmma() -> None:
-    """The draft kernel at each of ``WGMMA_STAGES``, nvcc in parallel (sm_90a code only: its
+    """The draft kernel at each of ``WGMMA_BUILDS``, nvcc in parallel (sm_90a code only: its
     wgmma with FP8 types has no compute_90 form)."""
     nvcc, folder = nvcc_build.nvcc_path(), Path(tempfile.mkdtemp())
     if nvcc is None:
         raise RuntimeError("nvcc not found")
     procs = {}
-    for stages in WGMMA_STAGES:
-        out = folder / f"fp8_wgmma_s{stages}.so"
+    for stages, atoms in WGMMA_BUILDS:
+        out = folder / f"fp8_wgmma_s{stages}_a{atoms}.so"
         cmd = [nvcc, "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", "-shared",
-               "-Xcompiler", "-fPIC", f"-DWG_STAGES={stages}", "-o", str(out), str(WGMMA_SOURCE)]  # fmt: skip
-        procs[stages] = (out, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
-    for stages, (out, proc) in procs.items():
+               "-Xcompiler", "-fPIC", f"-DWG_STAGES={stages}", f"-DWG_ATOMS={atoms}", "-o",
+               str(out), str(WGMMA_SOURCE)]  # fmt: skip
+        procs[stages, atoms] = (out, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
+    for build, (out, proc) in procs.items():
         _, err = proc.communicate()
         if proc.returncode:
-            raise RuntimeError(f"nvcc WG_STAGES={stages}: {err[-2000:]}")
+            raise RuntimeError(f"nvcc (stages, atoms) {build}: {err[-2000:]}")
         fn = ctypes.CDLL(str(out)).fp8_wgmma_gemv_run
         fn.restype, fn.argtypes = ctypes.c_int, WGMMA_ARGTYPES
-        _wgmma[stages] = fn
+        _wgmma[build] = fn
 
 
 def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
@@ -159,8 +160,9 @@ def candidates(m: int, n: int, k: int, which: str) -> list[dict[str, Any]]:
         return swap_configs(m, n, k)
     if which == "grid":
         return grid_configs(m, n, k)
-    wgmma = [{"wgmma_stages": s, "cluster": c} for s in WGMMA_STAGES for c in WGMMA_CLUSTERS
-             if k >= 128 * c] if which == "wgmma" else []  # fmt: skip
+    wgmma = [{"wgmma_stages": s, "atoms": a, "cluster": c} for s, a in WGMMA_BUILDS
+             for c in WGMMA_CLUSTERS if k % (128 * a) == 0 and k >= 128 * a * c
+             ] if which == "wgmma" else []  # fmt: skip
     return fp8_kernels.configs(m, n, k) + wgmma
 
 
@@ -169,7 +171,7 @@ def matmul(cfg: dict[str, Any], precise: bool) -> Any:
     if "wgmma_stages" not in cfg:
         return lambda a, b, sa, sb, out: fp8_kernels.fp8_matmul(a, b, sa, sb, cfg, out=out,
                                                                 precise=precise)  # fmt: skip
-    fn, cluster = _wgmma[cfg["wgmma_stages"]], cfg["cluster"]
+    fn, cluster = _wgmma[cfg["wgmma_stages"], cfg["atoms"]], cfg["cluster"]
 
     def wgmma(a, b, sa, sb, out):
         err = fn(a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), out.data_ptr(),
@@ -257,7 +259,8 @@ def pct(moved: int, us: float, copy_gbs: float) -> float:
 
 def label(cfg: dict[str, Any]) -> str:
     if "wgmma_stages" in cfg:
-        return f"wgmma draft {cfg['wgmma_stages']} stages cluster {cfg['cluster']}"
+        return (f"wgmma draft {cfg['wgmma_stages']} stages x{cfg['atoms']} atoms"
+                f" cluster {cfg['cluster']}")
     il = "i" if cfg.get("interleave") else ""
     swap = f" swap bm{cfg['bm']}" if cfg.get("swap") else ""
     dots = f"x{cfg['dots']}" if cfg.get("dots", 1) > 1 else ""

@@ -23,13 +23,18 @@
 #ifndef WG_STAGES
 #define WG_STAGES 6
 #endif
+#ifndef WG_ATOMS
+#define WG_ATOMS 1
+#endif
 
 namespace cg = cooperative_groups;
 
 constexpr int STAGES = WG_STAGES;
 constexpr int ROWS = 64;      // weight rows a CTA
-constexpr int CHUNK = 128;    // K bytes a stage
-constexpr int A_BYTES = ROWS * CHUNK;
+constexpr int ATOM = 128;     // K bytes of a swizzle atom's rows
+constexpr int ATOMS = WG_ATOMS;  // atoms a stage (each its own 128 products, summed apart)
+constexpr int CHUNK = ATOM * ATOMS;  // K bytes a stage
+constexpr int A_BYTES = ROWS * CHUNK;  // the weight's atoms, ROWS * ATOM bytes each, then x's
 constexpr int MAX_M = 16;
 static_assert(STAGES >= 3 && STAGES <= 12, "3..12 stages");
 
@@ -134,11 +139,15 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
   const uint32_t b_dst = swizzled(r0, c), a_dst = A_BYTES + swizzled(r0, c);  // + 1 KB x 2 i
   const auto issue = [&](uint32_t stage) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const bool valid = b_valid >> i & 1;
-      copy16(stage + b_dst + 2048 * i, valid ? b_src + i * b_rows16 : p.b, valid);
+    for (int at = 0; at < ATOMS; ++at) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const bool valid = b_valid >> i & 1;
+        copy16(stage + at * ROWS * ATOM + b_dst + 2048 * i,
+               valid ? b_src + at * ATOM + i * b_rows16 : p.b, valid);
+      }
+      if (a_copies) copy16(stage + at * NB * ATOM + a_dst, a_src + at * ATOM, a_valid);
     }
-    if (a_copies) copy16(stage + a_dst, a_src, a_valid);
     b_src += CHUNK;
     a_src += CHUNK;
   };
@@ -163,15 +172,20 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
     const uint32_t stage = ring + slot * stage_bytes;
     slot = slot + 1 == STAGES ? 0 : slot + 1;
     next = next + 1 == STAGES ? 0 : next + 1;
-    float part[NB / 2];
+    float part[ATOMS][NB / 2];
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      wgmma<NB>(part, descriptor(stage + 32 * j), descriptor(stage + A_BYTES + 32 * j), j);
+#pragma unroll
+      for (int at = 0; at < ATOMS; ++at)
+        wgmma<NB>(part[at], descriptor(stage + at * ROWS * ATOM + 32 * j),
+                  descriptor(stage + A_BYTES + at * NB * ATOM + 32 * j), j);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
-    for (int e = 0; e < NB / 2; ++e) acc[e] += part[e];
+    for (int at = 0; at < ATOMS; ++at)
+#pragma unroll
+      for (int e = 0; e < NB / 2; ++e) acc[e] += part[at][e];
   }
   asm volatile("cp.async.wait_all;\n" ::);
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
