@@ -90,14 +90,16 @@ def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
 
 
 WGMMA_SOURCE = Path(__file__).parent / "fp8_wgmma_gemv.cu"
-WGMMA_BUILDS = ((8, 1), (10, 1), (12, 1), (4, 2), (5, 2), (6, 2), (8, 2))  # (stages, atoms)
+WGMMA_BUILDS = ((10, 1), (5, 2), (6, 2), (8, 2))  # (stages, atoms)
 WGMMA_CLUSTERS = (1, 2, 4)
 WGMMA_ARGTYPES = [*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 3, *[ctypes.c_longlong] * 3,
                   ctypes.c_int, ctypes.c_int, ctypes.c_void_p]  # fmt: skip
-_wgmma: dict[tuple[int, int], Any] = {}  # (stages, atoms) -> the draft kernel's entry point
+_wgmma: dict[tuple[int, int, bool], Any] = {}  # (stages, atoms, traced) -> the draft's library
+TRACE_FIELDS = 9  # the draft's Field: smid, globaltimer start / end, then clock64 stamps
+PHASES = ("wait", "first", "loop", "sum", "store")  # between successive clock64 stamps
 
 
-def build_wgmma() -> None:
+def build_wgmma(trace: bool) -> None:
     """The draft kernel at each of ``WGMMA_BUILDS``, nvcc in parallel (sm_90a code only: its
     wgmma with FP8 types has no compute_90 form)."""
     nvcc, folder = nvcc_build.nvcc_path(), Path(tempfile.mkdtemp())
@@ -105,18 +107,45 @@ def build_wgmma() -> None:
         raise RuntimeError("nvcc not found")
     procs = {}
     for stages, atoms in WGMMA_BUILDS:
-        out = folder / f"fp8_wgmma_s{stages}_a{atoms}.so"
-        cmd = [nvcc, "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", "-shared",
-               "-Xcompiler", "-fPIC", f"-DWG_STAGES={stages}", f"-DWG_ATOMS={atoms}", "-o",
-               str(out), str(WGMMA_SOURCE)]  # fmt: skip
-        procs[stages, atoms] = (out, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
+        for traced in (False, True) if trace else (False,):
+            out = folder / f"fp8_wgmma_s{stages}_a{atoms}_t{int(traced)}.so"
+            cmd = [nvcc, "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17",
+                   "-shared", "-Xcompiler", "-fPIC", f"-DWG_STAGES={stages}", f"-DWG_ATOMS={atoms}",
+                   f"-DWG_TRACE={int(traced)}", "-o", str(out), str(WGMMA_SOURCE)]  # fmt: skip
+            procs[stages, atoms, traced] = (out, subprocess.Popen(cmd, stderr=subprocess.PIPE,
+                                                                  text=True))  # fmt: skip
     for build, (out, proc) in procs.items():
         _, err = proc.communicate()
         if proc.returncode:
-            raise RuntimeError(f"nvcc (stages, atoms) {build}: {err[-2000:]}")
-        fn = ctypes.CDLL(str(out)).fp8_wgmma_gemv_run
-        fn.restype, fn.argtypes = ctypes.c_int, WGMMA_ARGTYPES
-        _wgmma[build] = fn
+            raise RuntimeError(f"nvcc (stages, atoms, traced) {build}: {err[-2000:]}")
+        lib = ctypes.CDLL(str(out))
+        lib.fp8_wgmma_gemv_run.restype = ctypes.c_int
+        lib.fp8_wgmma_gemv_run.argtypes = WGMMA_ARGTYPES
+        _wgmma[build] = lib
+
+
+def read_trace(cfg: dict[str, Any], ctas: int) -> dict[str, Any]:
+    """Where the traced twin's last launch spent its time, from its CTAs' stamps (ns; clock64
+    spans converted with the median ratio of each CTA's globaltimer and clock64 spans)."""
+    lib = _wgmma[cfg["wgmma_stages"], cfg["atoms"], True]
+    buf = (ctypes.c_ulonglong * (1024 * TRACE_FIELDS))()
+    if err := lib.fp8_wgmma_trace(buf):
+        raise RuntimeError(f"fp8_wgmma_trace: CUDA error {err}")
+    t = [list(buf[i * TRACE_FIELDS : (i + 1) * TRACE_FIELDS]) for i in range(min(ctas, 1024))]
+    ratios = sorted((r[2] - r[1]) / max(1, r[8] - r[3]) for r in t)
+    ns, t0 = ratios[len(ratios) // 2], min(r[1] for r in t)
+
+    def spread(values: list[float]) -> list[float]:
+        v = sorted(values)
+        return [round(v[int(q * (len(v) - 1))]) for q in (0, 0.5, 0.9, 1)]
+
+    out = {"ns_per_clock": round(ns, 4), "span_ns": max(r[2] for r in t) - t0,
+           "start_ns": spread([r[1] - t0 for r in t]),
+           "loop_end_ns": spread([r[1] - t0 + ns * (r[6] - r[3]) for r in t]),
+           "end_ns": spread([r[1] - t0 + ns * (r[8] - r[3]) for r in t])}  # fmt: skip
+    for i, phase in enumerate(PHASES):
+        out[f"{phase}_ns"] = spread([ns * (r[4 + i] - r[3 + i]) for r in t])
+    return out
 
 
 def grid_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
@@ -171,7 +200,8 @@ def matmul(cfg: dict[str, Any], precise: bool) -> Any:
     if "wgmma_stages" not in cfg:
         return lambda a, b, sa, sb, out: fp8_kernels.fp8_matmul(a, b, sa, sb, cfg, out=out,
                                                                 precise=precise)  # fmt: skip
-    fn, cluster = _wgmma[cfg["wgmma_stages"], cfg["atoms"]], cfg["cluster"]
+    lib = _wgmma[cfg["wgmma_stages"], cfg["atoms"], bool(cfg.get("traced"))]
+    fn, cluster = lib.fp8_wgmma_gemv_run, cfg["cluster"]
 
     def wgmma(a, b, sa, sb, out):
         err = fn(a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), out.data_ptr(),
@@ -186,14 +216,14 @@ def matmul(cfg: dict[str, Any], precise: bool) -> Any:
 
 
 def sweep(
-    name: str, ms: list[int], which: str, copy_gbs: float, precise: bool
+    name: str, ms: list[int], which: str, copy_gbs: float, precise: bool, trace: bool
 ) -> list[dict[str, Any]]:
     n, k = PROJECTIONS[name]
     w8, s8 = fp8.quantize_rowwise(torch.randn(n, k, device="cuda") * 0.02)
     sets = rotate(copies(w8, s8), w8, s8)
     rows: list[dict[str, Any]] = []
     for m in ms:
-        rows += sweep_m(name, m, sets, which, copy_gbs, precise)
+        rows += sweep_m(name, m, sets, which, copy_gbs, precise, trace)
     return rows
 
 
@@ -204,9 +234,11 @@ def sweep_m(
     which: str,
     copy_gbs: float,
     precise: bool,
+    trace: bool = False,
 ) -> list[dict[str, Any]]:
     """The bare read, then every config at one M: checked, then timed in two passes;
-    ``precise``: partial sums promoted to fp32 (``_scaled_mm``'s default), else fast."""
+    ``precise``: partial sums promoted to fp32 (``_scaled_mm``'s default), else fast;
+    ``trace``: the best wgmma config's traced twin timed too, with its stamps summarised."""
     w8, s8 = sets[0]
     (n, k), sums = w8.shape, sums_for(w8)
     x8, sx8 = fp8.quantize_rowwise(torch.randn(m, k, device="cuda"))
@@ -250,6 +282,15 @@ def sweep_m(
               f"({row['us_0']:.2f}/{row['us_1']:.2f}) x{row['excess']:.2f} {label(row['config'])}",
               flush=True)  # fmt: skip
     print(f"{name:9s} m={m:2d} read {read['us']:.2f} us {rows[0]['pct_copy']}%", flush=True)
+    best = min((r for r in timed if "wgmma_stages" in r["config"]), key=lambda r: r["us"],
+               default=None)  # fmt: skip
+    if trace and best is not None:
+        cfg = {**best["config"], "traced": True}
+        row = {**base, "impl": "fp8_wgmma_trace", "config": cfg, "bytes": moved,
+               **time_us(call(cfg), m, 0.0)}  # fmt: skip
+        row["trace"] = read_trace(cfg, (n + 63) // 64 * cfg["cluster"])
+        print(f"{name:9s} m={m:2d} traced {row['us']:.2f} us {row['trace']}", flush=True)
+        rows.append(row)
     return rows + timed
 
 
@@ -259,8 +300,10 @@ def pct(moved: int, us: float, copy_gbs: float) -> float:
 
 def label(cfg: dict[str, Any]) -> str:
     if "wgmma_stages" in cfg:
-        return (f"wgmma draft {cfg['wgmma_stages']} stages x{cfg['atoms']} atoms"
-                f" cluster {cfg['cluster']}")
+        return (
+            f"wgmma draft {cfg['wgmma_stages']} stages x{cfg['atoms']} atoms"
+            f" cluster {cfg['cluster']}"
+        )
     il = "i" if cfg.get("interleave") else ""
     swap = f" swap bm{cfg['bm']}" if cfg.get("swap") else ""
     dots = f"x{cfg['dots']}" if cfg.get("dots", 1) > 1 else ""
@@ -280,6 +323,8 @@ def main() -> None:
     mode.add_argument("--wgmma", action="store_true",
                       help="fp8.configs beside the draft wgmma kernel (bench/fp8_wgmma_gemv.cu)")  # fmt: skip
     ap.add_argument("--precompile-only", action="store_true")
+    ap.add_argument("--trace", action="store_true",
+                    help="with --wgmma: the best wgmma config's stamps at each M")  # fmt: skip
     ap.add_argument("--precise", action="store_true",
                     help="partial sums promoted to fp32, as the suite's accum=f32 keys run")  # fmt: skip
     ap.add_argument("--scales", nargs="*", default=["row"], choices=["row", "tensor"],
@@ -290,7 +335,7 @@ def main() -> None:
     which = ("shortlist" if args.shortlist else "swap" if args.swap
              else "wgmma" if args.wgmma else "grid")  # fmt: skip
     if which == "wgmma":
-        build_wgmma()
+        build_wgmma(args.trace)
     shapes = [(m, *PROJECTIONS[p]) for p in args.proj for m in args.m]
     precompile(shapes, which, args.scales, args.precise)
     if args.precompile_only:
@@ -299,7 +344,8 @@ def main() -> None:
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
     result = header(copy_gbs, configs=which, precise=args.precise)
     write_as_it_goes(result, args.out, args.proj,
-                     lambda name: sweep(name, args.m, which, copy_gbs, args.precise))  # fmt: skip
+                     lambda name: sweep(name, args.m, which, copy_gbs, args.precise,
+                                        args.trace))  # fmt: skip
 
 
 if __name__ == "__main__":

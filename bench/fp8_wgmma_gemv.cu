@@ -26,6 +26,9 @@
 #ifndef WG_ATOMS
 #define WG_ATOMS 1
 #endif
+#ifndef WG_TRACE
+#define WG_TRACE 0  // per-CTA stamps of the last launch (fp8_wgmma_trace)
+#endif
 
 namespace cg = cooperative_groups;
 
@@ -37,6 +40,31 @@ constexpr int CHUNK = ATOM * ATOMS;  // K bytes a stage
 constexpr int A_BYTES = ROWS * CHUNK;  // the weight's atoms, ROWS * ATOM bytes each, then x's
 constexpr int MAX_M = 16;
 static_assert(STAGES >= 3 && STAGES <= 12, "3..12 stages");
+
+// Trace: per CTA [smid, globaltimer at start and end, clock64 at start, after the wait, when the
+// first chunk landed, when the loop ended, when the cluster's sums were in, at the end].
+enum Field { SMID, G_START, G_END, C_START, C_WAITED, C_FIRST, C_LOOP, C_SUMMED, C_END, FIELDS };
+constexpr int TRACE_CTAS = 1024;
+#if WG_TRACE
+__device__ unsigned long long g_trace[TRACE_CTAS * FIELDS];
+#endif
+
+__device__ __forceinline__ void stamp(Field field) {
+#if WG_TRACE
+  if (threadIdx.x != 0 || blockIdx.x >= TRACE_CTAS) return;
+  unsigned long long v;
+  if (field == SMID) {
+    unsigned s;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+    v = s;
+  } else if (field == G_START || field == G_END) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+  } else {
+    v = clock64();
+  }
+  g_trace[blockIdx.x * FIELDS + field] = v;
+#endif
+}
 
 struct Params {
   const uint8_t* a;  // [M, K] activations
@@ -98,6 +126,9 @@ __device__ __forceinline__ void wgmma<16>(float (&d)[8], uint64_t da, uint64_t d
 template <int NB>
 __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
   extern __shared__ __align__(1024) unsigned char smem[];
+  stamp(G_START);
+  stamp(C_START);
+  stamp(SMID);
   cg::cluster_group cluster = cg::this_cluster();
   const int ranks = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
@@ -154,6 +185,7 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
 
   float acc[NB / 2] = {};
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  stamp(C_WAITED);
   const int stage_bytes = p.stage_bytes;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -167,6 +199,7 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
+    if (i == 0) stamp(C_FIRST);
     if (i + STAGES - 1 < mine) issue(ring + next * stage_bytes);
     asm volatile("cp.async.commit_group;\n" ::);
     const uint32_t stage = ring + slot * stage_bytes;
@@ -187,6 +220,7 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
 #pragma unroll
       for (int e = 0; e < NB / 2; ++e) acc[e] += part[at][e];
   }
+  stamp(C_LOOP);
   asm volatile("cp.async.wait_all;\n" ::);
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
@@ -225,6 +259,7 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
         "@!done bra WAIT_%=;\n}\n" ::"r"(inbox_bar)
         : "memory");
   }
+  stamp(C_SUMMED);
   for (int q = q_lo(rank) + tid; q < q_lo(rank + 1); q += blockDim.x) {
     float v = 0.f;
     for (int r = 0; r < ranks; ++r) v += r == rank ? sums[q] : inbox[r * share + q - q_lo(rank)];
@@ -233,6 +268,8 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
     v *= p.rowwise ? p.scale_a[col] * p.scale_b[n] : p.scale_a[0] * p.scale_b[0];
     p.out[col * p.ldo + n] = __float2bfloat16_rn(v);
   }
+  stamp(C_END);
+  stamp(G_END);
 }
 
 namespace {
@@ -301,6 +338,16 @@ int fp8_wgmma_gemv_run(const void* a, const void* b, const void* scale_a, const 
   const int smem = smem_bytes(m, cluster, &p.inbox_at);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return static_cast<int>(m > 8 ? launch<16>(p, smem, cluster, s) : launch<8>(p, smem, cluster, s));
+}
+
+// The stamps of the last traced launch, TRACE_CTAS x FIELDS (an error unless built with WG_TRACE).
+int fp8_wgmma_trace(unsigned long long* out) {
+#if WG_TRACE
+  return static_cast<int>(cudaMemcpyFromSymbol(out, g_trace, sizeof(g_trace)));
+#else
+  (void)out;
+  return static_cast<int>(cudaErrorInvalidValue);
+#endif
 }
 
 }  // extern "C"
