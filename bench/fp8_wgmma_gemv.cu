@@ -149,6 +149,8 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
   }
 
   const int n0 = (blockIdx.x / ranks) * ROWS;
+  // the outputs rank r sums and stores: [q_lo(r), q_lo(r + 1)) of the CTA's M x 64
+  const auto q_lo = [&](int r) { return r * outputs / ranks; };
   const int chunks = p.k / CHUNK;
   const int c_lo = static_cast<int>(static_cast<long long>(rank) * chunks / ranks);
   const int c_hi = static_cast<int>(static_cast<long long>(rank + 1) * chunks / ranks);
@@ -192,6 +194,12 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
     if (s < mine) issue(ring + s * stage_bytes);
     asm volatile("cp.async.commit_group;\n" ::);
   }
+  // the scales the stores take, asked for now so that their latency hides behind the stream:
+  // this thread's outputs are all in one weight row (blockDim.x is a multiple of ROWS)
+  __shared__ float x_scale[MAX_M];
+  const int my_n = n0 + (q_lo(rank) + tid) % ROWS;
+  const float w_scale = p.scale_b[p.rowwise && my_n < p.n ? my_n : 0];
+  if (tid < p.m) x_scale[tid] = p.scale_a[p.rowwise ? tid : 0];  // read past the loop's barriers
   int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
   for (int i = 0; i < mine; ++i) {
     // chunk i landed (this thread's copies), visible to wgmma's async proxy, then everyone's;
@@ -236,7 +244,6 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
   }
   __syncthreads();
   const int share = (outputs + ranks - 1) / ranks;
-  const auto q_lo = [&](int r) { return r * outputs / ranks; };
   if (ranks > 1) {
     asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
     for (int r = 0; r < ranks; ++r) {
@@ -263,10 +270,9 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
   for (int q = q_lo(rank) + tid; q < q_lo(rank + 1); q += blockDim.x) {
     float v = 0.f;
     for (int r = 0; r < ranks; ++r) v += r == rank ? sums[q] : inbox[r * share + q - q_lo(rank)];
-    const int col = q / ROWS, n = n0 + q % ROWS;
-    if (n >= p.n) continue;
-    v *= p.rowwise ? p.scale_a[col] * p.scale_b[n] : p.scale_a[0] * p.scale_b[0];
-    p.out[col * p.ldo + n] = __float2bfloat16_rn(v);
+    const int col = q / ROWS;
+    if (my_n >= p.n) continue;
+    p.out[col * p.ldo + my_n] = __float2bfloat16_rn(v * x_scale[col] * w_scale);
   }
   stamp(C_END);
   stamp(G_END);
