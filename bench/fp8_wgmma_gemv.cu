@@ -87,6 +87,10 @@ __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid
                "r"(valid ? 16 : 0));
 }
 
+__device__ __forceinline__ void copy4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+
 // Where the 16 bytes at 16 c of row r land in a 128-byte-swizzled K-major tile.
 __device__ __forceinline__ uint32_t swizzled(int r, int c) {
   return (r >> 3) * 1024 + (r & 7) * 128 + ((c ^ (r & 7)) << 4);
@@ -189,17 +193,17 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   stamp(C_WAITED);
   const int stage_bytes = p.stage_bytes;
+  // the scales the stores take, copied with the first chunk (a load into a register would
+  // hold the thread until it lands, behind the prologue's copies)
+  __shared__ float x_scale[MAX_M], w_scale[ROWS];
+  if (tid < p.m) copy4(smem_addr(x_scale + tid), p.scale_a + (p.rowwise ? tid : 0));
+  if (tid < ROWS)
+    copy4(smem_addr(w_scale + tid), p.scale_b + (p.rowwise && n0 + tid < p.n ? n0 + tid : 0));
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < mine) issue(ring + s * stage_bytes);
     asm volatile("cp.async.commit_group;\n" ::);
   }
-  // the scales the stores take, asked for now so that their latency hides behind the stream:
-  // this thread's outputs are all in one weight row (blockDim.x is a multiple of ROWS)
-  __shared__ float x_scale[MAX_M];
-  const int my_n = n0 + (q_lo(rank) + tid) % ROWS;
-  const float w_scale = p.scale_b[p.rowwise && my_n < p.n ? my_n : 0];
-  if (tid < p.m) x_scale[tid] = p.scale_a[p.rowwise ? tid : 0];  // read past the loop's barriers
   int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
   for (int i = 0; i < mine; ++i) {
     // chunk i landed (this thread's copies), visible to wgmma's async proxy, then everyone's;
@@ -270,9 +274,9 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
   for (int q = q_lo(rank) + tid; q < q_lo(rank + 1); q += blockDim.x) {
     float v = 0.f;
     for (int r = 0; r < ranks; ++r) v += r == rank ? sums[q] : inbox[r * share + q - q_lo(rank)];
-    const int col = q / ROWS;
-    if (my_n >= p.n) continue;
-    p.out[col * p.ldo + my_n] = __float2bfloat16_rn(v * x_scale[col] * w_scale);
+    const int col = q / ROWS, row = q % ROWS;
+    if (n0 + row >= p.n) continue;
+    p.out[col * p.ldo + n0 + row] = __float2bfloat16_rn(v * x_scale[col] * w_scale[row]);
   }
   stamp(C_END);
   stamp(G_END);
