@@ -20,6 +20,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #ifndef WG_STAGES
 #define WG_STAGES 6
 #endif
@@ -127,20 +129,20 @@ __device__ __forceinline__ void wgmma<16>(float (&d)[8], uint64_t da, uint64_t d
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
-template <int NB>
+template <int NB, int RANKS>
 __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   stamp(G_START);
   stamp(C_START);
   stamp(SMID);
   cg::cluster_group cluster = cg::this_cluster();
-  const int ranks = static_cast<int>(cluster.num_blocks());
+  constexpr int ranks = RANKS;  // the cluster's size, a power of two: its divisions are shifts
   const int rank = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int outputs = ROWS * p.m;
   const uint32_t inbox_bar = smem_addr(smem + p.inbox_at);
   float* inbox = reinterpret_cast<float*>(smem + p.inbox_at + 8);
-  if (ranks > 1) {
+  if constexpr (ranks > 1) {
     if (tid == 0) {
       const int mine_q = (rank + 1) * outputs / ranks - rank * outputs / ranks;
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(inbox_bar));
@@ -248,8 +250,9 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
   }
   __syncthreads();
   const int share = (outputs + ranks - 1) / ranks;
-  if (ranks > 1) {
+  if constexpr (ranks > 1) {
     asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#pragma unroll
     for (int r = 0; r < ranks; ++r) {
       if (r == rank) continue;
       uint32_t to, bar;
@@ -273,6 +276,7 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
   stamp(C_SUMMED);
   for (int q = q_lo(rank) + tid; q < q_lo(rank + 1); q += blockDim.x) {
     float v = 0.f;
+#pragma unroll
     for (int r = 0; r < ranks; ++r) v += r == rank ? sums[q] : inbox[r * share + q - q_lo(rank)];
     const int col = q / ROWS, row = q % ROWS;
     if (n0 + row >= p.n) continue;
@@ -293,12 +297,13 @@ int smem_bytes(int m, int cluster, int* inbox_at) {
   return *inbox_at + (cluster > 1 ? 8 + cluster * ((outputs + cluster - 1) / cluster) * 4 : 0);
 }
 
-template <int NB>
-cudaError_t launch(const Params& p, int smem, int cluster, cudaStream_t stream) {
+template <int NB, int RANKS>
+cudaError_t launch(const Params& p, int smem, cudaStream_t stream) {
+  constexpr int cluster = RANKS;
   static int allowed = 0;
   if (smem > 48 * 1024 && smem > allowed) {
     const cudaError_t e = cudaFuncSetAttribute(
-        fp8_wgmma_gemv<NB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        fp8_wgmma_gemv<NB, RANKS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     allowed = smem;
   }
@@ -316,7 +321,7 @@ cudaError_t launch(const Params& p, int smem, int cluster, cudaStream_t stream) 
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, fp8_wgmma_gemv<NB>, p);
+  return cudaLaunchKernelEx(&config, fp8_wgmma_gemv<NB, RANKS>, p);
 }
 
 }  // namespace
@@ -328,8 +333,8 @@ extern "C" {
 int fp8_wgmma_gemv_run(const void* a, const void* b, const void* scale_a, const void* scale_b,
                        void* out, int m, int n, int k, long long lda, long long ldb,
                        long long ldo, int rowwise, int cluster, void* stream) {
-  if (m < 1 || m > MAX_M || n < 1 || k % CHUNK || k < CHUNK * cluster || cluster < 1 ||
-      cluster > 8 || lda % 16 || ldb % 16 || ldo < n)
+  if (m < 1 || m > MAX_M || n < 1 || k % CHUNK || k < CHUNK * cluster ||
+      (cluster != 1 && cluster != 2 && cluster != 4) || lda % 16 || ldb % 16 || ldo < n)
     return static_cast<int>(cudaErrorInvalidValue);
   Params p;
   p.a = static_cast<const uint8_t*>(a);
@@ -347,7 +352,16 @@ int fp8_wgmma_gemv_run(const void* a, const void* b, const void* scale_a, const 
   p.stage_bytes = stage_bytes(m);
   const int smem = smem_bytes(m, cluster, &p.inbox_at);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return static_cast<int>(m > 8 ? launch<16>(p, smem, cluster, s) : launch<8>(p, smem, cluster, s));
+  const auto by_cluster = [&](auto nb) {
+    constexpr int NB = decltype(nb)::value;
+    switch (cluster) {
+      case 1: return launch<NB, 1>(p, smem, s);
+      case 2: return launch<NB, 2>(p, smem, s);
+      default: return launch<NB, 4>(p, smem, s);
+    }
+  };
+  return static_cast<int>(m > 8 ? by_cluster(std::integral_constant<int, 16>())
+                                : by_cluster(std::integral_constant<int, 8>()));
 }
 
 // The stamps of the last traced launch, TRACE_CTAS x FIELDS (an error unless built with WG_TRACE).
