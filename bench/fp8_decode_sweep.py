@@ -1,13 +1,13 @@
 """FP8 rowwise decode (M <= 16): a grid of split-K tiles beside the shortlist and a bare read.
 
     python bench/fp8_decode_sweep.py --out fp8_decode_sweep.json --proj down qwen_down --m 1 16
-        [--shortlist | --swap | --wgmma]
+        [--shortlist | --swap | --cuda [--trace]]
 
 Picks the decode shortlist of ``fp8.configs`` from measurements rather than guesses: every
 config of ``GRID``, of the shortlist itself (``--shortlist``) or of the shortlist beside its
-swapped twins (``--swap``, then more swapped tiles), or of the shortlist beside the draft
-wgmma kernel of ``bench/fp8_wgmma_gemv.cu`` at each of ``WGMMA_BUILDS`` x ``WGMMA_CLUSTERS``
-(``--wgmma``: e4m3 operands, rowwise, bf16 out), on the same rotated
+swapped twins (``--swap``, then more swapped tiles), or of the shortlist beside the CUDA
+kernel of ``cuda_fp8`` (``--cuda``: its shortlist, then ``CUDA_BUILDS`` at every cluster; with
+``--trace``, the best one's bench-only twin that stamps each CTA, summarised), on the same rotated
 weights (``lowbit_kernels``' projections and rotation), CUDA-graph GPU time per call, in grid
 order and then in reverse (a drift over the run shows as a gap between the two passes), and
 each config's output against a float32 GEMM on the dequantized operands ("excess" <= 1
@@ -37,7 +37,7 @@ from bench.lowbit_kernels import (
     time_us,
     write_as_it_goes,
 )
-from tuner.candidates import nvcc_build
+from tuner.candidates import cuda_fp8, cuda_library, nvcc_build
 from tuner.candidates.triton_kernels import fp8 as fp8_kernels
 from tuner.candidates.triton_kernels.launch import warm
 from tuner.candidates.triton_kernels.stream_read import read_all, sums_for
@@ -89,49 +89,66 @@ def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     return out
 
 
-WGMMA_SOURCE = Path(__file__).parent / "fp8_wgmma_gemv.cu"
-WGMMA_BUILDS = ((10, 1), (5, 2), (6, 2), (8, 2))  # (stages, atoms)
-WGMMA_CLUSTERS = (1, 2, 4)
-WGMMA_ARGTYPES = [*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 3, *[ctypes.c_longlong] * 3,
-                  ctypes.c_int, ctypes.c_int, ctypes.c_void_p]  # fmt: skip
-_wgmma: dict[tuple[int, int, bool], Any] = {}  # (stages, atoms, traced) -> the draft's library
-TRACE_FIELDS = 9  # the draft's Field: smid, globaltimer start / end, then clock64 stamps
+# (stages, atoms) libraries of ``cuda_fp8`` timed at each of its clusters (``--cuda``)
+CUDA_BUILDS = ((10, 1), (5, 2), (6, 2), (8, 2))
+TRACE_DIR = Path(tempfile.gettempdir()) / "tuner_fp8_trace"
 PHASES = ("wait", "first", "loop", "sum", "store")  # between successive clock64 stamps
 
 
-def build_wgmma(trace: bool) -> None:
-    """The draft kernel at each of ``WGMMA_BUILDS``, nvcc in parallel (sm_90a code only: its
-    wgmma with FP8 types has no compute_90 form)."""
-    nvcc, folder = nvcc_build.nvcc_path(), Path(tempfile.mkdtemp())
-    if nvcc is None:
-        raise RuntimeError("nvcc not found")
+def cuda_grid(m: int, n: int, k: int) -> list[dict[str, Any]]:
+    """``cuda_fp8``'s shortlist, then ``CUDA_BUILDS`` at every cluster, those that fit."""
+    out = cuda_fp8.configs(m, n, k)
+    for stages, atoms in CUDA_BUILDS:
+        for cluster in cuda_fp8.CLUSTERS:
+            cfg = {"stages": stages, "atoms": atoms, "cluster": cluster}
+            try:
+                cuda_fp8.check_config(cfg, m, n, k)
+            except ValueError:
+                continue
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def traced_path(cfg: dict[str, Any]) -> Path:
+    return TRACE_DIR / f"{cuda_fp8.library(cfg).digest}_trace.so"
+
+
+def build_cuda(cfgs: list[dict[str, Any]], trace: bool) -> None:
+    """The libraries of ``cfgs`` (the product's, through its cache), and with ``trace`` their
+    bench-only twins stamping each CTA (``FP8_GEMV_TRACE``), nvcc in parallel."""
+    errors = {
+        str(lib): e for lib, e in cuda_library.compile_all(map(cuda_fp8.library, cfgs)).items() if e
+    }
+    print(f"cuda_fp8 libraries: errors {errors}", flush=True)
+    nvcc = nvcc_build.nvcc_path()
+    if not trace or nvcc is None:
+        return
+    TRACE_DIR.mkdir(parents=True, exist_ok=True)
     procs = {}
-    for stages, atoms in WGMMA_BUILDS:
-        for traced in (False, True) if trace else (False,):
-            out = folder / f"fp8_wgmma_s{stages}_a{atoms}_t{int(traced)}.so"
-            cmd = [nvcc, "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17",
-                   "-shared", "-Xcompiler", "-fPIC", f"-DWG_STAGES={stages}", f"-DWG_ATOMS={atoms}",
-                   f"-DWG_TRACE={int(traced)}", "-o", str(out), str(WGMMA_SOURCE)]  # fmt: skip
-            procs[stages, atoms, traced] = (out, subprocess.Popen(cmd, stderr=subprocess.PIPE,
-                                                                  text=True))  # fmt: skip
-    for build, (out, proc) in procs.items():
+    for cfg in cfgs:
+        path = traced_path(cfg)
+        if path not in procs and not path.exists():
+            cmd = cuda_fp8.library(cfg).nvcc_command(nvcc, path)
+            cmd = [*cmd[:-1], "-DFP8_GEMV_TRACE=1", cmd[-1]]
+            procs[path] = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    for path, proc in procs.items():
         _, err = proc.communicate()
         if proc.returncode:
-            raise RuntimeError(f"nvcc (stages, atoms, traced) {build}: {err[-2000:]}")
-        lib = ctypes.CDLL(str(out))
-        lib.fp8_wgmma_gemv_run.restype = ctypes.c_int
-        lib.fp8_wgmma_gemv_run.argtypes = WGMMA_ARGTYPES
-        _wgmma[build] = lib
+            raise RuntimeError(f"nvcc {path.name}: {err[-2000:]}")
 
 
 def read_trace(cfg: dict[str, Any], ctas: int) -> dict[str, Any]:
     """Where the traced twin's last launch spent its time, from its CTAs' stamps (ns; clock64
     spans converted with the median ratio of each CTA's globaltimer and clock64 spans)."""
-    lib = _wgmma[cfg["wgmma_stages"], cfg["atoms"], True]
-    buf = (ctypes.c_ulonglong * (1024 * TRACE_FIELDS))()
-    if err := lib.fp8_wgmma_trace(buf):
-        raise RuntimeError(f"fp8_wgmma_trace: CUDA error {err}")
-    t = [list(buf[i * TRACE_FIELDS : (i + 1) * TRACE_FIELDS]) for i in range(min(ctas, 1024))]
+    lib = ctypes.CDLL(str(traced_path(cfg)))
+    cap, fields = ctypes.c_int(), ctypes.c_int()
+    lib.fp8_gemv_trace_shape(ctypes.byref(cap), ctypes.byref(fields))
+    f = fields.value
+    buf = (ctypes.c_ulonglong * (cap.value * f))()
+    if err := lib.fp8_gemv_trace(buf):
+        raise RuntimeError(f"fp8_gemv_trace: CUDA error {err}")
+    t = [list(buf[i * f : (i + 1) * f]) for i in range(min(ctas, cap.value))]
     ratios = sorted((r[2] - r[1]) / max(1, r[8] - r[3]) for r in t)
     ns, t0 = ratios[len(ratios) // 2], min(r[1] for r in t)
 
@@ -170,7 +187,7 @@ def precompile(
     jobs = []
     for m, n, k in shapes:
         for cfg in candidates(m, n, k, which):
-            if "wgmma_stages" in cfg:
+            if "atoms" in cfg:
                 continue
             for scale in scales:
                 try:
@@ -184,35 +201,33 @@ def precompile(
 
 
 def candidates(m: int, n: int, k: int, which: str) -> list[dict[str, Any]]:
-    """Triton's configs, then (``--wgmma``) the draft kernel's as {"wgmma_stages", "cluster"}."""
+    """Triton's configs, then (``--cuda``) ``cuda_grid``'s."""
     if which == "swap":
         return swap_configs(m, n, k)
     if which == "grid":
         return grid_configs(m, n, k)
-    wgmma = [{"wgmma_stages": s, "atoms": a, "cluster": c} for s, a in WGMMA_BUILDS
-             for c in WGMMA_CLUSTERS if k % (128 * a) == 0 and k >= 128 * a * c
-             ] if which == "wgmma" else []  # fmt: skip
-    return fp8_kernels.configs(m, n, k) + wgmma
+    return fp8_kernels.configs(m, n, k) + (cuda_grid(m, n, k) if which == "cuda" else [])
 
 
 def matmul(cfg: dict[str, Any], precise: bool) -> Any:
     """``f(a, b, scale_a, scale_b, out)`` running one config (b the weight [N, K])."""
-    if "wgmma_stages" not in cfg:
+    if "atoms" not in cfg:
         return lambda a, b, sa, sb, out: fp8_kernels.fp8_matmul(a, b, sa, sb, cfg, out=out,
                                                                 precise=precise)  # fmt: skip
-    lib = _wgmma[cfg["wgmma_stages"], cfg["atoms"], bool(cfg.get("traced"))]
-    fn, cluster = lib.fp8_wgmma_gemv_run, cfg["cluster"]
+    plain = {key: cfg[key] for key in cuda_fp8.CONFIG_KEYS}
+    path = (
+        traced_path(plain)
+        if cfg.get("traced")
+        else nvcc_build.library_path(cuda_fp8.library(plain))
+    )
+    fn = cuda_library.load(path, cuda_fp8.ENTRY, cuda_fp8.ARGTYPES)
 
-    def wgmma(a, b, sa, sb, out):
-        err = fn(a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), out.data_ptr(),
-                 a.shape[0], b.shape[0], a.shape[1], a.stride(0), b.stride(0), out.stride(0),
-                 int(sa.numel() > 1 or sb.numel() > 1), cluster,
-                 torch.cuda.current_stream().cuda_stream)  # fmt: skip
-        if err:
-            raise RuntimeError(f"fp8_wgmma_gemv: CUDA error {err}")
+    def cuda(a, b, sa, sb, out):
+        rowwise = sa.numel() > 1 or sb.numel() > 1
+        cuda_fp8.run(fn, plain, a, b, sa, sb, out, rowwise, torch.cuda.current_stream().cuda_stream)
         return out
 
-    return wgmma
+    return cuda
 
 
 def sweep(
@@ -238,7 +253,7 @@ def sweep_m(
 ) -> list[dict[str, Any]]:
     """The bare read, then every config at one M: checked, then timed in two passes;
     ``precise``: partial sums promoted to fp32 (``_scaled_mm``'s default), else fast;
-    ``trace``: the best wgmma config's traced twin timed too, with its stamps summarised."""
+    ``trace``: the best cuda_fp8 config's traced twin timed too, with its stamps summarised."""
     w8, s8 = sets[0]
     (n, k), sums = w8.shape, sums_for(w8)
     x8, sx8 = fp8.quantize_rowwise(torch.randn(m, k, device="cuda"))
@@ -282,11 +297,11 @@ def sweep_m(
               f"({row['us_0']:.2f}/{row['us_1']:.2f}) x{row['excess']:.2f} {label(row['config'])}",
               flush=True)  # fmt: skip
     print(f"{name:9s} m={m:2d} read {read['us']:.2f} us {rows[0]['pct_copy']}%", flush=True)
-    best = min((r for r in timed if "wgmma_stages" in r["config"]), key=lambda r: r["us"],
+    best = min((r for r in timed if "atoms" in r["config"]), key=lambda r: r["us"],
                default=None)  # fmt: skip
     if trace and best is not None:
         cfg = {**best["config"], "traced": True}
-        row = {**base, "impl": "fp8_wgmma_trace", "config": cfg, "bytes": moved,
+        row = {**base, "impl": "cuda_fp8_trace", "config": cfg, "bytes": moved,
                **time_us(call(cfg), m, 0.0)}  # fmt: skip
         row["trace"] = read_trace(cfg, (n + 63) // 64 * cfg["cluster"])
         print(f"{name:9s} m={m:2d} traced {row['us']:.2f} us {row['trace']}", flush=True)
@@ -299,11 +314,8 @@ def pct(moved: int, us: float, copy_gbs: float) -> float:
 
 
 def label(cfg: dict[str, Any]) -> str:
-    if "wgmma_stages" in cfg:
-        return (
-            f"wgmma draft {cfg['wgmma_stages']} stages x{cfg['atoms']} atoms"
-            f" cluster {cfg['cluster']}"
-        )
+    if "atoms" in cfg:
+        return f"cuda_fp8 {cfg['stages']} stages x{cfg['atoms']} atoms cluster {cfg['cluster']}"
     il = "i" if cfg.get("interleave") else ""
     swap = f" swap bm{cfg['bm']}" if cfg.get("swap") else ""
     dots = f"x{cfg['dots']}" if cfg.get("dots", 1) > 1 else ""
@@ -320,11 +332,11 @@ def main() -> None:
     mode.add_argument("--shortlist", action="store_true", help="fp8.configs instead of GRID")
     mode.add_argument("--swap", action="store_true",
                        help="fp8.configs as they are and swapped, then SWAPPED")  # fmt: skip
-    mode.add_argument("--wgmma", action="store_true",
-                      help="fp8.configs beside the draft wgmma kernel (bench/fp8_wgmma_gemv.cu)")  # fmt: skip
+    mode.add_argument("--cuda", action="store_true",
+                      help="fp8.configs beside cuda_fp8's (its shortlist, then CUDA_BUILDS)")  # fmt: skip
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--trace", action="store_true",
-                    help="with --wgmma: the best wgmma config's stamps at each M")  # fmt: skip
+                    help="with --cuda: the best cuda_fp8 config's stamps at each M")  # fmt: skip
     ap.add_argument("--precise", action="store_true",
                     help="partial sums promoted to fp32, as the suite's accum=f32 keys run")  # fmt: skip
     ap.add_argument("--scales", nargs="*", default=["row"], choices=["row", "tensor"],
@@ -333,10 +345,10 @@ def main() -> None:
     if any(not 1 <= m <= 16 for m in args.m):
         raise ValueError(f"--m {args.m}: decode sizes only, 1 .. 16")
     which = ("shortlist" if args.shortlist else "swap" if args.swap
-             else "wgmma" if args.wgmma else "grid")  # fmt: skip
-    if which == "wgmma":
-        build_wgmma(args.trace)
+             else "cuda" if args.cuda else "grid")  # fmt: skip
     shapes = [(m, *PROJECTIONS[p]) for p in args.proj for m in args.m]
+    if which == "cuda":
+        build_cuda([c for shape in shapes for c in cuda_grid(*shape)], args.trace)
     precompile(shapes, which, args.scales, args.precise)
     if args.precompile_only:
         return

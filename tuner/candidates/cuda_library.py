@@ -1,6 +1,6 @@
 """Our own CUDA kernels (``cuda_kernels/*.cu``), each config built as a shared library by nvcc.
 
-What a hand-written kernel source (``cuda_w4a16``) needs beyond its kernel: a config's
+What a hand-written kernel source (``cuda_w4a16``, ``cuda_fp8``) needs beyond its kernel: a config's
 compile-time part is a frozen dataclass that mixes in ``CudaLibrary`` (its fields become ``-D``
 defines); each library carries the CUDA runtime linked in statically, is built for sm_90a
 through ``nvcc_build`` (``compile_all``: a child process per library, a failure remembered and
@@ -25,7 +25,10 @@ from typing import Any, ClassVar
 import torch
 
 from tuner.cache.artifacts import ArtifactSpec
+from tuner.candidates import gemm_operands as ops
 from tuner.candidates import kernel_artifacts, nvcc_build
+from tuner.candidates.base import Params, Source
+from tuner.core.keys import GemmKey
 
 ARCH = "sm_90a"
 KERNELS = Path(__file__).parent / "cuda_kernels"
@@ -63,13 +66,14 @@ class CudaLibrary:
     kind: ClassVar[str]
     source: ClassVar[Path]
     builder: ClassVar[str]
+    arch_flags: ClassVar[tuple[str, ...]] = (f"-arch={ARCH}",)
 
     def defines(self) -> list[str]:
         raise NotImplementedError
 
     def flags(self) -> list[str]:
         """nvcc's options, all but the output and the source."""
-        return ["-O3", "-lineinfo", f"-arch={ARCH}", "-std=c++17", "-shared", "-Xcompiler",
+        return ["-O3", "-lineinfo", *self.arch_flags, "-std=c++17", "-shared", "-Xcompiler",
                 "-fPIC", *self.defines()]  # fmt: skip
 
     def toolchain(self) -> dict[str, str]:
@@ -105,6 +109,12 @@ def compile_library(lib: CudaLibrary) -> dict[str, Any]:
     if nvcc is None:
         return {"ok": False, "permanent": False, "error": cannot_compile()}
     return nvcc_build.build_library(lib, lambda out: lib.nvcc_command(nvcc, out), {})
+
+
+def builder_main(library: type[CudaLibrary], argv: list[str]) -> int:
+    """A kernel source module's ``__main__``: build the ``library`` whose JSON is ``argv[0]``
+    (the child process ``nvcc_build.compile_all`` starts)."""
+    return nvcc_build.child_main(argv, lambda text: compile_library(library.from_json(text)))
 
 
 def compile_all(libs: Iterable[CudaLibrary]) -> dict[Any, str | None]:
@@ -168,3 +178,60 @@ def precompile_run(libs_of: list[list[CudaLibrary]], ready: Callable[[int], None
     """A tuning run's libraries (per key, in the order first needed), each once, on every core."""
     kernel_artifacts.compile_run(libs_of, ready, cannot_compile)
     publish(dict.fromkeys(lib for libs in libs_of for lib in libs))
+
+
+def choice(config: dict[str, Any], key: str, allowed: Iterable[Any]) -> Any:
+    """``config[key]`` if it is one of ``allowed`` (and of their type), else a ValueError
+    naming the field and what is allowed."""
+    value = config.get(key)
+    allowed = tuple(allowed)
+    if type(value) is not type(allowed[0]) or value not in allowed:
+        raise ValueError(f"config[{key!r}]={value!r}: allowed {allowed}")
+    return value
+
+
+class LibrarySource(Source):
+    """A candidate source of one of our kernels: a library per config's compile-time part,
+    serving every shape, offered on Hopper where nvcc is or where its libraries are stored."""
+
+    op = "gemm"
+    builds_kernels = True
+    shares_kernels = True
+
+    @staticmethod
+    def library(params: Params) -> CudaLibrary:
+        """The library that runs ``params``."""
+        raise NotImplementedError
+
+    def libraries(self) -> Iterable[CudaLibrary]:
+        """Every library a shortlist of this source may name."""
+        raise NotImplementedError
+
+    def configs(self, key: GemmKey) -> list[Params]:
+        """The shortlist for ``key``, before failed or missing libraries are left out."""
+        raise NotImplementedError
+
+    def unavailable(self, device: str) -> str | None:
+        if reason := ops.unavailable_reason(device, self.name, lambda: None):
+            return reason
+        cap = torch.cuda.get_device_capability()
+        if cap != (9, 0):
+            return f"compute capability {cap}: the kernel is built for sm_90a (Hopper) only"
+        if cannot_compile() and not any_stored(self.libraries()):
+            return f"nvcc not found and no built {self.name} library here or in the artifact store"
+        return None
+
+    def candidates(self, key: Any, device: str) -> list[Params]:
+        """The shortlist less configs whose library failed to compile; without nvcc, only
+        those whose library is built here or stored (installed now)."""
+        chosen = self.configs(key)
+        ok = set(usable(map(self.library, chosen)))
+        return [c for c in chosen if self.library(c) in ok]
+
+    def precompile(self, key: Any, shortlist: list[Params]) -> None:
+        compile_all(map(self.library, shortlist))  # failures are recorded, and raised by build
+
+    def precompile_run(
+        self, shortlists: list[tuple[Any, list[Params]]], ready: Callable[[int], None]
+    ) -> None:
+        precompile_run([[self.library(p) for p in s] for _, s in shortlists], ready)

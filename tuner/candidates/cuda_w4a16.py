@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from tuner.candidates import cuda_library, int4_operands, nvcc_build, operand_guard
+from tuner.candidates import cuda_library, int4_operands, operand_guard
 from tuner.candidates import gemm_operands as ops
-from tuner.candidates.base import Params, Runner, Source
-from tuner.candidates.cuda_library import Launcher
+from tuner.candidates.base import Params, Runner
+from tuner.candidates.cuda_library import Launcher, LibrarySource, choice
 from tuner.candidates.triton_kernels.w4a16 import check_inputs
 from tuner.core.keys import GemmKey
 from tuner.quant import int4_torch
@@ -60,24 +60,16 @@ Config = dict[str, Any]
 CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster")
 
 
-def _choice(config: Config, key: str, allowed: Iterable[Any]) -> Any:
-    value = config.get(key)
-    allowed = tuple(allowed)
-    if type(value) is not type(allowed[0]) or value not in allowed:
-        raise ValueError(f"config[{key!r}]={value!r}: allowed {allowed}")
-    return value
-
-
 def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     """ValueError naming the field unless ``config`` can run the (M, N, K, group) problem."""
     extra = set(config) - set(CONFIG_KEYS)
     if extra:
         raise ValueError(f"config: unknown keys {sorted(extra)}; allowed {list(CONFIG_KEYS)}")
-    _choice(config, "split", SPLITS)
-    _choice(config, "slices", SLICES)
-    _choice(config, "stages", STAGES)
-    _choice(config, "warps", range(1, MAX_WARPS + 1))
-    cluster = _choice(config, "cluster", range(1, MAX_CLUSTER + 1))
+    choice(config, "split", SPLITS)
+    choice(config, "slices", SLICES)
+    choice(config, "stages", STAGES)
+    choice(config, "warps", range(1, MAX_WARPS + 1))
+    cluster = choice(config, "cluster", range(1, MAX_CLUSTER + 1))
     if not 1 <= m <= MAX_M:
         raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
     if config["slices"] == 4 and m > NARROW_M and config["warps"] > WIDE_MAX_WARPS:
@@ -241,42 +233,19 @@ def unsupported_reason(key: GemmKey) -> str | None:
     return None
 
 
-class CudaW4A16(Source):
+class CudaW4A16(LibrarySource):
     name = "cuda_w4a16"
-    op = "gemm"
-    builds_kernels = True
-    shares_kernels = True  # a library serves every shape
+    library = staticmethod(library)
 
-    def unavailable(self, device: str) -> str | None:
-        if reason := ops.unavailable_reason(device, "cuda_w4a16", lambda: None):
-            return reason
-        cap = torch.cuda.get_device_capability()
-        if cap != (9, 0):
-            return f"compute capability {cap}: the kernel is built for sm_90a (Hopper) only"
-        if cuda_library.cannot_compile() and not cuda_library.any_stored(
-            library(dict(zip(CONFIG_KEYS, e, strict=True)))
-            for e in dict.fromkeys(SHORTLIST + WIDE_SHORTLIST)
-        ):
-            return "nvcc not found and no built cuda_w4a16 library here or in the artifact store"
-        return None
+    def libraries(self) -> Iterable[Library]:
+        entries = dict.fromkeys(SHORTLIST + WIDE_SHORTLIST)
+        return (library(dict(zip(CONFIG_KEYS, e, strict=True))) for e in entries)
+
+    def configs(self, key: GemmKey) -> list[Params]:
+        return configs(key.m, key.n, key.k, key.group)
 
     def unsupported(self, key: GemmKey) -> str | None:
         return unsupported_reason(key)
-
-    def candidates(self, key: GemmKey, device: str) -> list[Params]:
-        """The shortlist less configs whose library failed to compile; without nvcc, only
-        those whose library is built here or stored (installed now)."""
-        chosen = configs(key.m, key.n, key.k, key.group)
-        usable = set(cuda_library.usable(map(library, chosen)))
-        return [c for c in chosen if library(c) in usable]
-
-    def precompile(self, key: GemmKey, shortlist: list[Params]) -> None:
-        compile_all(shortlist)  # failures are recorded, and raised by build
-
-    def precompile_run(
-        self, shortlists: list[tuple[GemmKey, list[Params]]], ready: Callable[[int], None]
-    ) -> None:
-        cuda_library.precompile_run([[library(p) for p in s] for _, s in shortlists], ready)
 
     def build(self, key: GemmKey, params: Params) -> Runner:
         check_config(params, key.m, key.n, key.k, key.group)
@@ -309,11 +278,5 @@ class CudaW4A16(Source):
         return runner
 
 
-def _main(argv: list[str]) -> int:
-    return nvcc_build.child_main(
-        argv, lambda text: cuda_library.compile_library(Library.from_json(text))
-    )
-
-
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    sys.exit(cuda_library.builder_main(Library, sys.argv[1:]))

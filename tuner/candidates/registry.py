@@ -36,6 +36,7 @@ BUILTIN = {
     "cutlass_fp8": "tuner.candidates.cutlass_fp8:CutlassFp8",
     "cutlass_w4a16": "tuner.candidates.cutlass_w4a16:CutlassW4A16",
     "cuda_w4a16": "tuner.candidates.cuda_w4a16:CudaW4A16",
+    "cuda_fp8": "tuner.candidates.cuda_fp8:CudaFp8",
     "dequant_gemm": "tuner.candidates.dequant_gemm:DequantGemm",
 }
 

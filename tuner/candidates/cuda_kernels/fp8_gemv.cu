@@ -1,18 +1,25 @@
-// DRAFT (session 33, compiled for sm_90a, never run): an FP8 decode GEMM on Hopper's native FP8
-// path, out[M, N] = (a[M, K] @ b[N, K]^T) * scale_a * scale_b, M <= 16.
+// An FP8 decode GEMM on Hopper's native FP8 tensor-core path (wgmma), M <= 16:
+// out[M, N] = (a[M, K] @ b[N, K]^T) * scale_a * scale_b, e4m3 operands, fp32 scales (one each,
+// or a's per row and b's per row: "rowwise"), out bf16, f16 or f32.
 //
 // One warpgroup a CTA owns 64 rows of the weight b (wgmma's A, K-major) and a run of K; a's M
-// rows are wgmma's B (n = 8 or 16, K-major). A cluster of C CTAs splits K and sums its partials
-// through distributed shared memory, so no partial goes through global memory: the split-K
-// epilogue the Triton tile pays (a partial store, a fence, an atomic, the last program's loads)
-// is not there, and unlike mma.sync (converted to f16 on sm_90) wgmma takes e4m3 / e5m2 as they
-// are.
+// rows are wgmma's B (n = 8 or 16, K-major). A cluster of 1, 2 or 4 CTAs splits K and sums its
+// partials through distributed shared memory (each rank pushes the others' shares of its sums
+// into their inboxes), so no partial goes through global memory: no workspace, no second pass,
+// a fixed sum order. wgmma takes e4m3 as it is (sm_90's mma.sync would convert it to f16 first,
+// twice the instructions a byte).
 //
-// A stage: b's 64 rows x 128 bytes of K (8 KB) then a's NB rows x 128 bytes, both in the
-// 128-byte swizzle wgmma's K-major descriptors read (8-row atoms of 1 KB, 16-byte piece c of
-// row r at ((c ^ r % 8) * 16)), filled by cp.async from all 128 threads; a chunk's four
-// m64nNk32 wgmma (128 products) start from zero and are added to the fp32 sum apart (the
-// precise contract of accum=f32).
+// A stage holds ATOMS runs of 128 K bytes: b's 64 rows of each (8 KB), then a's NB rows, all in
+// the 128-byte swizzle wgmma's K-major descriptors read (8-row atoms of 1 KB, 16-byte piece c
+// of row r at ((c ^ r % 8) * 16)), filled by cp.async from all 128 threads. An atom's four
+// m64nNk32 wgmma (128 products) start from zero and are added to the fp32 sums apart: partial
+// sums promoted to fp32 every 128 products, as _scaled_mm does without use_fast_accum. The
+// scales the stores take are copied in with the first stage, so nothing waits on them until
+// the end. Launched with programmatic dependent launch: a grid's launch and setup overlap the
+// end of the kernel before it, and nothing is read before that kernel's writes are visible.
+//
+// Compile-time: FP8_GEMV_STAGES (3-12), FP8_GEMV_ATOMS (1-2); bench builds only:
+// FP8_GEMV_TRACE=1 (per-CTA stamps of the last launch, fp8_gemv_trace). sm_90a only.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -22,37 +29,38 @@
 
 #include <type_traits>
 
-#ifndef WG_STAGES
-#define WG_STAGES 6
+#ifndef FP8_GEMV_STAGES
+#define FP8_GEMV_STAGES 6
 #endif
-#ifndef WG_ATOMS
-#define WG_ATOMS 1
+#ifndef FP8_GEMV_ATOMS
+#define FP8_GEMV_ATOMS 2
 #endif
-#ifndef WG_TRACE
-#define WG_TRACE 0  // per-CTA stamps of the last launch (fp8_wgmma_trace)
+#ifndef FP8_GEMV_TRACE
+#define FP8_GEMV_TRACE 0
 #endif
 
 namespace cg = cooperative_groups;
 
-constexpr int STAGES = WG_STAGES;
+constexpr int STAGES = FP8_GEMV_STAGES;
 constexpr int ROWS = 64;      // weight rows a CTA
 constexpr int ATOM = 128;     // K bytes of a swizzle atom's rows
-constexpr int ATOMS = WG_ATOMS;  // atoms a stage (each its own 128 products, summed apart)
+constexpr int ATOMS = FP8_GEMV_ATOMS;  // atoms a stage (each its own 128 products, summed apart)
 constexpr int CHUNK = ATOM * ATOMS;  // K bytes a stage
 constexpr int A_BYTES = ROWS * CHUNK;  // the weight's atoms, ROWS * ATOM bytes each, then x's
 constexpr int MAX_M = 16;
 static_assert(STAGES >= 3 && STAGES <= 12, "3..12 stages");
+static_assert(ATOMS == 1 || ATOMS == 2, "one or two atoms a stage");
 
 // Trace: per CTA [smid, globaltimer at start and end, clock64 at start, after the wait, when the
 // first chunk landed, when the loop ended, when the cluster's sums were in, at the end].
 enum Field { SMID, G_START, G_END, C_START, C_WAITED, C_FIRST, C_LOOP, C_SUMMED, C_END, FIELDS };
+#if FP8_GEMV_TRACE
 constexpr int TRACE_CTAS = 1024;
-#if WG_TRACE
 __device__ unsigned long long g_trace[TRACE_CTAS * FIELDS];
 #endif
 
 __device__ __forceinline__ void stamp(Field field) {
-#if WG_TRACE
+#if FP8_GEMV_TRACE
   if (threadIdx.x != 0 || blockIdx.x >= TRACE_CTAS) return;
   unsigned long long v;
   if (field == SMID) {
@@ -73,9 +81,9 @@ struct Params {
   const uint8_t* b;  // [N, K] weight
   const float* scale_a;
   const float* scale_b;
-  __nv_bfloat16* out;  // [M, N], rows ldo apart
+  void* out;  // [M, N], rows ldo apart, of out_kind
   long long lda, ldb, ldo;
-  int m, n, k, rowwise;
+  int m, n, k, rowwise, out_kind;
   int stage_bytes;
   int inbox_at;  // (a cluster) an mbarrier, then [ranks][a share of the outputs]
 };
@@ -105,6 +113,17 @@ __device__ __forceinline__ uint64_t descriptor(uint32_t addr) {
          (1ull << 62);
 }
 
+enum OutKind { OUT_BF16, OUT_F16, OUT_F32 };
+
+__device__ __forceinline__ void store(const Params& p, long long at, float v) {
+  if (p.out_kind == OUT_BF16)
+    static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(v);
+  else if (p.out_kind == OUT_F16)
+    static_cast<__half*>(p.out)[at] = __float2half_rn(v);
+  else
+    static_cast<float*>(p.out)[at] = v;
+}
+
 template <int NB>
 __device__ __forceinline__ void wgmma(float (&d)[NB / 2], uint64_t da, uint64_t db, int accumulate);
 
@@ -130,7 +149,7 @@ __device__ __forceinline__ void wgmma<16>(float (&d)[8], uint64_t da, uint64_t d
 }
 
 template <int NB, int RANKS>
-__global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
+__global__ void __launch_bounds__(128, 1) fp8_gemv(Params p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   stamp(G_START);
   stamp(C_START);
@@ -280,7 +299,7 @@ __global__ void __launch_bounds__(128, 1) fp8_wgmma_gemv(Params p) {
     for (int r = 0; r < ranks; ++r) v += r == rank ? sums[q] : inbox[r * share + q - q_lo(rank)];
     const int col = q / ROWS, row = q % ROWS;
     if (n0 + row >= p.n) continue;
-    p.out[col * p.ldo + n0 + row] = __float2bfloat16_rn(v * x_scale[col] * w_scale[row]);
+    store(p, col * p.ldo + n0 + row, v * x_scale[col] * w_scale[row]);
   }
   stamp(C_END);
   stamp(G_END);
@@ -303,7 +322,7 @@ cudaError_t launch(const Params& p, int smem, cudaStream_t stream) {
   static int allowed = 0;
   if (smem > 48 * 1024 && smem > allowed) {
     const cudaError_t e = cudaFuncSetAttribute(
-        fp8_wgmma_gemv<NB, RANKS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        fp8_gemv<NB, RANKS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     allowed = smem;
   }
@@ -321,27 +340,30 @@ cudaError_t launch(const Params& p, int smem, cudaStream_t stream) {
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, fp8_wgmma_gemv<NB, RANKS>, p);
+  return cudaLaunchKernelEx(&config, fp8_gemv<NB, RANKS>, p);
 }
 
 }  // namespace
 
 extern "C" {
 
-// e4m3 x e4m3, bf16 out: out[m, ldo] = (a[m, lda] @ b[n, ldb].T) * scale_a * scale_b; the
-// caller checks the operands (16-byte aligned rows and bases, K whole chunks of 128, M <= 16).
-int fp8_wgmma_gemv_run(const void* a, const void* b, const void* scale_a, const void* scale_b,
-                       void* out, int m, int n, int k, long long lda, long long ldb,
-                       long long ldo, int rowwise, int cluster, void* stream) {
+// e4m3 x e4m3: out[m, ldo] = (a[m, lda] @ b[n, ldb].T) * scale_a * scale_b, out of out_kind
+// (0 bf16, 1 f16, 2 f32); a CUDA error code. The caller checks the operands (16-byte aligned
+// rows and bases, 4-byte aligned contiguous scales, K whole stages, M <= 16).
+int fp8_gemv(const void* a, const void* b, const void* scale_a, const void* scale_b, void* out,
+             int m, int n, int k, long long lda, long long ldb, long long ldo, int rowwise,
+             int out_kind, int cluster, void* stream) {
   if (m < 1 || m > MAX_M || n < 1 || k % CHUNK || k < CHUNK * cluster ||
-      (cluster != 1 && cluster != 2 && cluster != 4) || lda % 16 || ldb % 16 || ldo < n)
+      (cluster != 1 && cluster != 2 && cluster != 4) || lda % 16 || ldb % 16 || ldo < n ||
+      out_kind < OUT_BF16 || out_kind > OUT_F32)
     return static_cast<int>(cudaErrorInvalidValue);
   Params p;
   p.a = static_cast<const uint8_t*>(a);
   p.b = static_cast<const uint8_t*>(b);
   p.scale_a = static_cast<const float*>(scale_a);
   p.scale_b = static_cast<const float*>(scale_b);
-  p.out = static_cast<__nv_bfloat16*>(out);
+  p.out = out;
+  p.out_kind = out_kind;
   p.lda = lda;
   p.ldb = ldb;
   p.ldo = ldo;
@@ -364,9 +386,19 @@ int fp8_wgmma_gemv_run(const void* a, const void* b, const void* scale_a, const 
                                 : by_cluster(std::integral_constant<int, 8>()));
 }
 
-// The stamps of the last traced launch, TRACE_CTAS x FIELDS (an error unless built with WG_TRACE).
-int fp8_wgmma_trace(unsigned long long* out) {
-#if WG_TRACE
+// The stamps fp8_gemv_trace copies out: CTAs (0 unless FP8_GEMV_TRACE) x fields.
+void fp8_gemv_trace_shape(int* ctas, int* fields) {
+#if FP8_GEMV_TRACE
+  *ctas = TRACE_CTAS;
+#else
+  *ctas = 0;
+#endif
+  *fields = FIELDS;
+}
+
+// The stamps of the last traced launch (an error unless FP8_GEMV_TRACE).
+int fp8_gemv_trace(unsigned long long* out) {
+#if FP8_GEMV_TRACE
   return static_cast<int>(cudaMemcpyFromSymbol(out, g_trace, sizeof(g_trace)));
 #else
   (void)out;
