@@ -324,7 +324,8 @@ def test_a_call_reads_what_the_kernel_before_it_wrote(m: int, graphed: bool, bui
         assert excess(out, ref, tol) <= 1
 
 
-TUNED = [key_of("fp8-rowwise", 1, n=4096, k=4096), key_of("fp8-tensorwise", 6, n=520, k=2048),
+# N a multiple of 16: torch's _scaled_mm, the baseline the engine runs first, takes no other
+TUNED = [key_of("fp8-rowwise", 1, n=4096, k=4096), key_of("fp8-tensorwise", 6, n=528, k=2048),
          key_of("fp8-rowwise", 16, n=3584, k=3584), key_of("fp8-rowwise-fast", 8, n=1024, k=1024)]  # fmt: skip
 
 

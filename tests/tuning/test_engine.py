@@ -33,6 +33,7 @@ from tuner.tuning.engine import (
     host_hides_gpu,
     may_hold_power_limit,
     power_limited,
+    round_scatter,
     runner_up,
     steadier,
     sustained_duel,
@@ -337,6 +338,19 @@ def test_a_duel_far_off_either_trial_is_disturbed():
     assert disturbed_duel(trial_us=(29.4, 28.9), duel_us=(102.9, 53.9))
     assert disturbed_duel(trial_us=(29.4, 28.9), duel_us=(30.0, 45.0))  # either side
     assert not disturbed_duel(trial_us=(29.4, 28.9), duel_us=(36.0, 31.0))  # a slower moment
+
+
+def test_an_eager_win_within_the_rounds_scatter_is_a_tie():
+    """An FP8 prefill row of session 34 (Llama o, M = 2048, power-limited stretches): cuBLASLt
+    read 4.2% under torch's op in the tuning's duel (margin 2%) and 4.7% over it when the suite
+    timed them again, its rounds 57.98-63.76 us apart. Half that range over the median (4.8%)
+    is how far one reading of it can fall from the next: a win narrower than that is a tie."""
+    winner, torch_op = [63.76, 57.98, 62.11, 59.07], [57.82, 57.6, 58.24, 57.63]
+    assert round_scatter(winner) == pytest.approx((63.76 - 57.98) / 2 / 60.59)
+    assert round_scatter(torch_op) < 0.006  # a steady runner: the noise margin stands
+    assert round_scatter(winner) > 1 - 57.63 / 60.13  # the tuning's 4.2% win: within it
+    assert round_scatter([10.0]) == 0.0 and round_scatter([]) == 0.0
+    assert round_scatter([0.0, 0.0, 0.0]) == 0.0  # a clamped fenced time: nothing divides by 0
 
 
 def test_an_eager_gap_between_kernel_bound_calls_must_show_in_their_graph_times():

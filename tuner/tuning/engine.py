@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -179,6 +180,26 @@ def disturbed_duel(trial_us: tuple[float, float], duel_us: tuple[float, float]) 
     side slower than in its own trial by more than a disturbed spread. Such a verdict would
     say more about the disturbance than about the kernels."""
     return any(d > t * (1 + DISTURBED_SPREAD) for t, d in zip(trial_us, duel_us, strict=True))
+
+
+def round_scatter(rounds: Sequence[float]) -> float:
+    """Half the range of one runner's duel rounds over their median: how far its own readings
+    fell apart in the duel. An eager win narrower than either runner's scatter is a tie, which
+    keeps the baseline: a heavy kernel's stretches at the power limit can read several percent
+    apart, and a win within that is the clock's, not the kernel's."""
+    mid = statistics.median(rounds) if rounds else 0.0
+    return (max(rounds) - min(rounds)) / 2 / mid if mid > 0 else 0.0
+
+
+class Rounds(NamedTuple):
+    """A duel's eager rounds: each runner's median time and host time a call, and the wider of
+    their ``round_scatter``s."""
+
+    base_us: float
+    chal_us: float
+    base_host: float
+    chal_host: float
+    scatter: float
 
 
 GraphPair = tuple[timing.Timing | None, timing.Timing | None] | None  # baseline's, challenger's
@@ -562,7 +583,9 @@ class _Trial:
         """Re-time baseline and challenger alternately on the same inputs, in
         ``timing.round_order``. The challenger keeps the win only if it still beats the baseline
         by the margin: one lucky measurement (clock drift, a quiet moment) must not make a winner
-        that is slower in use.
+        that is slower in use. Eagerly the margin is at least the rounds' own scatter
+        (``round_scatter``): a win narrower than how far either runner's rounds fell apart is a
+        tie, and a tie keeps the baseline.
 
         On the GPU both are also timed in a CUDA graph (GPU time alone, ``timing.graph_time``):
         with ``launch="graph"`` that is the time compared; eagerly the challenger must in addition
@@ -604,10 +627,10 @@ class _Trial:
         if graph and gpu_us and graph_reading_off(trial_us, gpu_us):  # taken again once
             gpu, gpu_us = graph_times()
 
-        def off(readings: tuple[float, float, float, float]) -> str:
-            """Why eager rounds (baseline's and challenger's times, then host times) do not say
-            what the kernels cost, or "" where they do."""
-            eager_us, host_us = readings[:2], readings[2:]
+        def off(readings: Rounds) -> str:
+            """Why eager rounds do not say what the kernels cost, or "" where they do."""
+            eager_us = (readings.base_us, readings.chal_us)
+            host_us = (readings.base_host, readings.chal_host)
             if disturbed_duel(trial_us, eager_us):
                 return "far off a trial's time"
             if gpu_us and gap_unexplained(eager_us, host_us, gpu_us, margin):
@@ -621,7 +644,7 @@ class _Trial:
         if graph and gpu_us and graph_reading_off(trial_us, gpu_us):
             why = "graph times far off the trials' graph times"
         disturbed = bool(why)
-        base_us, chal_us, base_host, chal_host = readings
+        base_us, chal_us, base_host, chal_host, scatter = readings
         gpu_ok, gpu_win = True, False
         note = f"; disturbed twice: {why}" if disturbed else ""
         if sustained:
@@ -648,8 +671,12 @@ class _Trial:
                 else:
                     gpu_ok = chal_gpu.median_us <= base_gpu.median_us * (1 + gpu_margin)
                     gpu_win = gpu_only_win((base_host, chal_host), gpu_us, gpu_margin)
-        # eager: a win beyond the eager noise, or, where the host's launch hides the kernels, a
-        # GPU win with no eager loss (the graph replay measures cleanly what the host hides)
+        # eager: a win beyond the eager noise and the rounds' own scatter, or, where the host's
+        # launch hides the kernels, a GPU win with no eager loss (the graph replay measures
+        # cleanly what the host hides)
+        if options.launch == "eager" and scatter > margin:
+            margin = scatter
+            note += f"; rounds {scatter:.1%} apart"
         won = chal_us < base_us * (1 - margin) or (gpu_win and chal_us <= base_us)
         launch_ok = launch_cost_repaid(chal_us, chal_host, base_us, base_host, options)
         kept = won and launch_ok and gpu_ok and not disturbed
@@ -671,11 +698,11 @@ class _Trial:
         challenger: Measurement,
         options: TuneOptions,
         sustained: bool,
-    ) -> tuple[float, float, float, float]:
+    ) -> Rounds:
         """The duel's rounds, each runner in ``timing.round_order``: the median over the rounds
         of each one's time (eager: its host time where that is longer) and host time per call,
-        as (baseline, challenger, baseline host, challenger host); ``sustained``: over
-        stretches of calls back to back."""
+        and how far apart each one's rounds fell; ``sustained``: over stretches of calls back to
+        back."""
         times: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         hosts: dict[str, list[float]] = {base.candidate: [], challenger.candidate: []}
         eager = options.launch == "eager"
@@ -694,11 +721,12 @@ class _Trial:
                 t = timed(m)
                 times[m.candidate].append(max(t.median_us, t.host_us) if eager else t.median_us)
                 hosts[m.candidate].append(t.host_us)
-        return (
+        return Rounds(
             statistics.median(times[base.candidate]),
             statistics.median(times[challenger.candidate]),
             statistics.median(hosts[base.candidate]),
             statistics.median(hosts[challenger.candidate]),
+            max(round_scatter(times[base.candidate]), round_scatter(times[challenger.candidate])),
         )
 
     def sustained(
