@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import itertools
 import subprocess
 import tempfile
@@ -111,7 +110,7 @@ def parse_config(text: str) -> tuple:
 
 
 def variant_path(cfg: dict[str, Any], variant: str, source: Path = cuda_w4a16.SOURCE) -> Path:
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    digest = cuda_library.source_digest(source)[:12]
     return VARIANT_DIR / f"{cuda_w4a16.library(cfg).digest}_{variant}_{digest}.so"
 
 
@@ -129,7 +128,8 @@ def build_variants(
         path = variant_path(cfg, variant, source)
         if path not in procs and not path.exists():
             cmd = cuda_w4a16.library(cfg).nvcc_command(nvcc, path)
-            cmd = [*cmd[:-1], *VARIANTS[variant], str(source)]
+            # the headers next to the source first, else the kernel's own (a copy made elsewhere)
+            cmd = [*cmd[:-1], *VARIANTS[variant], f"-I{cuda_library.KERNELS}", str(source)]
             procs[path] = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     for path, proc in procs.items():
         _, err = proc.communicate()

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from tests.bench_scripts import load_script
+from tests.candidates.gate import assert_every_config_passes
 from tuner.cache.artifacts import ArtifactStore, unpack
 from tuner.candidates import cuda_fp8 as cf
 from tuner.candidates import cuda_library, kernel_artifacts, nvcc_build, registry
 from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.quant import fp8
 from tuner.quant.tolerance import FP8_TENSOR_CORE_ACCUMULATE, excess, gemm_tolerance
-from tuner.tuning.engine import TuneOptions, tune
 
 
 def key_of(spec: str, m: int, n: int = 4096, k: int = 14336, **extra) -> GemmKey:
@@ -30,15 +30,6 @@ def key_of(spec: str, m: int, n: int = 4096, k: int = 14336, **extra) -> GemmKey
 
 def cfg(stages: int = 6, atoms: int = 2, cluster: int = 2) -> dict:
     return {"stages": stages, "atoms": atoms, "cluster": cluster}
-
-
-@pytest.fixture
-def store(tmp_path, monkeypatch) -> ArtifactStore:
-    """A kernel cache and an artifact store of this test's own."""
-    monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path / "cache"))
-    shared = ArtifactStore(tmp_path / "store")
-    monkeypatch.setattr(kernel_artifacts, "shared_store", lambda: shared)
-    return shared
 
 
 def test_configs_are_checked_field_by_field() -> None:
@@ -98,6 +89,23 @@ def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:
     assert set(spec.toolchain) == {"fp8_gemv.cu", "nvcc", "flags"}
     monkeypatch.setattr(cuda_library, "toolkit", lambda: "12.8")
     assert a.artifact_spec().toolchain["nvcc"] == "12.8" and a.artifact_spec().id != spec.id
+
+
+def test_a_library_digest_covers_the_headers_its_source_includes(tmp_path) -> None:
+    """Both kernels include the launch they share (``cluster_launch.cuh``): a change there must
+    rebuild their libraries as a change in the kernel's own file does."""
+    assert [p.name for p in cuda_library.sources_of(cf.SOURCE)] == [
+        "fp8_gemv.cu",
+        "cluster_launch.cuh",
+    ]
+    kernel, header = tmp_path / "k.cu", tmp_path / "h.cuh"
+    kernel.write_text('#include <cuda_runtime.h>\n#include "h.cuh"\n#include "missing.cuh"\n')
+    header.write_text('#include "k.cu"\n// one\n')  # a cycle is read once
+    assert cuda_library.sources_of(kernel) == [kernel, header]
+    before = cuda_library.source_digest(kernel)
+    header.write_text("// two\n")
+    cuda_library.source_digest.cache_clear()
+    assert cuda_library.source_digest(kernel) != before
 
 
 def test_registered_and_which_keys_it_takes() -> None:
@@ -217,15 +225,20 @@ def stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
-def problem(m: int, n: int, k: int, rowwise: bool, out_dtype: torch.dtype = torch.bfloat16):
-    quant = fp8.quantize_rowwise if rowwise else fp8.quantize_tensorwise
-    a, sa = quant(torch.randn(m, k, device="cuda"))
-    b, sb = quant(torch.randn(n, k, device="cuda") * 0.05)
+def reference(a, sa, b, sb, out_dtype: torch.dtype = torch.bfloat16):
+    """The float32 GEMM on the dequantized operands, and the format's tolerance around it."""
     da, db = fp8.dequantize(a, sa), fp8.dequantize(b, sb)
     ref = da @ db.T
     tol = gemm_tolerance(da, db, ref, operand_unit=0.0,
                          accumulate_unit=FP8_TENSOR_CORE_ACCUMULATE, out_dtype=out_dtype)  # fmt: skip
-    return a, b, sa, sb, ref, tol
+    return ref, tol
+
+
+def problem(m: int, n: int, k: int, rowwise: bool, out_dtype: torch.dtype = torch.bfloat16):
+    quant = fp8.quantize_rowwise if rowwise else fp8.quantize_tensorwise
+    a, sa = quant(torch.randn(m, k, device="cuda"))
+    b, sb = quant(torch.randn(n, k, device="cuda") * 0.05)
+    return a, b, sa, sb, *reference(a, sa, b, sb, out_dtype)
 
 
 @pytest.mark.gpu
@@ -272,16 +285,11 @@ def test_inside_a_cuda_graph(built) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         cf.run(fn, config, a, b, sa, sb, out, True, stream())
-    db = fp8.dequantize(b, sb)
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        da = fp8.dequantize(a, sa)
-        ref = da @ db.T
-        tol = gemm_tolerance(da, db, ref, operand_unit=0.0,
-                             accumulate_unit=FP8_TENSOR_CORE_ACCUMULATE, out_dtype=out.dtype)  # fmt: skip
-        assert excess(out, ref, tol) <= 1
+        assert excess(out, *reference(a, sa, b, sb)) <= 1
         a.copy_(fp8.quantize_rowwise(torch.randn(m, k, device="cuda"))[0])
 
 
@@ -310,18 +318,13 @@ def test_a_call_reads_what_the_kernel_before_it_wrote(m: int, graphed: bool, bui
     if graphed:
         with torch.cuda.graph(graph):
             step()
-    db = fp8.dequantize(b, sb)
     for _ in range(3):
         new_a, new_sa = fp8.quantize_rowwise(torch.randn(m, k, device="cuda"))
         src_a.copy_(new_a)
         src_sa.copy_(new_sa)
         graph.replay() if graphed else step()
         torch.cuda.synchronize()
-        da = fp8.dequantize(new_a, new_sa)
-        ref = da @ db.T
-        tol = gemm_tolerance(da, db, ref, operand_unit=0.0,
-                             accumulate_unit=FP8_TENSOR_CORE_ACCUMULATE, out_dtype=out.dtype)  # fmt: skip
-        assert excess(out, ref, tol) <= 1
+        assert excess(out, *reference(new_a, new_sa, b, sb)) <= 1
 
 
 # N a multiple of 16: torch's _scaled_mm, the baseline the engine runs first, takes no other
@@ -332,9 +335,4 @@ TUNED = [key_of("fp8-rowwise", 1, n=4096, k=4096), key_of("fp8-tensorwise", 6, n
 @pytest.mark.gpu
 @pytest.mark.parametrize("key", TUNED, ids=[k.label for k in TUNED])
 def test_every_shortlisted_config_passes_the_engines_gate(key: GemmKey) -> None:
-    options = TuneOptions(sources=["cuda_fp8"], budget_s=0.01, confirm_rounds=0,
-                          cut_factor=1e9, late_cut=1e9, steady_cut=1e9)  # fmt: skip
-    outcome = tune(key, options=options, device="cuda")
-    ours = [m for m in outcome.measurements if m.source == "cuda_fp8"]
-    assert len(ours) == len(cf.configs(key.m, key.n, key.k))
-    assert all(m.status == "ok" and m.max_rel_err <= 1 for m in ours), ours
+    assert_every_config_passes(key, "cuda_fp8", len(cf.configs(key.m, key.n, key.k)))

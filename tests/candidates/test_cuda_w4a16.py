@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from tests.bench_scripts import load_script
+from tests.candidates.gate import assert_every_config_passes
 from tuner.cache.artifacts import ArtifactStore, pack, unpack
 from tuner.candidates import cuda_library, kernel_artifacts, nvcc_build, registry
 from tuner.candidates import cuda_w4a16 as cw
 from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.quant import int4
 from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_roundoff
-from tuner.tuning.engine import TuneOptions, tune
 
 
 def key_of(spec: str, m: int, n: int = 4096, k: int = 14336, **extra) -> GemmKey:
@@ -38,15 +38,6 @@ def cfg(
     slices: int = 1, stages: int = 4, warps: int = 8, cluster: int = 1, split: str = "k"
 ) -> dict:
     return {"split": split, "slices": slices, "stages": stages, "warps": warps, "cluster": cluster}
-
-
-@pytest.fixture
-def store(tmp_path, monkeypatch) -> ArtifactStore:
-    """A kernel cache and an artifact store of this test's own."""
-    monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path / "cache"))
-    shared = ArtifactStore(tmp_path / "store")
-    monkeypatch.setattr(kernel_artifacts, "shared_store", lambda: shared)
-    return shared
 
 
 def test_configs_are_checked_field_by_field() -> None:
@@ -470,9 +461,4 @@ TUNED = [key_of("int4-g128", 1, n=4096, k=2048), key_of("int4-g32", 6, n=520, k=
 @pytest.mark.gpu
 @pytest.mark.parametrize("key", TUNED, ids=[k.label for k in TUNED])
 def test_every_shortlisted_config_passes_the_engines_gate(key: GemmKey) -> None:
-    options = TuneOptions(sources=["cuda_w4a16"], budget_s=0.01, confirm_rounds=0,
-                          cut_factor=1e9, late_cut=1e9, steady_cut=1e9)  # fmt: skip
-    outcome = tune(key, options=options, device="cuda")
-    ours = [m for m in outcome.measurements if m.source == "cuda_w4a16"]
-    assert len(ours) == len(cw.configs(key.m, key.n, key.k, key.group))
-    assert all(m.status == "ok" and m.max_rel_err <= 1 for m in ours), ours
+    assert_every_config_passes(key, "cuda_w4a16", len(cw.configs(key.m, key.n, key.k, key.group)))

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.candidates.gate import tune_uncut
 from tuner.candidates import dequant_gemm as dg
 from tuner.candidates import registry
 from tuner.candidates.triton_kernels import dequant
 from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.measure import samples
 from tuner.quant import int4, int4_torch
-from tuner.tuning.engine import TuneOptions, tune
 
 HAS_GPU = torch.cuda.is_available()
 
@@ -178,9 +178,7 @@ class PlantedDequant(dg.DequantGemm):
 def _tune_beside_a_planted_twin(key: GemmKey, device: str):
     registry.register(PlantedDequant())
     try:
-        options = TuneOptions(sources=["dequant_gemm", "planted_dequant"], budget_s=0.01,
-                              confirm_rounds=0, cut_factor=1e9, late_cut=1e9, steady_cut=1e9)  # fmt: skip
-        outcome = tune(key, options=options, device=device)
+        outcome = tune_uncut(key, device, ["dequant_gemm", "planted_dequant"])
     finally:
         registry.unregister("planted_dequant")
     ours = [m for m in outcome.measurements if m.source == "dequant_gemm"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.candidates.gate import tune_uncut
 from tuner.candidates import registry
 from tuner.candidates.base import interpreting
 from tuner.candidates.torch_lowbit import TorchLowbit
@@ -40,15 +41,7 @@ CPU_KEYS = [
 @pytest.mark.parametrize(("key", "source"), CPU_KEYS, ids=[k.label for k, _ in CPU_KEYS])
 def test_lowbit_keys_tune_on_the_cpu_with_triton_candidates(monkeypatch, key, source):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    options = TuneOptions(
-        sources=[source],
-        budget_s=0.005,
-        confirm_rounds=0,
-        cut_factor=1e9,
-        late_cut=1e9,
-        steady_cut=1e9,
-    )
-    outcome = tune(key, options=options, device="cpu")
+    outcome = tune_uncut(key, "cpu", [source], budget_s=0.005)
     ours = [m for m in outcome.measurements if m.source == source]
     assert ours and all(m.status == "ok" and m.max_rel_err <= 1 for m in ours), ours
     assert outcome.winner.source in ("torch_lowbit", source)
@@ -95,10 +88,7 @@ def test_unrestricted_tune_of_an_int4_key_records_no_dense_failures(monkeypatch)
     (or fails) on the int4 key's operands."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     key = key_of("int4-g32", 8, dtype="f16")
-    options = TuneOptions(
-        budget_s=0.005, confirm_rounds=0, cut_factor=1e9, late_cut=1e9, steady_cut=1e9
-    )
-    outcome = tune(key, options=options, device="cpu")
+    outcome = tune_uncut(key, "cpu", budget_s=0.005)
     dense = [m for m in outcome.measurements if m.source in DENSE_SOURCES]
     assert dense and all(m.status == "unsupported" and m.error for m in dense), dense
     (triton_gemm,) = [m for m in dense if m.source == "triton_gemm"]

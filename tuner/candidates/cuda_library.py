@@ -36,9 +36,32 @@ KERNELS = Path(__file__).parent / "cuda_kernels"
 Launcher = Callable[..., int]
 
 
+LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def sources_of(source: Path) -> list[Path]:
+    """``source`` and the headers it includes from its own folder (``#include "x.cuh"``), each
+    once, in the order first included."""
+    found: list[Path] = []
+    todo = [source]
+    while todo:
+        path = todo.pop(0)
+        if path in found:
+            continue
+        found.append(path)
+        for name in LOCAL_INCLUDE.findall(path.read_bytes()):
+            if (header := path.parent / name.decode()).is_file():
+                todo.append(header)
+    return found
+
+
 @functools.cache
 def source_digest(source: Path) -> str:
-    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    """The digest of ``source`` with its local headers: a library is rebuilt when either moves."""
+    digest = hashlib.sha256()
+    for path in sources_of(source):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @functools.cache

@@ -29,6 +29,8 @@
 
 #include <type_traits>
 
+#include "cluster_launch.cuh"
+
 #ifndef FP8_GEMV_STAGES
 #define FP8_GEMV_STAGES 6
 #endif
@@ -318,29 +320,8 @@ int smem_bytes(int m, int cluster, int* inbox_at) {
 
 template <int NB, int RANKS>
 cudaError_t launch(const Params& p, int smem, cudaStream_t stream) {
-  constexpr int cluster = RANKS;
-  static int allowed = 0;
-  if (smem > 48 * 1024 && smem > allowed) {
-    const cudaError_t e = cudaFuncSetAttribute(
-        fp8_gemv<NB, RANKS>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    allowed = smem;
-  }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>((p.n + ROWS - 1) / ROWS * cluster));
-  config.blockDim = dim3(128);
-  config.dynamicSmemBytes = static_cast<size_t>(smem);
-  config.stream = stream;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, fp8_gemv<NB, RANKS>, p);
+  const unsigned ctas = static_cast<unsigned>((p.n + ROWS - 1) / ROWS * RANKS);
+  return gemv::launch_in_clusters<fp8_gemv<NB, RANKS>>(ctas, 128, smem, RANKS, stream, p);
 }
 
 }  // namespace

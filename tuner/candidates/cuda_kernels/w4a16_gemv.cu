@@ -49,6 +49,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cluster_launch.cuh"
+
 #ifndef GEMV_SPLIT_ROWS
 #define GEMV_SPLIT_ROWS 0
 #endif
@@ -81,7 +83,6 @@ constexpr int CHUNK = 128;          // K values per chunk
 constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so ldmatrix's 8 rows hit 8 bank groups
 constexpr int MAX_M = 16;  // two n8 tiles
 constexpr int MAX_WARPS = GEMV_MAX_WARPS;
-constexpr int MAX_DEVICES = 64;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
 
@@ -656,33 +657,10 @@ template <bool F16, int NG, int NT, bool FULL>
 cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
   if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
   const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster);
-  static int allowed[MAX_DEVICES] = {};  // per device: raised once to the most asked
-  int device = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e != cudaSuccess) return e;
-  if (device >= MAX_DEVICES) return cudaErrorInvalidDevice;
-  if (smem > 48 * 1024 && smem > allowed[device]) {
-    e = cudaFuncSetAttribute(w4a16_gemv_kernel<F16, NG, NT, FULL>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    allowed[device] = smem;
-  }
-  cudaLaunchConfig_t config = {};
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  config.gridDim = dim3(static_cast<unsigned>((p.n + cta_rows - 1) / cta_rows * cluster));
-  config.blockDim = dim3(static_cast<unsigned>(warps * 32));
-  config.dynamicSmemBytes = static_cast<size_t>(smem);
-  config.stream = stream;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, w4a16_gemv_kernel<F16, NG, NT, FULL>, p);
+  const unsigned ctas = static_cast<unsigned>((p.n + cta_rows - 1) / cta_rows * cluster);
+  return gemv::launch_in_clusters<w4a16_gemv_kernel<F16, NG, NT, FULL>>(
+      ctas, static_cast<unsigned>(warps * 32), smem, cluster, stream, p);
 }
 
 // FULL where every 64-row block is whole and the (scale, zero) words can be copied 16 bytes at

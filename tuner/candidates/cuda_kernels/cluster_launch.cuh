@@ -1,0 +1,52 @@
+// How our decode GEMV kernels (w4a16_gemv.cu, fp8_gemv.cu) are launched: in clusters of CTAs
+// along x that split K, as a programmatic dependent launch (each kernel waits for the one
+// before it with griddepcontrol.wait, so its launch and setup overlap that kernel's end), with
+// the dynamic shared memory it asks for raised once per device.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace gemv {
+
+constexpr int MAX_DEVICES = 64;
+
+// Lets KERNEL take `smem` bytes of dynamic shared memory on the current device: raised once per
+// device to the most asked (48 KB need no raise).
+template <auto KERNEL>
+cudaError_t allow_smem(int smem) {
+  static int allowed[MAX_DEVICES] = {};
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  if (device >= MAX_DEVICES) return cudaErrorInvalidDevice;
+  if (smem <= 48 * 1024 || smem <= allowed[device]) return cudaSuccess;
+  e = cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess) allowed[device] = smem;
+  return e;
+}
+
+// KERNEL(args...) on `ctas` CTAs of `threads` threads, `cluster` CTAs a cluster along x, with
+// `smem` bytes of dynamic shared memory, launched on `stream` as a programmatic dependent launch.
+template <auto KERNEL, typename... Args>
+cudaError_t launch_in_clusters(unsigned ctas, unsigned threads, int smem, int cluster,
+                               cudaStream_t stream, Args... args) {
+  const cudaError_t e = allow_smem<KERNEL>(smem);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(ctas);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 2;
+  return cudaLaunchKernelEx(&config, KERNEL, args...);
+}
+
+}  // namespace gemv
