@@ -168,6 +168,9 @@ def test_operands_the_kernel_would_refuse() -> None:
         cf.check_operands(a, b, sa, sb, torch.empty(m, n, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"out: expected \[4, 64\]"):
         cf.check_operands(a, b, sa, sb, torch.empty(n, m, dtype=torch.bfloat16).T)
+    one = torch.empty(n, dtype=torch.bfloat16).as_strided((1, n), (n // 2, 1))
+    with pytest.raises(ValueError, match=r"rows at least 64 apart"):  # a one-row out too
+        cf.check_operands(a[:1], b, sa[:1], sb, one)
     with pytest.raises(ValueError, match=r"scale_a\.shape"):  # torch's own scale rules
         cf.check_operands(a, b, sa[:2], sb, out)
 
@@ -262,6 +265,26 @@ def test_every_config_matches_the_float32_reference(shape: tuple, rowwise: bool,
             torch.cuda.synchronize()
             assert excess(out, ref, tol) <= 1, (config, out_dtype, excess(out, ref, tol))
             assert torch.equal(out, again), config  # the sum order is fixed
+
+
+@pytest.mark.gpu
+def test_padded_rows_are_read_and_written_where_their_strides_say(built) -> None:
+    """a and b rows 16 bytes past K apart, out rows 8 elements past N apart (NaN there, left
+    so), scale_b as _scaled_mm takes it ([1, N]): the same product as on packed operands."""
+    m, n, k = 5, 200, 1024
+    a, b, sa, sb, ref, tol = problem(m, n, k, rowwise=True)
+    wide_a = torch.zeros(m, k + 16, device="cuda", dtype=a.dtype)[:, :k]
+    wide_b = torch.zeros(n, k + 16, device="cuda", dtype=b.dtype)[:, :k]
+    wide_a.copy_(a)
+    wide_b.copy_(b)
+    store = torch.full((m, n + 8), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = store[:, :n]
+    for config in CONFIGS[:3]:
+        cf.check_operands(wide_a, wide_b, sa, sb.T, out)
+        cf.run(cf.launcher(config), config, wide_a, wide_b, sa, sb.T, out, True, stream())
+        torch.cuda.synchronize()
+        assert excess(out, ref, tol) <= 1, config
+        assert store[:, n:].isnan().all(), config
 
 
 @pytest.mark.gpu

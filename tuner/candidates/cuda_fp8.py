@@ -136,8 +136,9 @@ def check_operands(
     if out is not None:
         if out.dtype not in OUT_KINDS:
             raise ValueError(f"out.dtype={out.dtype}: allowed {list(OUT_KINDS)}")
-        if out.shape != (m, n) or out.stride(1) != 1 or out.device != a.device:
-            raise ValueError(f"out: expected [{m}, {n}] with unit column stride on {a.device}, "
+        if out.shape != (m, n) or out.stride(1) != 1 or out.stride(0) < n or out.device != a.device:
+            raise ValueError(f"out: expected [{m}, {n}], unit column stride, rows at least {n} "
+                             f"apart, on {a.device}; "
                              f"got {list(out.shape)} strides {out.stride()} on {out.device}")  # fmt: skip
     if not a.is_cuda:
         raise ValueError(f"a.device={a.device}: must be a CUDA device")
@@ -195,7 +196,7 @@ class CudaFp8(LibrarySource):
     library = staticmethod(library)
 
     def libraries(self) -> Iterable[Library]:
-        return (Library(stages, atoms) for stages, atoms, _ in dict.fromkeys(SHORTLIST))
+        return dict.fromkeys(Library(stages, atoms) for stages, atoms, _ in SHORTLIST)
 
     def configs(self, key: GemmKey) -> list[Params]:
         return configs(key.m, key.n, key.k)

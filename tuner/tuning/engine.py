@@ -158,8 +158,8 @@ def gap_unexplained(
     (base, chal), (base_gpu, chal_gpu) = eager_us, gpu_us
     if host_hides_gpu(host_us, gpu_us) or base <= 0 or base_gpu <= 0:
         return False  # (a kernel of no GPU time is hidden by any launch)
-    eager_win, gpu_win = 1 - chal / base, 1 - chal_gpu / base_gpu
-    return eager_win > margin > gpu_win and eager_win > gpu_win + margin
+    eager_gain, gpu_gain = 1 - chal / base, 1 - chal_gpu / base_gpu
+    return eager_gain > margin > gpu_gain and eager_gain > gpu_gain + margin
 
 
 def gpu_only_win(host_us: tuple[float, float], gpu_us: tuple[float, float], margin: float) -> bool:
@@ -200,6 +200,16 @@ class Rounds(NamedTuple):
     base_host: float
     chal_host: float
     scatter: float
+
+
+def eager_win(readings: Rounds, margin: float, gpu_win: bool) -> bool:
+    """An eager duel's verdict on its rounds: the challenger faster by more than the noise
+    ``margin`` and than the rounds' own scatter, or, where the host's launch hides the kernels,
+    faster on the GPU beyond the graph's noise (``gpu_win``, which the scatter of host-bound
+    rounds does not touch) with no eager loss."""
+    beyond = max(margin, readings.scatter)
+    chal, base = readings.chal_us, readings.base_us
+    return chal < base * (1 - beyond) or (gpu_win and chal <= base)
 
 
 GraphPair = tuple[timing.Timing | None, timing.Timing | None] | None  # baseline's, challenger's
@@ -584,8 +594,10 @@ class _Trial:
         ``timing.round_order``. The challenger keeps the win only if it still beats the baseline
         by the margin: one lucky measurement (clock drift, a quiet moment) must not make a winner
         that is slower in use. Eagerly the margin is at least the rounds' own scatter
-        (``round_scatter``): a win narrower than how far either runner's rounds fell apart is a
-        tie, and a tie keeps the baseline.
+        (``round_scatter``; rounds scattered wider than the noise are taken again once): a win
+        narrower than how far either runner's rounds fell apart is a tie, and a tie keeps the
+        baseline, unless the GPU times show the win where the host's launch hides the kernels
+        (``eager_win``).
 
         On the GPU both are also timed in a CUDA graph (GPU time alone, ``timing.graph_time``):
         with ``launch="graph"`` that is the time compared; eagerly the challenger must in addition
@@ -637,8 +649,11 @@ class _Trial:
                 return "a win the GPU times do not show"
             return ""
 
-        why = off(readings) if options.launch == "eager" else ""
-        if why:  # taken again once; a duel disturbed twice keeps the baseline
+        eager = options.launch == "eager"
+        why = off(readings) if eager else ""
+        # taken again once, as are rounds scattered wider than the noise; a duel disturbed
+        # twice keeps the baseline
+        if why or (eager and readings.scatter > margin):
             readings = self.rounds(runners, base, challenger, options, sustained)
             why = off(readings)
         if graph and gpu_us and graph_reading_off(trial_us, gpu_us):
@@ -671,13 +686,13 @@ class _Trial:
                 else:
                     gpu_ok = chal_gpu.median_us <= base_gpu.median_us * (1 + gpu_margin)
                     gpu_win = gpu_only_win((base_host, chal_host), gpu_us, gpu_margin)
-        # eager: a win beyond the eager noise and the rounds' own scatter, or, where the host's
-        # launch hides the kernels, a GPU win with no eager loss (the graph replay measures
-        # cleanly what the host hides)
-        if options.launch == "eager" and scatter > margin:
-            margin = scatter
-            note += f"; rounds {scatter:.1%} apart"
-        won = chal_us < base_us * (1 - margin) or (gpu_win and chal_us <= base_us)
+        if eager:
+            won = eager_win(readings, margin, gpu_win)
+            if scatter > margin:
+                margin = scatter
+                note += f"; rounds {scatter:.1%} apart"
+        else:
+            won = chal_us < base_us * (1 - margin)
         launch_ok = launch_cost_repaid(chal_us, chal_host, base_us, base_host, options)
         kept = won and launch_ok and gpu_ok and not disturbed
         verdict = (

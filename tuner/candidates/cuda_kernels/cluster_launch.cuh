@@ -11,7 +11,8 @@ namespace gemv {
 constexpr int MAX_DEVICES = 64;
 
 // Lets KERNEL take `smem` bytes of dynamic shared memory on the current device: raised once per
-// device to the most asked (48 KB need no raise).
+// device to the most asked, whatever the size (a kernel's static shared memory counts against
+// the 48 KB a launch may take without the raise).
 template <auto KERNEL>
 cudaError_t allow_smem(int smem) {
   static int allowed[MAX_DEVICES] = {};
@@ -19,7 +20,7 @@ cudaError_t allow_smem(int smem) {
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return e;
   if (device >= MAX_DEVICES) return cudaErrorInvalidDevice;
-  if (smem <= 48 * 1024 || smem <= allowed[device]) return cudaSuccess;
+  if (smem <= allowed[device]) return cudaSuccess;
   e = cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e == cudaSuccess) allowed[device] = smem;
   return e;
