@@ -1,7 +1,7 @@
 """Our own CUDA kernels (``cuda_kernels/*.cu``), each config built as a shared library by nvcc.
 
-What a hand-written kernel source (``cuda_w4a16``, ``cuda_fp8``) needs beyond its kernel: a config's
-compile-time part is a frozen dataclass that mixes in ``CudaLibrary`` (its fields become ``-D``
+What a hand-written kernel source (``cuda_w4a16``, ``cuda_fp8``) needs beyond its kernel: a
+config's compile-time part is a frozen dataclass that mixes in ``CudaLibrary`` (its fields become ``-D``
 defines); each library carries the CUDA runtime linked in statically, is built for sm_90a
 through ``nvcc_build`` (``compile_all``: a child process per library, a failure remembered and
 never compiled again) and loaded with ctypes. It is an artifact (``kernel_artifacts``), keyed by
@@ -17,6 +17,7 @@ import hashlib
 import json
 import re
 import subprocess
+from abc import abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -222,17 +223,17 @@ class LibrarySource(Source):
     shares_kernels = True
 
     @staticmethod
+    @abstractmethod
     def library(params: Params) -> CudaLibrary:
         """The library that runs ``params``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def libraries(self) -> Iterable[CudaLibrary]:
         """Every library a shortlist of this source may name."""
-        raise NotImplementedError
 
+    @abstractmethod
     def configs(self, key: GemmKey) -> list[Params]:
         """The shortlist for ``key``, before failed or missing libraries are left out."""
-        raise NotImplementedError
 
     def unavailable(self, device: str) -> str | None:
         if reason := ops.unavailable_reason(device, self.name, lambda: None):
