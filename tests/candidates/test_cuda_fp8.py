@@ -67,8 +67,8 @@ def test_shared_memory_is_the_ring_or_the_sums_then_the_inbox() -> None:
     assert cf.smem_bytes(cfg(6, 2, 1), 1) == 1024 + 6 * 72 * 256 + 1024
     # past M = 8, x takes 16 rows a stage
     assert cf.smem_bytes(cfg(5, 1, 1), 9) == 1024 + 5 * 80 * 128 + 1024
-    # a cluster adds an mbarrier and, from each rank, its share of the 64 x M outputs
-    assert cf.smem_bytes(cfg(6, 2, 4), 3) == 1024 + 6 * 72 * 256 + 8 + 4 * 48 * 4 + 1024
+    # a cluster adds an mbarrier (16 bytes, aligning the sums) and, from each rank, its share of the 64 x M outputs
+    assert cf.smem_bytes(cfg(6, 2, 4), 3) == 1024 + 6 * 72 * 256 + 16 + 4 * 48 * 4 + 1024
     assert all(cf.smem_bytes(dict(zip(cf.CONFIG_KEYS, e, strict=True)), 16) <= cf.SMEM_LIMIT
                for e in cf.SHORTLIST)  # fmt: skip
 

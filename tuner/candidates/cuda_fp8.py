@@ -73,12 +73,13 @@ def smem_bytes(config: Config, m: int) -> int:
     """Shared memory of one CTA (as the launcher computes it, plus the static part): the copy
     ring (1 KB of alignment, then stages of the weight's 64 rows and x's 8 or 16, ``atoms`` x 128
     K bytes each), or the CTA's [M, 64] sums after it if larger; then, in a cluster, the inbox:
-    an 8-byte mbarrier and, from each rank, its sums of this rank's share of the outputs."""
+    its mbarrier in 16 bytes (the sums after it read as float4) and, from each rank, its sums of
+    this rank's share of the outputs."""
     nb = 16 if m > NARROW_M else 8
     stage = (ROWS + nb) * ATOM * config["atoms"]
     rings, sums = 1024 + config["stages"] * stage, ROWS * m * 4
     cluster = config["cluster"]
-    inbox = 8 + cluster * -(-ROWS * m // cluster) * 4 if cluster > 1 else 0
+    inbox = 16 + cluster * -(-ROWS * m // cluster) * 4 if cluster > 1 else 0
     return max(rings, sums) + inbox + STATIC_SMEM
 
 

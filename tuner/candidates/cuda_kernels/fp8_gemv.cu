@@ -126,6 +126,25 @@ __device__ __forceinline__ void store(const Params& p, long long at, float v) {
     static_cast<float*>(p.out)[at] = v;
 }
 
+// Four outputs at `at` (a multiple of 4 elements into a 16-byte aligned out): one store.
+__device__ __forceinline__ void store4(const Params& p, long long at, const float (&v)[4]) {
+  if (p.out_kind == OUT_F32) {
+    reinterpret_cast<float4*>(static_cast<float*>(p.out) + at)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  } else if (p.out_kind == OUT_BF16) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+    uint2 bits;
+    bits.x = *reinterpret_cast<const uint32_t*>(&lo);
+    bits.y = *reinterpret_cast<const uint32_t*>(&hi);
+    reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.out) + at)[0] = bits;
+  } else {
+    const __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
+    uint2 bits;
+    bits.x = *reinterpret_cast<const uint32_t*>(&lo);
+    bits.y = *reinterpret_cast<const uint32_t*>(&hi);
+    reinterpret_cast<uint2*>(static_cast<__half*>(p.out) + at)[0] = bits;
+  }
+}
+
 template <int NB>
 __device__ __forceinline__ void wgmma(float (&d)[NB / 2], uint64_t da, uint64_t db, int accumulate);
 
@@ -162,7 +181,7 @@ __global__ void __launch_bounds__(128, 1) fp8_gemv(Params p) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int outputs = ROWS * p.m;
   const uint32_t inbox_bar = smem_addr(smem + p.inbox_at);
-  float* inbox = reinterpret_cast<float*>(smem + p.inbox_at + 8);
+  float* inbox = reinterpret_cast<float*>(smem + p.inbox_at + 16);  // 16-byte aligned rows
   if constexpr (ranks > 1) {
     if (tid == 0) {
       const int mine_q = (rank + 1) * outputs / ranks - rank * outputs / ranks;
@@ -281,12 +300,16 @@ __global__ void __launch_bounds__(128, 1) fp8_gemv(Params p) {
                    : "=r"(to)
                    : "r"(smem_addr(inbox + rank * share - q_lo(r))), "r"(r));
       asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(bar) : "r"(inbox_bar), "r"(r));
-      for (int q = q_lo(r) + tid; q < q_lo(r + 1); q += blockDim.x)
+      // four outputs a thread, one 16-byte store (a share is a multiple of 4 outputs)
+      for (int q = q_lo(r) + 4 * tid; q < q_lo(r + 1); q += 4 * blockDim.x) {
+        const float4 v = *reinterpret_cast<const float4*>(sums + q);
         asm volatile(
-            "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(
-                to + q * 4),
-            "r"(__float_as_uint(sums[q])), "r"(bar)
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, "
+            "%4}, [%5];\n" ::"r"(to + q * 4),
+            "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+            "r"(__float_as_uint(v.w)), "r"(bar)
             : "memory");
+      }
     }
     asm volatile(
         "{\n.reg .pred done;\nWAIT_%=:\n"
@@ -295,13 +318,28 @@ __global__ void __launch_bounds__(128, 1) fp8_gemv(Params p) {
         : "memory");
   }
   stamp(C_SUMMED);
-  for (int q = q_lo(rank) + tid; q < q_lo(rank + 1); q += blockDim.x) {
-    float v = 0.f;
+  // four consecutive outputs a thread: one weight row run of one x row, summed in rank order
+  const bool wide_stores = p.ldo % 4 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
+  for (int q = q_lo(rank) + 4 * tid; q < q_lo(rank + 1); q += 4 * blockDim.x) {
+    float v[4] = {};
 #pragma unroll
-    for (int r = 0; r < ranks; ++r) v += r == rank ? sums[q] : inbox[r * share + q - q_lo(rank)];
+    for (int r = 0; r < ranks; ++r) {
+      const float4 part = *reinterpret_cast<const float4*>(
+          r == rank ? sums + q : inbox + r * share + q - q_lo(rank));
+      v[0] += part.x;
+      v[1] += part.y;
+      v[2] += part.z;
+      v[3] += part.w;
+    }
     const int col = q / ROWS, row = q % ROWS;
-    if (n0 + row >= p.n) continue;
-    store(p, col * p.ldo + n0 + row, v * x_scale[col] * w_scale[row]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] *= x_scale[col] * w_scale[row + i];
+    const long long at = col * p.ldo + n0 + row;
+    if (wide_stores && n0 + row + 3 < p.n) {
+      store4(p, at, v);
+    } else {
+      for (int i = 0; i < 4 && n0 + row + i < p.n; ++i) store(p, at + i, v[i]);
+    }
   }
   stamp(C_END);
   stamp(G_END);
@@ -315,7 +353,7 @@ int smem_bytes(int m, int cluster, int* inbox_at) {
   const int rings = 1024 + STAGES * stage_bytes(m), sums = ROWS * m * 4;  // + the alignment
   *inbox_at = rings > sums ? rings : sums;
   const int outputs = ROWS * m;
-  return *inbox_at + (cluster > 1 ? 8 + cluster * ((outputs + cluster - 1) / cluster) * 4 : 0);
+  return *inbox_at + (cluster > 1 ? 16 + cluster * ((outputs + cluster - 1) / cluster) * 4 : 0);
 }
 
 template <int NB, int RANKS>
