@@ -67,7 +67,8 @@ def test_shared_memory_is_the_ring_or_the_sums_then_the_inbox() -> None:
     assert cf.smem_bytes(cfg(6, 2, 1), 1) == 1024 + 6 * 72 * 256 + 1024
     # past M = 8, x takes 16 rows a stage
     assert cf.smem_bytes(cfg(5, 1, 1), 9) == 1024 + 5 * 80 * 128 + 1024
-    # a cluster adds an mbarrier (16 bytes, aligning the sums) and, from each rank, its share of the 64 x M outputs
+    # a cluster adds an mbarrier (in 16 bytes, aligning the sums) and, from each rank, its share
+    # of the 64 x M outputs
     assert cf.smem_bytes(cfg(6, 2, 4), 3) == 1024 + 6 * 72 * 256 + 16 + 4 * 48 * 4 + 1024
     assert all(cf.smem_bytes(dict(zip(cf.CONFIG_KEYS, e, strict=True)), 16) <= cf.SMEM_LIMIT
                for e in cf.SHORTLIST)  # fmt: skip
@@ -285,6 +286,26 @@ def test_padded_rows_are_read_and_written_where_their_strides_say(built) -> None
         torch.cuda.synchronize()
         assert excess(out, ref, tol) <= 1, config
         assert store[:, n:].isnan().all(), config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "odd_offset"])
+def test_outputs_past_whole_runs_of_four_are_stored_one_by_one(offset: int, built) -> None:
+    """N = 203 (the last CTA's last run of four outputs is cut at N) and out rows 211 elements
+    apart, the view starting ``offset`` elements into its store: the stores of four outputs
+    give way to single ones, every output is written once, and the NaN around out stays."""
+    m, n, k = 3, 203, 1024
+    for out_dtype in cf.OUT_KINDS:
+        a, b, sa, sb, ref, tol = problem(m, n, k, rowwise=True, out_dtype=out_dtype)
+        store = torch.full((m, n + 8), float("nan"), device="cuda", dtype=out_dtype)
+        out = store[:, offset : offset + n]
+        for config in CONFIGS[:3]:  # clusters of 2, 1 and 4
+            cf.check_operands(a, b, sa, sb, out)
+            cf.run(cf.launcher(config), config, a, b, sa, sb, out, True, stream())
+            torch.cuda.synchronize()
+            assert excess(out, ref, tol) <= 1, (config, out_dtype)
+            outside = torch.cat([store[:, :offset], store[:, offset + n :]], dim=1)
+            assert outside.isnan().all(), (config, out_dtype)
 
 
 @pytest.mark.gpu

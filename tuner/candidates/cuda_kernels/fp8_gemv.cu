@@ -126,23 +126,25 @@ __device__ __forceinline__ void store(const Params& p, long long at, float v) {
     static_cast<float*>(p.out)[at] = v;
 }
 
+// Two pairs of 16-bit outputs as the 8 bytes one store writes.
+template <typename Pair>
+__device__ __forceinline__ uint2 as_bits(Pair lo, Pair hi) {
+  return make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                    *reinterpret_cast<const uint32_t*>(&hi));
+}
+
 // Four outputs at `at` (a multiple of 4 elements into a 16-byte aligned out): one store.
 __device__ __forceinline__ void store4(const Params& p, long long at, const float (&v)[4]) {
   if (p.out_kind == OUT_F32) {
-    reinterpret_cast<float4*>(static_cast<float*>(p.out) + at)[0] = make_float4(v[0], v[1], v[2], v[3]);
-  } else if (p.out_kind == OUT_BF16) {
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
-    uint2 bits;
-    bits.x = *reinterpret_cast<const uint32_t*>(&lo);
-    bits.y = *reinterpret_cast<const uint32_t*>(&hi);
-    reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.out) + at)[0] = bits;
-  } else {
-    const __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
-    uint2 bits;
-    bits.x = *reinterpret_cast<const uint32_t*>(&lo);
-    bits.y = *reinterpret_cast<const uint32_t*>(&hi);
-    reinterpret_cast<uint2*>(static_cast<__half*>(p.out) + at)[0] = bits;
+    reinterpret_cast<float4*>(static_cast<float*>(p.out) + at)[0] =
+        make_float4(v[0], v[1], v[2], v[3]);
+    return;
   }
+  const uint2 bits =
+      p.out_kind == OUT_BF16
+          ? as_bits(__floats2bfloat162_rn(v[0], v[1]), __floats2bfloat162_rn(v[2], v[3]))
+          : as_bits(__floats2half2_rn(v[0], v[1]), __floats2half2_rn(v[2], v[3]));
+  reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + at)[0] = bits;
 }
 
 template <int NB>
@@ -177,6 +179,9 @@ __global__ void __launch_bounds__(128, 1) fp8_gemv(Params p) {
   stamp(SMID);
   cg::cluster_group cluster = cg::this_cluster();
   constexpr int ranks = RANKS;  // the cluster's size, a power of two: its divisions are shifts
+  // each rank's share of the M x 64 outputs is whole runs of four: a run of a thread never
+  // crosses a share or an x row, and the shares' sizes are exact
+  static_assert(ROWS % (4 * RANKS) == 0, "a rank's share must be whole runs of four outputs");
   const int rank = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int outputs = ROWS * p.m;
