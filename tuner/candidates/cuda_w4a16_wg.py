@@ -25,7 +25,7 @@ from tuner.candidates import cuda_library
 from tuner.candidates.cuda_library import Launcher, choice
 
 SOURCE = cuda_library.KERNELS / "w4a16_wgmma.cu"
-STAGES, GROUPS, CLUSTERS = range(2, 17), (1, 2, 4), (1, 2, 4, 8)
+STAGES, GROUPS, CLUSTERS = range(2, 17), (1, 2), (1, 2, 4, 8)
 GROUP_SIZE = 128  # a stage's K: one group of scales
 BLOCK = 64  # weight rows a block: wgmma's m
 MAX_M, NARROW_M = 16, 8  # x's rows: wgmma's n is 8 up to NARROW_M, else 16

@@ -3,7 +3,8 @@
 // (tuner/quant/int4.py), torch's [K / 128, N, 2] scales and zeros.
 //
 // The FP8 decode kernel's shape (fp8_gemv.cu) with the weight dequantized in registers: one
-// warpgroup a CTA owns GROUPS (1, 2 or 4) 64-row blocks of the weight (wgmma's m, one m64 wgmma each) and a
+// warpgroup a CTA owns GROUPS (1 or 2: two chunks' fragments of more would not fit its
+// registers) 64-row blocks of the weight (wgmma's m, one m64 wgmma each) and a
 // run of K; a cluster of 1, 2, 4 or 8 CTAs splits K and sums through distributed shared memory
 // (cluster_sum.cuh). A stage is one chunk of 128 K values (one group): x's [NB rows x 128] in the
 // 128-byte swizzle wgmma's K-major descriptors read (8-row atoms of 1 KB, 16-byte piece c of row
@@ -13,7 +14,7 @@
 // Each warp takes its 16 rows of a block as 16 bytes a lane, which our layout orders as wgmma's
 // register A fragments (those of mma.m16n8k16): one masked OR a pair makes magic + q (exact) in
 // k order. x is wgmma's B from shared memory. The group's scale and zero apply after the chunk's
-// eight k16 wgmma: s * (dot - (magic + 8) X) + z X = s dot + (z - (magic + 8) s) X in fp32,
+// eight k16 wgmma (while the next chunk lands and is dequantized): s * (dot - (magic + 8) X) + z X = s dot + (z - (magic + 8) s) X in fp32,
 // where X (x's sum over the group) comes from x's fragments (ldmatrix) times ones on mma.sync,
 // whose A operand, unlike wgmma's, takes one register quad for every call. A block's wgmma run
 // while the next block is dequantized. Launched with programmatic dependent launch: nothing is
@@ -121,6 +122,16 @@ __device__ __forceinline__ void wgmma(float (&d)[NB / 2], const uint32_t (&a)[4]
   }
 }
 
+// Keeps the compiler from moving reads of wgmma's accumulators above the wait that completes
+// them (it sees the wait touch memory, not these registers).
+template <int GROUPS, int N>
+__device__ __forceinline__ void fence_operands(float (&d)[GROUPS][N]) {
+#pragma unroll
+  for (int b = 0; b < GROUPS; ++b)
+#pragma unroll
+    for (int e = 0; e < N; ++e) asm volatile("" : "+f"(d[b][e])::"memory");
+}
+
 template <bool F16, int NB, int GROUPS, int RANKS>
 __global__ void __launch_bounds__(128) w4a16_wgmma(Params p) {
   using H = Half2Ops<F16>;
@@ -200,10 +211,11 @@ __global__ void __launch_bounds__(128) w4a16_wgmma(Params p) {
   // x's fragments by ldmatrix: lane i points at row i % 8 (+ 8 n8) of matrix i / 8 (k16 block
   // j + i / 16, its k half (i / 8) % 2); block j is the 32 bytes at 32 (j % 4) of atom j / 4
   const int mat = lane >> 3;
-  int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
-  for (int i = 0; i < mine; ++i) {
-    // chunk i landed (this thread's copies), visible to wgmma's async proxy, then everyone's;
-    // the barrier also frees the stage chunk i - 1 took, which the next copy overwrites
+  int slot = 0, next = STAGES - 1;  // the stage landed last, the stage filled next
+  // The next chunk landed (this thread's copies), visible to wgmma's async proxy, then
+  // everyone's; the barrier also means every warp's wgmma of the chunk before are done (each
+  // waits for its own before it gets here): its stage is refilled. Its stage's address.
+  const auto land = [&](int i) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
@@ -212,37 +224,49 @@ __global__ void __launch_bounds__(128) w4a16_wgmma(Params p) {
     const uint32_t stage = ring + slot * stage_bytes;
     slot = slot + 1 == STAGES ? 0 : slot + 1;
     next = next + 1 == STAGES ? 0 : next + 1;
-
-    // block b's fragments, then its eight k16 wgmma (running while the next block dequantizes)
-    const uint64_t x_desc = descriptor(stage);
-    float dot[GROUPS][NB / 2];
-    uint32_t zs[GROUPS][2];
+    return stage;
+  };
+  // a chunk's A fragments and scales in buffer B (two chunks in flight: one in the wgmma, the
+  // next one dequantized meanwhile)
+  uint32_t a[2][GROUPS][8][4], zs[2][GROUPS][2];
+  const auto dequant = [&](auto buffer, uint32_t stage) {
+    constexpr int B = decltype(buffer)::value;
 #pragma unroll
     for (int b = 0; b < GROUPS; ++b) {
       const uint32_t w_at = stage + X_BYTES + b * W_BYTES;
       const uint4 lo = lds128(w_at + row_g * 64 + t * 16);        // row g
       const uint4 hi = lds128(w_at + (row_g + 8) * 64 + t * 16);  // row g + 8
-      zs[b][0] = lds32(stage + SZ_AT + (BLOCK * b + row_g) * 4);
-      zs[b][1] = lds32(stage + SZ_AT + (BLOCK * b + row_g + 8) * 4);
+      zs[B][b][0] = lds32(stage + SZ_AT + (BLOCK * b + row_g) * 4);
+      zs[B][b][1] = lds32(stage + SZ_AT + (BLOCK * b + row_g + 8) * 4);
       const uint32_t wl[4] = {lo.x, lo.y, lo.z, lo.w}, wh[4] = {hi.x, hi.y, hi.z, hi.w};
       // k16 block j: word j % 4, low nibbles for j < 4, high ones above; in a word, bytes 0
       // and 2 are the pair (2 t, 2 t + 1), bytes 1 and 3 the pair (2 t + 8, 2 t + 9)
-      uint32_t a[8][4];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const uint32_t vl = wl[j & 3] >> (j < 4 ? 0 : 4), vh = wh[j & 3] >> (j < 4 ? 0 : 4);
-        a[j][0] = lop_or_magic(vl, H::MAGIC);       // row g
-        a[j][1] = lop_or_magic(vh, H::MAGIC);       // row g + 8
-        a[j][2] = lop_or_magic(vl >> 8, H::MAGIC);  // row g, k + 8
-        a[j][3] = lop_or_magic(vh >> 8, H::MAGIC);  // row g + 8, k + 8
+        a[B][b][j][0] = lop_or_magic(vl, H::MAGIC);       // row g
+        a[B][b][j][1] = lop_or_magic(vh, H::MAGIC);       // row g + 8
+        a[B][b][j][2] = lop_or_magic(vl >> 8, H::MAGIC);  // row g, k + 8
+        a[B][b][j][3] = lop_or_magic(vh >> 8, H::MAGIC);  // row g + 8, k + 8
       }
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    }
+  };
+  // chunk i (its fragments in buffer B, its x at `stage`): its wgmma, X; meanwhile the next
+  // chunk lands and is dequantized into the other buffer; then chunk i's sums scaled. Returns
+  // the next chunk's stage.
+  const auto step = [&](auto buffer, int i, uint32_t stage) {
+    constexpr int B = decltype(buffer)::value;
+    float dot[GROUPS][NB / 2];
+    const uint64_t x_desc = descriptor(stage);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int b = 0; b < GROUPS; ++b)
 #pragma unroll
       for (int j = 0; j < 8; ++j)  // block j's x: its atom and 32-byte column (>> 4: the field)
-        wgmma<F16, NB>(dot[b], a[j], x_desc + (((j >> 2) * NB * X_ATOM + 32 * (j & 3)) >> 4), j);
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    }
-    // X for this lane's columns 2 t, 2 t + 1 of each n8 tile, while the wgmma run
+        wgmma<F16, NB>(dot[b], a[B][b][j],
+                       x_desc + (((j >> 2) * NB * X_ATOM + 32 * (j & 3)) >> 4), j);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    // X for this lane's columns 2 t, 2 t + 1 of each n8 tile
     float xsum[NB / 8][4] = {};
 #pragma unroll
     for (int n8 = 0; n8 < NB / 8; ++n8)
@@ -254,18 +278,35 @@ __global__ void __launch_bounds__(128) w4a16_wgmma(Params p) {
         H::mma(xsum[n8], ones, d[0], d[1]);
         H::mma(xsum[n8], ones, d[2], d[3]);
       }
+    uint32_t following = 0;
+    if (i + 1 < mine) {
+      following = land(i + 1);
+      dequant(std::integral_constant<int, 1 - B>(), following);
+    }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    fence_operands(dot);
 #pragma unroll
     for (int b = 0; b < GROUPS; ++b) {
-      const float sc[2] = {H::lo(zs[b][0]), H::lo(zs[b][1])};
-      const float zc[2] = {fmaf(-H::BIAS, sc[0], H::hi(zs[b][0])),
-                           fmaf(-H::BIAS, sc[1], H::hi(zs[b][1]))};
+      const float sc[2] = {H::lo(zs[B][b][0]), H::lo(zs[B][b][1])};
+      const float zc[2] = {fmaf(-H::BIAS, sc[0], H::hi(zs[B][b][0])),
+                           fmaf(-H::BIAS, sc[1], H::hi(zs[B][b][1]))};
 #pragma unroll
       for (int e = 0; e < NB / 2; ++e) {
         const int h = (e >> 1) & 1;  // wgmma's D: rows g (e % 4 < 2) and g + 8
         acc[b][e] = fmaf(zc[h], xsum[e >> 2][e & 1], fmaf(sc[h], dot[b][e], acc[b][e]));
       }
     }
+    return following;
+  };
+  if (mine > 0) {
+    uint32_t stage = land(0);
+    dequant(std::integral_constant<int, 0>(), stage);
+    int i = 0;
+    for (; i + 1 < mine; i += 2) {
+      stage = step(std::integral_constant<int, 0>(), i, stage);
+      stage = step(std::integral_constant<int, 1>(), i + 1, stage);
+    }
+    if (i < mine) step(std::integral_constant<int, 0>(), i, stage);
   }
   asm volatile("cp.async.wait_all;\n" ::);
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -321,11 +362,7 @@ cudaError_t by_cluster(const Params& p, int smem, int groups, int cluster, cudaS
       default: return launch<F16, NB, GROUPS, 8>(p, smem, s);
     }
   };
-  switch (groups) {
-    case 1: return at(std::integral_constant<int, 1>());
-    case 2: return at(std::integral_constant<int, 2>());
-    default: return at(std::integral_constant<int, 4>());
-  }
+  return groups == 2 ? at(std::integral_constant<int, 2>()) : at(std::integral_constant<int, 1>());
 }
 
 template <bool F16>
@@ -339,14 +376,14 @@ cudaError_t by_shape(const Params& p, int smem, int groups, int cluster, cudaStr
 extern "C" {
 
 // out[m, ldo] = x[m, ldx] @ dequant(w)[n, k].T with scales_and_zeros [k / 128, n, 2], x, the
-// scales and out bf16 (f16 = 0) or f16, on CTAs of `groups` 64-row blocks (1, 2 or 4) in clusters
+// scales and out bf16 (f16 = 0) or f16, on CTAs of `groups` 64-row blocks (1 or 2) in clusters
 // of `cluster` (1, 2, 4 or 8); a CUDA error code. The caller checks the operands
 // (x's rows and base and w 16-byte aligned, scales_and_zeros 4-byte aligned and contiguous).
 int w4a16_wgmma(const void* x, const void* w, const void* scales_and_zeros, void* out, int m,
                 int n, int k, long long ldx, long long ldo, int f16, int groups, int cluster,
                 void* stream) {
   if (m < 1 || m > MAX_M || n < 1 || k % CHUNK || k < CHUNK * cluster ||
-      (groups != 1 && groups != 2 && groups != 4) ||
+      (groups != 1 && groups != 2) ||
       (cluster != 1 && cluster != 2 && cluster != 4 && cluster != 8) ||
       ldx % 8 || ldo < n)
     return static_cast<int>(cudaErrorInvalidValue);
