@@ -8,8 +8,7 @@ group 128, CUDA-graph GPU time (``timing.graph_time``), weights rotated past the
 
 - **bf16**: ``torch.matmul(x, w.T)`` (cuBLAS); **read_int4**: a bare read of the packed weight;
 - **w4a16**: every config of the Triton kernel's shortlist (``w4a16.configs``);
-- **cuda_gemv**: every config of ``GRID`` that fits M (its libraries built first, in parallel);
-- **cuda_wg** (``--wgmma``): every config of ``WG_GRID`` of the wgmma kernel (``cuda_w4a16_wg``).
+- **cuda_gemv**: every config of ``GRID`` that fits M (its libraries built first, in parallel).
 
 "pct_copy" is the bytes read and written (weight, scales, activations, output) per second over the
 device-to-device copy bandwidth. Every W4A16 config's output is checked against a float32 GEMM on
@@ -54,7 +53,7 @@ from bench.lowbit_kernels import (
     timed_row,
     write_as_it_goes,
 )
-from tuner.candidates import cuda_library, cuda_w4a16, cuda_w4a16_wg, gemm_operands, nvcc_build
+from tuner.candidates import cuda_library, cuda_w4a16, gemm_operands, nvcc_build
 from tuner.candidates.triton_kernels import w4a16
 from tuner.candidates.triton_kernels.launch import warm
 from tuner.candidates.triton_kernels.stream_read import read_all, sums_for
@@ -72,9 +71,6 @@ GRID = [
     ("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
     ("k", 4, 2, 8, 2), ("k", 4, 3, 8, 2), ("k", 4, 2, 16, 2), ("rows", 2, 4, 8, 8),
 ]  # fmt: skip
-# the wgmma kernel's (stages, groups of 64 rows a CTA, cluster)
-WG_GRID = [(stages, groups, cluster) for stages in (4, 8) for groups in cuda_w4a16_wg.GROUPS
-           for cluster in cuda_w4a16_wg.CLUSTERS]  # fmt: skip
 TRACED = [("k", 2, 2, 16, 1), ("k", 4, 2, 8, 2)]
 PROFILED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
 VARIANTS = {"trace": ["-DGEMV_TRACE=1"], "baseline": []}
@@ -201,29 +197,13 @@ def grid_configs(
     return out
 
 
-def wg_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
-    """``WG_GRID`` as the wgmma kernel's configs for an (M, N, K) problem, those that fit it."""
-    out = []
-    for entry in WG_GRID:
-        cfg = dict(zip(cuda_w4a16_wg.CONFIG_KEYS, entry, strict=True))
-        try:
-            cuda_w4a16_wg.check_config(cfg, m, n, k, GROUP)
-        except ValueError:
-            continue
-        out.append(cfg)
-    return out
-
-
 def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Path | None,
-          variants: list[str], wgmma: bool = False) -> None:  # fmt: skip
+          variants: list[str]) -> None:  # fmt: skip
     """Every library and Triton kernel the run times, compiled in parallel before any timing."""
     started = time.perf_counter()
     shapes = [(m, *shape_of(name)) for name in projections for m in ms]
     cfgs = [c for shape in shapes for c in grid_configs(*shape)]
-    libs = [cuda_w4a16.library(c) for c in cfgs]
-    if wgmma:
-        libs += [cuda_w4a16_wg.library(c) for shape in shapes for c in wg_configs(*shape)]
-    errors = {str(lib): e for lib, e in cuda_library.compile_all(libs).items() if e}
+    errors = {str(lib): e for lib, e in cuda_w4a16.compile_all(cfgs).items() if e}
     if trace:
         build_variants([(c, "trace") for shape in shapes for c in grid_configs(*shape, TRACED)])
     if baseline is not None:
@@ -241,8 +221,8 @@ def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Pa
 
 def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: bool = False,
                      profile: bool = False, baseline: Path | None = None,
-                     repeats: int = 1, variants: tuple[str, ...] = (),
-                     wgmma: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+                     repeats: int = 1,
+                     variants: tuple[str, ...] = ()) -> list[dict[str, Any]]:  # fmt: skip
     n, k = shape_of(name)
     rows: list[dict[str, Any]] = []
     stream = gemm_operands.stream_getter(torch.device("cuda", torch.cuda.current_device()))
@@ -306,10 +286,6 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
                 fn = cuda_w4a16.load(variant_path(cfg, variant))
                 checked(f"cuda_gemv_{variant}", cfg, gemv(fn, cfg), repeat=rep)
             checked("cuda_gemv", cfg, gemv(cuda_w4a16.launcher(cfg), cfg), repeat=rep)
-        for cfg in wg_configs(m, n, k) if wgmma else []:
-            fn = cuda_w4a16_wg.launcher(cfg)
-            checked("cuda_wg", cfg, lambda i, o, f=fn, c=cfg: cuda_w4a16_wg.run(
-                f, c, x, i4[i % len(i4)][0], i4[i % len(i4)][1], o, stream()))  # fmt: skip
         for cfg in grid_configs(m, n, k, TRACED) if trace else []:
             path = variant_path(cfg, "trace")
             checked("cuda_gemv_trace", cfg, gemv(cuda_w4a16.load(path), cfg))
@@ -325,7 +301,6 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             "w4a16",
             "cuda_gemv",
             "cuda_gemv_baseline",
-            "cuda_wg",
             *(f"cuda_gemv_{v}" for v in variants),
         ):
             ok = [r for r in rows if r["m"] == m and r["impl"] == impl and r.get("excess", 9) <= 1]
@@ -353,8 +328,6 @@ def main() -> None:
                     help="time (or with --profile, profile) these configs instead of GRID (PROFILED)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=1,
                     help="time each config's builds this many times in turn (an A/B's noise)")  # fmt: skip
-    ap.add_argument("--wgmma", action="store_true",
-                    help="also time WG_GRID's configs of the wgmma kernel (cuda_w4a16_wg)")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
                     help="no timing: read_int4 and PROFILED once each in an NVTX range 'profile'")  # fmt: skip
     args = ap.parse_args()
@@ -378,7 +351,7 @@ def main() -> None:
             ap.error(str(e))
     variants = tuple(spec.partition("=")[0] for spec in args.variant)
     torch.manual_seed(0)
-    build(args.proj, tuple(args.m), args.trace, args.baseline, list(variants), args.wgmma)
+    build(args.proj, tuple(args.m), args.trace, args.baseline, list(variants))
     if args.profile:
         for name in args.proj:
             bench_projection(name, tuple(args.m), 0.0, profile=True)
@@ -387,7 +360,7 @@ def main() -> None:
     result = header(copy_gbs, group_size=GROUP, nvcc=cuda_library.toolkit())
     write_as_it_goes(result, args.out, args.proj, lambda name: bench_projection(
         name, tuple(args.m), copy_gbs, args.trace, baseline=args.baseline, repeats=args.repeat,
-        variants=variants, wgmma=args.wgmma))  # fmt: skip
+        variants=variants))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@
 #include <type_traits>
 
 #include "cluster_launch.cuh"
-#include "cluster_sum.cuh"
 
 #ifndef FP8_GEMV_STAGES
 #define FP8_GEMV_STAGES 6
@@ -43,7 +42,6 @@
 #endif
 
 namespace cg = cooperative_groups;
-using gemv::smem_addr;
 
 constexpr int STAGES = FP8_GEMV_STAGES;
 constexpr int ROWS = 64;      // weight rows a CTA
@@ -92,6 +90,10 @@ struct Params {
   int inbox_at;  // (a cluster) an mbarrier, then [ranks][a share of the outputs]
 };
 
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
@@ -111,6 +113,38 @@ __device__ __forceinline__ uint32_t swizzled(int r, int c) {
 __device__ __forceinline__ uint64_t descriptor(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) |
          (1ull << 62);
+}
+
+enum OutKind { OUT_BF16, OUT_F16, OUT_F32 };
+
+__device__ __forceinline__ void store(const Params& p, long long at, float v) {
+  if (p.out_kind == OUT_BF16)
+    static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(v);
+  else if (p.out_kind == OUT_F16)
+    static_cast<__half*>(p.out)[at] = __float2half_rn(v);
+  else
+    static_cast<float*>(p.out)[at] = v;
+}
+
+// Two pairs of 16-bit outputs as the 8 bytes one store writes.
+template <typename Pair>
+__device__ __forceinline__ uint2 as_bits(Pair lo, Pair hi) {
+  return make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                    *reinterpret_cast<const uint32_t*>(&hi));
+}
+
+// Four outputs at `at` (a multiple of 4 elements into a 16-byte aligned out): one store.
+__device__ __forceinline__ void store4(const Params& p, long long at, const float (&v)[4]) {
+  if (p.out_kind == OUT_F32) {
+    reinterpret_cast<float4*>(static_cast<float*>(p.out) + at)[0] =
+        make_float4(v[0], v[1], v[2], v[3]);
+    return;
+  }
+  const uint2 bits =
+      p.out_kind == OUT_BF16
+          ? as_bits(__floats2bfloat162_rn(v[0], v[1]), __floats2bfloat162_rn(v[2], v[3]))
+          : as_bits(__floats2half2_rn(v[0], v[1]), __floats2half2_rn(v[2], v[3]));
+  reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + at)[0] = bits;
 }
 
 template <int NB>
@@ -145,12 +179,29 @@ __global__ void __launch_bounds__(128, 1) fp8_gemv(Params p) {
   stamp(SMID);
   cg::cluster_group cluster = cg::this_cluster();
   constexpr int ranks = RANKS;  // the cluster's size, a power of two: its divisions are shifts
+  // each rank's share of the M x 64 outputs is whole runs of four: a run of a thread never
+  // crosses a share or an x row, and the shares' sizes are exact
+  static_assert(ROWS % (4 * RANKS) == 0, "a rank's share must be whole runs of four outputs");
   const int rank = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const gemv::ClusterSum<ROWS, RANKS> sum(smem + p.inbox_at, rank, p.m);
-  sum.open(tid);
+  const int outputs = ROWS * p.m;
+  const uint32_t inbox_bar = smem_addr(smem + p.inbox_at);
+  float* inbox = reinterpret_cast<float*>(smem + p.inbox_at + 16);  // 16-byte aligned rows
+  if constexpr (ranks > 1) {
+    if (tid == 0) {
+      const int mine_q = (rank + 1) * outputs / ranks - rank * outputs / ranks;
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(inbox_bar));
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(inbox_bar),
+                   "r"((ranks - 1) * mine_q * 4)
+                   : "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::);
+  }
 
   const int n0 = (blockIdx.x / ranks) * ROWS;
+  // the outputs rank r sums and stores: [q_lo(r), q_lo(r + 1)) of the CTA's M x 64
+  const auto q_lo = [&](int r) { return r * outputs / ranks; };
   const int chunks = p.k / CHUNK;
   const int c_lo = static_cast<int>(static_cast<long long>(rank) * chunks / ranks);
   const int c_hi = static_cast<int>(static_cast<long long>(rank + 1) * chunks / ranks);
@@ -243,13 +294,58 @@ __global__ void __launch_bounds__(128, 1) fp8_gemv(Params p) {
     if (col < p.m) sums[col * ROWS + row] = acc[e];
   }
   __syncthreads();
-  sum.exchange(sums, tid, blockDim.x);
+  const int share = (outputs + ranks - 1) / ranks;
+  if constexpr (ranks > 1) {
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int r = 0; r < ranks; ++r) {
+      if (r == rank) continue;
+      uint32_t to, bar;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+                   : "=r"(to)
+                   : "r"(smem_addr(inbox + rank * share - q_lo(r))), "r"(r));
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(bar) : "r"(inbox_bar), "r"(r));
+      // four outputs a thread, one 16-byte store (a share is a multiple of 4 outputs)
+      for (int q = q_lo(r) + 4 * tid; q < q_lo(r + 1); q += 4 * blockDim.x) {
+        const float4 v = *reinterpret_cast<const float4*>(sums + q);
+        asm volatile(
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, "
+            "%4}, [%5];\n" ::"r"(to + q * 4),
+            "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+            "r"(__float_as_uint(v.w)), "r"(bar)
+            : "memory");
+      }
+    }
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], 0;\n"
+        "@!done bra WAIT_%=;\n}\n" ::"r"(inbox_bar)
+        : "memory");
+  }
   stamp(C_SUMMED);
-  const gemv::Out out{p.out, p.ldo, p.n, p.out_kind};
-  sum.store(sums, out, n0, tid, blockDim.x, [&](int col, int row, float(&v)[4]) {
+  // four consecutive outputs a thread: one weight row run of one x row, summed in rank order
+  const bool wide_stores = p.ldo % 4 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
+  for (int q = q_lo(rank) + 4 * tid; q < q_lo(rank + 1); q += 4 * blockDim.x) {
+    float v[4] = {};
+#pragma unroll
+    for (int r = 0; r < ranks; ++r) {
+      const float4 part = *reinterpret_cast<const float4*>(
+          r == rank ? sums + q : inbox + r * share + q - q_lo(rank));
+      v[0] += part.x;
+      v[1] += part.y;
+      v[2] += part.z;
+      v[3] += part.w;
+    }
+    const int col = q / ROWS, row = q % ROWS;
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] *= x_scale[col] * w_scale[row + i];
-  });
+    const long long at = col * p.ldo + n0 + row;
+    if (wide_stores && n0 + row + 3 < p.n) {
+      store4(p, at, v);
+    } else {
+      for (int i = 0; i < 4 && n0 + row + i < p.n; ++i) store(p, at + i, v[i]);
+    }
+  }
   stamp(C_END);
   stamp(G_END);
 }
@@ -261,7 +357,8 @@ int stage_bytes(int m) { return A_BYTES + (m > 8 ? 16 : 8) * CHUNK; }
 int smem_bytes(int m, int cluster, int* inbox_at) {
   const int rings = 1024 + STAGES * stage_bytes(m), sums = ROWS * m * 4;  // + the alignment
   *inbox_at = rings > sums ? rings : sums;
-  return *inbox_at + gemv::inbox_bytes(ROWS * m, cluster);
+  const int outputs = ROWS * m;
+  return *inbox_at + (cluster > 1 ? 16 + cluster * ((outputs + cluster - 1) / cluster) * 4 : 0);
 }
 
 template <int NB, int RANKS>
@@ -282,7 +379,7 @@ int fp8_gemv(const void* a, const void* b, const void* scale_a, const void* scal
              int out_kind, int cluster, void* stream) {
   if (m < 1 || m > MAX_M || n < 1 || k % CHUNK || k < CHUNK * cluster ||
       (cluster != 1 && cluster != 2 && cluster != 4) || lda % 16 || ldb % 16 || ldo < n ||
-      out_kind < gemv::OUT_BF16 || out_kind > gemv::OUT_F32)
+      out_kind < OUT_BF16 || out_kind > OUT_F32)
     return static_cast<int>(cudaErrorInvalidValue);
   Params p;
   p.a = static_cast<const uint8_t*>(a);
