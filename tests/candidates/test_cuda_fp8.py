@@ -291,13 +291,14 @@ def test_padded_rows_are_read_and_written_where_their_strides_say(built) -> None
 @pytest.mark.gpu
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "odd_offset"])
 def test_outputs_past_whole_runs_of_four_are_stored_one_by_one(offset: int, built) -> None:
-    """N = 203 (the last CTA's last run of four outputs is cut at N) and out rows 211 elements
-    apart, the view starting ``offset`` elements into its store: the stores of four outputs
-    give way to single ones, every output is written once, and the NaN around out stays."""
+    """N = 203 (the last CTA's last run of four outputs is cut at N) and out rows 212 elements
+    apart (whole runs of four), the view starting ``offset`` elements into its store (at 1, no
+    run is aligned): where a run of four cannot be one store it is stored one by one, every
+    output is written once, and the NaN around out stays."""
     m, n, k = 3, 203, 1024
     for out_dtype in cf.OUT_KINDS:
         a, b, sa, sb, ref, tol = problem(m, n, k, rowwise=True, out_dtype=out_dtype)
-        store = torch.full((m, n + 8), float("nan"), device="cuda", dtype=out_dtype)
+        store = torch.full((m, n + 9), float("nan"), device="cuda", dtype=out_dtype)
         out = store[:, offset : offset + n]
         for config in CONFIGS[:3]:  # clusters of 2, 1 and 4
             cf.check_operands(a, b, sa, sb, out)
