@@ -216,24 +216,6 @@ __device__ __forceinline__ void ldmatrix4(uint32_t (&d)[4], uint32_t addr) {
                : "r"(addr));
 }
 
-#ifndef GEMV_SHIFT_MUL
-#define GEMV_SHIFT_MUL 0
-#endif
-// v >> S: a shift (the ALU pipe, which the lop3s of the dequant also take), or, where bit
-// S / 4 - 1 of GEMV_SHIFT_MUL is set, the high word of v * 2^(32 - S) (IMAD.HI: the FMA pipe)
-template <int S>
-__device__ __forceinline__ uint32_t shr(uint32_t v) {
-  if constexpr (S == 0) {
-    return v;
-  } else if constexpr (GEMV_SHIFT_MUL >> (S / 4 - 1) & 1) {
-    uint32_t d;
-    asm("mul.hi.u32 %0, %1, %2;\n" : "=r"(d) : "r"(v), "n"(1u << (32 - S)));
-    return d;
-  } else {
-    return v >> S;
-  }
-}
-
 __device__ __forceinline__ uint32_t lop_or_magic(uint32_t v, uint32_t magic) {
   uint32_t d;  // (v & 0x000f000f) | magic
   asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(d) : "r"(v), "n"(0x000f000f), "r"(magic));
@@ -465,13 +447,13 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
       float dot[NT][4] = {};
 #pragma unroll
       for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) {
-        const bool high = j >= 4;  // the nibbles at bits 4 (and 12) of the word
-        const uint32_t l = wl[j & 3], h = wh[j & 3];
+        const int shift = j < 4 ? 0 : 4;
+        const uint32_t vl = wl[j & 3] >> shift, vh = wh[j & 3] >> shift;
         uint32_t a[4];
-        a[0] = lop_or_magic(high ? shr<4>(l) : l, Ops::MAGIC);  // row g: bytes 0, 2
-        a[1] = lop_or_magic(high ? shr<4>(h) : h, Ops::MAGIC);  // row g + 8
-        a[2] = lop_or_magic(high ? shr<12>(l) : shr<8>(l), Ops::MAGIC);  // row g: bytes 1, 3
-        a[3] = lop_or_magic(high ? shr<12>(h) : shr<8>(h), Ops::MAGIC);
+        a[0] = lop_or_magic(vl, Ops::MAGIC);       // row g: bytes 0, 2
+        a[1] = lop_or_magic(vh, Ops::MAGIC);       // row g + 8
+        a[2] = lop_or_magic(vl >> 8, Ops::MAGIC);  // row g: bytes 1, 3
+        a[3] = lop_or_magic(vh >> 8, Ops::MAGIC);
 #pragma unroll
         for (int n8 = 0; n8 < NT; ++n8) Ops::mma(dot[n8], a, b[n8][j][0], b[n8][j][1]);
       }
