@@ -49,6 +49,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <algorithm>
+
 #include "cluster_launch.cuh"
 
 #ifndef GEMV_SPLIT_ROWS
@@ -345,6 +347,15 @@ struct Copier {
     group_shift = p.group_shift;
   }
 
+  // (stream-K) the next copies take chunk 0 of the 64-row block at `block`, from its row
+  // `offset`: the warp's next ROWS rows (FULL only)
+  __device__ __forceinline__ void retarget(const uint8_t* block, int offset, int k) {
+    w = block + 64ll * offset + w_lane;
+    sz += ROWS;
+    x -= k;
+    chunk = 0;
+  }
+
   __device__ __forceinline__ void issue(uint32_t stage) {
     const uint32_t* words = sz + (static_cast<uint32_t>(chunk * CHUNK) >> group_shift) * n;
     if constexpr (FULL) {
@@ -629,6 +640,119 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   }
 }
 
+#ifndef GEMV_STREAM
+#define GEMV_STREAM 0
+#endif
+#if GEMV_STREAM
+// Stream-K (bench-only prototype): a grid of as many CTAs as the SMs hold at once, each warp a
+// worker over a contiguous run of the (row block, chunk) units in row-block order, its ring
+// running on across row blocks; a worker's partial of a row block goes to a float32 workspace,
+// and the row block's last worker to arrive sums the parts in worker order and stores.
+constexpr int STREAM_BLOCKS = 8192;
+constexpr long long STREAM_WS = 8ll << 20;  // floats
+__device__ int g_counts[STREAM_BLOCKS];
+__device__ float g_ws[STREAM_WS];
+
+// The worker whose run holds unit u: runs are [id * units / workers, (id + 1) * units / workers)
+__device__ __forceinline__ long long worker_of(long long u, long long units, long long workers) {
+  return ((u + 1) * workers - 1) / units;
+}
+
+template <bool F16, int NG, int NT>
+__global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32)
+    w4a16_gemv_stream_kernel(Params p, int pmax) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3, m = p.m;
+  const int chunks = p.k / CHUNK;
+  const long long units = static_cast<long long>(p.n / ROWS) * chunks;
+  const long long workers = static_cast<long long>(gridDim.x) * warps;
+  const long long id = static_cast<long long>(blockIdx.x) * warps + warp;
+  const long long u0 = id * units / workers;
+  const int mine = static_cast<int>((id + 1) * units / workers - u0);
+  int rb = static_cast<int>(u0 / chunks), c = static_cast<int>(u0 % chunks);
+  const auto block_of = [&](int r, int& offset) {
+    const int first_row = r * ROWS / 64 * 64;
+    offset = r * ROWS - first_row;
+    return p.w + static_cast<long long>(first_row) * (p.k / 2);
+  };
+  int offset;
+  const uint8_t* block = block_of(rb, offset);
+  const uint32_t ring = smem_addr(smem) + warp * STAGES * p.stage_bytes;
+  const uint32_t x_at = warp_bytes<NG>();
+  Copier<NG, NT, true> copier(p, block, 64, offset, rb * ROWS, c, 1, lane, 0, x_at, lane, 32);
+  int rb_copied = rb, c_copied = c;  // the copier's next unit
+  const auto issue = [&](uint32_t stage) {
+    copier.issue(stage);
+    if (++c_copied == chunks) {
+      c_copied = 0;
+      int off;
+      const uint8_t* b = block_of(++rb_copied, off);
+      copier.retarget(b, off, p.k);
+    }
+  };
+  float acc[SLICES][NT][4] = {};
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < mine) issue(ring + i * p.stage_bytes);
+    commit();
+  }
+  int slot = 0, next = STAGES - 1;
+  for (int i = 0; i < mine; ++i) {
+    const uint32_t stage = ring + slot * p.stage_bytes;
+    if (i + STAGES - 1 < mine) issue(ring + next * p.stage_bytes);
+    commit();
+    wait_copies<STAGES - 1>();
+    __syncwarp();
+    compute<F16, NG, NT>(p, stage, stage + x_at, lane, acc);
+    __syncwarp();
+    slot = slot + 1 == STAGES ? 0 : slot + 1;
+    next = next + 1 == STAGES ? 0 : next + 1;
+    if (++c < chunks && i + 1 < mine) continue;
+    // the worker's part of row block rb is done: to the workspace, then counted
+    const long long lo = worker_of(static_cast<long long>(rb) * chunks, units, workers);
+    const long long hi = worker_of(static_cast<long long>(rb + 1) * chunks - 1, units, workers);
+    const int part = static_cast<int>(id - lo), parts = static_cast<int>(hi - lo + 1);
+    float* slots = g_ws + static_cast<long long>(rb) * pmax * m * ROWS;
+#pragma unroll
+    for (int s = 0; s < SLICES; ++s)
+#pragma unroll
+      for (int n8 = 0; n8 < NT; ++n8)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
+          if (col < m) __stcg(slots + (part * m + col) * ROWS + row, acc[s][n8][e]);
+          acc[s][n8][e] = 0.f;
+        }
+    __threadfence();
+    __syncwarp();
+    int arrived = 0;
+    if (lane == 0) arrived = atomicAdd(&g_counts[rb], 1);
+    if (__shfl_sync(0xffffffffu, arrived, 0) == parts - 1) {
+      __threadfence();
+#pragma unroll
+      for (int s = 0; s < SLICES; ++s)
+#pragma unroll
+        for (int n8 = 0; n8 < NT; ++n8)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
+            if (col >= m) continue;
+            float v = 0.f;
+            for (int q = 0; q < parts; ++q) v += __ldcg(slots + (q * m + col) * ROWS + row);
+            p.out[col * p.ldo + rb * ROWS + row] = Half2Ops<F16>::round(v);
+          }
+      if (lane == 0) atomicExch(&g_counts[rb], 0);
+    }
+    ++rb;
+    c = 0;
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+#endif
+
 namespace {
 
 // One stage of a ring: the warps' parts (one, or all `warps` when they split rows), x's slab.
@@ -656,6 +780,34 @@ int smem_bytes(int m, int group, int warps, int cluster) {
 template <bool F16, int NG, int NT, bool FULL>
 cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
   if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
+#if GEMV_STREAM
+  if constexpr (!FULL || SPLIT_ROWS) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (cluster != 1) return cudaErrorInvalidValue;
+    constexpr auto kernel = w4a16_gemv_stream_kernel<F16, NG, NT>;
+    const int smem = smem_bytes(p.m, CHUNK / NG, warps, 1);
+    cudaError_t e = gemv::allow_smem<kernel>(smem);
+    if (e != cudaSuccess) return e;
+    int device = 0, sms = 0, per_sm = 0;
+    if ((e = cudaGetDevice(&device)) != cudaSuccess) return e;
+    if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
+      return e;
+    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem)) !=
+        cudaSuccess)
+      return e;
+    const int chunks = p.k / CHUNK, blocks = p.n / ROWS;
+    const long long units = static_cast<long long>(blocks) * chunks;
+    const long long ctas = std::min<long long>(static_cast<long long>(per_sm) * sms, units / warps);
+    if (ctas < 1 || blocks > STREAM_BLOCKS) return cudaErrorInvalidValue;
+    const long long each = units / (ctas * warps);  // a worker's units, at least
+    const int pmax = static_cast<int>((chunks + each - 1) / each + 1);
+    if (static_cast<long long>(blocks) * pmax * p.m * ROWS > STREAM_WS) return cudaErrorInvalidValue;
+    return gemv::launch_in_clusters<kernel>(static_cast<unsigned>(ctas),
+                                            static_cast<unsigned>(warps * 32), smem, 1, stream, p,
+                                            pmax);
+  }
+#endif
   const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster);
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   const unsigned ctas = static_cast<unsigned>((p.n + cta_rows - 1) / cta_rows * cluster);
