@@ -347,13 +347,14 @@ struct Copier {
     group_shift = p.group_shift;
   }
 
-  // (stream-K) the next copies take chunk 0 of the 64-row block at `block`, from its row
-  // `offset`: the warp's next ROWS rows (FULL only)
-  __device__ __forceinline__ void retarget(const uint8_t* block, int offset, int k) {
-    w = block + 64ll * offset + w_lane;
+  // (stream-K) the copies have run past the warp's row block (`chunk` >= `chunks`): the next
+  // ones take the same chunk less `chunks` in the next ROWS rows, from row `offset` of the
+  // 64-row block at `block` (FULL only)
+  __device__ __forceinline__ void retarget(const uint8_t* block, int offset, int chunks) {
+    chunk -= chunks;
+    w = block + 64ll * (64 * chunk + offset) + w_lane;
     sz += ROWS;
-    x -= k;
-    chunk = 0;
+    x -= chunks * CHUNK;
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
@@ -644,54 +645,76 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
 #define GEMV_STREAM 0
 #endif
 #if GEMV_STREAM
-// Stream-K (bench-only prototype): a grid of as many CTAs as the SMs hold at once, each warp a
-// worker over a contiguous run of the (row block, chunk) units in row-block order, its ring
-// running on across row blocks; a worker's partial of a row block goes to a float32 workspace,
-// and the row block's last worker to arrive sums the parts in worker order and stores.
+// Stream-K (bench-only prototype): a grid of as many CTAs as the SMs hold at once, each CTA a
+// contiguous run of the (row block, chunk) units in row-block order, its warps taking the run's
+// units in turn as in the K split, their rings running on across row blocks. A warp leaves its
+// sums of a row block in shared memory when it moves on; after the run the CTA sums its warps'
+// parts of each row block in warp order, stores a row block it holds whole, and writes the
+// others to a float32 workspace, counted on the row block's arrival count: the row block's last
+// CTA to arrive sums the parts in CTA order (deterministic), stores, and zeroes the count.
 constexpr int STREAM_BLOCKS = 8192;
 constexpr long long STREAM_WS = 8ll << 20;  // floats
 __device__ int g_counts[STREAM_BLOCKS];
 __device__ float g_ws[STREAM_WS];
 
-// The worker whose run holds unit u: runs are [id * units / workers, (id + 1) * units / workers)
-__device__ __forceinline__ long long worker_of(long long u, long long units, long long workers) {
-  return ((u + 1) * workers - 1) / units;
+// The CTA whose run holds unit u: runs are [b * units / ctas, (b + 1) * units / ctas)
+__device__ __forceinline__ long long cta_of(long long u, long long units, long long ctas) {
+  return ((u + 1) * ctas - 1) / units;
 }
 
+// smem: the rings, then [segs][warps][M][ROWS] floats of the warps' parts of each row block
 template <bool F16, int NG, int NT>
 __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32)
-    w4a16_gemv_stream_kernel(Params p, int pmax) {
+    w4a16_gemv_stream_kernel(Params p, int segs, int pmax) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3, m = p.m;
+  const int g = lane >> 2, t = lane & 3, m = p.m, outputs = m * ROWS;
   const int chunks = p.k / CHUNK;
-  const long long units = static_cast<long long>(p.n / ROWS) * chunks;
-  const long long workers = static_cast<long long>(gridDim.x) * warps;
-  const long long id = static_cast<long long>(blockIdx.x) * warps + warp;
-  const long long u0 = id * units / workers;
-  const int mine = static_cast<int>((id + 1) * units / workers - u0);
-  int rb = static_cast<int>(u0 / chunks), c = static_cast<int>(u0 % chunks);
+  const long long units = static_cast<long long>(p.n / ROWS) * chunks, ctas = gridDim.x;
+  const long long u0 = blockIdx.x * units / ctas, u1 = (blockIdx.x + 1) * units / ctas;
+  const int rb0 = static_cast<int>(u0 / chunks);
+  const int rb_last = static_cast<int>((u1 - 1) / chunks);
+  // the warp's units: u0 + warp, + warps, ...
+  const long long first = u0 + warp;
+  const int mine = first < u1 ? static_cast<int>((u1 - first + warps - 1) / warps) : 0;
+  int rb = static_cast<int>(first / chunks), c = static_cast<int>(first % chunks);
   const auto block_of = [&](int r, int& offset) {
     const int first_row = r * ROWS / 64 * 64;
     offset = r * ROWS - first_row;
     return p.w + static_cast<long long>(first_row) * (p.k / 2);
   };
+  float* parts = reinterpret_cast<float*>(smem + p.inbox_at);  // [segs][warps][M][ROWS]
+  for (int i = threadIdx.x; i < segs * warps * outputs; i += blockDim.x) parts[i] = 0.f;
   int offset;
-  const uint8_t* block = block_of(rb, offset);
+  const uint8_t* block = block_of(mine ? rb : rb0, offset);
   const uint32_t ring = smem_addr(smem) + warp * STAGES * p.stage_bytes;
   const uint32_t x_at = warp_bytes<NG>();
-  Copier<NG, NT, true> copier(p, block, 64, offset, rb * ROWS, c, 1, lane, 0, x_at, lane, 32);
-  int rb_copied = rb, c_copied = c;  // the copier's next unit
+  Copier<NG, NT, true> copier(p, block, 64, offset, (mine ? rb : rb0) * ROWS, mine ? c : 0,
+                              warps, lane, 0, x_at, lane, 32);
+  int rb_copied = rb;
   const auto issue = [&](uint32_t stage) {
     copier.issue(stage);
-    if (++c_copied == chunks) {
-      c_copied = 0;
+    while (copier.chunk >= chunks) {
       int off;
       const uint8_t* b = block_of(++rb_copied, off);
-      copier.retarget(b, off, p.k);
+      copier.retarget(b, off, chunks);
     }
   };
   float acc[SLICES][NT][4] = {};
+  const auto leave = [&](int r) {  // the warp's sums of row block r into its part
+    float* mine_at = parts + ((r - rb0) * warps + warp) * outputs;
+#pragma unroll
+    for (int s = 0; s < SLICES; ++s)
+#pragma unroll
+      for (int n8 = 0; n8 < NT; ++n8)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
+          if (col < m) mine_at[col * ROWS + row] = acc[s][n8][e];
+          acc[s][n8][e] = 0.f;
+        }
+  };
+  __syncthreads();  // the parts zeroed
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
@@ -709,47 +732,48 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32)
     __syncwarp();
     slot = slot + 1 == STAGES ? 0 : slot + 1;
     next = next + 1 == STAGES ? 0 : next + 1;
-    if (++c < chunks && i + 1 < mine) continue;
-    // the worker's part of row block rb is done: to the workspace, then counted
-    const long long lo = worker_of(static_cast<long long>(rb) * chunks, units, workers);
-    const long long hi = worker_of(static_cast<long long>(rb + 1) * chunks - 1, units, workers);
-    const int part = static_cast<int>(id - lo), parts = static_cast<int>(hi - lo + 1);
-    float* slots = g_ws + static_cast<long long>(rb) * pmax * m * ROWS;
-#pragma unroll
-    for (int s = 0; s < SLICES; ++s)
-#pragma unroll
-      for (int n8 = 0; n8 < NT; ++n8)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
-          if (col < m) __stcg(slots + (part * m + col) * ROWS + row, acc[s][n8][e]);
-          acc[s][n8][e] = 0.f;
-        }
-    __threadfence();
-    __syncwarp();
-    int arrived = 0;
-    if (lane == 0) arrived = atomicAdd(&g_counts[rb], 1);
-    if (__shfl_sync(0xffffffffu, arrived, 0) == parts - 1) {
-      __threadfence();
-#pragma unroll
-      for (int s = 0; s < SLICES; ++s)
-#pragma unroll
-        for (int n8 = 0; n8 < NT; ++n8)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
-            if (col >= m) continue;
-            float v = 0.f;
-            for (int q = 0; q < parts; ++q) v += __ldcg(slots + (q * m + col) * ROWS + row);
-            p.out[col * p.ldo + rb * ROWS + row] = Half2Ops<F16>::round(v);
-          }
-      if (lane == 0) atomicExch(&g_counts[rb], 0);
-    }
-    ++rb;
-    c = 0;
+    for (c += warps; c >= chunks; c -= chunks) leave(rb++);
   }
+  if (mine && rb <= rb_last) leave(rb);
   asm volatile("cp.async.wait_all;\n" ::);
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  __syncthreads();
+  __shared__ int arrived;
+  for (int r = rb0; r <= rb_last; ++r) {
+    const float* seg = parts + (r - rb0) * warps * outputs;
+    const bool whole = u0 <= static_cast<long long>(r) * chunks &&
+                       static_cast<long long>(r + 1) * chunks <= u1;
+    const long long lo = cta_of(static_cast<long long>(r) * chunks, units, ctas);
+    const long long hi = cta_of(static_cast<long long>(r + 1) * chunks - 1, units, ctas);
+    const int part = static_cast<int>(blockIdx.x - lo), nparts = static_cast<int>(hi - lo + 1);
+    float* slots = g_ws + static_cast<long long>(r) * pmax * outputs;
+    for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
+      float v = 0.f;
+      for (int w = 0; w < warps; ++w) v += seg[w * outputs + q];
+      if (whole)
+        p.out[(q / ROWS) * p.ldo + r * ROWS + q % ROWS] = Half2Ops<F16>::round(v);
+      else
+        __stcg(slots + part * outputs + q, v);
+    }
+    if (whole) continue;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) arrived = atomicAdd(&g_counts[r], 1);
+    __syncthreads();
+    if (arrived != nparts - 1) continue;
+    __threadfence();
+    for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
+      float v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = j < nparts ? __ldcg(slots + j * outputs + q) : 0.f;
+      float sum = v[0];
+#pragma unroll
+      for (int j = 1; j < 4; ++j) sum += j < nparts ? v[j] : 0.f;
+      for (int j = 4; j < nparts; ++j) sum += __ldcg(slots + j * outputs + q);
+      p.out[(q / ROWS) * p.ldo + r * ROWS + q % ROWS] = Half2Ops<F16>::round(sum);
+    }
+    if (threadIdx.x == 0) atomicExch(&g_counts[r], 0);
+  }
 }
 #endif
 
@@ -786,26 +810,34 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   } else {
     if (cluster != 1) return cudaErrorInvalidValue;
     constexpr auto kernel = w4a16_gemv_stream_kernel<F16, NG, NT>;
-    const int smem = smem_bytes(p.m, CHUNK / NG, warps, 1);
-    cudaError_t e = gemv::allow_smem<kernel>(smem);
-    if (e != cudaSuccess) return e;
-    int device = 0, sms = 0, per_sm = 0;
-    if ((e = cudaGetDevice(&device)) != cudaSuccess) return e;
-    if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
-      return e;
-    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem)) !=
-        cudaSuccess)
-      return e;
     const int chunks = p.k / CHUNK, blocks = p.n / ROWS;
     const long long units = static_cast<long long>(blocks) * chunks;
-    const long long ctas = std::min<long long>(static_cast<long long>(per_sm) * sms, units / warps);
-    if (ctas < 1 || blocks > STREAM_BLOCKS) return cudaErrorInvalidValue;
-    const long long each = units / (ctas * warps);  // a worker's units, at least
+    int device = 0, sms = 0, per_sm = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e != cudaSuccess) return e;
+    if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
+      return e;
+    // the parts' room depends on the run's length, which depends on the CTAs an SM holds
+    int segs = 0, smem = 0;
+    long long ctas = 0;
+    for (int guess = 4; guess >= 1; --guess) {
+      ctas = std::min<long long>(static_cast<long long>(guess) * sms, units / warps);
+      const long long run = (units + ctas - 1) / ctas;
+      segs = static_cast<int>((run + chunks - 1) / chunks + 1);
+      smem = p.inbox_at + segs * warps * p.m * ROWS * 4;
+      if ((e = gemv::allow_smem<kernel>(smem)) != cudaSuccess) return e;
+      if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem)) !=
+          cudaSuccess)
+        return e;
+      if (per_sm >= guess) break;
+    }
+    if (ctas < 1 || blocks > STREAM_BLOCKS || warps > chunks) return cudaErrorInvalidValue;
+    const long long each = units / ctas;  // a CTA's units, at least
     const int pmax = static_cast<int>((chunks + each - 1) / each + 1);
     if (static_cast<long long>(blocks) * pmax * p.m * ROWS > STREAM_WS) return cudaErrorInvalidValue;
     return gemv::launch_in_clusters<kernel>(static_cast<unsigned>(ctas),
                                             static_cast<unsigned>(warps * 32), smem, 1, stream, p,
-                                            pmax);
+                                            segs, pmax);
   }
 #endif
   const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster);
