@@ -49,8 +49,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <algorithm>
-
 #include "cluster_launch.cuh"
 
 #ifndef GEMV_SPLIT_ROWS
@@ -347,16 +345,6 @@ struct Copier {
     group_shift = p.group_shift;
   }
 
-  // (stream-K) the copies have run past the warp's row block (`chunk` >= `chunks`): the next
-  // ones take the same chunk less `chunks` in the next ROWS rows, from row `offset` of the
-  // 64-row block at `block` (FULL only)
-  __device__ __forceinline__ void retarget(const uint8_t* block, int offset, int chunks) {
-    chunk -= chunks;
-    w = block + 64ll * (64 * chunk + offset) + w_lane;
-    sz += ROWS;
-    x -= chunks * CHUNK;
-  }
-
   __device__ __forceinline__ void issue(uint32_t stage) {
     const uint32_t* words = sz + (static_cast<uint32_t>(chunk * CHUNK) >> group_shift) * n;
     if constexpr (FULL) {
@@ -641,142 +629,6 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   }
 }
 
-#ifndef GEMV_STREAM
-#define GEMV_STREAM 0
-#endif
-#if GEMV_STREAM
-// Stream-K (bench-only prototype): a grid of as many CTAs as the SMs hold at once, each CTA a
-// contiguous run of the (row block, chunk) units in row-block order, its warps taking the run's
-// units in turn as in the K split, their rings running on across row blocks. A warp leaves its
-// sums of a row block in shared memory when it moves on; after the run the CTA sums its warps'
-// parts of each row block in warp order, stores a row block it holds whole, and writes the
-// others to a float32 workspace, counted on the row block's arrival count: the row block's last
-// CTA to arrive sums the parts in CTA order (deterministic), stores, and zeroes the count.
-constexpr int STREAM_BLOCKS = 8192;
-constexpr long long STREAM_WS = 8ll << 20;  // floats
-__device__ int g_counts[STREAM_BLOCKS];
-__device__ float g_ws[STREAM_WS];
-
-// The CTA whose run holds unit u: runs are [b * units / ctas, (b + 1) * units / ctas)
-__device__ __forceinline__ long long cta_of(long long u, long long units, long long ctas) {
-  return ((u + 1) * ctas - 1) / units;
-}
-
-// smem: the rings, then [segs][warps][M][ROWS] floats of the warps' parts of each row block
-template <bool F16, int NG, int NT>
-__global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32)
-    w4a16_gemv_stream_kernel(Params p, int segs, int pmax) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3, m = p.m, outputs = m * ROWS;
-  const int chunks = p.k / CHUNK;
-  const long long units = static_cast<long long>(p.n / ROWS) * chunks, ctas = gridDim.x;
-  const long long u0 = blockIdx.x * units / ctas, u1 = (blockIdx.x + 1) * units / ctas;
-  const int rb0 = static_cast<int>(u0 / chunks);
-  const int rb_last = static_cast<int>((u1 - 1) / chunks);
-  // the warp's units: u0 + warp, + warps, ...
-  const long long first = u0 + warp;
-  const int mine = first < u1 ? static_cast<int>((u1 - first + warps - 1) / warps) : 0;
-  int rb = static_cast<int>(first / chunks), c = static_cast<int>(first % chunks);
-  const auto block_of = [&](int r, int& offset) {
-    const int first_row = r * ROWS / 64 * 64;
-    offset = r * ROWS - first_row;
-    return p.w + static_cast<long long>(first_row) * (p.k / 2);
-  };
-  float* parts = reinterpret_cast<float*>(smem + p.inbox_at);  // [segs][warps][M][ROWS]
-  for (int i = threadIdx.x; i < segs * warps * outputs; i += blockDim.x) parts[i] = 0.f;
-  int offset;
-  const uint8_t* block = block_of(mine ? rb : rb0, offset);
-  const uint32_t ring = smem_addr(smem) + warp * STAGES * p.stage_bytes;
-  const uint32_t x_at = warp_bytes<NG>();
-  Copier<NG, NT, true> copier(p, block, 64, offset, (mine ? rb : rb0) * ROWS, mine ? c : 0,
-                              warps, lane, 0, x_at, lane, 32);
-  int rb_copied = rb;
-  const auto issue = [&](uint32_t stage) {
-    copier.issue(stage);
-    while (copier.chunk >= chunks) {
-      int off;
-      const uint8_t* b = block_of(++rb_copied, off);
-      copier.retarget(b, off, chunks);
-    }
-  };
-  float acc[SLICES][NT][4] = {};
-  const auto leave = [&](int r) {  // the warp's sums of row block r into its part
-    float* mine_at = parts + ((r - rb0) * warps + warp) * outputs;
-#pragma unroll
-    for (int s = 0; s < SLICES; ++s)
-#pragma unroll
-      for (int n8 = 0; n8 < NT; ++n8)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
-          if (col < m) mine_at[col * ROWS + row] = acc[s][n8][e];
-          acc[s][n8][e] = 0.f;
-        }
-  };
-  __syncthreads();  // the parts zeroed
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < mine) issue(ring + i * p.stage_bytes);
-    commit();
-  }
-  int slot = 0, next = STAGES - 1;
-  for (int i = 0; i < mine; ++i) {
-    const uint32_t stage = ring + slot * p.stage_bytes;
-    if (i + STAGES - 1 < mine) issue(ring + next * p.stage_bytes);
-    commit();
-    wait_copies<STAGES - 1>();
-    __syncwarp();
-    compute<F16, NG, NT>(p, stage, stage + x_at, lane, acc);
-    __syncwarp();
-    slot = slot + 1 == STAGES ? 0 : slot + 1;
-    next = next + 1 == STAGES ? 0 : next + 1;
-    for (c += warps; c >= chunks; c -= chunks) leave(rb++);
-  }
-  if (mine && rb <= rb_last) leave(rb);
-  asm volatile("cp.async.wait_all;\n" ::);
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  __syncthreads();
-  __shared__ int arrived;
-  for (int r = rb0; r <= rb_last; ++r) {
-    const float* seg = parts + (r - rb0) * warps * outputs;
-    const bool whole = u0 <= static_cast<long long>(r) * chunks &&
-                       static_cast<long long>(r + 1) * chunks <= u1;
-    const long long lo = cta_of(static_cast<long long>(r) * chunks, units, ctas);
-    const long long hi = cta_of(static_cast<long long>(r + 1) * chunks - 1, units, ctas);
-    const int part = static_cast<int>(blockIdx.x - lo), nparts = static_cast<int>(hi - lo + 1);
-    float* slots = g_ws + static_cast<long long>(r) * pmax * outputs;
-    for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
-      float v = 0.f;
-      for (int w = 0; w < warps; ++w) v += seg[w * outputs + q];
-      if (whole)
-        p.out[(q / ROWS) * p.ldo + r * ROWS + q % ROWS] = Half2Ops<F16>::round(v);
-      else
-        __stcg(slots + part * outputs + q, v);
-    }
-    if (whole) continue;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) arrived = atomicAdd(&g_counts[r], 1);
-    __syncthreads();
-    if (arrived != nparts - 1) continue;
-    __threadfence();
-    for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
-      float v[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = j < nparts ? __ldcg(slots + j * outputs + q) : 0.f;
-      float sum = v[0];
-#pragma unroll
-      for (int j = 1; j < 4; ++j) sum += j < nparts ? v[j] : 0.f;
-      for (int j = 4; j < nparts; ++j) sum += __ldcg(slots + j * outputs + q);
-      p.out[(q / ROWS) * p.ldo + r * ROWS + q % ROWS] = Half2Ops<F16>::round(sum);
-    }
-    if (threadIdx.x == 0) atomicExch(&g_counts[r], 0);
-  }
-}
-#endif
-
 namespace {
 
 // One stage of a ring: the warps' parts (one, or all `warps` when they split rows), x's slab.
@@ -804,42 +656,6 @@ int smem_bytes(int m, int group, int warps, int cluster) {
 template <bool F16, int NG, int NT, bool FULL>
 cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
   if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
-#if GEMV_STREAM
-  if constexpr (!FULL || SPLIT_ROWS) {
-    return cudaErrorInvalidValue;
-  } else {
-    if (cluster != 1) return cudaErrorInvalidValue;
-    constexpr auto kernel = w4a16_gemv_stream_kernel<F16, NG, NT>;
-    const int chunks = p.k / CHUNK, blocks = p.n / ROWS;
-    const long long units = static_cast<long long>(blocks) * chunks;
-    int device = 0, sms = 0, per_sm = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e != cudaSuccess) return e;
-    if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
-      return e;
-    // the parts' room depends on the run's length, which depends on the CTAs an SM holds
-    int segs = 0, smem = 0;
-    long long ctas = 0;
-    for (int guess = 4; guess >= 1; --guess) {
-      ctas = std::min<long long>(static_cast<long long>(guess) * sms, units / warps);
-      const long long run = (units + ctas - 1) / ctas;
-      segs = static_cast<int>((run + chunks - 1) / chunks + 1);
-      smem = p.inbox_at + segs * warps * p.m * ROWS * 4;
-      if ((e = gemv::allow_smem<kernel>(smem)) != cudaSuccess) return e;
-      if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem)) !=
-          cudaSuccess)
-        return e;
-      if (per_sm >= guess) break;
-    }
-    if (ctas < 1 || blocks > STREAM_BLOCKS || warps > chunks) return cudaErrorInvalidValue;
-    const long long each = units / ctas;  // a CTA's units, at least
-    const int pmax = static_cast<int>((chunks + each - 1) / each + 1);
-    if (static_cast<long long>(blocks) * pmax * p.m * ROWS > STREAM_WS) return cudaErrorInvalidValue;
-    return gemv::launch_in_clusters<kernel>(static_cast<unsigned>(ctas),
-                                            static_cast<unsigned>(warps * 32), smem, 1, stream, p,
-                                            segs, pmax);
-  }
-#endif
   const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster);
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   const unsigned ctas = static_cast<unsigned>((p.n + cta_rows - 1) / cta_rows * cluster);
