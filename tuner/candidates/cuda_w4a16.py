@@ -191,9 +191,12 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 # serve four slices (where the kernel's instructions, not the weight stream, set the pace). Where x's
 # [M, 128] slab weighs most (M near 8, copied per CTA and chunk beside the CTA's weight), 64-row
 # warps over half of K (a cluster of 2: x copied once per 64 rows), or 8 warps of 32 rows sharing
-# each chunk's slab with K over a cluster of 8.
-SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 4, 2, 8, 1), ("k", 2, 3, 16, 1),
-             ("k", 2, 3, 12, 1), ("rows", 2, 4, 8, 8), ("k", 4, 2, 8, 2))  # fmt: skip
+# each chunk's slab with K over a cluster of 8. Three 64-row warps a CTA fit five CTAs an SM:
+# a wide projection's row blocks then run in one round (not a second one on part of the SMs),
+# each warp streaming more chunks for its one ramp.
+SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 4, 2, 8, 1), ("k", 4, 2, 3, 1),
+             ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1), ("rows", 2, 4, 8, 8),
+             ("k", 4, 2, 8, 2))  # fmt: skip
 # M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so only the 64-row
 # warps over half of K, which copy the least x per weight byte.
 WIDE_SHORTLIST = (("k", 4, 2, 8, 2),)
