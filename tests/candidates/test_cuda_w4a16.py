@@ -53,6 +53,7 @@ def test_configs_are_checked_field_by_field() -> None:
         (dict(cfg(), stages=1), 1, "config['stages']=1"),
         (dict(cfg(), warps=17), 1, "config['warps']=17"),
         (dict(cfg(), cluster=0), 1, "config['cluster']=0"),
+        (dict(cfg(), cluster=3), 1, "config['cluster']=3"),
         ({**cfg(), "ntiles": 2}, 1, "unknown keys ['ntiles']"),
         (cfg(), 17, "M=17"),
         (cfg(), 0, "M=0"),
@@ -297,10 +298,12 @@ SHAPES = [
     (5, 192, 2048, 256, torch.float16),
 ]
 # warps splitting rows: 128-row CTAs over a cluster of 4 (N = 520: a last CTA of one part-filled
-# warp and seven past N), 96-row CTAs of 32-row warps across 64-row blocks (cluster 3), 64-row
-# warps of two stages; 16 warps of 32 rows (the register-tight two-tile build)
+# warp and seven past N), 96-row CTAs of 32-row warps across 64-row blocks (cluster 2), 64-row
+# warps of two stages; 16 warps of 32 rows (the register-tight two-tile build); three 64-row
+# warps over all of K
 CONFIGS = [cfg(1, 4, 8, 1), cfg(2, 3, 4, 2), cfg(4, 2, 8, 4), cfg(1, 8, 3, 1), cfg(2, 2, 16, 1),
-           cfg(1, 6, 8, 4, "rows"), cfg(2, 3, 3, 3, "rows"), cfg(4, 2, 2, 1, "rows")]  # fmt: skip
+           cfg(1, 6, 8, 4, "rows"), cfg(2, 3, 3, 2, "rows"), cfg(4, 2, 2, 1, "rows"),
+           cfg(4, 2, 3, 1)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

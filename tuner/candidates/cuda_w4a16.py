@@ -46,7 +46,8 @@ SPLITS, SLICES, STAGES = ("k", "rows"), (1, 2, 4), range(2, 9)
 MAX_M = 16  # two n8 tiles of activations
 NARROW_M = 8  # one n8 tile
 WIDE_MAX_WARPS = 8  # 64-row warps over two n8 tiles: their registers
-MAX_WARPS, MAX_CLUSTER = 16, 8
+MAX_WARPS = 16
+CLUSTERS = (1, 2, 4, 8)  # CTAs splitting K: a power of two, which the kernel divides by as shifts
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may take on sm_90
 ACT_DTYPES = ("bf16", "f16")
 ALIGN = 16  # bytes: x's rows and the weight are copied in 16-byte pieces
@@ -69,7 +70,7 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     choice(config, "slices", SLICES)
     choice(config, "stages", STAGES)
     choice(config, "warps", range(1, MAX_WARPS + 1))
-    cluster = choice(config, "cluster", range(1, MAX_CLUSTER + 1))
+    cluster = choice(config, "cluster", CLUSTERS)
     if not 1 <= m <= MAX_M:
         raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
     if config["slices"] == 4 and m > NARROW_M and config["warps"] > WIDE_MAX_WARPS:

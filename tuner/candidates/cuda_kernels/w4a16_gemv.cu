@@ -123,6 +123,7 @@ struct Params {
   int group_shift;  // log2(group size)
   int stage_bytes;  // one warp's stage: weight, (scale, zero) words, x's slab
   int inbox_at;     // (a cluster) the inbox: an mbarrier, then [ranks][a share of the outputs]
+  int rank_shift;   // log2 of the cluster's size (1, 2, 4 or 8 CTAs)
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -178,11 +179,14 @@ __device__ __forceinline__ void store_at(uint32_t remote, float v, uint32_t remo
                : "memory");
 }
 
-// Where rank `r`'s share of a CTA's `outputs` begins (in a cluster of `ranks`, each rank stores
-// its share).
-__device__ __forceinline__ int share_begin(int r, int outputs, int ranks) {
-  return r * outputs / ranks;
-}
+// The cluster's size, a power of two: the prologue and the epilogue divide by it several times
+// a CTA, as shifts (a division by a runtime value costs tens of instructions).
+struct Ranks {
+  int n, shift;  // n = 2^shift
+  __device__ __forceinline__ int div(int a) const { return a >> shift; }
+  // Where rank `r`'s share of a CTA's `outputs` begins (each rank stores its share).
+  __device__ __forceinline__ int share_begin(int r, int outputs) const { return div(r * outputs); }
+};
 
 template <int PENDING>
 __device__ __forceinline__ void wait_copies() {
@@ -483,14 +487,15 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
     stamp(0, SM_ID);
   }
   cg::cluster_group cluster = cg::this_cluster();
-  const int ranks = static_cast<int>(cluster.num_blocks());
+  const Ranks ranks_of{static_cast<int>(cluster.num_blocks()), p.rank_shift};
+  const int ranks = ranks_of.n;
   const int rank = static_cast<int>(cluster.block_rank());
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // (a cluster) the inbox's barrier waits for the other ranks' sums of this rank's share
   if (ranks > 1) {
     if (threadIdx.x == 0) {
       const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * p.m;
-      const int mine = share_begin(rank + 1, outputs, ranks) - share_begin(rank, outputs, ranks);
+      const int mine = ranks_of.share_begin(rank + 1, outputs) - ranks_of.share_begin(rank, outputs);
       bar_init(smem_addr(smem) + p.inbox_at, 1);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
       bar_expect(smem_addr(smem) + p.inbox_at, (ranks - 1) * mine * 4);
@@ -500,7 +505,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   }
 
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  const int n0 = (blockIdx.x / ranks) * cta_rows;
+  const int n0 = ranks_of.div(blockIdx.x) * cta_rows;
   // the warp's first row; a warp of the last CTA may lie wholly past N: its copies read in
   // bounds (row 0's bytes; none at all in the build for partial blocks) and nothing of it is
   // stored
@@ -512,8 +517,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const uint8_t* block = p.w + static_cast<long long>(first_row) * (p.k / 2);
 
   const int chunks = p.k / CHUNK;
-  const int c_lo = static_cast<int>(static_cast<long long>(rank) * chunks / ranks);
-  const int c_hi = static_cast<int>(static_cast<long long>(rank + 1) * chunks / ranks);
+  const int c_lo = ranks_of.div(rank * chunks), c_hi = ranks_of.div((rank + 1) * chunks);
   // splitting K, the warp takes chunks c_lo + warp, + warps, ...; splitting rows, all of them
   const int first = SPLIT_ROWS ? c_lo : c_lo + warp, step = SPLIT_ROWS ? 1 : warps;
   const int mine = first < c_hi ? (c_hi - first + step - 1) / step : 0;
@@ -604,8 +608,8 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
     if (SPLIT_ROWS && threadIdx.x == 0) stamp(6, CLOCK);
     const uint32_t inbox_bar = smem_addr(smem) + p.inbox_at;
     float* inbox = reinterpret_cast<float*>(smem + p.inbox_at + 8);  // [sender][share]
-    const int share = (outputs + ranks - 1) / ranks;
-    const auto q_lo = [&](int r) { return share_begin(r, outputs, ranks); };
+    const int share = ranks_of.div(outputs + ranks - 1);
+    const auto q_lo = [&](int r) { return ranks_of.share_begin(r, outputs); };
     if (ranks > 1) {
       asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every inbox made
       for (int r = 0; r < ranks; ++r) {
@@ -706,7 +710,7 @@ int w4a16_gemv_smem(int m, int group, int warps, int cluster) {
 // checks the operands (tuner/candidates/cuda_w4a16.py); this refuses what would read or write
 // out of bounds: m outside 1..MAX_M, K not whole chunks, a group size other than 32, 64,
 // 128, 256 that divides K, N x K / group (scale, zero) words past 32-bit indices, warps outside
-// 1..MAX_WARPS (1..8 for 64-row warps at M > 8), a cluster outside 1..8 or wider than K's
+// 1..MAX_WARPS (1..8 for 64-row warps at M > 8), a cluster not 1, 2, 4 or 8 or wider than K's
 // chunks, x's row stride past 32-bit offsets between copy rounds, x or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
@@ -714,7 +718,8 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   const bool group_ok = (group == 32 || group == 64 || group == 128 || group == 256) && k % group == 0;
   const bool words_ok = group_ok && static_cast<long long>(n) * (k / group) < (1ll << 31);
   if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !words_ok || warps < 1 ||
-      warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster > k / CHUNK || ldx % 8 ||
+      warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster & (cluster - 1) ||
+      cluster > k / CHUNK || ldx % 8 ||
       ldx >= (1ll << 31) / (2 * MAX_WARPS) ||
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
@@ -732,6 +737,7 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.group_shift = __builtin_ctz(static_cast<unsigned>(group));
   p.stage_bytes = stage_bytes(m, group, warps);
   p.inbox_at = inbox_at(m, group, warps);
+  p.rank_shift = __builtin_ctz(static_cast<unsigned>(cluster));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return static_cast<int>(f16 ? launch_tiles<true>(p, group, warps, cluster, s)
                               : launch_tiles<false>(p, group, warps, cluster, s));
