@@ -87,9 +87,9 @@ def test_shared_memory_is_the_rings_or_the_partial_sums() -> None:
     # 64-row warps, two of them, M = 8: 2 x 4352 B and 8 rows of x (10880 B) a stage
     assert cw.smem_bytes(cfg(4, 3, 2, split="rows"), 8, 128) == max(3 * 10880, 128 * 8 * 4)
     # a cluster adds an inbox: an mbarrier and a share of the outputs (64 rows x M = 8, over 2
-    # ranks) from each rank; 3 ranks share 64 x 5 outputs as 106 + 107 + 107
+    # ranks) from each rank; 4 ranks share 64 x 5 outputs, 80 each
     assert cw.smem_bytes(cfg(4, 2, 8, 2), 8, 128) == 8 * 2 * 6528 + 8 + 2 * 256 * 4
-    assert cw.smem_bytes(cfg(4, 2, 8, 3), 5, 128) == 8 * 2 * 5760 + 8 + 3 * 107 * 4
+    assert cw.smem_bytes(cfg(4, 2, 8, 4), 5, 128) == 8 * 2 * 5760 + 8 + 4 * 80 * 4
 
 
 def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:
@@ -144,9 +144,7 @@ def test_the_decode_shortlist(store: ArtifactStore) -> None:
     assert [entry(c) for c in cw.configs(9, 4096, 14336, 128)] == list(cw.WIDE_SHORTLIST)
     assert cw.configs(17, 4096, 14336, 128) == []
     # a cluster of C CTAs needs C chunks of K: with 3, the cluster of 8 does not fit
-    assert [entry(c) for c in cw.configs(4, 520, 384, 32)] == [
-        e for e in cw.SHORTLIST if e[-1] <= 3
-    ]
+    assert [entry(c) for c in cw.configs(4, 520, 384, 32)] == [e for e in cw.SHORTLIST if e[-1] < 4]
     assert cw.CudaW4A16().candidates(key_of("int4-g128", 2), "cuda") == cw.configs(
         2, 4096, 14336, 128
     )
@@ -223,6 +221,8 @@ def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) ->
     # refused before any CUDA call: x's rows too far apart for the copy rounds' 32-bit steps
     too_far = cw.MAX_X_STRIDE
     assert entry(0, 0, 0, 0, 1, 64, 128, 128, too_far, 64, 0, 1, 1, 0) == 1  # cudaErrorInvalidValue
+    # refused too: a cluster of 3 (the kernel divides by the cluster's size as a shift)
+    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 1, 3, 0) == 1
 
 
 @pytest.mark.skipif(nvcc_build.nvcc_path() is None, reason="needs nvcc")
@@ -299,8 +299,8 @@ SHAPES = [
 ]
 # warps splitting rows: 128-row CTAs over a cluster of 4 (N = 520: a last CTA of one part-filled
 # warp and seven past N), 96-row CTAs of 32-row warps across 64-row blocks (cluster 2), 64-row
-# warps of two stages; 16 warps of 32 rows (the register-tight two-tile build); three 64-row
-# warps over all of K
+# warps of two stages; splitting K: 16 warps of 32 rows (the register-tight two-tile build),
+# three 64-row warps a CTA over all of K (the shortlist's (k,4,2,3,1))
 CONFIGS = [cfg(1, 4, 8, 1), cfg(2, 3, 4, 2), cfg(4, 2, 8, 4), cfg(1, 8, 3, 1), cfg(2, 2, 16, 1),
            cfg(1, 6, 8, 4, "rows"), cfg(2, 3, 3, 2, "rows"), cfg(4, 2, 2, 1, "rows"),
            cfg(4, 2, 3, 1)]  # fmt: skip

@@ -41,7 +41,7 @@
 //
 // One shared library per (SPLIT_ROWS, SLICES, STAGES): -DGEMV_SPLIT_ROWS=0|1 (warps split K or
 // rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_STAGES=2..8; warps per CTA and the
-// cluster size are launch arguments.
+// cluster size (1, 2, 4 or 8 CTAs) are launch arguments.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -495,7 +495,8 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   if (ranks > 1) {
     if (threadIdx.x == 0) {
       const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * p.m;
-      const int mine = ranks_of.share_begin(rank + 1, outputs) - ranks_of.share_begin(rank, outputs);
+      const int mine =
+          ranks_of.share_begin(rank + 1, outputs) - ranks_of.share_begin(rank, outputs);
       bar_init(smem_addr(smem) + p.inbox_at, 1);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
       bar_expect(smem_addr(smem) + p.inbox_at, (ranks - 1) * mine * 4);
@@ -710,8 +711,9 @@ int w4a16_gemv_smem(int m, int group, int warps, int cluster) {
 // checks the operands (tuner/candidates/cuda_w4a16.py); this refuses what would read or write
 // out of bounds: m outside 1..MAX_M, K not whole chunks, a group size other than 32, 64,
 // 128, 256 that divides K, N x K / group (scale, zero) words past 32-bit indices, warps outside
-// 1..MAX_WARPS (1..8 for 64-row warps at M > 8), a cluster not 1, 2, 4 or 8 or wider than K's
-// chunks, x's row stride past 32-bit offsets between copy rounds, x or w not 16-byte aligned.
+// 1..MAX_WARPS (1..8 for 64-row warps at M > 8), a cluster other than 1, 2, 4 or 8, or one
+// wider than K's chunks, x's row stride past 32-bit offsets between copy rounds, x or w not
+// 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
                void* stream) {
