@@ -71,7 +71,7 @@ GRID = [
     ("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1),
     ("k", 4, 2, 8, 2), ("k", 4, 3, 8, 2), ("k", 4, 2, 16, 2), ("rows", 2, 4, 8, 8),
 ]  # fmt: skip
-TRACED = [("k", 2, 2, 16, 1), ("k", 4, 2, 8, 1), ("k", 4, 2, 8, 2)]
+TRACED = [("k", 2, 2, 16, 1), ("k", 4, 2, 8, 1), ("k", 4, 2, 8, 2), ("k", 4, 2, 3, 1)]
 PROFILED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
 VARIANTS = {"trace": ["-DGEMV_TRACE=1"], "baseline": []}
 VARIANT_DIR = Path(tempfile.gettempdir()) / "w4a16_gemv_variants"

@@ -300,10 +300,11 @@ SHAPES = [
 # warps splitting rows: 128-row CTAs over a cluster of 4 (N = 520: a last CTA of one part-filled
 # warp and seven past N), 96-row CTAs of 32-row warps across 64-row blocks (cluster 2), 64-row
 # warps of two stages; splitting K: 16 warps of 32 rows (the register-tight two-tile build),
-# three 64-row warps a CTA over all of K (the shortlist's (k,4,2,3,1))
+# three 64-row warps a CTA over all of K (the shortlist's (k,4,2,3,1)); 16-row CTAs over a
+# cluster of 8 (a rank's share of the 16 x M outputs is 2 M)
 CONFIGS = [cfg(1, 4, 8, 1), cfg(2, 3, 4, 2), cfg(4, 2, 8, 4), cfg(1, 8, 3, 1), cfg(2, 2, 16, 1),
            cfg(1, 6, 8, 4, "rows"), cfg(2, 3, 3, 2, "rows"), cfg(4, 2, 2, 1, "rows"),
-           cfg(4, 2, 3, 1)]  # fmt: skip
+           cfg(4, 2, 3, 1), cfg(1, 2, 4, 8)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -376,6 +377,25 @@ def test_whole_blocks_match_the_build_for_partial_ones(group: int, built: None) 
         torch.cuda.synchronize()
         assert excess(whole, ref, tol) <= 1, config
         assert torch.equal(whole, partial), config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [130, 136])
+def test_padded_output_rows_get_only_their_n_outputs(n: int, built: None) -> None:
+    """Output rows of 140 elements (``ldo``), of which N are the product's: every config
+    stores its N outputs a row and nothing at or past N."""
+    m, k, group = 3, 384, 32
+    x, packed, sz, ref, tol = _problem(m, n, k, group, torch.bfloat16)
+    for config in CONFIGS:
+        try:
+            cw.check_config(config, m, n, k, group)
+        except ValueError:
+            continue
+        padded = torch.full((m, 140), float("nan"), device="cuda", dtype=x.dtype)
+        cw.run(cw.launcher(config), config, x, packed, sz, group, padded[:, :n], stream())
+        torch.cuda.synchronize()
+        assert excess(padded[:, :n], ref, tol) <= 1, config
+        assert padded[:, n:].isnan().all(), config
 
 
 @pytest.mark.gpu
