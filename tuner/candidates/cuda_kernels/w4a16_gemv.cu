@@ -72,6 +72,9 @@
 #ifndef GEMV_TRACE
 #define GEMV_TRACE 0  // bench builds only: per-CTA timestamps (w4a16_gemv_trace)
 #endif
+#ifndef GEMV_ROTATE
+#define GEMV_ROTATE 0  // bench A/B builds only: each CTA starts its chunks at another round
+#endif
 
 namespace cg = cooperative_groups;
 
@@ -301,12 +304,14 @@ struct Copier {
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
+  int left, w_rewind, x_rewind, chunk_rewind;  // (GEMV_ROTATE) copies before the wrap, its moves
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
   // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
+  // (GEMV_ROTATE) mine: its chunks; start: the round it copies first, wrapping to round 0.
   __device__ __forceinline__ Copier(const Params& p, const uint8_t* block, int rows, int offset,
-                                    int n0, int first, int step, int lane, uint32_t w_at,
-                                    uint32_t x_at, int x_thread, int x_threads) {
+                                    int n0, int first, int step, int mine, int start, int lane,
+                                    uint32_t w_at, uint32_t x_at, int x_thread, int x_threads) {
     const int g = lane >> 2, t = lane & 3;
     w_lane = g * 64 + t * 16;
     lane_w = w_at + w_lane;
@@ -347,6 +352,15 @@ struct Copier {
     chunk = first;
     chunk_step = step;
     group_shift = p.group_shift;
+    if (GEMV_ROTATE) {
+      w_rewind = mine * w_step;
+      x_rewind = mine * step * CHUNK;
+      chunk_rewind = mine * step;
+      left = mine - start;
+      w += start * w_step;
+      x += start * step * CHUNK;
+      chunk += start * step;
+    }
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
@@ -383,6 +397,11 @@ struct Copier {
     w += w_step;
     x += chunk_step * CHUNK;
     chunk += chunk_step;
+    if (GEMV_ROTATE && --left == 0) {  // past the last round: on to round 0
+      w -= w_rewind;
+      x -= x_rewind;
+      chunk -= chunk_rewind;
+    }
   }
 };
 
@@ -527,8 +546,11 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
   const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
-  Copier<NG, NT, FULL> copier(p, block, rows, offset, first_row + offset, first, step, lane,
-                              part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
+  // (GEMV_ROTATE) CTAs of neighbouring row blocks start at different rounds, so they do not all
+  // ask the L2 for the same x lines at once
+  const int start = GEMV_ROTATE && mine > 0 ? ranks_of.div(blockIdx.x) % mine : 0;
+  Copier<NG, NT, FULL> copier(p, block, rows, offset, first_row + offset, first, step, mine,
+                              start, lane, part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
                               SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
   // the kernel before this one on the stream has written x (and read out) once this returns
