@@ -93,20 +93,25 @@ def shape_of(proj: str) -> tuple[int, int]:
 
 
 def as_config(entry: tuple) -> dict[str, Any]:
-    return dict(zip(cuda_w4a16.CONFIG_KEYS, entry, strict=True))
+    """A ``GRID`` entry (split, slices, stages, warps, cluster[, stagger]) as a config."""
+    keys = cuda_w4a16.CONFIG_KEYS[: len(entry)]  # a stagger left out: the default
+    return {**cuda_w4a16.DEFAULTS, **dict(zip(keys, entry, strict=True))}
 
 
 def parse_config(text: str) -> tuple:
-    """``"k,4,2,8,2"`` as a ``GRID`` entry; ValueError naming the text unless it is one."""
+    """``"k,4,2,8,2"`` (or ``"k,4,2,3,1,1"``: staggered) as a ``GRID`` entry; ValueError naming
+    the text unless it is one."""
     parts = text.split(",")
     if (
-        len(parts) != 5
+        len(parts) not in (5, 6)
         or parts[0] not in cuda_w4a16.SPLITS
         or not all(p.isdigit() for p in parts[1:])
+        or parts[5:] not in ([], ["0"], ["1"])
     ):
-        raise ValueError(f"--config {text!r}: expected SPLIT,SLICES,STAGES,WARPS,CLUSTER with "
-                         f"SPLIT in {cuda_w4a16.SPLITS}, e.g. k,4,2,8,2")  # fmt: skip
-    return (parts[0], *map(int, parts[1:]))
+        raise ValueError(f"--config {text!r}: expected SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER] "
+                         f"with SPLIT in {cuda_w4a16.SPLITS} and STAGGER 0 or 1, e.g. k,4,2,8,2 "
+                         "or k,4,2,3,1,1")  # fmt: skip
+    return (parts[0], *map(int, parts[1:5]), *(p == "1" for p in parts[5:]))
 
 
 def variant_path(cfg: dict[str, Any], variant: str, source: Path = cuda_w4a16.SOURCE) -> Path:

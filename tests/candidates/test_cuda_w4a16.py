@@ -35,9 +35,11 @@ def key_of(spec: str, m: int, n: int = 4096, k: int = 14336, **extra) -> GemmKey
 
 
 def cfg(
-    slices: int = 1, stages: int = 4, warps: int = 8, cluster: int = 1, split: str = "k"
-) -> dict:
-    return {"split": split, "slices": slices, "stages": stages, "warps": warps, "cluster": cluster}
+    slices: int = 1, stages: int = 4, warps: int = 8, cluster: int = 1, split: str = "k",
+    stagger: bool = False,
+) -> dict:  # fmt: skip
+    return {"split": split, "slices": slices, "stages": stages, "warps": warps, "cluster": cluster,
+            "stagger": stagger}  # fmt: skip
 
 
 def test_configs_are_checked_field_by_field() -> None:
@@ -54,6 +56,7 @@ def test_configs_are_checked_field_by_field() -> None:
         (dict(cfg(), warps=17), 1, "config['warps']=17"),
         (dict(cfg(), cluster=0), 1, "config['cluster']=0"),
         (dict(cfg(), cluster=3), 1, "config['cluster']=3"),
+        (dict(cfg(), stagger=1), 1, "config['stagger']=1"),
         ({**cfg(), "ntiles": 2}, 1, "unknown keys ['ntiles']"),
         (cfg(), 17, "M=17"),
         (cfg(), 0, "M=0"),
@@ -64,6 +67,10 @@ def test_configs_are_checked_field_by_field() -> None:
             cw.check_config(config, m, 4096, 4096, 128)
     with pytest.raises(ValueError, match="K=200"):
         cw.check_config(cfg(), 1, 64, 200, 128)
+    # a config stored before `stagger` existed ran unstaggered, and still runs so
+    stored = {key: v for key, v in cfg().items() if key != "stagger"}
+    cw.check_config(stored, 8, 4096, 14336, 128)
+    assert cw.library(stored) == cw.library(cfg())
     with pytest.raises(ValueError, match="K=128"):
         cw.check_config(cfg(cluster=2), 1, 64, 128, 128)
     with pytest.raises(ValueError, match="group_size=48"):
@@ -97,6 +104,7 @@ def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:
     assert a == cw.library(cfg(warps=8, cluster=2))  # launch parameters share the library
     assert cw.library(cfg(stages=6)) != a
     assert cw.library(cfg(warps=8, split="rows")) != a
+    assert cw.library(cfg(warps=4, stagger=True)) != a
     assert cw.Library.from_json(a.to_json()) == a
     command = cw.library(cfg(2, 3)).nvcc_command("nvcc", nvcc_build.library_path(a))
     assert {"-DGEMV_SPLIT_ROWS=0", "-DGEMV_SLICES=2", "-DGEMV_STAGES=3",
@@ -104,6 +112,8 @@ def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:
     assert "-DGEMV_SPLIT_ROWS=1" in cw.library(cfg(split="rows")).nvcc_command(
         "nvcc", nvcc_build.library_path(a)
     )
+    assert "-DGEMV_STAGGER=0" in command
+    assert "-DGEMV_STAGGER=1" in cw.library(cfg(stagger=True)).flags()
     # the name and the artifact spec carry the toolkit and the flags: another one never reuses it
     spec = a.artifact_spec()
     assert spec.source == "cuda_w4a16" and spec.arch == cuda_library.ARCH
@@ -144,7 +154,7 @@ def test_the_decode_shortlist(store: ArtifactStore) -> None:
     assert [entry(c) for c in cw.configs(9, 4096, 14336, 128)] == list(cw.WIDE_SHORTLIST)
     assert cw.configs(17, 4096, 14336, 128) == []
     # a cluster of C CTAs needs C chunks of K: with 3, the cluster of 8 does not fit
-    assert [entry(c) for c in cw.configs(4, 520, 384, 32)] == [e for e in cw.SHORTLIST if e[-1] < 4]
+    assert [entry(c) for c in cw.configs(4, 520, 384, 32)] == [e for e in cw.SHORTLIST if e[4] < 4]
     assert cw.CudaW4A16().candidates(key_of("int4-g128", 2), "cuda") == cw.configs(
         2, 4096, 14336, 128
     )
@@ -301,10 +311,12 @@ SHAPES = [
 # warp and seven past N), 96-row CTAs of 32-row warps across 64-row blocks (cluster 2), 64-row
 # warps of two stages; splitting K: 16 warps of 32 rows (the register-tight two-tile build),
 # three 64-row warps a CTA over all of K (the shortlist's (k,4,2,3,1)); 16-row CTAs over a
-# cluster of 8 (a rank's share of the 16 x M outputs is 2 M)
+# cluster of 8 (a rank's share of the 16 x M outputs is 2 M); staggered starts: splitting K (one
+# CTA, and over a cluster of 2: each rank's K run its own rounds) and splitting rows (cluster 4)
 CONFIGS = [cfg(1, 4, 8, 1), cfg(2, 3, 4, 2), cfg(4, 2, 8, 4), cfg(1, 8, 3, 1), cfg(2, 2, 16, 1),
            cfg(1, 6, 8, 4, "rows"), cfg(2, 3, 3, 2, "rows"), cfg(4, 2, 2, 1, "rows"),
-           cfg(4, 2, 3, 1), cfg(1, 2, 4, 8)]  # fmt: skip
+           cfg(4, 2, 3, 1), cfg(1, 2, 4, 8), cfg(4, 2, 3, 1, stagger=True),
+           cfg(2, 3, 4, 2, stagger=True), cfg(1, 6, 8, 4, "rows", stagger=True)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,9 @@ programmatic dependent launch: a grid's launch and setup overlap the end of the 
 It reads our packed layout (``tuner.quant.int4``) as the Triton kernel does.
 
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
-``stages`` of each copy ring: a ``Library``) and its launch part (``warps`` per CTA, ``cluster``
-CTAs splitting K). Each library (the CUDA runtime linked in statically) serves every shape and is
+``stages`` of each copy ring, ``stagger``: whether CTAs start their K chunks at staggered rounds,
+so that they do not all read the same x lines at once: a ``Library``) and its launch part
+(``warps`` per CTA, ``cluster`` CTAs splitting K). Each library (the CUDA runtime linked in statically) serves every shape and is
 built, stored and loaded as ``cuda_library`` says.
 
 As a candidate source (``CudaW4A16``) its runners take torch's packed weight, as the baseline
@@ -58,7 +59,9 @@ MAX_X_STRIDE = 2**31 // (2 * MAX_WARPS)  # x's row stride, elements: copy rounds
 BUILDER = "tuner.candidates.cuda_w4a16"  # this module, also when it runs as __main__
 
 Config = dict[str, Any]
-CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster")
+CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster", "stagger")
+# configs stored before ``stagger`` existed lack it: they ran unstaggered
+DEFAULTS = {"stagger": False}
 
 
 def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
@@ -71,6 +74,7 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     choice(config, "stages", STAGES)
     choice(config, "warps", range(1, MAX_WARPS + 1))
     cluster = choice(config, "cluster", CLUSTERS)
+    choice({**DEFAULTS, **config}, "stagger", (False, True))
     if not 1 <= m <= MAX_M:
         raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
     if config["slices"] == 4 and m > NARROW_M and config["warps"] > WIDE_MAX_WARPS:
@@ -115,14 +119,16 @@ class Library(cuda_library.CudaLibrary):
     split: str
     slices: int
     stages: int
+    stagger: bool = False
 
     def defines(self) -> list[str]:
         return [f"-DGEMV_SPLIT_ROWS={int(self.split == 'rows')}", f"-DGEMV_SLICES={self.slices}",
-                f"-DGEMV_STAGES={self.stages}"]  # fmt: skip
+                f"-DGEMV_STAGES={self.stages}", f"-DGEMV_STAGGER={int(self.stagger)}"]  # fmt: skip
 
 
 def library(config: Config) -> Library:
-    return Library(config["split"], config["slices"], config["stages"])
+    return Library(config["split"], config["slices"], config["stages"],
+                   config.get("stagger", DEFAULTS["stagger"]))  # fmt: skip
 
 
 def compile_all(configs: Iterable[Config]) -> dict[Library, str | None]:
@@ -185,7 +191,7 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlists (split, slices, stages, warps, cluster), the likeliest first. Warps splitting
+# Decode shortlists (split, slices, stages, warps, cluster, stagger), the likeliest first. Warps splitting
 # K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing instructions, not
 # waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the narrow projections;
 # 8 warps of 4 stages win the wide ones, or there 64-row warps over all of K, whose x fragments
@@ -194,13 +200,16 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 # warps over half of K (a cluster of 2: x copied once per 64 rows), or 8 warps of 32 rows sharing
 # each chunk's slab with K over a cluster of 8. Three 64-row warps a CTA fit five CTAs an SM:
 # a wide projection's row blocks then run in one round (not a second one on part of the SMs),
-# each warp streaming more chunks for its one ramp.
-SHORTLIST = (("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1), ("k", 4, 2, 8, 1), ("k", 4, 2, 3, 1),
-             ("k", 2, 3, 16, 1), ("k", 2, 3, 12, 1), ("rows", 2, 4, 8, 8),
-             ("k", 4, 2, 8, 2))  # fmt: skip
+# each warp streaming more chunks for its one ramp. Those CTAs, all in K's same chunk at once,
+# ask the L2 for the same x lines together: from M = 2 their staggered build leads; staggering
+# costs the instructions that M = 1 rows, issue-bound, feel.
+SHORTLIST = (("k", 2, 2, 16, 1, False), ("k", 2, 4, 8, 1, False), ("k", 4, 2, 8, 1, False),
+             ("k", 4, 2, 3, 1, False), ("k", 4, 2, 3, 1, True), ("k", 2, 3, 16, 1, False),
+             ("k", 2, 3, 12, 1, False), ("rows", 2, 4, 8, 8, False), ("k", 4, 2, 8, 2, False),
+             ("k", 4, 2, 8, 2, True))  # fmt: skip
 # M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so only the 64-row
 # warps over half of K, which copy the least x per weight byte.
-WIDE_SHORTLIST = (("k", 4, 2, 8, 2),)
+WIDE_SHORTLIST = (("k", 4, 2, 8, 2, False),)
 
 
 def shortlist(m: int) -> tuple[tuple, ...]:

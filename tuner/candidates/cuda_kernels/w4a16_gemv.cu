@@ -39,9 +39,15 @@
 // x's M rows are one n8 tile of the mma (M <= 8) or two (M = 9-16): each dequantized A fragment
 // then feeds two mma, so a second tile costs x's copies and mma, not the dequant.
 //
-// One shared library per (SPLIT_ROWS, SLICES, STAGES): -DGEMV_SPLIT_ROWS=0|1 (warps split K or
-// rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_STAGES=2..8; warps per CTA and the
-// cluster size (1, 2, 4 or 8 CTAs) are launch arguments.
+// Staggered (GEMV_STAGGER=1): every CTA steps through K at once, so without it each chunk's x
+// lines are asked of the L2 by every CTA together; staggered, a CTA starts at round `row block %
+// rounds` and wraps to round 0 (the same chunks a warp, in another fixed order), at a few more
+// instructions a chunk.
+//
+// One shared library per (SPLIT_ROWS, SLICES, STAGES, STAGGER): -DGEMV_SPLIT_ROWS=0|1 (warps
+// split K or rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_STAGES=2..8,
+// -DGEMV_STAGGER=0|1; warps per CTA and the cluster size (1, 2, 4 or 8 CTAs) are launch
+// arguments.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -72,8 +78,8 @@
 #ifndef GEMV_TRACE
 #define GEMV_TRACE 0  // bench builds only: per-CTA timestamps (w4a16_gemv_trace)
 #endif
-#ifndef GEMV_ROTATE
-#define GEMV_ROTATE 0  // bench A/B builds only: each CTA starts its chunks at another round
+#ifndef GEMV_STAGGER
+#define GEMV_STAGGER 0
 #endif
 
 namespace cg = cooperative_groups;
@@ -304,11 +310,11 @@ struct Copier {
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
-  int left, w_rewind, x_rewind, chunk_rewind;  // (GEMV_ROTATE) copies before the wrap, its moves
+  int left, w_rewind, x_rewind, chunk_rewind;  // (GEMV_STAGGER) copies before the wrap, its moves
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
   // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
-  // (GEMV_ROTATE) mine: its chunks; start: the round it copies first, wrapping to round 0.
+  // (GEMV_STAGGER) mine: its chunks; start: the round it copies first, wrapping to round 0.
   __device__ __forceinline__ Copier(const Params& p, const uint8_t* block, int rows, int offset,
                                     int n0, int first, int step, int mine, int start, int lane,
                                     uint32_t w_at, uint32_t x_at, int x_thread, int x_threads) {
@@ -352,7 +358,7 @@ struct Copier {
     chunk = first;
     chunk_step = step;
     group_shift = p.group_shift;
-    if (GEMV_ROTATE) {
+    if (GEMV_STAGGER) {
       w_rewind = mine * w_step;
       x_rewind = mine * step * CHUNK;
       chunk_rewind = mine * step;
@@ -397,7 +403,7 @@ struct Copier {
     w += w_step;
     x += chunk_step * CHUNK;
     chunk += chunk_step;
-    if (GEMV_ROTATE && --left == 0) {  // past the last round: on to round 0
+    if (GEMV_STAGGER && --left == 0) {  // past the last round: on to round 0
       w -= w_rewind;
       x -= x_rewind;
       chunk -= chunk_rewind;
@@ -546,9 +552,9 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
   const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
-  // (GEMV_ROTATE) CTAs of neighbouring row blocks start at different rounds, so they do not all
+  // (GEMV_STAGGER) CTAs of neighbouring row blocks start at different rounds, so they do not all
   // ask the L2 for the same x lines at once
-  const int start = GEMV_ROTATE && mine > 0 ? ranks_of.div(blockIdx.x) % mine : 0;
+  const int start = GEMV_STAGGER && mine > 0 ? ranks_of.div(blockIdx.x) % mine : 0;
   Copier<NG, NT, FULL> copier(p, block, rows, offset, first_row + offset, first, step, mine,
                               start, lane, part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
                               SPLIT_ROWS ? blockDim.x : 32);
