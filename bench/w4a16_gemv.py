@@ -23,8 +23,9 @@ built from the kernel source at PATH (another version of ``w4a16_gemv.cu``, e.g.
 one) and timed right before the current one (impl "cuda_gemv_baseline"): an A/B of a kernel change
 on one machine in one run; ``--variant NAME=FLAGS`` (repeatable) does the same for the current
 source built with extra ``-D`` flags (impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``);
-``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER`` (repeatable) times those configs instead of
-``GRID``; ``--repeat R`` times each config's builds R times in turn (the A/B's noise).
+``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER]`` (repeatable; STAGGER 0 or 1) times those
+configs instead of ``GRID``; ``--repeat R`` times each config's builds R times in turn (the A/B's
+noise).
 ``--profile``: no timing, the bare read and each config of ``PROFILED`` (or of ``--config``) once
 in an NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
 """
@@ -329,7 +330,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="also time every config built with these extra nvcc flags")  # fmt: skip
     ap.add_argument("--config", action="append", default=[],
-                    metavar="SPLIT,SLICES,STAGES,WARPS,CLUSTER",
+                    metavar="SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER]",
                     help="time (or with --profile, profile) these configs instead of GRID (PROFILED)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=1,
                     help="time each config's builds this many times in turn (an A/B's noise)")  # fmt: skip

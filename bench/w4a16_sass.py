@@ -61,12 +61,13 @@ def k_loop(sass: str) -> list[str]:
 
 
 def count(
-    config: tuple[str, int, int], flags: list[str], cuobjdump: str, groups: int
-) -> list[dict]:
+    config: tuple[str, int, int] | tuple[str, int, int, bool], flags: list[str], cuobjdump: str,
+    groups: int,
+) -> list[dict]:  # fmt: skip
     """One row per n8 tile count: the K loop's instructions, a weight KB's share, the opcodes,
     and the kernel's registers a thread (which bound the warps an SM holds)."""
-    split, slices, stages = config
-    lib = cuda_w4a16.Library(split, slices, stages)
+    split, slices, stages, *stagger = config
+    lib = cuda_w4a16.Library(split, slices, stages, *stagger)
     nvcc_flags = [f for f in lib.flags() if f not in ("-shared", "-Xcompiler", "-fPIC")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,7 +85,8 @@ def count(
             registers = int(REGISTERS.search(dump("-res-usage")).group(1))
             ops = collections.Counter(opcode(t) for t in body)
             weight_kb = 16 * slices * 64 / 1024
-            rows.append({"config": f"{split},{slices},{stages}", "tiles": tiles,
+            label = ",".join(map(str, (split, slices, stages, *map(int, stagger))))
+            rows.append({"config": label, "tiles": tiles,
                          "instructions": len(body), "per_weight_kb": round(len(body) / weight_kb, 1),
                          "registers": registers, "opcodes": dict(ops.most_common())})  # fmt: skip
     return rows
@@ -92,8 +94,9 @@ def count(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", action="append", default=[], metavar="SPLIT,SLICES,STAGES",
-                    help="a library to count (default: those of the decode shortlist)")  # fmt: skip
+    ap.add_argument("--config", action="append", default=[], metavar="SPLIT,SLICES,STAGES[,STAGGER]",
+                    help="a library to count, STAGGER 0 or 1 (default: those of the decode "
+                         "shortlist)")  # fmt: skip
     ap.add_argument(
         "--flags", default="", help="extra nvcc flags, one string: --flags='-DA=1 -DB=2'"
     )
@@ -103,18 +106,21 @@ def main() -> None:
     args = ap.parse_args()
     configs = []
     shortlists = cuda_w4a16.SHORTLIST + cuda_w4a16.WIDE_SHORTLIST
-    for text in args.config or sorted({",".join(map(str, c[:3])) for c in shortlists}):
+    libraries = {",".join(map(str, (*c[:3], int(c[5])))) for c in shortlists}
+    for text in args.config or sorted(libraries):
         split, *numbers = text.split(",")
         if (
             split not in cuda_w4a16.SPLITS
-            or len(numbers) != 2
+            or len(numbers) not in (2, 3)
             or not all(map(str.isdigit, numbers))
+            or numbers[2:] not in ([], ["0"], ["1"])
         ):
-            ap.error(f"--config {text!r}: expected SPLIT,SLICES,STAGES, e.g. k,2,4")
-        slices, stages = map(int, numbers)
+            ap.error(f"--config {text!r}: expected SPLIT,SLICES,STAGES[,STAGGER] with STAGGER 0 "
+                     "or 1, e.g. k,2,4 or k,4,2,1")  # fmt: skip
+        slices, stages = map(int, numbers[:2])
         if slices not in cuda_w4a16.SLICES or stages not in cuda_w4a16.STAGES:
             ap.error(f"--config {text!r}: slices in {cuda_w4a16.SLICES}, stages 2 to 8")
-        configs.append((split, slices, stages))
+        configs.append((split, slices, stages, *(n == "1" for n in numbers[2:])))
     if shutil.which("nvcc") is None:
         ap.error("nvcc: not found on PATH (the CUDA toolkit builds the libraries counted)")
     if shutil.which(args.cuobjdump) is None:

@@ -158,6 +158,8 @@ def test_the_decode_shortlist(store: ArtifactStore) -> None:
     assert cw.CudaW4A16().candidates(key_of("int4-g128", 2), "cuda") == cw.configs(
         2, 4096, 14336, 128
     )
+    # the source ships (and precompiles) the staggered libraries beside the others
+    assert cw.library(cfg(4, 2, 3, 1, stagger=True)) in set(cw.CudaW4A16().libraries())
 
 
 def test_a_failed_library_is_neither_offered_nor_compiled_again(store: ArtifactStore) -> None:
@@ -235,6 +237,23 @@ def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) ->
     assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 1, 3, 0) == 1
 
 
+def compiled_config(path) -> tuple[int, int, int, int]:
+    """(split rows, slices, stages, stagger) as the library at ``path`` was compiled."""
+    fields = [ctypes.c_int() for _ in range(4)]
+    ctypes.CDLL(str(path)).w4a16_gemv_config(*map(ctypes.byref, fields))
+    return tuple(f.value for f in fields)
+
+
+@pytest.mark.skipif(nvcc_build.nvcc_path() is None, reason="needs nvcc")
+def test_a_staggered_config_compiles_a_staggered_library(tmp_path, monkeypatch) -> None:
+    bench = load_script("w4a16_gemv")
+    monkeypatch.setattr(bench, "VARIANT_DIR", tmp_path)
+    plain, staggered = cfg(4, 2, 3, 1), cfg(4, 2, 3, 1, stagger=True)
+    bench.build_variants([(plain, "baseline"), (staggered, "baseline")], cw.SOURCE)
+    assert compiled_config(bench.variant_path(plain, "baseline")) == (0, 4, 2, 0)
+    assert compiled_config(bench.variant_path(staggered, "baseline")) == (0, 4, 2, 1)
+
+
 @pytest.mark.skipif(nvcc_build.nvcc_path() is None, reason="needs nvcc")
 def test_the_bench_only_trace_build_compiles_and_exports_its_trace(tmp_path, monkeypatch) -> None:
     """bench/w4a16_gemv.py's trace build (the kernel with per-CTA stamps) compiles from the same
@@ -263,11 +282,7 @@ def test_the_bench_builds_a_baseline_from_another_source(tmp_path, monkeypatch) 
     bench.build_variants([(config, "baseline")], source)
     path = bench.variant_path(config, "baseline", source)
     assert path != bench.variant_path(config, "baseline")
-    split_rows, slices, stages = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    ctypes.CDLL(str(path)).w4a16_gemv_config(
-        ctypes.byref(split_rows), ctypes.byref(slices), ctypes.byref(stages)
-    )
-    assert (split_rows.value, slices.value, stages.value) == (0, 1, 99)
+    assert compiled_config(path) == (0, 1, 99, 0)
 
 
 def test_the_bench_takes_named_projections_and_ad_hoc_shapes() -> None:

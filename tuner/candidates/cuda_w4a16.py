@@ -13,10 +13,10 @@ programmatic dependent launch: a grid's launch and setup overlap the end of the 
 It reads our packed layout (``tuner.quant.int4``) as the Triton kernel does.
 
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
-``stages`` of each copy ring, ``stagger``: whether CTAs start their K chunks at staggered rounds,
-so that they do not all read the same x lines at once: a ``Library``) and its launch part
-(``warps`` per CTA, ``cluster`` CTAs splitting K). Each library (the CUDA runtime linked in statically) serves every shape and is
-built, stored and loaded as ``cuda_library`` says.
+``stages`` of each copy ring, ``stagger``: whether CTAs start their K chunks at staggered
+rounds, so that they do not all read the same x lines at once: a ``Library``) and its launch
+part (``warps`` per CTA, ``cluster`` CTAs splitting K). Each library (the CUDA runtime linked in
+statically) serves every shape and is built, stored and loaded as ``cuda_library`` says.
 
 As a candidate source (``CudaW4A16``) its runners take torch's packed weight, as the baseline
 does, and read our layout of it (``int4_torch.ours``: made once per weight, memoised).
@@ -191,8 +191,8 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlists (split, slices, stages, warps, cluster, stagger), the likeliest first. Warps splitting
-# K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing instructions, not
+# Decode shortlists (split, slices, stages, warps, cluster, stagger), the likeliest first. Warps
+# splitting K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing instructions, not
 # waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the narrow projections;
 # 8 warps of 4 stages win the wide ones, or there 64-row warps over all of K, whose x fragments
 # serve four slices (where the kernel's instructions, not the weight stream, set the pace). Where x's

@@ -310,7 +310,8 @@ struct Copier {
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
-  int left, w_rewind, x_rewind, chunk_rewind;  // (GEMV_STAGGER) copies before the wrap, its moves
+  int left, x_rewind, chunk_rewind;  // (GEMV_STAGGER) copies before the wrap, its moves
+  long long w_rewind;                 // (the weight's in bytes: K x 32 for 64-row warps)
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
   // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
@@ -359,11 +360,11 @@ struct Copier {
     chunk_step = step;
     group_shift = p.group_shift;
     if (GEMV_STAGGER) {
-      w_rewind = mine * w_step;
+      w_rewind = static_cast<long long>(mine) * w_step;
       x_rewind = mine * step * CHUNK;
       chunk_rewind = mine * step;
       left = mine - start;
-      w += start * w_step;
+      w += static_cast<long long>(start) * w_step;
       x += start * step * CHUNK;
       chunk += start * step;
     }
@@ -723,11 +724,12 @@ cudaError_t launch_tiles(const Params& p, int group, int warps, int cluster, cud
 extern "C" {
 
 // This library's compile-time config: warps split rows (1) or K (0), slices (16-row) per warp,
-// stages.
-void w4a16_gemv_config(int* split_rows, int* slices, int* stages) {
+// stages, staggered starts (1) or not (0).
+void w4a16_gemv_config(int* split_rows, int* slices, int* stages, int* stagger) {
   *split_rows = SPLIT_ROWS;
   *slices = SLICES;
   *stages = STAGES;
+  *stagger = GEMV_STAGGER;
 }
 
 // Shared memory one launch takes (bytes), for a caller that checks the device's limit first.
