@@ -192,17 +192,18 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 
 
 # Decode shortlists (split, slices, stages, warps, cluster, stagger), the likeliest first. Warps
-# splitting K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing instructions, not
-# waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the narrow projections;
-# 8 warps of 4 stages win the wide ones, or there 64-row warps over all of K, whose x fragments
-# serve four slices (where the kernel's instructions, not the weight stream, set the pace). Where x's
-# [M, 128] slab weighs most (M near 8, copied per CTA and chunk beside the CTA's weight), 64-row
-# warps over half of K (a cluster of 2: x copied once per 64 rows), or 8 warps of 32 rows sharing
-# each chunk's slab with K over a cluster of 8. Three 64-row warps a CTA fit five CTAs an SM:
-# a wide projection's row blocks then run in one round (not a second one on part of the SMs),
-# each warp streaming more chunks for its one ramp. Those CTAs, all in K's same chunk at once,
-# ask the L2 for the same x lines together: from M = 2 their staggered build leads; staggering
-# costs the instructions that M = 1 rows, issue-bound, feel.
+# splitting K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing
+# instructions, not waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the
+# narrow projections; 8 warps of 4 stages win the wide ones, or there 64-row warps over all of K,
+# whose x fragments serve four slices (where the kernel's instructions, not the weight stream, set
+# the pace). Where x's [M, 128] slab weighs most (M near 8, copied per CTA and chunk beside the
+# CTA's weight), 64-row warps over half of K (a cluster of 2: x copied once per 64 rows), or 8
+# warps of 32 rows sharing each chunk's slab with K over a cluster of 8. Three 64-row warps a CTA
+# fit five CTAs an SM: a wide projection's row blocks then run in one round (not a second one on
+# part of the SMs), each warp streaming more chunks for its one ramp. Where a grid's CTAs all sit
+# in K's same chunk at once (those one-round grids, or 64-row warps over half of K at M >= 4),
+# they ask the L2 for the same x lines together: there their staggered builds lead, from M = 2;
+# staggering costs instructions, which the issue-bound M = 1 rows feel.
 SHORTLIST = (("k", 2, 2, 16, 1, False), ("k", 2, 4, 8, 1, False), ("k", 4, 2, 8, 1, False),
              ("k", 4, 2, 3, 1, False), ("k", 4, 2, 3, 1, True), ("k", 2, 3, 16, 1, False),
              ("k", 2, 3, 12, 1, False), ("rows", 2, 4, 8, 8, False), ("k", 4, 2, 8, 2, False),
