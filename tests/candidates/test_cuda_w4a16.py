@@ -166,7 +166,10 @@ def test_a_failed_library_is_neither_offered_nor_compiled_again(store: ArtifactS
     key = key_of("int4-g128", 2)
     first, *rest = cw.configs(key.m, key.n, key.k, key.group)
     nvcc_build.record(cw.library(first), "failed", {"error": "ptxas: too many resources"})
-    assert cw.CudaW4A16().candidates(key, "cuda") == rest
+    # every config of that library goes (another launch shape of it among them), the rest stay
+    others = [c for c in rest if cw.library(c) != cw.library(first)]
+    assert len(others) < len(rest)
+    assert cw.CudaW4A16().candidates(key, "cuda") == others
     # no nvcc runs: the recorded error comes back at once
     assert cw.compile_all([first]) == {cw.library(first): "ptxas: too many resources"}
     with pytest.raises(RuntimeError, match="too many resources"):

@@ -203,11 +203,13 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 # part of the SMs), each warp streaming more chunks for its one ramp. Where a grid's CTAs all sit
 # in K's same chunk at once (those one-round grids, or 64-row warps over half of K at M >= 4),
 # they ask the L2 for the same x lines together: there their staggered builds lead, from M = 2;
-# staggering costs instructions, which the issue-bound M = 1 rows feel.
+# staggering costs instructions, which the issue-bound M = 1 rows feel. Where a one-round grid
+# of 64-row CTAs leaves some SMs a CTA more than the others, four-warp CTAs of 32 rows share the
+# rows out more evenly, at more instructions a weight byte.
 SHORTLIST = (("k", 2, 2, 16, 1, False), ("k", 2, 4, 8, 1, False), ("k", 4, 2, 8, 1, False),
-             ("k", 4, 2, 3, 1, False), ("k", 4, 2, 3, 1, True), ("k", 2, 3, 16, 1, False),
-             ("k", 2, 3, 12, 1, False), ("rows", 2, 4, 8, 8, False), ("k", 4, 2, 8, 2, False),
-             ("k", 4, 2, 8, 2, True))  # fmt: skip
+             ("k", 4, 2, 3, 1, False), ("k", 4, 2, 3, 1, True), ("k", 2, 2, 4, 1, False),
+             ("k", 2, 3, 16, 1, False), ("k", 2, 3, 12, 1, False), ("rows", 2, 4, 8, 8, False),
+             ("k", 4, 2, 8, 2, False), ("k", 4, 2, 8, 2, True))  # fmt: skip
 # M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so only the 64-row
 # warps over half of K, which copy the least x per weight byte.
 WIDE_SHORTLIST = (("k", 4, 2, 8, 2, False),)
