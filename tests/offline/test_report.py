@@ -97,6 +97,19 @@ def test_rows_come_from_the_store_and_the_journal(tuned: Tuned) -> None:
     assert (failed.tune_s, failed.error, failed.speedup) == (0.5, "worker died", None)
 
 
+def test_a_failed_retune_is_failed_beside_the_winner_it_kept(tuned: Tuned) -> None:
+    journal = [
+        *tuned.journal,
+        journal_record(TORCH_WON, "failed", 0.7, error="worker died (exit code -9)"),
+    ]
+    rep = report.build(tuned.store, FP, journal=journal)
+    row = next(r for r in rep.rows if r.key == str(TORCH_WON))
+    winner = tuned.store.winner(FP.device_class, str(TORCH_WON))
+    assert (row.status, row.error, row.tune_s) == ("failed", "worker died (exit code -9)", 0.7)
+    assert (row.winner_us, row.source) == (winner.median_us, winner.source)
+    assert rep.summary()["failed"] == 2
+
+
 def test_summary_counts_and_ranks_the_tuned_rows(tuned: Tuned) -> None:
     run = RunSummary(results=[], wall_s=12.5, workers=2, stopped="time limit")
     summary = report.build(tuned.store, FP, journal=tuned.journal, run=run).summary()

@@ -162,9 +162,10 @@ def _costs(rec: dict[str, Any]) -> dict[str, Any]:
 def _row(label: str, key: str, winner: Winner | None, records: list[dict], fp: Fingerprint) -> Row:
     shape = short_label(key)
     last = records[-1] if records else None
-    if winner is not None and last is not None and last["status"] == "timeout":
+    if winner is not None and last is not None and last["status"] in ("failed", "timeout"):
+        # the last attempt (a forced re-tune) did not finish: say so, beside the winner it kept
         return Row(
-            label, key, "timeout", winner.baseline_us, winner.median_us, winner.source,
+            label, key, last["status"], winner.baseline_us, winner.median_us, winner.source,
             winner.candidate, error=last["error"], shape=shape, **_costs(last),
         )  # fmt: skip
     if winner is not None:
