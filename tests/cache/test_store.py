@@ -5,6 +5,7 @@ import sqlite3
 
 import pytest
 
+from tests.cache.damaged import damaged_cache
 from tuner.cache import Store, StoreError
 from tuner.cache.schema import CACHE
 from tuner.measure.records import Measurement, Winner, candidate_name, candidate_params
@@ -114,6 +115,17 @@ def test_corrupt_file_is_refused_and_left_untouched(tmp_path):
     before = path.read_bytes()
     with pytest.raises(StoreError, match="not a SQLite database"):
         Store(path)
+    assert path.read_bytes() == before
+
+
+def test_a_page_damaged_inside_the_file_is_refused_before_any_write(tmp_path):
+    path = tmp_path / "c.db"
+    before = damaged_cache(path)
+    with Store(path) as store:  # the header and the schema read fine
+        with pytest.raises(StoreError, match=r"c\.db is corrupt \(.*\); refusing to write to it"):
+            store.save_run([measurement()], winner())
+        with pytest.raises(StoreError, match="is corrupt"):
+            store.verify()
     assert path.read_bytes() == before
 
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.cache.damaged import damaged_cache
 from tuner.cache import Store
 from tuner.tuning.engine import TuneOptions
 
@@ -144,6 +145,25 @@ def test_corrupt_cache_is_reported_not_overwritten(tmp_path):
     assert cache.read_bytes() == b"\x00garbage" * 100
 
 
+def test_a_damaged_cache_fails_every_command_in_one_line_and_stays_as_it_was(tmp_path):
+    cache = tmp_path / "c.db"
+    before = damaged_cache(cache)
+    for args in (("show",), ("export", "-"), ("tune", "gemm", "-m", "8", "-n", "8", "-k", "8")):
+        r = tuner(*args, cache=cache, check=False)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
+        assert "c.db is corrupt" in r.stderr and "refusing to write to it" in r.stderr
+    assert cache.read_bytes() == before
+
+
+def test_reading_commands_refuse_a_cache_that_is_not_there(tmp_path):
+    typo = tmp_path / "typo" / "c.db"
+    out = str(tmp_path / "tunableop.csv")
+    for args in (("show",), ("export", "-"), ("report",), ("tunableop", "export", out)):
+        r = tuner(*args, cache=typo, check=False)
+        assert r.returncode == 2 and "c.db: no such cache: tune first" in r.stderr, (args, r.stderr)
+    assert not typo.parent.exists()
+
+
 def test_import_of_a_non_export_is_refused(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"hello": 1}')
@@ -156,6 +176,7 @@ def test_unreadable_and_unwritable_files_get_one_line(tmp_path):
     bad_yaml.write_text("problems:\n  - {op: gemm, m: [1\n")
     binary = tmp_path / "b.json"
     binary.write_bytes(b"\x00\xff\xfe")
+    Store(tmp_path / "c.db").close()
     for args, message in [
         (("tune-all", "--config", str(bad_yaml)), "p.yaml: not valid YAML at line 3"),
         (("import", str(binary)), "b.json: not a text file"),

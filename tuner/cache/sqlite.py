@@ -31,6 +31,11 @@ class StoreError(Exception):
     """The file cannot be used as it is; the message says why and what to do."""
 
 
+def is_corrupt(e: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite found the file damaged (a page it cannot read), not merely busy."""
+    return getattr(e, "sqlite_errorname", "") in ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+
+
 @dataclass(frozen=True)
 class Schema:
     """What a kind of file holds. ``migrations[i]`` takes version ``i`` to ``i + 1`` (0 is an
@@ -85,6 +90,7 @@ class SqliteFile:
     def __init__(self, path: str | Path, *, timeout_s: float = 60.0) -> None:
         self.path = Path(path)
         self._file: str | None = None
+        self._verified = False  # by ``verify``, before this connection's first write
         if str(path) != ":memory:":
             if self.path.is_dir():
                 raise StoreError(
@@ -132,13 +138,38 @@ class SqliteFile:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def verify(self) -> None:
+        """StoreError unless SQLite's quick check finds every page whole. The header check on
+        open cannot see a page damaged inside the file, so this runs before the first write
+        of a connection: a damaged file is refused, not written to."""
+        try:
+            found = [row[0] for row in self.db.conn.execute("PRAGMA quick_check(1)")]
+        except sqlite3.DatabaseError as e:
+            found = [str(e)]
+        if found != ["ok"]:
+            raise self.corrupt(" ".join(found[0].replace("***", "").split()))
+        self._verified = True
+
+    def corrupt(self, why: object) -> StoreError:
+        return StoreError(
+            f"{self.path} is corrupt ({why}); refusing to write to it: restore it from a backup, "
+            f"or move it aside to start a new {self.schema.kind}"
+        )
+
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction that takes the write lock up front (no upgrade deadlocks)."""
+        if not self._verified:
+            self.verify()
         conn = self.db.conn
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield conn
+        except sqlite3.DatabaseError as e:
+            conn.execute("ROLLBACK")
+            if is_corrupt(e):
+                raise self.corrupt(e) from None
+            raise
         except BaseException:
             conn.execute("ROLLBACK")
             raise

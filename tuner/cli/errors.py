@@ -2,20 +2,23 @@
 
 A fleet service that refused or could not be reached fails the command with exit status 1 and
 the service's URL: commands wrap their talk with it in ``fleet_service``. A mistake in the input
-(``ValueError``, which ``ConfigError`` is) or a cache that cannot be used (``StoreError``) exits
-2, reported by ``report_usage_errors`` around the whole command line (``tuner.cli.main.main``);
-called as a library (``app([...])``), the exception itself reaches the caller.
+(``ValueError``, which ``ConfigError`` is) or a cache that cannot be used (``StoreError``, or
+SQLite finding a damaged page while reading) exits 2, reported by ``report_usage_errors`` around
+the whole command line (``tuner.cli.main.main``); called as a library (``app([...])``), the
+exception itself reaches the caller.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 import sys
 from collections.abc import Iterator
 
 import typer
 
 from tuner.cache import StoreError
+from tuner.cache.sqlite import is_corrupt
 from tuner.fleet.client import FleetError
 
 USAGE, FAILED = 2, 1  # exit statuses: a mistake in the input; the work could not be done
@@ -41,4 +44,10 @@ def report_usage_errors() -> Iterator[None]:
         yield
     except (StoreError, ValueError) as e:
         fail(str(e))
+        sys.exit(USAGE)
+    except sqlite3.DatabaseError as e:  # a page damaged inside a file that opened fine
+        if not is_corrupt(e):
+            raise
+        fail(f"a tuner database this command reads is corrupt ({e}): restore it from a backup, "
+             "or move it aside to start a new one")  # fmt: skip
         sys.exit(USAGE)

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from tuner.cache import Store, default_path
+from tuner.cache import Store, StoreError, default_path
 from tuner.candidates import registry
 from tuner.measure.records import LAUNCHES
 from tuner.offline.problem_list import ConfigError
@@ -101,5 +101,17 @@ def cache_path(cache: Path | None) -> Path:
     return cache or default_path()
 
 
-def open_store(cache: Path | None) -> Store:
-    return Store(cache_path(cache))
+def open_store(cache: Path | None, *, existing: bool = False) -> Store:
+    """The cache, checked page by page before the command does any work (a damaged file is
+    refused, not tuned into). ``existing``: the command only reads it, so a path with no cache
+    yet is refused (a mistyped one would find nothing and say all is well)."""
+    path = cache_path(cache)
+    if existing and not path.exists():
+        raise ConfigError(f"{path}: no such cache: tune first, or give --cache / $TUNER_CACHE")
+    store = Store(path)
+    try:
+        store.verify()
+    except StoreError:
+        store.close()
+        raise
+    return store

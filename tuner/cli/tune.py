@@ -252,7 +252,7 @@ def show(
 ) -> None:
     """List stored winners."""
     check_op(op)
-    store = open_store(cache)
+    store = open_store(cache, existing=True)
     dc = None if all_devices else fingerprint().device_class
     winners = [
         w
@@ -281,7 +281,7 @@ def export(
     device_class: Annotated[str | None, typer.Option(help="Only this device class.")] = None,
 ) -> None:
     """Export measurements and winners as JSON."""
-    data = json.dumps(open_store(cache).export(device_class), indent=1)
+    data = json.dumps(open_store(cache, existing=True).export(device_class), indent=1)
     if str(output) == "-":
         print(data)
         return

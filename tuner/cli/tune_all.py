@@ -197,7 +197,7 @@ def report_command(
     Covers every winner and failure of this device class, or the problems of the sources given."""
     sources = Sources.of(model, config, tunableop_file, misses, op)
     path = cache_path(cache)
-    store = Store(path)
+    store = open_store(cache, existing=True)
     fp = fingerprint()
     quiet = Console(quiet=True)
     problems = (
@@ -240,7 +240,7 @@ def tunableop_export(
     """Write this device's winners that TunableOp can run (cuBLAS default, cuBLASLt algos)."""
     import torch
 
-    store = open_store(cache)
+    store = open_store(cache, existing=True)
     fp = fingerprint()
     winners = [w for w in store.winners(fp.device_class, op="gemm") if w.measured_under(fp)]
     version = pt_version or tunableop.torch_version_tag(torch.__version__)

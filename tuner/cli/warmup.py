@@ -9,10 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tuner.cache import Store
 from tuner.cli.errors import FAILED
-from tuner.cli.options import CacheOpt, cache_path
-from tuner.offline.problem_list import ConfigError
+from tuner.cli.options import CacheOpt, cache_path, open_store
 from tuner.serving.dispatcher import Dispatcher
 from tuner.serving.warmup import warmup as warm_up
 
@@ -30,11 +28,9 @@ def warmup(
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Load the kernel of every stored winner for this GPU (fetched or built); exit 1 on a failure."""
-    path = cache_path(cache)
-    if not path.exists():  # a mistyped path would warm nothing and say all is well
-        raise ConfigError(f"{path}: no such cache: tune first, or give --cache / $TUNER_CACHE")
-    Store(path).close()  # a file that is not a usable cache: refused here, not served around
-    report = warm_up(progress, dispatcher=Dispatcher(path), fetch=fetch)
+    # a mistyped path, or a file that is not a usable cache: refused here, not served around
+    open_store(cache, existing=True).close()
+    report = warm_up(progress, dispatcher=Dispatcher(cache_path(cache)), fetch=fetch)
     fetched = f", {report.fetched} kernels fetched" if report.fetched else ""
     console.print(
         f"{report.device_class}: {report.winners} winners: {report.loaded} loaded now, "

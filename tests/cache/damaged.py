@@ -1,0 +1,25 @@
+"""A real cache with pages damaged inside it: its header and schema read fine, so only
+SQLite's page checks can tell (what a disk or a copy cut short leaves behind)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tuner.cache import Store
+from tuner.measure.records import Measurement
+
+PAGE = 4096
+
+
+def damaged_cache(path: Path) -> bytes:
+    """Writes the cache at ``path`` (many measurements, so many pages), scribbles over four pages
+    in its middle and returns the file's bytes."""
+    row = dict(device_class="cpu-test", source="torch", params={}, status="rejected",
+               is_baseline=False, median_us=None, error="x" * 200)  # fmt: skip
+    with Store(path) as store:
+        store.save_run([Measurement(key=f"gemm:m={m},n=8,k=8", **row) for m in range(1, 400)], None)
+    data = bytearray(path.read_bytes())
+    middle = len(data) // PAGE // 2 * PAGE
+    data[middle : middle + 4 * PAGE] = b"\xa5" * 4 * PAGE
+    path.write_bytes(bytes(data))
+    return bytes(data)
