@@ -178,6 +178,17 @@ def test_an_interrupted_pull_resumes_where_it_stopped(tmp_path: Path) -> None:
         assert resumed.winners == 10 and len(store.winners(DC)) == 30
 
 
+def test_a_pull_from_a_wrong_url_fails_while_an_unknown_class_pulls_nothing(tmp_path: Path):
+    with ThreadServer(tmp_path / "fleet.db") as srv, Store(tmp_path / "host.db") as store:
+        token = srv.token("host", "read")
+        assert pull(FleetClient(srv.url, token), store, FP).winners == 0  # nobody reported yet
+        for wrong in (f"{srv.url}/nonsense", f"{srv.url}/v1"):
+            with pytest.raises(FleetError, match="no tuner service at this URL"):
+                pull(FleetClient(wrong, token), store, FP)
+            with pytest.raises(FleetError, match="no tuner service at this URL"):
+                FleetClient(wrong, token).winner(DC, "gemm:m=1,n=8,k=8")
+
+
 def test_wire_form_has_no_nan() -> None:
     m = Measurement(DC, "gemm:m=1,n=8,k=8", "torch", {}, "rejected", max_rel_err=math.nan,
                     error="x" * 9000)  # fmt: skip

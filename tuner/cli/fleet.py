@@ -211,7 +211,7 @@ def push_command(
 ) -> None:
     """Send local measurements not sent yet, and the misses recorded here, to the service."""
     client = _client(server, token)
-    with client, open_store(cache, existing=True) as store, fleet_service(client.server):
+    with client, open_store(cache) as store, fleet_service(client.server):
         _report_push(push(client, store, fingerprint()))
         if artifacts:
             with ArtifactStore() as kernels:

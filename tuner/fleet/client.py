@@ -91,6 +91,7 @@ class FleetClient:
             headers=headers,
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)),
         )
+        self._is_service = False  # its health answered: a 404 then means "none of that here"
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> FleetClient | None:
@@ -145,12 +146,28 @@ class FleetClient:
     def health(self) -> dict[str, Any]:
         return self.request("GET", "/v1/health")
 
+    def nothing_there(self, e: FleetError) -> bool:
+        """Whether ``e`` is the service saying it has none of what was asked (404), and not a
+        server without that path at all (``--server`` naming another server or a wrong base
+        path), which raises: the service's health is asked once to tell them apart."""
+        if e.status != 404:
+            return False
+        if not self._is_service:
+            try:
+                self.health()
+            except FleetError as not_ours:
+                raise FleetError(
+                    f"no tuner service at this URL (GET /v1/health: {not_ours})"
+                ) from None
+            self._is_service = True
+        return True
+
     def winner(self, device_class: str, key: str, versions: str | None = None) -> dict | None:
         params = {"key": key} | ({"versions": versions} if versions is not None else {})
         try:
             return self.request("GET", f"/v1/winners/{device_class}", params=params)
         except FleetError as e:
-            if e.status == 404:
+            if self.nothing_there(e):
                 return None
             raise
 
@@ -325,7 +342,7 @@ def pull(
         try:
             body = client.feed(fp.device_class, fp.version_tag, cursor, limit=page)
         except FleetError as e:
-            if e.status == 404:  # nobody of this class has reported yet: nothing to pull
+            if client.nothing_there(e):  # nobody of this class has reported yet
                 break
             raise
         rows = _winner_rows(body["columns"], body["rows"])
