@@ -176,17 +176,27 @@ def test_unreadable_and_unwritable_files_get_one_line(tmp_path):
     bad_yaml.write_text("problems:\n  - {op: gemm, m: [1\n")
     binary = tmp_path / "b.json"
     binary.write_bytes(b"\x00\xff\xfe")
+    good_yaml = tmp_path / "ok.yaml"
+    good_yaml.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: f32}\n")
     Store(tmp_path / "c.db").close()
     for args, message in [
         (("tune-all", "--config", str(bad_yaml)), "p.yaml: not valid YAML at line 3"),
         (("import", str(binary)), "b.json: not a text file"),
         (("export", str(tmp_path / "no" / "x.json")), "x.json: cannot write"),
         (("show", "--cache", str(tmp_path)), "is a directory, not a cache file"),
+        (("report", "--out", str(binary / "r")), "b.json/r: cannot create the output directory"),
+        (
+            ("tune-all", "--config", str(good_yaml), "--out", str(binary / "r")),
+            "b.json/r: cannot create the output directory",
+        ),
     ]:
         r = tuner(*args, cache=tmp_path / "c.db", check=False)
         assert r.returncode == 2, (args, r.stderr)
         assert message in r.stderr and "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not Store(tmp_path / "c.db").winners()  # the run with nowhere to report never began
+    r = tuner("report", "--rows", "-1", cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2 and "Invalid value for '--rows'" in r.stderr
 
 
 def test_launch_and_confirmation_options_reach_the_winner(tmp_path):

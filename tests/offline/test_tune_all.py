@@ -358,6 +358,11 @@ def test_failure_and_timeout_are_recorded_and_the_run_goes_on(tmp_path):
     assert sorted(row["status"] for row in later["rows"]) == ["failed", "timeout", "tuned", "tuned"]
     assert later["summary"]["geomean_speedup"] == pytest.approx(1.0)  # torch only: the baseline
     assert (tmp_path / "later" / "speedup.png").exists()
+    r = subprocess.run(
+        [sys.executable, "-m", "tuner", "report", "--rows", "1"], env=env, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert "... 3 more rows (tuner report --rows N, or --out DIR for all)" in r.stdout
 
 
 def test_ctrl_c_stops_cleanly_with_everything_finished_saved(tmp_path):

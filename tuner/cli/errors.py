@@ -11,17 +11,42 @@ exception itself reaches the caller.
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import typer
 
 from tuner.cache import StoreError
 from tuner.cache.sqlite import is_corrupt
+from tuner.core.atomic import write_atomic
 from tuner.fleet.client import FleetError
+from tuner.offline.problem_list import ConfigError
 
 USAGE, FAILED = 2, 1  # exit statuses: a mistake in the input; the work could not be done
+
+
+def write_output(path: Path, data: str) -> None:
+    """A command's output file, replaced in one rename (never left half-written), or a
+    ConfigError that names it."""
+    try:
+        write_atomic(path, data)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot write: {e.strerror}") from None
+
+
+def output_dir(path: Path) -> Path:
+    """``path`` made a writable directory before the work that fills it, or a ConfigError that
+    names it (a run must not end, hours in, unable to write its report)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot create the output directory: {e.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{path}: the output directory is not writable")
+    return path
 
 
 def fail(message: str) -> None:

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from tuner.candidates import registry
 from tuner.candidates.base import Source
+from tuner.cli.errors import write_output
 from tuner.cli.options import (
     TUNE_DEFAULTS,
     BudgetOpt,
@@ -285,13 +286,7 @@ def export(
     if str(output) == "-":
         print(data)
         return
-    tmp = output.with_suffix(output.suffix + ".tmp")
-    try:
-        tmp.write_text(data)
-        tmp.replace(output)  # never leave a half-written export behind
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ConfigError(f"{output}: cannot write: {e.strerror}") from None
+    write_output(output, data)
     typer.echo(f"wrote {output}", err=True)
 
 

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from tuner.cache import Store
 from tuner.cache.artifacts import ArtifactStore
-from tuner.cli.errors import fleet_service
+from tuner.cli.errors import fleet_service, output_dir, write_output
 from tuner.cli.options import (
     TUNE_DEFAULTS,
     BudgetOpt,
@@ -190,7 +190,9 @@ def report_command(
     op: OpOpt = None,
     cache: CacheOpt = None,
     out: OutOpt = None,
-    rows: Annotated[int | None, typer.Option(help="Table rows to print (all in JSON).")] = 60,
+    rows: Annotated[
+        int, typer.Option(min=0, help="Table rows to print (all of them in --out's report.json).")
+    ] = 60,
 ) -> None:
     """Baseline, winner, speedup and tuning time per problem, a summary and a speedup plot.
 
@@ -208,7 +210,7 @@ def report_command(
     rep = report.build(store, fp, problems=problems, journal=read_journal(journal_path(path)))
     if problems is None and sources.op:
         rep.rows = [r for r in rep.rows if key_op(r.key) == sources.op]
-    report.render(rep, console, limit=rows)
+    report.render(rep, console, limit=rows, written=out is not None)
     _write_report(rep, out)
 
 
@@ -245,13 +247,7 @@ def tunableop_export(
     winners = [w for w in store.winners(fp.device_class, op="gemm") if w.measured_under(fp)]
     version = pt_version or tunableop.torch_version_tag(torch.__version__)
     exp = tunableop.export(winners, version)
-    tmp = output.with_suffix(output.suffix + ".tmp")
-    try:
-        tmp.write_text("\n".join(exp.lines) + "\n")
-        tmp.replace(output)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ConfigError(f"{output}: cannot write: {e.strerror}") from None
+    write_output(output, "\n".join(exp.lines) + "\n")
     console.print(f"wrote {output}: {exp.written} GEMMs (Validator PT_VERSION={version})")
     for key, reason in exp.skipped:
         console.print(f"  [yellow]not expressible[/yellow] {report.short_label(key)}: {reason}")
@@ -435,6 +431,8 @@ def tune_all(
             "nothing to tune: give --model, --config, --tunableop, --misses or --queue"
         )
     files = read_files(sources, console)
+    if out is not None and not dry_run:
+        output_dir(out)  # checked before the run, not once it is over
     # a dry run writes nothing: with no cache yet, nothing is tuned and nothing recorded
     store = Store(":memory:" if dry_run and not store_path.exists() else store_path)
     fp = fingerprint()
@@ -481,7 +479,7 @@ def tune_all(
     rep = report.build(
         store, fp, problems=problems, journal=read_journal(journal_path(store_path)), run=summary
     )
-    report.render(rep, console, limit=40)
+    report.render(rep, console, limit=40, written=out is not None)
     _write_report(rep, out)
     return 0 if all(r.status == "tuned" for r in rep.rows) else 1
 
@@ -531,5 +529,5 @@ def fleet_artifacts(fp: Fingerprint, store_path: Path) -> Iterator[_Artifacts]:
 
 def _write_report(rep: report.Report, out: Path | None) -> None:
     if out is not None:
-        json_path, png = report.write(rep, out)
+        json_path, png = report.write(rep, output_dir(out))
         console.print(f"wrote {json_path}" + (f" and {png}" if png else ""))

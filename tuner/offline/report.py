@@ -230,8 +230,11 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def render(report: Report, console: Console, *, limit: int | None = None) -> None:
-    """A table of the problems (failures first) and the summary lines."""
+def render(
+    report: Report, console: Console, *, limit: int | None = None, written: bool = True
+) -> None:
+    """A table of the problems (failures first, ``limit`` rows) and the summary lines;
+    ``written``: the rows past the limit are in a report.json being written."""
     t = Table(title=f"{len(report.rows)} problems on {report.device_class}")
     columns = ("problem", "status", "baseline us", "winner us", "speedup", "winner", "tune s",
                "compile wait s", "pruned")  # fmt: skip
@@ -250,7 +253,8 @@ def render(report: Report, console: Console, *, limit: int | None = None) -> Non
         )  # fmt: skip
     console.print(t)
     if limit is not None and len(rows) > limit:
-        console.print(f"... {len(rows) - limit} more rows in report.json")
+        where = "in report.json" if written else "(tuner report --rows N, or --out DIR for all)"
+        console.print(f"... {len(rows) - limit} more rows {where}")
     s = report.summary()
     counts = ", ".join(f"{s[k]} {k}" for k in _STATUS_ORDER if s[k])
     console.print(f"problems: {s['problems']} ({counts or 'none'})")
