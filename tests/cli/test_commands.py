@@ -164,6 +164,13 @@ def test_reading_commands_refuse_a_cache_that_is_not_there(tmp_path):
     assert not typo.parent.exists()
 
 
+def test_a_problem_too_big_for_memory_is_one_line(tmp_path):
+    huge = ("tune", "gemm", "-m", "1000000", "-n", "1000000", "-k", "1000000", "--dtype", "f32")
+    r = tuner(*huge, cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "its operands do not fit in memory" in r.stderr
+
+
 def test_import_of_a_non_export_is_refused(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"hello": 1}')

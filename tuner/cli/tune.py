@@ -91,7 +91,13 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     store.save_device(fp)
     earlier = earlier_times(store.measurements(fp.device_class, str(key)), options.launch)
     with console.status(f"tuning {key}"):
-        outcome = tune(key, options=options, earlier=earlier)
+        try:
+            outcome = tune(key, options=options, earlier=earlier)
+        except RuntimeError as e:  # torch.OutOfMemoryError is one, as the CPU allocator's refusal
+            if "out of memory" not in str(e) and "allocate" not in str(e):
+                raise
+            first = str(e).strip().splitlines()[0][:200]
+            raise ConfigError(f"{key}: its operands do not fit in memory ({first})") from None
     store.save_run(outcome.measurements, outcome.winner)
     t = Table(title=str(key))
     # a low-bit result is checked element by element against a bound derived from its format
