@@ -30,6 +30,8 @@ KNOWN = {
     "token": "fleet service bearer token",
     "sync_interval": "seconds between background syncs",
     "server_db": "the service's own SQLite file (tuner serve)",
+    "artifacts": "the compiled-kernel store's folder (default: artifacts/ beside the cache)",
+    "artifacts_max_bytes": "the compiled-kernel store's size limit, least recently used out",
     "cublas_algos": "cuBLAS algorithm ids to try",
     "compile_workers": "parallel kernel compilations",
     "triton_fast_launch": "launch compiled Triton kernels directly (1/0)",
@@ -46,36 +48,43 @@ def config_path() -> Path:
     return Path(base) / "tuner" / "config.toml"
 
 
-def read_config(path: Path) -> dict[str, str]:
-    """The file's settings as environment values; ValueError naming the file and key if wrong."""
+def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
+    """The file's settings as environment values, and what was wrong with the rest of it (an
+    unknown name, a value that is not a string or number: each named, each left out);
+    ValueError if the file cannot be read as TOML at all."""
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from None
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a text file (expected TOML)") from None
-    unknown = sorted(set(data) - set(KNOWN))
-    if unknown:
-        raise ValueError(f"{path}: unknown setting(s) {unknown}; known: {sorted(KNOWN)}")
+    values, problems = {}, []
     for name, value in data.items():
-        if not isinstance(value, (str, int, float, bool)):
-            raise ValueError(f"{path}: {name} must be a string or number, got {value!r}")
-    return {
-        f"TUNER_{name.upper()}": str(int(v) if isinstance(v, bool) else v)
-        for name, v in data.items()
-    }
+        if name not in KNOWN:
+            problems.append(f"{path}: unknown setting {name!r} left out; known: {sorted(KNOWN)}")
+        elif not isinstance(value, (str, int, float, bool)):
+            problems.append(f"{path}: {name} must be a string or number, got {value!r}; left out")
+        else:
+            values[f"TUNER_{name.upper()}"] = str(int(value) if isinstance(value, bool) else value)
+    return values, problems
 
 
 def load_config_file() -> Path | None:
-    """Fill unset TUNER_* variables from the config file; a broken file is reported and skipped."""
+    """Fill unset TUNER_* variables from the config file. What is wrong in it is logged and
+    left out, the rest applies; a file that cannot be read is logged and skipped, as is a
+    ``$TUNER_CONFIG`` that names no file (a typo there would otherwise go unnoticed)."""
     path = config_path()
     if not path.is_file():
+        if os.environ.get("TUNER_CONFIG"):
+            log.warning("TUNER_CONFIG=%s: no such file; no tuner config file read", path)
         return None
     try:
-        values = read_config(path)
+        values, problems = read_config(path)
     except (OSError, ValueError) as e:
         log.warning("ignoring the tuner config file: %s", e)
         return None
+    for problem in problems:
+        log.warning("%s", problem)
     for name, value in values.items():
         os.environ.setdefault(name, value)
     return path
