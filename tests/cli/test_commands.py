@@ -171,6 +171,15 @@ def test_a_problem_too_big_for_memory_is_one_line(tmp_path):
     assert "its operands do not fit in memory" in r.stderr
 
 
+def test_compiled_kernels_live_beside_the_cache_that_cache_names(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TUNER_CACHE", "TUNER_ARTIFACTS")}
+    r = subprocess.run(
+        [sys.executable, "-m", "tuner", "artifacts", "--cache", str(tmp_path / "x" / "c.db")],
+        env=env | {"COLUMNS": "200"}, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert f"0 compiled kernels, 0 bytes in {tmp_path / 'x' / 'artifacts'}" in r.stdout
+
+
 def test_import_of_a_non_export_is_refused(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"hello": 1}')

@@ -17,9 +17,10 @@ TRITON = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
 
 
 def warm(cache: Path) -> tuple[int, str]:
-    result = CliRunner().invoke(
-        app, ["warmup", "--cache", str(cache), "--no-fetch", "--no-progress"]
-    )
+    result = CliRunner().invoke(  # env: --cache sets $TUNER_CACHE, put back after the call
+        app, ["warmup", "--cache", str(cache), "--no-fetch", "--no-progress"],
+        env={"TUNER_CACHE": str(cache)},
+    )  # fmt: skip
     return result.exit_code, result.output
 
 

@@ -226,6 +226,7 @@ def push_command(
 def artifacts_command(
     server: ServerOpt = None,
     token: TokenOpt = None,
+    cache: CacheOpt = None,  # the store is the one beside it (the option's callback says so)
     check: Annotated[
         bool,
         typer.Option(

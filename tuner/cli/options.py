@@ -6,6 +6,7 @@ The tuning options of ``tuner tune``, ``tuner tune-all`` and ``tuner bench`` bec
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -17,13 +18,23 @@ from tuner.measure.records import LAUNCHES
 from tuner.offline.problem_list import ConfigError
 from tuner.tuning.engine import TuneOptions
 
+
+def _cache_chosen(value: Path | None) -> Path | None:
+    """``--cache`` stands for ``$TUNER_CACHE`` in this process and the ones it starts, so what
+    takes its place from the cache's (the compiled-kernel store) follows it."""
+    if value is not None:
+        os.environ["TUNER_CACHE"] = str(value)
+    return value
+
+
 CacheOpt = Annotated[
     Path | None,
     typer.Option(
         "--cache",
         envvar="TUNER_CACHE",
-        help="SQLite cache file.",
+        help="SQLite cache file (compiled kernels go to artifacts/ beside it, or $TUNER_ARTIFACTS).",
         show_default="~/.cache/tuner/tuner.db",
+        callback=_cache_chosen,
     ),
 ]
 BudgetOpt = Annotated[float, typer.Option(min=0.001, help="Timing budget per candidate, seconds.")]
