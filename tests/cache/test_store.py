@@ -94,7 +94,7 @@ def test_import_rejects_foreign_json_and_keeps_the_store(tmp_path):
         a.put_winners([winner()])
         with pytest.raises(StoreError, match="not a tuner export"):
             a.import_({"rows": []})
-        with pytest.raises(StoreError, match="malformed export"):
+        with pytest.raises(StoreError, match=r"malformed export: winners\[0\]: missing field"):
             a.import_({"format": "tuner-results", "winners": [{"key": "x"}]})
         # rows that would break 'tuner show' / 'report' later: a key that does not parse, a
         # time that is not a number
@@ -102,8 +102,12 @@ def test_import_rejects_foreign_json_and_keeps_the_store(tmp_path):
         with pytest.raises(StoreError, match=r"malformed export.*incomplete gemm key"):
             a.import_({"format": "tuner-results", "winners": [bad_key]})
         bad_time = measurement().to_row() | {"median_us": "fast"}
-        with pytest.raises(StoreError, match="median_us must be a number"):
+        with pytest.raises(StoreError, match=r"measurements\[0\]: median_us must be a number"):
             a.import_({"format": "tuner-results", "measurements": [bad_time]})
+        for field, value in (("median_us", float("inf")), ("baseline_us", 0.0)):
+            endless = winner().to_row() | {field: value}
+            with pytest.raises(StoreError, match=f"winners.0.: {field} must be a finite time"):
+                a.import_({"format": "tuner-results", "winners": [endless]})
         with pytest.raises(StoreError, match="schema_version must be an integer"):
             a.import_({"format": "tuner-results", "schema_version": "2"})
         assert len(a.winners()) == 1 and not a.measurements()

@@ -97,8 +97,12 @@ def test_parse_and_dict_errors_name_the_problem():
         parse_key("gemm:m=1,n=1,k=1,q=3")
     with pytest.raises(ValueError, match="m must be an integer"):
         parse_key("gemm:m=one,n=1,k=1")
-    with pytest.raises(ValueError, match="incomplete gemm key"):
+    with pytest.raises(ValueError, match=r"incomplete gemm key 'gemm:m=1': missing n, k \(req"):
         parse_key("gemm:m=1")
+    with pytest.raises(ValueError, match="incomplete gemm problem: missing k"):
+        key_from_dict("gemm", {"m": 1, "n": 8})
+    with pytest.raises(ValueError, match="empty field in gemm key"):
+        parse_key("gemm:m=1,,n=1,k=1")
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['heads'\]"):
         key_from_dict("sdpa", {"heads": 3})
     with pytest.raises(ValueError, match="field 'm' given twice"):

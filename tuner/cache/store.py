@@ -12,19 +12,23 @@ the file, and the one-transaction-per-write rule, come from ``tuner.cache.sqlite
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tuner.cache.schema import CACHE
 from tuner.cache.sqlite import SqliteFile, StoreError
 from tuner.core.device import Fingerprint
 from tuner.core.keys import key_op, parse_key
 from tuner.measure.records import Measurement, Winner
+
+_R = TypeVar("_R", Measurement, Winner)
 
 EXPORT_FORMAT = "tuner-results"
 
@@ -43,19 +47,43 @@ def _check_imported(measurements: list[Measurement], winners: list[Winner]) -> N
     """ValueError for a record that would break later readers: a key that does not parse (``show``
     and ``report`` parse every key) or a time that is not a number."""
 
-    def number(name: str, x: Any, optional: bool) -> None:
-        if (x is None and optional) or (isinstance(x, (int, float)) and not isinstance(x, bool)):
+    def number(name: str, x: Any, *, optional: bool = False, lowest: float = -math.inf) -> None:
+        if x is None and optional:
             return
-        raise ValueError(f"{name} must be a number, got {x!r}")
+        if not isinstance(x, (int, float)) or isinstance(x, bool):
+            raise ValueError(f"{name} must be a number, got {x!r}")
+        if lowest > -math.inf and not lowest <= x < math.inf:
+            raise ValueError(f"{name} must be a finite time of at least {lowest} us, got {x!r}")
 
-    for m in measurements:
-        parse_key(m.key)
-        for name in ("median_us", "p10_us", "p90_us", "host_us", "max_rel_err"):
-            number(name, getattr(m, name), True)
-    for w in winners:
-        parse_key(w.key)
-        number("median_us", w.median_us, False)
-        number("baseline_us", w.baseline_us, False)
+    for i, m in enumerate(measurements):
+        with _naming(f"measurements[{i}]"):
+            parse_key(m.key)
+            for name in ("median_us", "p10_us", "p90_us", "host_us"):
+                number(name, getattr(m, name), optional=True, lowest=0.0)
+            number("max_rel_err", m.max_rel_err, optional=True)
+    for i, w in enumerate(winners):
+        with _naming(f"winners[{i}]"):
+            parse_key(w.key)
+            # a speedup divides by both
+            number("median_us", w.median_us, lowest=1e-9)
+            number("baseline_us", w.baseline_us, lowest=1e-9)
+
+
+@contextlib.contextmanager
+def _naming(where: str) -> Iterator[None]:
+    """A ValueError inside says which record it is about."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _records(data: dict[str, Any], name: str, cls: type[_R]) -> list[_R]:
+    out = []
+    for i, row in enumerate(data.get(name, [])):
+        with _naming(f"{name}[{i}]"):
+            out.append(cls.from_row(row))
+    return out
 
 
 class DeviceFile(SqliteFile):
@@ -285,14 +313,16 @@ class Store(DeviceFile):
                 f"export has schema version {version}, newer than this tuner's {CACHE.version}"
             )
         try:
-            measurements = [Measurement.from_row(r) for r in data.get("measurements", [])]
-            winners = [Winner.from_row(r) for r in data.get("winners", [])]
+            measurements = _records(data, "measurements", Measurement)
+            winners = _records(data, "winners", Winner)
             devices = [
                 (d["device_class"], json.dumps(d["fingerprint"]), d["first_seen"], d["last_seen"])
                 for d in data.get("devices", [])
             ]
             _check_imported(measurements, winners)
-        except (TypeError, KeyError, ValueError) as e:
+        except ValueError as e:
+            raise StoreError(f"malformed export: {e}") from None
+        except (TypeError, KeyError) as e:
             raise StoreError(f"malformed export: {e!r}") from None
         with self.transaction() as c:
             c.executemany(

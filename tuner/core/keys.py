@@ -25,7 +25,7 @@ Keys are plain data and import no torch (the fleet service uses them); the torch
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -425,17 +425,27 @@ def parse_key(text: str) -> Key:
     cls = KEY_TYPES[op]
     types = {f.name: f.type for f in fields(cls)}
     values: dict[str, Any] = {}
-    for part in filter(None, body.split(",")):
+    for part in body.split(",") if body else []:
+        if not part:
+            raise ValueError(f"empty field in {op} key {text!r} (two commas, or one at an end)")
         name, eq, raw = part.partition("=")
         if not eq or name not in types:
             raise ValueError(f"unknown field {name!r} in {op} key; allowed: {sorted(types)}")
         if name in values:
             raise ValueError(f"field {name!r} given twice in {op} key {text!r}")
         values[name] = _convert(name, raw, types[name])
-    try:
-        return cls(**values)
-    except TypeError as e:  # missing required field
-        raise ValueError(f"incomplete {op} key {text!r}: {e}") from None
+    _check_complete(cls, values, f"{op} key {text!r}")
+    return cls(**values)
+
+
+def _check_complete(cls: type, values: dict[str, Any], what: str) -> None:
+    """ValueError naming the required fields of ``cls`` that ``values`` lacks."""
+    required = [
+        f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+    ]
+    missing = [name for name in required if name not in values]
+    if missing:
+        raise ValueError(f"incomplete {what}: missing {', '.join(missing)} (required: {required})")
 
 
 def _convert(name: str, raw: str, type_name: str) -> Any:
@@ -459,10 +469,8 @@ def key_from_dict(op: str, data: dict[str, Any]) -> Key:
     unknown = set(data) - allowed
     if unknown:
         raise ValueError(f"unknown field(s) {sorted(unknown)} for {op}; allowed: {sorted(allowed)}")
-    try:
-        return cls(**data)
-    except TypeError as e:
-        raise ValueError(f"incomplete {op} problem: {e}") from None
+    _check_complete(cls, data, f"{op} problem")
+    return cls(**data)
 
 
 # --- torch dtypes and extraction from tensors ---------------------------------------------

@@ -10,7 +10,7 @@ import json
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tuner.core.keys import key_op
@@ -64,7 +64,15 @@ class _Record:
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Any:
-        data = {k: row[k] for k in cls.__dataclass_fields__ if k in row}  # type: ignore[attr-defined]
+        """The record of a table row or a JSON object; ValueError naming what it lacks."""
+        if not isinstance(row, dict):
+            raise ValueError(f"must be an object of fields, got {type(row).__name__}")
+        fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
+        missing = [k for k, f in fields.items() if k not in row and f.default is MISSING
+                   and f.default_factory is MISSING]  # fmt: skip
+        if missing:
+            raise ValueError(f"missing field(s) {missing}")
+        data = {k: row[k] for k in fields if k in row}
         if isinstance(data.get("params"), str):
             data["params"] = json.loads(data["params"])
         return cls(**data)
