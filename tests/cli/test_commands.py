@@ -11,7 +11,9 @@ import pytest
 
 from tests.cache.damaged import damaged_cache
 from tuner.cache import Store
+from tuner.measure.records import Winner
 from tuner.tuning.engine import TuneOptions
+from tuner.version import __version__
 
 
 def tuner(*args: str, cache=None, check: bool = True) -> subprocess.CompletedProcess:
@@ -72,12 +74,41 @@ def test_tune_all_then_show_export_import(tmp_path):
             "unknown candidate source 'nosuch'",
         ),
         (("show", "--op", "gem"), "--op must be 'gemm' or 'sdpa'"),
+        (("show", "--source", "nosuch"), "unknown candidate source 'nosuch'"),
+        (
+            (
+                "tune",
+                "gemm",
+                "-m",
+                "8",
+                "-n",
+                "64",
+                "-k",
+                "64",
+                "--dtype",
+                "int4-g32",
+                "--layout",
+                "nn",
+            ),
+            "a low-bit GEMM is x @ W.T: --layout nt (got nn)",
+        ),
     ],
 )
 def test_user_mistakes_get_one_line_and_exit_2(tmp_path, args, message):
     r = tuner(*args, cache=tmp_path / "c.db", check=False)
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_version_and_winners_of_every_device_class(tmp_path):
+    assert tuner("--version").stdout == f"tuner {__version__}\n"
+    cache = tmp_path / "c.db"
+    Store(cache).put_winners([
+        Winner(dc, "gemm:m=8,n=8,k=8,dtype=f32,out_dtype=f32", "torch", {}, 1.0, 1.0)
+        for dc in ("gpu-one", "gpu-two")
+    ])  # fmt: skip
+    shown = tuner("show", "--all-devices", cache=cache).stdout
+    assert "device class" in shown and "gpu-one" in shown and "gpu-two" in shown
 
 
 def test_bad_config_names_entry_and_field(tmp_path):

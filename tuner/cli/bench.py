@@ -65,7 +65,7 @@ def bench_gemm(
         bool, typer.Option(help="Also time Inductor max-autotune on a few shapes.")
     ] = True,
     warm_sample: Annotated[
-        int, typer.Option(help="Rows re-tuned warm per part (tuning time).")
+        int, typer.Option(min=0, help="Rows re-tuned warm per part (tuning time).")
     ] = catalog.GEMM_WARM_SAMPLE,
     quick: Annotated[
         bool,

@@ -59,7 +59,8 @@ def fleet_service(server: str) -> Iterator[None]:
     try:
         yield
     except FleetError as e:
-        fail(f"fleet service {server}: {e}")
+        cause = str(e).removeprefix(f"{server.rstrip('/')} ").removeprefix(f"{server} ")
+        fail(f"fleet service {server}: {cause}")
         raise typer.Exit(FAILED) from None
 
 

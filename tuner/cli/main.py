@@ -19,6 +19,7 @@ import typer
 from tuner.cli import bench, fleet, tune, tune_all, warmup
 from tuner.cli.errors import report_usage_errors
 from tuner.core.settings import load_config_file
+from tuner.version import __version__
 
 app = typer.Typer(
     help="Autotuned GEMM and attention kernels with a shared results cache.",
@@ -32,9 +33,19 @@ app.add_typer(bench.app, name="bench")
 app.add_typer(warmup.app)
 
 
+def _version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"tuner {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def startup(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log debug detail.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
 ) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING,

@@ -135,8 +135,13 @@ def tune_gemm(
         ),
     ] = "bf16",
     layout: Annotated[
-        str, typer.Option(help="nn, nt, tn or tt (n: row-major, t: column-major; A then B).")
-    ] = "nn",
+        str | None,
+        typer.Option(
+            help="nn, nt, tn or tt (n: row-major, t: column-major; A then B). Default: nn, "
+            "and nt (the only one) for a low-bit format.",
+            show_default=False,
+        ),
+    ] = None,
     tf32: Annotated[bool, typer.Option(help="Allow TF32 for f32 inputs.")] = False,
     align: Annotated[int, typer.Option(help="Alignment class in bytes (16, 8, 4, 2).")] = 16,
     cache: CacheOpt = None,
@@ -157,13 +162,13 @@ def tune_gemm(
 
 
 def _gemm_key(
-    m: int, n: int, k: int, batch: int, dtype: str, layout: str, tf32: bool, align: int
+    m: int, n: int, k: int, batch: int, dtype: str, layout: str | None, tf32: bool, align: int
 ) -> GemmKey:
     """The key ``tune gemm`` tunes, a plain GEMM or a low-bit one named by its format, with the
     alignment as given (``model_config.gemm_key`` derives it from a model's extents instead)."""
     if dtype in ITEMSIZE:
         return GemmKey(
-            m=m, n=n, k=k, batch=batch, layout=layout, dtype=dtype, out_dtype=dtype,
+            m=m, n=n, k=k, batch=batch, layout=layout or "nn", dtype=dtype, out_dtype=dtype,
             compute="tf32" if tf32 else "f32", align=align,
         )  # fmt: skip
     try:
@@ -173,8 +178,10 @@ def _gemm_key(
             f"--dtype must be one of {list(ITEMSIZE)} or a low-bit format "
             f"({LOWBIT_FORMAT_NAMES}), got {dtype!r}"
         ) from None
-    if layout not in ("nn", "nt") or tf32:  # nn: the option's default
-        raise ValueError(f"--dtype {dtype}: a low-bit GEMM is x @ W.T (layout nt, no --tf32)")
+    if layout not in (None, "nt") or tf32:
+        raise ValueError(
+            f"--dtype {dtype}: a low-bit GEMM is x @ W.T: --layout nt (got {layout}), no --tf32"
+        )
     return GemmKey(m=m, n=n, k=k, batch=batch, align=align, **fields)
 
 
@@ -189,7 +196,7 @@ def tune_sdpa(
     causal: Annotated[
         str, typer.Option(help="none, top_left (torch's is_causal) or bottom_right.")
     ] = "none",
-    dtype: Annotated[str, typer.Option(help="f16 or bf16.")] = "bf16",
+    dtype: Annotated[str, typer.Option(help="f16, bf16 or f32.")] = "bf16",
     cache: CacheOpt = None,
     budget: BudgetOpt = TUNE_DEFAULTS.budget_s,
     source: SourcesOpt = None,
@@ -228,7 +235,7 @@ def tune_key(
     sustained: SustainedOpt = TUNE_DEFAULTS.sustained_s,
     isolate: IsolateOpt = False,
 ) -> None:
-    """Tune the problem named by a key string (as ``tuner show --full-keys`` prints them)."""
+    """Tune the problem named by a key string (as 'tuner show --full-keys' prints them)."""
     options = tune_options(
         budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
@@ -259,6 +266,7 @@ def show(
 ) -> None:
     """List stored winners."""
     check_op(op)
+    registry.check_names([source] if source else None)
     store = open_store(cache, existing=True)
     dc = None if all_devices else fingerprint().device_class
     winners = [
@@ -270,13 +278,15 @@ def show(
         print(json.dumps([w.to_row() for w in winners], indent=1))
         return
     t = Table(title=f"{len(winners)} winners" + (f" on {dc}" if dc else ""))
-    for col in ("key", "winner", "launch", "us", "baseline us", "speedup"):
+    columns = ("device class",) * (dc is None) + ("key", "winner", "launch", "us", "baseline us")
+    for col in (*columns, "speedup"):
         t.add_column(col, overflow="fold")
     for w in winners:
         color = "green" if w.speedup > 1.0 else "white"
         t.add_row(
-            w.key if full_keys else parse_key(w.key).label, w.candidate, w.launch,
-            f"{w.median_us:.2f}", f"{w.baseline_us:.2f}", f"[{color}]{w.speedup:.2f}x[/{color}]",
+            *(w.device_class,) * (dc is None), w.key if full_keys else parse_key(w.key).label,
+            w.candidate, w.launch, f"{w.median_us:.2f}", f"{w.baseline_us:.2f}",
+            f"[{color}]{w.speedup:.2f}x[/{color}]",
         )  # fmt: skip
     console.print(t)
 
