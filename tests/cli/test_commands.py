@@ -111,6 +111,13 @@ def test_version_and_winners_of_every_device_class(tmp_path):
     assert "device class" in shown and "gpu-one" in shown and "gpu-two" in shown
 
 
+def test_tune_tables_what_ran_and_says_in_a_line_what_cannot_run_here(tmp_path):
+    out = tuner("tune", "gemm", "-m", "8", "-n", "8", "-k", "8", "--dtype", "f32",
+                cache=tmp_path / "c.db").stdout  # fmt: skip
+    assert "torch (baseline)" in out and "unsupported" not in out
+    assert "not run: torch_lowbit: low-bit GEMMs only" in out
+
+
 def test_bad_config_names_entry_and_field(tmp_path):
     cfg = tmp_path / "p.yaml"
     cfg.write_text(

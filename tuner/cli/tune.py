@@ -105,14 +105,22 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     error = "error / bound" if bounded else "rel err"
     for col in ("candidate", "status", "median us", "p10..p90", error, "note"):
         t.add_column(col)
-    for m in sorted(outcome.measurements, key=lambda m: (m.median_us is None, m.median_us or 0)):
+    ran = [m for m in outcome.measurements if m.status != "unsupported"]
+    for m in sorted(ran, key=lambda m: (m.median_us is None, m.median_us or 0)):
         spread = f"{m.p10_us:.1f}..{m.p90_us:.1f}" if m.p10_us is not None else ""
         err = _error_text(m.max_rel_err, bounded)
         t.add_row(
             m.candidate + (" (baseline)" if m.is_baseline else ""), m.status,
-            f"{m.median_us:.2f}" if m.median_us else "", spread, err, m.error[:60],
+            f"{m.median_us:.2f}" if m.median_us else "", spread, err, m.error[:200],
         )  # fmt: skip
     console.print(t)
+    # sources that cannot run this problem here, one line per reason
+    not_run: dict[str, list[str]] = {}
+    for m in outcome.measurements:
+        if m.status == "unsupported":
+            not_run.setdefault(m.error, []).append(m.source)
+    for reason, names in not_run.items():
+        console.print(f"[dim]not run: {', '.join(names)}: {reason}[/dim]", highlight=False)
     w = outcome.winner
     console.print(
         f"winner ({w.launch}): [bold]{w.candidate}[/bold] {w.median_us:.2f} us, baseline "
