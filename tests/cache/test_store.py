@@ -1,6 +1,7 @@
 """The SQLite store: round trips, export/import, and refusing files that are not ours."""
 
 import json
+import os
 import sqlite3
 
 import pytest
@@ -131,6 +132,14 @@ def test_a_page_damaged_inside_the_file_is_refused_before_any_write(tmp_path):
         with pytest.raises(StoreError, match="is corrupt"):
             store.verify()
     assert path.read_bytes() == before
+
+
+@pytest.mark.skipif(os.access("/proc/sys", os.W_OK), reason="needs a folder this user cannot write")
+def test_a_cache_in_a_folder_it_cannot_write_says_so():
+    with pytest.raises(
+        StoreError, match=r"/proc/sys is not writable: SQLite keeps its write-ahead"
+    ):
+        Store("/proc/sys/c.db")
 
 
 def test_foreign_sqlite_file_is_refused(tmp_path):

@@ -113,7 +113,9 @@ class SqliteFile:
                 )
                 conn.execute("PRAGMA synchronous=NORMAL")  # a setting of this connection only
             except sqlite3.DatabaseError as e:
-                raise StoreError(f"{path} cannot be opened as a {self.schema.kind}: {e}") from None
+                raise StoreError(
+                    f"{path} cannot be opened as a {self.schema.kind}: {e}{self._why_not(e)}"
+                ) from None
             if self._file is not None:
                 _OPEN_FILES[self._file] += 1
         self.db = sqlite_utils.Database(conn)
@@ -212,4 +214,14 @@ class SqliteFile:
                 c.execute(f"PRAGMA application_id={int(self.schema.application_id)}")
                 c.execute(f"PRAGMA user_version={int(self.schema.version)}")
         except sqlite3.DatabaseError as e:
+            if "unable to open" in str(e):
+                raise StoreError(f"{self.path} cannot be opened: {e}{self._why_not(e)}") from None
             raise StoreError(f"{self.path} is corrupt or not a {self.schema.kind}: {e}") from None
+
+    def _why_not(self, e: sqlite3.DatabaseError) -> str:
+        """What a bare "unable to open database file" leaves out, when it is so."""
+        folder = self.path.resolve().parent
+        if "unable to open" in str(e) and not os.access(folder, os.W_OK):
+            return (f" ({folder} is not writable: SQLite keeps its write-ahead log and index "
+                    "beside the file, so the folder must be writable even to read it)")  # fmt: skip
+        return ""
