@@ -69,6 +69,7 @@ def register(schema: Schema) -> Schema:
 # file with plain ``open()``, only runs while no connection of this process has the file open.
 _OPEN_FILES: collections.Counter[str] = collections.Counter()
 _OPEN_LOCK = threading.Lock()
+_VERIFIED: set[str] = set()  # files this process has quick-checked (``SqliteFile.verify``)
 
 
 def _check_header(path: Path) -> None:
@@ -90,7 +91,6 @@ class SqliteFile:
     def __init__(self, path: str | Path, *, timeout_s: float = 60.0) -> None:
         self.path = Path(path)
         self._file: str | None = None
-        self._verified = False  # by ``verify``, before this connection's first write
         if str(path) != ":memory:":
             if self.path.is_dir():
                 raise StoreError(
@@ -142,15 +142,20 @@ class SqliteFile:
 
     def verify(self) -> None:
         """StoreError unless SQLite's quick check finds every page whole. The header check on
-        open cannot see a page damaged inside the file, so this runs before the first write
-        of a connection: a damaged file is refused, not written to."""
+        open cannot see a page damaged inside the file, so this runs before a process first
+        writes to it (once a process: the check reads the whole file): a damaged file is
+        refused, not written to."""
         try:
             found = [row[0] for row in self.db.conn.execute("PRAGMA quick_check(1)")]
         except sqlite3.DatabaseError as e:
             found = [str(e)]
         if found != ["ok"]:
             raise self.corrupt(" ".join(found[0].replace("***", "").split()))
-        self._verified = True
+        with _OPEN_LOCK:
+            _VERIFIED.add(self._file or ":memory:")
+
+    def _verified(self) -> bool:
+        return self._file is None or self._file in _VERIFIED
 
     def corrupt(self, why: object) -> StoreError:
         return StoreError(
@@ -161,7 +166,7 @@ class SqliteFile:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction that takes the write lock up front (no upgrade deadlocks)."""
-        if not self._verified:
+        if not self._verified():
             self.verify()
         conn = self.db.conn
         conn.execute("BEGIN IMMEDIATE")
