@@ -3,6 +3,7 @@ when there are any."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -17,10 +18,11 @@ TRITON = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
 
 
 def warm(cache: Path) -> tuple[int, str]:
-    result = CliRunner().invoke(  # env: --cache sets $TUNER_CACHE, put back after the call
-        app, ["warmup", "--cache", str(cache), "--no-fetch", "--no-progress"],
-        env={"TUNER_CACHE": str(cache)},
-    )  # fmt: skip
+    before = os.environ.get("TUNER_CACHE")
+    result = CliRunner().invoke(
+        app, ["warmup", "--cache", str(cache), "--no-fetch", "--no-progress"]
+    )
+    assert os.environ.get("TUNER_CACHE") == before  # --cache's stand-in is put back after
     return result.exit_code, result.output
 
 

@@ -26,6 +26,7 @@ from tuner.offline.tune_all import (
     RunSummary,
     append_journal,
     journal_path,
+    pending,
     read_journal,
 )
 from tuner.tuning.engine import TuneOptions, tune
@@ -108,6 +109,9 @@ def test_a_failed_retune_is_failed_beside_the_winner_it_kept(tuned: Tuned) -> No
     assert (row.status, row.error, row.tune_s) == ("failed", "worker died (exit code -9)", 0.7)
     assert (row.winner_us, row.source) == (winner.median_us, winner.source)
     assert rep.summary()["failed"] == 2
+    # and the next run tunes it again (not "0 to tune" beside a failed row, forever)
+    assert pending(tuned.store, FP, [TORCH_WON], journal=journal) == [TORCH_WON]
+    assert pending(tuned.store, FP, [TORCH_WON], journal=tuned.journal) == []
 
 
 def test_summary_counts_and_ranks_the_tuned_rows(tuned: Tuned) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.cache.damaged import damaged_cache
 from tuner.cache import Store
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey
@@ -34,6 +35,17 @@ def test_record_mode_records_each_missed_key_once(cache_path):
     misses = Store(cache_path).misses()
     assert sorted(m["key"].split(",")[0] for m in misses) == ["gemm:m=8", "gemm:m=9"]
     assert all(m["count"] == 1 for m in misses)
+
+
+def test_a_damaged_cache_is_left_alone_and_the_call_still_served(tmp_path, caplog):
+    before = damaged_cache(tmp_path / "c.db")
+    d = Dispatcher(tmp_path / "c.db", mode="record")
+    a, b = torch.randn(8, 4), torch.randn(4, 3)
+    torch.testing.assert_close(d.matmul(a, b), a @ b)  # its miss finds the damage
+    c = torch.randn(9, 4)
+    torch.testing.assert_close(d.matmul(c, b), c @ b)  # another miss: the cache is left alone
+    assert "tuner cache unusable" in caplog.text and "is corrupt" in caplog.text
+    assert (tmp_path / "c.db").read_bytes() == before
 
 
 def test_tune_mode_tunes_once_then_serves(cache_path):

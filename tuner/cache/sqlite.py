@@ -159,7 +159,7 @@ class SqliteFile:
 
     def corrupt(self, why: object) -> StoreError:
         return StoreError(
-            f"{self.path} is corrupt ({why}); refusing to write to it: restore it from a backup, "
+            f"{self.path} is corrupt ({why}); refusing to use it: restore it from a backup, "
             f"or move it aside to start a new {self.schema.kind}"
         )
 

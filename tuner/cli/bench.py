@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from tuner.cli.errors import output_dir
 from tuner.cli.options import (
     TUNE_DEFAULTS,
     BudgetOpt,
@@ -107,6 +108,7 @@ def bench_gemm(
         budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
+    output_dir(out)  # checked before the benchmark, not once it is over
     if suite == "lowbit":
         lowbit.run(lowbit.chosen_problems(chosen, quick=quick, ms=m, ops=proj), out, options)
         return
@@ -147,6 +149,7 @@ def bench_sdpa(
         confirm_tries=confirm_tries,
         sustained=sustained,
     )
+    output_dir(out)  # checked before the benchmark, not once it is over
     os.environ["TUNER_COMPILE_WORKERS"] = str(workers)  # read when the compile pool starts
     chosen = list(parts) if part == "all" else [part]
     suites = {p: parts[p](dtype)[:: 4 if quick else 1] for p in chosen}

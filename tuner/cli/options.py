@@ -19,11 +19,21 @@ from tuner.offline.problem_list import ConfigError
 from tuner.tuning.engine import TuneOptions
 
 
-def _cache_chosen(value: Path | None) -> Path | None:
-    """``--cache`` stands for ``$TUNER_CACHE`` in this process and the ones it starts, so what
-    takes its place from the cache's (the compiled-kernel store) follows it."""
+def _cache_chosen(ctx: typer.Context, value: Path | None) -> Path | None:
+    """``--cache`` stands for ``$TUNER_CACHE`` while the command runs (in this process and the
+    ones it starts), so what takes its place from the cache's (the compiled-kernel store)
+    follows it; put back after, for a caller that runs the app in its own process."""
     if value is not None:
+        before = os.environ.get("TUNER_CACHE")
         os.environ["TUNER_CACHE"] = str(value)
+
+        def put_back() -> None:
+            if before is None:
+                os.environ.pop("TUNER_CACHE", None)
+            else:
+                os.environ["TUNER_CACHE"] = before
+
+        ctx.call_on_close(put_back)
     return value
 
 

@@ -4,9 +4,11 @@ this device, one problem tuned, and the winners in the cache."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -84,8 +86,20 @@ def _error_text(err: float | None, bounded: bool) -> str:
     return f"{err:.2f}" if bounded else f"{err:.1e}"
 
 
+def _memory_bytes() -> int:
+    """The memory a problem's operands are made in: the GPU's, else the host's."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     """Tune ``key``, store the run and print every candidate's measurement and the winner."""
+    if isinstance(key, GemmKey) and key.min_bytes > (memory := _memory_bytes()):
+        raise ConfigError(
+            f"{key}: its operands take {key.min_bytes / 2**30:.1f} GiB, more than this "
+            f"{'GPU' if torch.cuda.is_available() else 'host'}'s {memory / 2**30:.1f} GiB"
+        )
     store = open_store(cache)
     fp = fingerprint()
     store.save_device(fp)
@@ -93,11 +107,11 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     with console.status(f"tuning {key}"):
         try:
             outcome = tune(key, options=options, earlier=earlier)
-        except RuntimeError as e:  # torch.OutOfMemoryError is one, as the CPU allocator's refusal
-            if "out of memory" not in str(e) and "allocate" not in str(e):
-                raise
+        except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's refusal
             first = str(e).strip().splitlines()[0][:200]
-            raise ConfigError(f"{key}: its operands do not fit in memory ({first})") from None
+            if isinstance(e, torch.OutOfMemoryError) or "DefaultCPUAllocator" in first:
+                raise ConfigError(f"{key}: its operands do not fit in memory ({first})") from None
+            raise
     store.save_run(outcome.measurements, outcome.winner)
     t = Table(title=str(key))
     # a low-bit result is checked element by element against a bound derived from its format
@@ -186,10 +200,10 @@ def _gemm_key(
             f"--dtype must be one of {list(ITEMSIZE)} or a low-bit format "
             f"({LOWBIT_FORMAT_NAMES}), got {dtype!r}"
         ) from None
-    if layout not in (None, "nt") or tf32:
-        raise ValueError(
-            f"--dtype {dtype}: a low-bit GEMM is x @ W.T: --layout nt (got {layout}), no --tf32"
-        )
+    if layout not in (None, "nt"):
+        raise ValueError(f"--dtype {dtype}: a low-bit GEMM is x @ W.T: --layout nt (got {layout})")
+    if tf32:
+        raise ValueError(f"--dtype {dtype}: --tf32 is for f32 inputs only")
     return GemmKey(m=m, n=n, k=k, batch=batch, align=align, **fields)
 
 

@@ -65,7 +65,7 @@ from tuner.offline.tune_all import (
     RunSummary,
     current_keys,
     journal_path,
-    kept_after_timeout,
+    kept_after_unfinished,
     local_workers,
     order,
     pending,
@@ -463,7 +463,7 @@ def tune_all(
         if out is not None:
             plots.preload()
         with fleet_artifacts(fp, store_path) as artifacts:
-            retune = kept_after_timeout(journal, fp)
+            retune = kept_after_unfinished(journal, fp)
             summary = run_with_progress(ordered.todo, problems, store_path, settings, retune)
             artifacts.push()
     if sources.misses and not dry_run:

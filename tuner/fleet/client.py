@@ -156,6 +156,8 @@ class FleetClient:
             try:
                 self.health()
             except FleetError as not_ours:
+                if not_ours.status is None:  # gone meanwhile: say that, not "no service"
+                    raise
                 raise FleetError(
                     f"no tuner service at this URL (GET /v1/health: {not_ours})"
                 ) from None

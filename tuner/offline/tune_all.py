@@ -128,8 +128,8 @@ def pending(
     force: bool = False,
     journal: list[dict[str, Any]] | None = None,
 ) -> list[Key]:
-    """Keys without a current winner, or whose winner is what a timed-out run kept."""
-    done = set() if force else current_keys(store, fp) - kept_after_timeout(journal or [], fp)
+    """Keys without a current winner, or whose winner is what an unfinished run kept."""
+    done = set() if force else current_keys(store, fp) - kept_after_unfinished(journal or [], fp)
     return [k for k in keys if str(k) not in done]
 
 
@@ -141,10 +141,11 @@ def _last_records(journal: list[dict[str, Any]], device_class: str) -> dict[str,
     return out
 
 
-def kept_after_timeout(journal: list[dict[str, Any]], fp: Fingerprint) -> set[str]:
-    """Keys whose last run timed out (whatever winner it kept is to be tuned again)."""
+def kept_after_unfinished(journal: list[dict[str, Any]], fp: Fingerprint) -> set[str]:
+    """Keys whose last run timed out or failed (a forced re-tune: whatever winner it kept is to
+    be tuned again, within ``--retries``, until a run finishes)."""
     last = _last_records(journal, fp.device_class)
-    return {k for k, rec in last.items() if rec["status"] == "timeout"}
+    return {k for k, rec in last.items() if rec["status"] in ("failed", "timeout")}
 
 
 @dataclass
@@ -283,7 +284,7 @@ def run(
     retune: set[str] | None = None,
 ) -> RunSummary:
     """Tune ``keys`` in worker processes; results are in the store as soon as each is done.
-    Keys in ``retune`` are tuned even where a winner is stored (one a timed-out run kept)."""
+    Keys in ``retune`` are tuned even where a winner is stored (one an unfinished run kept)."""
     _, devices = local_workers(settings.workers)
     compiler = None
     if settings.compile_ahead and keys:

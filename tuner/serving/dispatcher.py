@@ -17,10 +17,11 @@ handles (broadcasting, mixed dtypes, odd strides, autograd) goes straight to tor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -418,6 +419,18 @@ class Dispatcher:
                 self._store_failed = True
         return self._store
 
+    @contextlib.contextmanager
+    def _unless_unusable(self) -> Iterator[None]:
+        """A write the cache refuses (found damaged) is logged once and the cache left alone:
+        the call it came from is still served."""
+        try:
+            yield
+        except StoreError as e:
+            log.error("tuner cache unusable, dispatching without it from now on: %s", e)
+            if self._store is not None:
+                self._store.close()
+            self._store, self._store_failed = None, True
+
     def _known(self, device_class: str) -> dict[str, Winner]:
         if device_class not in self._winners:
             store = self._open_store()
@@ -444,14 +457,16 @@ class Dispatcher:
             return
         self._recorded.add((device_class, str(key)))
         if store := self._open_store():
-            store.record_misses(device_class, [str(key)])
+            with self._unless_unusable():
+                store.record_misses(device_class, [str(key)])
 
     def _tune(self, key: Key, device: str) -> Winner | None:
         from tuner.tuning.engine import tune
 
         outcome = tune(key, device=device)
         if store := self._open_store():
-            store.save_run(outcome.measurements, outcome.winner)
+            with self._unless_unusable():
+                store.save_run(outcome.measurements, outcome.winner)
         self._winners.setdefault(outcome.winner.device_class, {})[outcome.winner.key] = (
             outcome.winner
         )
