@@ -180,3 +180,11 @@ def test_two_processes_writing_at_once(tmp_path: Path) -> None:
                 got = store.get(ArtifactSpec("triton", {"kernel": name}, "cuda:90", {}))
                 assert got is not None and unpack(got) == {"k.bin": name.encode() * 200}
         assert not list(store.blobs.glob("*.tmp"))
+
+
+def test_a_file_where_the_store_folder_belongs_is_named(tmp_path: Path) -> None:
+    taken = tmp_path / "out.json"
+    taken.write_text("{}")
+    with pytest.raises(StoreError, match=r"out\.json is a file, not a folder for compiled kernels"):
+        ArtifactStore(taken)
+    assert taken.read_text() == "{}"

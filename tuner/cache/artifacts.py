@@ -251,6 +251,11 @@ class ArtifactStore:
         self.max_bytes = max_bytes if max_bytes is not None else default_max_bytes()
         if self.max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {self.max_bytes}")
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(
+                f"{self.root} is a file, not a folder for compiled kernels "
+                "(named by $TUNER_ARTIFACTS, else artifacts/ beside the cache)"
+            )
         self.blobs = self.root / "blobs"
         self._local = threading.local()
         self._open: list[_Index] = []
