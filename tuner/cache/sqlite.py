@@ -151,8 +151,9 @@ class SqliteFile:
             found = [str(e)]
         if found != ["ok"]:
             raise self.corrupt(" ".join(found[0].replace("***", "").split()))
-        with _OPEN_LOCK:
-            _VERIFIED.add(self._file or ":memory:")
+        if self._file is not None:
+            with _OPEN_LOCK:
+                _VERIFIED.add(self._file)
 
     def _verified(self) -> bool:
         return self._file is None or self._file in _VERIFIED

@@ -163,7 +163,8 @@ def _row(label: str, key: str, winner: Winner | None, records: list[dict], fp: F
     shape = short_label(key)
     last = records[-1] if records else None
     if winner is not None and last is not None and last["status"] in ("failed", "timeout"):
-        # the last attempt (a forced re-tune) did not finish: say so, beside the winner it kept
+        # the last attempt did not finish (it timed out, or a forced re-tune failed): say so,
+        # beside the winner it kept
         return Row(
             label, key, last["status"], winner.baseline_us, winner.median_us, winner.source,
             winner.candidate, error=last["error"], shape=shape, **_costs(last),
