@@ -438,11 +438,14 @@ def parse_key(text: str) -> Key:
     return cls(**values)
 
 
+def required_fields(cls: type) -> list[str]:
+    """The fields of dataclass ``cls`` that have no default."""
+    return [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+
+
 def _check_complete(cls: type, values: dict[str, Any], what: str) -> None:
     """ValueError naming the required fields of ``cls`` that ``values`` lacks."""
-    required = [
-        f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
-    ]
+    required = required_fields(cls)
     missing = [name for name in required if name not in values]
     if missing:
         raise ValueError(f"incomplete {what}: missing {', '.join(missing)} (required: {required})")

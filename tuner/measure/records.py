@@ -10,10 +10,10 @@ import json
 import socket
 import time
 import uuid
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tuner.core.keys import key_op
+from tuner.core.keys import key_op, required_fields
 
 if TYPE_CHECKING:
     from tuner.core.device import Fingerprint
@@ -68,8 +68,7 @@ class _Record:
         if not isinstance(row, dict):
             raise ValueError(f"must be an object of fields, got {type(row).__name__}")
         fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
-        missing = [k for k, f in fields.items() if k not in row and f.default is MISSING
-                   and f.default_factory is MISSING]  # fmt: skip
+        missing = [k for k in required_fields(cls) if k not in row]
         if missing:
             raise ValueError(f"missing field(s) {missing}")
         data = {k: row[k] for k in fields if k in row}
