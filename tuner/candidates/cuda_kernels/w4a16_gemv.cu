@@ -81,6 +81,11 @@
 #ifndef GEMV_STAGGER
 #define GEMV_STAGGER 0
 #endif
+// bench A/B only: -DGEMV_TEAMS=T (warps splitting K, no cluster): a CTA holds T row blocks, each
+// taken by warps / T of its warps as a CTA of its own would be (fewer, larger CTAs to launch)
+#ifndef GEMV_TEAMS
+#define GEMV_TEAMS 1
+#endif
 
 namespace cg = cooperative_groups;
 
@@ -92,6 +97,8 @@ constexpr int CHUNK = 128;          // K values per chunk
 constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so ldmatrix's 8 rows hit 8 bank groups
 constexpr int MAX_M = 16;  // two n8 tiles
 constexpr int MAX_WARPS = GEMV_MAX_WARPS;
+constexpr int TEAMS = GEMV_TEAMS;
+static_assert(TEAMS == 1 || !SPLIT_ROWS, "teams split K");
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
 
@@ -532,7 +539,11 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   }
 
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  const int n0 = ranks_of.div(blockIdx.x) * cta_rows;
+  // (GEMV_TEAMS) the warp's team and its row block; its place and the warps in the team
+  const int team = TEAMS > 1 ? warp / (warps / TEAMS) : 0;
+  const int row_block = ranks_of.div(blockIdx.x) * TEAMS + team;
+  const int kwarp = TEAMS > 1 ? warp % (warps / TEAMS) : warp, kwarps = warps / TEAMS;
+  const int n0 = row_block * cta_rows;
   // the warp's first row; a warp of the last CTA may lie wholly past N: its copies read in
   // bounds (row 0's bytes; none at all in the build for partial blocks) and nothing of it is
   // stored
@@ -546,8 +557,8 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const int chunks = p.k / CHUNK;
   const int c_lo = ranks_of.div(rank * chunks), c_hi = ranks_of.div((rank + 1) * chunks);
   // splitting K, the warp takes chunks c_lo + warp, + warps, ...; splitting rows, all of them
-  const int first = SPLIT_ROWS ? c_lo : c_lo + warp, step = SPLIT_ROWS ? 1 : warps;
-  const int mine = first < c_hi ? (c_hi - first + step - 1) / step : 0;
+  const int first = SPLIT_ROWS ? c_lo : c_lo + kwarp, step = SPLIT_ROWS ? 1 : kwarps;
+  const int mine = (TEAMS == 1 || live) && first < c_hi ? (c_hi - first + step - 1) / step : 0;
 
   // a ring per warp (its part, then x's slab), or one per CTA (every warp's part, then the slab)
   const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
@@ -555,7 +566,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
   // (GEMV_STAGGER) CTAs of neighbouring row blocks start at different rounds, so they do not all
   // ask the L2 for the same x lines at once
-  const int start = GEMV_STAGGER && mine > 0 ? ranks_of.div(blockIdx.x) % mine : 0;
+  const int start = GEMV_STAGGER && mine > 0 ? row_block % mine : 0;
   Copier<NG, NT, FULL> copier(p, block, rows, offset, first_row + offset, first, step, mine,
                               start, lane, part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
                               SPLIT_ROWS ? blockDim.x : 32);
@@ -615,20 +626,21 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
         const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
         if (col < m) mine_at[col * cta_rows + row] = acc[s][n8][e];
       }
-  const auto store = [&](int q, float v) {  // output q of the CTA's [M][cta_rows]
-    const int col = q / cta_rows, row = q % cta_rows;
-    if (n0 + row < p.n) p.out[col * p.ldo + n0 + row] = Half2Ops<F16>::round(v);
+  const auto store = [&](int q, float v, int at = -1) {  // output q of [M][cta_rows] at row `at`
+    const int col = q / cta_rows, row = q % cta_rows, base = at < 0 ? n0 : at;
+    if (base + row < p.n) p.out[col * p.ldo + base + row] = Half2Ops<F16>::round(v);
   };
   // splitting K without a cluster, an output is stored as soon as its warps' partials are summed
   const bool stored_here = !SPLIT_ROWS && ranks == 1;
   if constexpr (!SPLIT_ROWS) {
     __syncthreads();
     if (threadIdx.x == 0) stamp(6, CLOCK);
-    for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
+    for (int tq = threadIdx.x; tq < TEAMS * outputs; tq += blockDim.x) {
+      const int t = TEAMS > 1 ? tq / outputs : 0, q = tq - t * outputs;
       float v = 0.f;
-      for (int w = 0; w < warps; ++w) v += part[w * outputs + q];
+      for (int w = 0; w < kwarps; ++w) v += part[(t * kwarps + w) * outputs + q];
       if (stored_here)
-        store(q, v);
+        store(q, v, (ranks_of.div(blockIdx.x) * TEAMS + t) * cta_rows);
       else
         sums[q] = v;
     }
@@ -692,7 +704,8 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
   const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster);
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  const unsigned ctas = static_cast<unsigned>((p.n + cta_rows - 1) / cta_rows * cluster);
+  const int blocks = (p.n + cta_rows - 1) / cta_rows;
+  const unsigned ctas = static_cast<unsigned>((blocks + TEAMS - 1) / TEAMS * cluster);
   return gemv::launch_in_clusters<w4a16_gemv_kernel<F16, NG, NT, FULL>>(
       ctas, static_cast<unsigned>(warps * 32), smem, cluster, stream, p);
 }
@@ -751,7 +764,7 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   const bool words_ok = group_ok && static_cast<long long>(n) * (k / group) < (1ll << 31);
   if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !words_ok || warps < 1 ||
       warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster & (cluster - 1) ||
-      cluster > k / CHUNK || ldx % 8 ||
+      cluster > k / CHUNK || ldx % 8 || (TEAMS > 1 && (cluster != 1 || warps % TEAMS)) ||
       ldx >= (1ll << 31) / (2 * MAX_WARPS) ||
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
