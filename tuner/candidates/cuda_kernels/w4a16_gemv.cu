@@ -86,6 +86,11 @@
 #ifndef GEMV_TEAMS
 #define GEMV_TEAMS 1
 #endif
+// with -DGEMV_TEAMS_GRID=G: a grid of G CTAs, each taking an even share of the row blocks (up to
+// TEAMS; its teams past its share idle)
+#ifndef GEMV_TEAMS_GRID
+#define GEMV_TEAMS_GRID 0
+#endif
 
 namespace cg = cooperative_groups;
 
@@ -541,14 +546,18 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   // (GEMV_TEAMS) the warp's team and its row block; its place and the warps in the team
   const int team = TEAMS > 1 ? warp / (warps / TEAMS) : 0;
-  const int row_block = ranks_of.div(blockIdx.x) * TEAMS + team;
+  const int blocks = (p.n + cta_rows - 1) / cta_rows;
+  const int first_block = GEMV_TEAMS_GRID ? blockIdx.x * blocks / gridDim.x
+                                          : ranks_of.div(blockIdx.x) * TEAMS;
+  const int end_block = GEMV_TEAMS_GRID ? (blockIdx.x + 1) * blocks / gridDim.x : blocks;
+  const int row_block = first_block + team;
   const int kwarp = TEAMS > 1 ? warp % (warps / TEAMS) : warp, kwarps = warps / TEAMS;
   const int n0 = row_block * cta_rows;
   // the warp's first row; a warp of the last CTA may lie wholly past N: its copies read in
   // bounds (row 0's bytes; none at all in the build for partial blocks) and nothing of it is
   // stored
   const int warp_n0 = SPLIT_ROWS ? n0 + warp * ROWS : n0;
-  const bool live = warp_n0 < p.n;
+  const bool live = warp_n0 < p.n && (!GEMV_TEAMS_GRID || row_block < end_block);
   const int first_row = live ? warp_n0 / 64 * 64 : 0;  // of the warp's 64-row block
   const int rows = live ? min(64, p.n - first_row) : 0;
   const int offset = live ? warp_n0 - first_row : 0;
@@ -639,9 +648,10 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
       const int t = TEAMS > 1 ? tq / outputs : 0, q = tq - t * outputs;
       float v = 0.f;
       for (int w = 0; w < kwarps; ++w) v += part[(t * kwarps + w) * outputs + q];
-      if (stored_here)
-        store(q, v, (ranks_of.div(blockIdx.x) * TEAMS + t) * cta_rows);
-      else
+      if (stored_here) {
+        if (!GEMV_TEAMS_GRID || first_block + t < end_block)
+          store(q, v, (first_block + t) * cta_rows);
+      } else
         sums[q] = v;
     }
   }
@@ -705,7 +715,8 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster);
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   const int blocks = (p.n + cta_rows - 1) / cta_rows;
-  const unsigned ctas = static_cast<unsigned>((blocks + TEAMS - 1) / TEAMS * cluster);
+  const unsigned ctas = static_cast<unsigned>(
+      GEMV_TEAMS_GRID ? GEMV_TEAMS_GRID : (blocks + TEAMS - 1) / TEAMS * cluster);
   return gemv::launch_in_clusters<w4a16_gemv_kernel<F16, NG, NT, FULL>>(
       ctas, static_cast<unsigned>(warps * 32), smem, cluster, stream, p);
 }
