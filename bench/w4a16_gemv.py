@@ -23,8 +23,8 @@ built from the kernel source at PATH (another version of ``w4a16_gemv.cu``, e.g.
 one) and timed right before the current one (impl "cuda_gemv_baseline"): an A/B of a kernel change
 on one machine in one run; ``--variant NAME=FLAGS`` (repeatable) does the same for the current
 source built with extra ``-D`` flags (impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``);
-``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER]`` (repeatable; STAGGER 0 or 1) times those
-configs instead of ``GRID``; ``--repeat R`` times each config's builds R times in turn (the A/B's
+``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER[,TEAMS]]`` (repeatable; STAGGER 0 or 1,
+TEAMS row blocks a CTA) times those configs instead of ``GRID``; ``--repeat R`` times each config's builds R times in turn (the A/B's
 noise).
 ``--profile``: no timing, the bare read and each config of ``PROFILED`` (or of ``--config``) once
 in an NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
@@ -94,25 +94,25 @@ def shape_of(proj: str) -> tuple[int, int]:
 
 
 def as_config(entry: tuple) -> dict[str, Any]:
-    """A ``GRID`` entry (split, slices, stages, warps, cluster[, stagger]) as a config."""
-    keys = cuda_w4a16.CONFIG_KEYS[: len(entry)]  # a stagger left out: the default
+    """A ``GRID`` entry (split, slices, stages, warps, cluster[, stagger[, teams]]) as a config."""
+    keys = cuda_w4a16.CONFIG_KEYS[: len(entry)]  # a stagger or teams left out: the default
     return {**cuda_w4a16.DEFAULTS, **dict(zip(keys, entry, strict=True))}
 
 
 def parse_config(text: str) -> tuple:
-    """``"k,4,2,8,2"`` (or ``"k,4,2,3,1,1"``: staggered) as a ``GRID`` entry; ValueError naming
-    the text unless it is one."""
+    """``"k,4,2,8,2"`` (or ``"k,4,2,3,1,1"``: staggered; ``"k,4,2,12,1,0,4"``: four row blocks a
+    CTA) as a ``GRID`` entry; ValueError naming the text unless it is one."""
     parts = text.split(",")
     if (
-        len(parts) not in (5, 6)
+        len(parts) not in (5, 6, 7)
         or parts[0] not in cuda_w4a16.SPLITS
         or not all(p.isdigit() for p in parts[1:])
-        or parts[5:] not in ([], ["0"], ["1"])
+        or parts[5:6] not in ([], ["0"], ["1"])
     ):
-        raise ValueError(f"--config {text!r}: expected SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER] "
-                         f"with SPLIT in {cuda_w4a16.SPLITS} and STAGGER 0 or 1, e.g. k,4,2,8,2 "
-                         "or k,4,2,3,1,1")  # fmt: skip
-    return (parts[0], *map(int, parts[1:5]), *(p == "1" for p in parts[5:]))
+        raise ValueError(f"--config {text!r}: expected SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER"
+                         f"[,TEAMS]] with SPLIT in {cuda_w4a16.SPLITS} and STAGGER 0 or 1, e.g. "
+                         "k,4,2,8,2, k,4,2,3,1,1 or k,4,2,12,1,0,4")  # fmt: skip
+    return (parts[0], *map(int, parts[1:5]), *(p == "1" for p in parts[5:6]), *map(int, parts[6:]))
 
 
 def variant_path(cfg: dict[str, Any], variant: str, source: Path = cuda_w4a16.SOURCE) -> Path:
@@ -298,7 +298,8 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             if "error" in rows[-1]:
                 continue
             rows_per_cta = 16 * cfg["slices"] * (cfg["warps"] if cfg["split"] == "rows" else 1)
-            ctas = -(-n // rows_per_cta) * cfg["cluster"]
+            blocks = -(-n // rows_per_cta)
+            ctas = -(-blocks // cfg["teams"]) * cfg["cluster"]
             stamps = read_trace(path, ctas)
             rows[-1]["trace"] = trace_summary(stamps, cfg["warps"])
             rows[-1]["stamps"] = stamps

@@ -9,16 +9,21 @@ from tests.bench_scripts import load_script
 gemv = load_script("w4a16_gemv")
 
 
-def test_a_config_is_five_numbers_and_an_optional_stagger() -> None:
+def test_a_config_is_five_numbers_then_an_optional_stagger_and_teams() -> None:
     assert gemv.parse_config("k,4,2,8,2") == ("k", 4, 2, 8, 2)
     assert gemv.parse_config("k,4,2,3,1,1") == ("k", 4, 2, 3, 1, True)
+    assert gemv.parse_config("k,4,2,12,1,0,4") == ("k", 4, 2, 12, 1, False, 4)
     assert gemv.as_config(("k", 4, 2, 8, 2))["stagger"] is False
+    assert gemv.as_config(("k", 4, 2, 8, 2))["teams"] == 1
     assert gemv.as_config(gemv.parse_config("rows,2,4,8,8,0")) == {
         "split": "rows", "slices": 2, "stages": 4, "warps": 8, "cluster": 8, "stagger": False,
+        "teams": 1,
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("text", ["k,4,2,8", "cols,4,2,8,2", "k,4,2,8,2,yes", "k,4,2,3,1,2"])
+@pytest.mark.parametrize(
+    "text", ["k,4,2,8", "cols,4,2,8,2", "k,4,2,8,2,yes", "k,4,2,3,1,2", "k,4,2,12,1,0,four"]
+)
 def test_a_malformed_config_names_the_text(text: str) -> None:
     with pytest.raises(ValueError, match=f"--config {text!r}"):
         gemv.parse_config(text)

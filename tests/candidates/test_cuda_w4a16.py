@@ -36,16 +36,17 @@ def key_of(spec: str, m: int, n: int = 4096, k: int = 14336, **extra) -> GemmKey
 
 def cfg(
     slices: int = 1, stages: int = 4, warps: int = 8, cluster: int = 1, split: str = "k",
-    stagger: bool = False,
+    stagger: bool = False, teams: int = 1,
 ) -> dict:  # fmt: skip
     return {"split": split, "slices": slices, "stages": stages, "warps": warps, "cluster": cluster,
-            "stagger": stagger}  # fmt: skip
+            "stagger": stagger, "teams": teams}  # fmt: skip
 
 
 def test_configs_are_checked_field_by_field() -> None:
     cw.check_config(cfg(), 8, 4096, 14336, 128)
     cw.check_config(cfg(4, 3, 8, 4), 8, 3584, 18944, 32)
     cw.check_config(cfg(1, 6, 8, 4, split="rows"), 8, 4096, 14336, 128)
+    cw.check_config(cfg(4, 2, 12, teams=4), 1, 28672, 4096, 128)
     missing_split = {key: v for key, v in cfg().items() if key != "split"}
     bad = [
         (dict(cfg(), split="cols"), 1, "config['split']='cols'"),
@@ -57,6 +58,10 @@ def test_configs_are_checked_field_by_field() -> None:
         (dict(cfg(), cluster=0), 1, "config['cluster']=0"),
         (dict(cfg(), cluster=3), 1, "config['cluster']=3"),
         (dict(cfg(), stagger=1), 1, "config['stagger']=1"),
+        (dict(cfg(), teams=0), 1, "config['teams']=0"),
+        (dict(cfg(), teams=3), 1, "config['teams']=3: must divide config['warps']=8"),
+        (cfg(teams=2, cluster=2), 1, "config['teams']=2: more than one team needs"),
+        (cfg(teams=2, split="rows"), 1, "config['teams']=2: more than one team needs"),
         ({**cfg(), "ntiles": 2}, 1, "unknown keys ['ntiles']"),
         (cfg(), 17, "M=17"),
         (cfg(), 0, "M=0"),
@@ -67,8 +72,9 @@ def test_configs_are_checked_field_by_field() -> None:
             cw.check_config(config, m, 4096, 4096, 128)
     with pytest.raises(ValueError, match="K=200"):
         cw.check_config(cfg(), 1, 64, 200, 128)
-    # a config stored before `stagger` existed ran unstaggered, and still runs so
-    stored = {key: v for key, v in cfg().items() if key != "stagger"}
+    # a config stored before `stagger` or `teams` existed ran unstaggered, a row block a CTA,
+    # and still runs so
+    stored = {key: v for key, v in cfg().items() if key not in ("stagger", "teams")}
     cw.check_config(stored, 8, 4096, 14336, 128)
     assert cw.library(stored) == cw.library(cfg())
     with pytest.raises(ValueError, match="K=128"):
@@ -105,6 +111,7 @@ def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:
     assert cw.library(cfg(stages=6)) != a
     assert cw.library(cfg(warps=8, split="rows")) != a
     assert cw.library(cfg(warps=4, stagger=True)) != a
+    assert cw.library(cfg(warps=8, teams=4)) == a  # teams are a launch parameter too
     assert cw.Library.from_json(a.to_json()) == a
     command = cw.library(cfg(2, 3)).nvcc_command("nvcc", nvcc_build.library_path(a))
     assert {"-DGEMV_SPLIT_ROWS=0", "-DGEMV_SLICES=2", "-DGEMV_STAGES=3",
@@ -149,12 +156,17 @@ def entry(config: dict) -> tuple:
 
 
 def test_the_decode_shortlist(store: ArtifactStore) -> None:
+    # teams only where a row block a CTA would make a grid of 64 CTAs a team or more: Llama-3-8B's
+    # gate_up (448 64-row blocks), not its down projection (64)
+    one_team = [e for e in cw.SHORTLIST if e[6] == 1]
+    assert [entry(c) for c in cw.configs(4, 28672, 4096, 128)] == list(cw.SHORTLIST)
+    assert len(one_team) < len(cw.SHORTLIST)
     shortlist = cw.configs(4, 4096, 14336, 128)
-    assert [entry(c) for c in shortlist] == list(cw.SHORTLIST)
+    assert [entry(c) for c in shortlist] == one_team
     assert [entry(c) for c in cw.configs(9, 4096, 14336, 128)] == list(cw.WIDE_SHORTLIST)
     assert cw.configs(17, 4096, 14336, 128) == []
     # a cluster of C CTAs needs C chunks of K: with 3, the cluster of 8 does not fit
-    assert [entry(c) for c in cw.configs(4, 520, 384, 32)] == [e for e in cw.SHORTLIST if e[4] < 4]
+    assert [entry(c) for c in cw.configs(4, 520, 384, 32)] == [e for e in one_team if e[4] < 4]
     assert cw.CudaW4A16().candidates(key_of("int4-g128", 2), "cuda") == cw.configs(
         2, 4096, 14336, 128
     )
@@ -233,11 +245,15 @@ def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) ->
     assert stored == {kernel_artifacts.LIBRARY: path.read_bytes()}
     entry = cw.load(path)
     assert entry.restype is ctypes.c_int  # the CUDA runtime is linked in: no GPU needed
-    # refused before any CUDA call: x's rows too far apart for the copy rounds' 32-bit steps
+    # refused before any CUDA call (1: cudaErrorInvalidValue): x's rows too far apart for the
+    # copy rounds' 32-bit steps
     too_far = cw.MAX_X_STRIDE
-    assert entry(0, 0, 0, 0, 1, 64, 128, 128, too_far, 64, 0, 1, 1, 0) == 1  # cudaErrorInvalidValue
-    # refused too: a cluster of 3 (the kernel divides by the cluster's size as a shift)
-    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 1, 3, 0) == 1
+    assert entry(0, 0, 0, 0, 1, 64, 128, 128, too_far, 64, 0, 1, 1, 1, 0) == 1
+    # refused too: a cluster of 3 (the kernel divides by the cluster's size as a shift), teams
+    # that do not divide the warps, and teams beside a cluster
+    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 1, 3, 1, 0) == 1
+    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 6, 1, 4, 0) == 1
+    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 8, 2, 4, 0) == 1
 
 
 def compiled_config(path) -> tuple[int, int, int, int]:
@@ -330,11 +346,15 @@ SHAPES = [
 # warps of two stages; splitting K: 16 warps of 32 rows (the register-tight two-tile build),
 # three 64-row warps a CTA over all of K (the shortlist's (k,4,2,3,1)); 16-row CTAs over a
 # cluster of 8 (a rank's share of the 16 x M outputs is 2 M); staggered starts: splitting K (one
-# CTA, and over a cluster of 2: each rank's K run its own rounds) and splitting rows (cluster 4)
+# CTA, and over a cluster of 2: each rank's K run its own rounds) and splitting rows (cluster 4);
+# teams: four 64-row blocks a CTA of three warps each (a last CTA with teams past N), four 32-row
+# ones of two warps, staggered, and two 16-row ones of two warps
 CONFIGS = [cfg(1, 4, 8, 1), cfg(2, 3, 4, 2), cfg(4, 2, 8, 4), cfg(1, 8, 3, 1), cfg(2, 2, 16, 1),
            cfg(1, 6, 8, 4, "rows"), cfg(2, 3, 3, 2, "rows"), cfg(4, 2, 2, 1, "rows"),
            cfg(4, 2, 3, 1), cfg(1, 2, 4, 8), cfg(4, 2, 3, 1, stagger=True),
-           cfg(2, 3, 4, 2, stagger=True), cfg(1, 6, 8, 4, "rows", stagger=True)]  # fmt: skip
+           cfg(2, 3, 4, 2, stagger=True), cfg(1, 6, 8, 4, "rows", stagger=True),
+           cfg(4, 2, 12, 1, teams=4), cfg(2, 2, 8, 1, stagger=True, teams=4),
+           cfg(1, 4, 4, 1, teams=2)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -429,6 +449,25 @@ def test_padded_output_rows_get_only_their_n_outputs(n: int, built: None) -> Non
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stagger", [False, True])
+@pytest.mark.parametrize("n", [64, 448, 1000, 28672])
+def test_a_team_computes_what_a_cta_of_its_own_would(n: int, stagger: bool, built: None) -> None:
+    """Four 64-row blocks a CTA of 12 warps, three a block, against a CTA of 3 warps a block:
+    the same chunks a warp in the same order, summed in the same warp order, so bit-identical
+    outputs (N = 64 and 1000: a last CTA with teams past N)."""
+    m, k, group = 4, 2048, 128
+    x, packed, sz, ref, tol = _problem(m, n, k, group, torch.bfloat16)
+    outs = []
+    for config in (cfg(4, 2, 3, 1, stagger=stagger), cfg(4, 2, 12, 1, stagger=stagger, teams=4)):
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
+        cw.run(cw.launcher(config), config, x, packed, sz, group, out, stream())
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert excess(outs[0], ref, tol) <= 1
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("split", cw.SPLITS)
 def test_a_planted_wrong_group_size_fails_the_gate(split: str, built: None) -> None:
     x, packed, sz, ref, tol = _problem(4, 256, 1024, 128, torch.bfloat16)
@@ -507,8 +546,10 @@ def test_a_call_reads_the_output_of_the_call_before_it(m: int, graphed: bool, bu
 
 
 # bf16: torch's int4 baseline, which the engine runs first, takes no f16 (the direct tests cover it)
+# (N = 28672: the shortlist's teams too)
 TUNED = [key_of("int4-g128", 1, n=4096, k=2048), key_of("int4-g32", 6, n=520, k=384),
-         key_of("int4-g64", 8, n=3584, k=1152), key_of("int4-g128", 16, n=4096, k=2048)]  # fmt: skip
+         key_of("int4-g64", 8, n=3584, k=1152), key_of("int4-g128", 16, n=4096, k=2048),
+         key_of("int4-g128", 2, n=28672, k=512)]  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -15,7 +15,10 @@ It reads our packed layout (``tuner.quant.int4``) as the Triton kernel does.
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
 ``stages`` of each copy ring, ``stagger``: whether CTAs start their K chunks at staggered
 rounds, so that they do not all read the same x lines at once: a ``Library``) and its launch
-part (``warps`` per CTA, ``cluster`` CTAs splitting K). Each library (the CUDA runtime linked in
+part (``warps`` per CTA, ``cluster`` CTAs splitting K, ``teams``: row blocks a CTA when warps
+split K without a cluster, each taken by ``warps / teams`` of its warps as a CTA of its own would
+be, so that a wide projection's grid is handed out a CTA an SM and its warps start together).
+Each library (the CUDA runtime linked in
 statically) serves every shape and is built, stored and loaded as ``cuda_library`` says.
 
 As a candidate source (``CudaW4A16``) its runners take torch's packed weight, as the baseline
@@ -59,9 +62,13 @@ MAX_X_STRIDE = 2**31 // (2 * MAX_WARPS)  # x's row stride, elements: copy rounds
 BUILDER = "tuner.candidates.cuda_w4a16"  # this module, also when it runs as __main__
 
 Config = dict[str, Any]
-CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster", "stagger")
-# configs stored before ``stagger`` existed lack it: they ran unstaggered
-DEFAULTS = {"stagger": False}
+CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster", "stagger", "teams")
+# configs stored before ``stagger`` or ``teams`` existed lack them: they ran unstaggered, a row
+# block a CTA
+DEFAULTS = {"stagger": False, "teams": 1}
+# teams are timed only where a grid of a row block a CTA would hold this many CTAs a team or
+# more: on narrower projections the fewer, larger CTAs would leave SMs empty
+MIN_BLOCKS_A_TEAM = 64
 
 
 def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
@@ -75,6 +82,12 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     choice(config, "warps", range(1, MAX_WARPS + 1))
     cluster = choice(config, "cluster", CLUSTERS)
     choice({**DEFAULTS, **config}, "stagger", (False, True))
+    teams = choice({**DEFAULTS, **config}, "teams", range(1, MAX_WARPS + 1))
+    if config["warps"] % teams:
+        raise ValueError(f"config['teams']={teams}: must divide config['warps']={config['warps']}")
+    if teams > 1 and (config["split"] != "k" or cluster > 1):
+        raise ValueError(f"config['teams']={teams}: more than one team needs config['split']='k' "
+                         f"and config['cluster']=1, not {config['split']!r} and {cluster}")  # fmt: skip
     if not 1 <= m <= MAX_M:
         raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
     if config["slices"] == 4 and m > NARROW_M and config["warps"] > WIDE_MAX_WARPS:
@@ -139,7 +152,7 @@ def compile_all(configs: Iterable[Config]) -> dict[Library, str | None]:
 
 ENTRY = "w4a16_gemv"
 ARGTYPES = (*[ctypes.c_void_p] * 4, *[ctypes.c_int] * 4, *[ctypes.c_longlong] * 2,
-            *[ctypes.c_int] * 3, ctypes.c_void_p)  # fmt: skip
+            *[ctypes.c_int] * 4, ctypes.c_void_p)  # fmt: skip
 
 
 def load(path: Path) -> Launcher:
@@ -186,12 +199,13 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
     m, k = x.shape
     err = fn(x.data_ptr(), weight.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(), m,
              weight.shape[0], k, group, x.stride(0), out.stride(0),
-             int(x.dtype == torch.float16), config["warps"], config["cluster"], stream)  # fmt: skip
+             int(x.dtype == torch.float16), config["warps"], config["cluster"],
+             config.get("teams", DEFAULTS["teams"]), stream)  # fmt: skip
     if err:
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlists (split, slices, stages, warps, cluster, stagger), the likeliest first. Warps
+# Decode shortlists (split, slices, stages, warps, cluster, stagger, teams), the likeliest first. Warps
 # splitting K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing
 # instructions, not waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the
 # narrow projections; 8 warps of 4 stages win the wide ones, or there 64-row warps over all of K,
@@ -205,14 +219,18 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 # they ask the L2 for the same x lines together: there their staggered builds lead, from M = 2;
 # staggering costs instructions, which the issue-bound M = 1 rows feel. Where a one-round grid
 # of 64-row CTAs leaves some SMs a CTA more than the others, four-warp CTAs of 32 rows share the
-# rows out more evenly, at more instructions a weight byte.
-SHORTLIST = (("k", 2, 2, 16, 1, False), ("k", 2, 4, 8, 1, False), ("k", 4, 2, 8, 1, False),
-             ("k", 4, 2, 3, 1, False), ("k", 4, 2, 3, 1, True), ("k", 2, 2, 4, 1, False),
-             ("k", 2, 3, 16, 1, False), ("k", 2, 3, 12, 1, False), ("rows", 2, 4, 8, 8, False),
-             ("k", 4, 2, 8, 2, False), ("k", 4, 2, 8, 2, True))  # fmt: skip
+# rows out more evenly, at more instructions a weight byte. Such a grid is handed out a CTA an
+# SM at a time, and the CTAs handed out last end last: four row blocks a CTA (teams of two or
+# three warps) start them together.
+SHORTLIST = (("k", 2, 2, 16, 1, False, 1), ("k", 2, 4, 8, 1, False, 1), ("k", 4, 2, 8, 1, False, 1),
+             ("k", 4, 2, 3, 1, False, 1), ("k", 4, 2, 3, 1, True, 1), ("k", 2, 2, 4, 1, False, 1),
+             ("k", 2, 3, 16, 1, False, 1), ("k", 2, 3, 12, 1, False, 1),
+             ("rows", 2, 4, 8, 8, False, 1), ("k", 4, 2, 8, 2, False, 1),
+             ("k", 4, 2, 8, 2, True, 1), ("k", 4, 2, 12, 1, False, 4), ("k", 4, 2, 12, 1, True, 4),
+             ("k", 4, 2, 8, 1, True, 4))  # fmt: skip
 # M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so only the 64-row
 # warps over half of K, which copy the least x per weight byte.
-WIDE_SHORTLIST = (("k", 4, 2, 8, 2, False),)
+WIDE_SHORTLIST = (("k", 4, 2, 8, 2, False, 1),)
 
 
 def shortlist(m: int) -> tuple[tuple, ...]:
@@ -228,6 +246,9 @@ def configs(m: int, n: int, k: int, group: int) -> list[Config]:
         try:
             check_config(config, m, n, k, group)
         except ValueError:
+            continue
+        blocks = -(-n // (16 * config["slices"]))
+        if config["teams"] > 1 and blocks < MIN_BLOCKS_A_TEAM * config["teams"]:
             continue
         out.append(config)
     return out

@@ -4,7 +4,11 @@
 // of it, or 1 / C of it in a cluster of C CTAs), and its warps split either
 // - K (GEMV_SPLIT_ROWS=0): the CTA's rows are one warp's; its warps take interleaved 128-value
 //   chunks of the run, each from its own copy ring, and their [ROWS, M] partials are summed in
-//   shared memory in warp order; or
+//   shared memory in warp order. Without a cluster the CTA may hold several such row blocks
+//   (`teams`, a launch argument), each taken by warps / teams of its warps exactly as a CTA of
+//   its own would: the block scheduler then hands out a wide projection's grid in one CTA an SM,
+//   so its warps start together instead of a CTA an SM at a time (the CTAs handed out last end
+//   last, by as long as the hand-out took); or
 // - rows (GEMV_SPLIT_ROWS=1): the CTA's rows are `warps` x ROWS, every warp takes every chunk
 //   of the run from one ring the CTA shares, so x's [M, 128] slab of a chunk is copied once per
 //   CTA instead of once per warp (x's bytes per weight byte: 4 M / (warps x ROWS), not 4 M / ROWS).
@@ -81,16 +85,6 @@
 #ifndef GEMV_STAGGER
 #define GEMV_STAGGER 0
 #endif
-// bench A/B only: -DGEMV_TEAMS=T (warps splitting K, no cluster): a CTA holds T row blocks, each
-// taken by warps / T of its warps as a CTA of its own would be (fewer, larger CTAs to launch)
-#ifndef GEMV_TEAMS
-#define GEMV_TEAMS 1
-#endif
-// with -DGEMV_TEAMS_GRID=G: a grid of G CTAs, each taking an even share of the row blocks (up to
-// TEAMS; its teams past its share idle)
-#ifndef GEMV_TEAMS_GRID
-#define GEMV_TEAMS_GRID 0
-#endif
 
 namespace cg = cooperative_groups;
 
@@ -102,8 +96,6 @@ constexpr int CHUNK = 128;          // K values per chunk
 constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so ldmatrix's 8 rows hit 8 bank groups
 constexpr int MAX_M = 16;  // two n8 tiles
 constexpr int MAX_WARPS = GEMV_MAX_WARPS;
-constexpr int TEAMS = GEMV_TEAMS;
-static_assert(TEAMS == 1 || !SPLIT_ROWS, "teams split K");
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
 
@@ -145,6 +137,7 @@ struct Params {
   int stage_bytes;  // one warp's stage: weight, (scale, zero) words, x's slab
   int inbox_at;     // (a cluster) the inbox: an mbarrier, then [ranks][a share of the outputs]
   int rank_shift;   // log2 of the cluster's size (1, 2, 4 or 8 CTAs)
+  int teams;        // row blocks a CTA (warps splitting K, no cluster; else 1)
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -544,20 +537,17 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   }
 
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  // (GEMV_TEAMS) the warp's team and its row block; its place and the warps in the team
-  const int team = TEAMS > 1 ? warp / (warps / TEAMS) : 0;
-  const int blocks = (p.n + cta_rows - 1) / cta_rows;
-  const int first_block = GEMV_TEAMS_GRID ? blockIdx.x * blocks / gridDim.x
-                                          : ranks_of.div(blockIdx.x) * TEAMS;
-  const int end_block = GEMV_TEAMS_GRID ? (blockIdx.x + 1) * blocks / gridDim.x : blocks;
+  // the warp's team (its row block) and its place among the team's kwarps warps
+  const int kwarps = p.teams > 1 ? warps / p.teams : warps;
+  const int team = p.teams > 1 ? warp / kwarps : 0, kwarp = warp - team * kwarps;
+  const int first_block = ranks_of.div(blockIdx.x) * p.teams;
   const int row_block = first_block + team;
-  const int kwarp = TEAMS > 1 ? warp % (warps / TEAMS) : warp, kwarps = warps / TEAMS;
   const int n0 = row_block * cta_rows;
   // the warp's first row; a warp of the last CTA may lie wholly past N: its copies read in
   // bounds (row 0's bytes; none at all in the build for partial blocks) and nothing of it is
-  // stored
+  // stored (a team wholly past N copies nothing)
   const int warp_n0 = SPLIT_ROWS ? n0 + warp * ROWS : n0;
-  const bool live = warp_n0 < p.n && (!GEMV_TEAMS_GRID || row_block < end_block);
+  const bool live = warp_n0 < p.n;
   const int first_row = live ? warp_n0 / 64 * 64 : 0;  // of the warp's 64-row block
   const int rows = live ? min(64, p.n - first_row) : 0;
   const int offset = live ? warp_n0 - first_row : 0;
@@ -567,7 +557,8 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const int c_lo = ranks_of.div(rank * chunks), c_hi = ranks_of.div((rank + 1) * chunks);
   // splitting K, the warp takes chunks c_lo + warp, + warps, ...; splitting rows, all of them
   const int first = SPLIT_ROWS ? c_lo : c_lo + kwarp, step = SPLIT_ROWS ? 1 : kwarps;
-  const int mine = (TEAMS == 1 || live) && first < c_hi ? (c_hi - first + step - 1) / step : 0;
+  const bool idle = p.teams > 1 && !live;
+  const int mine = !idle && first < c_hi ? (c_hi - first + step - 1) / step : 0;
 
   // a ring per warp (its part, then x's slab), or one per CTA (every warp's part, then the slab)
   const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
@@ -635,23 +626,24 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
         const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
         if (col < m) mine_at[col * cta_rows + row] = acc[s][n8][e];
       }
-  const auto store = [&](int q, float v, int at = -1) {  // output q of [M][cta_rows] at row `at`
-    const int col = q / cta_rows, row = q % cta_rows, base = at < 0 ? n0 : at;
+  // output q of a row block's [M][cta_rows], the block's first row at `base`
+  const auto store = [&](int q, float v, int base) {
+    const int col = q / cta_rows, row = q % cta_rows;
     if (base + row < p.n) p.out[col * p.ldo + base + row] = Half2Ops<F16>::round(v);
   };
   // splitting K without a cluster, an output is stored as soon as its warps' partials are summed
+  // (each team's, in warp order)
   const bool stored_here = !SPLIT_ROWS && ranks == 1;
   if constexpr (!SPLIT_ROWS) {
     __syncthreads();
     if (threadIdx.x == 0) stamp(6, CLOCK);
-    for (int tq = threadIdx.x; tq < TEAMS * outputs; tq += blockDim.x) {
-      const int t = TEAMS > 1 ? tq / outputs : 0, q = tq - t * outputs;
+    for (int tq = threadIdx.x; tq < p.teams * outputs; tq += blockDim.x) {
+      const int t = p.teams > 1 ? tq / outputs : 0, q = tq - t * outputs;
       float v = 0.f;
       for (int w = 0; w < kwarps; ++w) v += part[(t * kwarps + w) * outputs + q];
-      if (stored_here) {
-        if (!GEMV_TEAMS_GRID || first_block + t < end_block)
-          store(q, v, (first_block + t) * cta_rows);
-      } else
+      if (stored_here)
+        store(q, v, (first_block + t) * cta_rows);
+      else
         sums[q] = v;
     }
   }
@@ -676,7 +668,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
     for (int q = q_lo(rank) + threadIdx.x; q < q_lo(rank + 1); q += blockDim.x) {
       float v = 0.f;
       for (int r = 0; r < ranks; ++r) v += r == rank ? sums[q] : inbox[r * share + q - q_lo(rank)];
-      store(q, v);
+      store(q, v, n0);
     }
   }
   if (threadIdx.x == 0) {
@@ -715,8 +707,7 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster);
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   const int blocks = (p.n + cta_rows - 1) / cta_rows;
-  const unsigned ctas = static_cast<unsigned>(
-      GEMV_TEAMS_GRID ? GEMV_TEAMS_GRID : (blocks + TEAMS - 1) / TEAMS * cluster);
+  const unsigned ctas = static_cast<unsigned>((blocks + p.teams - 1) / p.teams * cluster);
   return gemv::launch_in_clusters<w4a16_gemv_kernel<F16, NG, NT, FULL>>(
       ctas, static_cast<unsigned>(warps * 32), smem, cluster, stream, p);
 }
@@ -766,16 +757,18 @@ int w4a16_gemv_smem(int m, int group, int warps, int cluster) {
 // out of bounds: m outside 1..MAX_M, K not whole chunks, a group size other than 32, 64,
 // 128, 256 that divides K, N x K / group (scale, zero) words past 32-bit indices, warps outside
 // 1..MAX_WARPS (1..8 for 64-row warps at M > 8), a cluster other than 1, 2, 4 or 8, or one
-// wider than K's chunks, x's row stride past 32-bit offsets between copy rounds, x or w not
-// 16-byte aligned.
+// wider than K's chunks, teams that do not divide the warps (or more than one team where warps
+// split rows or a cluster splits K), x's row stride past 32-bit offsets between copy rounds, x
+// or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
-               void* stream) {
+               int teams, void* stream) {
   const bool group_ok = (group == 32 || group == 64 || group == 128 || group == 256) && k % group == 0;
   const bool words_ok = group_ok && static_cast<long long>(n) * (k / group) < (1ll << 31);
   if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !words_ok || warps < 1 ||
       warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster & (cluster - 1) ||
-      cluster > k / CHUNK || ldx % 8 || (TEAMS > 1 && (cluster != 1 || warps % TEAMS)) ||
+      cluster > k / CHUNK || ldx % 8 || teams < 1 || warps % teams ||
+      (teams > 1 && (SPLIT_ROWS || cluster > 1)) ||
       ldx >= (1ll << 31) / (2 * MAX_WARPS) ||
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
@@ -794,6 +787,7 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.stage_bytes = stage_bytes(m, group, warps);
   p.inbox_at = inbox_at(m, group, warps);
   p.rank_shift = __builtin_ctz(static_cast<unsigned>(cluster));
+  p.teams = teams;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return static_cast<int>(f16 ? launch_tiles<true>(p, group, warps, cluster, s)
                               : launch_tiles<false>(p, group, warps, cluster, s));
