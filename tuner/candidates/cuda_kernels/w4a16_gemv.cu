@@ -138,6 +138,7 @@ struct Params {
   int inbox_at;     // (a cluster) the inbox: an mbarrier, then [ranks][a share of the outputs]
   int rank_shift;   // log2 of the cluster's size (1, 2, 4 or 8 CTAs)
   int teams;        // row blocks a CTA (warps splitting K, no cluster; else 1)
+  int team_warps;   // warps a team: warps / teams (the kernel divides by no runtime value)
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -538,8 +539,10 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
 
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   // the warp's team (its row block) and its place among the team's kwarps warps
-  const int kwarps = p.teams > 1 ? warps / p.teams : warps;
-  const int team = p.teams > 1 ? warp / kwarps : 0, kwarp = warp - team * kwarps;
+  const int kwarps = p.team_warps;
+  int team = 0;
+  for (int w = kwarps; w <= warp; w += kwarps) ++team;
+  const int kwarp = warp - team * kwarps;
   const int first_block = ranks_of.div(blockIdx.x) * p.teams;
   const int row_block = first_block + team;
   const int n0 = row_block * cta_rows;
@@ -637,14 +640,16 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   if constexpr (!SPLIT_ROWS) {
     __syncthreads();
     if (threadIdx.x == 0) stamp(6, CLOCK);
-    for (int tq = threadIdx.x; tq < p.teams * outputs; tq += blockDim.x) {
-      const int t = p.teams > 1 ? tq / outputs : 0, q = tq - t * outputs;
-      float v = 0.f;
-      for (int w = 0; w < kwarps; ++w) v += part[(t * kwarps + w) * outputs + q];
-      if (stored_here)
-        store(q, v, (first_block + t) * cta_rows);
-      else
-        sums[q] = v;
+    for (int t = 0; t < p.teams; ++t) {
+      const float* team_part = part + t * kwarps * outputs;
+      for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
+        float v = 0.f;
+        for (int w = 0; w < kwarps; ++w) v += team_part[w * outputs + q];
+        if (stored_here)
+          store(q, v, (first_block + t) * cta_rows);
+        else
+          sums[q] = v;
+      }
     }
   }
   if (!stored_here) {
@@ -788,6 +793,7 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.inbox_at = inbox_at(m, group, warps);
   p.rank_shift = __builtin_ctz(static_cast<unsigned>(cluster));
   p.teams = teams;
+  p.team_warps = warps / teams;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return static_cast<int>(f16 ? launch_tiles<true>(p, group, warps, cluster, s)
                               : launch_tiles<false>(p, group, warps, cluster, s));
