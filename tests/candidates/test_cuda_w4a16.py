@@ -62,6 +62,7 @@ def test_configs_are_checked_field_by_field() -> None:
         (dict(cfg(), teams=3), 1, "config['teams']=3: must divide config['warps']=8"),
         (cfg(teams=2, cluster=2), 1, "config['teams']=2: more than one team needs"),
         (cfg(teams=2, split="rows"), 1, "config['teams']=2: more than one team needs"),
+        (cfg(teams=2), 9, "config['teams']=2: more than one team at M <= 8 only"),
         ({**cfg(), "ntiles": 2}, 1, "unknown keys ['ntiles']"),
         (cfg(), 17, "M=17"),
         (cfg(), 0, "M=0"),
@@ -254,6 +255,7 @@ def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) ->
     assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 1, 3, 1, 0) == 1
     assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 6, 1, 4, 0) == 1
     assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 8, 2, 4, 0) == 1
+    assert entry(0, 0, 0, 0, 9, 64, 512, 128, 8, 64, 0, 8, 1, 4, 0) == 1  # teams at M > 8
 
 
 def compiled_config(path) -> tuple[int, int, int, int]:

@@ -88,6 +88,9 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     if teams > 1 and (config["split"] != "k" or cluster > 1):
         raise ValueError(f"config['teams']={teams}: more than one team needs config['split']='k' "
                          f"and config['cluster']=1, not {config['split']!r} and {cluster}")  # fmt: skip
+    if teams > 1 and m > NARROW_M:
+        raise ValueError(f"config['teams']={teams}: more than one team at M <= {NARROW_M} only "
+                         f"(one n8 tile of activations), not M={m}")  # fmt: skip
     if not 1 <= m <= MAX_M:
         raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
     if config["slices"] == 4 and m > NARROW_M and config["warps"] > WIDE_MAX_WARPS:

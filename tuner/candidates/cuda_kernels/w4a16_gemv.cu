@@ -138,7 +138,7 @@ struct Params {
   int inbox_at;     // (a cluster) the inbox: an mbarrier, then [ranks][a share of the outputs]
   int rank_shift;   // log2 of the cluster's size (1, 2, 4 or 8 CTAs)
   int teams;        // row blocks a CTA (warps splitting K, no cluster; else 1)
-  int team_warps;   // warps a team: warps / teams (the kernel divides by no runtime value)
+  int team_warps;   // warps a team: warps / teams
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -510,7 +510,9 @@ constexpr int max_warps() {
   return SLICES * NT > 4 && MAX_WARPS > 8 ? 8 : MAX_WARPS;
 }
 
-template <bool F16, int NG, int NT, bool FULL>
+// TEAMED: the build for more than one row block a CTA (its own instance, so that the build for
+// one computes nothing of teams)
+template <bool F16, int NG, int NT, bool FULL, bool TEAMED>
 __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   if (threadIdx.x == 0) {
@@ -539,11 +541,9 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
 
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   // the warp's team (its row block) and its place among the team's kwarps warps
-  const int kwarps = p.team_warps;
-  int team = 0;
-  for (int w = kwarps; w <= warp; w += kwarps) ++team;
-  const int kwarp = warp - team * kwarps;
-  const int first_block = ranks_of.div(blockIdx.x) * p.teams;
+  const int kwarps = TEAMED ? p.team_warps : warps, teams = TEAMED ? p.teams : 1;
+  const int team = TEAMED ? warp / kwarps : 0, kwarp = warp - team * kwarps;
+  const int first_block = ranks_of.div(blockIdx.x) * teams;
   const int row_block = first_block + team;
   const int n0 = row_block * cta_rows;
   // the warp's first row; a warp of the last CTA may lie wholly past N: its copies read in
@@ -560,7 +560,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const int c_lo = ranks_of.div(rank * chunks), c_hi = ranks_of.div((rank + 1) * chunks);
   // splitting K, the warp takes chunks c_lo + warp, + warps, ...; splitting rows, all of them
   const int first = SPLIT_ROWS ? c_lo : c_lo + kwarp, step = SPLIT_ROWS ? 1 : kwarps;
-  const bool idle = p.teams > 1 && !live;
+  const bool idle = TEAMED && !live;
   const int mine = !idle && first < c_hi ? (c_hi - first + step - 1) / step : 0;
 
   // a ring per warp (its part, then x's slab), or one per CTA (every warp's part, then the slab)
@@ -640,16 +640,14 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   if constexpr (!SPLIT_ROWS) {
     __syncthreads();
     if (threadIdx.x == 0) stamp(6, CLOCK);
-    for (int t = 0; t < p.teams; ++t) {
-      const float* team_part = part + t * kwarps * outputs;
-      for (int q = threadIdx.x; q < outputs; q += blockDim.x) {
-        float v = 0.f;
-        for (int w = 0; w < kwarps; ++w) v += team_part[w * outputs + q];
-        if (stored_here)
-          store(q, v, (first_block + t) * cta_rows);
-        else
-          sums[q] = v;
-      }
+    for (int tq = threadIdx.x; tq < teams * outputs; tq += blockDim.x) {
+      const int t = TEAMED ? tq / outputs : 0, q = tq - t * outputs;
+      float v = 0.f;
+      for (int w = 0; w < kwarps; ++w) v += part[(t * kwarps + w) * outputs + q];
+      if (stored_here)
+        store(q, v, (first_block + t) * cta_rows);
+      else
+        sums[q] = v;
     }
   }
   if (!stored_here) {
@@ -706,35 +704,38 @@ int smem_bytes(int m, int group, int warps, int cluster) {
   return inbox_at(m, group, warps) + inbox;
 }
 
-template <bool F16, int NG, int NT, bool FULL>
+template <bool F16, int NG, int NT, bool FULL, bool TEAMED>
 cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
   if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
   const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster);
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   const int blocks = (p.n + cta_rows - 1) / cta_rows;
   const unsigned ctas = static_cast<unsigned>((blocks + p.teams - 1) / p.teams * cluster);
-  return gemv::launch_in_clusters<w4a16_gemv_kernel<F16, NG, NT, FULL>>(
+  return gemv::launch_in_clusters<w4a16_gemv_kernel<F16, NG, NT, FULL, TEAMED>>(
       ctas, static_cast<unsigned>(warps * 32), smem, cluster, stream, p);
 }
 
 // FULL where every 64-row block is whole and the (scale, zero) words can be copied 16 bytes at
 // a time
-template <bool F16, int NG, int NT>
+template <bool F16, int NG, int NT, bool TEAMED>
 cudaError_t launch_blocks(const Params& p, int warps, int cluster, cudaStream_t s) {
   const bool full = p.n % 64 == 0 && reinterpret_cast<uintptr_t>(p.sz) % 16 == 0;
-  return full ? launch<F16, NG, NT, true>(p, warps, cluster, s)
-              : launch<F16, NG, NT, false>(p, warps, cluster, s);
+  return full ? launch<F16, NG, NT, true, TEAMED>(p, warps, cluster, s)
+              : launch<F16, NG, NT, false, TEAMED>(p, warps, cluster, s);
 }
 
-template <bool F16, int NT>
+template <bool F16, int NT, bool TEAMED = false>
 cudaError_t launch_group(const Params& p, int group, int warps, int cluster, cudaStream_t s) {
-  if (group == 32) return launch_blocks<F16, 4, NT>(p, warps, cluster, s);
-  if (group == 64) return launch_blocks<F16, 2, NT>(p, warps, cluster, s);
-  return launch_blocks<F16, 1, NT>(p, warps, cluster, s);
+  if (group == 32) return launch_blocks<F16, 4, NT, TEAMED>(p, warps, cluster, s);
+  if (group == 64) return launch_blocks<F16, 2, NT, TEAMED>(p, warps, cluster, s);
+  return launch_blocks<F16, 1, NT, TEAMED>(p, warps, cluster, s);
 }
 
+// teams (the entry point allows them at M <= 8, warps splitting K) have a build of one n8 tile
 template <bool F16>
 cudaError_t launch_tiles(const Params& p, int group, int warps, int cluster, cudaStream_t s) {
+  if constexpr (!SPLIT_ROWS)
+    if (p.teams > 1) return launch_group<F16, 1, true>(p, group, warps, cluster, s);
   return p.m > 8 ? launch_group<F16, 2>(p, group, warps, cluster, s)
                  : launch_group<F16, 1>(p, group, warps, cluster, s);
 }
@@ -763,7 +764,7 @@ int w4a16_gemv_smem(int m, int group, int warps, int cluster) {
 // 128, 256 that divides K, N x K / group (scale, zero) words past 32-bit indices, warps outside
 // 1..MAX_WARPS (1..8 for 64-row warps at M > 8), a cluster other than 1, 2, 4 or 8, or one
 // wider than K's chunks, teams that do not divide the warps (or more than one team where warps
-// split rows or a cluster splits K), x's row stride past 32-bit offsets between copy rounds, x
+// split rows, a cluster splits K or M > 8), x's row stride past 32-bit offsets between copy rounds, x
 // or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
@@ -773,7 +774,7 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !words_ok || warps < 1 ||
       warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster & (cluster - 1) ||
       cluster > k / CHUNK || ldx % 8 || teams < 1 || warps % teams ||
-      (teams > 1 && (SPLIT_ROWS || cluster > 1)) ||
+      (teams > 1 && (SPLIT_ROWS || cluster > 1 || m > 8)) ||
       ldx >= (1ll << 31) / (2 * MAX_WARPS) ||
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
