@@ -390,8 +390,9 @@ def test_every_config_matches_the_float32_reference(shape: tuple, built: None) -
     for config in CONFIGS:
         try:
             cw.check_config(config, m, n, k, group)
-        except ValueError as e:  # only a shape's limits: a cluster, 64-row warps, shared memory
-            if not re.search(r"config\['cluster'\]|64-row warps|shared memory", str(e)):
+        except ValueError as e:  # only a shape's limits: a cluster, 64-row warps, shared memory,
+            # teams at M > 8
+            if not re.search(r"config\['cluster'\]|64-row warps|shared memory|team at M", str(e)):
                 raise
             continue
         fn = cw.launcher(config)
