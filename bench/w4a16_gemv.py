@@ -20,7 +20,7 @@ end, ``clock64`` at its start, after the wait, when warp 0's first chunk landed,
 last chunk, once the warps' partials are in shared memory, at its end); the row carries the
 stamps and a summary (impl "cuda_gemv_trace"). With ``--baseline PATH``, every config is also
 built from the kernel source at PATH (another version of ``w4a16_gemv.cu``, e.g. the committed
-one) and timed right before the current one (impl "cuda_gemv_baseline"): an A/B of a kernel change
+one, whose entry point takes the same arguments) and timed right before the current one (impl "cuda_gemv_baseline"): an A/B of a kernel change
 on one machine in one run; ``--variant NAME=FLAGS`` (repeatable) does the same for the current
 source built with extra ``-D`` flags (impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``);
 ``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER[,TEAMS]]`` (repeatable; STAGGER 0 or 1,
