@@ -20,12 +20,13 @@ end, ``clock64`` at its start, after the wait, when warp 0's first chunk landed,
 last chunk, once the warps' partials are in shared memory, at its end); the row carries the
 stamps and a summary (impl "cuda_gemv_trace"). With ``--baseline PATH``, every config is also
 built from the kernel source at PATH (another version of ``w4a16_gemv.cu``, e.g. the committed
-one, whose entry point takes the same arguments) and timed right before the current one (impl "cuda_gemv_baseline"): an A/B of a kernel change
-on one machine in one run; ``--variant NAME=FLAGS`` (repeatable) does the same for the current
-source built with extra ``-D`` flags (impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``);
+one, whose entry point takes the same arguments: checked) and timed right before the current one
+(impl "cuda_gemv_baseline"): an A/B of a kernel change on one machine in one run; ``--variant
+NAME=FLAGS`` (repeatable) does the same for the current source built with extra ``-D`` flags
+(impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``);
 ``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER[,TEAMS]]`` (repeatable; STAGGER 0 or 1,
-TEAMS row blocks a CTA) times those configs instead of ``GRID``; ``--repeat R`` times each config's builds R times in turn (the A/B's
-noise).
+TEAMS row blocks a CTA) times those configs instead of ``GRID``; ``--repeat R`` times each
+config's builds R times in turn (the A/B's noise).
 ``--profile``: no timing, the bare read and each config of ``PROFILED`` (or of ``--config``) once
 in an NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import itertools
+import re
 import subprocess
 import tempfile
 import time
@@ -113,6 +115,16 @@ def parse_config(text: str) -> tuple:
                          f"[,TEAMS]] with SPLIT in {cuda_w4a16.SPLITS} and STAGGER 0 or 1, e.g. "
                          "k,4,2,8,2, k,4,2,3,1,1 or k,4,2,12,1,0,4")  # fmt: skip
     return (parts[0], *map(int, parts[1:5]), *(p == "1" for p in parts[5:6]), *map(int, parts[6:]))
+
+
+ENTRY = re.compile(r"int w4a16_gemv\((.*?)\)\s*\{", re.S)
+
+
+def entry_arguments(source: Path) -> str | None:
+    """The arguments of the kernel source's entry point, whitespace and comments aside (None if
+    it has none): a baseline must take the ones ``cuda_w4a16.run`` passes."""
+    found = ENTRY.search(source.read_text())
+    return " ".join(re.sub(r"//[^\n]*", "", found.group(1)).split()) if found else None
 
 
 def variant_path(cfg: dict[str, Any], variant: str, source: Path = cuda_w4a16.SOURCE) -> Path:
@@ -356,6 +368,13 @@ def main() -> None:
             GRID[:] = PROFILED[:] = [parse_config(c) for c in args.config]
         except ValueError as e:
             ap.error(str(e))
+    if args.baseline is not None:
+        if not args.baseline.is_file():
+            ap.error(f"--baseline {args.baseline}: no such file")
+        theirs, ours = entry_arguments(args.baseline), entry_arguments(cuda_w4a16.SOURCE)
+        if theirs != ours:
+            ap.error(f"--baseline {args.baseline}: its entry point takes ({theirs}), this "
+                     f"source's ({ours}); give it the same arguments first")  # fmt: skip
     variants = tuple(spec.partition("=")[0] for spec in args.variant)
     torch.manual_seed(0)
     build(args.proj, tuple(args.m), args.trace, args.baseline, list(variants))

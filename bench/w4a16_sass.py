@@ -35,8 +35,9 @@ REGISTERS = re.compile(r"REG:(\d+)")
 
 
 def kernel_name(f16: bool, groups: int, tiles: int) -> str:
-    """The mangled name of ``w4a16_gemv_kernel<F16, NG, NT, true>``: the FULL build."""
-    return f"_Z17w4a16_gemv_kernelILb{int(f16)}ELi{groups}ELi{tiles}ELb1EEv6Params"
+    """The mangled name of ``w4a16_gemv_kernel<F16, NG, NT, true, false>``: the FULL build of one
+    row block a CTA."""
+    return f"_Z17w4a16_gemv_kernelILb{int(f16)}ELi{groups}ELi{tiles}ELb1ELb0EEv6Params"
 
 
 def opcode(text: str) -> str:

@@ -27,3 +27,20 @@ def test_a_config_is_five_numbers_then_an_optional_stagger_and_teams() -> None:
 def test_a_malformed_config_names_the_text(text: str) -> None:
     with pytest.raises(ValueError, match=f"--config {text!r}"):
         gemv.parse_config(text)
+
+
+def test_a_baseline_source_must_take_the_entry_points_arguments(tmp_path) -> None:
+    source = gemv.cuda_w4a16.SOURCE.read_text()
+    ours = gemv.entry_arguments(gemv.cuda_w4a16.SOURCE)
+    assert ours is not None and "int teams" in ours
+    # the same arguments, laid out and commented otherwise
+    same = tmp_path / "same.cu"
+    same.write_text(source.replace("int teams, void* stream", "int teams,  // one\n void* stream"))
+    assert gemv.entry_arguments(same) == ours
+    # an older entry point, without teams: its stream would take the teams' place
+    older = tmp_path / "older.cu"
+    older.write_text(source.replace("int teams, void* stream", "void* stream"))
+    assert gemv.entry_arguments(older) not in (None, ours)
+    empty = tmp_path / "empty.cu"
+    empty.write_text("")
+    assert gemv.entry_arguments(empty) is None

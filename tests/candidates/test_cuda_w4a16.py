@@ -164,6 +164,9 @@ def test_the_decode_shortlist(store: ArtifactStore) -> None:
     assert len(one_team) < len(cw.SHORTLIST)
     shortlist = cw.configs(4, 4096, 14336, 128)
     assert [entry(c) for c in shortlist] == one_team
+    # the line: 256 64-row blocks make a grid of 64 CTAs of four
+    assert [entry(c) for c in cw.configs(4, 256 * 64, 4096, 128)] == list(cw.SHORTLIST)
+    assert [entry(c) for c in cw.configs(4, 255 * 64, 4096, 128)] == one_team
     assert [entry(c) for c in cw.configs(9, 4096, 14336, 128)] == list(cw.WIDE_SHORTLIST)
     assert cw.configs(17, 4096, 14336, 128) == []
     # a cluster of C CTAs needs C chunks of K: with 3, the cluster of 8 does not fit
@@ -256,6 +259,7 @@ def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) ->
     assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 6, 1, 4, 0) == 1
     assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 8, 2, 4, 0) == 1
     assert entry(0, 0, 0, 0, 9, 64, 512, 128, 8, 64, 0, 8, 1, 4, 0) == 1  # teams at M > 8
+    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 8, 1, 0, 0) == 1  # no team
 
 
 def compiled_config(path) -> tuple[int, int, int, int]:
@@ -451,17 +455,25 @@ def test_padded_output_rows_get_only_their_n_outputs(n: int, built: None) -> Non
         assert padded[:, n:].isnan().all(), config
 
 
+# a team of three 64-row warps (four a CTA), of two staggered ones (the shortlist's), of two
+# staggered 32-row ones; each beside a CTA of its own
+TEAMS = [(cfg(4, 2, 3, 1), cfg(4, 2, 12, 1, teams=4)),
+         (cfg(4, 2, 2, 1, stagger=True), cfg(4, 2, 8, 1, stagger=True, teams=4)),
+         (cfg(2, 2, 2, 1, stagger=True), cfg(2, 2, 8, 1, stagger=True, teams=4))]  # fmt: skip
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("stagger", [False, True])
+@pytest.mark.parametrize("pair", TEAMS, ids=["k4-3w", "k4-2w-staggered", "k2-2w-staggered"])
 @pytest.mark.parametrize("n", [64, 448, 1000, 28672])
-def test_a_team_computes_what_a_cta_of_its_own_would(n: int, stagger: bool, built: None) -> None:
-    """Four 64-row blocks a CTA of 12 warps, three a block, against a CTA of 3 warps a block:
-    the same chunks a warp in the same order, summed in the same warp order, so bit-identical
-    outputs (N = 64 and 1000: a last CTA with teams past N)."""
+def test_a_team_computes_what_a_cta_of_its_own_would(n: int, pair: tuple, built: None) -> None:
+    """Four row blocks a CTA against a CTA a block, with as many warps a block: the same chunks
+    a warp in the same order, summed in the same warp order, so bit-identical outputs (N = 64
+    and 448 with 64-row blocks: a last CTA with teams past N; N = 1000: a part-filled last
+    block)."""
     m, k, group = 4, 2048, 128
     x, packed, sz, ref, tol = _problem(m, n, k, group, torch.bfloat16)
     outs = []
-    for config in (cfg(4, 2, 3, 1, stagger=stagger), cfg(4, 2, 12, 1, stagger=stagger, teams=4)):
+    for config in pair:
         out = torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
         cw.run(cw.launcher(config), config, x, packed, sz, group, out, stream())
         outs.append(out)

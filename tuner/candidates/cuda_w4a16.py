@@ -2,9 +2,9 @@
 
 GEMV-style: a warp owns 16, 32 or 64 weight rows, a CTA a run of K, and a cluster of CTAs that
 split K sums through distributed shared memory (each rank pushes the others' shares of its sums
-into their inboxes). The CTA's warps split either K (``split`` "k": the CTA's rows are one warp's,
-each warp takes every ``warps``-th 128-value chunk of the run from its own copy ring, and the warps
-sum in shared memory) or rows (``split`` "rows": the CTA owns ``warps`` x its warp's rows, every
+into their inboxes). The CTA's warps split either K (``split`` "k": a row block is one warp's
+rows, each of its warps takes every ``warps / teams``-th 128-value chunk of the run from its own
+copy ring, and they sum in shared memory) or rows (``split`` "rows": the CTA owns ``warps`` x its warp's rows, every
 warp takes every chunk from one ring the CTA shares, so each chunk of x is copied once per CTA, not
 once per warp). No partial ever goes through global memory, so there is no workspace and no second
 pass, and the sum order is fixed (deterministic). x's rows are one n8 tile of the tensor cores' mma
@@ -18,8 +18,8 @@ rounds, so that they do not all read the same x lines at once: a ``Library``) an
 part (``warps`` per CTA, ``cluster`` CTAs splitting K, ``teams``: row blocks a CTA when warps
 split K without a cluster, each taken by ``warps / teams`` of its warps as a CTA of its own would
 be, so that a wide projection's grid is handed out a CTA an SM and its warps start together).
-Each library (the CUDA runtime linked in
-statically) serves every shape and is built, stored and loaded as ``cuda_library`` says.
+Each library (the CUDA runtime linked in statically) serves every shape and is built, stored and
+loaded as ``cuda_library`` says.
 
 As a candidate source (``CudaW4A16``) its runners take torch's packed weight, as the baseline
 does, and read our layout of it (``int4_torch.ours``: made once per weight, memoised).
@@ -67,7 +67,8 @@ CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster", "stagger", "team
 # block a CTA
 DEFAULTS = {"stagger": False, "teams": 1}
 # teams are timed only where a grid of a row block a CTA would hold this many CTAs a team or
-# more: on narrower projections the fewer, larger CTAs would leave SMs empty
+# more (a wide projection: several CTAs an SM to hand out); on a narrow one, a grid of a few
+# row blocks a CTA would leave most SMs empty
 MIN_BLOCKS_A_TEAM = 64
 
 
@@ -82,6 +83,8 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     choice(config, "warps", range(1, MAX_WARPS + 1))
     cluster = choice(config, "cluster", CLUSTERS)
     choice({**DEFAULTS, **config}, "stagger", (False, True))
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
     teams = choice({**DEFAULTS, **config}, "teams", range(1, MAX_WARPS + 1))
     if config["warps"] % teams:
         raise ValueError(f"config['teams']={teams}: must divide config['warps']={config['warps']}")
@@ -91,8 +94,6 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     if teams > 1 and m > NARROW_M:
         raise ValueError(f"config['teams']={teams}: more than one team at M <= {NARROW_M} only "
                          f"(one n8 tile of activations), not M={m}")  # fmt: skip
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
     if config["slices"] == 4 and m > NARROW_M and config["warps"] > WIDE_MAX_WARPS:
         raise ValueError(f"config['warps']={config['warps']}: allowed 1 to {WIDE_MAX_WARPS} for "
                          f"64-row warps (config['slices']=4) at M={m} > {NARROW_M}")  # fmt: skip
@@ -208,8 +209,8 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlists (split, slices, stages, warps, cluster, stagger, teams), the likeliest first. Warps
-# splitting K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing
+# Decode shortlists (split, slices, stages, warps, cluster, stagger, teams), the likeliest
+# first. Warps splitting K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing
 # instructions, not waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the
 # narrow projections; 8 warps of 4 stages win the wide ones, or there 64-row warps over all of K,
 # whose x fragments serve four slices (where the kernel's instructions, not the weight stream, set

@@ -50,8 +50,8 @@
 //
 // One shared library per (SPLIT_ROWS, SLICES, STAGES, STAGGER): -DGEMV_SPLIT_ROWS=0|1 (warps
 // split K or rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_STAGES=2..8,
-// -DGEMV_STAGGER=0|1; warps per CTA and the cluster size (1, 2, 4 or 8 CTAs) are launch
-// arguments.
+// -DGEMV_STAGGER=0|1; warps per CTA, the cluster size (1, 2, 4 or 8 CTAs) and the row blocks a
+// CTA (teams) are launch arguments, each build of teams its own kernel instance.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -292,7 +292,7 @@ struct Half2Ops<true> {  // fp16
 
 // One lane's share of a ring's copies, chunk after chunk: built once (the addresses that do
 // not move, which rows exist), then each `issue` copies the current chunk into a stage and
-// moves on by `step` chunks (the warps when they split K, else 1). Each lane copies the weight
+// moves on by `step` chunks (the warps of its team when they split K, else 1). Each lane copies the weight
 // bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t); its warp's
 // (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over the warp,
 // and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the ring.
@@ -558,7 +558,8 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
 
   const int chunks = p.k / CHUNK;
   const int c_lo = ranks_of.div(rank * chunks), c_hi = ranks_of.div((rank + 1) * chunks);
-  // splitting K, the warp takes chunks c_lo + warp, + warps, ...; splitting rows, all of them
+  // splitting K, the warp takes chunks c_lo + kwarp, + kwarps, ... (its place in its team, the
+  // team's warps); splitting rows, all of them
   const int first = SPLIT_ROWS ? c_lo : c_lo + kwarp, step = SPLIT_ROWS ? 1 : kwarps;
   const bool idle = TEAMED && !live;
   const int mine = !idle && first < c_hi ? (c_hi - first + step - 1) / step : 0;
@@ -611,8 +612,9 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   // the next kernel may launch once every CTA got here (it waits for this grid's writes itself)
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-  // (after the ring is done with) splitting K, the warps' partials [warps][M][ROWS], summed in
-  // warp order into the CTA's sums [M][ROWS]; splitting rows, each warp's rows of the sums
+  // (after the ring is done with) splitting K, the warps' partials [warps][M][ROWS] (a team's
+  // warps next to each other), summed in warp order, a team's into its row block's outputs (or,
+  // in a cluster, into the CTA's sums [M][ROWS]); splitting rows, each warp's rows of the sums
   // [M][cta_rows]
   __syncthreads();
   const int g = lane >> 2, t = lane & 3, m = p.m;
@@ -764,8 +766,8 @@ int w4a16_gemv_smem(int m, int group, int warps, int cluster) {
 // 128, 256 that divides K, N x K / group (scale, zero) words past 32-bit indices, warps outside
 // 1..MAX_WARPS (1..8 for 64-row warps at M > 8), a cluster other than 1, 2, 4 or 8, or one
 // wider than K's chunks, teams that do not divide the warps (or more than one team where warps
-// split rows, a cluster splits K or M > 8), x's row stride past 32-bit offsets between copy rounds, x
-// or w not 16-byte aligned.
+// split rows, a cluster splits K or M > 8), x's row stride past 32-bit offsets between copy
+// rounds, x or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
                int teams, void* stream) {
