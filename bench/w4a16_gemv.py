@@ -25,8 +25,8 @@ one, whose entry point takes the same arguments: checked) and timed right before
 NAME=FLAGS`` (repeatable) does the same for the current source built with extra ``-D`` flags
 (impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``);
 ``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER[,TEAMS]]`` (repeatable; STAGGER 0 or 1,
-TEAMS row blocks a CTA) times those configs instead of ``GRID``; ``--repeat R`` times each
-config's builds R times in turn (the A/B's noise).
+TEAMS row blocks a CTA) times (and traces) those configs instead of ``GRID`` (and ``TRACED``);
+``--repeat R`` times each config's builds R times in turn (the A/B's noise).
 ``--profile``: no timing, the bare read and each config of ``PROFILED`` (or of ``--config``) once
 in an NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
 """
@@ -337,7 +337,8 @@ def main() -> None:
     ap.add_argument("--proj", nargs="*", default=["down", "qwen_down", "gate_up", "qwen_gate_up"])
     ap.add_argument("--m", nargs="*", type=int, default=list(MS))
     ap.add_argument("--trace", action="store_true",
-                    help="also time the traced builds of TRACED and keep their stamps")  # fmt: skip
+                    help="also time the traced builds of TRACED (or of --config) and keep "
+                         "their stamps")  # fmt: skip
     ap.add_argument("--baseline", type=Path,
                     help="also time every config built from this version of w4a16_gemv.cu")  # fmt: skip
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
@@ -365,7 +366,7 @@ def main() -> None:
         VARIANTS[variant] = flags.split()
     if args.config:
         try:
-            GRID[:] = PROFILED[:] = [parse_config(c) for c in args.config]
+            GRID[:] = PROFILED[:] = TRACED[:] = [parse_config(c) for c in args.config]
         except ValueError as e:
             ap.error(str(e))
     if args.baseline is not None:
