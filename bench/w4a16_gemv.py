@@ -26,7 +26,10 @@ NAME=FLAGS`` (repeatable) does the same for the current source built with extra 
 (impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``);
 ``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER[,TEAMS]]`` (repeatable; STAGGER 0 or 1,
 TEAMS row blocks a CTA) times (and traces) those configs instead of ``GRID`` (and ``TRACED``);
-``--repeat R`` times each config's builds R times in turn (the A/B's noise).
+``--repeat R`` times each config's builds R times in turn (the A/B's noise); ``--max-warps W``
+with a ``--variant`` built with ``-DGEMV_MAX_WARPS=W`` lets configs take up to W warps a CTA (the
+product's builds take 16): they run on that variant (and the traced build), the others refuse
+them.
 ``--profile``: no timing, the bare read and each config of ``PROFILED`` (or of ``--config``) once
 in an NVTX range "profile" for Nsight Compute (as ``bench/lowbit_kernels.py``).
 """
@@ -348,6 +351,9 @@ def main() -> None:
                     help="time (or with --profile, profile) these configs instead of GRID (PROFILED)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=1,
                     help="time each config's builds this many times in turn (an A/B's noise)")  # fmt: skip
+    ap.add_argument("--max-warps", type=int, default=cuda_w4a16.MAX_WARPS,
+                    help="warps a CTA the configs may take, for a --variant built with "
+                         "-DGEMV_MAX_WARPS of the same number (the product's builds: 16)")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
                     help="no timing: read_int4 and PROFILED once each in an NVTX range 'profile'")  # fmt: skip
     args = ap.parse_args()
@@ -364,6 +370,14 @@ def main() -> None:
             ap.error(f"--variant {spec!r}: expected NAME=FLAGS with a new NAME, e.g. "
                      f"traced=-DGEMV_TRACE=1")  # fmt: skip
         VARIANTS[variant] = flags.split()
+    if args.max_warps != cuda_w4a16.MAX_WARPS:
+        flag = f"-DGEMV_MAX_WARPS={args.max_warps}"
+        built = any(flag in flags for flags in VARIANTS.values())
+        if not (cuda_w4a16.MAX_WARPS < args.max_warps <= 32 and built):
+            ap.error(f"--max-warps {args.max_warps}: allowed {cuda_w4a16.MAX_WARPS + 1} to 32, "
+                     f"with a --variant built with {flag}")  # fmt: skip
+        cuda_w4a16.MAX_WARPS = args.max_warps  # configs past 16 warps run on that variant only
+        VARIANTS["trace"] = [*VARIANTS["trace"], flag]
     if args.config:
         try:
             GRID[:] = PROFILED[:] = TRACED[:] = [parse_config(c) for c in args.config]

@@ -44,3 +44,24 @@ def test_a_baseline_source_must_take_the_entry_points_arguments(tmp_path) -> Non
     empty = tmp_path / "empty.cu"
     empty.write_text("")
     assert gemv.entry_arguments(empty) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--max-warps", "18"],
+            "--max-warps 18: allowed 17 to 32, with a --variant built with -DGEMV_MAX_WARPS=18",
+        ),
+        (["--max-warps", "40", "--variant", "w40=-DGEMV_MAX_WARPS=40"], "allowed 17 to 32"),
+        (["--baseline", "no/such.cu"], "--baseline no/such.cu: no such file"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_built(
+    argv: list[str], message: str, monkeypatch, capsys
+) -> None:
+    monkeypatch.setattr("sys.argv", ["w4a16_gemv.py", "--out", "x.json", *argv])
+    monkeypatch.setattr(gemv, "VARIANTS", dict(gemv.VARIANTS))  # main() adds the --variant ones
+    with pytest.raises(SystemExit):
+        gemv.main()
+    assert message in capsys.readouterr().err
