@@ -4,9 +4,9 @@ GEMV-style: a warp owns 16, 32 or 64 weight rows, a CTA a run of K, and a cluste
 split K sums through distributed shared memory (each rank pushes the others' shares of its sums
 into their inboxes). The CTA's warps split either K (``split`` "k": a row block is one warp's
 rows, each of its warps takes every ``warps / teams``-th 128-value chunk of the run from its own
-copy ring, and they sum in shared memory) or rows (``split`` "rows": the CTA owns ``warps`` x its warp's rows, every
-warp takes every chunk from one ring the CTA shares, so each chunk of x is copied once per CTA, not
-once per warp). No partial ever goes through global memory, so there is no workspace and no second
+copy ring, and they sum in shared memory) or rows (``split`` "rows": the CTA owns ``warps`` x its
+warp's rows, every warp takes every chunk from one ring the CTA shares, so each chunk of x is
+copied once per CTA, not once per warp). No partial ever goes through global memory, so there is no workspace and no second
 pass, and the sum order is fixed (deterministic). x's rows are one n8 tile of the tensor cores' mma
 (M <= 8) or two (M = 9-16, each dequantized weight fragment feeding both). Launched with
 programmatic dependent launch: a grid's launch and setup overlap the end of the kernel before it.

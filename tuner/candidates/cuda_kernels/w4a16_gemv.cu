@@ -292,10 +292,11 @@ struct Half2Ops<true> {  // fp16
 
 // One lane's share of a ring's copies, chunk after chunk: built once (the addresses that do
 // not move, which rows exist), then each `issue` copies the current chunk into a stage and
-// moves on by `step` chunks (the warps of its team when they split K, else 1). Each lane copies the weight
-// bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t); its warp's
-// (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over the warp,
-// and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the ring.
+// moves on by `step` chunks (the warps of its team when they split K, else 1). Each lane copies
+// the weight bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t);
+// its warp's (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over
+// the warp, and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the
+// ring.
 // FULL: every 64-row block of the weight is whole (N a multiple of 64) and the (scale, zero)
 // words 16-byte aligned, so every copy has its bytes: one base address and fixed offsets for the
 // weight, the words in 16-byte pieces, none of the per-copy choices (and registers) of a partial
