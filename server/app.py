@@ -55,6 +55,7 @@ def _short_input(error: dict[str, Any]) -> dict[str, Any]:
 
 def create_app(settings: Settings) -> FastAPI:
     db = FleetDB(settings.db)
+    service_id = db.store().service_id()
     metrics = Metrics()
 
     @contextlib.asynccontextmanager
@@ -103,8 +104,9 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/v1/health", tags=["ops"])
     async def health() -> dict[str, str]:
-        """The process is up (no database access)."""
-        return {"status": "ok"}
+        """The process is up (no database access), and which service it is: a host keys its
+        sync positions by this id, so a service rebuilt at the same URL is synced from the start."""
+        return {"status": "ok", "service_id": service_id}
 
     @app.get("/v1/ready", tags=["ops"], responses={503: {"description": "not ready"}})
     def ready() -> JSONResponse:

@@ -4,7 +4,8 @@ The service keeps tokens, every host's measurements, the merged results, the ser
 their sequence numbers, pending changes, misses and the tuning queue (``srv_*`` tables), plus the
 fingerprints of the device classes it has seen, and the compiled-kernel artifacts published by
 builders (spec -> served hash, every builder's build of a spec; the blobs themselves are files in
-``server.blobs``). A host's cache has its own schema
+``server.blobs``), and the service's identity (a random id made with the file, so that a host
+can tell a rebuilt or restored service at the same URL from the one it synced with). A host's cache has its own schema
 (``tuner.cache.schema``); both are checked and migrated by ``tuner.cache.sqlite``. Files from
 before the two were split (one shared schema, version 2 in a ``meta`` table) open as version 1
 and lose the host's empty tables in the next migration.
@@ -12,6 +13,8 @@ and lose the host's empty tables in the next migration.
 
 from __future__ import annotations
 
+import time
+import uuid
 from pathlib import Path
 
 import sqlite_utils
@@ -215,6 +218,12 @@ def _v3(db: sqlite_utils.Database) -> None:
     db["srv_artifact_builds"].create_index(["hash"])
 
 
+def _v4(db: sqlite_utils.Database) -> None:
+    """The service's identity: one row, made once with the file (kept by backups of it)."""
+    db["srv_service"].create({"id": str, "created_at": float}, pk="id", not_null={"created_at"})
+    db["srv_service"].insert({"id": uuid.uuid4().hex, "created_at": time.time()})
+
+
 def _legacy_version(db: sqlite_utils.Database, path: Path) -> int:
     version = legacy_meta(db, path)
     if version != SHARED_SCHEMA_VERSION or "srv_tokens" not in db.table_names():
@@ -231,7 +240,7 @@ FLEET = register(
     Schema(
         kind="tuner fleet database",
         application_id=0x544E5246,  # "TNRF"
-        migrations=(_v1, _v2, _v3),
+        migrations=(_v1, _v2, _v3, _v4),
         legacy_version=_legacy_version,
     )
 )

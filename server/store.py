@@ -43,6 +43,10 @@ def _winner(row: dict[str, Any]) -> dict[str, Any]:
 class FleetStore(DeviceFile):
     schema = FLEET
 
+    def service_id(self) -> str:
+        """The id made with this file: hosts key their sync positions by it."""
+        return self.db.conn.execute("select id from srv_service").fetchone()[0]
+
     # --- tokens ---------------------------------------------------------------------------------
 
     def add_token(

@@ -172,7 +172,7 @@ def test_an_interrupted_pull_resumes_where_it_stopped(tmp_path: Path) -> None:
         ])  # fmt: skip
         with pytest.raises(FleetError, match="dropped"):
             pull(Interrupted(srv.url, token, pages=2), store, FP, page=10)
-        name = f"pull:{srv.url}:{DC}:{FP.version_tag}"
+        name = f"pull:{FleetClient(srv.url, token).sync_scope()}:{DC}:{FP.version_tag}"
         assert store.position(name) == 20 and len(store.winners(DC)) == 20
         resumed = pull(FleetClient(srv.url, token), store, FP, page=10)
         assert resumed.winners == 10 and len(store.winners(DC)) == 30

@@ -251,7 +251,8 @@ def test_lookup_batch_health_ready_metrics_docs(fleet: ThreadServer) -> None:
     a.submit(FP, [made_up(parse_key(keys[0]), "torch", 10.0)])
     found = a.lookup(DC, VERSIONS, keys)
     assert [w["key"] for w in found["winners"]] == [keys[0]] and found["missing"] == [keys[1]]
-    assert httpx.get(fleet.url + "/v1/health").json() == {"status": "ok"}
+    health = httpx.get(fleet.url + "/v1/health").json()
+    assert health["status"] == "ok" and len(health["service_id"]) == 32
     assert httpx.get(fleet.url + "/v1/ready").json()["status"] == "ready"
     assert "swagger" in httpx.get(fleet.url + "/docs").text.lower()
     spec = httpx.get(fleet.url + "/openapi.json").json()
@@ -278,3 +279,24 @@ def test_a_tokens_voice_is_its_recent_results(fleet: ThreadServer) -> None:
     assert a.winner(DC, str(key))["baseline_us"] == 100.0
     a.submit(FP, [made_up(key, "torch", 50.0) for _ in range(32)])  # the latest 32 runs
     assert a.winner(DC, str(key))["baseline_us"] == 50.0
+
+
+def test_a_service_rebuilt_at_the_same_url_is_synced_from_the_start(tmp_path: Path) -> None:
+    """A new (or restored) database behind the same URL: the hosts' positions with the old
+    service do not carry over, so every measurement is pushed to it and its winner pulled."""
+    key = f32(40)
+    outcome = tune_fast(key)
+    with Store(tmp_path / "a.db") as a, Store(tmp_path / "b.db") as b:
+        a.save_device(FP)
+        a.save_run(outcome.measurements, outcome.winner)
+        with ThreadServer(tmp_path / "old.db") as old:
+            port = int(old.url.rsplit(":", 1)[1])
+            with old.client("host-a", "submit") as ca, old.client("host-b", "read") as cb:
+                assert push(ca, a, FP).accepted == len(outcome.measurements)
+                assert pull(cb, b, FP).winners == 1
+        with ThreadServer(tmp_path / "new.db", port=port) as new:
+            assert new.url == old.url
+            with new.client("host-a", "submit") as ca, new.client("host-b", "read") as cb:
+                assert push(ca, a, FP).accepted == len(outcome.measurements)
+                assert push(ca, a, FP).accepted == 0  # and incremental again from there
+                assert pull(cb, b, FP).winners == 1

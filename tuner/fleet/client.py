@@ -16,6 +16,8 @@ with its own SQLite connection and calls ``Dispatcher.reload()`` when new winner
 Sync positions live in the local cache (``sync_state``): pulls resume from the last feed sequence
 number, pushes from the last pushed measurement id, and miss reports send only the counts not yet
 reported (``reported_misses``), so a crash or an outage never loses or double-counts anything.
+Positions are kept per service, by the id its health names: a service rebuilt or restored from
+an older backup at the same URL is pulled from and pushed to from the start.
 """
 
 from __future__ import annotations
@@ -146,6 +148,24 @@ class FleetClient:
     def health(self) -> dict[str, Any]:
         return self.request("GET", "/v1/health")
 
+    def service_health(self) -> dict[str, Any]:
+        """The health of a tuner service here, or FleetError: unreachable, or "no tuner
+        service at this URL" (another server, or a wrong base path)."""
+        try:
+            health = self.health()
+        except FleetError as not_ours:
+            if not_ours.status is None:  # down or gone: say that, not "no service"
+                raise
+            raise FleetError(f"no tuner service at this URL (GET /v1/health: {not_ours})") from None
+        self._is_service = True
+        return health
+
+    def sync_scope(self) -> str:
+        """What this host's sync positions with the service are kept under: its URL and the id
+        its health names now (a service that names none: the URL alone)."""
+        service = self.service_health().get("service_id")
+        return f"{self.server}#{service}" if service else self.server
+
     def nothing_there(self, e: FleetError) -> bool:
         """Whether ``e`` is the service saying it has none of what was asked (404), and not a
         server without that path at all (``--server`` naming another server or a wrong base
@@ -153,15 +173,7 @@ class FleetClient:
         if e.status != 404:
             return False
         if not self._is_service:
-            try:
-                self.health()
-            except FleetError as not_ours:
-                if not_ours.status is None:  # gone meanwhile: say that, not "no service"
-                    raise
-                raise FleetError(
-                    f"no tuner service at this URL (GET /v1/health: {not_ours})"
-                ) from None
-            self._is_service = True
+            self.service_health()
         return True
 
     def winner(self, device_class: str, key: str, versions: str | None = None) -> dict | None:
@@ -337,7 +349,7 @@ def pull(
     resumes where it stopped; re-applying a page is harmless (winners are upserts).
     """
     started = time.perf_counter()
-    name = f"pull:{client.server}:{fp.device_class}:{fp.version_tag}"
+    name = f"pull:{client.sync_scope()}:{fp.device_class}:{fp.version_tag}"
     cursor = 0 if full else store.position(name)
     total = pages = 0
     while True:
@@ -373,7 +385,7 @@ def _fingerprints(store: Store, fp: Fingerprint) -> dict[str, Fingerprint]:
 
 def push_measurements(client: FleetClient, store: Store, fp: Fingerprint) -> dict[str, int]:
     """Send local measurements not sent to this service yet, oldest first."""
-    name = f"push:{client.server}"
+    name = f"push:{client.sync_scope()}"
     fps = _fingerprints(store, fp)
     counts = {"accepted": 0, "duplicates": 0, "skipped": 0}
     while True:
@@ -531,7 +543,7 @@ def sync_artifacts(
     again."""
     if not archs:
         raise ValueError("sync_artifacts needs at least one arch (see host_archs)")
-    name = f"artifacts:{client.server}:{','.join(sorted(archs))}"
+    name = f"artifacts:{client.sync_scope()}:{','.join(sorted(archs))}"
     cursor = 0 if full else store.position(name)
     out = ArtifactsFetched(0, 0, 0, [])
     have = artifacts.hashes()
