@@ -10,9 +10,11 @@ download, so a blob damaged after upload is refused there, never run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -32,10 +34,25 @@ def default_dir(db: Path) -> Path:
     return db.with_name(db.name + ".artifacts")
 
 
+STALE_UPLOAD_S = 3600.0  # a temporary upload file untouched this long is left from a killed one
+
+
 class BlobDir:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.remove_stale_uploads()
+
+    def remove_stale_uploads(self, older_than_s: float = STALE_UPLOAD_S) -> int:
+        """Remove the temporary files of uploads a killed process left (another service on the
+        same folder may be receiving one now: only files untouched this long); how many."""
+        cutoff, removed = time.time() - older_than_s, 0
+        for tmp in self.root.glob(".*.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                if tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+                    removed += 1
+        return removed
 
     def path(self, digest: str) -> Path:
         return self.root / digest

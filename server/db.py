@@ -19,9 +19,10 @@ class FleetDB:
         self._local = threading.local()
         self._all: list[FleetStore] = []
         self._lock = threading.Lock()
-        FleetStore(
-            self.path
-        ).close()  # create / migrate once, up front: a bad file fails at startup
+        # create / migrate once, up front, and read every page once: a bad file (its header, or
+        # a page damaged inside it) fails at startup, not on the requests that meet it
+        with FleetStore(self.path) as first:
+            first.verify()
 
     def store(self) -> FleetStore:
         store = getattr(self._local, "store", None)

@@ -20,7 +20,7 @@ from pathlib import Path
 import sqlite_utils
 
 from tuner.cache.schema import HOST_TABLES, create_devices, filled, legacy_meta
-from tuner.cache.sqlite import Schema, StoreError, register
+from tuner.cache.sqlite import FLEET_APPLICATION_ID, Schema, StoreError, register
 
 SHARED_SCHEMA_VERSION = 2  # meta.schema_version of a file that held both sides' tables
 
@@ -239,7 +239,7 @@ def _legacy_version(db: sqlite_utils.Database, path: Path) -> int:
 FLEET = register(
     Schema(
         kind="tuner fleet database",
-        application_id=0x544E5246,  # "TNRF"
+        application_id=FLEET_APPLICATION_ID,
         migrations=(_v1, _v2, _v3, _v4),
         legacy_version=_legacy_version,
     )

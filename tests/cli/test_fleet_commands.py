@@ -186,3 +186,37 @@ def test_serve_takes_its_artifact_limit_and_folder_from_flags(tmp_path: Path) ->
             assert too_big.value.status == 413 and "at most 1000 bytes" in str(too_big.value)
             client.publish_artifact(spec, b"a compiled kernel")
     assert len(list(blobs.iterdir())) == 1  # the one that fit, in the folder the flag named
+
+
+def test_serve_says_what_it_serves_before_it_listens(tmp_path: Path) -> None:
+    """A mistyped --db makes a new, empty service: the first lines say so, and that no host can
+    submit until a token is made."""
+    log = tmp_path / "serve.log"
+    with SubprocessServer(tmp_path / "typo" / "fleet.db", log=log):
+        pass
+    said = log.read_text()
+    assert f"database {tmp_path / 'typo' / 'fleet.db'} (created now, empty); 0 valid tokens" in said
+    assert "warning: no valid token" in said and "tuner token create --db" in said
+    with SubprocessServer(tmp_path / "typo" / "fleet.db", log=log):
+        pass
+    assert "(existing)" in log.read_text()
+
+
+def test_token_list_and_revoke_need_the_database_to_exist(tmp_path: Path) -> None:
+    missing = tmp_path / "fleet.db"
+    for args in (["token", "list"], ["token", "revoke", "abc"]):
+        done = tuner_process(*args, "--db", str(missing))
+        assert done.returncode == 2, done.stderr
+        assert f"--db {missing}: no fleet database there" in done.stderr
+        assert "Traceback" not in done.stderr
+    assert not missing.exists()
+
+
+def test_a_fleet_database_given_as_a_cache_is_named(tmp_path: Path) -> None:
+    from server.store import FleetStore
+
+    with FleetStore(tmp_path / "fleet.db"):
+        pass
+    done = tuner_process("show", TUNER_CACHE=str(tmp_path / "fleet.db"))
+    assert done.returncode == 2, done.stderr
+    assert "is a tuner fleet database, not a tuner cache" in done.stderr

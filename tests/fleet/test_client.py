@@ -206,3 +206,22 @@ def test_background_sync_reports_refusals_but_still_pulls(tmp_path: Path) -> Non
         with pytest.raises(FleetError, match="push_measurements: HTTP 403"):
             sync.sync_once(store)
         assert sync.syncs == 1  # the pull ran although the push was refused
+
+
+def test_another_servers_page_is_one_line_in_the_error() -> None:
+    """--server naming some other web server: its status and content type, not its page."""
+    from starlette.responses import HTMLResponse
+
+    page = "<!DOCTYPE HTML>\n<html>\n<head><title>Error</title></head>\n<body>nope</body>\n</html>"
+
+    async def anything(request):
+        return HTMLResponse(page, 404)
+
+    async def ready(request):
+        return JSONResponse({})
+
+    app = Starlette(routes=[Route("/ready", ready), Route("/{path:path}", anything)])
+    with AppThread(app, health_path="/ready") as srv, pytest.raises(FleetError) as e:
+        FleetClient(srv.url, retries=0).health()
+    message = str(e.value)
+    assert message == "HTTP 404 (text/html)"

@@ -256,3 +256,40 @@ def test_a_lease_belongs_to_its_claimer(env: Env) -> None:
     expect(call(env, "POST", "/v1/queue/complete", "other", json=done), 403, "another token")
     assert call(env, "POST", "/v1/queue/complete", json=done).status_code == 200
     expect(call(env, "POST", "/v1/queue/complete", json=done), 409, "already completed")
+
+
+def test_a_database_with_a_damaged_page_is_refused_at_startup(tmp_path) -> None:
+    """Its header and schema read fine, so only the startup's page check can tell: the service
+    does not start on it (and so never says ready and fails every request)."""
+    from server import Settings, create_app
+    from tuner.cache import StoreError
+
+    built = tmp_path / "built.db"
+    with FleetStore(built) as store:
+        for i in range(600):
+            store.add_token(f"t{i:04d}", "x" * 100, "h" * 64, "read", 0.0)
+    data = bytearray(built.read_bytes())
+    middle = len(data) // 4096 // 2 * 4096
+    data[middle : middle + 2 * 4096] = b"\xa5" * 2 * 4096
+    damaged = tmp_path / "fleet.db"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="is corrupt"):
+        create_app(Settings(db=damaged))
+    assert damaged.read_bytes() == bytes(data)  # left as it was
+
+
+def test_uploads_a_killed_service_left_are_removed_at_startup(tmp_path) -> None:
+    import os
+    import time
+
+    from server.blobs import STALE_UPLOAD_S, BlobDir
+
+    root = tmp_path / "blobs"
+    root.mkdir()
+    old, fresh, blob = root / ".aaaaaaaaaaaa.x1.tmp", root / ".bbbbbbbbbbbb.x2.tmp", root / "cccc"
+    for f in (old, fresh, blob):
+        f.write_bytes(b"part")
+    then = time.time() - STALE_UPLOAD_S - 60
+    os.utime(old, (then, then))
+    BlobDir(root)
+    assert not old.exists() and fresh.exists() and blob.exists()  # another's upload may be live

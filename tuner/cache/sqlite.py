@@ -55,7 +55,10 @@ class Schema:
         return len(self.migrations)
 
 
-KINDS: dict[int, str] = {}  # application_id -> kind, for naming a file of another tuner kind
+FLEET_APPLICATION_ID = 0x544E5246  # "TNRF": the fleet service's database (``server.schema``)
+# application_id -> kind, for naming a file of another tuner kind (the fleet's is named here too:
+# a host's commands never import the service's schema)
+KINDS: dict[int, str] = {FLEET_APPLICATION_ID: "tuner fleet database"}
 
 
 def register(schema: Schema) -> Schema:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -26,6 +26,9 @@ from tuner.fleet.client import (
     push,
     push_artifacts,
 )
+
+if TYPE_CHECKING:
+    from server import Settings
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 console = Console()
@@ -77,6 +80,14 @@ def serve(
         ),
     ] = None,
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a stop (SIGTERM, Ctrl-C) waits for requests in flight before it "
+            "closes them.",
+            min=0,
+        ),
+    ] = 30.0,
     log_level: Annotated[
         str, typer.Option(help=f"uvicorn log level: {', '.join(LOG_LEVELS)}.")
     ] = "info",
@@ -92,8 +103,26 @@ def serve(
         db=db, open_reads=open_reads, confirm_margin=confirm_margin,
         max_artifact_bytes=max_artifact_bytes, artifacts_dir=artifacts_dir,
     )  # fmt: skip
+    new = not db.exists()
     uvicorn_app = create_app(settings)
-    uvicorn.run(uvicorn_app, host=host, port=port, access_log=access_log, log_level=log_level)
+    _startup_lines(settings, new, uvicorn_app.state.db.store().tokens())
+    uvicorn.run(uvicorn_app, host=host, port=port, access_log=access_log, log_level=log_level,
+                timeout_graceful_shutdown=shutdown_timeout)  # fmt: skip
+
+
+def _startup_lines(settings: Settings, new: bool, tokens: list[dict]) -> None:
+    """What the service serves, said before it listens: the database (and whether it was made
+    just now: a mistyped --db makes an empty service), its tokens, who may read."""
+    from server.blobs import default_dir
+
+    valid = sum(1 for t in tokens if t["revoked_at"] is None)
+    made = "created now, empty" if new else "existing"
+    typer.echo(f"database {settings.db} ({made}); {valid} valid tokens; artifacts in "
+               f"{settings.artifacts_dir or default_dir(settings.db)}; reads "
+               f"{'open to anyone' if settings.open_reads else 'need a token'}", err=True)  # fmt: skip
+    if not valid:
+        typer.echo(f"warning: no valid token: hosts cannot submit until one is made "
+                   f"(tuner token create --db {settings.db} --name ... --scope ...)", err=True)  # fmt: skip
 
 
 @token_app.command("create")
@@ -128,7 +157,7 @@ def token_list(db: DbOpt) -> None:
     from server import tokens
     from server.store import FleetStore
 
-    with FleetStore(db) as store:
+    with FleetStore(_existing(db)) as store:
         found = tokens.list_tokens(store)
     t = Table(title=f"{len(found)} tokens")
     for col in ("id", "name", "scopes", "created", "revoked"):
@@ -146,9 +175,17 @@ def token_revoke(db: DbOpt, token_id: Annotated[str, typer.Argument(help="Token 
     from server import tokens
     from server.store import FleetStore
 
-    with FleetStore(db) as store:
+    with FleetStore(_existing(db)) as store:
         tok = tokens.revoke(store, token_id)
     console.print(f"revoked {tok.id} ({tok.name})")
+
+
+def _existing(db: Path) -> Path:
+    """``db``, or a ValueError if there is no file there (a read must not make one)."""
+    if not db.is_file():
+        raise ValueError(f"--db {db}: no fleet database there ('tuner serve' or 'tuner token "
+                         "create' makes one)")  # fmt: skip
+    return db
 
 
 def _when(t: float | None) -> str:

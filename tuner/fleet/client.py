@@ -294,8 +294,10 @@ class FleetClient:
 def _message(r: httpx.Response) -> str:
     try:
         body = r.json()
-    except ValueError:
-        return f"HTTP {r.status_code}: {r.text[:200]}"
+    except ValueError:  # another server's page: its type and first line, not the page
+        kind = r.headers.get("content-type", "no content type").split(";")[0]
+        first = next((line.strip() for line in r.text.splitlines() if line.strip()), "")
+        return f"HTTP {r.status_code} ({kind})" + ("" if "html" in kind else f": {first[:120]}")
     detail = body.get("message") or body.get("detail") if isinstance(body, dict) else body
     return f"HTTP {r.status_code}: {detail}"
 
