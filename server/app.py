@@ -15,10 +15,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from starlette.exceptions import HTTPException
 
 from server import artifacts
 from server.api import router
@@ -92,9 +94,22 @@ def create_app(settings: Settings) -> FastAPI:
 
     metrics.add_collector(scrape)
 
+    def refusal(request: Request, status: int, why: object) -> None:
+        """One line in the service's log for each refused request (a 404 is an answer: none)."""
+        client = request.client.host if request.client else "?"
+        log.warning("refused %s %s from %s: %d %s", request.method, request.url.path, client,
+                    status, why)  # fmt: skip
+
+    @app.exception_handler(HTTPException)
+    async def refused(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code != 404:
+            refusal(request, exc.status_code, exc.detail)
+        return await http_exception_handler(request, exc)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [_short_input(e) for e in exc.errors()]
+        refusal(request, 422, _summary(errors))
         return JSONResponse({"detail": jsonable_encoder(errors), "message": _summary(errors)}, 422)
 
     @app.exception_handler(Exception)

@@ -107,11 +107,15 @@ SUBMIT = "/v1/measurements"
         ("reader", {}, 403, "has scopes ['read']; this needs 'submit'"),
     ],
 )
-def test_tokens_are_checked(env: Env, role, headers, status, needle) -> None:
-    r = call(env, "POST", SUBMIT, role, headers=headers, json=submit_body([measurement()]))
+def test_tokens_are_checked(env: Env, role, headers, status, needle, caplog) -> None:
+    with caplog.at_level("WARNING", logger="tuner.server"):
+        r = call(env, "POST", SUBMIT, role, headers=headers, json=submit_body([measurement()]))
     expect(r, status, needle)
     if status == 401:
         assert r.headers["www-authenticate"] == "Bearer"
+    # the operator sees each refusal in the service's log, with its reason
+    assert any(f"refused POST {SUBMIT} from 127.0.0.1: {status} " in m and needle.split("'")[0] in m
+               for m in caplog.messages), caplog.messages  # fmt: skip
 
 
 @pytest.mark.parametrize(
