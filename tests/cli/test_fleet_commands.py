@@ -220,3 +220,20 @@ def test_a_fleet_database_given_as_a_cache_is_named(tmp_path: Path) -> None:
     done = tuner_process("show", TUNER_CACHE=str(tmp_path / "fleet.db"))
     assert done.returncode == 2, done.stderr
     assert "is a tuner fleet database, not a tuner cache" in done.stderr
+
+
+def test_sync_against_a_hung_service_gives_up_after_its_timeout(tmp_path: Path) -> None:
+    import socket
+    import time
+
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        done = tuner_process("sync", "--server", url, "--timeout", "0.3",
+                             TUNER_CACHE=str(tmp_path / "c.db"))  # fmt: skip
+        took = time.monotonic() - started
+    assert done.returncode == 1, done.stderr
+    assert f"error: fleet service {url}: unreachable: ReadTimeout" in done.stderr
+    assert took < 30  # four tries of 0.3 s and their backoff, plus the interpreter's start

@@ -51,6 +51,16 @@ TokenOpt = Annotated[
     str | None,
     typer.Option("--token", envvar="TUNER_TOKEN", help="Bearer token.", show_default=False),
 ]
+TimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        envvar="TUNER_SERVER_TIMEOUT",
+        help="Seconds to wait for each answer of the service (a request that times out is tried "
+        "3 more times, with backoff, before the command fails).",
+        min=0.1,
+    ),
+]
 
 
 @app.command()
@@ -192,10 +202,10 @@ def _when(t: float | None) -> str:
     return dt.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds") if t else ""
 
 
-def _client(server: str | None, token: str | None) -> FleetClient:
+def _client(server: str | None, token: str | None, timeout_s: float) -> FleetClient:
     if not server:
         raise ValueError("no service configured: pass --server URL or set TUNER_SERVER")
-    return FleetClient(server, token)
+    return FleetClient(server, token, timeout_s=timeout_s)
 
 
 @app.command()
@@ -203,6 +213,7 @@ def sync(
     server: ServerOpt = None,
     token: TokenOpt = None,
     cache: CacheOpt = None,
+    timeout: TimeoutOpt = 10.0,
     full: Annotated[bool, typer.Option(help="Pull everything, not only what changed.")] = False,
     push_first: Annotated[
         bool, typer.Option("--push/--no-push", help="Push local results and misses first.")
@@ -217,7 +228,7 @@ def sync(
 ) -> None:
     """Pull the served winners of this device class into the local cache (incremental)."""
     fp = fingerprint()
-    client = _client(server, token)
+    client = _client(server, token, timeout)
     with client, open_store(cache) as store, fleet_service(client.server):
         if push_first:
             _report_push(push(client, store, fp))
@@ -238,6 +249,7 @@ def push_command(
     server: ServerOpt = None,
     token: TokenOpt = None,
     cache: CacheOpt = None,
+    timeout: TimeoutOpt = 10.0,
     artifacts: Annotated[
         bool,
         typer.Option(
@@ -247,7 +259,7 @@ def push_command(
     ] = False,
 ) -> None:
     """Send local measurements not sent yet, and the misses recorded here, to the service."""
-    client = _client(server, token)
+    client = _client(server, token, timeout)
     with client, open_store(cache) as store, fleet_service(client.server):
         _report_push(push(client, store, fingerprint()))
         if artifacts:
