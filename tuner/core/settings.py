@@ -29,6 +29,7 @@ KNOWN = {
     "server": "fleet service base URL",
     "token": "fleet service bearer token",
     "sync_interval": "seconds between background syncs",
+    "server_timeout": "seconds tuner sync and tuner push wait for each answer of the service",
     "server_db": "the service's own SQLite file (tuner serve)",
     "artifacts": "the compiled-kernel store's folder (default: artifacts/ beside the cache)",
     "artifacts_max_bytes": "the compiled-kernel store's size limit, least recently used out",
