@@ -47,8 +47,15 @@ def _summary(errors: list[dict]) -> str:
 
 def _short_input(error: dict[str, Any]) -> dict[str, Any]:
     """Echo at most a short repr of the offending input: it may be a 5,000-item list or a NaN
-    (which JSON cannot carry), and ``ctx`` may hold exception objects."""
+    (which JSON cannot carry), and ``ctx`` may hold exception objects. A body that is not JSON
+    says where and why it could not be read (its parsed ``input`` is an empty stand-in)."""
     out = {k: v for k, v in error.items() if k in ("type", "loc", "msg")}
+    if error.get("type") == "json_invalid":
+        at = error.get("loc", ("body", "?"))[-1]
+        out["msg"] = (
+            f"the body is not valid JSON at character {at}: {error.get('ctx', {}).get('error', '')}"
+        )
+        return out
     if "input" in error:
         text = repr(error["input"])
         out["input"] = text if len(text) <= 200 else text[:200] + "..."

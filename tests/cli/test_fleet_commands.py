@@ -237,3 +237,29 @@ def test_sync_against_a_hung_service_gives_up_after_its_timeout(tmp_path: Path) 
     assert done.returncode == 1, done.stderr
     assert f"error: fleet service {url}: unreachable: ReadTimeout" in done.stderr
     assert took < 30  # four tries of 0.3 s and their backoff, plus the interpreter's start
+
+
+def test_serve_names_an_address_it_cannot_listen_on(tmp_path: Path, monkeypatch) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        done = tuner_process("serve", "--db", str(tmp_path / "a.db"), "--port", port)
+    assert done.returncode == 2, done.stderr
+    assert f"--host 127.0.0.1 --port {port}: cannot listen there (Address already in use)" in (
+        done.stderr
+    )
+    assert not (tmp_path / "a.db").exists()  # nothing made for a service that cannot start
+
+    def unknown(*args, **kwargs):  # a name no resolver knows (no DNS asked in the test)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    out = cli("serve", "--db", str(tmp_path / "a.db"), "--host", "tuner.nowhere")
+    assert isinstance(out.exception, ValueError)
+    assert (
+        str(out.exception)
+        == "--host 'tuner.nowhere': not an address here (Name or service not known)"
+    )

@@ -109,6 +109,7 @@ def serve(
 
     if log_level not in LOG_LEVELS:
         raise ValueError(f"--log-level must be one of {list(LOG_LEVELS)}, got {log_level!r}")
+    _check_address(host, port)  # before the database is opened (or made)
     settings = Settings(
         db=db, open_reads=open_reads, confirm_margin=confirm_margin,
         max_artifact_bytes=max_artifact_bytes, artifacts_dir=artifacts_dir,
@@ -118,6 +119,25 @@ def serve(
     _startup_lines(settings, new, uvicorn_app.state.db.store().tokens())
     uvicorn.run(uvicorn_app, host=host, port=port, access_log=access_log, log_level=log_level,
                 timeout_graceful_shutdown=shutdown_timeout)  # fmt: skip
+
+
+def _check_address(host: str, port: int) -> None:
+    """A ValueError naming --host or --port unless this process could listen there now (uvicorn
+    finds out only after its startup, and names neither)."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: not an address here ({e.strerror})") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise ValueError(
+                f"--host {host} --port {port}: cannot listen there ({e.strerror})"
+            ) from None
 
 
 def _startup_lines(settings: Settings, new: bool, tokens: list[dict]) -> None:
