@@ -50,8 +50,9 @@ def _short_input(error: dict[str, Any]) -> dict[str, Any]:
     (which JSON cannot carry), and ``ctx`` may hold exception objects. A body that is not JSON
     says where and why it could not be read (its parsed ``input`` is an empty stand-in)."""
     out = {k: v for k, v in error.items() if k in ("type", "loc", "msg")}
-    if error.get("type") == "json_invalid":
-        at = error.get("loc", ("body", "?"))[-1]
+    loc = error.get("loc", ())
+    if error.get("type") == "json_invalid" and loc[:1] == ("body",):
+        at = loc[-1]
         out["msg"] = (
             f"the body is not valid JSON at character {at}: {error.get('ctx', {}).get('error', '')}"
         )
