@@ -18,6 +18,7 @@ from tuner.cli.errors import FAILED, fleet_service
 from tuner.cli.options import CacheOpt, open_store
 from tuner.core.device import fingerprint
 from tuner.fleet.client import (
+    TIMEOUT_S,
     FleetClient,
     PushResult,
     check_artifacts,
@@ -233,7 +234,7 @@ def sync(
     server: ServerOpt = None,
     token: TokenOpt = None,
     cache: CacheOpt = None,
-    timeout: TimeoutOpt = 10.0,
+    timeout: TimeoutOpt = TIMEOUT_S,
     full: Annotated[bool, typer.Option(help="Pull everything, not only what changed.")] = False,
     push_first: Annotated[
         bool, typer.Option("--push/--no-push", help="Push local results and misses first.")
@@ -269,7 +270,7 @@ def push_command(
     server: ServerOpt = None,
     token: TokenOpt = None,
     cache: CacheOpt = None,
-    timeout: TimeoutOpt = 10.0,
+    timeout: TimeoutOpt = TIMEOUT_S,
     artifacts: Annotated[
         bool,
         typer.Option(

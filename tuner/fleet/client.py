@@ -71,13 +71,16 @@ class Lease:
     expires_at: float | None
 
 
+TIMEOUT_S = 10.0  # seconds to wait for each answer, unless the caller says otherwise
+
+
 class FleetClient:
     def __init__(
         self,
         server: str,
         token: str | None = None,
         *,
-        timeout_s: float = 10.0,
+        timeout_s: float = TIMEOUT_S,
         retries: int = 3,
         backoff_s: float = 0.25,
     ) -> None:
