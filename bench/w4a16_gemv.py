@@ -347,7 +347,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="also time every config built with these extra nvcc flags")  # fmt: skip
     ap.add_argument("--config", action="append", default=[],
-                    metavar="SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER]",
+                    metavar="SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER[,TEAMS]]",
                     help="time (or with --profile, profile) these configs instead of GRID (PROFILED)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=1,
                     help="time each config's builds this many times in turn (an A/B's noise)")  # fmt: skip
