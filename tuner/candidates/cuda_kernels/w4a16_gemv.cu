@@ -297,10 +297,10 @@ struct Half2Ops<true> {  // fp16
 // its warp's (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over
 // the warp, and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the
 // ring.
-// FULL: every 64-row block of the weight is whole (N a multiple of 64) and the (scale, zero)
-// words 16-byte aligned, so every copy has its bytes: one base address and fixed offsets for the
-// weight, the words in 16-byte pieces, none of the per-copy choices (and registers) of a partial
-// last block.
+// FULL: every 64-row block of the weight is whole (N a multiple of 64), the (scale, zero)
+// words 16-byte aligned and a group at most a chunk, so every copy has its bytes: one base
+// address and fixed offsets for the weight, the words in 16-byte pieces at a fixed step from one
+// chunk to the next, none of the per-copy choices (and registers) of a partial last block.
 template <int NG, int NT, bool FULL>
 struct Copier {
   static constexpr int SZ_COPIES = FULL ? (ROWS * NG / 4 + 31) / 32 : (ROWS * NG + 31) / 32;
@@ -311,13 +311,19 @@ struct Copier {
   uint32_t n;            // (scale, zero) words per group (the entry point keeps N x groups < 2^31)
   const uint16_t* x;     // this thread's first x piece of the current chunk
   int x_round;           // x elements between two copy rounds (x_threads / 16 rows)
-  int chunk, chunk_step, group_shift;
-  uint32_t w_valid, sz_valid, x_valid;  // bit per copy: its rows exist
+  // FULL (groups of at most a chunk): the lane's first (scale, zero) word of the current chunk,
+  // moved by a fixed step; else found from the chunk's index (chunk_shift: log2(group / CHUNK)
+  // for groups past a chunk)
+  const uint32_t* words;
+  int words_step;
+  int chunk, chunk_step, chunk_shift;
+  uint32_t w_valid, sz_valid;           // bit per copy: its rows exist
+  int x_rounds;                         // x's copy rounds the thread has a piece in
   uint32_t sz_slots;                    // bit per copy: its word (FULL: piece) lies in the part
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
-  int left, x_rewind, chunk_rewind;  // (GEMV_STAGGER) copies before the wrap, its moves
+  int left, x_rewind, chunk_rewind, words_rewind;  // (GEMV_STAGGER) copies before the wrap, its moves
   long long w_rewind;                 // (the weight's in bytes: K x 32 for 64-row warps)
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
@@ -359,14 +365,15 @@ struct Copier {
     x_round = x_rows * static_cast<int>(p.ldx);
     lane_x = x_at + x_row * XROW + (x_thread & 15) * 16;
     x_round_bytes = x_rows * XROW;
-    x_valid = 0;
-#pragma unroll
-    for (int it = 0; it < X_COPIES; ++it)
-      if (x_row + it * x_rows < p.m) x_valid |= 1u << it;
+    x_rounds = x_row < p.m ? (p.m - x_row + x_rows - 1) / x_rows : 0;
     chunk = first;
     chunk_step = step;
-    group_shift = p.group_shift;
+    chunk_shift = p.group_shift > 7 ? p.group_shift - 7 : 0;
+    words = sz + first * NG * n;
+    words_step = step * NG * n;
     if (GEMV_STAGGER) {
+      words_rewind = mine * words_step;
+      words += start * words_step;
       w_rewind = static_cast<long long>(mine) * w_step;
       x_rewind = mine * step * CHUNK;
       chunk_rewind = mine * step;
@@ -378,7 +385,8 @@ struct Copier {
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
-    const uint32_t* words = sz + (static_cast<uint32_t>(chunk * CHUNK) >> group_shift) * n;
+    const uint32_t* words =
+        FULL ? this->words : sz + static_cast<uint32_t>((chunk >> chunk_shift) * NG) * n;
     if constexpr (FULL) {
 #pragma unroll
       for (int h = 0; h < 2 * SLICES; ++h) copy16(stage + lane_w + h * 512, w + h * 512, true);
@@ -407,13 +415,15 @@ struct Copier {
     const uint16_t* piece = x;
 #pragma unroll
     for (int it = 0; it < X_COPIES; ++it, piece += x_round)
-      if (x_valid >> it & 1) copy16(stage + lane_x + it * x_round_bytes, piece, true);
+      if (it < x_rounds) copy16(stage + lane_x + it * x_round_bytes, piece, true);
     w += w_step;
     x += chunk_step * CHUNK;
+    this->words += words_step;
     chunk += chunk_step;
     if (GEMV_STAGGER && --left == 0) {  // past the last round: on to round 0
       w -= w_rewind;
       x -= x_rewind;
+      this->words -= words_rewind;
       chunk -= chunk_rewind;
     }
   }
@@ -718,11 +728,12 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
       ctas, static_cast<unsigned>(warps * 32), smem, cluster, stream, p);
 }
 
-// FULL where every 64-row block is whole and the (scale, zero) words can be copied 16 bytes at
-// a time
+// FULL where every 64-row block is whole, the (scale, zero) words can be copied 16 bytes at a
+// time and a chunk's words follow the last chunk's at a fixed step (a group of at most a chunk)
 template <bool F16, int NG, int NT, bool TEAMED>
 cudaError_t launch_blocks(const Params& p, int warps, int cluster, cudaStream_t s) {
-  const bool full = p.n % 64 == 0 && reinterpret_cast<uintptr_t>(p.sz) % 16 == 0;
+  const bool full = p.n % 64 == 0 && reinterpret_cast<uintptr_t>(p.sz) % 16 == 0 &&
+                    p.group_shift <= 7;
   return full ? launch<F16, NG, NT, true, TEAMED>(p, warps, cluster, s)
               : launch<F16, NG, NT, false, TEAMED>(p, warps, cluster, s);
 }
