@@ -319,6 +319,7 @@ struct Copier {
   int chunk, chunk_step, chunk_shift;
   uint32_t w_valid, sz_valid;           // bit per copy: its rows exist
   int x_rounds;                         // x's copy rounds the thread has a piece in
+  bool x_rows_past_one;                 // M needs more than one round (of x_threads / 16 rows)
   uint32_t sz_slots;                    // bit per copy: its word (FULL: piece) lies in the part
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
@@ -366,6 +367,7 @@ struct Copier {
     lane_x = x_at + x_row * XROW + (x_thread & 15) * 16;
     x_round_bytes = x_rows * XROW;
     x_rounds = x_row < p.m ? (p.m - x_row + x_rows - 1) / x_rows : 0;
+    x_rows_past_one = p.m > x_rows;
     chunk = first;
     chunk_step = step;
     chunk_shift = p.group_shift > 7 ? p.group_shift - 7 : 0;
@@ -412,10 +414,14 @@ struct Copier {
               valid ? words + (32 * it / ROWS) * n + 32 * it % ROWS : sz, valid);
       }
     }
-    const uint16_t* piece = x;
+    if (x_rounds > 0) copy16(stage + lane_x, x, true);
+    if (NT > 1 || x_rows_past_one) {  // the same for every thread: M past one round of rows
+      const uint16_t* piece = x;
 #pragma unroll
-    for (int it = 0; it < X_COPIES; ++it, piece += x_round)
-      if (it < x_rounds) copy16(stage + lane_x + it * x_round_bytes, piece, true);
+      for (int it = 1; it < X_COPIES; ++it)
+        if (piece += x_round, it < x_rounds)
+          copy16(stage + lane_x + it * x_round_bytes, piece, true);
+    }
     w += w_step;
     x += chunk_step * CHUNK;
     this->words += words_step;
@@ -615,8 +621,13 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
       compute<F16, NG, NT>(p, stage, stage + x_at, lane, acc);
       __syncwarp();
     }
-    slot = slot + 1 == STAGES ? 0 : slot + 1;
-    next = next + 1 == STAGES ? 0 : next + 1;
+    if constexpr (STAGES == 2) {  // the two stages trade places
+      slot ^= 1;
+      next ^= 1;
+    } else {
+      slot = slot + 1 == STAGES ? 0 : slot + 1;
+      next = next + 1 == STAGES ? 0 : next + 1;
+    }
   }
   if (lane == 0) stamp(8 + warp, CLOCK);
   asm volatile("cp.async.wait_all;\n" ::);
