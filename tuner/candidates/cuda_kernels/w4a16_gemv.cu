@@ -315,7 +315,7 @@ struct Copier {
   // moved by a fixed step; else found from the chunk's index (chunk_shift: log2(group / CHUNK)
   // for groups past a chunk)
   const uint32_t* words;
-  int words_step;
+  long long words_step;  // (a warp past K's chunks may step by more than K's words)
   int chunk, chunk_step, chunk_shift;
   uint32_t w_valid, sz_valid;           // bit per copy: its rows exist
   int x_rounds;                         // x's copy rounds the thread has a piece in
@@ -324,8 +324,8 @@ struct Copier {
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
-  int left, x_rewind, chunk_rewind, words_rewind;  // (GEMV_STAGGER) copies before the wrap, its moves
-  long long w_rewind;                 // (the weight's in bytes: K x 32 for 64-row warps)
+  int left, x_rewind, chunk_rewind;  // (GEMV_STAGGER) copies before the wrap, its moves
+  long long w_rewind, words_rewind;   // (the weight's in bytes: K x 32 for 64-row warps)
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
   // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
@@ -371,8 +371,8 @@ struct Copier {
     chunk = first;
     chunk_step = step;
     chunk_shift = p.group_shift > 7 ? p.group_shift - 7 : 0;
-    words = sz + first * NG * n;
-    words_step = step * NG * n;
+    words = sz + static_cast<long long>(first) * NG * n;
+    words_step = static_cast<long long>(step) * NG * n;
     if (GEMV_STAGGER) {
       words_rewind = mine * words_step;
       words += start * words_step;
