@@ -55,9 +55,9 @@ CLUSTERS = (1, 2, 4, 8)  # CTAs splitting K: a power of two, which the kernel di
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may take on sm_90
 ACT_DTYPES = ("bf16", "f16")
 ALIGN = 16  # bytes: x's rows and the weight are copied in 16-byte pieces
-SZ_ALIGN = (
-    4  # bytes: a (scale, zero) pair is one word (copied so, or 16 bytes at a time if aligned)
-)
+# bytes: a (scale, zero) pair is one word (copied so; 16 bytes at a time where they are 16-byte
+# aligned, N a multiple of 64 and a group at most 128)
+SZ_ALIGN = 4
 MAX_X_STRIDE = 2**31 // (2 * MAX_WARPS)  # x's row stride, elements: copy rounds use 32-bit steps
 BUILDER = "tuner.candidates.cuda_w4a16"  # this module, also when it runs as __main__
 

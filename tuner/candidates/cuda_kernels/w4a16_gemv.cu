@@ -315,7 +315,8 @@ struct Copier {
   // moved by a fixed step; else found from the chunk's index (chunk_shift: log2(group / CHUNK)
   // for groups past a chunk)
   const uint32_t* words;
-  long long words_step;  // (a warp past K's chunks may step by more than K's words)
+  long long words_step;  // 64-bit: step x NG x n (or mine x that) can pass 2^31 when a team
+                         // has more warps than K has chunks
   int chunk, chunk_step, chunk_shift;
   uint32_t w_valid, sz_valid;           // bit per copy: its rows exist
   int x_rounds;                         // x's copy rounds the thread has a piece in
@@ -325,7 +326,7 @@ struct Copier {
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
   uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
   int left, x_rewind, chunk_rewind;  // (GEMV_STAGGER) copies before the wrap, its moves
-  long long w_rewind, words_rewind;   // (the weight's in bytes: K x 32 for 64-row warps)
+  long long w_rewind, words_rewind;   // (bytes: K x 32 for 64-row warps; words)
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
   // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
@@ -387,16 +388,14 @@ struct Copier {
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
-    const uint32_t* words =
-        FULL ? this->words : sz + static_cast<uint32_t>((chunk >> chunk_shift) * NG) * n;
+    const uint32_t* at = FULL ? words : sz + static_cast<uint32_t>((chunk >> chunk_shift) * NG) * n;
     if constexpr (FULL) {
 #pragma unroll
       for (int h = 0; h < 2 * SLICES; ++h) copy16(stage + lane_w + h * 512, w + h * 512, true);
 #pragma unroll
       for (int it = 0; it < SZ_COPIES; ++it)
         if (!(ROWS * NG / 4 % 32) || sz_slots >> it & 1)
-          copy16(stage + lane_sz + it * 512, words + (128 * it / ROWS) * n + 128 * it % ROWS,
-                 true);
+          copy16(stage + lane_sz + it * 512, at + (128 * it / ROWS) * n + 128 * it % ROWS, true);
     } else {
 #pragma unroll
       for (int h = 0; h < 2 * SLICES; ++h) {
@@ -411,11 +410,12 @@ struct Copier {
         if (ROWS * NG % 32 && !(sz_slots >> it & 1)) continue;
         const bool valid = sz_valid >> it & 1;
         copy4(stage + lane_sz + it * 128,
-              valid ? words + (32 * it / ROWS) * n + 32 * it % ROWS : sz, valid);
+              valid ? at + (32 * it / ROWS) * n + 32 * it % ROWS : sz, valid);
       }
     }
     if (x_rounds > 0) copy16(stage + lane_x, x, true);
-    if (NT > 1 || x_rows_past_one) {  // the same for every thread: M past one round of rows
+    // taken alike by every thread: M past one round of rows (M > 8 always, with two n8 tiles)
+    if (NT > 1 || x_rows_past_one) {
       const uint16_t* piece = x;
 #pragma unroll
       for (int it = 1; it < X_COPIES; ++it)
@@ -424,12 +424,12 @@ struct Copier {
     }
     w += w_step;
     x += chunk_step * CHUNK;
-    this->words += words_step;
+    words += words_step;
     chunk += chunk_step;
     if (GEMV_STAGGER && --left == 0) {  // past the last round: on to round 0
       w -= w_rewind;
       x -= x_rewind;
-      this->words -= words_rewind;
+      words -= words_rewind;
       chunk -= chunk_rewind;
     }
   }
