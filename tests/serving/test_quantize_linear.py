@@ -139,8 +139,8 @@ def test_int4_layers_torch_cannot_pack_here_are_skipped_with_the_reason(caplog) 
     with caplog.at_level("WARNING", logger="tuner.serving.quantize"):
         q = tt.quantize_linear(model, "int4", group_size=64)
     assert [r.getMessage().split(":")[1].strip() for r in caplog.records] == [
-        "1 left as nn.Linear",
-        "2 left as nn.Linear",
+        "1 left as it was",
+        "2 left as it was",
     ]
     assert q.quantized_layers == ["0"]
     assert q.quantized_skipped == {
@@ -155,3 +155,57 @@ def test_a_bad_group_size_leaves_the_model_untouched() -> None:
     with pytest.raises(ValueError, match=r"group_size=48: allowed \(32, 64, 128, 256\)"):
         tt.quantize_linear(model, "int4", group_size=48)
     assert all(type(m) is nn.Linear for m in model if not isinstance(m, nn.GELU))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("cast", ["float", "half", "bfloat16", "to_f32"])
+def test_a_dtype_cast_of_the_model_keeps_the_quantized_tensors(fmt, cast) -> None:
+    """``model.half()`` and the like cast every floating tensor; the quantized layers keep theirs
+    (an e4m3 weight cast to f16 is no longer one) and serve the cast model's activations."""
+    model = tt.quantize_linear(mlp(), fmt)
+    x = torch.randn(3, 256)
+    want = model(x)
+    layer = model[0]
+    dtypes = {name: t.dtype for name, t in [*layer.named_buffers(), *layer.named_parameters()]}
+    cast_model = model.to(torch.float32) if cast == "to_f32" else getattr(model, cast)()
+    assert {
+        name: t.dtype for name, t in [*layer.named_buffers(), *layer.named_parameters()]
+    } == dtypes
+    dtype = next(model[3].parameters()).dtype  # the plain head took the cast
+    got = cast_model(x.to(dtype))
+    assert got.dtype == dtype
+    assert rel_err(got, want) < 0.05  # the same quantized weights; the head in another dtype
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_layers_their_parents_read_are_left_in_place(fmt) -> None:
+    """torch's transformer layers read their linear children's weights themselves (their fused
+    paths), and nn.MultiheadAttention its out_proj's (a subclass of nn.Linear): a quantized layer
+    there would break them, so those stay, listed with the reason; the head is quantized."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(256, 4, 512, batch_first=True),
+                          nn.Linear(256, 128)).eval()  # fmt: skip
+    x = torch.randn(2, 5, 256)
+    want = model(x)
+    q = tt.quantize_linear(model, fmt)
+    assert q.quantized_layers == ["1"]
+    assert set(q.quantized_skipped) == {"0.self_attn.out_proj", "0.linear1", "0.linear2"}
+    assert "TransformerEncoderLayer reads" in q.quantized_skipped["0.linear1"]
+    assert "reads" in q.quantized_skipped["0.self_attn.out_proj"]
+    assert rel_err(q(x), want) < 0.1
+    with pytest.raises(ValueError, match=r"subclass of nn\.Linear"):
+        tt.quantize_linear(model[0].self_attn.out_proj, "fp8")
+
+
+def test_nothing_to_quantize_is_said_and_earlier_layers_stay_listed(caplog) -> None:
+    with caplog.at_level("WARNING"):
+        assert tt.quantize_linear(nn.Sequential(nn.ReLU()), "int4").quantized_layers == []
+    assert "no nn.Linear layer in Sequential" in caplog.text
+    model = tt.quantize_linear(mlp(), "int4")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        again = tt.quantize_linear(model, "fp8")
+    assert again.quantized_layers == ["0", "2"]  # still int4: they are no nn.Linear any more
+    assert isinstance(again[0], Int4Linear) and isinstance(again[3], nn.Linear)
+    with pytest.raises(TypeError, match=r"module: expected a torch\.nn\.Module, got Tensor"):
+        tt.quantize_linear(torch.zeros(2, 2), "int4")

@@ -15,13 +15,19 @@ Each replaced layer quantizes its weight once, at replacement, and keeps only th
   row, per call, and runs ``tuner.scaled_mm`` (rowwise scales).
 
 Both compute in bf16, the activation type the formats' kernels take, and return the input's
-dtype. A layer whose shape the format cannot hold stays as it was and is listed in
-``module.quantized_skipped`` beside ``module.quantized_layers`` (the replaced ones).
+dtype; a dtype cast of the model (``model.half()``, ``model.to(torch.float32)``) leaves their
+quantized weights, scales and bias as they are, while a move to another device moves them. A
+layer whose shape the format cannot hold, a subclass of ``nn.Linear``, or a layer of a module
+that reads its children's ``weight`` itself (torch's attention and transformer layers, for their
+fused paths) stays as it was and is listed in ``module.quantized_skipped`` beside
+``module.quantized_layers`` (the replaced ones).
+They are for inference: like torch's int4 and FP8 ops, they have no backward.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -35,6 +41,12 @@ FORMATS = ("int4", "fp8")
 DEFAULT_GROUP = 128  # K elements sharing an int4 scale and zero, as torch's INT4 recipes use
 COMPUTE_DTYPE = torch.bfloat16
 FP8_MULTIPLE = 16  # torch._scaled_mm: K and N multiples of 16
+# modules that read their linear children's weight themselves (their fused fast paths)
+READS_CHILD_WEIGHTS = (
+    nn.MultiheadAttention,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
 
 
 def int4_n_multiple(device: torch.device) -> int:
@@ -75,7 +87,26 @@ def check_activation(x: torch.Tensor, in_features: int) -> None:
         raise ValueError(f"x.shape={tuple(x.shape)}: expected [..., in_features={in_features}]")
 
 
-class Int4Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """What the quantized layers share: a dtype cast of the model keeps their tensors' dtypes
+    (the packed weight and its scales are the format, and the forward computes in
+    ``COMPUTE_DTYPE`` whatever the activation's dtype); device moves apply."""
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        before = {name: t.data for name, t in [*self._parameters.items(), *self._buffers.items()]
+                  if t is not None}  # fmt: skip
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            if name in self._parameters:
+                param = self._parameters[name]
+                if param.dtype != old.dtype:
+                    param.data = old.to(device=param.device)
+            elif self._buffers[name].dtype != old.dtype:
+                self._buffers[name] = old.to(device=self._buffers[name].device)
+        return self
+
+
+class Int4Linear(QuantizedLinear):
     """``y = x @ W.T + b`` with W held as torch-packed int4 and per-group scales and zeros."""
 
     def __init__(self, linear: nn.Linear, group_size: int) -> None:
@@ -100,7 +131,7 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group_size={self.group_size}"
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(QuantizedLinear):
     """``y = x @ W.T + b`` with W held as e4m3 with a scale per output row; the activations are
     quantized per row on every call (their range changes with every input)."""
 
@@ -138,6 +169,8 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int | None = None) 
     are left as they are, with a warning in the log: ``module.quantized_skipped`` maps their
     names to the reason, and ``module.quantized_layers`` lists the replaced ones.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {list(FORMATS)}, got {fmt!r}")
     if fmt == "fp8" and group_size is not None:  # rowwise scales: no groups to size
@@ -146,7 +179,7 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int | None = None) 
         group_size = DEFAULT_GROUP if group_size is None else group_size
         int4.check_group(group_size)
     if isinstance(module, nn.Linear):  # a bare layer: nothing to leave in place
-        reason = unsupported(fmt, module.weight, group_size)
+        reason = kept_reason(module, None) or unsupported(fmt, module.weight, group_size)
         if reason:
             raise ValueError(f"module: {reason}")
         return _quantized(module, fmt, group_size)
@@ -155,18 +188,38 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int | None = None) 
     for name, child in list(module.named_modules()):
         if not isinstance(child, nn.Linear):
             continue
-        reason = unsupported(fmt, child.weight, group_size)
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if name else None
+        reason = kept_reason(child, parent) or unsupported(fmt, child.weight, group_size)
         if reason:
             skipped[name] = reason
             continue
-        parent_name, _, attr = name.rpartition(".")
-        setattr(module.get_submodule(parent_name), attr, _quantized(child, fmt, group_size))
+        setattr(parent, attr, _quantized(child, fmt, group_size))
         replaced.append(name)
     for name, reason in skipped.items():
-        log.warning("quantize_linear: %s left as nn.Linear: %s", name, reason)
-    module.quantized_layers = replaced
+        log.warning("quantize_linear: %s left as it was: %s", name, reason)
+    earlier = [name for name, child in module.named_modules()
+               if isinstance(child, QuantizedLinear) and name not in replaced]  # fmt: skip
+    if not replaced and not skipped:
+        log.warning("quantize_linear: no nn.Linear layer in %s to quantize%s",
+                    type(module).__name__,
+                    f" ({len(earlier)} quantized already)" if earlier else "")  # fmt: skip
+    module.quantized_layers = earlier + replaced
     module.quantized_skipped = skipped
     return module
+
+
+def kept_reason(linear: nn.Linear, parent: nn.Module | None) -> str | None:
+    """Why a layer is left in place although its shape fits: its parent reads its ``weight``
+    itself, which a quantized layer has not (torch's attention and transformer layers, for their
+    fused paths), or it is a subclass of ``nn.Linear``, whose parent may (``nn.MultiheadAttention``
+    reads its ``out_proj``'s)."""
+    if isinstance(parent, READS_CHILD_WEIGHTS):
+        return f"its parent {type(parent).__name__} reads the layer's weight itself (fused path)"
+    if type(linear) is not nn.Linear:
+        return (f"{type(linear).__name__} is a subclass of nn.Linear, whose parent may read its "
+                "weight directly (as nn.MultiheadAttention does its out_proj's)")  # fmt: skip
+    return None
 
 
 def _quantized(linear: nn.Linear, fmt: str, group_size: int | None) -> nn.Module:
