@@ -75,3 +75,25 @@ def test_a_problem_list_names_low_bit_gemms_by_format_as_model_configs_do(tmp_pa
     int4, fp8 = load_problems(path)
     assert int4 == GemmKey(m=16, n=4096, k=4096, align=16, **lowbit_fields("int4-g128"))
     assert fp8 == GemmKey(m=16, n=4096, k=4096, align=16, **lowbit_fields("fp8-rowwise"))
+
+
+@pytest.mark.parametrize(("extra", "named"), [("layout: nn", "layout='nn'"),
+                                              ("out_dtype: f16", "out_dtype='f16'"),
+                                              ("group: 64", "group=64")])  # fmt: skip
+def test_a_problem_list_refuses_fields_its_low_bit_format_fixes(
+    tmp_path: Path, extra, named
+) -> None:
+    """The format fixes the layout, output dtype and group: another value in the entry is a
+    mistake to name, not a field to drop silently (two entries would collapse into one)."""
+    from tuner.offline.problem_list import load_problems
+
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        f"problems:\n  - {{op: gemm, m: 16, n: 256, k: 512, dtype: int4-g128, {extra}}}\n"
+    )
+    with pytest.raises(ConfigError, match=rf"problems\[0\]: {named}: dtype int4-g128 fixes"):
+        load_problems(path)
+    path.write_text(
+        "problems:\n  - {op: gemm, m: 16, n: 256, k: 512, dtype: int4-g128, layout: nt}\n"
+    )
+    assert load_problems(path)[0].layout == "nt"  # the same value is no conflict

@@ -40,11 +40,24 @@ def parse_problem(entry: Any, where: str) -> Key:
             raise ValueError("missing field 'op' (gemm or sdpa)")
         if op == "gemm" and "dtype" in fields:
             if str(fields["dtype"]).startswith(("int4-", "fp8-")):
-                fields = {**fields, **lowbit_fields(fields["dtype"])}
+                fields = with_lowbit_fields(fields)
             fields.setdefault("out_dtype", fields["dtype"])
         return key_from_dict(op, fields)
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def with_lowbit_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """A low-bit GEMM entry's fields with its format's (``lowbit_fields``); ValueError naming
+    a field the entry also gives with another value (the format fixes it), rather than one of
+    the two taken silently."""
+    spec = fields["dtype"]
+    fixed = lowbit_fields(spec)
+    for name, value in fields.items():
+        if name != "dtype" and name in fixed and str(value) != str(fixed[name]):
+            raise ValueError(f"{name}={value!r}: dtype {spec} fixes {name}={fixed[name]!r} "
+                             f"(leave {name} out)")  # fmt: skip
+    return {**fields, **fixed}
 
 
 def read_yaml(path: Path) -> Any:
