@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.offline.model_config import ConfigError, expand, load_model, parse_model
@@ -53,7 +54,8 @@ def test_unknown_spec_names_file_field_and_allowed_values() -> None:
 def test_a_group_that_does_not_divide_a_projection_names_file_op_and_dtype() -> None:
     base = load_model(MODELS / "llama-3-8b.yaml").model_dump()
     with pytest.raises(ConfigError) as err:
-        parse_model({**base, "hidden_size": 4000, "dtypes": ["int4-g128"]}, "m.yaml")
+        parse_model({**base, "hidden_size": 4000, "dtypes": ["int4-g128"],
+                     "ops": ["qkv", "o", "gate_up", "down"]}, "m.yaml")  # fmt: skip
     text = str(err.value)
     assert text.startswith("m.yaml: ops: ") and "with dtypes: int4-g128: " in text
     assert "group=128 must divide k=4000" in text
@@ -97,3 +99,15 @@ def test_a_problem_list_refuses_fields_its_low_bit_format_fixes(
         "problems:\n  - {op: gemm, m: 16, n: 256, k: 512, dtype: int4-g128, layout: nt}\n"
     )
     assert load_problems(path)[0].layout == "nt"  # the same value is no conflict
+
+
+def test_attention_with_only_gemm_dtypes_is_named(tmp_path: Path) -> None:
+    """Low-bit formats (and tf32) key the projections only: attention ops listed with no dtype
+    that makes attention problems would be dropped without a word, so the config is refused."""
+    data = yaml.safe_load((MODELS / "qwen2.5-7b.yaml").read_text())
+    data["dtypes"] = ["int4-g128", "fp8-rowwise"]
+    data["ops"] = ["qkv", "attn_decode"]
+    with pytest.raises(ConfigError, match=r"ops lists attention but no dtype in \['int4-g128', "):
+        parse_model(data, tmp_path / "m.yaml")
+    data["dtypes"].append("bf16")
+    assert any(p.key.op == "sdpa" for p in expand(parse_model(data, tmp_path / "m.yaml")))

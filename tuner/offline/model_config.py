@@ -65,6 +65,7 @@ from tuner.offline.problem_list import ConfigError, read_yaml
 GEMM_OPS = ("qkv", "o", "gate_up", "down")
 Op = Literal["qkv", "o", "gate_up", "down", "attn_prefill", "attn_decode"]
 DENSE_DTYPES = ("f16", "bf16", "f32", "tf32")
+ATTENTION_DTYPES = frozenset(DENSE_DTYPES[:3])  # tf32 and low-bit formats key GEMMs only
 
 
 def check_dtype(spec: str) -> str:
@@ -139,6 +140,11 @@ class ModelConfig(_Strict):
         for op, part in (("attn_prefill", "prefill"), ("attn_decode", "decode")):
             if op in self.ops and getattr(self.attention, part, None) is None:
                 raise ValueError(f"attention.{part} is required when ops lists {op!r}")
+        attention_dtypes = ATTENTION_DTYPES & set(self.dtypes)
+        if set(self.ops) & {"attn_prefill", "attn_decode"} and not attention_dtypes:
+            raise ValueError(f"ops lists attention but no dtype in {list(self.dtypes)} makes an "
+                             f"attention problem: add one of {sorted(ATTENTION_DTYPES)} (tf32 and "
+                             "low-bit formats key the projections only)")  # fmt: skip
         return self
 
     @property
@@ -214,7 +220,7 @@ def _op_keys(model: ModelConfig, op: str, dtype: str) -> list[tuple[Key, str]]:
         return [
             (gemm_key(m, n, k, layout=model.layout, dtype=dtype), f"M={m}") for m in model.m_sizes
         ]
-    if dtype not in DENSE_DTYPES[:3]:  # tf32 and low-bit formats: GEMMs only
+    if dtype not in ATTENTION_DTYPES:  # tf32 and low-bit formats: GEMMs only
         return []
     att = model.attention
     assert att is not None  # checked by the validator
