@@ -96,6 +96,10 @@ def test_tune_all_then_show_export_import(tmp_path):
             ("tune", "gemm", "-m", "8", "-n", "64", "-k", "64", "--dtype", "int4-g32", "--tf32"),
             "--tf32 is for f32 inputs only",
         ),
+        (  # torch's CPU int4 packing takes blocks of 16 rows (CUDA: 8)
+            ("tune", "gemm", "-m", "16", "-n", "24", "-k", "512", "--dtype", "int4-g128"),
+            "N=24: torch's int4 packing on cpu needs a multiple of 16",
+        ),
     ],
 )
 def test_user_mistakes_get_one_line_and_exit_2(tmp_path, args, message):

@@ -51,6 +51,21 @@ def test_bad_scales_name_the_field() -> None:
         fp8.check_scales(torch.ones(4, 1), torch.ones(4, 2), 4, 8)
     assert fp8.check_scales(one, one, 4, 8) is False
     assert fp8.check_scales(torch.ones(4, 1), torch.ones(1, 8), 4, 8) is True
+    assert fp8.check_scales(torch.ones(4, 1), torch.ones(8, 1), 4, 8) is True  # our kernels'
+
+
+def test_scales_as_scaled_mm_takes_them() -> None:
+    """``as_scaled_mm``: a rowwise scale_b only as torch._scaled_mm takes it, (1, N) and
+    contiguous, the shape named in the message (an (N, 1) scale_b is refused by torch)."""
+    rows = torch.ones(4, 1)
+    assert fp8.check_scales(rows, torch.ones(1, 8), 4, 8, as_scaled_mm=True) is True
+    assert fp8.check_scales(rows, torch.ones(8, 1).t(), 4, 8, as_scaled_mm=True) is True
+    with pytest.raises(ValueError, match=r"scale_b\.shape=\(8, 1\): expected \(1, 8\) with"):
+        fp8.check_scales(rows, torch.ones(8, 1), 4, 8, as_scaled_mm=True)
+    with pytest.raises(ValueError, match=r"scale_b: must be contiguous .* strides \(16, 2\)"):
+        fp8.check_scales(rows, torch.ones(1, 16)[:, ::2], 4, 8, as_scaled_mm=True)
+    with pytest.raises(ValueError, match=r"scale_a: must be contiguous .* strides \(2, 1\)"):
+        fp8.check_scales(torch.ones(4, 2)[:, :1], torch.ones(1, 8), 4, 8, as_scaled_mm=True)
 
 
 @pytest.mark.gpu

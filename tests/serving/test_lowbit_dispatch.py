@@ -3,6 +3,8 @@ low-bit fields recorded on a miss, bad input refused, and the drop-in routing to
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from dropin_support import store_winners, triton_source
@@ -133,6 +135,75 @@ def test_bad_input_raises_torchs_error_or_names_the_field(disp: Dispatcher) -> N
     assert recorded(disp) == []  # nothing keyed from bad input
 
 
+def test_a_packed_weight_not_in_the_devices_format_is_named_with_the_format(
+    disp: Dispatcher,
+) -> None:
+    """On the CPU torch packs uint8 [N, K / 2] (not CUDA's int32 4-d tiles): a weight of another
+    dtype or rank, an unpacked [N, K] weight or a transposed view is refused naming
+    ``packed_w`` (the caller's argument), its dtype, shape and device, and what the CPU takes."""
+    packed, sz = int4_weight()
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    cpu_format = (r"packed_w: expected torch's uint8 \[N, K / 2\] from "
+                  r"aten\._convert_weight_to_int4pack_for_cpu on cpu, got ")  # fmt: skip
+    for wrong in (packed.int(), packed.to(torch.int8), packed.float(), packed.reshape(-1),
+                  torch.zeros(N // 8, K // 256, 32, 4, dtype=torch.int32)):  # fmt: skip
+        shape = re.escape(str(tuple(wrong.shape)))
+        with pytest.raises(ValueError, match=cpu_format + rf"{wrong.dtype} {shape} on cpu$"):
+            tuner.int4_linear(x, wrong, sz, GROUP)
+    q = int4_torch.nibbles(packed)  # [N, K] values: the weight before torch's packing
+    with pytest.raises(ValueError, match=r"packed_w\.shape=\(64, 256\) holds a weight of K=512.*"
+                       r"looks unpacked.*_convert_weight_to_int4pack_for_cpu"):  # fmt: skip
+        tuner.int4_linear(x, q, sz, GROUP)
+    square = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (K // 2, K), dtype=torch.int32), 2
+    )  # [K / 2, K / 2]: its transpose has the same shape
+    with pytest.raises(ValueError, match=r"packed_w: must be contiguous"):
+        tuner.int4_linear(x, square.t(), torch.ones(K // GROUP, K // 2, 2, dtype=x.dtype), GROUP)
+    assert recorded(disp) == []
+
+
+def test_int4_activations_are_checked_before_the_scales(disp: Dispatcher) -> None:
+    """x's dtype is checked first, against what torch's CPU op takes (bf16, f16, f32): a wrong x
+    is named as such, not taken for the scales' fault; a strided x is refused by name."""
+    packed, sz = int4_weight()
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    allowed = r"allowed on cpu: torch\.bfloat16, torch\.float16, torch\.float32"
+    for dtype in (torch.int32, torch.int64, torch.float64):
+        with pytest.raises(ValueError, match=rf"^x\.dtype={dtype}: {allowed}$"):
+            tuner.int4_linear(x.to(dtype), packed, sz, GROUP)
+    with pytest.raises(ValueError, match=r"^x\.dtype=torch\.float64: "):  # scales of x's dtype too
+        tuner.int4_linear(x.double(), packed, sz.double(), GROUP)
+    with pytest.raises(ValueError, match=r"scales_and_zeros\.dtype=torch\.bfloat16: must be the "
+                       r"activation's \(x\.dtype=torch\.float32\)"):  # fmt: skip
+        tuner.int4_linear(x.float(), packed, sz, GROUP)
+    with pytest.raises(ValueError, match=r"x: must be contiguous.*x\.contiguous\(\)"):
+        tuner.int4_linear(x.t().contiguous().t(), packed, sz, GROUP)
+    assert recorded(disp) == []
+    for dtype in (torch.float16, torch.float32):  # torch's CPU op computes in these
+        got = tuner.int4_linear(x.to(dtype), packed, sz.to(dtype), GROUP)
+        want = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(dtype), packed, GROUP, sz.to(dtype))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_rowwise_scale_b_is_checked_as_torch_scaled_mm_takes_it(disp: Dispatcher) -> None:
+    """torch._scaled_mm takes a rowwise scale_b as (1, N), contiguous, only: the check refuses
+    what torch would, and what its message asks for runs."""
+    a, b, sa, sb = fp8_operands(4, True)
+    assert sb.shape == (1, N)
+    with pytest.raises(ValueError, match=rf"scale_b\.shape=\({N}, 1\): expected \(1, {N}\) "):
+        tuner.scaled_mm(a, b, sa, sb.t().contiguous(), out_dtype=torch.bfloat16)
+    with pytest.raises((RuntimeError, ValueError), match="Invalid scaling configuration"):
+        torch._scaled_mm(a, b, sa, sb.t().contiguous(), out_dtype=torch.bfloat16)
+    strided = torch.ones(1, 2 * N)[:, ::2]
+    with pytest.raises(ValueError, match=r"scale_b: must be contiguous for rowwise scaling"):
+        tuner.scaled_mm(a, b, sa, strided, out_dtype=torch.bfloat16)
+    tuner.scaled_mm(a, b, sa, sb.contiguous(), out_dtype=torch.bfloat16)  # resolves the shapes
+    with pytest.raises(ValueError, match=r"scale_b: must be contiguous"):  # same shape, strided
+        tuner.scaled_mm(a, b, sa, strided, out_dtype=torch.bfloat16)
+    want = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+    torch.testing.assert_close(tuner.scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16), want)
+
+
 def test_operands_that_are_not_tensors_raise_torchs_type_error(disp: Dispatcher) -> None:
     packed, sz = int4_weight()
     x = torch.randn(2, K, dtype=torch.bfloat16)
@@ -140,7 +211,7 @@ def test_operands_that_are_not_tensors_raise_torchs_type_error(disp: Dispatcher)
         TypeError, match=r"scales_and_zeros: expected a torch\.Tensor, got NoneType"
     ):
         tuner.int4_linear(x, packed, None, GROUP)
-    with pytest.raises(TypeError, match=r"packed: expected a torch\.Tensor, got float"):
+    with pytest.raises(TypeError, match=r"packed_w: expected a torch\.Tensor, got float"):
         tuner.int4_linear(x, 1.0, sz, GROUP)
     with pytest.raises(ValueError, match="x: expected an activation"):
         tuner.int4_linear(torch.tensor(1.0, dtype=torch.bfloat16), packed, sz, GROUP)

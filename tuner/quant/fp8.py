@@ -47,9 +47,14 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
 
-def check_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int) -> bool:
+def check_scales(
+    scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int, *, as_scaled_mm: bool = False
+) -> bool:
     """ValueError naming the field unless both scales are float32 and either both tensorwise
-    (one element) or rowwise (scale_a [M, 1], scale_b [N, 1] or [1, N]). Returns rowwise."""
+    (one element) or rowwise (scale_a [M, 1], scale_b [N, 1] or [1, N]). Returns rowwise.
+
+    ``as_scaled_mm``: rowwise only as ``torch._scaled_mm`` takes it (scale_b [1, N], both
+    contiguous), so that a call the check passes also runs on torch's op."""
     for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
         if s.dtype != torch.float32:
             raise ValueError(f"{name}.dtype={s.dtype}: must be torch.float32")
@@ -60,7 +65,17 @@ def check_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int) -
             raise ValueError(f"scale_b.shape={tuple(scale_b.shape)}: expected one element, as "
                              f"scale_a is tensorwise (one element); rowwise takes scale_a ({m}, 1)")  # fmt: skip
         raise ValueError(f"scale_a.shape={tuple(scale_a.shape)}: expected one element or ({m}, 1)")
-    if tuple(scale_b.shape) not in ((n, 1), (1, n)):
+    if as_scaled_mm:
+        if tuple(scale_b.shape) != (1, n):
+            raise ValueError(
+                f"scale_b.shape={tuple(scale_b.shape)}: expected (1, {n}) with a rowwise scale_a, "
+                f"as torch._scaled_mm takes it (an [N, 1] scale's .t())"
+            )
+        for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+            if not s.is_contiguous():
+                raise ValueError(f"{name}: must be contiguous for rowwise scaling, as "
+                                 f"torch._scaled_mm takes it, got strides {s.stride()}")  # fmt: skip
+    elif tuple(scale_b.shape) not in ((n, 1), (1, n)):
         raise ValueError(
             f"scale_b.shape={tuple(scale_b.shape)}: expected ({n}, 1) or (1, {n}) with a rowwise "
             "scale_a"

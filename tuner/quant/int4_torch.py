@@ -29,8 +29,19 @@ def inner_k_tiles(k: int) -> int:
     raise ValueError(f"K={k}: torch's int4 packing needs a multiple of 32")
 
 
+def n_multiple(device: torch.device) -> int:
+    """What N must be a multiple of for torch's int4 packing on ``device``: 8 output rows per
+    tile on CUDA, blocks of 16 on the CPU."""
+    return 8 if device.type == "cuda" else 16
+
+
 def torch_pack(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] values 0..15 on a device -> torch's packed weight for that device."""
+    """[N, K] values 0..15 on a device -> torch's packed weight for that device; ValueError
+    naming N or K where torch's packing cannot hold the shape (before torch fails inside)."""
+    multiple = n_multiple(q.device)
+    if q.shape[0] % multiple:
+        raise ValueError(f"N={q.shape[0]}: torch's int4 packing on {q.device.type} needs a "
+                         f"multiple of {multiple}")  # fmt: skip
     ours = int4.pack(q)
     tiles = inner_k_tiles(q.shape[1])
     if q.is_cuda:
@@ -46,6 +57,51 @@ def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
     if packed.dim() == 2 and packed.dtype == torch.uint8:
         return packed.shape[0], packed.shape[1] * 2
     return int4.torch_int4pack_shape(packed)
+
+
+# what torch's int4 op takes on a device type (off CUDA: the CPU op, as ``int4_mm`` picks it)
+_CPU_FORMAT = "uint8 [N, K / 2] from aten._convert_weight_to_int4pack_for_cpu"
+_CUDA_FORMAT = (
+    "int32 [N / 8, K / (inner_k_tiles * 16), 32, inner_k_tiles / 2] tile-packed weight from "
+    "aten._convert_weight_to_int4pack"
+)
+_CPU_ACTS = (torch.bfloat16, torch.float16, torch.float32)  # _weight_int4pack_mm_for_cpu's
+_CUDA_ACTS = (torch.bfloat16, torch.float16)  # the keys' (torch's CUDA op itself takes bf16)
+
+
+def check_activation(x: torch.Tensor, name: str = "x") -> None:
+    """ValueError naming ``x`` unless torch's int4 op on its device takes it: a dtype it
+    computes in, contiguous (the op reads rows as stored, and refuses other strides)."""
+    allowed = _CUDA_ACTS if x.is_cuda else _CPU_ACTS
+    if x.dtype not in allowed:
+        raise ValueError(f"{name}.dtype={x.dtype}: allowed on {x.device.type}: "
+                         f"{', '.join(map(str, allowed))}")  # fmt: skip
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous, got shape {tuple(x.shape)} strides "
+                         f"{x.stride()}; pass {name}.contiguous()")  # fmt: skip
+
+
+def check_packed(
+    packed: torch.Tensor, device: torch.device, name: str = "packed_w"
+) -> tuple[int, int]:
+    """(N, K) of torch's packed weight for ``device`` (where the op runs), or a ValueError naming
+    ``name``, its dtype, shape and device and the format expected there: the devices' packings
+    differ, and torch's own errors name neither."""
+    fmt = _CUDA_FORMAT if device.type == "cuda" else _CPU_FORMAT
+    got = f"got {packed.dtype} {tuple(packed.shape)} on {packed.device}"
+    if packed.device != device:
+        raise ValueError(f"{name}.device={packed.device}: must be x's device ({device}); {got}")
+    if device.type == "cuda":
+        ok = packed.dtype == torch.int32 and packed.dim() == 4 and packed.shape[2] == 32
+        ok = ok and packed.shape[3] * 2 in int4.INNER_K_TILES
+    else:
+        ok = packed.dtype == torch.uint8 and packed.dim() == 2
+    if not ok:
+        raise ValueError(f"{name}: expected torch's {fmt} on {device.type}, {got}")
+    if not packed.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous, as torch packs it (a transposed or sliced "
+                         f"view is another layout), got strides {packed.stride()}")  # fmt: skip
+    return packed_shape(packed)
 
 
 def int4_mm(

@@ -229,7 +229,7 @@ class Dispatcher:
         try:
             sig = lowbit.int4_sig(x, packed, scales_and_zeros, group_size)
         except AttributeError:
-            lowbit.check_operands(x=x, packed=packed, scales_and_zeros=scales_and_zeros)
+            lowbit.check_operands(x=x, packed_w=packed, scales_and_zeros=scales_and_zeros)
             raise
         hot = self._hot.get(sig)
         if hot is None:

@@ -7,8 +7,10 @@ torch's packed int4 format for its device (the tile-packed int32 tensor of
 ``_convert_weight_to_int4pack_for_cpu`` on the CPU) with torch's ``scales_and_zeros``.
 
 A signature holds everything that decides the runner, as for ``tuner.matmul``. Operands that
-disagree (K, the scales' shapes and dtypes, the group size) raise a ``ValueError`` naming the
-field before anything runs: torch's CPU int4 op does not check its scales. A call that is valid
+disagree (K, the scales' shapes and dtypes, the group size), or that torch's op on the device
+would refuse (an activation dtype, another device's int4 packing, a rowwise scale_b not [1, N])
+raise a ``ValueError`` naming the field before anything runs: torch's CPU int4 op does not
+check its scales, and its errors name neither the argument nor the format. A call that is valid
 but outside the keys (f32 activations, fp8 output, ...) is served by torch's op as made.
 """
 
@@ -43,7 +45,8 @@ def check_operands(**operands: Any) -> None:
 def scaled_mm_sig(a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any, fast: bool) -> tuple:
     """What decides a ``_scaled_mm`` call's runner (bias and scale_result go to torch)."""
     return ("scaled_mm", a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype,
-            scale_a.shape, scale_b.shape, scale_a.dtype, scale_b.dtype, out_dtype, fast, a.device,
+            scale_a.shape, scale_b.shape, scale_a.stride(), scale_b.stride(), scale_a.dtype,
+            scale_b.dtype, out_dtype, fast, a.device,
             a.data_ptr() % 16, b.data_ptr() % 16, a.requires_grad and torch.is_grad_enabled())  # fmt: skip
 
 
@@ -59,13 +62,26 @@ def check_int4(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> t
     """The weight's (N, K); ``OperandError`` naming the field unless the activation, weight and
     scales agree."""
     try:
-        n, k = int4_torch.packed_shape(packed)
+        int4_torch.check_activation(x)  # first: the scales' dtype is checked against x's
+        n, k = int4_torch.check_packed(packed, x.device)
         if x.shape[-1] != k:
-            raise ValueError(f"x.shape={tuple(x.shape)}: K must be the weight's K={k}")
+            raise ValueError(_k_mismatch(x, packed, k))
         int4.check_scales_and_zeros(scales_and_zeros, n, k, group_size, x.dtype)
     except ValueError as e:
         raise OperandError(str(e)) from e
     return n, k
+
+
+def _k_mismatch(x: Any, packed: Any, k: int) -> str:
+    """Which of x and the packed weight is wrong is the caller's to say: name both, and the
+    likely slip of an unpacked [N, K] weight where the CPU's [N, K / 2] packing belongs."""
+    xk = x.shape[-1]
+    msg = (f"x.shape={tuple(x.shape)} has K={xk}, but packed_w.shape={tuple(packed.shape)} "
+           f"holds a weight of K={k}")  # fmt: skip
+    if not x.is_cuda and packed.shape[-1] == xk:
+        msg += ("; packed_w looks unpacked ([N, K] values): pack it with "
+                "aten._convert_weight_to_int4pack_for_cpu(w_int32, inner_k_tiles)")  # fmt: skip
+    return msg
 
 
 def check_scaled_mm(a: Any, b: Any, scale_a: Any, scale_b: Any) -> bool:
@@ -74,7 +90,7 @@ def check_scaled_mm(a: Any, b: Any, scale_a: Any, scale_b: Any) -> bool:
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise OperandError(f"a, b: expected [M, K] and [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")  # fmt: skip
     try:
-        return fp8.check_scales(scale_a, scale_b, a.shape[0], b.shape[1])
+        return fp8.check_scales(scale_a, scale_b, a.shape[0], b.shape[1], as_scaled_mm=True)
     except ValueError as e:
         raise OperandError(str(e)) from e
 

@@ -49,12 +49,6 @@ READS_CHILD_WEIGHTS = (
 )
 
 
-def int4_n_multiple(device: torch.device) -> int:
-    """What N must be a multiple of for torch's int4 packing on ``device``: 8 output rows per
-    tile on CUDA, blocks of 16 on the CPU."""
-    return 8 if device.type == "cuda" else 16
-
-
 def unsupported(fmt: str, weight: torch.Tensor, group_size: int | None) -> str | None:
     """Why an [N, K] weight (on its device) cannot take ``fmt``, or None when it can."""
     n, k = weight.shape
@@ -63,7 +57,7 @@ def unsupported(fmt: str, weight: torch.Tensor, group_size: int | None) -> str |
             int4.check_group_size(group_size, k)
         except ValueError as e:
             return str(e)
-        multiple = int4_n_multiple(weight.device)
+        multiple = int4_torch.n_multiple(weight.device)
         if n % multiple:
             return f"int4 packing on {weight.device.type} needs N % {multiple} == 0 (N={n}, K={k})"
         return None
