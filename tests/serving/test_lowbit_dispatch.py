@@ -20,6 +20,7 @@ from tuner.serving.dispatcher import Dispatcher
 from tuner.serving.warmup import warmup
 
 N, K, GROUP = 64, 256, 128
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
 @pytest.fixture
@@ -162,6 +163,27 @@ def test_a_packed_weight_not_in_the_devices_format_is_named_with_the_format(
     assert recorded(disp) == []
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])]
+)  # fmt: skip
+def test_int4_operands_on_another_device_are_named_even_after_a_good_call(
+    disp: Dispatcher, device: str
+) -> None:
+    """A weight or scales left on another device than x is refused naming the field, also once
+    a call of the same shapes was served (the runner memoized for it must not be reused: a CUDA
+    kernel handed a host pointer would read out of bounds). The meta device stands in for a
+    second device on a CPU."""
+    packed, sz = int4_weight(device=device)
+    x = torch.randn(2, K, dtype=torch.bfloat16, device=device)
+    good = tuner.int4_linear(x, packed, sz, GROUP)
+    other = "meta" if device == "cpu" else "cpu"
+    with pytest.raises(ValueError, match=rf"^packed_w\.device={other}: must be x's device"):
+        tuner.int4_linear(x, packed.to(other), sz, GROUP)
+    with pytest.raises(ValueError, match=rf"^scales_and_zeros\.device={other}: must be x's device"):
+        tuner.int4_linear(x, packed, sz.to(other), GROUP)
+    torch.testing.assert_close(tuner.int4_linear(x, packed, sz, GROUP), good, rtol=0, atol=0)
+
+
 def test_int4_activations_are_checked_before_the_scales(disp: Dispatcher) -> None:
     """x's dtype is checked first, against what torch's CPU op takes (bf16, f16, f32): a wrong x
     is named as such, not taken for the scales' fault; a strided x is refused by name."""
@@ -260,9 +282,6 @@ def test_key_errors_name_the_field() -> None:
         scaled_mm_key(a, b, sa, sb[:, :-1], torch.bfloat16, False)
     with pytest.raises(ValueError, match="layout"):
         scaled_mm_key(a, b.t().contiguous().t().contiguous(), sa, sb, torch.bfloat16, False)
-
-
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
 @pytest.mark.parametrize(

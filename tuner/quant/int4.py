@@ -59,10 +59,20 @@ def check_group_size(group_size: int, k: int) -> None:
 
 
 def check_scales_and_zeros(
-    scales_and_zeros: torch.Tensor, n: int, k: int, group_size: int, dtype: torch.dtype
+    scales_and_zeros: torch.Tensor,
+    n: int,
+    k: int,
+    group_size: int,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
 ) -> None:
-    """ValueError naming the field unless the tensor is torch's [K / group, N, 2] of ``dtype``."""
+    """ValueError naming the field unless the tensor is torch's [K / group, N, 2] of ``dtype``
+    (on ``device``, the activation's, where given: a kernel would read it there)."""
     check_group_size(group_size, k)
+    if device is not None and scales_and_zeros.device != device:
+        raise ValueError(
+            f"scales_and_zeros.device={scales_and_zeros.device}: must be x's device ({device})"
+        )
     want = (k // group_size, n, 2)
     if tuple(scales_and_zeros.shape) != want:
         raise ValueError(

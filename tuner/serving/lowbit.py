@@ -54,7 +54,7 @@ def int4_sig(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tup
     """What decides an ``int4_linear`` call's runner; ``x`` is the 2-D activation."""
     return ("int4", x.shape, x.stride(), x.dtype, packed.shape, packed.stride(), packed.dtype,
             scales_and_zeros.shape, scales_and_zeros.stride(), scales_and_zeros.dtype,
-            group_size, x.device,
+            group_size, x.device, packed.device, scales_and_zeros.device,
             x.data_ptr() % 16, x.requires_grad and torch.is_grad_enabled())  # fmt: skip
 
 
@@ -66,7 +66,7 @@ def check_int4(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> t
         n, k = int4_torch.check_packed(packed, x.device)
         if x.shape[-1] != k:
             raise ValueError(_k_mismatch(x, packed, k))
-        int4.check_scales_and_zeros(scales_and_zeros, n, k, group_size, x.dtype)
+        int4.check_scales_and_zeros(scales_and_zeros, n, k, group_size, x.dtype, x.device)
     except ValueError as e:
         raise OperandError(str(e)) from e
     return n, k
