@@ -44,8 +44,9 @@ export CUTLASS_CACHE_DIR=${CUTLASS_CACHE_DIR:-/tmp/cutlass_cache}
 # bench/results/cutlass_cache_h200_sm90.tar.xz> starts every stage with those compiled kernels (cold
 # CUTLASS compiles cost 35-52 s each); at most one of them may hold compiled_cache.db (the kernels
 # cutlass_cppgen builds): a later one's would replace it, while shared libraries (lib/) add up
-# (the seeds the stages write leave out the CUDA W4A16 decode libraries, lib/cuda_w4a16_*: they
-# are keyed by their source, so a seed's would be stale once the kernel changes)
+# (the seeds the stages write leave out the CUDA W4A16 decode libraries and their markers,
+# */cuda_w4a16_*: they are keyed by their source, so a seed's would be stale once the kernel
+# changes, and a marker without its library would be taken for a built one)
 if [ -n "${CUTLASS_SEED:-}" ]; then
   mkdir -p "$CUTLASS_CACHE_DIR"
   for seed in $CUTLASS_SEED; do tar xJf "$seed" -C "$CUTLASS_CACHE_DIR" || exit 1; done
@@ -126,7 +127,7 @@ for stage in "$@"; do
     triton-sweep) timeout -k 20 "${TRITON_SWEEP_TIMEOUT:-150}" python3 bench/triton_gemm_sweep.py --out "$OUT/triton_sweep.json" ${TRITON_SWEEP_ARGS:-} 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
     triton-tests) timeout -k 20 "${TRITON_TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/candidates/test_triton_gemm.py 2>&1 | tee -a "$OUT/triton.log" || status=1 ;;
     lowbit) timeout -k 20 "${LOWBIT_BENCH_TIMEOUT:-560}" python3 -m tuner bench gemm --suite lowbit --out "$OUT" ${LOWBIT_BENCH_ARGS:-} 2>&1 | tee "$OUT/lowbit_bench.log" || status=1
-      tar cJf "$OUT/lowbit_cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work --exclude='./lib/cuda_w4a16_*' . || status=1 ;;
+      tar cJf "$OUT/lowbit_cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work --exclude='./*/cuda_w4a16_*' . || status=1 ;;
     int4-layouts) timeout -k 20 "${INT4_LAYOUTS_TIMEOUT:-120}" python3 -m bench.int4_layouts --out "$OUT/int4_layouts.json" 2>&1 | tee "$OUT/int4_layouts.log" || status=1 ;;
     lowbit-kernels) timeout -k 20 "${LOWBIT_KERNELS_TIMEOUT:-400}" python3 bench/lowbit_kernels.py --out "$OUT/lowbit_kernels.json" ${LOWBIT_KERNELS_ARGS:-} 2>&1 | tee "$OUT/lowbit_kernels.log" || status=1 ;;
     w4a16-streamk) timeout -k 20 "${W4A16_STREAMK_TIMEOUT:-200}" python3 bench/w4a16_streamk.py --out "$OUT/w4a16_streamk.json" ${W4A16_STREAMK_ARGS:-} 2>&1 | tee "$OUT/w4a16_streamk.log" || status=1 ;;
@@ -138,7 +139,7 @@ for stage in "$@"; do
     w4a16-prefill) timeout -k 20 "${W4A16_PREFILL_TIMEOUT:-250}" python3 bench/w4a16_prefill.py --out "$OUT/w4a16_prefill.json" ${W4A16_PREFILL_ARGS:-} 2>&1 | tee "$OUT/w4a16_prefill.log" || status=1 ;;
     fp8-decode) timeout -k 20 "${FP8_DECODE_TIMEOUT:-250}" python3 bench/fp8_decode_sweep.py --out "$OUT/fp8_decode.json" ${FP8_DECODE_ARGS:---shortlist --precise} 2>&1 | tee "$OUT/fp8_decode.log" || status=1 ;;
     fp8-prefill) timeout -k 20 "${FP8_PREFILL_TIMEOUT:-250}" python3 bench/fp8_prefill.py --out "$OUT/fp8_prefill.json" ${FP8_PREFILL_ARGS:-} 2>&1 | tee "$OUT/fp8_prefill.log" || status=1
-      tar cJf "$OUT/fp8_prefill_cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work --exclude='./lib/cuda_w4a16_*' . || status=1 ;;
+      tar cJf "$OUT/fp8_prefill_cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work --exclude='./*/cuda_w4a16_*' . || status=1 ;;
     gemm) timeout -k 20 "${GEMM_BENCH_TIMEOUT:-560}" python3 -m tuner bench gemm --out "$OUT" ${GEMM_BENCH_ARGS:-} 2>&1 | tee "$OUT/gemm_bench.log" || status=1 ;;
     tuneall)  # tune-all over Llama-3-8B's projections (M 1..8192, bf16) on every GPU; resumable:
       # TUNEALL_RESUME_FROM=<an earlier $OUT/tuneall dir> continues that run's cache and journal
@@ -155,7 +156,7 @@ for stage in "$@"; do
       timeout -k 20 "${LIBS_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/candidates/test_gemm_libraries.py 2>&1 | tee -a "$OUT/libs.log" || status=1
       timeout -k 20 "${LIBS_TABLE_TIMEOUT:-300}" python3 bench/libs_bench.py --out "$OUT/libs.json" 2>&1 | tee -a "$OUT/libs.log" || status=1
       timeout -k 20 "${LIBS_DETAILS_TIMEOUT:-120}" python3 bench/libs_bench.py --details --out "$OUT/libs_details.json" 2>&1 | tee -a "$OUT/libs.log" || status=1
-      tar cJf "$OUT/cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work --exclude='./lib/cuda_w4a16_*' . || status=1 ;;
+      tar cJf "$OUT/cutlass_cache.tar.xz" -C "$CUTLASS_CACHE_DIR" --exclude=./work --exclude='./*/cuda_w4a16_*' . || status=1 ;;
     dropin)  # tuner.torch on a Llama-3-8B decoder layer (bf16): records its problems, tunes the
       # missing ones, times prefill/decode eager and CUDA-graph, tuner on vs off -> dropin_decoder.json/.png
       # Starts from DROPIN_CACHE (default: this call's tuneall cache, if any); DROPIN_ARGS, DROPIN_TUNE_DEADLINE.
