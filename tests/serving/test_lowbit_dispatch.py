@@ -184,6 +184,22 @@ def test_int4_operands_on_another_device_are_named_even_after_a_good_call(
     torch.testing.assert_close(tuner.int4_linear(x, packed, sz, GROUP), good, rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@GPU
+def test_int4_linear_on_cuda_names_the_bf16_it_takes(disp: Dispatcher) -> None:
+    """torch's CUDA int4 op, every INT4 key's baseline, takes bf16 only: a float16 x is named
+    with the cast to make, not left to torch's error from inside the call."""
+    packed, sz = int4_weight(device="cuda")
+    x = torch.randn(2, K, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match=r"^x\.dtype=torch\.float16: allowed on cuda: "
+                       r"torch\.bfloat16; cast x and scales_and_zeros to torch\.bfloat16$"):  # fmt: skip
+        tuner.int4_linear(x, packed, sz.half(), GROUP)
+    got = tuner.int4_linear(x.bfloat16(), packed, sz, GROUP)
+    want = torch.ops.aten._weight_int4pack_mm(x.bfloat16(), packed, GROUP, sz)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert recorded(disp)[0].dtype == "bf16"
+
+
 def test_int4_activations_are_checked_before_the_scales(disp: Dispatcher) -> None:
     """x's dtype is checked first, against what torch's CPU op takes (bf16, f16, f32): a wrong x
     is named as such, not taken for the scales' fault; a strided x is refused by name."""

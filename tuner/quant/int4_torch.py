@@ -66,7 +66,9 @@ _CUDA_FORMAT = (
     "aten._convert_weight_to_int4pack"
 )
 _CPU_ACTS = (torch.bfloat16, torch.float16, torch.float32)  # _weight_int4pack_mm_for_cpu's
-_CUDA_ACTS = (torch.bfloat16, torch.float16)  # the keys' (torch's CUDA op itself takes bf16)
+# torch's CUDA op takes bf16 only, and as every INT4 key's baseline it runs before (and in place
+# of) any tuned kernel: an f16 x on CUDA would only reach torch's own error
+_CUDA_ACTS = (torch.bfloat16,)
 
 
 def check_activation(x: torch.Tensor, name: str = "x") -> None:
@@ -74,8 +76,9 @@ def check_activation(x: torch.Tensor, name: str = "x") -> None:
     computes in, contiguous (the op reads rows as stored, and refuses other strides)."""
     allowed = _CUDA_ACTS if x.is_cuda else _CPU_ACTS
     if x.dtype not in allowed:
+        cast = "; cast x and scales_and_zeros to torch.bfloat16" if x.is_cuda else ""
         raise ValueError(f"{name}.dtype={x.dtype}: allowed on {x.device.type}: "
-                         f"{', '.join(map(str, allowed))}")  # fmt: skip
+                         f"{', '.join(map(str, allowed))}{cast}")  # fmt: skip
     if not x.is_contiguous():
         raise ValueError(f"{name}: must be contiguous, got shape {tuple(x.shape)} strides "
                          f"{x.stride()}; pass {name}.contiguous()")  # fmt: skip
