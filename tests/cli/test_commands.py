@@ -8,9 +8,12 @@ import subprocess
 import sys
 
 import pytest
+import typer.rich_utils
+from typer.testing import CliRunner
 
 from tests.cache.damaged import damaged_cache
 from tuner.cache import Store
+from tuner.cli.main import PIPED_HELP_WIDTH, app
 from tuner.measure.records import Winner
 from tuner.tuning.engine import TuneOptions
 from tuner.version import __version__
@@ -33,6 +36,28 @@ def test_help_lists_the_commands():
     out = tuner("--help").stdout
     for command in ("info", "tune", "tune-all", "show", "export", "import", "bench"):
         assert command in out
+
+
+def test_help_read_through_a_pipe_is_shown_whole(monkeypatch):
+    """Help written to no terminal (a pipe: ``tuner tune-all --help | less``) with no width
+    asked for is laid out wide: at rich's 80 columns option texts were cut with "…"."""
+    monkeypatch.setattr(typer.rich_utils, "MAX_WIDTH", None)  # as without TERMINAL_WIDTH
+    for path in ([], ["tune", "gemm"], ["tune-all"], ["bench", "gemm"], ["serve"]):
+        result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": None})
+        assert result.exit_code == 0, result.output
+        assert "…" not in result.output, path
+        assert max(map(len, result.output.splitlines())) == PIPED_HELP_WIDTH
+    # the python -m tuner command itself, its stdout a pipe
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")}
+    out = subprocess.run([sys.executable, "-m", "tuner", "tune-all", "--help"], env=env,
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "…" not in out
+    for whole in ("Model config YAML (configs/models/*.yaml)", "(TUNER_MODE=record)",
+                  "--no-compile-ahead", "$TUNER_ARTIFACTS", "(~/.cache/tuner/tuner.db)"):  # fmt: skip
+        assert whole in out
+    # a width asked for is kept
+    narrow = CliRunner().invoke(app, ["tune-all", "--help"], env={"COLUMNS": "80"}).output
+    assert max(map(len, narrow.splitlines())) == 80
 
 
 def test_info_lists_sources_with_status(tmp_path):

@@ -6,20 +6,50 @@
     tuner bench gemm|sdpa                                         (tuner.cli.bench)
     tuner warmup                                                  (tuner.cli.warmup)
 
-Startup here: logging, and the config file's defaults for unset ``TUNER_*`` variables.
+Startup here: logging, and the config file's defaults for unset ``TUNER_*`` variables; and help
+read through a pipe (``tuner tune-all --help | less``) laid out ``PIPED_HELP_WIDTH`` wide.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
+import typer.rich_utils
+from rich.console import Console
 
 from tuner.cli import bench, fleet, tune, tune_all, warmup
 from tuner.cli.errors import report_usage_errors
 from tuner.core.settings import load_config_file
 from tuner.version import __version__
+
+PIPED_HELP_WIDTH = 120  # every command's help fits whole: at 80 columns its option texts are cut
+
+
+def wide_when_piped(make_console: Callable[..., Console]) -> Callable[..., Console]:
+    """Typer's help (and error) console, ``PIPED_HELP_WIDTH`` wide where it writes to no
+    terminal and no width was asked for (``COLUMNS``, typer's ``TERMINAL_WIDTH``): rich would
+    lay it out 80 wide and cut option texts with "…". A terminal keeps its own width."""
+
+    @functools.wraps(make_console)
+    def console(*args: object, **kwargs: object) -> Console:
+        made = make_console(*args, **kwargs)
+        asked = typer.rich_utils.MAX_WIDTH is not None or os.environ.get("COLUMNS", "").isdigit()
+        if not made.is_terminal and not asked:
+            made.width = PIPED_HELP_WIDTH
+        return made
+
+    return console
+
+
+# typer's own (private) console maker: help stays typer's 80-column default should a later typer
+# rename it, rather than the CLI failing to start
+if hasattr(typer.rich_utils, "_get_rich_console"):
+    typer.rich_utils._get_rich_console = wide_when_piped(typer.rich_utils._get_rich_console)
 
 app = typer.Typer(
     help="Autotuned GEMM and attention kernels with a shared results cache.",
