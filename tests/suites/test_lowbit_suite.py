@@ -287,10 +287,43 @@ def test_tiny_shapes_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert int4_row["bytes"] < saved["rows"][1]["bytes"]  # half-byte weights move fewer bytes
     assert saved["device"]["name"] and saved["versions"]["torch"]
     assert saved["targets"]["torch >= 0.98x"]["judged"] == 3
+    # the targets are a GPU's: counted wherever the run was, judged on a GPU only
+    assert saved["targets_judged"] is on_gpu
+    assert saved["targets_note"] == (None if on_gpu else lowbit.NOT_JUDGED)
     # the tuning's own times are summed up under their own name, not as the judged summary
     assert "summary" not in saved and saved["tuning_summary"]["n"] == 3
     assert set(saved["formats"]) == set(lowbit.FORMATS)
     assert all(lowbit.TUNING_TARGET in f["targets"] for f in saved["formats"].values())
+    assert (tmp_path / "gemm_lowbit.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a run on a machine without a GPU")
+def test_a_run_without_a_gpu_says_in_one_line_that_its_targets_are_not_judged(
+    tmp_path: Path,
+) -> None:
+    """The command on a CPU (two real rows, torch's op only, for speed): the rows' ratios are
+    printed and written, but no verdict on the GPU targets, neither per row, per target nor on
+    the tuning time; one line says why instead. The JSON keeps its shape, marked not judged."""
+    args = ["bench", "gemm", "--suite", "lowbit", "--part", "int4-g128", "--proj", "o",
+            "--m", "1", "--source", "torch_lowbit", "--budget", "0.005", "--out", str(tmp_path)]  # fmt: skip
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "low-bit GEMMs: served time ratios (eager times)" in result.output
+    assert [line for line in lines if "not judged" in line] == [
+        "Targets not judged: they are GPU targets, judged only on a GPU; this run timed CPU code "
+        "(torch's CPU ops, CPU matmul as 'bf16 cuBLAS', Triton's interpreter), and CPU timings "
+        "are not the product's."
+    ]
+    for verdict in ("all met", "/2 met", "missed", lowbit.TUNING_TARGET):
+        assert verdict not in result.output
+    saved = json.loads((tmp_path / "gemm_lowbit.json").read_text())
+    assert [r["label"] for r in saved["rows"]] == [
+        "Llama-3-8B o M=1 int4-g128", "Qwen2.5-7B o M=1 int4-g128"
+    ]  # fmt: skip
+    assert saved["targets_judged"] is False and saved["targets_note"] == lowbit.NOT_JUDGED
+    assert saved["targets"]["torch >= 0.98x"]["judged"] == 2  # counted as on a GPU
+    assert all(r["vs_bf16_served"] > 0 and "torch >= 0.98x" in r["targets"] for r in saved["rows"])
     assert (tmp_path / "gemm_lowbit.png").read_bytes()[:4] == b"\x89PNG"
 
 

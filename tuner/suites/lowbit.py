@@ -21,13 +21,16 @@ M in 1, 2, 4, 8, 16, 64, 256, 2048, in each format (``int4-g128``, ``fp8-rowwise
   as decode steps run as graphs, and so they are also tuned for graph replay (``launch="graph"``,
   low-bit and bf16 alike, whatever ``--launch`` says); the other rows on eager times;
 - the targets the row is judged by (``TARGETS``, those of the issue for its format and M), each
-  with its value and whether it was met.
+  with its value and whether it was met. The targets are GPU targets: on a machine without CUDA
+  the ratios are computed and written as on a GPU, but the run is marked not judged
+  (``targets_judged``: false, ``targets_note`` says why) and neither the table nor the plot
+  gives verdicts.
 
-Writes ``gemm_lowbit.json`` (rows, device and versions, per-target counts, per-format summaries
-of the judged ratios; ``tuning_summary``: the suite runner's summary of the tuning's own times,
-which on a GPU are not the times judged), ``gemm_lowbit.png`` (a panel per format and measure
-over M, targets drawn, misses ringed) and the tuned cache ``gemm_lowbit.db`` (low-bit and bf16
-winners).
+Writes ``gemm_lowbit.json`` (rows, device and versions, per-target counts and whether they were
+judged, per-format summaries of the judged ratios; ``tuning_summary``: the suite runner's summary
+of the tuning's own times, which on a GPU are not the times judged), ``gemm_lowbit.png`` (a panel
+per format and measure over M, on a GPU targets drawn and misses ringed) and the tuned cache
+``gemm_lowbit.db`` (low-bit and bf16 winners).
 """
 
 from __future__ import annotations
@@ -277,6 +280,16 @@ def target_counts(rows: Sequence[Row]) -> dict[str, Any]:
 
 
 TUNING_TARGET = "tuning <= bf16 (median)"
+NOT_JUDGED = (
+    "targets not judged: they are GPU targets, judged only on a GPU; this run timed CPU code "
+    "(torch's CPU ops, CPU matmul as 'bf16 cuBLAS', Triton's interpreter), and CPU timings are "
+    "not the product's"
+)
+
+
+def targets_judged(device: str) -> bool:
+    """Whether a run on ``device`` is judged by the targets: only on a GPU, where they apply."""
+    return device == "cuda"
 
 
 def format_summary(rows: Sequence[Row]) -> dict[str, Any]:
@@ -550,25 +563,33 @@ def _percent(pct: float | None) -> str:
     return f"{pct:.1f}" if pct < 10 else f"{pct:.0f}"
 
 
-def print_table(rows: Sequence[Row], counts: dict[str, Any], formats: dict[str, Any]) -> None:
+def print_table(
+    rows: Sequence[Row], counts: dict[str, Any], formats: dict[str, Any], *, judged: bool = True
+) -> None:
     """Each row's served ratios and the targets it missed; then the count of each target, and
-    each format's tuning time beside bf16's."""
+    each format's tuning time beside bf16's. Not ``judged`` (no GPU): the ratios, then one line
+    saying why there are no verdicts in place of the misses, counts and tuning verdicts."""
     graph = any(r["timing"] == "graph" for r in rows)
     how = "decode rows: CUDA-graph GPU times" if graph else "eager times"
     table = Table(title=f"low-bit GEMMs: served time ratios ({how})")
     for col in ("problem", "source", "vs torch", "vs bf16 served", "vs bf16 cuBLAS",
-                "vs bf16 cuBLAS, GPU", "% copy", "read floor %", "missed"):  # fmt: skip
+                "vs bf16 cuBLAS, GPU", "% copy", "read floor %"):  # fmt: skip
         table.add_column(col)
+    if judged:
+        table.add_column("missed")
     for r in rows:
         pct, floor = r["served_pct_copy"], r.get("graph_read_pct_copy")
+        missed = f"[red]{'; '.join(r['missed'])}[/red]" if r["missed"] else "[green]all met[/green]"
         table.add_row(
             r["label"], r["source"], _ratio(r["vs_torch"]), _ratio(r["vs_bf16_served"]),
             _ratio(r["vs_bf16_cublas"]), _ratio(r.get("vs_bf16_cublas_gpu")), _percent(pct),
-            _percent(floor),
-            f"[red]{'; '.join(r['missed'])}[/red]" if r["missed"] else "[green]all met[/green]",
+            _percent(floor), *([missed] if judged else []),
         )  # fmt: skip
     report = Console(width=TABLE_WIDTH)
     report.print(table)
+    if not judged:
+        report.print(f"[yellow]{NOT_JUDGED[0].upper()}{NOT_JUDGED[1:]}.[/yellow]")
+        return
     for name, c in counts.items():
         color = "green" if c["met"] == c["judged"] else "red"
         worst = "" if c["worst"] is None else f", worst {c['worst']:.2f}"
@@ -616,11 +637,12 @@ PANELS = (
 )
 
 
-def plot(rows: Sequence[Row], path: Path, title: str) -> Path:
+def plot(rows: Sequence[Row], path: Path, title: str, *, judged: bool = True) -> Path:
     """A row of panels per format, one per measure, over M: a line per projection (colour:
     projection, line style: model); each target a red dotted segment over the M it judges,
-    each miss ringed in red; the decode panel also marks the bare read's share (x), and the
-    ratio panels an eager row's ratio of CUDA-graph times (hollow triangle)."""
+    each miss ringed in red (not ``judged``, on a machine without a GPU: neither); the decode
+    panel also marks the bare read's share (x), and the ratio panels an eager row's ratio of
+    CUDA-graph times (hollow triangle)."""
     from matplotlib.lines import Line2D
 
     plt = pyplot()
@@ -658,12 +680,12 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> Path:
                     floor = [r for r in pts if "graph_read_pct_copy" in r]
                     ax.scatter([r["m"] for r in floor], [r["graph_read_pct_copy"] for r in floor],
                                marker="x", color=style(shape)["color"], s=25)  # fmt: skip
-            for t in _targets_on(column):
-                judged = [r for r in rows if r["format"] == fmt and t.name in r["targets"]]
-                for lo, hi in _runs(ms_all, {r["m"] for r in judged}):
+            for t in _targets_on(column) if judged else ():
+                on = [r for r in rows if r["format"] == fmt and t.name in r["targets"]]
+                for lo, hi in _runs(ms_all, {r["m"] for r in on}):
                     ax.hlines(t.goal, lo / 1.3, hi * 1.3, colors="red", linestyles=":",
                               linewidth=1.2)  # fmt: skip
-                missed = [r for r in judged if not r["targets"][t.name]["met"]]
+                missed = [r for r in on if not r["targets"][t.name]["met"]]
                 missed = [r for r in missed if r[column] is not None]
                 ax.scatter([r["m"] for r in missed], [r[column] for r in missed], s=90,
                            facecolors="none", edgecolors="red", linewidths=1.2, zorder=4)  # fmt: skip
@@ -684,16 +706,19 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> Path:
             if i == len(formats) - 1:
                 ax.set_xlabel("M (tokens)")
     handles = [Line2D([], [], label=s, marker="o", markersize=3, **style(s)) for s in shapes]
+    if judged:
+        handles += [
+            Line2D([], [], color="red", linestyle=":", label="target"),
+            Line2D([], [], marker="o", markersize=9, markerfacecolor="none",
+                   markeredgecolor="red", linestyle="", label="target missed"),
+        ]  # fmt: skip
     handles += [
-        Line2D([], [], color="red", linestyle=":", label="target"),
-        Line2D([], [], marker="o", markersize=9, markerfacecolor="none", markeredgecolor="red",
-               linestyle="", label="target missed"),
         Line2D([], [], marker="x", color="grey", linestyle="", label="bare read of the bytes"),
         Line2D([], [], marker="^", markerfacecolor="none", markeredgecolor="grey", linestyle="",
                label="eager rows: the kernels' CUDA-graph ratio"),
     ]  # fmt: skip
     fig.legend(handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(title if judged else f"{title}\n(targets judged on a GPU only: not drawn)")
     fig.tight_layout(rect=(0, 0.06, 1, 0.97))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -730,11 +755,17 @@ def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
         ][:5]
     # the runner's summary is of the tuning's times: named so, beside the judged counts
     result["tuning_summary"] = result.pop("summary")
+    # the counts are written wherever the run was, in the same shape; on a CPU they are marked
+    # not judged (the targets are a GPU's), and neither the table nor the plot gives verdicts
+    judged = targets_judged(device)
     result["targets"] = target_counts(rows)
+    result["targets_judged"] = judged
+    result["targets_note"] = None if judged else NOT_JUDGED
     result["formats"] = format_summary(rows)
     result["wall_s"] = time.perf_counter() - started
     if rows:
-        plot(rows, out / f"{NAME}.png", f"Low-bit GEMMs on {result['device']['name']}")
+        title = f"Low-bit GEMMs on {result['device']['name']}"
+        plot(rows, out / f"{NAME}.png", title, judged=judged)
     (out / f"{NAME}.json").write_text(json.dumps(result, indent=1))
-    print_table(rows, result["targets"], result["formats"])
+    print_table(rows, result["targets"], result["formats"], judged=judged)
     return result
