@@ -45,8 +45,9 @@ export CUTLASS_CACHE_DIR=${CUTLASS_CACHE_DIR:-/tmp/cutlass_cache}
 # CUTLASS compiles cost 35-52 s each); at most one of them may hold compiled_cache.db (the kernels
 # cutlass_cppgen builds): a later one's would replace it, while shared libraries (lib/) add up
 # (the seeds the stages write leave out the CUDA W4A16 decode libraries and their markers,
-# */cuda_w4a16_*: they are keyed by their source, so a seed's would be stale once the kernel
-# changes, and a marker without its library would be taken for a built one)
+# */cuda_w4a16_*: keyed by the kernel's source and flags, a changed kernel never loads them, so
+# they only weigh on the tree (tens of MB), and a marker without its library would be taken for
+# a built one; a stage rebuilds them in a minute)
 if [ -n "${CUTLASS_SEED:-}" ]; then
   mkdir -p "$CUTLASS_CACHE_DIR"
   for seed in $CUTLASS_SEED; do tar xJf "$seed" -C "$CUTLASS_CACHE_DIR" || exit 1; done

@@ -11,7 +11,9 @@
 dropout; no mask, ``is_causal`` or a ``CausalBias``), for plain f16/bf16/f32 tensors whose operands
 share a dtype; ``torch._scaled_mm`` (FP8, without bias or ``scale_result``) and torch's int4 GEMM
 (``aten._weight_int4pack_mm`` on CUDA, ``aten._weight_int4pack_mm_for_cpu``) through
-``tuner.scaled_mm`` / ``tuner.int4_linear``. Leading batch dims are folded like torch does (``x.reshape(-1, K)``; a copy only where
+``tuner.scaled_mm`` / ``tuner.int4_linear``, whose checks name a bad operand with a ``ValueError``
+where torch would raise its own ``RuntimeError`` (a float16 x for CUDA's int4 op, scales on
+another device). Leading batch dims are folded like torch does (``x.reshape(-1, K)``; a copy only where
 torch copies too). Everything else (broadcast batches, ``out=``, mixed dtypes, subclasses, masks,
 dropout) is left to torch untouched, and the dispatcher itself falls back to torch for layouts the
 tuner does not key (odd strides). Results are always those of a checked kernel or of torch.

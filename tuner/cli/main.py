@@ -38,8 +38,14 @@ def wide_when_piped(make_console: Callable[..., Console]) -> Callable[..., Conso
     @functools.wraps(make_console)
     def console(*args: object, **kwargs: object) -> Console:
         made = make_console(*args, **kwargs)
-        asked = typer.rich_utils.MAX_WIDTH is not None or os.environ.get("COLUMNS", "").isdigit()
-        if not made.is_terminal and not asked:
+        # the file, not `made.is_terminal`: typer forces a terminal (colours) under CI variables
+        # such as GITHUB_ACTIONS or FORCE_COLOR, where help still goes to a pipe
+        piped = not getattr(made.file, "isatty", lambda: False)()
+        width_asked = (
+            os.environ.get("COLUMNS", "").isdigit()
+            or os.environ.get("TERMINAL_WIDTH", "").isdigit()
+        )
+        if piped and not width_asked:
             made.width = PIPED_HELP_WIDTH
         return made
 
