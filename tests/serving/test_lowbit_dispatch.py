@@ -53,6 +53,7 @@ def recorded(d: Dispatcher) -> list[GemmKey]:
     return keys  # type: ignore[return-value]
 
 
+@pytest.mark.cpu_host
 def test_int4_linear_is_torchs_int4_op_and_records_its_key(disp: Dispatcher) -> None:
     packed, sz = int4_weight()
     x = torch.randn(3, 5, K, dtype=torch.bfloat16)
@@ -67,6 +68,7 @@ def test_int4_linear_is_torchs_int4_op_and_records_its_key(disp: Dispatcher) -> 
     assert parse_key(str(key)) == key
 
 
+@pytest.mark.cpu_host
 @pytest.mark.parametrize(("rowwise", "fast"), [(True, False), (False, False), (True, True)])
 def test_scaled_mm_is_torchs_and_keys_scales_and_accumulation(
     disp: Dispatcher, rowwise: bool, fast: bool
@@ -89,6 +91,7 @@ def test_scaled_mm_with_bias_is_torchs(disp: Dispatcher) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.cpu_host
 def test_stored_low_bit_winners_are_served(disp: Dispatcher) -> None:
     """Winners of the Triton W4A16 and FP8 kernels, stored, then loaded by warmup, serve the
     calls (hits, not torch's op) within the format's error bounds."""
@@ -223,6 +226,7 @@ def test_int4_activations_are_checked_before_the_scales(disp: Dispatcher) -> Non
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.cpu_host
 def test_rowwise_scale_b_is_checked_as_torch_scaled_mm_takes_it(disp: Dispatcher) -> None:
     """torch._scaled_mm takes a rowwise scale_b as (1, N), contiguous, only: the check refuses
     what torch would, and what its message asks for runs."""
@@ -242,6 +246,7 @@ def test_rowwise_scale_b_is_checked_as_torch_scaled_mm_takes_it(disp: Dispatcher
     torch.testing.assert_close(tuner.scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16), want)
 
 
+@pytest.mark.cpu_host
 def test_operands_that_are_not_tensors_raise_torchs_type_error(disp: Dispatcher) -> None:
     packed, sz = int4_weight()
     x = torch.randn(2, K, dtype=torch.bfloat16)
@@ -302,7 +307,7 @@ def test_key_errors_name_the_field() -> None:
 
 @pytest.mark.parametrize(
     ("device", "op_name"),
-    [("cpu", "_weight_int4pack_mm_for_cpu"),
+    [pytest.param("cpu", "_weight_int4pack_mm_for_cpu", marks=pytest.mark.cpu_host),
      pytest.param("cuda", "_weight_int4pack_mm", marks=[pytest.mark.gpu, GPU])],
 )  # fmt: skip
 def test_drop_in_routes_the_low_bit_ops_and_restores_them(tmp_path, device, op_name) -> None:
