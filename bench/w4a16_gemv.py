@@ -16,14 +16,15 @@ the dequantized operands (``tuner.quant.tolerance``): "excess" <= 1 passes.
 
 With ``--trace``, ``TRACED`` configs also run a bench-only build of their library (``VARIANTS``:
 extra ``-D`` flags, built beside the run) that stamps each CTA (``%globaltimer`` at its start and
-end, ``clock64`` at its start, after the wait, when warp 0's first chunk landed, at each warp's
+end, ``clock64`` at its start, after its setup, when warp 0's first chunk landed, at each warp's
 last chunk, once the warps' partials are in shared memory, at its end); the row carries the
 stamps and a summary (impl "cuda_gemv_trace"). With ``--baseline PATH``, every config is also
 built from the kernel source at PATH (another version of ``w4a16_gemv.cu``, e.g. the committed
 one, whose entry point takes the same arguments: checked) and timed right before the current one
 (impl "cuda_gemv_baseline"): an A/B of a kernel change on one machine in one run; ``--variant
 NAME=FLAGS`` (repeatable) does the same for the current source built with extra ``-D`` flags
-(impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``);
+(impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``, or ``copies=-DGEMV_COPIES_ONLY=1``: the
+rings streamed with no compute, what the copies alone cost; its output is wrong, excess nan);
 ``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER[,TEAMS]]`` (repeatable; STAGGER 0 or 1,
 TEAMS row blocks a CTA) times (and traces) those configs instead of ``GRID`` (and ``TRACED``);
 ``--repeat R`` times each config's builds R times in turn (the A/B's noise); ``--max-warps W``
@@ -82,8 +83,8 @@ PROFILED = [("k", 2, 2, 16, 1), ("k", 2, 4, 8, 1)]
 VARIANTS = {"trace": ["-DGEMV_TRACE=1"], "baseline": []}
 VARIANT_DIR = Path(tempfile.gettempdir()) / "w4a16_gemv_variants"
 # a trace row's fields (w4a16_gemv.cu): sm id, globaltimer at start / end, clock64 at start,
-# after the wait, warp 0's first chunk, after the sums, at the end; then each warp's last chunk
-SMID, G_START, G_END, C_START, C_WAITED, C_FIRST, C_SUMMED, C_END, C_WARP = range(9)
+# after its setup, warp 0's first chunk, after the sums, at the end; then each warp's last chunk
+SMID, G_START, G_END, C_START, C_SETUP, C_FIRST, C_SUMMED, C_END, C_WARP = range(9)
 
 
 def shape_of(proj: str) -> tuple[int, int]:
@@ -191,8 +192,8 @@ def trace_summary(trace: list[list[int]], warps: int) -> dict[str, Any]:
         "span_ns": max(t[G_END] for t in trace) - t0,
         "start_ns": spread([t[G_START] - t0 for t in trace]),
         "end_ns": spread([t[G_START] - t0 + ns * (t[C_END] - t[C_START]) for t in trace]),
-        "wait_ns": spread([ns * (t[C_WAITED] - t[C_START]) for t in trace]),
-        "first_chunk_ns": spread([ns * (t[C_FIRST] - t[C_WAITED]) for t in trace]),
+        "setup_ns": spread([ns * (t[C_SETUP] - t[C_START]) for t in trace]),
+        "first_chunk_ns": spread([ns * (t[C_FIRST] - t[C_SETUP]) for t in trace]),
         "stream_ns": spread([ns * (last[i] - t[C_FIRST]) for i, t in enumerate(trace)]),
         "warp_spread_ns": spread([ns * (last[i] - first[i]) for i in range(len(trace))]),
         "sum_ns": spread([ns * (t[C_SUMMED] - last[i]) for i, t in enumerate(trace)]),

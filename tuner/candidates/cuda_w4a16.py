@@ -8,8 +8,9 @@ copy ring, and they sum in shared memory) or rows (``split`` "rows": the CTA own
 warp's rows, every warp takes every chunk from one ring the CTA shares, so each chunk of x is
 copied once per CTA, not once per warp). No partial ever goes through global memory, so there is no workspace and no second
 pass, and the sum order is fixed (deterministic). x's rows are one n8 tile of the tensor cores' mma
-(M <= 8) or two (M = 9-16, each dequantized weight fragment feeding both). Launched with
-programmatic dependent launch: a grid's launch and setup overlap the end of the kernel before it.
+(M <= 8) or two (M = 9-16, each dequantized weight fragment feeding both). Launched as a plain
+grid: behind a kernel that does not let its dependents start early (a model's norms and
+activations), a programmatic dependent launch's CTAs waiting on the SMs cost more than they save.
 It reads our packed layout (``tuner.quant.int4``) as the Triton kernel does.
 
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,

@@ -1,7 +1,7 @@
 // How our decode GEMV kernels (w4a16_gemv.cu, fp8_gemv.cu) are launched: in clusters of CTAs
-// along x that split K, as a programmatic dependent launch (each kernel waits for the one
-// before it with griddepcontrol.wait, so its launch and setup overlap that kernel's end), with
-// the dynamic shared memory it asks for raised once per device.
+// along x that split K, optionally as a programmatic dependent launch (the kernel then waits for
+// the one before it with griddepcontrol.wait, so its launch and setup overlap that kernel's end),
+// with the dynamic shared memory it asks for raised once per device.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,10 +27,12 @@ cudaError_t allow_smem(int smem) {
 }
 
 // KERNEL(args...) on `ctas` CTAs of `threads` threads, `cluster` CTAs a cluster along x, with
-// `smem` bytes of dynamic shared memory, launched on `stream` as a programmatic dependent launch.
+// `smem` bytes of dynamic shared memory, launched on `stream`; `dependent`: as a programmatic
+// dependent launch (KERNEL must then wait with griddepcontrol.wait before it reads what the
+// kernel before it wrote).
 template <auto KERNEL, typename... Args>
 cudaError_t launch_in_clusters(unsigned ctas, unsigned threads, int smem, int cluster,
-                               cudaStream_t stream, Args... args) {
+                               bool dependent, cudaStream_t stream, Args... args) {
   const cudaError_t e = allow_smem<KERNEL>(smem);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t config = {};
@@ -46,7 +48,7 @@ cudaError_t launch_in_clusters(unsigned ctas, unsigned threads, int smem, int cl
   attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
-  config.numAttrs = 2;
+  config.numAttrs = dependent ? 2 : 1;
   return cudaLaunchKernelEx(&config, KERNEL, args...);
 }
 

@@ -19,10 +19,10 @@
 // no fences. No CTA waits on another's partial in global memory: the result is deterministic,
 // with no workspace, no arrival counter and no second pass.
 //
-// Launched with programmatic dependent launch: the grid may start while the kernel before it on
-// the stream finishes; it sets up its addresses, then waits (griddepcontrol.wait) for that
-// kernel's writes before it loads x, w or the scales or stores out (the trace build's stamps,
-// bench-only, are written before it), and lets the next kernel launch once its loads are done.
+// Launched as a plain grid, not as a programmatic dependent launch: after a kernel that does not
+// trigger its dependents early (a model's norms and activations), waiting on the SMs for it
+// costs more than the early start saves. It lets the next kernel launch once its loads are done
+// (griddepcontrol.launch_dependents), for one that is a programmatic dependent launch.
 //
 // The weight is our packed layout (tuner/quant/int4.py): 64-row blocks, a block's K chunk one
 // contiguous [r rows x 64 bytes] run, and in each row's 64 bytes the 16 at 16 t hold the 32
@@ -85,6 +85,11 @@
 #ifndef GEMV_STAGGER
 #define GEMV_STAGGER 0
 #endif
+// bench A/B only: -DGEMV_COPIES_ONLY=1 streams the rings as the kernel does but computes nothing
+// (one word of each chunk read back): what the copies alone cost (the output is wrong)
+#ifndef GEMV_COPIES_ONLY
+#define GEMV_COPIES_ONLY 0
+#endif
 
 namespace cg = cooperative_groups;
 
@@ -100,7 +105,7 @@ static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in o
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
 
 // Trace (GEMV_TRACE=1): per CTA, [smid, globaltimer at start and end, clock64 at start, after
-// the wait, when warp 0's first chunk landed, once the warps' partials are in shared memory, at
+// its setup, when warp 0's first chunk landed, once the warps' partials are in shared memory, at
 // the end, then each warp's clock64 when its last chunk was computed].
 #if GEMV_TRACE
 constexpr int TRACE_CTAS = 1024, TRACE_FIELDS = 8 + MAX_WARPS;
@@ -447,6 +452,10 @@ struct Copier {
 template <bool F16, int NG, int NT>
 __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t x_at, int lane,
                                         float (&acc)[SLICES][NT][4]) {
+  if constexpr (GEMV_COPIES_ONLY) {
+    acc[0][0][0] += __uint_as_float(lds32(part + lane * 16));
+    return;
+  }
   using Ops = Half2Ops<F16>;
   constexpr int BLOCKS = 8 / NG;  // k16 blocks per group
   const int g = lane >> 2, t = lane & 3;
@@ -592,8 +601,6 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
                               start, lane, part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
                               SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
-  // the kernel before this one on the stream has written x (and read out) once this returns
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (threadIdx.x == 0) stamp(4, CLOCK);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
@@ -736,7 +743,7 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   const int blocks = (p.n + cta_rows - 1) / cta_rows;
   const unsigned ctas = static_cast<unsigned>((blocks + p.teams - 1) / p.teams * cluster);
   return gemv::launch_in_clusters<w4a16_gemv_kernel<F16, NG, NT, FULL, TEAMED>>(
-      ctas, static_cast<unsigned>(warps * 32), smem, cluster, stream, p);
+      ctas, static_cast<unsigned>(warps * 32), smem, cluster, false, stream, p);
 }
 
 // FULL where every 64-row block is whole, the (scale, zero) words can be copied 16 bytes at a
