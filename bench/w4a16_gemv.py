@@ -24,7 +24,10 @@ one, whose entry point takes the same arguments: checked) and timed right before
 (impl "cuda_gemv_baseline"): an A/B of a kernel change on one machine in one run; ``--variant
 NAME=FLAGS`` (repeatable) does the same for the current source built with extra ``-D`` flags
 (impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``, or ``copies=-DGEMV_COPIES_ONLY=1``: the
-rings streamed with no compute, what the copies alone cost; its output is wrong, excess nan);
+rings streamed with no compute, what the copies alone cost, or ``empty=-DGEMV_EMPTY=1``: each
+config's grid launched and returning at once; their outputs are wrong, excess nan);
+``--launch-floor`` adds "read_noop", the bare read's grid of programs that return at once (the
+floor beside ``empty``);
 ``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER[,TEAMS]]`` (repeatable; STAGGER 0 or 1,
 TEAMS row blocks a CTA) times (and traces) those configs instead of ``GRID`` (and ``TRACED``);
 ``--repeat R`` times each config's builds R times in turn (the A/B's noise); ``--max-warps W``
@@ -49,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton
 
 from bench.lowbit_kernels import (
     PROJECTIONS,
@@ -63,7 +67,7 @@ from bench.lowbit_kernels import (
 from tuner.candidates import cuda_library, cuda_w4a16, gemm_operands, nvcc_build
 from tuner.candidates.triton_kernels import w4a16
 from tuner.candidates.triton_kernels.launch import warm
-from tuner.candidates.triton_kernels.stream_read import read_all, sums_for
+from tuner.candidates.triton_kernels.stream_read import BLOCK, read_all, sums_for
 from tuner.measure import timing
 from tuner.quant import int4
 from tuner.quant.tolerance import FP32_ACCUMULATE, excess, gemm_tolerance, unit_roundoff
@@ -159,6 +163,16 @@ def build_variants(
             raise RuntimeError(f"nvcc {path.name}: {err[-2000:]}")
 
 
+@triton.jit
+def _noop(sums):
+    pass
+
+
+def read_noop(buf: torch.Tensor, sums: torch.Tensor) -> None:
+    """``read_all``'s grid (programs, warps) over ``buf``, each program returning at once."""
+    _noop[(triton.cdiv(buf.numel() * buf.element_size() // 4, BLOCK),)](sums, num_warps=8)
+
+
 def read_trace(path: Path, ctas: int) -> list[list[int]]:
     """The stamps of the last launch of the traced library at ``path``, one row per CTA."""
     lib = ctypes.CDLL(str(path))
@@ -243,8 +257,8 @@ def build(projections: list[str], ms: tuple[int, ...], trace: bool, baseline: Pa
 
 def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: bool = False,
                      profile: bool = False, baseline: Path | None = None,
-                     repeats: int = 1,
-                     variants: tuple[str, ...] = ()) -> list[dict[str, Any]]:  # fmt: skip
+                     repeats: int = 1, variants: tuple[str, ...] = (),
+                     launch_floor: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     n, k = shape_of(name)
     rows: list[dict[str, Any]] = []
     stream = gemm_operands.stream_getter(torch.device("cuda", torch.cuda.current_device()))
@@ -281,6 +295,8 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
                 profiled(name, m, "cuda_gemv", lambda i, f=call: f(i, out), {"config": cfg})
             return
         row(m, "read_int4", lambda i: read_all(i4[i % len(i4)][0], sums), nbytes(packed))
+        if launch_floor:
+            row(m, "read_noop", lambda i: read_noop(i4[i % len(i4)][0], sums), 0)
         base = row(m, "bf16", lambda i: torch.matmul(x, bf[i % len(bf)][0].T, out=out),
                    nbytes(w, x, out))  # fmt: skip
 
@@ -355,6 +371,8 @@ def main() -> None:
     ap.add_argument("--max-warps", type=int, default=cuda_w4a16.MAX_WARPS,
                     help="warps a CTA the configs may take, for a --variant built with "
                          "-DGEMV_MAX_WARPS of the same number (the product's builds: 16)")  # fmt: skip
+    ap.add_argument("--launch-floor", action="store_true",
+                    help="also time read_noop: the bare read's grid, each program returning at once")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
                     help="no timing: read_int4 and PROFILED once each in an NVTX range 'profile'")  # fmt: skip
     args = ap.parse_args()
@@ -402,7 +420,7 @@ def main() -> None:
     result = header(copy_gbs, group_size=GROUP, nvcc=cuda_library.toolkit())
     write_as_it_goes(result, args.out, args.proj, lambda name: bench_projection(
         name, tuple(args.m), copy_gbs, args.trace, baseline=args.baseline, repeats=args.repeat,
-        variants=variants))  # fmt: skip
+        variants=variants, launch_floor=args.launch_floor))  # fmt: skip
 
 
 if __name__ == "__main__":

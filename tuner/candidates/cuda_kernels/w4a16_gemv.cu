@@ -85,10 +85,14 @@
 #ifndef GEMV_STAGGER
 #define GEMV_STAGGER 0
 #endif
-// bench A/B only: -DGEMV_COPIES_ONLY=1 streams the rings as the kernel does but computes nothing
-// (one word of each chunk read back): what the copies alone cost (the output is wrong)
+// bench A/B only, the output left wrong: -DGEMV_COPIES_ONLY=1 streams the rings as the kernel
+// does but computes nothing (one word of each chunk read back): what the copies alone cost;
+// -DGEMV_EMPTY=1 returns at once: what launching the grid (its CTAs, shared memory) costs
 #ifndef GEMV_COPIES_ONLY
 #define GEMV_COPIES_ONLY 0
+#endif
+#ifndef GEMV_EMPTY
+#define GEMV_EMPTY 0
 #endif
 
 namespace cg = cooperative_groups;
@@ -541,6 +545,7 @@ constexpr int max_warps() {
 template <bool F16, int NG, int NT, bool FULL, bool TEAMED>
 __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
+  if constexpr (GEMV_EMPTY) return;
   if (threadIdx.x == 0) {
     stamp(3, CLOCK);
     stamp(1, GLOBAL_NS);
