@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import itertools
 import re
 import subprocess
@@ -135,9 +136,18 @@ def entry_arguments(source: Path) -> str | None:
     return " ".join(re.sub(r"//[^\n]*", "", found.group(1)).split()) if found else None
 
 
+def build_digest(source: Path) -> str:
+    """The digest of ``source`` with the headers nvcc takes for it (``build_variants``): those
+    next to it, else the kernel folder's (a copy of another version made elsewhere)."""
+    digest = hashlib.sha256(cuda_library.source_digest(source).encode())
+    for name in cuda_library.LOCAL_INCLUDE.findall(source.read_bytes()):
+        if not (source.parent / name.decode()).is_file():
+            digest.update(cuda_library.source_digest(cuda_library.KERNELS / name.decode()).encode())
+    return digest.hexdigest()[:12]
+
+
 def variant_path(cfg: dict[str, Any], variant: str, source: Path = cuda_w4a16.SOURCE) -> Path:
-    digest = cuda_library.source_digest(source)[:12]
-    return VARIANT_DIR / f"{cuda_w4a16.library(cfg).digest}_{variant}_{digest}.so"
+    return VARIANT_DIR / f"{cuda_w4a16.library(cfg).digest}_{variant}_{build_digest(source)}.so"
 
 
 def build_variants(

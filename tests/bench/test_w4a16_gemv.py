@@ -65,3 +65,29 @@ def test_bad_arguments_are_refused_before_anything_is_built(
     with pytest.raises(SystemExit):
         gemv.main()
     assert message in capsys.readouterr().err
+
+
+def test_a_copy_made_elsewhere_is_rebuilt_when_the_kernel_folders_header_moves(
+    tmp_path, monkeypatch
+) -> None:
+    """nvcc takes a header next to the source first, else the kernel folder's: the variant's
+    digest follows the one it takes."""
+    kernels, elsewhere = tmp_path / "kernels", tmp_path / "elsewhere"
+    kernels.mkdir()
+    elsewhere.mkdir()
+    (kernels / "launch.cuh").write_text("// v1\n")
+    source = elsewhere / "old.cu"
+    source.write_text('#include "launch.cuh"\nint f() { return 0; }\n')
+    monkeypatch.setattr(gemv.cuda_library, "KERNELS", kernels)
+
+    def digest() -> str:
+        gemv.cuda_library.source_digest.cache_clear()
+        return gemv.build_digest(source)
+
+    first = digest()
+    (kernels / "launch.cuh").write_text("// v2\n")
+    assert digest() != first
+    (elsewhere / "launch.cuh").write_text("// its own\n")
+    own = digest()
+    (kernels / "launch.cuh").write_text("// v3\n")
+    assert digest() == own

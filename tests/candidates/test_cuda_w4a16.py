@@ -6,7 +6,7 @@ run, with warps splitting K or rows, on small and odd shapes (ragged N, every gr
 clusters, one n8 tile of x or two) against the float32 GEMM on the dequantized weight,
 bit-identical from one call to the next and between its builds for whole and partial weight
 blocks, a planted wrong group size caught, a CUDA graph, two
-calls chained on one stream (the programmatic dependent launch's wait), and every shortlisted
+calls chained on one stream (the second reading the first's output), and every shortlisted
 config tuned through the engine's numerics gate."""
 
 from __future__ import annotations
@@ -498,8 +498,7 @@ def test_a_planted_wrong_group_size_fails_the_gate(split: str, built: None) -> N
 @pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[5]], ids=cw.SPLITS)
 def test_inside_a_cuda_graph(config: dict, built: None) -> None:
     """Replayed three times, x changed in place between replays: each replay reads the x of
-    its own time. (One kernel in the graph: it does not prove the PDL wait orders the kernel
-    after a kernel that writes its x.)"""
+    its own time."""
     m, n, k, group = 2, 576, 896, 64
     x, packed, sz, _, _ = _problem(m, n, k, group, torch.bfloat16)
     fn = cw.launcher(config)
@@ -525,9 +524,9 @@ def test_inside_a_cuda_graph(config: dict, built: None) -> None:
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
 def test_a_call_reads_the_output_of_the_call_before_it(m: int, graphed: bool, built: None) -> None:
     """y = f(f(x)) on one stream, the second call's x the first's output, made NaN just before
-    the first call: the second kernel may start (programmatic dependent launch) while the first
-    still writes, and reads its x only after its wait, so a missing wait reads NaNs or a part
-    of y. N = K; eager and as one CUDA graph replayed three times with new x."""
+    the first call: the first kernel lets its dependents launch before it stores, so a second
+    kernel that started early would read NaNs or a part of y. N = K; eager and as one CUDA
+    graph replayed three times with new x."""
     n = k = 4096
     group, config = 128, CONFIGS[4]
     fn = cw.launcher(config)

@@ -27,12 +27,12 @@ cudaError_t allow_smem(int smem) {
 }
 
 // KERNEL(args...) on `ctas` CTAs of `threads` threads, `cluster` CTAs a cluster along x, with
-// `smem` bytes of dynamic shared memory, launched on `stream`; `dependent`: as a programmatic
+// `smem` bytes of dynamic shared memory, launched on `stream`; DEPENDENT: as a programmatic
 // dependent launch (KERNEL must then wait with griddepcontrol.wait before it reads what the
 // kernel before it wrote).
-template <auto KERNEL, typename... Args>
+template <auto KERNEL, bool DEPENDENT = true, typename... Args>
 cudaError_t launch_in_clusters(unsigned ctas, unsigned threads, int smem, int cluster,
-                               bool dependent, cudaStream_t stream, Args... args) {
+                               cudaStream_t stream, Args... args) {
   const cudaError_t e = allow_smem<KERNEL>(smem);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t config = {};
@@ -48,7 +48,7 @@ cudaError_t launch_in_clusters(unsigned ctas, unsigned threads, int smem, int cl
   attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
-  config.numAttrs = dependent ? 2 : 1;
+  config.numAttrs = DEPENDENT ? 2 : 1;
   return cudaLaunchKernelEx(&config, KERNEL, args...);
 }
 

@@ -364,7 +364,7 @@ int smem_bytes(int m, int cluster, int* inbox_at) {
 template <int NB, int RANKS>
 cudaError_t launch(const Params& p, int smem, cudaStream_t stream) {
   const unsigned ctas = static_cast<unsigned>((p.n + ROWS - 1) / ROWS * RANKS);
-  return gemv::launch_in_clusters<fp8_gemv<NB, RANKS>>(ctas, 128, smem, RANKS, true, stream, p);
+  return gemv::launch_in_clusters<fp8_gemv<NB, RANKS>>(ctas, 128, smem, RANKS, stream, p);
 }
 
 }  // namespace

@@ -747,8 +747,8 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   const int blocks = (p.n + cta_rows - 1) / cta_rows;
   const unsigned ctas = static_cast<unsigned>((blocks + p.teams - 1) / p.teams * cluster);
-  return gemv::launch_in_clusters<w4a16_gemv_kernel<F16, NG, NT, FULL, TEAMED>>(
-      ctas, static_cast<unsigned>(warps * 32), smem, cluster, false, stream, p);
+  return gemv::launch_in_clusters<w4a16_gemv_kernel<F16, NG, NT, FULL, TEAMED>, false>(
+      ctas, static_cast<unsigned>(warps * 32), smem, cluster, stream, p);
 }
 
 // FULL where every 64-row block is whole, the (scale, zero) words can be copied 16 bytes at a
