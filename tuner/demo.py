@@ -15,10 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
 
-from rich.console import Console
-
 from tuner.cache import Store, default_path
 from tuner.cli.main import app
+from tuner.core.console import output_console
 from tuner.core.keys import GemmKey
 from tuner.measure import samples
 from tuner.offline.problem_list import load_problems
@@ -26,7 +25,7 @@ from tuner.serving.dispatcher import Dispatcher
 from tuner.tuning.engine import current_device
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "problems"
-console = Console()
+console = output_console()
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from tests.cache.damaged import damaged_cache
 from tuner.cache import Store
-from tuner.cli.main import PIPED_HELP_WIDTH, app
+from tuner.cli.main import app
+from tuner.core.console import PIPED_WIDTH
 from tuner.measure.records import Winner
 from tuner.tuning.engine import TuneOptions
 from tuner.version import __version__
@@ -53,7 +54,7 @@ def test_help_read_through_a_pipe_is_shown_whole(monkeypatch):
         assert result.exit_code == 0, result.output
         assert "…" not in result.output, path
         assert max(len(colours.sub("", line)) for line in result.output.splitlines()) == (
-            PIPED_HELP_WIDTH
+            PIPED_WIDTH
         )
     # the python -m tuner command itself, its stdout a pipe
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")}

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from tuner.cache.artifacts import ArtifactStore
 from tuner.cli.errors import FAILED, fleet_service
 from tuner.cli.options import CacheOpt, open_store
+from tuner.core.console import output_console
 from tuner.core.device import fingerprint
 from tuner.fleet.client import (
     TIMEOUT_S,
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from server import Settings
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-console = Console()
+console = output_console()
 app = typer.Typer()
 token_app = typer.Typer(
     help="Create, list and revoke the service's bearer tokens.", no_args_is_help=True

@@ -7,14 +7,13 @@
     tuner warmup                                                  (tuner.cli.warmup)
 
 Startup here: logging, and the config file's defaults for unset ``TUNER_*`` variables; and help
-read through a pipe (``tuner tune-all --help | less``) laid out ``PIPED_HELP_WIDTH`` wide.
+read through a pipe (``tuner tune-all --help | less``) as wide as ``tuner.core.console`` says.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import Annotated
 
@@ -24,29 +23,20 @@ from rich.console import Console
 
 from tuner.cli import bench, fleet, tune, tune_all, warmup
 from tuner.cli.errors import report_usage_errors
+from tuner.core.console import width_for
 from tuner.core.settings import load_config_file
 from tuner.version import __version__
 
-PIPED_HELP_WIDTH = 120  # every command's help fits whole: at 80 columns its option texts are cut
-
 
 def wide_when_piped(make_console: Callable[..., Console]) -> Callable[..., Console]:
-    """Typer's help (and error) console, ``PIPED_HELP_WIDTH`` wide where it writes to no
-    terminal and no width was asked for (``COLUMNS``, typer's ``TERMINAL_WIDTH``): rich would
-    lay it out 80 wide and cut option texts with "…". A terminal keeps its own width."""
+    """Typer's help (and error) console at ``width_for`` its file: read through a pipe, rich
+    would lay it out 80 wide and cut option texts with "…"."""
 
     @functools.wraps(make_console)
     def console(*args: object, **kwargs: object) -> Console:
         made = make_console(*args, **kwargs)
-        # the file, not `made.is_terminal`: typer forces a terminal (colours) under CI variables
-        # such as GITHUB_ACTIONS or FORCE_COLOR, where help still goes to a pipe
-        piped = not getattr(made.file, "isatty", lambda: False)()
-        width_asked = (
-            os.environ.get("COLUMNS", "").isdigit()
-            or os.environ.get("TERMINAL_WIDTH", "").isdigit()
-        )
-        if piped and not width_asked:
-            made.width = PIPED_HELP_WIDTH
+        if (width := width_for(made.file)) is not None:
+            made.width = width
         return made
 
     return console

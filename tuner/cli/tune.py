@@ -10,7 +10,6 @@ from typing import Annotated
 
 import torch
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from tuner.candidates import registry
@@ -31,6 +30,7 @@ from tuner.cli.options import (
     open_store,
     tune_options,
 )
+from tuner.core.console import output_console
 from tuner.core.device import fingerprint
 from tuner.core.keys import (
     ITEMSIZE,
@@ -48,7 +48,7 @@ from tuner.tuning.tune import tune
 app = typer.Typer()
 tune_app = typer.Typer(help="Tune one problem and store its winner.", no_args_is_help=True)
 app.add_typer(tune_app, name="tune")
-console = Console()
+console = output_console()
 
 
 @app.command()

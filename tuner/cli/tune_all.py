@@ -41,6 +41,7 @@ from tuner.cli.options import (
     open_store,
     tune_options,
 )
+from tuner.core.console import output_console
 from tuner.core.device import Fingerprint, fingerprint
 from tuner.core.keys import Key, key_op, parse_key
 from tuner.core.profiling import profiled
@@ -76,7 +77,7 @@ from tuner.offline.tune_all import (
 app = typer.Typer()
 tunableop_app = typer.Typer(help="PyTorch TunableOp CSV files: show, export.", no_args_is_help=True)
 app.add_typer(tunableop_app, name="tunableop")
-console = Console()
+console = output_console()
 
 ModelsOpt = Annotated[
     list[Path] | None,

@@ -6,15 +6,15 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from tuner.cli.errors import FAILED
 from tuner.cli.options import CacheOpt, cache_path, open_store
+from tuner.core.console import output_console
 from tuner.serving.dispatcher import Dispatcher
 from tuner.serving.warmup import warmup as warm_up
 
-console = Console()
+console = output_console()
 app = typer.Typer()
 
 

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 
 from tuner.cache import Store
 from tuner.candidates import registry
+from tuner.core.console import output_console
 from tuner.core.keys import GemmKey, parse_key
 from tuner.measure import samples, timing
 from tuner.measure.records import candidate_params
@@ -48,7 +48,7 @@ from tuner.tuning.compile_pool import CompilePool
 from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
 from tuner.tuning.tune import tune
 
-console = Console()
+console = output_console()
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"  # a source checkout
 MODELS = {"8b": "llama-3-8b.yaml", "70b": "llama-3-70b.yaml"}

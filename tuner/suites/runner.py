@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from tuner.cache import Store
 from tuner.candidates import registry
 from tuner.candidates.base import Params, Runner
+from tuner.core.console import output_console
 from tuner.core.device import fingerprint
 from tuner.core.keys import Key
 from tuner.core.progress import progress_bar
@@ -36,7 +36,7 @@ from tuner.offline.plots import geomean, speedup_plot
 from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
 from tuner.tuning.tune import tune
 
-console = Console()
+console = output_console()
 Metrics = Callable[[Key, float], dict[str, float]]  # (key, time in us) -> extra columns
 
 

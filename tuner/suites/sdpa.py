@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 
 from tuner.candidates import registry
+from tuner.core.console import output_console
 from tuner.core.keys import Key, SdpaKey, parse_key
 from tuner.measure import samples, timing
 from tuner.measure.records import Measurement, candidate_name, candidate_params
@@ -34,7 +34,7 @@ from tuner.suites.runner import run_suite
 from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
 from tuner.tuning.tune import tune
 
-console = Console()
+console = output_console()
 
 TOKENS = 16384
 PREFILL_SEQS = (512, 2048, 8192, 16384)
