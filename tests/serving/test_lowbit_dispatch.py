@@ -187,6 +187,23 @@ def test_int4_operands_on_another_device_are_named_even_after_a_good_call(
     torch.testing.assert_close(tuner.int4_linear(x, packed, sz, GROUP), good, rtol=0, atol=0)
 
 
+def test_fp8_operands_on_another_device_are_named_even_after_a_good_call(
+    disp: Dispatcher,
+) -> None:
+    """b or a scale on another device than a is refused naming the field, also once a call of
+    the same shapes was served (torch's CPU op reads garbage for them; a CUDA kernel would be
+    handed a host pointer). The meta device stands in for a second device on a CPU."""
+    a, b, sa, sb = fp8_operands(4, rowwise=False)
+    good = tuner.scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+    for name, i in (("b", 1), ("scale_a", 2), ("scale_b", 3)):
+        operands = [a, b, sa, sb]
+        operands[i] = operands[i].to("meta")
+        with pytest.raises(ValueError, match=rf"^{name}\.device=meta: must be a's device \(cpu\)$"):
+            tuner.scaled_mm(*operands, out_dtype=torch.bfloat16)
+    again = tuner.scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+    torch.testing.assert_close(again, good, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @GPU
 def test_int4_linear_on_cuda_names_the_bf16_it_takes(disp: Dispatcher) -> None:
@@ -268,6 +285,10 @@ def test_operands_that_are_not_tensors_raise_torchs_type_error(disp: Dispatcher)
     np = pytest.importorskip("numpy")  # a NumPy integer is a group size, as torch's ops take it
     assert tuner.int4_linear(x, packed, sz, np.int64(GROUP)).shape == (2, N)
     assert [k.group for k in recorded(disp)] == [GROUP]
+    assert tuner.int4_linear(x, packed, sz, GROUP).shape == (2, N)
+    # refused alike once a call of group 128 was served (128.0 == 128 as a memo's key)
+    with pytest.raises(ValueError, match=r"group_size=128\.0: must be an int"):
+        tuner.int4_linear(x, packed, sz, 128.0)
 
 
 def test_scales_that_are_not_contiguous_are_checked_on_every_signature(disp: Dispatcher) -> None:

@@ -138,6 +138,18 @@ def test_quantized_layers_refuse_what_nn_linear_refuses_and_take_empty_batches(f
     assert layer(torch.randn(2, 0, 256)).shape == (2, 0, 64)
 
 
+@pytest.mark.parametrize("fmt", ["int4", FP8_CPU_HOST])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_layers_take_activations_of_any_strides(fmt, dtype) -> None:
+    """As nn.Linear does: a sequence's last token (``h[:, -1, :]``), every other row, a
+    transposed activation, each as its contiguous copy."""
+    layer = tt.quantize_linear(nn.Linear(256, 64), fmt)
+    h = torch.randn(2, 5, 256, dtype=dtype)
+    for x in (h[:, -1, :], h[0, ::2], h[0].t().contiguous().t()):
+        assert not x.is_contiguous()
+        torch.testing.assert_close(layer(x), layer(x.contiguous()), rtol=0, atol=0)
+
+
 def test_int4_layers_torch_cannot_pack_here_are_skipped_with_the_reason(caplog) -> None:
     """Each layer is checked against its own K and its device's packing (N a multiple of 16
     on the CPU), before torch's packer could fail half-way through a model; each layer left

@@ -46,7 +46,7 @@ def scaled_mm_sig(a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any, fa
     """What decides a ``_scaled_mm`` call's runner (bias and scale_result go to torch)."""
     return ("scaled_mm", a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype,
             scale_a.shape, scale_b.shape, scale_a.stride(), scale_b.stride(), scale_a.dtype,
-            scale_b.dtype, out_dtype, fast, a.device,
+            scale_b.dtype, out_dtype, fast, a.device, b.device, scale_a.device, scale_b.device,
             a.data_ptr() % 16, b.data_ptr() % 16, a.requires_grad and torch.is_grad_enabled())  # fmt: skip
 
 
@@ -54,7 +54,7 @@ def int4_sig(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tup
     """What decides an ``int4_linear`` call's runner; ``x`` is the 2-D activation."""
     return ("int4", x.shape, x.stride(), x.dtype, packed.shape, packed.stride(), packed.dtype,
             scales_and_zeros.shape, scales_and_zeros.stride(), scales_and_zeros.dtype,
-            group_size, x.device, packed.device, scales_and_zeros.device,
+            type(group_size), group_size, x.device, packed.device, scales_and_zeros.device,
             x.data_ptr() % 16, x.requires_grad and torch.is_grad_enabled())  # fmt: skip
 
 
@@ -89,6 +89,9 @@ def check_scaled_mm(a: Any, b: Any, scale_a: Any, scale_b: Any) -> bool:
     their scales agree."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise OperandError(f"a, b: expected [M, K] and [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")  # fmt: skip
+    for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.device != a.device:  # a kernel would read another device's pointer
+            raise OperandError(f"{name}.device={t.device}: must be a's device ({a.device})")
     try:
         return fp8.check_scales(scale_a, scale_b, a.shape[0], b.shape[1], as_scaled_mm=True)
     except ValueError as e:

@@ -114,9 +114,11 @@ class Int4Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_activation(x, self.in_features)
+        # any strides, as nn.Linear takes them (a sequence's last token: h[:, -1, :])
         y = dispatcher.int4_linear(
-            x.to(COMPUTE_DTYPE), self.packed_weight, self.scales_and_zeros, self.group_size
-        )
+            x.to(COMPUTE_DTYPE).contiguous(), self.packed_weight, self.scales_and_zeros,
+            self.group_size,
+        )  # fmt: skip
         if self.bias is not None:
             y = y.add_(self.bias)
         return y.to(x.dtype)
