@@ -111,3 +111,24 @@ def test_attention_with_only_gemm_dtypes_is_named(tmp_path: Path) -> None:
         parse_model(data, tmp_path / "m.yaml")
     data["dtypes"].append("bf16")
     assert any(p.key.op == "sdpa" for p in expand(parse_model(data, tmp_path / "m.yaml")))
+
+
+def test_fp8_shapes_torchs_op_cannot_take_are_named_in_configs_and_problem_lists(
+    tmp_path: Path,
+) -> None:
+    """FP8 GEMMs need K and N multiples of 16 (torch._scaled_mm, every FP8 key's baseline), as
+    quantize_linear says: a model config or a problem list with another shape names it, rather
+    than keying a problem whose baseline cannot run on a GPU."""
+    from tuner.offline.problem_list import load_problems
+
+    base = load_model(MODELS / "llama-3-8b.yaml").model_dump()
+    with pytest.raises(ConfigError) as err:
+        parse_model({**base, "hidden_size": 4104, "dtypes": ["fp8-rowwise"],
+                     "ops": ["qkv", "o", "gate_up", "down"]}, "m.yaml")  # fmt: skip
+    text = str(err.value)
+    assert text.startswith("m.yaml: ops: ") and "with dtypes: fp8-rowwise: " in text
+    assert "fp8 needs K and N multiples of 16" in text and "K=4104" in text
+    path = tmp_path / "p.yaml"
+    path.write_text("problems:\n  - {op: gemm, m: 4, n: 256, k: 200, dtype: fp8-rowwise}\n")
+    with pytest.raises(ConfigError, match=r"problems\[0\]: fp8 needs K and N multiples of 16"):
+        load_problems(path)

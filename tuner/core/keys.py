@@ -392,6 +392,19 @@ def lowbit_fields(spec: str) -> dict[str, Any]:
     raise ValueError(f"low-bit format must be one of {LOWBIT_FORMAT_NAMES}, got {spec!r}")
 
 
+FP8_MULTIPLE = 16  # torch._scaled_mm, every FP8 key's baseline, takes K and N multiples of 16
+
+
+def fp8_shape_error(n: int, k: int) -> str | None:
+    """Why an FP8 GEMM of an [N, K] weight cannot run as ``torch._scaled_mm`` runs it, or None.
+    Checked where problems are made (model configs, problem lists, ``quantize_linear``), not in
+    the key itself, so that a cache holding such a key still reads."""
+    if k % FP8_MULTIPLE or n % FP8_MULTIPLE:
+        return (f"fp8 needs K and N multiples of {FP8_MULTIPLE}, as torch._scaled_mm takes them "
+                f"(N={n}, K={k})")  # fmt: skip
+    return None
+
+
 def lowbit_spec(key: GemmKey) -> str:
     """The format name of a low-bit key (the inverse of ``lowbit_fields`` where one exists;
     other operand dtypes are named in full, e.g. ``int4-g128-f16``, ``fp8-rowwise-e5m2``), or ""

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from tuner.core.keys import Key, key_from_dict, lowbit_fields, parse_key
+from tuner.core.keys import Key, fp8_shape_error, key_from_dict, lowbit_fields, parse_key
 
 
 class ConfigError(ValueError):
@@ -53,6 +53,10 @@ def with_lowbit_fields(fields: dict[str, Any]) -> dict[str, Any]:
     the two taken silently."""
     spec = fields["dtype"]
     fixed = lowbit_fields(spec)
+    n, k = fields.get("n"), fields.get("k")
+    fp8_shape = fixed["wdtype"] != "int4" and isinstance(n, int) and isinstance(k, int)
+    if fp8_shape and (error := fp8_shape_error(n, k)):
+        raise ValueError(error)
     for name, value in fields.items():
         if name != "dtype" and name in fixed and str(value) != str(fixed[name]):
             raise ValueError(f"{name}={value!r}: dtype {spec} fixes {name}={fixed[name]!r} "

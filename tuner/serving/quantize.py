@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tuner.core.keys import fp8_shape_error
 from tuner.quant import fp8, int4, int4_torch
 from tuner.serving import dispatcher
 
@@ -40,7 +41,6 @@ log = logging.getLogger(__name__)
 FORMATS = ("int4", "fp8")
 DEFAULT_GROUP = 128  # K elements sharing an int4 scale and zero, as torch's INT4 recipes use
 COMPUTE_DTYPE = torch.bfloat16
-FP8_MULTIPLE = 16  # torch._scaled_mm: K and N multiples of 16
 # modules that read their linear children's weight themselves (their fused fast paths)
 READS_CHILD_WEIGHTS = (
     nn.MultiheadAttention,
@@ -61,9 +61,7 @@ def unsupported(fmt: str, weight: torch.Tensor, group_size: int | None) -> str |
         if n % multiple:
             return f"int4 packing on {weight.device.type} needs N % {multiple} == 0 (N={n}, K={k})"
         return None
-    if k % FP8_MULTIPLE or n % FP8_MULTIPLE:
-        return f"fp8 needs K and N multiples of {FP8_MULTIPLE} (N={n}, K={k})"
-    return None
+    return fp8_shape_error(n, k)
 
 
 def _bias(linear: nn.Linear) -> nn.Parameter | None:
