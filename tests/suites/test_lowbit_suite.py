@@ -79,11 +79,29 @@ def test_the_command_line_can_choose_rows_by_m_and_projection() -> None:
     assert lowbit.chosen_problems(lowbit.FORMATS) == lowbit.problems()
     with pytest.raises(ValueError, match="--m must be >= 1, got 0"):
         lowbit.chosen_problems(["int4-g128"], ms=[0])
+
+
+def test_rows_the_command_line_cannot_choose_are_named_before_any_folder_is_made(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "bench"
     for args, named in ((["--proj", "lm_head"], "'lm_head'"), (["--m", "0"], "got 0")):
-        result = CliRunner().invoke(app, ["bench", "gemm", "--suite", "lowbit", *args])
+        result = CliRunner().invoke(
+            app, ["bench", "gemm", "--suite", "lowbit", "--out", str(out), *args]
+        )
         assert isinstance(result.exception, ValueError) and named in str(result.exception)
-    result = CliRunner().invoke(app, ["bench", "gemm", "--m", "1"])
+    result = CliRunner().invoke(app, ["bench", "gemm", "--m", "1", "--out", str(out)])
     assert isinstance(result.exception, ValueError) and "lowbit" in str(result.exception)
+    assert not out.exists()
+
+
+def test_ctrl_c_while_the_bf16_twins_are_tuned_marks_the_rows_written(tmp_path: Path) -> None:
+    path = tmp_path / "gemm_lowbit.json"
+    lowbit.mark_interrupted(path)  # none written yet: nothing to mark
+    assert not path.exists()
+    path.write_text(json.dumps({"rows": [{"label": "a"}]}))
+    lowbit.mark_interrupted(path)
+    assert json.loads(path.read_text()) == {"rows": [{"label": "a"}], "interrupted": True}
 
 
 def row(fmt: str, m: int, mb: int, **times: float) -> dict:
@@ -316,8 +334,8 @@ def test_a_run_without_a_gpu_says_in_one_line_that_its_targets_are_not_judged(
     assert "low-bit GEMMs: served time ratios (eager times)" in result.output
     assert [line for line in lines if "not judged" in line] == [
         "Targets not judged: they are GPU targets, judged only on a GPU; this run timed CPU code "
-        "(torch's CPU ops, CPU matmul as 'bf16 cuBLAS', Triton's interpreter), and CPU timings "
-        "are not the product's."
+        "(torch's CPU ops, CPU matmul as 'bf16 cuBLAS', Triton kernels where TRITON_INTERPRET=1), "
+        "and CPU timings are not the product's."
     ]
     for verdict in ("all met", "/2 met", "missed", lowbit.TUNING_TARGET):
         assert verdict not in result.output

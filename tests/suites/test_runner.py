@@ -167,3 +167,20 @@ def test_disturbed_rounds_are_taken_again_and_the_steadier_take_judged():
     steady = iter([rounds_of(a=[10.0, 10.5])])  # a second take would raise StopIteration
     judged, first = runner.steadier_rounds(lambda: next(steady), limit=0.5)
     assert first is None and len(judged["a"]) == 2
+
+
+def test_ctrl_c_writes_the_rows_done_then_goes_on(tmp_path: Path) -> None:
+    """Ctrl-C during the second problem: the first row is written to the suite's JSON, marked
+    interrupted, and the interrupt reaches the caller (the command exits as interrupted)."""
+
+    def tuner(key: Key, options: TuneOptions) -> TuneOutcome:
+        if key == PROBLEMS[1][1]:
+            raise KeyboardInterrupt
+        return tune(key, options=options)
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_suite("cut", PROBLEMS, out_dir=tmp_path, title="t", options=OPTIONS, tuner=tuner)
+    written = json.loads((tmp_path / "cut.json").read_text())
+    assert written["interrupted"] is True
+    assert [r["label"] for r in written["rows"]] == ["decode"]
+    assert (tmp_path / "cut.png").read_bytes().startswith(PNG_MAGIC)

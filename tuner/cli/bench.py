@@ -108,12 +108,13 @@ def bench_gemm(
         budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
-    output_dir(out)  # checked before the benchmark, not once it is over
-    if suite == "lowbit":
-        lowbit.run(lowbit.chosen_problems(chosen, quick=quick, ms=m, ops=proj), out, options)
-        return
-    if m or proj:
+    if suite == "llama" and (m or proj):
         raise ValueError("--m and --proj choose rows of the lowbit suite, not of --suite llama")
+    rows = lowbit.chosen_problems(chosen, quick=quick, ms=m, ops=proj) if suite == "lowbit" else []
+    output_dir(out)  # checked before the benchmark, not once it is over; made after the arguments
+    if suite == "lowbit":
+        lowbit.run(rows, out, options)
+        return
     for p in chosen:
         problems = gemm.llama_suite(p)[:: 4 if quick else 1]
         gemm.run_part(p, problems, out, options, inductor=inductor, warm_sample=warm_sample)

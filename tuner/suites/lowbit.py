@@ -282,8 +282,8 @@ def target_counts(rows: Sequence[Row]) -> dict[str, Any]:
 TUNING_TARGET = "tuning <= bf16 (median)"
 NOT_JUDGED = (
     "targets not judged: they are GPU targets, judged only on a GPU; this run timed CPU code "
-    "(torch's CPU ops, CPU matmul as 'bf16 cuBLAS', Triton's interpreter), and CPU timings are "
-    "not the product's"
+    "(torch's CPU ops, CPU matmul as 'bf16 cuBLAS', Triton kernels where TRITON_INTERPRET=1), "
+    "and CPU timings are not the product's"
 )
 
 
@@ -726,6 +726,21 @@ def plot(rows: Sequence[Row], path: Path, title: str, *, judged: bool = True) ->
     return path
 
 
+def mark_interrupted(path: Path) -> None:
+    """Ctrl-C while the bf16 twins were tuned: the rows the runner wrote (each tuned against
+    torch's op) marked interrupted, without their bf16 columns. (Interrupted in the rows
+    themselves, the runner has marked them already.)"""
+    if not path.is_file():
+        return
+    written = json.loads(path.read_text())
+    if written.get("interrupted"):
+        return
+    written["interrupted"] = True
+    path.write_text(json.dumps(written, indent=1))
+    console.print(f"[yellow]interrupted[/yellow] while tuning the bf16 twins: {path} holds the "
+                  f"{len(written['rows'])} tuned rows without their bf16 columns")  # fmt: skip
+
+
 def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
     """Tune and time every row and its bf16 twin; write the JSON, the PNG and the tuned cache
     into ``out``."""
@@ -734,16 +749,20 @@ def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
     store = Store(out / f"{NAME}.db")
     started = time.perf_counter()
     keys = [k for _, k in problems_]
-    with compile_pool.ahead([*keys, *map(bf16_twin, keys)], options, device) as compiler:
-        recorder = Recorder(compiler)
-        result = run_suite(
-            NAME, problems_, out_dir=out, title="Low-bit GEMMs: tuned vs torch's op",
-            options=options, store=store, plot=False, times=row_times(device),
-            tuner=lambda key, opts: recorder(key, options_for(key, opts, device)),
-        )  # fmt: skip
-        rows = result["rows"]
-        twins = [bf16_twin(parse_key(r["key"])) for r in rows]  # type: ignore[arg-type]
-        bf16 = tune_bf16(twins, options, recorder, store, device)
+    try:
+        with compile_pool.ahead([*keys, *map(bf16_twin, keys)], options, device) as compiler:
+            recorder = Recorder(compiler)
+            result = run_suite(
+                NAME, problems_, out_dir=out, title="Low-bit GEMMs: tuned vs torch's op",
+                options=options, store=store, plot=False, times=row_times(device),
+                tuner=lambda key, opts: recorder(key, options_for(key, opts, device)),
+            )  # fmt: skip
+            rows = result["rows"]
+            twins = [bf16_twin(parse_key(r["key"])) for r in rows]  # type: ignore[arg-type]
+            bf16 = tune_bf16(twins, options, recorder, store, device)
+    except KeyboardInterrupt:
+        mark_interrupted(out / f"{NAME}.json")
+        raise
     result["versions"] = {"torch": torch.__version__, "cuda": torch.version.cuda}
     for row, twin in zip(rows, twins, strict=True):
         annotate(row, bf16[str(twin)], result["copy_gbs"], device, options)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.progress import Progress
 from rich.table import Table
 
 from tuner.cache import Store
@@ -192,42 +193,52 @@ def run_suite(
         store.save_device(fp)
     copy_gbs = copy_bandwidth_gbs(device)
     console.print(f"{fp.name}: device-to-device copy {copy_gbs:.0f} GB/s")
+
+    def measured(label: str, key: Key, bar: Progress) -> Row | None:
+        """One problem tuned and timed, said on the console; None when its tuning raised (one
+        broken problem must not lose the suite)."""
+        started = time.perf_counter()
+        try:
+            outcome = run_tuner(key, options)
+        except Exception as e:
+            bar.console.print(f"[red]{label}: tuning failed: {e}[/red]")
+            return None
+        tune_s = time.perf_counter() - started
+        if store is not None:
+            store.save_run(outcome.measurements, outcome.winner)
+        base_us, win_us = times(key, outcome.winner, device)
+        row = Row(
+            label,
+            str(key),
+            base_us,
+            win_us,
+            outcome.winner.source,
+            outcome.winner.candidate,
+            tune_s,
+            {name: round(seconds, 3) for name, seconds in outcome.phases.items()},
+        )
+        if metrics:
+            row.extra = {f"baseline_{k}": v for k, v in metrics(key, base_us).items()} | metrics(
+                key, win_us
+            )
+        bar.console.print(
+            f"{label:<40} {base_us:9.1f} us -> {win_us:9.1f} us  {row.speedup:5.2f}x  "
+            f"{row.source}{' (graph)' if outcome.winner.launch == 'graph' else ''}"
+        )
+        return row
+
     rows: list[Row] = []
+    interrupted = False
     with progress_bar(console) as bar:
         task = bar.add_task(name, total=len(problems_))
-        for label, key in problems_:
-            bar.update(task, description=label[:50])
-            started = time.perf_counter()
-            try:
-                outcome = run_tuner(key, options)
-            except Exception as e:  # one broken problem must not lose the suite
-                bar.console.print(f"[red]{label}: tuning failed: {e}[/red]")
+        try:
+            for label, key in problems_:
+                bar.update(task, description=label[:50])
+                if (row := measured(label, key, bar)) is not None:
+                    rows.append(row)
                 bar.advance(task)
-                continue
-            tune_s = time.perf_counter() - started
-            if store is not None:
-                store.save_run(outcome.measurements, outcome.winner)
-            base_us, win_us = times(key, outcome.winner, device)
-            row = Row(
-                label,
-                str(key),
-                base_us,
-                win_us,
-                outcome.winner.source,
-                outcome.winner.candidate,
-                tune_s,
-                {name: round(seconds, 3) for name, seconds in outcome.phases.items()},
-            )
-            if metrics:
-                row.extra = {
-                    f"baseline_{k}": v for k, v in metrics(key, base_us).items()
-                } | metrics(key, win_us)
-            rows.append(row)
-            bar.console.print(
-                f"{label:<40} {base_us:9.1f} us -> {win_us:9.1f} us  {row.speedup:5.2f}x  "
-                f"{row.source}{' (graph)' if outcome.winner.launch == 'graph' else ''}"
-            )
-            bar.advance(task)
+        except KeyboardInterrupt:  # Ctrl-C: what is done is written, then the interrupt goes on
+            interrupted = True
     result = {
         "suite": name,
         "title": title,
@@ -238,6 +249,8 @@ def run_suite(
         "rows": [r.to_dict() for r in rows],
         "summary": summarize(rows),
     }
+    if interrupted:
+        result["interrupted"] = True
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
@@ -250,6 +263,10 @@ def run_suite(
             groups=[r.source for r in rows],
         )
     print_table(rows)
+    if interrupted:
+        console.print(f"[yellow]interrupted[/yellow] after {len(rows)} of {len(problems_)} rows: "
+                      f"{out / f'{name}.json'} holds them, marked \"interrupted\"")  # fmt: skip
+        raise KeyboardInterrupt
     return result
 
 
