@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from tests.cache.damaged import damaged_cache
 from tuner.cache import Store
 from tuner.cli.main import app
+from tuner.core import console
 from tuner.core.console import PIPED_WIDTH
 from tuner.measure.records import Winner
 from tuner.tuning.engine import TuneOptions
@@ -44,6 +45,7 @@ def test_help_read_through_a_pipe_is_shown_whole(monkeypatch):
     """Help written to no terminal (a pipe: ``tuner tune-all --help | less``) with no width
     asked for is laid out wide: at rich's 80 columns option texts were cut with "…"."""
     monkeypatch.setattr(typer.rich_utils, "MAX_WIDTH", None)  # as without TERMINAL_WIDTH
+    monkeypatch.setattr(console, "_terminal_near", lambda: False)  # as in a CI log
     # as where typer forces colours (GITHUB_ACTIONS, FORCE_COLOR): the width follows the pipe
     monkeypatch.setattr(typer.rich_utils, "FORCE_TERMINAL", True)
     colours = re.compile(r"\x1b\[[0-9;]*m")
@@ -60,7 +62,8 @@ def test_help_read_through_a_pipe_is_shown_whole(monkeypatch):
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")}
     env["GITHUB_ACTIONS"] = "true"  # typer then forces colours; the help still goes to a pipe
     out = subprocess.run([sys.executable, "-m", "tuner", "tune-all", "--help"], env=env,
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+                         capture_output=True, stdin=subprocess.DEVNULL, text=True,
+                         check=True).stdout  # fmt: skip
     out = colours.sub("", out)
     assert "…" not in out
     for whole in ("Model config YAML (configs/models/*.yaml)", "(TUNER_MODE=record)",
@@ -135,6 +138,10 @@ def test_tune_all_then_show_export_import(tmp_path):
         (  # torch's CPU int4 packing takes blocks of 16 rows (CUDA: 8)
             ("tune", "gemm", "-m", "16", "-n", "24", "-k", "512", "--dtype", "int4-g128"),
             "N=24: torch's int4 packing on cpu needs a multiple of 16",
+        ),
+        (  # torch._scaled_mm takes K and N multiples of 16
+            ("tune", "gemm", "-m", "4", "-n", "200", "-k", "256", "--dtype", "fp8-rowwise"),
+            "fp8 needs K and N multiples of 16, as torch._scaled_mm takes them (N=200, K=256)",
         ),
     ],
 )

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+from tuner.core import console
 from tuner.core.console import PIPED_WIDTH, output_console, width_for
 
 
@@ -19,8 +20,13 @@ class Terminal(io.StringIO):
 def test_a_pipe_is_laid_out_wide_and_a_terminal_keeps_its_own_width(monkeypatch) -> None:
     for var in ("COLUMNS", "TERMINAL_WIDTH"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(console, "_terminal_near", lambda: False)  # a CI log: no terminal at all
     assert width_for(io.StringIO()) == PIPED_WIDTH
     assert width_for(Terminal()) is None
+    monkeypatch.setattr(console, "_terminal_near", lambda: True)  # `| tee` from a terminal
+    assert width_for(io.StringIO()) is None  # rich takes that terminal's width
+    monkeypatch.setenv("TERMINAL_WIDTH", "100")  # typer's variable, which rich does not read
+    assert width_for(io.StringIO()) == 100 and output_console().width == 100
     monkeypatch.setenv("COLUMNS", "90")
     assert width_for(io.StringIO()) is None  # rich reads COLUMNS itself
     assert output_console().width == 90
@@ -40,6 +46,6 @@ def test_a_table_printed_into_a_pipe_is_not_wrapped_at_80_columns() -> None:
         "output_console().print(t)\n"
     )
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, check=True).stdout  # fmt: skip
+                         stdin=subprocess.DEVNULL, text=True, check=True).stdout  # fmt: skip
     assert any("x" * 90 in line and "8008.59" in line for line in out.splitlines())
     assert max(len(line) for line in out.splitlines()) <= PIPED_WIDTH

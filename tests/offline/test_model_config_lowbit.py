@@ -129,6 +129,11 @@ def test_fp8_shapes_torchs_op_cannot_take_are_named_in_configs_and_problem_lists
     assert text.startswith("m.yaml: ops: ") and "with dtypes: fp8-rowwise: " in text
     assert "fp8 needs K and N multiples of 16" in text and "K=4104" in text
     path = tmp_path / "p.yaml"
-    path.write_text("problems:\n  - {op: gemm, m: 4, n: 256, k: 200, dtype: fp8-rowwise}\n")
-    with pytest.raises(ConfigError, match=r"problems\[0\]: fp8 needs K and N multiples of 16"):
+    fp8_key = str(GemmKey(m=4, n=256, k=200, align=8, **lowbit_fields("fp8-tensorwise-fast")))
+    for entry in ("{op: gemm, m: 4, n: 256, k: 200, dtype: fp8-rowwise}", f'{{key: "{fp8_key}"}}'):
+        path.write_text(f"problems:\n  - {entry}\n")
+        with pytest.raises(ConfigError, match=r"problems\[0\]: fp8 needs K and N multiples of 16"):
+            load_problems(path)
+    path.write_text("problems:\n  - {op: gemm, m: 4, n: true, k: 256, dtype: fp8-rowwise}\n")
+    with pytest.raises(ConfigError, match=r"problems\[0\]: n must be"):
         load_problems(path)

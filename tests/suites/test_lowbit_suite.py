@@ -95,15 +95,6 @@ def test_rows_the_command_line_cannot_choose_are_named_before_any_folder_is_made
     assert not out.exists()
 
 
-def test_ctrl_c_while_the_bf16_twins_are_tuned_marks_the_rows_written(tmp_path: Path) -> None:
-    path = tmp_path / "gemm_lowbit.json"
-    lowbit.mark_interrupted(path)  # none written yet: nothing to mark
-    assert not path.exists()
-    path.write_text(json.dumps({"rows": [{"label": "a"}]}))
-    lowbit.mark_interrupted(path)
-    assert json.loads(path.read_text()) == {"rows": [{"label": "a"}], "interrupted": True}
-
-
 def row(fmt: str, m: int, mb: int, **times: float) -> dict:
     """A measured row as ``annotate`` leaves it before judging: ``mb`` MiB of bf16 weight."""
     n = k = int((mb * lowbit.MB / 2) ** 0.5)

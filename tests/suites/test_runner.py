@@ -184,3 +184,21 @@ def test_ctrl_c_writes_the_rows_done_then_goes_on(tmp_path: Path) -> None:
     assert written["interrupted"] is True
     assert [r["label"] for r in written["rows"]] == ["decode"]
     assert (tmp_path / "cut.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_ctrl_c_after_the_rows_marks_this_runs_json_and_goes_on(tmp_path: Path) -> None:
+    """A suite's later steps (bf16 twins, retimes, Inductor) cut short: the rows the runner
+    wrote are marked interrupted; a JSON that cannot be read is left as it is; the interrupt
+    reaches the caller either way."""
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"rows": [{"label": "a"}]}))
+    with pytest.raises(KeyboardInterrupt), runner.marked_if_interrupted(path, "its bf16 columns"):
+        raise KeyboardInterrupt
+    assert json.loads(path.read_text()) == {"rows": [{"label": "a"}], "interrupted": True}
+    path.write_text("{cut")
+    with pytest.raises(KeyboardInterrupt), runner.marked_if_interrupted(path, "its bf16 columns"):
+        raise KeyboardInterrupt
+    assert path.read_text() == "{cut"
+    with runner.marked_if_interrupted(path, "nothing"):  # no interrupt: nothing touched
+        pass
+    assert path.read_text() == "{cut"

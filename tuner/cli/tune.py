@@ -38,6 +38,7 @@ from tuner.core.keys import (
     GemmKey,
     Key,
     SdpaKey,
+    fp8_key_error,
     lowbit_fields,
     parse_key,
 )
@@ -204,7 +205,10 @@ def _gemm_key(
         raise ValueError(f"--dtype {dtype}: a low-bit GEMM is x @ W.T: --layout nt (got {layout})")
     if tf32:
         raise ValueError(f"--dtype {dtype}: --tf32 is for f32 inputs only")
-    return GemmKey(m=m, n=n, k=k, batch=batch, align=align, **fields)
+    key = GemmKey(m=m, n=n, k=k, batch=batch, align=align, **fields)
+    if error := fp8_key_error(key):
+        raise ValueError(error)
+    return key
 
 
 @tune_app.command("sdpa")

@@ -1,7 +1,7 @@
-"""The command line's rich consoles: as wide as the terminal, or ``PIPED_WIDTH`` where the output
-goes to a file or a pipe (a CI log, ``| less``), where rich would lay tables out 80 columns wide
-and split their numbers over two lines. A width asked for (``COLUMNS``, typer's
-``TERMINAL_WIDTH``) always wins."""
+"""The command line's rich consoles: as wide as the terminal, or ``PIPED_WIDTH`` where there is
+no terminal to ask (a CI log, a file), where rich would lay tables out 80 columns wide and split
+their numbers over two lines. A width asked for (``COLUMNS``, typer's ``TERMINAL_WIDTH``) wins;
+piped from a terminal (``| tee``, ``| less``), rich takes that terminal's width."""
 
 from __future__ import annotations
 
@@ -14,12 +14,27 @@ from rich.console import Console
 PIPED_WIDTH = 120
 
 
+def _terminal_near() -> bool:
+    """Whether stdin, stdout or stderr is a terminal whose size rich can read."""
+    for fd in (0, 1, 2):
+        try:
+            os.get_terminal_size(fd)
+            return True
+        except OSError:
+            continue
+    return False
+
+
 def width_for(file: Any) -> int | None:
-    """``PIPED_WIDTH`` for a ``file`` that is no terminal, else None (rich's own choice). The
-    file, not rich's ``is_terminal``: typer forces a terminal (colours) under CI variables such
-    as ``GITHUB_ACTIONS`` or ``FORCE_COLOR``, where the output still goes to a pipe."""
-    asked = any(os.environ.get(v, "").isdigit() for v in ("COLUMNS", "TERMINAL_WIDTH"))
-    if asked or getattr(file, "isatty", lambda: False)():
+    """The width to lay ``file``'s output out at, or None for rich's own choice (``COLUMNS``, or
+    the terminal's). The file, not rich's ``is_terminal``: typer forces a terminal (colours)
+    under CI variables such as ``GITHUB_ACTIONS`` or ``FORCE_COLOR``, where output still goes to
+    a pipe."""
+    if os.environ.get("COLUMNS", "").isdigit():
+        return None
+    if (asked := os.environ.get("TERMINAL_WIDTH", "")).isdigit():
+        return int(asked)
+    if getattr(file, "isatty", lambda: False)() or _terminal_near():
         return None
     return PIPED_WIDTH
 

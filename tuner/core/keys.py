@@ -405,6 +405,13 @@ def fp8_shape_error(n: int, k: int) -> str | None:
     return None
 
 
+def fp8_key_error(key: Key) -> str | None:
+    """``fp8_shape_error`` of an FP8 GEMM key; None for any other key."""
+    if isinstance(key, GemmKey) and key.wdtype.startswith("fp8"):
+        return fp8_shape_error(key.n, key.k)
+    return None
+
+
 def lowbit_spec(key: GemmKey) -> str:
     """The format name of a low-bit key (the inverse of ``lowbit_fields`` where one exists;
     other operand dtypes are named in full, e.g. ``int4-g128-f16``, ``fp8-rowwise-e5m2``), or ""

@@ -58,7 +58,7 @@ from tuner.core.keys import (
     GemmKey,
     Key,
     SdpaKey,
-    fp8_shape_error,
+    fp8_key_error,
     lowbit_fields,
 )
 from tuner.offline.problem_list import ConfigError, read_yaml
@@ -188,12 +188,13 @@ def gemm_key(m: int, n: int, k: int, *, layout: str, dtype: str, batch: int = 1)
     one for a low-bit spec (``x [M, K] @ W[N, K].T``, layout ``nt`` whatever ``layout`` says)."""
     if dtype not in DENSE_DTYPES:
         fields = lowbit_fields(dtype)
-        if fields["wdtype"] != "int4" and (error := fp8_shape_error(n, k)):
-            raise ValueError(error)
-        return GemmKey(**{
+        key = GemmKey(**{
             **fields, "m": m, "n": n, "k": k, "batch": batch, "layout": "nt",
             "align": dense_align(fields["dtype"], k),
         })  # fmt: skip
+        if error := fp8_key_error(key):
+            raise ValueError(error)
+        return key
     lda = k if layout[0] == "n" else m
     ldb = n if layout[1] == "n" else k
     base, compute = ("f32", "tf32") if dtype == "tf32" else (dtype, "f32")

@@ -19,7 +19,14 @@ from typing import Any
 
 import yaml
 
-from tuner.core.keys import Key, fp8_shape_error, key_from_dict, lowbit_fields, parse_key
+from tuner.core.keys import (
+    Key,
+    fp8_key_error,
+    fp8_shape_error,
+    key_from_dict,
+    lowbit_fields,
+    parse_key,
+)
 
 
 class ConfigError(ValueError):
@@ -32,19 +39,23 @@ def parse_problem(entry: Any, where: str) -> Key:
             f"{where}: expected a mapping like {{op: gemm, m: ..., n: ..., k: ...}}, got {entry!r}"
         )
     try:
-        if "key" in entry:
-            return parse_key(str(entry["key"]))
-        fields = dict(entry)
-        op = fields.pop("op", None)
-        if op is None:
-            raise ValueError("missing field 'op' (gemm or sdpa)")
-        if op == "gemm" and "dtype" in fields:
-            if str(fields["dtype"]).startswith(("int4-", "fp8-")):
-                fields = with_lowbit_fields(fields)
-            fields.setdefault("out_dtype", fields["dtype"])
-        return key_from_dict(op, fields)
+        key = parse_key(str(entry["key"])) if "key" in entry else _key_of_fields(dict(entry))
+        if error := fp8_key_error(key):
+            raise ValueError(error)
+        return key
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _key_of_fields(fields: dict[str, Any]) -> Key:
+    op = fields.pop("op", None)
+    if op is None:
+        raise ValueError("missing field 'op' (gemm or sdpa)")
+    if op == "gemm" and "dtype" in fields:
+        if str(fields["dtype"]).startswith(("int4-", "fp8-")):
+            fields = with_lowbit_fields(fields)
+        fields.setdefault("out_dtype", fields["dtype"])
+    return key_from_dict(op, fields)
 
 
 def with_lowbit_fields(fields: dict[str, Any]) -> dict[str, Any]:
@@ -54,8 +65,8 @@ def with_lowbit_fields(fields: dict[str, Any]) -> dict[str, Any]:
     spec = fields["dtype"]
     fixed = lowbit_fields(spec)
     n, k = fields.get("n"), fields.get("k")
-    fp8_shape = fixed["wdtype"] != "int4" and isinstance(n, int) and isinstance(k, int)
-    if fp8_shape and (error := fp8_shape_error(n, k)):
+    shape = fixed["wdtype"] != "int4" and type(n) is int and type(k) is int
+    if shape and (error := fp8_shape_error(n, k)):  # named before the alignment it breaks
         raise ValueError(error)
     for name, value in fields.items():
         if name != "dtype" and name in fixed and str(value) != str(fixed[name]):

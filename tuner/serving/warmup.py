@@ -121,10 +121,9 @@ def _bar(shown: bool, total: int, device_class: str) -> Iterator[Any]:
     if not shown:
         yield lambda: None
         return
-    from rich.console import Console
-
+    from tuner.core.console import output_console
     from tuner.core.progress import progress_bar
 
-    with progress_bar(Console(stderr=True)) as bar:
+    with progress_bar(output_console(stderr=True)) as bar:
         task = bar.add_task(f"loading winners for {device_class}", total=total)
         yield lambda: bar.advance(task)

@@ -34,6 +34,7 @@ import torch
 
 from tuner.cache import Store
 from tuner.candidates import registry
+from tuner.core.atomic import write_atomic
 from tuner.core.console import output_console
 from tuner.core.keys import GemmKey, parse_key
 from tuner.measure import samples, timing
@@ -41,7 +42,7 @@ from tuner.measure.records import candidate_params
 from tuner.offline.model_config import gemm_key, load_model
 from tuner.offline.plots import geomean
 from tuner.suites import catalog
-from tuner.suites.runner import run_suite
+from tuner.suites.runner import marked_if_interrupted, run_suite
 from tuner.suites.sdpa import recheck
 from tuner.tuning import compile_pool
 from tuner.tuning.compile_pool import CompilePool
@@ -303,6 +304,15 @@ def print_report(result: dict[str, Any]) -> None:
     console.print(json.dumps(result["targets"]))
 
 
+def inductor_or_error(label: str, key: GemmKey, device: str, budget_s: float) -> dict[str, Any]:
+    """``inductor_row``, or the error that stopped it: Inductor failing on a shape is a finding,
+    not a crash."""
+    try:
+        return inductor_row(label, key, device, budget_s)
+    except Exception as e:
+        return {"label": label, "key": str(key), "error": f"{type(e).__name__}: {e}"[:500]}
+
+
 def run_part(
     part: str,
     problems_: Problems,
@@ -323,21 +333,16 @@ def run_part(
             name, problems_, out_dir=out, title=f"GEMM {part}: tuned vs cuBLAS (torch.matmul)",
             options=options, metrics=gemm_metrics, store=store, tuner=recorder,
         )  # fmt: skip
-    annotate(result, recorder, device)
-    result["warm_retune"] = warm_retune(problems_, options, warm_sample)
-    result["inductor"] = []
-    if inductor and device == "cuda":
-        wanted = set(INDUCTOR.get(part, ()))
-        for label, key in problems_:
-            if label in wanted:
-                try:
-                    result["inductor"].append(inductor_row(label, key, device, options.budget_s))
-                except Exception as e:  # Inductor failing on a shape is a finding, not a crash
-                    result["inductor"].append(
-                        {"label": label, "key": str(key), "error": f"{type(e).__name__}: {e}"[:500]}
-                    )
+    with marked_if_interrupted(out / f"{name}.json", "the warm re-tune, Inductor and targets"):
+        annotate(result, recorder, device)
+        result["warm_retune"] = warm_retune(problems_, options, warm_sample)
+        result["inductor"] = [
+            inductor_or_error(label, key, device, options.budget_s)
+            for label, key in problems_
+            if inductor and device == "cuda" and label in INDUCTOR.get(part, ())
+        ]
     result["targets"] = targets(result)
     result["wall_s"] = time.perf_counter() - started
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    write_atomic(out / f"{name}.json", json.dumps(result, indent=1))
     print_report(result)
     return result

@@ -51,6 +51,7 @@ from rich.table import Table
 from tuner.cache import Store
 from tuner.candidates import registry
 from tuner.candidates.triton_kernels import stream_read as stream_read_kernel
+from tuner.core.atomic import write_atomic
 from tuner.core.keys import GemmKey, Key, lowbit_spec, parse_key
 from tuner.measure import samples, timing
 from tuner.measure.records import Winner, candidate_params
@@ -64,6 +65,7 @@ from tuner.suites.runner import (
     built,
     console,
     in_turn_rounds,
+    marked_if_interrupted,
     run_suite,
     side_by_side,
     steadier_rounds,
@@ -726,43 +728,10 @@ def plot(rows: Sequence[Row], path: Path, title: str, *, judged: bool = True) ->
     return path
 
 
-def mark_interrupted(path: Path) -> None:
-    """Ctrl-C while the bf16 twins were tuned: the rows the runner wrote (each tuned against
-    torch's op) marked interrupted, without their bf16 columns. (Interrupted in the rows
-    themselves, the runner has marked them already.)"""
-    if not path.is_file():
-        return
-    written = json.loads(path.read_text())
-    if written.get("interrupted"):
-        return
-    written["interrupted"] = True
-    path.write_text(json.dumps(written, indent=1))
-    console.print(f"[yellow]interrupted[/yellow] while tuning the bf16 twins: {path} holds the "
-                  f"{len(written['rows'])} tuned rows without their bf16 columns")  # fmt: skip
-
-
-def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
-    """Tune and time every row and its bf16 twin; write the JSON, the PNG and the tuned cache
-    into ``out``."""
-    device = current_device()
-    out.mkdir(parents=True, exist_ok=True)
-    store = Store(out / f"{NAME}.db")
-    started = time.perf_counter()
-    keys = [k for _, k in problems_]
-    try:
-        with compile_pool.ahead([*keys, *map(bf16_twin, keys)], options, device) as compiler:
-            recorder = Recorder(compiler)
-            result = run_suite(
-                NAME, problems_, out_dir=out, title="Low-bit GEMMs: tuned vs torch's op",
-                options=options, store=store, plot=False, times=row_times(device),
-                tuner=lambda key, opts: recorder(key, options_for(key, opts, device)),
-            )  # fmt: skip
-            rows = result["rows"]
-            twins = [bf16_twin(parse_key(r["key"])) for r in rows]  # type: ignore[arg-type]
-            bf16 = tune_bf16(twins, options, recorder, store, device)
-    except KeyboardInterrupt:
-        mark_interrupted(out / f"{NAME}.json")
-        raise
+def finish(result: dict[str, Any], bf16: dict[str, Any], twins: list[GemmKey], recorder: Recorder,
+           device: str, options: TuneOptions, started: float) -> None:  # fmt: skip
+    """``result``'s rows annotated with their bf16 twins and retimes, and judged."""
+    rows = result["rows"]
     result["versions"] = {"torch": torch.__version__, "cuda": torch.version.cuda}
     for row, twin in zip(rows, twins, strict=True):
         annotate(row, bf16[str(twin)], result["copy_gbs"], device, options)
@@ -782,9 +751,34 @@ def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
     result["targets_note"] = None if judged else NOT_JUDGED
     result["formats"] = format_summary(rows)
     result["wall_s"] = time.perf_counter() - started
-    if rows:
-        title = f"Low-bit GEMMs on {result['device']['name']}"
-        plot(rows, out / f"{NAME}.png", title, judged=judged)
-    (out / f"{NAME}.json").write_text(json.dumps(result, indent=1))
-    print_table(rows, result["targets"], result["formats"], judged=judged)
+
+
+def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
+    """Tune and time every row and its bf16 twin; write the JSON, the PNG and the tuned cache
+    into ``out``."""
+    device = current_device()
+    out.mkdir(parents=True, exist_ok=True)
+    store = Store(out / f"{NAME}.db")
+    started = time.perf_counter()
+    keys = [k for _, k in problems_]
+    path = out / f"{NAME}.json"
+    missing = "their bf16 columns, retimes and targets"
+    with compile_pool.ahead([*keys, *map(bf16_twin, keys)], options, device) as compiler:
+        recorder = Recorder(compiler)
+        result = run_suite(
+            NAME, problems_, out_dir=out, title="Low-bit GEMMs: tuned vs torch's op",
+            options=options, store=store, plot=False, times=row_times(device),
+            tuner=lambda key, opts: recorder(key, options_for(key, opts, device)),
+        )  # fmt: skip
+        with marked_if_interrupted(path, missing):
+            rows = result["rows"]
+            twins = [bf16_twin(parse_key(r["key"])) for r in rows]  # type: ignore[arg-type]
+            bf16 = tune_bf16(twins, options, recorder, store, device)
+    with marked_if_interrupted(path, missing):
+        finish(result, bf16, twins, recorder, device, options, started)
+        if rows := result["rows"]:
+            plot(rows, out / f"{NAME}.png", f"Low-bit GEMMs on {result['device']['name']}",
+                 judged=result["targets_judged"])  # fmt: skip
+    write_atomic(path, json.dumps(result, indent=1))
+    print_table(rows, result["targets"], result["formats"], judged=result["targets_judged"])
     return result

@@ -12,10 +12,11 @@ modules and are registered on ``tuner.cli.main.bench_app``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from rich.table import Table
 from tuner.cache import Store
 from tuner.candidates import registry
 from tuner.candidates.base import Params, Runner
+from tuner.core.atomic import write_atomic
 from tuner.core.console import output_console
 from tuner.core.device import fingerprint
 from tuner.core.keys import Key
@@ -228,7 +230,7 @@ def run_suite(
         return row
 
     rows: list[Row] = []
-    interrupted = False
+    interrupted: KeyboardInterrupt | None = None
     with progress_bar(console) as bar:
         task = bar.add_task(name, total=len(problems_))
         try:
@@ -237,8 +239,8 @@ def run_suite(
                 if (row := measured(label, key, bar)) is not None:
                     rows.append(row)
                 bar.advance(task)
-        except KeyboardInterrupt:  # Ctrl-C: what is done is written, then the interrupt goes on
-            interrupted = True
+        except KeyboardInterrupt as e:  # Ctrl-C: what is done is written, then it goes on
+            interrupted = e
     result = {
         "suite": name,
         "title": title,
@@ -249,11 +251,11 @@ def run_suite(
         "rows": [r.to_dict() for r in rows],
         "summary": summarize(rows),
     }
-    if interrupted:
+    if interrupted is not None:
         result["interrupted"] = True
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    write_atomic(out / f"{name}.json", json.dumps(result, indent=1))
     if rows and plot:
         speedup_plot(
             [r.label for r in rows],
@@ -263,11 +265,34 @@ def run_suite(
             groups=[r.source for r in rows],
         )
     print_table(rows)
-    if interrupted:
+    if interrupted is not None:
         console.print(f"[yellow]interrupted[/yellow] after {len(rows)} of {len(problems_)} rows: "
                       f"{out / f'{name}.json'} holds them, marked \"interrupted\"")  # fmt: skip
-        raise KeyboardInterrupt
+        raise interrupted
     return result
+
+
+@contextlib.contextmanager
+def marked_if_interrupted(path: Path, missing: str) -> Iterator[None]:
+    """A suite's steps after ``run_suite`` returned (it wrote this run's rows to ``path``): on
+    Ctrl-C inside, that JSON is marked interrupted and the console says what it lacks
+    (``missing``), then the interrupt goes on."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        _mark_interrupted(path, missing)
+        raise
+
+
+def _mark_interrupted(path: Path, missing: str) -> None:
+    try:
+        written = json.loads(path.read_text())
+    except (OSError, ValueError):  # nothing readable to mark
+        return
+    written["interrupted"] = True
+    write_atomic(path, json.dumps(written, indent=1))
+    console.print(f"[yellow]interrupted[/yellow] after the rows were tuned: {path} holds the "
+                  f"{len(written['rows'])} rows, without {missing}")  # fmt: skip
 
 
 def summarize(rows: Sequence[Row]) -> dict[str, float]:

@@ -25,6 +25,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -314,6 +315,13 @@ _pool: ProcessPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+def _start_worker() -> None:
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # a Ctrl-C is the run's to handle, not each worker's
+    exit_when_orphaned()
+
+
 def _get_pool() -> ProcessPoolExecutor:
     global _pool
     with _pool_lock:
@@ -323,7 +331,7 @@ def _get_pool() -> ProcessPoolExecutor:
             )
             ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
             _pool = ProcessPoolExecutor(
-                max_workers=workers, mp_context=ctx, initializer=exit_when_orphaned
+                max_workers=workers, mp_context=ctx, initializer=_start_worker
             )
             atexit.register(_pool.shutdown, wait=False, cancel_futures=True)
         return _pool
