@@ -51,14 +51,20 @@ def test_unknown_spec_names_file_field_and_allowed_values() -> None:
     assert text.count("'int4-g100'") == 1 and "fp8-rowwise" in text and "'bf16'" in text
 
 
-def test_a_group_that_does_not_divide_a_projection_names_file_op_and_dtype() -> None:
+def projections_refused(hidden_size: int, dtype: str) -> str:
+    """The error of Llama-3-8B's projections at another hidden size, in one low-bit dtype; it
+    names the file, the op and the dtype."""
     base = load_model(MODELS / "llama-3-8b.yaml").model_dump()
     with pytest.raises(ConfigError) as err:
-        parse_model({**base, "hidden_size": 4000, "dtypes": ["int4-g128"],
+        parse_model({**base, "hidden_size": hidden_size, "dtypes": [dtype],
                      "ops": ["qkv", "o", "gate_up", "down"]}, "m.yaml")  # fmt: skip
     text = str(err.value)
-    assert text.startswith("m.yaml: ops: ") and "with dtypes: int4-g128: " in text
-    assert "group=128 must divide k=4000" in text
+    assert text.startswith("m.yaml: ops: ") and f"with dtypes: {dtype}: " in text
+    return text
+
+
+def test_a_group_that_does_not_divide_a_projection_names_file_op_and_dtype() -> None:
+    assert "group=128 must divide k=4000" in projections_refused(4000, "int4-g128")
 
 
 def test_a_problem_list_names_low_bit_gemms_by_format_as_model_configs_do(tmp_path: Path) -> None:
@@ -121,12 +127,7 @@ def test_fp8_shapes_torchs_op_cannot_take_are_named_in_configs_and_problem_lists
     than keying a problem whose baseline cannot run on a GPU."""
     from tuner.offline.problem_list import load_problems
 
-    base = load_model(MODELS / "llama-3-8b.yaml").model_dump()
-    with pytest.raises(ConfigError) as err:
-        parse_model({**base, "hidden_size": 4104, "dtypes": ["fp8-rowwise"],
-                     "ops": ["qkv", "o", "gate_up", "down"]}, "m.yaml")  # fmt: skip
-    text = str(err.value)
-    assert text.startswith("m.yaml: ops: ") and "with dtypes: fp8-rowwise: " in text
+    text = projections_refused(4104, "fp8-rowwise")
     assert "fp8 needs K and N multiples of 16" in text and "K=4104" in text
     path = tmp_path / "p.yaml"
     fp8_key = str(GemmKey(m=4, n=256, k=200, align=8, **lowbit_fields("fp8-tensorwise-fast")))
