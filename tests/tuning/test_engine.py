@@ -16,6 +16,7 @@ from tuner.core.keys import GemmKey, SdpaKey
 from tuner.measure import timing
 from tuner.measure.records import LAUNCHES, Measurement, candidate_name
 from tuner.tuning.engine import (
+    DISTURBED_SPREAD,
     PHASES,
     Rounds,
     TuneOptions,
@@ -264,30 +265,53 @@ def test_a_lucky_measurement_does_not_survive_the_confirmation(memoized):
     assert "lost" in error and "disturbed twice" in error  # far off its trial, taken again
 
 
+def quiet(outcome: TuneOutcome) -> bool:
+    """Whether the engine found this host quiet through the run: no timing spread wider than
+    the disturbed spread, no duel taken again or widened by its rounds' scatter. On a busy host
+    the engine keeps the baseline by design, and a run says nothing about a duel's rule."""
+    return not any(
+        m.spread > DISTURBED_SPREAD or "disturbed" in m.error or "apart" in m.error
+        for m in outcome.measurements
+    )
+
+
 def test_a_winner_confirmed_slower_than_a_runner_ups_trial_meets_the_runner_up(
     monkeypatch, one_thread
 ):
     """Both beat torch's 512^3 GEMM on the CPU by far; the first ranked first on its trial, then
-    its confirmation reads it slower than the second's trial: the second duels too and wins."""
+    its confirmation reads it slower than the second's trial: the second duels too and wins.
+    Each duel weighs its runner against its own reading of torch, which drifts on a shared CPU
+    host while a busy wait does not: the second's trial also reads it slower than it is, so that
+    its win is wider than that drift. Taken again (up to three runs) where the engine reports
+    the host noisy."""
     from planted import Busy, Memoized
 
     monkeypatch.setattr(Memoized, "slow", False)
 
-    class First(Busy):
-        name, busy_s = "first", 100e-6
+    def run() -> TuneOutcome:
+        class First(Busy):
+            name, busy_s = "first", 100e-6
 
-    class Second(Busy):
-        name, busy_s = "second", 115e-6
+        class Second(Busy):
+            name, busy_s = "second", 115e-6
 
-    def slow_down_after_its_trial(m):
-        if m.source == "first":
-            First.busy_s = 140e-6  # slower, though not beyond a disturbed spread
+        def change_after_its_trial(m):
+            if m.source == "first":
+                First.busy_s = 140e-6  # slower, though not beyond a disturbed spread
+            if m.source == "second":
+                Second.busy_s = 80e-6
 
-    key = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
-    outcome = tuned_uncut(key, [First(), Second()], on_result=slow_down_after_its_trial)
+        key = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
+        return tuned_uncut(key, [First(), Second()], on_result=change_after_its_trial)
+
+    outcome = run()
+    for _ in range(2):
+        if quiet(outcome):
+            break
+        outcome = run()
     first = by_params(outcome)["first"]
     assert outcome.winner.source == "second", [
-        (m.candidate, m.median_us) for m in outcome.measurements
+        (m.candidate, m.median_us, m.error) for m in outcome.measurements
     ]
     assert "kept" in first.error and "then second confirmed faster" in first.error
 
