@@ -1,13 +1,15 @@
 """FP8 rowwise decode (M <= 16): a grid of split-K tiles beside the shortlist and a bare read.
 
     python bench/fp8_decode_sweep.py --out fp8_decode_sweep.json --proj down qwen_down --m 1 16
-        [--shortlist | --swap | --cuda [--trace]]
+        [--shortlist | --swap | --cuda [--trace] [--variant NAME=FLAGS ...]]
 
 Picks the decode shortlist of ``fp8.configs`` from measurements rather than guesses: every
 config of ``GRID``, of the shortlist itself (``--shortlist``) or of the shortlist beside its
 swapped twins (``--swap``, then more swapped tiles), or of the shortlist beside the CUDA
 kernel of ``cuda_fp8`` (``--cuda``: its shortlist, then ``CUDA_BUILDS`` at every cluster; with
-``--trace``, the best one's bench-only twin that stamps each CTA, summarised), on the same rotated
+``--trace``, the best one's bench-only twin that stamps each CTA, summarised; with ``--variant
+plain=-DFP8_GEMV_DEPENDENT=0``, each CUDA config's twin built with those flags, timed beside it
+in the same passes: an A/B of a kernel change in one run), on the same rotated
 weights (``lowbit_kernels``' projections and rotation), CUDA-graph GPU time per call, in grid
 order and then in reverse (a drift over the run shows as a gap between the two passes), and
 each config's output against a float32 GEMM on the dequantized operands ("excess" <= 1
@@ -21,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench import nvcc_twins
 from bench.lowbit_kernels import (
     PROJECTIONS,
     copies,
@@ -91,7 +93,9 @@ def swap_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
 
 # (stages, atoms) libraries of ``cuda_fp8`` timed at each of its clusters (``--cuda``)
 CUDA_BUILDS = ((10, 1), (5, 2), (6, 2), (8, 2))
-TRACE_DIR = Path(tempfile.gettempdir()) / "tuner_fp8_trace"
+# bench-only twins of the CUDA configs: name -> extra nvcc flags (``--variant`` adds more)
+VARIANTS = {"trace": ["-DFP8_GEMV_TRACE=1"]}
+TWIN_DIR = Path(tempfile.gettempdir()) / "tuner_fp8_twins"
 PHASES = ("wait", "first", "loop", "sum", "store")  # between successive clock64 stamps
 
 
@@ -110,38 +114,30 @@ def cuda_grid(m: int, n: int, k: int) -> list[dict[str, Any]]:
     return out
 
 
-def traced_path(cfg: dict[str, Any]) -> Path:
-    return TRACE_DIR / f"{cuda_fp8.library(cfg).digest}_trace.so"
+def twin_path(cfg: dict[str, Any], variant: str) -> Path:
+    """Where the twin of ``cfg``'s library built with ``VARIANTS[variant]`` lies."""
+    return TWIN_DIR / f"{cuda_fp8.library(cfg).digest}_{variant}.so"
 
 
-def build_cuda(cfgs: list[dict[str, Any]], trace: bool) -> None:
-    """The libraries of ``cfgs`` (the product's, through its cache), and with ``trace`` their
-    bench-only twins stamping each CTA (``FP8_GEMV_TRACE``), nvcc in parallel."""
+def build_cuda(cfgs: list[dict[str, Any]], variants: list[str]) -> None:
+    """The libraries of ``cfgs`` (the product's, through its cache), then their bench-only
+    twins of ``variants`` (names in ``VARIANTS``), nvcc in parallel."""
     errors = {
         str(lib): e for lib, e in cuda_library.compile_all(map(cuda_fp8.library, cfgs)).items() if e
     }
     print(f"cuda_fp8 libraries: errors {errors}", flush=True)
-    nvcc = nvcc_build.nvcc_path()
-    if not trace or nvcc is None:
-        return
-    TRACE_DIR.mkdir(parents=True, exist_ok=True)
-    procs = {}
+    commands = {}
     for cfg in cfgs:
-        path = traced_path(cfg)
-        if path not in procs and not path.exists():
-            cmd = cuda_fp8.library(cfg).nvcc_command(nvcc, path)
-            cmd = [*cmd[:-1], "-DFP8_GEMV_TRACE=1", cmd[-1]]
-            procs[path] = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    for path, proc in procs.items():
-        _, err = proc.communicate()
-        if proc.returncode:
-            raise RuntimeError(f"nvcc {path.name}: {err[-2000:]}")
+        for variant in variants:
+            path = twin_path(cfg, variant)
+            commands[path] = nvcc_twins.twin_command(cuda_fp8.library(cfg), path, VARIANTS[variant])
+    nvcc_twins.build(commands)
 
 
 def read_trace(cfg: dict[str, Any], ctas: int) -> dict[str, Any]:
     """Where the traced twin's last launch spent its time, from its CTAs' stamps (ns; clock64
     spans converted with the median ratio of each CTA's globaltimer and clock64 spans)."""
-    lib = ctypes.CDLL(str(traced_path(cfg)))
+    lib = ctypes.CDLL(str(twin_path(cfg, "trace")))
     cap, fields = ctypes.c_int(), ctypes.c_int()
     lib.fp8_gemv_trace_shape(ctypes.byref(cap), ctypes.byref(fields))
     f = fields.value
@@ -200,13 +196,18 @@ def precompile(
           f"{report.seconds:.1f} s; errors: {report.errors[:3]}", flush=True)  # fmt: skip
 
 
-def candidates(m: int, n: int, k: int, which: str) -> list[dict[str, Any]]:
-    """Triton's configs, then (``--cuda``) ``cuda_grid``'s."""
+def candidates(
+    m: int, n: int, k: int, which: str, variants: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """Triton's configs, then (``--cuda``) ``cuda_grid``'s, each followed by its twins of
+    ``variants``."""
     if which == "swap":
         return swap_configs(m, n, k)
     if which == "grid":
         return grid_configs(m, n, k)
-    return fp8_kernels.configs(m, n, k) + (cuda_grid(m, n, k) if which == "cuda" else [])
+    cuda = cuda_grid(m, n, k) if which == "cuda" else []
+    twins = [{**cfg, "variant": v} for cfg in cuda for v in variants]
+    return fp8_kernels.configs(m, n, k) + cuda + twins
 
 
 def matmul(cfg: dict[str, Any], precise: bool) -> Any:
@@ -215,10 +216,9 @@ def matmul(cfg: dict[str, Any], precise: bool) -> Any:
         return lambda a, b, sa, sb, out: fp8_kernels.fp8_matmul(a, b, sa, sb, cfg, out=out,
                                                                 precise=precise)  # fmt: skip
     plain = {key: cfg[key] for key in cuda_fp8.CONFIG_KEYS}
+    variant = cfg.get("variant")
     path = (
-        traced_path(plain)
-        if cfg.get("traced")
-        else nvcc_build.library_path(cuda_fp8.library(plain))
+        twin_path(plain, variant) if variant else nvcc_build.library_path(cuda_fp8.library(plain))
     )
     fn = cuda_library.load(path, cuda_fp8.ENTRY, cuda_fp8.ARGTYPES)
 
@@ -231,14 +231,20 @@ def matmul(cfg: dict[str, Any], precise: bool) -> Any:
 
 
 def sweep(
-    name: str, ms: list[int], which: str, copy_gbs: float, precise: bool, trace: bool
+    name: str,
+    ms: list[int],
+    which: str,
+    copy_gbs: float,
+    precise: bool,
+    trace: bool,
+    variants: tuple[str, ...],
 ) -> list[dict[str, Any]]:
     n, k = PROJECTIONS[name]
     w8, s8 = fp8.quantize_rowwise(torch.randn(n, k, device="cuda") * 0.02)
     sets = rotate(copies(w8, s8), w8, s8)
     rows: list[dict[str, Any]] = []
     for m in ms:
-        rows += sweep_m(name, m, sets, which, copy_gbs, precise, trace)
+        rows += sweep_m(name, m, sets, which, copy_gbs, precise, trace, variants)
     return rows
 
 
@@ -250,10 +256,12 @@ def sweep_m(
     copy_gbs: float,
     precise: bool,
     trace: bool = False,
+    variants: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """The bare read, then every config at one M: checked, then timed in two passes;
     ``precise``: partial sums promoted to fp32 (``_scaled_mm``'s default), else fast;
-    ``trace``: the best cuda_fp8 config's traced twin timed too, with its stamps summarised."""
+    ``trace``: the best cuda_fp8 config's traced twin timed too, with its stamps summarised;
+    ``variants``: each cuda_fp8 config's twins of these, timed in the same passes."""
     w8, s8 = sets[0]
     (n, k), sums = w8.shape, sums_for(w8)
     x8, sx8 = fp8.quantize_rowwise(torch.randn(m, k, device="cuda"))
@@ -269,7 +277,7 @@ def sweep_m(
     rows = [{**base, "impl": "read_fp8", **read, "bytes": nbytes(w8),
              "pct_copy": pct(nbytes(w8), read["us"], copy_gbs)}]  # fmt: skip
     timed: list[dict[str, Any]] = []
-    for cfg in candidates(m, n, k, which):
+    for cfg in candidates(m, n, k, which, variants):
         row = {**base, "impl": "fp8_rowwise", "config": cfg, "bytes": moved}
         try:
             got = matmul(cfg, precise)(x8, w8, sx8, s8, torch.full_like(out, float("nan")))
@@ -297,10 +305,10 @@ def sweep_m(
               f"({row['us_0']:.2f}/{row['us_1']:.2f}) x{row['excess']:.2f} {label(row['config'])}",
               flush=True)  # fmt: skip
     print(f"{name:9s} m={m:2d} read {read['us']:.2f} us {rows[0]['pct_copy']}%", flush=True)
-    best = min((r for r in timed if "atoms" in r["config"]), key=lambda r: r["us"],
-               default=None)  # fmt: skip
+    product = (r for r in timed if "atoms" in r["config"] and "variant" not in r["config"])
+    best = min(product, key=lambda r: r["us"], default=None)
     if trace and best is not None:
-        cfg = {**best["config"], "traced": True}
+        cfg = {**best["config"], "variant": "trace"}
         row = {**base, "impl": "cuda_fp8_trace", "config": cfg, "bytes": moved,
                **time_us(call(cfg), m, 0.0)}  # fmt: skip
         row["trace"] = read_trace(cfg, (n + 63) // 64 * cfg["cluster"])
@@ -315,7 +323,9 @@ def pct(moved: int, us: float, copy_gbs: float) -> float:
 
 def label(cfg: dict[str, Any]) -> str:
     if "atoms" in cfg:
-        return f"cuda_fp8 {cfg['stages']} stages x{cfg['atoms']} atoms cluster {cfg['cluster']}"
+        twin = f" [{cfg['variant']}]" if "variant" in cfg else ""
+        return (f"cuda_fp8 {cfg['stages']} stages x{cfg['atoms']} atoms cluster {cfg['cluster']}"
+                f"{twin}")  # fmt: skip
     il = "i" if cfg.get("interleave") else ""
     swap = f" swap bm{cfg['bm']}" if cfg.get("swap") else ""
     dots = f"x{cfg['dots']}" if cfg.get("dots", 1) > 1 else ""
@@ -337,27 +347,41 @@ def main() -> None:
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--trace", action="store_true",
                     help="with --cuda: the best cuda_fp8 config's stamps at each M")  # fmt: skip
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="with --cuda: also time each CUDA config built with these extra nvcc "
+                         "flags, e.g. plain=-DFP8_GEMV_DEPENDENT=0")  # fmt: skip
     ap.add_argument("--precise", action="store_true",
                     help="partial sums promoted to fp32, as the suite's accum=f32 keys run")  # fmt: skip
     ap.add_argument("--scales", nargs="*", default=["row"], choices=["row", "tensor"],
                     help="scalings to precompile (the sweep times rowwise)")  # fmt: skip
     args = ap.parse_args()
     if any(not 1 <= m <= 16 for m in args.m):
-        raise ValueError(f"--m {args.m}: decode sizes only, 1 .. 16")
+        ap.error(f"--m {args.m}: decode sizes only, 1 .. 16")
+    if (args.variant or args.trace) and not args.cuda:
+        ap.error("--variant and --trace time twins of the CUDA configs: they need --cuda")
+    for spec in args.variant:
+        try:
+            name, flags = nvcc_twins.parse_variant(spec, set(VARIANTS))
+        except ValueError as e:
+            ap.error(str(e))
+        VARIANTS[name] = flags
+    variants = tuple(spec.partition("=")[0] for spec in args.variant)
     which = ("shortlist" if args.shortlist else "swap" if args.swap
              else "cuda" if args.cuda else "grid")  # fmt: skip
     shapes = [(m, *PROJECTIONS[p]) for p in args.proj for m in args.m]
     if which == "cuda":
-        build_cuda([c for shape in shapes for c in cuda_grid(*shape)], args.trace)
+        twins = [*variants, *(["trace"] if args.trace else [])]
+        build_cuda([c for shape in shapes for c in cuda_grid(*shape)], twins)
     precompile(shapes, which, args.scales, args.precise)
     if args.precompile_only:
         return
     torch.manual_seed(0)
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
-    result = header(copy_gbs, configs=which, precise=args.precise)
+    result = header(copy_gbs, configs=which, precise=args.precise,
+                    variants={v: VARIANTS[v] for v in variants})  # fmt: skip
     write_as_it_goes(result, args.out, args.proj,
                      lambda name: sweep(name, args.m, which, copy_gbs, args.precise,
-                                        args.trace))  # fmt: skip
+                                        args.trace, variants))  # fmt: skip
 
 
 if __name__ == "__main__":

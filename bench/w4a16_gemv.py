@@ -45,7 +45,6 @@ import ctypes
 import hashlib
 import itertools
 import re
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -55,6 +54,7 @@ from typing import Any
 import torch
 import triton
 
+from bench import nvcc_twins
 from bench.lowbit_kernels import (
     PROJECTIONS,
     copies,
@@ -65,7 +65,7 @@ from bench.lowbit_kernels import (
     timed_row,
     write_as_it_goes,
 )
-from tuner.candidates import cuda_library, cuda_w4a16, gemm_operands, nvcc_build
+from tuner.candidates import cuda_library, cuda_w4a16, gemm_operands
 from tuner.candidates.triton_kernels import w4a16
 from tuner.candidates.triton_kernels.launch import warm
 from tuner.candidates.triton_kernels.stream_read import BLOCK, read_all, sums_for
@@ -155,22 +155,13 @@ def build_variants(
 ) -> None:
     """The bench-only libraries of (config, variant) pairs built from ``source``, nvcc in
     parallel."""
-    nvcc = nvcc_build.nvcc_path()
-    if nvcc is None:
-        raise RuntimeError(cuda_library.cannot_compile())
-    VARIANT_DIR.mkdir(parents=True, exist_ok=True)
-    procs = {}
+    other = None if source == cuda_w4a16.SOURCE else source
+    commands = {}
     for cfg, variant in pairs:
         path = variant_path(cfg, variant, source)
-        if path not in procs and not path.exists():
-            cmd = cuda_w4a16.library(cfg).nvcc_command(nvcc, path)
-            # the headers next to the source first, else the kernel's own (a copy made elsewhere)
-            cmd = [*cmd[:-1], *VARIANTS[variant], f"-I{cuda_library.KERNELS}", str(source)]
-            procs[path] = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    for path, proc in procs.items():
-        _, err = proc.communicate()
-        if proc.returncode:
-            raise RuntimeError(f"nvcc {path.name}: {err[-2000:]}")
+        lib = cuda_w4a16.library(cfg)
+        commands[path] = nvcc_twins.twin_command(lib, path, VARIANTS[variant], other)
+    nvcc_twins.build(commands)
 
 
 @triton.jit
@@ -394,11 +385,11 @@ def main() -> None:
     if args.repeat < 1:
         ap.error(f"--repeat {args.repeat}: at least 1")
     for spec in args.variant:
-        variant, sep, flags = spec.partition("=")
-        if not (sep and variant.isidentifier() and flags.split()) or variant in VARIANTS:
-            ap.error(f"--variant {spec!r}: expected NAME=FLAGS with a new NAME, e.g. "
-                     f"traced=-DGEMV_TRACE=1")  # fmt: skip
-        VARIANTS[variant] = flags.split()
+        try:
+            variant, flags = nvcc_twins.parse_variant(spec, set(VARIANTS))
+        except ValueError as e:
+            ap.error(str(e))
+        VARIANTS[variant] = flags
     if args.max_warps != cuda_w4a16.MAX_WARPS:
         flag = f"-DGEMV_MAX_WARPS={args.max_warps}"
         built = any(flag in flags for flags in VARIANTS.values())

@@ -195,16 +195,20 @@ def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) ->
 
 
 @pytest.mark.skipif(nvcc_build.nvcc_path() is None, reason="needs nvcc")
-def test_the_bench_builds_a_traced_twin(store: ArtifactStore, tmp_path, monkeypatch) -> None:
+def test_the_bench_builds_traced_and_variant_twins(store: ArtifactStore, tmp_path, monkeypatch) -> None:
     """bench/fp8_decode_sweep.py's ``--cuda`` grid starts from the shortlist and builds each
-    config's library, and with ``--trace`` a twin of it that exports its stamps' shape."""
+    config's library, with ``--trace`` a twin of it that exports its stamps' shape, and with
+    ``--variant`` a twin built with the variant's flags."""
     bench = load_script("fp8_decode_sweep")
-    monkeypatch.setattr(bench, "TRACE_DIR", tmp_path / "trace")
+    monkeypatch.setattr(bench, "TWIN_DIR", tmp_path / "twins")
+    monkeypatch.setitem(bench.VARIANTS, "plain", ["-DFP8_GEMV_DEPENDENT=0"])
     grid = bench.cuda_grid(1, 4096, 14336)
     assert grid[: len(cf.SHORTLIST)] == cf.configs(1, 4096, 14336)
     assert len(grid) == len({tuple(c.values()) for c in grid})  # each config once
-    bench.build_cuda(grid[:1], trace=True)
-    lib = ctypes.CDLL(str(bench.traced_path(grid[0])))
+    bench.build_cuda(grid[:1], ["trace", "plain"])
+    product = nvcc_build.library_path(cf.library(grid[0])).read_bytes()
+    assert bench.twin_path(grid[0], "plain").read_bytes() != product
+    lib = ctypes.CDLL(str(bench.twin_path(grid[0], "trace")))
     ctas, fields = ctypes.c_int(), ctypes.c_int()
     lib.fp8_gemv_trace_shape(ctypes.byref(ctas), ctypes.byref(fields))
     assert (ctas.value, fields.value) == (1024, 9)

@@ -19,7 +19,8 @@
 // end of the kernel before it, and nothing is read before that kernel's writes are visible.
 //
 // Compile-time: FP8_GEMV_STAGES (3-12), FP8_GEMV_ATOMS (1-2); bench builds only:
-// FP8_GEMV_TRACE=1 (per-CTA stamps of the last launch, fp8_gemv_trace). sm_90a only.
+// FP8_GEMV_TRACE=1 (per-CTA stamps of the last launch, fp8_gemv_trace), FP8_GEMV_DEPENDENT=0
+// (launched as a plain grid, no griddepcontrol.wait: the W4A16 kernel's launch). sm_90a only.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -39,6 +40,9 @@
 #endif
 #ifndef FP8_GEMV_TRACE
 #define FP8_GEMV_TRACE 0
+#endif
+#ifndef FP8_GEMV_DEPENDENT
+#define FP8_GEMV_DEPENDENT 1
 #endif
 
 namespace cg = cooperative_groups;
@@ -237,7 +241,7 @@ __global__ void __launch_bounds__(128, 1) fp8_gemv(Params p) {
   };
 
   float acc[NB / 2] = {};
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if constexpr (FP8_GEMV_DEPENDENT) asm volatile("griddepcontrol.wait;\n" ::: "memory");
   stamp(C_WAITED);
   const int stage_bytes = p.stage_bytes;
   // the scales the stores take, copied with the first chunk (a load into a register would
@@ -364,7 +368,8 @@ int smem_bytes(int m, int cluster, int* inbox_at) {
 template <int NB, int RANKS>
 cudaError_t launch(const Params& p, int smem, cudaStream_t stream) {
   const unsigned ctas = static_cast<unsigned>((p.n + ROWS - 1) / ROWS * RANKS);
-  return gemv::launch_in_clusters<fp8_gemv<NB, RANKS>>(ctas, 128, smem, RANKS, stream, p);
+  return gemv::launch_in_clusters<fp8_gemv<NB, RANKS>, FP8_GEMV_DEPENDENT>(ctas, 128, smem, RANKS,
+                                                                           stream, p);
 }
 
 }  // namespace
