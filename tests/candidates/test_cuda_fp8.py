@@ -195,7 +195,9 @@ def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) ->
 
 
 @pytest.mark.skipif(nvcc_build.nvcc_path() is None, reason="needs nvcc")
-def test_the_bench_builds_traced_and_variant_twins(store: ArtifactStore, tmp_path, monkeypatch) -> None:
+def test_the_bench_builds_traced_and_variant_twins(
+    store: ArtifactStore, tmp_path, monkeypatch
+) -> None:
     """bench/fp8_decode_sweep.py's ``--cuda`` grid starts from the shortlist and builds each
     config's library, with ``--trace`` a twin of it that exports its stamps' shape, and with
     ``--variant`` a twin built with the variant's flags."""
