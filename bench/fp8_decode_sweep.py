@@ -359,13 +359,7 @@ def main() -> None:
         ap.error(f"--m {args.m}: decode sizes only, 1 .. 16")
     if (args.variant or args.trace) and not args.cuda:
         ap.error("--variant and --trace time twins of the CUDA configs: they need --cuda")
-    for spec in args.variant:
-        try:
-            name, flags = nvcc_twins.parse_variant(spec, set(VARIANTS))
-        except ValueError as e:
-            ap.error(str(e))
-        VARIANTS[name] = flags
-    variants = tuple(spec.partition("=")[0] for spec in args.variant)
+    variants = nvcc_twins.take_variants(ap, args.variant, VARIANTS)
     which = ("shortlist" if args.shortlist else "swap" if args.swap
              else "cuda" if args.cuda else "grid")  # fmt: skip
     shapes = [(m, *PROJECTIONS[p]) for p in args.proj for m in args.m]

@@ -8,6 +8,7 @@ the product's cache, so an A/B never serves or overwrites what users run.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 from pathlib import Path
 
@@ -22,6 +23,20 @@ def parse_variant(spec: str, taken: set[str]) -> tuple[str, list[str]]:
         raise ValueError(f"--variant {spec!r}: expected NAME=FLAGS with a new NAME (not one of "
                          f"{sorted(taken)}), e.g. plain=-DGEMV_EMPTY=1")  # fmt: skip
     return name, flags.split()
+
+
+def take_variants(
+    ap: argparse.ArgumentParser, specs: list[str], variants: dict[str, list[str]]
+) -> tuple[str, ...]:
+    """The names of ``--variant`` ``specs``, each added to ``variants`` (name -> flags); a
+    malformed or taken one ends the command with ``ap.error`` naming it."""
+    for spec in specs:
+        try:
+            name, flags = parse_variant(spec, set(variants))
+        except ValueError as e:
+            ap.error(str(e))
+        variants[name] = flags
+    return tuple(spec.partition("=")[0] for spec in specs)
 
 
 def twin_command(

@@ -384,12 +384,7 @@ def main() -> None:
             ap.error(str(e))
     if args.repeat < 1:
         ap.error(f"--repeat {args.repeat}: at least 1")
-    for spec in args.variant:
-        try:
-            variant, flags = nvcc_twins.parse_variant(spec, set(VARIANTS))
-        except ValueError as e:
-            ap.error(str(e))
-        VARIANTS[variant] = flags
+    variants = nvcc_twins.take_variants(ap, args.variant, VARIANTS)
     if args.max_warps != cuda_w4a16.MAX_WARPS:
         flag = f"-DGEMV_MAX_WARPS={args.max_warps}"
         built = any(flag in flags for flags in VARIANTS.values())
@@ -410,7 +405,6 @@ def main() -> None:
         if theirs != ours:
             ap.error(f"--baseline {args.baseline}: its entry point takes ({theirs}), this "
                      f"source's ({ours}); give it the same arguments first")  # fmt: skip
-    variants = tuple(spec.partition("=")[0] for spec in args.variant)
     torch.manual_seed(0)
     build(args.proj, tuple(args.m), args.trace, args.baseline, list(variants))
     if args.profile:
