@@ -7,10 +7,10 @@ cost shows); each figure is the best of several interleaved rounds of N calls, p
 kept too). On the GPU the
 calls are eager launches and the loops end with a synchronize. Target: <= 5 us per call.
 
-The low-bit calls (``scaled_mm`` FP8 rowwise, ``int4_linear``) are timed up to their runner: what
-the dispatcher adds before it hands the operands on (their signature, the look-up, and for
-``int4_linear`` the activation's reshape), with the runner itself left out, since on a CPU
-torch's FP8 op takes a large part of a second and would hide it.
+Beside ``tuner.matmul``: ``tuner.scaled_mm`` (FP8 rowwise) and ``tuner.int4_linear`` (torch's
+packed INT4, group 128), each against the runner it resolved to. On a CPU their runners are
+torch's CPU ops, whose time grows fast with the shape (FP8 takes milliseconds at 1 x 128 x 256),
+so their shapes are small.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,7 +32,8 @@ from tuner.serving.dispatcher import Dispatcher
 from tuner.tuning.engine import current_device
 
 SHAPES = [(1, 64, 64), (8, 128, 128)]
-LOWBIT_SHAPE = (1, 128, 256)  # (M, N, K)
+FP8_SHAPE = (1, 16, 16)  # (M, N, K)
+INT4_SHAPE = (1, 128, 256)
 
 
 def per_call_us(
@@ -50,6 +52,64 @@ def per_call_us(
     return statistics.median(samples)
 
 
+def timed_row(
+    key: str,
+    served_by: str,
+    dispatch: Callable[[], Any],
+    direct: Callable[[], Any],
+    args: argparse.Namespace,
+    sync: Callable[[], None],
+) -> dict[str, Any]:
+    """``dispatch`` against ``direct`` (the same call to the resolved runner), their loops
+    interleaved so drift and other load hit both; each side keeps its best round (the
+    least-disturbed one: the code path is deterministic, noise only adds)."""
+    dispatch()  # resolve once: what follows is the hit path
+    d, w = [], []
+    for _ in range(args.rounds):
+        d.append(per_call_us(dispatch, args.calls, 1, sync))
+        w.append(per_call_us(direct, args.calls, 1, sync))
+    row = {"key": key, "served_by": served_by, "dispatch_us": min(d), "direct_us": min(w),
+           "dispatch_median_us": statistics.median(d), "direct_median_us": statistics.median(w)}  # fmt: skip
+    row["overhead_us"] = row["dispatch_us"] - row["direct_us"]
+    print(f"{key}: dispatch {row['dispatch_us']:.2f} us, direct {row['direct_us']:.2f} us, "
+          f"overhead {row['overhead_us']:.2f} us per call")  # fmt: skip
+    return row
+
+
+def gemm_rows(dispatcher: Dispatcher, device: str, args, sync) -> list[dict[str, Any]]:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rows = []
+    for m, n, k in SHAPES:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        key = str(GemmKey.from_tensors(a, b))
+        dispatcher.matmul(a, b)
+        run = dispatcher.gemm_runner(a, b)
+        rows.append(timed_row(key, dispatcher.choices[key], lambda a=a, b=b: dispatcher.matmul(a, b),
+                              lambda a=a, b=b, r=run: r(a, b), args, sync))  # fmt: skip
+    return rows
+
+
+def lowbit_rows(dispatcher: Dispatcher, device: str, args, sync) -> list[dict[str, Any]]:
+    m, n, k = FP8_SHAPE
+    a8, scale_a = fp8.quantize_rowwise(torch.randn(m, k, device=device))
+    w8, scale_w = fp8.quantize_rowwise(torch.randn(n, k, device=device))
+    fp8_args = (a8, w8.t(), scale_a, scale_w.t())
+    run, res = dispatcher.resolve_scaled_mm(*fp8_args, torch.bfloat16)
+    rows = [timed_row(f"scaled_mm {res.key}", res.candidate,
+                      lambda: dispatcher.scaled_mm(*fp8_args, out_dtype=torch.bfloat16),
+                      lambda: run(*fp8_args), args, sync)]  # fmt: skip
+    m, n, k = INT4_SHAPE
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    q, scales_and_zeros = int4.quantize(torch.randn(n, k, device=device, dtype=torch.bfloat16), 128)
+    packed = int4_torch.torch_pack(q)
+    run, res = dispatcher.resolve_int4(x, packed, scales_and_zeros, 128)
+    rows.append(timed_row(f"int4_linear {res.key}", res.candidate,
+                          lambda: dispatcher.int4_linear(x, packed, scales_and_zeros, 128),
+                          lambda: run(x, packed, scales_and_zeros), args, sync))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -61,36 +121,11 @@ def main() -> None:
 
     device = current_device()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         dispatcher = Dispatcher(Path(tmp) / "c.db", mode="lookup")
-        for m, n, k in SHAPES:
-            a = torch.randn(m, k, device=device, dtype=dtype)
-            b = torch.randn(k, n, device=device, dtype=dtype)
-            dispatcher.matmul(a, b)  # resolve once: what follows is the hit path
-            key = GemmKey.from_tensors(a, b)
-            direct = dispatcher.gemm_runner(a, b)
-            # interleave the two loops so drift and other load hit both; each side keeps its best
-            # round (the least-disturbed one: the code path is deterministic, noise only adds)
-            d, w = [], []
-            for _ in range(args.rounds):
-                d.append(per_call_us(lambda a=a, b=b: dispatcher.matmul(a, b), args.calls, 1, sync))
-                w.append(per_call_us(lambda a=a, b=b, r=direct: r(a, b), args.calls, 1, sync))
-            row = {
-                "key": str(key),
-                "served_by": dispatcher.choices[str(key)],
-                "dispatch_us": min(d),
-                "direct_us": min(w),
-                "dispatch_median_us": statistics.median(d),
-                "direct_median_us": statistics.median(w),
-            }
-            row["overhead_us"] = row["dispatch_us"] - row["direct_us"]
-            rows.append(row)
-            print(
-                f"{key}: dispatch {row['dispatch_us']:.2f} us, direct {row['direct_us']:.2f} us, overhead {row['overhead_us']:.2f} us per call"
-            )
-        rows += lowbit_rows(dispatcher, device, args.calls, args.rounds)
+        rows = gemm_rows(dispatcher, device, args, sync) + lowbit_rows(
+            dispatcher, device, args, sync
+        )
     from tuner.core.device import fingerprint
 
     result = {
@@ -102,36 +137,6 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-
-
-def lowbit_rows(dispatcher: Dispatcher, device: str, calls: int, rounds: int) -> list[dict]:
-    """The dispatcher's own cost per low-bit call on the hit path, up to the runner."""
-    m, n, k = LOWBIT_SHAPE
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-    a8, scale_a = fp8.quantize_rowwise(x)
-    w8, scale_w = fp8.quantize_rowwise(w)
-    fp8_args = (a8, w8.t(), scale_a, scale_w.t(), torch.bfloat16)
-    q, scales_and_zeros = int4.quantize(w, 128)
-    int4_args = (x, int4_torch.torch_pack(q), scales_and_zeros, 128)
-
-    def int4_up_to_runner() -> object:
-        return dispatcher.resolve_int4(x.reshape(-1, k), *int4_args[1:])
-
-    paths = {
-        "scaled_mm": lambda: dispatcher.resolve_scaled_mm(*fp8_args),
-        "int4_linear": int4_up_to_runner,
-    }
-    dispatcher.scaled_mm(*fp8_args[:4], out_dtype=torch.bfloat16)  # resolve once: then hits
-    dispatcher.int4_linear(*int4_args)
-    rows = []
-    for name, path in paths.items():
-        us = [per_call_us(path, calls, 1, lambda: None) for _ in range(rounds)]
-        row = {"call": name, "shape": [m, n, k], "up_to_runner_us": min(us),
-               "up_to_runner_median_us": statistics.median(us)}  # fmt: skip
-        print(f"{name}: {row['up_to_runner_us']:.2f} us per call up to its runner")
-        rows.append(row)
-    return rows
 
 
 if __name__ == "__main__":

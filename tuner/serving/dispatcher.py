@@ -213,8 +213,8 @@ class Dispatcher:
 
     def int4_linear(self, x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> Any:
         """``x [..., K] @ W.T`` with W int4 in torch's packed format: out [..., N]."""
-        try:
-            x2 = x.reshape(-1, x.shape[-1])
+        try:  # a 2-D x as it is: a reshape is a good part of the hit path
+            x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         except (AttributeError, IndexError):
             lowbit.check_operands(x=x)
             raise

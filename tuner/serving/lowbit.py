@@ -43,18 +43,25 @@ def check_operands(**operands: Any) -> None:
 
 
 def scaled_mm_sig(a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any, fast: bool) -> tuple:
-    """What decides a ``_scaled_mm`` call's runner (bias and scale_result go to torch)."""
+    """What decides a ``_scaled_mm`` call's runner (bias and scale_result go to torch). The
+    other operands' devices enter as one flag, "all on a's": that is all a runner may assume,
+    and a flag is cheaper to hash and compare on every call than three devices."""
+    device = a.device
     return ("scaled_mm", a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype,
             scale_a.shape, scale_b.shape, scale_a.stride(), scale_b.stride(), scale_a.dtype,
-            scale_b.dtype, out_dtype, fast, a.device, b.device, scale_a.device, scale_b.device,
+            scale_b.dtype, out_dtype, fast, device,
+            b.device == device and scale_a.device == device and scale_b.device == device,
             a.data_ptr() % 16, b.data_ptr() % 16, a.requires_grad and torch.is_grad_enabled())  # fmt: skip
 
 
 def int4_sig(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tuple:
-    """What decides an ``int4_linear`` call's runner; ``x`` is the 2-D activation."""
+    """What decides an ``int4_linear`` call's runner; ``x`` is the 2-D activation. The weight's
+    devices enter as one flag, as in ``scaled_mm_sig``."""
+    device = x.device
     return ("int4", x.shape, x.stride(), x.dtype, packed.shape, packed.stride(), packed.dtype,
             scales_and_zeros.shape, scales_and_zeros.stride(), scales_and_zeros.dtype,
-            type(group_size), group_size, x.device, packed.device, scales_and_zeros.device,
+            type(group_size), group_size, device,
+            packed.device == device and scales_and_zeros.device == device,
             x.data_ptr() % 16, x.requires_grad and torch.is_grad_enabled())  # fmt: skip
 
 
