@@ -13,6 +13,7 @@ from server.blobs import default_dir
 from server.live import ThreadServer
 from tuner.cache import Store
 from tuner.cache.artifacts import ArtifactSpec, ArtifactStore, pack, sha256
+from tuner.candidates import cuda_fp8, cuda_w4a16
 from tuner.core.device import Fingerprint
 from tuner.fleet.client import (
     BackgroundSync,
@@ -78,6 +79,29 @@ def test_published_artifacts_reach_other_hosts_byte_for_byte(
         later = sync_artifacts(c, host, cache, host_archs(H100))  # only what came since
         assert (later.fetched, later.present) == (1, 0)
         assert host.get(spec("new")) == bundle("new")
+
+
+def test_a_hopper_host_syncs_every_familys_kernels_an_ampere_host_none_of_sm_90a(
+    fleet: ThreadServer, tmp_path: Path
+) -> None:
+    """Our CUDA decode kernels are built for ``sm_90a`` (arch-specific: Hopper alone), CUTLASS's
+    for ``sm90``, Triton's for ``cuda:90``: a Hopper host without nvcc fetches all three."""
+    libraries = [cuda_w4a16.library({"split": "k", "slices": 2, "stages": 2}).artifact_spec(),
+                 cuda_fp8.library({"stages": 6, "atoms": 2, "cluster": 2}).artifact_spec()]  # fmt: skip
+    cutlass = ArtifactSpec("cutlass", {"kernel": "k"}, "sm90", {"cutlass": "4.2.0.0"})
+    with ArtifactStore(tmp_path / "builder") as store, fleet.client("builder", "build") as c:
+        for s in [*libraries, cutlass, spec("mm")]:
+            store.put(s, bundle(s.source))
+        assert push_artifacts(c, store).published == 4
+    a100 = Fingerprint("cuda", "NVIDIA A100-SXM4-80GB", "8.0", 108, 80)
+    assert host_archs(a100) == ["cuda:80", "sm80"]
+    with (
+        fleet.client("hopper", "read") as c,
+        ArtifactStore(tmp_path / "hopper") as host,
+        Store(tmp_path / "hopper.db") as cache,
+    ):
+        assert sync_artifacts(c, host, cache, host_archs(H100)).fetched == 4
+        assert all(host.get(s) is not None for s in libraries)
 
 
 def test_a_corrupted_download_is_rejected_and_not_stored(

@@ -529,12 +529,13 @@ def _count_fetch(out: ArtifactsFetched, refused: str | None) -> None:
 
 
 def host_archs(fp: Fingerprint) -> list[str]:
-    """The artifact archs a host runs: Triton's target (``cuda:90``) and CUTLASS's (``sm90``);
-    none for a host without a GPU."""
+    """The artifact archs a host runs: Triton's target (``cuda:90``), CUTLASS's (``sm90``) and,
+    from Hopper on, our CUDA decode kernels' arch-specific one (``sm_90a``, which runs on that
+    compute capability alone); none for a host without a GPU."""
     if fp.kind != "cuda" or not fp.compute_capability:
         return []
     cc = fp.compute_capability.replace(".", "")
-    return [f"cuda:{cc}", f"sm{cc}"]
+    return [f"cuda:{cc}", f"sm{cc}", *([f"sm_{cc}a"] if int(cc) >= 90 else [])]
 
 
 def sync_artifacts(
