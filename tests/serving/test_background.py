@@ -137,6 +137,52 @@ def test_a_failed_build_leaves_the_baseline_and_is_reported(cache_path, compilin
         assert source.compiles == 1 and d.switches == 0  # not retried on every call
 
 
+def synced_winner(cache_path: Path, source: str, params: dict, dtype: torch.dtype) -> tuple:
+    """A store holding ``source``'s winner for (8, 16) @ (16, 16) in ``dtype`` on this CPU, as
+    a fleet sync brings it from a host where it ran; its operands."""
+    a, b = torch.randn(8, 16, dtype=dtype), torch.randn(16, 16, dtype=dtype)
+    key = str(GemmKey.from_tensors(a, b))
+    Store(cache_path).put_winners([Winner(fingerprint("cpu").device_class, key, source, params,
+                                          1.0, 2.0)])  # fmt: skip
+    return a, b
+
+
+TRITON_PARAMS = {"bm": 16, "bn": 16, "bk": 16, "group_m": 1, "warps": 4, "stages": 1}
+
+
+def test_a_synced_winner_that_cannot_run_here_leaves_the_baseline_with_the_reason(
+    cache_path, compiling_host
+) -> None:
+    """A Triton winner on a CPU without Triton's interpreter is not built (its launch would
+    raise in the caller's call): the baseline serves, the reason is recorded, and warmup names
+    it."""
+    from tuner.serving.warmup import warmup
+
+    a, b = synced_winner(cache_path, "triton_gemm", TRITON_PARAMS, torch.float32)
+    d = Dispatcher(cache_path, mode="lookup")
+    for _ in range(2):
+        torch.testing.assert_close(d.matmul(a, b), a @ b)
+    (error,) = d.loader.stats().failures.values()
+    assert error.startswith("no GPU (set TRITON_INTERPRET=1")
+    assert kinds(d) == {"failed"} and d.loader.stats().built == 0
+    report = warmup(progress=False, dispatcher=d, fetch=False)
+    (failure,) = report.failures
+    assert "triton_gemm" in failure.error and "cannot serve here: no GPU" in failure.error
+
+
+def test_a_synced_winner_that_cannot_take_the_key_here_leaves_the_baseline(
+    cache_path, monkeypatch
+) -> None:
+    """Under Triton's interpreter a bf16 Triton GEMM computes wrongly: a bf16 winner synced
+    from a GPU host is not served here."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a, b = synced_winner(cache_path, "triton_gemm", TRITON_PARAMS, torch.bfloat16)
+    d = Dispatcher(cache_path, mode="lookup")
+    torch.testing.assert_close(d.matmul(a, b), a @ b)
+    (error,) = d.loader.stats().failures.values()
+    assert "computes bf16 tl.dot wrongly" in error and kinds(d) == {"failed"}
+
+
 def test_which_builds_go_to_the_background(monkeypatch) -> None:
     """Triton's interpreter compiles nothing: its sources build on the call; off it they (and
     any source with a compile step) build in the background; sources without one never do."""

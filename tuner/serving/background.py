@@ -129,6 +129,13 @@ class BackgroundLoader:
                     self._in_flight.discard(job)
                     self._state.notify_all()
 
+    def refuse(self, job: str, error: str) -> None:
+        """Record ``job`` as failed without running it (a build that cannot serve on this host),
+        as a failed build is: neither retried on later calls nor submitted again."""
+        log.warning("%s cannot serve here, the baseline serves it: %s", job, error)
+        with self._state:
+            self.failures[job] = error
+
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until no build is in flight; False if ``timeout_s`` passed first."""
         with self._state:

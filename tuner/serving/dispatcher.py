@@ -93,7 +93,7 @@ RESOLUTION_KINDS = {
     "default": "torch's default by policy: mode off, autograd, or not the tuned device",
     "untunable": "outside what the tuner keys (broadcasting, odd strides, ...): torch",
     "loading": "the winner's kernel is built in the background: torch's default until it is",
-    "failed": "the winner's kernel failed to build (Dispatcher.loader.failures): torch's default",
+    "failed": "the winner's kernel failed to build or cannot serve here (Dispatcher.loader.failures): torch's default",
 }
 
 
@@ -345,7 +345,8 @@ class Dispatcher:
             return base.build(key, base.baseline_params), _by_torch(res, "failed")
         try:
             source = registry.get(w.source)
-            if not may_compile(source):
+            why = cannot_serve_here(source, key, device)
+            if why is None and not may_compile(source):
                 return source.build(key, w.params), res
         except Exception as e:
             log.warning(
@@ -355,6 +356,9 @@ class Dispatcher:
                 e,
             )
             return base.build(key, base.baseline_params), Resolution(str(key), "miss", base.name)
+        if why is not None:  # a winner pulled from a host that can run it
+            self.loader.refuse(job, why)
+            return base.build(key, base.baseline_params), _by_torch(res, "failed")
         self.loader.submit(
             job, lambda: _on_device(device, lambda: load_runner(source, key, w.params)),
             lambda runner: self._loaded(job, runner), lambda error: self._loaded(job, None),
@@ -374,6 +378,8 @@ class Dispatcher:
         if job in self.loaded:
             return False
         source = registry.get(winner.source)
+        if (why := cannot_serve_here(source, key, device)) is not None:
+            raise RuntimeError(f"{winner.candidate} cannot serve here: {why}")
         self._loaded(job, _on_device(device, lambda: load_runner(source, key, winner.params)))
         self.loader.failures.pop(job, None)
         return True
@@ -503,6 +509,13 @@ class Dispatcher:
             self._forget()
             self._winners.clear()
             self._bucket_index.clear()
+
+
+def cannot_serve_here(source: Any, key: Key, device: Any) -> str | None:
+    """Why ``source`` cannot serve ``key`` on ``device`` of this host (None: it can). A winner
+    synced from the fleet was tuned where it could run; this host may lack the GPU, Triton's
+    interpreter, or what the kernel needs for the key (say, bf16 dots under the interpreter)."""
+    return source.unavailable(device.type) or source.unsupported(key)
 
 
 def _by_torch(res: Resolution, kind: str) -> Resolution:
