@@ -211,10 +211,13 @@ def _ingest(
     request: Request, store: FleetStore, body: SubmitIn, token: Token
 ) -> results.IngestOutcome:
     state = request.app.state
-    out = results.ingest(
-        store, [m.to_measurement() for m in body.measurements], token.id,
-        admins=tokens.admin_ids(store), policy=state.policy,
-    )  # fmt: skip
+    try:
+        out = results.ingest(
+            store, [m.to_measurement() for m in body.measurements], token.id,
+            admins=tokens.admin_ids(store), policy=state.policy,
+        )  # fmt: skip
+    except results.BaselineConflict as e:
+        raise HTTPException(422, str(e)) from None
     m = state.metrics
     m.measurements.labels("accepted").inc(out.accepted)
     m.measurements.labels("duplicate").inc(out.duplicates)

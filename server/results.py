@@ -32,6 +32,11 @@ class Policy:
     min_noise: float = 0.01
 
 
+class BaselineConflict(ValueError):
+    """A measurement says its candidate is (or is not) the baseline where its key's earlier
+    results, or the same batch, say otherwise: the merge could not tell what to compare with."""
+
+
 def ingest(
     store: FleetStore,
     measurements: Iterable[Measurement],
@@ -40,15 +45,24 @@ def ingest(
     admins: frozenset[str],
     policy: Policy,
 ) -> IngestOutcome:
-    """Store measurements and re-merge the problems that got new ok results (open transaction)."""
+    """Store measurements and re-merge the problems that got new ok results (open transaction);
+    ``BaselineConflict`` naming the first measurement whose ``is_baseline`` disagrees with its
+    candidate's earlier results (the caller's transaction then keeps nothing of the batch)."""
     now = time.time()
     out = IngestOutcome()
     touched: set[Group] = set()
-    for m in measurements:
+    for i, m in enumerate(measurements):
+        group = (m.device_class, m.versions, m.key)
+        if store.baseline_flag(group, m.candidate) not in (None, m.is_baseline):
+            raise BaselineConflict(
+                f"measurements.{i}.is_baseline={str(m.is_baseline).lower()}: candidate "
+                f"{m.candidate!r} of {m.key!r} was submitted with is_baseline="
+                f"{str(not m.is_baseline).lower()} before; the baseline is one candidate, always"
+            )
         if store.add_measurement({**m.to_row(), "submitter": submitter, "received_at": now}):
             out.accepted += 1
             if m.status == "ok":
-                touched.add((m.device_class, m.versions, m.key))
+                touched.add(group)
         else:
             out.duplicates += 1
     for group in sorted(touched):
@@ -114,14 +128,17 @@ def remerge(store: FleetStore, group: Group, *, admins: frozenset[str], policy: 
         )  # fmt: skip
     else:
         store.clear_pending(group)
-        if served is not None and served in aggs:  # same winner, fresher figures; no new seq
+        base_us = _baseline_us(aggs)
+        # same winner, fresher figures; no new seq (nothing to refresh against without a
+        # baseline: a store written before baseline conflicts were refused may hold one so)
+        if served is not None and served in aggs and base_us is not None:
             w = aggs[served]
-            store.refresh_winner(group, w.us, _baseline_us(aggs), w.submitters)
+            store.refresh_winner(group, w.us, base_us, w.submitters)
     return d.action
 
 
-def _baseline_us(aggs: dict[str, merge.Aggregate]) -> float:
-    return next(a.us for a in aggs.values() if a.is_baseline)
+def _baseline_us(aggs: dict[str, merge.Aggregate]) -> float | None:
+    return next((a.us for a in aggs.values() if a.is_baseline), None)
 
 
 def serve(

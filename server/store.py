@@ -100,6 +100,15 @@ class FleetStore(DeviceFile):
         )
         return bool(self.db.conn.execute(sql, [row[k] for k in MEASUREMENT_COLS]).rowcount)
 
+    def baseline_flag(self, group: Group, candidate: str) -> bool | None:
+        """Whether ``candidate``'s stored results of ``group`` were submitted as the baseline's
+        (None: it has none)."""
+        row = self.db.conn.execute(
+            f"select is_baseline from srv_measurements where {_GROUP} and candidate = ? limit 1",
+            (*group, candidate),
+        ).fetchone()
+        return None if row is None else bool(row[0])
+
     def recent_ok(self, group: Group, recent: int) -> list[tuple]:
         """The ok results of ``group``, each token's latest ``recent`` per candidate, oldest
         first: (candidate, source, params, is_baseline, submitter, median_us, p10_us, p90_us,
