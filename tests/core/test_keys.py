@@ -1,6 +1,7 @@
 """Keys: canonical string form, extraction from tensors, and clear errors for invalid problems."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -48,6 +49,7 @@ def test_gemm_key_from_tensors_sees_layout_alignment_and_tf32():
     [
         ({"m": 0, "n": 1, "k": 1}, "m must be a positive integer"),
         ({"m": 1, "n": -4, "k": 1}, "n must be a positive integer"),
+        ({"m": 2**31, "n": 1, "k": 1}, "m must be at most 2147483647, got 2147483648"),
         ({"m": 1, "n": 1, "k": 1, "dtype": "f8", "out_dtype": "f8"}, "dtype must be one of"),
         (
             {"m": 1, "n": 1, "k": 1, "dtype": "f16", "out_dtype": "f32"},
@@ -97,6 +99,9 @@ def test_parse_and_dict_errors_name_the_problem():
         parse_key("gemm:m=1,n=1,k=1,q=3")
     with pytest.raises(ValueError, match="m must be an integer"):
         parse_key("gemm:m=one,n=1,k=1")
+    for spelled in ("4_0", " 4", "\u0663", "+4"):  # int() reads each; a key says digits alone
+        with pytest.raises(ValueError, match=re.escape(f"m must be an integer, got {spelled!r}")):
+            parse_key(f"gemm:m={spelled},n=1,k=1")
     with pytest.raises(ValueError, match=r"incomplete gemm key 'gemm:m=1': missing n, k \(req"):
         parse_key("gemm:m=1")
     with pytest.raises(ValueError, match="incomplete gemm problem: missing k"):

@@ -25,6 +25,7 @@ Keys are plain data and import no torch (the fleet service uses them); the torch
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -56,9 +57,14 @@ ACCUM_MODES = ("f32", "fast")  # fast: the FP8 tensor cores' partial-precision a
 FP8_SPEC_SCALES = {"tensorwise": "tensor", "rowwise": "row"}
 
 
+MAX_DIM = 2**31 - 1  # past any tensor extent a kernel indexes with 32-bit ints
+
+
 def _check_positive(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value > MAX_DIM:
+        raise ValueError(f"{name} must be at most {MAX_DIM}, got {value}")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[Any, ...] | dict) -> None:
@@ -474,6 +480,8 @@ def _check_complete(cls: type, values: dict[str, Any], what: str) -> None:
 def _convert(name: str, raw: str, type_name: str) -> Any:
     try:
         if type_name == "int":
+            if not re.fullmatch(r"-?[0-9]+", raw):  # int() takes "4_0", " 4" and other digits
+                raise ValueError(raw)
             return int(raw)
         if type_name == "float":
             return float(raw)
