@@ -117,6 +117,10 @@ def test_push_sends_results_and_misses_once_and_sync_brings_them_to_another_cach
 
     pulled = cli("sync", cache=b, **server)
     assert pulled.exit_code == 0 and "pulled 2 winners" in pulled.stdout, pulled.output
+    gpu = not DC.startswith("cpu")  # a CPU host says why it fetched no kernels
+    assert ("compiled kernels" if gpu else "fetched no compiled kernels: no GPU on this host") in (
+        pulled.stdout
+    )
     with Store(a) as store_a, Store(b) as store_b:
         for key, run_id in runs.items():
             there, here = store_a.winner(DC, key), store_b.winner(DC, key)

@@ -263,6 +263,15 @@ def sync(
             console.print(f"fetched {a.fetched} compiled kernels ({a.present} already here)")
             if a.rejected:
                 raise typer.Exit(FAILED)  # each rejection was logged with its reason
+        elif artifacts:
+            console.print(
+                "fetched no compiled kernels: "
+                + (
+                    "no GPU on this host"
+                    if fp.kind != "cuda"
+                    else "the kernel store cannot be opened"
+                )
+            )
 
 
 @app.command("push")

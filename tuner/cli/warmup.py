@@ -27,7 +27,8 @@ def warmup(
     ] = True,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
-    """Load the kernel of every stored winner for this GPU (fetched or built); exit 1 on a failure."""
+    """Load the kernel of every stored winner for this device (this GPU, else the CPU), fetched
+    or built; exit 1 on a failure."""
     # a mistyped path, or a file that is not a usable cache: refused here, not served around
     open_store(cache, existing=True).close()
     report = warm_up(progress, dispatcher=Dispatcher(cache_path(cache)), fetch=fetch)
