@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 from typing import Annotated, Any
 
@@ -52,6 +53,7 @@ ERRORS: dict[int | str, dict] = {
         (413, "request body too large"),
     )
 }
+log = logging.getLogger("tuner.server")
 router = APIRouter(prefix="/v1", responses=ERRORS)
 FEED_SEQ = results.FEED_COLUMNS.index("seq")
 
@@ -211,13 +213,12 @@ def _ingest(
     request: Request, store: FleetStore, body: SubmitIn, token: Token
 ) -> results.IngestOutcome:
     state = request.app.state
-    try:
-        out = results.ingest(
-            store, [m.to_measurement() for m in body.measurements], token.id,
-            admins=tokens.admin_ids(store), policy=state.policy,
-        )  # fmt: skip
-    except results.BaselineConflict as e:
-        raise HTTPException(422, str(e)) from None
+    out = results.ingest(
+        store, [m.to_measurement() for m in body.measurements], token.id,
+        admins=tokens.admin_ids(store), policy=state.policy,
+    )  # fmt: skip
+    for why in out.refused:
+        log.warning("refused a measurement from token %s: %s", token.id, why)
     m = state.metrics
     m.measurements.labels("accepted").inc(out.accepted)
     m.measurements.labels("duplicate").inc(out.duplicates)
@@ -291,6 +292,9 @@ def confirm(request: Request, body: GroupIn, _: Admin) -> dict:
     with store.transaction():
         cand = results.confirm_pending(store, (body.device_class, body.versions, body.key))
     if cand is None:
-        raise HTTPException(404, f"nothing pending for {body.key!r} on {body.device_class!r}")
+        raise HTTPException(
+            404,
+            f"nothing pending (or no baseline measured) for {body.key!r} on {body.device_class!r}",
+        )
     request.app.state.metrics.winner_changes.inc()
     return {"key": body.key, "candidate": cand}

@@ -153,6 +153,9 @@ class SubmitOut(BaseModel):
     duplicates: int
     served: list[str] = Field(description="keys whose served winner changed")
     pending: list[str] = Field(description="keys with a large change awaiting confirmation")
+    refused: list[str] = Field(
+        default_factory=list, description="why a measurement was not stored (the rest were)"
+    )
 
 
 class MissIn(Strict):

@@ -24,17 +24,13 @@ class IngestOutcome:
     duplicates: int = 0
     served: list[str] = field(default_factory=list)  # keys whose served winner changed
     pending: list[str] = field(default_factory=list)  # keys with a change awaiting confirmation
+    refused: list[str] = field(default_factory=list)  # why a measurement was not stored
 
 
 @dataclass(frozen=True)
 class Policy:
     confirm_margin: float = 0.25
     min_noise: float = 0.01
-
-
-class BaselineConflict(ValueError):
-    """A measurement says its candidate is (or is not) the baseline where its key's earlier
-    results, or the same batch, say otherwise: the merge could not tell what to compare with."""
 
 
 def ingest(
@@ -45,20 +41,26 @@ def ingest(
     admins: frozenset[str],
     policy: Policy,
 ) -> IngestOutcome:
-    """Store measurements and re-merge the problems that got new ok results (open transaction);
-    ``BaselineConflict`` naming the first measurement whose ``is_baseline`` disagrees with its
-    candidate's earlier results (the caller's transaction then keeps nothing of the batch)."""
+    """Store measurements and re-merge the problems that got new ok results (open transaction).
+    An ok result whose ``is_baseline`` disagrees with its candidate's first ok result is not
+    stored, and ``refused`` says why: the merge would lose what to compare with. The rest of the
+    batch is stored, so one such result cannot stop a host's pushes, which resend a refused
+    batch."""
     now = time.time()
     out = IngestOutcome()
     touched: set[Group] = set()
     for i, m in enumerate(measurements):
         group = (m.device_class, m.versions, m.key)
-        if store.baseline_flag(group, m.candidate) not in (None, m.is_baseline):
-            raise BaselineConflict(
+        if m.status == "ok" and store.baseline_flag(group, m.candidate) not in (
+            None,
+            m.is_baseline,
+        ):
+            out.refused.append(
                 f"measurements.{i}.is_baseline={str(m.is_baseline).lower()}: candidate "
                 f"{m.candidate!r} of {m.key!r} was submitted with is_baseline="
                 f"{str(not m.is_baseline).lower()} before; the baseline is one candidate, always"
             )
+            continue
         if store.add_measurement({**m.to_row(), "submitter": submitter, "received_at": now}):
             out.accepted += 1
             if m.status == "ok":
@@ -144,8 +146,10 @@ def _baseline_us(aggs: dict[str, merge.Aggregate]) -> float | None:
 def serve(
     store: FleetStore, group: Group, winner: merge.Aggregate, aggs: dict[str, merge.Aggregate]
 ) -> int:
-    """Make ``winner`` the served winner of ``group`` under a new sequence number."""
+    """Make ``winner`` the served winner of ``group`` under a new sequence number (``aggs``
+    hold a baseline: ``merge.decide`` serves nothing without one)."""
     base = _baseline_us(aggs)
+    assert base is not None
     return store.serve(
         group,
         {"candidate": winner.candidate, "source": winner.source, "params": winner.params,
@@ -156,11 +160,12 @@ def serve(
 
 
 def confirm_pending(store: FleetStore, group: Group) -> str | None:
-    """Admin override: serve the pending proposal of ``group``. Returns its candidate or None."""
+    """Admin override: serve the pending proposal of ``group``. Returns its candidate, or None
+    where nothing is pending or no baseline was measured to compare it with."""
     candidate = store.pending_candidate(group)
-    if candidate is None:
-        return None
     aggs = _aggregates(store, group)
+    if candidate is None or _baseline_us(aggs) is None:  # nothing to serve, or to compare with
+        return None
     serve(store, group, aggs[candidate], aggs)
     return candidate
 

@@ -101,10 +101,11 @@ class FleetStore(DeviceFile):
         return bool(self.db.conn.execute(sql, [row[k] for k in MEASUREMENT_COLS]).rowcount)
 
     def baseline_flag(self, group: Group, candidate: str) -> bool | None:
-        """Whether ``candidate``'s stored results of ``group`` were submitted as the baseline's
-        (None: it has none)."""
+        """Whether ``candidate``'s first ok result of ``group`` (what the merge weighs) was
+        submitted as the baseline's (None: it has none)."""
         row = self.db.conn.execute(
-            f"select is_baseline from srv_measurements where {_GROUP} and candidate = ? limit 1",
+            f"select is_baseline from srv_measurements where {_OK} and candidate = ? "
+            "order by id limit 1",
             (*group, candidate),
         ).fetchone()
         return None if row is None else bool(row[0])

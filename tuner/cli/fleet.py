@@ -347,5 +347,6 @@ def _report_push(r: PushResult) -> None:
     console.print(
         f"pushed {r.accepted} measurements ({r.duplicates} already there"
         + (f", {r.skipped} skipped: no fingerprint of their device class" if r.skipped else "")
+        + (f", {r.refused} refused by the service: see the warnings" if r.refused else "")
         + f"), {r.misses} missed keys ({r.queued} newly queued)"
     )

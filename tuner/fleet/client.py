@@ -331,6 +331,7 @@ class PushResult:
     skipped: int  # measurements of device classes with no known fingerprint here
     misses: int
     queued: int
+    refused: int = 0  # measurements the service would not store (it said why; logged here)
 
 
 WINNER_COLUMNS = Winner.columns()  # the local table's columns
@@ -392,7 +393,7 @@ def push_measurements(client: FleetClient, store: Store, fp: Fingerprint) -> dic
     """Send local measurements not sent to this service yet, oldest first."""
     name = f"push:{client.sync_scope()}"
     fps = _fingerprints(store, fp)
-    counts = {"accepted": 0, "duplicates": 0, "skipped": 0}
+    counts = {"accepted": 0, "duplicates": 0, "skipped": 0, "refused": 0}
     while True:
         rows = store.measurements_after(store.position(name), BATCH)
         if not rows:
@@ -407,6 +408,9 @@ def push_measurements(client: FleetClient, store: Store, fp: Fingerprint) -> dic
             out = client.submit(fps[dc], ms)
             counts["accepted"] += out["accepted"]
             counts["duplicates"] += out["duplicates"]
+            for why in out.get("refused", []):
+                log.warning("the fleet service did not store a measurement: %s", why)
+                counts["refused"] += 1
         store.set_position(name, rows[-1][0])
 
 
@@ -424,7 +428,7 @@ def push_misses(client: FleetClient, store: Store, fp: Fingerprint) -> tuple[int
 def push(client: FleetClient, store: Store, fp: Fingerprint) -> PushResult:
     m = push_measurements(client, store, fp)
     keys, queued = push_misses(client, store, fp)
-    return PushResult(m["accepted"], m["duplicates"], m["skipped"], keys, queued)
+    return PushResult(m["accepted"], m["duplicates"], m["skipped"], keys, queued, m["refused"])
 
 
 # --- compiled-kernel artifacts ----------------------------------------------------------------
