@@ -154,16 +154,21 @@ def test_builds_that_differ_are_reported_never_mixed(
 def test_background_sync_fetches_the_artifacts_of_its_arch(
     fleet: ThreadServer, builder: ArtifactStore, tmp_path: Path
 ) -> None:
+    """Kernels that arrive without new winners still tell the dispatcher (``on_change``): a
+    winner it refused for want of a kernel may serve now."""
     with fleet.client("builder", "build") as c:
         push_artifacts(c, builder)
+    changes = []
     with fleet.client("host", "read") as c, ArtifactStore(tmp_path / "host") as host:
-        sync = BackgroundSync(
-            c, tmp_path / "host.db", push=False, fingerprint=lambda: H100, artifacts=host
-        )
+        sync = BackgroundSync(c, tmp_path / "host.db", push=False, fingerprint=lambda: H100,
+                              artifacts=host, on_change=lambda: changes.append(1))  # fmt: skip
         with Store(tmp_path / "host.db") as cache:
             sync.sync_once(cache)
-        assert host.get(spec("mm")) == bundle("mm")
-        assert host.get(spec("old", "cuda:80")) is None
+            assert host.get(spec("mm")) == bundle("mm")
+            assert host.get(spec("old", "cuda:80")) is None
+            assert len(changes) == 1  # no winners on the service: the kernels alone
+            sync.sync_once(cache)
+            assert len(changes) == 1  # nothing new
 
 
 def test_push_artifacts_and_artifacts_check_commands(

@@ -151,11 +151,11 @@ TRITON_PARAMS = {"bm": 16, "bn": 16, "bk": 16, "group_m": 1, "warps": 4, "stages
 
 
 def test_a_synced_winner_that_cannot_run_here_leaves_the_baseline_with_the_reason(
-    cache_path, compiling_host
+    cache_path, compiling_host, monkeypatch
 ) -> None:
     """A Triton winner on a CPU without Triton's interpreter is not built (its launch would
     raise in the caller's call): the baseline serves, the reason is recorded, and warmup names
-    it."""
+    it. A reload (after a sync) asks again: what the host lacked may be here now."""
     from tuner.serving.warmup import warmup
 
     a, b = synced_winner(cache_path, "triton_gemm", TRITON_PARAMS, torch.float32)
@@ -168,6 +168,10 @@ def test_a_synced_winner_that_cannot_run_here_leaves_the_baseline_with_the_reaso
     report = warmup(progress=False, dispatcher=d, fetch=False)
     (failure,) = report.failures
     assert "triton_gemm" in failure.error and "cannot serve here: no GPU" in failure.error
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    d.reload()
+    torch.testing.assert_close(d.matmul(a, b), a @ b)
+    assert d.loader.stats().failures == {} and "hit" in kinds(d)
 
 
 def test_a_synced_winner_that_cannot_take_the_key_here_leaves_the_baseline(

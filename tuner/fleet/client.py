@@ -690,9 +690,12 @@ class BackgroundSync:
                         raise
                     refused.append(f"{step.__name__}: {e}")
         result = pull(self.client, store, fp)
-        if self.artifacts is not None:
+        kernels = (
             fetch_host_artifacts(self.client, store, fp, self.artifacts)
-        if result.winners and self.on_change is not None:
+            if self.artifacts is not None
+            else None
+        )
+        if (result.winners or (kernels and kernels.fetched)) and self.on_change is not None:
             self.on_change()
         self.syncs += 1
         self.synced.set()

@@ -83,6 +83,7 @@ class BackgroundLoader:
         self.workers = workers
         self.built = 0
         self.failures: dict[str, str] = {}
+        self._refused: set[str] = set()  # failures that were refusals (``refuse``)
         self._jobs: queue.SimpleQueue[tuple[str, Callable[[], Any], Callable[[Any], None],
                                             Callable[[str], None]]] = queue.SimpleQueue()  # fmt: skip
         self._threads: list[threading.Thread] = []
@@ -131,10 +132,19 @@ class BackgroundLoader:
 
     def refuse(self, job: str, error: str) -> None:
         """Record ``job`` as failed without running it (a build that cannot serve on this host),
-        as a failed build is: neither retried on later calls nor submitted again."""
+        as a failed build is: neither retried on later calls nor submitted again, until
+        ``forget_refusals``."""
         log.warning("%s cannot serve here, the baseline serves it: %s", job, error)
         with self._state:
             self.failures[job] = error
+            self._refused.add(job)
+
+    def forget_refusals(self) -> None:
+        """Drop the refusals: what this host lacked (a kernel a sync now brought) may be here."""
+        with self._state:
+            for job in self._refused:
+                self.failures.pop(job, None)
+            self._refused.clear()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until no build is in flight; False if ``timeout_s`` passed first."""

@@ -504,11 +504,13 @@ class Dispatcher:
         self._loading.clear()
 
     def reload(self) -> None:
-        """Forget resolved runners and winners, e.g. after a sync brought new ones."""
+        """Forget resolved runners and winners, and the winners refused as unable to serve here,
+        e.g. after a sync brought new winners or kernels."""
         with self._lock:
             self._forget()
             self._winners.clear()
             self._bucket_index.clear()
+            self.loader.forget_refusals()
 
 
 def cannot_serve_here(source: Any, key: Key, device: Any) -> str | None:
