@@ -116,7 +116,9 @@ def cuda_grid(m: int, n: int, k: int) -> list[dict[str, Any]]:
 
 def twin_path(cfg: dict[str, Any], variant: str) -> Path:
     """Where the twin of ``cfg``'s library built with ``VARIANTS[variant]`` lies."""
-    return TWIN_DIR / f"{cuda_fp8.library(cfg).digest}_{variant}.so"
+    return (
+        TWIN_DIR / f"{cuda_fp8.library(cfg).digest}_{nvcc_twins.tag(variant, VARIANTS[variant])}.so"
+    )
 
 
 def build_cuda(cfgs: list[dict[str, Any]], variants: list[str]) -> None:

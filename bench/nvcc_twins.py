@@ -9,6 +9,7 @@ the product's cache, so an A/B never serves or overwrites what users run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import subprocess
 from pathlib import Path
 
@@ -37,6 +38,12 @@ def take_variants(
             ap.error(str(e))
         variants[name] = flags
     return tuple(spec.partition("=")[0] for spec in specs)
+
+
+def tag(name: str, flags: list[str]) -> str:
+    """A twin's name in file names: the variant's name and its flags' digest, so a name given
+    other flags in a later run builds anew instead of timing the old library."""
+    return f"{name}-{hashlib.sha256(' '.join(flags).encode()).hexdigest()[:8]}"
 
 
 def twin_command(

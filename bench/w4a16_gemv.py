@@ -147,7 +147,8 @@ def build_digest(source: Path) -> str:
 
 
 def variant_path(cfg: dict[str, Any], variant: str, source: Path = cuda_w4a16.SOURCE) -> Path:
-    return VARIANT_DIR / f"{cuda_w4a16.library(cfg).digest}_{variant}_{build_digest(source)}.so"
+    name = nvcc_twins.tag(variant, VARIANTS[variant])
+    return VARIANT_DIR / f"{cuda_w4a16.library(cfg).digest}_{name}_{build_digest(source)}.so"
 
 
 def build_variants(

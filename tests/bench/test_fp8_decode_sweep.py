@@ -64,3 +64,13 @@ def test_bad_arguments_are_refused_before_anything_is_built(
     with pytest.raises(SystemExit):
         sweep.main()
     assert message in capsys.readouterr().err
+
+
+def test_a_twins_file_name_follows_its_flags(monkeypatch) -> None:
+    """A variant's name given other flags in a later run builds anew, never times the old one."""
+    cfg = {"stages": 6, "atoms": 2, "cluster": 2}
+    monkeypatch.setitem(sweep.VARIANTS, "plain", ["-DFP8_GEMV_DEPENDENT=0"])
+    first = sweep.twin_path(cfg, "plain")
+    monkeypatch.setitem(sweep.VARIANTS, "plain", ["-DFP8_GEMV_DEPENDENT=1"])
+    assert sweep.twin_path(cfg, "plain") != first
+    assert twins.tag("plain", ["-DA=1"]) == twins.tag("plain", ["-DA=1"])
