@@ -151,6 +151,8 @@ def test_parsed_lowbit_errors_name_the_field():
     [
         "int4",
         "int4-g100",
+        "int4-g0128",
+        "int4-g\u0661\u0662\u0668",  # 128 in Arabic-Indic digits
         "int4-128",
         "fp8",
         "fp8-colwise",

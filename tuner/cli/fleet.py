@@ -23,6 +23,7 @@ from tuner.fleet.client import (
     PushResult,
     check_artifacts,
     fetch_host_artifacts,
+    host_archs,
     pull,
     push,
     push_artifacts,
@@ -268,7 +269,7 @@ def sync(
                 "fetched no compiled kernels: "
                 + (
                     "no GPU on this host"
-                    if fp.kind != "cuda"
+                    if not host_archs(fp)
                     else "the kernel store cannot be opened"
                 )
             )

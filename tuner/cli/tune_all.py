@@ -82,7 +82,7 @@ console = output_console()
 ModelsOpt = Annotated[
     list[Path] | None,
     typer.Option(
-        "--model", help="Model config YAML (configs/models/*.yaml): its projections in each of "
+        "--model", help="Model config YAML (configs/models/*.yaml): its problems in each of "
         "its dtypes (f16, bf16, f32, tf32, and low-bit formats such as int4-g128 or fp8-rowwise); "
         "repeatable.", exists=True,
         dir_okay=False,

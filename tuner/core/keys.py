@@ -382,12 +382,7 @@ def lowbit_fields(spec: str) -> dict[str, Any]:
     if not isinstance(spec, str):
         raise ValueError(f"low-bit format must be one of {LOWBIT_FORMAT_NAMES}, got {spec!r}")
     kind, _, rest = spec.partition("-")
-    if (
-        kind == "int4"
-        and rest.startswith("g")
-        and rest[1:].isdigit()
-        and int(rest[1:]) in INT4_GROUPS
-    ):
+    if kind == "int4" and rest in {f"g{group}" for group in INT4_GROUPS}:  # "g128", as written
         return {"layout": "nt", "dtype": "bf16", "out_dtype": "bf16", "wdtype": "int4",
                 "group": int(rest[1:]), "zeros": "float", "scale": "group", "accum": ""}  # fmt: skip
     granularity, _, fast = rest.partition("-")

@@ -534,8 +534,9 @@ def _count_fetch(out: ArtifactsFetched, refused: str | None) -> None:
 
 def host_archs(fp: Fingerprint) -> list[str]:
     """The artifact archs a host runs: Triton's target (``cuda:90``), CUTLASS's (``sm90``) and,
-    from Hopper on, our CUDA decode kernels' arch-specific one (``sm_90a``, which runs on that
-    compute capability alone); none for a host without a GPU."""
+    from compute capability 9.0 on, its arch-specific target (``sm_90a``: code for that
+    compute capability alone, what our CUDA decode kernels are built for); none for a host
+    without a GPU."""
     if fp.kind != "cuda" or not fp.compute_capability:
         return []
     cc = fp.compute_capability.replace(".", "")
