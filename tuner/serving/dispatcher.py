@@ -516,8 +516,12 @@ class Dispatcher:
 def cannot_serve_here(source: Any, key: Key, device: Any) -> str | None:
     """Why ``source`` cannot serve ``key`` on ``device`` of this host (None: it can). A winner
     synced from the fleet was tuned where it could run; this host may lack the GPU, Triton's
-    interpreter, or what the kernel needs for the key (say, bf16 dots under the interpreter)."""
-    return source.unavailable(device.type) or source.unsupported(key)
+    interpreter, or what the kernel needs for the key (say, bf16 dots under the interpreter).
+    Asked with ``device`` current: sources read the current GPU's capability."""
+    if device.type != "cuda":
+        return source.unavailable(device.type) or source.unsupported(key)
+    with torch.cuda.device(device):
+        return source.unavailable(device.type) or source.unsupported(key)
 
 
 def _by_torch(res: Resolution, kind: str) -> Resolution:
