@@ -83,8 +83,7 @@ def gemm_rows(dispatcher: Dispatcher, device: str, args, sync) -> list[dict[str,
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
         key = str(GemmKey.from_tensors(a, b))
-        dispatcher.matmul(a, b)
-        run = dispatcher.gemm_runner(a, b)
+        run = dispatcher.gemm_runner(a, b)  # resolves the key: its choice is known after
         rows.append(timed_row(key, dispatcher.choices[key], lambda a=a, b=b: dispatcher.matmul(a, b),
                               lambda a=a, b=b, r=run: r(a, b), args, sync))  # fmt: skip
     return rows

@@ -31,13 +31,15 @@ def take_variants(
 ) -> tuple[str, ...]:
     """The names of ``--variant`` ``specs``, each added to ``variants`` (name -> flags); a
     malformed or taken one ends the command with ``ap.error`` naming it."""
+    names = []
     for spec in specs:
         try:
             name, flags = parse_variant(spec, set(variants))
         except ValueError as e:
             ap.error(str(e))
         variants[name] = flags
-    return tuple(spec.partition("=")[0] for spec in specs)
+        names.append(name)
+    return tuple(names)
 
 
 def tag(name: str, flags: list[str]) -> str:

@@ -518,9 +518,7 @@ def cannot_serve_here(source: Any, key: Key, device: Any) -> str | None:
     synced from the fleet was tuned where it could run; this host may lack the GPU, Triton's
     interpreter, or what the kernel needs for the key (say, bf16 dots under the interpreter).
     Asked with ``device`` current: sources read the current GPU's capability."""
-    if device.type != "cuda":
-        return source.unavailable(device.type) or source.unsupported(key)
-    with torch.cuda.device(device):
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         return source.unavailable(device.type) or source.unsupported(key)
 
 
