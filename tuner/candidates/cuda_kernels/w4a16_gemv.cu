@@ -87,12 +87,16 @@
 #endif
 // bench A/B only, the output left wrong: -DGEMV_COPIES_ONLY=1 streams the rings as the kernel
 // does but computes nothing (one word of each chunk read back): what the copies alone cost;
-// -DGEMV_EMPTY=1 returns at once: what launching the grid (its CTAs, shared memory) costs
+// -DGEMV_EMPTY=1 returns at once: what launching the grid (its CTAs, shared memory) costs;
+// with it, -DGEMV_AB_LAUNCH_SMEM=b launches with b bytes of dynamic shared memory instead
 #ifndef GEMV_COPIES_ONLY
 #define GEMV_COPIES_ONLY 0
 #endif
 #ifndef GEMV_EMPTY
 #define GEMV_EMPTY 0
+#endif
+#if defined(GEMV_AB_LAUNCH_SMEM) && !GEMV_EMPTY
+#error "GEMV_AB_LAUNCH_SMEM only for an empty build"
 #endif
 
 namespace cg = cooperative_groups;
@@ -743,7 +747,11 @@ int smem_bytes(int m, int group, int warps, int cluster) {
 template <bool F16, int NG, int NT, bool FULL, bool TEAMED>
 cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
   if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
+#ifdef GEMV_AB_LAUNCH_SMEM
+  const int smem = GEMV_AB_LAUNCH_SMEM;
+#else
   const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster);
+#endif
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   const int blocks = (p.n + cta_rows - 1) / cta_rows;
   const unsigned ctas = static_cast<unsigned>((blocks + p.teams - 1) / p.teams * cluster);
