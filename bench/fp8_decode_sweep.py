@@ -8,7 +8,7 @@ config of ``GRID``, of the shortlist itself (``--shortlist``) or of the shortlis
 swapped twins (``--swap``, then more swapped tiles), or of the shortlist beside the CUDA
 kernel of ``cuda_fp8`` (``--cuda``: its shortlist, then ``CUDA_BUILDS`` at every cluster; with
 ``--trace``, the best one's bench-only twin that stamps each CTA, summarised; with ``--variant
-plain=-DFP8_GEMV_DEPENDENT=0``, each CUDA config's twin built with those flags, timed beside it
+pdl=-DFP8_GEMV_DEPENDENT=1``, each CUDA config's twin built with those flags, timed beside it
 in the same passes: an A/B of a kernel change in one run), on the same rotated
 weights (``lowbit_kernels``' projections and rotation), CUDA-graph GPU time per call, in grid
 order and then in reverse (a drift over the run shows as a gap between the two passes), and
@@ -351,7 +351,7 @@ def main() -> None:
                     help="with --cuda: the best cuda_fp8 config's stamps at each M")  # fmt: skip
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="with --cuda: also time each CUDA config built with these extra nvcc "
-                         "flags, e.g. plain=-DFP8_GEMV_DEPENDENT=0")  # fmt: skip
+                         "flags, e.g. pdl=-DFP8_GEMV_DEPENDENT=1")  # fmt: skip
     ap.add_argument("--precise", action="store_true",
                     help="partial sums promoted to fp32, as the suite's accum=f32 keys run")  # fmt: skip
     ap.add_argument("--scales", nargs="*", default=["row"], choices=["row", "tensor"],

@@ -13,8 +13,8 @@ twins = load_script("nvcc_twins")
 
 
 def test_a_variant_is_a_new_name_and_its_flags() -> None:
-    assert twins.parse_variant("plain=-DFP8_GEMV_DEPENDENT=0", {"trace"}) == (
-        "plain", ["-DFP8_GEMV_DEPENDENT=0"]
+    assert twins.parse_variant("pdl=-DFP8_GEMV_DEPENDENT=1", {"trace"}) == (
+        "pdl", ["-DFP8_GEMV_DEPENDENT=1"]
     )  # fmt: skip
     assert twins.parse_variant("both=-DA=1  -DB=2", set())[1] == ["-DA=1", "-DB=2"]
 
@@ -50,7 +50,7 @@ def test_each_cuda_config_is_followed_by_its_twins_and_labelled_by_variant() -> 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--variant", "plain=-DFP8_GEMV_DEPENDENT=0"], "they need --cuda"),
+        (["--variant", "pdl=-DFP8_GEMV_DEPENDENT=1"], "they need --cuda"),
         (["--cuda", "--variant", "trace=-DA=1"], "--variant 'trace=-DA=1'"),
         (["--cuda", "--m", "32"], "decode sizes only"),
     ],
@@ -69,8 +69,8 @@ def test_bad_arguments_are_refused_before_anything_is_built(
 def test_a_twins_file_name_follows_its_flags(monkeypatch) -> None:
     """A variant's name given other flags in a later run builds anew, never times the old one."""
     cfg = {"stages": 6, "atoms": 2, "cluster": 2}
-    monkeypatch.setitem(sweep.VARIANTS, "plain", ["-DFP8_GEMV_DEPENDENT=0"])
-    first = sweep.twin_path(cfg, "plain")
-    monkeypatch.setitem(sweep.VARIANTS, "plain", ["-DFP8_GEMV_DEPENDENT=1"])
-    assert sweep.twin_path(cfg, "plain") != first
+    monkeypatch.setitem(sweep.VARIANTS, "pdl", ["-DFP8_GEMV_DEPENDENT=1"])
+    first = sweep.twin_path(cfg, "pdl")
+    monkeypatch.setitem(sweep.VARIANTS, "pdl", ["-DFP8_GEMV_DEPENDENT=0"])
+    assert sweep.twin_path(cfg, "pdl") != first
     assert twins.tag("plain", ["-DA=1"]) == twins.tag("plain", ["-DA=1"])

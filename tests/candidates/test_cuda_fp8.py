@@ -203,13 +203,13 @@ def test_the_bench_builds_traced_and_variant_twins(
     ``--variant`` a twin built with the variant's flags."""
     bench = load_script("fp8_decode_sweep")
     monkeypatch.setattr(bench, "TWIN_DIR", tmp_path / "twins")
-    monkeypatch.setitem(bench.VARIANTS, "plain", ["-DFP8_GEMV_DEPENDENT=0"])
+    monkeypatch.setitem(bench.VARIANTS, "pdl", ["-DFP8_GEMV_DEPENDENT=1"])
     grid = bench.cuda_grid(1, 4096, 14336)
     assert grid[: len(cf.SHORTLIST)] == cf.configs(1, 4096, 14336)
     assert len(grid) == len({tuple(c.values()) for c in grid})  # each config once
-    bench.build_cuda(grid[:1], ["trace", "plain"])
+    bench.build_cuda(grid[:1], ["trace", "pdl"])
     product = nvcc_build.library_path(cf.library(grid[0])).read_bytes()
-    assert bench.twin_path(grid[0], "plain").read_bytes() != product
+    assert bench.twin_path(grid[0], "pdl").read_bytes() != product
     lib = ctypes.CDLL(str(bench.twin_path(grid[0], "trace")))
     ctas, fields = ctypes.c_int(), ctypes.c_int()
     lib.fp8_gemv_trace_shape(ctypes.byref(ctas), ctypes.byref(fields))

@@ -15,12 +15,14 @@
 // m64nNk32 wgmma (128 products) start from zero and are added to the fp32 sums apart: partial
 // sums promoted to fp32 every 128 products, as _scaled_mm does without use_fast_accum. The
 // scales the stores take are copied in with the first stage, so nothing waits on them until
-// the end. Launched with programmatic dependent launch: a grid's launch and setup overlap the
-// end of the kernel before it, and nothing is read before that kernel's writes are visible.
+// the end. Launched as a plain grid, as the W4A16 kernel is: after a kernel that does not
+// trigger its dependents early (a model's norms and activations), waiting on the SMs for it
+// costs more than the early start saves.
 //
 // Compile-time: FP8_GEMV_STAGES (3-12), FP8_GEMV_ATOMS (1-2); bench builds only:
-// FP8_GEMV_TRACE=1 (per-CTA stamps of the last launch, fp8_gemv_trace), FP8_GEMV_DEPENDENT=0
-// (launched as a plain grid, no griddepcontrol.wait: the W4A16 kernel's launch). sm_90a only.
+// FP8_GEMV_TRACE=1 (per-CTA stamps of the last launch, fp8_gemv_trace), FP8_GEMV_DEPENDENT=1
+// (a programmatic dependent launch that waits with griddepcontrol.wait before any global
+// access). sm_90a only.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -42,7 +44,7 @@
 #define FP8_GEMV_TRACE 0
 #endif
 #ifndef FP8_GEMV_DEPENDENT
-#define FP8_GEMV_DEPENDENT 1
+#define FP8_GEMV_DEPENDENT 0
 #endif
 
 namespace cg = cooperative_groups;

@@ -158,9 +158,18 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// bench A/B only: -DGEMV_AB_L2_PREFETCH=64|128|256 asks the L2 to fetch that many bytes around
+// each 16-byte copy (cp.async's prefetch-size hint)
+#ifdef GEMV_AB_L2_PREFETCH
+#define GEMV_STR2(x) #x
+#define GEMV_STR(x) GEMV_STR2(x)
+#define GEMV_COPY16 "cp.async.cg.shared.global.L2::" GEMV_STR(GEMV_AB_L2_PREFETCH) "B"
+#else
+#define GEMV_COPY16 "cp.async.cg.shared.global"
+#endif
+
 __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
+  asm volatile(GEMV_COPY16 " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 
 __device__ __forceinline__ void copy4(uint32_t dst, const void* src, bool valid) {
