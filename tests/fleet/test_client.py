@@ -109,7 +109,7 @@ def test_outage_then_recovery_loses_no_miss(tmp_path: Path) -> None:
     port = free_port()
     client = FleetClient(f"http://127.0.0.1:{port}", retries=0, timeout_s=2)
     d = Dispatcher(store_path=tmp_path / "host.db", mode="record")
-    x, y = torch.randn(24, 40), torch.randn(40, 8)
+    x, y = torch.randn(24, 40, device=FP.kind), torch.randn(40, 8, device=FP.kind)  # served here
     key = str(GemmKey.from_tensors(x, y))
     with ThreadServer(tmp_path / "fleet.db", port=port) as srv:  # tokens need the db; then down
         client.http.headers["Authorization"] = f"Bearer {srv.token('host', 'read')}"

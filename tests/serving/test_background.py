@@ -23,6 +23,9 @@ from tuner.measure.records import Winner
 from tuner.serving.background import BackgroundLoader, may_compile
 from tuner.serving.dispatcher import Dispatcher
 
+# where this host's dispatcher serves: on a GPU host, calls on the CPU go to torch's default
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 class SlowBuild(Source):
     """A source with a compile step that waits for ``release``; its runner counts its calls and
@@ -70,8 +73,8 @@ def compiling_host(monkeypatch: pytest.MonkeyPatch) -> None:
 def planted(
     cache_path: Path, source: SlowBuild
 ) -> Iterator[tuple[Dispatcher, torch.Tensor, torch.Tensor]]:
-    """A dispatcher whose store holds ``source``'s winner for (8, 16) @ (16, 4)."""
-    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    """A dispatcher whose store holds ``source``'s winner for (8, 16) @ (16, 4) on ``DEVICE``."""
+    a, b = torch.randn(8, 16, device=DEVICE), torch.randn(16, 4, device=DEVICE)
     key = str(GemmKey.from_tensors(a, b))
     winner = Winner(fingerprint().device_class, key, source.name, {}, 1.0, 2.0)
     Store(cache_path).put_winners([winner])
@@ -150,6 +153,7 @@ def synced_winner(cache_path: Path, source: str, params: dict, dtype: torch.dtyp
 TRITON_PARAMS = {"bm": 16, "bn": 16, "bk": 16, "group_m": 1, "warps": 4, "stages": 1}
 
 
+@pytest.mark.cpu_host
 def test_a_synced_winner_that_cannot_run_here_leaves_the_baseline_with_the_reason(
     cache_path, compiling_host, monkeypatch
 ) -> None:
@@ -174,6 +178,7 @@ def test_a_synced_winner_that_cannot_run_here_leaves_the_baseline_with_the_reaso
     assert d.loader.stats().failures == {} and "hit" in kinds(d)
 
 
+@pytest.mark.cpu_host
 def test_a_synced_winner_that_cannot_take_the_key_here_leaves_the_baseline(
     cache_path, monkeypatch
 ) -> None:

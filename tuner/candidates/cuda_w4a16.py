@@ -221,13 +221,15 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 # fit five CTAs an SM: a wide projection's row blocks then run in one round (not a second one on
 # part of the SMs), each warp streaming more chunks for its one ramp. Where a grid's CTAs all sit
 # in K's same chunk at once (those one-round grids, or 64-row warps over half of K at M >= 4),
-# they ask the L2 for the same x lines together: there their staggered builds lead, from M = 2;
-# staggering costs instructions, which the issue-bound M = 1 rows feel. Where a one-round grid
+# they ask the L2 for the same x lines together: there their staggered builds lead from M = 2,
+# and so may the 16-warp CTAs' on a narrow projection; staggering costs instructions, which the
+# issue-bound M = 1 rows feel. Where a one-round grid
 # of 64-row CTAs leaves some SMs a CTA more than the others, four-warp CTAs of 32 rows share the
 # rows out more evenly, at more instructions a weight byte. Such a grid is handed out a CTA an
 # SM at a time, and the CTAs handed out last end last: four row blocks a CTA (teams of two or
 # three warps) start them together.
-SHORTLIST = (("k", 2, 2, 16, 1, False, 1), ("k", 2, 4, 8, 1, False, 1), ("k", 4, 2, 8, 1, False, 1),
+SHORTLIST = (("k", 2, 2, 16, 1, False, 1), ("k", 2, 2, 16, 1, True, 1), ("k", 2, 4, 8, 1, False, 1),
+             ("k", 4, 2, 8, 1, False, 1),
              ("k", 4, 2, 3, 1, False, 1), ("k", 4, 2, 3, 1, True, 1), ("k", 2, 2, 4, 1, False, 1),
              ("k", 2, 3, 16, 1, False, 1), ("k", 2, 3, 12, 1, False, 1),
              ("rows", 2, 4, 8, 8, False, 1), ("k", 4, 2, 8, 2, False, 1),
