@@ -25,6 +25,8 @@ from tuner.serving.dispatcher import Dispatcher
 
 # where this host's dispatcher serves: on a GPU host, calls on the CPU go to torch's default
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# on a GPU the loader calls a fresh runner once before it serves (``background.run_once``)
+WARM_CALLS = 1 if DEVICE == "cuda" else 0
 
 
 class SlowBuild(Source):
@@ -116,13 +118,13 @@ def test_the_baseline_serves_until_the_build_is_done_then_the_runner_switches_on
     assert d.loader.wait(60)
     for _ in range(3):
         torch.testing.assert_close(d.matmul(a, b), want)
-    assert source.calls == 3 and source.compiles == 1
+    assert source.calls == WARM_CALLS + 3 and source.compiles == 1
     assert d.switches == 1 and "hit" in kinds(d)
     assert d.loader.stats().built == 1
 
     d.reload()  # e.g. a fleet sync: the loaded runner is reused, not built again
     d.matmul(a, b)
-    assert source.compiles == 1 and source.calls == 4 and d.switches == 1
+    assert source.compiles == 1 and source.calls == WARM_CALLS + 4 and d.switches == 1
 
 
 def test_a_failed_build_leaves_the_baseline_and_is_reported(cache_path, compiling_host) -> None:
