@@ -6,6 +6,7 @@ and the first-call part (``tuner sync`` on fresh hosts, a fresh process per mode
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,8 @@ def test_fleet_then_first_call_from_a_real_service(tmp_path):
 
     first = run_part(tmp_path, "first-call")
     assert not first["cold_run_here"]  # the fleet part's cold run is reused
-    assert first["published"]["push"].startswith("pushed 10 measurements")  # 5 winners + baselines
+    pushed = re.match(r"pushed (\d+) measurements", first["published"]["push"])
+    assert pushed and int(pushed[1]) >= 10  # 5 winners and their baselines, at least
     for mode in ("warmup", "no-warmup"):
         run = first[mode]
         assert "pulled 5 winners" in run["sync"]

@@ -120,6 +120,7 @@ def test_a_plan_is_made_once_per_shape_and_config() -> None:
         fp8_kernels.checked_plan(4, 40, 96, True, True, {**config, "dots": 3})
 
 
+@pytest.mark.cpu_host
 def test_the_runner_checks_its_operands_and_names_what_is_wrong() -> None:
     key = _key("fp8-rowwise", 4)
     run = TritonFp8().build(key, TritonFp8().candidates(key, "cpu")[0])

@@ -177,6 +177,7 @@ def test_fp8_decode_shortlists_give_every_split_work() -> None:
     assert not fp8_kernels.split_fits(18944, 128, 16) and fp8_kernels.split_fits(18944, 128, 8)
 
 
+@pytest.mark.cpu_host
 def test_w4a16_bad_inputs_name_the_field() -> None:
     x, q, sz, _, _ = int4_problem(2, 16, 256, 32, torch.float16, "cpu")
     w = int4.pack(q)

@@ -97,6 +97,7 @@ def test_unrestricted_tune_of_an_int4_key_records_no_dense_failures(monkeypatch)
     assert outcome.winner.source in ("torch_lowbit", "triton_w4a16")
 
 
+@pytest.mark.cpu_host
 def test_served_int4_runner_converts_each_weight_once(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     key = key_of("int4-g32", 2, k=256)

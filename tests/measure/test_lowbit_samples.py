@@ -38,6 +38,7 @@ def test_int4_inputs_are_torchs_packed_weight_and_scales():
     assert samples.output_like(INT4_KEY, (x, packed, sz)).shape == (5, 32)
 
 
+@pytest.mark.cpu_host
 @pytest.mark.parametrize("key", [FP8_ROW, FP8_TENSOR])
 def test_fp8_inputs_are_what_scaled_mm_takes(key):
     a, b, sa, sb = inputs(key)
@@ -121,6 +122,7 @@ def planted():
     registry.unregister(PlantedLowbit.name)
 
 
+@pytest.mark.cpu_host
 @pytest.mark.parametrize("key", [INT4_KEY, FP8_ROW])
 def test_planted_wrong_results_are_rejected_by_the_gate(planted, key):
     outcome = tune(key, options=TuneOptions(sources=["planted_lowbit"], budget_s=0.005, confirm_rounds=0), device="cpu")  # fmt: skip

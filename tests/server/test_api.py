@@ -63,6 +63,7 @@ def resolution(d: Dispatcher, key: GemmKey, kind: str):
     return next((r for r in d.resolutions.values() if r.key == str(key) and r.kind == kind), None)
 
 
+@pytest.mark.cpu_host
 def test_host_b_dispatches_the_winner_host_a_pushed(fleet: ThreadServer, tmp_path: Path) -> None:
     key = f32(48)
     with Store(tmp_path / "a.db") as a, fleet.client("host-a", "submit") as ca:
@@ -85,6 +86,7 @@ def test_host_b_dispatches_the_winner_host_a_pushed(fleet: ThreadServer, tmp_pat
     assert hit is not None and hit.winner.run_id == outcome.winner.run_id
 
 
+@pytest.mark.cpu_host
 def test_a_miss_goes_through_the_queue_and_comes_back_as_a_winner(
     fleet: ThreadServer, tmp_path: Path
 ) -> None:

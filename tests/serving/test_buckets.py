@@ -37,6 +37,7 @@ def test_bucket_index_policies() -> None:
     assert index.tuned_ms(probe) == [1, 8, 64]
 
 
+@pytest.mark.cpu_host
 def test_bucketed_call_uses_neighbour_params_built_for_its_own_m(bucket_disp: Dispatcher) -> None:
     x, w = linear_inputs(5)
     bucket_disp.set_mode("record")
@@ -55,6 +56,7 @@ def test_bucketed_call_uses_neighbour_params_built_for_its_own_m(bucket_disp: Di
     assert any(k.startswith("gemm:m=5,") for k in misses)
 
 
+@pytest.mark.cpu_host
 @pytest.mark.parametrize(
     ("policy", "m", "kind"),
     [("exact", 5, "miss"), ("pow2", 5, "bucketed"), ("pow2", 3, "miss"), ("pow2", 9, "miss")],
@@ -78,6 +80,7 @@ def test_tuner_buckets_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
         Dispatcher(tmp_path / "c.db")
 
 
+@pytest.mark.cpu_host
 def test_source_can_refuse_params_for_another_m(
     bucket_disp: Dispatcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -29,6 +29,7 @@ def memos(disp: Dispatcher, op: str) -> list:
     return [m for key, m in disp.memo.items() if key[0] == op]
 
 
+@pytest.mark.cpu_host
 def test_linear_memo_serves_repeat_calls_with_the_winner(linear_disp: Dispatcher) -> None:
     lin, x = nn.Linear(32, 32), torch.randn(4, 32)
     with torch.no_grad():
@@ -44,6 +45,7 @@ def test_linear_memo_serves_repeat_calls_with_the_winner(linear_disp: Dispatcher
     assert not linear_disp.memo
 
 
+@pytest.mark.cpu_host
 def test_linear_memo_serves_batched_inputs_with_bias_as_two_dimensional(
     linear_disp: Dispatcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -69,6 +71,7 @@ def test_linear_memo_serves_batched_inputs_with_bias_as_two_dimensional(
     assert len(served) == 2  # the first call resolved and memoised; the repeats took the memo
 
 
+@pytest.mark.cpu_host
 def test_linear_memo_rechecks_what_its_key_leaves_out(linear_disp: Dispatcher) -> None:
     """The memo's key is (weight, x's shape, strides, dtype); a tuned runner is used only after
     checking the rest of the dispatcher's signature. Each change below makes a problem the store
@@ -95,6 +98,7 @@ def test_linear_memo_rechecks_what_its_key_leaves_out(linear_disp: Dispatcher) -
             torch.testing.assert_close(got, want.float(), msg=name)
 
 
+@pytest.mark.cpu_host
 def test_linear_memo_leaves_gradients_and_tf32_to_the_full_path(linear_disp: Dispatcher) -> None:
     lin, x = nn.Linear(32, 32), torch.randn(4, 32, requires_grad=True)
     want = forward_backward(lin, lin, x)
@@ -113,6 +117,7 @@ def test_linear_memo_leaves_gradients_and_tf32_to_the_full_path(linear_disp: Dis
             torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
+@pytest.mark.cpu_host
 def test_linear_memo_is_not_inherited_by_a_new_weight_at_a_dead_ones_id(
     linear_disp: Dispatcher,
 ) -> None:
@@ -153,6 +158,7 @@ def test_sdpa_memo_keys_on_keywords_and_skips_masks(tmp_path: Path) -> None:
     assert len(memos(disp, "sdpa")) == 3
 
 
+@pytest.mark.cpu_host
 def test_sdpa_memo_serves_a_tuned_decode_kernel(tmp_path: Path) -> None:
     disp = Dispatcher(tmp_path / "c.db", mode="lookup")
     gen = torch.Generator().manual_seed(0)

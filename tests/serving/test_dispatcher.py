@@ -26,6 +26,7 @@ def test_off_mode_never_opens_the_store(tmp_path):
     assert not (tmp_path / "never.db").exists()
 
 
+@pytest.mark.cpu_host
 def test_record_mode_records_each_missed_key_once(cache_path):
     d = Dispatcher(cache_path, mode="record")
     a, b = torch.randn(8, 4), torch.randn(4, 3)
@@ -37,6 +38,7 @@ def test_record_mode_records_each_missed_key_once(cache_path):
     assert all(m["count"] == 1 for m in misses)
 
 
+@pytest.mark.cpu_host
 def test_a_damaged_cache_is_left_alone_and_the_call_still_served(tmp_path, caplog):
     before = damaged_cache(tmp_path / "c.db")
     d = Dispatcher(tmp_path / "c.db", mode="record")
@@ -48,6 +50,7 @@ def test_a_damaged_cache_is_left_alone_and_the_call_still_served(tmp_path, caplo
     assert (tmp_path / "c.db").read_bytes() == before
 
 
+@pytest.mark.cpu_host
 def test_tune_mode_tunes_once_then_serves(cache_path):
     d = Dispatcher(cache_path, mode="tune")
     a, b = torch.randn(16, 32, dtype=torch.float16), torch.randn(32, 8, dtype=torch.float16)
@@ -158,6 +161,7 @@ def test_whole_path_tune_store_then_new_process_dispatches(cache_path):
     assert got["err"] < 5e-3
 
 
+@pytest.mark.cpu_host
 def test_new_process_serves_a_triton_winner_from_the_store(cache_path):
     """A winner imported from elsewhere (here: written directly) is rebuilt and used."""
     key = GemmKey(m=33, n=20, k=48, dtype="f16", out_dtype="f16", align=8)
@@ -188,6 +192,7 @@ def test_dlpack_arrays_go_through_zero_copy_and_come_back_as_their_type(cache_pa
     np.testing.assert_allclose(out, a @ b, rtol=1e-5)
 
 
+@pytest.mark.cpu_host
 def test_stale_winners_are_served_or_ignored_per_policy(cache_path, monkeypatch):
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     key = str(GemmKey.from_tensors(a, b))

@@ -57,6 +57,7 @@ def llama_disp(tmp_path_factory: pytest.TempPathFactory) -> Dispatcher:
 # --- the model tests --------------------------------------------------------------------------
 
 
+@pytest.mark.cpu_host
 def test_llama_block_outputs_and_grads_match_with_tuned_gemms(llama_disp: Dispatcher) -> None:
     layer = tiny_llama()
     x = torch.randn(2, 8, bench.TINY.hidden, requires_grad=True)
@@ -75,6 +76,7 @@ def test_llama_block_outputs_and_grads_match_with_tuned_gemms(llama_disp: Dispat
     assert stats.misses == 0 and stats.bucketed == 0
 
 
+@pytest.mark.cpu_host
 def test_f16_decode_step_with_kv_cache(llama_disp: Dispatcher) -> None:
     layer = tiny_llama(torch.float16)
     gen = torch.Generator().manual_seed(1)
@@ -90,6 +92,7 @@ def test_f16_decode_step_with_kv_cache(llama_disp: Dispatcher) -> None:
     assert any(r.calls and r.key.startswith("sdpa:") and "kv_len=16" in r.key for r in stats.rows)
 
 
+@pytest.mark.cpu_host
 def test_transformer_encoder_layer_same_outputs_and_grads(tmp_path: Path) -> None:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
@@ -125,6 +128,7 @@ def test_eval_mode_routes_attention_too(llama_disp: Dispatcher) -> None:
 # --- torch.compile ------------------------------------------------------------------------------
 
 
+@pytest.mark.cpu_host
 def test_compile_fullgraph_aot_eager(llama_disp: Dispatcher) -> None:
     torch._dynamo.reset()
     layer = tiny_llama()
@@ -299,6 +303,7 @@ def test_tuner_kernels_calling_torch_do_not_recurse(tmp_path: Path) -> None:
 # --- CUDA-graph capture (simulated on the CPU) --------------------------------------------------
 
 
+@pytest.mark.cpu_host
 def test_capture_uses_default_and_caches_nothing(
     bucket_disp: Dispatcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -337,6 +342,7 @@ def test_capture_uses_default_and_caches_nothing(
 # --- stats --------------------------------------------------------------------------------------
 
 
+@pytest.mark.cpu_host
 def test_stats_table_and_reset(llama_disp: Dispatcher) -> None:
     layer = tiny_llama().eval()
     x = torch.randn(2, 8, bench.TINY.hidden)

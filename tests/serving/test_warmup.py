@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tuner.cache import Store
@@ -52,6 +53,7 @@ def store_winners(cache_path: Path) -> dict[str, GemmKey]:
     return keys
 
 
+@pytest.mark.cpu_host
 def test_warmup_loads_every_winner_and_reports_what_it_could_not(cache_path: Path) -> None:
     keys = store_winners(cache_path)
     registry.register(Broken())

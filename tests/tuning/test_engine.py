@@ -275,6 +275,7 @@ def quiet(outcome: TuneOutcome) -> bool:
     )
 
 
+@pytest.mark.cpu_host
 def test_a_winner_confirmed_slower_than_a_runner_ups_trial_meets_the_runner_up(
     monkeypatch, one_thread
 ):
