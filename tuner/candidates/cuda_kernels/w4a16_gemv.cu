@@ -88,12 +88,21 @@
 // bench A/B only, the output left wrong: -DGEMV_COPIES_ONLY=1 streams the rings as the kernel
 // does but computes nothing (one word of each chunk read back): what the copies alone cost;
 // -DGEMV_EMPTY=1 returns at once: what launching the grid (its CTAs, shared memory) costs;
-// with it, -DGEMV_AB_LAUNCH_SMEM=b launches with b bytes of dynamic shared memory instead
+// with it, -DGEMV_AB_LAUNCH_SMEM=b launches with b bytes of dynamic shared memory instead;
+// -DGEMV_AB_X_ONCE=1 copies x's slab for a warp's first chunk only (its later chunks reuse that
+// slab; the output is wrong): what x's copies cost; -DGEMV_AB_X_CACHED=1 copies x's slab through
+// the L1 (cp.async.ca), where a CTA's other teams (row blocks at the same chunks) find its lines
 #ifndef GEMV_COPIES_ONLY
 #define GEMV_COPIES_ONLY 0
 #endif
 #ifndef GEMV_EMPTY
 #define GEMV_EMPTY 0
+#endif
+#ifndef GEMV_AB_X_ONCE
+#define GEMV_AB_X_ONCE 0
+#endif
+#ifndef GEMV_AB_X_CACHED
+#define GEMV_AB_X_CACHED 0
 #endif
 #if defined(GEMV_AB_LAUNCH_SMEM) && !GEMV_EMPTY
 #error "GEMV_AB_LAUNCH_SMEM only for an empty build"
@@ -170,6 +179,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
   asm volatile(GEMV_COPY16 " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+// x's slab: 16 bytes, through the L1 where GEMV_AB_X_CACHED asks
+__device__ __forceinline__ void copy16_x(uint32_t dst, const void* src) {
+  if constexpr (GEMV_AB_X_CACHED)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  else
+    copy16(dst, src, true);
 }
 
 __device__ __forceinline__ void copy4(uint32_t dst, const void* src, bool valid) {
@@ -435,15 +452,16 @@ struct Copier {
               valid ? at + (32 * it / ROWS) * n + 32 * it % ROWS : sz, valid);
       }
     }
-    if (x_rounds > 0) copy16(stage + lane_x, x, true);
+    if (x_rounds > 0) copy16_x(stage + lane_x, x);
     // taken alike by every thread: M past one round of rows (M > 8 always, with two n8 tiles)
     if (NT > 1 || x_rows_past_one) {
       const uint16_t* piece = x;
 #pragma unroll
       for (int it = 1; it < X_COPIES; ++it)
         if (piece += x_round, it < x_rounds)
-          copy16(stage + lane_x + it * x_round_bytes, piece, true);
+          copy16_x(stage + lane_x + it * x_round_bytes, piece);
     }
+    if constexpr (GEMV_AB_X_ONCE) x_rounds = 0;
     w += w_step;
     x += chunk_step * CHUNK;
     words += words_step;
