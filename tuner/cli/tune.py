@@ -4,7 +4,6 @@ this device, one problem tuned, and the winners in the cache."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -31,7 +30,7 @@ from tuner.cli.options import (
     tune_options,
 )
 from tuner.core.console import output_console
-from tuner.core.device import fingerprint
+from tuner.core.device import fingerprint, too_big_here
 from tuner.core.keys import (
     ITEMSIZE,
     LOWBIT_FORMAT_NAMES,
@@ -87,20 +86,10 @@ def _error_text(err: float | None, bounded: bool) -> str:
     return f"{err:.2f}" if bounded else f"{err:.1e}"
 
 
-def _memory_bytes() -> int:
-    """The memory a problem's operands are made in: the GPU's, else the host's."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     """Tune ``key``, store the run and print every candidate's measurement and the winner."""
-    if isinstance(key, GemmKey) and key.min_bytes > (memory := _memory_bytes()):
-        raise ConfigError(
-            f"{key}: its operands take {key.min_bytes / 2**30:.1f} GiB, more than this "
-            f"{'GPU' if torch.cuda.is_available() else 'host'}'s {memory / 2**30:.1f} GiB"
-        )
+    if isinstance(key, GemmKey) and (why := too_big_here(key.min_bytes)):
+        raise ConfigError(f"{key}: {why}")
     store = open_store(cache)
     fp = fingerprint()
     store.save_device(fp)

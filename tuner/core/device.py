@@ -109,3 +109,26 @@ def fingerprint(device: str | None = None) -> Fingerprint:
         memory_gib=0,
         versions=versions,
     )
+
+
+def memory_bytes() -> int:
+    """The memory a problem's operands are made in: the current GPU's, else the host's RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def too_big_here(needed: int) -> str | None:
+    """Why operands of ``needed`` bytes cannot be made here, or None. Asked before anything is
+    allocated: a problem past the memory then fails in one line, not in the allocator (or in
+    the out-of-memory killer, for host memory promised but not there)."""
+    import torch
+
+    memory = memory_bytes()
+    if needed <= memory:
+        return None
+    where = "GPU" if torch.cuda.is_available() else "host"
+    return (f"its operands take {needed / 2**30:.1f} GiB, more than this {where}'s "
+            f"{memory / 2**30:.1f} GiB")  # fmt: skip

@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from tuner.cache import Store
-from tuner.core.device import Fingerprint
-from tuner.core.keys import Key, parse_key
+from tuner.core.device import Fingerprint, too_big_here
+from tuner.core.keys import GemmKey, Key, parse_key
 from tuner.measure.records import Measurement, Winner
 from tuner.offline.model_config import ModelConfig, expand
 from tuner.offline.problem_list import load_problems
@@ -657,6 +657,8 @@ def _tune_one(
     existing = store.winner(fp.device_class, str(key))
     if not (settings.force or retune) and existing is not None and existing.measured_under(fp):
         return Result(key, "skipped", 0.0, index, fp.device_class, existing.to_row())
+    if isinstance(key, GemmKey) and (why := too_big_here(key.min_bytes)):
+        return Result(key, "failed", 0.0, index, fp.device_class, error=why)
     earlier = earlier_times(store.measurements(fp.device_class, str(key)), settings.tune.launch)
     try:
         outcome = tune(
