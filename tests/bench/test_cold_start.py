@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "cold_start.py"
 
 
@@ -56,7 +58,8 @@ def test_fleet_then_first_call_from_a_real_service(tmp_path):
     first = run_part(tmp_path, "first-call")
     assert not first["cold_run_here"]  # the fleet part's cold run is reused
     pushed = re.match(r"pushed (\d+) measurements", first["published"]["push"])
-    assert pushed and int(pushed[1]) >= 10  # 5 winners and their baselines, at least
+    # 5 winners and their baselines; on a GPU, the other candidates' measurements too
+    assert pushed and (int(pushed[1]) > 10 if torch.cuda.is_available() else int(pushed[1]) == 10)
     for mode in ("warmup", "no-warmup"):
         run = first[mode]
         assert "pulled 5 winners" in run["sync"]

@@ -187,6 +187,7 @@ def test_sources_are_merged_and_deduplicated(tmp_path):
 # --- tune-all end to end -----------------------------------------------------------------------
 
 
+@pytest.mark.cpu_host
 def test_tune_all_small_config_on_the_cpu_path(tmp_path):
     """Models, a problem list, a TunableOp file and recorded misses in one run, with the Triton
     candidates through the interpreter; then the report on demand."""
@@ -239,7 +240,8 @@ def test_tune_all_tunes_a_models_low_bit_projections(tmp_path):
         "ops: [o, down]\n"
     )
     cache = tmp_path / "c.db"
-    code, out = tune_all("--model", str(model), "--budget", "0.01", cache=cache)
+    sources = ("--source", "triton_w4a16", "--source", "triton_fp8")  # no nvcc builds on a GPU
+    code, out = tune_all("--model", str(model), "--budget", "0.01", *sources, cache=cache)
     assert code == 0, out
     assert "8 distinct problems" in out
     keys = [parse_key(k) for k in winner_keys(cache)]
@@ -324,6 +326,7 @@ def expand_keys(model: Path) -> list:
     return [p.key for p in expand(load_model(model))]
 
 
+@pytest.mark.cpu_host
 def test_failure_and_timeout_are_recorded_and_the_run_goes_on(tmp_path):
     cache = tmp_path / "c.db"
     listed = tmp_path / "list.yaml"
@@ -477,6 +480,7 @@ def _worker_of(parent: int, cache: Path) -> int:
     raise AssertionError(f"no worker process under {parent}")
 
 
+@pytest.mark.cpu_host
 def test_a_worker_that_dies_mid_problem_is_recorded_and_replaced(tmp_path):
     """What a segfaulting kernel does to a worker: here a real SIGKILL of the worker process."""
     cache = tmp_path / "c.db"
@@ -582,6 +586,7 @@ def test_a_timed_out_problem_keeps_its_baseline_and_is_retried_last(tmp_path):
     assert "timeout 512x512x512" not in out
 
 
+@pytest.mark.cpu_host
 def test_an_idle_worker_is_handed_the_first_problem_whose_kernels_are_compiled(tmp_path):
     """A fresh worker takes the first problem at once and waits for its kernels inside, past
     the problem's time limit (its limit starts once they are compiled); after that, an idle
@@ -649,7 +654,7 @@ def test_a_forced_retune_times_what_was_fastest_in_the_cache_first(tmp_path):
     cut): the faster one, listed second, goes first the second time."""
     key = GemmKey(m=8, n=16, k=32, dtype="f32", out_dtype="f32")
     settings = RunSettings(tune=TuneOptions(budget_s=0.005, sources=["delayed"]), force=True)
-    fp = fingerprint("cpu")
+    fp = fingerprint()
     registry.register(Delayed())
     try:
         with Store(tmp_path / "c.db") as store:

@@ -130,6 +130,7 @@ def dispatch_in_new_process(cache_path, m, n, k) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.cpu_host
 def test_whole_path_tune_store_then_new_process_dispatches(cache_path):
     env = os.environ | {"TUNER_CACHE": str(cache_path), "TRITON_INTERPRET": "1"}
     subprocess.run(
