@@ -4,7 +4,7 @@ operands it refuses, one library built by nvcc and loaded, and the bench's trace
 where nvcc is); on a GPU, its libraries run at every cluster size on small, ragged and model
 shapes, with tensorwise and rowwise scales and every output dtype, against the float32 GEMM on
 the dequantized operands, bit-identical from one call to the next; a planted wrong scale caught,
-a CUDA graph, two calls chained on one stream (the programmatic dependent launch's wait), and
+a CUDA graph, calls chained on one stream behind the kernels that write their inputs, and
 every shortlisted config tuned through the engine's numerics gate."""
 
 from __future__ import annotations
@@ -349,9 +349,9 @@ def test_inside_a_cuda_graph(built) -> None:
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
 def test_a_call_reads_what_the_kernel_before_it_wrote(m: int, graphed: bool, built) -> None:
     """Each call's a and its scales are copied in by the kernels just before it on the stream
-    (after a NaN fill of the output): the kernel may start (programmatic dependent launch)
-    while they still run, and reads a and the scales only after its wait, so a missing wait
-    reads the a of the call before. Eager and as one CUDA graph, three times with new a."""
+    (after a NaN fill of the output): a kernel that started early (a programmatic dependent
+    launch without its wait) would read the a of the call before. Eager and as one CUDA graph,
+    three times with new a."""
     n, k, config = 4096, 4096, CONFIGS[2]
     fn = cf.launcher(config)
     a, b, sa, sb, _, _ = problem(m, n, k, rowwise=True)

@@ -668,3 +668,23 @@ def test_a_forced_retune_times_what_was_fastest_in_the_cache_first(tmp_path):
         registry.unregister("delayed")
     slow, fast = (candidate_name("delayed", {"delay_ms": d}) for d in (5, 0))
     assert orders == [[slow, fast], [fast, slow]]
+
+
+def test_a_problem_that_cannot_be_tuned_here_is_a_failed_result(tmp_path, monkeypatch):
+    """A problem past this device's memory fails before anything is allocated or tuned; one
+    whose tuning raises (the baseline failed, the inputs cannot be made) fails with the error."""
+    import tuner.tuning.tune as tuning
+
+    def broken(key, **kwargs):
+        raise RuntimeError(f"the baseline failed on {key}")
+
+    monkeypatch.setattr(tuning, "tune", broken)
+    settings = RunSettings(tune=TuneOptions(budget_s=0.005, sources=["torch"]))
+    huge = GemmKey(m=1 << 20, n=1 << 20, k=4, dtype="f32", out_dtype="f32")  # a 4 TiB output
+    small = GemmKey(m=8, n=16, k=32, dtype="f32", out_dtype="f32")
+    with Store(tmp_path / "c.db") as store:
+        results = [_tune_one(key, store, fingerprint(), settings, i, lambda m: None, None,
+                             retune=False) for i, key in enumerate((huge, small))]  # fmt: skip
+    assert [r.status for r in results] == ["failed", "failed"]
+    assert results[0].error.startswith("its operands take 4096.0 GiB, more than this")
+    assert results[1].error == f"RuntimeError: the baseline failed on {small}"

@@ -89,8 +89,8 @@
 // does but computes nothing (one word of each chunk read back): what the copies alone cost;
 // -DGEMV_EMPTY=1 returns at once: what launching the grid (its CTAs, shared memory) costs;
 // with it, -DGEMV_AB_LAUNCH_SMEM=b launches with b bytes of dynamic shared memory instead;
-// -DGEMV_AB_X_ONCE=1 copies x's slab for a warp's first chunk only (its later chunks reuse that
-// slab; the output is wrong): what x's copies cost; -DGEMV_AB_X_CACHED=1 copies x's slab through
+// -DGEMV_AB_X_ONCE=1 copies x's slab for a warp's first chunk only (the later chunks read what
+// their stage's slab holds; the output is wrong): what x's copies cost; -DGEMV_AB_X_CACHED=1 copies x's slab through
 // the L1 (cp.async.ca), where a CTA's other teams (row blocks at the same chunks) find its lines
 #ifndef GEMV_COPIES_ONLY
 #define GEMV_COPIES_ONLY 0
