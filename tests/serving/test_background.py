@@ -127,6 +127,24 @@ def test_the_baseline_serves_until_the_build_is_done_then_the_runner_switches_on
     assert source.compiles == 1 and source.calls == WARM_CALLS + 4 and d.switches == 1
 
 
+def test_a_build_in_flight_is_asked_whether_it_can_serve_once(slow, monkeypatch) -> None:
+    """Another signature of the key (a padded row stride) while its winner builds: served by the
+    baseline as loading, without asking the source again whether it can serve here (for a CUDA
+    library, a read of the artifact store), and switched with the first once built."""
+    d, source, a, b = slow
+    asked = []
+    monkeypatch.setattr(source, "unavailable", lambda device: asked.append(device))
+    padded = torch.randn(a.shape[0], 2 * a.shape[1], device=DEVICE)[:, : a.shape[1]]
+    padded.copy_(a)
+    for x in (a, padded, padded):
+        torch.testing.assert_close(d.matmul(x, b), a @ b)
+    assert len(asked) == 1 and kinds(d) == {"loading"}
+    source.release.set()
+    assert d.loader.wait(60)
+    torch.testing.assert_close(d.matmul(padded, b), a @ b)
+    assert d.switches == 2 and len(asked) == 1
+
+
 def test_a_failed_build_leaves_the_baseline_and_is_reported(cache_path, compiling_host) -> None:
     source = SlowBuild(error="ptxas fatal: out of registers")
     source.release.set()

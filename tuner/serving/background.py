@@ -130,6 +130,11 @@ class BackgroundLoader:
                     self._in_flight.discard(job)
                     self._state.notify_all()
 
+    def in_flight(self, job: str) -> bool:
+        """Whether ``job`` is being built now (submitted, not yet done or failed)."""
+        with self._state:
+            return job in self._in_flight
+
     def refuse(self, job: str, error: str) -> None:
         """Record ``job`` as failed without running it (a build that cannot serve on this host),
         as a failed build is: neither retried on later calls nor submitted again, until

@@ -343,6 +343,8 @@ class Dispatcher:
             return runner, res
         if job in self.loader.failures:
             return base.build(key, base.baseline_params), _by_torch(res, "failed")
+        if self.loader.in_flight(job):  # another signature of the key asked: asked once per build
+            return base.build(key, base.baseline_params), _by_torch(res, "loading")
         try:
             source = registry.get(w.source)
             why = cannot_serve_here(source, key, device)
