@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install what its image lacks, then run the named stages.
 #   bash bench/gpu_check.sh tests dispatch        (carry .whl; results land under $OUT)
-# Stages: tests (pytest -m gpu; GPU_TESTS="tests/serving ..." narrows it, GPU_TESTS_TIMEOUT seconds), dispatch (hit-path
+# Stages: tests (pytest -m gpu; GPU_TESTS="tests/serving ..." narrows it, GPU_TESTS_TIMEOUT seconds),
+#   host-tests (the rest of the suite, -m "not gpu", as `make test` runs it on a GPU machine: one pytest
+#   per test folder, in parallel -> $OUT/host_tests.txt, each folder's summary; HOST_TESTS_TIMEOUT seconds), dispatch (hit-path
 #   overhead benchmark), contention (bench/cpu_contention.py: eager calls beside busy compilers), decode-sweep (bench/decode_sweep.py), decode-ncu (its --profile under
 #   Nsight Compute); more are added per area.
 #   triton-sweep (whole Triton GEMM config space on sample shapes), triton-tests, gemm
@@ -77,6 +79,19 @@ for stage in "$@"; do
         echo "tests: stopped by GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-3000} s; the tests after the last dot did not run" | tee -a "$OUT/gpu_tests.log"
       fi
       [ "$rc" = 0 ] || status=1 ;;
+    host-tests)  # CPU-path tests on a GPU host: a GPU-less host's tests are marked cpu_host
+      logs=$(mktemp -d)
+      for dir in tests/*/ tests/test_*.py; do
+        name=$(basename "$dir" .py)
+        timeout -k 20 "${HOST_TESTS_TIMEOUT:-500}" python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
+          --ignore=tests/server/test_schema.py "$dir" > "$logs/$name.log" 2>&1 &
+      done
+      wait
+      for log in "$logs"/*.log; do  # a folder cut by the timeout ends without a summary line
+        echo "== $(basename "$log" .log): $(grep -E '(passed|failed|error|no tests ran)' "$log" | tail -1)"
+        grep -E '^(FAILED|ERROR) ' "$log"
+      done | tee "$OUT/host_tests.txt"
+      if grep -qE '^(FAILED|ERROR) |== [a-z_]+: $' "$OUT/host_tests.txt"; then status=1; fi ;;
     decode-sweep)  # split-KV decode on small batches: floor read, copy, torch, a wide config grid
       timeout -k 20 "${DECODE_SWEEP_TIMEOUT:-240}" python3 bench/decode_sweep.py --out "$OUT/decode_sweep.json" \
         --time-limit "${DECODE_SWEEP_LIMIT:-200}" ${DECODE_SWEEP_ARGS:-} 2>&1 | tee "$OUT/decode_sweep.log" || status=1 ;;
