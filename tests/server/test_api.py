@@ -40,9 +40,10 @@ def f32(m: int, n: int = 64, k: int = 64) -> GemmKey:
 
 
 def tune_fast(key: GemmKey) -> TuneOutcome:
-    """A real CPU tuning run of torch's kernel only: on a busy 2-core box torch's timings swing
-    enough that the (interpreted) Triton candidate can look 25% faster, which the merge would
-    rightly hold for confirmation; these tests are about the flow, not that policy."""
+    """A real tuning run of torch's kernel only, on this host's device: on a busy 2-core box
+    torch's timings swing enough that the (interpreted) Triton candidate can look 25% faster,
+    which the merge would rightly hold for confirmation; these tests are about the flow, not
+    that policy."""
     return tune(key, options=TuneOptions(budget_s=0.03, sources=["torch"]))
 
 
@@ -63,7 +64,6 @@ def resolution(d: Dispatcher, key: GemmKey, kind: str):
     return next((r for r in d.resolutions.values() if r.key == str(key) and r.kind == kind), None)
 
 
-@pytest.mark.cpu_host
 def test_host_b_dispatches_the_winner_host_a_pushed(fleet: ThreadServer, tmp_path: Path) -> None:
     key = f32(48)
     with Store(tmp_path / "a.db") as a, fleet.client("host-a", "submit") as ca:
@@ -80,13 +80,12 @@ def test_host_b_dispatches_the_winner_host_a_pushed(fleet: ThreadServer, tmp_pat
         assert (got.candidate, got.run_id) == (outcome.winner.candidate, outcome.winner.run_id)
         assert pull(cb, b, FP).winners == 0  # nothing changed since
     d = Dispatcher(store_path=tmp_path / "b.db", mode="lookup")
-    x, y = torch.randn(48, 64), torch.randn(64, 64)
+    x, y = torch.randn(48, 64, device=FP.kind), torch.randn(64, 64, device=FP.kind)
     torch.testing.assert_close(d.matmul(x, y), x @ y)
     hit = resolution(d, key, "hit")
     assert hit is not None and hit.winner.run_id == outcome.winner.run_id
 
 
-@pytest.mark.cpu_host
 def test_a_miss_goes_through_the_queue_and_comes_back_as_a_winner(
     fleet: ThreadServer, tmp_path: Path
 ) -> None:
@@ -95,7 +94,7 @@ def test_a_miss_goes_through_the_queue_and_comes_back_as_a_winner(
     sync = attach(d, client=fleet.client("host-b", "read"), interval_s=0.2)
     assert sync is not None
     try:
-        x, y = torch.randn(40, 56), torch.randn(56, 24)
+        x, y = torch.randn(40, 56, device=FP.kind), torch.randn(56, 24, device=FP.kind)
         torch.testing.assert_close(d.matmul(x, y), x @ y)  # no winner yet: torch, miss recorded
         assert resolution(d, key, "miss") is not None
         worker = fleet.client("worker", "submit")
