@@ -1,4 +1,5 @@
-"""bench/gemv_ab.py: two versions' w4a16_gemv.py runs paired row by row (CPU)."""
+"""bench/gemv_ab.py: two versions' w4a16_gemv.py runs paired row by row, or one run's bench twins
+beside the product's builds (CPU)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,39 @@ def test_the_command_line_names_a_file_that_is_not_a_run(tmp_path: Path) -> None
     done = subprocess.run([*cmd[:-1], str(good), "--out", str(out)], capture_output=True, text=True)
     assert done.returncode == 0 and "down" in done.stdout
     assert json.loads(out.read_text())["rows"][0]["ratio"] == 1.0
+
+
+def test_a_variant_run_puts_each_twin_beside_its_product_build() -> None:
+    """Twins whose output is wrong on purpose (x copied once) are kept; a product build past
+    the bound is left out, and its twins with it (nothing to be beside)."""
+    other = {**CFG, "cluster": 2}
+    result = ab.variants(run(
+        row("down", 4, "cuda_gemv", 11.6, config=CFG, excess=0.2),
+        row("down", 4, "cuda_gemv", 11.5, config=CFG, excess=0.2),  # a second round: the fastest
+        row("down", 4, "cuda_gemv_xonce", 10.35, config=CFG, excess=40.0),
+        row("down", 4, "cuda_gemv_xca", 11.73, config=CFG, excess=0.2),
+        row("down", 4, "cuda_gemv", 9.0, config=other, excess=3.0),
+        row("down", 4, "cuda_gemv_xonce", 8.0, config=other, excess=40.0),
+        row("down", 4, "bf16", 32.5),
+    ))  # fmt: skip
+    assert [(r["variant"], r["config"], r["product_us"], r["variant_us"]) for r in result["rows"]] == [
+        ("xca", CFG, 11.5, 11.73), ("xonce", CFG, 11.5, 10.35)]  # fmt: skip
+    assert result["variants"]["xonce"] == {"rows": 1, "faster": 1, "median": 0.9, "min": 0.9,
+                                           "max": 0.9}  # fmt: skip
+    assert result["variants"]["xca"]["faster"] == 0 and result["left_out"] == 1
+    text = ab.variants_table(result)
+    assert (
+        "k,4,2,8,1" in text and "xonce: faster on 1 of 1 rows, variant/product median 0.900" in text
+    )
+
+
+def test_the_command_line_takes_one_variant_run_or_two_sides(tmp_path: Path) -> None:
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(run(row("down", 1, "cuda_gemv", 11.0, config=CFG),
+                                  row("down", 1, "cuda_gemv_copies", 9.9, config=CFG))))  # fmt: skip
+    script = [sys.executable, str(BENCH / "gemv_ab.py")]
+    done = subprocess.run([*script, "--variants", str(one)], capture_output=True, text=True)
+    assert done.returncode == 0 and "copies: faster on 1 of 1 rows" in done.stdout
+    for args in (["--variants", str(one), "--base", str(one)], ["--base", str(one)], []):
+        done = subprocess.run([*script, *args], capture_output=True, text=True)
+        assert done.returncode == 2 and "--base" in done.stderr, args
