@@ -34,7 +34,8 @@
 //
 // A ring of STAGES chunks in shared memory (per warp, or per CTA when warps split rows) filled
 // by cp.async (weight slices, the chunk's (scale, zero) words, x's [M, 128] slab), STAGES - 1 in
-// flight while one is computed.
+// flight while one is computed; the weight streams past the L1, x's slab through it (read by
+// every CTA, so the CTAs an SM holds share its lines).
 // A nibble q becomes a 16-bit float by the magic-number trick (q | magic = magic + q, exact),
 // then (v - (magic + 8)) * scale + zero (one exact subtract, one rounding fma), the same values
 // as the Triton kernel; x is the mma's B operand (ldmatrix from the slab; rows past M read row
@@ -90,8 +91,7 @@
 // -DGEMV_EMPTY=1 returns at once: what launching the grid (its CTAs, shared memory) costs;
 // with it, -DGEMV_AB_LAUNCH_SMEM=b launches with b bytes of dynamic shared memory instead;
 // -DGEMV_AB_X_ONCE=1 copies x's slab for a warp's first chunk only (the later chunks read what
-// their stage's slab holds; the output is wrong): what x's copies cost; -DGEMV_AB_X_CACHED=1 copies x's slab through
-// the L1 (cp.async.ca), where a CTA's other teams (row blocks at the same chunks) find its lines
+// their stage's slab holds; the output is wrong): what x's copies cost
 #ifndef GEMV_COPIES_ONLY
 #define GEMV_COPIES_ONLY 0
 #endif
@@ -100,9 +100,6 @@
 #endif
 #ifndef GEMV_AB_X_ONCE
 #define GEMV_AB_X_ONCE 0
-#endif
-#ifndef GEMV_AB_X_CACHED
-#define GEMV_AB_X_CACHED 0
 #endif
 #if defined(GEMV_AB_LAUNCH_SMEM) && !GEMV_EMPTY
 #error "GEMV_AB_LAUNCH_SMEM only for an empty build"
@@ -181,12 +178,10 @@ __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid
   asm volatile(GEMV_COPY16 " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 
-// x's slab: 16 bytes, through the L1 where GEMV_AB_X_CACHED asks
+// x's slab: 16 bytes through the L1 (the weight's bypass it), where the SM's other CTAs and a
+// CTA's other teams, at the same chunks, find its lines instead of asking the L2 again
 __device__ __forceinline__ void copy16_x(uint32_t dst, const void* src) {
-  if constexpr (GEMV_AB_X_CACHED)
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-  else
-    copy16(dst, src, true);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
 __device__ __forceinline__ void copy4(uint32_t dst, const void* src, bool valid) {
