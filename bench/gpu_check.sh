@@ -80,13 +80,14 @@ for stage in "$@"; do
       fi
       [ "$rc" = 0 ] || status=1 ;;
     host-tests)  # CPU-path tests on a GPU host: a GPU-less host's tests are marked cpu_host
-      logs=$(mktemp -d)
+      logs=$(mktemp -d) pids=()
       for dir in tests/*/ tests/test_*.py; do
         name=$(basename "$dir" .py)
         timeout -k 20 "${HOST_TESTS_TIMEOUT:-500}" python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
           --ignore=tests/server/test_schema.py "$dir" > "$logs/$name.log" 2>&1 &
+        pids+=($!)
       done
-      wait
+      wait "${pids[@]}"  # not a bare wait: the clock logger runs in the background until the end
       for log in "$logs"/*.log; do  # a folder cut by the timeout ends without a summary line
         echo "== $(basename "$log" .log): $(grep -E '(passed|failed|error|no tests ran)' "$log" | tail -1)"
         grep -E '^(FAILED|ERROR) ' "$log"

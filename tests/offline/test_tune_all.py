@@ -552,10 +552,12 @@ def test_earlier_failures_run_last_longest_last_and_stop_after_the_retries():
     assert order([a, b, c, d, e], journal, "cpu-x", retries=0).todo == [c, d]
 
 
+@pytest.mark.cpu_host
 def test_a_timed_out_problem_keeps_its_baseline_and_is_retried_last(tmp_path):
-    """The Triton candidate of a 512^3 GEMM runs for seconds in the interpreter: the problem is
-    cut off after its baseline was timed, keeps it as its winner, and the next run tunes it
-    again after the others, until it has timed out more than --retries times."""
+    """The Triton candidate of a 512^3 GEMM runs for seconds in the interpreter (a GPU-less
+    host's; on a GPU it takes milliseconds): the problem is cut off after its baseline was
+    timed, keeps it as its winner, and the next run tunes it again after the others, until it
+    has timed out more than --retries times."""
     cache = tmp_path / "c.db"
     listed = tmp_path / "list.yaml"
     slow = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
