@@ -6,12 +6,14 @@ into their inboxes). The CTA's warps split either K (``split`` "k": a row block 
 rows, each of its warps takes every ``warps / teams``-th 128-value chunk of the run from its own
 copy ring, and they sum in shared memory) or rows (``split`` "rows": the CTA owns ``warps`` x its
 warp's rows, every warp takes every chunk from one ring the CTA shares, so each chunk of x is
-copied once per CTA, not once per warp). No partial ever goes through global memory, so there is no workspace and no second
-pass, and the sum order is fixed (deterministic). x's rows are one n8 tile of the tensor cores' mma
-(M <= 8) or two (M = 9-16, each dequantized weight fragment feeding both). Launched as a plain
-grid: behind a kernel that does not let its dependents start early (a model's norms and
-activations), a programmatic dependent launch's CTAs waiting on the SMs cost more than they save.
-It reads our packed layout (``tuner.quant.int4``) as the Triton kernel does.
+copied once per CTA, not once per warp). x's slabs come through the L1, where the other CTAs
+on an SM find them, while the weight streams past it. No partial ever goes through global
+memory, so there is no workspace and no second pass, and the sum order is fixed
+(deterministic). x's rows are one n8 tile of the tensor cores' mma (M <= 8) or two (M = 9-16,
+each dequantized weight fragment feeding both). Launched as a plain grid: behind a kernel that
+does not let its dependents start early (a model's norms and activations), a programmatic
+dependent launch's CTAs waiting on the SMs cost more than they save. It reads our packed layout
+(``tuner.quant.int4``) as the Triton kernel does.
 
 A config is the library's compile-time part (``split``, ``slices`` of 16 rows per warp,
 ``stages`` of each copy ring, ``stagger``: whether CTAs start their K chunks at staggered

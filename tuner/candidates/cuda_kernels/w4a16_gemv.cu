@@ -37,9 +37,10 @@
 // flight while one is computed; the weight streams past the L1, x's slab through it (read by
 // every CTA, so the CTAs an SM holds share its lines).
 // A nibble q becomes a 16-bit float by the magic-number trick (q | magic = magic + q, exact),
-// then (v - (magic + 8)) * scale + zero (one exact subtract, one rounding fma), the same values
-// as the Triton kernel; x is the mma's B operand (ldmatrix from the slab; rows past M read row
-// M - 1 and only produce output columns that are never stored).
+// which the tensor cores take as it is; a group's scale and zero apply to its dot after, in
+// fp32 (`compute`), so no weight value is rounded on the way. x is the mma's B operand
+// (ldmatrix from the slab; rows past M read row M - 1 and only produce output columns that are
+// never stored).
 //
 // x's M rows are one n8 tile of the mma (M <= 8) or two (M = 9-16): each dequantized A fragment
 // then feeds two mma, so a second tile costs x's copies and mma, not the dequant.
@@ -91,7 +92,8 @@
 // -DGEMV_EMPTY=1 returns at once: what launching the grid (its CTAs, shared memory) costs;
 // with it, -DGEMV_AB_LAUNCH_SMEM=b launches with b bytes of dynamic shared memory instead;
 // -DGEMV_AB_X_ONCE=1 copies x's slab for a warp's first chunk only (the later chunks read what
-// their stage's slab holds; the output is wrong): what x's copies cost
+// their stage's slab holds; the output is wrong): what x's copies cost; -DGEMV_AB_NO_XSUM=1
+// leaves out x's group sums (the mma with ones; the zeros' term is then wrong): what they cost
 #ifndef GEMV_COPIES_ONLY
 #define GEMV_COPIES_ONLY 0
 #endif
@@ -100,6 +102,9 @@
 #endif
 #ifndef GEMV_AB_X_ONCE
 #define GEMV_AB_X_ONCE 0
+#endif
+#ifndef GEMV_AB_NO_XSUM
+#define GEMV_AB_NO_XSUM 0
 #endif
 #if defined(GEMV_AB_LAUNCH_SMEM) && !GEMV_EMPTY
 #error "GEMV_AB_LAUNCH_SMEM only for an empty build"
@@ -519,7 +524,7 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
       float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j)
-        Ops::mma(c, ones, b[n8][j][0], b[n8][j][1]);
+        if constexpr (!GEMV_AB_NO_XSUM) Ops::mma(c, ones, b[n8][j][0], b[n8][j][1]);
       xsum[i][n8][0] = c[0];
       xsum[i][n8][1] = c[1];
     }
