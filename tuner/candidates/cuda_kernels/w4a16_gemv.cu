@@ -183,8 +183,8 @@ __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid
   asm volatile(GEMV_COPY16 " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 
-// x's slab: 16 bytes through the L1 (the weight's copies bypass it), where the SM's other CTAs and a
-// CTA's other teams, at the same chunks, find its lines instead of asking the L2 again
+// x's slab: 16 bytes through the L1 (the weight's copies bypass it), where the SM's other CTAs
+// and a CTA's other teams, at the same chunks, find its lines instead of asking the L2 again
 __device__ __forceinline__ void copy16_x(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
