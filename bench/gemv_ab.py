@@ -17,12 +17,19 @@ reads one run made with ``--variant NAME=FLAGS`` instead: each config's twins (i
 product, with a line per variant (rows faster, median and range of the ratio). A bench variant
 may leave the output wrong on purpose (copies only, x copied once), so the twins' rows are kept
 whatever their ``excess``; the product's are held to the bound.
+
+    python bench/gemv_ab.py --variants run.json --against gemm_lowbit.json.xz
+
+also puts each row's fastest product config beside the line the low-bit suite's INT4 decode
+target draws for the same (N, K, M) in that suite run: its bf16 cuBLAS time over the goal, in
+the timing the suite judges (CUDA-graph), and the time the suite served there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import statistics
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -101,6 +108,46 @@ def variants(run: dict[str, Any]) -> dict[str, Any]:
     return {"device": run.get("device"), "left_out": dropped, "rows": rows, "variants": summary}
 
 
+DECODE_TARGET = "int4 decode >= 3x bf16 cuBLAS"  # tuner.suites.lowbit's target name
+
+
+def against(run: dict[str, Any], suite: dict[str, Any]) -> list[Row]:
+    """Per (projection, M) of ``run``, its fastest product config beside the suite row of the
+    same (N, K, M) that the INT4 decode target judges: the time that target asks for (the row's
+    bf16 time in its timing over the goal) and the time the suite served."""
+    lines = {}
+    for r in suite["rows"]:
+        verdict = r.get("targets", {}).get(DECODE_TARGET)
+        if verdict:
+            bf16 = r[f"{r['timing']}_bf16_us"]
+            lines[r["n"], r["k"], r["m"]] = (bf16 / verdict["goal"], r[f"{r['timing']}_winner_us"])
+    best: dict[tuple[str, int], Row] = {}
+    for r in run["rows"]:
+        if r["impl"] != PRODUCT or "error" in r or r.get("excess", 0) > 1:
+            continue
+        key = r["proj"], r["m"]
+        if (r["n"], r["k"], r["m"]) in lines and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    out = []
+    for (proj, m), r in sorted(best.items()):
+        need, served = lines[r["n"], r["k"], m]
+        out.append({"proj": proj, "m": m, "config": r["config"], "us": r["us"],
+                    "need_us": round(need, 3), "served_us": round(served, 3),
+                    "over_need": round(r["us"] / need, 4)})  # fmt: skip
+    return out
+
+
+def against_table(rows: list[Row]) -> str:
+    lines = [f"{'projection':14s} {'M':>3s} {'fastest config':18s} {'us':>7s} {'needed':>7s} "
+             f"{'us/needed':>9s} {'suite served':>12s}"]  # fmt: skip
+    for r in rows:
+        lines.append(f"{r['proj']:14s} {r['m']:3d} {config_text(r['config']):18s} {r['us']:7.2f} "
+                     f"{r['need_us']:7.2f} {r['over_need']:9.3f} {r['served_us']:12.2f}")  # fmt: skip
+    met = sum(r["over_need"] <= 1 for r in rows)
+    lines.append(f"at or under the suite's line: {met} of {len(rows)} rows")
+    return "\n".join(lines)
+
+
 def config_text(cfg: dict[str, Any] | None) -> str:
     cfg = cfg or {}
     keys = ("split", "slices", "stages", "warps", "cluster", "stagger", "teams")
@@ -144,25 +191,39 @@ def main() -> None:
                     help="a w4a16_gemv.py JSON of this tree (repeatable)")  # fmt: skip
     ap.add_argument("--variants", type=Path,
                     help="instead: one w4a16_gemv.py --variant run, each twin beside its product build")  # fmt: skip
+    ap.add_argument("--against", type=Path,
+                    help="with --variants: a low-bit suite run (JSON, or .json.xz) whose INT4 "
+                         "decode lines the product's fastest configs are read against")  # fmt: skip
     ap.add_argument("--out", type=Path, help="also write the comparison as JSON here")
     args = ap.parse_args()
     if bool(args.variants) == bool(args.base or args.new):
         ap.error("give --variants RUN, or --base and --new runs (not both)")
     if not args.variants and not (args.base and args.new):
         ap.error("--base and --new: each side needs at least one run")
+    if args.against and not args.variants:
+        ap.error("--against SUITE: only with --variants RUN")
 
-    def load(flag: str, path: Path) -> dict[str, Any]:
+    def load(flag: str, path: Path, what: str = "bench/w4a16_gemv.py run") -> dict[str, Any]:
         try:
-            run = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            raw = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
+            run = json.loads(raw)
+        except (OSError, lzma.LZMAError, json.JSONDecodeError) as e:
             ap.error(f"--{flag} {path}: not a readable JSON run ({e})")
         if not isinstance(run, dict) or not isinstance(run.get("rows"), list):
-            ap.error(f"--{flag} {path}: no 'rows' list (not a bench/w4a16_gemv.py run)")
+            ap.error(f"--{flag} {path}: no 'rows' list (not a {what})")
         return run
 
     if args.variants:
-        result = variants(load("variants", args.variants))
+        run = load("variants", args.variants)
+        result = variants(run)
         print(variants_table(result))
+        if args.against:
+            suite = load("against", args.against, "low-bit suite run")
+            result["against"] = against(run, suite)
+            if not result["against"]:
+                ap.error(f"--against {args.against}: no INT4 decode row of it matches the run's "
+                         "(N, K, M)")  # fmt: skip
+            print(against_table(result["against"]))
     else:
         result = compare([load("base", p) for p in args.base], [load("new", p) for p in args.new])
         print(table(result))

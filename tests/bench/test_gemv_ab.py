@@ -4,6 +4,7 @@ beside the product's builds (CPU)."""
 from __future__ import annotations
 
 import json
+import lzma
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,45 @@ def test_the_command_line_takes_one_variant_run_or_two_sides(tmp_path: Path) -> 
     for args in (["--variants", str(one), "--base", str(one)], ["--base", str(one)], []):
         done = subprocess.run([*script, *args], capture_output=True, text=True)
         assert done.returncode == 2 and "--base" in done.stderr, args
+
+
+def suite_row(n: int, k: int, m: int, bf16_us: float, served_us: float) -> dict:
+    """A low-bit suite row as `tuner.suites.lowbit.judge` leaves it (graph timing)."""
+    return {"n": n, "k": k, "m": m, "timing": "graph", "graph_bf16_us": bf16_us,
+            "graph_winner_us": served_us,
+            "targets": {ab.DECODE_TARGET: {"goal": 3.0, "value": bf16_us / served_us}}}  # fmt: skip
+
+
+def test_the_fastest_product_config_is_read_against_the_suites_decode_line(tmp_path: Path) -> None:
+    """The line is the suite row's bf16 time over the goal for the same (N, K, M); a product
+    build past the numerics bound, a twin, and a row the suite does not judge are not read."""
+    down = {"proj": "down", "n": 4096, "k": 14336}
+    other = {**CFG, "cluster": 2}
+    bench_run = run(
+        row(m=4, impl="cuda_gemv", us=10.9, config=CFG, excess=0.2, **down),
+        row(m=4, impl="cuda_gemv", us=10.6, config=other, excess=0.2, **down),
+        row(m=4, impl="cuda_gemv", us=9.0, config={**CFG, "warps": 4}, excess=3.0, **down),
+        row(m=4, impl="cuda_gemv_xonce", us=9.5, config=CFG, excess=40.0, **down),
+        row(m=16, impl="cuda_gemv", us=14.0, config=CFG, excess=0.2, **down),
+    )  # fmt: skip
+    suite = {"rows": [suite_row(4096, 14336, 4, 31.8, 10.66), {"n": 1, "k": 1, "m": 4}]}
+    [line] = ab.against(bench_run, suite)
+    assert (line["proj"], line["m"], line["config"], line["us"]) == ("down", 4, other, 10.6)
+    assert line["need_us"] == 10.6 and line["served_us"] == 10.66
+    assert line["over_need"] == 1.0
+    assert "at or under the suite's line: 1 of 1 rows" in ab.against_table([line])
+
+    bench_file, suite_file = tmp_path / "run.json", tmp_path / "suite.json.xz"
+    bench_file.write_text(json.dumps(bench_run))
+    suite_file.write_bytes(lzma.compress(json.dumps(suite).encode()))
+    script = [sys.executable, str(BENCH / "gemv_ab.py"), "--variants", str(bench_file)]
+    done = subprocess.run([*script, "--against", str(suite_file)], capture_output=True, text=True)
+    assert done.returncode == 0 and "k,4,2,8,2" in done.stdout and "10.60" in done.stdout
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({"rows": [suite_row(3584, 18944, 4, 39.0, 12.4)]}))
+    done = subprocess.run([*script, "--against", str(elsewhere)], capture_output=True, text=True)
+    assert done.returncode == 2 and "no INT4 decode row of it matches" in done.stderr
+    done = subprocess.run([sys.executable, str(BENCH / "gemv_ab.py"), "--base", str(bench_file),
+                           "--new", str(bench_file), "--against", str(elsewhere)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and "only with --variants" in done.stderr
