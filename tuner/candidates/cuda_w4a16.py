@@ -221,22 +221,17 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 # CTA's weight), 64-row warps over half of K (a cluster of 2: x copied once per 64 rows), or 8
 # warps of 32 rows sharing each chunk's slab with K over a cluster of 8. Three 64-row warps a CTA
 # fit five CTAs an SM: a wide projection's row blocks then run in one round (not a second one on
-# part of the SMs), each warp streaming more chunks for its one ramp. Where a grid's CTAs all sit
-# in K's same chunk at once (those one-round grids, or 64-row warps over half of K at M >= 4),
-# they ask the L2 for the same x lines together: there their staggered builds lead from M = 2,
-# and so may the 16-warp CTAs' on a narrow projection; staggering costs instructions, which the
-# issue-bound M = 1 rows feel. Where a one-round grid
+# part of the SMs), each warp streaming more chunks for its one ramp. Where a one-round grid
 # of 64-row CTAs leaves some SMs a CTA more than the others, four-warp CTAs of 32 rows share the
 # rows out more evenly, at more instructions a weight byte. Such a grid is handed out a CTA an
-# SM at a time, and the CTAs handed out last end last: four row blocks a CTA (teams of two or
-# three warps) start them together.
-SHORTLIST = (("k", 2, 2, 16, 1, False, 1), ("k", 2, 2, 16, 1, True, 1), ("k", 2, 4, 8, 1, False, 1),
-             ("k", 4, 2, 8, 1, False, 1),
-             ("k", 4, 2, 3, 1, False, 1), ("k", 4, 2, 3, 1, True, 1), ("k", 2, 2, 4, 1, False, 1),
+# SM at a time, and the CTAs handed out last end last: four row blocks a CTA (teams of three
+# warps) start them together. No staggered config: x's lines come through the L1, where the CTAs
+# of an SM at the same chunk share them, and staggered CTAs sit at different chunks.
+SHORTLIST = (("k", 2, 2, 16, 1, False, 1), ("k", 2, 4, 8, 1, False, 1), ("k", 4, 2, 8, 1, False, 1),
+             ("k", 4, 2, 3, 1, False, 1), ("k", 2, 2, 4, 1, False, 1),
              ("k", 2, 3, 16, 1, False, 1), ("k", 2, 3, 12, 1, False, 1),
              ("rows", 2, 4, 8, 8, False, 1), ("k", 4, 2, 8, 2, False, 1),
-             ("k", 4, 2, 8, 2, True, 1), ("k", 4, 2, 12, 1, False, 4), ("k", 4, 2, 12, 1, True, 4),
-             ("k", 4, 2, 8, 1, True, 4))  # fmt: skip
+             ("k", 4, 2, 12, 1, False, 4))  # fmt: skip
 # M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so only the 64-row
 # warps over half of K, which copy the least x per weight byte.
 WIDE_SHORTLIST = (("k", 4, 2, 8, 2, False, 1),)
