@@ -3,7 +3,8 @@
 #   bash bench/gpu_check.sh tests dispatch        (carry .whl; results land under $OUT)
 # Stages: tests (pytest -m gpu; GPU_TESTS="tests/serving ..." narrows it, GPU_TESTS_TIMEOUT seconds),
 #   host-tests (the rest of the suite, -m "not gpu", as `make test` runs it on a GPU machine: one pytest
-#   per test folder, in parallel -> $OUT/host_tests.txt, each folder's summary; HOST_TESTS_TIMEOUT seconds), dispatch (hit-path
+#   per test folder, in parallel -> $OUT/host_tests.txt, each folder's summary; HOST_TESTS_TIMEOUT seconds;
+#   HOST_TESTS="tests/cli tests/suites" runs those folders or files only), dispatch (hit-path
 #   overhead benchmark), contention (bench/cpu_contention.py: eager calls beside busy compilers), decode-sweep (bench/decode_sweep.py), decode-ncu (its --profile under
 #   Nsight Compute); more are added per area.
 #   triton-sweep (whole Triton GEMM config space on sample shapes), triton-tests, gemm
@@ -81,7 +82,7 @@ for stage in "$@"; do
       [ "$rc" = 0 ] || status=1 ;;
     host-tests)  # CPU-path tests on a GPU host: a GPU-less host's tests are marked cpu_host
       logs=$(mktemp -d) pids=()
-      for dir in tests/*/ tests/test_*.py; do
+      for dir in ${HOST_TESTS:-tests/*/ tests/test_*.py}; do
         name=$(basename "$dir" .py)
         timeout -k 20 "${HOST_TESTS_TIMEOUT:-500}" python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
           --ignore=tests/server/test_schema.py "$dir" > "$logs/$name.log" 2>&1 &
