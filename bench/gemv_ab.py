@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from tuner.suites import lowbit
+
 Row = dict[str, Any]
 Pair = tuple[str, int, str, str]  # projection, M, implementation, config
 
@@ -114,13 +116,17 @@ DECODE_TARGET = "int4 decode >= 3x bf16 cuBLAS"  # tuner.suites.lowbit's target 
 def against(run: dict[str, Any], suite: dict[str, Any]) -> list[Row]:
     """Per (projection, M) of ``run``, its fastest product config beside the suite row of the
     same (N, K, M) that the INT4 decode target judges: the time that target asks for (the row's
-    bf16 time in its timing over the goal) and the time the suite served."""
+    bf16 time, as the suite judges it, over the goal) and the time the suite served (None where
+    its runner was not captured). A suite row without a bf16 time draws no line."""
     lines = {}
     for r in suite["rows"]:
         verdict = r.get("targets", {}).get(DECODE_TARGET)
-        if verdict:
-            bf16 = r[f"{r['timing']}_bf16_us"]
-            lines[r["n"], r["k"], r["m"]] = (bf16 / verdict["goal"], r[f"{r['timing']}_winner_us"])
+        bf16 = lowbit.target_field(r, "bf16_us") if verdict else None
+        if bf16:
+            lines[r["n"], r["k"], r["m"]] = (
+                bf16 / verdict["goal"],
+                lowbit.target_field(r, "winner_us"),
+            )
     best: dict[tuple[str, int], Row] = {}
     for r in run["rows"]:
         if r["impl"] != PRODUCT or "error" in r or r.get("excess", 0) > 1:
@@ -132,7 +138,7 @@ def against(run: dict[str, Any], suite: dict[str, Any]) -> list[Row]:
     for (proj, m), r in sorted(best.items()):
         need, served = lines[r["n"], r["k"], m]
         out.append({"proj": proj, "m": m, "config": r["config"], "us": r["us"],
-                    "need_us": round(need, 3), "served_us": round(served, 3),
+                    "need_us": round(need, 3), "served_us": served and round(served, 3),
                     "over_need": round(r["us"] / need, 4)})  # fmt: skip
     return out
 
@@ -141,8 +147,9 @@ def against_table(rows: list[Row]) -> str:
     lines = [f"{'projection':14s} {'M':>3s} {'fastest config':18s} {'us':>7s} {'needed':>7s} "
              f"{'us/needed':>9s} {'suite served':>12s}"]  # fmt: skip
     for r in rows:
+        served = "-" if r["served_us"] is None else f"{r['served_us']:.2f}"
         lines.append(f"{r['proj']:14s} {r['m']:3d} {config_text(r['config']):18s} {r['us']:7.2f} "
-                     f"{r['need_us']:7.2f} {r['over_need']:9.3f} {r['served_us']:12.2f}")  # fmt: skip
+                     f"{r['need_us']:7.2f} {r['over_need']:9.3f} {served:>12s}")  # fmt: skip
     met = sum(r["over_need"] <= 1 for r in rows)
     lines.append(f"at or under the suite's line: {met} of {len(rows)} rows")
     return "\n".join(lines)

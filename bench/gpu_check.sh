@@ -83,17 +83,19 @@ for stage in "$@"; do
     host-tests)  # CPU-path tests on a GPU host: a GPU-less host's tests are marked cpu_host
       logs=$(mktemp -d) pids=()
       for dir in ${HOST_TESTS:-tests/*/ tests/test_*.py}; do
-        name=$(basename "$dir" .py)
-        timeout -k 20 "${HOST_TESTS_TIMEOUT:-500}" python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
-          --ignore=tests/server/test_schema.py "$dir" > "$logs/$name.log" 2>&1 &
+        name=$(echo "${dir%/}" | tr / _)  # tests/cli -> tests_cli: one log a path
+        ( timeout -k 20 "${HOST_TESTS_TIMEOUT:-500}" python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
+            --ignore=tests/server/test_schema.py "$dir" > "$logs/$name.log" 2>&1
+          echo $? > "$logs/$name.rc" ) &
         pids+=($!)
       done
       wait "${pids[@]}"  # not a bare wait: the clock logger runs in the background until the end
-      for log in "$logs"/*.log; do  # a folder cut by the timeout ends without a summary line
-        echo "== $(basename "$log" .log): $(grep -E '(passed|failed|error|no tests ran)' "$log" | tail -1)"
-        grep -E '^(FAILED|ERROR) ' "$log"
+      for log in "$logs"/*.log; do  # exit 124 / 137: cut by the timeout; 5: every test deselected
+        name=$(basename "$log" .log)
+        echo "== $name (exit $(cat "$logs/$name.rc")): $(grep -E '(passed|failed|error|no tests ran|deselected)' "$log" | tail -1)"
+        grep -E '^(FAILED|ERROR)' "$log"
       done | tee "$OUT/host_tests.txt"
-      if grep -qE '^(FAILED|ERROR) |== [a-z_]+: $' "$OUT/host_tests.txt"; then status=1; fi ;;
+      if grep -qE '^(FAILED|ERROR)|\(exit ([1-46-9]|[0-9]{2,})\)' "$OUT/host_tests.txt"; then status=1; fi ;;
     decode-sweep)  # split-KV decode on small batches: floor read, copy, torch, a wide config grid
       timeout -k 20 "${DECODE_SWEEP_TIMEOUT:-240}" python3 bench/decode_sweep.py --out "$OUT/decode_sweep.json" \
         --time-limit "${DECODE_SWEEP_LIMIT:-200}" ${DECODE_SWEEP_ARGS:-} 2>&1 | tee "$OUT/decode_sweep.log" || status=1 ;;

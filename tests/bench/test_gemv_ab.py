@@ -129,23 +129,37 @@ def suite_row(n: int, k: int, m: int, bf16_us: float, served_us: float) -> dict:
 
 
 def test_the_fastest_product_config_is_read_against_the_suites_decode_line(tmp_path: Path) -> None:
-    """The line is the suite row's bf16 time over the goal for the same (N, K, M); a product
-    build past the numerics bound, a twin, and a row the suite does not judge are not read."""
+    """The line is the suite row's bf16 time over the goal for the same (N, K, M), in the timing
+    the suite judges it in; a product build past the numerics bound, a twin (its output right
+    or not), and a row the suite does not judge are not read; a winner the suite could not
+    capture leaves its served time out, not the row."""
     down = {"proj": "down", "n": 4096, "k": 14336}
     other = {**CFG, "cluster": 2}
     bench_run = run(
         row(m=4, impl="cuda_gemv", us=10.9, config=CFG, excess=0.2, **down),
         row(m=4, impl="cuda_gemv", us=10.6, config=other, excess=0.2, **down),
         row(m=4, impl="cuda_gemv", us=9.0, config={**CFG, "warps": 4}, excess=3.0, **down),
-        row(m=4, impl="cuda_gemv_xonce", us=9.5, config=CFG, excess=40.0, **down),
+        row(m=4, impl="cuda_gemv_xca", us=8.5, config=CFG, excess=0.2, **down),
         row(m=16, impl="cuda_gemv", us=14.0, config=CFG, excess=0.2, **down),
+        row(m=8, impl="cuda_gemv", us=11.0, config=CFG, excess=0.2, **down),
+        row(m=2, impl="cuda_gemv", us=10.5, config=CFG, excess=0.2, **down),
     )  # fmt: skip
-    suite = {"rows": [suite_row(4096, 14336, 4, 31.8, 10.66), {"n": 1, "k": 1, "m": 4}]}
-    [line] = ab.against(bench_run, suite)
-    assert (line["proj"], line["m"], line["config"], line["us"]) == ("down", 4, other, 10.6)
+    uncaptured = suite_row(4096, 14336, 8, 32.1, 11.1)
+    del uncaptured["graph_winner_us"]
+    eager = {"n": 4096, "k": 14336, "m": 2, "timing": "eager", "bf16_us": 31.5, "winner_us": 10.4,
+             "targets": {ab.DECODE_TARGET: {"goal": 3.0, "value": 31.5 / 10.4}}}  # fmt: skip
+    suite = {"rows": [suite_row(4096, 14336, 4, 31.8, 10.66), {"n": 1, "k": 1, "m": 4},
+                      uncaptured, eager]}  # fmt: skip
+    lines = {line["m"]: line for line in ab.against(bench_run, suite)}
+    assert sorted(lines) == [2, 4, 8]
+    line = lines[4]
+    assert (line["proj"], line["config"], line["us"]) == ("down", other, 10.6)
     assert line["need_us"] == 10.6 and line["served_us"] == 10.66
     assert line["over_need"] == 1.0
-    assert "at or under the suite's line: 1 of 1 rows" in ab.against_table([line])
+    assert lines[8]["served_us"] is None and lines[8]["need_us"] == 10.7
+    assert lines[2]["need_us"] == 10.5 and lines[2]["served_us"] == 10.4
+    text = ab.against_table([line, lines[8]])
+    assert "at or under the suite's line: 1 of 2 rows" in text
 
     bench_file, suite_file = tmp_path / "run.json", tmp_path / "suite.json.xz"
     bench_file.write_text(json.dumps(bench_run))

@@ -211,21 +211,27 @@ FP8_GEOMEAN = Target("fp8 geomean >= 1.15x torch", "vs_torch", 1.15,
                      "the geomean of the fp8-rowwise rows", _fp8_rowwise)  # fmt: skip
 
 
+def target_field(row: Row, field: str) -> float | None:
+    """The ``field`` ("winner_us", "bf16_us", "winner_pct_copy", ...) the targets judge the row
+    on: its retimed one in its timing mode, else the tuning's; None where it has none (a runner
+    not captured)."""
+    retimed = row["timing"] == "graph" or "eager_baseline_us" in row
+    return row.get(f"{row['timing']}_{field}" if retimed else field)
+
+
 def judge(row: Row) -> None:
     """The row's served ratios in its timing mode, and each target that applies to it; for an
     eager row given a round of CUDA-graph times, the same ratios of those (``*_gpu``) and each
     target's verdict on them (a runner not captured: a miss)."""
-    retimed = row["timing"] == "graph" or "eager_baseline_us" in row  # else: the tuning's times
-    mode = f"{row['timing']}_" if retimed else ""
-    win = row.get(f"{mode}winner_us")
+    win = target_field(row, "winner_us")
     gpu_win = row.get("gpu_winner_us")
     for ref, column in (("baseline", "vs_torch"), ("bf16_served", "vs_bf16_served"),
                         ("bf16", "vs_bf16_cublas")):  # fmt: skip
-        t = row.get(f"{mode}{ref}_us")
+        t = target_field(row, f"{ref}_us")
         row[column] = t / win if t and win else None
         gpu = row.get(f"gpu_{ref}_us")
         row[f"{column}_gpu"] = gpu / gpu_win if gpu and gpu_win else None
-    row["served_pct_copy"] = row.get(f"{mode}winner_pct_copy")
+    row["served_pct_copy"] = target_field(row, "winner_pct_copy")
     row["targets"] = {}
     for t in TARGETS:
         if t.applies(row):
