@@ -458,7 +458,7 @@ def test_padded_output_rows_get_only_their_n_outputs(n: int, built: None) -> Non
         assert padded[:, n:].isnan().all(), config
 
 
-# a team of three 64-row warps (four a CTA), of two staggered ones (the shortlist's), of two
+# a team of three 64-row warps (four a CTA: the shortlist's), of two staggered ones, of two
 # staggered 32-row ones; each beside a CTA of its own
 TEAMS = [(cfg(4, 2, 3, 1), cfg(4, 2, 12, 1, teams=4)),
          (cfg(4, 2, 2, 1, stagger=True), cfg(4, 2, 8, 1, stagger=True, teams=4)),
