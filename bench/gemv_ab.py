@@ -110,7 +110,7 @@ def variants(run: dict[str, Any]) -> dict[str, Any]:
     return {"device": run.get("device"), "left_out": dropped, "rows": rows, "variants": summary}
 
 
-DECODE_TARGET = "int4 decode >= 3x bf16 cuBLAS"  # tuner.suites.lowbit's target name
+DECODE_TARGET = lowbit.INT4_DECODE.name
 
 
 def against(run: dict[str, Any], suite: dict[str, Any]) -> list[Row]:

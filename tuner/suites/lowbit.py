@@ -190,13 +190,14 @@ class Target:
     applies: Callable[[Row], bool]
 
 
+INT4_DECODE = Target("int4 decode >= 3x bf16 cuBLAS", "vs_bf16_cublas", 3.0,
+                     "int4, M <= 16, bf16 weight >= 64 MB",
+                     lambda r: _int4(r) and _decode(r) and r["bf16_weight_bytes"] >= 64 * MB)  # fmt: skip
 TARGETS = (
     Target("torch >= 0.98x", "vs_torch", 0.98, "every row", lambda r: True),
     Target("bf16 served >= 0.98x", "vs_bf16_served", 0.98,
            "decode rows; FP8 also at M >= 2048", meant_faster_than_bf16),
-    Target("int4 decode >= 3x bf16 cuBLAS", "vs_bf16_cublas", 3.0,
-           "int4, M <= 16, bf16 weight >= 64 MB",
-           lambda r: _int4(r) and _decode(r) and r["bf16_weight_bytes"] >= 64 * MB),
+    INT4_DECODE,
     Target("int4 M>=256 >= 0.8x bf16 cuBLAS", "vs_bf16_cublas", 0.8, "int4, M >= 256",
            lambda r: _int4(r) and r["m"] >= 256),
     Target("fp8 decode >= 80% copy", "served_pct_copy", 80.0,
