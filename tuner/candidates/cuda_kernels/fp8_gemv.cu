@@ -22,8 +22,7 @@
 // Compile-time: FP8_GEMV_STAGES (3-12), FP8_GEMV_ATOMS (1-2); bench builds only:
 // FP8_GEMV_TRACE=1 (per-CTA stamps of the last launch, fp8_gemv_trace), FP8_GEMV_DEPENDENT=1
 // (a programmatic dependent launch that waits with griddepcontrol.wait before any global
-// access), FP8_GEMV_AB_X_CACHED=1 (a's rows copied through the L1, as the W4A16 kernel copies
-// its x). sm_90a only.
+// access). sm_90a only.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -46,9 +45,6 @@
 #endif
 #ifndef FP8_GEMV_DEPENDENT
 #define FP8_GEMV_DEPENDENT 0
-#endif
-#ifndef FP8_GEMV_AB_X_CACHED
-#define FP8_GEMV_AB_X_CACHED 0
 #endif
 
 namespace cg = cooperative_groups;
@@ -107,15 +103,6 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
-}
-
-// a's 16 bytes: through the L1 where FP8_GEMV_AB_X_CACHED asks
-__device__ __forceinline__ void copy16_a(uint32_t dst, const void* src, bool valid) {
-  if constexpr (FP8_GEMV_AB_X_CACHED)
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(valid ? 16 : 0));
-  else
-    copy16(dst, src, valid);
 }
 
 __device__ __forceinline__ void copy4(uint32_t dst, const void* src) {
@@ -249,7 +236,7 @@ __global__ void __launch_bounds__(128, 1) fp8_gemv(Params p) {
         copy16(stage + at * ROWS * ATOM + b_dst + 2048 * i,
                valid ? b_src + at * ATOM + i * b_rows16 : p.b, valid);
       }
-      if (a_copies) copy16_a(stage + at * NB * ATOM + a_dst, a_src + at * ATOM, a_valid);
+      if (a_copies) copy16(stage + at * NB * ATOM + a_dst, a_src + at * ATOM, a_valid);
     }
     b_src += CHUNK;
     a_src += CHUNK;

@@ -94,9 +94,7 @@
 // with it, -DGEMV_AB_LAUNCH_SMEM=b launches with b bytes of dynamic shared memory instead;
 // -DGEMV_AB_X_ONCE=1 copies x's slab for a warp's first chunk only (the later chunks read what
 // their stage's slab holds; the output is wrong): what x's copies cost; -DGEMV_AB_NO_XSUM=1
-// leaves out x's group sums (the mma with ones; the zeros' term is then wrong): what they cost;
-// -DGEMV_AB_X_FIXED=1 (output right) copies x's slab at fixed stage offsets where a warp fills
-// its own ring (warps splitting K), with fewer address instructions a chunk
+// leaves out x's group sums (the mma with ones; the zeros' term is then wrong): what they cost
 #ifndef GEMV_COPIES_ONLY
 #define GEMV_COPIES_ONLY 0
 #endif
@@ -108,9 +106,6 @@
 #endif
 #ifndef GEMV_AB_NO_XSUM
 #define GEMV_AB_NO_XSUM 0
-#endif
-#ifndef GEMV_AB_X_FIXED
-#define GEMV_AB_X_FIXED 0
 #endif
 #if defined(GEMV_AB_LAUNCH_SMEM) && !GEMV_EMPTY
 #error "GEMV_AB_LAUNCH_SMEM only for an empty build"
@@ -432,28 +427,6 @@ struct Copier {
     }
   }
 
-  // x's slab of the current chunk, x_threads / 16 rows a round
-  __device__ __forceinline__ void copy_x(uint32_t stage) const {
-    if constexpr (GEMV_AB_X_FIXED && !SPLIT_ROWS) {
-      // a warp fills its own ring, two rows a round: fixed stage offsets, 32-bit element steps
-#pragma unroll
-      for (int it = 0; it < X_COPIES; ++it)
-        if (it < x_rounds)
-          copy16_x(stage + lane_x + it * 2 * XROW,
-                   x + static_cast<uint32_t>(it) * static_cast<uint32_t>(x_round));
-    } else {
-      if (x_rounds > 0) copy16_x(stage + lane_x, x);
-      // taken alike by every thread: M past one round of rows (M > 8 always, with two n8 tiles)
-      if (NT > 1 || x_rows_past_one) {
-        const uint16_t* piece = x;
-#pragma unroll
-        for (int it = 1; it < X_COPIES; ++it)
-          if (piece += x_round, it < x_rounds)
-            copy16_x(stage + lane_x + it * x_round_bytes, piece);
-      }
-    }
-  }
-
   __device__ __forceinline__ void issue(uint32_t stage) {
     const uint32_t* at = FULL ? words : sz + static_cast<uint32_t>((chunk >> chunk_shift) * NG) * n;
     if constexpr (FULL) {
@@ -480,7 +453,15 @@ struct Copier {
               valid ? at + (32 * it / ROWS) * n + 32 * it % ROWS : sz, valid);
       }
     }
-    copy_x(stage);
+    if (x_rounds > 0) copy16_x(stage + lane_x, x);
+    // taken alike by every thread: M past one round of rows (M > 8 always, with two n8 tiles)
+    if (NT > 1 || x_rows_past_one) {
+      const uint16_t* piece = x;
+#pragma unroll
+      for (int it = 1; it < X_COPIES; ++it)
+        if (piece += x_round, it < x_rounds)
+          copy16_x(stage + lane_x + it * x_round_bytes, piece);
+    }
     if constexpr (GEMV_AB_X_ONCE) x_rounds = 0;
     w += w_step;
     x += chunk_step * CHUNK;
