@@ -19,7 +19,7 @@ from tuner.quant.tolerance import (
 )
 from tuner.serving import dispatcher as dispatch_module
 from tuner.serving.dispatcher import Dispatcher
-from tuner.serving.quantize import Fp8Linear, Int4Linear
+from tuner.serving.quantize import Fp8Linear, Int4Linear, QuantizedLinear
 
 
 @pytest.fixture(autouse=True)
@@ -228,3 +228,31 @@ def test_nothing_to_quantize_is_said_and_earlier_layers_stay_listed(caplog) -> N
     assert isinstance(again[0], Int4Linear) and isinstance(again[3], nn.Linear)
     with pytest.raises(TypeError, match=r"module: expected a torch\.nn\.Module, got Tensor"):
         tt.quantize_linear(torch.zeros(2, 2), "int4")
+
+
+@pytest.mark.parametrize("fmt", ["int4", FP8_CPU_HOST])
+def test_a_layer_reached_by_two_names_is_quantized_once_for_both(fmt) -> None:
+    """A shared (tied) layer: every name gets the same quantized layer, so no name keeps
+    running the float one (named_modules() gives a module under its first name only)."""
+    torch.manual_seed(0)
+    shared = nn.Linear(256, 256)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    x = torch.randn(3, 256)
+    want = model(x)
+    q = tt.quantize_linear(model, fmt)
+    assert q.quantized_layers == ["0", "2"] and q.quantized_skipped == {}
+    assert q[0] is q[2] and isinstance(q[0], QuantizedLinear)
+    assert 0 < rel_err(q(x), want) < 0.1
+
+
+@pytest.mark.parametrize("fmt", ["int4", FP8_CPU_HOST])
+def test_a_quantized_model_compiles_whole(fmt) -> None:
+    """torch.compile(fullgraph=True) takes the quantized layers as custom ops (tuner::int4_linear,
+    tuner::scaled_mm) and gives what the eager model gives."""
+    torch.manual_seed(0)
+    model = tt.quantize_linear(
+        nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 256)), fmt
+    )
+    x = torch.randn(3, 256)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)

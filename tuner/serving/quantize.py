@@ -79,6 +79,49 @@ def check_activation(x: torch.Tensor, in_features: int) -> None:
         raise ValueError(f"x.shape={tuple(x.shape)}: expected [..., in_features={in_features}]")
 
 
+# --- what torch.compile sees: the layers' GEMMs as opaque custom ops (traced, the dispatcher's
+# first-call set-up, config files included, would break the graph) ---------------------------
+
+
+@torch.library.custom_op("tuner::int4_linear", mutates_args=())
+def _int4_linear_op(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    return dispatcher.int4_linear(x, packed, scales_and_zeros, group_size).contiguous()
+
+
+@_int4_linear_op.register_fake
+def _int4_linear_fake(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], scales_and_zeros.shape[1]))
+
+
+@torch.library.custom_op("tuner::scaled_mm", mutates_args=())
+def _scaled_mm_op(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    return dispatcher.scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype).contiguous()
+
+
+@_scaled_mm_op.register_fake
+def _scaled_mm_fake(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _int4_linear() -> Callable[..., torch.Tensor]:
+    """The custom op while torch.compile traces; eagerly the dispatcher (no op overhead)."""
+    return torch.ops.tuner.int4_linear if torch.compiler.is_compiling() else dispatcher.int4_linear
+
+
+def _scaled_mm() -> Callable[..., torch.Tensor]:
+    return torch.ops.tuner.scaled_mm if torch.compiler.is_compiling() else dispatcher.scaled_mm
+
+
 class QuantizedLinear(nn.Module):
     """What the quantized layers share: a dtype cast of the model keeps their tensors' dtypes
     (the packed weight and its scales are the format, and the forward computes in
@@ -113,7 +156,7 @@ class Int4Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_activation(x, self.in_features)
         # any strides, as nn.Linear takes them (a sequence's last token: h[:, -1, :])
-        y = dispatcher.int4_linear(
+        y = _int4_linear()(
             x.to(COMPUTE_DTYPE).contiguous(), self.packed_weight, self.scales_and_zeros,
             self.group_size,
         )  # fmt: skip
@@ -143,7 +186,7 @@ class Fp8Linear(QuantizedLinear):
             return x.new_empty(*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features)
         xq, x_scale = fp8.quantize_rowwise(x2)
-        y = dispatcher.scaled_mm(
+        y = _scaled_mm()(
             xq, self.weight.t(), x_scale, self.weight_scale.t(), out_dtype=COMPUTE_DTYPE
         )
         if self.bias is not None:
@@ -177,19 +220,26 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int | None = None) 
         if reason:
             raise ValueError(f"module: {reason}")
         return _quantized(module, fmt, group_size)
+    # every name of each layer: one reached by two names (a shared, tied layer) is quantized
+    # once and set at both, or left at both
+    layers: dict[int, tuple[nn.Linear, list[tuple[str, nn.Module, str]]]] = {}
+    for name, child in module.named_modules(remove_duplicate=False):
+        if isinstance(child, nn.Linear) and name:
+            parent_name, _, attr = name.rpartition(".")
+            place = (name, module.get_submodule(parent_name), attr)
+            layers.setdefault(id(child), (child, []))[1].append(place)
     replaced: list[str] = []
     skipped: dict[str, str] = {}
-    for name, child in list(module.named_modules()):
-        if not isinstance(child, nn.Linear):
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if name else None
-        reason = kept_reason(child, parent) or unsupported(fmt, child.weight, group_size)
+    for child, places in layers.values():
+        reason = next((r for _, parent, _ in places if (r := kept_reason(child, parent))), None)
+        reason = reason or unsupported(fmt, child.weight, group_size)
         if reason:
-            skipped[name] = reason
+            skipped.update((name, reason) for name, _, _ in places)
             continue
-        setattr(parent, attr, _quantized(child, fmt, group_size))
-        replaced.append(name)
+        quantized = _quantized(child, fmt, group_size)
+        for name, parent, attr in places:
+            setattr(parent, attr, quantized)
+            replaced.append(name)
     for name, reason in skipped.items():
         log.warning("quantize_linear: %s left as it was: %s", name, reason)
     earlier = [name for name, child in module.named_modules()
