@@ -260,9 +260,9 @@ def _sdpa_args(
 
 def _scaled_mm_args(
     self: Any, mat2: Any, scale_a: Any, scale_b: Any, bias: Any = None, scale_result: Any = None,
-    out_dtype: Any = None, use_fast_accum: bool = False,
+    out_dtype: Any = None, use_fast_accum: bool = False, out: Any = None,
 ) -> tuple[Any, ...]:  # fmt: skip
-    return self, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum
+    return self, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum, out
 
 
 def _int4_args(self: Any, mat2: Any, qGroupSize: int, qScaleAndZeros: Any) -> tuple[Any, ...]:
@@ -404,8 +404,10 @@ class Router:
     # --- low-bit GEMMs (eager only: traced code keeps torch's ops) --------------------------------
 
     def _scaled_mm(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
-        a, b, sa, sb, bias, scale_result, out_dtype, fast = _scaled_mm_args(*args, **kwargs)
-        if compiling or bias is not None or scale_result is not None:
+        a, b, sa, sb, bias, scale_result, out_dtype, fast, out = _scaled_mm_args(*args, **kwargs)
+        if compiling or bias is not None or scale_result is not None or out is not None:
+            return NotImplemented
+        if not isinstance(fast, bool):  # torch's own TypeError
             return NotImplemented
         if not all(_plain(t) for t in (a, b, sa, sb)):
             return NotImplemented

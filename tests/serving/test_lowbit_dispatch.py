@@ -91,6 +91,34 @@ def test_scaled_mm_with_bias_is_torchs(disp: Dispatcher) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_scaled_mm_into_out_is_torchs_routed_or_not(disp: Dispatcher) -> None:
+    """``out=`` is torch's call as made, through ``tuner.scaled_mm`` and under the drop-in."""
+    a, b, sa, sb = fp8_operands(4, False)
+    want = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+    out = torch.empty(4, N, dtype=torch.bfloat16)
+    assert tuner.scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, out=out) is out
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    out.zero_()
+    with tt.enabled(dispatcher=disp):
+        assert torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, out=out) is out
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fast", [None, 1])
+def test_a_use_fast_accum_that_is_not_a_bool_raises_torchs_type_error(
+    disp: Dispatcher, fast: object
+) -> None:
+    a, b, sa, sb = fp8_operands(4, False)
+    message = f"argument 'use_fast_accum' must be bool, not {type(fast).__name__}"
+    with pytest.raises(TypeError, match=message):
+        torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    with pytest.raises(TypeError, match=message):
+        tuner.scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    with tt.enabled(dispatcher=disp), pytest.raises(TypeError, match=message):
+        torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    assert recorded(disp) == []
+
+
 @pytest.mark.cpu_host
 def test_stored_low_bit_winners_are_served(disp: Dispatcher) -> None:
     """Winners of the Triton W4A16 and FP8 kernels, stored, then loaded by warmup, serve the

@@ -183,13 +183,14 @@ class Dispatcher:
     def scaled_mm(
         self, a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
         scale_result: Any = None, out_dtype: Any = None, use_fast_accum: bool = False,
+        out: Any = None,
     ) -> Any:  # fmt: skip
-        """``torch._scaled_mm``, tuned; a bias or ``scale_result`` (epilogues outside the key)
-        goes to torch as called."""
-        if bias is not None or scale_result is not None:
+        """``torch._scaled_mm``, tuned; a bias, ``scale_result`` (epilogues outside the key) or
+        ``out`` goes to torch as called."""
+        if bias is not None or scale_result is not None or out is not None:
             return torch._scaled_mm(
                 a, b, scale_a, scale_b, bias=bias, scale_result=scale_result,
-                out_dtype=out_dtype, use_fast_accum=use_fast_accum,
+                out_dtype=out_dtype, use_fast_accum=use_fast_accum, out=out,
             )  # fmt: skip
         runner = self.resolve_scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum)[0]
         return runner(a, b, scale_a, scale_b)
@@ -205,6 +206,10 @@ class Dispatcher:
             raise
         hot = self._hot.get(sig)
         if hot is None:
+            if not isinstance(use_fast_accum, bool):  # as torch._scaled_mm refuses it
+                raise TypeError(
+                    f"argument 'use_fast_accum' must be bool, not {type(use_fast_accum).__name__}"
+                )
             hot = self._resolve(
                 sig, lambda: lowbit.scaled_mm_key(a, b, scale_a, scale_b, out_dtype, use_fast_accum),
                 a.device, torch_lowbit.scaled_mm_runner(out_dtype, use_fast_accum), grad=sig[-1],
@@ -591,13 +596,14 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
 
 def scaled_mm(
     a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None, scale_result: Any = None,
-    out_dtype: Any = None, use_fast_accum: bool = False,
+    out_dtype: Any = None, use_fast_accum: bool = False, out: Any = None,
 ) -> Any:  # fmt: skip
     """``torch._scaled_mm(...)`` (same arguments) through the fastest known kernel for this FP8
-    problem: tensorwise or rowwise scales, ``use_fast_accum`` keyed, never chosen silently."""
+    problem: tensorwise or rowwise scales, ``use_fast_accum`` keyed, never chosen silently; a
+    call with ``bias``, ``scale_result`` or ``out`` is torch's own."""
     return get_dispatcher().scaled_mm(
         a, b, scale_a, scale_b, bias=bias, scale_result=scale_result, out_dtype=out_dtype,
-        use_fast_accum=use_fast_accum,
+        use_fast_accum=use_fast_accum, out=out,
     )  # fmt: skip
 
 
