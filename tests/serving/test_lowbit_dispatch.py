@@ -184,7 +184,7 @@ def test_a_packed_weight_not_in_the_devices_format_is_named_with_the_format(
             tuner.int4_linear(x, wrong, sz, GROUP)
     q = int4_torch.nibbles(packed)  # [N, K] values: the weight before torch's packing
     with pytest.raises(ValueError, match=r"packed_w\.shape=\(64, 256\) holds a weight of K=512.*"
-                       r"looks unpacked.*_convert_weight_to_int4pack_for_cpu"):  # fmt: skip
+                       r"if packed_w holds unpacked.*_convert_weight_to_int4pack_for_cpu"):  # fmt: skip
         tuner.int4_linear(x, q, sz, GROUP)
     square = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
         torch.randint(0, 16, (K // 2, K), dtype=torch.int32), 2
@@ -337,6 +337,11 @@ def test_a_low_bit_field_left_out_of_a_key_string_is_named_as_missing() -> None:
     with pytest.raises(ValueError, match=r"accum is missing: it must be one of \['f32', 'fast'\]"):
         parse_key(fp8)
     assert parse_key(fp8 + ",accum=fast").accum == "fast"
+    int4 = "gemm:m=2,n=64,k=256,layout=nt,dtype=bf16,wdtype=int4"
+    with pytest.raises(
+        ValueError, match=r"group is missing: it must be one of \[32, 64, 128, 256\]"
+    ):
+        parse_key(int4)
 
 
 def test_key_errors_name_the_field() -> None:

@@ -77,6 +77,10 @@ def test_the_command_line_can_choose_rows_by_m_and_projection() -> None:
     quick_down = lowbit.chosen_problems(["fp8-rowwise"], quick=True, ops=["down"], device="cuda")
     assert {k.m for _, k in quick_down} == set(lowbit.QUICK_M)
     assert lowbit.chosen_problems(lowbit.FORMATS) == lowbit.problems()
+    twice = lowbit.chosen_problems(["int4-g128", "int4-g128"], ms=[1], ops=["down"])
+    assert [label for label, _ in twice] == [
+        f"{m} down M=1 int4-g128" for m in ("Llama-3-8B", "Qwen2.5-7B")
+    ]
     with pytest.raises(ValueError, match="--m must be >= 1, got 0"):
         lowbit.chosen_problems(["int4-g128"], ms=[0])
 

@@ -100,7 +100,7 @@ def bench_gemm(
     if suite not in ("llama", "lowbit"):
         raise ValueError(f"suite must be 'llama' or 'lowbit', got {suite!r}")
     parts = gemm.PARTS if suite == "llama" else lowbit.FORMATS
-    chosen = part or list(parts)
+    chosen = list(dict.fromkeys(part or parts))  # a part named twice runs once
     for p in chosen:
         if p not in parts:
             raise ValueError(f"part must be one of {list(parts)}, got {p!r}")

@@ -157,6 +157,10 @@ class GemmKey:
             raise ValueError(
                 f"out_dtype must equal dtype ({self.dtype!r}) for int4 weights, got {self.out_dtype!r}"
             )
+        if self.group == 0:  # left out of a key string
+            raise ValueError(
+                f"group is missing: it must be one of {list(INT4_GROUPS)} for int4 weights"
+            )
         if self.group not in INT4_GROUPS:
             raise ValueError(
                 f"group must be one of {list(INT4_GROUPS)} for int4 weights, got {self.group!r}"

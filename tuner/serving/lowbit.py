@@ -86,7 +86,7 @@ def _k_mismatch(x: Any, packed: Any, k: int) -> str:
     msg = (f"x.shape={tuple(x.shape)} has K={xk}, but packed_w.shape={tuple(packed.shape)} "
            f"holds a weight of K={k}")  # fmt: skip
     if not x.is_cuda and packed.shape[-1] == xk:
-        msg += ("; packed_w looks unpacked ([N, K] values): pack it with "
+        msg += ("; if packed_w holds unpacked [N, K] values, pack it with "
                 "aten._convert_weight_to_int4pack_for_cpu(w_int32, inner_k_tiles)")  # fmt: skip
     return msg
 

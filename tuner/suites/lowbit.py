@@ -134,12 +134,13 @@ def chosen_problems(
     """The rows the command line asks for: every M and projection, or ``--quick``'s few (every
     format on both models' ``QUICK_OPS`` at ``QUICK_M``, or on a CPU ``device`` at
     ``QUICK_CPU_M``), with ``ms`` and ``ops`` (when given) in place of either's (re-running the
-    rows a change touched), each once."""
+    rows a change touched); each format, M and projection once."""
     if not ms:
         on_gpu = quick and (device or current_device()) == "cuda"
         ms = (QUICK_M if on_gpu else QUICK_CPU_M) if quick else M_SIZES
     ms = dict.fromkeys(ms)
-    return problems(formats, list(ms), list(dict.fromkeys(ops or (QUICK_OPS if quick else OPS))))
+    ops = dict.fromkeys(ops or (QUICK_OPS if quick else OPS))
+    return problems(list(dict.fromkeys(formats)), list(ms), list(ops))
 
 
 def graph_judged(key: GemmKey, device: str) -> bool:
