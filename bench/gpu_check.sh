@@ -3,7 +3,7 @@
 #   bash bench/gpu_check.sh tests dispatch        (carry .whl; results land under $OUT)
 # Stages: tests (pytest -m gpu; GPU_TESTS="tests/serving ..." narrows it, GPU_TESTS_TIMEOUT seconds),
 #   host-tests (the rest of the suite, -m "not gpu", as `make test` runs it on a GPU machine: one pytest
-#   per test folder, in parallel -> $OUT/host_tests.txt, each folder's summary, and its log in $OUT/host_tests/; HOST_TESTS_TIMEOUT seconds;
+#   per test folder, in parallel -> $OUT/host_tests.txt, each folder's summary, their logs in $OUT/host_tests_logs.tar.gz; HOST_TESTS_TIMEOUT seconds;
 #   HOST_TESTS="tests/cli tests/suites" runs those folders or files only), dispatch (hit-path
 #   overhead benchmark), contention (bench/cpu_contention.py: eager calls beside busy compilers), decode-sweep (bench/decode_sweep.py), decode-ncu (its --profile under
 #   Nsight Compute); more are added per area.
@@ -81,7 +81,7 @@ for stage in "$@"; do
       fi
       [ "$rc" = 0 ] || status=1 ;;
     host-tests)  # CPU-path tests on a GPU host: a GPU-less host's tests are marked cpu_host
-      logs="$OUT/host_tests" pids=(); mkdir -p "$logs"  # each folder's log comes back in the bundle
+      logs=$(mktemp -d) pids=()
       for dir in ${HOST_TESTS:-tests/*/ tests/test_*.py}; do
         name=$(echo "${dir%/}" | tr / _)  # tests/cli -> tests_cli: one log a path
         ( timeout -k 20 "${HOST_TESTS_TIMEOUT:-500}" python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
@@ -95,6 +95,7 @@ for stage in "$@"; do
         echo "== $name (exit $(cat "$logs/$name.rc")): $(grep -E '(passed|failed|error|no tests ran|deselected)' "$log" | tail -1)"
         grep -E '^(FAILED|ERROR)' "$log"
       done | tee "$OUT/host_tests.txt"
+      tar -czf "$OUT/host_tests_logs.tar.gz" -C "$logs" .  # one file: the tool brings back at most 8
       if grep -qE '^(FAILED|ERROR)|\(exit ([1-46-9]|[0-9]{2,})\)' "$OUT/host_tests.txt"; then status=1; fi ;;
     decode-sweep)  # split-KV decode on small batches: floor read, copy, torch, a wide config grid
       timeout -k 20 "${DECODE_SWEEP_TIMEOUT:-240}" python3 bench/decode_sweep.py --out "$OUT/decode_sweep.json" \

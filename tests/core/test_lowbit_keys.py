@@ -102,7 +102,7 @@ FP8 = {"m": 4, "n": 64, "k": 256, **lowbit_fields("fp8-rowwise")}
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({**INT4, "group": 0}, r"group is missing: it must be one of \[32, 64, 128, 256\]"),
+        ({**INT4, "group": 0}, r"group is missing or 0: it must be one of \[32, 64, 128, 256\]"),
         ({**INT4, "group": 96}, r"group must be one of \[32, 64, 128, 256\]"),
         ({**INT4, "k": 320}, "group=128 must divide k=320"),
         ({**INT4, "n": 60}, "n=60 must be a multiple of 8"),

@@ -243,6 +243,18 @@ def test_a_layer_reached_by_two_names_is_quantized_once_for_both(fmt) -> None:
     assert q.quantized_layers == ["0", "2"] and q.quantized_skipped == {}
     assert q[0] is q[2] and isinstance(q[0], QuantizedLinear)
     assert 0 < rel_err(q(x), want) < 0.1
+    assert tt.quantize_linear(q, fmt).quantized_layers == ["0", "2"]  # listed by both names again
+
+
+def test_a_shared_layer_one_parent_reads_is_left_at_every_name_with_why() -> None:
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoderLayer(256, 4, 512, batch_first=True)
+    model = nn.Module()
+    model.enc, model.proj = encoder, encoder.linear1
+    q = tt.quantize_linear(model, "int4")
+    assert type(q.proj) is nn.Linear and q.proj is q.enc.linear1
+    assert "TransformerEncoderLayer reads" in q.quantized_skipped["enc.linear1"]
+    assert q.quantized_skipped["proj"].startswith("shared with enc.linear1: its parent")
 
 
 @pytest.mark.parametrize("fmt", ["int4", FP8_CPU_HOST])
@@ -253,6 +265,6 @@ def test_a_quantized_model_compiles_whole(fmt) -> None:
     model = tt.quantize_linear(
         nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 256)), fmt
     )
-    x = torch.randn(3, 256)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    for x in (torch.randn(3, 256), torch.randn(2, 5, 256)):  # a batch of sequences too
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)

@@ -159,7 +159,7 @@ class GemmKey:
             )
         if self.group == 0:  # left out of a key string
             raise ValueError(
-                f"group is missing: it must be one of {list(INT4_GROUPS)} for int4 weights"
+                f"group is missing or 0: it must be one of {list(INT4_GROUPS)} for int4 weights"
             )
         if self.group not in INT4_GROUPS:
             raise ValueError(

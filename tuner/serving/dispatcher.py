@@ -124,6 +124,14 @@ def _counted(runner: Runner, res: Resolution) -> Runner:
     return run
 
 
+def _type_name(value: Any) -> str:
+    """A value's type as torch's argument errors name it: ``int``, ``numpy.bool``."""
+    kind = type(value)
+    return (
+        kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    )
+
+
 class Dispatcher:
     """Maps call signatures to runners. One per process is the norm (see ``get_dispatcher``)."""
 
@@ -208,7 +216,8 @@ class Dispatcher:
         if hot is None:
             if not isinstance(use_fast_accum, bool):  # as torch._scaled_mm refuses it
                 raise TypeError(
-                    f"argument 'use_fast_accum' must be bool, not {type(use_fast_accum).__name__}"
+                    f"_scaled_mm(): argument 'use_fast_accum' must be bool, not "
+                    f"{_type_name(use_fast_accum)}"
                 )
             hot = self._resolve(
                 sig, lambda: lowbit.scaled_mm_key(a, b, scale_a, scale_b, out_dtype, use_fast_accum),

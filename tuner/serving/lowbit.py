@@ -45,11 +45,12 @@ def check_operands(**operands: Any) -> None:
 def scaled_mm_sig(a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any, fast: bool) -> tuple:
     """What decides a ``_scaled_mm`` call's runner (bias and scale_result go to torch). The
     other operands' devices enter as one flag, "all on a's": that is all a runner may assume,
-    and a flag is cheaper to hash and compare on every call than three devices."""
+    and a flag is cheaper to hash and compare on every call than three devices. ``fast``'s type
+    too: 1 == True, and only a bool is taken (a first call checks it)."""
     device = a.device
     return ("scaled_mm", a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype,
             scale_a.shape, scale_b.shape, scale_a.stride(), scale_b.stride(), scale_a.dtype,
-            scale_b.dtype, out_dtype, fast, device,
+            scale_b.dtype, out_dtype, type(fast), fast, device,
             b.device == device and scale_a.device == device and scale_b.device == device,
             a.data_ptr() % 16, b.data_ptr() % 16, a.requires_grad and torch.is_grad_enabled())  # fmt: skip
 

@@ -231,10 +231,12 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int | None = None) 
     replaced: list[str] = []
     skipped: dict[str, str] = {}
     for child, places in layers.values():
-        reason = next((r for _, parent, _ in places if (r := kept_reason(child, parent))), None)
-        reason = reason or unsupported(fmt, child.weight, group_size)
-        if reason:
-            skipped.update((name, reason) for name, _, _ in places)
+        kept = {name: r for name, parent, _ in places if (r := kept_reason(child, parent))}
+        shape = unsupported(fmt, child.weight, group_size)
+        if kept or shape:
+            first = next(iter(kept.items()), None)
+            for name, _, _ in places:
+                skipped[name] = kept.get(name) or shape or f"shared with {first[0]}: {first[1]}"
             continue
         quantized = _quantized(child, fmt, group_size)
         for name, parent, attr in places:
@@ -242,7 +244,7 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int | None = None) 
             replaced.append(name)
     for name, reason in skipped.items():
         log.warning("quantize_linear: %s left as it was: %s", name, reason)
-    earlier = [name for name, child in module.named_modules()
+    earlier = [name for name, child in module.named_modules(remove_duplicate=False)
                if isinstance(child, QuantizedLinear) and name not in replaced]  # fmt: skip
     if not replaced and not skipped:
         log.warning("quantize_linear: no nn.Linear layer in %s to quantize%s",
