@@ -34,6 +34,18 @@ def test_a_mistake_is_named_and_left_out_while_the_rest_applies(tmp_path):
     assert "buckets must be a string or number, got [1]" in problems[1]
 
 
+def test_a_word_a_setting_does_not_take_is_named_and_left_out(tmp_path):
+    """The dispatcher then starts on the default instead of failing at its first call."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('mode = "recrd"\nstale = "ignore"\nbuckets = "pow3"\n')
+    values, problems = read_config(cfg)
+    assert values == {"TUNER_STALE": "ignore"}
+    assert problems == [
+        f"{cfg}: mode must be one of ['off', 'lookup', 'record', 'tune'], got 'recrd'; left out",
+        f"{cfg}: buckets must be one of ['exact', 'next_tuned_above', 'pow2'], got 'pow3'; left out",
+    ]
+
+
 def test_every_tuner_variable_the_code_reads_can_go_in_the_file():
     read = set()
     root = Path(__file__).parents[2]

@@ -41,6 +41,14 @@ KNOWN = {
     "profile": "a folder for cProfile files of tune-all and its workers (diagnostics)",
 }
 
+# the settings that take one of a few words: a file's other word is named and left out at load
+# (the modules that read them take these tuples as theirs)
+CHOICES = {
+    "mode": ("off", "lookup", "record", "tune"),
+    "buckets": ("exact", "next_tuned_above", "pow2"),
+    "stale": ("use", "ignore"),
+}
+
 
 def config_path() -> Path:
     if env := os.environ.get("TUNER_CONFIG"):
@@ -51,8 +59,8 @@ def config_path() -> Path:
 
 def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
     """The file's settings as environment values, and what was wrong with the rest of it (an
-    unknown name, a value that is not a string or number: each named, each left out);
-    ValueError if the file cannot be read as TOML at all."""
+    unknown name, a value that is not a string or number, a word not among a setting's
+    ``CHOICES``: each named, each left out); ValueError if the file cannot be read as TOML."""
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -65,6 +73,10 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
             problems.append(f"{path}: unknown setting {name!r} left out; known: {sorted(KNOWN)}")
         elif not isinstance(value, (str, int, float, bool)):
             problems.append(f"{path}: {name} must be a string or number, got {value!r}; left out")
+        elif name in CHOICES and value not in CHOICES[name]:
+            problems.append(
+                f"{path}: {name} must be one of {list(CHOICES[name])}, got {value!r}; left out"
+            )
         else:
             values[f"TUNER_{name.upper()}"] = str(int(value) if isinstance(value, bool) else value)
     return values, problems

@@ -24,8 +24,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from tuner.core.keys import GemmKey, parse_key
+from tuner.core.settings import CHOICES
 
-POLICIES = ("exact", "next_tuned_above", "pow2")
+POLICIES = CHOICES["buckets"]
 DEFAULT_POLICY = "exact"
 
 Family = tuple[object, ...]

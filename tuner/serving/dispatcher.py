@@ -34,7 +34,7 @@ from tuner.candidates.base import Runner
 from tuner.candidates.torch_ref import torch_sdpa
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, Key, SdpaKey
-from tuner.core.settings import load_config_file
+from tuner.core.settings import CHOICES, load_config_file
 from tuner.measure.records import Winner
 from tuner.serving import lowbit
 from tuner.serving.background import BackgroundLoader, load_runner, may_compile
@@ -42,8 +42,8 @@ from tuner.serving.buckets import DEFAULT_POLICY, BucketIndex, check_policy, tra
 
 log = logging.getLogger(__name__)
 
-MODES = ("off", "lookup", "record", "tune")
-STALE_POLICIES = ("use", "ignore")  # winners measured under other versions: serve, or misses
+MODES = CHOICES["mode"]
+STALE_POLICIES = CHOICES["stale"]  # winners measured under other versions: serve, or misses
 CAUSAL = {
     False: "none",
     True: "top_left",
