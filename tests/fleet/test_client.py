@@ -225,3 +225,14 @@ def test_another_servers_page_is_one_line_in_the_error() -> None:
         FleetClient(srv.url, retries=0).health()
     message = str(e.value)
     assert message == "HTTP 404 (text/html)"
+
+
+def test_a_sync_interval_that_is_not_seconds_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The dispatcher goes on from its cache; the log says which variable is wrong."""
+    monkeypatch.setenv("TUNER_SYNC_INTERVAL", "abc")
+    d = Dispatcher(store_path=tmp_path / "host.db", mode="record")
+    with caplog.at_level("ERROR"):
+        assert attach(d, client=FleetClient("http://127.0.0.1:9", retries=0)) is None
+    assert "fleet sync not started: TUNER_SYNC_INTERVAL='abc': expected seconds" in caplog.text

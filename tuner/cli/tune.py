@@ -258,6 +258,14 @@ def tune_key(
     run_tune(parse_key(key), cache, options)
 
 
+def key_contains(key: str, text: str) -> bool:
+    """``show --contains``: ``text`` in the key's short label or string; with ``=``, whole
+    comma-separated fields of the string (``dtype=bf16`` is not ``out_dtype=bf16``)."""
+    if "=" in text:
+        return f",{text}," in f",{key.partition(':')[2]},"
+    return text in key or text in parse_key(key).label
+
+
 @app.command()
 def show(
     cache: CacheOpt = None,
@@ -266,8 +274,8 @@ def show(
     contains: Annotated[
         str | None,
         typer.Option(
-            help="Only keys whose string or short label contains this text, e.g. 'dtype=bf16' "
-            "or 'int4-g128'."
+            help="Only keys whose short label contains this text ('int4-g128'), or whose "
+            "string does; text with '=' matches whole fields ('dtype=bf16' is not out_dtype's)."
         ),
     ] = None,
     all_devices: Annotated[
@@ -287,7 +295,7 @@ def show(
     winners = [
         w
         for w in store.winners(dc, op=op, source=source)
-        if contains is None or contains in w.key or contains in parse_key(w.key).label
+        if contains is None or key_contains(w.key, contains)
     ]
     if as_json:
         print(json.dumps([w.to_row() for w in winners], indent=1))

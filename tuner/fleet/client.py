@@ -721,7 +721,12 @@ def attach(
         client = client or FleetClient.from_env(timeout_s=5.0, retries=2)
         if client is None:
             return None
-        kwargs.setdefault("interval_s", float(os.environ.get("TUNER_SYNC_INTERVAL", "60")))
+        if "interval_s" not in kwargs:
+            interval = os.environ.get("TUNER_SYNC_INTERVAL", "60")
+            try:
+                kwargs["interval_s"] = float(interval)
+            except ValueError:
+                raise ValueError(f"TUNER_SYNC_INTERVAL={interval!r}: expected seconds") from None
         if "artifacts" not in kwargs:
             fp = (kwargs.get("fingerprint") or default_fingerprint)()
             kwargs["artifacts"] = shared_store() if host_archs(fp) else None
