@@ -358,3 +358,26 @@ def test_show_contains_matches_whole_key_fields_when_given_one() -> None:
     assert [key_contains(k, "dtype=bf16") for k in (fp8, bf16)] == [False, True]
     assert key_contains(bf16, "m=16,n=64") and not key_contains(bf16, "m=1")
     assert key_contains(fp8, "fp8-rowwise") and key_contains(fp8, "e4m3")  # label, substring
+
+
+def test_tune_all_says_what_op_left_out(tmp_path) -> None:
+    """A count that shrinks between the files' lines and the run's comes with its reason."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from tuner.cli.tune_all import Sources, add_recorded
+    from tuner.core.keys import parse_key
+    from tuner.offline.tune_all import ProblemSet
+
+    problems = ProblemSet()
+    problems.add(parse_key("gemm:m=16,n=64,k=64,layout=nt,dtype=bf16"), "a")
+    problems.add(
+        parse_key("sdpa:batch=1,q_heads=8,kv_heads=8,q_len=1,kv_len=128,head_dim=64,dtype=bf16"),
+        "b",
+    )
+    out = StringIO()
+    store, fp = Store(tmp_path / "c.db"), fingerprint()
+    kept = add_recorded(problems, Sources(op="gemm"), store, fp, Console(file=out), None)
+    assert [k.op for k in kept] == ["gemm"]
+    assert "--op gemm: 1 of 2 problems kept" in out.getvalue()

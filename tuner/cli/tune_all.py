@@ -337,7 +337,10 @@ def add_recorded(
         for key in lease.keys:
             problems.add(key, "fleet queue")
         console.print(f"fleet queue: {len(lease.keys)} keys leased")
-    return problems.only(sources.op)
+    kept = problems.only(sources.op)
+    if len(kept) < len(problems):
+        console.print(f"--op {sources.op}: {len(kept)} of {len(problems)} problems kept")
+    return kept
 
 
 def claim_queue(n: int, fp: Fingerprint, settings: RunSettings, workers: int) -> FleetLease:

@@ -266,7 +266,8 @@ def render(
             f"best {b['speedup']:.3f}x ({b['label']})"
         )
     median = _fmt(s["tuning_s_median"], ".2f")
-    line = f"tuning time: {s['tuning_s_total']:.1f} s in all, median {median} s per problem"
+    line = (f"tuning time: {s['tuning_s_total']:.1f} s over the report's problems (earlier runs' "
+            f"too), median {median} s per problem")  # fmt: skip
     if s["wall_s"] is not None:
         line += f"; wall time {s['wall_s']:.1f} s on {s['workers']} worker(s)"
         if s["start_s"] is not None:
