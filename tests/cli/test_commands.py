@@ -357,6 +357,7 @@ def test_show_contains_matches_whole_key_fields_when_given_one() -> None:
     bf16 = "gemm:m=16,n=64,k=64,batch=1,layout=nt,dtype=bf16,out_dtype=bf16,compute=f32,align=16"
     assert [key_contains(k, "dtype=bf16") for k in (fp8, bf16)] == [False, True]
     assert key_contains(bf16, "m=16,n=64") and not key_contains(bf16, "m=1")
+    assert key_contains(bf16, "gemm:m=16") and not key_contains(fp8, bf16)
     assert key_contains(fp8, "fp8-rowwise") and key_contains(fp8, "e4m3")  # label, substring
 
 

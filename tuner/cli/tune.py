@@ -261,8 +261,8 @@ def tune_key(
 def key_contains(key: str, text: str) -> bool:
     """``show --contains``: ``text`` in the key's short label or string; with ``=``, whole
     comma-separated fields of the string (``dtype=bf16`` is not ``out_dtype=bf16``)."""
-    if "=" in text:
-        return f",{text}," in f",{key.partition(':')[2]},"
+    if "=" in text:  # the fields, or the op and its fields ("gemm:m=16,n=64")
+        return f",{text}," in f",{key.partition(':')[2]}," or f",{text}," in f",{key},"
     return text in key or text in parse_key(key).label
 
 
