@@ -231,14 +231,19 @@ tuned_sdpa.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
 # --- argument binding (the signatures of the torch functions we take over) ----------------------
 
 
-def _binary_args(input: Any, other: Any, *, out: Any = None) -> tuple[Any, Any, Any]:
-    return input, other, out
+def _binary_args(
+    input: Any, other: Any = None, *, mat2: Any = None, out: Any = None, out_dtype: Any = None
+) -> tuple[Any, Any, Any]:
+    """matmul's (input, other) and mm / bmm's (input, mat2); an ``out_dtype`` goes to torch as
+    ``out`` does (``out`` is then that flag)."""
+    return input, other if mat2 is None else mat2, out if out_dtype is None else out_dtype
 
 
 def _addmm_args(
-    input: Any, mat1: Any, mat2: Any, *, beta: Any = 1, alpha: Any = 1, out: Any = None
-) -> tuple[Any, ...]:
-    return input, mat1, mat2, beta, alpha, out
+    input: Any, mat1: Any, mat2: Any, *, beta: Any = 1, alpha: Any = 1, out: Any = None,
+    out_dtype: Any = None,
+) -> tuple[Any, ...]:  # fmt: skip
+    return input, mat1, mat2, beta, alpha, out if out_dtype is None else out_dtype
 
 
 def _linear_args(input: Any, weight: Any, bias: Any = None) -> tuple[Any, Any, Any]:
@@ -334,11 +339,15 @@ class Router:
         if da < 2 or db < 2:
             return NotImplemented  # vectors: torch
         if db == 2:  # (..., M, K) @ (K, N): fold the leading dims into M, as torch does
+            if a.shape[-1] == 0:  # K = 0: no -1 to fold into (torch's zeros)
+                return NotImplemented
             y = self._gemm(a.reshape(-1, a.shape[-1]), b, compiling)
             return NotImplemented if y is None else y.view(*a.shape[:-1], b.shape[-1])
         if da == db and a.shape[:-2] == b.shape[:-2]:  # same batch dims: one bmm
             if da == 3:
                 return _or_torch(self._gemm(a, b, compiling))
+            if a.numel() == 0 or b.numel() == 0:  # no -1 to fold the batches into
+                return NotImplemented
             y = self._gemm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), compiling)
             return NotImplemented if y is None else y.view(*a.shape[:-1], b.shape[-1])
         return NotImplemented  # broadcast batches: torch
@@ -381,7 +390,7 @@ class Router:
         if bias is not None and not (_plain(bias) and bias.dtype == x.dtype and bias.dim() == 1):
             return NotImplemented
         nd = x.dim()
-        if nd < 2:
+        if nd < 2 or (nd > 2 and x.shape[-1] == 0):  # K = 0 folds no leading dims: torch's
             return NotImplemented
         x2, wt = x if nd == 2 else x.reshape(-1, x.shape[-1]), w.t()
         if compiling or needs_grad(x, w, bias):
@@ -665,10 +674,7 @@ def enable(
     global _active
     disp = dispatcher or get_dispatcher()
     _prepare()
-    if buckets is not None:
-        disp.set_buckets(buckets)
-    if mode is not None:
-        disp.set_mode(mode)
+    _configure(disp, buckets, mode)
     disp.set_counting(True)
     with _lock:
         if not _routers:
@@ -676,6 +682,19 @@ def enable(
         _routers.append(Router(disp))
         _active = _routers[-1]
     return disp
+
+
+def _configure(disp: Dispatcher, buckets: str | None, mode: str | None) -> None:
+    """Set what is given, both or neither: a bad one leaves the dispatcher as it was."""
+    before = disp.buckets, disp.mode
+    try:
+        if buckets is not None:
+            disp.set_buckets(buckets)
+        if mode is not None:
+            disp.set_mode(mode)
+    except ValueError:
+        _configure(disp, *before)
+        raise
 
 
 def disable() -> None:
@@ -701,12 +720,17 @@ def enabled(
     buckets: str | None = None,
     mode: str | None = None,
 ) -> Iterator[Dispatcher]:
-    """``with tuner.torch.enabled(): model(x)``: ``enable()`` for the block, then ``disable()``."""
-    disp = enable(dispatcher=dispatcher, buckets=buckets, mode=mode)
+    """``with tuner.torch.enabled(): model(x)``: ``enable()`` for the block, then ``disable()``;
+    a ``buckets`` or ``mode`` given holds for the block only (an enclosing block's comes back)."""
+    disp = dispatcher or get_dispatcher()
+    before = disp.buckets, disp.mode
+    enable(dispatcher=disp, buckets=buckets, mode=mode)
     try:
         yield disp
     finally:
         disable()
+        old_buckets, old_mode = before
+        _configure(disp, old_buckets if buckets else None, old_mode if mode else None)
 
 
 # --- diagnostics ---------------------------------------------------------------------------------
@@ -794,7 +818,8 @@ class Stats:
 
 
 def stats(dispatcher: Dispatcher | None = None) -> Stats:
-    """A snapshot of the calls counted since ``enable()`` (or ``reset_stats()``)."""
+    """A snapshot of the calls counted since the dispatcher's first ``enable()`` (counting
+    then stays on, across blocks) or the last ``reset_stats()``."""
     disp = dispatcher or active_dispatcher()
     return Stats(tuple(replace(r) for r in list(disp.resolutions.values())))
 

@@ -246,6 +246,7 @@ def test_calls_outside_the_tuner_are_left_to_torch(tmp_path: Path) -> None:
     q = torch.randn(1, 2, 3, 8)
     mask = torch.randn(3, 3)
     b3 = torch.randn(3, 4, 4)
+    bias = torch.randn(5)
     calls = {
         "int matmul": lambda: ints @ ints,
         "mixed dtypes": lambda: a @ a.double(),
@@ -254,6 +255,9 @@ def test_calls_outside_the_tuner_are_left_to_torch(tmp_path: Path) -> None:
         "out=": lambda: torch.mm(a, a, out=torch.empty(4, 4)),
         "alpha": lambda: torch.addmm(a, a, a, alpha=2.0),
         "float mask": lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=mask),
+        "K = 0 linear": lambda: F.linear(torch.randn(2, 3, 0), torch.randn(5, 0), bias),
+        "K = 0 matmul": lambda: torch.randn(2, 3, 0) @ torch.randn(0, 5),
+        "empty 4-D batch": lambda: torch.randn(2, 0, 3, 4) @ torch.randn(2, 0, 4, 5),
     }
     for name, fn in calls.items():
         try:
@@ -271,6 +275,37 @@ def test_calls_outside_the_tuner_are_left_to_torch(tmp_path: Path) -> None:
             torch.testing.assert_close(got, want, msg=name)
         else:
             assert got is want, name
+
+
+def test_mm_and_bmm_take_their_second_operand_by_name(tmp_path: Path) -> None:
+    """torch names it ``mat2``: routed like a positional one, in eager and compiled code."""
+    disp = Dispatcher(tmp_path / "c.db", mode="record")
+    a, b3 = torch.randn(4, 8), torch.randn(2, 4, 8)
+    calls = {
+        "mm": lambda: torch.mm(a, mat2=a.t()),
+        "Tensor.mm": lambda: a.mm(mat2=a.t()),
+        "bmm": lambda: torch.bmm(b3, mat2=b3.transpose(1, 2)),
+    }
+    for name, fn in calls.items():
+        want = fn()
+        with tt.enabled(dispatcher=disp):
+            before = tt.stats(disp).calls
+            torch.testing.assert_close(fn(), want, rtol=0, atol=0, msg=name)
+            assert tt.stats(disp).calls == before + 1, name
+            compiled = torch.compile(fn, backend="eager", fullgraph=True)
+            torch.testing.assert_close(compiled(), want, msg=name)
+
+
+def test_a_blocks_mode_and_buckets_hold_for_the_block_only(tmp_path: Path) -> None:
+    disp = Dispatcher(tmp_path / "c.db", mode="lookup")
+    with tt.enabled(dispatcher=disp, mode="record"):
+        with tt.enabled(dispatcher=disp, mode="off", buckets="pow2"):
+            assert (disp.mode, disp.buckets) == ("off", "pow2")
+        assert (disp.mode, disp.buckets) == ("record", "exact")
+    assert disp.mode == "lookup"
+    with pytest.raises(ValueError, match="must be one of"):
+        tt.enable(dispatcher=disp, buckets="pow2", mode="fast")
+    assert (disp.mode, disp.buckets, tt.is_enabled()) == ("lookup", "exact", False)
 
 
 def test_nesting_and_errors(tmp_path: Path) -> None:
