@@ -9,7 +9,6 @@ Per projection and M: the shortlist's ws kernel, then ``ws_streamk`` on each clu
 and about half), by GPU time alone (``timing.graph_time`` over the key's rotating input sets),
 with its error against the float32 reference. A kernel that runs no faster on every SM than on
 half of them is held back by what its CTAs share (x's reads from L2), not by its SMs.
-``--tiles``: ``ws_streamk``'s tiles (default: the shortlist's 64x256; 64x128 too).
 ``--shares``: the share-outs each ``ws_streamk`` config is timed with (default: every one of
 ``stream_k_share.SHARES``); ``cost:H,O,E`` is the cost model at those weights (helper, owner,
 store).
@@ -40,24 +39,10 @@ FORMAT = "int4-g128"
 DEVICE = torch.device("cuda", 0)
 
 
-def configs(tiles: list[list[int]]) -> list[cw.Params]:
-    """The shortlist's ws kernel, then ``ws_streamk`` at each of ``tiles`` and clusters."""
+def configs() -> list[cw.Params]:
     ws = next(p for p in cw.MEDIUM if p["kernel"] == "ws")
     streamk = next(p for p in cw.MEDIUM if p["kernel"] == "ws_streamk")
-    return [
-        ws,
-        *({**streamk, "tile": t, "cluster": c} for t in tiles for c in cw.STREAM_K_CLUSTERS),
-    ]
-
-
-def tile_of(text: str) -> list[int]:
-    """``--tiles``' ROWSxCOLS: one of ``STREAM_K_TILES`` (K is the generator's); ValueError naming
-    what is allowed."""
-    allowed = [f"{r}x{c}" for r, c, _ in cw.STREAM_K_TILES]
-    if text not in allowed:
-        raise ValueError(f"--tiles {text!r}: allowed: {allowed}")
-    rows, cols = (int(v) for v in text.split("x"))
-    return [rows, cols, cw.TILE_K]
+    return [ws, *({**streamk, "cluster": c} for c in cw.STREAM_K_CLUSTERS)]
 
 
 PROFILED_CALLS = 2
@@ -121,18 +106,15 @@ def main() -> None:
                         help="the cluster (C x 1) the --library builds have (default: 2)")  # fmt: skip
     parser.add_argument("--shares", nargs="+", default=list(stream_k_share.SHARES),
                         help="share-outs of ws_streamk: names or cost:H,O,E")  # fmt: skip
-    parser.add_argument("--tiles", nargs="+", default=["64x256"],
-                        help="ws_streamk's tiles, weight rows x x rows (default: 64x256)")  # fmt: skip
     args = parser.parse_args()
     try:
         shares = {name: share_of(name) for name in args.shares}
-        tiles = [tile_of(t) for t in args.tiles]
     except ValueError as e:
         parser.error(str(e))
     every = torch.cuda.get_device_properties(0).multi_processor_count
     sms_counts = args.sms or [every, every // 2]
     keys = keys_of(FORMAT, args.m, args.ops)
-    todo = [(key, p) for _, key in keys for p in configs(tiles)]
+    todo = [(key, p) for _, key in keys for p in configs()]
     compiled = cutlass_env.compile_all(list(dict.fromkeys(cw.kernel_spec(k, p) for k, p in todo)))
     failed = {str(s): e for s, e in compiled.items() if e}
     fp = fingerprint("cuda")
@@ -142,10 +124,10 @@ def main() -> None:
         sets = samples.input_sets(key, "cuda", seed=1)
         ref = samples.reference(key, sets[0])
         row: dict[str, Any] = {"label": label, "key": str(key), "configs": []}
-        streamk = {**configs(tiles)[1], "cluster": [args.library_cluster, 1]}
+        streamk = {**configs()[1], "cluster": [args.library_cluster, 1]}
         todo = [
             (params, share, None)
-            for params in configs(tiles)
+            for params in configs()
             for share in (args.shares if params["kernel"] == "ws_streamk" else [None])
         ]
         todo += [(streamk, None, item) for item in args.library]  # fmt: skip
@@ -159,8 +141,7 @@ def main() -> None:
                 shared_out = share or params.get("share")
                 row["configs"].append({**timed, "share": shared_out, "library": library and name})
                 print(
-                    f"{label:34s} {name:10s} {shared_out or '':14s} tile {params['tile'][:2]} "
-                    f"cluster {params['cluster']} sms "
+                    f"{label:34s} {name:10s} {shared_out or '':14s} cluster {params['cluster']} sms "
                     f"{sms:3d} GPU {timed['gpu_us']:7.2f} us err {timed['error']:.2f}",
                     flush=True,
                 )

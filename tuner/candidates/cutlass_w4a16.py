@@ -68,9 +68,7 @@ KERNELS = ("ws", "coop", "pingpong", "ws_streamk")  # the generator's TMA mainlo
 # ws_streamk's spec.kernel (a name CUTLASS does not use): the ws kernel's code, made stream-K
 STREAM_K_KERNEL = "TmaWarpSpecializedStreamK1"
 STREAM_K_HEADER = Path(__file__).parent / "cuda_kernels" / "cutlass_w4a16_streamk.hpp"
-# the ws tiles whose partial an owner gathers in its idle stages: MEDIUM lists 64 x 256; 64 x 128
-# (twice the tiles of a narrow projection, so fewer of them split) is built for the benchmark
-STREAM_K_TILES = ([64, 256, 64], [64, 128, 64])
+STREAM_K_TILE = [64, 256, 64]  # the ws tile whose partial an owner gathers in its idle stages
 # clusters of 4 CTAs ran 1.6-2x slower than 2 (bench/NOTES.md): likely not all resident at once
 STREAM_K_CLUSTERS = [[1, 1], [2, 1]]
 # its epilogue's C: beta is 0, and with no C in shared memory CUTLASS's epilogue issues each
@@ -244,7 +242,7 @@ def unsupported_reason(key: GemmKey) -> str | None:
 def check_stream_k(params: Params) -> None:
     """What ``ws_streamk`` takes besides the ws kernel's params; ValueError naming the field."""
     for name, allowed in (
-        ("tile", list(STREAM_K_TILES)),
+        ("tile", [STREAM_K_TILE]),
         ("cluster", STREAM_K_CLUSTERS),
         ("scheduler", ["default"]),  # it shares its steps out itself
         ("swizzle", [1]),
