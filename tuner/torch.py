@@ -24,8 +24,9 @@ small wrappers (an aten op keeps its overloads, ``.default`` and the like, unrou
 ``disable()`` puts the originals back. Calls made inside ``nn.Module`` forwards and inside torch's
 own Python code (``nn.MultiheadAttention`` calls ``F.linear`` and SDPA) are seen; every other torch
 op costs nothing extra (a ``TorchFunctionMode`` would tax every op, views and shape queries
-included). The switch is process-wide and nests; a thread-local guard keeps the tuner's own
-kernels (which call torch) from coming back to it. Code that bound a function before
+included). The switch is process-wide and nests (the innermost dispatcher serves; an
+``enabled()`` block undoes its own ``enable()``, whatever other threads' blocks did meanwhile);
+a thread-local guard keeps the tuner's own kernels (which call torch) from coming back to it. Code that bound a function before
 ``enable()`` (``from torch.nn.functional import linear``) keeps the original. ``F.linear`` and
 SDPA calls seen before take a memo keyed on the call as made (``tuner.serving.call_memo``; its
 cost over torch's own call: ``bench/memo_overhead.py``).
@@ -671,17 +672,22 @@ def enable(
     ``TUNER_BUCKETS`` or ``exact``. ``mode``: the dispatcher's miss policy (``off``, ``lookup``,
     ``record``, ``tune``). Calls nest (the innermost dispatcher serves); returns the dispatcher.
     """
+    return _push(dispatcher or get_dispatcher(), buckets, mode).dispatcher
+
+
+def _push(disp: Dispatcher, buckets: str | None, mode: str | None) -> Router:
+    """A router for ``disp``, innermost from now on (patching torch for the first)."""
     global _active
-    disp = dispatcher or get_dispatcher()
     _prepare()
     _configure(disp, buckets, mode)
     disp.set_counting(True)
+    router = Router(disp)
     with _lock:
         if not _routers:
             _patch()
-        _routers.append(Router(disp))
-        _active = _routers[-1]
-    return disp
+        _routers.append(router)
+        _active = router
+    return router
 
 
 def _configure(disp: Dispatcher, buckets: str | None, mode: str | None) -> None:
@@ -699,14 +705,28 @@ def _configure(disp: Dispatcher, buckets: str | None, mode: str | None) -> None:
 
 def disable() -> None:
     """Undo the innermost ``enable()``; the last one puts torch's functions back."""
-    global _active
     with _lock:
         if not _routers:
             raise RuntimeError("tuner.torch.disable() without a matching enable()")
-        _routers.pop()
-        _active = _routers[-1] if _routers else None
-        if not _routers:
-            _unpatch()
+        _remove(len(_routers) - 1)
+
+
+def _pop(router: Router) -> None:
+    """Undo the ``enable()`` that made ``router``, wherever it now is: blocks of other threads
+    may have opened and closed since (nothing, if a ``disable()`` undid it already)."""
+    with _lock:
+        at = next((i for i, r in enumerate(_routers) if r is router), None)
+        if at is not None:
+            _remove(at)
+
+
+def _remove(at: int) -> None:
+    """Drop ``_routers[at]`` (the lock held); the last one puts torch's functions back."""
+    global _active
+    del _routers[at]
+    _active = _routers[-1] if _routers else None
+    if not _routers:
+        _unpatch()
 
 
 def is_enabled() -> bool:
@@ -720,15 +740,16 @@ def enabled(
     buckets: str | None = None,
     mode: str | None = None,
 ) -> Iterator[Dispatcher]:
-    """``with tuner.torch.enabled(): model(x)``: ``enable()`` for the block, then ``disable()``;
-    a ``buckets`` or ``mode`` given holds for the block only (an enclosing block's comes back)."""
+    """``with tuner.torch.enabled(): model(x)``: ``enable()`` for the block, undone at its end
+    (this block's, though another thread's block opened inside it); a ``buckets`` or ``mode``
+    given holds for the block only (an enclosing block's comes back)."""
     disp = dispatcher or get_dispatcher()
     before = disp.buckets, disp.mode
-    enable(dispatcher=disp, buckets=buckets, mode=mode)
+    router = _push(disp, buckets, mode)
     try:
         yield disp
     finally:
-        disable()
+        _pop(router)
         old_buckets, old_mode = before
         _configure(disp, old_buckets if buckets else None, old_mode if mode else None)
 

@@ -8,6 +8,7 @@ with the timings the engine measured. Everything else goes through the real disp
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -323,6 +324,43 @@ def test_nesting_and_errors(tmp_path: Path) -> None:
         tt.disable()
     with pytest.raises(ValueError, match="TUNER_BUCKETS must be one of"):
         tt.enable(dispatcher=outer, buckets="nearest")
+    assert not tt.is_enabled()
+
+
+def test_a_block_undoes_its_own_enable_when_threads_interleave(tmp_path: Path) -> None:
+    """Thread A opens a block, thread B opens one, A's ends first: B's stays on."""
+    first, second = Dispatcher(tmp_path / "a.db"), Dispatcher(tmp_path / "b.db")
+    b_open, a_closed, b_close = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def thread_b() -> None:
+        with tt.enabled(dispatcher=second):
+            b_open.set()
+            a_closed.wait(10)
+            seen["after A's block"] = tt.active_dispatcher()
+            b_close.wait(10)
+
+    with tt.enabled(dispatcher=first):
+        b = threading.Thread(target=thread_b)
+        b.start()
+        assert b_open.wait(10)
+    a_closed.set()
+    try:
+        assert tt.is_enabled()
+    finally:
+        b_close.set()
+        b.join(10)
+    assert seen["after A's block"] is second
+    assert not tt.is_enabled()
+
+
+def test_a_block_after_a_stray_disable_leaves_the_enclosing_block_on(tmp_path: Path) -> None:
+    outer, inner = Dispatcher(tmp_path / "a.db"), Dispatcher(tmp_path / "b.db")
+    with tt.enabled(dispatcher=outer):
+        with tt.enabled(dispatcher=inner):
+            tt.disable()  # undoes the inner block's enable() already
+            assert tt.active_dispatcher() is outer
+        assert tt.active_dispatcher() is outer
     assert not tt.is_enabled()
 
 
