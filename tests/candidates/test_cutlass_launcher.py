@@ -6,6 +6,7 @@ specs the FP8 and INT4 prefill benches already built (a seeded cache loads them)
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import pytest
@@ -153,3 +154,32 @@ def test_w4a16_stream_k_runner_called_from_two_threads() -> None:
     key = GemmKey(m=16, n=384, k=1024, **lowbit_fields("int4-g128"))
     stream_k = next(p for p in w4.SMALL if p["scheduler"] == "streamk")
     assert_right_from_two_threads(runner("cutlass_w4a16", key, stream_k), key, seed=4)
+
+
+def test_a_thread_whose_first_cuda_call_is_the_runner_gets_its_result() -> None:
+    """A new thread has no CUDA context current, and a call on a new pointer set builds its
+    params there: CUTLASS's host code encodes their TMA descriptors through the driver, which
+    needs one (the launcher makes torch's current first)."""
+    key = SMALL
+    run = fp8_runner(key, 0)
+    inputs = samples.make_inputs(key, "cuda", torch.Generator("cuda").manual_seed(5))
+    outs = [samples.output_like(key, inputs) for _ in range(2)]
+    assert_right(run, key, inputs, outs[0])  # the default stream's workspace, made here
+    torch.cuda.synchronize()
+    seen: dict[str, object] = {}
+
+    def first_cuda_call() -> None:
+        context = ctypes.c_void_p()
+        ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(context))
+        seen["context"] = context.value
+        try:
+            run(*inputs, out=outs[1])  # another out: params built in this thread
+            torch.cuda.synchronize()
+        except BaseException as e:  # reported by the main thread
+            seen["error"] = e
+
+    thread = threading.Thread(target=first_cuda_call)
+    thread.start()
+    thread.join()
+    assert seen["context"] is None and "error" not in seen, seen
+    assert samples.relative_error(outs[1], samples.reference(key, inputs)) <= 1

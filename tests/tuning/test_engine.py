@@ -73,7 +73,7 @@ def tuned_uncut(
         registry.register(source)
     try:
         options = TuneOptions(budget_s=0.02, sources=[s.name for s in sources], cut_factor=1e9,
-                              late_cut=1e9, min_noise=min_noise)  # fmt: skip
+                              late_cut=1e9, min_noise=min_noise, prune=False)  # fmt: skip
         return tune(key, options=options, **hooks)
     finally:
         for source in sources:

@@ -398,6 +398,7 @@ class KernelLauncher:
         c, user_out = ops.output_for(self.key, ta, out, self.c_align)
         strides = (ta.stride(), tb.stride(), c.stride())
         pointers = (ta.data_ptr(), tb.data_ptr(), c.data_ptr(), *more)
+        ops.bind_context(self.device)  # before the host library encodes TMA descriptors
         stream, lib = self.stream(), _driver()
         # the arguments, the kept params and the config's stream are shared state: a runner
         # called from two threads (the dispatcher hands one out to every caller) must not build

@@ -865,6 +865,7 @@ class W4A16Launcher:
 
     def __call__(self, x: Any, packed: Any, scales_and_zeros: Any, out: Any = None) -> Any:
         (w, xp, scale, zero, cp), c, user_out = self.operands(x, packed, scales_and_zeros, out)
+        ops.bind_context(self.device)  # before the library encodes TMA descriptors
         stream = self.stream()
         err = self.run(self.plan(stream), w, xp, scale, zero, cp, stream)
         if err:

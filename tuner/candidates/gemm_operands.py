@@ -12,6 +12,7 @@ kind, without copies.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import importlib.util
@@ -213,6 +214,43 @@ def stream_getter(device: torch.device) -> Callable[[], int]:
     if raw is not None:
         return functools.partial(raw, index)
     return lambda: torch.cuda.current_stream(index).cuda_stream
+
+
+_bound = threading.local()  # .devices: the device indices this thread has a context current for
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def bind_context(device: torch.device) -> None:
+    """Make ``device``'s primary context (torch's) current in this thread, if none is; checked
+    once a thread. A library that encodes TMA descriptors through the driver (CUTLASS's host
+    code) gets CUDA_ERROR_INVALID_CONTEXT in a thread that has made no CUDA call yet, and its
+    kernel then runs on garbage descriptors; torch binds a context lazily, at the first call
+    that needs one, which a thread that only reuses cached memory never makes."""
+    done = getattr(_bound, "devices", None)
+    if done is None:
+        done = _bound.devices = set()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in done:
+        return
+    lib, ctx = _libcuda(), ctypes.c_void_p()
+    _driver_ok(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if not ctx.value:
+        ordinal = ctypes.c_int()
+        _driver_ok(lib.cuDeviceGet(ctypes.byref(ordinal), index), "cuDeviceGet")
+        _driver_ok(
+            lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), ordinal), "cuDevicePrimaryCtxRetain"
+        )
+        _driver_ok(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    done.add(index)
+
+
+def _driver_ok(err: int, call: str) -> None:
+    if err:
+        raise RuntimeError(f"{call} failed: CUresult {err}")
 
 
 def current_stream(device: torch.device) -> int:
