@@ -64,6 +64,8 @@ VersionsQuery = Annotated[
 DeviceClassQuery = Annotated[str | None, Query(pattern=DEVICE_CLASS_RE)]
 Limit = Annotated[int, Query(ge=1, le=10000)]
 Reader = Annotated[Token | None, Depends(require("read"))]
+# a write any valid token may make: needs one even when reads are open
+Reporter = Annotated[Token, Depends(require("read", write=True))]
 Submitter = Annotated[Token, Depends(require("submit"))]
 Admin = Annotated[Token, Depends(require("admin"))]
 
@@ -237,7 +239,7 @@ def submit(request: Request, body: SubmitIn, token: Submitter) -> dict:
 
 
 @router.post("/misses", response_model=MissesOut)
-def report_misses(request: Request, body: MissesIn, _: Reader) -> dict:
+def report_misses(request: Request, body: MissesIn, _: Reporter) -> dict:
     """Keys a host met without a winner, with counts. Any valid token may report: a count
     only steers the queue, it cannot change what is served."""
     store = _store(request)

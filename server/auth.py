@@ -1,6 +1,7 @@
 """Bearer-token checks as FastAPI dependencies: ``Depends(require("submit"))``.
 
-No token: 401 (reads pass when the service runs with open reads). A malformed, unknown or
+No token: 401 (reads pass when the service runs with open reads; writes never do, whatever
+scope they need: open reads must not let anyone fill the queue). A malformed, unknown or
 revoked token: 401, even on an open read, so a broken client configuration is noticed. A valid
 token without the scope: 403 naming what it has and what is needed.
 """
@@ -25,12 +26,13 @@ def bearer_token(request: Request) -> str | None:
     return value.strip() or None if scheme.lower() == "bearer" else None
 
 
-def authorize(request: Request, scope: str) -> Token | None:
-    """The request's token if it has ``scope``; None for an open read; else 401/403."""
+def authorize(request: Request, scope: str, *, write: bool = False) -> Token | None:
+    """The request's token if it has ``scope``; None for an open read (never for a ``write``,
+    even one any token may make); else 401/403."""
     state = request.app.state
     presented = bearer_token(request)
     if presented is None:
-        if scope == "read" and state.settings.open_reads:
+        if scope == "read" and not write and state.settings.open_reads:
             return None
         raise HTTPException(
             401, f"this needs a bearer token with scope {scope!r}", headers=CHALLENGE
@@ -47,12 +49,13 @@ def authorize(request: Request, scope: str) -> Token | None:
     return token
 
 
-def require(scope: str) -> Callable[..., Awaitable[Token | None]]:
-    """A dependency that lets a request through with a token of ``scope`` (or open reads)."""
+def require(scope: str, *, write: bool = False) -> Callable[..., Awaitable[Token | None]]:
+    """A dependency that lets a request through with a token of ``scope`` (or, unless it is a
+    ``write``, open reads)."""
 
     async def check(
         request: Request, _: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> Token | None:  # ``bearer`` only declares the scheme in the OpenAPI spec
-        return authorize(request, scope)
+        return authorize(request, scope, write=write)
 
     return check

@@ -273,6 +273,26 @@ def test_reads_can_be_open(tmp_path: Path) -> None:
             anonymous.submit(FP, [made_up(f32(16, 8, 8), "torch", 10.0)])
 
 
+READS_BY_POST = {"/v1/winners/{device_class}/lookup", "/v1/artifacts/lookup"}
+
+
+def test_open_reads_leave_every_write_needing_a_token(tmp_path: Path) -> None:
+    """Every POST/PUT/DELETE route but the batch lookups writes something (a miss report only
+    steers the queue, but anyone filling it could starve real misses): 401 without a token."""
+    with ThreadServer(tmp_path / "fleet.db", open_reads=True) as srv:
+        writes = [
+            (method.upper(), path)
+            for path, methods in srv.app.openapi()["paths"].items()
+            for method in methods
+            if method in ("post", "put", "delete") and path not in READS_BY_POST
+        ]
+        assert ("POST", "/v1/misses") in writes and len(writes) >= 6
+        for method, path in writes:
+            url = srv.url + path.format(device_class=DC, digest="0" * 64)
+            r = httpx.request(method, url, json={})
+            assert r.status_code == 401, (method, path, r.status_code, r.text)
+
+
 def test_a_tokens_voice_is_its_recent_results(fleet: ThreadServer) -> None:
     key = f32(88)
     a = fleet.client("host-a", "submit")
