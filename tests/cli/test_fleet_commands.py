@@ -155,6 +155,14 @@ def test_sync_without_a_service_says_how_to_name_one(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_a_malformed_server_url_is_one_error_line(tmp_path: Path) -> None:
+    done = tuner_process("push", "--server", "http://[::1", TUNER_CACHE=str(tmp_path / "c.db"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "error: --server/TUNER_SERVER 'http://[::1': not a valid URL: Invalid port: ':1'"
+    )
+
+
 def test_push_to_a_closed_port_fails_in_one_line(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     tuned_cache(tmp_path / "c.db", 4)

@@ -236,3 +236,19 @@ def test_a_sync_interval_that_is_not_seconds_is_named(
     with caplog.at_level("ERROR"):
         assert attach(d, client=FleetClient("http://127.0.0.1:9", retries=0)) is None
     assert "fleet sync not started: TUNER_SYNC_INTERVAL='abc': expected seconds" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("server", "why"),
+    [
+        ("http://[::1", "not a valid URL"),
+        ("http://localhost:abc", "not a valid URL: Invalid port: 'abc'"),
+        ("http://localhost:99999", "port 99999 is not in 1-65535"),
+        ("http://", "no host name"),
+        ("localhost:8000", "expected an http:// or https:// URL"),
+    ],
+)
+def test_a_malformed_server_url_is_named_with_why(server: str, why: str) -> None:
+    with pytest.raises(ValueError) as e:
+        FleetClient(server)
+    assert str(e.value).startswith(f"--server/TUNER_SERVER {server!r}: ") and why in str(e.value)

@@ -74,6 +74,23 @@ class Lease:
 TIMEOUT_S = 10.0  # seconds to wait for each answer, unless the caller says otherwise
 
 
+def _check_server(server: str) -> None:
+    """A ValueError naming the setting, the value and what is wrong with it, for a server URL
+    httpx would refuse only later, with a traceback (``http://[::1``, ``http://host:abc``), or
+    take and fail to connect to (port 99999, no host)."""
+    where = f"--server/TUNER_SERVER {server!r}"
+    if not server.startswith(("http://", "https://")):
+        raise ValueError(f"{where}: expected an http:// or https:// URL")
+    try:
+        url = httpx.URL(server)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"{where}: not a valid URL: {e}") from None
+    if not url.host:
+        raise ValueError(f"{where}: no host name")
+    if url.port is not None and not 0 < url.port < 65536:
+        raise ValueError(f"{where}: port {url.port} is not in 1-65535")
+
+
 class FleetClient:
     def __init__(
         self,
@@ -84,8 +101,7 @@ class FleetClient:
         retries: int = 3,
         backoff_s: float = 0.25,
     ) -> None:
-        if not server.startswith(("http://", "https://")):
-            raise ValueError(f"server must be an http(s):// URL, got {server!r}")
+        _check_server(server)
         self.server = server.rstrip("/")
         self.retries, self.backoff_s = retries, backoff_s
         headers = {"User-Agent": f"tuner/{__version__}"}
