@@ -252,3 +252,19 @@ def test_a_malformed_server_url_is_named_with_why(server: str, why: str) -> None
     with pytest.raises(ValueError) as e:
         FleetClient(server)
     assert str(e.value).startswith(f"--server/TUNER_SERVER {server!r}: ") and why in str(e.value)
+
+
+def test_a_token_is_sent_without_surrounding_whitespace(tmp_path: Path) -> None:
+    """A token read from a secret file keeps its newline: it was refused as a header value and
+    reported as "service unreachable"."""
+    with ThreadServer(tmp_path / "fleet.db") as srv:
+        token = srv.token("host", "read")
+        assert FleetClient(srv.url, f" {token}\n", retries=0).queue() == []
+
+
+@pytest.mark.parametrize("bad", ["é", "\x00", "\u200b"])
+def test_a_token_no_header_can_carry_is_named_not_shown(bad: str) -> None:
+    token = f"tnr_0123456789ab_sec{bad}ret"
+    with pytest.raises(ValueError, match=r"^--token/TUNER_TOKEN: character 21 ") as e:
+        FleetClient("http://127.0.0.1:9", token)
+    assert "sec" not in str(e.value)

@@ -91,6 +91,21 @@ def _check_server(server: str) -> None:
         raise ValueError(f"{where}: port {url.port} is not in 1-65535")
 
 
+def _clean_token(token: str | None) -> str | None:
+    """``token`` without surrounding whitespace (a secret file's trailing newline, which h11
+    refuses in a header: it read as "service unreachable"); a ValueError naming the setting,
+    never the token, for a character no header may carry (a non-ASCII one failed deep in
+    httpx with an ascii codec error)."""
+    token = token.strip() if token else None
+    for i, c in enumerate(token or ""):
+        if not " " <= c <= "~":
+            raise ValueError(
+                f"--token/TUNER_TOKEN: character {i + 1} of the token is not printable ASCII "
+                f"(U+{ord(c):04X}); an HTTP header cannot carry it"
+            )
+    return token or None
+
+
 class FleetClient:
     def __init__(
         self,
@@ -105,7 +120,7 @@ class FleetClient:
         self.server = server.rstrip("/")
         self.retries, self.backoff_s = retries, backoff_s
         headers = {"User-Agent": f"tuner/{__version__}"}
-        if token:
+        if token := _clean_token(token):
             headers["Authorization"] = f"Bearer {token}"
         self.http = httpx.Client(
             base_url=self.server,
