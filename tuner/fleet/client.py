@@ -72,6 +72,8 @@ class Lease:
 
 
 TIMEOUT_S = 10.0  # seconds to wait for each answer, unless the caller says otherwise
+SYNC_INTERVAL_S = 60.0  # default seconds between background syncs
+MIN_SYNC_INTERVAL_S = 1.0  # of $TUNER_SYNC_INTERVAL: less would hammer the service (0: no wait)
 
 
 def _check_server(server: str) -> None:
@@ -656,7 +658,7 @@ class BackgroundSync:
         client: FleetClient,
         store_path: str | Path,
         *,
-        interval_s: float = 60.0,
+        interval_s: float = SYNC_INTERVAL_S,
         push: bool = True,
         on_change: Callable[[], None] | None = None,
         fingerprint: Callable[[], Fingerprint] | None = None,
@@ -737,13 +739,32 @@ class BackgroundSync:
         return result
 
 
+def _sync_interval() -> float:
+    """``$TUNER_SYNC_INTERVAL`` in seconds; one below the minimum is logged and the default
+    used; one that is not a finite number of seconds is a ValueError naming it."""
+    text = os.environ.get("TUNER_SYNC_INTERVAL", str(SYNC_INTERVAL_S))
+    try:
+        interval = float(text)
+    except ValueError:
+        interval = math.nan
+    if not math.isfinite(interval):
+        raise ValueError(f"TUNER_SYNC_INTERVAL={text!r}: expected seconds")
+    if interval < MIN_SYNC_INTERVAL_S:
+        log.warning(
+            "TUNER_SYNC_INTERVAL=%r is below the minimum of %g s; using the default, %g s",
+            text, MIN_SYNC_INTERVAL_S, SYNC_INTERVAL_S,
+        )  # fmt: skip
+        return SYNC_INTERVAL_S
+    return interval
+
+
 def attach(
     dispatcher: Any, client: FleetClient | None = None, **kwargs: Any
 ) -> BackgroundSync | None:
     """Keep ``dispatcher``'s cache in sync with the service in the background.
 
     Uses ``$TUNER_SERVER``/``$TUNER_TOKEN`` unless a client is given; the interval is
-    ``$TUNER_SYNC_INTERVAL`` seconds (default 60). Returns None (and logs) if no service is
+    ``$TUNER_SYNC_INTERVAL`` seconds (default 60, at least 1). Returns None (and logs) if no service is
     configured or the configuration is unusable: the dispatcher then works from its cache alone.
     """
     from tuner.core.device import fingerprint as default_fingerprint
@@ -753,11 +774,7 @@ def attach(
         if client is None:
             return None
         if "interval_s" not in kwargs:
-            interval = os.environ.get("TUNER_SYNC_INTERVAL", "60")
-            try:
-                kwargs["interval_s"] = float(interval)
-            except ValueError:
-                raise ValueError(f"TUNER_SYNC_INTERVAL={interval!r}: expected seconds") from None
+            kwargs["interval_s"] = _sync_interval()
         if "artifacts" not in kwargs:
             fp = (kwargs.get("fingerprint") or default_fingerprint)()
             kwargs["artifacts"] = shared_store() if host_archs(fp) else None
