@@ -25,6 +25,7 @@ from tuner.fleet.client import (
     FleetError,
     attach,
     pull,
+    push,
     push_misses,
     wire,
 )
@@ -187,6 +188,35 @@ def test_a_pull_from_a_wrong_url_fails_while_an_unknown_class_pulls_nothing(tmp_
                 pull(FleetClient(wrong, token), store, FP)
             with pytest.raises(FleetError, match="no tuner service at this URL"):
                 FleetClient(wrong, token).winner(DC, "gemm:m=1,n=8,k=8")
+
+
+def test_measurements_the_service_refuses_by_index_do_not_block_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 422 naming measurements of a batch: they are counted as refused, with the service's
+    reason, the rest stored and the push position moved on (it stayed put: every later push
+    was refused whole)."""
+    keys = [str(GemmKey(m=8 * i, n=8, k=8, dtype="f32", out_dtype="f32")) for i in (1, 2, 3)]
+    good = [Measurement(DC, k, "torch", {}, "ok", is_baseline=True, median_us=5.0,
+                        versions=FP.version_tag) for k in keys[:2]]  # fmt: skip
+    bad = [
+        Measurement(DC, keys[2], "my source!", {}, "ok", median_us=4.0, versions=FP.version_tag),
+        Measurement(DC, keys[2], "triton", {"x": "y" * 5000}, "ok", median_us=4.0,
+                    versions=FP.version_tag),
+    ]  # fmt: skip
+    with ThreadServer(tmp_path / "fleet.db") as srv, Store(tmp_path / "host.db") as store:
+        store.save_device(FP)
+        store.save_run([good[0], *bad, good[1]])
+        client = srv.client("host", "submit")
+        with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+            out = push(client, store, FP)
+        assert (out.accepted, out.refused) == (2, 2)
+        assert "(my source!): source: String should match pattern" in caplog.text
+        assert "(triton): params: Value error, params must be at most 4000" in caplog.text
+        page = client.feed(DC, FP.version_tag, 0)
+        assert {row[page["columns"].index("key")] for row in page["rows"]} == set(keys[:2])
+        again = push(client, store, FP)
+        assert (again.accepted, again.duplicates, again.refused) == (0, 0, 0)
 
 
 def test_wire_form_has_no_nan() -> None:

@@ -10,7 +10,8 @@ and publish / fetch compiled-kernel artifacts.
 Settings: ``TUNER_SERVER`` (base URL), ``TUNER_TOKEN``, ``TUNER_SYNC_INTERVAL`` (seconds).
 Every request has a bounded timeout and is retried with exponential backoff on connection
 errors, timeouts, 429 and 502/503/504; other 4xx raise ``FleetError`` with the service's message
-at once. The dispatcher never waits for the service: ``attach`` runs the sync in a daemon thread
+at once, except that measurements a 422 names by index are counted as refused and the rest of
+their batch sent again. The dispatcher never waits for the service: ``attach`` runs the sync in a daemon thread
 with its own SQLite connection and calls ``Dispatcher.reload()`` when new winners arrive.
 
 Sync positions live in the local cache (``sync_state``): pulls resume from the last feed sequence
@@ -59,9 +60,10 @@ RETRY_STATUS = (429, 502, 503, 504)
 class FleetError(Exception):
     """The service refused a request (4xx, with its message) or stayed unreachable."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, detail: Any = None) -> None:
         super().__init__(message)
         self.status = status
+        self.detail = detail  # the answer's ``detail`` (a 422's errors: loc, msg, ...), if JSON
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ class FleetClient:
                 if r.status_code < 400:
                     return r
                 if r.status_code not in RETRY_STATUS or last:
-                    raise FleetError(_message(r), r.status_code)
+                    raise FleetError(_message(r), r.status_code, _detail(r))
             time.sleep(self.backoff_s * 2**attempt * (0.5 + random.random()))
         raise AssertionError("unreachable")
 
@@ -235,17 +237,37 @@ class FleetClient:
         return self.request("GET", f"/v1/winners/{device_class}/feed", params=params)
 
     def submit(self, fp: Fingerprint, measurements: list[Measurement]) -> dict[str, Any]:
-        """Submit measurements (any number; sent in batches). Returns summed counts."""
-        total: dict[str, Any] = {"accepted": 0, "duplicates": 0, "served": [], "pending": []}
+        """Submit measurements (any number; sent in batches). Returns summed counts, and in
+        ``refused`` why each measurement the service would not store was refused."""
+        total: dict[str, Any] = {
+            "accepted": 0, "duplicates": 0, "served": [], "pending": [], "refused": []
+        }  # fmt: skip
         for i in range(0, len(measurements), BATCH):
-            body = {
-                "device": fp.to_dict(),
-                "measurements": [wire(m) for m in measurements[i : i + BATCH]],
-            }
-            out = self.request("POST", "/v1/measurements", json=body)
-            for k in total:
-                total[k] += out[k]
+            out = self._submit_batch(fp, [wire(m) for m in measurements[i : i + BATCH]])
+            for k, v in out.items():
+                if k in total:
+                    total[k] += v
         return total
+
+    def _submit_batch(self, fp: Fingerprint, batch: list[dict[str, Any]]) -> dict[str, Any]:
+        """One batch. Refused whole (422) for measurements the service names by index, it is
+        sent again without them, their reasons added to ``refused``: one measurement the service
+        will never take must not block every later push of the host. Which ones it takes is its
+        rule alone: none is checked here."""
+        refused: list[str] = []
+        while batch:
+            try:
+                body = {"device": fp.to_dict(), "measurements": batch}
+                out = self.request("POST", "/v1/measurements", json=body)
+                return out | {"refused": refused + out.get("refused", [])}
+            except FleetError as e:
+                invalid = _invalid_items(e, "measurements", len(batch))
+                if not invalid:
+                    raise
+            refused += [f"{batch[j]['key']} ({batch[j]['source']}): {why}"
+                        for j, why in invalid.items()]  # fmt: skip
+            batch = [m for j, m in enumerate(batch) if j not in invalid]
+        return {"refused": refused}
 
     def report_misses(self, fp: Fingerprint, misses: list[tuple[str, int]]) -> int:
         queued = 0
@@ -336,6 +358,34 @@ def _message(r: httpx.Response) -> str:
         return f"HTTP {r.status_code} ({kind})" + ("" if "html" in kind else f": {first[:120]}")
     detail = body.get("message") or body.get("detail") if isinstance(body, dict) else body
     return f"HTTP {r.status_code}: {detail}"
+
+
+def _detail(r: httpx.Response) -> Any:
+    """The ``detail`` of an error answer in JSON; None for another server's page."""
+    try:
+        body = r.json()
+    except ValueError:
+        return None
+    return body.get("detail") if isinstance(body, dict) else None
+
+
+def _invalid_items(e: FleetError, field: str, n: int) -> dict[int, str]:
+    """Index -> the service's reason, when ``e`` is a 422 whose every error locates one of the
+    ``n`` items of the body's list ``field`` (pydantic's loc ``["body", field, i, ...]``);
+    empty when any error lies elsewhere: then the request as a whole is wrong."""
+    if e.status != 422 or not isinstance(e.detail, list) or not e.detail:
+        return {}
+    invalid: dict[int, str] = {}
+    for error in e.detail:
+        loc = error.get("loc") if isinstance(error, dict) else None
+        if not isinstance(loc, list) or loc[:2] != ["body", field] or len(loc) < 3:
+            return {}
+        i = loc[2]
+        if not isinstance(i, int) or not 0 <= i < n:
+            return {}
+        why = ".".join(str(p) for p in loc[3:]) + ": " if len(loc) > 3 else ""
+        invalid[i] = "; ".join(filter(None, (invalid.get(i), f"{why}{error.get('msg')}")))
+    return invalid
 
 
 def wire(m: Measurement) -> dict[str, Any]:
