@@ -177,7 +177,8 @@ def feed(
     rows, more = results.feed(store, device_class, versions, since, limit)
     cursor = rows[-1][FEED_SEQ] if rows else since
     body = {"device_class": device_class, "versions": versions, "since": since,
-            "cursor": cursor, "more": more, "columns": results.FEED_COLUMNS, "rows": rows}  # fmt: skip
+            "cursor": cursor, "more": more, "last": store.winner_seq(),
+            "columns": results.FEED_COLUMNS, "rows": rows}  # fmt: skip
     return JSONResponse(body)  # our own rows: no need to re-validate 20k of them
 
 

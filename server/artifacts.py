@@ -132,11 +132,13 @@ def listing(
     limit: Annotated[int, Query(ge=1, le=MAX_ARTIFACT_PAGE)] = 1000,
 ) -> dict[str, Any]:  # fmt: skip
     """Served builds published after `since`, oldest first (for hosts that sync everything)."""
-    rows = _store(request).artifact_feed(arch, since, limit + 1)
+    store = _store(request)
+    rows = store.artifact_feed(arch, since, limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
     cursor = rows[-1]["seq"] if rows else since
-    return {"since": since, "cursor": cursor, "more": more, "artifacts": rows}
+    last = store.artifact_seq()
+    return {"since": since, "cursor": cursor, "more": more, "last": last, "artifacts": rows}
 
 
 @router.get("/conflicts", response_model=list[ConflictOut])

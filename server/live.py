@@ -5,8 +5,11 @@ Tests and benchmarks use these to talk to a real uvicorn over real TCP, not an i
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -99,6 +102,20 @@ class ThreadServer(AppThread, _Tokens):
     def __init__(self, db: Path, port: int = 0, **settings: Any) -> None:
         self.db = Path(db)
         super().__init__(create_app(Settings(db=db, **settings)), port)
+
+
+def backup(db: Path, to: Path) -> None:
+    """An online backup of a (possibly live) service database, with SQLite's backup API."""
+    with contextlib.closing(sqlite3.connect(db)) as src, contextlib.closing(sqlite3.connect(to)) as dst:  # fmt: skip
+        src.backup(dst)
+
+
+def restore(db: Path, saved: Path) -> None:
+    """Replace a stopped service's database (its WAL files too) by the backup ``saved``, as an
+    operator restoring an older backup would; its artifact blobs are left as they are."""
+    for f in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        f.unlink(missing_ok=True)
+    shutil.copy(saved, db)
 
 
 def free_port() -> int:

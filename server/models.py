@@ -23,6 +23,10 @@ MAX_KEYS = 1000  # keys per batch lookup or claim
 MAX_FEED_PAGE = 20000
 MAX_PARAMS_CHARS = 4000
 DEVICE_CLASS_RE = r"^(cuda|cpu)-[a-z0-9][a-z0-9-]{0,199}$"
+LAST = (
+    "the service's latest sequence number: a `since` beyond it was handed out by a later state "
+    "of this database (it was restored from an older backup), so sync from 0 again"
+)
 
 
 def canonical_key(text: str) -> str:
@@ -208,6 +212,7 @@ class FeedOut(BaseModel):
     since: int
     cursor: int = Field(description="pass as `since` next time")
     more: bool = Field(description="true: call again with `since=cursor` right away")
+    last: int = Field(description=LAST)
     columns: list[str] = Field(description="names of the row fields (WinnerOut's fields)")
     rows: list[list[Any]] = Field(description="one row per winner; `params` as JSON text")
 
@@ -341,6 +346,7 @@ class ArtifactFeedOut(BaseModel):
     since: int
     cursor: int = Field(description="pass as `since` next time")
     more: bool = Field(description="true: call again with `since=cursor` right away")
+    last: int = Field(description=LAST)
     artifacts: list[ArtifactOut]
 
 

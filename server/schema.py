@@ -5,7 +5,8 @@ their sequence numbers, pending changes, misses and the tuning queue (``srv_*`` 
 fingerprints of the device classes it has seen, and the compiled-kernel artifacts published by
 builders (spec -> served hash, every builder's build of a spec; the blobs themselves are files in
 ``server.blobs``), and the service's identity (a random id made with the file, so that a host
-can tell a rebuilt or restored service at the same URL from the one it synced with). A host's
+can tell a rebuilt service at the same URL from the one it synced with; a backup keeps it, so a
+restored one is told by its sequence numbers falling behind the host's positions). A host's
 cache has its own schema (``tuner.cache.schema``); both are checked and migrated by ``tuner.cache.sqlite``. Files from
 before the two were split (one shared schema, version 2 in a ``meta`` table) open as version 1
 and lose the host's empty tables in the next migration.

@@ -215,6 +215,13 @@ class FleetStore(DeviceFile):
             f"{_WINNER_SELECT} where {where} order by seq limit ?", [*args, limit]
         ).fetchall()
 
+    def winner_seq(self) -> int:
+        """The latest winner sequence number (of any class): no host's feed cursor is beyond it
+        unless this file is older than what that host pulled (restored from a backup)."""
+        return self.db.conn.execute(
+            "select value from srv_counters where name = 'winner_seq'"
+        ).fetchone()[0]
+
     def served_count(self) -> int:
         return self.db.conn.execute("select count(*) from srv_winners").fetchone()[0]
 
@@ -445,6 +452,10 @@ class FleetStore(DeviceFile):
                 [since, *archs, limit],
             )
         )
+
+    def artifact_seq(self) -> int:
+        """The latest artifact sequence number (0: none), the bound of listing cursors."""
+        return self.db.conn.execute("select coalesce(max(seq), 0) from srv_artifacts").fetchone()[0]
 
     def artifact_conflicts(self, limit: int) -> list[dict[str, Any]]:
         """Specs published with more than one hash: the spec, its served hash and every build."""

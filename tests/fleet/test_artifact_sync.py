@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from server.blobs import default_dir
-from server.live import ThreadServer
+from server.live import ThreadServer, backup, restore
 from tuner.cache import Store
 from tuner.cache.artifacts import ArtifactSpec, ArtifactStore, pack, sha256
 from tuner.candidates import cuda_fp8, cuda_w4a16
 from tuner.core.device import Fingerprint
 from tuner.fleet.client import (
     BackgroundSync,
+    FleetClient,
     check_artifacts,
     fetch_artifacts,
     host_archs,
@@ -149,6 +150,36 @@ def test_builds_that_differ_are_reported_never_mixed(
         assert fetched.fetched == 1
         assert other.get(spec("mm")) == bundle("mm-rebuilt")  # its first one stays served here
         assert len(check_artifacts(None, other).local) == 1
+
+
+def test_a_service_restored_from_an_older_backup_is_listed_from_the_start(
+    builder: ArtifactStore, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The restored service keeps its id but not the builds published after its backup: the
+    next one published takes a number the host has passed, and would never be fetched."""
+    db, saved = tmp_path / "fleet.db", tmp_path / "backup.db"
+    with (
+        ArtifactStore(tmp_path / "host") as host,
+        Store(tmp_path / "host.db") as cache,
+        ArtifactStore(tmp_path / "builder-2") as later,
+    ):
+        with ThreadServer(db) as srv:
+            port = int(srv.url.rsplit(":", 1)[1])
+            b = FleetClient(srv.url, srv.token("builder", "build"))  # kept across the restore
+            c = FleetClient(srv.url, srv.token("host", "read"))
+            push_artifacts(b, builder, [spec("mm")])
+            backup(db, saved)
+            push_artifacts(b, builder, [spec("attn")])
+            assert sync_artifacts(c, host, cache, ["cuda:90"]).fetched == 2
+        restore(db, saved)
+        with ThreadServer(db, port=port):
+            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+                assert sync_artifacts(c, host, cache, ["cuda:90"]).present == 1
+            assert "at sequence number 1, behind this host's position 2 with it" in caplog.text
+            later.put(spec("new"), bundle("new"))
+            assert push_artifacts(b, later).published == 1
+            assert sync_artifacts(c, host, cache, ["cuda:90"]).fetched == 1
+            assert host.get(spec("new")) == bundle("new")
 
 
 def test_background_sync_fetches_the_artifacts_of_its_arch(

@@ -321,3 +321,14 @@ def test_a_token_no_header_can_carry_is_named_not_shown(bad: str) -> None:
     with pytest.raises(ValueError, match=r"^--token/TUNER_TOKEN: character 21 ") as e:
         FleetClient("http://127.0.0.1:9", token)
     assert "sec" not in str(e.value)
+
+
+def test_resetting_a_services_positions_leaves_other_services_alone(tmp_path: Path) -> None:
+    scope, other = "http://h:80#1f2e", "http://h:80#1f2e0"
+    names = [f"pull:{scope}:{DC}:v", f"push:{scope}", f"artifacts:{scope}:cuda:90",
+             f"pull:{other}:{DC}:v", f"push:{other}", "push:http://h:8000#1f2e"]  # fmt: skip
+    with Store(tmp_path / "host.db") as store:
+        for name in names:
+            store.set_position(name, 7)
+        assert sorted(store.reset_positions(scope)) == sorted(names[:3])
+        assert [store.position(n) for n in names] == [0, 0, 0, 7, 7, 7]

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from server.live import ThreadServer, wait_until
+from server.live import ThreadServer, backup, restore, wait_until
 from tuner.cache import Store
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, parse_key
@@ -321,3 +321,47 @@ def test_a_service_rebuilt_at_the_same_url_is_synced_from_the_start(tmp_path: Pa
                 assert push(ca, a, FP).accepted == len(outcome.measurements)
                 assert push(ca, a, FP).accepted == 0  # and incremental again from there
                 assert pull(cb, b, FP).winners == 1
+
+
+@pytest.mark.parametrize("kept", [0, 1], ids=["backup-before-any-result", "backup-of-one"])
+def test_a_service_restored_from_an_older_backup_is_synced_from_the_start(
+    kept: int, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restored file keeps the service's id, so the hosts keep their positions with it: past
+    the measurements it lost (which no push would send again) and past its winner counter
+    (which would hand the next winners numbers the hosts have passed). The feed's `last` gives
+    it away: the hosts sync with it from the start, and what it lost comes back."""
+    db, saved = tmp_path / "fleet.db", tmp_path / "backup.db"
+    results = [made_up(f32(24), "torch", 10.0), made_up(f32(32), "torch", 10.0)]
+    lost = len(results) - kept
+    with Store(tmp_path / "a.db") as a, Store(tmp_path / "b.db") as b:
+        a.save_device(FP)
+        with ThreadServer(db) as srv:
+            port = int(srv.url.rsplit(":", 1)[1])
+            tokens = {"a": srv.token("host-a", "submit"), "b": srv.token("host-b", "read")}
+            ca, cb = FleetClient(srv.url, tokens["a"]), FleetClient(srv.url, tokens["b"])
+            for i, m in enumerate(results):
+                if i == kept:
+                    backup(db, saved)
+                a.save_run([m])
+                assert push(ca, a, FP).accepted == 1  # host A syncs: pushes, then pulls
+                pull(ca, a, FP)
+                assert pull(cb, b, FP).winners == 1  # host B only pulls
+        restore(db, saved)
+        with ThreadServer(db, port=port) as srv:
+            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+                assert pull(cb, b, FP).winners == kept
+                assert push(ca, a, FP).accepted == lost  # a push alone finds it too
+            assert (
+                caplog.text.count(
+                    f"fleet service {srv.url} is at sequence number {kept}, behind this host's "
+                    "position 2 with it (restored from an older backup?)"
+                )
+                == 2
+            )
+            assert pull(cb, b, FP).winners == lost  # the winners come back
+            assert {w["key"] for w in feed_rows(cb.feed(DC, VERSIONS, 0))} == {
+                m.key for m in results
+            }
+            assert push(ca, a, FP).accepted == 0  # and incremental again from there
+            assert pull(cb, b, FP).winners == 0

@@ -278,6 +278,22 @@ class Store(DeviceFile):
                 (name, value, time.time()),
             )
 
+    def reset_positions(self, scope: str) -> list[str]:
+        """Set to 0 every position kept under ``scope``: those named ``<kind>:<scope>`` or
+        ``<kind>:<scope>:<more>`` (a fleet service's pull, push and artifact positions), so
+        that the next sync with it starts from the beginning. Returns the names reset."""
+        with self.transaction() as c:
+            names = [
+                name
+                for (name,) in c.execute("select name from sync_state")
+                if (rest := name.partition(":")[2]) == scope or rest.startswith(f"{scope}:")
+            ]
+            c.executemany(
+                "update sync_state set value = 0, updated_at = ? where name = ?",
+                [(time.time(), name) for name in names],
+            )
+        return names
+
     @staticmethod
     def _filters(**equal: str | None) -> tuple[list[str], list[Any]]:
         where = [f"{col} = ?" for col, v in equal.items() if v is not None]

@@ -17,8 +17,10 @@ with its own SQLite connection and calls ``Dispatcher.reload()`` when new winner
 Sync positions live in the local cache (``sync_state``): pulls resume from the last feed sequence
 number, pushes from the last pushed measurement id, and miss reports send only the counts not yet
 reported (``reported_misses``), so a crash or an outage never loses or double-counts anything.
-Positions are kept per service, by the id its health names: a service rebuilt or restored from
-an older backup at the same URL is pulled from and pushed to from the start.
+Positions are kept per service, by the id its health names: a service rebuilt at the same URL
+is pulled from and pushed to from the start. One restored from an older backup keeps its id; a
+position beyond the latest sequence number it names (``last`` in the feed and the artifact
+listing; pushes ask the feed first) gives it away, and all of its positions start over.
 """
 
 from __future__ import annotations
@@ -429,6 +431,52 @@ def _winner_rows(columns: list[str], rows: list[list[Any]]) -> list[dict[str, An
     return [{c: row[i] for c, i in index} for row in rows]
 
 
+def _restarted(
+    client: FleetClient, store: Store, scope: str, position: int, last: int | None
+) -> bool:
+    """Whether this host's ``position`` in ``scope`` lies beyond ``last``, the service's latest
+    sequence number (None: a service too old to say). The service was then restored from an
+    older backup, keeping its id: what this host pushed since is lost to it, and what it serves
+    next comes under numbers the host has passed. So every position of the scope is reset and
+    the sync starts from the beginning (pushes are idempotent, pulled winners upserts)."""
+    if last is None or position <= last:
+        return False
+    log.warning(
+        "fleet service %s is at sequence number %d, behind this host's position %d with it "
+        "(restored from an older backup?): pushing to and pulling from it from the start",
+        client.server, last, position,
+    )  # fmt: skip
+    store.reset_positions(scope)
+    return True
+
+
+def _pull_name(scope: str, fp: Fingerprint) -> str:
+    return f"pull:{scope}:{fp.device_class}:{fp.version_tag}"
+
+
+def _feed_page(
+    client: FleetClient, fp: Fingerprint, since: int, limit: int
+) -> tuple[dict[str, Any] | None, int | None]:
+    """A page of ``fp``'s feed and the service's latest sequence number. A device class the
+    service does not know (nobody of it has reported, or it was restored from a backup older
+    than that) gives (None, 0): it has none of that class's winners."""
+    try:
+        body = client.feed(fp.device_class, fp.version_tag, since, limit=limit)
+    except FleetError as e:
+        if client.nothing_there(e):
+            return None, 0
+        raise
+    return body, body.get("last")
+
+
+def _check_restored(client: FleetClient, store: Store, scope: str, fp: Fingerprint) -> None:
+    """Before a push: a one-winner feed request from this host's pull position (if it pulled)
+    finds a service restored from an older backup, which the push position alone cannot."""
+    since = store.position(_pull_name(scope, fp))
+    if since:
+        _restarted(client, store, scope, since, _feed_page(client, fp, since, 1)[1])
+
+
 def pull(
     client: FleetClient, store: Store, fp: Fingerprint, *, full: bool = False, page: int = 10000
 ) -> PullResult:
@@ -438,16 +486,17 @@ def pull(
     resumes where it stopped; re-applying a page is harmless (winners are upserts).
     """
     started = time.perf_counter()
-    name = f"pull:{client.sync_scope()}:{fp.device_class}:{fp.version_tag}"
+    scope = client.sync_scope()
+    name = _pull_name(scope, fp)
     cursor = 0 if full else store.position(name)
     total = pages = 0
     while True:
-        try:
-            body = client.feed(fp.device_class, fp.version_tag, cursor, limit=page)
-        except FleetError as e:
-            if client.nothing_there(e):  # nobody of this class has reported yet
-                break
-            raise
+        body, last = _feed_page(client, fp, cursor, page)
+        if _restarted(client, store, scope, cursor, last):
+            cursor = 0
+            continue
+        if body is None:  # nobody of this class has reported yet
+            break
         rows = _winner_rows(body["columns"], body["rows"])
         if rows:
             store.put_winner_rows(rows)
@@ -474,7 +523,9 @@ def _fingerprints(store: Store, fp: Fingerprint) -> dict[str, Fingerprint]:
 
 def push_measurements(client: FleetClient, store: Store, fp: Fingerprint) -> dict[str, int]:
     """Send local measurements not sent to this service yet, oldest first."""
-    name = f"push:{client.sync_scope()}"
+    scope = client.sync_scope()
+    _check_restored(client, store, scope, fp)
+    name = f"push:{scope}"
     fps = _fingerprints(store, fp)
     counts = {"accepted": 0, "duplicates": 0, "skipped": 0, "refused": 0}
     while True:
@@ -637,12 +688,16 @@ def sync_artifacts(
     again."""
     if not archs:
         raise ValueError("sync_artifacts needs at least one arch (see host_archs)")
-    name = f"artifacts:{client.sync_scope()}:{','.join(sorted(archs))}"
+    scope = client.sync_scope()
+    name = f"artifacts:{scope}:{','.join(sorted(archs))}"
     cursor = 0 if full else store.position(name)
     out = ArtifactsFetched(0, 0, 0, [])
     have = artifacts.hashes()
     while True:
         body = client.artifact_listing(archs, cursor)
+        if _restarted(client, store, scope, cursor, body.get("last")):
+            cursor = 0
+            continue
         for row in body["artifacts"]:
             if have.get(row["spec_id"]) == row["hash"]:
                 out.present += 1
