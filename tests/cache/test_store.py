@@ -7,7 +7,8 @@ import sqlite3
 import pytest
 
 from tests.cache.damaged import damaged_cache
-from tuner.cache import Store, StoreError
+from tests.cache.read_only import read_only
+from tuner.cache import ReadOnlyError, Store, StoreError
 from tuner.cache.schema import CACHE
 from tuner.measure.records import Measurement, Winner, candidate_name, candidate_params
 
@@ -180,3 +181,14 @@ def test_candidate_params_read_back_what_candidate_name_wrote():
     params = {"bn": 128, "fused": True, "splits": 16}
     assert candidate_params(candidate_name("triton_decode", params)) == params
     assert candidate_params(candidate_name("torch", {})) == {}  # no params: no JSON part
+
+
+def test_a_read_only_file_is_read_and_its_writes_refused_naming_it(tmp_path):
+    path = tmp_path / "c.db"
+    with Store(path) as store:
+        store.put_winners([winner()])
+    with read_only(path) as before, Store(path) as store:
+        assert [w.key for w in store.winners()] == [KEY]
+        with pytest.raises(ReadOnlyError, match=f"{path} is read-only"):
+            store.save_run([measurement()], winner(updated_at=2e9))
+        assert path.read_bytes() == before

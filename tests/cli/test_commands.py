@@ -13,6 +13,7 @@ import typer.rich_utils
 from typer.testing import CliRunner
 
 from tests.cache.damaged import damaged_cache
+from tests.cache.read_only import read_only
 from tuner.cache import Store
 from tuner.cli.main import app
 from tuner.core import console
@@ -306,6 +307,28 @@ def test_unreadable_and_unwritable_files_get_one_line(tmp_path):
     assert not Store(tmp_path / "c.db").winners()  # the run with nowhere to report never began
     r = tuner("report", "--rows", "-1", cache=tmp_path / "c.db", check=False)
     assert r.returncode == 2 and "Invalid value for '--rows'" in r.stderr
+
+
+def test_a_read_only_cache_fails_every_writing_command_in_one_line(tmp_path):
+    cache, problems, export = tmp_path / "ro.db", tmp_path / "p.yaml", tmp_path / "e.json"
+    Store(cache).close()
+    problems.write_text("problems:\n  - {op: gemm, m: 1, n: 8, k: 8, dtype: f32}\n")
+    with Store(tmp_path / "other.db") as other:  # an export with a winner the cache lacks
+        other.put_winners([Winner(device_class="cpu-x", key="gemm:m=2,n=8,k=8,dtype=f32,"
+                                  "out_dtype=f32", source="torch", params={}, median_us=1.0,
+                                  baseline_us=1.0)])  # fmt: skip
+    tuner("export", str(export), cache=tmp_path / "other.db")
+    with read_only(cache) as before:
+        for args in (
+            ("tune", "gemm", "-m", "1", "-n", "8", "-k", "8", "--dtype", "f32"),
+            ("tune-all", "--config", str(problems)),
+            ("import", str(export)),
+        ):
+            r = tuner(*args, cache=cache, check=False)
+            assert r.returncode == 2, (args, r.stderr)
+            assert r.stderr.startswith(f"error: {cache} is read-only"), (args, r.stderr)
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert cache.read_bytes() == before
 
 
 def test_launch_and_confirmation_options_reach_the_winner(tmp_path):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.cache.damaged import damaged_cache
+from tests.cache.read_only import read_only
 from tuner.cache import Store
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey
@@ -48,6 +49,21 @@ def test_a_damaged_cache_is_left_alone_and_the_call_still_served(tmp_path, caplo
     torch.testing.assert_close(d.matmul(c, b), c @ b)  # another miss: the cache is left alone
     assert "tuner cache unusable" in caplog.text and "is corrupt" in caplog.text
     assert (tmp_path / "c.db").read_bytes() == before
+
+
+@pytest.mark.cpu_host
+def test_a_read_only_cache_is_served_without_recording_and_logged_once(tmp_path, caplog):
+    path = tmp_path / "c.db"
+    Store(path).close()
+    with read_only(path) as before:
+        d = Dispatcher(path, mode="record")
+        b = torch.randn(4, 3)
+        for m in (8, 9):  # two misses: the first finds the cache read-only, the second skips it
+            a = torch.randn(m, 4)
+            torch.testing.assert_close(d.matmul(a, b), a @ b)
+        refused = [r for r in caplog.records if f"{path} is read-only" in r.getMessage()]
+        assert len(refused) == 1
+        assert path.read_bytes() == before
 
 
 @pytest.mark.cpu_host

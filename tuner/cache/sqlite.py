@@ -31,9 +31,20 @@ class StoreError(Exception):
     """The file cannot be used as it is; the message says why and what to do."""
 
 
+class ReadOnlyError(StoreError):
+    """The file can be read but not written (its mode, an immutable flag, a read-only mount): a
+    reader may go on using it, a writer cannot."""
+
+
 def is_corrupt(e: sqlite3.DatabaseError) -> bool:
     """Whether SQLite found the file damaged (a page it cannot read), not merely busy."""
     return getattr(e, "sqlite_errorname", "") in ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+
+
+def is_read_only(e: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite refused a write because the file cannot be written (SQLITE_READONLY and
+    its extended codes), not because it is damaged or busy."""
+    return getattr(e, "sqlite_errorname", "").startswith("SQLITE_READONLY")
 
 
 @dataclass(frozen=True)
@@ -167,6 +178,12 @@ class SqliteFile:
             f"or move it aside to start a new {self.schema.kind}"
         )
 
+    def read_only(self) -> ReadOnlyError:
+        return ReadOnlyError(
+            f"{self.path} is read-only: nothing can be stored in it; make the file writable, "
+            "or name another cache (--cache / $TUNER_CACHE)"
+        )
+
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction that takes the write lock up front (no upgrade deadlocks)."""
@@ -180,6 +197,8 @@ class SqliteFile:
             conn.execute("ROLLBACK")
             if is_corrupt(e):
                 raise self.corrupt(e) from None
+            if is_read_only(e):
+                raise self.read_only() from None
             raise
         except BaseException:
             conn.execute("ROLLBACK")

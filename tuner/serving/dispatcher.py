@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tuner.cache import Store, StoreError, default_path
+from tuner.cache import ReadOnlyError, Store, StoreError, default_path
 from tuner.candidates import registry, torch_lowbit
 from tuner.candidates.base import Runner
 from tuner.candidates.torch_ref import torch_sdpa
@@ -159,6 +159,7 @@ class Dispatcher:
         self._lock = threading.RLock()
         self._store: Store | None = None
         self._store_failed = False
+        self._read_only = False  # the cache refused a write: still read, never written again
         # winners' runners whose build may compile: built off the hot path (serving.background),
         # kept across reloads; "<key> <- <candidate> on <device>" -> runner
         self.loader = BackgroundLoader()
@@ -441,12 +442,20 @@ class Dispatcher:
                 self._store_failed = True
         return self._store
 
+    def _store_to_write(self) -> Store | None:
+        """The cache, unless it refused a write for being read-only: its winners are still
+        served, but no later call tries (and fails) to write to it again."""
+        return None if self._read_only else self._open_store()
+
     @contextlib.contextmanager
     def _unless_unusable(self) -> Iterator[None]:
-        """A write the cache refuses (found damaged) is logged once and the cache left alone:
-        the call it came from is still served."""
+        """A write the cache refuses is logged once and the call it came from still served: a
+        read-only cache is read but no longer written, a damaged one is left alone."""
         try:
             yield
+        except ReadOnlyError as e:
+            log.error("tuner cache not writable, serving without recording from now on: %s", e)
+            self._read_only = True
         except StoreError as e:
             log.error("tuner cache unusable, dispatching without it from now on: %s", e)
             if self._store is not None:
@@ -478,7 +487,7 @@ class Dispatcher:
         if (device_class, str(key)) in self._recorded:
             return
         self._recorded.add((device_class, str(key)))
-        if store := self._open_store():
+        if store := self._store_to_write():
             with self._unless_unusable():
                 store.record_misses(device_class, [str(key)])
 
@@ -486,7 +495,7 @@ class Dispatcher:
         from tuner.tuning.engine import tune
 
         outcome = tune(key, device=device)
-        if store := self._open_store():
+        if store := self._store_to_write():
             with self._unless_unusable():
                 store.save_run(outcome.measurements, outcome.winner)
         self._winners.setdefault(outcome.winner.device_class, {})[outcome.winner.key] = (
