@@ -20,6 +20,7 @@ from tuner.core import console
 from tuner.core.console import PIPED_WIDTH
 from tuner.core.device import fingerprint
 from tuner.measure.records import Winner
+from tuner.serving.dispatcher import Dispatcher
 from tuner.tuning.engine import TuneOptions
 from tuner.version import __version__
 
@@ -307,6 +308,29 @@ def test_unreadable_and_unwritable_files_get_one_line(tmp_path):
     assert not Store(tmp_path / "c.db").winners()  # the run with nowhere to report never began
     r = tuner("report", "--rows", "-1", cache=tmp_path / "c.db", check=False)
     assert r.returncode == 2 and "Invalid value for '--rows'" in r.stderr
+
+
+def test_a_cache_named_from_home_is_the_one_the_library_opens(tmp_path, monkeypatch):
+    """``~`` in $TUNER_CACHE, in the config file's ``cache`` and in ``--cache=`` (no shell
+    expands it there) names a file under $HOME, the one the dispatcher opens."""
+    home, work, export = tmp_path / "home", tmp_path / "work", tmp_path / "e.json"
+    work.mkdir()
+    export.write_text('{"format": "tuner-results"}')
+    config = tmp_path / "config.toml"
+    config.write_text('cache = "~/from-config.db"\n')
+    unset = ("TUNER_CACHE", "TUNER_CONFIG", "XDG_CONFIG_HOME")  # no config file but the test's
+    clean = {k: v for k, v in os.environ.items() if k not in unset} | {"HOME": str(home)}
+    for name, env, args in [
+        ("env.db", {"TUNER_CACHE": "~/env.db"}, []),
+        ("from-config.db", {"TUNER_CONFIG": str(config)}, []),
+        ("option.db", {}, ["--cache=~/option.db"]),
+    ]:
+        r = subprocess.run([sys.executable, "-m", "tuner", "import", str(export), *args],
+                           env=clean | env, cwd=work, capture_output=True, text=True)  # fmt: skip
+        assert r.returncode == 0 and (home / name).is_file(), (name, r.stderr)
+    assert not (work / "~").exists()
+    monkeypatch.setenv("HOME", str(home))
+    assert Dispatcher("~/option.db").store_path == home / "option.db"
 
 
 def test_a_read_only_cache_fails_every_writing_command_in_one_line(tmp_path):

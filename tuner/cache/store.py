@@ -32,13 +32,20 @@ _R = TypeVar("_R", Measurement, Winner)
 
 EXPORT_FORMAT = "tuner-results"
 
-__all__ = ["EXPORT_FORMAT", "Store", "StoreError", "default_path"]
+__all__ = ["EXPORT_FORMAT", "Store", "StoreError", "cache_file", "default_path"]
+
+
+def cache_file(named: str | Path) -> Path:
+    """A cache path as a user wrote it (``--cache``, ``$TUNER_CACHE``, the config file's
+    ``cache``), ``~`` expanded: every way in must name the same file, or the command line writes
+    ``./~/x.db`` while the library reads ``$HOME/x.db``."""
+    return Path(named).expanduser()
 
 
 def default_path() -> Path:
     """``$TUNER_CACHE``, else ``$XDG_CACHE_HOME/tuner/tuner.db``, else ``~/.cache/tuner/tuner.db``."""
     if env := os.environ.get("TUNER_CACHE"):
-        return Path(env).expanduser()
+        return cache_file(env)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "tuner" / "tuner.db"
 

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from tuner.cache import Store, StoreError, default_path
+from tuner.cache import Store, StoreError, cache_file, default_path
 from tuner.candidates import registry
 from tuner.measure.records import LAUNCHES
 from tuner.offline.problem_list import ConfigError
@@ -20,10 +20,12 @@ from tuner.tuning.engine import TuneOptions
 
 
 def _cache_chosen(ctx: typer.Context, value: Path | None) -> Path | None:
-    """``--cache`` stands for ``$TUNER_CACHE`` while the command runs (in this process and the
-    ones it starts), so what takes its place from the cache's (the compiled-kernel store)
-    follows it; put back after, for a caller that runs the app in its own process."""
+    """``--cache`` (``~`` expanded, as the library expands ``$TUNER_CACHE``) stands for
+    ``$TUNER_CACHE`` while the command runs (in this process and the ones it starts), so what
+    takes its place from the cache's (the compiled-kernel store) follows it; put back after, for
+    a caller that runs the app in its own process."""
     if value is not None:
+        value = cache_file(value)
         before = os.environ.get("TUNER_CACHE")
         os.environ["TUNER_CACHE"] = str(value)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tuner.cache import ReadOnlyError, Store, StoreError, default_path
+from tuner.cache import ReadOnlyError, Store, StoreError, cache_file, default_path
 from tuner.candidates import registry, torch_lowbit
 from tuner.candidates.base import Runner
 from tuner.candidates.torch_ref import torch_sdpa
@@ -142,7 +142,7 @@ class Dispatcher:
             raise ValueError(
                 f"TUNER_STALE must be one of {list(STALE_POLICIES)}, got {self.stale!r}"
             )
-        self.store_path = Path(store_path) if store_path else default_path()
+        self.store_path = cache_file(store_path) if store_path else default_path()
         self._hot: dict[tuple, tuple[Runner, Resolution]] = {}  # signature -> runner, its record
         # front ends' own caches of resolved calls (tuner.torch keys them on the call as made):
         # cleared with the resolved runners, so nothing outlives a reload
