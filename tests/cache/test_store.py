@@ -91,6 +91,22 @@ def test_export_import_is_idempotent(tmp_path):
         assert b.winner("cpu-test", KEY).candidate == winner().candidate
 
 
+def test_import_keeps_the_newer_winner_and_counts_what_changed(tmp_path):
+    other = KEY.replace("m=8", "m=9")
+    old_export = {"format": "tuner-results", "winners": [
+        winner(updated_at=1.0).to_row(), winner(key=other, updated_at=1.0).to_row()]}  # fmt: skip
+    with Store(tmp_path / "c.db") as store:
+        store.put_winners([winner(source="torch", params={}, updated_at=2.0)])  # re-tuned since
+        counts = store.import_(old_export)
+        assert (counts["winners"], counts["older_winners"]) == (1, 1)  # the other key is added
+        assert store.winner("cpu-test", KEY).source == "torch"
+        newer = {"format": "tuner-results", "winners": [winner(updated_at=3.0).to_row()]}
+        assert store.import_(newer)["winners"] == 1
+        assert store.winner("cpu-test", KEY).source == "triton_gemm"
+        again = store.import_(newer)  # the same winner again changes nothing
+        assert (again["winners"], again["older_winners"]) == (0, 0)
+
+
 def test_import_rejects_foreign_json_and_keeps_the_store(tmp_path):
     with Store(tmp_path / "a.db") as a:
         a.put_winners([winner()])
@@ -106,6 +122,8 @@ def test_import_rejects_foreign_json_and_keeps_the_store(tmp_path):
         bad_time = measurement().to_row() | {"median_us": "fast"}
         with pytest.raises(StoreError, match=r"measurements\[0\]: median_us must be a number"):
             a.import_({"format": "tuner-results", "measurements": [bad_time]})
+        with pytest.raises(StoreError, match=r"winners\[0\]: updated_at must be a number"):
+            a.import_({"format": "tuner-results", "winners": [winner(updated_at="now").to_row()]})
         for field, value in (("median_us", float("inf")), ("baseline_us", 0.0)):
             endless = winner().to_row() | {field: value}
             with pytest.raises(StoreError, match=f"winners.0.: {field} must be a finite time"):

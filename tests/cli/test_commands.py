@@ -98,8 +98,12 @@ def test_tune_all_then_show_export_import(tmp_path):
     export = tmp_path / "out.json"
     tuner("export", str(export), cache=cache)
     other = tmp_path / "other.db"
-    assert "2 winners" in tuner("import", str(export), cache=other).stdout
+    assert "2 winners added or replaced" in tuner("import", str(export), cache=other).stdout
     assert len(Store(other).winners()) == 2
+    tuner("tune-all", "--config", str(cfg), "--force", "--budget", "0.01", cache=other)
+    again = tuner("import", str(export), cache=other).stdout  # older than the re-tune's
+    assert "0 winners added or replaced" in again
+    assert "left alone 2 winners older than the cache's" in again
 
 
 @pytest.mark.parametrize(

@@ -73,6 +73,7 @@ def _check_imported(measurements: list[Measurement], winners: list[Winner]) -> N
             parse_key(w.key)
             number("median_us", w.median_us, lowest=0.0)  # a fenced graph time may read 0
             number("baseline_us", w.baseline_us, lowest=1e-9)  # a speedup divides by it
+            number("updated_at", w.updated_at)  # the newer of two winners is kept by it
 
 
 @contextlib.contextmanager
@@ -320,7 +321,9 @@ class Store(DeviceFile):
         }
 
     def import_(self, data: Any) -> dict[str, int]:
-        """Merge an export into this store. Idempotent; all or nothing. Returns counts added."""
+        """Merge an export into this store. Idempotent; all or nothing; a winner older than the
+        cache's for its key is left out. Returns what changed: measurements and devices added,
+        winners added or replaced, and winners left out as older."""
         if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
             raise StoreError(
                 f"not a tuner export: expected an object with format={EXPORT_FORMAT!r}"
@@ -347,10 +350,37 @@ class Store(DeviceFile):
         except (TypeError, KeyError) as e:
             raise StoreError(f"malformed export: {e!r}") from None
         with self.transaction() as c:
+            before = c.total_changes
             c.executemany(
                 "insert or ignore into devices(device_class, fingerprint, first_seen, last_seen) values (?, ?, ?, ?)",
                 devices,
             )
+            new_devices = c.total_changes - before
             added = self._insert_measurements(c, measurements)
-            self._upsert_winners(c, winners)
-        return {"measurements": added, "winners": len(winners), "devices": len(devices)}
+            newer, older = self._newer_winners(c, winners)
+            self._upsert_winners(c, newer)
+        return {
+            "measurements": added, "winners": len(newer), "older_winners": older,
+            "devices": new_devices,
+        }  # fmt: skip
+
+    @staticmethod
+    def _newer_winners(c: sqlite3.Connection, winners: list[Winner]) -> tuple[list[Winner], int]:
+        """The imported winners to store, and how many were older than the cache's and are
+        left alone. An old export must not undo a re-tune made since, so per key the winner
+        updated last is kept (the file's own duplicates included); one as old as the cache's
+        is the same winner again and counts as neither."""
+        latest: dict[tuple[str, str], Winner] = {}
+        for w in winners:
+            seen = latest.get((w.device_class, w.key))
+            if seen is None or w.updated_at > seen.updated_at:
+                latest[(w.device_class, w.key)] = w
+        stored = {
+            (dc, key): updated_at
+            for dc, key, updated_at in c.execute(
+                "select device_class, key, updated_at from winners"
+            )
+        }
+        newer = [w for k, w in latest.items() if k not in stored or w.updated_at > stored[k]]
+        older = sum(1 for k, w in latest.items() if k in stored and w.updated_at < stored[k])
+        return newer, older

@@ -29,7 +29,7 @@ from tuner.cli.options import (
     open_store,
     tune_options,
 )
-from tuner.core.console import output_console
+from tuner.core.console import counted, output_console
 from tuner.core.device import fingerprint, too_big_here
 from tuner.core.keys import (
     ITEMSIZE,
@@ -348,6 +348,12 @@ def import_(
         raise ConfigError(f"{input}: not valid JSON: {e}") from None
     counts = open_store(cache).import_(data)
     console.print(
-        f"imported {counts['measurements']} new measurements, {counts['winners']} winners, "
-        f"{counts['devices']} devices"
+        f"imported {counted(counts['measurements'], 'new measurement')}, "
+        f"{counted(counts['winners'], 'winner')} added or replaced, "
+        f"{counted(counts['devices'], 'new device')}"
     )
+    if counts["older_winners"]:
+        console.print(
+            f"left alone {counted(counts['older_winners'], 'winner')} older than the cache's "
+            "for the same problem"
+        )

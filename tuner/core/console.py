@@ -42,3 +42,8 @@ def width_for(file: Any) -> int | None:
 def output_console(stderr: bool = False) -> Console:
     """A console on stdout (or stderr) at ``width_for`` its stream."""
     return Console(stderr=stderr, width=width_for(sys.stderr if stderr else sys.stdout))
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless one: "1 winner", "2 winners"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
