@@ -24,7 +24,7 @@ from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, SdpaKey, parse_key
-from tuner.measure.records import candidate_name
+from tuner.measure.records import Winner, candidate_name
 from tuner.offline.model_config import expand, load_model, parse_model
 from tuner.offline.problem_list import ConfigError
 from tuner.offline.tunableop import import_files
@@ -228,6 +228,32 @@ def test_tune_all_small_config_on_the_cpu_path(tmp_path):
     assert all(r["tune_s"] > 0 and r["baseline_us"] > 0 for r in report["rows"])
     assert (tmp_path / "rep" / "speedup.png").stat().st_size > 10_000
     assert len(read_journal(journal_path(cache))) == 8
+
+
+def test_winners_chosen_for_another_launch_mode_are_tuned_again_for_this_one(tmp_path):
+    """A winner records the launch mode it was chosen for (none recorded: the default, eager);
+    a run for the other mode tunes its problem again and says why in its plan line."""
+    fp, cache = fingerprint(), tmp_path / "c.db"
+    keys = [GemmKey(m=m, n=8, k=8, dtype="f32", out_dtype="f32") for m in (2, 3)]
+    with Store(cache) as store:
+        store.put_winners([
+            Winner(fp.device_class, str(keys[0]), "torch", {}, 1.0, 1.0, fp.version_tag),
+            Winner(fp.device_class, str(keys[1]), "torch", {}, 1.0, 1.0, fp.version_tag, launch=""),
+        ])  # fmt: skip
+        assert pending(store, fp, keys, launch="eager") == []
+        assert pending(store, fp, keys, launch="graph") == keys
+    listed = tmp_path / "list.yaml"
+    listed.write_text("problems:\n  - {op: gemm, m: 2, n: 8, k: 8, dtype: f32}\n")
+    args = ("--config", str(listed), "--source", "torch", "--budget", "0.01", "--launch", "graph")
+    code, out = tune_all(*args, cache=cache)
+    assert code == 0, out
+    assert (
+        "0 already tuned, 1 to tune (1 re-tuned: chosen for another launch mode than graph)" in out
+    )
+    with Store(cache) as store:
+        assert store.winner(fp.device_class, str(keys[0])).launch == "graph"
+    code, out = tune_all(*args, cache=cache)
+    assert "1 already tuned, 0 to tune\n" in out, out
 
 
 def test_tune_all_tunes_a_models_low_bit_projections(tmp_path):

@@ -65,6 +65,7 @@ from tuner.offline.tune_all import (
     RunSettings,
     RunSummary,
     current_keys,
+    current_launches,
     journal_path,
     kept_after_unfinished,
     local_workers,
@@ -453,10 +454,14 @@ def tune_all(
             for label in labels:
                 problems.add(key, label)
     journal = read_journal(journal_path(store_path))
-    todo = pending(store, fp, problems, force=settings.force, journal=journal)
+    launch = settings.tune.launch
+    todo = pending(store, fp, problems, force=settings.force, journal=journal, launch=launch)
+    launches = current_launches(store, fp)
+    relaunched = sum(launches.get(str(k), launch) != launch for k in todo)
+    why = f" ({relaunched} re-tuned: chosen for another launch mode than {launch})"
     console.print(
         f"{len(problems)} distinct problems on {fp.device_class}: "
-        f"{len(problems) - len(todo)} already tuned, {len(todo)} to tune"
+        f"{len(problems) - len(todo)} already tuned, {len(todo)} to tune{why if relaunched else ''}"
     )
     ordered = order(todo, journal, fp.device_class, settings.retries)
     for key, failures in ordered.given_up:
@@ -473,7 +478,7 @@ def tune_all(
             summary = run_with_progress(ordered.todo, problems, store_path, settings, retune)
             artifacts.push()
     if sources.misses and not dry_run:
-        tuned = current_keys(store, fp)
+        tuned = current_keys(store, fp, launch)
         store.clear_misses(fp.device_class, [str(k) for k in problems if str(k) in tuned])
     if lease is not None:
         done = complete_queue(lease, store, fp)

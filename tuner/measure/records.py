@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 STATUSES = ("ok", "rejected", "failed", "cut", "timeout", "unsupported")
 LAUNCHES = ("eager", "graph")  # eager: each call launched from the host; graph: replayed
+DEFAULT_LAUNCH = "eager"  # what a tuning run, and a record that names no launch mode, stands for
 
 
 def candidate_name(source: str, params: dict[str, Any]) -> str:
@@ -97,7 +98,7 @@ class Measurement(_Record):
     run_id: str = ""
     created_at: float = field(default_factory=time.time)
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    launch: str = "eager"  # the launch mode it was measured for: eager or graph
+    launch: str = DEFAULT_LAUNCH  # the launch mode it was measured for: eager or graph
 
     @property
     def spread(self) -> float:
@@ -127,11 +128,17 @@ class Winner(_Record):
     versions: str = ""
     run_id: str = ""
     updated_at: float = field(default_factory=time.time)
-    launch: str = "eager"  # the launch mode it was chosen for: eager or graph
+    launch: str = DEFAULT_LAUNCH  # the launch mode it was chosen for: eager or graph
 
     def measured_under(self, fp: Fingerprint) -> bool:
         """Whether this winner was measured under ``fp``'s versions (else it is stale)."""
         return self.versions == fp.version_tag
+
+    @property
+    def launch_mode(self) -> str:
+        """The launch mode it was chosen for; an imported row that names none stands for the
+        default, as a winner stored before launch modes existed does."""
+        return self.launch or DEFAULT_LAUNCH
 
     @property
     def speedup(self) -> float:

@@ -46,7 +46,7 @@ from typing import Any
 from tuner.cache import Store
 from tuner.core.device import Fingerprint, too_big_here
 from tuner.core.keys import GemmKey, Key, parse_key
-from tuner.measure.records import Measurement, Winner
+from tuner.measure.records import DEFAULT_LAUNCH, Measurement, Winner
 from tuner.offline.model_config import ModelConfig, expand
 from tuner.offline.problem_list import load_problems
 from tuner.offline.tunableop import Imported
@@ -116,9 +116,16 @@ class ProblemSet:
         return ProblemSet({k: v for k, v in self.labels.items() if k.op == op})
 
 
-def current_keys(store: Store, fp: Fingerprint) -> set[str]:
-    """Keys that have a winner for this device class measured under these versions."""
-    return {w.key for w in store.winners(fp.device_class) if w.measured_under(fp)}
+def current_launches(store: Store, fp: Fingerprint) -> dict[str, str]:
+    """Each key with a winner for this device class measured under these versions, and the
+    launch mode that winner was chosen for."""
+    return {w.key: w.launch_mode for w in store.winners(fp.device_class) if w.measured_under(fp)}
+
+
+def current_keys(store: Store, fp: Fingerprint, launch: str = DEFAULT_LAUNCH) -> set[str]:
+    """Keys with a current winner chosen for ``launch``: the fastest kernel launched eagerly
+    need not be the fastest replayed in a CUDA graph, so one chosen for the other mode is due."""
+    return {k for k, mode in current_launches(store, fp).items() if mode == launch}
 
 
 def pending(
@@ -127,9 +134,15 @@ def pending(
     keys: Iterable[Key],
     force: bool = False,
     journal: list[dict[str, Any]] | None = None,
+    launch: str = DEFAULT_LAUNCH,
 ) -> list[Key]:
-    """Keys without a current winner, or whose winner is what an unfinished run kept."""
-    done = set() if force else current_keys(store, fp) - kept_after_unfinished(journal or [], fp)
+    """Keys without a current winner for ``launch``, or whose winner is what an unfinished run
+    kept."""
+    done = (
+        set()
+        if force
+        else current_keys(store, fp, launch) - kept_after_unfinished(journal or [], fp)
+    )
     return [k for k in keys if str(k) not in done]
 
 
@@ -655,7 +668,12 @@ def _tune_one(
 
     t0 = time.perf_counter()
     existing = store.winner(fp.device_class, str(key))
-    if not (settings.force or retune) and existing is not None and existing.measured_under(fp):
+    if (
+        not (settings.force or retune)
+        and existing is not None
+        and existing.measured_under(fp)
+        and existing.launch_mode == settings.tune.launch
+    ):
         return Result(key, "skipped", 0.0, index, fp.device_class, existing.to_row())
     if isinstance(key, GemmKey) and (why := too_big_here(key.min_bytes)):
         return Result(key, "failed", 0.0, index, fp.device_class, error=why)

@@ -28,7 +28,7 @@ from tuner.candidates.base import Params, Runner, Source
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, Key
 from tuner.measure import samples, timing
-from tuner.measure.records import LAUNCHES, Measurement, Winner, candidate_name
+from tuner.measure.records import DEFAULT_LAUNCH, LAUNCHES, Measurement, Winner, candidate_name
 from tuner.tuning import pruning
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,9 @@ class TuneOptions:
     # each runner over this long a stretch a round, after as long a one untimed: compute-bound
     # kernels are compared at the clock the power limit leaves them (0: as short ones)
     seed: int = 0
-    launch: str = "eager"  # "eager": host launch time counts; "graph": GPU time only (candidates
+    launch: str = (
+        DEFAULT_LAUNCH  # "eager": host launch time counts; "graph": GPU time only (candidates
+    )
     # timed in CUDA graphs, on the GPU)
     host_slack_us: float = 1.0  # eager: a winner may cost at most max(this, host_slack x the
     host_slack: float = 0.1  # baseline's) more host time per call than the baseline
