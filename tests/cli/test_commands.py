@@ -314,6 +314,23 @@ def test_unreadable_and_unwritable_files_get_one_line(tmp_path):
     assert r.returncode == 2 and "Invalid value for '--rows'" in r.stderr
 
 
+def test_an_unwritable_profile_folder_is_refused_before_the_run(tmp_path):
+    problems, blocker = tmp_path / "p.yaml", tmp_path / "file"
+    problems.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: f32}\n")
+    blocker.write_text("a file, not a folder")
+    r = subprocess.run(
+        [sys.executable, "-m", "tuner", "tune-all", "--config", str(problems), "--budget", "0.01"],
+        env=os.environ | {"TUNER_CACHE": str(tmp_path / "c.db"), "TUNER_PROFILE": str(blocker / "p")},
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert (
+        r.stderr
+        == f"error: {blocker / 'p'}: cannot create the TUNER_PROFILE folder: Not a directory\n"
+    )
+    assert not (tmp_path / "c.db").exists()  # nothing was tuned
+
+
 def test_a_cache_named_from_home_is_the_one_the_library_opens(tmp_path, monkeypatch):
     """``~`` in $TUNER_CACHE, in the config file's ``cache`` and in ``--cache=`` (no shell
     expands it there) names a file under $HOME, the one the dispatcher opens."""

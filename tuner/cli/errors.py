@@ -11,7 +11,6 @@ exception itself reaches the caller.
 from __future__ import annotations
 
 import contextlib
-import os
 import sqlite3
 import sys
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import typer
 
 from tuner.cache import StoreError
 from tuner.cache.sqlite import is_corrupt
-from tuner.core.atomic import write_atomic
+from tuner.core.atomic import writable_dir, write_atomic
 from tuner.fleet.client import FleetError
 from tuner.offline.problem_list import ConfigError
 
@@ -38,15 +37,9 @@ def write_output(path: Path, data: str) -> None:
 
 
 def output_dir(path: Path) -> Path:
-    """``path`` made a writable directory before the work that fills it, or a ConfigError that
-    names it (a run must not end, hours in, unable to write its report)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot create the output directory: {e.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{path}: the output directory is not writable")
-    return path
+    """``--out``'s ``path`` made a writable directory before the work that fills it, or a
+    ValueError that names it (a run must not end, hours in, unable to write its report)."""
+    return writable_dir(path, "the output directory")
 
 
 def fail(message: str) -> None:

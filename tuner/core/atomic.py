@@ -44,3 +44,16 @@ def fsync_dir(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def writable_dir(path: Path, what: str) -> Path:
+    """``path`` made a writable folder, or a ValueError that names it as ``what`` ("the output
+    directory"): checked before the work that fills it, so a run does not end, hours in, unable
+    to write what it was for."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot create {what}: {e.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: {what} is not writable")
+    return path

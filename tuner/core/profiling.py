@@ -14,21 +14,24 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from tuner.core.atomic import writable_dir
+
 ENV = "TUNER_PROFILE"
 
 
 @contextlib.contextmanager
 def profiled(name: str) -> Iterator[None]:
-    """Profile the block into ``$TUNER_PROFILE/<name>-<pid>.prof``; nothing when unset."""
-    folder = os.environ.get(ENV)
-    if not folder:
+    """Profile the block into ``$TUNER_PROFILE/<name>-<pid>.prof``; nothing when unset. The
+    folder is made and checked first (a ValueError naming it): found unwritable only when the
+    profile is written, the whole run would be lost to it."""
+    if not (env := os.environ.get(ENV)):
         yield
         return
+    folder = writable_dir(Path(env), f"the {ENV} folder")
     profile = cProfile.Profile()
     profile.enable()
     try:
         yield
     finally:
         profile.disable()
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        profile.dump_stats(Path(folder) / f"{name}-{os.getpid()}.prof")
+        profile.dump_stats(folder / f"{name}-{os.getpid()}.prof")
