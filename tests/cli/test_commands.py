@@ -243,9 +243,13 @@ def test_corrupt_cache_is_reported_not_overwritten(tmp_path):
 
 
 def test_a_damaged_cache_fails_every_command_in_one_line_and_stays_as_it_was(tmp_path):
-    cache = tmp_path / "c.db"
+    cache, problems = tmp_path / "c.db", tmp_path / "p.yaml"
     before = damaged_cache(cache)
-    for args in (("show",), ("export", "-"), ("tune", "gemm", "-m", "8", "-n", "8", "-k", "8")):
+    problems.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: f32}\n")
+    for args in (
+        ("show",), ("export", "-"), ("tune", "gemm", "-m", "8", "-n", "8", "-k", "8"),
+        ("tune-all", "--config", str(problems), "--dry-run"),  # refused as the real run is
+    ):  # fmt: skip
         r = tuner(*args, cache=cache, check=False)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
         assert "c.db is corrupt" in r.stderr and "refusing to use it" in r.stderr

@@ -440,8 +440,10 @@ def tune_all(
     files = read_files(sources, console)
     if out is not None and not dry_run:
         output_dir(out)  # checked before the run, not once it is over
-    # a dry run writes nothing: with no cache yet, nothing is tuned and nothing recorded
+    # a dry run writes nothing: with no cache yet, nothing is tuned and nothing recorded; a
+    # damaged one is refused, as the real run refuses it, not read for a plan it cannot keep
     store = Store(":memory:" if dry_run and not store_path.exists() else store_path)
+    store.verify()
     fp = fingerprint()
     if not dry_run:
         store.save_device(fp)
