@@ -318,6 +318,18 @@ def test_unreadable_and_unwritable_files_get_one_line(tmp_path):
     assert r.returncode == 2 and "Invalid value for '--rows'" in r.stderr
 
 
+def test_an_odd_shape_is_tuned_at_the_alignment_it_allows_and_a_wrong_one_named(tmp_path):
+    cache, odd = (
+        tmp_path / "c.db",
+        ("tune", "gemm", "-m", "3", "-n", "5", "-k", "7", "--dtype", "f32"),
+    )
+    tuner(*odd, "--source", "torch", "--budget", "0.01", cache=cache)
+    assert [w["key"].rpartition(",")[2] for w in json.loads(
+        tuner("show", "--json", cache=cache).stdout)] == ["align=4"]  # fmt: skip
+    r = tuner(*odd, "--align", "16", cache=cache, check=False)
+    assert r.returncode == 2 and r.stderr.strip().endswith("this shape allows align 4"), r.stderr
+
+
 def test_an_unwritable_profile_folder_is_refused_before_the_run(tmp_path):
     problems, blocker = tmp_path / "p.yaml", tmp_path / "file"
     problems.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: f32}\n")

@@ -26,7 +26,7 @@ from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, SdpaKey, parse_key
 from tuner.measure.records import Winner, candidate_name
 from tuner.offline.model_config import expand, load_model, parse_model
-from tuner.offline.problem_list import ConfigError
+from tuner.offline.problem_list import ConfigError, load_problems
 from tuner.offline.tunableop import import_files
 from tuner.offline.tune_all import (
     ProblemSet,
@@ -166,6 +166,17 @@ def test_missing_field_and_bad_yaml(tmp_path):
     bad.write_text("name: [unclosed\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML"):
         load_model(bad)
+
+
+def test_a_listed_gemm_without_an_alignment_takes_the_largest_its_shape_allows(tmp_path):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("problems:\n  - {op: gemm, m: 3, n: 5, k: 7, dtype: f32}\n"
+                      "  - {op: gemm, m: 3, n: 6, k: 8, dtype: bf16, layout: tn}\n"
+                      "  - {op: gemm, m: 8, n: 8, k: 8, dtype: f16}\n")  # fmt: skip
+    assert [k.align for k in load_problems(listed)] == [4, 2, 16]
+    listed.write_text("problems:\n  - {op: gemm, m: 3, n: 5, k: 7, dtype: f32, align: 8}\n")
+    with pytest.raises(ConfigError, match=r"align=8 is impossible.*this shape allows align 4$"):
+        load_problems(listed)
 
 
 def test_sources_are_merged_and_deduplicated(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 import typer
@@ -37,6 +37,7 @@ from tuner.core.keys import (
     GemmKey,
     Key,
     SdpaKey,
+    default_align,
     fp8_key_error,
     lowbit_fields,
     parse_key,
@@ -155,7 +156,13 @@ def tune_gemm(
         ),
     ] = None,
     tf32: Annotated[bool, typer.Option(help="Allow TF32 for f32 inputs.")] = False,
-    align: Annotated[int, typer.Option(help="Alignment class in bytes (16, 8, 4, 2).")] = 16,
+    align: Annotated[
+        int | None,
+        typer.Option(
+            help="Alignment class in bytes (16, 8, 4, 2). Default: the largest the shape allows.",
+            show_default=False,
+        ),
+    ] = None,
     cache: CacheOpt = None,
     budget: BudgetOpt = TUNE_DEFAULTS.budget_s,
     source: SourcesOpt = None,
@@ -174,15 +181,17 @@ def tune_gemm(
 
 
 def _gemm_key(
-    m: int, n: int, k: int, batch: int, dtype: str, layout: str | None, tf32: bool, align: int
-) -> GemmKey:
+    m: int, n: int, k: int, batch: int, dtype: str, layout: str | None, tf32: bool,
+    align: int | None,
+) -> GemmKey:  # fmt: skip
     """The key ``tune gemm`` tunes, a plain GEMM or a low-bit one named by its format, with the
-    alignment as given (``model_config.gemm_key`` derives it from a model's extents instead)."""
+    alignment as given, else the largest its dense operands allow (``default_align``)."""
     if dtype in ITEMSIZE:
-        return GemmKey(
+        fields: dict[str, Any] = dict(
             m=m, n=n, k=k, batch=batch, layout=layout or "nn", dtype=dtype, out_dtype=dtype,
-            compute="tf32" if tf32 else "f32", align=align,
+            compute="tf32" if tf32 else "f32",
         )  # fmt: skip
+        return GemmKey(**fields, align=default_align(fields) if align is None else align)
     try:
         fields = lowbit_fields(dtype)
     except ValueError:
@@ -194,7 +203,8 @@ def _gemm_key(
         raise ValueError(f"--dtype {dtype}: a low-bit GEMM is x @ W.T: --layout nt (got {layout})")
     if tf32:
         raise ValueError(f"--dtype {dtype}: --tf32 is for f32 inputs only")
-    key = GemmKey(m=m, n=n, k=k, batch=batch, align=align, **fields)
+    fields |= dict(m=m, n=n, k=k, batch=batch)
+    key = GemmKey(**fields, align=default_align(fields) if align is None else align)
     if error := fp8_key_error(key):
         raise ValueError(error)
     return key

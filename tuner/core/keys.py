@@ -67,6 +67,37 @@ def _check_positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be at most {MAX_DIM}, got {value}")
 
 
+def leading_dims(m: int, n: int, k: int, layout: str) -> tuple[int, int]:
+    """A's and B's leading dimensions where both are dense (each row or column as long as the
+    matrix is wide or tall)."""
+    return (k if layout[0] == "n" else m), (n if layout[1] == "n" else k)
+
+
+def allowed_aligns(dtype: str, *leading_dims: int) -> list[int]:
+    """The alignment classes (bytes, largest first) that operands of ``dtype`` with these
+    leading dimensions can have: every row stays aligned only if its length in bytes is a
+    multiple of the class, and no class is below an element's size."""
+    item = 1 if dtype in FP8 else ITEMSIZE[dtype]
+    return [a for a in ALIGNMENTS if a >= item and all(ld * item % a == 0 for ld in leading_dims)]
+
+
+def dense_align(dtype: str, *leading_dims: int) -> int:
+    """The largest alignment class (bytes) that every leading dimension allows (the smallest
+    class where none does: the key then names the problem)."""
+    return next(iter(allowed_aligns(dtype, *leading_dims)), ALIGNMENTS[-1])
+
+
+def default_align(fields: dict[str, Any]) -> int:
+    """The alignment of a GEMM given without one (``tune gemm``, a problem list's entry): the
+    largest its dense operands allow, as model configs take it, not a fixed 16 that an odd
+    shape cannot have. Fields that are not yet a GEMM's give 16: the key then names them."""
+    m, n, k = (fields.get(name) for name in "mnk")
+    layout, dtype = fields.get("layout", "nn"), fields.get("dtype", "bf16")
+    if all(type(d) is int for d in (m, n, k)) and layout in LAYOUTS and dtype in (*ITEMSIZE, *FP8):
+        return dense_align(dtype, *leading_dims(m, n, k, layout))  # type: ignore[arg-type]
+    return ALIGNMENTS[0]
+
+
 def _check_choice(name: str, value: Any, allowed: tuple[Any, ...] | dict) -> None:
     if value == "":  # a field left out of a key string
         raise ValueError(f"{name} is missing: it must be one of {sorted(allowed)}")
@@ -148,7 +179,7 @@ class GemmKey:
         if (self.k * self.itemsize) % self.align:
             raise ValueError(
                 f"align={self.align} is impossible: a's leading dimension {self.k} x "
-                f"{self.itemsize} bytes is not a multiple of {self.align}"
+                f"{self.itemsize} bytes is not a multiple of {self.align}{self._aligns(self.k)}"
             )
 
     def _check_int4(self) -> None:
@@ -215,18 +246,22 @@ class GemmKey:
         if self.compute == "tf32" and self.dtype != "f32":
             raise ValueError(f"compute='tf32' needs dtype='f32', got dtype={self.dtype!r}")
         item = ITEMSIZE[self.dtype]
+        lds = leading_dims(self.m, self.n, self.k, self.layout)
         if self.align < item:  # a pointer to such elements is at least item-aligned
             raise ValueError(
                 f"align={self.align} is impossible: {self.dtype} elements are {item} bytes"
+                f"{self._aligns(*lds)}"
             )
-        lda = self.k if self.layout[0] == "n" else self.m
-        ldb = self.n if self.layout[1] == "n" else self.k
-        for name, ld in (("a", lda), ("b", ldb)):
+        for name, ld in zip("ab", lds, strict=True):
             if (ld * item) % self.align:
                 raise ValueError(
                     f"align={self.align} is impossible: {name}'s leading dimension {ld} x {item} bytes "
-                    f"is not a multiple of {self.align}"
+                    f"is not a multiple of {self.align}{self._aligns(*lds)}"
                 )
+
+    def _aligns(self, *lds: int) -> str:
+        """What an impossible alignment's message adds: the ones this shape allows."""
+        return f"; this shape allows align {', '.join(map(str, allowed_aligns(self.dtype, *lds)))}"
 
     @property
     def itemsize(self) -> int:

@@ -51,14 +51,13 @@ from pydantic import (
 )
 
 from tuner.core.keys import (
-    ALIGNMENTS,
-    FP8,
-    ITEMSIZE,
     LOWBIT_FORMAT_NAMES,
     GemmKey,
     Key,
     SdpaKey,
+    dense_align,
     fp8_key_error,
+    leading_dims,
     lowbit_fields,
 )
 from tuner.offline.problem_list import ConfigError, read_yaml
@@ -175,14 +174,6 @@ class Problem:
     label: str
 
 
-def dense_align(dtype: str, *leading_dims: int) -> int:
-    """The largest alignment class (bytes) that every leading dimension allows (the smallest
-    class where none does: the key then names the problem)."""
-    item = 1 if dtype in FP8 else ITEMSIZE[dtype]
-    fits = (a for a in ALIGNMENTS if all((ld * item) % a == 0 for ld in leading_dims))
-    return next(fits, ALIGNMENTS[-1])
-
-
 def gemm_key(m: int, n: int, k: int, *, layout: str, dtype: str, batch: int = 1) -> GemmKey:
     """The key of a dense GEMM (leading dimensions equal to the matrix extents), or of a low-bit
     one for a low-bit spec (``x [M, K] @ W[N, K].T``, layout ``nt`` whatever ``layout`` says)."""
@@ -195,12 +186,10 @@ def gemm_key(m: int, n: int, k: int, *, layout: str, dtype: str, batch: int = 1)
         if error := fp8_key_error(key):
             raise ValueError(error)
         return key
-    lda = k if layout[0] == "n" else m
-    ldb = n if layout[1] == "n" else k
     base, compute = ("f32", "tf32") if dtype == "tf32" else (dtype, "f32")
     return GemmKey(
         m=m, n=n, k=k, batch=batch, layout=layout, dtype=base, out_dtype=base,
-        compute=compute, align=dense_align(base, lda, ldb),
+        compute=compute, align=dense_align(base, *leading_dims(m, n, k, layout)),
     )  # fmt: skip
 
 

@@ -7,7 +7,7 @@
       - {op: gemm, m: 16, n: 4096, k: 4096, dtype: int4-g128}
       - key: "gemm:m=64,n=64,k=64,batch=1,layout=nn,dtype=f16,out_dtype=f16,compute=f32,align=16"
 
-For GEMMs ``out_dtype`` defaults to ``dtype``, and ``dtype`` may name a low-bit format as model
+For GEMMs ``out_dtype`` defaults to ``dtype``, ``align`` to the largest the shape allows, and ``dtype`` may name a low-bit format as model
 configs do (``int4-g128``, ``fp8-rowwise``, ...: its fields, layout ``nt``). Errors name the
 entry and the field.
 """
@@ -21,6 +21,7 @@ import yaml
 
 from tuner.core.keys import (
     Key,
+    default_align,
     fp8_key_error,
     fp8_shape_error,
     key_from_dict,
@@ -55,6 +56,8 @@ def _key_of_fields(fields: dict[str, Any]) -> Key:
         if str(fields["dtype"]).startswith(("int4-", "fp8-")):
             fields = with_lowbit_fields(fields)
         fields.setdefault("out_dtype", fields["dtype"])
+    if op == "gemm" and "align" not in fields:
+        fields["align"] = default_align(fields)
     return key_from_dict(op, fields)
 
 

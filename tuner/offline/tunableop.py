@@ -51,9 +51,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tuner.core.keys import GemmKey, parse_key
+from tuner.core.keys import GemmKey, dense_align, parse_key
 from tuner.measure.records import Winner
-from tuner.offline.model_config import dense_align, gemm_key
+from tuner.offline.model_config import gemm_key
 from tuner.offline.problem_list import ConfigError
 
 TYPES = {"float": "f32", "Half": "f16", "BFloat16": "bf16"}
