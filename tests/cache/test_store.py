@@ -128,6 +128,10 @@ def test_import_rejects_foreign_json_and_keeps_the_store(tmp_path):
             endless = winner().to_row() | {field: value}
             with pytest.raises(StoreError, match=f"winners.0.: {field} must be a finite time"):
                 a.import_({"format": "tuner-results", "winners": [endless]})
+        for name in ("measurements", "winners", "devices"):
+            expected = f"malformed export: {name} must be a list, got NoneType"
+            with pytest.raises(StoreError, match=expected):
+                a.import_({"format": "tuner-results", name: None})
         with pytest.raises(StoreError, match="schema_version must be an integer"):
             a.import_({"format": "tuner-results", "schema_version": "2"})
         assert len(a.winners()) == 1 and not a.measurements()

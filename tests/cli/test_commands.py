@@ -293,12 +293,15 @@ def test_unreadable_and_unwritable_files_get_one_line(tmp_path):
     bad_yaml.write_text("problems:\n  - {op: gemm, m: [1\n")
     binary = tmp_path / "b.json"
     binary.write_bytes(b"\x00\xff\xfe")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
     good_yaml = tmp_path / "ok.yaml"
     good_yaml.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: f32}\n")
     Store(tmp_path / "c.db").close()
     for args, message in [
         (("tune-all", "--config", str(bad_yaml)), "p.yaml: not valid YAML at line 3"),
         (("import", str(binary)), "b.json: not a text file"),
+        (("tune-all", "--model", str(empty)), "empty.yaml: the file is empty"),
         (("export", str(tmp_path / "no" / "x.json")), "x.json: cannot write"),
         (("show", "--cache", str(tmp_path)), "is a directory, not a cache file"),
         (("report", "--out", str(binary / "r")), "b.json/r: cannot create the output directory"),

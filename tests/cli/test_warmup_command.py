@@ -34,7 +34,7 @@ def test_warmup_command_loads_winners_and_fails_on_what_it_could_not_load(
     Store(tmp_path / "c.db").put_winners([Winner(dc, str(good), "triton_gemm", TRITON, 1.0, 2.0)])
     code, out = warm(tmp_path / "c.db")
     assert code == 0, out
-    assert f"{dc}: 1 winners: 1 loaded now, 0 ready already, 0 failed" in out
+    assert f"{dc}: 1 winner: 1 loaded now, 0 ready already, 0 failed" in out
 
     gone = GemmKey(m=24, n=8, k=8)
     Store(tmp_path / "c.db").put_winners([Winner(dc, str(gone), "no_such_source", {}, 1.0, 2.0)])

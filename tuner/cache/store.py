@@ -85,9 +85,18 @@ def _naming(where: str) -> Iterator[None]:
         raise ValueError(f"{where}: {e}") from None
 
 
+def _rows(data: dict[str, Any], name: str) -> list[Any]:
+    """An export's list ``name`` (none: empty); ValueError naming it when it is not a list
+    (``"measurements": null`` would otherwise fail as "'NoneType' object is not iterable")."""
+    rows = data.get(name, [])
+    if not isinstance(rows, list):
+        raise ValueError(f"{name} must be a list, got {type(rows).__name__}")
+    return rows
+
+
 def _records(data: dict[str, Any], name: str, cls: type[_R]) -> list[_R]:
     out = []
-    for i, row in enumerate(data.get(name, [])):
+    for i, row in enumerate(_rows(data, name)):
         with _naming(f"{name}[{i}]"):
             out.append(cls.from_row(row))
     return out
@@ -342,7 +351,7 @@ class Store(DeviceFile):
             winners = _records(data, "winners", Winner)
             devices = [
                 (d["device_class"], json.dumps(d["fingerprint"]), d["first_seen"], d["last_seen"])
-                for d in data.get("devices", [])
+                for d in _rows(data, "devices")
             ]
             _check_imported(measurements, winners)
         except ValueError as e:

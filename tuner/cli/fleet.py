@@ -15,7 +15,7 @@ from rich.table import Table
 from tuner.cache.artifacts import ArtifactStore
 from tuner.cli.errors import FAILED, fleet_service
 from tuner.cli.options import CacheOpt, open_store
-from tuner.core.console import output_console
+from tuner.core.console import counted, output_console
 from tuner.core.device import fingerprint
 from tuner.fleet.client import (
     TIMEOUT_S,
@@ -256,7 +256,8 @@ def sync(
             _report_push(push(client, store, fp))
         r = pull(client, store, fp, full=full)
         console.print(
-            f"pulled {r.winners} winners for {fp.device_class} in {r.pages} pages, "
+            f"pulled {counted(r.winners, 'winner')} for {fp.device_class} in "
+            f"{counted(r.pages, 'page')}, "
             f"{r.seconds:.2f} s (cursor {r.cursor})"
         )
         a = fetch_host_artifacts(client, store, fp, full=full) if artifacts else None

@@ -310,7 +310,7 @@ def show(
     if as_json:
         print(json.dumps([w.to_row() for w in winners], indent=1))
         return
-    t = Table(title=f"{len(winners)} winners" + (f" on {dc}" if dc else ""))
+    t = Table(title=counted(len(winners), "winner") + (f" on {dc}" if dc else ""))
     columns = ("device class",) * (dc is None) + ("key", "winner", "launch", "us", "baseline us")
     for col in (*columns, "speedup"):
         t.add_column(col, overflow="fold")

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from tuner.cli.errors import FAILED
 from tuner.cli.options import CacheOpt, cache_path, open_store
-from tuner.core.console import output_console
+from tuner.core.console import counted, output_console
 from tuner.serving.dispatcher import Dispatcher
 from tuner.serving.warmup import warmup as warm_up
 
@@ -34,7 +34,7 @@ def warmup(
     report = warm_up(progress, dispatcher=Dispatcher(cache_path(cache)), fetch=fetch)
     fetched = f", {report.fetched} kernels fetched" if report.fetched else ""
     console.print(
-        f"{report.device_class}: {report.winners} winners: {report.loaded} loaded now, "
+        f"{report.device_class}: {counted(report.winners, 'winner')}: {report.loaded} loaded now, "
         f"{report.ready} ready already, {len(report.failures)} failed{fetched}"
     )
     if report.fetch_error:

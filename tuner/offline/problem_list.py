@@ -79,9 +79,10 @@ def with_lowbit_fields(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_yaml(path: Path) -> Any:
-    """A YAML file's data; ConfigError names the file when it cannot be read or parsed."""
+    """A YAML file's data; ConfigError names the file when it cannot be read or parsed, or holds
+    nothing (YAML reads an empty file as null: "got NoneType" would not say what is wrong)."""
     try:
-        return yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text())
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError:
@@ -92,6 +93,9 @@ def read_yaml(path: Path) -> Any:
         raise ConfigError(
             f"{path}: not valid YAML{at}: {getattr(e, 'problem', None) or e}"
         ) from None
+    if data is None:
+        raise ConfigError(f"{path}: the file is empty")
+    return data
 
 
 def load_problems(path: str | Path) -> list[Key]:
