@@ -63,7 +63,7 @@ def test_cli_token_push_sync_round_trip(served: SubprocessServer, tmp_path: Path
     assert pushed.exit_code == 0, pushed.output
     assert f"pushed {len(outcome.measurements)} measurements" in pushed.stdout
     synced = cli("sync", cache=tmp_path / "b.db", TUNER_SERVER=served.url, TUNER_TOKEN=token)
-    assert synced.exit_code == 0 and "pulled 1 winners" in synced.stdout, synced.output
+    assert synced.exit_code == 0 and "pulled 1 winner for" in synced.stdout, synced.output
     with Store(tmp_path / "b.db") as b:
         assert b.winner(DC, str(key)).run_id == outcome.winner.run_id
     refused = cli("sync", "--server", served.url, "--token", "tnr_0123456789ab_nope",
