@@ -203,8 +203,8 @@ def test_gpu_first_calls_after_precompile_compile_nothing(key: GemmKey, empty_tr
             loaded.add(metadata["hash"])
         else:  # named with what it was specialized on, to compare with the jobs
             consts = {src.fn.arg_names[k[0]]: v for k, v in src.constants.items()}
-            compiled.append(f"{src.name} {consts} attrs={src.attrs} warps={metadata['num_warps']}"
-                            f" stages={metadata['num_stages']}")  # fmt: skip
+            compiled.append(f"{src.name} {metadata['hash']} {consts} attrs={src.attrs}"
+                            f" warps={metadata['num_warps']} stages={metadata['num_stages']}")  # fmt: skip
 
     knobs = triton.knobs.compilation
     before, knobs.listener = knobs.listener, listener
