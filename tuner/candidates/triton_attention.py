@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.base import Params, Runner, Source, interpreting, triton_unavailable
+from tuner.candidates.triton_kernels.cache_keys import settle
 from tuner.candidates.triton_kernels.launch import (
     FakeTensor,
     Launcher,
@@ -354,3 +355,6 @@ class TritonAttention(Source):
             return o
 
         return checked_runner(run, [launch], f"triton_attention {key}")
+
+
+settle(globals())  # last: every JIT function above is defined

@@ -39,6 +39,7 @@ from tuner.candidates.triton_attention import (
     padded_head_dim,
     qkvo_strides,
 )
+from tuner.candidates.triton_kernels.cache_keys import settle
 from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob, precompile
 from tuner.core.keys import DTYPES, SdpaKey
 
@@ -499,3 +500,6 @@ def plan(key: SdpaKey, params: Params) -> Plan:
         scalars=(key.scale * LOG2E, key.kv_len, key.kv_heads, chunk, causal_offset(key)),
         ml_offset=ml_offset, scratch=ml_offset + n_kv * splits * 2 * rows, fused=fused,
     )  # fmt: skip
+
+
+settle(globals())  # last: every JIT function above is defined

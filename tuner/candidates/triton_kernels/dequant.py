@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.base import interpreting
+from tuner.candidates.triton_kernels.cache_keys import settle
 from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, verify_direct
 from tuner.candidates.triton_kernels.w4a16 import ACT_DTYPES, CHUNK_K, _weight_tile
 from tuner.quant.int4 import BLOCK_ROWS, CHUNK, check_scales_and_zeros
@@ -128,3 +129,6 @@ class Dequantizer:
         args = (FakeTensor(torch.uint8), FakeTensor(dtype), FakeTensor(dtype), self.n,
                 self.k // 2, 0, self.rows)  # fmt: skip
         return [WarmJob(dequant_rows, args, self.launcher.kwargs)]
+
+
+settle(globals())  # last: every JIT function above is defined

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels import launch
+from tuner.candidates.triton_kernels.cache_keys import settle
 from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
 from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA
@@ -558,3 +559,6 @@ def fitted(config: Config, out_bytes: int) -> Config:
     bm, bn, bk = config["bm"], config["bn"], config["bk"]
     room = (SMEM_LIMIT - bm * bn * out_bytes) // ((bm + bn) * bk)  # FP8 operands: 1 byte each
     return {**config, "stages": max(2, min(config["stages"], room))}
+
+
+settle(globals())  # last: every JIT function above is defined

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tuner.candidates.triton_kernels.cache_keys import settle
+
 MIN_COUNTS = 4096  # counts kept per device (grown on demand)
 
 
@@ -87,3 +89,6 @@ class ArrivalCounts:
 
     def __getitem__(self, device: torch.device) -> torch.Tensor:
         return self._by_device[device]
+
+
+settle(globals())  # last: every JIT function above is defined

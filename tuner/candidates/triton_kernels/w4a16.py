@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.base import interpreting
+from tuner.candidates.triton_kernels.cache_keys import settle
 from tuner.candidates.triton_kernels.launch import (
     ConfigKey,
     FakeTensor,
@@ -543,3 +544,6 @@ def configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Con
             out.append({**config, "step_sum": True} if step_sum else config)
     out.sort(key=lambda c: -c["bm"] * c["bn"] if m > 256 else c["bm"])
     return out
+
+
+settle(globals())  # last: every JIT function above is defined
