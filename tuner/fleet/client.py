@@ -845,22 +845,22 @@ class BackgroundSync:
 
 
 def _sync_interval() -> float:
-    """``$TUNER_SYNC_INTERVAL`` in seconds; one below the minimum is logged and the default
-    used; one that is not a finite number of seconds is a ValueError naming it."""
+    """``$TUNER_SYNC_INTERVAL`` in seconds. One that is not a finite number of seconds, or is
+    below the minimum, is logged and the default used: a typo in a setting must not leave the
+    host without its sync."""
     text = os.environ.get("TUNER_SYNC_INTERVAL", str(SYNC_INTERVAL_S))
     try:
         interval = float(text)
     except ValueError:
         interval = math.nan
     if not math.isfinite(interval):
-        raise ValueError(f"TUNER_SYNC_INTERVAL={text!r}: expected seconds")
-    if interval < MIN_SYNC_INTERVAL_S:
-        log.warning(
-            "TUNER_SYNC_INTERVAL=%r is below the minimum of %g s; using the default, %g s",
-            text, MIN_SYNC_INTERVAL_S, SYNC_INTERVAL_S,
-        )  # fmt: skip
-        return SYNC_INTERVAL_S
-    return interval
+        why = "is not a finite number of seconds"
+    elif interval < MIN_SYNC_INTERVAL_S:
+        why = f"is below the minimum of {MIN_SYNC_INTERVAL_S:g} s"
+    else:
+        return interval
+    log.warning("TUNER_SYNC_INTERVAL=%r %s; using the default, %g s", text, why, SYNC_INTERVAL_S)
+    return SYNC_INTERVAL_S
 
 
 def attach(
@@ -869,8 +869,9 @@ def attach(
     """Keep ``dispatcher``'s cache in sync with the service in the background.
 
     Uses ``$TUNER_SERVER``/``$TUNER_TOKEN`` unless a client is given; the interval is
-    ``$TUNER_SYNC_INTERVAL`` seconds (default 60, at least 1). Returns None (and logs) if no service is
-    configured or the configuration is unusable: the dispatcher then works from its cache alone.
+    ``$TUNER_SYNC_INTERVAL`` seconds (default 60, also used, and logged, for a value that is not
+    a number of seconds or is below 1). Returns None (and logs) if no service is configured or
+    the configuration is unusable: the dispatcher then works from its cache alone.
     """
     from tuner.core.device import fingerprint as default_fingerprint
 
