@@ -29,7 +29,7 @@ from tuner.fleet.client import (
     push_misses,
     wire,
 )
-from tuner.measure.records import Measurement
+from tuner.measure.records import Measurement, Winner
 from tuner.serving.dispatcher import Dispatcher
 
 pytestmark = pytest.mark.timeout(120)
@@ -341,3 +341,26 @@ def test_resetting_a_services_positions_leaves_other_services_alone(tmp_path: Pa
             store.set_position(name, 7)
         assert sorted(store.reset_positions(scope)) == sorted(names[:3])
         assert [store.position(n) for n in names] == [0, 0, 0, 7, 7, 7]
+
+
+def test_a_pull_keeps_a_local_winner_newer_than_the_fleets(tmp_path: Path) -> None:
+    """As ``tuner import`` does: a served winner replaces a local one older than it, and leaves
+    one re-tuned here since alone (the pull used to overwrite it)."""
+    old, new = (str(GemmKey(m=m, n=8, k=8, dtype="f32", out_dtype="f32")) for m in (8, 16))
+    with ThreadServer(tmp_path / "fleet.db") as srv, Store(tmp_path / "host.db") as store:
+        client = srv.client("host", "submit")
+        client.submit(FP, [
+            Measurement(DC, k, "torch", {}, "ok", is_baseline=True, median_us=5.0,
+                        versions=FP.version_tag) for k in (old, new)
+        ])  # fmt: skip
+        served = {k: client.winner(DC, k, FP.version_tag)["updated_at"] for k in (old, new)}
+        local = {
+            k: Winner(DC, k, "triton", {"bm": 16}, 4.0, 5.0, FP.version_tag) for k in (old, new)
+        }
+        local[old].updated_at = served[old] - 60.0  # tuned here before the fleet's
+        local[new].updated_at = served[new] + 60.0  # re-tuned here since
+        store.put_winners(local.values())
+        assert pull(client, store, FP).winners == 2
+        assert store.winner(DC, old).source == "torch"
+        assert store.winner(DC, old).updated_at == served[old]
+        assert store.winner(DC, new) == local[new]

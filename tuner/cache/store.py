@@ -18,7 +18,7 @@ import math
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +29,8 @@ from tuner.core.keys import key_op, parse_key
 from tuner.measure.records import Measurement, Winner
 
 _R = TypeVar("_R", Measurement, Winner)
+_W = TypeVar("_W", Winner, dict[str, Any])
+Stamp = tuple[str, str, float]  # a winner's device class, key and updated_at
 
 EXPORT_FORMAT = "tuner-results"
 
@@ -74,6 +76,14 @@ def _check_imported(measurements: list[Measurement], winners: list[Winner]) -> N
             number("median_us", w.median_us, lowest=0.0)  # a fenced graph time may read 0
             number("baseline_us", w.baseline_us, lowest=1e-9)  # a speedup divides by it
             number("updated_at", w.updated_at)  # the newer of two winners is kept by it
+
+
+def _winner_stamp(w: Winner) -> Stamp:
+    return w.device_class, w.key, w.updated_at
+
+
+def _row_stamp(row: dict[str, Any]) -> Stamp:
+    return row["device_class"], row["key"], row["updated_at"]
 
 
 @contextlib.contextmanager
@@ -181,9 +191,12 @@ class Store(DeviceFile):
 
     def put_winner_rows(self, rows: list[dict[str, Any]]) -> int:
         """Winners already in row form (``Winner.to_row()``'s keys, params as JSON text), e.g. a
-        fleet feed page: bulk loads skip building and re-serialising Winner objects."""
+        fleet feed page: bulk loads skip building and re-serialising Winner objects. As in
+        ``import_``, a winner older than the cache's for its key is left out. Returns how many
+        were stored."""
         with self.transaction() as c:
-            return self._upsert_winner_rows(c, rows)
+            newer, _ = self._newer_winners(c, rows, _row_stamp)
+            return self._upsert_winner_rows(c, newer)
 
     def record_misses(self, device_class: str, keys: Iterable[str], count: int = 1) -> None:
         now = time.time()
@@ -366,7 +379,7 @@ class Store(DeviceFile):
             )
             new_devices = c.total_changes - before
             added = self._insert_measurements(c, measurements)
-            newer, older = self._newer_winners(c, winners)
+            newer, older = self._newer_winners(c, winners, _winner_stamp)
             self._upsert_winners(c, newer)
         return {
             "measurements": added, "winners": len(newer), "older_winners": older,
@@ -374,22 +387,26 @@ class Store(DeviceFile):
         }  # fmt: skip
 
     @staticmethod
-    def _newer_winners(c: sqlite3.Connection, winners: list[Winner]) -> tuple[list[Winner], int]:
-        """The imported winners to store, and how many were older than the cache's and are
-        left alone. An old export must not undo a re-tune made since, so per key the winner
-        updated last is kept (the file's own duplicates included); one as old as the cache's
-        is the same winner again and counts as neither."""
-        latest: dict[tuple[str, str], Winner] = {}
+    def _newer_winners(
+        c: sqlite3.Connection, winners: list[_W], stamp: Callable[[_W], Stamp]
+    ) -> tuple[list[_W], int]:
+        """The incoming winners (``Winner`` objects or rows, ``stamp`` giving each one's
+        device class, key and ``updated_at``) to store, and how many were older than the
+        cache's and are left alone. An old export or a fleet feed must not undo a re-tune made
+        since, so per key the winner updated last is kept (the batch's own duplicates included);
+        one as old as the cache's is the same winner again and counts as neither."""
+        latest: dict[tuple[str, str], tuple[float, _W]] = {}
         for w in winners:
-            seen = latest.get((w.device_class, w.key))
-            if seen is None or w.updated_at > seen.updated_at:
-                latest[(w.device_class, w.key)] = w
+            device_class, key, updated_at = stamp(w)
+            seen = latest.get((device_class, key))
+            if seen is None or updated_at > seen[0]:
+                latest[(device_class, key)] = (updated_at, w)
         stored = {
             (dc, key): updated_at
             for dc, key, updated_at in c.execute(
                 "select device_class, key, updated_at from winners"
             )
         }
-        newer = [w for k, w in latest.items() if k not in stored or w.updated_at > stored[k]]
-        older = sum(1 for k, w in latest.items() if k in stored and w.updated_at < stored[k])
+        newer = [w for k, (at, w) in latest.items() if k not in stored or at > stored[k]]
+        older = sum(1 for k, (at, _) in latest.items() if k in stored and at < stored[k])
         return newer, older

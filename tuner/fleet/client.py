@@ -403,7 +403,7 @@ def wire(m: Measurement) -> dict[str, Any]:
 
 @dataclass
 class PullResult:
-    winners: int
+    winners: int  # served ones received (those older than the local winner are not stored)
     pages: int
     cursor: int
     seconds: float
@@ -483,7 +483,9 @@ def pull(
     """Bring the served winners of ``fp``'s device class and versions into ``store``.
 
     Pages are applied in feed order and the cursor saved after each page, so an interrupted pull
-    resumes where it stopped; re-applying a page is harmless (winners are upserts).
+    resumes where it stopped; re-applying a page is harmless (winners are upserts). A served
+    winner older than the local one of its key (re-tuned here since) is left out, as by
+    ``tuner import``.
     """
     started = time.perf_counter()
     scope = client.sync_scope()
