@@ -16,6 +16,7 @@ from server.auth import authorize, require
 from server.models import (
     DEVICE_CLASS_RE,
     MAX_FEED_PAGE,
+    UID_RE,
     ClaimIn,
     ClaimOut,
     CompleteIn,
@@ -28,6 +29,7 @@ from server.models import (
     KeyStr,
     LookupIn,
     LookupOut,
+    MeasurementRef,
     MissEntry,
     MissesIn,
     MissesOut,
@@ -180,6 +182,16 @@ def feed(
             "cursor": cursor, "more": more, "last": store.winner_seq(),
             "columns": results.FEED_COLUMNS, "rows": rows}  # fmt: skip
     return JSONResponse(body)  # our own rows: no need to re-validate 20k of them
+
+
+@router.get("/measurements", response_model=list[MeasurementRef])
+def find_measurements(
+    request: Request, _: Reader,
+    uid: Annotated[str, Query(pattern=UID_RE, description="the submitting host's uid")],
+) -> list[dict]:  # fmt: skip
+    """The measurement stored under `uid`, if any: a host asks for the last one it pushed to
+    tell a service restored from an older backup (which lost it) and push to it again."""
+    return _store(request).measurement_refs(uid)
 
 
 @router.get("/misses", response_model=list[MissEntry])

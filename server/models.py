@@ -47,6 +47,8 @@ def _small_params(params: dict[str, JsonValue]) -> dict[str, JsonValue]:
 
 KeyStr = Annotated[str, Field(min_length=5, max_length=600), AfterValidator(canonical_key)]
 DeviceClass = Annotated[str, Field(pattern=DEVICE_CLASS_RE, examples=["cpu-x86_64-2c"])]
+UID_RE = r"^[A-Za-z0-9_-]{8,64}$"
+Uid = Annotated[str, Field(pattern=UID_RE)]  # a host's Measurement.uid
 Versions = Annotated[
     str, Field(max_length=2000, examples=["torch=2.13.0;triton=3.9.0;tuner=0.1.0"])
 ]
@@ -120,7 +122,7 @@ class MeasurementIn(Strict):
     host: Annotated[str, Field(max_length=255)] = ""
     run_id: Annotated[str, Field(max_length=64)] = ""
     created_at: Seconds = 0.0
-    uid: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{8,64}$")]
+    uid: Uid
     launch: Literal[LAUNCHES] = "eager"  # type: ignore[valid-type]
 
     @model_validator(mode="after")
@@ -252,6 +254,15 @@ class GroupIn(Strict):
 class ConfirmOut(BaseModel):
     key: str
     candidate: str
+
+
+class MeasurementRef(BaseModel):
+    """A stored measurement, as much as a host needs to know the service still holds it."""
+
+    uid: str
+    device_class: str
+    key: str
+    received_at: float
 
 
 class QueueEntry(BaseModel):

@@ -100,6 +100,15 @@ class FleetStore(DeviceFile):
         )
         return bool(self.db.conn.execute(sql, [row[k] for k in MEASUREMENT_COLS]).rowcount)
 
+    def measurement_refs(self, uid: str) -> list[dict[str, Any]]:
+        """The measurement stored under ``uid`` (none or one: uids are unique)."""
+        return list(
+            self.db.query(
+                "select uid, device_class, key, received_at from srv_measurements where uid = ?",
+                [uid],
+            )
+        )
+
     def baseline_flag(self, group: Group, candidate: str) -> bool | None:
         """Whether ``candidate``'s first ok result of ``group`` (what the merge weighs) was
         submitted as the baseline's (None: it has none)."""
