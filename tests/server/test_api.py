@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from server.live import ThreadServer, backup, restore, wait_until
+from server.store import FleetStore
 from tuner.cache import Store
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, parse_key
@@ -330,7 +331,9 @@ def test_a_service_restored_from_an_older_backup_is_synced_from_the_start(
     """A restored file keeps the service's id, so the hosts keep their positions with it: past
     the measurements it lost (which no push would send again) and past its winner counter
     (which would hand the next winners numbers the hosts have passed). The feed's `last` gives
-    it away: the hosts sync with it from the start, and what it lost comes back."""
+    it away to a host that knows only its position, and the last measurement host A pushed,
+    which it no longer holds, to A: the hosts sync with it from the start, and what it lost
+    comes back."""
     db, saved = tmp_path / "fleet.db", tmp_path / "backup.db"
     results = [made_up(f32(24), "torch", 10.0), made_up(f32(32), "torch", 10.0)]
     lost = len(results) - kept
@@ -347,21 +350,166 @@ def test_a_service_restored_from_an_older_backup_is_synced_from_the_start(
                 assert push(ca, a, FP).accepted == 1  # host A syncs: pushes, then pulls
                 pull(ca, a, FP)
                 assert pull(cb, b, FP).winners == 1  # host B only pulls
+            name = f"pull:{cb.sync_scope()}:{DC}:{VERSIONS}"
+            b.set_position(name, b.position(name))  # B's kept as before marks: a position alone
         restore(db, saved)
         with ThreadServer(db, port=port) as srv:
             with caplog.at_level("WARNING", logger="tuner.fleet.client"):
                 assert pull(cb, b, FP).winners == kept
                 assert push(ca, a, FP).accepted == lost  # a push alone finds it too
             assert (
-                caplog.text.count(
-                    f"fleet service {srv.url} is at sequence number {kept}, behind this host's "
-                    "position 2 with it (restored from an older backup?)"
-                )
-                == 2
-            )
+                f"fleet service {srv.url} is at sequence number {kept}, behind this host's "
+                "position 2 with it (restored from an older backup?)"
+            ) in caplog.text
+            assert (
+                f"fleet service {srv.url} no longer holds measurement {results[1].uid}, pushed "
+                "to it (restored from an older backup?)"
+            ) in caplog.text
             assert pull(cb, b, FP).winners == lost  # the winners come back
             assert {w["key"] for w in feed_rows(cb.feed(DC, VERSIONS, 0))} == {
                 m.key for m in results
             }
             assert push(ca, a, FP).accepted == 0  # and incremental again from there
             assert pull(cb, b, FP).winners == 0
+
+
+def service_counts(db: Path) -> tuple[int, list[tuple]]:
+    """The service's stored measurements, and its per-candidate aggregates' counts."""
+    with FleetStore(db) as s:
+        (n,) = s.db.conn.execute("select count(*) from srv_measurements").fetchone()
+        counts = s.db.conn.execute(
+            "select key, candidate, count, submitters from srv_results order by key, candidate"
+        ).fetchall()
+    return n, counts
+
+
+@pytest.mark.parametrize("after", ["other-keys", "the-same-key"])
+def test_a_restored_service_past_the_hosts_position_is_synced_from_the_start(
+    after: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """New results on a restored service take its latest sequence number past a host's
+    position, so `last` no longer gives the restore away (the host pulled from there on and
+    never got the winners numbered up to its position). The winner at its position does:
+    gone, or served under the same number at another time."""
+    db, saved = tmp_path / "fleet.db", tmp_path / "backup.db"
+    keys = [f32(24), f32(32)]
+    later = [f32(40), f32(48)] if after == "other-keys" else [keys[1], f32(40)]
+    with Store(tmp_path / "b.db") as b:
+        with ThreadServer(db) as srv:
+            port = int(srv.url.rsplit(":", 1)[1])
+            ca, cb = srv.client("host-a", "submit"), srv.client("host-b", "read")
+            ca.submit(FP, [made_up(keys[0], "torch", 10.0)])  # sequence number 1
+            backup(db, saved)
+            ca.submit(FP, [made_up(keys[1], "torch", 10.0)])  # 2: lost with the restore
+            assert pull(cb, b, FP).winners == 2
+        restore(db, saved)
+        with ThreadServer(db, port=port) as srv:
+            ca.submit(FP, [made_up(k, "torch", 20.0) for k in later])  # 2 and 3 again
+            assert cb.feed(DC, VERSIONS, 0)["last"] == 3
+            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+                assert pull(cb, b, FP).winners == 3
+            assert (
+                f"fleet service {srv.url} no longer serves {keys[1]} as this host pulled it, at "
+                "sequence number 2 (restored from an older backup?)"
+            ) in caplog.text
+            served = {w["key"]: w["baseline_us"] for w in feed_rows(cb.feed(DC, VERSIONS, 0))}
+            assert {w.key: w.baseline_us for w in b.winners(DC)} == {
+                **served,
+                **({str(keys[1]): 10.0} if after == "other-keys" else {}),
+            }
+            caplog.clear()
+            assert pull(cb, b, FP).winners == 0  # and incremental again from there
+            assert "restored" not in caplog.text
+
+
+def test_a_push_only_host_pushes_again_to_a_service_that_lost_its_results(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host that never pulls has no pull position to compare with the service's: it asks
+    whether the service still holds the last measurement it pushed. A restored one does not,
+    and gets everything again; what it kept counts as duplicates, never twice."""
+    db, saved = tmp_path / "fleet.db", tmp_path / "backup.db"
+    ms = [made_up(f32(24), "torch", 10.0), made_up(f32(32), "torch", 10.0)]
+    with Store(tmp_path / "a.db") as a:
+        a.save_device(FP)
+        with ThreadServer(db) as srv:
+            port = int(srv.url.rsplit(":", 1)[1])
+            ca = srv.client("host-a", "submit")
+            a.save_run(ms[:1])
+            assert push(ca, a, FP).accepted == 1
+            backup(db, saved)
+            a.save_run(ms[1:])
+            assert push(ca, a, FP).accepted == 1
+        restore(db, saved)
+        with ThreadServer(db, port=port) as srv:
+            assert (ca.holds(ms[0].uid), ca.holds(ms[1].uid)) == (True, False)
+            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+                out = push(ca, a, FP)
+            assert (out.accepted, out.duplicates) == (1, 1)
+            assert (
+                f"fleet service {srv.url} no longer holds measurement {ms[1].uid}, pushed to it "
+                "(restored from an older backup?)"
+            ) in caplog.text
+            assert ca.holds(ms[1].uid) and ca.winner(DC, ms[1].key, VERSIONS) is not None
+            assert service_counts(db)[0] == 2
+            again = push(ca, a, FP)
+            assert (again.accepted, again.duplicates) == (0, 0)  # incremental again
+
+
+def test_measurements_pushed_again_are_not_counted_twice(fleet: ThreadServer, tmp_path: Path):
+    """A host that starts over pushes everything again: the service keeps each measurement
+    once, by its uid, so its counts and the merge see no difference."""
+    ms = [made_up(f32(24), "torch", 10.0 + i) for i in range(3)]
+    ms += [made_up(f32(32), "torch", 10.0)]
+    with Store(tmp_path / "a.db") as a:
+        a.save_device(FP)
+        a.save_run(ms)
+        ca = fleet.client("host-a", "submit")
+        assert push(ca, a, FP).accepted == 4
+        before = service_counts(fleet.db)
+        assert before == (4, [(str(f32(24)), "torch", 3, 1), (str(f32(32)), "torch", 1, 1)])
+        a.reset_positions(ca.sync_scope())
+        again = push(ca, a, FP)
+        assert (again.accepted, again.duplicates) == (0, 4)
+        assert service_counts(fleet.db) == before
+
+
+def test_a_measurement_is_found_by_uid_with_a_read_token(fleet: ThreadServer) -> None:
+    m = made_up(f32(24), "torch", 10.0)
+    fleet.client("host-a", "submit").submit(FP, [m])
+    url = fleet.url + "/v1/measurements"
+    assert httpx.get(url, params={"uid": m.uid}).status_code == 401
+    reader = fleet.client("ops", "read")
+    (found,) = reader.request("GET", "/v1/measurements", params={"uid": m.uid})
+    assert (found["uid"], found["device_class"], found["key"]) == (m.uid, DC, m.key)
+    assert reader.holds(m.uid) is True and reader.holds("0" * 32) is False
+
+
+def test_miss_counts_a_restored_service_lost_are_sent_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reported marker of each miss count is forgotten with the positions: the counts a
+    restored service lost are sent in full again (a count its backup held would be counted
+    twice; only the queue's order hangs on it)."""
+    db, saved = tmp_path / "fleet.db", tmp_path / "backup.db"
+    missed = str(f32(56))
+    with Store(tmp_path / "a.db") as a:
+        a.save_device(FP)
+        with ThreadServer(db) as srv:
+            port = int(srv.url.rsplit(":", 1)[1])
+            ca = srv.client("host-a", "submit")
+            backup(db, saved)
+            a.save_run([made_up(f32(24), "torch", 10.0)])
+            a.record_misses(DC, [missed], count=3)
+            assert push(ca, a, FP).misses == 1
+            pull(ca, a, FP)
+            assert [(e["key"], e["misses"]) for e in ca.queue()] == [(missed, 3)]
+        restore(db, saved)
+        with ThreadServer(db, port=port) as srv:
+            assert ca.queue() == []
+            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+                out = push(ca, a, FP)
+            assert "(restored from an older backup?)" in caplog.text
+            assert (out.accepted, out.misses, out.queued) == (1, 1, 1)
+            assert [(e["key"], e["misses"]) for e in ca.queue()] == [(missed, 3)]
+            assert push(ca, a, FP).misses == 0  # and only what is new from there

@@ -110,6 +110,13 @@ def _v3(db: sqlite_utils.Database) -> None:
         db[table].drop(ignore=True)
 
 
+def _v4(db: sqlite_utils.Database) -> None:
+    """What a sync position stands at, as the service names it (a pulled winner, a pushed
+    measurement's uid): a host asks the service for it to tell one restored from an older
+    backup, which has lost it."""
+    db["sync_state"].add_column("mark", str)
+
+
 def legacy_meta(db: sqlite_utils.Database, path: Path) -> int:
     """The schema version in the ``meta`` table of a file from before application ids."""
     tables = set(db.table_names())
@@ -145,7 +152,7 @@ CACHE = register(
     Schema(
         kind="tuner cache",
         application_id=0x544E5243,  # "TNRC"
-        migrations=(_v1, _v2, _v3),
+        migrations=(_v1, _v2, _v3, _v4),
         legacy_version=_legacy_version,
     )
 )

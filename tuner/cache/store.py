@@ -294,6 +294,12 @@ class Store(DeviceFile):
                 [(device_class, k, n) for k, n in counts],
             )
 
+    def forget_reported_misses(self) -> None:
+        """Forget how much of each miss count was reported, so that the next report sends
+        every count in full (to a service that lost the reports)."""
+        with self.transaction() as c:
+            c.execute("delete from reported_misses")
+
     def position(self, name: str) -> int:
         """Where the sync called ``name`` stopped (a feed cursor, a measurement id); 0 if never."""
         row = self.db.conn.execute(
@@ -301,17 +307,24 @@ class Store(DeviceFile):
         ).fetchone()
         return int(row[0]) if row else 0
 
-    def set_position(self, name: str, value: int) -> None:
+    def mark(self, name: str) -> str | None:
+        """What the sync called ``name`` stopped at, as the service names it (None: not known)."""
+        row = self.db.conn.execute("select mark from sync_state where name = ?", (name,)).fetchone()
+        return row[0] if row else None
+
+    def set_position(self, name: str, value: int, mark: str | None = None) -> None:
         with self.transaction() as c:
             c.execute(
-                "insert or replace into sync_state(name, value, updated_at) values (?, ?, ?)",
-                (name, value, time.time()),
+                "insert or replace into sync_state(name, value, mark, updated_at) "
+                "values (?, ?, ?, ?)",
+                (name, value, mark, time.time()),
             )
 
     def reset_positions(self, scope: str) -> list[str]:
-        """Set to 0 every position kept under ``scope``: those named ``<kind>:<scope>`` or
-        ``<kind>:<scope>:<more>`` (a fleet service's pull, push and artifact positions), so
-        that the next sync with it starts from the beginning. Returns the names reset."""
+        """Set to 0, with no mark, every position kept under ``scope``: those named
+        ``<kind>:<scope>`` or ``<kind>:<scope>:<more>`` (a fleet service's pull, push and
+        artifact positions), so that the next sync with it starts from the beginning. Returns
+        the names reset."""
         with self.transaction() as c:
             names = [
                 name
@@ -319,7 +332,7 @@ class Store(DeviceFile):
                 if (rest := name.partition(":")[2]) == scope or rest.startswith(f"{scope}:")
             ]
             c.executemany(
-                "update sync_state set value = 0, updated_at = ? where name = ?",
+                "update sync_state set value = 0, mark = null, updated_at = ? where name = ?",
                 [(time.time(), name) for name in names],
             )
         return names

@@ -18,14 +18,19 @@ Sync positions live in the local cache (``sync_state``): pulls resume from the l
 number, pushes from the last pushed measurement id, and miss reports send only the counts not yet
 reported (``reported_misses``), so a crash or an outage never loses or double-counts anything.
 Positions are kept per service, by the id its health names: a service rebuilt at the same URL
-is pulled from and pushed to from the start. One restored from an older backup keeps its id; a
-position beyond the latest sequence number it names (``last`` in the feed and the artifact
-listing; pushes ask the feed first) gives it away, and all of its positions start over.
+is pulled from and pushed to from the start. One restored from an older backup keeps its id. A
+position is kept with its mark, what stands at it as the service names it: the last winner
+pulled, the uid of the last measurement pushed. Before a pull the service is asked for that
+winner, before a push for that measurement (one small request each); one it has lost gives the
+restore away, as does a position beyond the latest sequence number it names (``last`` in the
+feed and the artifact listing). All of its positions then start over, and every miss count is
+reported again in full.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -271,6 +276,16 @@ class FleetClient:
             batch = [m for j, m in enumerate(batch) if j not in invalid]
         return {"refused": refused}
 
+    def holds(self, uid: str) -> bool | None:
+        """Whether the service holds the measurement ``uid``; None from a service too old to
+        answer (it has no such read)."""
+        try:
+            return bool(self.request("GET", "/v1/measurements", params={"uid": uid}))
+        except FleetError as e:
+            if e.status == 405:  # the path takes submissions only
+                return None
+            raise
+
     def report_misses(self, fp: Fingerprint, misses: list[tuple[str, int]]) -> int:
         queued = 0
         for i in range(0, len(misses), BATCH):
@@ -431,22 +446,31 @@ def _winner_rows(columns: list[str], rows: list[list[Any]]) -> list[dict[str, An
     return [{c: row[i] for c, i in index} for row in rows]
 
 
+def _start_over(client: FleetClient, store: Store, scope: str, why: str) -> None:
+    """The service at ``scope`` has lost history this host synced with it: it was restored from
+    an older backup, keeping its id. What this host pushed since is lost to it, and what it
+    serves next may come under numbers the host has passed. So every position of the scope is
+    reset and the sync starts from the beginning (pushes are idempotent, pulled winners keep
+    the newer), and every miss count is reported again in full: a count the backup already
+    held is then counted twice, which only moves its key up the tuning queue (counts steer the
+    queue, never what is served), where sending nothing would leave the lost ones out of it."""
+    log.warning(
+        "fleet service %s %s (restored from an older backup?): pushing to and pulling from it "
+        "from the start", client.server, why,
+    )  # fmt: skip
+    store.reset_positions(scope)
+    store.forget_reported_misses()
+
+
 def _restarted(
     client: FleetClient, store: Store, scope: str, position: int, last: int | None
 ) -> bool:
     """Whether this host's ``position`` in ``scope`` lies beyond ``last``, the service's latest
-    sequence number (None: a service too old to say). The service was then restored from an
-    older backup, keeping its id: what this host pushed since is lost to it, and what it serves
-    next comes under numbers the host has passed. So every position of the scope is reset and
-    the sync starts from the beginning (pushes are idempotent, pulled winners upserts)."""
+    sequence number (None: a service too old to say); if so, it starts over (``_start_over``)."""
     if last is None or position <= last:
         return False
-    log.warning(
-        "fleet service %s is at sequence number %d, behind this host's position %d with it "
-        "(restored from an older backup?): pushing to and pulling from it from the start",
-        client.server, last, position,
-    )  # fmt: skip
-    store.reset_positions(scope)
+    why = f"is at sequence number {last}, behind this host's position {position} with it"
+    _start_over(client, store, scope, why)
     return True
 
 
@@ -469,11 +493,45 @@ def _feed_page(
     return body, body.get("last")
 
 
-def _check_restored(client: FleetClient, store: Store, scope: str, fp: Fingerprint) -> None:
-    """Before a push: a one-winner feed request from this host's pull position (if it pulled)
-    finds a service restored from an older backup, which the push position alone cannot."""
-    since = store.position(_pull_name(scope, fp))
-    if since:
+def _pull_mark(row: dict[str, Any]) -> str:
+    """The last winner a pull took, as the service serves it: the key under these versions, and
+    when it was served (with the pull position, its sequence number)."""
+    return json.dumps({k: row[k] for k in ("key", "versions", "updated_at")})
+
+
+def _check_pulled(client: FleetClient, store: Store, scope: str, fp: Fingerprint) -> None:
+    """Before a pull: the service must still serve the winner at this host's pull position as
+    it was pulled, or under a later number (changed since). Gone, under an earlier number, or
+    under the same number with another date, the service lost history and the sync starts over,
+    also when new results have since taken its latest sequence number past the position (which
+    the feed's ``last`` cannot tell). A restored service that has changed that very winner again
+    since is not told apart this way; ``last`` and a pushing host's own check remain."""
+    name = _pull_name(scope, fp)
+    mark = store.mark(name)
+    if mark is None:
+        return
+    pulled, seq = json.loads(mark), store.position(name)
+    served = client.winner(fp.device_class, pulled["key"], pulled["versions"])
+    if served is not None and (
+        served["seq"] > seq
+        or (served["seq"] == seq and served["updated_at"] == pulled["updated_at"])
+    ):
+        return
+    why = f"no longer serves {pulled['key']} as this host pulled it, at sequence number {seq}"
+    _start_over(client, store, scope, why)
+
+
+def _check_pushed(client: FleetClient, store: Store, scope: str, fp: Fingerprint) -> None:
+    """Before a push: the service must still hold the last measurement this host pushed to it
+    (one it stored), else it lost history and the sync starts over, which the push position,
+    a local row id, cannot tell. Without such a mark (nothing stored yet, or a service too old
+    to say), a one-winner feed request from this host's pull position, if it pulled, compares
+    that with the service's latest sequence number."""
+    name = f"push:{scope}"
+    uid = store.mark(name)
+    if uid is not None and client.holds(uid) is False:
+        _start_over(client, store, scope, f"no longer holds measurement {uid}, pushed to it")
+    elif uid is None and (since := store.position(_pull_name(scope, fp))):
         _restarted(client, store, scope, since, _feed_page(client, fp, since, 1)[1])
 
 
@@ -489,6 +547,7 @@ def pull(
     """
     started = time.perf_counter()
     scope = client.sync_scope()
+    _check_pulled(client, store, scope, fp)
     name = _pull_name(scope, fp)
     cursor = 0 if full else store.position(name)
     total = pages = 0
@@ -502,8 +561,8 @@ def pull(
         rows = _winner_rows(body["columns"], body["rows"])
         if rows:
             store.put_winner_rows(rows)
+            store.set_position(name, body["cursor"], _pull_mark(rows[-1]))
         total, pages, cursor = total + len(rows), pages + 1, body["cursor"]
-        store.set_position(name, cursor)
         if not body["more"]:
             break
     return PullResult(total, pages, cursor, time.perf_counter() - started)
@@ -524,9 +583,10 @@ def _fingerprints(store: Store, fp: Fingerprint) -> dict[str, Fingerprint]:
 
 
 def push_measurements(client: FleetClient, store: Store, fp: Fingerprint) -> dict[str, int]:
-    """Send local measurements not sent to this service yet, oldest first."""
+    """Send local measurements not sent to this service yet, oldest first. The position's mark
+    is the last one the service stored (of a batch it refused none of), for ``_check_pushed``."""
     scope = client.sync_scope()
-    _check_restored(client, store, scope, fp)
+    _check_pushed(client, store, scope, fp)
     name = f"push:{scope}"
     fps = _fingerprints(store, fp)
     counts = {"accepted": 0, "duplicates": 0, "skipped": 0, "refused": 0}
@@ -534,20 +594,24 @@ def push_measurements(client: FleetClient, store: Store, fp: Fingerprint) -> dic
         rows = store.measurements_after(store.position(name), BATCH)
         if not rows:
             return counts
-        by_class: dict[str, list[Measurement]] = {}
-        for _, m in rows:
-            by_class.setdefault(m.device_class, []).append(m)
-        for dc, ms in by_class.items():
+        by_class: dict[str, list[tuple[int, Measurement]]] = {}
+        for row in rows:
+            by_class.setdefault(row[1].device_class, []).append(row)
+        stored: list[tuple[int, str]] = []  # (row id, uid) of the last of each batch kept whole
+        for dc, batch in by_class.items():
             if dc not in fps:
-                counts["skipped"] += len(ms)
+                counts["skipped"] += len(batch)
                 continue
-            out = client.submit(fps[dc], ms)
+            out = client.submit(fps[dc], [m for _, m in batch])
             counts["accepted"] += out["accepted"]
             counts["duplicates"] += out["duplicates"]
             for why in out.get("refused", []):
                 log.warning("the fleet service did not store a measurement: %s", why)
                 counts["refused"] += 1
-        store.set_position(name, rows[-1][0])
+            if not out.get("refused"):
+                stored.append((batch[-1][0], batch[-1][1].uid))
+        mark = max(stored)[1] if stored else store.mark(name)
+        store.set_position(name, rows[-1][0], mark)
 
 
 def push_misses(client: FleetClient, store: Store, fp: Fingerprint) -> tuple[int, int]:
@@ -823,7 +887,7 @@ class BackgroundSync:
         fp = self._fingerprint()
         refused: list[str] = []
         if self.push:  # a refused push (e.g. a read-only token) must not stop the pull
-            for step in (push_misses, push_measurements):
+            for step in (push_measurements, push_misses):  # a restore found re-sends misses
                 try:
                     step(self.client, store, fp)
                 except FleetError as e:
