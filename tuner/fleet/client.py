@@ -524,14 +524,15 @@ def _check_pulled(client: FleetClient, store: Store, scope: str, fp: Fingerprint
 def _check_pushed(client: FleetClient, store: Store, scope: str, fp: Fingerprint) -> None:
     """Before a push: the service must still hold the last measurement this host pushed to it
     (one it stored), else it lost history and the sync starts over, which the push position,
-    a local row id, cannot tell. Without such a mark (nothing stored yet, or a service too old
-    to say), a one-winner feed request from this host's pull position, if it pulled, compares
-    that with the service's latest sequence number."""
-    name = f"push:{scope}"
-    uid = store.mark(name)
-    if uid is not None and client.holds(uid) is False:
+    a local row id, cannot tell. Where that cannot be asked (no mark: nothing stored yet, or a
+    position kept before marks were; a service too old to answer), a one-winner feed request
+    from this host's pull position, if it pulled, compares that with the service's latest
+    sequence number."""
+    uid = store.mark(f"push:{scope}")
+    held = client.holds(uid) if uid is not None else None
+    if held is False:
         _start_over(client, store, scope, f"no longer holds measurement {uid}, pushed to it")
-    elif uid is None and (since := store.position(_pull_name(scope, fp))):
+    elif held is None and (since := store.position(_pull_name(scope, fp))):
         _restarted(client, store, scope, since, _feed_page(client, fp, since, 1)[1])
 
 
