@@ -107,6 +107,19 @@ def test_import_keeps_the_newer_winner_and_counts_what_changed(tmp_path):
         assert (again["winners"], again["older_winners"]) == (0, 0)
 
 
+def test_pulled_rows_past_one_lookup_batch_keep_the_newer_winner_per_key(tmp_path):
+    """A feed page larger than one lookup of the cache's winners: every key is still compared."""
+    keys = [KEY.replace("m=8", f"m={m}") for m in range(1, 1001)]
+    with Store(tmp_path / "c.db") as store:
+        store.put_winners([winner(key=k, source="torch", params={}, updated_at=2.0) for k in keys])
+        page = [
+            winner(key=k, updated_at=1.0 if i % 2 else 3.0).to_row() for i, k in enumerate(keys)
+        ]
+        assert store.put_winner_rows(page) == 500  # the even keys' winners are newer
+        sources = [store.winner("cpu-test", k).source for k in keys]
+        assert sources == ["triton_gemm", "torch"] * 500
+
+
 def test_import_rejects_foreign_json_and_keeps_the_store(tmp_path):
     with Store(tmp_path / "a.db") as a:
         a.put_winners([winner()])

@@ -86,6 +86,27 @@ def _row_stamp(row: dict[str, Any]) -> Stamp:
     return row["device_class"], row["key"], row["updated_at"]
 
 
+LOOKUP_BATCH = 400  # (device class, key) pairs a query: 800 variables, far under SQLite's cap
+
+
+def _stored_updated_at(
+    c: sqlite3.Connection, keys: list[tuple[str, str]]
+) -> dict[tuple[str, str], float]:
+    """``updated_at`` of the cache's winner for each of ``keys`` that has one: only the batch's
+    keys are read, so a feed page costs the same however many winners the cache holds."""
+    stored: dict[tuple[str, str], float] = {}
+    for i in range(0, len(keys), LOOKUP_BATCH):
+        batch = keys[i : i + LOOKUP_BATCH]
+        rows = ", ".join(["(?, ?)"] * len(batch))
+        query = (
+            "select device_class, key, updated_at from winners "
+            f"where (device_class, key) in (values {rows})"
+        )
+        for dc, key, updated_at in c.execute(query, [v for pair in batch for v in pair]):
+            stored[(dc, key)] = updated_at
+    return stored
+
+
 @contextlib.contextmanager
 def _naming(where: str) -> Iterator[None]:
     """A ValueError inside says which record it is about."""
@@ -414,12 +435,7 @@ class Store(DeviceFile):
             seen = latest.get((device_class, key))
             if seen is None or updated_at > seen[0]:
                 latest[(device_class, key)] = (updated_at, w)
-        stored = {
-            (dc, key): updated_at
-            for dc, key, updated_at in c.execute(
-                "select device_class, key, updated_at from winners"
-            )
-        }
+        stored = _stored_updated_at(c, list(latest))
         newer = [w for k, (at, w) in latest.items() if k not in stored or at > stored[k]]
         older = sum(1 for k, (at, _) in latest.items() if k in stored and at < stored[k])
         return newer, older
