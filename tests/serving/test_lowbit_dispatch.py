@@ -197,6 +197,20 @@ def test_a_packed_weight_not_in_the_devices_format_is_named_with_the_format(
     assert recorded(disp) == []
 
 
+def test_a_cpu_weight_of_n_rows_torch_cannot_pack_is_named_and_not_recorded(
+    disp: Dispatcher,
+) -> None:
+    """torch's CPU packing holds N in blocks of 16: a uint8 [N, K / 2] tensor of 72 rows has the
+    format's dtype and rank, but torch's op fails on it naming neither the weight nor N
+    ("Unsupported n block size"), and its key could never be tuned here."""
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    rows = torch.randint(0, 256, (72, K // 2), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"^packed_w\.shape=\(72, 128\): N=72; torch's int4 "
+                       r"packing on cpu needs N a multiple of 16$"):  # fmt: skip
+        tuner.int4_linear(x, rows, torch.ones(K // GROUP, 72, 2, dtype=x.dtype), GROUP)
+    assert recorded(disp) == []
+
+
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])]
 )  # fmt: skip

@@ -89,7 +89,8 @@ def check_packed(
 ) -> tuple[int, int]:
     """(N, K) of torch's packed weight for ``device`` (where the op runs), or a ValueError naming
     ``name``, its dtype, shape and device and the format expected there: the devices' packings
-    differ, and torch's own errors name neither."""
+    differ, and torch's own errors name neither (the CPU op's for N not a multiple of 16 is
+    "Unsupported n block size")."""
     fmt = _CUDA_FORMAT if device.type == "cuda" else _CPU_FORMAT
     got = f"got {packed.dtype} {tuple(packed.shape)} on {packed.device}"
     if packed.device != device:
@@ -104,7 +105,11 @@ def check_packed(
     if not packed.is_contiguous():
         raise ValueError(f"{name}: must be contiguous, as torch packs it (a transposed or sliced "
                          f"view is another layout), got strides {packed.stride()}")  # fmt: skip
-    return packed_shape(packed)
+    n, k = packed_shape(packed)
+    if n % n_multiple(device):
+        raise ValueError(f"{name}.shape={tuple(packed.shape)}: N={n}; torch's int4 packing on "
+                         f"{device.type} needs N a multiple of {n_multiple(device)}")  # fmt: skip
+    return n, k
 
 
 def int4_mm(
