@@ -121,12 +121,15 @@ def test_bad_arguments_name_the_field() -> None:
 
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_quantized_layers_refuse_what_nn_linear_refuses_and_take_empty_batches(fmt) -> None:
-    """An integer activation would come back truncated, and a wrong K would fail deep inside
-    the op: both are refused naming the field. A batch of no rows (an expert that got no
-    tokens) gives no rows, as ``nn.Linear`` does."""
+    """An integer activation would come back truncated, an FP8 one fail inside the activations'
+    quantization, and a wrong K deep inside the op: each is refused naming the field. A batch
+    of no rows (an expert that got no tokens) gives no rows, as ``nn.Linear`` does."""
     layer = tt.quantize_linear(nn.Linear(256, 64), fmt)
     with pytest.raises(ValueError, match=r"x\.dtype=torch\.int64: expected a floating-point"):
         layer(torch.ones(2, 256, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"^x\.dtype=torch\.float8_e4m3fn: expected a floating-"
+                       r"point activation, one of torch\.float16, .*torch\.float64$"):  # fmt: skip
+        layer(torch.randn(2, 256).to(torch.float8_e4m3fn))  # nn.Linear refuses it too
     with pytest.raises(
         ValueError, match=r"x\.shape=\(2, 128\): expected \[\.\.\., in_features=256\]"
     ):

@@ -70,11 +70,17 @@ def _bias(linear: nn.Linear) -> nn.Parameter | None:
     return nn.Parameter(linear.bias.detach().to(COMPUTE_DTYPE), requires_grad=False)
 
 
+# what nn.Linear computes in: it refuses other inputs, and so do the quantized layers
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def check_activation(x: torch.Tensor, in_features: int) -> None:
-    """ValueError naming the field unless ``x`` is a floating-point [..., in_features], as
-    ``nn.Linear`` refuses other inputs (an integer one would come back truncated)."""
-    if not x.is_floating_point():
-        raise ValueError(f"x.dtype={x.dtype}: expected a floating-point activation")
+    """ValueError naming the field unless ``x`` is a [..., in_features] of ``ACTIVATION_DTYPES``:
+    an integer one would come back truncated, an FP8 one fail inside the quantization of the
+    activations (or come back rounded to FP8)."""
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x.dtype={x.dtype}: expected a floating-point activation, one of "
+                         f"{', '.join(map(str, ACTIVATION_DTYPES))}")  # fmt: skip
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"x.shape={tuple(x.shape)}: expected [..., in_features={in_features}]")
 
