@@ -219,6 +219,13 @@ def test_layers_their_parents_read_are_left_in_place(fmt) -> None:
         tt.quantize_linear(model[0].self_attn.out_proj, "fp8")
 
 
+def test_an_uninitialized_lazy_linear_is_left_with_why() -> None:
+    """A subclass of ``nn.Linear``, left in place: its weight has no shape yet to check."""
+    q = tt.quantize_linear(nn.Sequential(nn.Linear(256, 64), nn.LazyLinear(64)), "int4")
+    assert q.quantized_layers == ["0"]
+    assert "LazyLinear is a subclass of nn.Linear" in q.quantized_skipped["1"]
+
+
 def test_nothing_to_quantize_is_said_and_earlier_layers_stay_listed(caplog) -> None:
     with caplog.at_level("WARNING"):
         assert tt.quantize_linear(nn.Sequential(nn.ReLU()), "int4").quantized_layers == []

@@ -238,7 +238,8 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int | None = None) 
     skipped: dict[str, str] = {}
     for child, places in layers.values():
         kept = {name: r for name, parent, _ in places if (r := kept_reason(child, parent))}
-        shape = unsupported(fmt, child.weight, group_size)
+        # a kept layer's weight may have no shape yet (an uninitialized nn.LazyLinear)
+        shape = None if kept else unsupported(fmt, child.weight, group_size)
         if kept or shape:
             first = next(iter(kept.items()), None)
             for name, _, _ in places:
