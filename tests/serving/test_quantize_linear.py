@@ -226,6 +226,17 @@ def test_an_uninitialized_lazy_linear_is_left_with_why() -> None:
     assert "LazyLinear is a subclass of nn.Linear" in q.quantized_skipped["1"]
 
 
+def test_int4_weights_on_the_meta_device_are_left_with_why() -> None:
+    """torch's int4 packer reads the values a weight on the meta device has not: listed (or
+    named, for a bare layer), not failed on inside torch."""
+    meta = nn.Sequential(nn.Linear(256, 64, device="meta"))
+    assert tt.quantize_linear(meta, "int4").quantized_skipped == {
+        "0": "int4 packing needs the weight's values, and it is on the meta device"
+    }
+    with pytest.raises(ValueError, match=r"^module: int4 packing needs the weight's values"):
+        tt.quantize_linear(nn.Linear(256, 64, device="meta"), "int4")
+
+
 def test_nothing_to_quantize_is_said_and_earlier_layers_stay_listed(caplog) -> None:
     with caplog.at_level("WARNING"):
         assert tt.quantize_linear(nn.Sequential(nn.ReLU()), "int4").quantized_layers == []

@@ -53,6 +53,8 @@ def unsupported(fmt: str, weight: torch.Tensor, group_size: int | None) -> str |
     """Why an [N, K] weight (on its device) cannot take ``fmt``, or None when it can."""
     n, k = weight.shape
     if fmt == "int4":
+        if weight.is_meta:  # torch's packer reads the values; FP8's quantization stays symbolic
+            return "int4 packing needs the weight's values, and it is on the meta device"
         try:
             int4.check_group_size(group_size, k)
         except ValueError as e:
