@@ -77,12 +77,29 @@ def test_a_problem_list_names_low_bit_gemms_by_format_as_model_configs_do(tmp_pa
         "  - {op: gemm, m: 16, n: 4096, k: 4096, dtype: fp8-rowwise}\n"
         "  - {op: gemm, m: 16, n: 4096, k: 4096, dtype: int4-g100}\n"
     )
-    with pytest.raises(ConfigError, match=r"problems\[2\]: low-bit format must be one of"):
+    with pytest.raises(ConfigError, match=r"problems\[2\]: dtype must be one of \['bf16', 'f16', "
+                       r"'f32', 'fp8_e4m3', 'fp8_e5m2'\] or a low-bit format \(int4-g32/64/128/256, "
+                       r"fp8-tensorwise, .*\), got 'int4-g100'$"):  # fmt: skip
         load_problems(path)
     path.write_text("\n".join(path.read_text().splitlines()[:3]) + "\n")
     int4, fp8 = load_problems(path)
     assert int4 == GemmKey(m=16, n=4096, k=4096, align=16, **lowbit_fields("int4-g128"))
     assert fp8 == GemmKey(m=16, n=4096, k=4096, align=16, **lowbit_fields("fp8-rowwise"))
+
+
+@pytest.mark.parametrize("dtype", ["fp8-rowwize", "int4", "fp8", "int4_g128", "fp8_rowwise"])
+def test_a_problem_lists_misspelt_format_is_named_as_its_dtype_with_the_formats(
+    tmp_path: Path, dtype: str
+) -> None:
+    """A slip in a format's name is a ``dtype`` to correct, shown with the formats it may name
+    (not only the plain dtypes, nor as a "low-bit format" the entry never wrote)."""
+    from tuner.offline.problem_list import load_problems
+
+    path = tmp_path / "p.yaml"
+    path.write_text(f"problems:\n  - {{op: gemm, m: 16, n: 256, k: 512, dtype: {dtype}}}\n")
+    with pytest.raises(ConfigError, match=rf"problems\[0\]: dtype must be one of \[.*\] or a "
+                       rf"low-bit format \(int4-g32/64/128/256, .*\), got '{dtype}'$"):  # fmt: skip
+        load_problems(path)
 
 
 @pytest.mark.parametrize(("extra", "named"), [("layout: nn", "layout='nn'"),

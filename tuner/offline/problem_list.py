@@ -20,6 +20,9 @@ from typing import Any
 import yaml
 
 from tuner.core.keys import (
+    FP8,
+    ITEMSIZE,
+    LOWBIT_FORMAT_NAMES,
     Key,
     default_align,
     fp8_key_error,
@@ -53,7 +56,7 @@ def _key_of_fields(fields: dict[str, Any]) -> Key:
     if op is None:
         raise ValueError("missing field 'op' (gemm or sdpa)")
     if op == "gemm" and "dtype" in fields:
-        if str(fields["dtype"]).startswith(("int4-", "fp8-")):
+        if _names_lowbit(fields["dtype"]):
             fields = with_lowbit_fields(fields)
         fields.setdefault("out_dtype", fields["dtype"])
     if op == "gemm" and "align" not in fields:
@@ -61,12 +64,22 @@ def _key_of_fields(fields: dict[str, Any]) -> Key:
     return key_from_dict(op, fields)
 
 
+def _names_lowbit(dtype: Any) -> bool:
+    """Whether ``dtype`` means a low-bit format, spelt right or not (``int4``, ``fp8_rowwise``):
+    its error then lists the formats. A key's own FP8 operand dtypes are not formats."""
+    return str(dtype).startswith(("int4", "fp8")) and dtype not in FP8
+
+
 def with_lowbit_fields(fields: dict[str, Any]) -> dict[str, Any]:
     """A low-bit GEMM entry's fields with its format's (``lowbit_fields``); ValueError naming
-    a field the entry also gives with another value (the format fixes it), rather than one of
-    the two taken silently."""
+    the ``dtype`` that names no format, or a field the entry also gives with another value (the
+    format fixes it), rather than one of the two taken silently."""
     spec = fields["dtype"]
-    fixed = lowbit_fields(spec)
+    try:
+        fixed = lowbit_fields(spec)
+    except ValueError:
+        raise ValueError(f"dtype must be one of {sorted((*ITEMSIZE, *FP8))} or a low-bit format "
+                         f"({LOWBIT_FORMAT_NAMES}), got {spec!r}") from None  # fmt: skip
     n, k = fields.get("n"), fields.get("k")
     shape = fixed["wdtype"] != "int4" and type(n) is int and type(k) is int
     if shape and (error := fp8_shape_error(n, k)):  # named before the alignment it breaks
