@@ -170,6 +170,16 @@ def test_bad_input_raises_torchs_error_or_names_the_field(disp: Dispatcher) -> N
     assert recorded(disp) == []  # nothing keyed from bad input
 
 
+def test_an_fp8_gemm_of_empty_k_is_refused_on_the_cpu(disp: Dispatcher) -> None:
+    """torch's CPU op returns uninitialized memory for K = 0, where the product is zeros: an
+    error naming the shapes, not that memory as a result."""
+    a, b, sa, sb = fp8_operands(4, rowwise=False)
+    with pytest.raises(ValueError, match=r"^a, b: K=0 \(\(4, 0\) and \(0, 64\)\): "
+                       r"torch\._scaled_mm on the CPU leaves its output uninitialized"):  # fmt: skip
+        tuner.scaled_mm(a[:, :0], b[:0], sa, sb, out_dtype=torch.bfloat16)
+    assert recorded(disp) == []
+
+
 def test_a_packed_weight_not_in_the_devices_format_is_named_with_the_format(
     disp: Dispatcher,
 ) -> None:

@@ -97,6 +97,9 @@ def check_scaled_mm(a: Any, b: Any, scale_a: Any, scale_b: Any) -> bool:
     their scales agree."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise OperandError(f"a, b: expected [M, K] and [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")  # fmt: skip
+    if a.shape[1] == 0 and a.device.type == "cpu":  # torch's CPU op returns torch.empty's bytes
+        raise OperandError(f"a, b: K=0 ({tuple(a.shape)} and {tuple(b.shape)}): torch._scaled_mm "
+                           "on the CPU leaves its output uninitialized; the product is zeros")  # fmt: skip
     for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
         if t.device != a.device:  # a kernel would read another device's pointer
             raise OperandError(f"{name}.device={t.device}: must be a's device ({a.device})")
