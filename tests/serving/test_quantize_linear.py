@@ -237,6 +237,20 @@ def test_int4_weights_on_the_meta_device_are_left_with_why() -> None:
         tt.quantize_linear(nn.Linear(256, 64, device="meta"), "int4")
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_empty_layers_are_left_as_nn_linear_serves_them(fmt) -> None:
+    """No rows or no columns to quantize (the formats' quantizers fail on either): listed with
+    why, and served as ``nn.Linear`` serves them (a bias alone for K = 0)."""
+    model = nn.Sequential(nn.Linear(0, 64), nn.Linear(64, 0))
+    q = tt.quantize_linear(model, fmt)
+    assert q.quantized_skipped == {
+        "0": "the weight is empty (N=64, K=0): nothing to quantize",
+        "1": "the weight is empty (N=0, K=64): nothing to quantize",
+    }
+    torch.testing.assert_close(q[0](torch.randn(3, 0)), q[0].bias.expand(3, 64))
+
+
 def test_nothing_to_quantize_is_said_and_earlier_layers_stay_listed(caplog) -> None:
     with caplog.at_level("WARNING"):
         assert tt.quantize_linear(nn.Sequential(nn.ReLU()), "int4").quantized_layers == []

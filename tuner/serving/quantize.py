@@ -52,6 +52,8 @@ READS_CHILD_WEIGHTS = (
 def unsupported(fmt: str, weight: torch.Tensor, group_size: int | None) -> str | None:
     """Why an [N, K] weight (on its device) cannot take ``fmt``, or None when it can."""
     n, k = weight.shape
+    if not n or not k:  # nn.Linear serves it as it is; the formats' quantizers fail on it
+        return f"the weight is empty (N={n}, K={k}): nothing to quantize"
     if fmt == "int4":
         if weight.is_meta:  # torch's packer reads the values; FP8's quantization stays symbolic
             return "int4 packing needs the weight's values, and it is on the meta device"
