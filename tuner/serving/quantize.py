@@ -17,10 +17,11 @@ Each replaced layer quantizes its weight once, at replacement, and keeps only th
 Both compute in bf16, the activation type the formats' kernels take, and return the input's
 dtype; a dtype cast of the model (``model.half()``, ``model.to(torch.float32)``) leaves their
 quantized weights, scales and bias as they are, while a move to another device moves them. A
-layer whose shape the format cannot hold, a subclass of ``nn.Linear``, or a layer of a module
-that reads its children's ``weight`` itself (torch's attention and transformer layers, for their
-fused paths) stays as it was and is listed in ``module.quantized_skipped`` beside
-``module.quantized_layers`` (the replaced ones).
+layer whose shape the format cannot hold (an empty one included), an int4 one on the meta device
+(no values to pack), a subclass of ``nn.Linear``, or a layer of a module that reads its
+children's ``weight`` itself (torch's attention and transformer layers, for their fused paths)
+stays as it was and is listed in ``module.quantized_skipped`` beside ``module.quantized_layers``
+(the replaced ones).
 They are for inference: like torch's int4 and FP8 ops, they have no backward.
 """
 
@@ -212,9 +213,10 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int | None = None) 
     layer of format ``fmt`` (``"int4"`` or ``"fp8"``) served by the tuner; returns the module.
 
     ``group_size``: int4 only (default ``DEFAULT_GROUP``), the number of K elements that share a
-    scale and zero (``tuner.quant.int4.GROUP_SIZES``). Layers whose shape the format cannot hold
-    are left as they are, with a warning in the log: ``module.quantized_skipped`` maps their
-    names to the reason, and ``module.quantized_layers`` lists the replaced ones.
+    scale and zero (``tuner.quant.int4.GROUP_SIZES``). Layers the format cannot hold (see the
+    module's docstring) are left as they are, with a warning in the log:
+    ``module.quantized_skipped`` maps their names to the reason, and ``module.quantized_layers``
+    lists the replaced ones.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
