@@ -2,6 +2,7 @@
 # One call on the lent GPU machine: install what its image lacks, then run the named stages.
 #   bash bench/gpu_check.sh tests dispatch        (carry .whl; results land under $OUT)
 # Stages: tests (pytest -m gpu; GPU_TESTS="tests/serving ..." narrows it, GPU_TESTS_TIMEOUT seconds),
+#   all-gpu-tests (every GPU test in two pytests at once -> $OUT/gpu_tests.txt, gpu_tests_{a,b}.log),
 #   host-tests (the rest of the suite, -m "not gpu", as `make test` runs it on a GPU machine: one pytest
 #   per test folder, in parallel -> $OUT/host_tests.txt, each folder's summary, their logs in $OUT/host_tests_logs.tar.gz; HOST_TESTS_TIMEOUT seconds;
 #   HOST_TESTS="tests/cli tests/suites" runs those folders or files only), dispatch (hit-path
@@ -80,6 +81,27 @@ for stage in "$@"; do
         echo "tests: stopped by GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-3000} s; the tests after the last dot did not run" | tee -a "$OUT/gpu_tests.log"
       fi
       [ "$rc" = 0 ] || status=1 ;;
+    all-gpu-tests)  # every GPU test inside one call: the nvcc-heavy files beside the rest, two pytests at
+      # once (one after the other takes longer than a call may), each with its own cache and log, the
+      # slowest tests named (--durations) to rebalance the halves; GPU_TESTS_HALF_A lists the first
+      a=${GPU_TESTS_HALF_A:-"tests/candidates/test_cutlass_w4a16.py tests/candidates/test_gemm_libraries.py tests/candidates/test_fp8_libs.py tests/candidates/test_cutlass_launcher.py tests/candidates/test_cuda_w4a16.py tests/candidates/test_cuda_fp8.py"}
+      ignore=$(for f in $a; do printf -- ' --ignore=%s' "$f"; done)
+      pids=()
+      for half in a b; do
+        if [ $half = a ]; then files=$a; else files="$ignore tests"; fi
+        ( TUNER_CACHE=/tmp/gpu_tests_$half.db timeout -k 10 "${GPU_TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu \
+            -p no:cacheprovider --timeout=400 --durations=25 --ignore=tests/server/test_schema.py $files \
+            > "$OUT/gpu_tests_$half.log" 2>&1
+          echo "exit $?" >> "$OUT/gpu_tests_$half.log" ) &
+        pids+=($!)
+      done
+      wait "${pids[@]}"
+      : > "$OUT/gpu_tests.txt"
+      for half in a b; do
+        { echo "== half $half: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/gpu_tests_$half.log" | tail -1) ($(tail -1 "$OUT/gpu_tests_$half.log"))"
+          grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_$half.log"; } | tee -a "$OUT/gpu_tests.txt"
+        grep -qx 'exit 0' "$OUT/gpu_tests_$half.log" || status=1
+      done ;;
     host-tests)  # CPU-path tests on a GPU host: a GPU-less host's tests are marked cpu_host
       logs=$(mktemp -d) pids=()
       for dir in ${HOST_TESTS:-tests/*/ tests/test_*.py}; do
