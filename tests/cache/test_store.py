@@ -107,8 +107,7 @@ def test_import_keeps_the_newer_winner_and_counts_what_changed(tmp_path):
         assert (again["winners"], again["older_winners"]) == (0, 0)
 
 
-def test_pulled_rows_past_one_lookup_batch_keep_the_newer_winner_per_key(tmp_path):
-    """A feed page larger than one lookup of the cache's winners: every key is still compared."""
+def test_a_large_pulled_page_keeps_the_newer_winner_per_key(tmp_path):
     keys = [KEY.replace("m=8", f"m={m}") for m in range(1, 1001)]
     with Store(tmp_path / "c.db") as store:
         store.put_winners([winner(key=k, source="torch", params={}, updated_at=2.0) for k in keys])
@@ -118,6 +117,19 @@ def test_pulled_rows_past_one_lookup_batch_keep_the_newer_winner_per_key(tmp_pat
         assert store.put_winner_rows(page) == 500  # the even keys' winners are newer
         sources = [store.winner("cpu-test", k).source for k in keys]
         assert sources == ["triton_gemm", "torch"] * 500
+
+
+def test_a_pulled_winner_replaces_one_of_other_versions_whatever_its_date(tmp_path):
+    """A feed serves winners for this host's versions: a local winner tuned under the versions
+    the host ran before is stale, even when tuned after the fleet's. An import keeps the newer."""
+    with Store(tmp_path / "c.db") as store:
+        store.put_winners([winner(source="torch", params={}, versions="torch=OLD", updated_at=2.0)])
+        fleet = winner(versions="torch=NEW", updated_at=1.0)
+        assert (
+            store.import_({"format": "tuner-results", "winners": [fleet.to_row()]})["winners"] == 0
+        )
+        assert store.put_winner_rows([fleet.to_row()]) == 1
+        assert store.winner("cpu-test", KEY).versions == "torch=NEW"
 
 
 def test_import_rejects_foreign_json_and_keeps_the_store(tmp_path):

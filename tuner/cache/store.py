@@ -30,7 +30,7 @@ from tuner.measure.records import Measurement, Winner
 
 _R = TypeVar("_R", Measurement, Winner)
 _W = TypeVar("_W", Winner, dict[str, Any])
-Stamp = tuple[str, str, float]  # a winner's device class, key and updated_at
+Stamp = tuple[str, str, float, str]  # a winner's device class, key, updated_at and versions
 
 EXPORT_FORMAT = "tuner-results"
 
@@ -79,31 +79,26 @@ def _check_imported(measurements: list[Measurement], winners: list[Winner]) -> N
 
 
 def _winner_stamp(w: Winner) -> Stamp:
-    return w.device_class, w.key, w.updated_at
+    return w.device_class, w.key, w.updated_at, w.versions
 
 
 def _row_stamp(row: dict[str, Any]) -> Stamp:
-    return row["device_class"], row["key"], row["updated_at"]
+    return row["device_class"], row["key"], row["updated_at"], row["versions"]
 
 
-LOOKUP_BATCH = 400  # (device class, key) pairs a query: 800 variables, far under SQLite's cap
-
-
-def _stored_updated_at(
-    c: sqlite3.Connection, keys: list[tuple[str, str]]
-) -> dict[tuple[str, str], float]:
-    """``updated_at`` of the cache's winner for each of ``keys`` that has one: only the batch's
-    keys are read, so a feed page costs the same however many winners the cache holds."""
-    stored: dict[tuple[str, str], float] = {}
-    for i in range(0, len(keys), LOOKUP_BATCH):
-        batch = keys[i : i + LOOKUP_BATCH]
-        rows = ", ".join(["(?, ?)"] * len(batch))
-        query = (
-            "select device_class, key, updated_at from winners "
-            f"where (device_class, key) in (values {rows})"
-        )
-        for dc, key, updated_at in c.execute(query, [v for pair in batch for v in pair]):
-            stored[(dc, key)] = updated_at
+def _stored_stamps(
+    c: sqlite3.Connection, keys: Iterable[tuple[str, str]]
+) -> dict[tuple[str, str], tuple[float, str]]:
+    """(``updated_at``, ``versions``) of the cache's winner for each of ``keys`` that has one,
+    one primary-key lookup each: a feed page costs the same however many winners the cache
+    holds."""
+    stored: dict[tuple[str, str], tuple[float, str]] = {}
+    for pair in keys:
+        row = c.execute(
+            "select updated_at, versions from winners where device_class = ? and key = ?", pair
+        ).fetchone()
+        if row is not None:
+            stored[pair] = (row[0], row[1])
     return stored
 
 
@@ -216,7 +211,7 @@ class Store(DeviceFile):
         ``import_``, a winner older than the cache's for its key is left out. Returns how many
         were stored."""
         with self.transaction() as c:
-            newer, _ = self._newer_winners(c, rows, _row_stamp)
+            newer, _ = self._newer_winners(c, rows, _row_stamp, for_these_versions=True)
             return self._upsert_winner_rows(c, newer)
 
     def record_misses(self, device_class: str, keys: Iterable[str], count: int = 1) -> None:
@@ -413,7 +408,7 @@ class Store(DeviceFile):
             )
             new_devices = c.total_changes - before
             added = self._insert_measurements(c, measurements)
-            newer, older = self._newer_winners(c, winners, _winner_stamp)
+            newer, older = self._newer_winners(c, winners, _winner_stamp, for_these_versions=False)
             self._upsert_winners(c, newer)
         return {
             "measurements": added, "winners": len(newer), "older_winners": older,
@@ -422,20 +417,36 @@ class Store(DeviceFile):
 
     @staticmethod
     def _newer_winners(
-        c: sqlite3.Connection, winners: list[_W], stamp: Callable[[_W], Stamp]
+        c: sqlite3.Connection,
+        winners: list[_W],
+        stamp: Callable[[_W], Stamp],
+        *,
+        for_these_versions: bool,
     ) -> tuple[list[_W], int]:
         """The incoming winners (``Winner`` objects or rows, ``stamp`` giving each one's
-        device class, key and ``updated_at``) to store, and how many were older than the
-        cache's and are left alone. An old export or a fleet feed must not undo a re-tune made
-        since, so per key the winner updated last is kept (the batch's own duplicates included);
-        one as old as the cache's is the same winner again and counts as neither."""
-        latest: dict[tuple[str, str], tuple[float, _W]] = {}
+        device class, key, ``updated_at`` and versions) to store, and how many were older than
+        the cache's and are left alone. An old export or a fleet feed must not undo a re-tune
+        made since, so per key the winner updated last is kept (the batch's own duplicates
+        included); one as old as the cache's is the same winner again and counts as neither.
+        ``for_these_versions``: the winners were served for this host's versions (a fleet
+        feed), so one the cache holds under other versions is stale and gives way whatever
+        its date."""
+        latest: dict[tuple[str, str], tuple[float, str, _W]] = {}
         for w in winners:
-            device_class, key, updated_at = stamp(w)
+            device_class, key, updated_at, versions = stamp(w)
             seen = latest.get((device_class, key))
             if seen is None or updated_at > seen[0]:
-                latest[(device_class, key)] = (updated_at, w)
-        stored = _stored_updated_at(c, list(latest))
-        newer = [w for k, (at, w) in latest.items() if k not in stored or at > stored[k]]
-        older = sum(1 for k, (at, _) in latest.items() if k in stored and at < stored[k])
+                latest[(device_class, key)] = (updated_at, versions, w)
+        stored = _stored_stamps(c, latest)
+
+        def replaces(k: tuple[str, str], at: float, versions: str) -> bool:
+            if k not in stored:
+                return True
+            stored_at, stored_versions = stored[k]
+            return at > stored_at or (for_these_versions and versions != stored_versions)
+
+        newer = [w for k, (at, v, w) in latest.items() if replaces(k, at, v)]
+        older = sum(
+            1 for k, (at, v, _) in latest.items() if not replaces(k, at, v) and at < stored[k][0]
+        )
         return newer, older
