@@ -266,6 +266,7 @@ def test_another_servers_page_is_one_line_in_the_error() -> None:
         ("0", "is below the minimum of 1 s"),
         ("-5", "is below the minimum of 1 s"),
         ("0.01", "is below the minimum of 1 s"),
+        ("1e10", "is above the maximum of 604800 s"),  # past threading.TIMEOUT_MAX
     ],
 )
 def test_a_sync_interval_that_is_not_usable_is_named_and_the_default_used(

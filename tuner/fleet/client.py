@@ -83,6 +83,9 @@ class Lease:
 TIMEOUT_S = 10.0  # seconds to wait for each answer, unless the caller says otherwise
 SYNC_INTERVAL_S = 60.0  # default seconds between background syncs
 MIN_SYNC_INTERVAL_S = 1.0  # of $TUNER_SYNC_INTERVAL: less would hammer the service (0: no wait)
+MAX_SYNC_INTERVAL_S = (
+    7 * 24 * 3600.0
+)  # a week; longer is a typo, and past threading.TIMEOUT_MAX kills the thread
 
 
 def _check_server(server: str) -> None:
@@ -924,6 +927,8 @@ def _sync_interval() -> float:
         why = "is not a finite number of seconds"
     elif interval < MIN_SYNC_INTERVAL_S:
         why = f"is below the minimum of {MIN_SYNC_INTERVAL_S:g} s"
+    elif interval > MAX_SYNC_INTERVAL_S:
+        why = f"is above the maximum of {MAX_SYNC_INTERVAL_S:g} s"
     else:
         return interval
     log.warning("TUNER_SYNC_INTERVAL=%r %s; using the default, %g s", text, why, SYNC_INTERVAL_S)
