@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 
 from server.store import FleetStore
-from tuner.cache import Store, StoreError
+from tests.cache.read_only import read_only
+from tuner.cache import ReadOnlyError, Store, StoreError
 from tuner.cache.schema import CACHE, SERVICE_TABLES
 
 DATA = Path(__file__).parents[1] / "data" / "compat"
@@ -123,3 +124,36 @@ def test_a_failing_migration_leaves_the_file_as_it_was(tmp_path):
         Store(path)
     assert schema_of(path) == before  # the srv_* tables and meta are still there: rolled back
     assert "srv_tokens" in before[0]
+
+
+# cache-v3.db: cache-v2.db opened once by the release before schema 4 (c395656), which migrated
+# it to schema 3; then checkpointed and set to journal_mode=delete, as above.
+
+
+def test_a_schema_3_cache_migrates_and_keeps_its_positions_without_marks(tmp_path):
+    path = copy("cache-v3.db", tmp_path)
+    with Store(path) as s:
+        assert s.winner(DC, K1).source == "triton"
+        assert (s.position("pull:x"), s.mark("pull:x")) == (7, None)
+        s.set_position("pull:x", 8, "a mark")
+        assert s.mark("pull:x") == "a mark"
+    assert schema_of(path)[2] == CACHE.version
+
+
+def test_a_read_only_schema_3_cache_is_read_as_it_is(tmp_path, caplog):
+    """An older release's cache baked read-only into an image: its winners still serve (no
+    migration can be written), and every write is refused naming the file."""
+    path = copy("cache-v3.db", tmp_path)
+    with read_only(path) as before, caplog.at_level("WARNING"), Store(path) as s:
+        assert s.winner(DC, K1).source == "triton" and s.mark("pull:x") is None
+        assert "read as it is (not migrated to 4)" in caplog.text
+        with pytest.raises(ReadOnlyError, match="is read-only"):
+            s.record_misses(DC, [K2])
+        assert path.read_bytes() == before
+
+
+def test_a_read_only_cache_older_than_schema_3_is_refused(tmp_path):
+    path = copy("cache-v2.db", tmp_path)
+    with read_only(path) as before, pytest.raises(ReadOnlyError, match="is read-only"):
+        Store(path)
+    assert path.read_bytes() == before

@@ -154,5 +154,6 @@ CACHE = register(
         application_id=0x544E5243,  # "TNRC"
         migrations=(_v1, _v2, _v3, _v4),
         legacy_version=_legacy_version,
+        readable_from=3,  # v4 adds only sync_state.mark, which no read of winners needs
     )
 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import ClassVar, Self
 
 import sqlite_utils
+
+log = logging.getLogger(__name__)
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 Migration = Callable[[sqlite_utils.Database], None]
@@ -54,12 +57,15 @@ class Schema:
 
     ``legacy_version`` reads the version of a file written before application ids were set
     (``application_id`` 0 with tables), or raises ``StoreError`` when such a file is not of
-    this kind."""
+    this kind. ``readable_from``: the oldest version whose files this code reads as they are
+    where it cannot migrate them (a read-only file, e.g. one baked into an image by an older
+    release); None: the current version only."""
 
     kind: str  # names the file in messages: "tuner cache", "tuner fleet database"
     application_id: int
     migrations: Sequence[Migration]
     legacy_version: Callable[[sqlite_utils.Database, Path], int]
+    readable_from: int | None = None
 
     @property
     def version(self) -> int:
@@ -230,21 +236,40 @@ class SqliteFile:
         return version
 
     def _open(self) -> None:
-        """Check the file, then bring its schema up to date in one transaction."""
+        """Check the file, then bring its schema up to date in one transaction (or, read-only
+        and at a version the schema reads as it is, leave it as it is)."""
         try:
-            if self.schema_version() == self.schema.version:
+            version = self.schema_version()
+            if version == self.schema.version:
                 return
-            self.db.conn.execute("PRAGMA journal_mode=WAL")
-            with self.transaction() as c:
-                version = self.schema_version()  # again, under the write lock
-                for step in self.schema.migrations[version:]:
-                    step(self.db)
-                c.execute(f"PRAGMA application_id={int(self.schema.application_id)}")
-                c.execute(f"PRAGMA user_version={int(self.schema.version)}")
+            try:
+                self._migrate()
+            except ReadOnlyError:
+                readable = self.schema.readable_from
+                if readable is None or version < readable:
+                    raise
+                log.warning(
+                    "%s is read-only at schema version %d: read as it is (not migrated to %d)",
+                    self.path, version, self.schema.version,
+                )  # fmt: skip
         except sqlite3.DatabaseError as e:
             if "unable to open" in str(e):
                 raise StoreError(f"{self.path} cannot be opened: {e}{self._why_not(e)}") from None
             raise StoreError(f"{self.path} is corrupt or not a {self.schema.kind}: {e}") from None
+
+    def _migrate(self) -> None:
+        try:
+            self.db.conn.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.DatabaseError as e:
+            if is_read_only(e):
+                raise self.read_only() from None
+            raise
+        with self.transaction() as c:
+            version = self.schema_version()  # again, under the write lock
+            for step in self.schema.migrations[version:]:
+                step(self.db)
+            c.execute(f"PRAGMA application_id={int(self.schema.application_id)}")
+            c.execute(f"PRAGMA user_version={int(self.schema.version)}")
 
     def _why_not(self, e: sqlite3.DatabaseError) -> str:
         """What a bare "unable to open database file" leaves out, when it is so."""

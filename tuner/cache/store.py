@@ -325,7 +325,12 @@ class Store(DeviceFile):
 
     def mark(self, name: str) -> str | None:
         """What the sync called ``name`` stopped at, as the service names it (None: not known)."""
-        row = self.db.conn.execute("select mark from sync_state where name = ?", (name,)).fetchone()
+        try:
+            row = self.db.conn.execute(
+                "select mark from sync_state where name = ?", (name,)
+            ).fetchone()
+        except sqlite3.OperationalError:  # a read-only file of schema 3, read as it is
+            return None
         return row[0] if row else None
 
     def set_position(self, name: str, value: int, mark: str | None = None) -> None:
