@@ -5,11 +5,13 @@ import os
 import sqlite3
 
 import pytest
+import sqlite_utils
 
 from tests.cache.damaged import damaged_cache
 from tests.cache.read_only import read_only
 from tuner.cache import ReadOnlyError, Store, StoreError
 from tuner.cache.schema import CACHE
+from tuner.cache.store import EXPORTED_TABLES, EXPORTED_VERSION
 from tuner.measure.records import Measurement, Winner, candidate_name, candidate_params
 
 KEY = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
@@ -89,6 +91,22 @@ def test_export_import_is_idempotent(tmp_path):
         assert b.import_(data)["measurements"] == 1
         assert b.import_(data)["measurements"] == 0  # same uids: nothing added twice
         assert b.winner("cpu-test", KEY).candidate == winner().candidate
+
+
+def test_an_export_names_the_last_schema_that_changed_what_it_holds(tmp_path):
+    """An export imports into a release whose schema differs only in tables it does not hold:
+    its version is the last one that changed those, and every migration since left them as
+    they were (a migration that changes one must bump ``EXPORTED_VERSION``)."""
+
+    def exported_tables(version: int) -> dict[str, str]:
+        db = sqlite_utils.Database(memory=True)
+        for step in CACHE.migrations[:version]:
+            step(db)
+        return {t: db[t].schema for t in EXPORTED_TABLES}
+
+    with Store(tmp_path / "c.db") as store:
+        assert store.export()["schema_version"] == EXPORTED_VERSION <= CACHE.version
+    assert exported_tables(EXPORTED_VERSION) == exported_tables(CACHE.version)
 
 
 def test_import_keeps_the_newer_winner_and_counts_what_changed(tmp_path):

@@ -33,6 +33,11 @@ _W = TypeVar("_W", Winner, dict[str, Any])
 Stamp = tuple[str, str, float, str]  # a winner's device class, key, updated_at and versions
 
 EXPORT_FORMAT = "tuner-results"
+# The schema version an export names: the last one that changed a table an export holds
+# (devices, measurements, winners), so that an export imports into every release that reads
+# those tables alike (schema 4 changed only the sync bookkeeping). Bump it with such a change.
+EXPORTED_VERSION = 3
+EXPORTED_TABLES = ("devices", "measurements", "winners")
 
 __all__ = ["EXPORT_FORMAT", "Store", "StoreError", "cache_file", "default_path"]
 
@@ -370,7 +375,7 @@ class Store(DeviceFile):
         """Everything (or one device class) as a JSON-ready dict; ``import_`` takes it back."""
         return {
             "format": EXPORT_FORMAT,
-            "schema_version": CACHE.version,
+            "schema_version": EXPORTED_VERSION,
             "devices": [d for d in self.devices() if device_class in (None, d["device_class"])],
             "measurements": [m.to_row() for m in self.measurements(device_class)],
             "winners": [w.to_row() for w in self.winners(device_class)],
