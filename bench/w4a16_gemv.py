@@ -310,6 +310,11 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
                 err = round(excess(got, ref, tol), 3)
                 r = row(m, impl, lambda i: call(i, out), moved, config=cfg, excess=err, **extra)
                 r["speedup_vs_bf16"] = round(base["us"] / r["us"], 3)
+                # checked again after the timed replays: a kernel that hands partials between
+                # CTAs through a workspace must leave it as it found it, call after call
+                got.fill_(float("nan"))
+                call(0, got)
+                r["excess_after"] = round(excess(got, ref, tol), 3)
             except Exception as e:  # one config's failure is a finding, not the end of the sweep
                 rows.append({"proj": name, "n": n, "k": k, "m": m, "impl": impl, "config": cfg,
                              "error": repr(e)[-500:]})  # fmt: skip
@@ -344,7 +349,14 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             "cuda_gemv_baseline",
             *(f"cuda_gemv_{v}" for v in variants),
         ):
-            ok = [r for r in rows if r["m"] == m and r["impl"] == impl and r.get("excess", 9) <= 1]
+            ok = [
+                r
+                for r in rows
+                if r["m"] == m
+                and r["impl"] == impl
+                and r.get("excess", 9) <= 1
+                and r.get("excess_after", 0) <= 1
+            ]
             if ok:
                 min(ok, key=lambda r: r["us"])["best"] = True
 

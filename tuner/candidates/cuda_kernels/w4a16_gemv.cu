@@ -62,6 +62,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <algorithm>
+
 #include "cluster_launch.cuh"
 
 #ifndef GEMV_SPLIT_ROWS
@@ -106,6 +108,11 @@
 #endif
 #ifndef GEMV_AB_NO_XSUM
 #define GEMV_AB_NO_XSUM 0
+#endif
+// bench A/B only: -DGEMV_SPREAD=1 spreads the row blocks' (block, chunk) units evenly over one CTA
+// an SM (`w4a16_spread_kernel`), each team an even run of them
+#ifndef GEMV_SPREAD
+#define GEMV_SPREAD 0
 #endif
 #if defined(GEMV_AB_LAUNCH_SMEM) && !GEMV_EMPTY
 #error "GEMV_AB_LAUNCH_SMEM only for an empty build"
@@ -164,6 +171,12 @@ struct Params {
   int rank_shift;   // log2 of the cluster's size (1, 2, 4 or 8 CTAs)
   int teams;        // row blocks a CTA (warps splitting K, no cluster; else 1)
   int team_warps;   // warps a team: warps / teams
+  // (GEMV_SPREAD) every team's run of units: row blocks x chunks over `all_teams`; the partials
+  // of the runs' split blocks at `spread_at` (shared memory) and in `ws` (global)
+  long long units;
+  int all_teams;
+  int spread_at;
+  uint32_t* ws;
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -748,6 +761,190 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   }
 }
 
+#if GEMV_SPREAD
+// Spread (bench A/B): one CTA an SM, its `teams` teams of warps each an even run of the row blocks'
+// (block, chunk) units, so a grid whose row blocks leave SMs idle takes them all. A run at most a
+// block long touches at most two blocks: the head of its last block (chunks from 0) and the tail
+// of its first. A team streams the head first and hands its partial over at once (or stores it,
+// the block whole), then the tail, which holds its block's last chunk: the team owning a block
+// is the one that ends it, and it adds the partials of the lower teams that began it, long
+// handed over by then. Waits only go to lower teams (dispatched earlier), so the grid cannot
+// deadlock. A partial's words are their own flags: the workspace holds EMPTY_WORD where no
+// partial waits, a writer never stores that pattern (a NaN no arithmetic makes), and the owner
+// puts it back as it reads: no fence, no counter, and the sums in a fixed order.
+constexpr uint32_t EMPTY_WORD = 0xffffffffu;
+constexpr long long SPREAD_WS_WORDS = 1 << 21;
+__device__ uint32_t g_spread_ws[SPREAD_WS_WORDS];
+
+// chunks [lo, hi) of row block `block`
+struct Segment {
+  int block, lo, hi;
+};
+
+__device__ __forceinline__ long long run_start(long long team, const Params& p) {
+  return team * p.units / p.all_teams;
+}
+
+__device__ __forceinline__ void hand_over(uint32_t* at, float v) {
+  uint32_t bits = __float_as_uint(v);
+  if (bits == EMPTY_WORD) bits = 0x7fffffffu;
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(at), "r"(bits) : "memory");
+}
+
+__device__ __forceinline__ float take_over(uint32_t* at) {
+  uint32_t bits;
+  do {
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(bits) : "l"(at) : "memory");
+  } while (bits == EMPTY_WORD);
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(at), "r"(EMPTY_WORD) : "memory");
+  return __uint_as_float(bits);
+}
+
+// A team's last segment, for the CTA's final sums: its block, whether the team owns it, and the
+// first lower team whose partial it adds (`from` = the team itself: none)
+struct Final {
+  int block, live, owned, from;
+};
+
+template <bool F16, int NG, int NT, bool FULL>
+__global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_spread_kernel(Params p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ Final finals[MAX_WARPS];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kwarps = p.team_warps, teams = p.teams;
+  const int team = warp / kwarps, kwarp = warp - team * kwarps;
+  const int chunks = p.k / CHUNK;
+  const long long me = static_cast<long long>(blockIdx.x) * teams + team;
+  const long long u0 = run_start(me, p), u1 = run_start(me + 1, p);
+  Segment first{0, 0, 0}, second{0, 0, 0};  // streamed in this order
+  if (u1 > u0) {
+    const int b0 = static_cast<int>(u0 / chunks), b1 = static_cast<int>((u1 - 1) / chunks);
+    const int c0 = static_cast<int>(u0 - static_cast<long long>(b0) * chunks);
+    const int c1 = static_cast<int>(u1 - static_cast<long long>(b1) * chunks);
+    if (b0 == b1) {
+      first = {b0, c0, c1};
+    } else {
+      first = {b1, 0, c1};
+      second = {b0, c0, chunks};
+    }
+  }
+  const bool two = second.hi > second.lo;
+  const Segment last = two ? second : first;
+  if (kwarp == 0 && lane == 0) {
+    long long from = me;
+    const long long begins = static_cast<long long>(last.block) * chunks;
+    if (last.hi == chunks && last.lo > 0)
+      while (from > 0 && run_start(from, p) > begins) --from;
+    finals[team] = {last.block, u1 > u0, last.hi == chunks, static_cast<int>(from)};
+  }
+  const auto count = [&](const Segment& s) {
+    return s.lo + kwarp < s.hi ? (s.hi - s.lo - kwarp + kwarps - 1) / kwarps : 0;
+  };
+  const auto copier_for = [&](const Segment& s) {
+    const int n0 = s.block * ROWS;
+    const int first_row = n0 / 64 * 64;
+    const int rows = min(64, p.n - first_row);
+    const uint8_t* block = p.w + static_cast<long long>(first_row) * (p.k / 2);
+    return Copier<NG, NT, FULL>(p, block, rows, n0 - first_row, n0, s.lo + kwarp, kwarps,
+                                count(s), 0, lane, 0, warp_bytes<NG>(), lane, 32);
+  };
+  const int na = count(first), mine = na + count(second);
+  const int g = lane >> 2, t = lane & 3, m = p.m;
+  const int outputs = ROWS * m;
+  uint32_t* ws = p.ws;
+  const auto store = [&](int q, float v, int base) {
+    const int col = q / ROWS, row = q % ROWS;
+    if (base + row < p.n) p.out[col * p.ldo + base + row] = Half2Ops<F16>::round(v);
+  };
+  float acc[SLICES][NT][4] = {};
+  const auto spill = [&](float* at) {
+#pragma unroll
+    for (int s = 0; s < SLICES; ++s)
+#pragma unroll
+      for (int n8 = 0; n8 < NT; ++n8)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
+          if (col < m) at[col * ROWS + row] = acc[s][n8][e];
+          acc[s][n8][e] = 0.f;
+        }
+  };
+  // the first of two segments done: its partial summed by the team's warp 0 (which has the most
+  // of its chunks, so it waits least) and handed over, or stored (the block whole)
+  const auto first_done = [&]() {
+    float* part = reinterpret_cast<float*>(smem + p.spread_at);
+    spill(part + warp * outputs);
+    if (kwarps > 1) {
+      if (kwarp == 0)
+        asm volatile("bar.sync %0, %1;\n" ::"r"(1 + team), "r"(kwarps * 32) : "memory");
+      else
+        asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + team), "r"(kwarps * 32) : "memory");
+    }
+    if (kwarp != 0) return;
+    for (int q = lane; q < outputs; q += 32) {
+      float v = 0.f;
+      for (int w = 0; w < kwarps; ++w) v += part[(team * kwarps + w) * outputs + q];
+      if (first.hi == chunks)
+        store(q, v, first.block * ROWS);
+      else
+        hand_over(ws + me * outputs + q, v);
+    }
+  };
+
+  const uint32_t ring = smem_addr(smem) + warp * STAGES * p.stage_bytes;
+  const uint32_t x_at = warp_bytes<NG>();
+  Copier<NG, NT, FULL> copier = copier_for(first);
+  int issued = 0;
+  const auto issue = [&](uint32_t stage) {
+    if (issued++ == na) copier = copier_for(second);
+    copier.issue(stage);
+  };
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < mine) issue(ring + i * p.stage_bytes);
+    commit();
+  }
+  int slot = 0, next = STAGES - 1;
+  for (int i = 0; i < mine; ++i) {
+    if (two && i == na) first_done();
+    const uint32_t stage = ring + slot * p.stage_bytes;
+    if (i + STAGES - 1 < mine) issue(ring + next * p.stage_bytes);
+    commit();
+    wait_copies<STAGES - 1>();
+    __syncwarp();
+    compute<F16, NG, NT>(p, stage, stage + x_at, lane, acc);
+    __syncwarp();
+    slot = slot + 1 == STAGES ? 0 : slot + 1;
+    next = next + 1 == STAGES ? 0 : next + 1;
+  }
+  if (two && na == mine) first_done();
+  asm volatile("cp.async.wait_all;\n" ::);
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+  // the last segment: each team's warps' partials summed in warp order; a block's owner adds
+  // the lower teams' partials first, in team order
+  __syncthreads();
+  float* part = reinterpret_cast<float*>(smem);
+  spill(part + warp * outputs);
+  __syncthreads();
+  for (int tq = threadIdx.x; tq < teams * outputs; tq += blockDim.x) {
+    const int tm = tq / outputs, q = tq - tm * outputs;
+    const Final f = finals[tm];
+    if (!f.live) continue;
+    float v = 0.f;
+    for (int w = 0; w < kwarps; ++w) v += part[(tm * kwarps + w) * outputs + q];
+    const long long owner = static_cast<long long>(blockIdx.x) * teams + tm;
+    if (!f.owned) {
+      hand_over(ws + owner * outputs + q, v);
+      continue;
+    }
+    float sum = 0.f;
+    for (long long r = f.from; r < owner; ++r) sum += take_over(ws + r * outputs + q);
+    store(q, sum + v, f.block * ROWS);
+  }
+}
+#endif
+
 namespace {
 
 // One stage of a ring: the warps' parts (one, or all `warps` when they split rows), x's slab.
@@ -768,6 +965,7 @@ int inbox_at(int m, int group, int warps) {
 // Then, in a cluster, the inbox: an mbarrier and a share of the outputs from each rank.
 int smem_bytes(int m, int group, int warps, int cluster) {
   const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * m;
+  if (GEMV_SPREAD) return inbox_at(m, group, warps) + warps * outputs * 4;
   const int inbox = cluster > 1 ? 8 + cluster * ((outputs + cluster - 1) / cluster) * 4 : 0;
   return inbox_at(m, group, warps) + inbox;
 }
@@ -782,6 +980,12 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
 #endif
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   const int blocks = (p.n + cta_rows - 1) / cta_rows;
+#if GEMV_SPREAD
+  static_assert(!SPLIT_ROWS, "spread: warps split K");
+  return gemv::launch_in_clusters<w4a16_spread_kernel<F16, NG, NT, FULL>, false>(
+      static_cast<unsigned>(p.all_teams / p.teams), static_cast<unsigned>(warps * 32), smem, 1,
+      stream, p);
+#endif
   const unsigned ctas = static_cast<unsigned>((blocks + p.teams - 1) / p.teams * cluster);
   return gemv::launch_in_clusters<w4a16_gemv_kernel<F16, NG, NT, FULL, TEAMED>, false>(
       ctas, static_cast<unsigned>(warps * 32), smem, cluster, stream, p);
@@ -868,6 +1072,33 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.rank_shift = __builtin_ctz(static_cast<unsigned>(cluster));
   p.teams = teams;
   p.team_warps = warps / teams;
+#if GEMV_SPREAD
+  {  // one CTA an SM, each team a run of at most a block's chunks
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+      return static_cast<int>(cudaErrorInvalidValue);
+    const int chunks = k / CHUNK, blocks = (n + ROWS - 1) / ROWS;
+    p.units = static_cast<long long>(blocks) * chunks;
+    const long long ctas = std::min<long long>(sms, (p.units + teams - 1) / teams);
+    p.all_teams = static_cast<int>(ctas * teams);
+    p.spread_at = inbox_at(m, group, warps);
+    const long long outputs = static_cast<long long>(ROWS) * m;
+    if (cluster != 1 || (p.units + p.all_teams - 1) / p.all_teams > chunks ||
+        p.all_teams * outputs > SPREAD_WS_WORDS || (teams > 8 && warps / teams > 1))
+      return static_cast<int>(cudaErrorInvalidValue);
+    static bool cleared = false;  // the bench's one device
+    void* ws = nullptr;
+    if (cudaGetSymbolAddress(&ws, g_spread_ws) != cudaSuccess)
+      return static_cast<int>(cudaErrorInvalidValue);
+    if (!cleared) {
+      if (cudaMemset(ws, 0xff, sizeof(g_spread_ws)) != cudaSuccess)
+        return static_cast<int>(cudaErrorInvalidValue);
+      cleared = true;
+    }
+    p.ws = static_cast<uint32_t*>(ws);
+  }
+#endif
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return static_cast<int>(f16 ? launch_tiles<true>(p, group, warps, cluster, s)
                               : launch_tiles<false>(p, group, warps, cluster, s));
