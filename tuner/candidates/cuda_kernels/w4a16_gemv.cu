@@ -171,12 +171,14 @@ struct Params {
   int rank_shift;   // log2 of the cluster's size (1, 2, 4 or 8 CTAs)
   int teams;        // row blocks a CTA (warps splitting K, no cluster; else 1)
   int team_warps;   // warps a team: warps / teams
-  // (GEMV_SPREAD) every team's run of units: row blocks x chunks over `all_teams`; the partials
-  // of the runs' split blocks at `spread_at` (shared memory) and in `ws` (global)
+#if GEMV_SPREAD
+  // every CTA's run of units: groups of `teams` row blocks x chunks over `all_teams` CTAs; the
+  // partials of the runs' split groups at `spread_at` (shared memory) and in `ws` (global)
   long long units;
   int all_teams;
   int spread_at;
   uint32_t* ws;
+#endif
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -762,27 +764,33 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
 }
 
 #if GEMV_SPREAD
-// Spread (bench A/B): one CTA an SM, its `teams` teams of warps each an even run of the row blocks'
-// (block, chunk) units, so a grid whose row blocks leave SMs idle takes them all. A run at most a
-// block long touches at most two blocks: the head of its last block (chunks from 0) and the tail
-// of its first. A team streams the head first and hands its partial over at once (or stores it,
-// the block whole), then the tail, which holds its block's last chunk: the team owning a block
-// is the one that ends it, and it adds the partials of the lower teams that began it, long
-// handed over by then. Waits only go to lower teams (dispatched earlier), so the grid cannot
-// deadlock. A partial's words are their own flags: the workspace holds EMPTY_WORD where no
-// partial waits, a writer never stores that pattern (a NaN no arithmetic makes), and the owner
-// puts it back as it reads: no fence, no counter, and the sums in a fixed order.
+// Spread (bench A/B): one CTA an SM, each an even run of the (group, chunk) units, a group being
+// `teams` row blocks side by side (a team each, all at the same chunks, so they share x's slab
+// in the L1), so a grid whose row blocks leave SMs idle takes them all. A run at most a group's
+// chunks long touches at most two groups: the head of its last one (chunks from 0) and the tail
+// of its first. The warps of a team take the run's units in turn (the head's first, then the
+// tail's), so no warp takes more than its share rounded up. Past the head, the team's lightest
+// warp sums the warps' partials and hands them over with plain stores while the others stream
+// on (or stores them, the group whole); then the tail, which ends its group: the CTA owning a
+// group is the one that ends it, and it adds the partials of the lower CTAs that began it,
+// copied into its shared memory as its warps finish (handed over long before, mostly). Waits
+// only go to lower CTAs (dispatched earlier), so the grid cannot deadlock. A partial's words
+// are their own flags: the workspace holds EMPTY_WORD where no partial waits, a writer never
+// stores that pattern (a NaN no arithmetic makes), and the owner puts it back as it reads: no
+// fence, no counter, and the sums in a fixed order.
 constexpr uint32_t EMPTY_WORD = 0xffffffffu;
 constexpr long long SPREAD_WS_WORDS = 1 << 21;
+constexpr int SPREAD_PREFETCHED = 2;  // lower CTAs whose partials an owner copies ahead
 __device__ uint32_t g_spread_ws[SPREAD_WS_WORDS];
 
-// chunks [lo, hi) of row block `block`
+// units [begin, end) of the run, in group `group`
 struct Segment {
-  int block, lo, hi;
+  int begin, end, group;
 };
 
-__device__ __forceinline__ long long run_start(long long team, const Params& p) {
-  return team * p.units / p.all_teams;
+// (the entry point keeps the units under 2^31)
+__device__ __forceinline__ int run_start(int cta, const Params& p) {
+  return static_cast<int>(static_cast<long long>(cta) * p.units / p.all_teams);
 }
 
 __device__ __forceinline__ void hand_over(uint32_t* at, float v) {
@@ -791,70 +799,51 @@ __device__ __forceinline__ void hand_over(uint32_t* at, float v) {
   asm volatile("st.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(at), "r"(bits) : "memory");
 }
 
-__device__ __forceinline__ float take_over(uint32_t* at) {
-  uint32_t bits;
-  do {
+// The word at `at` once handed over (`seen`: a copy read before), put back to EMPTY_WORD.
+__device__ __forceinline__ float take_over(uint32_t* at, uint32_t seen) {
+  uint32_t bits = seen;
+  while (bits == EMPTY_WORD)
     asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(bits) : "l"(at) : "memory");
-  } while (bits == EMPTY_WORD);
   asm volatile("st.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(at), "r"(EMPTY_WORD) : "memory");
   return __uint_as_float(bits);
 }
 
-// A team's last segment, for the CTA's final sums: its block, whether the team owns it, and the
-// first lower team whose partial it adds (`from` = the team itself: none)
-struct Final {
-  int block, live, owned, from;
-};
-
 template <bool F16, int NG, int NT, bool FULL>
 __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_spread_kernel(Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ Final finals[MAX_WARPS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kwarps = p.team_warps, teams = p.teams;
   const int team = warp / kwarps, kwarp = warp - team * kwarps;
-  const int chunks = p.k / CHUNK;
-  const long long me = static_cast<long long>(blockIdx.x) * teams + team;
-  const long long u0 = run_start(me, p), u1 = run_start(me + 1, p);
-  Segment first{0, 0, 0}, second{0, 0, 0};  // streamed in this order
-  if (u1 > u0) {
-    const int b0 = static_cast<int>(u0 / chunks), b1 = static_cast<int>((u1 - 1) / chunks);
-    const int c0 = static_cast<int>(u0 - static_cast<long long>(b0) * chunks);
-    const int c1 = static_cast<int>(u1 - static_cast<long long>(b1) * chunks);
-    if (b0 == b1) {
-      first = {b0, c0, c1};
-    } else {
-      first = {b1, 0, c1};
-      second = {b0, c0, chunks};
-    }
-  }
-  const bool two = second.hi > second.lo;
-  const Segment last = two ? second : first;
-  if (kwarp == 0 && lane == 0) {
-    long long from = me;
-    const long long begins = static_cast<long long>(last.block) * chunks;
-    if (last.hi == chunks && last.lo > 0)
-      while (from > 0 && run_start(from, p) > begins) --from;
-    finals[team] = {last.block, u1 > u0, last.hi == chunks, static_cast<int>(from)};
-  }
+  const int chunks = p.k / CHUNK, blocks = (p.n + ROWS - 1) / ROWS;
+  const int me = blockIdx.x, u0 = run_start(me, p), u1 = run_start(me + 1, p);
+  const int g0 = u0 / chunks, g1 = u1 > u0 ? (u1 - 1) / chunks : g0;
+  const Segment first{g0 == g1 ? u0 : g1 * chunks, u1, g1};  // streamed in this order
+  const Segment second{u0, g0 == g1 ? u0 : g1 * chunks, g0};
+  const bool two = g0 != g1;
+  // the warp's units in a segment: the run's u0 + kwarp + j kwarps that lie in it
+  const auto first_unit = [&](const Segment& s) {
+    return s.begin + ((u0 + kwarp - s.begin) % kwarps + kwarps) % kwarps;
+  };
   const auto count = [&](const Segment& s) {
-    return s.lo + kwarp < s.hi ? (s.hi - s.lo - kwarp + kwarps - 1) / kwarps : 0;
+    const int u = first_unit(s), block = s.group * teams + team;
+    return u < s.end && block < blocks ? (s.end - u + kwarps - 1) / kwarps : 0;
   };
   const auto copier_for = [&](const Segment& s) {
-    const int n0 = s.block * ROWS;
+    const int n0 = min(s.group * teams + team, blocks - 1) * ROWS;
     const int first_row = n0 / 64 * 64;
     const int rows = min(64, p.n - first_row);
     const uint8_t* block = p.w + static_cast<long long>(first_row) * (p.k / 2);
-    return Copier<NG, NT, FULL>(p, block, rows, n0 - first_row, n0, s.lo + kwarp, kwarps,
-                                count(s), 0, lane, 0, warp_bytes<NG>(), lane, 32);
+    const int chunk = first_unit(s) - s.group * chunks;
+    return Copier<NG, NT, FULL>(p, block, rows, n0 - first_row, n0, chunk, kwarps, count(s), 0,
+                                lane, 0, warp_bytes<NG>(), lane, 32);
   };
   const int na = count(first), mine = na + count(second);
   const int g = lane >> 2, t = lane & 3, m = p.m;
   const int outputs = ROWS * m;
   uint32_t* ws = p.ws;
-  const auto store = [&](int q, float v, int base) {
-    const int col = q / ROWS, row = q % ROWS;
-    if (base + row < p.n) p.out[col * p.ldo + base + row] = Half2Ops<F16>::round(v);
+  const auto store = [&](int q, float v, int block) {
+    const int col = q / ROWS, row = q % ROWS, n = block * ROWS + row;
+    if (block < blocks && n < p.n) p.out[col * p.ldo + n] = Half2Ops<F16>::round(v);
   };
   float acc[SLICES][NT][4] = {};
   const auto spill = [&](float* at) {
@@ -869,26 +858,52 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_spread_kernel(Par
           acc[s][n8][e] = 0.f;
         }
   };
-  // the first of two segments done: its partial summed by the team's warp 0 (which has the most
-  // of its chunks, so it waits least) and handed over, or stored (the block whole)
-  const auto first_done = [&]() {
-    float* part = reinterpret_cast<float*>(smem + p.spread_at);
-    spill(part + warp * outputs);
+  float* head = reinterpret_cast<float*>(smem + p.spread_at);  // [warps][outputs]
+  // [SPREAD_PREFETCHED][teams][outputs] words of the lower CTAs' partials
+  uint32_t* ahead = reinterpret_cast<uint32_t*>(head + (blockDim.x >> 5) * outputs);
+  const bool lightest = kwarp == kwarps - 1;  // the team's warp with the fewest units
+  // the head done: the lightest warp sums the team's partials of it and hands them over, or
+  // stores them (the group whole)
+  const auto head_done = [&]() {
+    spill(head + warp * outputs);
     if (kwarps > 1) {
-      if (kwarp == 0)
+      if (lightest)
         asm volatile("bar.sync %0, %1;\n" ::"r"(1 + team), "r"(kwarps * 32) : "memory");
       else
         asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + team), "r"(kwarps * 32) : "memory");
     }
-    if (kwarp != 0) return;
+    if (!lightest) return;
+    const int block = first.group * teams + team;
     for (int q = lane; q < outputs; q += 32) {
       float v = 0.f;
-      for (int w = 0; w < kwarps; ++w) v += part[(team * kwarps + w) * outputs + q];
-      if (first.hi == chunks)
-        store(q, v, first.block * ROWS);
+      for (int w = 0; w < kwarps; ++w) v += head[(team * kwarps + w) * outputs + q];
+      if (first.end == (first.group + 1) * chunks)
+        store(q, v, block);
       else
-        hand_over(ws + me * outputs + q, v);
+        hand_over(ws + (me * teams + team) * outputs + q, v);
     }
+  };
+  // the warp's loop done: the lightest warp of each team copies the lower CTAs' partials of
+  // its block (16 bytes at a time, past the L1), for the sums at the end
+  // (the last segment) whether this CTA ends its group, and the lower CTAs whose partials of it
+  // it then adds: from .. me - 1
+  const auto owner_from = [&]() {
+    const Segment last = two ? second : first;
+    int from = me;
+    if (last.end == (last.group + 1) * chunks)
+      while (from > 0 && run_start(from, p) > last.group * chunks) --from;
+    return last.end == (last.group + 1) * chunks ? from : -1;
+  };
+  const auto prefetch = [&]() {
+    const int from = owner_from();
+    if (!lightest || from < 0) return;
+    for (int r = from; r < me && r < from + SPREAD_PREFETCHED; ++r)
+      for (int q = 4 * lane; q < outputs; q += 128) {
+        const uint32_t* src = ws + (r * teams + team) * outputs + q;
+        const uint32_t dst = smem_addr(ahead + ((r - from) * teams + team) * outputs + q);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+      }
+    commit();
   };
 
   const uint32_t ring = smem_addr(smem) + warp * STAGES * p.stage_bytes;
@@ -906,7 +921,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_spread_kernel(Par
   }
   int slot = 0, next = STAGES - 1;
   for (int i = 0; i < mine; ++i) {
-    if (two && i == na) first_done();
+    if (two && i == na) head_done();
     const uint32_t stage = ring + slot * p.stage_bytes;
     if (i + STAGES - 1 < mine) issue(ring + next * p.stage_bytes);
     commit();
@@ -917,30 +932,36 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_spread_kernel(Par
     slot = slot + 1 == STAGES ? 0 : slot + 1;
     next = next + 1 == STAGES ? 0 : next + 1;
   }
-  if (two && na == mine) first_done();
+  if (two && na == mine) head_done();
+  prefetch();
   asm volatile("cp.async.wait_all;\n" ::);
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-  // the last segment: each team's warps' partials summed in warp order; a block's owner adds
-  // the lower teams' partials first, in team order
+  // the last segment: each team's warps' partials summed in warp order; an owner adds the lower
+  // CTAs' partials first, in CTA order
   __syncthreads();
   float* part = reinterpret_cast<float*>(smem);
   spill(part + warp * outputs);
   __syncthreads();
+  if (u1 <= u0) return;
+  const int from = owner_from(), group = two ? second.group : first.group;
   for (int tq = threadIdx.x; tq < teams * outputs; tq += blockDim.x) {
     const int tm = tq / outputs, q = tq - tm * outputs;
-    const Final f = finals[tm];
-    if (!f.live) continue;
+    const int block = group * teams + tm;
+    if (block >= blocks) continue;
     float v = 0.f;
     for (int w = 0; w < kwarps; ++w) v += part[(tm * kwarps + w) * outputs + q];
-    const long long owner = static_cast<long long>(blockIdx.x) * teams + tm;
-    if (!f.owned) {
-      hand_over(ws + owner * outputs + q, v);
+    if (from < 0) {
+      hand_over(ws + (me * teams + tm) * outputs + q, v);
       continue;
     }
     float sum = 0.f;
-    for (long long r = f.from; r < owner; ++r) sum += take_over(ws + r * outputs + q);
-    store(q, sum + v, f.block * ROWS);
+    for (int r = from; r < me; ++r) {
+      const uint32_t seen =
+          r < from + SPREAD_PREFETCHED ? ahead[((r - from) * teams + tm) * outputs + q] : EMPTY_WORD;
+      sum += take_over(ws + (r * teams + tm) * outputs + q, seen);
+    }
+    store(q, sum + v, block);
   }
 }
 #endif
@@ -965,7 +986,7 @@ int inbox_at(int m, int group, int warps) {
 // Then, in a cluster, the inbox: an mbarrier and a share of the outputs from each rank.
 int smem_bytes(int m, int group, int warps, int cluster) {
   const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * m;
-  if (GEMV_SPREAD) return inbox_at(m, group, warps) + warps * outputs * 4;
+  if (GEMV_SPREAD) return inbox_at(m, group, warps) + warps * outputs * 4;  // + `ahead`
   const int inbox = cluster > 1 ? 8 + cluster * ((outputs + cluster - 1) / cluster) * 4 : 0;
   return inbox_at(m, group, warps) + inbox;
 }
@@ -983,7 +1004,8 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
 #if GEMV_SPREAD
   static_assert(!SPLIT_ROWS, "spread: warps split K");
   return gemv::launch_in_clusters<w4a16_spread_kernel<F16, NG, NT, FULL>, false>(
-      static_cast<unsigned>(p.all_teams / p.teams), static_cast<unsigned>(warps * 32), smem, 1,
+      static_cast<unsigned>(p.all_teams), static_cast<unsigned>(warps * 32),
+      smem + SPREAD_PREFETCHED * p.teams * ROWS * p.m * 4, 1,
       stream, p);
 #endif
   const unsigned ctas = static_cast<unsigned>((blocks + p.teams - 1) / p.teams * cluster);
@@ -1073,19 +1095,20 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.teams = teams;
   p.team_warps = warps / teams;
 #if GEMV_SPREAD
-  {  // one CTA an SM, each team a run of at most a block's chunks
+  {  // one CTA an SM, each a run of at most a group's chunks
     int device = 0, sms = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
       return static_cast<int>(cudaErrorInvalidValue);
     const int chunks = k / CHUNK, blocks = (n + ROWS - 1) / ROWS;
-    p.units = static_cast<long long>(blocks) * chunks;
-    const long long ctas = std::min<long long>(sms, (p.units + teams - 1) / teams);
-    p.all_teams = static_cast<int>(ctas * teams);
+    p.units = static_cast<long long>((blocks + teams - 1) / teams) * chunks;
+    p.all_teams = static_cast<int>(std::min<long long>(sms, p.units));  // CTAs
     p.spread_at = inbox_at(m, group, warps);
     const long long outputs = static_cast<long long>(ROWS) * m;
     if (cluster != 1 || (p.units + p.all_teams - 1) / p.all_teams > chunks ||
-        p.all_teams * outputs > SPREAD_WS_WORDS || (teams > 8 && warps / teams > 1))
+        static_cast<long long>(p.all_teams) * teams * outputs > SPREAD_WS_WORDS ||
+        p.units >= (1ll << 31) / sms ||
+        (teams > 8 && warps / teams > 1))
       return static_cast<int>(cudaErrorInvalidValue);
     static bool cleared = false;  // the bench's one device
     void* ws = nullptr;
