@@ -109,7 +109,7 @@
 #ifndef GEMV_AB_NO_XSUM
 #define GEMV_AB_NO_XSUM 0
 #endif
-// bench A/B only: -DGEMV_SPREAD=1 spreads the row blocks' (block, chunk) units evenly over one CTA
+// bench A/B only: -DGEMV_SPREAD=1 (-DGEMV_SPREAD_WHOLE=1: a CTA a group, none split) spreads the row blocks' (block, chunk) units evenly over one CTA
 // an SM (`w4a16_spread_kernel`), each team an even run of them
 #ifndef GEMV_SPREAD
 #define GEMV_SPREAD 0
@@ -1103,6 +1103,9 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
     const int chunks = k / CHUNK, blocks = (n + ROWS - 1) / ROWS;
     p.units = static_cast<long long>((blocks + teams - 1) / teams) * chunks;
     p.all_teams = static_cast<int>(std::min<long long>(sms, p.units));  // CTAs
+#ifdef GEMV_SPREAD_WHOLE  // (diagnosis) a CTA a group where they are no more than the SMs
+    if (p.units / chunks <= sms) p.all_teams = static_cast<int>(p.units / chunks);
+#endif
     p.spread_at = inbox_at(m, group, warps);
     const long long outputs = static_cast<long long>(ROWS) * m;
     if (cluster != 1 || (p.units + p.all_teams - 1) / p.all_teams > chunks ||
