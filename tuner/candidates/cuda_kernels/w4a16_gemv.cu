@@ -440,6 +440,7 @@ struct Copier {
       x += start * step * CHUNK;
       chunk += start * step;
     }
+    if (GEMV_SPREAD) left = 0;  // no jump unless `jump_after` asks for one
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
@@ -482,13 +483,27 @@ struct Copier {
     x += chunk_step * CHUNK;
     words += words_step;
     chunk += chunk_step;
-    if (GEMV_STAGGER && --left == 0) {  // past the last round: on to round 0
+    // past the last round: on to round 0 (GEMV_STAGGER), or (GEMV_SPREAD, `jump_after`) to the
+    // run's other block
+    if ((GEMV_STAGGER || GEMV_SPREAD) && --left == 0) {
       w -= w_rewind;
       x -= x_rewind;
       words -= words_rewind;
       chunk -= chunk_rewind;
     }
   }
+
+#if GEMV_SPREAD
+  // After `copies` more copies, go on where `other` starts (a copier of the same lane, of whole
+  // 64-row blocks), in one step of the wrap's moves.
+  __device__ __forceinline__ void jump_after(int copies, const Copier& other) {
+    left = copies;
+    w_rewind = w + static_cast<long long>(copies) * w_step - other.w;
+    x_rewind = static_cast<int>(x + copies * chunk_step * CHUNK - other.x);
+    words_rewind = words + copies * words_step - other.words;
+    chunk_rewind = chunk + copies * chunk_step - other.chunk;
+  }
+#endif
 };
 
 // Adds the chunk of a stage (the warp's part at `part`, x's slab at `x_at`) to the lane's
@@ -908,31 +923,37 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_spread_kernel(Par
 
   const uint32_t ring = smem_addr(smem) + warp * STAGES * p.stage_bytes;
   const uint32_t x_at = warp_bytes<NG>();
-  Copier<NG, NT, FULL> copier = copier_for(first);
-  int issued = 0;
-  const auto issue = [&](uint32_t stage) {
-    if (issued++ == na) copier = copier_for(second);
-    copier.issue(stage);
-  };
+  // one copier for both segments: past the head's copies it moves to the tail's first chunk
+  Copier<NG, NT, FULL> copier = copier_for(na > 0 ? first : second);
+  if (two && na > 0) copier.jump_after(na, copier_for(second));
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < mine) issue(ring + i * p.stage_bytes);
+    if (i < mine) copier.issue(ring + i * p.stage_bytes);
     commit();
   }
   int slot = 0, next = STAGES - 1;
-  for (int i = 0; i < mine; ++i) {
-    if (two && i == na) head_done();
+  // the head's chunks, its hand-over, the tail's: the hand-over stays out of the K loop's code
+  // (inside, its registers made the compiler rebuild lane offsets every chunk)
+  const auto step = [&](int i) {
     const uint32_t stage = ring + slot * p.stage_bytes;
-    if (i + STAGES - 1 < mine) issue(ring + next * p.stage_bytes);
+    if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
     commit();
     wait_copies<STAGES - 1>();
     __syncwarp();
     compute<F16, NG, NT>(p, stage, stage + x_at, lane, acc);
     __syncwarp();
-    slot = slot + 1 == STAGES ? 0 : slot + 1;
-    next = next + 1 == STAGES ? 0 : next + 1;
-  }
-  if (two && na == mine) head_done();
+    if constexpr (STAGES == 2) {
+      slot ^= 1;
+      next ^= 1;
+    } else {
+      slot = slot + 1 == STAGES ? 0 : slot + 1;
+      next = next + 1 == STAGES ? 0 : next + 1;
+    }
+  };
+  int i = 0;
+  for (; i < na; ++i) step(i);
+  if (two) head_done();
+  for (; i < mine; ++i) step(i);
   prefetch();
   asm volatile("cp.async.wait_all;\n" ::);
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -1108,7 +1129,9 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
 #endif
     p.spread_at = inbox_at(m, group, warps);
     const long long outputs = static_cast<long long>(ROWS) * m;
-    if (cluster != 1 || (p.units + p.all_teams - 1) / p.all_teams > chunks ||
+    // whole 64-row blocks, (scale, zero) words in 16-byte pieces: a copier's jump moves them all
+    if (cluster != 1 || n % 64 || reinterpret_cast<uintptr_t>(sz) % 16 || group > CHUNK ||
+        (p.units + p.all_teams - 1) / p.all_teams > chunks ||
         static_cast<long long>(p.all_teams) * teams * outputs > SPREAD_WS_WORDS ||
         p.units >= (1ll << 31) / sms ||
         (teams > 8 && warps / teams > 1))
