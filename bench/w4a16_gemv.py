@@ -187,6 +187,13 @@ def read_trace(path: Path, ctas: int) -> list[list[int]]:
     return [list(buf[i * f : (i + 1) * f]) for i in range(min(ctas, cap.value))]
 
 
+def last_launch(trace: list[list[int]]) -> list[list[int]]:
+    """The rows of a trace that the last launch wrote (a variant's grid need not be the one
+    ``grid_configs`` would launch; rows of an earlier, larger grid began long before)."""
+    latest = max(t[G_START] for t in trace)
+    return [t for t in trace if t[G_START] > latest - 100_000 and t[G_END] >= t[G_START]]
+
+
 def spread(values: list[float]) -> dict[str, float]:
     v = sorted(values)
     return {q: round(v[min(len(v) - 1, int(p * len(v)))], 1)
@@ -330,6 +337,10 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
             for variant in variants:
                 fn = cuda_w4a16.load(variant_path(cfg, variant))
                 checked(f"cuda_gemv_{variant}", cfg, gemv(fn, cfg), repeat=rep)
+                if "-DGEMV_TRACE=1" in VARIANTS[variant] and "error" not in rows[-1]:
+                    stamps = last_launch(read_trace(variant_path(cfg, variant), 1 << 20))
+                    rows[-1]["trace"] = trace_summary(stamps, cfg["warps"])
+                    print(f"  trace {variant} {cfg}: {rows[-1]['trace']}", flush=True)
             checked("cuda_gemv", cfg, gemv(cuda_w4a16.launcher(cfg), cfg), repeat=rep)
         for cfg in grid_configs(m, n, k, TRACED) if trace else []:
             path = variant_path(cfg, "trace")

@@ -441,9 +441,15 @@ def test_whole_blocks_match_the_build_for_partial_ones(group: int, built: None) 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [130, 136])
-def test_padded_output_rows_get_only_their_n_outputs(n: int, built: None) -> None:
-    """Output rows of 140 elements (``ldo``), of which N are the product's: every config
-    stores its N outputs a row and nothing at or past N."""
+@pytest.mark.parametrize(
+    ("width", "first"), [(140, 0), (139, 0), (140, 1)], ids=["by-8", "odd-stride", "odd-start"]
+)
+def test_padded_output_rows_get_only_their_n_outputs(
+    n: int, width: int, first: int, built: None
+) -> None:
+    """Output rows of ``width`` elements (``ldo``) from element ``first``, of which N are the
+    product's: every config stores its N outputs a row and nothing else (a row stride or a
+    start that is no multiple of four outputs takes the stores one output at a time)."""
     m, k, group = 3, 384, 32
     x, packed, sz, ref, tol = _problem(m, n, k, group, torch.bfloat16)
     for config in CONFIGS:
@@ -451,11 +457,13 @@ def test_padded_output_rows_get_only_their_n_outputs(n: int, built: None) -> Non
             cw.check_config(config, m, n, k, group)
         except ValueError:
             continue
-        padded = torch.full((m, 140), float("nan"), device="cuda", dtype=x.dtype)
-        cw.run(cw.launcher(config), config, x, packed, sz, group, padded[:, :n], stream())
+        padded = torch.full((m, width), float("nan"), device="cuda", dtype=x.dtype)
+        out = padded[:, first : first + n]
+        cw.run(cw.launcher(config), config, x, packed, sz, group, out, stream())
         torch.cuda.synchronize()
-        assert excess(padded[:, :n], ref, tol) <= 1, config
-        assert padded[:, n:].isnan().all(), config
+        assert excess(out, ref, tol) <= 1, config
+        assert padded[:, :first].isnan().all(), config
+        assert padded[:, first + n :].isnan().all(), config
 
 
 # a team of three 64-row warps (four a CTA: the shortlist's), of two staggered ones, of two

@@ -732,20 +732,44 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
     const int col = q / cta_rows, row = q % cta_rows;
     if (base + row < p.n) p.out[col * p.ldo + base + row] = Half2Ops<F16>::round(v);
   };
+  // outputs q .. q + 3 (one column's rows: a row block's rows are a multiple of 16), as one
+  // 8-byte store where `out` and its row stride allow
+  const bool out_by_8 = reinterpret_cast<uintptr_t>(p.out) % 8 == 0 && p.ldo % 4 == 0;
+  const auto store4 = [&](int q, float4 v, int base) {
+    const int col = q / cta_rows, n = base + q % cta_rows;
+    uint16_t* at = p.out + col * p.ldo + n;
+    const uint16_t h[4] = {Half2Ops<F16>::round(v.x), Half2Ops<F16>::round(v.y),
+                           Half2Ops<F16>::round(v.z), Half2Ops<F16>::round(v.w)};
+    if (out_by_8 && n + 3 < p.n) {
+      *reinterpret_cast<uint2*>(at) = make_uint2(h[0] | static_cast<uint32_t>(h[1]) << 16,
+                                                 h[2] | static_cast<uint32_t>(h[3]) << 16);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (n + i < p.n) at[i] = h[i];
+    }
+  };
   // splitting K without a cluster, an output is stored as soon as its warps' partials are summed
-  // (each team's, in warp order)
+  // (each team's, in warp order, by the team's own warps, four outputs a thread at a time)
   const bool stored_here = !SPLIT_ROWS && ranks == 1;
   if constexpr (!SPLIT_ROWS) {
     __syncthreads();
     if (threadIdx.x == 0) stamp(6, CLOCK);
-    for (int tq = threadIdx.x; tq < teams * outputs; tq += blockDim.x) {
-      const int t = TEAMED ? tq / outputs : 0, q = tq - t * outputs;
-      float v = 0.f;
-      for (int w = 0; w < kwarps; ++w) v += part[(t * kwarps + w) * outputs + q];
+    const float4* part4 = reinterpret_cast<const float4*>(part);
+    const int quads = outputs / 4;
+    for (int qq = kwarp * 32 + lane; qq < quads; qq += kwarps * 32) {
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int w = 0; w < kwarps; ++w) {
+        const float4 u = part4[(team * kwarps + w) * quads + qq];
+        v.x += u.x;
+        v.y += u.y;
+        v.z += u.z;
+        v.w += u.w;
+      }
       if (stored_here)
-        store(q, v, (first_block + t) * cta_rows);
+        store4(4 * qq, v, (first_block + team) * cta_rows);
       else
-        sums[q] = v;
+        reinterpret_cast<float4*>(sums)[qq] = v;
     }
   }
   if (!stored_here) {
@@ -826,6 +850,11 @@ __device__ __forceinline__ float take_over(uint32_t* at, uint32_t seen) {
 template <bool F16, int NG, int NT, bool FULL>
 __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_spread_kernel(Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
+  if (threadIdx.x == 0) {
+    stamp(3, CLOCK);
+    stamp(1, GLOBAL_NS);
+    stamp(0, SM_ID);
+  }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kwarps = p.team_warps, teams = p.teams;
   const int team = warp / kwarps, kwarp = warp - team * kwarps;
@@ -926,6 +955,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_spread_kernel(Par
   // one copier for both segments: past the head's copies it moves to the tail's first chunk
   Copier<NG, NT, FULL> copier = copier_for(na > 0 ? first : second);
   if (two && na > 0) copier.jump_after(na, copier_for(second));
+  if (threadIdx.x == 0) stamp(4, CLOCK);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     if (i < mine) copier.issue(ring + i * p.stage_bytes);
@@ -940,6 +970,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_spread_kernel(Par
     commit();
     wait_copies<STAGES - 1>();
     __syncwarp();
+    if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
     compute<F16, NG, NT>(p, stage, stage + x_at, lane, acc);
     __syncwarp();
     if constexpr (STAGES == 2) {
@@ -954,6 +985,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_spread_kernel(Par
   for (; i < na; ++i) step(i);
   if (two) head_done();
   for (; i < mine; ++i) step(i);
+  if (lane == 0) stamp(8 + warp, CLOCK);
   prefetch();
   asm volatile("cp.async.wait_all;\n" ::);
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -964,6 +996,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_spread_kernel(Par
   float* part = reinterpret_cast<float*>(smem);
   spill(part + warp * outputs);
   __syncthreads();
+  if (threadIdx.x == 0) stamp(6, CLOCK);
   if (u1 <= u0) return;
   const int from = owner_from(), group = two ? second.group : first.group;
   for (int tq = threadIdx.x; tq < teams * outputs; tq += blockDim.x) {
@@ -983,6 +1016,10 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_spread_kernel(Par
       sum += take_over(ws + (r * teams + tm) * outputs + q, seen);
     }
     store(q, sum + v, block);
+  }
+  if (threadIdx.x == 0) {
+    stamp(7, CLOCK);
+    stamp(2, GLOBAL_NS);
   }
 }
 #endif
