@@ -750,9 +750,23 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
     }
   };
   // splitting K without a cluster, an output is stored as soon as its warps' partials are summed
-  // (each team's, in warp order, by the team's own warps, four outputs a thread at a time)
+  // (each team's, in warp order). 64-row warps: by the team's own warps, four outputs a thread
+  // at a time; 32-row ones one output a thread over the CTA's (the four-at-a-time code there
+  // costs the K loop registers, which ptxas then rebuilds each chunk: more than it saves)
   const bool stored_here = !SPLIT_ROWS && ranks == 1;
-  if constexpr (!SPLIT_ROWS) {
+  if constexpr (!SPLIT_ROWS && SLICES < 4) {
+    __syncthreads();
+    if (threadIdx.x == 0) stamp(6, CLOCK);
+    for (int tq = threadIdx.x; tq < teams * outputs; tq += blockDim.x) {
+      const int t = TEAMED ? tq / outputs : 0, q = tq - t * outputs;
+      float v = 0.f;
+      for (int w = 0; w < kwarps; ++w) v += part[(t * kwarps + w) * outputs + q];
+      if (stored_here)
+        store(q, v, (first_block + t) * cta_rows);
+      else
+        sums[q] = v;
+    }
+  } else if constexpr (!SPLIT_ROWS) {
     __syncthreads();
     if (threadIdx.x == 0) stamp(6, CLOCK);
     const float4* part4 = reinterpret_cast<const float4*>(part);
