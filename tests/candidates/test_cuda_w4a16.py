@@ -331,6 +331,17 @@ def test_a_trace_sums_up_as_its_stamps_say() -> None:
     assert summary["sum_ns"]["min"] == 200 and summary["last_sms"] == [7, 9]
 
 
+def test_a_variants_trace_keeps_the_last_launchs_ctas() -> None:
+    """A variant's grid need not be the config's: of a trace buffer that a larger grid wrote
+    before, only the rows of the last launch (begun within 100 us of its latest) are read."""
+    bench = load_script("w4a16_gemv")
+    earlier = [5, 1_000, 9_000, 0, 0, 0, 0, 0, 0, 0]
+    last = [[7, 5_000_000, 5_009_000, 0, 0, 0, 0, 0, 0, 0],
+            [9, 5_000_032, 5_009_500, 0, 0, 0, 0, 0, 0, 0]]  # fmt: skip
+    never_ended = [11, 5_000_064, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert bench.last_launch([last[0], earlier, last[1], never_ended]) == last
+
+
 # (M, N, K, group, dtype): ragged N (a last block of 8 or 56 rows, N not a multiple of 16), every
 # group size, fp16, K of one chunk and of an odd number of chunks; M = 9-16: two n8 tiles; warps
 # of several chunks each beside a ragged N

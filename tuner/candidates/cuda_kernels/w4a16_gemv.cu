@@ -62,8 +62,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <algorithm>
-
 #include "cluster_launch.cuh"
 
 #ifndef GEMV_SPLIT_ROWS
@@ -108,11 +106,6 @@
 #endif
 #ifndef GEMV_AB_NO_XSUM
 #define GEMV_AB_NO_XSUM 0
-#endif
-// bench A/B only: -DGEMV_SPREAD=1 (-DGEMV_SPREAD_WHOLE=1: a CTA a group, none split) spreads the row blocks' (block, chunk) units evenly over one CTA
-// an SM (`w4a16_spread_kernel`), each team an even run of them
-#ifndef GEMV_SPREAD
-#define GEMV_SPREAD 0
 #endif
 #if defined(GEMV_AB_LAUNCH_SMEM) && !GEMV_EMPTY
 #error "GEMV_AB_LAUNCH_SMEM only for an empty build"
@@ -171,14 +164,6 @@ struct Params {
   int rank_shift;   // log2 of the cluster's size (1, 2, 4 or 8 CTAs)
   int teams;        // row blocks a CTA (warps splitting K, no cluster; else 1)
   int team_warps;   // warps a team: warps / teams
-#if GEMV_SPREAD
-  // every CTA's run of units: groups of `teams` row blocks x chunks over `all_teams` CTAs; the
-  // partials of the runs' split groups at `spread_at` (shared memory) and in `ws` (global)
-  long long units;
-  int all_teams;
-  int spread_at;
-  uint32_t* ws;
-#endif
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -440,7 +425,6 @@ struct Copier {
       x += start * step * CHUNK;
       chunk += start * step;
     }
-    if (GEMV_SPREAD) left = 0;  // no jump unless `jump_after` asks for one
   }
 
   __device__ __forceinline__ void issue(uint32_t stage) {
@@ -483,27 +467,13 @@ struct Copier {
     x += chunk_step * CHUNK;
     words += words_step;
     chunk += chunk_step;
-    // past the last round: on to round 0 (GEMV_STAGGER), or (GEMV_SPREAD, `jump_after`) to the
-    // run's other block
-    if ((GEMV_STAGGER || GEMV_SPREAD) && --left == 0) {
+    if (GEMV_STAGGER && --left == 0) {  // past the last round: on to round 0
       w -= w_rewind;
       x -= x_rewind;
       words -= words_rewind;
       chunk -= chunk_rewind;
     }
   }
-
-#if GEMV_SPREAD
-  // After `copies` more copies, go on where `other` starts (a copier of the same lane, of whole
-  // 64-row blocks), in one step of the wrap's moves.
-  __device__ __forceinline__ void jump_after(int copies, const Copier& other) {
-    left = copies;
-    w_rewind = w + static_cast<long long>(copies) * w_step - other.w;
-    x_rewind = static_cast<int>(x + copies * chunk_step * CHUNK - other.x);
-    words_rewind = words + copies * words_step - other.words;
-    chunk_rewind = chunk + copies * chunk_step - other.chunk;
-  }
-#endif
 };
 
 // Adds the chunk of a stage (the warp's part at `part`, x's slab at `x_at`) to the lane's
@@ -816,228 +786,6 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   }
 }
 
-#if GEMV_SPREAD
-// Spread (bench A/B): one CTA an SM, each an even run of the (group, chunk) units, a group being
-// `teams` row blocks side by side (a team each, all at the same chunks, so they share x's slab
-// in the L1), so a grid whose row blocks leave SMs idle takes them all. A run at most a group's
-// chunks long touches at most two groups: the head of its last one (chunks from 0) and the tail
-// of its first. The warps of a team take the run's units in turn (the head's first, then the
-// tail's), so no warp takes more than its share rounded up. Past the head, the team's lightest
-// warp sums the warps' partials and hands them over with plain stores while the others stream
-// on (or stores them, the group whole); then the tail, which ends its group: the CTA owning a
-// group is the one that ends it, and it adds the partials of the lower CTAs that began it,
-// copied into its shared memory as its warps finish (handed over long before, mostly). Waits
-// only go to lower CTAs (dispatched earlier), so the grid cannot deadlock. A partial's words
-// are their own flags: the workspace holds EMPTY_WORD where no partial waits, a writer never
-// stores that pattern (a NaN no arithmetic makes), and the owner puts it back as it reads: no
-// fence, no counter, and the sums in a fixed order.
-constexpr uint32_t EMPTY_WORD = 0xffffffffu;
-constexpr long long SPREAD_WS_WORDS = 1 << 21;
-constexpr int SPREAD_PREFETCHED = 2;  // lower CTAs whose partials an owner copies ahead
-__device__ uint32_t g_spread_ws[SPREAD_WS_WORDS];
-
-// units [begin, end) of the run, in group `group`
-struct Segment {
-  int begin, end, group;
-};
-
-// (the entry point keeps the units under 2^31)
-__device__ __forceinline__ int run_start(int cta, const Params& p) {
-  return static_cast<int>(static_cast<long long>(cta) * p.units / p.all_teams);
-}
-
-__device__ __forceinline__ void hand_over(uint32_t* at, float v) {
-  uint32_t bits = __float_as_uint(v);
-  if (bits == EMPTY_WORD) bits = 0x7fffffffu;
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(at), "r"(bits) : "memory");
-}
-
-// The word at `at` once handed over (`seen`: a copy read before), put back to EMPTY_WORD.
-__device__ __forceinline__ float take_over(uint32_t* at, uint32_t seen) {
-  uint32_t bits = seen;
-  while (bits == EMPTY_WORD)
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(bits) : "l"(at) : "memory");
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(at), "r"(EMPTY_WORD) : "memory");
-  return __uint_as_float(bits);
-}
-
-template <bool F16, int NG, int NT, bool FULL>
-__global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_spread_kernel(Params p) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  if (threadIdx.x == 0) {
-    stamp(3, CLOCK);
-    stamp(1, GLOBAL_NS);
-    stamp(0, SM_ID);
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int kwarps = p.team_warps, teams = p.teams;
-  const int team = warp / kwarps, kwarp = warp - team * kwarps;
-  const int chunks = p.k / CHUNK, blocks = (p.n + ROWS - 1) / ROWS;
-  const int me = blockIdx.x, u0 = run_start(me, p), u1 = run_start(me + 1, p);
-  const int g0 = u0 / chunks, g1 = u1 > u0 ? (u1 - 1) / chunks : g0;
-  const Segment first{g0 == g1 ? u0 : g1 * chunks, u1, g1};  // streamed in this order
-  const Segment second{u0, g0 == g1 ? u0 : g1 * chunks, g0};
-  const bool two = g0 != g1;
-  // the warp's units in a segment: the run's u0 + kwarp + j kwarps that lie in it
-  const auto first_unit = [&](const Segment& s) {
-    return s.begin + ((u0 + kwarp - s.begin) % kwarps + kwarps) % kwarps;
-  };
-  const auto count = [&](const Segment& s) {
-    const int u = first_unit(s), block = s.group * teams + team;
-    return u < s.end && block < blocks ? (s.end - u + kwarps - 1) / kwarps : 0;
-  };
-  const auto copier_for = [&](const Segment& s) {
-    const int n0 = min(s.group * teams + team, blocks - 1) * ROWS;
-    const int first_row = n0 / 64 * 64;
-    const int rows = min(64, p.n - first_row);
-    const uint8_t* block = p.w + static_cast<long long>(first_row) * (p.k / 2);
-    const int chunk = first_unit(s) - s.group * chunks;
-    return Copier<NG, NT, FULL>(p, block, rows, n0 - first_row, n0, chunk, kwarps, count(s), 0,
-                                lane, 0, warp_bytes<NG>(), lane, 32);
-  };
-  const int na = count(first), mine = na + count(second);
-  const int g = lane >> 2, t = lane & 3, m = p.m;
-  const int outputs = ROWS * m;
-  uint32_t* ws = p.ws;
-  const auto store = [&](int q, float v, int block) {
-    const int col = q / ROWS, row = q % ROWS, n = block * ROWS + row;
-    if (block < blocks && n < p.n) p.out[col * p.ldo + n] = Half2Ops<F16>::round(v);
-  };
-  float acc[SLICES][NT][4] = {};
-  const auto spill = [&](float* at) {
-#pragma unroll
-    for (int s = 0; s < SLICES; ++s)
-#pragma unroll
-      for (int n8 = 0; n8 < NT; ++n8)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
-          if (col < m) at[col * ROWS + row] = acc[s][n8][e];
-          acc[s][n8][e] = 0.f;
-        }
-  };
-  float* head = reinterpret_cast<float*>(smem + p.spread_at);  // [warps][outputs]
-  // [SPREAD_PREFETCHED][teams][outputs] words of the lower CTAs' partials
-  uint32_t* ahead = reinterpret_cast<uint32_t*>(head + (blockDim.x >> 5) * outputs);
-  const bool lightest = kwarp == kwarps - 1;  // the team's warp with the fewest units
-  // the head done: the lightest warp sums the team's partials of it and hands them over, or
-  // stores them (the group whole)
-  const auto head_done = [&]() {
-    spill(head + warp * outputs);
-    if (kwarps > 1) {
-      if (lightest)
-        asm volatile("bar.sync %0, %1;\n" ::"r"(1 + team), "r"(kwarps * 32) : "memory");
-      else
-        asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + team), "r"(kwarps * 32) : "memory");
-    }
-    if (!lightest) return;
-    const int block = first.group * teams + team;
-    for (int q = lane; q < outputs; q += 32) {
-      float v = 0.f;
-      for (int w = 0; w < kwarps; ++w) v += head[(team * kwarps + w) * outputs + q];
-      if (first.end == (first.group + 1) * chunks)
-        store(q, v, block);
-      else
-        hand_over(ws + (me * teams + team) * outputs + q, v);
-    }
-  };
-  // the warp's loop done: the lightest warp of each team copies the lower CTAs' partials of
-  // its block (16 bytes at a time, past the L1), for the sums at the end
-  // (the last segment) whether this CTA ends its group, and the lower CTAs whose partials of it
-  // it then adds: from .. me - 1
-  const auto owner_from = [&]() {
-    const Segment last = two ? second : first;
-    int from = me;
-    if (last.end == (last.group + 1) * chunks)
-      while (from > 0 && run_start(from, p) > last.group * chunks) --from;
-    return last.end == (last.group + 1) * chunks ? from : -1;
-  };
-  const auto prefetch = [&]() {
-    const int from = owner_from();
-    if (!lightest || from < 0) return;
-    for (int r = from; r < me && r < from + SPREAD_PREFETCHED; ++r)
-      for (int q = 4 * lane; q < outputs; q += 128) {
-        const uint32_t* src = ws + (r * teams + team) * outputs + q;
-        const uint32_t dst = smem_addr(ahead + ((r - from) * teams + team) * outputs + q);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-      }
-    commit();
-  };
-
-  const uint32_t ring = smem_addr(smem) + warp * STAGES * p.stage_bytes;
-  const uint32_t x_at = warp_bytes<NG>();
-  // one copier for both segments: past the head's copies it moves to the tail's first chunk
-  Copier<NG, NT, FULL> copier = copier_for(na > 0 ? first : second);
-  if (two && na > 0) copier.jump_after(na, copier_for(second));
-  if (threadIdx.x == 0) stamp(4, CLOCK);
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < mine) copier.issue(ring + i * p.stage_bytes);
-    commit();
-  }
-  int slot = 0, next = STAGES - 1;
-  // the head's chunks, its hand-over, the tail's: the hand-over stays out of the K loop's code
-  // (inside, its registers made the compiler rebuild lane offsets every chunk)
-  const auto step = [&](int i) {
-    const uint32_t stage = ring + slot * p.stage_bytes;
-    if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
-    commit();
-    wait_copies<STAGES - 1>();
-    __syncwarp();
-    if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
-    compute<F16, NG, NT>(p, stage, stage + x_at, lane, acc);
-    __syncwarp();
-    if constexpr (STAGES == 2) {
-      slot ^= 1;
-      next ^= 1;
-    } else {
-      slot = slot + 1 == STAGES ? 0 : slot + 1;
-      next = next + 1 == STAGES ? 0 : next + 1;
-    }
-  };
-  int i = 0;
-  for (; i < na; ++i) step(i);
-  if (two) head_done();
-  for (; i < mine; ++i) step(i);
-  if (lane == 0) stamp(8 + warp, CLOCK);
-  prefetch();
-  asm volatile("cp.async.wait_all;\n" ::);
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-
-  // the last segment: each team's warps' partials summed in warp order; an owner adds the lower
-  // CTAs' partials first, in CTA order
-  __syncthreads();
-  float* part = reinterpret_cast<float*>(smem);
-  spill(part + warp * outputs);
-  __syncthreads();
-  if (threadIdx.x == 0) stamp(6, CLOCK);
-  if (u1 <= u0) return;
-  const int from = owner_from(), group = two ? second.group : first.group;
-  for (int tq = threadIdx.x; tq < teams * outputs; tq += blockDim.x) {
-    const int tm = tq / outputs, q = tq - tm * outputs;
-    const int block = group * teams + tm;
-    if (block >= blocks) continue;
-    float v = 0.f;
-    for (int w = 0; w < kwarps; ++w) v += part[(tm * kwarps + w) * outputs + q];
-    if (from < 0) {
-      hand_over(ws + (me * teams + tm) * outputs + q, v);
-      continue;
-    }
-    float sum = 0.f;
-    for (int r = from; r < me; ++r) {
-      const uint32_t seen =
-          r < from + SPREAD_PREFETCHED ? ahead[((r - from) * teams + tm) * outputs + q] : EMPTY_WORD;
-      sum += take_over(ws + (r * teams + tm) * outputs + q, seen);
-    }
-    store(q, sum + v, block);
-  }
-  if (threadIdx.x == 0) {
-    stamp(7, CLOCK);
-    stamp(2, GLOBAL_NS);
-  }
-}
-#endif
-
 namespace {
 
 // One stage of a ring: the warps' parts (one, or all `warps` when they split rows), x's slab.
@@ -1058,7 +806,6 @@ int inbox_at(int m, int group, int warps) {
 // Then, in a cluster, the inbox: an mbarrier and a share of the outputs from each rank.
 int smem_bytes(int m, int group, int warps, int cluster) {
   const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * m;
-  if (GEMV_SPREAD) return inbox_at(m, group, warps) + warps * outputs * 4;  // + `ahead`
   const int inbox = cluster > 1 ? 8 + cluster * ((outputs + cluster - 1) / cluster) * 4 : 0;
   return inbox_at(m, group, warps) + inbox;
 }
@@ -1073,13 +820,6 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
 #endif
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   const int blocks = (p.n + cta_rows - 1) / cta_rows;
-#if GEMV_SPREAD
-  static_assert(!SPLIT_ROWS, "spread: warps split K");
-  return gemv::launch_in_clusters<w4a16_spread_kernel<F16, NG, NT, FULL>, false>(
-      static_cast<unsigned>(p.all_teams), static_cast<unsigned>(warps * 32),
-      smem + SPREAD_PREFETCHED * p.teams * ROWS * p.m * 4, 1,
-      stream, p);
-#endif
   const unsigned ctas = static_cast<unsigned>((blocks + p.teams - 1) / p.teams * cluster);
   return gemv::launch_in_clusters<w4a16_gemv_kernel<F16, NG, NT, FULL, TEAMED>, false>(
       ctas, static_cast<unsigned>(warps * 32), smem, cluster, stream, p);
@@ -1166,39 +906,6 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.rank_shift = __builtin_ctz(static_cast<unsigned>(cluster));
   p.teams = teams;
   p.team_warps = warps / teams;
-#if GEMV_SPREAD
-  {  // one CTA an SM, each a run of at most a group's chunks
-    int device = 0, sms = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-      return static_cast<int>(cudaErrorInvalidValue);
-    const int chunks = k / CHUNK, blocks = (n + ROWS - 1) / ROWS;
-    p.units = static_cast<long long>((blocks + teams - 1) / teams) * chunks;
-    p.all_teams = static_cast<int>(std::min<long long>(sms, p.units));  // CTAs
-#ifdef GEMV_SPREAD_WHOLE  // (diagnosis) a CTA a group where they are no more than the SMs
-    if (p.units / chunks <= sms) p.all_teams = static_cast<int>(p.units / chunks);
-#endif
-    p.spread_at = inbox_at(m, group, warps);
-    const long long outputs = static_cast<long long>(ROWS) * m;
-    // whole 64-row blocks, (scale, zero) words in 16-byte pieces: a copier's jump moves them all
-    if (cluster != 1 || n % 64 || reinterpret_cast<uintptr_t>(sz) % 16 || group > CHUNK ||
-        (p.units + p.all_teams - 1) / p.all_teams > chunks ||
-        static_cast<long long>(p.all_teams) * teams * outputs > SPREAD_WS_WORDS ||
-        p.units >= (1ll << 31) / sms ||
-        (teams > 8 && warps / teams > 1))
-      return static_cast<int>(cudaErrorInvalidValue);
-    static bool cleared = false;  // the bench's one device
-    void* ws = nullptr;
-    if (cudaGetSymbolAddress(&ws, g_spread_ws) != cudaSuccess)
-      return static_cast<int>(cudaErrorInvalidValue);
-    if (!cleared) {
-      if (cudaMemset(ws, 0xff, sizeof(g_spread_ws)) != cudaSuccess)
-        return static_cast<int>(cudaErrorInvalidValue);
-      cleared = true;
-    }
-    p.ws = static_cast<uint32_t*>(ws);
-  }
-#endif
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return static_cast<int>(f16 ? launch_tiles<true>(p, group, warps, cluster, s)
                               : launch_tiles<false>(p, group, warps, cluster, s));
