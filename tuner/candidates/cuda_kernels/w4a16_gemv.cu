@@ -566,55 +566,6 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
   }
 }
 
-// A team's end (splitting K): its warps' partials [kwarps][outputs] from `part` (the team's
-// first warp `first_warp`) summed in warp order, four outputs a thread at a time, into `sums`,
-// or (none) rounded and stored at `out` from row `base`, 8 bytes at a time where `out` and its
-// row stride allow (four outputs are one column's rows: a row block's rows are a multiple of 16)
-struct EndOf {
-  const float* part;
-  float* sums;
-  uint16_t* out;
-  long long ldo;
-  int n, base, quads, first_warp, kwarp, kwarps, lane;
-};
-
-template <bool F16, int CTA_ROWS>
-__device__ __forceinline__ void sum_quads(const EndOf& e) {
-  const float4* part4 = reinterpret_cast<const float4*>(e.part);
-  const bool by_8 = reinterpret_cast<uintptr_t>(e.out) % 8 == 0 && e.ldo % 4 == 0;
-  for (int qq = e.kwarp * 32 + e.lane; qq < e.quads; qq += e.kwarps * 32) {
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int w = 0; w < e.kwarps; ++w) {
-      const float4 u = part4[(e.first_warp + w) * e.quads + qq];
-      v.x += u.x;
-      v.y += u.y;
-      v.z += u.z;
-      v.w += u.w;
-    }
-    if (e.sums != nullptr) {
-      reinterpret_cast<float4*>(e.sums)[qq] = v;
-      continue;
-    }
-    const int q = 4 * qq, col = q / CTA_ROWS, n = e.base + q % CTA_ROWS;
-    uint16_t* at = e.out + col * e.ldo + n;
-    const uint16_t h[4] = {Half2Ops<F16>::round(v.x), Half2Ops<F16>::round(v.y),
-                           Half2Ops<F16>::round(v.z), Half2Ops<F16>::round(v.w)};
-    if (by_8 && n + 3 < e.n) {
-      *reinterpret_cast<uint2*>(at) = make_uint2(h[0] | static_cast<uint32_t>(h[1]) << 16,
-                                                 h[2] | static_cast<uint32_t>(h[3]) << 16);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (n + i < e.n) at[i] = h[i];
-    }
-  }
-}
-
-template <bool F16, int CTA_ROWS>
-__device__ __noinline__ void sum_quads_apart(EndOf e) {
-  sum_quads<F16, CTA_ROWS>(e);
-}
-
 // 64-row warps over two n8 tiles need more than 128 registers a thread: at most 8 warps a CTA
 template <int NT>
 constexpr int max_warps() {
@@ -751,20 +702,59 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
     const int col = q / cta_rows, row = q % cta_rows;
     if (base + row < p.n) p.out[col * p.ldo + base + row] = Half2Ops<F16>::round(v);
   };
+  // outputs q .. q + 3 (one column's rows: a row block's rows are a multiple of 16), as one
+  // 8-byte store where `out` and its row stride allow
+  const bool out_by_8 = reinterpret_cast<uintptr_t>(p.out) % 8 == 0 && p.ldo % 4 == 0;
+  const auto store4 = [&](int q, float4 v, int base) {
+    const int col = q / cta_rows, n = base + q % cta_rows;
+    uint16_t* at = p.out + col * p.ldo + n;
+    const uint16_t h[4] = {Half2Ops<F16>::round(v.x), Half2Ops<F16>::round(v.y),
+                           Half2Ops<F16>::round(v.z), Half2Ops<F16>::round(v.w)};
+    if (out_by_8 && n + 3 < p.n) {
+      *reinterpret_cast<uint2*>(at) = make_uint2(h[0] | static_cast<uint32_t>(h[1]) << 16,
+                                                 h[2] | static_cast<uint32_t>(h[3]) << 16);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (n + i < p.n) at[i] = h[i];
+    }
+  };
   // splitting K without a cluster, an output is stored as soon as its warps' partials are summed
-  // (each team's, in warp order, by the team's own warps, four outputs a thread at a time). For
-  // 32-row warps this end is a call: inlined, its registers cost their K loop instructions
+  // (each team's, in warp order). 64-row warps: by the team's own warps, four outputs a thread
+  // at a time; 32-row ones one output a thread over the CTA's (the four-at-a-time code there
+  // costs the K loop registers, which ptxas then rebuilds each chunk: more than it saves)
   const bool stored_here = !SPLIT_ROWS && ranks == 1;
-  if constexpr (!SPLIT_ROWS) {
+  if constexpr (!SPLIT_ROWS && SLICES < 4) {
     __syncthreads();
     if (threadIdx.x == 0) stamp(6, CLOCK);
-    const EndOf end{part, stored_here ? nullptr : sums, p.out, p.ldo, p.n,
-                    (first_block + team) * cta_rows, outputs / 4, team * kwarps, kwarp, kwarps,
-                    lane};
-    if constexpr (SLICES < 4)
-      sum_quads_apart<F16, ROWS>(end);
-    else
-      sum_quads<F16, ROWS>(end);
+    for (int tq = threadIdx.x; tq < teams * outputs; tq += blockDim.x) {
+      const int t = TEAMED ? tq / outputs : 0, q = tq - t * outputs;
+      float v = 0.f;
+      for (int w = 0; w < kwarps; ++w) v += part[(t * kwarps + w) * outputs + q];
+      if (stored_here)
+        store(q, v, (first_block + t) * cta_rows);
+      else
+        sums[q] = v;
+    }
+  } else if constexpr (!SPLIT_ROWS) {
+    __syncthreads();
+    if (threadIdx.x == 0) stamp(6, CLOCK);
+    const float4* part4 = reinterpret_cast<const float4*>(part);
+    const int quads = outputs / 4;
+    for (int qq = kwarp * 32 + lane; qq < quads; qq += kwarps * 32) {
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int w = 0; w < kwarps; ++w) {
+        const float4 u = part4[(team * kwarps + w) * quads + qq];
+        v.x += u.x;
+        v.y += u.y;
+        v.z += u.z;
+        v.w += u.w;
+      }
+      if (stored_here)
+        store4(4 * qq, v, (first_block + team) * cta_rows);
+      else
+        reinterpret_cast<float4*>(sums)[qq] = v;
+    }
   }
   if (!stored_here) {
     __syncthreads();  // the CTA's sums written
