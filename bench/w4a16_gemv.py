@@ -12,7 +12,9 @@ group 128, CUDA-graph GPU time (``timing.graph_time``), weights rotated past the
 
 "pct_copy" is the bytes read and written (weight, scales, activations, output) per second over the
 device-to-device copy bandwidth. Every W4A16 config's output is checked against a float32 GEMM on
-the dequantized operands (``tuner.quant.tolerance``): "excess" <= 1 passes.
+the dequantized operands (``tuner.quant.tolerance``): "excess" <= 1 passes; it is checked again
+after the config's timed replays ("excess_after": a kernel must leave any state it keeps between
+calls as it found it).
 
 With ``--trace``, ``TRACED`` configs also run a bench-only build of their library (``VARIANTS``:
 extra ``-D`` flags, built beside the run) that stamps each CTA (``%globaltimer`` at its start and
@@ -23,7 +25,8 @@ built from the kernel source at PATH (another version of ``w4a16_gemv.cu``, e.g.
 one, whose entry point takes the same arguments: checked) and timed right before the current one
 (impl "cuda_gemv_baseline"): an A/B of a kernel change on one machine in one run; ``--variant
 NAME=FLAGS`` (repeatable) does the same for the current source built with extra ``-D`` flags
-(impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``, or ``copies=-DGEMV_COPIES_ONLY=1``: the
+(impl "cuda_gemv_NAME", e.g. ``traced=-DGEMV_TRACE=1``, whose row then carries the trace of its last
+launch, or ``copies=-DGEMV_COPIES_ONLY=1``: the
 rings streamed with no compute, what the copies alone cost, or ``empty=-DGEMV_EMPTY=1``: each
 config's grid launched and returning at once; their outputs are wrong, excess nan);
 ``--launch-floor`` adds "read_noop", the bare read's grid of programs that return at once (the
