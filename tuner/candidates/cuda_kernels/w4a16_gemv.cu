@@ -702,31 +702,16 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
     const int col = q / cta_rows, row = q % cta_rows;
     if (base + row < p.n) p.out[col * p.ldo + base + row] = Half2Ops<F16>::round(v);
   };
-  // outputs q .. q + 3 (one column's rows: a row block's rows are a multiple of 16), as one
-  // 8-byte store where `out` and its row stride allow
-  const bool out_by_8 = reinterpret_cast<uintptr_t>(p.out) % 8 == 0 && p.ldo % 4 == 0;
-  const auto store4 = [&](int q, float4 v, int base) {
-    const int col = q / cta_rows, n = base + q % cta_rows;
-    uint16_t* at = p.out + col * p.ldo + n;
-    const uint16_t h[4] = {Half2Ops<F16>::round(v.x), Half2Ops<F16>::round(v.y),
-                           Half2Ops<F16>::round(v.z), Half2Ops<F16>::round(v.w)};
-    if (out_by_8 && n + 3 < p.n) {
-      *reinterpret_cast<uint2*>(at) = make_uint2(h[0] | static_cast<uint32_t>(h[1]) << 16,
-                                                 h[2] | static_cast<uint32_t>(h[3]) << 16);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (n + i < p.n) at[i] = h[i];
-    }
-  };
   // splitting K without a cluster, an output is stored as soon as its warps' partials are summed
   // (each team's, in warp order). 64-row warps: by the team's own warps, four outputs a thread
   // at a time; 32-row ones one output a thread over the CTA's (the four-at-a-time code there
   // costs the K loop registers, which ptxas then rebuilds each chunk: more than it saves)
   const bool stored_here = !SPLIT_ROWS && ranks == 1;
-  if constexpr (!SPLIT_ROWS && SLICES < 4) {
+  if constexpr (!SPLIT_ROWS) {
     __syncthreads();
     if (threadIdx.x == 0) stamp(6, CLOCK);
+  }
+  if constexpr (!SPLIT_ROWS && SLICES < 4) {
     for (int tq = threadIdx.x; tq < teams * outputs; tq += blockDim.x) {
       const int t = TEAMED ? tq / outputs : 0, q = tq - t * outputs;
       float v = 0.f;
@@ -737,8 +722,23 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
         sums[q] = v;
     }
   } else if constexpr (!SPLIT_ROWS) {
-    __syncthreads();
-    if (threadIdx.x == 0) stamp(6, CLOCK);
+    // outputs q .. q + 3 (one column's rows: a row block's rows are a multiple of 16), as one
+    // 8-byte store where `out` and its row stride allow
+    const bool out_by_8 = reinterpret_cast<uintptr_t>(p.out) % 8 == 0 && p.ldo % 4 == 0;
+    const auto store4 = [&](int q, float4 v, int base) {
+      const int col = q / cta_rows, n = base + q % cta_rows;
+      uint16_t* at = p.out + col * p.ldo + n;
+      const uint16_t h[4] = {Half2Ops<F16>::round(v.x), Half2Ops<F16>::round(v.y),
+                             Half2Ops<F16>::round(v.z), Half2Ops<F16>::round(v.w)};
+      if (out_by_8 && n + 3 < p.n) {
+        *reinterpret_cast<uint2*>(at) = make_uint2(h[0] | static_cast<uint32_t>(h[1]) << 16,
+                                                   h[2] | static_cast<uint32_t>(h[3]) << 16);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (n + i < p.n) at[i] = h[i];
+      }
+    };
     const float4* part4 = reinterpret_cast<const float4*>(part);
     const int quads = outputs / 4;
     for (int qq = kwarp * 32 + lane; qq < quads; qq += kwarps * 32) {
