@@ -84,7 +84,7 @@ for stage in "$@"; do
     all-gpu-tests)  # every GPU test inside one call: the nvcc-heavy files beside the rest, two pytests at
       # once (one after the other takes longer than a call may), each with its own tuner cache and log (the
       # kernel caches are shared), the slowest named (--durations); GPU_TESTS_HALF_A lists the first half
-      a=${GPU_TESTS_HALF_A:-"tests/candidates/test_cutlass_w4a16.py tests/candidates/test_gemm_libraries.py tests/candidates/test_fp8_libs.py tests/candidates/test_cutlass_launcher.py tests/candidates/test_cuda_w4a16.py tests/candidates/test_cuda_fp8.py"}
+      a=${GPU_TESTS_HALF_A:-"tests/candidates/test_cutlass_w4a16.py tests/candidates/test_gemm_libraries.py tests/candidates/test_fp8_libs.py tests/candidates/test_cutlass_launcher.py tests/candidates/test_cuda_w4a16.py tests/candidates/test_cuda_fp8.py tests/candidates/test_kernel_artifacts.py"}
       ignore=$(for f in $a; do printf -- ' --ignore=%s' "$f"; done)
       pids=()
       for half in a b; do
