@@ -38,6 +38,7 @@ DATA = Path(__file__).parents[1] / "data" / "compat"
 DC = "cpu-x86-64-2c"
 K1 = "gemm:m=64,n=64,k=64,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
 K2 = "gemm:m=128,n=64,k=64,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+SCOPE = "http://127.0.0.1:8000#1f2e"  # cache-v4.db's service (its push position and mark)
 
 
 def copy(name: str, tmp_path: Path) -> Path:
@@ -157,3 +158,18 @@ def test_a_read_only_cache_older_than_schema_3_is_refused(tmp_path):
     with read_only(path) as before, pytest.raises(ReadOnlyError, match="is read-only"):
         Store(path)
     assert path.read_bytes() == before
+
+
+# cache-v4.db: cache-v3.db opened once by the release of schema 4 (25b9e3e), which migrated it to
+# schema 4, then set_position(f"push:{SCOPE}", 4, "r2-triton-001"); checkpointed and set to
+# journal_mode=delete, as above.
+
+
+def test_a_schema_4_cache_opens_with_its_positions_and_marks(tmp_path):
+    path = copy("cache-v4.db", tmp_path)
+    with Store(path) as s:
+        assert s.winner(DC, K1).source == "triton" and len(s.measurements(DC)) == 4
+        assert (s.position("pull:x"), s.mark("pull:x")) == (7, None)
+        assert (s.position(f"push:{SCOPE}"), s.mark(f"push:{SCOPE}")) == (4, "r2-triton-001")
+        assert [m["count"] for m in s.misses(DC)] == [3]
+    assert schema_of(path)[2] == CACHE.version
