@@ -148,8 +148,12 @@ def test_a_read_only_schema_3_cache_is_read_as_it_is(tmp_path, caplog):
     with read_only(path) as before, caplog.at_level("WARNING"), Store(path) as s:
         assert s.winner(DC, K1).source == "triton" and s.mark("pull:x") is None
         assert "read as it is (not migrated to 4)" in caplog.text
-        with pytest.raises(ReadOnlyError, match="is read-only"):
-            s.record_misses(DC, [K2])
+        for write in (
+            lambda: s.record_misses(DC, [K2]),
+            lambda: s.set_position("pull:x", 8, "a mark"),  # a column schema 3 lacks
+        ):
+            with pytest.raises(ReadOnlyError, match="is read-only"):
+                write()
         assert path.read_bytes() == before
 
 

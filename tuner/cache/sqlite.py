@@ -111,6 +111,7 @@ class SqliteFile:
     def __init__(self, path: str | Path, *, timeout_s: float = 60.0) -> None:
         self.path = Path(path)
         self._file: str | None = None
+        self._as_it_is = False  # read-only at an older version the schema reads: no writes
         if str(path) != ":memory:":
             if self.path.is_dir():
                 raise StoreError(
@@ -192,7 +193,11 @@ class SqliteFile:
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction that takes the write lock up front (no upgrade deadlocks)."""
+        """One write transaction that takes the write lock up front (no upgrade deadlocks).
+        A file read as it is (read-only at an older version) refuses it as read-only: its
+        tables are not those the writes name."""
+        if self._as_it_is:
+            raise self.read_only()
         if not self._verified():
             self.verify()
         conn = self.db.conn
@@ -252,6 +257,7 @@ class SqliteFile:
                     "%s is read-only at schema version %d: read as it is (not migrated to %d)",
                     self.path, version, self.schema.version,
                 )  # fmt: skip
+                self._as_it_is = True
         except sqlite3.DatabaseError as e:
             if "unable to open" in str(e):
                 raise StoreError(f"{self.path} cannot be opened: {e}{self._why_not(e)}") from None
