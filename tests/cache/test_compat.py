@@ -147,7 +147,7 @@ def test_a_read_only_schema_3_cache_is_read_as_it_is(tmp_path, caplog):
     path = copy("cache-v3.db", tmp_path)
     with read_only(path) as before, caplog.at_level("WARNING"), Store(path) as s:
         assert s.winner(DC, K1).source == "triton" and s.mark("pull:x") is None
-        assert "read as it is (not migrated to 4)" in caplog.text
+        assert f"read as it is (not migrated to {CACHE.version})" in caplog.text
         for write in (
             lambda: s.record_misses(DC, [K2]),
             lambda: s.set_position("pull:x", 8, "a mark"),  # a column schema 3 lacks
@@ -169,11 +169,34 @@ def test_a_read_only_cache_older_than_schema_3_is_refused(tmp_path):
 # journal_mode=delete, as above.
 
 
-def test_a_schema_4_cache_opens_with_its_positions_and_marks(tmp_path):
+def test_a_schema_4_cache_migrates_keeping_its_positions_and_marks(tmp_path):
+    """Its sync positions and marks are kept; its miss reports, which do not say to which
+    service they went, are dropped: every count is reported in full again to each service."""
     path = copy("cache-v4.db", tmp_path)
     with Store(path) as s:
         assert s.winner(DC, K1).source == "triton" and len(s.measurements(DC)) == 4
         assert (s.position("pull:x"), s.mark("pull:x")) == (7, None)
         assert (s.position(f"push:{SCOPE}"), s.mark(f"push:{SCOPE}")) == (4, "r2-triton-001")
-        assert [m["count"] for m in s.misses(DC)] == [3]
+        ((k3, count),) = [(m["key"], m["count"]) for m in s.misses(DC)]
+        assert count == 3  # 1 of them reported (to SCOPE's service or another: not said)
+        for service in (SCOPE, "http://127.0.0.1:9000#3c4d"):
+            assert s.unreported_misses(DC, service=service) == [(k3, 3, 3)]
+        s.mark_reported(DC, [(k3, 3)], service=SCOPE)
+        assert s.unreported_misses(DC, service=SCOPE) == []
     assert schema_of(path)[2] == CACHE.version
+
+
+def test_a_read_only_schema_4_cache_is_read_as_it_is(tmp_path, caplog):
+    """Its miss reports are read as the release that wrote it read them, for every service
+    alike; marking one is refused as every write is."""
+    path = copy("cache-v4.db", tmp_path)
+    with read_only(path) as before, caplog.at_level("WARNING"), Store(path) as s:
+        assert s.winner(DC, K1).source == "triton" and s.mark(f"push:{SCOPE}") == "r2-triton-001"
+        assert f"at schema version 4: read as it is (not migrated to {CACHE.version})" in (
+            caplog.text
+        )
+        ((k3, _, _),) = s.unreported_misses(DC, service=SCOPE)
+        assert s.unreported_misses(DC, service="http://other:1") == [(k3, 2, 3)]
+        with pytest.raises(ReadOnlyError, match="is read-only"):
+            s.mark_reported(DC, [(k3, 3)], service=SCOPE)
+        assert path.read_bytes() == before

@@ -83,6 +83,28 @@ def test_misses_are_counted(tmp_path):
         assert len(store.misses()) == 1
 
 
+def test_miss_reports_are_kept_per_service(tmp_path):
+    """What was reported to one fleet service says nothing of another, and forgetting one's
+    reports (it was restored from an older backup) leaves the other's."""
+    one, two = "http://h:80#1f2e", "http://h:81#3c4d"
+    other = KEY.replace("m=8", "m=9")
+    with Store(tmp_path / "c.db") as store:
+        store.record_misses("cpu-test", [KEY], count=3)
+        store.record_misses("cpu-test", [other])
+        store.mark_reported("cpu-test", [(KEY, 3), (other, 1)], service=one)
+        assert store.unreported_misses("cpu-test", service=one) == []
+        assert sorted(store.unreported_misses("cpu-test", service=two)) == [
+            (KEY, 3, 3), (other, 1, 1)
+        ]  # fmt: skip
+        store.mark_reported("cpu-test", [(KEY, 3), (other, 1)], service=two)
+        store.record_misses("cpu-test", [KEY], count=2)
+        store.forget_reported_misses(one)
+        assert sorted(store.unreported_misses("cpu-test", service=one)) == [
+            (KEY, 5, 5), (other, 1, 1)
+        ]  # fmt: skip
+        assert store.unreported_misses("cpu-test", service=two) == [(KEY, 2, 5)]
+
+
 def test_export_import_is_idempotent(tmp_path):
     with Store(tmp_path / "a.db") as a:
         a.save_run([measurement()], winner())

@@ -513,3 +513,40 @@ def test_miss_counts_a_restored_service_lost_are_sent_again(
             assert (out.accepted, out.misses, out.queued) == (1, 1, 1)
             assert [(e["key"], e["misses"]) for e in ca.queue()] == [(missed, 3)]
             assert push(ca, a, FP).misses == 0  # and only what is new from there
+
+
+def test_a_restore_of_one_service_sends_the_miss_counts_again_to_it_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host that syncs with two services reports every miss count to each, and keeps what
+    it reported to each apart: finding one restored from an older backup, it sends that one
+    its counts in full again, and the other, which lost nothing, only what is new since."""
+    db, saved = tmp_path / "fleet.db", tmp_path / "backup.db"
+    missed = str(f32(56))
+
+    def queued(client: FleetClient) -> list[tuple[str, int]]:
+        return [(e["key"], e["misses"]) for e in client.queue()]
+
+    with Store(tmp_path / "a.db") as a, ThreadServer(tmp_path / "other.db") as other:
+        a.save_device(FP)
+        co = other.client("host-a", "submit")
+        with ThreadServer(db) as srv:
+            port = int(srv.url.rsplit(":", 1)[1])
+            ca = srv.client("host-a", "submit")
+            backup(db, saved)
+            a.save_run([made_up(f32(24), "torch", 10.0)])
+            a.record_misses(DC, [missed], count=3)
+            for client in (ca, co):
+                assert push(client, a, FP).misses == 1
+                assert queued(client) == [(missed, 3)]
+        restore(db, saved)
+        a.record_misses(DC, [missed], count=2)  # missed again meanwhile
+        with ThreadServer(db, port=port) as srv:
+            assert ca.queue() == []
+            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+                assert push(ca, a, FP).misses == 1
+            assert "(restored from an older backup?)" in caplog.text
+            assert queued(ca) == [(missed, 5)]  # all of it again
+            assert push(co, a, FP).misses == 1
+            assert queued(co) == [(missed, 5)]  # 3 + 2, not 3 + 5
+            assert (push(ca, a, FP).misses, push(co, a, FP).misses) == (0, 0)

@@ -117,6 +117,24 @@ def _v4(db: sqlite_utils.Database) -> None:
     db["sync_state"].add_column("mark", str)
 
 
+def _v5(db: sqlite_utils.Database) -> None:
+    """How much of each miss count was reported, per fleet service (``service``: the scope
+    its sync positions are kept under, ``FleetClient.sync_scope``), so that the reports
+    forgotten when one service is found restored are that service's alone.
+
+    Schema 4's rows are dropped, not given a service: they do not say which one got the count
+    (a host syncing with two reported each count to whichever it pushed to first), and
+    ``sync_state`` names only services that stored a position, so a row kept under one would
+    tell the host a service had a count it never got, which would then never reach it. With
+    none kept, every count is reported in full once more to each service: one that held it
+    counts it twice, which only moves its key up the tuning queue."""
+    db["reported_misses"].drop()
+    db["reported_misses"].create(
+        {"service": str, "device_class": str, "key": str, "reported": int},
+        pk=("service", "device_class", "key"),
+    )
+
+
 def legacy_meta(db: sqlite_utils.Database, path: Path) -> int:
     """The schema version in the ``meta`` table of a file from before application ids."""
     tables = set(db.table_names())
@@ -152,8 +170,10 @@ CACHE = register(
     Schema(
         kind="tuner cache",
         application_id=0x544E5243,  # "TNRC"
-        migrations=(_v1, _v2, _v3, _v4),
+        migrations=(_v1, _v2, _v3, _v4, _v5),
         legacy_version=_legacy_version,
-        readable_from=3,  # v4 adds only sync_state.mark, which no read of winners needs
+        # v4 adds only sync_state.mark and v5 only reported_misses' service: no read of
+        # winners needs either
+        readable_from=3,
     )
 )

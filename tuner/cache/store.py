@@ -35,7 +35,8 @@ Stamp = tuple[str, str, float, str]  # a winner's device class, key, updated_at 
 EXPORT_FORMAT = "tuner-results"
 # The schema version an export names: the last one that changed a table an export holds
 # (devices, measurements, winners), so that an export imports into every release that reads
-# those tables alike (schema 4 changed only the sync bookkeeping). Bump it with such a change.
+# those tables alike (schemas 4 and 5 changed only the sync bookkeeping). Bump it with such a
+# change.
 EXPORTED_VERSION = 3
 EXPORTED_TABLES = ("devices", "measurements", "winners")
 
@@ -292,34 +293,42 @@ class Store(DeviceFile):
         )
         return [(r["id"], Measurement.from_row(r)) for r in rows]
 
-    def unreported_misses(self, device_class: str) -> list[tuple[str, int, int]]:
-        """(key, count not yet reported, count now) for this device class's recorded misses."""
+    def unreported_misses(self, device_class: str, *, service: str) -> list[tuple[str, int, int]]:
+        """(key, count not yet reported to ``service``, count now) for this device class's
+        recorded misses; ``service`` is the fleet service's sync scope."""
+        scoped = "r.service = ? and "
+        args: tuple[str, ...] = (service, device_class)
+        if "service" not in self.db["reported_misses"].columns_dict:
+            scoped, args = "", (device_class,)  # a read-only file of schema 3 or 4, read as it is
         out = []
         for key, count, reported in self.db.conn.execute(
             "select m.key, m.count, coalesce(r.reported, 0) from misses m left join "
-            "reported_misses r on r.device_class = m.device_class and r.key = m.key "
+            f"reported_misses r on {scoped}r.device_class = m.device_class and r.key = m.key "
             "where m.device_class = ?",
-            (device_class,),
+            args,
         ):
             delta = count - reported if count >= reported else count  # cleared and seen again
             if delta > 0:
                 out.append((key, delta, count))
         return out
 
-    def mark_reported(self, device_class: str, counts: Iterable[tuple[str, int]]) -> None:
-        """Remember how much of each key's miss count was reported to the fleet."""
+    def mark_reported(
+        self, device_class: str, counts: Iterable[tuple[str, int]], *, service: str
+    ) -> None:
+        """Remember how much of each key's miss count was reported to the fleet ``service``."""
         with self.transaction() as c:
             c.executemany(
-                "insert or replace into reported_misses(device_class, key, reported) "
-                "values (?, ?, ?)",
-                [(device_class, k, n) for k, n in counts],
+                "insert or replace into reported_misses(service, device_class, key, reported) "
+                "values (?, ?, ?, ?)",
+                [(service, device_class, k, n) for k, n in counts],
             )
 
-    def forget_reported_misses(self) -> None:
-        """Forget how much of each miss count was reported, so that the next report sends
-        every count in full (to a service that lost the reports)."""
+    def forget_reported_misses(self, service: str) -> None:
+        """Forget how much of each miss count was reported to ``service``, so that the next
+        report to it sends every count in full (it lost the reports); the reports to other
+        services stand."""
         with self.transaction() as c:
-            c.execute("delete from reported_misses")
+            c.execute("delete from reported_misses where service = ?", (service,))
 
     def position(self, name: str) -> int:
         """Where the sync called ``name`` stopped (a feed cursor, a measurement id); 0 if never."""

@@ -16,7 +16,8 @@ with its own SQLite connection and calls ``Dispatcher.reload()`` when new winner
 
 Sync positions live in the local cache (``sync_state``): pulls resume from the last feed sequence
 number, pushes from the last pushed measurement id, and miss reports send only the counts not yet
-reported (``reported_misses``), so a crash or an outage never loses or double-counts anything.
+reported to that service (``reported_misses``), so a crash or an outage never loses or
+double-counts anything.
 Positions are kept per service, by the id its health names: a service rebuilt at the same URL
 is pulled from and pushed to from the start. One restored from an older backup keeps its id. A
 position is kept with its mark, what stands at it as the service names it: the last winner
@@ -24,7 +25,7 @@ pulled, the uid of the last measurement pushed. Before a pull the service is ask
 winner, before a push for that measurement (one small request each); one it has lost gives the
 restore away, as does a position beyond the latest sequence number it names (``last`` in the
 feed and the artifact listing). All of its positions then start over, and every miss count is
-reported again in full.
+reported to it again in full; what was reported to other services stands.
 """
 
 from __future__ import annotations
@@ -454,15 +455,16 @@ def _start_over(client: FleetClient, store: Store, scope: str, why: str) -> None
     an older backup, keeping its id. What this host pushed since is lost to it, and what it
     serves next may come under numbers the host has passed. So every position of the scope is
     reset and the sync starts from the beginning (pushes are idempotent, pulled winners keep
-    the newer), and every miss count is reported again in full: a count the backup already
-    held is then counted twice, which only moves its key up the tuning queue (counts steer the
-    queue, never what is served), where sending nothing would leave the lost ones out of it."""
+    the newer), and every miss count is reported to it again in full (the reports to other
+    services stand): a count the backup already held is then counted twice, which only moves
+    its key up the tuning queue (counts steer the queue, never what is served), where sending
+    nothing would leave the lost ones out of it."""
     log.warning(
         "fleet service %s %s (restored from an older backup?): pushing to and pulling from it "
         "from the start", client.server, why,
     )  # fmt: skip
     store.reset_positions(scope)
-    store.forget_reported_misses()
+    store.forget_reported_misses(scope)
 
 
 def _restarted(
@@ -619,13 +621,15 @@ def push_measurements(client: FleetClient, store: Store, fp: Fingerprint) -> dic
 
 
 def push_misses(client: FleetClient, store: Store, fp: Fingerprint) -> tuple[int, int]:
-    """Report the misses recorded here since the last report. Returns (keys, newly queued)."""
-    todo = store.unreported_misses(fp.device_class)
+    """Report the misses recorded here since the last report to this service. Returns (keys,
+    newly queued)."""
+    scope = client.sync_scope()
+    todo = store.unreported_misses(fp.device_class, service=scope)
     queued = 0
     for i in range(0, len(todo), BATCH):
         chunk = todo[i : i + BATCH]
         queued += client.report_misses(fp, [(k, d) for k, d, _ in chunk])
-        store.mark_reported(fp.device_class, [(k, now) for k, _, now in chunk])
+        store.mark_reported(fp.device_class, [(k, now) for k, _, now in chunk], service=scope)
     return len(todo), queued
 
 
