@@ -90,8 +90,7 @@ class Library(cuda_library.CudaLibrary):
     kind: ClassVar[str] = "cuda_fp8"
     source: ClassVar[Path] = SOURCE
     builder: ClassVar[str] = BUILDER
-    # sm_90a code only: "-arch=sm_90a" would also emit compute_90 PTX, where FP8 wgmma is not
-    arch_flags: ClassVar[tuple[str, ...]] = ("-gencode", "arch=compute_90a,code=sm_90a")
+    arch_flags: ClassVar[tuple[str, ...]] = cuda_library.SM90A_ONLY  # FP8 wgmma
 
     stages: int
     atoms: int

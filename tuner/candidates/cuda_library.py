@@ -32,6 +32,9 @@ from tuner.candidates.base import Params, Source
 from tuner.core.keys import GemmKey
 
 ARCH = "sm_90a"
+# sm_90a code only, for a kernel that issues wgmma: "-arch=sm_90a" also emits compute_90 PTX,
+# where wgmma is not
+SM90A_ONLY = ("-gencode", f"arch=compute_90a,code={ARCH}")
 KERNELS = Path(__file__).parent / "cuda_kernels"
 
 Launcher = Callable[..., int]
