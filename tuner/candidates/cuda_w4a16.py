@@ -49,9 +49,7 @@ from tuner.quant import int4_torch
 from tuner.quant.int4 import CHUNK, GROUP_SIZES
 
 SOURCE = cuda_library.KERNELS / "w4a16_gemv.cu"
-SPLITS, SLICES, STAGES = ("k", "rows", "wg"), (1, 2, 4), range(2, 9)
-WG_TEAMS = 4  # a warpgroup: one warp of each of four row blocks, the same chunks
-ONES_BYTES = 64 * 16 * 2  # a warpgroup's tile of ones (wgmma's A for x's sums)
+SPLITS, SLICES, STAGES = ("k", "rows"), (1, 2, 4), range(2, 9)
 MAX_M = 16  # two n8 tiles of activations
 NARROW_M = 8  # one n8 tile
 WIDE_MAX_WARPS = 8  # 64-row warps over two n8 tiles: their registers
@@ -93,20 +91,15 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     teams = choice({**DEFAULTS, **config}, "teams", range(1, MAX_WARPS + 1))
     if config["warps"] % teams:
         raise ValueError(f"config['teams']={teams}: must divide config['warps']={config['warps']}")
-    if config["split"] == "wg" and (teams != WG_TEAMS or config["warps"] % WG_TEAMS):
-        raise ValueError(f"config['split']='wg': needs config['teams']={WG_TEAMS} and warps a "
-                         f"multiple of {WG_TEAMS}, not {teams} and {config['warps']}")  # fmt: skip
-    if teams > 1 and (config["split"] == "rows" or (cluster > 1 and config["split"] == "k")):
+    if teams > 1 and (config["split"] != "k" or cluster > 1):
         raise ValueError(f"config['teams']={teams}: more than one team needs config['split']='k' "
                          f"and config['cluster']=1, not {config['split']!r} and {cluster}")  # fmt: skip
-    if teams > 1 and m > NARROW_M and config["split"] != "wg":
+    if teams > 1 and m > NARROW_M:
         raise ValueError(f"config['teams']={teams}: more than one team at M <= {NARROW_M} only "
                          f"(one n8 tile of activations), not M={m}")  # fmt: skip
-    wide = m > NARROW_M or config["split"] == "wg"  # (warpgroups: a block's every slice at once)
-    if config["slices"] == 4 and wide and config["warps"] > WIDE_MAX_WARPS:
+    if config["slices"] == 4 and m > NARROW_M and config["warps"] > WIDE_MAX_WARPS:
         raise ValueError(f"config['warps']={config['warps']}: allowed 1 to {WIDE_MAX_WARPS} for "
-                         f"64-row warps (config['slices']=4) at M={m} > {NARROW_M} or in "
-                         f"warpgroups")  # fmt: skip
+                         f"64-row warps (config['slices']=4) at M={m} > {NARROW_M}")  # fmt: skip
     if k % CHUNK or k < CHUNK * cluster:
         raise ValueError(f"K={k}: must be whole chunks of {CHUNK}, at least one per CTA of "
                          f"config['cluster']={cluster}")  # fmt: skip
@@ -125,19 +118,14 @@ def smem_bytes(config: Config, m: int, group: int) -> int:
     warps' partials and their sum; splitting rows, the CTA's [rows, M]); then, in a cluster,
     the inbox: an 8-byte mbarrier and, from each rank, its sums of this rank's share of the
     outputs."""
-    rows, warps, split = 16 * config["slices"], config["warps"], config["split"]
-    by_rows, by_wg = split == "rows", split == "wg"
+    rows, warps, by_rows = 16 * config["slices"], config["warps"], config["split"] == "rows"
     groups = CHUNK // group if group < CHUNK else 1
-    parts = (warps if by_rows else WG_TEAMS if by_wg else 1) * (rows * 64 + rows * 4 * groups)
-    slab = 16 * 128 * (2 if m > NARROW_M else 1) if by_wg else m * (2 * CHUNK + 16)
-    stage = -(-(parts + slab) // 128) * 128
-    rings, sums = (1, warps) if by_rows else (warps // WG_TEAMS if by_wg else warps, warps + 1)
-    ones = rings * ONES_BYTES if by_wg else 0
-    sums += WG_TEAMS - 1 if by_wg else 0
-    outputs = rows * (warps if by_rows else WG_TEAMS if by_wg else 1) * m
-    cluster = config["cluster"]
+    parts = (warps if by_rows else 1) * (rows * 64 + rows * 4 * groups)
+    stage = -(-(parts + m * (2 * CHUNK + 16)) // 128) * 128
+    rings, sums = (1, warps) if by_rows else (warps, warps + 1)
+    outputs, cluster = rows * (warps if by_rows else 1) * m, config["cluster"]
     inbox = 8 + cluster * -(-outputs // cluster) * 4 if cluster > 1 else 0
-    return max(rings * config["stages"] * stage + ones, sums * rows * m * 4) + inbox
+    return max(rings * config["stages"] * stage, sums * rows * m * 4) + inbox
 
 
 @dataclass(frozen=True)
@@ -153,15 +141,9 @@ class Library(cuda_library.CudaLibrary):
     stages: int
     stagger: bool = False
 
-    @property
-    def arch_flags(self) -> tuple[str, ...]:  # type: ignore[override]
-        """The warpgroup build issues wgmma: sm_90a code only."""
-        return cuda_library.SM90A_ONLY if self.split == "wg" else super().arch_flags
-
     def defines(self) -> list[str]:
-        wgmma = ["-DGEMV_WGMMA=1"] if self.split == "wg" else []
         return [f"-DGEMV_SPLIT_ROWS={int(self.split == 'rows')}", f"-DGEMV_SLICES={self.slices}",
-                f"-DGEMV_STAGES={self.stages}", f"-DGEMV_STAGGER={int(self.stagger)}", *wgmma]  # fmt: skip
+                f"-DGEMV_STAGES={self.stages}", f"-DGEMV_STAGGER={int(self.stagger)}"]  # fmt: skip
 
 
 def library(config: Config) -> Library:

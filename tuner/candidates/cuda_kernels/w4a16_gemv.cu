@@ -45,17 +45,6 @@
 // x's M rows are one n8 tile of the mma (M <= 8) or two (M = 9-16): each dequantized A fragment
 // then feeds two mma, so a second tile costs x's copies and mma, not the dequant.
 //
-// Warpgroups (GEMV_WGMMA=1, warps splitting K): a CTA holds four row blocks, and the four warps
-// of a warpgroup (one of each row block, at the same place in K) take the same chunks from one
-// ring they share, so x's slab is copied once per four warps. Each 16-row slice s of the four
-// warps is one wgmma m64nNk16 (N = 8 or 16, x's rows) with the dequantized fragments as A from
-// registers (the mma.sync A layout, a warp's 16 rows) and x's slab as B from shared memory:
-// one instruction a k16 block and slice for all of x's rows, where mma.sync takes one an n8
-// tile, and no ldmatrix. x's group sums are a wgmma of ones. The ring's stage is published to
-// the warpgroup by a named barrier after a proxy fence (cp.async writes, wgmma reads through
-// the async proxy), and a chunk's wgmma are waited for before the warp's next barrier, so the
-// copy that refills a stage never races a read of it.
-//
 // Staggered (GEMV_STAGGER=1): every CTA steps through K at once, so without it each chunk's x
 // lines are asked for by every CTA together; staggered, a CTA starts at round `row block %
 // rounds` and wraps to round 0 (the same chunks a warp, in another fixed order), at a few more
@@ -99,19 +88,6 @@
 #ifndef GEMV_STAGGER
 #define GEMV_STAGGER 0
 #endif
-#ifndef GEMV_WGMMA
-#define GEMV_WGMMA 0
-#endif
-// bench A/B only: -DGEMV_AB_WG_DESC_SWAP=1 swaps the two strides of x's wgmma descriptor (the
-// output is then wrong unless the PTX manual's reading of them is)
-#ifndef GEMV_AB_WG_DESC_SWAP
-#define GEMV_AB_WG_DESC_SWAP 0
-#endif
-// bench A/B only: -DGEMV_AB_WG_UPFRONT=1 dequantizes a group's every k16 block before one fence
-// and one wgmma group (no wait between blocks; more registers)
-#ifndef GEMV_AB_WG_UPFRONT
-#define GEMV_AB_WG_UPFRONT 0
-#endif
 // bench A/B only, the output left wrong: -DGEMV_COPIES_ONLY=1 streams the rings as the kernel
 // does but computes nothing (one word of each chunk read back): what the copies alone cost;
 // -DGEMV_EMPTY=1 returns at once: what launching the grid (its CTAs, shared memory) costs;
@@ -138,8 +114,6 @@
 namespace cg = cooperative_groups;
 
 constexpr bool SPLIT_ROWS = GEMV_SPLIT_ROWS;
-constexpr bool WGMMA = GEMV_WGMMA;
-constexpr int WG_TEAMS = 4;  // row blocks a warpgroup's CTA: a warp of each in a warpgroup
 constexpr int SLICES = GEMV_SLICES;
 constexpr int STAGES = GEMV_STAGES;
 constexpr int ROWS = 16 * SLICES;
@@ -149,7 +123,6 @@ constexpr int MAX_M = 16;  // two n8 tiles
 constexpr int MAX_WARPS = GEMV_MAX_WARPS;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
-static_assert(!(WGMMA && SPLIT_ROWS), "warpgroups split K");
 
 // Trace (GEMV_TRACE=1): per CTA, [smid, globaltimer at start and end, clock64 at start, after
 // its setup, when warp 0's first chunk landed, once the warps' partials are in shared memory, at
@@ -282,13 +255,6 @@ __host__ __device__ constexpr int warp_bytes() {
   return ROWS * 64 + ROWS * 4 * NG;
 }
 
-// (warpgroups) x's slab as wgmma's B takes it without swizzle: core matrices of 8 rows x 16
-// bytes (8 K values), 128 contiguous bytes each, the NT row groups of a 16-byte K piece side by
-// side, the K pieces X_PIECE_STEP bytes apart; rows past M hold what they held and only make
-// output columns that are never stored
-template <int NT>
-constexpr uint32_t X_PIECE_STEP = 128 * NT;
-
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -378,8 +344,7 @@ struct Half2Ops<true> {  // fp16
 template <int NG, int NT, bool FULL>
 struct Copier {
   static constexpr int SZ_COPIES = FULL ? (ROWS * NG / 4 + 31) / 32 : (ROWS * NG + 31) / 32;
-  // rounds when one warp copies the slab (a warpgroup: 8 rows a round)
-  static constexpr int X_COPIES = WGMMA ? NT : 8 * NT * 16 / 32;
+  static constexpr int X_COPIES = 8 * NT * 16 / 32;  // rounds when one warp copies the slab
   const uint8_t* w;      // this lane's first weight byte of the current chunk
   int w_step;            // bytes to the next chunk
   const uint32_t* sz;    // this lane's first (scale, zero) word of group 0
@@ -440,13 +405,8 @@ struct Copier {
     const int x_row = x_thread >> 4, x_rows = x_threads >> 4;
     x = p.x + x_row * p.ldx + (x_thread & 15) * 8 + static_cast<long long>(first) * CHUNK;
     x_round = x_rows * static_cast<int>(p.ldx);
-    if constexpr (WGMMA) {  // x_threads = 128: rows r and r + 8, in the next core matrix
-      lane_x = x_at + (x_thread & 15) * X_PIECE_STEP<NT> + x_row * 16;
-      x_round_bytes = 128;
-    } else {
-      lane_x = x_at + x_row * XROW + (x_thread & 15) * 16;
-      x_round_bytes = x_rows * XROW;
-    }
+    lane_x = x_at + x_row * XROW + (x_thread & 15) * 16;
+    x_round_bytes = x_rows * XROW;
     x_rounds = x_row < p.m ? (p.m - x_row + x_rows - 1) / x_rows : 0;
     x_rows_past_one = p.m > x_rows;
     chunk = first;
@@ -606,180 +566,10 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
   }
 }
 
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int PENDING>
-__device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
-}
-
-// Makes this thread's landed cp.async writes visible to wgmma's reads (the async proxy).
-__device__ __forceinline__ void fence_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// Waits at named barrier `id` for `threads` threads (a warpgroup: 128).
-__device__ __forceinline__ void bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-// A wgmma descriptor (no swizzle) of the operand at `addr`: its core matrices adjacent in K
-// `lead` bytes apart (the leading byte offset), those adjacent in M or N `stride` bytes apart.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
-  const uint64_t l = (GEMV_AB_WG_DESC_SWAP ? stride : lead) >> 4;
-  const uint64_t s = (GEMV_AB_WG_DESC_SWAP ? lead : stride) >> 4;
-  return static_cast<uint64_t>((addr & 0x3ffff) >> 4) | l << 16 | s << 32;
-}
-
-// (warpgroups) a tile of ones, wgmma's A for x's sums: 64 rows x 16 K values, its core
-// matrices (8 rows x 16 bytes) next to each other, two in K then the next eight rows
-constexpr int ONES_BYTES = 64 * 16 * 2;
-
-// One wgmma's asm, for a TYPE ("bf16" or "f16"): m64n16k16 (two n8 tiles of x, 8 accumulators)
-// or m64n8k16 (4), A from registers (RS: the mma.sync A fragment of this warp's 16 rows) or
-// from shared memory (SS, a descriptor); B, x's rows K-major, from shared memory; ACC 0
-// overwrites d.
-#define GEMV_WG_D8 \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-#define GEMV_WG_D4 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-#define GEMV_WG_A "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])
-#define GEMV_WG_RS16(TYPE)                                                                   \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                  \
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32." TYPE "." TYPE                  \
-               " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n" \
-               : GEMV_WG_D8 : GEMV_WG_A, "l"(b), "n"(ACC))
-#define GEMV_WG_RS8(TYPE)                                                                    \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"                                   \
-               "wgmma.mma_async.sync.aligned.m64n8k16.f32." TYPE "." TYPE                   \
-               " {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"                    \
-               : GEMV_WG_D4 : GEMV_WG_A, "l"(b), "n"(ACC))
-#define GEMV_WG_SS16(TYPE)                                                                   \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                  \
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32." TYPE "." TYPE                  \
-               " {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"             \
-               : GEMV_WG_D8 : "l"(a), "l"(b), "n"(ACC))
-#define GEMV_WG_SS8(TYPE)                                                                    \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"                                   \
-               "wgmma.mma_async.sync.aligned.m64n8k16.f32." TYPE "." TYPE                   \
-               " {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"                               \
-               : GEMV_WG_D4 : "l"(a), "l"(b), "n"(ACC))
-
-// d (+)= a @ x's k16 block (b: its descriptor), a this warp's dequantized fragment.
-template <bool F16, int NT, int ACC>
-__device__ __forceinline__ void wgmma(float (&d)[4 * NT], const uint32_t (&a)[4], uint64_t b) {
-  if constexpr (NT == 2 && F16) GEMV_WG_RS16("f16");
-  else if constexpr (NT == 2) GEMV_WG_RS16("bf16");
-  else if constexpr (F16) GEMV_WG_RS8("f16");
-  else GEMV_WG_RS8("bf16");
-}
-
-// d (+)= ones @ x's k16 block (x's sums over the block, in every row): A is a tile of ones in
-// shared memory (its descriptor `a`), so no registers hold it.
-template <bool F16, int NT, int ACC>
-__device__ __forceinline__ void wgmma_ones(float (&d)[4 * NT], uint64_t a, uint64_t b) {
-  if constexpr (NT == 2 && F16) GEMV_WG_SS16("f16");
-  else if constexpr (NT == 2) GEMV_WG_SS16("bf16");
-  else if constexpr (F16) GEMV_WG_SS8("f16");
-  else GEMV_WG_SS8("bf16");
-}
-
-// compute's warpgroup form: the same sums, in the same fp32 steps after each group, from wgmma.
-// Each k16 block's four slices go out as one wgmma group (their A fragments stay live until it
-// is done); the group's dots and x's sums are waited for once, at the group's end.
-template <bool F16, int NG, int NT>
-__device__ __forceinline__ void compute_wg(uint32_t part, uint32_t x_at, uint32_t ones_at,
-                                           int lane, float (&acc)[SLICES][NT][4]) {
-  using Ops = Half2Ops<F16>;
-  constexpr int BLOCKS = 8 / NG;
-  constexpr uint64_t BLOCK_STEP = 2 * X_PIECE_STEP<NT> >> 4;  // a k16 block in the descriptor
-  const int g = lane >> 2, t = lane & 3;
-  const uint32_t sz_at = part + ROWS * 64;
-  const uint64_t desc = smem_desc(x_at, X_PIECE_STEP<NT>, 128);
-  const uint64_t ones = smem_desc(ones_at, 128, 256);
-  uint32_t wl[SLICES][4], wh[SLICES][4];
-#pragma unroll
-  for (int s = 0; s < SLICES; ++s) {
-    const uint4 lo = lds128(part + (16 * s + g) * 64 + t * 16);      // row g
-    const uint4 hi = lds128(part + (16 * s + g + 8) * 64 + t * 16);  // row g + 8
-    wl[s][0] = lo.x, wl[s][1] = lo.y, wl[s][2] = lo.z, wl[s][3] = lo.w;
-    wh[s][0] = hi.x, wh[s][1] = hi.y, wh[s][2] = hi.z, wh[s][3] = hi.w;
-  }
-#pragma unroll
-  for (int i = 0; i < NG; ++i) {
-    float xsum[4 * NT], dot[SLICES][4 * NT];
-    wg_fence();
-#pragma unroll
-    for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) {
-      if (j == i * BLOCKS)
-        wgmma_ones<F16, NT, 0>(xsum, ones, desc + j * BLOCK_STEP);
-      else
-        wgmma_ones<F16, NT, 1>(xsum, ones, desc + j * BLOCK_STEP);
-    }
-    uint32_t a[BLOCKS][SLICES][4];
-    const auto issue = [&](int j) {
-#pragma unroll
-      for (int s = 0; s < SLICES; ++s) {
-        if (j == i * BLOCKS)
-          wgmma<F16, NT, 0>(dot[s], a[j - i * BLOCKS][s], desc + j * BLOCK_STEP);
-        else
-          wgmma<F16, NT, 1>(dot[s], a[j - i * BLOCKS][s], desc + j * BLOCK_STEP);
-      }
-    };
-#pragma unroll
-    for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) {
-      const int shift = j < 4 ? 0 : 4;
-#pragma unroll
-      for (int s = 0; s < SLICES; ++s) {
-        const uint32_t vl = wl[s][j & 3] >> shift, vh = wh[s][j & 3] >> shift;
-        uint32_t(&f)[4] = a[j - i * BLOCKS][s];
-        f[0] = lop_or_magic(vl, Ops::MAGIC);       // row g: bytes 0, 2
-        f[1] = lop_or_magic(vh, Ops::MAGIC);       // row g + 8
-        f[2] = lop_or_magic(vl >> 8, Ops::MAGIC);  // row g: bytes 1, 3
-        f[3] = lop_or_magic(vh >> 8, Ops::MAGIC);
-      }
-      if constexpr (!GEMV_AB_WG_UPFRONT) {
-        wg_fence();
-        issue(j);
-        wg_commit();
-        wg_wait<1>();
-      }
-    }
-    if constexpr (GEMV_AB_WG_UPFRONT) {  // every block's fragments first, then one fence
-      wg_fence();
-#pragma unroll
-      for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) issue(j);
-      wg_commit();
-    }
-    float sc[SLICES][2], zc[SLICES][2];
-#pragma unroll
-    for (int s = 0; s < SLICES; ++s) {
-      const uint32_t zs_g = lds32(sz_at + (i * ROWS + 16 * s + g) * 4);
-      const uint32_t zs_h = lds32(sz_at + (i * ROWS + 16 * s + g + 8) * 4);
-      sc[s][0] = Ops::lo(zs_g);
-      sc[s][1] = Ops::lo(zs_h);
-      zc[s][0] = fmaf(-Ops::BIAS, sc[s][0], Ops::hi(zs_g));
-      zc[s][1] = fmaf(-Ops::BIAS, sc[s][1], Ops::hi(zs_h));
-    }
-    wg_wait<0>();
-#pragma unroll
-    for (int s = 0; s < SLICES; ++s)
-#pragma unroll
-      for (int n8 = 0; n8 < NT; ++n8)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = fmaf(sc[s][e >> 1], dot[s][4 * n8 + e], acc[s][n8][e]);
-          acc[s][n8][e] = fmaf(zc[s][e >> 1], xsum[4 * n8 + (e & 1)], v);
-        }
-  }
-}
-
-// 64-row warps over two n8 tiles, or in warpgroups (a k16 block's fragments of every slice live
-// at once), need more than 128 registers a thread: at most 8 warps a CTA
+// 64-row warps over two n8 tiles need more than 128 registers a thread: at most 8 warps a CTA
 template <int NT>
 constexpr int max_warps() {
-  return (SLICES * NT > 4 || (WGMMA && SLICES == 4)) && MAX_WARPS > 8 ? 8 : MAX_WARPS;
+  return SLICES * NT > 4 && MAX_WARPS > 8 ? 8 : MAX_WARPS;
 }
 
 // TEAMED: the build for more than one row block a CTA (its own instance, so that the build for
@@ -801,7 +591,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   // (a cluster) the inbox's barrier waits for the other ranks' sums of this rank's share
   if (ranks > 1) {
     if (threadIdx.x == 0) {
-      const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS * (WGMMA ? WG_TEAMS : 1)) * p.m;
+      const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * p.m;
       const int mine =
           ranks_of.share_begin(rank + 1, outputs) - ranks_of.share_begin(rank, outputs);
       bar_init(smem_addr(smem) + p.inbox_at, 1);
@@ -813,13 +603,9 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   }
 
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
-  // the warp's team (its row block) and its place among the team's kwarps warps (a team's warps
-  // next to each other; with warpgroups, the warpgroup's four warps one of each team)
+  // the warp's team (its row block) and its place among the team's kwarps warps
   const int kwarps = TEAMED ? p.team_warps : warps, teams = TEAMED ? p.teams : 1;
-  const int team = !TEAMED ? 0 : WGMMA ? warp % WG_TEAMS : warp / kwarps;
-  // (a warpgroup's place, read from lane 0: the compiler then knows it is uniform and keeps
-  // x's wgmma descriptors in uniform registers)
-  const int kwarp = WGMMA ? __shfl_sync(~0u, warp / WG_TEAMS, 0) : warp - team * kwarps;
+  const int team = TEAMED ? warp / kwarps : 0, kwarp = warp - team * kwarps;
   const int first_block = ranks_of.div(blockIdx.x) * teams;
   const int row_block = first_block + team;
   const int n0 = row_block * cta_rows;
@@ -838,33 +624,19 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   // splitting K, the warp takes chunks c_lo + kwarp, + kwarps, ... (its place in its team, the
   // team's warps); splitting rows, all of them
   const int first = SPLIT_ROWS ? c_lo : c_lo + kwarp, step = SPLIT_ROWS ? 1 : kwarps;
-  const bool idle = TEAMED && !WGMMA && !live;  // a warpgroup's warps all take its chunks
+  const bool idle = TEAMED && !live;
   const int mine = !idle && first < c_hi ? (c_hi - first + step - 1) / step : 0;
 
-  // a ring per warp (its part, then x's slab), per warpgroup (its warps' parts, then the slab)
-  // or one per CTA (every warp's part, then the slab)
-  const int ring_index = SPLIT_ROWS ? 0 : WGMMA ? kwarp : warp;
-  const uint32_t ring = smem_addr(smem) + ring_index * STAGES * p.stage_bytes;
-  const int part_index = SPLIT_ROWS ? warp : WGMMA ? team : 0;
-  const uint32_t part_at = part_index * warp_bytes<NG>();
-  const uint32_t x_at = (SPLIT_ROWS ? warps : WGMMA ? WG_TEAMS : 1) * warp_bytes<NG>();
-  const int x_thread = SPLIT_ROWS ? threadIdx.x : WGMMA ? threadIdx.x % 128 : lane;
-  const int x_threads = SPLIT_ROWS ? blockDim.x : WGMMA ? 128 : 32;
+  // a ring per warp (its part, then x's slab), or one per CTA (every warp's part, then the slab)
+  const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
+  const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
+  const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
   // (GEMV_STAGGER) CTAs of neighbouring row blocks start at different rounds, so they do not all
   // ask the L2 for the same x lines at once
   const int start = GEMV_STAGGER && mine > 0 ? row_block % mine : 0;
   Copier<NG, NT, FULL> copier(p, block, rows, offset, first_row + offset, first, step, mine,
-                              start, lane, part_at, x_at, x_thread, x_threads);
-  // (warpgroups) the warpgroup's tile of ones, after every ring, published by the first chunk's
-  // fence and barrier
-  const uint32_t ones_at =
-      smem_addr(smem) + warps / WG_TEAMS * STAGES * p.stage_bytes + kwarp * ONES_BYTES;
-  if constexpr (WGMMA) {
-    const uint32_t one = Half2Ops<F16>::ONES;
-    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(ones_at + threadIdx.x % 128 * 16),
-                 "r"(one)
-                 : "memory");
-  }
+                              start, lane, part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
+                              SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
   if (threadIdx.x == 0) stamp(4, CLOCK);
 #pragma unroll
@@ -875,24 +647,15 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
   for (int i = 0; i < mine; ++i) {
     const uint32_t stage = ring + slot * p.stage_bytes;
-    if constexpr (SPLIT_ROWS || WGMMA) {
-      // the slab is copied by other warps: one barrier a chunk (the CTA's, or the warpgroup's
-      // after a proxy fence), after this thread's copies of chunk i landed, both publishes chunk
-      // i and frees the stage chunk i - 1 took
+    if constexpr (SPLIT_ROWS) {
+      // the slab is copied by other warps: one barrier a chunk, after this thread's copies of
+      // chunk i landed, both publishes chunk i and frees the stage chunk i - 1 took
       wait_copies<STAGES - 2>();
-      if constexpr (WGMMA) {
-        fence_async_shared();
-        bar_sync(1 + kwarp, 128);
-      } else {
-        __syncthreads();
-      }
+      __syncthreads();
       if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
-      if constexpr (WGMMA)
-        compute_wg<F16, NG, NT>(stage + part_at, stage + x_at, ones_at, lane, acc);
-      else
-        compute<F16, NG, NT>(p, stage + part_at, stage + x_at, lane, acc);
+      compute<F16, NG, NT>(p, stage + part_at, stage + x_at, lane, acc);
     } else {
       if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
@@ -924,8 +687,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const int outputs = cta_rows * m;
   float* part = reinterpret_cast<float*>(smem);
   float* sums = SPLIT_ROWS ? part : part + warps * outputs;
-  float* mine_at = SPLIT_ROWS ? part + warp * ROWS
-                   : part + (WGMMA ? team * kwarps + kwarp : warp) * outputs;
+  float* mine_at = SPLIT_ROWS ? part + warp * ROWS : part + warp * outputs;
 #pragma unroll
   for (int s = 0; s < SLICES; ++s)
 #pragma unroll
@@ -957,7 +719,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
       if (stored_here)
         store(q, v, (first_block + t) * cta_rows);
       else
-        sums[WGMMA ? tq : q] = v;
+        sums[q] = v;
     }
   } else if constexpr (!SPLIT_ROWS) {
     // outputs q .. q + 3 (one column's rows: a row block's rows are a multiple of 16), as one
@@ -991,7 +753,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
       if (stored_here)
         store4(4 * qq, v, (first_block + team) * cta_rows);
       else
-        reinterpret_cast<float4*>(sums)[(WGMMA ? team * quads : 0) + qq] = v;
+        reinterpret_cast<float4*>(sums)[qq] = v;
     }
   }
   if (!stored_here) {
@@ -999,10 +761,8 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
     if (SPLIT_ROWS && threadIdx.x == 0) stamp(6, CLOCK);
     const uint32_t inbox_bar = smem_addr(smem) + p.inbox_at;
     float* inbox = reinterpret_cast<float*>(smem + p.inbox_at + 8);  // [sender][share]
-    // the CTA's sums: its teams' [M][cta_rows] one after the other (warpgroups in a cluster)
-    const int cta_outputs = (WGMMA ? teams : 1) * outputs;
-    const int share = ranks_of.div(cta_outputs + ranks - 1);
-    const auto q_lo = [&](int r) { return ranks_of.share_begin(r, cta_outputs); };
+    const int share = ranks_of.div(outputs + ranks - 1);
+    const auto q_lo = [&](int r) { return ranks_of.share_begin(r, outputs); };
     if (ranks > 1) {
       asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every inbox made
       for (int r = 0; r < ranks; ++r) {
@@ -1017,12 +777,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
     for (int q = q_lo(rank) + threadIdx.x; q < q_lo(rank + 1); q += blockDim.x) {
       float v = 0.f;
       for (int r = 0; r < ranks; ++r) v += r == rank ? sums[q] : inbox[r * share + q - q_lo(rank)];
-      if constexpr (WGMMA) {
-        const int t = q / outputs;
-        store(q - t * outputs, v, (first_block + t) * cta_rows);
-      } else {
-        store(q, v, n0);
-      }
+      store(q, v, n0);
     }
   }
   if (threadIdx.x == 0) {
@@ -1033,28 +788,24 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
 
 namespace {
 
-// One stage of a ring: the warps' parts (one, a warpgroup's four, or all `warps` when they split
-// rows), x's slab.
+// One stage of a ring: the warps' parts (one, or all `warps` when they split rows), x's slab.
 int stage_bytes(int m, int group, int warps) {
   const int ng = group < CHUNK ? CHUNK / group : 1;
-  const int parts = SPLIT_ROWS ? warps : WGMMA ? WG_TEAMS : 1;
-  const int slab = WGMMA ? 16 * (m > 8 ? X_PIECE_STEP<2> : X_PIECE_STEP<1>) : m * XROW;
-  const int bytes = parts * (ROWS * 64 + ROWS * 4 * ng) + slab;
+  const int bytes = (SPLIT_ROWS ? warps : 1) * (ROWS * 64 + ROWS * 4 * ng) + m * XROW;
   return (bytes + 127) / 128 * 128;
 }
 
 // The rings (one per warp, or the CTA's), or the sums after them if larger: splitting K, the
 // warps' partials and their sum ((warps + 1) x ROWS x M floats); splitting rows, warps x ROWS x M.
 int inbox_at(int m, int group, int warps) {
-  const int rings = SPLIT_ROWS ? 1 : WGMMA ? warps / WG_TEAMS : warps;
-  const int ring = rings * STAGES * stage_bytes(m, group, warps) + (WGMMA ? rings * ONES_BYTES : 0);
-  const int reduce = (SPLIT_ROWS ? warps : warps + (WGMMA ? WG_TEAMS : 1)) * ROWS * m * 4;
+  const int ring = (SPLIT_ROWS ? 1 : warps) * STAGES * stage_bytes(m, group, warps);
+  const int reduce = (SPLIT_ROWS ? warps : warps + 1) * ROWS * m * 4;
   return ring > reduce ? ring : reduce;
 }
 
 // Then, in a cluster, the inbox: an mbarrier and a share of the outputs from each rank.
 int smem_bytes(int m, int group, int warps, int cluster) {
-  const int outputs = (SPLIT_ROWS ? warps * ROWS : WGMMA ? WG_TEAMS * ROWS : ROWS) * m;
+  const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * m;
   const int inbox = cluster > 1 ? 8 + cluster * ((outputs + cluster - 1) / cluster) * 4 : 0;
   return inbox_at(m, group, warps) + inbox;
 }
@@ -1091,19 +842,13 @@ cudaError_t launch_group(const Params& p, int group, int warps, int cluster, cud
   return launch_blocks<F16, 1, NT, TEAMED>(p, warps, cluster, s);
 }
 
-// teams (the entry point allows them at M <= 8, warps splitting K) have a build of one n8 tile;
-// warpgroups always take four teams, a build for each tile count
+// teams (the entry point allows them at M <= 8, warps splitting K) have a build of one n8 tile
 template <bool F16>
 cudaError_t launch_tiles(const Params& p, int group, int warps, int cluster, cudaStream_t s) {
-  if constexpr (WGMMA) {
-    return p.m > 8 ? launch_group<F16, 2, true>(p, group, warps, cluster, s)
-                   : launch_group<F16, 1, true>(p, group, warps, cluster, s);
-  } else {
-    if constexpr (!SPLIT_ROWS)
-      if (p.teams > 1) return launch_group<F16, 1, true>(p, group, warps, cluster, s);
-    return p.m > 8 ? launch_group<F16, 2>(p, group, warps, cluster, s)
-                   : launch_group<F16, 1>(p, group, warps, cluster, s);
-  }
+  if constexpr (!SPLIT_ROWS)
+    if (p.teams > 1) return launch_group<F16, 1, true>(p, group, warps, cluster, s);
+  return p.m > 8 ? launch_group<F16, 2>(p, group, warps, cluster, s)
+                 : launch_group<F16, 1>(p, group, warps, cluster, s);
 }
 
 }  // namespace
@@ -1130,7 +875,8 @@ int w4a16_gemv_smem(int m, int group, int warps, int cluster) {
 // 128, 256 that divides K, N x K / group (scale, zero) words past 32-bit indices, warps outside
 // 1..MAX_WARPS (1..8 for 64-row warps at M > 8), a cluster other than 1, 2, 4 or 8, or one
 // wider than K's chunks, teams that do not divide the warps (or more than one team where warps
-// split rows, a cluster splits K or M > 8; with warpgroups, teams other than four), x's row stride past 32-bit offsets between copy rounds, x or w not 16-byte aligned.
+// split rows, a cluster splits K or M > 8), x's row stride past 32-bit offsets between copy
+// rounds, x or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
                int teams, void* stream) {
@@ -1139,7 +885,7 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !words_ok || warps < 1 ||
       warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster & (cluster - 1) ||
       cluster > k / CHUNK || ldx % 8 || teams < 1 || warps % teams ||
-      (WGMMA ? teams != WG_TEAMS : teams > 1 && (SPLIT_ROWS || cluster > 1 || m > 8)) ||
+      (teams > 1 && (SPLIT_ROWS || cluster > 1 || m > 8)) ||
       ldx >= (1ll << 31) / (2 * MAX_WARPS) ||
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
