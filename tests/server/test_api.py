@@ -485,6 +485,12 @@ def test_a_measurement_is_found_by_uid_with_a_read_token(fleet: ThreadServer) ->
     assert reader.holds(m.uid) is True and reader.holds("0" * 32) is False
 
 
+def work_after_backup(store: Store, missed: str) -> None:
+    """A run and three misses of ``missed`` recorded after the backup: what a restore loses."""
+    store.save_run([made_up(f32(24), "torch", 10.0)])
+    store.record_misses(DC, [missed], count=3)
+
+
 def test_miss_counts_a_restored_service_lost_are_sent_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -499,8 +505,7 @@ def test_miss_counts_a_restored_service_lost_are_sent_again(
             port = int(srv.url.rsplit(":", 1)[1])
             ca = srv.client("host-a", "submit")
             backup(db, saved)
-            a.save_run([made_up(f32(24), "torch", 10.0)])
-            a.record_misses(DC, [missed], count=3)
+            work_after_backup(a, missed)
             assert push(ca, a, FP).misses == 1
             pull(ca, a, FP)
             assert [(e["key"], e["misses"]) for e in ca.queue()] == [(missed, 3)]
@@ -534,8 +539,7 @@ def test_a_restore_of_one_service_sends_the_miss_counts_again_to_it_alone(
             port = int(srv.url.rsplit(":", 1)[1])
             ca = srv.client("host-a", "submit")
             backup(db, saved)
-            a.save_run([made_up(f32(24), "torch", 10.0)])
-            a.record_misses(DC, [missed], count=3)
+            work_after_backup(a, missed)
             for client in (ca, co):
                 assert push(client, a, FP).misses == 1
                 assert queued(client) == [(missed, 3)]
