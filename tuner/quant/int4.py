@@ -26,6 +26,7 @@ nibble of the row's tail byte j. torch's packer takes the even k in the high nib
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 
@@ -35,27 +36,40 @@ BLOCK_ROWS = 64  # rows per tile-major block
 INNER_K_TILES = (2, 4, 8)
 
 
-def check_group(group_size: int) -> None:
-    """ValueError naming the value unless ``group_size`` is one of ``GROUP_SIZES``, as an
-    integer (a Python or NumPy int, as torch's ops take; ``128.0``, ``True`` or ``"128"`` are
-    refused, not taken for a size)."""
+@dataclass(frozen=True)
+class Int4Names:
+    """What the checks' errors call an int4 GEMM's operands: by default the arguments of
+    ``tuner.int4_linear(x, packed_w, scales_and_zeros, group_size)``; a caller of another
+    signature passes its own (``tuner.torch`` passes aten's for the ops it routes)."""
+
+    x: str = "x"
+    packed_w: str = "packed_w"
+    scales_and_zeros: str = "scales_and_zeros"
+    group_size: str = "group_size"
+
+
+INT4_LINEAR_NAMES = Int4Names()
+
+
+def check_group(group_size: int, name: str = "group_size") -> None:
+    """ValueError naming the value (as ``name``) unless ``group_size`` is one of
+    ``GROUP_SIZES``, as an integer (a Python or NumPy int, as torch's ops take; ``128.0``,
+    ``True`` or ``"128"`` are refused, not taken for a size)."""
     try:
         if isinstance(group_size, bool):
             raise TypeError
         size = operator.index(group_size)
     except TypeError:
-        raise ValueError(
-            f"group_size={group_size!r}: must be an int, one of {GROUP_SIZES}"
-        ) from None
+        raise ValueError(f"{name}={group_size!r}: must be an int, one of {GROUP_SIZES}") from None
     if size not in GROUP_SIZES:
-        raise ValueError(f"group_size={group_size!r}: allowed {GROUP_SIZES}")
+        raise ValueError(f"{name}={group_size!r}: allowed {GROUP_SIZES}")
 
 
-def check_group_size(group_size: int, k: int) -> None:
+def check_group_size(group_size: int, k: int, name: str = "group_size") -> None:
     """``check_group``, and the group must divide K."""
-    check_group(group_size)
+    check_group(group_size, name)
     if k % group_size:
-        raise ValueError(f"group_size={group_size}: {group_size} must divide K={k}")
+        raise ValueError(f"{name}={group_size}: {group_size} must divide K={k}")
 
 
 def check_scales_and_zeros(
@@ -65,27 +79,28 @@ def check_scales_and_zeros(
     group_size: int,
     dtype: torch.dtype,
     device: torch.device | None = None,
+    *,
+    names: Int4Names = INT4_LINEAR_NAMES,
 ) -> None:
-    """ValueError naming the field unless the tensor is torch's [K / group, N, 2] of ``dtype``
-    (on ``device``, the activation's, where given: a kernel would read it there)."""
-    check_group_size(group_size, k)
+    """ValueError naming the field (as ``names`` has it) unless the tensor is torch's
+    [K / group, N, 2] of ``dtype`` (on ``device``, the activation's, where given: a kernel
+    would read it there)."""
+    check_group_size(group_size, k, names.group_size)
+    sz, x, group = names.scales_and_zeros, names.x, names.group_size
     if device is not None and scales_and_zeros.device != device:
-        raise ValueError(
-            f"scales_and_zeros.device={scales_and_zeros.device}: must be x's device ({device})"
-        )
+        raise ValueError(f"{sz}.device={scales_and_zeros.device}: must be {x}'s device ({device})")
     want = (k // group_size, n, 2)
     if tuple(scales_and_zeros.shape) != want:
         raise ValueError(
-            f"scales_and_zeros.shape={tuple(scales_and_zeros.shape)}: expected {want} "
-            f"([K / group_size, N, 2] for N={n}, K={k}, group_size={group_size})"
+            f"{sz}.shape={tuple(scales_and_zeros.shape)}: expected {want} "
+            f"([K / {group}, N, 2] for N={n}, K={k}, {group}={group_size})"
         )
     if scales_and_zeros.dtype != dtype:
         raise ValueError(
-            f"scales_and_zeros.dtype={scales_and_zeros.dtype}: must be the activation's "
-            f"(x.dtype={dtype})"
+            f"{sz}.dtype={scales_and_zeros.dtype}: must be the activation's ({x}.dtype={dtype})"
         )
     if not scales_and_zeros.is_contiguous():
-        raise ValueError("scales_and_zeros: must be contiguous")
+        raise ValueError(f"{sz}: must be contiguous")
 
 
 def quantize(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,12 +71,14 @@ _CPU_ACTS = (torch.bfloat16, torch.float16, torch.float32)  # _weight_int4pack_m
 _CUDA_ACTS = (torch.bfloat16,)
 
 
-def check_activation(x: torch.Tensor, name: str = "x") -> None:
-    """ValueError naming ``x`` unless torch's int4 op on its device takes it: a dtype it
-    computes in, contiguous (the op reads rows as stored, and refuses other strides)."""
+def check_activation(x: torch.Tensor, names: int4.Int4Names = int4.INT4_LINEAR_NAMES) -> None:
+    """ValueError naming ``x`` (as ``names`` has it) unless torch's int4 op on its device takes
+    it: a dtype it computes in, contiguous (the op reads rows as stored, and refuses other
+    strides)."""
+    name = names.x
     allowed = _CUDA_ACTS if x.is_cuda else _CPU_ACTS
     if x.dtype not in allowed:
-        cast = "; cast x and scales_and_zeros to torch.bfloat16" if x.is_cuda else ""
+        cast = f"; cast {name} and {names.scales_and_zeros} to torch.bfloat16" if x.is_cuda else ""
         raise ValueError(f"{name}.dtype={x.dtype}: allowed on {x.device.type}: "
                          f"{', '.join(map(str, allowed))}{cast}")  # fmt: skip
     if not x.is_contiguous():
@@ -85,16 +87,19 @@ def check_activation(x: torch.Tensor, name: str = "x") -> None:
 
 
 def check_packed(
-    packed: torch.Tensor, device: torch.device, name: str = "packed_w"
+    packed: torch.Tensor, device: torch.device, names: int4.Int4Names = int4.INT4_LINEAR_NAMES
 ) -> tuple[int, int]:
     """(N, K) of torch's packed weight for ``device`` (where the op runs), or a ValueError naming
-    ``name``, its dtype, shape and device and the format expected there: the devices' packings
-    differ, and torch's own errors name neither (the CPU op's for N not a multiple of 16 is
-    "Unsupported n block size")."""
+    the weight (``names.packed_w``), its dtype, shape and device and the format expected there:
+    the devices' packings differ, and torch's own errors name neither (the CPU op's for N not a
+    multiple of 16 is "Unsupported n block size")."""
+    name = names.packed_w
     fmt = _CUDA_FORMAT if device.type == "cuda" else _CPU_FORMAT
     got = f"got {packed.dtype} {tuple(packed.shape)} on {packed.device}"
     if packed.device != device:
-        raise ValueError(f"{name}.device={packed.device}: must be x's device ({device}); {got}")
+        raise ValueError(
+            f"{name}.device={packed.device}: must be {names.x}'s device ({device}); {got}"
+        )
     if device.type == "cuda":
         ok = packed.dtype == torch.int32 and packed.dim() == 4 and packed.shape[2] == 32
         ok = ok and packed.shape[3] * 2 in int4.INNER_K_TILES

@@ -206,8 +206,10 @@ class Dispatcher:
 
     def resolve_scaled_mm(
         self, a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any = None,
-        use_fast_accum: bool = False,
+        use_fast_accum: bool = False, *, names: lowbit.ScaledMMNames = lowbit.SCALED_MM_NAMES,
     ) -> tuple[Runner, Resolution]:  # fmt: skip
+        """``scaled_mm``'s runner, and how it was chosen; bad operands are named in the error
+        as ``names`` has them (``tuner.torch`` passes aten's)."""
         try:
             sig = lowbit.scaled_mm_sig(a, b, scale_a, scale_b, out_dtype, use_fast_accum)
         except AttributeError:
@@ -221,7 +223,8 @@ class Dispatcher:
                     f"{_type_name(use_fast_accum)}"
                 )
             hot = self._resolve(
-                sig, lambda: lowbit.scaled_mm_key(a, b, scale_a, scale_b, out_dtype, use_fast_accum),
+                sig, lambda: lowbit.scaled_mm_key(a, b, scale_a, scale_b, out_dtype,
+                                                  use_fast_accum, names),
                 a.device, torch_lowbit.scaled_mm_runner(out_dtype, use_fast_accum), grad=sig[-1],
             )  # fmt: skip
         return hot
@@ -238,9 +241,11 @@ class Dispatcher:
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     def resolve_int4(
-        self, x: Any, packed: Any, scales_and_zeros: Any, group_size: int
-    ) -> tuple[Runner, Resolution]:
-        """``int4_linear``'s runner for a 2-D ``x``, and how it was chosen."""
+        self, x: Any, packed: Any, scales_and_zeros: Any, group_size: int, *,
+        names: lowbit.Int4Names = lowbit.INT4_LINEAR_NAMES,
+    ) -> tuple[Runner, Resolution]:  # fmt: skip
+        """``int4_linear``'s runner for a 2-D ``x``, and how it was chosen; ``names`` as in
+        ``resolve_scaled_mm``."""
         try:
             sig = lowbit.int4_sig(x, packed, scales_and_zeros, group_size)
         except AttributeError:
@@ -249,8 +254,8 @@ class Dispatcher:
         hot = self._hot.get(sig)
         if hot is None:
             hot = self._resolve(
-                sig, lambda: lowbit.int4_key(x, packed, scales_and_zeros, group_size), x.device,
-                torch_lowbit.int4_runner(group_size), grad=sig[-1],
+                sig, lambda: lowbit.int4_key(x, packed, scales_and_zeros, group_size, names),
+                x.device, torch_lowbit.int4_runner(group_size), grad=sig[-1],
             )  # fmt: skip
         return hot
 

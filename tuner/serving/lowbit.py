@@ -10,20 +10,36 @@ A signature holds everything that decides the runner, as for ``tuner.matmul``. O
 disagree (K, the scales' shapes and dtypes, the group size), or that torch's op on the device
 would refuse (an activation dtype, another device's int4 packing, a rowwise scale_b not [1, N])
 raise a ``ValueError`` naming the field before anything runs: torch's CPU int4 op does not
-check its scales, and its errors name neither the argument nor the format. A call that is valid
+check its scales, and its errors name neither the argument nor the format. The field is named as
+the caller named it: ``tuner.scaled_mm``'s and ``tuner.int4_linear``'s arguments by default,
+aten's for the ops ``tuner.torch`` routes (``Int4Names``, ``ScaledMMNames``). A call that is valid
 but outside the keys (f32 activations, fp8 output, ...) is served by torch's op as made.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tuner.core.keys import DTYPE_NAMES, GemmKey, alignment, lowbit_fields, matrix_layout
 from tuner.quant import fp8, int4, int4_torch
+from tuner.quant.int4 import INT4_LINEAR_NAMES, Int4Names
 
 FP8_NAMES = {dtype: f"fp8_{fmt}" for fmt, dtype in fp8.FORMATS.items()}
+
+
+@dataclass(frozen=True)
+class ScaledMMNames:
+    """What ``check_scaled_mm``'s errors call the FP8 operands: by default ``tuner.scaled_mm``'s
+    arguments. The scales are ``scale_a`` and ``scale_b`` in every signature (aten's too)."""
+
+    a: str = "a"
+    b: str = "b"
+
+
+SCALED_MM_NAMES = ScaledMMNames()
 
 
 class OperandError(ValueError):
@@ -66,43 +82,51 @@ def int4_sig(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tup
             x.data_ptr() % 16, x.requires_grad and torch.is_grad_enabled())  # fmt: skip
 
 
-def check_int4(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tuple[int, int]:
-    """The weight's (N, K); ``OperandError`` naming the field unless the activation, weight and
-    scales agree."""
+def check_int4(
+    x: Any, packed: Any, scales_and_zeros: Any, group_size: int,
+    names: Int4Names = INT4_LINEAR_NAMES,
+) -> tuple[int, int]:  # fmt: skip
+    """The weight's (N, K); ``OperandError`` naming the field (as ``names`` has it) unless the
+    activation, weight and scales agree."""
     try:
-        int4_torch.check_activation(x)  # first: the scales' dtype is checked against x's
-        n, k = int4_torch.check_packed(packed, x.device)
+        int4_torch.check_activation(x, names)  # first: the scales' dtype is checked against x's
+        n, k = int4_torch.check_packed(packed, x.device, names)
         if x.shape[-1] != k:
-            raise ValueError(_k_mismatch(x, packed, k))
-        int4.check_scales_and_zeros(scales_and_zeros, n, k, group_size, x.dtype, x.device)
+            raise ValueError(_k_mismatch(x, packed, k, names))
+        int4.check_scales_and_zeros(
+            scales_and_zeros, n, k, group_size, x.dtype, x.device, names=names
+        )
     except ValueError as e:
         raise OperandError(str(e)) from e
     return n, k
 
 
-def _k_mismatch(x: Any, packed: Any, k: int) -> str:
+def _k_mismatch(x: Any, packed: Any, k: int, names: Int4Names) -> str:
     """Which of x and the packed weight is wrong is the caller's to say: name both, and the
     likely slip of an unpacked [N, K] weight where the CPU's [N, K / 2] packing belongs."""
-    xk = x.shape[-1]
-    msg = (f"x.shape={tuple(x.shape)} has K={xk}, but packed_w.shape={tuple(packed.shape)} "
+    xk, w = x.shape[-1], names.packed_w
+    msg = (f"{names.x}.shape={tuple(x.shape)} has K={xk}, but {w}.shape={tuple(packed.shape)} "
            f"holds a weight of K={k}")  # fmt: skip
     if not x.is_cuda and packed.shape[-1] == xk:
-        msg += ("; if packed_w holds unpacked [N, K] values, pack it with "
+        msg += (f"; if {w} holds unpacked [N, K] values, pack it with "
                 "aten._convert_weight_to_int4pack_for_cpu(w_int32, inner_k_tiles)")  # fmt: skip
     return msg
 
 
-def check_scaled_mm(a: Any, b: Any, scale_a: Any, scale_b: Any) -> bool:
-    """Whether the scales are rowwise; ``OperandError`` naming the field unless the operands and
-    their scales agree."""
+def check_scaled_mm(
+    a: Any, b: Any, scale_a: Any, scale_b: Any, names: ScaledMMNames = SCALED_MM_NAMES
+) -> bool:
+    """Whether the scales are rowwise; ``OperandError`` naming the field (as ``names`` has it)
+    unless the operands and their scales agree."""
+    ab = f"{names.a}, {names.b}"
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise OperandError(f"a, b: expected [M, K] and [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")  # fmt: skip
+        raise OperandError(f"{ab}: expected [M, K] and [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")  # fmt: skip
     if a.shape[1] == 0 and a.device.type == "cpu":  # torch's CPU op returns torch.empty's bytes
-        raise OperandError(f"a, b: K=0 ({tuple(a.shape)} and {tuple(b.shape)}): torch._scaled_mm "
+        raise OperandError(f"{ab}: K=0 ({tuple(a.shape)} and {tuple(b.shape)}): torch._scaled_mm "
                            "on the CPU leaves its output uninitialized; the product is zeros")  # fmt: skip
-    for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+    for name, t in ((names.b, b), ("scale_a", scale_a), ("scale_b", scale_b)):
         if t.device != a.device:  # a kernel would read another device's pointer
-            raise OperandError(f"{name}.device={t.device}: must be a's device ({a.device})")
+            raise OperandError(f"{name}.device={t.device}: must be {names.a}'s device ({a.device})")
     try:
         return fp8.check_scales(scale_a, scale_b, a.shape[0], b.shape[1], as_scaled_mm=True)
     except ValueError as e:
@@ -110,10 +134,14 @@ def check_scaled_mm(a: Any, b: Any, scale_a: Any, scale_b: Any) -> bool:
 
 
 def scaled_mm_key(
-    a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any, fast: bool
-) -> GemmKey:
-    """The key of ``_scaled_mm(a, b, ...)``: a [M, K] row-major, b [K, N] column-major."""
-    rowwise = check_scaled_mm(a, b, scale_a, scale_b)
+    a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any, fast: bool,
+    names: ScaledMMNames = SCALED_MM_NAMES,
+) -> GemmKey:  # fmt: skip
+    """The key of ``_scaled_mm(a, b, ...)``: a [M, K] row-major, b [K, N] column-major.
+    ``names`` name the operands in the caller's errors (``check_scaled_mm``); why a valid call
+    is outside the keys is a diagnostic of the tuner's (a stats row every caller of the
+    signature shares) and keeps its own names."""
+    rowwise = check_scaled_mm(a, b, scale_a, scale_b, names)
     for name, t in (("a", a), ("b", b)):
         if t.dtype not in FP8_NAMES:
             raise ValueError(
@@ -135,9 +163,13 @@ def scaled_mm_key(
     })  # fmt: skip
 
 
-def int4_key(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> GemmKey:
-    """The key of ``x [M, K] @ W[N, K].T`` with W int4 in groups of ``group_size``."""
-    n, k = check_int4(x, packed, scales_and_zeros, group_size)
+def int4_key(
+    x: Any, packed: Any, scales_and_zeros: Any, group_size: int,
+    names: Int4Names = INT4_LINEAR_NAMES,
+) -> GemmKey:  # fmt: skip
+    """The key of ``x [M, K] @ W[N, K].T`` with W int4 in groups of ``group_size``; ``names``
+    as in ``scaled_mm_key``."""
+    n, k = check_int4(x, packed, scales_and_zeros, group_size, names)
     if x.dim() != 2:
         raise ValueError(f"x: expected [M, K], got {tuple(x.shape)}")
     act = DTYPE_NAMES.get(x.dtype)
