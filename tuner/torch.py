@@ -11,11 +11,12 @@
 dropout; no mask, ``is_causal`` or a ``CausalBias``), for plain f16/bf16/f32 tensors whose operands
 share a dtype; ``torch._scaled_mm`` (FP8, without bias or ``scale_result``) and torch's int4 GEMM
 (``aten._weight_int4pack_mm`` on CUDA, ``aten._weight_int4pack_mm_for_cpu``) through
-``tuner.scaled_mm`` / ``tuner.int4_linear``, whose checks name a bad operand with a ``ValueError``
-where torch would raise its own ``RuntimeError`` (a float16 x for CUDA's int4 op, scales on
-another device). Leading batch dims are folded like torch does (``x.reshape(-1, K)``; a copy only where
-torch copies too). Everything else (broadcast batches, ``out=``, mixed dtypes, subclasses, masks,
-dropout) is left to torch untouched, and the dispatcher itself falls back to torch for layouts the
+``tuner.scaled_mm`` / ``tuner.int4_linear``, whose checks name a bad operand by its argument in
+aten's schema (``self``, ``mat2``, ``scale_a``, ``scale_b``; ``qGroupSize``, ``qScaleAndZeros``)
+with a ``ValueError`` where torch would raise its own ``RuntimeError`` (a float16 ``self`` for
+CUDA's int4 op, scales on another device). Leading batch dims are folded like torch does
+(``x.reshape(-1, K)``; a copy only where torch copies too). Everything else (broadcast batches,
+``out=``, mixed dtypes, subclasses, masks, dropout) is left to torch untouched, and the dispatcher itself falls back to torch for layouts the
 tuner does not key (odd strides). Results are always those of a checked kernel or of torch.
 
 **How.** ``enable()`` replaces those entry points (module attributes of ``torch``,
@@ -82,6 +83,7 @@ from tuner.serving.call_memo import (
     sdpa_key,
 )
 from tuner.serving.dispatcher import Dispatcher, Resolution, get_dispatcher
+from tuner.serving.lowbit import Int4Names, ScaledMMNames
 from tuner.serving.quantize import quantize_linear
 
 _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -275,6 +277,14 @@ def _int4_args(self: Any, mat2: Any, qGroupSize: int, qScaleAndZeros: Any) -> tu
     return self, mat2, qGroupSize, qScaleAndZeros
 
 
+# what the two signatures above call the operands the low-bit checks name: a routed call's error
+# names the argument the caller wrote, as torch's would
+_SCALED_MM_NAMES = ScaledMMNames(a="self", b="mat2")
+_INT4_NAMES = Int4Names(
+    x="self", packed_w="mat2", scales_and_zeros="qScaleAndZeros", group_size="qGroupSize"
+)
+
+
 def _plain(t: Any) -> bool:
     return type(t) in PLAIN
 
@@ -421,14 +431,18 @@ class Router:
             return NotImplemented
         if not all(_plain(t) for t in (a, b, sa, sb)):
             return NotImplemented
-        runner, res = self.dispatcher.resolve_scaled_mm(a, b, sa, sb, out_dtype, fast)
+        runner, res = self.dispatcher.resolve_scaled_mm(
+            a, b, sa, sb, out_dtype, fast, names=_SCALED_MM_NAMES
+        )
         return NotImplemented if self._torch_serves(res) else runner(a, b, sa, sb)
 
     def _int4_mm(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
         x, w, group_size, scales_and_zeros = _int4_args(*args, **kwargs)
         if compiling or not all(_plain(t) for t in (x, w, scales_and_zeros)) or x.dim() != 2:
             return NotImplemented
-        runner, res = self.dispatcher.resolve_int4(x, w, scales_and_zeros, group_size)
+        runner, res = self.dispatcher.resolve_int4(
+            x, w, scales_and_zeros, group_size, names=_INT4_NAMES
+        )
         return NotImplemented if self._torch_serves(res) else runner(x, w, scales_and_zeros)
 
     # --- attention -----------------------------------------------------------------------------

@@ -414,3 +414,74 @@ def test_drop_in_routes_the_low_bit_ops_and_restores_them(tmp_path, device, op_n
     calls = {parse_key(r.key).wdtype: r.calls for r in stats.rows if r.kind == "miss"}
     assert calls == {"int4": 3, "fp8_e4m3": 3}
     assert stats.misses == 6
+
+
+def aten_args(packet: object) -> list[str]:
+    """The argument names of an aten op (its default overload) in the installed torch."""
+    return [arg.name for arg in packet.default._schema.arguments]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("device", "op_name"),
+    [("cpu", "_weight_int4pack_mm_for_cpu"),
+     pytest.param("cuda", "_weight_int4pack_mm", marks=[pytest.mark.gpu, GPU])],
+)  # fmt: skip
+def test_routed_int4_op_errors_name_atens_arguments(
+    disp: Dispatcher, device: str, op_name: str
+) -> None:
+    """Bad input to torch's int4 op under the drop-in is refused by ``tuner.int4_linear``'s
+    checks naming the argument as the caller wrote it, aten's (self, mat2, qGroupSize,
+    qScaleAndZeros), positional or by keyword; a direct ``int4_linear`` call keeps its own."""
+    assert aten_args(getattr(torch.ops.aten, op_name)) == [
+        "self", "mat2", "qGroupSize", "qScaleAndZeros"
+    ]  # fmt: skip
+    packed, sz = int4_weight(device=device)
+    x = torch.randn(2, K, dtype=torch.bfloat16, device=device)
+    other = "meta" if device == "cpu" else "cpu"  # the meta device stands in for a second one
+    w = re.escape(str(tuple(packed.shape)))
+    cases = [
+        ((x, packed, GROUP, sz[:1]), r"^qScaleAndZeros\.shape=\(1, 64, 2\): expected \(2, 64, 2\) "
+                                     r"\(\[K / qGroupSize, N, 2\] for N=64, K=256, qGroupSize=128\)$"),
+        ((x, packed, 96, sz), r"^qGroupSize=96: allowed \(32, 64, 128, 256\)$"),
+        ((x[:, :224].contiguous(), packed, GROUP, sz),
+         rf"^self\.shape=\(2, 224\) has K=224, but mat2\.shape={w} holds a weight of K=256"),
+        ((x.double(), packed, GROUP, sz), rf"^self\.dtype=torch\.float64: allowed on {device}: "),
+        ((x, packed.to(other), GROUP, sz), rf"^mat2\.device={other}: must be self's device"),
+        ((x, packed, GROUP, sz.to(other)), rf"^qScaleAndZeros\.device={other}: must be self's "),
+    ]  # fmt: skip
+    with tt.enabled(dispatcher=disp):
+        op = getattr(torch.ops.aten, op_name)
+        for args, message in cases:
+            with pytest.raises(ValueError, match=message):
+                op(*args)
+        with pytest.raises(ValueError, match=r"^qScaleAndZeros\.shape=\(1, 64, 2\)"):
+            op(x, mat2=packed, qGroupSize=GROUP, qScaleAndZeros=sz[:1])
+    with pytest.raises(ValueError, match=r"^scales_and_zeros\.shape=\(1, 64, 2\)"):
+        tuner.int4_linear(x, packed, sz[:1], GROUP)
+    assert recorded(disp) == []
+
+
+def test_routed_scaled_mm_errors_name_atens_arguments(disp: Dispatcher) -> None:
+    """Bad input to ``torch._scaled_mm`` under the drop-in is refused by ``tuner.scaled_mm``'s
+    checks naming the operands as the caller wrote them, aten's self and mat2 (the scales are
+    scale_a and scale_b in both), positional or by keyword; a direct call keeps a and b."""
+    assert aten_args(torch.ops.aten._scaled_mm)[:4] == ["self", "mat2", "scale_a", "scale_b"]
+    a, b, sa, sb = fp8_operands(4, rowwise=True)
+    cases = [
+        ((a, b[:-1], sa, sb),
+         r"^self, mat2: expected \[M, K\] and \[K, N\], got \(4, 256\) and \(255, 64\)$"),
+        ((a[:, :0], b[:0], sa, sb),
+         r"^self, mat2: K=0 \(\(4, 0\) and \(0, 64\)\): torch\._scaled_mm on the CPU leaves"),
+        ((a, b.to("meta"), sa, sb), r"^mat2\.device=meta: must be self's device \(cpu\)$"),
+        ((a, b, sa, sb.to("meta")), r"^scale_b\.device=meta: must be self's device \(cpu\)$"),
+        ((a, b, sa, sb[:, :-1]), r"^scale_b\.shape=\(1, 63\): expected \(1, 64\) with a rowwise"),
+    ]  # fmt: skip
+    with tt.enabled(dispatcher=disp):
+        for args, message in cases:
+            with pytest.raises(ValueError, match=message):
+                torch._scaled_mm(*args, out_dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=r"^self, mat2: expected"):
+            torch._scaled_mm(a, mat2=b[:-1], scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^a, b: expected \[M, K\] and \[K, N\]"):
+        tuner.scaled_mm(a, b[:-1], sa, sb, out_dtype=torch.bfloat16)
+    assert recorded(disp) == []
