@@ -6,7 +6,10 @@ fingerprints of the device classes it has seen, and the compiled-kernel artifact
 builders (spec -> served hash, every builder's build of a spec; the blobs themselves are files in
 ``server.blobs``), and the service's identity (a random id made with the file, so that a host
 can tell a rebuilt service at the same URL from the one it synced with; a backup keeps it, so a
-restored one is told by its sequence numbers falling behind the host's positions). A host's
+restored one is told by its sequence numbers falling behind the host's positions), and every
+serving of a winner under its sequence number (``srv_served``, kept when a later one replaces
+it), which tells a restored one that has since passed a host's position again: it lacks the
+serving that host pulled last, or holds another under that number. A host's
 cache has its own schema (``tuner.cache.schema``); both are checked and migrated by ``tuner.cache.sqlite``. Files from
 before the two were split (one shared schema, version 2 in a ``meta`` table) open as version 1
 and lose the host's empty tables in the next migration.
@@ -225,6 +228,28 @@ def _v4(db: sqlite_utils.Database) -> None:
     db["srv_service"].insert({"id": uuid.uuid4().hex, "created_at": time.time()})
 
 
+def _v5(db: sqlite_utils.Database) -> None:
+    """Every serving of a winner under its sequence number, kept after a later one replaces it:
+    a host asks what was served under the number it pulled last (``store.served_at``), which a
+    service restored from an older backup has lost, or holds as another serving. Sequence
+    numbers before this migration were not kept: the winners served now are logged under
+    theirs, and ``served_log_from`` (the counter now) says from which number on the log is whole
+    (a restored file migrated later says its own, older one)."""
+    db["srv_served"].create(
+        {"seq": int, "device_class": str, "versions": str, "key": str, "updated_at": float},
+        pk="seq",
+        not_null={"device_class", "versions", "key", "updated_at"},
+    )
+    db.conn.execute(
+        "insert into srv_served(seq, device_class, versions, key, updated_at) "
+        "select seq, device_class, versions, key, updated_at from srv_winners"
+    )
+    db.conn.execute(
+        "insert into srv_counters(name, value) select 'served_log_from', value from "
+        "srv_counters where name = 'winner_seq'"
+    )
+
+
 def _legacy_version(db: sqlite_utils.Database, path: Path) -> int:
     version = legacy_meta(db, path)
     if version != SHARED_SCHEMA_VERSION or "srv_tokens" not in db.table_names():
@@ -241,7 +266,7 @@ FLEET = register(
     Schema(
         kind="tuner fleet database",
         application_id=FLEET_APPLICATION_ID,
-        migrations=(_v1, _v2, _v3, _v4),
+        migrations=(_v1, _v2, _v3, _v4, _v5),
         legacy_version=_legacy_version,
     )
 )

@@ -176,6 +176,11 @@ class FleetStore(DeviceFile):
             f"values ({', '.join('?' * len(WINNER_COLUMNS))})",
             [row[k] for k in WINNER_COLUMNS],
         )
+        c.execute(
+            "insert into srv_served(seq, device_class, versions, key, updated_at) "
+            "values (?, ?, ?, ?, ?)",
+            (seq, *group, row["updated_at"]),
+        )
         self.clear_pending(group)
         c.execute(  # lease_id kept: ending the lease reports the key as done
             f"update srv_queue set state = 'done', updated_at = ? where {_GROUP}",
@@ -230,6 +235,28 @@ class FleetStore(DeviceFile):
         return self.db.conn.execute(
             "select value from srv_counters where name = 'winner_seq'"
         ).fetchone()[0]
+
+    def served_at(self, device_class: str, seq: int) -> dict[str, Any]:
+        """What this file served under sequence number ``seq`` in ``device_class`` (key,
+        versions, updated_at; None: nothing), and ``log_from``: the log of servings is whole for
+        numbers above it (it began with schema 5; below, only the winners served then are in
+        it, so finding nothing there proves nothing).
+
+        Why a log, not an id: a restore copies the file, so any id kept in it (``service_id``)
+        comes back with the backup, and the file cannot tell it was restored. What a backup
+        cannot hold is what was served after it was taken: a host that pulled a serving asks
+        for it by number, and a restored service has lost it, or (having passed that number
+        again) holds another serving there, of another key or at another time; a winner served
+        again since under a later number no longer hides the loss."""
+        row = self.db.conn.execute(
+            "select key, versions, updated_at from srv_served where seq = ? and device_class = ?",
+            (seq, device_class),
+        ).fetchone()
+        (log_from,) = self.db.conn.execute(
+            "select value from srv_counters where name = 'served_log_from'"
+        ).fetchone()
+        served = dict(zip(("key", "versions", "updated_at"), row, strict=True)) if row else None
+        return {"seq": seq, "served": served, "log_from": log_from}
 
     def served_count(self) -> int:
         return self.db.conn.execute("select count(*) from srv_winners").fetchone()[0]
