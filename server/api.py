@@ -35,6 +35,7 @@ from server.models import (
     MissesOut,
     PendingEntry,
     QueueEntry,
+    ServedOut,
     SubmitIn,
     SubmitOut,
     ValidationOut,
@@ -182,6 +183,18 @@ def feed(
             "cursor": cursor, "more": more, "last": store.winner_seq(),
             "columns": results.FEED_COLUMNS, "rows": rows}  # fmt: skip
     return JSONResponse(body)  # our own rows: no need to re-validate 20k of them
+
+
+@router.get("/winners/{device_class}/served", response_model=ServedOut)
+def served_at(
+    request: Request, device_class: DeviceClassPath, _: Reader,
+    seq: Annotated[int, Query(ge=1, le=2**62, description="a feed sequence number")],
+) -> dict:  # fmt: skip
+    """What was served under sequence number `seq` (key, versions, date), kept after later
+    servings replace it: a host asks for the last one it pulled to tell a service restored from
+    an older backup (which lost it, or has since served another under that number). An unknown
+    device class is no 404 here: a restored service may not know it yet."""
+    return _store(request).served_at(device_class, seq)
 
 
 @router.get("/measurements", response_model=list[MeasurementRef])

@@ -219,6 +219,22 @@ class FeedOut(BaseModel):
     rows: list[list[Any]] = Field(description="one row per winner; `params` as JSON text")
 
 
+class Serving(BaseModel):
+    key: str
+    versions: str
+    updated_at: float
+
+
+class ServedOut(BaseModel):
+    """What was served under one sequence number: a host checks the one it pulled last."""
+
+    seq: int
+    served: Serving | None = Field(description="null: nothing of this class under `seq`")
+    log_from: int = Field(
+        description="the log is whole above this number; at or below it, null proves nothing"
+    )
+
+
 class ClaimIn(Strict):
     device: DeviceIn
     versions: Versions
