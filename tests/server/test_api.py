@@ -422,6 +422,72 @@ def test_a_restored_service_past_the_hosts_position_is_synced_from_the_start(
             assert "restored" not in caplog.text
 
 
+def test_a_restored_service_that_served_the_hosts_winner_again_since_is_synced_from_the_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The winner a host pulled last, served again by a restored service under a later number,
+    looks like one changed since: the winner as served now cannot tell. The service's log of
+    servings can: under the host's position it holds another serving (or none), so the host
+    syncs from the start and gets the winner it skipped."""
+    db, saved = tmp_path / "fleet.db", tmp_path / "backup.db"
+    keys = [f32(24), f32(32)]
+    with Store(tmp_path / "b.db") as b:
+        with ThreadServer(db) as srv:
+            port = int(srv.url.rsplit(":", 1)[1])
+            ca, cb = srv.client("host-a", "submit"), srv.client("host-b", "read")
+            ca.submit(FP, [made_up(keys[0], "torch", 10.0)])  # sequence number 1
+            backup(db, saved)
+            ca.submit(FP, [made_up(keys[1], "torch", 10.0)])  # 2: lost with the restore
+            assert pull(cb, b, FP).winners == 2  # B's mark: keys[1] at 2
+        restore(db, saved)
+        with ThreadServer(db, port=port) as srv:
+            ca.submit(FP, [made_up(f32(40), "torch", 20.0)])  # 2 again, another key
+            ca.submit(FP, [made_up(keys[1], "torch", 20.0)])  # 3: B's winner again, later
+            served = cb.winner(DC, str(keys[1]), VERSIONS)
+            assert served is not None and served["seq"] == 3  # what the old check passed
+            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+                assert pull(cb, b, FP).winners == 3
+            assert (
+                f"fleet service {srv.url} no longer serves {keys[1]} as this host pulled it, at "
+                "sequence number 2 (restored from an older backup?)"
+            ) in caplog.text
+            assert b.winner(DC, str(f32(40))) is not None  # the one numbered 2 now
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+                assert pull(cb, b, FP).winners == 0  # and incremental again from there
+            assert "restored" not in caplog.text
+
+
+@pytest.mark.parametrize("log", [True, False], ids=["servings-log", "service-without-log"])
+def test_a_winner_served_again_by_a_service_that_lost_nothing_is_pulled_incrementally(
+    log: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The winner a host pulled last, changed since under a later number by a service that
+    lost nothing, is no restore: its serving under the host's position is in the log as pulled
+    (or, from a service keeping no log, the winner is served under a later number)."""
+    if not log:  # a service too old to keep a log answers 404
+        monkeypatch.setattr(FleetClient, "served_at", lambda self, device_class, seq: None)
+    keys = [f32(24), f32(32)]
+    with Store(tmp_path / "b.db") as b, ThreadServer(tmp_path / "fleet.db") as srv:
+        ca, cb = srv.client("host-a", "submit"), srv.client("host-b", "read")
+        ca.submit(FP, [made_up(k, "torch", 10.0) for k in keys])  # 1 and 2
+        assert pull(cb, b, FP).winners == 2  # B's mark: keys[1] at 2
+        if log:
+            assert cb.served_at(DC, 2) == {
+                "seq": 2, "log_from": 0,
+                "served": {"key": str(keys[1]), "versions": VERSIONS,
+                           "updated_at": cb.winner(DC, str(keys[1]), VERSIONS)["updated_at"]},
+            }  # fmt: skip
+        ca.submit(FP, [made_up(keys[1], "triton_gemm", 9.0)])  # 3: B's winner, changed
+        ca.submit(FP, [made_up(f32(40), "torch", 10.0)])  # 4
+        assert cb.winner(DC, str(keys[1]), VERSIONS)["seq"] == 3
+        with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+            assert pull(cb, b, FP).winners == 2
+            assert pull(cb, b, FP).winners == 0
+        assert "restored" not in caplog.text
+        assert b.winner(DC, str(keys[1])).source == "triton_gemm"
+
+
 def test_a_push_only_host_pushes_again_to_a_service_that_lost_its_results(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -21,11 +21,13 @@ double-counts anything.
 Positions are kept per service, by the id its health names: a service rebuilt at the same URL
 is pulled from and pushed to from the start. One restored from an older backup keeps its id. A
 position is kept with its mark, what stands at it as the service names it: the last winner
-pulled, the uid of the last measurement pushed. Before a pull the service is asked for that
-winner, before a push for that measurement (one small request each); one it has lost gives the
-restore away, as does a position beyond the latest sequence number it names (``last`` in the
-feed and the artifact listing). All of its positions then start over, and every miss count is
-reported to it again in full; what was reported to other services stands.
+pulled, the uid of the last measurement pushed. Before a pull the service is asked what it
+served under that position (it keeps every serving by number; of a service too old to, that
+winner as served now), before a push for that measurement (one small request each); one it has
+lost, or another serving under that number, gives the restore away, as does a position beyond
+the latest sequence number it names (``last`` in the feed and the artifact listing). All of
+its positions then start over, and every miss count is reported to it again in full; what was
+reported to other services stands.
 """
 
 from __future__ import annotations
@@ -231,6 +233,17 @@ class FleetClient:
             return self.request("GET", f"/v1/winners/{device_class}", params=params)
         except FleetError as e:
             if self.nothing_there(e):
+                return None
+            raise
+
+    def served_at(self, device_class: str, seq: int) -> dict[str, Any] | None:
+        """What the service served under sequence number ``seq`` (``served``: key, versions,
+        updated_at, or None), and ``log_from``, above which its log of servings is whole; None
+        from a service too old to answer (no such route)."""
+        try:
+            return self.request("GET", f"/v1/winners/{device_class}/served", params={"seq": seq})
+        except FleetError as e:
+            if e.status == 404:  # the route never answers 404 where it exists
                 return None
             raise
 
@@ -505,24 +518,35 @@ def _pull_mark(row: dict[str, Any]) -> str:
 
 
 def _check_pulled(client: FleetClient, store: Store, scope: str, fp: Fingerprint) -> None:
-    """Before a pull: the service must still serve the winner at this host's pull position as
-    it was pulled, or under a later number (changed since). Gone, under an earlier number, or
-    under the same number with another date, the service lost history and the sync starts over,
-    also when new results have since taken its latest sequence number past the position (which
-    the feed's ``last`` cannot tell). A restored service that has changed that very winner again
-    since is not told apart this way; ``last`` and a pushing host's own check remain."""
+    """Before a pull: the service must still have served, under this host's pull position, the
+    winner pulled there (same key, versions and date), else it lost history and the sync starts
+    over, also when new results have since taken its latest sequence number past the position
+    (which the feed's ``last`` cannot tell). It keeps every serving by number (fleet schema 5),
+    so a restored service that has served that very winner again since, under a later number,
+    is caught too.
+
+    Where its log cannot say (a service too old to keep one; a position from before its log
+    began), the winner as served now is asked instead: it must be the one pulled, or served
+    under a later number (changed since); gone, under an earlier number, or under the same
+    number at another date, the service lost history. That cannot tell a restored service that
+    has served that very winner again since; ``last`` and a pushing host's own check remain."""
     name = _pull_name(scope, fp)
     mark = store.mark(name)
     if mark is None:
         return
     pulled, seq = json.loads(mark), store.position(name)
+    why = f"no longer serves {pulled['key']} as this host pulled it, at sequence number {seq}"
+    log = client.served_at(fp.device_class, seq)
+    if log is not None and (log["served"] is not None or seq > log["log_from"]):
+        if log["served"] != {k: pulled[k] for k in ("key", "versions", "updated_at")}:
+            _start_over(client, store, scope, why)
+        return
     served = client.winner(fp.device_class, pulled["key"], pulled["versions"])
     if served is not None and (
         served["seq"] > seq
         or (served["seq"] == seq and served["updated_at"] == pulled["updated_at"])
     ):
         return
-    why = f"no longer serves {pulled['key']} as this host pulled it, at sequence number {seq}"
     _start_over(client, store, scope, why)
 
 
