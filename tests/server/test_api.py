@@ -383,6 +383,35 @@ def service_counts(db: Path) -> tuple[int, list[tuple]]:
     return n, counts
 
 
+def pulled_then_restored(
+    db: Path, saved: Path, keys: list, b: Store
+) -> tuple[int, FleetClient, FleetClient]:
+    """A service that served ``keys`` (sequence numbers 1 and 2), backed up after the first,
+    host B pulled both, then the backup restored: (its port, host A's client, host B's)."""
+    with ThreadServer(db) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        ca, cb = srv.client("host-a", "submit"), srv.client("host-b", "read")
+        ca.submit(FP, [made_up(keys[0], "torch", 10.0)])  # sequence number 1
+        backup(db, saved)
+        ca.submit(FP, [made_up(keys[1], "torch", 10.0)])  # 2: lost with the restore
+        assert pull(cb, b, FP).winners == 2
+    restore(db, saved)
+    return port, ca, cb
+
+
+def pull_finds_the_restore(
+    cb: FleetClient, b: Store, caplog: pytest.LogCaptureFixture, url: str, lost: object
+) -> None:
+    """Host B's pull finds that the service no longer serves ``lost`` as B pulled it (at
+    sequence number 2) and syncs its three winners from the start."""
+    with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+        assert pull(cb, b, FP).winners == 3
+    assert (
+        f"fleet service {url} no longer serves {lost} as this host pulled it, at "
+        "sequence number 2 (restored from an older backup?)"
+    ) in caplog.text
+
+
 @pytest.mark.parametrize("after", ["other-keys", "the-same-key"])
 def test_a_restored_service_past_the_hosts_position_is_synced_from_the_start(
     after: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -395,23 +424,11 @@ def test_a_restored_service_past_the_hosts_position_is_synced_from_the_start(
     keys = [f32(24), f32(32)]
     later = [f32(40), f32(48)] if after == "other-keys" else [keys[1], f32(40)]
     with Store(tmp_path / "b.db") as b:
-        with ThreadServer(db) as srv:
-            port = int(srv.url.rsplit(":", 1)[1])
-            ca, cb = srv.client("host-a", "submit"), srv.client("host-b", "read")
-            ca.submit(FP, [made_up(keys[0], "torch", 10.0)])  # sequence number 1
-            backup(db, saved)
-            ca.submit(FP, [made_up(keys[1], "torch", 10.0)])  # 2: lost with the restore
-            assert pull(cb, b, FP).winners == 2
-        restore(db, saved)
+        port, ca, cb = pulled_then_restored(db, saved, keys, b)
         with ThreadServer(db, port=port) as srv:
             ca.submit(FP, [made_up(k, "torch", 20.0) for k in later])  # 2 and 3 again
             assert cb.feed(DC, VERSIONS, 0)["last"] == 3
-            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
-                assert pull(cb, b, FP).winners == 3
-            assert (
-                f"fleet service {srv.url} no longer serves {keys[1]} as this host pulled it, at "
-                "sequence number 2 (restored from an older backup?)"
-            ) in caplog.text
+            pull_finds_the_restore(cb, b, caplog, srv.url, keys[1])
             served = {w["key"]: w["baseline_us"] for w in feed_rows(cb.feed(DC, VERSIONS, 0))}
             assert {w.key: w.baseline_us for w in b.winners(DC)} == {
                 **served,
@@ -432,25 +449,13 @@ def test_a_restored_service_that_served_the_hosts_winner_again_since_is_synced_f
     db, saved = tmp_path / "fleet.db", tmp_path / "backup.db"
     keys = [f32(24), f32(32)]
     with Store(tmp_path / "b.db") as b:
-        with ThreadServer(db) as srv:
-            port = int(srv.url.rsplit(":", 1)[1])
-            ca, cb = srv.client("host-a", "submit"), srv.client("host-b", "read")
-            ca.submit(FP, [made_up(keys[0], "torch", 10.0)])  # sequence number 1
-            backup(db, saved)
-            ca.submit(FP, [made_up(keys[1], "torch", 10.0)])  # 2: lost with the restore
-            assert pull(cb, b, FP).winners == 2  # B's mark: keys[1] at 2
-        restore(db, saved)
+        port, ca, cb = pulled_then_restored(db, saved, keys, b)  # B's mark: keys[1] at 2
         with ThreadServer(db, port=port) as srv:
             ca.submit(FP, [made_up(f32(40), "torch", 20.0)])  # 2 again, another key
             ca.submit(FP, [made_up(keys[1], "torch", 20.0)])  # 3: B's winner again, later
             served = cb.winner(DC, str(keys[1]), VERSIONS)
             assert served is not None and served["seq"] == 3  # what the old check passed
-            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
-                assert pull(cb, b, FP).winners == 3
-            assert (
-                f"fleet service {srv.url} no longer serves {keys[1]} as this host pulled it, at "
-                "sequence number 2 (restored from an older backup?)"
-            ) in caplog.text
+            pull_finds_the_restore(cb, b, caplog, srv.url, keys[1])
             assert b.winner(DC, str(f32(40))) is not None  # the one numbered 2 now
             caplog.clear()
             with caplog.at_level("WARNING", logger="tuner.fleet.client"):
