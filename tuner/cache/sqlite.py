@@ -244,7 +244,7 @@ class SqliteFile:
         """Check the file, then bring its schema up to date in one transaction (or, read-only
         and at a version the schema reads as it is, leave it as it is)."""
         try:
-            version = self.schema_version()
+            version = self._read_version()
             if version == self.schema.version:
                 return
             try:
@@ -262,6 +262,19 @@ class SqliteFile:
             if "unable to open" in str(e):
                 raise StoreError(f"{self.path} cannot be opened: {e}{self._why_not(e)}") from None
             raise StoreError(f"{self.path} is corrupt or not a {self.schema.kind}: {e}") from None
+
+    def _read_version(self) -> int:
+        """``schema_version`` read in one snapshot. Read statement by statement, a new file that
+        another connection initialises meanwhile would show the first read its
+        ``application_id`` as 0 (not yet committed) and the next its tables (committed since),
+        and be refused as another application's file."""
+        conn = self.db.conn
+        conn.execute("BEGIN")
+        try:
+            return self.schema_version()
+        finally:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
 
     def _migrate(self) -> None:
         try:
