@@ -1,10 +1,14 @@
 """Several connections opening one new cache file at once: each finds it a tuner cache (or makes
-it one), none refuses it as another application's."""
+it one), none refuses it as another application's or finds it locked."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -62,3 +66,60 @@ def test_a_file_initialised_while_it_is_checked_is_not_another_applications(
     assert not t.is_alive()
     assert failed == []
     assert_a_current_cache(path)
+
+
+def test_a_new_file_another_connection_writes_is_switched_to_wal_once_it_lets_go(
+    tmp_path: Path,
+) -> None:
+    # Another connection holds the new file's write lock (as another opener does while it
+    # switches the file to WAL) when the Store switches it to WAL: SQLite refuses that switch at
+    # once, without waiting.
+    path = tmp_path / "c.db"
+    writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    writer.execute("BEGIN IMMEDIATE")
+    let_go = threading.Timer(0.3, writer.execute, ("ROLLBACK",))
+    let_go.start()
+    try:
+        Store(path).close()
+    finally:
+        let_go.join()
+        writer.close()
+    assert_a_current_cache(path)
+
+
+OPENER = """
+import json, sys, time
+from pathlib import Path
+from tuner.cache import Store, StoreError
+folder, rounds, start, slot = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+failed = []
+for i in range(rounds):
+    while time.time() < start + i * slot:
+        pass
+    try:
+        Store(folder / f"{i}.db").close()
+    except StoreError as e:
+        failed.append(str(e))
+print(json.dumps(failed))
+"""
+
+
+def test_processes_opening_new_files_at_once_all_open_them(tmp_path: Path) -> None:
+    processes, rounds, slot = 4, 60, 0.04
+    start = time.time() + 2.0  # all started (and imported) by then, on a slow machine too
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", OPENER, str(tmp_path), str(rounds), str(start), str(slot)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(processes)
+    ]
+    failed = []
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0
+        failed += json.loads(out.strip().splitlines()[-1])
+    assert failed == []
+    for i in range(rounds):
+        assert_a_current_cache(tmp_path / f"{i}.db")

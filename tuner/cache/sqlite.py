@@ -17,6 +17,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,12 @@ class ReadOnlyError(StoreError):
 def is_corrupt(e: sqlite3.DatabaseError) -> bool:
     """Whether SQLite found the file damaged (a page it cannot read), not merely busy."""
     return getattr(e, "sqlite_errorname", "") in ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+
+
+def is_busy(e: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite refused because another connection holds a lock (SQLITE_BUSY and its
+    extended codes): the same statement may succeed once it lets go."""
+    return getattr(e, "sqlite_errorname", "").startswith("SQLITE_BUSY")
 
 
 def is_read_only(e: sqlite3.DatabaseError) -> bool:
@@ -112,6 +119,7 @@ class SqliteFile:
         self.path = Path(path)
         self._file: str | None = None
         self._as_it_is = False  # read-only at an older version the schema reads: no writes
+        self._timeout_s = timeout_s
         if str(path) != ":memory:":
             if self.path.is_dir():
                 raise StoreError(
@@ -277,18 +285,30 @@ class SqliteFile:
                 conn.execute("ROLLBACK")
 
     def _migrate(self) -> None:
-        try:
-            self.db.conn.execute("PRAGMA journal_mode=WAL")
-        except sqlite3.DatabaseError as e:
-            if is_read_only(e):
-                raise self.read_only() from None
-            raise
+        self._wal()
         with self.transaction() as c:
             version = self.schema_version()  # again, under the write lock
             for step in self.schema.migrations[version:]:
                 step(self.db)
             c.execute(f"PRAGMA application_id={int(self.schema.application_id)}")
             c.execute(f"PRAGMA user_version={int(self.schema.version)}")
+
+    def _wal(self) -> None:
+        """Put the file in WAL mode. Switching a file to WAL takes an exclusive lock without
+        waiting for it (SQLite calls no busy handler there), so while another connection reads
+        the new file (in its rollback mode, before the switch) the switch fails as "database is
+        locked" at once: it is retried until that reader lets go, or the connection's timeout."""
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            try:
+                self.db.conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.DatabaseError as e:
+                if is_read_only(e):
+                    raise self.read_only() from None
+                if not is_busy(e) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.005)
 
     def _why_not(self, e: sqlite3.DatabaseError) -> str:
         """What a bare "unable to open database file" leaves out, when it is so."""
