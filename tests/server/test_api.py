@@ -463,21 +463,32 @@ def test_a_restored_service_that_served_the_hosts_winner_again_since_is_synced_f
             assert "restored" not in caplog.text
 
 
-@pytest.mark.parametrize("log", [True, False], ids=["servings-log", "service-without-log"])
+@pytest.mark.parametrize("log", ["servings-log", "service-without-log", "a-later-release-log"])
 def test_a_winner_served_again_by_a_service_that_lost_nothing_is_pulled_incrementally(
-    log: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    log: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The winner a host pulled last, changed since under a later number by a service that
     lost nothing, is no restore: its serving under the host's position is in the log as pulled
-    (or, from a service keeping no log, the winner is served under a later number)."""
-    if not log:  # a service too old to keep a log answers 404
+    (or, from a service keeping no log, the winner is served under a later number). A later
+    release's log may say more of a serving: only key, versions and date are compared."""
+    if log == "service-without-log":  # a service too old to keep a log answers 404
         monkeypatch.setattr(FleetClient, "served_at", lambda self, device_class, seq: None)
+    if log == "a-later-release-log":
+        served_at = FleetClient.served_at
+
+        def with_more(self: FleetClient, device_class: str, seq: int) -> dict | None:
+            found = served_at(self, device_class, seq)
+            if found and found["served"]:
+                found["served"]["source"] = "triton_gemm"
+            return found
+
+        monkeypatch.setattr(FleetClient, "served_at", with_more)
     keys = [f32(24), f32(32)]
     with Store(tmp_path / "b.db") as b, ThreadServer(tmp_path / "fleet.db") as srv:
         ca, cb = srv.client("host-a", "submit"), srv.client("host-b", "read")
         ca.submit(FP, [made_up(k, "torch", 10.0) for k in keys])  # 1 and 2
         assert pull(cb, b, FP).winners == 2  # B's mark: keys[1] at 2
-        if log:
+        if log == "servings-log":
             assert cb.served_at(DC, 2) == {
                 "seq": 2, "log_from": 0,
                 "served": {"key": str(keys[1]), "versions": VERSIONS,
