@@ -105,6 +105,20 @@ def test_miss_reports_are_kept_per_service(tmp_path):
         assert store.unreported_misses("cpu-test", service=two) == [(KEY, 2, 5)]
 
 
+def test_a_miss_report_without_a_service_is_refused(tmp_path):
+    """The previous release, still running on a file this one migrated, marks its reports
+    without a service: refused, instead of rows that its unscoped reads would count twice."""
+    with Store(tmp_path / "c.db") as store:
+        store.record_misses("cpu-test", [KEY], count=3)
+        with pytest.raises(sqlite3.IntegrityError, match="NOT NULL"):
+            store.db.conn.execute(
+                "insert or replace into reported_misses(device_class, key, reported) "
+                "values (?, ?, ?)",
+                ("cpu-test", KEY, 3),
+            )
+        assert store.unreported_misses("cpu-test", service="http://h:80#1f2e") == [(KEY, 3, 3)]
+
+
 def test_export_import_is_idempotent(tmp_path):
     with Store(tmp_path / "a.db") as a:
         a.save_run([measurement()], winner())

@@ -132,6 +132,10 @@ def _v5(db: sqlite_utils.Database) -> None:
     db["reported_misses"].create(
         {"service": str, "device_class": str, "key": str, "reported": int},
         pk=("service", "device_class", "key"),
+        # a process of the previous release still open on the file writes no service: refused,
+        # where rows without one (never equal in a primary key) would pile up and match its
+        # unscoped reads twice
+        not_null={"service", "device_class", "key", "reported"},
     )
 
 
