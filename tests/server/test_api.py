@@ -17,10 +17,11 @@ import torch
 
 from server.live import ThreadServer, backup, restore, wait_until
 from server.store import FleetStore
-from tuner.cache import Store
+from tests.cache.read_only import read_only
+from tuner.cache import ReadOnlyError, Store
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, parse_key
-from tuner.fleet.client import FleetClient, attach, pull, push
+from tuner.fleet.client import FleetClient, attach, pull, push, push_misses
 from tuner.measure.records import Measurement
 from tuner.serving.dispatcher import Dispatcher
 from tuner.tuning.engine import TuneOptions, TuneOutcome, tune
@@ -600,6 +601,48 @@ def test_miss_counts_a_restored_service_lost_are_sent_again(
             assert (out.accepted, out.misses, out.queued) == (1, 1, 1)
             assert [(e["key"], e["misses"]) for e in ca.queue()] == [(missed, 3)]
             assert push(ca, a, FP).misses == 0  # and only what is new from there
+
+
+def test_a_read_only_cache_reports_its_misses_never(tmp_path: Path) -> None:
+    """A cache that cannot keep what it reported (read-only) reports nothing: were the counts
+    sent first, every sync would send them again."""
+    with Store(tmp_path / "a.db") as a:
+        a.save_device(FP)
+        a.record_misses(DC, [str(f32(56))], count=3)
+    with (
+        read_only(tmp_path / "a.db"),
+        Store(tmp_path / "a.db") as a,
+        ThreadServer(tmp_path / "fleet.db") as srv,
+    ):
+        ca = srv.client("host-a", "submit")
+        for _ in range(2):
+            with pytest.raises(ReadOnlyError):
+                push_misses(ca, a, FP)
+        assert ca.queue() == []
+
+
+def test_a_failed_miss_report_is_sent_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A report the service never got (the connection dropped mid-sync) takes its marks back:
+    the next sync sends the counts in full, once."""
+    missed = str(f32(56))
+    with Store(tmp_path / "a.db") as a, ThreadServer(tmp_path / "fleet.db") as srv:
+        a.save_device(FP)
+        a.record_misses(DC, [missed], count=3)
+        ca = srv.client("host-a", "submit")
+
+        def dropped(fp: object, counts: object) -> int:
+            raise httpx.ConnectError("connection dropped")
+
+        with monkeypatch.context() as m:
+            m.setattr(ca, "report_misses", dropped)
+            with pytest.raises(httpx.ConnectError):
+                push_misses(ca, a, FP)
+        assert a.unreported_misses(DC, service=ca.sync_scope()) == [(missed, 3, 3)]
+        assert push_misses(ca, a, FP) == (1, 1)
+        assert [(e["key"], e["misses"]) for e in ca.queue()] == [(missed, 3)]
+        assert push_misses(ca, a, FP) == (0, 0)
 
 
 def test_a_restore_of_one_service_sends_the_miss_counts_again_to_it_alone(

@@ -16,8 +16,9 @@ with its own SQLite connection and calls ``Dispatcher.reload()`` when new winner
 
 Sync positions live in the local cache (``sync_state``): pulls resume from the last feed sequence
 number, pushes from the last pushed measurement id, and miss reports send only the counts not yet
-reported to that service (``reported_misses``), so a crash or an outage never loses or
-double-counts anything.
+reported to that service (``reported_misses``), so an outage never loses or double-counts
+anything (a process killed between marking a batch and sending it loses that batch's counts,
+which only order the tuning queue).
 Positions are kept per service, by the id its health names: a service rebuilt at the same URL
 is pulled from and pushed to from the start. One restored from an older backup keeps its id. A
 position is kept with its mark, what stands at it as the service names it: the last winner
@@ -654,8 +655,16 @@ def push_misses(client: FleetClient, store: Store, fp: Fingerprint) -> tuple[int
     queued = 0
     for i in range(0, len(todo), BATCH):
         chunk = todo[i : i + BATCH]
-        queued += client.report_misses(fp, [(k, d) for k, d, _ in chunk])
+        # marked before they are sent: a cache that cannot keep the marks (read-only) sends
+        # nothing, where sending first would send the same counts again at every sync; a
+        # report that fails takes its marks back
         store.mark_reported(fp.device_class, [(k, now) for k, _, now in chunk], service=scope)
+        try:
+            queued += client.report_misses(fp, [(k, d) for k, d, _ in chunk])
+        except BaseException:
+            before = [(k, now - d) for k, d, now in chunk]
+            store.mark_reported(fp.device_class, before, service=scope)
+            raise
     return len(todo), queued
 
 
