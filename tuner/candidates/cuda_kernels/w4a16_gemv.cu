@@ -107,13 +107,6 @@
 #ifndef GEMV_AB_NO_XSUM
 #define GEMV_AB_NO_XSUM 0
 #endif
-// bench A/B only, the output left wrong: -DGEMV_AB_X_REGS=1 loads x's B fragments straight from
-// global memory into registers, a chunk ahead (no slab in the ring, no ldmatrix), lane (g, t)
-// the 16 bytes at 32 q + 8 t of row g for q = 0..3, as a weight permuted in K to match would
-// need: what the slab and its ldmatrix cost
-#ifndef GEMV_AB_X_REGS
-#define GEMV_AB_X_REGS 0
-#endif
 #if defined(GEMV_AB_LAUNCH_SMEM) && !GEMV_EMPTY
 #error "GEMV_AB_LAUNCH_SMEM only for an empty build"
 #endif
@@ -460,9 +453,9 @@ struct Copier {
               valid ? at + (32 * it / ROWS) * n + 32 * it % ROWS : sz, valid);
       }
     }
-    if (!GEMV_AB_X_REGS && x_rounds > 0) copy16_x(stage + lane_x, x);
+    if (x_rounds > 0) copy16_x(stage + lane_x, x);
     // taken alike by every thread: M past one round of rows (M > 8 always, with two n8 tiles)
-    if (!GEMV_AB_X_REGS && (NT > 1 || x_rows_past_one)) {
+    if (NT > 1 || x_rows_past_one) {
       const uint16_t* piece = x;
 #pragma unroll
       for (int it = 1; it < X_COPIES; ++it)
@@ -494,7 +487,7 @@ struct Copier {
 // (the nibbles at bits 0 and 16) in k order, so x's fragments are ldmatrix's as they load.
 template <bool F16, int NG, int NT>
 __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t x_at, int lane,
-                                        const uint4 (&xr)[NT][4], float (&acc)[SLICES][NT][4]) {
+                                        float (&acc)[SLICES][NT][4]) {
   if constexpr (GEMV_COPIES_ONLY) {
     acc[0][0][0] += __uint_as_float(lds32(part + lane * 16));
     return;
@@ -510,16 +503,7 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
   uint32_t b[NT][8][2];
   const int mat = lane >> 3;
 #pragma unroll
-  for (int n8 = 0; n8 < NT && GEMV_AB_X_REGS; ++n8)
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      b[n8][2 * q][0] = xr[n8][q].x;
-      b[n8][2 * q][1] = xr[n8][q].y;
-      b[n8][2 * q + 1][0] = xr[n8][q].z;
-      b[n8][2 * q + 1][1] = xr[n8][q].w;
-    }
-#pragma unroll
-  for (int n8 = 0; n8 < NT && !GEMV_AB_X_REGS; ++n8) {
+  for (int n8 = 0; n8 < NT; ++n8) {
     const int row = min(8 * n8 + (lane & 7), p.m - 1);
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
@@ -654,21 +638,6 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
                               start, lane, part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
                               SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
-  // (GEMV_AB_X_REGS) x's fragments of the chunk computed (xr) and of the next one (xn)
-  uint4 xr[NT][4], xn[NT][4];
-  const uint16_t* xg[NT];
-#pragma unroll
-  for (int n8 = 0; n8 < NT; ++n8)
-    xg[n8] = p.x + min(8 * n8 + (lane >> 2), p.m - 1) * p.ldx + 8 * (lane & 3) + first * CHUNK;
-  const auto load_x = [&](uint4(&v)[NT][4]) {
-#pragma unroll
-    for (int n8 = 0; n8 < NT; ++n8) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) v[n8][q] = __ldg(reinterpret_cast<const uint4*>(xg[n8] + 32 * q));
-      xg[n8] += step * CHUNK;
-    }
-  };
-  if (GEMV_AB_X_REGS && mine > 0) load_x(xr);
   if (threadIdx.x == 0) stamp(4, CLOCK);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
@@ -676,12 +645,8 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
     commit();
   }
   int slot = 0, next = STAGES - 1;  // the stage computed, the stage filled
-#if GEMV_AB_X_REGS
-#pragma unroll 2
-#endif
   for (int i = 0; i < mine; ++i) {
     const uint32_t stage = ring + slot * p.stage_bytes;
-    if (GEMV_AB_X_REGS && i + 1 < mine) load_x(xn);
     if constexpr (SPLIT_ROWS) {
       // the slab is copied by other warps: one barrier a chunk, after this thread's copies of
       // chunk i landed, both publishes chunk i and frees the stage chunk i - 1 took
@@ -690,21 +655,15 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
       if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
-      compute<F16, NG, NT>(p, stage + part_at, stage + x_at, lane, xr, acc);
+      compute<F16, NG, NT>(p, stage + part_at, stage + x_at, lane, acc);
     } else {
       if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
       wait_copies<STAGES - 1>();
       __syncwarp();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
-      compute<F16, NG, NT>(p, stage, stage + x_at, lane, xr, acc);
+      compute<F16, NG, NT>(p, stage, stage + x_at, lane, acc);
       __syncwarp();
-    }
-    if constexpr (GEMV_AB_X_REGS) {
-#pragma unroll
-      for (int n8 = 0; n8 < NT; ++n8)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) xr[n8][q] = xn[n8][q];
     }
     if constexpr (STAGES == 2) {  // the two stages trade places
       slot ^= 1;
@@ -832,7 +791,7 @@ namespace {
 // One stage of a ring: the warps' parts (one, or all `warps` when they split rows), x's slab.
 int stage_bytes(int m, int group, int warps) {
   const int ng = group < CHUNK ? CHUNK / group : 1;
-  const int bytes = (SPLIT_ROWS ? warps : 1) * (ROWS * 64 + ROWS * 4 * ng) + (GEMV_AB_X_REGS ? 0 : m * XROW);
+  const int bytes = (SPLIT_ROWS ? warps : 1) * (ROWS * 64 + ROWS * 4 * ng) + m * XROW;
   return (bytes + 127) / 128 * 128;
 }
 
