@@ -114,6 +114,12 @@
 #ifndef GEMV_AB_DENORM
 #define GEMV_AB_DENORM 0
 #endif
+#ifndef TRY_REORDER
+#define TRY_REORDER 1
+#endif
+#ifndef TRY_PRE
+#define TRY_PRE 0
+#endif
 #if defined(GEMV_AB_LAUNCH_SMEM) && !GEMV_EMPTY
 #error "GEMV_AB_LAUNCH_SMEM only for an empty build"
 #endif
@@ -537,8 +543,9 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
   // X: x's sum over each group, for the columns 2 t, 2 t + 1 of each n8 tile
   float xsum[NG][NT][2];
   const uint32_t ones[4] = {Ops::ONES, Ops::ONES, Ops::ONES, Ops::ONES};
-  const uint32_t ones_lo[4] = {0x1d801d80u, 0x1d801d80u, 0x1d801d80u, 0x1d801d80u};  // 2^-68
-  const uint32_t ones_hi[4] = {0x1f801f80u, 0x1f801f80u, 0x1f801f80u, 0x1f801f80u};  // 2^-64
+  // (DENORM) subnormal ones, 2^-133 and 2^-129: X comes out times 2^-65, as the dots do
+  const uint32_t ones_lo[4] = {0x00010001u, 0x00010001u, 0x00010001u, 0x00010001u};
+  const uint32_t ones_hi[4] = {0x00100010u, 0x00100010u, 0x00100010u, 0x00100010u};
 #pragma unroll
   for (int i = 0; i < NG; ++i)
 #pragma unroll
@@ -563,13 +570,14 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
     for (int i = 0; i < NG; ++i) {
       const uint32_t zs_g = lds32(sz_at + (i * ROWS + 16 * s + g) * 4);
       const uint32_t zs_h = lds32(sz_at + (i * ROWS + 16 * s + g + 8) * 4);
-      const float s0[2] = {Ops::lo(zs_g), Ops::lo(zs_h)};  // rows g, g + 8
+      const float sc[2] = {Ops::lo(zs_g), Ops::lo(zs_h)};  // rows g, g + 8
       const float bias = DENORM ? 8.f : Ops::BIAS;
-      const float zc[2] = {fmaf(-bias, s0[0], Ops::hi(zs_g)), fmaf(-bias, s0[1], Ops::hi(zs_h))};
-      const float sc[2] = {DENORM ? s0[0] * 0x1p65f : s0[0], DENORM ? s0[1] * 0x1p65f : s0[1]};
+      const float zc[2] = {fmaf(-bias, sc[0], Ops::hi(zs_g)), fmaf(-bias, sc[1], Ops::hi(zs_h))};
       float dot[NT][4] = {};
 #pragma unroll
-      for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) {
+      for (int jj = i * BLOCKS; jj < (i + 1) * BLOCKS; ++jj) {
+        // (DENORM, one group a chunk) blocks j and j + 4 one after the other: they share w >> 8
+        const int j = DENORM && NG == 1 && TRY_REORDER ? (jj >> 1) + 4 * (jj & 1) : jj;
         const int shift = j < 4 ? 0 : 4;
         const uint32_t vl = wl[j & 3] >> shift, vh = wh[j & 3] >> shift;
         uint32_t a[4];
@@ -577,8 +585,8 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
           const uint32_t mask = j < 4 ? 0x000f000fu : 0x00f000f0u;
           a[0] = wl[j & 3] & mask;
           a[1] = wh[j & 3] & mask;
-          a[2] = wl8[j & 3] & mask;
-          a[3] = wh8[j & 3] & mask;
+          a[2] = (TRY_PRE ? wl8[j & 3] : wl[j & 3] >> 8) & mask;
+          a[3] = (TRY_PRE ? wh8[j & 3] : wh[j & 3] >> 8) & mask;
         } else {
           a[0] = lop_or_magic(vl, Ops::MAGIC);       // row g: bytes 0, 2
           a[1] = lop_or_magic(vh, Ops::MAGIC);       // row g + 8
@@ -598,6 +606,10 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
     }
   }
 }
+
+// What an accumulator's unit is worth: (DENORM) the dots and x's sums are times 2^-65
+template <bool F16>
+constexpr float ACC_UNIT = GEMV_AB_DENORM && !F16 ? 0x1p65f : 1.f;
 
 // 64-row warps over two n8 tiles need more than 128 registers a thread: at most 8 warps a CTA
 template <int NT>
@@ -728,7 +740,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
-        if (col < m) mine_at[col * cta_rows + row] = acc[s][n8][e];
+        if (col < m) mine_at[col * cta_rows + row] = acc[s][n8][e] * ACC_UNIT<F16>;
       }
   // output q of a row block's [M][cta_rows], the block's first row at `base`
   const auto store = [&](int q, float v, int base) {
