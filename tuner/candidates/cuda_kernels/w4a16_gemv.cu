@@ -107,19 +107,6 @@
 #ifndef GEMV_AB_NO_XSUM
 #define GEMV_AB_NO_XSUM 0
 #endif
-// bench A/B (bf16): -DGEMV_AB_DENORM=1 takes a nibble as a subnormal bf16 (w & 0x000f000f is
-// q x 2^-133, w & 0x00f000f0 is q x 2^-129: bit 7, the exponent's lowest, continues the
-// mantissa across the subnormal edge), so one shift a word instead of three; x's fragments are
-// scaled by 2^68 (low nibbles) and 2^64 (high) so the products are q x 2^-65, normal in fp32
-#ifndef GEMV_AB_DENORM
-#define GEMV_AB_DENORM 0
-#endif
-#ifndef TRY_REORDER
-#define TRY_REORDER 1
-#endif
-#ifndef TRY_PRE
-#define TRY_PRE 0
-#endif
 #if defined(GEMV_AB_LAUNCH_SMEM) && !GEMV_EMPTY
 #error "GEMV_AB_LAUNCH_SMEM only for an empty build"
 #endif
@@ -515,7 +502,6 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
   // x[2 t + 8, 2 t + 9]) of row g
   uint32_t b[NT][8][2];
   const int mat = lane >> 3;
-  constexpr bool DENORM = GEMV_AB_DENORM && !F16;
 #pragma unroll
   for (int n8 = 0; n8 < NT; ++n8) {
     const int row = min(8 * n8 + (lane & 7), p.m - 1);
@@ -529,23 +515,9 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
       b[n8][j + 1][1] = d[3];
     }
   }
-  if constexpr (DENORM) {
-#pragma unroll
-    for (int n8 = 0; n8 < NT; ++n8)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const uint32_t up = j < 4 ? 0x61806180u : 0x5f805f80u;  // 2^68, 2^64
-          asm("mul.rn.bf16x2 %0, %0, %1;\n" : "+r"(b[n8][j][e]) : "r"(up));
-        }
-  }
   // X: x's sum over each group, for the columns 2 t, 2 t + 1 of each n8 tile
   float xsum[NG][NT][2];
   const uint32_t ones[4] = {Ops::ONES, Ops::ONES, Ops::ONES, Ops::ONES};
-  // (DENORM) subnormal ones, 2^-133 and 2^-129: X comes out times 2^-65, as the dots do
-  const uint32_t ones_lo[4] = {0x00010001u, 0x00010001u, 0x00010001u, 0x00010001u};
-  const uint32_t ones_hi[4] = {0x00100010u, 0x00100010u, 0x00100010u, 0x00100010u};
 #pragma unroll
   for (int i = 0; i < NG; ++i)
 #pragma unroll
@@ -553,8 +525,7 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
       float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j)
-        if constexpr (!GEMV_AB_NO_XSUM)
-          Ops::mma(c, DENORM ? (j < 4 ? ones_lo : ones_hi) : ones, b[n8][j][0], b[n8][j][1]);
+        if constexpr (!GEMV_AB_NO_XSUM) Ops::mma(c, ones, b[n8][j][0], b[n8][j][1]);
       xsum[i][n8][0] = c[0];
       xsum[i][n8][1] = c[1];
     }
@@ -564,35 +535,23 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
     const uint4 hi = lds128(part + (16 * s + g + 8) * 64 + t * 16);  // row g + 8
     const uint32_t wl[4] = {lo.x, lo.y, lo.z, lo.w};
     const uint32_t wh[4] = {hi.x, hi.y, hi.z, hi.w};
-    const uint32_t wl8[4] = {lo.x >> 8, lo.y >> 8, lo.z >> 8, lo.w >> 8};
-    const uint32_t wh8[4] = {hi.x >> 8, hi.y >> 8, hi.z >> 8, hi.w >> 8};
 #pragma unroll
     for (int i = 0; i < NG; ++i) {
       const uint32_t zs_g = lds32(sz_at + (i * ROWS + 16 * s + g) * 4);
       const uint32_t zs_h = lds32(sz_at + (i * ROWS + 16 * s + g + 8) * 4);
       const float sc[2] = {Ops::lo(zs_g), Ops::lo(zs_h)};  // rows g, g + 8
-      const float bias = DENORM ? 8.f : Ops::BIAS;
-      const float zc[2] = {fmaf(-bias, sc[0], Ops::hi(zs_g)), fmaf(-bias, sc[1], Ops::hi(zs_h))};
+      const float zc[2] = {fmaf(-Ops::BIAS, sc[0], Ops::hi(zs_g)),
+                           fmaf(-Ops::BIAS, sc[1], Ops::hi(zs_h))};
       float dot[NT][4] = {};
 #pragma unroll
-      for (int jj = i * BLOCKS; jj < (i + 1) * BLOCKS; ++jj) {
-        // (DENORM, one group a chunk) blocks j and j + 4 one after the other: they share w >> 8
-        const int j = DENORM && NG == 1 && TRY_REORDER ? (jj >> 1) + 4 * (jj & 1) : jj;
+      for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) {
         const int shift = j < 4 ? 0 : 4;
         const uint32_t vl = wl[j & 3] >> shift, vh = wh[j & 3] >> shift;
         uint32_t a[4];
-        if constexpr (DENORM) {
-          const uint32_t mask = j < 4 ? 0x000f000fu : 0x00f000f0u;
-          a[0] = wl[j & 3] & mask;
-          a[1] = wh[j & 3] & mask;
-          a[2] = (TRY_PRE ? wl8[j & 3] : wl[j & 3] >> 8) & mask;
-          a[3] = (TRY_PRE ? wh8[j & 3] : wh[j & 3] >> 8) & mask;
-        } else {
-          a[0] = lop_or_magic(vl, Ops::MAGIC);       // row g: bytes 0, 2
-          a[1] = lop_or_magic(vh, Ops::MAGIC);       // row g + 8
-          a[2] = lop_or_magic(vl >> 8, Ops::MAGIC);  // row g: bytes 1, 3
-          a[3] = lop_or_magic(vh >> 8, Ops::MAGIC);
-        }
+        a[0] = lop_or_magic(vl, Ops::MAGIC);       // row g: bytes 0, 2
+        a[1] = lop_or_magic(vh, Ops::MAGIC);       // row g + 8
+        a[2] = lop_or_magic(vl >> 8, Ops::MAGIC);  // row g: bytes 1, 3
+        a[3] = lop_or_magic(vh >> 8, Ops::MAGIC);
 #pragma unroll
         for (int n8 = 0; n8 < NT; ++n8) Ops::mma(dot[n8], a, b[n8][j][0], b[n8][j][1]);
       }
@@ -606,10 +565,6 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
     }
   }
 }
-
-// What an accumulator's unit is worth: (DENORM) the dots and x's sums are times 2^-65
-template <bool F16>
-constexpr float ACC_UNIT = GEMV_AB_DENORM && !F16 ? 0x1p65f : 1.f;
 
 // 64-row warps over two n8 tiles need more than 128 registers a thread: at most 8 warps a CTA
 template <int NT>
@@ -740,7 +695,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
-        if (col < m) mine_at[col * cta_rows + row] = acc[s][n8][e] * ACC_UNIT<F16>;
+        if (col < m) mine_at[col * cta_rows + row] = acc[s][n8][e];
       }
   // output q of a row block's [M][cta_rows], the block's first row at `base`
   const auto store = [&](int q, float v, int base) {
