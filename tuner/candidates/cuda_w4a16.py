@@ -225,9 +225,8 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
 # of 64-row CTAs leaves some SMs a CTA more than the others, four-warp CTAs of 32 rows share the
 # rows out more evenly, at more instructions a weight byte. Such a grid is handed out a CTA an
 # SM at a time, and the CTAs handed out last end last: four row blocks a CTA (teams of three
-# warps) start them together. No staggered config: with x's lines through the L1 the staggered
-# builds measured slower, likely because an SM's CTAs at one chunk share its lines there and
-# staggered ones sit at different chunks.
+# warps) start them together. No staggered config: with x's lines through the L1, an SM's CTAs
+# at one chunk likely share its lines there, and staggered ones sit at different chunks.
 SHORTLIST = (("k", 2, 2, 16, 1, False, 1), ("k", 2, 4, 8, 1, False, 1), ("k", 4, 2, 8, 1, False, 1),
              ("k", 4, 2, 3, 1, False, 1), ("k", 2, 2, 4, 1, False, 1),
              ("k", 2, 3, 16, 1, False, 1), ("k", 2, 3, 12, 1, False, 1),

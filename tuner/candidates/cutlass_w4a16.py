@@ -69,7 +69,7 @@ KERNELS = ("ws", "coop", "pingpong", "ws_streamk")  # the generator's TMA mainlo
 STREAM_K_KERNEL = "TmaWarpSpecializedStreamK1"
 STREAM_K_HEADER = Path(__file__).parent / "cuda_kernels" / "cutlass_w4a16_streamk.hpp"
 STREAM_K_TILE = [64, 256, 64]  # the ws tile whose partial an owner gathers in its idle stages
-# clusters of 4 CTAs ran 1.6-2x slower than 2 (bench/NOTES.md): likely not all resident at once
+# no cluster of 4 CTAs: its CTAs are likely not all resident at once (timings: bench/NOTES.md)
 STREAM_K_CLUSTERS = [[1, 1], [2, 1]]
 # its epilogue's C: beta is 0, and with no C in shared memory CUTLASS's epilogue issues each
 # subtile's TMA store after the next subtile's writes instead of waiting on it
@@ -181,8 +181,8 @@ def row_major(params: Params) -> Params:
     return {k: v for k, v in params.items() if k != "a_layout"}
 
 
-# Every config reads A reordered (faster than row-major on every tile and projection measured,
-# bench/NOTES.md); row-major where N is not in 16s.
+# Every config reads A reordered (loaded in words and converted with fewer instructions than
+# row-major bytes; timings: bench/NOTES.md); row-major where N is not in 16s.
 # M <= 128 fits one 128-row tile of x: clusters pair CTAs along the weight's rows (sharing x's
 # tile), stream-K spreads K over the SMs when N alone gives few tiles. The generator has no
 # tile narrower than 128 rows of x.

@@ -381,8 +381,8 @@ SIDE_BY_SIDE_BUDGET_S = 0.04  # in reverse order as in order; each runner's budg
 EAGER_WARMUP_ROUNDS = 1  # eager rows: untimed rounds of every runner in turn before the timed ones
 GRAPH_ROUNDS = 3  # decode rows: rounds of CUDA-graph times; the median outlasts one disturbed
 # a runner's rounds (eager or graph) spread past this share of their median: something ran
-# beside some of them (rounds of one runner in turn under the same load read within a few
-# percent), and with two of four rounds disturbed the median is neither reading
+# beside some of them (rounds of one runner in turn under the same load read close together),
+# and with two of four rounds disturbed the median is neither reading
 ROUNDS_DISTURBED = 0.25
 
 
