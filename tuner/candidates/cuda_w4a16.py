@@ -291,15 +291,13 @@ class CudaW4A16(LibrarySource):
     def build(self, key: GemmKey, params: Params) -> Runner:
         check_config(params, key.m, key.n, key.k, key.group)
         config, group, fn = dict(params), key.group, launcher(params)
-        shape = (key.m, key.n, key.k)
         device = torch.device("cuda", torch.cuda.current_device())
         stream = ops.stream_getter(device)
 
         def check(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor,
                   out: torch.Tensor | None) -> None:  # fmt: skip
-            if check_operands(x, weight, scales_and_zeros, group, out) != shape:
-                raise ValueError(f"x.shape={tuple(x.shape)}, weight N={weight.shape[0]}: "
-                                 f"this runner is built for (M, N, K)={shape}")  # fmt: skip
+            mnk = check_operands(x, weight, scales_and_zeros, group, out)
+            int4_operands.check_shape(mnk, key, x, weight)
             if x.device != device:
                 raise ValueError(f"x.device={x.device}: this runner is built for {device}")
 

@@ -32,9 +32,9 @@ import functools
 import torch
 import triton
 
-from tuner.candidates import int4_operands, operand_guard, triton_w4a16
+from tuner.candidates import triton_w4a16
 from tuner.candidates.base import Params, Runner, Source
-from tuner.candidates.triton_kernels import dequant, w4a16
+from tuner.candidates.triton_kernels import dequant
 from tuner.candidates.triton_kernels.launch import WarmReport, precompile
 from tuner.core.keys import DTYPES, GemmKey
 from tuner.measure.timing import cache_bytes
@@ -142,16 +142,7 @@ class DequantGemm(Source):
         n, k, group = key.n, key.k, key.group
         fill = dequantizer(n, k, group, chunks, bn)
         rows = fill.rows
-
-        def check(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor,
-                  out: torch.Tensor | None) -> None:  # fmt: skip
-            if w4a16.check_inputs(x, weight, scales_and_zeros, group) != (key.m, n, k):
-                raise ValueError(f"x.shape={tuple(x.shape)}, weight N={weight.shape[0]}: this "
-                                 f"runner is built for (M, N, K)={(key.m, n, k)}")  # fmt: skip
-            if out is not None:
-                int4_operands.check_out(out, key.m, n, x)
-
-        checked = operand_guard.CheckedOnce(check)
+        checked = triton_w4a16.checked_once(key)
 
         def run(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip

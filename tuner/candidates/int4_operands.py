@@ -1,8 +1,21 @@
-"""The operands of an INT4 weight-only GEMM runner: what it may write."""
+"""The operands of an INT4 weight-only GEMM runner: the shape it is built for, what it may write."""
 
 from __future__ import annotations
 
 import torch
+
+from tuner.core.keys import GemmKey
+
+
+def check_shape(
+    mnk: tuple[int, int, int], key: GemmKey, x: torch.Tensor, weight: torch.Tensor
+) -> None:
+    """ValueError unless the operands' (M, N, K) ``mnk`` are ``key``'s, which the runner is built
+    for."""
+    shape = (key.m, key.n, key.k)
+    if mnk != shape:
+        raise ValueError(f"x.shape={tuple(x.shape)}, weight N={weight.shape[0]}: this runner is "
+                         f"built for (M, N, K)={shape}")  # fmt: skip
 
 
 def check_out(out: torch.Tensor, m: int, n: int, x: torch.Tensor) -> None:

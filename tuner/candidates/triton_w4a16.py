@@ -38,6 +38,20 @@ def unsupported(key: GemmKey) -> str | None:
     return None
 
 
+def checked_once(key: GemmKey) -> operand_guard.CheckedOnce:
+    """The operand check of a runner on our INT4 layout built for ``key``: what the Triton
+    kernels take (``w4a16.check_inputs``), of ``key``'s shape, and an ``out`` it may write."""
+
+    def check(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor,
+              out: torch.Tensor | None) -> None:  # fmt: skip
+        mnk = w4a16.check_inputs(x, weight, scales_and_zeros, key.group)
+        int4_operands.check_shape(mnk, key, x, weight)
+        if out is not None:
+            int4_operands.check_out(out, key.m, key.n, x)
+
+    return operand_guard.CheckedOnce(check)
+
+
 class TritonW4A16(Source):
     builds_kernels = True
     name = "triton_w4a16"
@@ -64,16 +78,7 @@ class TritonW4A16(Source):
     def build(self, key: GemmKey, params: Params) -> Runner:
         m, n, k, group = key.m, key.n, key.k, key.group
         plan = w4a16.checked_plan(m, n, k, group, params)
-
-        def check(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor,
-                  out: torch.Tensor | None) -> None:  # fmt: skip
-            if w4a16.check_inputs(x, weight, scales_and_zeros, group) != (m, n, k):
-                raise ValueError(f"x.shape={tuple(x.shape)}, weight N={weight.shape[0]}: this "
-                                 f"runner is built for (M, N, K)={(m, n, k)}")  # fmt: skip
-            if out is not None:
-                int4_operands.check_out(out, m, n, x)
-
-        checked = operand_guard.CheckedOnce(check)
+        checked = checked_once(key)
 
         def run(x, packed, scales_and_zeros, out=None):
             weight = int4_torch.ours(packed)
