@@ -50,9 +50,7 @@ CONFIG_KEYS = ("stages", "atoms", "cluster")
 
 def check_config(config: Config, m: int, n: int, k: int) -> None:
     """ValueError naming the field unless ``config`` can run the (M, N, K) problem."""
-    extra = set(config) - set(CONFIG_KEYS)
-    if extra:
-        raise ValueError(f"config: unknown keys {sorted(extra)}; allowed {list(CONFIG_KEYS)}")
+    cuda_library.check_keys(config, CONFIG_KEYS)
     choice(config, "stages", STAGES)
     atoms = choice(config, "atoms", ATOMS)
     cluster = choice(config, "cluster", CLUSTERS)
@@ -166,15 +164,7 @@ SHORTLIST = ((6, 2, 2), (5, 2, 2), (5, 2, 1), (6, 2, 1), (5, 2, 4))
 
 def configs(m: int, n: int, k: int) -> list[Config]:
     """Configs worth timing for a decode problem (M <= ``MAX_M``), those that fit it."""
-    out = []
-    for entry in SHORTLIST:
-        config = dict(zip(CONFIG_KEYS, entry, strict=True))
-        try:
-            check_config(config, m, n, k)
-        except ValueError:
-            continue
-        out.append(config)
-    return out
+    return cuda_library.fitting(SHORTLIST, CONFIG_KEYS, lambda c: check_config(c, m, n, k))
 
 
 def unsupported_reason(key: GemmKey) -> str | None:

@@ -18,7 +18,7 @@ import json
 import re
 import subprocess
 from abc import abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, ClassVar
@@ -205,6 +205,31 @@ def precompile_run(libs_of: list[list[CudaLibrary]], ready: Callable[[int], None
     """A tuning run's libraries (per key, in the order first needed), each once, on every core."""
     kernel_artifacts.compile_run(libs_of, ready, cannot_compile)
     publish(dict.fromkeys(lib for libs in libs_of for lib in libs))
+
+
+def check_keys(config: dict[str, Any], allowed: Sequence[str]) -> None:
+    """ValueError naming the keys of ``config`` that are not ``allowed``."""
+    extra = set(config) - set(allowed)
+    if extra:
+        raise ValueError(f"config: unknown keys {sorted(extra)}; allowed {list(allowed)}")
+
+
+def fitting(
+    shortlist: Iterable[tuple[Any, ...]],
+    keys: Sequence[str],
+    check: Callable[[dict[str, Any]], None],
+) -> list[dict[str, Any]]:
+    """The configs of ``shortlist`` (each entry ``keys``' values, in order) that ``check`` passes
+    (it raises ValueError for one that cannot run the problem)."""
+    out = []
+    for entry in shortlist:
+        config = dict(zip(keys, entry, strict=True))
+        try:
+            check(config)
+        except ValueError:
+            continue
+        out.append(config)
+    return out
 
 
 def choice(config: dict[str, Any], key: str, allowed: Iterable[Any]) -> Any:

@@ -77,9 +77,7 @@ MIN_BLOCKS_A_TEAM = 64
 
 def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     """ValueError naming the field unless ``config`` can run the (M, N, K, group) problem."""
-    extra = set(config) - set(CONFIG_KEYS)
-    if extra:
-        raise ValueError(f"config: unknown keys {sorted(extra)}; allowed {list(CONFIG_KEYS)}")
+    cuda_library.check_keys(config, CONFIG_KEYS)
     choice(config, "split", SPLITS)
     choice(config, "slices", SLICES)
     choice(config, "stages", STAGES)
@@ -244,18 +242,15 @@ def shortlist(m: int) -> tuple[tuple, ...]:
 
 def configs(m: int, n: int, k: int, group: int) -> list[Config]:
     """Configs worth timing for a decode problem (M <= ``MAX_M``), those that fit it."""
-    out = []
-    for entry in shortlist(m):
-        config = dict(zip(CONFIG_KEYS, entry, strict=True))
-        try:
-            check_config(config, m, n, k, group)
-        except ValueError:
-            continue
-        blocks = -(-n // (16 * config["slices"]))
-        if config["teams"] > 1 and blocks < MIN_BLOCKS_A_TEAM * config["teams"]:
-            continue
-        out.append(config)
-    return out
+    fit = cuda_library.fitting(shortlist(m), CONFIG_KEYS, lambda c: check_config(c, m, n, k, group))
+    return [c for c in fit if teams_worth_timing(c, n)]
+
+
+def teams_worth_timing(config: Config, n: int) -> bool:
+    """Whether ``config``'s teams are timed on N weight rows (``MIN_BLOCKS_A_TEAM``); a row block
+    a CTA always is."""
+    blocks = -(-n // (16 * config["slices"]))
+    return config["teams"] == 1 or blocks >= MIN_BLOCKS_A_TEAM * config["teams"]
 
 
 def unsupported_reason(key: GemmKey) -> str | None:
