@@ -119,8 +119,7 @@ class _Fp8Runner(_LtRunner):
         self, key: GemmKey, params: Params, device: torch.device, types: MatmulTypes
     ) -> None:
         super().__init__(key, params, device, types)
-        rows = key.scale == "row"
-        self.scale_lengths = (key.m, key.n) if rows else (1, 1)  # scale_a's, scale_b's
+        self.scale_lengths = ops.scale_lengths(key)
 
     def __call__(self, a: Any, b: Any, scale_a: Any, scale_b: Any, out: Any = None) -> Any:
         call = self._prepare(a, b, out)

@@ -157,8 +157,7 @@ class ScaledLauncher(cutlass_gemm.KernelLauncher):
         root = self.args.epilogue.epilogue.output_op
         self.scale_a = _pointer_field(root, "scale_a")
         self.scale_b = _pointer_field(root, "scale_b")
-        rows = key.scale == "row"
-        self.lengths = (key.m, key.n) if rows else (1, 1)
+        self.lengths = ops.scale_lengths(key)
 
     def _epilogue(self, op: Any, epilogue_t: Any, default_epilogue: bool) -> Any:
         placeholder = torch.zeros(1, dtype=torch.float32, device=self.device)  # set per call

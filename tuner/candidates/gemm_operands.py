@@ -185,6 +185,11 @@ def finish(c: torch.Tensor, out: Any, convert: Callable[[torch.Tensor], Any]) ->
     return out
 
 
+def scale_lengths(key: GemmKey) -> tuple[int, int]:
+    """The elements of an FP8 key's scale_a and scale_b: one each tensorwise, M and N rowwise."""
+    return (key.m, key.n) if key.scale == "row" else (1, 1)
+
+
 def scale_pointer(name: str, scale: torch.Tensor, length: int, device: torch.device) -> int:
     """The device pointer of an FP8 GEMM's float32 scale of ``length`` elements (1: tensorwise),
     which a library kernel reads in place; ValueError naming ``name`` unless it is one,
