@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tuner.candidates import cuda_library, operand_guard
+from tuner.candidates import cuda_library, fp8_operands, operand_guard
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner
 from tuner.candidates.cuda_library import Launcher, LibrarySource, choice
@@ -197,16 +197,14 @@ class CudaFp8(LibrarySource):
     def build(self, key: GemmKey, params: Params) -> Runner:
         check_config(params, key.m, key.n, key.k)
         config, fn, out_dtype = dict(params), launcher(params), DTYPES[key.out_dtype]
-        shape, rowwise = (key.m, key.n, key.k), key.scale == "row"
+        rowwise = key.scale == "row"
         device = torch.device("cuda", torch.cuda.current_device())
         stream = ops.stream_getter(device)
 
         def check(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                   scale_b: torch.Tensor, out: torch.Tensor | None) -> None:  # fmt: skip
-            if check_operands(a, b, scale_a, scale_b, out) != (*shape, rowwise):
-                raise ValueError(f"a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)} with "
-                                 f"{scale_a.numel()} / {scale_b.numel()} scales: this runner is "
-                                 f"built for (M, N, K)={shape}, {key.scale} scales")  # fmt: skip
+            found = check_operands(a, b, scale_a, scale_b, out)
+            fp8_operands.check_shape(found, key, a, b, scale_a, scale_b)
             if out is not None and out.dtype != out_dtype:
                 raise ValueError(f"out.dtype={out.dtype}: this runner is built for {out_dtype}")
             if a.device != device:

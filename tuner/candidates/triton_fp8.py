@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tuner.candidates import operand_guard
+from tuner.candidates import fp8_operands, operand_guard
 from tuner.candidates.base import Params, Runner, Source, triton_unavailable
 from tuner.candidates.triton_kernels import fp8
 from tuner.candidates.triton_kernels.launch import WarmJob, WarmReport, precompile
@@ -66,10 +66,8 @@ class TritonFp8(Source):
 
         def check(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                   scale_b: torch.Tensor, out: torch.Tensor | None) -> None:  # fmt: skip
-            if fp8.check_inputs(a, b, scale_a, scale_b) != (m, n, k, plan.rowwise):
-                raise ValueError(f"a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)} with "
-                                 f"{scale_a.numel()} / {scale_b.numel()} scales: this runner is "
-                                 f"built for (M, N, K)={(m, n, k)}, {key.scale} scales")  # fmt: skip
+            found = fp8.check_inputs(a, b, scale_a, scale_b)
+            fp8_operands.check_shape(found, key, a, b, scale_a, scale_b)
             if out is not None and (out.shape != (m, n) or out.dtype != out_dtype
                                     or out.stride(1) != 1 or out.device != a.device):  # fmt: skip
                 raise ValueError(f"out: expected {out_dtype} [{m}, {n}] with unit column stride "
