@@ -29,8 +29,8 @@ cudaError_t allow_smem(int smem) {
 // KERNEL(args...) on `ctas` CTAs of `threads` threads, `cluster` CTAs a cluster along x, with
 // `smem` bytes of dynamic shared memory, launched on `stream`; DEPENDENT: as a programmatic
 // dependent launch (KERNEL must then wait with griddepcontrol.wait before it reads what the
-// kernel before it wrote). Our kernels pass false; the default is the launch older versions of
-// them were written for, which a bench builds from their sources as baselines.
+// kernel before it wrote). Our kernels pass false; true stays the default because the kernel
+// sources a bench builds as baselines call this without the argument and wait as it expects.
 template <auto KERNEL, bool DEPENDENT = true, typename... Args>
 cudaError_t launch_in_clusters(unsigned ctas, unsigned threads, int smem, int cluster,
                                cudaStream_t stream, Args... args) {

@@ -48,8 +48,9 @@
 // Staggered (GEMV_STAGGER=1): every CTA steps through K at once, so without it each chunk's x
 // lines are asked for by every CTA together; staggered, a CTA starts at round `row block %
 // rounds` and wraps to round 0 (the same chunks a warp, in another fixed order), at a few more
-// instructions a chunk. With x through the L1, CTAs of an SM at the same chunk likely share its
-// lines there, and the staggered builds measured slower: the decode shortlist has none.
+// instructions a chunk. With x through the L1, CTAs of an SM at the same chunk share its lines
+// there, so staggering has little to spread and costs its instructions: the decode shortlist has
+// none.
 //
 // One shared library per (SPLIT_ROWS, SLICES, STAGES, STAGGER): -DGEMV_SPLIT_ROWS=0|1 (warps
 // split K or rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_STAGES=2..8,
