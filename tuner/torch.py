@@ -62,6 +62,7 @@ not locked, so threads racing on one problem may lose a few.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -494,6 +495,12 @@ ENTRY_POINTS = (
     (torch.ops.aten, "_weight_int4pack_mm", "_int4_mm"),
     (torch.ops.aten, "_weight_int4pack_mm_for_cpu", "_int4_mm"),
 )
+# the signature each handler reads its call by
+_BINDINGS: dict[str, Callable[..., tuple]] = {
+    "_matmul": _binary_args, "_mm": _binary_args, "_bmm": _binary_args, "_addmm": _addmm_args,
+    "_linear": _linear_args, "_sdpa": _sdpa_args, "_scaled_mm": _scaled_mm_args,
+    "_int4_mm": _int4_args,
+}  # fmt: skip
 _saved: list[tuple[Any, str, Any, bool]] = []  # (owner, name, original, owned its attribute)
 
 
@@ -508,16 +515,35 @@ def _route(
     """Serve one call through ``router``'s handler, or through torch where it declines."""
     if _guard.busy:
         return original(*args, **kwargs)
-    if torch.compiler.is_compiling():  # traced: the handler emits tuner:: custom ops
-        out = getattr(router, handler)(args, kwargs, True)
-    else:
-        _guard.busy = True
-        try:
-            serve = getattr(router, handler)
-            out = serve(args, kwargs, False, memo_key) if memo_key else serve(args, kwargs, False)
-        finally:
-            _guard.busy = False
+    try:
+        if torch.compiler.is_compiling():  # traced: the handler emits tuner:: custom ops
+            out = getattr(router, handler)(args, kwargs, True)
+        else:
+            _guard.busy = True
+            try:
+                serve = getattr(router, handler)
+                out = (
+                    serve(args, kwargs, False, memo_key) if memo_key else serve(args, kwargs, False)
+                )
+            finally:
+                _guard.busy = False
+    except TypeError:
+        if _binds(handler, args, kwargs):  # the handler's own error
+            raise
+        out = NotImplemented  # a call torch's signature refuses: torch's own TypeError, below
     return original(*args, **kwargs) if out is NotImplemented else out
+
+
+def _binds(handler: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a call binds to the signature the handler reads it by: where it does not, the
+    handler's ``TypeError`` names our binding helper (``_scaled_mm_args() got an unexpected
+    keyword argument``), so torch's entry point is left to raise its own. Checked only once a
+    handler has raised, so routed calls pay nothing for it."""
+    try:
+        inspect.signature(_BINDINGS[handler]).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
 
 
 def _serve_tuned(runner: Callable[..., Any], *args: Any) -> Any:

@@ -485,3 +485,29 @@ def test_routed_scaled_mm_errors_name_atens_arguments(disp: Dispatcher) -> None:
     with pytest.raises(ValueError, match=r"^a, b: expected \[M, K\] and \[K, N\]"):
         tuner.scaled_mm(a, b[:-1], sa, sb, out_dtype=torch.bfloat16)
     assert recorded(disp) == []
+
+
+def test_routed_low_bit_calls_torchs_signature_refuses_raise_torchs_own_type_error(
+    disp: Dispatcher,
+) -> None:
+    """A misspelt keyword or a missing argument under the drop-in raises torch's own error
+    (a TypeError from ``torch._scaled_mm``, a RuntimeError from the aten op), naming torch's
+    function, not the tuner's helper that reads the call's arguments."""
+    a, b, sa, sb = fp8_operands(4, rowwise=True)
+    packed, sz = int4_weight()
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    calls = {
+        "misspelt out_dtype": lambda: torch._scaled_mm(a, b, sa, sb, outdtype=torch.bfloat16),
+        "no scale_b": lambda: torch._scaled_mm(a, b, sa),
+        "misspelt qGroupSize": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, packed, group_size=GROUP, qScaleAndZeros=sz
+        ),
+        "no scales": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP),
+    }
+    for name, fn in calls.items():
+        with pytest.raises((TypeError, RuntimeError)) as want:
+            fn()
+        with tt.enabled(dispatcher=disp), pytest.raises((TypeError, RuntimeError)) as got:
+            fn()
+        assert (got.type, str(got.value)) == (want.type, str(want.value)), name
+    assert recorded(disp) == []

@@ -278,6 +278,27 @@ def test_calls_outside_the_tuner_are_left_to_torch(tmp_path: Path) -> None:
             assert got is want, name
 
 
+def test_calls_torchs_signature_refuses_raise_torchs_own_type_error(tmp_path: Path) -> None:
+    """A call that does not bind (a misspelt keyword, a missing operand) raises torch's own
+    TypeError under the drop-in, naming torch's function, not the tuner's argument reader."""
+    disp = Dispatcher(tmp_path / "c.db")
+    a, q = torch.randn(4, 4), torch.randn(1, 2, 3, 8)
+    calls = {
+        "matmul": lambda: torch.matmul(a, othr=a),
+        "mm": lambda: torch.mm(a),
+        "addmm": lambda: torch.addmm(a, a, a, gamma=1),
+        "linear": lambda: F.linear(a, weigth=a),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, q, q, causal=True),
+    }
+    for name, fn in calls.items():
+        with pytest.raises(TypeError) as want:
+            fn()
+        with tt.enabled(dispatcher=disp), pytest.raises(TypeError) as got:
+            fn()
+        assert str(got.value) == str(want.value), name
+    assert tt.stats(disp).calls == 0
+
+
 def test_mm_and_bmm_take_their_second_operand_by_name(tmp_path: Path) -> None:
     """torch names it ``mat2``: routed like a positional one, in eager and compiled code."""
     disp = Dispatcher(tmp_path / "c.db", mode="record")
