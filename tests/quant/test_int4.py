@@ -137,3 +137,19 @@ def test_torch_tile_pack_round_trip_and_convention(inner_k_tiles: int) -> None:
     tol = gemm_tolerance(x, w, ref, operand_unit=unit_roundoff(torch.bfloat16),
                          accumulate_unit=FP32_ACCUMULATE, out_dtype=torch.bfloat16)  # fmt: skip
     assert excess(out, ref, tol) <= 1
+
+
+def test_quantize_names_a_weight_that_is_not_a_2d_float_one() -> None:
+    """A 1-d or batched weight is named by its shape (not "not enough values to unpack"), and an
+    integer or FP8 one by its dtype: the scales come out in the weight's dtype, so an integer
+    weight's would be truncated to whole numbers without a word."""
+    w = torch.randn(8, 128)
+    with pytest.raises(ValueError, match=r"^w\.shape=\(128,\): expected a 2-d \[N, K\] weight$"):
+        int4.quantize(w[0], 32)
+    with pytest.raises(ValueError, match=r"^w\.shape=\(2, 4, 128\): expected a 2-d"):
+        int4.quantize(w.view(2, 4, 128), 32)
+    for dtype in (torch.int32, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match=rf"^w\.dtype={dtype}: expected one of torch\.float16"):
+            int4.quantize((w * 8).to(dtype), 32)
+    for dtype in int4.WEIGHT_DTYPES:  # the scales keep the weight's dtype
+        assert int4.quantize(w.to(dtype), 32)[1].dtype == dtype

@@ -103,9 +103,20 @@ def check_scales_and_zeros(
         raise ValueError(f"{sz}: must be contiguous")
 
 
+# weights ``quantize`` takes: its scales come out in the weight's dtype, so an integer one would
+# truncate them to whole numbers (and an FP8 one round them to a few bits) without a word
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def quantize(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric per-group quantization of an [N, K] weight: (q uint8 [N, K] in 0..15,
-    scales_and_zeros [K / group, N, 2] in w's dtype). Min maps to 0, max to 15."""
+    scales_and_zeros [K / group, N, 2] in w's dtype). Min maps to 0, max to 15. A ValueError
+    names ``w``'s shape or dtype where it is not a 2-d weight of ``WEIGHT_DTYPES``."""
+    if w.dim() != 2:
+        raise ValueError(f"w.shape={tuple(w.shape)}: expected a 2-d [N, K] weight")
+    if w.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"w.dtype={w.dtype}: expected one of {', '.join(map(str, WEIGHT_DTYPES))} "
+                         "(the scales and zeros come out in the weight's dtype)")  # fmt: skip
     n, k = w.shape
     check_group_size(group_size, k)
     g = w.float().reshape(n, k // group_size, group_size)
