@@ -99,6 +99,21 @@ def test_rows_the_command_line_cannot_choose_are_named_before_any_folder_is_made
     assert not out.exists()
 
 
+def test_options_of_the_llama_suite_are_refused_for_lowbit_not_ignored(tmp_path: Path) -> None:
+    """``--inductor`` and ``--warm-sample`` time the llama suite only: given with ``--suite
+    lowbit`` they are named in an error before anything runs (a bad ``--proj`` beside them, so a
+    command that ignored them stops at once all the same), instead of being dropped silently."""
+    out = tmp_path / "bench"
+    for option in (["--no-inductor"], ["--inductor"], ["--warm-sample", "0"]):
+        result = CliRunner().invoke(
+            app, ["bench", "gemm", "--suite", "lowbit", *option, "--proj", "lm_head",
+                  "--out", str(out)],
+        )  # fmt: skip
+        assert isinstance(result.exception, ValueError), option
+        assert "--inductor and --warm-sample are options of --suite llama" in str(result.exception)
+    assert not out.exists()
+
+
 def row(fmt: str, m: int, mb: int, **times: float) -> dict:
     """A measured row as ``annotate`` leaves it before judging: ``mb`` MiB of bf16 weight."""
     n = k = int((mb * lowbit.MB / 2) ** 0.5)

@@ -63,11 +63,17 @@ def bench_gemm(
     sustained: SustainedOpt = TUNE_DEFAULTS.sustained_s,
     isolate: IsolateOpt = False,
     inductor: Annotated[
-        bool, typer.Option(help="Also time Inductor max-autotune on a few shapes.")
-    ] = True,
+        bool | None,
+        typer.Option(help="llama: also time Inductor max-autotune on a few shapes (default: on)."),
+    ] = None,
     warm_sample: Annotated[
-        int, typer.Option(min=0, help="Rows re-tuned warm per part (tuning time).")
-    ] = catalog.GEMM_WARM_SAMPLE,
+        int | None,
+        typer.Option(
+            min=0,
+            help="llama: rows re-tuned warm per part (tuning time; default "
+            f"{catalog.GEMM_WARM_SAMPLE}).",
+        ),
+    ] = None,
     quick: Annotated[
         bool,
         typer.Option(
@@ -110,6 +116,10 @@ def bench_gemm(
     )  # fmt: skip
     if suite == "llama" and (m or proj):
         raise ValueError("--m and --proj choose rows of the lowbit suite, not of --suite llama")
+    if suite == "lowbit" and (inductor is not None or warm_sample is not None):
+        # named rather than ignored: the lowbit suite times neither
+        raise ValueError("--inductor and --warm-sample are options of --suite llama; the lowbit "
+                         "suite times no Inductor run and re-tunes no rows warm")  # fmt: skip
     rows = lowbit.chosen_problems(chosen, quick=quick, ms=m, ops=proj) if suite == "lowbit" else []
     output_dir(out)  # checked before the benchmark, not once it is over; made after the arguments
     if suite == "lowbit":
@@ -117,7 +127,10 @@ def bench_gemm(
         return
     for p in chosen:
         problems = gemm.llama_suite(p)[:: 4 if quick else 1]
-        gemm.run_part(p, problems, out, options, inductor=inductor, warm_sample=warm_sample)
+        gemm.run_part(
+            p, problems, out, options, inductor=inductor is not False,
+            warm_sample=catalog.GEMM_WARM_SAMPLE if warm_sample is None else warm_sample,
+        )  # fmt: skip
 
 
 @app.command("sdpa")
