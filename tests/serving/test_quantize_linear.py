@@ -108,6 +108,10 @@ def test_fp8_layer_is_exact_to_its_quantized_operands() -> None:
 def test_bad_arguments_name_the_field() -> None:
     with pytest.raises(ValueError, match="fmt must be one of"):
         tt.quantize_linear(mlp(), "int8")
+    with pytest.raises(ValueError, match=r"pass 'int4' and group_size=64\)"):
+        tt.quantize_linear(mlp(), "int4-g64")
+    with pytest.raises(ValueError, match=r"pass 'fp8', whose scales are rowwise"):
+        tt.quantize_linear(mlp(), "fp8-rowwise")
     with pytest.raises(ValueError, match="group_size=100"):
         tt.quantize_linear(mlp(), "int4", group_size=100)
     with pytest.raises(ValueError, match="module: fp8 needs"):

@@ -208,6 +208,19 @@ class Fp8Linear(QuantizedLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 rowwise"
 
 
+def _format_hint(fmt: object) -> str:
+    """What to pass instead of a model config's dtype name (``int4-g128``, ``fp8-rowwise``), which
+    is the spelling a user who tunes with model configs has at hand."""
+    if not isinstance(fmt, str):
+        return ""
+    head, _, rest = fmt.partition("-")
+    if head == "int4" and rest.startswith("g") and rest[1:].isdigit():
+        return f" (a model config's name: pass 'int4' and group_size={rest[1:]})"
+    if head == "fp8" and rest:
+        return " (a model config's name: pass 'fp8', whose scales are rowwise)"
+    return ""
+
+
 def quantize_linear(module: nn.Module, fmt: str, group_size: int | None = None) -> nn.Module:
     """Replace every ``nn.Linear`` in ``module`` (``module`` itself included) by a quantized
     layer of format ``fmt`` (``"int4"`` or ``"fp8"``) served by the tuner; returns the module.
@@ -221,7 +234,7 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int | None = None) 
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {list(FORMATS)}, got {fmt!r}")
+        raise ValueError(f"fmt must be one of {list(FORMATS)}, got {fmt!r}{_format_hint(fmt)}")
     if fmt == "fp8" and group_size is not None:  # rowwise scales: no groups to size
         raise ValueError(f"group_size={group_size!r}: int4 only (fp8 scales are per row)")
     if fmt == "int4":  # each layer's K: unsupported()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tuner.candidates import registry
+from tuner.core.atomic import write_atomic
 from tuner.core.console import output_console
 from tuner.core.keys import Key, SdpaKey, parse_key
 from tuner.measure import samples, timing
@@ -292,7 +293,7 @@ def run(
         )  # fmt: skip
         result = annotate(result, recorder, kind)
         result["wall_s"] = time.perf_counter() - started
-        (Path(out) / f"sdpa_{kind}.json").write_text(json.dumps(result, indent=1))
+        write_atomic(Path(out) / f"sdpa_{kind}.json", json.dumps(result, indent=1))
         _print_extra(result, kind)
         results[kind] = result
     return results
