@@ -108,17 +108,6 @@
 #ifndef GEMV_AB_NO_XSUM
 #define GEMV_AB_NO_XSUM 0
 #endif
-// bench A/B: -DGEMV_AB_SHIFT_HI=1 writes the dequantization's right shifts as __umulhi by a power
-// of two, which ptxas keeps as IMAD.HI on the FMA pipe instead of SHF on the ALU pipe (where the
-// lop3s are): the same instructions, the two pipes sharing them
-#ifndef GEMV_AB_SHIFT_HI
-#define GEMV_AB_SHIFT_HI 0
-#endif
-
-// v >> s (s in 1..31), on the FMA pipe where GEMV_AB_SHIFT_HI
-__device__ __forceinline__ uint32_t shr(uint32_t v, int s) {
-  return GEMV_AB_SHIFT_HI ? __umulhi(v, 1u << (32 - s)) : v >> s;
-}
 #if defined(GEMV_AB_LAUNCH_SMEM) && !GEMV_EMPTY
 #error "GEMV_AB_LAUNCH_SMEM only for an empty build"
 #endif
@@ -558,13 +547,13 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
 #pragma unroll
       for (int j = i * BLOCKS; j < (i + 1) * BLOCKS; ++j) {
         const int shift = j < 4 ? 0 : 4;
-        const uint32_t vl = shift ? shr(wl[j & 3], shift) : wl[j & 3];
-        const uint32_t vh = shift ? shr(wh[j & 3], shift) : wh[j & 3];
+        const uint32_t vl = wl[j & 3] >> shift;
+        const uint32_t vh = wh[j & 3] >> shift;
         uint32_t a[4];
         a[0] = lop_or_magic(vl, Ops::MAGIC);          // row g: bytes 0, 2
         a[1] = lop_or_magic(vh, Ops::MAGIC);          // row g + 8
-        a[2] = lop_or_magic(shr(vl, 8), Ops::MAGIC);  // row g: bytes 1, 3
-        a[3] = lop_or_magic(shr(vh, 8), Ops::MAGIC);
+        a[2] = lop_or_magic(vl >> 8, Ops::MAGIC);  // row g: bytes 1, 3
+        a[3] = lop_or_magic(vh >> 8, Ops::MAGIC);
 #pragma unroll
         for (int n8 = 0; n8 < NT; ++n8) Ops::mma(dot[n8], a, b[n8][j][0], b[n8][j][1]);
       }
