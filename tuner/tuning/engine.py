@@ -177,11 +177,15 @@ def gpu_only_win(host_us: tuple[float, float], gpu_us: tuple[float, float], marg
     )
 
 
-def disturbed_duel(trial_us: tuple[float, float], duel_us: tuple[float, float]) -> bool:
-    """Whether an eager duel's times (baseline, challenger) ran beside a disturbance: either
-    side slower than in its own trial by more than a disturbed spread. Such a verdict would
-    say more about the disturbance than about the kernels."""
-    return any(d > t * (1 + DISTURBED_SPREAD) for t, d in zip(trial_us, duel_us, strict=True))
+def far_off_trials(
+    trial_us: tuple[float, float], duel_us: tuple[float, float]
+) -> tuple[bool, bool]:  # fmt: skip
+    """Which of an eager duel's times (baseline, challenger) ran beside a disturbance: slower
+    than the same runner's trial by more than a disturbed spread. A verdict on a disturbed
+    baseline would say more about the disturbance than about the kernels; a disturbed
+    challenger only makes its own win harder."""
+    base, chal = (d > t * (1 + DISTURBED_SPREAD) for t, d in zip(trial_us, duel_us, strict=True))
+    return base, chal
 
 
 def round_scatter(rounds: Sequence[float]) -> float:
@@ -609,10 +613,11 @@ class _Trial:
         faster on the GPU beyond the graph's noise also wins when it is no slower eagerly, where
         the host's launch hides the kernels and its own launch is no longer (``gpu_only_win``). A
         challenger that cannot be captured loses: it could not serve a caller that runs its step
-        as a graph. Eagerly, rounds far over either runner's trial time (``disturbed_duel``), or
+        as a graph. Eagerly, rounds far over either runner's trial time (``far_off_trials``), or
         whose win between two kernel-bound calls is wider than their graph times allow
         (``gap_unexplained``), are taken again once; disturbed twice, the baseline stays, at its
-        trial time. So, with ``launch="graph"``, are graph readings far off the runners' trial
+        trial time, except where only the challenger's rounds are far over its trial: they are
+        judged as read, since a slower reading of the challenger cannot make its win. So, with ``launch="graph"``, are graph readings far off the runners' trial
         graph times the way that favours the challenger (``graph_reading_off``).
 
         ``base_name``: what the verdict calls ``base`` (a kept challenger that a tied one duels).
@@ -641,29 +646,34 @@ class _Trial:
         if graph and gpu_us and graph_reading_off(trial_us, gpu_us):  # taken again once
             gpu, gpu_us = graph_times()
 
-        def off(readings: Rounds) -> str:
-            """Why eager rounds do not say what the kernels cost, or "" where they do."""
+        def off(readings: Rounds, either_side: bool) -> str:
+            """Why eager rounds do not say what the kernels cost, or "" where they do; a
+            challenger far over its trial counts only where ``either_side`` (the first rounds,
+            taken again: a disturbance should not cost it the duel)."""
             eager_us = (readings.base_us, readings.chal_us)
             host_us = (readings.base_host, readings.chal_host)
-            if disturbed_duel(trial_us, eager_us):
+            base_off, chal_off = far_off_trials(trial_us, eager_us)
+            if base_off or (either_side and chal_off):
                 return "far off a trial's time"
             if gpu_us and gap_unexplained(eager_us, host_us, gpu_us, margin):
                 return "a win the GPU times do not show"
             return ""
 
         eager = options.launch == "eager"
-        why = off(readings) if eager else ""
+        why = off(readings, either_side=True) if eager else ""
         # taken again once, as are rounds scattered wider than the noise; a duel disturbed
         # twice keeps the baseline
         if why or (eager and readings.scatter > margin):
             readings = self.rounds(runners, base, challenger, options, sustained)
-            why = off(readings)
+            why = off(readings, either_side=False)
         if graph and gpu_us and graph_reading_off(trial_us, gpu_us):
             why = "graph times far off the trials' graph times"
         disturbed = bool(why)
         base_us, chal_us, base_host, chal_host, scatter = readings
         gpu_ok, gpu_win = True, False
         note = f"; disturbed twice: {why}" if disturbed else ""
+        if eager and not disturbed and far_off_trials(trial_us, (base_us, chal_us))[1]:
+            note += "; the challenger far over its trial (judged as read: that cannot make a win)"
         if sustained:
             note += f"; rounds of {options.sustained_s:g} s stretches (GPU-bound or heavy calls)"
         if gpu is not None:
