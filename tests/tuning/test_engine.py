@@ -40,6 +40,7 @@ from tuner.tuning.engine import (
     runner_up,
     steadier,
     sustained_duel,
+    tied_in_trial,
     tied_rival,
     ties,
     tune,
@@ -411,6 +412,19 @@ def test_an_eager_win_within_the_rounds_scatter_is_a_tie():
     host_bound = Rounds(29.70, 29.60, 29.70, 29.60, 0.3)  # a tie eagerly, rounds 30% apart
     assert eager_win(host_bound, margin=0.02, gpu_win=True)
     assert not eager_win(host_bound._replace(chal_us=29.9), margin=0.02, gpu_win=True)
+
+
+def test_a_tie_in_its_trial_must_win_a_sustained_duel_twice():
+    """FP8 rowwise prefill, Qwen o M = 2048 (us): a cuBLASLt algorithm tied torch's op in its
+    trial, read 2.4% ahead in its sustained duel (margin 2.2%), then 2.4% behind when the suite
+    timed both again. A tie's win at the power limit needs a second take that shows it too."""
+    assert tied_in_trial((47.87, 47.90), margin=0.02)  # a hair slower in the trial
+    assert tied_in_trial((215.3, 211.01), margin=0.02)  # Qwen down: 2.0% faster, within noise
+    assert not tied_in_trial((215.3, 200.0), margin=0.02)  # a contender: one take decides
+    first = Rounds(base_us=51.78, chal_us=50.53, base_host=19.75, chal_host=21.61, scatter=0.022)
+    second = Rounds(base_us=50.85, chal_us=52.08, base_host=20.4, chal_host=21.0, scatter=0.04)
+    assert eager_win(first, margin=0.02, gpu_win=False)
+    assert not eager_win(second, margin=0.022, gpu_win=False)  # the second take: not ahead
 
 
 def test_an_eager_gap_between_kernel_bound_calls_must_show_in_their_graph_times():

@@ -386,6 +386,15 @@ def host_decides(median_us: float, host_us: float, base: Measurement, options: T
     return not repaid or max(median_us, host_us) >= ceiling
 
 
+def tied_in_trial(trial_us: tuple[float, float], margin: float) -> bool:
+    """Whether a challenger's trial time was no faster than the baseline's beyond ``margin``
+    (times: baseline, challenger): it meets the baseline as a tie, if at all (``ties``). At the
+    power limit one sustained take of two tied kernels can read either one ahead by about the
+    margin, so such a challenger's win there stands only where a second take shows it too."""
+    base, chal = trial_us
+    return chal >= base * (1 - margin)
+
+
 def _challengers(
     measurements: list[Measurement], options: TuneOptions
 ) -> tuple[list[Measurement], list[Measurement]]:
@@ -404,7 +413,7 @@ def _challengers(
             continue
         us = effective_us(m, options.launch)
         margin = max(noise(base, options.min_noise), noise(m, options.min_noise))
-        if us < base_us * (1 - margin):
+        if not tied_in_trial((base_us, us), margin):
             beyond.append(m)
         elif us < tie_ceiling(base_us, options):
             within.append(m)
@@ -617,7 +626,9 @@ class _Trial:
         whose win between two kernel-bound calls is wider than their graph times allow
         (``gap_unexplained``), are taken again once; disturbed twice, the baseline stays, at its
         trial time, except where only the challenger's rounds are far over its trial: they are
-        judged as read, since a slower reading of the challenger cannot make its win. So, with ``launch="graph"``, are graph readings far off the runners' trial
+        judged as read, since a slower reading of the challenger cannot make its win. A
+        sustained win of a challenger that tied the baseline in its trial (``tied_in_trial``)
+        stands only where a second take of the rounds shows it too. So, with ``launch="graph"``, are graph readings far off the runners' trial
         graph times the way that favours the challenger (``graph_reading_off``).
 
         ``base_name``: what the verdict calls ``base`` (a kept challenger that a tied one duels).
@@ -630,6 +641,7 @@ class _Trial:
         }
         trial_us = (effective_us(base, options.launch), effective_us(challenger, options.launch))
         margin = max(noise(base, options.min_noise), noise(challenger, options.min_noise))
+        tied = tied_in_trial(trial_us, margin)
         sustained = self.sustained(runners, base, challenger, options)
         readings = self.rounds(runners, base, challenger, options, sustained)
 
@@ -707,6 +719,13 @@ class _Trial:
             won = chal_us < base_us * (1 - margin)
         launch_ok = launch_cost_repaid(chal_us, chal_host, base_us, base_host, options)
         kept = won and launch_ok and gpu_ok and not disturbed
+        if kept and eager and sustained and tied:
+            again = self.rounds(runners, base, challenger, options, sustained)
+            kept = eager_win(again, margin, gpu_win)
+            note += (
+                f"; a tie in its trial, so taken again: {again.chal_us:.2f} vs "
+                f"{again.base_us:.2f} us, {'ahead again' if kept else 'not ahead'}"
+            )
         verdict = (
             f"confirmation: {chal_us:.2f} us vs {base_name} {base_us:.2f} us, host "
             f"{chal_host:.2f} vs {base_host:.2f} us per call{note}, "
