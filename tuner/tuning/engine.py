@@ -626,10 +626,11 @@ class _Trial:
         whose win between two kernel-bound calls is wider than their graph times allow
         (``gap_unexplained``), are taken again once; disturbed twice, the baseline stays, at its
         trial time, except where only the challenger's rounds are far over its trial: they are
-        judged as read, since a slower reading of the challenger cannot make its win. A
-        sustained win of a challenger that tied the baseline in its trial (``tied_in_trial``)
-        stands only where a second take of the rounds shows it too. So, with ``launch="graph"``, are graph readings far off the runners' trial
-        graph times the way that favours the challenger (``graph_reading_off``).
+        judged as read, since a slower reading of the challenger cannot make its win. So, with
+        ``launch="graph"``, are graph readings far off the runners' trial graph times the way that
+        favours the challenger (``graph_reading_off``). A sustained win of a challenger that tied
+        the baseline in its trial (``tied_in_trial``) stands only where a second take of the
+        rounds shows it too.
 
         ``base_name``: what the verdict calls ``base`` (a kept challenger that a tied one duels).
         Returns the chosen measurement and the baseline's and chosen one's times (us).
