@@ -136,6 +136,20 @@ def test_attention_with_only_gemm_dtypes_is_named(tmp_path: Path) -> None:
     assert any(p.key.op == "sdpa" for p in expand(parse_model(data, tmp_path / "m.yaml")))
 
 
+def test_only_gemm_takes_a_lowbit_config_that_lists_attention(tmp_path: Path) -> None:
+    """``tune-all --op gemm`` asks for the projections alone, so the attention ops of a shipped
+    config with only low-bit dtypes are no mistake there: its GEMMs come out, nothing else."""
+    data = yaml.safe_load((MODELS / "llama-3-8b.yaml").read_text())
+    data["dtypes"] = ["int4-g128", "fp8-rowwise"]
+    del data["attention"]  # what only attention needs is not asked for either
+    model = parse_model(data, tmp_path / "m.yaml", only="gemm")
+    problems = expand(model, only="gemm")
+    assert problems and all(p.key.op == "gemm" for p in problems)
+    assert {p.key.wdtype for p in problems} == {"int4", "fp8_e4m3"}
+    with pytest.raises(ConfigError, match=r"attention\.prefill is required"):
+        parse_model(data, tmp_path / "m.yaml", only="sdpa")
+
+
 def test_fp8_shapes_torchs_op_cannot_take_are_named_in_configs_and_problem_lists(
     tmp_path: Path,
 ) -> None:

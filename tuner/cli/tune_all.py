@@ -301,8 +301,9 @@ def read_files(sources: Sources, console: Console) -> ProblemSet:
     that a broken file fails the run with nothing written and no keys held."""
     problems = ProblemSet()
     for path in sources.models:
-        model = load_model(path)
-        console.print(f"model {model.name} ({path}): {problems.add_model(model)} problems")
+        model = load_model(path, sources.op)
+        n = problems.add_model(model, sources.op)
+        console.print(f"model {model.name} ({path}): {n} problems")
     for path in sources.configs:
         console.print(f"problem list {path}: {problems.add_problem_list(path)} problems")
     if sources.tunableop:

@@ -32,7 +32,7 @@ Attention prefill is causal with q_len = kv_len (top-left and bottom-right masks
 decode is one query row against the whole cache, so no mask (``causal: none``). tf32 only
 applies to GEMMs; attention problems are made for the other dtypes.
 
-``load_model(path)`` raises ``ConfigError`` naming the file, the field and the allowed values.
+``load_model(path, only=None)`` raises ``ConfigError`` naming the file, the field and the allowed values.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     model_validator,
 )
 
@@ -121,7 +122,8 @@ class ModelConfig(_Strict):
     attention: Attention | None = None
 
     @model_validator(mode="after")
-    def _consistent(self) -> ModelConfig:
+    def _consistent(self, info: ValidationInfo) -> ModelConfig:
+        only = (info.context or {}).get("op")  # "gemm" / "sdpa": the other kind's ops are not made
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
@@ -135,16 +137,18 @@ class ModelConfig(_Strict):
                 f"tp ({tp}) and num_kv_heads ({kv}) must divide one another "
                 "(KV heads are split across ranks, or replicated when there are fewer than tp)"
             )
-        if set(self.ops) & set(GEMM_OPS) and not self.m_sizes:
+        if only != "sdpa" and set(self.ops) & set(GEMM_OPS) and not self.m_sizes:
             raise ValueError("m_sizes is required (and non-empty) when a projection op is listed")
+        if only == "gemm":
+            return self
         for op, part in (("attn_prefill", "prefill"), ("attn_decode", "decode")):
             if op in self.ops and getattr(self.attention, part, None) is None:
                 raise ValueError(f"attention.{part} is required when ops lists {op!r}")
         attention_dtypes = ATTENTION_DTYPES & set(self.dtypes)
         if set(self.ops) & {"attn_prefill", "attn_decode"} and not attention_dtypes:
             raise ValueError(f"ops lists attention but no dtype in {list(self.dtypes)} makes an "
-                             f"attention problem: add one of {sorted(ATTENTION_DTYPES)} (tf32 and "
-                             "low-bit formats key the projections only)")  # fmt: skip
+                             f"attention problem: add one of {sorted(ATTENTION_DTYPES)}, or tune the projections "
+                             "alone (tune-all --op gemm): tf32 and low-bit formats key GEMMs only")  # fmt: skip
         return self
 
     @property
@@ -193,11 +197,13 @@ def gemm_key(m: int, n: int, k: int, *, layout: str, dtype: str, batch: int = 1)
     )  # fmt: skip
 
 
-def expand(model: ModelConfig) -> list[Problem]:
-    """Every problem of the model, in config order (dtype, op, size), without duplicates."""
+def expand(model: ModelConfig, only: str | None = None) -> list[Problem]:
+    """Every problem of the model, in config order (dtype, op, size), without duplicates; with
+    ``only`` ("gemm" or "sdpa") those of that kind alone."""
+    ops = [op for op in model.ops if only is None or (op in GEMM_OPS) == (only == "gemm")]
     out: dict[Key, Problem] = {}
     for dtype in model.dtypes:
-        for op in model.ops:
+        for op in ops:
             try:
                 keys = _op_keys(model, op, dtype)
             except ValueError as e:  # e.g. a group size that does not divide the op's K
@@ -259,22 +265,24 @@ def format_errors(path: Path | str, err: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def parse_model(data: Any, path: Path | str = "<model>") -> ModelConfig:
+def parse_model(data: Any, path: Path | str = "<model>", only: str | None = None) -> ModelConfig:
     """The model config in ``data``; ``ConfigError`` naming the file and the field unless it is
-    valid and every problem it names can be made (``expand``)."""
+    valid and every problem it names can be made (``expand``). With ``only`` ("gemm" or "sdpa",
+    as ``tune-all --op``) what only the other kind of op needs is not asked for: a config of
+    low-bit dtypes that also lists attention ops is fine for ``only="gemm"``."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of model fields, got {type(data).__name__}")
     try:
-        model = ModelConfig.model_validate(data)
+        model = ModelConfig.model_validate(data, context={"op": only})
     except ValidationError as e:
         raise ConfigError(format_errors(path, e)) from None
     try:
-        expand(model)
+        expand(model, only)
     except ValueError as e:
         raise ConfigError(f"{path}: {e}") from None
     return model
 
 
-def load_model(path: str | Path) -> ModelConfig:
+def load_model(path: str | Path, only: str | None = None) -> ModelConfig:
     path = Path(path)
-    return parse_model(read_yaml(path), path)
+    return parse_model(read_yaml(path), path, only)

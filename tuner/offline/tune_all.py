@@ -83,8 +83,8 @@ class ProblemSet:
         names = self.labels.get(key, [])
         return names[0] + (f" (+{len(names) - 1})" if len(names) > 1 else "") if names else ""
 
-    def add_model(self, model: ModelConfig) -> int:
-        problems = expand(model)
+    def add_model(self, model: ModelConfig, only: str | None = None) -> int:
+        problems = expand(model, only)
         for p in problems:
             self.add(p.key, p.label)
         return len(problems)
