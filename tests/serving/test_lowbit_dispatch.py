@@ -184,7 +184,7 @@ def test_a_packed_weight_not_in_the_devices_format_is_named_with_the_format(
     disp: Dispatcher,
 ) -> None:
     """On the CPU torch packs uint8 [N, K / 2] (not CUDA's int32 4-d tiles): a weight of another
-    dtype or rank, an unpacked [N, K] weight or a transposed view is refused naming
+    dtype or rank, an unpacked [N, K] weight, our own layout or a transposed view is refused naming
     ``packed_w`` (the caller's argument), its dtype, shape and device, and what the CPU takes."""
     packed, sz = int4_weight()
     x = torch.randn(2, K, dtype=torch.bfloat16)
@@ -199,6 +199,10 @@ def test_a_packed_weight_not_in_the_devices_format_is_named_with_the_format(
     with pytest.raises(ValueError, match=r"packed_w\.shape=\(64, 256\) holds a weight of K=512.*"
                        r"if packed_w holds unpacked.*_convert_weight_to_int4pack_for_cpu"):  # fmt: skip
         tuner.int4_linear(x, q, sz, GROUP)
+    # our own layout has torch's CPU dtype and shape, and other bytes: refused, not read as torch's
+    with pytest.raises(ValueError, match=r"^packed_w: is tuner's own layout \(tuner\.quant\."
+                       r"int4\.pack\), not torch's uint8 .*int4_torch\.torch_pack$"):  # fmt: skip
+        tuner.int4_linear(x, int4.pack(q), sz, GROUP)
     square = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
         torch.randint(0, 16, (K // 2, K), dtype=torch.int32), 2
     )  # [K / 2, K / 2]: its transpose has the same shape

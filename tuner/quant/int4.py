@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tuner.core.tensor_memo import TensorMemo
+
 GROUP_SIZES = (32, 64, 128, 256)
 CHUNK = 128  # values per permuted run of a row
 BLOCK_ROWS = 64  # rows per tile-major block
@@ -177,6 +179,10 @@ def _row_major(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
+# the tensors ``pack`` made, while they live unchanged (any other tensor: False)
+_MADE_BY_PACK: TensorMemo[bool] = TensorMemo(lambda t: False)
+
+
 def pack(q: torch.Tensor) -> torch.Tensor:
     """[N, K] values 0..15 -> our uint8 [N, K / 2] layout (see the module docstring)."""
     if q.dim() != 2 or q.shape[1] % 2:
@@ -188,8 +194,16 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     v = q[:, :main].to(torch.uint8).reshape(n, main // CHUNK, *[2] * 7).permute(*_TO_BYTES)
     v = v.reshape(n, main // CHUNK, 2, CHUNK // 2)
     tail = q[:, main:].to(torch.uint8).reshape(n, -1, 2)
-    return _tile_major(torch.cat([(v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, main // 2),
-                                  tail[..., 0] | (tail[..., 1] << 4)], dim=1))  # fmt: skip
+    packed = _tile_major(torch.cat([(v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, main // 2),
+                                    tail[..., 0] | (tail[..., 1] << 4)], dim=1))  # fmt: skip
+    _MADE_BY_PACK.put(packed, True)
+    return packed
+
+
+def made_by_pack(t: torch.Tensor) -> bool:
+    """Whether ``t`` is our layout as ``pack`` made it: on a CPU it has the dtype and shape of
+    torch's packing (uint8 [N, K / 2]), so only this tells a slip of one for the other."""
+    return _MADE_BY_PACK(t)
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:

@@ -107,6 +107,9 @@ def check_packed(
         ok = packed.dtype == torch.uint8 and packed.dim() == 2
     if not ok:
         raise ValueError(f"{name}: expected torch's {fmt} on {device.type}, {got}")
+    if int4.made_by_pack(packed):
+        raise ValueError(f"{name}: is tuner's own layout (tuner.quant.int4.pack), not torch's "
+                         f"{fmt}; pack the values with tuner.quant.int4_torch.torch_pack")  # fmt: skip
     if not packed.is_contiguous():
         raise ValueError(f"{name}: must be contiguous, as torch packs it (a transposed or sliced "
                          f"view is another layout), got strides {packed.stride()}")  # fmt: skip
