@@ -10,7 +10,8 @@
 ``torch.addmm`` (``beta = alpha = 1``), ``F.linear`` and ``F.scaled_dot_product_attention`` (no
 dropout; no mask, ``is_causal`` or a ``CausalBias``), for plain f16/bf16/f32 tensors whose operands
 share a dtype; ``torch._scaled_mm`` (FP8, without bias or ``scale_result``) and torch's int4 GEMM
-(``aten._weight_int4pack_mm`` on CUDA, ``aten._weight_int4pack_mm_for_cpu``) through
+(``aten._weight_int4pack_mm`` on CUDA, ``aten._weight_int4pack_mm_for_cpu``, as ``torch.ops.aten``
+and ``torch`` name them) through
 ``tuner.scaled_mm`` / ``tuner.int4_linear``, whose checks name a bad operand by its argument in
 aten's schema (``self``, ``mat2``, ``scale_a``, ``scale_b``; ``qGroupSize``, ``qScaleAndZeros``)
 with a ``ValueError`` where torch would raise its own ``RuntimeError`` (a float16 ``self`` for
@@ -494,6 +495,8 @@ ENTRY_POINTS = (
     (torch, "_scaled_mm", "_scaled_mm"),
     (torch.ops.aten, "_weight_int4pack_mm", "_int4_mm"),
     (torch.ops.aten, "_weight_int4pack_mm_for_cpu", "_int4_mm"),
+    (torch, "_weight_int4pack_mm", "_int4_mm"),  # torch's own names of the two aten ops
+    (torch, "_weight_int4pack_mm_for_cpu", "_int4_mm"),
 )
 # the signature each handler reads its call by
 _BINDINGS: dict[str, Callable[..., tuple]] = {

@@ -397,6 +397,7 @@ def test_key_errors_name_the_field() -> None:
 )  # fmt: skip
 def test_drop_in_routes_the_low_bit_ops_and_restores_them(tmp_path, device, op_name) -> None:
     scaled_mm, int4_op = torch._scaled_mm, getattr(torch.ops.aten, op_name)
+    int4_alias = getattr(torch, op_name)  # torch's own name of the aten op: routed as well
     d = Dispatcher(tmp_path / "c.db", mode="record")
     packed, sz = int4_weight(device=device)
     x = torch.randn(6, K, dtype=torch.bfloat16, device=device)
@@ -407,17 +408,21 @@ def test_drop_in_routes_the_low_bit_ops_and_restores_them(tmp_path, device, op_n
         assert torch._scaled_mm is not scaled_mm
         routed = getattr(torch.ops.aten, op_name)
         assert routed is not int4_op and routed.default is int4_op.default  # overloads stay
+        assert getattr(torch, op_name) is not int4_alias
         for _ in range(3):
             got_int4 = getattr(torch.ops.aten, op_name)(x, packed, GROUP, sz)
+            got_alias = getattr(torch, op_name)(x, packed, GROUP, sz)
             got_fp8 = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
         stats = tt.stats(d)
     torch.testing.assert_close(got_int4, want_int4, rtol=0, atol=0)
+    torch.testing.assert_close(got_alias, want_int4, rtol=0, atol=0)
     torch.testing.assert_close(got_fp8, want_fp8, rtol=0, atol=0)
     assert torch._scaled_mm is scaled_mm
     assert getattr(torch.ops.aten, op_name) is int4_op
+    assert getattr(torch, op_name) is int4_alias
     calls = {parse_key(r.key).wdtype: r.calls for r in stats.rows if r.kind == "miss"}
-    assert calls == {"int4": 3, "fp8_e4m3": 3}
-    assert stats.misses == 6
+    assert calls == {"int4": 6, "fp8_e4m3": 3}
+    assert stats.misses == 9
 
 
 def aten_args(packet: object) -> list[str]:
