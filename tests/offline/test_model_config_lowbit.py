@@ -102,6 +102,29 @@ def test_a_problem_lists_misspelt_format_is_named_as_its_dtype_with_the_formats(
         load_problems(path)
 
 
+def test_an_fp8_gemm_spelt_field_by_field_names_every_field_it_lacks_at_once(
+    tmp_path: Path,
+) -> None:
+    """``dtype: fp8_e4m3`` is a key's operand dtype, not a format: what a format would fix has
+    no default, and the entry hears of all of it in one error, with the formats to use instead."""
+    from tuner.offline.problem_list import load_problems
+
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "problems:\n  - {op: gemm, m: 4, n: 256, k: 512, dtype: fp8_e4m3, layout: nt}\n"
+    )
+    with pytest.raises(ConfigError, match=r"problems\[0\]: dtype fp8_e4m3 spelt out needs "
+                       r"out_dtype \(one of \['bf16', 'f16', 'f32'\]\), scale \(one of "
+                       r"\['tensor', 'row'\]\), accum \(one of \['f32', 'fast'\]\); or name a "
+                       r"low-bit format as dtype instead \(int4-g32/64/128/256, fp8-tensorwise"):  # fmt: skip
+        load_problems(path)
+    path.write_text("problems:\n  - {op: gemm, m: 4, n: 256, k: 512, dtype: fp8_e4m3, "
+                    "out_dtype: bf16, layout: nt, scale: row, accum: f32}\n"
+                    "  - {op: gemm, m: 4, n: 256, k: 512, dtype: fp8-rowwise}\n")  # fmt: skip
+    spelt, named = load_problems(path)
+    assert spelt == named  # the same key, field by field or by its format's name
+
+
 @pytest.mark.parametrize(("extra", "named"), [("layout: nn", "layout='nn'"),
                                               ("out_dtype: f16", "out_dtype='f16'"),
                                               ("group: 64", "group=64")])  # fmt: skip

@@ -20,7 +20,9 @@ from typing import Any
 import yaml
 
 from tuner.core.keys import (
+    ACCUM_MODES,
     FP8,
+    FP8_SCALES,
     ITEMSIZE,
     LOWBIT_FORMAT_NAMES,
     Key,
@@ -58,6 +60,8 @@ def _key_of_fields(fields: dict[str, Any]) -> Key:
     if op == "gemm" and "dtype" in fields:
         if _names_lowbit(fields["dtype"]):
             fields = with_lowbit_fields(fields)
+        elif fields["dtype"] in FP8:
+            _check_fp8_fields(fields)
         fields.setdefault("out_dtype", fields["dtype"])
     if op == "gemm" and "align" not in fields:
         fields["align"] = default_align(fields)
@@ -68,6 +72,19 @@ def _names_lowbit(dtype: Any) -> bool:
     """Whether ``dtype`` means a low-bit format, spelt right or not (``int4``, ``fp8_rowwise``):
     its error then lists the formats. A key's own FP8 operand dtypes are not formats."""
     return str(dtype).startswith(("int4", "fp8")) and dtype not in FP8
+
+
+def _check_fp8_fields(fields: dict[str, Any]) -> None:
+    """An FP8 GEMM spelt out field by field (``dtype: fp8_e4m3``) has no defaults for what a
+    format would fix: ValueError naming every such field left out at once, and the formats."""
+    needed = {"out_dtype": sorted(ITEMSIZE), "layout": ["nt"], "scale": list(FP8_SCALES),
+              "accum": list(ACCUM_MODES)}  # fmt: skip
+    missing = [
+        f"{name} (one of {allowed})" for name, allowed in needed.items() if name not in fields
+    ]
+    if missing:
+        raise ValueError(f"dtype {fields['dtype']} spelt out needs {', '.join(missing)}; or name "
+                         f"a low-bit format as dtype instead ({LOWBIT_FORMAT_NAMES})")  # fmt: skip
 
 
 def with_lowbit_fields(fields: dict[str, Any]) -> dict[str, Any]:
