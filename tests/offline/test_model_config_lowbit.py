@@ -121,8 +121,7 @@ def test_an_fp8_gemm_spelt_field_by_field_names_every_field_it_lacks_at_once(
     path.write_text("problems:\n  - {op: gemm, m: 4, n: 256, k: 512, dtype: fp8_e4m3, "
                     "out_dtype: bf16, layout: nt, scale: row, accum: f32}\n"
                     "  - {op: gemm, m: 4, n: 256, k: 512, dtype: fp8-rowwise}\n")  # fmt: skip
-    spelt, named = load_problems(path)
-    assert spelt == named  # the same key, field by field or by its format's name
+    assert len(load_problems(path)) == 1  # one key, field by field or by its format's name
 
 
 @pytest.mark.parametrize(("extra", "named"), [("layout: nn", "layout='nn'"),
