@@ -484,6 +484,10 @@ def test_routed_scaled_mm_errors_name_atens_arguments(disp: Dispatcher) -> None:
         ((a, b.to("meta"), sa, sb), r"^mat2\.device=meta: must be self's device \(cpu\)$"),
         ((a, b, sa, sb.to("meta")), r"^scale_b\.device=meta: must be self's device \(cpu\)$"),
         ((a, b, sa, sb[:, :-1]), r"^scale_b\.shape=\(1, 63\): expected \(1, 64\) with a rowwise"),
+        # torch's own error for a 16-bit operand blames scale_a, which is right
+        ((a.bfloat16(), b, sa, sb), r"^self\.dtype=torch\.bfloat16: _scaled_mm takes 8-bit float "
+                                    r"operands, one of \['torch\.float8_e4m3fn', "),
+        ((a, b.float(), sa, sb), r"^mat2\.dtype=torch\.float32: _scaled_mm takes 8-bit float"),
     ]  # fmt: skip
     with tt.enabled(dispatcher=disp):
         for args, message in cases:
