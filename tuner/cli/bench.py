@@ -12,7 +12,6 @@ import typer
 from tuner.cli.errors import output_dir
 from tuner.cli.options import (
     TUNE_DEFAULTS,
-    BudgetOpt,
     ConfirmRoundsOpt,
     ConfirmTriesOpt,
     IsolateOpt,
@@ -28,6 +27,11 @@ app = typer.Typer(
 )
 QuickOpt = Annotated[bool, typer.Option(help="Every 4th problem only (a smoke run).")]
 BENCH_BUDGET_S = 0.05  # suites tune hundreds of problems: a shorter budget than one `tuner tune`
+SuiteBudgetOpt = Annotated[
+    float,
+    typer.Option(min=0.001, help="Timing budget per candidate, seconds; shorter than `tuner tune`'s "
+                 "since a suite tunes hundreds of problems."),
+]  # fmt: skip
 BENCH_OUT = Path("tuner-bench")  # in the current folder; results worth keeping are copied by hand
 
 
@@ -55,7 +59,7 @@ def bench_gemm(
             file_okay=False,
         ),
     ] = BENCH_OUT,
-    budget: BudgetOpt = BENCH_BUDGET_S,
+    budget: SuiteBudgetOpt = BENCH_BUDGET_S,
     source: SourcesOpt = None,
     launch: LaunchOpt = TUNE_DEFAULTS.launch,
     confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
@@ -140,7 +144,7 @@ def bench_sdpa(
     ] = BENCH_OUT,
     part: Annotated[str, typer.Option(help="all, prefill or decode.")] = "all",
     dtype: Annotated[str, typer.Option(help="bf16 or f16.")] = "bf16",
-    budget: BudgetOpt = BENCH_BUDGET_S,
+    budget: SuiteBudgetOpt = BENCH_BUDGET_S,
     launch: LaunchOpt = TUNE_DEFAULTS.launch,
     confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
     confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
