@@ -32,7 +32,8 @@ Attention prefill is causal with q_len = kv_len (top-left and bottom-right masks
 decode is one query row against the whole cache, so no mask (``causal: none``). tf32 only
 applies to GEMMs; attention problems are made for the other dtypes.
 
-``load_model(path, only=None)`` raises ``ConfigError`` naming the file, the field and the allowed values.
+``load_model(path, only=None)`` raises ``ConfigError`` naming the file, the field and the allowed
+values; ``only`` ("gemm" or "sdpa", as ``tune-all --op``) reads the config for that kind of op.
 """
 
 from __future__ import annotations
