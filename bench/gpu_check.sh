@@ -17,7 +17,6 @@
 #   int4-layouts (bench/int4_layouts.py: time and memory of each INT4 kernel's weight layout -> $OUT/
 #   int4_layouts.json, .log). lowbit-ncu (Nsight Compute sections of the low-bit decode kernels -> $OUT/lowbit_ncu.log).
 #   gemv-ncu (the same for the CUDA W4A16 decode kernel, bench/w4a16_gemv.py --profile -> $OUT/gemv_ncu.log).
-#   kslice (bench/w4a16_kslice.py: a bench-only W4A16 decode design beside the product's -> $OUT/w4a16_kslice.json, .log).
 #   gemv-ab (bench/w4a16_gemv.py from another version's tree AB_TREE and from this one, in turns, then
 #   bench/gemv_ab.py -> $OUT/gemv_ab.txt/.json and each run's JSON and log; GEMV_AB_ARGS, GEMV_AB_ROUNDS).
 #   tuneall (tune-all Llama-3-8B projections -> $OUT/tuneall: report.json, speedup.png, tuner.db,
@@ -145,10 +144,6 @@ for stage in "$@"; do
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         python3 bench/w4a16_gemv.py --out /dev/null --profile ${GEMV_NCU_ARGS:---proj gate_up down --m 1 8} \
         2>&1 | tee "$OUT/gemv_ncu.log" || status=1 ;;
-    kslice)  # the bench-only kslice W4A16 decode design beside the product's kernels and bf16 cuBLAS
-      # (bench/w4a16_kslice.py -> $OUT/w4a16_kslice.json, .log; KSLICE_ARGS, KSLICE_TIMEOUT)
-      timeout -k 20 "${KSLICE_TIMEOUT:-400}" python3 bench/w4a16_kslice.py --out "$OUT/w4a16_kslice.json" \
-        ${KSLICE_ARGS:-} 2>&1 | tee "$OUT/w4a16_kslice.log" || status=1 ;;
     gemv-ab)  # an A/B of whole runs, for a change w4a16_gemv.py --baseline cannot time (one that
       # moves the weight's layout): AB_TREE holds another version's tuner/ and bench/, e.g.
       # `git archive main tuner bench ':(exclude)bench/results' | tar -x -C ab_main` (a folder
