@@ -211,6 +211,22 @@ def test_a_packed_weight_not_in_the_devices_format_is_named_with_the_format(
     assert recorded(disp) == []
 
 
+def test_our_own_layout_is_refused_after_calls_of_the_same_shapes_were_served(
+    disp: Dispatcher,
+) -> None:
+    """A served call makes its signature hot; our layout (same dtype and shape on the CPU) must
+    still be refused, not read as torch's packing."""
+    packed, sz = int4_weight()
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    want = tuner.int4_linear(x, packed, sz, GROUP)
+    ours = int4.pack(int4_torch.nibbles(packed))
+    assert (ours.dtype, ours.shape, ours.stride()) == (packed.dtype, packed.shape, packed.stride())
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^packed_w: is tuner's own layout"):
+            tuner.int4_linear(x, ours, sz, GROUP)
+    assert torch.equal(tuner.int4_linear(x, packed, sz, GROUP), want)
+
+
 def test_a_cpu_weight_of_n_rows_torch_cannot_pack_is_named_and_not_recorded(
     disp: Dispatcher,
 ) -> None:

@@ -73,13 +73,16 @@ def scaled_mm_sig(a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any, fa
 
 def int4_sig(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tuple:
     """What decides an ``int4_linear`` call's runner; ``x`` is the 2-D activation. The weight's
-    devices enter as one flag, as in ``scaled_mm_sig``."""
+    devices enter as one flag, as in ``scaled_mm_sig``. On the CPU our own layout has torch's
+    dtype and shape, so whether ``int4.pack`` made the weight enters too: a call with it is
+    refused however many calls of the same shapes came before."""
     device = x.device
+    ours = packed.dtype is torch.uint8 and int4.made_by_pack(packed)
     return ("int4", x.shape, x.stride(), x.dtype, packed.shape, packed.stride(), packed.dtype,
             scales_and_zeros.shape, scales_and_zeros.stride(), scales_and_zeros.dtype,
             type(group_size), group_size, device,
             packed.device == device and scales_and_zeros.device == device,
-            x.data_ptr() % 16, x.requires_grad and torch.is_grad_enabled())  # fmt: skip
+            x.data_ptr() % 16, x.requires_grad and torch.is_grad_enabled(), ours)  # fmt: skip
 
 
 def check_int4(
