@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -409,7 +410,7 @@ class Router:
         if compiling or needs_grad(x, w, bias):
             return self._linear_out(self._gemm(x2, wt, compiling), x, w, bias)
         runner, res = self.dispatcher.resolve_gemm(x2, wt)
-        if memo_key and res.kind != "capture" and _plain(w):
+        if memo_key and res.kind != "capture" and _plain(w) and x.layout is torch.strided:
             remember(self.memo, memo_key, LinearMemo(x, w, runner, res))
         if self._torch_serves(res):
             return NotImplemented
@@ -787,14 +788,40 @@ def enabled(
     (this block's, though another thread's block opened inside it); a ``buckets`` or ``mode``
     given holds for the block only (an enclosing block's comes back)."""
     disp = dispatcher or get_dispatcher()
-    before = disp.buckets, disp.mode
-    router = _push(disp, buckets, mode)
+    token = object()
+    with _lock:
+        before = disp.buckets, disp.mode
+        _configure(disp, buckets, mode)
+        _block_settings.setdefault(disp, (before, []))[1].append((token, buckets, mode))
+    try:
+        router = _push(disp, None, None)
+    except BaseException:
+        _drop_settings(disp, token)
+        raise
     try:
         yield disp
     finally:
         _pop(router)
-        old_buckets, old_mode = before
-        _configure(disp, old_buckets if buckets else None, old_mode if mode else None)
+        _drop_settings(disp, token)
+
+
+# per dispatcher: (its buckets and mode before any block set one, the open blocks' settings in
+# the order they opened); a block's end drops its own and applies what the others still set, so
+# blocks of several threads that overlap leave the dispatcher as it was once all have ended
+_block_settings: weakref.WeakKeyDictionary[
+    Dispatcher, tuple[tuple[str, str], list[tuple[object, str | None, str | None]]]
+] = weakref.WeakKeyDictionary()
+
+
+def _drop_settings(disp: Dispatcher, token: object) -> None:
+    with _lock:
+        (buckets, mode), open_blocks = _block_settings[disp]
+        open_blocks[:] = [b for b in open_blocks if b[0] is not token]
+        for _, block_buckets, block_mode in open_blocks:
+            buckets, mode = block_buckets or buckets, block_mode or mode
+        if not open_blocks:
+            del _block_settings[disp]
+        _configure(disp, buckets, mode)
 
 
 # --- diagnostics ---------------------------------------------------------------------------------

@@ -229,3 +229,52 @@ def test_stale_winners_are_served_or_ignored_per_policy(cache_path, monkeypatch)
     monkeypatch.setenv("TUNER_STALE", "maybe")
     with pytest.raises(ValueError, match="TUNER_STALE must be one of"):
         Dispatcher(cache_path)
+
+
+def test_an_out_torch_would_resize_or_refuse_is_torchs_when_a_tuned_kernel_serves(
+    cache_path, monkeypatch
+):
+    """A tuned runner writes ``out`` only when it is the product's shape, dtype and device; any
+    other ``out`` gets what ``torch.matmul`` does with it (resized with a warning, or refused)."""
+    from tuner.serving import dispatcher as dispatch_module
+
+    key = GemmKey(m=33, n=20, k=48, dtype="f16", out_dtype="f16", align=8)
+    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
+    Store(cache_path).put_winners(
+        [Winner(fingerprint().device_class, str(key), "triton_gemm", params, 1.0, 2.0)]
+    )
+    disp = Dispatcher(cache_path)
+    monkeypatch.setattr(dispatch_module, "_dispatcher", disp)
+    torch.manual_seed(0)
+    a, b = torch.randn(33, 48).half(), torch.randn(48, 20).half()
+    want = torch.matmul(a, b)
+
+    out = torch.full((33, 20), float("nan"), dtype=torch.float16)
+    assert dispatch_module.matmul(a, b, out=out) is out
+    torch.testing.assert_close(out, want, rtol=5e-3, atol=5e-3)
+    assert [r.candidate.split(":")[0] for r in disp.resolutions.values()] == ["triton_gemm"]
+
+    with pytest.warns(UserWarning, match="resized"):
+        got = dispatch_module.matmul(a, b, out=torch.zeros(40, 40, dtype=torch.float16))
+    assert got.shape == (33, 20)
+    torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-3)
+    with pytest.raises(RuntimeError, match="dtype"):
+        dispatch_module.matmul(a, b, out=torch.empty(33, 20))
+    with pytest.warns(UserWarning, match="resized"):
+        batched = dispatch_module.matmul(torch.stack([a, a]), b, out=torch.zeros_like(out))
+    assert batched.shape == (2, 33, 20)
+
+
+def test_operands_torch_refuses_or_serves_itself_get_torchs_answer(tmp_path, monkeypatch):
+    """Not two arrays: torch's TypeError naming the argument; a sparse operand (no strides or
+    storage to key on): torch's product."""
+    from tuner.serving import dispatcher as dispatch_module
+
+    monkeypatch.setattr(dispatch_module, "_dispatcher", Dispatcher(tmp_path / "c.db"))
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    with pytest.raises(TypeError, match=r"argument 'input' \(position 1\) must be Tensor, not list"):
+        dispatch_module.matmul([[1.0]], b)
+    with pytest.raises(TypeError, match=r"argument 'other' \(position 2\) must be Tensor, not NoneType"):
+        dispatch_module.matmul(a, None)
+    for sparse in (a.to_sparse(), a.to_sparse_coo().to_sparse_csr()):
+        torch.testing.assert_close(dispatch_module.matmul(sparse, b), a @ b)

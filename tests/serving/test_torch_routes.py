@@ -259,6 +259,10 @@ def test_calls_outside_the_tuner_are_left_to_torch(tmp_path: Path) -> None:
         "K = 0 linear": lambda: F.linear(torch.randn(2, 3, 0), torch.randn(5, 0), bias),
         "K = 0 matmul": lambda: torch.randn(2, 3, 0) @ torch.randn(0, 5),
         "empty 4-D batch": lambda: torch.randn(2, 0, 3, 4) @ torch.randn(2, 0, 4, 5),
+        "sparse mm": lambda: torch.mm(a.to_sparse(), a),
+        "sparse matmul": lambda: a.to_sparse() @ a,
+        "sparse addmm": lambda: torch.addmm(a, a.to_sparse(), a),
+        "sparse linear": lambda: F.linear(a.to_sparse(), a),
     }
     for name, fn in calls.items():
         try:
@@ -343,8 +347,10 @@ def test_nesting_and_errors(tmp_path: Path) -> None:
     assert tt.stats(inner).calls == 1 and tt.stats(outer).calls == 1
     with pytest.raises(RuntimeError, match="without a matching enable"):
         tt.disable()
-    with pytest.raises(ValueError, match="TUNER_BUCKETS must be one of"):
+    with pytest.raises(ValueError, match=r"^buckets must be one of .*, got 'nearest'$"):
         tt.enable(dispatcher=outer, buckets="nearest")
+    with pytest.raises(ValueError, match=r"^mode must be one of .*, got 'recrd'$"):
+        tt.enable(dispatcher=outer, mode="recrd")
     assert not tt.is_enabled()
 
 
@@ -373,6 +379,34 @@ def test_a_block_undoes_its_own_enable_when_threads_interleave(tmp_path: Path) -
         b.join(10)
     assert seen["after A's block"] is second
     assert not tt.is_enabled()
+
+
+def test_blocks_of_two_threads_that_overlap_leave_the_mode_and_buckets_as_they_were(
+    tmp_path: Path,
+) -> None:
+    """Thread A's block (record) opens, B's (off, pow2) opens inside it, A's ends first: B's
+    settings hold until B's block ends, then the dispatcher's own come back."""
+    disp = Dispatcher(tmp_path / "c.db", mode="lookup")
+    a_open, a_closed, b_close = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def thread_a() -> None:
+        with tt.enabled(dispatcher=disp, mode="record"):
+            a_open.set()
+            assert b_open.wait(10)
+        a_closed.set()
+
+    b_open = threading.Event()
+    a = threading.Thread(target=thread_a)
+    a.start()
+    assert a_open.wait(10)
+    with tt.enabled(dispatcher=disp, mode="off", buckets="pow2"):
+        b_open.set()
+        assert a_closed.wait(10)
+        seen["after A's block"] = (disp.mode, disp.buckets)
+    a.join(10)
+    assert seen["after A's block"] == ("off", "pow2")
+    assert (disp.mode, disp.buckets, tt.is_enabled()) == ("lookup", "exact", False)
 
 
 def test_a_block_after_a_stray_disable_leaves_the_enclosing_block_on(tmp_path: Path) -> None:

@@ -32,9 +32,10 @@ DEFAULT_POLICY = "exact"
 Family = tuple[object, ...]
 
 
-def check_policy(policy: str) -> str:
+def check_policy(policy: str, name: str = "TUNER_BUCKETS") -> str:
+    """``policy``, or a ValueError naming where it came from (``name``)."""
     if policy not in POLICIES:
-        raise ValueError(f"TUNER_BUCKETS must be one of {list(POLICIES)}, got {policy!r}")
+        raise ValueError(f"{name} must be one of {list(POLICIES)}, got {policy!r}")
     return policy
 
 

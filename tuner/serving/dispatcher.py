@@ -70,6 +70,15 @@ def _torch_matmul(a: Any, b: Any, out: Any = None) -> Any:
     return torch.matmul(a, b, out=out)
 
 
+def _out_fits(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``out`` is what ``torch.matmul(a, b)`` returns in shape, dtype and device: a tuned
+    runner writes only such an ``out``; torch resizes any other or refuses it."""
+    if a.dim() < 2 or b.dim() < 2 or not isinstance(out, torch.Tensor):
+        return False
+    shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+    return out.shape == shape and out.dtype == a.dtype and out.device == a.device
+
+
 def _torch_sdpa(causal: str, scale: float | None) -> Runner:
     """torch's SDPA (``torch_ref.torch_sdpa``) for calls the tuner does not handle."""
 
@@ -79,9 +88,10 @@ def _torch_sdpa(causal: str, scale: float | None) -> Runner:
     return run
 
 
-def _check_mode(mode: str) -> str:
+def _check_mode(mode: str, name: str = "TUNER_MODE") -> str:
+    """``mode``, or a ValueError naming where it came from (``name``)."""
     if mode not in MODES:
-        raise ValueError(f"TUNER_MODE must be one of {list(MODES)}, got {mode!r}")
+        raise ValueError(f"{name} must be one of {list(MODES)}, got {mode!r}")
     return mode
 
 
@@ -136,7 +146,9 @@ class Dispatcher:
     """Maps call signatures to runners. One per process is the norm (see ``get_dispatcher``)."""
 
     def __init__(self, store_path: str | Path | None = None, mode: str | None = None) -> None:
-        self.mode = _check_mode(mode or os.environ.get("TUNER_MODE", "lookup"))
+        self.mode = (
+            _check_mode(mode, "mode") if mode else _check_mode(os.environ.get("TUNER_MODE", "lookup"))
+        )
         self.stale = os.environ.get("TUNER_STALE", "use")
         if self.stale not in STALE_POLICIES:
             raise ValueError(
@@ -175,12 +187,14 @@ class Dispatcher:
     # --- hot path ------------------------------------------------------------------------------
 
     def matmul(self, a: Any, b: Any, out: Any = None) -> Any:
-        return self.gemm_runner(a, b)(a, b, out=out)
+        runner = self.gemm_runner(a, b)
+        if out is not None and runner is not _torch_matmul and not _out_fits(a, b, out):
+            return torch.matmul(a, b, out=out)  # torch resizes or refuses it, as it does
+        return runner(a, b, out=out)
 
     def gemm_runner(self, a: Any, b: Any) -> Runner:
         """The runner that ``matmul(a, b)`` calls: hoist it out of a loop to skip even the lookup."""
-        sig = _gemm_sig(a, b)
-        return (self._hot.get(sig) or self._resolve_gemm(sig, a, b))[0]
+        return self.resolve_gemm(a, b)[0]
 
     def sdpa(
         self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
@@ -262,7 +276,10 @@ class Dispatcher:
     def resolve_gemm(self, a: Any, b: Any) -> tuple[Runner, Resolution]:
         """``gemm_runner`` and how it was chosen (``tuner.torch`` hands torch-served calls back
         to torch's own entry point, untouched)."""
-        sig = _gemm_sig(a, b)
+        try:
+            sig = _gemm_sig(a, b)
+        except RuntimeError as e:  # an operand without strides or storage (sparse): torch's
+            return _torch_matmul, Resolution(f"untunable: {e}", "untunable", "torch")
         return self._hot.get(sig) or self._resolve_gemm(sig, a, b)
 
     def resolve_sdpa(
@@ -511,13 +528,13 @@ class Dispatcher:
 
     def set_mode(self, mode: str) -> None:
         with self._lock:
-            self.mode = _check_mode(mode)
+            self.mode = _check_mode(mode, "mode")
             self._forget()
 
     def set_buckets(self, policy: str) -> None:
         """Bucket policy for GEMMs with an untuned M: ``tuner.serving.buckets.POLICIES``."""
         with self._lock:
-            self.buckets = check_policy(policy)
+            self.buckets = check_policy(policy, "buckets")
             self._forget()
 
     def set_counting(self, on: bool) -> None:
@@ -612,9 +629,11 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
 
     Takes torch tensors, or CuPy arrays (any DLPack array), returned as the same type.
     """
-    if isinstance(a, torch.Tensor):
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return get_dispatcher().matmul(a, b, out=out)
-    return _via_dlpack(get_dispatcher().matmul, a, b, out=out)
+    if hasattr(a, "__dlpack__") and hasattr(b, "__dlpack__") and not isinstance(a, torch.Tensor):
+        return _via_dlpack(get_dispatcher().matmul, a, b, out=out)
+    return torch.matmul(a, b, out=out)  # not two arrays: torch names what it refuses
 
 
 def scaled_mm(
