@@ -272,9 +272,13 @@ def test_operands_torch_refuses_or_serves_itself_get_torchs_answer(tmp_path, mon
 
     monkeypatch.setattr(dispatch_module, "_dispatcher", Dispatcher(tmp_path / "c.db"))
     a, b = torch.randn(3, 4), torch.randn(4, 5)
-    with pytest.raises(TypeError, match=r"argument 'input' \(position 1\) must be Tensor, not list"):
+    with pytest.raises(
+        TypeError, match=r"argument 'input' \(position 1\) must be Tensor, not list"
+    ):
         dispatch_module.matmul([[1.0]], b)
-    with pytest.raises(TypeError, match=r"argument 'other' \(position 2\) must be Tensor, not NoneType"):
+    with pytest.raises(
+        TypeError, match=r"argument 'other' \(position 2\) must be Tensor, not NoneType"
+    ):
         dispatch_module.matmul(a, None)
     for sparse in (a.to_sparse(), a.to_sparse_coo().to_sparse_csr()):
         torch.testing.assert_close(dispatch_module.matmul(sparse, b), a @ b)

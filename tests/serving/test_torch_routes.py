@@ -387,7 +387,7 @@ def test_blocks_of_two_threads_that_overlap_leave_the_mode_and_buckets_as_they_w
     """Thread A's block (record) opens, B's (off, pow2) opens inside it, A's ends first: B's
     settings hold until B's block ends, then the dispatcher's own come back."""
     disp = Dispatcher(tmp_path / "c.db", mode="lookup")
-    a_open, a_closed, b_close = threading.Event(), threading.Event(), threading.Event()
+    a_open, a_closed, b_open = threading.Event(), threading.Event(), threading.Event()
     seen: dict[str, object] = {}
 
     def thread_a() -> None:
@@ -396,7 +396,6 @@ def test_blocks_of_two_threads_that_overlap_leave_the_mode_and_buckets_as_they_w
             assert b_open.wait(10)
         a_closed.set()
 
-    b_open = threading.Event()
     a = threading.Thread(target=thread_a)
     a.start()
     assert a_open.wait(10)

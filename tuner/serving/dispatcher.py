@@ -147,7 +147,9 @@ class Dispatcher:
 
     def __init__(self, store_path: str | Path | None = None, mode: str | None = None) -> None:
         self.mode = (
-            _check_mode(mode, "mode") if mode else _check_mode(os.environ.get("TUNER_MODE", "lookup"))
+            _check_mode(mode, "mode")
+            if mode
+            else _check_mode(os.environ.get("TUNER_MODE", "lookup"))
         )
         self.stale = os.environ.get("TUNER_STALE", "use")
         if self.stale not in STALE_POLICIES:
