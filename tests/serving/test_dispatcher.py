@@ -15,7 +15,7 @@ from tests.cache.damaged import damaged_cache
 from tests.cache.read_only import read_only
 from tuner.cache import Store
 from tuner.core.device import fingerprint
-from tuner.core.keys import GemmKey
+from tuner.core.keys import GemmKey, SdpaKey
 from tuner.measure.records import Winner
 from tuner.serving.dispatcher import Dispatcher
 
@@ -106,6 +106,12 @@ def test_sdpa_matches_torch_for_gqa_and_both_causal_alignments(tmp_path):
     torch.testing.assert_close(d.sdpa(q3, k3, v3, causal="bottom_right"), expected)
     with pytest.raises(ValueError, match="causal must be"):
         d.sdpa(q, k, v, causal="sideways")
+    # scale=0.0 is uniform attention, not the default scale a key's 0.0 stands for
+    uniform = F.scaled_dot_product_attention(q, k, v, scale=0.0, enable_gqa=True)
+    torch.testing.assert_close(d.sdpa(q, k, v, scale=0.0), uniform)
+    assert SdpaKey.from_tensors(q, k, v) != SdpaKey.from_tensors(q, k, v, scale=0.5)
+    with pytest.raises(ValueError, match=r"^scale=0\.0: uniform attention"):
+        SdpaKey.from_tensors(q, k, v, scale=0.0)
 
 
 def test_a_winner_that_no_longer_builds_falls_back_to_the_baseline(cache_path):

@@ -648,6 +648,8 @@ def sdpa_fields(
         raise ValueError(f"batch mismatch: q has {q.shape[0]} and k has {k.shape[0]}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"head_dim mismatch: q has {q.shape[-1]} and k has {k.shape[-1]}")
+    if scale is not None and scale == 0:  # a key's 0.0 stands for the default 1 / sqrt(head_dim)
+        raise ValueError("scale=0.0: uniform attention, outside the keys")
     return {
         "batch": q.shape[0],
         "q_heads": q.shape[1],
