@@ -669,7 +669,24 @@ class _RoutedOp:
         return getattr(self._packet, name)
 
 
+def _bias_knows(sdpa: Callable[..., Any]) -> classmethod:
+    """``CausalBias.__torch_function__`` that also takes ``sdpa`` (torch's SDPA, which our
+    wrapper replaces) for torch's SDPA: a copy of it bound before ``enable()`` then keeps
+    working with such masks, as it does without the tuner."""
+    torch_function = vars(CausalBias)["__torch_function__"].__func__
+
+    def handle(cls: type, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if func is sdpa:
+            return cls._dispatch(*args, **(kwargs or {}))
+        return torch_function(cls, func, types, args, kwargs)
+
+    return classmethod(handle)
+
+
 def _patch() -> None:
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    _saved.append((CausalBias, "__torch_function__", vars(CausalBias)["__torch_function__"], True))
+    CausalBias.__torch_function__ = _bias_knows(sdpa)  # type: ignore[method-assign,assignment]
     for owner, name, handler in ENTRY_POINTS:
         original = getattr(owner, name)
         _saved.append((owner, name, original, name in vars(owner)))

@@ -27,7 +27,7 @@ from dropin_support import (
     tiny_llama,
 )
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right, causal_upper_left
 
 import tuner.torch as tt
 from tuner.cache import Store
@@ -238,6 +238,23 @@ def test_entry_points_route_and_restore(tmp_path: Path) -> None:
             assert tt.stats(disp).calls == before + 1, f"{name} was not routed"
     assert all(getattr(o, n) is f for (o, n), f in originals.items())
     assert "matmul" not in vars(torch.Tensor)  # inherited methods are not left overridden
+
+
+def test_sdpa_bound_before_enable_keeps_torchs_causal_bias_masks(tmp_path: Path) -> None:
+    """Code that took torch's SDPA before ``enable()`` keeps calling torch's; a ``CausalBias``
+    mask recognises such a call as SDPA as it does without the tuner (not run on its empty
+    storage as a tensor)."""
+    sdpa = F.scaled_dot_product_attention
+    torch_function = vars(CausalBias)["__torch_function__"]
+    q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 10, 16)
+    for mask in (causal_upper_left(8, 10), causal_lower_right(8, 10)):
+        want = sdpa(q, kv, kv, attn_mask=mask, enable_gqa=True)
+        with tt.enabled(dispatcher=Dispatcher(tmp_path / "c.db")):
+            assert F.scaled_dot_product_attention is not sdpa
+            torch.testing.assert_close(sdpa(q, kv, kv, attn_mask=mask, enable_gqa=True), want)
+            routed = F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
+            torch.testing.assert_close(routed, want)
+    assert vars(CausalBias)["__torch_function__"] is torch_function
 
 
 def test_calls_outside_the_tuner_are_left_to_torch(tmp_path: Path) -> None:
