@@ -838,7 +838,9 @@ def _drop_settings(disp: Dispatcher, token: object) -> None:
             buckets, mode = block_buckets or buckets, block_mode or mode
         if not open_blocks:
             del _block_settings[disp]
-        _configure(disp, buckets, mode)
+        # set only what changes: setting either drops the dispatcher's runners and memos
+        _configure(disp, buckets if buckets != disp.buckets else None,
+                   mode if mode != disp.mode else None)  # fmt: skip
 
 
 # --- diagnostics ---------------------------------------------------------------------------------

@@ -288,3 +288,18 @@ def test_operands_torch_refuses_or_serves_itself_get_torchs_answer(tmp_path, mon
         dispatch_module.matmul(a, None)
     for sparse in (a.to_sparse(), a.to_sparse_coo().to_sparse_csr()):
         torch.testing.assert_close(dispatch_module.matmul(sparse, b), a @ b)
+
+
+def test_sdpa_names_the_argument_it_cannot_take(tmp_path, monkeypatch):
+    from tuner.serving import dispatcher as dispatch_module
+
+    monkeypatch.setattr(dispatch_module, "_dispatcher", Dispatcher(tmp_path / "c.db"))
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(
+        TypeError, match=r"^sdpa\(\): q, k and v must be torch tensors .*q: NoneType"
+    ):
+        dispatch_module.sdpa(None, q, q)
+    with pytest.raises(ValueError, match=r"^causal must be a bool, .*, got \[1\]$"):
+        dispatch_module.sdpa(q, q, q, causal=[1])
+    with pytest.raises(ValueError, match=r"^scale must be a number or None, got \[1\]$"):
+        dispatch_module.sdpa(q, q, q, scale=[1])

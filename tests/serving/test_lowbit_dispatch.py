@@ -197,7 +197,8 @@ def test_a_packed_weight_not_in_the_devices_format_is_named_with_the_format(
             tuner.int4_linear(x, wrong, sz, GROUP)
     q = int4_torch.nibbles(packed)  # [N, K] values: the weight before torch's packing
     with pytest.raises(ValueError, match=r"packed_w\.shape=\(64, 256\) holds a weight of K=512.*"
-                       r"if packed_w holds unpacked.*_convert_weight_to_int4pack_for_cpu"):  # fmt: skip
+                       r"either x's K should be 512, or packed_w holds unpacked.*"
+                       r"_convert_weight_to_int4pack_for_cpu"):  # fmt: skip
         tuner.int4_linear(x, q, sz, GROUP)
     # our own layout has torch's CPU dtype and shape, and other bytes: refused, not read as torch's
     with pytest.raises(ValueError, match=r"^packed_w: is tuner's own layout \(tuner\.quant\."

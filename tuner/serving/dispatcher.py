@@ -66,6 +66,14 @@ def _sdpa_sig(q: Any, k: Any, v: Any, causal: bool | str, scale: float | None) -
             causal, scale, (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())  # fmt: skip
 
 
+def _causal_mode(causal: Any) -> str:
+    """The SdpaKey causal mode ``causal`` asks for, or a ValueError naming what is allowed."""
+    mode = CAUSAL.get(causal) if isinstance(causal, (bool, str)) else None
+    if mode is None:
+        raise ValueError(f"causal must be a bool, 'top_left' or 'bottom_right', got {causal!r}")
+    return mode
+
+
 def _torch_matmul(a: Any, b: Any, out: Any = None) -> Any:
     return torch.matmul(a, b, out=out)
 
@@ -201,9 +209,7 @@ class Dispatcher:
     def sdpa(
         self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
     ) -> Any:
-        sig = _sdpa_sig(q, k, v, causal, scale)
-        runner = (self._hot.get(sig) or self._resolve_sdpa(sig, q, k, v, causal, scale))[0]
-        return runner(q, k, v)
+        return self.resolve_sdpa(q, k, v, causal, scale)[0](q, k, v)
 
     def scaled_mm(
         self, a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
@@ -288,7 +294,12 @@ class Dispatcher:
         self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
     ) -> tuple[Runner, Resolution]:
         sig = _sdpa_sig(q, k, v, causal, scale)
-        return self._hot.get(sig) or self._resolve_sdpa(sig, q, k, v, causal, scale)
+        try:
+            hot = self._hot.get(sig)
+        except TypeError:  # an unhashable causal or scale: named, else torch's own error
+            _causal_mode(causal)
+            raise ValueError(f"scale must be a number or None, got {scale!r}") from None
+        return hot or self._resolve_sdpa(sig, q, k, v, causal, scale)
 
     # --- resolution (first call of a signature) -------------------------------------------------
 
@@ -300,9 +311,7 @@ class Dispatcher:
     def _resolve_sdpa(
         self, sig: tuple, q: Any, k: Any, v: Any, causal: bool | str, scale: float | None
     ) -> tuple[Runner, Resolution]:
-        mode = CAUSAL.get(causal)
-        if mode is None:
-            raise ValueError(f"causal must be a bool, 'top_left' or 'bottom_right', got {causal!r}")
+        mode = _causal_mode(causal)
         return self._resolve(
             sig, lambda: SdpaKey.from_tensors(q, k, v, causal=mode, scale=scale), q.device,
             _torch_sdpa(mode, scale), grad=sig[-1],
@@ -664,9 +673,13 @@ def sdpa(q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None
     ``causal``: False, True (torch's top-left alignment) or ``"bottom_right"`` (chunked prefill
     against a KV cache: the last query attends to every key).
     """
-    if isinstance(q, torch.Tensor):
+    qkv = (q, k, v)
+    if all(isinstance(t, torch.Tensor) for t in qkv):
         return get_dispatcher().sdpa(q, k, v, causal=causal, scale=scale)
-    return _via_dlpack(get_dispatcher().sdpa, q, k, v, causal=causal, scale=scale)
+    if not any(isinstance(t, torch.Tensor) or not hasattr(t, "__dlpack__") for t in qkv):
+        return _via_dlpack(get_dispatcher().sdpa, q, k, v, causal=causal, scale=scale)
+    got = ", ".join(f"{name}: {type(t).__name__}" for name, t in zip("qkv", qkv, strict=True))
+    raise TypeError(f"sdpa(): q, k and v must be torch tensors (or all DLPack arrays), got {got}")
 
 
 __all__ = [

@@ -111,8 +111,8 @@ def _k_mismatch(x: Any, packed: Any, k: int, names: Int4Names) -> str:
     msg = (f"{names.x}.shape={tuple(x.shape)} has K={xk}, but {w}.shape={tuple(packed.shape)} "
            f"holds a weight of K={k}")  # fmt: skip
     if not x.is_cuda and packed.shape[-1] == xk:
-        msg += (f"; if {w} holds unpacked [N, K] values, pack it with "
-                "aten._convert_weight_to_int4pack_for_cpu(w_int32, inner_k_tiles)")  # fmt: skip
+        msg += (f"; either {names.x}'s K should be {k}, or {w} holds unpacked [N, K] values: "
+                "pack them with aten._convert_weight_to_int4pack_for_cpu(w_int32, inner_k_tiles)")  # fmt: skip
     return msg
 
 
