@@ -303,3 +303,39 @@ def test_sdpa_names_the_argument_it_cannot_take(tmp_path, monkeypatch):
         dispatch_module.sdpa(q, q, q, causal=[1])
     with pytest.raises(ValueError, match=r"^scale must be a number or None, got \[1\]$"):
         dispatch_module.sdpa(q, q, q, scale=[1])
+
+
+def test_a_triton_winner_on_the_cpu_serves_calls_from_several_threads(cache_path, monkeypatch):
+    """Triton's interpreter keeps a launch's grid in globals: interpreted calls take turns."""
+    import threading
+
+    from tuner.serving import dispatcher as dispatch_module
+
+    key = GemmKey(m=33, n=20, k=48, dtype="f16", out_dtype="f16", align=8)
+    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
+    Store(cache_path).put_winners(
+        [Winner(fingerprint().device_class, str(key), "triton_gemm", params, 1.0, 2.0)]
+    )
+    monkeypatch.setattr(dispatch_module, "_dispatcher", Dispatcher(cache_path))
+    torch.manual_seed(0)
+    a, b = torch.randn(33, 48).half(), torch.randn(48, 20).half()
+    want = a.float() @ b.float()
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def calls() -> None:
+        start.wait()
+        try:
+            for _ in range(5):
+                got = dispatch_module.matmul(a, b)
+                torch.testing.assert_close(got.float(), want, rtol=5e-3, atol=5e-2)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=calls) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert next(iter(dispatch_module._dispatcher.choices.values())).startswith("triton_gemm")

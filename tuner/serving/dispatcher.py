@@ -30,7 +30,7 @@ import torch
 
 from tuner.cache import ReadOnlyError, Store, StoreError, cache_file, default_path
 from tuner.candidates import registry, torch_lowbit
-from tuner.candidates.base import Runner
+from tuner.candidates.base import Runner, interpreting
 from tuner.candidates.torch_ref import torch_sdpa
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, Key, SdpaKey
@@ -132,6 +132,23 @@ class Resolution:
     def saved_us(self) -> float:
         """Estimated time saved per call: the winner's baseline_us - median_us, as tuned."""
         return self.winner.baseline_us - self.winner.median_us if self.winner else 0.0
+
+
+_INTERPRETER = threading.Lock()
+
+
+def _taking_turns(runner: Runner, device: Any) -> Runner:
+    """A tuned runner as served on ``device``: on the CPU its Triton kernels run through
+    Triton's interpreter, which keeps a launch's grid in globals, so calls from several threads
+    take turns there."""
+    if device.type != "cpu" or not interpreting():
+        return runner
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _INTERPRETER:
+            return runner(*args, **kwargs)
+
+    return run
 
 
 def _counted(runner: Runner, res: Resolution) -> Runner:
@@ -388,7 +405,7 @@ class Dispatcher:
             return base.build(key, base.baseline_params), res
         job = _job(str(key), w.candidate, device)
         if (runner := self.loaded.get(job)) is not None:
-            return runner, res
+            return _taking_turns(runner, device), res
         if job in self.loader.failures:
             return base.build(key, base.baseline_params), _by_torch(res, "failed")
         if self.loader.in_flight(job):  # another signature of the key asked: asked once per build
@@ -397,7 +414,7 @@ class Dispatcher:
             source = registry.get(w.source)
             why = cannot_serve_here(source, key, device)
             if why is None and not may_compile(source):
-                return source.build(key, w.params), res
+                return _taking_turns(source.build(key, w.params), device), res
         except Exception as e:
             log.warning(
                 "stored winner %s for %s no longer builds (%s); using the baseline",
