@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -478,11 +479,26 @@ def test_fleet_queue_keys_are_tuned_and_completed_on_the_service(tmp_path):
             capture_output=True, text=True, timeout=240,
         )  # fmt: skip
         assert p.returncode == 0, p.stdout + p.stderr
-        assert "fleet queue: 2 keys leased" in p.stdout and "completed lease" in p.stdout
+        assert "fleet queue: 2 keys leased" in p.stdout
+        assert re.search(r"fleet queue: lease [0-9a-f]{32} completed: 2 done, 0 requeued, "
+                         r"0 failed, \d+ measurements accepted\n", p.stdout), p.stdout  # fmt: skip
         for k in keys:
             served = host.winner(fp.device_class, str(k), fp.version_tag)
             assert served is not None and served["source"] == "torch", served
         assert {row["state"] for row in host.queue(device_class=fp.device_class)} == {"done"}
+        for extra, line in (
+            (
+                (),
+                "fleet queue: nothing leased (no queued keys for this device), nothing to complete",
+            ),
+            (("--dry-run",), "fleet queue: not consulted (--dry-run claims no keys"),
+        ):
+            p = subprocess.run(
+                [sys.executable, "-m", "tuner", "tune-all", "--queue", "10", *extra],
+                env=os.environ | env | {"TUNER_CACHE": str(tmp_path / "c.db"), "COLUMNS": "200"},
+                capture_output=True, text=True, timeout=240,
+            )  # fmt: skip
+            assert p.returncode == 0 and line in p.stdout, p.stdout + p.stderr
 
 
 def test_a_broken_local_source_fails_before_any_fleet_key_is_leased(tmp_path):

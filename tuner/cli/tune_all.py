@@ -379,6 +379,18 @@ def complete_queue(lease: FleetLease, store: Store, fp: Fingerprint) -> dict[str
         return lease.client.complete(lease.lease_id, fp, sent)
 
 
+def queue_summary(lease: FleetLease, done: dict[str, Any] | None) -> str:
+    """One line on a lease's completion: what the service took back, or that nothing was
+    leased."""
+    if lease.lease_id is None or done is None:
+        return "fleet queue: nothing leased (no queued keys for this device), nothing to complete"
+    parts = [f"{len(done['done'])} done", f"{len(done['requeued'])} requeued",
+             f"{len(done['failed'])} failed", f"{done['accepted']} measurements accepted"]  # fmt: skip
+    expired = " (the lease had run out: its keys went back to the queue)"
+    return (f"fleet queue: lease {lease.lease_id} completed: {', '.join(parts)}"
+            f"{expired if done['lease_expired'] else ''}")  # fmt: skip
+
+
 def _won(m: Measurement, winners: dict[str, Winner]) -> bool:
     w = winners[m.key]
     return m.source == w.source and m.params == w.params
@@ -484,8 +496,10 @@ def tune_all(
         tuned = current_keys(store, fp, launch)
         store.clear_misses(fp.device_class, [str(k) for k in problems if str(k) in tuned])
     if lease is not None:
-        done = complete_queue(lease, store, fp)
-        console.print(f"fleet queue: completed lease {lease.lease_id}: {done}")
+        console.print(queue_summary(lease, complete_queue(lease, store, fp)))
+    elif sources.queue and dry_run:
+        console.print(f"fleet queue: not consulted (--dry-run claims no keys; queued keys: "
+                      f"GET {os.environ.get('TUNER_SERVER', '$TUNER_SERVER')}/v1/queue)")  # fmt: skip
     if dry_run:
         for key in ordered.todo:
             console.print(f"  would tune {_label(key, problems)}")
