@@ -87,7 +87,7 @@ def test_a_problem_list_names_low_bit_gemms_by_format_as_model_configs_do(tmp_pa
     assert fp8 == GemmKey(m=16, n=4096, k=4096, align=16, **lowbit_fields("fp8-rowwise"))
 
 
-@pytest.mark.parametrize("dtype", ["fp8-rowwize", "int4", "fp8", "int4_g128", "fp8_rowwise"])
+@pytest.mark.parametrize("dtype", ["fp8-rowwize", "int4", "fp8", "int4_g128", "fp8_rowwise", "f33"])
 def test_a_problem_lists_misspelt_format_is_named_as_its_dtype_with_the_formats(
     tmp_path: Path, dtype: str
 ) -> None:

@@ -62,6 +62,8 @@ def _key_of_fields(fields: dict[str, Any]) -> Key:
             fields = with_lowbit_fields(fields)
         elif fields["dtype"] in FP8:
             _check_fp8_fields(fields)
+        elif fields["dtype"] not in ITEMSIZE:
+            raise ValueError(_unknown_dtype(fields["dtype"]))
         fields.setdefault("out_dtype", fields["dtype"])
     if op == "gemm" and "align" not in fields:
         fields["align"] = default_align(fields)
@@ -87,6 +89,11 @@ def _check_fp8_fields(fields: dict[str, Any]) -> None:
                          f"a low-bit format as dtype instead ({LOWBIT_FORMAT_NAMES})")  # fmt: skip
 
 
+def _unknown_dtype(spec: Any) -> str:
+    return (f"dtype must be one of {sorted((*ITEMSIZE, *FP8))} or a low-bit format "
+            f"({LOWBIT_FORMAT_NAMES}), got {spec!r}")  # fmt: skip
+
+
 def with_lowbit_fields(fields: dict[str, Any]) -> dict[str, Any]:
     """A low-bit GEMM entry's fields with its format's (``lowbit_fields``); ValueError naming
     the ``dtype`` that names no format, or a field the entry also gives with another value (the
@@ -95,8 +102,7 @@ def with_lowbit_fields(fields: dict[str, Any]) -> dict[str, Any]:
     try:
         fixed = lowbit_fields(spec)
     except ValueError:
-        raise ValueError(f"dtype must be one of {sorted((*ITEMSIZE, *FP8))} or a low-bit format "
-                         f"({LOWBIT_FORMAT_NAMES}), got {spec!r}") from None  # fmt: skip
+        raise ValueError(_unknown_dtype(spec)) from None
     n, k = fields.get("n"), fields.get("k")
     shape = fixed["wdtype"] != "int4" and type(n) is int and type(k) is int
     if shape and (error := fp8_shape_error(n, k)):  # named before the alignment it breaks
