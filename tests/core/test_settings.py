@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tuner.core.settings import KNOWN, read_config
 
 
@@ -75,3 +77,19 @@ def test_broken_file_is_reported_not_fatal(tmp_path):
         text=True,
     )
     assert out.returncode == 0 and "not valid TOML" in out.stderr
+
+
+def test_a_numeric_variable_that_is_no_positive_number_is_named_and_its_default_used(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tuner.candidates.nvcc_build import default_jobs
+    from tuner.core.settings import env_number
+
+    for text, want in (("3", 3), ("", 16), ("abc", 16), ("0", 16), ("-2", 16)):
+        monkeypatch.setenv("TUNER_COMPILE_WORKERS", text)
+        assert env_number("TUNER_COMPILE_WORKERS", 16) == want
+    assert "TUNER_COMPILE_WORKERS='-2': expected a positive int; using 16" in caplog.text
+    monkeypatch.setenv("TUNER_CUTLASS_COMPILE_TIMEOUT", "1.5")
+    assert env_number("TUNER_CUTLASS_COMPILE_TIMEOUT", 900.0, float) == 1.5
+    monkeypatch.setenv("TUNER_CUTLASS_JOBS", "many")
+    assert default_jobs(2) == min(2, os.cpu_count() or 1)

@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tuner.core.atomic import write_atomic
 from tuner.core.lifetime import group_dies_with_parent, run_group
+from tuner.core.settings import env_number
 
 if TYPE_CHECKING:
     from tuner.cache.artifacts import ArtifactSpec
 
-COMPILE_TIMEOUT_S = float(os.environ.get("TUNER_CUTLASS_COMPILE_TIMEOUT", "900"))
+COMPILE_TIMEOUT_S = env_number("TUNER_CUTLASS_COMPILE_TIMEOUT", 900.0, float)
 
 
 def cache_dir() -> Path:
@@ -148,8 +149,7 @@ def child_main(argv: list[str], build: Callable[[str], dict[str, Any]]) -> int:
 
 
 def default_jobs(n: int) -> int:
-    env = os.environ.get("TUNER_CUTLASS_JOBS")
-    return max(1, int(env) if env else min(n, os.cpu_count() or 1, 16))
+    return int(env_number("TUNER_CUTLASS_JOBS", max(1, min(n, os.cpu_count() or 1, 16))))
 
 
 def compile_all(

@@ -101,3 +101,20 @@ def load_config_file() -> Path | None:
     for name, value in values.items():
         os.environ.setdefault(name, value)
     return path
+
+
+def env_number(name: str, default: float, kind: type[int] | type[float] = int) -> float:
+    """``$name`` read as a positive ``kind``, or ``default`` where it is unset; a value that is
+    not one is logged, naming the variable, and ``default`` used (a typo must not stop a run
+    that would otherwise go on, nor be taken silently)."""
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = 0
+    if value > 0:
+        return value
+    log.warning("%s=%r: expected a positive %s; using %s", name, text, kind.__name__, default)
+    return default

@@ -37,6 +37,7 @@ import triton
 
 from tuner.candidates.base import Params, interpreting
 from tuner.core.lifetime import exit_when_orphaned
+from tuner.core.settings import env_number
 
 log = logging.getLogger(__name__)
 
@@ -326,9 +327,7 @@ def _get_pool() -> ProcessPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            workers = int(os.environ.get("TUNER_COMPILE_WORKERS", 0)) or min(
-                16, os.cpu_count() or 1
-            )
+            workers = int(env_number("TUNER_COMPILE_WORKERS", min(16, os.cpu_count() or 1)))
             ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
             _pool = ProcessPoolExecutor(
                 max_workers=workers, mp_context=ctx, initializer=_start_worker
