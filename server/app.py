@@ -156,5 +156,7 @@ def create_app(settings: Settings) -> FastAPI:
         max_bytes=settings.max_body_bytes,
         streamed=(artifacts.BLOBS, settings.max_artifact_bytes),
     )
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(
+        MetricsMiddleware, metrics=metrics, paths=lambda: list(app.openapi()["paths"])
+    )
     return app

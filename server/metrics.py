@@ -6,12 +6,14 @@ plain ASGI, not Starlette's BaseHTTPMiddleware, which would add a task per reque
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
@@ -53,8 +55,22 @@ class Metrics:
 
 
 class MetricsMiddleware:
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
+    """Counts and times each request by its route's path template. A request answered before
+    routing (a body over the limit) is put under the template its path matches among
+    ``paths()`` (the API's, asked for once, when first needed)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, paths: Callable[[], list[str]]) -> None:
+        self.app, self.metrics, self.paths = app, metrics, paths
+        self._templates: list[tuple[re.Pattern[str], str]] | None = None
+
+    def _route(self, scope: Scope) -> str:
+        route = scope.get("route")
+        if route is not None:
+            return getattr(route, "path", "unmatched")
+        if self._templates is None:
+            self._templates = [(compile_path(p)[0], p) for p in self.paths()]
+        path = scope["path"]
+        return next((p for regex, p in self._templates if regex.match(path)), "unmatched")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -72,6 +88,6 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            route = getattr(scope.get("route"), "path", "unmatched")
+            route = self._route(scope)
             self.metrics.requests.labels(scope["method"], route, str(status)).inc()
             self.metrics.latency.labels(route).observe(time.perf_counter() - started)

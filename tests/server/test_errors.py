@@ -195,6 +195,8 @@ def test_huge_body_is_refused_before_parsing(env: Env) -> None:
             yield b" " * 65536
 
     expect(call(env, "POST", SUBMIT, content=chunks()), 413, "too large")
+    metrics = httpx.get(env.url + "/metrics").text  # answered before routing, counted by route
+    assert f'method="POST",route="{SUBMIT}",status="413"}} 2.0' in metrics, metrics
 
 
 @pytest.mark.parametrize(
