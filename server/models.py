@@ -312,8 +312,12 @@ class PendingEntry(BaseModel):
     source: str
     params: dict[str, Any]
     us: float
-    served_candidate: str
-    served_us: float
+    served_candidate: str = Field(
+        description="what hosts run for the key until the change is confirmed: the served "
+        "winner, or for a key with none yet its baseline (the hosts' own default, which "
+        "/v1/winners does not list)"
+    )
+    served_us: float = Field(description="served_candidate's time in the group's measurements")
     margin: float
     supporters: list[str]
     updated_at: float
