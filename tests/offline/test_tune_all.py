@@ -425,7 +425,7 @@ def test_ctrl_c_stops_cleanly_with_everything_finished_saved(tmp_path):
         time.sleep(0.02)
     os.killpg(p.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
     out = p.communicate(timeout=120)[0]
-    assert p.returncode == 1 and "stopped early: ctrl-c" in out and "Traceback" not in out
+    assert p.returncode == 130 and "stopped early: ctrl-c" in out and "Traceback" not in out
     done = winner_keys(cache)
     assert 1 <= len(done) < n
     assert {r["key"] for r in read_journal(journal_path(cache))} == done  # all finished, all saved

@@ -169,7 +169,8 @@ def tune_all_command(
     """Tune models, problem lists, TunableOp files, recorded misses and fleet-queue keys.
 
     All local GPUs work at once; problems tuned already are skipped (a killed run resumes);
-    a report ends the run. Exit status 0 when every problem has a winner, else 1."""
+    a report ends the run. Exit status 0 when every problem has a winner, else 1; 130 after
+    Ctrl-C (143 after SIGTERM)."""
     options = tune_options(
         budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
@@ -445,7 +446,8 @@ def run_with_progress(
 def tune_all(
     sources: Sources, store_path: Path, settings: RunSettings, *, out: Path | None, dry_run: bool
 ) -> int:
-    """The tune-all command. Exit status 0 when every problem ends with a winner, else 1."""
+    """The tune-all command. Exit status 0 when every problem ends with a winner, else 1; a run
+    stopped by Ctrl-C or SIGTERM: ``INTERRUPTED``'s."""
     if sources.empty():
         raise ConfigError(
             "nothing to tune: give --model, --config, --tunableop, --misses or --queue"
@@ -509,7 +511,14 @@ def tune_all(
     )
     report.render(rep, console, limit=40, written=out is not None)
     _write_report(rep, out)
+    if summary is not None and summary.stopped in INTERRUPTED:
+        return INTERRUPTED[summary.stopped]
     return 0 if all(r.status == "tuned" for r in rep.rows) else 1
+
+
+# a run stopped by a signal exits as the shell reports one (128 + the signal), whatever its
+# problems' winners: with --force the winners of before would otherwise read as a finished run
+INTERRUPTED = {"ctrl-c": 130, "SIGTERM": 143}
 
 
 class _Artifacts:
