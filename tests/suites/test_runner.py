@@ -54,6 +54,15 @@ def test_suite_rows_json_png_and_store(tmp_path: Path) -> None:
     assert summary["total_tune_s"] == pytest.approx(sum(r["tune_s"] for r in result["rows"]))
 
 
+def test_without_a_terminal_each_problem_is_announced_before_it_is_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No progress bar shows in a log: a line says which problem a slow run is on."""
+    runner.run_suite("tiny", PROBLEMS, out_dir=tmp_path, title="t", options=OPTIONS, plot=False)
+    out = capsys.readouterr().out
+    assert out.index("[1/2] measuring decode") < out.index("[2/2] measuring prefill")
+
+
 def test_a_problem_whose_tuning_raises_is_left_out(tmp_path: Path) -> None:
     broken = PROBLEMS[0][1]
 

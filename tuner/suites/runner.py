@@ -234,8 +234,10 @@ def run_suite(
     with progress_bar(console) as bar:
         task = bar.add_task(name, total=len(problems_))
         try:
-            for label, key in problems_:
+            for i, (label, key) in enumerate(problems_, 1):
                 bar.update(task, description=label[:50])
+                if not console.is_terminal:  # no bar to show where a slow run is: a line
+                    console.print(f"[{i}/{len(problems_)}] measuring {label}")
                 if (row := measured(label, key, bar)) is not None:
                     rows.append(row)
                 bar.advance(task)
