@@ -159,6 +159,9 @@ def test_import_keeps_the_newer_winner_and_counts_what_changed(tmp_path):
         assert store.winner("cpu-test", KEY).source == "triton_gemm"
         again = store.import_(newer)  # the same winner again changes nothing
         assert (again["winners"], again["older_winners"]) == (0, 0)
+        # the same winner stamped earlier (the export the fleet's copy came from) is no older one
+        earlier = {"format": "tuner-results", "winners": [winner(updated_at=2.5).to_row()]}
+        assert store.import_(earlier)["older_winners"] == 0
 
 
 def test_a_large_pulled_page_keeps_the_newer_winner_per_key(tmp_path):

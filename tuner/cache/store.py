@@ -30,7 +30,8 @@ from tuner.measure.records import Measurement, Winner
 
 _R = TypeVar("_R", Measurement, Winner)
 _W = TypeVar("_W", Winner, dict[str, Any])
-Stamp = tuple[str, str, float, str]  # a winner's device class, key, updated_at and versions
+Stamp = tuple[str, str, float, str, str]  # a winner's device class, key, updated_at, versions
+# and candidate
 
 EXPORT_FORMAT = "tuner-results"
 # The schema version an export names: the last one that changed a table an export holds
@@ -85,26 +86,27 @@ def _check_imported(measurements: list[Measurement], winners: list[Winner]) -> N
 
 
 def _winner_stamp(w: Winner) -> Stamp:
-    return w.device_class, w.key, w.updated_at, w.versions
+    return w.device_class, w.key, w.updated_at, w.versions, w.candidate
 
 
 def _row_stamp(row: dict[str, Any]) -> Stamp:
-    return row["device_class"], row["key"], row["updated_at"], row["versions"]
+    return row["device_class"], row["key"], row["updated_at"], row["versions"], row["candidate"]
 
 
 def _stored_stamps(
     c: sqlite3.Connection, keys: Iterable[tuple[str, str]]
-) -> dict[tuple[str, str], tuple[float, str]]:
-    """(``updated_at``, ``versions``) of the cache's winner for each of ``keys`` that has one,
-    one primary-key lookup each: a feed page costs the same however many winners the cache
-    holds."""
-    stored: dict[tuple[str, str], tuple[float, str]] = {}
+) -> dict[tuple[str, str], tuple[float, str, str]]:
+    """(``updated_at``, ``versions``, ``candidate``) of the cache's winner for each of ``keys``
+    that has one, one primary-key lookup each: a feed page costs the same however many winners
+    the cache holds."""
+    stored: dict[tuple[str, str], tuple[float, str, str]] = {}
     for pair in keys:
         row = c.execute(
-            "select updated_at, versions from winners where device_class = ? and key = ?", pair
+            "select updated_at, versions, candidate from winners where device_class = ? and key = ?",
+            pair,
         ).fetchone()
         if row is not None:
-            stored[pair] = (row[0], row[1])
+            stored[pair] = (row[0], row[1], row[2])
     return stored
 
 
@@ -443,29 +445,32 @@ class Store(DeviceFile):
         for_these_versions: bool,
     ) -> tuple[list[_W], int]:
         """The incoming winners (``Winner`` objects or rows, ``stamp`` giving each one's
-        device class, key, ``updated_at`` and versions) to store, and how many were older than
-        the cache's and are left alone. An old export or a fleet feed must not undo a re-tune
-        made since, so per key the winner updated last is kept (the batch's own duplicates
-        included); one as old as the cache's is the same winner again and counts as neither.
+        device class, key, ``updated_at``, versions and candidate) to store, and how many were
+        older than the cache's and are left alone. An old export or a fleet feed must not undo
+        a re-tune made since, so per key the winner updated last is kept (the batch's own
+        duplicates included); one as old as the cache's, or the same candidate stamped earlier
+        (the one a fleet feed brought before), is the same winner again and counts as neither.
         ``for_these_versions``: the winners were served for this host's versions (a fleet
         feed), so one the cache holds under other versions is stale and gives way whatever
         its date."""
-        latest: dict[tuple[str, str], tuple[float, str, _W]] = {}
+        latest: dict[tuple[str, str], tuple[float, str, str, _W]] = {}
         for w in winners:
-            device_class, key, updated_at, versions = stamp(w)
+            device_class, key, updated_at, versions, candidate = stamp(w)
             seen = latest.get((device_class, key))
             if seen is None or updated_at > seen[0]:
-                latest[(device_class, key)] = (updated_at, versions, w)
+                latest[(device_class, key)] = (updated_at, versions, candidate, w)
         stored = _stored_stamps(c, latest)
 
         def replaces(k: tuple[str, str], at: float, versions: str) -> bool:
             if k not in stored:
                 return True
-            stored_at, stored_versions = stored[k]
+            stored_at, stored_versions, _ = stored[k]
             return at > stored_at or (for_these_versions and versions != stored_versions)
 
-        newer = [w for k, (at, v, w) in latest.items() if replaces(k, at, v)]
+        newer = [w for k, (at, v, _, w) in latest.items() if replaces(k, at, v)]
         older = sum(
-            1 for k, (at, v, _) in latest.items() if not replaces(k, at, v) and at < stored[k][0]
+            1
+            for k, (at, v, candidate, _) in latest.items()
+            if not replaces(k, at, v) and at < stored[k][0] and candidate != stored[k][2]
         )
         return newer, older
