@@ -443,6 +443,11 @@ def run_with_progress(
         return run(todo, store_path, settings, on_event=on_event, retune=retune)
 
 
+# a run stopped by a signal exits as the shell reports one (128 + the signal), whatever its
+# problems' winners: with --force the winners of before would otherwise read as a finished run
+INTERRUPTED = {"ctrl-c": 130, "SIGTERM": 143}
+
+
 def tune_all(
     sources: Sources, store_path: Path, settings: RunSettings, *, out: Path | None, dry_run: bool
 ) -> int:
@@ -514,11 +519,6 @@ def tune_all(
     if summary is not None and summary.stopped in INTERRUPTED:
         return INTERRUPTED[summary.stopped]
     return 0 if all(r.status == "tuned" for r in rep.rows) else 1
-
-
-# a run stopped by a signal exits as the shell reports one (128 + the signal), whatever its
-# problems' winners: with --force the winners of before would otherwise read as a finished run
-INTERRUPTED = {"ctrl-c": 130, "SIGTERM": 143}
 
 
 class _Artifacts:

@@ -214,7 +214,7 @@ class Dispatcher:
     # --- hot path ------------------------------------------------------------------------------
 
     def matmul(self, a: Any, b: Any, out: Any = None) -> Any:
-        runner = self.gemm_runner(a, b)
+        runner = self.resolve_gemm(a, b)[0]
         if out is not None and runner is not _torch_matmul and not _out_fits(a, b, out):
             return torch.matmul(a, b, out=out)  # torch resizes or refuses it, as it does
         return runner(a, b, out=out)

@@ -128,9 +128,8 @@ def check_scaled_mm(
         raise OperandError(f"{ab}: K=0 ({tuple(a.shape)} and {tuple(b.shape)}): torch._scaled_mm "
                            "on the CPU leaves its output uninitialized; the product is zeros")  # fmt: skip
     for name, t in ((names.a, a), (names.b, b)):
-        if (
-            t.dtype.itemsize > 1
-        ):  # no scaled recipe of torch's takes these: its error blames the scales
+        # no scaled recipe of torch's takes these, and its error would blame the scales
+        if t.dtype.itemsize > 1:
             raise OperandError(f"{name}.dtype={t.dtype}: _scaled_mm takes 8-bit float operands, "
                                f"one of {sorted(map(str, FP8_NAMES))}")  # fmt: skip
     for name, t in ((names.b, b), ("scale_a", scale_a), ("scale_b", scale_b)):
