@@ -230,9 +230,14 @@ SHORTLIST = (("k", 2, 2, 16, 1, False, 1), ("k", 2, 4, 8, 1, False, 1), ("k", 4,
              ("k", 2, 3, 16, 1, False, 1), ("k", 2, 3, 12, 1, False, 1),
              ("rows", 2, 4, 8, 8, False, 1), ("k", 4, 2, 8, 2, False, 1),
              ("k", 4, 2, 12, 1, False, 4))  # fmt: skip
-# M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so only the 64-row
-# warps over half of K, which copy the least x per weight byte.
-WIDE_SHORTLIST = (("k", 4, 2, 8, 2, False, 1),)
+# M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so 64-row warps,
+# which copy the least x per weight byte: over half of K (a cluster of 2) on the narrow
+# projections; on the wide ones (hundreds of row blocks) CTAs of 2 or 4 such warps over all of K,
+# several an SM (their registers allow 12 warps an SM, one 8-warp CTA's rings only 8), so the grid
+# runs in about one round with more warps a scheduler. Wider clusters (4, 8) cost more than the
+# warps they add.
+WIDE_SHORTLIST = (("k", 4, 2, 8, 2, False, 1), ("k", 4, 2, 4, 1, False, 1),
+                  ("k", 4, 2, 2, 1, False, 1))  # fmt: skip
 
 
 def shortlist(m: int) -> tuple[tuple, ...]:
