@@ -219,6 +219,49 @@ def test_import_rejects_foreign_json_and_keeps_the_store(tmp_path):
         assert len(a.winners()) == 1 and not a.measurements()
 
 
+def test_import_names_each_bad_field_and_stores_none_of_the_file(tmp_path):
+    """Each record is checked whole before anything is written: a NOT NULL column given null
+    (which `insert or ignore` would skip silently), a value of the wrong type (which SQLite
+    would refuse mid-transaction), a value no later command understands."""
+    good = {
+        "format": "tuner-results",
+        "devices": [{"device_class": "cpu-test", "fingerprint": {}, "first_seen": 1.0,
+                     "last_seen": 2.0}],
+        "measurements": [measurement().to_row(), measurement(source="triton_gemm").to_row()],
+        "winners": [winner().to_row()],
+    }  # fmt: skip
+
+    def edited(table: str, **fields) -> dict:
+        return good | {table: [good[table][0] | fields, *good[table][1:]]}
+
+    cases = [
+        (edited("measurements", status=None), r"measurements\[0\]: status must be a string, got None"),
+        (edited("measurements", status="weird"), r"status must be one of \['ok', .*got 'weird'"),
+        (edited("measurements", uid=[1]), r"measurements\[0\]: uid must be a string, got \[1\]"),
+        (edited("measurements", created_at=None), r"created_at must be a number"),
+        (edited("winners", key=5), r"winners\[0\]: key must be a string, got 5"),
+        (edited("winners", launch="sideways"), r"launch must be one of \['eager', 'graph'\]"),
+        (edited("winners", updated_at=float("inf")), r"updated_at must be a finite date"),
+        (edited("winners", params=[]), r"params must be an object"),
+        (edited("devices", first_seen="x"), r"devices\[0\]: first_seen must be a number"),
+        (good | {"devices": ["cpu"]}, r"devices\[0\]: must be an object of fields, got str"),
+        (good | {"devices": [{"device_class": "cpu-test"}]}, r"devices\[0\]: missing field"),
+    ]  # fmt: skip
+    uid_less = dict(good["measurements"][0])
+    del uid_less["uid"]  # a uid made up afresh would store the record again at each import
+    cases.append((good | {"measurements": [uid_less]}, r"missing field\(s\) \['uid'\]"))
+    with Store(tmp_path / "c.db") as store:
+        for data, message in cases:
+            with pytest.raises(StoreError, match="malformed export: .*" + message):
+                store.import_(data)
+            assert not store.winners() and not store.measurements() and not store.devices()
+        # a winner that names no launch mode stands for the default, as the cache reads it
+        counts = store.import_(edited("winners", launch=None))
+        assert counts == {"measurements": 2, "winners": 1, "older_winners": 0, "devices": 1}
+        assert store.winner("cpu-test", KEY).launch == "eager"
+        assert store.import_(good)["measurements"] == 0  # idempotent
+
+
 def test_corrupt_file_is_refused_and_left_untouched(tmp_path):
     path = tmp_path / "c.db"
     path.write_bytes(b"this is not a database, it is a note\n" * 10)

@@ -295,6 +295,18 @@ def test_import_of_a_non_export_is_refused(tmp_path):
     assert r.returncode == 2 and "not a tuner export" in r.stderr
 
 
+def test_import_notes_winners_of_a_source_this_host_lacks(tmp_path):
+    """A plugin's winner from another host is kept (that host may install it), and said."""
+    key = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+    with Store(tmp_path / "a.db") as a:
+        a.put_winners([Winner("cpu-test", key, "my_plugin", {}, median_us=1.0, baseline_us=2.0)])
+    tuner("export", str(tmp_path / "e.json"), cache=tmp_path / "a.db")
+    r = tuner("import", str(tmp_path / "e.json"), cache=tmp_path / "b.db")
+    assert "kept 1 winner of a candidate source this host does not have ('my_plugin')" in r.stdout
+    with Store(tmp_path / "b.db") as b:
+        assert b.winner("cpu-test", key).source == "my_plugin"
+
+
 def test_unreadable_and_unwritable_files_get_one_line(tmp_path):
     bad_yaml = tmp_path / "p.yaml"
     bad_yaml.write_text("problems:\n  - {op: gemm, m: [1\n")

@@ -12,23 +12,21 @@ the file, and the one-transaction-per-write rule, come from ``tuner.cache.sqlite
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tuner.cache import export_check
 from tuner.cache.schema import CACHE
 from tuner.cache.sqlite import SqliteFile, StoreError
 from tuner.core.device import Fingerprint
-from tuner.core.keys import key_op, parse_key
+from tuner.core.keys import key_op
 from tuner.measure.records import Measurement, Winner
 
-_R = TypeVar("_R", Measurement, Winner)
 _W = TypeVar("_W", Winner, dict[str, Any])
 Stamp = tuple[str, str, float, str, str]  # a winner's device class, key, updated_at, versions
 # and candidate
@@ -59,32 +57,6 @@ def default_path() -> Path:
     return Path(base) / "tuner" / "tuner.db"
 
 
-def _check_imported(measurements: list[Measurement], winners: list[Winner]) -> None:
-    """ValueError for a record that would break later readers: a key that does not parse (``show``
-    and ``report`` parse every key), a time that is not a finite number, or a zero baseline."""
-
-    def number(name: str, x: Any, *, optional: bool = False, lowest: float = -math.inf) -> None:
-        if x is None and optional:
-            return
-        if not isinstance(x, (int, float)) or isinstance(x, bool):
-            raise ValueError(f"{name} must be a number, got {x!r}")
-        if lowest > -math.inf and not lowest <= x < math.inf:
-            raise ValueError(f"{name} must be a finite time of at least {lowest} us, got {x!r}")
-
-    for i, m in enumerate(measurements):
-        with _naming(f"measurements[{i}]"):
-            parse_key(m.key)
-            for name in ("median_us", "p10_us", "p90_us", "host_us"):
-                number(name, getattr(m, name), optional=True, lowest=0.0)
-            number("max_rel_err", m.max_rel_err, optional=True)
-    for i, w in enumerate(winners):
-        with _naming(f"winners[{i}]"):
-            parse_key(w.key)
-            number("median_us", w.median_us, lowest=0.0)  # a fenced graph time may read 0
-            number("baseline_us", w.baseline_us, lowest=1e-9)  # a speedup divides by it
-            number("updated_at", w.updated_at)  # the newer of two winners is kept by it
-
-
 def _winner_stamp(w: Winner) -> Stamp:
     return w.device_class, w.key, w.updated_at, w.versions, w.candidate
 
@@ -108,32 +80,6 @@ def _stored_stamps(
         if row is not None:
             stored[pair] = (row[0], row[1], row[2])
     return stored
-
-
-@contextlib.contextmanager
-def _naming(where: str) -> Iterator[None]:
-    """A ValueError inside says which record it is about."""
-    try:
-        yield
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-
-
-def _rows(data: dict[str, Any], name: str) -> list[Any]:
-    """An export's list ``name`` (none: empty); ValueError naming it when it is not a list
-    (``"measurements": null`` would otherwise fail as "'NoneType' object is not iterable")."""
-    rows = data.get(name, [])
-    if not isinstance(rows, list):
-        raise ValueError(f"{name} must be a list, got {type(rows).__name__}")
-    return rows
-
-
-def _records(data: dict[str, Any], name: str, cls: type[_R]) -> list[_R]:
-    out = []
-    for i, row in enumerate(_rows(data, name)):
-        with _naming(f"{name}[{i}]"):
-            out.append(cls.from_row(row))
-    return out
 
 
 class DeviceFile(SqliteFile):
@@ -410,13 +356,14 @@ class Store(DeviceFile):
                 f"export has schema version {version}, newer than this tuner's {CACHE.version}"
             )
         try:
-            measurements = _records(data, "measurements", Measurement)
-            winners = _records(data, "winners", Winner)
+            measurements = export_check.records(
+                data, "measurements", Measurement, also_required=("uid",)
+            )
+            winners = export_check.records(data, "winners", Winner)
             devices = [
-                (d["device_class"], json.dumps(d["fingerprint"]), d["first_seen"], d["last_seen"])
-                for d in _rows(data, "devices")
+                (device_class, json.dumps(fingerprint), first_seen, last_seen)
+                for device_class, fingerprint, first_seen, last_seen in export_check.devices(data)
             ]
-            _check_imported(measurements, winners)
         except ValueError as e:
             raise StoreError(f"malformed export: {e}") from None
         except (TypeError, KeyError) as e:

@@ -367,3 +367,10 @@ def import_(
             f"left alone {counted(counts['older_winners'], 'winner')} older than the cache's "
             "for the same problem"
         )
+    absent = [w for w in data.get("winners", []) if w["source"] not in registry.all_sources()]
+    if absent:
+        names = ", ".join(sorted({repr(w["source"]) for w in absent}))
+        console.print(
+            f"[yellow]note:[/] kept {counted(len(absent), 'winner')} of a candidate source "
+            f"this host does not have ({names}): served here once it is installed"
+        )
