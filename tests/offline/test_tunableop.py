@@ -135,6 +135,7 @@ def test_padded_leading_dimension_lowers_the_alignment_class():
         ("GemmTunableOp_Half_TN", "nn_8_8_8", "disagree with operator"),
         ("GemmTunableOp_Half_TN", "tn_8_8_8_B_2", "disagree on batching"),
         ("GemmTunableOp_Half_TN", "tn_8_x_8", "are not '<ab>_<m>_<n>_<k>"),
+        ("GemmTunableOp_BFloat16_XX", "tn_1_1_1", "transpose 'XX' .* must be NN, NT, TN or TT"),
     ],
 )
 def test_lines_without_a_key_say_why(op, params, reason):
@@ -159,6 +160,11 @@ def test_a_file_that_is_not_tunableop_names_file_and_line(tmp_path):
     f.write_text("Validator,PT_VERSION,2.5.0\nm,n,k\n")
     with pytest.raises(ConfigError, match=r"x.csv:2: not a TunableOp line"):
         read(f)
+    f.write_text("GemmTunableOp_BFloat16_TN,tn_4096_1_4096_ld_4096_4096_4096,Default,abc\n")
+    with pytest.raises(ConfigError, match=r"x.csv:1: time 'abc' is not a number of milliseconds"):
+        read(f)
+    f.write_text("\n")
+    assert read(f).kind == "empty"
 
 
 def _winner(k: GemmKey, source: str = "torch", params: dict | None = None) -> Winner:
@@ -237,5 +243,13 @@ def test_cli_show_and_export(tmp_path, monkeypatch, capsys):
     assert lines[0] == "Validator,PT_VERSION,2.13.0" and len(lines) == 2
     assert lines[1].startswith("GemmTunableOp_float_TN,tn_8_4_16_ld_16_16_8,Default,")
     assert import_files([csv]).keys == [key(4, 8, 16, "nt", "f32")]
+    monkeypatch.chdir(tmp_path)
+    code, out, err = tuner("tunableop", "export", "-", "--pt-version", "2.13.0")
+    assert code == 0 and out.splitlines() == lines and not (tmp_path / "-").exists()
+    assert "wrote -: 1 GEMM (Validator PT_VERSION=2.13.0)" in err
+    for bad in ("2.6.0,evil", "", "2.6\n0"):
+        code, out, err = tuner("tunableop", "export", str(csv), "--pt-version", bad)
+        assert code == 2 and f"--pt-version {bad!r}: expected a release" in err
+    assert csv.read_text().splitlines() == lines
     code, out, err = tuner("tunableop", "show", str(DATA / "README.md"))
     assert code == 2 and "not a TunableOp line" in err and "Traceback" not in err

@@ -29,7 +29,10 @@ USAGE, FAILED = 2, 1  # exit statuses: a mistake in the input; the work could no
 
 def write_output(path: Path, data: str) -> None:
     """A command's output file, replaced in one rename (never left half-written), or a
-    ConfigError that names it."""
+    ConfigError that names it; ``-`` is stdout."""
+    if str(path) == "-":
+        sys.stdout.write(data if data.endswith("\n") else data + "\n")
+        return
     try:
         write_atomic(path, data)
     except OSError as e:

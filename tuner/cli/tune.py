@@ -332,11 +332,9 @@ def export(
 ) -> None:
     """Export measurements and winners as JSON."""
     data = json.dumps(open_store(cache, existing=True).export(device_class), indent=1)
-    if str(output) == "-":
-        print(data)
-        return
     write_output(output, data)
-    typer.echo(f"wrote {output}", err=True)
+    if str(output) != "-":
+        typer.echo(f"wrote {output}", err=True)
 
 
 @app.command("import")

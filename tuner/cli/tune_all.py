@@ -41,7 +41,7 @@ from tuner.cli.options import (
     open_store,
     tune_options,
 )
-from tuner.core.console import output_console
+from tuner.core.console import counted, output_console
 from tuner.core.device import Fingerprint, fingerprint
 from tuner.core.keys import Key, key_op, parse_key
 from tuner.core.profiling import profiled
@@ -228,7 +228,8 @@ def tunableop_show(
     for f in imported.files:
         validators = ", ".join(f"{k}={v}" for k, v in f.validators.items()) or "none"
         console.print(
-            f"{f.path}: {f.kind} file, {len(f.entries)} GEMM lines, validators: {validators}"
+            f"{f.path}: {f.kind} file, {counted(len(f.entries), 'GEMM line')}, "
+            f"validators: {validators}"
         )
     for key, (path, entry) in imported.found.items():
         console.print(f"{path.name}:{entry.line} {entry.op},{entry.params} -> {key}")
@@ -238,7 +239,9 @@ def tunableop_show(
 
 @tunableop_app.command("export")
 def tunableop_export(
-    output: Annotated[Path, typer.Argument(help="CSV to write, e.g. tunableop_results0.csv.")],
+    output: Annotated[
+        Path, typer.Argument(help="CSV to write, e.g. tunableop_results0.csv ('-' for stdout).")
+    ],
     cache: CacheOpt = None,
     pt_version: Annotated[
         str | None, typer.Option(help="PT_VERSION validator (default: this torch's).")
@@ -250,12 +253,18 @@ def tunableop_export(
     store = open_store(cache, existing=True)
     fp = fingerprint()
     winners = [w for w in store.winners(fp.device_class, op="gemm") if w.measured_under(fp)]
+    if pt_version is not None and not tunableop.PT_VERSION.fullmatch(pt_version):
+        raise ConfigError(
+            f"--pt-version {pt_version!r}: expected a release such as 2.6.0 (digits and dots, "
+            "as TunableOp's PT_VERSION validator holds it)"
+        )
     version = pt_version or tunableop.torch_version_tag(torch.__version__)
     exp = tunableop.export(winners, version)
     write_output(output, "\n".join(exp.lines) + "\n")
-    console.print(f"wrote {output}: {exp.written} GEMMs (Validator PT_VERSION={version})")
+    status = output_console(stderr=True)  # stdout may be the CSV itself
+    status.print(f"wrote {output}: {counted(exp.written, 'GEMM')} (Validator PT_VERSION={version})")
     for key, reason in exp.skipped:
-        console.print(f"  [yellow]not expressible[/yellow] {report.short_label(key)}: {reason}")
+        status.print(f"  [yellow]not expressible[/yellow] {report.short_label(key)}: {reason}")
 
 
 # --- the bodies ----------------------------------------------------------------------------------

@@ -92,6 +92,8 @@ class TunableOpFile:
 
     @property
     def kind(self) -> str:
+        if not self.entries and not self.validators:
+            return "empty"
         return "results" if any(e.solution is not None for e in self.entries) else "untuned"
 
 
@@ -117,6 +119,10 @@ def read(path: str | Path) -> TunableOpFile:
             out.validators[parts[1]] = parts[2]
         elif len(parts) >= 2 and "TunableOp_" in parts[0]:
             time_ms = _float(parts[3]) if len(parts) >= 4 else None
+            if len(parts) >= 4 and time_ms is None:
+                raise ConfigError(
+                    f"{path}:{no}: time {parts[3]!r} is not a number of milliseconds: {raw[:120]!r}"
+                )
             solution = parts[2] if len(parts) >= 3 else None
             out.entries.append(Entry(no, parts[0], parts[1], solution, time_ms, blas.strip()))
         else:
@@ -137,6 +143,9 @@ def _float(text: str) -> float | None:
 def entry_key(entry: Entry) -> GemmKey:
     """The problem key of a TunableOp line; ValueError says why a line has none."""
     op = _OP_RE.match(entry.op)
+    if op is None and re.match(r"^[A-Za-z]+TunableOp_.+_[^_]+$", entry.op):
+        transpose = entry.op.rsplit("_", 1)[1]
+        raise ValueError(f"transpose {transpose!r} of {entry.op!r}: must be NN, NT, TN or TT")
     if op is None or op["op"] not in OPS:
         raise ValueError(f"unsupported TunableOp operator {entry.op!r}; supported: {list(OPS)}")
     if op["type"] not in TYPES:
@@ -287,6 +296,11 @@ def export(winners: Iterable[Winner], pt_version: str) -> Export:
         seen.add(sig)
         lines.append(f"{sig[0]},{sig[1]},{name},{w.median_us / 1000:.6g}")
     return Export(lines, len(lines) - 1, skipped)
+
+
+# a PT_VERSION validator's value: a release, as torch_version_tag makes it (a comma or a line
+# break would break the CSV)
+PT_VERSION = re.compile(r"\d+(\.\d+)+([a-z]+\d*)?")
 
 
 def torch_version_tag(version: str) -> str:
