@@ -19,6 +19,17 @@ def test_gemm_key_string_is_stable_and_round_trips():
     assert hash(parse_key(str(key))) == hash(key)
 
 
+def test_out_dtype_defaults_to_the_operands_dtype():
+    """A key written without out_dtype means a plain GEMM's output, as `tune gemm` makes it
+    (not bf16 whatever the operands, which an f32 or f16 GEMM then refused)."""
+    for dtype in ("f32", "f16", "bf16"):
+        assert parse_key(f"gemm:m=8,n=8,k=8,dtype={dtype}").out_dtype == dtype
+    assert parse_key("gemm:m=8,n=8,k=8").out_dtype == "bf16"
+    fp8 = "gemm:m=16,n=64,k=64,layout=nt,dtype=fp8_e4m3,scale=row,accum=f32"
+    assert parse_key(fp8).out_dtype == "bf16"
+    assert str(GemmKey(m=8, n=8, k=8, dtype="f32")).count("out_dtype=f32") == 1
+
+
 def test_sdpa_key_defaults_are_normalised():
     key = SdpaKey(batch=2, q_heads=32, kv_heads=8, q_len=1, kv_len=4096, head_dim=128)
     assert key.head_dim_v == 128

@@ -128,7 +128,7 @@ class GemmKey:
     batch: int = 1
     layout: str = "nn"
     dtype: str = "bf16"
-    out_dtype: str = "bf16"
+    out_dtype: str = ""  # "" means dtype (bf16 for FP8 operands), normalised in __post_init__
     compute: str = "f32"
     align: int = 16
     wdtype: str = ""  # weight (B) dtype; "" means "same as dtype", normalised in __post_init__
@@ -145,6 +145,8 @@ class GemmKey:
         if self.wdtype == "":
             object.__setattr__(self, "wdtype", self.dtype)
         _check_choice("wdtype", self.wdtype, (*ITEMSIZE, *WEIGHT_DTYPES))
+        if self.out_dtype == "":
+            object.__setattr__(self, "out_dtype", "bf16" if self.dtype in FP8 else self.dtype)
         _check_choice("out_dtype", self.out_dtype, ITEMSIZE)
         _check_choice("compute", self.compute, COMPUTE_MODES)
         _check_choice("align", self.align, ALIGNMENTS)
