@@ -124,6 +124,9 @@ def test_summary_counts_and_ranks_the_tuned_rows(tuned: Tuned) -> None:
         "problems": 4, "tuned": 2, "stale": 1, "failed": 1, "timeout": 0
     }  # fmt: skip
     assert summary["geomean_speedup"] == pytest.approx(geomean(list(speedups.values())))
+    # the plot draws the rows the summary counts: not the stale winner, whose speedup has one
+    timed = report.build(tuned.store, FP, journal=tuned.journal).timed()
+    assert {r.key for r in timed} == {str(TORCH_WON), str(TRITON_WON)} and rows[str(STALE)].speedup
     assert summary["worst"] == {"label": worst.label, "speedup": speedups[worst]}
     assert summary["best"] == {"label": best.label, "speedup": speedups[best]}
     assert summary["tuning_s_total"] == 1.5 + 2.0 + 3.0 + 0.5

@@ -216,7 +216,7 @@ def report_command(
     if problems is None and sources.op:
         rep.rows = [r for r in rep.rows if key_op(r.key) == sources.op]
     report.render(rep, console, limit=rows, written=out is not None)
-    _write_report(rep, out)
+    _write_report(rep, out, "tuner report")
 
 
 @tunableop_app.command("show")
@@ -524,7 +524,7 @@ def tune_all(
         store, fp, problems=problems, journal=read_journal(journal_path(store_path)), run=summary
     )
     report.render(rep, console, limit=40, written=out is not None)
-    _write_report(rep, out)
+    _write_report(rep, out, "tune-all")
     if summary is not None and summary.stopped in INTERRUPTED:
         return INTERRUPTED[summary.stopped]
     return 0 if all(r.status == "tuned" for r in rep.rows) else 1
@@ -573,7 +573,7 @@ def fleet_artifacts(fp: Fingerprint, store_path: Path) -> Iterator[_Artifacts]:
             artifacts.client.close()
 
 
-def _write_report(rep: report.Report, out: Path | None) -> None:
+def _write_report(rep: report.Report, out: Path | None, command: str) -> None:
     if out is not None:
-        json_path, png = report.write(rep, output_dir(out))
+        json_path, png = report.write(rep, output_dir(out), title=command)
         console.print(f"wrote {json_path}" + (f" and {png}" if png else ""))

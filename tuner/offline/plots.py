@@ -64,7 +64,10 @@ def speedup_plot(
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=1)
     if floor is not None:
-        ax.axvline(floor, color="red", linestyle=":", linewidth=1, label=f"{floor}x floor")
+        ax.axvline(
+            floor, color="red", linestyle=":", linewidth=1,
+            label=f"{floor}x: no tuned winner below this",
+        )  # fmt: skip
     wide = bool(speedups) and max(speedups) / max(min(speedups), 1e-9) > 4
     if wide:  # a log axis only where the range needs it: a narrow one would show a single tick
         ax.set_xscale("log", base=2)
@@ -75,11 +78,11 @@ def speedup_plot(
     handles, _ = ax.get_legend_handles_labels()
     # an empty barh() has no patch to take a colour from: legend entries need explicit patches
     handles += [Patch(color=palette(i % 10), label=name) for i, name in enumerate(names)]
-    if handles:
-        ax.legend(handles=handles, loc="lower right", fontsize=8)
+    if handles:  # outside the axes: inside, it hides the ends of the bars under it
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend outside the axes included
     plt.close(fig)
     return path

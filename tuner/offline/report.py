@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,8 +77,13 @@ class Report:
     start_s: float | None = None  # of the run: until the first worker was ready
     created_at: float = field(default_factory=time.time)
 
+    def timed(self) -> list[Row]:
+        """The rows whose speedup is this run's, which the summary and the plot count: not a
+        stale winner (other versions) nor a timed-out problem's kept baseline."""
+        return [r for r in self.rows if r.status == "tuned" and r.speedup is not None]
+
     def summary(self) -> dict[str, Any]:
-        timed = [r for r in self.rows if r.status == "tuned" and r.speedup is not None]
+        timed = self.timed()
         speedups = [r.speedup for r in timed if r.speedup is not None]
         tune_times = [r.tune_s for r in self.rows if r.tune_s is not None]
         worst = min(timed, key=lambda r: r.speedup or 0.0, default=None)
@@ -214,14 +220,17 @@ def write(report: Report, out_dir: Path, *, title: str = "tune-all") -> tuple[Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "report.json"
     write_atomic(json_path, json.dumps(report.to_dict(), indent=1))
-    plotted = [r for r in report.rows if r.speedup is not None]
+    plotted = report.timed()
     if not plotted:
         return json_path, None
+    left = Counter(r.status for r in report.rows if r not in plotted)
+    left_out = ", ".join(f"{n} {status}" for status, n in left.items())
     png = speedup_plot(
         [r.title for r in plotted],
         [r.speedup or 1.0 for r in plotted],
         out_dir / "speedup.png",
-        title=f"{title} on {report.device_class}: speedup of the winner over the baseline",
+        title=f"{title} on {report.device_class}: speedup of the winner over the baseline"
+        + (f" (not drawn: {left_out})" if left_out else ""),
         groups=[r.source for r in plotted],
     )
     return json_path, png
