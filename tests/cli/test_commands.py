@@ -307,6 +307,21 @@ def test_import_notes_winners_of_a_source_this_host_lacks(tmp_path):
         assert b.winner("cpu-test", key).source == "my_plugin"
 
 
+def test_show_points_at_other_device_classes_and_prints_whole_keys(tmp_path):
+    key = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+    with Store(tmp_path / "c.db") as store:
+        store.put_winners([Winner("gpu-elsewhere", key, "torch", {}, 2.0, 2.0)])
+    r = tuner("show", cache=tmp_path / "c.db")
+    assert "0 winners on" in r.stdout and "(1 on other device classes: --all-devices)" in r.stdout
+    lines = tuner("show", "--all-devices", "--full-keys", cache=tmp_path / "c.db").stdout
+    assert lines.splitlines() == [
+        "device_class\tkey\twinner\tlaunch\tus\tbaseline_us\tspeedup",
+        f"gpu-elsewhere\t{key}\ttorch\teager\t2.00\t2.00\t1.00",
+    ]
+    r = tuner("export", "--device-class", "nosuch", "-", cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2 and "--device-class 'nosuch': nothing of it in this cache" in r.stderr
+
+
 def test_unreadable_and_unwritable_files_get_one_line(tmp_path):
     bad_yaml = tmp_path / "p.yaml"
     bad_yaml.write_text("problems:\n  - {op: gemm, m: [1\n")

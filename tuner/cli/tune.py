@@ -11,6 +11,7 @@ import torch
 import typer
 from rich.table import Table
 
+from tuner.cache.store import EXPORTED_TABLES
 from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.cli.errors import write_output
@@ -293,7 +294,12 @@ def show(
         typer.Option("--all-devices", help="Winners of every device class, not only this one."),
     ] = False,
     full_keys: Annotated[
-        bool, typer.Option("--full-keys", help="Print full key strings instead of short labels.")
+        bool,
+        typer.Option(
+            "--full-keys",
+            help="Full key strings instead of short labels, one winner a line, tab-separated "
+            "(whole keys to copy or grep; --json gives every field).",
+        ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
@@ -310,14 +316,27 @@ def show(
     if as_json:
         print(json.dumps([w.to_row() for w in winners], indent=1))
         return
-    t = Table(title=counted(len(winners), "winner") + (f" on {dc}" if dc else ""))
+    if full_keys:  # a table would fold a long key over several lines
+        header = ("device_class",) * (dc is None) + ("key", "winner", "launch", "us", "baseline_us")
+        print("\t".join((*header, "speedup")))
+        for w in winners:
+            print("\t".join((*(w.device_class,) * (dc is None), w.key, w.candidate, w.launch,
+                             f"{w.median_us:.2f}", f"{w.baseline_us:.2f}", f"{w.speedup:.2f}")))  # fmt: skip
+        return
+    title = counted(len(winners), "winner") + (f" on {dc}" if dc else "")
+    if not winners:  # no table to show; say where the winners are, if anywhere
+        others = store.winners(None, op=op, source=source) if dc else []
+        elsewhere = f" ({len(others)} on other device classes: --all-devices)" if others else ""
+        console.print(title + elsewhere)
+        return
+    t = Table(title=title)
     columns = ("device class",) * (dc is None) + ("key", "winner", "launch", "us", "baseline us")
     for col in (*columns, "speedup"):
         t.add_column(col, overflow="fold")
     for w in winners:
         color = "green" if w.speedup > 1.0 else "white"
         t.add_row(
-            *(w.device_class,) * (dc is None), w.key if full_keys else parse_key(w.key).label,
+            *(w.device_class,) * (dc is None), parse_key(w.key).label,
             w.candidate, w.launch, f"{w.median_us:.2f}", f"{w.baseline_us:.2f}",
             f"[{color}]{w.speedup:.2f}x[/{color}]",
         )  # fmt: skip
@@ -331,7 +350,13 @@ def export(
     device_class: Annotated[str | None, typer.Option(help="Only this device class.")] = None,
 ) -> None:
     """Export measurements and winners as JSON."""
-    data = json.dumps(open_store(cache, existing=True).export(device_class), indent=1)
+    store = open_store(cache, existing=True)
+    exported = store.export(device_class)
+    if device_class is not None and not any(exported[t] for t in EXPORTED_TABLES):
+        known = ", ".join(store.device_classes()) or "none"
+        raise ConfigError(f"--device-class {device_class!r}: nothing of it in this cache (device "
+                          f"classes seen: {known})")  # fmt: skip
+    data = json.dumps(exported, indent=1)
     write_output(output, data)
     if str(output) != "-":
         typer.echo(f"wrote {output}", err=True)
