@@ -33,6 +33,7 @@ from server.store import FleetStore
 from tests.cache.read_only import read_only
 from tuner.cache import ReadOnlyError, Store, StoreError
 from tuner.cache.schema import CACHE, SERVICE_TABLES
+from tuner.core.keys import SdpaKey, parse_key
 
 DATA = Path(__file__).parents[1] / "data" / "compat"
 DC = "cpu-x86-64-2c"
@@ -200,3 +201,29 @@ def test_a_read_only_schema_4_cache_is_read_as_it_is(tmp_path, caplog):
         with pytest.raises(ReadOnlyError, match="is read-only"):
             s.mark_reported(DC, [(k3, 3)], service=SCOPE)
         assert path.read_bytes() == before
+
+
+def test_sdpa_keys_of_the_default_scale_written_another_way_join_the_defaults(tmp_path):
+    """Schema 6: a model passing ``scale=head_dim ** -0.5`` (one rounding away from
+    1 / sqrt(head_dim)) made keys of its own, which the default's winners never served; the
+    fixture's miss is one. Its rows take the default's key: misses and reports add up, the
+    newer winner stays."""
+    path = copy("cache-v4.db", tmp_path)
+    conn = sqlite3.connect(path)
+    ((written,),) = conn.execute("select key from misses").fetchall()
+    canonical = str(parse_key(written))
+    assert written.endswith("scale=0.1767766952966369") and canonical != written
+    row = "(?, ?, 'sdpa', 'torch_sdpa', 'torch_sdpa', '{}', 5.0, 5.0, 1.0, '', '', ?, 'eager')"
+    conn.executemany(
+        f"insert into winners values {row}",
+        [(DC, written, 200.0), (DC, canonical, 100.0)],
+    )
+    conn.execute("insert into misses values (?, ?, 'sdpa', 2, 50.0, 60.0)", (DC, canonical))
+    conn.commit()
+    conn.close()
+    with Store(path) as s:
+        (miss,) = s.misses(DC)
+        assert (miss["key"], miss["count"]) == (canonical, 3 + 2)
+        (winner,) = [w for w in s.winners(DC) if w.op == "sdpa"]
+        assert (winner.key, winner.updated_at) == (canonical, 200.0)
+        assert winner.key == str(SdpaKey(1, 4, 4, 16, 16, 32, dtype="f32", scale=32**-0.5))

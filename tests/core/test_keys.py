@@ -35,6 +35,11 @@ def test_sdpa_key_defaults_are_normalised():
     assert key.head_dim_v == 128
     assert key.scale == pytest.approx(1 / math.sqrt(128))
     assert parse_key(str(key)) == key
+    # models pass the default as head_dim ** -0.5, a rounding away: the same problem, one key
+    for d in (32, 96, 128):
+        spelt = SdpaKey(1, 8, 8, 1, 64, d, scale=d**-0.5)
+        assert spelt == SdpaKey(1, 8, 8, 1, 64, d) and str(spelt) == str(SdpaKey(1, 8, 8, 1, 64, d))
+    assert SdpaKey(1, 8, 8, 1, 64, 128, scale=0.09).scale == 0.09
 
 
 def test_gemm_key_from_tensors_sees_layout_alignment_and_tf32():

@@ -106,7 +106,8 @@ def _check(record: Measurement | Winner) -> None:
             )
         if f.name in _DATES:
             _finite(f.name, value)
-    parse_key(record.key)  # `show` and `report` parse every key
+    record.key = str(parse_key(record.key))  # `show` and `report` parse every key; an older
+    # release's spelling of a key (an SDPA scale rounded another way) is stored as this one's
     _one_of("launch", record.launch, LAUNCHES)
     if isinstance(record, Measurement):
         _one_of("status", record.status, STATUSES)

@@ -8,11 +8,13 @@ split carry their version in a ``meta`` table and the service's empty ``srv_*`` 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import sqlite_utils
 
 from tuner.cache.sqlite import Schema, StoreError, register
+from tuner.core.keys import parse_key
 
 LEGACY_APP = "tuner"  # meta.app of files from before application ids
 HOST_TABLES = ("measurements", "winners", "misses", "sync_state", "reported_misses")
@@ -139,6 +141,52 @@ def _v5(db: sqlite_utils.Database) -> None:
     )
 
 
+def _v6(db: sqlite_utils.Database) -> None:
+    """SDPA keys whose scale is 1 / sqrt(head_dim) written another way (``head_dim ** -0.5``,
+    as models pass it, rounds one bit away) are the default scale's key, as a call with either
+    now makes: their rows join the default's. Per problem the newer winner stays, miss counts
+    and their reports add up."""
+    renamed = {}
+    for table in ("measurements", "winners", "misses", "reported_misses"):
+        for (key,) in db.conn.execute(f"select distinct key from {table} where key like 'sdpa:%'"):
+            with contextlib.suppress(ValueError):  # a key no release could parse stays as it is
+                if (canonical := str(parse_key(key))) != key:
+                    renamed[key] = canonical
+    c = db.conn
+    for old, new in renamed.items():
+        c.execute("update measurements set key = ? where key = ?", (new, old))
+        # a problem holding a winner under both keys keeps the newer
+        c.execute(
+            "delete from winners where key = ? and exists (select 1 from winners w where "
+            "w.key = ? and w.device_class = winners.device_class and w.updated_at >= "
+            "winners.updated_at)",
+            (old, new),
+        )
+        c.execute(
+            "delete from winners where key = ? and exists (select 1 from winners w where "
+            "w.key = ? and w.device_class = winners.device_class)",
+            (new, old),
+        )
+        c.execute("update winners set key = ? where key = ?", (new, old))
+        c.execute(
+            "insert into misses(device_class, key, op, count, first_seen, last_seen) "
+            "select device_class, ?, op, count, first_seen, last_seen from misses where key = ? "
+            "on conflict(device_class, key) do update set count = count + excluded.count, "
+            "first_seen = min(first_seen, excluded.first_seen), "
+            "last_seen = max(last_seen, excluded.last_seen)",
+            (new, old),
+        )
+        c.execute(
+            "insert into reported_misses(service, device_class, key, reported) "
+            "select service, device_class, ?, reported from reported_misses where key = ? "
+            "on conflict(service, device_class, key) do update set "
+            "reported = reported + excluded.reported",
+            (new, old),
+        )
+        for table in ("misses", "reported_misses"):
+            c.execute(f"delete from {table} where key = ?", (old,))
+
+
 def legacy_meta(db: sqlite_utils.Database, path: Path) -> int:
     """The schema version in the ``meta`` table of a file from before application ids."""
     tables = set(db.table_names())
@@ -174,10 +222,10 @@ CACHE = register(
     Schema(
         kind="tuner cache",
         application_id=0x544E5243,  # "TNRC"
-        migrations=(_v1, _v2, _v3, _v4, _v5),
+        migrations=(_v1, _v2, _v3, _v4, _v5, _v6),
         legacy_version=_legacy_version,
-        # v4 adds only sync_state.mark and v5 only reported_misses' service: no read of
-        # winners needs either
+        # v4 adds only sync_state.mark, v5 only reported_misses' service and v6 renames
+        # keys: no read of winners needs any of them
         readable_from=3,
     )
 )

@@ -5,7 +5,7 @@ SQLite store and in the HTTP API. The string form is ``op:field=value,...`` with
 declaration order, e.g.::
 
     gemm:m=128,n=4096,k=4096,batch=1,layout=nn,dtype=bf16,out_dtype=bf16,compute=f32,align=16
-    sdpa:batch=1,q_heads=32,kv_heads=8,q_len=2048,kv_len=2048,head_dim=128,head_dim_v=128,causal=none,dtype=bf16,scale=0.08838834764831845
+    sdpa:batch=1,q_heads=32,kv_heads=8,q_len=2048,kv_len=2048,head_dim=128,head_dim_v=128,causal=none,dtype=bf16,scale=0.08838834764831843
 
 Low-bit GEMMs (INT4 weight-only, FP8 scaled) are GEMM keys with a few more fields; each is written
 only when it differs from a plain GEMM's value, so plain keys (and the results stored under them)
@@ -325,7 +325,7 @@ class SdpaKey:
     head_dim_v: int = 0  # 0 means "same as head_dim"; normalised in __post_init__
     causal: str = "none"
     dtype: str = "bf16"
-    scale: float = 0.0  # 0 means "1/sqrt(head_dim)"; normalised in __post_init__
+    scale: float = 0.0  # 0, or 1/sqrt(head_dim) written any way, is the default: normalised
 
     def __post_init__(self) -> None:
         for name in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim"):
@@ -333,8 +333,13 @@ class SdpaKey:
         if self.head_dim_v == 0:
             object.__setattr__(self, "head_dim_v", self.head_dim)
         _check_positive("head_dim_v", self.head_dim_v)
-        if self.scale == 0.0:
-            object.__setattr__(self, "scale", 1.0 / math.sqrt(self.head_dim))
+        default = 1.0 / math.sqrt(self.head_dim)
+        # models write the default scale as head_dim ** -0.5, a float rounding away from
+        # 1 / sqrt(head_dim): one problem, so one key (the kernels' results cannot tell them apart)
+        if self.scale == 0.0 or (
+            isinstance(self.scale, float) and math.isclose(self.scale, default, rel_tol=1e-12)
+        ):
+            object.__setattr__(self, "scale", default)
         if self.q_heads % self.kv_heads:
             raise ValueError(
                 f"kv_heads ({self.kv_heads}) must divide q_heads ({self.q_heads}) for grouped-query attention"
