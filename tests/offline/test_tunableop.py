@@ -247,8 +247,12 @@ def test_cli_show_and_export(tmp_path, monkeypatch, capsys):
     code, out, err = tuner("tunableop", "export", "-", "--pt-version", "2.13.0")
     assert code == 0 and out.splitlines() == lines and not (tmp_path / "-").exists()
     assert "wrote -: 1 GEMM (Validator PT_VERSION=2.13.0)" in err
+    before = csv.read_text()
+    code, out, err = tuner("tunableop", "export", str(csv))
+    assert code == 2 and "exists: pass --force to replace it" in err
+    assert csv.read_text() == before
     for bad in ("2.6.0,evil", "", "2.6\n0"):
-        code, out, err = tuner("tunableop", "export", str(csv), "--pt-version", bad)
+        code, out, err = tuner("tunableop", "export", str(csv), "--pt-version", bad, "--force")
         assert code == 2 and f"--pt-version {bad!r}: expected a release" in err
     assert csv.read_text().splitlines() == lines
     code, out, err = tuner("tunableop", "show", str(DATA / "README.md"))

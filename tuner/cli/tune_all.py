@@ -246,8 +246,16 @@ def tunableop_export(
     pt_version: Annotated[
         str | None, typer.Option(help="PT_VERSION validator (default: this torch's).")
     ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace OUTPUT if it exists (its lines are lost).")
+    ] = False,
 ) -> None:
     """Write this device's winners that TunableOp can run (cuBLAS default, cuBLASLt algos)."""
+    if str(output) != "-" and output.exists() and not force:
+        raise ConfigError(
+            f"{output} exists: pass --force to replace it (a TunableOp results file would lose "
+            "its own lines), or name another file"
+        )
     import torch
 
     store = open_store(cache, existing=True)
