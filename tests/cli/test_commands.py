@@ -42,6 +42,9 @@ def test_help_lists_the_commands():
     out = tuner("--help").stdout
     for command in ("info", "tune", "tune-all", "show", "export", "import", "bench"):
         assert command in out
+    # a flag takes no value: no type shown beside it (typer's "<bool>" read as one)
+    shown = tuner("show", "--help").stdout
+    assert "--json" in shown and "<bool>" not in shown and "<str>" in shown
 
 
 def test_help_read_through_a_pipe_is_shown_whole(monkeypatch):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Annotated
 
 import typer
+import typer.core
 import typer.rich_utils
 from rich.console import Console
 
@@ -46,6 +47,23 @@ def wide_when_piped(make_console: Callable[..., Console]) -> Callable[..., Conso
 # rename it, rather than the CLI failing to start
 if hasattr(typer.rich_utils, "_get_rich_console"):
     typer.rich_utils._get_rich_console = wide_when_piped(typer.rich_utils._get_rich_console)
+
+
+def no_type_on_flags(display: Callable[..., str | None]) -> Callable[..., str | None]:
+    """Help lists a flag (``--json``) without typer's ``<bool>``, which reads as a value to
+    give (``--json true`` is refused)."""
+
+    @functools.wraps(display)
+    def shown(self: typer.core.TyperOption, ctx: object) -> str | None:
+        return None if getattr(self, "is_flag", False) else display(self, ctx)
+
+    return shown
+
+
+if hasattr(typer.core.TyperOption, "display_type_rich"):  # typer's own, as above
+    typer.core.TyperOption.display_type_rich = no_type_on_flags(
+        typer.core.TyperOption.display_type_rich
+    )
 
 app = typer.Typer(
     help="Autotuned GEMM and attention kernels with a shared results cache.",
