@@ -83,6 +83,11 @@ def list_tokens(store: FleetStore) -> list[Token]:
 
 
 def revoke(store: FleetStore, token_id: str) -> Token:
+    """Revoke the token of id ``token_id``, or of the whole token string (``tnr_<id>_<secret>``,
+    as an operator may paste it: its id is taken, and the secret never printed back)."""
+    prefix, _, rest = token_id.partition("_")
+    if prefix == PREFIX and rest:
+        token_id = rest.partition("_")[0]
     revoked = store.revoke_token(token_id, time.time())
     row = store.token(token_id)
     if row is None:

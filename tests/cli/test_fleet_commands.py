@@ -275,3 +275,17 @@ def test_serve_names_an_address_it_cannot_listen_on(tmp_path: Path, monkeypatch)
         str(out.exception)
         == "--host 'tuner.nowhere': not an address here (Name or service not known)"
     )
+
+
+def test_a_token_revoked_by_its_whole_string_is_named_by_its_id_alone(tmp_path: Path) -> None:
+    """An operator pastes the token itself: its id is taken, and the secret never echoed."""
+    from server import tokens
+    from server.store import FleetStore
+
+    with FleetStore(tmp_path / "fleet.db") as store:
+        tok, whole = tokens.create(store, "gpu-node-1", ["submit"])
+    done = tuner_process("token", "revoke", whole, "--db", str(tmp_path / "fleet.db"))
+    assert done.returncode == 0 and f"revoked {tok.id} (gpu-node-1)" in done.stdout
+    again = tuner_process("token", "revoke", whole, "--db", str(tmp_path / "fleet.db"))
+    assert again.returncode != 0 and f"token '{tok.id}' was already revoked" in again.stderr
+    assert whole.rpartition("_")[2] not in again.stderr + again.stdout

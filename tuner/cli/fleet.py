@@ -202,7 +202,12 @@ def token_list(db: DbOpt) -> None:
 
 
 @token_app.command("revoke")
-def token_revoke(db: DbOpt, token_id: Annotated[str, typer.Argument(help="Token id.")]) -> None:
+def token_revoke(
+    db: DbOpt,
+    token_id: Annotated[
+        str, typer.Argument(help="Token id (as 'tuner token list' shows it), or the token itself.")
+    ],
+) -> None:
     """Revoke a token: it stops working at once; what it submitted stays."""
     from server import tokens
     from server.store import FleetStore

@@ -496,7 +496,10 @@ class _Pool:
             return
         why = "SIGTERM" if self.terminated else "ctrl-c"
         if self.stopped not in ("ctrl-c", "SIGTERM"):
-            self._halt(why, "stopping: problems in flight finish (Ctrl-C again to abort them)")
+            then = "SIGTERM: no new problems" if self.terminated else (
+                "stopping: problems in flight finish (Ctrl-C again to abort them)"
+            )  # fmt: skip
+            self._halt(why, then)
             new -= 1
         if new:
             self.stopped = why
