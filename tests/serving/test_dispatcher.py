@@ -27,6 +27,21 @@ def test_off_mode_never_opens_the_store(tmp_path):
     assert not (tmp_path / "never.db").exists()
 
 
+def test_lookup_mode_makes_no_cache_at_a_mistyped_path_and_says_so_once(tmp_path, caplog):
+    path = tmp_path / "typo" / "c.db"
+    d = Dispatcher(path, mode="lookup")
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    for _ in range(2):
+        torch.testing.assert_close(d.matmul(a, b), a @ b)
+        torch.testing.assert_close(d.matmul(a, b[:, :3]), a @ b[:, :3])
+    assert not path.parent.exists()
+    said = [r for r in caplog.records if "does not exist: serving baselines only" in r.message]
+    assert len(said) == 1
+    d.set_mode("record")  # a mode that writes makes the cache as before
+    d.matmul(a, b)
+    assert path.exists()
+
+
 @pytest.mark.cpu_host
 def test_record_mode_records_each_missed_key_once(cache_path):
     d = Dispatcher(cache_path, mode="record")

@@ -198,6 +198,7 @@ class Dispatcher:
         self._lock = threading.RLock()
         self._store: Store | None = None
         self._store_failed = False
+        self._missing_said = False  # lookup mode found no cache at store_path, and said so
         self._read_only = False  # the cache refused a write: still read, never written again
         # winners' runners whose build may compile: built off the hot path (serving.background),
         # kept across reloads; "<key> <- <candidate> on <device>" -> runner
@@ -484,6 +485,15 @@ class Dispatcher:
         return winner
 
     def _open_store(self) -> Store | None:
+        if self._store is None and self.mode == "lookup" and not Path(self.store_path).exists():
+            if not self._missing_said:  # a mistyped path: said once, nothing made there
+                log.warning(
+                    "tuner cache %s does not exist: serving baselines only (lookup mode reads a "
+                    "cache, it does not make one; tune into it first, or fix TUNER_CACHE)",
+                    self.store_path,
+                )
+                self._missing_said = True
+            return None
         if self._store is None and not self._store_failed:
             try:
                 self._store = Store(self.store_path)
