@@ -39,7 +39,7 @@ EXPORT_FORMAT = "tuner-results"
 EXPORTED_VERSION = 3
 EXPORTED_TABLES = ("devices", "measurements", "winners")
 
-__all__ = ["EXPORT_FORMAT", "Store", "StoreError", "cache_file", "default_path"]
+__all__ = ["EXPORT_FORMAT", "ExportError", "Store", "StoreError", "cache_file", "default_path"]
 
 
 def cache_file(named: str | Path) -> Path:
@@ -80,6 +80,10 @@ def _stored_stamps(
         if row is not None:
             stored[pair] = (row[0], row[1], row[2])
     return stored
+
+
+class ExportError(StoreError):
+    """The data given to ``Store.import_`` is not an export it can take; the cache is as it was."""
 
 
 class DeviceFile(SqliteFile):
@@ -343,16 +347,16 @@ class Store(DeviceFile):
         cache's for its key is left out. Returns what changed: measurements and devices added,
         winners added or replaced, and winners left out as older."""
         if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
-            raise StoreError(
+            raise ExportError(
                 f"not a tuner export: expected an object with format={EXPORT_FORMAT!r}"
             )
         version = data.get("schema_version", 0)
         if not isinstance(version, int):
-            raise StoreError(
+            raise ExportError(
                 f"malformed export: schema_version must be an integer, got {version!r}"
             )
         if version > CACHE.version:
-            raise StoreError(
+            raise ExportError(
                 f"export has schema version {version}, newer than this tuner's {CACHE.version}"
             )
         try:
@@ -365,9 +369,9 @@ class Store(DeviceFile):
                 for device_class, fingerprint, first_seen, last_seen in export_check.devices(data)
             ]
         except ValueError as e:
-            raise StoreError(f"malformed export: {e}") from None
+            raise ExportError(f"malformed export: {e}") from None
         except (TypeError, KeyError) as e:
-            raise StoreError(f"malformed export: {e!r}") from None
+            raise ExportError(f"malformed export: {e!r}") from None
         with self.transaction() as c:
             before = c.total_changes
             c.executemany(

@@ -11,7 +11,7 @@ import torch
 import typer
 from rich.table import Table
 
-from tuner.cache.store import EXPORTED_TABLES
+from tuner.cache.store import EXPORTED_TABLES, ExportError
 from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.cli.errors import write_output
@@ -379,7 +379,10 @@ def import_(
         raise ConfigError(f"{input}: not a text file (expected a 'tuner export' JSON)") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{input}: not valid JSON: {e}") from None
-    counts = open_store(cache).import_(data)
+    try:
+        counts = open_store(cache).import_(data)
+    except ExportError as e:  # the file's fault, not the cache's: named
+        raise ConfigError(f"{input}: {e}") from None
     console.print(
         f"imported {counted(counts['measurements'], 'new measurement')}, "
         f"{counted(counts['winners'], 'winner')} added or replaced, "
