@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import typer.rich_utils
@@ -506,3 +508,27 @@ def test_tune_all_says_what_op_left_out(tmp_path) -> None:
     kept = add_recorded(problems, Sources(op="gemm"), store, fp, Console(file=out), None)
     assert [k.op for k in kept] == ["gemm"]
     assert "--op gemm: 1 of 2 problems kept" in out.getvalue()
+
+
+def test_ctrl_c_during_tune_says_nothing_was_stored(tmp_path):
+    """A problem that takes minutes (INT4 through Triton's interpreter) shows how far it got,
+    and Ctrl-C ends it with one line, no traceback, no winner."""
+    cache = tmp_path / "c.db"
+    env = os.environ | {"TRITON_INTERPRET": "1", "TUNER_CACHE": str(cache), "COLUMNS": "200"}
+    args = ("tune", "gemm", "-m", "16", "-n", "4096", "-k", "4096", "--dtype", "int4-g128")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tuner", *args], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    while not cache.exists():  # the device is saved just before the run starts
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.1)
+    time.sleep(3)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert "TRITON_INTERPRET=1: Triton candidates run in its interpreter" in out
+    assert re.search(r"interrupted after \d+ measurements?: nothing stored", err)
+    assert "Traceback" not in err
+    with Store(cache) as store:
+        assert not store.winners() and not store.measurements()

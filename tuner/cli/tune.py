@@ -4,6 +4,7 @@ this device, one problem tuned, and the winners in the cache."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -43,6 +44,7 @@ from tuner.core.keys import (
     lowbit_fields,
     parse_key,
 )
+from tuner.measure.records import Measurement
 from tuner.offline.problem_list import ConfigError
 from tuner.tuning.engine import TuneOptions, current_device, earlier_times
 from tuner.tuning.tune import tune
@@ -96,9 +98,28 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     fp = fingerprint()
     store.save_device(fp)
     earlier = earlier_times(store.measurements(fp.device_class, str(key)), options.launch)
-    with console.status(f"tuning {key}"):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        console.print(
+            "[dim]TRITON_INTERPRET=1: Triton candidates run in its interpreter, minutes a "
+            "candidate at model sizes (--source torch leaves them out)[/dim]"
+        )
+    measured: list[Measurement] = []
+    with console.status(f"tuning {key}") as status:
+
+        def shown(m: Measurement) -> None:  # the spinner says how far the run is
+            measured.append(m)
+            took = f" {m.median_us:.1f} us" if m.median_us else ""
+            status.update(f"tuning {key}: {len(measured)} measured, last {m.candidate} "
+                          f"({m.status}{took})")  # fmt: skip
+
         try:
-            outcome = tune(key, options=options, earlier=earlier)
+            outcome = tune(key, options=options, earlier=earlier, on_result=shown)
+        except KeyboardInterrupt:
+            typer.echo(
+                f"interrupted after {counted(len(measured), 'measurement')}: nothing stored",
+                err=True,
+            )
+            raise typer.Exit(130) from None
         except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's refusal
             first = str(e).strip().splitlines()[0][:200]
             if isinstance(e, torch.OutOfMemoryError) or "DefaultCPUAllocator" in first:
