@@ -532,3 +532,18 @@ def test_ctrl_c_during_tune_says_nothing_was_stored(tmp_path):
     assert "Traceback" not in err
     with Store(cache) as store:
         assert not store.winners() and not store.measurements()
+
+
+def test_info_says_which_cache_and_mode_this_process_uses(tmp_path):
+    """What to check first when nothing is served: the cache file, the mode, the service."""
+    env = os.environ | {
+        "TUNER_CACHE": str(tmp_path / "typo.db"), "TUNER_MODE": "record", "COLUMNS": "200",
+        "TUNER_TOKEN": "tnr_0123456789ab_" + "s" * 43, "TUNER_CONFIG": str(tmp_path / "none.toml"),
+    }  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "tuner", "info"], env=env, capture_output=True, text=True,
+        check=True,
+    ).stdout  # fmt: skip
+    assert f"{tmp_path / 'typo.db'} (not made yet)" in out and "record" in out
+    assert "tnr_0123..." in out and "s" * 43 not in out
+    assert not (tmp_path / "typo.db").exists()

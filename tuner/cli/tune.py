@@ -12,7 +12,7 @@ import torch
 import typer
 from rich.table import Table
 
-from tuner.cache.store import EXPORTED_TABLES, ExportError
+from tuner.cache.store import EXPORTED_TABLES, ExportError, default_path
 from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.cli.errors import write_output
@@ -44,6 +44,7 @@ from tuner.core.keys import (
     lowbit_fields,
     parse_key,
 )
+from tuner.core.settings import KNOWN, config_path
 from tuner.measure.records import Measurement
 from tuner.offline.problem_list import ConfigError
 from tuner.tuning.engine import TuneOptions, current_device, earlier_times
@@ -73,6 +74,7 @@ def info() -> None:
     for name, version in sorted(fp.versions.items()):
         t.add_row(name, version)
     console.print(t)
+    console.print(settings_table())
     s = Table(title="candidate sources")
     for col in ("source", "op", "status"):
         s.add_column(col)
@@ -81,6 +83,23 @@ def info() -> None:
         style = "green" if status == "available" else "yellow"
         s.add_row(name, getattr(src, "op", "?"), f"[{style}]{status}[/{style}]")
     console.print(s)
+
+
+def settings_table() -> Table:
+    """Where this process's settings come from and what they are (``TUNER_*``, the config file
+    filling what the environment leaves unset): the first thing to look at when nothing is
+    served."""
+    t = Table(title="settings", show_header=False)
+    path = config_path()
+    t.add_row("config file", f"{path}" + ("" if path.is_file() else " (none there)"))
+    cache = default_path()
+    t.add_row("cache (TUNER_CACHE)", f"{cache}" + ("" if cache.exists() else " (not made yet)"))
+    t.add_row("mode (TUNER_MODE)", os.environ.get("TUNER_MODE", "lookup (the default)"))
+    for name in sorted(KNOWN.keys() - {"cache", "mode"}):
+        if (value := os.environ.get(f"TUNER_{name.upper()}")) is not None:
+            shown = value[:8] + "..." if name == "token" else value  # never a whole secret
+            t.add_row(f"{name} (TUNER_{name.upper()})", shown)
+    return t
 
 
 def _error_text(err: float | None, bounded: bool) -> str:
