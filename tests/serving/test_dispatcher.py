@@ -119,8 +119,9 @@ def test_sdpa_matches_torch_for_gqa_and_both_causal_alignments(tmp_path):
     q3, k3, v3 = q[0, :2], k[0], v[0]
     expected = F.scaled_dot_product_attention(q3, k3, v3, attn_mask=causal_lower_right(5, 9))
     torch.testing.assert_close(d.sdpa(q3, k3, v3, causal="bottom_right"), expected)
-    with pytest.raises(ValueError, match="causal must be"):
+    with pytest.raises(ValueError, match="causal must be a bool or one of 'none', 'top_left'"):
         d.sdpa(q, k, v, causal="sideways")
+    torch.testing.assert_close(d.sdpa(q, k, v, causal="none"), d.sdpa(q, k, v, causal=False))
     # scale=0.0 is uniform attention, not the default scale a key's 0.0 stands for
     uniform = F.scaled_dot_product_attention(q, k, v, scale=0.0, enable_gqa=True)
     torch.testing.assert_close(d.sdpa(q, k, v, scale=0.0), uniform)

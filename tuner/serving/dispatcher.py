@@ -70,7 +70,8 @@ def _causal_mode(causal: Any) -> str:
     """The SdpaKey causal mode ``causal`` asks for, or a ValueError naming what is allowed."""
     mode = CAUSAL.get(causal) if isinstance(causal, (bool, str)) else None
     if mode is None:
-        raise ValueError(f"causal must be a bool, 'top_left' or 'bottom_right', got {causal!r}")
+        words = ", ".join(repr(w) for w in CAUSAL if isinstance(w, str))
+        raise ValueError(f"causal must be a bool or one of {words}, got {causal!r}")
     return mode
 
 
