@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from tuner.cache.artifacts import ArtifactStore
+from tuner.cache.artifacts import ArtifactStore, default_root
 from tuner.cli.errors import FAILED, fleet_service
 from tuner.cli.options import CacheOpt, open_store
 from tuner.core.console import counted, output_console
@@ -321,7 +321,11 @@ def artifacts_command(
         ),
     ] = False,
 ) -> None:
-    """This host's compiled kernels ($TUNER_ARTIFACTS store) and, with --check, their conflicts."""
+    """This host's compiled kernels ($TUNER_ARTIFACTS store) and, with --check, their conflicts
+    (on the fleet service too: --server, --token)."""
+    if not check and not (root := default_root()).exists():  # a listing makes no store
+        console.print(f"0 compiled kernels: no store at {root} yet")
+        return
     client = FleetClient(server, token) if server else None
     with ArtifactStore() as kernels, contextlib.ExitStack() as open_client:
         if client is not None:
