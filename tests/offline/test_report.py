@@ -181,3 +181,14 @@ def test_render_puts_failures_first_and_the_summary_below(tuned: Tuned) -> None:
         "wall time 12.5 s on 2 worker(s), 3.5 s of it starting them; stopped early: time limit"
         in text
     )
+
+
+def test_render_without_a_journal_says_tuning_times_were_not_recorded(tuned: Tuned) -> None:
+    """Problems tuned by `tuner tune` leave no journal: no "0.0 s, median - s" line."""
+    out = io.StringIO()
+    report.render(report.build(tuned.store, FP), Console(file=out, width=200))
+    text = out.getvalue()
+    assert "tuning time: not recorded (the problems were not tuned by tune-all)" in text
+    rows = [line for line in text.splitlines() if line.startswith("│") and "24x40" in line]
+    speeds = [row.split("│")[5].strip() for row in rows]
+    assert speeds and all(s.endswith("x") or s == "-" for s in speeds)  # one format for all

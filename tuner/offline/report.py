@@ -255,7 +255,7 @@ def render(
     for r in rows[:limit]:
         sp = r.speedup
         color = "green" if sp and sp > 1.0 else ("red" if r.status in ("failed", "timeout") else "")
-        speed = f"[{color}]{sp:.2f}x[/{color}]" if sp and color else _fmt(sp, ".2f")
+        speed = "-" if sp is None else f"[{color}]{sp:.2f}x[/{color}]" if color else f"{sp:.2f}x"
         t.add_row(
             r.title, r.status, _fmt(r.baseline_us, ".2f"), _fmt(r.winner_us, ".2f"), speed,
             r.candidate[:48] or r.error[:48], _fmt(r.tune_s, ".1f"), _fmt(r.wait_s, ".1f"),
@@ -274,9 +274,11 @@ def render(
             f"speedup: geomean {s['geomean_speedup']:.3f}x, worst {w['speedup']:.3f}x ({w['label']}), "
             f"best {b['speedup']:.3f}x ({b['label']})"
         )
-    median = _fmt(s["tuning_s_median"], ".2f")
-    line = (f"tuning time: {s['tuning_s_total']:.1f} s over the report's problems (earlier runs' "
-            f"too), median {median} s per problem")  # fmt: skip
+    if s["tuning_s_median"] is None:  # tuning times come from tune-all's journal
+        line = "tuning time: not recorded (the problems were not tuned by tune-all)"
+    else:
+        line = (f"tuning time: {s['tuning_s_total']:.1f} s over the report's problems (earlier "
+                f"runs' too), median {s['tuning_s_median']:.2f} s per problem")  # fmt: skip
     if s["wall_s"] is not None:
         line += f"; wall time {s['wall_s']:.1f} s on {s['workers']} worker(s)"
         if s["start_s"] is not None:
