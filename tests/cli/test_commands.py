@@ -548,3 +548,16 @@ def test_info_says_which_cache_and_mode_this_process_uses(tmp_path):
     assert f"{tmp_path / 'typo.db'} (not made yet)" in out and "record" in out
     assert "tnr_0123..." in out and "s" * 43 not in out
     assert not (tmp_path / "typo.db").exists()
+
+
+def test_export_piped_into_import(tmp_path):
+    key = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+    with Store(tmp_path / "a.db") as a:
+        a.put_winners([Winner("cpu-test", key, "torch", {}, 2.0, 2.0)])
+    exported = tuner("export", "-", cache=tmp_path / "a.db").stdout
+    env = os.environ | {"TUNER_CACHE": str(tmp_path / "b.db")}
+    r = subprocess.run([sys.executable, "-m", "tuner", "import", "-"], input=exported, env=env,
+                       capture_output=True, text=True, check=True)  # fmt: skip
+    assert "1 winner added or replaced" in r.stdout
+    missing = tuner("import", str(tmp_path / "none.json"), cache=tmp_path / "b.db", check=False)
+    assert missing.returncode == 2 and "none.json: cannot read: No such file" in missing.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -405,14 +406,13 @@ def export(
 @app.command("import")
 def import_(
     input: Annotated[
-        Path,
-        typer.Argument(help="JSON file written by 'tuner export'.", exists=True, dir_okay=False),
+        Path, typer.Argument(help="JSON file written by 'tuner export' ('-' for stdin).")
     ],
     cache: CacheOpt = None,
 ) -> None:
     """Merge an export into the cache (idempotent, all or nothing)."""
     try:
-        data = json.loads(input.read_text())
+        data = json.loads(sys.stdin.read() if str(input) == "-" else input.read_text())
     except OSError as e:
         raise ConfigError(f"{input}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError:
