@@ -94,10 +94,15 @@ def _check(record: Measurement | Winner) -> None:
     for f in dataclasses.fields(record):
         value = getattr(record, f.name)
         kind = str(f.type)
-        if value is None and kind.endswith(" | None"):
-            continue
         if f.name == "launch" and value in (None, ""):  # names none: the default, as in the cache
             record.launch = DEFAULT_LAUNCH
+            continue
+        # null where the column may be: an optional field, or one with a default that a cache
+        # can hold as NULL (a fleet-served winner's run_id); never an id, a date, a required field
+        may_be_null = kind.endswith(" | None") or (
+            _has_default(f) and f.name != "uid" and f.name not in _DATES
+        )
+        if value is None and may_be_null:
             continue
         _of_kind(f.name, value, kind.removesuffix(" | None"))
         if f.name in _TIMES and not _TIMES[f.name] <= value < math.inf:
@@ -111,6 +116,10 @@ def _check(record: Measurement | Winner) -> None:
     _one_of("launch", record.launch, LAUNCHES)
     if isinstance(record, Measurement):
         _one_of("status", record.status, STATUSES)
+
+
+def _has_default(f: dataclasses.Field) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
 
 
 def _of_kind(name: str, value: Any, kind: str) -> None:
