@@ -85,9 +85,9 @@ def list_tokens(store: FleetStore) -> list[Token]:
 def revoke(store: FleetStore, token_id: str) -> Token:
     """Revoke the token of id ``token_id``, or of the whole token string (``tnr_<id>_<secret>``,
     as an operator may paste it: its id is taken, and the secret never printed back)."""
-    prefix, _, rest = token_id.partition("_")
-    if prefix == PREFIX and rest:
-        token_id = rest.partition("_")[0]
+    prefix, given_id, _ = _parts(token_id)
+    if prefix == PREFIX and given_id:
+        token_id = given_id
     revoked = store.revoke_token(token_id, time.time())
     row = store.token(token_id)
     if row is None:
@@ -97,10 +97,16 @@ def revoke(store: FleetStore, token_id: str) -> Token:
     return _row_to_token(row)
 
 
-def verify(store: FleetStore, presented: str) -> Token | None:
-    """The token named by a presented string, or None if malformed, unknown or wrong secret."""
+def _parts(presented: str) -> tuple[str, str, str]:
+    """``tnr_<id>_<secret>`` as (prefix, id, secret); parts missing come back empty."""
     prefix, _, rest = presented.partition("_")
     token_id, _, secret = rest.partition("_")
+    return prefix, token_id, secret
+
+
+def verify(store: FleetStore, presented: str) -> Token | None:
+    """The token named by a presented string, or None if malformed, unknown or wrong secret."""
+    prefix, token_id, secret = _parts(presented)
     if prefix != PREFIX or not _ID_RE.match(token_id) or not secret:
         return None
     row = store.token_for_check(token_id)

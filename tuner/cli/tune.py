@@ -357,9 +357,9 @@ def show(
     if as_json:
         print(json.dumps([w.to_row() for w in winners], indent=1))
         return
+    columns = ("device class",) * (dc is None) + ("key", "winner", "launch", "us", "baseline us")
     if full_keys:  # a table would fold a long key over several lines
-        header = ("device_class",) * (dc is None) + ("key", "winner", "launch", "us", "baseline_us")
-        print("\t".join((*header, "speedup")))
+        print("\t".join(c.replace(" ", "_") for c in (*columns, "speedup")))
         for w in winners:
             print("\t".join((*(w.device_class,) * (dc is None), w.key, w.candidate, w.launch,
                              f"{w.median_us:.2f}", f"{w.baseline_us:.2f}", f"{w.speedup:.2f}")))  # fmt: skip
@@ -371,7 +371,6 @@ def show(
         console.print(title + elsewhere)
         return
     t = Table(title=title)
-    columns = ("device class",) * (dc is None) + ("key", "winner", "launch", "us", "baseline us")
     for col in (*columns, "speedup"):
         t.add_column(col, overflow="fold")
     for w in winners:
