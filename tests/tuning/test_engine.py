@@ -263,7 +263,10 @@ def test_a_lucky_measurement_does_not_survive_the_confirmation(memoized):
     )
     assert outcome.winner.source == "torch"
     error = by_params(outcome)["memoized"].error
-    assert "lost" in error and "far over its trial" in error  # taken again, then judged as read
+    # taken again, then judged as read; on a loaded host the baseline's rounds may be far off
+    # its trial too, and a duel disturbed twice keeps the baseline just the same
+    assert "lost" in error
+    assert "far over its trial" in error or "disturbed twice: far off a trial's time" in error
 
 
 def test_a_challenger_read_far_over_its_trial_still_wins_where_it_stays_faster(

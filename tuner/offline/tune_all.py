@@ -504,9 +504,38 @@ class _Pool:
         if new:
             self.stopped = why
             self.emit(("notice", "aborting the problems in flight"))
-            self._kill_all()
-            for s in self.slots:
-                s.done = True
+            self._abort()
+
+    def _abort(self) -> None:
+        """Kill every worker, then keep what each finished before it died: a result already in
+        its pipe, or a problem whose run it committed but had no time to report. A problem whose
+        winner is stored is never reported pending, nor left out of the journal."""
+        for s in self.slots:
+            if s.worker.child is not None:
+                s.child.kill()
+        for s in self.slots:
+            if s.worker.child is not None:
+                self._drain(s)
+                if s.key is not None and (winner := self._committed(s)) is not None:
+                    seconds = time.perf_counter() - s.started
+                    key, s.key = s.key, None
+                    self._record(Result(key, "tuned", seconds, s.index, s.device_class, winner))
+            s.done = True
+        self._kill_all()
+
+    def _drain(self, slot: _Slot) -> None:
+        """Handle the messages a killed worker sent before it died."""
+        conn = slot.child.conn
+        with contextlib.suppress(EOFError, OSError):
+            while conn.poll():
+                self._on_message(slot, conn.recv())
+
+    def _committed(self, slot: _Slot) -> dict[str, Any] | None:
+        """The stored winner of the slot's problem where this run committed it, else None."""
+        runs = {m.run_id for m in slot.measured}
+        with Store(self.store_path) as store:
+            winner = store.winner(slot.device_class, str(slot.key))
+        return winner.to_row() if winner is not None and winner.run_id in runs else None
 
     def _halt(self, why: str, notice: str) -> None:
         self.stopped = why
