@@ -180,6 +180,26 @@ def test_a_listed_gemm_without_an_alignment_takes_the_largest_its_shape_allows(t
         load_problems(listed)
 
 
+def test_a_problem_list_names_every_bad_entry_at_once(tmp_path):
+    listed = tmp_path / "list.yaml"
+    good = "  - {op: gemm, m: 8, n: 8, k: 8, dtype: f16}\n"
+    listed.write_text("problems:\n" + good + "  - {op: gemm, m: 0, n: 8, k: 8, dtype: f16}\n"
+                      + good + "  - {op: gemm, m: 8, n: 8, k: 8, dtype: f12}\n"
+                      + "  - [8, 8, 8]\n")  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        load_problems(listed)
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"{listed}: 3 bad entries:"
+    assert [line.split(": ")[1] for line in lines[1:]] == [
+        "problems[1]", "problems[3]", "problems[4]"
+    ]  # fmt: skip
+    assert "m must be a positive integer" in lines[1] and "got 'f12'" in lines[2]
+    listed.write_text("problems:\n" + "  - {op: gemm, m: 0, n: 8, k: 8}\n" * 25)
+    with pytest.raises(ConfigError, match=r"25 bad entries:(\n.*problems\[\d+\].*){20}\n"
+                       r"  \.\.\. and 5 more$"):  # fmt: skip
+        load_problems(listed)
+
+
 def test_sources_are_merged_and_deduplicated(tmp_path):
     problems = ProblemSet()
     n_llama = problems.add_model(load_model(MODELS / "llama-3-8b.yaml"))
@@ -435,6 +455,52 @@ def test_ctrl_c_stops_cleanly_with_everything_finished_saved(tmp_path, sig, code
     assert 1 <= len(done) < n
     assert {r["key"] for r in read_journal(journal_path(cache))} == done  # all finished, all saved
     assert f"problems: {n} ({len(done)} tuned, {n - len(done)} pending)" in out
+
+
+def finish_two_report_one(conn, store_path: str, keys: list[GemmKey], flag: str) -> None:
+    """A tune-all worker cut short twice over: it tunes and commits both problems, but reports
+    only the first; then it hangs (as a worker does that SIGTERM is about to kill)."""
+    from tuner.offline.tune_all import Result
+    from tuner.tuning.tune import tune
+
+    fp = fingerprint()
+    conn.send(("ready", fp.device_class))
+    with Store(store_path) as store:
+        for i, key in enumerate(keys):
+            conn.send(("start", key))
+            outcome = tune(key, options=TuneOptions(sources=["torch"], budget_s=0.01))
+            for m in outcome.measurements:
+                conn.send(("measurement", m.to_row()))
+            store.save_run(outcome.measurements, outcome.winner)
+            if i == 0:
+                winner = outcome.winner.to_row()
+                conn.send(("result", Result(key, "tuned", 0.1, 0, fp.device_class, winner)))
+    Path(flag).touch()
+    time.sleep(600)
+
+
+def test_an_abort_keeps_every_problem_a_worker_committed_before_it_was_killed(tmp_path):
+    """SIGTERM kills the workers at once. A result still in a killed worker's pipe, and a
+    problem it committed but had no time to report, are both journaled and counted as tuned:
+    a problem whose winner is stored is never reported pending."""
+    from tuner.tuning.supervisor import Supervised
+
+    keys = [GemmKey(m=m, n=8, k=8, dtype="f32", out_dtype="f32") for m in (1, 2)]
+    cache, flag = tmp_path / "c.db", tmp_path / "committed"
+    pool = _Pool(cache, RunSettings(tune=TuneOptions(sources=["torch"])), [None], print)
+    slot = pool.slots[0]
+    slot.worker = Supervised(
+        finish_two_report_one, (str(cache), keys, str(flag)), name="finish-two-report-one"
+    )
+    slot.worker.restart()
+    deadline = time.time() + 120
+    while not flag.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert flag.exists()
+    pool._abort()
+    assert [(r.key, r.status) for r in pool.results] == [(k, "tuned") for k in keys]
+    assert [r["key"] for r in read_journal(journal_path(cache))] == [str(k) for k in keys]
+    assert slot.done and slot.worker.child is None  # killed, its pipe closed
 
 
 @pytest.mark.parametrize(

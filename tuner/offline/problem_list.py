@@ -8,8 +8,8 @@
       - key: "gemm:m=64,n=64,k=64,batch=1,layout=nn,dtype=f16,out_dtype=f16,compute=f32,align=16"
 
 For GEMMs ``out_dtype`` defaults to ``dtype``, ``align`` to the largest the shape allows, and ``dtype`` may name a low-bit format as model
-configs do (``int4-g128``, ``fp8-rowwise``, ...: its fields, layout ``nt``). Errors name the
-entry and the field.
+configs do (``int4-g128``, ``fp8-rowwise``, ...: its fields, layout ``nt``). Errors name
+every bad entry and its field.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from tuner.core.keys import (
     lowbit_fields,
     parse_key,
 )
+
+MAX_NAMED = 20  # bad entries named in one error
 
 
 class ConfigError(ValueError):
@@ -140,5 +142,17 @@ def load_problems(path: str | Path) -> list[Key]:
     data = read_yaml(path)
     if not isinstance(data, dict) or not isinstance(data.get("problems"), list):
         raise ConfigError(f"{path}: expected a top-level 'problems:' list")
-    keys = [parse_problem(p, f"{path}: problems[{i}]") for i, p in enumerate(data["problems"])]
+    keys, errors = [], []
+    for i, entry in enumerate(data["problems"]):
+        try:
+            keys.append(parse_problem(entry, f"{path}: problems[{i}]"))
+        except ConfigError as e:
+            errors.append(str(e))
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:  # every bad entry at once: a list is mended in one pass, not one run per entry
+        shown = errors[:MAX_NAMED]
+        more = f"\n  ... and {len(errors) - len(shown)} more" if len(errors) > len(shown) else ""
+        listed = "".join(f"\n  {e}" for e in shown)
+        raise ConfigError(f"{path}: {len(errors)} bad entries:{listed}{more}")
     return list(dict.fromkeys(keys))
