@@ -104,6 +104,20 @@ class DeviceFile(SqliteFile):
             for r in self.db.query("select * from devices")
         ]
 
+    def fingerprint(self, device_class: str) -> Fingerprint | None:
+        """The fingerprint last seen of ``device_class``; None where it is unknown or unreadable
+        (written by a release whose fingerprint had other fields)."""
+        row = self.db.conn.execute(
+            "select fingerprint from devices where device_class = ?", (device_class,)
+        ).fetchone()
+        if row is None:
+            return None
+        fields = {k: v for k, v in json.loads(row[0]).items() if k != "device_class"}
+        try:
+            return Fingerprint(**fields)
+        except TypeError:
+            return None
+
     def known_device(self, device_class: str) -> bool:
         row = self.db.conn.execute(
             "select 1 from devices where device_class = ?", (device_class,)

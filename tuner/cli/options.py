@@ -14,6 +14,8 @@ import typer
 
 from tuner.cache import Store, StoreError, cache_file, default_path
 from tuner.candidates import registry
+from tuner.core.console import output_console
+from tuner.core.device import Fingerprint, fingerprint
 from tuner.measure.records import LAUNCHES
 from tuner.offline.problem_list import ConfigError
 from tuner.tuning.engine import TuneOptions
@@ -88,6 +90,14 @@ SustainedOpt = Annotated[
     ),
 ]
 OpOpt = Annotated[str | None, typer.Option("--op", help="Only 'gemm' or only 'sdpa' problems.")]
+DeviceClassOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--device-class",
+        help="Another device class whose results this cache holds (see tuner show --all-devices); "
+        "default: this machine's.",
+    ),
+]
 IsolateOpt = Annotated[
     bool,
     typer.Option(help="Candidates in a replaceable worker process: a crashing one fails alone."),
@@ -106,8 +116,17 @@ def tune_options(
     sustained: float = TUNE_DEFAULTS.sustained_s,
     isolate: bool = False,
 ) -> TuneOptions:
-    """The ``TuneOptions`` of a command's flags; a clear error for an unknown source."""
+    """The ``TuneOptions`` of a command's flags; a clear error for an unknown source, and a note
+    where ``--launch graph`` cannot mean what it says (no CUDA graphs without a GPU)."""
     registry.check_names(source)
+    if launch == "graph":
+        import torch
+
+        if not torch.cuda.is_available():
+            output_console(stderr=True).print(
+                "[yellow]note[/yellow]: no CUDA GPU here: --launch graph times each call "
+                "eagerly (CUDA graphs need a GPU); winners are stored for graph launch, as asked"
+            )
     return TuneOptions(
         budget_s=budget, sources=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained_s=sustained, isolate=isolate,
@@ -122,6 +141,25 @@ def check_op(op: str | None) -> None:
 def cache_path(cache: Path | None) -> Path:
     """The cache file named by ``--cache`` / ``$TUNER_CACHE``, else the default one."""
     return cache or default_path()
+
+
+def unknown_device_class(store: Store, device_class: str, what: str) -> ConfigError:
+    """The error for a ``--device-class`` this cache holds ``what`` of none of."""
+    known = ", ".join(store.device_classes()) or "none"
+    return ConfigError(
+        f"--device-class {device_class!r}: {what} in this cache (device classes seen: {known})"
+    )
+
+
+def device_fingerprint(store: Store, device_class: str | None) -> Fingerprint:
+    """This machine's fingerprint, or the one the cache holds of ``--device-class``: the
+    versions its results were measured under (so stale ones are told apart as on that host)."""
+    if device_class is None:
+        return fingerprint()
+    found = store.fingerprint(device_class)
+    if found is None:
+        raise unknown_device_class(store, device_class, "no fingerprint of it")
+    return found
 
 
 def open_store(cache: Path | None, *, existing: bool = False) -> Store:

@@ -31,6 +31,7 @@ from tuner.cli.options import (
     check_op,
     open_store,
     tune_options,
+    unknown_device_class,
 )
 from tuner.core.console import counted, output_console
 from tuner.core.device import fingerprint, too_big_here
@@ -393,9 +394,7 @@ def export(
     store = open_store(cache, existing=True)
     exported = store.export(device_class)
     if device_class is not None and not any(exported[t] for t in EXPORTED_TABLES):
-        known = ", ".join(store.device_classes()) or "none"
-        raise ConfigError(f"--device-class {device_class!r}: nothing of it in this cache (device "
-                          f"classes seen: {known})")  # fmt: skip
+        raise unknown_device_class(store, device_class, "nothing of it")
     data = json.dumps(exported, indent=1)
     write_output(output, data)
     if str(output) != "-":

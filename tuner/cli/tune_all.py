@@ -31,6 +31,7 @@ from tuner.cli.options import (
     CacheOpt,
     ConfirmRoundsOpt,
     ConfirmTriesOpt,
+    DeviceClassOpt,
     IsolateOpt,
     LaunchOpt,
     OpOpt,
@@ -38,6 +39,7 @@ from tuner.cli.options import (
     SustainedOpt,
     cache_path,
     check_op,
+    device_fingerprint,
     open_store,
     tune_options,
 )
@@ -198,14 +200,16 @@ def report_command(
     rows: Annotated[
         int, typer.Option(min=0, help="Table rows to print (all of them in --out's report.json).")
     ] = 60,
+    device_class: DeviceClassOpt = None,
 ) -> None:
     """Baseline, winner, speedup and tuning time per problem, a summary and a speedup plot.
 
-    Covers every winner and failure of this device class, or the problems of the sources given."""
+    Covers every winner and failure of this device class (or --device-class's), or the problems
+    of the sources given."""
     sources = Sources.of(model, config, tunableop_file, misses, op)
     path = cache_path(cache)
     store = open_store(cache, existing=True)
-    fp = fingerprint()
+    fp = device_fingerprint(store, device_class)
     quiet = Console(quiet=True)
     problems = (
         None
@@ -249,8 +253,10 @@ def tunableop_export(
     force: Annotated[
         bool, typer.Option("--force", help="Replace OUTPUT if it exists (its lines are lost).")
     ] = False,
+    device_class: DeviceClassOpt = None,
 ) -> None:
-    """Write this device's winners that TunableOp can run (cuBLAS default, cuBLASLt algos)."""
+    """Write this device's (or --device-class's) winners that TunableOp can run (cuBLAS
+    default, cuBLASLt algos)."""
     if str(output) != "-" and output.exists() and not force:
         raise ConfigError(
             f"{output} exists: pass --force to replace it (a TunableOp results file would lose "
@@ -259,7 +265,7 @@ def tunableop_export(
     import torch
 
     store = open_store(cache, existing=True)
-    fp = fingerprint()
+    fp = device_fingerprint(store, device_class)
     winners = [w for w in store.winners(fp.device_class, op="gemm") if w.measured_under(fp)]
     if pt_version is not None and not tunableop.PT_VERSION.fullmatch(pt_version):
         raise ConfigError(

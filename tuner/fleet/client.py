@@ -604,14 +604,13 @@ def pull(
 def _fingerprints(store: Store, fp: Fingerprint) -> dict[str, Fingerprint]:
     """Device class -> fingerprint, for every class the local cache has results of."""
     known = {fp.device_class: fp}
-    for d in store.devices():
-        f = {k: v for k, v in d["fingerprint"].items() if k != "device_class"}
-        try:
-            known.setdefault(d["device_class"], Fingerprint(**f))
-        except TypeError:
-            log.warning(
-                "unreadable fingerprint for %s in the cache; skipping it", d["device_class"]
-            )
+    for device_class in store.device_classes(limit=-1):
+        if device_class in known:
+            continue
+        if (found := store.fingerprint(device_class)) is not None:
+            known[device_class] = found
+        else:
+            log.warning("unreadable fingerprint for %s in the cache; skipping it", device_class)
     return known
 
 

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tuner.core.atomic import write_atomic
+from tuner.core.console import counted
 from tuner.core.device import Fingerprint
 from tuner.core.keys import GemmKey, Key, parse_key
 from tuner.measure.records import Winner
@@ -245,7 +246,7 @@ def render(
 ) -> None:
     """A table of the problems (failures first, ``limit`` rows) and the summary lines;
     ``written``: the rows past the limit are in a report.json being written."""
-    t = Table(title=f"{len(report.rows)} problems on {report.device_class}")
+    t = Table(title=f"{counted(len(report.rows), 'problem')} on {report.device_class}")
     columns = ("problem", "status", "baseline us", "winner us", "speedup", "winner", "tune s",
                "compile wait s", "pruned")  # fmt: skip
     for col in columns:
@@ -274,7 +275,8 @@ def render(
             f"speedup: geomean {s['geomean_speedup']:.3f}x, worst {w['speedup']:.3f}x ({w['label']}), "
             f"best {b['speedup']:.3f}x ({b['label']})"
         )
-    if s["tuning_s_median"] is None:  # tuning times come from tune-all's journal
+    timed = s["tuning_s_median"] is not None  # tuning and compile times: tune-all's journal
+    if not timed:
         line = "tuning time: not recorded (the problems were not tuned by tune-all)"
     else:
         line = (f"tuning time: {s['tuning_s_total']:.1f} s over the report's problems (earlier "
@@ -287,6 +289,8 @@ def render(
     if s["tuning_s_by_phase"]:
         split = ", ".join(f"{phase} {t:.1f} s" for phase, t in s["tuning_s_by_phase"].items())
         console.print(f"tuning time by phase: {split}")
+    if not (timed or s["compiled"]):
+        return
     pruned = ", ".join(f"{n} by {rule}" for rule, n in sorted(s["pruned"].items())) or "none"
     shared = s["shared_compile_s"]
     shared = f", {shared:.1f} s for kernels shared by all shapes" if shared is not None else ""
