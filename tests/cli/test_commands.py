@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 import typer.rich_utils
 from typer.testing import CliRunner
 
@@ -171,6 +172,26 @@ def test_user_mistakes_get_one_line_and_exit_2(tmp_path, args, message):
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("report", "--rows", "-1"), "Invalid value for '--rows': Input should be greater than"),
+        (("tune", "key", "x", "--launch", "warp"), "'--launch': 'warp' is not one of 'eager'"),
+        (("export",), "Missing argument 'output'. (see 'python -m tuner export --help')"),
+        (("tunableop", "show", "nofile.csv"), "path 'nofile.csv' does not exist"),
+        (("tune-all", "--no-such-flag"), "No such option: --no-such-flag"),
+        (("nosuch",), "No such command 'nosuch'. (see 'python -m tuner --help')"),
+    ],
+)
+def test_option_mistakes_get_the_same_one_line_as_the_rest(tmp_path, args, message):
+    """What click itself refuses (a bad option value, a missing argument) reads like every other
+    mistake: one ``error:`` line and where the help is, not a framed box."""
+    r = tuner(*args, cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2 and r.stderr.startswith("error: ")
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stdout == ""
+
+
 def test_version_and_winners_of_every_device_class(tmp_path):
     assert tuner("--version").stdout == f"tuner {__version__}\n"
     cache = tmp_path / "c.db"
@@ -328,6 +349,38 @@ def test_show_points_at_other_device_classes_and_prints_whole_keys(tmp_path):
     assert r.returncode == 2 and "--device-class 'nosuch': nothing of it in this cache" in r.stderr
 
 
+def test_report_and_tunableop_export_read_another_device_class(tmp_path):
+    """A laptop holding an H200's results (pulled or imported) reports them and writes them for
+    TunableOp as the H200 would: its stored fingerprint's versions tell current from stale."""
+    from tuner.core.device import Fingerprint
+
+    h200 = Fingerprint("cuda", "NVIDIA H200", "9.0", 132, 140, versions={"torch": "2.13.0"})
+    key = "gemm:m=8,n=64,k=32,batch=1,layout=nt,dtype=bf16,out_dtype=bf16,compute=f32,align=16"
+    stale = key.replace("m=8", "m=16")
+    with Store(tmp_path / "c.db") as store:
+        store.save_device(h200)
+        store.put_winners(
+            [
+                Winner(h200.device_class, key, "torch", {}, 9.0, 10.0, versions=h200.version_tag),
+                Winner(h200.device_class, stale, "torch", {}, 9.0, 10.0, versions="torch=2.12.0"),
+            ]
+        )
+    dc = ("--device-class", h200.device_class)
+    r = tuner("report", *dc, cache=tmp_path / "c.db")
+    assert "8x64x32" in r.stdout and h200.device_class in r.stdout
+    r = tuner("tunableop", "export", "-", *dc, "--pt-version", "2.13.0", cache=tmp_path / "c.db")
+    assert r.stdout.splitlines()[1].startswith("GemmTunableOp_BFloat16_TN,tn_64_8_32_")
+    assert len(r.stdout.splitlines()) == 2  # the stale winner is left out
+    assert "wrote -: 1 GEMM" in r.stderr
+    for command in (("report",), ("tunableop", "export", "-")):
+        r = tuner(*command, "--device-class", "nosuch", cache=tmp_path / "c.db", check=False)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert (
+            f"--device-class 'nosuch': no fingerprint of it in this cache (device classes seen: "
+            f"{h200.device_class})" in r.stderr
+        )
+
+
 def test_unreadable_and_unwritable_files_get_one_line(tmp_path):
     bad_yaml = tmp_path / "p.yaml"
     bad_yaml.write_text("problems:\n  - {op: gemm, m: [1\n")
@@ -438,8 +491,10 @@ def test_a_read_only_cache_fails_every_writing_command_in_one_line(tmp_path):
 def test_launch_and_confirmation_options_reach_the_winner(tmp_path):
     cache = tmp_path / "c.db"
     key = "gemm:m=8,n=8,k=8,dtype=f32,out_dtype=f32"
-    tuner("tune", "key", key, "--source", "torch", "--launch", "graph", "--confirm-rounds", "0",
-          "--budget", "0.01", cache=cache)  # fmt: skip
+    r = tuner("tune", "key", key, "--source", "torch", "--launch", "graph", "--confirm-rounds",
+              "0", "--budget", "0.01", cache=cache)  # fmt: skip
+    cpu = not torch.cuda.is_available()
+    assert ("no CUDA GPU here: --launch graph times each call eagerly" in r.stderr) == cpu
     cfg = tmp_path / "p.yaml"
     cfg.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: f32}\n")
     tuner("tune-all", "--config", str(cfg), "--launch", "graph", "--confirm-tries", "1",

@@ -4,13 +4,14 @@ A fleet service that refused or could not be reached fails the command with exit
 the service's URL: commands wrap their talk with it in ``fleet_service``. A mistake in the input
 (``ValueError``, which ``ConfigError`` is) or a cache that cannot be used (``StoreError``, or
 SQLite finding a damaged page while reading) exits 2, reported by ``report_usage_errors`` around
-the whole command line (``tuner.cli.main.main``); called as a library (``app([...])``), the
-exception itself reaches the caller.
+the whole command line (``tuner.cli.main.main``), as are click's own errors of options and
+arguments; called as a library (``app([...])``), the exception itself reaches the caller.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sqlite3
 import sys
 from collections.abc import Iterator
@@ -25,6 +26,8 @@ from tuner.fleet.client import FleetError
 from tuner.offline.problem_list import ConfigError
 
 USAGE, FAILED = 2, 1  # exit statuses: a mistake in the input; the work could not be done
+# click's exceptions, from wherever this typer takes click (its own copy, or the click package)
+CLICK = importlib.import_module(typer.BadParameter.__module__)
 
 
 def write_output(path: Path, data: str) -> None:
@@ -64,6 +67,16 @@ def fleet_service(server: str) -> Iterator[None]:
 def report_usage_errors() -> Iterator[None]:
     try:
         yield
+    except CLICK.UsageError as e:  # a bad option or argument, in the form of every other mistake
+        if type(e).__name__ != "NoArgsIsHelpError":  # (that one's help is printed already)
+            where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            fail(e.format_message().replace(": Value error, ", ": ") + where)  # pydantic's words
+        sys.exit(USAGE)
+    except CLICK.ClickException as e:  # a file argument that cannot be opened, ...
+        fail(e.format_message())
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(FAILED)
     except (StoreError, ValueError) as e:
         fail(str(e))
         sys.exit(USAGE)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from typing import Annotated
 
@@ -101,7 +102,8 @@ def startup(
 def main() -> None:
     """The console command ``tuner``."""
     with report_usage_errors():
-        app()
+        code = app(standalone_mode=False)  # click's errors reach report_usage_errors
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
