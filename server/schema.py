@@ -23,7 +23,13 @@ from pathlib import Path
 
 import sqlite_utils
 
-from tuner.cache.schema import HOST_TABLES, create_devices, filled, legacy_meta
+from tuner.cache.schema import (
+    HOST_TABLES,
+    create_devices,
+    filled,
+    legacy_meta,
+    respelt_sdpa_keys,
+)
 from tuner.cache.sqlite import FLEET_APPLICATION_ID, Schema, StoreError, register
 
 SHARED_SCHEMA_VERSION = 2  # meta.schema_version of a file that held both sides' tables
@@ -250,6 +256,55 @@ def _v5(db: sqlite_utils.Database) -> None:
     )
 
 
+_SAME_PROBLEM = "t.device_class = {t}.device_class and t.versions = {t}.versions"
+
+
+def _v6(db: sqlite_utils.Database) -> None:
+    """SDPA keys of the default scale written another way (``head_dim ** -0.5``; the cache's
+    schema 6) take the default's key, the only one hosts of this release send and look up.
+    Measurements join it. Of two served winners of one problem the newer stays, under its own
+    sequence number: a host that pulled it has its position, and its cache has moved the key
+    already (``srv_served``, the log of what was served, keeps the spelling hosts were sent).
+    Miss counts add up. A queue entry, pending change or aggregate under both keys keeps the
+    default's (the next submission re-merges the problem from its measurements); one under the
+    other key alone is moved."""
+    tables = ("srv_measurements", "srv_results", "srv_winners", "srv_pending", "srv_misses",
+              "srv_queue")  # fmt: skip
+    c = db.conn
+
+    def exists(table: str, extra: str = "") -> str:
+        """Whether ``table`` holds a row of the same problem under the other key (``?``)."""
+        same = _SAME_PROBLEM.format(t=table)
+        return f"exists (select 1 from {table} t where t.key = ? and {same}{extra})"
+
+    for old, new in respelt_sdpa_keys(db, tables):
+        c.execute("update srv_measurements set key = ? where key = ?", (new, old))
+        newer = " and t.updated_at >= srv_winners.updated_at"
+        c.execute(f"delete from srv_winners where key = ? and {exists('srv_winners', newer)}",
+                  (old, new))  # fmt: skip
+        c.execute(f"delete from srv_winners where key = ? and {exists('srv_winners')}", (new, old))
+        c.execute(
+            "insert into srv_misses(device_class, versions, key, op, count, first_seen, "
+            "last_seen) select device_class, versions, ?, op, count, first_seen, last_seen "
+            "from srv_misses where key = ? on conflict(device_class, versions, key) do update "
+            "set count = count + excluded.count, first_seen = min(first_seen, "
+            "excluded.first_seen), last_seen = max(last_seen, excluded.last_seen)",
+            (new, old),
+        )
+        c.execute("delete from srv_misses where key = ?", (old,))
+        c.execute(
+            "update srv_queue set misses = misses + (select t.misses from srv_queue t where "
+            f"t.key = ? and {_SAME_PROBLEM.format(t='srv_queue')}) "
+            f"where key = ? and {exists('srv_queue')}",
+            (old, new, old),
+        )
+        for table, extra in (("srv_queue", ""), ("srv_pending", ""),
+                             ("srv_results", " and t.candidate = srv_results.candidate")):  # fmt: skip
+            c.execute(f"delete from {table} where key = ? and {exists(table, extra)}", (old, new))
+        for table in ("srv_winners", "srv_queue", "srv_pending", "srv_results"):
+            c.execute(f"update {table} set key = ? where key = ?", (new, old))
+
+
 def _legacy_version(db: sqlite_utils.Database, path: Path) -> int:
     version = legacy_meta(db, path)
     if version != SHARED_SCHEMA_VERSION or "srv_tokens" not in db.table_names():
@@ -266,7 +321,7 @@ FLEET = register(
     Schema(
         kind="tuner fleet database",
         application_id=FLEET_APPLICATION_ID,
-        migrations=(_v1, _v2, _v3, _v4, _v5),
+        migrations=(_v1, _v2, _v3, _v4, _v5, _v6),
         legacy_version=_legacy_version,
     )
 )

@@ -4,7 +4,9 @@ was made), and the launch mode travels from a host's measurements to another hos
 
 from __future__ import annotations
 
+import math
 import shutil
+import sqlite3
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from server.store import FleetStore
 from tuner.cache import Store
 from tuner.cache.schema import HOST_TABLES
 from tuner.core.device import Fingerprint
-from tuner.core.keys import GemmKey
+from tuner.core.keys import GemmKey, SdpaKey, parse_key
 from tuner.fleet.client import pull, push
 from tuner.measure.records import Measurement, Winner
 
@@ -91,3 +93,68 @@ def test_an_unknown_launch_mode_is_refused_by_name(tmp_path: Path) -> None:
             headers={"Authorization": f"Bearer {srv.token('h', 'submit')}"},
         )
     assert r.status_code == 422 and "launch" in r.text and "eager" in r.text
+
+
+def test_sdpa_keys_of_the_default_scale_written_another_way_join_the_defaults(
+    tmp_path: Path,
+) -> None:
+    """Schema 6 of the service, as of the cache: the fixture's queued and missed SDPA key was
+    written with ``scale=head_dim ** -0.5``, which hosts now send and look up as the default's
+    key. Its rows take that key: miss counts add up, the newer served winner stays (with its own
+    sequence number), the queue entry already under the default's key stays, with both counts."""
+    db = Path(shutil.copy(DATA / "fleet-v2.db", tmp_path / "fleet.db"))
+    conn = sqlite3.connect(db)
+    ((written,),) = conn.execute("select key from srv_misses where op = 'sdpa'").fetchall()
+    canonical = str(parse_key(written))
+    assert canonical == str(SdpaKey(1, 4, 4, 16, 16, 32, dtype="f32", scale=32**-0.5))
+    assert canonical != written
+    served = (
+        "insert into srv_winners(device_class, versions, key, op, candidate, source, params, "
+        "median_us, baseline_us, speedup, run_id, submitters, seq, updated_at) values "
+        "(?, ?, ?, 'sdpa', 'torch_sdpa', 'torch_sdpa', '{}', ?, 5.0, 1.0, 'r', 1, ?, ?)"
+    )
+    conn.execute(served, (DC, V, written, 4.0, 3, 200.0))  # the newer
+    conn.execute(served, (DC, V, canonical, 5.0, 4, 100.0))
+    conn.execute("insert into srv_misses values (?, ?, ?, 'sdpa', 2, 50.0, 60.0)",
+                 (DC, V, canonical))  # fmt: skip
+    conn.execute("insert into srv_queue(device_class, versions, key, op, state, misses, attempts, "
+                 "enqueued_at, updated_at) values (?, ?, ?, 'sdpa', 'queued', 1, 0, 1.0, 1.0)",
+                 (DC, V, canonical))  # fmt: skip
+    conn.execute("update srv_measurements set key = ? where id = 1", (written,))
+    conn.commit()
+    conn.close()
+    with FleetStore(db) as s:
+        q = s.db.conn
+        assert not q.execute("select 1 from srv_measurements where key = ?", (written,)).fetchall()
+        (winner,) = s.winners_of(DC, canonical, V)
+        assert (winner["median_us"], winner["seq"], winner["updated_at"]) == (4.0, 3, 200.0)
+        assert not s.winners_of(DC, written, V)
+        misses = q.execute("select key, count from srv_misses where op = 'sdpa'").fetchall()
+        assert misses == [(canonical, 4 + 2)]
+        queued = q.execute("select key, state, misses from srv_queue where op = 'sdpa'").fetchall()
+        assert queued == [(canonical, "queued", 1 + 4)]
+        assert q.execute("select key from srv_measurements where id = 1").fetchone() == (canonical,)
+
+
+def test_a_host_pulls_an_older_services_sdpa_key_under_its_own_spelling(tmp_path: Path) -> None:
+    """A service not yet upgraded serves the default scale's SDPA key as ``head_dim ** -0.5``
+    writes it; the pulling host stores it under the default's key, which its calls look up."""
+    canonical = str(SdpaKey(1, 4, 4, 16, 16, 32, dtype="f32"))
+    written = canonical.replace(f"scale={1 / math.sqrt(32)!r}", f"scale={32**-0.5!r}")
+    assert written != canonical  # one rounding apart
+    with ThreadServer(tmp_path / "fleet.db") as srv:
+        with FleetStore(tmp_path / "fleet.db") as s:  # as an older release serves it
+            s.save_device(FP)
+            with s.transaction() as c:
+                c.execute(
+                    "insert into srv_winners(device_class, versions, key, op, candidate, source, "
+                    "params, median_us, baseline_us, speedup, run_id, submitters, seq, updated_at, "
+                    "launch) values (?, ?, ?, 'sdpa', 'torch_sdpa', 'torch_sdpa', '{}', 4.0, 5.0, "
+                    "1.25, 'r', 1, 1, 1.0, 'eager')",
+                    (DC, V, written),
+                )
+                c.execute("update srv_counters set value = 1 where name = 'winner_seq'")
+        with Store(tmp_path / "host.db") as host, srv.client("reader", "read") as client:
+            assert pull(client, host, FP).winners == 1
+            (w,) = host.winners(DC)
+            assert w.key == canonical

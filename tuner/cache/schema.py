@@ -8,13 +8,12 @@ split carry their version in a ``meta`` table and the service's empty ``srv_*`` 
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import sqlite_utils
 
 from tuner.cache.sqlite import Schema, StoreError, register
-from tuner.core.keys import parse_key
+from tuner.core.keys import spelt_now
 
 LEGACY_APP = "tuner"  # meta.app of files from before application ids
 HOST_TABLES = ("measurements", "winners", "misses", "sync_state", "reported_misses")
@@ -141,19 +140,25 @@ def _v5(db: sqlite_utils.Database) -> None:
     )
 
 
+def respelt_sdpa_keys(db: sqlite_utils.Database, tables: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The SDPA keys stored in ``tables`` that this release spells another way (the default
+    scale written as ``head_dim ** -0.5``), as (stored, this release's) pairs; a key no release
+    could parse stays as it is."""
+    renamed = {}
+    for table in tables:
+        for (key,) in db.conn.execute(f"select distinct key from {table} where key like 'sdpa:%'"):
+            if (canonical := spelt_now(key)) != key:
+                renamed[key] = canonical
+    return sorted(renamed.items())
+
+
 def _v6(db: sqlite_utils.Database) -> None:
     """SDPA keys whose scale is 1 / sqrt(head_dim) written another way (``head_dim ** -0.5``,
     as models pass it, rounds one bit away) are the default scale's key, as a call with either
     now makes: their rows join the default's. Per problem the newer winner stays, miss counts
     and their reports add up."""
-    renamed = {}
-    for table in ("measurements", "winners", "misses", "reported_misses"):
-        for (key,) in db.conn.execute(f"select distinct key from {table} where key like 'sdpa:%'"):
-            with contextlib.suppress(ValueError):  # a key no release could parse stays as it is
-                if (canonical := str(parse_key(key))) != key:
-                    renamed[key] = canonical
     c = db.conn
-    for old, new in renamed.items():
+    for old, new in respelt_sdpa_keys(db, ("measurements", "winners", "misses", "reported_misses")):
         c.execute("update measurements set key = ? where key = ?", (new, old))
         # a problem holding a winner under both keys keeps the newer
         c.execute(

@@ -505,6 +505,15 @@ def parse_key(text: str) -> Key:
     return cls(**values)
 
 
+def spelt_now(text: str) -> str:
+    """A stored key as this release spells it (an SDPA key's default scale written another
+    way, by an older release, becomes the default's); a key it cannot parse stays as it is."""
+    try:
+        return str(parse_key(text))
+    except ValueError:
+        return text
+
+
 def required_fields(cls: type) -> list[str]:
     """The fields of dataclass ``cls`` that have no default."""
     return [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]

@@ -58,6 +58,7 @@ from tuner.cache.artifacts import (
     shared_store,
 )
 from tuner.core.device import Fingerprint
+from tuner.core.keys import spelt_now
 from tuner.measure.records import Measurement, Winner
 from tuner.version import __version__
 
@@ -461,7 +462,11 @@ def _winner_rows(columns: list[str], rows: list[list[Any]]) -> list[dict[str, An
     if missing:
         raise FleetError(f"the service's feed lacks columns {sorted(missing)}")
     index = [(c, columns.index(c)) for c in WINNER_COLUMNS]
-    return [{c: row[i] for c, i in index} for row in rows]
+    winners = [{c: row[i] for c, i in index} for row in rows]
+    for w in winners:  # a service of an older release serves SDPA keys spelt its way
+        if w["key"].startswith("sdpa:"):
+            w["key"] = spelt_now(w["key"])
+    return winners
 
 
 def _start_over(client: FleetClient, store: Store, scope: str, why: str) -> None:
