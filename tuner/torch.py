@@ -459,7 +459,7 @@ class Router:
         if k.dtype != q.dtype or v.dtype != q.dtype or (q.shape[1] != k.shape[1] and not gqa):
             return NotImplemented
         causal = _causal_mode(mask, is_causal, q, k)
-        if causal is None:
+        if causal is None or isinstance(scale, torch.Tensor):  # (see Dispatcher.resolve_sdpa)
             return NotImplemented
         if compiling:
             if needs_grad(q, k, v):  # torch's fused backward beats recomputing ours

@@ -27,6 +27,23 @@ def test_file_fills_what_the_environment_leaves_unset(tmp_path):
     assert out.stdout.split() == ["record", "/from/env.db"]
 
 
+def test_an_empty_variable_is_an_unset_one(tmp_path):
+    """``TUNER_CACHE=`` (a variable emptied in a script) leaves the file's value in force, and
+    an empty mode or stale policy is the default, not an error."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('cache = "/from/file.db"\nbuckets = "none"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNER_")}
+    env |= {"TUNER_CONFIG": str(cfg), "TUNER_CACHE": "", "TUNER_MODE": "", "TUNER_STALE": ""}
+    code = (
+        "import os; from tuner.serving.dispatcher import get_dispatcher; d = get_dispatcher(); "
+        "print(d.mode, d.stale, d.store_path)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["lookup", "use", "/from/file.db"]
+
+
 def test_a_mistake_is_named_and_left_out_while_the_rest_applies(tmp_path):
     cfg = tmp_path / "config.toml"
     cfg.write_text('mdoe = "record"\ncache = "/data/t.db"\nartifacts = "/data/k"\nbuckets = [1]\n')

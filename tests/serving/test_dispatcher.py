@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import tuner.torch
 from tests.cache.damaged import damaged_cache
 from tests.cache.read_only import read_only
 from tuner.cache import Store
@@ -24,6 +26,7 @@ def test_off_mode_never_opens_the_store(tmp_path):
     d = Dispatcher(tmp_path / "never.db", mode="off")
     a, b = torch.randn(8, 4), torch.randn(4, 3)
     torch.testing.assert_close(d.matmul(a, b), a @ b)
+    assert tuner.warmup(dispatcher=d, progress=False).winners == 0
     assert not (tmp_path / "never.db").exists()
 
 
@@ -37,9 +40,23 @@ def test_lookup_mode_makes_no_cache_at_a_mistyped_path_and_says_so_once(tmp_path
     assert not path.parent.exists()
     said = [r for r in caplog.records if "does not exist: serving baselines only" in r.message]
     assert len(said) == 1
-    d.set_mode("record")  # a mode that writes makes the cache as before
-    d.matmul(a, b)
+    d.set_mode("record")  # a mode that writes makes the cache as before, and says so
+    with caplog.at_level(logging.INFO, logger="tuner.serving.dispatcher"):
+        d.matmul(a, b)
     assert path.exists()
+    assert f"made a new tuner cache at {path} (TUNER_MODE=record)" in caplog.text
+
+
+def test_lookup_mode_leaves_an_empty_file_as_it_is(tmp_path, caplog):
+    """An empty file (``touch``) holds no cache: lookup mode does not make one in it."""
+    path = tmp_path / "empty.db"
+    path.touch()
+    d = Dispatcher(path, mode="lookup")
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(d.matmul(a, b), a @ b)
+    assert tuner.warmup(dispatcher=d, progress=False).winners == 0
+    assert path.read_bytes() == b""
+    assert "is an empty file: serving baselines only" in caplog.text
 
 
 @pytest.mark.cpu_host
@@ -285,6 +302,58 @@ def test_an_out_torch_would_resize_or_refuse_is_torchs_when_a_tuned_kernel_serve
     with pytest.warns(UserWarning, match="resized"):
         batched = dispatch_module.matmul(torch.stack([a, a]), b, out=torch.zeros_like(out))
     assert batched.shape == (2, 33, 20)
+
+
+def test_a_call_mixing_dtypes_after_a_tuned_one_gets_torchs_error(cache_path, monkeypatch):
+    """The signature a call is looked up by holds each operand's dtype and device: k and v in
+    f32 beside an f16 q, once the all-f16 call is served by a tuned kernel, get torch's error
+    (not that kernel reading f32 bytes as f16); b on another device gets torch's answer."""
+    from tuner.serving import dispatcher as dispatch_module
+
+    sdpa = SdpaKey(1, 4, 2, 8, 8, 16, causal="top_left", dtype="f16", scale=0.25)
+    gemm = GemmKey(m=8, n=16, k=32, dtype="f16", out_dtype="f16", align=16)
+    tiles = {"bm": 16, "bn": 16, "warps": 4, "stages": 1}
+    gemm_params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
+    dc = fingerprint().device_class
+    Store(cache_path).put_winners(
+        [
+            Winner(dc, str(sdpa), "triton_attention", tiles, 1.0, 2.0),
+            Winner(dc, str(gemm), "triton_gemm", gemm_params, 1.0, 2.0),
+        ]
+    )
+    disp = Dispatcher(cache_path)
+    monkeypatch.setattr(dispatch_module, "_dispatcher", disp)
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 8, 16).half()
+    k, v = torch.randn(1, 2, 8, 16).half(), torch.randn(1, 2, 8, 16).half()
+    dispatch_module.sdpa(q, k, v, causal=True, scale=0.25)
+    assert [r.candidate.split(":")[0] for r in disp.resolutions.values()] == ["triton_attention"]
+    with pytest.raises(RuntimeError, match="Expected query, key, and value to have the same"):
+        dispatch_module.sdpa(q, k.float(), v.float(), causal=True, scale=0.25)
+    a, b = torch.randn(8, 32).half(), torch.randn(32, 16).half()
+    dispatch_module.matmul(a, b)
+    _, res = disp.resolve_gemm(a, b.to("meta"))
+    assert (res.kind, res.candidate) == ("untunable", "torch")
+    assert "device mismatch: a is on cpu and b on meta" in res.key
+
+
+def test_a_tensor_scale_is_torchs_and_remembers_nothing(tmp_path, monkeypatch):
+    """torch takes a 0-d tensor as SDPA's scale. Such calls go to torch unremembered: a
+    signature holding the tensor would be a new one at every call."""
+    from tuner.serving import dispatcher as dispatch_module
+
+    disp = Dispatcher(tmp_path / "c.db")
+    monkeypatch.setattr(dispatch_module, "_dispatcher", disp)
+    q = torch.randn(1, 2, 8, 16)
+    for _ in range(5):
+        got = dispatch_module.sdpa(q, q, q, scale=torch.tensor(0.25))
+    want = F.scaled_dot_product_attention(q, q, q, scale=0.25)
+    torch.testing.assert_close(got, want)
+    with tuner.torch.enabled():  # the drop-in's memo of calls as made, too
+        for _ in range(5):
+            got = F.scaled_dot_product_attention(q, q, q, scale=torch.tensor(0.25))
+    torch.testing.assert_close(got, want)
+    assert not disp._hot and not disp.resolutions and not disp.memo
 
 
 def test_operands_torch_refuses_or_serves_itself_get_torchs_answer(tmp_path, monkeypatch):

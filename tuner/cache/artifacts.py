@@ -229,7 +229,7 @@ def default_root() -> Path:
 
 def default_max_bytes() -> int:
     text = os.environ.get("TUNER_ARTIFACTS_MAX_BYTES")
-    if text is None:
+    if not text:
         return DEFAULT_MAX_BYTES
     try:
         value = int(text)

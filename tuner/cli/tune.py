@@ -96,7 +96,7 @@ def settings_table() -> Table:
     t.add_row("config file", f"{path}" + ("" if path.is_file() else " (none there)"))
     cache = default_path()
     t.add_row("cache (TUNER_CACHE)", f"{cache}" + ("" if cache.exists() else " (not made yet)"))
-    t.add_row("mode (TUNER_MODE)", os.environ.get("TUNER_MODE", "lookup (the default)"))
+    t.add_row("mode (TUNER_MODE)", os.environ.get("TUNER_MODE") or "lookup (the default)")
     for name in sorted(KNOWN.keys() - {"cache", "mode"}):
         if (value := os.environ.get(f"TUNER_{name.upper()}")) is not None:
             shown = value[:8] + "..." if name == "token" else value  # never a whole secret

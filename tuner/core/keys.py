@@ -617,6 +617,8 @@ def gemm_fields(a: Any, b: Any, *, tf32: bool | None = None) -> dict[str, Any]:
         raise ValueError(
             f"dtype mismatch: a is {a.dtype} and b is {b.dtype}; mixed-dtype GEMMs are not supported"
         )
+    if a.device != b.device:
+        raise ValueError(f"device mismatch: a is on {a.device} and b on {b.device}")
     names = _dtype_names()
     if a.dtype not in names:
         raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {a.dtype}")
@@ -653,6 +655,8 @@ def sdpa_fields(
             )
         if t.dtype != q.dtype:
             raise ValueError(f"dtype mismatch: q is {q.dtype} and {name} is {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"device mismatch: q is on {q.device} and {name} on {t.device}")
     names = _dtype_names()
     if q.dtype not in names:
         raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {q.dtype}")

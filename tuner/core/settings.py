@@ -83,7 +83,7 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
 
 
 def load_config_file() -> Path | None:
-    """Fill unset TUNER_* variables from the config file. What is wrong in it is logged and
+    """Fill unset (or empty) TUNER_* variables from the config file. What is wrong in it is logged and
     left out, the rest applies; a file that cannot be read is logged and skipped, as is a
     ``$TUNER_CONFIG`` that names no file (a typo there would otherwise go unnoticed)."""
     path = config_path()
@@ -99,7 +99,8 @@ def load_config_file() -> Path | None:
     for problem in problems:
         log.warning("%s", problem)
     for name, value in values.items():
-        os.environ.setdefault(name, value)
+        if not os.environ.get(name):  # an empty variable is an unset one, as everywhere
+            os.environ[name] = value
     return path
 
 

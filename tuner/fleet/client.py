@@ -961,7 +961,7 @@ def _sync_interval() -> float:
     """``$TUNER_SYNC_INTERVAL`` in seconds. One that is not a finite number of seconds, or is
     below the minimum, is logged and the default used: a typo in a setting must not leave the
     host without its sync."""
-    text = os.environ.get("TUNER_SYNC_INTERVAL", str(SYNC_INTERVAL_S))
+    text = os.environ.get("TUNER_SYNC_INTERVAL") or str(SYNC_INTERVAL_S)
     try:
         interval = float(text)
     except ValueError:

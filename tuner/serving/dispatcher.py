@@ -54,16 +54,19 @@ CAUSAL = {
 
 
 def _gemm_sig(a: Any, b: Any) -> tuple:
-    """What decides a GEMM's runner: shapes, strides, dtypes, device, 16-byte alignment, the
-    TF32 switch, autograd."""
-    return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device,
+    """What decides a GEMM's runner: shapes, strides, dtypes, devices, 16-byte alignment, the
+    TF32 switch, autograd. Each operand's own dtype and device: a call that mixes them after a
+    tuned one must reach torch's error, not the tuned kernel."""
+    return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device,
             a.data_ptr() % 16, b.data_ptr() % 16, torch._C._get_cublas_allow_tf32(),
             (a.requires_grad or b.requires_grad) and torch.is_grad_enabled())  # fmt: skip
 
 
 def _sdpa_sig(q: Any, k: Any, v: Any, causal: bool | str, scale: float | None) -> tuple:
-    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-            causal, scale, (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())  # fmt: skip
+    """What decides an SDPA's runner, as ``_gemm_sig`` for a GEMM."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, causal, scale,
+            (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())  # fmt: skip
 
 
 def _causal_mode(causal: Any) -> str:
@@ -175,9 +178,9 @@ class Dispatcher:
         self.mode = (
             _check_mode(mode, "mode")
             if mode
-            else _check_mode(os.environ.get("TUNER_MODE", "lookup"))
+            else _check_mode(os.environ.get("TUNER_MODE") or "lookup")
         )
-        self.stale = os.environ.get("TUNER_STALE", "use")
+        self.stale = os.environ.get("TUNER_STALE") or "use"
         if self.stale not in STALE_POLICIES:
             raise ValueError(
                 f"TUNER_STALE must be one of {list(STALE_POLICIES)}, got {self.stale!r}"
@@ -312,6 +315,11 @@ class Dispatcher:
     def resolve_sdpa(
         self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
     ) -> tuple[Runner, Resolution]:
+        if isinstance(scale, torch.Tensor):  # torch takes a 0-d tensor; signatures holding one
+            # would be told apart by identity, one more per call: torch serves it, unremembered
+            mode = _causal_mode(causal)
+            return _torch_sdpa(mode, scale), Resolution("untunable: scale is a tensor",
+                                                        "untunable", "torch")  # fmt: skip
         sig = _sdpa_sig(q, k, v, causal, scale)
         try:
             hot = self._hot.get(sig)
@@ -486,21 +494,29 @@ class Dispatcher:
         return winner
 
     def _open_store(self) -> Store | None:
-        if self._store is None and self.mode == "lookup" and not Path(self.store_path).exists():
+        """The cache, opened on first use; None in ``off`` mode (it is never opened), and in
+        ``lookup`` mode where there is no cache yet (it reads one, it does not make one)."""
+        if self._store is not None or self._store_failed or self.mode == "off":
+            return self._store
+        path = Path(self.store_path)
+        fresh = not path.exists() or path.stat().st_size == 0  # (an empty file is no cache yet)
+        if fresh and self.mode == "lookup":
             if not self._missing_said:  # a mistyped path: said once, nothing made there
                 log.warning(
-                    "tuner cache %s does not exist: serving baselines only (lookup mode reads a "
-                    "cache, it does not make one; tune into it first, or fix TUNER_CACHE)",
-                    self.store_path,
-                )
+                    "tuner cache %s %s: serving baselines only (lookup mode reads a cache, it "
+                    "does not make one; tune into it first, or fix TUNER_CACHE)",
+                    path, "is an empty file" if path.exists() else "does not exist",
+                )  # fmt: skip
                 self._missing_said = True
             return None
-        if self._store is None and not self._store_failed:
-            try:
-                self._store = Store(self.store_path)
-            except StoreError as e:
-                log.error("tuner cache unusable, dispatching baselines only: %s", e)
-                self._store_failed = True
+        try:
+            self._store = Store(self.store_path)
+        except StoreError as e:
+            log.error("tuner cache unusable, dispatching baselines only: %s", e)
+            self._store_failed = True
+        else:
+            if fresh:
+                log.info("made a new tuner cache at %s (TUNER_MODE=%s)", path, self.mode)
         return self._store
 
     def _store_to_write(self) -> Store | None:

@@ -63,7 +63,7 @@ def warmup(
     )
     fp = fingerprint("cuda" if device is not None else "cpu")
     report = WarmupReport(fp.device_class)
-    if fetch:
+    if fetch and disp.mode != "off":  # off: the cache is never opened
         _fetch(disp, fp, report)
     disp.loader.wait()  # builds the dispatcher started: done, or failed and retried below
     winners = disp.winners(fp.device_class)
