@@ -14,8 +14,8 @@ share a dtype; ``torch._scaled_mm`` (FP8, without bias or ``scale_result``) and 
 and ``torch`` name them) through
 ``tuner.scaled_mm`` / ``tuner.int4_linear``, whose checks name a bad operand by its argument in
 aten's schema (``self``, ``mat2``, ``scale_a``, ``scale_b``; ``qGroupSize``, ``qScaleAndZeros``)
-with a ``ValueError`` where torch would raise its own ``RuntimeError`` (a float16 ``self`` for
-CUDA's int4 op, scales on another device). Leading batch dims are folded like torch does
+with an error that is both a ``ValueError`` and the ``RuntimeError`` torch would raise (a
+float16 ``self`` for CUDA's int4 op, scales on another device). Leading batch dims are folded like torch does
 (``x.reshape(-1, K)``; a copy only where torch copies too). Everything else (broadcast batches,
 ``out=``, mixed dtypes, subclasses, masks, dropout) is left to torch untouched, and the dispatcher itself falls back to torch for layouts the
 tuner does not key (odd strides). Results are always those of a checked kernel or of torch.

@@ -100,6 +100,20 @@ def _torch_sdpa(causal: str, scale: float | None) -> Runner:
     return run
 
 
+def _scaled_mm_fallback(out_dtype: Any, fast: bool) -> Runner:
+    """torch's ``_scaled_mm`` for calls outside the keys, except an empty K on the CPU, where
+    torch's op returns uninitialized memory: the product is zeros."""
+    scaled_mm = torch_lowbit.scaled_mm_runner(out_dtype, fast)
+
+    def run(a: Any, b: Any, scale_a: Any, scale_b: Any, out: Any = None) -> Any:
+        if a.shape[1] == 0 and a.device.type == "cpu":
+            zeros = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype or a.dtype)
+            return zeros if out is None else out.copy_(zeros)
+        return scaled_mm(a, b, scale_a, scale_b, out)
+
+    return run
+
+
 def _check_mode(mode: str, name: str = "TUNER_MODE") -> str:
     """``mode``, or a ValueError naming where it came from (``name``)."""
     if mode not in MODES:
@@ -269,7 +283,7 @@ class Dispatcher:
             hot = self._resolve(
                 sig, lambda: lowbit.scaled_mm_key(a, b, scale_a, scale_b, out_dtype,
                                                   use_fast_accum, names),
-                a.device, torch_lowbit.scaled_mm_runner(out_dtype, use_fast_accum), grad=sig[-1],
+                a.device, _scaled_mm_fallback(out_dtype, use_fast_accum), grad=sig[-1],
             )  # fmt: skip
         return hot
 

@@ -42,9 +42,10 @@ class ScaledMMNames:
 SCALED_MM_NAMES = ScaledMMNames()
 
 
-class OperandError(ValueError):
+class OperandError(ValueError, RuntimeError):
     """Operands that disagree: an error for the caller, where a call merely outside the keys
-    (a plain ``ValueError`` from the key functions) goes to torch's op."""
+    (a plain ``ValueError`` from the key functions) goes to torch's op. Also a RuntimeError,
+    what torch's ops raise for such operands: code that catches theirs catches ours."""
 
 
 def check_operands(**operands: Any) -> None:
@@ -124,9 +125,6 @@ def check_scaled_mm(
     ab = f"{names.a}, {names.b}"
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise OperandError(f"{ab}: expected [M, K] and [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")  # fmt: skip
-    if a.shape[1] == 0 and a.device.type == "cpu":  # torch's CPU op returns torch.empty's bytes
-        raise OperandError(f"{ab}: K=0 ({tuple(a.shape)} and {tuple(b.shape)}): torch._scaled_mm "
-                           "on the CPU leaves its output uninitialized; the product is zeros")  # fmt: skip
     for name, t in ((names.a, a), (names.b, b)):
         # no scaled recipe of torch's takes these, and its error would blame the scales
         if t.dtype.itemsize > 1:
@@ -136,9 +134,12 @@ def check_scaled_mm(
         if t.device != a.device:  # a kernel would read another device's pointer
             raise OperandError(f"{name}.device={t.device}: must be {names.a}'s device ({a.device})")
     try:
-        return fp8.check_scales(scale_a, scale_b, a.shape[0], b.shape[1], as_scaled_mm=True)
+        rowwise = fp8.check_scales(scale_a, scale_b, a.shape[0], b.shape[1], as_scaled_mm=True)
     except ValueError as e:
         raise OperandError(str(e)) from e
+    if a.shape[1] == 0:  # no key: torch's op serves it (on the CPU, the dispatcher's zeros)
+        raise ValueError(f"{ab}: K=0 ({tuple(a.shape)} and {tuple(b.shape)}): an empty product")
+    return rowwise
 
 
 def scaled_mm_key(
