@@ -170,7 +170,7 @@ def test_int4_layers_torch_cannot_pack_here_are_skipped_with_the_reason(caplog) 
     ]
     assert q.quantized_layers == ["0"]
     assert q.quantized_skipped == {
-        "1": "group_size=64: 64 must divide K=96",
+        "1": "group_size=64: 64 must divide K=96 (group_size=32 fits this layer)",
         "2": "int4 packing on cpu needs N % 16 == 0 (N=24, K=64)",
     }
     assert q(torch.randn(3, 256)).shape == (3, 24)

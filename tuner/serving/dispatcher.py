@@ -291,6 +291,8 @@ class Dispatcher:
         """``x [..., K] @ W.T`` with W int4 in torch's packed format: out [..., N]."""
         try:  # a 2-D x as it is: a reshape is a good part of the hit path
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            if not x2.is_contiguous():  # torch's op reads rows as stored: copied, as reshape does
+                x2 = x2.contiguous()
         except (AttributeError, IndexError):
             lowbit.check_operands(x=x)
             raise

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tuner.core.keys import fp8_shape_error
+from tuner.core.keys import INT4_GROUPS, fp8_shape_error
 from tuner.quant import fp8, int4, int4_torch
 from tuner.serving import dispatcher
 
@@ -61,7 +61,8 @@ def unsupported(fmt: str, weight: torch.Tensor, group_size: int | None) -> str |
         try:
             int4.check_group_size(group_size, k)
         except ValueError as e:
-            return str(e)
+            fits = [g for g in INT4_GROUPS if k % g == 0]
+            return f"{e}" + (f" (group_size={fits[-1]} fits this layer)" if fits else "")
         multiple = int4_torch.n_multiple(weight.device)
         if n % multiple:
             return f"int4 packing on {weight.device.type} needs N % {multiple} == 0 (N={n}, K={k})"
