@@ -93,6 +93,48 @@ def test_client_errors_are_not_retried() -> None:
     assert e.value.status == 400 and len(calls) == 1
 
 
+def counting_app(answers: list[tuple[float, int]]) -> tuple[Starlette, list[int]]:
+    """Takes miss reports, each answered after the delay and with the status ``answers`` give
+    in turn (the last one repeated); ``calls`` counts the reports it received."""
+    import asyncio
+
+    calls: list[int] = []
+
+    async def misses(request):
+        delay, status = answers[min(len(calls), len(answers) - 1)]
+        calls.append(1)
+        await asyncio.sleep(delay)
+        return JSONResponse({"queued": 1} if status == 200 else {"detail": "x"}, status)
+
+    async def ready(request):
+        return JSONResponse({})
+
+    routes = [Route("/v1/misses", misses, methods=["POST"]), Route("/ready", ready)]
+    return Starlette(routes=routes), calls
+
+
+@pytest.mark.parametrize(
+    ("answers", "received", "outcome"),
+    [
+        ([(2.0, 200)], 1, "ReadTimeout"),  # counted, its reply lost: not sent again
+        ([(0, 502)], 1, "HTTP 502"),  # a proxy's: the service may have counted it
+        ([(0, 503), (0, 429), (0, 200)], 3, None),  # refused before counting: sent again
+    ],
+)
+def test_a_miss_report_is_sent_again_only_where_it_was_not_counted(answers, received, outcome):
+    """Miss counts add up on the service, so a report whose answer was lost (a timeout, a
+    proxy's 502) is not sent again: that would count it twice. A refusal (503, 429) is."""
+    app, calls = counting_app(answers)
+    with AppThread(app, health_path="/ready") as srv:
+        client = FleetClient(srv.url, timeout_s=0.5, retries=3, backoff_s=0.01)
+        if outcome is None:
+            assert client.report_misses(FP, [("gemm:m=1", 1)]) == 1
+        else:
+            with pytest.raises(FleetError, match=outcome):
+                client.report_misses(FP, [("gemm:m=1", 1)])
+    assert len(calls) == received
+
+
 def test_the_dispatcher_does_not_wait_for_a_hung_service(silent_url: str, tmp_path: Path) -> None:
     d = Dispatcher(store_path=tmp_path / "host.db", mode="record")
     sync = attach(d, client=FleetClient(silent_url, timeout_s=60, retries=0), interval_s=0.1)

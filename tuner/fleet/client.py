@@ -9,10 +9,12 @@ and publish / fetch compiled-kernel artifacts.
 
 Settings: ``TUNER_SERVER`` (base URL), ``TUNER_TOKEN``, ``TUNER_SYNC_INTERVAL`` (seconds).
 Every request has a bounded timeout and is retried with exponential backoff on connection
-errors, timeouts, 429 and 502/503/504; other 4xx raise ``FleetError`` with the service's message
-at once, except that measurements a 422 names by index are counted as refused and the rest of
-their batch sent again. The dispatcher never waits for the service: ``attach`` runs the sync in a daemon thread
-with its own SQLite connection and calls ``Dispatcher.reload()`` when new winners arrive.
+errors, timeouts, 429 and 502/503/504; a miss report or a queue claim, which the service counts
+or leases, only where it surely was not acted upon (no connection made, 429 or 503). Other 4xx
+raise ``FleetError`` with the service's message at once, except that measurements a 422 names by
+index are counted as refused and the rest of their batch sent again. The dispatcher never waits
+for the service: ``attach`` runs the sync in a daemon thread with its own SQLite connection and
+calls ``Dispatcher.reload()`` when new winners arrive.
 
 Sync positions live in the local cache (``sync_state``): pulls resume from the last feed sequence
 number, pushes from the last pushed measurement id, and miss reports send only the counts not yet
@@ -67,6 +69,11 @@ log = logging.getLogger(__name__)
 BATCH = 5000  # the service's per-request limit for measurements and misses
 BATCH_SPECS = 1000  # the service's per-request limit for artifact lookups
 RETRY_STATUS = (429, 502, 503, 504)
+# what says a request was not acted upon: a request that counts (misses) or hands out (a
+# lease) is sent again only then; after a reply lost to a timeout or a proxy, a retry would
+# count it twice or lease the keys again
+NOT_RECEIVED_STATUS = (429, 503)
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 class FleetError(Exception):
@@ -165,9 +172,10 @@ class FleetClient:
 
     # --- transport -----------------------------------------------------------------------------
 
-    def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """One API call with retries; returns the decoded JSON body."""
-        r = self._send(path, lambda: self.http.request(method, path, **kwargs))
+    def request(self, method: str, path: str, *, once: bool = False, **kwargs: Any) -> Any:
+        """One API call with retries; returns the decoded JSON body. ``once``: the call is not
+        idempotent, so it is retried only where it surely was not acted upon."""
+        r = self._send(path, lambda: self.http.request(method, path, **kwargs), once=once)
         try:
             return r.json()
         except ValueError:  # e.g. --server names some other web server
@@ -177,21 +185,25 @@ class FleetClient:
                 r.status_code,
             ) from None
 
-    def _send(self, path: str, send: Callable[[], httpx.Response]) -> httpx.Response:
-        """``send()`` with retries; its response if successful, else FleetError."""
+    def _send(
+        self, path: str, send: Callable[[], httpx.Response], *, once: bool = False
+    ) -> httpx.Response:
+        """``send()`` with retries (``once``: only where it was not acted upon); its response if
+        successful, else FleetError."""
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             try:
                 r = send()
             except httpx.TransportError as e:  # refused, reset, timed out
-                if last:
+                if last or (once and not isinstance(e, NOT_SENT)):
                     raise FleetError(
                         f"{self.server} unreachable: {type(e).__name__}: {e}"
                     ) from None
             else:
                 if r.status_code < 400:
                     return r
-                if r.status_code not in RETRY_STATUS or last:
+                retried = NOT_RECEIVED_STATUS if once else RETRY_STATUS
+                if r.status_code not in retried or last:
                     raise FleetError(_message(r), r.status_code, _detail(r))
             time.sleep(self.backoff_s * 2**attempt * (0.5 + random.random()))
         raise AssertionError("unreachable")
@@ -313,7 +325,7 @@ class FleetClient:
                 "versions": fp.version_tag,
                 "misses": [{"key": k, "count": n} for k, n in misses[i : i + BATCH]],
             }
-            queued += self.request("POST", "/v1/misses", json=body)["queued"]
+            queued += self.request("POST", "/v1/misses", json=body, once=True)["queued"]
         return queued
 
     def claim(
@@ -322,7 +334,7 @@ class FleetClient:
         """Lease queued keys of this device class and versions (for tuning workers)."""
         body = {"device": fp.to_dict(), "versions": fp.version_tag, "worker": worker,
                 "max_keys": max_keys, "lease_s": lease_s}  # fmt: skip
-        out = self.request("POST", "/v1/queue/claim", json=body)
+        out = self.request("POST", "/v1/queue/claim", json=body, once=True)
         return Lease(out["lease_id"], out["keys"], out["expires_at"])
 
     def complete(
