@@ -49,7 +49,7 @@ ERRORS: dict[int | str, dict] = {
     status: {"model": ErrorOut, "description": text}
     for status, text in (
         (400, "malformed request"),
-        (401, "missing, invalid or revoked bearer token"),
+        (401, "missing, malformed, invalid or revoked bearer token"),
         (403, "the token lacks the scope this needs"),
         (404, "unknown device class, key, lease or nothing pending"),
         (409, "the lease was already completed"),
@@ -60,7 +60,7 @@ log = logging.getLogger("tuner.server")
 router = APIRouter(prefix="/v1", responses=ERRORS)
 FEED_SEQ = results.FEED_COLUMNS.index("seq")
 
-DeviceClassPath = Annotated[str, Path(pattern=DEVICE_CLASS_RE, description="e.g. cpu-x86_64-2c")]
+DeviceClassPath = Annotated[str, Path(pattern=DEVICE_CLASS_RE, description="e.g. cpu-x86-64-2c")]
 VersionsQuery = Annotated[
     str | None, Query(max_length=2000, description="only winners measured under these versions")
 ]

@@ -34,19 +34,31 @@ def authorize(request: Request, scope: str, *, write: bool = False) -> Token | N
     if presented is None:
         if scope == "read" and not write and state.settings.open_reads:
             return None
+        sent = request.headers.get("authorization")
+        how = (" (the Authorization header must read 'Bearer tnr_...', got "
+               f"{_scheme(sent)})" if sent else "")  # fmt: skip
         raise HTTPException(
-            401, f"this needs a bearer token with scope {scope!r}", headers=CHALLENGE
+            401, f"this needs a bearer token with scope {scope!r}{how}", headers=CHALLENGE
         )
     # a primary-key lookup: cheap enough to run on the event loop's own connection
     token = tokens.verify(state.db.store(), presented)
-    if token is None or token.revoked_at is not None:
-        raise HTTPException(401, "invalid or revoked token", headers=CHALLENGE)
+    if token is None:  # which id was presented (its public part), never the secret
+        raise HTTPException(401, f"invalid token {tokens.named_id(presented)}: unknown id or "
+                            "wrong secret", headers=CHALLENGE)  # fmt: skip
+    if token.revoked_at is not None:
+        raise HTTPException(401, f"token {token.id} ({token.name}) is revoked", headers=CHALLENGE)
     if not token.allows(scope):
         raise HTTPException(
             403,
             f"token {token.id} ({token.name}) has scopes {list(token.scopes)}; this needs {scope!r}",
         )
     return token
+
+
+def _scheme(header: str) -> str:
+    """What an Authorization header that is not a bearer token starts with (no credentials)."""
+    first = header.strip().partition(" ")[0]
+    return f"a {first!r} scheme" if " " in header.strip() else "a bare value (no 'Bearer ')"
 
 
 def require(scope: str, *, write: bool = False) -> Callable[..., Awaitable[Token | None]]:

@@ -46,7 +46,7 @@ def _small_params(params: dict[str, JsonValue]) -> dict[str, JsonValue]:
 
 
 KeyStr = Annotated[str, Field(min_length=5, max_length=600), AfterValidator(canonical_key)]
-DeviceClass = Annotated[str, Field(pattern=DEVICE_CLASS_RE, examples=["cpu-x86_64-2c"])]
+DeviceClass = Annotated[str, Field(pattern=DEVICE_CLASS_RE, examples=["cpu-x86-64-2c"])]
 UID_RE = r"^[A-Za-z0-9_-]{8,64}$"
 Uid = Annotated[str, Field(pattern=UID_RE)]  # a host's Measurement.uid
 Versions = Annotated[

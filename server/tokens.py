@@ -104,6 +104,15 @@ def _parts(presented: str) -> tuple[str, str, str]:
     return prefix, token_id, secret
 
 
+def named_id(presented: str) -> str:
+    """The token id a presented string names, for a log or an error (never its secret):
+    ``'<id>'``, or what is wrong with its form."""
+    prefix, token_id, secret = _parts(presented)
+    if prefix != PREFIX or not _ID_RE.match(token_id) or not secret:
+        return f"(not of the form {PREFIX}_<id>_<secret>)"
+    return repr(token_id)
+
+
 def verify(store: FleetStore, presented: str) -> Token | None:
     """The token named by a presented string, or None if malformed, unknown or wrong secret."""
     prefix, token_id, secret = _parts(presented)

@@ -222,6 +222,19 @@ def test_token_list_and_revoke_need_the_database_to_exist(tmp_path: Path) -> Non
         assert f"--db {missing}: no fleet database there" in done.stderr
         assert "Traceback" not in done.stderr
     assert not missing.exists()
+    made = tuner_process("token", "create", "--db", str(missing), "--name", "h", "--scope", "read")
+    assert made.returncode == 0 and f"created the fleet database {missing}" in made.stderr
+    again = tuner_process("token", "create", "--db", str(missing), "--name", "i", "--scope", "read")
+    assert again.returncode == 0 and "created the fleet database" not in again.stderr
+
+
+def test_push_needs_the_cache_to_exist(served: SubprocessServer, tmp_path: Path) -> None:
+    """A push from a mistyped cache path would report "pushed 0" and make an empty cache."""
+    missing = tmp_path / "typo" / "c.db"
+    done = tuner_process("push", "--server", served.url, "--token", new_token(served, "h", "submit"),
+                         TUNER_CACHE=str(missing))  # fmt: skip
+    assert done.returncode == 2 and f"{missing}: no such cache" in done.stderr, done.stderr
+    assert not missing.parent.exists()
 
 
 def test_a_fleet_database_given_as_a_cache_is_named(tmp_path: Path) -> None:

@@ -351,6 +351,7 @@ def test_a_usable_sync_interval_is_taken_as_given(
         ("http://localhost:99999", "port 99999 is not in 1-65535"),
         ("http://", "no host name"),
         ("localhost:8000", "expected an http:// or https:// URL"),
+        ("http://localhost:8000/v1/", "give the service's base URL, without /v1"),
     ],
 )
 def test_a_malformed_server_url_is_named_with_why(server: str, why: str) -> None:
@@ -365,6 +366,15 @@ def test_a_token_is_sent_without_surrounding_whitespace(tmp_path: Path) -> None:
     with ThreadServer(tmp_path / "fleet.db") as srv:
         token = srv.token("host", "read")
         assert FleetClient(srv.url, f" {token}\n", retries=0).queue() == []
+        # nor with the header's word, copied with it; nor a URL with a stray space
+        assert FleetClient(f"{srv.url} ", f"Bearer {token}", retries=0).queue() == []
+
+
+def test_https_to_the_plain_http_service_says_so(tmp_path: Path) -> None:
+    with ThreadServer(tmp_path / "fleet.db") as srv:
+        client = FleetClient(srv.url.replace("http://", "https://"), retries=0)
+        with pytest.raises(FleetError, match="the service speaks plain http: give an http://"):
+            client.health()
 
 
 @pytest.mark.parametrize("bad", ["é", "\x00", "\u200b"])

@@ -7,9 +7,11 @@ the winner back; leases expire; a poisoned submission is held, not served.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -248,6 +250,22 @@ def test_the_feed_is_incremental_by_sequence_number(fleet: ThreadServer, tmp_pat
         assert pull(a, b, FP, full=True).winners == 25
 
 
+def documented_examples(node: Any) -> Iterator[tuple[str, str]]:
+    """(pattern, example) of every part of an OpenAPI spec that has a pattern and examples, or
+    a description that gives one ("e.g. ...")."""
+    if isinstance(node, dict):
+        schema = node.get("schema", node)
+        if isinstance(schema, dict) and "pattern" in schema:
+            said = re.findall(r"e\.g\. (\S+)", node.get("description", ""))
+            for example in [*schema.get("examples", []), *said]:
+                yield schema["pattern"], example
+        for value in node.values():
+            yield from documented_examples(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from documented_examples(value)
+
+
 def test_lookup_batch_health_ready_metrics_docs(fleet: ThreadServer) -> None:
     a = fleet.client("host-a", "submit")
     keys = [str(f32(8 * i, 8, 8)) for i in (1, 2)]
@@ -260,6 +278,9 @@ def test_lookup_batch_health_ready_metrics_docs(fleet: ThreadServer) -> None:
     assert "swagger" in httpx.get(fleet.url + "/docs").text.lower()
     spec = httpx.get(fleet.url + "/openapi.json").json()
     assert "/v1/winners/{device_class}/feed" in spec["paths"]
+    examples = list(documented_examples(spec))  # what /docs shows passes the API's own checks
+    assert ("^(cuda|cpu)-[a-z0-9][a-z0-9-]{0,199}$", "cpu-x86-64-2c") in examples
+    assert all(re.fullmatch(pattern, example) for pattern, example in examples), examples
     text = httpx.get(fleet.url + "/metrics").text
     assert 'tuner_measurements_total{result="accepted"} 1.0' in text
     assert 'route="/v1/winners/{device_class}/lookup"' in text

@@ -100,10 +100,21 @@ SUBMIT = "/v1/measurements"
     ("role", "headers", "status", "needle"),
     [
         (None, {}, 401, "needs a bearer token with scope 'submit'"),
-        (None, {"Authorization": "Basic dXNlcjpwdw=="}, 401, "bearer token"),
-        (None, {"Authorization": "Bearer tnr_0123456789ab_wrong"}, 401, "invalid or revoked"),
-        (None, {"Authorization": "Bearer not-a-token"}, 401, "invalid or revoked"),
-        ("revoked", {}, 401, "invalid or revoked"),
+        (None, {"Authorization": "Basic dXNlcjpwdw=="}, 401, "got a 'Basic' scheme"),
+        (None, {"Authorization": "tnr_0123456789ab_x"}, 401, "got a bare value (no 'Bearer ')"),
+        (
+            None,
+            {"Authorization": "Bearer tnr_0123456789ab_wrong"},
+            401,
+            "invalid token '0123456789ab': unknown id or wrong secret",
+        ),
+        (
+            None,
+            {"Authorization": "Bearer not-a-token"},
+            401,
+            "invalid token (not of the form tnr_<id>_<secret>)",
+        ),
+        ("revoked", {}, 401, "is revoked"),
         ("reader", {}, 403, "has scopes ['read']; this needs 'submit'"),
     ],
 )

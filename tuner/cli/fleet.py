@@ -174,8 +174,11 @@ def token_create(
     from server import tokens
     from server.store import FleetStore
 
+    new = not db.exists()
     with FleetStore(db) as store:
         token, secret = tokens.create(store, name, scope)
+    if new:  # a typo of --db would make a database no service reads: said
+        typer.echo(f"created the fleet database {db} (new, empty before this token)", err=True)
     typer.echo(
         f"token {token.id} ({token.name}, scopes {','.join(token.scopes)}); keep it secret:",
         err=True,
@@ -263,7 +266,8 @@ def sync(
         console.print(
             f"pulled {counted(r.winners, 'winner')} for {fp.device_class} in "
             f"{counted(r.pages, 'page')}, "
-            f"{r.seconds:.2f} s (cursor {r.cursor})"
+            f"{r.seconds:.2f} s (cursor {r.cursor}); served for this host's versions "
+            f"{fp.version_tag} only"
         )
         a = fetch_host_artifacts(client, store, fp, full=full) if artifacts else None
         if a is not None:
@@ -297,7 +301,7 @@ def push_command(
 ) -> None:
     """Send local measurements not sent yet, and the misses recorded here, to the service."""
     client = _client(server, token, timeout)
-    with client, open_store(cache) as store, fleet_service(client.server):
+    with client, open_store(cache, existing=True) as store, fleet_service(client.server):
         _report_push(push(client, store, fingerprint()))
         if artifacts:
             with ArtifactStore() as kernels:

@@ -32,7 +32,7 @@ class Fingerprint:
 
     @property
     def device_class(self) -> str:
-        """Stable id, e.g. ``cuda-nvidia-h200-sm90-132sm-140gib`` or ``cpu-x86_64-2c``."""
+        """Stable id, e.g. ``cuda-nvidia-h200-sm90-132sm-140gib`` or ``cpu-x86-64-2c``."""
         slug = re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")
         if self.kind == "cpu":
             return f"cpu-{slug}-{self.sm_count}c"

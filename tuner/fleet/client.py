@@ -115,6 +115,9 @@ def _check_server(server: str) -> None:
         raise ValueError(f"{where}: no host name")
     if url.port is not None and not 0 < url.port < 65536:
         raise ValueError(f"{where}: port {url.port} is not in 1-65535")
+    if url.path.rstrip("/").endswith("/v1"):
+        raise ValueError(f"{where}: give the service's base URL, without /v1 (the client adds "
+                         "the API's paths)")  # fmt: skip
 
 
 def _clean_token(token: str | None) -> str | None:
@@ -123,6 +126,8 @@ def _clean_token(token: str | None) -> str | None:
     never the token, for a character no header may carry (a non-ASCII one failed deep in
     httpx with an ascii codec error)."""
     token = token.strip() if token else None
+    if token and token[:7].lower() == "bearer ":  # the header's word, copied with the token
+        token = token[7:].strip()
     for i, c in enumerate(token or ""):
         if not " " <= c <= "~":
             raise ValueError(
@@ -142,6 +147,7 @@ class FleetClient:
         retries: int = 3,
         backoff_s: float = 0.25,
     ) -> None:
+        server = server.strip()  # a setting's stray space would name another service's scope
         _check_server(server)
         self.server = server.rstrip("/")
         self.retries, self.backoff_s = retries, backoff_s
@@ -196,8 +202,10 @@ class FleetClient:
                 r = send()
             except httpx.TransportError as e:  # refused, reset, timed out
                 if last or (once and not isinstance(e, NOT_SENT)):
+                    hint = (" (the service speaks plain http: give an http:// URL, or put a TLS "
+                            "proxy in front)" if "WRONG_VERSION_NUMBER" in str(e) else "")  # fmt: skip
                     raise FleetError(
-                        f"{self.server} unreachable: {type(e).__name__}: {e}"
+                        f"{self.server} unreachable: {type(e).__name__}: {e}{hint}"
                     ) from None
             else:
                 if r.status_code < 400:
