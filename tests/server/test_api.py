@@ -666,6 +666,30 @@ def test_a_failed_miss_report_is_sent_again(
         assert push_misses(ca, a, FP) == (0, 0)
 
 
+def test_one_service_reached_by_two_urls_is_one_sync_scope(tmp_path: Path) -> None:
+    """Positions and miss reports are the service's (by its id), not its URL's: pushing through
+    127.0.0.1 and then localhost sends nothing twice. Those an older release kept under a URL
+    move to the id at the next sync, the further of two positions kept."""
+    missed = str(f32(56))
+    with Store(tmp_path / "a.db") as a, ThreadServer(tmp_path / "fleet.db") as srv:
+        a.save_device(FP)
+        a.record_misses(DC, [missed], count=3)
+        token = srv.token("host-a", "submit")
+        by_ip, by_name = srv.url, srv.url.replace("127.0.0.1", "localhost")
+        ca = FleetClient(by_ip, token)
+        service = ca.health()["service_id"]
+        old = [f"push:{url}#{service}" for url in (by_ip, by_name)]
+        a.set_position(old[0], 0)
+        a.set_position(old[1], 5, "uid-5")
+        assert push_misses(ca, a, FP) == (1, 1)
+        assert push_misses(FleetClient(by_name, token), a, FP) == (0, 0)
+        assert [(e["key"], e["misses"]) for e in ca.queue()] == [(missed, 3)]
+        scope = ca.sync_scope()
+        assert scope == f"service-{service}" and FleetClient(by_name, token).sync_scope() == scope
+        assert [a.position(n) for n in old] == [0, 0]
+        assert (a.position(f"push:{scope}"), a.mark(f"push:{scope}")) == (5, "uid-5")
+
+
 def test_a_restore_of_one_service_sends_the_miss_counts_again_to_it_alone(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

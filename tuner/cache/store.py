@@ -38,6 +38,9 @@ EXPORT_FORMAT = "tuner-results"
 # change.
 EXPORTED_VERSION = 3
 EXPORTED_TABLES = ("devices", "measurements", "winners")
+_SET_POSITION = (
+    "insert or replace into sync_state(name, value, mark, updated_at) values (?, ?, ?, ?)"
+)
 
 __all__ = ["EXPORT_FORMAT", "ExportError", "Store", "StoreError", "cache_file", "default_path"]
 
@@ -315,11 +318,40 @@ class Store(DeviceFile):
 
     def set_position(self, name: str, value: int, mark: str | None = None) -> None:
         with self.transaction() as c:
-            c.execute(
-                "insert or replace into sync_state(name, value, mark, updated_at) "
-                "values (?, ?, ?, ?)",
-                (name, value, mark, time.time()),
+            c.execute(_SET_POSITION, (name, value, mark, time.time()))
+
+    def adopt_positions(self, scope: str, marker: str) -> int:
+        """Move to ``scope`` the positions and miss reports kept under any scope that ends with
+        ``marker`` (the same service under another name: an older release kept them under the
+        URL it was reached by, then ``#<service id>``). Where two names meet, the further
+        position and the larger report stay. Returns how many moved."""
+        with self.transaction() as c:
+            moved: dict[str, tuple[int, str | None]] = {}
+            for name, value, mark in c.execute("select name, value, mark from sync_state"):
+                kind, _, rest = name.partition(":")
+                at = rest.find(marker)
+                end = at + len(marker)
+                if at < 0 or rest[:end] == scope or (end < len(rest) and rest[end] != ":"):
+                    continue
+                new = f"{kind}:{scope}{rest[end:]}"
+                c.execute("delete from sync_state where name = ?", (name,))
+                best = moved.get(new) or (self.position(new), self.mark(new))
+                moved[new] = max(best, (int(value), mark), key=lambda p: p[0])
+            c.executemany(
+                _SET_POSITION, [(n, value, mark, time.time()) for n, (value, mark) in moved.items()]
             )
+            old = [r for (r,) in c.execute("select distinct service from reported_misses")
+                   if r != scope and r.endswith(marker)]  # fmt: skip
+            for service in old:
+                c.execute(
+                    "insert into reported_misses(service, device_class, key, reported) select ?, "
+                    "device_class, key, reported from reported_misses where service = ? "
+                    "on conflict(service, device_class, key) do update set "
+                    "reported = max(reported, excluded.reported)",
+                    (scope, service),
+                )
+                c.execute("delete from reported_misses where service = ?", (service,))
+        return len(moved) + len(old)
 
     def reset_positions(self, scope: str) -> list[str]:
         """Set to 0, with no mark, every position kept under ``scope``: those named

@@ -21,8 +21,8 @@ number, pushes from the last pushed measurement id, and miss reports send only t
 reported to that service (``reported_misses``), so an outage never loses or double-counts
 anything (a process killed between marking a batch and sending it loses that batch's counts,
 which only order the tuning queue).
-Positions are kept per service, by the id its health names: a service rebuilt at the same URL
-is pulled from and pushed to from the start. One restored from an older backup keeps its id. A
+Positions are kept per service, by the id its health names, whatever URL reaches it: a
+service rebuilt at the same URL is pulled from and pushed to from the start. One restored from an older backup keeps its id. A
 position is kept with its mark, what stands at it as the service names it: the last winner
 pulled, the uid of the last measurement pushed. Before a pull the service is asked what it
 served under that position (it keeps every serving by number; of a service too old to, that
@@ -233,11 +233,17 @@ class FleetClient:
         self._is_service = True
         return health
 
-    def sync_scope(self) -> str:
-        """What this host's sync positions with the service are kept under: its URL and the id
-        its health names now (a service that names none: the URL alone)."""
+    def sync_scope(self, store: Store | None = None) -> str:
+        """What this host's sync positions with the service are kept under: the id its health
+        names now, whatever URL reached it (a service that names none: the URL). ``store``:
+        positions kept there under another name of the same service move to this one."""
         service = self.service_health().get("service_id")
-        return f"{self.server}#{service}" if service else self.server
+        if not service:
+            return self.server
+        scope = f"service-{service}"
+        if store is not None and store.adopt_positions(scope, f"#{service}"):
+            log.info("sync positions with %s kept under another URL of it: moved", self.server)
+        return scope
 
     def nothing_there(self, e: FleetError) -> bool:
         """Whether ``e`` is the service saying it has none of what was asked (404), and not a
@@ -604,7 +610,7 @@ def pull(
     ``tuner import``.
     """
     started = time.perf_counter()
-    scope = client.sync_scope()
+    scope = client.sync_scope(store)
     _check_pulled(client, store, scope, fp)
     name = _pull_name(scope, fp)
     cursor = 0 if full else store.position(name)
@@ -642,7 +648,7 @@ def _fingerprints(store: Store, fp: Fingerprint) -> dict[str, Fingerprint]:
 def push_measurements(client: FleetClient, store: Store, fp: Fingerprint) -> dict[str, int]:
     """Send local measurements not sent to this service yet, oldest first. The position's mark
     is the last one the service stored (of a batch it refused none of), for ``_check_pushed``."""
-    scope = client.sync_scope()
+    scope = client.sync_scope(store)
     _check_pushed(client, store, scope, fp)
     name = f"push:{scope}"
     fps = _fingerprints(store, fp)
@@ -674,7 +680,7 @@ def push_measurements(client: FleetClient, store: Store, fp: Fingerprint) -> dic
 def push_misses(client: FleetClient, store: Store, fp: Fingerprint) -> tuple[int, int]:
     """Report the misses recorded here since the last report to this service. Returns (keys,
     newly queued)."""
-    scope = client.sync_scope()
+    scope = client.sync_scope(store)
     todo = store.unreported_misses(fp.device_class, service=scope)
     queued = 0
     for i in range(0, len(todo), BATCH):
@@ -821,7 +827,7 @@ def sync_artifacts(
     again."""
     if not archs:
         raise ValueError("sync_artifacts needs at least one arch (see host_archs)")
-    scope = client.sync_scope()
+    scope = client.sync_scope(store)
     name = f"artifacts:{scope}:{','.join(sorted(archs))}"
     cursor = 0 if full else store.position(name)
     out = ArtifactsFetched(0, 0, 0, [])
