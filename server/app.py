@@ -116,6 +116,13 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        sent = request.headers.get("content-type", "")
+        if request.method in ("POST", "PUT") and "json" not in sent and not _blob(request):
+            why = (f"Content-Type must be application/json, got {sent!r}" if sent else
+                   "Content-Type must be application/json (none sent: curl -H "
+                   "'Content-Type: application/json' ...)")  # fmt: skip
+            refusal(request, 415, why)
+            return JSONResponse({"detail": why, "message": why}, 415)
         errors = [_short_input(e) for e in exc.errors()]
         refusal(request, 422, _summary(errors))
         return JSONResponse({"detail": jsonable_encoder(errors), "message": _summary(errors)}, 422)
@@ -124,6 +131,10 @@ def create_app(settings: Settings) -> FastAPI:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse({"detail": "internal error; see the service log"}, 500)
+
+    def _blob(request: Request) -> bool:
+        """A request whose body is bytes, not JSON (a compiled kernel's upload)."""
+        return request.url.path.startswith(artifacts.BLOBS)
 
     @app.get("/v1/health", tags=["ops"])
     async def health() -> dict[str, str]:

@@ -83,6 +83,12 @@ def test_token_scopes_are_enforced_and_revocation_is_listed(
     assert refused.exit_code == 1 and "HTTP 403" in refused.output  # read cannot submit
     pushed = cli("push", "--server", served.url, "--token", writer, cache=tmp_path / "a.db")
     assert pushed.exit_code == 0, pushed.output
+    # sync --push with a read token: the push is refused, the pull still comes, the exit is 1
+    tuned_cache(tmp_path / "b.db", 20)
+    synced = cli("sync", "--push", "--server", served.url, "--token", reader,
+                 "--no-artifacts", cache=tmp_path / "b.db")  # fmt: skip
+    assert synced.exit_code == 1 and "push refused" in synced.stdout and "HTTP 403" in synced.stdout
+    assert "pulled 1 winner" in synced.stdout, synced.output
     reader_id = reader.split("_")[1]
     assert cli("token", "revoke", "--db", str(served.db), reader_id).exit_code == 0
     listed = cli("token", "list", "--db", str(served.db)).stdout

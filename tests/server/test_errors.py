@@ -191,6 +191,18 @@ def test_malformed_json_and_nan(env: Env) -> None:
     expect(r, 422, "median_us", "finite")
 
 
+def test_a_body_sent_without_a_json_content_type_is_named_so(env: Env) -> None:
+    """curl -d sends a JSON body as a form (application/x-www-form-urlencoded) unless told:
+    the answer names the header, not the body's shape."""
+    body = json.dumps(submit_body([measurement()])).encode()
+    r = call(env, "POST", SUBMIT, content=body,
+             headers={"Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
+    expect(r, 415, "Content-Type must be application/json, got 'application/x-www-form-urlencoded'")
+    expect(call(env, "POST", SUBMIT, content=body), 415, "none sent: curl -H 'Content-Type")
+    r = call(env, "POST", SUBMIT, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
 def test_huge_body_is_refused_before_parsing(env: Env) -> None:
     r = call(
         env,

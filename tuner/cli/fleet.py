@@ -20,6 +20,7 @@ from tuner.core.device import fingerprint
 from tuner.fleet.client import (
     TIMEOUT_S,
     FleetClient,
+    FleetError,
     PushResult,
     check_artifacts,
     fetch_host_artifacts,
@@ -259,9 +260,16 @@ def sync(
     """Pull the served winners of this device class into the local cache (incremental)."""
     fp = fingerprint()
     client = _client(server, token, timeout)
+    refused = None
     with client, open_store(cache) as store, fleet_service(client.server):
         if push_first:
-            _report_push(push(client, store, fp))
+            try:
+                _report_push(push(client, store, fp))
+            except FleetError as e:  # a token of scope read: the pull still comes
+                if e.status != 403:
+                    raise
+                refused = e
+                console.print(f"[yellow]push refused[/yellow]: {e}; pulling anyway")
         r = pull(client, store, fp, full=full)
         console.print(
             f"pulled {counted(r.winners, 'winner')} for {fp.device_class} in "
@@ -283,6 +291,8 @@ def sync(
                     else "the kernel store cannot be opened"
                 )
             )
+    if refused is not None:  # the pull is done; the command still failed at what it was asked
+        raise typer.Exit(FAILED)
 
 
 @app.command("push")
