@@ -41,7 +41,7 @@ def test_a_schema_4_file_logs_the_winners_it_serves_and_whole_from_its_counter(t
     path = tmp_path / "fleet.db"
     schema_4_file(path)
     with FleetStore(path) as s:
-        assert s.schema_version() == FLEET.version == 5
+        assert s.schema_version() == FLEET.version == 6
         assert s.served_at(DC, 3) == {
             "seq": 3, "served": {"key": "k1", "versions": V, "updated_at": 30.0}, "log_from": 3
         }  # fmt: skip

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from tuner.cache.artifacts import ArtifactStore, default_root
 from tuner.cli.errors import FAILED, fleet_service
-from tuner.cli.options import CacheOpt, open_store
+from tuner.cli.options import CacheOpt, cache_path, open_store
 from tuner.core.console import counted, output_console
 from tuner.core.device import fingerprint
 from tuner.fleet.client import (
@@ -311,8 +311,13 @@ def push_command(
 ) -> None:
     """Send local measurements not sent yet, and the misses recorded here, to the service."""
     client = _client(server, token, timeout)
-    with client, open_store(cache, existing=True) as store, fleet_service(client.server):
-        _report_push(push(client, store, fingerprint()))
+    has_results = cache_path(cache).exists() or not artifacts  # else a missing cache is refused
+    with client, contextlib.ExitStack() as stack, fleet_service(client.server):
+        if has_results:
+            store = stack.enter_context(open_store(cache, existing=True))
+            _report_push(push(client, store, fingerprint()))
+        else:  # a builder publishing kernels needs no results cache
+            console.print(f"no results pushed: no cache at {cache_path(cache)}")
         if artifacts:
             with ArtifactStore() as kernels:
                 a = push_artifacts(client, kernels)
