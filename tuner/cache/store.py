@@ -324,10 +324,26 @@ class Store(DeviceFile):
         """Move to ``scope`` the positions and miss reports kept under any scope that ends with
         ``marker`` (the same service under another name: an older release kept them under the
         URL it was reached by, then ``#<service id>``). Where two names meet, the further
-        position and the larger report stay. Returns how many moved."""
+        position and the larger report stay. Returns how many moved (read first: a sync with
+        nothing to move writes nothing)."""
+        old_names = self.db.conn.execute(
+            "select 1 from sync_state where instr(name, ?) > 0", (marker,)
+        ).fetchone()
+        scoped = "service" in self.db["reported_misses"].columns_dict  # (a read-only old file)
+        old_reports = (
+            scoped
+            and self.db.conn.execute(
+                "select 1 from reported_misses where service != ? and substr(service, -?) = ?",
+                (scope, len(marker), marker),
+            ).fetchone()
+        )
+        if not (old_names or old_reports):
+            return 0
         with self.transaction() as c:
             moved: dict[str, tuple[int, str | None]] = {}
-            for name, value, mark in c.execute("select name, value, mark from sync_state"):
+            for name, value, mark in c.execute(
+                "select name, value, mark from sync_state"
+            ).fetchall():
                 kind, _, rest = name.partition(":")
                 at = rest.find(marker)
                 end = at + len(marker)
