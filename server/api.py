@@ -54,6 +54,7 @@ ERRORS: dict[int | str, dict] = {
         (404, "unknown device class, key, lease or nothing pending"),
         (409, "the lease was already completed"),
         (413, "request body too large"),
+        (415, "a body sent without a JSON Content-Type"),
     )
 }
 log = logging.getLogger("tuner.server")
