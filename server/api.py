@@ -38,6 +38,7 @@ from server.models import (
     ServedOut,
     SubmitIn,
     SubmitOut,
+    TokenOut,
     ValidationOut,
     Versions,
     WinnerOut,
@@ -254,6 +255,14 @@ def _ingest(
     m.winner_changes.inc(len(out.served))
     m.pending.inc(len(out.pending))
     return out
+
+
+@router.get("/token", response_model=TokenOut)
+def token_info(token: Reporter) -> TokenOut:
+    """The token this request presents: what it may do, before a host has anything to send
+    with it (a token is needed even where reads are open)."""
+    allows = [s for s in tokens.SCOPES if token.allows(s)]
+    return TokenOut(id=token.id, name=token.name, scopes=list(token.scopes), allows=allows)
 
 
 @router.post("/measurements", response_model=SubmitOut)

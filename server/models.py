@@ -62,6 +62,13 @@ class ErrorOut(BaseModel):
     detail: str
 
 
+class TokenOut(BaseModel):
+    id: str = Field(description="the token's public id")
+    name: str
+    scopes: list[str] = Field(description="as granted")
+    allows: list[str] = Field(description="every scope it may use (each includes the previous)")
+
+
 class ValidationOut(BaseModel):
     detail: list[dict[str, Any]] = Field(description="pydantic's errors: loc, msg, type, input")
     message: str = Field(description="the first errors as one readable line")

@@ -80,7 +80,18 @@ def test_token_scopes_are_enforced_and_revocation_is_listed(
     writer = new_token(served, "writer-host", "submit")
     tuned_cache(tmp_path / "a.db", 12)
     refused = cli("push", "--server", served.url, "--token", reader, cache=tmp_path / "a.db")
-    assert refused.exit_code == 1 and "HTTP 403" in refused.output  # read cannot submit
+    assert refused.exit_code == 1  # read cannot submit
+    assert "token " in refused.output and "has scopes ['read']; this needs 'submit'" in (
+        refused.output
+    )
+    with Store(tmp_path / "empty.db"):  # nothing to send: the scope is checked all the same
+        pass
+    for args, needs in ((), "'submit'"), (("--artifacts",), "'build'"):
+        refused = cli("push", *args, "--server", served.url, "--token", reader,
+                      cache=tmp_path / "empty.db")  # fmt: skip
+        assert refused.exit_code == 1 and f"this needs {needs}" in refused.output, refused.output
+    anonymous = cli("push", "--server", served.url, cache=tmp_path / "empty.db", TUNER_TOKEN="")
+    assert anonymous.exit_code == 1 and "pass --token or set TUNER_TOKEN" in anonymous.output
     pushed = cli("push", "--server", served.url, "--token", writer, cache=tmp_path / "a.db")
     assert pushed.exit_code == 0, pushed.output
     # sync --push with a read token: the push is refused, the pull still comes, the exit is 1

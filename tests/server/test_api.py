@@ -316,6 +316,15 @@ def test_open_reads_leave_every_write_needing_a_token(tmp_path: Path) -> None:
             assert r.status_code == 401, (method, path, r.status_code, r.text)
 
 
+def test_a_token_says_what_it_may_do_even_where_reads_are_open(tmp_path: Path) -> None:
+    with ThreadServer(tmp_path / "fleet.db", open_reads=True) as srv:
+        token = srv.token("builder-1", "build")
+        r = httpx.get(srv.url + "/v1/token", headers={"Authorization": f"Bearer {token}"})
+        assert r.json() == {"id": token.split("_")[1], "name": "builder-1", "scopes": ["build"],
+                            "allows": ["read", "submit", "build"]}  # fmt: skip
+        assert httpx.get(srv.url + "/v1/token").status_code == 401
+
+
 def test_a_tokens_voice_is_its_recent_results(fleet: ThreadServer) -> None:
     key = f32(88)
     a = fleet.client("host-a", "submit")

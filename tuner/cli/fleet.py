@@ -313,6 +313,7 @@ def push_command(
     client = _client(server, token, timeout)
     has_results = cache_path(cache).exists() or not artifacts  # else a missing cache is refused
     with client, contextlib.ExitStack() as stack, fleet_service(client.server):
+        client.require_scope("build" if artifacts else "submit")  # also with nothing to send
         if has_results:
             store = stack.enter_context(open_store(cache, existing=True))
             _report_push(push(client, store, fingerprint()))

@@ -255,6 +255,26 @@ class FleetClient:
             self.service_health()
         return True
 
+    def require_scope(self, scope: str) -> None:
+        """FleetError (403) unless this client's token may use ``scope``: checked before there
+        is anything to send, so a token of the wrong scope is found out at once. A service too
+        old to say (no such route) is left to refuse the request itself."""
+        if "Authorization" not in self.http.headers:
+            raise FleetError(f"this needs a token of scope {scope!r}: pass --token or set "
+                             "TUNER_TOKEN", 401)  # fmt: skip
+        try:
+            token = self.request("GET", "/v1/token")
+        except FleetError as e:
+            if e.status in (404, 405):
+                return
+            raise
+        if scope not in token["allows"]:
+            raise FleetError(
+                f"token {token['id']} ({token['name']}) has scopes {token['scopes']}; this "
+                f"needs {scope!r} (tuner token create --scope {scope})",
+                403,
+            )
+
     def winner(self, device_class: str, key: str, versions: str | None = None) -> dict | None:
         params = {"key": key} | ({"versions": versions} if versions is not None else {})
         try:
