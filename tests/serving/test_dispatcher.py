@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -384,9 +385,11 @@ def test_sdpa_names_the_argument_it_cannot_take(tmp_path, monkeypatch):
         TypeError, match=r"^sdpa\(\): q, k and v must be torch tensors .*q: NoneType"
     ):
         dispatch_module.sdpa(None, q, q)
-    with pytest.raises(ValueError, match=r"^causal must be a bool or one of .*, got \[1\]$"):
-        dispatch_module.sdpa(q, q, q, causal=[1])
-    with pytest.raises(ValueError, match=r"^scale must be a number or None, got \[1\]$"):
+    for causal in ([1], 1, None):  # another type: a TypeError, as torch's is_causal gives
+        got = re.escape(repr(causal))
+        with pytest.raises(TypeError, match=rf"^causal must be a bool or one of .*, got {got}$"):
+            dispatch_module.sdpa(q, q, q, causal=causal)
+    with pytest.raises(TypeError, match=r"^scale must be a number or None, got \[1\]$"):
         dispatch_module.sdpa(q, q, q, scale=[1])
 
 

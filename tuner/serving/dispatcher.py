@@ -70,11 +70,13 @@ def _sdpa_sig(q: Any, k: Any, v: Any, causal: bool | str, scale: float | None) -
 
 
 def _causal_mode(causal: Any) -> str:
-    """The SdpaKey causal mode ``causal`` asks for, or a ValueError naming what is allowed."""
+    """The SdpaKey causal mode ``causal`` asks for; an error naming what is allowed: a
+    TypeError for another type (as torch's ``is_causal`` refuses one), else a ValueError."""
     mode = CAUSAL.get(causal) if isinstance(causal, (bool, str)) else None
     if mode is None:
         words = ", ".join(repr(w) for w in CAUSAL if isinstance(w, str))
-        raise ValueError(f"causal must be a bool or one of {words}, got {causal!r}")
+        error = ValueError if isinstance(causal, str) else TypeError
+        raise error(f"causal must be a bool or one of {words}, got {causal!r}")
     return mode
 
 
@@ -341,7 +343,7 @@ class Dispatcher:
             hot = self._hot.get(sig)
         except TypeError:  # an unhashable causal or scale: named, else torch's own error
             _causal_mode(causal)
-            raise ValueError(f"scale must be a number or None, got {scale!r}") from None
+            raise TypeError(f"scale must be a number or None, got {scale!r}") from None
         return hot or self._resolve_sdpa(sig, q, k, v, causal, scale)
 
     # --- resolution (first call of a signature) -------------------------------------------------
