@@ -183,7 +183,8 @@ def test_a_malformed_server_url_is_one_error_line(tmp_path: Path) -> None:
 def test_push_to_a_closed_port_fails_in_one_line(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     tuned_cache(tmp_path / "c.db", 4)
-    done = tuner_process("push", "--server", url, TUNER_CACHE=str(tmp_path / "c.db"))
+    done = tuner_process("push", "--server", url, "--token", "tnr_0123456789ab_x",
+                         TUNER_CACHE=str(tmp_path / "c.db"))  # fmt: skip
     assert done.returncode == 1
     assert f"error: fleet service {url}: unreachable: " in done.stderr  # the URL said once
     assert "Traceback" not in done.stderr
