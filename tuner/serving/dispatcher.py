@@ -333,11 +333,6 @@ class Dispatcher:
     def resolve_sdpa(
         self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
     ) -> tuple[Runner, Resolution]:
-        if isinstance(scale, torch.Tensor):  # torch takes a 0-d tensor; signatures holding one
-            # would be told apart by identity, one more per call: torch serves it, unremembered
-            mode = _causal_mode(causal)
-            return _torch_sdpa(mode, scale), Resolution("untunable: scale is a tensor",
-                                                        "untunable", "torch")  # fmt: skip
         sig = _sdpa_sig(q, k, v, causal, scale)
         try:
             hot = self._hot.get(sig)
@@ -357,6 +352,10 @@ class Dispatcher:
         self, sig: tuple, q: Any, k: Any, v: Any, causal: bool | str, scale: float | None
     ) -> tuple[Runner, Resolution]:
         mode = _causal_mode(causal)
+        if isinstance(scale, torch.Tensor):  # torch takes a 0-d tensor; signatures holding one
+            # would be told apart by identity, one more per call: torch serves it, unremembered
+            return _torch_sdpa(mode, scale), Resolution("untunable: scale is a tensor",
+                                                        "untunable", "torch")  # fmt: skip
         return self._resolve(
             sig, lambda: SdpaKey.from_tensors(q, k, v, causal=mode, scale=scale), q.device,
             _torch_sdpa(mode, scale), grad=sig[-1],
