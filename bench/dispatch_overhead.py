@@ -7,7 +7,7 @@ cost shows); each figure is the best of several interleaved rounds of N calls, p
 kept too). On the GPU the
 calls are eager launches and the loops end with a synchronize. Target: <= 5 us per call.
 
-Beside ``tuner.matmul``: ``tuner.scaled_mm`` (FP8 rowwise) and ``tuner.int4_linear`` (torch's
+Beside ``tuner.matmul``: ``tuner.sdpa`` (bf16 on a GPU, causal), ``tuner.scaled_mm`` (FP8 rowwise) and ``tuner.int4_linear`` (torch's
 packed INT4, group 128), each against the runner it resolved to. On a CPU their runners are
 torch's CPU ops, whose time grows fast with the shape (FP8 takes milliseconds at 1 x 128 x 256),
 so their shapes are small.
@@ -32,6 +32,7 @@ from tuner.serving.dispatcher import Dispatcher
 from tuner.tuning.engine import current_device
 
 SHAPES = [(1, 64, 64), (8, 128, 128)]
+SDPA_SHAPE = (1, 8, 16, 64)  # (batch, heads, seq, head_dim): a decode-sized call
 FP8_SHAPE = (1, 16, 16)  # (M, N, K)
 INT4_SHAPE = (1, 128, 256)
 
@@ -89,6 +90,16 @@ def gemm_rows(dispatcher: Dispatcher, device: str, args, sync) -> list[dict[str,
     return rows
 
 
+def sdpa_rows(dispatcher: Dispatcher, device: str, args, sync) -> list[dict[str, Any]]:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    b, h, s, d = SDPA_SHAPE
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(3))
+    run, res = dispatcher.resolve_sdpa(q, k, v, causal=True)
+    return [timed_row(f"sdpa {res.key}", res.candidate,
+                      lambda: dispatcher.sdpa(q, k, v, causal=True),
+                      lambda: run(q, k, v), args, sync)]  # fmt: skip
+
+
 def lowbit_rows(dispatcher: Dispatcher, device: str, args, sync) -> list[dict[str, Any]]:
     m, n, k = FP8_SHAPE
     a8, scale_a = fp8.quantize_rowwise(torch.randn(m, k, device=device))
@@ -122,9 +133,11 @@ def main() -> None:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     with tempfile.TemporaryDirectory() as tmp:
         dispatcher = Dispatcher(Path(tmp) / "c.db", mode="lookup")
-        rows = gemm_rows(dispatcher, device, args, sync) + lowbit_rows(
-            dispatcher, device, args, sync
-        )
+        rows = [
+            row
+            for make_rows in (gemm_rows, sdpa_rows, lowbit_rows)
+            for row in make_rows(dispatcher, device, args, sync)
+        ]
     from tuner.core.device import fingerprint
 
     result = {
