@@ -56,6 +56,7 @@ ERRORS: dict[int | str, dict] = {
         (409, "the lease was already completed"),
         (413, "request body too large"),
         (415, "a body sent without a JSON Content-Type"),
+        (503, "the service is stopping: nothing of this request was stored; send it again"),
     )
 }
 log = logging.getLogger("tuner.server")

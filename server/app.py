@@ -31,6 +31,7 @@ from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics, MetricsMiddleware
 from server.results import Policy
 from server.schema import FLEET
+from server.shutdown import StopMiddleware, Stops
 from tuner.version import __version__
 
 log = logging.getLogger("tuner.server")
@@ -67,10 +68,12 @@ def create_app(settings: Settings) -> FastAPI:
     db = FleetDB(settings.db)
     service_id = db.store().service_id()
     metrics = Metrics()
+    stops = Stops()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        await stops.drain()  # requests a stop cut settle their transactions first
         db.close()
 
     app = FastAPI(
@@ -167,6 +170,7 @@ def create_app(settings: Settings) -> FastAPI:
         max_bytes=settings.max_body_bytes,
         streamed=(artifacts.BLOBS, settings.max_artifact_bytes),
     )
+    app.add_middleware(StopMiddleware, stops=stops)  # inside the metrics: they count its answers
     app.add_middleware(
         MetricsMiddleware, metrics=metrics, paths=lambda: list(app.openapi()["paths"])
     )

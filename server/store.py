@@ -10,11 +10,14 @@ through sqlite-utils costs more than the queries.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+from server import shutdown
 from server.schema import FLEET
 from tuner.cache.store import DeviceFile
 from tuner.core.keys import key_op
@@ -42,6 +45,16 @@ def _winner(row: dict[str, Any]) -> dict[str, Any]:
 
 class FleetStore(DeviceFile):
     schema = FLEET
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """The base's transaction, reported to this request's ledger: once a stop has cut the
+        request, it begins none and rolls back the one it is in (``server.shutdown``), so a cut
+        request's answer can say what was stored."""
+        book = shutdown.ledger()
+        with book.transaction(), super().transaction() as c:
+            yield c
+            book.may_commit()
 
     def service_id(self) -> str:
         """The id made with this file: hosts key their sync positions by it."""

@@ -97,7 +97,8 @@ def serve(
         float,
         typer.Option(
             help="Seconds a stop (SIGTERM, Ctrl-C) waits for requests in flight before it "
-            "closes them.",
+            "cuts them (answered 503 where nothing was stored; a write being committed gets "
+            "5 s more to commit or roll back whole).",
             min=0,
         ),
     ] = 30.0,
