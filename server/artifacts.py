@@ -32,6 +32,7 @@ from server.models import (
     ArtifactLookupOut,
     ArtifactSpecIn,
     ConflictOut,
+    ErrorOut,
     PublishOut,
 )
 from server.tokens import Token
@@ -77,6 +78,7 @@ def _parse_spec(text: str) -> dict[str, str]:
 @router.put(
     "/blobs/{digest}",
     response_model=PublishOut,
+    responses={507: {"model": ErrorOut, "description": "the artifacts folder cannot take it"}},
     openapi_extra={
         "requestBody": {
             "required": True,

@@ -17,12 +17,14 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import BinaryIO
 
 from tuner.core.atomic import fsync_dir
 
 
 class BlobError(Exception):
-    """An upload refused: ``status`` is the HTTP answer (413 too large, 422 hash mismatch)."""
+    """An upload refused: ``status`` is the HTTP answer (413 too large, 422 hash mismatch,
+    507 the folder cannot take it)."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
@@ -62,33 +64,50 @@ class BlobDir:
 
     async def receive(self, chunks: AsyncIterator[bytes], declared: str, max_bytes: int) -> int:
         """Store a streamed upload as blob ``declared``; its size. BlobError, and nothing
-        stored, if it exceeds ``max_bytes`` or its sha256 is not ``declared``."""
-        digest, size = hashlib.sha256(), 0
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{declared[:12]}.", suffix=".tmp")
+        stored, if it exceeds ``max_bytes``, its sha256 is not ``declared``, or the folder
+        cannot take it (gone, read-only, full: 507, said in one line, not a 500)."""
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{declared[:12]}.", suffix=".tmp")
+        except OSError as e:
+            raise self._cannot_store(e) from None
         try:
             with os.fdopen(fd, "wb") as f:
-                async for chunk in chunks:
-                    size += len(chunk)
-                    if size > max_bytes:
-                        raise BlobError(
-                            f"artifact too large: more than {max_bytes} bytes "
-                            "(the service's max_artifact_bytes)",
-                            413,
-                        )
-                    digest.update(chunk)
-                    f.write(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-            if size == 0:
-                raise BlobError("artifact body is empty", 422)
-            if digest.hexdigest() != declared:
-                raise BlobError(
-                    f"artifact body has sha256 {digest.hexdigest()}, declared {declared}; "
-                    "nothing stored",
-                    422,
-                )
+                size = await _write_checked(f, chunks, declared, max_bytes)
             os.replace(tmp, self.path(declared))
             fsync_dir(self.root)
+        except OSError as e:
+            raise self._cannot_store(e) from None
         finally:
             Path(tmp).unlink(missing_ok=True)
         return size
+
+    def _cannot_store(self, e: OSError) -> BlobError:
+        return BlobError(f"the service cannot store artifacts in {self.root}: {e.strerror}", 507)
+
+
+async def _write_checked(
+    f: BinaryIO, chunks: AsyncIterator[bytes], declared: str, max_bytes: int
+) -> int:
+    """Write the upload to ``f`` (flushed to disk) while hashing it; its size, or BlobError
+    if it is too large, empty or not the bytes ``declared`` names."""
+    digest, size = hashlib.sha256(), 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > max_bytes:
+            raise BlobError(
+                f"artifact too large: more than {max_bytes} bytes (the service's "
+                "max_artifact_bytes)",
+                413,
+            )
+        digest.update(chunk)
+        f.write(chunk)
+    f.flush()
+    os.fsync(f.fileno())
+    if size == 0:
+        raise BlobError("artifact body is empty", 422)
+    if digest.hexdigest() != declared:
+        raise BlobError(
+            f"artifact body has sha256 {digest.hexdigest()}, declared {declared}; nothing stored",
+            422,
+        )
+    return size

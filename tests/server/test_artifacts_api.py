@@ -160,3 +160,21 @@ def test_a_release_fleet_database_takes_artifacts(tmp_path: Path) -> None:
     with FleetStore(db) as store:
         assert [t["name"] for t in store.tokens()] == ["admin", "host-a", "reader", "builder"]
         assert store.served_count() == 2
+
+
+def test_an_artifacts_folder_that_cannot_take_an_upload_gets_507_in_one_line(
+    fleet: ThreadServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The folder removed under the running service (an unmounted volume, a clean-up): the
+    publisher is told why, the log has one line and no traceback, the database records nothing."""
+    token = fleet.token("builder", "build")
+    shutil.rmtree(default_dir(fleet.db))
+    r = put(fleet, token, sha256(DATA), DATA, SPEC.to_json())
+    assert r.status_code == 507, r.text
+    assert r.json()["detail"] == (
+        f"the service cannot store artifacts in {default_dir(fleet.db)}: No such file or directory"
+    )
+    said = [rec for rec in caplog.records if rec.name == "tuner.server"]
+    assert [rec.exc_info for rec in said] == [None] and "refused PUT" in said[0].getMessage()
+    with fleet.client("reader", "read") as c:
+        assert c.artifact_lookup([SPEC.id])["missing"] == [SPEC.id]
