@@ -65,6 +65,7 @@ def _short_input(error: dict[str, Any]) -> dict[str, Any]:
 
 
 def create_app(settings: Settings) -> FastAPI:
+    blobs = BlobDir(settings.artifacts_dir or default_dir(settings.db))  # before a db is made
     db = FleetDB(settings.db)
     service_id = db.store().service_id()
     metrics = Metrics()
@@ -86,7 +87,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.db = db
     app.state.metrics = metrics
     app.state.policy = Policy(settings.confirm_margin, settings.min_noise)
-    app.state.blobs = BlobDir(settings.artifacts_dir or default_dir(settings.db))
+    app.state.blobs = blobs
 
     def scrape() -> Iterator[GaugeMetricFamily]:
         store = db.store()

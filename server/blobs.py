@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import BinaryIO
 
+from tuner.cache.sqlite import StoreError
 from tuner.core.atomic import fsync_dir
 
 
@@ -41,8 +42,12 @@ STALE_UPLOAD_S = 3600.0  # a temporary upload file untouched this long is left f
 
 class BlobDir:
     def __init__(self, root: Path) -> None:
+        """StoreError (one line from ``tuner serve``) if the folder cannot be made."""
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"artifacts folder {root}: cannot make it: {e.strerror}") from None
         self.remove_stale_uploads()
 
     def remove_stale_uploads(self, older_than_s: float = STALE_UPLOAD_S) -> int:

@@ -320,3 +320,15 @@ def test_a_token_revoked_by_its_whole_string_is_named_by_its_id_alone(tmp_path: 
     again = tuner_process("token", "revoke", whole, "--db", str(tmp_path / "fleet.db"))
     assert again.returncode != 0 and f"token '{tok.id}' was already revoked" in again.stderr
     assert whole.rpartition("_")[2] not in again.stderr + again.stdout
+
+
+def test_serve_names_an_artifacts_folder_it_cannot_make(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a folder")
+    folder = tmp_path / "a-file" / "blobs"
+    done = tuner_process(
+        "serve", "--db", str(tmp_path / "a.db"), "--artifacts-dir", str(folder),
+        "--port", str(free_port()),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"error: artifacts folder {folder}: cannot make it: Not a directory\n"
+    assert not (tmp_path / "a.db").exists()  # nothing made for a service that cannot start
