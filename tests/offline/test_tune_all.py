@@ -146,7 +146,8 @@ def test_tensor_parallel_shards_heads_and_ffn():
         ),
         (
             {"attention": {"decode": {"batch_sizes": [1], "kv_len": [8]}}},
-            "attention.decode.kv_len: unknown field; allowed: ['batch_sizes', 'kv_lens']",
+            "attention.decode.kv_len: unknown field (did you mean 'kv_lens'?); allowed: "
+            "['batch_sizes', 'kv_lens']",
         ),
         ({"attention": None}, "attention.prefill is required when ops lists 'attn_prefill'"),
     ],
@@ -506,7 +507,7 @@ def test_an_abort_keeps_every_problem_a_worker_committed_before_it_was_killed(tm
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--model", "{bad}"), "m.yaml: intermediate_size: Field required"),
+        (("--model", "{bad}"), "m.yaml: missing fields: intermediate_size, num_heads,"),
         ((), "nothing to tune: give --model, --config, --tunableop, --misses or --queue"),
         (("--misses", "--op", "mlp"), "--op must be 'gemm' or 'sdpa', got 'mlp'"),
         (("--queue", "5"), "--queue needs the fleet service: set TUNER_SERVER"),

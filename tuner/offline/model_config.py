@@ -62,7 +62,7 @@ from tuner.core.keys import (
     leading_dims,
     lowbit_fields,
 )
-from tuner.offline.problem_list import ConfigError, read_yaml
+from tuner.offline.problem_list import ConfigError, close_match, read_yaml, with_guess
 
 GEMM_OPS = ("qkv", "o", "gate_up", "down")
 Op = Literal["qkv", "o", "gate_up", "down", "attn_prefill", "attn_decode"]
@@ -252,18 +252,55 @@ _PLACES: dict[tuple[str, ...], type[BaseModel]] = {
 }
 
 
+def _misspelt(errors: list[Any]) -> dict[tuple[Any, ...], str]:
+    """Each unknown field's likely intended name (``close_match`` among the fields allowed at its
+    place), by the unknown field's location."""
+    guesses = {}
+    for e in errors:
+        place = _PLACES.get(tuple(map(str, e["loc"][:-1])))
+        if e["type"] == "extra_forbidden" and place is not None:
+            guess = close_match(str(e["loc"][-1]), list(place.model_fields))
+            if guess is not None:
+                guesses[tuple(e["loc"])] = guess
+    return guesses
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
+def _field_group(kind: str, place: tuple[Any, ...], names: list[tuple[str, str | None]]) -> str:
+    """One line for every field of one kind (missing, unknown) at one place: a file of another
+    format (a Hugging Face config.json) reads as two lines, not one per field."""
+    allowed = _PLACES.get(tuple(map(str, place)))
+    tail = f"; allowed: {sorted(allowed.model_fields)}" if kind == "unknown" and allowed else ""
+    if len(names) == 1:
+        ((name, guess),) = names
+        what = "Field required" if kind == "missing" else "unknown field"
+        return f"{_dotted((*place, name))}: {with_guess(what, guess)}{tail}"
+    at = f"{_dotted(place)}: " if place else ""
+    return f"{at}{kind} fields: {', '.join(with_guess(*n) for n in names)}{tail}"
+
+
 def format_errors(path: Path | str, err: ValidationError) -> str:
+    """The errors of a model config, a line each, but every missing field at one place on one
+    line and every unknown one on another; an unknown field close to an allowed one says which
+    (a misspelt required field is one mistake: not also reported missing)."""
+    errors = err.errors()
+    guesses = _misspelt(errors)
+    meant = {(*loc[:-1], guess) for loc, guess in guesses.items()}
+    groups: dict[tuple[str, tuple[Any, ...]], list[tuple[str, str | None]]] = {}
     lines = []
-    for e in err.errors():
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".")
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            place = _PLACES.get(tuple(map(str, e["loc"][:-1])))
-            msg = "unknown field" + (f"; allowed: {sorted(place.model_fields)}" if place else "")
-        elif e["type"] != "missing" and e["loc"]:
-            msg += f" (got {e['input']!r})"
-        lines.append(f"{path}: {loc}: {msg}" if loc else f"{path}: {msg}")
-    return "\n".join(lines)
+    for e in errors:
+        loc = tuple(e["loc"])
+        if e["type"] in ("missing", "extra_forbidden") and loc not in meant:
+            kind = "missing" if e["type"] == "missing" else "unknown"
+            groups.setdefault((kind, loc[:-1]), []).append((str(loc[-1]), guesses.get(loc)))
+        elif e["type"] != "missing":
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{_dotted(loc)}: {msg} (got {e['input']!r})" if loc else msg)
+    lines += [_field_group(kind, place, names) for (kind, place), names in groups.items()]
+    return "\n".join(f"{path}: {line}" for line in lines)
 
 
 def parse_model(data: Any, path: Path | str = "<model>", only: str | None = None) -> ModelConfig:

@@ -14,6 +14,8 @@ every bad entry and its field.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from tuner.core.keys import (
     FP8,
     FP8_SCALES,
     ITEMSIZE,
+    KEY_TYPES,
     LOWBIT_FORMAT_NAMES,
     Key,
     default_align,
@@ -39,6 +42,31 @@ MAX_NAMED = 20  # bad entries named in one error
 
 class ConfigError(ValueError):
     """A config file that cannot be used; the message names file, entry and field."""
+
+
+def close_match(name: str, allowed: list[str]) -> str | None:
+    """The allowed name ``name`` most likely misspells, if one is close: a typo's error then says
+    what was meant instead of leaving the reader to scan the whole list."""
+    return next(iter(difflib.get_close_matches(name, allowed, n=1, cutoff=0.75)), None)
+
+
+def with_guess(name: str, guess: str | None) -> str:
+    return f"{name} (did you mean {guess!r}?)" if guess else name
+
+
+def _check_known(op: str, fields: dict[str, Any]) -> None:
+    """ValueError naming the fields an ``op`` entry does not take, each with the field it likely
+    misspells, and the allowed ones (an unknown ``op`` is named by ``key_from_dict``)."""
+    if not isinstance(op, str) or op not in KEY_TYPES:
+        return
+    allowed = [f.name for f in dataclasses.fields(KEY_TYPES[op])]
+    unknown = [
+        with_guess(name, close_match(name, allowed)) for name in fields if name not in allowed
+    ]
+    if unknown:
+        raise ValueError(
+            f"unknown field(s) {', '.join(unknown)} for {op}; allowed: {sorted(allowed)}"
+        )
 
 
 def parse_problem(entry: Any, where: str) -> Key:
@@ -59,6 +87,7 @@ def _key_of_fields(fields: dict[str, Any]) -> Key:
     op = fields.pop("op", None)
     if op is None:
         raise ValueError("missing field 'op' (gemm or sdpa)")
+    _check_known(op, fields)
     if op == "gemm" and "dtype" in fields:
         if _names_lowbit(fields["dtype"]):
             fields = with_lowbit_fields(fields)

@@ -1,0 +1,82 @@
+"""A mistake in a model config or a problem list, as ``tuner tune-all`` reports it: through the
+real command line (``tuner.cli.main.main``), one ``error:`` line per mistake, exit status 2, and
+no cache file made."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tuner.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = ROOT / "configs" / "models" / "llama-3-8b.yaml"
+
+
+@pytest.fixture
+def tune_all(tmp_path, monkeypatch, capsys):
+    """Run ``tuner tune-all ARGS --cache <tmp>/c.db``: (exit status, stderr lines, cache made)."""
+    cache = tmp_path / "c.db"
+    monkeypatch.setenv("COLUMNS", "400")  # no wrapped lines
+
+    def run(*args: str) -> tuple[int, list[str], bool]:
+        monkeypatch.setattr(sys, "argv", ["tuner", "tune-all", *args, "--cache", str(cache)])
+        with pytest.raises(SystemExit) as exit_:
+            main.main()
+        return exit_.value.code, capsys.readouterr().err.splitlines(), cache.exists()
+
+    return run
+
+
+def _llama_with(tmp_path: Path, **change: object) -> Path:
+    data = yaml.safe_load(LLAMA.read_text())
+    for old, new in change.items():
+        data[new] = data.pop(old)
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_a_misspelt_model_field_is_one_line_naming_the_field_meant(tmp_path, tune_all):
+    path = _llama_with(tmp_path, hidden_size="hiden_size")
+    code, err, made = tune_all("--model", str(path))
+    assert (code, made) == (2, False)
+    assert len(err) == 1, err  # not also "hidden_size: Field required"
+    assert err[0].startswith(
+        f"error: {path}: hiden_size: unknown field (did you mean 'hidden_size'?); allowed: ["
+    )
+
+
+def test_a_hugging_face_config_json_reads_as_one_line_per_kind_of_mistake(tmp_path, tune_all):
+    hf = tmp_path / "config.json"
+    hf.write_text(
+        '{"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, '
+        '"num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 128256}'
+    )
+    code, err, made = tune_all("--model", str(hf))
+    assert (code, made) == (2, False)
+    assert err == [
+        f"error: {hf}: missing fields: name, num_heads, head_dim, dtypes, ops",
+        f"{hf}: unknown fields: num_attention_heads, num_key_value_heads (did you mean "
+        "'num_kv_heads'?), num_hidden_layers, vocab_size; allowed: ['attention', 'dtypes', "
+        "'head_dim', 'hidden_size', 'intermediate_size', 'layout', 'm_sizes', 'name', "
+        "'num_heads', 'num_kv_heads', 'ops', 'source', 'tp']",
+    ]
+
+
+def test_a_misspelt_problem_field_names_the_field_meant(tmp_path, tune_all):
+    listed = tmp_path / "list.yaml"
+    listed.write_text(
+        "problems:\n  - {op: sdpa, batch: 1, q_heads: 8, kv_head: 2, q_len: 4, kv_len: 4, "
+        "head_dim: 16, dtype: f32, casual: top_left}\n"
+    )
+    code, err, made = tune_all("--config", str(listed))
+    assert (code, made) == (2, False)
+    assert len(err) == 1
+    assert err[0].startswith(
+        f"error: {listed}: problems[0]: unknown field(s) kv_head (did you mean 'kv_heads'?), "
+        "casual (did you mean 'causal'?) for sdpa; allowed: ["
+    )
