@@ -80,3 +80,11 @@ def test_a_misspelt_problem_field_names_the_field_meant(tmp_path, tune_all):
         f"error: {listed}: problems[0]: unknown field(s) kv_head (did you mean 'kv_heads'?), "
         "casual (did you mean 'causal'?) for sdpa; allowed: ["
     )
+
+
+def test_an_empty_problem_list_is_refused_not_an_empty_successful_run(tmp_path, tune_all):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("# shapes to come\nproblems: []\n")
+    code, err, made = tune_all("--config", str(listed))
+    assert (code, made) == (2, False)
+    assert err == [f"error: {listed}: the 'problems:' list is empty: list at least one problem"]

@@ -171,6 +171,8 @@ def load_problems(path: str | Path) -> list[Key]:
     data = read_yaml(path)
     if not isinstance(data, dict) or not isinstance(data.get("problems"), list):
         raise ConfigError(f"{path}: expected a top-level 'problems:' list")
+    if not data["problems"]:  # a run that tunes nothing and says it did all would hide the slip
+        raise ConfigError(f"{path}: the 'problems:' list is empty: list at least one problem")
     keys, errors = [], []
     for i, entry in enumerate(data["problems"]):
         try:
