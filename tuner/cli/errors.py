@@ -75,7 +75,8 @@ def report_usage_errors() -> Iterator[None]:
     except CLICK.ClickException as e:  # a file argument that cannot be opened, ...
         fail(e.format_message())
         sys.exit(e.exit_code)
-    except typer.Abort:
+    except typer.Abort as e:  # typer's word for an EOFError in the command: said, with it
+        fail(f"aborted: {e.__cause__}" if e.__cause__ else "aborted")
         sys.exit(FAILED)
     except (StoreError, ValueError) as e:
         fail(str(e))

@@ -1,0 +1,21 @@
+"""``report_usage_errors``: every way a command ends in error says why, in one line."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+
+from tuner.cli.errors import FAILED, report_usage_errors
+
+
+def test_an_abort_says_why_instead_of_ending_silently(capsys: pytest.CaptureFixture) -> None:
+    """typer turns an EOFError inside a command into an Abort: the command still says so."""
+    with pytest.raises(SystemExit) as ended, report_usage_errors():
+        try:
+            raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+        except EOFError as e:
+            raise typer.Abort() from e
+    assert ended.value.code == FAILED
+    assert capsys.readouterr().err == (
+        "error: aborted: Compressed file ended before the end-of-stream marker was reached\n"
+    )
