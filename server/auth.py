@@ -57,8 +57,10 @@ def authorize(request: Request, scope: str, *, write: bool = False) -> Token | N
 
 def _scheme(header: str) -> str:
     """What an Authorization header that is not a bearer token starts with (no credentials)."""
-    first = header.strip().partition(" ")[0]
-    return f"a {first!r} scheme" if " " in header.strip() else "a bare value (no 'Bearer ')"
+    first, space, _ = header.strip().partition(" ")
+    if first.lower() == "bearer":  # an empty variable after it (curl -H "...: Bearer $TOKEN")
+        return "'Bearer' with no token after it"
+    return f"a {first!r} scheme" if space else "a bare value (no 'Bearer ')"
 
 
 def require(scope: str, *, write: bool = False) -> Callable[..., Awaitable[Token | None]]:

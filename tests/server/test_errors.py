@@ -102,6 +102,7 @@ SUBMIT = "/v1/measurements"
         (None, {}, 401, "needs a bearer token with scope 'submit'"),
         (None, {"Authorization": "Basic dXNlcjpwdw=="}, 401, "got a 'Basic' scheme"),
         (None, {"Authorization": "tnr_0123456789ab_x"}, 401, "got a bare value (no 'Bearer ')"),
+        (None, {"Authorization": "Bearer"}, 401, "got 'Bearer' with no token after it"),
         (
             None,
             {"Authorization": "Bearer tnr_0123456789ab_wrong"},
