@@ -75,8 +75,8 @@ class Ledger:
                 self.writing -= 1
                 self.stored |= committed
 
-    def may_commit(self) -> None:
-        """Cut, unless the request was not cut: the last step before COMMIT."""
+    def raise_if_cut(self) -> None:
+        """The last step before COMMIT: a transaction of a request the stop has cut rolls back."""
         with self.lock:
             if self.cut:
                 raise Cut("the request was cut by the service's stop: rolled back")
@@ -134,13 +134,15 @@ class StopMiddleware:
             assert task is not None
             self.stops.answering.add(task)
             try:
-                outcome = await self._answer(book, answered, send)
+                outcome = await self._answer(book, answered, scope, receive, send)
             finally:
                 self.stops.answering.discard(task)
             log.warning("cut by the stop: %s %s after %.2f s; %s", scope["method"],
                         scope["path"], time.monotonic() - started, outcome)  # fmt: skip
 
-    async def _answer(self, book: Ledger, answered: bool, send: Send) -> str:
+    async def _answer(
+        self, book: Ledger, answered: bool, scope: Scope, receive: Receive, send: Send
+    ) -> str:
         """Answer a cut request; what was done, for the log line."""
         if book.cut_now():
             await _settled(book)
@@ -148,7 +150,7 @@ class StopMiddleware:
             return "connection closed mid-answer"
         status, detail = _verdict(book)
         try:
-            await JSONResponse({"detail": detail}, status)({"type": "http"}, _no_body, send)
+            await JSONResponse({"detail": detail}, status)(scope, receive, send)
         except asyncio.CancelledError:  # cancelled again: the event loop is closing
             return "connection closed unanswered"
         return f"answered {status}: {detail}"
@@ -167,7 +169,3 @@ async def _settled(book: Ledger) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         while book.writing and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-
-
-async def _no_body() -> Message:
-    return {"type": "http.disconnect"}

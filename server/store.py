@@ -54,7 +54,7 @@ class FleetStore(DeviceFile):
         book = shutdown.ledger()
         with book.transaction(), super().transaction() as c:
             yield c
-            book.may_commit()
+            book.raise_if_cut()
 
     def service_id(self) -> str:
         """The id made with this file: hosts key their sync positions by it."""
