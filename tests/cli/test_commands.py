@@ -236,6 +236,16 @@ def test_one_low_bit_problem_is_tuned_by_its_format_name_and_shown_by_it(tmp_pat
     assert r.returncode == 2 and "--dtype must be one of" in r.stderr and "int4-g32" in r.stderr
 
 
+def test_tf32_named_as_a_dtype_is_f32_on_the_tf32_path_as_in_model_configs(tmp_path):
+    cache = tmp_path / "c.db"
+    tuner("tune", "gemm", "-m", "4", "-n", "8", "-k", "8", "--dtype", "tf32", "--source", "torch",
+          "--budget", "0.01", cache=cache)  # fmt: skip
+    shown = json.loads(tuner("show", "--json", cache=cache).stdout)
+    assert [w["key"] for w in shown] == [
+        "gemm:m=4,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=tf32,align=16"
+    ]
+
+
 def test_a_dry_run_lists_what_it_would_tune_and_writes_nothing(tmp_path):
     cfg = tmp_path / "p.yaml"
     cfg.write_text("problems:\n  - {op: gemm, m: 8, n: 16, k: 16, dtype: f32}\n")

@@ -11,6 +11,8 @@ import pytest
 import yaml
 
 from tuner.cli import main
+from tuner.core.keys import GemmKey
+from tuner.offline.problem_list import ConfigError, load_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "configs" / "models" / "llama-3-8b.yaml"
@@ -88,3 +90,14 @@ def test_an_empty_problem_list_is_refused_not_an_empty_successful_run(tmp_path, 
     code, err, made = tune_all("--config", str(listed))
     assert (code, made) == (2, False)
     assert err == [f"error: {listed}: the 'problems:' list is empty: list at least one problem"]
+
+
+def test_a_listed_tf32_gemm_is_f32_on_the_tf32_path_as_in_model_configs(tmp_path):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: tf32}\n")
+    assert load_problems(listed) == [
+        GemmKey(m=4, n=8, k=8, layout="nn", dtype="f32", out_dtype="f32", compute="tf32", align=16)
+    ]
+    listed.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: tf32, compute: f32}\n")
+    with pytest.raises(ConfigError, match=r"problems\[0\]: compute='f32': dtype tf32 fixes"):
+        load_problems(listed)

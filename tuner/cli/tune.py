@@ -185,7 +185,8 @@ def tune_gemm(
     dtype: Annotated[
         str,
         typer.Option(
-            help="f16, bf16 or f32; or a low-bit format: int4-g128 (also g32, g64, g256), "
+            help="f16, bf16, f32 or tf32 (f32 on the TF32 path, as --tf32); or a low-bit "
+            "format: int4-g128 (also g32, g64, g256), "
             "fp8-rowwise, fp8-tensorwise, fp8-rowwise-fast, fp8-tensorwise-fast "
             "(x @ W.T: layout nt)."
         ),
@@ -229,6 +230,8 @@ def _gemm_key(
 ) -> GemmKey:  # fmt: skip
     """The key ``tune gemm`` tunes, a plain GEMM or a low-bit one named by its format, with the
     alignment as given, else the largest its dense operands allow (``default_align``)."""
+    if dtype == "tf32":  # as model configs and problem lists name it
+        dtype, tf32 = "f32", True
     if dtype in ITEMSIZE:
         fields: dict[str, Any] = dict(
             m=m, n=n, k=k, batch=batch, layout=layout or "nn", dtype=dtype, out_dtype=dtype,
@@ -239,7 +242,7 @@ def _gemm_key(
         fields = lowbit_fields(dtype)
     except ValueError:
         raise ValueError(
-            f"--dtype must be one of {list(ITEMSIZE)} or a low-bit format "
+            f"--dtype must be one of {[*ITEMSIZE, 'tf32']} or a low-bit format "
             f"({LOWBIT_FORMAT_NAMES}), got {dtype!r}"
         ) from None
     if layout not in (None, "nt"):

@@ -7,9 +7,10 @@
       - {op: gemm, m: 16, n: 4096, k: 4096, dtype: int4-g128}
       - key: "gemm:m=64,n=64,k=64,batch=1,layout=nn,dtype=f16,out_dtype=f16,compute=f32,align=16"
 
-For GEMMs ``out_dtype`` defaults to ``dtype``, ``align`` to the largest the shape allows, and ``dtype`` may name a low-bit format as model
-configs do (``int4-g128``, ``fp8-rowwise``, ...: its fields, layout ``nt``). Errors name
-every bad entry and its field.
+For GEMMs ``out_dtype`` defaults to ``dtype``, ``align`` to the largest the shape allows, and
+``dtype`` may name what model configs name: ``tf32`` (f32 on the TF32 path, as ``dtype: f32,
+compute: tf32``) or a low-bit format (``int4-g128``, ``fp8-rowwise``, ...: its fields, layout
+``nt``). Errors name every bad entry and its field.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def _key_of_fields(fields: dict[str, Any]) -> Key:
     if op is None:
         raise ValueError("missing field 'op' (gemm or sdpa)")
     _check_known(op, fields)
+    if op == "gemm" and fields.get("dtype") == "tf32":
+        fields = _tf32_fields(fields)
     if op == "gemm" and "dtype" in fields:
         if _names_lowbit(fields["dtype"]):
             fields = with_lowbit_fields(fields)
@@ -99,6 +102,14 @@ def _key_of_fields(fields: dict[str, Any]) -> Key:
     if op == "gemm" and "align" not in fields:
         fields["align"] = default_align(fields)
     return key_from_dict(op, fields)
+
+
+def _tf32_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """``dtype: tf32`` read as model configs read it: f32 operands on the TF32 path."""
+    if fields.get("compute", "tf32") != "tf32":
+        raise ValueError(f"compute={fields['compute']!r}: dtype tf32 fixes compute='tf32' "
+                         "(leave compute out, or give dtype f32)")  # fmt: skip
+    return {**fields, "dtype": "f32", "compute": "tf32"}
 
 
 def _names_lowbit(dtype: Any) -> bool:
@@ -121,7 +132,7 @@ def _check_fp8_fields(fields: dict[str, Any]) -> None:
 
 
 def _unknown_dtype(spec: Any) -> str:
-    return (f"dtype must be one of {sorted((*ITEMSIZE, *FP8))} or a low-bit format "
+    return (f"dtype must be one of {sorted((*ITEMSIZE, *FP8, 'tf32'))} or a low-bit format "
             f"({LOWBIT_FORMAT_NAMES}), got {spec!r}")  # fmt: skip
 
 
