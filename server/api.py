@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
 
-from server import queue, results, tokens
+from server import queue, results, shutdown, tokens
 from server.auth import authorize, require
 from server.models import (
     DEVICE_CLASS_RE,
@@ -56,7 +56,7 @@ ERRORS: dict[int | str, dict] = {
         (409, "the lease was already completed"),
         (413, "request body too large"),
         (415, "a body sent without a JSON Content-Type"),
-        (503, "the service is stopping: nothing of this request was stored; send it again"),
+        (503, shutdown.STOPPING),
     )
 }
 log = logging.getLogger("tuner.server")
