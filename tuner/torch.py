@@ -11,14 +11,14 @@
 dropout; no mask, ``is_causal`` or a ``CausalBias``), for plain f16/bf16/f32 tensors whose operands
 share a dtype; ``torch._scaled_mm`` (FP8, without bias or ``scale_result``) and torch's int4 GEMM
 (``aten._weight_int4pack_mm`` on CUDA, ``aten._weight_int4pack_mm_for_cpu``, as ``torch.ops.aten``
-and ``torch`` name them) through
-``tuner.scaled_mm`` / ``tuner.int4_linear``, whose checks name a bad operand by its argument in
-aten's schema (``self``, ``mat2``, ``scale_a``, ``scale_b``; ``qGroupSize``, ``qScaleAndZeros``)
-with an error that is both a ``ValueError`` and the ``RuntimeError`` torch would raise (a
-float16 ``self`` for CUDA's int4 op, scales on another device). Leading batch dims are folded like torch does
-(``x.reshape(-1, K)``; a copy only where torch copies too). Everything else (broadcast batches,
-``out=``, mixed dtypes, subclasses, masks, dropout) is left to torch untouched, and the dispatcher itself falls back to torch for layouts the
-tuner does not key (odd strides). Results are always those of a checked kernel or of torch.
+and ``torch`` name them) through ``tuner.scaled_mm`` / ``tuner.int4_linear``, whose checks name
+a bad operand by its argument in aten's schema (``self``, ``mat2``, ``scale_a``, ``scale_b``;
+``qGroupSize``, ``qScaleAndZeros``) with an error that is both a ``ValueError`` and the
+``RuntimeError`` torch would raise (a float16 ``self`` for CUDA's int4 op, scales on another
+device). Leading batch dims are folded like torch does (``x.reshape(-1, K)``; a copy only where
+torch copies too). Everything else (broadcast batches, ``out=``, mixed dtypes, subclasses, masks,
+dropout) is left to torch untouched, and the dispatcher itself falls back to torch for layouts
+the tuner does not key (odd strides). Results are always those of a checked kernel or of torch.
 
 **How.** ``enable()`` replaces those entry points (module attributes of ``torch``,
 ``torch.nn.functional`` and ``torch.ops.aten``, methods of ``torch.Tensor``, ``@`` included) with

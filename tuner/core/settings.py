@@ -83,9 +83,9 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
 
 
 def load_config_file() -> Path | None:
-    """Fill unset (or empty) TUNER_* variables from the config file. What is wrong in it is logged and
-    left out, the rest applies; a file that cannot be read is logged and skipped, as is a
-    ``$TUNER_CONFIG`` that names no file (a typo there would otherwise go unnoticed)."""
+    """Fill unset (or empty) TUNER_* variables from the config file. What is wrong in it is
+    logged and left out, the rest applies; a file that cannot be read is logged and skipped, as
+    is a ``$TUNER_CONFIG`` that names no file (a typo there would otherwise go unnoticed)."""
     path = config_path()
     if not path.is_file():
         if os.environ.get("TUNER_CONFIG"):

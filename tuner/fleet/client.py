@@ -22,15 +22,15 @@ reported to that service (``reported_misses``), so an outage never loses or doub
 anything (a process killed between marking a batch and sending it loses that batch's counts,
 which only order the tuning queue).
 Positions are kept per service, by the id its health names, whatever URL reaches it: a
-service rebuilt at the same URL is pulled from and pushed to from the start. One restored from an older backup keeps its id. A
-position is kept with its mark, what stands at it as the service names it: the last winner
-pulled, the uid of the last measurement pushed. Before a pull the service is asked what it
-served under that position (it keeps every serving by number; of a service too old to, that
-winner as served now), before a push for that measurement (one small request each); one it has
-lost, or another serving under that number, gives the restore away, as does a position beyond
-the latest sequence number it names (``last`` in the feed and the artifact listing). All of
-its positions then start over, and every miss count is reported to it again in full; what was
-reported to other services stands.
+service rebuilt at the same URL is pulled from and pushed to from the start. One restored from
+an older backup keeps its id. A position is kept with its mark, what stands at it as the service
+names it: the last winner pulled, the uid of the last measurement pushed. Before a pull the
+service is asked what it served under that position (it keeps every serving by number; of a
+service too old to, that winner as served now), before a push for that measurement (one small
+request each); one it has lost, or another serving under that number, gives the restore away, as
+does a position beyond the latest sequence number it names (``last`` in the feed and the
+artifact listing). All of its positions then start over, and every miss count is reported to it
+again in full; what was reported to other services stands.
 """
 
 from __future__ import annotations
