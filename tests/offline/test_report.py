@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -192,3 +193,19 @@ def test_render_without_a_journal_says_tuning_times_were_not_recorded(tuned: Tun
     rows = [line for line in text.splitlines() if line.startswith("│") and "24x40" in line]
     speeds = [row.split("│")[5].strip() for row in rows]
     assert speeds and all(s.endswith("x") or s == "-" for s in speeds)  # one format for all
+
+
+def test_report_refuses_an_unusable_out_before_printing_its_table(
+    tuned: Tuned, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from tuner.cli import main
+
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "report"  # under a file: cannot be made
+    argv = ["tuner", "report", "--cache", str(tuned.store.path), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_:
+        main.main()
+    printed = capsys.readouterr()
+    assert exit_.value.code == 2 and printed.out == ""  # no table, then an error under it
+    assert printed.err == f"error: {out}: cannot create the output directory: Not a directory\n"
