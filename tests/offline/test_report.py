@@ -209,3 +209,16 @@ def test_report_refuses_an_unusable_out_before_printing_its_table(
     printed = capsys.readouterr()
     assert exit_.value.code == 2 and printed.out == ""  # no table, then an error under it
     assert printed.err == f"error: {out}: cannot create the output directory: Not a directory\n"
+
+
+def test_report_of_a_missing_cache_makes_no_out_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from tuner.cli import main
+
+    out, cache = tmp_path / "report", tmp_path / "typo.db"
+    monkeypatch.setattr(sys, "argv", ["tuner", "report", "--cache", str(cache), "--out", str(out)])
+    with pytest.raises(SystemExit) as exit_:
+        main.main()
+    assert exit_.value.code == 2 and "no such cache" in capsys.readouterr().err
+    assert not out.exists() and not cache.exists()

@@ -207,10 +207,10 @@ def report_command(
     Covers every winner and failure of this device class (or --device-class's), or the problems
     of the sources given."""
     sources = Sources.of(model, config, tunableop_file, misses, op)
-    if out is not None:
-        output_dir(out)  # checked before the table is printed, not after it
     path = cache_path(cache)
     store = open_store(cache, existing=True)
+    if out is not None:  # made for a cache that is there, and before the table is printed
+        output_dir(out)
     fp = device_fingerprint(store, device_class)
     quiet = Console(quiet=True)
     problems = (
