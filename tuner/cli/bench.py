@@ -143,7 +143,7 @@ def bench_sdpa(
         Path, typer.Option(help="Folder for sdpa_<part>.json and .png.", file_okay=False)
     ] = BENCH_OUT,
     part: Annotated[str, typer.Option(help="all, prefill or decode.")] = "all",
-    dtype: Annotated[str, typer.Option(help="bf16 or f16.")] = "bf16",
+    dtype: Annotated[str, typer.Option(help="bf16, f16 or f32.")] = "bf16",
     budget: SuiteBudgetOpt = BENCH_BUDGET_S,
     launch: LaunchOpt = TUNE_DEFAULTS.launch,
     confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
@@ -167,8 +167,8 @@ def bench_sdpa(
         confirm_tries=confirm_tries,
         sustained=sustained,
     )
-    output_dir(out)  # checked before the benchmark, not once it is over
-    os.environ["TUNER_COMPILE_WORKERS"] = str(workers)  # read when the compile pool starts
     chosen = list(parts) if part == "all" else [part]
-    suites = {p: parts[p](dtype)[:: 4 if quick else 1] for p in chosen}
+    suites = {p: parts[p](dtype)[:: 4 if quick else 1] for p in chosen}  # names a bad --dtype
+    output_dir(out)  # checked before the benchmark, not once it is over; made after the arguments
+    os.environ["TUNER_COMPILE_WORKERS"] = str(workers)  # read when the compile pool starts
     sdpa.run(suites, out, options, dtype=dtype)
