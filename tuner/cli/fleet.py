@@ -313,11 +313,11 @@ def push_command(
     """Send local measurements not sent yet, and the misses recorded here, to the service."""
     client = _client(server, token, timeout)
     has_results = cache_path(cache).exists() or not artifacts  # else a missing cache is refused
-    with client, contextlib.ExitStack() as stack, fleet_service(client.server):
+    with client, fleet_service(client.server):
         client.require_scope("build" if artifacts else "submit")  # also with nothing to send
         if has_results:
-            store = stack.enter_context(open_store(cache, existing=True))
-            _report_push(push(client, store, fingerprint()))
+            with open_store(cache, existing=True) as store:
+                _report_push(push(client, store, fingerprint()))
         else:  # a builder publishing kernels needs no results cache
             console.print(f"no results pushed: no cache at {cache_path(cache)}")
         if artifacts:
