@@ -11,7 +11,8 @@ which every ``FleetStore`` transaction of the request reports to):
   a transaction commits only if it had passed its last check before the cut; any other rolls
   back whole, and no new one begins. Then 503 if nothing was stored, else 500 saying the
   request's writes were stored but its answer is lost (not 503: sent again, a miss report
-  would be counted twice).
+  would be counted twice); 500 too where one is still running past the grace, saying each
+  write is stored whole or not at all.
 
 A response already started cannot be changed: its connection is closed.
 """

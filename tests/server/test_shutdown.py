@@ -4,6 +4,7 @@ database stays whole (real ``tuner serve`` on loopback, SIGTERM, real SQLite fil
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -12,12 +13,14 @@ import signal
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from starlette.types import Message, Receive, Scope, Send
 
+from server import shutdown
 from server.blobs import default_dir
 from server.live import SubprocessServer, wait_until
 from tuner.core.device import fingerprint
@@ -144,3 +147,63 @@ def test_a_write_in_flight_when_cut_is_rolled_back_whole(service: Stopped) -> No
     assert "POST /v1/measurements" in line and "answered 503" in line
     assert service.rows("select count(*) from srv_measurements") == [(0,)]
     assert service.rows("select count(*) from devices") == [(0,)]
+
+
+def cut_answer(work: Callable[[shutdown.Ledger], None]) -> tuple[int, str]:
+    """What ``StopMiddleware`` answers a request cut by the stop right after ``work(ledger)``."""
+    sent: list[Message] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        work(shutdown.ledger())
+        raise asyncio.CancelledError
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    middleware = shutdown.StopMiddleware(app, shutdown.Stops())
+    scope = {"type": "http", "method": "POST", "path": "/v1/misses"}
+    asyncio.run(middleware(scope, receive, send))
+    start, body = sent
+    return start["status"], json.loads(body["body"])["detail"]
+
+
+def test_a_request_cut_after_it_stored_gets_500_not_503() -> None:
+    """Sent again, a miss report already stored would be counted twice: not 'send it again'."""
+
+    def stored(book: shutdown.Ledger) -> None:
+        with book.transaction():
+            pass
+
+    assert cut_answer(lambda book: None) == (503, shutdown.STOPPING)
+    assert cut_answer(stored) == (500, shutdown.STORED)
+
+
+def test_a_transaction_still_running_past_the_grace_gets_500_and_cannot_commit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shutdown, "WRITE_GRACE_S", 0.05)
+    release, books, refused = threading.Event(), [], []
+
+    def writer(book: shutdown.Ledger) -> None:
+        try:
+            with book.transaction():  # as FleetStore.transaction runs one
+                release.wait(10)
+                book.raise_if_cut()  # its last step before COMMIT
+        except shutdown.Cut as e:
+            refused.append(e)
+
+    def start_writing(book: shutdown.Ledger) -> None:
+        books.append(book)
+        threading.Thread(target=writer, args=(book,)).start()
+        wait_until(lambda: book.writing, 10)
+
+    assert cut_answer(start_writing) == (500, shutdown.UNSETTLED)
+    release.set()
+    (book,) = books
+    wait_until(lambda: not book.writing, 10)
+    assert len(refused) == 1 and not book.stored  # it rolls back
+    with pytest.raises(shutdown.Cut), book.transaction():  # and no new one begins
+        pass
