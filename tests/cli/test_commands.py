@@ -359,6 +359,18 @@ def test_show_points_at_other_device_classes_and_prints_whole_keys(tmp_path):
     assert r.returncode == 2 and "--device-class 'nosuch': nothing of it in this cache" in r.stderr
 
 
+def test_show_counts_elsewhere_only_the_winners_its_filters_match_elsewhere(tmp_path):
+    here, there = fingerprint().device_class, "gpu-elsewhere"
+    key = "gemm:m={},n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+    with Store(tmp_path / "c.db") as store:
+        store.put_winners([Winner(here, key.format(8), "torch", {}, 2.0, 2.0),
+                           Winner(there, key.format(16), "torch", {}, 2.0, 2.0)])  # fmt: skip
+    nothing = tuner("show", "--contains", "no-such-shape", cache=tmp_path / "c.db").stdout
+    assert nothing.strip() == f"0 winners on {here}"  # not "(2 on other device classes)"
+    elsewhere = tuner("show", "--contains", "16x8x8", cache=tmp_path / "c.db").stdout
+    assert elsewhere.strip() == f"0 winners on {here} (1 on other device classes: --all-devices)"
+
+
 def test_report_and_tunableop_export_read_another_device_class(tmp_path):
     """A laptop holding an H200's results (pulled or imported) reports them and writes them for
     TunableOp as the H200 would: its stored fingerprint's versions tell current from stale."""

@@ -13,7 +13,7 @@ import torch
 import typer
 from rich.table import Table
 
-from tuner.cache.store import EXPORTED_TABLES, ExportError, default_path
+from tuner.cache.store import EXPORTED_TABLES, ExportError, Store, default_path
 from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.cli.errors import write_output
@@ -47,7 +47,7 @@ from tuner.core.keys import (
     parse_key,
 )
 from tuner.core.settings import KNOWN, config_path
-from tuner.measure.records import Measurement
+from tuner.measure.records import Measurement, Winner
 from tuner.offline.problem_list import ConfigError
 from tuner.tuning.engine import TuneOptions, current_device, earlier_times
 from tuner.tuning.tune import tune
@@ -322,6 +322,15 @@ def key_contains(key: str, text: str) -> bool:
     return text in key or text in parse_key(key).label
 
 
+def _matching(
+    store: Store, dc: str | None, op: str | None, source: str | None, contains: str | None
+) -> list[Winner]:
+    """The winners ``show`` lists: of device class ``dc`` (None: every one), matching its
+    filters."""
+    winners = store.winners(dc, op=op, source=source)
+    return [w for w in winners if contains is None or key_contains(w.key, contains)]
+
+
 @app.command()
 def show(
     cache: CacheOpt = None,
@@ -353,11 +362,7 @@ def show(
     registry.check_names([source] if source else None)
     store = open_store(cache, existing=True)
     dc = None if all_devices else fingerprint().device_class
-    winners = [
-        w
-        for w in store.winners(dc, op=op, source=source)
-        if contains is None or key_contains(w.key, contains)
-    ]
+    winners = _matching(store, dc, op, source, contains)
     if as_json:
         print(json.dumps([w.to_row() for w in winners], indent=1))
         return
@@ -370,7 +375,8 @@ def show(
         return
     title = counted(len(winners), "winner") + (f" on {dc}" if dc else "")
     if not winners:  # no table to show; say where the winners are, if anywhere
-        others = store.winners(None, op=op, source=source) if dc else []
+        # the same filters' matches anywhere: none is on this device class
+        others = _matching(store, None, op, source, contains) if dc else []
         elsewhere = f" ({len(others)} on other device classes: --all-devices)" if others else ""
         console.print(title + elsewhere)
         return
