@@ -64,6 +64,22 @@ def _short_input(error: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _not_json(request: Request) -> str | None:
+    """Why a POST or PUT body that failed validation is refused as not JSON (415), if it is:
+    its Content-Type says another format. A compiled kernel's upload is bytes, not JSON."""
+    sent = request.headers.get("content-type", "")
+    if request.method not in ("POST", "PUT") or "json" in sent:
+        return None
+    if request.url.path.startswith(artifacts.BLOBS):
+        return None
+    if sent:
+        return f"Content-Type must be application/json, got {sent!r}"
+    return (
+        "Content-Type must be application/json (none sent: curl -H "
+        "'Content-Type: application/json' ...)"
+    )
+
+
 def create_app(settings: Settings) -> FastAPI:
     blobs = BlobDir(settings.artifacts_dir or default_dir(settings.db))  # before a db is made
     db = FleetDB(settings.db)
@@ -120,11 +136,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        sent = request.headers.get("content-type", "")
-        if request.method in ("POST", "PUT") and "json" not in sent and not _blob(request):
-            why = (f"Content-Type must be application/json, got {sent!r}" if sent else
-                   "Content-Type must be application/json (none sent: curl -H "
-                   "'Content-Type: application/json' ...)")  # fmt: skip
+        if why := _not_json(request):
             refusal(request, 415, why)
             return JSONResponse({"detail": why, "message": why}, 415)
         errors = [_short_input(e) for e in exc.errors()]
@@ -135,10 +147,6 @@ def create_app(settings: Settings) -> FastAPI:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse({"detail": "internal error; see the service log"}, 500)
-
-    def _blob(request: Request) -> bool:
-        """A request whose body is bytes, not JSON (a compiled kernel's upload)."""
-        return request.url.path.startswith(artifacts.BLOBS)
 
     @app.get("/v1/health", tags=["ops"])
     async def health() -> dict[str, str]:
