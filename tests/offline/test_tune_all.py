@@ -815,3 +815,30 @@ def test_a_problem_that_cannot_be_tuned_here_is_a_failed_result(tmp_path, monkey
     assert [r.status for r in results] == ["failed", "failed"]
     assert results[0].error.startswith("its operands take 4096.0 GiB, more than this")
     assert results[1].error == f"RuntimeError: the baseline failed on {small}"
+
+
+def test_a_forced_dry_run_says_how_many_are_tuned_already(tmp_path, monkeypatch, capsys):
+    """--force tunes every problem again; the plan still counts the ones tuned already instead of
+    reading "0 already tuned" for a cache that holds them."""
+    from tuner.cli import main
+    from tuner.tuning.tune import tune
+
+    cache, listed = tmp_path / "c.db", tmp_path / "list.yaml"
+    listed.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: f32}\n"
+                      "  - {op: gemm, m: 8, n: 8, k: 8, dtype: f32}\n")  # fmt: skip
+    outcome = tune(load_problems(listed)[0], options=TuneOptions(budget_s=0.01, sources=["torch"]))
+    with Store(cache) as store:
+        store.save_device(fingerprint())
+        store.save_run(outcome.measurements, outcome.winner)
+    monkeypatch.setenv("COLUMNS", "300")
+    for force, plan in (([], "1 already tuned, 1 to tune"),
+                        (["--force"], "1 already tuned (--force: tuned again), 2 to tune")):  # fmt: skip
+        argv = ["tuner", "tune-all", "-c", str(listed), "--cache", str(cache), "--dry-run", *force]
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit) as exit_:
+            main.main()
+        assert exit_.value.code == 0
+        assert (
+            f"2 distinct problems on {fingerprint().device_class}: {plan}\n"
+            in capsys.readouterr().out
+        )

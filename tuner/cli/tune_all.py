@@ -468,6 +468,24 @@ def run_with_progress(
         return run(todo, store_path, settings, on_event=on_event, retune=retune)
 
 
+def _plan(
+    problems: ProblemSet,
+    untuned: list[Key],
+    todo: list[Key],
+    launches: dict[str, str],
+    launch: str,
+    fp: Fingerprint,
+) -> str:
+    """The run's plan in a line: how many problems are tuned already (and, with --force, that
+    they are tuned again: not "0 already tuned"), how many to tune."""
+    tuned = len(problems) - len(untuned)
+    again = " (--force: tuned again)" if tuned and len(todo) > len(untuned) else ""
+    relaunched = sum(launches.get(str(k), launch) != launch for k in untuned)
+    why = f" ({relaunched} re-tuned: chosen for another launch mode than {launch})"
+    return (f"{len(problems)} distinct problems on {fp.device_class}: {tuned} already "
+            f"tuned{again}, {len(todo)} to tune{why if relaunched else ''}")  # fmt: skip
+
+
 # a run stopped by a signal exits as the shell reports one (128 + the signal), whatever its
 # problems' winners: with --force the winners of before would otherwise read as a finished run
 INTERRUPTED = {"ctrl-c": 130, "SIGTERM": 143}
@@ -502,14 +520,9 @@ def tune_all(
                 problems.add(key, label)
     journal = read_journal(journal_path(store_path))
     launch = settings.tune.launch
-    todo = pending(store, fp, problems, force=settings.force, journal=journal, launch=launch)
-    launches = current_launches(store, fp)
-    relaunched = sum(launches.get(str(k), launch) != launch for k in todo)
-    why = f" ({relaunched} re-tuned: chosen for another launch mode than {launch})"
-    console.print(
-        f"{len(problems)} distinct problems on {fp.device_class}: "
-        f"{len(problems) - len(todo)} already tuned, {len(todo)} to tune{why if relaunched else ''}"
-    )
+    untuned = pending(store, fp, problems, journal=journal, launch=launch)
+    todo = list(problems) if settings.force else untuned
+    console.print(_plan(problems, untuned, todo, current_launches(store, fp), launch, fp))
     ordered = order(todo, journal, fp.device_class, settings.retries)
     for key, failures in ordered.given_up:
         console.print(
