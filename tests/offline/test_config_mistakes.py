@@ -101,3 +101,12 @@ def test_a_listed_tf32_gemm_is_f32_on_the_tf32_path_as_in_model_configs(tmp_path
     listed.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: tf32, compute: f32}\n")
     with pytest.raises(ConfigError, match=r"problems\[0\]: compute='f32': dtype tf32 fixes"):
         load_problems(listed)
+
+
+def test_an_op_that_leaves_no_problem_of_the_files_is_refused(tmp_path, tune_all):
+    data = yaml.safe_load(LLAMA.read_text())
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump({**data, "ops": ["qkv", "o"]}))  # projections only
+    code, err, made = tune_all("--model", str(path), "--op", "sdpa")
+    assert (code, made) == (2, False)
+    assert err == ["error: --op sdpa: the files given hold no sdpa problems, nothing to tune"]

@@ -468,6 +468,15 @@ def run_with_progress(
         return run(todo, store_path, settings, on_event=on_event, retune=retune)
 
 
+def _check_op_kept_some(files: ProblemSet, sources: Sources) -> None:
+    """ConfigError when files are the only source and --op leaves none of their problems: a
+    wrong --op or a wrong file, refused before a cache is made, not a run that does nothing."""
+    if sources.op is None or sources.misses or sources.queue or len(files.only(sources.op)):
+        return
+    raise ConfigError(f"--op {sources.op}: the files given hold no {sources.op} problems, "
+                      "nothing to tune")  # fmt: skip
+
+
 def _plan(
     problems: ProblemSet,
     untuned: list[Key],
@@ -501,6 +510,7 @@ def tune_all(
             "nothing to tune: give --model, --config, --tunableop, --misses or --queue"
         )
     files = read_files(sources, console)
+    _check_op_kept_some(files, sources)
     if out is not None and not dry_run:
         output_dir(out)  # checked before the run, not once it is over
     # a dry run writes nothing: with no cache yet, nothing is tuned and nothing recorded; a
