@@ -251,7 +251,8 @@ def test_a_dry_run_lists_what_it_would_tune_and_writes_nothing(tmp_path):
     cfg.write_text("problems:\n  - {op: gemm, m: 8, n: 16, k: 16, dtype: f32}\n")
     cache = tmp_path / "c.db"
     out = tuner("tune-all", "--config", str(cfg), "--dry-run", cache=cache).stdout
-    assert "1 distinct problems" in out and "0 already tuned, 1 to tune" in out
+    assert f"problem list {cfg}: 1 problem\n" in out  # not "1 problems"
+    assert "1 distinct problem on" in out and "0 already tuned, 1 to tune" in out
     assert "would tune 8x16x16 nn f32" in out
     assert not cache.exists()
 

@@ -179,7 +179,7 @@ def test_render_puts_failures_first_and_the_summary_below(tuned: Tuned) -> None:
     assert "... 2 more rows in report.json" in text
     assert "problems: 4 (2 tuned, 1 stale, 1 failed)" in text
     assert (
-        "wall time 12.5 s on 2 worker(s), 3.5 s of it starting them; stopped early: time limit"
+        "wall time 12.5 s on 2 workers, 3.5 s of it starting them; stopped early: time limit"
         in text
     )
 

@@ -329,9 +329,9 @@ def read_files(sources: Sources, console: Console) -> ProblemSet:
     for path in sources.models:
         model = load_model(path, sources.op)
         n = problems.add_model(model, sources.op)
-        console.print(f"model {model.name} ({path}): {n} problems")
+        console.print(f"model {model.name} ({path}): {counted(n, 'problem')}")
     for path in sources.configs:
-        console.print(f"problem list {path}: {problems.add_problem_list(path)} problems")
+        console.print(f"problem list {path}: {counted(problems.add_problem_list(path), 'problem')}")
     if sources.tunableop:
         imported = tunableop.import_files(sources.tunableop)
         n = problems.add_tunableop(imported)
@@ -491,7 +491,7 @@ def _plan(
     again = " (--force: tuned again)" if tuned and len(todo) > len(untuned) else ""
     relaunched = sum(launches.get(str(k), launch) != launch for k in untuned)
     why = f" ({relaunched} re-tuned: chosen for another launch mode than {launch})"
-    return (f"{len(problems)} distinct problems on {fp.device_class}: {tuned} already "
+    return (f"{counted(len(problems), 'distinct problem')} on {fp.device_class}: {tuned} already "
             f"tuned{again}, {len(todo)} to tune{why if relaunched else ''}")  # fmt: skip
 
 

@@ -282,7 +282,7 @@ def render(
         line = (f"tuning time: {s['tuning_s_total']:.1f} s over the report's problems (earlier "
                 f"runs' too), median {s['tuning_s_median']:.2f} s per problem")  # fmt: skip
     if s["wall_s"] is not None:
-        line += f"; wall time {s['wall_s']:.1f} s on {s['workers']} worker(s)"
+        line += f"; wall time {s['wall_s']:.1f} s on {counted(s['workers'], 'worker')}"
         if s["start_s"] is not None:
             line += f", {s['start_s']:.1f} s of it starting them"
     console.print(line + (f"; stopped early: {s['stopped']}" if s["stopped"] else ""))
@@ -295,7 +295,8 @@ def render(
     shared = s["shared_compile_s"]
     shared = f", {shared:.1f} s for kernels shared by all shapes" if shared is not None else ""
     console.print(
-        f"compiling: {s['compiled']} candidates compiled ahead ({s['compile_pool_s_total']:.1f} s "
-        f"of per-problem compile jobs{shared}), {s['compile_wait_s_total']:.1f} s waited for; "
+        f"compiling: {counted(s['compiled'], 'candidate')} compiled ahead "
+        f"({s['compile_pool_s_total']:.1f} s of per-problem compile jobs{shared}), "
+        f"{s['compile_wait_s_total']:.1f} s waited for; "
         f"pruned uncompiled: {pruned}"
     )
