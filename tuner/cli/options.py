@@ -18,7 +18,7 @@ from tuner.core.console import output_console
 from tuner.core.device import Fingerprint, fingerprint
 from tuner.measure.records import LAUNCHES
 from tuner.offline.problem_list import ConfigError
-from tuner.tuning.engine import TuneOptions
+from tuner.tuning.options import TuneOptions
 
 
 def _cache_chosen(ctx: typer.Context, value: Path | None) -> Path | None:

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
-import torch
 import typer
 from rich.table import Table
 
@@ -49,8 +48,7 @@ from tuner.core.keys import (
 from tuner.core.settings import KNOWN, config_path
 from tuner.measure.records import Measurement, Winner
 from tuner.offline.problem_list import ConfigError
-from tuner.tuning.engine import TuneOptions, current_device, earlier_times
-from tuner.tuning.tune import tune
+from tuner.tuning.options import TuneOptions
 
 app = typer.Typer()
 tune_app = typer.Typer(help="Tune one problem and store its winner.", no_args_is_help=True)
@@ -61,6 +59,8 @@ console = output_console()
 @app.command()
 def info() -> None:
     """Print this device's fingerprint and the status of every candidate source."""
+    from tuner.tuning.engine import current_device
+
     device = current_device()
     fp = fingerprint(device)
     t = Table(title="device", show_header=False)
@@ -113,6 +113,11 @@ def _error_text(err: float | None, bounded: bool) -> str:
 
 def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     """Tune ``key``, store the run and print every candidate's measurement and the winner."""
+    import torch
+
+    from tuner.tuning.engine import earlier_times
+    from tuner.tuning.tune import tune
+
     if isinstance(key, GemmKey) and (why := too_big_here(key.min_bytes)):
         raise ConfigError(f"{key}: {why}")
     store = open_store(cache)

@@ -17,7 +17,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -57,25 +57,14 @@ from tuner.fleet.client import (
     push_artifacts,
 )
 from tuner.measure.records import Measurement, Winner
-from tuner.offline import plots, report, tunableop
+from tuner.offline import plots, tunableop
 from tuner.offline.model_config import load_model
 from tuner.offline.problem_list import ConfigError
-from tuner.offline.tune_all import (
-    Event,
-    ProblemSet,
-    Result,
-    RunSettings,
-    RunSummary,
-    current_keys,
-    current_launches,
-    journal_path,
-    kept_after_unfinished,
-    local_workers,
-    order,
-    pending,
-    read_journal,
-    run,
-)
+from tuner.offline.run_settings import RunSettings
+
+if TYPE_CHECKING:  # tuner.offline.tune_all and .report import torch: imported where they run
+    from tuner.offline.report import Report
+    from tuner.offline.tune_all import Event, ProblemSet, Result, RunSummary
 
 app = typer.Typer()
 tunableop_app = typer.Typer(help="PyTorch TunableOp CSV files: show, export.", no_args_is_help=True)
@@ -206,6 +195,9 @@ def report_command(
 
     Covers every winner and failure of this device class (or --device-class's), or the problems
     of the sources given."""
+    from tuner.offline import report
+    from tuner.offline.tune_all import journal_path, read_journal
+
     sources = Sources.of(model, config, tunableop_file, misses, op)
     path = cache_path(cache)
     store = open_store(cache, existing=True)
@@ -266,6 +258,8 @@ def tunableop_export(
         )
     import torch
 
+    from tuner.offline import report
+
     store = open_store(cache, existing=True)
     fp = device_fingerprint(store, device_class)
     winners = [w for w in store.winners(fp.device_class, op="gemm") if w.measured_under(fp)]
@@ -325,6 +319,8 @@ def read_files(sources: Sources, console: Console) -> ProblemSet:
     """The problems of the sources' local files (model configs, problem lists, TunableOp files),
     with a line per file on the console. Read before any cache is opened or fleet key leased, so
     that a broken file fails the run with nothing written and no keys held."""
+    from tuner.offline.tune_all import ProblemSet
+
     problems = ProblemSet()
     for path in sources.models:
         model = load_model(path, sources.op)
@@ -423,6 +419,8 @@ def _won(m: Measurement, winners: dict[str, Winner]) -> bool:
 
 
 def _label(key: Key, problems: ProblemSet) -> str:
+    from tuner.offline import report
+
     return report.shape_label(key.label, problems.label(key))
 
 
@@ -447,6 +445,8 @@ def run_with_progress(
     settings: RunSettings,
     retune: set[str],
 ) -> RunSummary:
+    from tuner.offline.tune_all import run
+
     in_flight: dict[int, str] = {}
     with progress_bar(console) as bar:
         task = bar.add_task("starting workers", total=len(todo))
@@ -505,6 +505,19 @@ def tune_all(
 ) -> int:
     """The tune-all command. Exit status 0 when every problem ends with a winner, else 1; a run
     stopped by Ctrl-C or SIGTERM: ``INTERRUPTED``'s."""
+    from tuner.offline import report
+    from tuner.offline.tune_all import (
+        ProblemSet,
+        current_keys,
+        current_launches,
+        journal_path,
+        kept_after_unfinished,
+        local_workers,
+        order,
+        pending,
+        read_journal,
+    )
+
     if sources.empty():
         raise ConfigError(
             "nothing to tune: give --model, --config, --tunableop, --misses or --queue"
@@ -612,7 +625,9 @@ def fleet_artifacts(fp: Fingerprint, store_path: Path) -> Iterator[_Artifacts]:
             artifacts.client.close()
 
 
-def _write_report(rep: report.Report, out: Path | None, command: str) -> None:
+def _write_report(rep: Report, out: Path | None, command: str) -> None:
+    from tuner.offline import report
+
     if out is not None:
         json_path, png = report.write(rep, output_dir(out), title=command)
         console.print(f"wrote {json_path}" + (f" and {png}" if png else ""))

@@ -11,8 +11,6 @@ from rich.table import Table
 from tuner.cli.errors import FAILED
 from tuner.cli.options import CacheOpt, cache_path, open_store
 from tuner.core.console import counted, output_console
-from tuner.serving.dispatcher import Dispatcher
-from tuner.serving.warmup import warmup as warm_up
 
 console = output_console()
 app = typer.Typer()
@@ -29,6 +27,9 @@ def warmup(
 ) -> None:
     """Load the kernel of every stored winner for this device (this GPU, else the CPU), fetched
     or built; exit 1 on a failure."""
+    from tuner.serving.dispatcher import Dispatcher
+    from tuner.serving.warmup import warmup as warm_up
+
     # a mistyped path, or a file that is not a usable cache: refused here, not served around
     open_store(cache, existing=True).close()
     report = warm_up(progress, dispatcher=Dispatcher(cache_path(cache)), fetch=fetch)

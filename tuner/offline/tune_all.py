@@ -49,10 +49,11 @@ from tuner.core.keys import GemmKey, Key, parse_key
 from tuner.measure.records import DEFAULT_LAUNCH, Measurement, Winner
 from tuner.offline.model_config import ModelConfig, expand
 from tuner.offline.problem_list import load_problems
+from tuner.offline.run_settings import RunSettings
 from tuner.offline.tunableop import Imported
 from tuner.tuning import compile_pool, pruning
 from tuner.tuning.compile_pool import CompilePool
-from tuner.tuning.engine import TuneOptions, effective_us
+from tuner.tuning.engine import effective_us
 from tuner.tuning.isolation import runtime_sources
 from tuner.tuning.supervisor import CTX, Child, Supervised
 
@@ -215,33 +216,6 @@ def read_journal(path: Path) -> list[dict[str, Any]]:
 
 
 # --- running -----------------------------------------------------------------------------------
-
-
-@dataclass
-class RunSettings:
-    """How tune-all runs: the tuning of each problem (``tune``, passed whole to every worker)
-    and the run's own limits."""
-
-    tune: TuneOptions = field(default_factory=TuneOptions)
-    problem_timeout_s: float = 900.0  # a problem running longer is killed and recorded
-    time_limit_s: float | None = None  # no new problem starts after this many seconds
-    workers: int | None = None  # default: one per local GPU, one on the CPU
-    force: bool = False  # retune problems that already have a current winner
-    retries: int = 2  # later runs try a failed or timed-out problem again at most this often
-    compile_ahead: bool = True  # one compile pool for the run (tuner.tuning.compile_pool)
-    compile_jobs: int | None = None  # problems compiled at once (default: compile_pool's)
-
-    def __post_init__(self) -> None:
-        if not self.problem_timeout_s > 0:
-            raise ValueError(f"--problem-timeout must be > 0, got {self.problem_timeout_s!r}")
-        if self.time_limit_s is not None and not self.time_limit_s > 0:
-            raise ValueError(f"--time-limit must be > 0, got {self.time_limit_s!r}")
-        if self.workers is not None and self.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {self.workers!r}")
-        if self.retries < 0:
-            raise ValueError(f"retries must be >= 0, got {self.retries!r}")
-        if self.compile_jobs is not None and self.compile_jobs < 1:
-            raise ValueError(f"compile_jobs must be >= 1 or None, got {self.compile_jobs!r}")
 
 
 @dataclass
