@@ -1,12 +1,16 @@
-"""``tuner bench sdpa``'s arguments, checked before anything is made or run."""
+"""``tuner bench sdpa``'s arguments, checked before anything is made or run, and ``--quick``'s rows
+(on a CPU a few small ones, a run of seconds)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from tuner.cli.main import app
+from tuner.suites import sdpa
 
 
 def test_a_bad_dtype_is_named_before_the_out_folder_is_made(tmp_path: Path) -> None:
@@ -20,3 +24,40 @@ def test_a_bad_dtype_is_named_before_the_out_folder_is_made(tmp_path: Path) -> N
 def test_help_names_every_dtype_the_suite_takes() -> None:
     result = CliRunner().invoke(app, ["bench", "sdpa", "--help"], env={"COLUMNS": "300"})
     assert "bf16, f16 or f32." in result.output
+
+
+def test_quick_on_a_cpu_picks_a_few_small_rows_of_each_part() -> None:
+    for part in sdpa.PARTS:
+        rows = sdpa.chosen_problems(part, "bf16", quick=True, device="cpu")
+        assert 1 <= len(rows) <= 8, rows
+        for _, key in rows:
+            assert key.batch == 1
+            assert key.q_len * key.kv_len <= 256 * 4096, key  # attention scores per head
+            assert key.kv_bytes <= 16 * 2**20, key  # K/V of MBs, not the GPU rows' GBs
+    prefill = sdpa.chosen_problems("prefill", quick=True, device="cpu")
+    assert {key.q_len for _, key in prefill} == {sdpa.QUICK_CPU_PREFILL_SEQ}
+    decode = sdpa.chosen_problems("decode", quick=True, device="cpu")
+    assert {key.kv_len for _, key in decode} == set(sdpa.QUICK_CPU_DECODE_KV)
+    assert {key.q_len for _, key in decode} == set(sdpa.DECODE_Q)
+
+
+def test_quick_on_a_gpu_keeps_every_4th_row_and_without_quick_every_row() -> None:
+    for part, problems in sdpa.PARTS.items():
+        every = problems("f16")
+        assert sdpa.chosen_problems(part, "f16", quick=True, device="cuda") == every[::4]
+        assert sdpa.chosen_problems(part, "f16", device="cpu") == every
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_host
+def test_quick_on_a_cpu_runs_to_its_reports(tmp_path: Path) -> None:
+    """The whole CPU smoke run (~15 s on 2 cores), torch's SDPA only: under TRITON_INTERPRET the
+    Triton candidates would run in the interpreter."""
+    out = tmp_path / "bench"
+    args = ["bench", "sdpa", "--quick", "--source", "torch_sdpa", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    for part in ("prefill", "decode"):
+        report = json.loads((out / f"sdpa_{part}.json").read_text())
+        assert len(report["rows"]) == len(sdpa.chosen_problems(part, quick=True, device="cpu"))
+        assert all(row["baseline_us"] > 0 for row in report["rows"])

@@ -25,7 +25,6 @@ from tuner.suites import catalog
 app = typer.Typer(
     help="Benchmark suites: tune, then time baseline and winner side by side.", no_args_is_help=True
 )
-QuickOpt = Annotated[bool, typer.Option(help="Every 4th problem only (a smoke run).")]
 BENCH_BUDGET_S = 0.05  # suites tune hundreds of problems: a shorter budget than one `tuner tune`
 SuiteBudgetOpt = Annotated[
     float,
@@ -145,6 +144,7 @@ def bench_sdpa(
     part: Annotated[str, typer.Option(help="all, prefill or decode.")] = "all",
     dtype: Annotated[str, typer.Option(help="bf16, f16 or f32.")] = "bf16",
     budget: SuiteBudgetOpt = BENCH_BUDGET_S,
+    source: SourcesOpt = None,
     launch: LaunchOpt = TUNE_DEFAULTS.launch,
     confirm_rounds: ConfirmRoundsOpt = TUNE_DEFAULTS.confirm_rounds,
     confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
@@ -152,23 +152,27 @@ def bench_sdpa(
     workers: Annotated[
         int, typer.Option(min=1, help="Processes compiling Triton candidates.")
     ] = 12,
-    quick: QuickOpt = False,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            help="A smoke run: every 4th problem; on a CPU a few small ones (prefill of one "
+            f"{catalog.SDPA_QUICK_CPU_PREFILL_SEQ}-token sequence, decode at batch 1 against "
+            f"{' and '.join(map(str, catalog.SDPA_QUICK_CPU_DECODE_KV))} keys)."
+        ),
+    ] = False,
 ) -> None:
     """Tune attention shapes and time torch's default SDPA against the winners."""
     from tuner.suites import sdpa
 
-    parts = {"prefill": sdpa.prefill_problems, "decode": sdpa.decode_problems}
-    if part not in ("all", *parts):
+    if part not in ("all", *sdpa.PARTS):
         raise ValueError(f"part must be all, prefill or decode, got {part!r}")
     options = tune_options(
-        budget=budget,
-        launch=launch,
-        confirm_rounds=confirm_rounds,
-        confirm_tries=confirm_tries,
-        sustained=sustained,
-    )
-    chosen = list(parts) if part == "all" else [part]
-    suites = {p: parts[p](dtype)[:: 4 if quick else 1] for p in chosen}  # names a bad --dtype
+        budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
+        confirm_tries=confirm_tries, sustained=sustained,
+    )  # fmt: skip
+    chosen = list(sdpa.PARTS) if part == "all" else [part]
+    # names a bad --dtype
+    suites = {p: sdpa.chosen_problems(p, dtype, quick=quick) for p in chosen}
     output_dir(out)  # checked before the benchmark, not once it is over; made after the arguments
     os.environ["TUNER_COMPILE_WORKERS"] = str(workers)  # read when the compile pool starts
     sdpa.run(suites, out, options, dtype=dtype)

@@ -13,3 +13,7 @@ LOWBIT_M_SIZES = (1, 2, 4, 8, 16, 64, 256, 2048)
 LOWBIT_QUICK_M = (1, 16, 256, 2048)
 LOWBIT_QUICK_CPU_M = (1,)  # on a CPU the larger rows are too slow for a smoke run: decode only
 LOWBIT_QUICK_OPS = ("gate_up", "down")
+# tuner bench sdpa --quick on a CPU: a few small rows instead of every 4th GPU row (16k-token
+# prefills, GBs of K/V): one sequence's prefill, and decode at batch 1 against these kv lengths
+SDPA_QUICK_CPU_PREFILL_SEQ = 256
+SDPA_QUICK_CPU_DECODE_KV = (1024, 4096)

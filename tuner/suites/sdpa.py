@@ -31,6 +31,7 @@ from tuner.core.keys import Key, SdpaKey, parse_key
 from tuner.measure import samples, timing
 from tuner.measure.records import Measurement, candidate_name, candidate_params
 from tuner.offline.plots import geomean
+from tuner.suites import catalog
 from tuner.suites.runner import run_suite
 from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
 from tuner.tuning.tune import tune
@@ -48,15 +49,26 @@ Q_HEADS = 32
 DECODE_KV_HEADS = 8
 MAX_KV_BYTES = 40e9  # decode shapes whose K/V exceeds this are left out
 TARGET_KV_BYTES = 32 * 2**20  # decode shapes reading at least this much must reach 80% of copy
+QUICK_CPU_PREFILL_SEQ = catalog.SDPA_QUICK_CPU_PREFILL_SEQ
+QUICK_CPU_DECODE_KV = catalog.SDPA_QUICK_CPU_DECODE_KV
+
+Problems = list[tuple[str, SdpaKey]]
 
 
-def prefill_problems(dtype: str = "bf16") -> list[tuple[str, SdpaKey]]:
+def prefill_problems(
+    dtype: str = "bf16",
+    *,
+    seqs: tuple[int, ...] = PREFILL_SEQS,
+    tokens: int = TOKENS,
+    kv_heads: tuple[int, ...] = PREFILL_KV_HEADS,
+) -> Problems:
+    """Prefill rows: each sequence length in batches of ``tokens`` tokens."""
     out = []
     for seq, d, causal, kvh in itertools.product(
-        PREFILL_SEQS, PREFILL_HEAD_DIMS, ("none", "top_left"), PREFILL_KV_HEADS
+        seqs, PREFILL_HEAD_DIMS, ("none", "top_left"), kv_heads
     ):
         key = SdpaKey(
-            batch=TOKENS // seq, q_heads=Q_HEADS, kv_heads=kvh, q_len=seq, kv_len=seq,
+            batch=tokens // seq, q_heads=Q_HEADS, kv_heads=kvh, q_len=seq, kv_len=seq,
             head_dim=d, causal=causal, dtype=dtype,
         )  # fmt: skip
         label = f"b{key.batch} s{seq} d{d} kv{kvh} {'causal' if causal != 'none' else 'full'}"
@@ -64,9 +76,15 @@ def prefill_problems(dtype: str = "bf16") -> list[tuple[str, SdpaKey]]:
     return out
 
 
-def decode_problems(dtype: str = "bf16") -> list[tuple[str, SdpaKey]]:
+def decode_problems(
+    dtype: str = "bf16",
+    *,
+    kv_lens: tuple[int, ...] = DECODE_KV,
+    batches: tuple[int, ...] = DECODE_BATCH,
+) -> Problems:
+    """Decode rows: q len 1 and 4 against each kv length and batch whose K/V fits."""
     out = []
-    for q_len, kv, batch in itertools.product(DECODE_Q, DECODE_KV, DECODE_BATCH):
+    for q_len, kv, batch in itertools.product(DECODE_Q, kv_lens, batches):
         key = SdpaKey(
             batch=batch, q_heads=Q_HEADS, kv_heads=DECODE_KV_HEADS, q_len=q_len, kv_len=kv,
             head_dim=128, causal="none" if q_len == 1 else "bottom_right", dtype=dtype,
@@ -75,6 +93,23 @@ def decode_problems(dtype: str = "bf16") -> list[tuple[str, SdpaKey]]:
             continue
         out.append((f"q{q_len} b{batch} kv{kv // 1024}k ({key.kv_bytes / 1e6:.0f} MB)", key))
     return out
+
+
+PARTS = {"prefill": prefill_problems, "decode": decode_problems}
+
+
+def chosen_problems(
+    part: str, dtype: str = "bf16", *, quick: bool = False, device: str | None = None
+) -> Problems:
+    """A part's rows (``PARTS``): all of them, or ``--quick``'s: every 4th on a GPU; on a CPU
+    ``device`` the small ones (one ``QUICK_CPU_PREFILL_SEQ``-token sequence; batch 1 against
+    ``QUICK_CPU_DECODE_KV``), since every 4th GPU row still holds 16k tokens or GBs of K/V."""
+    if quick and (device or current_device()) != "cuda":
+        if part == "prefill":
+            seq = QUICK_CPU_PREFILL_SEQ
+            return prefill_problems(dtype, seqs=(seq,), tokens=seq, kv_heads=(DECODE_KV_HEADS,))
+        return decode_problems(dtype, kv_lens=QUICK_CPU_DECODE_KV, batches=(1,))
+    return PARTS[part](dtype)[:: 4 if quick else 1]
 
 
 def prefill_metrics(key: Key, us: float) -> dict[str, float]:
