@@ -58,6 +58,11 @@ def test_quick_on_a_cpu_runs_to_its_reports(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     for part in ("prefill", "decode"):
-        report = json.loads((out / f"sdpa_{part}.json").read_text())
+        text = (out / f"sdpa_{part}.json").read_text()
+        report = json.loads(text, parse_constant=_refuse)  # strict JSON: no NaN or Infinity
         assert len(report["rows"]) == len(sdpa.chosen_problems(part, quick=True, device="cpu"))
         assert all(row["baseline_us"] > 0 for row in report["rows"])
+
+
+def _refuse(constant: str) -> None:
+    raise ValueError(f"not JSON: {constant}")

@@ -262,10 +262,9 @@ def annotate(result: dict[str, Any], recorder: Recorder, kind: str) -> dict[str,
     s = result["summary"]
     if kind == "decode" and rows:
         s.update(copy_targets(rows))
-    if kind == "prefill" and rows:
-        s["geomean_triton_vs_baseline"] = geomean(
-            [r["baseline_us"] / r["triton_us"] for r in rows if r.get("triton_us")]
-        )
+    ratios = [r["baseline_us"] / r["triton_us"] for r in rows if r.get("triton_us")]
+    if kind == "prefill" and ratios:  # none where Triton was left out (--source): no figure
+        s["geomean_triton_vs_baseline"] = geomean(ratios)
     return result
 
 
