@@ -78,7 +78,7 @@ def test_a_problem_list_names_low_bit_gemms_by_format_as_model_configs_do(tmp_pa
         "  - {op: gemm, m: 16, n: 4096, k: 4096, dtype: int4-g100}\n"
     )
     with pytest.raises(ConfigError, match=r"problems\[2\]: dtype must be one of \['bf16', 'f16', "
-                       r"'f32', 'fp8_e4m3', 'fp8_e5m2'\] or a low-bit format \(int4-g32/64/128/256, "
+                       r"'f32', 'fp8_e4m3', 'fp8_e5m2', 'tf32'\] or a low-bit format \(int4-g32/64/128/256, "
                        r"fp8-tensorwise, .*\), got 'int4-g100'$"):  # fmt: skip
         load_problems(path)
     path.write_text("\n".join(path.read_text().splitlines()[:3]) + "\n")
