@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tuner.cli.main import app
-from tuner.suites import sdpa
+from tuner.suites import catalog, sdpa
 
 
 def test_a_bad_dtype_is_named_before_the_out_folder_is_made(tmp_path: Path) -> None:
@@ -35,9 +35,9 @@ def test_quick_on_a_cpu_picks_a_few_small_rows_of_each_part() -> None:
             assert key.q_len * key.kv_len <= 256 * 4096, key  # attention scores per head
             assert key.kv_bytes <= 16 * 2**20, key  # K/V of MBs, not the GPU rows' GBs
     prefill = sdpa.chosen_problems("prefill", quick=True, device="cpu")
-    assert {key.q_len for _, key in prefill} == {sdpa.QUICK_CPU_PREFILL_SEQ}
+    assert {key.q_len for _, key in prefill} == {catalog.SDPA_QUICK_CPU_PREFILL_SEQ}
     decode = sdpa.chosen_problems("decode", quick=True, device="cpu")
-    assert {key.kv_len for _, key in decode} == set(sdpa.QUICK_CPU_DECODE_KV)
+    assert {key.kv_len for _, key in decode} == set(catalog.SDPA_QUICK_CPU_DECODE_KV)
     assert {key.q_len for _, key in decode} == set(sdpa.DECODE_Q)
 
 

@@ -171,8 +171,8 @@ def bench_sdpa(
         confirm_tries=confirm_tries, sustained=sustained,
     )  # fmt: skip
     chosen = list(sdpa.PARTS) if part == "all" else [part]
-    # names a bad --dtype
+    # a bad --dtype raises here, before --out is made
     suites = {p: sdpa.chosen_problems(p, dtype, quick=quick) for p in chosen}
-    output_dir(out)  # checked before the benchmark, not once it is over; made after the arguments
+    output_dir(out)  # made once the arguments are known good, and before the benchmark runs
     os.environ["TUNER_COMPILE_WORKERS"] = str(workers)  # read when the compile pool starts
     sdpa.run(suites, out, options, dtype=dtype)

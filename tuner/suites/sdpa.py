@@ -49,8 +49,6 @@ Q_HEADS = 32
 DECODE_KV_HEADS = 8
 MAX_KV_BYTES = 40e9  # decode shapes whose K/V exceeds this are left out
 TARGET_KV_BYTES = 32 * 2**20  # decode shapes reading at least this much must reach 80% of copy
-QUICK_CPU_PREFILL_SEQ = catalog.SDPA_QUICK_CPU_PREFILL_SEQ
-QUICK_CPU_DECODE_KV = catalog.SDPA_QUICK_CPU_DECODE_KV
 
 Problems = list[tuple[str, SdpaKey]]
 
@@ -102,13 +100,13 @@ def chosen_problems(
     part: str, dtype: str = "bf16", *, quick: bool = False, device: str | None = None
 ) -> Problems:
     """A part's rows (``PARTS``): all of them, or ``--quick``'s: every 4th on a GPU; on a CPU
-    ``device`` the small ones (one ``QUICK_CPU_PREFILL_SEQ``-token sequence; batch 1 against
-    ``QUICK_CPU_DECODE_KV``), since every 4th GPU row still holds 16k tokens or GBs of K/V."""
+    ``device`` the small ones (``catalog.SDPA_QUICK_CPU_*``), since every 4th GPU row still holds
+    16k tokens or GBs of K/V."""
     if quick and (device or current_device()) != "cuda":
         if part == "prefill":
-            seq = QUICK_CPU_PREFILL_SEQ
+            seq = catalog.SDPA_QUICK_CPU_PREFILL_SEQ
             return prefill_problems(dtype, seqs=(seq,), tokens=seq, kv_heads=(DECODE_KV_HEADS,))
-        return decode_problems(dtype, kv_lens=QUICK_CPU_DECODE_KV, batches=(1,))
+        return decode_problems(dtype, kv_lens=catalog.SDPA_QUICK_CPU_DECODE_KV, batches=(1,))
     return PARTS[part](dtype)[:: 4 if quick else 1]
 
 
