@@ -133,17 +133,12 @@ def pending(
     store: Store,
     fp: Fingerprint,
     keys: Iterable[Key],
-    force: bool = False,
     journal: list[dict[str, Any]] | None = None,
     launch: str = DEFAULT_LAUNCH,
 ) -> list[Key]:
     """Keys without a current winner for ``launch``, or whose winner is what an unfinished run
-    kept."""
-    done = (
-        set()
-        if force
-        else current_keys(store, fp, launch) - kept_after_unfinished(journal or [], fp)
-    )
+    kept (``--force`` tunes every key: the command's choice, not this one's)."""
+    done = current_keys(store, fp, launch) - kept_after_unfinished(journal or [], fp)
     return [k for k in keys if str(k) not in done]
 
 

@@ -26,10 +26,9 @@ class TuneOptions:
     # each runner over this long a stretch a round, after as long a one untimed: compute-bound
     # kernels are compared at the clock the power limit leaves them (0: as short ones)
     seed: int = 0
-    launch: str = (
-        DEFAULT_LAUNCH  # "eager": host launch time counts; "graph": GPU time only (candidates
-    )
-    # timed in CUDA graphs, on the GPU)
+    # "eager": host launch time counts; "graph": GPU time only (candidates timed in CUDA graphs,
+    # on the GPU)
+    launch: str = DEFAULT_LAUNCH
     host_slack_us: float = 1.0  # eager: a winner may cost at most max(this, host_slack x the
     host_slack: float = 0.1  # baseline's) more host time per call than the baseline
     sources: list[str] | None = None  # restrict to these source names
