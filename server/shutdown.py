@@ -99,15 +99,17 @@ def ledger() -> Ledger:
 
 
 class Stops:
-    """The cut requests still being answered: the app's shutdown waits for them before it
-    closes the database under their transactions."""
+    """The requests in flight: the app's shutdown waits for them before it closes the database
+    under their transactions. Every request is kept, not only those already answering a cut:
+    a cancelled download still winds down its file stream when the shutdown begins, and its
+    line would be lost with the event loop."""
 
     def __init__(self) -> None:
-        self.answering: set[asyncio.Task] = set()
+        self.running: set[asyncio.Task] = set()
 
     async def drain(self) -> None:
-        if self.answering:
-            await asyncio.wait(self.answering, timeout=WRITE_GRACE_S + 1)
+        if self.running:
+            await asyncio.wait(self.running, timeout=WRITE_GRACE_S + 1)
 
 
 class StopMiddleware:
@@ -128,18 +130,17 @@ class StopMiddleware:
             answered = answered or message["type"] == "http.response.start"
             await send(message)
 
+        task = asyncio.current_task()
+        assert task is not None
+        self.stops.running.add(task)
         try:
             await self.app(scope, receive, tracked)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            assert task is not None
-            self.stops.answering.add(task)
-            try:
-                outcome = await self._answer(book, answered, scope, receive, send)
-            finally:
-                self.stops.answering.discard(task)
+            outcome = await self._answer(book, answered, scope, receive, send)
             log.warning("cut by the stop: %s %s after %.2f s; %s", scope["method"],
                         scope["path"], time.monotonic() - started, outcome)  # fmt: skip
+        finally:
+            self.stops.running.discard(task)
 
     async def _answer(
         self, book: Ledger, answered: bool, scope: Scope, receive: Receive, send: Send

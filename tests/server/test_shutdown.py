@@ -207,3 +207,37 @@ def test_a_transaction_still_running_past_the_grace_gets_500_and_cannot_commit(
     assert len(refused) == 1 and not book.stored  # it rolls back
     with pytest.raises(shutdown.Cut), book.transaction():  # and no new one begins
         pass
+
+
+def test_a_slow_download_cut_by_the_stop_gets_one_log_line(service: Stopped) -> None:
+    """The file stream is still winding down when the shutdown begins: the shutdown waits for
+    it, so its line is written before the event loop closes."""
+    data = hashlib.sha256(b"seed").digest() * (32 * 1024 * 1024 // 32)  # 32 MiB
+    digest = hashlib.sha256(data).hexdigest()
+    builder, reader = service.srv.token("builder", "build"), service.srv.token("host", "read")
+    r = httpx.put(
+        f"{service.srv.url}/v1/artifacts/blobs/{digest}", content=data, timeout=60,
+        headers={"Authorization": f"Bearer {builder}", "Tuner-Artifact-Spec": json.dumps(SPEC)},
+    )  # fmt: skip
+    assert r.status_code in (200, 201), r.text
+    received: list[int] = []
+
+    def download() -> int:
+        with httpx.stream("GET", f"{service.srv.url}/v1/artifacts/blobs/{digest}", timeout=30,
+                          headers={"Authorization": f"Bearer {reader}"}) as r:  # fmt: skip
+            for chunk in r.iter_bytes(CHUNK):
+                received.append(len(chunk))
+                time.sleep(0.05)
+        return sum(received)
+
+    thread, got = in_thread(download)
+    wait_until(lambda: received, 10)  # the answer has started
+    service.terminate()
+    thread.join(60)
+    assert service.exited_cleanly()
+    (r,) = got
+    assert isinstance(r, httpx.RemoteProtocolError), r  # the client sees the answer cut short
+    log = service.text()
+    assert "Traceback" not in log, log
+    (line,) = cut_lines(log)
+    assert f"GET /v1/artifacts/blobs/{digest}" in line and "closed mid-answer" in line
