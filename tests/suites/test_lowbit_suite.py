@@ -241,11 +241,11 @@ def test_rows_are_retimed_over_sustained_stretches_as_the_engine_duelled_them() 
     # long GPU-bound calls: no graph time needed
     long = short(baseline=(180.0, 20.0), winner=(171.0, 20.0))
     assert stretch(down, long, graph()) == 0.15 and asked == []
-    # a heavy pair (session 21 call 3's FP8 down projection, M = 256): held at the limit
+    # a heavy pair (an FP8 down projection at M = 256): held at the limit
     heavy = short(baseline=(35.4, 20.0), winner=(33.0, 20.0), bf16=(62.1, 20.0))
     assert stretch(down, heavy, graph(baseline=31.7, winner=30.8, bf16=59.2)) == 0.15
     assert asked.pop() == ["baseline", "winner"]
-    # a host-bound pair (session 21 call 5's qkv M = 256: GPU 13.8 us, host 19.5 us)
+    # a host-bound pair (a qkv projection at M = 256: its host time over its GPU time)
     host_bound = short(baseline=(14.0, 22.0), winner=(13.9, 19.5))
     assert stretch(qkv, host_bound, graph(baseline=13.7, winner=13.8)) == 0.0
     # the bf16 pair alone held at the limit times the row so too (a host-bound low-bit winner)
