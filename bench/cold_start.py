@@ -235,7 +235,8 @@ def publish(url: str, token: str, source: Path, workdir: Path, *, winners: bool)
     measurements too, by ``tuner push`` from a copy of its cache (the push cursor stays out of
     the source's)."""
     from tuner.cache.artifacts import ArtifactStore
-    from tuner.fleet.client import FleetClient, push_artifacts
+    from tuner.fleet.artifact_sync import push_artifacts
+    from tuner.fleet.client import FleetClient
 
     with FleetClient(url, token) as client, ArtifactStore(source / "artifacts") as kernels:
         sent = push_artifacts(client, kernels)

@@ -7,7 +7,7 @@
 3. wrk hits ``GET /v1/winners/{device_class}?key=...`` with a bearer token (reads need one by
    default: each request also checks the token), random keys from the set, one wrk thread
    (one core for wrk, one for the service), at several connection counts.
-4. An empty host cache pulls every winner with ``tuner.fleet.client.pull`` (what ``tuner sync`` and
+4. An empty host cache pulls every winner with ``tuner.fleet.sync.pull`` (what ``tuner sync`` and
    the background sync run); repeated on fresh caches, median reported.
 
 Targets (2-core machine): >= 2000 lookups/s with p99 <= 20 ms; 100k-winner sync <= 5 s.
@@ -35,7 +35,8 @@ from server.live import SubprocessServer
 from tuner.cache import Store
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey
-from tuner.fleet.client import FleetClient, pull
+from tuner.fleet.client import FleetClient
+from tuner.fleet.sync import pull
 from tuner.measure.records import Measurement
 
 RESULTS = Path(__file__).parent / "results"

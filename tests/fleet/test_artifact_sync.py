@@ -15,15 +15,15 @@ from tuner.cache import Store
 from tuner.cache.artifacts import ArtifactSpec, ArtifactStore, pack, sha256
 from tuner.candidates import cuda_fp8, cuda_w4a16
 from tuner.core.device import Fingerprint
-from tuner.fleet.client import (
-    BackgroundSync,
-    FleetClient,
+from tuner.fleet.artifact_sync import (
     check_artifacts,
     fetch_artifacts,
     host_archs,
     push_artifacts,
     sync_artifacts,
 )
+from tuner.fleet.background import BackgroundSync
+from tuner.fleet.client import FleetClient
 
 pytestmark = pytest.mark.timeout(120)
 H100 = Fingerprint("cuda", "NVIDIA H100 80GB HBM3", "9.0", 132, 80)
@@ -173,7 +173,7 @@ def test_a_service_restored_from_an_older_backup_is_listed_from_the_start(
             assert sync_artifacts(c, host, cache, ["cuda:90"]).fetched == 2
         restore(db, saved)
         with ThreadServer(db, port=port):
-            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+            with caplog.at_level("WARNING", logger="tuner.fleet.sync"):
                 assert sync_artifacts(c, host, cache, ["cuda:90"]).present == 1
             assert "at sequence number 1, behind this host's position 2 with it" in caplog.text
             later.put(spec("new"), bundle("new"))

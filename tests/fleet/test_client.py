@@ -19,16 +19,9 @@ from server.live import AppThread, ThreadServer, free_port, wait_until
 from tuner.cache import Store
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey
-from tuner.fleet.client import (
-    BackgroundSync,
-    FleetClient,
-    FleetError,
-    attach,
-    pull,
-    push,
-    push_misses,
-    wire,
-)
+from tuner.fleet.background import BackgroundSync, attach
+from tuner.fleet.client import FleetClient, FleetError, wire
+from tuner.fleet.sync import pull, push, push_misses
 from tuner.measure.records import Measurement, Winner
 from tuner.serving.dispatcher import Dispatcher
 
@@ -250,7 +243,7 @@ def test_measurements_the_service_refuses_by_index_do_not_block_the_rest(
         store.save_device(FP)
         store.save_run([good[0], *bad, good[1]])
         client = srv.client("host", "submit")
-        with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+        with caplog.at_level("WARNING", logger="tuner.fleet.sync"):
             out = push(client, store, FP)
         assert (out.accepted, out.refused) == (2, 2)
         assert "(my source!): source: String should match pattern" in caplog.text

@@ -23,7 +23,9 @@ from tests.cache.read_only import read_only
 from tuner.cache import ReadOnlyError, Store
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, parse_key
-from tuner.fleet.client import FleetClient, attach, pull, push, push_misses
+from tuner.fleet.background import attach
+from tuner.fleet.client import FleetClient
+from tuner.fleet.sync import pull, push, push_misses
 from tuner.measure.records import Measurement
 from tuner.serving.dispatcher import Dispatcher
 from tuner.tuning.engine import TuneOptions, TuneOutcome, tune
@@ -385,7 +387,7 @@ def test_a_service_restored_from_an_older_backup_is_synced_from_the_start(
             b.set_position(name, b.position(name))  # B's kept as before marks: a position alone
         restore(db, saved)
         with ThreadServer(db, port=port) as srv:
-            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+            with caplog.at_level("WARNING", logger="tuner.fleet.sync"):
                 assert pull(cb, b, FP).winners == kept
                 assert push(ca, a, FP).accepted == lost  # a push alone finds it too
             assert (
@@ -435,7 +437,7 @@ def pull_finds_the_restore(
 ) -> None:
     """Host B's pull finds that the service no longer serves ``lost`` as B pulled it (at
     sequence number 2) and syncs its three winners from the start."""
-    with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+    with caplog.at_level("WARNING", logger="tuner.fleet.sync"):
         assert pull(cb, b, FP).winners == 3
     assert (
         f"fleet service {url} no longer serves {lost} as this host pulled it, at "
@@ -489,7 +491,7 @@ def test_a_restored_service_that_served_the_hosts_winner_again_since_is_synced_f
             pull_finds_the_restore(cb, b, caplog, srv.url, keys[1])
             assert b.winner(DC, str(f32(40))) is not None  # the one numbered 2 now
             caplog.clear()
-            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+            with caplog.at_level("WARNING", logger="tuner.fleet.sync"):
                 assert pull(cb, b, FP).winners == 0  # and incremental again from there
             assert "restored" not in caplog.text
 
@@ -528,7 +530,7 @@ def test_a_winner_served_again_by_a_service_that_lost_nothing_is_pulled_incremen
         ca.submit(FP, [made_up(keys[1], "triton_gemm", 9.0)])  # 3: B's winner, changed
         ca.submit(FP, [made_up(f32(40), "torch", 10.0)])  # 4
         assert cb.winner(DC, str(keys[1]), VERSIONS)["seq"] == 3
-        with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+        with caplog.at_level("WARNING", logger="tuner.fleet.sync"):
             assert pull(cb, b, FP).winners == 2
             assert pull(cb, b, FP).winners == 0
         assert "restored" not in caplog.text
@@ -556,7 +558,7 @@ def test_a_push_only_host_pushes_again_to_a_service_that_lost_its_results(
         restore(db, saved)
         with ThreadServer(db, port=port) as srv:
             assert (ca.holds(ms[0].uid), ca.holds(ms[1].uid)) == (True, False)
-            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+            with caplog.at_level("WARNING", logger="tuner.fleet.sync"):
                 out = push(ca, a, FP)
             assert (out.accepted, out.duplicates) == (1, 1)
             assert (
@@ -625,7 +627,7 @@ def test_miss_counts_a_restored_service_lost_are_sent_again(
         restore(db, saved)
         with ThreadServer(db, port=port) as srv:
             assert ca.queue() == []
-            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+            with caplog.at_level("WARNING", logger="tuner.fleet.sync"):
                 out = push(ca, a, FP)
             assert "(restored from an older backup?)" in caplog.text
             assert (out.accepted, out.misses, out.queued) == (1, 1, 1)
@@ -726,7 +728,7 @@ def test_a_restore_of_one_service_sends_the_miss_counts_again_to_it_alone(
         a.record_misses(DC, [missed], count=2)  # missed again meanwhile
         with ThreadServer(db, port=port) as srv:
             assert ca.queue() == []
-            with caplog.at_level("WARNING", logger="tuner.fleet.client"):
+            with caplog.at_level("WARNING", logger="tuner.fleet.sync"):
                 assert push(ca, a, FP).misses == 1
             assert "(restored from an older backup?)" in caplog.text
             assert queued(ca) == [(missed, 5)]  # all of it again

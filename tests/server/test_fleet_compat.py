@@ -18,7 +18,7 @@ from tuner.cache import Store
 from tuner.cache.schema import HOST_TABLES
 from tuner.core.device import Fingerprint
 from tuner.core.keys import GemmKey, SdpaKey, parse_key
-from tuner.fleet.client import pull, push
+from tuner.fleet.sync import pull, push
 from tuner.measure.records import Measurement, Winner
 
 DATA = Path(__file__).parents[1] / "data" / "compat"

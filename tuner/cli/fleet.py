@@ -1,6 +1,6 @@
 """``tuner serve``, ``tuner token create|list|revoke``, ``tuner sync``, ``tuner push``,
 ``tuner artifacts``: the fleet service, its tokens, and a host's exchange of results and
-compiled-kernel artifacts with it (``tuner.fleet.client``)."""
+compiled-kernel artifacts with it (``tuner.fleet``)."""
 
 from __future__ import annotations
 
@@ -17,18 +17,14 @@ from tuner.cli.errors import FAILED, fleet_service
 from tuner.cli.options import CacheOpt, cache_path, open_store
 from tuner.core.console import counted, output_console
 from tuner.core.device import fingerprint
-from tuner.fleet.client import (
-    TIMEOUT_S,
-    FleetClient,
-    FleetError,
-    PushResult,
+from tuner.fleet.artifact_sync import (
     check_artifacts,
     fetch_host_artifacts,
     host_archs,
-    pull,
-    push,
     push_artifacts,
 )
+from tuner.fleet.client import TIMEOUT_S, FleetClient, FleetError
+from tuner.fleet.sync import PushResult, pull, push
 
 if TYPE_CHECKING:
     from server import Settings

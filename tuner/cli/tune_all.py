@@ -48,14 +48,8 @@ from tuner.core.device import Fingerprint, fingerprint
 from tuner.core.keys import Key, key_op, parse_key
 from tuner.core.profiling import profiled
 from tuner.core.progress import progress_bar
-from tuner.fleet.client import (
-    BATCH,
-    FleetClient,
-    FleetError,
-    fetch_host_artifacts,
-    host_archs,
-    push_artifacts,
-)
+from tuner.fleet.artifact_sync import fetch_host_artifacts, host_archs, push_artifacts
+from tuner.fleet.client import BATCH, FleetClient, FleetError
 from tuner.measure.records import Measurement, Winner
 from tuner.offline import plots, tunableop
 from tuner.offline.model_config import load_model

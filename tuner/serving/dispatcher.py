@@ -208,9 +208,7 @@ class Dispatcher:
         self.memo: dict[tuple, Any] = {}
         self._winners: dict[str, dict[str, Winner]] = {}  # device class -> key -> winner
         self._recorded: set[tuple[str, str]] = set()
-        self.fleet_sync: Any = (
-            None  # tuner.fleet.client's background sync, when TUNER_SERVER is set
-        )
+        self.fleet_sync: Any = None  # tuner.fleet.background's sync, when TUNER_SERVER is set
         self.buckets = check_policy(os.environ.get("TUNER_BUCKETS") or DEFAULT_POLICY)
         self._bucket_index: dict[str, BucketIndex] = {}  # device class -> tuned Ms per family
         self.resolutions: dict[tuple, Resolution] = {}  # (key, kind, candidate, via) -> record
@@ -673,7 +671,7 @@ def get_dispatcher() -> Dispatcher:
         load_config_file()  # defaults from the config file; the environment wins
         _dispatcher = Dispatcher()
         if os.environ.get("TUNER_SERVER") and _dispatcher.mode != "off":
-            from tuner.fleet.client import attach  # fleet sync: a daemon thread, off the hot path
+            from tuner.fleet.background import attach  # a daemon thread, off the hot path
 
             _dispatcher.fleet_sync = attach(_dispatcher)
     return _dispatcher

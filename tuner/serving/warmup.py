@@ -92,7 +92,8 @@ def warmup(
 def _fetch(disp: Dispatcher, fp: Any, report: WarmupReport) -> None:
     """Bring the kernels of this host's archs from the fleet service, if one is configured."""
     from tuner.cache import Store
-    from tuner.fleet.client import FleetClient, FleetError, fetch_host_artifacts
+    from tuner.fleet.artifact_sync import fetch_host_artifacts
+    from tuner.fleet.client import FleetClient, FleetError
 
     try:
         client = FleetClient.from_env()
