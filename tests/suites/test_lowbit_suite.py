@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 from tuner.cache import Store
 from tuner.cli.main import app
 from tuner.core.device import fingerprint
-from tuner.core.keys import GemmKey, lowbit_fields
+from tuner.core.keys import GemmKey, fp8_shape_error, lowbit_fields
 from tuner.measure.timing import Timing
+from tuner.quant import int4_torch
 from tuner.suites import lowbit
 from tuner.tuning.engine import PHASES, TuneOptions
 
@@ -45,19 +46,28 @@ def test_quick_covers_every_format_on_both_models_with_few_rows() -> None:
     assert {label.rsplit(" ", 1)[1] for label, _ in fp8_only} == {"fp8-rowwise"}
 
 
-def test_a_quick_run_on_a_cpu_keeps_the_decode_rows_only() -> None:
-    """On a CPU the prefill rows take minutes each: a smoke run there times M = 1 only, every
-    format and projection of the GPU's quick run."""
+def test_a_quick_run_on_a_cpu_times_one_small_shape_in_place_of_the_projections() -> None:
+    """On a CPU each projection of the models takes minutes in Triton's interpreter: a smoke run
+    there times every format on one small shape that both formats' packings take, at a decode M
+    and a larger one."""
     on_cpu = lowbit.chosen_problems(lowbit.FORMATS, quick=True, device="cpu")
-    assert {k.m for _, k in on_cpu} == set(lowbit.QUICK_CPU_M) == {1}
-    on_gpu = lowbit.chosen_problems(lowbit.FORMATS, quick=True, device="cuda")
     assert [label for label, _ in on_cpu] == [
-        label for label, k in on_gpu if k.m in lowbit.QUICK_CPU_M
+        f"{lowbit.QUICK_CPU_NAME} M={m} {fmt}" for m in lowbit.QUICK_CPU_M for fmt in lowbit.FORMATS
     ]
-    # rows named on the command line are kept as given
-    assert {
-        k.m for _, k in lowbit.chosen_problems(["int4-g128"], quick=True, ms=[16], device="cpu")
-    } == {16}
+    n, k = lowbit.QUICK_CPU_SHAPE
+    assert {(key.n, key.k) for _, key in on_cpu} == {(n, k)}
+    assert n % int4_torch.n_multiple(torch.device("cpu")) == 0  # torch's CPU int4 packing
+    assert fp8_shape_error(n, k) is None
+    assert all(key.k % key.group == 0 for _, key in on_cpu if key.wdtype == "int4")
+    ms = {key.m for _, key in on_cpu}
+    assert min(ms) <= lowbit.DECODE_M < max(ms)  # a decode row and one past decode
+    # rows named on the command line are kept as given: --m on the small shape, --proj the
+    # models' projections themselves
+    small_16 = lowbit.chosen_problems(["int4-g128"], quick=True, ms=[16], device="cpu")
+    assert [label for label, _ in small_16] == [f"{lowbit.QUICK_CPU_NAME} M=16 int4-g128"]
+    down = lowbit.chosen_problems(["int4-g128"], quick=True, ops=["down"], device="cpu")
+    assert {label.split(" ", 1)[0] for label, _ in down} == MODELS
+    assert {key.m for _, key in down} == set(lowbit.QUICK_CPU_M)
 
 
 def test_unknown_projection_or_format_names_the_field() -> None:
@@ -357,6 +367,42 @@ def test_a_run_without_a_gpu_says_in_one_line_that_its_targets_are_not_judged(
     assert saved["targets"]["torch >= 0.98x"]["judged"] == 2  # counted as on a GPU
     assert all(r["vs_bf16_served"] > 0 and "torch >= 0.98x" in r["targets"] for r in saved["rows"])
     assert (tmp_path / "gemm_lowbit.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_host
+def test_quick_on_a_cpu_runs_its_small_rows_to_the_reports(tmp_path: Path) -> None:
+    """The whole CPU smoke run, every source (Triton's through the interpreter), a short budget:
+    each format's rows on the small shape measured, the JSON strict and marked not judged, the
+    table's ratios those of the JSON, one line saying the rows are CPU-path rows of a small shape
+    and none giving a verdict on the GPU targets."""
+    out = tmp_path / "bench"
+    args = ["bench", "gemm", "--suite", "lowbit", "--quick", "--budget", "0.01", "--out", str(out)]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "gemm_lowbit.json").read_text(), parse_constant=_refuse)
+    rows = saved["rows"]
+    want = lowbit.chosen_problems(lowbit.FORMATS, quick=True, device="cpu")
+    assert [r["label"] for r in rows] == [label for label, _ in want]
+    assert {r["format"] for r in rows} == set(lowbit.FORMATS)
+    for r in rows:
+        assert r["baseline_us"] > 0 and r["winner_us"] > 0
+        assert r["bf16_us"] > 0 and r["bf16_served_us"] > 0
+        assert r["vs_bf16_served"] == r["bf16_served_us"] / r["winner_us"]
+        # the last table, the served ratios: its row for this label says what the JSON does
+        line = [line for line in result.output.splitlines() if f"│ {r['label']} " in line][-1]
+        assert f"{r['vs_torch']:.3f}x" in line and f"{r['vs_bf16_served']:.3f}x" in line
+    assert saved["targets_judged"] is False and saved["targets_note"] == lowbit.NOT_JUDGED
+    assert saved["shapes_note"] == lowbit.shapes_note(rows)
+    assert saved["shapes_note"].startswith(lowbit.QUICK_CPU_ROWS)
+    assert f"{saved['shapes_note']}." in result.output.splitlines()
+    for verdict in ("all met", "missed", lowbit.TUNING_TARGET):
+        assert verdict not in result.output
+    assert (out / "gemm_lowbit.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _refuse(constant: str) -> None:
+    raise ValueError(f"not JSON: {constant}")
 
 
 @pytest.mark.gpu

@@ -82,8 +82,9 @@ def bench_gemm(
         typer.Option(
             help="A smoke run: every 4th problem (llama); for lowbit each chosen format on both "
             f"models' {' and '.join(catalog.LOWBIT_QUICK_OPS)} at M "
-            f"{', '.join(map(str, catalog.LOWBIT_QUICK_M))} (on a CPU, M "
-            f"{', '.join(map(str, catalog.LOWBIT_QUICK_CPU_M))})."
+            f"{', '.join(map(str, catalog.LOWBIT_QUICK_M))}; on a CPU, one small shape in their "
+            f"place (N={catalog.LOWBIT_QUICK_CPU_SHAPE[0]}, K={catalog.LOWBIT_QUICK_CPU_SHAPE[1]}) "
+            f"at M {', '.join(map(str, catalog.LOWBIT_QUICK_CPU_M))}."
         ),
     ] = False,
     m: Annotated[

@@ -11,9 +11,13 @@ LOWBIT_M_SIZES = (1, 2, 4, 8, 16, 64, 256, 2048)
 # --quick: every format on both models, on the projections whose weights are large enough for
 # the decode targets (bf16 >= 64 MB, FP8 >= 32 MB), at one M of each regime the targets name
 LOWBIT_QUICK_M = (1, 16, 256, 2048)
-LOWBIT_QUICK_CPU_M = (1,)  # on a CPU the larger rows are too slow for a smoke run: decode only
 LOWBIT_QUICK_OPS = ("gate_up", "down")
-# tuner bench sdpa --quick on a CPU: a few small rows instead of every 4th GPU row (16k-token
-# prefills, GBs of K/V): one sequence's prefill, and decode at batch 1 against these kv lengths
+# --quick on a CPU: a few small rows instead of a suite's GPU rows, which take minutes each there
+# (the models' projections through Triton's interpreter; 16k-token prefills, GBs of K/V).
+# bench gemm --suite lowbit: every format on one small N x K at a decode M and a larger one; N a
+# multiple of 16 (torch's CPU int4 packing; FP8's 16), K of 128 (int4-g128's group; FP8's 16)
+LOWBIT_QUICK_CPU_SHAPE = (64, 256)  # (N, K)
+LOWBIT_QUICK_CPU_M = (1, 64)
+# tuner bench sdpa: one sequence's prefill, and decode at batch 1 against these kv lengths
 SDPA_QUICK_CPU_PREFILL_SEQ = 256
 SDPA_QUICK_CPU_DECODE_KV = (1024, 4096)

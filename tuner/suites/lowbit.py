@@ -2,7 +2,9 @@
 
 The projections of Llama-3-8B and Qwen2.5-7B (configs/models/*.yaml: qkv, o, gate_up, down) at
 M in 1, 2, 4, 8, 16, 64, 256, 2048, in each format (``int4-g128``, ``fp8-rowwise``,
-``fp8-tensorwise``; ``--part`` picks formats, ``--quick`` few rows of each). One run, per row:
+``fp8-tensorwise``; ``--part`` picks formats, ``--quick`` few rows of each; on a machine without a
+GPU, where each projection takes minutes in Triton's interpreter, ``--quick`` times one small shape
+in their place, ``QUICK_CPU_SHAPE``, and the table, the JSON and the plot say so). One run, per row:
 
 - tuning, and torch's op for the format (``aten._weight_int4pack_mm``, ``torch._scaled_mm``)
   timed against the winner (``tuner.suites.runner``);
@@ -66,6 +68,7 @@ from tuner.suites.runner import (
     console,
     in_turn_rounds,
     marked_if_interrupted,
+    quick_on_cpu,
     run_suite,
     side_by_side,
     steadier_rounds,
@@ -85,6 +88,9 @@ M_SIZES = catalog.LOWBIT_M_SIZES
 FORMATS = catalog.LOWBIT_FORMATS
 QUICK_M = catalog.LOWBIT_QUICK_M
 QUICK_CPU_M = catalog.LOWBIT_QUICK_CPU_M
+QUICK_CPU_SHAPE = catalog.LOWBIT_QUICK_CPU_SHAPE  # (N, K)
+QUICK_CPU_NAME = "small N={} K={}".format(*QUICK_CPU_SHAPE)  # its rows' shape, in their labels
+QUICK_CPU_ROWS = "CPU-path rows of one small shape (N={}, K={})".format(*QUICK_CPU_SHAPE)
 QUICK_OPS = catalog.LOWBIT_QUICK_OPS
 DECODE_M = 16
 PREFILL_M = 2048
@@ -132,15 +138,16 @@ def chosen_problems(
     device: str | None = None,
 ) -> Problems:
     """The rows the command line asks for: every M and projection, or ``--quick``'s few (every
-    format on both models' ``QUICK_OPS`` at ``QUICK_M``, or on a CPU ``device`` at
-    ``QUICK_CPU_M``), with ``ms`` and ``ops`` (when given) in place of either's (re-running the
-    rows a change touched); each format, M and projection once."""
+    format on both models' ``QUICK_OPS`` at ``QUICK_M``; on a CPU ``device``, on the small
+    ``QUICK_CPU_SHAPE`` at ``QUICK_CPU_M``), with ``ms`` and ``ops`` (when given) in place of
+    either's (re-running the rows a change touched); each format, M and projection once."""
+    on_cpu = quick_on_cpu(quick, device)
     if not ms:
-        on_gpu = quick and (device or current_device()) == "cuda"
-        ms = (QUICK_M if on_gpu else QUICK_CPU_M) if quick else M_SIZES
-    ms = dict.fromkeys(ms)
-    ops = dict.fromkeys(ops or (QUICK_OPS if quick else OPS))
-    return problems(list(dict.fromkeys(formats)), list(ms), list(ops))
+        ms = (QUICK_CPU_M if on_cpu else QUICK_M) if quick else M_SIZES
+    ms, formats = list(dict.fromkeys(ms)), list(dict.fromkeys(formats))
+    if on_cpu and not ops:  # the small shape in place of the models' projections
+        return problems(formats, ms, shapes=[(QUICK_CPU_NAME, *QUICK_CPU_SHAPE)])
+    return problems(formats, ms, list(dict.fromkeys(ops or (QUICK_OPS if quick else OPS))))
 
 
 def graph_judged(key: GemmKey, device: str) -> bool:
@@ -300,6 +307,15 @@ NOT_JUDGED = (
 def targets_judged(device: str) -> bool:
     """Whether a run on ``device`` is judged by the targets: only on a GPU, where they apply."""
     return device == "cuda"
+
+
+def shapes_note(rows: Sequence[Row]) -> str | None:
+    """A line saying the rows are ``--quick``'s small CPU shape, where they are, or None: their
+    ratios are of CPU code on a toy shape, not of the models' projections."""
+    if not any(r["shape"] == QUICK_CPU_NAME for r in rows):
+        return None
+    return (f"{QUICK_CPU_ROWS}, not the models' projections: --quick on a machine without a "
+            "GPU times these in their place")  # fmt: skip
 
 
 def format_summary(rows: Sequence[Row]) -> dict[str, Any]:
@@ -597,6 +613,8 @@ def print_table(
         )  # fmt: skip
     report = Console(width=TABLE_WIDTH)
     report.print(table)
+    if note := shapes_note(rows):
+        report.print(f"[yellow]{note}.[/yellow]")
     if not judged:
         report.print(f"[yellow]{NOT_JUDGED[0].upper()}{NOT_JUDGED[1:]}.[/yellow]")
         return
@@ -722,11 +740,13 @@ def plot(rows: Sequence[Row], path: Path, title: str, *, judged: bool = True) ->
             Line2D([], [], marker="o", markersize=9, markerfacecolor="none",
                    markeredgecolor="red", linestyle="", label="target missed"),
         ]  # fmt: skip
-    handles += [
-        Line2D([], [], marker="x", color="grey", linestyle="", label="bare read of the bytes"),
-        Line2D([], [], marker="^", markerfacecolor="none", markeredgecolor="grey", linestyle="",
-               label="eager rows: the kernels' CUDA-graph ratio"),
-    ]  # fmt: skip
+    # the GPU's marks keyed only where drawn (a CPU run has neither)
+    if any("graph_read_pct_copy" in r for r in rows):
+        handles.append(Line2D([], [], marker="x", color="grey", linestyle="",
+                              label="bare read of the bytes"))  # fmt: skip
+    if any(r.get(f"{column}_gpu") is not None for r in rows for column, _ in PANELS):
+        handles.append(Line2D([], [], marker="^", markerfacecolor="none", markeredgecolor="grey",
+                              linestyle="", label="eager rows: the kernels' CUDA-graph ratio"))  # fmt: skip
     fig.legend(handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=8)
     fig.suptitle(title if judged else f"{title}\n(targets judged on a GPU only: not drawn)")
     fig.tight_layout(rect=(0, 0.06, 1, 0.97))
@@ -757,6 +777,7 @@ def finish(result: dict[str, Any], bf16: dict[str, Any], twins: list[GemmKey], r
     result["targets"] = target_counts(rows)
     result["targets_judged"] = judged
     result["targets_note"] = None if judged else NOT_JUDGED
+    result["shapes_note"] = shapes_note(rows)
     result["formats"] = format_summary(rows)
     result["wall_s"] = time.perf_counter() - started
 
@@ -785,8 +806,10 @@ def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
     with marked_if_interrupted(path, missing):
         finish(result, bf16, twins, recorder, device, options, started)
         if rows := result["rows"]:
-            plot(rows, out / f"{NAME}.png", f"Low-bit GEMMs on {result['device']['name']}",
-                 judged=result["targets_judged"])  # fmt: skip
+            title = f"Low-bit GEMMs on {result['device']['name']}"
+            if result["shapes_note"]:
+                title += f": {QUICK_CPU_ROWS}"
+            plot(rows, out / f"{NAME}.png", title, judged=result["targets_judged"])
     write_atomic(path, json.dumps(result, indent=1))
     print_table(rows, result["targets"], result["formats"], judged=result["targets_judged"])
     return result

@@ -137,6 +137,13 @@ def in_turn(runners: dict[str, Timed], device: str, **options: Any) -> dict[str,
     return {name: statistics.median(t.median_us for t in ts) for name, ts in rounds.items()}
 
 
+def quick_on_cpu(quick: bool, device: str | None = None) -> bool:
+    """Whether a ``--quick`` run on ``device`` (default: this host's) takes its suite's few
+    small CPU rows (``catalog``'s ``*_QUICK_CPU_*``) in place of its GPU rows, which take
+    minutes each on a CPU."""
+    return quick and (device or current_device()) != "cuda"
+
+
 def built(key: Key, source: str, params: Params) -> tuple[Runner, Runner | None]:
     """torch's runner for ``key`` (its baseline) and the winner's; None where the winner is
     that baseline itself."""

@@ -32,7 +32,7 @@ from tuner.measure import samples, timing
 from tuner.measure.records import Measurement, candidate_name, candidate_params
 from tuner.offline.plots import geomean
 from tuner.suites import catalog
-from tuner.suites.runner import run_suite
+from tuner.suites.runner import quick_on_cpu, run_suite
 from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
 from tuner.tuning.tune import tune
 
@@ -102,7 +102,7 @@ def chosen_problems(
     """A part's rows (``PARTS``): all of them, or ``--quick``'s: every 4th on a GPU; on a CPU
     ``device`` the small ones (``catalog.SDPA_QUICK_CPU_*``), since every 4th GPU row still holds
     16k tokens or GBs of K/V."""
-    if quick and (device or current_device()) != "cuda":
+    if quick_on_cpu(quick, device):
         if part == "prefill":
             seq = catalog.SDPA_QUICK_CPU_PREFILL_SEQ
             return prefill_problems(dtype, seqs=(seq,), tokens=seq, kv_heads=(DECODE_KV_HEADS,))
