@@ -132,7 +132,7 @@ def precompile() -> dict[str, Any]:
 
 
 def summarize(outcome: Any, source: str) -> dict[str, Any]:
-    from tuner.tuning.engine import effective_us
+    from tuner.tuning.verdict import effective_us
 
     base = outcome.baseline
     mine = [m for m in outcome.measurements if m.source == source]

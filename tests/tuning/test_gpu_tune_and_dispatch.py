@@ -15,7 +15,8 @@ from tuner.core.keys import GemmKey
 from tuner.measure import timing
 from tuner.serving.dispatcher import Dispatcher
 from tuner.serving.warmup import warmup
-from tuner.tuning.engine import TuneOptions, at_power_limit, heavy_rate, tune
+from tuner.tuning.engine import TuneOptions, tune
+from tuner.tuning.verdict import at_power_limit, heavy_rate
 
 pytestmark = pytest.mark.gpu
 

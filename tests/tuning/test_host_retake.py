@@ -21,7 +21,9 @@ from tuner.candidates.base import Params, Source
 from tuner.core.keys import GemmKey
 from tuner.measure import timing
 from tuner.measure.records import Measurement
-from tuner.tuning.engine import TuneOptions, _Trial, contenders, host_decides, ties
+from tuner.tuning.options import TuneOptions
+from tuner.tuning.trials import Trial
+from tuner.tuning.verdict import contenders, host_decides, ties
 
 KEY = GemmKey(m=48, n=40, k=72, dtype="f32", out_dtype="f32")
 BUSY_S = 40e-3  # host work per disturbed call: far above the kernel's few microseconds
@@ -104,8 +106,8 @@ def record(source: Source, params: Params, status: str, **fields: Any) -> Measur
 OPTIONS = TuneOptions(budget_s=0.02, confirm_rounds=1)
 
 
-def trial_of(source: Source, base: Measurement) -> tuple[_Trial, Measurement]:
-    trial = _Trial.for_key(KEY, "cpu", OPTIONS.seed, record)
+def trial_of(source: Source, base: Measurement) -> tuple[Trial, Measurement]:
+    trial = Trial.for_key(KEY, "cpu", OPTIONS.seed, record)
     return trial, trial.run(source, {}, None, OPTIONS, None, base)
 
 

@@ -53,9 +53,9 @@ from tuner.offline.run_settings import RunSettings
 from tuner.offline.tunableop import Imported
 from tuner.tuning import compile_pool, pruning
 from tuner.tuning.compile_pool import CompilePool
-from tuner.tuning.engine import effective_us
 from tuner.tuning.isolation import runtime_sources
 from tuner.tuning.supervisor import CTX, Child, Supervised
+from tuner.tuning.verdict import effective_us
 
 log = logging.getLogger(__name__)
 

@@ -75,13 +75,8 @@ from tuner.suites.runner import (
     tuned_times,
 )
 from tuner.tuning import compile_pool
-from tuner.tuning.engine import (
-    TuneOptions,
-    current_device,
-    heavy_rate,
-    power_limited,
-    sustained_duel,
-)
+from tuner.tuning.engine import TuneOptions, current_device
+from tuner.tuning.verdict import heavy_rate, power_limited, sustained_duel
 
 MODELS = ("llama-3-8b.yaml", "qwen2.5-7b.yaml")
 M_SIZES = catalog.LOWBIT_M_SIZES
@@ -415,10 +410,10 @@ def sustained_s(
 ) -> float:
     """Seconds of each sustained stretch the row's eager runners are retimed over, or 0. Each
     pair the tuning duelled (``DUELS``) is judged as the engine judged its duel
-    (``engine.sustained_duel``, ``engine.power_limited``): from its runners' short timings
+    (``verdict.sustained_duel``, ``verdict.power_limited``): from its runners' short timings
     ``short`` (runner -> Timing, taken at full clock like the duel's trials) and, where those
     allow a heavy call, their graph times (``read_gpu(names)``; ``heavy_from``:
-    ``engine.heavy_rate``). One pair judged so times the whole row over stretches."""
+    ``verdict.heavy_rate``). One pair judged so times the whole row over stretches."""
     if options.sustained_s <= 0:
         return 0.0
     for pair in DUELS:
