@@ -319,7 +319,7 @@ def test_the_runner_up_duels_where_the_winners_confirmation_reads_it_slower():
 
 
 def test_a_later_duellist_whose_eager_trial_ties_the_kept_one_duels_it():
-    # session 27's Qwen o trials, host-bound beside compiles: 2.4% apart, within pingpong's noise
+    # host-bound trials (a Qwen o projection beside compiles): 2.4% apart, within pingpong's noise
     kept = m("cutlass_ws", 25.09, 25.0, 25.2)
     pingpong, slower = m("cutlass_pingpong", 25.70, 25.0, 26.4), m("triton", 27.0, 26.9, 27.1)
     assert tied_rival([pingpong, slower], kept, TuneOptions()) is pingpong
