@@ -8,7 +8,7 @@ import torch
 
 from tuner.candidates import registry
 from tuner.core.keys import GemmKey
-from tuner.measure import samples
+from tuner.measure import samples, timing
 from tuner.tuning.engine import TuneOptions, tune
 
 pytestmark = [
@@ -154,6 +154,24 @@ def test_runners_use_the_current_stream(name):
     key = key_of("bf16", "f32", "nn", m=1024, n=1024, k=1024)
     src = source(name)
     assert queued_behind_a_busy_stream(src.build(key, src.candidates(key, "cuda")[0]), key) == 0.0
+
+
+@pytest.mark.parametrize("name", ["cublas", "cublaslt"])
+def test_runners_are_captured_in_a_cuda_graph(name):
+    """A runner that cannot be captured cannot serve a step run as a graph, and loses every duel."""
+    key = key_of("bf16", "f32", "nt", m=256, n=1024, k=1024)
+    src = source(name)
+    runner = src.build(key, src.candidates(key, "cuda")[0])
+    a, b = samples.make_inputs(key, "cuda", torch.Generator(device="cuda").manual_seed(0))
+    assert timing.graph_time(lambda i: runner(a, b)).median_us > 0  # raises if not captured
+    out = torch.empty_like(runner(a, b))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        runner(a, b, out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert samples.relative_error(out, a.double() @ b.double()) <= samples.tolerance(key)
 
 
 # --- CUTLASS: one compile per (dtypes, layouts, config), all compiled in parallel up front -------

@@ -265,7 +265,7 @@ def test_cutlass_cache_dir_follows_the_environment(tmp_path, monkeypatch):
 # --- why they do not run here ----------------------------------------------------------------------
 
 SOURCES = [
-    (cublas.CublasGemm(), "cupy", "package missing: cupy"),
+    (cublas.CublasGemm(), "nvmath", "package missing: nvmath-python"),
     (cublaslt.CublasLtGemm(), "nvmath", "package missing: nvmath-python"),
     (cutlass_gemm.CutlassGemm(), "cutlass_cppgen", "package missing: nvidia-cutlass"),
 ]

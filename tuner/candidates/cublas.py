@@ -1,11 +1,15 @@
-"""cuBLAS through CuPy's ``gemmEx`` / ``gemmStridedBatchedEx``: the library torch.matmul calls.
+"""cuBLAS through nvmath-python's bindings (``cublasGemmEx`` / ``cublasGemmStridedBatchedEx``):
+the library torch.matmul calls.
 
 Params: ``{"algo": int}`` with ``-1`` = CUBLAS_GEMM_DEFAULT (the heuristic) and ``99..115`` the
-tensor-op algorithm enum (CuPy has no names for these: they are passed as ints). The compute type
-follows the key: CUBLAS_COMPUTE_32F (fp16/bf16 inputs accumulate in fp32; fp32 stays IEEE) or
-CUBLAS_COMPUTE_32F_FAST_TF32. Every layout maps onto one column-major call (gemm_operands), runs on
-torch's current stream (bound to the handle, and made CuPy's current stream, for each call)
-through a handle of our own, so torch's handle state is never touched.
+tensor-op algorithm enum (passed as ints). The compute type follows the key: CUBLAS_COMPUTE_32F
+(fp16/bf16 inputs accumulate in fp32; fp32 stays IEEE) or CUBLAS_COMPUTE_32F_FAST_TF32. Every
+layout maps onto one column-major call (gemm_operands), on torch's current stream (bound to the
+handle for each call) through a handle of our own, so torch's handle state is never touched.
+
+Not through CuPy, whose cuBLAS wrappers refuse every call while a stream is capturing
+("calling cuBLAS API during stream capture is currently unsupported"): such a runner can never
+serve a caller that runs its step as a CUDA graph, so it lost every duel on the GPU.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ import os
 from typing import Any
 
 import numpy as np
-import torch
 
 from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params, Runner, Source
@@ -32,46 +35,13 @@ DEFAULT_CANDIDATE_ALGOS = (CUBLAS_GEMM_DEFAULT,)
 
 @functools.cache
 def _library() -> Any:
-    """CuPy's cuBLAS module (raises ImportError with the reason when it cannot load)."""
-    from cupy_backends.cuda.libs import cublas
+    """nvmath-python's cuBLAS bindings (raises ImportError with the reason when they cannot load)."""
+    from nvmath.bindings import cublas
 
     return cublas
 
 
 _HANDLES = ops.DeviceHandles(lambda: _library().create())
-
-
-class _RawStream:
-    """A raw ``cudaStream_t`` under the CUDA stream protocol, as ``Stream.from_external`` takes it."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
-
-
-@functools.lru_cache(maxsize=64)
-def _cupy_stream(ptr: int, device: int) -> Any:
-    """CuPy's view of a torch stream, made CuPy's current stream around each call.
-
-    CuPy's cuBLAS wrappers rebind the handle before every call to CuPy's current stream of the
-    current device (cupy_backends/cuda/libs/cublas.pyx: ``_setStream(handle)`` ->
-    ``setStream(handle, stream_module.get_current_stream_ptr())``), so a ``setStream`` of ours is
-    undone unless this stream is current: on CuPy 14.2 ``getStream`` after ``gemmEx`` reads 0
-    without it and torch's stream with it. ``Stream.from_external`` (CuPy >= 14; it never destroys
-    the foreign stream) replaces ``ExternalStream``, deprecated in 14; CuPy 13 has only the latter.
-    """
-    import cupy
-
-    if ptr == 0:
-        return cupy.cuda.Stream.null
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is None:
-        return cupy.cuda.ExternalStream(ptr, device_id=device)
-    return from_external(_RawStream(ptr))  # device_id -1 (on 14.2): the current device at entry
 
 
 def candidate_algos() -> tuple[int, ...]:
@@ -100,8 +70,8 @@ class CublasGemm(Source):
     op = "gemm"
 
     def unavailable(self, device: str) -> str | None:
-        cupy = ops.package_missing("cupy", "cupy (pip install cupy-cuda13x or cupy-cuda12x)")
-        return ops.unavailable_reason(device, "cuBLAS", cupy, _library)
+        nvmath = ops.package_missing("nvmath", "nvmath-python")
+        return ops.unavailable_reason(device, "cuBLAS", nvmath, _library)
 
     def unsupported(self, key: GemmKey) -> str | None:
         return "plain GEMMs only (no FP8 or INT4 path in cublasGemmEx)" if key.lowbit else None
@@ -129,17 +99,13 @@ class CublasGemm(Source):
             c, user_out = ops.output_for(key, ta, out, c_align)
             call = ops.colmajor_call(key, ta, tb, c)
             handle = _HANDLES.get(ta.device)
-            device = ta.device.index if ta.device.index is not None else torch.cuda.current_device()
-            stream = ops.current_stream(ta.device)
-            # bound explicitly too, for old CuPy whose gemmEx leaves the handle's stream alone
-            lib.setStream(handle, stream)
-            with _cupy_stream(stream, device):
-                _gemm(handle, call, ta, tb, c)
+            lib.set_stream(handle, ops.current_stream(ta.device))
+            _gemm(handle, call, ta, tb, c)
             return ops.finish(c, user_out, convert)
 
         def _gemm(handle: int, call: ops.ColMajorCall, ta: Any, tb: Any, c: Any) -> None:
             if batched or ta.dim() == 3:
-                lib.gemmStridedBatchedEx(
+                lib.gemm_strided_batched_ex(
                     handle, call.trans_first, call.trans_second, call.m, call.n, call.k,
                     alpha, tb.data_ptr(), dtype, call.ld_first, call.stride_first,
                     ta.data_ptr(), dtype, call.ld_second, call.stride_second,
@@ -147,7 +113,7 @@ class CublasGemm(Source):
                     key.batch, compute, algo,
                 )  # fmt: skip
             else:
-                lib.gemmEx(
+                lib.gemm_ex(
                     handle, call.trans_first, call.trans_second, call.m, call.n, call.k,
                     alpha, tb.data_ptr(), dtype, call.ld_first,
                     ta.data_ptr(), dtype, call.ld_second,
