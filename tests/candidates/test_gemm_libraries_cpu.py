@@ -4,10 +4,14 @@ reasons they give for not running."""
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import importlib.util
 import json
+import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,6 +118,80 @@ def test_cublas_params_and_algos(monkeypatch):
     for bad in ({"algo": 5}, {"algo": "default"}, {"algo": -1, "tile": 3}):
         with pytest.raises(ValueError, match="algo"):
             src.build(key, bad)
+
+
+NUMPY_DTYPES = {ops.CUDA_R_32F: np.float32, ops.CUDA_R_16F: np.float16}
+
+
+class FakeCublas:
+    """nvmath-python's ``cublas`` bindings as the runner calls them, taking the C API's
+    arguments in its order (``cublasGemmEx``, ``cublasGemmStridedBatchedEx``) and doing the GEMM
+    on the CPU from the pointers, so that a swapped argument shows as a wrong product. Its
+    ``set_stream`` yields the GIL, as the binding's call does, so other threads run there."""
+
+    def __init__(self) -> None:
+        self.stream: dict[int, int] = {}  # handle -> the stream bound to it
+        self.ran_on: list[tuple[int, int]] = []  # (stream the caller asked for, stream bound)
+
+    def create(self) -> int:
+        return 1
+
+    def set_stream(self, handle: int, stream_id: int) -> None:
+        self.stream[handle] = stream_id
+        time.sleep(1e-4)
+
+    def gemm_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb,
+                beta, c, ctype, ldc, compute_type, algo) -> None:  # fmt: skip
+        self.gemm_strided_batched_ex(handle, transa, transb, m, n, k, alpha, a, atype, lda, 0, b,
+                                     btype, ldb, 0, beta, c, ctype, ldc, 0, 1, compute_type, algo)  # fmt: skip
+
+    def gemm_strided_batched_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda,
+                                stride_a, b, btype, ldb, stride_b, beta, c, ctype, ldc, stride_c,
+                                batch_count, compute_type, algo) -> None:  # fmt: skip
+        self.ran_on.append((threading.get_ident(), self.stream[handle]))
+        assert compute_type == ops.CUBLAS_COMPUTE_32F and algo == cublas.CUBLAS_GEMM_DEFAULT
+        first = self.matrix(a, atype, (m, k) if transa == ops.OP_N else (k, m), lda, stride_a,
+                            batch_count)  # fmt: skip
+        second = self.matrix(b, btype, (k, n) if transb == ops.OP_N else (n, k), ldb, stride_b,
+                             batch_count)  # fmt: skip
+        first = first if transa == ops.OP_N else first.transpose(0, 2, 1)
+        second = second if transb == ops.OP_N else second.transpose(0, 2, 1)
+        out = self.matrix(c, ctype, (m, n), ldc, stride_c, batch_count)
+        scale = np.frombuffer((ctypes.c_float * 2).from_address(alpha), np.float32)
+        assert beta == alpha + 4 and list(scale) == [1.0, 0.0]  # beta 0: c is not read
+        out[...] = first.astype(np.float64) @ second.astype(np.float64)
+
+    def matrix(self, ptr: int, dtype: int, shape: tuple[int, int], ld: int, stride: int,
+               batch: int) -> np.ndarray:  # fmt: skip
+        """(batch, rows, cols) read column-major from ``ptr``, as cuBLAS reads it."""
+        item = np.dtype(NUMPY_DTYPES[dtype]).itemsize
+        rows, cols = shape
+        span = (batch - 1) * stride + (cols - 1) * ld + rows
+        flat = np.frombuffer((ctypes.c_char * (span * item)).from_address(ptr), NUMPY_DTYPES[dtype])
+        strides = (stride * item, item, ld * item)
+        return np.lib.stride_tricks.as_strided(flat, (batch, rows, cols), strides, writeable=True)
+
+
+@pytest.fixture
+def fake_cublas(monkeypatch: pytest.MonkeyPatch) -> FakeCublas:
+    fake = FakeCublas()
+    monkeypatch.setattr(cublas, "_library", lambda: fake)
+    monkeypatch.setattr(cublas._HANDLES, "get", lambda device: fake.create())
+    monkeypatch.setattr(ops, "current_stream", lambda device: threading.get_ident())
+    return fake
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("dtype", "batch"), [("f32", 1), ("f32", 3), ("f16", 1)])
+def test_cublas_runner_passes_the_c_apis_arguments_in_order(fake_cublas, layout, dtype, batch):
+    key = GemmKey(m=5, n=7, k=3, batch=batch, layout=layout, dtype=dtype, out_dtype=dtype,
+                   align=2 if dtype == "f16" else 4)  # fmt: skip
+    a, b = samples.make_inputs(key, "cpu", torch.Generator().manual_seed(0))
+    runner = cublas.CublasGemm().build(key, {"algo": -1})
+    want, tol = a.double() @ b.double(), samples.tolerance(key)
+    assert samples.relative_error(runner(a, b), want) <= tol
+    out = torch.full(tuple(want.shape), float("nan"), dtype=a.dtype)
+    assert runner(a, b, out=out) is out and samples.relative_error(out, want) <= tol
 
 
 # --- cuBLASLt params ------------------------------------------------------------------------------
