@@ -194,6 +194,26 @@ def test_cublas_runner_passes_the_c_apis_arguments_in_order(fake_cublas, layout,
     assert runner(a, b, out=out) is out and samples.relative_error(out, want) <= tol
 
 
+def test_cublas_calls_from_two_threads_each_run_on_their_own_stream(fake_cublas):
+    """The handle is one per device, shared by every runner and thread: a call binds its
+    stream to it and enqueues before another thread may bind its own."""
+    key = GemmKey(m=4, n=8, k=8, dtype="f32", out_dtype="f32")
+    a, b = samples.make_inputs(key, "cpu", torch.Generator().manual_seed(0))
+    runner = cublas.CublasGemm().build(key, {"algo": -1})
+
+    def calls() -> None:
+        for _ in range(50):
+            runner(a, b)
+
+    threads = [threading.Thread(target=calls) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(fake_cublas.ran_on) == 100
+    assert [bound for caller, bound in fake_cublas.ran_on if bound != caller] == []
+
+
 # --- cuBLASLt params ------------------------------------------------------------------------------
 
 

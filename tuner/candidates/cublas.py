@@ -5,7 +5,9 @@ Params: ``{"algo": int}`` with ``-1`` = CUBLAS_GEMM_DEFAULT (the heuristic) and 
 tensor-op algorithm enum (passed as ints). The compute type follows the key: CUBLAS_COMPUTE_32F
 (fp16/bf16 inputs accumulate in fp32; fp32 stays IEEE) or CUBLAS_COMPUTE_32F_FAST_TF32. Every
 layout maps onto one column-major call (gemm_operands), on torch's current stream (bound to the
-handle for each call) through a handle of our own, so torch's handle state is never touched.
+handle for each call) through a handle of our own, so torch's handle state is never touched. The
+handle is one per device, shared by every runner and thread: a call binds its stream and enqueues
+under the handle's lock, so that no other thread's stream is bound in between.
 
 Not through CuPy, whose cuBLAS wrappers refuse every call while a stream is capturing
 ("calling cuBLAS API during stream capture is currently unsupported"): such a runner can never
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -42,6 +45,12 @@ def _library() -> Any:
 
 
 _HANDLES = ops.DeviceHandles(lambda: _library().create())
+_LOCKS: dict[int, threading.Lock] = {}  # handle -> the lock its stream is bound and used under
+
+
+def _lock(handle: int) -> threading.Lock:
+    lock = _LOCKS.get(handle)
+    return lock if lock is not None else _LOCKS.setdefault(handle, threading.Lock())
 
 
 def candidate_algos() -> tuple[int, ...]:
@@ -99,8 +108,10 @@ class CublasGemm(Source):
             c, user_out = ops.output_for(key, ta, out, c_align)
             call = ops.colmajor_call(key, ta, tb, c)
             handle = _HANDLES.get(ta.device)
-            lib.set_stream(handle, ops.current_stream(ta.device))
-            _gemm(handle, call, ta, tb, c)
+            stream = ops.current_stream(ta.device)
+            with _lock(handle):
+                lib.set_stream(handle, stream)
+                _gemm(handle, call, ta, tb, c)
             return ops.finish(c, user_out, convert)
 
         def _gemm(handle: int, call: ops.ColMajorCall, ta: Any, tb: Any, c: Any) -> None:
