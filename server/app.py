@@ -90,7 +90,7 @@ def create_app(settings: Settings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await stops.drain()  # requests a stop cut settle their transactions first
+        await stops.drain()  # requests in flight (a stop cut them) settle and log first
         db.close()
 
     app = FastAPI(

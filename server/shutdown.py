@@ -99,10 +99,10 @@ def ledger() -> Ledger:
 
 
 class Stops:
-    """The requests in flight: the app's shutdown waits for them before it closes the database
-    under their transactions. Every request is kept, not only those already answering a cut:
-    a cancelled download still winds down its file stream when the shutdown begins, and its
-    line would be lost with the event loop."""
+    """The requests in flight, each kept from its start: the app's shutdown waits for them
+    (``WRITE_GRACE_S`` and a second at most: uvicorn has let each end or cut it by then) before
+    it closes the database under their transactions, and before the event loop closes under a
+    cut one still winding down (a download's file stream), whose log line would be lost."""
 
     def __init__(self) -> None:
         self.running: set[asyncio.Task] = set()
