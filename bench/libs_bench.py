@@ -74,7 +74,7 @@ def environment() -> dict[str, Any]:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
             out[dist] = None
-    for module in ("cupy_backends.cuda.libs.cublas", "nvmath.bindings.cublasLt", "cuda.core",
+    for module in ("nvmath.bindings.cublas", "nvmath.bindings.cublasLt", "cuda.core",
                    "nvmath.linalg.advanced"):  # fmt: skip
         try:
             mod = importlib.import_module(module)

@@ -713,7 +713,7 @@ def _unpatch() -> None:
 
 def _prepare() -> None:
     """Do now what a first resolution would otherwise do inside a CUDA-graph capture: load the
-    kernel sources (imports of CuPy, nvmath, ...) and fingerprint the GPU (which asks CuPy for a
+    kernel sources (imports of nvmath, CUTLASS, ...) and fingerprint the GPU (which asks CuPy for a
     cuBLAS handle). Both are cached for the process."""
     registry.all_sources()
     if torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():

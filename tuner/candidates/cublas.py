@@ -11,7 +11,7 @@ under the handle's lock, so that no other thread's stream is bound in between.
 
 Not through CuPy, whose cuBLAS wrappers refuse every call while a stream is capturing
 ("calling cuBLAS API during stream capture is currently unsupported"): such a runner can never
-serve a caller that runs its step as a CUDA graph, so it lost every duel on the GPU.
+serve a caller that runs its step as a CUDA graph, and loses every duel on the GPU.
 """
 
 from __future__ import annotations

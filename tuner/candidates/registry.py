@@ -19,7 +19,7 @@ from tuner.core.keys import Key
 log = logging.getLogger(__name__)
 
 # module:class of every built-in source; imported lazily so that a missing optional package
-# (cupy, nvmath, cutlass) only disables its own source.
+# (nvmath, cutlass) only disables its own source.
 BUILTIN = {
     "torch": "tuner.candidates.torch_ref:TorchGemm",
     "torch_sdpa": "tuner.candidates.torch_ref:TorchSdpa",
