@@ -23,7 +23,7 @@ from tuner.cache.artifacts import (
 )
 from tuner.core.device import Fingerprint
 from tuner.fleet.client import BATCH_SPECS, FleetClient, FleetError
-from tuner.fleet.sync import _restarted
+from tuner.fleet.sync import service_restarted
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def sync_artifacts(
     have = artifacts.hashes()
     while True:
         body = client.artifact_listing(archs, cursor)
-        if _restarted(client, store, scope, cursor, body.get("last")):
+        if service_restarted(client, store, scope, cursor, body.get("last")):
             cursor = 0
             continue
         for row in body["artifacts"]:

@@ -90,7 +90,7 @@ def _start_over(client: FleetClient, store: Store, scope: str, why: str) -> None
     store.forget_reported_misses(scope)
 
 
-def _restarted(
+def service_restarted(
     client: FleetClient, store: Store, scope: str, position: int, last: int | None
 ) -> bool:
     """Whether this host's ``position`` in ``scope`` lies beyond ``last``, the service's latest
@@ -174,7 +174,7 @@ def _check_pushed(client: FleetClient, store: Store, scope: str, fp: Fingerprint
     if held is False:
         _start_over(client, store, scope, f"no longer holds measurement {uid}, pushed to it")
     elif held is None and (since := store.position(_pull_name(scope, fp))):
-        _restarted(client, store, scope, since, _feed_page(client, fp, since, 1)[1])
+        service_restarted(client, store, scope, since, _feed_page(client, fp, since, 1)[1])
 
 
 def pull(
@@ -195,7 +195,7 @@ def pull(
     total = pages = 0
     while True:
         body, last = _feed_page(client, fp, cursor, page)
-        if _restarted(client, store, scope, cursor, last):
+        if service_restarted(client, store, scope, cursor, last):
             cursor = 0
             continue
         if body is None:  # nobody of this class has reported yet

@@ -10,6 +10,7 @@ import functools
 import logging
 import math
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -45,6 +46,9 @@ log = logging.getLogger(__name__)
 
 
 CONFIRM_REPS = 100  # calls per duel round at most: alternating rounds, not long ones, catch drift
+# challengers that lose a duel at the power limit before the baseline stays: there two kernels of
+# one library within a few % of each other read alike, and each such duel takes seconds
+SUSTAINED_TRIES = 2
 
 GraphPair = tuple[timing.Timing | None, timing.Timing | None] | None  # baseline's, challenger's
 
@@ -53,17 +57,26 @@ def confirmed(
     trial: Trial, base: Measurement, order: list[Measurement], options: TuneOptions
 ) -> tuple[Measurement, float, float]:
     """The first of ``order`` (up to ``confirm_tries``) that keeps its win over the baseline in
-    the confirmation, else the baseline; where the kept one's confirmed time is beaten by a later
+    the confirmation, else the baseline (also once ``SUSTAINED_TRIES`` have lost sustained duels);
+    where the kept one's confirmed time is beaten by a later
     duellist's trial time (``runner_up``), that one duels too and the faster of the two, each
     relative to its own duel's baseline, wins. Else, on the GPU, a later duellist whose trial
     tied the kept one's (``tied_rival``) duels the kept one, as a challenger duels the baseline,
     and serves if it wins. Returns (chosen, baseline's time, chosen's time)."""
     base_us = trial_base_us = effective_us(base, options.launch)
+    lost_sustained = 0
     for i, challenger in enumerate(order[: max(1, options.confirm_tries)]):
         if options.confirm_rounds <= 0:
             return challenger, base_us, effective_us(challenger, options.launch)
+        if lost_sustained == SUSTAINED_TRIES:
+            log.info(
+                "%s: %d duels at the power limit lost; %d more challengers not confirmed",
+                trial.key, lost_sustained, len(order[i : options.confirm_tries]),
+            )  # fmt: skip
+            break
         chosen, base_us, chosen_us = trial.confirm(base, challenger, options)
         if chosen is base:
+            lost_sustained += trial.stretched[base.candidate, challenger.candidate]
             continue
         # a sustained duel reads both runners slower than their trials: compared in its terms
         scale = (
@@ -231,6 +244,7 @@ class Trial:
         ``base_name``: what the verdict calls ``base`` (a kept challenger that a tied one duels).
         Returns the chosen measurement and the baseline's and chosen one's times (us).
         """
+        started = time.perf_counter()
         runners = {
             m.candidate: self.runners.get(m.candidate)
             or registry.get(m.source).build(self.key, m.params)
@@ -326,7 +340,8 @@ class Trial:
         verdict = (
             f"confirmation: {chal_us:.2f} us vs {base_name} {base_us:.2f} us, host "
             f"{chal_host:.2f} vs {base_host:.2f} us per call{note}, "
-            f"{'kept' if kept else 'lost'} (margin {margin:.1%})"
+            f"{'kept' if kept else 'lost'} (margin {margin:.1%}; "
+            f"the duel took {time.perf_counter() - started:.1f} s)"
         )
         # after the trial's own note (a host time read again), which says why it is here
         challenger.error = f"{challenger.error}; {verdict}" if challenger.error else verdict

@@ -1,0 +1,97 @@
+"""How the duels that confirm a win are run in turn (``tuner.tuning.trials.confirmed``): with
+scripted duel outcomes on the CPU, and with twins of the baseline at the GPU's power limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from planted import Twin
+
+from tuner.candidates import registry
+from tuner.core.keys import GemmKey
+from tuner.measure.records import Measurement
+from tuner.tuning.engine import tune
+from tuner.tuning.options import TuneOptions
+from tuner.tuning.trials import SUSTAINED_TRIES, Trial, confirmed
+
+KEY = GemmKey(m=64, n=64, k=64, dtype="f32", out_dtype="f32")
+
+
+def timed(name: str, us: float, baseline: bool = False) -> Measurement:
+    return Measurement(
+        device_class="d", key=str(KEY), source=name, params={}, status="ok",
+        is_baseline=baseline, median_us=us, p10_us=us, p90_us=us, host_us=0.0,
+    )  # fmt: skip
+
+
+class ScriptedDuels(Trial):
+    """A trial whose duels end as scripted: (kept, at the power limit) by challenger."""
+
+    def __init__(self, outcomes: dict[str, tuple[bool, bool]]) -> None:
+        self.key, self.device, self.stretched = KEY, "cpu", {}
+        self.outcomes, self.dueled = outcomes, []
+
+    def confirm(self, base, challenger, options, base_name="baseline"):
+        kept, sustained = self.outcomes[challenger.candidate]
+        self.stretched[base.candidate, challenger.candidate] = sustained
+        self.dueled.append(challenger.candidate)
+        chosen = challenger if kept else base
+        return chosen, base.median_us, chosen.median_us
+
+
+def run(outcomes: dict[str, tuple[bool, bool]]) -> tuple[str, list[str]]:
+    """The chosen candidate and the challengers dueled, in order (fastest first)."""
+    trial = ScriptedDuels(outcomes)
+    base = timed("torch", 100.0, baseline=True)
+    order = [timed(name, 80.0 + i) for i, name in enumerate(outcomes)]
+    chosen, _, _ = confirmed(trial, base, order, TuneOptions(confirm_tries=4))
+    return chosen.candidate, trial.dueled
+
+
+def test_two_duels_lost_at_the_power_limit_keep_the_baseline_without_more():
+    lost_at_limit = (False, True)
+    assert SUSTAINED_TRIES == 2
+    chosen, dueled = run({"a": lost_at_limit, "b": lost_at_limit, "c": (True, True)})
+    assert (chosen, dueled) == ("torch", ["a", "b"])
+
+
+def test_a_second_try_at_the_power_limit_may_still_win():
+    chosen, dueled = run({"a": (False, True), "b": (True, True), "c": (True, True)})
+    assert (chosen, dueled) == ("b", ["a", "b"])
+
+
+def test_only_duels_at_the_power_limit_count_against_the_tries():
+    quick_loss, lost_at_limit = (False, False), (False, True)
+    chosen, dueled = run(
+        {"a": quick_loss, "b": lost_at_limit, "c": quick_loss, "d": lost_at_limit}
+    )
+    assert (chosen, dueled) == ("torch", ["a", "b", "c", "d"])
+    assert run({"a": quick_loss, "b": quick_loss, "c": quick_loss, "d": (True, False)})[0] == "d"
+
+
+class Twins(Twin):
+    """Three copies of the baseline's kernel: every duel of theirs is a tie that keeps it."""
+
+    name = "twins"
+
+    def candidates(self, key, device):
+        return [{"copy": i} for i in range(3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_twins_of_a_heavy_baseline_duel_at_the_power_limit_at_most_twice():
+    """A 4096^3 bf16 GEMM draws the GPU to its power limit: its duels are sustained. A 10%
+    noise makes every twin a tie that goes to a duel, and a duel it cannot win."""
+    registry.register(Twins())
+    try:
+        options = TuneOptions(sources=["twins"], min_noise=0.1, prune=False, cut_factor=1e9,
+                              late_cut=1e9)  # fmt: skip
+        outcome = tune(GemmKey(m=4096, n=4096, k=4096), options=options)
+    finally:
+        registry.unregister("twins")
+    notes = {m.candidate: m.error or "" for m in outcome.measurements if m.source == "twins"}
+    dueled = [name for name, note in notes.items() if "confirmation: " in note]
+    assert outcome.winner.source == "torch", notes
+    assert len(dueled) == SUSTAINED_TRIES, notes
+    assert all("stretches" in notes[name] and "lost" in notes[name] for name in dueled), notes
