@@ -62,9 +62,7 @@ def test_a_second_try_at_the_power_limit_may_still_win():
 
 def test_only_duels_at_the_power_limit_count_against_the_tries():
     quick_loss, lost_at_limit = (False, False), (False, True)
-    chosen, dueled = run(
-        {"a": quick_loss, "b": lost_at_limit, "c": quick_loss, "d": lost_at_limit}
-    )
+    chosen, dueled = run({"a": quick_loss, "b": lost_at_limit, "c": quick_loss, "d": lost_at_limit})
     assert (chosen, dueled) == ("torch", ["a", "b", "c", "d"])
     assert run({"a": quick_loss, "b": quick_loss, "c": quick_loss, "d": (True, False)})[0] == "d"
 
