@@ -85,7 +85,7 @@ from tuner.serving.call_memo import (
     remember,
     sdpa_key,
 )
-from tuner.serving.dispatcher import Dispatcher, Resolution, get_dispatcher
+from tuner.serving.dispatcher import Dispatcher, Resolution, get_dispatcher, inside
 from tuner.serving.lowbit import Int4Names, ScaledMMNames
 from tuner.serving.quantize import quantize_linear
 
@@ -99,11 +99,9 @@ _routers: list[Router] = []  # enable() pushes, disable() pops; the last one rou
 _active: Router | None = None
 
 
-class _Guard(threading.local):
-    busy = False  # this thread is inside the tuner: its torch calls go to torch
-
-
-_guard = _Guard()
+# this thread is inside the tuner (its torch calls go to torch): shared with the dispatcher,
+# whose own entry points (tuner.matmul, a quantized layer's int4_linear, ...) set it too
+_guard = inside
 
 
 def active_dispatcher() -> Dispatcher:

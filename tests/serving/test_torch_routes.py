@@ -29,9 +29,11 @@ from dropin_support import (
 from torch import nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right, causal_upper_left
 
+import tuner
 import tuner.torch as tt
 from tuner.cache import Store
 from tuner.core.device import fingerprint
+from tuner.serving import dispatcher
 from tuner.serving.dispatcher import Dispatcher
 from tuner.serving.warmup import warmup
 from tuner.tuning.engine import TuneOptions, tune
@@ -442,6 +444,22 @@ def test_tuner_kernels_calling_torch_do_not_recurse(tmp_path: Path) -> None:
     with tt.enabled(dispatcher=disp):
         (a @ a).sum().backward()  # forward and backward GEMMs call the (patched) torch.matmul
     assert tt.stats(disp).calls == 3
+
+
+def test_the_tuners_own_entry_points_inside_a_block_resolve_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tuner.matmul`` and a quantized layer call the dispatcher themselves: their baseline's
+    torch call is not routed back to it, counted twice, or (tune mode) timed with the router."""
+    disp = Dispatcher(tmp_path / "c.db", mode="tune")
+    monkeypatch.setattr(dispatcher, "_dispatcher", disp)  # the one quantized layers call
+    layer = tt.quantize_linear(nn.Linear(128, 32), "fp8")
+    with tt.enabled(dispatcher=disp), torch.no_grad():
+        tuner.matmul(torch.randn(8, 16), torch.randn(16, 8))  # tuned now: torch's calls timed
+        layer(torch.randn(2, 128))
+        disp.set_mode("lookup")
+        tuner.sdpa(*[torch.randn(1, 2, 4, 16)] * 3)
+    assert [r.calls for r in tt.stats(disp).rows if r.calls] == [1, 1, 1]
 
 
 # --- CUDA-graph capture (simulated on the CPU) --------------------------------------------------

@@ -18,6 +18,7 @@ handles (broadcasting, mixed dtypes, odd strides, autograd) goes straight to tor
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -171,6 +172,32 @@ def _taking_turns(runner: Runner, device: Any) -> Runner:
     return run
 
 
+class _Inside(threading.local):
+    busy = False  # this thread is inside the tuner: its torch calls go to torch
+
+
+# read by tuner.torch's wrappers: a torch entry point called from inside the tuner (a baseline
+# runner calls torch.matmul, torch._scaled_mm, ...; a tuning times torch's own) is torch's, not
+# routed back to a dispatcher to be resolved, counted and timed with the router's cost again
+inside = _Inside()
+
+
+def _inside(call: Callable[..., Any]) -> Callable[..., Any]:
+    """An entry point that marks this thread as inside the tuner while it resolves (a tuning's
+    own timed calls of torch's baseline included) and runs its runner."""
+
+    @functools.wraps(call)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        was = inside.busy
+        inside.busy = True
+        try:
+            return call(*args, **kwargs)
+        finally:
+            inside.busy = was
+
+    return run
+
+
 def _counted(runner: Runner, res: Resolution) -> Runner:
     def run(*args: Any, **kwargs: Any) -> Any:
         res.calls += 1
@@ -232,6 +259,7 @@ class Dispatcher:
 
     # --- hot path ------------------------------------------------------------------------------
 
+    @_inside
     def matmul(self, a: Any, b: Any, out: Any = None) -> Any:
         runner = self.resolve_gemm(a, b)[0]
         if out is not None and runner is not _torch_matmul and not _out_fits(a, b, out):
@@ -242,11 +270,13 @@ class Dispatcher:
         """The runner that ``matmul(a, b)`` calls: hoist it out of a loop to skip even the lookup."""
         return self.resolve_gemm(a, b)[0]
 
+    @_inside
     def sdpa(
         self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
     ) -> Any:
         return self.resolve_sdpa(q, k, v, causal, scale)[0](q, k, v)
 
+    @_inside
     def scaled_mm(
         self, a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
         scale_result: Any = None, out_dtype: Any = None, use_fast_accum: bool = False,
@@ -287,6 +317,7 @@ class Dispatcher:
             )  # fmt: skip
         return hot
 
+    @_inside
     def int4_linear(self, x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> Any:
         """``x [..., K] @ W.T`` with W int4 in torch's packed format: out [..., N]."""
         try:  # a 2-D x as it is: a reshape is a good part of the hit path
