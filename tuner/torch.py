@@ -437,14 +437,22 @@ class Router:
         )
         return NotImplemented if self._torch_serves(res) else runner(a, b, sa, sb)
 
-    def _int4_mm(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
+    def _int4_mm(self, args: tuple, kwargs: dict, compiling: bool, op_device: str = "cuda") -> Any:
+        """``aten._weight_int4pack_mm`` (``op_device``: the device type torch has it for; the
+        CPU's twin is ``_int4_mm_for_cpu``): a call on another device's tensors is torch's, to
+        refuse as it does, not served by the dispatcher (which picks the op by device)."""
         x, w, group_size, scales_and_zeros = _int4_args(*args, **kwargs)
         if compiling or not all(_plain(t) for t in (x, w, scales_and_zeros)) or x.dim() != 2:
+            return NotImplemented
+        if x.device.type != op_device:
             return NotImplemented
         runner, res = self.dispatcher.resolve_int4(
             x, w, scales_and_zeros, group_size, names=_INT4_NAMES
         )
         return NotImplemented if self._torch_serves(res) else runner(x, w, scales_and_zeros)
+
+    def _int4_mm_for_cpu(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
+        return self._int4_mm(args, kwargs, compiling, "cpu")
 
     # --- attention -----------------------------------------------------------------------------
 
@@ -493,15 +501,15 @@ ENTRY_POINTS = (
     (torch.nn.functional, "scaled_dot_product_attention", "_sdpa"),
     (torch, "_scaled_mm", "_scaled_mm"),
     (torch.ops.aten, "_weight_int4pack_mm", "_int4_mm"),
-    (torch.ops.aten, "_weight_int4pack_mm_for_cpu", "_int4_mm"),
+    (torch.ops.aten, "_weight_int4pack_mm_for_cpu", "_int4_mm_for_cpu"),
     (torch, "_weight_int4pack_mm", "_int4_mm"),  # torch's own names of the two aten ops
-    (torch, "_weight_int4pack_mm_for_cpu", "_int4_mm"),
+    (torch, "_weight_int4pack_mm_for_cpu", "_int4_mm_for_cpu"),
 )
 # the signature each handler reads its call by
 _BINDINGS: dict[str, Callable[..., tuple]] = {
     "_matmul": _binary_args, "_mm": _binary_args, "_bmm": _binary_args, "_addmm": _addmm_args,
     "_linear": _linear_args, "_sdpa": _sdpa_args, "_scaled_mm": _scaled_mm_args,
-    "_int4_mm": _int4_args,
+    "_int4_mm": _int4_args, "_int4_mm_for_cpu": _int4_args,
 }  # fmt: skip
 _saved: list[tuple[Any, str, Any, bool]] = []  # (owner, name, original, owned its attribute)
 

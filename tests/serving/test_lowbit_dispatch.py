@@ -453,6 +453,24 @@ def aten_args(packet: object) -> list[str]:
     return [arg.name for arg in packet.default._schema.arguments]  # type: ignore[attr-defined]
 
 
+def test_cudas_int4_op_on_cpu_tensors_is_refused_by_torch_as_without_the_drop_in(
+    disp: Dispatcher,
+) -> None:
+    """torch has ``aten._weight_int4pack_mm`` for CUDA only: routed, a call of it on the CPU's
+    packing fails as it does unrouted, though the problem has a winner the CPU could run."""
+    packed, sz = int4_weight()
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    tuner.int4_linear(x, packed, sz, GROUP)
+    store_winners(disp, recorded(disp), triton=True)
+    with pytest.raises(NotImplementedError) as unrouted:
+        torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz)
+    with tt.enabled(dispatcher=disp):
+        for op in (torch.ops.aten._weight_int4pack_mm, torch._weight_int4pack_mm):
+            with pytest.raises(NotImplementedError) as routed:
+                op(x, packed, GROUP, sz)
+            assert str(routed.value) == str(unrouted.value)
+
+
 @pytest.mark.parametrize(
     ("device", "op_name"),
     [("cpu", "_weight_int4pack_mm_for_cpu"),
