@@ -3,6 +3,7 @@ FP8 ones served by the tuner, outputs within the formats' error, unsupported sha
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -307,3 +308,13 @@ def test_a_quantized_model_compiles_whole(fmt) -> None:
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
     for x in (torch.randn(3, 256), torch.randn(2, 5, 256)):  # a batch of sequences too
         torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+
+
+def test_a_numpy_group_size_is_taken_as_an_int_and_compiles() -> None:
+    """A NumPy int is a group size as a Python one is (``int4.check_group``): the layer keeps
+    it as an int, which the custom op ``tuner::int4_linear`` takes under torch.compile."""
+    model = tt.quantize_linear(nn.Sequential(nn.Linear(256, 128)), "int4", group_size=np.int64(64))
+    assert type(model[0].group_size) is int
+    x = torch.randn(3, 256)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)

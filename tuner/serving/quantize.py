@@ -28,6 +28,7 @@ They are for inference: like torch's int4 and FP8 ops, they have no backward.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable
 
 import torch
@@ -241,6 +242,7 @@ def quantize_linear(module: nn.Module, fmt: str, group_size: int | None = None) 
     if fmt == "int4":  # each layer's K: unsupported()
         group_size = DEFAULT_GROUP if group_size is None else group_size
         int4.check_group(group_size)
+        group_size = operator.index(group_size)  # a NumPy int's value: the custom op takes an int
     if isinstance(module, nn.Linear):  # a bare layer: nothing to leave in place
         reason = kept_reason(module, None) or unsupported(fmt, module.weight, group_size)
         if reason:
