@@ -27,6 +27,7 @@ from tuner.tuning.verdict import (
     host_hides_gpu,
     may_hold_power_limit,
     power_limited,
+    retake_scattered,
     round_scatter,
     runner_up,
     steadier,
@@ -200,6 +201,18 @@ def test_an_eager_win_within_the_rounds_scatter_is_a_tie():
     host_bound = Rounds(29.70, 29.60, 29.70, 29.60, 0.3)  # a tie eagerly, rounds 30% apart
     assert eager_win(host_bound, margin=0.02, gpu_win=True)
     assert not eager_win(host_bound._replace(chal_us=29.9), margin=0.02, gpu_win=True)
+
+
+def test_scattered_rounds_are_taken_again_unless_a_sustained_challenger_read_behind():
+    """Rounds at the power limit 2-4% apart are common, and each take of a sustained duel costs
+    seconds: one whose challenger read no faster has nothing for a second take to confirm."""
+    behind = Rounds(base_us=1000.0, chal_us=1010.0, base_host=30.0, chal_host=31.0, scatter=0.03)
+    ahead = behind._replace(chal_us=990.0)
+    assert not retake_scattered(behind, margin=0.02, sustained=True)
+    assert retake_scattered(ahead, margin=0.02, sustained=True)  # a win the scatter may hide
+    assert not retake_scattered(ahead, margin=0.04, sustained=True)  # steady enough to judge
+    # a short duel: a retake costs little, and a tie may be won on the GPU
+    assert retake_scattered(behind, margin=0.02, sustained=False)
 
 
 def test_a_tie_in_its_trial_must_win_a_sustained_duel_twice():

@@ -34,6 +34,7 @@ from tuner.tuning.verdict import (
     launch_cost_repaid,
     noise,
     power_limited,
+    retake_scattered,
     round_scatter,
     runner_up,
     steadier,
@@ -218,10 +219,10 @@ class Trial:
         ``timing.round_order``. The challenger keeps the win only if it still beats the baseline
         by the margin: one lucky measurement (clock drift, a quiet moment) must not make a winner
         that is slower in use. Eagerly the margin is at least the rounds' own scatter
-        (``round_scatter``; rounds scattered wider than the noise are taken again once): a win
-        narrower than how far either runner's rounds fell apart is a tie, and a tie keeps the
-        baseline, unless the GPU times show the win where the host's launch hides the kernels
-        (``eager_win``).
+        (``round_scatter``; rounds scattered wider than the noise may be taken again once:
+        ``retake_scattered``): a win narrower than how far either runner's rounds fell apart is
+        a tie, and a tie keeps the baseline, unless the GPU times show the win where the host's
+        launch hides the kernels (``eager_win``).
 
         On the GPU both are also timed in a CUDA graph (GPU time alone, ``timing.graph_time``):
         with ``launch="graph"`` that is the time compared; eagerly the challenger must in addition
@@ -284,9 +285,9 @@ class Trial:
 
         eager = options.launch == "eager"
         why = off(readings, either_side=True) if eager else ""
-        # taken again once, as are rounds scattered wider than the noise; a duel disturbed
-        # twice keeps the baseline
-        if why or (eager and readings.scatter > margin):
+        # taken again once, as are rounds scattered wider than the noise (``retake_scattered``);
+        # a duel disturbed twice keeps the baseline
+        if why or (eager and retake_scattered(readings, margin, sustained)):
             readings = self.rounds(runners, base, challenger, options, sustained)
             why = off(readings, either_side=False)
         if graph and gpu_us and graph_reading_off(trial_us, gpu_us):

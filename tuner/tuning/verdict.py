@@ -135,6 +135,17 @@ def eager_win(readings: Rounds, margin: float, gpu_win: bool) -> bool:
     return chal < base * (1 - beyond) or (gpu_win and chal <= base)
 
 
+def retake_scattered(readings: Rounds, margin: float, sustained: bool) -> bool:
+    """Whether an eager duel's rounds, scattered wider than the noise ``margin``, are taken
+    again: cleaner rounds may show a win that the scatter hid. Not in a sustained duel whose
+    challenger read no faster than the baseline: between GPU-bound calls only an eager win
+    counts (no ``gpu_only_win``), this take showed none for a retake to confirm, and a retake
+    at the power limit costs seconds."""
+    if readings.scatter <= margin:
+        return False
+    return not sustained or readings.chal_us < readings.base_us
+
+
 # A graph reading off the same runner's trial graph time by this share of the trial and by at
 # least this many us is not a reading of its kernel: replays of one kernel are steady.
 GRAPH_OFF = 0.2
