@@ -1,0 +1,71 @@
+"""What the duels that confirm winners cost, from a tuner cache's measurements.
+
+Each duel's verdict is in its challenger's note ("confirmation: ... kept (margin 2.0%; the duel
+took 1.4 s)"); a sustained one (at the power limit) says "rounds of ... stretches". Prints, per
+kind of duel (kept / lost, sustained / short), how many and their seconds, then each problem's
+duels in order (K kept, l lost; s sustained, - short).
+
+    python bench/duel_costs.py bench/results/cold_start_s59_call2_h200_fleet_host.db.xz
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import lzma
+import re
+import sqlite3
+import tempfile
+from pathlib import Path
+
+DUEL_SECONDS = re.compile(r"the duel took ([\d.]+) s\)")
+KEPT = re.compile(r"\bkept \(margin")
+
+
+def duels(db: Path) -> dict[str, list[tuple[str, float]]]:
+    """Each problem's duels in the order they were recorded: (kind, seconds)."""
+    with tempfile.NamedTemporaryFile(suffix=".db") as plain:
+        if db.suffix == ".xz":
+            plain.write(lzma.decompress(db.read_bytes()))
+            plain.flush()
+            db = Path(plain.name)
+        rows = sqlite3.connect(db).execute(
+            "SELECT key, error FROM measurements WHERE error LIKE '%confirmation:%' ORDER BY id"
+        )
+        found: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)
+        for key, note in rows:
+            for verdict in note.split("confirmation:")[1:]:
+                took = DUEL_SECONDS.search(verdict)
+                if took is None:  # a note from before the duels were timed
+                    continue
+                kind = ("K" if KEPT.search(verdict) else "l") + (
+                    "s" if "stretches" in verdict else "-"
+                )
+                found[key].append((kind, float(took.group(1))))
+        return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("caches", nargs="+", type=Path, help="tuner.db files (.xz taken)")
+    for db in parser.parse_args().caches:
+        by_problem = duels(db)
+        count: collections.Counter[str] = collections.Counter()
+        seconds: collections.Counter[str] = collections.Counter()
+        for problem in by_problem.values():
+            for kind, s in problem:
+                count[kind] += 1
+                seconds[kind] += s
+        print(f"{db}: {sum(count.values())} duels, {sum(seconds.values()):.1f} s")
+        for kind in sorted(count):
+            print(f"  {kind}: {count[kind]:3d} duels {seconds[kind]:6.1f} s "
+                  f"({seconds[kind] / count[kind]:.2f} s each)")  # fmt: skip
+        orders = collections.Counter(" ".join(k for k, _ in p) for p in by_problem.values())
+        print(
+            "  problems by their duels: "
+            + ", ".join(f"{n} x '{o}'" for o, n in orders.most_common())
+        )
+
+
+if __name__ == "__main__":
+    main()
