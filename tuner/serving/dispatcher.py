@@ -183,8 +183,8 @@ inside = _Inside()
 
 
 def _inside(call: Callable[..., Any]) -> Callable[..., Any]:
-    """An entry point that marks this thread as inside the tuner while it resolves (a tuning's
-    own timed calls of torch's baseline included) and runs its runner."""
+    """``call`` with this thread marked as inside the tuner: a resolution (a tuning's timed
+    calls of torch's baseline included), or a runner that is torch's own."""
 
     @functools.wraps(call)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -259,7 +259,6 @@ class Dispatcher:
 
     # --- hot path ------------------------------------------------------------------------------
 
-    @_inside
     def matmul(self, a: Any, b: Any, out: Any = None) -> Any:
         runner = self.resolve_gemm(a, b)[0]
         if out is not None and runner is not _torch_matmul and not _out_fits(a, b, out):
@@ -270,13 +269,11 @@ class Dispatcher:
         """The runner that ``matmul(a, b)`` calls: hoist it out of a loop to skip even the lookup."""
         return self.resolve_gemm(a, b)[0]
 
-    @_inside
     def sdpa(
         self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
     ) -> Any:
         return self.resolve_sdpa(q, k, v, causal, scale)[0](q, k, v)
 
-    @_inside
     def scaled_mm(
         self, a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
         scale_result: Any = None, out_dtype: Any = None, use_fast_accum: bool = False,
@@ -317,7 +314,6 @@ class Dispatcher:
             )  # fmt: skip
         return hot
 
-    @_inside
     def int4_linear(self, x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> Any:
         """``x [..., K] @ W.T`` with W int4 in torch's packed format: out [..., N]."""
         try:  # a 2-D x as it is: a reshape is a good part of the hit path
@@ -390,6 +386,7 @@ class Dispatcher:
             _torch_sdpa(mode, scale), grad=sig[-1],
         )  # fmt: skip
 
+    @_inside
     def _resolve(
         self, sig: tuple, make_key: Callable[[], Key], device: Any, fallback: Runner, *,
         grad: bool,
@@ -413,6 +410,8 @@ class Dispatcher:
                 runner, res = self._build(key, self._choose(key, device.type, grad=grad), device)
             slot = (res.key, res.kind, res.candidate, res.via)
             res = self.resolutions[slot] = self.resolutions.pop(slot, res)  # latest last
+            if res.by_torch:  # a tuned runner costs nothing more; torch's calls torch's
+                runner = _inside(runner)
             if self.counting:
                 runner = _counted(runner, res)
             if res.kind != "capture":  # resolved again after the capture, with tuning allowed
