@@ -31,3 +31,9 @@ def test_a_narrow_range_has_few_ticks_and_the_baseline_rows_are_labelled(tmp_pat
     pyplot().close(fig)
     png = speedup_plot(["a"], [1.0], tmp_path / "p" / "s.png", title="t")
     assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_rows_at_or_below_1x_leave_room_right_of_1x_for_their_labels():
+    fig = speedup_figure(["a", "b"], [1.0, 0.99], title="t")
+    assert fig.axes[0].get_xlim()[1] > 1.0  # not cut at the bars' sticky edge, 1x
+    pyplot().close(fig)

@@ -109,7 +109,10 @@ def _speedup_axis(ax: Any, speedups: Sequence[float]) -> None:
     else:  # ticks as "0.995x" side by side would run into one another
         ax.xaxis.set_major_locator(MaxNLocator(6))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}x"))
-    ax.margins(x=0.1)  # room for the values written beside the longest bars
+    # room for the values written beside the longest bars; the bars' sticky edge at 1x would
+    # otherwise end the axis there when no row is faster, and its "1.00x" labels fall outside
+    ax.use_sticky_edges = False
+    ax.margins(x=0.1)
     ax.set_xlabel(f"speedup over baseline ({'log scale; ' if wide else ''}>1 is faster)")
     for y, s in enumerate(speedups):
         ax.annotate(
