@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,19 @@ def test_quick_on_a_cpu_runs_to_its_reports(tmp_path: Path) -> None:
 
 def _refuse(constant: str) -> None:
     raise ValueError(f"not JSON: {constant}")
+
+
+def test_workers_left_out_keeps_the_environments_compile_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--workers`` overrides ``$TUNER_COMPILE_WORKERS`` only where given: its default must not
+    replace the environment's (or the config file's) setting."""
+    monkeypatch.setenv("TUNER_COMPILE_WORKERS", "3")
+    ran = []
+    monkeypatch.setattr(
+        sdpa, "run", lambda *a, **k: ran.append(os.environ["TUNER_COMPILE_WORKERS"])
+    )
+    args = ["bench", "sdpa", "--quick", "--out", str(tmp_path / "b")]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    assert CliRunner().invoke(app, [*args, "--workers", "5"]).exit_code == 0
+    assert ran == ["3", "5"]

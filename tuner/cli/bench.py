@@ -151,8 +151,13 @@ def bench_sdpa(
     confirm_tries: ConfirmTriesOpt = TUNE_DEFAULTS.confirm_tries,
     sustained: SustainedOpt = TUNE_DEFAULTS.sustained_s,
     workers: Annotated[
-        int, typer.Option(min=1, help="Processes compiling Triton candidates.")
-    ] = 12,
+        int | None,
+        typer.Option(
+            min=1,
+            help="Processes compiling Triton candidates (default: $TUNER_COMPILE_WORKERS, else "
+            "the compile pool's share of the cores).",
+        ),
+    ] = None,
     quick: Annotated[
         bool,
         typer.Option(
@@ -175,5 +180,6 @@ def bench_sdpa(
     # a bad --dtype raises here, before --out is made
     suites = {p: sdpa.chosen_problems(p, dtype, quick=quick) for p in chosen}
     output_dir(out)  # made once the arguments are known good, and before the benchmark runs
-    os.environ["TUNER_COMPILE_WORKERS"] = str(workers)  # read when the compile pool starts
+    if workers is not None:  # given: it wins over $TUNER_COMPILE_WORKERS, not a default does
+        os.environ["TUNER_COMPILE_WORKERS"] = str(workers)  # read when the compile pool starts
     sdpa.run(suites, out, options, dtype=dtype)
