@@ -628,6 +628,21 @@ def test_info_says_which_cache_and_mode_this_process_uses(tmp_path):
     assert not (tmp_path / "typo.db").exists()
 
 
+def test_info_marks_a_setting_word_the_dispatcher_refuses(tmp_path):
+    """``TUNER_MODE=recrd`` fails the first call: info, where one looks first, says so."""
+    env = os.environ | {
+        "TUNER_MODE": "recrd", "TUNER_BUCKETS": "pow2", "TUNER_STALE": "no", "COLUMNS": "200",
+        "TUNER_CONFIG": str(tmp_path / "none.toml"),
+    }  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "tuner", "info"], env=env, capture_output=True, text=True,
+        check=True,
+    ).stdout  # fmt: skip
+    assert "recrd (not one of off, lookup, record, tune: the first call fails)" in out
+    assert "no (not one of use, ignore: the first call fails)" in out
+    assert "pow2 (" not in out
+
+
 def test_export_piped_into_import(tmp_path):
     key = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
     with Store(tmp_path / "a.db") as a:

@@ -45,7 +45,7 @@ from tuner.core.keys import (
     lowbit_fields,
     parse_key,
 )
-from tuner.core.settings import KNOWN, config_path
+from tuner.core.settings import CHOICES, KNOWN, config_path
 from tuner.measure.records import Measurement, Winner
 from tuner.offline.problem_list import ConfigError
 from tuner.tuning.options import TuneOptions
@@ -96,12 +96,22 @@ def settings_table() -> Table:
     t.add_row("config file", f"{path}" + ("" if path.is_file() else " (none there)"))
     cache = default_path()
     t.add_row("cache (TUNER_CACHE)", f"{cache}" + ("" if cache.exists() else " (not made yet)"))
-    t.add_row("mode (TUNER_MODE)", os.environ.get("TUNER_MODE") or "lookup (the default)")
+    mode = os.environ.get("TUNER_MODE")
+    t.add_row("mode (TUNER_MODE)", _choice_shown("mode", mode) if mode else "lookup (the default)")
     for name in sorted(KNOWN.keys() - {"cache", "mode"}):
         if (value := os.environ.get(f"TUNER_{name.upper()}")) is not None:
-            shown = value[:8] + "..." if name == "token" else value  # never a whole secret
-            t.add_row(f"{name} (TUNER_{name.upper()})", shown)
+            shown = value[:8] + "..." if name == "token" else _choice_shown(name, value)
+            t.add_row(f"{name} (TUNER_{name.upper()})", shown)  # never a whole secret
     return t
+
+
+def _choice_shown(name: str, value: str) -> str:
+    """A setting's value, marked where it is not one of the words it takes: the first call of
+    the dispatcher fails on it, and info is where a user looks before that."""
+    words = CHOICES.get(name)
+    if words is None or value in words:
+        return value
+    return f"[red]{value} (not one of {', '.join(words)}: the first call fails)[/red]"
 
 
 def _error_text(err: float | None, bounded: bool) -> str:
