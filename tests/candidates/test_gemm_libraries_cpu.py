@@ -115,6 +115,10 @@ def test_cublas_params_and_algos(monkeypatch):
     assert [p["algo"] for p in src.candidates(key, "cuda")] == [-1, *range(99, 116)]
     monkeypatch.setenv("TUNER_CUBLAS_ALGOS", "-1,100")
     assert src.candidates(key, "cuda") == [{"algo": -1}, {"algo": 100}]
+    for typo in ("99,abc", "99;100", "5"):  # the variable named, not only int()'s words
+        monkeypatch.setenv("TUNER_CUBLAS_ALGOS", typo)
+        with pytest.raises(ValueError, match=f"TUNER_CUBLAS_ALGOS={typo!r}"):
+            src.candidates(key, "cuda")
     for bad in ({"algo": 5}, {"algo": "default"}, {"algo": -1, "tile": 3}):
         with pytest.raises(ValueError, match="algo"):
             src.build(key, bad)

@@ -60,9 +60,14 @@ def candidate_algos() -> tuple[int, ...]:
         return DEFAULT_CANDIDATE_ALGOS
     if env == "all":
         return ALGOS
-    algos = tuple(int(x) for x in env.split(","))
-    for a in algos:
-        check_algo(a)
+    try:
+        algos = tuple(int(x) for x in env.split(","))
+        for a in algos:
+            check_algo(a)
+    except ValueError as e:  # the variable named: a run records this as cuBLAS's failure
+        raise ValueError(
+            f"TUNER_CUBLAS_ALGOS={env!r}: 'all' or a comma list of algos: {e}"
+        ) from None
     return algos
 
 
