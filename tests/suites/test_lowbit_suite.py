@@ -456,3 +456,25 @@ def test_a_heavy_pair_is_judged_at_the_power_limit_from_readings_taken_at_full_c
     assert lowbit.power_check(row, 2.0 * 2048 * 4096 * 4096, timed, options) == stretch_of_2048
     assert set(row["eager_check_us"]) == {"baseline"}  # the rounds record the winner's error
     assert row["eager_check_winner_error"] == "RuntimeError: a runner that fails when called"
+
+
+def test_each_plot_panel_says_what_its_ratio_means(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ratio panel's value is the other's time over the served one's: its axis says so (a
+    heading "served / bf16" alone reads as the inverse), and the decode panel names its unit."""
+    plt = lowbit.pyplot()
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: None)  # the figure kept to read
+    row = {"format": "int4-g128", "shape": "8B o", "m": 1, "vs_torch": 1.0, "vs_bf16_served": 2.0,
+           "vs_bf16_cublas": 2.0, "served_pct_copy": 40.0}  # fmt: skip
+    lowbit.plot([row, row | {"m": 64}], tmp_path / "p.png", "t", judged=False)
+    axes = plt.gcf().axes
+    assert [ax.get_title() for ax in axes][:3] == [
+        "int4-g128: speedup over torch's op", "int4-g128: speedup over bf16 as the tuner serves it",
+        "int4-g128: speedup over bf16 cuBLAS",
+    ]  # fmt: skip
+    labels = [ax.get_ylabel() for ax in axes]
+    assert labels == [lowbit.RATIO_LABEL] * 3 + [lowbit.PCT_LABEL]
+    assert ">1" in lowbit.RATIO_LABEL and "%" in lowbit.PCT_LABEL
+    close("all")

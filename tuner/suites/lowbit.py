@@ -653,11 +653,14 @@ def _runs(ms: Sequence[int], judged: set[int]) -> list[tuple[int, int]]:
 
 
 PANELS = (
-    ("vs_torch", "served / torch's op"),
-    ("vs_bf16_served", "served / bf16 as the tuner serves it"),
-    ("vs_bf16_cublas", "served / bf16 cuBLAS"),
+    ("vs_torch", "speedup over torch's op"),
+    ("vs_bf16_served", "speedup over bf16 as the tuner serves it"),
+    ("vs_bf16_cublas", "speedup over bf16 cuBLAS"),
     ("served_pct_copy", "decode: % of copy bandwidth"),
 )
+# each panel's unit: a ratio is the other's time over the served one's, not "served / other"
+RATIO_LABEL = "x (>1: the served low-bit GEMM is faster)"
+PCT_LABEL = "% of copy bandwidth (bytes moved / time)"
 
 
 def plot(rows: Sequence[Row], path: Path, title: str, *, judged: bool = True) -> Path:
@@ -725,6 +728,7 @@ def plot(rows: Sequence[Row], path: Path, title: str, *, judged: bool = True) ->
             ax.set_xscale("log", base=2)
             ax.set_xticks(ticks, [str(m) for m in ticks])
             ax.set_title(f"{fmt}: {heading}", fontsize=10)
+            ax.set_ylabel(PCT_LABEL if column == "served_pct_copy" else RATIO_LABEL, fontsize=8)
             ax.grid(alpha=0.3)
             if i == len(formats) - 1:
                 ax.set_xlabel("M (tokens)")
