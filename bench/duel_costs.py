@@ -3,7 +3,8 @@
 Each duel's verdict is in its challenger's note ("confirmation: ... kept (margin 2.0%; the duel
 took 1.4 s)"); a sustained one (at the power limit) says "rounds of ... stretches". Prints, per
 kind of duel (kept / lost, sustained / short), how many and their seconds, then each problem's
-duels in order (K kept, l lost; s sustained, - short).
+duels (K kept, l lost; s sustained, - short) in the order their challengers' trials were
+recorded, which need not be the order they duelled in.
 
     python bench/duel_costs.py bench/results/cold_start_s59_call2_h200_fleet_host.db.xz
 """
@@ -23,7 +24,7 @@ KEPT = re.compile(r"\bkept \(margin")
 
 
 def duels(db: Path) -> dict[str, list[tuple[str, float]]]:
-    """Each problem's duels in the order they were recorded: (kind, seconds)."""
+    """Each problem's duels, (kind, seconds), in the order of their challengers' records."""
     with tempfile.NamedTemporaryFile(suffix=".db") as plain:
         if db.suffix == ".xz":
             plain.write(lzma.decompress(db.read_bytes()))
