@@ -83,6 +83,21 @@ def test_help_read_through_a_pipe_is_shown_whole(monkeypatch):
     assert max(len(colours.sub("", line)) for line in narrow.splitlines()) == 80
 
 
+def test_verbose_logs_the_tuners_debug_not_every_librarys(tmp_path):
+    """``-v`` in a fresh process: the tuner's debug lines, not matplotlib's hundreds of font-scan
+    lines around them (``tuner -v bench`` printed those and nothing of the tuner's)."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import logging\n"
+        "from tuner.cli.main import app\n"
+        "app(['-v', 'info'], standalone_mode=False)\n"
+        "print(logging.getLogger('tuner.x').isEnabledFor(logging.DEBUG),\n"
+        "      logging.getLogger('matplotlib').isEnabledFor(logging.DEBUG))\n"
+    )
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+    assert r.stdout.split()[-2:] == ["True", "False"], r.stderr
+
+
 def test_info_lists_sources_with_status(tmp_path):
     out = tuner("info", cache=tmp_path / "c.db").stdout
     assert "device class" in out and fingerprint().device_class in out

@@ -86,16 +86,17 @@ def _version(asked: bool) -> None:
 
 @app.callback()
 def startup(
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log debug detail.")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Log the tuner's debug detail.")
+    ] = False,
     version: Annotated[
         bool,
         typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
     ] = False,
 ) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if verbose:  # the tuner's loggers only: a library's debug (matplotlib's font scan) buries them
+        logging.getLogger("tuner").setLevel(logging.DEBUG)
     load_config_file()
 
 
