@@ -318,3 +318,44 @@ def test_a_numpy_group_size_is_taken_as_an_int_and_compiles() -> None:
     x = torch.randn(3, 256)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def test_an_int4_state_dict_loads_into_a_fresh_quantized_model() -> None:
+    model = tt.quantize_linear(mlp(), "int4")
+    x = torch.randn(3, 256)
+    fresh = tt.quantize_linear(nn.Sequential(nn.Linear(256, 128)), "int4")
+    fresh.load_state_dict({k: v for k, v in model.state_dict().items() if k.startswith("0.")})
+    assert torch.equal(fresh(x), model[0](x))
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a host without a GPU")
+def test_a_cuda_int4_packing_on_a_host_without_a_gpu_is_refused_by_name() -> None:
+    model = tt.quantize_linear(nn.Sequential(nn.Linear(256, 128)), "int4")
+    saved = model.state_dict()
+    saved["0.packed_weight"] = torch.zeros(16, 4, 32, 4, dtype=torch.int32)  # CUDA's tiles
+    with pytest.raises(ValueError, match=r"0\.packed_weight: .*packing for CUDA"):
+        model.load_state_dict(saved)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("there", ["cuda", "cpu"])
+def test_an_int4_model_moved_or_loaded_across_devices_is_repacked_for_them(there) -> None:
+    """torch packs int4 its own way on each kind of device: a model quantized on one and moved
+    to the other, or given the other's state dict, serves the same values."""
+    here = "cpu" if there == "cuda" else "cuda"
+    x = torch.randn(3, 256)
+    on_there = tt.quantize_linear(mlp().to(there), "int4")
+    want = on_there(x.to(there)).cpu()
+    on_here = tt.quantize_linear(mlp().to(here), "int4")
+    saved = on_here.state_dict()
+    moved = on_here.to(there)
+    assert moved[0].packed_weight.dtype == on_there[0].packed_weight.dtype
+    got = moved(x.to(there))
+    assert rel_err(got.cpu(), want) < 0.02  # quantized on another device: a rounding apart
+    loaded = tt.quantize_linear(mlp().to(there), "int4")
+    loaded.load_state_dict(saved)
+    assert torch.equal(loaded(x.to(there)), got)  # the same values, packed for ``there``

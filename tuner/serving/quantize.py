@@ -16,7 +16,8 @@ Each replaced layer quantizes its weight once, at replacement, and keeps only th
 
 Both compute in bf16, the activation type the formats' kernels take, and return the input's
 dtype; a dtype cast of the model (``model.half()``, ``model.to(torch.float32)``) leaves their
-quantized weights, scales and bias as they are, while a move to another device moves them. A
+quantized weights, scales and bias as they are, while a move to another device moves them (an
+int4 weight is repacked for the new kind of device, as is one loaded from another's). A
 layer whose shape the format cannot hold (an empty one included), an int4 one on the meta device
 (no values to pack), a subclass of ``nn.Linear``, or a layer of a module that reads its
 children's ``weight`` itself (torch's attention and transformer layers, for their fused paths)
@@ -166,6 +167,24 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.bias = _bias(linear)
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        """A move to another kind of device repacks the weight: torch packs int4 its own way
+        on each (``int4_torch``), and a CPU packing moved to a GPU is no GPU packing."""
+        before = self.packed_weight
+        super()._apply(fn, recurse)
+        if self.packed_weight.device.type != before.device.type:
+            self.packed_weight = _repacked(before, self.packed_weight.device)
+        return self
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object) -> None:
+        """A state dict saved from the layer on another kind of device holds that device's
+        packing (``_apply``): it is repacked for this one before it is loaded."""
+        name = prefix + "packed_weight"
+        saved = state_dict.get(name)
+        if isinstance(saved, torch.Tensor) and saved.dtype != self.packed_weight.dtype:
+            state_dict[name] = _repacked(_on_its_device(saved, name), self.packed_weight.device)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_activation(x, self.in_features)
         # any strides, as nn.Linear takes them (a sequence's last token: h[:, -1, :])
@@ -179,6 +198,28 @@ class Int4Linear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group_size={self.group_size}"
+
+
+def _repacked(packed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """torch's int4 packing, for ``device``, of the values ``packed`` holds in the packing of
+    the device it is on."""
+    return int4_torch.torch_pack(int4_torch.nibbles(packed).to(device))
+
+
+def _on_its_device(packed: torch.Tensor, name: str) -> torch.Tensor:
+    """``packed`` where its packing can be read: torch's uint8 CPU packing on the CPU, its int32
+    tile packing on a GPU (a state dict loaded with ``map_location="cpu"`` holds one there)."""
+    if packed.dtype == torch.uint8:
+        return packed.cpu()
+    if packed.is_cuda:
+        return packed
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{name}: the state dict holds torch's int4 packing for CUDA (int32 tiles), "
+            "which only a GPU can read; load it on a machine with one, or quantize the float "
+            "weights here"
+        )
+    return packed.cuda()
 
 
 class Fp8Linear(QuantizedLinear):
