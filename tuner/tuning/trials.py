@@ -58,10 +58,10 @@ def confirmed(
     trial: Trial, base: Measurement, order: list[Measurement], options: TuneOptions
 ) -> tuple[Measurement, float, float]:
     """The first of ``order`` (up to ``confirm_tries``) that keeps its win over the baseline in
-    the confirmation, else the baseline (also once ``SUSTAINED_TRIES`` have lost sustained duels);
-    where the kept one's confirmed time is beaten by a later
-    duellist's trial time (``runner_up``), that one duels too and the faster of the two, each
-    relative to its own duel's baseline, wins. Else, on the GPU, a later duellist whose trial
+    the confirmation, else the baseline (also once ``SUSTAINED_TRIES`` have lost sustained
+    duels); where the kept one's confirmed time is beaten by a later duellist's trial time
+    (``runner_up``), that one duels too and the faster of the two, each relative to its own
+    duel's baseline, wins. Else, on the GPU, a later duellist whose trial
     tied the kept one's (``tied_rival``) duels the kept one, as a challenger duels the baseline,
     and serves if it wins. Returns (chosen, baseline's time, chosen's time)."""
     base_us = trial_base_us = effective_us(base, options.launch)
