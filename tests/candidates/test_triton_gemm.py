@@ -4,6 +4,9 @@ GPU: bf16 too and the shortlists the engine times), the config spaces' pruning, 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -323,3 +326,14 @@ def test_direct_relaunch_is_checked_once_against_the_jit(
     assert runner.fake.verified is kept and runner.fake.disabled is not kept
     runner(a, b)  # checked once only
     assert runner.fake.disabled is not kept
+
+
+@pytest.mark.parametrize(("text", "fast"), [("off", False), ("false", False), ("no", False),
+                                            ("1", True), ("", True)])  # fmt: skip
+def test_fast_launch_is_turned_off_by_the_usual_words(text: str, fast: bool) -> None:
+    """``TUNER_TRITON_FAST_LAUNCH=false`` kept it on: only ``0`` and empty turned it off."""
+    code = "from tuner.candidates.triton_kernels import launch; print(launch.FAST_LAUNCH)"
+    env = os.environ | {"TUNER_TRITON_FAST_LAUNCH": text}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    assert out.stdout.split() == [str(fast)]

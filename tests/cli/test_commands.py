@@ -658,6 +658,24 @@ def test_info_marks_a_setting_word_the_dispatcher_refuses(tmp_path):
     assert "pow2 (" not in out
 
 
+def test_info_marks_an_on_off_word_that_is_refused(tmp_path):
+    """``TUNER_TRITON_FAST_LAUNCH=nope`` is logged and its default used: info says so."""
+    for text, shown in (
+        ("nope", "nope (not one of 1/0, true/false, yes/no, on/off: on (the default) is used)"),
+        ("OFF", "OFF"),
+    ):
+        env = os.environ | {
+            "TUNER_TRITON_FAST_LAUNCH": text, "COLUMNS": "200",
+            "TUNER_CONFIG": str(tmp_path / "none.toml"),
+        }  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "tuner", "info"], env=env, capture_output=True, text=True,
+            check=True,
+        ).stdout  # fmt: skip
+        row = next(line for line in out.splitlines() if "TUNER_TRITON_FAST_LAUNCH" in line)
+        assert row.split("TUNER_TRITON_FAST_LAUNCH)")[1].strip(" │|") == shown
+
+
 def test_export_piped_into_import(tmp_path):
     key = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
     with Store(tmp_path / "a.db") as a:

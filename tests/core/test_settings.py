@@ -110,3 +110,40 @@ def test_a_numeric_variable_that_is_no_positive_number_is_named_and_its_default_
     assert env_number("TUNER_CUTLASS_COMPILE_TIMEOUT", 900.0, float) == 1.5
     monkeypatch.setenv("TUNER_CUTLASS_JOBS", "many")
     assert default_jobs(2) == min(2, os.cpu_count() or 1)
+
+
+def test_an_on_off_variable_takes_the_usual_words_and_names_any_other(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``false`` meant on (only ``0`` and empty were off): a user turning fast launch off with
+    ``false``, ``off`` or ``no`` got it silently kept on."""
+    from tuner.core.settings import env_flag
+
+    name = "TUNER_TRITON_FAST_LAUNCH"
+    for text in ("0", "false", "FALSE", "no", "Off", " off "):
+        monkeypatch.setenv(name, text)
+        assert env_flag(name, True) is False, text
+    for text in ("1", "true", "Yes", "ON"):
+        monkeypatch.setenv(name, text)
+        assert env_flag(name, False) is True, text
+    monkeypatch.setenv(name, "")
+    assert env_flag(name, True) is True  # empty is unset, as for every TUNER_* variable
+    assert not caplog.text
+    monkeypatch.setenv(name, "nope")
+    assert env_flag(name, True) is True
+    assert (
+        "TUNER_TRITON_FAST_LAUNCH='nope': expected one of 1/0, true/false, yes/no, on/off; "
+        "using on (the default)" in caplog.text
+    )
+
+
+def test_an_on_off_setting_in_the_file_takes_the_same_words(tmp_path):
+    cfg = tmp_path / "config.toml"
+    for text, want in (('"off"', "off"), ("false", "0"), ("true", "1"), ('"Yes"', "Yes")):
+        cfg.write_text(f"triton_fast_launch = {text}\n")
+        assert read_config(cfg) == ({"TUNER_TRITON_FAST_LAUNCH": want}, [])
+    cfg.write_text('triton_fast_launch = "nope"\n')
+    assert read_config(cfg) == ({}, [
+        f"{cfg}: triton_fast_launch must be one of 1/0, true/false, yes/no, on/off, "
+        "got 'nope'; left out"
+    ])  # fmt: skip

@@ -45,7 +45,7 @@ from tuner.core.keys import (
     lowbit_fields,
     parse_key,
 )
-from tuner.core.settings import CHOICES, KNOWN, config_path
+from tuner.core.settings import KNOWN, config_path, refusal
 from tuner.measure.records import Measurement, Winner
 from tuner.offline.problem_list import ConfigError
 from tuner.tuning.options import TuneOptions
@@ -107,11 +107,10 @@ def settings_table() -> Table:
 
 def _choice_shown(name: str, value: str) -> str:
     """A setting's value, marked where it is not one of the words it takes: the first call of
-    the dispatcher fails on it, and info is where a user looks before that."""
-    words = CHOICES.get(name)
-    if words is None or value in words:
-        return value
-    return f"[red]{value} (not one of {', '.join(words)}: the first call fails)[/red]"
+    the dispatcher fails on it, or an on/off setting's default applies, and info is where a
+    user looks before that."""
+    why = refusal(name, value)
+    return value if why is None else f"[red]{value} ({why})[/red]"
 
 
 def _error_text(err: float | None, bounded: bool) -> str:

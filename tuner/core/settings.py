@@ -35,7 +35,7 @@ KNOWN = {
     "artifacts_max_bytes": "the compiled-kernel store's size limit, least recently used out",
     "cublas_algos": "cuBLAS algorithm ids to try",
     "compile_workers": "parallel kernel compilations",
-    "triton_fast_launch": "launch compiled Triton kernels directly (1/0)",
+    "triton_fast_launch": "launch compiled Triton kernels directly (on/off)",
     "cutlass_jobs": "parallel CUTLASS compilations",
     "cutlass_compile_timeout": "seconds per CUTLASS compilation",
     "profile": "a folder for cProfile files of tune-all and its workers (diagnostics)",
@@ -48,6 +48,14 @@ CHOICES = {
     "buckets": ("exact", "next_tuned_above", "pow2"),
     "stale": ("use", "ignore"),
 }
+
+# the on/off settings and their defaults, read by ``env_flag``; each takes the words of FLAG_WORDS
+FLAGS = {"triton_fast_launch": True}
+FLAG_WORDS = {
+    **dict.fromkeys(("1", "true", "yes", "on"), True),
+    **dict.fromkeys(("0", "false", "no", "off"), False),
+}
+FLAG_HELP = "1/0, true/false, yes/no, on/off"
 
 
 def config_path() -> Path:
@@ -77,9 +85,37 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
             problems.append(
                 f"{path}: {name} must be one of {list(CHOICES[name])}, got {value!r}; left out"
             )
+        elif name in FLAGS and parse_flag(_env_text(value)) is None:
+            problems.append(f"{path}: {name} must be one of {FLAG_HELP}, got {value!r}; left out")
         else:
-            values[f"TUNER_{name.upper()}"] = str(int(value) if isinstance(value, bool) else value)
+            values[f"TUNER_{name.upper()}"] = _env_text(value)
     return values, problems
+
+
+def _env_text(value: str | int | float | bool) -> str:
+    """A file's value as its variable's text: TOML's ``true`` is ``1``, as in the environment."""
+    return str(int(value) if isinstance(value, bool) else value)
+
+
+def parse_flag(text: str) -> bool | None:
+    """An on/off setting's word (any case, spaces around ignored), None for any other word: one
+    reading for the environment and the config file, so ``off`` means off in both."""
+    return FLAG_WORDS.get(text.strip().lower())
+
+
+def refusal(name: str, value: str) -> str | None:
+    """Why ``TUNER_<name>=value`` is refused, and what happens then; None where it is taken (a
+    setting of free text or numbers is not judged here). For ``tuner info``, where one looks
+    before the first call fails or a default silently applies."""
+    if (words := CHOICES.get(name)) is not None and value not in words:
+        return f"not one of {', '.join(words)}: the first call fails"
+    if name in FLAGS and parse_flag(value) is None:
+        return f"not one of {FLAG_HELP}: {_flag_word(FLAGS[name])} (the default) is used"
+    return None
+
+
+def _flag_word(value: bool) -> str:
+    return "on" if value else "off"
 
 
 def load_config_file() -> Path | None:
@@ -118,4 +154,18 @@ def env_number(name: str, default: float, kind: type[int] | type[float] = int) -
     if value > 0:
         return value
     log.warning("%s=%r: expected a positive %s; using %s", name, text, kind.__name__, default)
+    return default
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """``$name`` read as on or off (``parse_flag``'s words), ``default`` where it is unset or
+    empty; another word is logged, naming the variable and the words taken, and ``default``
+    used, as ``env_number`` does (``false`` must not silently mean on)."""
+    text = os.environ.get(name)
+    if not text:
+        return default
+    if (value := parse_flag(text)) is not None:
+        return value
+    word = _flag_word(default)
+    log.warning("%s=%r: expected one of %s; using %s (the default)", name, text, FLAG_HELP, word)
     return default

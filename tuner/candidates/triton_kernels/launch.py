@@ -5,7 +5,7 @@ Triton's JIT (which compiles, or loads the binary from Triton's on-disk cache); 
 *specialization guard* (strides, pointer alignment) is unchanged launch the compiled kernel
 directly with integer pointers. Triton's JIT path costs more host time per launch than
 torch.matmul, and a decode GEMM's kernel is short, so the launch decides whether it wins when
-called eagerly. ``TUNER_TRITON_FAST_LAUNCH=0`` turns this off.
+called eagerly. ``TUNER_TRITON_FAST_LAUNCH=0`` (or ``off``, ``false``, ``no``) turns this off.
 
 ``warm(jobs)``: compile many kernels in parallel before they are timed; ``precompile`` does it for
 a source's shortlist (every Triton source's ``Source.precompile``). Triton's compiler holds the
@@ -37,11 +37,11 @@ import triton
 
 from tuner.candidates.base import Params, interpreting
 from tuner.core.lifetime import exit_when_orphaned
-from tuner.core.settings import env_number
+from tuner.core.settings import FLAGS, env_flag, env_number
 
 log = logging.getLogger(__name__)
 
-FAST_LAUNCH = os.environ.get("TUNER_TRITON_FAST_LAUNCH", "1") not in ("0", "")
+FAST_LAUNCH = env_flag("TUNER_TRITON_FAST_LAUNCH", FLAGS["triton_fast_launch"])
 
 
 def _knobs() -> Any:
