@@ -196,6 +196,12 @@ def test_user_mistakes_get_one_line_and_exit_2(tmp_path, args, message):
         (("tunableop", "show", "nofile.csv"), "'nofile.csv' does not exist"),  # (click's case)
         (("tune-all", "--no-such-flag"), "No such option: --no-such-flag"),
         (("nosuch",), "No such command 'nosuch'. (see 'python -m tuner --help')"),
+        (  # tuner's own option after a subcommand: where it goes, and the help that lists it
+            ("tune", "gemm", "-m", "8", "-n", "8", "-k", "8", "-v"),
+            "error: No such option after the subcommand: -v; put it before: "
+            "'python -m tuner -v tune gemm ...' (see 'python -m tuner --help')",
+        ),
+        (("show", "--verbose"), "put it before: 'python -m tuner --verbose show ...'"),
     ],
 )
 def test_option_mistakes_get_the_same_one_line_as_the_rest(tmp_path, args, message):

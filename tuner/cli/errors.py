@@ -69,8 +69,7 @@ def report_usage_errors() -> Iterator[None]:
         yield
     except CLICK.UsageError as e:  # a bad option or argument, in the form of every other mistake
         if type(e).__name__ != "NoArgsIsHelpError":  # (that one's help is printed already)
-            where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
-            fail(e.format_message().replace(": Value error, ", ": ") + where)  # pydantic's words
+            fail(_usage_line(e))
         sys.exit(USAGE)
     except CLICK.ClickException as e:  # a file argument that cannot be opened, ...
         fail(e.format_message())
@@ -87,3 +86,25 @@ def report_usage_errors() -> Iterator[None]:
         fail(f"a tuner database this command reads is corrupt ({e}): restore it from a backup, "
              "or move it aside to start a new one")  # fmt: skip
         sys.exit(USAGE)
+
+
+def _usage_line(e: CLICK.UsageError) -> str:
+    """click's message and the help that answers it; an option of ``tuner`` itself given after
+    a subcommand (``tuner tune gemm ... -v``) is told where it goes, which click's "No such
+    option" does not say, and pointed to the help that lists it."""
+    ctx = e.ctx
+    if ctx is None:
+        return e.format_message()
+    root = ctx.find_root()
+    name = getattr(e, "option_name", None)
+    if isinstance(e, CLICK.NoSuchOption) and root is not ctx and _root_option(root, name):
+        rest = ctx.command_path.removeprefix(root.command_path).strip()
+        said = (f"No such option after the subcommand: {name}; put it before: "
+                f"'{root.command_path} {name} {rest} ...'")  # fmt: skip
+        return f"{said} (see '{root.command_path} --help')"
+    said = e.format_message().replace(": Value error, ", ": ")  # pydantic's words
+    return f"{said} (see '{ctx.command_path} --help')"
+
+
+def _root_option(root: CLICK.Context, name: str | None) -> bool:
+    return any(name in param.opts for param in root.command.params)
