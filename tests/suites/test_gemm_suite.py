@@ -44,3 +44,26 @@ def test_a_small_part_end_to_end(tmp_path: Path) -> None:
     assert (tmp_path / "gemm_llama_test.png").exists() and (
         tmp_path / "gemm_llama_test.db"
     ).exists()
+
+
+def test_ctrl_c_after_the_rows_keeps_an_earlier_complete_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in the steps after the rows (here the warm re-tune): the earlier complete JSON and
+    PNG of the part stay; this run's rows go to the partial files, marked interrupted."""
+    for ext in ("json", "png"):
+        (tmp_path / f"gemm_llama_test.{ext}").write_text(f"complete {ext}")
+
+    def cut(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gemm, "warm_retune", cut)
+    problems = [("tiny", gemm_key(8, 40, 56, layout="nt", dtype="f32"))]
+    with pytest.raises(KeyboardInterrupt):
+        gemm.run_part("test", problems, tmp_path, TuneOptions(budget_s=0.005, sources=["torch"]),
+                      inductor=False, warm_sample=1)  # fmt: skip
+    for ext in ("json", "png"):
+        assert (tmp_path / f"gemm_llama_test.{ext}").read_text() == f"complete {ext}"
+    partial = json.loads((tmp_path / "gemm_llama_test.interrupted.json").read_text())
+    assert partial["interrupted"] is True and [r["label"] for r in partial["rows"]] == ["tiny"]
+    assert (tmp_path / "gemm_llama_test.interrupted.png").read_bytes()[:4] == b"\x89PNG"

@@ -401,6 +401,28 @@ def test_quick_on_a_cpu_runs_its_small_rows_to_the_reports(tmp_path: Path) -> No
     assert (out / "gemm_lowbit.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_ctrl_c_after_the_rows_keeps_an_earlier_complete_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while the bf16 twins are tuned: the earlier complete gemm_lowbit.json and .png
+    stay; this run's rows go to gemm_lowbit.interrupted.json, marked interrupted."""
+    for ext in ("json", "png"):
+        (tmp_path / f"gemm_lowbit.{ext}").write_text(f"complete {ext}")
+
+    def cut(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lowbit, "tune_bf16", cut)
+    problems = lowbit.problems(formats=("int4-g128",), ms=(2,), shapes=[("tiny", 32, 256)])
+    with pytest.raises(KeyboardInterrupt):
+        lowbit.run(problems, tmp_path, TuneOptions(budget_s=0.005, sources=["torch_lowbit"]))
+    for ext in ("json", "png"):
+        assert (tmp_path / f"gemm_lowbit.{ext}").read_text() == f"complete {ext}"
+    partial = json.loads((tmp_path / "gemm_lowbit.interrupted.json").read_text())
+    assert partial["interrupted"] is True
+    assert [r["label"] for r in partial["rows"]] == [label for label, _ in problems]
+
+
 def _refuse(constant: str) -> None:
     raise ValueError(f"not JSON: {constant}")
 

@@ -179,8 +179,9 @@ def test_disturbed_rounds_are_taken_again_and_the_steadier_take_judged():
 
 
 def test_ctrl_c_writes_the_rows_done_then_goes_on(tmp_path: Path) -> None:
-    """Ctrl-C during the second problem: the first row is written to the suite's JSON, marked
-    interrupted, and the interrupt reaches the caller (the command exits as interrupted)."""
+    """Ctrl-C during the second problem: the first row is written under the suite's partial
+    name, marked interrupted, and the interrupt reaches the caller (the command exits as
+    interrupted)."""
 
     def tuner(key: Key, options: TuneOptions) -> TuneOutcome:
         if key == PROBLEMS[1][1]:
@@ -189,25 +190,60 @@ def test_ctrl_c_writes_the_rows_done_then_goes_on(tmp_path: Path) -> None:
 
     with pytest.raises(KeyboardInterrupt):
         runner.run_suite("cut", PROBLEMS, out_dir=tmp_path, title="t", options=OPTIONS, tuner=tuner)
-    written = json.loads((tmp_path / "cut.json").read_text())
+    written = json.loads((tmp_path / "cut.interrupted.json").read_text())
     assert written["interrupted"] is True
     assert [r["label"] for r in written["rows"]] == ["decode"]
-    assert (tmp_path / "cut.png").read_bytes().startswith(PNG_MAGIC)
+    assert (tmp_path / "cut.interrupted.png").read_bytes().startswith(PNG_MAGIC)
+    assert not (tmp_path / "cut.json").exists() and not (tmp_path / "cut.png").exists()
 
 
-def test_ctrl_c_after_the_rows_marks_this_runs_json_and_goes_on(tmp_path: Path) -> None:
-    """A suite's later steps (bf16 twins, retimes, Inductor) cut short: the rows the runner
-    wrote are marked interrupted; a JSON that cannot be read is left as it is; the interrupt
-    reaches the caller either way."""
-    path = tmp_path / "s.json"
-    path.write_text(json.dumps({"rows": [{"label": "a"}]}))
-    with pytest.raises(KeyboardInterrupt), runner.marked_if_interrupted(path, "its bf16 columns"):
+def test_ctrl_c_keeps_an_earlier_complete_result_and_says_where_the_rows_went(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run cut short into a folder holding a complete result of the same suite leaves that
+    JSON and PNG as they were; its rows go beside them, and the console names both. A complete
+    run after it replaces the result and removes the partial files it supersedes."""
+    complete = runner.run_suite("s", PROBLEMS, out_dir=tmp_path, title="t", options=OPTIONS)
+    before = {ext: (tmp_path / f"s.{ext}").read_bytes() for ext in ("json", "png")}
+
+    def tuner(key: Key, options: TuneOptions) -> TuneOutcome:
+        if key == PROBLEMS[1][1]:
+            raise KeyboardInterrupt
+        return tune(key, options=options)
+
+    capsys.readouterr()
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_suite("s", PROBLEMS, out_dir=tmp_path, title="t", options=OPTIONS, tuner=tuner)
+    assert {ext: (tmp_path / f"s.{ext}").read_bytes() for ext in ("json", "png")} == before
+    assert json.loads(before["json"]) == complete and "interrupted" not in complete
+    partial = json.loads((tmp_path / "s.interrupted.json").read_text())
+    assert partial["interrupted"] is True and len(partial["rows"]) == 1
+    said = " ".join(capsys.readouterr().out.split())
+    assert str(tmp_path / "s.interrupted.json") in said
+    assert (
+        "without 1 of its 2 rows" in said
+        and "the complete s.json of an earlier run is kept" in said
+    )
+    runner.run_suite("s", PROBLEMS, out_dir=tmp_path, title="t", options=OPTIONS)
+    assert not list(tmp_path.glob("s.interrupted.*"))
+
+
+def test_ctrl_c_after_the_rows_saves_this_runs_result_as_interrupted_and_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A suite's later steps (bf16 twins, retimes, Inductor) cut short: the rows in hand are
+    saved under the partial name, marked interrupted, beside an earlier complete result that
+    stays; the interrupt reaches the caller. Without an interrupt nothing is written."""
+    (tmp_path / "s.json").write_text('{"rows": [], "complete": true}')
+    result = {"rows": [{"label": "a"}]}
+    with (
+        pytest.raises(KeyboardInterrupt),
+        runner.marked_if_interrupted(tmp_path, "s", result, "its bf16 columns"),
+    ):
         raise KeyboardInterrupt
-    assert json.loads(path.read_text()) == {"rows": [{"label": "a"}], "interrupted": True}
-    path.write_text("{cut")
-    with pytest.raises(KeyboardInterrupt), runner.marked_if_interrupted(path, "its bf16 columns"):
-        raise KeyboardInterrupt
-    assert path.read_text() == "{cut"
-    with runner.marked_if_interrupted(path, "nothing"):  # no interrupt: nothing touched
+    saved = json.loads((tmp_path / "s.interrupted.json").read_text())
+    assert saved == {"rows": [{"label": "a"}], "interrupted": True}
+    assert (tmp_path / "s.json").read_text() == '{"rows": [], "complete": true}'
+    with runner.marked_if_interrupted(tmp_path, "t", {"rows": []}, "nothing"):
         pass
-    assert path.read_text() == "{cut"
+    assert not (tmp_path / "t.interrupted.json").exists()

@@ -11,7 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from tuner.cli.main import app
+from tuner.core.keys import SdpaKey
 from tuner.suites import catalog, sdpa
+from tuner.tuning.engine import TuneOptions
 
 
 def test_a_bad_dtype_is_named_before_the_out_folder_is_made(tmp_path: Path) -> None:
@@ -25,6 +27,14 @@ def test_a_bad_dtype_is_named_before_the_out_folder_is_made(tmp_path: Path) -> N
 def test_help_names_every_dtype_the_suite_takes() -> None:
     result = CliRunner().invoke(app, ["bench", "sdpa", "--help"], env={"COLUMNS": "300"})
     assert "bf16, f16 or f32." in result.output
+
+
+def test_help_says_where_a_run_cut_short_writes_its_rows() -> None:
+    """Both suites' --out say that Ctrl-C leaves a complete earlier result in place."""
+    for suite in ("gemm", "sdpa"):
+        result = CliRunner().invoke(app, ["bench", suite, "--help"], env={"COLUMNS": "300"})
+        said = " ".join(result.output.replace("│", " ").split())  # the help's lines joined
+        assert "<name>.interrupted.json/.png, leaving a complete result" in said
 
 
 def test_quick_on_a_cpu_picks_a_few_small_rows_of_each_part() -> None:
@@ -83,3 +93,27 @@ def test_workers_left_out_keeps_the_environments_compile_workers(
     assert CliRunner().invoke(app, args).exit_code == 0
     assert CliRunner().invoke(app, [*args, "--workers", "5"]).exit_code == 0
     assert ran == ["3", "5"]
+
+
+def test_ctrl_c_after_the_rows_keeps_an_earlier_complete_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while the rows are annotated: the earlier complete sdpa_decode.json and .png stay;
+    this run's rows go to the partial files, marked interrupted."""
+    for ext in ("json", "png"):
+        (tmp_path / f"sdpa_decode.{ext}").write_text(f"complete {ext}")
+
+    def cut(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sdpa, "annotate", cut)
+    key = SdpaKey(batch=1, q_heads=2, kv_heads=2, q_len=1, kv_len=64, head_dim=16, causal="none",
+                  dtype="f32")  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        sdpa.run({"decode": [("tiny", key)]}, tmp_path,
+                 TuneOptions(budget_s=0.005, sources=["torch_sdpa"]), dtype="f32")  # fmt: skip
+    for ext in ("json", "png"):
+        assert (tmp_path / f"sdpa_decode.{ext}").read_text() == f"complete {ext}"
+    partial = json.loads((tmp_path / "sdpa_decode.interrupted.json").read_text())
+    assert partial["interrupted"] is True and [r["label"] for r in partial["rows"]] == ["tiny"]
+    assert (tmp_path / "sdpa_decode.interrupted.png").read_bytes()[:4] == b"\x89PNG"

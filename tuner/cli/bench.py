@@ -32,6 +32,11 @@ SuiteBudgetOpt = Annotated[
                  "since a suite tunes hundreds of problems."),
 ]  # fmt: skip
 BENCH_OUT = Path("tuner-bench")  # in the current folder; results worth keeping are copied by hand
+# said in every suite's --out help: where a run cut short puts its rows (runner.save_result)
+INTERRUPTED_HELP = (
+    "A run cut short (Ctrl-C) writes the rows it has as <name>.interrupted.json/.png, leaving a "
+    "complete result of an earlier run in place."
+)
 
 
 @app.command("gemm")
@@ -54,7 +59,8 @@ def bench_gemm(
         Path,
         typer.Option(
             help="Folder for gemm_llama_<part>.json/.png/.db (lowbit: gemm_lowbit.*); not the "
-            "repository's bench/results, whose committed runs a new one would overwrite.",
+            "repository's bench/results, whose committed runs a new one would overwrite. "
+            + INTERRUPTED_HELP,
             file_okay=False,
         ),
     ] = BENCH_OUT,
@@ -140,7 +146,10 @@ def bench_gemm(
 @app.command("sdpa")
 def bench_sdpa(
     out: Annotated[
-        Path, typer.Option(help="Folder for sdpa_<part>.json and .png.", file_okay=False)
+        Path,
+        typer.Option(
+            help=f"Folder for sdpa_<part>.json and .png. {INTERRUPTED_HELP}", file_okay=False
+        ),
     ] = BENCH_OUT,
     part: Annotated[str, typer.Option(help="all, prefill or decode.")] = "all",
     dtype: Annotated[str, typer.Option(help="bf16, f16 or f32.")] = "bf16",

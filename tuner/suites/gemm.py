@@ -34,7 +34,6 @@ import torch
 
 from tuner.cache import Store
 from tuner.candidates import registry
-from tuner.core.atomic import write_atomic
 from tuner.core.console import output_console
 from tuner.core.keys import GemmKey, parse_key
 from tuner.measure import samples, timing
@@ -42,7 +41,7 @@ from tuner.measure.records import candidate_params
 from tuner.offline.model_config import gemm_key, load_model
 from tuner.offline.plots import geomean
 from tuner.suites import catalog
-from tuner.suites.runner import marked_if_interrupted, run_suite
+from tuner.suites.runner import marked_if_interrupted, run_suite, save_result, speedup_drawing
 from tuner.suites.sdpa import recheck
 from tuner.tuning import compile_pool
 from tuner.tuning.compile_pool import CompilePool
@@ -327,13 +326,16 @@ def run_part(
     out.mkdir(parents=True, exist_ok=True)
     store = Store(out / f"{name}.db")
     started = time.perf_counter()
+    title = f"GEMM {part}: tuned vs cuBLAS (torch.matmul)"
     with compile_pool.ahead([k for _, k in problems_], options, device) as compiler:
         recorder = Recorder(compiler)
         result = run_suite(
-            name, problems_, out_dir=out, title=f"GEMM {part}: tuned vs cuBLAS (torch.matmul)",
-            options=options, metrics=gemm_metrics, store=store, tuner=recorder,
+            name, problems_, out_dir=out, title=title, options=options, metrics=gemm_metrics,
+            store=store, tuner=recorder, write=False,
         )  # fmt: skip
-    with marked_if_interrupted(out / f"{name}.json", "the warm re-tune, Inductor and targets"):
+    draw = speedup_drawing(f"{title} on {result['device']['name']}")
+    missing = "the warm re-tune, Inductor and targets"
+    with marked_if_interrupted(out, name, result, missing, draw):
         annotate(result, recorder, device)
         result["warm_retune"] = warm_retune(problems_, options, warm_sample)
         result["inductor"] = [
@@ -343,6 +345,6 @@ def run_part(
         ]
     result["targets"] = targets(result)
     result["wall_s"] = time.perf_counter() - started
-    write_atomic(out / f"{name}.json", json.dumps(result, indent=1))
+    save_result(out, name, result, draw)
     print_report(result)
     return result

@@ -38,7 +38,6 @@ per format and measure over M, on a GPU targets drawn and misses ringed) and the
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -53,7 +52,6 @@ from rich.table import Table
 from tuner.cache import Store
 from tuner.candidates import registry
 from tuner.candidates.triton_kernels import stream_read as stream_read_kernel
-from tuner.core.atomic import write_atomic
 from tuner.core.keys import GemmKey, Key, lowbit_spec, parse_key
 from tuner.measure import samples, timing
 from tuner.measure.records import Winner, candidate_params
@@ -70,6 +68,7 @@ from tuner.suites.runner import (
     marked_if_interrupted,
     quick_on_cpu,
     run_suite,
+    save_result,
     side_by_side,
     steadier_rounds,
     tuned_times,
@@ -781,6 +780,15 @@ def finish(result: dict[str, Any], bf16: dict[str, Any], twins: list[GemmKey], r
     result["wall_s"] = time.perf_counter() - started
 
 
+def drawing(result: dict[str, Any], png: Path) -> None:
+    """The suite's plot of a finished ``result`` (``plot``), titled with its device and, for
+    ``--quick``'s CPU rows, saying so; drawn by the suites' one writer (``save_result``)."""
+    title = f"Low-bit GEMMs on {result['device']['name']}"
+    if result["shapes_note"]:
+        title += f": {QUICK_CPU_ROWS}"
+    plot(result["rows"], png, title, judged=result["targets_judged"])
+
+
 def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
     """Tune and time every row and its bf16 twin; write the JSON, the PNG and the tuned cache
     into ``out``."""
@@ -789,26 +797,21 @@ def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
     store = Store(out / f"{NAME}.db")
     started = time.perf_counter()
     keys = [k for _, k in problems_]
-    path = out / f"{NAME}.json"
     missing = "their bf16 columns, retimes and targets"
     with compile_pool.ahead([*keys, *map(bf16_twin, keys)], options, device) as compiler:
         recorder = Recorder(compiler)
         result = run_suite(
             NAME, problems_, out_dir=out, title="Low-bit GEMMs: tuned vs torch's op",
             options=options, store=store, plot=False, times=row_times(device),
-            tuner=lambda key, opts: recorder(key, options_for(key, opts, device)),
+            tuner=lambda key, opts: recorder(key, options_for(key, opts, device)), write=False,
         )  # fmt: skip
-        with marked_if_interrupted(path, missing):
+        with marked_if_interrupted(out, NAME, result, missing):
             rows = result["rows"]
             twins = [bf16_twin(parse_key(r["key"])) for r in rows]  # type: ignore[arg-type]
             bf16 = tune_bf16(twins, options, recorder, store, device)
-    with marked_if_interrupted(path, missing):
+    with marked_if_interrupted(out, NAME, result, missing):
         finish(result, bf16, twins, recorder, device, options, started)
-        if rows := result["rows"]:
-            title = f"Low-bit GEMMs on {result['device']['name']}"
-            if result["shapes_note"]:
-                title += f": {QUICK_CPU_ROWS}"
-            plot(rows, out / f"{NAME}.png", title, judged=result["targets_judged"])
-    write_atomic(path, json.dumps(result, indent=1))
+    save_result(out, NAME, result, drawing)
+    rows = result["rows"]
     print_table(rows, result["targets"], result["formats"], judged=result["targets_judged"])
     return result

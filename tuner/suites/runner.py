@@ -185,14 +185,18 @@ def run_suite(
     tuner: Callable[[Key, TuneOptions], TuneOutcome] | None = None,
     plot: bool = True,
     times: Callable[[Key, Winner, str], tuple[float, float]] = side_by_side,
+    write: bool = True,
 ) -> dict[str, Any]:
-    """Tune and measure every (label, key); write ``<name>.json`` and ``<name>.png`` into out_dir.
+    """Tune and measure every (label, key); write ``<name>.json`` and ``<name>.png`` into out_dir
+    (``save_result``); on Ctrl-C, the rows done as ``<name>.interrupted.json``/``.png``, then
+    the interrupt goes on.
 
     ``tuner`` replaces ``engine.tune`` (e.g. a crash-isolating worker); ``store`` keeps every
     measurement and winner (the tuned cache that comes back with the results); ``plot=False``
     leaves the PNG to a suite that draws its own; ``times(key, winner, device)`` gives a row's
     baseline and winner times (``tuned_times`` for a suite that times its rows again once all
-    are tuned).
+    are tuned); ``write=False`` leaves the writing to a suite with steps after the rows (and
+    ``marked_if_interrupted`` around them).
     """
     options = options or TuneOptions()
     run_tuner = tuner or (lambda key, opts: tune(key, options=opts))
@@ -260,48 +264,86 @@ def run_suite(
         "rows": [r.to_dict() for r in rows],
         "summary": summarize(rows),
     }
-    if interrupted is not None:
-        result["interrupted"] = True
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / f"{name}.json", json.dumps(result, indent=1))
-    if rows and plot:
-        speedup_plot(
-            [r.label for r in rows],
-            [r.speedup for r in rows],
-            out / f"{name}.png",
-            title=f"{title} on {fp.name}",
-            groups=[r.source for r in rows],
-        )
+    draw = speedup_drawing(f"{title} on {fp.name}") if plot else None
     print_table(rows)
     if interrupted is not None:
-        console.print(f"[yellow]interrupted[/yellow] after {len(rows)} of {len(problems_)} rows: "
-                      f"{out / f'{name}.json'} holds them, marked \"interrupted\"")  # fmt: skip
+        missing = f"{len(problems_) - len(rows)} of its {len(problems_)} rows"
+        stopped(out_dir, name, result, missing, draw)
         raise interrupted
+    if write:
+        save_result(out_dir, name, result, draw)
     return result
 
 
+Draw = Callable[[dict[str, Any], Path], None]  # (a suite's result, the PNG to draw it into)
+
+
+def speedup_drawing(title: str) -> Draw:
+    """The runner's plot of a result: each row's speedup, grouped by the winner's source."""
+
+    def draw(result: dict[str, Any], png: Path) -> None:
+        rows = result["rows"]
+        speedup_plot([r["label"] for r in rows], [r["speedup"] for r in rows], png, title=title,
+                     groups=[r["source"] for r in rows])  # fmt: skip
+
+    return draw
+
+
+INTERRUPTED_SUFFIX = ".interrupted"  # a partial result's files: <name>.interrupted.json/.png
+
+
+def result_path(out_dir: str | Path, name: str, *, interrupted: bool, ext: str = "json") -> Path:
+    """Where a suite's result goes: ``<name>.<ext>``, or for a run cut short
+    ``<name>.interrupted.<ext>``, so that a partial run never replaces a complete one."""
+    return Path(out_dir) / f"{name}{INTERRUPTED_SUFFIX if interrupted else ''}.{ext}"
+
+
+def save_result(
+    out_dir: str | Path, name: str, result: dict[str, Any], draw: Draw | None = None
+) -> Path:
+    """The one writer of every suite's result: its JSON, and its PNG through ``draw`` where it
+    has rows, under the complete name or, when ``result`` is marked interrupted, the partial one
+    (``result_path``). A complete result supersedes this suite's earlier partial files, which
+    are removed. Returns the JSON's path."""
+    cut = bool(result.get("interrupted"))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = result_path(out, name, interrupted=cut)
+    write_atomic(path, json.dumps(result, indent=1))
+    if draw is not None and result["rows"]:
+        draw(result, result_path(out, name, interrupted=cut, ext="png"))
+    if not cut:
+        for ext in ("json", "png"):
+            result_path(out, name, interrupted=True, ext=ext).unlink(missing_ok=True)
+    return path
+
+
+def stopped(
+    out_dir: str | Path, name: str, result: dict[str, Any], missing: str, draw: Draw | None
+) -> None:
+    """Ctrl-C: ``result`` saved marked interrupted, under its partial name (``save_result``),
+    and the console says where, what it lacks (``missing``) and that a complete result of an
+    earlier run is left as it was."""
+    result["interrupted"] = True
+    path = save_result(out_dir, name, result, draw)
+    kept = result_path(out_dir, name, interrupted=False)
+    earlier = f"; the complete {kept.name} of an earlier run is kept" if kept.exists() else ""
+    console.print(f"[yellow]interrupted[/yellow]: {len(result['rows'])} rows written to {path} "
+                  f"(without {missing}){earlier}")  # fmt: skip
+
+
 @contextlib.contextmanager
-def marked_if_interrupted(path: Path, missing: str) -> Iterator[None]:
-    """A suite's steps after ``run_suite`` returned (it wrote this run's rows to ``path``): on
-    Ctrl-C inside, that JSON is marked interrupted and the console says what it lacks
-    (``missing``), then the interrupt goes on."""
+def marked_if_interrupted(
+    out_dir: str | Path, name: str, result: dict[str, Any], missing: str, draw: Draw | None = None
+) -> Iterator[None]:
+    """A suite's steps after ``run_suite`` returned its rows (unwritten: ``write=False``): on
+    Ctrl-C inside, ``result`` as it stands is saved as interrupted (``stopped``: under its
+    partial name, saying it lacks ``missing``), then the interrupt goes on."""
     try:
         yield
     except KeyboardInterrupt:
-        _mark_interrupted(path, missing)
+        stopped(out_dir, name, result, missing, draw)
         raise
-
-
-def _mark_interrupted(path: Path, missing: str) -> None:
-    try:
-        written = json.loads(path.read_text())
-    except (OSError, ValueError):  # nothing readable to mark
-        return
-    written["interrupted"] = True
-    write_atomic(path, json.dumps(written, indent=1))
-    console.print(f"[yellow]interrupted[/yellow] after the rows were tuned: {path} holds the "
-                  f"{len(written['rows'])} rows, without {missing}")  # fmt: skip
 
 
 def summarize(rows: Sequence[Row]) -> dict[str, float]:

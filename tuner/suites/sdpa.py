@@ -25,14 +25,19 @@ from typing import Any
 import torch
 
 from tuner.candidates import registry
-from tuner.core.atomic import write_atomic
 from tuner.core.console import output_console
 from tuner.core.keys import Key, SdpaKey, parse_key
 from tuner.measure import samples, timing
 from tuner.measure.records import Measurement, candidate_name, candidate_params
 from tuner.offline.plots import geomean
 from tuner.suites import catalog
-from tuner.suites.runner import quick_on_cpu, run_suite
+from tuner.suites.runner import (
+    marked_if_interrupted,
+    quick_on_cpu,
+    run_suite,
+    save_result,
+    speedup_drawing,
+)
 from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
 from tuner.tuning.tune import tune
 
@@ -318,14 +323,17 @@ def run(
     for kind, problems_ in suites.items():
         recorder = Recorder()
         started = time.perf_counter()
+        name, title = f"sdpa_{kind}", f"SDPA {kind} ({dtype}): tuned vs torch default"
         result = run_suite(
-            f"sdpa_{kind}", problems_, out_dir=out,
-            title=f"SDPA {kind} ({dtype}): tuned vs torch default", options=options,
+            name, problems_, out_dir=out, title=title, options=options,
             metrics=prefill_metrics if kind == "prefill" else decode_metrics, tuner=recorder,
+            write=False,
         )  # fmt: skip
-        result = annotate(result, recorder, kind)
+        draw = speedup_drawing(f"{title} on {result['device']['name']}")
+        with marked_if_interrupted(out, name, result, "its tuning detail and targets", draw):
+            result = annotate(result, recorder, kind)
         result["wall_s"] = time.perf_counter() - started
-        write_atomic(Path(out) / f"sdpa_{kind}.json", json.dumps(result, indent=1))
+        save_result(out, name, result, draw)
         _print_extra(result, kind)
         results[kind] = result
     return results
