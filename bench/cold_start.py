@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import duel_costs
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "configs" / "models" / "qwen2.5-7b.yaml"
 TINY = """name: Tiny
@@ -133,7 +135,7 @@ def tune_all(
     report = json.loads(report_path.read_text())
     return {
         "command": cmd[2:], "exit": proc.returncode, "wall_s": wall, "report": report,
-        "console": console,
+        "console": console, "cache": (caches or run_dir) / "tuner.db",
     }  # fmt: skip
 
 
@@ -199,10 +201,12 @@ def compare(pruned: dict, everything: dict) -> dict:
 
 
 def recorded(run: dict) -> dict:
-    """What the result file keeps of one tune-all."""
+    """What the result file keeps of one tune-all, with the duels that confirmed its winners by
+    kind (``duel_costs``: K kept, l lost; s at the power limit, - short)."""
     return {
         "wall_s": run["wall_s"], "exit": run["exit"], "command": run["command"],
         "summary": run["report"]["summary"], "problems": problems(run),
+        "duels": duel_costs.by_kind(duel_costs.duels(run["cache"])),
     }  # fmt: skip
 
 

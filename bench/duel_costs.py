@@ -46,21 +46,28 @@ def duels(db: Path) -> dict[str, list[tuple[str, float]]]:
         return found
 
 
+def by_kind(by_problem: dict[str, list[tuple[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per kind of duel: how many ("duels") and their seconds ("seconds")."""
+    kinds: dict[str, dict[str, float]] = {}
+    for problem in by_problem.values():
+        for kind, s in problem:
+            k = kinds.setdefault(kind, {"duels": 0, "seconds": 0.0})
+            k["duels"] += 1
+            k["seconds"] += s
+    return dict(sorted(kinds.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("caches", nargs="+", type=Path, help="tuner.db files (.xz taken)")
     for db in parser.parse_args().caches:
         by_problem = duels(db)
-        count: collections.Counter[str] = collections.Counter()
-        seconds: collections.Counter[str] = collections.Counter()
-        for problem in by_problem.values():
-            for kind, s in problem:
-                count[kind] += 1
-                seconds[kind] += s
-        print(f"{db}: {sum(count.values())} duels, {sum(seconds.values()):.1f} s")
-        for kind in sorted(count):
-            print(f"  {kind}: {count[kind]:3d} duels {seconds[kind]:6.1f} s "
-                  f"({seconds[kind] / count[kind]:.2f} s each)")  # fmt: skip
+        kinds = by_kind(by_problem)
+        total = sum(k["seconds"] for k in kinds.values())
+        print(f"{db}: {sum(k['duels'] for k in kinds.values()):.0f} duels, {total:.1f} s")
+        for kind, k in kinds.items():
+            print(f"  {kind}: {k['duels']:3.0f} duels {k['seconds']:6.1f} s "
+                  f"({k['seconds'] / k['duels']:.2f} s each)")  # fmt: skip
         orders = collections.Counter(" ".join(k for k, _ in p) for p in by_problem.values())
         print(
             "  problems by their duels: "

@@ -1,0 +1,48 @@
+"""bench/duel_costs.py on a real SQLite cache: each duel's kind and seconds read back from the
+verdict notes the tuning engine writes, summed by kind."""
+
+from __future__ import annotations
+
+import lzma
+import sqlite3
+from pathlib import Path
+
+from tests.bench_scripts import load_script
+
+costs = load_script("duel_costs")
+
+SUSTAINED = "rounds of 0.15 s stretches (GPU-bound or heavy calls)"
+NOTES = [  # (key, the challenger's note): as trials.Trial.confirm writes it
+    ("a", f"confirmation: 90.00 us vs baseline 99.00 us, host 9.0 vs 9.0 us per call; {SUSTAINED}, "
+          "kept (margin 2.0%; the duel took 1.5 s)"),
+    ("a", f"confirmation: 99.50 us vs baseline 99.00 us, host 9.0 vs 9.0 us per call; {SUSTAINED}, "
+          "lost (margin 2.0%; the duel took 2.5 s)"),
+    ("b", "host time read again: 5.0 us; confirmation: 10.00 us vs baseline 10.10 us, host 5.0 vs "
+          "5.0 us per call, lost (margin 2.0%; the duel took 0.1 s)"),
+    ("b", "confirmation: 10.0 us vs baseline 10.1 us, lost (margin 2.0%)"),  # not timed: left out
+    ("c", "relative error 0.5 > tolerance 0.01"),  # no duel
+]  # fmt: skip
+
+
+def cache(path: Path) -> Path:
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE measurements (id INTEGER PRIMARY KEY, key TEXT, error TEXT)")
+        db.executemany("INSERT INTO measurements (key, error) VALUES (?, ?)", NOTES)
+    return path
+
+
+def test_duels_are_read_by_kind_and_summed(tmp_path):
+    found = costs.duels(cache(tmp_path / "tuner.db"))
+    assert found == {"a": [("Ks", 1.5), ("ls", 2.5)], "b": [("l-", 0.1)]}
+    assert costs.by_kind(found) == {
+        "Ks": {"duels": 1, "seconds": 1.5},
+        "l-": {"duels": 1, "seconds": 0.1},
+        "ls": {"duels": 1, "seconds": 2.5},
+    }
+
+
+def test_a_compressed_cache_is_read_as_it_is(tmp_path):
+    plain = cache(tmp_path / "tuner.db")
+    packed = tmp_path / "tuner.db.xz"
+    packed.write_bytes(lzma.compress(plain.read_bytes()))
+    assert costs.duels(packed) == costs.duels(plain)
