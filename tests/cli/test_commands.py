@@ -213,6 +213,46 @@ def test_option_mistakes_get_the_same_one_line_as_the_rest(tmp_path, args, messa
     assert r.stdout == ""
 
 
+def one_winner(path):
+    """A cache file holding one winner, for the commands that read one."""
+    key = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+    with Store(path) as store:
+        store.put_winners([Winner(fingerprint().device_class, key, "torch", {}, 2.0, 2.0)])
+    return path
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--help",),
+        ("tune", "gemm", "--help"),
+        ("show", "--full-keys"),
+        ("export", "-"),
+        ("tune-all", "--dry-run", "--model", "configs/models/llama-3-8b.yaml"),
+    ],
+)
+def test_a_closed_stdout_ends_the_command_quietly_with_sigpipes_status(tmp_path, args):
+    """``tuner show | head -1``: rich, click and Python's exit flush each ended it with status 1
+    and no word, or a traceback; now it ends as ``cat`` killed by SIGPIPE would (141)."""
+    env = os.environ | {"TUNER_CACHE": str(one_winner(tmp_path / "c.db")), "COLUMNS": "200"}
+    p = subprocess.Popen([sys.executable, "-m", "tuner", *args], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    p.stdout.close()  # the reader gone before the first line is written
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 141 and err == ""
+
+
+def test_a_closed_stdout_does_not_hide_an_error(tmp_path):
+    env = os.environ | {"TUNER_CACHE": str(one_winner(tmp_path / "c.db"))}
+    out = tmp_path / "no" / "x.json"
+    p = subprocess.Popen([sys.executable, "-m", "tuner", "export", str(out)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 2
+    assert err == f"error: {out}: cannot write: No such file or directory\n"
+
+
 def test_version_and_winners_of_every_device_class(tmp_path):
     assert tuner("--version").stdout == f"tuner {__version__}\n"
     cache = tmp_path / "c.db"

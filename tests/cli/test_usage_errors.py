@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import typer
 
-from tuner.cli.errors import FAILED, report_usage_errors
+from tuner.cli.errors import FAILED, report_usage_errors, stdout_cut_off
 
 
 def test_an_abort_says_why_instead_of_ending_silently(capsys: pytest.CaptureFixture) -> None:
@@ -19,3 +19,9 @@ def test_an_abort_says_why_instead_of_ending_silently(capsys: pytest.CaptureFixt
     assert capsys.readouterr().err == (
         "error: aborted: Compressed file ended before the end-of-stream marker was reached\n"
     )
+
+
+def test_a_broken_pipe_that_is_not_stdout_stays_an_error() -> None:
+    """Only a closed stdout ends a command quietly: a socket's broken pipe is a real error."""
+    with pytest.raises(BrokenPipeError), stdout_cut_off():
+        raise BrokenPipeError(32, "Broken pipe")  # (stdout here: pytest's capture file, open)

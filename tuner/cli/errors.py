@@ -6,12 +6,15 @@ the service's URL: commands wrap their talk with it in ``fleet_service``. A mist
 SQLite finding a damaged page while reading) exits 2, reported by ``report_usage_errors`` around
 the whole command line (``tuner.cli.main.main``), as are click's own errors of options and
 arguments; called as a library (``app([...])``), the exception itself reaches the caller.
+A closed stdout (``tuner show | head -1``) ends the command quietly, as ``OutputClosed``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import select
 import sqlite3
 import sys
 from collections.abc import Iterator
@@ -26,6 +29,7 @@ from tuner.fleet.client import FleetError
 from tuner.offline.problem_list import ConfigError
 
 USAGE, FAILED = 2, 1  # exit statuses: a mistake in the input; the work could not be done
+CUT_OFF = 128 + 13  # a closed stdout: what a shell reports for a command SIGPIPE (13) ended
 # click's exceptions, from wherever this typer takes click (its own copy, or the click package)
 CLICK = importlib.import_module(typer.BadParameter.__module__)
 
@@ -63,10 +67,49 @@ def fleet_service(server: str) -> Iterator[None]:
         raise typer.Exit(FAILED) from None
 
 
+class OutputClosed(Exception):
+    """stdout's reader went away (``tuner show | head -1``): raised in place of the write's
+    BrokenPipeError, which click ends a command with as a silent exit status 1."""
+
+
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader is gone: a broken pipe elsewhere (a socket) is a
+    real error and stays one."""
+    if not hasattr(select, "poll"):  # (Windows) no way to ask: stdout is the pipe a command has
+        return True
+    poll = select.poll()
+    poll.register(sys.__stdout__.fileno(), select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+
+
+@contextlib.contextmanager
+def stdout_cut_off() -> Iterator[None]:
+    """A BrokenPipeError of writing to a closed stdout, inside, becomes ``OutputClosed``."""
+    try:
+        yield
+    except BrokenPipeError:
+        if not stdout_closed():
+            raise
+        raise OutputClosed() from None
+
+
+def _end_cut_off() -> None:
+    """End quietly on a closed stdout, with ``CUT_OFF``, the status a shell gives ``cat`` or
+    ``grep`` killed by SIGPIPE at the same point: a script (``set -o pipefail``) sees that the
+    output was cut, as for them, where 0 would say it was all written. What is still buffered
+    goes to /dev/null, so Python's own flush at exit has nothing to complain of."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.__stdout__.fileno())
+    sys.exit(CUT_OFF)
+
+
 @contextlib.contextmanager
 def report_usage_errors() -> Iterator[None]:
     try:
         yield
+    except OutputClosed:
+        _end_cut_off()
     except CLICK.UsageError as e:  # a bad option or argument, in the form of every other mistake
         if type(e).__name__ != "NoArgsIsHelpError":  # (that one's help is printed already)
             fail(_usage_line(e))

@@ -16,7 +16,7 @@ import functools
 import logging
 import sys
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 import typer.core
@@ -24,21 +24,23 @@ import typer.rich_utils
 from rich.console import Console
 
 from tuner.cli import bench, fleet, tune, tune_all, warmup
-from tuner.cli.errors import report_usage_errors
-from tuner.core.console import width_for
+from tuner.cli.errors import CLICK, report_usage_errors, stdout_cut_off
+from tuner.core.console import raise_broken_pipe, width_for
 from tuner.core.settings import load_config_file
 from tuner.version import __version__
 
 
 def wide_when_piped(make_console: Callable[..., Console]) -> Callable[..., Console]:
     """Typer's help (and error) console at ``width_for`` its file: read through a pipe, rich
-    would lay it out 80 wide and cut option texts with "…"."""
+    would lay it out 80 wide and cut option texts with "…"; a closed pipe raised, as on the
+    tuner's own consoles."""
 
     @functools.wraps(make_console)
     def console(*args: object, **kwargs: object) -> Console:
         made = make_console(*args, **kwargs)
         if (width := width_for(made.file)) is not None:
             made.width = width
+        made.on_broken_pipe = raise_broken_pipe  # type: ignore[method-assign]
         return made
 
     return console
@@ -66,7 +68,22 @@ if hasattr(typer.core.TyperOption, "display_type_rich"):  # typer's own, as abov
         typer.core.TyperOption.display_type_rich
     )
 
+
+class Commands(typer.core.TyperGroup):
+    """The ``tuner`` group: a write to a closed stdout, in a command or in help, is
+    ``OutputClosed`` before click sees it (click would end with status 1 and no word)."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> CLICK.Context:
+        with stdout_cut_off():  # the group's own --help and --version are written here
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: CLICK.Context) -> Any:
+        with stdout_cut_off():
+            return super().invoke(ctx)
+
+
 app = typer.Typer(
+    cls=Commands,
     help="Autotuned GEMM and attention kernels with a shared results cache.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -101,9 +118,11 @@ def startup(
 
 
 def main() -> None:
-    """The console command ``tuner``."""
-    with report_usage_errors():
+    """The console command ``tuner``; a closed stdout ends it quietly with status 141
+    (``tuner.cli.errors.CUT_OFF`` says why that status)."""
+    with report_usage_errors(), stdout_cut_off():
         code = app(standalone_mode=False)  # click's errors reach report_usage_errors
+        sys.stdout.flush()  # what is still buffered meets a closed stdout here, not at exit
     sys.exit(code if isinstance(code, int) else 0)
 
 

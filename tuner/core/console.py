@@ -1,10 +1,12 @@
 """The command line's rich consoles: as wide as the terminal, or ``PIPED_WIDTH`` where there is
 no terminal to ask (a CI log, a file), where rich would lay tables out 80 columns wide and split
 their numbers over two lines. A width asked for (``COLUMNS``, typer's ``TERMINAL_WIDTH``) wins;
-piped from a terminal (``| tee``, ``| less``), rich takes that terminal's width."""
+piped from a terminal (``| tee``, ``| less``), rich takes that terminal's width. A closed pipe
+(``| head -1``) is raised as the BrokenPipeError it is, for the command to end on."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from typing import Any
@@ -39,9 +41,22 @@ def width_for(file: Any) -> int | None:
     return PIPED_WIDTH
 
 
+def raise_broken_pipe() -> None:
+    """A console's ``on_broken_pipe``: rich's own exits with status 1 and no word, before the
+    command line (``tuner.cli.errors``) can tell a closed stdout from a failure."""
+    raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
+class OutputConsole(Console):
+    """A rich console whose closed pipe is raised (``raise_broken_pipe``)."""
+
+    def on_broken_pipe(self) -> None:
+        raise_broken_pipe()
+
+
 def output_console(stderr: bool = False) -> Console:
     """A console on stdout (or stderr) at ``width_for`` its stream."""
-    return Console(stderr=stderr, width=width_for(sys.stderr if stderr else sys.stdout))
+    return OutputConsole(stderr=stderr, width=width_for(sys.stderr if stderr else sys.stdout))
 
 
 def counted(n: int, noun: str) -> str:
