@@ -21,7 +21,12 @@ def test_an_abort_says_why_instead_of_ending_silently(capsys: pytest.CaptureFixt
     )
 
 
-def test_a_broken_pipe_that_is_not_stdout_stays_an_error() -> None:
-    """Only a closed stdout ends a command quietly: a socket's broken pipe is a real error."""
-    with pytest.raises(BrokenPipeError), stdout_cut_off():
+def test_a_broken_pipe_that_is_not_stdout_is_said(capsys: pytest.CaptureFixture) -> None:
+    """Only a closed stdout ends a command quietly: a socket's broken pipe is a real error,
+    which click would have ended the command on with status 1 and no word."""
+    with pytest.raises(SystemExit) as ended, report_usage_errors(), stdout_cut_off():
         raise BrokenPipeError(32, "Broken pipe")  # (stdout here: pytest's capture file, open)
+    assert ended.value.code == FAILED
+    assert capsys.readouterr().err == (
+        "error: closed by the other end (not stdout): [Errno 32] Broken pipe\n"
+    )

@@ -84,12 +84,13 @@ def stdout_closed() -> bool:
 
 @contextlib.contextmanager
 def stdout_cut_off() -> Iterator[None]:
-    """A BrokenPipeError of writing to a closed stdout, inside, becomes ``OutputClosed``."""
+    """A BrokenPipeError of writing to a closed stdout, inside, becomes ``OutputClosed``; any
+    other is said as an error (click would end the command on it with status 1 and no word)."""
     try:
         yield
-    except BrokenPipeError:
+    except BrokenPipeError as e:
         if not stdout_closed():
-            raise
+            raise CLICK.ClickException(f"closed by the other end (not stdout): {e}") from e
         raise OutputClosed() from None
 
 
