@@ -70,6 +70,18 @@ def test_int4_linear_is_torchs_int4_op_and_records_its_key(disp: Dispatcher) -> 
 
 
 @pytest.mark.cpu_host
+def test_an_int4_call_needing_a_gradient_is_torchs_by_policy(disp: Dispatcher) -> None:
+    """The dispatcher read the gradient flag from the wrong place of int4's signature (whether
+    ``int4.pack`` made the weight): such a call was a miss, and with a winner stored a tuned
+    kernel, which has no backward, served it."""
+    packed, sz = int4_weight()
+    x = torch.randn(3, K, dtype=torch.bfloat16, requires_grad=True)
+    tuner.int4_linear(x, packed, sz, GROUP)
+    assert [r.kind for r in disp.resolutions.values()] == ["default"]
+    assert not recorded(disp)
+
+
+@pytest.mark.cpu_host
 @pytest.mark.parametrize(("rowwise", "fast"), [(True, False), (False, False), (True, True)])
 def test_scaled_mm_is_torchs_and_keys_scales_and_accumulation(
     disp: Dispatcher, rowwise: bool, fast: bool

@@ -76,14 +76,15 @@ def int4_sig(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tup
     """What decides an ``int4_linear`` call's runner; ``x`` is the 2-D activation. The weight's
     devices enter as one flag, as in ``scaled_mm_sig``. On the CPU our own layout has torch's
     dtype and shape, so whether ``int4.pack`` made the weight enters too: a call with it is
-    refused however many calls of the same shapes came before."""
+    refused however many calls of the same shapes came before. The gradient flag last, as in
+    every signature: the dispatcher reads it there."""
     device = x.device
     ours = packed.dtype is torch.uint8 and int4.made_by_pack(packed)
     return ("int4", x.shape, x.stride(), x.dtype, packed.shape, packed.stride(), packed.dtype,
             scales_and_zeros.shape, scales_and_zeros.stride(), scales_and_zeros.dtype,
             type(group_size), group_size, device,
             packed.device == device and scales_and_zeros.device == device,
-            x.data_ptr() % 16, x.requires_grad and torch.is_grad_enabled(), ours)  # fmt: skip
+            x.data_ptr() % 16, ours, x.requires_grad and torch.is_grad_enabled())  # fmt: skip
 
 
 def check_int4(
