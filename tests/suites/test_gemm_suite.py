@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from tuner.cli.main import app
 from tuner.offline.model_config import gemm_key
-from tuner.suites import gemm
+from tuner.suites import catalog, gemm
 from tuner.tuning.engine import TuneOptions
 
 
@@ -67,3 +69,40 @@ def test_ctrl_c_after_the_rows_keeps_an_earlier_complete_result(
     partial = json.loads((tmp_path / "gemm_llama_test.interrupted.json").read_text())
     assert partial["interrupted"] is True and [r["label"] for r in partial["rows"]] == ["tiny"]
     assert (tmp_path / "gemm_llama_test.interrupted.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_quick_on_a_cpu_picks_a_few_small_rows_of_each_part() -> None:
+    """On a CPU, --quick times the small shape in each part's dtypes (the odd part's odd one),
+    labelled as such; on a GPU every 4th of the part's rows, and without --quick all of them."""
+    for part in gemm.PARTS:
+        rows = gemm.chosen_problems(part, quick=True, device="cpu")
+        dtypes = {key.dtype for _, key in gemm.llama_suite(part)}
+        assert {key.dtype for _, key in rows} == dtypes and 2 <= len(rows) <= 4, rows
+        for label, key in rows:
+            assert catalog.is_quick_cpu(label), label
+            assert key.m in catalog.GEMM_QUICK_CPU_M and key.flops <= 2 * 64 * 65 * 257, key
+        assert gemm.chosen_problems(part, quick=True, device="cuda") == gemm.llama_suite(part)[::4]
+        assert gemm.chosen_problems(part, device="cpu") == gemm.llama_suite(part)
+    odd = gemm.chosen_problems("odd", quick=True, device="cpu")
+    assert {(key.n, key.k) for _, key in odd} == {catalog.GEMM_QUICK_CPU_ODD_SHAPE}
+    with pytest.raises(ValueError, match="part must be one of"):
+        gemm.chosen_problems("bf16-405b", quick=True, device="cpu")
+
+
+@pytest.mark.cpu_host
+def test_quick_on_a_cpu_runs_small_rows_labelled_so_and_judges_no_target(tmp_path: Path) -> None:
+    """``bench gemm --quick`` on a CPU: the small rows in seconds, their JSON, console and PNG
+    title saying they are CPU-path rows of small shapes, and the targets marked not judged."""
+    out = tmp_path / "bench"
+    args = ["bench", "gemm", "--quick", "--part", "fp16", "--source", "torch", "--out", str(out)]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "gemm_llama_fp16.json").read_text())
+    want = gemm.chosen_problems("fp16", quick=True, device="cpu")
+    assert [r["label"] for r in saved["rows"]] == [label for label, _ in want]
+    assert saved["title"].endswith(gemm.QUICK_CPU_ROWS)
+    assert saved["shapes_note"].startswith(gemm.QUICK_CPU_ROWS)
+    assert saved["targets_judged"] is False and saved["targets_note"].startswith("targets not")
+    said = " ".join(result.output.split())
+    assert f"{saved['shapes_note']}." in said and "Targets not judged" in said
+    assert (out / "gemm_llama_fp16.png").read_bytes()[:4] == b"\x89PNG"

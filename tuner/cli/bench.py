@@ -88,9 +88,11 @@ def bench_gemm(
         typer.Option(
             help="A smoke run: every 4th problem (llama); for lowbit each chosen format on both "
             f"models' {' and '.join(catalog.LOWBIT_QUICK_OPS)} at M "
-            f"{', '.join(map(str, catalog.LOWBIT_QUICK_M))}; on a CPU, one small shape in their "
-            f"place (N={catalog.LOWBIT_QUICK_CPU_SHAPE[0]}, K={catalog.LOWBIT_QUICK_CPU_SHAPE[1]}) "
-            f"at M {', '.join(map(str, catalog.LOWBIT_QUICK_CPU_M))}."
+            f"{', '.join(map(str, catalog.LOWBIT_QUICK_M))}; on a CPU, either suite times one "
+            f"small shape in their place (N={catalog.GEMM_QUICK_CPU_SHAPE[0]}, "
+            f"K={catalog.GEMM_QUICK_CPU_SHAPE[1]}; llama's odd part "
+            f"N={catalog.GEMM_QUICK_CPU_ODD_SHAPE[0]}, K={catalog.GEMM_QUICK_CPU_ODD_SHAPE[1]}) "
+            f"at M {', '.join(map(str, catalog.GEMM_QUICK_CPU_M))}, targets not judged."
         ),
     ] = False,
     m: Annotated[
@@ -136,7 +138,7 @@ def bench_gemm(
         lowbit.run(rows, out, options)
         return
     for p in chosen:
-        problems = gemm.llama_suite(p)[:: 4 if quick else 1]
+        problems = gemm.chosen_problems(p, quick=quick)
         gemm.run_part(
             p, problems, out, options, inductor=inductor is not False,
             warm_sample=catalog.GEMM_WARM_SAMPLE if warm_sample is None else warm_sample,

@@ -41,7 +41,16 @@ from tuner.measure.records import candidate_params
 from tuner.offline.model_config import gemm_key, load_model
 from tuner.offline.plots import geomean
 from tuner.suites import catalog
-from tuner.suites.runner import marked_if_interrupted, run_suite, save_result, speedup_drawing
+from tuner.suites.runner import (
+    NOT_JUDGED,
+    marked_if_interrupted,
+    quick_cpu_note,
+    quick_on_cpu,
+    run_suite,
+    save_result,
+    speedup_drawing,
+    targets_judged,
+)
 from tuner.suites.sdpa import recheck
 from tuner.tuning import compile_pool
 from tuner.tuning.compile_pool import CompilePool
@@ -72,16 +81,31 @@ WARM_SAMPLE = catalog.GEMM_WARM_SAMPLE
 Problems = list[tuple[str, GemmKey]]
 
 
+# each part's dtypes, with the suffix its rows' labels carry; the odd part's: bf16
+PART_DTYPES: dict[str, tuple[tuple[str, str], ...]] = {
+    "bf16-8b": (("bf16", ""),), "bf16-70b": (("bf16", ""),), "odd": (("bf16", ""),),
+    "fp16": (("f16", ""),), "fp32": (("f32", " f32"), ("tf32", " tf32")),
+}  # fmt: skip
+QUICK_CPU_ROWS = "CPU-path rows of small shapes (N={}, K={}; the odd part's N={}, K={})".format(
+    *catalog.GEMM_QUICK_CPU_SHAPE, *catalog.GEMM_QUICK_CPU_ODD_SHAPE
+)
+
+
+def shape_rows(
+    shapes: Sequence[tuple[str, int, int]], m_sizes: Sequence[int], dtype: str, suffix: str = ""
+) -> Problems:
+    """(label, key) of each named (N, K) shape at each M: ``F.linear``'s layout ``nt``."""
+    return [
+        (f"{name} M={m}{suffix}", gemm_key(m, n, k, layout="nt", dtype=dtype))
+        for name, n, k in shapes
+        for m in m_sizes
+    ]
+
+
 def model_problems(model: str, m_sizes: Sequence[int], dtype: str, suffix: str = "") -> Problems:
     cfg = load_model(MODELS_DIR / MODELS[model])
-    out = []
-    for op in OPS:
-        n, k = cfg.gemm_shape(op)
-        for m in m_sizes:
-            out.append(
-                (f"{model.upper()} {op} M={m}{suffix}", gemm_key(m, n, k, layout="nt", dtype=dtype))
-            )
-    return out
+    shapes = [(f"{model.upper()} {op}", *cfg.gemm_shape(op)) for op in OPS]
+    return shape_rows(shapes, m_sizes, dtype, suffix)
 
 
 def odd_problems() -> Problems:
@@ -90,19 +114,34 @@ def odd_problems() -> Problems:
 
 def llama_suite(part: str) -> Problems:
     """The (label, key) problems of one part of the suite."""
-    if part == "bf16-8b":
-        return model_problems("8b", M_BF16, "bf16")
-    if part == "bf16-70b":
-        return model_problems("70b", M_BF16, "bf16")
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {list(PARTS)}, got {part!r}")
     if part == "odd":
         return odd_problems()
-    if part == "fp16":
-        return model_problems("8b", M_SMALL, "f16")
-    if part == "fp32":
-        return model_problems("8b", M_SMALL, "f32", " f32") + model_problems(
-            "8b", M_SMALL, "tf32", " tf32"
-        )
-    raise ValueError(f"part must be one of {list(PARTS)}, got {part!r}")
+    model = "70b" if part == "bf16-70b" else "8b"
+    m_sizes = M_BF16 if part.startswith("bf16") else M_SMALL
+    return [row for dtype, suffix in PART_DTYPES[part]
+            for row in model_problems(model, m_sizes, dtype, suffix)]  # fmt: skip
+
+
+def quick_cpu_problems(part: str) -> Problems:
+    """``--quick``'s rows of a part on a CPU: the small shape (the odd part's for ``odd``) at
+    ``catalog.GEMM_QUICK_CPU_M`` in the part's dtypes, labelled as such (``quick_cpu_name``)."""
+    n, k = catalog.GEMM_QUICK_CPU_ODD_SHAPE if part == "odd" else catalog.GEMM_QUICK_CPU_SHAPE
+    shape = [(catalog.quick_cpu_name(n, k), n, k)]
+    return [row for dtype, suffix in PART_DTYPES[part]
+            for row in shape_rows(shape, catalog.GEMM_QUICK_CPU_M, dtype, suffix)]  # fmt: skip
+
+
+def chosen_problems(part: str, *, quick: bool = False, device: str | None = None) -> Problems:
+    """A part's rows: all of them, or ``--quick``'s: every 4th on a GPU; on a CPU ``device``
+    the small ones (``quick_cpu_problems``), since every 4th GPU row still holds GEMMs that take
+    minutes each there."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {list(PARTS)}, got {part!r}")
+    if quick_on_cpu(quick, device):
+        return quick_cpu_problems(part)
+    return llama_suite(part)[:: 4 if quick else 1]
 
 
 def gemm_metrics(key: Any, us: float) -> dict[str, float]:
@@ -300,7 +339,12 @@ def print_report(result: dict[str, Any]) -> None:
             console.print(
                 f"inductor {r['label']:<24} {r['speedup']:.2f}x vs cuBLAS, compiled in {r['compile_s']:.1f} s"
             )
-    console.print(json.dumps(result["targets"]))
+    if note := result["shapes_note"]:
+        console.print(f"[yellow]{note}.[/yellow]")
+    if result["targets_judged"]:
+        console.print(json.dumps(result["targets"]))
+    else:
+        console.print(f"[yellow]{NOT_JUDGED[0].upper()}{NOT_JUDGED[1:]}.[/yellow]")
 
 
 def inductor_or_error(label: str, key: GemmKey, device: str, budget_s: float) -> dict[str, Any]:
@@ -327,6 +371,8 @@ def run_part(
     store = Store(out / f"{name}.db")
     started = time.perf_counter()
     title = f"GEMM {part}: tuned vs cuBLAS (torch.matmul)"
+    if note := quick_cpu_note((label for label, _ in problems_), QUICK_CPU_ROWS):
+        title += f": {QUICK_CPU_ROWS}"
     with compile_pool.ahead([k for _, k in problems_], options, device) as compiler:
         recorder = Recorder(compiler)
         result = run_suite(
@@ -344,6 +390,9 @@ def run_part(
             if inductor and device == "cuda" and label in INDUCTOR.get(part, ())
         ]
     result["targets"] = targets(result)
+    result["targets_judged"] = targets_judged(device)
+    result["targets_note"] = None if result["targets_judged"] else NOT_JUDGED
+    result["shapes_note"] = note
     result["wall_s"] = time.perf_counter() - started
     save_result(out, name, result, draw)
     print_report(result)

@@ -59,6 +59,7 @@ from tuner.offline.model_config import gemm_key, load_model
 from tuner.offline.plots import geomean, pyplot
 from tuner.suites import catalog
 from tuner.suites.gemm import MODELS_DIR, OPS, Recorder
+from tuner.suites.runner import NOT_JUDGED as GPU_TARGETS_ONLY
 from tuner.suites.runner import (
     Rounds,
     Timed,
@@ -66,11 +67,13 @@ from tuner.suites.runner import (
     console,
     in_turn_rounds,
     marked_if_interrupted,
+    quick_cpu_note,
     quick_on_cpu,
     run_suite,
     save_result,
     side_by_side,
     steadier_rounds,
+    targets_judged,
     tuned_times,
 )
 from tuner.tuning import compile_pool
@@ -81,9 +84,9 @@ MODELS = ("llama-3-8b.yaml", "qwen2.5-7b.yaml")
 M_SIZES = catalog.LOWBIT_M_SIZES
 FORMATS = catalog.LOWBIT_FORMATS
 QUICK_M = catalog.LOWBIT_QUICK_M
-QUICK_CPU_M = catalog.LOWBIT_QUICK_CPU_M
-QUICK_CPU_SHAPE = catalog.LOWBIT_QUICK_CPU_SHAPE  # (N, K)
-QUICK_CPU_NAME = "small N={} K={}".format(*QUICK_CPU_SHAPE)  # its rows' shape, in their labels
+QUICK_CPU_M = catalog.GEMM_QUICK_CPU_M
+QUICK_CPU_SHAPE = catalog.GEMM_QUICK_CPU_SHAPE  # (N, K)
+QUICK_CPU_NAME = catalog.quick_cpu_name(*QUICK_CPU_SHAPE)  # its rows' shape, in their labels
 QUICK_CPU_ROWS = "CPU-path rows of one small shape (N={}, K={})".format(*QUICK_CPU_SHAPE)
 QUICK_OPS = catalog.LOWBIT_QUICK_OPS
 DECODE_M = 16
@@ -292,24 +295,14 @@ def target_counts(rows: Sequence[Row]) -> dict[str, Any]:
 
 TUNING_TARGET = "tuning <= bf16 (median)"
 NOT_JUDGED = (
-    "targets not judged: they are GPU targets, judged only on a GPU; this run timed CPU code "
-    "(torch's CPU ops, CPU matmul as 'bf16 cuBLAS', Triton kernels where TRITON_INTERPRET=1), "
-    "and CPU timings are not the product's"
+    f"{GPU_TARGETS_ONLY} (torch's CPU ops, CPU matmul as 'bf16 cuBLAS', Triton kernels where "
+    "TRITON_INTERPRET=1), and CPU timings are not the product's"
 )
 
 
-def targets_judged(device: str) -> bool:
-    """Whether a run on ``device`` is judged by the targets: only on a GPU, where they apply."""
-    return device == "cuda"
-
-
 def shapes_note(rows: Sequence[Row]) -> str | None:
-    """A line saying the rows are ``--quick``'s small CPU shape, where they are, or None: their
-    ratios are of CPU code on a toy shape, not of the models' projections."""
-    if not any(r["shape"] == QUICK_CPU_NAME for r in rows):
-        return None
-    return (f"{QUICK_CPU_ROWS}, not the models' projections: --quick on a machine without a "
-            "GPU times these in their place")  # fmt: skip
+    """A line saying the rows are ``--quick``'s small CPU shape, where they are, or None."""
+    return quick_cpu_note((r["label"] for r in rows), QUICK_CPU_ROWS)
 
 
 def format_summary(rows: Sequence[Row]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import contextlib
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from tuner.measure import samples, timing
 from tuner.measure.records import Winner
 from tuner.measure.timing import copy_bandwidth_gbs
 from tuner.offline.plots import geomean, speedup_plot
+from tuner.suites import catalog
 from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
 from tuner.tuning.tune import tune
 
@@ -142,6 +143,27 @@ def quick_on_cpu(quick: bool, device: str | None = None) -> bool:
     small CPU rows (``catalog``'s ``*_QUICK_CPU_*``) in place of its GPU rows, which take
     minutes each on a CPU."""
     return quick and (device or current_device()) != "cuda"
+
+
+def quick_cpu_note(labels: Iterable[str], rows: str) -> str | None:
+    """A line saying the rows are ``--quick``'s small CPU ones (``rows`` names their shapes),
+    where any ``labels`` is one of theirs (``catalog.is_quick_cpu``), or None: their ratios are
+    of CPU code on toy shapes, not of the models' projections."""
+    if not any(catalog.is_quick_cpu(label) for label in labels):
+        return None
+    return (f"{rows}, not the models' projections: --quick on a machine without a GPU times "
+            "these in their place")  # fmt: skip
+
+
+NOT_JUDGED = (
+    "targets not judged: they are GPU targets, judged only on a GPU; this run timed CPU code"
+)
+
+
+def targets_judged(device: str) -> bool:
+    """Whether a run on ``device`` is judged by a suite's targets: only on a GPU, where they
+    apply (``NOT_JUDGED`` says why not elsewhere)."""
+    return device == "cuda"
 
 
 def built(key: Key, source: str, params: Params) -> tuple[Runner, Runner | None]:
