@@ -427,3 +427,31 @@ def test_a_triton_winner_on_the_cpu_serves_calls_from_several_threads(cache_path
         t.join(120)
     assert errors == []
     assert next(iter(dispatch_module._dispatcher.choices.values())).startswith("triton_gemm")
+
+
+def test_a_call_needing_a_gradient_is_torchs_and_said_once_per_op(tmp_path, caplog):
+    """Tuned kernels have no backward: a model run without no_grad lost every one of them, and
+    only stats() showed it. Said once per op, on resolution; under no_grad nothing is said."""
+    d = Dispatcher(tmp_path / "c.db", mode="record")
+    a, b = torch.randn(8, 16, requires_grad=True), torch.randn(16, 24)
+    with torch.no_grad():
+        d.matmul(a, b)
+    assert not caplog.records
+    for m in (8, 8, 4):
+        y = d.matmul(a[:m], b)
+        assert y.requires_grad  # torch's op, differentiable
+    q = k = v = torch.randn(1, 2, 4, 8, requires_grad=True)
+    d.sdpa(q, k, v)
+    said = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage().split(" ")[0].split(":")[0] for r in said] == ["gemm", "sdpa"]
+    assert "torch.inference_mode() or torch.no_grad()" in said[0].getMessage()
+    kinds = sorted(r.kind for r in d.resolutions.values())
+    assert kinds == ["default", "default", "default", "miss"]  # (the miss: the no_grad call)
+    with Store(tmp_path / "c.db") as store:
+        assert len(store.misses()) == 1  # the no_grad call's; a gradient's is not a miss
+
+
+def test_off_mode_says_nothing_of_gradients(tmp_path, caplog):
+    d = Dispatcher(tmp_path / "c.db", mode="off")
+    d.matmul(torch.randn(8, 16, requires_grad=True), torch.randn(16, 24))
+    assert not caplog.records

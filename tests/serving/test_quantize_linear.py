@@ -359,3 +359,14 @@ def test_an_int4_model_moved_or_loaded_across_devices_is_repacked_for_them(there
     loaded = tt.quantize_linear(mlp().to(there), "int4")
     loaded.load_state_dict(saved)
     assert torch.equal(loaded(x.to(there)), got)  # the same values, packed for ``there``
+
+
+def test_a_quantized_model_run_with_autograd_on_says_why_it_is_not_tuned(disp, caplog) -> None:
+    """Forgetting torch.no_grad() served torch's int4 op with no word; stats() alone showed it."""
+    q = tt.quantize_linear(mlp(), "int4")
+    x = torch.randn(3, 256, requires_grad=True)
+    q(x)
+    q(x)
+    said = [r.getMessage() for r in caplog.records if "needs a gradient" in r.getMessage()]
+    assert len(said) == 1 and "dtype=int4" in said[0] and "torch.no_grad()" in said[0]
+    assert {r.kind for r in disp.resolutions.values()} == {"default"}

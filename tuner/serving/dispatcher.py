@@ -245,6 +245,7 @@ class Dispatcher:
         self._store_failed = False
         self._missing_said = False  # lookup mode found no cache at store_path, and said so
         self._read_only = False  # the cache refused a write: still read, never written again
+        self._grad_said: set[str] = set()  # ops whose torch-served autograd call was logged
         # winners' runners whose build may compile: built off the hot path (serving.background),
         # kept across reloads; "<key> <- <candidate> on <device>" -> runner
         self.loader = BackgroundLoader()
@@ -427,7 +428,10 @@ class Dispatcher:
         (loading a kernel module would invalidate the capture); the miss is still recorded.
         """
         base = registry.baseline(key.op, key)
-        if self.mode == "off" or grad or (device == "cuda") != torch.cuda.is_available():
+        if self.mode == "off" or (device == "cuda") != torch.cuda.is_available():
+            return Resolution(str(key), "default", base.name)
+        if grad:
+            self._say_grad(key)
             return Resolution(str(key), "default", base.name)
         dc = fingerprint(device).device_class
         capturing = _capturing(device)
@@ -447,6 +451,20 @@ class Dispatcher:
         if capturing:
             return Resolution(str(key), "capture", base.name)
         return Resolution(str(key), kind, winner.candidate, winner, via, by_torch=False)
+
+    def _say_grad(self, key: Key) -> None:
+        """Log, once per op, that a call needing a gradient is torch's: tuned kernels have no
+        backward, so a model run without ``no_grad`` loses every tuned kernel, and
+        ``stats()`` alone would show it. Resolutions only: the hot path pays nothing."""
+        if key.op in self._grad_said:
+            return
+        self._grad_said.add(key.op)
+        log.warning(
+            "%s needs a gradient (an operand requires grad, grad mode on): torch's own op serves "
+            "it and every such %s call, not a tuned kernel, which has no backward; for "
+            "inference run the model under torch.inference_mode() or torch.no_grad()",
+            key, key.op,
+        )  # fmt: skip
 
     def _build(self, key: Key, res: Resolution, device: Any) -> tuple[Runner, Resolution]:
         """The runner of a resolution, built for ``key`` itself (also for a bucketed winner).
