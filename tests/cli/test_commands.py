@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from tests.cache.damaged import damaged_cache
 from tests.cache.read_only import read_only
 from tuner.cache import Store
+from tuner.candidates import registry
 from tuner.cli.main import app
 from tuner.core import console
 from tuner.core.console import PIPED_WIDTH
@@ -596,8 +597,8 @@ def test_launch_and_confirmation_options_reach_the_winner(tmp_path):
 def test_the_sustained_stretch_reaches_the_tuning_options():
     from tuner.cli.options import tune_options
 
-    assert tune_options(budget=0.1, sustained=0.3).sustained_s == 0.3
-    assert tune_options(budget=0.1).sustained_s == TuneOptions().sustained_s
+    assert tune_options(budget=0.1, ops=("gemm",), sustained=0.3).sustained_s == 0.3
+    assert tune_options(budget=0.1, ops=("gemm",)).sustained_s == TuneOptions().sustained_s
 
 
 def test_every_command_has_help_text():
@@ -625,6 +626,74 @@ def test_show_contains_matches_whole_key_fields_when_given_one() -> None:
     assert key_contains(bf16, "m=16,n=64") and not key_contains(bf16, "m=1")
     assert key_contains(bf16, "gemm:m=16") and not key_contains(fp8, bf16)
     assert key_contains(fp8, "fp8-rowwise") and key_contains(fp8, "e4m3")  # label, substring
+
+
+SDPA_ARGS = (
+    "--q-len",
+    "1",
+    "--kv-len",
+    "64",
+    "--q-heads",
+    "2",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "16",
+)
+SDPA_KEY = "sdpa:batch=1,q_heads=2,kv_heads=2,q_len=1,kv_len=64,head_dim=16,dtype=f32"
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("tune", "gemm", "-m", "8", "-n", "8", "-k", "8", "--source", "triton_attention"),
+         "--source triton_attention serves sdpa, not gemm; the sources that serve gemm: "),
+        (("tune", "sdpa", *SDPA_ARGS, "--source", "triton_gemm"),
+         "--source triton_gemm serves gemm, not sdpa; the sources that serve sdpa: "),
+        (("tune", "key", SDPA_KEY, "--source", "torch"),
+         "--source torch serves gemm, not sdpa; the sources that serve sdpa: "),
+        (("bench", "sdpa", "--quick", "--source", "triton_gemm"),
+         "--source triton_gemm serves gemm, not sdpa; the sources that serve sdpa: "),
+        (("bench", "gemm", "--quick", "--source", "torch_sdpa"),
+         "--source torch_sdpa serves sdpa, not gemm; the sources that serve gemm: "),
+        (("bench", "gemm", "--suite", "lowbit", "--quick", "--source", "triton_decode"),
+         "--source triton_decode serves sdpa, not gemm; the sources that serve gemm: "),
+    ],
+)  # fmt: skip
+def test_a_source_of_another_op_is_refused_in_one_line_and_nothing_is_written(
+    tmp_path, args, named
+) -> None:
+    """A single-op command given a source that serves another op would tune no challenger at
+    all: it is refused (exit 2) by one line naming the option, the value and the sources that
+    serve the op, before any cache or output folder is made."""
+    out = tmp_path / "out"
+    extra = ("--out", str(out)) if args[0] == "bench" else ()
+    r = tuner(*args, *extra, cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and named in r.stderr, r.stderr
+    op = named.rsplit("serve ", 1)[1].rstrip(": ")
+    serving = r.stderr.split(named)[1].strip().split(", ")
+    assert serving == sorted(s.name for s in registry.sources(op))
+    assert not (tmp_path / "c.db").exists() and not out.exists()
+
+
+def test_tune_all_takes_a_source_serving_any_of_its_ops(tmp_path) -> None:
+    """tune-all mixes ops: a source is refused only where it serves none of the run's (its
+    files' problems', or --op's), with nothing written."""
+    mixed, gemm_only = tmp_path / "mixed.yaml", tmp_path / "gemm.yaml"
+    gemm_line = "  - {op: gemm, m: 8, n: 16, k: 16, dtype: f32}\n"
+    sdpa_line = ("  - {op: sdpa, batch: 1, q_heads: 2, kv_heads: 1, q_len: 3, kv_len: 5, "
+                 "head_dim: 8, dtype: f32}\n")  # fmt: skip
+    mixed.write_text(f"problems:\n{gemm_line}{sdpa_line}")
+    gemm_only.write_text(f"problems:\n{gemm_line}")
+    cache = tmp_path / "c.db"
+    run = ("tune-all", "--dry-run", "--source", "triton_attention", "--config")
+    assert "2 to tune" in tuner(*run, str(mixed), cache=cache).stdout
+    r = tuner(*run, str(gemm_only), "--out", str(tmp_path / "out"), cache=cache, check=False)
+    assert r.returncode == 2 and "--source triton_attention serves sdpa, not gemm" in r.stderr
+    r = tuner(*run, str(mixed), "--op", "gemm", cache=cache, check=False)
+    assert r.returncode == 2 and "--source triton_attention serves sdpa, not gemm" in r.stderr
+    assert not cache.exists() and not (tmp_path / "out").exists()
 
 
 def test_tune_all_says_what_op_left_out(tmp_path) -> None:

@@ -123,7 +123,7 @@ def bench_gemm(
         if p not in parts:
             raise ValueError(f"part must be one of {list(parts)}, got {p!r}")
     options = tune_options(
-        budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
+        budget=budget, ops=("gemm",), source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
     if suite == "llama" and (m or proj):
@@ -184,7 +184,7 @@ def bench_sdpa(
     if part not in ("all", *sdpa.PARTS):
         raise ValueError(f"part must be all, prefill or decode, got {part!r}")
     options = tune_options(
-        budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
+        budget=budget, ops=("sdpa",), source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained,
     )  # fmt: skip
     chosen = list(sdpa.PARTS) if part == "all" else [part]

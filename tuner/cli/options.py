@@ -7,6 +7,7 @@ The tuning options of ``tuner tune``, ``tuner tune-all`` and ``tuner bench`` bec
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -14,6 +15,7 @@ import typer
 
 from tuner.cache import Store, StoreError, cache_file, default_path
 from tuner.candidates import registry
+from tuner.candidates.base import Source
 from tuner.core.console import output_console
 from tuner.core.device import Fingerprint, fingerprint
 from tuner.measure.records import LAUNCHES
@@ -55,7 +57,9 @@ BudgetOpt = Annotated[float, typer.Option(min=0.001, help="Timing budget per can
 SourcesOpt = Annotated[
     list[str] | None,
     typer.Option(
-        "--source", help="Only these candidate sources (repeatable); the baseline always runs."
+        "--source",
+        help="Only these candidate sources (repeatable), each serving the command's op (tune-all: "
+        "any of its problems' ops); the baseline always runs.",
     ),
 ]
 LaunchOpt = Annotated[
@@ -104,11 +108,26 @@ IsolateOpt = Annotated[
 ]
 
 TUNE_DEFAULTS = TuneOptions()
+OPS = ("gemm", "sdpa")  # what --op takes; a run without it may tune either
+
+
+def check_sources_serve(source: list[str] | None, ops: Collection[str]) -> None:
+    """ValueError for a ``--source`` that serves none of ``ops`` (the ops of the problems the
+    command tunes): it would add no challenger, and the run would time the baseline alone
+    without a word. A source that could not be loaded has no known op and is let through."""
+    for name in source or ():
+        src = registry.all_sources().get(name)
+        if isinstance(src, Source) and src.op not in ops:
+            wanted = " or ".join(sorted(ops))
+            serving = ", ".join(sorted(s.name for s in registry.sources() if s.op in ops))
+            raise ValueError(f"--source {name} serves {src.op}, not {wanted}; the sources that "
+                             f"serve {wanted}: {serving}")  # fmt: skip
 
 
 def tune_options(
     *,
     budget: float,
+    ops: Collection[str],
     source: list[str] | None = None,
     launch: str = TUNE_DEFAULTS.launch,
     confirm_rounds: int = TUNE_DEFAULTS.confirm_rounds,
@@ -116,9 +135,11 @@ def tune_options(
     sustained: float = TUNE_DEFAULTS.sustained_s,
     isolate: bool = False,
 ) -> TuneOptions:
-    """The ``TuneOptions`` of a command's flags; a clear error for an unknown source, and a note
-    where ``--launch graph`` cannot mean what it says (no CUDA graphs without a GPU)."""
+    """The ``TuneOptions`` of a command's flags for problems of ``ops``; a clear error for an
+    unknown source or one serving none of them, and a note where ``--launch graph`` cannot mean
+    what it says (no CUDA graphs without a GPU)."""
     registry.check_names(source)
+    check_sources_serve(source, ops)
     if launch == "graph":
         import torch
 
@@ -134,7 +155,7 @@ def tune_options(
 
 
 def check_op(op: str | None) -> None:
-    if op not in (None, "gemm", "sdpa"):
+    if op not in (None, *OPS):
         raise ConfigError(f"--op must be 'gemm' or 'sdpa', got {op!r}")
 
 

@@ -232,7 +232,7 @@ def tune_gemm(
 ) -> None:
     """Tune C = A @ B."""
     options = tune_options(
-        budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
+        budget=budget, ops=("gemm",), source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
     run_tune(_gemm_key(m, n, k, batch, dtype, layout, tf32, align), cache, options)
@@ -293,7 +293,7 @@ def tune_sdpa(
 ) -> None:
     """Tune scaled dot-product attention."""
     options = tune_options(
-        budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
+        budget=budget, ops=("sdpa",), source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
     key = SdpaKey(
@@ -321,11 +321,12 @@ def tune_key(
     isolate: IsolateOpt = False,
 ) -> None:
     """Tune the problem named by a key string (as 'tuner show --full-keys' prints them)."""
+    parsed = parse_key(key)
     options = tune_options(
-        budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
+        budget=budget, ops=(parsed.op,), source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
-    run_tune(parse_key(key), cache, options)
+    run_tune(parsed, cache, options)
 
 
 def key_contains(key: str, text: str) -> bool:

@@ -26,6 +26,7 @@ from tuner.cache import Store
 from tuner.cache.artifacts import ArtifactStore
 from tuner.cli.errors import fleet_service, output_dir, write_output
 from tuner.cli.options import (
+    OPS,
     TUNE_DEFAULTS,
     BudgetOpt,
     CacheOpt,
@@ -39,6 +40,7 @@ from tuner.cli.options import (
     SustainedOpt,
     cache_path,
     check_op,
+    check_sources_serve,
     device_fingerprint,
     open_store,
     tune_options,
@@ -157,7 +159,7 @@ def tune_all_command(
     a report ends the run. Exit status 0 when every problem has a winner, else 1; 130 after
     Ctrl-C (143 after SIGTERM)."""
     options = tune_options(
-        budget=budget, source=source, launch=launch, confirm_rounds=confirm_rounds,
+        budget=budget, ops=OPS, source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
     settings = RunSettings(
@@ -471,6 +473,16 @@ def _check_op_kept_some(files: ProblemSet, sources: Sources) -> None:
                       "nothing to tune")  # fmt: skip
 
 
+def run_ops(files: ProblemSet, sources: Sources) -> set[str]:
+    """The ops a run may tune, known before the cache is opened: ``--op``'s; else those of its
+    files' problems, and every op where recorded misses or the fleet's queue add problems."""
+    if sources.op is not None:
+        return {sources.op}
+    if sources.misses or sources.queue:
+        return set(OPS)
+    return {key.op for key in files}
+
+
 def _plan(
     problems: ProblemSet,
     untuned: list[Key],
@@ -518,6 +530,7 @@ def tune_all(
         )
     files = read_files(sources, console)
     _check_op_kept_some(files, sources)
+    check_sources_serve(settings.tune.sources, run_ops(files, sources))
     if out is not None and not dry_run:
         output_dir(out)  # checked before the run, not once it is over
     # a dry run writes nothing: with no cache yet, nothing is tuned and nothing recorded; a
