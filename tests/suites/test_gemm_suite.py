@@ -106,3 +106,17 @@ def test_quick_on_a_cpu_runs_small_rows_labelled_so_and_judges_no_target(tmp_pat
     said = " ".join(result.output.split())
     assert f"{saved['shapes_note']}." in said and "Targets not judged" in said
     assert (out / "gemm_llama_fp16.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_cpu_decode_rows_bandwidth_prints_with_its_digits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A CPU decode row reads a few GB/s: printed as 4.82 and 5.61, not 5 and 6, and with no
+    empty CUDA-graph column where none was timed."""
+    row = {"label": "small N=64 K=256 M=1", "m": 1, "failures": [], "baseline_gbs": 4.823,
+           "baseline_pct_copy": 17.2, "gbs": 5.614, "pct_copy": 20.1}  # fmt: skip
+    result = {"rows": [row], "shapes_note": None, "targets_judged": False, "targets": {}}
+    gemm.print_report(result)
+    said = " ".join(capsys.readouterr().out.split())
+    assert "cuBLAS 4.82 GB/s (17%) -> 5.61 GB/s (20% of copy)" in said
+    assert "CUDA graphs" not in said

@@ -117,3 +117,18 @@ def test_ctrl_c_after_the_rows_keeps_an_earlier_complete_result(
     partial = json.loads((tmp_path / "sdpa_decode.interrupted.json").read_text())
     assert partial["interrupted"] is True and [r["label"] for r in partial["rows"]] == ["tiny"]
     assert (tmp_path / "sdpa_decode.interrupted.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cpu_rates_print_with_their_digits(capsys: pytest.CaptureFixture[str]) -> None:
+    """A CPU prefill row's TFLOP/s and a decode row's GB/s print as 0.0123 and 3.46, not as
+    0 and 3."""
+    prefill = {"label": "p", "candidates": [], "baseline_tflops": 0.01234, "tflops": 0.02345,
+               "cudnn_tflops": 0.004567}  # fmt: skip
+    sdpa._print_extra({"rows": [prefill], "summary": {}}, "prefill")
+    decode = {"label": "d", "candidates": [], "baseline_kv_gbs": 3.456, "kv_gbs": 12.34,
+              "baseline_pct_copy": 12.0, "pct_copy": 44.0, "baseline_host_us": None,
+              "winner_host_us": None}  # fmt: skip
+    sdpa._print_extra({"rows": [decode], "summary": {}}, "decode")
+    said = " ".join(capsys.readouterr().out.split())
+    assert "default 0.0123 -> 0.0234 TFLOP/s" in said and "cudnn 0.00457" in said
+    assert "default 3.46 GB/s (12%) -> 12.3 GB/s (44%)" in said

@@ -46,6 +46,7 @@ from tuner.suites.runner import (
     marked_if_interrupted,
     quick_cpu_note,
     quick_on_cpu,
+    rate,
     run_suite,
     save_result,
     speedup_drawing,
@@ -328,8 +329,9 @@ def print_report(result: dict[str, Any]) -> None:
                 if f"graph_{n}_pct_copy" in r
             )
             console.print(
-                f"{r['label']:<28} cuBLAS {r['baseline_gbs']:.0f} GB/s ({r['baseline_pct_copy']:.0f}%) -> "
-                f"{r['gbs']:.0f} GB/s ({r['pct_copy']:.0f}% of copy); in CUDA graphs: {graph}"
+                f"{r['label']:<28} cuBLAS {rate(r['baseline_gbs'])} GB/s ({r['baseline_pct_copy']:.0f}%) -> "
+                f"{rate(r['gbs'])} GB/s ({r['pct_copy']:.0f}% of copy)"
+                + (f"; in CUDA graphs: {graph}" if graph else "")
             )
 
     for r in result.get("inductor", []):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -145,6 +146,15 @@ def quick_on_cpu(quick: bool, device: str | None = None) -> bool:
     return quick and (device or current_device()) != "cuda"
 
 
+def rate(value: float) -> str:
+    """A rate (TFLOP/s, GB/s) for the console with at least 3 significant digits: whole numbers
+    from 100 up, as GPU rates read, and decimals below, where a CPU's rates lie and a whole
+    number would read 0 or 1."""
+    if value == 0 or not math.isfinite(value) or abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.{2 - math.floor(math.log10(abs(value)))}f}"
+
+
 def quick_cpu_note(labels: Iterable[str], rows: str) -> str | None:
     """A line saying the rows are ``--quick``'s small CPU ones (``rows`` names their shapes),
     where any ``labels`` is one of theirs (``catalog.is_quick_cpu``), or None: their ratios are
@@ -227,7 +237,7 @@ def run_suite(
     if store is not None:
         store.save_device(fp)
     copy_gbs = copy_bandwidth_gbs(device)
-    console.print(f"{fp.name}: device-to-device copy {copy_gbs:.0f} GB/s")
+    console.print(f"{fp.name}: device-to-device copy {rate(copy_gbs)} GB/s")
 
     def measured(label: str, key: Key, bar: Progress) -> Row | None:
         """One problem tuned and timed, said on the console; None when its tuning raised (one

@@ -34,6 +34,7 @@ from tuner.suites import catalog
 from tuner.suites.runner import (
     marked_if_interrupted,
     quick_on_cpu,
+    rate,
     run_suite,
     save_result,
     speedup_drawing,
@@ -290,16 +291,16 @@ def _print_extra(result: dict[str, Any], kind: str) -> None:
                 )
         if kind == "prefill":
             cols = " ".join(
-                f"{n} {r[f'{n}_tflops']:.0f}" if r.get(f"{n}_tflops") else f"{n} -"
+                f"{n} {rate(r[f'{n}_tflops'])}" if r.get(f"{n}_tflops") else f"{n} -"
                 for n in ("default_tune", "cudnn", "flash", "triton")
             )
             console.print(
-                f"{r['label']:<32} default {r['baseline_tflops']:.0f} -> {r['tflops']:.0f} TFLOP/s  (tuning pass: {cols})"
+                f"{r['label']:<32} default {rate(r['baseline_tflops'])} -> {rate(r['tflops'])} TFLOP/s  (tuning pass: {cols})"
             )
         else:
             console.print(
-                f"{r['label']:<32} default {r['baseline_kv_gbs']:.0f} GB/s ({r['baseline_pct_copy']:.0f}%) -> "
-                f"{r['kv_gbs']:.0f} GB/s ({r['pct_copy']:.0f}%)  host us {r['baseline_host_us'] or 0:.1f} / {r['winner_host_us'] or 0:.1f}"
+                f"{r['label']:<32} default {rate(r['baseline_kv_gbs'])} GB/s ({r['baseline_pct_copy']:.0f}%) -> "
+                f"{rate(r['kv_gbs'])} GB/s ({r['pct_copy']:.0f}%)  host us {r['baseline_host_us'] or 0:.1f} / {r['winner_host_us'] or 0:.1f}"
             )
             if "baseline_graph_us" in r or "triton_graph_us" in r:
                 parts = [
