@@ -241,7 +241,8 @@ def test_ctrl_c_after_the_rows_saves_this_runs_result_as_interrupted_and_goes_on
 ) -> None:
     """A suite's later steps (bf16 twins, retimes, Inductor) cut short: the rows in hand are
     saved under the partial name, marked interrupted, beside an earlier complete result that
-    stays; the interrupt reaches the caller. Without an interrupt nothing is written."""
+    stays; the interrupt reaches the caller. Without an interrupt nothing is written, nor where
+    nothing was in hand or run_suite saved the rows already."""
     (tmp_path / "s.json").write_text('{"rows": [], "complete": true}')
     result = {"rows": [{"label": "a"}]}
     with (
@@ -254,4 +255,30 @@ def test_ctrl_c_after_the_rows_saves_this_runs_result_as_interrupted_and_goes_on
     assert (tmp_path / "s.json").read_text() == '{"rows": [], "complete": true}'
     with runner.marked_if_interrupted(tmp_path, "t", {"rows": []}, "nothing"):
         pass
+    # cut short before run_suite returned (nothing in hand), or in its rows (saved there already)
+    for result in ({}, {"rows": [], "interrupted": True}):
+        with (
+            pytest.raises(KeyboardInterrupt),
+            runner.marked_if_interrupted(tmp_path, "t", result, "all"),
+        ):
+            raise KeyboardInterrupt
     assert not (tmp_path / "t.interrupted.json").exists()
+
+
+def test_a_plot_cut_short_leaves_the_png_before_it_and_writes_no_json(tmp_path: Path) -> None:
+    """Ctrl-C while a complete result's PNG is drawn: the earlier PNG and JSON stay as they
+    were (the JSON is written after the plot), with no half-drawn file left."""
+    for ext in ("json", "png"):
+        (tmp_path / f"s.{ext}").write_text(f"earlier {ext}")
+
+    def draw(result: dict, png: Path) -> None:
+        png.write_bytes(b"half a plot")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.save_result(tmp_path, "s", {"rows": [{"label": "a"}]}, draw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.png"]
+    assert [(tmp_path / f"s.{ext}").read_text() for ext in ("json", "png")] == [
+        "earlier json",
+        "earlier png",
+    ]

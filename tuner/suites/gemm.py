@@ -375,15 +375,16 @@ def run_part(
     title = f"GEMM {part}: tuned vs cuBLAS (torch.matmul)"
     if note := quick_cpu_note((label for label, _ in problems_), QUICK_CPU_ROWS):
         title += f": {QUICK_CPU_ROWS}"
-    with compile_pool.ahead([k for _, k in problems_], options, device) as compiler:
-        recorder = Recorder(compiler)
-        result = run_suite(
-            name, problems_, out_dir=out, title=title, options=options, metrics=gemm_metrics,
-            store=store, tuner=recorder, write=False,
-        )  # fmt: skip
-    draw = speedup_drawing(f"{title} on {result['device']['name']}")
+    result: dict[str, Any] = {}  # run_suite's, once its rows are done
+    draw = speedup_drawing(title)
     missing = "the warm re-tune, Inductor and targets"
-    with marked_if_interrupted(out, name, result, missing, draw):
+    with marked_if_interrupted(out, name, result, missing, draw):  # the pool's closing too
+        with compile_pool.ahead([k for _, k in problems_], options, device) as compiler:
+            recorder = Recorder(compiler)
+            result.update(run_suite(
+                name, problems_, out_dir=out, title=title, options=options, metrics=gemm_metrics,
+                store=store, tuner=recorder, write=False,
+            ))  # fmt: skip
         annotate(result, recorder, device)
         result["warm_retune"] = warm_retune(problems_, options, warm_sample)
         result["inductor"] = [
@@ -391,11 +392,11 @@ def run_part(
             for label, key in problems_
             if inductor and device == "cuda" and label in INDUCTOR.get(part, ())
         ]
-    result["targets"] = targets(result)
-    result["targets_judged"] = targets_judged(device)
-    result["targets_note"] = None if result["targets_judged"] else NOT_JUDGED
-    result["shapes_note"] = note
-    result["wall_s"] = time.perf_counter() - started
-    save_result(out, name, result, draw)
+        result["targets"] = targets(result)
+        result["targets_judged"] = targets_judged(device)
+        result["targets_note"] = None if result["targets_judged"] else NOT_JUDGED
+        result["shapes_note"] = note
+        result["wall_s"] = time.perf_counter() - started
+        save_result(out, name, result, draw)
     print_report(result)
     return result

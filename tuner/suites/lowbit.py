@@ -791,20 +791,21 @@ def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
     started = time.perf_counter()
     keys = [k for _, k in problems_]
     missing = "their bf16 columns, retimes and targets"
-    with compile_pool.ahead([*keys, *map(bf16_twin, keys)], options, device) as compiler:
-        recorder = Recorder(compiler)
-        result = run_suite(
-            NAME, problems_, out_dir=out, title="Low-bit GEMMs: tuned vs torch's op",
-            options=options, store=store, plot=False, times=row_times(device),
-            tuner=lambda key, opts: recorder(key, options_for(key, opts, device)), write=False,
-        )  # fmt: skip
-        with marked_if_interrupted(out, NAME, result, missing):
+    result: dict[str, Any] = {}  # run_suite's, once its rows are done
+    with marked_if_interrupted(out, NAME, result, missing):  # the pool's closing too
+        with compile_pool.ahead([*keys, *map(bf16_twin, keys)], options, device) as compiler:
+            recorder = Recorder(compiler)
+            result.update(run_suite(
+                NAME, problems_, out_dir=out, title="Low-bit GEMMs: tuned vs torch's op",
+                options=options, store=store, plot=False, times=row_times(device),
+                tuner=lambda key, opts: recorder(key, options_for(key, opts, device)),
+                write=False,
+            ))  # fmt: skip
             rows = result["rows"]
             twins = [bf16_twin(parse_key(r["key"])) for r in rows]  # type: ignore[arg-type]
             bf16 = tune_bf16(twins, options, recorder, store, device)
-    with marked_if_interrupted(out, NAME, result, missing):
         finish(result, bf16, twins, recorder, device, options, started)
-    save_result(out, NAME, result, drawing)
+        save_result(out, NAME, result, drawing)
     rows = result["rows"]
     print_table(rows, result["targets"], result["formats"], judged=result["targets_judged"])
     return result

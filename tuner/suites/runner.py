@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -296,7 +297,7 @@ def run_suite(
         "rows": [r.to_dict() for r in rows],
         "summary": summarize(rows),
     }
-    draw = speedup_drawing(f"{title} on {fp.name}") if plot else None
+    draw = speedup_drawing(title) if plot else None
     print_table(rows)
     if interrupted is not None:
         missing = f"{len(problems_) - len(rows)} of its {len(problems_)} rows"
@@ -311,11 +312,13 @@ Draw = Callable[[dict[str, Any], Path], None]  # (a suite's result, the PNG to d
 
 
 def speedup_drawing(title: str) -> Draw:
-    """The runner's plot of a result: each row's speedup, grouped by the winner's source."""
+    """The runner's plot of a result: each row's speedup, grouped by the winner's source,
+    titled ``title`` on the result's device."""
 
     def draw(result: dict[str, Any], png: Path) -> None:
         rows = result["rows"]
-        speedup_plot([r["label"] for r in rows], [r["speedup"] for r in rows], png, title=title,
+        speedup_plot([r["label"] for r in rows], [r["speedup"] for r in rows], png,
+                     title=f"{title} on {result['device']['name']}",
                      groups=[r["source"] for r in rows])  # fmt: skip
 
     return draw
@@ -340,14 +343,25 @@ def save_result(
     cut = bool(result.get("interrupted"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if draw is not None and result["rows"]:  # first: a JSON never stands beside an older PNG
+        drawn(draw, result, result_path(out, name, interrupted=cut, ext="png"))
     path = result_path(out, name, interrupted=cut)
     write_atomic(path, json.dumps(result, indent=1))
-    if draw is not None and result["rows"]:
-        draw(result, result_path(out, name, interrupted=cut, ext="png"))
     if not cut:
         for ext in ("json", "png"):
             result_path(out, name, interrupted=True, ext=ext).unlink(missing_ok=True)
     return path
+
+
+def drawn(draw: Draw, result: dict[str, Any], png: Path) -> None:
+    """``result`` drawn into ``png`` in one rename: a plot cut short (Ctrl-C while it draws)
+    leaves the PNG there before it as it was."""
+    drawing = png.with_name(f".{png.stem}.drawing{png.suffix}")
+    try:
+        draw(result, drawing)
+        os.replace(drawing, png)
+    finally:
+        drawing.unlink(missing_ok=True)
 
 
 def stopped(
@@ -368,13 +382,15 @@ def stopped(
 def marked_if_interrupted(
     out_dir: str | Path, name: str, result: dict[str, Any], missing: str, draw: Draw | None = None
 ) -> Iterator[None]:
-    """A suite's steps after ``run_suite`` returned its rows (unwritten: ``write=False``): on
-    Ctrl-C inside, ``result`` as it stands is saved as interrupted (``stopped``: under its
-    partial name, saying it lacks ``missing``), then the interrupt goes on."""
+    """A suite's run around ``run_suite`` (``write=False``, its result put into ``result``) and
+    the steps after it: on Ctrl-C inside, ``result`` as it stands is saved as interrupted
+    (``stopped``: under its partial name, saying it lacks ``missing``), then the interrupt goes
+    on. Not where ``run_suite`` saved it already (cut short in its rows) or never returned."""
     try:
         yield
     except KeyboardInterrupt:
-        stopped(out_dir, name, result, missing, draw)
+        if result and not result.get("interrupted"):
+            stopped(out_dir, name, result, missing, draw)
         raise
 
 

@@ -325,16 +325,17 @@ def run(
         recorder = Recorder()
         started = time.perf_counter()
         name, title = f"sdpa_{kind}", f"SDPA {kind} ({dtype}): tuned vs torch default"
-        result = run_suite(
-            name, problems_, out_dir=out, title=title, options=options,
-            metrics=prefill_metrics if kind == "prefill" else decode_metrics, tuner=recorder,
-            write=False,
-        )  # fmt: skip
-        draw = speedup_drawing(f"{title} on {result['device']['name']}")
+        result: dict[str, Any] = {}  # run_suite's, once its rows are done
+        draw = speedup_drawing(title)
         with marked_if_interrupted(out, name, result, "its tuning detail and targets", draw):
-            result = annotate(result, recorder, kind)
-        result["wall_s"] = time.perf_counter() - started
-        save_result(out, name, result, draw)
+            result.update(run_suite(
+                name, problems_, out_dir=out, title=title, options=options,
+                metrics=prefill_metrics if kind == "prefill" else decode_metrics, tuner=recorder,
+                write=False,
+            ))  # fmt: skip
+            annotate(result, recorder, kind)
+            result["wall_s"] = time.perf_counter() - started
+            save_result(out, name, result, draw)
         _print_extra(result, kind)
         results[kind] = result
     return results
