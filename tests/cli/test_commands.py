@@ -758,16 +758,18 @@ def test_info_says_which_cache_and_mode_this_process_uses(tmp_path):
     assert not (tmp_path / "typo.db").exists()
 
 
-def test_info_marks_a_setting_word_the_dispatcher_refuses(tmp_path):
-    """``TUNER_MODE=recrd`` fails the first call: info, where one looks first, says so."""
-    env = os.environ | {
-        "TUNER_MODE": "recrd", "TUNER_BUCKETS": "pow2", "TUNER_STALE": "no", "COLUMNS": "200",
-        "TUNER_CONFIG": str(tmp_path / "none.toml"),
-    }  # fmt: skip
-    out = subprocess.run(
+def info_with(tmp_path, **settings: str) -> str:
+    """``tuner info``'s output with these ``TUNER_*`` variables set and no config file."""
+    env = os.environ | settings | {"COLUMNS": "200", "TUNER_CONFIG": str(tmp_path / "none.toml")}
+    return subprocess.run(
         [sys.executable, "-m", "tuner", "info"], env=env, capture_output=True, text=True,
         check=True,
     ).stdout  # fmt: skip
+
+
+def test_info_marks_a_setting_word_the_dispatcher_refuses(tmp_path):
+    """``TUNER_MODE=recrd`` fails the first call: info, where one looks first, says so."""
+    out = info_with(tmp_path, TUNER_MODE="recrd", TUNER_BUCKETS="pow2", TUNER_STALE="no")
     assert "recrd (not one of off, lookup, record, tune: the first call fails)" in out
     assert "no (not one of use, ignore: the first call fails)" in out
     assert "pow2 (" not in out
@@ -779,14 +781,7 @@ def test_info_marks_an_on_off_word_that_is_refused(tmp_path):
         ("nope", "nope (not one of 1/0, true/false, yes/no, on/off: on (the default) is used)"),
         ("OFF", "OFF"),
     ):
-        env = os.environ | {
-            "TUNER_TRITON_FAST_LAUNCH": text, "COLUMNS": "200",
-            "TUNER_CONFIG": str(tmp_path / "none.toml"),
-        }  # fmt: skip
-        out = subprocess.run(
-            [sys.executable, "-m", "tuner", "info"], env=env, capture_output=True, text=True,
-            check=True,
-        ).stdout  # fmt: skip
+        out = info_with(tmp_path, TUNER_TRITON_FAST_LAUNCH=text)
         row = next(line for line in out.splitlines() if "TUNER_TRITON_FAST_LAUNCH" in line)
         assert row.split("TUNER_TRITON_FAST_LAUNCH)")[1].strip(" │|") == shown
 
