@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -460,6 +461,28 @@ def test_the_tuners_own_entry_points_inside_a_block_resolve_once(
         disp.set_mode("lookup")
         tuner.sdpa(*[torch.randn(1, 2, 4, 16)] * 3)
     assert [r.calls for r in tt.stats(disp).rows if r.calls] == [1, 1, 1]
+
+
+def test_a_winner_calling_torch_itself_is_resolved_once_inside_a_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch SDPA backend as the winner calls F.scaled_dot_product_attention itself: served
+    by ``tuner.sdpa`` inside an ``enabled()`` block, that call is torch's, not routed back,
+    resolved and counted again."""
+    disp = Dispatcher(tmp_path / "c.db", mode="lookup")
+    monkeypatch.setattr(dispatcher, "_dispatcher", disp)  # the one tuner.sdpa calls
+    q = torch.randn(1, 2, 4, 16)
+    [key] = recorded_keys(disp, lambda: F.scaled_dot_product_attention(q, q, q))
+    outcome = tune(key, options=TuneOptions(budget_s=0.01, sources=[]))
+    store = Store(disp.store_path)
+    store.save_run(outcome.measurements, replace(outcome.winner, params={"backend": "math"}))
+    store.close()
+    disp.reload()
+    tt.reset_stats(disp)
+    with tt.enabled(dispatcher=disp):
+        tuner.sdpa(q, q, q)
+    served = [(r.candidate, r.calls) for r in tt.stats(disp).rows if r.calls]
+    assert served == [('torch_sdpa:{"backend":"math"}', 1)]
 
 
 # --- CUDA-graph capture (simulated on the CPU) --------------------------------------------------

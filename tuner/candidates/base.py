@@ -55,6 +55,9 @@ class Source(ABC):
     name: ClassVar[str]
     op: ClassVar[str]  # "gemm" or "sdpa"
     baseline_params: ClassVar[Params | None] = None
+    # its runners call torch's own entry points (torch.mm, F.scaled_dot_product_attention, ...),
+    # which tuner.torch's drop-in routes: served from inside the tuner, those calls are torch's
+    calls_torch: ClassVar[bool] = False
 
     def is_baseline(self, params: Params) -> bool:
         return self.baseline_params is not None and params == self.baseline_params

@@ -108,6 +108,7 @@ class DequantGemm(Source):
     builds_kernels = True
     name = "dequant_gemm"
     op = "gemm"
+    calls_torch = True
     last_warm: WarmReport | None = None
 
     def unavailable(self, device: str) -> str | None:

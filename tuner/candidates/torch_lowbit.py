@@ -49,6 +49,7 @@ def scaled_mm_runner(out_dtype: torch.dtype | None, fast: bool) -> Runner:
 class TorchLowbit(Source):
     name = "torch_lowbit"
     op = "gemm"
+    calls_torch = True
     baseline_params: ClassVar[Params] = {}
 
     def unsupported(self, key: GemmKey) -> str | None:

@@ -34,6 +34,7 @@ def tf32_mode(enabled: bool):
 class TorchGemm(Source):
     name = "torch"
     op = "gemm"
+    calls_torch = True
     baseline_params: ClassVar[Params] = {}
 
     def unsupported(self, key: GemmKey) -> str | None:
@@ -126,6 +127,7 @@ class TorchSdpa(Source):
 
     name = "torch_sdpa"
     op = "sdpa"
+    calls_torch = True
     baseline_params: ClassVar[Params] = {"backend": "default"}
 
     def candidates(self, key: SdpaKey, device: str) -> list[Params]:

@@ -261,8 +261,8 @@ class Dispatcher:
     # --- hot path ------------------------------------------------------------------------------
 
     def matmul(self, a: Any, b: Any, out: Any = None) -> Any:
-        runner = self.resolve_gemm(a, b)[0]
-        if out is not None and runner is not _torch_matmul and not _out_fits(a, b, out):
+        runner, res = self.resolve_gemm(a, b)
+        if out is not None and not res.by_torch and not _out_fits(a, b, out):
             return torch.matmul(a, b, out=out)  # torch resizes or refuses it, as it does
         return runner(a, b, out=out)
 
@@ -411,7 +411,7 @@ class Dispatcher:
                 runner, res = self._build(key, self._choose(key, device.type, grad=grad), device)
             slot = (res.key, res.kind, res.candidate, res.via)
             res = self.resolutions[slot] = self.resolutions.pop(slot, res)  # latest last
-            if res.by_torch:  # a tuned runner costs nothing more; torch's calls torch's
+            if res.by_torch or _calls_torch(res):  # the others' hit path pays nothing for it
                 runner = _inside(runner)
             if self.counting:
                 runner = _counted(runner, res)
@@ -685,6 +685,11 @@ def cannot_serve_here(source: Any, key: Key, device: Any) -> str | None:
     Asked with ``device`` current: sources read the current GPU's capability."""
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         return source.unavailable(device.type) or source.unsupported(key)
+
+
+def _calls_torch(res: Resolution) -> bool:
+    """Whether the winner serving ``res`` calls torch's own entry points (``calls_torch``)."""
+    return res.winner is not None and registry.get(res.winner.source).calls_torch
 
 
 def _by_torch(res: Resolution, kind: str) -> Resolution:
