@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner.core.settings import KNOWN, read_config
+from tuner.core.settings import KNOWN, read_config, refusal
 
 
 def test_file_fills_what_the_environment_leaves_unset(tmp_path):
@@ -42,6 +42,8 @@ def test_an_empty_variable_is_an_unset_one(tmp_path):
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["lookup", "use", "/from/file.db"]
+    # so tuner info does not mark them as refused
+    assert [refusal(name, "") for name in ("mode", "stale", "triton_fast_launch")] == [None] * 3
 
 
 def test_a_mistake_is_named_and_left_out_while_the_rest_applies(tmp_path):

@@ -282,3 +282,15 @@ def test_a_plot_cut_short_leaves_the_png_before_it_and_writes_no_json(tmp_path: 
         "earlier json",
         "earlier png",
     ]
+
+
+def test_a_result_without_a_plot_leaves_no_earlier_png_beside_it(tmp_path: Path) -> None:
+    """An interrupted run with no row yet draws nothing: the partial PNG of an earlier cut
+    run must not stand beside this run's JSON as if it were its plot."""
+
+    def draw(result: dict, png: Path) -> None:
+        png.write_text(f"a plot of {len(result['rows'])} rows")
+
+    runner.save_result(tmp_path, "s", {"rows": [{"label": "a"}], "interrupted": True}, draw)
+    runner.save_result(tmp_path, "s", {"rows": [], "interrupted": True}, draw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.interrupted.json"]

@@ -106,7 +106,10 @@ def parse_flag(text: str) -> bool | None:
 def refusal(name: str, value: str) -> str | None:
     """Why ``TUNER_<name>=value`` is refused, and what happens then; None where it is taken (a
     setting of free text or numbers is not judged here). For ``tuner info``, where one looks
-    before the first call fails or a default silently applies."""
+    before the first call fails or a default silently applies. An empty value is unset: the
+    config file's value or the default applies."""
+    if not value:
+        return None
     if (words := CHOICES.get(name)) is not None and value not in words:
         return f"not one of {', '.join(words)}: the first call fails"
     if name in FLAGS and parse_flag(value) is None:

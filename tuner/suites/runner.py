@@ -343,8 +343,11 @@ def save_result(
     cut = bool(result.get("interrupted"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    png = result_path(out, name, interrupted=cut, ext="png")
     if draw is not None and result["rows"]:  # first: a JSON never stands beside an older PNG
-        drawn(draw, result, result_path(out, name, interrupted=cut, ext="png"))
+        drawn(draw, result, png)
+    else:  # nothing to draw: an earlier run's PNG would stand beside this JSON
+        png.unlink(missing_ok=True)
     path = result_path(out, name, interrupted=cut)
     write_atomic(path, json.dumps(result, indent=1))
     if not cut:
