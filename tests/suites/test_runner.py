@@ -294,3 +294,19 @@ def test_a_result_without_a_plot_leaves_no_earlier_png_beside_it(tmp_path: Path)
     runner.save_result(tmp_path, "s", {"rows": [{"label": "a"}], "interrupted": True}, draw)
     runner.save_result(tmp_path, "s", {"rows": [], "interrupted": True}, draw)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.interrupted.json"]
+
+
+def test_ctrl_c_while_the_table_prints_saves_the_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every row measured, then Ctrl-C while the table prints: the rows are saved as an
+    interrupted result, not lost."""
+
+    def print_table(rows: list) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "print_table", print_table)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_suite("s", PROBLEMS, out_dir=tmp_path, title="t", options=OPTIONS, plot=False)
+    saved = json.loads((tmp_path / "s.interrupted.json").read_text())
+    assert len(saved["rows"]) == len(PROBLEMS) and saved["interrupted"] is True

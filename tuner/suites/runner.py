@@ -275,9 +275,9 @@ def run_suite(
 
     rows: list[Row] = []
     interrupted: KeyboardInterrupt | None = None
-    with progress_bar(console) as bar:
-        task = bar.add_task(name, total=len(problems_))
-        try:
+    try:  # Ctrl-C, up to the table printed: what is done is written, then it goes on
+        with progress_bar(console) as bar:
+            task = bar.add_task(name, total=len(problems_))
             for i, (label, key) in enumerate(problems_, 1):
                 bar.update(task, description=label[:50])
                 if not console.is_terminal:  # no bar to show where a slow run is: a line
@@ -285,8 +285,8 @@ def run_suite(
                 if (row := measured(label, key, bar)) is not None:
                     rows.append(row)
                 bar.advance(task)
-        except KeyboardInterrupt as e:  # Ctrl-C: what is done is written, then it goes on
-            interrupted = e
+    except KeyboardInterrupt as e:
+        interrupted = e
     result = {
         "suite": name,
         "title": title,
@@ -298,7 +298,10 @@ def run_suite(
         "summary": summarize(rows),
     }
     draw = speedup_drawing(title) if plot else None
-    print_table(rows)
+    try:
+        print_table(rows)
+    except KeyboardInterrupt as e:
+        interrupted = e
     if interrupted is not None:
         missing = f"{len(problems_) - len(rows)} of its {len(problems_)} rows"
         stopped(out_dir, name, result, missing, draw)
