@@ -3,6 +3,7 @@ low-bit fields recorded on a miss, bad input refused, and the drop-in routing to
 
 from __future__ import annotations
 
+import logging
 import re
 
 import numpy as np
@@ -70,15 +71,22 @@ def test_int4_linear_is_torchs_int4_op_and_records_its_key(disp: Dispatcher) -> 
 
 
 @pytest.mark.cpu_host
-def test_an_int4_call_needing_a_gradient_is_torchs_by_policy(disp: Dispatcher) -> None:
+def test_an_int4_call_needing_a_gradient_is_torchs_by_policy(
+    disp: Dispatcher, caplog: pytest.LogCaptureFixture
+) -> None:
     """The dispatcher read the gradient flag from the wrong place of int4's signature (whether
     ``int4.pack`` made the weight): such a call was a miss, and with a winner stored a tuned
-    kernel, which has no backward, served it."""
+    kernel, which has no backward, served it. Said apart from plain GEMMs, and truly: torch's
+    int4 op has no backward either."""
+    tuner.matmul(torch.randn(3, K, requires_grad=True), torch.randn(K, N))
     packed, sz = int4_weight()
     x = torch.randn(3, K, dtype=torch.bfloat16, requires_grad=True)
     tuner.int4_linear(x, packed, sz, GROUP)
-    assert [r.kind for r in disp.resolutions.values()] == ["default"]
+    assert [r.kind for r in disp.resolutions.values()] == ["default", "default"]
     assert not recorded(disp)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 2 and "a tuned kernel has no backward" in said[0]
+    assert "every such low-bit gemm call (neither it nor a tuned kernel" in said[1]
 
 
 @pytest.mark.cpu_host

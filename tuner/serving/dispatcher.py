@@ -245,7 +245,7 @@ class Dispatcher:
         self._store_failed = False
         self._missing_said = False  # lookup mode found no cache at store_path, and said so
         self._read_only = False  # the cache refused a write: still read, never written again
-        self._grad_said: set[str] = set()  # ops whose torch-served autograd call was logged
+        self._grad_said: set[str] = set()  # ops (low-bit GEMMs apart) whose autograd call was said
         # winners' runners whose build may compile: built off the hot path (serving.background),
         # kept across reloads; "<key> <- <candidate> on <device>" -> runner
         self.loader = BackgroundLoader()
@@ -456,14 +456,21 @@ class Dispatcher:
         """Log, once per op, that a call needing a gradient is torch's: tuned kernels have no
         backward, so a model run without ``no_grad`` loses every tuned kernel, and
         ``stats()`` alone would show it. Resolutions only: the hot path pays nothing."""
-        if key.op in self._grad_said:
+        lowbit = isinstance(key, GemmKey) and key.lowbit
+        kind = f"low-bit {key.op}" if lowbit else key.op
+        if kind in self._grad_said:
             return
-        self._grad_said.add(key.op)
+        self._grad_said.add(kind)
+        why = (  # torch's int4 and FP8 ops have no backward either: nothing is gained
+            "neither it nor a tuned kernel has a backward"
+            if lowbit
+            else "a tuned kernel has no backward"
+        )
         log.warning(
             "%s needs a gradient (an operand requires grad, grad mode on): torch's own op serves "
-            "it and every such %s call, not a tuned kernel, which has no backward; for "
-            "inference run the model under torch.inference_mode() or torch.no_grad()",
-            key, key.op,
+            "it and every such %s call (%s); for inference run the model under "
+            "torch.inference_mode() or torch.no_grad()",
+            key, kind, why,
         )  # fmt: skip
 
     def _build(self, key: Key, res: Resolution, device: Any) -> tuple[Runner, Resolution]:
