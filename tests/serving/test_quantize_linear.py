@@ -370,3 +370,19 @@ def test_a_quantized_model_run_with_autograd_on_says_why_it_is_not_tuned(disp, c
     said = [r.getMessage() for r in caplog.records if "needs a gradient" in r.getMessage()]
     assert len(said) == 1 and "dtype=int4" in said[0] and "torch.no_grad()" in said[0]
     assert {r.kind for r in disp.resolutions.values()} == {"default"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
+def test_an_int4_layer_the_cpu_cannot_pack_stays_whole_on_the_gpu() -> None:
+    """N = 24 packs on CUDA (8 rows a tile), not on the CPU (blocks of 16): the move is
+    refused before anything moves, and the layer serves on as it was."""
+    model = tt.quantize_linear(nn.Sequential(nn.Linear(256, 24)).cuda(), "int4")
+    x = torch.randn(3, 256, device="cuda")
+    want = model(x)
+    with pytest.raises(
+        ValueError, match=r"N=24: torch's int4 packing on cpu needs a multiple of 16"
+    ):
+        model.cpu()
+    assert all(t.is_cuda for t in [*model.buffers(), *model.parameters()])
+    assert torch.equal(model(x), want)

@@ -169,11 +169,15 @@ class Int4Linear(QuantizedLinear):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         """A move to another kind of device repacks the weight: torch packs int4 its own way
-        on each (``int4_torch``), and a CPU packing moved to a GPU is no GPU packing."""
+        on each (``int4_torch``), and a CPU packing moved to a GPU is no GPU packing. Repacked
+        before anything moves: a shape the other device cannot pack raises with the layer
+        whole where it was."""
         before = self.packed_weight
+        target = fn(before[:0]).device  # where the move takes it (an empty tensor: no copy)
+        repacked = _repacked(before, target) if target.type != before.device.type else None
         super()._apply(fn, recurse)
-        if self.packed_weight.device.type != before.device.type:
-            self.packed_weight = _repacked(before, self.packed_weight.device)
+        if repacked is not None:
+            self.packed_weight = repacked
         return self
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object) -> None:
