@@ -117,6 +117,8 @@ def tune_all(
     cmd = [sys.executable, "-m", "tuner", "tune-all", *sources, "--out", str(run_dir), *extra]
     if dry_run:
         cmd += ["--source", "torch", "--source", "triton_gemm", "--budget", "0.01"]
+    cache = (caches or run_dir) / "tuner.db"
+    before = duel_costs.last_id(cache)  # an earlier run's caches hold its measurements too
     t0 = time.perf_counter()
     env = fresh_env(caches or run_dir, dry_run, server)
     if profile:
@@ -135,7 +137,7 @@ def tune_all(
     report = json.loads(report_path.read_text())
     return {
         "command": cmd[2:], "exit": proc.returncode, "wall_s": wall, "report": report,
-        "console": console, "cache": (caches or run_dir) / "tuner.db",
+        "console": console, "cache": cache, "measurements_after": before,
     }  # fmt: skip
 
 
@@ -206,7 +208,7 @@ def recorded(run: dict) -> dict:
     return {
         "wall_s": run["wall_s"], "exit": run["exit"], "command": run["command"],
         "summary": run["report"]["summary"], "problems": problems(run),
-        "duels": duel_costs.by_kind(duel_costs.duels(run["cache"])),
+        "duels": duel_costs.by_kind(duel_costs.duels(run["cache"], run["measurements_after"])),
     }  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import lzma
 import re
 import sqlite3
@@ -23,16 +24,29 @@ DUEL_SECONDS = re.compile(r"the duel took ([\d.]+) s\)")
 KEPT = re.compile(r"\bkept \(margin")
 
 
-def duels(db: Path) -> dict[str, list[tuple[str, float]]]:
-    """Each problem's duels, (kind, seconds), in the order of their challengers' records."""
+def last_id(db: Path) -> int:
+    """The id of ``db``'s last measurement (0 for none, or no such file): a later run's
+    measurements come after it (``duels(db, after=...)``)."""
+    if not db.exists():
+        return 0
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        return conn.execute("SELECT coalesce(max(id), 0) FROM measurements").fetchone()[0]
+
+
+def duels(db: Path, after: int = 0) -> dict[str, list[tuple[str, float]]]:
+    """Each problem's duels, (kind, seconds), in the order of their challengers' records; only
+    measurements past id ``after`` (one run's, in a cache that runs share)."""
     with tempfile.NamedTemporaryFile(suffix=".db") as plain:
         if db.suffix == ".xz":
             plain.write(lzma.decompress(db.read_bytes()))
             plain.flush()
             db = Path(plain.name)
-        rows = sqlite3.connect(db).execute(
-            "SELECT key, error FROM measurements WHERE error LIKE '%confirmation:%' ORDER BY id"
-        )
+        with contextlib.closing(sqlite3.connect(db)) as conn:
+            rows = conn.execute(
+                "SELECT key, error FROM measurements WHERE error LIKE '%confirmation:%' "
+                "AND id > ? ORDER BY id",
+                (after,),
+            ).fetchall()
         found: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)
         for key, note in rows:
             for verdict in note.split("confirmation:")[1:]:

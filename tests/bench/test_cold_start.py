@@ -13,7 +13,10 @@ from pathlib import Path
 
 import torch
 
+from tests.bench_scripts import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "cold_start.py"
+costs = load_script("duel_costs")
 
 
 def test_dry_run_writes_both_runs_and_their_comparison(tmp_path):
@@ -83,3 +86,10 @@ def test_warm_retunes_every_problem_on_the_cold_runs_caches(tmp_path):
     assert "--force" in warm["command"]
     assert warm["wall_s_per_problem"] == warm["wall_s"] / 5
     assert not (tmp_path / "warm" / "tuner.db").exists()  # the cold run's cache was used
+    # each run counts its own duels in the cache they share (on a GPU host the dry run's
+    # challengers duel; on a CPU, interpreted Triton never contends and both are empty)
+    every = costs.by_kind(costs.duels(tmp_path / "cold" / "tuner.db"))
+    runs = [warm["cold"]["duels"], warm["duels"]]
+    assert {k: sum(r.get(k, {}).get("duels", 0) for r in runs) for k in every} == {
+        k: v["duels"] for k, v in every.items()
+    }

@@ -41,6 +41,12 @@ def test_duels_are_read_by_kind_and_summed(tmp_path):
     }
 
 
+def test_one_runs_duels_are_those_past_the_caches_last_id_before_it(tmp_path):
+    db = cache(tmp_path / "tuner.db")
+    assert costs.last_id(db) == len(NOTES) and costs.last_id(tmp_path / "none.db") == 0
+    assert costs.duels(db, after=2) == {"b": [("l-", 0.1)]}  # the "a" rows came before
+
+
 def test_a_compressed_cache_is_read_as_it_is(tmp_path):
     plain = cache(tmp_path / "tuner.db")
     packed = tmp_path / "tuner.db.xz"
