@@ -1,10 +1,10 @@
 """What the duels that confirm winners cost, from a tuner cache's measurements.
 
 Each duel's verdict is in its challenger's note ("confirmation: ... kept (margin 2.0%; the duel
-took 1.4 s)"); a sustained one (at the power limit) says "rounds of ... stretches". Prints, per
-kind of duel (kept / lost, sustained / short), how many and their seconds, then each problem's
-duels (K kept, l lost; s sustained, - short) in the order their challengers' trials were
-recorded, which need not be the order they duelled in.
+took 1.4 s)"); a sustained one (long or heavy calls back to back, at the power limit) says
+"rounds of ... stretches". Prints, per kind of duel (kept / lost, sustained / short), how many
+and their seconds, then each problem's duels (K kept, l lost; s sustained, - short) in the
+order their challengers' trials were recorded, which need not be the order they duelled in.
 
     python bench/duel_costs.py bench/results/cold_start_s59_call2_h200_fleet_host.db.xz
 """

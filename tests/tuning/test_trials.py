@@ -25,7 +25,7 @@ def timed(name: str, us: float, baseline: bool = False) -> Measurement:
 
 
 class ScriptedDuels(Trial):
-    """A trial whose duels end as scripted: (kept, at the power limit) by challenger."""
+    """A trial whose duels end as scripted: (kept, sustained) by challenger."""
 
     def __init__(self, outcomes: dict[str, tuple[bool, bool]]) -> None:
         self.key, self.device, self.stretched = KEY, "cpu", {}

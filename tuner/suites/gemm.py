@@ -51,6 +51,7 @@ from tuner.suites.runner import (
     save_result,
     speedup_drawing,
     targets_judged,
+    warning_sentence,
 )
 from tuner.suites.sdpa import recheck
 from tuner.tuning import compile_pool
@@ -346,7 +347,7 @@ def print_report(result: dict[str, Any]) -> None:
     if result["targets_judged"]:
         console.print(json.dumps(result["targets"]))
     else:
-        console.print(f"[yellow]{NOT_JUDGED[0].upper()}{NOT_JUDGED[1:]}.[/yellow]")
+        console.print(warning_sentence(NOT_JUDGED))
 
 
 def inductor_or_error(label: str, key: GemmKey, device: str, budget_s: float) -> dict[str, Any]:

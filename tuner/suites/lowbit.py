@@ -46,12 +46,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from tuner.cache import Store
 from tuner.candidates import registry
 from tuner.candidates.triton_kernels import stream_read as stream_read_kernel
+from tuner.core.console import OutputConsole
 from tuner.core.keys import GemmKey, Key, lowbit_spec, parse_key
 from tuner.measure import samples, timing
 from tuner.measure.records import Winner, candidate_params
@@ -75,6 +75,7 @@ from tuner.suites.runner import (
     steadier_rounds,
     targets_judged,
     tuned_times,
+    warning_sentence,
 )
 from tuner.tuning import compile_pool
 from tuner.tuning.engine import TuneOptions, current_device
@@ -598,12 +599,12 @@ def print_table(
             _ratio(r["vs_bf16_cublas"]), _ratio(r.get("vs_bf16_cublas_gpu")), _percent(pct),
             _percent(floor), *([missed] if judged else []),
         )  # fmt: skip
-    report = Console(width=TABLE_WIDTH)
+    report = OutputConsole(width=TABLE_WIDTH)  # a closed pipe ends quietly, as elsewhere
     report.print(table)
     if note := shapes_note(rows):
         report.print(f"[yellow]{note}.[/yellow]")
     if not judged:
-        report.print(f"[yellow]{NOT_JUDGED[0].upper()}{NOT_JUDGED[1:]}.[/yellow]")
+        report.print(warning_sentence(NOT_JUDGED))
         return
     for name, c in counts.items():
         color = "green" if c["met"] == c["judged"] else "red"

@@ -171,6 +171,11 @@ NOT_JUDGED = (
 )
 
 
+def warning_sentence(note: str) -> str:
+    """``note`` as a console sentence of its own: capitalised, a full stop, in yellow."""
+    return f"[yellow]{note[:1].upper()}{note[1:]}.[/yellow]"
+
+
 def targets_judged(device: str) -> bool:
     """Whether a run on ``device`` is judged by a suite's targets: only on a GPU, where they
     apply (``NOT_JUDGED`` says why not elsewhere)."""

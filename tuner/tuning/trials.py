@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 
 
 CONFIRM_REPS = 100  # calls per duel round at most: alternating rounds, not long ones, catch drift
-# challengers that lose a duel at the power limit before the baseline stays: there two kernels of
-# one library within a few % of each other read alike, and each such duel takes seconds
+# challengers that lose a sustained duel (stretches of calls back to back: long or heavy calls,
+# at the power limit) before the baseline stays: there two kernels of one library within a few %
+# of each other read alike, and each such duel takes seconds
 SUSTAINED_TRIES = 2
 
 GraphPair = tuple[timing.Timing | None, timing.Timing | None] | None  # baseline's, challenger's
@@ -71,7 +72,7 @@ def confirmed(
             return challenger, base_us, effective_us(challenger, options.launch)
         if lost_sustained == SUSTAINED_TRIES:
             log.info(
-                "%s: %d duels at the power limit lost; %d more challengers not confirmed",
+                "%s: %d sustained duels lost; %d more challengers not confirmed",
                 trial.key, lost_sustained, len(order[i : options.confirm_tries]),
             )  # fmt: skip
             break
