@@ -435,8 +435,9 @@ def first_call(disp: Any, key: Any, inputs: tuple, sync: Any) -> tuple[float, An
 
     if isinstance(key, SdpaKey):
         causal = {"none": False, "top_left": True}.get(key.causal, key.causal)
-        call = lambda: disp.sdpa(*inputs, causal=causal, scale=key.scale)  # noqa: E731
-        resolve = lambda: disp.resolve_sdpa(*inputs, causal, key.scale)  # noqa: E731
+        gqa = {"enable_gqa": True}  # a key's kv heads may divide its q heads
+        call = lambda: disp.sdpa(*inputs, causal=causal, scale=key.scale, **gqa)  # noqa: E731
+        resolve = lambda: disp.resolve_sdpa(*inputs, causal, key.scale, **gqa)  # noqa: E731
     elif key.wdtype == "int4":
         call = lambda: disp.int4_linear(*inputs, key.group)  # noqa: E731
         resolve = lambda: disp.resolve_int4(*inputs, key.group)  # noqa: E731

@@ -52,7 +52,8 @@ capture; the miss is recorded in record/tune modes); warm up eagerly before capt
 asks anyway, and the capture holds the tuned kernels.
 
 **Quantized models.** ``quantize_linear(model, "int4" | "fp8")`` replaces a model's
-``nn.Linear`` layers by quantized ones served by the tuner (``tuner.serving.quantize``).
+``nn.Linear`` layers by quantized ones served by the tuner (``tuner.serving.quantize``): by the
+innermost ``enable()``'s dispatcher while one is on, as the routed ops are.
 
 **Dynamic shapes.** ``enable(buckets=...)`` / ``TUNER_BUCKETS``: see ``tuner.serving.buckets``.
 
@@ -85,7 +86,15 @@ from tuner.serving.call_memo import (
     remember,
     sdpa_key,
 )
-from tuner.serving.dispatcher import Dispatcher, Resolution, get_dispatcher, inside
+from tuner.serving.dispatcher import (
+    Dispatcher,
+    Resolution,
+    active_dispatcher,
+    get_dispatcher,
+    inside,
+    route_through,
+    torch_decides_heads,
+)
 from tuner.serving.lowbit import Int4Names, ScaledMMNames
 from tuner.serving.quantize import quantize_linear
 
@@ -102,12 +111,6 @@ _active: Router | None = None
 # this thread is inside the tuner (its torch calls go to torch): shared with the dispatcher,
 # whose own entry points (tuner.matmul, a quantized layer's int4_linear, ...) set it too
 _guard = inside
-
-
-def active_dispatcher() -> Dispatcher:
-    """The dispatcher of the innermost ``enable()``, else the process-wide one."""
-    router = _active
-    return router.dispatcher if router is not None else get_dispatcher()
 
 
 @contextlib.contextmanager
@@ -199,9 +202,12 @@ tuned_mm.register_autograd(_mm_backward, setup_context=_mm_setup)
 def tuned_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float | None
 ) -> torch.Tensor:
-    """Scaled dot-product attention (``causal``: none, top_left or bottom_right) through the tuner."""
+    """Scaled dot-product attention (``causal``: none, top_left or bottom_right) through the
+    tuner; grouped-query where the head counts differ (the router emits it only for such calls
+    that enable it)."""
     with _inside_tuner():
-        return _contiguous(active_dispatcher().sdpa(q, k, v, causal=causal, scale=scale))
+        disp = active_dispatcher()
+        return _contiguous(disp.sdpa(q, k, v, causal=causal, scale=scale, enable_gqa=True))
 
 
 @tuned_sdpa.register_fake
@@ -462,7 +468,7 @@ class Router:
             return NotImplemented
         if not (q.dim() == k.dim() == v.dim() == 4) or q.dtype not in _FLOATS:
             return NotImplemented
-        if k.dtype != q.dtype or v.dtype != q.dtype or (q.shape[1] != k.shape[1] and not gqa):
+        if k.dtype != q.dtype or v.dtype != q.dtype or torch_decides_heads(q, k, v, gqa):
             return NotImplemented
         causal = _causal_mode(mask, is_causal, q, k)
         if causal is None or isinstance(scale, torch.Tensor):  # (see Dispatcher.resolve_sdpa)
@@ -472,7 +478,9 @@ class Router:
                 return NotImplemented
             return torch.ops.tuner.sdpa(q, k, v, causal, scale)
         # with a gradient the dispatcher serves torch's own (differentiable) SDPA
-        runner, res = self.dispatcher.resolve_sdpa(q, k, v, causal=causal, scale=scale)
+        runner, res = self.dispatcher.resolve_sdpa(
+            q, k, v, causal=causal, scale=scale, enable_gqa=gqa
+        )
         if memo_key and res.kind != "capture" and not needs_grad(q, k, v):
             remember(self.memo, memo_key, SdpaMemo(runner, res))
         return NotImplemented if self._torch_serves(res) else runner(q, k, v)
@@ -744,7 +752,6 @@ def enable(
 
 def _push(disp: Dispatcher, buckets: str | None, mode: str | None) -> Router:
     """A router for ``disp``, innermost from now on (patching torch for the first)."""
-    global _active
     _prepare()
     _configure(disp, buckets, mode)
     disp.set_counting(True)
@@ -753,8 +760,16 @@ def _push(disp: Dispatcher, buckets: str | None, mode: str | None) -> Router:
         if not _routers:
             _patch()
         _routers.append(router)
-        _active = router
+        _activate(router)
     return router
+
+
+def _activate(router: Router | None) -> None:
+    """``router`` serves from now on (None: torch's own), and its dispatcher the quantized
+    layers (``serving.dispatcher.active_dispatcher``); the lock held."""
+    global _active
+    _active = router
+    route_through(router.dispatcher if router is not None else None)
 
 
 def _configure(disp: Dispatcher, buckets: str | None, mode: str | None) -> None:
@@ -789,9 +804,8 @@ def _pop(router: Router) -> None:
 
 def _remove(at: int) -> None:
     """Drop ``_routers[at]`` (the lock held); the last one puts torch's functions back."""
-    global _active
     del _routers[at]
-    _active = _routers[-1] if _routers else None
+    _activate(_routers[-1] if _routers else None)
     if not _routers:
         _unpatch()
 

@@ -126,23 +126,26 @@ def test_sdpa_matches_torch_for_gqa_and_both_causal_alignments(tmp_path):
     d = Dispatcher(tmp_path / "c.db", mode="lookup")
     q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(d.sdpa(q, k, v, causal=True), expected)
+    torch.testing.assert_close(d.sdpa(q, k, v, causal=True, enable_gqa=True), expected)
     from torch.nn.attention.bias import causal_lower_right
 
     expected = F.scaled_dot_product_attention(
         q, k, v, attn_mask=causal_lower_right(5, 9), enable_gqa=True
     )
-    torch.testing.assert_close(d.sdpa(q, k, v, causal="bottom_right"), expected)
+    torch.testing.assert_close(d.sdpa(q, k, v, causal="bottom_right", enable_gqa=True), expected)
     # outside what the tuner keys (3-D inputs): torch's path, bottom-right still bottom-right
     q3, k3, v3 = q[0, :2], k[0], v[0]
     expected = F.scaled_dot_product_attention(q3, k3, v3, attn_mask=causal_lower_right(5, 9))
     torch.testing.assert_close(d.sdpa(q3, k3, v3, causal="bottom_right"), expected)
     with pytest.raises(ValueError, match="causal must be a bool or one of 'none', 'top_left'"):
-        d.sdpa(q, k, v, causal="sideways")
-    torch.testing.assert_close(d.sdpa(q, k, v, causal="none"), d.sdpa(q, k, v, causal=False))
+        d.sdpa(q, k, v, causal="sideways", enable_gqa=True)
+    torch.testing.assert_close(
+        d.sdpa(q, k, v, causal="none", enable_gqa=True),
+        d.sdpa(q, k, v, causal=False, enable_gqa=True),
+    )
     # scale=0.0 is uniform attention, not the default scale a key's 0.0 stands for
     uniform = F.scaled_dot_product_attention(q, k, v, scale=0.0, enable_gqa=True)
-    torch.testing.assert_close(d.sdpa(q, k, v, scale=0.0), uniform)
+    torch.testing.assert_close(d.sdpa(q, k, v, scale=0.0, enable_gqa=True), uniform)
     assert SdpaKey.from_tensors(q, k, v) != SdpaKey.from_tensors(q, k, v, scale=0.5)
     with pytest.raises(ValueError, match=r"^scale=0\.0: uniform attention"):
         SdpaKey.from_tensors(q, k, v, scale=0.0)
@@ -327,15 +330,59 @@ def test_a_call_mixing_dtypes_after_a_tuned_one_gets_torchs_error(cache_path, mo
     torch.manual_seed(0)
     q = torch.randn(1, 4, 8, 16).half()
     k, v = torch.randn(1, 2, 8, 16).half(), torch.randn(1, 2, 8, 16).half()
-    dispatch_module.sdpa(q, k, v, causal=True, scale=0.25)
+    dispatch_module.sdpa(q, k, v, causal=True, scale=0.25, enable_gqa=True)
     assert [r.candidate.split(":")[0] for r in disp.resolutions.values()] == ["triton_attention"]
     with pytest.raises(RuntimeError, match="Expected query, key, and value to have the same"):
-        dispatch_module.sdpa(q, k.float(), v.float(), causal=True, scale=0.25)
+        dispatch_module.sdpa(q, k.float(), v.float(), causal=True, scale=0.25, enable_gqa=True)
     a, b = torch.randn(8, 32).half(), torch.randn(32, 16).half()
     dispatch_module.matmul(a, b)
     _, res = disp.resolve_gemm(a, b.to("meta"))
     assert (res.kind, res.candidate) == ("untunable", "torch")
     assert "device mismatch: a is on cpu and b on meta" in res.key
+
+
+def test_heads_that_differ_are_grouped_query_only_as_torch_takes_them(cache_path, monkeypatch):
+    """Without ``enable_gqa`` torch's SDPA refuses q, k and v whose head counts differ (or
+    broadcasts a single kv head), and with it refuses kv heads that do not divide q's.
+    ``tuner.sdpa`` took every such call for grouped-query attention (a tuned kernel served the
+    same shapes called without ``enable_gqa``). Each call, direct or through the drop-in, now
+    ends as torch's would: its result or its error."""
+    from tuner.serving import dispatcher as dispatch_module
+
+    key = SdpaKey(1, 4, 2, 8, 8, 16, causal="top_left", dtype="f16", scale=0.25)
+    tiles = {"bm": 16, "bn": 16, "warps": 4, "stages": 1}
+    winner = Winner(fingerprint().device_class, str(key), "triton_attention", tiles, 1.0, 2.0)
+    Store(cache_path).put_winners([winner])
+    disp = Dispatcher(cache_path)
+    monkeypatch.setattr(dispatch_module, "_dispatcher", disp)
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 8, 16).half()
+    kv1, kv2, kv3, kv4 = (torch.randn(1, n, 8, 16).half() for n in (1, 2, 3, 4))
+
+    def outcome(sdpa, k, v, gqa):
+        try:
+            return sdpa(q, k, v, is_causal=True, scale=0.25, enable_gqa=gqa)
+        except (RuntimeError, TypeError) as e:
+            return type(e), str(e)
+
+    def direct(q, k, v, is_causal, scale, enable_gqa):
+        return tuner.sdpa(q, k, v, causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    sdpa = F.scaled_dot_product_attention  # torch's own: bound before any enable()
+    cases = [(kv2, kv2, True), (kv2, kv2, False), (kv3, kv3, True), (kv4, kv2, False),
+             (kv1, kv1, False), (kv2, kv2, 1)]  # fmt: skip
+    for i, (k, v, gqa) in enumerate(cases):
+        want = outcome(sdpa, k, v, gqa)
+        got = [outcome(direct, k, v, gqa)]
+        if isinstance(gqa, bool):  # (the drop-in's memo takes 1 for True, as it does is_causal)
+            with tuner.torch.enabled(dispatcher=disp):
+                got.append(outcome(F.scaled_dot_product_attention, k, v, gqa))
+        for g in got:
+            if isinstance(want, tuple):
+                assert g == want, f"case {i}"
+            else:
+                torch.testing.assert_close(g, want, rtol=1e-2, atol=1e-2, msg=f"case {i}")
+        assert i != 0 or [r.kind for r in disp.resolutions.values()] == ["hit"]  # the kernel's
 
 
 def test_a_tensor_scale_is_torchs_and_remembers_nothing(tmp_path, monkeypatch):

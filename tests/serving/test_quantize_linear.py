@@ -6,11 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from dropin_support import store_winners, triton_source
 from torch import nn
 
 import tuner.torch as tt
+from tuner.cache import Store
 from tuner.candidates.triton_w4a16 import TritonW4A16
-from tuner.core.keys import GemmKey, lowbit_fields
+from tuner.core.keys import GemmKey, lowbit_fields, parse_key
 from tuner.quant import fp8, int4, int4_torch
 from tuner.quant.tolerance import (
     FP32_ACCUMULATE,
@@ -21,6 +23,7 @@ from tuner.quant.tolerance import (
 from tuner.serving import dispatcher as dispatch_module
 from tuner.serving.dispatcher import Dispatcher
 from tuner.serving.quantize import Fp8Linear, Int4Linear, QuantizedLinear
+from tuner.serving.warmup import warmup
 
 
 @pytest.fixture(autouse=True)
@@ -318,6 +321,34 @@ def test_a_numpy_group_size_is_taken_as_an_int_and_compiles() -> None:
     x = torch.randn(3, 256)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.cpu_host
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_a_quantized_layer_in_an_enabled_block_is_served_by_the_blocks_dispatcher(
+    fmt: str, disp: Dispatcher, tmp_path
+) -> None:
+    """``tt.enabled(dispatcher=block)`` routes torch's ops through ``block``, but quantized
+    layers called in it went to the process-wide dispatcher: its winners, its stats, its cache
+    (the record-mode miss here). They follow the block now; outside any, the process-wide one
+    still serves them."""
+    layer = tt.quantize_linear(nn.Linear(256, 64), fmt)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    block = Dispatcher(tmp_path / "block.db", mode="record")
+    with tt.enabled(dispatcher=block):
+        layer(x)
+    (key,) = [parse_key(m["key"]) for m in Store(block.store_path).misses()]
+    assert not disp.resolutions
+    store_winners(block, [key], triton=True)
+    block.set_mode("lookup")
+    assert warmup(progress=False, dispatcher=block, fetch=False).loaded == 1
+    with tt.enabled(dispatcher=block):
+        got = layer(x)
+    (hit,) = [r for r in tt.stats(block).rows if r.kind == "hit"]
+    assert hit.calls == 1 and hit.candidate.startswith(triton_source(key)) and not hit.by_torch
+    torch.testing.assert_close(got, layer(x), rtol=2e-2, atol=2e-2)  # outside: torch's op
+    assert [r.kind for r in disp.resolutions.values()] == ["miss"]
+    assert [m["key"] for m in Store(disp.store_path).misses()] == [str(key)]
 
 
 HAS_GPU = torch.cuda.is_available()

@@ -206,6 +206,26 @@ def test_sdpa_op_backward_matches_torch(tmp_path: Path) -> None:
             torch.testing.assert_close(g, w)
 
 
+def test_compiled_sdpa_of_heads_torch_refuses_is_left_to_torch(tmp_path: Path) -> None:
+    """Traced, the drop-in took q and k of equal heads beside a v of fewer, without
+    ``enable_gqa``, for grouped-query attention (``tuner::sdpa``): the compiled call computed
+    where torch's raises. Now torch refuses it as it does without the tuner."""
+    q = k = torch.randn(1, 4, 8, 16)
+    v = torch.randn(1, 2, 8, 16)
+
+    def attend() -> torch.Tensor:
+        return torch.compile(F.scaled_dot_product_attention, backend="eager", fullgraph=True)(
+            q, k, v
+        )
+
+    with pytest.raises(RuntimeError) as want:  # Dynamo's, naming torch's error
+        attend()
+    disp = Dispatcher(tmp_path / "c.db", mode="off")
+    with tt.enabled(dispatcher=disp), pytest.raises(type(want.value)) as got:
+        attend()
+    assert str(got.value).splitlines()[:2] == str(want.value).splitlines()[:2]
+
+
 # --- routing and leaving alone ------------------------------------------------------------------
 
 

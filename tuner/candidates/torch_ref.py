@@ -76,19 +76,20 @@ def torch_sdpa(
     v: torch.Tensor,
     causal: str = "none",
     scale: float | None = None,
+    enable_gqa: bool = True,
 ) -> torch.Tensor:
     """torch's own SDPA for a tuner causal mode (``none``, ``top_left``, ``bottom_right``): what
-    the dispatcher serves for calls the tuner does not take (torch raises its own errors) and
-    what the drop-in's backward differentiates. Bottom-right is an explicit boolean mask: torch's
-    ``CausalBias`` has no grouped-query path. ``enable_gqa`` is set for every (batch, heads, seq,
-    dim) call: torch only reads it when the head counts differ, and comparing them here would
-    be a symbolic bool while tracing."""
-    gqa = q.dim() == 4 and k.dim() == 4
+    the dispatcher serves for calls the tuner does not take (with its caller's ``enable_gqa``:
+    torch broadcasts, computes or raises its own errors as for that call) and what the drop-in's
+    backward differentiates (its calls are keyed ones, grouped-query included: torch only reads
+    ``enable_gqa`` when the head counts differ, and comparing them here would be a symbolic bool
+    while tracing). Bottom-right is an explicit boolean mask: torch's ``CausalBias`` has no
+    grouped-query path."""
     mask = (
         bottom_right_mask(q.shape[-2], k.shape[-2], q.device) if causal == "bottom_right" else None
     )
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal == "top_left", scale=scale, enable_gqa=gqa
+        q, k, v, attn_mask=mask, is_causal=causal == "top_left", scale=scale, enable_gqa=enable_gqa
     )
 
 

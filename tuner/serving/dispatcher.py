@@ -63,11 +63,30 @@ def _gemm_sig(a: Any, b: Any) -> tuple:
             (a.requires_grad or b.requires_grad) and torch.is_grad_enabled())  # fmt: skip
 
 
-def _sdpa_sig(q: Any, k: Any, v: Any, causal: bool | str, scale: float | None) -> tuple:
-    """What decides an SDPA's runner, as ``_gemm_sig`` for a GEMM."""
+def _sdpa_sig(
+    q: Any, k: Any, v: Any, causal: bool | str, scale: float | None, enable_gqa: bool
+) -> tuple:
+    """What decides an SDPA's runner, as ``_gemm_sig`` for a GEMM; ``enable_gqa``'s type too,
+    as ``lowbit.scaled_mm_sig`` keys ``use_fast_accum``'s."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
-            v.dtype, q.device, k.device, v.device, causal, scale,
+            v.dtype, q.device, k.device, v.device, causal, scale, type(enable_gqa), enable_gqa,
             (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())  # fmt: skip
+
+
+def torch_decides_heads(q: Any, k: Any, v: Any, enable_gqa: bool) -> bool:
+    """Whether torch's SDPA, as called, must serve a call whose q, k and v differ in their
+    leading (batch, heads) dims without ``enable_gqa``: torch broadcasts them or raises its own
+    error, where a key would take them for grouped-query attention."""
+    return not enable_gqa and not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+
+
+def _check_gqa(enable_gqa: Any) -> None:
+    """torch's TypeError for an ``enable_gqa`` that is not a bool."""
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(
+            "scaled_dot_product_attention(): argument 'enable_gqa' must be bool, not "
+            f"{_type_name(enable_gqa)}"
+        )
 
 
 def _causal_mode(causal: Any) -> str:
@@ -94,11 +113,11 @@ def _out_fits(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     return out.shape == shape and out.dtype == a.dtype and out.device == a.device
 
 
-def _torch_sdpa(causal: str, scale: float | None) -> Runner:
+def _torch_sdpa(causal: str, scale: float | None, enable_gqa: bool) -> Runner:
     """torch's SDPA (``torch_ref.torch_sdpa``) for calls the tuner does not handle."""
 
     def run(q: Any, k: Any, v: Any, out: Any = None) -> Any:
-        return torch_sdpa(q, k, v, causal, scale)
+        return torch_sdpa(q, k, v, causal, scale, enable_gqa)
 
     return run
 
@@ -271,9 +290,10 @@ class Dispatcher:
         return self.resolve_gemm(a, b)[0]
 
     def sdpa(
-        self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
-    ) -> Any:
-        return self.resolve_sdpa(q, k, v, causal, scale)[0](q, k, v)
+        self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None,
+        *, enable_gqa: bool = False,
+    ) -> Any:  # fmt: skip
+        return self.resolve_sdpa(q, k, v, causal, scale, enable_gqa=enable_gqa)[0](q, k, v)
 
     def scaled_mm(
         self, a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
@@ -357,15 +377,17 @@ class Dispatcher:
         return self._hot.get(sig) or self._resolve_gemm(sig, a, b)
 
     def resolve_sdpa(
-        self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None
-    ) -> tuple[Runner, Resolution]:
-        sig = _sdpa_sig(q, k, v, causal, scale)
+        self, q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None,
+        *, enable_gqa: bool = False,
+    ) -> tuple[Runner, Resolution]:  # fmt: skip
+        sig = _sdpa_sig(q, k, v, causal, scale, enable_gqa)
         try:
             hot = self._hot.get(sig)
-        except TypeError:  # an unhashable causal or scale: named, else torch's own error
+        except TypeError:  # an unhashable argument: named, else torch's own error
             _causal_mode(causal)
+            _check_gqa(enable_gqa)
             raise TypeError(f"scale must be a number or None, got {scale!r}") from None
-        return hot or self._resolve_sdpa(sig, q, k, v, causal, scale)
+        return hot or self._resolve_sdpa(sig, q, k, v, causal, scale, enable_gqa)
 
     # --- resolution (first call of a signature) -------------------------------------------------
 
@@ -375,17 +397,22 @@ class Dispatcher:
         )
 
     def _resolve_sdpa(
-        self, sig: tuple, q: Any, k: Any, v: Any, causal: bool | str, scale: float | None
-    ) -> tuple[Runner, Resolution]:
+        self, sig: tuple, q: Any, k: Any, v: Any, causal: bool | str, scale: float | None,
+        enable_gqa: bool,
+    ) -> tuple[Runner, Resolution]:  # fmt: skip
         mode = _causal_mode(causal)
+        _check_gqa(enable_gqa)
+        fallback = _torch_sdpa(mode, scale, enable_gqa)
         if isinstance(scale, torch.Tensor):  # torch takes a 0-d tensor; signatures holding one
             # would be told apart by identity, one more per call: torch serves it, unremembered
-            return _torch_sdpa(mode, scale), Resolution("untunable: scale is a tensor",
-                                                        "untunable", "torch")  # fmt: skip
-        return self._resolve(
-            sig, lambda: SdpaKey.from_tensors(q, k, v, causal=mode, scale=scale), q.device,
-            _torch_sdpa(mode, scale), grad=sig[-1],
-        )  # fmt: skip
+            return fallback, Resolution("untunable: scale is a tensor", "untunable", "torch")
+
+        def key() -> SdpaKey:
+            if torch_decides_heads(q, k, v, enable_gqa):
+                raise ValueError("q, k and v differ in (batch, heads) without enable_gqa")
+            return SdpaKey.from_tensors(q, k, v, causal=mode, scale=scale)
+
+        return self._resolve(sig, key, q.device, fallback, grad=sig[-1])
 
     @_inside
     def _resolve(
@@ -737,6 +764,24 @@ def get_dispatcher() -> Dispatcher:
     return _dispatcher
 
 
+# the dispatcher of the innermost open ``tuner.torch.enable()``, which records it here (None:
+# none is open); front ends that call the dispatcher themselves (the quantized layers) serve
+# through it, as the torch ops routed meanwhile are
+_routed: Dispatcher | None = None
+
+
+def route_through(disp: Dispatcher | None) -> None:
+    """Record the innermost ``tuner.torch.enable()``'s dispatcher (None: the last one ended)."""
+    global _routed
+    _routed = disp
+
+
+def active_dispatcher() -> Dispatcher:
+    """The dispatcher of the innermost ``tuner.torch.enable()``, else the process-wide one."""
+    routed = _routed
+    return routed if routed is not None else get_dispatcher()
+
+
 def set_mode(mode: str) -> None:
     get_dispatcher().set_mode(mode)
 
@@ -786,17 +831,25 @@ def int4_linear(x: Any, packed_w: Any, scales_and_zeros: Any, group_size: int) -
     return get_dispatcher().int4_linear(x, packed_w, scales_and_zeros, group_size)
 
 
-def sdpa(q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None) -> Any:
-    """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)``, tuned.
+def sdpa(
+    q: Any, k: Any, v: Any, causal: bool | str = False, scale: float | None = None, *,
+    enable_gqa: bool = False,
+) -> Any:  # fmt: skip
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+    enable_gqa=enable_gqa)``, tuned.
 
     ``causal``: False, True (torch's top-left alignment) or ``"bottom_right"`` (chunked prefill
-    against a KV cache: the last query attends to every key).
+    against a KV cache: the last query attends to every key). ``enable_gqa``: grouped-query
+    attention (kv heads dividing q heads), as torch takes it; without it, head counts that
+    differ are torch's to broadcast or refuse, with its own error.
     """
     qkv = (q, k, v)
     if all(isinstance(t, torch.Tensor) for t in qkv):
-        return get_dispatcher().sdpa(q, k, v, causal=causal, scale=scale)
+        return get_dispatcher().sdpa(q, k, v, causal=causal, scale=scale, enable_gqa=enable_gqa)
     if not any(isinstance(t, torch.Tensor) or not hasattr(t, "__dlpack__") for t in qkv):
-        return _via_dlpack(get_dispatcher().sdpa, q, k, v, causal=causal, scale=scale)
+        return _via_dlpack(
+            get_dispatcher().sdpa, q, k, v, causal=causal, scale=scale, enable_gqa=enable_gqa
+        )
     got = ", ".join(f"{name}: {type(t).__name__}" for name, t in zip("qkv", qkv, strict=True))
     raise TypeError(f"sdpa(): q, k and v must be torch tensors (or all DLPack arrays), got {got}")
 
@@ -806,6 +859,7 @@ __all__ = [
     "RESOLUTION_KINDS",
     "Dispatcher",
     "Resolution",
+    "active_dispatcher",
     "get_dispatcher",
     "int4_linear",
     "matmul",

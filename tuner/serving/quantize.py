@@ -8,11 +8,15 @@ Each replaced layer quantizes its weight once, at replacement, and keeps only th
 
 - ``int4``: asymmetric per-group weights (``tuner.quant.int4``) in torch's packed format for the
   weight's device (the tile-packed int32 tensor on CUDA, torch's [N, K / 2] uint8 on the CPU),
-  with torch's ``scales_and_zeros``; the forward is ``tuner.int4_linear``. The weight is packed
+  with torch's ``scales_and_zeros``; the forward is ``int4_linear``. The weight is packed
   by ``int4_torch.torch_pack``, which keeps our layout of it too, so the Triton W4A16 kernel
   serves it with no conversion;
 - ``fp8``: e4m3 weights with a scale per output row; the forward quantizes the activations per
-  row, per call, and runs ``tuner.scaled_mm`` (rowwise scales).
+  row, per call, and runs ``scaled_mm`` (rowwise scales).
+
+Their calls go to the dispatcher of the innermost open ``tuner.torch.enabled()`` block (its
+winners, its stats), as the torch ops routed there do, and outside any to the process-wide one
+(that of ``tuner.int4_linear`` and ``tuner.scaled_mm``).
 
 Both compute in bf16, the activation type the formats' kernels take, and return the input's
 dtype; a dtype cast of the model (``model.half()``, ``model.to(torch.float32)``) leaves their
@@ -101,7 +105,8 @@ def check_activation(x: torch.Tensor, in_features: int) -> None:
 def _int4_linear_op(
     x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    return dispatcher.int4_linear(x, packed, scales_and_zeros, group_size).contiguous()
+    disp = dispatcher.active_dispatcher()
+    return disp.int4_linear(x, packed, scales_and_zeros, group_size).contiguous()
 
 
 @_int4_linear_op.register_fake
@@ -116,7 +121,8 @@ def _scaled_mm_op(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
-    return dispatcher.scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype).contiguous()
+    disp = dispatcher.active_dispatcher()
+    return disp.scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype).contiguous()
 
 
 @_scaled_mm_op.register_fake
@@ -128,12 +134,18 @@ def _scaled_mm_fake(
 
 
 def _int4_linear() -> Callable[..., torch.Tensor]:
-    """The custom op while torch.compile traces; eagerly the dispatcher (no op overhead)."""
-    return torch.ops.tuner.int4_linear if torch.compiler.is_compiling() else dispatcher.int4_linear
+    """The custom op while torch.compile traces; eagerly the dispatcher (no op overhead): the
+    innermost ``tuner.torch.enabled()`` block's, as for the torch ops it routes, else the
+    process-wide one."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tuner.int4_linear
+    return dispatcher.active_dispatcher().int4_linear
 
 
 def _scaled_mm() -> Callable[..., torch.Tensor]:
-    return torch.ops.tuner.scaled_mm if torch.compiler.is_compiling() else dispatcher.scaled_mm
+    if torch.compiler.is_compiling():
+        return torch.ops.tuner.scaled_mm
+    return dispatcher.active_dispatcher().scaled_mm
 
 
 class QuantizedLinear(nn.Module):
