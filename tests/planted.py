@@ -214,3 +214,26 @@ class Disturbed(Counted):
         if n in self.window:
             time.sleep(self.wait_s)
         return a @ b
+
+
+class SharedMemoized(Memoized):
+    """Memoized's speed from a source whose kernels serve every shape, as CUTLASS's do: a run
+    times it in a problem's second pass, once the run's shared kernels are compiled."""
+
+    name = "shared_memoized"
+    shares_kernels = True
+
+
+class SharedTwin(Twin):
+    """The baseline's own kernel from a source that shares kernels: never a win."""
+
+    name = "shared_twin"
+    shares_kernels = True
+
+
+class SlowSharedMemoized(SharedMemoized):
+    """SharedMemoized whose first call on each operand takes seconds: a second pass that runs
+    past a problem's time limit."""
+
+    name = "slow_shared_memoized"
+    first_sight_s = 4.0

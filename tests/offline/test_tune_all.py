@@ -32,6 +32,7 @@ from tuner.offline.tunableop import import_files
 from tuner.offline.tune_all import (
     ProblemSet,
     RunSettings,
+    Task,
     _Pool,
     _tune_one,
     journal_path,
@@ -468,7 +469,7 @@ def finish_two_report_one(conn, store_path: str, keys: list[GemmKey], flag: str)
     conn.send(("ready", fp.device_class))
     with Store(store_path) as store:
         for i, key in enumerate(keys):
-            conn.send(("start", key))
+            conn.send(("start", (key, False)))
             outcome = tune(key, options=TuneOptions(sources=["torch"], budget_s=0.01))
             for m in outcome.measurements:
                 conn.send(("measurement", m.to_row()))
@@ -758,6 +759,92 @@ def test_an_idle_worker_is_handed_the_first_problem_whose_kernels_are_compiled(t
     assert summary.start_s is not None and 0 < summary.start_s < summary.wall_s
 
 
+@pytest.mark.cpu_host
+def test_problems_waiting_for_shared_kernels_get_a_first_pass_meanwhile(tmp_path):
+    """While the kernels that serve every shape compile (CUTLASS's, once for the run), each
+    problem's other candidates are timed and duelled (a first pass, held by the run, not
+    stored); once those kernels are built, a second pass times their candidates alone."""
+    from planted import Memoized, SharedMemoized
+
+    Memoized.slow = False
+    # torch's matmul of these takes many times Memoized's copy of its product: a clear win
+    keys = [GemmKey(m=m, n=256, k=256, dtype="f32", out_dtype="f32") for m in (128, 129, 130)]
+    options = TuneOptions(sources=["shared_memoized"], budget_s=0.01)
+    compiler = CompilePool(keys, options, "cpu", jobs=1)  # not started: the test compiles
+    seen: list = []
+
+    def emit(event):
+        if event[0] in ("start", "parked"):
+            seen.append((event[0], keys.index(event[1][1])))
+
+    def compile_own_jobs_then_the_shared_kernels():
+        for key in keys:
+            compiler.events[str(key)][0].set()
+        deadline = time.time() + 60
+        while sum(kind == "parked" for kind, _ in seen) < len(keys) and time.time() < deadline:
+            time.sleep(0.02)
+        for key in keys:
+            compiler.events[str(key)][1].set()
+
+    registry.register(SharedMemoized())  # the worker registers the run-time sources too
+    cache = tmp_path / "c.db"
+    pool = _Pool(cache, RunSettings(tune=options, workers=1), [None], emit, compiler)
+    builder = threading.Thread(target=compile_own_jobs_then_the_shared_kernels, daemon=True)
+    builder.start()
+    try:
+        summary = pool.run(keys, set())
+    finally:
+        compiler.close()
+        registry.unregister("shared_memoized")
+    firsts = [("start", i) for i in range(3)]
+    assert seen[:6] == [e for i in range(3) for e in (firsts[i], ("parked", i))], seen
+    assert seen[6:] == firsts  # the second passes, in the run's order
+    assert [(r.status, r.winner["source"]) for r in summary.results] == [
+        ("tuned", "shared_memoized")
+    ] * 3
+    assert all(0 < r.first_pass_s < r.seconds for r in summary.results)  # both passes' times
+    fp = fingerprint()
+    with Store(cache) as store:
+        for key in keys:
+            measured = store.measurements(fp.device_class, str(key))
+            assert sorted(m.source for m in measured) == ["shared_memoized", "torch"]
+            assert len({m.run_id for m in measured}) == 1  # one problem, one run
+            assert store.winner(fp.device_class, str(key)).source == "shared_memoized"
+    journal = read_journal(journal_path(cache))
+    assert len(journal) == 3 and all(rec["first_pass_s"] > 0 for rec in journal)  # a problem's
+
+
+@pytest.mark.cpu_host
+def test_a_second_pass_cut_off_by_its_limit_keeps_the_first_pass_verdict(tmp_path):
+    from planted import Memoized, SlowSharedMemoized
+
+    Memoized.slow = False
+    key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
+    options = TuneOptions(sources=["memoized", "slow_shared_memoized"], budget_s=0.01)
+    compiler = CompilePool([key], options, "cpu", jobs=1)  # not started: the test compiles
+    compiler.events[str(key)][0].set()
+
+    def emit(event):
+        if event[0] == "parked":
+            compiler.events[str(key)][1].set()
+
+    made = [Memoized(), SlowSharedMemoized()]
+    for source in made:
+        registry.register(source)
+    cache = tmp_path / "c.db"
+    settings = RunSettings(tune=options, workers=1, problem_timeout_s=2.0)
+    try:
+        summary = _Pool(cache, settings, [None], emit, compiler).run([key], set())
+    finally:
+        compiler.close()
+        for source in made:
+            registry.unregister(source.name)
+    (result,) = summary.results
+    assert result.status == "timeout" and result.winner["source"] == "memoized"
+    with Store(cache) as store:
+        assert store.winner(fingerprint().device_class, str(key)).source == "memoized"
+
+
 class Delayed(Source):
     """Two challengers that differ only in a host delay: the slower one listed first."""
 
@@ -788,8 +875,8 @@ def test_a_forced_retune_times_what_was_fastest_in_the_cache_first(tmp_path):
             orders = []
             for _ in range(2):
                 seen: list[str] = []
-                _tune_one(key, store, fp, settings, 0, lambda m, seen=seen: seen.append(m.candidate),
-                          None, retune=False)  # fmt: skip
+                _tune_one(Task(key, retune=False), store, fp, settings, 0,
+                          lambda m, seen=seen: seen.append(m.candidate), None)  # fmt: skip
                 orders.append([c for c in seen if c.startswith("delayed")])
     finally:
         registry.unregister("delayed")
@@ -810,8 +897,8 @@ def test_a_problem_that_cannot_be_tuned_here_is_a_failed_result(tmp_path, monkey
     huge = GemmKey(m=1 << 20, n=1 << 20, k=4, dtype="f32", out_dtype="f32")  # a 4 TiB output
     small = GemmKey(m=8, n=16, k=32, dtype="f32", out_dtype="f32")
     with Store(tmp_path / "c.db") as store:
-        results = [_tune_one(key, store, fingerprint(), settings, i, lambda m: None, None,
-                             retune=False) for i, key in enumerate((huge, small))]  # fmt: skip
+        results = [_tune_one(Task(key, retune=False), store, fingerprint(), settings, i,
+                             lambda m: None, None) for i, key in enumerate((huge, small))]  # fmt: skip
     assert [r.status for r in results] == ["failed", "failed"]
     assert results[0].error.startswith("its operands take 4096.0 GiB, more than this")
     assert results[1].error == f"RuntimeError: the baseline failed on {small}"

@@ -444,6 +444,7 @@ def run_with_progress(
     from tuner.offline.tune_all import run
 
     in_flight: dict[int, str] = {}
+    parked: set[str] = set()  # problems whose first pass ended, their second not
     with progress_bar(console) as bar:
         task = bar.add_task("starting workers", total=len(todo))
 
@@ -453,13 +454,19 @@ def run_with_progress(
                 bar.console.print(f"worker {data[0]} ready on {data[1]}")
             elif kind == "start":
                 in_flight[data[0]] = _label(data[1], problems)
+            elif kind == "parked":  # its shared kernels' candidates are timed once compiled
+                in_flight.pop(data[0], None)
+                parked.add(str(data[1]))
             elif kind == "result":
                 in_flight.pop(data.worker, None)
+                parked.discard(str(data.key))
                 bar.console.print(_describe(data, problems))
                 bar.advance(task)
             elif kind == "notice":
                 bar.console.print(f"[yellow]{data}[/yellow]")
-            bar.update(task, description=" | ".join(in_flight.values())[:60] or "waiting")
+            waiting = f"{len(parked)} first passes wait for shared kernels" if parked else ""
+            shown = " | ".join([*in_flight.values(), waiting] if waiting else in_flight.values())
+            bar.update(task, description=shown[:60] or "waiting")
 
         return run(todo, store_path, settings, on_event=on_event, retune=retune)
 

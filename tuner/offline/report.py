@@ -49,6 +49,7 @@ class Row:
     compiled: int | None = None  # candidates compiled (or found compiled)
     pruned: dict[str, int] = field(default_factory=dict)  # left out uncompiled, by rule
     phases: dict[str, float] = field(default_factory=dict)  # of tune_s (engine.PHASES)
+    first_pass_s: float | None = None  # of tune_s: its first pass's, timed while CUTLASS compiled
 
     @property
     def title(self) -> str:
@@ -99,6 +100,7 @@ class Report:
             "compiled": sum(r.compiled or 0 for r in self.rows),
             "pruned": _summed(r.pruned for r in self.rows),  # by rule (tuner.tuning.pruning)
             "compile_wait_s_total": sum(r.wait_s or 0.0 for r in self.rows) + self.idle_s,
+            "two_passes": sum(r.first_pass_s is not None for r in self.rows),
             "compile_pool_s_total": sum(r.compile_s or 0.0 for r in self.rows),
             "shared_compile_s": self.shared_compile_s,
             "tuning_s_total": sum(tune_times),
@@ -162,7 +164,7 @@ def _costs(rec: dict[str, Any]) -> dict[str, Any]:
     return {
         "tune_s": rec["seconds"], "wait_s": rec.get("wait_s"), "compile_s": rec.get("compile_s"),
         "compiled": rec.get("compiled"), "pruned": rec.get("pruned") or {},
-        "phases": rec.get("phases") or {},
+        "phases": rec.get("phases") or {}, "first_pass_s": rec.get("first_pass_s"),
     }  # fmt: skip
 
 
@@ -294,6 +296,9 @@ def render(
     pruned = ", ".join(f"{n} by {rule}" for rule, n in sorted(s["pruned"].items())) or "none"
     shared = s["shared_compile_s"]
     shared = f", {shared:.1f} s for kernels shared by all shapes" if shared is not None else ""
+    if s["two_passes"]:
+        shared += (f"; {counted(s['two_passes'], 'problem')} timed the other families while "
+                   "those compiled")  # fmt: skip
     console.print(
         f"compiling: {counted(s['compiled'], 'candidate')} compiled ahead "
         f"({s['compile_pool_s_total']:.1f} s of per-problem compile jobs{shared}), "

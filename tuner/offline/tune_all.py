@@ -10,7 +10,12 @@ the rest with one ``RunSettings``.
 - **Compiling ahead.** One compile pool for the run (``tuner.tuning.compile_pool``) gets every
   problem up front, in the run's order: while a worker times problem i, the CPU cores compile
   the next ones. An idle worker is handed the first pending problem whose kernels are compiled,
-  so the GPU never waits for one problem's compile while another's is done.
+  so the GPU never waits for one problem's compile while another's is done. Where none is, a
+  problem waiting only for kernels that serve every shape (CUTLASS's, compiled once for the whole
+  run) gets a *first pass*: every other candidate timed and duelled, its verdict held by the run
+  (not stored); once those kernels are built its second pass times their candidates alone and
+  duels them against what the first pass settled. A run stopped in between leaves such a
+  problem pending.
 - **Budgets.** A problem past ``problem_timeout_s`` has its worker killed (that also covers a
   candidate that hangs or breaks its CUDA context): it is recorded as ``timeout``, keeps the
   best it measured (its baseline, which no challenger beat in a finished duel) as its winner,
@@ -60,6 +65,7 @@ from tuner.tuning.verdict import effective_us
 log = logging.getLogger(__name__)
 
 STATUSES = ("tuned", "failed", "timeout", "skipped")  # skipped: another process tuned it first
+PARKED = "parked"  # a first pass's result: not final, never journaled
 
 
 # --- what to tune ------------------------------------------------------------------------------
@@ -227,6 +233,7 @@ class Result:
     compiled: int | None = None  # candidates the compile pool compiled (or found compiled)
     pruned: dict[str, int] = field(default_factory=dict)  # left out uncompiled, by rule
     phases: dict[str, float] = field(default_factory=dict)  # of ``seconds`` (engine.PHASES)
+    first_pass_s: float | None = None  # of ``seconds``: its first pass's (None: tuned whole)
 
 
 @dataclass
@@ -244,7 +251,40 @@ class RunSummary:
         return sum(r.status == status for r in self.results)
 
 
-# ("ready", (slot, device_class)) | ("start", (slot, key)) | ("result", Result) | ("notice", text)
+@dataclass
+class FirstPass:
+    """A problem's first pass, held by the run until its shared kernels are compiled: its
+    measurements and verdict become the second pass's ``prior`` and ``settled``
+    (``engine.tune``), its times count in the problem's."""
+
+    measured: list[dict[str, Any]]  # Measurement rows
+    winner: dict[str, Any]  # Winner row
+    seconds: float
+    wait_s: float
+    phases: dict[str, float]
+
+    def add_to(self, result: Result) -> None:
+        """``result`` (the second pass's) as the problem's: both passes' times."""
+        result.seconds += self.seconds
+        result.first_pass_s = self.seconds
+        result.wait_s += self.wait_s
+        for name, seconds in self.phases.items():
+            result.phases[name] = result.phases.get(name, 0.0) + seconds
+
+
+@dataclass
+class Task:
+    """One problem handed to a worker: whole, its first pass (``first``: if its shared kernels
+    are still compiling once its own are), or its second (``parked``)."""
+
+    key: Key
+    retune: bool
+    first: bool = False
+    parked: FirstPass | None = None
+
+
+# ("ready", (slot, device_class)) | ("start", (slot, key)) | ("parked", (slot, key)): a first
+# pass ended | ("result", Result) | ("notice", text)
 Event = tuple[str, Any]
 
 
@@ -321,11 +361,16 @@ class _Pool:
         self.stop = CTX.Event()
         self.slots = [
             _Slot(i, Supervised(worker_main, (i, d, str(store_path), settings, self.tasks,
-                                              self.stop, events), name=f"tune-all-{i}"))
+                                              self.stop, events, runtime_sources()),
+                                name=f"tune-all-{i}"))
             for i, d in enumerate(devices)
         ]  # fmt: skip
         self.results: list[Result] = []
-        self.backlog: list[tuple[Key, bool]] = []  # (key, retune) not yet handed to a worker
+        self.backlog: list[Key] = []  # not yet handed to a worker, in the run's order
+        self.retune: set[str] = set()  # keys tuned even where a winner is stored
+        self.rank: dict[str, int] = {}  # each key's place in the run's order
+        self.parked: dict[str, FirstPass] = {}  # first passes done, second passes not
+        self.first_out: set[str] = set()  # first passes handed out, not ended
         self.sentinels_sent = False
         self.idle_s = 0.0  # worker time spent idle while every pending problem was compiling
         self.started = 0.0
@@ -339,7 +384,8 @@ class _Pool:
 
     def run(self, keys: list[Key], retune: set[str]) -> RunSummary:
         started = self.started = time.perf_counter()
-        self.backlog = [(k, str(k) in retune) for k in keys]
+        self.backlog, self.retune = list(keys), retune
+        self.rank = {str(k): i for i, k in enumerate(keys)}
         with self._signal_flags():
             for slot in self.slots:
                 self._spawn(slot)
@@ -428,17 +474,12 @@ class _Pool:
             self._halt("time limit", f"total time limit of {limit:g} s reached: no new problems")
 
     def _feed(self) -> int:
-        """Hand each idle worker the first pending problem whose kernels are compiled (in the
-        run's order among those), so the GPU times what is ready while the rest compiles; once
-        none is pending, one sentinel per slot (a replacement takes its predecessor's). A worker
-        that has not started a problem yet gets the first pending one even if it is compiling:
-        its first problem's set-up (imports, libraries' registries, the baseline's timing)
-        overlaps the compiling, and it waits for the kernels in the engine, outside the
-        problem's time limit. Returns how many workers stay idle only because every pending
-        problem is still compiling."""
+        """Hand each idle worker a problem (``_pick``); once none is pending and no first pass is
+        out, one sentinel per slot (a replacement takes its predecessor's). Returns how many
+        workers stay idle only because every pending problem is still compiling."""
         if self.stop.is_set() or self.sentinels_sent:
             return 0
-        if not self.backlog:
+        if not self.backlog and not self.first_out:
             for _ in self.slots:
                 self.tasks.put(None)
             self.sentinels_sent = True
@@ -447,16 +488,56 @@ class _Pool:
         queued = self.tasks.qsize()  # handed out, not yet started
         idle, fresh = len(idle_slots) - queued, sum(s.fresh for s in idle_slots) - queued
         while idle > 0 and self.backlog:
-            ready = (i for i, (key, _) in enumerate(self.backlog) if self._compiled(key))
-            pick = next(ready, 0 if fresh > 0 else None)
+            pick = self._pick(fresh > 0)
             if pick is None:
                 return idle
-            self.tasks.put(self.backlog.pop(pick))
+            index, first = pick
+            key = self.backlog.pop(index)
+            parked = None if first else self.parked.get(str(key))
+            if first:
+                self.first_out.add(str(key))
+            self.tasks.put(Task(key, str(key) in self.retune, first, parked))
             idle, fresh = idle - 1, fresh - 1
         return 0
 
+    def _pick(self, fresh: bool) -> tuple[int, bool] | None:
+        """The backlog's index of the problem to hand out next, and whether as a first pass:
+        the first whose kernels are compiled (in the run's order among those), so the GPU times
+        what is ready while the rest compiles; else the first pass of the first problem that
+        waits only for its shared kernels; else, to a worker that has not started a problem
+        yet, the first problem even while it compiles (the worker waits for its own kernels
+        outside the problem's time limit, then runs a first pass if the shared ones are still
+        compiling). None: nothing to hand out now."""
+        ready = (i for i, key in enumerate(self.backlog) if self._compiled(key))
+        if (whole := next(ready, None)) is not None:
+            return whole, False
+        fresh_keys = [i for i, key in enumerate(self.backlog) if str(key) not in self.parked]
+        waiting_shared = (i for i in fresh_keys if self._job_done(self.backlog[i]))
+        first = next(waiting_shared, fresh_keys[0] if fresh and fresh_keys else None)
+        return None if first is None else (first, True)
+
     def _compiled(self, key: Key) -> bool:
         return self.compiler is None or self.compiler.ready(key)
+
+    def _job_done(self, key: Key) -> bool:
+        return self.compiler is None or self.compiler.job_done(key)
+
+    def _park(self, slot: _Slot, result: Result) -> None:
+        """Hold a first pass until its problem's shared kernels are compiled; the problem goes
+        back to the backlog, at its place in the run's order."""
+        assert result.winner is not None
+        name = str(result.key)
+        self.first_out.discard(name)
+        self.parked[name] = FirstPass(
+            [m.to_row() for m in slot.measured], result.winner, result.seconds, result.wait_s,
+            result.phases,
+        )  # fmt: skip
+        at = next(
+            (i for i, key in enumerate(self.backlog) if self.rank[str(key)] > self.rank[name]),
+            len(self.backlog),
+        )
+        self.backlog.insert(at, result.key)
+        self.emit((PARKED, (slot.index, result.key)))
 
     def _on_interrupts(self) -> None:
         """First Ctrl-C: no new problems; the next one (or SIGTERM): kill those in flight too."""
@@ -519,16 +600,23 @@ class _Pool:
                 self.start_s = time.perf_counter() - self.started
             self.emit(("ready", (slot.index, data)))
         elif kind == "start":
-            slot.key, slot.started, slot.measured = data, time.perf_counter(), []
-            slot.fresh, slot.waiting = False, not self._compiled(data)
-            self.emit(("start", (slot.index, data)))
+            key, first = data
+            parked = self.parked.get(str(key))
+            slot.key, slot.started, slot.fresh = key, time.perf_counter(), False
+            slot.measured = [Measurement.from_row(r) for r in parked.measured] if parked else []
+            # a first pass waits for its own job only
+            slot.waiting = not (self._job_done(key) if first else self._compiled(key))
+            self.emit(("start", (slot.index, key)))
         elif kind == "compiled" and slot.waiting and slot.key == data:
             slot.started, slot.waiting = time.perf_counter(), False  # its limit starts now
         elif kind == "measurement":
             slot.measured.append(Measurement.from_row(data))
         elif kind == "result":
             slot.key = None
-            self._record(data)
+            if data.status == PARKED:
+                self._park(slot, data)
+            else:
+                self._record(data)
         elif kind == "exit":
             slot.done = True
 
@@ -565,23 +653,31 @@ class _Pool:
         self._record(result)
 
     def _keep_best(self, slot: _Slot) -> dict[str, Any] | None:
-        """A problem cut off by its limit keeps what it measured, its baseline as the winner
-        (no challenger finished its duel): served meanwhile, tuned again by a later run."""
+        """A problem cut off by its limit keeps what it measured, and as its winner its first
+        pass's verdict where it had one, else its baseline (no challenger finished its duel):
+        served meanwhile, tuned again by a later run."""
+        assert slot.key is not None
+        parked = self.parked.get(str(slot.key))
         base = next((m for m in slot.measured if m.is_baseline and m.status == "ok"), None)
-        if base is None or base.median_us is None:
+        if parked is not None:
+            winner = Winner.from_row(parked.winner)
+        elif base is None or base.median_us is None:
             return None
-        us = effective_us(base, self.settings.tune.launch)
-        winner = Winner(
-            device_class=base.device_class, key=base.key, source=base.source, params=base.params,
-            median_us=us, baseline_us=us, versions=base.versions, run_id=base.run_id,
-            launch=base.launch,
-        )  # fmt: skip
+        else:
+            us = effective_us(base, self.settings.tune.launch)
+            winner = Winner(
+                device_class=base.device_class, key=base.key, source=base.source,
+                params=base.params, median_us=us, baseline_us=us, versions=base.versions,
+                run_id=base.run_id, launch=base.launch,
+            )  # fmt: skip
         with Store(self.store_path) as store:
             store.save_run(slot.measured, winner)
         return winner.to_row()
 
     def _record(self, result: Result) -> None:
         """Journal and announce a finished problem, with what the compile pool did for it."""
+        self.first_out.discard(str(result.key))
+        self.parked.pop(str(result.key), None)
         done = self.compiler.result(result.key) if self.compiler else None
         if done is not None:
             result.compile_s, result.compiled = done.seconds, done.compiled
@@ -611,10 +707,12 @@ def worker_main(
     tasks: Any,
     stop: Any,
     compiled: dict[str, Any],
+    sources: dict[str, str],
 ) -> None:
     """Pull keys until the sentinel or the stop signal; commit each problem when it is done.
     Each measurement goes to the parent as it is made (a problem cut off keeps them);
-    ``compiled`` holds the run's compile-pool events, one per key."""
+    ``compiled`` holds the run's compile-pool events, one per key; ``sources``: the parent's
+    run-time sources (``runtime_sources``), registered here too."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # the parent decides; it dies, so do we
         signal.signal(sig, signal.SIG_IGN)
     if device is not None:  # before any CUDA call: this GPU becomes device 0, here and in children
@@ -622,7 +720,10 @@ def worker_main(
         ids = visible.split(",") if visible else [str(i) for i in range(device + 1)]
         os.environ["CUDA_VISIBLE_DEVICES"] = ids[device]
     from tuner.core.device import fingerprint
+    from tuner.tuning.isolation import register_sources
 
+    for bad in register_sources(sources):
+        log.warning("tune-all worker %d: source not available: %s", index, bad)
     fp = fingerprint("cuda" if device is not None else "cpu")
 
     def measured(m: Measurement) -> None:
@@ -638,39 +739,48 @@ def worker_main(
                 continue
             if task is None:
                 break
-            key, retune = task
-            conn.send(("start", key))
-            wait = functools.partial(_wait_compiled, conn, compiled, key) if compiled else None
-            result = _tune_one(key, store, fp, settings, index, measured, wait, retune)
+            conn.send(("start", (task.key, task.first)))
+            waited = 0.0
+            if task.first and compiled:  # a first pass only while its shared kernels compile
+                waited = _wait_compiled(conn, compiled, task.key, shared=False)
+                task.first = not compile_pool.ready(compiled, task.key)
+            wait = (
+                functools.partial(_wait_compiled, conn, compiled, task.key, not task.first)
+                if compiled
+                else None
+            )
+            result = _tune_one(task, store, fp, settings, index, measured, wait)
+            result.wait_s += waited
             conn.send(("result", result))
     conn.send(("exit", None))
 
 
-def _wait_compiled(conn: Connection, compiled: dict[str, Any], key: Key) -> float:
-    """Wait until the compile pool compiled ``key``, then tell the parent (the problem's time
-    limit starts there); the seconds waited."""
-    waited = compile_pool.wait(compiled, key)
+def _wait_compiled(conn: Connection, compiled: dict[str, Any], key: Key, shared: bool) -> float:
+    """Wait until the compile pool compiled ``key`` (its shared kernels too where ``shared``),
+    then tell the parent (the problem's time limit starts there); the seconds waited."""
+    waited = compile_pool.wait(compiled, key, shared=shared)
     conn.send(("compiled", key))
     return waited
 
 
 def _tune_one(
-    key: Key,
+    task: Task,
     store: Store,
     fp: Fingerprint,
     settings: RunSettings,
     index: int,
     on_result: Callable[[Measurement], None],
     compiled: Callable[[], Any] | None,
-    retune: bool,
 ) -> Result:
-    from tuner.tuning.engine import earlier_times
+    """Tune ``task``'s problem and commit it; a first pass commits nothing (``PARKED``)."""
+    from tuner.tuning.engine import earlier_times, first_pass_options
     from tuner.tuning.tune import tune
 
+    key = task.key
     t0 = time.perf_counter()
     existing = store.winner(fp.device_class, str(key))
     if (
-        not (settings.force or retune)
+        not (settings.force or task.retune)
         and existing is not None
         and existing.measured_under(fp)
         and existing.launch_mode == settings.tune.launch
@@ -679,15 +789,24 @@ def _tune_one(
     if isinstance(key, GemmKey) and (why := too_big_here(key.min_bytes)):
         return Result(key, "failed", 0.0, index, fp.device_class, error=why)
     earlier = earlier_times(store.measurements(fp.device_class, str(key)), settings.tune.launch)
+    options = first_pass_options(key.op, settings.tune) if task.first else settings.tune
+    parked = task.parked
     try:
         outcome = tune(
-            key, options=settings.tune, on_result=on_result, compiled=compiled, earlier=earlier
-        )
+            key, options=options, on_result=on_result, compiled=compiled, earlier=earlier,
+            prior=[Measurement.from_row(r) for r in parked.measured] if parked else None,
+            settled=Winner.from_row(parked.winner) if parked else None,
+        )  # fmt: skip
     except Exception as e:  # the baseline failed, or the problem cannot be set up here
         error = f"{type(e).__name__}: {e}"[:2000]
         return Result(key, "failed", time.perf_counter() - t0, index, fp.device_class, error=error)
-    store.save_run(outcome.measurements, outcome.winner)
-    return Result(
-        key, "tuned", outcome.seconds, index, fp.device_class, outcome.winner.to_row(),
+    status = PARKED if task.first else "tuned"
+    if not task.first:
+        store.save_run(outcome.measurements, outcome.winner)
+    result = Result(
+        key, status, outcome.seconds, index, fp.device_class, outcome.winner.to_row(),
         wait_s=outcome.compile_s, pruned=outcome.pruned, phases=outcome.phases,
     )  # fmt: skip
+    if parked is not None:
+        parked.add_to(result)
+    return result

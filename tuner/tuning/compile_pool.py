@@ -239,7 +239,11 @@ class CompilePool:
 
     def ready(self, key: Key | str) -> bool:
         """Whether ``key`` is compiled (both its events set; a key without a job: True)."""
-        return all(e.is_set() for e in self.events.get(str(key), ()))
+        return ready(self.events, key)
+
+    def job_done(self, key: Key | str) -> bool:
+        """Whether ``key``'s own job ended: all but its shared kernels are compiled."""
+        return all(e.is_set() for e in self.events.get(str(key), ())[:1])
 
     def result(self, key: Key | str) -> Compiled | None:
         """A job's outcome once it ended (None before, or if the job itself died); ``SHARED``
@@ -282,10 +286,18 @@ def ahead(keys: list[Key], options: TuneOptions, device: str) -> Iterator[Compil
         pool.close()
 
 
-def wait(events: dict[str, Any], key: Key, timeout_s: float | None = None) -> float:
-    """Block until ``key`` is compiled (no job: at once); the seconds waited."""
+def ready(events: dict[str, Any], key: Key | str) -> bool:
+    """Whether ``key`` is compiled: its events (``CompilePool.events``) all set."""
+    return all(e.is_set() for e in events.get(str(key), ()))
+
+
+def wait(
+    events: dict[str, Any], key: Key, timeout_s: float | None = None, shared: bool = True
+) -> float:
+    """Block until ``key`` is compiled (no job: at once), or only its own job where not
+    ``shared`` (a first pass leaves the shared kernels' candidates out); the seconds waited."""
     t0 = time.perf_counter()
-    for event in events.get(str(key), ()):
+    for event in events.get(str(key), ())[: 2 if shared else 1]:
         remaining = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
         event.wait(remaining)
     return time.perf_counter() - t0

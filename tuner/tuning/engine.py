@@ -13,6 +13,7 @@ live in ``tuner.tuning.verdict``, the trials and duels that take them in ``tuner
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -30,7 +31,7 @@ from tuner.measure import timing
 from tuner.measure.records import Measurement, Winner, candidate_name
 from tuner.tuning import pruning
 from tuner.tuning.options import TuneOptions
-from tuner.tuning.trials import Trial, confirmed, short_error
+from tuner.tuning.trials import Trial, confirmed, reconfirmed, short_error
 from tuner.tuning.verdict import duels, effective_us, timed_baseline
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,18 @@ def cut_off(best_us: float | None, device: str, options: TuneOptions) -> float |
         return None
     steady = device == "cuda" and best_us >= timing.STEADY_US
     return best_us * (options.steady_cut if steady else options.cut_factor)
+
+
+def first_pass_options(op: str, options: TuneOptions) -> TuneOptions:
+    """``options`` for a problem's first pass while the run's compile pool still builds the
+    kernels of sources that share them (``Source.shares_kernels``): every source asked for but
+    those (the baseline is never left out: ``_wanted``)."""
+    names = [
+        s.name
+        for s in registry.sources(op)
+        if not s.shares_kernels and (options.sources is None or s.name in options.sources)
+    ]
+    return dataclasses.replace(options, sources=names)
 
 
 def candidate_shortlists(
@@ -218,6 +231,7 @@ def tune(
     on_result: Callable[[Measurement], None] | None = None,
     compiled: Callable[[], None] | None = None,
     earlier: Mapping[str, float] | None = None,
+    settled: Winner | None = None,
 ) -> TuneOutcome:
     """Tune one problem on the current device and return its winner and all measurements.
 
@@ -235,6 +249,12 @@ def tune(
     ``earlier``: times (us, as ``effective_us``) that candidates took on this key in an earlier
     run. Those challengers are timed fastest first, so that the cut-off is tight from the first
     one and the rest are cut after their probe; nothing is left out for them.
+
+    ``settled``: the verdict of a first pass over ``prior`` (a run that timed every candidate
+    but those of sources that share kernels while the compile pool built them,
+    ``first_pass_options``). This second pass times what ``prior`` lacks and duels only the
+    candidates of sources that share kernels (``reconfirmed``); both passes' measurements and
+    the winner carry the first pass's run id.
     """
     options = options or TuneOptions()
     if options.isolate:
@@ -243,7 +263,7 @@ def tune(
         )
     device = device or current_device()
     fp = fingerprint(device)
-    run_id = uuid.uuid4().hex
+    run_id = settled.run_id if settled is not None else uuid.uuid4().hex
     started = time.perf_counter()
     measurements: list[Measurement] = []
 
@@ -308,9 +328,12 @@ def tune(
     if base is None:
         errors = "; ".join(f"{m.candidate}: {m.error}" for m in measurements if m.is_baseline)
         raise RuntimeError(f"the baseline failed on {key}: {errors}")
-    chosen, base_us, chosen_us = confirmed(
-        trial, base, duels(measurements, options, device), options
-    )
+    order = duels(measurements, options, device)
+    if settled is None:
+        chosen, base_us, chosen_us = confirmed(trial, base, order, options)
+    else:
+        new = [m for m in order if registry.get(m.source).shares_kernels]
+        chosen, base_us, chosen_us = reconfirmed(trial, base, settled, measurements, new, options)
     winner = Winner(
         device_class=fp.device_class, key=str(key), source=chosen.source, params=chosen.params,
         median_us=chosen_us, baseline_us=base_us, versions=fp.version_tag, run_id=run_id,

@@ -93,7 +93,7 @@ def _serve(conn: Any) -> None:
             return
         if request[0] == "stop":
             return
-        _, key, options, device, prior_rows, sources, earlier = request
+        _, key, options, device, prior_rows, sources, earlier, settled = request
         for text in register_sources(sources):
             conn.send(("warning", f"source not available in the worker: {text}"))
         device = device or engine.current_device()
@@ -120,6 +120,7 @@ def _serve(conn: Any) -> None:
                 on_start=on_start,
                 on_result=on_result,
                 earlier=earlier,
+                settled=None if settled is None else Winner.from_row(settled),
             )
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
@@ -209,19 +210,21 @@ class WorkerPool:
         progress: Callable[[str], None] | None = None,
         on_result: Callable[[Measurement], None] | None = None,
         earlier: Mapping[str, float] | None = None,
+        prior: list[Measurement] | None = None,
+        settled: Winner | None = None,
     ) -> TuneOutcome:
         options = dataclasses.replace(options or TuneOptions(), isolate=False)
-        run = _Run(key)
+        run = _Run(key, list(prior or ()))
         started = time.perf_counter()
         while True:
             worker = self._slot.live()
             worker.conn.send(
                 ("tune", key, options, device, [m.to_row() for m in run.measurements],
-                 runtime_sources(), dict(earlier or {}))
+                 runtime_sources(), dict(earlier or {}), settled and settled.to_row())
             )  # fmt: skip
             outcome = self._follow(worker, run, progress, on_result)
             if outcome is not None:
-                run_id = uuid.uuid4().hex
+                run_id = settled.run_id if settled is not None else uuid.uuid4().hex
                 for m in outcome.measurements:
                     m.run_id = run_id
                 outcome.winner.run_id = run_id
@@ -317,8 +320,11 @@ def tune_isolated(
     progress: Callable[[str], None] | None = None,
     on_result: Callable[[Measurement], None] | None = None,
     earlier: Mapping[str, float] | None = None,
+    prior: list[Measurement] | None = None,
+    settled: Winner | None = None,
 ) -> TuneOutcome:
     """``engine.tune`` in a worker process of the default pool; see the module docstring."""
     return default_pool().tune(
-        key, options, device=device, progress=progress, on_result=on_result, earlier=earlier
-    )
+        key, options, device=device, progress=progress, on_result=on_result, earlier=earlier,
+        prior=prior, settled=settled,
+    )  # fmt: skip

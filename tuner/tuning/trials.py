@@ -19,7 +19,7 @@ from tuner.candidates import registry
 from tuner.candidates.base import Params, Runner, Source
 from tuner.core.keys import Key
 from tuner.measure import samples, timing
-from tuner.measure.records import Measurement, candidate_name
+from tuner.measure.records import Measurement, Winner, candidate_name
 from tuner.tuning.options import TuneOptions
 from tuner.tuning.verdict import (
     Rounds,
@@ -41,6 +41,7 @@ from tuner.tuning.verdict import (
     sustained_duel,
     tied_in_trial,
     tied_rival,
+    under_kept,
 )
 
 log = logging.getLogger(__name__)
@@ -96,12 +97,53 @@ def confirmed(
             return chosen, base_us, chosen_us
         tied = tied_rival(order[i + 1 :], chosen, options) if trial.device == "cuda" else None
         if tied is not None:
-            other, kept_us, other_us = trial.confirm(chosen, tied, options, chosen.candidate)
-            if other is tied:  # its time relative to the baseline, through the kept one's
-                challenger.error += f"; then {tied.candidate}, whose trial tied it, won their duel"
-                return tied, base_us, chosen_us * other_us / kept_us
+            return _rival_duel(trial, (chosen, base_us, chosen_us), tied, options, "tied it")
         return chosen, base_us, chosen_us
     return base, base_us, base_us
+
+
+def reconfirmed(
+    trial: Trial,
+    base: Measurement,
+    settled: Winner,
+    measurements: list[Measurement],
+    new: list[Measurement],
+    options: TuneOptions,
+) -> tuple[Measurement, float, float]:
+    """The verdict of a problem's second pass: ``settled`` (its first pass's verdict, on every
+    candidate but those of sources that share kernels, which compiled meanwhile) stands unless
+    one of ``new`` (the second pass's duellists, in ``duels`` order) wins its duel: against the
+    baseline where the first pass kept it (``confirmed``), else against the kept challenger
+    (the first new one whose trial ties or beats that one's: ``under_kept``), as a tied rival
+    does. The first pass's duels are not run again. Returns as ``confirmed`` does."""
+    kept = next((m for m in measurements if m.candidate == settled.candidate), None)
+    if kept is None or kept.is_baseline:
+        if not new:
+            return base, settled.baseline_us, settled.median_us
+        return confirmed(trial, base, new, options)
+    verdict = (kept, settled.baseline_us, settled.median_us)
+    rival = under_kept(new, kept, options)
+    if rival is None:
+        return verdict
+    return _rival_duel(trial, verdict, rival, options, "tied or beat it")
+
+
+def _rival_duel(
+    trial: Trial,
+    verdict: tuple[Measurement, float, float],
+    rival: Measurement,
+    options: TuneOptions,
+    why: str,
+) -> tuple[Measurement, float, float]:
+    """``rival`` duels the kept challenger of ``verdict`` (chosen, baseline's time, its time),
+    as a challenger duels the baseline; it serves if it wins, its time relative to the baseline
+    through the kept one's. ``why``: what its trial did, for the kept one's note."""
+    chosen, base_us, chosen_us = verdict
+    other, kept_us, other_us = trial.confirm(chosen, rival, options, chosen.candidate)
+    if other is not rival:
+        return verdict
+    chosen.error += f"; then {rival.candidate}, whose trial {why}, won their duel"
+    return rival, base_us, chosen_us * other_us / kept_us
 
 
 class Trial:

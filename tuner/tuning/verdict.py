@@ -256,8 +256,14 @@ def tied_rival(
     eager trials read their hosts and tie whatever their kernels cost, and one disturbed reading
     (a compile beside it) ranks them; only their own duel's graph times say which is faster on
     the GPU."""
-    if options.launch != "eager":
-        return None
+    return under_kept(rest, kept, options) if options.launch == "eager" else None
+
+
+def under_kept(
+    rest: list[Measurement], kept: Measurement, options: TuneOptions
+) -> Measurement | None:
+    """The first of ``rest`` whose trial time is under the kept challenger's plus either one's
+    noise: ahead of it or tied with it, so that only their own duel says which is faster."""
     kept_us = effective_us(kept, options.launch)
     for m in rest:
         margin = max(noise(kept, options.min_noise), noise(m, options.min_noise))

@@ -1,0 +1,79 @@
+"""A problem tuned in two passes (``engine.tune(prior=..., settled=...)``): the first times every
+candidate but those of sources that share kernels (CUTLASS's, compiled once for a whole run),
+the second times those alone, once built, and duels them against what the first settled."""
+
+from __future__ import annotations
+
+import pytest
+from planted import Busy, Memoized, SharedMemoized, SharedTwin
+
+from tuner.candidates import registry
+from tuner.core.keys import GemmKey
+from tuner.tuning.engine import TuneOptions, TuneOutcome, first_pass_options, tune
+
+# large enough that torch's CPU matmul takes far longer than Busy's 100 us of host work
+KEY = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
+
+
+@pytest.fixture
+def sources():
+    Memoized.slow = False
+    made = [Busy(), SharedMemoized(), SharedTwin()]
+    for source in made:
+        registry.register(source)
+    yield
+    for source in made:
+        registry.unregister(source.name)
+
+
+def two_passes(*names: str) -> tuple[TuneOutcome, TuneOutcome]:
+    options = TuneOptions(budget_s=0.02, sources=list(names))
+    first = tune(KEY, options=first_pass_options(KEY.op, options))
+    second = tune(KEY, options=options, prior=first.measurements, settled=first.winner)
+    return first, second
+
+
+def confirmations(outcome: TuneOutcome) -> int:
+    return sum(m.error.count("confirmation:") for m in outcome.measurements)
+
+
+def test_the_first_pass_leaves_out_the_sources_that_share_kernels(sources):
+    options = first_pass_options(KEY.op, TuneOptions(sources=["busy", "shared_memoized"]))
+    assert options.sources == ["busy"]
+    everything = first_pass_options(KEY.op, TuneOptions())
+    assert "torch" in everything.sources and "cutlass" not in everything.sources
+    assert "shared_twin" not in everything.sources
+
+
+def test_a_shared_kernel_that_beats_the_settled_baseline_wins_the_second_pass(sources):
+    first, second = two_passes("shared_memoized")
+    assert first.winner.source == "torch"  # the baseline alone in the first pass
+    assert second.winner.source == "shared_memoized" and second.winner.speedup > 1.5
+    assert second.winner.run_id == first.winner.run_id  # one problem, one run
+    baselines = [m for m in second.measurements if m.is_baseline]
+    assert [m.uid for m in baselines] == [m.uid for m in first.measurements if m.is_baseline]
+
+
+def test_a_shared_kernel_faster_than_the_kept_challenger_duels_it_and_serves(sources):
+    first, second = two_passes("busy", "shared_memoized")
+    assert first.winner.source == "busy"
+    kept = next(m for m in second.measurements if m.source == "busy")
+    assert kept.uid == next(m.uid for m in first.measurements if m.source == "busy")
+    assert kept.error.count("confirmation:") == 1  # its first pass's duel, not run again
+    assert "then shared_memoized, whose trial tied or beat it, won their duel" in kept.error
+    assert second.winner.source == "shared_memoized"
+    # its time is relative to the first pass's baseline, through the kept one's
+    assert second.winner.baseline_us == first.winner.baseline_us
+    assert second.winner.speedup > first.winner.speedup
+
+
+def test_without_a_new_contender_the_first_pass_verdict_stands_with_no_duel(sources):
+    first, second = two_passes("busy", "shared_twin")
+    assert second.winner.source == first.winner.source == "busy"
+    assert (second.winner.median_us, second.winner.baseline_us) == (
+        first.winner.median_us,
+        first.winner.baseline_us,
+    )
+    assert confirmations(second) == confirmations(first) == 1
+    assert any(m.source == "shared_twin" for m in second.measurements)
+    assert len(second.measurements) == len(first.measurements) + 1
