@@ -843,6 +843,9 @@ def test_a_second_pass_cut_off_by_its_limit_keeps_the_first_pass_verdict(tmp_pat
     assert result.status == "timeout" and result.winner["source"] == "memoized"
     with Store(cache) as store:
         assert store.winner(fingerprint().device_class, str(key)).source == "memoized"
+        (kept,) = [m for m in store.measurements(fingerprint().device_class, str(key))
+                   if m.source == "memoized"]  # fmt: skip
+    assert "confirmation:" in kept.error and "kept" in kept.error  # the first pass's duel
 
 
 class Delayed(Source):

@@ -234,6 +234,8 @@ class Result:
     pruned: dict[str, int] = field(default_factory=dict)  # left out uncompiled, by rule
     phases: dict[str, float] = field(default_factory=dict)  # of ``seconds`` (engine.PHASES)
     first_pass_s: float | None = None  # of ``seconds``: its first pass's (None: tuned whole)
+    # a first pass's measurements as they ended (with its duels' verdicts), never journaled
+    measured: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -529,9 +531,8 @@ class _Pool:
         name = str(result.key)
         self.first_out.discard(name)
         self.parked[name] = FirstPass(
-            [m.to_row() for m in slot.measured], result.winner, result.seconds, result.wait_s,
-            result.phases,
-        )  # fmt: skip
+            result.measured, result.winner, result.seconds, result.wait_s, result.phases
+        )
         at = next(
             (i for i, key in enumerate(self.backlog) if self.rank[str(key)] > self.rank[name]),
             len(self.backlog),
@@ -688,7 +689,7 @@ class _Pool:
 
 
 def _journal_record(r: Result) -> dict[str, Any]:
-    rec = {k: v for k, v in asdict(r).items() if k not in ("key", "winner")}
+    rec = {k: v for k, v in asdict(r).items() if k not in ("key", "winner", "measured")}
     rec["key"] = str(r.key)
     rec["run_id"] = (r.winner or {}).get("run_id", "")
     rec["at"] = time.time()
@@ -807,6 +808,8 @@ def _tune_one(
         key, status, outcome.seconds, index, fp.device_class, outcome.winner.to_row(),
         wait_s=outcome.compile_s, pruned=outcome.pruned, phases=outcome.phases,
     )  # fmt: skip
+    if task.first:
+        result.measured = [m.to_row() for m in outcome.measurements]
     if parked is not None:
         parked.add_to(result)
     return result
