@@ -513,9 +513,9 @@ class _Pool:
         ready = (i for i, key in enumerate(self.backlog) if self._compiled(key))
         if (whole := next(ready, None)) is not None:
             return whole, False
-        fresh_keys = [i for i, key in enumerate(self.backlog) if str(key) not in self.parked]
-        waiting_shared = (i for i in fresh_keys if self._job_done(self.backlog[i]))
-        first = next(waiting_shared, fresh_keys[0] if fresh and fresh_keys else None)
+        unparked = [i for i, key in enumerate(self.backlog) if str(key) not in self.parked]
+        waiting_shared = (i for i in unparked if self._job_done(self.backlog[i]))
+        first = next(waiting_shared, unparked[0] if fresh and unparked else None)
         return None if first is None else (first, True)
 
     def _compiled(self, key: Key) -> bool:
@@ -662,15 +662,15 @@ class _Pool:
         base = next((m for m in slot.measured if m.is_baseline and m.status == "ok"), None)
         if parked is not None:
             winner = Winner.from_row(parked.winner)
-        elif base is None or base.median_us is None:
-            return None
-        else:
+        elif base is not None and base.median_us is not None:
             us = effective_us(base, self.settings.tune.launch)
             winner = Winner(
                 device_class=base.device_class, key=base.key, source=base.source,
                 params=base.params, median_us=us, baseline_us=us, versions=base.versions,
                 run_id=base.run_id, launch=base.launch,
             )  # fmt: skip
+        else:
+            return None
         with Store(self.store_path) as store:
             store.save_run(slot.measured, winner)
         return winner.to_row()
