@@ -1,4 +1,4 @@
-"""A problem tuned in two passes (``engine.tune(prior=..., settled=...)``): the first times every
+"""A problem tuned in two passes (``engine.tune(first_pass=...)``): the first times every
 candidate but those of sources that share kernels (CUTLASS's, compiled once for a whole run),
 the second times those alone, once built, and duels them against what the first settled."""
 
@@ -9,7 +9,13 @@ from planted import Busy, Memoized, SharedMemoized, SharedTwin
 
 from tuner.candidates import registry
 from tuner.core.keys import GemmKey
-from tuner.tuning.engine import TuneOptions, TuneOutcome, first_pass_options, tune
+from tuner.tuning.engine import (
+    TuneOptions,
+    TuneOutcome,
+    first_pass_options,
+    second_pass_duels,
+    tune,
+)
 
 # large enough that torch's CPU matmul takes far longer than Busy's 100 us of host work
 KEY = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
@@ -29,7 +35,7 @@ def sources():
 def two_passes(*names: str) -> tuple[TuneOutcome, TuneOutcome]:
     options = TuneOptions(budget_s=0.02, sources=list(names))
     first = tune(KEY, options=first_pass_options(KEY.op, options))
-    second = tune(KEY, options=options, prior=first.measurements, settled=first.winner)
+    second = tune(KEY, options=options, first_pass=first)
     return first, second
 
 
@@ -77,3 +83,21 @@ def test_without_a_new_contender_the_first_pass_verdict_stands_with_no_duel(sour
     assert confirmations(second) == confirmations(first) == 1
     assert any(m.source == "shared_twin" for m in second.measurements)
     assert len(second.measurements) == len(first.measurements) + 1
+
+
+def test_a_second_pass_duels_only_what_one_pass_would_have(sources):
+    """One pass duels the first ``confirm_tries`` of its order; a second pass, the new ones
+    among those."""
+    from test_trials import timed
+
+    base = timed("torch", 100.0, baseline=True)
+    fast_shared, busy, slow_shared = (
+        timed("shared_memoized", 50.0), timed("busy", 60.0), timed("shared_twin", 70.0)
+    )  # fmt: skip
+    measured = [base, slow_shared, busy, fast_shared]
+    options = TuneOptions(confirm_tries=2)
+    assert second_pass_duels(measured, options, "cpu") == [fast_shared]
+    assert second_pass_duels(measured, TuneOptions(confirm_tries=3), "cpu") == [
+        fast_shared,
+        slow_shared,
+    ]

@@ -9,10 +9,10 @@ from planted import Twin
 
 from tuner.candidates import registry
 from tuner.core.keys import GemmKey
-from tuner.measure.records import Measurement
+from tuner.measure.records import Measurement, Winner
 from tuner.tuning.engine import tune
 from tuner.tuning.options import TuneOptions
-from tuner.tuning.trials import SUSTAINED_TRIES, Trial, confirmed
+from tuner.tuning.trials import SUSTAINED_TRIES, Trial, confirmed, reconfirmed
 
 KEY = GemmKey(m=64, n=64, k=64, dtype="f32", out_dtype="f32")
 
@@ -28,7 +28,7 @@ class ScriptedDuels(Trial):
     """A trial whose duels end as scripted: (kept, sustained) by challenger."""
 
     def __init__(self, outcomes: dict[str, tuple[bool, bool]]) -> None:
-        self.key, self.device, self.stretched = KEY, "cpu", {}
+        self.key, self.device, self.stretched, self.lost_sustained = KEY, "cpu", {}, 0
         self.outcomes, self.dueled = outcomes, []
 
     def confirm(self, base, challenger, options, base_name="baseline"):
@@ -65,6 +65,22 @@ def test_only_duels_at_the_power_limit_count_against_the_tries():
     chosen, dueled = run({"a": quick_loss, "b": lost_at_limit, "c": quick_loss, "d": lost_at_limit})
     assert (chosen, dueled) == ("torch", ["a", "b", "c", "d"])
     assert run({"a": quick_loss, "b": quick_loss, "c": quick_loss, "d": (True, False)})[0] == "d"
+
+
+def test_a_second_pass_goes_on_from_the_duels_its_first_pass_lost_at_the_power_limit():
+    """Its first pass lost one duel at the power limit: one more loss there keeps the
+    baseline, as in one pass over every candidate."""
+    trial = ScriptedDuels({"x": (False, True), "y": (True, True)})
+    trial.lost_sustained = SUSTAINED_TRIES - 1
+    base = timed("torch", 100.0, baseline=True)
+    settled = Winner(
+        device_class="d", key=str(KEY), source="torch", params={}, median_us=100.0,
+        baseline_us=100.0,
+    )  # fmt: skip
+    new = [timed("x", 80.0), timed("y", 81.0)]
+    chosen, _, _ = reconfirmed(trial, base, settled, [base, *new], new, TuneOptions())
+    assert (chosen.candidate, trial.dueled) == ("torch", ["x"])
+    assert trial.lost_sustained == SUSTAINED_TRIES
 
 
 class Twins(Twin):

@@ -58,6 +58,7 @@ from tuner.offline.run_settings import RunSettings
 from tuner.offline.tunableop import Imported
 from tuner.tuning import compile_pool, pruning
 from tuner.tuning.compile_pool import CompilePool
+from tuner.tuning.engine import TuneOutcome
 from tuner.tuning.isolation import runtime_sources
 from tuner.tuning.supervisor import CTX, Child, Supervised
 from tuner.tuning.verdict import effective_us
@@ -234,8 +235,7 @@ class Result:
     pruned: dict[str, int] = field(default_factory=dict)  # left out uncompiled, by rule
     phases: dict[str, float] = field(default_factory=dict)  # of ``seconds`` (engine.PHASES)
     first_pass_s: float | None = None  # of ``seconds``: its first pass's (None: tuned whole)
-    # a first pass's measurements as they ended (with its duels' verdicts), never journaled
-    measured: list[dict[str, Any]] = field(default_factory=list)
+    first_pass: TuneOutcome | None = None  # a first pass's outcome, for its second; not journaled
 
 
 @dataclass
@@ -255,22 +255,19 @@ class RunSummary:
 
 @dataclass
 class FirstPass:
-    """A problem's first pass, held by the run until its shared kernels are compiled: its
-    measurements and verdict become the second pass's ``prior`` and ``settled``
-    (``engine.tune``), its times count in the problem's."""
+    """A problem's first pass, held by the run until its shared kernels are compiled: the
+    second pass goes on from it (``engine.tune``'s ``first_pass``); its times count in the
+    problem's."""
 
-    measured: list[dict[str, Any]]  # Measurement rows
-    winner: dict[str, Any]  # Winner row
-    seconds: float
-    wait_s: float
-    phases: dict[str, float]
+    outcome: TuneOutcome
+    wait_s: float  # of its time: waiting for its own kernels
 
     def add_to(self, result: Result) -> None:
         """``result`` (the second pass's) as the problem's: both passes' times."""
-        result.seconds += self.seconds
-        result.first_pass_s = self.seconds
+        result.seconds += self.outcome.seconds
+        result.first_pass_s = self.outcome.seconds
         result.wait_s += self.wait_s
-        for name, seconds in self.phases.items():
+        for name, seconds in self.outcome.phases.items():
             result.phases[name] = result.phases.get(name, 0.0) + seconds
 
 
@@ -527,12 +524,10 @@ class _Pool:
     def _park(self, slot: _Slot, result: Result) -> None:
         """Hold a first pass until its problem's shared kernels are compiled; the problem goes
         back to the backlog, at its place in the run's order."""
-        assert result.winner is not None
+        assert result.first_pass is not None
         name = str(result.key)
         self.first_out.discard(name)
-        self.parked[name] = FirstPass(
-            result.measured, result.winner, result.seconds, result.wait_s, result.phases
-        )
+        self.parked[name] = FirstPass(result.first_pass, result.wait_s)
         at = next(
             (i for i, key in enumerate(self.backlog) if self.rank[str(key)] > self.rank[name]),
             len(self.backlog),
@@ -604,7 +599,7 @@ class _Pool:
             key, first = data
             parked = self.parked.get(str(key))
             slot.key, slot.started, slot.fresh = key, time.perf_counter(), False
-            slot.measured = [Measurement.from_row(r) for r in parked.measured] if parked else []
+            slot.measured = list(parked.outcome.measurements) if parked else []
             # a first pass waits for its own job only
             slot.waiting = not (self._job_done(key) if first else self._compiled(key))
             self.emit(("start", (slot.index, key)))
@@ -661,7 +656,7 @@ class _Pool:
         parked = self.parked.get(str(slot.key))
         base = next((m for m in slot.measured if m.is_baseline and m.status == "ok"), None)
         if parked is not None:
-            winner = Winner.from_row(parked.winner)
+            winner = parked.outcome.winner
         elif base is not None and base.median_us is not None:
             us = effective_us(base, self.settings.tune.launch)
             winner = Winner(
@@ -689,7 +684,7 @@ class _Pool:
 
 
 def _journal_record(r: Result) -> dict[str, Any]:
-    rec = {k: v for k, v in asdict(r).items() if k not in ("key", "winner", "measured")}
+    rec = {k: v for k, v in asdict(r).items() if k not in ("key", "winner", "first_pass")}
     rec["key"] = str(r.key)
     rec["run_id"] = (r.winner or {}).get("run_id", "")
     rec["at"] = time.time()
@@ -795,8 +790,7 @@ def _tune_one(
     try:
         outcome = tune(
             key, options=options, on_result=on_result, compiled=compiled, earlier=earlier,
-            prior=[Measurement.from_row(r) for r in parked.measured] if parked else None,
-            settled=Winner.from_row(parked.winner) if parked else None,
+            first_pass=parked.outcome if parked else None,
         )  # fmt: skip
     except Exception as e:  # the baseline failed, or the problem cannot be set up here
         error = f"{type(e).__name__}: {e}"[:2000]
@@ -809,7 +803,7 @@ def _tune_one(
         wait_s=outcome.compile_s, pruned=outcome.pruned, phases=outcome.phases,
     )  # fmt: skip
     if task.first:
-        result.measured = [m.to_row() for m in outcome.measurements]
+        result.first_pass = outcome
     if parked is not None:
         parked.add_to(result)
     return result

@@ -45,6 +45,7 @@ class TuneOutcome:
     seconds: float = 0.0
     compile_s: float = 0.0  # of ``seconds``: compiling (or waiting for the run's compile pool)
     phases: dict[str, float] = field(default_factory=dict)  # of ``seconds``, by PHASES
+    lost_sustained: int = 0  # duels at the power limit lost to the baseline (SUSTAINED_TRIES)
 
     @property
     def pruned(self) -> dict[str, int]:
@@ -74,6 +75,16 @@ def cut_off(best_us: float | None, device: str, options: TuneOptions) -> float |
         return None
     steady = device == "cuda" and best_us >= timing.STEADY_US
     return best_us * (options.steady_cut if steady else options.cut_factor)
+
+
+def second_pass_duels(
+    measurements: list[Measurement], options: TuneOptions, device: str
+) -> list[Measurement]:
+    """A second pass's duellists: those of sources that share kernels among the first
+    ``confirm_tries`` that one pass over every candidate would have duelled (``duels``), so
+    that the two passes duel no more than one would."""
+    order = duels(measurements, options, device)[: max(1, options.confirm_tries)]
+    return [m for m in order if registry.get(m.source).shares_kernels]
 
 
 def first_pass_options(op: str, options: TuneOptions) -> TuneOptions:
@@ -231,7 +242,7 @@ def tune(
     on_result: Callable[[Measurement], None] | None = None,
     compiled: Callable[[], None] | None = None,
     earlier: Mapping[str, float] | None = None,
-    settled: Winner | None = None,
+    first_pass: TuneOutcome | None = None,
 ) -> TuneOutcome:
     """Tune one problem on the current device and return its winner and all measurements.
 
@@ -250,11 +261,12 @@ def tune(
     run. Those challengers are timed fastest first, so that the cut-off is tight from the first
     one and the rest are cut after their probe; nothing is left out for them.
 
-    ``settled``: the verdict of a first pass over ``prior`` (a run that timed every candidate
-    but those of sources that share kernels while the compile pool built them,
-    ``first_pass_options``). This second pass times what ``prior`` lacks and duels only the
-    candidates of sources that share kernels (``reconfirmed``); both passes' measurements and
-    the winner carry the first pass's run id.
+    ``first_pass``: this problem's first pass (every candidate but those of sources that share
+    kernels, timed while the compile pool built them: ``first_pass_options``). This second pass
+    takes its measurements as they are, times the rest, and duels only those of the rest that
+    one pass would have duelled (``second_pass_duels``), against what the first pass kept
+    (``reconfirmed``), within the duel budget it left; both passes' measurements and the
+    winner carry the first pass's run id.
     """
     options = options or TuneOptions()
     if options.isolate:
@@ -263,7 +275,7 @@ def tune(
         )
     device = device or current_device()
     fp = fingerprint(device)
-    run_id = settled.run_id if settled is not None else uuid.uuid4().hex
+    run_id = first_pass.winner.run_id if first_pass is not None else uuid.uuid4().hex
     started = time.perf_counter()
     measurements: list[Measurement] = []
 
@@ -280,7 +292,8 @@ def tune(
             on_result(m)
         return m
 
-    done = {m.candidate: m for m in prior or ()}
+    taken = [*(first_pass.measurements if first_pass else []), *(prior or [])]
+    done = {m.candidate: m for m in taken}
 
     trial = Trial.for_key(key, device, options.seed, record)
 
@@ -328,12 +341,14 @@ def tune(
     if base is None:
         errors = "; ".join(f"{m.candidate}: {m.error}" for m in measurements if m.is_baseline)
         raise RuntimeError(f"the baseline failed on {key}: {errors}")
-    order = duels(measurements, options, device)
-    if settled is None:
+    if first_pass is None:
+        order = duels(measurements, options, device)
         chosen, base_us, chosen_us = confirmed(trial, base, order, options)
     else:
-        new = [m for m in order if registry.get(m.source).shares_kernels]
-        chosen, base_us, chosen_us = reconfirmed(trial, base, settled, measurements, new, options)
+        trial.lost_sustained = first_pass.lost_sustained
+        new = second_pass_duels(measurements, options, device)
+        verdict = first_pass.winner
+        chosen, base_us, chosen_us = reconfirmed(trial, base, verdict, measurements, new, options)
     winner = Winner(
         device_class=fp.device_class, key=str(key), source=chosen.source, params=chosen.params,
         median_us=chosen_us, baseline_us=base_us, versions=fp.version_tag, run_id=run_id,
@@ -341,4 +356,5 @@ def tune(
     )  # fmt: skip
     marks.append(time.perf_counter())
     phases = {name: b - a for name, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True)}
-    return TuneOutcome(key, winner, measurements, marks[-1] - started, compile_s, phases)
+    seconds = marks[-1] - started
+    return TuneOutcome(key, winner, measurements, seconds, compile_s, phases, trial.lost_sustained)

@@ -93,7 +93,7 @@ def _serve(conn: Any) -> None:
             return
         if request[0] == "stop":
             return
-        _, key, options, device, prior_rows, sources, earlier, settled = request
+        _, key, options, device, prior_rows, sources, earlier, first_pass = request
         for text in register_sources(sources):
             conn.send(("warning", f"source not available in the worker: {text}"))
         device = device or engine.current_device()
@@ -120,13 +120,15 @@ def _serve(conn: Any) -> None:
                 on_start=on_start,
                 on_result=on_result,
                 earlier=earlier,
-                settled=None if settled is None else Winner.from_row(settled),
+                first_pass=first_pass,
             )
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
             continue
         rows = [m.to_row() for m in outcome.measurements]
-        conn.send(("done", outcome.winner.to_row(), rows, outcome.compile_s))
+        conn.send(
+            ("done", outcome.winner.to_row(), rows, outcome.compile_s, outcome.lost_sustained)
+        )
 
 
 # --- the parent side -----------------------------------------------------------------------------
@@ -210,21 +212,20 @@ class WorkerPool:
         progress: Callable[[str], None] | None = None,
         on_result: Callable[[Measurement], None] | None = None,
         earlier: Mapping[str, float] | None = None,
-        prior: list[Measurement] | None = None,
-        settled: Winner | None = None,
+        first_pass: TuneOutcome | None = None,
     ) -> TuneOutcome:
         options = dataclasses.replace(options or TuneOptions(), isolate=False)
-        run = _Run(key, list(prior or ()))
+        run = _Run(key)
         started = time.perf_counter()
         while True:
             worker = self._slot.live()
             worker.conn.send(
                 ("tune", key, options, device, [m.to_row() for m in run.measurements],
-                 runtime_sources(), dict(earlier or {}), settled and settled.to_row())
+                 runtime_sources(), dict(earlier or {}), first_pass)
             )  # fmt: skip
             outcome = self._follow(worker, run, progress, on_result)
             if outcome is not None:
-                run_id = settled.run_id if settled is not None else uuid.uuid4().hex
+                run_id = first_pass.winner.run_id if first_pass else uuid.uuid4().hex
                 for m in outcome.measurements:
                     m.run_id = run_id
                 outcome.winner.run_id = run_id
@@ -274,7 +275,10 @@ class WorkerPool:
                 raise RuntimeError(f"{msg[1]} (in tuning worker {worker.pid})\n{msg[2]}")
             elif kind == "done":
                 measurements = [Measurement.from_row(r) for r in msg[2]]
-                return TuneOutcome(run.key, Winner.from_row(msg[1]), measurements, compile_s=msg[3])
+                return TuneOutcome(
+                    run.key, Winner.from_row(msg[1]), measurements, compile_s=msg[3],
+                    lost_sustained=msg[4],
+                )  # fmt: skip
 
     def _died(
         self, worker: Child, run: _Run, progress: Callable[[str], None] | None
@@ -320,11 +324,10 @@ def tune_isolated(
     progress: Callable[[str], None] | None = None,
     on_result: Callable[[Measurement], None] | None = None,
     earlier: Mapping[str, float] | None = None,
-    prior: list[Measurement] | None = None,
-    settled: Winner | None = None,
+    first_pass: TuneOutcome | None = None,
 ) -> TuneOutcome:
     """``engine.tune`` in a worker process of the default pool; see the module docstring."""
     return default_pool().tune(
         key, options, device=device, progress=progress, on_result=on_result, earlier=earlier,
-        prior=prior, settled=settled,
+        first_pass=first_pass,
     )  # fmt: skip

@@ -61,25 +61,24 @@ def confirmed(
 ) -> tuple[Measurement, float, float]:
     """The first of ``order`` (up to ``confirm_tries``) that keeps its win over the baseline in
     the confirmation, else the baseline (also once ``SUSTAINED_TRIES`` have lost sustained
-    duels); where the kept one's confirmed time is beaten by a later duellist's trial time
+    duels, counted in ``trial.lost_sustained`` from an earlier pass's); where the kept one's confirmed time is beaten by a later duellist's trial time
     (``runner_up``), that one duels too and the faster of the two, each relative to its own
     duel's baseline, wins. Else, on the GPU, a later duellist whose trial
     tied the kept one's (``tied_rival``) duels the kept one, as a challenger duels the baseline,
     and serves if it wins. Returns (chosen, baseline's time, chosen's time)."""
     base_us = trial_base_us = effective_us(base, options.launch)
-    lost_sustained = 0
     for i, challenger in enumerate(order[: max(1, options.confirm_tries)]):
         if options.confirm_rounds <= 0:
             return challenger, base_us, effective_us(challenger, options.launch)
-        if lost_sustained == SUSTAINED_TRIES:
+        if trial.lost_sustained >= SUSTAINED_TRIES:
             log.info(
                 "%s: %d sustained duels lost; %d more challengers not confirmed",
-                trial.key, lost_sustained, len(order[i : options.confirm_tries]),
+                trial.key, trial.lost_sustained, len(order[i : options.confirm_tries]),
             )  # fmt: skip
             break
         chosen, base_us, chosen_us = trial.confirm(base, challenger, options)
         if chosen is base:
-            lost_sustained += trial.stretched[base.candidate, challenger.candidate]
+            trial.lost_sustained += trial.stretched[base.candidate, challenger.candidate]
             continue
         # a sustained duel reads both runners slower than their trials: compared in its terms
         scale = (
@@ -112,10 +111,11 @@ def reconfirmed(
 ) -> tuple[Measurement, float, float]:
     """The verdict of a problem's second pass: ``settled`` (its first pass's verdict, on every
     candidate but those of sources that share kernels, which compiled meanwhile) stands unless
-    one of ``new`` (the second pass's duellists, in ``duels`` order) wins its duel: against the
-    baseline where the first pass kept it (``confirmed``), else against the kept challenger
-    (the first new one whose trial ties or beats that one's: ``under_kept``), as a tied rival
-    does. The first pass's duels are not run again. Returns as ``confirmed`` does."""
+    one of ``new`` (the second pass's duellists: ``engine.second_pass_duels``) wins its duel:
+    against the baseline where the first pass kept it (``confirmed``, its sustained duels lost
+    counted on from the first pass's in ``trial.lost_sustained``), else against the kept
+    challenger (the first new one whose trial ties or beats that one's: ``under_kept``), as a
+    tied rival does. The first pass's duels are not run again. Returns as ``confirmed``."""
     kept = next((m for m in measurements if m.candidate == settled.candidate), None)
     if kept is None or kept.is_baseline:
         if not new:
@@ -168,6 +168,7 @@ class Trial:
         )
         self.runners: dict[str, Runner] = {}  # candidates that passed the numerics check
         self.stretched: dict[tuple[str, str], bool] = {}  # (baseline, challenger): sustained
+        self.lost_sustained = 0  # sustained duels lost to the baseline (``confirmed``)
 
     @classmethod
     def for_key(cls, key: Key, device: str, seed: int, record: Callable[..., Measurement]) -> Trial:
