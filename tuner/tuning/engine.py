@@ -81,8 +81,8 @@ def second_pass_duels(
     measurements: list[Measurement], options: TuneOptions, device: str
 ) -> list[Measurement]:
     """A second pass's duellists: those of sources that share kernels among the first
-    ``confirm_tries`` that one pass over every candidate would have duelled (``duels``), so
-    that the two passes duel no more than one would."""
+    ``confirm_tries`` that one pass over every candidate would have duelled (``duels``): a
+    second pass duels none that one pass would have left out."""
     order = duels(measurements, options, device)[: max(1, options.confirm_tries)]
     return [m for m in order if registry.get(m.source).shares_kernels]
 
