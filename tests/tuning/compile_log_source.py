@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
@@ -45,3 +46,19 @@ class SharedLog(CompileLog):
             f.write(line + "\n")
         for i in reversed(range(len(shortlists))):
             ready(i)
+
+
+class TritonPoolLog(CompileLog):
+    """Like ``CompileLog``, but compiles through Triton's pool of compile workers (as every
+    Triton source does), which makes queues, so semaphores, in the compile job's process; a
+    problem with M=1 then keeps its job running."""
+
+    name = "triton_pool_log"
+
+    def precompile(self, key, shortlist):
+        from tuner.candidates.triton_kernels import launch
+
+        launch._get_pool().submit(os.getpid).result()
+        super().precompile(key, shortlist)
+        if key.m == 1:
+            time.sleep(600)

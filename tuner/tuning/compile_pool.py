@@ -34,7 +34,9 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import connection, util
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from tuner.candidates.base import Params, Source
@@ -71,6 +73,7 @@ def default_jobs(cpus: int | None = None) -> int:
 
 COMPILE_NICENESS = 10  # added to the pool's processes' niceness: compiling yields to timing
 MIN_CPUS_TO_SPARE = 4  # below this many CPUs, compiling keeps them all
+STOP_GRACE_S = 10.0  # for a job process to die of ``close``'s SIGTERM before it is killed
 
 
 def thread_siblings(cpu: int) -> set[int]:
@@ -110,10 +113,23 @@ def usable_cpus() -> set[int] | None:
 _READY: dict[str, Any] = {}  # in the shared job's process: key -> its shared-kernels event
 
 
+def _release_and_die(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (``CompilePool.close``) in a job process: release the semaphores this process
+    made (the queues of Triton's compile workers), then die of the signal. Killed holding them,
+    the run's resource tracker warns of "leaked semaphore objects" as the run exits; a clean
+    exit would release them but then wait for those workers, which outlive it. A second SIGTERM
+    (the executor sends one once it sees a process die) must not cut this short."""
+    signal.signal(signum, signal.SIG_IGN)
+    util._run_finalizers(0)  # a clean exit's first step (private API)
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
+
+
 def _start_job_process(
     parent: int, cores: int, sources: dict[str, str], ready: dict[str, Any] | None = None
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the run's to handle
+    signal.signal(signal.SIGTERM, _release_and_die)
     exit_when_orphaned(parent)  # also when the run died while this process was starting
     os.nice(COMPILE_NICENESS)
     if allowed := usable_cpus():
@@ -258,13 +274,22 @@ class CompilePool:
 
     def close(self) -> None:
         """Cancel the jobs not started and stop those running: the run no longer needs them
-        (an executor has no public way to stop a running job, hence its process table)."""
+        (an executor has no public way to stop a running job, hence its process table). Each
+        process releases what it made as it dies (``_release_and_die``); one still alive after
+        ``STOP_GRACE_S`` is killed, since the run's exit would wait for it."""
+        processes = [p for ex in self.executors for p in getattr(ex, "_processes", {}).values()]
         for executor in self.executors:
-            processes = list(getattr(executor, "_processes", {}).values())
             executor.shutdown(wait=False, cancel_futures=True)
-            for process in processes:
-                if process.is_alive():
-                    process.terminate()
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        dying = {p.sentinel: p for p in processes}  # ready once dead, whichever thread reaps it
+        deadline = time.monotonic() + STOP_GRACE_S
+        while dying and (left := deadline - time.monotonic()) > 0:
+            for sentinel in connection.wait(list(dying), left):
+                del dying[sentinel]
+        for process in dying.values():
+            process.kill()
         self._set(0)
         self._set(1)  # nobody waits on a job that will not run
 
