@@ -37,12 +37,14 @@ def alive(pid: int) -> bool:
 def test_crashing_candidates_are_failed_and_the_run_goes_on(crashing):
     pool = WorkerPool(candidate_timeout_s=4)
     lines: list[str] = []
+    seen: list = []  # what the caller saw of each measurement as it was made
     try:
         outcome = pool.tune(
             KEY,
             TuneOptions(budget_s=0.01, cut_factor=1e9, late_cut=1e9, sources=["crash_test"]),
             device="cpu",
             progress=lines.append,
+            on_result=seen.append,
         )
         by_mode = {(m.params.get("mode"), m.params.get("tag")): m for m in outcome.measurements}
         pids = {
@@ -65,6 +67,9 @@ def test_crashing_candidates_are_failed_and_the_run_goes_on(crashing):
         assert len(outcome.measurements) == len({m.candidate for m in outcome.measurements}) == 10
         assert outcome.baseline.status == "ok" and outcome.winner.key == str(KEY)
         assert len({m.run_id for m in outcome.measurements} | {outcome.winner.run_id}) == 1
+        # as the caller saw them, whichever worker made them (a tune-all run tells a problem
+        # it committed by its measurements' run id)
+        assert seen and {m.run_id for m in seen} == {outcome.winner.run_id}
         assert any("broke the CUDA context" in line for line in lines)
     finally:
         pool.close()

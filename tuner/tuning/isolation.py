@@ -165,6 +165,7 @@ class _Run:
     """What the parent knows of one tuning while workers come and go."""
 
     key: Key
+    run_id: str  # of every measurement and the winner, whichever worker made them
     measurements: list[Measurement] = dataclasses.field(default_factory=list)
     in_flight: tuple[str, dict, bool] | None = None
     device_class: str = ""
@@ -177,6 +178,7 @@ class _Run:
         m = Measurement(
             device_class=self.device_class, key=str(self.key), source=source, params=params,
             status=status, is_baseline=is_baseline, error=error, versions=self.versions,
+            run_id=self.run_id,
         )  # fmt: skip
         self.measurements.append(m)
         self.in_flight = None
@@ -215,7 +217,8 @@ class WorkerPool:
         first_pass: TuneOutcome | None = None,
     ) -> TuneOutcome:
         options = dataclasses.replace(options or TuneOptions(), isolate=False)
-        run = _Run(key)
+        # one run id, as the caller saw each measurement (``on_result``) and as it stores them
+        run = _Run(key, first_pass.winner.run_id if first_pass else uuid.uuid4().hex)
         started = time.perf_counter()
         while True:
             worker = self._slot.live()
@@ -225,10 +228,9 @@ class WorkerPool:
             )  # fmt: skip
             outcome = self._follow(worker, run, progress, on_result)
             if outcome is not None:
-                run_id = first_pass.winner.run_id if first_pass else uuid.uuid4().hex
                 for m in outcome.measurements:
-                    m.run_id = run_id
-                outcome.winner.run_id = run_id
+                    m.run_id = run.run_id
+                outcome.winner.run_id = run.run_id
                 outcome.seconds = time.perf_counter() - started
                 return outcome
 
@@ -263,7 +265,7 @@ class WorkerPool:
             elif kind == "start":
                 run.in_flight = (msg[1], msg[2], msg[3])
             elif kind == "result":
-                run.measurements.append(Measurement.from_row(msg[1]))
+                run.measurements.append(Measurement.from_row({**msg[1], "run_id": run.run_id}))
                 run.in_flight = None
                 if on_result:
                     on_result(run.measurements[-1])
