@@ -226,6 +226,26 @@ def test_compiled_sdpa_of_heads_torch_refuses_is_left_to_torch(tmp_path: Path) -
     assert str(got.value).splitlines()[:2] == str(want.value).splitlines()[:2]
 
 
+def test_compiled_sdpa_with_an_enable_gqa_torch_refuses_is_left_to_torch(tmp_path: Path) -> None:
+    """torch takes only a bool for ``enable_gqa``; traced, the drop-in took ``enable_gqa=1``
+    (q, k and v of equal heads) to ``tuner::sdpa``, which computed where torch raises."""
+    q = k = v = torch.randn(1, 4, 8, 16)
+
+    def attend() -> torch.Tensor:
+        def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=1)
+
+        return torch.compile(call, backend="eager", fullgraph=True)(q, k, v)
+
+    with pytest.raises(Exception) as want:  # Dynamo's, over torch's TypeError
+        attend()
+    torch._dynamo.reset()
+    disp = Dispatcher(tmp_path / "c.db", mode="off")
+    with tt.enabled(dispatcher=disp), pytest.raises(type(want.value)) as got:
+        attend()
+    assert str(got.value).splitlines()[:1] == str(want.value).splitlines()[:1]
+
+
 # --- routing and leaving alone ------------------------------------------------------------------
 
 
