@@ -5,7 +5,9 @@ the second times those alone, once built, and duels them against what the first 
 from __future__ import annotations
 
 import pytest
+import torch
 from planted import Busy, Memoized, SharedMemoized, SharedTwin
+from test_trials import Twins
 
 from tuner.candidates import registry
 from tuner.core.keys import GemmKey
@@ -16,6 +18,7 @@ from tuner.tuning.engine import (
     second_pass_duels,
     tune,
 )
+from tuner.tuning.trials import SUSTAINED_TRIES
 
 # large enough that torch's CPU matmul takes far longer than Busy's 100 us of host work
 KEY = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
@@ -101,3 +104,38 @@ def test_a_second_pass_duels_only_what_one_pass_would_have(sources):
         fast_shared,
         slow_shared,
     ]
+
+
+def test_without_duels_a_second_pass_serves_what_one_pass_would(sources):
+    """``confirm_rounds`` 0 (no duel, the fastest trial serves): a second pass neither duels
+    (it would have no rounds to read) nor keeps a slower first-pass verdict."""
+    options = TuneOptions(budget_s=0.02, sources=["busy", "shared_memoized"], confirm_rounds=0)
+    first = tune(KEY, options=first_pass_options(KEY.op, options))
+    second = tune(KEY, options=options, first_pass=first)
+    assert first.winner.source == "busy"
+    assert second.winner.source == "shared_memoized" and confirmations(second) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_first_pass_that_lost_at_the_power_limit_leaves_a_faster_shared_kernel_its_duel():
+    """A 4096^3 bf16 GEMM: the first pass's twins of the baseline lose two sustained duels (the
+    budget of one pass); one pass would have duelled the shared source's far faster candidate
+    before them, and so does the second pass, which serves it."""
+    made = [Twins(), SharedMemoized()]
+    for source in made:
+        registry.register(source)
+    Memoized.slow = False
+    key = GemmKey(m=4096, n=4096, k=4096)
+    options = TuneOptions(sources=["twins", "shared_memoized"], min_noise=0.1, prune=False,
+                          cut_factor=1e9, late_cut=1e9)  # fmt: skip
+    try:
+        first = tune(key, options=first_pass_options(key.op, options))
+        second = tune(key, options=options, first_pass=first)
+    finally:
+        for source in made:
+            registry.unregister(source.name)
+    assert first.winner.source == "torch"
+    assert sum(first.stretched.values()) == SUSTAINED_TRIES, first.stretched
+    notes = {m.candidate: m.error for m in second.measurements if m.source == "shared_memoized"}
+    assert second.winner.source == "shared_memoized", notes

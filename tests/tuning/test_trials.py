@@ -28,7 +28,7 @@ class ScriptedDuels(Trial):
     """A trial whose duels end as scripted: (kept, sustained) by challenger."""
 
     def __init__(self, outcomes: dict[str, tuple[bool, bool]]) -> None:
-        self.key, self.device, self.stretched, self.lost_sustained = KEY, "cpu", {}, 0
+        self.key, self.device, self.stretched = KEY, "cpu", {}
         self.outcomes, self.dueled = outcomes, []
 
     def confirm(self, base, challenger, options, base_name="baseline"):
@@ -67,20 +67,66 @@ def test_only_duels_at_the_power_limit_count_against_the_tries():
     assert run({"a": quick_loss, "b": quick_loss, "c": quick_loss, "d": (True, False)})[0] == "d"
 
 
-def test_a_second_pass_goes_on_from_the_duels_its_first_pass_lost_at_the_power_limit():
-    """Its first pass lost one duel at the power limit: one more loss there keeps the
-    baseline, as in one pass over every candidate."""
-    trial = ScriptedDuels({"x": (False, True), "y": (True, True)})
-    trial.lost_sustained = SUSTAINED_TRIES - 1
-    base = timed("torch", 100.0, baseline=True)
-    settled = Winner(
-        device_class="d", key=str(KEY), source="torch", params={}, median_us=100.0,
-        baseline_us=100.0,
+def settled_on(name: str, us: float, base_us: float = 100.0) -> Winner:
+    """A first pass's verdict: ``name`` at ``us`` against the baseline's ``base_us``."""
+    return Winner(
+        device_class="d", key=str(KEY), source=name, params={}, median_us=us, baseline_us=base_us,
     )  # fmt: skip
+
+
+def test_a_second_pass_goes_on_from_the_duels_its_first_pass_lost_at_the_power_limit():
+    """Its first pass lost one duel at the power limit, to a challenger one pass would have
+    duelled first: one more loss there keeps the baseline, as in one pass over every
+    candidate."""
+    trial = ScriptedDuels({"x": (False, True), "y": (True, True)})
+    base, lost = timed("torch", 100.0, baseline=True), timed("w", 79.0)
+    trial.stretched = {(base.candidate, lost.candidate): True}  # as engine.tune hands it on
     new = [timed("x", 80.0), timed("y", 81.0)]
-    chosen, _, _ = reconfirmed(trial, base, settled, [base, *new], new, TuneOptions())
+    chosen, _, _ = reconfirmed(
+        trial, base, settled_on("torch", 100.0), [base, lost, *new], new, TuneOptions()
+    )
     assert (chosen.candidate, trial.dueled) == ("torch", ["x"])
-    assert trial.lost_sustained == SUSTAINED_TRIES
+
+
+def test_a_second_pass_duels_a_new_contender_one_pass_would_have_duelled_first():
+    """Its first pass lost two duels at the power limit, to challengers that one pass would
+    have duelled only after a faster new one: that one duels, and wins, as in one pass."""
+    trial = ScriptedDuels({"n": (True, False)})
+    base = timed("torch", 100.0, baseline=True)
+    a, b, n = timed("a", 80.0), timed("b", 81.0), timed("n", 70.0)
+    trial.stretched = {(base.candidate, a.candidate): True, (base.candidate, b.candidate): True}
+    chosen, _, _ = reconfirmed(
+        trial, base, settled_on("torch", 100.0), [base, a, b, n], [n], TuneOptions()
+    )
+    assert (chosen.candidate, trial.dueled) == ("n", ["n"])
+    # one pass over the same candidates, with the same duels' outcomes
+    once = ScriptedDuels({"n": (True, False), "a": (False, True), "b": (False, True)})
+    assert confirmed(once, base, [n, a, b], TuneOptions())[0] is n and once.dueled == ["n"]
+
+
+def test_a_second_pass_duels_a_new_one_whose_trial_beats_the_kept_ones_confirmed_time():
+    """The first pass kept k, whose duel read it slower than its trial; a new challenger slower
+    than k's trial but faster than its confirmed time is the one one pass would have duelled
+    next (``runner_up``): it duels k."""
+    trial = ScriptedDuels({"n": (True, False)})
+    base, kept, n = timed("torch", 100.0, baseline=True), timed("k", 60.0), timed("n", 65.0)
+    trial.stretched = {(base.candidate, kept.candidate): False}
+    chosen, _, _ = reconfirmed(
+        trial, base, settled_on("k", 75.0), [base, kept, n], [n], TuneOptions()
+    )
+    assert (chosen.candidate, trial.dueled) == ("n", ["n"])
+    assert "then n, whose trial beat its confirmed time, won their duel" in kept.error
+
+
+def test_a_second_pass_without_duels_serves_one_pass_verdict():
+    """``confirm_rounds`` 0: no duel, in either pass; the fastest trial serves."""
+    trial = ScriptedDuels({})
+    base, kept, n = timed("torch", 100.0, baseline=True), timed("k", 60.0), timed("n", 50.0)
+    options = TuneOptions(confirm_rounds=0)
+    chosen, base_us, chosen_us = reconfirmed(
+        trial, base, settled_on("k", 60.0), [base, kept, n], [n], options
+    )
+    assert (chosen, base_us, chosen_us, trial.dueled) == (n, 100.0, 50.0, [])
 
 
 class Twins(Twin):

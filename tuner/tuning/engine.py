@@ -45,7 +45,9 @@ class TuneOutcome:
     seconds: float = 0.0
     compile_s: float = 0.0  # of ``seconds``: compiling (or waiting for the run's compile pool)
     phases: dict[str, float] = field(default_factory=dict)  # of ``seconds``, by PHASES
-    lost_sustained: int = 0  # duels at the power limit lost to the baseline (SUSTAINED_TRIES)
+    # each duel run: (baseline or kept challenger, challenger) -> whether sustained
+    # (``Trial.stretched``): a second pass goes on from its first pass's (``trials.reconfirmed``)
+    stretched: dict[tuple[str, str], bool] = field(default_factory=dict)
 
     @property
     def pruned(self) -> dict[str, int]:
@@ -265,8 +267,9 @@ def tune(
     kernels, timed while the compile pool built them: ``first_pass_options``). This second pass
     takes its measurements as they are, times the rest, and duels only those of the rest that
     one pass would have duelled (``second_pass_duels``), against what the first pass kept
-    (``reconfirmed``), within the duel budget it left; both passes' measurements and the
-    winner carry the first pass's run id.
+    (``reconfirmed``: the first pass's duels are not run again, and count as in one pass, its
+    sustained losses against the budget); both passes' measurements and the winner carry the
+    first pass's run id.
     """
     options = options or TuneOptions()
     if options.isolate:
@@ -345,7 +348,7 @@ def tune(
         order = duels(measurements, options, device)
         chosen, base_us, chosen_us = confirmed(trial, base, order, options)
     else:
-        trial.lost_sustained = first_pass.lost_sustained
+        trial.stretched.update(first_pass.stretched)  # its duels: not run again
         new = second_pass_duels(measurements, options, device)
         verdict = first_pass.winner
         chosen, base_us, chosen_us = reconfirmed(trial, base, verdict, measurements, new, options)
@@ -357,4 +360,4 @@ def tune(
     marks.append(time.perf_counter())
     phases = {name: b - a for name, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True)}
     seconds = marks[-1] - started
-    return TuneOutcome(key, winner, measurements, seconds, compile_s, phases, trial.lost_sustained)
+    return TuneOutcome(key, winner, measurements, seconds, compile_s, phases, trial.stretched)

@@ -11,7 +11,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -23,6 +23,7 @@ from tuner.measure.records import Measurement, Winner, candidate_name
 from tuner.tuning.options import TuneOptions
 from tuner.tuning.verdict import (
     Rounds,
+    duels,
     eager_win,
     effective_us,
     far_off_trials,
@@ -57,34 +58,47 @@ GraphPair = tuple[timing.Timing | None, timing.Timing | None] | None  # baseline
 
 
 def confirmed(
-    trial: Trial, base: Measurement, order: list[Measurement], options: TuneOptions
+    trial: Trial,
+    base: Measurement,
+    order: list[Measurement],
+    options: TuneOptions,
+    lost: Mapping[str, bool] | None = None,
 ) -> tuple[Measurement, float, float]:
     """The first of ``order`` (up to ``confirm_tries``) that keeps its win over the baseline in
     the confirmation, else the baseline (also once ``SUSTAINED_TRIES`` have lost sustained
-    duels, counted in ``trial.lost_sustained`` from an earlier pass's); where the kept one's confirmed time is beaten by a later duellist's trial time
+    duels); where the kept one's confirmed time is beaten by a later duellist's trial time
     (``runner_up``), that one duels too and the faster of the two, each relative to its own
     duel's baseline, wins. Else, on the GPU, a later duellist whose trial
     tied the kept one's (``tied_rival``) duels the kept one, as a challenger duels the baseline,
-    and serves if it wins. Returns (chosen, baseline's time, chosen's time)."""
+    and serves if it wins. ``lost``: challengers that already lost their duel against this
+    baseline (a first pass's: ``reconfirmed``), each with whether it was sustained: not duelled
+    again, nor taken as a rival, but counted where they come in ``order``, as one pass over
+    every candidate would have. Returns (chosen, baseline's time, chosen's time)."""
+    lost = lost or {}
     base_us = trial_base_us = effective_us(base, options.launch)
+    lost_sustained = 0
     for i, challenger in enumerate(order[: max(1, options.confirm_tries)]):
         if options.confirm_rounds <= 0:
             return challenger, base_us, effective_us(challenger, options.launch)
-        if trial.lost_sustained >= SUSTAINED_TRIES:
+        if lost_sustained >= SUSTAINED_TRIES:
             log.info(
                 "%s: %d sustained duels lost; %d more challengers not confirmed",
-                trial.key, trial.lost_sustained, len(order[i : options.confirm_tries]),
+                trial.key, lost_sustained, len(order[i : options.confirm_tries]),
             )  # fmt: skip
             break
+        if challenger.candidate in lost:
+            lost_sustained += lost[challenger.candidate]
+            continue
         chosen, base_us, chosen_us = trial.confirm(base, challenger, options)
         if chosen is base:
-            trial.lost_sustained += trial.stretched[base.candidate, challenger.candidate]
+            lost_sustained += trial.stretched[base.candidate, challenger.candidate]
             continue
+        rest = [m for m in order[i + 1 :] if m.candidate not in lost]
         # a sustained duel reads both runners slower than their trials: compared in its terms
         scale = (
             trial_base_us / base_us if trial.stretched[base.candidate, chosen.candidate] else 1.0
         )
-        rival = runner_up(order[i + 1 :], chosen_us * scale, options)
+        rival = runner_up(rest, chosen_us * scale, options)
         if rival is not None:
             other, other_base_us, other_us = trial.confirm(base, rival, options)
             # each against its own duel's baseline: the two duels ran at different moments
@@ -94,7 +108,7 @@ def confirmed(
             if other is not base:
                 rival.error += f"; {challenger.candidate} confirmed faster: it serves"
             return chosen, base_us, chosen_us
-        tied = tied_rival(order[i + 1 :], chosen, options) if trial.device == "cuda" else None
+        tied = tied_rival(rest, chosen, options) if trial.device == "cuda" else None
         if tied is not None:
             return _rival_duel(trial, (chosen, base_us, chosen_us), tied, options, "tied it")
         return chosen, base_us, chosen_us
@@ -111,21 +125,40 @@ def reconfirmed(
 ) -> tuple[Measurement, float, float]:
     """The verdict of a problem's second pass: ``settled`` (its first pass's verdict, on every
     candidate but those of sources that share kernels, which compiled meanwhile) stands unless
-    one of ``new`` (the second pass's duellists: ``engine.second_pass_duels``) wins its duel:
-    against the baseline where the first pass kept it (``confirmed``, its sustained duels lost
-    counted on from the first pass's in ``trial.lost_sustained``), else against the kept
-    challenger (the first new one whose trial ties or beats that one's: ``under_kept``), as a
-    tied rival does. The first pass's duels are not run again. Returns as ``confirmed``."""
+    one of ``new`` (the second pass's duellists: ``engine.second_pass_duels``) wins its duel.
+    ``trial.stretched`` holds the first pass's duels (``engine.tune`` hands them on); they are
+    not run again.
+
+    Where the first pass kept the baseline, one pass's duels over ``measurements`` are replayed
+    (``confirmed``): the first pass's, all lost, count where they come in the order (its
+    sustained ones against ``SUSTAINED_TRIES``), the new ones duel the baseline. Where it kept a
+    challenger, the first new one whose trial ties or beats that one's (``under_kept``), else
+    one whose trial beats its confirmed time (``runner_up``, as one pass would have duelled
+    next), duels it, as a tied rival does. Without duels (``confirm_rounds`` 0), one pass's
+    verdict. Returns as ``confirmed``."""
     kept = next((m for m in measurements if m.candidate == settled.candidate), None)
-    if kept is None or kept.is_baseline:
+    if options.confirm_rounds <= 0 or kept is None:  # one pass's verdict, whatever it takes
+        return confirmed(trial, base, duels(measurements, options, trial.device), options)
+    if kept.is_baseline:
         if not new:
             return base, settled.baseline_us, settled.median_us
-        return confirmed(trial, base, new, options)
+        lost = {c: s for (b, c), s in trial.stretched.items() if b == base.candidate}
+        order = duels(measurements, options, trial.device)
+        chosen, base_us, chosen_us = confirmed(trial, base, order, options, lost)
+        if chosen is base:  # the first pass's verdict stands
+            return base, settled.baseline_us, settled.median_us
+        return chosen, base_us, chosen_us
     verdict = (kept, settled.baseline_us, settled.median_us)
+    # the kept one's confirmed time in its trial's terms, as ``confirmed`` compares it
+    sustained = trial.stretched.get((base.candidate, kept.candidate), False)
+    scale = effective_us(base, options.launch) / settled.baseline_us if sustained else 1.0
     rival = under_kept(new, kept, options)
+    why = "tied or beat it"
+    if rival is None:
+        rival, why = runner_up(new, settled.median_us * scale, options), "beat its confirmed time"
     if rival is None:
         return verdict
-    return _rival_duel(trial, verdict, rival, options, "tied or beat it")
+    return _rival_duel(trial, verdict, rival, options, why)
 
 
 def _rival_duel(
@@ -168,7 +201,6 @@ class Trial:
         )
         self.runners: dict[str, Runner] = {}  # candidates that passed the numerics check
         self.stretched: dict[tuple[str, str], bool] = {}  # (baseline, challenger): sustained
-        self.lost_sustained = 0  # sustained duels lost to the baseline (``confirmed``)
 
     @classmethod
     def for_key(cls, key: Key, device: str, seed: int, record: Callable[..., Measurement]) -> Trial:
