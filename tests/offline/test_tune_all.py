@@ -841,11 +841,60 @@ def test_a_second_pass_cut_off_by_its_limit_keeps_the_first_pass_verdict(tmp_pat
             registry.unregister(source.name)
     (result,) = summary.results
     assert result.status == "timeout" and result.winner["source"] == "memoized"
+    # both passes' times, in the result and its journal line
+    assert 0 < result.first_pass_s < result.seconds
+    (rec,) = read_journal(journal_path(cache))
+    assert rec["first_pass_s"] == result.first_pass_s and rec["seconds"] == result.seconds
     with Store(cache) as store:
         assert store.winner(fingerprint().device_class, str(key)).source == "memoized"
         (kept,) = [m for m in store.measurements(fingerprint().device_class, str(key))
                    if m.source == "memoized"]  # fmt: skip
     assert "confirmation:" in kept.error and "kept" in kept.error  # the first pass's duel
+
+
+@pytest.mark.cpu_host
+def test_a_first_pass_counts_its_wait_for_its_own_kernels_in_its_time(tmp_path):
+    """A worker's first problem is handed out while its own job compiles: the worker waits for
+    it, then runs a first pass (the shared kernels still compiling). That wait counts as the
+    engine's own does: in the problem's time and its first pass's, as compiling."""
+    from planted import Memoized, SharedMemoized
+
+    Memoized.slow = False
+    key = GemmKey(m=128, n=256, k=256, dtype="f32", out_dtype="f32")
+    options = TuneOptions(sources=["shared_memoized"], budget_s=0.01)
+    compiler = CompilePool([key], options, "cpu", jobs=1)  # not started: the test compiles
+    own, shared = compiler.events[str(key)]
+    started, parked = threading.Event(), threading.Event()
+    wait_s = 3.0
+
+    def emit(event):
+        if event[0] == "start":
+            started.set()
+        elif event[0] == "parked":
+            parked.set()
+
+    def compile_own_job_then_the_shared_kernels():
+        if started.wait(60):
+            time.sleep(wait_s)
+        own.set()
+        parked.wait(60)
+        shared.set()
+
+    registry.register(SharedMemoized())
+    cache = tmp_path / "c.db"
+    pool = _Pool(cache, RunSettings(tune=options, workers=1), [None], emit, compiler)
+    builder = threading.Thread(target=compile_own_job_then_the_shared_kernels, daemon=True)
+    builder.start()
+    try:
+        summary = pool.run([key], set())
+    finally:
+        compiler.close()
+        registry.unregister("shared_memoized")
+    (r,) = summary.results
+    assert r.status == "tuned" and r.first_pass_s is not None, r
+    assert wait_s <= r.wait_s <= r.first_pass_s < r.seconds, r
+    assert sum(r.phases.values()) == pytest.approx(r.seconds, rel=0.05), r
+    assert r.phases["compile"] >= wait_s
 
 
 class Delayed(Source):

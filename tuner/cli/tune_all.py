@@ -454,6 +454,7 @@ def run_with_progress(
                 bar.console.print(f"worker {data[0]} ready on {data[1]}")
             elif kind == "start":
                 in_flight[data[0]] = _label(data[1], problems)
+                parked.discard(str(data[1]))  # its second pass
             elif kind == "parked":  # its shared kernels' candidates are timed once compiled
                 in_flight.pop(data[0], None)
                 parked.add(str(data[1]))

@@ -256,18 +256,26 @@ class RunSummary:
 @dataclass
 class FirstPass:
     """A problem's first pass, held by the run until its shared kernels are compiled: the
-    second pass goes on from it (``engine.tune``'s ``first_pass``); its times count in the
-    problem's."""
+    second pass goes on from it (``engine.tune``'s ``first_pass``); its times (its ``Result``'s,
+    the wait for its own kernels included) count in the problem's."""
 
     outcome: TuneOutcome
-    wait_s: float  # of its time: waiting for its own kernels
+    seconds: float
+    wait_s: float  # of ``seconds``: waiting for its own kernels
+    phases: dict[str, float]  # of ``seconds``
+
+    @classmethod
+    def of(cls, result: Result) -> FirstPass:
+        assert result.first_pass is not None
+        return cls(result.first_pass, result.seconds, result.wait_s, dict(result.phases))
 
     def add_to(self, result: Result) -> None:
-        """``result`` (the second pass's) as the problem's: both passes' times."""
-        result.seconds += self.outcome.seconds
-        result.first_pass_s = self.outcome.seconds
+        """``result`` (how its second pass ended: tuned, failed, cut off) as the problem's:
+        both passes' times."""
+        result.seconds += self.seconds
+        result.first_pass_s = self.seconds
         result.wait_s += self.wait_s
-        for name, seconds in self.outcome.phases.items():
+        for name, seconds in self.phases.items():
             result.phases[name] = result.phases.get(name, 0.0) + seconds
 
 
@@ -524,10 +532,9 @@ class _Pool:
     def _park(self, slot: _Slot, result: Result) -> None:
         """Hold a first pass until its problem's shared kernels are compiled; the problem goes
         back to the backlog, at its place in the run's order."""
-        assert result.first_pass is not None
         name = str(result.key)
         self.first_out.discard(name)
-        self.parked[name] = FirstPass(result.first_pass, result.wait_s)
+        self.parked[name] = FirstPass.of(result)
         at = next(
             (i for i, key in enumerate(self.backlog) if self.rank[str(key)] > self.rank[name]),
             len(self.backlog),
@@ -671,9 +678,11 @@ class _Pool:
         return winner.to_row()
 
     def _record(self, result: Result) -> None:
-        """Journal and announce a finished problem, with what the compile pool did for it."""
+        """Journal and announce a finished problem, with what the compile pool did for it and
+        its first pass's times, where it had one."""
         self.first_out.discard(str(result.key))
-        self.parked.pop(str(result.key), None)
+        if (parked := self.parked.pop(str(result.key), None)) is not None:
+            parked.add_to(result)
         done = self.compiler.result(result.key) if self.compiler else None
         if done is not None:
             result.compile_s, result.compiled = done.seconds, done.compiled
@@ -746,7 +755,10 @@ def worker_main(
                 else None
             )
             result = _tune_one(task, store, fp, settings, index, measured, wait)
-            result.wait_s += waited
+            if waited:  # as the engine's own wait counts: in its time, as compiling
+                result.seconds += waited
+                result.wait_s += waited
+                result.phases["compile"] = result.phases.get("compile", 0.0) + waited
             conn.send(("result", result))
     conn.send(("exit", None))
 
@@ -800,10 +812,8 @@ def _tune_one(
         store.save_run(outcome.measurements, outcome.winner)
     result = Result(
         key, status, outcome.seconds, index, fp.device_class, outcome.winner.to_row(),
-        wait_s=outcome.compile_s, pruned=outcome.pruned, phases=outcome.phases,
+        wait_s=outcome.compile_s, pruned=outcome.pruned, phases=dict(outcome.phases),
     )  # fmt: skip
     if task.first:
         result.first_pass = outcome
-    if parked is not None:
-        parked.add_to(result)
     return result
