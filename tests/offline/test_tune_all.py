@@ -799,9 +799,7 @@ def test_problems_waiting_for_shared_kernels_get_a_first_pass_meanwhile(tmp_path
     firsts = [("start", i) for i in range(3)]
     assert seen[:6] == [e for i in range(3) for e in (firsts[i], ("parked", i))], seen
     assert seen[6:] == firsts  # the second passes, in the run's order
-    assert [(r.status, r.winner["source"]) for r in summary.results] == [
-        ("tuned", "shared_memoized")
-    ] * 3
+    assert [r.status for r in summary.results] == ["tuned"] * 3
     assert all(0 < r.first_pass_s < r.seconds for r in summary.results)  # both passes' times
     fp = fingerprint()
     with Store(cache) as store:
@@ -809,7 +807,8 @@ def test_problems_waiting_for_shared_kernels_get_a_first_pass_meanwhile(tmp_path
             measured = store.measurements(fp.device_class, str(key))
             assert sorted(m.source for m in measured) == ["shared_memoized", "torch"]
             assert len({m.run_id for m in measured}) == 1  # one problem, one run
-            assert store.winner(fp.device_class, str(key)).source == "shared_memoized"
+            # the second pass duelled it (faster in its trial); the verdict is the clock's
+            assert "confirmation:" in next(m.error for m in measured if m.is_baseline is False)
     journal = read_journal(journal_path(cache))
     assert len(journal) == 3 and all(rec["first_pass_s"] > 0 for rec in journal)  # a problem's
 
