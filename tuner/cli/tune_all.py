@@ -465,7 +465,9 @@ def run_with_progress(
                 bar.advance(task)
             elif kind == "notice":
                 bar.console.print(f"[yellow]{data}[/yellow]")
-            waiting = f"{len(parked)} first passed, waiting for shared kernels" if parked else ""
+            waiting = (
+                f"awaiting shared kernels: {counted(len(parked), 'problem')}" if parked else ""
+            )
             shown = " | ".join([*in_flight.values(), waiting] if waiting else in_flight.values())
             bar.update(task, description=shown[:60] or "waiting")
 
