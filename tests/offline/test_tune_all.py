@@ -896,6 +896,42 @@ def test_a_first_pass_counts_its_wait_for_its_own_kernels_in_its_time(tmp_path):
     assert r.phases["compile"] >= wait_s
 
 
+class Deadly(GemmKey):
+    """A key whose unpickling ends the process (exit code 9): a worker killed right after it
+    took its task, before it said "start"."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (os._exit, (9,))
+
+
+@pytest.mark.cpu_host
+@pytest.mark.parametrize("first", [True, False], ids=["first-pass", "whole"])
+def test_a_worker_killed_before_it_announced_its_problem_fails_it_and_the_run_ends(tmp_path, first):
+    """The run knows what it handed each worker: a worker that dies before it announced its
+    task (a first pass, the run waiting for it to come back, or a whole problem) fails that
+    problem as any whose worker died, and the run ends."""
+    key = Deadly(m=4, n=8, k=8, dtype="f32", out_dtype="f32")
+    options = TuneOptions(sources=["torch"], budget_s=0.01)
+    compiler = CompilePool([key], options, "cpu", jobs=1)  # not started: the test compiles
+    own, shared = compiler.events[str(key)]
+    own.set()
+    if not first:
+        shared.set()
+    pool = _Pool(tmp_path / "c.db", RunSettings(tune=options, workers=1), [None], print, compiler)
+    watchdog = threading.Timer(60, pool.stop.set)  # a run that would wait forever
+    watchdog.start()
+    try:
+        summary = pool.run([key], set())
+    finally:
+        watchdog.cancel()
+        compiler.close()
+    assert [r.status for r in summary.results] == ["failed"], summary
+    assert "worker died (exit code 9) before it started this problem" in summary.results[0].error
+    assert not pool.stop.is_set() and summary.not_started == []
+
+
 class Delayed(Source):
     """Two challengers that differ only in a host delay: the slower one listed first."""
 

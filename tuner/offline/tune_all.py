@@ -3,8 +3,9 @@ time limit. ``ProblemSet`` gathers the keys, ``pending`` drops those tuned alrea
 the rest with one ``RunSettings``.
 
 - **Workers.** One process per local GPU (one on the CPU), pinned to its GPU, supervised by
-  ``tuner.tuning.supervisor``; each is handed keys one at a time, tunes them with
-  ``tuner.tuning.tune`` and commits each problem's measurements and winner in one transaction.
+  ``tuner.tuning.supervisor``; each is handed keys one at a time down its own pipe (so the run
+  knows what a worker held when it dies), tunes them with ``tuner.tuning.tune`` and commits
+  each problem's measurements and winner in one transaction.
 - **Resumable.** A problem with a winner for this device class and these versions is skipped, so
   a killed run (even SIGKILL) loses at most the problems in flight; workers die with the parent.
 - **Compiling ahead.** One compile pool for the run (``tuner.tuning.compile_pool``) gets every
@@ -37,7 +38,6 @@ import functools
 import json
 import logging
 import os
-import queue
 import signal
 import threading
 import time
@@ -338,7 +338,9 @@ class _Slot:
     device_class: str = ""
     ready: bool = False
     done: bool = False  # exited after its sentinel or the stop signal
-    key: Key | None = None  # the problem in flight
+    task: Task | None = None  # handed to the worker, not finished (announced or not)
+    ending: bool = False  # handed its sentinel
+    key: Key | None = None  # the problem in flight (its task announced)
     started: float = 0.0
     deaths: int = 0
     fresh: bool = True  # has not started a problem yet
@@ -364,11 +366,10 @@ class _Pool:
         self.compiler = compiler
         events = compiler.events if compiler else {}
         self.journal = journal_path(store_path)
-        self.tasks = CTX.Queue()
         self.stop = CTX.Event()
         self.slots = [
-            _Slot(i, Supervised(worker_main, (i, d, str(store_path), settings, self.tasks,
-                                              self.stop, events, runtime_sources()),
+            _Slot(i, Supervised(worker_main, (i, d, str(store_path), settings, self.stop, events,
+                                              runtime_sources()),
                                 name=f"tune-all-{i}"))
             for i, d in enumerate(devices)
         ]  # fmt: skip
@@ -378,7 +379,6 @@ class _Pool:
         self.rank: dict[str, int] = {}  # each key's place in the run's order
         self.parked: dict[str, FirstPass] = {}  # first passes done, second passes not
         self.first_out: set[str] = set()  # first passes handed out, not ended
-        self.sentinels_sent = False
         self.idle_s = 0.0  # worker time spent idle while every pending problem was compiling
         self.started = 0.0
         self.start_s: float | None = None  # until the first worker was ready
@@ -401,8 +401,6 @@ class _Pool:
                     self._step(started)
             finally:
                 self._kill_all()
-                self.tasks.cancel_join_thread()  # unconsumed keys must not block the exit
-                self.tasks.close()
         finished = {r.key for r in self.results}
         shared = self.compiler.result(compile_pool.SHARED) if self.compiler else None
         return RunSummary(
@@ -443,7 +441,7 @@ class _Pool:
 
     def _spawn(self, slot: _Slot) -> None:
         slot.worker.restart()
-        slot.ready, slot.key, slot.measured = False, None, []
+        slot.ready, slot.task, slot.ending, slot.key, slot.measured = False, None, False, None, []
 
     def _kill_all(self) -> None:
         """Kill the workers; one that said "exit" first gets time to shut down cleanly, so that
@@ -482,30 +480,37 @@ class _Pool:
 
     def _feed(self) -> int:
         """Hand each idle worker a problem (``_pick``); once none is pending and no first pass is
-        out, one sentinel per slot (a replacement takes its predecessor's). Returns how many
-        workers stay idle only because every pending problem is still compiling."""
-        if self.stop.is_set() or self.sentinels_sent:
+        out, its sentinel. Returns how many workers stay idle only because every pending problem
+        is still compiling."""
+        if self.stop.is_set():
             return 0
+        idle = [s for s in self.slots if s.ready and not s.done and not s.ending and not s.task]
         if not self.backlog and not self.first_out:
-            for _ in self.slots:
-                self.tasks.put(None)
-            self.sentinels_sent = True
+            for slot in idle:
+                self._hand(slot, None)
             return 0
-        idle_slots = [s for s in self.slots if s.ready and not s.done and s.key is None]
-        queued = self.tasks.qsize()  # handed out, not yet started
-        idle, fresh = len(idle_slots) - queued, sum(s.fresh for s in idle_slots) - queued
-        while idle > 0 and self.backlog:
-            pick = self._pick(fresh > 0)
+        waiting = 0
+        for slot in idle:
+            pick = self._pick(slot.fresh) if self.backlog else None
             if pick is None:
-                return idle
+                waiting += bool(self.backlog)
+                continue
             index, first = pick
             key = self.backlog.pop(index)
             parked = None if first else self.parked.get(str(key))
             if first:
                 self.first_out.add(str(key))
-            self.tasks.put(Task(key, str(key) in self.retune, first, parked))
-            idle, fresh = idle - 1, fresh - 1
-        return 0
+            self._hand(slot, Task(key, str(key) in self.retune, first, parked))
+        return waiting
+
+    def _hand(self, slot: _Slot, task: Task | None) -> None:
+        """Send ``task`` (None: the sentinel) down the worker's own pipe, so that the run knows
+        what a worker held if it dies before it announces it; a send to a dead worker is
+        answered by its pipe's end (``_on_exit``)."""
+        slot.task, slot.ending = task, task is None
+        slot.measured = list(task.parked.outcome.measurements) if task and task.parked else []
+        with contextlib.suppress(OSError):
+            slot.child.conn.send(task)
 
     def _pick(self, fresh: bool) -> tuple[int, bool] | None:
         """The backlog's index of the problem to hand out next, and whether as a first pass:
@@ -615,7 +620,7 @@ class _Pool:
         elif kind == "measurement":
             slot.measured.append(Measurement.from_row(data))
         elif kind == "result":
-            slot.key = None
+            slot.key = slot.task = None
             if data.status == PARKED:
                 self._park(slot, data)
             else:
@@ -629,10 +634,9 @@ class _Pool:
         if slot.done:
             return
         code = slot.child.exitcode
-        if slot.key:
-            self._finish(
-                slot, "failed", f"worker died (exit code {code}) while tuning this problem"
-            )
+        if slot.key or slot.task:
+            when = "while tuning" if slot.key else "before it started"
+            self._finish(slot, "failed", f"worker died (exit code {code}) {when} this problem")
         slot.deaths += 1
         if not slot.ready and slot.deaths >= 2:
             raise RuntimeError(f"tune-all worker {slot.index} failed to start (exit code {code})")
@@ -646,13 +650,16 @@ class _Pool:
         self._spawn(slot)
 
     def _finish(self, slot: _Slot, status: str, error: str) -> None:
-        assert slot.key is not None
-        seconds = time.perf_counter() - slot.started
-        result = Result(slot.key, status, seconds, slot.index, slot.device_class, error=error)
+        """Record the slot's problem as its worker left it (killed at its limit, or dead); one
+        never announced took no time."""
+        key = slot.key or (slot.task.key if slot.task else None)
+        assert key is not None
+        seconds = time.perf_counter() - slot.started if slot.key else 0.0
+        result = Result(key, status, seconds, slot.index, slot.device_class, error=error)
         if status == "timeout":
             result.winner = self._keep_best(slot)
             result.pruned = pruning.count(slot.measured)
-        slot.key = None
+        slot.key = slot.task = None
         self._record(result)
 
     def _keep_best(self, slot: _Slot) -> dict[str, Any] | None:
@@ -709,12 +716,12 @@ def worker_main(
     device: int | None,
     store_path: str,
     settings: RunSettings,
-    tasks: Any,
     stop: Any,
     compiled: dict[str, Any],
     sources: dict[str, str],
 ) -> None:
-    """Pull keys until the sentinel or the stop signal; commit each problem when it is done.
+    """Take tasks from the parent, down ``conn``, until the sentinel or the stop signal; commit
+    each problem when it is done.
     Each measurement goes to the parent as it is made (a problem cut off keeps them);
     ``compiled`` holds the run's compile-pool events, one per key; ``sources``: the parent's
     run-time sources (``runtime_sources``), registered here too."""
@@ -738,10 +745,9 @@ def worker_main(
         store.save_device(fp)
         conn.send(("ready", fp.device_class))
         while not stop.is_set():
-            try:
-                task = tasks.get(timeout=0.5)
-            except queue.Empty:
+            if not conn.poll(0.5):
                 continue
+            task = conn.recv()
             if task is None:
                 break
             conn.send(("start", (task.key, task.first)))
