@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import torch
@@ -237,3 +239,24 @@ class SlowSharedMemoized(SharedMemoized):
 
     name = "slow_shared_memoized"
     first_sight_s = 4.0
+
+
+class SharedRaises(SharedMemoized):
+    """A source that shares kernels whose own check raises: a second pass that crashes (the
+    engine lets its own errors out, as a bug of its would)."""
+
+    name = "shared_raises"
+
+    def unsupported(self, key):
+        raise RuntimeError("shared_raises cannot tell")
+
+
+class SharedKills(SharedMemoized):
+    """A source that shares kernels whose build kills the process that runs it, as a kernel
+    that segfaults does: a second pass whose worker dies."""
+
+    name = "shared_kills"
+
+    def build(self, key, params):
+        os.kill(os.getpid(), signal.SIGKILL)
+

@@ -932,6 +932,57 @@ def test_a_worker_killed_before_it_announced_its_problem_fails_it_and_the_run_en
     assert not pool.stop.is_set() and summary.not_started == []
 
 
+@pytest.mark.cpu_host
+@pytest.mark.parametrize(
+    ("shared", "said"),
+    [
+        ("SharedRaises", "second pass: RuntimeError: shared_raises cannot tell"),
+        ("SharedKills", "worker died (exit code -9) while tuning this problem"),
+    ],
+)
+def test_a_second_pass_that_crashes_keeps_the_first_pass_verdict(tmp_path, shared, said):
+    """A second pass that raises, or whose worker dies, fails the problem as a timeout cuts it:
+    the first pass's verdict is stored and served, the error says what happened, a later run
+    tunes it again."""
+    import planted
+
+    from tuner.offline import report
+
+    planted.Memoized.slow = False
+    made = [planted.Memoized(), getattr(planted, shared)()]
+    key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
+    options = TuneOptions(sources=[s.name for s in made], budget_s=0.01)
+    compiler = CompilePool([key], options, "cpu", jobs=1)  # not started: the test compiles
+    compiler.events[str(key)][0].set()
+
+    def emit(event):
+        if event[0] == "parked":
+            compiler.events[str(key)][1].set()
+
+    for source in made:
+        registry.register(source)
+    cache = tmp_path / "c.db"
+    pool = _Pool(cache, RunSettings(tune=options, workers=1), [None], emit, compiler)
+    try:
+        summary = pool.run([key], set())
+    finally:
+        compiler.close()
+        for source in made:
+            registry.unregister(source.name)
+    (result,) = summary.results
+    assert result.status == "failed" and result.winner["source"] == "memoized", result
+    assert said in result.error and "the first pass's verdict kept" in result.error
+    assert 0 < result.first_pass_s < result.seconds
+    (rec,) = read_journal(journal_path(cache))
+    assert (rec["status"], rec["error"]) == ("failed", result.error)
+    assert rec["run_id"] == result.winner["run_id"]
+    fp = fingerprint()
+    with Store(cache) as store:
+        assert store.winner(fp.device_class, str(key)).source == "memoized"
+        (row,) = report.build(store, fp, journal=[rec]).rows
+    assert (row.status, row.source, row.error) == ("failed", "memoized", result.error)
+
+
 class Delayed(Source):
     """Two challengers that differ only in a host delay: the slower one listed first."""
 

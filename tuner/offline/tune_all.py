@@ -16,7 +16,8 @@ the rest with one ``RunSettings``.
   run) gets a *first pass*: every other candidate timed and duelled, its verdict held by the run
   (not stored); once those kernels are built its second pass times their candidates alone and
   duels them against what the first pass settled. A run stopped in between leaves such a
-  problem pending.
+  problem pending; a second pass that ends without a verdict of its own (cut off by its limit,
+  or crashed) keeps the first pass's, as a timeout keeps the baseline.
 - **Budgets.** A problem past ``problem_timeout_s`` has its worker killed (that also covers a
   candidate that hangs or breaks its CUDA context): it is recorded as ``timeout``, keeps the
   best it measured (its baseline, which no challenger beat in a finished duel) as its winner,
@@ -621,12 +622,20 @@ class _Pool:
             slot.measured.append(Measurement.from_row(data))
         elif kind == "result":
             slot.key = slot.task = None
-            if data.status == PARKED:
-                self._park(slot, data)
-            else:
-                self._record(data)
+            self._on_result(slot, data)
         elif kind == "exit":
             slot.done = True
+
+    def _on_result(self, slot: _Slot, result: Result) -> None:
+        """A worker's task ended: a first pass waits for its second; a second pass that failed
+        (it raised) keeps its first pass's verdict, as one cut off does."""
+        if result.status == PARKED:
+            self._park(slot, result)
+            return
+        if result.status == "failed" and str(result.key) in self.parked:
+            result.error = f"second pass: {result.error}"
+            self._keep_first_pass(result, slot.measured)
+        self._record(result)
 
     def _on_exit(self, slot: _Slot) -> None:
         """The worker's pipe closed: a clean exit after "exit", else a crash."""
@@ -656,32 +665,40 @@ class _Pool:
         assert key is not None
         seconds = time.perf_counter() - slot.started if slot.key else 0.0
         result = Result(key, status, seconds, slot.index, slot.device_class, error=error)
-        if status == "timeout":
-            result.winner = self._keep_best(slot)
+        if str(key) in self.parked:
+            self._keep_first_pass(result, slot.measured)
+        elif status == "timeout":
+            result.winner = self._keep_baseline(slot.measured)
             result.pruned = pruning.count(slot.measured)
         slot.key = slot.task = None
         self._record(result)
 
-    def _keep_best(self, slot: _Slot) -> dict[str, Any] | None:
-        """A problem cut off by its limit keeps what it measured, and as its winner its first
-        pass's verdict where it had one, else its baseline (no challenger finished its duel):
-        served meanwhile, tuned again by a later run."""
-        assert slot.key is not None
-        parked = self.parked.get(str(slot.key))
-        base = next((m for m in slot.measured if m.is_baseline and m.status == "ok"), None)
-        if parked is not None:
-            winner = parked.outcome.winner
-        elif base is not None and base.median_us is not None:
-            us = effective_us(base, self.settings.tune.launch)
-            winner = Winner(
-                device_class=base.device_class, key=base.key, source=base.source,
-                params=base.params, median_us=us, baseline_us=us, versions=base.versions,
-                run_id=base.run_id, launch=base.launch,
-            )  # fmt: skip
-        else:
+    def _keep_baseline(self, measured: list[Measurement]) -> dict[str, Any] | None:
+        """A problem cut off by its limit keeps what it measured, and its baseline as its winner
+        (no challenger finished its duel): served meanwhile, tuned again by a later run."""
+        base = next((m for m in measured if m.is_baseline and m.status == "ok"), None)
+        if base is None or base.median_us is None:
             return None
+        us = effective_us(base, self.settings.tune.launch)
+        winner = Winner(
+            device_class=base.device_class, key=base.key, source=base.source, params=base.params,
+            median_us=us, baseline_us=us, versions=base.versions, run_id=base.run_id,
+            launch=base.launch,
+        )  # fmt: skip
+        return self._save(measured, winner)
+
+    def _keep_first_pass(self, result: Result, measured: list[Measurement]) -> None:
+        """A second pass that ends without a verdict of its own (cut off, or crashed) leaves the
+        problem its first pass's, stored with what both passes measured; its status stays what
+        ended it, so a later run tunes it again, and its error says what was kept."""
+        verdict = self.parked[str(result.key)].outcome.winner
+        result.winner = self._save(measured, verdict)
+        result.pruned = pruning.count(measured)
+        result.error += "; the first pass's verdict kept"
+
+    def _save(self, measured: list[Measurement], winner: Winner) -> dict[str, Any]:
         with Store(self.store_path) as store:
-            store.save_run(slot.measured, winner)
+            store.save_run(measured, winner)
         return winner.to_row()
 
     def _record(self, result: Result) -> None:
