@@ -35,6 +35,104 @@ def candidate_params(name: str) -> dict[str, Any]:
     return json.loads(name.partition(":")[2] or "{}")
 
 
+# How ``candidate_label`` words params, most telling first: ``_ORDER``, then the keys it does
+# not know (alphabetical, valued ones before flags) as ``key=value``, then ``_LAST``.
+_WORDS = ("kernel", "backend", "precision", "scheduler")  # values read alone: "gemv", "cudnn"
+_ORDER = (*_WORDS, "tile", "bm", "bn", "bk", "cluster", "id", "algo", "split", "split_k",
+          "splits", "reduction", "custom", "swizzle", "inner_shape", "pad_k", "fused")  # fmt: skip
+_LAST = ("warps", "stages", "epilogue", "a_layout", "group_m")  # alike across most configs
+_PREFIX = {"bm": "bm", "bn": "bn", "bk": "bk", "cluster": "c", "id": "id", "algo": "algo",
+           "split_k": "sk", "splits": "splits", "reduction": "red", "custom": "custom",
+           "swizzle": "swz", "inner_shape": "inner", "warps": "w", "stages": "s",
+           "epilogue": "epi=", "a_layout": "a=", "group_m": "g"}  # fmt: skip
+# Values that mean "nothing special" (no split, no reduction, the library's default algorithm):
+# left out, so a label shows what sets a candidate apart. CUTLASS's swizzle 1 is no swizzle.
+_PLAIN: dict[str, Any] = {"split_k": 1, "splits": 1, "reduction": 0, "custom": 0, "swizzle": 0,
+                          "inner_shape": 0, "algo": -1, "scheduler": "default"}  # fmt: skip
+_PLAIN_BY_SOURCE = {s: {"swizzle": 1} for s in ("cutlass", "cutlass_fp8", "cutlass_w4a16")}
+ELLIPSIS = "…"
+LABEL_WIDTH = 60  # a table's winner column: room for the built-in sources' usual labels
+
+
+def candidate_label(name: str, width: int | None = None) -> str:
+    """A ``candidate_name`` as people read it in tables and lines: the source, then its params
+    as short words, most telling first (``triton_gemm gemv 1x8x512 w4``, ``cublaslt 112x128
+    c2x1x1 id66 s64xAUTO``): Triton's bm/bn/bk read as one tile, w warps, s stages, sk split-K,
+    c cluster, g group_m; a true flag is its name; plain values (a false flag, split-K 1) are left
+    out. Past ``width`` the least telling words are cut, an ellipsis in their place. Whatever a
+    program reads (JSON, ``--full-keys``, exports) keeps the name itself: only it round-trips."""
+    source, _, text = name.partition(":")
+    params = _json_object(text) if text else {}
+    if params is None:  # not a name candidate_name made: shown as it is
+        return clipped(name, width)
+    return _fitted([source, *_param_words(source, params)], width)
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _param_words(source: str, params: dict[str, Any]) -> list[str]:
+    """The label's words for ``params``, most telling first."""
+    plain = _PLAIN | _PLAIN_BY_SOURCE.get(source, {})
+    shown = {k: v for k, v in params.items() if v is not False and not _same(plain, k, v)}
+    if "bm" in shown and "bn" in shown and "tile" not in shown:  # Triton's blocks: one tile
+        shown["tile"] = [shown.pop(b) for b in ("bm", "bn", "bk") if b in shown]
+    return [_word(k, v) for k, v in sorted(shown.items(), key=_rank)]
+
+
+def _same(plain: dict[str, Any], key: str, value: Any) -> bool:
+    """Whether ``value`` is ``key``'s plain value, of its type too (True is not 1 here)."""
+    return key in plain and type(plain[key]) is type(value) and plain[key] == value
+
+
+def _rank(item: tuple[str, Any]) -> tuple[int, int, str]:
+    key, value = item
+    if key in _ORDER:
+        return 0, _ORDER.index(key), key
+    if key in _LAST:
+        return 2, _LAST.index(key), key
+    return 1, value is True, key
+
+
+def _word(key: str, value: Any) -> str:
+    if value is True:
+        return key
+    text = _value_text(value)
+    return text if key in (*_WORDS, "tile") else _PREFIX.get(key, key + "=") + text
+
+
+def _value_text(value: Any) -> str:
+    """Shapes as ``2x1x1``, strings and numbers as they are, anything else as compact JSON."""
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return "x".join(map(str, value))
+    if isinstance(value, str | int | float):
+        return str(value)
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _fitted(words: list[str], width: int | None) -> str:
+    """``words`` joined, the last ones (the least telling) cut to fit ``width``."""
+    text = " ".join(words)
+    if width is None or len(text) <= width:
+        return text
+    while len(words) > 1 and len(" ".join(words)) + 2 > width:
+        words = words[:-1]
+    return clipped(" ".join(words) + " " + ELLIPSIS, width)
+
+
+def clipped(text: str, width: int | None) -> str:
+    """``text`` cut to ``width`` characters, an ellipsis where it was cut (a label, an error
+    beside it), so a reader knows there is more."""
+    if width is None or len(text) <= width:
+        return text
+    return text[: max(width - 1, 0)] + ELLIPSIS
+
+
 class _Record:
     """What Measurement and Winner share: a key, a candidate, and a flat row form."""
 
