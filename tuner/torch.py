@@ -77,6 +77,7 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 from tuner.candidates import registry
 from tuner.candidates.torch_ref import torch_sdpa
 from tuner.core.device import fingerprint
+from tuner.measure.records import candidate_label
 from tuner.serving.call_memo import (
     PLAIN,
     LinearMemo,
@@ -939,8 +940,9 @@ class Stats:
         lines = [head, f"{'kind':<10} {'calls':>8} {'saved us/call':>14}  candidate  <-  key"]
         for r in sorted(self.rows, key=lambda r: (-r.calls, r.key)):
             via = f" (via {r.via})" if r.via else ""
+            winner = candidate_label(r.candidate)
             lines.append(
-                f"{r.kind:<10} {r.calls:>8} {r.saved_us:>14.2f}  {r.candidate}  <-  {r.key}{via}"
+                f"{r.kind:<10} {r.calls:>8} {r.saved_us:>14.2f}  {winner}  <-  {r.key}{via}"
             )
         return "\n".join(lines)
 

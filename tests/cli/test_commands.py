@@ -422,6 +422,35 @@ def test_show_points_at_other_device_classes_and_prints_whole_keys(tmp_path):
     assert r.returncode == 2 and "--device-class 'nosuch': nothing of it in this cache" in r.stderr
 
 
+def test_show_names_each_winner_by_its_label_and_full_keys_by_its_whole_name(tmp_path):
+    """Two winners of one source differ in their labels; --full-keys and --json keep the
+    name whose params rebuild the kernel."""
+    dc = fingerprint().device_class
+    key = "gemm:m={},n=3584,k=3584,batch=1,layout=nt,dtype=bf16,out_dtype=bf16,compute=f32,align=16"
+    gemv = {"bk": 1024, "bm": 1, "bn": 2, "kernel": "gemv", "warps": 4}
+    tiled = {"bk": 256, "bm": 16, "bn": 32, "group_m": 8, "kernel": "tiled", "stages": 4,
+             "warps": 4}  # fmt: skip
+    lt = {"cluster": "2x1x1", "custom": 0, "id": 66, "inner_shape": 0, "reduction": 0,
+          "split_k": 1, "stages": "64xAUTO", "swizzle": 0, "tile": "112x128"}  # fmt: skip
+    winners = [Winner(dc, key.format(1), "triton_gemm", gemv, 24.66, 29.01),
+               Winner(dc, key.format(8), "triton_gemm", tiled, 17.73, 23.33),
+               Winner(dc, key.format(2048), "cublaslt", lt, 78.72, 83.01)]  # fmt: skip
+    with Store(tmp_path / "c.db") as store:
+        store.put_winners(winners)
+    table = tuner("show", cache=tmp_path / "c.db").stdout
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in table.splitlines() if line.startswith("│")}  # fmt: skip
+    assert rows == {
+        "1x3584x3584 nt bf16": "triton_gemm gemv 1x2x1024 w4",
+        "8x3584x3584 nt bf16": "triton_gemm tiled 16x32x256 w4 s4 g8",
+        "2048x3584x3584 nt bf16": "cublaslt 112x128 c2x1x1 id66 s64xAUTO",
+    }
+    lines = tuner("show", "--full-keys", cache=tmp_path / "c.db").stdout.splitlines()[1:]
+    assert sorted(line.split("\t")[1] for line in lines) == sorted(w.candidate for w in winners)
+    shown = json.loads(tuner("show", "--json", cache=tmp_path / "c.db").stdout)
+    assert sorted(w["candidate"] for w in shown) == sorted(w.candidate for w in winners)
+
+
 def test_show_counts_elsewhere_only_the_winners_its_filters_match_elsewhere(tmp_path):
     here, there = fingerprint().device_class, "gpu-elsewhere"
     key = "gemm:m={},n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"

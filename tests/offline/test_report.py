@@ -20,6 +20,7 @@ from rich.console import Console
 from tuner.cache import Store
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey
+from tuner.measure.records import candidate_label, candidate_name
 from tuner.offline import report
 from tuner.offline.plots import geomean
 from tuner.offline.tune_all import (
@@ -222,3 +223,21 @@ def test_report_of_a_missing_cache_makes_no_out_folder(
         main.main()
     assert exit_.value.code == 2 and "no such cache" in capsys.readouterr().err
     assert not out.exists() and not cache.exists()
+
+
+def rendered(rep: report.Report, limit: int | None = None) -> str:
+    out = io.StringIO()
+    report.render(rep, Console(file=out, width=200), limit=limit)
+    return out.getvalue()
+
+
+def test_the_table_names_the_winner_by_its_label_and_the_json_by_its_name(tuned: Tuned) -> None:
+    rep = report.build(tuned.store, FP, journal=tuned.journal)
+    row = next(r for r in rep.rows if r.key == str(TRITON_WON))
+    text = rendered(rep)
+    line = next(line for line in text.splitlines() if line.startswith(f"│ {TRITON_WON.label} "))
+    assert f"│ {candidate_label(row.candidate)} " in line
+    assert line.count("triton_gemm") == 1 and "{" not in text  # no JSON cut in half
+    written = next(r for r in rep.to_dict()["rows"] if r["key"] == str(TRITON_WON))
+    stored = tuned.store.winner(FP.device_class, str(TRITON_WON))
+    assert written["candidate"] == row.candidate == candidate_name(stored.source, stored.params)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from tuner.cache.store import EXPORTED_TABLES, ExportError, Store, default_path
@@ -46,7 +47,7 @@ from tuner.core.keys import (
     parse_key,
 )
 from tuner.core.settings import KNOWN, config_path, refusal
-from tuner.measure.records import Measurement, Winner
+from tuner.measure.records import Measurement, Winner, candidate_label, clipped
 from tuner.offline.problem_list import ConfigError
 from tuner.tuning.options import TuneOptions
 
@@ -144,7 +145,8 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
         def shown(m: Measurement) -> None:  # the spinner says how far the run is
             measured.append(m)
             took = f" {m.median_us:.1f} us" if m.median_us else ""
-            status.update(f"tuning {key}: {len(measured)} measured, last {m.candidate} "
+            last = escape(candidate_label(m.candidate))
+            status.update(f"tuning {key}: {len(measured)} measured, last {last} "
                           f"({m.status}{took})")  # fmt: skip
 
         try:
@@ -171,9 +173,10 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     for m in sorted(ran, key=lambda m: (m.median_us is None, m.median_us or 0)):
         spread = f"{m.p10_us:.1f}..{m.p90_us:.1f}" if m.p10_us is not None else ""
         err = _error_text(m.max_rel_err, bounded)
+        name = escape(candidate_label(m.candidate)) + (" (baseline)" if m.is_baseline else "")
         t.add_row(
-            m.candidate + (" (baseline)" if m.is_baseline else ""), m.status,
-            f"{m.median_us:.2f}" if m.median_us else "", spread, err, m.error[:200],
+            name, m.status, f"{m.median_us:.2f}" if m.median_us else "", spread, err,
+            escape(clipped(m.error, 200)),
         )  # fmt: skip
     console.print(t)
     # sources that cannot run this problem here, one line per reason
@@ -185,8 +188,9 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
         console.print(f"[dim]not run: {', '.join(names)}: {reason}[/dim]", highlight=False)
     w = outcome.winner
     console.print(
-        f"winner ({w.launch}): [bold]{w.candidate}[/bold] {w.median_us:.2f} us, baseline "
-        f"{w.baseline_us:.2f} us, speedup {w.speedup:.2f}x (tuned in {outcome.seconds:.1f} s)"
+        f"winner ({w.launch}): [bold]{escape(candidate_label(w.candidate))}[/bold] "
+        f"{w.median_us:.2f} us, baseline {w.baseline_us:.2f} us, speedup {w.speedup:.2f}x "
+        f"(tuned in {outcome.seconds:.1f} s)"
     )
 
 
@@ -366,8 +370,8 @@ def show(
         bool,
         typer.Option(
             "--full-keys",
-            help="Full key strings instead of short labels, one winner a line, tab-separated "
-            "(whole keys to copy or grep; --json gives every field).",
+            help="Full key strings and candidate names instead of short labels, one winner a "
+            "line, tab-separated (whole keys to copy or grep; --json gives every field).",
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
@@ -402,8 +406,8 @@ def show(
         color = "green" if w.speedup > 1.0 else "white"
         t.add_row(
             *(w.device_class,) * (dc is None), parse_key(w.key).label,
-            w.candidate, w.launch, f"{w.median_us:.2f}", f"{w.baseline_us:.2f}",
-            f"[{color}]{w.speedup:.2f}x[/{color}]",
+            escape(candidate_label(w.candidate)), w.launch, f"{w.median_us:.2f}",
+            f"{w.baseline_us:.2f}", f"[{color}]{w.speedup:.2f}x[/{color}]",
         )  # fmt: skip
     console.print(t)
 

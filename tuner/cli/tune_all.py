@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from tuner.cache import Store
 from tuner.cache.artifacts import ArtifactStore
@@ -52,7 +53,7 @@ from tuner.core.profiling import profiled
 from tuner.core.progress import progress_bar
 from tuner.fleet.artifact_sync import fetch_host_artifacts, host_archs, push_artifacts
 from tuner.fleet.client import BATCH, FleetClient, FleetError
-from tuner.measure.records import Measurement, Winner
+from tuner.measure.records import Measurement, Winner, candidate_label, clipped
 from tuner.offline import plots, tunableop
 from tuner.offline.model_config import load_model
 from tuner.offline.problem_list import ConfigError
@@ -420,18 +421,19 @@ def _label(key: Key, problems: ProblemSet) -> str:
     return report.shape_label(key.label, problems.label(key))
 
 
+LINE_WIDTH = 80  # a winner's label in a progress line: past it, its least telling words go
+
+
 def _describe(result: Result, problems: ProblemSet) -> str:
     label = _label(result.key, problems)
     if result.status == "tuned" and result.winner:
         speedup = result.winner["baseline_us"] / result.winner["median_us"]
-        return (
-            f"[green]tuned[/green] {label} -> {result.winner['candidate'][:60]} {speedup:.2f}x "
-            f"({result.seconds:.1f} s)"
-        )
+        winner = escape(candidate_label(result.winner["candidate"], LINE_WIDTH))
+        return f"[green]tuned[/green] {label} -> {winner}, {speedup:.2f}x ({result.seconds:.1f} s)"
     if result.status == "skipped":
         return f"[dim]skipped[/dim] {label}: tuned meanwhile by another process"
     kept = "; kept its baseline" if result.winner else ""
-    return f"[red]{result.status}[/red] {label}: {result.error[:300]}{kept}"
+    return f"[red]{result.status}[/red] {label}: {escape(clipped(result.error, 300))}{kept}"
 
 
 def run_with_progress(
@@ -469,7 +471,7 @@ def run_with_progress(
                 f"awaiting shared kernels: {counted(len(parked), 'problem')}" if parked else ""
             )
             shown = " | ".join([*in_flight.values(), waiting] if waiting else in_flight.values())
-            bar.update(task, description=shown[:60] or "waiting")
+            bar.update(task, description=clipped(shown, 60) or "waiting")
 
         return run(todo, store_path, settings, on_event=on_event, retune=retune)
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from tuner.cli.errors import FAILED
 from tuner.cli.options import CacheOpt, cache_path, open_store
 from tuner.core.console import counted, output_console
+from tuner.measure.records import candidate_label
 
 console = output_console()
 app = typer.Typer()
@@ -45,6 +47,6 @@ def warmup(
         for column in ("key", "candidate", "why"):
             table.add_column(column, overflow="fold")
         for f in report.failures:
-            table.add_row(f.key, f.candidate, f.error)
+            table.add_row(f.key, escape(candidate_label(f.candidate)), escape(f.error))
         console.print(table)
         raise typer.Exit(FAILED)

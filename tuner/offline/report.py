@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tuner.core.atomic import write_atomic
 from tuner.core.console import counted
 from tuner.core.device import Fingerprint
 from tuner.core.keys import GemmKey, Key, parse_key
-from tuner.measure.records import Winner
+from tuner.measure.records import LABEL_WIDTH, Winner, candidate_label, clipped
 from tuner.offline.plots import geomean, speedup_plot
 from tuner.offline.tune_all import ProblemSet, RunSummary
 
@@ -243,6 +244,14 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _winner_cell(row: Row) -> str:
+    """The winner's label; for a problem whose last attempt failed, why (the winner it kept
+    is in report.json)."""
+    if (row.error and row.status in ("failed", "timeout")) or not row.candidate:
+        return row.error
+    return candidate_label(row.candidate, LABEL_WIDTH)
+
+
 def render(
     report: Report, console: Console, *, limit: int | None = None, written: bool = True
 ) -> None:
@@ -261,7 +270,8 @@ def render(
         speed = "-" if sp is None else f"[{color}]{sp:.2f}x[/{color}]" if color else f"{sp:.2f}x"
         t.add_row(
             r.title, r.status, _fmt(r.baseline_us, ".2f"), _fmt(r.winner_us, ".2f"), speed,
-            r.candidate[:48] or r.error[:48], _fmt(r.tune_s, ".1f"), _fmt(r.wait_s, ".1f"),
+            escape(clipped(_winner_cell(r), LABEL_WIDTH)), _fmt(r.tune_s, ".1f"),
+            _fmt(r.wait_s, ".1f"),
             str(sum(r.pruned.values())) if r.pruned else "-",
         )  # fmt: skip
     console.print(t)

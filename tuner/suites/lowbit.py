@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 from rich.table import Table
 
 from tuner.cache import Store
@@ -54,7 +55,7 @@ from tuner.candidates.triton_kernels import stream_read as stream_read_kernel
 from tuner.core.console import OutputConsole
 from tuner.core.keys import GemmKey, Key, lowbit_spec, parse_key
 from tuner.measure import samples, timing
-from tuner.measure.records import Winner, candidate_params
+from tuner.measure.records import LABEL_WIDTH, Winner, candidate_label, candidate_params
 from tuner.offline.model_config import gemm_key, load_model
 from tuner.offline.plots import geomean, pyplot
 from tuner.suites import catalog
@@ -586,7 +587,7 @@ def print_table(
     graph = any(r["timing"] == "graph" for r in rows)
     how = "decode rows: CUDA-graph GPU times" if graph else "eager times"
     table = Table(title=f"low-bit GEMMs: served time ratios ({how})")
-    for col in ("problem", "source", "vs torch", "vs bf16 served", "vs bf16 cuBLAS",
+    for col in ("problem", "winner", "vs torch", "vs bf16 served", "vs bf16 cuBLAS",
                 "vs bf16 cuBLAS, GPU", "% copy", "read floor %"):  # fmt: skip
         table.add_column(col)
     if judged:
@@ -594,8 +595,9 @@ def print_table(
     for r in rows:
         pct, floor = r["served_pct_copy"], r.get("graph_read_pct_copy")
         missed = f"[red]{'; '.join(r['missed'])}[/red]" if r["missed"] else "[green]all met[/green]"
+        winner = escape(candidate_label(r["candidate"], LABEL_WIDTH))
         table.add_row(
-            r["label"], r["source"], _ratio(r["vs_torch"]), _ratio(r["vs_bf16_served"]),
+            r["label"], winner, _ratio(r["vs_torch"]), _ratio(r["vs_bf16_served"]),
             _ratio(r["vs_bf16_cublas"]), _ratio(r.get("vs_bf16_cublas_gpu")), _percent(pct),
             _percent(floor), *([missed] if judged else []),
         )  # fmt: skip

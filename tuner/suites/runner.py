@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
@@ -35,7 +36,7 @@ from tuner.core.device import fingerprint
 from tuner.core.keys import Key
 from tuner.core.progress import progress_bar
 from tuner.measure import samples, timing
-from tuner.measure.records import Winner
+from tuner.measure.records import LABEL_WIDTH, Winner, candidate_label
 from tuner.measure.timing import copy_bandwidth_gbs
 from tuner.offline.plots import geomean, speedup_plot
 from tuner.suites import catalog
@@ -272,9 +273,10 @@ def run_suite(
             row.extra = {f"baseline_{k}": v for k, v in metrics(key, base_us).items()} | metrics(
                 key, win_us
             )
+        winner = escape(candidate_label(row.candidate))
         bar.console.print(
             f"{label:<40} {base_us:9.1f} us -> {win_us:9.1f} us  {row.speedup:5.2f}x  "
-            f"{row.source}{' (graph)' if outcome.winner.launch == 'graph' else ''}"
+            f"{winner}{' (graph)' if outcome.winner.launch == 'graph' else ''}"
         )
         return row
 
@@ -422,7 +424,7 @@ def summarize(rows: Sequence[Row]) -> dict[str, float]:
 
 def print_table(rows: Sequence[Row]) -> None:
     t = Table(title="baseline vs tuned (same run)")
-    for col in ("problem", "baseline us", "tuned us", "speedup", "source", "tune s"):
+    for col in ("problem", "baseline us", "tuned us", "speedup", "winner", "tune s"):
         t.add_column(col)
     for r in rows:
         color = "green" if r.speedup >= 1.02 else "red" if r.speedup < 0.98 else "white"
@@ -431,7 +433,7 @@ def print_table(rows: Sequence[Row]) -> None:
             f"{r.baseline_us:.1f}",
             f"{r.winner_us:.1f}",
             f"[{color}]{r.speedup:.2f}x[/{color}]",
-            r.source,
+            escape(candidate_label(r.candidate, LABEL_WIDTH)),
             f"{r.tune_s:.1f}",
         )
     console.print(t)

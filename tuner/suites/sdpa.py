@@ -23,12 +23,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from tuner.candidates import registry
 from tuner.core.console import output_console
 from tuner.core.keys import Key, SdpaKey, parse_key
 from tuner.measure import samples, timing
-from tuner.measure.records import Measurement, candidate_name, candidate_params
+from tuner.measure.records import (
+    Measurement,
+    candidate_label,
+    candidate_name,
+    candidate_params,
+    clipped,
+)
 from tuner.offline.plots import geomean
 from tuner.suites import catalog
 from tuner.suites.runner import (
@@ -287,7 +294,8 @@ def _print_extra(result: dict[str, Any], kind: str) -> None:
         for c in r["candidates"]:
             if c["status"] in ("failed", "rejected") and not c["candidate"].startswith("torch"):
                 console.print(
-                    f"[red]{r['label']}: {c['candidate']} {c['status']}: {c['error'][:160]}[/red]"
+                    f"[red]{r['label']}: {escape(candidate_label(c['candidate']))} {c['status']}: "
+                    f"{escape(clipped(c['error'], 160))}[/red]"
                 )
         if kind == "prefill":
             cols = " ".join(
