@@ -241,3 +241,46 @@ def test_the_table_names_the_winner_by_its_label_and_the_json_by_its_name(tuned:
     written = next(r for r in rep.to_dict()["rows"] if r["key"] == str(TRITON_WON))
     stored = tuned.store.winner(FP.device_class, str(TRITON_WON))
     assert written["candidate"] == row.candidate == candidate_name(stored.source, stored.params)
+
+
+def test_a_table_cut_short_leaves_out_the_rows_that_kept_their_baseline_first(
+    tuned: Tuned,
+) -> None:
+    """Failures first, then the rows where something other than the baseline won: the Triton
+    winner is shown, torch's kept baseline is the row left out."""
+    text = rendered(report.build(tuned.store, FP, journal=tuned.journal), limit=3)
+    shown = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│")]
+    assert shown == [FAILED.label, STALE.label, TRITON_WON.label]
+    assert "... 1 more row in report.json; the baseline won on each" in text
+
+
+def summary_row(m: int, speedup: float, tune_s: float, phases: dict[str, float]) -> report.Row:
+    key = gemm(m)
+    return report.Row(
+        key.label, str(key), "tuned", baseline_us=10.0 * speedup, winner_us=10.0, source="torch",
+        candidate="torch", tune_s=tune_s, shape=key.label, phases=phases,
+    )  # fmt: skip
+
+
+def test_the_closing_lines() -> None:
+    """Speedups several problems share are counted, not pinned on one of them; the tuning time
+    says how many problems earlier runs tuned; phases in the order a problem meets them; the
+    pruning on a line of its own."""
+    phases = {"confirm": 0.5, "baseline": 0.25, "setup": 0.25}  # as a journal's JSON sorts them
+    rows = [summary_row(8, 1.0, 1.0, phases), summary_row(16, 1.0, 1.0, phases),
+            summary_row(32, 2.0, 1.0, phases)]  # fmt: skip
+    rep = report.Report(
+        FP.device_class, FP.version_tag, rows, wall_s=5.0, workers=1, start_s=0.5,
+        ran={rows[2].key},
+    )  # fmt: skip
+    lines = rendered(rep).splitlines()
+    assert lines[lines.index("problems: 3 (3 tuned)") :] == [
+        "problems: 3 (3 tuned)",
+        "speedup: geomean 1.260x, worst 1.000x on 2 problems, best 2.000x on 32x24x40 nn f32",
+        "tuning time: 3.0 s over 3 problems (2 of them tuned by earlier runs), median 1.00 s per "
+        "problem; wall time 5.0 s on 1 worker, 0.5 s of it starting the worker",
+        "tuning time by phase: setup 0.8 s, baseline 0.8 s, confirm 1.5 s",
+        "compiling: 0 candidates compiled ahead (0.0 s of per-problem compile jobs), 0.0 s "
+        "waited for",
+        "pruned uncompiled: none",
+    ]

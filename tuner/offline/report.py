@@ -26,6 +26,7 @@ from tuner.core.keys import GemmKey, Key, parse_key
 from tuner.measure.records import LABEL_WIDTH, Winner, candidate_label, clipped
 from tuner.offline.plots import geomean, speedup_plot
 from tuner.offline.tune_all import ProblemSet, RunSummary
+from tuner.tuning.engine import PHASES
 
 
 def shape_label(shape: str, label: str = "") -> str:
@@ -78,6 +79,7 @@ class Report:
     idle_s: float = 0.0  # of the run: workers idle while every pending problem was compiling
     shared_compile_s: float | None = None  # of the run: the compile pool's shared job
     start_s: float | None = None  # of the run: until the first worker was ready
+    ran: set[str] | None = None  # of the run: the keys it tuned (others' times are earlier runs')
     created_at: float = field(default_factory=time.time)
 
     def timed(self) -> list[Row]:
@@ -105,7 +107,7 @@ class Report:
             "compile_pool_s_total": sum(r.compile_s or 0.0 for r in self.rows),
             "shared_compile_s": self.shared_compile_s,
             "tuning_s_total": sum(tune_times),
-            "tuning_s_by_phase": _summed(r.phases for r in self.rows),  # engine.PHASES
+            "tuning_s_by_phase": _in_phase_order(_summed(r.phases for r in self.rows)),
             "tuning_s_median": sorted(tune_times)[len(tune_times) // 2] if tune_times else None,
             "wall_s": self.wall_s,
             "start_s": self.start_s,
@@ -158,6 +160,12 @@ def _summed(counts: Iterable[dict[str, Any]]) -> dict[str, Any]:
         for name, value in each.items():
             totals[name] = totals.get(name, 0) + value
     return totals
+
+
+def _in_phase_order(by_phase: dict[str, float]) -> dict[str, float]:
+    """Seconds by tuning phase in the order a problem goes through them (``engine.PHASES``)."""
+    ordered = {p: by_phase[p] for p in PHASES if p in by_phase}
+    return ordered | by_phase
 
 
 def _costs(rec: dict[str, Any]) -> dict[str, Any]:
@@ -216,6 +224,7 @@ def build(
         stopped=run.stopped if run else "", idle_s=run.idle_s if run else 0.0,
         shared_compile_s=run.shared_compile_s if run else None,
         start_s=run.start_s if run else None,
+        ran={str(r.key) for r in run.results} if run else None,
     )  # fmt: skip
 
 
@@ -244,6 +253,59 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+_TABLE_ORDER = {"failed": 0, "timeout": 1, "pending": 2, "stale": 3, "tuned": 4}
+
+
+def render(
+    report: Report, console: Console, *, limit: int | None = None, written: bool = True
+) -> None:
+    """A table of the problems (failures first, ``limit`` rows) and the summary lines;
+    ``written``: the rows past the limit are in a report.json being written."""
+    shown, hidden = _table_rows(report.rows, limit)
+    console.print(_table(report, shown))
+    if hidden:
+        where = "in report.json" if written else "(tuner report --rows N, or --out DIR for all)"
+        won = "; the baseline won on each" if all(map(_kept_baseline, hidden)) else ""
+        console.print(f"... {counted(len(hidden), 'more row')} {where}{won}")
+    for line in _summary_lines(report):
+        console.print(line)
+
+
+def _kept_baseline(row: Row) -> bool:
+    """A tuned row whose winner is its baseline: the least telling row of a table."""
+    return row.status == "tuned" and row.winner_us is not None and row.winner_us == row.baseline_us
+
+
+def _table_rows(rows: list[Row], limit: int | None) -> tuple[list[Row], list[Row]]:
+    """The rows a table of ``limit`` rows shows, failures first and otherwise in the problems'
+    order, and those it leaves out: rows that kept their baseline go first, so a long run's
+    table still shows its wins."""
+    ordered = sorted(rows, key=lambda r: _TABLE_ORDER[r.status])
+    if limit is None or len(ordered) <= limit:
+        return ordered, []
+    kept = {id(r) for r in sorted(ordered, key=_kept_baseline)[:limit]}
+    return [r for r in ordered if id(r) in kept], [r for r in ordered if id(r) not in kept]
+
+
+def _table(report: Report, rows: list[Row]) -> Table:
+    t = Table(title=f"{counted(len(report.rows), 'problem')} on {report.device_class}")
+    columns = ("problem", "status", "baseline us", "winner us", "speedup", "winner", "tune s",
+               "compile wait s", "pruned")  # fmt: skip
+    for col in columns:
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        sp = r.speedup
+        color = "green" if sp and sp > 1.0 else ("red" if r.status in ("failed", "timeout") else "")
+        speed = "-" if sp is None else f"[{color}]{sp:.2f}x[/{color}]" if color else f"{sp:.2f}x"
+        winner = _winner_cell(r)
+        t.add_row(
+            r.title, r.status, _fmt(r.baseline_us, ".2f"), _fmt(r.winner_us, ".2f"), speed,
+            escape(clipped(winner, LABEL_WIDTH)), _fmt(r.tune_s, ".1f"), _fmt(r.wait_s, ".1f"),
+            str(sum(r.pruned.values())) if r.pruned else "-",
+        )  # fmt: skip
+    return t
+
+
 def _winner_cell(row: Row) -> str:
     """The winner's label; for a problem whose last attempt failed, why (the winner it kept
     is in report.json)."""
@@ -252,66 +314,67 @@ def _winner_cell(row: Row) -> str:
     return candidate_label(row.candidate, LABEL_WIDTH)
 
 
-def render(
-    report: Report, console: Console, *, limit: int | None = None, written: bool = True
-) -> None:
-    """A table of the problems (failures first, ``limit`` rows) and the summary lines;
-    ``written``: the rows past the limit are in a report.json being written."""
-    t = Table(title=f"{counted(len(report.rows), 'problem')} on {report.device_class}")
-    columns = ("problem", "status", "baseline us", "winner us", "speedup", "winner", "tune s",
-               "compile wait s", "pruned")  # fmt: skip
-    for col in columns:
-        t.add_column(col, overflow="fold")
-    order = {"failed": 0, "timeout": 1, "pending": 2, "stale": 3, "tuned": 4}
-    rows = sorted(report.rows, key=lambda r: order[r.status])
-    for r in rows[:limit]:
-        sp = r.speedup
-        color = "green" if sp and sp > 1.0 else ("red" if r.status in ("failed", "timeout") else "")
-        speed = "-" if sp is None else f"[{color}]{sp:.2f}x[/{color}]" if color else f"{sp:.2f}x"
-        t.add_row(
-            r.title, r.status, _fmt(r.baseline_us, ".2f"), _fmt(r.winner_us, ".2f"), speed,
-            escape(clipped(_winner_cell(r), LABEL_WIDTH)), _fmt(r.tune_s, ".1f"),
-            _fmt(r.wait_s, ".1f"),
-            str(sum(r.pruned.values())) if r.pruned else "-",
-        )  # fmt: skip
-    console.print(t)
-    if limit is not None and len(rows) > limit:
-        where = "in report.json" if written else "(tuner report --rows N, or --out DIR for all)"
-        console.print(f"... {len(rows) - limit} more rows {where}")
+def _summary_lines(report: Report) -> list[str]:
+    """The lines under the table: counts, speedups, tuning time (by phase), compiling."""
     s = report.summary()
     counts = ", ".join(f"{s[k]} {k}" for k in _STATUS_ORDER if s[k])
-    console.print(f"problems: {s['problems']} ({counts or 'none'})")
+    lines = [f"problems: {s['problems']} ({counts or 'none'})"]
     if s["geomean_speedup"] is not None:
-        w, b = s["worst"], s["best"]
-        console.print(
-            f"speedup: geomean {s['geomean_speedup']:.3f}x, worst {w['speedup']:.3f}x ({w['label']}), "
-            f"best {b['speedup']:.3f}x ({b['label']})"
-        )
-    timed = s["tuning_s_median"] is not None  # tuning and compile times: tune-all's journal
-    if not timed:
+        lines.append(_speedup_line(report.timed(), s["geomean_speedup"]))
+    lines.append(_tuning_line(report, s))
+    if s["tuning_s_by_phase"]:
+        split = ", ".join(f"{phase} {t:.1f} s" for phase, t in s["tuning_s_by_phase"].items())
+        lines.append(f"tuning time by phase: {split}")
+    if s["tuning_s_median"] is not None or s["compiled"]:
+        lines += _compile_lines(s)
+    return lines
+
+
+def _speedup_line(timed: list[Row], geomean_: float) -> str:
+    """Geomean, worst and best; a speedup several problems share is counted, not pinned on
+    one of them."""
+    speedups = [r.speedup or 0.0 for r in timed]
+    worst, best = min(speedups), max(speedups)
+    if worst == best:
+        return f"speedup: {worst:.3f}x {_where(timed, worst)}"
+    return (f"speedup: geomean {geomean_:.3f}x, worst {worst:.3f}x {_where(timed, worst)}, "
+            f"best {best:.3f}x {_where(timed, best)}")  # fmt: skip
+
+
+def _where(rows: list[Row], speedup: float) -> str:
+    at = [r for r in rows if r.speedup == speedup]
+    return f"on {at[0].title}" if len(at) == 1 else f"on {len(at)} problems"
+
+
+def _tuning_line(report: Report, s: dict[str, Any]) -> str:
+    """Tuning time over the problems (saying how many earlier runs tuned), then the run's wall
+    time."""
+    if s["tuning_s_median"] is None:  # tuning and compile times: tune-all's journal
         line = "tuning time: not recorded (the problems were not tuned by tune-all)"
     else:
-        line = (f"tuning time: {s['tuning_s_total']:.1f} s over the report's problems (earlier "
-                f"runs' too), median {s['tuning_s_median']:.2f} s per problem")  # fmt: skip
+        timed = [r for r in report.rows if r.tune_s is not None]
+        earlier = [r for r in timed if report.ran is not None and r.key not in report.ran]
+        before = f" ({len(earlier)} of them tuned by earlier runs)" if earlier else ""
+        line = (f"tuning time: {s['tuning_s_total']:.1f} s over {counted(len(timed), 'problem')}"
+                f"{before}, median {s['tuning_s_median']:.2f} s per problem")  # fmt: skip
     if s["wall_s"] is not None:
         line += f"; wall time {s['wall_s']:.1f} s on {counted(s['workers'], 'worker')}"
         if s["start_s"] is not None:
-            line += f", {s['start_s']:.1f} s of it starting them"
-    console.print(line + (f"; stopped early: {s['stopped']}" if s["stopped"] else ""))
-    if s["tuning_s_by_phase"]:
-        split = ", ".join(f"{phase} {t:.1f} s" for phase, t in s["tuning_s_by_phase"].items())
-        console.print(f"tuning time by phase: {split}")
-    if not (timed or s["compiled"]):
-        return
+            started = "the worker" if s["workers"] == 1 else "them"
+            line += f", {s['start_s']:.1f} s of it starting {started}"
+    return line + (f"; stopped early: {s['stopped']}" if s["stopped"] else "")
+
+
+def _compile_lines(s: dict[str, Any]) -> list[str]:
     pruned = ", ".join(f"{n} by {rule}" for rule, n in sorted(s["pruned"].items())) or "none"
     shared = s["shared_compile_s"]
     shared = f", {shared:.1f} s for kernels shared by all shapes" if shared is not None else ""
     if s["two_passes"]:
         shared += (f"; {counted(s['two_passes'], 'problem')} timed the other families while "
                    "those compiled")  # fmt: skip
-    console.print(
+    return [
         f"compiling: {counted(s['compiled'], 'candidate')} compiled ahead "
         f"({s['compile_pool_s_total']:.1f} s of per-problem compile jobs{shared}), "
-        f"{s['compile_wait_s_total']:.1f} s waited for; "
-        f"pruned uncompiled: {pruned}"
-    )
+        f"{s['compile_wait_s_total']:.1f} s waited for",
+        f"pruned uncompiled: {pruned}",
+    ]
