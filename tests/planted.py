@@ -260,3 +260,21 @@ class SharedKills(SharedMemoized):
     def build(self, key, params):
         os.kill(os.getpid(), signal.SIGKILL)
 
+
+class SlowToBuild(Twin):
+    """torch's kernel behind a build of ``build_s`` (a long compile in the tuning process): a
+    pass whose length a test sets."""
+
+    name = "slow_to_build"
+    build_s = 4.0
+
+    def build(self, key, params):
+        time.sleep(type(self).build_s)
+        return super().build(key, params)
+
+
+class SharedSlowToBuild(SlowToBuild):
+    """SlowToBuild from a source that shares kernels: a second pass whose length a test sets."""
+
+    name = "shared_slow_to_build"
+    shares_kernels = True

@@ -986,6 +986,81 @@ def test_a_second_pass_that_crashes_keeps_the_first_pass_verdict(tmp_path, share
     assert (row.status, row.candidate, row.error) == ("failed", verdict["candidate"], result.error)
 
 
+@pytest.mark.cpu_host
+def test_a_problems_limit_holds_over_both_its_passes(tmp_path):
+    """Each pass takes about 4 s, within the problem's 6 s limit: the second gets what the first
+    left, is cut off before its build ends, and the first pass's verdict stands."""
+    from planted import Memoized, SharedSlowToBuild, SlowToBuild
+
+    Memoized.slow = False
+    key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
+    options = TuneOptions(sources=["memoized", "slow_to_build", "shared_slow_to_build"],
+                          budget_s=0.01)  # fmt: skip
+    compiler = CompilePool([key], options, "cpu", jobs=1)  # not started: the test compiles
+    compiler.events[str(key)][0].set()
+
+    verdict = {}  # the first pass's (the clock's: memoized, or torch where it lost its duel)
+
+    def emit(event):
+        if event[0] == "parked":
+            verdict.update(pool.parked[str(key)].outcome.winner.to_row())
+            compiler.events[str(key)][1].set()
+
+    made = [Memoized(), SlowToBuild(), SharedSlowToBuild()]
+    for source in made:
+        registry.register(source)
+    cache = tmp_path / "c.db"
+    settings = RunSettings(tune=options, workers=1, problem_timeout_s=6.0)
+    pool = _Pool(cache, settings, [None], emit, compiler)
+    try:
+        summary = pool.run([key], set())
+    finally:
+        compiler.close()
+        for source in made:
+            registry.unregister(source.name)
+    (r,) = summary.results
+    assert r.status == "timeout" and r.winner == verdict, r
+    assert "limit of 6 s over its two passes" in r.error, r.error
+    assert r.first_pass_s >= SlowToBuild.build_s
+    assert r.seconds - r.first_pass_s < SlowToBuild.build_s  # cut before its build ended
+
+
+def test_a_first_pass_that_used_up_its_problems_limit_gets_no_second(tmp_path):
+    """No time left for a second pass: the first pass's verdict stands, recorded as a timeout
+    (as a second pass cut off leaves it; a later run tunes the problem again)."""
+    from planted import Memoized, SharedMemoized
+
+    Memoized.slow = False
+    key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
+    options = TuneOptions(sources=["memoized", "shared_memoized"], budget_s=0.01)
+    settings = RunSettings(tune=options, problem_timeout_s=5.0)
+    cache, fp, events = tmp_path / "c.db", fingerprint(), []
+    made = [Memoized(), SharedMemoized()]
+    for source in made:
+        registry.register(source)
+    try:
+        with Store(cache) as store:
+            first = _tune_one(Task(key, retune=False, first=True), store, fp, settings, 0,
+                              lambda m: None, None)  # fmt: skip
+    finally:
+        for source in made:
+            registry.unregister(source.name)
+    pool = _Pool(cache, settings, [None], events.append)
+    pool.rank = {str(key): 0}
+    slot = pool.slots[0]
+    slot.device_class, slot.started = fp.device_class, time.perf_counter() - 6.0  # 6 s ago
+    pool._park(slot, first)
+    (r,) = pool.results
+    assert r.status == "timeout" and r.winner == first.winner, r
+    assert (
+        "its first pass used up the per-problem limit of 5 s" in r.error
+        and r.first_pass_s == first.seconds
+    )
+    assert pool.backlog == [] and not pool.parked and [e[0] for e in events] == ["result"]
+    with Store(cache) as store:
+        assert store.winner(fp.device_class, str(key)).to_row() == first.winner
+
+
 class Delayed(Source):
     """Two challengers that differ only in a host delay: the slower one listed first."""
 

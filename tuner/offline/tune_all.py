@@ -17,11 +17,13 @@ the rest with one ``RunSettings``.
   (not stored); once those kernels are built its second pass times their candidates alone and
   duels them against what the first pass settled. A run stopped in between leaves such a
   problem pending; a second pass that ends without a verdict of its own (cut off by its limit,
-  or crashed) keeps the first pass's, as a timeout keeps the baseline.
+  crashed, or given no time) keeps the first pass's, as a timeout keeps the baseline.
 - **Budgets.** A problem past ``problem_timeout_s`` has its worker killed (that also covers a
   candidate that hangs or breaks its CUDA context): it is recorded as ``timeout``, keeps the
   best it measured (its baseline, which no challenger beat in a finished duel) as its winner,
-  and a fresh worker takes the slot. Past ``time_limit_s`` no new problem starts.
+  and a fresh worker takes the slot. The limit holds over both passes of a problem: its second
+  gets what its first left, and none where nothing is left. Past ``time_limit_s`` no new
+  problem starts.
 - **Retries.** A problem that failed or timed out is tried again by later runs at most
   ``retries`` times, after every other problem, the longest-failing last (``order``).
 - **Failures** (the baseline itself failing, a crashed worker) are recorded and the run goes on.
@@ -264,11 +266,12 @@ class FirstPass:
     seconds: float
     wait_s: float  # of ``seconds``: waiting for its own kernels
     phases: dict[str, float]  # of ``seconds``
+    spent_s: float  # of the problem's limit (its wait before the limit started is not)
 
     @classmethod
-    def of(cls, result: Result) -> FirstPass:
+    def of(cls, result: Result, spent_s: float) -> FirstPass:
         assert result.first_pass is not None
-        return cls(result.first_pass, result.seconds, result.wait_s, dict(result.phases))
+        return cls(result.first_pass, result.seconds, result.wait_s, dict(result.phases), spent_s)
 
     def add_to(self, result: Result) -> None:
         """``result`` (how its second pass ended: tuned, failed, cut off) as the problem's:
@@ -465,14 +468,13 @@ class _Pool:
         now = time.perf_counter()
         self.idle_s += idle * (now - t0)
         for slot in self.slots:
-            if (
-                slot.key
-                and not slot.waiting
-                and now - slot.started > self.settings.problem_timeout_s
-            ):
+            if slot.key and not slot.waiting and now - slot.started > self._limit(slot.key):
                 slot.child.kill()
                 limit = self.settings.problem_timeout_s
-                self._finish(slot, "timeout", f"ran past the per-problem limit of {limit:g} s")
+                passes = " over its two passes" if str(slot.key) in self.parked else ""
+                self._finish(
+                    slot, "timeout", f"ran past the per-problem limit of {limit:g} s{passes}"
+                )
                 self._replace(slot)
         self._on_interrupts()
         limit = self.settings.time_limit_s
@@ -537,16 +539,29 @@ class _Pool:
 
     def _park(self, slot: _Slot, result: Result) -> None:
         """Hold a first pass until its problem's shared kernels are compiled; the problem goes
-        back to the backlog, at its place in the run's order."""
+        back to the backlog, at its place in the run's order. A first pass that used up the
+        problem's limit leaves no time for a second: its verdict stands, as a timeout."""
         name = str(result.key)
         self.first_out.discard(name)
-        self.parked[name] = FirstPass.of(result)
+        self.parked[name] = FirstPass.of(result, time.perf_counter() - slot.started)
+        if self._limit(result.key) <= 0:
+            self._no_time_left(slot, result.key)
+            return
         at = next(
             (i for i, key in enumerate(self.backlog) if self.rank[str(key)] > self.rank[name]),
             len(self.backlog),
         )
         self.backlog.insert(at, result.key)
         self.emit((PARKED, (slot.index, result.key)))
+
+    def _no_time_left(self, slot: _Slot, key: Key) -> None:
+        """A first pass that used up its problem's limit: the problem ends as a timeout, with its
+        first pass's verdict (as a second pass cut off would leave it)."""
+        limit = self.settings.problem_timeout_s
+        error = f"its first pass used up the per-problem limit of {limit:g} s"
+        result = Result(key, "timeout", 0.0, slot.index, slot.device_class, error=error)
+        self._keep_first_pass(result, self.parked[str(key)].outcome.measurements)
+        self._record(result)
 
     def _on_interrupts(self) -> None:
         """First Ctrl-C: no new problems; the next one (or SIGTERM): kill those in flight too."""
@@ -600,6 +615,12 @@ class _Pool:
         self.stopped = why
         self.stop.set()
         self.emit(("notice", notice))
+
+    def _limit(self, key: Key) -> float:
+        """The seconds a pass of ``key`` may run: the problem's limit holds over both its passes,
+        so a second pass gets what its first left."""
+        parked = self.parked.get(str(key))
+        return self.settings.problem_timeout_s - (parked.spent_s if parked else 0.0)
 
     def _on_message(self, slot: _Slot, msg: tuple[str, Any]) -> None:
         kind, data = msg
@@ -688,9 +709,9 @@ class _Pool:
         return self._save(measured, winner)
 
     def _keep_first_pass(self, result: Result, measured: list[Measurement]) -> None:
-        """A second pass that ends without a verdict of its own (cut off, or crashed) leaves the
-        problem its first pass's, stored with what both passes measured; its status stays what
-        ended it, so a later run tunes it again, and its error says what was kept."""
+        """A second pass that ends without a verdict of its own (cut off, crashed, no time left)
+        leaves the problem its first pass's, stored with what both passes measured; its status
+        stays what ended it, so a later run tunes it again, and its error says what was kept."""
         verdict = self.parked[str(result.key)].outcome.winner
         result.winner = self._save(measured, verdict)
         result.pruned = pruning.count(measured)
