@@ -505,6 +505,42 @@ def test_an_abort_keeps_every_problem_a_worker_committed_before_it_was_killed(tm
     assert slot.done and slot.worker.child is None  # killed, its pipe closed
 
 
+def commit_then_die(conn, store_path: str, key: GemmKey) -> None:
+    """A tune-all worker that tunes and commits its problem, then dies before reporting it."""
+    from tuner.tuning.tune import tune
+
+    conn.send(("ready", fingerprint().device_class))
+    conn.send(("start", (key, False)))
+    outcome = tune(key, options=TuneOptions(sources=["torch"], budget_s=0.01))
+    for m in outcome.measurements:
+        conn.send(("measurement", m.to_row()))
+    with Store(store_path) as store:
+        store.save_run(outcome.measurements, outcome.winner)
+    os._exit(3)
+
+
+def test_a_worker_that_dies_after_committing_its_problem_leaves_it_tuned(tmp_path):
+    """A worker that died between committing its run and reporting it: the problem is tuned,
+    its stored winner kept (not recorded failed, nor overwritten by a lesser verdict)."""
+    from tuner.tuning.supervisor import Supervised
+
+    key = GemmKey(m=2, n=8, k=8, dtype="f32", out_dtype="f32")
+    cache = tmp_path / "c.db"
+    pool = _Pool(cache, RunSettings(tune=TuneOptions(sources=["torch"])), [None], print)
+    slot = pool.slots[0]
+    slot.worker = Supervised(commit_then_die, (str(cache), key), name="commit-then-die")
+    slot.worker.restart()
+    slot.child.join(timeout=120)
+    pool._drain(slot)
+    pool.stop.set()  # no replacement worker
+    pool._on_exit(slot)
+    assert [(r.key, r.status) for r in pool.results] == [(key, "tuned")]
+    with Store(cache) as store:
+        stored = store.winner(pool.results[0].device_class, str(key))
+    assert stored is not None and stored.to_row() == pool.results[0].winner
+    assert [r["status"] for r in read_journal(journal_path(cache))] == ["tuned"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -432,7 +432,8 @@ def _describe(result: Result, problems: ProblemSet) -> str:
         return f"[green]tuned[/green] {label} -> {winner}, {speedup:.2f}x ({result.seconds:.1f} s)"
     if result.status == "skipped":
         return f"[dim]skipped[/dim] {label}: tuned meanwhile by another process"
-    kept = "; kept its baseline" if result.winner else ""
+    # a problem with a first pass kept that pass's verdict, and its error says so
+    kept = "; kept its baseline" if result.winner and result.first_pass_s is None else ""
     return f"[red]{result.status}[/red] {label}: {escape(clipped(result.error, 300))}{kept}"
 
 

@@ -40,7 +40,7 @@ class Row:
     key: str
     status: str  # tuned | stale (winner from other versions) | failed | timeout | pending
     baseline_us: float | None = None
-    winner_us: float | None = None  # a timed-out problem's is what it kept (its baseline)
+    winner_us: float | None = None  # a cut-off problem's is what it kept (baseline, first pass)
     source: str = ""
     candidate: str = ""
     tune_s: float | None = None

@@ -470,11 +470,13 @@ class _Pool:
         for slot in self.slots:
             if slot.key and not slot.waiting and now - slot.started > self._limit(slot.key):
                 slot.child.kill()
-                limit = self.settings.problem_timeout_s
-                passes = " over its two passes" if str(slot.key) in self.parked else ""
-                self._finish(
-                    slot, "timeout", f"ran past the per-problem limit of {limit:g} s{passes}"
-                )
+                self._drain(slot)  # what it finished before the kill stands
+                if slot.key is not None and not self._keep_committed(slot):
+                    limit = self.settings.problem_timeout_s
+                    passes = " over its two passes" if str(slot.key) in self.parked else ""
+                    self._finish(
+                        slot, "timeout", f"ran past the per-problem limit of {limit:g} s{passes}"
+                    )
                 self._replace(slot)
         self._on_interrupts()
         limit = self.settings.time_limit_s
@@ -590,10 +592,7 @@ class _Pool:
         for s in self.slots:
             if s.worker.child is not None:
                 self._drain(s)
-                if s.key is not None and (winner := self._committed(s)) is not None:
-                    seconds = time.perf_counter() - s.started
-                    key, s.key = s.key, None
-                    self._record(Result(key, "tuned", seconds, s.index, s.device_class, winner))
+                self._keep_committed(s)
             s.done = True
         self._kill_all()
 
@@ -603,6 +602,16 @@ class _Pool:
         with contextlib.suppress(EOFError, OSError):
             while conn.poll():
                 self._on_message(slot, conn.recv())
+
+    def _keep_committed(self, slot: _Slot) -> bool:
+        """Record the slot's problem as tuned where its worker committed its run but died (or was
+        killed) before reporting it: a stored winner is never overwritten by a lesser verdict."""
+        if slot.key is None or (winner := self._committed(slot)) is None:
+            return False
+        seconds = time.perf_counter() - slot.started
+        key, slot.key, slot.task = slot.key, None, None
+        self._record(Result(key, "tuned", seconds, slot.index, slot.device_class, winner))
+        return True
 
     def _committed(self, slot: _Slot) -> dict[str, Any] | None:
         """The stored winner of the slot's problem where this run committed it, else None."""
@@ -664,7 +673,7 @@ class _Pool:
         if slot.done:
             return
         code = slot.child.exitcode
-        if slot.key or slot.task:
+        if (slot.key or slot.task) and not self._keep_committed(slot):
             when = "while tuning" if slot.key else "before it started"
             self._finish(slot, "failed", f"worker died (exit code {code}) {when} this problem")
         slot.deaths += 1

@@ -1,0 +1,29 @@
+"""The line tune-all prints as each problem ends, read as a user reads it."""
+
+from __future__ import annotations
+
+from tuner.cli.tune_all import _describe
+from tuner.core.keys import GemmKey
+from tuner.offline.tune_all import ProblemSet, Result
+
+KEY = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
+BASELINE = {"candidate": "torch", "baseline_us": 10.0, "median_us": 10.0}
+
+
+def problems() -> ProblemSet:
+    found = ProblemSet()
+    found.add(KEY, "list.yaml[0]")
+    return found
+
+
+def test_a_timed_out_problem_says_it_kept_its_baseline():
+    result = Result(KEY, "timeout", 5.0, 0, winner=BASELINE, error="ran past the limit of 5 s")
+    line = _describe(result, problems())
+    assert line.endswith("ran past the limit of 5 s; kept its baseline")
+
+
+def test_a_second_pass_cut_short_names_its_first_pass_verdict_once():
+    error = "second pass: RuntimeError: boom; the first pass's verdict kept"
+    result = Result(KEY, "failed", 5.0, 0, winner=BASELINE, error=error, first_pass_s=2.0)
+    line = _describe(result, problems())
+    assert line.endswith(error) and "kept its baseline" not in line
