@@ -31,6 +31,7 @@ from tuner.offline.problem_list import ConfigError, load_problems
 from tuner.offline.tunableop import import_files
 from tuner.offline.tune_all import (
     ProblemSet,
+    Result,
     RunSettings,
     Task,
     _Pool,
@@ -849,32 +850,42 @@ def test_problems_waiting_for_shared_kernels_get_a_first_pass_meanwhile(tmp_path
     assert len(journal) == 3 and all(rec["first_pass_s"] > 0 for rec in journal)  # a problem's
 
 
+def two_passes(cache: Path, made: list[Source], settings: RunSettings) -> tuple[Result, dict]:
+    """Tune one small problem in two passes: its own job compiled, its shared kernels "built" the
+    moment its first pass ends. Returns its result and the first pass's verdict (the clock's:
+    memoized, or torch where it lost its duel)."""
+    key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
+    compiler = CompilePool([key], settings.tune, "cpu", jobs=1)  # not started: the test compiles
+    compiler.events[str(key)][0].set()
+    verdict = {}
+
+    def emit(event):
+        if event[0] == "parked":
+            verdict.update(pool.parked[str(key)].outcome.winner.to_row())
+            compiler.events[str(key)][1].set()
+
+    for source in made:
+        registry.register(source)
+    pool = _Pool(cache, settings, [None], emit, compiler)
+    try:
+        (result,) = pool.run([key], set()).results
+    finally:
+        compiler.close()
+        for source in made:
+            registry.unregister(source.name)
+    return result, verdict
+
+
 @pytest.mark.cpu_host
 def test_a_second_pass_cut_off_by_its_limit_keeps_the_first_pass_verdict(tmp_path):
     from planted import Memoized, SlowSharedMemoized
 
     Memoized.slow = False
-    key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
     options = TuneOptions(sources=["memoized", "slow_shared_memoized"], budget_s=0.01)
-    compiler = CompilePool([key], options, "cpu", jobs=1)  # not started: the test compiles
-    compiler.events[str(key)][0].set()
-
-    def emit(event):
-        if event[0] == "parked":
-            compiler.events[str(key)][1].set()
-
-    made = [Memoized(), SlowSharedMemoized()]
-    for source in made:
-        registry.register(source)
-    cache = tmp_path / "c.db"
     settings = RunSettings(tune=options, workers=1, problem_timeout_s=2.0)
-    try:
-        summary = _Pool(cache, settings, [None], emit, compiler).run([key], set())
-    finally:
-        compiler.close()
-        for source in made:
-            registry.unregister(source.name)
-    (result,) = summary.results
+    cache = tmp_path / "c.db"
+    result, _ = two_passes(cache, [Memoized(), SlowSharedMemoized()], settings)
+    key = result.key
     assert result.status == "timeout" and result.winner["source"] == "memoized"
     # both passes' times, in the result and its journal line
     assert 0 < result.first_pass_s < result.seconds
@@ -986,29 +997,10 @@ def test_a_second_pass_that_crashes_keeps_the_first_pass_verdict(tmp_path, share
 
     planted.Memoized.slow = False
     made = [planted.Memoized(), getattr(planted, shared)()]
-    key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
     options = TuneOptions(sources=[s.name for s in made], budget_s=0.01)
-    compiler = CompilePool([key], options, "cpu", jobs=1)  # not started: the test compiles
-    compiler.events[str(key)][0].set()
-
-    verdict = {}  # the first pass's (the clock's: memoized, or torch where it lost its duel)
-
-    def emit(event):
-        if event[0] == "parked":
-            verdict.update(pool.parked[str(key)].outcome.winner.to_row())
-            compiler.events[str(key)][1].set()
-
-    for source in made:
-        registry.register(source)
     cache = tmp_path / "c.db"
-    pool = _Pool(cache, RunSettings(tune=options, workers=1), [None], emit, compiler)
-    try:
-        summary = pool.run([key], set())
-    finally:
-        compiler.close()
-        for source in made:
-            registry.unregister(source.name)
-    (result,) = summary.results
+    result, verdict = two_passes(cache, made, RunSettings(tune=options, workers=1))
+    key = result.key
     assert result.status == "failed" and result.winner == verdict, result
     assert said in result.error and "the first pass's verdict kept" in result.error
     assert 0 < result.first_pass_s < result.seconds
@@ -1029,32 +1021,11 @@ def test_a_problems_limit_holds_over_both_its_passes(tmp_path):
     from planted import Memoized, SharedSlowToBuild, SlowToBuild
 
     Memoized.slow = False
-    key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
     options = TuneOptions(sources=["memoized", "slow_to_build", "shared_slow_to_build"],
                           budget_s=0.01)  # fmt: skip
-    compiler = CompilePool([key], options, "cpu", jobs=1)  # not started: the test compiles
-    compiler.events[str(key)][0].set()
-
-    verdict = {}  # the first pass's (the clock's: memoized, or torch where it lost its duel)
-
-    def emit(event):
-        if event[0] == "parked":
-            verdict.update(pool.parked[str(key)].outcome.winner.to_row())
-            compiler.events[str(key)][1].set()
-
-    made = [Memoized(), SlowToBuild(), SharedSlowToBuild()]
-    for source in made:
-        registry.register(source)
-    cache = tmp_path / "c.db"
     settings = RunSettings(tune=options, workers=1, problem_timeout_s=6.0)
-    pool = _Pool(cache, settings, [None], emit, compiler)
-    try:
-        summary = pool.run([key], set())
-    finally:
-        compiler.close()
-        for source in made:
-            registry.unregister(source.name)
-    (r,) = summary.results
+    made = [Memoized(), SlowToBuild(), SharedSlowToBuild()]
+    r, verdict = two_passes(tmp_path / "c.db", made, settings)
     assert r.status == "timeout" and r.winner == verdict, r
     assert "limit of 6 s over its two passes" in r.error, r.error
     assert r.first_pass_s >= SlowToBuild.build_s
