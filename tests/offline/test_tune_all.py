@@ -39,6 +39,7 @@ from tuner.offline.tune_all import (
     journal_path,
     pending,
     read_journal,
+    worker_main,
 )
 from tuner.tuning.compile_pool import CompilePool
 from tuner.tuning.engine import TuneOptions
@@ -977,6 +978,43 @@ def test_a_worker_killed_before_it_announced_its_problem_fails_it_and_the_run_en
     assert [r.status for r in summary.results] == ["failed"], summary
     assert "worker died (exit code 9) before it started this problem" in summary.results[0].error
     assert not pool.stop.is_set() and summary.not_started == []
+
+
+def ready_then_die_once(conn, flag: str, *args) -> None:
+    """A tune-all worker that says "ready" and dies idle the first time it starts (``flag``
+    absent), as one the OOM killer takes between problems; a worker like any other after."""
+    if not os.path.exists(flag):
+        Path(flag).touch()
+        conn.send(("ready", fingerprint().device_class))
+        os._exit(5)
+    worker_main(conn, *args)
+
+
+def test_a_problem_handed_to_a_worker_already_dead_goes_to_its_replacement(tmp_path):
+    """A worker that died idle never got the problem the run then sends it: the problem is not
+    failed for that death, the worker's replacement tunes it."""
+    from tuner.tuning.supervisor import Supervised
+
+    key = GemmKey(m=2, n=8, k=8, dtype="f32", out_dtype="f32")
+    settings = RunSettings(tune=TuneOptions(sources=["torch"], budget_s=0.01), workers=1)
+    pool = _Pool(tmp_path / "c.db", settings, [None], print)
+    slot = pool.slots[0]
+    args = (str(tmp_path / "died"), *slot.worker.args)
+    slot.worker = Supervised(ready_then_die_once, args, name="dies-idle")
+    pool.backlog, pool.rank, pool.started = [key], {str(key): 0}, time.perf_counter()
+    slot.worker.restart()
+    pool._on_message(slot, slot.child.conn.recv())  # "ready"
+    slot.child.join(timeout=60)  # dead before the run hands it anything
+    watchdog = threading.Timer(120, pool.stop.set)
+    watchdog.start()
+    try:
+        while not all(s.done for s in pool.slots):
+            pool._step(pool.started)
+    finally:
+        watchdog.cancel()
+        pool._kill_all()
+    assert [(r.key, r.status) for r in pool.results] == [(key, "tuned")], pool.results
+    assert not pool.stop.is_set()
 
 
 @pytest.mark.cpu_host

@@ -501,21 +501,27 @@ class _Pool:
                 waiting += bool(self.backlog)
                 continue
             index, first = pick
-            key = self.backlog.pop(index)
+            key = self.backlog[index]
             parked = None if first else self.parked.get(str(key))
+            if not self._hand(slot, Task(key, str(key) in self.retune, first, parked)):
+                continue
+            del self.backlog[index]
             if first:
                 self.first_out.add(str(key))
-            self._hand(slot, Task(key, str(key) in self.retune, first, parked))
         return waiting
 
-    def _hand(self, slot: _Slot, task: Task | None) -> None:
+    def _hand(self, slot: _Slot, task: Task | None) -> bool:
         """Send ``task`` (None: the sentinel) down the worker's own pipe, so that the run knows
-        what a worker held if it dies before it announces it; a send to a dead worker is
-        answered by its pipe's end (``_on_exit``)."""
+        what a worker held if it dies before it announces it. False where the worker is dead
+        already: it never held the task, which stays the run's; its pipe's end replaces it
+        (``_on_exit``)."""
+        try:
+            slot.child.conn.send(task)
+        except OSError:
+            return False
         slot.task, slot.ending = task, task is None
         slot.measured = list(task.parked.outcome.measurements) if task and task.parked else []
-        with contextlib.suppress(OSError):
-            slot.child.conn.send(task)
+        return True
 
     def _pick(self, fresh: bool) -> tuple[int, bool] | None:
         """The backlog's index of the problem to hand out next, and whether as a first pass:
