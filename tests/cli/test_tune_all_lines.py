@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tuner.cli.tune_all import _describe
 from tuner.core.keys import GemmKey
-from tuner.offline.tune_all import ProblemSet, Result
+from tuner.measure.records import ELLIPSIS
+from tuner.offline.tune_all import KEPT_FIRST_PASS, ProblemSet, Result
 
 KEY = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
 BASELINE = {"candidate": "torch", "baseline_us": 10.0, "median_us": 10.0}
@@ -27,3 +28,10 @@ def test_a_second_pass_cut_short_names_its_first_pass_verdict_once():
     result = Result(KEY, "failed", 5.0, 0, winner=BASELINE, error=error, first_pass_s=2.0)
     line = _describe(result, problems())
     assert line.endswith(error) and "kept its baseline" not in line
+
+
+def test_a_long_second_pass_error_is_cut_before_it_says_the_first_pass_verdict_was_kept():
+    error = "second pass: RuntimeError: " + "x" * 400 + KEPT_FIRST_PASS
+    result = Result(KEY, "failed", 5.0, 0, winner=BASELINE, error=error, first_pass_s=2.0)
+    line = _describe(result, problems())
+    assert line.endswith(f"x{ELLIPSIS}{KEPT_FIRST_PASS}")

@@ -70,6 +70,8 @@ log = logging.getLogger(__name__)
 
 STATUSES = ("tuned", "failed", "timeout", "skipped")  # skipped: another process tuned it first
 PARKED = "parked"  # a first pass's result: not final, never journaled
+# the end of the error of a problem left its first pass's verdict (``_keep_first_pass``)
+KEPT_FIRST_PASS = "; the first pass's verdict kept"
 
 
 # --- what to tune ------------------------------------------------------------------------------
@@ -730,7 +732,7 @@ class _Pool:
         verdict = self.parked[str(result.key)].outcome.winner
         result.winner = self._save(measured, verdict)
         result.pruned = pruning.count(measured)
-        result.error += "; the first pass's verdict kept"
+        result.error += KEPT_FIRST_PASS
 
     def _save(self, measured: list[Measurement], winner: Winner) -> dict[str, Any]:
         with Store(self.store_path) as store:
