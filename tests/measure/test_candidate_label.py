@@ -7,7 +7,13 @@ import itertools
 
 import pytest
 
-from tuner.measure.records import ELLIPSIS, Winner, candidate_label, candidate_name
+from tuner.measure.records import (
+    ELLIPSIS,
+    LABEL_WIDTH,
+    Winner,
+    candidate_label,
+    candidate_name,
+)
 
 TRITON_TILED = {"bk": 256, "bm": 16, "bn": 32, "group_m": 8, "kernel": "tiled", "stages": 4,
                 "warps": 4}  # fmt: skip
@@ -87,6 +93,25 @@ def test_different_candidates_of_a_source_get_different_labels() -> None:
     for source, grid in (("triton_gemm", triton), ("cublaslt", cublaslt)):
         labels = {candidate_label(candidate_name(source, p)) for p in grid}
         assert len(labels) == len(grid), source
+
+
+def test_a_tables_labels_of_the_shortlisted_decode_configs_stay_apart() -> None:
+    """Cut to a table's width, the labels of the longest built-in configs (Triton's FP8 and INT4
+    decode ones, CUTLASS INT4's stream-K ones) still tell them apart: two FP8 configs that differ
+    only in their stages must not read alike."""
+    from tuner.candidates import cutlass_w4a16
+    from tuner.candidates.triton_kernels import fp8, w4a16
+
+    shapes = [(m, n, k) for m in (1, 8, 16) for n, k in ((1024, 4096), (4096, 14336))]
+    grids = {
+        "triton_fp8": [c for m, n, k in shapes for c in fp8.configs(m, n, k)],
+        "triton_w4a16": [c for m, n, k in shapes for c in w4a16.configs(m, n, k, 128)],
+        "cutlass_w4a16": [*cutlass_w4a16.SMALL, *cutlass_w4a16.MEDIUM, *cutlass_w4a16.LARGE],
+    }
+    for source, grid in grids.items():
+        names = {candidate_name(source, p) for p in grid}
+        labels = {candidate_label(name, LABEL_WIDTH) for name in names}
+        assert len(labels) == len(names), source
 
 
 def test_a_records_candidate_name_is_unchanged() -> None:

@@ -51,7 +51,7 @@ _PLAIN: dict[str, Any] = {"split_k": 1, "splits": 1, "reduction": 0, "custom": 0
                           "inner_shape": 0, "algo": -1, "scheduler": "default"}  # fmt: skip
 _PLAIN_BY_SOURCE = {s: {"swizzle": 1} for s in ("cutlass", "cutlass_fp8", "cutlass_w4a16")}
 ELLIPSIS = "…"
-LABEL_WIDTH = 60  # a table's winner column: room for the built-in sources' usual labels
+LABEL_WIDTH = 72  # a table's winner column: room for the built-in sources' labels, decode's too
 
 
 def candidate_label(name: str, width: int | None = None) -> str:
