@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import io
+
+from rich.console import Console
+
 from tuner.cli.tune_all import _describe
 from tuner.core.keys import GemmKey
 from tuner.measure.records import ELLIPSIS
@@ -35,3 +39,14 @@ def test_a_long_second_pass_error_is_cut_before_it_says_the_first_pass_verdict_w
     result = Result(KEY, "failed", 5.0, 0, winner=BASELINE, error=error, first_pass_s=2.0)
     line = _describe(result, problems())
     assert line.endswith(f"x{ELLIPSIS}{KEPT_FIRST_PASS}")
+
+
+def test_a_problems_label_is_printed_as_it_is_brackets_and_all():
+    """A problem list's file name may hold [ ]: the line shows it, not rich markup made of it."""
+    found = ProblemSet()
+    found.add(KEY, "shapes[v2].yaml[0]")
+    console = Console(file=io.StringIO(), width=200)
+    for status in ("tuned", "failed"):
+        console.print(_describe(Result(KEY, status, 1.0, 0, winner=BASELINE), found))
+    lines = console.file.getvalue().splitlines()
+    assert all("(shapes[v2].yaml[0])" in line for line in lines), lines

@@ -284,3 +284,10 @@ def test_the_closing_lines() -> None:
         "waited for",
         "pruned uncompiled: none",
     ]
+
+
+def test_a_problems_title_is_printed_as_it_is_brackets_and_all() -> None:
+    """A title from a file whose name holds [ ] reads the same in the table and the lines."""
+    row = replace(summary_row(8, 2.0, 1.0, {}), label="shapes[v2].yaml[0]")
+    text = rendered(report.Report(FP.device_class, FP.version_tag, [row]))
+    assert text.count("(shapes[v2].yaml[0])") == 2, text

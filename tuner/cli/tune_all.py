@@ -427,7 +427,7 @@ LINE_WIDTH = 80  # a winner's label in a progress line: past it, its least telli
 def _describe(result: Result, problems: ProblemSet) -> str:
     from tuner.offline.tune_all import KEPT_FIRST_PASS
 
-    label = _label(result.key, problems)
+    label = escape(_label(result.key, problems))  # a file's name may hold [ ]
     if result.status == "tuned" and result.winner:
         speedup = result.winner["baseline_us"] / result.winner["median_us"]
         winner = escape(candidate_label(result.winner["candidate"], LINE_WIDTH))
@@ -477,7 +477,7 @@ def run_with_progress(
                 f"awaiting shared kernels: {counted(len(parked), 'problem')}" if parked else ""
             )
             shown = " | ".join([*in_flight.values(), waiting] if waiting else in_flight.values())
-            bar.update(task, description=clipped(shown, 60) or "waiting")
+            bar.update(task, description=escape(clipped(shown, 60)) or "waiting")
 
         return run(todo, store_path, settings, on_event=on_event, retune=retune)
 
@@ -574,7 +574,7 @@ def tune_all(
     ordered = order(todo, journal, fp.device_class, settings.retries)
     for key, failures in ordered.given_up:
         console.print(
-            f"  [yellow]not retried[/yellow] {_label(key, problems)}: failed or timed out "
+            f"  [yellow]not retried[/yellow] {escape(_label(key, problems))}: failed or timed out "
             f"{failures} times (--retries {settings.retries})"
         )
     summary = None
@@ -595,7 +595,7 @@ def tune_all(
                       f"GET {os.environ.get('TUNER_SERVER', '$TUNER_SERVER')}/v1/queue)")  # fmt: skip
     if dry_run:
         for key in ordered.todo:
-            console.print(f"  would tune {_label(key, problems)}")
+            console.print(f"  would tune {escape(_label(key, problems))}")
         return 0
     rep = report.build(
         store, fp, problems=problems, journal=read_journal(journal_path(store_path)), run=summary

@@ -299,7 +299,7 @@ def _table(report: Report, rows: list[Row]) -> Table:
         speed = "-" if sp is None else f"[{color}]{sp:.2f}x[/{color}]" if color else f"{sp:.2f}x"
         winner = _winner_cell(r)
         t.add_row(
-            r.title, r.status, _fmt(r.baseline_us, ".2f"), _fmt(r.winner_us, ".2f"), speed,
+            escape(r.title), r.status, _fmt(r.baseline_us, ".2f"), _fmt(r.winner_us, ".2f"), speed,
             escape(clipped(winner, LABEL_WIDTH)), _fmt(r.tune_s, ".1f"), _fmt(r.wait_s, ".1f"),
             str(sum(r.pruned.values())) if r.pruned else "-",
         )  # fmt: skip
@@ -343,7 +343,7 @@ def _speedup_line(timed: list[Row], geomean_: float) -> str:
 
 def _where(rows: list[Row], speedup: float) -> str:
     at = [r for r in rows if r.speedup == speedup]
-    return f"on {at[0].title}" if len(at) == 1 else f"on {len(at)} problems"
+    return f"on {escape(at[0].title)}" if len(at) == 1 else f"on {len(at)} problems"
 
 
 def _tuning_line(report: Report, s: dict[str, Any]) -> str:
