@@ -25,6 +25,7 @@ from tuner.offline import report
 from tuner.offline.plots import geomean
 from tuner.offline.tune_all import (
     ProblemSet,
+    Result,
     RunSummary,
     append_journal,
     journal_path,
@@ -158,6 +159,16 @@ def test_write_puts_the_json_and_a_png(tuned: Tuned, tmp_path: Path) -> None:
     assert [r["speedup"] for r in written["rows"]] == [r.speedup for r in rep.rows]
     assert png == tmp_path / "out" / "speedup.png"
     assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_problem_another_process_tuned_meanwhile_counts_as_an_earlier_runs(tuned: Tuned):
+    """This run found TORCH_WON tuned by another process as it came to it ("skipped"): its
+    time is that process's, so the closing line counts it among the earlier runs' problems."""
+    results = [Result(TRITON_WON, "tuned", 2.0, 0), Result(TORCH_WON, "skipped", 0.0, 0)]
+    run = RunSummary(results=results, wall_s=5.0, workers=1)
+    rep = report.build(tuned.store, FP, journal=tuned.journal, run=run)
+    # TORCH_WON, STALE and FAILED: only TRITON_WON is this run's
+    assert "(3 of them tuned by earlier runs)" in rendered(rep)
 
 
 def test_write_without_timed_rows_writes_no_png(tuned: Tuned, tmp_path: Path) -> None:

@@ -224,7 +224,8 @@ def build(
         stopped=run.stopped if run else "", idle_s=run.idle_s if run else 0.0,
         shared_compile_s=run.shared_compile_s if run else None,
         start_s=run.start_s if run else None,
-        ran={str(r.key) for r in run.results} if run else None,
+        # a problem another process tuned meanwhile ("skipped") was not tuned by this run
+        ran={str(r.key) for r in run.results if r.status != "skipped"} if run else None,
     )  # fmt: skip
 
 
