@@ -297,6 +297,16 @@ def test_the_closing_lines() -> None:
     ]
 
 
+def test_a_failed_rows_cell_keeps_saying_the_first_pass_verdict_was_kept() -> None:
+    """A long second-pass error is cut in the winner cell before its ending, which stays."""
+    from tuner.offline.tune_all import KEPT_FIRST_PASS
+
+    error = "second pass: RuntimeError: " + "x" * 300 + KEPT_FIRST_PASS
+    row = replace(summary_row(8, 1.5, 1.0, {}), status="failed", error=error)
+    cell = report._winner_cell(row)
+    assert cell.endswith("x…" + KEPT_FIRST_PASS) and len(cell) < 120
+
+
 def test_a_problems_title_is_printed_as_it_is_brackets_and_all() -> None:
     """A title from a file whose name holds [ ] reads the same in the table and the lines."""
     row = replace(summary_row(8, 2.0, 1.0, {}), label="shapes[v2].yaml[0]")

@@ -425,7 +425,7 @@ LINE_WIDTH = 80  # a winner's label in a progress line: past it, its least telli
 
 
 def _describe(result: Result, problems: ProblemSet) -> str:
-    from tuner.offline.tune_all import KEPT_FIRST_PASS
+    from tuner.offline.tune_all import clipped_error
 
     label = escape(_label(result.key, problems))  # a file's name may hold [ ]
     if result.status == "tuned" and result.winner:
@@ -434,12 +434,9 @@ def _describe(result: Result, problems: ProblemSet) -> str:
         return f"[green]tuned[/green] {label} -> {winner}, {speedup:.2f}x ({result.seconds:.1f} s)"
     if result.status == "skipped":
         return f"[dim]skipped[/dim] {label}: tuned meanwhile by another process"
-    # a problem with a first pass kept that pass's verdict, and its error ends saying so: a long
-    # error is cut before that end, not through it
-    error = result.error.removesuffix(KEPT_FIRST_PASS)
+    # a problem with a first pass kept that pass's verdict, and its error ends saying so
     kept = "; kept its baseline" if result.winner and result.first_pass_s is None else ""
-    kept += result.error[len(error) :]
-    return f"[red]{result.status}[/red] {label}: {escape(clipped(error, 300))}{kept}"
+    return f"[red]{result.status}[/red] {label}: {escape(clipped_error(result.error, 300))}{kept}"
 
 
 def run_with_progress(

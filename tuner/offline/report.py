@@ -23,9 +23,9 @@ from tuner.core.atomic import write_atomic
 from tuner.core.console import counted
 from tuner.core.device import Fingerprint
 from tuner.core.keys import GemmKey, Key, parse_key
-from tuner.measure.records import LABEL_WIDTH, Winner, candidate_label, clipped
+from tuner.measure.records import LABEL_WIDTH, Winner, candidate_label
 from tuner.offline.plots import geomean, speedup_plot
-from tuner.offline.tune_all import ProblemSet, RunSummary
+from tuner.offline.tune_all import ProblemSet, RunSummary, clipped_error
 from tuner.tuning.engine import PHASES
 
 
@@ -298,10 +298,9 @@ def _table(report: Report, rows: list[Row]) -> Table:
         sp = r.speedup
         color = "green" if sp and sp > 1.0 else ("red" if r.status in ("failed", "timeout") else "")
         speed = "-" if sp is None else f"[{color}]{sp:.2f}x[/{color}]" if color else f"{sp:.2f}x"
-        winner = _winner_cell(r)
         t.add_row(
             escape(r.title), r.status, _fmt(r.baseline_us, ".2f"), _fmt(r.winner_us, ".2f"), speed,
-            escape(clipped(winner, LABEL_WIDTH)), _fmt(r.tune_s, ".1f"), _fmt(r.wait_s, ".1f"),
+            escape(_winner_cell(r)), _fmt(r.tune_s, ".1f"), _fmt(r.wait_s, ".1f"),
             str(sum(r.pruned.values())) if r.pruned else "-",
         )  # fmt: skip
     return t
@@ -311,7 +310,7 @@ def _winner_cell(row: Row) -> str:
     """The winner's label; for a problem whose last attempt failed, why (the winner it kept
     is in report.json)."""
     if (row.error and row.status in ("failed", "timeout")) or not row.candidate:
-        return row.error
+        return clipped_error(row.error, LABEL_WIDTH)
     return candidate_label(row.candidate, LABEL_WIDTH)
 
 

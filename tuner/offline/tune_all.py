@@ -54,7 +54,7 @@ from typing import Any
 from tuner.cache import Store
 from tuner.core.device import Fingerprint, too_big_here
 from tuner.core.keys import GemmKey, Key, parse_key
-from tuner.measure.records import DEFAULT_LAUNCH, Measurement, Winner
+from tuner.measure.records import DEFAULT_LAUNCH, Measurement, Winner, clipped
 from tuner.offline.model_config import ModelConfig, expand
 from tuner.offline.problem_list import load_problems
 from tuner.offline.run_settings import RunSettings
@@ -72,6 +72,13 @@ STATUSES = ("tuned", "failed", "timeout", "skipped")  # skipped: another process
 PARKED = "parked"  # a first pass's result: not final, never journaled
 # the end of the error of a problem left its first pass's verdict (``_keep_first_pass``)
 KEPT_FIRST_PASS = "; the first pass's verdict kept"
+
+
+def clipped_error(error: str, width: int) -> str:
+    """A problem's error cut to about ``width`` for a line or a cell: cut before its
+    ``KEPT_FIRST_PASS`` ending, which stays whole, so a reader still learns what it serves."""
+    cause = error.removesuffix(KEPT_FIRST_PASS)
+    return clipped(cause, width) + error[len(cause) :]
 
 
 # --- what to tune ------------------------------------------------------------------------------
