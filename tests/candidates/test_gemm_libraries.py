@@ -174,6 +174,33 @@ def test_runners_are_captured_in_a_cuda_graph(name):
     assert samples.relative_error(out, a.double() @ b.double()) <= samples.tolerance(key)
 
 
+def test_cublas_gemms_on_two_streams_at_once_each_have_their_own_workspace():
+    """Long-K GEMMs (split-K: their partial sums live in the workspace) on two streams at once
+    stay right: each stream has its own workspace, not cuBLAS's default pool, shared."""
+    from tuner.candidates import cublas
+
+    key = key_of("bf16", "f32", "nn", m=64, n=128, k=32768)
+    runner = source("cublas").build(key, {"algo": -1})
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    pairs = [samples.make_inputs(key, "cuda", gen) for _ in range(2)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [[torch.empty(key.m, key.n, dtype=torch.bfloat16, device="cuda") for _ in range(20)]
+            for _ in streams]  # fmt: skip
+    torch.cuda.synchronize()
+    for i in range(20):
+        for s, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                runner(*pairs[s], out=outs[s][i])
+    torch.cuda.synchronize()
+    for (a, b), written in zip(pairs, outs, strict=True):
+        want = a.double() @ b.double()
+        assert max(samples.relative_error(o, want) for o in written) <= samples.tolerance(key)
+    handle = cublas._HANDLES.get(torch.device("cuda"))
+    spaces = cublas._WORKSPACES[handle].by_stream
+    assert {s.cuda_stream for s in streams} <= set(spaces)
+    assert len({spaces[s.cuda_stream][0] for s in streams}) == 2
+
+
 # --- CUTLASS: one compile per (dtypes, layouts, config), all compiled in parallel up front -------
 
 CUTLASS_KEYS = [key_of("bf16", "f32", layout, m=512, n=512, k=512) for layout in LAYOUTS] + [

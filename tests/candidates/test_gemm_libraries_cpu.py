@@ -135,14 +135,20 @@ class FakeCublas:
 
     def __init__(self) -> None:
         self.stream: dict[int, int] = {}  # handle -> the stream bound to it
-        self.ran_on: list[tuple[int, int]] = []  # (stream the caller asked for, stream bound)
+        self.workspace: dict[int, tuple[int, int] | None] = {}  # handle -> (pointer, bytes)
+        # (stream the caller asked for, stream bound, workspace bound)
+        self.ran_on: list[tuple[int, int, tuple[int, int] | None]] = []
 
     def create(self) -> int:
         return 1
 
     def set_stream(self, handle: int, stream_id: int) -> None:
         self.stream[handle] = stream_id
+        self.workspace[handle] = None  # as cuBLAS: back to its default pool
         time.sleep(1e-4)
+
+    def set_workspace(self, handle: int, workspace: int, size: int) -> None:
+        self.workspace[handle] = (workspace, size)
 
     def gemm_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb,
                 beta, c, ctype, ldc, compute_type, algo) -> None:  # fmt: skip
@@ -152,7 +158,7 @@ class FakeCublas:
     def gemm_strided_batched_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda,
                                 stride_a, b, btype, ldb, stride_b, beta, c, ctype, ldc, stride_c,
                                 batch_count, compute_type, algo) -> None:  # fmt: skip
-        self.ran_on.append((threading.get_ident(), self.stream[handle]))
+        self.ran_on.append((threading.get_ident(), self.stream[handle], self.workspace[handle]))
         assert compute_type == ops.CUBLAS_COMPUTE_32F and algo == cublas.CUBLAS_GEMM_DEFAULT
         first = self.matrix(a, atype, (m, k) if transa == ops.OP_N else (k, m), lda, stride_a,
                             batch_count)  # fmt: skip
@@ -181,6 +187,7 @@ def fake_cublas(monkeypatch: pytest.MonkeyPatch) -> FakeCublas:
     fake = FakeCublas()
     monkeypatch.setattr(cublas, "_library", lambda: fake)
     monkeypatch.setattr(cublas._HANDLES, "get", lambda device: fake.create())
+    monkeypatch.setattr(cublas, "_WORKSPACES", {})
     monkeypatch.setattr(ops, "current_stream", lambda device: threading.get_ident())
     return fake
 
@@ -198,9 +205,10 @@ def test_cublas_runner_passes_the_c_apis_arguments_in_order(fake_cublas, layout,
     assert runner(a, b, out=out) is out and samples.relative_error(out, want) <= tol
 
 
-def test_cublas_calls_from_two_threads_each_run_on_their_own_stream(fake_cublas):
+def test_cublas_calls_from_two_threads_each_run_on_their_own_stream_and_workspace(fake_cublas):
     """The handle is one per device, shared by every runner and thread: a call binds its
-    stream to it and enqueues before another thread may bind its own."""
+    stream and that stream's workspace to it and enqueues before another thread may bind its
+    own. Two streams' GEMMs never share a workspace (cuBLAS's default pool would be shared)."""
     key = GemmKey(m=4, n=8, k=8, dtype="f32", out_dtype="f32")
     a, b = samples.make_inputs(key, "cpu", torch.Generator().manual_seed(0))
     runner = cublas.CublasGemm().build(key, {"algo": -1})
@@ -215,7 +223,11 @@ def test_cublas_calls_from_two_threads_each_run_on_their_own_stream(fake_cublas)
     for t in threads:
         t.join()
     assert len(fake_cublas.ran_on) == 100
-    assert [bound for caller, bound in fake_cublas.ran_on if bound != caller] == []
+    assert [bound for caller, bound, _ in fake_cublas.ran_on if bound != caller] == []
+    workspaces = {stream: space for _, stream, space in fake_cublas.ran_on}
+    assert len(workspaces) == 2 and len(set(workspaces.values())) == 2
+    assert all(space[1] == ops.WORKSPACE_BYTES for space in workspaces.values())
+    assert {s for _, s, space in fake_cublas.ran_on if workspaces[s] != space} == set()
 
 
 # --- cuBLASLt params ------------------------------------------------------------------------------

@@ -6,8 +6,10 @@ tensor-op algorithm enum (passed as ints). The compute type follows the key: CUB
 (fp16/bf16 inputs accumulate in fp32; fp32 stays IEEE) or CUBLAS_COMPUTE_32F_FAST_TF32. Every
 layout maps onto one column-major call (gemm_operands), on torch's current stream (bound to the
 handle for each call) through a handle of our own, so torch's handle state is never touched. The
-handle is one per device, shared by every runner and thread: a call binds its stream and enqueues
-under the handle's lock, so that no other thread's stream is bound in between.
+handle is one per device, shared by every runner and thread: a call binds its stream and that
+stream's own workspace and enqueues under the handle's lock, so that no other thread's stream is
+bound in between. The workspace is ours, one per stream as torch keeps one per handle and stream:
+``cublasSetStream`` binds the library's default pool, which two streams' GEMMs would share.
 
 Not through CuPy, whose cuBLAS wrappers refuse every call while a stream is capturing
 ("calling cuBLAS API during stream capture is currently unsupported"): such a runner can never
@@ -46,11 +48,20 @@ def _library() -> Any:
 
 _HANDLES = ops.DeviceHandles(lambda: _library().create())
 _LOCKS: dict[int, threading.Lock] = {}  # handle -> the lock its stream is bound and used under
+_WORKSPACES: dict[int, ops.StreamWorkspaces] = {}  # handle -> its streams' workspaces
 
 
 def _lock(handle: int) -> threading.Lock:
     lock = _LOCKS.get(handle)
     return lock if lock is not None else _LOCKS.setdefault(handle, threading.Lock())
+
+
+def _workspace(handle: int, device: Any, stream: int) -> tuple[int, int]:
+    """(pointer, bytes) of ``stream``'s workspace on ``handle``; called under the handle's lock."""
+    spaces = _WORKSPACES.get(handle)
+    if spaces is None:
+        spaces = _WORKSPACES[handle] = ops.StreamWorkspaces(device)
+    return spaces.get(stream, ops.WORKSPACE_BYTES)
 
 
 def candidate_algos() -> tuple[int, ...]:
@@ -115,7 +126,8 @@ class CublasGemm(Source):
             handle = _HANDLES.get(ta.device)
             stream = ops.current_stream(ta.device)
             with _lock(handle):
-                lib.set_stream(handle, stream)
+                lib.set_stream(handle, stream)  # binds the default pool: ours goes after it
+                lib.set_workspace(handle, *_workspace(handle, ta.device, stream))
                 _gemm(handle, call, ta, tb, c)
             return ops.finish(c, user_out, convert)
 

@@ -34,7 +34,6 @@ from tuner.candidates.base import Params, Runner, Source
 from tuner.core.keys import GemmKey
 
 HEURISTIC_LIMIT = 16
-MAX_WORKSPACE_BYTES = 32 * 2**20  # what NVIDIA recommends for Hopper
 SUCCESS = 0  # cublasStatus_t of a usable heuristic result
 
 # param name -> (MatmulAlgoConfigAttribute member, enum class name, enum member prefix).
@@ -259,7 +258,7 @@ class _Descriptors:
         try:
             attr, dtype_of = lt.MatmulPreferenceAttribute, lt.get_matmul_preference_attribute_dtype
             for a, v in (
-                (attr.MAX_WORKSPACE_BYTES, MAX_WORKSPACE_BYTES),
+                (attr.MAX_WORKSPACE_BYTES, ops.WORKSPACE_BYTES),
                 (attr.MIN_ALIGNMENT_A_BYTES, align.a),
                 (attr.MIN_ALIGNMENT_B_BYTES, align.b),
                 (attr.MIN_ALIGNMENT_C_BYTES, align.c),

@@ -281,6 +281,11 @@ class DeviceHandles:
         return handle
 
 
+# A library GEMM's workspace per stream: what NVIDIA recommends for Hopper, and what torch gives
+# each of its cuBLAS handles' streams there.
+WORKSPACE_BYTES = 32 * 2**20
+
+
 class StreamWorkspaces:
     """Scratch memory of a library GEMM runner, one buffer per CUDA stream.
 
