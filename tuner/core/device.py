@@ -9,6 +9,8 @@ are stored beside every result as ``version_tag``; a result made under other ver
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import importlib.metadata
 import os
@@ -56,19 +58,34 @@ def _package_version(name: str) -> str:
 
 
 def _cuda_versions() -> dict[str, str]:
-    """Driver and cuBLAS versions come through CuPy where it is installed (torch exposes neither)."""
+    """The CUDA, driver and cuBLAS versions (torch exposes only the first). A version that cannot
+    be read is left out, never fatal."""
     import torch
 
     versions = {"cuda": torch.version.cuda or ""}
-    try:
-        import cupy
-        from cupy_backends.cuda.libs import cublas
-
-        versions["driver"] = str(cupy.cuda.runtime.driverGetVersion())
-        versions["cublas"] = str(cublas.getVersion(cupy.cuda.Device().cublas_handle))
-    except Exception:  # CuPy missing or too old: versions stay partial, never fatal
-        pass
+    with contextlib.suppress(OSError, AttributeError):
+        versions["driver"] = str(driver_version())
+    with contextlib.suppress(Exception):  # nvmath-python missing, or its cuBLAS will not load
+        versions["cublas"] = str(cublas_version())
     return versions
+
+
+def driver_version() -> int:
+    """The driver's CUDA version (13000 for 13.0), from libcuda itself: no package needed."""
+    version = ctypes.c_int()
+    status = ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
+    if status != 0:
+        raise OSError(f"cuDriverGetVersion returned {status}")
+    return version.value
+
+
+def cublas_version() -> int:
+    """The version of the cuBLAS the ``cublas`` source calls (through nvmath-python's bindings),
+    spelled as ``cublasGetVersion`` does: major * 10000 + minor * 100 + patch."""
+    from nvmath.bindings import cublas
+
+    major, minor, patch = (cublas.get_property(p) for p in range(3))  # libraryPropertyType
+    return major * 10000 + minor * 100 + patch
 
 
 @functools.cache
