@@ -980,6 +980,27 @@ def test_a_worker_killed_before_it_announced_its_problem_fails_it_and_the_run_en
     assert not pool.stop.is_set() and summary.not_started == []
 
 
+def test_a_replacement_worker_is_handed_a_problem_while_its_kernels_compile(tmp_path):
+    """A worker that replaces a dead one is fresh, as the run's first ones are: it takes the
+    first problem while nothing is compiled and waits for its kernels inside, instead of idling."""
+    keys = [GemmKey(m=m, n=8, k=8, dtype="f32", out_dtype="f32") for m in (1, 2)]
+    options = TuneOptions(sources=["torch"], budget_s=0.01)
+    compiler = CompilePool(keys, options, "cpu", jobs=1)  # not started: nothing compiles
+    settings = RunSettings(tune=options, workers=1)
+    pool = _Pool(tmp_path / "c.db", settings, [None], print, compiler)
+    pool.backlog, pool.rank = list(keys), {str(k): i for i, k in enumerate(keys)}
+    slot = pool.slots[0]
+    try:
+        assert pool._pick(slot.fresh) == (0, True)
+        slot.fresh = False  # it started a problem, then died
+        assert pool._pick(slot.fresh) is None
+        pool._replace(slot)
+        assert slot.fresh and pool._pick(slot.fresh) == (0, True)
+    finally:
+        pool._kill_all()
+        compiler.close()
+
+
 def ready_then_die_once(conn, flag: str, *args) -> None:
     """A tune-all worker that says "ready" and dies idle the first time it starts (``flag``
     absent), as one the OOM killer takes between problems; a worker like any other after."""

@@ -453,8 +453,10 @@ class _Pool:
                 signal.signal(sig, handler)
 
     def _spawn(self, slot: _Slot) -> None:
+        """Start the slot's worker: at the run's start, or a replacement, fresh as the first."""
         slot.worker.restart()
         slot.ready, slot.task, slot.ending, slot.key, slot.measured = False, None, False, None, []
+        slot.fresh = True
 
     def _kill_all(self) -> None:
         """Kill the workers; one that said "exit" first gets time to shut down cleanly, so that
