@@ -9,7 +9,7 @@ from rich.console import Console
 from tuner.cli.tune_all import _describe
 from tuner.core.keys import GemmKey
 from tuner.measure.records import ELLIPSIS
-from tuner.offline.tune_all import KEPT_FIRST_PASS, ProblemSet, Result
+from tuner.offline.tune_all import KEPT_FIRST_PASS, PARTIAL, ProblemSet, Result
 
 KEY = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
 BASELINE = {"candidate": "torch", "baseline_us": 10.0, "median_us": 10.0}
@@ -39,6 +39,13 @@ def test_a_long_second_pass_error_is_cut_before_it_says_the_first_pass_verdict_w
     result = Result(KEY, "failed", 5.0, 0, winner=BASELINE, error=error, first_pass_s=2.0)
     line = _describe(result, problems())
     assert line.endswith(f"x{ELLIPSIS}{KEPT_FIRST_PASS}")
+
+
+def test_a_problem_the_run_stopped_between_its_passes_is_not_called_a_failure():
+    error = "the run stopped before its second pass" + KEPT_FIRST_PASS
+    result = Result(KEY, PARTIAL, 2.0, 0, winner=BASELINE, error=error, first_pass_s=2.0)
+    line = _describe(result, problems())
+    assert line.startswith("[yellow]partial[/yellow]") and line.endswith(error)
 
 
 def test_a_problems_label_is_printed_as_it_is_brackets_and_all():

@@ -117,6 +117,19 @@ def test_a_failed_retune_is_failed_beside_the_winner_it_kept(tuned: Tuned) -> No
     assert pending(tuned.store, FP, [TORCH_WON], journal=tuned.journal) == []
 
 
+def test_a_problem_stopped_between_its_passes_shows_the_verdict_it_kept(tuned: Tuned) -> None:
+    error = "the run stopped before its second pass; the first pass's verdict kept"
+    journal = [*tuned.journal, journal_record(TORCH_WON, "partial", 0.9, error=error)]
+    rep = report.build(tuned.store, FP, journal=journal)
+    row = next(r for r in rep.rows if r.key == str(TORCH_WON))
+    winner = tuned.store.winner(FP.device_class, str(TORCH_WON))
+    assert (row.status, row.winner_us, row.source) == ("partial", winner.median_us, winner.source)
+    assert rep.summary()["partial"] == 1 and row not in rep.timed()  # not this run's verdict
+    text = rendered(rep)
+    assert "1 partial" in text and "first pass's verdict kept" in text
+    assert pending(tuned.store, FP, [TORCH_WON], journal=journal) == [TORCH_WON]
+
+
 def test_summary_counts_and_ranks_the_tuned_rows(tuned: Tuned) -> None:
     run = RunSummary(results=[], wall_s=12.5, workers=2, stopped="time limit")
     summary = report.build(tuned.store, FP, journal=tuned.journal, run=run).summary()

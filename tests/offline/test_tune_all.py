@@ -37,6 +37,8 @@ from tuner.offline.tune_all import (
     _Pool,
     _tune_one,
     journal_path,
+    kept_after_unfinished,
+    order,
     pending,
     read_journal,
     worker_main,
@@ -897,6 +899,51 @@ def test_a_second_pass_cut_off_by_its_limit_keeps_the_first_pass_verdict(tmp_pat
         (kept,) = [m for m in store.measurements(fingerprint().device_class, str(key))
                    if m.source == "memoized"]  # fmt: skip
     assert "confirmation:" in kept.error and "kept" in kept.error  # the first pass's duel
+
+
+@pytest.mark.cpu_host
+def test_a_run_stopped_between_a_problems_passes_keeps_its_first_pass_verdict(tmp_path):
+    """Ctrl-C (or the run's time limit) while the shared kernels still compile: the problems
+    whose first pass ended keep its verdict, stored and served meanwhile (``partial``), and a
+    later run tunes them again without counting a failure against --retries."""
+    from planted import Memoized, SharedMemoized
+
+    Memoized.slow = False
+    key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
+    options = TuneOptions(sources=["memoized", "shared_memoized"], budget_s=0.01)
+    compiler = CompilePool([key], options, "cpu", jobs=1)  # not started: the test compiles
+    compiler.events[str(key)][0].set()  # its own job; the shared kernels never come
+    verdict = {}
+
+    def emit(event):
+        if event[0] == "parked":
+            verdict.update(pool.parked[str(key)].outcome.winner.to_row())
+            pool.interrupts += 1  # what the SIGINT handler does
+
+    for source in (Memoized(), SharedMemoized()):
+        registry.register(source)
+    cache = tmp_path / "c.db"
+    pool = _Pool(cache, RunSettings(tune=options, workers=1, retries=0), [None], emit, compiler)
+    try:
+        summary = pool.run([key], set())
+    finally:
+        compiler.close()
+        for name in ("memoized", "shared_memoized"):
+            registry.unregister(name)
+    (result,) = summary.results
+    assert summary.stopped == "ctrl-c" and summary.not_started == []
+    assert result.status == "partial" and result.winner == verdict
+    assert result.error == "the run stopped before its second pass; the first pass's verdict kept"
+    fp = fingerprint()
+    with Store(cache) as store:
+        assert store.winner(fp.device_class, str(key)).to_row() == verdict  # served meanwhile
+    journal = read_journal(journal_path(cache))
+    assert [rec["status"] for rec in journal] == ["partial"] and journal[0]["first_pass_s"] > 0
+    # the next run tunes it again, even with --retries 0: the stop was not the problem's fault
+    assert kept_after_unfinished(journal, fp) == {str(key)}
+    assert order([key], journal, fp.device_class, retries=0).todo == [key]
+    with Store(cache) as store:
+        assert pending(store, fp, [key], journal=journal) == [key]
 
 
 @pytest.mark.cpu_host

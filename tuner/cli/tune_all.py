@@ -425,7 +425,7 @@ LINE_WIDTH = 80  # a winner's label in a progress line: past it, its least telli
 
 
 def _describe(result: Result, problems: ProblemSet) -> str:
-    from tuner.offline.tune_all import clipped_error
+    from tuner.offline.tune_all import PARTIAL, clipped_error
 
     label = escape(_label(result.key, problems))  # a file's name may hold [ ]
     if result.status == "tuned" and result.winner:
@@ -436,7 +436,9 @@ def _describe(result: Result, problems: ProblemSet) -> str:
         return f"[dim]skipped[/dim] {label}: tuned meanwhile by another process"
     # a problem with a first pass kept that pass's verdict, and its error ends saying so
     kept = "; kept its baseline" if result.winner and result.first_pass_s is None else ""
-    return f"[red]{result.status}[/red] {label}: {escape(clipped_error(result.error, 300))}{kept}"
+    color = "yellow" if result.status == PARTIAL else "red"  # no fault of the problem's
+    error = escape(clipped_error(result.error, 300))
+    return f"[{color}]{result.status}[/{color}] {label}: {error}{kept}"
 
 
 def run_with_progress(

@@ -25,7 +25,7 @@ from tuner.core.device import Fingerprint
 from tuner.core.keys import GemmKey, Key, parse_key
 from tuner.measure.records import LABEL_WIDTH, Winner, candidate_label
 from tuner.offline.plots import geomean, speedup_plot
-from tuner.offline.tune_all import ProblemSet, RunSummary, clipped_error
+from tuner.offline.tune_all import FAILURES, UNFINISHED, ProblemSet, RunSummary, clipped_error
 from tuner.tuning.engine import PHASES
 
 
@@ -38,7 +38,7 @@ def shape_label(shape: str, label: str = "") -> str:
 class Row:
     label: str  # where the problem came from (model, list, misses), else its shape
     key: str
-    status: str  # tuned | stale (winner from other versions) | failed | timeout | pending
+    status: str  # tuned | stale (winner from other versions) | failed | timeout | partial | pending
     baseline_us: float | None = None
     winner_us: float | None = None  # a cut-off problem's is what it kept (baseline, first pass)
     source: str = ""
@@ -128,7 +128,7 @@ class Report:
         }
 
 
-_STATUS_ORDER = ("tuned", "stale", "failed", "timeout", "pending")
+_STATUS_ORDER = ("tuned", "stale", "failed", "timeout", "partial", "pending")
 
 
 def short_label(key: str | Key) -> str:
@@ -180,9 +180,9 @@ def _costs(rec: dict[str, Any]) -> dict[str, Any]:
 def _row(label: str, key: str, winner: Winner | None, records: list[dict], fp: Fingerprint) -> Row:
     shape = short_label(key)
     last = records[-1] if records else None
-    if winner is not None and last is not None and last["status"] in ("failed", "timeout"):
-        # the last attempt did not finish (it timed out, or a forced re-tune failed): say so,
-        # beside the winner it kept
+    if winner is not None and last is not None and last["status"] in UNFINISHED:
+        # the last attempt did not finish (it timed out, a forced re-tune failed, the run stopped
+        # between its passes): say so, beside the winner it kept
         return Row(
             label, key, last["status"], winner.baseline_us, winner.median_us, winner.source,
             winner.candidate, error=last["error"], shape=shape, **_costs(last),
@@ -196,7 +196,7 @@ def _row(label: str, key: str, winner: Winner | None, records: list[dict], fp: F
             winner.baseline_us, winner.median_us, winner.source, winner.candidate,
             shape=shape, **costs,
         )  # fmt: skip
-    if last is not None and last["status"] in ("failed", "timeout"):
+    if last is not None and last["status"] in UNFINISHED:
         return Row(label, key, last["status"], error=last["error"], shape=shape, **_costs(last))
     return Row(label, key, "pending", shape=shape)
 
@@ -215,7 +215,7 @@ def build(
     if problems is not None:
         items = [(problems.label(k) or k.label, str(k)) for k in problems]
     else:
-        failed = {k for k, recs in records.items() if recs[-1]["status"] in ("failed", "timeout")}
+        failed = {k for k, recs in records.items() if recs[-1]["status"] in UNFINISHED}
         items = [(short_label(k), k) for k in sorted(set(winners) | failed, key=_order)]
     rows = [_row(label, key, winners.get(key), records.get(key, []), fp) for label, key in items]
     return Report(
@@ -254,7 +254,7 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-_TABLE_ORDER = {"failed": 0, "timeout": 1, "pending": 2, "stale": 3, "tuned": 4}
+_TABLE_ORDER = {"failed": 0, "timeout": 1, "partial": 2, "pending": 3, "stale": 4, "tuned": 5}
 
 
 def render(
@@ -296,7 +296,7 @@ def _table(report: Report, rows: list[Row]) -> Table:
         t.add_column(col, overflow="fold")
     for r in rows:
         sp = r.speedup
-        color = "green" if sp and sp > 1.0 else ("red" if r.status in ("failed", "timeout") else "")
+        color = "green" if sp and sp > 1.0 else ("red" if r.status in FAILURES else "")
         speed = "-" if sp is None else f"[{color}]{sp:.2f}x[/{color}]" if color else f"{sp:.2f}x"
         t.add_row(
             escape(r.title), r.status, _fmt(r.baseline_us, ".2f"), _fmt(r.winner_us, ".2f"), speed,
@@ -309,7 +309,7 @@ def _table(report: Report, rows: list[Row]) -> Table:
 def _winner_cell(row: Row) -> str:
     """The winner's label; for a problem whose last attempt failed, why (the winner it kept
     is in report.json)."""
-    if (row.error and row.status in ("failed", "timeout")) or not row.candidate:
+    if (row.error and row.status in UNFINISHED) or not row.candidate:
         return clipped_error(row.error, LABEL_WIDTH)
     return candidate_label(row.candidate, LABEL_WIDTH)
 

@@ -15,9 +15,10 @@ the rest with one ``RunSettings``.
   problem waiting only for kernels that serve every shape (CUTLASS's, compiled once for the whole
   run) gets a *first pass*: every other candidate timed and duelled, its verdict held by the run
   (not stored); once those kernels are built its second pass times their candidates alone and
-  duels them against what the first pass settled. A run stopped in between leaves such a
-  problem pending; a second pass that ends without a verdict of its own (cut off by its limit,
-  crashed, or given no time) keeps the first pass's, as a timeout keeps the baseline.
+  duels them against what the first pass settled. A second pass that ends without a verdict of
+  its own (cut off by its limit, crashed, or given no time) keeps the first pass's, as a timeout
+  keeps the baseline; so does a problem whose run stopped before its second pass (``partial``:
+  tuned again by a later run, not counted as a failure).
 - **Budgets.** A problem past ``problem_timeout_s`` has its worker killed (that also covers a
   candidate that hangs or breaks its CUDA context): it is recorded as ``timeout``, keeps the
   best it measured (its baseline, which no challenger beat in a finished duel) as its winner,
@@ -68,7 +69,12 @@ from tuner.tuning.verdict import effective_us
 
 log = logging.getLogger(__name__)
 
-STATUSES = ("tuned", "failed", "timeout", "skipped")  # skipped: another process tuned it first
+# skipped: another process tuned it first; partial: the run stopped (its time limit, Ctrl-C,
+# SIGTERM) between the problem's two passes, so its first pass's verdict is kept
+PARTIAL = "partial"
+STATUSES = ("tuned", "failed", "timeout", PARTIAL, "skipped")
+FAILURES = ("failed", "timeout")  # counted against --retries
+UNFINISHED = (*FAILURES, PARTIAL)  # a winner such a problem kept is tuned again by a later run
 PARKED = "parked"  # a first pass's result: not final, never journaled
 # the end of the error of a problem left its first pass's verdict (``_keep_first_pass``)
 KEPT_FIRST_PASS = "; the first pass's verdict kept"
@@ -170,10 +176,10 @@ def _last_records(journal: list[dict[str, Any]], device_class: str) -> dict[str,
 
 
 def kept_after_unfinished(journal: list[dict[str, Any]], fp: Fingerprint) -> set[str]:
-    """Keys whose last run timed out or failed (a forced re-tune: whatever winner it kept is to
-    be tuned again, within ``--retries``, until a run finishes)."""
+    """Keys whose last run did not finish them (``UNFINISHED``): whatever winner it kept is to
+    be tuned again, within ``--retries``, until a run finishes."""
     last = _last_records(journal, fp.device_class)
-    return {k for k, rec in last.items() if rec["status"] in ("failed", "timeout")}
+    return {k for k, rec in last.items() if rec["status"] in UNFINISHED}
 
 
 @dataclass
@@ -192,7 +198,7 @@ def order(keys: list[Key], journal: list[dict[str, Any]], device_class: str, ret
             continue
         if rec["status"] == "tuned":
             failures.pop(rec["key"], None)
-        elif rec["status"] in ("failed", "timeout"):
+        elif rec["status"] in FAILURES:
             failures.setdefault(rec["key"], []).append(float(rec.get("seconds") or 0.0))
     fresh = [k for k in keys if str(k) not in failures]
     again = [k for k in keys if 0 < len(failures.get(str(k), ())) <= retries]
@@ -276,11 +282,14 @@ class FirstPass:
     wait_s: float  # of ``seconds``: waiting for its own kernels
     phases: dict[str, float]  # of ``seconds``
     spent_s: float  # of the problem's limit (its wait before the limit started is not)
+    worker: int  # the slot that ran it
+    device_class: str
 
     @classmethod
     def of(cls, result: Result, spent_s: float) -> FirstPass:
         assert result.first_pass is not None
-        return cls(result.first_pass, result.seconds, result.wait_s, dict(result.phases), spent_s)
+        return cls(result.first_pass, result.seconds, result.wait_s, dict(result.phases), spent_s,
+                   result.worker, result.device_class)  # fmt: skip
 
     def add_to(self, result: Result) -> None:
         """``result`` (how its second pass ended: tuned, failed, cut off) as the problem's:
@@ -412,6 +421,7 @@ class _Pool:
             try:
                 while not all(s.done for s in self.slots):
                     self._step(started)
+                self._keep_parked()
             finally:
                 self._kill_all()
         finished = {r.key for r in self.results}
@@ -581,6 +591,16 @@ class _Pool:
         result = Result(key, "timeout", 0.0, slot.index, slot.device_class, error=error)
         self._keep_first_pass(result, self.parked[str(key)].outcome.measurements)
         self._record(result)
+
+    def _keep_parked(self) -> None:
+        """A run that stopped between a problem's two passes keeps its first pass's verdict,
+        served meanwhile (``PARTIAL``); a run that finished has no problem parked."""
+        for key in [k for k in self.backlog if str(k) in self.parked]:
+            first = self.parked[str(key)]
+            error = "the run stopped before its second pass"
+            result = Result(key, PARTIAL, 0.0, first.worker, first.device_class, error=error)
+            self._keep_first_pass(result, first.outcome.measurements)
+            self._record(result)
 
     def _on_interrupts(self) -> None:
         """First Ctrl-C: no new problems; the next one (or SIGTERM): kill those in flight too."""
