@@ -24,7 +24,7 @@ def test_a_gpus_fingerprint_names_its_driver_and_cublas():
     assert versions["cuda"] == torch.version.cuda
 
 
-def test_versions_read_as_cupy_reads_them():
+def test_cublas_and_driver_versions_read_as_cupy_reads_them():
     cupy = pytest.importorskip("cupy")
     from cupy_backends.cuda.libs import cublas
 
