@@ -307,9 +307,10 @@ def _table(report: Report, rows: list[Row]) -> Table:
 
 
 def _winner_cell(row: Row) -> str:
-    """The winner's label; for a problem whose last attempt failed, why (the winner it kept
-    is in report.json)."""
-    if (row.error and row.status in UNFINISHED) or not row.candidate:
+    """The winner's label; for a problem whose last attempt failed or timed out, why (the
+    winner it kept is in report.json). A ``partial`` row shows the verdict it kept: its status
+    says why it is not final."""
+    if (row.error and row.status in FAILURES) or not row.candidate:
         return clipped_error(row.error, LABEL_WIDTH)
     return candidate_label(row.candidate, LABEL_WIDTH)
 
