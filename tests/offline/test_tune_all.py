@@ -947,6 +947,43 @@ def test_a_run_stopped_between_a_problems_passes_keeps_its_first_pass_verdict(tm
 
 
 @pytest.mark.cpu_host
+def test_a_second_pass_aborted_by_a_second_ctrl_c_keeps_the_first_pass_verdict(tmp_path):
+    from planted import Memoized, SlowSharedMemoized
+
+    Memoized.slow = False
+    options = TuneOptions(sources=["memoized", "slow_shared_memoized"], budget_s=0.01)
+    settings = RunSettings(tune=options, workers=1)
+    key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
+    compiler = CompilePool([key], options, "cpu", jobs=1)  # not started: the test compiles
+    compiler.events[str(key)][0].set()
+    verdict = {}
+
+    def emit(event):
+        if event[0] == "parked":
+            verdict.update(pool.parked[str(key)].outcome.winner.to_row())
+            compiler.events[str(key)][1].set()
+        elif event[0] == "start" and verdict:  # its second pass: slow on first sight
+            pool.interrupts += 2  # Ctrl-C twice: abort the problems in flight
+
+    for source in (Memoized(), SlowSharedMemoized()):
+        registry.register(source)
+    cache = tmp_path / "c.db"
+    pool = _Pool(cache, settings, [None], emit, compiler)
+    try:
+        summary = pool.run([key], set())
+    finally:
+        compiler.close()
+        for name in ("memoized", "slow_shared_memoized"):
+            registry.unregister(name)
+    (result,) = summary.results
+    assert summary.stopped == "ctrl-c"
+    assert (result.status, result.winner) == ("partial", verdict)
+    assert result.error == "the run aborted its second pass; the first pass's verdict kept"
+    with Store(cache) as store:
+        assert store.winner(fingerprint().device_class, str(key)).to_row() == verdict
+
+
+@pytest.mark.cpu_host
 def test_a_first_pass_counts_its_wait_for_its_own_kernels_in_its_time(tmp_path):
     """A worker's first problem is handed out while its own job compiles: the worker waits for
     it, then runs a first pass (the shared kernels still compiling). That wait counts as the

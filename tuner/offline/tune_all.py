@@ -421,7 +421,7 @@ class _Pool:
             try:
                 while not all(s.done for s in self.slots):
                     self._step(started)
-                self._keep_parked()
+                self._keep_parked(keys)
             finally:
                 self._kill_all()
         finished = {r.key for r in self.results}
@@ -592,12 +592,18 @@ class _Pool:
         self._keep_first_pass(result, self.parked[str(key)].outcome.measurements)
         self._record(result)
 
-    def _keep_parked(self) -> None:
-        """A run that stopped between a problem's two passes keeps its first pass's verdict,
-        served meanwhile (``PARTIAL``); a run that finished has no problem parked."""
-        for key in [k for k in self.backlog if str(k) in self.parked]:
+    def _keep_parked(self, keys: list[Key]) -> None:
+        """A run that stopped between a problem's two passes, or aborted its second, keeps its
+        first pass's verdict, served meanwhile (``PARTIAL``); a run that finished has no problem
+        parked."""
+        waiting = {str(k) for k in self.backlog}
+        for key in [k for k in keys if str(k) in self.parked]:
             first = self.parked[str(key)]
-            error = "the run stopped before its second pass"
+            error = "the run " + (
+                "stopped before its second pass"
+                if str(key) in waiting
+                else "aborted its second pass"
+            )
             result = Result(key, PARTIAL, 0.0, first.worker, first.device_class, error=error)
             self._keep_first_pass(result, first.outcome.measurements)
             self._record(result)
