@@ -507,15 +507,20 @@ def _plan(
     launches: dict[str, str],
     launch: str,
     fp: Fingerprint,
+    unfinished: set[str],
 ) -> str:
     """The run's plan in a line: how many problems are tuned already (and, with --force, that
-    they are tuned again: not "0 already tuned"), how many to tune."""
+    they are tuned again: not "0 already tuned"), how many to tune, and why some of those are
+    tuned again (an earlier run left them unfinished, or chose for another launch mode)."""
     tuned = len(problems) - len(untuned)
     again = " (--force: tuned again)" if tuned and len(todo) > len(untuned) else ""
     relaunched = sum(launches.get(str(k), launch) != launch for k in untuned)
-    why = f" ({relaunched} re-tuned: chosen for another launch mode than {launch})"
+    left = sum(str(k) in unfinished for k in untuned)
+    why = [f"{left} left unfinished by an earlier run"] if left else []
+    if relaunched:
+        why.append(f"{relaunched} re-tuned: chosen for another launch mode than {launch}")
     return (f"{counted(len(problems), 'distinct problem')} on {fp.device_class}: {tuned} already "
-            f"tuned{again}, {len(todo)} to tune{why if relaunched else ''}")  # fmt: skip
+            f"tuned{again}, {len(todo)} to tune" + (f" ({'; '.join(why)})" if why else ""))  # fmt: skip
 
 
 # a run stopped by a signal exits as the shell reports one (128 + the signal), whatever its
@@ -569,7 +574,8 @@ def tune_all(
     launch = settings.tune.launch
     untuned = pending(store, fp, problems, journal=journal, launch=launch)
     todo = list(problems) if settings.force else untuned
-    console.print(_plan(problems, untuned, todo, current_launches(store, fp), launch, fp))
+    retune = kept_after_unfinished(journal, fp)
+    console.print(_plan(problems, untuned, todo, current_launches(store, fp), launch, fp, retune))
     ordered = order(todo, journal, fp.device_class, settings.retries)
     for key, failures in ordered.given_up:
         console.print(
@@ -581,7 +587,6 @@ def tune_all(
         if out is not None:
             plots.preload()
         with fleet_artifacts(fp, store_path) as artifacts:
-            retune = kept_after_unfinished(journal, fp)
             summary = run_with_progress(ordered.todo, problems, store_path, settings, retune)
             artifacts.push()
     if sources.misses and not dry_run:
