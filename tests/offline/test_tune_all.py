@@ -854,10 +854,19 @@ def test_problems_waiting_for_shared_kernels_get_a_first_pass_meanwhile(tmp_path
     assert len(journal) == 3 and all(rec["first_pass_s"] > 0 for rec in journal)  # a problem's
 
 
-def two_passes(cache: Path, made: list[Source], settings: RunSettings) -> tuple[Result, dict]:
+def two_passes(
+    cache: Path,
+    made: list[Source],
+    settings: RunSettings,
+    *,
+    stop: int = 0,
+    built: bool = True,
+) -> tuple[Result, dict, str]:
     """Tune one small problem in two passes: its own job compiled, its shared kernels "built" the
-    moment its first pass ends. Returns its result and the first pass's verdict (the clock's:
-    memoized, or torch where it lost its duel)."""
+    moment its first pass ends (unless not ``built``). ``stop``: Ctrl-C presses, made once the
+    first pass has ended where nothing is built, else as the second pass starts. Returns its
+    result, the first pass's verdict (the clock's: memoized, or torch where it lost its duel) and
+    why the run stopped ("" where it finished)."""
     key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
     compiler = CompilePool([key], settings.tune, "cpu", jobs=1)  # not started: the test compiles
     compiler.events[str(key)][0].set()
@@ -866,18 +875,24 @@ def two_passes(cache: Path, made: list[Source], settings: RunSettings) -> tuple[
     def emit(event):
         if event[0] == "parked":
             verdict.update(pool.parked[str(key)].outcome.winner.to_row())
-            compiler.events[str(key)][1].set()
+            if built:
+                compiler.events[str(key)][1].set()
+            else:
+                pool.interrupts += stop  # what the SIGINT handler does
+        elif event[0] == "start" and verdict and built:  # the second pass
+            pool.interrupts += stop
 
     for source in made:
         registry.register(source)
     pool = _Pool(cache, settings, [None], emit, compiler)
     try:
-        (result,) = pool.run([key], set()).results
+        summary = pool.run([key], set())
     finally:
         compiler.close()
         for source in made:
             registry.unregister(source.name)
-    return result, verdict
+    (result,) = summary.results
+    return result, verdict, summary.stopped
 
 
 @pytest.mark.cpu_host
@@ -888,7 +903,7 @@ def test_a_second_pass_cut_off_by_its_limit_keeps_the_first_pass_verdict(tmp_pat
     options = TuneOptions(sources=["memoized", "slow_shared_memoized"], budget_s=0.01)
     settings = RunSettings(tune=options, workers=1, problem_timeout_s=2.0)
     cache = tmp_path / "c.db"
-    result, _ = two_passes(cache, [Memoized(), SlowSharedMemoized()], settings)
+    result, _, _ = two_passes(cache, [Memoized(), SlowSharedMemoized()], settings)
     key = result.key
     assert result.status == "timeout" and result.winner["source"] == "memoized"
     # both passes' times, in the result and its journal line
@@ -910,29 +925,14 @@ def test_a_run_stopped_between_a_problems_passes_keeps_its_first_pass_verdict(tm
     from planted import Memoized, SharedMemoized
 
     Memoized.slow = False
-    key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
     options = TuneOptions(sources=["memoized", "shared_memoized"], budget_s=0.01)
-    compiler = CompilePool([key], options, "cpu", jobs=1)  # not started: the test compiles
-    compiler.events[str(key)][0].set()  # its own job; the shared kernels never come
-    verdict = {}
-
-    def emit(event):
-        if event[0] == "parked":
-            verdict.update(pool.parked[str(key)].outcome.winner.to_row())
-            pool.interrupts += 1  # what the SIGINT handler does
-
-    for source in (Memoized(), SharedMemoized()):
-        registry.register(source)
+    settings = RunSettings(tune=options, workers=1, retries=0)
     cache = tmp_path / "c.db"
-    pool = _Pool(cache, RunSettings(tune=options, workers=1, retries=0), [None], emit, compiler)
-    try:
-        summary = pool.run([key], set())
-    finally:
-        compiler.close()
-        for name in ("memoized", "shared_memoized"):
-            registry.unregister(name)
-    (result,) = summary.results
-    assert summary.stopped == "ctrl-c" and summary.not_started == []
+    result, verdict, stopped = two_passes(
+        cache, [Memoized(), SharedMemoized()], settings, stop=1, built=False
+    )
+    key = result.key
+    assert stopped == "ctrl-c"
     assert result.status == "partial" and result.winner == verdict
     assert result.error == "the run stopped before its second pass; the first pass's verdict kept"
     fp = fingerprint()
@@ -953,35 +953,14 @@ def test_a_second_pass_aborted_by_a_second_ctrl_c_keeps_the_first_pass_verdict(t
 
     Memoized.slow = False
     options = TuneOptions(sources=["memoized", "slow_shared_memoized"], budget_s=0.01)
-    settings = RunSettings(tune=options, workers=1)
-    key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
-    compiler = CompilePool([key], options, "cpu", jobs=1)  # not started: the test compiles
-    compiler.events[str(key)][0].set()
-    verdict = {}
-
-    def emit(event):
-        if event[0] == "parked":
-            verdict.update(pool.parked[str(key)].outcome.winner.to_row())
-            compiler.events[str(key)][1].set()
-        elif event[0] == "start" and verdict:  # its second pass: slow on first sight
-            pool.interrupts += 2  # Ctrl-C twice: abort the problems in flight
-
-    for source in (Memoized(), SlowSharedMemoized()):
-        registry.register(source)
     cache = tmp_path / "c.db"
-    pool = _Pool(cache, settings, [None], emit, compiler)
-    try:
-        summary = pool.run([key], set())
-    finally:
-        compiler.close()
-        for name in ("memoized", "slow_shared_memoized"):
-            registry.unregister(name)
-    (result,) = summary.results
-    assert summary.stopped == "ctrl-c"
+    made = [Memoized(), SlowSharedMemoized()]  # its second pass: slow on first sight
+    result, verdict, stopped = two_passes(cache, made, RunSettings(tune=options, workers=1), stop=2)
+    assert stopped == "ctrl-c"
     assert (result.status, result.winner) == ("partial", verdict)
     assert result.error == "the run aborted its second pass; the first pass's verdict kept"
     with Store(cache) as store:
-        assert store.winner(fingerprint().device_class, str(key)).to_row() == verdict
+        assert store.winner(fingerprint().device_class, str(result.key)).to_row() == verdict
 
 
 @pytest.mark.cpu_host
@@ -1143,7 +1122,7 @@ def test_a_second_pass_that_crashes_keeps_the_first_pass_verdict(tmp_path, share
     made = [planted.Memoized(), getattr(planted, shared)()]
     options = TuneOptions(sources=[s.name for s in made], budget_s=0.01)
     cache = tmp_path / "c.db"
-    result, verdict = two_passes(cache, made, RunSettings(tune=options, workers=1))
+    result, verdict, _ = two_passes(cache, made, RunSettings(tune=options, workers=1))
     key = result.key
     assert result.status == "failed" and result.winner == verdict, result
     assert said in result.error and "the first pass's verdict kept" in result.error
@@ -1169,7 +1148,7 @@ def test_a_problems_limit_holds_over_both_its_passes(tmp_path):
                           budget_s=0.01)  # fmt: skip
     settings = RunSettings(tune=options, workers=1, problem_timeout_s=6.0)
     made = [Memoized(), SlowToBuild(), SharedSlowToBuild()]
-    r, verdict = two_passes(tmp_path / "c.db", made, settings)
+    r, verdict, _ = two_passes(tmp_path / "c.db", made, settings)
     assert r.status == "timeout" and r.winner == verdict, r
     assert "limit of 6 s over its two passes" in r.error, r.error
     assert r.first_pass_s >= SlowToBuild.build_s
