@@ -741,7 +741,7 @@ def test_a_timed_out_problem_keeps_its_baseline_and_is_retried_last(tmp_path):
     assert kept["status"] == "timeout" and kept["source"] == "torch", kept
     assert kept["baseline_us"] > 0 and kept["winner_us"] == kept["baseline_us"]
     assert kept["title"] == "512x512x512 nn f32 (list.yaml[0])"
-    assert "timeout 512x512x512 nn f32 (list.yaml[0])" in out and "kept its baseline" in out
+    assert "timeout 512x512x512 nn f32 (list.yaml[0])" in out and "; its baseline kept" in out
     fp = fingerprint()
     with Store(cache) as store:
         assert store.winner(fp.device_class, str(slow)).source == "torch"  # served meanwhile
@@ -945,6 +945,26 @@ def test_a_run_stopped_between_a_problems_passes_keeps_its_first_pass_verdict(tm
     assert order([key], journal, fp.device_class, retries=0).todo == [key]
     with Store(cache) as store:
         assert pending(store, fp, [key], journal=journal) == [key]
+
+
+@pytest.mark.cpu_host
+def test_a_forced_retune_cut_short_never_replaces_a_finished_runs_winner(tmp_path):
+    """--force re-tunes a problem a finished run tuned; stopped between its passes, the verdict
+    of its first pass (which never timed the shared kernels) does not replace that winner."""
+    from planted import Memoized, SharedMemoized
+
+    Memoized.slow = False
+    options = TuneOptions(sources=["memoized", "shared_memoized"], budget_s=0.01)
+    cache = tmp_path / "c.db"
+    made = [Memoized(), SharedMemoized()]
+    finished, _, _ = two_passes(cache, made, RunSettings(tune=options, workers=1))
+    assert finished.status == "tuned"
+    forced = RunSettings(tune=options, workers=1, force=True)
+    result, verdict, _ = two_passes(cache, made, forced, stop=1, built=False)
+    assert result.status == "partial" and result.winner == finished.winner != verdict
+    assert result.error == "the run stopped before its second pass; the earlier run's winner kept"
+    with Store(cache) as store:
+        assert store.winner(fingerprint().device_class, str(result.key)).to_row() == finished.winner
 
 
 @pytest.mark.cpu_host

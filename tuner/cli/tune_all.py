@@ -434,11 +434,9 @@ def _describe(result: Result, problems: ProblemSet) -> str:
         return f"[green]tuned[/green] {label} -> {winner}, {speedup:.2f}x ({result.seconds:.1f} s)"
     if result.status == "skipped":
         return f"[dim]skipped[/dim] {label}: tuned meanwhile by another process"
-    # a problem with a first pass kept that pass's verdict, and its error ends saying so
-    kept = "; kept its baseline" if result.winner and result.first_pass_s is None else ""
+    # a problem cut short keeps a verdict, and its error ends saying which (KEPT_ENDINGS)
     color = "yellow" if result.status == PARTIAL else "red"  # no fault of the problem's
-    error = escape(clipped_error(result.error, 300))
-    return f"[{color}]{result.status}[/{color}] {label}: {error}{kept}"
+    return f"[{color}]{result.status}[/{color}] {label}: {escape(clipped_error(result.error, 300))}"
 
 
 def run_with_progress(

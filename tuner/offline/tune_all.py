@@ -76,15 +76,21 @@ STATUSES = ("tuned", "failed", "timeout", PARTIAL, "skipped")
 FAILURES = ("failed", "timeout")  # counted against --retries
 UNFINISHED = (*FAILURES, PARTIAL)  # a winner such a problem kept is tuned again by a later run
 PARKED = "parked"  # a first pass's result: not final, never journaled
-# the end of the error of a problem left its first pass's verdict (``_keep_first_pass``)
+# the end of the error of a problem cut short, saying what it serves (``_Pool._keep``)
 KEPT_FIRST_PASS = "; the first pass's verdict kept"
+KEPT_BASELINE = "; its baseline kept"
+KEPT_EARLIER = (
+    "; the earlier run's winner kept"  # a finished run's: a cut-short one never replaces it
+)
+KEPT_ENDINGS = (KEPT_FIRST_PASS, KEPT_BASELINE, KEPT_EARLIER)
 
 
 def clipped_error(error: str, width: int) -> str:
-    """A problem's error cut to about ``width`` for a line or a cell: cut before its
-    ``KEPT_FIRST_PASS`` ending, which stays whole, so a reader still learns what it serves."""
-    cause = error.removesuffix(KEPT_FIRST_PASS)
-    return clipped(cause, width) + error[len(cause) :]
+    """A problem's error cut to about ``width`` for a line or a cell: cut before its ending
+    (``KEPT_ENDINGS``), which stays whole, so a reader still learns what it serves."""
+    ending = next((e for e in KEPT_ENDINGS if error.endswith(e)), "")
+    cause = error.removesuffix(ending) if ending else error
+    return clipped(cause, width) + ending
 
 
 # --- what to tune ------------------------------------------------------------------------------
@@ -740,39 +746,53 @@ class _Pool:
         result = Result(key, status, seconds, slot.index, slot.device_class, error=error)
         if str(key) in self.parked:
             self._keep_first_pass(result, slot.measured)
-        elif status == "timeout":
-            result.winner = self._keep_baseline(slot.measured)
-            result.pruned = pruning.count(slot.measured)
+        elif status == "timeout" and (base := self._baseline(slot.measured)) is not None:
+            self._keep(result, slot.measured, base, KEPT_BASELINE)
         slot.key = slot.task = None
         self._record(result)
 
-    def _keep_baseline(self, measured: list[Measurement]) -> dict[str, Any] | None:
-        """A problem cut off by its limit keeps what it measured, and its baseline as its winner
-        (no challenger finished its duel): served meanwhile, tuned again by a later run."""
+    def _baseline(self, measured: list[Measurement]) -> Winner | None:
+        """A problem cut off by its limit keeps its baseline as its winner (no challenger
+        finished its duel): served meanwhile, tuned again by a later run."""
         base = next((m for m in measured if m.is_baseline and m.status == "ok"), None)
         if base is None or base.median_us is None:
             return None
         us = effective_us(base, self.settings.tune.launch)
-        winner = Winner(
+        return Winner(
             device_class=base.device_class, key=base.key, source=base.source, params=base.params,
             median_us=us, baseline_us=us, versions=base.versions, run_id=base.run_id,
             launch=base.launch,
         )  # fmt: skip
-        return self._save(measured, winner)
 
     def _keep_first_pass(self, result: Result, measured: list[Measurement]) -> None:
         """A second pass that ends without a verdict of its own (cut off, crashed, no time left)
-        leaves the problem its first pass's, stored with what both passes measured; its status
-        stays what ended it, so a later run tunes it again, and its error says what was kept."""
+        leaves the problem its first pass's, stored with what both passes measured."""
         verdict = self.parked[str(result.key)].outcome.winner
-        result.winner = self._save(measured, verdict)
-        result.pruned = pruning.count(measured)
-        result.error += KEPT_FIRST_PASS
+        self._keep(result, measured, verdict, KEPT_FIRST_PASS)
 
-    def _save(self, measured: list[Measurement], winner: Winner) -> dict[str, Any]:
+    def _keep(
+        self, result: Result, measured: list[Measurement], verdict: Winner, ending: str
+    ) -> None:
+        """Store what a problem cut short measured and the verdict it kept, served meanwhile;
+        its status stays what ended it, so a later run tunes it again, and its error ends saying
+        what it serves (``ending``). A finished run's winner, current here (a ``--force``
+        re-tune cut short, or another process's), is never replaced by such a verdict: it stays
+        and is served (``KEPT_EARLIER``)."""
+        result.pruned = pruning.count(measured)
         with Store(self.store_path) as store:
-            store.save_run(measured, winner)
-        return winner.to_row()
+            held = store.winner(verdict.device_class, verdict.key)
+            if held is not None and self._finished(held, verdict):
+                store.save_run(measured)
+                result.winner, result.error = held.to_row(), result.error + KEPT_EARLIER
+                return
+            store.save_run(measured, verdict)
+        result.winner, result.error = verdict.to_row(), result.error + ending
+
+    def _finished(self, held: Winner, verdict: Winner) -> bool:
+        """Whether ``held`` is a finished run's winner, current here: of these versions and
+        launch mode, and not one that an unfinished run kept (``retune``)."""
+        same = held.versions == verdict.versions and held.launch_mode == verdict.launch_mode
+        return same and held.key not in self.retune
 
     def _record(self, result: Result) -> None:
         """Journal and announce a finished problem, with what the compile pool did for it and
