@@ -614,6 +614,39 @@ def test_fleet_queue_keys_are_tuned_and_completed_on_the_service(tmp_path):
             assert p.returncode == 0 and line in p.stdout, p.stdout + p.stderr
 
 
+@pytest.mark.cpu_host
+def test_a_problem_left_unfinished_stays_a_miss_and_goes_back_to_the_fleets_queue(tmp_path):
+    """A queued and missed problem cut off by its limit keeps its baseline here, but the run
+    did not finish it: the service gets it back in its queue, and the miss stays recorded, so
+    a later --queue or --misses run tunes it whole."""
+    from server.live import ThreadServer
+
+    fp = fingerprint()
+    slow = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")  # seconds in the interpreter
+    cache = tmp_path / "c.db"
+    with Store(cache) as store:
+        store.save_device(fp)
+        store.record_misses(fp.device_class, [str(slow)], count=3)
+    with ThreadServer(tmp_path / "fleet.db") as srv:
+        host = srv.client("host-b", "submit")
+        assert host.report_misses(fp, [(str(slow), 3)]) == 1
+        env = {"TUNER_SERVER": srv.url, "TUNER_TOKEN": srv.token("tuner-worker", "submit")}
+        p = subprocess.run(
+            [sys.executable, "-m", "tuner", "tune-all", "--queue", "10", "--misses", "--source",
+             "triton_gemm", "--budget", "0.01", "--problem-timeout", "3"],
+            env=os.environ | env | {"TUNER_CACHE": str(cache), "TRITON_INTERPRET": "1",
+                                    "COLUMNS": "200"},
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert p.returncode == 1, p.stdout + p.stderr
+        assert "; its baseline kept" in p.stdout
+        assert "completed: 0 done, 1 requeued, 0 failed" in p.stdout, p.stdout
+        assert {row["state"] for row in host.queue(device_class=fp.device_class)} == {"queued"}
+    with Store(cache) as store:
+        assert store.winner(fp.device_class, str(slow)).source == "torch"  # served meanwhile
+        assert [m["key"] for m in store.misses(fp.device_class)] == [str(slow)]
+
+
 def test_a_broken_local_source_fails_before_any_fleet_key_is_leased(tmp_path):
     from server.live import ThreadServer
 

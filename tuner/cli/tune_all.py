@@ -379,13 +379,17 @@ def claim_queue(n: int, fp: Fingerprint, settings: RunSettings, workers: int) ->
     return FleetLease(client, lease.lease_id, [parse_key(k) for k in lease.keys])
 
 
-def complete_queue(lease: FleetLease, store: Store, fp: Fingerprint) -> dict[str, Any] | None:
-    """Send the winning runs' measurements of the leased keys that now have a winner."""
+def complete_queue(
+    lease: FleetLease, store: Store, fp: Fingerprint, finished: set[str]
+) -> dict[str, Any] | None:
+    """Send the winning runs' measurements of the leased keys a run ``finished``. One left
+    unfinished (a timeout's baseline, a partial's first pass) keeps its winner here but is not
+    sent: the service puts it back in the queue, for a run that finishes it."""
     if lease.lease_id is None:
         return None
     winners = {w.key: w for w in store.winners(fp.device_class) if w.measured_under(fp)}
     runs: list[list[Measurement]] = []
-    for key in map(str, lease.keys):
+    for key in (str(k) for k in lease.keys if str(k) in finished):
         w = winners.get(key)
         if w is not None:
             runs.append(
@@ -534,7 +538,6 @@ def tune_all(
     from tuner.offline import report
     from tuner.offline.tune_all import (
         ProblemSet,
-        current_keys,
         current_launches,
         journal_path,
         kept_after_unfinished,
@@ -587,11 +590,15 @@ def tune_all(
         with fleet_artifacts(fp, store_path) as artifacts:
             summary = run_with_progress(ordered.todo, problems, store_path, settings, retune)
             artifacts.push()
+    journal = read_journal(journal_path(store_path))
+    # what a run left unfinished stays a miss and goes back to the fleet's queue
+    finished = {str(k) for k in problems} - {
+        str(k) for k in pending(store, fp, problems, journal=journal, launch=launch)
+    }
     if sources.misses and not dry_run:
-        tuned = current_keys(store, fp, launch)
-        store.clear_misses(fp.device_class, [str(k) for k in problems if str(k) in tuned])
+        store.clear_misses(fp.device_class, sorted(finished))
     if lease is not None:
-        console.print(queue_summary(lease, complete_queue(lease, store, fp)))
+        console.print(queue_summary(lease, complete_queue(lease, store, fp, finished)))
     elif sources.queue and dry_run:
         console.print(f"fleet queue: not consulted (--dry-run claims no keys; queued keys: "
                       f"GET {os.environ.get('TUNER_SERVER', '$TUNER_SERVER')}/v1/queue)")  # fmt: skip
@@ -599,9 +606,7 @@ def tune_all(
         for key in ordered.todo:
             console.print(f"  would tune {escape(_label(key, problems))}")
         return 0
-    rep = report.build(
-        store, fp, problems=problems, journal=read_journal(journal_path(store_path)), run=summary
-    )
+    rep = report.build(store, fp, problems=problems, journal=journal, run=summary)
     report.render(rep, console, limit=40, written=out is not None)
     _write_report(rep, out, "tune-all")
     if summary is not None and summary.stopped in INTERRUPTED:
