@@ -600,18 +600,16 @@ class _Pool:
 
     def _keep_parked(self, keys: list[Key]) -> None:
         """A run that stopped between a problem's two passes, or aborted its second, keeps its
-        first pass's verdict, served meanwhile (``PARTIAL``); a run that finished has no problem
-        parked."""
-        waiting = {str(k) for k in self.backlog}
+        first pass's verdict, served meanwhile (``PARTIAL``), with what both passes measured; a
+        run that finished has no problem parked."""
         for key in [k for k in keys if str(k) in self.parked]:
             first = self.parked[str(key)]
+            slot = next((s for s in self.slots if s.key == key), None)  # its second pass ran
             error = "the run " + (
-                "stopped before its second pass"
-                if str(key) in waiting
-                else "aborted its second pass"
+                "aborted its second pass" if slot else "stopped before its second pass"
             )
             result = Result(key, PARTIAL, 0.0, first.worker, first.device_class, error=error)
-            self._keep_first_pass(result, first.outcome.measurements)
+            self._keep_first_pass(result, slot.measured if slot else first.outcome.measurements)
             self._record(result)
 
     def _on_interrupts(self) -> None:
