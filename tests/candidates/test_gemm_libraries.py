@@ -201,6 +201,22 @@ def test_cublas_gemms_on_two_streams_at_once_each_have_their_own_workspace():
     assert len({spaces[s.cuda_stream][0] for s in streams}) == 2
 
 
+def test_graph_timings_reuse_one_side_stream_so_workspaces_do_not_pile_up():
+    """Every duel times graphs: a fresh capture stream each time would leave the cuBLAS runner
+    a 32 MiB workspace per stream torch's pool hands out (32 of them), for the process's life."""
+    from tuner.candidates import cublas
+
+    key = key_of("bf16", "f32", "nt", m=64, n=256, k=512)
+    runner = source("cublas").build(key, {"algo": -1})
+    a, b = samples.make_inputs(key, "cuda", torch.Generator(device="cuda").manual_seed(0))
+    runner(a, b)
+    spaces = cublas._WORKSPACES[cublas._HANDLES.get(torch.device("cuda"))].by_stream
+    before = set(spaces)
+    for _ in range(40):
+        timing.graph_time(lambda i: runner(a, b), calls=2, budget_s=0.001)
+    assert set(spaces) <= before | {timing.side_stream().cuda_stream}  # at most one more
+
+
 # --- CUTLASS: one compile per (dtypes, layouts, config), all compiled in parallel up front -------
 
 CUTLASS_KEYS = [key_of("bf16", "f32", layout, m=512, n=512, k=512) for layout in LAYOUTS] + [

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -299,7 +300,7 @@ def graph_time(
         fence = min(before, fence_us())
         return Timing(max(0.0, both.median_us - fence), max(0.0, both.p10_us - fence),
                       max(0.0, both.p90_us - fence), both.reps, both.host_us)  # fmt: skip
-    side = torch.cuda.Stream()
+    side = side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(calls):
@@ -314,3 +315,20 @@ def graph_time(
     )
     return Timing(t.median_us / calls, t.p10_us / calls, t.p90_us / calls, t.reps,
                   t.host_us / calls)  # fmt: skip
+
+
+_SIDE = threading.local()  # per thread: {device index: its side stream}
+
+
+def side_stream() -> torch.cuda.Stream:
+    """This thread's side stream on the current device, for captures and first calls. One a
+    thread, not a fresh one a call: a library runner keeps a workspace for each stream it meets,
+    for the process's life (a captured graph may replay on it), and torch's pool hands out 32
+    streams; nor one for all threads: another thread's launch would join a capture."""
+    streams = getattr(_SIDE, "streams", None)
+    if streams is None:
+        streams = _SIDE.streams = {}
+    index = torch.cuda.current_device()
+    if index not in streams:
+        streams[index] = torch.cuda.Stream(index)
+    return streams[index]

@@ -57,11 +57,11 @@ def run_once(runner: Runner, key: Key) -> None:
     """Call a fresh runner once on sample inputs, on a side stream: a kernel that compiles or
     loads its module at its first launch (Triton's JIT, a CUTLASS module) does it here, not in
     the caller's first call."""
-    from tuner.measure import samples
+    from tuner.measure import samples, timing
 
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device).manual_seed(0)
-    stream = torch.cuda.Stream(device)
+    stream = timing.side_stream()
     with torch.cuda.stream(stream):
         runner(*samples.make_inputs(key, str(device), gen))
     stream.synchronize()
