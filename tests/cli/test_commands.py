@@ -733,7 +733,7 @@ def test_tune_all_says_what_op_left_out(tmp_path) -> None:
 
     from tuner.cli.tune_all import Sources, add_recorded
     from tuner.core.keys import parse_key
-    from tuner.offline.tune_all import ProblemSet
+    from tuner.offline.problem_set import ProblemSet
 
     problems = ProblemSet()
     problems.add(parse_key("gemm:m=16,n=64,k=64,layout=nt,dtype=bf16"), "a")

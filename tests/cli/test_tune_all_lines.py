@@ -9,7 +9,9 @@ from rich.console import Console
 from tuner.cli.tune_all import _describe
 from tuner.core.keys import GemmKey
 from tuner.measure.records import ELLIPSIS
-from tuner.offline.tune_all import KEPT_BASELINE, KEPT_FIRST_PASS, PARTIAL, ProblemSet, Result
+from tuner.offline.journal import KEPT_BASELINE, KEPT_FIRST_PASS, PARTIAL
+from tuner.offline.problem_set import ProblemSet
+from tuner.offline.tune_all import Result
 
 KEY = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
 BASELINE = {"candidate": "torch", "baseline_us": 10.0, "median_us": 10.0}

@@ -22,16 +22,10 @@ from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey
 from tuner.measure.records import LABEL_WIDTH, candidate_label, candidate_name
 from tuner.offline import report
+from tuner.offline.journal import append_journal, journal_path, pending, read_journal
 from tuner.offline.plots import geomean
-from tuner.offline.tune_all import (
-    ProblemSet,
-    Result,
-    RunSummary,
-    append_journal,
-    journal_path,
-    pending,
-    read_journal,
-)
+from tuner.offline.problem_set import ProblemSet
+from tuner.offline.tune_all import Result, RunSummary
 from tuner.tuning.engine import TuneOptions, tune
 
 FP = fingerprint()
@@ -312,7 +306,7 @@ def test_the_closing_lines() -> None:
 
 def test_a_failed_rows_cell_keeps_saying_the_first_pass_verdict_was_kept() -> None:
     """A long second-pass error is cut in the winner cell before its ending, which stays."""
-    from tuner.offline.tune_all import KEPT_FIRST_PASS
+    from tuner.offline.journal import KEPT_FIRST_PASS
 
     error = "second pass: RuntimeError: " + "x" * 300 + KEPT_FIRST_PASS
     row = replace(summary_row(8, 1.5, 1.0, {}), status="failed", error=error)

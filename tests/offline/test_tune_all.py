@@ -26,23 +26,13 @@ from tuner.candidates.base import Source
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, SdpaKey, parse_key
 from tuner.measure.records import Winner, candidate_name
+from tuner.offline.journal import journal_path, kept_after_unfinished, order, pending, read_journal
 from tuner.offline.model_config import expand, load_model, parse_model
 from tuner.offline.problem_list import ConfigError, load_problems
+from tuner.offline.problem_set import ProblemSet
+from tuner.offline.run_settings import RunSettings
 from tuner.offline.tunableop import import_files
-from tuner.offline.tune_all import (
-    ProblemSet,
-    Result,
-    RunSettings,
-    Task,
-    _Pool,
-    _tune_one,
-    journal_path,
-    kept_after_unfinished,
-    order,
-    pending,
-    read_journal,
-    worker_main,
-)
+from tuner.offline.tune_all import Result, Task, _Pool, _tune_one, worker_main
 from tuner.tuning.compile_pool import CompilePool
 from tuner.tuning.engine import TuneOptions
 
@@ -743,7 +733,7 @@ def test_earlier_failures_run_last_longest_last_and_stop_after_the_retries():
         _rec(e, "timeout", 95.0),
         _rec(e, "timeout", 99.0),
     ]
-    from tuner.offline.tune_all import order
+    from tuner.offline.journal import order
 
     got = order([a, b, c, d, e], journal, "cpu-x", retries=2)
     assert got.todo == [c, d, b, a]  # fresh ones first in their order, then b (3 s), a (200 s)

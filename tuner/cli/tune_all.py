@@ -55,13 +55,24 @@ from tuner.fleet.artifact_sync import fetch_host_artifacts, host_archs, push_art
 from tuner.fleet.client import BATCH, FleetClient, FleetError
 from tuner.measure.records import Measurement, Winner, candidate_label, clipped
 from tuner.offline import plots, tunableop
+from tuner.offline.journal import (
+    PARTIAL,
+    clipped_error,
+    current_launches,
+    journal_path,
+    kept_after_unfinished,
+    order,
+    pending,
+    read_journal,
+)
 from tuner.offline.model_config import load_model
 from tuner.offline.problem_list import ConfigError
+from tuner.offline.problem_set import ProblemSet
 from tuner.offline.run_settings import RunSettings
 
 if TYPE_CHECKING:  # tuner.offline.tune_all and .report import torch: imported where they run
     from tuner.offline.report import Report
-    from tuner.offline.tune_all import Event, ProblemSet, Result, RunSummary
+    from tuner.offline.tune_all import Event, Result, RunSummary
 
 app = typer.Typer()
 tunableop_app = typer.Typer(help="PyTorch TunableOp CSV files: show, export.", no_args_is_help=True)
@@ -193,7 +204,6 @@ def report_command(
     Covers every winner and failure of this device class (or --device-class's), or the problems
     of the sources given."""
     from tuner.offline import report
-    from tuner.offline.tune_all import journal_path, read_journal
 
     sources = Sources.of(model, config, tunableop_file, misses, op)
     path = cache_path(cache)
@@ -316,8 +326,6 @@ def read_files(sources: Sources, console: Console) -> ProblemSet:
     """The problems of the sources' local files (model configs, problem lists, TunableOp files),
     with a line per file on the console. Read before any cache is opened or fleet key leased, so
     that a broken file fails the run with nothing written and no keys held."""
-    from tuner.offline.tune_all import ProblemSet
-
     problems = ProblemSet()
     for path in sources.models:
         model = load_model(path, sources.op)
@@ -429,8 +437,6 @@ LINE_WIDTH = 80  # a winner's label in a progress line: past it, its least telli
 
 
 def _describe(result: Result, problems: ProblemSet) -> str:
-    from tuner.offline.tune_all import PARTIAL, clipped_error
-
     label = escape(_label(result.key, problems))  # a file's name may hold [ ]
     if result.status == "tuned" and result.winner:
         speedup = result.winner["baseline_us"] / result.winner["median_us"]
@@ -536,16 +542,7 @@ def tune_all(
     """The tune-all command. Exit status 0 when every problem ends with a winner, else 1; a run
     stopped by Ctrl-C or SIGTERM: ``INTERRUPTED``'s."""
     from tuner.offline import report
-    from tuner.offline.tune_all import (
-        ProblemSet,
-        current_launches,
-        journal_path,
-        kept_after_unfinished,
-        local_workers,
-        order,
-        pending,
-        read_journal,
-    )
+    from tuner.offline.tune_all import local_workers
 
     if sources.empty():
         raise ConfigError(

@@ -24,8 +24,10 @@ from tuner.core.console import counted
 from tuner.core.device import Fingerprint
 from tuner.core.keys import GemmKey, Key, parse_key
 from tuner.measure.records import LABEL_WIDTH, Winner, candidate_label
+from tuner.offline.journal import FAILURES, UNFINISHED, clipped_error
 from tuner.offline.plots import geomean, speedup_plot
-from tuner.offline.tune_all import FAILURES, UNFINISHED, ProblemSet, RunSummary, clipped_error
+from tuner.offline.problem_set import ProblemSet
+from tuner.offline.tune_all import RunSummary
 from tuner.tuning.engine import PHASES
 
 

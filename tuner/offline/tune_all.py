@@ -1,6 +1,6 @@
 """Offline tuning of many problems on every local GPU: resumable, with a per-problem and a total
-time limit. ``ProblemSet`` gathers the keys, ``pending`` drops those tuned already, ``run`` tunes
-the rest with one ``RunSettings``.
+time limit. ``ProblemSet`` (``problem_set``) gathers the keys, ``journal.pending`` drops those
+tuned already, ``run`` tunes the rest with one ``RunSettings``.
 
 - **Workers.** One process per local GPU (one on the CPU), pinned to its GPU, supervised by
   ``tuner.tuning.supervisor``; each is handed keys one at a time down its own pipe (so the run
@@ -31,21 +31,19 @@ the rest with one ``RunSettings``.
 - **Ctrl-C** lets the problems in flight finish; a second Ctrl-C, or a SIGTERM, kills them; the
   run still ends with its report.
 
-Every finished problem also gets a line in the *journal* (``<cache>.tune-all.jsonl``): its
-tuning time, status and error, which the report reads (failures have no winner in the store).
+Every finished problem also gets a line in the *journal* (``tuner.offline.journal``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing import connection
 from multiprocessing.connection import Connection
@@ -54,12 +52,17 @@ from typing import Any
 
 from tuner.cache import Store
 from tuner.core.device import Fingerprint, too_big_here
-from tuner.core.keys import GemmKey, Key, parse_key
-from tuner.measure.records import DEFAULT_LAUNCH, Measurement, Winner, clipped
-from tuner.offline.model_config import ModelConfig, expand
-from tuner.offline.problem_list import load_problems
+from tuner.core.keys import GemmKey, Key
+from tuner.measure.records import Measurement, Winner
+from tuner.offline.journal import (
+    KEPT_BASELINE,
+    KEPT_EARLIER,
+    KEPT_FIRST_PASS,
+    PARTIAL,
+    append_journal,
+    journal_path,
+)
 from tuner.offline.run_settings import RunSettings
-from tuner.offline.tunableop import Imported
 from tuner.tuning import compile_pool, pruning
 from tuner.tuning.compile_pool import CompilePool
 from tuner.tuning.engine import TuneOutcome
@@ -69,176 +72,7 @@ from tuner.tuning.verdict import effective_us
 
 log = logging.getLogger(__name__)
 
-# skipped: another process tuned it first; partial: the run stopped (its time limit, Ctrl-C,
-# SIGTERM) between the problem's two passes, so its first pass's verdict is kept
-PARTIAL = "partial"
-STATUSES = ("tuned", "failed", "timeout", PARTIAL, "skipped")
-FAILURES = ("failed", "timeout")  # counted against --retries
-UNFINISHED = (*FAILURES, PARTIAL)  # a winner such a problem kept is tuned again by a later run
 PARKED = "parked"  # a first pass's result: not final, never journaled
-# the end of the error of a problem cut short, saying what it serves (``_Pool._keep``)
-KEPT_FIRST_PASS = "; the first pass's verdict kept"
-KEPT_BASELINE = "; its baseline kept"
-KEPT_EARLIER = (
-    "; the earlier run's winner kept"  # a finished run's: a cut-short one never replaces it
-)
-KEPT_ENDINGS = (KEPT_FIRST_PASS, KEPT_BASELINE, KEPT_EARLIER)
-
-
-def clipped_error(error: str, width: int) -> str:
-    """A problem's error cut to about ``width`` for a line or a cell: cut before its ending
-    (``KEPT_ENDINGS``), which stays whole, so a reader still learns what it serves."""
-    ending = next((e for e in KEPT_ENDINGS if error.endswith(e)), "")
-    cause = error.removesuffix(ending) if ending else error
-    return clipped(cause, width) + ending
-
-
-# --- what to tune ------------------------------------------------------------------------------
-
-
-@dataclass
-class ProblemSet:
-    """Keys in first-seen order, each with the labels of every source that asked for it."""
-
-    labels: dict[Key, list[str]] = field(default_factory=dict)
-
-    def add(self, key: Key, label: str) -> None:
-        self.labels.setdefault(key, []).append(label)
-
-    def __iter__(self) -> Iterator[Key]:
-        return iter(self.labels)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def label(self, key: Key) -> str:
-        names = self.labels.get(key, [])
-        return names[0] + (f" (+{len(names) - 1})" if len(names) > 1 else "") if names else ""
-
-    def add_model(self, model: ModelConfig, only: str | None = None) -> int:
-        problems = expand(model, only)
-        for p in problems:
-            self.add(p.key, p.label)
-        return len(problems)
-
-    def add_problem_list(self, path: Path) -> int:
-        keys = load_problems(path)
-        for i, key in enumerate(keys):
-            self.add(key, f"{path.name}[{i}]")
-        return len(keys)
-
-    def add_tunableop(self, imported: Imported) -> int:
-        for key, (path, entry) in imported.found.items():
-            self.add(key, f"{path.name}:{entry.line}")
-        return len(imported.found)
-
-    def add_misses(self, rows: Iterable[dict[str, Any]]) -> list[str]:
-        """Recorded misses (``Store.misses``); returns the rows whose key does not parse."""
-        bad = []
-        for row in rows:
-            try:
-                self.add(parse_key(row["key"]), f"missed x{row['count']}")
-            except ValueError as e:
-                bad.append(f"{row['key']}: {e}")
-        return bad
-
-    def only(self, op: str | None) -> ProblemSet:
-        if op is None:
-            return self
-        return ProblemSet({k: v for k, v in self.labels.items() if k.op == op})
-
-
-def current_launches(store: Store, fp: Fingerprint) -> dict[str, str]:
-    """Each key with a winner for this device class measured under these versions, and the
-    launch mode that winner was chosen for."""
-    return {w.key: w.launch_mode for w in store.winners(fp.device_class) if w.measured_under(fp)}
-
-
-def current_keys(store: Store, fp: Fingerprint, launch: str = DEFAULT_LAUNCH) -> set[str]:
-    """Keys with a current winner chosen for ``launch``: the fastest kernel launched eagerly
-    need not be the fastest replayed in a CUDA graph, so one chosen for the other mode is due."""
-    return {k for k, mode in current_launches(store, fp).items() if mode == launch}
-
-
-def pending(
-    store: Store,
-    fp: Fingerprint,
-    keys: Iterable[Key],
-    journal: list[dict[str, Any]] | None = None,
-    launch: str = DEFAULT_LAUNCH,
-) -> list[Key]:
-    """Keys without a current winner for ``launch``, or whose winner is what an unfinished run
-    kept (``--force`` tunes every key: the command's choice, not this one's)."""
-    done = current_keys(store, fp, launch) - kept_after_unfinished(journal or [], fp)
-    return [k for k in keys if str(k) not in done]
-
-
-def _last_records(journal: list[dict[str, Any]], device_class: str) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for rec in journal:
-        if rec.get("device_class") in (device_class, ""):
-            out[rec["key"]] = rec
-    return out
-
-
-def kept_after_unfinished(journal: list[dict[str, Any]], fp: Fingerprint) -> set[str]:
-    """Keys whose last run did not finish them (``UNFINISHED``): whatever winner it kept is to
-    be tuned again, within ``--retries``, until a run finishes."""
-    last = _last_records(journal, fp.device_class)
-    return {k for k, rec in last.items() if rec["status"] in UNFINISHED}
-
-
-@dataclass
-class Order:
-    todo: list[Key]  # never failed first, in their order; then earlier failures, shortest first
-    given_up: list[tuple[Key, int]]  # failed more than ``retries`` times: (key, failures)
-
-
-def order(keys: list[Key], journal: list[dict[str, Any]], device_class: str, retries: int) -> Order:
-    """The run's order: problems that failed or timed out before (since their last success)
-    go last, by the longest time one of their failures took, so one that hangs cannot hold up
-    the others; one that failed more than ``retries`` times is not tried again."""
-    failures: dict[str, list[float]] = {}
-    for rec in journal:
-        if rec.get("device_class") not in (device_class, ""):
-            continue
-        if rec["status"] == "tuned":
-            failures.pop(rec["key"], None)
-        elif rec["status"] in FAILURES:
-            failures.setdefault(rec["key"], []).append(float(rec.get("seconds") or 0.0))
-    fresh = [k for k in keys if str(k) not in failures]
-    again = [k for k in keys if 0 < len(failures.get(str(k), ())) <= retries]
-    again.sort(key=lambda k: max(failures[str(k)]))
-    given_up = [(k, len(failures[str(k)])) for k in keys if len(failures.get(str(k), ())) > retries]
-    return Order(fresh + again, given_up)
-
-
-# --- the journal -------------------------------------------------------------------------------
-
-
-def journal_path(store_path: Path) -> Path:
-    return store_path.with_name(store_path.stem + ".tune-all.jsonl")
-
-
-def append_journal(path: Path, record: dict[str, Any]) -> None:
-    """One JSON line per finished problem; O_APPEND keeps concurrent writers' lines whole."""
-    line = json.dumps(record, sort_keys=True) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
-
-
-def read_journal(path: Path) -> list[dict[str, Any]]:
-    """The journal's records; a torn last line (a write cut by SIGKILL) is ignored."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
 
 
 # --- running -----------------------------------------------------------------------------------
@@ -247,7 +81,7 @@ def read_journal(path: Path) -> list[dict[str, Any]]:
 @dataclass
 class Result:
     key: Key
-    status: str  # one of STATUSES
+    status: str  # one of journal.STATUSES
     seconds: float
     worker: int
     device_class: str = ""
