@@ -133,7 +133,11 @@ def tune_all_command(
         float, typer.Option(help="Seconds a problem may take before its worker is killed.")
     ] = 900.0,
     time_limit: Annotated[
-        float | None, typer.Option(help="Seconds for the whole run; no problem starts after.")
+        float | None,
+        typer.Option(
+            help="Seconds for the whole run; no problem starts after (one between its two "
+            "passes keeps its first pass's verdict, recorded 'partial': the next run finishes it)."
+        ),
     ] = None,
     workers: Annotated[
         int | None, typer.Option(min=1, help="Worker processes (default: one per local GPU).")
