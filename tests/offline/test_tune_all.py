@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,14 @@ from tuner.candidates.base import Source
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, SdpaKey, parse_key
 from tuner.measure.records import Winner, candidate_name
-from tuner.offline.journal import journal_path, kept_after_unfinished, order, pending, read_journal
+from tuner.offline.journal import (
+    append_journal,
+    journal_path,
+    kept_after_unfinished,
+    order,
+    pending,
+    read_journal,
+)
 from tuner.offline.model_config import expand, load_model, parse_model
 from tuner.offline.problem_list import ConfigError, load_problems
 from tuner.offline.problem_set import ProblemSet
@@ -637,6 +645,36 @@ def test_a_problem_left_unfinished_stays_a_miss_and_goes_back_to_the_fleets_queu
         assert [m["key"] for m in store.misses(fp.device_class)] == [str(slow)]
 
 
+@pytest.mark.cpu_host
+def test_a_leased_key_that_op_left_out_is_completed_where_a_finished_run_tuned_it(tmp_path):
+    """--op gemm leaves a leased attention key untuned; a finished run of before tuned it here,
+    so the lease completes it as done rather than handing it back to the queue."""
+    from server.live import ThreadServer
+    from tuner.tuning.engine import tune
+
+    fp = fingerprint()
+    gemm = GemmKey(m=12, n=16, k=8, dtype="f32", out_dtype="f32")
+    attn = SdpaKey(1, 4, 2, 8, 8, 16, dtype="f32")
+    cache = tmp_path / "c.db"
+    outcome = tune(attn, options=TuneOptions(sources=["torch_sdpa"], budget_s=0.01))
+    with Store(cache) as store:
+        store.save_device(fp)
+        store.save_run(outcome.measurements, outcome.winner)
+    with ThreadServer(tmp_path / "fleet.db") as srv:
+        host = srv.client("host-b", "submit")
+        assert host.report_misses(fp, [(str(gemm), 3), (str(attn), 3)]) == 2
+        env = {"TUNER_SERVER": srv.url, "TUNER_TOKEN": srv.token("tuner-worker", "submit")}
+        p = subprocess.run(
+            [sys.executable, "-m", "tuner", "tune-all", "--queue", "10", "--op", "gemm",
+             "--source", "torch", "--budget", "0.02"],
+            env=os.environ | env | {"TUNER_CACHE": str(cache), "COLUMNS": "200"},
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "completed: 2 done, 0 requeued, 0 failed" in p.stdout, p.stdout
+        assert {row["state"] for row in host.queue(device_class=fp.device_class)} == {"done"}
+
+
 def test_a_broken_local_source_fails_before_any_fleet_key_is_leased(tmp_path):
     from server.live import ThreadServer
 
@@ -884,10 +922,12 @@ def two_passes(
     *,
     stop: int = 0,
     built: bool = True,
+    retune: bool = False,
 ) -> tuple[Result, dict, str]:
     """Tune one small problem in two passes: its own job compiled, its shared kernels "built" the
     moment its first pass ends (unless not ``built``). ``stop``: Ctrl-C presses, made once the
-    first pass has ended where nothing is built, else as the second pass starts. Returns its
+    first pass has ended where nothing is built, else as the second pass starts; ``retune``: the
+    problem is one the CLI hands to be tuned again (an earlier run left it unfinished). Returns its
     result, the first pass's verdict (the clock's: memoized, or torch where it lost its duel) and
     why the run stopped ("" where it finished)."""
     key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
@@ -909,7 +949,7 @@ def two_passes(
         registry.register(source)
     pool = _Pool(cache, settings, [None], emit, compiler)
     try:
-        summary = pool.run([key], set())
+        summary = pool.run([key], {str(key)} if retune else set())
     finally:
         compiler.close()
         for source in made:
@@ -973,7 +1013,8 @@ def test_a_run_stopped_between_a_problems_passes_keeps_its_first_pass_verdict(tm
 @pytest.mark.cpu_host
 def test_a_forced_retune_cut_short_never_replaces_a_finished_runs_winner(tmp_path):
     """--force re-tunes a problem a finished run tuned; stopped between its passes, the verdict
-    of its first pass (which never timed the shared kernels) does not replace that winner."""
+    of its first pass (which never timed the shared kernels) does not replace that winner, nor
+    does the next run's, cut short again: the journal says which run's winner it is."""
     from planted import Memoized, SharedMemoized
 
     Memoized.slow = False
@@ -983,11 +1024,31 @@ def test_a_forced_retune_cut_short_never_replaces_a_finished_runs_winner(tmp_pat
     finished, _, _ = two_passes(cache, made, RunSettings(tune=options, workers=1))
     assert finished.status == "tuned"
     forced = RunSettings(tune=options, workers=1, force=True)
-    result, verdict, _ = two_passes(cache, made, forced, stop=1, built=False)
-    assert result.status == "partial" and result.winner == finished.winner != verdict
-    assert result.error == "the run stopped before its second pass; the earlier run's winner kept"
-    with Store(cache) as store:
-        assert store.winner(fingerprint().device_class, str(result.key)).to_row() == finished.winner
+    # the forced run, then a plain one that tunes again what the forced one left unfinished
+    for settings, again in ((forced, False), (RunSettings(tune=options, workers=1), True)):
+        result, verdict, _ = two_passes(cache, made, settings, stop=1, built=False, retune=again)
+        assert result.status == "partial" and result.winner == finished.winner != verdict
+        assert result.error.endswith("before its second pass; the earlier run's winner kept")
+        with Store(cache) as store:
+            held = store.winner(fingerprint().device_class, str(result.key))
+        assert held.to_row() == finished.winner
+
+
+def test_a_kept_verdict_replaces_only_an_unfinished_runs_winner_and_only_a_slower_one(tmp_path):
+    pool = _Pool(tmp_path / "c.db", RunSettings(tune=TuneOptions(), workers=1), [None], print)
+    held = Winner(device_class="gpu", key="gemm:m=1", source="memoized", params={},
+                  median_us=1.0, baseline_us=2.0, versions="v1", run_id="kept")  # fmt: skip
+    append_journal(pool.journal, {"key": held.key, "device_class": "gpu", "status": "partial",
+                                  "run_id": "kept"})  # fmt: skip
+    slower, faster = (
+        replace(held, run_id="new", median_us=2.0),
+        replace(held, run_id="new", median_us=0.5),
+    )
+    assert pool._outranks(held, slower) and not pool._outranks(held, faster)
+    finished = replace(held, run_id="finished", median_us=3.0)
+    assert pool._outranks(finished, faster)  # a finished run's winner stays, whatever its time
+    assert not pool._outranks(replace(finished, versions="v0"), slower)  # stale: replaced
+    assert not pool._outranks(replace(finished, launch="graph"), slower)  # another launch mode
 
 
 @pytest.mark.cpu_host

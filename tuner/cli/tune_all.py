@@ -592,9 +592,11 @@ def tune_all(
             summary = run_with_progress(ordered.todo, problems, store_path, settings, retune)
             artifacts.push()
     journal = read_journal(journal_path(store_path))
-    # what a run left unfinished stays a miss and goes back to the fleet's queue
-    finished = {str(k) for k in problems} - {
-        str(k) for k in pending(store, fp, problems, journal=journal, launch=launch)
+    # what a run left unfinished stays a miss and goes back to the fleet's queue; a leased key
+    # that --op left out counts as done where a finished run of before tuned it here
+    asked = [*problems, *(k for k in lease.keys if k not in problems.labels)] if lease else problems
+    finished = {str(k) for k in asked} - {
+        str(k) for k in pending(store, fp, asked, journal=journal, launch=launch)
     }
     if sources.misses and not dry_run:
         store.clear_misses(fp.device_class, sorted(finished))

@@ -107,6 +107,12 @@ def kept_after_unfinished(journal: list[dict[str, Any]], fp: Fingerprint) -> set
     return {k for k, rec in last.items() if rec["status"] in UNFINISHED}
 
 
+def kept_runs(journal: list[dict[str, Any]]) -> set[str]:
+    """The runs whose winners a problem cut short kept (its verdict stored, its status
+    ``UNFINISHED``): a later attempt's verdict may replace such a winner, never a finished run's."""
+    return {rec["run_id"] for rec in journal if rec["status"] in UNFINISHED and rec.get("run_id")}
+
+
 @dataclass
 class Order:
     todo: list[Key]  # never failed first, in their order; then earlier failures, shortest first

@@ -61,6 +61,8 @@ from tuner.offline.journal import (
     PARTIAL,
     append_journal,
     journal_path,
+    kept_runs,
+    read_journal,
 )
 from tuner.offline.run_settings import RunSettings
 from tuner.tuning import compile_pool, pruning
@@ -607,24 +609,28 @@ class _Pool:
     ) -> None:
         """Store what a problem cut short measured and the verdict it kept, served meanwhile;
         its status stays what ended it, so a later run tunes it again, and its error ends saying
-        what it serves (``ending``). A finished run's winner, current here (a ``--force``
-        re-tune cut short, or another process's), is never replaced by such a verdict: it stays
-        and is served (``KEPT_EARLIER``)."""
+        what it serves (``ending``). The winner stored before, current here, stays and is
+        served (``KEPT_EARLIER``) where it is a finished run's (a ``--force`` re-tune cut short,
+        another process's) or an unfinished run's as fast as the new verdict."""
         result.pruned = pruning.count(measured)
         with Store(self.store_path) as store:
             held = store.winner(verdict.device_class, verdict.key)
-            if held is not None and self._finished(held, verdict):
+            if held is not None and self._outranks(held, verdict):
                 store.save_run(measured)
                 result.winner, result.error = held.to_row(), result.error + KEPT_EARLIER
                 return
             store.save_run(measured, verdict)
         result.winner, result.error = verdict.to_row(), result.error + ending
 
-    def _finished(self, held: Winner, verdict: Winner) -> bool:
-        """Whether ``held`` is a finished run's winner, current here: of these versions and
-        launch mode, and not one that an unfinished run kept (``retune``)."""
-        same = held.versions == verdict.versions and held.launch_mode == verdict.launch_mode
-        return same and held.key not in self.retune
+    def _outranks(self, held: Winner, verdict: Winner) -> bool:
+        """Whether the stored winner ``held`` is to stay rather than a problem's kept verdict:
+        current here (these versions, this launch mode), and either a finished run's (told by
+        its run, not its key: the journal, shared by every process on this cache, names the
+        runs whose verdicts were kept) or at least as fast."""
+        if held.versions != verdict.versions or held.launch_mode != verdict.launch_mode:
+            return False
+        finished = held.run_id not in kept_runs(read_journal(self.journal))
+        return finished or held.median_us <= verdict.median_us
 
     def _record(self, result: Result) -> None:
         """Journal and announce a finished problem, with what the compile pool did for it and
@@ -642,9 +648,12 @@ class _Pool:
 
 
 def _journal_record(r: Result) -> dict[str, Any]:
+    """``r`` as a journal line; its ``run_id`` is the run whose winner this attempt stored (none
+    where it kept the winner stored before: that run's verdict is not this attempt's)."""
     rec = {k: v for k, v in asdict(r).items() if k not in ("key", "winner", "first_pass")}
     rec["key"] = str(r.key)
-    rec["run_id"] = (r.winner or {}).get("run_id", "")
+    kept_earlier = r.error.endswith(KEPT_EARLIER)
+    rec["run_id"] = "" if kept_earlier else (r.winner or {}).get("run_id", "")
     rec["at"] = time.time()
     return rec
 
