@@ -74,6 +74,22 @@ def test_kernels_shared_by_all_shapes_are_compiled_once_for_the_whole_run(tmp_pa
     assert [r.pruned for r in results] == [{"tile": 2}, {}, {}]
 
 
+def test_a_run_whose_sources_share_no_kernels_has_no_shared_job_to_wait_for():
+    """--source compile_log (none that shares kernels, though one is registered): every problem's
+    shared kernels are ready from the start, so none gets a first pass while nothing compiles."""
+    registry.register(SharedLog())
+    keys = [GemmKey(m=m, n=256, k=64, dtype="f32", out_dtype="f32") for m in (1, 64)]
+    options = TuneOptions(sources=["compile_log"])
+    pool = CompilePool(keys, options, "cpu", jobs=1, sources=runtime_sources())
+    try:
+        pool.start()
+        assert all(pool.events[str(k)][1].is_set() for k in keys)  # at once, not once a job ran
+        assert compile_pool.SHARED not in pool.futures and pool.result(compile_pool.SHARED) is None
+    finally:
+        pool.close()
+        registry.unregister("shared_log")
+
+
 def test_waiting_for_a_key_without_a_job_returns_at_once():
     assert compile_pool.wait({}, GemmKey(m=8, n=8, k=8)) < 1.0
 

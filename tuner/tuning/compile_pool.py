@@ -17,7 +17,8 @@ timing thread's CPU or its hyperthread sibling still slows it.
 Sources whose kernels serve every shape (``Source.shares_kernels``: CUTLASS) are not compiled
 per problem: one *shared* job takes the union of every problem's shortlists for them, so each
 kernel is compiled once per run, on every core, the earliest needed first, and marks each
-problem ready as soon as its own kernels are.
+problem ready as soon as its own kernels are. A run whose sources share none (none asked for, or
+none available on its device) has no shared job: its problems are ready once their own jobs are.
 
 A problem is compiled once both its job and its share of the shared job ended (``ready``). The
 process that tunes waits only for its own problem (``wait``), through events made before the
@@ -39,6 +40,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from tuner.candidates import registry
 from tuner.candidates.base import Params, Source
 from tuner.core.keys import Key
 from tuner.core.lifetime import exit_when_orphaned
@@ -241,13 +243,28 @@ class CompilePool:
         """Submit the shared job, then every problem in order; a problem's first event is set
         when its job ends, its second by the shared job."""
         problems, shared = self.executors
-        self.futures[SHARED] = shared.submit(compile_shared, self.keys, self.options, self.device)
+        if self._shares_kernels():
+            future = shared.submit(compile_shared, self.keys, self.options, self.device)
+            future.add_done_callback(lambda _f: self._set(1))
+            self.futures[SHARED] = future
+        else:
+            self._set(1)
         for key in self.keys:
             name = str(key)
             future = problems.submit(compile_problem, key, self.options, self.device)
             future.add_done_callback(lambda _f, e=self.events[name][0]: e.set())
             self.futures[name] = future
-        self.futures[SHARED].add_done_callback(lambda _f: self._set(1))
+
+    def _shares_kernels(self) -> bool:
+        """Whether a source this run asks for, available here, shares kernels across shapes."""
+        wanted = self.options.sources
+        return any(
+            source.shares_kernels
+            and (wanted is None or source.name in wanted)
+            and source.unavailable(self.device) is None
+            for op in {key.op for key in self.keys}
+            for source in registry.sources(op)
+        )
 
     def _set(self, which: int) -> None:
         for events in self.events.values():
