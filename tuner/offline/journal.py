@@ -26,7 +26,7 @@ UNFINISHED = (*FAILURES, PARTIAL)  # a winner such a problem kept is tuned again
 # the end of the error of a problem cut short, saying what it serves (``tune_all._Pool._keep``)
 KEPT_FIRST_PASS = "; the first pass's verdict kept"
 KEPT_BASELINE = "; its baseline kept"
-# a finished run's winner, which a verdict kept by a problem cut short never replaces
+# the winner stored before, which stays: a finished run's, or an unfinished run's as fast
 KEPT_EARLIER = "; the earlier run's winner kept"
 KEPT_ENDINGS = (KEPT_FIRST_PASS, KEPT_BASELINE, KEPT_EARLIER)
 
