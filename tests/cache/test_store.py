@@ -340,3 +340,26 @@ def test_a_read_only_file_is_read_and_its_writes_refused_naming_it(tmp_path):
         with pytest.raises(ReadOnlyError, match=f"{path} is read-only"):
             store.save_run([measurement()], winner(updated_at=2e9))
         assert path.read_bytes() == before
+
+
+def test_a_winner_that_is_to_stay_is_tested_and_kept_in_one_transaction(tmp_path):
+    path = tmp_path / "c.db"
+    with Store(path) as store:
+        store.put_winners([winner(median_us=4.0)])
+        other = sqlite3.connect(path, timeout=0)
+
+        def faster_stays(held: Winner) -> bool:
+            # the write lock is held while the stored winner is judged: no other writer gets in
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                other.execute("delete from winners")
+            return held.median_us <= 4.5
+
+        held = store.save_run_unless_held([measurement()], winner(median_us=4.5), faster_stays)
+        assert held is not None and held.median_us == 4.0
+        assert store.winner("cpu-test", KEY).median_us == 4.0
+        assert len(store.measurements("cpu-test", KEY)) == 1
+
+        replacing = winner(median_us=3.0, params={"bm": 64})
+        assert store.save_run_unless_held([], replacing, lambda held: False) is None
+        assert store.winner("cpu-test", KEY).params == {"bm": 64}
+        other.close()

@@ -149,6 +149,24 @@ class Store(DeviceFile):
             if winner is not None:
                 self._upsert_winners(c, [winner])
 
+    def save_run_unless_held(
+        self,
+        measurements: Iterable[Measurement],
+        winner: Winner,
+        held_stays: Callable[[Winner], bool],
+    ) -> Winner | None:
+        """Store a run's measurements, and its winner unless the winner already stored for its
+        key is to stay (``held_stays`` says, given it). The test and the write are one
+        transaction, so no other writer comes between them. Returns the winner that stayed,
+        or None where ``winner`` was stored."""
+        with self.transaction() as c:
+            self._insert_measurements(c, measurements)
+            held = self.winner(winner.device_class, winner.key)
+            if held is not None and held_stays(held):
+                return held
+            self._upsert_winners(c, [winner])
+            return None
+
     def _insert_measurements(
         self, c: sqlite3.Connection, measurements: Iterable[Measurement]
     ) -> int:

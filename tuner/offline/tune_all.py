@@ -614,13 +614,13 @@ class _Pool:
         another process's) or an unfinished run's as fast as the new verdict."""
         result.pruned = pruning.count(measured)
         with Store(self.store_path) as store:
-            held = store.winner(verdict.device_class, verdict.key)
-            if held is not None and self._outranks(held, verdict):
-                store.save_run(measured)
-                result.winner, result.error = held.to_row(), result.error + KEPT_EARLIER
-                return
-            store.save_run(measured, verdict)
-        result.winner, result.error = verdict.to_row(), result.error + ending
+            held = store.save_run_unless_held(
+                measured, verdict, lambda held: self._outranks(held, verdict)
+            )
+        if held is not None:
+            result.winner, result.error = held.to_row(), result.error + KEPT_EARLIER
+        else:
+            result.winner, result.error = verdict.to_row(), result.error + ending
 
     def _outranks(self, held: Winner, verdict: Winner) -> bool:
         """Whether the stored winner ``held`` is to stay rather than a problem's kept verdict:
