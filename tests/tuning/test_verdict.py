@@ -171,6 +171,8 @@ def test_a_gpu_only_win_needs_a_launch_no_longer_than_the_baselines():
     # eager times are launch times here: the challenger's longer launch loses a quiet host's tie
     assert gpu_only_win(host_us=(33.5, 33.5), gpu_us=(11.6, 11.1), margin=0.02)
     assert not gpu_only_win(host_us=(33.5, 34.0), gpu_us=(11.6, 11.1), margin=0.02)
+    # two launches of one kernel family, a few ns apart: the same launch, so the GPU decides
+    assert gpu_only_win(host_us=(19.728, 19.734), gpu_us=(22.17, 18.97), margin=0.02)
     assert not gpu_only_win(host_us=(33.5, 33.0), gpu_us=(11.6, 11.5), margin=0.02)  # GPU tie
     assert not gpu_only_win(host_us=(51.0, 50.0), gpu_us=(84.5, 70.0), margin=0.02)  # not hidden
 
