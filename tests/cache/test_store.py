@@ -1,5 +1,6 @@
 """The SQLite store: round trips, export/import, and refusing files that are not ours."""
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -344,9 +345,8 @@ def test_a_read_only_file_is_read_and_its_writes_refused_naming_it(tmp_path):
 
 def test_a_winner_that_is_to_stay_is_tested_and_kept_in_one_transaction(tmp_path):
     path = tmp_path / "c.db"
-    with Store(path) as store:
+    with Store(path) as store, contextlib.closing(sqlite3.connect(path, timeout=0)) as other:
         store.put_winners([winner(median_us=4.0)])
-        other = sqlite3.connect(path, timeout=0)
 
         def faster_stays(held: Winner) -> bool:
             # the write lock is held while the stored winner is judged: no other writer gets in
@@ -362,4 +362,35 @@ def test_a_winner_that_is_to_stay_is_tested_and_kept_in_one_transaction(tmp_path
         replacing = winner(median_us=3.0, params={"bm": 64})
         assert store.save_run_unless_held([], replacing, lambda held: False) is None
         assert store.winner("cpu-test", KEY).params == {"bm": 64}
-        other.close()
+
+
+def test_a_key_without_a_winner_stores_the_run_and_asks_nothing(tmp_path):
+    def never(held: Winner) -> bool:
+        raise AssertionError("no stored winner to judge")
+
+    with Store(tmp_path / "c.db") as store:
+        assert store.save_run_unless_held([measurement()], winner(), never) is None
+        assert store.winner("cpu-test", KEY).params == {"bm": 32}
+
+
+def test_a_judge_that_fails_stores_nothing_and_frees_the_cache(tmp_path):
+    path = tmp_path / "c.db"
+
+    def broken(held: Winner) -> bool:
+        raise OSError("journal unreadable")
+
+    with Store(path) as store:
+        store.put_winners([winner()])
+        with pytest.raises(OSError, match="journal unreadable"):
+            store.save_run_unless_held([measurement()], winner(median_us=1.0), broken)
+        assert store.measurements() == [] and store.winner("cpu-test", KEY).median_us == 5.0
+    with contextlib.closing(sqlite3.connect(path, timeout=0)) as other:
+        other.execute("delete from winners")  # not locked: the transaction was rolled back
+
+
+def test_judging_a_winner_in_a_read_only_cache_is_refused_as_read_only(tmp_path):
+    path = tmp_path / "c.db"
+    with Store(path) as store:
+        store.put_winners([winner()])
+    with read_only(path), Store(path) as store, pytest.raises(ReadOnlyError):
+        store.save_run_unless_held([measurement()], winner(median_us=1.0), lambda held: False)

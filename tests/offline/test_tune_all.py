@@ -31,6 +31,7 @@ from tuner.offline.journal import (
     append_journal,
     journal_path,
     kept_after_unfinished,
+    kept_runs,
     order,
     pending,
     read_journal,
@@ -40,7 +41,7 @@ from tuner.offline.problem_list import ConfigError, load_problems
 from tuner.offline.problem_set import ProblemSet
 from tuner.offline.run_settings import RunSettings
 from tuner.offline.tunableop import import_files
-from tuner.offline.tune_all import Result, Task, _Pool, _tune_one, worker_main
+from tuner.offline.tune_all import Result, Task, _Pool, _tune_one, outranks, worker_main
 from tuner.tuning.compile_pool import CompilePool
 from tuner.tuning.engine import TuneOptions
 
@@ -1035,20 +1036,21 @@ def test_a_forced_retune_cut_short_never_replaces_a_finished_runs_winner(tmp_pat
 
 
 def test_a_kept_verdict_replaces_only_an_unfinished_runs_winner_and_only_a_slower_one(tmp_path):
-    pool = _Pool(tmp_path / "c.db", RunSettings(tune=TuneOptions(), workers=1), [None], print)
+    journal = tmp_path / "journal.jsonl"
     held = Winner(device_class="gpu", key="gemm:m=1", source="memoized", params={},
                   median_us=1.0, baseline_us=2.0, versions="v1", run_id="kept")  # fmt: skip
-    append_journal(pool.journal, {"key": held.key, "device_class": "gpu", "status": "partial",
-                                  "run_id": "kept"})  # fmt: skip
+    append_journal(journal, {"key": held.key, "device_class": "gpu", "status": "partial",
+                             "run_id": "kept"})  # fmt: skip
+    kept = kept_runs(read_journal(journal))
     slower, faster = (
         replace(held, run_id="new", median_us=2.0),
         replace(held, run_id="new", median_us=0.5),
     )
-    assert pool._outranks(held, slower) and not pool._outranks(held, faster)
+    assert outranks(held, slower, kept) and not outranks(held, faster, kept)
     finished = replace(held, run_id="finished", median_us=3.0)
-    assert pool._outranks(finished, faster)  # a finished run's winner stays, whatever its time
-    assert not pool._outranks(replace(finished, versions="v0"), slower)  # stale: replaced
-    assert not pool._outranks(replace(finished, launch="graph"), slower)  # another launch mode
+    assert outranks(finished, faster, kept)  # a finished run's winner stays, whatever its time
+    assert not outranks(replace(finished, versions="v0"), slower, kept)  # stale: replaced
+    assert not outranks(replace(finished, launch="graph"), slower, kept)  # another launch mode
 
 
 @pytest.mark.cpu_host

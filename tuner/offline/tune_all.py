@@ -613,24 +613,15 @@ class _Pool:
         served (``KEPT_EARLIER``) where it is a finished run's (a ``--force`` re-tune cut short,
         another process's) or an unfinished run's as fast as the new verdict."""
         result.pruned = pruning.count(measured)
+        kept = kept_runs(read_journal(self.journal))  # read before the store's write lock
         with Store(self.store_path) as store:
             held = store.save_run_unless_held(
-                measured, verdict, lambda held: self._outranks(held, verdict)
+                measured, verdict, lambda stored: outranks(stored, verdict, kept)
             )
         if held is not None:
             result.winner, result.error = held.to_row(), result.error + KEPT_EARLIER
         else:
             result.winner, result.error = verdict.to_row(), result.error + ending
-
-    def _outranks(self, held: Winner, verdict: Winner) -> bool:
-        """Whether the stored winner ``held`` is to stay rather than a problem's kept verdict:
-        current here (these versions, this launch mode), and either a finished run's (told by
-        its run, not its key: the journal, shared by every process on this cache, names the
-        runs whose verdicts were kept) or at least as fast."""
-        if held.versions != verdict.versions or held.launch_mode != verdict.launch_mode:
-            return False
-        finished = held.run_id not in kept_runs(read_journal(self.journal))
-        return finished or held.median_us <= verdict.median_us
 
     def _record(self, result: Result) -> None:
         """Journal and announce a finished problem, with what the compile pool did for it and
@@ -645,6 +636,16 @@ class _Pool:
             append_journal(self.journal, _journal_record(result))
         self.results.append(result)
         self.emit(("result", result))
+
+
+def outranks(held: Winner, verdict: Winner, kept: set[str]) -> bool:
+    """Whether the stored winner ``held`` is to stay rather than a problem's kept verdict:
+    current here (these versions, this launch mode), and either a finished run's (told by its
+    run, not its key: ``kept`` are the runs whose verdicts were kept, as the journal shared by
+    every process on this cache names them) or at least as fast."""
+    if held.versions != verdict.versions or held.launch_mode != verdict.launch_mode:
+        return False
+    return held.run_id not in kept or held.median_us <= verdict.median_us
 
 
 def _journal_record(r: Result) -> dict[str, Any]:
