@@ -757,6 +757,9 @@ def test_ctrl_c_during_tune_says_nothing_was_stored(tmp_path):
     p = subprocess.Popen(
         [sys.executable, "-m", "tuner", *args], env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # as a terminal's foreground job gets it: a suite started in the background (`make
+        # test &`) ignores SIGINT, and its children would inherit that and never see a Ctrl-C
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     while not cache.exists():  # the device is saved just before the run starts
         assert p.poll() is None, p.communicate()
