@@ -304,10 +304,9 @@ class Trial:
         with ``launch="graph"`` that is the time compared; eagerly the challenger must in addition
         be no slower on the GPU than the baseline beyond the margin. An eager win that is only a
         cheaper launch (a kernel quicker to launch than cuBLAS but slower on the GPU) would make
-        every graph-replayed step slower. Eagerly a challenger
-        faster on the GPU beyond the graph's noise also wins when it is no slower eagerly, where
-        the host's launch hides the kernels and its own launch is no longer (within
-        ``HOST_TIE``: ``gpu_only_win``). A
+        every graph-replayed step slower. Eagerly a challenger faster on the GPU beyond the
+        graph's noise also wins when it is no slower eagerly, where the host's launch hides the
+        kernels and its own launch is no longer (within ``HOST_TIE``: ``gpu_only_win``). A
         challenger that cannot be captured loses: it could not serve a caller that runs its step
         as a graph. Eagerly, rounds far over either runner's trial time (``far_off_trials``), or
         whose win between two kernel-bound calls is wider than their graph times allow
