@@ -2,7 +2,8 @@
 # One call on the lent GPU machine: install what its image lacks, then run the named stages.
 #   bash bench/gpu_check.sh tests dispatch        (carry .whl; results land under $OUT)
 # Stages: tests (pytest -m gpu; GPU_TESTS="tests/serving ..." narrows it, GPU_TESTS_TIMEOUT seconds),
-#   all-gpu-tests (every GPU test in two pytests at once -> $OUT/gpu_tests.txt, gpu_tests_{a,b}.log),
+#   all-gpu-tests (every GPU test in four pytests at once -> $OUT/gpu_tests.txt, gpu_tests_{a,b,c,d}.log;
+#   GPU_TESTS_PARTS="a c" runs those parts only),
 #   host-tests (the rest of the suite, -m "not gpu", as `make test` runs it on a GPU machine: one pytest
 #   per test folder, in parallel -> $OUT/host_tests.txt, each folder's summary, their logs in $OUT/host_tests_logs.tar.gz; HOST_TESTS_TIMEOUT seconds;
 #   HOST_TESTS="tests/cli tests/suites" runs those folders or files only), dispatch (hit-path
@@ -81,26 +82,32 @@ for stage in "$@"; do
         echo "tests: stopped by GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-3000} s; the tests after the last dot did not run" | tee -a "$OUT/gpu_tests.log"
       fi
       [ "$rc" = 0 ] || status=1 ;;
-    all-gpu-tests)  # every GPU test inside one call: the nvcc-heavy files beside the rest, two pytests at
-      # once (one after the other takes longer than a call may), each with its own tuner cache and log (the
-      # kernel caches are shared), the slowest named (--durations); GPU_TESTS_HALF_A lists the first half
-      a=${GPU_TESTS_HALF_A:-"tests/candidates/test_cutlass_w4a16.py tests/candidates/test_gemm_libraries.py tests/candidates/test_fp8_libs.py tests/candidates/test_cutlass_launcher.py tests/candidates/test_cuda_w4a16.py tests/candidates/test_cuda_fp8.py tests/candidates/test_kernel_artifacts.py"}
-      ignore=$(for f in $a; do printf -- ' --ignore=%s' "$f"; done)
-      pids=()
-      for half in a b; do
-        if [ $half = a ]; then files=$a; else files="$ignore tests"; fi
-        ( TUNER_CACHE=/tmp/gpu_tests_$half.db timeout -k 10 "${GPU_TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu \
-            -p no:cacheprovider --timeout=400 --durations=25 --ignore=tests/server/test_schema.py $files \
-            > "$OUT/gpu_tests_$half.log" 2>&1
-          echo "exit $?" >> "$OUT/gpu_tests_$half.log" ) &
+    all-gpu-tests)  # every GPU test in four pytests at once, each with its own tuner cache and log (the
+      # kernel caches are shared), the slowest named (--durations): a, the nvcc-heavy candidate files
+      # (GPU_TESTS_PART_A lists them); b, the Triton-heavy ones (GPU_TESTS_PART_B); c, the rest of
+      # tests/candidates; d, every other folder. On a cold machine all four take longer than a call may:
+      # run GPU_TESTS_PARTS="a d" and "b c" in two calls
+      a=${GPU_TESTS_PART_A:-"tests/candidates/test_cutlass_w4a16.py tests/candidates/test_gemm_libraries.py tests/candidates/test_fp8_libs.py tests/candidates/test_cutlass_launcher.py tests/candidates/test_cuda_w4a16.py tests/candidates/test_cuda_fp8.py"}
+      b=${GPU_TESTS_PART_B:-"tests/candidates/test_attention.py tests/candidates/test_dequant_gemm.py tests/candidates/test_fp8_decode.py tests/candidates/test_lowbit_kernels.py"}
+      not_ab=$(for f in $a $b; do printf -- ' --ignore=%s' "$f"; done)
+      declare -A files=([a]="$a" [b]="$b" [c]="$not_ab tests/candidates" [d]="--ignore=tests/candidates tests")
+      parts=${GPU_TESTS_PARTS:-"a b c d"} pids=()
+      for part in $parts; do
+        [ -n "${files[$part]:-}" ] || { echo "GPU_TESTS_PARTS: no part '$part' (allowed: a b c d)"; exit 2; }
+      done
+      for part in $parts; do
+        ( TUNER_CACHE=/tmp/gpu_tests_$part.db timeout -k 10 "${GPU_TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu \
+            -p no:cacheprovider --timeout=400 --durations=25 --ignore=tests/server/test_schema.py ${files[$part]} \
+            > "$OUT/gpu_tests_$part.log" 2>&1
+          echo "exit $?" >> "$OUT/gpu_tests_$part.log" ) &
         pids+=($!)
       done
       wait "${pids[@]}"
       : > "$OUT/gpu_tests.txt"
-      for half in a b; do
-        { echo "== half $half: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/gpu_tests_$half.log" | tail -1) ($(tail -1 "$OUT/gpu_tests_$half.log"))"
-          grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_$half.log"; } | tee -a "$OUT/gpu_tests.txt"
-        grep -qx 'exit 0' "$OUT/gpu_tests_$half.log" || status=1
+      for part in $parts; do
+        { echo "== part $part: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/gpu_tests_$part.log" | tail -1) ($(tail -1 "$OUT/gpu_tests_$part.log"))"
+          grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_$part.log"; } | tee -a "$OUT/gpu_tests.txt"
+        grep -qx 'exit 0' "$OUT/gpu_tests_$part.log" || status=1
       done ;;
     host-tests)  # CPU-path tests on a GPU host: a GPU-less host's tests are marked cpu_host
       logs=$(mktemp -d) pids=()
