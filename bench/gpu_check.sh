@@ -85,8 +85,8 @@ for stage in "$@"; do
     all-gpu-tests)  # every GPU test in four pytests at once, each with its own tuner cache and log (the
       # kernel caches are shared), the slowest named (--durations): a, the nvcc-heavy candidate files
       # (GPU_TESTS_PART_A lists them); b, the Triton-heavy ones (GPU_TESTS_PART_B); c, the rest of
-      # tests/candidates; d, every other folder. On a cold machine all four take longer than a call may:
-      # run GPU_TESTS_PARTS="a d" and "b c" in two calls
+      # tests/candidates; d, every other folder. On a fresh machine, with the CUTLASS seed, parts a, b and d
+      # pass inside one call at once and c alone takes longer than a call may: run c's files apart
       a=${GPU_TESTS_PART_A:-"tests/candidates/test_cutlass_w4a16.py tests/candidates/test_gemm_libraries.py tests/candidates/test_fp8_libs.py tests/candidates/test_cutlass_launcher.py tests/candidates/test_cuda_w4a16.py tests/candidates/test_cuda_fp8.py"}
       b=${GPU_TESTS_PART_B:-"tests/candidates/test_attention.py tests/candidates/test_dequant_gemm.py tests/candidates/test_fp8_decode.py tests/candidates/test_lowbit_kernels.py"}
       not_ab=$(for f in $a $b; do printf -- ' --ignore=%s' "$f"; done)
@@ -96,9 +96,10 @@ for stage in "$@"; do
         [ -n "${files[$part]:-}" ] || { echo "GPU_TESTS_PARTS: no part '$part' (allowed: a b c d)"; exit 2; }
       done
       for part in $parts; do
-        ( TUNER_CACHE=/tmp/gpu_tests_$part.db timeout -k 10 "${GPU_TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu \
-            -p no:cacheprovider --timeout=400 --durations=25 --ignore=tests/server/test_schema.py ${files[$part]} \
-            > "$OUT/gpu_tests_$part.log" 2>&1
+        # each line stamped with the time it came (a part cut by the timeout has no --durations table)
+        ( TUNER_CACHE=/tmp/gpu_tests_$part.db timeout -k 10 "${GPU_TESTS_TIMEOUT:-540}" python3 -m pytest -v -m gpu \
+            -p no:cacheprovider --timeout=400 --durations=25 --ignore=tests/server/test_schema.py ${files[$part]} 2>&1 \
+            | while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done > "$OUT/gpu_tests_$part.log"
           echo "exit $?" >> "$OUT/gpu_tests_$part.log" ) &
         pids+=($!)
       done
@@ -106,7 +107,7 @@ for stage in "$@"; do
       : > "$OUT/gpu_tests.txt"
       for part in $parts; do
         { echo "== part $part: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/gpu_tests_$part.log" | tail -1) ($(tail -1 "$OUT/gpu_tests_$part.log"))"
-          grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_$part.log"; } | tee -a "$OUT/gpu_tests.txt"
+          grep -E '^[0-9:]+ (FAILED|ERROR)' "$OUT/gpu_tests_$part.log"; } | tee -a "$OUT/gpu_tests.txt"
         grep -qx 'exit 0' "$OUT/gpu_tests_$part.log" || status=1
       done ;;
     host-tests)  # CPU-path tests on a GPU host: a GPU-less host's tests are marked cpu_host
