@@ -106,7 +106,7 @@ for stage in "$@"; do
       wait "${pids[@]}"
       : > "$OUT/gpu_tests.txt"
       for part in $parts; do
-        { echo "== part $part: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/gpu_tests_$part.log" | tail -1) ($(tail -1 "$OUT/gpu_tests_$part.log"))"
+        { echo "== part $part: $(grep -E '(passed|failed|errors?|skipped|no tests ran).* in [0-9.]+s' "$OUT/gpu_tests_$part.log" | tail -1) ($(tail -1 "$OUT/gpu_tests_$part.log"))"
           grep -E '^[0-9:]+ (FAILED|ERROR)' "$OUT/gpu_tests_$part.log"; } | tee -a "$OUT/gpu_tests.txt"
         grep -qx 'exit 0' "$OUT/gpu_tests_$part.log" || status=1
       done ;;
