@@ -2,8 +2,8 @@
 # One call on the lent GPU machine: install what its image lacks, then run the named stages.
 #   bash bench/gpu_check.sh tests dispatch        (carry .whl; results land under $OUT)
 # Stages: tests (pytest -m gpu; GPU_TESTS="tests/serving ..." narrows it, GPU_TESTS_TIMEOUT seconds),
-#   all-gpu-tests (every GPU test in four pytests at once -> $OUT/gpu_tests.txt, gpu_tests_{a,b,c,d}.log;
-#   GPU_TESTS_PARTS="a c" runs those parts only),
+#   all-gpu-tests (every GPU test in five pytests at once -> $OUT/gpu_tests.txt, gpu_tests_{a,b,c,d,e}.log;
+#   GPU_TESTS_PARTS="c e" runs those parts only),
 #   host-tests (the rest of the suite, -m "not gpu", as `make test` runs it on a GPU machine: one pytest
 #   per test folder, in parallel -> $OUT/host_tests.txt, each folder's summary, their logs in $OUT/host_tests_logs.tar.gz; HOST_TESTS_TIMEOUT seconds;
 #   HOST_TESTS="tests/cli tests/suites" runs those folders or files only), dispatch (hit-path
@@ -82,18 +82,20 @@ for stage in "$@"; do
         echo "tests: stopped by GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-3000} s; the tests after the last dot did not run" | tee -a "$OUT/gpu_tests.log"
       fi
       [ "$rc" = 0 ] || status=1 ;;
-    all-gpu-tests)  # every GPU test in four pytests at once, each with its own tuner cache and log (the
+    all-gpu-tests)  # every GPU test in five pytests at once, each with its own tuner cache and log (the
       # kernel caches are shared), the slowest named (--durations): a, the nvcc-heavy candidate files
-      # (GPU_TESTS_PART_A lists them); b, the Triton-heavy ones (GPU_TESTS_PART_B); c, the rest of
-      # tests/candidates; d, every other folder. On a fresh machine, with the CUTLASS seed, parts a, b and d
-      # pass inside one call at once and c alone takes longer than a call may: run c's files apart
+      # (GPU_TESTS_PART_A lists them); b, the Triton-heavy ones (GPU_TESTS_PART_B); c, the low-bit keys
+      # tuned with every source (GPU_TESTS_PART_C); d, every folder but tests/candidates; e, the rest of
+      # tests/candidates. With the CUTLASS seed on a fresh machine, run a, b and d in one call, c and e
+      # in another: together they take longer than a call may
       a=${GPU_TESTS_PART_A:-"tests/candidates/test_cutlass_w4a16.py tests/candidates/test_gemm_libraries.py tests/candidates/test_fp8_libs.py tests/candidates/test_cutlass_launcher.py tests/candidates/test_cuda_w4a16.py tests/candidates/test_cuda_fp8.py"}
       b=${GPU_TESTS_PART_B:-"tests/candidates/test_attention.py tests/candidates/test_dequant_gemm.py tests/candidates/test_fp8_decode.py tests/candidates/test_lowbit_kernels.py"}
-      not_ab=$(for f in $a $b; do printf -- ' --ignore=%s' "$f"; done)
-      declare -A files=([a]="$a" [b]="$b" [c]="$not_ab tests/candidates" [d]="--ignore=tests/candidates tests")
-      parts=${GPU_TESTS_PARTS:-"a b c d"} pids=()
+      c=${GPU_TESTS_PART_C:-"tests/candidates/test_lowbit_sources.py"}
+      not_abc=$(for f in $a $b $c; do printf -- ' --ignore=%s' "$f"; done)
+      declare -A files=([a]="$a" [b]="$b" [c]="$c" [d]="--ignore=tests/candidates tests" [e]="$not_abc tests/candidates")
+      parts=${GPU_TESTS_PARTS:-"a b c d e"} pids=()
       for part in $parts; do
-        [ -n "${files[$part]:-}" ] || { echo "GPU_TESTS_PARTS: no part '$part' (allowed: a b c d)"; exit 2; }
+        [ -n "${files[$part]:-}" ] || { echo "GPU_TESTS_PARTS: no part '$part' (allowed: a b c d e)"; exit 2; }
       done
       for part in $parts; do
         # each line stamped with the time it came (a part cut by the timeout has no --durations table)
