@@ -1,9 +1,9 @@
-"""Two versions of the W4A16 decode kernels side by side, from whole ``bench/w4a16_gemv.py`` runs
+"""Two versions of the W4A16 decode kernels side by side, from whole ``bench/w4a16_decode_grid.py`` runs
 of each: a baseline tree's and this tree's, in turns on one machine (``gpu_check.sh gemv-ab``).
 
     python bench/gemv_ab.py --base base1.json --base base2.json --new new1.json --new new2.json
 
-``w4a16_gemv.py --baseline`` builds another kernel source beside this one in one process, on one
+``w4a16_decode_grid.py --baseline`` builds another kernel source beside this one in one process, on one
 set of operands; a change that moves the weight's layout needs each version's own packing, so
 this pairs rows of separate runs instead. Rows pair on (projection, M, implementation, config);
 a side reads its fastest time over its runs (turns on one machine: the fastest is the least
@@ -193,11 +193,11 @@ def table(result: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", action="append", type=Path, default=[],
-                    help="a w4a16_gemv.py JSON of the baseline tree (repeatable)")  # fmt: skip
+                    help="a w4a16_decode_grid.py JSON of the baseline tree (repeatable)")  # fmt: skip
     ap.add_argument("--new", action="append", type=Path, default=[],
-                    help="a w4a16_gemv.py JSON of this tree (repeatable)")  # fmt: skip
+                    help="a w4a16_decode_grid.py JSON of this tree (repeatable)")  # fmt: skip
     ap.add_argument("--variants", type=Path,
-                    help="instead: one w4a16_gemv.py --variant run, each twin beside its product build")  # fmt: skip
+                    help="instead: one w4a16_decode_grid.py --variant run, each twin beside its product build")  # fmt: skip
     ap.add_argument("--against", type=Path,
                     help="with --variants: a low-bit suite run (JSON, or .json.xz) whose INT4 "
                          "decode lines the product's fastest configs are read against")  # fmt: skip
@@ -210,7 +210,7 @@ def main() -> None:
     if args.against and not args.variants:
         ap.error("--against SUITE: only with --variants RUN")
 
-    def load(flag: str, path: Path, what: str = "bench/w4a16_gemv.py run") -> dict[str, Any]:
+    def load(flag: str, path: Path, what: str = "bench/w4a16_decode_grid.py run") -> dict[str, Any]:
         try:
             raw = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
             run = json.loads(raw)

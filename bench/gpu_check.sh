@@ -17,8 +17,8 @@
 #   lowbit_kernels.json, .log; LOWBIT_KERNELS_ARGS="--formats int4 ...", LOWBIT_KERNELS_TIMEOUT).
 #   int4-layouts (bench/int4_layouts.py: time and memory of each INT4 kernel's weight layout -> $OUT/
 #   int4_layouts.json, .log). lowbit-ncu (Nsight Compute sections of the low-bit decode kernels -> $OUT/lowbit_ncu.log).
-#   gemv-ncu (the same for the CUDA W4A16 decode kernel, bench/w4a16_gemv.py --profile -> $OUT/gemv_ncu.log).
-#   gemv-ab (bench/w4a16_gemv.py from another version's tree AB_TREE and from this one, in turns, then
+#   gemv-ncu (the same for the CUDA W4A16 decode kernel, bench/w4a16_decode_grid.py --profile -> $OUT/gemv_ncu.log).
+#   gemv-ab (bench/w4a16_decode_grid.py from another version's tree AB_TREE and from this one, in turns, then
 #   bench/gemv_ab.py -> $OUT/gemv_ab.txt/.json and each run's JSON and log; GEMV_AB_ARGS, GEMV_AB_ROUNDS).
 #   tuneall (tune-all Llama-3-8B projections -> $OUT/tuneall: report.json, speedup.png, tuner.db,
 #   journal, tunableop_results0.csv; TUNEALL_TIME_LIMIT, TUNEALL_RESUME_FROM, TUNEALL_ARGS).
@@ -152,9 +152,9 @@ for stage in "$@"; do
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
         --section LaunchStats --section WarpStateStats --section SchedulerStats --section InstructionStats \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-        python3 bench/w4a16_gemv.py --out /dev/null --profile ${GEMV_NCU_ARGS:---proj gate_up down --m 1 8} \
+        python3 bench/w4a16_decode_grid.py --out /dev/null --profile ${GEMV_NCU_ARGS:---proj gate_up down --m 1 8} \
         2>&1 | tee "$OUT/gemv_ncu.log" || status=1 ;;
-    gemv-ab)  # an A/B of whole runs, for a change w4a16_gemv.py --baseline cannot time (one that
+    gemv-ab)  # an A/B of whole runs, for a change w4a16_decode_grid.py --baseline cannot time (one that
       # moves the weight's layout): AB_TREE holds another version's tuner/ and bench/, e.g.
       # `git archive main tuner bench ':(exclude)bench/results' | tar -x -C ab_main` (a folder
       # .git/info/exclude ignores, carried); its run and this tree's take GEMV_AB_ROUNDS
@@ -162,12 +162,13 @@ for stage in "$@"; do
       if [ ! -d "${AB_TREE:-}/tuner" ]; then
         echo "gemv-ab: AB_TREE='${AB_TREE:-}' holds no tuner/ (another version's tree)"; status=1
       else
-        sides=()
+        sides=() ab_script=bench/w4a16_decode_grid.py  # older trees name it bench/w4a16_gemv.py
+        [ -f "$AB_TREE/$ab_script" ] || ab_script=bench/w4a16_gemv.py
         for round in $(seq "${GEMV_AB_ROUNDS:-2}"); do
           ( cd "$AB_TREE" && export PYTHONPATH="$PWD:$PYTHONPATH" && timeout -k 20 "${GEMV_AB_TIMEOUT:-200}" \
-            python3 bench/w4a16_gemv.py --out "$OUT/gemv_ab_base$round.json" ${GEMV_AB_ARGS:-} ) \
+            python3 "$ab_script" --out "$OUT/gemv_ab_base$round.json" ${GEMV_AB_ARGS:-} ) \
             > "$OUT/gemv_ab_base$round.log" 2>&1 || status=1
-          timeout -k 20 "${GEMV_AB_TIMEOUT:-200}" python3 bench/w4a16_gemv.py --out "$OUT/gemv_ab_new$round.json" \
+          timeout -k 20 "${GEMV_AB_TIMEOUT:-200}" python3 bench/w4a16_decode_grid.py --out "$OUT/gemv_ab_new$round.json" \
             ${GEMV_AB_ARGS:-} > "$OUT/gemv_ab_new$round.log" 2>&1 || status=1
           sides+=(--base "$OUT/gemv_ab_base$round.json" --new "$OUT/gemv_ab_new$round.json")
         done

@@ -272,7 +272,7 @@ def compiled_config(path) -> tuple[int, int, int, int]:
 
 @pytest.mark.skipif(nvcc_build.nvcc_path() is None, reason="needs nvcc")
 def test_a_staggered_config_compiles_a_staggered_library(tmp_path, monkeypatch) -> None:
-    bench = load_script("w4a16_gemv")
+    bench = load_script("w4a16_decode_grid")
     monkeypatch.setattr(bench, "VARIANT_DIR", tmp_path)
     plain, staggered = cfg(4, 2, 3, 1), cfg(4, 2, 3, 1, stagger=True)
     bench.build_variants([(plain, "baseline"), (staggered, "baseline")], cw.SOURCE)
@@ -282,9 +282,9 @@ def test_a_staggered_config_compiles_a_staggered_library(tmp_path, monkeypatch) 
 
 @pytest.mark.skipif(nvcc_build.nvcc_path() is None, reason="needs nvcc")
 def test_the_bench_only_trace_build_compiles_and_exports_its_trace(tmp_path, monkeypatch) -> None:
-    """bench/w4a16_gemv.py's trace build (the kernel with per-CTA stamps) compiles from the same
+    """bench/w4a16_decode_grid.py's trace build (the kernel with per-CTA stamps) compiles from the same
     source and exports its trace's shape."""
-    bench = load_script("w4a16_gemv")
+    bench = load_script("w4a16_decode_grid")
     monkeypatch.setattr(bench, "VARIANT_DIR", tmp_path)
     config = cfg(1, 2, 4, 1)
     bench.build_variants([(config, "trace")])
@@ -296,9 +296,9 @@ def test_the_bench_only_trace_build_compiles_and_exports_its_trace(tmp_path, mon
 
 @pytest.mark.skipif(nvcc_build.nvcc_path() is None, reason="needs nvcc")
 def test_the_bench_builds_a_baseline_from_another_source(tmp_path, monkeypatch) -> None:
-    """bench/w4a16_gemv.py --baseline builds each config from the source it is given (here a
+    """bench/w4a16_decode_grid.py --baseline builds each config from the source it is given (here a
     copy whose library reports another stage count), not from the kernel's own."""
-    bench = load_script("w4a16_gemv")
+    bench = load_script("w4a16_decode_grid")
     monkeypatch.setattr(bench, "VARIANT_DIR", tmp_path)
     source = tmp_path / "other.cu"
     text = cw.SOURCE.read_text()
@@ -312,7 +312,7 @@ def test_the_bench_builds_a_baseline_from_another_source(tmp_path, monkeypatch) 
 
 
 def test_the_bench_takes_named_projections_and_ad_hoc_shapes() -> None:
-    bench = load_script("w4a16_gemv")
+    bench = load_script("w4a16_decode_grid")
     assert bench.shape_of("qwen_down") == (3584, 18944)
     assert bench.shape_of("4096x18944") == (4096, 18944)
     with pytest.raises(ValueError, match=r"'4096x': allowed .* or NxK"):
@@ -320,7 +320,7 @@ def test_the_bench_takes_named_projections_and_ad_hoc_shapes() -> None:
 
 
 def test_a_trace_sums_up_as_its_stamps_say() -> None:
-    bench = load_script("w4a16_gemv")
+    bench = load_script("w4a16_decode_grid")
     # two CTAs of two warps at 2 ns a clock: the second starts 1 us later, runs 1 us longer
     stamps = [[7, 1000, 10900, 100, 150, 600, 5000, 5050, 4800, 4900],
               [9, 2000, 13000, 100, 200, 700, 5500, 5600, 5000, 5400]]  # fmt: skip
@@ -334,7 +334,7 @@ def test_a_trace_sums_up_as_its_stamps_say() -> None:
 def test_a_variants_trace_keeps_the_last_launchs_ctas() -> None:
     """A variant's grid need not be the config's: of a trace buffer that a larger grid wrote
     before, only the rows of the last launch (begun within 100 us of its latest) are read."""
-    bench = load_script("w4a16_gemv")
+    bench = load_script("w4a16_decode_grid")
     earlier = [5, 1_000, 9_000, 0, 0, 0, 0, 0, 0, 0]
     last = [[7, 5_000_000, 5_009_000, 0, 0, 0, 0, 0, 0, 0],
             [9, 5_000_032, 5_009_500, 0, 0, 0, 0, 0, 0, 0]]  # fmt: skip

@@ -1,4 +1,4 @@
-"""bench/w4a16_gemv.py: its --config entries (CPU)."""
+"""bench/w4a16_decode_grid.py: its --config entries (CPU)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from tests.bench_scripts import load_script
 
-gemv = load_script("w4a16_gemv")
+gemv = load_script("w4a16_decode_grid")
 
 
 def test_a_config_is_five_numbers_then_an_optional_stagger_and_teams() -> None:
@@ -60,7 +60,7 @@ def test_a_baseline_source_must_take_the_entry_points_arguments(tmp_path) -> Non
 def test_bad_arguments_are_refused_before_anything_is_built(
     argv: list[str], message: str, monkeypatch, capsys
 ) -> None:
-    monkeypatch.setattr("sys.argv", ["w4a16_gemv.py", "--out", "x.json", *argv])
+    monkeypatch.setattr("sys.argv", ["w4a16_decode_grid.py", "--out", "x.json", *argv])
     monkeypatch.setattr(gemv, "VARIANTS", dict(gemv.VARIANTS))  # main() adds the --variant ones
     with pytest.raises(SystemExit):
         gemv.main()

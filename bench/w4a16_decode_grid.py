@@ -1,7 +1,7 @@
 """The CUDA W4A16 decode kernel (``tuner/candidates/cuda_kernels/w4a16_gemv.cu``) on a grid of its
 configs, beside the Triton decode shortlist, bf16 cuBLAS and a bare read of the INT4 bytes.
 
-    python bench/w4a16_gemv.py --out bench/results/w4a16_gemv.json
+    python bench/w4a16_decode_grid.py --out bench/results/w4a16_gemv.json
 
 Per projection (N x K, ``lowbit_kernels.PROJECTIONS``) and M, in one process, bf16 activations,
 group 128, CUDA-graph GPU time (``timing.graph_time``), weights rotated past the L2:
