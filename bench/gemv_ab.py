@@ -1,10 +1,12 @@
-"""Two versions of the W4A16 decode kernels side by side, from whole ``bench/w4a16_decode_grid.py`` runs
-of each: a baseline tree's and this tree's, in turns on one machine (``gpu_check.sh gemv-ab``).
+"""Two versions of the W4A16 decode kernels side by side, from whole runs of each.
+
+``bench/w4a16_decode_grid.py`` runs of a baseline tree and of this tree, in turns on one machine
+(``gpu_check.sh gemv-ab``).
 
     python bench/gemv_ab.py --base base1.json --base base2.json --new new1.json --new new2.json
 
-``w4a16_decode_grid.py --baseline`` builds another kernel source beside this one in one process, on one
-set of operands; a change that moves the weight's layout needs each version's own packing, so
+``w4a16_decode_grid.py --baseline`` builds another kernel source beside this one in one process,
+on one set of operands; a change that moves the weight's layout needs each version's own packing, so
 this pairs rows of separate runs instead. Rows pair on (projection, M, implementation, config);
 a side reads its fastest time over its runs (turns on one machine: the fastest is the least
 disturbed), and the ratio is new / base. Rows with an error, or whose output missed the numerics
@@ -193,11 +195,13 @@ def table(result: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", action="append", type=Path, default=[],
-                    help="a w4a16_decode_grid.py JSON of the baseline tree (repeatable)")  # fmt: skip
+                    help="a w4a16_decode_grid.py JSON of the baseline tree "
+                         "(repeatable)")  # fmt: skip
     ap.add_argument("--new", action="append", type=Path, default=[],
                     help="a w4a16_decode_grid.py JSON of this tree (repeatable)")  # fmt: skip
     ap.add_argument("--variants", type=Path,
-                    help="instead: one w4a16_decode_grid.py --variant run, each twin beside its product build")  # fmt: skip
+                    help="instead: one w4a16_decode_grid.py --variant run, each twin "
+                         "beside its product build")  # fmt: skip
     ap.add_argument("--against", type=Path,
                     help="with --variants: a low-bit suite run (JSON, or .json.xz) whose INT4 "
                          "decode lines the product's fastest configs are read against")  # fmt: skip

@@ -1,5 +1,5 @@
-"""bench/gemv_ab.py: two versions' w4a16_decode_grid.py runs paired row by row, or one run's bench twins
-beside the product's builds (CPU)."""
+"""bench/gemv_ab.py: two versions' w4a16_decode_grid.py runs paired row by row, or one run's
+bench twins beside the product's builds (CPU)."""
 
 from __future__ import annotations
 

@@ -282,8 +282,8 @@ def test_a_staggered_config_compiles_a_staggered_library(tmp_path, monkeypatch) 
 
 @pytest.mark.skipif(nvcc_build.nvcc_path() is None, reason="needs nvcc")
 def test_the_bench_only_trace_build_compiles_and_exports_its_trace(tmp_path, monkeypatch) -> None:
-    """bench/w4a16_decode_grid.py's trace build (the kernel with per-CTA stamps) compiles from the same
-    source and exports its trace's shape."""
+    """bench/w4a16_decode_grid.py's trace build (the kernel with per-CTA stamps) compiles from the
+    same source and exports its trace's shape."""
     bench = load_script("w4a16_decode_grid")
     monkeypatch.setattr(bench, "VARIANT_DIR", tmp_path)
     config = cfg(1, 2, 4, 1)
