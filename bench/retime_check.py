@@ -7,7 +7,9 @@ disagrees with its tuning (a winner that tuned faster and retimed slower).
 For each row: the suite's own retime (``lowbit.retime``: torch's op, the winner and the two bf16
 runners in turn) a few times over, then the two low-bit runners in turn round by round (eager),
 each alone (eager time, host time per call, GPU time in a CUDA graph), in turn again after those
-warm calls, and in turn on one input set (pointers that never move). With ``--timeline``, first
+warm calls, and in turn on one input set (pointers that never move); with ``--sustained S``, the
+in-turn rounds time stretches of S seconds of calls back to back, as the engine's duels of
+GPU-bound calls do. With ``--timeline``, first
 of all (so the process has run neither), the winner, torch's op and the winner again, each built
 anew and called back to back for a second (``--timeline-s``): the time a call in batches of ten,
 against the time since the first call (whether a fresh runner is slow at first, and for how
@@ -29,7 +31,7 @@ from tuner.core.keys import parse_key
 from tuner.measure import samples, timing
 from tuner.measure.records import candidate_params
 from tuner.suites.lowbit import bf16_twin, retime
-from tuner.suites.runner import built, in_turn
+from tuner.suites.runner import built, in_turn_rounds
 from tuner.tuning.engine import TuneOptions
 
 ROUNDS = 8
@@ -40,13 +42,14 @@ TIMELINE_BATCH = 10  # calls between two syncs
 TIMELINE_BUCKET_MS = 100  # the printed summary: the median batch of each bucket
 
 
-def rounds(runners: dict[str, Any]) -> dict[str, list[float]]:
-    """Each round's eager time of each runner, timed in turn as the suite's retime does."""
-    out: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(ROUNDS):
-        for name, us in in_turn(runners, "cuda", graph=False, rounds=1, budget_s=BUDGET_S).items():
-            out[name].append(round(us, 2))
-    return out
+def rounds(runners: dict[str, Any], sustained_s: float = 0.0) -> dict[str, list[float]]:
+    """Each round's eager time of each runner, timed in turn as the suite's retime does (every
+    other round reversed); ``sustained_s``: over stretches of calls back to back, as the
+    engine's duels of GPU-bound calls, after an untimed round that brings the GPU to its power
+    limit."""
+    times = in_turn_rounds(runners, "cuda", graph=False, rounds=ROUNDS, budget_s=BUDGET_S,
+                           warmup_rounds=1 if sustained_s else 0, sustained_s=sustained_s)  # fmt: skip
+    return {name: [round(t.median_us, 2) for t in ts] for name, ts in times.items()}
 
 
 def alone(runner: Any, sets: list[tuple[Any, ...]]) -> dict[str, float]:
@@ -93,7 +96,9 @@ def timelines(row: dict[str, Any], seconds: float) -> dict[str, list[tuple[float
     return out
 
 
-def check(row: dict[str, Any], timeline_s: float | None = None) -> dict[str, Any]:
+def check(
+    row: dict[str, Any], timeline_s: float | None = None, sustained_s: float = 0.0
+) -> dict[str, Any]:
     key = parse_key(row["key"])
     lines = timelines(row, timeline_s) if timeline_s else None
     copy_gbs = timing.copy_bandwidth_gbs("cuda")
@@ -108,13 +113,13 @@ def check(row: dict[str, Any], timeline_s: float | None = None) -> dict[str, Any
     sets = samples.input_sets(key, "cuda", seed=1)
     base, win = built(key, row["source"], candidate_params(row["candidate"]))
     runners = {"baseline": (base, sets), "winner": (win, sets)}
-    first = rounds(runners)
+    first = rounds(runners, sustained_s)
     solo = {name: alone(r, sets) for name, (r, _) in runners.items()}
-    again = rounds(runners)
-    one_set = rounds({"baseline": (base, sets[:1]), "winner": (win, sets[:1])})
+    again = rounds(runners, sustained_s)
+    one_set = rounds({"baseline": (base, sets[:1]), "winner": (win, sets[:1])}, sustained_s)
     result = {
         "label": row["label"], "key": row["key"], "candidate": row["candidate"],
-        "sets": len(sets), "suite": {n: row.get(n) for n in (
+        "sets": len(sets), "sustained_s": sustained_s, "suite": {n: row.get(n) for n in (
             "baseline_us", "winner_us", "eager_baseline_us", "eager_winner_us")},
         "suite_retimes": suite, "in_turn_first": first, "alone": solo, "in_turn_again": again,
         "in_turn_one_set": one_set,
@@ -141,9 +146,14 @@ def main() -> None:
                         help="first, each runner built anew and called back to back for a second")  # fmt: skip
     parser.add_argument("--timeline-s", type=float, default=TIMELINE_S,
                         help="seconds of each runner's timeline (with --timeline)")  # fmt: skip
+    parser.add_argument("--sustained", type=float, default=0.0,
+                        help="seconds of each in-turn round's stretch of calls back to back "
+                        "(the engine's duels of GPU-bound calls); 0: short rounds")  # fmt: skip
     args = parser.parse_args()
     if args.timeline_s <= 0:
         parser.error(f"--timeline-s {args.timeline_s}: must be > 0")
+    if args.sustained < 0:
+        parser.error(f"--sustained {args.sustained}: must be >= 0")
     with open(args.suite_json) as f:
         rows = {r["label"]: r for r in json.load(f)["rows"]}
     missing = [label for label in args.label if label not in rows]
@@ -153,8 +163,8 @@ def main() -> None:
     if served_by_torch:
         parser.error(f"--label {served_by_torch}: torch's op is the winner, nothing to compare")
     out = header(timing.copy_bandwidth_gbs("cuda"), benchmark="retime_check")
-    out["rows"] = [check(rows[label], args.timeline_s if args.timeline else None)
-                   for label in args.label]  # fmt: skip
+    timeline_s = args.timeline_s if args.timeline else None
+    out["rows"] = [check(rows[label], timeline_s, args.sustained) for label in args.label]
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
 
