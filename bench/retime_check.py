@@ -1,7 +1,7 @@
 """A suite row's winner against torch's op again, in many ways, when its side-by-side retime
 disagrees with its tuning (a winner that tuned faster and retimed slower).
 
-    python bench/retime_check.py --suite-json bench/results/gemm_lowbit_...json \
+    python bench/retime_check.py --suite-json bench/results/gemm_lowbit_...json.xz \
         --label "Qwen2.5-7B o M=2048 fp8-tensorwise" --out retime_check.json
 
 For each row: the suite's own retime (``lowbit.retime``: torch's op, the winner and the two bf16
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import statistics
 import time
 from typing import Any
@@ -139,7 +140,8 @@ def check(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite-json", required=True, help="a `tuner bench gemm` result JSON")
+    parser.add_argument("--suite-json", required=True,
+                        help="a `tuner bench gemm` result JSON (or .json.xz)")  # fmt: skip
     parser.add_argument("--label", action="append", required=True, help="a row's label")
     parser.add_argument("--out", required=True, help="where the JSON goes")
     parser.add_argument("--timeline", action="store_true",
@@ -154,7 +156,8 @@ def main() -> None:
         parser.error(f"--timeline-s {args.timeline_s}: must be > 0")
     if args.sustained < 0:
         parser.error(f"--sustained {args.sustained}: must be >= 0")
-    with open(args.suite_json) as f:
+    opener = lzma.open if args.suite_json.endswith(".xz") else open  # results are kept as .xz
+    with opener(args.suite_json, "rt") as f:
         rows = {r["label"]: r for r in json.load(f)["rows"]}
     missing = [label for label in args.label if label not in rows]
     if missing:
