@@ -85,6 +85,22 @@ def test_a_damaged_cache_is_left_alone_and_the_call_still_served(tmp_path, caplo
 
 
 @pytest.mark.cpu_host
+def test_a_cache_whose_winners_are_damaged_is_left_alone_and_the_call_still_served(
+    tmp_path, caplog
+):
+    """The file opens fine; only reading this device's winners meets the damaged pages: the
+    call is served by the baseline, as where the file cannot be opened at all."""
+    before = damaged_cache(tmp_path / "c.db", winners_of=fingerprint().device_class)
+    d = Dispatcher(tmp_path / "c.db", mode="lookup")
+    a, b = torch.randn(8, 4), torch.randn(4, 3)
+    for _ in range(2):  # the second call does not read the cache again
+        torch.testing.assert_close(d.matmul(a, b), a @ b)
+    refused = [r for r in caplog.records if "is corrupt" in r.getMessage()]
+    assert len(refused) == 1 and "tuner cache unusable" in refused[0].getMessage()
+    assert (tmp_path / "c.db").read_bytes() == before
+
+
+@pytest.mark.cpu_host
 def test_a_read_only_cache_is_served_without_recording_and_logged_once(tmp_path, caplog):
     path = tmp_path / "c.db"
     Store(path).close()

@@ -200,6 +200,17 @@ class SqliteFile:
         )
 
     @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Reads that meet a damaged page raise ``StoreError`` (the file's ``corrupt``), as a
+        write does: the file opened fine, and only a query that reaches the page finds it."""
+        try:
+            yield
+        except sqlite3.DatabaseError as e:
+            if is_corrupt(e):
+                raise self.corrupt(e) from None
+            raise
+
+    @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction that takes the write lock up front (no upgrade deadlocks).
         A file read as it is (read-only at an older version) refuses it as read-only: its

@@ -250,7 +250,8 @@ class Store(DeviceFile):
         sql += " order by updated_at, device_class, key"
         if limit is not None:
             sql += f" limit {int(limit)}"
-        return [Winner.from_row(r) for r in self.db.query(sql, args)]
+        with self.reading():
+            return [Winner.from_row(r) for r in self.db.query(sql, args)]
 
     def measurements(
         self, device_class: str | None = None, key: str | None = None

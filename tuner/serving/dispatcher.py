@@ -623,8 +623,9 @@ class Dispatcher:
 
     @contextlib.contextmanager
     def _unless_unusable(self) -> Iterator[None]:
-        """A write the cache refuses is logged once and the call it came from still served: a
-        read-only cache is read but no longer written, a damaged one is left alone."""
+        """A read or write the cache refuses is logged once and the call it came from still
+        served: a read-only cache is read but no longer written, a damaged one (a page found
+        damaged by a query, after the file opened fine) is left alone."""
         try:
             yield
         except ReadOnlyError as e:
@@ -638,8 +639,10 @@ class Dispatcher:
 
     def _known(self, device_class: str) -> dict[str, Winner]:
         if device_class not in self._winners:
-            store = self._open_store()
-            winners = store.winners(device_class) if store else []
+            winners: list[Winner] = []
+            if store := self._open_store():
+                with self._unless_unusable():
+                    winners = store.winners(device_class)
             current = fingerprint(device_class.partition("-")[0])
             stale = [w for w in winners if not w.measured_under(current)]
             if stale:
