@@ -32,6 +32,7 @@ from server.metrics import Metrics, MetricsMiddleware
 from server.results import Policy
 from server.schema import FLEET
 from server.shutdown import StopMiddleware, Stops
+from tuner.cache import StoreError
 from tuner.version import __version__
 
 log = logging.getLogger("tuner.server")
@@ -80,9 +81,23 @@ def _not_json(request: Request) -> str | None:
     )
 
 
+def open_storage(settings: Settings) -> tuple[BlobDir, FleetDB]:
+    """The artifacts folder, then the database: a folder that cannot be made leaves no new
+    database behind, and a database refused (another kind of file) leaves no new folder."""
+    root = settings.artifacts_dir or default_dir(settings.db)
+    made = not root.exists()
+    blobs = BlobDir(root)
+    try:
+        return blobs, FleetDB(settings.db)
+    except StoreError:
+        if made:
+            with contextlib.suppress(OSError):
+                root.rmdir()
+        raise
+
+
 def create_app(settings: Settings) -> FastAPI:
-    blobs = BlobDir(settings.artifacts_dir or default_dir(settings.db))  # before a db is made
-    db = FleetDB(settings.db)
+    blobs, db = open_storage(settings)
     service_id = db.store().service_id()
     metrics = Metrics()
     stops = Stops()

@@ -326,6 +326,25 @@ def test_a_database_with_a_damaged_page_is_refused_at_startup(tmp_path) -> None:
     with pytest.raises(StoreError, match="is corrupt"):
         create_app(Settings(db=damaged))
     assert damaged.read_bytes() == bytes(data)  # left as it was
+    assert not (tmp_path / "fleet.db.artifacts").exists()  # nor a folder made beside it
+
+
+def test_a_file_of_another_kind_is_refused_and_nothing_made_beside_it(tmp_path) -> None:
+    """A cache or a text file named as the service's database: refused by name, with no
+    artifacts folder left beside it; an existing folder stays."""
+    from server import Settings, create_app
+    from tuner.cache import Store, StoreError
+
+    Store(tmp_path / "cache.db").close()
+    (tmp_path / "notes.txt").write_text("hi")
+    (tmp_path / "kept.txt.artifacts").mkdir()
+    (tmp_path / "kept.txt").write_text("hi")
+    for name, says in (("cache.db", "is a tuner cache"), ("notes.txt", "not a SQLite database"),
+                       ("kept.txt", "not a SQLite database")):  # fmt: skip
+        with pytest.raises(StoreError, match=says):
+            create_app(Settings(db=tmp_path / name))
+    made = sorted(p.name for p in tmp_path.iterdir())
+    assert made == ["cache.db", "kept.txt", "kept.txt.artifacts", "notes.txt"]
 
 
 def test_uploads_a_killed_service_left_are_removed_at_startup(tmp_path) -> None:
