@@ -244,6 +244,7 @@ def test_import_names_each_bad_field_and_stores_none_of_the_file(tmp_path):
         (edited("winners", launch="sideways"), r"launch must be one of \['eager', 'graph'\]"),
         (edited("winners", updated_at=float("inf")), r"updated_at must be a finite date"),
         (edited("winners", params=[]), r"params must be an object"),
+        (edited("winners", params="{notjson"), r"winners\[0\]: params must be a JSON object, got '\{notjson'"),
         (edited("devices", first_seen="x"), r"devices\[0\]: first_seen must be a number"),
         (good | {"devices": ["cpu"]}, r"devices\[0\]: must be an object of fields, got str"),
         (good | {"devices": [{"device_class": "cpu-test"}]}, r"devices\[0\]: missing field"),

@@ -393,6 +393,7 @@ def test_import_of_a_non_export_is_refused(tmp_path):
     bad.write_text('{"hello": 1}')
     r = tuner("import", str(bad), cache=tmp_path / "c.db", check=False)
     assert r.returncode == 2 and f"{bad}: not a tuner export" in r.stderr
+    assert not (tmp_path / "c.db").exists()  # a refused file makes no cache
 
 
 def test_import_notes_winners_of_a_source_this_host_lacks(tmp_path):

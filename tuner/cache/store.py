@@ -18,7 +18,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from tuner.cache import export_check
 from tuner.cache.schema import CACHE
@@ -87,6 +87,41 @@ def _stored_stamps(
 
 class ExportError(StoreError):
     """The data given to ``Store.import_`` is not an export it can take; the cache is as it was."""
+
+
+class CheckedExport(NamedTuple):
+    """An export's records, checked whole: what ``Store.import_`` writes."""
+
+    measurements: list[Measurement]
+    winners: list[Winner]
+    devices: list[tuple[str, str, float, float]]  # device class, fingerprint JSON, first, last
+
+
+def checked_export(data: Any) -> CheckedExport:
+    """The records of a ``tuner export`` JSON; ExportError naming the first record and field
+    it refuses. Needs no cache: a file refused here leaves none made."""
+    if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
+        raise ExportError(f"not a tuner export: expected an object with format={EXPORT_FORMAT!r}")
+    version = data.get("schema_version", 0)
+    if not isinstance(version, int):
+        raise ExportError(f"malformed export: schema_version must be an integer, got {version!r}")
+    if version > CACHE.version:
+        raise ExportError(
+            f"export has schema version {version}, newer than this tuner's {CACHE.version}"
+        )
+    try:
+        return CheckedExport(
+            export_check.records(data, "measurements", Measurement, also_required=("uid",)),
+            export_check.records(data, "winners", Winner),
+            [
+                (device_class, json.dumps(fingerprint), first_seen, last_seen)
+                for device_class, fingerprint, first_seen, last_seen in export_check.devices(data)
+            ],
+        )
+    except ValueError as e:
+        raise ExportError(f"malformed export: {e}") from None
+    except (TypeError, KeyError) as e:
+        raise ExportError(f"malformed export: {e!r}") from None
 
 
 class DeviceFile(SqliteFile):
@@ -424,35 +459,12 @@ class Store(DeviceFile):
         }
 
     def import_(self, data: Any) -> dict[str, int]:
-        """Merge an export into this store. Idempotent; all or nothing; a winner older than the
-        cache's for its key is left out. Returns what changed: measurements and devices added,
-        winners added or replaced, and winners left out as older."""
-        if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
-            raise ExportError(
-                f"not a tuner export: expected an object with format={EXPORT_FORMAT!r}"
-            )
-        version = data.get("schema_version", 0)
-        if not isinstance(version, int):
-            raise ExportError(
-                f"malformed export: schema_version must be an integer, got {version!r}"
-            )
-        if version > CACHE.version:
-            raise ExportError(
-                f"export has schema version {version}, newer than this tuner's {CACHE.version}"
-            )
-        try:
-            measurements = export_check.records(
-                data, "measurements", Measurement, also_required=("uid",)
-            )
-            winners = export_check.records(data, "winners", Winner)
-            devices = [
-                (device_class, json.dumps(fingerprint), first_seen, last_seen)
-                for device_class, fingerprint, first_seen, last_seen in export_check.devices(data)
-            ]
-        except ValueError as e:
-            raise ExportError(f"malformed export: {e}") from None
-        except (TypeError, KeyError) as e:
-            raise ExportError(f"malformed export: {e!r}") from None
+        """Merge an export (``checked_export``'s, or the JSON data for it to check) into this
+        store. Idempotent; all or nothing; a winner older than the cache's for its key is left
+        out. Returns what changed: measurements and devices added, winners added or replaced,
+        and winners left out as older."""
+        export = data if isinstance(data, CheckedExport) else checked_export(data)
+        measurements, winners, devices = export
         with self.transaction() as c:
             before = c.total_changes
             c.executemany(

@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from tuner.cache.store import EXPORTED_TABLES, ExportError, Store, default_path
+from tuner.cache.store import EXPORTED_TABLES, ExportError, Store, checked_export, default_path
 from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.cli.errors import write_output
@@ -445,10 +445,11 @@ def import_(
         raise ConfigError(f"{input}: not a text file (expected a 'tuner export' JSON)") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{input}: not valid JSON: {e}") from None
-    try:
-        counts = open_store(cache).import_(data)
+    try:  # checked before the cache is opened: a refused file makes no cache
+        export = checked_export(data)
     except ExportError as e:  # the file's fault, not the cache's: named
         raise ConfigError(f"{input}: {e}") from None
+    counts = open_store(cache).import_(export)
     console.print(
         f"imported {counted(counts['measurements'], 'new measurement')}, "
         f"{counted(counts['winners'], 'winner')} added or replaced, "

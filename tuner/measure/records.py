@@ -172,7 +172,12 @@ class _Record:
             raise ValueError(f"missing field(s) {missing}")
         data = {k: row[k] for k in fields if k in row}
         if isinstance(data.get("params"), str):
-            data["params"] = json.loads(data["params"])
+            try:
+                data["params"] = json.loads(data["params"])
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"params must be a JSON object, got {data['params']!r}: {e}"
+                ) from None
         return cls(**data)
 
 
