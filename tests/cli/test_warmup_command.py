@@ -42,3 +42,16 @@ def test_warmup_command_loads_winners_and_fails_on_what_it_could_not_load(
     assert code == 1
     assert "1 loaded now, 0 ready already, 1 failed" in out
     assert "not loaded" in out and "no_such_source" in out and "m=24" in out
+
+
+def test_warmup_in_mode_off_says_nothing_is_served_rather_than_no_winners(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Mode off never reads the cache: "0 winners" would read as an empty cache."""
+    dc = fingerprint().device_class
+    key = GemmKey(m=33, n=20, k=48, dtype="f16", out_dtype="f16", align=8)
+    Store(tmp_path / "c.db").put_winners([Winner(dc, str(key), "triton_gemm", TRITON, 1.0, 2.0)])
+    monkeypatch.setenv("TUNER_MODE", "off")
+    code, out = warm(tmp_path / "c.db")
+    assert code == 0, out
+    assert "mode off" in out and "nothing to load" in out and "winner:" not in out

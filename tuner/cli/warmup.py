@@ -34,7 +34,15 @@ def warmup(
 
     # a mistyped path, or a file that is not a usable cache: refused here, not served around
     open_store(cache, existing=True).close()
-    report = warm_up(progress, dispatcher=Dispatcher(cache_path(cache)), fetch=fetch)
+    dispatcher = Dispatcher(cache_path(cache))
+    if dispatcher.mode == "off":
+        console.print(
+            "mode off (TUNER_MODE or the config file's mode): this process serves baselines only "
+            "and never reads the cache, so there is nothing to load; the lookup mode serves the "
+            "stored winners"
+        )
+        return
+    report = warm_up(progress, dispatcher=dispatcher, fetch=fetch)
     fetched = f", {report.fetched} kernels fetched" if report.fetched else ""
     console.print(
         f"{report.device_class}: {counted(report.winners, 'winner')}: {report.loaded} loaded now, "

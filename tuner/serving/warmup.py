@@ -58,6 +58,8 @@ def warmup(
     default), with a progress bar unless ``progress`` is False. ``fetch``: first bring this
     host's kernels from the fleet service, when one is configured."""
     disp = dispatcher or get_dispatcher()
+    if disp.mode == "off":
+        log.warning("warmup: mode off serves baselines only: no winner is loaded")
     device = (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     )
