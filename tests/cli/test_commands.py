@@ -819,6 +819,33 @@ def test_info_marks_an_on_off_word_that_is_refused(tmp_path):
         assert row.split("TUNER_TRITON_FAST_LAUNCH)")[1].strip(" │|") == shown
 
 
+def test_info_marks_a_number_setting_that_is_no_positive_number(tmp_path):
+    """Each is refused where it is read (or its default used): info says which."""
+    out = info_with(tmp_path, TUNER_SERVER_TIMEOUT="abc", TUNER_COMPILE_WORKERS="many",
+                    TUNER_ARTIFACTS_MAX_BYTES="10GB", TUNER_CUTLASS_JOBS="4")  # fmt: skip
+    assert "abc (not a positive number: tuner sync and tuner push refuse it)" in out
+    assert "many (not a positive whole number: the default is used, and logged)" in out
+    assert "10GB (not a positive whole number: the compiled-kernel store refuses to open)" in out
+    assert "4 (" not in out
+
+
+def test_info_says_whether_the_config_file_applies(tmp_path):
+    """A file that is not TOML is ignored whole, one with mistakes applies but for them: the
+    table says which, beside the warnings."""
+    cfg = tmp_path / "config.toml"
+    for text, shown in (
+        ("mode = record\n", "(ignored: not valid TOML"),
+        ('mode = "record"\ncache = 5\n', "(1 setting left out, named above)"),
+        ('mode = "record"\n', f"{cfg} │"),
+    ):
+        cfg.write_text(text)
+        env = os.environ | {"COLUMNS": "200", "TUNER_CONFIG": str(cfg)}
+        out = subprocess.run([sys.executable, "-m", "tuner", "info"], env=env,
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        row = next(line for line in out.splitlines() if "config file" in line)
+        assert shown in row, row
+
+
 def test_export_piped_into_import(tmp_path):
     key = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
     with Store(tmp_path / "a.db") as a:

@@ -149,3 +149,36 @@ def test_an_on_off_setting_in_the_file_takes_the_same_words(tmp_path):
         f"{cfg}: triton_fast_launch must be one of 1/0, true/false, yes/no, on/off, "
         "got 'nope'; left out"
     ])  # fmt: skip
+
+
+def test_a_value_of_the_wrong_type_for_its_setting_is_named_and_left_out(tmp_path):
+    """TOML's ``false`` for a folder would be the folder ``0``, ``true`` a 1 s sync interval,
+    ``cache = 5`` a cache file named 5: each is named and left out, the rest applies."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(
+        'profile = false\nsync_interval = true\nserver_timeout = "abc"\ncache = 5\n'
+        'compile_workers = 0\nartifacts_max_bytes = 1e9\ncutlass_jobs = "2"\n'
+        'cublas_algos = 3\nserver_db = "/data/fleet.db"\n'
+    )
+    values, problems = read_config(cfg)
+    assert values == {
+        "TUNER_ARTIFACTS_MAX_BYTES": "1000000000",  # a whole float: TOML's 1e9
+        "TUNER_CUTLASS_JOBS": "2",
+        "TUNER_CUBLAS_ALGOS": "3",  # one algorithm id
+        "TUNER_SERVER_DB": "/data/fleet.db",
+    }
+    assert problems == [
+        f"{cfg}: profile must be a string, got False; left out",
+        f"{cfg}: sync_interval must be a positive number, got True; left out",
+        f"{cfg}: server_timeout must be a positive number, got 'abc'; left out",
+        f"{cfg}: cache must be a string (in quotes), got 5; left out",
+        f"{cfg}: compile_workers must be a positive whole number, got 0; left out",
+    ]
+
+
+def test_a_number_variable_that_is_no_positive_number_is_marked_for_info():
+    assert refusal("compile_workers", "many") == (
+        "not a positive whole number: the default is used, and logged"
+    )
+    assert refusal("sync_interval", "0.5") is None and refusal("cutlass_jobs", "") is None
+    assert "tuner sync and tuner push refuse it" in refusal("server_timeout", "-1")

@@ -46,7 +46,7 @@ from tuner.core.keys import (
     lowbit_fields,
     parse_key,
 )
-from tuner.core.settings import KNOWN, config_path, refusal
+from tuner.core.settings import KNOWN, config_path, read_config, refusal
 from tuner.measure.records import Measurement, Winner, candidate_label, clipped
 from tuner.offline.problem_list import ConfigError
 from tuner.tuning.options import TuneOptions
@@ -93,8 +93,7 @@ def settings_table() -> Table:
     filling what the environment leaves unset): the first thing to look at when nothing is
     served."""
     t = Table(title="settings", show_header=False)
-    path = config_path()
-    t.add_row("config file", f"{path}" + ("" if path.is_file() else " (none there)"))
+    t.add_row("config file", _config_shown(config_path()))
     cache = default_path()
     t.add_row("cache (TUNER_CACHE)", f"{cache}" + ("" if cache.exists() else " (not made yet)"))
     mode = os.environ.get("TUNER_MODE")
@@ -104,6 +103,23 @@ def settings_table() -> Table:
             shown = value[:8] + "..." if name == "token" else _choice_shown(name, value)
             t.add_row(f"{name} (TUNER_{name.upper()})", shown)  # never a whole secret
     return t
+
+
+def _config_shown(path: Path) -> str:
+    """The config file's path, and whether it applies: a file that cannot be read is ignored
+    whole, one with mistakes applies but for them (each logged above the table)."""
+    if not path.is_file():
+        return f"{path} ({'a folder, ignored' if path.is_dir() else 'none there'})"
+    try:
+        _, problems = read_config(path)
+    except (OSError, ValueError) as e:
+        return (
+            f"[red]{escape(str(path))} (ignored: {escape(str(e).removeprefix(f'{path}: '))})[/red]"
+        )
+    if problems:
+        left_out = counted(len(problems), "setting")
+        return f"[yellow]{escape(str(path))} ({left_out} left out, named above)[/yellow]"
+    return str(path)
 
 
 def _choice_shown(name: str, value: str) -> str:

@@ -57,6 +57,25 @@ FLAG_WORDS = {
 }
 FLAG_HELP = "1/0, true/false, yes/no, on/off"
 
+# the settings that take a positive number, and of which kind (each module reads its own, with
+# ``env_number`` or as a command's option); every other setting is text (a path, a URL, a token,
+# a list), which a file gives as a string
+NUMBERS: dict[str, type[int] | type[float]] = {
+    "sync_interval": float,
+    "server_timeout": float,
+    "artifacts_max_bytes": int,
+    "compile_workers": int,
+    "cutlass_jobs": int,
+    "cutlass_compile_timeout": float,
+}
+# what follows from a ``NUMBERS`` variable that is no positive number (``tuner info`` says it)
+NOT_A_NUMBER = {
+    "server_timeout": "tuner sync and tuner push refuse it",
+    "artifacts_max_bytes": "the compiled-kernel store refuses to open",
+}
+NOT_A_NUMBER_DEFAULT = "the default is used, and logged"
+TEXT_TAKES_NUMBERS = ("cublas_algos",)  # one algorithm id is a list of one
+
 
 def config_path() -> Path:
     if env := os.environ.get("TUNER_CONFIG"):
@@ -67,8 +86,9 @@ def config_path() -> Path:
 
 def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
     """The file's settings as environment values, and what was wrong with the rest of it (an
-    unknown name, a value that is not a string or number, a word not among a setting's
-    ``CHOICES``: each named, each left out); ValueError if the file cannot be read as TOML."""
+    unknown name, a value of the wrong type for its setting, a word not among a setting's
+    ``CHOICES``, no positive number for one of ``NUMBERS``: each named, each left out);
+    ValueError if the file cannot be read as TOML."""
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -77,10 +97,14 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
         raise ValueError(f"{path}: not a text file (expected TOML)") from None
     values, problems = {}, []
     for name, value in data.items():
+        if NUMBERS.get(name) is int and isinstance(value, float) and value.is_integer():
+            value = int(value)  # (``1e9`` is a float in TOML)
         if name not in KNOWN:
             problems.append(f"{path}: unknown setting {name!r} left out; known: {sorted(KNOWN)}")
         elif not isinstance(value, (str, int, float, bool)):
             problems.append(f"{path}: {name} must be a string or number, got {value!r}; left out")
+        elif why := _wrong_type(name, value):
+            problems.append(f"{path}: {name} must be {why}, got {value!r}; left out")
         elif name in CHOICES and value not in CHOICES[name]:
             problems.append(
                 f"{path}: {name} must be one of {list(CHOICES[name])}, got {value!r}; left out"
@@ -90,6 +114,33 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
         else:
             values[f"TUNER_{name.upper()}"] = _env_text(value)
     return values, problems
+
+
+def _wrong_type(name: str, value: str | int | float | bool) -> str | None:
+    """What a file's ``value`` for setting ``name`` should have been, or None where it is of
+    the setting's type (its words and on/off values are judged apart): TOML's ``true`` is
+    on/off only, a number setting takes a positive number, the others a string."""
+    if name in FLAGS:
+        return None
+    if isinstance(value, bool):
+        return "a positive number" if name in NUMBERS else "a string"
+    if name in NUMBERS:
+        return None if positive(name, _env_text(value)) else _number_words(name)
+    if isinstance(value, (int, float)) and name not in TEXT_TAKES_NUMBERS:
+        return "a string (in quotes)"
+    return None
+
+
+def positive(name: str, text: str) -> bool:
+    """Whether ``text`` is a positive number of setting ``name``'s kind (``NUMBERS``)."""
+    try:
+        return NUMBERS[name](text) > 0
+    except ValueError:
+        return False
+
+
+def _number_words(name: str) -> str:
+    return "a positive whole number" if NUMBERS[name] is int else "a positive number"
 
 
 def _env_text(value: str | int | float | bool) -> str:
@@ -105,7 +156,7 @@ def parse_flag(text: str) -> bool | None:
 
 def refusal(name: str, value: str) -> str | None:
     """Why ``TUNER_<name>=value`` is refused, and what happens then; None where it is taken (a
-    setting of free text or numbers is not judged here). For ``tuner info``, where one looks
+    setting of free text is not judged here). For ``tuner info``, where one looks
     before the first call fails or a default silently applies. An empty value is unset: the
     config file's value or the default applies."""
     if not value:
@@ -114,6 +165,8 @@ def refusal(name: str, value: str) -> str | None:
         return f"not one of {', '.join(words)}: the first call fails"
     if name in FLAGS and parse_flag(value) is None:
         return f"not one of {FLAG_HELP}: {_flag_word(FLAGS[name])} (the default) is used"
+    if name in NUMBERS and not positive(name, value):
+        return f"not {_number_words(name)}: {NOT_A_NUMBER.get(name, NOT_A_NUMBER_DEFAULT)}"
     return None
 
 
@@ -128,7 +181,8 @@ def load_config_file() -> Path | None:
     path = config_path()
     if not path.is_file():
         if os.environ.get("TUNER_CONFIG"):
-            log.warning("TUNER_CONFIG=%s: no such file; no tuner config file read", path)
+            what = "a folder, not a file" if path.is_dir() else "no such file"
+            log.warning("TUNER_CONFIG=%s: %s; no tuner config file read", path, what)
         return None
     try:
         values, problems = read_config(path)
