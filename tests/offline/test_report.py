@@ -319,3 +319,16 @@ def test_a_problems_title_is_printed_as_it_is_brackets_and_all() -> None:
     row = replace(summary_row(8, 2.0, 1.0, {}), label="shapes[v2].yaml[0]")
     text = rendered(report.Report(FP.device_class, FP.version_tag, [row]))
     assert text.count("(shapes[v2].yaml[0])") == 2, text
+
+
+def test_caches_of_one_stem_share_a_journal_file_but_read_only_their_own_records(tmp_path):
+    """``a.db`` and ``a.sqlite`` in one folder both journal into ``a.tune-all.jsonl``: each
+    reads its own records, and those of a journal written before records named their cache."""
+    journal = journal_path(tmp_path / "a.db")
+    assert journal == journal_path(tmp_path / "a.sqlite")
+    append_journal(journal, {"key": "old", "status": "tuned"})  # an older release's line
+    append_journal(journal, {"key": "db", "status": "tuned", "cache": "a.db"})
+    append_journal(journal, {"key": "sqlite", "status": "tuned", "cache": "a.sqlite"})
+    assert [r["key"] for r in read_journal(journal, "a.db")] == ["old", "db"]
+    assert [r["key"] for r in read_journal(journal, "a.sqlite")] == ["old", "sqlite"]
+    assert len(read_journal(journal)) == 3

@@ -221,7 +221,9 @@ def report_command(
         if sources.empty()
         else add_recorded(read_files(sources, quiet), sources, store, fp, quiet, None)
     )
-    rep = report.build(store, fp, problems=problems, journal=read_journal(journal_path(path)))
+    rep = report.build(
+        store, fp, problems=problems, journal=read_journal(journal_path(path), path.name)
+    )
     if problems is None and sources.op:
         rep.rows = [r for r in rep.rows if key_op(r.key) == sources.op]
     report.render(rep, console, limit=rows, written=out is not None)
@@ -572,7 +574,7 @@ def tune_all(
         for key, labels in leased.labels.items():
             for label in labels:
                 problems.add(key, label)
-    journal = read_journal(journal_path(store_path))
+    journal = read_journal(journal_path(store_path), store_path.name)
     launch = settings.tune.launch
     untuned = pending(store, fp, problems, journal=journal, launch=launch)
     todo = list(problems) if settings.force else untuned
@@ -591,7 +593,7 @@ def tune_all(
         with fleet_artifacts(fp, store_path) as artifacts:
             summary = run_with_progress(ordered.todo, problems, store_path, settings, retune)
             artifacts.push()
-    journal = read_journal(journal_path(store_path))
+    journal = read_journal(journal_path(store_path), store_path.name)
     # what a run left unfinished stays a miss and goes back to the fleet's queue; a leased key
     # that --op left out counts as done where a finished run of before tuned it here
     asked = [*problems, *(k for k in lease.keys if k not in problems.labels)] if lease else problems

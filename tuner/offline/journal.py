@@ -1,4 +1,4 @@
-"""The tune-all journal (``<cache>.tune-all.jsonl``): one line per finished problem (its status,
+"""The tune-all journal (``<cache stem>.tune-all.jsonl``): one line per finished problem (its status,
 tuning time and error; the report reads it, as failures have no winner in the store), and what it
 tells the next run: which problems are done, which to tune again, and in which order."""
 
@@ -40,6 +40,8 @@ def clipped_error(error: str, width: int) -> str:
 
 
 def journal_path(store_path: Path) -> Path:
+    """Beside the cache, named after its stem (``tuner.db``: ``tuner.tune-all.jsonl``); caches
+    of one stem in one folder share the file, each reading its own records (``read_journal``)."""
     return store_path.with_name(store_path.stem + ".tune-all.jsonl")
 
 
@@ -53,15 +55,17 @@ def append_journal(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def read_journal(path: Path) -> list[dict[str, Any]]:
-    """The journal's records; a torn last line (a write cut by SIGKILL) is ignored."""
+def read_journal(path: Path, cache: str | None = None) -> list[dict[str, Any]]:
+    """The journal's records; a torn last line (a write cut by SIGKILL) is ignored. ``cache``
+    (a cache file's name): only that cache's records, and those written before a record named
+    its cache."""
     if not path.exists():
         return []
     out = []
     for line in path.read_text().splitlines():
         with contextlib.suppress(json.JSONDecodeError):
             out.append(json.loads(line))
-    return out
+    return [r for r in out if cache is None or r.get("cache", cache) == cache]
 
 
 # --- what the next run tunes ------------------------------------------------------------------
