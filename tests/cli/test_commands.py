@@ -433,9 +433,10 @@ def test_show_names_each_winner_by_its_label_and_full_keys_by_its_whole_name(tmp
              "warps": 4}  # fmt: skip
     lt = {"cluster": "2x1x1", "custom": 0, "id": 66, "inner_shape": 0, "reduction": 0,
           "split_k": 1, "stages": "64xAUTO", "swizzle": 0, "tile": "112x128"}  # fmt: skip
-    winners = [Winner(dc, key.format(1), "triton_gemm", gemv, 24.66, 29.01),
-               Winner(dc, key.format(8), "triton_gemm", tiled, 17.73, 23.33),
-               Winner(dc, key.format(2048), "cublaslt", lt, 78.72, 83.01)]  # fmt: skip
+    now = fingerprint().version_tag  # measured under this host's versions: not stale
+    winners = [Winner(dc, key.format(1), "triton_gemm", gemv, 24.66, 29.01, versions=now),
+               Winner(dc, key.format(8), "triton_gemm", tiled, 17.73, 23.33, versions=now),
+               Winner(dc, key.format(2048), "cublaslt", lt, 78.72, 83.01, versions=now)]  # fmt: skip
     with Store(tmp_path / "c.db") as store:
         store.put_winners(winners)
     table = tuner("show", cache=tmp_path / "c.db").stdout
@@ -450,6 +451,22 @@ def test_show_names_each_winner_by_its_label_and_full_keys_by_its_whole_name(tmp
     assert sorted(line.split("\t")[1] for line in lines) == sorted(w.candidate for w in winners)
     shown = json.loads(tuner("show", "--json", cache=tmp_path / "c.db").stdout)
     assert sorted(w["candidate"] for w in shown) == sorted(w.candidate for w in winners)
+
+
+def test_show_marks_winners_measured_under_other_versions_as_stale(tmp_path):
+    """As ``tuner report`` and the dispatcher's warning do: ``show`` is where one looks first."""
+    fp = fingerprint()
+    key = "gemm:m={},n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+    with Store(tmp_path / "c.db") as store:
+        store.put_winners([
+            Winner(fp.device_class, key.format(1), "torch", {}, 2.0, 2.0, versions=fp.version_tag),
+            Winner(fp.device_class, key.format(2), "torch", {}, 2.0, 2.0, versions="torch=2.12.0"),
+        ])  # fmt: skip
+    out = tuner("show", cache=tmp_path / "c.db").stdout
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in out.splitlines() if line.startswith("│")}  # fmt: skip
+    assert rows == {"1x8x8 nn f32": "torch", "2x8x8 nn f32": "torch (stale)"}
+    assert "stale: 1 winner measured under other versions than this host runs" in out
 
 
 def test_show_counts_elsewhere_only_the_winners_its_filters_match_elsewhere(tmp_path):

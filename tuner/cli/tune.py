@@ -418,14 +418,25 @@ def show(
     t = Table(title=title)
     for col in (*columns, "speedup"):
         t.add_column(col, overflow="fold")
+    here = fingerprint()
+    stale = 0
     for w in winners:
         color = "green" if w.speedup > 1.0 else "white"
+        name = escape(candidate_label(w.candidate))
+        if w.device_class == here.device_class and not w.measured_under(here):
+            stale += 1
+            name += " [yellow](stale)[/yellow]"
         t.add_row(
-            *(w.device_class,) * (dc is None), parse_key(w.key).label,
-            escape(candidate_label(w.candidate)), w.launch, f"{w.median_us:.2f}",
-            f"{w.baseline_us:.2f}", f"[{color}]{w.speedup:.2f}x[/{color}]",
+            *(w.device_class,) * (dc is None), parse_key(w.key).label, name, w.launch,
+            f"{w.median_us:.2f}", f"{w.baseline_us:.2f}", f"[{color}]{w.speedup:.2f}x[/{color}]",
         )  # fmt: skip
     console.print(t)
+    if stale:
+        console.print(
+            f"[yellow]stale:[/yellow] {counted(stale, 'winner')} measured under other versions "
+            "than this host runs (torch, CUDA, Triton, ...: 'tuner info'): served while "
+            "TUNER_STALE=use (the default); 'tuner tune-all' tunes them again"
+        )
 
 
 @app.command()
