@@ -77,7 +77,7 @@ def test_help_read_through_a_pipe_is_shown_whole(monkeypatch):
     out = colours.sub("", out)
     assert "…" not in out
     for whole in ("Model config YAML (configs/models/*.yaml)", "(TUNER_MODE=record)",
-                  "--no-compile-ahead", "$TUNER_ARTIFACTS", "(~/.cache/tuner/tuner.db)"):  # fmt: skip
+                  "--no-compile-ahead", "$TUNER_ARTIFACTS", "else ~/.cache/tuner/tuner.db)"):  # fmt: skip
         assert whole in out
     # a width asked for is kept
     narrow = CliRunner().invoke(app, ["tune-all", "--help"], env={"COLUMNS": "80"}).output

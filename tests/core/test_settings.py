@@ -51,7 +51,7 @@ def test_a_mistake_is_named_and_left_out_while_the_rest_applies(tmp_path):
     cfg.write_text('mdoe = "record"\ncache = "/data/t.db"\nartifacts = "/data/k"\nbuckets = [1]\n')
     values, problems = read_config(cfg)
     assert values == {"TUNER_CACHE": "/data/t.db", "TUNER_ARTIFACTS": "/data/k"}
-    assert "unknown setting 'mdoe' left out" in problems[0] and "'mode'" in problems[0]
+    assert "unknown setting 'mdoe' (did you mean 'mode'?) left out" in problems[0]
     assert "buckets must be a string or number, got [1]" in problems[1]
 
 
@@ -182,3 +182,11 @@ def test_a_number_variable_that_is_no_positive_number_is_marked_for_info():
     )
     assert refusal("sync_interval", "0.5") is None and refusal("cutlass_jobs", "") is None
     assert "tuner sync and tuner push refuse it" in refusal("server_timeout", "-1")
+
+
+def test_a_variable_name_in_the_file_is_taken_for_its_setting_name_in_the_guess(tmp_path):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('TUNER_CACHE = "/data/t.db"\nzzz = 1\n')
+    _, problems = read_config(cfg)
+    assert "unknown setting 'TUNER_CACHE' (did you mean 'cache'?) left out" in problems[0]
+    assert "unknown setting 'zzz' left out" in problems[1]

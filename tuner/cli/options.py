@@ -49,7 +49,7 @@ CacheOpt = Annotated[
         "--cache",
         envvar="TUNER_CACHE",
         help="SQLite cache file (compiled kernels go to artifacts/ beside it, or $TUNER_ARTIFACTS).",
-        show_default="~/.cache/tuner/tuner.db",
+        show_default="$XDG_CACHE_HOME/tuner/tuner.db, else ~/.cache/tuner/tuner.db",
         callback=_cache_chosen,
     ),
 ]

@@ -19,6 +19,8 @@ import os
 import tomllib
 from pathlib import Path
 
+from tuner.core.guesses import close_match, with_guess
+
 log = logging.getLogger(__name__)
 
 KNOWN = {
@@ -100,7 +102,9 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
         if NUMBERS.get(name) is int and isinstance(value, float) and value.is_integer():
             value = int(value)  # (``1e9`` is a float in TOML)
         if name not in KNOWN:
-            problems.append(f"{path}: unknown setting {name!r} left out; known: {sorted(KNOWN)}")
+            guess = close_match(name.lower().removeprefix("tuner_"), list(KNOWN))  # TUNER_CACHE
+            unknown = with_guess(repr(name), guess)
+            problems.append(f"{path}: unknown setting {unknown} left out; known: {sorted(KNOWN)}")
         elif not isinstance(value, (str, int, float, bool)):
             problems.append(f"{path}: {name} must be a string or number, got {value!r}; left out")
         elif why := _wrong_type(name, value):

@@ -52,6 +52,7 @@ from pydantic import (
     model_validator,
 )
 
+from tuner.core.guesses import close_match, with_guess
 from tuner.core.keys import (
     LOWBIT_FORMAT_NAMES,
     GemmKey,
@@ -62,7 +63,7 @@ from tuner.core.keys import (
     leading_dims,
     lowbit_fields,
 )
-from tuner.offline.problem_list import ConfigError, close_match, read_yaml, with_guess
+from tuner.offline.problem_list import ConfigError, read_yaml
 
 GEMM_OPS = ("qkv", "o", "gate_up", "down")
 Op = Literal["qkv", "o", "gate_up", "down", "attn_prefill", "attn_decode"]

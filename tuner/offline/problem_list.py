@@ -16,12 +16,12 @@ compute: tf32``) or a low-bit format (``int4-g128``, ``fp8-rowwise``, ...: its f
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tuner.core.guesses import close_match, with_guess
 from tuner.core.keys import (
     ACCUM_MODES,
     FP8,
@@ -43,16 +43,6 @@ MAX_NAMED = 20  # bad entries named in one error
 
 class ConfigError(ValueError):
     """A config file that cannot be used; the message names file, entry and field."""
-
-
-def close_match(name: str, allowed: list[str]) -> str | None:
-    """The allowed name ``name`` most likely misspells, if one is close: a typo's error then says
-    what was meant instead of leaving the reader to scan the whole list."""
-    return next(iter(difflib.get_close_matches(name, allowed, n=1, cutoff=0.75)), None)
-
-
-def with_guess(name: str, guess: str | None) -> str:
-    return f"{name} (did you mean {guess!r}?)" if guess else name
 
 
 def _check_known(op: str, fields: dict[str, Any]) -> None:
