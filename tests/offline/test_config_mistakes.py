@@ -110,3 +110,21 @@ def test_an_op_that_leaves_no_problem_of_the_files_is_refused(tmp_path, tune_all
     code, err, made = tune_all("--model", str(path), "--op", "sdpa")
     assert (code, made) == (2, False)
     assert err == ["error: --op sdpa: the files given hold no sdpa problems, nothing to tune"]
+
+
+def test_a_model_config_and_a_problem_list_given_to_each_others_flag_are_named(tmp_path, tune_all):
+    """The two YAML files look alike from afar: each error says which flag the file wants."""
+    code, err, made = tune_all("-c", str(LLAMA))
+    assert (code, made) == (2, False)
+    assert err == [
+        f"error: {LLAMA}: expected a top-level 'problems:' list "
+        "(this looks like a model config: give it with --model)"
+    ]
+    problems = tmp_path / "p.yaml"
+    problems.write_text("problems:\n  - {op: gemm, m: 4, n: 32, k: 32, dtype: f32}\n")
+    code, err, made = tune_all("--model", str(problems))
+    assert (code, made) == (2, False)
+    assert err == [
+        f"error: {problems}: a problem list ('problems:'), not a model config: "
+        "give it with -c/--config"
+    ]

@@ -311,6 +311,10 @@ def parse_model(data: Any, path: Path | str = "<model>", only: str | None = None
     low-bit dtypes that also lists attention ops is fine for ``only="gemm"``."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of model fields, got {type(data).__name__}")
+    if "problems" in data and "hidden_size" not in data:
+        raise ConfigError(
+            f"{path}: a problem list ('problems:'), not a model config: give it with -c/--config"
+        )
     try:
         model = ModelConfig.model_validate(data, context={"op": only})
     except ValidationError as e:

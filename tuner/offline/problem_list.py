@@ -171,7 +171,9 @@ def load_problems(path: str | Path) -> list[Key]:
     path = Path(path)
     data = read_yaml(path)
     if not isinstance(data, dict) or not isinstance(data.get("problems"), list):
-        raise ConfigError(f"{path}: expected a top-level 'problems:' list")
+        model = isinstance(data, dict) and "hidden_size" in data and "problems" not in data
+        hint = " (this looks like a model config: give it with --model)" if model else ""
+        raise ConfigError(f"{path}: expected a top-level 'problems:' list{hint}")
     if not data["problems"]:  # a run that tunes nothing and says it did all would hide the slip
         raise ConfigError(f"{path}: the 'problems:' list is empty: list at least one problem")
     keys, errors = [], []
