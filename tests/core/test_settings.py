@@ -169,19 +169,32 @@ def test_a_value_of_the_wrong_type_for_its_setting_is_named_and_left_out(tmp_pat
     }
     assert problems == [
         f"{cfg}: profile must be a string, got False; left out",
-        f"{cfg}: sync_interval must be a positive number, got True; left out",
-        f"{cfg}: server_timeout must be a positive number, got 'abc'; left out",
+        f"{cfg}: sync_interval must be a number from 1 to 604800, got True; left out",
+        f"{cfg}: server_timeout must be a number of at least 0.1, got 'abc'; left out",
         f"{cfg}: cache must be a string (in quotes), got 5; left out",
         f"{cfg}: compile_workers must be a positive whole number, got 0; left out",
     ]
 
 
-def test_a_number_variable_that_is_no_positive_number_is_marked_for_info():
+def test_a_number_variable_out_of_its_bounds_is_marked_for_info():
+    """The bounds are those of the code that reads each: a sync interval under 1 s falls back
+    to the default, a timeout under 0.1 s is refused by tuner sync."""
     assert refusal("compile_workers", "many") == (
         "not a positive whole number: the default is used, and logged"
     )
-    assert refusal("sync_interval", "0.5") is None and refusal("cutlass_jobs", "") is None
-    assert "tuner sync and tuner push refuse it" in refusal("server_timeout", "-1")
+    assert refusal("sync_interval", "0.5") == (
+        "not a number from 1 to 604800: the default is used, and logged"
+    )
+    assert refusal("sync_interval", "2") is None and refusal("cutlass_jobs", "") is None
+    assert refusal("server_timeout", "0.01") == (
+        "not a number of at least 0.1: tuner sync and tuner push refuse it"
+    )
+
+
+def test_a_token_of_digits_in_the_file_is_a_token(tmp_path):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("token = 123456\n")
+    assert read_config(cfg) == ({"TUNER_TOKEN": "123456"}, [])
 
 
 def test_a_variable_name_in_the_file_is_taken_for_its_setting_name_in_the_guess(tmp_path):

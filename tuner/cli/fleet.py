@@ -17,6 +17,7 @@ from tuner.cli.errors import FAILED, fleet_service
 from tuner.cli.options import CacheOpt, cache_path, open_store
 from tuner.core.console import counted, output_console
 from tuner.core.device import fingerprint
+from tuner.core.settings import SERVER_TIMEOUT
 from tuner.fleet.artifact_sync import (
     check_artifacts,
     fetch_host_artifacts,
@@ -57,7 +58,7 @@ TimeoutOpt = Annotated[
         envvar="TUNER_SERVER_TIMEOUT",
         help="Seconds to wait for each answer of the service (a request that times out is tried "
         "3 more times, with backoff, before the command fails).",
-        min=0.1,
+        min=SERVER_TIMEOUT.low,
     ),
 ]
 

@@ -15,8 +15,10 @@ wins and every module keeps reading plain ``TUNER_*`` variables.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 from tuner.core.guesses import close_match, with_guess
@@ -59,16 +61,45 @@ FLAG_WORDS = {
 }
 FLAG_HELP = "1/0, true/false, yes/no, on/off"
 
-# the settings that take a positive number, and of which kind (each module reads its own, with
-# ``env_number`` or as a command's option); every other setting is text (a path, a URL, a token,
-# a list), which a file gives as a string
-NUMBERS: dict[str, type[int] | type[float]] = {
-    "sync_interval": float,
-    "server_timeout": float,
-    "artifacts_max_bytes": int,
-    "compile_workers": int,
-    "cutlass_jobs": int,
-    "cutlass_compile_timeout": float,
+
+@dataclass(frozen=True)
+class Number:
+    """A setting that takes a number of ``kind`` in ``[low, high]`` (``low`` excluded where it
+    is 0: a positive number). The modules that read it take their bounds from here."""
+
+    kind: type[int] | type[float]
+    low: float = 0.0
+    high: float = math.inf
+
+    def takes(self, text: str) -> bool:
+        try:
+            value = self.kind(text)
+        except ValueError:
+            return False
+        return (value > 0 if self.low == 0 else value >= self.low) and value <= self.high
+
+    def words(self) -> str:
+        what = "a whole number" if self.kind is int else "a number"
+        if self.low == 0 and self.high == math.inf:
+            return f"a positive {what.removeprefix('a ')}"
+        if self.high == math.inf:
+            return f"{what} of at least {self.low:g}"
+        return f"{what} from {self.low:g} to {self.high:g}"
+
+
+SYNC_INTERVAL = Number(float, 1.0, 7 * 24 * 3600.0)  # less would hammer the service; a week
+# past, a typo (and past threading.TIMEOUT_MAX the sync thread dies)
+SERVER_TIMEOUT = Number(float, 0.1)
+# the settings that take a number (each module reads its own, with ``env_number`` or as a
+# command's option); every other setting is text (a path, a URL, a token, a list), which a file
+# gives as a string
+NUMBERS: dict[str, Number] = {
+    "sync_interval": SYNC_INTERVAL,
+    "server_timeout": SERVER_TIMEOUT,
+    "artifacts_max_bytes": Number(int),
+    "compile_workers": Number(int),
+    "cutlass_jobs": Number(int),
+    "cutlass_compile_timeout": Number(float),
 }
 # what follows from a ``NUMBERS`` variable that is no positive number (``tuner info`` says it)
 NOT_A_NUMBER = {
@@ -76,7 +107,8 @@ NOT_A_NUMBER = {
     "artifacts_max_bytes": "the compiled-kernel store refuses to open",
 }
 NOT_A_NUMBER_DEFAULT = "the default is used, and logged"
-TEXT_TAKES_NUMBERS = ("cublas_algos",)  # one algorithm id is a list of one
+# one algorithm id is a list of one; a token of digits is a token
+TEXT_TAKES_NUMBERS = ("cublas_algos", "token")
 
 
 def config_path() -> Path:
@@ -89,7 +121,7 @@ def config_path() -> Path:
 def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
     """The file's settings as environment values, and what was wrong with the rest of it (an
     unknown name, a value of the wrong type for its setting, a word not among a setting's
-    ``CHOICES``, no positive number for one of ``NUMBERS``: each named, each left out);
+    ``CHOICES``, a number out of one of ``NUMBERS``' bounds: each named, each left out);
     ValueError if the file cannot be read as TOML."""
     try:
         data = tomllib.loads(path.read_text())
@@ -99,7 +131,12 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
         raise ValueError(f"{path}: not a text file (expected TOML)") from None
     values, problems = {}, []
     for name, value in data.items():
-        if NUMBERS.get(name) is int and isinstance(value, float) and value.is_integer():
+        if (
+            name in NUMBERS
+            and NUMBERS[name].kind is int
+            and isinstance(value, float)
+            and value.is_integer()
+        ):
             value = int(value)  # (``1e9`` is a float in TOML)
         if name not in KNOWN:
             guess = close_match(name.lower().removeprefix("tuner_"), list(KNOWN))  # TUNER_CACHE
@@ -127,24 +164,12 @@ def _wrong_type(name: str, value: str | int | float | bool) -> str | None:
     if name in FLAGS:
         return None
     if isinstance(value, bool):
-        return "a positive number" if name in NUMBERS else "a string"
+        return NUMBERS[name].words() if name in NUMBERS else "a string"
     if name in NUMBERS:
-        return None if positive(name, _env_text(value)) else _number_words(name)
+        return None if NUMBERS[name].takes(_env_text(value)) else NUMBERS[name].words()
     if isinstance(value, (int, float)) and name not in TEXT_TAKES_NUMBERS:
         return "a string (in quotes)"
     return None
-
-
-def positive(name: str, text: str) -> bool:
-    """Whether ``text`` is a positive number of setting ``name``'s kind (``NUMBERS``)."""
-    try:
-        return NUMBERS[name](text) > 0
-    except ValueError:
-        return False
-
-
-def _number_words(name: str) -> str:
-    return "a positive whole number" if NUMBERS[name] is int else "a positive number"
 
 
 def _env_text(value: str | int | float | bool) -> str:
@@ -169,8 +194,8 @@ def refusal(name: str, value: str) -> str | None:
         return f"not one of {', '.join(words)}: the first call fails"
     if name in FLAGS and parse_flag(value) is None:
         return f"not one of {FLAG_HELP}: {_flag_word(FLAGS[name])} (the default) is used"
-    if name in NUMBERS and not positive(name, value):
-        return f"not {_number_words(name)}: {NOT_A_NUMBER.get(name, NOT_A_NUMBER_DEFAULT)}"
+    if name in NUMBERS and not NUMBERS[name].takes(value):
+        return f"not {NUMBERS[name].words()}: {NOT_A_NUMBER.get(name, NOT_A_NUMBER_DEFAULT)}"
     return None
 
 

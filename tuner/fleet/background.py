@@ -19,6 +19,7 @@ from typing import Any
 from tuner.cache import Store
 from tuner.cache.artifacts import ArtifactStore, shared_store
 from tuner.core.device import Fingerprint
+from tuner.core.settings import SYNC_INTERVAL
 from tuner.fleet.artifact_sync import fetch_host_artifacts, host_archs
 from tuner.fleet.client import FleetClient, FleetError
 from tuner.fleet.sync import PullResult, pull, push_measurements, push_misses
@@ -26,10 +27,8 @@ from tuner.fleet.sync import PullResult, pull, push_measurements, push_misses
 log = logging.getLogger(__name__)
 
 SYNC_INTERVAL_S = 60.0  # default seconds between background syncs
-MIN_SYNC_INTERVAL_S = 1.0  # of $TUNER_SYNC_INTERVAL: less would hammer the service (0: no wait)
-MAX_SYNC_INTERVAL_S = (
-    7 * 24 * 3600.0
-)  # a week; longer is a typo, and past threading.TIMEOUT_MAX kills the thread
+MIN_SYNC_INTERVAL_S = SYNC_INTERVAL.low  # of $TUNER_SYNC_INTERVAL (settings say why)
+MAX_SYNC_INTERVAL_S = SYNC_INTERVAL.high
 
 
 class BackgroundSync:
