@@ -41,8 +41,9 @@ class ReadOnlyError(StoreError):
 
 
 def is_corrupt(e: sqlite3.DatabaseError) -> bool:
-    """Whether SQLite found the file damaged (a page it cannot read), not merely busy."""
-    return getattr(e, "sqlite_errorname", "") in ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+    """Whether SQLite found the file damaged (a page it cannot read, an index that disagrees
+    with its table: the extended codes too), not merely busy."""
+    return getattr(e, "sqlite_errorname", "").startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB"))
 
 
 def is_busy(e: sqlite3.DatabaseError) -> bool:
