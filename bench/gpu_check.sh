@@ -198,7 +198,7 @@ for stage in "$@"; do
     tuneall)  # tune-all over Llama-3-8B's projections (M 1..8192, bf16) on every GPU; resumable:
       # TUNEALL_RESUME_FROM=<an earlier $OUT/tuneall dir> continues that run's cache and journal
       mkdir -p "$OUT/tuneall"
-      if [ -n "${TUNEALL_RESUME_FROM:-}" ]; then cp "$TUNEALL_RESUME_FROM"/tuner.db "$TUNEALL_RESUME_FROM"/tuner.tune-all.jsonl "$OUT/tuneall/" || status=1; fi
+      if [ -n "${TUNEALL_RESUME_FROM:-}" ]; then cp "$TUNEALL_RESUME_FROM"/tuner.db "$TUNEALL_RESUME_FROM"/tuner*.tune-all.jsonl "$OUT/tuneall/" || status=1; fi
       timeout -k 20 "${TUNEALL_TIMEOUT:-570}" python3 -m tuner tune-all --cache "$OUT/tuneall/tuner.db" \
         --model configs/models/llama-3-8b.yaml --op gemm --time-limit "${TUNEALL_TIME_LIMIT:-420}" \
         --problem-timeout "${TUNEALL_PROBLEM_TIMEOUT:-240}" --out "$OUT/tuneall" ${TUNEALL_ARGS:-} 2>&1 | tee "$OUT/tuneall/tune_all.log" || status=1

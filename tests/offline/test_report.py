@@ -22,7 +22,13 @@ from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey
 from tuner.measure.records import LABEL_WIDTH, candidate_label, candidate_name
 from tuner.offline import report
-from tuner.offline.journal import append_journal, journal_path, pending, read_journal
+from tuner.offline.journal import (
+    append_journal,
+    journal_path,
+    journal_records,
+    pending,
+    read_journal,
+)
 from tuner.offline.plots import geomean
 from tuner.offline.problem_set import ProblemSet
 from tuner.offline.tune_all import Result, RunSummary
@@ -321,14 +327,15 @@ def test_a_problems_title_is_printed_as_it_is_brackets_and_all() -> None:
     assert text.count("(shapes[v2].yaml[0])") == 2, text
 
 
-def test_caches_of_one_stem_share_a_journal_file_but_read_only_their_own_records(tmp_path):
-    """``a.db`` and ``a.sqlite`` in one folder both journal into ``a.tune-all.jsonl``: each
-    reads its own records, and those of a journal written before records named their cache."""
-    journal = journal_path(tmp_path / "a.db")
-    assert journal == journal_path(tmp_path / "a.sqlite")
-    append_journal(journal, {"key": "old", "status": "tuned"})  # an older release's line
-    append_journal(journal, {"key": "db", "status": "tuned", "cache": "a.db"})
-    append_journal(journal, {"key": "sqlite", "status": "tuned", "cache": "a.sqlite"})
-    assert [r["key"] for r in read_journal(journal, "a.db")] == ["old", "db"]
-    assert [r["key"] for r in read_journal(journal, "a.sqlite")] == ["old", "sqlite"]
-    assert len(read_journal(journal)) == 3
+def test_caches_of_one_stem_keep_their_own_journals_and_read_an_earlier_releases(tmp_path):
+    """``a.db`` and ``a.sqlite`` in one folder each journal under their whole name; the file an
+    earlier release wrote under the stem (``a.tune-all.jsonl``) is read first by both, so a run
+    after an upgrade resumes where the last one stopped. A link's journal is its target's."""
+    assert journal_path(tmp_path / "a.db") == tmp_path.resolve() / "a.db.tune-all.jsonl"
+    append_journal(tmp_path / "a.tune-all.jsonl", {"key": "old", "status": "tuned"})
+    append_journal(journal_path(tmp_path / "a.db"), {"key": "db", "status": "tuned"})
+    append_journal(journal_path(tmp_path / "a.sqlite"), {"key": "sqlite", "status": "tuned"})
+    assert [r["key"] for r in journal_records(tmp_path / "a.db")] == ["old", "db"]
+    assert [r["key"] for r in journal_records(tmp_path / "a.sqlite")] == ["old", "sqlite"]
+    (tmp_path / "link.db").symlink_to(tmp_path / "a.db")
+    assert [r["key"] for r in journal_records(tmp_path / "link.db")] == ["old", "db"]

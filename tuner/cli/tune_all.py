@@ -59,11 +59,10 @@ from tuner.offline.journal import (
     PARTIAL,
     clipped_error,
     current_launches,
-    journal_path,
+    journal_records,
     kept_after_unfinished,
     order,
     pending,
-    read_journal,
 )
 from tuner.offline.model_config import load_model
 from tuner.offline.problem_list import ConfigError
@@ -221,9 +220,7 @@ def report_command(
         if sources.empty()
         else add_recorded(read_files(sources, quiet), sources, store, fp, quiet, None)
     )
-    rep = report.build(
-        store, fp, problems=problems, journal=read_journal(journal_path(path), path.name)
-    )
+    rep = report.build(store, fp, problems=problems, journal=journal_records(path))
     if problems is None and sources.op:
         rep.rows = [r for r in rep.rows if key_op(r.key) == sources.op]
     report.render(rep, console, limit=rows, written=out is not None)
@@ -574,7 +571,7 @@ def tune_all(
         for key, labels in leased.labels.items():
             for label in labels:
                 problems.add(key, label)
-    journal = read_journal(journal_path(store_path), store_path.name)
+    journal = journal_records(store_path)
     launch = settings.tune.launch
     untuned = pending(store, fp, problems, journal=journal, launch=launch)
     todo = list(problems) if settings.force else untuned
@@ -593,7 +590,7 @@ def tune_all(
         with fleet_artifacts(fp, store_path) as artifacts:
             summary = run_with_progress(ordered.todo, problems, store_path, settings, retune)
             artifacts.push()
-    journal = read_journal(journal_path(store_path), store_path.name)
+    journal = journal_records(store_path)
     # what a run left unfinished stays a miss and goes back to the fleet's queue; a leased key
     # that --op left out counts as done where a finished run of before tuned it here
     asked = [*problems, *(k for k in lease.keys if k not in problems.labels)] if lease else problems

@@ -1,4 +1,4 @@
-"""The tune-all journal (``<cache stem>.tune-all.jsonl``): one line per finished problem (its status,
+"""The tune-all journal (``<cache file>.tune-all.jsonl``): one line per finished problem (its status,
 tuning time and error; the report reads it, as failures have no winner in the store), and what it
 tells the next run: which problems are done, which to tune again, and in which order."""
 
@@ -40,9 +40,23 @@ def clipped_error(error: str, width: int) -> str:
 
 
 def journal_path(store_path: Path) -> Path:
-    """Beside the cache, named after its stem (``tuner.db``: ``tuner.tune-all.jsonl``); caches
-    of one stem in one folder share the file, each reading its own records (``read_journal``)."""
-    return store_path.with_name(store_path.stem + ".tune-all.jsonl")
+    """Beside the cache file (a link's target), named after its whole name: ``tuner.db``'s is
+    ``tuner.db.tune-all.jsonl``, so caches of one stem (``a.db``, ``a.sqlite``) keep their own."""
+    cache = Path(store_path).resolve()
+    return cache.with_name(cache.name + ".tune-all.jsonl")
+
+
+def _stem_journal_path(store_path: Path) -> Path:
+    """Where earlier releases wrote the journal: named after the cache's stem."""
+    cache = Path(store_path).resolve()
+    return cache.with_name(cache.stem + ".tune-all.jsonl")
+
+
+def journal_records(store_path: Path) -> list[dict[str, Any]]:
+    """The records of the cache's journal, after those an earlier release wrote under the
+    cache's stem (still read, so that a run after an upgrade resumes where the last one
+    stopped; nothing is written there any more)."""
+    return read_journal(_stem_journal_path(store_path)) + read_journal(journal_path(store_path))
 
 
 def append_journal(path: Path, record: dict[str, Any]) -> None:
@@ -55,17 +69,15 @@ def append_journal(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def read_journal(path: Path, cache: str | None = None) -> list[dict[str, Any]]:
-    """The journal's records; a torn last line (a write cut by SIGKILL) is ignored. ``cache``
-    (a cache file's name): only that cache's records, and those written before a record named
-    its cache."""
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    """The journal's records; a torn last line (a write cut by SIGKILL) is ignored."""
     if not path.exists():
         return []
     out = []
     for line in path.read_text().splitlines():
         with contextlib.suppress(json.JSONDecodeError):
             out.append(json.loads(line))
-    return [r for r in out if cache is None or r.get("cache", cache) == cache]
+    return out
 
 
 # --- what the next run tunes ------------------------------------------------------------------

@@ -61,8 +61,8 @@ from tuner.offline.journal import (
     PARTIAL,
     append_journal,
     journal_path,
+    journal_records,
     kept_runs,
-    read_journal,
 )
 from tuner.offline.run_settings import RunSettings
 from tuner.tuning import compile_pool, pruning
@@ -613,8 +613,7 @@ class _Pool:
         served (``KEPT_EARLIER``) where it is a finished run's (a ``--force`` re-tune cut short,
         another process's) or an unfinished run's as fast as the new verdict."""
         result.pruned = pruning.count(measured)
-        # read before the store's write lock
-        kept = kept_runs(read_journal(self.journal, self.store_path.name))
+        kept = kept_runs(journal_records(self.store_path))  # read before the store's write lock
         with Store(self.store_path) as store:
             held = store.save_run_unless_held(
                 measured, verdict, lambda stored: outranks(stored, verdict, kept)
@@ -634,7 +633,7 @@ class _Pool:
         if done is not None:
             result.compile_s, result.compiled = done.seconds, done.compiled
         if result.status != "skipped":
-            append_journal(self.journal, _journal_record(result, self.store_path.name))
+            append_journal(self.journal, _journal_record(result))
         self.results.append(result)
         self.emit(("result", result))
 
@@ -649,12 +648,11 @@ def outranks(held: Winner, verdict: Winner, kept: set[str]) -> bool:
     return held.run_id not in kept or held.median_us <= verdict.median_us
 
 
-def _journal_record(r: Result, cache: str) -> dict[str, Any]:
-    """``r`` as a journal line of the cache file named ``cache``; its ``run_id`` is the run whose
-    winner this attempt stored (none where it kept the winner stored before: that run's verdict
-    is not this attempt's)."""
+def _journal_record(r: Result) -> dict[str, Any]:
+    """``r`` as a journal line; its ``run_id`` is the run whose winner this attempt stored (none
+    where it kept the winner stored before: that run's verdict is not this attempt's)."""
     rec = {k: v for k, v in asdict(r).items() if k not in ("key", "winner", "first_pass")}
-    rec["key"], rec["cache"] = str(r.key), cache
+    rec["key"] = str(r.key)
     kept_earlier = r.error.endswith(KEPT_EARLIER)
     rec["run_id"] = "" if kept_earlier else (r.winner or {}).get("run_id", "")
     rec["at"] = time.time()
