@@ -87,8 +87,9 @@ class Number:
         return f"{what} from {self.low:g} to {self.high:g}"
 
 
-SYNC_INTERVAL = Number(float, 1.0, 7 * 24 * 3600.0)  # less would hammer the service; a week
-# past, a typo (and past threading.TIMEOUT_MAX the sync thread dies)
+# under 1 s would hammer the service; over a week is a typo (and past threading.TIMEOUT_MAX the
+# sync thread dies)
+SYNC_INTERVAL = Number(float, 1.0, 7 * 24 * 3600.0)
 SERVER_TIMEOUT = Number(float, 0.1)
 # the settings that take a number (each module reads its own, with ``env_number`` or as a
 # command's option); every other setting is text (a path, a URL, a token, a list), which a file
@@ -101,7 +102,7 @@ NUMBERS: dict[str, Number] = {
     "cutlass_jobs": Number(int),
     "cutlass_compile_timeout": Number(float),
 }
-# what follows from a ``NUMBERS`` variable that is no positive number (``tuner info`` says it)
+# what follows from a ``NUMBERS`` variable out of its bounds (``tuner info`` says it)
 NOT_A_NUMBER = {
     "server_timeout": "tuner sync and tuner push refuse it",
     "artifacts_max_bytes": "the compiled-kernel store refuses to open",
