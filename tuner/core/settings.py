@@ -234,12 +234,8 @@ def env_number(name: str, default: float, kind: type[int] | type[float] = int) -
     text = os.environ.get(name)
     if not text:
         return default
-    try:
-        value = kind(text)
-    except ValueError:
-        value = 0
-    if value > 0:
-        return value
+    if Number(kind).takes(text):
+        return kind(text)
     log.warning("%s=%r: expected a positive %s; using %s", name, text, kind.__name__, default)
     return default
 

@@ -1,6 +1,7 @@
-"""The tune-all journal (``<cache file>.tune-all.jsonl``): one line per finished problem (its status,
-tuning time and error; the report reads it, as failures have no winner in the store), and what it
-tells the next run: which problems are done, which to tune again, and in which order."""
+"""The tune-all journal (``<cache file>.tune-all.jsonl``): one line per finished problem (its
+status, tuning time and error; the report reads it, as failures have no winner in the store),
+and what it tells the next run: which problems are done, which to tune again, and in which
+order."""
 
 from __future__ import annotations
 
