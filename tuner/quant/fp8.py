@@ -36,7 +36,18 @@ def quantize_tensorwise(x: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tenso
 
 
 def quantize_rowwise(x: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale) with a float32 [rows, 1] scale per row of a 2-d ``x``."""
+    """(q, scale) with a float32 [rows, 1] scale per row of a 2-d ``x``: on a GPU one fused
+    kernel (``fp8_rows``), elsewhere ``quantize_rowwise_torch``, the same values."""
+    if x.is_cuda:
+        from tuner.quant import fp8_rows  # Triton: imported where it can run
+
+        if fp8_rows.takes(x):
+            return fp8_rows.quantize(x, fp8_dtype(fmt), MIN_AMAX)
+    return quantize_rowwise_torch(x, fmt)
+
+
+def quantize_rowwise_torch(x: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rowwise`` by torch's ops on any device (the fused kernel's reference)."""
     if x.dim() != 2:
         raise ValueError(f"x.shape={tuple(x.shape)}: rowwise quantization takes a 2-d tensor")
     return _quantize(x, x.abs().amax(dim=1, keepdim=True), fp8_dtype(fmt))

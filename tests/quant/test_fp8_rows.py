@@ -1,0 +1,103 @@
+"""The fused rowwise FP8 quantization kernel computes what torch's ops compute, bit for bit, and
+``quantize_rowwise`` takes it on a GPU.
+
+Without a GPU the kernel runs in Triton's interpreter, whose casts to FP8 round some values wrong
+(127.99 to -64 in e4m3, ties the other way): there the quantized values are compared with the
+interpreter's own cast of torch's float32 values, so the kernel's scales and divisions are still
+checked bit for bit; the cast itself is checked on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from conftest import HAS_GPU
+
+from tuner.quant import fp8, fp8_rows
+
+DEVICE = "cuda" if HAS_GPU else "cpu"
+
+
+@triton.jit
+def _cast(x_ptr, q_ptr, n, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    tl.store(q_ptr + cols, tl.load(x_ptr + cols, mask=cols < n).to(q_ptr.dtype.element_ty),
+             mask=cols < n)  # fmt: skip
+
+
+def _as_this_triton_casts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """torch's quantized ``q`` of ``x``, cast to FP8 as the interpreter casts (module docstring)."""
+    fmax = torch.finfo(q.dtype).max
+    values = (x.float() / scale).clamp(-fmax, fmax).contiguous()
+    out = torch.empty(values.shape, dtype=q.dtype)
+    _cast[(1,)](values, out, values.numel(), BLOCK=triton.next_power_of_2(values.numel()))
+    return out
+
+
+def _same(
+    got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor
+) -> None:
+    (q, scale), (q_ref, scale_ref) = got, want
+    if not HAS_GPU:
+        q_ref = _as_this_triton_casts(x, q_ref, scale_ref)
+    assert q.dtype == q_ref.dtype and q.shape == q_ref.shape
+    assert scale.dtype == torch.float32 and scale.shape == scale_ref.shape
+    torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0, equal_nan=True)
+    nan = q_ref.float().isnan()  # a NaN's sign bit is the arithmetic's choice
+    assert torch.equal(q.float().isnan(), nan)
+    assert torch.equal(q.view(torch.uint8)[~nan], q_ref.view(torch.uint8)[~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 100), (5, 1), (4, 1000)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fused_rows_are_torchs_bit_for_bit(
+    dtype: torch.dtype, shape: tuple[int, int], fmt: str
+) -> None:
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=gen) * torch.logspace(-4, 4, shape[0])[:, None]
+    x = x.to(DEVICE, dtype)
+    got = fp8_rows.quantize(x, fp8.fp8_dtype(fmt), fp8.MIN_AMAX)
+    _same(got, fp8.quantize_rowwise_torch(x, fmt), x)
+
+
+def test_zero_nan_and_strided_rows_as_torch() -> None:
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    x[1] = 0  # the smallest scale, no division by zero
+    x[2, 7] = float("nan")  # the whole row's scale is NaN, as torch's amax makes it
+    x = x.to(DEVICE)
+    ref = fp8.quantize_rowwise_torch(x)
+    _same(fp8_rows.quantize(x, torch.float8_e4m3fn, fp8.MIN_AMAX), ref, x)
+    wide = torch.zeros(4, 160, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, 32:128] = x  # rows of a wider tensor: a row stride that is not K
+    _same(fp8_rows.quantize(wide[:, 32:128], torch.float8_e4m3fn, fp8.MIN_AMAX), ref, x)
+    by_columns = x.t().contiguous().t()  # made contiguous first
+    _same(fp8_rows.quantize(by_columns, torch.float8_e4m3fn, fp8.MIN_AMAX), ref, x)
+
+
+def test_no_rows_make_empty_outputs() -> None:
+    q, scale = fp8_rows.quantize(
+        torch.empty(0, 64, dtype=torch.bfloat16, device=DEVICE), torch.float8_e4m3fn, 1e-12
+    )
+    assert q.shape == (0, 64) and scale.shape == (0, 1)
+
+
+def test_only_gpu_rows_it_can_hold_take_the_kernel() -> None:
+    assert not fp8_rows.takes(torch.ones(2, 64))  # the CPU: torch's ops
+    if HAS_GPU:
+        x = torch.ones(2, 64, device="cuda")
+        fp8_capable = torch.cuda.get_device_capability() >= (8, 9)
+        assert fp8_rows.takes(x) == fp8_capable
+        assert not fp8_rows.takes(x.to(torch.int32))
+        assert not fp8_rows.takes(torch.ones(2, fp8_rows.MAX_K + 1, device="cuda"))
+        assert not fp8_rows.takes(torch.ones(2, 3, 64, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_quantize_rowwise_on_a_gpu_is_the_fused_kernels() -> None:
+    x = torch.randn(16, 14336, device="cuda", dtype=torch.bfloat16)
+    _same(fp8.quantize_rowwise(x), fp8.quantize_rowwise_torch(x), x)
+    wide = torch.randn(2, fp8_rows.MAX_K + 8, device="cuda", dtype=torch.bfloat16)
+    _same(fp8.quantize_rowwise(wide), fp8.quantize_rowwise_torch(wide), wide)  # torch's ops

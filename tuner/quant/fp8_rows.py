@@ -1,0 +1,70 @@
+"""Rowwise FP8 quantization of activations in one Triton kernel (``fp8.quantize_rowwise`` on a GPU).
+
+torch's ops take nine kernels for it (abs, amax, the scale's cast, clamp and division, then the
+row's cast, division, clamp and cast to FP8); a decode step's activations are a few rows, so each
+of those kernels costs its launch and little else, four times a transformer layer. Here a program
+holds one whole row in registers: it reads the row once, takes its amax, writes the scale and the
+quantized row. Both divisions round to nearest (``div_rn``, as torch's), so the result is torch's
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_K = 32768  # a row a program, held in registers: wider rows take torch's ops
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _max_with_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _quantize_rows(
+    x_ptr, q_ptr, scale_ptr, k, x_stride, q_stride,
+    FMAX: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < k
+    x = tl.load(x_ptr + row * x_stride + cols, mask=inside, other=0.0).to(tl.float32)
+    amax = tl.reduce(tl.abs(x), 0, _max_with_nan)  # a NaN makes the row NaN, as torch's amax
+    scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX, propagate_nan=tl.PropagateNan.ALL), FMAX)
+    q = tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
+    tl.store(scale_ptr + row, scale)
+
+
+def takes(x: torch.Tensor) -> bool:
+    """The kernel serves ``x`` (2-d, on a GPU that converts to FP8, rows it can hold)."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and x.dtype in INPUT_DTYPES
+        and 0 < x.shape[1] <= MAX_K
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    )
+
+
+def quantize(
+    x: torch.Tensor, dtype: torch.dtype, min_amax: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): ``x`` [M, K] as ``dtype`` with a float32 [M, 1] dequantization scale per row,
+    the row's amax (at least ``min_amax``) mapped to the format's largest value."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty((m, k), dtype=dtype, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = triton.next_power_of_2(k)
+        _quantize_rows[(m,)](
+            x, q, scale, k, x.stride(0), q.stride(0),
+            FMAX=torch.finfo(dtype).max, MIN_AMAX=min_amax, BLOCK=block,
+            num_warps=min(16, max(1, block // 1024)),
+        )  # fmt: skip
+    return q, scale
