@@ -170,20 +170,39 @@ class Phase:
         return f"decode b={self.batch}{extra}"
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """A phase's static inputs: activations, their positions and (decode) the K/V cache."""
+
+    x: torch.Tensor
+    positions: torch.Tensor
+    cache: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def make_inputs(
+    cfg: LlamaConfig, phase: Phase, kv_len: int, gen: torch.Generator, device: Any, dtype: Any
+) -> StepInputs:
+    x = torch.randn((phase.batch, phase.tokens, cfg.hidden), generator=gen).to(device, dtype)
+    if phase.name == "prefill":
+        return StepInputs(x, torch.arange(phase.tokens, device=device), None)
+    shape = (phase.batch, cfg.kv_heads, kv_len, cfg.head_dim)
+    k, v = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(2))
+    return StepInputs(x, torch.tensor([kv_len - phase.tokens], device=device), (k, v))
+
+
+def bind(layer: nn.Module, inputs: StepInputs) -> Callable[[], torch.Tensor]:
+    """A closure running one layer step on static inputs (what a CUDA graph captures)."""
+    if inputs.cache is None:
+        return lambda: layer(inputs.x, inputs.positions)
+    return lambda: layer(inputs.x, inputs.positions, inputs.cache)
+
+
 def make_step(
     layer: DecoderLayer, phase: Phase, kv_len: int, gen: torch.Generator
 ) -> Callable[[], torch.Tensor]:
-    """A closure running one layer step on static inputs (what a CUDA graph captures)."""
-    cfg, dev = layer.cfg, layer.cos.device
+    """``bind`` on new inputs of the layer's device and dtype."""
     dtype = layer.qkv.weight.dtype
-    x = torch.randn((phase.batch, phase.tokens, cfg.hidden), generator=gen).to(dev, dtype)
-    if phase.name == "prefill":
-        positions = torch.arange(phase.tokens, device=dev)
-        return lambda: layer(x, positions)
-    shape = (phase.batch, cfg.kv_heads, kv_len, cfg.head_dim)
-    cache = tuple(torch.randn(shape, generator=gen).to(dev, dtype) for _ in range(2))
-    positions = torch.tensor([kv_len - phase.tokens], device=dev)
-    return lambda: layer(x, positions, cache)
+    return bind(layer, make_inputs(layer.cfg, phase, kv_len, gen, layer.cos.device, dtype))
 
 
 # --- timing ---------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@
 #   fp8-prefill (bench/fp8_prefill.py: every FP8 source's configs beside _scaled_mm and bf16 cuBLAS at
 #   M = 2048 -> $OUT/fp8_prefill.json, .log, fp8_prefill_cutlass_cache.tar.xz; FP8_PREFILL_ARGS="--sweep",
 #   FP8_PREFILL_TIMEOUT).
+#   quantized (bench/quantized_decoder.py: a Llama-3-8B layer in bf16, int4 and fp8, torch beside the tuner ->
+#   $OUT/quantized_decoder.json/.png; QUANTIZED_ARGS, QUANTIZED_TUNE_DEADLINE, QUANTIZED_TIMEOUT).
 #   libs (cuBLAS/cuBLASLt/CUTLASS: precompile, tests/candidates/test_gemm_libraries.py, bench/libs_bench.py
 #   -> $OUT/libs.json, libs_details.json, libs_compile.json, cutlass_cache.tar.xz; LIBS_CUTLASS_SEED).
 set -uo pipefail
@@ -219,6 +221,12 @@ for stage in "$@"; do
       TUNER_CACHE="$OUT/dropin_tuner.db" timeout -k 20 "${DROPIN_TIMEOUT:-570}" python3 bench/dropin_decoder.py \
         --out "$OUT/dropin_decoder.json" --plot "$OUT/dropin_decoder.png" \
         --tune-deadline-s "${DROPIN_TUNE_DEADLINE:-330}" ${DROPIN_ARGS:-} 2>&1 | tee "$OUT/dropin.log" || status=1 ;;
+    quantized)  # quantize_linear on a Llama-3-8B decoder layer: bf16, int4 and fp8 served by torch and by
+      # the tuner, decode (graph, eager) and prefill, plus the activations' quantization alone ->
+      # quantized_decoder.json/.png, quantized_tuner.db; QUANTIZED_ARGS, QUANTIZED_TUNE_DEADLINE.
+      TUNER_CACHE="$OUT/quantized_tuner.db" timeout -k 20 "${QUANTIZED_TIMEOUT:-570}" python3 bench/quantized_decoder.py \
+        --out "$OUT/quantized_decoder.json" --plot "$OUT/quantized_decoder.png" \
+        --tune-deadline-s "${QUANTIZED_TUNE_DEADLINE:-300}" ${QUANTIZED_ARGS:-} 2>&1 | tee "$OUT/quantized.log" || status=1 ;;
     cold-start)  # cold tune-all of Qwen2.5-7B GEMMs + the suite's odd shapes on empty caches, CUTLASS
       # on; COLD_START_PART=cold (pruned), everything (--no-prune), warm (cold's problems again on
       # its caches, --force), fleet (again, kernels fetched

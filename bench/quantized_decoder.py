@@ -1,0 +1,336 @@
+"""Benchmark: a Llama-3-8B decoder layer quantized by ``tuner.torch.quantize_linear``, beside the
+same layer in bf16, in one run.
+
+    python bench/quantized_decoder.py --out $OUT/quantized_decoder.json --plot $OUT/quantized_decoder.png
+
+What a user gets from ``quantize_linear(model, "int4" | "fp8")`` in a whole layer step, where the
+GEMMs share the step with norms, RoPE, attention and (FP8) the activations' quantization. One
+layer (``dropin_decoder.DecoderLayer``, random weights), run as these variants:
+
+- ``bf16 torch``: the plain layer, torch's ops (what runs today); ``bf16 tuner``: the same under
+  ``tuner.torch.enabled()`` (the drop-in mode's winners);
+- ``int4 torch`` / ``fp8 torch``: the quantized layer served by torch's own ops
+  (``_weight_int4pack_mm``, ``_scaled_mm``: a dispatcher in mode ``off``), what the format gives
+  without tuning; ``int4 tuner`` / ``fp8 tuner``: the same layer served by the tuned winners;
+- ``fp8 tuner, torch's act. quant``: ``fp8 tuner`` with the activations quantized by torch's ops
+  (``fp8.quantize_rowwise_torch``) instead of the fused kernel: that kernel's share of the step.
+
+1. **Record** every problem the variants make, **tune** those without a winner in the cache
+   (``TUNER_CACHE``), decode first, to a deadline (as ``dropin_decoder``).
+2. **Measure** per phase (decode batches of one token against a K/V cache of ``--kv-len``, and a
+   prefill of ``--prefill-seq`` tokens): time per layer step, CUDA-graph replay and eager, every
+   variant in each of ``--rounds`` rounds (the order rotating); medians, and each variant's time
+   over ``bf16 torch``'s (> 1: faster) and, per format, torch's over the tuner's.
+3. **Activations' quantization alone**: ``quantize_rowwise`` (the fused kernel) beside torch's
+   ops, CUDA-graph time per call, at the layer's K and the phases' rows.
+
+JSON (device, versions, tuning log, weight bytes per variant, per-phase times and ratios, which
+kernel served each problem, each variant's output against bf16 torch's) and a PNG of the graph
+ratios over bf16 torch. ``--smoke`` runs the whole script on the CPU with tiny dimensions (eager
+only): tests/bench/test_quantized_decoder.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+from torch import nn
+
+from bench.dropin_decoder import (
+    LLAMA3_8B,
+    TINY,
+    DecoderLayer,
+    bind,
+    build_phases,
+    capture,
+    init_weights,
+    make_inputs,
+    record_keys,
+    step_us,
+    summary,
+    tune_missing,
+)
+from tuner.measure import samples
+from tuner.quant import fp8
+
+FORMATS = ("int4", "fp8")
+SMOKE_GROUP = 32  # the tiny layer's K (64, 96) takes no group of 128
+
+
+@dataclass(frozen=True)
+class Variant:
+    layer: str  # "bf16" or a format
+    by: str  # "torch" or "tuner"
+    torch_act_quant: bool = False  # fp8: the activations quantized by torch's ops
+
+    @property
+    def name(self) -> str:
+        return f"{self.layer} {self.by}" + (", torch's act. quant" if self.torch_act_quant else "")
+
+
+BASELINE = Variant("bf16", "torch")
+
+
+def variants_of(formats: list[str]) -> list[Variant]:
+    out = [BASELINE, Variant("bf16", "tuner")]
+    for fmt in formats:
+        out += [Variant(fmt, "torch"), Variant(fmt, "tuner")]
+        if fmt == "fp8":
+            out.append(Variant(fmt, "tuner", torch_act_quant=True))
+    return out
+
+
+@contextlib.contextmanager
+def serving(variant: Variant, tt: Any, tuned: Any, untuned: Any) -> Iterator[None]:
+    """The variant's calls go where it says: plain torch (bf16 torch), the tuned dispatcher, or
+    one in mode off (a quantized layer's torch ops: its calls always go to a dispatcher)."""
+    with contextlib.ExitStack() as stack:
+        if variant.by == "tuner":
+            stack.enter_context(tt.enabled(dispatcher=tuned))
+        elif variant.layer != "bf16":
+            stack.enter_context(tt.enabled(dispatcher=untuned))
+        if variant.torch_act_quant:
+            stack.enter_context(
+                mock.patch.object(fp8, "quantize_rowwise", fp8.quantize_rowwise_torch)
+            )
+        yield
+
+
+def weight_bytes(layer: nn.Module) -> int:
+    """Bytes of the layer's four projections as stored (packed weights, scales, zeros)."""
+    tensors = [t for name in ("qkv", "o", "gate_up", "down")
+               for t in (*getattr(layer, name).parameters(), *getattr(layer, name).buffers())]  # fmt: skip
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure_phase(
+    steps: dict[Variant, Callable[[], torch.Tensor]],
+    within: Callable[[Variant], contextlib.AbstractContextManager],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Every variant's step, CUDA graph (GPU) and eager, in rotating order over the rounds."""
+    out: dict[str, Any] = {}
+    graphs: dict[Variant, Callable[[], Any]] = {}
+    with torch.no_grad():
+        ref = steps[BASELINE]().float()
+        for v, step in steps.items():
+            with within(v):
+                for _ in range(3):  # resolves every signature, loads the kernels
+                    y = step()
+                row = out[v.name] = {"rel_err_vs_bf16_torch": samples.relative_error(y, ref)}
+                if torch.cuda.is_available():
+                    try:
+                        graphs[v] = capture(step).replay
+                    except RuntimeError as e:  # reported; its eager times still come
+                        row["graph_error"] = f"capture failed: {e}"[:1000]
+                        torch.cuda.synchronize()
+        times: dict[Variant, dict[str, list[float]]] = {
+            v: {"graph": [], "eager": []} for v in steps
+        }
+        order = list(steps)
+        for r in range(args.rounds):
+            for v in order[r % len(order) :] + order[: r % len(order)]:
+                if v in graphs:
+                    times[v]["graph"].append(step_us(graphs[v], args.iters))
+                with within(v):
+                    times[v]["eager"].append(step_us(steps[v], args.iters))
+    graphs.clear()  # frees the graphs' memory pools
+    for v, kinds in times.items():
+        out[v.name].update({kind: summary(t) for kind, t in kinds.items() if t})
+    return out
+
+
+def ratios(times: dict[str, Any], formats: list[str]) -> dict[str, Any]:
+    """Each variant over bf16 torch (> 1: faster), and per format torch's time over the tuner's."""
+    out: dict[str, Any] = {"over_bf16_torch": {}, "tuner_over_torch": {}}
+    for kind in ("graph", "eager"):
+        base = times[BASELINE.name].get(kind)
+        if base is None:
+            continue
+        out["over_bf16_torch"][kind] = {
+            name: base["median_us"] / t[kind]["median_us"] for name, t in times.items() if kind in t
+        }
+        pairs = {
+            layer: (times[f"{layer} torch"], times[f"{layer} tuner"])
+            for layer in ("bf16", *formats)
+        }
+        out["tuner_over_torch"][kind] = {
+            layer: by_torch[kind]["median_us"] / by_tuner[kind]["median_us"]
+            for layer, (by_torch, by_tuner) in pairs.items()
+            if kind in by_torch and kind in by_tuner
+        }  # fmt: skip
+    return out
+
+
+def act_quant_times(cfg: Any, rows: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """CUDA-graph time per call of the fused rowwise quantization and of torch's ops, at the
+    layer's K (hidden: qkv and gate_up; intermediate: down) and the phases' rows."""
+    out = []
+    gen = torch.Generator().manual_seed(2)
+    for m in rows:
+        for k in sorted({cfg.hidden, cfg.intermediate}):
+            x = torch.randn((m, k), generator=gen).to("cuda", torch.bfloat16)
+            row: dict[str, Any] = {"m": m, "k": k}
+            for name, fn in (
+                ("fused", fp8.quantize_rowwise),
+                ("torch", fp8.quantize_rowwise_torch),
+            ):
+                graph = capture(lambda fn=fn, x=x: fn(x))
+                row[f"{name}_us"] = min(
+                    step_us(graph.replay, args.iters) for _ in range(args.rounds)
+                )
+            row["torch_over_fused"] = row["torch_us"] / row["fused_us"]
+            out.append(row)
+            print(f"  act. quant m={m:<5} k={k:<6} fused {row['fused_us']:.2f} us, torch's ops "
+                  f"{row['torch_us']:.2f} us ({row['torch_over_fused']:.2f}x)", flush=True)  # fmt: skip
+    return out
+
+
+def plot(phases: list[dict[str, Any]], path: Path, model: str) -> None:
+    from tuner.offline.plots import speedup_plot
+
+    labels, values, groups = [], [], []
+    kind = "graph" if any("graph" in p["ratios"]["over_bf16_torch"] for p in phases) else "eager"
+    for p in phases:
+        for name, ratio in p["ratios"]["over_bf16_torch"].get(kind, {}).items():
+            if name != BASELINE.name:
+                labels.append(f"{p['label']}: {name}")
+                values.append(ratio)
+                groups.append(name)
+    speedup_plot(labels, values, path, groups=groups, floor=None,
+                 title=f"{model} decoder layer: step time of bf16 torch / variant ({kind})")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True, help="JSON results file.")
+    parser.add_argument("--plot", type=Path, help="PNG of the ratios over bf16 torch.")
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument("--decode-batches", default="1,4,16")
+    parser.add_argument("--prefill-seq", type=int, default=2048)
+    parser.add_argument("--kv-len", type=int, default=4096)
+    parser.add_argument("--budget", type=float, default=0.05, help="Timing budget per candidate.")
+    parser.add_argument("--max-candidates", type=int, default=None, help="Per source.")
+    parser.add_argument(
+        "--source", action="append", help="Only these candidate sources (repeatable)."
+    )
+    parser.add_argument(
+        "--launch", choices=("eager", "graph"), default="graph", help="What tuning optimises for."
+    )
+    parser.add_argument("--tune-deadline-s", type=float, default=300.0)
+    parser.add_argument("--skip-tune", action="store_true", help="Use the cache as it is.")
+    parser.add_argument("--iters", type=int, default=20, help="Steps per timed round.")
+    parser.add_argument("--rounds", type=int, default=10, help="Rounds per phase.")
+    parser.add_argument(
+        "--smoke", action="store_true", help="Tiny dimensions on the CPU (eager only)."
+    )
+    args = parser.parse_args(argv)
+    args.extra_batches = ""  # every phase is tuned (build_phases)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("quantized_decoder.py needs a CUDA GPU (or --smoke for a CPU check)")
+    import tuner.torch as tt
+    from tuner.core.device import fingerprint
+    from tuner.serving.dispatcher import Dispatcher
+
+    started = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = TINY if args.smoke else LLAMA3_8B
+    if args.smoke:
+        torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    plain = DecoderLayer(cfg, max_pos=max(args.kv_len, args.prefill_seq))
+    init_weights(plain, gen)
+    plain = plain.to(device, torch.bfloat16).eval()
+    layers: dict[str, nn.Module] = {"bf16": plain}
+    quantize_started = time.perf_counter()
+    load_s = {}
+    for fmt in args.formats:
+        t0 = time.perf_counter()
+        group = {"group_size": SMOKE_GROUP} if args.smoke and fmt == "int4" else {}
+        layers[fmt] = tt.quantize_linear(copy.deepcopy(plain), fmt, **group)
+        load_s[fmt] = time.perf_counter() - t0
+    print(f"quantized in {time.perf_counter() - quantize_started:.1f} s", flush=True)
+    variants = variants_of(args.formats)
+    phases = build_phases(args)
+    inputs = {p: make_inputs(cfg, p, args.kv_len, gen, device, torch.bfloat16) for p in phases}
+    steps = {p: {v: bind(layers[v.layer], inputs[p]) for v in variants} for p in phases}
+
+    tuned, untuned = Dispatcher(mode="record"), Dispatcher(mode="off")
+    tuned.set_buckets("exact")
+    fp = fingerprint(device)
+    result: dict[str, Any] = {
+        "benchmark": "quantized_decoder",
+        "smoke": args.smoke,
+        "device": fp.to_dict(),
+        "versions": fp.versions,
+        "config": vars(cfg),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "quantize_s": load_s,
+        "weight_bytes": {name: weight_bytes(layer) for name, layer in layers.items()},
+        "complete": False,
+    }
+
+    def save() -> None:  # after every stage: a run cut short still leaves its data
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+    runs = [steps[p][v] for p in phases for v in variants if v.by == "tuner"]
+    keys = record_keys(tt, tuned, runs)
+    print(f"{len(keys)} problems recorded", flush=True)
+    result["recorded"] = keys
+    result["tuning"] = [] if args.skip_tune else tune_missing(keys, args, device)
+    save()
+    tuned.reload()
+    tuned.set_mode("lookup")
+
+    def within(v: Variant) -> contextlib.AbstractContextManager:
+        return serving(v, tt, tuned, untuned)
+
+    rows: list[dict[str, Any]] = []
+    result["phases"] = rows
+    for phase in phases:
+        tt.reset_stats(tuned)
+        times = measure_phase(steps[phase], within, args)
+        row = {"phase": phase.name, "batch": phase.batch, "tokens": phase.tokens,
+               "label": phase.label, "variants": times, "ratios": ratios(times, args.formats)}  # fmt: skip
+        row["served"] = [{"key": r.key, "kind": r.kind, "candidate": r.candidate}
+                         for r in tt.stats(tuned).rows if r.calls]  # fmt: skip
+        rows.append(row)
+        save()
+        kind = "graph" if device == "cuda" else "eager"
+        print(f"{phase.label}, {kind} time per step (us) and over bf16 torch:", flush=True)
+        for v in variants:
+            t = times[v.name].get(kind)
+            if t:
+                over = row["ratios"]["over_bf16_torch"][kind][v.name]
+                print(f"  {v.name:<32} {t['median_us']:9.1f}  {over:6.3f}x", flush=True)
+    if device == "cuda" and "fp8" in args.formats:
+        sizes = sorted({p.batch * p.tokens for p in phases})
+        result["act_quant"] = act_quant_times(cfg, sizes, args)
+    result["complete"] = True
+    save()
+    if args.plot:
+        plot(rows, args.plot, "tiny CPU smoke" if args.smoke else "Llama-3-8B")
+    return result
+
+
+if __name__ == "__main__":
+    main()

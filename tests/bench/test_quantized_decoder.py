@@ -1,0 +1,50 @@
+"""bench/quantized_decoder.py: the GPU benchmark's own logic, run on the CPU with tiny dimensions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from bench_scripts import load_script
+
+bench = load_script("quantized_decoder")
+
+
+def test_quantized_benchmark_smoke_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantize, record, tune, time every variant, JSON and PNG, with tiny dimensions."""
+    monkeypatch.setenv("TUNER_CACHE", str(tmp_path / "c.db"))
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    args = ["--smoke", "--out", str(out), "--plot", str(png), "--source", "torch"]
+    args += ["--decode-batches", "1,4", "--prefill-seq", "8", "--kv-len", "16"]
+    args += ["--rounds", "2", "--iters", "2"]
+    result = bench.main(args)
+    assert result["complete"] and png.stat().st_size > 0
+    assert json.loads(out.read_text())["phases"] == result["phases"]
+    assert result["tuning"] and {row["status"] for row in result["tuning"]} == {"tuned"}
+    recorded = "\n".join(result["recorded"])
+    assert "dtype=bf16" in recorded and "int4" in recorded and "fp8_e4m3" in recorded
+    weights = result["weight_bytes"]
+    assert weights["int4"] < weights["fp8"] < weights["bf16"]  # packed int4 with its scales
+    names = [v.name for v in bench.variants_of(["int4", "fp8"])]
+    assert names == ["bf16 torch", "bf16 tuner", "int4 torch", "int4 tuner", "fp8 torch",
+                     "fp8 tuner", "fp8 tuner, torch's act. quant"]  # fmt: skip
+    assert [row["label"] for row in result["phases"]] == [
+        "decode b=1", "decode b=4", "prefill b=1 s=8"
+    ]  # fmt: skip
+    for row in result["phases"]:
+        assert set(row["variants"]) == set(names)
+        for name, times in row["variants"].items():
+            assert times["eager"]["median_us"] > 0
+            # quantized weights change the output by their rounding, never more
+            limit = 1e-6 if name.startswith("bf16") else 0.2
+            assert times["rel_err_vs_bf16_torch"] < limit, name
+        over = row["ratios"]["over_bf16_torch"]["eager"]
+        assert over["bf16 torch"] == 1.0 and set(over) == set(names)
+        assert set(row["ratios"]["tuner_over_torch"]["eager"]) == {"bf16", "int4", "fp8"}
+
+
+def test_variants_without_fp8_have_no_act_quant_twin() -> None:
+    assert [v.name for v in bench.variants_of(["int4"])] == [
+        "bf16 torch", "bf16 tuner", "int4 torch", "int4 tuner"
+    ]  # fmt: skip
