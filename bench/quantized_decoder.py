@@ -16,7 +16,8 @@ layer (``dropin_decoder.DecoderLayer``, random weights), run as these variants:
   (``fp8.quantize_rowwise_torch``) instead of the fused kernel: that kernel's share of the step.
 
 1. **Record** every problem the variants make, **tune** those without a winner in the cache
-   (``TUNER_CACHE``), decode first, to a deadline (as ``dropin_decoder``).
+   (``TUNER_CACHE``), decode first, to a deadline (as ``dropin_decoder``), then ``tuner.warmup()``
+   (the winners' kernels loaded before any CUDA graph is captured, as users must).
 2. **Measure** per phase (decode batches of one token against a K/V cache of ``--kv-len``, and a
    prefill of ``--prefill-seq`` tokens): time per layer step, CUDA-graph replay and eager, every
    variant in each of ``--rounds`` rounds (the order rotating); medians, and each variant's time
@@ -197,18 +198,34 @@ def act_quant_times(cfg: Any, rows: list[int], args: argparse.Namespace) -> list
 
 
 def plot(phases: list[dict[str, Any]], path: Path, model: str) -> None:
-    from tuner.offline.plots import speedup_plot
+    """Grouped bars: per phase, each variant's speedup over bf16 torch (graph times on a GPU)."""
+    from tuner.offline.plots import pyplot
 
-    labels, values, groups = [], [], []
+    plt = pyplot()
     kind = "graph" if any("graph" in p["ratios"]["over_bf16_torch"] for p in phases) else "eager"
-    for p in phases:
-        for name, ratio in p["ratios"]["over_bf16_torch"].get(kind, {}).items():
-            if name != BASELINE.name:
-                labels.append(f"{p['label']}: {name}")
-                values.append(ratio)
-                groups.append(name)
-    speedup_plot(labels, values, path, groups=groups, floor=None,
-                 title=f"{model} decoder layer: step time of bf16 torch / variant ({kind})")  # fmt: skip
+    names = [n for n in phases[0]["variants"] if n != BASELINE.name]
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    width = 0.8 / len(names)
+    palette = plt.get_cmap("tab10")
+    for i, name in enumerate(names):
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(phases))]
+        values = [
+            p["ratios"]["over_bf16_torch"].get(kind, {}).get(name, float("nan")) for p in phases
+        ]
+        bars = ax.bar(xs, [v - 1 for v in values], width, bottom=1, label=name, color=palette(i))
+        ax.bar_label(bars, [f"{v:.2f}" for v in values], fontsize=6, padding=1)
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(lambda v, _: f"{v:g}x")
+    ax.axhline(1.0, color="black", linewidth=1)
+    ax.set_xticks(range(len(phases)), [p["label"] for p in phases])
+    ax.set_ylabel("bf16 torch's step time / the variant's")
+    ax.set_title(f"{model} decoder layer under quantize_linear: speedup over bf16 torch ({kind})")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -248,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import tuner.torch as tt
     from tuner.core.device import fingerprint
     from tuner.serving.dispatcher import Dispatcher
+    from tuner.serving.warmup import warmup
 
     started = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -300,6 +318,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     save()
     tuned.reload()
     tuned.set_mode("lookup")
+    report = warmup(progress=False, dispatcher=tuned, fetch=False)  # before any capture
+    result["warmup"] = {"loaded": report.loaded, "ready": report.ready,
+                        "failures": [vars(f) for f in report.failures]}  # fmt: skip
 
     def within(v: Variant) -> contextlib.AbstractContextManager:
         return serving(v, tt, tuned, untuned)

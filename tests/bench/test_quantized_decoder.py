@@ -22,6 +22,7 @@ def test_quantized_benchmark_smoke_run(tmp_path: Path, monkeypatch: pytest.Monke
     assert result["complete"] and png.stat().st_size > 0
     assert json.loads(out.read_text())["phases"] == result["phases"]
     assert result["tuning"] and {row["status"] for row in result["tuning"]} == {"tuned"}
+    assert result["warmup"]["failures"] == []
     recorded = "\n".join(result["recorded"])
     assert "dtype=bf16" in recorded and "int4" in recorded and "fp8_e4m3" in recorded
     weights = result["weight_bytes"]

@@ -13,10 +13,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from conftest import HAS_GPU
 
 from tuner.quant import fp8, fp8_rows
 
+HAS_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_GPU else "cpu"
 
 

@@ -8,6 +8,7 @@ with the timings the engine measured. Everything else goes through the real disp
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -34,6 +35,7 @@ import tuner
 import tuner.torch as tt
 from tuner.cache import Store
 from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey
 from tuner.serving import dispatcher
 from tuner.serving.dispatcher import Dispatcher
 from tuner.serving.warmup import warmup
@@ -562,6 +564,32 @@ def test_capture_uses_default_and_caches_nothing(
     assert any(
         r["key"].startswith("gemm:m=7,") for r in store.misses(fingerprint("cpu").device_class)
     )
+
+
+@pytest.mark.cpu_host
+def test_capture_serves_a_winner_loaded_before_it_and_warns_for_one_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A capture builds nothing: a winner whose runner is loaded (``tuner.warmup()``) serves its
+    first call inside the capture; one not loaded leaves the default in the graph, said once."""
+    import tuner.serving.dispatcher as dispatch
+
+    disp = Dispatcher(tmp_path / "c.db", mode="lookup")
+    key = GemmKey(m=8, n=24, k=16, layout="nt", dtype="f32", out_dtype="f32")
+    store_winners(disp, [key], triton=True)
+    disp.reload()
+    x, w = linear_inputs(8)
+    monkeypatch.setattr(dispatch, "_capturing", lambda device: True)
+    with tt.enabled(dispatcher=disp, buckets="exact"), caplog.at_level(logging.WARNING):
+        F.linear(x, w)
+        F.linear(x, w)
+        assert served(disp, 8).kind == "capture"
+        said = [r.getMessage() for r in caplog.records if "CUDA-graph capture" in r.getMessage()]
+        assert len(said) == 1 and "tuner.warmup()" in said[0] and str(key) in said[0]
+        warmup(progress=False, dispatcher=disp, fetch=False)  # loads the winner's runner
+        disp.resolutions.clear()
+        F.linear(x, w)  # a capture's resolution is not kept: resolved again, now loaded
+    assert {r.kind for r in disp.resolutions.values() if r.key == str(key)} == {"hit"}
 
 
 # --- stats --------------------------------------------------------------------------------------

@@ -265,6 +265,7 @@ class Dispatcher:
         self._missing_said = False  # lookup mode found no cache at store_path, and said so
         self._read_only = False  # the cache refused a write: still read, never written again
         self._grad_said: set[str] = set()  # ops (low-bit GEMMs apart) whose autograd call was said
+        self._capture_said: set[str] = set()  # keys a capture gave the default while a winner waits
         # winners' runners whose build may compile: built off the hot path (serving.background),
         # kept across reloads; "<key> <- <candidate> on <device>" -> runner
         self.loader = BackgroundLoader()
@@ -435,7 +436,7 @@ class Dispatcher:
                 log.debug("not tunable, using torch: %s", e)
                 runner, res = fallback, Resolution(f"untunable: {e}", "untunable", "torch")
             else:
-                runner, res = self._build(key, self._choose(key, device.type, grad=grad), device)
+                runner, res = self._build(key, self._choose(key, device, grad=grad), device)
             slot = (res.key, res.kind, res.candidate, res.via)
             res = self.resolutions[slot] = self.resolutions.pop(slot, res)  # latest last
             if res.by_torch or _calls_torch(res):  # the others' hit path pays nothing for it
@@ -448,24 +449,27 @@ class Dispatcher:
                 self._loading.setdefault(_job(res.key, res.candidate, device), []).append(sig)
             return runner, res
 
-    def _choose(self, key: Key, device: str, *, grad: bool) -> Resolution:
-        """What serves ``key``: its winner, a bucket neighbour's winner, or torch's default.
+    def _choose(self, key: Key, device: Any, *, grad: bool) -> Resolution:
+        """What serves ``key`` on ``device``: its winner, a bucket neighbour's winner, or torch's
+        default.
 
-        During CUDA-graph capture nothing is tuned and no kernel but the default is built
-        (loading a kernel module would invalidate the capture); the miss is still recorded.
+        During CUDA-graph capture nothing is tuned and no kernel is built (loading a kernel
+        module would invalidate the capture): a winner serves only if its runner is loaded
+        already (``tuner.warmup()``, or an earlier call's background build), else the default,
+        and the capture says so once per key; a miss is still recorded.
         """
         base = registry.baseline(key.op, key)
-        if self.mode == "off" or (device == "cuda") != torch.cuda.is_available():
+        if self.mode == "off" or (device.type == "cuda") != torch.cuda.is_available():
             return Resolution(str(key), "default", base.name)
         if grad:
             self._say_grad(key)
             return Resolution(str(key), "default", base.name)
-        dc = fingerprint(device).device_class
-        capturing = _capturing(device)
+        dc = fingerprint(device.type).device_class
+        capturing = _capturing(device.type)
         winner, kind, via = self._known(dc).get(str(key)), "hit", None
         if winner is None:
             if self.mode == "tune" and not capturing:
-                winner = self._tune(key, device)
+                winner = self._tune(key, device.type)
             elif self.mode in ("record", "tune"):
                 self._record_miss(dc, key)
         if winner is None and isinstance(key, GemmKey):
@@ -475,9 +479,22 @@ class Dispatcher:
             return Resolution(str(key), "capture" if capturing else "miss", base.name)
         if base.chose_itself(winner.source, winner.params):
             return Resolution(str(key), kind, base.name, winner, via)
-        if capturing:
+        if capturing and _job(str(key), winner.candidate, device) not in self.loaded:
+            self._say_capture(key, winner)
             return Resolution(str(key), "capture", base.name)
         return Resolution(str(key), kind, winner.candidate, winner, via, by_torch=False)
+
+    def _say_capture(self, key: Key, winner: Winner) -> None:
+        """Log, once per key, that a CUDA graph captured torch's default where a winner exists:
+        the graph replays it for good, and nothing else would show it."""
+        if str(key) in self._capture_said:
+            return
+        self._capture_said.add(str(key))
+        log.warning(
+            "CUDA-graph capture: %s runs torch's default, as its winner %s is not loaded yet; "
+            "call tuner.warmup() before capturing (it loads every winner)",
+            key, winner.candidate,
+        )  # fmt: skip
 
     def _say_grad(self, key: Key) -> None:
         """Log, once per op, that a call needing a gradient is torch's: tuned kernels have no
