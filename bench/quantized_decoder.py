@@ -34,6 +34,7 @@ only): tests/bench/test_quantized_decoder.py.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import json
@@ -56,6 +57,7 @@ from bench.dropin_decoder import (
     capture,
     init_weights,
     make_inputs,
+    profile_step,
     record_keys,
     step_us,
     summary,
@@ -173,6 +175,30 @@ def ratios(times: dict[str, Any], formats: list[str]) -> dict[str, Any]:
     return out
 
 
+def kernel_times(step: Callable[[], Any], steps: int = 5, top: int = 12) -> dict[str, Any]:
+    """The GPU kernels of ``steps`` eager steps by name (torch.profiler): time per step, the
+    busiest ``top`` of them, and all of them together."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    totals: dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            totals[event.name] += event.device_time
+    busiest = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "total_us": sum(totals.values()) / steps,
+        "kernels": [{"name": name[:160], "us": t / steps} for name, t in busiest],
+    }
+
+
 def act_quant_times(cfg: Any, rows: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     """CUDA-graph time per call of the fused rowwise quantization and of torch's ops, at the
     layer's K (hidden: qkv and gate_up; intermediate: down) and the phases' rows."""
@@ -250,6 +276,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-tune", action="store_true", help="Use the cache as it is.")
     parser.add_argument("--iters", type=int, default=20, help="Steps per timed round.")
     parser.add_argument("--rounds", type=int, default=10, help="Rounds per phase.")
+    parser.add_argument(
+        "--profile-phase",
+        help="Also list the GPU kernels of each variant's eager step in the phases whose label "
+        "starts with this (e.g. 'prefill'): JSON 'kernels'.",
+    )
+    parser.add_argument(
+        "--profile-host-batch",
+        type=int,
+        help="Also profile the host side (cProfile) of the tuner-served quantized variants' "
+        "eager step at this decode batch: JSON 'host_profile'.",
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="Tiny dimensions on the CPU (eager only)."
     )
@@ -334,6 +371,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "label": phase.label, "variants": times, "ratios": ratios(times, args.formats)}  # fmt: skip
         row["served"] = [{"key": r.key, "kind": r.kind, "candidate": r.candidate}
                          for r in tt.stats(tuned).rows if r.calls]  # fmt: skip
+        if device == "cuda" and args.profile_phase and phase.label.startswith(args.profile_phase):
+            row["kernels"] = {}
+            for v, step in steps[phase].items():
+                with within(v):
+                    row["kernels"][v.name] = kernel_times(step)
+                print(f"  {v.name}: kernels {row['kernels'][v.name]['total_us']:.1f} us a step: "
+                      + ", ".join(f"{k['name'][:40]} {k['us']:.1f}"
+                                  for k in row["kernels"][v.name]["kernels"][:6]), flush=True)  # fmt: skip
+        if phase.name == "decode" and phase.batch == args.profile_host_batch:
+            row["host_profile"] = {
+                v.name: profile_step(tt, tuned, step)
+                for v, step in steps[phase].items()
+                if v.by == "tuner" and v.layer != "bf16" and not v.torch_act_quant
+            }
+            for name, prof in row["host_profile"].items():
+                print(f"  {name}: host {prof['step_us_on']:.1f} us a step; cProfile:", flush=True)
+                print("\n".join(prof["profile_on"][:40]), flush=True)
         rows.append(row)
         save()
         kind = "graph" if device == "cuda" else "eager"

@@ -17,7 +17,7 @@ def test_quantized_benchmark_smoke_run(tmp_path: Path, monkeypatch: pytest.Monke
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     args = ["--smoke", "--out", str(out), "--plot", str(png), "--source", "torch"]
     args += ["--decode-batches", "1,4", "--prefill-seq", "8", "--kv-len", "16"]
-    args += ["--rounds", "2", "--iters", "2"]
+    args += ["--rounds", "2", "--iters", "2", "--profile-host-batch", "4"]
     result = bench.main(args)
     assert result["complete"] and png.stat().st_size > 0
     assert json.loads(out.read_text())["phases"] == result["phases"]
@@ -30,6 +30,9 @@ def test_quantized_benchmark_smoke_run(tmp_path: Path, monkeypatch: pytest.Monke
     names = [v.name for v in bench.variants_of(["int4", "fp8"])]
     assert names == ["bf16 torch", "bf16 tuner", "int4 torch", "int4 tuner", "fp8 torch",
                      "fp8 tuner", "fp8 tuner, torch's act. quant"]  # fmt: skip
+    profiled = result["phases"][1]["host_profile"]
+    assert set(profiled) == {"int4 tuner", "fp8 tuner"}
+    assert profiled["fp8 tuner"]["step_us_on"] > 0 and profiled["fp8 tuner"]["profile_on"]
     assert [row["label"] for row in result["phases"]] == [
         "decode b=1", "decode b=4", "prefill b=1 s=8"
     ]  # fmt: skip

@@ -1,10 +1,12 @@
-"""The fused rowwise FP8 quantization kernel computes what torch's ops compute, bit for bit, and
-``quantize_rowwise`` takes it on a GPU.
+"""The fused rowwise FP8 quantization kernel computes what torch's ops compute on a GPU, bit for
+bit, and ``quantize_rowwise`` takes it on a GPU.
 
-Without a GPU the kernel runs in Triton's interpreter, whose casts to FP8 round some values wrong
-(127.99 to -64 in e4m3, ties the other way): there the quantized values are compared with the
-interpreter's own cast of torch's float32 values, so the kernel's scales and divisions are still
-checked bit for bit; the cast itself is checked on a GPU.
+Without a GPU the kernel runs in Triton's interpreter, and torch's reference is made here with
+the arithmetic torch's ops do on a GPU, which is not their CPU's: there the scale is the amax
+times the float32 reciprocal of the format's largest value (torch's GPU divides by a Python
+number so; its CPU divides). The interpreter's casts to FP8 round some values wrong (127.99 to
+-64 in e4m3, ties the other way), so that reference is cast by the interpreter too: the kernel's
+scales and divisions are checked bit for bit everywhere, the cast itself on a GPU.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tuner.quant import fp8, fp8_rows
 
 HAS_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_GPU else "cpu"
+Quantized = tuple[torch.Tensor, torch.Tensor]
 
 
 @triton.jit
@@ -27,21 +30,22 @@ def _cast(x_ptr, q_ptr, n, BLOCK: tl.constexpr):
              mask=cols < n)  # fmt: skip
 
 
-def _as_this_triton_casts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """torch's quantized ``q`` of ``x``, cast to FP8 as the interpreter casts (module docstring)."""
-    fmax = torch.finfo(q.dtype).max
+def _torchs(x: torch.Tensor, fmt: str = "e4m3") -> Quantized:
+    """``fp8.quantize_rowwise_torch(x)`` as a GPU computes it (module docstring)."""
+    if HAS_GPU:
+        return fp8.quantize_rowwise_torch(x, fmt)
+    dtype = fp8.fp8_dtype(fmt)
+    fmax = torch.finfo(dtype).max
+    amax = x.abs().amax(dim=1, keepdim=True).float().clamp(min=fp8.MIN_AMAX)
+    scale = amax * (torch.ones(()) / fmax)
     values = (x.float() / scale).clamp(-fmax, fmax).contiguous()
-    out = torch.empty(values.shape, dtype=q.dtype)
-    _cast[(1,)](values, out, values.numel(), BLOCK=triton.next_power_of_2(values.numel()))
-    return out
+    q = torch.empty(values.shape, dtype=dtype)
+    _cast[(1,)](values, q, values.numel(), BLOCK=triton.next_power_of_2(max(values.numel(), 1)))
+    return q, scale
 
 
-def _same(
-    got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor
-) -> None:
+def _same(got: Quantized, want: Quantized) -> None:
     (q, scale), (q_ref, scale_ref) = got, want
-    if not HAS_GPU:
-        q_ref = _as_this_triton_casts(x, q_ref, scale_ref)
     assert q.dtype == q_ref.dtype and q.shape == q_ref.shape
     assert scale.dtype == torch.float32 and scale.shape == scale_ref.shape
     torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0, equal_nan=True)
@@ -59,8 +63,7 @@ def test_fused_rows_are_torchs_bit_for_bit(
     gen = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(shape, generator=gen) * torch.logspace(-4, 4, shape[0])[:, None]
     x = x.to(DEVICE, dtype)
-    got = fp8_rows.quantize(x, fp8.fp8_dtype(fmt), fp8.MIN_AMAX)
-    _same(got, fp8.quantize_rowwise_torch(x, fmt), x)
+    _same(fp8_rows.quantize(x, fp8.fp8_dtype(fmt), fp8.MIN_AMAX), _torchs(x, fmt))
 
 
 def test_zero_nan_and_strided_rows_as_torch() -> None:
@@ -68,13 +71,13 @@ def test_zero_nan_and_strided_rows_as_torch() -> None:
     x[1] = 0  # the smallest scale, no division by zero
     x[2, 7] = float("nan")  # the whole row's scale is NaN, as torch's amax makes it
     x = x.to(DEVICE)
-    ref = fp8.quantize_rowwise_torch(x)
-    _same(fp8_rows.quantize(x, torch.float8_e4m3fn, fp8.MIN_AMAX), ref, x)
+    ref = _torchs(x)
+    _same(fp8_rows.quantize(x, torch.float8_e4m3fn, fp8.MIN_AMAX), ref)
     wide = torch.zeros(4, 160, dtype=torch.bfloat16, device=DEVICE)
     wide[:, 32:128] = x  # rows of a wider tensor: a row stride that is not K
-    _same(fp8_rows.quantize(wide[:, 32:128], torch.float8_e4m3fn, fp8.MIN_AMAX), ref, x)
+    _same(fp8_rows.quantize(wide[:, 32:128], torch.float8_e4m3fn, fp8.MIN_AMAX), ref)
     by_columns = x.t().contiguous().t()  # made contiguous first
-    _same(fp8_rows.quantize(by_columns, torch.float8_e4m3fn, fp8.MIN_AMAX), ref, x)
+    _same(fp8_rows.quantize(by_columns, torch.float8_e4m3fn, fp8.MIN_AMAX), ref)
 
 
 def test_no_rows_make_empty_outputs() -> None:
@@ -98,6 +101,6 @@ def test_only_gpu_rows_it_can_hold_take_the_kernel() -> None:
 @pytest.mark.gpu
 def test_quantize_rowwise_on_a_gpu_is_the_fused_kernels() -> None:
     x = torch.randn(16, 14336, device="cuda", dtype=torch.bfloat16)
-    _same(fp8.quantize_rowwise(x), fp8.quantize_rowwise_torch(x), x)
+    _same(fp8.quantize_rowwise(x), fp8.quantize_rowwise_torch(x))
     wide = torch.randn(2, fp8_rows.MAX_K + 8, device="cuda", dtype=torch.bfloat16)
-    _same(fp8.quantize_rowwise(wide), fp8.quantize_rowwise_torch(wide), wide)  # torch's ops
+    _same(fp8.quantize_rowwise(wide), fp8.quantize_rowwise_torch(wide))  # torch's ops serve it

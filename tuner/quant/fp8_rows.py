@@ -4,8 +4,9 @@ torch's ops take nine kernels for it (abs, amax, the scale's cast, clamp and div
 row's cast, division, clamp and cast to FP8); a decode step's activations are a few rows, so each
 of those kernels costs its launch and little else, four times a transformer layer. Here a program
 holds one whole row in registers: it reads the row once, takes its amax, writes the scale and the
-quantized row. Both divisions round to nearest (``div_rn``, as torch's), so the result is torch's
-bit for bit.
+quantized row. Its arithmetic is torch's on a GPU, so the result is torch's bit for bit: the scale is
+the amax times the float32 reciprocal of the format's largest value (torch divides a tensor by a
+Python number so on a GPU), the row is divided by the scale rounding to nearest (``div_rn``).
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ def _max_with_nan(a, b):
 @triton.jit
 def _quantize_rows(
     x_ptr, q_ptr, scale_ptr, k, x_stride, q_stride,
-    FMAX: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr,
+    FMAX: tl.constexpr, INV_FMAX: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < k
     x = tl.load(x_ptr + row * x_stride + cols, mask=inside, other=0.0).to(tl.float32)
     amax = tl.reduce(tl.abs(x), 0, _max_with_nan)  # a NaN makes the row NaN, as torch's amax
-    scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX, propagate_nan=tl.PropagateNan.ALL), FMAX)
+    scale = tl.maximum(amax, MIN_AMAX, propagate_nan=tl.PropagateNan.ALL) * INV_FMAX
     q = tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
     tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
     tl.store(scale_ptr + row, scale)
@@ -61,10 +62,11 @@ def quantize(
     q = torch.empty((m, k), dtype=dtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        block = triton.next_power_of_2(k)
+        block, fmax = triton.next_power_of_2(k), torch.finfo(dtype).max
+        inv_fmax = (torch.ones(()) / fmax).item()  # float32's reciprocal, exact as a constexpr
         _quantize_rows[(m,)](
             x, q, scale, k, x.stride(0), q.stride(0),
-            FMAX=torch.finfo(dtype).max, MIN_AMAX=min_amax, BLOCK=block,
+            FMAX=fmax, INV_FMAX=inv_fmax, MIN_AMAX=min_amax, BLOCK=block,
             num_warps=min(16, max(1, block // 1024)),
         )  # fmt: skip
     return q, scale
