@@ -22,8 +22,9 @@ layer (``dropin_decoder.DecoderLayer``, random weights), run as these variants:
    prefill of ``--prefill-seq`` tokens): time per layer step, CUDA-graph replay and eager, every
    variant in each of ``--rounds`` rounds (the order rotating); medians, and each variant's time
    over ``bf16 torch``'s (> 1: faster) and, per format, torch's over the tuner's.
-3. **Activations' quantization alone**: ``quantize_rowwise`` (the fused kernel) beside torch's
-   ops, CUDA-graph time per call, at the layer's K and the phases' rows.
+3. **Activations' quantization alone** (first, before any profiler runs): ``quantize_rowwise``
+   (the fused kernel) beside torch's ops, CUDA-graph time per call, at the layer's K and the
+   phases' rows.
 
 JSON (device, versions, tuning log, weight bytes per variant, per-phase times and ratios, which
 kernel served each problem, each variant's output against bf16 torch's) and a PNG of the graph
@@ -362,6 +363,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def within(v: Variant) -> contextlib.AbstractContextManager:
         return serving(v, tt, tuned, untuned)
 
+    if device == "cuda" and "fp8" in args.formats:  # before any profiler runs (kernel_times)
+        sizes = sorted({p.batch * p.tokens for p in phases})
+        result["act_quant"] = act_quant_times(cfg, sizes, args)
+        save()
     rows: list[dict[str, Any]] = []
     result["phases"] = rows
     for phase in phases:
@@ -374,11 +379,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if device == "cuda" and args.profile_phase and phase.label.startswith(args.profile_phase):
             row["kernels"] = {}
             for v, step in steps[phase].items():
-                with within(v):
-                    row["kernels"][v.name] = kernel_times(step)
-                print(f"  {v.name}: kernels {row['kernels'][v.name]['total_us']:.1f} us a step: "
-                      + ", ".join(f"{k['name'][:40]} {k['us']:.1f}"
-                                  for k in row["kernels"][v.name]["kernels"][:6]), flush=True)  # fmt: skip
+                with within(v), torch.no_grad():
+                    graph = capture(step)
+                    row["kernels"][v.name] = {"eager": kernel_times(step),
+                                              "graph": kernel_times(graph.replay)}  # fmt: skip
+                del graph
+                for kind, k in row["kernels"][v.name].items():
+                    print(f"  {v.name}, {kind}: kernels {k['total_us']:.1f} us a step: "
+                          + ", ".join(f"{e['name'][:40]} {e['us']:.1f}" for e in k["kernels"][:6]),
+                          flush=True)  # fmt: skip
         if phase.name == "decode" and phase.batch == args.profile_host_batch:
             row["host_profile"] = {
                 v.name: profile_step(tt, tuned, step)
@@ -397,9 +406,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if t:
                 over = row["ratios"]["over_bf16_torch"][kind][v.name]
                 print(f"  {v.name:<32} {t['median_us']:9.1f}  {over:6.3f}x", flush=True)
-    if device == "cuda" and "fp8" in args.formats:
-        sizes = sorted({p.batch * p.tokens for p in phases})
-        result["act_quant"] = act_quant_times(cfg, sizes, args)
     result["complete"] = True
     save()
     if args.plot:

@@ -11,6 +11,8 @@ Python number so on a GPU), the row is divided by the scale rounding to nearest 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -47,8 +49,20 @@ def takes(x: torch.Tensor) -> bool:
         and x.dim() == 2
         and x.dtype in INPUT_DTYPES
         and 0 < x.shape[1] <= MAX_K
-        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+        and _converts_to_fp8(x.device.index)
     )
+
+
+@functools.cache
+def _converts_to_fp8(device_index: int | None) -> bool:
+    """sm89 and later convert to FP8 (asked once a device: the query costs a call's time)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+@functools.cache
+def _inverse(fmax: float) -> float:
+    """float32's reciprocal of ``fmax``, exact as a Python float (a constexpr keeps it)."""
+    return (torch.ones(()) / fmax).item()
 
 
 def quantize(
@@ -63,10 +77,9 @@ def quantize(
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         block, fmax = triton.next_power_of_2(k), torch.finfo(dtype).max
-        inv_fmax = (torch.ones(()) / fmax).item()  # float32's reciprocal, exact as a constexpr
         _quantize_rows[(m,)](
             x, q, scale, k, x.stride(0), q.stride(0),
-            FMAX=fmax, INV_FMAX=inv_fmax, MIN_AMAX=min_amax, BLOCK=block,
+            FMAX=fmax, INV_FMAX=_inverse(fmax), MIN_AMAX=min_amax, BLOCK=block,
             num_warps=min(16, max(1, block // 1024)),
         )  # fmt: skip
     return q, scale
