@@ -176,14 +176,18 @@ def ratios(times: dict[str, Any], formats: list[str]) -> dict[str, Any]:
     return out
 
 
-def kernel_times(step: Callable[[], Any], steps: int = 5, top: int = 12) -> dict[str, Any]:
-    """The GPU kernels of ``steps`` eager steps by name (torch.profiler): time per step, the
+def kernel_times(
+    step: Callable[[], Any], steps: int = 20, warm: int = 50, top: int = 12
+) -> dict[str, Any]:
+    """The GPU kernels of ``steps`` steps by name (torch.profiler), after ``warm`` unprofiled
+    ones (the clocks as sustained work leaves them, as in the timed rounds): time per step, the
     busiest ``top`` of them, and all of them together."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():
-        step()
+        for _ in range(warm):
+            step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):

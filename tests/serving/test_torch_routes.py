@@ -489,6 +489,7 @@ def test_tuner_kernels_calling_torch_do_not_recurse(tmp_path: Path) -> None:
     assert tt.stats(disp).calls == 3
 
 
+@pytest.mark.cpu_host  # CPU tensors, tuned and served as on a host without a GPU
 def test_the_tuners_own_entry_points_inside_a_block_resolve_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -505,6 +506,7 @@ def test_the_tuners_own_entry_points_inside_a_block_resolve_once(
     assert [r.calls for r in tt.stats(disp).rows if r.calls] == [1, 1, 1]
 
 
+@pytest.mark.cpu_host  # CPU tensors, tuned and served as on a host without a GPU
 def test_a_winner_calling_torch_itself_is_resolved_once_inside_a_block(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
