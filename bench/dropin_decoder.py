@@ -10,7 +10,8 @@ intermediate 14336; fused QKV and gate/up projections as vLLM runs them.
    problem the layer makes (exact keys: layouts, alignment) is known.
 2. **Tune**: each recorded problem without a current winner in the cache (``TUNER_CACHE``) is
    tuned with ``tuner.tuning.engine.tune`` and saved, decode problems first, within a deadline; what is
-   left untuned is reported and served by torch's default.
+   left untuned is reported and served by torch's default. Then ``tuner.warmup()`` loads every
+   winner, as users must before capturing a CUDA graph.
 3. **Measure**, for prefill (batch 1, ``--prefill-seq`` tokens, causal) and decode (one token per
    sequence against a KV cache of ``--kv-len``, batches ``--decode-batches``, plus
    ``--extra-batches`` that are never tuned and so show the bucket policy): time per layer step,
@@ -714,6 +715,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import tuner.torch as tt
     from tuner.core.device import fingerprint
     from tuner.serving.dispatcher import Dispatcher
+    from tuner.serving.warmup import warmup
 
     started = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
@@ -755,6 +757,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     disp.reload()
     disp.set_mode("lookup")
     disp.set_buckets(args.buckets)
+    report = warmup(progress=False, dispatcher=disp, fetch=False)  # before any capture
+    result["warmup"] = {"loaded": report.loaded, "ready": report.ready,
+                        "failures": [vars(f) for f in report.failures]}  # fmt: skip
     overhead = hit_path_overhead(tt, disp, args, device, dtype)
     print(f"hit-path overhead per call (us): {json.dumps(overhead['per_call_us'])}", flush=True)
     result["overhead"] = overhead

@@ -23,6 +23,7 @@ def test_dropin_benchmark_smoke_run(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert result["complete"] and png.stat().st_size > 0
     assert json.loads(out.read_text())["targets"] == result["targets"]
     assert {row["status"] for row in result["tuning"]} == {"tuned"}
+    assert result["warmup"]["failures"] == []
     rows = {row["label"]: row for row in result["phases"]}
     assert set(rows) == {"decode b=1", "decode b=4", "prefill b=1 s=8", "decode b=3 (untuned M)"}
     for row in rows.values():
