@@ -644,6 +644,38 @@ def bound_plot_path(plot_path: Path) -> Path:
     return plot_path.with_name(plot_path.stem + "_bound.png")
 
 
+def run_header(name: str, args: argparse.Namespace, device: str, config: dict) -> dict[str, Any]:
+    """The head of a run's JSON: which benchmark, on what device and versions, with what."""
+    from tuner.core.device import fingerprint
+
+    fp = fingerprint(device)
+    return {
+        "benchmark": name,
+        "smoke": args.smoke,
+        "device": fp.to_dict(),
+        "versions": fp.versions,
+        "config": config,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "complete": False,
+    }
+
+
+def add_tuning_arguments(parser: argparse.ArgumentParser, launch: str, deadline_s: float) -> None:
+    """The options ``tune_missing`` reads, with this benchmark's defaults."""
+    parser.add_argument("--budget", type=float, default=0.05, help="Timing budget per candidate.")
+    parser.add_argument("--max-candidates", type=int, default=None, help="Per source.")
+    parser.add_argument(
+        "--source",
+        action="append",
+        help="Only these candidate sources (repeatable; the baseline always).",
+    )
+    parser.add_argument(
+        "--launch", choices=("eager", "graph"), default=launch, help="What tuning optimises for."
+    )
+    parser.add_argument("--tune-deadline-s", type=float, default=deadline_s)
+    parser.add_argument("--skip-tune", action="store_true", help="Use the cache as it is.")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -658,18 +690,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill-seq", type=int, default=2048)
     parser.add_argument("--kv-len", type=int, default=4096)
     parser.add_argument("--buckets", default="next_tuned_above", help="Bucket policy when on.")
-    parser.add_argument("--budget", type=float, default=0.05, help="Timing budget per candidate.")
-    parser.add_argument("--max-candidates", type=int, default=None, help="Per source.")
-    parser.add_argument(
-        "--source",
-        action="append",
-        help="Only these candidate sources (repeatable; the baseline always).",
-    )
-    parser.add_argument(
-        "--launch", choices=("eager", "graph"), default="eager", help="What tuning optimises for."
-    )
-    parser.add_argument("--tune-deadline-s", type=float, default=360.0)
-    parser.add_argument("--skip-tune", action="store_true", help="Use the cache as it is.")
+    add_tuning_arguments(parser, launch="eager", deadline_s=360.0)
     parser.add_argument("--iters", type=int, default=20, help="Steps per timed round.")
     parser.add_argument("--rounds", type=int, default=15, help="Interleaved rounds per phase.")
     parser.add_argument("--overhead-shape", type=int, nargs=3, default=(16, 256, 256))
@@ -713,7 +734,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(1)  # host timings of tiny CPU ops are noise with a thread pool
 
     import tuner.torch as tt
-    from tuner.core.device import fingerprint
     from tuner.serving.dispatcher import Dispatcher
     from tuner.serving.warmup import warmup
 
@@ -731,16 +751,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     small_x = torch.randn((m, k), generator=gen).to(device, dtype)
     small_w = torch.randn((n, k), generator=gen).to(device, dtype)
     tuned_runs = [steps[p] for p in phases if p.tuned] + [lambda: F.linear(small_x, small_w)]
-    fp = fingerprint(device)
-    result: dict[str, Any] = {
-        "benchmark": "dropin_decoder",
-        "smoke": args.smoke,
-        "device": fp.to_dict(),
-        "versions": fp.versions,
-        "config": {**vars(cfg), "dtype": str(dtype).removeprefix("torch.")},
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "complete": False,
-    }
+    config = {**vars(cfg), "dtype": str(dtype).removeprefix("torch.")}
+    result = run_header("dropin_decoder", args, device, config)
 
     def save() -> None:  # after every stage: a run cut short by a timeout still leaves its data
         result["seconds"] = round(time.perf_counter() - started, 1)

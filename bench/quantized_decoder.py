@@ -53,6 +53,7 @@ from bench.dropin_decoder import (
     LLAMA3_8B,
     TINY,
     DecoderLayer,
+    add_tuning_arguments,
     bind,
     build_phases,
     capture,
@@ -60,6 +61,7 @@ from bench.dropin_decoder import (
     make_inputs,
     profile_step,
     record_keys,
+    run_header,
     step_us,
     summary,
     tune_missing,
@@ -269,16 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-batches", default="1,4,16")
     parser.add_argument("--prefill-seq", type=int, default=2048)
     parser.add_argument("--kv-len", type=int, default=4096)
-    parser.add_argument("--budget", type=float, default=0.05, help="Timing budget per candidate.")
-    parser.add_argument("--max-candidates", type=int, default=None, help="Per source.")
-    parser.add_argument(
-        "--source", action="append", help="Only these candidate sources (repeatable)."
-    )
-    parser.add_argument(
-        "--launch", choices=("eager", "graph"), default="graph", help="What tuning optimises for."
-    )
-    parser.add_argument("--tune-deadline-s", type=float, default=300.0)
-    parser.add_argument("--skip-tune", action="store_true", help="Use the cache as it is.")
+    add_tuning_arguments(parser, launch="graph", deadline_s=300.0)  # decode steps run as graphs
     parser.add_argument("--iters", type=int, default=20, help="Steps per timed round.")
     parser.add_argument("--rounds", type=int, default=10, help="Rounds per phase.")
     parser.add_argument(
@@ -305,7 +298,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("quantized_decoder.py needs a CUDA GPU (or --smoke for a CPU check)")
     import tuner.torch as tt
-    from tuner.core.device import fingerprint
     from tuner.serving.dispatcher import Dispatcher
     from tuner.serving.warmup import warmup
 
@@ -334,18 +326,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     tuned, untuned = Dispatcher(mode="record"), Dispatcher(mode="off")
     tuned.set_buckets("exact")
-    fp = fingerprint(device)
-    result: dict[str, Any] = {
-        "benchmark": "quantized_decoder",
-        "smoke": args.smoke,
-        "device": fp.to_dict(),
-        "versions": fp.versions,
-        "config": vars(cfg),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "quantize_s": load_s,
-        "weight_bytes": {name: weight_bytes(layer) for name, layer in layers.items()},
-        "complete": False,
-    }
+    result = run_header("quantized_decoder", args, device, vars(cfg))
+    result["quantize_s"] = load_s
+    result["weight_bytes"] = {name: weight_bytes(layer) for name, layer in layers.items()}
 
     def save() -> None:  # after every stage: a run cut short still leaves its data
         result["seconds"] = round(time.perf_counter() - started, 1)

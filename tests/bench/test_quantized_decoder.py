@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from bench_scripts import load_script
 
 bench = load_script("quantized_decoder")
 
 
-def test_quantized_benchmark_smoke_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Quantize, record, tune, time every variant, JSON and PNG, with tiny dimensions."""
-    monkeypatch.setenv("TUNER_CACHE", str(tmp_path / "c.db"))
+def test_quantized_benchmark_smoke_run(tmp_path: Path, cache_path: Path) -> None:
+    """Quantize, record, tune, time every variant, JSON and PNG, with tiny dimensions (the tuned
+    winners go to ``cache_path``, TUNER_CACHE)."""
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     args = ["--smoke", "--out", str(out), "--plot", str(png), "--source", "torch"]
     args += ["--decode-batches", "1,4", "--prefill-seq", "8", "--kv-len", "16"]
