@@ -660,6 +660,16 @@ def run_header(name: str, args: argparse.Namespace, device: str, config: dict) -
     }
 
 
+def warm_up(disp: Any) -> dict[str, Any]:
+    """``tuner.warmup()`` into ``disp``, before any CUDA graph is captured (as users must), and
+    what it says: winners loaded, ready before, failures."""
+    from tuner.serving.warmup import warmup
+
+    report = warmup(progress=False, dispatcher=disp, fetch=False)
+    failures = [vars(f) for f in report.failures]
+    return {"loaded": report.loaded, "ready": report.ready, "failures": failures}
+
+
 def add_tuning_arguments(parser: argparse.ArgumentParser, launch: str, deadline_s: float) -> None:
     """The options ``tune_missing`` reads, with this benchmark's defaults."""
     parser.add_argument("--budget", type=float, default=0.05, help="Timing budget per candidate.")
@@ -735,7 +745,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import tuner.torch as tt
     from tuner.serving.dispatcher import Dispatcher
-    from tuner.serving.warmup import warmup
 
     started = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
@@ -769,9 +778,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     disp.reload()
     disp.set_mode("lookup")
     disp.set_buckets(args.buckets)
-    report = warmup(progress=False, dispatcher=disp, fetch=False)  # before any capture
-    result["warmup"] = {"loaded": report.loaded, "ready": report.ready,
-                        "failures": [vars(f) for f in report.failures]}  # fmt: skip
+    result["warmup"] = warm_up(disp)
     overhead = hit_path_overhead(tt, disp, args, device, dtype)
     print(f"hit-path overhead per call (us): {json.dumps(overhead['per_call_us'])}", flush=True)
     result["overhead"] = overhead

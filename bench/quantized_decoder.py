@@ -65,6 +65,7 @@ from bench.dropin_decoder import (
     step_us,
     summary,
     tune_missing,
+    warm_up,
 )
 from tuner.measure import samples
 from tuner.quant import fp8
@@ -299,7 +300,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("quantized_decoder.py needs a CUDA GPU (or --smoke for a CPU check)")
     import tuner.torch as tt
     from tuner.serving.dispatcher import Dispatcher
-    from tuner.serving.warmup import warmup
 
     started = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -343,9 +343,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     save()
     tuned.reload()
     tuned.set_mode("lookup")
-    report = warmup(progress=False, dispatcher=tuned, fetch=False)  # before any capture
-    result["warmup"] = {"loaded": report.loaded, "ready": report.ready,
-                        "failures": [vars(f) for f in report.failures]}  # fmt: skip
+    result["warmup"] = warm_up(tuned)
 
     def within(v: Variant) -> contextlib.AbstractContextManager:
         return serving(v, tt, tuned, untuned)

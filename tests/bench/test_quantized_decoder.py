@@ -51,3 +51,21 @@ def test_variants_without_fp8_have_no_act_quant_twin() -> None:
     assert [v.name for v in bench.variants_of(["int4"])] == [
         "bf16 torch", "bf16 tuner", "int4 torch", "int4 tuner"
     ]  # fmt: skip
+
+
+def test_each_variant_is_served_as_it_says(tmp_path: Path) -> None:
+    """The twin with torch's activation quantization runs torch's ops (on a CPU the kernel's
+    path is torch's anyway, so the smoke run alone could not tell); the others leave it."""
+    import tuner.torch as tt
+    from tuner.quant import fp8
+    from tuner.serving.dispatcher import Dispatcher
+
+    fused = fp8.quantize_rowwise
+    tuned = Dispatcher(tmp_path / "c.db", mode="lookup")
+    untuned = Dispatcher(mode="off")
+    for variant in bench.variants_of(["int4", "fp8"]):
+        with bench.serving(variant, tt, tuned, untuned):
+            swapped = fp8.quantize_rowwise is fp8.quantize_rowwise_torch
+            assert swapped == variant.torch_act_quant, variant.name
+            assert tt.is_enabled() == (variant != bench.BASELINE), variant.name
+    assert fp8.quantize_rowwise is fused and not tt.is_enabled()

@@ -4,9 +4,9 @@ bit, and ``quantize_rowwise`` takes it on a GPU.
 Without a GPU the kernel runs in Triton's interpreter, and torch's reference is made here with
 the arithmetic torch's ops do on a GPU, which is not their CPU's: there the scale is the amax
 times the float32 reciprocal of the format's largest value (torch's GPU divides by a Python
-number so; its CPU divides). The interpreter's casts to FP8 round some values wrong (127.99 to
--64 in e4m3, ties the other way), so that reference is cast by the interpreter too: the kernel's
-scales and divisions are checked bit for bit everywhere, the cast itself on a GPU.
+number so; its CPU divides). The interpreter's casts to FP8 round some values wrong (a carry
+into the exponent lost, ties the other way), so that reference is cast by the interpreter too:
+the kernel's scales and divisions are checked bit for bit everywhere, the cast on a GPU.
 """
 
 from __future__ import annotations
@@ -88,19 +88,47 @@ def test_no_rows_make_empty_outputs() -> None:
 
 
 def test_only_gpu_rows_it_can_hold_take_the_kernel() -> None:
-    assert not fp8_rows.takes(torch.ones(2, 64))  # the CPU: torch's ops
+    e4m3 = torch.float8_e4m3fn
+    assert not fp8_rows.takes(torch.ones(2, 64), e4m3)  # the CPU: torch's ops
     if HAS_GPU:
         x = torch.ones(2, 64, device="cuda")
         fp8_capable = torch.cuda.get_device_capability() >= (8, 9)
-        assert fp8_rows.takes(x) == fp8_capable
-        assert not fp8_rows.takes(x.to(torch.int32))
-        assert not fp8_rows.takes(torch.ones(2, fp8_rows.MAX_K + 1, device="cuda"))
-        assert not fp8_rows.takes(torch.ones(2, 3, 64, device="cuda"))
+        assert fp8_rows.takes(x, e4m3) == fp8_capable
+        assert not fp8_rows.takes(x.to(torch.int32), e4m3)
+        assert not fp8_rows.takes(torch.ones(2, fp8_rows.MAX_K + 1, device="cuda"), e4m3)
+        assert not fp8_rows.takes(torch.ones(2, 3, 64, device="cuda"), e4m3)
 
 
 @pytest.mark.gpu
-def test_quantize_rowwise_on_a_gpu_is_the_fused_kernels() -> None:
+def test_quantize_rowwise_on_a_gpu_is_the_fused_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    fused: list[tuple[int, ...]] = []
+    quantize = fp8_rows.quantize
+
+    def spy(x: torch.Tensor, *args: object) -> Quantized:
+        fused.append(tuple(x.shape))
+        return quantize(x, *args)
+
+    monkeypatch.setattr(fp8_rows, "quantize", spy)
     x = torch.randn(16, 14336, device="cuda", dtype=torch.bfloat16)
     _same(fp8.quantize_rowwise(x), fp8.quantize_rowwise_torch(x))
     wide = torch.randn(2, fp8_rows.MAX_K + 8, device="cuda", dtype=torch.bfloat16)
-    _same(fp8.quantize_rowwise(wide), fp8.quantize_rowwise_torch(wide))  # torch's ops serve it
+    _same(fp8.quantize_rowwise(wide), fp8.quantize_rowwise_torch(wide))
+    assert fused == [(16, 14336)]  # the wide rows took torch's ops
+
+
+@pytest.mark.gpu
+def test_a_capture_takes_the_kernel_only_once_it_has_run() -> None:
+    """Compiling inside a capture would invalidate it: a first call of a shape there takes
+    torch's ops; once the kernel ran for it, a capture holds the kernel."""
+    x = torch.randn(3, 200, device="cuda", dtype=torch.float16)  # a BLOCK of 256: new here
+    ref = fp8.quantize_rowwise_torch(x, "e5m2")
+    torch.cuda.synchronize()
+    for launched in (False, True):
+        assert (fp8_rows._specialization(x, torch.float8_e5m2) in fp8_rows._LAUNCHED) == launched
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = fp8.quantize_rowwise(x, "e5m2")
+        graph.replay()
+        torch.cuda.synchronize()
+        _same(got, ref)
+        fp8.quantize_rowwise(x, "e5m2")  # eagerly: the kernel compiles and runs

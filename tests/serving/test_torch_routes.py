@@ -587,11 +587,33 @@ def test_capture_serves_a_winner_loaded_before_it_and_warns_for_one_not(
         F.linear(x, w)
         assert served(disp, 8).kind == "capture"
         said = [r.getMessage() for r in caplog.records if "CUDA-graph capture" in r.getMessage()]
-        assert len(said) == 1 and "tuner.warmup()" in said[0] and str(key) in said[0]
+        assert len(said) == 1 and "call tuner.warmup() before" in said[0] and str(key) in said[0]
         warmup(progress=False, dispatcher=disp, fetch=False)  # loads the winner's runner
         disp.resolutions.clear()
         F.linear(x, w)  # a capture's resolution is not kept: resolved again, now loaded
     assert {r.kind for r in disp.resolutions.values() if r.key == str(key)} == {"hit"}
+
+
+@pytest.mark.cpu_host
+def test_capture_of_a_shape_borrowing_a_winner_says_to_call_it_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bucket neighbour's winner is built for each shape at its first call, which warmup
+    cannot make: a capture meeting the shape first gets the default and says to call it first."""
+    import tuner.serving.dispatcher as dispatch
+
+    disp = Dispatcher(tmp_path / "c.db", mode="lookup")
+    store_winners(disp, [GemmKey(m=8, n=24, k=16, layout="nt", dtype="f32", out_dtype="f32")],
+                  triton=True)  # fmt: skip
+    disp.reload()
+    warmup(progress=False, dispatcher=disp, fetch=False)  # M = 8's runner, not M = 6's
+    x, w = linear_inputs(6)
+    with tt.enabled(dispatcher=disp, buckets="next_tuned_above"), caplog.at_level(logging.WARNING):
+        monkeypatch.setattr(dispatch, "_capturing", lambda device: True)
+        F.linear(x, w)
+        assert served(disp, 6).kind == "capture"
+        [said] = [r.getMessage() for r in caplog.records if "CUDA-graph capture" in r.getMessage()]
+        assert "gemm:m=6," in said and "call it once before capturing" in said
 
 
 # --- stats --------------------------------------------------------------------------------------

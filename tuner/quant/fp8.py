@@ -41,7 +41,7 @@ def quantize_rowwise(x: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, 
     if x.is_cuda:
         from tuner.quant import fp8_rows  # Triton: imported where it can run
 
-        if fp8_rows.takes(x):
+        if fp8_rows.takes(x, fp8_dtype(fmt)):
             return fp8_rows.quantize(x, fp8_dtype(fmt), MIN_AMAX)
     return quantize_rowwise_torch(x, fmt)
 

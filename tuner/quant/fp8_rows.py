@@ -11,6 +11,7 @@ Python number so on a GPU), the row is divided by the scale rounding to nearest 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -42,20 +43,32 @@ def _quantize_rows(
     tl.store(scale_ptr + row, scale)
 
 
-def takes(x: torch.Tensor) -> bool:
-    """The kernel serves ``x`` (2-d, on a GPU that converts to FP8, rows it can hold)."""
-    return (
+def takes(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """The kernel serves ``x`` as ``dtype``: 2-d, on a GPU that converts to FP8, rows it can
+    hold; inside a CUDA-graph capture only once it has run for that shape of call here
+    (compiling and loading its module would invalidate the capture)."""
+    if not (
         x.is_cuda
         and x.dim() == 2
         and x.dtype in INPUT_DTYPES
         and 0 < x.shape[1] <= MAX_K
         and _converts_to_fp8(x.device.index)
-    )
+    ):
+        return False
+    return not torch.cuda.is_current_stream_capturing() or _specialization(x, dtype) in _LAUNCHED
+
+
+# (device, input dtype, FP8 dtype, BLOCK) of every launch made here: the compiled kernels
+_LAUNCHED: set[tuple[int | None, torch.dtype, torch.dtype, int]] = set()
+
+
+def _specialization(x: torch.Tensor, dtype: torch.dtype) -> tuple:
+    return x.device.index, x.dtype, dtype, triton.next_power_of_2(x.shape[1])
 
 
 @functools.cache
 def _converts_to_fp8(device_index: int | None) -> bool:
-    """sm89 and later convert to FP8 (asked once a device: the query costs a call's time)."""
+    """sm89 and later convert to FP8 (asked once a device, not on every call)."""
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
@@ -77,9 +90,12 @@ def quantize(
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         block, fmax = triton.next_power_of_2(k), torch.finfo(dtype).max
-        _quantize_rows[(m,)](
-            x, q, scale, k, x.stride(0), q.stride(0),
-            FMAX=fmax, INV_FMAX=_inverse(fmax), MIN_AMAX=min_amax, BLOCK=block,
-            num_warps=min(16, max(1, block // 1024)),
-        )  # fmt: skip
+        on_its_device = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+        with on_its_device:  # Triton launches on the current device
+            _quantize_rows[(m,)](
+                x, q, scale, k, x.stride(0), q.stride(0),
+                FMAX=fmax, INV_FMAX=_inverse(fmax), MIN_AMAX=min_amax, BLOCK=block,
+                num_warps=min(16, max(1, block // 1024)),
+            )  # fmt: skip
+        _LAUNCHED.add(_specialization(x, dtype))
     return q, scale

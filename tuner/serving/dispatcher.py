@@ -265,7 +265,7 @@ class Dispatcher:
         self._missing_said = False  # lookup mode found no cache at store_path, and said so
         self._read_only = False  # the cache refused a write: still read, never written again
         self._grad_said: set[str] = set()  # ops (low-bit GEMMs apart) whose autograd call was said
-        self._capture_said: set[str] = set()  # keys a capture gave the default while a winner waits
+        self._capture_said: set[str] = set()  # runners a capture left to the default (said once)
         # winners' runners whose build may compile: built off the hot path (serving.background),
         # kept across reloads; "<key> <- <candidate> on <device>" -> runner
         self.loader = BackgroundLoader()
@@ -479,22 +479,27 @@ class Dispatcher:
             return Resolution(str(key), "capture" if capturing else "miss", base.name)
         if base.chose_itself(winner.source, winner.params):
             return Resolution(str(key), kind, base.name, winner, via)
-        if capturing and _job(str(key), winner.candidate, device) not in self.loaded:
-            self._say_capture(key, winner)
+        job = _job(str(key), winner.candidate, device)
+        if capturing and job not in self.loaded:
+            self._say_capture(job, borrowed=kind == "bucketed")
             return Resolution(str(key), "capture", base.name)
         return Resolution(str(key), kind, winner.candidate, winner, via, by_torch=False)
 
-    def _say_capture(self, key: Key, winner: Winner) -> None:
-        """Log, once per key, that a CUDA graph captured torch's default where a winner exists:
-        the graph replays it for good, and nothing else would show it."""
-        if str(key) in self._capture_said:
+    def _say_capture(self, job: str, *, borrowed: bool) -> None:
+        """Log, once per runner (``job``: key, winner, device), that a CUDA graph captured
+        torch's default where a winner exists: the graph replays it for good, and nothing else
+        would show it. A borrowed winner (a bucket neighbour's) is built for each shape at its
+        first call, which warmup cannot make for it."""
+        if job in self._capture_said:
             return
-        self._capture_said.add(str(key))
-        log.warning(
-            "CUDA-graph capture: %s runs torch's default, as its winner %s is not loaded yet; "
-            "call tuner.warmup() before capturing (it loads every winner)",
-            key, winner.candidate,
-        )  # fmt: skip
+        self._capture_said.add(job)
+        fix = (
+            "call it once before capturing, then tuner.warmup() (which waits for the build)"
+            if borrowed
+            else "call tuner.warmup() before capturing (it loads every winner)"
+        )
+        log.warning("CUDA-graph capture: %s runs torch's default, as its winner's runner is not "
+                    "loaded yet; %s", job, fix)  # fmt: skip
 
     def _say_grad(self, key: Key) -> None:
         """Log, once per op, that a call needing a gradient is torch's: tuned kernels have no
@@ -730,6 +735,7 @@ class Dispatcher:
             self._winners.clear()
             self._bucket_index.clear()
             self.loader.forget_refusals()
+            self._capture_said.clear()
 
 
 def cannot_serve_here(source: Any, key: Key, device: Any) -> str | None:
