@@ -677,6 +677,29 @@ def test_cuda_graph_replays_tuned_layer(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
+def test_a_warmed_up_winner_serves_a_call_first_seen_inside_a_capture(tmp_path: Path) -> None:
+    disp = Dispatcher(tmp_path / "c.db", mode="lookup")
+    key = GemmKey(m=8, n=32, k=64, layout="nt", dtype="bf16", out_dtype="bf16")
+    store_winners(disp, [key], triton=True)
+    disp.reload()
+    warmup(progress=False, dispatcher=disp, fetch=False)
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x, w)
+    with torch.no_grad(), tt.enabled(dispatcher=disp, buckets="exact"):
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = F.linear(x, w)
+        graph.replay()
+        torch.cuda.synchronize()
+    torch.testing.assert_close(y, want, rtol=2e-2, atol=2e-2)
+    [res] = [r for r in disp.resolutions.values() if r.key == str(key)]
+    assert res.kind == "hit" and res.candidate.startswith("triton_gemm")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
 def test_signature_first_seen_in_capture_gets_default(tmp_path: Path) -> None:
     disp = Dispatcher(tmp_path / "c.db", mode="tune")
     x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
