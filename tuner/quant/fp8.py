@@ -41,8 +41,9 @@ def quantize_rowwise(x: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, 
     if x.is_cuda:
         from tuner.quant import fp8_rows  # Triton: imported where it can run
 
-        if fp8_rows.takes(x, fp8_dtype(fmt)):
-            return fp8_rows.quantize(x, fp8_dtype(fmt), MIN_AMAX)
+        dtype = fp8_dtype(fmt)
+        if fp8_rows.takes(x, dtype):
+            return fp8_rows.quantize(x, dtype, MIN_AMAX)
     return quantize_rowwise_torch(x, fmt)
 
 

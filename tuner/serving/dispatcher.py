@@ -456,7 +456,7 @@ class Dispatcher:
         During CUDA-graph capture nothing is tuned and no kernel is built (loading a kernel
         module would invalidate the capture): a winner serves only if its runner is loaded
         already (``tuner.warmup()``, or an earlier call's background build), else the default,
-        and the capture says so once per key; a miss is still recorded.
+        and the capture says so once per runner; a miss is still recorded.
         """
         base = registry.baseline(key.op, key)
         if self.mode == "off" or (device.type == "cuda") != torch.cuda.is_available():
