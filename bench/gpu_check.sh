@@ -34,6 +34,9 @@
 #   FP8_PREFILL_TIMEOUT).
 #   quantized (bench/quantized_decoder.py: a Llama-3-8B layer in bf16, int4 and fp8, torch beside the tuner ->
 #   $OUT/quantized_decoder.json/.png; QUANTIZED_ARGS, QUANTIZED_TUNE_DEADLINE, QUANTIZED_TIMEOUT).
+#   context (bench/graph_context.py: a bf16 layer step served by torch, the tuner, and the tuner for one
+#   projection at a time, plain and fenced, beside each projection alone -> $OUT/graph_context.json/.png;
+#   CONTEXT_ARGS, CONTEXT_TUNE_DEADLINE, CONTEXT_TIMEOUT; starts from CONTEXT_CACHE if given).
 #   libs (cuBLAS/cuBLASLt/CUTLASS: precompile, tests/candidates/test_gemm_libraries.py, bench/libs_bench.py
 #   -> $OUT/libs.json, libs_details.json, libs_compile.json, cutlass_cache.tar.xz; LIBS_CUTLASS_SEED).
 set -uo pipefail
@@ -227,6 +230,11 @@ for stage in "$@"; do
       TUNER_CACHE="$OUT/quantized_tuner.db" timeout -k 20 "${QUANTIZED_TIMEOUT:-570}" python3 bench/quantized_decoder.py \
         --out "$OUT/quantized_decoder.json" --plot "$OUT/quantized_decoder.png" \
         --tune-deadline-s "${QUANTIZED_TUNE_DEADLINE:-300}" ${QUANTIZED_ARGS:-} 2>&1 | tee "$OUT/quantized.log" || status=1 ;;
+    context)  # a tuned projection's lead alone against its saving in a bf16 layer step (graph times)
+      if [ -n "${CONTEXT_CACHE:-}" ]; then cp "$CONTEXT_CACHE" "$OUT/context_tuner.db" || status=1; fi
+      TUNER_CACHE="$OUT/context_tuner.db" timeout -k 20 "${CONTEXT_TIMEOUT:-400}" python3 bench/graph_context.py \
+        --out "$OUT/graph_context.json" --plot "$OUT/graph_context.png" \
+        --tune-deadline-s "${CONTEXT_TUNE_DEADLINE:-200}" ${CONTEXT_ARGS:-} 2>&1 | tee "$OUT/context.log" || status=1 ;;
     cold-start)  # cold tune-all of Qwen2.5-7B GEMMs + the suite's odd shapes on empty caches, CUTLASS
       # on; COLD_START_PART=cold (pruned), everything (--no-prune), warm (cold's problems again on
       # its caches, --force), fleet (again, kernels fetched

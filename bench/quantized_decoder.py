@@ -23,8 +23,8 @@ layer (``dropin_decoder.DecoderLayer``, random weights), run as these variants:
    variant in each of ``--rounds`` rounds (the order rotating); medians, and each variant's time
    over ``bf16 torch``'s (> 1: faster) and, per format, torch's over the tuner's.
 3. **Activations' quantization alone** (first, before any profiler runs): ``quantize_rowwise``
-   (the fused kernel) beside torch's ops, CUDA-graph time per call, at the layer's K and the
-   phases' rows.
+   (the fused kernel) beside torch's ops, CUDA-graph and eager time per call (the kernel launched
+   directly and through Triton's JIT), at the layer's K and the phases' rows.
 
 JSON (device, versions, tuning log, weight bytes per variant, per-phase times and ratios, which
 kernel served each problem, each variant's output against bf16 torch's) and a PNG of the graph
@@ -68,7 +68,7 @@ from bench.dropin_decoder import (
     warm_up,
 )
 from tuner.measure import samples
-from tuner.quant import fp8
+from tuner.quant import fp8, fp8_rows
 
 FORMATS = ("int4", "fp8")
 SMOKE_GROUP = 32  # the tiny layer's K (64, 96) takes no group of 128
@@ -122,14 +122,16 @@ def weight_bytes(layer: nn.Module) -> int:
 
 def measure_phase(
     steps: dict[Variant, Callable[[], torch.Tensor]],
-    within: Callable[[Variant], contextlib.AbstractContextManager],
+    within: Callable[[Any], contextlib.AbstractContextManager],
     args: argparse.Namespace,
+    baseline: Any = BASELINE,
 ) -> dict[str, Any]:
-    """Every variant's step, CUDA graph (GPU) and eager, in rotating order over the rounds."""
+    """Every variant's step, CUDA graph (GPU) and eager, in rotating order over the rounds; each
+    output against ``baseline``'s (bf16 torch's step; any variant with a ``name``)."""
     out: dict[str, Any] = {}
     graphs: dict[Variant, Callable[[], Any]] = {}
     with torch.no_grad():
-        ref = steps[BASELINE]().float()
+        ref = steps[baseline]().float()
         for v, step in steps.items():
             with within(v):
                 for _ in range(3):  # resolves every signature, loads the kernels
@@ -208,10 +210,13 @@ def kernel_times(
 
 
 def act_quant_times(cfg: Any, rows: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """CUDA-graph time per call of the fused rowwise quantization and of torch's ops, at the
-    layer's K (hidden: qkv and gate_up; intermediate: down) and the phases' rows."""
+    """Per call of the fused rowwise quantization and of torch's ops, at the layer's K (hidden:
+    qkv and gate_up; intermediate: down) and the phases' rows: CUDA-graph time (the GPU's), and
+    eager time back to back (the host's where it is longer), the fused kernel's both launched
+    directly and through Triton's JIT (``fp8_rows.DIRECT_ROWS`` at 0)."""
     out = []
     gen = torch.Generator().manual_seed(2)
+    jit = mock.patch.object(fp8_rows, "DIRECT_ROWS", 0)
     for m in rows:
         for k in sorted({cfg.hidden, cfg.intermediate}):
             x = torch.randn((m, k), generator=gen).to("cuda", torch.bfloat16)
@@ -224,10 +229,22 @@ def act_quant_times(cfg: Any, rows: list[int], args: argparse.Namespace) -> list
                 row[f"{name}_us"] = min(
                     step_us(graph.replay, args.iters) for _ in range(args.rounds)
                 )
+            for name, fn, within in (
+                ("fused_direct", fp8.quantize_rowwise, contextlib.nullcontext()),
+                ("fused_jit", fp8.quantize_rowwise, jit),
+                ("torch", fp8.quantize_rowwise_torch, contextlib.nullcontext()),
+            ):
+                with within:
+                    fn(x)  # a first call of the path: compiles, checks a direct launch
+                    row[f"{name}_eager_us"] = min(
+                        step_us(lambda fn=fn, x=x: fn(x), args.iters) for _ in range(args.rounds)
+                    )
             row["torch_over_fused"] = row["torch_us"] / row["fused_us"]
             out.append(row)
             print(f"  act. quant m={m:<5} k={k:<6} fused {row['fused_us']:.2f} us, torch's ops "
-                  f"{row['torch_us']:.2f} us ({row['torch_over_fused']:.2f}x)", flush=True)  # fmt: skip
+                  f"{row['torch_us']:.2f} us ({row['torch_over_fused']:.2f}x); eager: direct "
+                  f"{row['fused_direct_eager_us']:.2f}, JIT {row['fused_jit_eager_us']:.2f}, "
+                  f"torch's {row['torch_eager_us']:.2f} us", flush=True)  # fmt: skip
     return out
 
 

@@ -1,0 +1,77 @@
+"""bench/graph_context.py: the GPU benchmark's own logic, run on the CPU with tiny dimensions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from bench_scripts import load_script
+
+bench = load_script("graph_context")
+
+
+def test_graph_context_smoke_run(tmp_path: Path, cache_path: Path) -> None:
+    """Record, tune, every setup of the step and each projection alone, JSON and PNG."""
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    args = ["--smoke", "--out", str(out), "--plot", str(png), "--source", "torch"]
+    args += [
+        "--prefill-seq",
+        "8",
+        "--kv-len",
+        "16",
+        "--rounds",
+        "2",
+        "--iters",
+        "2",
+        "--calls",
+        "2",
+    ]
+    result = bench.main(args)
+    assert result["complete"] and png.stat().st_size > 0
+    assert json.loads(out.read_text())["alone"] == result["alone"]
+    assert {row["status"] for row in result["tuning"]} == {"tuned"}
+    assert set(result["step"]) == {setup.name for setup in bench.SETUPS}
+    for times in result["step"].values():
+        assert times["eager"]["median_us"] > 0
+        assert times["rel_err_vs_bf16_torch"] < 1e-6  # every setup computes the same step
+    assert set(result["step_saving_us"]) == {"tuner", *bench.PROJECTIONS}
+    assert result["winners"] == dict.fromkeys(bench.PROJECTIONS, "torch")  # --source torch
+    for name in bench.PROJECTIONS:
+        alone = result["alone"][name]
+        assert alone["torch_us"] > 0 and alone["tuner_us"] > 0
+        assert alone["saving_us"] == alone["torch_us"] - alone["tuner_us"]
+
+
+def test_a_setup_routes_only_its_projection_and_fences_every_one(tmp_path: Path) -> None:
+    """``tuner qkv only``: the tuner sees qkv's call and no other; fenced: one fence kernel a
+    projection (counted by the hook's calls to ``fence_kernel``'s function)."""
+    import tuner.torch as tt
+    from tuner.serving.dispatcher import Dispatcher
+
+    layer = bench.DecoderLayer(bench.TINY, max_pos=16).eval()
+    x = torch.randn(1, 4, bench.TINY.hidden)
+    disp = Dispatcher(tmp_path / "c.db", mode="record")
+    with torch.no_grad(), bench.serving(bench.Setup("qkv"), layer, tt, disp):
+        layer(x, torch.arange(4))
+    (key,) = {r.key for r in disp.resolutions.values()}  # one problem seen: qkv's
+    assert key.startswith(f"gemm:m=4,n={layer.qkv.out_features},k={bench.TINY.hidden},")
+    assert not tt.is_enabled()
+    calls = []
+    fenced = bench.Setup("torch", fenced=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "fence_kernel", lambda device: lambda: calls.append(device))
+        with torch.no_grad(), bench.serving(fenced, layer, tt, disp):
+            layer(x, torch.arange(4))
+    assert calls == ["cpu"] * len(bench.PROJECTIONS)
+    assert not any(m._forward_pre_hooks for m in layer.modules())  # hooks removed on exit
+
+
+def test_phase_option_names_what_it_takes() -> None:
+    assert bench.parse_args(["--out", "x", "--phase", "decode:4"]).phase == bench.Phase(
+        "decode", 4, 1
+    )
+    assert bench.parse_args(["--out", "x", "--prefill-seq", "64"]).phase.tokens == 64
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x", "--phase", "decode:0"])
