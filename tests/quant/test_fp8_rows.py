@@ -132,3 +132,29 @@ def test_a_capture_takes_the_kernel_only_once_it_has_run() -> None:
         torch.cuda.synchronize()
         _same(got, ref)
         fp8.quantize_rowwise(x, "e5m2")  # eagerly: the kernel compiles and runs
+
+
+def test_decode_rows_launch_directly_once_a_direct_launch_matched() -> None:
+    """Up to ``DIRECT_ROWS`` rows the first call goes through Triton's JIT and checks a direct
+    relaunch bit for bit (on a GPU); later calls of that shape launch directly, with torch's
+    result. Above it every call takes the JIT, and no launcher is kept."""
+    x = torch.randn(4, 320, device=DEVICE, dtype=torch.bfloat16)
+    key = (*fp8_rows._specialization(x, torch.float8_e4m3fn), fp8.MIN_AMAX, 4, 320)
+    fp8_rows._DIRECT.pop(key, None)
+    first = fp8_rows.quantize(x, torch.float8_e4m3fn, fp8.MIN_AMAX)
+    entry = fp8_rows._DIRECT[key]
+    assert entry.checked
+    if HAS_GPU:  # the interpreter has no compiled kernel to launch directly
+        assert entry.launcher.verified and entry.launcher.compiled
+        direct = []
+        raw = entry.launcher.raw
+        entry.launcher.raw = lambda *a: (direct.append(a), raw(*a))
+        second = fp8_rows.quantize(x, torch.float8_e4m3fn, fp8.MIN_AMAX)
+        assert len(direct) == 1
+        _same(second, first)
+        fp8_rows._DIRECT.pop(key)  # its spied launcher stays here
+    _same(first, _torchs(x))
+    many = torch.randn(fp8_rows.DIRECT_ROWS + 1, 64, device=DEVICE, dtype=torch.bfloat16)
+    before = len(fp8_rows._DIRECT)
+    _same(fp8_rows.quantize(many, torch.float8_e4m3fn, fp8.MIN_AMAX), _torchs(many))
+    assert len(fp8_rows._DIRECT) == before

@@ -7,19 +7,28 @@ holds one whole row in registers: it reads the row once, takes its amax, writes 
 quantized row. Its arithmetic is torch's on a GPU, so the result is torch's bit for bit: the scale is
 the amax times the float32 reciprocal of the format's largest value (torch divides a tensor by a
 Python number so on a GPU), the row is divided by the scale rounding to nearest (``div_rn``).
+
+Up to ``DIRECT_ROWS`` rows (decode, where the launch is most of the call's cost) the kernel is
+launched as the GEMM runners launch theirs (``Launcher``): through Triton's JIT once per shape,
+then directly, once a direct launch has reproduced the JIT's bits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from tuner.candidates.triton_kernels.launch import Launcher, verify_direct
+
 MAX_K = 32768  # a row a program, held in registers: wider rows take torch's ops
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+STAGES = 1  # no loop to pipeline; both launch paths compile the same kernel (``_LAUNCHED``)
+DIRECT_ROWS = 256  # launchers kept per (rows, K): bounded; more rows are GPU time, not launch
 
 
 @triton.jit
@@ -78,6 +87,54 @@ def _inverse(fmax: float) -> float:
     return (torch.ones(()) / fmax).item()
 
 
+@dataclass
+class _Direct:
+    """The launcher of one (device, dtypes, rows, K, floor): checked once against the JIT."""
+
+    launcher: Launcher
+    checked: bool = False
+
+
+_DIRECT: dict[tuple, _Direct] = {}
+
+
+def _constexprs(dtype: torch.dtype, min_amax: float, block: int) -> dict[str, float | int]:
+    fmax = torch.finfo(dtype).max
+    return dict(FMAX=fmax, INV_FMAX=_inverse(fmax), MIN_AMAX=min_amax, BLOCK=block)
+
+
+def _warps(block: int) -> int:
+    return min(16, max(1, block // 1024))
+
+
+def _launch_direct(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, min_amax: float
+) -> None:
+    m, k = x.shape
+    spec = _specialization(x, dtype)
+    entry = _DIRECT.get(key := (*spec, min_amax, m, k))
+    if entry is None:
+        block = spec[-1]
+        launcher = Launcher(_quantize_rows, (m,), _constexprs(dtype, min_amax, block),
+                            num_warps=_warps(block), num_stages=STAGES)  # fmt: skip
+        entry = _DIRECT[key] = _Direct(launcher)
+
+    def launch(q: torch.Tensor, scale: torch.Tensor) -> None:
+        ptrs = (x.data_ptr(), q.data_ptr(), scale.data_ptr())
+        strides = (x.stride(0), q.stride(0))
+        guard = (*strides, *(p % 16 for p in ptrs))
+        if entry.launcher.ready(guard):
+            entry.launcher.raw((*ptrs, k, *strides))
+        else:
+            entry.launcher((x, q, scale, k, *strides), guard)
+
+    launch(q, scale)
+    if not entry.checked:
+        entry.checked = verify_direct([entry.launcher], q,
+                                      lambda again: launch(again, torch.empty_like(scale)),
+                                      f"fp8_rows {m}x{k}")  # fmt: skip
+
+
 def quantize(
     x: torch.Tensor, dtype: torch.dtype, min_amax: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,13 +146,14 @@ def quantize(
     q = torch.empty((m, k), dtype=dtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        block, fmax = triton.next_power_of_2(k), torch.finfo(dtype).max
         on_its_device = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
         with on_its_device:  # Triton launches on the current device
-            _quantize_rows[(m,)](
-                x, q, scale, k, x.stride(0), q.stride(0),
-                FMAX=fmax, INV_FMAX=_inverse(fmax), MIN_AMAX=min_amax, BLOCK=block,
-                num_warps=min(16, max(1, block // 1024)),
-            )  # fmt: skip
+            if m <= DIRECT_ROWS:
+                _launch_direct(x, q, scale, dtype, min_amax)
+            else:
+                block = triton.next_power_of_2(k)
+                _quantize_rows[(m,)](x, q, scale, k, x.stride(0), q.stride(0),
+                                     **_constexprs(dtype, min_amax, block), num_warps=_warps(block),
+                                     num_stages=STAGES)  # fmt: skip
         _LAUNCHED.add(_specialization(x, dtype))
     return q, scale

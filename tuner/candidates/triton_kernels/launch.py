@@ -218,7 +218,7 @@ def verify_direct(
         x.verified = True
     again = torch.empty_like(out)
     relaunch(again)
-    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[out.element_size()]
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[out.element_size()]
     if not torch.equal(again.view(bits), out.view(bits)):
         log.warning("%s: a direct relaunch differs from the JIT launch; direct launch off", what)
         for x in launchers:
