@@ -83,6 +83,21 @@ def test_graph_time_subtracts_its_fence():
     assert timing.graph_time(lambda i: x.add_(1), fenced=False).median_us > 0
 
 
+def test_a_graph_duel_reads_each_runner_as_graph_time_does_and_a_twin_alike():
+    """Side by side, the fence is still not charged (a call that launches nothing costs ~0), a
+    kernel reads what ``graph_time`` reads for it, and two copies of one compute-bound GEMM
+    read alike: neither is favoured by when it was read."""
+    x = torch.zeros(1 << 26, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    nothing, one_kernel = timing.graph_duel([lambda i: None, lambda i: x.add_(1)], calls=4)
+    assert 0.0 <= nothing.median_us < one_kernel.median_us
+    alone = timing.graph_time(lambda i: x.add_(1), calls=4)
+    assert abs(one_kernel.median_us - alone.median_us) < 0.2 * alone.median_us
+    first, second = timing.graph_duel([lambda i: a @ a, lambda i: a @ a], calls=4)
+    assert abs(first.median_us - second.median_us) < 0.03 * first.median_us
+    assert first.reps == second.reps and first.reps % timing.DUEL_ROUNDS == 0
+
+
 def test_queued_samples_are_gpu_time_however_slow_the_host():
     """A call whose host side outlasts its kernel is charged the host's time when each sample is
     taken as it comes, and only its kernel's when the calls are queued behind a held GPU (how

@@ -300,6 +300,17 @@ def graph_time(
         fence = min(before, fence_us())
         return Timing(max(0.0, both.median_us - fence), max(0.0, both.p10_us - fence),
                       max(0.0, both.p90_us - fence), both.reps, both.host_us)  # fmt: skip
+    graph = _captured(fn, calls)
+    t = measure(
+        lambda i: graph.replay(), device="cuda", budget_s=budget_s, max_reps=30, queued=True
+    )
+    return Timing(t.median_us / calls, t.p10_us / calls, t.p90_us / calls, t.reps,
+                  t.host_us / calls)  # fmt: skip
+
+
+def _captured(fn: Callable[[int], Any], calls: int) -> torch.cuda.CUDAGraph:
+    """``fn(0) .. fn(calls - 1)`` captured in one CUDA graph, after the same calls warmed up on
+    the capturing stream (workspaces are per stream)."""
     side = side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -310,11 +321,51 @@ def graph_time(
     with torch.cuda.graph(graph, stream=side):
         for i in range(calls):
             fn(i)
-    t = measure(
-        lambda i: graph.replay(), device="cuda", budget_s=budget_s, max_reps=30, queued=True
-    )
-    return Timing(t.median_us / calls, t.p10_us / calls, t.p90_us / calls, t.reps,
-                  t.host_us / calls)  # fmt: skip
+    return graph
+
+
+DUEL_ROUNDS = 4  # rounds of a graph duel: enough to put each runner early and late twice
+DUEL_REPS = (2, 8)  # replays of each graph a round, at least and at most
+
+
+def graph_duel(
+    fns: Sequence[Callable[[int], Any]], calls: int = GRAPH_CALLS, budget_s: float = 0.03
+) -> list[Timing]:
+    """``graph_time`` (fenced) of each of ``fns``, their replays taken side by side:
+    ``DUEL_ROUNDS`` rounds in ``round_order``, each replaying every graph a few times, within
+    about ``budget_s`` a runner. Timed one after the other, as ``graph_time`` would, two
+    compute-bound runners read at different clocks where the GPU's clock still moves (it
+    settles at its power limit over a fraction of a second), and the one timed while it was
+    lower looks slower. The fence's replays, read each round, are subtracted at their quickest
+    round: a disturbance can only lengthen a reading. The Timings carry no host time (0).
+    Raises what a capture raises."""
+    flag = torch.zeros(1, device="cuda")
+
+    def fence(i: int) -> None:
+        flag.add_(1)
+
+    def fenced(fn: Callable[[int], Any]) -> Callable[[int], Any]:
+        return lambda i: (fence(i), fn(i))
+
+    graphs = [_captured(fenced(fn), calls) for fn in fns]
+    fences = _captured(fence, calls)
+    clock = _Clock("cuda", queued=True)
+    probe = [statistics.median(clock.run(lambda i, g=g: g.replay(), 0, 3)) for g in graphs]
+    low, high = DUEL_REPS
+    reps = max(low, min(high, int(budget_s * 1e6 / DUEL_ROUNDS / max(max(probe), 1.0))))
+    samples: list[list[float]] = [[] for _ in graphs]
+    fence_us = math.inf
+    for r in range(DUEL_ROUNDS):
+        for i in round_order(range(len(graphs)), r):
+            samples[i] += clock.run(lambda _, g=graphs[i]: g.replay(), 0, reps)
+        fence_us = min(fence_us, statistics.median(clock.run(lambda _: fences.replay(), 0, reps)))
+    out = []
+    for xs in samples:
+        s = sorted(x - fence_us for x in xs)
+        out.append(Timing(max(0.0, statistics.median(s)) / calls,
+                          max(0.0, _percentile(s, 0.1)) / calls,
+                          max(0.0, _percentile(s, 0.9)) / calls, len(s), 0.0))  # fmt: skip
+    return out
 
 
 _SIDE = threading.local()  # per thread: {device index: its side stream}

@@ -494,8 +494,8 @@ class Trial:
     def gpu_times(
         self, runners: dict[str, Runner], base: Measurement, challenger: Measurement
     ) -> GraphPair:
-        """Graph-replay GPU time per call of baseline and challenger (None: capture failed);
-        None altogether off the GPU."""
+        """Graph-replay GPU time per call of baseline and challenger (None: capture failed),
+        taken side by side (``timing.graph_duel``); None altogether off the GPU."""
         if self.device != "cuda":
             return None
         out: list[timing.Timing | None] = []
@@ -503,6 +503,12 @@ class Trial:
         # both timed alike: as many calls per graph as the quicker one needs
         call_us = min(m.median_us or math.inf for m in (base, challenger))
         calls = timing.graph_calls(call_us, len(sets))
+        fns = [timing.on_sets(runners[m.candidate], sets) for m in (base, challenger)]
+        try:
+            base_gpu, chal_gpu = timing.graph_duel(fns, calls)
+            return base_gpu, chal_gpu
+        except Exception:  # one of them cannot be captured: which, is found below
+            torch.cuda.synchronize()
         for m in (base, challenger):
             runner = runners[m.candidate]
             try:
