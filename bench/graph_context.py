@@ -10,7 +10,7 @@ bf16, one phase: ``--phase prefill`` or ``decode:<batch>``):
 
 1. **Record** the phase's problems, **tune** those without a winner in the cache (``TUNER_CACHE``)
    to a deadline, ``tuner.warmup()`` (as ``dropin_decoder``).
-2. **The step**, CUDA-graph replay and eager, in rotating rounds, served five ways: all by torch,
+2. **The step**, CUDA-graph replay and eager, in shuffled rounds, served five ways: all by torch,
    all by the tuner, and the tuner serving one projection only (``qkv``, ``o``, ``gate_up``,
    ``down``; torch the rest); each of those again *fenced*: a one-element torch kernel launched
    before every projection, so that no projection overlaps the kernel ahead of it.

@@ -20,7 +20,7 @@ layer (``dropin_decoder.DecoderLayer``, random weights), run as these variants:
    (the winners' kernels loaded before any CUDA graph is captured, as users must).
 2. **Measure** per phase (decode batches of one token against a K/V cache of ``--kv-len``, and a
    prefill of ``--prefill-seq`` tokens): time per layer step, CUDA-graph replay and eager, every
-   variant in each of ``--rounds`` rounds (the order rotating); medians, and each variant's time
+   variant in each of ``--rounds`` rounds (the order shuffled each round); medians, and each variant's time
    over ``bf16 torch``'s (> 1: faster) and, per format, torch's over the tuner's.
 3. **Activations' quantization alone** (first, before any profiler runs): ``quantize_rowwise``
    (the fused kernel) beside torch's ops, CUDA-graph and eager time per call (the kernel launched
@@ -39,6 +39,7 @@ import collections
 import contextlib
 import copy
 import json
+import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -126,7 +127,9 @@ def measure_phase(
     args: argparse.Namespace,
     baseline: Any = BASELINE,
 ) -> dict[str, Any]:
-    """Every variant's step, CUDA graph (GPU) and eager, in rotating order over the rounds; each
+    """Every variant's step, CUDA graph (GPU) and eager, in an order shuffled each round (seeded):
+    in a fixed or rotating order each variant follows the same one, and the GPU's clock after a
+    run of heavy steps is not what it is after light ones, which biases a pair of variants; each
     output against ``baseline``'s (bf16 torch's step; any variant with a ``name``)."""
     out: dict[str, Any] = {}
     graphs: dict[Variant, Callable[[], Any]] = {}
@@ -148,7 +151,7 @@ def measure_phase(
         }
         order = list(steps)
         for r in range(args.rounds):
-            for v in order[r % len(order) :] + order[: r % len(order)]:
+            for v in random.Random(r).sample(order, len(order)):
                 if v in graphs:
                     times[v]["graph"].append(step_us(graphs[v], args.iters))
                 with within(v):
