@@ -15,8 +15,8 @@ intermediate 14336; fused QKV and gate/up projections as vLLM runs them.
 3. **Measure**, for prefill (batch 1, ``--prefill-seq`` tokens, causal) and decode (one token per
    sequence against a KV cache of ``--kv-len``, batches ``--decode-batches``, plus
    ``--extra-batches`` that are never tuned and so show the bucket policy): time per layer step,
-   eager and CUDA-graph replay, tuner off and on, in interleaved rounds (median over rounds of
-   CUDA-event time per step). Ratio = off / on (> 1: the tuner is faster). Per decode batch
+   eager and CUDA-graph replay, tuner off and on, in interleaved rounds in a shuffled order
+   (median over rounds of CUDA-event time per step). Ratio = off / on (> 1: the tuner is faster). Per decode batch
    (GPU): the kernel time under the ops the tuner routes (torch.profiler, tuner off) and
    Amdahl's bound on the graph ratio if those kernels read their bytes (weights and K/V cache)
    at the memory's peak bandwidth, or at the measured copy bandwidth.
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -346,7 +347,9 @@ MODES = ("eager_off", "eager_on", "graph_off", "graph_on")
 def measure_phase(
     tt: Any, disp: Any, step: Callable[[], Any], args: argparse.Namespace
 ) -> dict[str, Any]:
-    """Eager and CUDA-graph replay (GPU only), tuner off and on, interleaved over rounds."""
+    """Eager and CUDA-graph replay (GPU only), tuner off and on, interleaved over rounds in an
+    order shuffled each round (seeded): after a mode's heavy steps the GPU's clock is not what it
+    is after light ones, and a fixed order would charge that to the mode that follows."""
     row: dict[str, Any] = {}
     runs: dict[str, Callable[[], Any]] = {"eager_off": step}
 
@@ -370,8 +373,8 @@ def measure_phase(
         modes = [mode for mode in MODES if mode in runs or mode == "eager_on"]
         times: dict[str, list[float]] = {mode: [] for mode in modes}
         tt.reset_stats(disp)
-        for _ in range(args.rounds):
-            for mode in modes:
+        for r in range(args.rounds):  # shuffled: in a fixed order each mode follows the same one
+            for mode in random.Random(r).sample(modes, len(modes)):
                 if mode == "eager_on":
                     with on():
                         times[mode].append(step_us(step, args.iters))
