@@ -647,6 +647,32 @@ def bound_plot_path(plot_path: Path) -> Path:
     return plot_path.with_name(plot_path.stem + "_bound.png")
 
 
+def bf16_layer(
+    args: argparse.Namespace, script: str
+) -> tuple[str, LlamaConfig, DecoderLayer, torch.Generator]:
+    """A layer benchmark's set-up: the device (``script`` exits without a GPU unless
+    ``--smoke``), Llama-3-8B's config (tiny with ``--smoke``, on one CPU thread), its layer in
+    bf16 with random weights (seed 0), and the generator, which goes on to make the inputs."""
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU (or --smoke for a CPU check)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = TINY if args.smoke else LLAMA3_8B
+    if args.smoke:
+        torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    layer = DecoderLayer(cfg, max_pos=max(args.kv_len, args.prefill_seq))
+    init_weights(layer, gen)
+    return device, cfg, layer.to(device, torch.bfloat16).eval(), gen
+
+
+def save_json(path: Path, result: dict[str, Any], started: float) -> None:
+    """``result`` with the seconds since ``started``, written after every stage: a run cut
+    short by a timeout still leaves its data."""
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+
+
 def run_header(name: str, args: argparse.Namespace, device: str, config: dict) -> dict[str, Any]:
     """The head of a run's JSON: which benchmark, on what device and versions, with what."""
     from tuner.core.device import fingerprint
@@ -671,6 +697,28 @@ def warm_up(disp: Any) -> dict[str, Any]:
     report = warmup(progress=False, dispatcher=disp, fetch=False)
     failures = [vars(f) for f in report.failures]
     return {"loaded": report.loaded, "ready": report.ready, "failures": failures}
+
+
+def tune_and_serve(
+    tt: Any,
+    disp: Any,
+    runs: list[Callable[[], Any]],
+    args: argparse.Namespace,
+    device: str,
+    result: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
+    """Record the problems ``runs`` make into ``disp``, tune those without a winner (none with
+    ``--skip-tune``; ``save()`` after), then have ``disp`` serve the cache's winners, warmed up:
+    the run's "recorded", "tuning" and "warmup"."""
+    keys = record_keys(tt, disp, runs)
+    print(f"{len(keys)} problems recorded", flush=True)
+    result["recorded"] = keys
+    result["tuning"] = [] if args.skip_tune else tune_missing(keys, args, device)
+    save()
+    disp.reload()
+    disp.set_mode("lookup")
+    result["warmup"] = warm_up(disp)
 
 
 def add_tuning_arguments(parser: argparse.ArgumentParser, launch: str, deadline_s: float) -> None:
@@ -766,10 +814,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = {**vars(cfg), "dtype": str(dtype).removeprefix("torch.")}
     result = run_header("dropin_decoder", args, device, config)
 
-    def save() -> None:  # after every stage: a run cut short by a timeout still leaves its data
-        result["seconds"] = round(time.perf_counter() - started, 1)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    def save() -> None:
+        save_json(args.out, result, started)
 
     keys = record_keys(tt, disp, tuned_runs)
     print(f"{len(keys)} problems recorded", flush=True)

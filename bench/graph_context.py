@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,20 +38,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.dropin_decoder import (
-    LLAMA3_8B,
-    TINY,
     DecoderLayer,
     Phase,
     add_tuning_arguments,
+    bf16_layer,
     bind,
     capture,
-    init_weights,
     make_inputs,
-    record_keys,
     run_header,
+    save_json,
     step_us,
-    tune_missing,
-    warm_up,
+    tune_and_serve,
 )
 from bench.quantized_decoder import measure_phase
 
@@ -281,38 +277,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if not args.smoke and not torch.cuda.is_available():
-        raise SystemExit("graph_context.py needs a CUDA GPU (or --smoke for a CPU check)")
+    started = time.perf_counter()
+    device, cfg, layer, gen = bf16_layer(args, "graph_context.py")
     import tuner.torch as tt
     from tuner.serving.dispatcher import Dispatcher
 
-    started = time.perf_counter()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = TINY if args.smoke else LLAMA3_8B
-    if args.smoke:
-        torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
-    layer = DecoderLayer(cfg, max_pos=max(args.kv_len, args.prefill_seq))
-    init_weights(layer, gen)
-    layer = layer.to(device, torch.bfloat16).eval()
     phase = args.phase
     step = bind(layer, make_inputs(cfg, phase, args.kv_len, gen, device, torch.bfloat16))
     disp = Dispatcher(mode="record")
     disp.set_buckets("exact")
     result = run_header("graph_context", args, device, vars(cfg))
 
-    def save() -> None:  # after every stage: a run cut short still leaves its data
-        result["seconds"] = round(time.perf_counter() - started, 1)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1, default=str))
+    def save() -> None:
+        save_json(args.out, result, started)
 
-    keys = record_keys(tt, disp, [step])
-    result["recorded"] = keys
-    result["tuning"] = [] if args.skip_tune else tune_missing(keys, args, device)
-    save()
-    disp.reload()
-    disp.set_mode("lookup")
-    result["warmup"] = warm_up(disp)
+    tune_and_serve(tt, disp, [step], args, device, result, save)
     tt.reset_stats(disp)
 
     steps = {setup: step for setup in SETUPS}

@@ -38,7 +38,6 @@ import argparse
 import collections
 import contextlib
 import copy
-import json
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -51,22 +50,18 @@ import torch
 from torch import nn
 
 from bench.dropin_decoder import (
-    LLAMA3_8B,
-    TINY,
-    DecoderLayer,
     add_tuning_arguments,
+    bf16_layer,
     bind,
     build_phases,
     capture,
-    init_weights,
     make_inputs,
     profile_step,
-    record_keys,
     run_header,
+    save_json,
     step_us,
     summary,
-    tune_missing,
-    warm_up,
+    tune_and_serve,
 )
 from tuner.measure import samples
 from tuner.quant import fp8, fp8_rows
@@ -316,20 +311,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if not args.smoke and not torch.cuda.is_available():
-        raise SystemExit("quantized_decoder.py needs a CUDA GPU (or --smoke for a CPU check)")
+    started = time.perf_counter()
+    device, cfg, plain, gen = bf16_layer(args, "quantized_decoder.py")
     import tuner.torch as tt
     from tuner.serving.dispatcher import Dispatcher
 
-    started = time.perf_counter()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = TINY if args.smoke else LLAMA3_8B
-    if args.smoke:
-        torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
-    plain = DecoderLayer(cfg, max_pos=max(args.kv_len, args.prefill_seq))
-    init_weights(plain, gen)
-    plain = plain.to(device, torch.bfloat16).eval()
     layers: dict[str, nn.Module] = {"bf16": plain}
     quantize_started = time.perf_counter()
     load_s = {}
@@ -350,20 +336,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["quantize_s"] = load_s
     result["weight_bytes"] = {name: weight_bytes(layer) for name, layer in layers.items()}
 
-    def save() -> None:  # after every stage: a run cut short still leaves its data
-        result["seconds"] = round(time.perf_counter() - started, 1)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    def save() -> None:
+        save_json(args.out, result, started)
 
     runs = [steps[p][v] for p in phases for v in variants if v.by == "tuner"]
-    keys = record_keys(tt, tuned, runs)
-    print(f"{len(keys)} problems recorded", flush=True)
-    result["recorded"] = keys
-    result["tuning"] = [] if args.skip_tune else tune_missing(keys, args, device)
-    save()
-    tuned.reload()
-    tuned.set_mode("lookup")
-    result["warmup"] = warm_up(tuned)
+    tune_and_serve(tt, tuned, runs, args, device, result, save)
 
     def within(v: Variant) -> contextlib.AbstractContextManager:
         return serving(v, tt, tuned, untuned)

@@ -9,6 +9,8 @@ import pytest
 import torch
 from bench_scripts import load_script
 
+from bench.dropin_decoder import TINY, DecoderLayer
+
 bench = load_script("graph_context")
 
 
@@ -50,13 +52,13 @@ def test_a_setup_routes_only_its_projection_and_fences_every_one(tmp_path: Path)
     import tuner.torch as tt
     from tuner.serving.dispatcher import Dispatcher
 
-    layer = bench.DecoderLayer(bench.TINY, max_pos=16).eval()
-    x = torch.randn(1, 4, bench.TINY.hidden)
+    layer = DecoderLayer(TINY, max_pos=16).eval()
+    x = torch.randn(1, 4, TINY.hidden)
     disp = Dispatcher(tmp_path / "c.db", mode="record")
     with torch.no_grad(), bench.serving(bench.Setup("qkv"), layer, tt, disp):
         layer(x, torch.arange(4))
     (key,) = {r.key for r in disp.resolutions.values()}  # one problem seen: qkv's
-    assert key.startswith(f"gemm:m=4,n={layer.qkv.out_features},k={bench.TINY.hidden},")
+    assert key.startswith(f"gemm:m=4,n={layer.qkv.out_features},k={TINY.hidden},")
     assert not tt.is_enabled()
     calls = []
     fenced = bench.Setup("torch", fenced=True)
