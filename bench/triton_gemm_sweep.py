@@ -22,8 +22,9 @@ import triton
 from tuner.candidates import registry
 from tuner.candidates.triton_gemm import make_runner
 from tuner.candidates.triton_kernels import configs
-from tuner.candidates.triton_kernels.launch import Launcher, warm
+from tuner.candidates.triton_kernels.launch import warm
 from tuner.candidates.triton_kernels.pad import pad_pair
+from tuner.core.triton_launch import Launcher
 from tuner.measure import samples, timing
 from tuner.measure.timing import copy_bandwidth_gbs
 from tuner.offline.model_config import gemm_key

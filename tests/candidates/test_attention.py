@@ -417,7 +417,7 @@ def test_attention_runners_check_the_direct_launch_once(
     """The first call's result stands; a direct launch that differs turns the direct path off."""
     from tuner.candidates.triton_attention import checked_runner
 
-    monkeypatch.setattr("tuner.candidates.triton_kernels.launch.interpreting", lambda: False)
+    monkeypatch.setattr("tuner.core.triton_launch.interpreting", lambda: False)
 
     class FakeLauncher:
         compiled, verified, disabled = True, False, False

@@ -9,11 +9,11 @@ import torch
 
 from tests.candidates.gate import tune_uncut
 from tuner.candidates import registry
-from tuner.candidates.base import interpreting
 from tuner.candidates.torch_lowbit import TorchLowbit
 from tuner.candidates.triton_fp8 import TritonFp8
 from tuner.candidates.triton_w4a16 import TritonW4A16
 from tuner.core.keys import GemmKey, lowbit_fields
+from tuner.core.triton_launch import interpreting
 from tuner.measure import samples
 from tuner.quant import int4_torch
 from tuner.tuning.engine import TuneOptions, tune

@@ -319,7 +319,7 @@ class _Runner(GemmRunner):
 def test_direct_relaunch_is_checked_once_against_the_jit(
     direct: float, kept: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("tuner.candidates.triton_kernels.launch.interpreting", lambda: False)
+    monkeypatch.setattr("tuner.core.triton_launch.interpreting", lambda: False)
     runner = _Runner(direct)
     a, b = torch.ones(4, 16), torch.ones(16, 8)
     assert torch.equal(runner(a, b), torch.ones(4, 8))  # the first call's result stands
@@ -332,7 +332,7 @@ def test_direct_relaunch_is_checked_once_against_the_jit(
                                             ("1", True), ("", True)])  # fmt: skip
 def test_fast_launch_is_turned_off_by_the_usual_words(text: str, fast: bool) -> None:
     """``TUNER_TRITON_FAST_LAUNCH=false`` kept it on: only ``0`` and empty turned it off."""
-    code = "from tuner.candidates.triton_kernels import launch; print(launch.FAST_LAUNCH)"
+    code = "from tuner.core import triton_launch; print(triton_launch.FAST_LAUNCH)"
     env = os.environ | {"TUNER_TRITON_FAST_LAUNCH": text}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)  # fmt: skip

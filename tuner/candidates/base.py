@@ -14,20 +14,15 @@ They run on the current stream, do not synchronize, and honour the strides the k
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from tuner.core.keys import Key
+from tuner.core.triton_launch import interpreting
 
 Runner = Callable[..., Any]
 Params = dict[str, Any]
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def triton_unavailable(

@@ -25,16 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tuner.candidates.base import Params, Runner, Source, interpreting, triton_unavailable
+from tuner.candidates.base import Params, Runner, Source, triton_unavailable
 from tuner.candidates.triton_kernels.cache_keys import settle
-from tuner.candidates.triton_kernels.launch import (
-    FakeTensor,
-    Launcher,
-    WarmJob,
-    precompile,
-    verify_direct,
-)
+from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob, precompile
 from tuner.core.keys import DTYPES, SdpaKey
+from tuner.core.triton_launch import Launcher, interpreting, verify_direct
 
 SMEM_BYTES = 227 * 1024  # Hopper's per-block shared-memory limit
 LOG2E = 1.4426950408889634

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tuner.candidates.base import Params, Runner, Source, interpreting, triton_unavailable
+from tuner.candidates.base import Params, Runner, Source, triton_unavailable
 from tuner.candidates.triton_attention import (
     LOG2E,
     Launch,
@@ -42,6 +42,7 @@ from tuner.candidates.triton_attention import (
 from tuner.candidates.triton_kernels.cache_keys import settle
 from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob, precompile
 from tuner.core.keys import DTYPES, SdpaKey
+from tuner.core.triton_launch import interpreting
 
 MAX_Q_LEN = 16
 MAX_ROWS = 128  # group * q_len rows share one tile

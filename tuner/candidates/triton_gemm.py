@@ -29,21 +29,15 @@ from typing import Any
 import torch
 import triton
 
-from tuner.candidates.base import Params, Runner, Source, interpreting, triton_unavailable
+from tuner.candidates.base import Params, Runner, Source, triton_unavailable
 from tuner.candidates.triton_kernels import configs
 from tuner.candidates.triton_kernels.gemv import gemv
-from tuner.candidates.triton_kernels.launch import (
-    FakeTensor,
-    Launcher,
-    WarmJob,
-    WarmReport,
-    precompile,
-    verify_direct,
-)
+from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob, WarmReport, precompile
 from tuner.candidates.triton_kernels.pad import pad_pair
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA, persistent_tma_gemm
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tiled_gemm
 from tuner.core.keys import DTYPES, ITEMSIZE, GemmKey
+from tuner.core.triton_launch import Launcher, interpreting, verify_direct
 
 log = logging.getLogger(__name__)
 KERNELS = ("tiled", "splitk", "persistent_tma", "gemv")

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tuner.candidates.triton_kernels.launch import Launcher, verify_direct
+from tuner.core.triton_launch import Launcher, verify_direct
 
 MAX_K = 32768  # a row a program, held in registers: wider rows take torch's ops
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

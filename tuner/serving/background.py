@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from tuner.candidates.base import Params, Runner, Source, interpreting
+from tuner.candidates.base import Params, Runner, Source
 from tuner.core.keys import Key
+from tuner.core.triton_launch import interpreting
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,12 @@ import torch
 
 from tuner.cache import ReadOnlyError, Store, StoreError, cache_file, default_path
 from tuner.candidates import registry, torch_lowbit
-from tuner.candidates.base import Runner, interpreting
+from tuner.candidates.base import Runner
 from tuner.candidates.torch_ref import torch_sdpa
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, Key, SdpaKey
 from tuner.core.settings import CHOICES, load_config_file
+from tuner.core.triton_launch import interpreting
 from tuner.measure.records import Winner
 from tuner.serving import lowbit
 from tuner.serving.background import BackgroundLoader, load_runner, may_compile

@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.cache_keys import settle
-from tuner.candidates.triton_kernels.launch import FakeTensor, Launcher, WarmJob, verify_direct
+from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob
 from tuner.candidates.triton_kernels.w4a16 import ACT_DTYPES, CHUNK_K, _weight_tile
+from tuner.core.triton_launch import Launcher, interpreting, verify_direct
 from tuner.quant.int4 import BLOCK_ROWS, CHUNK, check_scales_and_zeros
 
 BLOCKS = (32, 64, 128)  # weight rows per program: parts of a 64-row block, one block or two

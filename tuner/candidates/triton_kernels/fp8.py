@@ -43,7 +43,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels import launch
 from tuner.candidates.triton_kernels.cache_keys import settle
 from tuner.candidates.triton_kernels.configs import SMEM_LIMIT
@@ -51,6 +50,8 @@ from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob
 from tuner.candidates.triton_kernels.persistent import HAS_DEVICE_TMA
 from tuner.candidates.triton_kernels.splitk_arrival import ArrivalCounts, reduce_if_last
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
+from tuner.core import triton_launch
+from tuner.core.triton_launch import interpreting
 from tuner.quant.fp8 import FP8_DTYPES, check_scales
 
 Config = dict[str, Any]
@@ -370,7 +371,7 @@ def plan(m: int, n: int, k: int, rowwise: bool, precise: bool, config: launch.Co
 
 class Plan:
     """One shape's launches bound to a config. A tiled config's kernel launches directly once a
-    direct relaunch reproduced its first (JIT) call bit for bit (``launch.verify_direct``), for
+    direct relaunch reproduced its first (JIT) call bit for bit (``triton_launch.verify_direct``), for
     calls with the same strides, dtypes and pointer alignments; the persistent TMA kernel, and a
     split-K call while a CUDA graph is captured before the arrival counts exist, go through the
     JIT (``_through_jit``). Scales: contiguous ones are read in place."""
@@ -385,7 +386,7 @@ class Plan:
         self.k_split = first.args[-1] if self.direct else 0  # the tiled kernel's last argument
         consts = dict(first.kwargs)
         warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
-        self.main = launch.Launcher(
+        self.main = triton_launch.Launcher(
             first.fn, first.grid, consts, num_warps=warps, num_stages=stages
         )
         self.checked = False
@@ -398,7 +399,7 @@ class Plan:
             _through_jit(a, b, (sa, sb), out, self.config, self.rowwise, self.precise)
             return
         if not self.checked:
-            self.checked = launch.verify_direct([self.main], out,
+            self.checked = triton_launch.verify_direct([self.main], out,
                                                 lambda again: self._launch(a, b, sa, sb, again),
                                                 f"fp8 {self.m}x{self.n}x{self.k}")  # fmt: skip
 

@@ -1,11 +1,4 @@
-"""Launching and compiling the Triton kernels of this project.
-
-``Launcher``: a kernel bound to its grid, constexprs, warps and stages. The first call goes through
-Triton's JIT (which compiles, or loads the binary from Triton's on-disk cache); later calls whose
-*specialization guard* (strides, pointer alignment) is unchanged launch the compiled kernel
-directly with integer pointers. Triton's JIT path costs more host time per launch than
-torch.matmul, and a decode GEMM's kernel is short, so the launch decides whether it wins when
-called eagerly. ``TUNER_TRITON_FAST_LAUNCH=0`` (or ``off``, ``false``, ``no``) turns this off.
+"""Compiling the Triton kernels of this project (their direct launch: ``tuner.core.triton_launch``).
 
 ``warm(jobs)``: compile many kernels in parallel before they are timed; ``precompile`` does it for
 a source's shortlist (every Triton source's ``Source.precompile``). Triton's compiler holds the
@@ -28,153 +21,19 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import triton
 
-from tuner.candidates.base import Params, interpreting
+from tuner.candidates.base import Params
 from tuner.core.lifetime import exit_when_orphaned
-from tuner.core.settings import FLAGS, env_flag, env_number
+from tuner.core.settings import env_number
+from tuner.core.triton_launch import interpreting
 
 log = logging.getLogger(__name__)
-
-FAST_LAUNCH = env_flag("TUNER_TRITON_FAST_LAUNCH", FLAGS["triton_fast_launch"])
-
-
-def _knobs() -> Any:
-    return getattr(triton, "knobs", None)
-
-
-_RUNTIME = getattr(_knobs(), "runtime", None)
-
-
-def _hook_set(hook: Any) -> bool:
-    """Triton >= 3.5 keeps launch hooks in a ``HookChain`` (never None): set means non-empty."""
-    if hook is None:
-        return False
-    calls = getattr(hook, "calls", None)
-    return calls is None or len(calls) > 0
-
-
-def _hooks_set() -> bool:
-    """A profiler's launch hooks are installed: launch through the JIT, which calls them."""
-    rt = _RUNTIME
-    return rt is None or _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
-
-
-_stream_of: Any = None  # device index -> raw CUDA stream handle
-_device: Any = None
-
-
-def _current_stream() -> int:
-    """The current CUDA stream of the current device, as the raw handle Triton's launcher takes."""
-    global _stream_of, _device
-    if _stream_of is None:
-        import torch
-
-        _device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-        _stream_of = torch._C._cuda_getCurrentRawStream
-    return _stream_of(_device())
-
-
-class Launcher:
-    """A kernel bound to its grid, constexprs, warps and stages.
-
-    ``launcher(args, guard)`` runs ``fn[grid](*args, **constexprs)`` through Triton's JIT: ``args``
-    are the runtime arguments in declaration order (a kernel's constexpr parameters must all come
-    after them) and ``guard`` is any hashable that changes whenever Triton would specialize the
-    call differently (strides, 16-byte alignment of the pointers). It keeps the compiled kernel;
-    while ``ready(guard)``, ``raw(args)`` launches it directly with the tensors replaced by their
-    ``data_ptr()`` integers, which also skips the launcher's per-pointer driver query (the JIT
-    path validated those pointers on the first call). The owner sets ``verified`` after checking
-    that a direct launch reproduces the JIT launch bit for bit (``GemmRunner``), or ``disable``s
-    the direct path. ``scratch``: a device pointer for kernels
-    that need global scratch memory (TMA descriptors made on the device), see ``scratch_bytes``.
-    """
-
-    def __init__(
-        self,
-        fn: Any,
-        grid: tuple[int, ...],
-        constexprs: dict[str, Any],
-        *,
-        num_warps: int,
-        num_stages: int,
-    ) -> None:
-        self.fn = fn
-        self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.kwargs = {**constexprs, "num_warps": num_warps, "num_stages": num_stages}
-        self._compiled: Any = None
-        self._guard: Hashable = None
-        self._direct: Any = None  # the C launch function, when Triton's launcher exposes it
-        self.scratch_bytes = 0
-        self._tail: tuple[Any, ...] = ()
-        self._fast = FAST_LAUNCH and not interpreting()
-        self.verified = False  # set by the runner once a direct launch reproduced the JIT's bits
-        if self._fast:
-            params = getattr(fn, "params", None)
-            if params is None:
-                self._fast = False
-            else:
-                names = [p.name for p in params if p.is_constexpr]
-                n_runtime = len(params) - len(names)
-                if any(p.is_constexpr for p in params[:n_runtime]):
-                    raise TypeError(f"{fn}: constexpr parameters must come after runtime ones")
-                missing = set(names) - set(constexprs)
-                if missing:
-                    raise TypeError(f"{fn}: missing constexprs {sorted(missing)}")
-                self._tail = tuple(constexprs[n] for n in names)
-
-    @property
-    def compiled(self) -> bool:
-        """The JIT launched this kernel once and kept it: a direct launch is possible."""
-        return self._compiled is not None
-
-    def ready(self, guard: Hashable) -> bool:
-        """Launch directly: verified by the runner, compiled, same specialization, no hooks."""
-        return (
-            self.verified
-            and self._compiled is not None
-            and guard == self._guard
-            and not _hooks_set()
-        )
-
-    def disable(self) -> None:
-        """Always launch through the JIT from now on."""
-        self._fast, self._compiled, self.verified = False, None, False
-
-    def raw(self, args: Sequence[Any], scratch: int | None = None) -> None:
-        ck, g = self._compiled, self.grid
-        if self._direct is not None:
-            run = ck.run
-            self._direct(g[0], g[1], g[2], _current_stream(), ck.function,
-                         run.launch_cooperative_grid, run.launch_pdl, scratch, None,
-                         ck.packed_metadata, None, None, None, *args, *self._tail)  # fmt: skip
-            return
-        ck.run(g[0], g[1], g[2], _current_stream(), ck.function, ck.packed_metadata, None, None, None,
-               *args, *self._tail)  # fmt: skip
-
-    def __call__(self, args: Sequence[Any], guard: Hashable) -> None:
-        ck = self.fn[self.grid](*args, **self.kwargs)
-        if self._fast and all(hasattr(ck, a) for a in ("run", "function", "packed_metadata")):
-            self._compiled, self._guard = ck, guard
-            self._bind_direct(ck)
-
-    def _bind_direct(self, ck: Any) -> None:
-        """Use the C launch function itself when the Python launcher around it only allocates
-        scratch (Triton 3.x's CudaLauncher); otherwise ``raw`` goes through ``ck.run``."""
-        run = ck.run
-        needed = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size",
-                  "profile_scratch_size", "num_ctas")  # fmt: skip
-        self._direct = None
-        if all(hasattr(run, a) for a in needed) and not run.profile_scratch_size:
-            g = self.grid
-            self.scratch_bytes = run.global_scratch_size * g[0] * g[1] * g[2] * run.num_ctas
-            self._direct = run.launch
-
 
 ConfigKey = tuple[tuple[str, str, Any], ...]
 
@@ -199,31 +58,6 @@ def config_key(config: Params, check: Callable[[], None]) -> ConfigKey:
                                  f"bool") from None  # fmt: skip
         raise
     return key
-
-
-def verify_direct(
-    launchers: Sequence[Launcher], out: Any, relaunch: Callable[[Any], Any], what: str
-) -> bool:
-    """Once, after a runner's first (JIT) call wrote ``out``: launch again through the direct path
-    into a fresh buffer (``relaunch(buffer)``) and require the same bits (every kernel here is
-    deterministic), else keep to the JIT. Returns False, to be asked again on a later call,
-    while a CUDA graph is being captured (no synchronisation allowed then)."""
-    if interpreting() or not all(x.compiled for x in launchers):
-        return True  # no direct path to check (interpreter, FAST_LAUNCH off)
-    import torch
-
-    if out.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    for x in launchers:
-        x.verified = True
-    again = torch.empty_like(out)
-    relaunch(again)
-    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[out.element_size()]
-    if not torch.equal(again.view(bits), out.view(bits)):
-        log.warning("%s: a direct relaunch differs from the JIT launch; direct launch off", what)
-        for x in launchers:
-            x.disable()
-    return True
 
 
 # --- parallel compilation ----------------------------------------------------------------------
@@ -260,7 +94,7 @@ class FakeTensor:
 
 def _capture(jobs: Sequence[WarmJob]) -> list[tuple[str, str, str]]:
     """The (module, qualname, specialization) of every job the JIT has not compiled yet."""
-    knobs = _knobs()
+    knobs = getattr(triton, "knobs", None)
     if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook"):
         raise RuntimeError("this Triton has no knobs.runtime.jit_cache_hook")
     captured: dict[str, tuple[str, str, str]] = {}

@@ -40,16 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tuner.candidates.base import interpreting
 from tuner.candidates.triton_kernels.cache_keys import settle
-from tuner.candidates.triton_kernels.launch import (
-    ConfigKey,
-    FakeTensor,
-    Launcher,
-    WarmJob,
-    config_key,
-    verify_direct,
-)
+from tuner.candidates.triton_kernels.launch import ConfigKey, FakeTensor, WarmJob, config_key
 from tuner.candidates.triton_kernels.splitk_arrival import (
     ArrivalCounts,
     arrive,
@@ -57,6 +49,7 @@ from tuner.candidates.triton_kernels.splitk_arrival import (
     sum_when_arrived,
 )
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
+from tuner.core.triton_launch import Launcher, interpreting, verify_direct
 from tuner.quant.int4 import BLOCK_ROWS, CHUNK, check_group_size, check_scales_and_zeros
 
 Config = dict[str, Any]
