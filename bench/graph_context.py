@@ -10,7 +10,7 @@ bf16, one phase: ``--phase prefill`` or ``decode:<batch>``):
 
 1. **Record** the phase's problems, **tune** those without a winner in the cache (``TUNER_CACHE``)
    to a deadline, ``tuner.warmup()`` (as ``dropin_decoder``).
-2. **The step**, CUDA-graph replay and eager, in shuffled rounds, served five ways: all by torch,
+2. **The step**, CUDA-graph replay and eager, in shuffled rounds, served six ways: all by torch,
    all by the tuner, and the tuner serving one projection only (``qkv``, ``o``, ``gate_up``,
    ``down``; torch the rest); each of those again *fenced*: a one-element torch kernel launched
    before every projection, so that no projection overlaps the kernel ahead of it.
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -92,8 +94,10 @@ def hooks(module: nn.Module, before: Callable[[], Any], after: Callable[[], Any]
             handle.remove()
 
 
-def fence_kernel(device: str) -> Callable[[], Any]:
-    """One plain launch of a one-element torch kernel: the next kernel waits for it to end."""
+@functools.cache
+def fence_kernel(device: torch.device) -> Callable[[], Any]:
+    """One plain launch of a one-element torch kernel: the next kernel waits for it to end. One
+    a device, kept for the process: a captured graph writes its flag on every replay."""
     flag = torch.zeros(1, device=device)
     return lambda: flag.add_(1)
 
@@ -101,12 +105,11 @@ def fence_kernel(device: str) -> Callable[[], Any]:
 @contextlib.contextmanager
 def serving(setup: Setup, layer: DecoderLayer, tt: Any, disp: Any) -> Iterator[None]:
     """The layer's calls served as ``setup`` says while the block runs."""
-    fence = fence_kernel(layer.cos.device.type)
     with contextlib.ExitStack() as stack:
         if setup.served == "tuner":
             stack.enter_context(tt.enabled(dispatcher=disp))
         elif setup.served in PROJECTIONS:
-            inner = contextlib.ExitStack()
+            inner = stack.enter_context(contextlib.ExitStack())  # closed even if a forward raises
             stack.enter_context(
                 hooks(
                     getattr(layer, setup.served),
@@ -115,6 +118,7 @@ def serving(setup: Setup, layer: DecoderLayer, tt: Any, disp: Any) -> Iterator[N
                 )
             )
         if setup.fenced:
+            fence = fence_kernel(layer.cos.device)
             for name in PROJECTIONS:
                 stack.enter_context(hooks(getattr(layer, name), fence, lambda: None))
         yield
@@ -154,35 +158,42 @@ def alone_times(
     layer: DecoderLayer, rows: int, tt: Any, disp: Any, args: argparse.Namespace
 ) -> dict[str, Any]:
     """Per projection: time per call of torch's and the tuner's GEMM, ``args.calls`` back to back
-    and each after a fence (the fences' own time taken off); best of ``args.rounds`` rounds."""
+    and each after a fence (the fences' own time taken off). The five graphs (each twice, and
+    the fences alone) are read side by side, ``args.rounds`` rounds in ``timing.round_order``,
+    each at its quickest round."""
+    from tuner.measure.timing import round_order
+
     gen = torch.Generator().manual_seed(3)
     inputs = projection_inputs(layer, rows, gen)
-    fence = fence_kernel(layer.cos.device.type)
-
-    def timed(fn: Callable[[], Any]) -> float:
-        if not torch.cuda.is_available():
-            return min(step_us(fn, 1) for _ in range(args.rounds)) / args.calls
-        graph = capture(fn)
-        return min(step_us(graph.replay, 1) for _ in range(args.rounds)) / args.calls
-
-    fences_us = timed(repeated(fence, args.calls))
-    out: dict[str, Any] = {"fence_us": fences_us}
+    fence = fence_kernel(layer.cos.device)
+    out: dict[str, Any] = {}
     for name in PROJECTIONS:
         gemm = linear_of(inputs[name], getattr(layer, name).weight)
-        row: dict[str, Any] = {}
+        runs = {"fences": repeated(fence, args.calls)}
         for who, ctx in (
             ("torch", contextlib.nullcontext),
             ("tuner", lambda: tt.enabled(dispatcher=disp)),
         ):
             with ctx(), torch.no_grad():
                 gemm()  # resolves the signature eagerly, before any capture
-                row[f"{who}_us"] = timed(repeated(gemm, args.calls))
-                fenced = timed(repeated(gemm, args.calls, before=fence))
-                row[f"{who}_fenced_us"] = fenced - fences_us
+                runs[who] = replayable(repeated(gemm, args.calls))
+                runs[f"{who}_fenced"] = replayable(repeated(gemm, args.calls, before=fence))
+        best = dict.fromkeys(runs, math.inf)
+        for r in range(args.rounds):
+            for what in round_order(list(runs), r):
+                best[what] = min(best[what], step_us(runs[what], 1) / args.calls)
+        row = {f"{who}_us": best[who] for who in ("torch", "tuner")}
+        for who in ("torch", "tuner"):
+            row[f"{who}_fenced_us"] = best[f"{who}_fenced"] - best["fences"]
         row["saving_us"] = row["torch_us"] - row["tuner_us"]
         row["fenced_saving_us"] = row["torch_fenced_us"] - row["tuner_fenced_us"]
-        out[name] = row
+        out[name] = {"fence_us": best["fences"], **row}
     return out
+
+
+def replayable(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` captured in a CUDA graph, its replay (on the GPU); ``fn`` itself on the CPU."""
+    return capture(fn).replay if torch.cuda.is_available() else fn
 
 
 def winner_of(served: dict[str, str], proj: nn.Linear, phase: Phase) -> str | None:
@@ -200,8 +211,9 @@ def step_savings(times: dict[str, Any], kind: str) -> dict[str, Any]:
         if base is None:
             continue
         for served in ("tuner", *PROJECTIONS):
-            t = times[Setup(served, fenced).name][kind]["median_us"]
-            out.setdefault(served, {})["fenced" if fenced else "plain"] = base["median_us"] - t
+            t = times[Setup(served, fenced).name].get(kind)  # None: its capture failed
+            saving = base["median_us"] - t["median_us"] if t else math.nan
+            out.setdefault(served, {})["fenced" if fenced else "plain"] = saving
     return out
 
 
@@ -302,16 +314,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         name: winner_of(served, getattr(layer, name), phase) for name in PROJECTIONS
     }
     result["step"] = times
+    save()
     kind = "graph" if device == "cuda" else "eager"
     result["step_saving_us"] = step_savings(times, kind)
-    save()
     result["alone"] = alone_times(layer, phase.batch * phase.tokens, tt, disp, args)
     result["complete"] = True
     save()
 
     print(f"{phase.label}, {kind} time per step (us):", flush=True)
     for setup in SETUPS:
-        print(f"  {setup.name:<30} {times[setup.name][kind]['median_us']:9.1f}", flush=True)
+        t = times[setup.name].get(kind, {}).get("median_us", math.nan)
+        print(f"  {setup.name:<30} {t:9.1f}", flush=True)
     print("the tuner's saving (us): alone / alone fenced / in the step / in the step fenced")
     for name in PROJECTIONS:
         a, s = result["alone"][name], result["step_saving_us"][name]

@@ -211,14 +211,15 @@ def act_quant_times(cfg: Any, rows: list[int], args: argparse.Namespace) -> list
     """Per call of the fused rowwise quantization and of torch's ops, at the layer's K (hidden:
     qkv and gate_up; intermediate: down) and the phases' rows: CUDA-graph time (the GPU's), and
     eager time back to back (the host's where it is longer), the fused kernel's both launched
-    directly and through Triton's JIT (``fp8_rows.DIRECT_ROWS`` at 0)."""
+    directly and through Triton's JIT (``fp8_rows.DIRECT_ROWS`` at 0); above ``DIRECT_ROWS``
+    rows (``direct`` False) both take the JIT."""
     out = []
     gen = torch.Generator().manual_seed(2)
     jit = mock.patch.object(fp8_rows, "DIRECT_ROWS", 0)
     for m in rows:
         for k in sorted({cfg.hidden, cfg.intermediate}):
             x = torch.randn((m, k), generator=gen).to("cuda", torch.bfloat16)
-            row: dict[str, Any] = {"m": m, "k": k}
+            row: dict[str, Any] = {"m": m, "k": k, "direct": m <= fp8_rows.DIRECT_ROWS}
             for name, fn in (
                 ("fused", fp8.quantize_rowwise),
                 ("torch", fp8.quantize_rowwise_torch),

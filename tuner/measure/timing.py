@@ -15,8 +15,9 @@ figure they report follows the same rules.
 - ``sustained_time``: a compute-bound call's time over a stretch of calls back to back, at the
   clock the GPU keeps at its power limit (the tuner's duels of GPU-bound calls use it).
 - ``graph_time``: GPU time alone, from calls captured in a CUDA graph and replayed (what a caller
-  that runs its step as a graph sees; event times of small eager calls are host-bound). It is the
-  one CUDA-graph timer: the tuner and every suite and bench script use it, fence included.
+  that runs its step as a graph sees; event times of small eager calls are host-bound), fence
+  included. ``graph_duel``: the same for several runners, read side by side in rounds, as the
+  tuner's duels take them (one after the other, the first met a clock still settling).
 """
 
 from __future__ import annotations

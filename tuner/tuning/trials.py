@@ -300,7 +300,8 @@ class Trial:
         a tie, and a tie keeps the baseline, unless the GPU times show the win where the host's
         launch hides the kernels (``eager_win``).
 
-        On the GPU both are also timed in a CUDA graph (GPU time alone, ``timing.graph_time``):
+        On the GPU both are also timed in a CUDA graph (GPU time alone), side by side
+        (``timing.graph_duel``; one at a time only where one of them cannot be captured):
         with ``launch="graph"`` that is the time compared; eagerly the challenger must in addition
         be no slower on the GPU than the baseline beyond the margin. An eager win that is only a
         cheaper launch (a kernel quicker to launch than cuBLAS but slower on the GPU) would make
@@ -507,7 +508,9 @@ class Trial:
         try:
             base_gpu, chal_gpu = timing.graph_duel(fns, calls)
             return base_gpu, chal_gpu
-        except Exception:  # one of them cannot be captured: which, is found below
+        except Exception as e:  # which runner cannot be captured is found below, one at a time
+            log.info("graph duel of %s and %s: %s; timed one at a time", base.candidate,
+                     challenger.candidate, short_error(e)[:300])  # fmt: skip
             torch.cuda.synchronize()
         for m in (base, challenger):
             runner = runners[m.candidate]
