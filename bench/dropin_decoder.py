@@ -707,17 +707,21 @@ def tune_and_serve(
     device: str,
     result: dict[str, Any],
     save: Callable[[], None],
+    buckets: str | None = None,
 ) -> None:
     """Record the problems ``runs`` make into ``disp``, tune those without a winner (none with
-    ``--skip-tune``; ``save()`` after), then have ``disp`` serve the cache's winners, warmed up:
-    the run's "recorded", "tuning" and "warmup"."""
+    ``--skip-tune``; ``save()`` after each), then have ``disp`` serve the cache's winners (by
+    ``buckets``' policy where given), warmed up: the run's "recorded", "tuning" and "warmup"."""
     keys = record_keys(tt, disp, runs)
     print(f"{len(keys)} problems recorded", flush=True)
     result["recorded"] = keys
+    save()
     result["tuning"] = [] if args.skip_tune else tune_missing(keys, args, device)
     save()
     disp.reload()
     disp.set_mode("lookup")
+    if buckets is not None:
+        disp.set_buckets(buckets)
     result["warmup"] = warm_up(disp)
 
 
@@ -817,17 +821,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def save() -> None:
         save_json(args.out, result, started)
 
-    keys = record_keys(tt, disp, tuned_runs)
-    print(f"{len(keys)} problems recorded", flush=True)
-    result["recorded"] = keys
-    save()
-    result["tuning"] = [] if args.skip_tune else tune_missing(keys, args, device)
-    save()
-
-    disp.reload()
-    disp.set_mode("lookup")
-    disp.set_buckets(args.buckets)
-    result["warmup"] = warm_up(disp)
+    tune_and_serve(tt, disp, tuned_runs, args, device, result, save, buckets=args.buckets)
     overhead = hit_path_overhead(tt, disp, args, device, dtype)
     print(f"hit-path overhead per call (us): {json.dumps(overhead['per_call_us'])}", flush=True)
     result["overhead"] = overhead
