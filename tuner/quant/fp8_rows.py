@@ -110,32 +110,34 @@ def _warps(block: int) -> int:
     return min(16, max(1, block // 1024))
 
 
+def _launch(entry: _Direct, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """One launch of ``entry``'s kernel: directly where its guard holds, else through the JIT."""
+    ptrs = (x.data_ptr(), q.data_ptr(), scale.data_ptr())
+    strides = (x.stride(0), q.stride(0))
+    guard = (*strides, *(p % 16 for p in ptrs))
+    if entry.launcher.ready(guard):
+        entry.launcher.raw((*ptrs, x.shape[1], *strides))
+    else:
+        entry.launcher((x, q, scale, x.shape[1], *strides), guard)
+
+
 def _launch_direct(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, min_amax: float
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, spec: tuple, min_amax: float
 ) -> None:
+    """``x``'s rows quantized into ``q`` and ``scale`` by the launcher of its shape (made and
+    checked against the JIT on its first call); ``spec``: ``_specialization(x, q.dtype)``."""
     m, k = x.shape
-    spec = _specialization(x, dtype)
     entry = _DIRECT.get(key := (*spec, min_amax, m, k))
     if entry is None:
         block = spec[-1]
-        launcher = Launcher(_quantize_rows, (m,), _constexprs(dtype, min_amax, block),
+        launcher = Launcher(_quantize_rows, (m,), _constexprs(q.dtype, min_amax, block),
                             num_warps=_warps(block), num_stages=STAGES)  # fmt: skip
         entry = _DIRECT[key] = _Direct(launcher)
-
-    def launch(q: torch.Tensor, scale: torch.Tensor) -> None:
-        ptrs = (x.data_ptr(), q.data_ptr(), scale.data_ptr())
-        strides = (x.stride(0), q.stride(0))
-        guard = (*strides, *(p % 16 for p in ptrs))
-        if entry.launcher.ready(guard):
-            entry.launcher.raw((*ptrs, k, *strides))
-        else:
-            entry.launcher((x, q, scale, k, *strides), guard)
-
-    launch(q, scale)
+    _launch(entry, x, q, scale)
     if not entry.checked:
         again_scale = torch.empty_like(scale)
         entry.checked = verify_direct([entry.launcher], q,
-                                      lambda again: launch(again, again_scale),
+                                      lambda again: _launch(entry, x, again, again_scale),
                                       f"fp8_rows {m}x{k}")  # fmt: skip
         relaunched = entry.checked and entry.launcher.verified
         if relaunched and not torch.equal(again_scale.view(torch.int32), scale.view(torch.int32)):
@@ -156,14 +158,15 @@ def quantize(
     q = torch.empty((m, k), dtype=dtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
+        spec = _specialization(x, dtype)
         on_its_device = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
         with on_its_device:  # Triton launches on the current device
             if m <= DIRECT_ROWS:
-                _launch_direct(x, q, scale, dtype, min_amax)
+                _launch_direct(x, q, scale, spec, min_amax)
             else:
-                block = triton.next_power_of_2(k)
+                block = spec[-1]
                 _quantize_rows[(m,)](x, q, scale, k, x.stride(0), q.stride(0),
                                      **_constexprs(dtype, min_amax, block), num_warps=_warps(block),
                                      num_stages=STAGES)  # fmt: skip
-        _LAUNCHED.add(_specialization(x, dtype))
+        _LAUNCHED.add(spec)
     return q, scale
