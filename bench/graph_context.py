@@ -158,8 +158,8 @@ def alone_times(
     layer: DecoderLayer, rows: int, tt: Any, disp: Any, args: argparse.Namespace
 ) -> dict[str, Any]:
     """Per projection: time per call of torch's and the tuner's GEMM, ``args.calls`` back to back
-    and each after a fence (the fences' own time taken off). The five graphs (each twice, and
-    the fences alone) are read side by side, ``args.rounds`` rounds in ``timing.round_order``,
+    and each after a fence (the fences' own time taken off). The five graphs (torch's and the
+    tuner's, plain and fenced, and the fences alone) are read side by side, ``args.rounds`` rounds in ``timing.round_order``,
     each at its quickest round."""
     from tuner.measure.timing import round_order
 
@@ -169,7 +169,7 @@ def alone_times(
     out: dict[str, Any] = {}
     for name in PROJECTIONS:
         gemm = linear_of(inputs[name], getattr(layer, name).weight)
-        runs = {"fences": repeated(fence, args.calls)}
+        runs = {"fences": replayable(repeated(fence, args.calls))}
         for who, ctx in (
             ("torch", contextlib.nullcontext),
             ("tuner", lambda: tt.enabled(dispatcher=disp)),
