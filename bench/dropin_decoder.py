@@ -15,7 +15,7 @@ intermediate 14336; fused QKV and gate/up projections as vLLM runs them.
 3. **Measure**, for prefill (batch 1, ``--prefill-seq`` tokens, causal) and decode (one token per
    sequence against a KV cache of ``--kv-len``, batches ``--decode-batches``, plus
    ``--extra-batches`` that are never tuned and so show the bucket policy): time per layer step,
-   eager and CUDA-graph replay, tuner off and on, in interleaved rounds in a shuffled order
+   eager and CUDA-graph replay, tuner off and on, in interleaved rounds in a balanced order
    (median over rounds of CUDA-event time per step). Ratio = off / on (> 1: the tuner is faster). Per decode batch
    (GPU): the kernel time under the ops the tuner routes (torch.profiler, tuner off) and
    Amdahl's bound on the graph ratio if those kernels read their bytes (weights and K/V cache)
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -49,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tuner.measure import samples
+from tuner.measure import samples, timing
 from tuner.offline.plots import geomean
 
 # --- the model ----------------------------------------------------------------------------------
@@ -233,17 +232,26 @@ def step_us(step: Callable[[], Any], iters: int) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
-def capture(step: Callable[[], Any], warmup: int = 3) -> torch.cuda.CUDAGraph:
-    """Warm up on a side stream (resolves every call signature eagerly), then capture one step."""
+def capture(
+    step: Callable[[], Any], warmup: int = 3, dot: Path | None = None
+) -> torch.cuda.CUDAGraph:
+    """Warm up on a side stream (resolves every call signature eagerly), then capture one step.
+    ``dot``: the graph's nodes and edges are also written there (CUDA's debug dump, DOT)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):
             step()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=dot is not None)  # kept: dumped before instantiated
+    if dot is not None:
+        graph.enable_debug_mode()
     with torch.cuda.graph(graph):
         step()
+    if dot is not None:
+        dot.parent.mkdir(parents=True, exist_ok=True)
+        graph.debug_dump(str(dot))
+        graph.instantiate()
     return graph
 
 
@@ -348,8 +356,9 @@ def measure_phase(
     tt: Any, disp: Any, step: Callable[[], Any], args: argparse.Namespace
 ) -> dict[str, Any]:
     """Eager and CUDA-graph replay (GPU only), tuner off and on, interleaved over rounds in an
-    order shuffled each round (seeded): after a mode's heavy steps the GPU's clock is not what it
-    is after light ones, and a fixed order would charge that to the mode that follows."""
+    order balanced over the rounds (``timing.round_order``): after a mode's heavy steps the GPU's
+    clock is not what it is after light ones, and a fixed order would charge that to the mode
+    that follows."""
     row: dict[str, Any] = {}
     runs: dict[str, Callable[[], Any]] = {"eager_off": step}
 
@@ -373,8 +382,8 @@ def measure_phase(
         modes = [mode for mode in MODES if mode in runs or mode == "eager_on"]
         times: dict[str, list[float]] = {mode: [] for mode in modes}
         tt.reset_stats(disp)
-        for r in range(args.rounds):  # shuffled: in a fixed order each mode follows the same one
-            for mode in random.Random(r).sample(modes, len(modes)):
+        for r in range(args.rounds):  # balanced: in a fixed order each mode follows the same one
+            for mode in timing.round_order(modes, r):
                 if mode == "eager_on":
                     with on():
                         times[mode].append(step_us(step, args.iters))
@@ -757,7 +766,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--buckets", default="next_tuned_above", help="Bucket policy when on.")
     add_tuning_arguments(parser, launch="eager", deadline_s=360.0)
     parser.add_argument("--iters", type=int, default=20, help="Steps per timed round.")
-    parser.add_argument("--rounds", type=int, default=15, help="Interleaved rounds per phase.")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=16,
+        help="Interleaved rounds per phase (four cycles of the order).",
+    )
     parser.add_argument("--overhead-shape", type=int, nargs=3, default=(16, 256, 256))
     parser.add_argument("--overhead-calls", type=int, default=2000)
     parser.add_argument("--overhead-rounds", type=int, default=15)

@@ -20,7 +20,7 @@ layer (``dropin_decoder.DecoderLayer``, random weights), run as these variants:
    (the winners' kernels loaded before any CUDA graph is captured, as users must).
 2. **Measure** per phase (decode batches of one token against a K/V cache of ``--kv-len``, and a
    prefill of ``--prefill-seq`` tokens): time per layer step, CUDA-graph replay and eager, every
-   variant in each of ``--rounds`` rounds (the order shuffled each round); medians, and each variant's time
+   variant in each of ``--rounds`` rounds (in a balanced order, ``timing.round_order``); medians, and each variant's time
    over ``bf16 torch``'s (> 1: faster) and, per format, torch's over the tuner's.
 3. **Activations' quantization alone** (first, before any profiler runs): ``quantize_rowwise``
    (the fused kernel) beside torch's ops, CUDA-graph and eager time per call (the kernel launched
@@ -38,7 +38,7 @@ import argparse
 import collections
 import contextlib
 import copy
-import random
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -63,7 +63,7 @@ from bench.dropin_decoder import (
     summary,
     tune_and_serve,
 )
-from tuner.measure import samples
+from tuner.measure import samples, timing
 from tuner.quant import fp8, fp8_rows
 
 FORMATS = ("int4", "fp8")
@@ -122,10 +122,10 @@ def measure_phase(
     args: argparse.Namespace,
     baseline: Any = BASELINE,
 ) -> dict[str, Any]:
-    """Every variant's step, CUDA graph (GPU) and eager, in an order shuffled each round (seeded):
-    in a fixed or rotating order each variant follows the same one, and the GPU's clock after a
-    run of heavy steps is not what it is after light ones, which biases a pair of variants; each
-    output against ``baseline``'s (bf16 torch's step; any variant with a ``name``)."""
+    """Every variant's step, CUDA graph (GPU) and eager, in ``timing.round_order``: the GPU's
+    clock after a run of heavy steps is not what it is after light ones, so in a fixed order,
+    or a shuffled one that is not balanced, a variant that more often follows a heavy one reads
+    slow; each output against ``baseline``'s (bf16 torch's step; any variant with a ``name``)."""
     out: dict[str, Any] = {}
     graphs: dict[Variant, Callable[[], Any]] = {}
     with torch.no_grad():
@@ -145,8 +145,8 @@ def measure_phase(
             v: {"graph": [], "eager": []} for v in steps
         }
         order = list(steps)
-        for r in range(args.rounds):
-            for v in random.Random(r).sample(order, len(order)):
+        for r in range(args.rounds or timing.order_cycle(len(order))):
+            for v in timing.round_order(order, r):
                 if v in graphs:
                     times[v]["graph"].append(step_us(graphs[v], args.iters))
                 with within(v):
@@ -290,11 +290,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-len", type=int, default=4096)
     add_tuning_arguments(parser, launch="graph", deadline_s=300.0)  # decode steps run as graphs
     parser.add_argument("--iters", type=int, default=20, help="Steps per timed round.")
-    parser.add_argument("--rounds", type=int, default=10, help="Rounds per phase.")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="Rounds per phase (default: one cycle of the balanced order, in which every "
+        "variant follows every other equally often).",
+    )
     parser.add_argument(
         "--profile-phase",
         help="Also list the GPU kernels of each variant's eager step in the phases whose label "
         "starts with this (e.g. 'prefill'): JSON 'kernels'.",
+    )
+    parser.add_argument(
+        "--dump-graphs",
+        type=Path,
+        help="With --profile-phase: also write each profiled variant's CUDA graph (nodes, edges, "
+        "kernel launch parameters) as DOT files in this folder.",
     )
     parser.add_argument(
         "--profile-host-batch",
@@ -362,8 +373,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if device == "cuda" and args.profile_phase and phase.label.startswith(args.profile_phase):
             row["kernels"] = {}
             for v, step in steps[phase].items():
+                name = re.sub(r"[^\w.=-]+", "_", f"{phase.label} {v.name}")
+                dot = args.dump_graphs / f"{name}.dot" if args.dump_graphs else None
                 with within(v), torch.no_grad():
-                    graph = capture(step)
+                    graph = capture(step, dot=dot)
                     row["kernels"][v.name] = {"eager": kernel_times(step),
                                               "graph": kernel_times(graph.replay)}  # fmt: skip
                 del graph

@@ -3,7 +3,11 @@ stops early, with the numbers of the calls it ran; and the other timers' rules."
 
 from __future__ import annotations
 
+import collections
+import itertools
 import time
+
+import pytest
 
 from tuner.measure import timing
 
@@ -47,12 +51,22 @@ def test_graph_calls_spread_the_replay_launch_and_cover_every_input_set():
     assert timing.graph_calls(3000.0, sets=64) == timing.GRAPH_CALLS
 
 
-def test_rounds_taken_side_by_side_alternate_their_order():
-    assert [timing.round_order("abc", r) for r in range(3)] == [
-        ["a", "b", "c"],
-        ["c", "b", "a"],
-        ["a", "b", "c"],
-    ]
+def test_two_runners_side_by_side_alternate_their_order():
+    assert [timing.round_order("ab", r) for r in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert timing.round_order("", 3) == []
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_a_cycle_of_rounds_balances_each_runners_position_and_predecessor(n: int):
+    """A runner timed right after a heavy one starts at a lower clock: over a cycle every
+    runner follows every other equally often, and sits in every place equally often."""
+    rows = [timing.round_order(range(n), r) for r in range(timing.order_cycle(n))]
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    places = collections.Counter((x, i) for row in rows for i, x in enumerate(row))
+    follows = collections.Counter((a, b) for row in rows for a, b in itertools.pairwise(row))
+    assert len(set(places.values())) == 1 and len(places) == n * n
+    assert len(set(follows.values())) <= 1 and len(follows) == n * (n - 1)
+    assert rows[1] == rows[0][::-1]  # every other round the one before reversed
 
 
 def test_queued_is_only_a_gpu_clock():

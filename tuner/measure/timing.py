@@ -108,10 +108,29 @@ def eager_time(
 
 
 def round_order(items: Sequence[T], round_: int) -> list[T]:
-    """The order of round ``round_`` of runners timed side by side: every other round reversed.
-    A GPU that heats over a round of long compute-bound calls lowers its clock, and a fixed
-    order would favour the runners timed first."""
-    return list(items) if round_ % 2 == 0 else list(reversed(items))
+    """The order of round ``round_`` of runners timed side by side. A GPU that heats over a
+    round of long compute-bound calls lowers its clock, and a runner timed right after a heavy
+    one starts at a lower clock: a fixed order would favour the runners timed first, and a
+    shuffled one, unless balanced, some runners' neighbours. So the rounds follow a Williams
+    design: over ``order_cycle(len(items))`` rounds each runner is timed in every position,
+    and right after every other runner, equally often; every other round is the one before
+    reversed (two runners alternate)."""
+    items = list(items)
+    n = len(items)
+    if n == 0:
+        return []
+    first = [0]  # 0, 1, n-1, 2, n-2, ...: each difference mod n once between neighbours
+    for j in range(1, n):
+        first.append((j + 1) // 2 if j % 2 else n - j // 2)
+    shift = (round_ // 2) % (order_cycle(n) // 2)
+    row = [items[(x + shift) % n] for x in first]
+    return row if round_ % 2 == 0 else row[::-1]
+
+
+def order_cycle(n: int) -> int:
+    """Rounds after which ``round_order`` of ``n`` runners has balanced every position and
+    every runner's predecessor: n for an even n (the rows' reverses are rows), else 2n."""
+    return max(2, n if n % 2 == 0 else 2 * n)
 
 
 def _percentile(sorted_xs: list[float], q: float) -> float:
