@@ -145,7 +145,7 @@ def measure_phase(
             v: {"graph": [], "eager": []} for v in steps
         }
         order = list(steps)
-        for r in range(args.rounds or timing.order_cycle(len(order))):
+        for r in range(args.rounds):
             for v in timing.round_order(order, r):
                 if v in graphs:
                     times[v]["graph"].append(step_us(graphs[v], args.iters))
@@ -318,6 +318,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     args.extra_batches = ""  # every phase is tuned (build_phases)
+    if args.rounds is None:
+        args.rounds = timing.order_cycle(len(variants_of(args.formats)))
     return args
 
 
