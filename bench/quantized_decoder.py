@@ -75,19 +75,27 @@ class Variant:
     layer: str  # "bf16" or a format
     by: str  # "torch" or "tuner"
     torch_act_quant: bool = False  # fp8: the activations quantized by torch's ops
+    twin: bool = False  # a second capture of the same variant: what placement alone moves
 
     @property
     def name(self) -> str:
-        return f"{self.layer} {self.by}" + (", torch's act. quant" if self.torch_act_quant else "")
+        return (
+            f"{self.layer} {self.by}"
+            + (", torch's act. quant" if self.torch_act_quant else "")
+            + (", twin" if self.twin else "")
+        )
 
 
 BASELINE = Variant("bf16", "torch")
 
 
-def variants_of(formats: list[str]) -> list[Variant]:
+def variants_of(formats: list[str], twins: bool = False) -> list[Variant]:
+    """The variants measured; ``twins``: each format's torch variant twice (an A/A pair)."""
     out = [BASELINE, Variant("bf16", "tuner")]
     for fmt in formats:
         out += [Variant(fmt, "torch"), Variant(fmt, "tuner")]
+        if twins:
+            out.append(Variant(fmt, "torch", twin=True))
         if fmt == "fp8":
             out.append(Variant(fmt, "tuner", torch_act_quant=True))
     return out
@@ -302,6 +310,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "starts with this (e.g. 'prefill'): JSON 'kernels'.",
     )
     parser.add_argument(
+        "--twins",
+        action="store_true",
+        help="Also each format's torch variant a second time, captured apart: an A/A pair that "
+        "shows what the capture and its memory alone move.",
+    )
+    parser.add_argument(
         "--dump-graphs",
         type=Path,
         help="With --profile-phase: also write each profiled variant's CUDA graph (nodes, edges, "
@@ -319,7 +333,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.extra_batches = ""  # every phase is tuned (build_phases)
     if args.rounds is None:
-        args.rounds = timing.order_cycle(len(variants_of(args.formats)))
+        args.rounds = timing.order_cycle(len(variants_of(args.formats, args.twins)))
     return args
 
 
@@ -339,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         layers[fmt] = tt.quantize_linear(copy.deepcopy(plain), fmt, **group)
         load_s[fmt] = time.perf_counter() - t0
     print(f"quantized in {time.perf_counter() - quantize_started:.1f} s", flush=True)
-    variants = variants_of(args.formats)
+    variants = variants_of(args.formats, args.twins)
     phases = build_phases(args)
     inputs = {p: make_inputs(cfg, p, args.kv_len, gen, device, torch.bfloat16) for p in phases}
     steps = {p: {v: bind(layers[v.layer], inputs[p]) for v in variants} for p in phases}
