@@ -244,8 +244,6 @@ def capture(
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph(keep_graph=dot is not None)  # kept: dumped before instantiated
-    if dot is not None:
-        graph.enable_debug_mode()
     with torch.cuda.graph(graph):
         step()
     if dot is not None:
@@ -382,7 +380,7 @@ def measure_phase(
         modes = [mode for mode in MODES if mode in runs or mode == "eager_on"]
         times: dict[str, list[float]] = {mode: [] for mode in modes}
         tt.reset_stats(disp)
-        for r in range(args.rounds):  # balanced: in a fixed order each mode follows the same one
+        for r in range(args.rounds):  # balanced: in a fixed order each mode would follow one
             for mode in timing.round_order(modes, r):
                 if mode == "eager_on":
                     with on():
@@ -770,7 +768,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rounds",
         type=int,
         default=16,
-        help="Interleaved rounds per phase (four cycles of the order).",
+        help="Interleaved rounds per phase (a multiple of the balanced order's cycle: 4 modes on a "
+        "GPU, 2 on the CPU).",
     )
     parser.add_argument("--overhead-shape", type=int, nargs=3, default=(16, 256, 256))
     parser.add_argument("--overhead-calls", type=int, default=2000)

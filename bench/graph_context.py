@@ -10,9 +10,9 @@ bf16, one phase: ``--phase prefill`` or ``decode:<batch>``):
 
 1. **Record** the phase's problems, **tune** those without a winner in the cache (``TUNER_CACHE``)
    to a deadline, ``tuner.warmup()`` (as ``dropin_decoder``).
-2. **The step**, CUDA-graph replay and eager, in shuffled rounds, served six ways: all by torch,
-   all by the tuner, and the tuner serving one projection only (``qkv``, ``o``, ``gate_up``,
-   ``down``; torch the rest); each of those again *fenced*: a one-element torch kernel launched
+2. **The step**, CUDA-graph replay and eager, in balanced rounds (``timing.round_order``), served
+   six ways: all by torch, all by the tuner, and the tuner serving one projection only (``qkv``,
+   ``o``, ``gate_up``, ``down``; torch the rest); each of those again *fenced*: a one-element torch kernel launched
    before every projection, so that no projection overlaps the kernel ahead of it.
 3. **Each projection alone**, its winner and torch's call on the step's shapes: CUDA-graph time
    per call over ``--calls`` back-to-back calls, and fenced (the fences' own time taken off).
@@ -53,6 +53,7 @@ from bench.dropin_decoder import (
     tune_and_serve,
 )
 from bench.quantized_decoder import measure_phase
+from tuner.measure import timing
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
@@ -161,8 +162,6 @@ def alone_times(
     and each after a fence (the fences' own time taken off). The five graphs (torch's and the
     tuner's, plain and fenced, and the fences alone) are read side by side, ``args.rounds`` rounds in ``timing.round_order``,
     each at its quickest round."""
-    from tuner.measure.timing import round_order
-
     gen = torch.Generator().manual_seed(3)
     inputs = projection_inputs(layer, rows, gen)
     fence = fence_kernel(layer.cos.device)
@@ -180,7 +179,7 @@ def alone_times(
                 runs[f"{who}_fenced"] = replayable(repeated(gemm, args.calls, before=fence))
         best = dict.fromkeys(runs, math.inf)
         for r in range(args.rounds):
-            for what in round_order(list(runs), r):
+            for what in timing.round_order(list(runs), r):
                 best[what] = min(best[what], step_us(runs[what], 1) / args.calls)
         row = {f"{who}_us": best[who] for who in ("torch", "tuner")}
         for who in ("torch", "tuner"):
@@ -276,7 +275,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-len", type=int, default=4096)
     add_tuning_arguments(parser, launch="graph", deadline_s=240.0)
     parser.add_argument("--iters", type=int, default=20, help="Steps per timed round.")
-    parser.add_argument("--rounds", type=int, default=10, help="Rounds (step and alone).")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=timing.order_cycle(len(SETUPS)),
+        help="Rounds of the step (default: one cycle of its balanced order) and of each "
+        "projection alone (there the quickest round counts).",
+    )
     parser.add_argument("--calls", type=int, default=10, help="Back-to-back calls, alone.")
     parser.add_argument(
         "--smoke", action="store_true", help="Tiny dimensions on the CPU (eager only)."

@@ -13,15 +13,17 @@ layer (``dropin_decoder.DecoderLayer``, random weights), run as these variants:
   (``_weight_int4pack_mm``, ``_scaled_mm``: a dispatcher in mode ``off``), what the format gives
   without tuning; ``int4 tuner`` / ``fp8 tuner``: the same layer served by the tuned winners;
 - ``fp8 tuner, torch's act. quant``: ``fp8 tuner`` with the activations quantized by torch's ops
-  (``fp8.quantize_rowwise_torch``) instead of the fused kernel: that kernel's share of the step.
+  (``fp8.quantize_rowwise_torch``) instead of the fused kernel: that kernel's share of the step;
+- with ``--twins``, ``int4 torch, twin`` / ``fp8 torch, twin``: the torch variant captured a
+  second time, an A/A pair (what the capture and its memory alone move).
 
 1. **Record** every problem the variants make, **tune** those without a winner in the cache
    (``TUNER_CACHE``), decode first, to a deadline (as ``dropin_decoder``), then ``tuner.warmup()``
    (the winners' kernels loaded before any CUDA graph is captured, as users must).
 2. **Measure** per phase (decode batches of one token against a K/V cache of ``--kv-len``, and a
    prefill of ``--prefill-seq`` tokens): time per layer step, CUDA-graph replay and eager, every
-   variant in each of ``--rounds`` rounds (in a balanced order, ``timing.round_order``); medians, and each variant's time
-   over ``bf16 torch``'s (> 1: faster) and, per format, torch's over the tuner's.
+   variant in each of ``--rounds`` rounds (in a balanced order, ``timing.round_order``);
+   medians, and each variant's time over ``bf16 torch``'s (> 1: faster) and, per format, torch's over the tuner's.
 3. **Activations' quantization alone** (first, before any profiler runs): ``quantize_rowwise``
    (the fused kernel) beside torch's ops, CUDA-graph and eager time per call (the kernel launched
    directly and through Triton's JIT), at the layer's K and the phases' rows.
@@ -68,6 +70,7 @@ from tuner.quant import fp8, fp8_rows
 
 FORMATS = ("int4", "fp8")
 SMOKE_GROUP = 32  # the tiny layer's K (64, 96) takes no group of 128
+ACT_QUANT_ROUNDS = 10  # rounds of the activations' quantization alone; the quickest counts
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,7 @@ def act_quant_times(cfg: Any, rows: list[int], args: argparse.Namespace) -> list
             ):
                 graph = capture(lambda fn=fn, x=x: fn(x))
                 row[f"{name}_us"] = min(
-                    step_us(graph.replay, args.iters) for _ in range(args.rounds)
+                    step_us(graph.replay, args.iters) for _ in range(ACT_QUANT_ROUNDS)
                 )
             for name, fn, within in (
                 ("fused_direct", fp8.quantize_rowwise, contextlib.nullcontext()),
@@ -244,7 +247,8 @@ def act_quant_times(cfg: Any, rows: list[int], args: argparse.Namespace) -> list
                 with within:
                     fn(x)  # a first call of the path: compiles, checks a direct launch
                     row[f"{name}_eager_us"] = min(
-                        step_us(lambda fn=fn, x=x: fn(x), args.iters) for _ in range(args.rounds)
+                        step_us(lambda fn=fn, x=x: fn(x), args.iters)
+                        for _ in range(ACT_QUANT_ROUNDS)
                     )
             row["torch_over_fused"] = row["torch_us"] / row["fused_us"]
             out.append(row)
@@ -332,6 +336,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     args.extra_batches = ""  # every phase is tuned (build_phases)
+    if args.dump_graphs and not args.profile_phase:
+        parser.error("--dump-graphs: the graphs dumped are those of --profile-phase; give it too")
     if args.rounds is None:
         args.rounds = timing.order_cycle(len(variants_of(args.formats, args.twins)))
     return args

@@ -44,8 +44,8 @@ TIMELINE_BUCKET_MS = 100  # the printed summary: the median batch of each bucket
 
 
 def rounds(runners: dict[str, Any], sustained_s: float = 0.0) -> dict[str, list[float]]:
-    """Each round's eager time of each runner, timed in turn as the suite's retime does (every
-    other round reversed); ``sustained_s``: over stretches of calls back to back, as the
+    """Each round's eager time of each runner, timed in turn as the suite's retime does (in
+    ``timing.round_order``); ``sustained_s``: over stretches of calls back to back, as the
     engine's duels of GPU-bound calls, after an untimed round that brings the GPU to its power
     limit."""
     times = in_turn_rounds(runners, "cuda", graph=False, rounds=ROUNDS, budget_s=BUDGET_S,

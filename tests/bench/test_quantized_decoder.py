@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from bench_scripts import load_script
 
 bench = load_script("quantized_decoder")
@@ -69,3 +70,17 @@ def test_each_variant_is_served_as_it_says(tmp_path: Path) -> None:
             assert swapped == variant.torch_act_quant, variant.name
             assert tt.is_enabled() == (variant != bench.BASELINE), variant.name
     assert fp8.quantize_rowwise is fused and not tt.is_enabled()
+
+
+def test_twins_add_each_formats_torch_variant_again_and_rounds_default_to_one_cycle() -> None:
+    names = [v.name for v in bench.variants_of(["fp8"], twins=True)]
+    assert names == ["bf16 torch", "bf16 tuner", "fp8 torch", "fp8 tuner", "fp8 torch, twin",
+                     "fp8 tuner, torch's act. quant"]  # fmt: skip
+    assert bench.parse_args(["--out", "r.json", "--formats", "fp8", "--twins"]).rounds == 6
+    assert bench.parse_args(["--out", "r.json", "--rounds", "3"]).rounds == 3
+
+
+def test_graphs_are_dumped_only_from_a_profiled_phase(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "r.json", "--dump-graphs", "graphs"])
+    assert "--dump-graphs" in capsys.readouterr().err

@@ -69,6 +69,13 @@ def test_a_cycle_of_rounds_balances_each_runners_position_and_predecessor(n: int
     assert rows[1] == rows[0][::-1]  # every other round the one before reversed
 
 
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_the_order_repeats_every_cycle_warmup_rounds_before_zero_included(n: int):
+    cycle = timing.order_cycle(n)
+    for r in range(-2 * cycle, cycle):
+        assert timing.round_order(range(n), r) == timing.round_order(range(n), r + cycle)
+
+
 def test_queued_is_only_a_gpu_clock():
     """Off the GPU nothing can be queued: the samples are the host's clock as always."""
     t = timing.measure(lambda i: time.sleep(0.001), device="cpu", max_reps=5, queued=True)

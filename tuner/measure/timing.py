@@ -113,8 +113,9 @@ def round_order(items: Sequence[T], round_: int) -> list[T]:
     one starts at a lower clock: a fixed order would favour the runners timed first, and a
     shuffled one, unless balanced, some runners' neighbours. So the rounds follow a Williams
     design: over ``order_cycle(len(items))`` rounds each runner is timed in every position,
-    and right after every other runner, equally often; every other round is the one before
-    reversed (two runners alternate)."""
+    and right after every other runner, equally often (within rounds: a round's first runner
+    follows the last of the round before); every other round is the one before reversed (two
+    runners alternate). The order repeats every cycle, for negative rounds too."""
     items = list(items)
     n = len(items)
     if n == 0:
