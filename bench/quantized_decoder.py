@@ -169,8 +169,9 @@ def measure_phase(
 
 
 def ratios(times: dict[str, Any], formats: list[str]) -> dict[str, Any]:
-    """Each variant over bf16 torch (> 1: faster), and per format torch's time over the tuner's."""
-    out: dict[str, Any] = {"over_bf16_torch": {}, "tuner_over_torch": {}}
+    """Each variant over bf16 torch (> 1: faster), and per format torch's time over the tuner's
+    and, with ``--twins``, over its twin's (an A/A pair: 1 but for the capture)."""
+    out: dict[str, Any] = {"over_bf16_torch": {}, "tuner_over_torch": {}, "twin_over_torch": {}}
     for kind in ("graph", "eager"):
         base = times[BASELINE.name].get(kind)
         if base is None:
@@ -178,15 +179,17 @@ def ratios(times: dict[str, Any], formats: list[str]) -> dict[str, Any]:
         out["over_bf16_torch"][kind] = {
             name: base["median_us"] / t[kind]["median_us"] for name, t in times.items() if kind in t
         }
-        pairs = {
-            layer: (times[f"{layer} torch"], times[f"{layer} tuner"])
-            for layer in ("bf16", *formats)
-        }
-        out["tuner_over_torch"][kind] = {
-            layer: by_torch[kind]["median_us"] / by_tuner[kind]["median_us"]
-            for layer, (by_torch, by_tuner) in pairs.items()
-            if kind in by_torch and kind in by_tuner
-        }  # fmt: skip
+        for other, key in (("tuner", "tuner_over_torch"), ("torch, twin", "twin_over_torch")):
+            pairs = {
+                layer: (times[f"{layer} torch"], times[f"{layer} {other}"])
+                for layer in ("bf16", *formats)
+                if f"{layer} {other}" in times
+            }
+            out[key][kind] = {
+                layer: by_torch[kind]["median_us"] / by_other[kind]["median_us"]
+                for layer, (by_torch, by_other) in pairs.items()
+                if kind in by_torch and kind in by_other
+            }  # fmt: skip
     return out
 
 
