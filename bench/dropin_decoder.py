@@ -233,10 +233,12 @@ def step_us(step: Callable[[], Any], iters: int) -> float:
 
 
 def capture(
-    step: Callable[[], Any], warmup: int = 3, dot: Path | None = None
+    step: Callable[[], Any], warmup: int = 3, dot: Path | None = None, pool: Any = None
 ) -> torch.cuda.CUDAGraph:
     """Warm up on a side stream (resolves every call signature eagerly), then capture one step.
-    ``dot``: the graph's nodes and edges are also written there (CUDA's debug dump, DOT)."""
+    ``dot``: the graph's nodes and edges are also written there (CUDA's debug dump, DOT).
+    ``pool``: the memory pool to capture into (``torch.cuda.graph_pool_handle()``), shared with
+    the other graphs captured into it: their steps' buffers then lie at the same addresses."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -244,7 +246,7 @@ def capture(
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph(keep_graph=dot is not None)  # kept: dumped before instantiated
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         step()
     if dot is not None:
         dot.parent.mkdir(parents=True, exist_ok=True)

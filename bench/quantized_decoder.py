@@ -132,11 +132,13 @@ def measure_phase(
     within: Callable[[Any], contextlib.AbstractContextManager],
     args: argparse.Namespace,
     baseline: Any = BASELINE,
+    pool: Any = None,
 ) -> dict[str, Any]:
     """Every variant's step, CUDA graph (GPU) and eager, in ``timing.round_order``: the GPU's
     clock after a run of heavy steps is not what it is after light ones, so in a fixed order,
     or a shuffled one that is not balanced, a variant that more often follows a heavy one reads
-    slow; each output against ``baseline``'s (bf16 torch's step; any variant with a ``name``)."""
+    slow; each output against ``baseline``'s (bf16 torch's step; any variant with a ``name``).
+    ``pool``: one memory pool for every variant's graph (``capture``)."""
     out: dict[str, Any] = {}
     graphs: dict[Variant, Callable[[], Any]] = {}
     with torch.no_grad():
@@ -148,7 +150,7 @@ def measure_phase(
                 row = out[v.name] = {"rel_err_vs_bf16_torch": samples.relative_error(y, ref)}
                 if torch.cuda.is_available():
                     try:
-                        graphs[v] = capture(step).replay
+                        graphs[v] = capture(step, pool=pool).replay
                     except RuntimeError as e:  # reported; its eager times still come
                         row["graph_error"] = f"capture failed: {e}"[:1000]
                         torch.cuda.synchronize()
@@ -323,6 +325,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "shows what the capture and its memory alone move.",
     )
     parser.add_argument(
+        "--shared-pool",
+        action="store_true",
+        help="Capture every variant's graph into one memory pool, so that their steps' buffers "
+        "lie at the same addresses (with --twins: whether placement is what an A/A pair reads).",
+    )
+    parser.add_argument(
         "--dump-graphs",
         type=Path,
         help="With --profile-phase: also write each profiled variant's CUDA graph (nodes, edges, "
@@ -388,9 +396,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         save()
     rows: list[dict[str, Any]] = []
     result["phases"] = rows
+    pool = torch.cuda.graph_pool_handle() if args.shared_pool and device == "cuda" else None
     for phase in phases:
         tt.reset_stats(tuned)
-        times = measure_phase(steps[phase], within, args)
+        times = measure_phase(steps[phase], within, args, pool=pool)
         row = {"phase": phase.name, "batch": phase.batch, "tokens": phase.tokens,
                "label": phase.label, "variants": times, "ratios": ratios(times, args.formats)}  # fmt: skip
         row["served"] = [{"key": r.key, "kind": r.kind, "candidate": r.candidate}

@@ -78,6 +78,7 @@ def test_twins_add_each_formats_torch_variant_again_and_rounds_default_to_one_cy
                      "fp8 tuner, torch's act. quant"]  # fmt: skip
     assert bench.parse_args(["--out", "r.json", "--formats", "fp8", "--twins"]).rounds == 6
     assert bench.parse_args(["--out", "r.json", "--rounds", "3"]).rounds == 3
+    assert bench.parse_args(["--out", "r.json", "--twins", "--shared-pool"]).shared_pool
     step_us = [10, 10, 12, 8, 12.5, 9]
     times = {name: {"graph": {"median_us": us}} for name, us in zip(names, step_us, strict=True)}
     got = bench.ratios(times, ["fp8"])
