@@ -12,8 +12,9 @@ bf16, one phase: ``--phase prefill`` or ``decode:<batch>``):
    to a deadline, ``tuner.warmup()`` (as ``dropin_decoder``).
 2. **The step**, CUDA-graph replay and eager, in balanced rounds (``timing.round_order``), served
    six ways: all by torch, all by the tuner, and the tuner serving one projection only (``qkv``,
-   ``o``, ``gate_up``, ``down``; torch the rest); each of those again *fenced*: a one-element torch kernel launched
-   before every projection, so that no projection overlaps the kernel ahead of it.
+   ``o``, ``gate_up``, ``down``; torch the rest); each of those again *fenced*: a one-element
+   torch kernel launched before every projection, so that no projection overlaps the kernel
+   ahead of it.
 3. **Each projection alone**, its winner and torch's call on the step's shapes: CUDA-graph time
    per call over ``--calls`` back-to-back calls, and fenced (the fences' own time taken off).
 

@@ -23,7 +23,8 @@ layer (``dropin_decoder.DecoderLayer``, random weights), run as these variants:
 2. **Measure** per phase (decode batches of one token against a K/V cache of ``--kv-len``, and a
    prefill of ``--prefill-seq`` tokens): time per layer step, CUDA-graph replay and eager, every
    variant in each of ``--rounds`` rounds (in a balanced order, ``timing.round_order``);
-   medians, and each variant's time over ``bf16 torch``'s (> 1: faster) and, per format, torch's over the tuner's.
+   medians, and each variant's time over ``bf16 torch``'s (> 1: faster) and, per format,
+   torch's over the tuner's.
 3. **Activations' quantization alone** (first, before any profiler runs): ``quantize_rowwise``
    (the fused kernel) beside torch's ops, CUDA-graph and eager time per call (the kernel launched
    directly and through Triton's JIT), at the layer's K and the phases' rows.
