@@ -34,6 +34,8 @@
 #   FP8_PREFILL_TIMEOUT).
 #   quantized (bench/quantized_decoder.py: a Llama-3-8B layer in bf16, int4 and fp8, torch beside the tuner ->
 #   $OUT/quantized_decoder.json/.png; QUANTIZED_ARGS, QUANTIZED_TUNE_DEADLINE, QUANTIZED_TIMEOUT).
+#   gaps (bench/graph_gaps.py: kernel chains with bf16 / FP8 GEMMs, each captured several times, idle time
+#   between kernels per capture -> $OUT/graph_gaps.json, graph_gaps.log; GAPS_ARGS).
 #   context (bench/graph_context.py: a bf16 layer step served by torch, the tuner, and the tuner for one
 #   projection at a time, plain and fenced, beside each projection alone -> $OUT/graph_context.json/.png;
 #   CONTEXT_ARGS, CONTEXT_TUNE_DEADLINE, CONTEXT_TIMEOUT; starts from CONTEXT_CACHE if given).
@@ -224,6 +226,9 @@ for stage in "$@"; do
       TUNER_CACHE="$OUT/dropin_tuner.db" timeout -k 20 "${DROPIN_TIMEOUT:-570}" python3 bench/dropin_decoder.py \
         --out "$OUT/dropin_decoder.json" --plot "$OUT/dropin_decoder.png" \
         --tune-deadline-s "${DROPIN_TUNE_DEADLINE:-330}" ${DROPIN_ARGS:-} 2>&1 | tee "$OUT/dropin.log" || status=1 ;;
+    gaps)  # idle time between a graph's kernels, per capture of one step: graph_gaps.json, .log; GAPS_ARGS
+      timeout -k 20 "${GAPS_TIMEOUT:-300}" python3 bench/graph_gaps.py --out "$OUT/graph_gaps.json" ${GAPS_ARGS:-} 2>&1 \
+        | tee "$OUT/graph_gaps.log" || status=1 ;;
     quantized)  # quantize_linear on a Llama-3-8B decoder layer: bf16, int4 and fp8 served by torch and by
       # the tuner, decode (graph, eager) and prefill, plus the activations' quantization alone ->
       # quantized_decoder.json/.png, quantized_tuner.db; QUANTIZED_ARGS, QUANTIZED_TUNE_DEADLINE.

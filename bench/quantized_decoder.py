@@ -42,6 +42,7 @@ import collections
 import contextlib
 import copy
 import re
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -121,6 +122,11 @@ def serving(variant: Variant, tt: Any, tuned: Any, untuned: Any) -> Iterator[Non
         yield
 
 
+def slug(text: str) -> str:
+    """``text`` as a file name: runs of anything but word characters, dots, = and - as one _."""
+    return re.sub(r"[^\w.=-]+", "_", text)
+
+
 def weight_bytes(layer: nn.Module) -> int:
     """Bytes of the layer's four projections as stored (packed weights, scales, zeros)."""
     tensors = [t for name in ("qkv", "o", "gate_up", "down")
@@ -133,15 +139,21 @@ def measure_phase(
     within: Callable[[Any], contextlib.AbstractContextManager],
     args: argparse.Namespace,
     baseline: Any = BASELINE,
-    pool: Any = None,
+    shared_pool: bool = False,
+    profile: bool = False,
+    dump: Path | None = None,
 ) -> dict[str, Any]:
     """Every variant's step, CUDA graph (GPU) and eager, in ``timing.round_order``: the GPU's
     clock after a run of heavy steps is not what it is after light ones, so in a fixed order,
     or a shuffled one that is not balanced, a variant that more often follows a heavy one reads
     slow; each output against ``baseline``'s (bf16 torch's step; any variant with a ``name``).
-    ``pool``: one memory pool for every variant's graph (``capture``)."""
+    ``shared_pool``: every variant's graph in one memory pool, the phase's own (a pool freed
+    with its graphs cannot be captured into again). ``profile``: after the rounds, the kernels
+    of each variant's eager step and of the very graph timed (another capture of the same step
+    need not run as this one does); ``dump``: a folder for those graphs as DOT."""
     out: dict[str, Any] = {}
     graphs: dict[Variant, Callable[[], Any]] = {}
+    pool = torch.cuda.graph_pool_handle() if shared_pool else None
     with torch.no_grad():
         ref = steps[baseline]().float()
         for v, step in steps.items():
@@ -150,8 +162,9 @@ def measure_phase(
                     y = step()
                 row = out[v.name] = {"rel_err_vs_bf16_torch": samples.relative_error(y, ref)}
                 if torch.cuda.is_available():
+                    dot = dump / f"{slug(v.name)}.dot" if dump else None
                     try:
-                        graphs[v] = capture(step, pool=pool).replay
+                        graphs[v] = capture(step, pool=pool, dot=dot).replay
                     except RuntimeError as e:  # reported; its eager times still come
                         row["graph_error"] = f"capture failed: {e}"[:1000]
                         torch.cuda.synchronize()
@@ -165,6 +178,11 @@ def measure_phase(
                     times[v]["graph"].append(step_us(graphs[v], args.iters))
                 with within(v):
                     times[v]["eager"].append(step_us(steps[v], args.iters))
+        for v, step in steps.items() if profile else ():
+            with within(v):
+                kernels = out[v.name]["kernels"] = {"eager": kernel_times(step)}
+                if v in graphs:
+                    kernels["graph"] = kernel_times(graphs[v])
     graphs.clear()  # frees the graphs' memory pools
     for v, kinds in times.items():
         out[v.name].update({kind: summary(t) for kind, t in kinds.items() if t})
@@ -197,7 +215,7 @@ def ratios(times: dict[str, Any], formats: list[str]) -> dict[str, Any]:
 
 
 def kernel_times(
-    step: Callable[[], Any], steps: int = 20, warm: int = 50, top: int = 12
+    step: Callable[[], Any], steps: int = 20, warm: int = 50, top: int = 40
 ) -> dict[str, Any]:
     """The GPU kernels of ``steps`` steps by name (torch.profiler), after ``warm`` unprofiled
     ones (the clocks as sustained work leaves them, as in the timed rounds): time per step, the
@@ -214,13 +232,41 @@ def kernel_times(
                 step()
             torch.cuda.synchronize()
     totals: dict[str, float] = collections.defaultdict(float)
+    spans = []
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
             totals[event.name] += event.device_time
+            spans.append((event.name, event.time_range.start, event.time_range.end))
     busiest = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
     return {
         "total_us": sum(totals.values()) / steps,
         "kernels": [{"name": name[:160], "us": t / steps} for name, t in busiest],
+        **timeline(spans, steps),
+    }
+
+
+def timeline(spans: list[tuple[str, float, float]], steps: int) -> dict[str, Any]:
+    """``steps`` steps' GPU work as (name, start, end) spans, us, as one step's sequence: each
+    place's median time and median idle gap before it (after the previous work ended; the first
+    place: after the step before), and the median step period. Where two captures of one graph
+    run the same kernels at different speeds, this says whether the kernels or the gaps between
+    them differ, and where. Empty when the spans do not split into equal steps."""
+    spans = sorted(spans, key=lambda s: s[1])
+    n, extra = divmod(len(spans), steps)
+    if not spans or extra:
+        return {}
+    places = []
+    for i in range(n):
+        runs = [spans[k * n + i] for k in range(steps)]
+        gaps = [spans[k * n + i][1] - spans[k * n + i - 1][2] for k in range(steps) if k * n + i]
+        places.append({"name": runs[0][0][:80],
+                       "us": statistics.median(end - start for _, start, end in runs),
+                       "gap_before_us": statistics.median(gaps)})  # fmt: skip
+    periods = [spans[(k + 1) * n][1] - spans[k * n][1] for k in range(steps - 1)]
+    return {
+        "step_period_us": statistics.median(periods) if periods else None,
+        "gaps_us": sum(p["gap_before_us"] for p in places),
+        "timeline": places,
     }
 
 
@@ -316,8 +362,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--profile-phase",
-        help="Also list the GPU kernels of each variant's eager step in the phases whose label "
-        "starts with this (e.g. 'prefill'): JSON 'kernels'.",
+        help="Also list the GPU kernels of each variant's eager step and of the very graph "
+        "timed, in the phases whose label starts with this (e.g. 'prefill'): JSON variants' "
+        "'kernels'.",
     )
     parser.add_argument(
         "--twins",
@@ -334,8 +381,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--dump-graphs",
         type=Path,
-        help="With --profile-phase: also write each profiled variant's CUDA graph (nodes, edges, "
-        "kernel launch parameters) as DOT files in this folder.",
+        help="With --profile-phase: also write each profiled variant's timed CUDA graph (nodes, "
+        "edges, kernel launch parameters, buffer addresses) as DOT files, a folder a phase.",
     )
     parser.add_argument(
         "--profile-host-batch",
@@ -397,28 +444,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         save()
     rows: list[dict[str, Any]] = []
     result["phases"] = rows
-    pool = torch.cuda.graph_pool_handle() if args.shared_pool and device == "cuda" else None
     for phase in phases:
         tt.reset_stats(tuned)
-        times = measure_phase(steps[phase], within, args, pool=pool)
+        profiled = bool(
+            device == "cuda" and args.profile_phase and phase.label.startswith(args.profile_phase)
+        )
+        dump = args.dump_graphs / slug(phase.label) if profiled and args.dump_graphs else None
+        times = measure_phase(
+            steps[phase], within, args, shared_pool=args.shared_pool, profile=profiled, dump=dump
+        )
         row = {"phase": phase.name, "batch": phase.batch, "tokens": phase.tokens,
                "label": phase.label, "variants": times, "ratios": ratios(times, args.formats)}  # fmt: skip
         row["served"] = [{"key": r.key, "kind": r.kind, "candidate": r.candidate}
                          for r in tt.stats(tuned).rows if r.calls]  # fmt: skip
-        if device == "cuda" and args.profile_phase and phase.label.startswith(args.profile_phase):
-            row["kernels"] = {}
-            for v, step in steps[phase].items():
-                name = re.sub(r"[^\w.=-]+", "_", f"{phase.label} {v.name}")
-                dot = args.dump_graphs / f"{name}.dot" if args.dump_graphs else None
-                with within(v), torch.no_grad():
-                    graph = capture(step, dot=dot)
-                    row["kernels"][v.name] = {"eager": kernel_times(step),
-                                              "graph": kernel_times(graph.replay)}  # fmt: skip
-                del graph
-                for kind, k in row["kernels"][v.name].items():
-                    print(f"  {v.name}, {kind}: kernels {k['total_us']:.1f} us a step: "
-                          + ", ".join(f"{e['name'][:40]} {e['us']:.1f}" for e in k["kernels"][:6]),
-                          flush=True)  # fmt: skip
+        for v in steps[phase] if profiled else ():
+            for kind, k in times[v.name].get("kernels", {}).items():
+                print(f"  {v.name}, {kind}: kernels {k['total_us']:.1f} us a step, idle gaps "
+                      f"{k.get('gaps_us', float('nan')):.1f}, period "
+                      f"{k.get('step_period_us') or float('nan'):.1f}: "
+                      + ", ".join(f"{e['name'][:40]} {e['us']:.1f}" for e in k["kernels"][:6]),
+                      flush=True)  # fmt: skip
         if phase.name == "decode" and phase.batch == args.profile_host_batch:
             row["host_profile"] = {
                 v.name: profile_step(tt, tuned, step)

@@ -90,3 +90,15 @@ def test_graphs_are_dumped_only_from_a_profiled_phase(capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", "r.json", "--dump-graphs", "graphs"])
     assert "--dump-graphs" in capsys.readouterr().err
+
+
+def test_a_profiled_step_reads_as_one_sequence_of_kernel_times_and_gaps() -> None:
+    # two steps of two kernels: a (2 us) after a 1 us gap, then b (3 us) after 0.5 us
+    spans = [("b", 3.5, 6.5), ("a", 1.0, 3.0), ("a", 7.5, 9.5), ("b", 10.5, 13.5)]
+    got = bench.timeline(spans, steps=2)
+    assert [p["name"] for p in got["timeline"]] == ["a", "b"]
+    assert [p["us"] for p in got["timeline"]] == [2.0, 3.0]
+    # a's gap: only the second step has a step before it (6.5 -> 7.5); b's: 0.5 and 1.0
+    assert [p["gap_before_us"] for p in got["timeline"]] == [1.0, 0.75]
+    assert got["gaps_us"] == 1.75 and got["step_period_us"] == 6.5
+    assert bench.timeline(spans[:3], steps=2) == {}  # not two equal steps

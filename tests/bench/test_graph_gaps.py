@@ -1,0 +1,31 @@
+"""bench/graph_gaps.py on the CPU: its arguments and its arithmetic (the graphs need a GPU)."""
+
+import pytest
+import torch
+
+from bench import graph_gaps as bench
+
+
+def test_rounds_default_to_one_balanced_cycle_over_every_capture_of_every_chain() -> None:
+    args = bench.parse_args(["--out", "g.json"])
+    assert args.chains == list(bench.CHAINS) and args.captures == 3
+    assert args.rounds == 12  # 4 chains x 3 captures: an even count, one round each
+    odd = bench.parse_args(["--out", "g.json", "--chains", "fp8-rowwise", "--captures", "3"])
+    assert odd.rounds == 6
+
+
+def test_a_capture_count_below_one_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "g.json", "--captures", "0"])
+    assert "--captures: 0" in capsys.readouterr().err
+
+
+def test_idle_time_is_the_step_less_its_kernels_spread_over_the_gaps() -> None:
+    got = bench.idle({"step_us": 50.0, "kernel_us": 40.0}, kernels=40)
+    assert got == {"idle_us": 10.0, "idle_per_gap_us": 0.25}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")
+def test_without_a_gpu_it_says_so(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main(["--out", str(tmp_path / "g.json")])
