@@ -35,7 +35,7 @@
 #   quantized (bench/quantized_decoder.py: a Llama-3-8B layer in bf16, int4 and fp8, torch beside the tuner ->
 #   $OUT/quantized_decoder.json/.png; QUANTIZED_ARGS, QUANTIZED_TUNE_DEADLINE, QUANTIZED_TIMEOUT).
 #   gaps (bench/graph_gaps.py: kernel chains with bf16 / FP8 GEMMs, each captured several times, idle time
-#   between kernels per capture -> $OUT/graph_gaps.json, graph_gaps.log; GAPS_ARGS).
+#   between kernels per capture -> $OUT/graph_gaps.json, graph_gaps.log; GAPS_ARGS, GAPS_TIMEOUT).
 #   context (bench/graph_context.py: a bf16 layer step served by torch, the tuner, and the tuner for one
 #   projection at a time, plain and fenced, beside each projection alone -> $OUT/graph_context.json/.png;
 #   CONTEXT_ARGS, CONTEXT_TUNE_DEADLINE, CONTEXT_TIMEOUT; starts from CONTEXT_CACHE if given).

@@ -7,10 +7,14 @@ the same kernel time, yet one replays faster than the other: the difference lies
 kernels. This benchmark asks which graphs show it, on steps far smaller than a layer: chains of
 small elementwise kernels, alone or with a GEMM after every ``--between`` of them, the GEMM
 in bf16 (``torch.mm``: cuBLAS) or FP8 (``torch._scaled_mm``, rowwise or tensorwise scales:
-cuBLASLt). Each chain is captured ``--captures`` times, each capture into its own memory pool,
-one after another; then every capture of every chain is replayed in balanced rounds
-(``timing.round_order``). Per capture: time a step, the GPU kernel time a step (torch.profiler,
-``quantized_decoder.kernel_times``) and the rest, the idle time, per gap between kernels.
+cuBLASLt, on an x quantized once beforehand: the layer's quantization kernel is left out).
+Each chain is captured ``--captures`` times, each capture into its own memory pool, one after
+another; then every capture of every chain is replayed in balanced rounds
+(``timing.round_order``). Per capture: time a step (the graph replayed as timed, unprofiled),
+its GPU work under torch.profiler (``quantized_decoder.kernel_times``: kernel time, and the
+profiler's own idle time within a step and between steps), and the timed step less the
+profiled kernel time, a gap: an estimate that mixes the two regimes (tracing spaces the
+launches out).
 
 JSON (device, versions, per chain and capture: step, kernel and idle time, the profiled
 timeline). GPU only.
@@ -68,10 +72,11 @@ def chain(kind: str, args: argparse.Namespace) -> Callable[[], torch.Tensor]:
 
 
 def idle(row: dict[str, Any], kernels: int) -> dict[str, Any]:
-    """A capture's step time less its kernel time: idle time a step and a gap (``kernels`` gaps
-    a step, the one before the step's first kernel included)."""
+    """A capture's timed step less its profiled kernel time: idle time a step and a gap
+    (``kernels`` gaps a step, the one before the step's first kernel included; none where the
+    profiler gave no sequence of the step, ``kernels`` 0)."""
     idle_us = row["step_us"] - row["kernel_us"]
-    return {"idle_us": idle_us, "idle_per_gap_us": idle_us / kernels}
+    return {"idle_us": idle_us, "idle_per_gap_us": idle_us / kernels if kernels else None}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -121,11 +126,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row = {"chain": kind, "capture": i, "step_us": statistics.median(times[(kind, i)]),
                    "step_us_all": times[(kind, i)], "kernel_us": profiled["total_us"],
                    "profiled": profiled}  # fmt: skip
-            row.update(idle(row, len(profiled.get("timeline", [])) or 1))
+            row.update(idle(row, len(profiled.get("timeline", []))))
             rows.append(row)
+            per_gap = row["idle_per_gap_us"] or float("nan")
             print(f"{kind:<15} capture {i}: step {row['step_us']:7.2f} us, kernels "
-                  f"{row['kernel_us']:7.2f}, idle {row['idle_us']:6.2f} "
-                  f"({row['idle_per_gap_us']:.3f} a gap)", flush=True)  # fmt: skip
+                  f"{row['kernel_us']:7.2f}, idle {row['idle_us']:6.2f} ({per_gap:.3f} a gap; "
+                  f"profiled: {profiled.get('gaps_us', float('nan')):.2f} within a step)",
+                  flush=True)  # fmt: skip
     result["rows"] = rows
     result["complete"] = True
     save_json(args.out, result, started)

@@ -153,7 +153,7 @@ def measure_phase(
     need not run as this one does); ``dump``: a folder for those graphs as DOT."""
     out: dict[str, Any] = {}
     graphs: dict[Variant, Callable[[], Any]] = {}
-    pool = torch.cuda.graph_pool_handle() if shared_pool else None
+    pool = torch.cuda.graph_pool_handle() if shared_pool and torch.cuda.is_available() else None
     with torch.no_grad():
         ref = steps[baseline]().float()
         for v, step in steps.items():
@@ -217,9 +217,11 @@ def ratios(times: dict[str, Any], formats: list[str]) -> dict[str, Any]:
 def kernel_times(
     step: Callable[[], Any], steps: int = 20, warm: int = 50, top: int = 40
 ) -> dict[str, Any]:
-    """The GPU kernels of ``steps`` steps by name (torch.profiler), after ``warm`` unprofiled
-    ones (the clocks as sustained work leaves them, as in the timed rounds): time per step, the
-    busiest ``top`` of them, and all of them together."""
+    """The GPU work of ``steps`` steps by name (torch.profiler: kernels, and copies or memsets
+    where a step has them), after ``warm`` unprofiled ones (the clocks as sustained work leaves
+    them, as in the timed rounds): time per step, the busiest ``top`` names, and the step as a
+    sequence (``timeline``). Tracing each kernel changes how a graph's launches space out, so
+    the idle times read here are the profiler's, not those of the timed replays."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -248,24 +250,28 @@ def kernel_times(
 def timeline(spans: list[tuple[str, float, float]], steps: int) -> dict[str, Any]:
     """``steps`` steps' GPU work as (name, start, end) spans, us, as one step's sequence: each
     place's median time and median idle gap before it (after the previous work ended; the first
-    place: after the step before), and the median step period. Where two captures of one graph
-    run the same kernels at different speeds, this says whether the kernels or the gaps between
-    them differ, and where. Empty when the spans do not split into equal steps."""
+    place's: after the step before, ``between_steps_us``), the idle time within a step
+    (``gaps_us``, the other places' gaps) and the median step period. Says whether two captures
+    of one graph differ in their kernels or in the gaps between them, and where, as far as the
+    profiler shows it. Empty unless there are two steps or more and every step runs the same
+    names in the same order."""
     spans = sorted(spans, key=lambda s: s[1])
-    n, extra = divmod(len(spans), steps)
-    if not spans or extra:
+    n, extra = divmod(len(spans), steps) if steps > 1 else (0, 0)
+    if not n or extra or any(s[0] != spans[i % n][0] for i, s in enumerate(spans)):
         return {}
     places = []
     for i in range(n):
-        runs = [spans[k * n + i] for k in range(steps)]
+        runs = spans[i::n]
         gaps = [spans[k * n + i][1] - spans[k * n + i - 1][2] for k in range(steps) if k * n + i]
-        places.append({"name": runs[0][0][:80],
+        places.append({"name": runs[0][0][:160],
                        "us": statistics.median(end - start for _, start, end in runs),
                        "gap_before_us": statistics.median(gaps)})  # fmt: skip
-    periods = [spans[(k + 1) * n][1] - spans[k * n][1] for k in range(steps - 1)]
     return {
-        "step_period_us": statistics.median(periods) if periods else None,
-        "gaps_us": sum(p["gap_before_us"] for p in places),
+        "step_period_us": statistics.median(
+            spans[(k + 1) * n][1] - spans[k * n][1] for k in range(steps - 1)
+        ),
+        "between_steps_us": places[0]["gap_before_us"],
+        "gaps_us": sum(p["gap_before_us"] for p in places[1:]),
         "timeline": places,
     }
 
@@ -382,7 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dump-graphs",
         type=Path,
         help="With --profile-phase: also write each profiled variant's timed CUDA graph (nodes, "
-        "edges, kernel launch parameters, buffer addresses) as DOT files, a folder a phase.",
+        "edges, launch shapes) as DOT files, a folder a phase. The timed graphs are then "
+        "captured kept (keep_graph) and instantiated after the dump.",
     )
     parser.add_argument(
         "--profile-host-batch",
@@ -459,9 +466,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          for r in tt.stats(tuned).rows if r.calls]  # fmt: skip
         for v in steps[phase] if profiled else ():
             for kind, k in times[v.name].get("kernels", {}).items():
-                print(f"  {v.name}, {kind}: kernels {k['total_us']:.1f} us a step, idle gaps "
-                      f"{k.get('gaps_us', float('nan')):.1f}, period "
-                      f"{k.get('step_period_us') or float('nan'):.1f}: "
+                nan = float("nan")
+                print(f"  {v.name}, {kind}: kernels {k['total_us']:.1f} us a step, idle "
+                      f"{k.get('gaps_us', nan):.1f} within it and {k.get('between_steps_us', nan):.1f} "
+                      f"between steps, period {k.get('step_period_us', nan):.1f} (profiled): "
                       + ", ".join(f"{e['name'][:40]} {e['us']:.1f}" for e in k["kernels"][:6]),
                       flush=True)  # fmt: skip
         if phase.name == "decode" and phase.batch == args.profile_host_batch:

@@ -23,6 +23,21 @@ def test_a_capture_count_below_one_is_named(capsys: pytest.CaptureFixture[str]) 
 def test_idle_time_is_the_step_less_its_kernels_spread_over_the_gaps() -> None:
     got = bench.idle({"step_us": 50.0, "kernel_us": 40.0}, kernels=40)
     assert got == {"idle_us": 10.0, "idle_per_gap_us": 0.25}
+    # no profiled sequence of the step: no count of gaps to spread it over
+    assert bench.idle({"step_us": 50.0, "kernel_us": 40.0}, kernels=0)["idle_per_gap_us"] is None
+
+
+@pytest.mark.gpu
+def test_every_capture_of_every_chain_is_timed_and_profiled(tmp_path) -> None:
+    args = ["--out", str(tmp_path / "g.json"), "--captures", "2", "--gemms", "1", "--between", "2"]
+    result = bench.main([*args, "--iters", "2", "--rounds", "2"])
+    assert [(r["chain"], r["capture"]) for r in result["rows"]] == [
+        (kind, i) for kind in bench.CHAINS for i in range(2)
+    ]
+    for row in result["rows"]:
+        assert row["step_us"] > 0 and row["kernel_us"] > 0 and len(row["step_us_all"]) == 2
+        # 2 elementwise kernels, then the GEMM (cuBLAS may add a reduction kernel)
+        assert len(row["profiled"]["timeline"]) >= (2 if row["chain"] == "elementwise" else 3)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")

@@ -100,5 +100,26 @@ def test_a_profiled_step_reads_as_one_sequence_of_kernel_times_and_gaps() -> Non
     assert [p["us"] for p in got["timeline"]] == [2.0, 3.0]
     # a's gap: only the second step has a step before it (6.5 -> 7.5); b's: 0.5 and 1.0
     assert [p["gap_before_us"] for p in got["timeline"]] == [1.0, 0.75]
-    assert got["gaps_us"] == 1.75 and got["step_period_us"] == 6.5
+    assert got["between_steps_us"] == 1.0 and got["gaps_us"] == 0.75
+    assert got["step_period_us"] == 6.5
+
+
+def test_a_timeline_needs_two_steps_of_the_same_sequence() -> None:
+    spans = [("a", 1.0, 3.0), ("b", 3.5, 6.5), ("a", 7.5, 9.5), ("b", 10.5, 13.5)]
     assert bench.timeline(spans[:3], steps=2) == {}  # not two equal steps
+    assert bench.timeline(spans[:2], steps=1) == {}  # no step before the first: no gap to read
+    assert bench.timeline(spans, steps=0) == {}
+    swapped = [("a", 1.0, 3.0), ("b", 3.5, 6.5), ("b", 7.5, 9.5), ("a", 10.5, 13.5)]
+    assert bench.timeline(swapped, steps=2) == {}  # equal counts, another order
+
+
+def test_twins_in_one_shared_pool_run_on_the_cpu_too(tmp_path: Path) -> None:
+    """--shared-pool is a GPU option; on the CPU (eager only) it changes nothing and fails nothing."""
+    out = tmp_path / "r.json"
+    args = ["--smoke", "--out", str(out), "--skip-tune", "--formats", "fp8", "--twins"]
+    args += ["--shared-pool", "--decode-batches", "1", "--prefill-seq", "8", "--kv-len", "16"]
+    result = bench.main([*args, "--rounds", "1", "--iters", "1"])
+    assert result["complete"]
+    for row in result["phases"]:
+        assert row["variants"]["fp8 torch, twin"]["eager"]["median_us"] > 0
+        assert set(row["ratios"]["twin_over_torch"]["eager"]) == {"fp8"}
