@@ -88,16 +88,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--captures", type=int, default=3, help="Captures of each chain.")
     parser.add_argument("--gemms", type=int, default=4, help="GEMMs (groups) a step.")
     parser.add_argument("--between", type=int, default=10, help="Elementwise kernels a group.")
-    parser.add_argument("--m", type=int, default=1)
-    parser.add_argument("--k", type=int, default=4096)
-    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--m", type=int, default=1, help="Rows of x (tokens).")
+    parser.add_argument("--k", type=int, default=4096, help="x's columns, the GEMM's K.")
+    parser.add_argument("--n", type=int, default=4096, help="The GEMM's output columns.")
     parser.add_argument("--iters", type=int, default=50, help="Replays per timed round.")
     parser.add_argument(
         "--rounds", type=int, help="Rounds (default: one cycle of the balanced order)."
     )
     args = parser.parse_args(argv)
-    if args.captures < 1:
-        parser.error(f"--captures: {args.captures}; at least 1")
+    for name in ("captures", "gemms", "iters", "m", "k", "n"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}: {getattr(args, name)}; at least 1")
+    fp8 = [c for c in args.chains if c.startswith("fp8")]
+    if fp8 and (args.k % 16 or args.n % 16):
+        parser.error(f"--k {args.k}, --n {args.n}: {fp8[0]} takes multiples of 16 (_scaled_mm)")
     args.smoke = False
     if args.rounds is None:
         args.rounds = timing.order_cycle(len(args.chains) * args.captures)

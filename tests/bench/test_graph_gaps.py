@@ -14,10 +14,23 @@ def test_rounds_default_to_one_balanced_cycle_over_every_capture_of_every_chain(
     assert odd.rounds == 6
 
 
-def test_a_capture_count_below_one_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--captures", "0"], "--captures: 0"),
+        (["--iters", "-1"], "--iters: -1"),
+        (["--k", "4008"], "fp8-rowwise takes multiples of 16"),
+    ],
+)
+def test_bad_sizes_are_named(argv: list[str], named: str, capsys) -> None:
     with pytest.raises(SystemExit):
-        bench.parse_args(["--out", "g.json", "--captures", "0"])
-    assert "--captures: 0" in capsys.readouterr().err
+        bench.parse_args(["--out", "g.json", *argv])
+    assert named in capsys.readouterr().err
+
+
+def test_sizes_fp8_cannot_take_are_fine_for_the_other_chains() -> None:
+    args = bench.parse_args(["--out", "g.json", "--chains", "bf16", "--k", "4008"])
+    assert args.k == 4008
 
 
 def test_idle_time_is_the_step_less_its_kernels_spread_over_the_gaps() -> None:
