@@ -83,10 +83,10 @@ def test_graph_time_subtracts_its_fence():
     assert timing.graph_time(lambda i: x.add_(1), fenced=False).median_us > 0
 
 
-def test_a_graph_duel_reads_each_runner_as_graph_time_does_and_a_twin_alike():
+def test_a_graph_duel_reads_each_runner_as_it_reads_alone_and_a_twin_alike():
     """Side by side, the fence is still not charged (a call that launches nothing costs ~0), a
-    kernel reads what ``graph_time`` reads for it, and two copies of one compute-bound GEMM
-    read alike: neither is favoured by when it was read."""
+    kernel reads what ``graph_time`` (its duel alone) reads for it, and two copies of one
+    compute-bound GEMM read alike: neither is favoured by when it was read."""
     x = torch.zeros(1 << 26, device="cuda")
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     nothing, one_kernel = timing.graph_duel([lambda i: None, lambda i: x.add_(1)], calls=4)

@@ -284,7 +284,6 @@ def copy_bandwidth_gbs(device: str, nbytes: int = 2 * 2**30) -> float:
 
 GRAPH_CALLS = 16  # calls per captured graph: the replay's own launch cost is spread over them
 GRAPH_REPLAY_US = 300.0  # GPU time per replay that makes its own launch cost a small share
-FENCE_BUDGET_S = 0.01  # the fence's replays are short: many fit in this
 
 
 def graph_calls(call_us: float, sets: int = 1) -> int:
@@ -304,23 +303,11 @@ def graph_time(
     capturing stream (workspaces are per stream). Raises what the capture raises: a runner that
     cannot be captured cannot serve a caller that runs its step as a graph.
 
-    ``fenced``: each call follows a one-element torch kernel launched without programmatic
-    dependent launch (PDL), whose own time is subtracted. A PDL kernel's launch then overlaps the
-    end of a foreign kernel, as in a model's step; back to back it would also hide behind its own
-    previous call. The fence is timed before and after, and the quicker reading subtracted: a
-    disturbance can only lengthen a reading, and a lengthened fence would flatter ``fn``."""
+    ``fenced`` (the default): ``graph_duel`` of ``fn`` alone, so that one fence, taken one way,
+    stands before every call the tuner and the benchmarks time. Unfenced, the calls run back to
+    back, and the Timing's host time is a replay's launch cost a call."""
     if fenced:
-        flag = torch.zeros(1, device="cuda")
-
-        def fence_us() -> float:
-            fence_budget = min(budget_s, FENCE_BUDGET_S)
-            return graph_time(lambda i: flag.add_(1), calls, fence_budget, fenced=False).median_us
-
-        before = fence_us()
-        both = graph_time(lambda i: (flag.add_(1), fn(i)), calls, budget_s, fenced=False)
-        fence = min(before, fence_us())
-        return Timing(max(0.0, both.median_us - fence), max(0.0, both.p10_us - fence),
-                      max(0.0, both.p90_us - fence), both.reps, both.host_us)  # fmt: skip
+        return graph_duel([fn], calls, budget_s)[0]
     graph = _captured(fn, calls)
     t = measure(
         lambda i: graph.replay(), device="cuda", budget_s=budget_s, max_reps=30, queued=True
@@ -352,14 +339,18 @@ DUEL_REPS = (2, 8)  # replays of each graph a round, at least and at most
 def graph_duel(
     fns: Sequence[Callable[[int], Any]], calls: int = GRAPH_CALLS, budget_s: float = 0.03
 ) -> list[Timing]:
-    """``graph_time`` (fenced) of each of ``fns``, their replays taken side by side:
-    ``DUEL_ROUNDS`` rounds in ``round_order``, each replaying every graph a few times, within
-    about ``budget_s`` a runner. Timed one after the other, as ``graph_time`` would, two
-    compute-bound runners read at different clocks where the GPU's clock still moves (it
-    settles at its power limit over a fraction of a second), and the one timed while it was
-    lower looks slower. The fence's replays, read each round, are subtracted at their quickest
-    round: a disturbance can only lengthen a reading. The Timings carry no host time (0).
-    Raises what a capture raises."""
+    """GPU time per call of each of ``fns`` (see ``graph_time``), their replays taken side by
+    side: ``DUEL_ROUNDS`` rounds in ``round_order``, each replaying every graph a few times,
+    within about ``budget_s`` a runner. Timed one after the other, two compute-bound runners
+    read at different clocks where the GPU's clock still moves (it settles at its power limit
+    over a fraction of a second), and the one timed while it was lower looks slower.
+
+    Each call follows a fence: a one-element torch kernel launched without programmatic
+    dependent launch (PDL). A PDL kernel's launch then overlaps the end of a foreign kernel, as
+    in a model's step; back to back it would also hide behind its own previous call. The
+    fence's own replays, read each round, are subtracted at their quickest round: a disturbance
+    can only lengthen a reading, and a lengthened fence would flatter the runners. The Timings
+    carry no host time (0). Raises what a capture raises."""
     flag = torch.zeros(1, device="cuda")
 
     def fence(i: int) -> None:
