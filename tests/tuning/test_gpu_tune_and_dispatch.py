@@ -90,11 +90,11 @@ def test_a_graph_duel_reads_each_runner_as_it_reads_alone_and_a_twin_alike():
     x = torch.zeros(1 << 26, device="cuda")
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     nothing, one_kernel = timing.graph_duel([lambda i: None, lambda i: x.add_(1)], calls=4)
-    assert 0.0 <= nothing.median_us < 0.5 < one_kernel.median_us  # a fence alone takes ~1.5 us
+    assert 0.0 <= nothing.median_us < 0.5 < one_kernel.median_us, (nothing, one_kernel)
     alone = timing.graph_time(lambda i: x.add_(1), calls=4)
-    assert abs(one_kernel.median_us - alone.median_us) < 0.2 * alone.median_us
+    assert abs(one_kernel.median_us - alone.median_us) < 0.2 * alone.median_us, (one_kernel, alone)
     first, second = timing.graph_duel([lambda i: a @ a, lambda i: a @ a], calls=4)
-    assert abs(first.median_us - second.median_us) < 0.03 * first.median_us
+    assert abs(first.median_us - second.median_us) < 0.03 * first.median_us, (first, second)
 
 
 def test_queued_samples_are_gpu_time_however_slow_the_host():
