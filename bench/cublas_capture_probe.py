@@ -1,5 +1,5 @@
 """Whether the cublas source's runner is captured in a CUDA graph, and what repeated captures
-cost in GPU memory (each ``timing.graph_time`` captures on a stream of its own)."""
+cost in GPU memory (each ``timing.graph_time`` captures two graphs, on its thread's side stream)."""
 
 from __future__ import annotations
 

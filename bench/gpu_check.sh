@@ -66,7 +66,7 @@ if [ -n "${CUTLASS_SEED:-}" ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 # the host's CPU and its load: host-side figures (compiles, process starts) move with them
-{ lscpu | grep -E '^(Model name|CPU\(s\)|CPU max MHz)'; uptime; } | tee -a "$OUT/gpu.txt"
+{ echo "CPUs: $(nproc), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-)"; echo "load average: $(cat /proc/loadavg)"; } | tee -a "$OUT/gpu.txt"
 python3 -m tuner info 2>&1 | tee "$OUT/info.txt"
 # The device tool brings back at most 8 files: everything is packed into one archive after each
 # stage, so a call cut off in a later stage still returns what the earlier ones made (and what a
@@ -82,7 +82,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
   --format=csv -lms 200 > "$OUT/clocks.csv" 2>/dev/null &
 clock_log=$!
 for stage in "$@"; do
-  echo "=== stage $stage ($(uptime | sed "s/.*load/load/")) ==="
+  echo "=== stage $stage (load average: $(cut -d' ' -f1-3 /proc/loadavg)) ==="
   case "$stage" in
     tests)  # the schema tests (CPU only) need schemathesis, which the device image lacks
       timeout -k 20 "${GPU_TESTS_TIMEOUT:-3000}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 --ignore=tests/server/test_schema.py ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log"

@@ -148,6 +148,15 @@ def test_tune_all_then_show_export_import(tmp_path):
             ("tune", "gemm", "-m", "64", "-n", "64", "-k", "64", "--source", "nosuch"),
             "unknown candidate source 'nosuch'",
         ),
+        (
+            ("tune", "gemm", "-m", "4", "-n", "4", "-k", "4", "--dtype", "fp16"),
+            "got 'fp16' (did you mean 'f16'?)",
+        ),
+        (
+            ("tune", "gemm", "-m", "4", "-n", "4", "-k", "4", "--source", "tritn_gemm"),
+            "unknown candidate source 'tritn_gemm' (did you mean 'triton_gemm'?)",
+        ),
+        (("tune", "key", "gemm:m=4,n=4,k=4,dtype=bf61"), "got 'bf61' (did you mean 'bf16'?)"),
         (("show", "--op", "gem"), "--op must be 'gemm' or 'sdpa'"),
         (("show", "--source", "nosuch"), "unknown candidate source 'nosuch'"),
         (

@@ -133,3 +133,10 @@ def test_parse_and_dict_errors_name_the_problem():
         key_from_dict("gemm", {"m": 1, "n": 1, "k": 1, "dtype": ["f32"]})
     with pytest.raises(ValueError, match=r"op must be one of .* got \['gemm'\]"):
         key_from_dict(["gemm"], {})
+
+
+def test_a_misspelt_choice_names_the_value_meant_and_a_far_one_only_the_choices():
+    with pytest.raises(ValueError, match=r"got 'bf61' \(did you mean 'bf16'\?\)"):
+        parse_key("gemm:m=4,n=4,k=4,dtype=bf61")
+    with pytest.raises(ValueError, match=r"got 'int8'$"):
+        parse_key("gemm:m=4,n=4,k=4,dtype=int8")

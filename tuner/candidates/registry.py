@@ -14,6 +14,7 @@ import importlib.metadata
 import logging
 
 from tuner.candidates.base import Source
+from tuner.core.guesses import did_you_mean
 from tuner.core.keys import Key
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,10 @@ def check_names(names: list[str] | None) -> None:
     """ValueError for a source name that does not exist: a typo would silently tune nothing."""
     unknown = [n for n in names or () if n not in all_sources()]
     if unknown:
+        known = sorted(all_sources())
         raise ValueError(
-            f"unknown candidate source {unknown[0]!r}; known: {', '.join(sorted(all_sources()))}"
+            f"unknown candidate source {unknown[0]!r}{did_you_mean(unknown[0], known)}; "
+            f"known: {', '.join(known)}"
         )
 
 

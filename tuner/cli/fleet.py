@@ -193,7 +193,7 @@ def token_list(db: DbOpt) -> None:
 
     with FleetStore(_existing(db)) as store:
         found = tokens.list_tokens(store)
-    t = Table(title=f"{len(found)} tokens")
+    t = Table(title=counted(len(found), "token"))
     for col in ("id", "name", "scopes", "created", "revoked"):
         t.add_column(col)
     for tok in found:

@@ -93,7 +93,10 @@ SustainedOpt = Annotated[
         "limit (0: short rounds, as for other calls).",
     ),
 ]
-OpOpt = Annotated[str | None, typer.Option("--op", help="Only 'gemm' or only 'sdpa' problems.")]
+OpOpt = Annotated[
+    str | None,
+    typer.Option("--op", metavar="[gemm|sdpa]", help="Only GEMM or only SDPA problems."),
+]
 DeviceClassOpt = Annotated[
     str | None,
     typer.Option(

@@ -35,9 +35,11 @@ from tuner.cli.options import (
 )
 from tuner.core.console import counted, output_console
 from tuner.core.device import fingerprint, too_big_here
+from tuner.core.guesses import did_you_mean
 from tuner.core.keys import (
     ITEMSIZE,
     LOWBIT_FORMAT_NAMES,
+    LOWBIT_FORMATS,
     GemmKey,
     Key,
     SdpaKey,
@@ -275,9 +277,10 @@ def _gemm_key(
     try:
         fields = lowbit_fields(dtype)
     except ValueError:
+        allowed = [*ITEMSIZE, "tf32"]
         raise ValueError(
-            f"--dtype must be one of {[*ITEMSIZE, 'tf32']} or a low-bit format "
-            f"({LOWBIT_FORMAT_NAMES}), got {dtype!r}"
+            f"--dtype must be one of {allowed} or a low-bit format ({LOWBIT_FORMAT_NAMES}), "
+            f"got {dtype!r}{did_you_mean(dtype, [*allowed, *LOWBIT_FORMATS])}"
         ) from None
     if layout not in (None, "nt"):
         raise ValueError(f"--dtype {dtype}: a low-bit GEMM is x @ W.T: --layout nt (got {layout})")

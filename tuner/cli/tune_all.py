@@ -134,8 +134,9 @@ def tune_all_command(
     time_limit: Annotated[
         float | None,
         typer.Option(
-            help="Seconds for the whole run; no problem starts after (one between its two "
-            "passes keeps its first pass's verdict, recorded 'partial': the next run finishes it)."
+            help="Seconds for the whole run (default: no limit); no problem starts after (one "
+            "between its two passes keeps its first pass's verdict, recorded 'partial': the next "
+            "run finishes it)."
         ),
     ] = None,
     workers: Annotated[

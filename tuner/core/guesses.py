@@ -4,6 +4,7 @@ the reader a scan of every name allowed."""
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable
 
 
 def close_match(name: str, allowed: list[str]) -> str | None:
@@ -13,3 +14,11 @@ def close_match(name: str, allowed: list[str]) -> str | None:
 
 def with_guess(name: str, guess: str | None) -> str:
     return f"{name} (did you mean {guess!r}?)" if guess else name
+
+
+def did_you_mean(value: object, allowed: Iterable[object]) -> str:
+    """`` (did you mean 'x'?)`` for a string ``value`` close to one of ``allowed``, else ""."""
+    if not isinstance(value, str):
+        return ""
+    guess = close_match(value, [str(a) for a in allowed])
+    return f" (did you mean {guess!r}?)" if guess else ""

@@ -30,6 +30,8 @@ from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from tuner.core.guesses import did_you_mean
+
 if TYPE_CHECKING:
     import torch
 
@@ -102,7 +104,9 @@ def _check_choice(name: str, value: Any, allowed: tuple[Any, ...] | dict) -> Non
     if value == "":  # a field left out of a key string
         raise ValueError(f"{name} is missing: it must be one of {sorted(allowed)}")
     if not isinstance(value, (str, int)) or value not in allowed:  # a YAML list is unhashable
-        raise ValueError(f"{name} must be one of {sorted(allowed)}, got {value!r}")
+        raise ValueError(
+            f"{name} must be one of {sorted(allowed)}, got {value!r}{did_you_mean(value, allowed)}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,10 +418,9 @@ def _to_str(key: Key) -> str:
     )
 
 
-LOWBIT_FORMAT_NAMES = ", ".join(
-    ["int4-g" + "/".join(map(str, INT4_GROUPS))]
-    + [f"fp8-{g}{fast}" for fast in ("", "-fast") for g in FP8_SPEC_SCALES]
-)
+FP8_FORMATS = tuple(f"fp8-{g}{fast}" for fast in ("", "-fast") for g in FP8_SPEC_SCALES)
+LOWBIT_FORMATS = (*(f"int4-g{group}" for group in INT4_GROUPS), *FP8_FORMATS)
+LOWBIT_FORMAT_NAMES = ", ".join(["int4-g" + "/".join(map(str, INT4_GROUPS)), *FP8_FORMATS])
 
 
 def lowbit_fields(spec: str) -> dict[str, Any]:
@@ -436,7 +439,10 @@ def lowbit_fields(spec: str) -> dict[str, Any]:
         return {"layout": "nt", "dtype": "fp8_e4m3", "out_dtype": "bf16", "wdtype": "fp8_e4m3",
                 "group": 0, "zeros": "", "scale": FP8_SPEC_SCALES[granularity],
                 "accum": fast or "f32"}  # fmt: skip
-    raise ValueError(f"low-bit format must be one of {LOWBIT_FORMAT_NAMES}, got {spec!r}")
+    raise ValueError(
+        f"low-bit format must be one of {LOWBIT_FORMAT_NAMES}, got {spec!r}"
+        f"{did_you_mean(spec, LOWBIT_FORMATS)}"
+    )
 
 
 FP8_MULTIPLE = 16  # torch._scaled_mm, every FP8 key's baseline, takes K and N multiples of 16

@@ -14,10 +14,11 @@ figure they report follows the same rules.
   is what the caller waits for.
 - ``sustained_time``: a compute-bound call's time over a stretch of calls back to back, at the
   clock the GPU keeps at its power limit (the tuner's duels of GPU-bound calls use it).
-- ``graph_time``: GPU time alone, from calls captured in a CUDA graph and replayed (what a caller
-  that runs its step as a graph sees; event times of small eager calls are host-bound), fence
-  included. ``graph_duel``: the same for several runners, read side by side in rounds, as the
-  tuner's duels take them (one after the other, the first met a clock still settling).
+- ``graph_duel``: GPU time alone, from calls captured in a CUDA graph and replayed (what a caller
+  that runs its step as a graph sees; event times of small eager calls are host-bound), each
+  call after a fence whose own time is subtracted, several runners read side by side in rounds
+  (one after the other, the first met a clock still settling). ``graph_time(fn)`` is the duel of
+  ``fn`` alone.
 """
 
 from __future__ import annotations
@@ -304,8 +305,9 @@ def graph_time(
     cannot be captured cannot serve a caller that runs its step as a graph.
 
     ``fenced`` (the default): ``graph_duel`` of ``fn`` alone, so that one fence, taken one way,
-    stands before every call the tuner and the benchmarks time. Unfenced, the calls run back to
-    back, and the Timing's host time is a replay's launch cost a call."""
+    stands before every call the tuner and the benchmarks time: its Timing has no host time (0)
+    and ``DUEL_ROUNDS`` x 2-8 samples. Unfenced, the calls run back to back, and the Timing's host
+    time is a replay's launch cost a call."""
     if fenced:
         return graph_duel([fn], calls, budget_s)[0]
     graph = _captured(fn, calls)

@@ -173,6 +173,9 @@ def load_problems(path: str | Path) -> list[Key]:
     if not isinstance(data, dict) or not isinstance(data.get("problems"), list):
         model = isinstance(data, dict) and "hidden_size" in data and "problems" not in data
         hint = " (this looks like a model config: give it with --model)" if model else ""
+        if isinstance(data, dict) and "problems" not in data and not model:
+            near = close_match("problems", [str(name) for name in data])
+            hint = f" (found {near!r}: did you mean 'problems'?)" if near else ""
         raise ConfigError(f"{path}: expected a top-level 'problems:' list{hint}")
     if not data["problems"]:  # a run that tunes nothing and says it did all would hide the slip
         raise ConfigError(f"{path}: the 'problems:' list is empty: list at least one problem")
