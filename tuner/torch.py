@@ -76,6 +76,7 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from tuner.candidates import registry
 from tuner.candidates.torch_ref import torch_sdpa
+from tuner.core.console import counted
 from tuner.core.device import fingerprint
 from tuner.measure.records import candidate_label
 from tuner.serving.call_memo import (
@@ -932,18 +933,23 @@ class Stats:
         }
 
     def table(self) -> str:
+        """The counts, then a line for each signature called in the snapshot (one resolved
+        before and not called since is only counted, so the lines add up to the calls)."""
         head = (
-            f"tuner.torch: {self.calls} calls: {self.hits} hits, {self.bucketed} bucketed, "
-            f"{self.misses} misses, {self.passthrough} left to torch; "
+            f"tuner.torch: {counted(self.calls, 'call')}: {self.hits} hits, {self.bucketed} "
+            f"bucketed, {self.misses} misses, {self.passthrough} left to torch; "
             f"estimated time saved {self.saved_us / 1e3:.3f} ms"
         )
         lines = [head, f"{'kind':<10} {'calls':>8} {'saved us/call':>14}  candidate  <-  key"]
-        for r in sorted(self.rows, key=lambda r: (-r.calls, r.key)):
+        called = [r for r in self.rows if r.calls]
+        for r in sorted(called, key=lambda r: (-r.calls, r.key)):
             via = f" (via {r.via})" if r.via else ""
             winner = candidate_label(r.candidate)
             lines.append(
                 f"{r.kind:<10} {r.calls:>8} {r.saved_us:>14.2f}  {winner}  <-  {r.key}{via}"
             )
+        if idle := len(self.rows) - len(called):
+            lines.append(f"({counted(idle, 'signature')} resolved earlier, not called since)")
         return "\n".join(lines)
 
     __str__ = table

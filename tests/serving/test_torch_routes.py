@@ -638,7 +638,12 @@ def test_stats_table_and_reset(llama_disp: Dispatcher) -> None:
     assert "triton_gemm" in text and "gemm:m=16,n=128,k=64" in text
     assert stats.to_dict()["hits"] == 10
     tt.reset_stats(llama_disp)
-    assert tt.stats(llama_disp).calls == 0
+    idle = tt.stats(llama_disp)
+    assert idle.calls == 0
+    assert str(idle).startswith("tuner.torch: 0 calls: 0 hits")
+    lines = str(idle).splitlines()  # the counts, the header, no signature line: none was called
+    assert len(lines) == 3
+    assert lines[-1] == f"({len(idle.rows)} signatures resolved earlier, not called since)"
 
 
 # --- GPU ----------------------------------------------------------------------------------------
