@@ -9,13 +9,14 @@ import pytest
 import sqlite_utils
 
 from tests.cache.damaged import damaged_cache
-from tests.cache.read_only import read_only
+from tests.cache.read_only import frozen_folder, read_only
 from tuner.cache import ReadOnlyError, Store, StoreError
 from tuner.cache.schema import CACHE
 from tuner.cache.store import EXPORTED_TABLES, EXPORTED_VERSION
 from tuner.measure.records import Measurement, Winner, candidate_name, candidate_params
 
 KEY = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+OTHER_KEY = KEY.replace("m=8", "m=16")
 
 
 def measurement(**kw) -> Measurement:
@@ -289,10 +290,8 @@ def test_a_page_damaged_inside_the_file_is_refused_before_any_write(tmp_path):
     not os.path.isdir("/proc/sys") or os.access("/proc/sys", os.W_OK),
     reason="needs /proc/sys, a folder this user cannot write",
 )
-def test_a_cache_in_a_folder_it_cannot_write_says_so():
-    with pytest.raises(
-        StoreError, match=r"/proc/sys is not writable: SQLite keeps its write-ahead"
-    ):
+def test_a_new_cache_in_a_folder_it_cannot_write_says_so():
+    with pytest.raises(StoreError, match=r"/proc/sys is not writable, so no new file can be made"):
         Store("/proc/sys/c.db")
 
 
@@ -342,6 +341,33 @@ def test_a_read_only_file_is_read_and_its_writes_refused_naming_it(tmp_path):
         with pytest.raises(ReadOnlyError, match=f"{path} is read-only"):
             store.save_run([measurement()], winner(updated_at=2e9))
         assert path.read_bytes() == before
+
+
+def test_a_cache_in_a_folder_that_cannot_be_written_is_read_and_its_writes_refused(tmp_path):
+    """A cache baked into an image or on a read-only mount: SQLite cannot put its WAL index
+    beside the file, yet its winners are read; a write names the folder to make writable."""
+    path = tmp_path / "baked" / "c.db"
+    with Store(path) as store:
+        store.put_winners([winner()])
+    with frozen_folder(path.parent) as before, Store(path) as store:
+        assert [w.key for w in store.winners()] == [KEY]
+        with pytest.raises(ReadOnlyError, match=f"make its folder {path.parent} writable"):
+            store.save_run([measurement()], winner(updated_at=2e9))
+        assert {p.name: p.read_bytes() for p in path.parent.iterdir()} == before
+
+
+def test_a_frozen_folders_unmerged_write_ahead_log_is_read(tmp_path):
+    """Frozen while a writer was open, the folder holds rows only in the WAL file: they are
+    read (a reader that took the file as immutable would not see them)."""
+    path = tmp_path / "baked" / "c.db"
+    with Store(path) as store:
+        store.put_winners([winner()])
+        store.db.conn.execute("PRAGMA wal_autocheckpoint=0")
+        store.put_winners([winner(key=OTHER_KEY)])
+        with frozen_folder(path.parent) as files:
+            assert files["c.db-wal"]  # the second winner lies in the log only
+            with Store(path) as baked:
+                assert {w.key for w in baked.winners()} == {KEY, OTHER_KEY}
 
 
 def test_a_winner_that_is_to_stay_is_tested_and_kept_in_one_transaction(tmp_path):

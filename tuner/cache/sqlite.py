@@ -111,6 +111,21 @@ def _check_header(path: Path) -> None:
         )
 
 
+def _writable(folder: Path) -> bool:
+    return os.access(folder, os.W_OK)
+
+
+def _read_only_uri(path: Path) -> str:
+    """How to open a file in a folder this process cannot write (a read-only mount, a cache
+    baked into an image), where SQLite cannot make the index it keeps beside a WAL file: as
+    immutable, since nothing can write there either; or, where a write-ahead log lies beside it
+    (left unmerged when the folder was frozen), read-only, which reads the log's rows (an
+    immutable file's reader skips them)."""
+    wal = Path(f"{path}-wal")
+    query = "mode=ro" if wal.exists() and wal.stat().st_size else "immutable=1"
+    return f"{path.resolve().as_uri()}?{query}"
+
+
 class SqliteFile:
     """One connection to one file of ``schema``'s kind; open one per thread."""
 
@@ -137,10 +152,14 @@ class SqliteFile:
                     _check_header(self.path)
                 except OSError as e:
                     raise StoreError(f"{path} cannot be read: {e.strerror}") from None
+            target, uri = str(path), False
+            if self._file is not None and self.path.exists() and not _writable(self.path.parent):
+                target, uri = _read_only_uri(self.path), True
             try:
                 conn = sqlite3.connect(
-                    str(path), timeout=timeout_s, isolation_level=None, check_same_thread=False
-                )
+                    target, timeout=timeout_s, isolation_level=None, check_same_thread=False,
+                    uri=uri,
+                )  # fmt: skip
                 conn.execute("PRAGMA synchronous=NORMAL")  # a setting of this connection only
             except sqlite3.DatabaseError as e:
                 raise StoreError(
@@ -195,8 +214,10 @@ class SqliteFile:
         )
 
     def read_only(self) -> ReadOnlyError:
+        folder = self.path.resolve().parent
+        what = "the file" if _writable(folder) else f"its folder {folder}"
         return ReadOnlyError(
-            f"{self.path} is read-only: nothing can be stored in it; make the file writable, "
+            f"{self.path} is read-only: nothing can be stored in it; make {what} writable, "
             "or name another cache (--cache / $TUNER_CACHE)"
         )
 
@@ -325,7 +346,6 @@ class SqliteFile:
     def _why_not(self, e: sqlite3.DatabaseError) -> str:
         """What a bare "unable to open database file" leaves out, when it is so."""
         folder = self.path.resolve().parent
-        if "unable to open" in str(e) and not os.access(folder, os.W_OK):
-            return (f" ({folder} is not writable: SQLite keeps its write-ahead log and index "
-                    "beside the file, so the folder must be writable even to read it)")  # fmt: skip
+        if "unable to open" in str(e) and not _writable(folder):
+            return f" ({folder} is not writable, so no new file can be made there)"
         return ""
