@@ -292,10 +292,11 @@ def _table_rows(rows: list[Row], limit: int | None) -> tuple[list[Row], list[Row
 
 def _table(report: Report, rows: list[Row]) -> Table:
     t = Table(title=f"{counted(len(report.rows), 'problem')} on {report.device_class}")
-    columns = ("problem", "status", "baseline us", "winner us", "speedup", "winner", "tune s",
-               "compile wait s", "pruned")  # fmt: skip
-    for col in columns:
-        t.add_column(col, overflow="fold")
+    # the figures' columns keep their width (two-line headers keep it small): a narrow
+    # terminal folds the problem and the winner, the columns worth their width
+    for col in ("problem", "status", "baseline\nus", "winner\nus", "speedup", "winner", "tune\ns",
+                "compile\nwait s", "pruned"):  # fmt: skip
+        t.add_column(col, overflow="fold", no_wrap=col not in ("problem", "winner"))
     for r in rows:
         sp = r.speedup
         color = "green" if sp and sp > 1.0 else ("red" if r.status in FAILURES else "")
