@@ -84,23 +84,25 @@ def test_a_misspelt_problem_field_names_the_field_meant(tmp_path, tune_all):
     )
 
 
-def test_an_empty_problem_list_is_refused_not_an_empty_successful_run(tmp_path, tune_all):
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [  # an empty list: a run that tunes nothing and says it did all would hide the slip
+        (
+            "# shapes to come\nproblems: []\n",
+            "the 'problems:' list is empty: list at least one problem",
+        ),
+        (
+            "problem:\n  - {op: gemm, m: 4, n: 8, k: 8}\n",
+            "expected a top-level 'problems:' list (found 'problem': did you mean 'problems'?)",
+        ),
+    ],
+)
+def test_a_list_without_problems_is_refused_naming_why(tmp_path, tune_all, text, why):
     listed = tmp_path / "list.yaml"
-    listed.write_text("# shapes to come\nproblems: []\n")
+    listed.write_text(text)
     code, err, made = tune_all("--config", str(listed))
     assert (code, made) == (2, False)
-    assert err == [f"error: {listed}: the 'problems:' list is empty: list at least one problem"]
-
-
-def test_a_misspelt_problems_key_is_named(tmp_path, tune_all):
-    listed = tmp_path / "list.yaml"
-    listed.write_text("problem:\n  - {op: gemm, m: 4, n: 8, k: 8}\n")
-    code, err, made = tune_all("--config", str(listed))
-    assert (code, made) == (2, False)
-    assert err == [
-        f"error: {listed}: expected a top-level 'problems:' list "
-        "(found 'problem': did you mean 'problems'?)"
-    ]
+    assert err == [f"error: {listed}: {why}"]
 
 
 def test_a_listed_tf32_gemm_is_f32_on_the_tf32_path_as_in_model_configs(tmp_path):
