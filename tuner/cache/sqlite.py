@@ -117,12 +117,12 @@ def _writable(folder: Path) -> bool:
 
 def _read_only_uri(path: Path) -> str:
     """How to open a file in a folder this process cannot write (a read-only mount, a cache
-    baked into an image), where SQLite cannot make the index it keeps beside a WAL file: as
-    immutable, since nothing can write there either; or, where a write-ahead log lies beside it
-    (left unmerged when the folder was frozen), read-only, which reads the log's rows (an
-    immutable file's reader skips them)."""
-    wal = Path(f"{path}-wal")
-    query = "mode=ro" if wal.exists() and wal.stat().st_size else "immutable=1"
+    baked into an image), where SQLite cannot make the index it keeps beside a WAL file. Where a
+    write-ahead log lies beside it (a writer that can write there has it open, or it was left
+    unmerged when the folder was frozen): read-only, which reads the log's rows and keeps in step
+    with that writer through its index. Where none does, no writer has the file open: as
+    immutable (an immutable file's reader would skip a log's rows)."""
+    query = "mode=ro" if Path(f"{path}-wal").exists() else "immutable=1"
     return f"{path.resolve().as_uri()}?{query}"
 
 
