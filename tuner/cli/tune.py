@@ -160,12 +160,16 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     measured: list[Measurement] = []
     with console.status(f"tuning {key}") as status:
 
-        def shown(m: Measurement) -> None:  # the spinner says how far the run is
+        def shown(m: Measurement) -> None:  # the spinner says how far the run is; without a
+            # terminal (a log), a line on stderr does, the table staying alone on stdout
             measured.append(m)
             took = f" {m.median_us:.1f} us" if m.median_us else ""
-            last = escape(candidate_label(m.candidate))
-            status.update(f"tuning {key}: {len(measured)} measured, last {last} "
+            label = candidate_label(m.candidate)
+            status.update(f"tuning {key}: {len(measured)} measured, last {escape(label)} "
                           f"({m.status}{took})")  # fmt: skip
+            if not console.is_terminal and m.status != "unsupported":
+                ran = sum(x.status != "unsupported" for x in measured)
+                typer.echo(f"measured {ran}: {label} ({m.status}{took})", err=True)
 
         try:
             outcome = tune(key, options=options, earlier=earlier, on_result=shown)
