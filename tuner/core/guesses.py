@@ -20,5 +20,4 @@ def did_you_mean(value: object, allowed: Iterable[object]) -> str:
     """`` (did you mean 'x'?)`` for a string ``value`` close to one of ``allowed``, else ""."""
     if not isinstance(value, str):
         return ""
-    guess = close_match(value, [str(a) for a in allowed])
-    return f" (did you mean {guess!r}?)" if guess else ""
+    return with_guess("", close_match(value, [str(a) for a in allowed]))
