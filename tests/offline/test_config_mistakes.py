@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tuner.cli import main
-from tuner.core.keys import GemmKey
+from tuner.core.keys import GemmKey, SdpaKey
 from tuner.offline.problem_list import ConfigError, load_problems
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,6 +114,23 @@ def test_a_listed_tf32_gemm_is_f32_on_the_tf32_path_as_in_model_configs(tmp_path
     listed.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: tf32, compute: f32}\n")
     with pytest.raises(ConfigError, match=r"problems\[0\]: compute='f32': dtype tf32 fixes"):
         load_problems(listed)
+
+
+def test_a_listed_sdpa_problem_takes_the_tune_sdpa_commands_defaults(tmp_path, tune_all):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("problems:\n  - {op: sdpa, q_len: 1, kv_len: 4096}\n"
+                      "  - {op: sdpa, q_len: 8, kv_len: 64, batch: 4, head_dim: 64, dtype: f16}\n")  # fmt: skip
+    assert load_problems(listed) == [
+        SdpaKey(batch=1, q_heads=32, kv_heads=8, q_len=1, kv_len=4096, head_dim=128),
+        SdpaKey(batch=4, q_heads=32, kv_heads=8, q_len=8, kv_len=64, head_dim=64, dtype="f16"),
+    ]
+    listed.write_text("problems:\n  - {op: sdpa, q_len: 1}\n")
+    code, err, made = tune_all("--config", str(listed))
+    assert (code, made) == (2, False)
+    assert err == [
+        f"error: {listed}: problems[0]: incomplete sdpa problem: missing kv_len "
+        "(required: ['q_len', 'kv_len'])"
+    ]
 
 
 def test_an_op_that_leaves_no_problem_of_the_files_is_refused(tmp_path, tune_all):

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from tuner.core.guesses import did_you_mean
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
 
 # dtype name -> bytes per element. The names are the ones stored and sent over HTTP.
@@ -401,6 +403,10 @@ class SdpaKey:
 Key = GemmKey | SdpaKey
 KEY_TYPES: dict[str, type[GemmKey] | type[SdpaKey]] = {"gemm": GemmKey, "sdpa": SdpaKey}
 
+# What an SDPA problem written by hand (``tuner tune sdpa``, a problem list's entry) leaves out
+# is a Llama-3-8B layer's attention at batch 1; a key's text names every field.
+SDPA_DEFAULTS: dict[str, int] = {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128}
+
 
 def _written(key: Key, name: str, value: Any) -> bool:
     """Every field but a low-bit GEMM field that holds a plain GEMM's value."""
@@ -525,9 +531,12 @@ def required_fields(cls: type) -> list[str]:
     return [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
 
 
-def _check_complete(cls: type, values: dict[str, Any], what: str) -> None:
-    """ValueError naming the required fields of ``cls`` that ``values`` lacks."""
-    required = required_fields(cls)
+def _check_complete(
+    cls: type, values: dict[str, Any], what: str, defaulted: Iterable[str] = ()
+) -> None:
+    """ValueError naming the required fields of ``cls`` that ``values`` lacks (the fields
+    ``defaulted`` by the caller are not asked for)."""
+    required = [name for name in required_fields(cls) if name not in defaulted]
     missing = [name for name in required if name not in values]
     if missing:
         raise ValueError(f"incomplete {what}: missing {', '.join(missing)} (required: {required})")
@@ -547,8 +556,10 @@ def _convert(name: str, raw: str, type_name: str) -> Any:
     return raw
 
 
-def key_from_dict(op: str, data: dict[str, Any]) -> Key:
-    """Build a key from a JSON object (API bodies, YAML configs), naming bad fields."""
+def key_from_dict(op: str, data: dict[str, Any], defaults: dict[str, Any] | None = None) -> Key:
+    """Build a key from a JSON object (API bodies, YAML configs), naming bad fields; the fields
+    of ``defaults`` may be left out."""
+    defaults = defaults or {}
     if not isinstance(op, str) or op not in KEY_TYPES:
         raise ValueError(f"op must be one of {sorted(KEY_TYPES)}, got {op!r}")
     cls = KEY_TYPES[op]
@@ -556,8 +567,8 @@ def key_from_dict(op: str, data: dict[str, Any]) -> Key:
     unknown = set(data) - allowed
     if unknown:
         raise ValueError(f"unknown field(s) {sorted(unknown)} for {op}; allowed: {sorted(allowed)}")
-    _check_complete(cls, data, f"{op} problem")
-    return cls(**data)
+    _check_complete(cls, data, f"{op} problem", defaulted=defaults)
+    return cls(**(defaults | data))
 
 
 # --- torch dtypes and extraction from tensors ---------------------------------------------
