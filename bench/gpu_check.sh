@@ -84,13 +84,17 @@ clock_log=$!
 for stage in "$@"; do
   echo "=== stage $stage (load average: $(cut -d' ' -f1-3 /proc/loadavg)) ==="
   case "$stage" in
-    tests)  # the schema tests (CPU only) need schemathesis, which the device image lacks
-      timeout -k 20 "${GPU_TESTS_TIMEOUT:-3000}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 --ignore=tests/server/test_schema.py ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log"
-      rc=${PIPESTATUS[0]}
-      if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # pytest killed: its log ends without a summary
-        echo "tests: stopped by GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-3000} s; the tests after the last dot did not run" | tee -a "$OUT/gpu_tests.log"
-      fi
-      [ "$rc" = 0 ] || status=1 ;;
+    tests)  # the schema tests (CPU only) need schemathesis, which the device image lacks;
+      # GPU_TESTS_REPEAT=n runs them n times over (a flaky test's failures, counted), each run in the log
+      for run in $(seq "${GPU_TESTS_REPEAT:-1}"); do
+        echo "--- tests, run $run of ${GPU_TESTS_REPEAT:-1} ---" >> "$OUT/gpu_tests.log"
+        timeout -k 20 "${GPU_TESTS_TIMEOUT:-3000}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 --ignore=tests/server/test_schema.py ${GPU_TESTS:-tests} 2>&1 | tee -a "$OUT/gpu_tests.log"
+        rc=${PIPESTATUS[0]}
+        if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # pytest killed: its log ends without a summary
+          echo "tests: stopped by GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-3000} s; the tests after the last dot did not run" | tee -a "$OUT/gpu_tests.log"
+        fi
+        [ "$rc" = 0 ] || status=1
+      done ;;
     all-gpu-tests)  # every GPU test in five pytests at once, each with its own tuner cache and log (the
       # kernel caches are shared), the slowest named (--durations): a, the nvcc-heavy candidate files
       # (GPU_TESTS_PART_A lists them); b, the Triton-heavy ones (GPU_TESTS_PART_B); c, the low-bit keys
