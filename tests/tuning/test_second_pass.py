@@ -121,13 +121,15 @@ def test_without_duels_a_second_pass_serves_what_one_pass_would(sources):
 def test_a_first_pass_that_lost_at_the_power_limit_leaves_a_faster_shared_kernel_its_duel():
     """A 4096^3 bf16 GEMM: the first pass's twins of the baseline lose two sustained duels (the
     budget of one pass); one pass would have duelled the shared source's far faster candidate
-    before them, and so does the second pass, which serves it."""
+    before them, and so does the second pass, which serves it. The noise of 30% makes every
+    twin a tie however far the clock fell between its trial and the baseline's (as in
+    ``test_twins_of_a_heavy_baseline_duel_at_the_power_limit_at_most_twice``)."""
     made = [Twins(), SharedMemoized()]
     for source in made:
         registry.register(source)
     Memoized.slow = False
     key = GemmKey(m=4096, n=4096, k=4096)
-    options = TuneOptions(sources=["twins", "shared_memoized"], min_noise=0.1, prune=False,
+    options = TuneOptions(sources=["twins", "shared_memoized"], min_noise=0.3, prune=False,
                           cut_factor=1e9, late_cut=1e9)  # fmt: skip
     try:
         first = tune(key, options=first_pass_options(key.op, options))
@@ -136,6 +138,7 @@ def test_a_first_pass_that_lost_at_the_power_limit_leaves_a_faster_shared_kernel
         for source in made:
             registry.unregister(source.name)
     assert first.winner.source == "torch"
-    assert sum(first.stretched.values()) == SUSTAINED_TRIES, first.stretched
+    trials = {m.candidate: (m.median_us, m.error) for m in first.measurements}
+    assert sum(first.stretched.values()) == SUSTAINED_TRIES, (first.stretched, trials)
     notes = {m.candidate: m.error for m in second.measurements if m.source == "shared_memoized"}
     assert second.winner.source == "shared_memoized", notes
