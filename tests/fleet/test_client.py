@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,20 +56,42 @@ def flaky_app(failures: int, status: int) -> tuple[Starlette, list[int]]:
     return Starlette(routes=[Route("/v1/health", health), Route("/ready", ready)]), calls
 
 
-def test_unreachable_service_fails_fast_with_a_clear_error() -> None:
+def sent_timeouts(client: FleetClient) -> list[dict[str, float]]:
+    """The timeouts of each request ``client`` sends from now on (each try, retries included)."""
+    sent: list[dict[str, float]] = []
+    client.http.event_hooks["request"].append(lambda r: sent.append(r.extensions["timeout"]))
+    return sent
+
+
+def test_unreachable_service_fails_fast_with_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Refused: tried once and retried ``retries`` times, waiting only each retry's backoff
+    (doubling, jittered by 0.5x to 1.5x), then a clear error."""
     client = FleetClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.05)
-    started = time.monotonic()
+    sent, slept, sleep, me = sent_timeouts(client), [], time.sleep, threading.get_ident()
+
+    def timed_sleep(seconds: float) -> None:
+        if threading.get_ident() == me:
+            slept.append(seconds)
+        sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", timed_sleep)
     with pytest.raises(FleetError, match="unreachable: ConnectError"):
         client.health()
-    assert time.monotonic() - started < 3
+    assert len(sent) == 3
+    assert len(slept) == 2, slept
+    assert all(0.5 * 0.05 * 2**i <= s <= 1.5 * 0.05 * 2**i for i, s in enumerate(slept)), slept
 
 
 def test_a_silent_service_is_cut_off_by_the_timeout(silent_url: str) -> None:
+    """Each try waits the client's timeout for an answer (not the default 10 s), and both the
+    first and its retry end in a ReadTimeout."""
     client = FleetClient(silent_url, timeout_s=0.3, retries=1, backoff_s=0.05)
-    started = time.monotonic()
+    sent = sent_timeouts(client)
     with pytest.raises(FleetError, match="ReadTimeout"):
         client.health()
-    assert time.monotonic() - started < 3
+    assert [t["read"] for t in sent] == [0.3, 0.3]
 
 
 def test_retries_with_backoff_on_503_then_succeeds() -> None:
