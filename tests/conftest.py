@@ -34,3 +34,12 @@ def cache_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "tuner.db"
     monkeypatch.setenv("TUNER_CACHE", str(path))
     return path
+
+
+@pytest.fixture(autouse=True)
+def memoized_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test meets the planted ``Memoized`` source fast; one that makes it slow (a lucky
+    measurement, then a slow reality) does so for itself alone."""
+    from planted import Memoized
+
+    monkeypatch.setattr(Memoized, "slow", False)

@@ -867,9 +867,8 @@ def test_problems_waiting_for_shared_kernels_get_a_first_pass_meanwhile(tmp_path
     """While the kernels that serve every shape compile (CUTLASS's, once for the run), each
     problem's other candidates are timed and duelled (a first pass, held by the run, not
     stored); once those kernels are built, a second pass times their candidates alone."""
-    from planted import Memoized, SharedMemoized
+    from planted import SharedMemoized
 
-    Memoized.slow = False
     # torch's matmul of these takes many times Memoized's copy of its product: a clear win
     keys = [GemmKey(m=m, n=256, k=256, dtype="f32", out_dtype="f32") for m in (128, 129, 130)]
     options = TuneOptions(sources=["shared_memoized"], budget_s=0.01)
@@ -963,7 +962,6 @@ def two_passes(
 def test_a_second_pass_cut_off_by_its_limit_keeps_the_first_pass_verdict(tmp_path):
     from planted import Memoized, SlowSharedMemoized
 
-    Memoized.slow = False
     options = TuneOptions(sources=["memoized", "slow_shared_memoized"], budget_s=0.01)
     settings = RunSettings(tune=options, workers=1, problem_timeout_s=2.0)
     cache = tmp_path / "c.db"
@@ -988,7 +986,6 @@ def test_a_run_stopped_between_a_problems_passes_keeps_its_first_pass_verdict(tm
     later run tunes them again without counting a failure against --retries."""
     from planted import Memoized, SharedMemoized
 
-    Memoized.slow = False
     options = TuneOptions(sources=["memoized", "shared_memoized"], budget_s=0.01)
     settings = RunSettings(tune=options, workers=1, retries=0)
     cache = tmp_path / "c.db"
@@ -1018,7 +1015,6 @@ def test_a_forced_retune_cut_short_never_replaces_a_finished_runs_winner(tmp_pat
     does the next run's, cut short again: the journal says which run's winner it is."""
     from planted import Memoized, SharedMemoized
 
-    Memoized.slow = False
     options = TuneOptions(sources=["memoized", "shared_memoized"], budget_s=0.01)
     cache = tmp_path / "c.db"
     made = [Memoized(), SharedMemoized()]
@@ -1057,7 +1053,6 @@ def test_a_kept_verdict_replaces_only_an_unfinished_runs_winner_and_only_a_slowe
 def test_a_second_pass_aborted_by_a_second_ctrl_c_keeps_the_first_pass_verdict(tmp_path):
     from planted import Memoized, SlowSharedMemoized
 
-    Memoized.slow = False
     options = TuneOptions(sources=["memoized", "slow_shared_memoized"], budget_s=0.01)
     cache = tmp_path / "c.db"
     made = [Memoized(), SlowSharedMemoized()]  # its second pass: slow on first sight
@@ -1074,9 +1069,8 @@ def test_a_first_pass_counts_its_wait_for_its_own_kernels_in_its_time(tmp_path):
     """A worker's first problem is handed out while its own job compiles: the worker waits for
     it, then runs a first pass (the shared kernels still compiling). That wait counts as the
     engine's own does: in the problem's time and its first pass's, as compiling."""
-    from planted import Memoized, SharedMemoized
+    from planted import SharedMemoized
 
-    Memoized.slow = False
     key = GemmKey(m=128, n=256, k=256, dtype="f32", out_dtype="f32")
     options = TuneOptions(sources=["shared_memoized"], budget_s=0.01)
     compiler = CompilePool([key], options, "cpu", jobs=1)  # not started: the test compiles
@@ -1224,7 +1218,6 @@ def test_a_second_pass_that_crashes_keeps_the_first_pass_verdict(tmp_path, share
 
     from tuner.offline import report
 
-    planted.Memoized.slow = False
     made = [planted.Memoized(), getattr(planted, shared)()]
     options = TuneOptions(sources=[s.name for s in made], budget_s=0.01)
     cache = tmp_path / "c.db"
@@ -1249,7 +1242,6 @@ def test_a_problems_limit_holds_over_both_its_passes(tmp_path):
     left, is cut off before its build ends, and the first pass's verdict stands."""
     from planted import Memoized, SharedSlowToBuild, SlowToBuild
 
-    Memoized.slow = False
     options = TuneOptions(sources=["memoized", "slow_to_build", "shared_slow_to_build"],
                           budget_s=0.01)  # fmt: skip
     settings = RunSettings(tune=options, workers=1, problem_timeout_s=6.0)
@@ -1266,7 +1258,6 @@ def test_a_first_pass_that_used_up_its_problems_limit_gets_no_second(tmp_path):
     (as a second pass cut off leaves it; a later run tunes the problem again)."""
     from planted import Memoized, SharedMemoized
 
-    Memoized.slow = False
     key = GemmKey(m=4, n=48, k=64, dtype="f32", out_dtype="f32")
     options = TuneOptions(sources=["memoized", "shared_memoized"], budget_s=0.01)
     settings = RunSettings(tune=options, problem_timeout_s=5.0)

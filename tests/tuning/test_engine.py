@@ -104,7 +104,6 @@ def test_sdpa_baseline_tunes_on_cpu():
 def memoized():
     from planted import Memoized
 
-    Memoized.slow = False
     registry.register(Memoized())
     yield Memoized
     registry.unregister("memoized")
@@ -263,9 +262,8 @@ def test_a_tie_goes_to_the_duel_and_a_twin_of_the_baseline_does_not_win():
 def test_graph_launch_ranks_candidates_by_gpu_time():
     """A challenger slow eagerly (host work) but fastest on the GPU: an eager caller keeps the
     baseline, a caller that replays graphs gets the challenger."""
-    from planted import HostHeavy, Memoized
+    from planted import HostHeavy
 
-    Memoized.slow = False
     winners = {launch: tuned_with(HostHeavy(), launch, budget_s=0.02) for launch in LAUNCHES}
     assert winners["eager"].winner.source == "torch"
     graph = winners["graph"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from planted import Busy, Memoized, SharedMemoized, SharedTwin
+from planted import Busy, SharedMemoized, SharedTwin
 from test_trials import Twins
 
 from tuner.candidates import registry
@@ -26,7 +26,6 @@ KEY = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
 
 @pytest.fixture
 def sources():
-    Memoized.slow = False
     made = [Busy(), SharedMemoized(), SharedTwin()]
     for source in made:
         registry.register(source)
@@ -127,7 +126,6 @@ def test_a_first_pass_that_lost_at_the_power_limit_leaves_a_faster_shared_kernel
     made = [Twins(), SharedMemoized()]
     for source in made:
         registry.register(source)
-    Memoized.slow = False
     key = GemmKey(m=4096, n=4096, k=4096)
     options = TuneOptions(sources=["twins", "shared_memoized"], min_noise=0.3, prune=False,
                           cut_factor=1e9, late_cut=1e9)  # fmt: skip
