@@ -315,7 +315,7 @@ class Trial:
         trial time, except where only the challenger's rounds are far over its trial: they are
         judged as read, since a slower reading of the challenger cannot make its win. So, with
         ``launch="graph"``, are graph readings far off the runners' trial graph times the way that
-        favours the challenger (``graph_reading_off``). A sustained win of a challenger that tied
+        favours the challenger (``graph_reading_off``). An eager win of a challenger that tied
         the baseline in its trial (``tied_in_trial``) stands only where a second take of the
         rounds shows it too.
 
@@ -408,7 +408,7 @@ class Trial:
             won = chal_us < base_us * (1 - margin)
         launch_ok = launch_cost_repaid(chal_us, chal_host, base_us, base_host, options)
         kept = won and launch_ok and gpu_ok and not disturbed
-        if kept and eager and sustained and tied:
+        if kept and eager and tied:
             again = self.rounds(runners, base, challenger, options, sustained)
             kept = eager_win(again, margin, gpu_win)
             note += (

@@ -325,9 +325,10 @@ def host_decides(median_us: float, host_us: float, base: Measurement, options: T
 
 def tied_in_trial(trial_us: tuple[float, float], margin: float) -> bool:
     """Whether a challenger's trial time was no faster than the baseline's beyond ``margin``
-    (times: baseline, challenger): it meets the baseline as a tie, if at all (``ties``). At the
-    power limit one sustained take of two tied kernels can read either one ahead by about the
-    margin, so such a challenger's win there stands only where a second take shows it too."""
+    (times: baseline, challenger): it meets the baseline as a tie, if at all (``ties``). One
+    eager take of two tied calls can read either one ahead by more than the margin (at the
+    power limit; or host-bound, where a disturbance of the host lasts through one runner's
+    rounds), so such a challenger's win stands only where a second take shows it too."""
     base, chal = trial_us
     return chal >= base * (1 - margin)
 
