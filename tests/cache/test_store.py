@@ -9,8 +9,9 @@ import pytest
 import sqlite_utils
 
 from tests.cache.damaged import damaged_cache
+from tests.cache.full_disk import file_size_limit
 from tests.cache.read_only import frozen_folder, read_only
-from tuner.cache import ReadOnlyError, Store, StoreError
+from tuner.cache import ReadOnlyError, Store, StoreError, WriteFailedError
 from tuner.cache.schema import CACHE
 from tuner.cache.store import EXPORTED_TABLES, EXPORTED_VERSION
 from tuner.measure.records import Measurement, Winner, candidate_name, candidate_params
@@ -421,3 +422,58 @@ def test_judging_a_winner_in_a_read_only_cache_is_refused_as_read_only(tmp_path)
         store.put_winners([winner()])
     with read_only(path), Store(path) as store, pytest.raises(ReadOnlyError):
         store.save_run_unless_held([measurement()], winner(median_us=1.0), lambda held: False)
+
+
+def test_a_write_the_file_system_refuses_is_rolled_back_and_said_not_raised_raw(tmp_path):
+    """The disk full (here: a file-size limit) at a write: WriteFailedError, a ReadOnlyError
+    (readers go on), naming the folder to make room in; what was stored before stands, nothing
+    of the refused write is kept, and the cache takes writes again once there is room."""
+    path = tmp_path / "c.db"
+    with Store(path) as store:
+        store.put_winners([winner()])
+        many = [measurement(key=f"{KEY},{i}", error="x" * 2000) for i in range(200)]
+        with file_size_limit(64 * 1024), pytest.raises(WriteFailedError) as refused:
+            store.save_run(many, winner(key=OTHER_KEY))
+        assert isinstance(refused.value, ReadOnlyError)
+        assert f"make room on the file system of {tmp_path}" in str(refused.value)
+        assert not store.db.conn.in_transaction
+        assert [w.key for w in store.winners()] == [KEY] and store.measurements() == []
+        store.save_run([measurement()], winner(key=OTHER_KEY))
+    with Store(path) as store:
+        assert {w.key for w in store.winners()} == {KEY, OTHER_KEY}
+        store.verify()
+
+
+def test_a_cache_that_cannot_be_set_up_for_want_of_room_is_not_called_corrupt(tmp_path):
+    """A new cache on a full file system: the error says so, not "corrupt ... restore it from
+    a backup"; once there is room it is made as any other."""
+    path = tmp_path / "c.db"
+    with file_size_limit(2048), pytest.raises(StoreError) as refused:
+        Store(path)
+    assert "corrupt" not in str(refused.value) and f"{tmp_path}" in str(refused.value)
+    with Store(path) as store:
+        store.put_winners([winner()])
+
+
+def test_a_device_is_refused_as_no_regular_file(tmp_path):
+    with pytest.raises(StoreError, match="/dev/null is not a regular file"):
+        Store("/dev/null")
+
+
+def test_write_ahead_files_left_read_only_beside_a_writable_cache_are_named(tmp_path):
+    """A reader of a cache that was read-only leaves its ``-wal`` and ``-shm`` files as the cache
+    was; the cache made writable again, a write is refused naming them, not a raw SQLite error."""
+    path = tmp_path / "c.db"
+    with Store(path) as store:
+        store.put_winners([winner()])
+    shm = tmp_path / "c.db-shm"
+    reader = Store(path)
+    assert [w.key for w in reader.winners()] == [KEY] and shm.exists()
+    with read_only(shm):
+        reader.close()  # the -shm cannot be removed: it stays beside the file
+        with Store(path) as store:
+            assert [w.key for w in store.winners()] == [KEY]
+            with pytest.raises(ReadOnlyError, match=f"{shm} beside it is read-only"):
+                store.put_winners([winner(key=OTHER_KEY)])
+    with Store(path) as store:
+        store.put_winners([winner(key=OTHER_KEY)])

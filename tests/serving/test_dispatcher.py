@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import tuner.torch
 from tests.cache.damaged import damaged_cache
+from tests.cache.full_disk import file_size_limit
 from tests.cache.read_only import read_only
 from tuner.cache import Store
 from tuner.core.device import fingerprint
@@ -113,6 +114,26 @@ def test_a_read_only_cache_is_served_without_recording_and_logged_once(tmp_path,
         refused = [r for r in caplog.records if f"{path} is read-only" in r.getMessage()]
         assert len(refused) == 1
         assert path.read_bytes() == before
+
+
+@pytest.mark.cpu_host
+def test_a_cache_on_a_full_disk_is_served_without_recording_and_logged_once(tmp_path, caplog):
+    """Record mode while the disk fills: the call whose miss cannot be written is served all
+    the same (``tuner.matmul`` never fails where ``torch.matmul`` works), the cache is no
+    longer written, and the misses recorded before stand."""
+    path = tmp_path / "c.db"
+    Store(path).close()
+    d = Dispatcher(path, mode="record")
+    b = torch.randn(4, 3)
+    with file_size_limit(48 * 1024):  # the -shm's 32 KiB fit, a few WAL frames more do not
+        for m in range(1, 40):
+            a = torch.randn(m, 4)
+            torch.testing.assert_close(d.matmul(a, b), a @ b)
+    refused = [r for r in caplog.records if f"{path} could not be written" in r.getMessage()]
+    assert len(refused) == 1
+    with Store(path) as store:
+        store.verify()
+        assert 0 < len(store.misses()) < 39
 
 
 @pytest.mark.cpu_host

@@ -1,6 +1,6 @@
 """The local results store (SQLite)."""
 
-from tuner.cache.sqlite import ReadOnlyError
+from tuner.cache.sqlite import ReadOnlyError, WriteFailedError
 from tuner.cache.store import Store, StoreError, cache_file, default_path
 
-__all__ = ["ReadOnlyError", "Store", "StoreError", "cache_file", "default_path"]
+__all__ = ["ReadOnlyError", "Store", "StoreError", "WriteFailedError", "cache_file", "default_path"]

@@ -40,6 +40,12 @@ class ReadOnlyError(StoreError):
     reader may go on using it, a writer cannot."""
 
 
+class WriteFailedError(ReadOnlyError):
+    """A write the file system refused (the disk full, a file-size limit, an I/O error): the
+    write was rolled back whole and what was stored before stands, so a reader may go on using
+    the file, as a read-only one; a writer cannot, until space is made."""
+
+
 def is_corrupt(e: sqlite3.DatabaseError) -> bool:
     """Whether SQLite found the file damaged (a page it cannot read, an index that disagrees
     with its table: the extended codes too), not merely busy."""
@@ -50,6 +56,12 @@ def is_busy(e: sqlite3.DatabaseError) -> bool:
     """Whether SQLite refused because another connection holds a lock (SQLITE_BUSY and its
     extended codes): the same statement may succeed once it lets go."""
     return getattr(e, "sqlite_errorname", "").startswith("SQLITE_BUSY")
+
+
+def is_write_failure(e: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite could not write for want of room or a failing write (SQLITE_FULL: the
+    disk or a file-size limit; SQLITE_IOERR and its extended codes), not a damaged file."""
+    return getattr(e, "sqlite_errorname", "").startswith(("SQLITE_FULL", "SQLITE_IOERR"))
 
 
 def is_read_only(e: sqlite3.DatabaseError) -> bool:
@@ -141,6 +153,11 @@ class SqliteFile:
                 raise StoreError(
                     f"{path} is a directory, not a cache file (a {self.schema.kind} was expected)"
                 )
+            if self.path.exists() and not self.path.is_file():
+                raise StoreError(
+                    f"{path} is not a regular file (a device, a pipe, a socket): a "
+                    f"{self.schema.kind} is one"
+                )
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
@@ -197,6 +214,8 @@ class SqliteFile:
         try:
             found = [row[0] for row in self.db.conn.execute("PRAGMA quick_check(1)")]
         except sqlite3.DatabaseError as e:
+            if not is_corrupt(e):  # the check could not read the file: not proof of damage
+                raise self.unusable(e) from None
             found = [str(e)]
         if found != ["ok"]:
             raise self.corrupt(" ".join(found[0].replace("***", "").split()))
@@ -213,12 +232,50 @@ class SqliteFile:
             f"or move it aside to start a new {self.schema.kind}"
         )
 
+    def unusable(self, e: sqlite3.DatabaseError) -> StoreError:
+        """A file that SQLite could not read or set up for an I/O reason (the disk full, a
+        file-size limit, a device that is no regular file), not found damaged: said as such,
+        so that no one restores a sound file from a backup."""
+        if is_read_only(e):
+            return self.read_only()
+        if is_write_failure(e) and "full" in str(e):
+            return self.write_failed(e)
+        return StoreError(
+            f"{self.path} cannot be used now ({e}): an I/O error, not a damaged file; check the "
+            f"file system of {self.path.resolve().parent} (space, file-size limit, device)"
+        )
+
     def read_only(self) -> ReadOnlyError:
         folder = self.path.resolve().parent
         what = "the file" if _writable(folder) else f"its folder {folder}"
+        if what == "the file" and os.access(self.path, os.W_OK):
+            # the file is writable but a file SQLite keeps beside it is not (left read-only by
+            # a reader of the file while it was read-only, or another user's)
+            side = [
+                name
+                for name in (f"{self.path}-wal", f"{self.path}-shm")
+                if os.path.exists(name) and not os.access(name, os.W_OK)
+            ]
+            if side:
+                them = "it" if len(side) == 1 else "them"
+                return ReadOnlyError(
+                    f"{self.path} cannot be written: {' and '.join(side)} beside it "
+                    f"{'is' if len(side) == 1 else 'are'} read-only (left by a reader while the "
+                    f"cache was read-only, or another user's); make {them} writable, or remove "
+                    f"{them} while no process has the cache open, or name another cache "
+                    "(--cache / $TUNER_CACHE)"
+                )
         return ReadOnlyError(
             f"{self.path} is read-only: nothing can be stored in it; make {what} writable, "
             "or name another cache (--cache / $TUNER_CACHE)"
+        )
+
+    def write_failed(self, e: sqlite3.DatabaseError) -> WriteFailedError:
+        folder = self.path.resolve().parent
+        return WriteFailedError(
+            f"{self.path} could not be written ({e}): nothing of this write was stored, what was "
+            f"stored before stands; make room on the file system of {folder} (or raise the "
+            "file-size limit), or name another cache (--cache / $TUNER_CACHE)"
         )
 
     @contextlib.contextmanager
@@ -242,20 +299,40 @@ class SqliteFile:
         if not self._verified():
             self.verify()
         conn = self.db.conn
-        conn.execute("BEGIN IMMEDIATE")
         try:
-            yield conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                self._roll_back()
+                raise
+            try:
+                conn.execute("COMMIT")
+            except sqlite3.DatabaseError:
+                self._roll_back()  # a commit that failed may leave its transaction open
+                raise
         except sqlite3.DatabaseError as e:
-            conn.execute("ROLLBACK")
-            if is_corrupt(e):
-                raise self.corrupt(e) from None
-            if is_read_only(e):
-                raise self.read_only() from None
-            raise
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
+            raise self._write_error(e) from None
+
+    def _roll_back(self) -> None:
+        """End the open transaction, if SQLite left one, keeping nothing of it; a rollback that
+        fails too (the disk gone) leaves the first error to be told."""
+        conn = self.db.conn
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.DatabaseError):
+                conn.execute("ROLLBACK")
+
+    def _write_error(self, e: sqlite3.DatabaseError) -> sqlite3.DatabaseError | StoreError:
+        """What a write's ``e`` tells its caller: a damaged file, one that cannot be written
+        (read-only: the file, its folder, or the ``-wal`` and ``-shm`` files beside it), or a
+        write the file system refused (disk full); any other error as it is."""
+        if is_corrupt(e):
+            return self.corrupt(e)
+        if is_read_only(e):
+            return self.read_only()
+        if is_write_failure(e):
+            return self.write_failed(e)
+        return e
 
     def schema_version(self) -> int:
         """The file's schema version; StoreError if it is not a file of this kind."""
@@ -302,6 +379,8 @@ class SqliteFile:
         except sqlite3.DatabaseError as e:
             if "unable to open" in str(e):
                 raise StoreError(f"{self.path} cannot be opened: {e}{self._why_not(e)}") from None
+            if is_write_failure(e) or is_read_only(e):
+                raise self.unusable(e) from None
             raise StoreError(f"{self.path} is corrupt or not a {self.schema.kind}: {e}") from None
 
     def _read_version(self) -> int:
