@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cache.full_disk import limit_in_child
 from tuner.cache import Store
 from tuner.candidates import registry
 from tuner.candidates.base import Source
@@ -429,6 +430,36 @@ def test_failure_and_timeout_are_recorded_and_the_run_goes_on(tmp_path):
         text=True,
     )  # fmt: skip
     assert "... 3 more rows (tuner report --rows N, or --out DIR for all)" in r.stdout
+
+
+def test_a_cache_the_disk_cannot_take_stops_the_run_and_counts_no_failure(tmp_path):
+    """The disk full mid-run (here: a file-size limit on the run and its workers): the run stops
+    with one line naming the cache and what to do, no traceback; what was stored stands, and the
+    problems it could not store stay pending, not failed, so that runs on a full disk never use
+    up their ``--retries``; once there is room the next run tunes them."""
+    cache = tmp_path / "c.db"
+    listed = tmp_path / "list.yaml"
+    listed.write_text(
+        "problems:\n"
+        + "".join(f"  - {{op: gemm, m: {m}, n: 8, k: 8, dtype: f32}}\n" for m in (1, 2, 3, 4))
+    )
+    args = ("--config", str(listed), "--source", "torch", "--budget", "0.01")
+    Store(cache).close()  # made while there is room
+    room = 36 * 1024  # past the WAL index's 32 KiB, a few WAL frames: not four problems' runs
+    stopped = 0
+    for _ in range(3):  # more runs than --retries allows failures
+        p = start(*args, cache=cache, preexec_fn=limit_in_child(room))
+        out = p.communicate(timeout=240)[0]
+        assert p.returncode in (1, 2), out  # 2: refused before a run, by the run's first write
+        assert "Traceback" not in out and f"{cache} could not be written" in out, out
+        stopped += "stopped early: cache not writable" in out
+        journal = read_journal(journal_path(cache))
+        assert {r["status"] for r in journal} <= {"tuned"}
+        assert len(winner_keys(cache)) == len(journal) < 4
+    assert stopped  # the first run at least got as far as a problem
+    code, out = tune_all(*args, cache=cache)
+    assert code == 0, out
+    assert "not retried" not in out and len(winner_keys(cache)) == 4
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from rich.markup import escape
 
 from tuner.cache import Store
 from tuner.cache.artifacts import ArtifactStore
-from tuner.cli.errors import fleet_service, output_dir, write_output
+from tuner.cli.errors import FAILED, fail, fleet_service, output_dir, write_output
 from tuner.cli.options import (
     OPS,
     TUNE_DEFAULTS,
@@ -598,7 +598,8 @@ def tune_all(
     finished = {str(k) for k in asked} - {
         str(k) for k in pending(store, fp, asked, journal=journal, launch=launch)
     }
-    if sources.misses and not dry_run:
+    unwritable = summary.unwritable if summary is not None else ""
+    if sources.misses and not dry_run and not unwritable:
         store.clear_misses(fp.device_class, sorted(finished))
     if lease is not None:
         console.print(queue_summary(lease, complete_queue(lease, store, fp, finished)))
@@ -612,6 +613,9 @@ def tune_all(
     rep = report.build(store, fp, problems=problems, journal=journal, run=summary)
     report.render(rep, console, limit=40, written=out is not None)
     _write_report(rep, out, "tune-all")
+    if unwritable:  # said last, where it is read: what the run could not do, and what to do
+        fail(f"the run stopped: {unwritable}")
+        return FAILED
     if summary is not None and summary.stopped in INTERRUPTED:
         return INTERRUPTED[summary.stopped]
     return 0 if all(r.status == "tuned" for r in rep.rows) else 1

@@ -50,7 +50,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from tuner.cache import Store
+from tuner.cache import ReadOnlyError, Store
 from tuner.core.device import Fingerprint, too_big_here
 from tuner.core.keys import GemmKey, Key
 from tuner.measure.records import Measurement, Winner
@@ -75,6 +75,10 @@ from tuner.tuning.verdict import effective_us
 log = logging.getLogger(__name__)
 
 PARKED = "parked"  # a first pass's result: not final, never journaled
+# a worker's word that the cache refused a write (read-only, the disk full): the run stops, and
+# the problem it held stays pending, not failed (it is no fault of the problem's)
+UNWRITABLE = "unwritable"
+STOPPED_UNWRITABLE = "cache not writable"
 
 
 # --- running -----------------------------------------------------------------------------------
@@ -108,6 +112,7 @@ class RunSummary:
     idle_s: float = 0.0  # worker time idle while every pending problem was still compiling
     shared_compile_s: float | None = None  # the compile pool's shared job (kernels of all shapes)
     start_s: float | None = None  # until the first worker was ready (imports, device start)
+    unwritable: str = ""  # why the run stopped, where the cache refused a write
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -250,6 +255,8 @@ class _Pool:
         self.handled = 0  # ... and acted upon
         self.terminated = False  # SIGTERM seen
         self.stopped = ""
+        self.unwritable = ""  # why the cache refused a write, where it did
+        self.journal_failed = False  # a journal line could not be written
 
     # lifecycle
 
@@ -277,6 +284,7 @@ class _Pool:
             idle_s=self.idle_s,
             shared_compile_s=shared.seconds if shared else None,
             start_s=self.start_s,
+            unwritable=self.unwritable,
         )
 
     @contextlib.contextmanager
@@ -538,6 +546,18 @@ class _Pool:
             self._on_result(slot, data)
         elif kind == "exit":
             slot.done = True
+        elif kind == UNWRITABLE:
+            self._unwritable(slot, data)
+
+    def _unwritable(self, slot: _Slot, why: str) -> None:
+        """The cache refused a worker's write: no problem of this run can be stored, so none
+        starts; the one it held is not recorded (nothing of it was stored; a later run tunes it,
+        not counting it against ``--retries``), nor is the worker replaced."""
+        slot.key = slot.task = None
+        slot.done = True
+        if self.stopped != STOPPED_UNWRITABLE:
+            self.unwritable = why
+            self._halt(STOPPED_UNWRITABLE, f"stopping: {why}")
 
     def _on_result(self, slot: _Slot, result: Result) -> None:
         """A worker's task ended: a first pass waits for its second; a second pass that failed
@@ -614,10 +634,17 @@ class _Pool:
         another process's) or an unfinished run's as fast as the new verdict."""
         result.pruned = pruning.count(measured)
         kept = kept_runs(journal_records(self.store_path))  # read before the store's write lock
-        with Store(self.store_path) as store:
-            held = store.save_run_unless_held(
-                measured, verdict, lambda stored: outranks(stored, verdict, kept)
-            )
+        try:
+            with Store(self.store_path) as store:
+                held = store.save_run_unless_held(
+                    measured, verdict, lambda stored: outranks(stored, verdict, kept)
+                )
+        except ReadOnlyError as e:
+            result.pruned, result.error = {}, result.error + "; nothing of it stored"
+            if self.stopped != STOPPED_UNWRITABLE:
+                self.unwritable = str(e)
+                self._halt(STOPPED_UNWRITABLE, f"stopping: {e}")
+            return
         if held is not None:
             result.winner, result.error = held.to_row(), result.error + KEPT_EARLIER
         else:
@@ -633,7 +660,13 @@ class _Pool:
         if done is not None:
             result.compile_s, result.compiled = done.seconds, done.compiled
         if result.status != "skipped":
-            append_journal(self.journal, _journal_record(result))
+            try:
+                append_journal(self.journal, _journal_record(result))
+            except OSError as e:  # the disk full: the cache holds what was stored, the run goes on
+                if not self.journal_failed:
+                    self.emit(("notice", f"journal {self.journal} not written: {e.strerror}; "
+                                         "the report lacks this run's times and failures"))  # fmt: skip
+                self.journal_failed = True
         self.results.append(result)
         self.emit(("result", result))
 
@@ -694,7 +727,12 @@ def worker_main(
         conn.send(("measurement", m.to_row()))
 
     with Store(store_path) as store:
-        store.save_device(fp)
+        try:
+            store.save_device(fp)
+        except ReadOnlyError as e:  # the disk full, ...: no problem can be stored
+            conn.send((UNWRITABLE, str(e)))
+            conn.send(("exit", None))
+            return
         conn.send(("ready", fp.device_class))
         while not stop.is_set():
             if not conn.poll(0.5):
@@ -712,7 +750,11 @@ def worker_main(
                 if compiled
                 else None
             )
-            result = _tune_one(task, store, fp, settings, index, measured, wait)
+            try:
+                result = _tune_one(task, store, fp, settings, index, measured, wait)
+            except ReadOnlyError as e:  # its run could not be stored: no fault of the problem's
+                conn.send((UNWRITABLE, str(e)))
+                break
             if waited:  # as the engine's own wait counts: in its time, as compiling
                 result.seconds += waited
                 result.wait_s += waited
