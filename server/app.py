@@ -26,7 +26,7 @@ from server import artifacts
 from server.api import router
 from server.blobs import BlobDir, default_dir
 from server.config import Settings
-from server.db import FleetDB
+from server.db import FleetDB, MovedDatabaseMiddleware
 from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics, MetricsMiddleware
 from server.results import Policy
@@ -171,7 +171,9 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/v1/ready", tags=["ops"], responses={503: {"description": "not ready"}})
     def ready() -> JSONResponse:
-        """The database opens and has this service's schema."""
+        """The database opens, is still the file at its path, and has this service's schema."""
+        if why := db.moved():
+            return JSONResponse({"status": "not ready", "detail": why}, 503)
         try:
             version = db.store().schema_version()
         except Exception as e:
@@ -194,6 +196,7 @@ def create_app(settings: Settings) -> FastAPI:
         max_bytes=settings.max_body_bytes,
         streamed=(artifacts.BLOBS, settings.max_artifact_bytes),
     )
+    app.add_middleware(MovedDatabaseMiddleware, db=db)
     app.add_middleware(StopMiddleware, stops=stops)  # inside the metrics: they count its answers
     app.add_middleware(
         MetricsMiddleware, metrics=metrics, paths=lambda: list(app.openapi()["paths"])

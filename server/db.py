@@ -3,14 +3,27 @@
 SQLite connections belong to their thread; FastAPI runs sync endpoints on a thread pool, so each
 pool thread opens its own connection on first use and keeps it (opening one per request would
 run the migration check, a write transaction, on every request).
+
+A database file removed or replaced while the service runs leaves its open connections on the
+old file: what they write is lost at the next start. ``MovedDatabaseMiddleware`` refuses every
+request but a read (503) from then on, and ``/v1/ready`` says why, so that the hosts keep their
+results and a monitor sees it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from pathlib import Path
 
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from server.store import FleetStore
+
+READS = ("GET", "HEAD", "OPTIONS")
+log = logging.getLogger("tuner.server")
 
 
 class FleetDB:
@@ -23,6 +36,23 @@ class FleetDB:
         # a page damaged inside it) fails at startup, not on the requests that meet it
         with FleetStore(self.path) as first:
             first.verify()
+        self._identity = _identity(self.path)
+        self._told = False  # the log says it once
+
+    def moved(self) -> str:
+        """Why the file at ``path`` is no longer the one the service opened, or ""."""
+        found = _identity(self.path)
+        if found == self._identity:
+            return ""
+        what = "removed" if found is None else "replaced by another file"
+        why = (
+            f"the database {self.path} was {what} while the service ran: what it stored since "
+            "is lost at the next start; restart the service (on a restored file, if any)"
+        )
+        if not self._told:
+            self._told = True
+            log.error("%s; refusing every request but a read until then", why)
+        return why
 
     def store(self) -> FleetStore:
         store = getattr(self._local, "store", None)
@@ -38,3 +68,24 @@ class FleetDB:
             for s in self._all:
                 s.close()
             self._all.clear()
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+class MovedDatabaseMiddleware:
+    """503 for every request but a read once ``db.moved()``: a write would go to the old file."""
+
+    def __init__(self, app: ASGIApp, db: FleetDB) -> None:
+        self.app, self.db = app, db
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] not in READS and (why := self.db.moved()):
+            await JSONResponse({"detail": why}, 503)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -362,3 +362,31 @@ def test_uploads_a_killed_service_left_are_removed_at_startup(tmp_path) -> None:
     os.utime(old, (then, then))
     BlobDir(root)
     assert not old.exists() and fresh.exists() and blob.exists()  # another's upload may be live
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_database_removed_or_replaced_under_the_service_refuses_writes(tmp_path, how) -> None:
+    """Its connections still hold the old file, where a write would be lost at the next start:
+    not ready, and every request but a read refused (503) naming why; reads still answer."""
+    db = tmp_path / "fleet.db"
+    with ThreadServer(db) as srv:
+        submitter = auth(srv.token("submitter", "submit"))
+        body = submit_body([measurement()])
+        assert (
+            httpx.post(srv.url + "/v1/measurements", json=body, headers=submitter).status_code
+            == 200
+        )
+        assert httpx.get(srv.url + "/v1/ready").status_code == 200
+        for f in tmp_path.glob("fleet.db*"):
+            if f.is_file():
+                f.unlink()
+        if how == "replaced":
+            FleetStore(db).close()
+        ready = httpx.get(srv.url + "/v1/ready")
+        assert ready.status_code == 503 and f"was {how}" in ready.json()["detail"]
+        refused = httpx.post(srv.url + "/v1/measurements", json=body, headers=submitter)
+        assert refused.status_code == 503
+        assert f"the database {db} was {how}" in refused.json()["detail"]
+        assert "restart the service" in refused.json()["detail"]
+        classes = httpx.get(srv.url + "/v1/device-classes", headers=submitter)
+        assert classes.status_code == 200 and DC in classes.json()  # read from the old file
