@@ -1403,3 +1403,52 @@ def test_a_forced_dry_run_says_how_many_are_tuned_already(tmp_path, monkeypatch,
             f"2 distinct problems on {fingerprint().device_class}: {plan}\n"
             in capsys.readouterr().out
         )
+
+
+def test_a_journal_that_cannot_be_read_is_named_before_anything_is_done(
+    tmp_path, monkeypatch, capsys
+):
+    """Without its journal a run would tune again what is done and retry what gave up: a
+    journal in the way (here a folder of its name) is refused up front, naming it, and nothing
+    of the run is done."""
+    from tuner.cli import main
+
+    cache = tmp_path / "c.db"
+    journal_path(cache).mkdir()
+    listed = tmp_path / "list.yaml"
+    listed.write_text("problems:\n  - {op: gemm, m: 8, n: 8, k: 8, dtype: f32}\n")
+    monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.setattr(
+        sys, "argv", ["tuner", "tune-all", "-c", str(listed), "--cache", str(cache)]
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert f"the tune-all journal {journal_path(cache)} cannot be read (Is a directory)" in err
+    assert not winner_keys(cache)
+
+
+def test_a_journal_that_cannot_be_written_is_said_once_and_the_run_goes_on(
+    tmp_path, monkeypatch, capsys
+):
+    """The cache holds what the run tunes; only the report's times and failures of this run
+    are lost with the journal's lines, and the run says so once."""
+    from tests.cache.read_only import read_only
+    from tuner.cli import main
+
+    cache = tmp_path / "c.db"
+    listed = tmp_path / "list.yaml"
+    listed.write_text("problems:\n  - {op: gemm, m: 8, n: 8, k: 8, dtype: f32}\n"
+                      "  - {op: gemm, m: 8, n: 16, k: 8, dtype: f32}\n")  # fmt: skip
+    journal_path(cache).touch()
+    monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.setattr(sys, "argv", ["tuner", "tune-all", "-c", str(listed), "--cache", str(cache),
+                                      "--workers", "1"])  # fmt: skip
+    with read_only(journal_path(cache)), pytest.raises(SystemExit) as exit_:
+        main.main()
+    out = capsys.readouterr()
+    assert exit_.value.code == 0, out.err
+    assert len(winner_keys(cache)) == 2
+    said = (out.out + out.err).count(f"journal {journal_path(cache)} not written")
+    assert said == 1, out

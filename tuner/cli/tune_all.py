@@ -561,6 +561,7 @@ def tune_all(
     # damaged one is refused, as the real run refuses it, not read for a plan it cannot keep
     store = Store(":memory:" if dry_run and not store_path.exists() else store_path)
     store.verify()
+    journal = journal_records(store_path)  # before any claim on the fleet's queue
     fp = fingerprint()
     if not dry_run:
         store.save_device(fp)
@@ -572,7 +573,6 @@ def tune_all(
         for key, labels in leased.labels.items():
             for label in labels:
                 problems.add(key, label)
-    journal = journal_records(store_path)
     launch = settings.tune.launch
     untuned = pending(store, fp, problems, journal=journal, launch=launch)
     todo = list(problems) if settings.force else untuned

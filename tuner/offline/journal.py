@@ -71,11 +71,21 @@ def append_journal(path: Path, record: dict[str, Any]) -> None:
 
 
 def read_journal(path: Path) -> list[dict[str, Any]]:
-    """The journal's records; a torn last line (a write cut by SIGKILL) is ignored."""
+    """The journal's records; a torn last line (a write cut by SIGKILL) is ignored. ValueError
+    naming the file where it cannot be read: without it a run would tune again what is done,
+    and retry what gave up."""
     if not path.exists():
         return []
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not text"
+        raise ValueError(
+            f"the tune-all journal {path} cannot be read ({why}): make it a readable file, or "
+            "move it aside (its runs' times, failures and retries are then forgotten)"
+        ) from None
     out = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         with contextlib.suppress(json.JSONDecodeError):
             out.append(json.loads(line))
     return out
