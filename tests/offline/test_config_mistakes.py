@@ -116,20 +116,19 @@ def test_a_listed_tf32_gemm_is_f32_on_the_tf32_path_as_in_model_configs(tmp_path
         load_problems(listed)
 
 
-def test_a_listed_sdpa_problem_takes_the_tune_sdpa_commands_defaults(tmp_path, tune_all):
+def test_a_listed_sdpa_problem_names_its_shape_and_may_leave_out_its_batch(tmp_path, tune_all):
     listed = tmp_path / "list.yaml"
-    listed.write_text("problems:\n  - {op: sdpa, q_len: 1, kv_len: 4096}\n"
-                      "  - {op: sdpa, q_len: 8, kv_len: 64, batch: 4, head_dim: 64, dtype: f16}\n")  # fmt: skip
+    listed.write_text("problems:\n  - {op: sdpa, q_heads: 28, kv_heads: 4, q_len: 1, kv_len: 4096, "
+                      "head_dim: 128}\n")  # fmt: skip
     assert load_problems(listed) == [
-        SdpaKey(batch=1, q_heads=32, kv_heads=8, q_len=1, kv_len=4096, head_dim=128),
-        SdpaKey(batch=4, q_heads=32, kv_heads=8, q_len=8, kv_len=64, head_dim=64, dtype="f16"),
+        SdpaKey(batch=1, q_heads=28, kv_heads=4, q_len=1, kv_len=4096, head_dim=128)
     ]
-    listed.write_text("problems:\n  - {op: sdpa, q_len: 1}\n")
+    listed.write_text("problems:\n  - {op: sdpa, q_len: 1, kv_len: 4096}\n")
     code, err, made = tune_all("--config", str(listed))
     assert (code, made) == (2, False)
     assert err == [
-        f"error: {listed}: problems[0]: incomplete sdpa problem: missing kv_len "
-        "(required: ['q_len', 'kv_len'])"
+        f"error: {listed}: problems[0]: incomplete sdpa problem: missing q_heads, kv_heads, "
+        "head_dim (required: ['q_heads', 'kv_heads', 'q_len', 'kv_len', 'head_dim'])"
     ]
 
 

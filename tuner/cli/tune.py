@@ -40,7 +40,6 @@ from tuner.core.keys import (
     ITEMSIZE,
     LOWBIT_FORMAT_NAMES,
     LOWBIT_FORMATS,
-    SDPA_DEFAULTS,
     GemmKey,
     Key,
     SdpaKey,
@@ -302,12 +301,10 @@ def _gemm_key(
 def tune_sdpa(
     q_len: Annotated[int, typer.Option(help="Query length.")],
     kv_len: Annotated[int, typer.Option(help="Key/value length.")],
-    batch: Annotated[int, typer.Option(help="Batch size.")] = SDPA_DEFAULTS["batch"],
-    q_heads: Annotated[int, typer.Option(help="Query heads.")] = SDPA_DEFAULTS["q_heads"],
-    kv_heads: Annotated[
-        int, typer.Option(help="Key/value heads (fewer: grouped-query).")
-    ] = SDPA_DEFAULTS["kv_heads"],
-    head_dim: Annotated[int, typer.Option(help="Head dimension.")] = SDPA_DEFAULTS["head_dim"],
+    batch: Annotated[int, typer.Option(help="Batch size.")] = 1,
+    q_heads: Annotated[int, typer.Option(help="Query heads.")] = 32,
+    kv_heads: Annotated[int, typer.Option(help="Key/value heads (fewer: grouped-query).")] = 8,
+    head_dim: Annotated[int, typer.Option(help="Head dimension.")] = 128,
     causal: Annotated[
         str, typer.Option(help="none, top_left (torch's is_causal) or bottom_right.")
     ] = "none",

@@ -403,10 +403,6 @@ class SdpaKey:
 Key = GemmKey | SdpaKey
 KEY_TYPES: dict[str, type[GemmKey] | type[SdpaKey]] = {"gemm": GemmKey, "sdpa": SdpaKey}
 
-# What an SDPA problem written by hand (``tuner tune sdpa``, a problem list's entry) leaves out
-# is a Llama-3-8B layer's attention at batch 1; a key's text names every field.
-SDPA_DEFAULTS: dict[str, int] = {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128}
-
 
 def _written(key: Key, name: str, value: Any) -> bool:
     """Every field but a low-bit GEMM field that holds a plain GEMM's value."""

@@ -10,9 +10,9 @@
 For GEMMs ``out_dtype`` defaults to ``dtype``, ``align`` to the largest the shape allows, and
 ``dtype`` may name what model configs name: ``tf32`` (f32 on the TF32 path, as ``dtype: f32,
 compute: tf32``) or a low-bit format (``int4-g128``, ``fp8-rowwise``, ...: its fields, layout
-``nt``). An SDPA entry needs ``q_len`` and ``kv_len``; the rest default as ``tuner tune sdpa``
-takes them (batch 1, 32 query heads, 8 key/value heads, head_dim 128, no mask, bf16). Errors
-name every bad entry and its field.
+``nt``). An SDPA entry names its shape (heads, lengths, head_dim: a model's, so one left out is
+a slip, not a wish); ``batch`` defaults to 1, as a GEMM's does, ``causal`` to none and ``dtype``
+to bf16. Errors name every bad entry and its field.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from tuner.core.keys import (
     ITEMSIZE,
     KEY_TYPES,
     LOWBIT_FORMAT_NAMES,
-    SDPA_DEFAULTS,
     Key,
     default_align,
     fp8_key_error,
@@ -42,6 +41,7 @@ from tuner.core.keys import (
 )
 
 MAX_NAMED = 20  # bad entries named in one error
+SDPA_ENTRY_DEFAULTS = {"batch": 1}  # what an SDPA entry may leave out beyond the key's defaults
 
 
 class ConfigError(ValueError):
@@ -94,7 +94,7 @@ def _key_of_fields(fields: dict[str, Any]) -> Key:
         fields.setdefault("out_dtype", fields["dtype"])
     if op == "gemm" and "align" not in fields:
         fields["align"] = default_align(fields)
-    return key_from_dict(op, fields, SDPA_DEFAULTS if op == "sdpa" else None)
+    return key_from_dict(op, fields, SDPA_ENTRY_DEFAULTS if op == "sdpa" else None)
 
 
 def _tf32_fields(fields: dict[str, Any]) -> dict[str, Any]:
