@@ -13,6 +13,7 @@ from tuner.measure.records import Measurement, Winner
 from tuner.tuning.engine import tune
 from tuner.tuning.options import TuneOptions
 from tuner.tuning.trials import SUSTAINED_TRIES, Trial, confirmed, reconfirmed
+from tuner.tuning.verdict import tied_in_trial
 
 KEY = GemmKey(m=64, n=64, k=64, dtype="f32", out_dtype="f32")
 
@@ -157,3 +158,47 @@ def test_twins_of_a_heavy_baseline_duel_at_the_power_limit_at_most_twice():
     assert outcome.winner.source == "torch", notes
     assert len(dueled) == SUSTAINED_TRIES, notes
     assert all("stretches" in notes[name] and "lost" in notes[name] for name in dueled), notes
+
+
+def test_a_tie_in_its_trial_that_wins_one_eager_take_must_win_a_second(monkeypatch, one_thread):
+    """A challenger level with torch's 256^3 GEMM in its trial, far ahead in its duel's first
+    take (a lucky stretch), level again in the take after: its trial was a tie, so one take
+    does not make it the winner. The duel run by a real trial on the CPU (whose engine duels
+    no ties: on a GPU it does); taken again (up to three times) where the host was noisy."""
+    from planted import Busy
+
+    from tuner.candidates.base import Params, Source
+
+    class Level(Busy):
+        name = "level"
+
+    key = GemmKey(m=256, n=256, k=256, dtype="f32", out_dtype="f32")
+    options = TuneOptions(budget_s=0.02, min_noise=0.25)
+
+    def record(source: Source, params: Params, status: str, **fields) -> Measurement:
+        return Measurement(
+            device_class="cpu", key=str(key), source=source.name, params=params, status=status,
+            is_baseline=source.is_baseline(params), launch="eager", **fields,
+        )  # fmt: skip
+
+    real_rounds = Trial.rounds
+
+    def level_after_one_take(self, *args, **kwargs):
+        readings = real_rounds(self, *args, **kwargs)
+        Level.busy_s = readings.base_us * 1e-6
+        return readings
+
+    monkeypatch.setattr(Trial, "rounds", level_after_one_take)
+    for _ in range(3):
+        trial = Trial.for_key(key, "cpu", options.seed, record)
+        base = trial.run(registry.get("torch"), {}, None, options)
+        Level.busy_s = base.median_us * 1e-6  # its trial: level with torch's
+        level = trial.run(Level(), {}, None, options, base=base)
+        assert tied_in_trial((base.median_us, level.median_us), 0.25), (base, level)
+        Level.busy_s *= 0.3  # its duel's first take: far ahead
+        chosen, _, _ = trial.confirm(base, level, options)
+        if not any(why in level.error for why in ("disturbed", "apart")):
+            break
+    assert chosen is base, level.error
+    assert "a tie in its trial, so taken again" in level.error, level.error
+    assert "not ahead" in level.error, level.error
