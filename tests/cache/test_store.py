@@ -3,7 +3,9 @@
 import contextlib
 import json
 import os
+import shutil
 import sqlite3
+from pathlib import Path
 
 import pytest
 import sqlite_utils
@@ -426,7 +428,7 @@ def test_judging_a_winner_in_a_read_only_cache_is_refused_as_read_only(tmp_path)
 
 def test_a_write_the_file_system_refuses_is_rolled_back_and_said_not_raised_raw(tmp_path):
     """The disk full (here: a file-size limit) at a write: WriteFailedError, a ReadOnlyError
-    (readers go on), naming the folder to make room in; what was stored before stands, nothing
+    (readers go on), naming the folder to look at; what was stored before stands, nothing
     of the refused write is kept, and the cache takes writes again once there is room."""
     path = tmp_path / "c.db"
     with Store(path) as store:
@@ -435,7 +437,10 @@ def test_a_write_the_file_system_refuses_is_rolled_back_and_said_not_raised_raw(
         with file_size_limit(64 * 1024), pytest.raises(WriteFailedError) as refused:
             store.save_run(many, winner(key=OTHER_KEY))
         assert isinstance(refused.value, ReadOnlyError)
-        assert f"make room on the file system of {tmp_path}" in str(refused.value)
+        # a file-size limit reads as an I/O error (EFBIG); a full disk as SQLITE_FULL
+        assert f"check the file system of {tmp_path} (its space, the file-size limit" in str(
+            refused.value
+        )
         assert not store.db.conn.in_transaction
         assert [w.key for w in store.winners()] == [KEY] and store.measurements() == []
         store.save_run([measurement()], winner(key=OTHER_KEY))
@@ -477,3 +482,18 @@ def test_write_ahead_files_left_read_only_beside_a_writable_cache_are_named(tmp_
                 store.put_winners([winner(key=OTHER_KEY)])
     with Store(path) as store:
         store.put_winners([winner(key=OTHER_KEY)])
+
+
+def test_an_older_cache_the_disk_cannot_migrate_is_refused_not_read_as_read_only(tmp_path):
+    """Its migration refused for want of room: WriteFailedError naming the folder, not a cache
+    read as it is and refused every later write as read-only; with room it migrates."""
+    path = tmp_path / "c.db"
+    shutil.copy(Path(__file__).parents[1] / "data" / "compat" / "cache-v4.db", path)
+    with contextlib.closing(sqlite3.connect(path)) as reader:
+        reader.execute("pragma journal_mode=wal")  # the WAL and its index made: the
+        reader.execute("select count(*) from sqlite_master").fetchone()  # migration's write fails
+        with file_size_limit(5000), pytest.raises(WriteFailedError, match="check the"):
+            Store(path)
+    with Store(path) as store:
+        store.record_misses("cpu-x", ["gemm:m=1,n=1,k=1"])
+        assert store.schema_version() == CACHE.version

@@ -179,6 +179,8 @@ class SqliteFile:
                 )  # fmt: skip
                 conn.execute("PRAGMA synchronous=NORMAL")  # a setting of this connection only
             except sqlite3.DatabaseError as e:
+                if is_write_failure(e):
+                    raise self.unusable(e) from None
                 raise StoreError(
                     f"{path} cannot be opened as a {self.schema.kind}: {e}{self._why_not(e)}"
                 ) from None
@@ -238,11 +240,15 @@ class SqliteFile:
         so that no one restores a sound file from a backup."""
         if is_read_only(e):
             return self.read_only()
-        if is_write_failure(e) and "full" in str(e):
+        if is_write_failure(e):
             return self.write_failed(e)
+        if is_busy(e):
+            return StoreError(
+                f"{self.path} is locked by another process ({e}): try again once it is done"
+            )
         return StoreError(
-            f"{self.path} cannot be used now ({e}): an I/O error, not a damaged file; check the "
-            f"file system of {self.path.resolve().parent} (space, file-size limit, device)"
+            f"{self.path} cannot be used now ({e}), which is no sign of damage; check the "
+            f"file system of {self.path.resolve().parent}"
         )
 
     def read_only(self) -> ReadOnlyError:
@@ -261,8 +267,9 @@ class SqliteFile:
                 return ReadOnlyError(
                     f"{self.path} cannot be written: {' and '.join(side)} beside it "
                     f"{'is' if len(side) == 1 else 'are'} read-only (left by a reader while the "
-                    f"cache was read-only, or another user's); make {them} writable, or remove "
-                    f"{them} while no process has the cache open, or name another cache "
+                    f"cache was read-only, or another user's); make {them} writable (a -shm "
+                    "file may also be removed while no process has the cache open; never the "
+                    "-wal file: it may hold stored results), or name another cache "
                     "(--cache / $TUNER_CACHE)"
                 )
         return ReadOnlyError(
@@ -272,10 +279,13 @@ class SqliteFile:
 
     def write_failed(self, e: sqlite3.DatabaseError) -> WriteFailedError:
         folder = self.path.resolve().parent
+        if getattr(e, "sqlite_errorname", "").startswith("SQLITE_FULL"):
+            what = f"make room on the file system of {folder}"
+        else:  # an I/O error: a file-size limit (EFBIG) reads as one too, or a failing device
+            what = f"check the file system of {folder} (its space, the file-size limit, the device)"
         return WriteFailedError(
-            f"{self.path} could not be written ({e}): nothing of this write was stored, what was "
-            f"stored before stands; make room on the file system of {folder} (or raise the "
-            "file-size limit), or name another cache (--cache / $TUNER_CACHE)"
+            f"{self.path} could not be written ({e}): the write was rolled back, what was stored "
+            f"before stands; {what}, or name another cache (--cache / $TUNER_CACHE)"
         )
 
     @contextlib.contextmanager
@@ -367,9 +377,11 @@ class SqliteFile:
                 return
             try:
                 self._migrate()
-            except ReadOnlyError:
+            except ReadOnlyError as e:
                 readable = self.schema.readable_from
-                if readable is None or version < readable:
+                # a full disk is no read-only file: read as it is, it would be refused every
+                # write as one, even once room is made
+                if isinstance(e, WriteFailedError) or readable is None or version < readable:
                     raise
                 log.warning(
                     "%s is read-only at schema version %d: read as it is (not migrated to %d)",
