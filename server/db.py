@@ -5,9 +5,10 @@ pool thread opens its own connection on first use and keeps it (opening one per 
 run the migration check, a write transaction, on every request).
 
 A database file removed or replaced while the service runs leaves its open connections on the
-old file: what they write is lost at the next start. ``MovedDatabaseMiddleware`` refuses every
-request but a read (503) from then on, and ``/v1/ready`` says why, so that the hosts keep their
-results and a monitor sees it.
+old file: what they write is lost at the next start, and a pool thread's first connection would
+open (or make) whatever file is at the path now. ``MovedDatabaseMiddleware`` answers every
+request that may touch the database 503 from then on, and ``/v1/ready`` says why, so that the
+hosts keep their results and a monitor sees it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.store import FleetStore
 
-READS = ("GET", "HEAD", "OPTIONS")
+# what answers without the database (a moved one's service still says that it is up, and why
+# it is not ready)
+NO_DATABASE = ("/v1/health", "/v1/ready", "/docs", "/openapi.json")
 log = logging.getLogger("tuner.server")
 
 
@@ -51,7 +54,7 @@ class FleetDB:
         )
         if not self._told:
             self._told = True
-            log.error("%s; refusing every request but a read until then", why)
+            log.error("%s; answering 503 to every request that may touch it until then", why)
         return why
 
     def store(self) -> FleetStore:
@@ -79,13 +82,17 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 class MovedDatabaseMiddleware:
-    """503 for every request but a read once ``db.moved()``: a write would go to the old file."""
+    """503 for every request that may touch the database once ``db.moved()``."""
 
     def __init__(self, app: ASGIApp, db: FleetDB) -> None:
         self.app, self.db = app, db
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] not in READS and (why := self.db.moved()):
+        if (
+            scope["type"] == "http"
+            and scope["path"] not in NO_DATABASE
+            and (why := self.db.moved())
+        ):
             await JSONResponse({"detail": why}, 503)(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -366,8 +367,10 @@ def test_uploads_a_killed_service_left_are_removed_at_startup(tmp_path) -> None:
 
 @pytest.mark.parametrize("how", ["removed", "replaced"])
 def test_a_database_removed_or_replaced_under_the_service_refuses_writes(tmp_path, how) -> None:
-    """Its connections still hold the old file, where a write would be lost at the next start:
-    not ready, and every request but a read refused (503) naming why; reads still answer."""
+    """Its connections still hold the old file, where a write would be lost at the next start,
+    and a new pool thread would open whatever is at the path: not ready, and every request
+    that may touch the database refused (503) naming why, reads on many threads at once too;
+    nothing made at the path of a removed one."""
     db = tmp_path / "fleet.db"
     with ThreadServer(db) as srv:
         submitter = auth(srv.token("submitter", "submit"))
@@ -388,5 +391,12 @@ def test_a_database_removed_or_replaced_under_the_service_refuses_writes(tmp_pat
         assert refused.status_code == 503
         assert f"the database {db} was {how}" in refused.json()["detail"]
         assert "restart the service" in refused.json()["detail"]
-        classes = httpx.get(srv.url + "/v1/device-classes", headers=submitter)
-        assert classes.status_code == 200 and DC in classes.json()  # read from the old file
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            reads = list(pool.map(lambda _: httpx.get(srv.url + "/v1/device-classes",
+                                                      headers=submitter), range(64)))  # fmt: skip
+        assert {r.status_code for r in reads} == {503}
+        assert httpx.get(srv.url + "/v1/health").status_code == 200
+        if how == "removed":
+            assert not any(f.is_file() for f in tmp_path.glob("fleet.db*")), list(
+                tmp_path.iterdir()
+            )
