@@ -1452,3 +1452,19 @@ def test_a_journal_that_cannot_be_written_is_said_once_and_the_run_goes_on(
     assert len(winner_keys(cache)) == 2
     said = (out.out + out.err).count(f"journal {journal_path(cache)} not written")
     assert said == 1, out
+
+
+def test_a_journal_line_cut_short_costs_only_itself(tmp_path):
+    """A line cut mid-write (SIGKILL; the disk full, which raises) is ended before the next
+    record, so the next record reads whole; the cut one is skipped."""
+    from tests.cache.full_disk import file_size_limit
+
+    journal = tmp_path / "j.jsonl"
+    append_journal(journal, {"key": "a", "status": "tuned"})
+    with journal.open("a") as f:
+        f.write('{"key": "torn", "sta')  # a SIGKILL mid-line
+    append_journal(journal, {"key": "b", "status": "tuned"})
+    with file_size_limit(journal.stat().st_size + 10), pytest.raises(OSError, match="bytes"):
+        append_journal(journal, {"key": "cut by the disk", "status": "tuned"})
+    append_journal(journal, {"key": "c", "status": "tuned"})
+    assert [r["key"] for r in read_journal(journal)] == ["a", "b", "c"]

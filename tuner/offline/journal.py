@@ -6,6 +6,7 @@ order."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 from collections.abc import Iterable
@@ -61,11 +62,18 @@ def journal_records(store_path: Path) -> list[dict[str, Any]]:
 
 
 def append_journal(path: Path, record: dict[str, Any]) -> None:
-    """One JSON line per finished problem; O_APPEND keeps concurrent writers' lines whole."""
-    line = json.dumps(record, sort_keys=True) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    """One JSON line per finished problem; O_APPEND keeps concurrent writers' lines whole. A
+    line cut short (SIGKILL mid-write, the disk full: OSError) is ended before the next one,
+    so that only it is lost (``read_journal`` skips it), not the next one with it."""
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode())
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line
+        written = os.write(fd, line)
+        if written < len(line):
+            raise OSError(errno.ENOSPC, f"{written} of the line's {len(line)} bytes written")
     finally:
         os.close(fd)
 

@@ -555,8 +555,15 @@ class _Pool:
         not counting it against ``--retries``), nor is the worker replaced."""
         slot.key = slot.task = None
         slot.done = True
-        if self.stopped != STOPPED_UNWRITABLE:
-            self.unwritable = why
+        self._cache_refused(why)
+
+    def _cache_refused(self, why: str) -> None:
+        """Stop the run, once, on the first write the cache refused (a stop already under way,
+        a Ctrl-C, keeps its own reason; the refusal is still what the run ends by)."""
+        if self.unwritable:
+            return
+        self.unwritable = why
+        if not self.stop.is_set():
             self._halt(STOPPED_UNWRITABLE, f"stopping: {why}")
 
     def _on_result(self, slot: _Slot, result: Result) -> None:
@@ -641,9 +648,7 @@ class _Pool:
                 )
         except ReadOnlyError as e:
             result.pruned, result.error = {}, result.error + "; nothing of it stored"
-            if self.stopped != STOPPED_UNWRITABLE:
-                self.unwritable = str(e)
-                self._halt(STOPPED_UNWRITABLE, f"stopping: {e}")
+            self._cache_refused(str(e))
             return
         if held is not None:
             result.winner, result.error = held.to_row(), result.error + KEPT_EARLIER
@@ -665,7 +670,8 @@ class _Pool:
             except OSError as e:  # the disk full: the cache holds what was stored, the run goes on
                 if not self.journal_failed:
                     self.emit(("notice", f"journal {self.journal} not written: {e.strerror}; "
-                                         "the report lacks this run's times and failures"))  # fmt: skip
+                                         "the report lacks this run's times and failures, and "
+                                         "later runs its retries and cut-short problems"))  # fmt: skip
                 self.journal_failed = True
         self.results.append(result)
         self.emit(("result", result))
