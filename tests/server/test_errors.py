@@ -400,3 +400,23 @@ def test_a_database_removed_or_replaced_under_the_service_refuses_writes(tmp_pat
             assert not any(f.is_file() for f in tmp_path.glob("fleet.db*")), list(
                 tmp_path.iterdir()
             )
+
+
+def test_a_write_the_services_disk_refuses_is_a_503_to_send_again(tmp_path, caplog) -> None:
+    """Rolled back whole: 503 (a host sends it again later), logged with the cause; once the
+    disk takes it again, the same push is stored."""
+    from tests.cache.full_disk import file_size_limit
+
+    db = tmp_path / "fleet.db"
+    with ThreadServer(db) as srv:
+        submitter = auth(srv.token("submitter", "submit"))
+        body = submit_body([measurement(params={"i": i}, is_baseline=False, error="x" * 200)
+                            for i in range(400)])  # fmt: skip
+        biggest = max(f.stat().st_size for f in tmp_path.glob("fleet.db*") if f.is_file())
+        with file_size_limit(biggest + 1024):
+            refused = httpx.post(srv.url + "/v1/measurements", json=body, headers=submitter)
+        assert refused.status_code == 503, refused.text
+        assert "send it again later" in refused.json()["detail"]
+        assert "could not be written" in caplog.text
+        stored = httpx.post(srv.url + "/v1/measurements", json=body, headers=submitter)
+        assert stored.status_code == 200, stored.text
