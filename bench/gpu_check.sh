@@ -86,6 +86,7 @@ for stage in "$@"; do
   case "$stage" in
     tests)  # the schema tests (CPU only) need schemathesis, which the device image lacks;
       # GPU_TESTS_REPEAT=n runs them n times over (a flaky test's failures, counted), each run in the log
+      : > "$OUT/gpu_tests.log"
       for run in $(seq "${GPU_TESTS_REPEAT:-1}"); do
         echo "--- tests, run $run of ${GPU_TESTS_REPEAT:-1} ---" >> "$OUT/gpu_tests.log"
         timeout -k 20 "${GPU_TESTS_TIMEOUT:-3000}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=900 --ignore=tests/server/test_schema.py ${GPU_TESTS:-tests} 2>&1 | tee -a "$OUT/gpu_tests.log"

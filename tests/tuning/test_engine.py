@@ -210,41 +210,6 @@ def test_a_winner_confirmed_slower_than_a_runner_ups_trial_meets_the_runner_up(
     assert "kept" in first.error and "then second confirmed faster" in first.error
 
 
-def test_a_tie_in_its_trial_that_wins_one_eager_take_must_win_a_second(monkeypatch, one_thread):
-    """A challenger level with torch's 512^3 GEMM in its trial, far ahead in its duel's first
-    take (a lucky stretch), level again in the take after: its trial was a tie, so one take
-    does not make it the winner. Taken again (up to three runs) where the host was noisy."""
-    from planted import Busy
-
-    from tuner.tuning.trials import Trial
-
-    class Level(Busy):
-        name, busy_s = "level", 0.0
-
-    def level_with_the_baseline(m):
-        if m.is_baseline:  # timed first: the challenger's trial reads level with it
-            Level.busy_s = m.median_us * 1e-6
-        elif m.source == Level.name:  # then far ahead in its duel's first take
-            Level.busy_s *= 0.3
-
-    real_rounds = Trial.rounds
-
-    def level_after_one_take(self, *args, **kwargs):
-        readings = real_rounds(self, *args, **kwargs)
-        Level.busy_s = max(Level.busy_s, readings.base_us * 1e-6)
-        return readings
-
-    monkeypatch.setattr(Trial, "rounds", level_after_one_take)
-    key = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
-    for _ in range(3):
-        outcome = tuned_uncut(key, [Level()], min_noise=0.25, on_result=level_with_the_baseline)
-        if quiet(outcome):
-            break
-    error = by_params(outcome)[Level.name].error
-    assert outcome.winner.source == "torch", error
-    assert "a tie in its trial, so taken again" in error and "not ahead" in error, error
-
-
 def test_a_disturbed_timing_is_taken_again(one_thread):
     from planted import Disturbed
 

@@ -410,7 +410,11 @@ class Trial:
         kept = won and launch_ok and gpu_ok and not disturbed
         if kept and eager and tied:
             again = self.rounds(runners, base, challenger, options, sustained)
-            kept = eager_win(again, margin, gpu_win)
+            # a second take whose baseline ran beside a disturbance confirms nothing
+            kept = (
+                eager_win(again, margin, gpu_win)
+                and not far_off_trials(trial_us, (again.base_us, again.chal_us))[0]
+            )
             note += (
                 f"; a tie in its trial, so taken again: {again.chal_us:.2f} vs "
                 f"{again.base_us:.2f} us, {'ahead again' if kept else 'not ahead'}"
