@@ -99,6 +99,32 @@ def test_linear_memo_rechecks_what_its_key_leaves_out(linear_disp: Dispatcher) -
 
 
 @pytest.mark.cpu_host
+def test_linear_memo_rechecks_a_weight_cut_or_reinterpreted_in_place(
+    linear_disp: Dispatcher,
+) -> None:
+    """``w.data = w.data[:16]`` (output features pruned) keeps the weight object, its storage and
+    its strides: only the shape says the runner built for N=32 no longer fits, and torch's
+    answer is (4, 16). A view of the storage as another dtype keeps them too, and torch refuses
+    the call."""
+    x = torch.randn(4, 32)
+    with torch.no_grad(), tt.enabled(dispatcher=linear_disp):
+        lin = nn.Linear(32, 32)
+        lin(x)  # memoised, served by the Triton winner
+        lin.weight.data, lin.bias.data = lin.weight.data[:16], lin.bias.data[:16]
+        tt.reset_stats()
+        got = lin(x)
+        assert (tt.stats().hits, tt.stats().misses) == (0, 1)  # N=16: resolved, no winner
+        want = F.linear(x.double(), lin.weight.double(), lin.bias.double()).float()
+        torch.testing.assert_close(got, want)
+
+        w = torch.randn(32, 32)
+        F.linear(x, w)
+        w.data = w.data.view(torch.int32)  # same bytes, shape and strides
+        with pytest.raises(RuntimeError):  # torch's own error, not a product of the bytes
+            F.linear(x, w)
+
+
+@pytest.mark.cpu_host
 def test_linear_memo_leaves_gradients_and_tf32_to_the_full_path(linear_disp: Dispatcher) -> None:
     lin, x = nn.Linear(32, 32), torch.randn(4, 32, requires_grad=True)
     want = forward_backward(lin, lin, x)

@@ -8,7 +8,9 @@ is the cheaper part of it that differs from call to call:
 - ``F.linear(x, w)``: ``(id(w), x.shape, x.stride(), x.dtype)``: a model's weights live long,
   so their ``id`` names them. A weak reference checks that the weight is still the same object (a
   weight made afresh per call, say ``w.t()``, misses every time and is served as if there were no
-  memo); a tuned runner also checks its storage and layout (``data_ptr``, ``stride``).
+  memo); a tuned runner also checks its storage, layout, shape and dtype (``data_ptr``,
+  ``stride``, ``shape``, ``dtype``): ``w.data = w.data[:n]`` keeps the object, its storage and its
+  strides, and only the shape tells the cut weight from the one the runner was built for.
 - ``F.scaled_dot_product_attention(q, k, v, **kw)``: shapes and strides of q, k and v, dtype,
   device and the keyword arguments (no tensor mask).
 
@@ -57,12 +59,13 @@ class LinearMemo:
     served, and the rest of the dispatcher signature a tuned runner relies on."""
 
     __slots__ = (
-        "align", "device", "flat", "out_shape", "ptr", "res", "runner", "stride", "tf32", "weight",
+        "align", "device", "dtype", "flat", "out_shape", "ptr", "res", "runner", "shape", "stride",
+        "tf32", "weight",
     )  # fmt: skip
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, runner: Any, res: Resolution) -> None:
         self.weight = weakref.ref(w)
-        self.ptr, self.stride = w.data_ptr(), w.stride()
+        self.ptr, self.stride, self.shape, self.dtype = w.data_ptr(), w.stride(), w.shape, w.dtype
         self.runner, self.res = runner, res
         self.align = x.data_ptr() % 16
         self.tf32 = torch._C._get_cublas_allow_tf32()
@@ -81,10 +84,13 @@ class LinearMemo:
 
     def fits(self, x: torch.Tensor, w: torch.Tensor, bias: Any) -> bool:
         """The tuned runner may serve this call (the key matched and ``w`` is the memo's
-        object; its storage and layout, and the rest of the call, are checked here)."""
+        object; its storage, layout, shape and dtype, and the rest of the call, are checked
+        here: ``.data`` may have been given another tensor of that storage, say rows cut off)."""
         return (
             self.ptr == w.data_ptr()
             and self.stride == w.stride()
+            and self.shape == w.shape
+            and self.dtype == w.dtype
             and type(x) in PLAIN
             and x.data_ptr() % 16 == self.align
             and x.get_device() == self.device
