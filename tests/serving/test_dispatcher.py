@@ -513,6 +513,51 @@ def test_a_triton_winner_on_the_cpu_serves_calls_from_several_threads(cache_path
     assert next(iter(dispatch_module._dispatcher.choices.values())).startswith("triton_gemm")
 
 
+@pytest.mark.cpu_host
+def test_tune_mode_on_the_cpu_takes_turns_with_calls_served_meanwhile(cache_path):
+    """A tuning's Triton candidates run in the interpreter too: while one thread tunes a miss,
+    another thread's tuned calls are served, and neither breaks the other's runs (an
+    interpreted call outside its turn raised InterpreterError in the served call, and failed the
+    candidates' runs, stored as failed measurements)."""
+    import threading
+
+    key = GemmKey(m=16, n=24, k=16, dtype="f32", out_dtype="f32")
+    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
+    Store(cache_path).put_winners(
+        [Winner(fingerprint().device_class, str(key), "triton_gemm", params, 1.0, 2.0)]
+    )
+    d = Dispatcher(cache_path, mode="tune")
+    a, b = torch.randn(16, 16), torch.randn(16, 24)
+    d.matmul(a, b)  # resolved: the Triton winner serves the thread below
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def serve() -> None:
+        try:
+            while not done.is_set():
+                torch.testing.assert_close(d.matmul(a, b), a @ b)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=serve) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for m in (3, 5, 7, 9):
+            x, y = torch.randn(m, 16), torch.randn(16, 20)
+            torch.testing.assert_close(d.matmul(x, y), x @ y)  # a miss: tuned now
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(120)
+    assert errors == []
+    failed = [
+        m.error for m in Store(cache_path).measurements() if m.source == "triton_gemm"
+        and m.status == "failed"
+    ]  # fmt: skip
+    assert failed == []
+
+
 def test_a_call_needing_a_gradient_is_torchs_and_said_once_per_op(tmp_path, caplog):
     """Tuned kernels have no backward: a model run without no_grad lost every one of them, and
     only stats() showed it. Said once per op, on resolution; under no_grad nothing is said."""

@@ -694,7 +694,12 @@ class Dispatcher:
     def _tune(self, key: Key, device: str) -> Winner | None:
         from tuner.tuning.engine import tune
 
-        outcome = tune(key, device=device)
+        # on the CPU the tuning runs its Triton candidates through the interpreter too: it takes
+        # its turn there, as served calls do (``_taking_turns``), or another thread's call and
+        # the candidates' runs break each other ("InterpreterError: ... outside of JIT")
+        turn = _INTERPRETER if device == "cpu" and interpreting() else contextlib.nullcontext()
+        with turn:
+            outcome = tune(key, device=device)
         if store := self._store_to_write():
             with self._unless_unusable():
                 store.save_run(outcome.measurements, outcome.winner)
