@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -108,6 +109,15 @@ _CAUSAL_BIAS = {CausalVariant.UPPER_LEFT: "top_left", CausalVariant.LOWER_RIGHT:
 _lock = threading.Lock()
 _routers: list[Router] = []  # enable() pushes, disable() pops; the last one routes
 _active: Router | None = None
+
+
+def _reinit_lock() -> None:
+    """A forked child's own lock: a thread that held it at the fork does not live on there."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reinit_lock)
 
 
 # this thread is inside the tuner (its torch calls go to torch): shared with the dispatcher,

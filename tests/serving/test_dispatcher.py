@@ -558,6 +558,53 @@ def test_tune_mode_on_the_cpu_takes_turns_with_calls_served_meanwhile(cache_path
     assert failed == []
 
 
+@pytest.mark.cpu_host
+def test_a_forked_child_serves_though_another_thread_held_the_dispatchers_locks(cache_path):
+    """A DataLoader worker forked while another thread of the parent was inside the tuner (a
+    call served in Triton's interpreter, a resolution tuning a miss) inherits those locks held
+    by a thread it does not have: its first call waited for them forever. It serves, and
+    records its misses through a connection of its own."""
+    import signal
+    import threading
+
+    from tuner.serving import dispatcher as dispatch_module
+
+    key = GemmKey(m=16, n=24, k=16, dtype="f32", out_dtype="f32")
+    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
+    Store(cache_path).put_winners(
+        [Winner(fingerprint().device_class, str(key), "triton_gemm", params, 1.0, 2.0)]
+    )
+    d = Dispatcher(cache_path, mode="record")
+    a, b, x = torch.randn(16, 16), torch.randn(16, 24), torch.randn(5, 16)
+    d.matmul(a, b)  # the parent served before: its cache is open
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with d._lock, dispatch_module._INTERPRETER:
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(60)
+    pid = os.fork()
+    if pid == 0:  # the child: always leaves by os._exit, its status the verdict
+        code = 1
+        try:
+            signal.alarm(30)  # a child that waits forever ends there
+            torch.set_num_threads(1)  # as a DataLoader worker (OpenMP does not survive a fork)
+            hit, miss = d.matmul(a, b), d.matmul(x, b)
+            code = 0 if torch.allclose(hit, a @ b) and torch.allclose(miss, x @ b) else 2
+        finally:
+            os._exit(code)
+    release.set()
+    thread.join(60)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    with Store(cache_path) as store:
+        assert str(GemmKey.from_tensors(x, b)) in {m["key"] for m in store.misses()}
+        assert store.db.conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
 def test_a_call_needing_a_gradient_is_torchs_and_said_once_per_op(tmp_path, caplog):
     """Tuned kernels have no backward: a model run without no_grad lost every one of them, and
     only stats() showed it. Said once per op, on resolution; under no_grad nothing is said."""

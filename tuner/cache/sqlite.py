@@ -112,6 +112,15 @@ _OPEN_LOCK = threading.Lock()
 _VERIFIED: set[str] = set()  # files this process has quick-checked (``SqliteFile.verify``)
 
 
+def _reinit_open_lock() -> None:
+    """A forked child's own lock: a thread that held it at the fork does not live on there."""
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reinit_open_lock)
+
+
 def _check_header(path: Path) -> None:
     if not path.exists() or path.stat().st_size == 0:
         return

@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -273,6 +274,7 @@ class Dispatcher:
         self.loaded: dict[str, Runner] = {}
         self._loading: dict[str, list[tuple]] = {}  # job -> signatures served the baseline
         self.switches = 0  # signatures switched from the baseline to a runner built meanwhile
+        _DISPATCHERS.add(self)  # made fit to serve again in a forked child (``_after_fork``)
 
     @property
     def choices(self) -> dict[str, str]:
@@ -733,6 +735,22 @@ class Dispatcher:
         self.memo.clear()
         self._loading.clear()
 
+    def _after_fork(self) -> None:
+        """This dispatcher, in a child forked from the process that made it (a DataLoader
+        worker): only the forking thread lives on, so a lock another thread held at the fork
+        would be held for good, and the loader's threads are gone. Fresh locks and loader (its
+        failures kept); the inherited cache connection is left unused, and open (SQLite's
+        connections must not be carried across a fork, and closing it here could act on the
+        parent's file): the child opens its own at its next need."""
+        self._lock = threading.RLock()
+        loader, self.loader = self.loader, BackgroundLoader(self.loader.workers)
+        self.loader.failures = dict(loader.failures)
+        self.loader._refused = set(loader._refused)
+        self._forget()  # signatures left to the baseline while a build was in flight among them
+        if self._store is not None:
+            _FORKED_AWAY.append(self._store)
+            self._store = None
+
     def reload(self) -> None:
         """Forget resolved runners and winners, and the winners refused as unable to serve here,
         e.g. after a sync brought new winners or kernels."""
@@ -780,6 +798,22 @@ def _on_device(device: Any, build: Callable[[], Runner]) -> Runner:
 def _capturing(device: str) -> bool:
     return device == "cuda" and torch.cuda.is_current_stream_capturing()
 
+
+_DISPATCHERS: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
+_FORKED_AWAY: list[Store] = []  # connections a forked child inherited: kept open, never used
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts with the forking thread alone: locks other threads held at the
+    fork (a call served in Triton's interpreter, a resolution tuning a miss) are made anew, or
+    the child's first call would wait for them forever."""
+    global _INTERPRETER
+    _INTERPRETER = threading.Lock()
+    for disp in list(_DISPATCHERS):
+        disp._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _dispatcher: Dispatcher | None = None
 
