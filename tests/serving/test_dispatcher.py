@@ -605,6 +605,26 @@ def test_a_forked_child_serves_though_another_thread_held_the_dispatchers_locks(
         assert store.db.conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
 
 
+@pytest.mark.cpu_host
+def test_meta_tensors_are_torchs_though_the_cpu_problem_has_a_triton_winner(cache_path):
+    """Meta tensors (a model made on the meta device for shape inference) keyed like the CPU's
+    reached the CPU's Triton winner, which cannot read them: torch's meta kernel answers."""
+    key = GemmKey(m=16, n=24, k=16, dtype="f32", out_dtype="f32")
+    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
+    Store(cache_path).put_winners(
+        [Winner(fingerprint().device_class, str(key), "triton_gemm", params, 1.0, 2.0)]
+    )
+    d = Dispatcher(cache_path, mode="record")
+    a, b = torch.randn(16, 16), torch.randn(16, 24)
+    torch.testing.assert_close(d.matmul(a, b), a @ b)  # the Triton winner serves the CPU's
+    assert d.choices[str(key)].startswith("triton_gemm")
+    got = d.matmul(a.to("meta"), b.to("meta"))
+    assert got.is_meta and got.shape == (16, 24)
+    q = torch.randn(1, 2, 8, 16, device="meta")
+    assert d.sdpa(q, q, q, causal=True).shape == q.shape
+    assert str(key) not in {m["key"] for m in Store(cache_path).misses()}  # no CPU miss either
+
+
 def test_a_call_needing_a_gradient_is_torchs_and_said_once_per_op(tmp_path, caplog):
     """Tuned kernels have no backward: a model run without no_grad lost every one of them, and
     only stats() showed it. Said once per op, on resolution; under no_grad nothing is said."""

@@ -462,7 +462,10 @@ class Dispatcher:
         and the capture says so once per runner; a miss is still recorded.
         """
         base = registry.baseline(key.op, key)
-        if self.mode == "off" or (device.type == "cuda") != torch.cuda.is_available():
+        # the tuned device is the GPU where there is one, else the CPU: another device's tensors
+        # (meta tensors of a model made for shape inference) are torch's, which runs them
+        tuned = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.mode == "off" or device.type != tuned:
             return Resolution(str(key), "default", base.name)
         if grad:
             self._say_grad(key)
