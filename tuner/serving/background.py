@@ -91,6 +91,13 @@ class BackgroundLoader:
         self._in_flight: set[str] = set()
         self._state = threading.Condition()
 
+    def after_fork(self) -> BackgroundLoader:
+        """A loader for a forked child, where this one's threads do not live on: as many
+        workers, the failures (and refusals) recorded so far, no job in flight."""
+        fresh = BackgroundLoader(self.workers)
+        fresh.failures, fresh._refused = dict(self.failures), set(self._refused)
+        return fresh
+
     def submit(
         self,
         job: str,

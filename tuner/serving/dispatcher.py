@@ -746,9 +746,7 @@ class Dispatcher:
         connections must not be carried across a fork, and closing it here could act on the
         parent's file): the child opens its own at its next need."""
         self._lock = threading.RLock()
-        loader, self.loader = self.loader, BackgroundLoader(self.loader.workers)
-        self.loader.failures = dict(loader.failures)
-        self.loader._refused = set(loader._refused)
+        self.loader = self.loader.after_fork()
         self._forget()  # signatures left to the baseline while a build was in flight among them
         if self._store is not None:
             _FORKED_AWAY.append(self._store)
