@@ -120,5 +120,6 @@ class SdpaMemo:
             and v.dtype == q.dtype
             and k.get_device() == q.get_device()
             and v.get_device() == q.get_device()
+            and not q.is_meta  # a meta tensor's get_device() is the CPU's -1: torch's
             and not needs_grad(q, k, v)
         )
