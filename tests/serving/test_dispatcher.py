@@ -23,6 +23,15 @@ from tuner.core.keys import GemmKey, SdpaKey
 from tuner.measure.records import Winner
 from tuner.serving.dispatcher import Dispatcher
 
+TRITON_PARAMS = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
+
+
+def store_triton_winner(cache_path, key: GemmKey) -> None:
+    """A Triton GEMM winner for ``key`` (on the CPU torch wins every tuning: planted)."""
+    Store(cache_path).put_winners(
+        [Winner(fingerprint().device_class, str(key), "triton_gemm", TRITON_PARAMS, 1.0, 2.0)]
+    )
+
 
 def test_off_mode_never_opens_the_store(tmp_path):
     d = Dispatcher(tmp_path / "never.db", mode="off")
@@ -262,10 +271,7 @@ def test_whole_path_tune_store_then_new_process_dispatches(cache_path):
 def test_new_process_serves_a_triton_winner_from_the_store(cache_path):
     """A winner imported from elsewhere (here: written directly) is rebuilt and used."""
     key = GemmKey(m=33, n=20, k=48, dtype="f16", out_dtype="f16", align=8)
-    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
-    Store(cache_path).put_winners(
-        [Winner(fingerprint().device_class, str(key), "triton_gemm", params, 1.0, 2.0)]
-    )
+    store_triton_winner(cache_path, key)
     got = dispatch_in_new_process(cache_path, 33, 20, 48)
     assert list(got["choices"].values()) == [
         'triton_gemm:{"bk":32,"bm":32,"bn":32,"group_m":8,"stages":1,"warps":4}'
@@ -293,9 +299,14 @@ def test_dlpack_arrays_go_through_zero_copy_and_come_back_as_their_type(cache_pa
 def test_stale_winners_are_served_or_ignored_per_policy(cache_path, monkeypatch):
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     key = str(GemmKey.from_tensors(a, b))
-    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
     old = Winner(
-        fingerprint().device_class, key, "triton_gemm", params, 1.0, 2.0, versions="torch=1.0"
+        fingerprint().device_class,
+        key,
+        "triton_gemm",
+        TRITON_PARAMS,
+        1.0,
+        2.0,
+        versions="torch=1.0",
     )
     Store(cache_path).put_winners([old])
     served = Dispatcher(cache_path, mode="lookup")
@@ -319,10 +330,7 @@ def test_an_out_torch_would_resize_or_refuse_is_torchs_when_a_tuned_kernel_serve
     from tuner.serving import dispatcher as dispatch_module
 
     key = GemmKey(m=33, n=20, k=48, dtype="f16", out_dtype="f16", align=8)
-    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
-    Store(cache_path).put_winners(
-        [Winner(fingerprint().device_class, str(key), "triton_gemm", params, 1.0, 2.0)]
-    )
+    store_triton_winner(cache_path, key)
     disp = Dispatcher(cache_path)
     monkeypatch.setattr(dispatch_module, "_dispatcher", disp)
     torch.manual_seed(0)
@@ -354,12 +362,11 @@ def test_a_call_mixing_dtypes_after_a_tuned_one_gets_torchs_error(cache_path, mo
     sdpa = SdpaKey(1, 4, 2, 8, 8, 16, causal="top_left", dtype="f16", scale=0.25)
     gemm = GemmKey(m=8, n=16, k=32, dtype="f16", out_dtype="f16", align=16)
     tiles = {"bm": 16, "bn": 16, "warps": 4, "stages": 1}
-    gemm_params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
     dc = fingerprint().device_class
     Store(cache_path).put_winners(
         [
             Winner(dc, str(sdpa), "triton_attention", tiles, 1.0, 2.0),
-            Winner(dc, str(gemm), "triton_gemm", gemm_params, 1.0, 2.0),
+            Winner(dc, str(gemm), "triton_gemm", TRITON_PARAMS, 1.0, 2.0),
         ]
     )
     disp = Dispatcher(cache_path)
@@ -484,10 +491,7 @@ def test_a_triton_winner_on_the_cpu_serves_calls_from_several_threads(cache_path
     from tuner.serving import dispatcher as dispatch_module
 
     key = GemmKey(m=33, n=20, k=48, dtype="f16", out_dtype="f16", align=8)
-    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
-    Store(cache_path).put_winners(
-        [Winner(fingerprint().device_class, str(key), "triton_gemm", params, 1.0, 2.0)]
-    )
+    store_triton_winner(cache_path, key)
     monkeypatch.setattr(dispatch_module, "_dispatcher", Dispatcher(cache_path))
     torch.manual_seed(0)
     a, b = torch.randn(33, 48).half(), torch.randn(48, 20).half()
@@ -522,10 +526,7 @@ def test_tune_mode_on_the_cpu_takes_turns_with_calls_served_meanwhile(cache_path
     import threading
 
     key = GemmKey(m=16, n=24, k=16, dtype="f32", out_dtype="f32")
-    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
-    Store(cache_path).put_winners(
-        [Winner(fingerprint().device_class, str(key), "triton_gemm", params, 1.0, 2.0)]
-    )
+    store_triton_winner(cache_path, key)
     d = Dispatcher(cache_path, mode="tune")
     a, b = torch.randn(16, 16), torch.randn(16, 24)
     d.matmul(a, b)  # resolved: the Triton winner serves the thread below
@@ -570,10 +571,7 @@ def test_a_forked_child_serves_though_another_thread_held_the_dispatchers_locks(
     from tuner.serving import dispatcher as dispatch_module
 
     key = GemmKey(m=16, n=24, k=16, dtype="f32", out_dtype="f32")
-    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
-    Store(cache_path).put_winners(
-        [Winner(fingerprint().device_class, str(key), "triton_gemm", params, 1.0, 2.0)]
-    )
+    store_triton_winner(cache_path, key)
     d = Dispatcher(cache_path, mode="record")
     a, b, x = torch.randn(16, 16), torch.randn(16, 24), torch.randn(5, 16)
     d.matmul(a, b)  # the parent served before: its cache is open
@@ -610,10 +608,7 @@ def test_meta_tensors_are_torchs_though_the_cpu_problem_has_a_triton_winner(cach
     """Meta tensors (a model made on the meta device for shape inference) keyed like the CPU's
     reached the CPU's Triton winner, which cannot read them: torch's meta kernel answers."""
     key = GemmKey(m=16, n=24, k=16, dtype="f32", out_dtype="f32")
-    params = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
-    Store(cache_path).put_winners(
-        [Winner(fingerprint().device_class, str(key), "triton_gemm", params, 1.0, 2.0)]
-    )
+    store_triton_winner(cache_path, key)
     d = Dispatcher(cache_path, mode="record")
     a, b = torch.randn(16, 16), torch.randn(16, 24)
     torch.testing.assert_close(d.matmul(a, b), a @ b)  # the Triton winner serves the CPU's
