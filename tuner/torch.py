@@ -65,8 +65,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -79,6 +77,7 @@ from tuner.candidates import registry
 from tuner.candidates.torch_ref import torch_sdpa
 from tuner.core.console import counted
 from tuner.core.device import fingerprint
+from tuner.core.fork_safe import ForkSafeLock
 from tuner.measure.records import candidate_label
 from tuner.serving.call_memo import (
     PLAIN,
@@ -106,18 +105,9 @@ _CAUSAL_BIAS = {CausalVariant.UPPER_LEFT: "top_left", CausalVariant.LOWER_RIGHT:
 
 # --- which router is on, and the guard against routing the tuner's own calls ---------------------
 
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 _routers: list[Router] = []  # enable() pushes, disable() pops; the last one routes
 _active: Router | None = None
-
-
-def _reinit_lock() -> None:
-    """A forked child's own lock: a thread that held it at the fork does not live on there."""
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reinit_lock)
 
 
 # this thread is inside the tuner (its torch calls go to torch): shared with the dispatcher,

@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import ClassVar, Self
 
 import sqlite_utils
+
+from tuner.core.fork_safe import ForkSafeLock
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +109,8 @@ def register(schema: Schema) -> Schema:
 # delete the WAL under this process's open connections. So the header check, which opens the
 # file with plain ``open()``, only runs while no connection of this process has the file open.
 _OPEN_FILES: collections.Counter[str] = collections.Counter()
-_OPEN_LOCK = threading.Lock()
+_OPEN_LOCK = ForkSafeLock()
 _VERIFIED: set[str] = set()  # files this process has quick-checked (``SqliteFile.verify``)
-
-
-def _reinit_open_lock() -> None:
-    """A forked child's own lock: a thread that held it at the fork does not live on there."""
-    global _OPEN_LOCK
-    _OPEN_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reinit_open_lock)
 
 
 def _check_header(path: Path) -> None:

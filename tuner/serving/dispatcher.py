@@ -35,6 +35,7 @@ from tuner.candidates import registry, torch_lowbit
 from tuner.candidates.base import Runner
 from tuner.candidates.torch_ref import torch_sdpa
 from tuner.core.device import fingerprint
+from tuner.core.fork_safe import ForkSafeLock
 from tuner.core.keys import GemmKey, Key, SdpaKey
 from tuner.core.settings import CHOICES, load_config_file
 from tuner.core.triton_launch import interpreting
@@ -176,7 +177,7 @@ class Resolution:
         return self.winner.baseline_us - self.winner.median_us if self.winner else 0.0
 
 
-_INTERPRETER = threading.Lock()
+_INTERPRETER = ForkSafeLock()
 
 
 def _taking_turns(runner: Runner, device: Any) -> Runner:
@@ -805,11 +806,9 @@ _FORKED_AWAY: list[Store] = []  # connections a forked child inherited: kept ope
 
 
 def _after_fork_in_child() -> None:
-    """A forked child starts with the forking thread alone: locks other threads held at the
-    fork (a call served in Triton's interpreter, a resolution tuning a miss) are made anew, or
-    the child's first call would wait for them forever."""
-    global _INTERPRETER
-    _INTERPRETER = threading.Lock()
+    """A forked child starts with the forking thread alone: each dispatcher's lock (a
+    resolution tuning a miss may have held it) and build loader are made anew
+    (``_INTERPRETER`` is a ``ForkSafeLock``)."""
     for disp in list(_DISPATCHERS):
         disp._after_fork()
 
