@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -447,6 +448,31 @@ def test_a_write_the_file_system_refuses_is_rolled_back_and_said_not_raised_raw(
     with Store(path) as store:
         assert {w.key for w in store.winners()} == {KEY, OTHER_KEY}
         store.verify()
+
+
+def test_a_rollback_that_fails_too_ends_the_transaction_by_reopening(tmp_path):
+    """SQLite ends a transaction itself when the file system refuses its write (a full disk, a
+    file-size limit: above), so a ROLLBACK fails only where SQLite aborts it too: interrupted
+    (``interrupt()``, a progress handler: a service cancelling work) or out of memory. Here a
+    progress handler aborts every statement while ``cancel`` is set, the ROLLBACK too: the
+    connection must not stay inside the transaction, holding the write lock and refusing its
+    own next write as nested, and nothing of the transaction is kept."""
+    path = tmp_path / "c.db"
+    cancel = threading.Event()
+    with Store(path) as store:
+        store.put_winners([winner()])
+        aborted = pytest.raises(sqlite3.OperationalError, match="interrupted")
+        with aborted, store.transaction() as c:
+            c.execute("delete from winners")
+            c.set_progress_handler(cancel.is_set, 1)
+            cancel.set()
+            c.execute("select count(*) from winners")  # aborted, as the ROLLBACK will be
+        cancel.clear()
+        assert not store.db.conn.in_transaction
+        with contextlib.closing(sqlite3.connect(path, timeout=0)) as other:
+            other.execute("delete from misses")  # the write lock was let go at once
+        store.put_winners([winner(key=OTHER_KEY)])
+        assert {w.key for w in store.winners()} == {KEY, OTHER_KEY}
 
 
 def test_a_cache_that_cannot_be_set_up_for_want_of_room_is_not_called_corrupt(tmp_path):

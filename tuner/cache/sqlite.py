@@ -170,21 +170,7 @@ class SqliteFile:
                     _check_header(self.path)
                 except OSError as e:
                     raise StoreError(f"{path} cannot be read: {e.strerror}") from None
-            target, uri = str(path), False
-            if self._file is not None and self.path.exists() and not _writable(self.path.parent):
-                target, uri = _read_only_uri(self.path), True
-            try:
-                conn = sqlite3.connect(
-                    target, timeout=timeout_s, isolation_level=None, check_same_thread=False,
-                    uri=uri,
-                )  # fmt: skip
-                conn.execute("PRAGMA synchronous=NORMAL")  # a setting of this connection only
-            except sqlite3.DatabaseError as e:
-                if is_write_failure(e):
-                    raise self.unusable(e) from None
-                raise StoreError(
-                    f"{path} cannot be opened as a {self.schema.kind}: {e}{self._why_not(e)}"
-                ) from None
+            conn = self._connect()
             if self._file is not None:
                 _OPEN_FILES[self._file] += 1
         self.db = sqlite_utils.Database(conn)
@@ -193,6 +179,26 @@ class SqliteFile:
         except StoreError:
             self.close()
             raise
+
+    def _connect(self) -> sqlite3.Connection:
+        """A new connection to the file, read-only where its folder cannot be written; a
+        StoreError where SQLite cannot open it."""
+        target, uri = str(self.path), False
+        if self._file is not None and self.path.exists() and not _writable(self.path.parent):
+            target, uri = _read_only_uri(self.path), True
+        try:
+            conn = sqlite3.connect(
+                target, timeout=self._timeout_s, isolation_level=None, check_same_thread=False,
+                uri=uri,
+            )  # fmt: skip
+            conn.execute("PRAGMA synchronous=NORMAL")  # a setting of this connection only
+        except sqlite3.DatabaseError as e:
+            if is_write_failure(e):
+                raise self.unusable(e) from None
+            raise StoreError(
+                f"{self.path} cannot be opened as a {self.schema.kind}: {e}{self._why_not(e)}"
+            ) from None
+        return conn
 
     def close(self) -> None:
         self.db.conn.close()
@@ -326,12 +332,19 @@ class SqliteFile:
             raise self._write_error(e) from None
 
     def _roll_back(self) -> None:
-        """End the open transaction, if SQLite left one, keeping nothing of it; a rollback that
-        fails too (the disk gone) leaves the first error to be told."""
+        """End the open transaction, if SQLite left one, keeping nothing of it. A ROLLBACK that
+        SQLite aborts too (interrupted, out of memory) would leave the connection inside its
+        transaction, holding the write lock every other writer waits on, and refusing its own
+        next write as nested: the connection is then closed, which ends the transaction, and
+        opened again. Either way the first error is the one told."""
         conn = self.db.conn
+        if not conn.in_transaction:
+            return
+        with contextlib.suppress(sqlite3.DatabaseError):
+            conn.execute("ROLLBACK")
         if conn.in_transaction:
-            with contextlib.suppress(sqlite3.DatabaseError):
-                conn.execute("ROLLBACK")
+            conn.close()
+            self.db = sqlite_utils.Database(self._connect())
 
     def _write_error(self, e: sqlite3.DatabaseError) -> sqlite3.DatabaseError | StoreError:
         """What a write's ``e`` tells its caller: a damaged file, one that cannot be written
