@@ -432,31 +432,59 @@ def test_failure_and_timeout_are_recorded_and_the_run_goes_on(tmp_path):
     assert "... 3 more rows (tuner report --rows N, or --out DIR for all)" in r.stdout
 
 
+def four_gemms(tmp_path: Path) -> tuple[str, ...]:
+    """tune-all's arguments for four small GEMMs of torch's: a run of a few seconds."""
+    listed = tmp_path / "list.yaml"
+    listed.write_text(
+        "problems:\n"
+        + "".join(f"  - {{op: gemm, m: {m}, n: 8, k: 8, dtype: f32}}\n" for m in (1, 2, 3, 4))
+    )
+    return ("--config", str(listed), "--source", "torch", "--budget", "0.01")
+
+
 def test_a_cache_the_disk_cannot_take_stops_the_run_and_counts_no_failure(tmp_path):
     """The disk full mid-run (here: a file-size limit on the run and its workers): the run stops
     with one line naming the cache and what to do, no traceback; what was stored stands, and the
     problems it could not store stay pending, not failed, so that runs on a full disk never use
     up their ``--retries``; once there is room the next run tunes them."""
     cache = tmp_path / "c.db"
-    listed = tmp_path / "list.yaml"
-    listed.write_text(
-        "problems:\n"
-        + "".join(f"  - {{op: gemm, m: {m}, n: 8, k: 8, dtype: f32}}\n" for m in (1, 2, 3, 4))
-    )
-    args = ("--config", str(listed), "--source", "torch", "--budget", "0.01")
+    args = four_gemms(tmp_path)
     Store(cache).close()  # made while there is room
     room = 36 * 1024  # past the WAL index's 32 KiB, a few WAL frames: not four problems' runs
     stopped = 0
     for _ in range(3):  # more runs than --retries allows failures
         p = start(*args, cache=cache, preexec_fn=limit_in_child(room))
         out = p.communicate(timeout=240)[0]
-        assert p.returncode in (1, 2), out  # 2: refused before a run, by the run's first write
+        assert p.returncode == 1, out  # also where the run's first write was refused
         assert "Traceback" not in out and f"{cache} could not be written" in out, out
         stopped += "stopped early: cache not writable" in out
         journal = read_journal(journal_path(cache))
         assert {r["status"] for r in journal} <= {"tuned"}
         assert len(winner_keys(cache)) == len(journal) < 4
     assert stopped  # the first run at least got as far as a problem
+    code, out = tune_all(*args, cache=cache)
+    assert code == 0, out
+    assert "not retried" not in out and len(winner_keys(cache)) == 4
+
+
+def test_a_cache_the_disk_refuses_at_the_runs_first_write_stops_it_as_mid_run(tmp_path):
+    """The disk full at the run's first write, its device's fingerprint, before any problem:
+    the run stops as it does mid-run (status 1, the cause in one ``error: the run stopped``
+    line, no traceback), not as a cache that cannot be used (status 2); nothing is journaled,
+    so once there is room the next run tunes every problem. Another process keeps write-ahead
+    frames in the cache's log (it holds the file open, so they are not merged), and the run
+    may write no byte past the log's end."""
+    cache = tmp_path / "c.db"
+    args = four_gemms(tmp_path)
+    with Store(cache) as other:
+        other.save_device(fingerprint())
+        wal = cache.with_name(cache.name + "-wal")
+        p = start(*args, cache=cache, preexec_fn=limit_in_child(wal.stat().st_size))
+        out = p.communicate(timeout=240)[0]
+    assert p.returncode == 1, out
+    assert "Traceback" not in out, out
+    assert out.rstrip().splitlines()[-1].startswith(f"error: the run stopped: {cache} could not")
+    assert read_journal(journal_path(cache)) == [] and winner_keys(cache) == set()
     code, out = tune_all(*args, cache=cache)
     assert code == 0, out
     assert "not retried" not in out and len(winner_keys(cache)) == 4

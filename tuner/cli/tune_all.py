@@ -23,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from tuner.cache import Store
+from tuner.cache import Store, WriteFailedError
 from tuner.cache.artifacts import ArtifactStore
 from tuner.cli.errors import FAILED, fail, fleet_service, output_dir, write_output
 from tuner.cli.options import (
@@ -543,8 +543,9 @@ INTERRUPTED = {"ctrl-c": 130, "SIGTERM": 143}
 def tune_all(
     sources: Sources, store_path: Path, settings: RunSettings, *, out: Path | None, dry_run: bool
 ) -> int:
-    """The tune-all command. Exit status 0 when every problem ends with a winner, else 1; a run
-    stopped by Ctrl-C or SIGTERM: ``INTERRUPTED``'s."""
+    """The tune-all command. Exit status 0 when every problem ends with a winner, else 1 (a run
+    the cache stopped by refusing a write too); a run stopped by Ctrl-C or SIGTERM:
+    ``INTERRUPTED``'s."""
     from tuner.offline import report
     from tuner.offline.tune_all import local_workers
 
@@ -564,7 +565,10 @@ def tune_all(
     journal = journal_records(store_path)  # before any claim on the fleet's queue
     fp = fingerprint()
     if not dry_run:
-        store.save_device(fp)
+        try:
+            store.save_device(fp)
+        except WriteFailedError as e:  # the disk full at the run's first write: as mid-run
+            return _stopped(str(e))
     problems = add_recorded(files, sources, store, fp, console, None)
     lease = None
     if sources.queue and not dry_run:
@@ -614,11 +618,18 @@ def tune_all(
     report.render(rep, console, limit=40, written=out is not None)
     _write_report(rep, out, "tune-all")
     if unwritable:  # said last, where it is read: what the run could not do, and what to do
-        fail(f"the run stopped: {unwritable}")
-        return FAILED
+        return _stopped(unwritable)
     if summary is not None and summary.stopped in INTERRUPTED:
         return INTERRUPTED[summary.stopped]
     return 0 if all(r.status == "tuned" for r in rep.rows) else 1
+
+
+def _stopped(why: str) -> int:
+    """A run the cache stopped by refusing a write (the disk full), at its start or mid-run:
+    one line naming the cause and status 1, as for work that could not be done; the problems
+    it could not store stay pending, for a run once there is room."""
+    fail(f"the run stopped: {why}")
+    return FAILED
 
 
 class _Artifacts:
