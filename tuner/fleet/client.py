@@ -9,7 +9,8 @@ Every request has a bounded timeout and is retried with exponential backoff on c
 errors, timeouts, 429 and 502/503/504; a miss report or a queue claim, which the service counts
 or leases, only where it surely was not acted upon (no connection made, 429 or 503). Other 4xx
 raise ``FleetError`` with the service's message at once, except that measurements a 422 names by
-index are counted as refused and the rest of their batch sent again.
+index are counted as refused and the rest of their batch sent again. An answer is checked before
+it is read (``answers``): one of another shape raises ``FleetError`` naming the field.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from tuner.cache import Store
 from tuner.cache.artifacts import ArtifactSpec, sha256
 from tuner.core.device import Fingerprint
+from tuner.fleet import answers
 from tuner.measure.records import Measurement
 from tuner.version import __version__
 
@@ -141,16 +144,36 @@ class FleetClient:
 
     # --- transport -----------------------------------------------------------------------------
 
-    def request(self, method: str, path: str, *, once: bool = False, **kwargs: Any) -> Any:
-        """One API call with retries; returns the decoded JSON body. ``once``: the call is not
-        idempotent, so it is retried only where it surely was not acted upon."""
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        answer: type[BaseModel] | None = None,
+        once: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """One API call with retries; returns the decoded JSON body, checked as ``answer`` where
+        given: one of another shape raises FleetError naming the field and what it should be.
+        ``once``: the call is not idempotent, so it is retried only where it surely was not
+        acted upon."""
         r = self._send(path, lambda: self.http.request(method, path, **kwargs), once=once)
         try:
-            return r.json()
+            body = r.json()
         except ValueError:  # e.g. --server names some other web server
             raise FleetError(
                 f"{self.server}{path}: answered {r.status_code} without JSON; "
                 "is this a tuner service?",
+                r.status_code,
+            ) from None
+        if answer is None:
+            return body
+        try:
+            return answer.model_validate(body).model_dump(exclude_unset=True)
+        except ValidationError as e:
+            raise FleetError(
+                f"{self.server}{path}: not an answer of a tuner service: "
+                f"{answers.what_is_wrong(e)}",
                 r.status_code,
             ) from None
 
@@ -182,7 +205,7 @@ class FleetClient:
     # --- API -----------------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        return self.request("GET", "/v1/health")
+        return self.request("GET", "/v1/health", answer=answers.Health)
 
     def service_health(self) -> dict[str, Any]:
         """The health of a tuner service here, or FleetError: unreachable, or "no tuner
@@ -226,7 +249,7 @@ class FleetClient:
             raise FleetError(f"this needs a token of scope {scope!r}: pass --token or set "
                              "TUNER_TOKEN", 401)  # fmt: skip
         try:
-            token = self.request("GET", "/v1/token")
+            token = self.request("GET", "/v1/token", answer=answers.Token)
         except FleetError as e:
             if e.status in (404, 405):
                 return
@@ -241,7 +264,9 @@ class FleetClient:
     def winner(self, device_class: str, key: str, versions: str | None = None) -> dict | None:
         params = {"key": key} | ({"versions": versions} if versions is not None else {})
         try:
-            return self.request("GET", f"/v1/winners/{device_class}", params=params)
+            return self.request(
+                "GET", f"/v1/winners/{device_class}", params=params, answer=answers.ServedWinner
+            )
         except FleetError as e:
             if self.nothing_there(e):
                 return None
@@ -252,7 +277,10 @@ class FleetClient:
         updated_at, or None), and ``log_from``, above which its log of servings is whole; None
         from a service too old to answer (no such route)."""
         try:
-            return self.request("GET", f"/v1/winners/{device_class}/served", params={"seq": seq})
+            return self.request(
+                "GET", f"/v1/winners/{device_class}/served", params={"seq": seq},
+                answer=answers.Served,
+            )  # fmt: skip
         except FleetError as e:
             if e.status == 404:  # the route never answers 404 where it exists
                 return None
@@ -260,8 +288,9 @@ class FleetClient:
 
     def lookup(self, device_class: str, versions: str, keys: list[str]) -> dict[str, Any]:
         return self.request(
-            "POST", f"/v1/winners/{device_class}/lookup", json={"versions": versions, "keys": keys}
-        )
+            "POST", f"/v1/winners/{device_class}/lookup", json={"versions": versions, "keys": keys},
+            answer=answers.Lookup,
+        )  # fmt: skip
 
     def feed(
         self, device_class: str, versions: str | None, since: int, limit: int = 10000
@@ -269,7 +298,9 @@ class FleetClient:
         params: dict[str, Any] = {"since": since, "limit": limit}
         if versions is not None:
             params["versions"] = versions
-        return self.request("GET", f"/v1/winners/{device_class}/feed", params=params)
+        return self.request(
+            "GET", f"/v1/winners/{device_class}/feed", params=params, answer=answers.Feed
+        )
 
     def submit(self, fp: Fingerprint, measurements: list[Measurement]) -> dict[str, Any]:
         """Submit measurements (any number; sent in batches). Returns summed counts, and in
@@ -293,7 +324,7 @@ class FleetClient:
         while batch:
             try:
                 body = {"device": fp.to_dict(), "measurements": batch}
-                out = self.request("POST", "/v1/measurements", json=body)
+                out = self.request("POST", "/v1/measurements", json=body, answer=answers.Submitted)
                 return out | {"refused": refused + out.get("refused", [])}
             except FleetError as e:
                 invalid = _invalid_items(e, "measurements", len(batch))
@@ -308,7 +339,10 @@ class FleetClient:
         """Whether the service holds the measurement ``uid``; None from a service too old to
         answer (it has no such read)."""
         try:
-            return bool(self.request("GET", "/v1/measurements", params={"uid": uid}))
+            found = self.request(
+                "GET", "/v1/measurements", params={"uid": uid}, answer=answers.Found
+            )
+            return bool(found)
         except FleetError as e:
             if e.status == 405:  # the path takes submissions only
                 return None
@@ -322,7 +356,8 @@ class FleetClient:
                 "versions": fp.version_tag,
                 "misses": [{"key": k, "count": n} for k, n in misses[i : i + BATCH]],
             }
-            queued += self.request("POST", "/v1/misses", json=body, once=True)["queued"]
+            out = self.request("POST", "/v1/misses", json=body, once=True, answer=answers.Queued)
+            queued += out["queued"]
         return queued
 
     def claim(
@@ -331,7 +366,7 @@ class FleetClient:
         """Lease queued keys of this device class and versions (for tuning workers)."""
         body = {"device": fp.to_dict(), "versions": fp.version_tag, "worker": worker,
                 "max_keys": max_keys, "lease_s": lease_s}  # fmt: skip
-        out = self.request("POST", "/v1/queue/claim", json=body, once=True)
+        out = self.request("POST", "/v1/queue/claim", json=body, once=True, answer=answers.Claimed)
         return Lease(out["lease_id"], out["keys"], out["expires_at"])
 
     def complete(
@@ -344,7 +379,7 @@ class FleetClient:
             )
         body = {"lease_id": lease_id, "device": fp.to_dict(),
                 "measurements": [wire(m) for m in measurements]}  # fmt: skip
-        return self.request("POST", "/v1/queue/complete", json=body)
+        return self.request("POST", "/v1/queue/complete", json=body, answer=answers.Completed)
 
     def queue(self, **filters: Any) -> list[dict[str, Any]]:
         params = {k: v for k, v in filters.items() if v is not None}
@@ -358,18 +393,24 @@ class FleetClient:
             "PUT", f"/v1/artifacts/blobs/{sha256(data)}", content=data,
             headers={"Tuner-Artifact-Spec": spec.to_json(),
                      "Content-Type": "application/octet-stream"},
+            answer=answers.Published,
         )  # fmt: skip
 
     def artifact_lookup(self, spec_ids: list[str]) -> dict[str, Any]:
         """The served build of each spec id (at most ``BATCH_SPECS``) and the ids without one."""
-        return self.request("POST", "/v1/artifacts/lookup", json={"spec_ids": spec_ids})
+        return self.request(
+            "POST", "/v1/artifacts/lookup", json={"spec_ids": spec_ids},
+            answer=answers.ArtifactLookup,
+        )  # fmt: skip
 
     def artifact_listing(self, archs: list[str], since: int, limit: int = 1000) -> dict[str, Any]:
         params = {"arch": archs, "since": since, "limit": limit}
-        return self.request("GET", "/v1/artifacts", params=params)
+        return self.request("GET", "/v1/artifacts", params=params, answer=answers.ArtifactListing)
 
     def artifact_conflicts(self, limit: int = 10000) -> list[dict[str, Any]]:
-        return self.request("GET", "/v1/artifacts/conflicts", params={"limit": limit})
+        return self.request(
+            "GET", "/v1/artifacts/conflicts", params={"limit": limit}, answer=answers.Conflicts
+        )
 
     def download_artifact(self, digest: str, max_bytes: int) -> bytes:
         """A blob's bytes as sent, streamed and cut off past ``max_bytes`` (FleetError). Not

@@ -1,0 +1,145 @@
+"""A fleet service answering garbage: valid JSON of another shape, from a real HTTP server on
+loopback. The client refuses it naming the URL, the endpoint, the field and what it should be
+(read raw, it failed as a bare KeyError or AttributeError)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from server import models
+from server.live import AppThread, wait_until
+from tuner.cache import Store
+from tuner.core.device import fingerprint
+from tuner.fleet import answers
+from tuner.fleet.background import BackgroundSync
+from tuner.fleet.client import FleetClient, FleetError
+from tuner.fleet.sync import pull
+from tuner.measure.records import Winner
+
+pytestmark = pytest.mark.timeout(120)
+FP = fingerprint()
+FEED = f"/v1/winners/{FP.device_class}/feed"
+COLUMNS = list(Winner.columns())
+ROW = ["cpu-x", "gemm:m=8,n=8,k=8", "torch", "{}", 5.0, 5.0, "v", "r", 1.0, "eager", "gemm",
+       "torch", 1.0]  # fmt: skip
+
+
+class Scripted:
+    """A service whose health names it ``s1`` and that answers each path in ``answers`` with
+    that JSON (changed between calls by the test): a real uvicorn on loopback."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, Any] = {}
+
+        async def health(request: Request) -> JSONResponse:
+            return JSONResponse({"status": "ok", "service_id": "s1"})
+
+        async def answer(request: Request) -> JSONResponse:
+            return JSONResponse(self.answers[request.url.path])
+
+        routes = [Route("/v1/health", health), Route(FEED, answer)]
+        self.app = Starlette(routes=routes)
+
+
+@pytest.fixture
+def service() -> Iterator[tuple[Scripted, FleetClient]]:
+    scripted = Scripted()
+    with AppThread(scripted.app) as srv, FleetClient(srv.url, retries=0) as client:
+        yield scripted, client
+
+
+def page(cursor: int, last: int, **more: Any) -> dict[str, Any]:
+    return {"since": 0, "cursor": cursor, "more": False, "last": last, **more}
+
+
+def positions(store: Store) -> dict[str, int]:
+    return dict(store.db.conn.execute("select name, value from sync_state").fetchall())
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        ([], "the answer: should be a JSON object, got []"),
+        (page(0, 0, columns=COLUMNS), "rows: Field required"),
+        (page(1, 1, columns=COLUMNS, rows=[ROW[:-1]]), "rows[0] has 12 values for the 13 columns"),
+        (
+            page(1, 1, columns=COLUMNS, rows=[[8, *ROW[1:]]]),
+            "rows[0].device_class: Input should be a valid string, got 8",
+        ),
+        (
+            page("x", 1, columns=COLUMNS, rows=[]),
+            "cursor: Input should be a valid integer, "
+            "unable to parse string as an integer, got 'x'",
+        ),
+    ],
+)
+def test_a_feed_of_another_shape_is_refused_naming_the_url_endpoint_and_field(
+    service: tuple[Scripted, FleetClient], tmp_path: Path, answer: Any, said: str
+) -> None:
+    scripted, client = service
+    scripted.answers[FEED] = answer
+    with Store(tmp_path / "host.db") as store:
+        with pytest.raises(FleetError) as refused:
+            pull(client, store, FP)
+        assert store.winners() == [] and positions(store) == {}
+    assert str(refused.value) == f"{client.server}{FEED}: not an answer of a tuner service: {said}"
+
+
+def test_the_background_sync_logs_a_garbage_answer_by_url_endpoint_and_field(
+    service: tuple[Scripted, FleetClient], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    scripted, client = service
+    scripted.answers[FEED] = {"rows": []}
+    sync = BackgroundSync(client, tmp_path / "host.db", push=False, fingerprint=lambda: FP)
+    with caplog.at_level(logging.WARNING, logger="tuner.fleet.background"):
+        sync.start()
+        try:
+            wait_until(lambda: sync.failures)
+        finally:
+            sync.stop()
+    assert (
+        f"fleet sync with {client.server} failed: FleetError: {client.server}{FEED}: not an "
+        "answer of a tuner service: cursor: Field required (and 2 more)"
+    ) in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        (answers.Token, models.TokenOut),
+        (answers.ServedWinner, models.WinnerOut),
+        (answers.Lookup, models.LookupOut),
+        (answers.Serving, models.Serving),
+        (answers.Served, models.ServedOut),
+        (answers.Feed, models.FeedOut),
+        (answers.Submitted, models.SubmitOut),
+        (answers.Completed, models.CompleteOut),
+        (answers.Queued, models.MissesOut),
+        (answers.Claimed, models.ClaimOut),
+        (answers.MeasurementRef, models.MeasurementRef),
+        (answers.Artifact, models.ArtifactOut),
+        (answers.ArtifactLookup, models.ArtifactLookupOut),
+        (answers.ArtifactListing, models.ArtifactFeedOut),
+        (answers.Published, models.PublishOut),
+        (answers.Build, models.BuildOut),
+        (answers.Conflict, models.ConflictOut),
+    ],
+)
+def test_what_the_client_reads_of_an_answer_is_what_the_service_sends(
+    ours: type[BaseModel], theirs: type[BaseModel]
+) -> None:
+    assert set(ours.model_fields) <= set(theirs.model_fields)
+
+
+def test_a_feed_row_is_checked_in_every_column_the_host_stores() -> None:
+    assert list(answers.FeedWinner.model_fields) == COLUMNS

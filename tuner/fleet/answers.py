@@ -1,0 +1,209 @@
+"""What the fleet client reads of the service's answers, checked before it is read.
+
+Whatever answers at the service's URL (a broken service, one of another release, a proxy) may
+send valid JSON of another shape: a list where an object is due, a field missing or of another
+type. Read raw, that failed deep in a sync as a bare ``KeyError`` or ``AttributeError``; checked
+here, the client refuses it, naming the URL, the endpoint, the field and what it should be.
+
+The models mirror the service's answer models (``server.models``, which the host never imports)
+in what the client reads: a field a later release adds passes through, one an older release
+lacks is optional where the client does without it (``last``). tests/fleet/test_answers.py
+holds them to the service's.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+
+
+class Answer(BaseModel):
+    """An answer's fields the client reads; the others (a later release's) pass through."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class Health(Answer):
+    service_id: str | None = None  # None: a service too old to name itself
+
+
+class Token(Answer):
+    id: str
+    name: str
+    scopes: list[str]
+    allows: list[str]
+
+
+class ServedWinner(Answer):
+    seq: int
+    updated_at: float
+
+
+class Lookup(Answer):
+    winners: list[ServedWinner]
+    missing: list[str]
+
+
+class Serving(Answer):
+    key: str
+    versions: str
+    updated_at: float
+
+
+class Served(Answer):
+    served: Serving | None
+    log_from: int
+
+
+class Page(Answer):
+    """A page of a feed: where the next one starts, and the latest sequence number."""
+
+    cursor: int
+    more: bool
+    last: int | None = None  # None: a service too old to say
+
+
+class FeedWinner(BaseModel):
+    """A feed row, by its columns, in what the host stores of it (the local winners table's
+    columns, ``Winner.columns()``), each of that column's type: strict, so that a number sent
+    as text is not stored as text."""
+
+    model_config = ConfigDict(strict=True)
+
+    device_class: str
+    key: str
+    source: str
+    params: str  # JSON text
+    median_us: float
+    baseline_us: float
+    versions: str
+    run_id: str | None
+    updated_at: float
+    launch: str
+    op: str
+    candidate: str
+    speedup: float
+
+
+_FEED_WINNERS = TypeAdapter(list[FeedWinner])
+
+
+class Feed(Page):
+    columns: list[str]
+    rows: list[list[Any]]
+
+    @model_validator(mode="after")
+    def _rows_are_winners(self) -> Feed:
+        for i, row in enumerate(self.rows):
+            if len(row) != len(self.columns):
+                raise ValueError(
+                    f"rows[{i}] has {len(row)} values for the {len(self.columns)} columns"
+                )
+        try:
+            _FEED_WINNERS.validate_python(
+                [dict(zip(self.columns, r, strict=True)) for r in self.rows]
+            )
+        except ValidationError as e:
+            raise ValueError(what_is_wrong(e, "rows")) from None
+        return self
+
+
+class Submitted(Answer):
+    accepted: int
+    duplicates: int
+    served: list[str] = []
+    pending: list[str] = []
+    refused: list[str] = []
+
+
+class Completed(Submitted):
+    lease_expired: bool
+    done: list[str]
+    requeued: list[str]
+    failed: list[str]
+
+
+class Queued(Answer):
+    queued: int
+
+
+class Claimed(Answer):
+    lease_id: str | None
+    keys: list[str]
+    expires_at: float | None
+
+
+class MeasurementRef(Answer):
+    uid: str
+
+
+class Found(RootModel[list[MeasurementRef]]):
+    pass
+
+
+class Artifact(Answer):
+    spec_id: str
+    spec: str
+    hash: str
+    size: Annotated[int, Field(ge=0)]
+
+
+class ArtifactLookup(Answer):
+    artifacts: list[Artifact]
+    missing: list[str]
+
+
+class ArtifactListing(Page):
+    artifacts: list[Artifact]
+
+
+class Published(Answer):
+    outcome: str
+
+
+class Build(Answer):
+    hash: str
+    builder: str
+
+
+class Conflict(Answer):
+    spec_id: str
+    spec: str
+    served: str
+    builds: list[Build]
+
+
+class Conflicts(RootModel[list[Conflict]]):
+    pass
+
+
+def what_is_wrong(e: ValidationError, root: str = "") -> str:
+    """The first thing ``e`` found wrong with an answer (or its part ``root``), in one clause:
+    where in it, what it should be, and what came instead."""
+    first = e.errors()[0]
+    more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+    if first["type"] == "value_error" and not first["loc"]:  # a check of the whole: said there
+        return first["msg"].removeprefix("Value error, ") + more
+    where = root + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+    where = where.removeprefix(".")
+    where = f"the answer{where}" if not where or where[0] == "[" else where
+    if first["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        why = "should be a JSON object"
+    else:
+        why = first["msg"].removeprefix("Value error, ")
+    got = "" if first["type"] == "missing" else f", got {_clipped(first['input'])}"
+    return f"{where}: {why}{got}{more}"
+
+
+def _clipped(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
