@@ -1,10 +1,12 @@
 """A fleet service answering garbage: valid JSON of another shape, from a real HTTP server on
 loopback. The client refuses it naming the URL, the endpoint, the field and what it should be
-(read raw, it failed as a bare KeyError or AttributeError)."""
+(read raw, it failed as a bare KeyError or AttributeError), and an impossible sync position
+(``last: -5``, a cursor that goes back) leaves the host's positions as they were."""
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +21,10 @@ from starlette.routing import Route
 from server import models
 from server.live import AppThread, wait_until
 from tuner.cache import Store
+from tuner.cache.artifacts import ArtifactStore
 from tuner.core.device import fingerprint
 from tuner.fleet import answers
+from tuner.fleet.artifact_sync import sync_artifacts
 from tuner.fleet.background import BackgroundSync
 from tuner.fleet.client import FleetClient, FleetError
 from tuner.fleet.sync import pull
@@ -29,6 +33,11 @@ from tuner.measure.records import Winner
 pytestmark = pytest.mark.timeout(120)
 FP = fingerprint()
 FEED = f"/v1/winners/{FP.device_class}/feed"
+LISTING = "/v1/artifacts"
+SCOPE = "service-s1"
+PULL = f"pull:{SCOPE}:{FP.device_class}:{FP.version_tag}"
+ARCHS = ["sm90"]
+ARTIFACTS = f"artifacts:{SCOPE}:sm90"
 COLUMNS = list(Winner.columns())
 ROW = ["cpu-x", "gemm:m=8,n=8,k=8", "torch", "{}", 5.0, 5.0, "v", "r", 1.0, "eager", "gemm",
        "torch", 1.0]  # fmt: skip
@@ -47,7 +56,8 @@ class Scripted:
         async def answer(request: Request) -> JSONResponse:
             return JSONResponse(self.answers[request.url.path])
 
-        routes = [Route("/v1/health", health), Route(FEED, answer)]
+        paths = [FEED, LISTING]
+        routes = [Route("/v1/health", health), *(Route(p, answer) for p in paths)]
         self.app = Starlette(routes=routes)
 
 
@@ -111,6 +121,47 @@ def test_the_background_sync_logs_a_garbage_answer_by_url_endpoint_and_field(
         f"fleet sync with {client.server} failed: FleetError: {client.server}{FEED}: not an "
         "answer of a tuner service: cursor: Field required (and 2 more)"
     ) in caplog.text
+
+
+def sync_feed(client: FleetClient, store: Store, tmp_path: Path) -> None:
+    pull(client, store, FP)
+
+
+def sync_listing(client: FleetClient, store: Store, tmp_path: Path) -> None:
+    with ArtifactStore(tmp_path / "kernels") as kernels:
+        sync_artifacts(client, kernels, store, ARCHS)
+
+
+@pytest.mark.parametrize(
+    ("path", "sync", "name", "items"),
+    [(FEED, sync_feed, PULL, {"columns": COLUMNS, "rows": []}),
+     (LISTING, sync_listing, ARTIFACTS, {"artifacts": []})],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    ("cursor", "last", "said"),
+    [
+        (7, -5, "last: Input should be greater than or equal to 0, got -5"),
+        (-1, 7, "cursor: Input should be greater than or equal to 0, got -1"),
+        (3, 7, "cursor 3 (more: False) for since=7: a page's cursor never goes back"),
+    ],
+)
+def test_an_impossible_sync_position_is_refused_and_the_hosts_positions_stay(
+    service: tuple[Scripted, FleetClient], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    path: str, sync: Any, name: str, items: dict[str, Any], cursor: int, last: int, said: str,
+) -> None:  # fmt: skip
+    """A sequence number below 0 or a cursor behind the position asked from is no restore of
+    the service from an older backup (after which the host starts over): no service sends it.
+    The host's positions with it stay, so its next sync with a sound service resumes there."""
+    scripted, client = service
+    with Store(tmp_path / "host.db") as store:
+        store.set_position(name, 7)
+        before = positions(store)
+        scripted.answers[path] = page(cursor, last, **items)
+        with pytest.raises(FleetError, match=re.escape(f"{client.server}{path}: ")) as refused:
+            sync(client, store, tmp_path)
+        assert said in str(refused.value)
+        assert positions(store) == before
+        assert "restored" not in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 
 Whatever answers at the service's URL (a broken service, one of another release, a proxy) may
 send valid JSON of another shape: a list where an object is due, a field missing or of another
-type. Read raw, that failed deep in a sync as a bare ``KeyError`` or ``AttributeError``; checked
+type, a sequence number below 0. Read raw, that failed deep in a sync as a bare ``KeyError`` or
+``AttributeError``, or was believed (``last: -5`` made the host sync from the start); checked
 here, the client refuses it, naming the URL, the endpoint, the field and what it should be.
 
 The models mirror the service's answer models (``server.models``, which the host never imports)
@@ -22,8 +23,11 @@ from pydantic import (
     RootModel,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     model_validator,
 )
+
+SeqNo = Annotated[int, Field(ge=0)]  # a sequence number or a feed's cursor: 0 is the start
 
 
 class Answer(BaseModel):
@@ -44,7 +48,7 @@ class Token(Answer):
 
 
 class ServedWinner(Answer):
-    seq: int
+    seq: SeqNo
     updated_at: float
 
 
@@ -61,15 +65,27 @@ class Serving(Answer):
 
 class Served(Answer):
     served: Serving | None
-    log_from: int
+    log_from: SeqNo
 
 
 class Page(Answer):
-    """A page of a feed: where the next one starts, and the latest sequence number."""
+    """A page of a feed: where the next one starts, and the latest sequence number. Validated
+    with the ``since`` it was asked from in its context: a cursor that goes back, or stays
+    where it was with more to come, would hand the host a position it has passed, or a loop."""
 
-    cursor: int
+    cursor: SeqNo
     more: bool
-    last: int | None = None  # None: a service too old to say
+    last: SeqNo | None = None  # None: a service too old to say
+
+    @model_validator(mode="after")
+    def _moves_on(self, info: ValidationInfo) -> Page:
+        since = (info.context or {}).get("since", 0)
+        if self.cursor < since or (self.more and self.cursor == since):
+            raise ValueError(
+                f"cursor {self.cursor} (more: {self.more}) for since={since}: a page's cursor "
+                "never goes back, and moves on where more follow"
+            )
+        return self
 
 
 class FeedWinner(BaseModel):

@@ -150,13 +150,14 @@ class FleetClient:
         path: str,
         *,
         answer: type[BaseModel] | None = None,
+        context: dict[str, Any] | None = None,
         once: bool = False,
         **kwargs: Any,
     ) -> Any:
-        """One API call with retries; returns the decoded JSON body, checked as ``answer`` where
-        given: one of another shape raises FleetError naming the field and what it should be.
-        ``once``: the call is not idempotent, so it is retried only where it surely was not
-        acted upon."""
+        """One API call with retries; returns the decoded JSON body, checked as ``answer``
+        (validated with ``context``) where given: one of another shape raises FleetError naming
+        the field and what it should be. ``once``: the call is not idempotent, so it is retried
+        only where it surely was not acted upon."""
         r = self._send(path, lambda: self.http.request(method, path, **kwargs), once=once)
         try:
             body = r.json()
@@ -169,7 +170,7 @@ class FleetClient:
         if answer is None:
             return body
         try:
-            return answer.model_validate(body).model_dump(exclude_unset=True)
+            return answer.model_validate(body, context=context).model_dump(exclude_unset=True)
         except ValidationError as e:
             raise FleetError(
                 f"{self.server}{path}: not an answer of a tuner service: "
@@ -299,8 +300,9 @@ class FleetClient:
         if versions is not None:
             params["versions"] = versions
         return self.request(
-            "GET", f"/v1/winners/{device_class}/feed", params=params, answer=answers.Feed
-        )
+            "GET", f"/v1/winners/{device_class}/feed", params=params, answer=answers.Feed,
+            context={"since": since},
+        )  # fmt: skip
 
     def submit(self, fp: Fingerprint, measurements: list[Measurement]) -> dict[str, Any]:
         """Submit measurements (any number; sent in batches). Returns summed counts, and in
@@ -405,7 +407,10 @@ class FleetClient:
 
     def artifact_listing(self, archs: list[str], since: int, limit: int = 1000) -> dict[str, Any]:
         params = {"arch": archs, "since": since, "limit": limit}
-        return self.request("GET", "/v1/artifacts", params=params, answer=answers.ArtifactListing)
+        return self.request(
+            "GET", "/v1/artifacts", params=params, answer=answers.ArtifactListing,
+            context={"since": since},
+        )  # fmt: skip
 
     def artifact_conflicts(self, limit: int = 10000) -> list[dict[str, Any]]:
         return self.request(

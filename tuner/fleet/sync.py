@@ -19,7 +19,9 @@ service too old to, that winner as served now), before a push for that measureme
 request each); one it has lost, or another serving under that number, gives the restore away, as
 does a position beyond the latest sequence number it names (``last`` in the feed and the
 artifact listing). All of its positions then start over, and every miss count is reported to it
-again in full; what was reported to other services stands.
+again in full; what was reported to other services stands. A ``last`` or a cursor no service
+sends (below 0, a cursor behind the position asked from) is no restore: the answer is refused
+(``tuner.fleet.answers``) and the positions stay.
 """
 
 from __future__ import annotations
