@@ -475,6 +475,21 @@ def test_a_rollback_that_fails_too_ends_the_transaction_by_reopening(tmp_path):
         assert {w.key for w in store.winners()} == {KEY, OTHER_KEY}
 
 
+def test_an_in_memory_cache_whose_rollback_fails_too_is_not_reopened_empty():
+    """Reopened, an in-memory cache would be a new empty database without its tables: its
+    connection is left as it is, the first error told."""
+    cancel = threading.Event()
+    with Store(":memory:") as store:
+        store.put_winners([winner()])
+        aborted = pytest.raises(sqlite3.OperationalError, match="interrupted")
+        with aborted, store.transaction() as c:
+            c.set_progress_handler(cancel.is_set, 1)
+            cancel.set()
+            c.execute("select count(*) from winners")
+        cancel.clear()
+        assert [w.key for w in store.winners()] == [KEY]
+
+
 def test_a_cache_that_cannot_be_set_up_for_want_of_room_is_not_called_corrupt(tmp_path):
     """A new cache on a full file system: the error says so, not "corrupt ... restore it from
     a backup"; once there is room it is made as any other."""

@@ -87,6 +87,10 @@ def positions(store: Store) -> dict[str, int]:
             "rows[0].device_class: Input should be a valid string, got 8",
         ),
         (
+            page(1, 1, columns=COLUMNS, rows=[[*ROW[:3], "not json", *ROW[4:]]]),
+            "rows[0].params: should be the JSON text of an object, got 'not json'",
+        ),
+        (
             page("x", 1, columns=COLUMNS, rows=[]),
             "cursor: Input should be a valid integer, "
             "unable to parse string as an integer, got 'x'",
@@ -143,14 +147,17 @@ def sync_listing(client: FleetClient, store: Store, tmp_path: Path) -> None:
         (7, -5, "last: Input should be greater than or equal to 0, got -5"),
         (-1, 7, "cursor: Input should be greater than or equal to 0, got -1"),
         (3, 7, "cursor 3 (more: False) for since=7: a page's cursor never goes back"),
+        (9, 3, "cursor 9 past last=3: a page ends at a sequence number the service has given"),
+        (2**63, 2**63, "cursor: Input should be less than 9223372036854775808"),
     ],
 )
 def test_an_impossible_sync_position_is_refused_and_the_hosts_positions_stay(
     service: tuple[Scripted, FleetClient], tmp_path: Path, caplog: pytest.LogCaptureFixture,
     path: str, sync: Any, name: str, items: dict[str, Any], cursor: int, last: int, said: str,
 ) -> None:  # fmt: skip
-    """A sequence number below 0 or a cursor behind the position asked from is no restore of
-    the service from an older backup (after which the host starts over): no service sends it.
+    """A sequence number below 0 or past SQLite's integers, a cursor behind the position asked
+    from, or one moved on past the service's last number is no restore of the service from an
+    older backup (after which the host starts over): no service sends it.
     The host's positions with it stay, so its next sync with a sound service resumes there."""
     scripted, client = service
     with Store(tmp_path / "host.db") as store:

@@ -2,9 +2,9 @@
 
 Whatever answers at the service's URL (a broken service, one of another release, a proxy) may
 send valid JSON of another shape: a list where an object is due, a field missing or of another
-type, a sequence number below 0. Read raw, that failed deep in a sync as a bare ``KeyError`` or
-``AttributeError``, or was believed (``last: -5`` made the host sync from the start); checked
-here, the client refuses it, naming the URL, the endpoint, the field and what it should be.
+type, a sequence number below 0 or past the feed's end. Read raw, such an answer fails deep in
+a sync as a bare ``KeyError``, or is believed (a position the host then keeps); checked here,
+the client refuses it, naming the URL, the endpoint, the field and what it should be.
 
 The models mirror the service's answer models (``server.models``, which the host never imports)
 in what the client reads: a field a later release adds passes through, one an older release
@@ -14,6 +14,7 @@ holds them to the service's.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from pydantic import (
@@ -27,7 +28,8 @@ from pydantic import (
     model_validator,
 )
 
-SeqNo = Annotated[int, Field(ge=0)]  # a sequence number or a feed's cursor: 0 is the start
+# a sequence number or a feed's cursor: 0 is the start; SQLite's integers end at 2^63
+SeqNo = Annotated[int, Field(ge=0, lt=2**63)]
 
 
 class Answer(BaseModel):
@@ -85,6 +87,13 @@ class Page(Answer):
                 f"cursor {self.cursor} (more: {self.more}) for since={since}: a page's cursor "
                 "never goes back, and moves on where more follow"
             )
+        # a page that moved on ends at a number the service has given; one that did not
+        # echoes since, which may lie past the last of a service restored from a backup
+        if self.last is not None and since < self.cursor and self.last < self.cursor:
+            raise ValueError(
+                f"cursor {self.cursor} past last={self.last}: a page ends at a sequence number "
+                "the service has given"
+            )
         return self
 
 
@@ -98,7 +107,7 @@ class FeedWinner(BaseModel):
     device_class: str
     key: str
     source: str
-    params: str  # JSON text
+    params: str  # JSON text of an object: checked by _rows_are_winners
     median_us: float
     baseline_us: float
     versions: str
@@ -124,15 +133,30 @@ class Feed(Page):
                 raise ValueError(
                     f"rows[{i}] has {len(row)} values for the {len(self.columns)} columns"
                 )
-        if _of_their_types(self.columns, self.rows):
-            return self
-        try:  # to name what is wrong
-            _FEED_WINNERS.validate_python(
-                [dict(zip(self.columns, r, strict=True)) for r in self.rows]
-            )
-        except ValidationError as e:
-            raise ValueError(what_is_wrong(e, "rows")) from None
+        if not _of_their_types(self.columns, self.rows):
+            try:  # to name what is wrong
+                _FEED_WINNERS.validate_python(
+                    [dict(zip(self.columns, r, strict=True)) for r in self.rows]
+                )
+            except ValidationError as e:
+                raise ValueError(what_is_wrong(e, "rows")) from None
+        at = self.columns.index("params")
+        for i, row in enumerate(self.rows):
+            if not _json_object(row[at]):
+                raise ValueError(
+                    f"rows[{i}].params: should be the JSON text of an object, got "
+                    f"{_clipped(row[at])}"
+                )
         return self
+
+
+def _json_object(text: str) -> bool:
+    """Whether ``text`` is the JSON of an object (a winner's params: stored as sent, then read by
+    every dispatch of its problem)."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _of_their_types(columns: list[str], rows: list[list[Any]]) -> bool:
@@ -142,7 +166,9 @@ def _of_their_types(columns: list[str], rows: list[list[Any]]) -> bool:
     fields = FeedWinner.model_fields
     if any(f not in columns for f in fields):
         return False
-    read = [(i, _KINDS[fields[c].annotation]) for i, c in enumerate(columns) if c in fields]
+    read = [(i, _KINDS.get(fields[c].annotation)) for i, c in enumerate(columns) if c in fields]
+    if any(kind is None for _, kind in read):  # a column of a type not listed: pydantic's
+        return False
     return all(all(type(row[i]) in kind for i, kind in read) for row in rows)
 
 
