@@ -20,7 +20,8 @@ request each); one it has lost, or another serving under that number, gives the 
 does a position beyond the latest sequence number it names (``last`` in the feed and the
 artifact listing). All of its positions then start over, and every miss count is reported to it
 again in full; what was reported to other services stands. A ``last`` or a cursor no service
-sends (below 0, a cursor behind the position asked from) is no restore: the answer is refused
+sends (below 0, a cursor behind the position asked from or moved past the service's ``last``) is
+no restore: the answer is refused
 (``tuner.fleet.answers``) and the positions stay.
 """
 
