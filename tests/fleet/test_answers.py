@@ -34,6 +34,8 @@ pytestmark = pytest.mark.timeout(120)
 FP = fingerprint()
 FEED = f"/v1/winners/{FP.device_class}/feed"
 LISTING = "/v1/artifacts"
+QUEUE = "/v1/queue"
+WINNER = f"/v1/winners/{FP.device_class}"
 SCOPE = "service-s1"
 PULL = f"pull:{SCOPE}:{FP.device_class}:{FP.version_tag}"
 ARCHS = ["sm90"]
@@ -56,7 +58,7 @@ class Scripted:
         async def answer(request: Request) -> JSONResponse:
             return JSONResponse(self.answers[request.url.path])
 
-        paths = [FEED, LISTING]
+        paths = [FEED, LISTING, QUEUE, WINNER]
         routes = [Route("/v1/health", health), *(Route(p, answer) for p in paths)]
         self.app = Starlette(routes=routes)
 
@@ -92,8 +94,7 @@ def positions(store: Store) -> dict[str, int]:
         ),
         (
             page("x", 1, columns=COLUMNS, rows=[]),
-            "cursor: Input should be a valid integer, "
-            "unable to parse string as an integer, got 'x'",
+            "cursor: Input should be a valid integer, got 'x'",
         ),
     ],
 )
@@ -125,6 +126,42 @@ def test_the_background_sync_logs_a_garbage_answer_by_url_endpoint_and_field(
         f"fleet sync with {client.server} failed: FleetError: {client.server}{FEED}: not an "
         "answer of a tuner service: cursor: Field required (and 2 more)"
     ) in caplog.text
+
+
+QUEUED = {"device_class": "cpu-x", "versions": "v", "key": "gemm:m=8,n=8,k=8", "op": "gemm",
+          "state": "queued", "misses": 3, "attempts": 0, "lease_expires": None,
+          "enqueued_at": 1.0, "updated_at": 1.0}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "call", "answer", "said"),
+    [
+        (QUEUE, lambda c: c.queue(), {"key": "k"},
+         "the answer: should be a JSON array, got {'key': 'k'}"),
+        (QUEUE, lambda c: c.queue(), [{**QUEUED, "misses": "3"}],
+         "the answer[0].misses: Input should be a valid integer, got '3'"),
+        (QUEUE, lambda c: c.queue(), [{**QUEUED, "misses": 3.0}],
+         "the answer[0].misses: Input should be a valid integer, got 3.0"),
+        (WINNER, lambda c: c.winner(FP.device_class, "k"), {"seq": "7", "updated_at": 1.0},
+         "seq: Input should be a valid integer, got '7'"),
+    ],
+)  # fmt: skip
+def test_an_answer_is_taken_as_sent_not_converted(
+    service: tuple[Scripted, FleetClient], path: str, call: Any, answer: Any, said: str
+) -> None:
+    """A number sent as text or as a fraction is another service's answer, refused naming
+    the field: converted, it would be believed."""
+    scripted, client = service
+    scripted.answers[path] = answer
+    with pytest.raises(FleetError) as refused:
+        call(client)
+    assert str(refused.value) == f"{client.server}{path}: not an answer of a tuner service: {said}"
+
+
+def test_a_sound_queue_answer_comes_back_whole(service: tuple[Scripted, FleetClient]) -> None:
+    scripted, client = service
+    scripted.answers[QUEUE] = [QUEUED, {**QUEUED, "key": "k2", "extra": "a later release's"}]
+    assert client.queue() == scripted.answers[QUEUE]
 
 
 def sync_feed(client: FleetClient, store: Store, tmp_path: Path) -> None:
@@ -183,6 +220,7 @@ def test_an_impossible_sync_position_is_refused_and_the_hosts_positions_stay(
         (answers.Submitted, models.SubmitOut),
         (answers.Completed, models.CompleteOut),
         (answers.Queued, models.MissesOut),
+        (answers.QueueEntry, models.QueueEntry),
         (answers.Claimed, models.ClaimOut),
         (answers.MeasurementRef, models.MeasurementRef),
         (answers.Artifact, models.ArtifactOut),

@@ -33,9 +33,11 @@ SeqNo = Annotated[int, Field(ge=0, lt=2**63)]
 
 
 class Answer(BaseModel):
-    """An answer's fields the client reads; the others (a later release's) pass through."""
+    """An answer's fields the client reads; the others (a later release's) pass through.
+    Strict: a number sent as text (or a whole number as a fraction) is another service's, not
+    one to convert and believe."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class Health(Answer):
@@ -198,6 +200,25 @@ class Queued(Answer):
     queued: int
 
 
+class QueueEntry(Answer):
+    """A key of the tuning queue, returned to the caller whole (``FleetClient.queue``)."""
+
+    device_class: str
+    versions: str
+    key: str
+    op: str
+    state: str
+    misses: int
+    attempts: int
+    lease_expires: float | None
+    enqueued_at: float
+    updated_at: float
+
+
+class QueueListing(RootModel[list[QueueEntry]]):
+    pass
+
+
 class Claimed(Answer):
     lease_id: str | None
     keys: list[str]
@@ -260,6 +281,8 @@ def what_is_wrong(e: ValidationError, root: str = "") -> str:
     where = f"the answer{where}" if not where or where[0] == "[" else where
     if first["type"] in ("model_type", "model_attributes_type", "dict_type"):
         why = "should be a JSON object"
+    elif first["type"] == "list_type":
+        why = "should be a JSON array"
     else:
         why = first["msg"].removeprefix("Value error, ")
     got = "" if first["type"] == "missing" else f", got {_clipped(first['input'])}"

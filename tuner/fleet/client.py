@@ -385,7 +385,7 @@ class FleetClient:
 
     def queue(self, **filters: Any) -> list[dict[str, Any]]:
         params = {k: v for k, v in filters.items() if v is not None}
-        return self.request("GET", "/v1/queue", params=params)
+        return self.request("GET", "/v1/queue", params=params, answer=answers.QueueListing)
 
     # --- artifacts -----------------------------------------------------------------------------
 
