@@ -184,9 +184,14 @@ _MADE_BY_PACK: TensorMemo[bool] = TensorMemo(lambda t: False)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] values 0..15 -> our uint8 [N, K / 2] layout (see the module docstring)."""
+    """[N, K] integer values 0..15 -> our uint8 [N, K / 2] layout (see the module docstring).
+    A float tensor is refused: its values would be truncated (a float weight passed in place of
+    ``quantize``'s values, all within (-1, 1), would pack as zeros without a word)."""
     if q.dim() != 2 or q.shape[1] % 2:
         raise ValueError(f"q.shape={tuple(q.shape)}: expected [N, K] with K even")
+    if q.is_floating_point() or q.is_complex():
+        raise ValueError(f"q.dtype={q.dtype}: expected integer values 0..15, as int4.quantize "
+                         "returns them (uint8); quantize a float weight first")  # fmt: skip
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
         raise ValueError("q: values must lie in 0..15")
     n, k = q.shape
