@@ -215,7 +215,7 @@ class GemmKey:
             raise ValueError(f"scale must be 'group' for int4 weights, got {self.scale!r}")
         if self.accum:
             raise ValueError(
-                f"accum is for FP8 GEMMs only; int4 weights take accum='', got {self.accum!r}"
+                f"accum is for FP8 GEMMs only (leave it out for int4 weights), got {self.accum!r}"
             )
 
     def _check_fp8(self) -> None:
