@@ -448,11 +448,12 @@ class Router:
     def _int4_mm(self, args: tuple, kwargs: dict, compiling: bool, op_device: str = "cuda") -> Any:
         """``aten._weight_int4pack_mm`` (``op_device``: the device type torch has it for; the
         CPU's twin is ``_int4_mm_for_cpu``): a call on another device's tensors is torch's, to
-        refuse as it does, not served by the dispatcher (which picks the op by device)."""
+        refuse as it does, not served by the dispatcher (which picks the op by device). A group
+        size held in a tensor is torch's too: its op takes even a float one."""
         x, w, group_size, scales_and_zeros = _int4_args(*args, **kwargs)
         if compiling or not all(_plain(t) for t in (x, w, scales_and_zeros)) or x.dim() != 2:
             return NotImplemented
-        if x.device.type != op_device:
+        if x.device.type != op_device or isinstance(group_size, torch.Tensor):
             return NotImplemented
         runner, res = self.dispatcher.resolve_int4(
             x, w, scales_and_zeros, group_size, names=_INT4_NAMES

@@ -393,6 +393,28 @@ def test_operands_that_are_not_tensors_raise_torchs_type_error(disp: Dispatcher)
         tuner.int4_linear(x, packed, sz, 128.0)
 
 
+@pytest.mark.cpu_host
+def test_a_group_size_held_in_a_tensor_shares_one_signature(disp: Dispatcher) -> None:
+    """A 0-d integer tensor is a group size, as torch's ops take it, and its calls resolve
+    once: a signature holding the tensor itself would grow the dispatcher's memo per call.
+    Under the drop-in, torch serves a tensor group size as it would (it takes even 128.0)."""
+    packed, sz = int4_weight()
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    want = tuner.int4_linear(x, packed, sz, GROUP)
+    for _ in range(3):
+        torch.testing.assert_close(tuner.int4_linear(x, packed, sz, torch.tensor(GROUP)), want)
+    assert len(disp._hot) == 1 and [k.group for k in recorded(disp)] == [GROUP]
+    with pytest.raises(ValueError, match=r"group_size=tensor\(96\): allowed \(32, 64"):
+        tuner.int4_linear(x, packed, sz, torch.tensor(96))
+    op = torch.ops.aten._weight_int4pack_mm_for_cpu
+    for group in (torch.tensor(GROUP), torch.tensor(float(GROUP))):
+        with tt.enabled(dispatcher=disp):
+            tt.reset_stats(disp)
+            got = op(x, packed, group, sz)
+        assert sum(r.calls for r in tt.stats(disp).rows) == 0  # torch served it
+        torch.testing.assert_close(got, op(x, packed, group, sz))
+
+
 def test_scales_that_are_not_contiguous_are_checked_on_every_signature(disp: Dispatcher) -> None:
     """A signature holds the scales' strides: once a call of contiguous scales has resolved, a
     call of the same shapes with a transposed copy is checked again, not served wrongly by the

@@ -53,10 +53,10 @@ class Int4Names:
 INT4_LINEAR_NAMES = Int4Names()
 
 
-def check_group(group_size: int, name: str = "group_size") -> None:
-    """ValueError naming the value (as ``name``) unless ``group_size`` is one of
-    ``GROUP_SIZES``, as an integer (a Python or NumPy int, as torch's ops take; ``128.0``,
-    ``True`` or ``"128"`` are refused, not taken for a size)."""
+def check_group(group_size: int, name: str = "group_size") -> int:
+    """``group_size`` as a Python int; ValueError naming the value (as ``name``) unless it is
+    one of ``GROUP_SIZES``, as an integer (a Python or NumPy int or a 0-d integer tensor, as
+    torch's ops take; ``128.0``, ``True`` or ``"128"`` are refused, not taken for a size)."""
     try:
         if isinstance(group_size, bool):
             raise TypeError
@@ -65,6 +65,7 @@ def check_group(group_size: int, name: str = "group_size") -> None:
         raise ValueError(f"{name}={group_size!r}: must be an int, one of {GROUP_SIZES}") from None
     if size not in GROUP_SIZES:
         raise ValueError(f"{name}={group_size!r}: allowed {GROUP_SIZES}")
+    return size
 
 
 def check_group_size(group_size: int, k: int, name: str = "group_size") -> None:

@@ -358,7 +358,10 @@ class Dispatcher:
         names: lowbit.Int4Names = lowbit.INT4_LINEAR_NAMES,
     ) -> tuple[Runner, Resolution]:  # fmt: skip
         """``int4_linear``'s runner for a 2-D ``x``, and how it was chosen; ``names`` as in
-        ``resolve_scaled_mm``."""
+        ``resolve_scaled_mm``. A group size of another type (a NumPy int, a 0-d tensor) is
+        taken as the int it holds, so that its calls share one signature."""
+        if type(group_size) is not int:
+            group_size = lowbit.group_int(group_size, names)
         try:
             sig = lowbit.int4_sig(x, packed, scales_and_zeros, group_size)
         except AttributeError:

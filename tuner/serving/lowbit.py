@@ -87,6 +87,15 @@ def int4_sig(x: Any, packed: Any, scales_and_zeros: Any, group_size: int) -> tup
             x.data_ptr() % 16, ours, x.requires_grad and torch.is_grad_enabled())  # fmt: skip
 
 
+def group_int(group_size: Any, names: Int4Names = INT4_LINEAR_NAMES) -> int:
+    """The int a group size of another type holds; ``OperandError`` naming the field unless
+    it is one of the allowed sizes."""
+    try:
+        return int4.check_group(group_size, names.group_size)
+    except ValueError as e:
+        raise OperandError(str(e)) from e
+
+
 def check_int4(
     x: Any, packed: Any, scales_and_zeros: Any, group_size: int,
     names: Int4Names = INT4_LINEAR_NAMES,
