@@ -270,6 +270,23 @@ def test_import_names_each_bad_field_and_stores_none_of_the_file(tmp_path):
         assert store.import_(good)["measurements"] == 0  # idempotent
 
 
+def test_import_refuses_an_integer_too_large_for_sqlite(tmp_path):
+    """JSON's integers have no bound and SQLite's stop at 64 bits: such a number is named like
+    any other bad field, not an OverflowError from inside the import's transaction."""
+    huge = 10**30
+    cases = [
+        ({"winners": [winner(updated_at=huge).to_row()]}, r"winners\[0\]: updated_at"),
+        ({"measurements": [measurement(reps=huge).to_row()]}, r"measurements\[0\]: reps"),
+    ]
+    with Store(tmp_path / "c.db") as store:
+        for data, field in cases:
+            with pytest.raises(
+                StoreError, match=f"{field} must be .* within SQLite.s 64 bits, got {huge}"
+            ):
+                store.import_({"format": "tuner-results"} | data)
+        assert not store.winners() and not store.measurements()
+
+
 def test_corrupt_file_is_refused_and_left_untouched(tmp_path):
     path = tmp_path / "c.db"
     path.write_bytes(b"this is not a database, it is a note\n" * 10)

@@ -35,6 +35,8 @@ _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
 _TIMES = {"median_us": 0.0, "p10_us": 0.0, "p90_us": 0.0, "host_us": 0.0, "baseline_us": 1e-9}
 _DATES = ("created_at", "updated_at", "first_seen", "last_seen")
 DEVICE_FIELDS = ("device_class", "fingerprint", "first_seen", "last_seen")
+# the integers SQLite stores: a larger one (JSON has no bound) fails the insert mid-transaction
+_SQLITE_INTEGERS = range(-(2**63), 2**63)
 
 
 @contextlib.contextmanager
@@ -126,6 +128,8 @@ def _of_kind(name: str, value: Any, kind: str) -> None:
     types, described = _KINDS[kind]
     if not isinstance(value, types) or (kind in ("int", "float") and isinstance(value, bool)):
         raise ValueError(f"{name} must be {described}, got {value!r}")
+    if isinstance(value, int) and value not in _SQLITE_INTEGERS:
+        raise ValueError(f"{name} must be {described} within SQLite's 64 bits, got {value!r}")
 
 
 def _finite(name: str, value: Any) -> None:
