@@ -385,6 +385,18 @@ def test_reading_commands_refuse_a_cache_that_is_not_there(tmp_path):
     assert not typo.parent.exists()
 
 
+def test_reading_commands_leave_an_empty_file_as_it_is(tmp_path):
+    """An empty file named as the cache (made by touch, or a slip of the path) holds no
+    winners: a command that only reads says so, where SQLite would have made it a cache."""
+    empty = tmp_path / "notes.txt"
+    empty.touch()
+    out = str(tmp_path / "tunableop.csv")
+    for args in (("show",), ("export", "-"), ("report",), ("tunableop", "export", out)):
+        r = tuner(*args, cache=empty, check=False)
+        assert r.returncode == 2 and "notes.txt: an empty file, not a cache" in r.stderr, args
+    assert empty.read_bytes() == b""
+
+
 def test_a_problem_too_big_for_memory_is_one_line(tmp_path):
     huge = ("tune", "gemm", "-m", "1000000", "-n", "1000000", "-k", "1000000", "--dtype", "f32")
     r = tuner(*huge, cache=tmp_path / "c.db", check=False)

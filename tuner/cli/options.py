@@ -189,10 +189,15 @@ def device_fingerprint(store: Store, device_class: str | None) -> Fingerprint:
 def open_store(cache: Path | None, *, existing: bool = False) -> Store:
     """The cache, checked page by page before the command does any work (a damaged file is
     refused, not tuned into). ``existing``: the command only reads it, so a path with no cache
-    yet is refused (a mistyped one would find nothing and say all is well)."""
+    yet is refused (a mistyped one would find nothing and say all is well), and so is an empty
+    file (SQLite would make it a new cache: a command that only reads would write it)."""
     path = cache_path(cache)
     if existing and not path.exists():
         raise ConfigError(f"{path}: no such cache: tune first, or give --cache / $TUNER_CACHE")
+    if existing and path.is_file() and path.stat().st_size == 0:
+        raise ConfigError(
+            f"{path}: an empty file, not a cache: tune first, or give another --cache"
+        )
     store = Store(path)
     try:
         store.verify()
