@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import typer
 
-from tuner.cli.errors import FAILED, report_usage_errors, stdout_cut_off
+from tuner.cli.errors import FAILED, report_usage_errors, stdout_cut_off, write_output
+from tuner.offline.problem_list import ConfigError
 
 
 def test_an_abort_says_why_instead_of_ending_silently(capsys: pytest.CaptureFixture) -> None:
@@ -30,3 +34,17 @@ def test_a_broken_pipe_that_is_not_stdout_is_said(capsys: pytest.CaptureFixture)
     assert capsys.readouterr().err == (
         "error: closed by the other end (not stdout): [Errno 32] Broken pipe\n"
     )
+
+
+@pytest.mark.parametrize("folder", [".", "..", "out"])
+def test_an_output_that_is_a_folder_is_named_as_one(
+    folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tuner export .`` said "PosixPath('.') has an empty name", ``..`` "Device or resource
+    busy": every folder is refused in the same words."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(
+        ConfigError, match=f"^{re.escape(folder)}: cannot write: a folder, not a file$"
+    ):
+        write_output(Path(folder), "{}")

@@ -40,6 +40,8 @@ def write_output(path: Path, data: str) -> None:
     if str(path) == "-":
         sys.stdout.write(data if data.endswith("\n") else data + "\n")
         return
+    if path.is_dir():  # said here: "." has no name to write beside, ".." fails as "busy"
+        raise ConfigError(f"{path}: cannot write: a folder, not a file")
     try:
         write_atomic(path, data)
     except OSError as e:
