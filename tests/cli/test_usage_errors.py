@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,22 @@ def test_an_output_that_is_a_folder_is_named_as_one(
         ConfigError, match=f"^{re.escape(folder)}: cannot write: a folder, not a file$"
     ):
         write_output(Path(folder), "{}")
+
+
+def test_an_output_that_is_no_regular_file_is_written_to_not_replaced(tmp_path: Path) -> None:
+    """``tuner export /dev/null`` run as root replaced the device with a regular file; a FIFO
+    was replaced the same way (its reader got nothing), and a link (its target kept the old
+    content)."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        write_output(fifo, "{}")
+        assert os.read(reader, 100) == b"{}" and stat.S_ISFIFO(fifo.lstat().st_mode)
+    finally:
+        os.close(reader)
+    target, link = tmp_path / "results.json", tmp_path / "link.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    write_output(link, "{}")
+    assert link.is_symlink() and target.read_text() == "{}"

@@ -36,14 +36,19 @@ CLICK = importlib.import_module(typer.BadParameter.__module__)
 
 def write_output(path: Path, data: str) -> None:
     """A command's output file, replaced in one rename (never left half-written), or a
-    ConfigError that names it; ``-`` is stdout."""
+    ConfigError that names it; ``-`` is stdout. What is no regular file (``/dev/null``, a FIFO)
+    is written to, and a link's target replaced: a rename would put a file in their place."""
     if str(path) == "-":
         sys.stdout.write(data if data.endswith("\n") else data + "\n")
         return
     if path.is_dir():  # said here: "." has no name to write beside, ".." fails as "busy"
         raise ConfigError(f"{path}: cannot write: a folder, not a file")
     try:
-        write_atomic(path, data)
+        if path.exists() and not path.is_file():
+            with path.open("w") as f:
+                f.write(data)
+        else:
+            write_atomic(path.resolve(), data)
     except OSError as e:
         raise ConfigError(f"{path}: cannot write: {e.strerror}") from None
 

@@ -262,7 +262,7 @@ def tunableop_export(
 ) -> None:
     """Write this device's (or --device-class's) winners that TunableOp can run (cuBLAS
     default, cuBLASLt algos)."""
-    if str(output) != "-" and output.exists() and not force:
+    if str(output) != "-" and output.is_file() and not force:  # (/dev/null has no lines to lose)
         raise ConfigError(
             f"{output} exists: pass --force to replace it (a TunableOp results file would lose "
             "its own lines), or name another file"
