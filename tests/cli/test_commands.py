@@ -414,6 +414,20 @@ def test_compiled_kernels_live_beside_the_cache_that_cache_names(tmp_path):
     assert not (tmp_path / "x").exists()  # a listing makes nothing
 
 
+def test_a_check_of_compiled_kernels_where_there_are_none_makes_no_store(tmp_path):
+    """``tuner artifacts --check`` with a mistyped --cache made a store beside it (folders and
+    an index) and said all was well; it checks what is there and makes nothing."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TUNER_ARTIFACTS", "TUNER_SERVER")}
+    typo = tmp_path / "typo" / "c.db"
+    r = subprocess.run(
+        [sys.executable, "-m", "tuner", "artifacts", "--check", "--cache", str(typo)],
+        env=env | {"COLUMNS": "200"}, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert f"0 compiled kernels: no store at {typo.parent / 'artifacts'} yet" in r.stdout
+    assert "no conflicting builds" in r.stdout
+    assert not typo.parent.exists()
+
+
 def test_import_of_a_non_export_is_refused(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"hello": 1}')

@@ -341,17 +341,19 @@ def artifacts_command(
 ) -> None:
     """This host's compiled kernels ($TUNER_ARTIFACTS store) and, with --check, their conflicts
     (on the fleet service too: --server, --token)."""
-    if not check and not (root := default_root()).exists():  # a listing makes no store
+    if not (root := default_root()).exists():  # a look makes no store (a mistyped --cache)
         console.print(f"0 compiled kernels: no store at {root} yet")
-        return
+        if not check:
+            return
     client = FleetClient(server, token) if server else None
-    with ArtifactStore() as kernels, contextlib.ExitStack() as open_client:
+    with contextlib.ExitStack() as opened:
+        kernels = opened.enter_context(ArtifactStore()) if root.exists() else None
         if client is not None:
-            open_client.enter_context(client)
-        entries = kernels.entries()
-        console.print(
-            f"{len(entries)} compiled kernels, {sum(e.size for e in entries)} bytes in {kernels.root}"
-        )
+            opened.enter_context(client)
+        if kernels is not None:
+            entries = kernels.entries()
+            size = sum(e.size for e in entries)
+            console.print(f"{len(entries)} compiled kernels, {size} bytes in {kernels.root}")
         if not check:
             return
         with fleet_service(server or ""):

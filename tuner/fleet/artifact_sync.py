@@ -200,8 +200,9 @@ def fetch_host_artifacts(
     return sync_artifacts(client, kernels, store, archs, full=full)
 
 
-def check_artifacts(client: FleetClient | None, artifacts: ArtifactStore) -> ArtifactCheck:
+def check_artifacts(client: FleetClient | None, artifacts: ArtifactStore | None) -> ArtifactCheck:
     """Specs built differently by different builders, on the service and in this host's store
-    (``tuner artifacts --check``); the service's side is skipped without a client."""
+    (``tuner artifacts --check``); the service's side is skipped without a client, this host's
+    without a store."""
     service = client.artifact_conflicts() if client is not None else []
-    return ArtifactCheck(service, artifacts.conflicts())
+    return ArtifactCheck(service, artifacts.conflicts() if artifacts is not None else [])
