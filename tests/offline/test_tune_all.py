@@ -1496,3 +1496,15 @@ def test_a_journal_line_cut_short_costs_only_itself(tmp_path):
         append_journal(journal, {"key": "cut by the disk", "status": "tuned"})
     append_journal(journal, {"key": "c", "status": "tuned"})
     assert [r["key"] for r in read_journal(journal)] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("line", ["[1, 2]", "null", '{"key": 5, "status": "tuned"}', '{"at": 1}'])
+def test_a_journal_line_that_is_no_record_is_named(tmp_path, line):
+    """A line edited by hand into JSON that is no record failed the report and the next run
+    with a traceback ('list' object has no attribute 'get'); it is named, with its line."""
+    journal = tmp_path / "j.jsonl"
+    append_journal(journal, {"key": "a", "status": "tuned"})
+    with journal.open("a") as f:
+        f.write(line + "\n")
+    with pytest.raises(ValueError, match=f"{journal}: line 2 is no record of a problem"):
+        read_journal(journal)

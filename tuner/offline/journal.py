@@ -5,7 +5,6 @@ order."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -80,8 +79,9 @@ def append_journal(path: Path, record: dict[str, Any]) -> None:
 
 def read_journal(path: Path) -> list[dict[str, Any]]:
     """The journal's records; a torn last line (a write cut by SIGKILL) is ignored. ValueError
-    naming the file where it cannot be read: without it a run would tune again what is done,
-    and retry what gave up."""
+    naming the file where it cannot be read, or a line that reads as JSON but as no record
+    (edited by hand: the report and the next run would fail on it with a traceback): without it
+    a run would tune again what is done, and retry what gave up."""
     if not path.exists():
         return []
     try:
@@ -93,9 +93,20 @@ def read_journal(path: Path) -> list[dict[str, Any]]:
             "move it aside (its runs' times, failures and retries are then forgotten)"
         ) from None
     out = []
-    for line in text.splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
+    for no, line in enumerate(text.splitlines(), 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict) or not all(
+            isinstance(rec.get(f), str) for f in ("key", "status")
+        ):
+            raise ValueError(
+                f"the tune-all journal {path}: line {no} is no record of a problem (an object "
+                f"with a 'key' and a 'status'): {clipped(line, 80)!r}; mend it, or move the "
+                "journal aside (its runs' times, failures and retries are then forgotten)"
+            )
+        out.append(rec)
     return out
 
 
