@@ -448,6 +448,14 @@ def test_import_notes_winners_of_a_source_this_host_lacks(tmp_path):
         assert b.winner("cpu-test", key).source == "my_plugin"
 
 
+def test_show_refuses_two_formats_at_once(tmp_path):
+    """``show --json --full-keys`` printed JSON and dropped --full-keys without a word."""
+    Store(tmp_path / "c.db").close()
+    r = tuner("show", "--json", "--full-keys", cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2 and r.stdout == ""
+    assert "--json and --full-keys are two formats: give one" in r.stderr
+
+
 def test_show_points_at_other_device_classes_and_prints_whole_keys(tmp_path):
     key = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
     with Store(tmp_path / "c.db") as store:

@@ -401,6 +401,11 @@ def show(
 ) -> None:
     """List stored winners."""
     check_op(op)
+    if as_json and full_keys:  # one would be dropped without a word
+        raise ConfigError(
+            "--json and --full-keys are two formats: give one (--json holds the full keys and "
+            "candidate names too)"
+        )
     registry.check_names([source] if source else None)
     store = open_store(cache, existing=True)
     dc = None if all_devices else fingerprint().device_class
