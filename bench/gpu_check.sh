@@ -100,8 +100,8 @@ for stage in "$@"; do
       # kernel caches are shared), the slowest named (--durations): a, the nvcc-heavy candidate files
       # (GPU_TESTS_PART_A lists them); b, the Triton-heavy ones (GPU_TESTS_PART_B); c, the low-bit keys
       # tuned with every source (GPU_TESTS_PART_C); d, every folder but tests/candidates; e, the rest of
-      # tests/candidates. With the CUTLASS seed on a fresh machine, run a, b and d in one call, c and e
-      # in another: together they take longer than a call may
+      # tests/candidates. With the CUTLASS seed on a fresh machine, run a, b and d in one call, e in another,
+      # and c alone (on an H100 its nine keys take most of a call): together they take longer than a call may
       a=${GPU_TESTS_PART_A:-"tests/candidates/test_cutlass_w4a16.py tests/candidates/test_gemm_libraries.py tests/candidates/test_fp8_libs.py tests/candidates/test_cutlass_launcher.py tests/candidates/test_cuda_w4a16.py tests/candidates/test_cuda_fp8.py"}
       b=${GPU_TESTS_PART_B:-"tests/candidates/test_attention.py tests/candidates/test_dequant_gemm.py tests/candidates/test_fp8_decode.py tests/candidates/test_lowbit_kernels.py"}
       c=${GPU_TESTS_PART_C:-"tests/candidates/test_lowbit_sources.py"}
