@@ -34,7 +34,6 @@ def test_bucket_index_policies() -> None:
     assert index.neighbour(replace(probe, n=32), "next_tuned_above") is None  # other family
     assert index.neighbour(replace(probe, layout="nn"), "next_tuned_above") is None
     assert [next_pow2(m) for m in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
-    assert index.tuned_ms(probe) == [1, 8, 64]
 
 
 @pytest.mark.cpu_host

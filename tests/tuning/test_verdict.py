@@ -15,7 +15,6 @@ from tuner.tuning.options import TuneOptions
 from tuner.tuning.verdict import (
     Rounds,
     at_power_limit,
-    choose,
     contenders,
     duels,
     eager_win,
@@ -55,15 +54,15 @@ def m(source: str, median: float, p10: float, p90: float, baseline: bool = False
 
 def test_baseline_keeps_the_win_within_noise():
     base = m("torch", 100.0, 95.0, 105.0, baseline=True)  # +-5% spread
-    assert choose([base, m("x", 97.0, 96.0, 98.0)], TuneOptions()).source == "torch"
-    assert choose([base, m("x", 90.0, 89.0, 91.0)], TuneOptions()).source == "x"
-    assert choose([base, m("x", 101.0, 100.0, 102.0)], TuneOptions()).source == "torch"
+    assert contenders([base, m("x", 97.0, 96.0, 98.0)], TuneOptions()) == []
+    assert [c.source for c in contenders([base, m("x", 90.0, 89.0, 91.0)], TuneOptions())] == ["x"]
+    assert contenders([base, m("x", 101.0, 100.0, 102.0)], TuneOptions()) == []
 
 
 def test_challengers_rank_only_against_a_timed_baseline():
     failed = dataclasses.replace(m("torch", 100.0, 95.0, 105.0, baseline=True), status="failed")
     with pytest.raises(ValueError, match="no timed baseline"):
-        choose([failed, m("x", 90.0, 89.0, 91.0)], TuneOptions())
+        contenders([failed, m("x", 90.0, 89.0, 91.0)], TuneOptions())
 
 
 def test_contenders_are_the_challengers_beyond_noise_fastest_first():
@@ -100,7 +99,7 @@ def test_ties_are_the_challengers_within_noise_fastest_first():
     found = ties([base, near, nearer, beyond, hair, slower, slow_launch], TuneOptions())
     assert [c.source for c in found] == ["nearer", "near", "hair"]
     assert [c.source for c in contenders([base, near, nearer, beyond], TuneOptions())] == ["beyond"]
-    assert choose([base, near, nearer], TuneOptions()).source == "torch"
+    assert contenders([base, near, nearer], TuneOptions()) == []
 
 
 def test_duels_add_the_ties_only_where_a_graph_can_decide_them():
@@ -117,8 +116,10 @@ def test_eager_launch_cost_counts_against_a_challenger():
     base = m("torch", 10.0, 9.9, 10.1, baseline=True)
     fast_gpu_slow_launch = m("x", 5.0, 4.9, 5.1)
     fast_gpu_slow_launch.host_us = 30.0
-    assert choose([base, fast_gpu_slow_launch], TuneOptions(launch="eager")).source == "torch"
-    assert choose([base, fast_gpu_slow_launch], TuneOptions(launch="graph")).source == "x"
+    assert contenders([base, fast_gpu_slow_launch], TuneOptions(launch="eager")) == []
+    assert contenders([base, fast_gpu_slow_launch], TuneOptions(launch="graph")) == [
+        fast_gpu_slow_launch
+    ]
 
 
 def test_eager_winner_must_repay_extra_launch_cost():
@@ -128,19 +129,19 @@ def test_eager_winner_must_repay_extra_launch_cost():
     base.host_us = 11.0
     faster_gpu = m("x", 15.0, 14.9, 15.1)  # saves 5 us
     faster_gpu.host_us = 18.0  # 7 us more, 5.9 beyond the slack of max(1 us, 10%)
-    assert choose([base, faster_gpu], TuneOptions()).source == "torch"
+    assert contenders([base, faster_gpu], TuneOptions()) == []
     faster_gpu.host_us = 12.0  # within the slack
-    assert choose([base, faster_gpu], TuneOptions()).source == "x"
+    assert contenders([base, faster_gpu], TuneOptions()) == [faster_gpu]
     faster_gpu.host_us = 16.0  # 3.9 us beyond the slack, repaid by 5 us of GPU time
-    assert choose([base, faster_gpu], TuneOptions()).source == "x"
+    assert contenders([base, faster_gpu], TuneOptions()) == [faster_gpu]
     faster_gpu.host_us = 18.0
-    assert choose([base, faster_gpu], TuneOptions(host_slack=0.5)).source == "x"
-    assert choose([base, faster_gpu], TuneOptions(launch="graph")).source == "x"
+    assert contenders([base, faster_gpu], TuneOptions(host_slack=0.5)) == [faster_gpu]
+    assert contenders([base, faster_gpu], TuneOptions(launch="graph")) == [faster_gpu]
     big = m("torch", 1160.0, 1150.0, 1170.0, baseline=True)
     big.host_us = 14.5
     padded = m("x", 270.0, 268.0, 272.0)  # 4097^3: two launches and a pad buffer
     padded.host_us = 30.7
-    assert choose([big, padded], TuneOptions()).source == "x"
+    assert contenders([big, padded], TuneOptions()) == [padded]
 
 
 def test_only_a_disturbed_timing_or_cut_is_retaken_and_only_a_better_retake_replaces_it():

@@ -71,9 +71,6 @@ class BucketIndex:
                 continue
         return cls(k for k in parsed if isinstance(k, GemmKey))
 
-    def tuned_ms(self, key: GemmKey) -> list[int]:
-        return list(self._ms.get(family(key), ()))
-
     def neighbour(self, key: GemmKey, policy: str) -> GemmKey | None:
         """The tuned key that should serve ``key`` under ``policy``, or None.
 

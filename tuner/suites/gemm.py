@@ -78,7 +78,6 @@ INDUCTOR = {
     "fp32": ("8B qkv M=1024 tf32",),
 }
 DECODE_M = 16
-WARM_SAMPLE = catalog.GEMM_WARM_SAMPLE
 
 Problems = list[tuple[str, GemmKey]]
 

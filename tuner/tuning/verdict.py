@@ -383,12 +383,6 @@ def duels(measurements: list[Measurement], options: TuneOptions, device: str) ->
     return beyond + within if device == "cuda" and options.confirm_rounds > 0 else beyond
 
 
-def choose(measurements: list[Measurement], options: TuneOptions) -> Measurement:
-    """The fastest contender, else the baseline."""
-    found = contenders(measurements, options)
-    return found[0] if found else _required_baseline(measurements)
-
-
 def timed_baseline(measurements: Iterable[Measurement]) -> Measurement | None:
     """The baseline's timed measurement, once there is one."""
     return next((m for m in measurements if m.is_baseline and m.status == "ok"), None)
