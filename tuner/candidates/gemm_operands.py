@@ -101,7 +101,7 @@ def colmajor_call(key: GemmKey, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
 
 
 def packed_call(key: GemmKey) -> ColMajorCall:
-    """The call for packed operands of the key's layout (what problems.make_inputs creates)."""
+    """The call for packed operands of the key's layout (what samples.make_inputs creates)."""
     shapes = stored_shapes(key)
     sizes = tuple(rows * cols if key.batch > 1 else 0 for rows, cols in shapes)
     return _call(key, (shapes[0][0], shapes[1][0], shapes[2][0]), sizes)  # type: ignore[arg-type]

@@ -68,7 +68,7 @@ def output_for(key: GemmKey, a: torch.Tensor) -> torch.Tensor:
 
 
 def canonical_strides(rows: int, cols: int, layout: str, batch: int) -> tuple[int, int, int]:
-    """as_batched() of the dense operand problems.make_inputs builds for a key."""
+    """as_batched() of the dense operand samples.make_inputs builds for a key."""
     row, col = (cols, 1) if layout == "n" else (1, rows)
     return (rows * cols if batch > 1 else 0, row, col)
 

@@ -2,7 +2,7 @@
 
     tuner info | tune gemm|sdpa|key | show | export | import     (tuner.cli.tune)
     tuner tune-all | report | tunableop show|export              (tuner.cli.tune_all)
-    tuner serve | token ... | sync | push                         (tuner.cli.fleet)
+    tuner serve | token ... | sync | push | artifacts             (tuner.cli.fleet)
     tuner bench gemm|sdpa                                         (tuner.cli.bench)
     tuner warmup                                                  (tuner.cli.warmup)
 

@@ -153,8 +153,9 @@ def attach(
 
     Uses ``$TUNER_SERVER``/``$TUNER_TOKEN`` unless a client is given; the interval is
     ``$TUNER_SYNC_INTERVAL`` seconds (default 60, also used, and logged, for a value that is not
-    a number of seconds or is below 1). Returns None (and logs) if no service is configured or
-    the configuration is unusable: the dispatcher then works from its cache alone.
+    a number of seconds, or is below 1 or above a week). Returns None (and logs) if no service
+    is configured or the configuration is unusable: the dispatcher then works from its cache
+    alone.
     """
     from tuner.core.device import fingerprint as default_fingerprint
 

@@ -6,8 +6,8 @@ and thermal drift hit both. A winner that *is* the baseline has ratio 1.0 by con
 user gets exactly that kernel. Results go to JSON (with device, versions and the measured
 device-to-device copy bandwidth) and a PNG of speedup per problem.
 
-Used by ``tuner bench gemm`` and ``tuner bench sdpa``; their commands live in their own
-modules and are registered on ``tuner.cli.main.bench_app``.
+Used by ``tuner bench gemm`` and ``tuner bench sdpa``; their commands live in ``tuner.cli.bench``,
+whose app ``tuner.cli.main`` registers as ``bench``.
 """
 
 from __future__ import annotations
