@@ -131,7 +131,7 @@ def fits(key: GemmKey, bm: int, bn: int, bk: int) -> bool:
 
 def precisions(key: GemmKey) -> list[str | None]:
     """The precision params to try: None means the default of the key. For f32 without TF32,
-    Triton's exact-fp32 tl.dot runs on the CUDA cores (slower than cuBLAS's SGEMM, and 10+ s to
+    Triton's exact-fp32 tl.dot runs on the CUDA cores (slower than cuBLAS's SGEMM, and slow to
     compile per config), so only the three-pass TF32 product is offered: fp32-level accuracy
     (the engine's f32 tolerance, 1e-4, checks it) at tensor-core speed."""
     if key.dtype == "f32" and key.compute == "f32":
