@@ -52,7 +52,19 @@ Uid = Annotated[str, Field(pattern=UID_RE)]  # a host's Measurement.uid
 Versions = Annotated[
     str, Field(max_length=2000, examples=["torch=2.13.0;triton=3.9.0;tuner=0.1.0"])
 ]
-Micros = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
+MIN_US = 1e-6  # a picosecond: no kernel is timed faster, and a ratio of two times stays finite
+
+
+def _timed(us: float) -> float:
+    """0 (not timed) or at least ``MIN_US``: a time of 5e-324 divides the baseline's into an
+    infinite speedup, which JSON cannot carry, and every read of the served winner (the feed
+    page of every host of the class) would fail on it."""
+    if 0 < us < MIN_US:
+        raise ValueError(f"a time must be 0 or at least {MIN_US} us, got {us!r}")
+    return us
+
+
+Micros = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False), AfterValidator(_timed)]
 Seconds = Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]
 Text = Annotated[str, Field(max_length=4000)]
 Name = Annotated[str, Field(min_length=1, max_length=200)]

@@ -193,6 +193,23 @@ def test_malformed_json_and_nan(env: Env) -> None:
     expect(r, 422, "median_us", "finite")
 
 
+def test_a_time_too_small_to_divide_by_is_refused_and_the_feed_stays_readable(env: Env) -> None:
+    """A challenger timed at 5e-324 us made its speedup over the baseline infinite; an admin's
+    result is served at once, and every read of the class's winners (each host's sync) then
+    failed with a 500. Refused where it enters, naming the field; the feed still answers."""
+    key = "gemm:m=8,n=8,k=24,dtype=f32,out_dtype=f32"
+    base = measurement(key=key)
+    tiny = measurement(key=key, source="triton_gemm", params={"bm": 16}, is_baseline=False,
+                       median_us=5e-324, p10_us=5e-324, p90_us=5e-324)  # fmt: skip
+    r = call(env, "POST", SUBMIT, "admin", json=submit_body([base, tiny]))
+    expect(r, 422, "measurements.1.median_us", "at least 1e-06 us, got 5e-324")
+    assert call(env, "POST", SUBMIT, "admin", json=submit_body([base])).status_code == 200
+    feed = call(env, "GET", f"/v1/winners/{DC}/feed", "reader")
+    assert feed.status_code == 200, feed.text
+    served = call(env, "GET", f"/v1/winners/{DC}", "reader", params={"key": key})
+    assert served.status_code == 200 and served.json()["candidate"] == "torch", served.text
+
+
 def test_a_body_sent_without_a_json_content_type_is_named_so(env: Env) -> None:
     """curl -d sends a JSON body as a form (application/x-www-form-urlencoded) unless told:
     the answer names the header, not the body's shape."""
