@@ -193,6 +193,20 @@ def test_malformed_json_and_nan(env: Env) -> None:
     expect(r, 422, "median_us", "finite")
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
+def test_a_nan_in_params_is_refused_and_the_winner_stays_readable(env: Env, number: str) -> None:
+    """Python's parser takes NaN and Infinity; stored, they were served as params no JSON
+    reader takes, and each read of the winner failed with a 500."""
+    key = "gemm:m=8,n=8,k=40,dtype=f32,out_dtype=f32"
+    raw = json.dumps(submit_body([measurement(key=key, params={"bm": 0})]))
+    r = call(env, "POST", SUBMIT, content=raw.replace('"bm": 0', f'"bm": {number}').encode(),
+             headers={"Content-Type": "application/json"})  # fmt: skip
+    expect(r, 422, "measurements.0.params", "NaN and Infinity are no numbers in JSON")
+    assert call(env, "POST", SUBMIT, json=submit_body([measurement(key=key)])).status_code == 200
+    served = call(env, "GET", f"/v1/winners/{DC}", "reader", params={"key": key})
+    assert served.status_code == 200 and served.json()["params"] == {}, served.text
+
+
 def test_a_time_too_small_to_divide_by_is_refused_and_the_feed_stays_readable(env: Env) -> None:
     """A challenger timed at 5e-324 us made its speedup over the baseline infinite; an admin's
     result is served at once, and every read of the class's winners (each host's sync) then
