@@ -39,6 +39,10 @@ class FleetDB:
         # a page damaged inside it) fails at startup, not on the requests that meet it
         with FleetStore(self.path) as first:
             first.verify()
+            # and write once: a file that cannot be written (its mode, a read-only mount) would
+            # say ready, then answer every write of every host with a 500
+            with first.transaction() as c:
+                c.execute("update srv_service set id = id")
         self._identity = _identity(self.path)
         self._told = False  # the log says it once
 

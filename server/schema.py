@@ -323,5 +323,6 @@ FLEET = register(
         application_id=FLEET_APPLICATION_ID,
         migrations=(_v1, _v2, _v3, _v4, _v5, _v6),
         legacy_version=_legacy_version,
+        elsewhere="name another fleet database (--db / $TUNER_SERVER_DB)",
     )
 )

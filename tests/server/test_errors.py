@@ -361,6 +361,26 @@ def test_a_database_with_a_damaged_page_is_refused_at_startup(tmp_path) -> None:
     assert not (tmp_path / "fleet.db.artifacts").exists()  # nor a folder made beside it
 
 
+def test_a_database_that_cannot_be_written_is_refused_at_startup(tmp_path) -> None:
+    """A read-only file (its mode, a read-only mount) opened, said ready and answered every
+    write with a 500 and a traceback in the log: refused before the service listens, naming
+    the service's own option, with no artifacts folder left beside it; a token cannot be made
+    in it either, said the same way."""
+    from server import Settings, create_app
+    from tests.cache.read_only import read_only
+    from tuner.cache import ReadOnlyError
+
+    db = tmp_path / "fleet.db"
+    FleetStore(db).close()
+    with read_only(db) as before:
+        with pytest.raises(ReadOnlyError, match=r"or name another fleet database \(--db / "):
+            create_app(Settings(db=db))
+        with FleetStore(db) as store, pytest.raises(ReadOnlyError, match=r"\$TUNER_SERVER_DB"):
+            tokens.create(store, "host", ["read"])
+        assert db.read_bytes() == before
+    assert not (tmp_path / "fleet.db.artifacts").exists()
+
+
 def test_a_file_of_another_kind_is_refused_and_nothing_made_beside_it(tmp_path) -> None:
     """A cache or a text file named as the service's database: refused by name, with no
     artifacts folder left beside it; an existing folder stays."""

@@ -87,6 +87,8 @@ class Schema:
     migrations: Sequence[Migration]
     legacy_version: Callable[[sqlite_utils.Database, Path], int]
     readable_from: int | None = None
+    # the advice of a message about a file that cannot be written: where to name another
+    elsewhere: str = "name another cache (--cache / $TUNER_CACHE)"
 
     @property
     def version(self) -> int:
@@ -276,12 +278,12 @@ class SqliteFile:
                     f"{'is' if len(side) == 1 else 'are'} read-only (left by a reader while the "
                     f"cache was read-only, or another user's); make {them} writable (a -shm "
                     "file may also be removed while no process has the cache open; never the "
-                    "-wal file: it may hold stored results), or name another cache "
-                    "(--cache / $TUNER_CACHE)"
+                    "-wal file: it may hold stored results), or "
+                    f"{self.schema.elsewhere}"
                 )
         return ReadOnlyError(
             f"{self.path} is read-only: nothing can be stored in it; make {what} writable, "
-            "or name another cache (--cache / $TUNER_CACHE)"
+            f"or {self.schema.elsewhere}"
         )
 
     def write_failed(self, e: sqlite3.DatabaseError) -> WriteFailedError:
@@ -292,7 +294,7 @@ class SqliteFile:
             what = f"check the file system of {folder} (its space, the file-size limit, the device)"
         return WriteFailedError(
             f"{self.path} could not be written ({e}): the write was rolled back, what was stored "
-            f"before stands; {what}, or name another cache (--cache / $TUNER_CACHE)"
+            f"before stands; {what}, or {self.schema.elsewhere}"
         )
 
     @contextlib.contextmanager
