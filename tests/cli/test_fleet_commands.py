@@ -332,3 +332,28 @@ def test_serve_names_an_artifacts_folder_it_cannot_make(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert done.stderr == f"error: artifacts folder {folder}: cannot make it: Not a directory\n"
     assert not (tmp_path / "a.db").exists()  # nothing made for a service that cannot start
+
+
+def test_artifacts_check_against_another_web_server_says_it_is_no_tuner_service(
+    tmp_path: Path,
+) -> None:
+    """As sync and push say it: the command named only the page's status and type
+    (``HTTP 404 (text/html)``)."""
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{other.server_address[1]}"
+    try:
+        done = cli("artifacts", "--check", "--server", url, "--token", "tnr_0123456789ab_x",
+                   cache=tmp_path / "c.db")  # fmt: skip
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert done.exit_code == 1, done.output
+    assert f"error: fleet service {url}: no tuner service at this URL" in done.stderr

@@ -413,9 +413,16 @@ class FleetClient:
         )  # fmt: skip
 
     def artifact_conflicts(self, limit: int = 10000) -> list[dict[str, Any]]:
-        return self.request(
-            "GET", "/v1/artifacts/conflicts", params={"limit": limit}, answer=answers.Conflicts
-        )
+        """Specs the service holds several builds of; a 404 from a server that is no tuner
+        service (another web server, a wrong base path) is named so, not as its page's type."""
+        try:
+            return self.request(
+                "GET", "/v1/artifacts/conflicts", params={"limit": limit}, answer=answers.Conflicts
+            )
+        except FleetError as e:
+            if e.status == 404 and not self._is_service:
+                self.service_health()
+            raise
 
     def download_artifact(self, digest: str, max_bytes: int) -> bytes:
         """A blob's bytes as sent, streamed and cut off past ``max_bytes`` (FleetError). Not
