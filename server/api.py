@@ -157,8 +157,21 @@ async def get_winner(request: Request) -> JSONResponse:
             found = results.winner(store, device_class, canonical, versions)
     if found is None:
         _known(store, device_class)
-        raise HTTPException(404, f"no winner for {key!r} on {device_class!r}")
+        raise HTTPException(404, f"no winner for {key!r} on {device_class!r}"
+                            + _other_versions(store, device_class, canonical, versions))  # fmt: skip
     return JSONResponse(found)
+
+
+def _other_versions(store: FleetStore, device_class: str, key: str, versions: str | None) -> str:
+    """The versions a key is served under where a read named others: a '+' sent unencoded in
+    the query (``2.13.0+cpu``) arrives as a space, and only the versions side by side show it."""
+    if versions is None:
+        return ""
+    served = sorted(w["versions"] for w in store.winners_of(device_class, key, None))
+    more = f" and {len(served) - 3} more" if len(served) > 3 else ""
+    return f" under versions {versions!r}" + (
+        f"; served under {served[:3]}{more}" if served else ""
+    )
 
 
 @router.post("/winners/{device_class}/lookup", response_model=LookupOut)

@@ -471,3 +471,13 @@ def test_a_write_the_services_disk_refuses_is_a_503_to_send_again(tmp_path, capl
         assert "could not be written" in caplog.text
         stored = httpx.post(srv.url + "/v1/measurements", json=body, headers=submitter)
         assert stored.status_code == 200, stored.text
+
+
+def test_a_winner_asked_for_under_other_versions_names_those_it_is_served_under(
+    env: Env,
+) -> None:
+    """curl sends the '+' of ``2.13.0+cpu`` unencoded, and the service reads a space: the 404
+    said only that there was no winner, as if the key had none."""
+    sent = FP.version_tag.replace("+", " ") + ";sent-with-a-space"
+    r = call(env, "GET", f"/v1/winners/{DC}", "reader", params={"key": KEY, "versions": sent})
+    expect(r, 404, f"under versions {sent!r}; served under [{FP.version_tag!r}]")
