@@ -246,6 +246,28 @@ def test_token_list_and_revoke_need_the_database_to_exist(tmp_path: Path) -> Non
     assert again.returncode == 0 and "created the fleet database" not in again.stderr
 
 
+def test_an_empty_file_as_the_database_is_no_database(tmp_path: Path) -> None:
+    """An empty file (touch, a copy that failed) read as a fleet database: token list and
+    revoke made a 150 KB database of it and listed 0 tokens, and token create and serve said
+    the database was there already. Refused by the reads and left empty; said made by the
+    commands that make one."""
+    empty = tmp_path / "fleet.db"
+    empty.touch()
+    for args in (["token", "list"], ["token", "revoke", "abc"]):
+        done = tuner_process(*args, "--db", str(empty))
+        assert done.returncode == 2, done.stderr
+        assert f"--db {empty}: an empty file, not a fleet database" in done.stderr
+    assert empty.read_bytes() == b""
+    made = cli("token", "create", "--db", str(empty), "--name", "h", "--scope", "read")
+    assert made.exit_code == 0 and f"created the fleet database {empty}" in made.stderr
+    other = tmp_path / "other.db"
+    other.touch()
+    log = tmp_path / "serve.log"
+    with SubprocessServer(other, log=log):
+        pass
+    assert f"database {other} (created now, empty); 0 valid tokens" in log.read_text()
+
+
 def test_push_needs_the_cache_to_exist(served: SubprocessServer, tmp_path: Path) -> None:
     """A push from a mistyped cache path would report "pushed 0" and make an empty cache."""
     missing = tmp_path / "typo" / "c.db"

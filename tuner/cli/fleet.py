@@ -115,7 +115,7 @@ def serve(
         db=db, open_reads=open_reads, confirm_margin=confirm_margin,
         max_artifact_bytes=max_artifact_bytes, artifacts_dir=artifacts_dir,
     )  # fmt: skip
-    new = not db.exists()
+    new = _unmade(db)
     uvicorn_app = create_app(settings)
     _startup_lines(settings, new, uvicorn_app.state.db.store().tokens())
     uvicorn.run(uvicorn_app, host=host, port=port, access_log=access_log, log_level=log_level,
@@ -173,7 +173,7 @@ def token_create(
     from server import tokens
     from server.store import FleetStore
 
-    new = not db.exists()
+    new = _unmade(db)
     with FleetStore(db) as store:
         token, secret = tokens.create(store, name, scope)
     if new:  # a typo of --db would make a database no service reads: said
@@ -220,11 +220,17 @@ def token_revoke(
 
 
 def _existing(db: Path) -> Path:
-    """``db``, or a ValueError if there is no file there (a read must not make one)."""
-    if not db.is_file():
-        raise ValueError(f"--db {db}: no fleet database there ('tuner serve' or 'tuner token "
-                         "create' makes one)")  # fmt: skip
+    """``db``, or a ValueError if there is no database there (a read must not make one): no
+    file, or an empty one, which SQLite would make a new database of."""
+    if _unmade(db):
+        what = "an empty file, not a fleet database" if db.is_file() else "no fleet database there"
+        raise ValueError(f"--db {db}: {what} ('tuner serve' or 'tuner token create' makes one)")
     return db
+
+
+def _unmade(db: Path) -> bool:
+    """No database at ``db`` yet: no file, or an empty one (``touch``, a copy that failed)."""
+    return not db.exists() or (db.is_file() and db.stat().st_size == 0)
 
 
 def _when(t: float | None) -> str:
