@@ -200,6 +200,13 @@ def test_tune_all_queue_with_the_service_down_names_it(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_tune_all_queue_help_names_the_service_it_claims_from() -> None:
+    """tune-all has no --server or --token: its --queue help said only "the fleet's queue"."""
+    shown = cli("tune-all", "--help", COLUMNS="2000")
+    (line,) = [line for line in shown.stdout.splitlines() if "--queue" in line]
+    assert "$TUNER_SERVER" in line and "$TUNER_TOKEN of scope submit" in line, line
+
+
 def test_serve_takes_its_artifact_limit_and_folder_from_flags(tmp_path: Path) -> None:
     from tuner.cache.artifacts import ArtifactSpec
     from tuner.fleet.client import FleetError

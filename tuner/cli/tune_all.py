@@ -117,7 +117,13 @@ def tune_all_command(
     tunableop_file: TunableOpOpt = None,
     misses: MissesOpt = False,
     queue: Annotated[
-        int, typer.Option("--queue", min=0, help="Claim this many keys from the fleet's queue.")
+        int,
+        typer.Option(
+            "--queue",
+            min=0,
+            help="Claim this many keys from the fleet's queue (the service of $TUNER_SERVER, "
+            "with a $TUNER_TOKEN of scope submit).",
+        ),
     ] = 0,
     op: OpOpt = None,
     cache: CacheOpt = None,
