@@ -115,8 +115,14 @@ _OPEN_LOCK = ForkSafeLock()
 _VERIFIED: set[str] = set()  # files this process has quick-checked (``SqliteFile.verify``)
 
 
+def unmade(path: Path) -> bool:
+    """No database at ``path`` yet: no file, or an empty one (``touch``, a failed copy), which
+    SQLite would make a new database of."""
+    return not path.exists() or (path.is_file() and path.stat().st_size == 0)
+
+
 def _check_header(path: Path) -> None:
-    if not path.exists() or path.stat().st_size == 0:
+    if unmade(path):
         return
     with path.open("rb") as f:
         head = f.read(len(SQLITE_MAGIC))

@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from tuner.cache.artifacts import ArtifactStore, default_root
+from tuner.cache.sqlite import unmade
 from tuner.cli.errors import FAILED, fleet_service
 from tuner.cli.options import CacheOpt, cache_path, open_store
 from tuner.core.console import counted, output_console
@@ -115,7 +116,7 @@ def serve(
         db=db, open_reads=open_reads, confirm_margin=confirm_margin,
         max_artifact_bytes=max_artifact_bytes, artifacts_dir=artifacts_dir,
     )  # fmt: skip
-    new = _unmade(db)
+    new = unmade(db)
     uvicorn_app = create_app(settings)
     _startup_lines(settings, new, uvicorn_app.state.db.store().tokens())
     uvicorn.run(uvicorn_app, host=host, port=port, access_log=access_log, log_level=log_level,
@@ -173,7 +174,7 @@ def token_create(
     from server import tokens
     from server.store import FleetStore
 
-    new = _unmade(db)
+    new = unmade(db)
     with FleetStore(db) as store:
         token, secret = tokens.create(store, name, scope)
     if new:  # a typo of --db would make a database no service reads: said
@@ -222,15 +223,10 @@ def token_revoke(
 def _existing(db: Path) -> Path:
     """``db``, or a ValueError if there is no database there (a read must not make one): no
     file, or an empty one, which SQLite would make a new database of."""
-    if _unmade(db):
+    if unmade(db):
         what = "an empty file, not a fleet database" if db.is_file() else "no fleet database there"
         raise ValueError(f"--db {db}: {what} ('tuner serve' or 'tuner token create' makes one)")
     return db
-
-
-def _unmade(db: Path) -> bool:
-    """No database at ``db`` yet: no file, or an empty one (``touch``, a copy that failed)."""
-    return not db.exists() or (db.is_file() and db.stat().st_size == 0)
 
 
 def _when(t: float | None) -> str:

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 import typer
 
 from tuner.cache import Store, StoreError, cache_file, default_path
+from tuner.cache.sqlite import unmade
 from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.core.console import output_console
@@ -194,7 +195,7 @@ def open_store(cache: Path | None, *, existing: bool = False) -> Store:
     path = cache_path(cache)
     if existing and not path.exists():
         raise ConfigError(f"{path}: no such cache: tune first, or give --cache / $TUNER_CACHE")
-    if existing and path.is_file() and path.stat().st_size == 0:
+    if existing and unmade(path):
         raise ConfigError(
             f"{path}: an empty file, not a cache: tune first, or give another --cache"
         )
