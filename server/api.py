@@ -61,7 +61,6 @@ ERRORS: dict[int | str, dict] = {
 }
 log = logging.getLogger("tuner.server")
 router = APIRouter(prefix="/v1", responses=ERRORS)
-FEED_SEQ = results.FEED_COLUMNS.index("seq")
 
 DeviceClassPath = Annotated[str, Path(pattern=DEVICE_CLASS_RE, description="e.g. cpu-x86-64-2c")]
 VersionsQuery = Annotated[
@@ -193,8 +192,7 @@ def feed(
     """Served winners changed after sequence number `since`, oldest first (incremental sync)."""
     store = _store(request)
     _known(store, device_class)
-    rows, more = results.feed(store, device_class, versions, since, limit)
-    cursor = rows[-1][FEED_SEQ] if rows else since
+    rows, more, cursor = results.feed(store, device_class, versions, since, limit)
     body = {"device_class": device_class, "versions": versions, "since": since,
             "cursor": cursor, "more": more, "last": store.winner_seq(),
             "columns": results.FEED_COLUMNS, "rows": rows}  # fmt: skip

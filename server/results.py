@@ -183,13 +183,21 @@ def winner(store: FleetStore, device_class: str, key: str, versions: str | None)
 
 
 FEED_COLUMNS = list(WINNER_COLUMNS)
+_SEQ = FEED_COLUMNS.index("seq")
 
 
 def feed(
     store: FleetStore, device_class: str, versions: str | None, since: int, limit: int
-) -> tuple[list[tuple], bool]:
+) -> tuple[list[tuple], bool, int]:
     """Winners changed after sequence ``since``, oldest first, as rows of ``FEED_COLUMNS``
-    (params as their JSON text); and whether more follow. Rows, not objects: large pages are
-    encoded, sent and decoded without repeating every field name."""
+    (params as their JSON text); whether more follow; and the cursor to ask from next. Rows,
+    not objects: large pages are encoded, sent and decoded without repeating every field name.
+
+    Rows JSON cannot carry are left out (``server.servable``). The cursor is the last row sent,
+    where a host's pull keeps its position beside that row's mark; a page of rows all left out
+    moves it past them, else a host would ask for them again forever."""
     rows = store.feed(device_class, versions, since, limit + 1)
-    return rows[:limit], len(rows) > limit
+    page = rows[:limit]
+    kept = store.servable(page)
+    cursor = (kept or page)[-1][_SEQ] if page else since
+    return kept, len(rows) > limit, cursor

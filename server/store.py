@@ -19,6 +19,7 @@ from typing import Any
 
 from server import shutdown
 from server.schema import FLEET
+from server.servable import Servable
 from tuner.cache.store import DeviceFile
 from tuner.core.keys import key_op
 
@@ -33,6 +34,7 @@ WINNER_COLUMNS = (
     "device_class", "versions", "key", "op", "candidate", "source", "params", "median_us",
     "baseline_us", "speedup", "run_id", "submitters", "seq", "updated_at", "launch",
 )  # fmt: skip
+SERVABLE = Servable(WINNER_COLUMNS)
 _WINNER_SELECT = f"select {', '.join(WINNER_COLUMNS)} from srv_winners"
 _GROUP = "device_class = ? and versions = ? and key = ?"
 _OK = f"{_GROUP} and status = 'ok' and median_us > 0"
@@ -274,10 +276,13 @@ class FleetStore(DeviceFile):
     def served_count(self) -> int:
         return self.db.conn.execute("select count(*) from srv_winners").fetchone()[0]
 
+    def servable(self, rows: list[tuple]) -> list[tuple]:
+        """Rows of ``WINNER_COLUMNS`` less those JSON cannot carry (``server.servable``)."""
+        return SERVABLE.keep(rows, self.path)
+
     def _winner_dicts(self, sql: str, args: list[Any]) -> list[dict]:
-        cur = self.db.conn.execute(sql, args)
-        cols = [d[0] for d in cur.description]
-        return [_winner(dict(zip(cols, r, strict=True))) for r in cur]
+        rows = self.servable(self.db.conn.execute(sql, args).fetchall())
+        return [_winner(dict(zip(WINNER_COLUMNS, r, strict=True))) for r in rows]
 
     # --- pending changes ------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from server import tokens
 from server.live import ThreadServer
 from server.store import FleetStore
 from tuner.core.device import fingerprint
+from tuner.core.keys import parse_key
 from tuner.fleet.client import wire
 from tuner.measure.records import Measurement
 
@@ -222,6 +224,53 @@ def test_a_time_too_small_to_divide_by_is_refused_and_the_feed_stays_readable(en
     assert feed.status_code == 200, feed.text
     served = call(env, "GET", f"/v1/winners/{DC}", "reader", params={"key": key})
     assert served.status_code == 200 and served.json()["candidate"] == "torch", served.text
+
+
+def test_winners_an_older_release_stored_unservable_are_left_out_and_the_rest_served(
+    tmp_path, caplog
+) -> None:
+    """A database written before such results were refused holds an infinite speedup, a NaN
+    time (SQLite keeps it as NULL) and a NaN in params: each of those winners' reads and every
+    feed page holding one was a 500, so no host of the class could sync. Left out, each named
+    in the log once; the good winner is served, and a host pulls it a row a page."""
+    import sqlite3
+
+    from tuner.cache import Store
+    from tuner.fleet.sync import pull
+
+    db = tmp_path / "fleet.db"
+    keys = [f"gemm:m=8,n=8,k={k},dtype=f32,out_dtype=f32" for k in (8, 16, 24, 32)]
+    good = str(parse_key(keys[0]))
+    with ThreadServer(db) as srv:
+        admin = auth(srv.token("admin", "admin"))
+        for key in keys:
+            r = httpx.post(srv.url + SUBMIT, json=submit_body([measurement(key=key)]),
+                           headers=admin)  # fmt: skip
+            assert r.status_code == 200, r.text
+        with contextlib.closing(sqlite3.connect(db)) as c, c:
+            for column, value, k in (("speedup", "9e999", 16), ("median_us", "null", 24),
+                                     ("params", """'{"bm": NaN}'""", 32)):  # fmt: skip
+                c.execute(f"update srv_winners set {column} = {value} where key like ?",
+                          (f"%,k={k},%",))  # fmt: skip
+        for _ in range(2):
+            feed = httpx.get(f"{srv.url}/v1/winners/{DC}/feed", headers=admin)
+            assert feed.status_code == 200, feed.text
+            assert [row[2] for row in feed.json()["rows"]] == [good]
+            assert feed.json()["cursor"] == 1
+            for key in keys:
+                r = httpx.get(f"{srv.url}/v1/winners/{DC}", params={"key": key}, headers=admin)
+                assert r.status_code == (200 if key == keys[0] else 404), r.text
+        with Store(tmp_path / "host.db") as host:
+            client = srv.client("host", "read")
+            first, again = (pull(client, host, FP, page=1) for _ in range(2))
+            assert [w.key for w in host.winners(DC)] == [good]
+        assert (first.winners, first.pages, first.cursor) == (1, 4, 4)
+        assert again.winners == 0  # resumed after the good row, not started over
+    told = [r.getMessage() for r in caplog.records if "left out of every answer" in r.message]
+    assert len(told) == 3, told
+    for k, why in ((16, "speedup is inf"), (24, "median_us is None"),
+                   (32, 'params {"bm": NaN} hold NaN')):  # fmt: skip
+        assert any(f",k={k}," in t and why in t for t in told), (k, told)
 
 
 def test_a_body_sent_without_a_json_content_type_is_named_so(env: Env) -> None:
