@@ -32,7 +32,7 @@ from server.metrics import Metrics, MetricsMiddleware
 from server.results import Policy
 from server.schema import FLEET
 from server.shutdown import StopMiddleware, Stops
-from tuner.cache import StoreError, WriteFailedError
+from tuner.cache import ReadOnlyError, StoreError, WriteFailedError
 from tuner.version import __version__
 
 log = logging.getLogger("tuner.server")
@@ -158,13 +158,19 @@ def create_app(settings: Settings) -> FastAPI:
         refusal(request, 422, _summary(errors))
         return JSONResponse({"detail": jsonable_encoder(errors), "message": _summary(errors)}, 422)
 
-    @app.exception_handler(WriteFailedError)
-    async def write_failed(request: Request, exc: WriteFailedError) -> JSONResponse:
-        """The disk refused a write, which was rolled back whole: the request may be sent again
-        (503), once the operator made room."""
+    @app.exception_handler(ReadOnlyError)
+    async def write_refused(request: Request, exc: ReadOnlyError) -> JSONResponse:
+        """The database refused a write, which was rolled back whole: the request may be sent
+        again (503) once the operator made room (a full disk) or made the file writable again
+        (a read-only remount, which a pool thread's new connection meets as a read-only file)."""
         log.error("%s %s: %s", request.method, request.url.path, exc)
-        return JSONResponse({"detail": "the service cannot store it now (its disk refused the "
-                                       "write; nothing was stored): send it again later"}, 503)  # fmt: skip
+        why = (
+            "its disk refused the write"
+            if isinstance(exc, WriteFailedError)
+            else "its database is read-only"
+        )
+        return JSONResponse({"detail": f"the service cannot store it now ({why}; nothing was "
+                                       "stored): send it again later"}, 503)  # fmt: skip
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

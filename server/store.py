@@ -20,6 +20,7 @@ from typing import Any
 from server import shutdown
 from server.schema import FLEET
 from server.servable import Servable
+from tuner.cache import ReadOnlyError
 from tuner.cache.store import DeviceFile
 from tuner.core.keys import key_op
 
@@ -47,16 +48,29 @@ def _winner(row: dict[str, Any]) -> dict[str, Any]:
 
 class FleetStore(DeviceFile):
     schema = FLEET
+    _refused = False  # a write was refused as read-only (``transaction``)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """The base's transaction, reported to this request's ledger: once a stop has cut the
         request, it begins none and rolls back the one it is in (``server.shutdown``), so a cut
-        request's answer can say what was stored."""
+        request's answer can say what was stored.
+
+        After a write refused as read-only, the next one opens a new connection first: SQLite
+        opens one read-only where the file was so (a pool thread's first request during a
+        read-only remount), and it would refuse every write of the thread, also once the file
+        is writable again."""
+        if self._refused:
+            self._refused = False
+            self.reconnect()
         book = shutdown.ledger()
-        with book.transaction(), super().transaction() as c:
-            yield c
-            book.raise_if_cut()
+        try:
+            with book.transaction(), super().transaction() as c:
+                yield c
+                book.raise_if_cut()
+        except ReadOnlyError:
+            self._refused = True
+            raise
 
     def service_id(self) -> str:
         """The id made with this file: hosts key their sync positions by it."""

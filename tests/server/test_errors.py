@@ -522,6 +522,35 @@ def test_a_write_the_services_disk_refuses_is_a_503_to_send_again(tmp_path, capl
         assert stored.status_code == 200, stored.text
 
 
+def test_a_database_made_read_only_while_serving_is_a_503_logged_once(tmp_path, caplog) -> None:
+    """A remount made read-only under the service: a pool thread's new connection opens the
+    file read-only and its write raises ``ReadOnlyError``, which was a 500, logged by the
+    service and again by uvicorn. A 503 naming why, one line in the log; once the file is
+    writable again, the same push is stored."""
+    import logging
+
+    from tests.cache.read_only import read_only
+
+    db = tmp_path / "fleet.db"
+    with ThreadServer(db) as srv:
+        uvicorn_log = logging.getLogger("uvicorn.error")  # set up by the server; not propagated
+        uvicorn_log.addHandler(caplog.handler)
+        try:
+            submitter = auth(srv.token("submitter", "submit"))
+            body = submit_body([measurement()])
+            with read_only(db):
+                refused = httpx.post(srv.url + SUBMIT, json=body, headers=submitter)
+            stored = httpx.post(srv.url + SUBMIT, json=body, headers=submitter)
+        finally:
+            uvicorn_log.removeHandler(caplog.handler)
+    assert refused.status_code == 503, refused.text
+    assert "its database is read-only" in refused.json()["detail"]
+    assert "send it again later" in refused.json()["detail"]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "fleet.db is read-only" in errors[0], errors
+    assert stored.status_code == 200, stored.text
+
+
 def test_a_winner_asked_for_under_other_versions_names_those_it_is_served_under(
     env: Env,
 ) -> None:

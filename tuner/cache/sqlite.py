@@ -343,18 +343,25 @@ class SqliteFile:
         """End the open transaction, if SQLite left one, keeping nothing of it. A ROLLBACK that
         SQLite aborts too (interrupted, out of memory) would leave the connection inside its
         transaction, holding the write lock every other writer waits on, and refusing its own
-        next write as nested: the connection to a file is then closed, which ends the
-        transaction, and opened again (an in-memory database would be lost with it: it is left
-        as it is). Either way the first error is the one told, a failed reopen's too."""
+        next write as nested: the connection is then opened again, which ends the transaction.
+        Either way the first error is the one told."""
         conn = self.db.conn
         if not conn.in_transaction:
             return
         with contextlib.suppress(sqlite3.DatabaseError):
             conn.execute("ROLLBACK")
-        if conn.in_transaction and self._file is not None:
-            conn.close()
-            with contextlib.suppress(StoreError):
-                self.db = sqlite_utils.Database(self._connect())
+        if conn.in_transaction:
+            self.reconnect()
+
+    def reconnect(self) -> None:
+        """Close the connection to a file and open a new one (an in-memory database would be
+        lost with it: it is left as it is). A failed open is not told here: the caller's error
+        is the one to tell, and the next use of the closed connection tells its own."""
+        if self._file is None:
+            return
+        self.db.conn.close()
+        with contextlib.suppress(StoreError):
+            self.db = sqlite_utils.Database(self._connect())
 
     def _write_error(self, e: sqlite3.DatabaseError) -> sqlite3.DatabaseError | StoreError:
         """What a write's ``e`` tells its caller: a damaged file, one that cannot be written
