@@ -294,6 +294,28 @@ def test_a_fleet_database_given_as_a_cache_is_named(tmp_path: Path) -> None:
     assert "is a tuner fleet database, not a tuner cache" in done.stderr
 
 
+def test_a_first_sync_that_fails_leaves_no_cache_behind(
+    served: SubprocessServer, tmp_path: Path
+) -> None:
+    """A bad token, or no service reached: the first sync had made the cache (and its folder)
+    and left it empty, which a later command took for a cache that was synced. Unmade again; an
+    empty file given stays empty, and a cache that was there stays."""
+    made = tmp_path / "new" / "c.db"
+    done = cli("sync", "--server", served.url, "--token", "tnr_0123456789ab_wrong", cache=made)
+    assert done.exit_code == 1 and "invalid token '0123456789ab'" in done.stderr, done.output
+    assert not made.parent.exists()
+    empty, kept = tmp_path / "empty.db", tmp_path / "kept.db"
+    empty.touch()
+    Store(kept).close()
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    for cache in (made, empty, kept):
+        done = cli("sync", "--server", nowhere, "--timeout", "0.3", cache=cache)
+        assert done.exit_code == 1 and "unreachable" in done.stderr, done.output
+    assert not made.parent.exists()
+    assert empty.read_bytes() == b""
+    assert kept.read_bytes().startswith(b"SQLite format 3")
+
+
 def test_sync_against_a_hung_service_gives_up_after_its_timeout(tmp_path: Path) -> None:
     import socket
     import time

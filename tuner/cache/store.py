@@ -260,6 +260,10 @@ class Store(DeviceFile):
 
     # --- reads ---------------------------------------------------------------------------------
 
+    def holds_nothing(self) -> bool:
+        """No row in any table: made, and nothing stored in it yet."""
+        return not any(self.db[t].count for t in self.db.table_names())
+
     def winner(self, device_class: str, key: str) -> Winner | None:
         rows = list(
             self.db.query(

@@ -15,7 +15,7 @@ from rich.table import Table
 from tuner.cache.artifacts import ArtifactStore, default_root
 from tuner.cache.sqlite import unmade
 from tuner.cli.errors import FAILED, fleet_service
-from tuner.cli.options import CacheOpt, cache_path, open_store
+from tuner.cli.options import CacheOpt, cache_path, open_store, store_kept_if_used
 from tuner.core.console import counted, output_console
 from tuner.core.device import fingerprint
 from tuner.core.settings import SERVER_TIMEOUT
@@ -261,7 +261,7 @@ def sync(
     fp = fingerprint()
     client = _client(server, token, timeout)
     refused = None
-    with client, open_store(cache) as store, fleet_service(client.server):
+    with client, store_kept_if_used(cache) as store, fleet_service(client.server):
         if push_first:
             try:
                 _report_push(push(client, store, fp))

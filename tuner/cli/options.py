@@ -6,8 +6,9 @@ The tuning options of ``tuner tune``, ``tuner tune-all`` and ``tuner bench`` bec
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -206,3 +207,29 @@ def open_store(cache: Path | None, *, existing: bool = False) -> Store:
         store.close()
         raise
     return store
+
+
+@contextlib.contextmanager
+def store_kept_if_used(cache: Path | None) -> Iterator[Store]:
+    """``open_store`` for a command that may make the cache (a first ``tuner sync``): where the
+    command fails before it stored anything in a cache it made (a bad token, no service
+    reached), the cache is unmade again, with the folders made for it (an empty file given
+    stays one), so a mistake leaves no cache behind that a later command would take for one."""
+    path = cache_path(cache)
+    made, existed = unmade(path), path.exists()
+    folders = [p for p in path.parents if not p.exists()]  # nearest first
+    store = open_store(cache)
+    try:
+        yield store
+    except BaseException:
+        unused = made and store.holds_nothing()
+        store.close()
+        with contextlib.suppress(OSError):  # the command's error is the one to tell
+            if unused and existed:
+                os.truncate(path, 0)
+            elif unused:
+                path.unlink()
+                for folder in folders:  # a folder something else was put in stays
+                    folder.rmdir()
+        raise
+    store.close()
