@@ -316,21 +316,48 @@ def test_a_first_sync_that_fails_leaves_no_cache_behind(
     assert kept.read_bytes().startswith(b"SQLite format 3")
 
 
-def test_sync_against_a_hung_service_gives_up_after_its_timeout(tmp_path: Path) -> None:
+@pytest.fixture
+def hung_url() -> Iterator[str]:
+    """The URL of a service that accepts connections and never answers."""
     import socket
-    import time
 
-    with socket.socket() as silent:  # accepts connections, never answers
+    with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
-        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        started = time.monotonic()
-        done = tuner_process("sync", "--server", url, "--timeout", "0.3",
-                             TUNER_CACHE=str(tmp_path / "c.db"))  # fmt: skip
-        took = time.monotonic() - started
+        yield f"http://127.0.0.1:{silent.getsockname()[1]}"
+
+
+def test_sync_against_a_hung_service_gives_up_after_its_timeout(
+    tmp_path: Path, hung_url: str
+) -> None:
+    import time
+
+    started = time.monotonic()
+    done = tuner_process("sync", "--server", hung_url, "--timeout", "0.3",
+                         TUNER_CACHE=str(tmp_path / "c.db"))  # fmt: skip
+    took = time.monotonic() - started
     assert done.returncode == 1, done.stderr
-    assert f"error: fleet service {url}: unreachable: ReadTimeout" in done.stderr
+    assert f"error: fleet service {hung_url}: unreachable: ReadTimeout" in done.stderr
     assert took < 30  # four tries of 0.3 s and their backoff, plus the interpreter's start
+
+
+@pytest.mark.parametrize("how", ["--timeout", "TUNER_SERVER_TIMEOUT"])
+def test_artifacts_check_against_a_hung_service_gives_up_after_its_timeout(
+    tmp_path: Path, hung_url: str, how: str
+) -> None:
+    """It had no --timeout (nor took $TUNER_SERVER_TIMEOUT), as sync and push have: it waited
+    the default for each of its four tries."""
+    import time
+
+    given = {"TUNER_SERVER_TIMEOUT": "0.3"} if how != "--timeout" else {}
+    args = ["--timeout", "0.3"] if how == "--timeout" else []
+    started = time.monotonic()
+    done = cli("artifacts", "--check", "--server", hung_url, "--token", "tnr_0123456789ab_x",
+               *args, cache=tmp_path / "c.db", **given)  # fmt: skip
+    took = time.monotonic() - started
+    assert done.exit_code == 1, done.output
+    assert f"error: fleet service {hung_url}: unreachable: ReadTimeout" in done.stderr
+    assert took < 10  # four tries of 0.3 s and their backoff (the default waits 10 s a try)
 
 
 def test_serve_names_an_address_it_cannot_listen_on(tmp_path: Path, monkeypatch) -> None:

@@ -187,7 +187,7 @@ def test_a_number_variable_out_of_its_bounds_is_marked_for_info():
     )
     assert refusal("sync_interval", "2") is None and refusal("cutlass_jobs", "") is None
     assert refusal("server_timeout", "0.01") == (
-        "not a number of at least 0.1: tuner sync and tuner push refuse it"
+        "not a number of at least 0.1: tuner sync, push and artifacts refuse it"
     )
 
 

@@ -333,6 +333,7 @@ def artifacts_command(
     server: ServerOpt = None,
     token: TokenOpt = None,
     cache: CacheOpt = None,  # the store is the one beside it (the option's callback says so)
+    timeout: TimeoutOpt = TIMEOUT_S,
     check: Annotated[
         bool,
         typer.Option(
@@ -347,7 +348,7 @@ def artifacts_command(
         console.print(f"0 compiled kernels: no store at {root} yet")
         if not check:
             return
-    client = FleetClient(server, token) if server else None
+    client = FleetClient(server, token, timeout_s=timeout) if server else None
     with contextlib.ExitStack() as opened:
         kernels = opened.enter_context(ArtifactStore()) if root.exists() else None
         if client is not None:

@@ -33,7 +33,7 @@ KNOWN = {
     "server": "fleet service base URL",
     "token": "fleet service bearer token",
     "sync_interval": "seconds between background syncs",
-    "server_timeout": "seconds tuner sync and tuner push wait for each answer of the service",
+    "server_timeout": "seconds tuner sync, push and artifacts wait for each answer of the service",
     "server_db": "the service's own SQLite file (tuner serve)",
     "artifacts": "the compiled-kernel store's folder (default: artifacts/ beside the cache)",
     "artifacts_max_bytes": "the compiled-kernel store's size limit, least recently used out",
@@ -104,7 +104,7 @@ NUMBERS: dict[str, Number] = {
 }
 # what follows from a ``NUMBERS`` variable out of its bounds (``tuner info`` says it)
 NOT_A_NUMBER = {
-    "server_timeout": "tuner sync and tuner push refuse it",
+    "server_timeout": "tuner sync, push and artifacts refuse it",
     "artifacts_max_bytes": "the compiled-kernel store refuses to open",
 }
 NOT_A_NUMBER_DEFAULT = "the default is used, and logged"
