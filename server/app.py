@@ -81,6 +81,20 @@ def _not_json(request: Request) -> str | None:
     )
 
 
+def _unparsed(exc: HTTPException) -> str | None:
+    """Why a JSON body could not be parsed, where FastAPI's 400 says only that it could not: its
+    cause is no JSON syntax error (those are 422s that say where) but a body nested deeper than
+    Python's parser goes, or bytes that are no UTF-8."""
+    if exc.status_code != 400:
+        return None
+    cause = exc.__cause__
+    if isinstance(cause, RecursionError):
+        return "JSON nested too deeply: the body's arrays and objects lie too many levels deep"
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not UTF-8 text, as JSON is: {cause}"
+    return None
+
+
 def open_storage(settings: Settings) -> tuple[BlobDir, FleetDB]:
     """The artifacts folder, then the database: a folder that cannot be made leaves no new
     database behind, and a database refused (another kind of file) leaves no new folder."""
@@ -145,6 +159,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def refused(request: Request, exc: HTTPException) -> Response:
+        if why := _unparsed(exc):
+            exc = HTTPException(400, why)
         if exc.status_code != 404:
             refusal(request, exc.status_code, exc.detail)
         return await http_exception_handler(request, exc)

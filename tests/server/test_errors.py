@@ -195,6 +195,21 @@ def test_malformed_json_and_nan(env: Env) -> None:
     expect(r, 422, "median_us", "finite")
 
 
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b'{"device": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "JSON nested too deeply"),
+        (b'{"device": "\xff"}', "the body is not UTF-8 text, as JSON is: 'utf-8' codec can't"),
+    ],
+    ids=["nested", "not-utf8"],
+)
+def test_a_body_python_cannot_parse_is_named_so(env: Env, body: bytes, needle: str) -> None:
+    """No JSON syntax error (those say where), so FastAPI answered a bare 'There was an error
+    parsing the body'."""
+    r = call(env, "POST", SUBMIT, content=body, headers={"Content-Type": "application/json"})
+    expect(r, 400, needle)
+
+
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
 def test_a_nan_in_params_is_refused_and_the_winner_stays_readable(env: Env, number: str) -> None:
     """Python's parser takes NaN and Infinity; stored, they were served as params no JSON
