@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, model_validator
 
+from server.merge import MIN_US
 from tuner.cache.artifacts import ArtifactSpec
 from tuner.core.device import Fingerprint
 from tuner.core.keys import parse_key
@@ -57,7 +58,6 @@ Uid = Annotated[str, Field(pattern=UID_RE)]  # a host's Measurement.uid
 Versions = Annotated[
     str, Field(max_length=2000, examples=["torch=2.13.0;triton=3.9.0;tuner=0.1.0"])
 ]
-MIN_US = 1e-6  # a picosecond: no kernel is timed faster, and a ratio of two times stays finite
 
 
 def _timed(us: float) -> float:

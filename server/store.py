@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from server import shutdown
+from server.merge import MIN_US
 from server.schema import FLEET
 from server.servable import Servable
 from tuner.cache import ReadOnlyError
@@ -38,7 +39,9 @@ WINNER_COLUMNS = (
 SERVABLE = Servable(WINNER_COLUMNS)
 _WINNER_SELECT = f"select {', '.join(WINNER_COLUMNS)} from srv_winners"
 _GROUP = "device_class = ? and versions = ? and key = ?"
-_OK = f"{_GROUP} and status = 'ok' and median_us > 0"
+# what the merge weighs: a time below the floor the service refuses on entry, stored by an older
+# release, would be served with an infinite speedup, which no read can carry
+_OK = f"{_GROUP} and status = 'ok' and median_us >= {MIN_US}"
 
 
 def _winner(row: dict[str, Any]) -> dict[str, Any]:

@@ -241,6 +241,39 @@ def test_a_time_too_small_to_divide_by_is_refused_and_the_feed_stays_readable(en
     assert served.status_code == 200 and served.json()["candidate"] == "torch", served.text
 
 
+def test_a_time_too_small_an_older_release_stored_is_ignored_by_the_merge(tmp_path) -> None:
+    """A challenger timed at 5e-324 us, stored before such times were refused: the next push of
+    its key merged it into the served winner with an infinite speedup, which reads leave out,
+    so the key had no winner. The merge weighs no time below the floor of the service's
+    entry; the sound challenger pushed is served."""
+    import sqlite3
+
+    db = tmp_path / "fleet.db"
+    key = "gemm:m=8,n=8,k=24,dtype=f32,out_dtype=f32"
+    with ThreadServer(db) as srv:
+        admin = auth(srv.token("admin", "admin"))
+        r = httpx.post(srv.url + SUBMIT, json=submit_body([measurement(key=key)]), headers=admin)
+        assert r.status_code == 200, r.text
+        with contextlib.closing(sqlite3.connect(db)) as c, c:
+            c.row_factory = sqlite3.Row
+            (base,) = c.execute("select * from srv_measurements where key like '%,k=24,%'")
+            tiny = {k: v for k, v in dict(base).items() if k != "id"} | {
+                "uid": "tiny-from-an-older-release", "candidate": 'triton_gemm:{"bm":32}',
+                "source": "triton_gemm", "params": '{"bm": 32}', "is_baseline": 0,
+                "median_us": 5e-324, "p10_us": 5e-324, "p90_us": 5e-324,
+            }  # fmt: skip
+            c.execute(f"insert into srv_measurements({', '.join(tiny)}) "
+                      f"values ({', '.join('?' * len(tiny))})", list(tiny.values()))  # fmt: skip
+        sound = measurement(key=key, source="triton_gemm", params={"bm": 16}, is_baseline=False,
+                            median_us=5.0, p10_us=4.9, p90_us=5.1)  # fmt: skip
+        r = httpx.post(srv.url + SUBMIT, json=submit_body([sound]), headers=admin)
+        assert r.status_code == 200, r.text
+        served = httpx.get(f"{srv.url}/v1/winners/{DC}", params={"key": key}, headers=admin)
+    assert served.status_code == 200, served.text
+    assert served.json()["params"] == {"bm": 16}
+    assert served.json()["speedup"] == pytest.approx(2.0)
+
+
 def test_winners_an_older_release_stored_unservable_are_left_out_and_the_rest_served(
     tmp_path, caplog
 ) -> None:
