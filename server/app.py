@@ -3,7 +3,7 @@
 Besides the /v1 routes: ``/v1/health`` (the process answers), ``/v1/ready`` (the database
 answers at the expected schema), ``/metrics`` (Prometheus), ``/docs`` and ``/openapi.json``.
 User mistakes get 4xx with a one-line ``detail`` (422s also carry a readable ``message``);
-anything else is logged and answered 500 without internals.
+anything else is logged once and answered 500 without internals (``server.unexpected``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from server.metrics import Metrics, MetricsMiddleware
 from server.results import Policy
 from server.schema import FLEET
 from server.shutdown import StopMiddleware, Stops
+from server.unexpected import UnexpectedErrorMiddleware
 from tuner.cache import ReadOnlyError, StoreError, WriteFailedError
 from tuner.version import __version__
 
@@ -188,11 +189,6 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse({"detail": f"the service cannot store it now ({why}; nothing was "
                                        "stored): send it again later"}, 503)  # fmt: skip
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse({"detail": "internal error; see the service log"}, 500)
-
     @app.get("/v1/health", tags=["ops"])
     async def health() -> dict[str, str]:
         """The process is up (no database access), and which service it is: a host keys its
@@ -231,4 +227,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(
         MetricsMiddleware, metrics=metrics, paths=lambda: list(app.openapi()["paths"])
     )
+    app.add_middleware(UnexpectedErrorMiddleware)  # outermost: it answers for all the others
     return app

@@ -599,6 +599,38 @@ def test_a_database_made_read_only_while_serving_is_a_503_logged_once(tmp_path, 
     assert stored.status_code == 200, stored.text
 
 
+def test_an_unexpected_error_is_a_500_logged_once_with_its_traceback(tmp_path, caplog) -> None:
+    """Pages damaged under a running service (the startup's page check passed): its read fails
+    with an error the service has no answer for. It answered 500 and logged the traceback, and
+    uvicorn logged it again as 'Exception in ASGI application'."""
+    import logging
+
+    from tests.cache.damaged import PAGE
+
+    db = tmp_path / "fleet.db"
+    with ThreadServer(db) as srv:  # many winners, so many pages
+        admin = auth(srv.token("admin", "admin"))
+        body = submit_body([measurement(key=f"gemm:m={m},n=8,k=8", params={"pad": "x" * 200})
+                            for m in range(1, 400)])  # fmt: skip
+        assert httpx.post(srv.url + SUBMIT, json=body, headers=admin).status_code == 200
+    with ThreadServer(db) as srv:  # no request has read a page yet: none is cached
+        data = bytearray(db.read_bytes())
+        middle = len(data) // PAGE // 2 * PAGE
+        data[middle : middle + 4 * PAGE] = b"\xa5" * 4 * PAGE
+        db.write_bytes(bytes(data))
+        uvicorn_log = logging.getLogger("uvicorn.error")  # set up by the server; not propagated
+        uvicorn_log.addHandler(caplog.handler)
+        try:
+            r = httpx.get(f"{srv.url}/v1/winners/{DC}/feed", headers=admin)
+        finally:
+            uvicorn_log.removeHandler(caplog.handler)
+    assert r.status_code == 500 and r.json() == {"detail": "internal error; see the service log"}
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [e.getMessage() for e in errors]
+    assert errors[0].getMessage() == f"unhandled error on GET /v1/winners/{DC}/feed"
+    assert errors[0].exc_info is not None and "malformed" in str(errors[0].exc_info[1])
+
+
 def test_a_winner_asked_for_under_other_versions_names_those_it_is_served_under(
     env: Env,
 ) -> None:
