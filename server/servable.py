@@ -1,11 +1,12 @@
 """Served winners that JSON cannot carry, left out of every read of them.
 
 An older release stored some before the service refused them where they enter
-(``server.models``): a time of 5e-324 us made its speedup infinite, and a NaN or an Infinity in
-params was kept as it came (SQLite keeps a NaN time as NULL). Served, one such row failed each
-read of its winner and each feed page that held it with a 500, so every host of its class
-stopped syncing. Reads leave it out instead, and the log names it once: the operator deletes it
-with the measurements it was merged from (which a later merge would serve again).
+(``server.models``): a time of 5e-324 us made its speedup infinite, and a NaN, an Infinity or a
+number beyond a float's range (1e999, which Python reads as Infinity) in params was kept as it
+came (SQLite keeps a NaN time as NULL). Served, one such row failed each read of its winner and
+each feed page that held it with a 500, so every host of its class stopped syncing. Reads leave
+it out instead, and the log names it once: the operator deletes it with the measurements it was
+merged from (which a later merge would serve again).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,10 +22,22 @@ from typing import Any
 
 log = logging.getLogger("tuner.server")
 FIGURES = ("median_us", "baseline_us", "speedup")
+# What params' text holds where it may read as a number JSON cannot carry: NaN or Infinity as
+# Python writes them, or a number beyond a float's range (about 1.8e308), which has an exponent
+# or at least 309 digits in a row. Only such text is parsed: a feed page has many rows to check,
+# and most params hold none of these (an "e" alone is in most of their names).
+_SUSPECT = re.compile(r"NaN|Infinity|\d[eE]|\d{309}")
 
 
 def _refuse(constant: str) -> None:
     raise ValueError(constant)
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(text)
+    return number
 
 
 class Servable:
@@ -37,17 +51,17 @@ class Servable:
         self._lock = threading.Lock()
 
     def flaw(self, row: Sequence[Any]) -> str | None:
-        """What in ``row`` JSON cannot carry, or None. Params are parsed only where their text
-        holds what Python writes for NaN or Infinity: a feed page has many rows to check."""
+        """What in ``row`` JSON cannot carry, or None (params are parsed only where ``_SUSPECT``
+        finds something in their text)."""
         for name, i in self._figures:
             if not isinstance(row[i], float) or not math.isfinite(row[i]):
                 return f"{name} is {row[i]!r}"
         text = row[self._params]
-        if "NaN" in text or "Infinity" in text:
+        if _SUSPECT.search(text):
             try:
-                json.loads(text, parse_constant=_refuse)
+                json.loads(text, parse_constant=_refuse, parse_float=_finite)
             except ValueError:
-                return f"params {text[:200]} hold NaN or Infinity"
+                return f"params {text[:200]} hold NaN, Infinity or a number beyond a float's range"
         return None
 
     def keep(self, rows: list[tuple], db: Path) -> list[tuple]:

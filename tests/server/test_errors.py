@@ -210,6 +210,10 @@ def test_a_body_python_cannot_parse_is_named_so(env: Env, body: bytes, needle: s
     expect(r, 400, needle)
 
 
+# a number beyond a float's range, with an exponent or written out, reads as Infinity
+TOO_LARGE = ["1e999", "-1.5E+400", "1" + "0" * 400 + ".5"]
+
+
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
 def test_a_nan_in_params_is_refused_and_the_winner_stays_readable(env: Env, number: str) -> None:
     """Python's parser takes NaN and Infinity; stored, they were served as params no JSON
@@ -319,6 +323,39 @@ def test_winners_an_older_release_stored_unservable_are_left_out_and_the_rest_se
     for k, why in ((16, "speedup is inf"), (24, "median_us is None"),
                    (32, 'params {"bm": NaN} hold NaN')):  # fmt: skip
         assert any(f",k={k}," in t and why in t for t in told), (k, told)
+
+
+def test_params_beyond_a_floats_range_an_older_release_stored_are_left_out(tmp_path) -> None:
+    """Params such as {"bm": 1e999} hold no NaN or Infinity, so reads served them: each read of
+    the winner failed with a 500 (Python reads the number as Infinity, which JSON cannot carry)
+    and the feed handed it to every host. Left out like a NaN; params whose text holds an
+    exponent JSON can carry (or an e in a word) are served."""
+    import sqlite3
+
+    db = tmp_path / "fleet.db"
+    sound = {"tol": 1e-05, "order": "wide"}
+    keys = [f"gemm:m=8,n=8,k={k},dtype=f32,out_dtype=f32" for k in (8, 16, 24, 32)]
+    canonical = [str(parse_key(key)) for key in keys]
+    with ThreadServer(db) as srv:
+        admin = auth(srv.token("admin", "admin"))
+        body = submit_body([measurement(key=keys[0], params=sound)]
+                           + [measurement(key=key) for key in keys[1:]])  # fmt: skip
+        assert httpx.post(srv.url + SUBMIT, json=body, headers=admin).status_code == 200
+        with contextlib.closing(sqlite3.connect(db)) as c, c:
+            for number, key in zip(TOO_LARGE, canonical[1:], strict=True):
+                c.execute("update srv_winners set params = ? where key = ?",
+                          (f'{{"bm": {number}}}', key))  # fmt: skip
+        feed = httpx.get(f"{srv.url}/v1/winners/{DC}/feed", headers=admin)
+        assert feed.status_code == 200, feed.text
+        assert [(row[2], json.loads(row[6])) for row in feed.json()["rows"]] == [
+            (canonical[0], sound)
+        ]
+        for key in keys:
+            r = httpx.get(f"{srv.url}/v1/winners/{DC}", params={"key": key}, headers=admin)
+            assert r.status_code == (200 if key == keys[0] else 404), r.text
+        r = httpx.post(f"{srv.url}/v1/winners/{DC}/lookup", headers=admin,
+                       json={"versions": FP.version_tag, "keys": keys})  # fmt: skip
+        assert r.status_code == 200 and r.json()["missing"] == canonical[1:], r.text
 
 
 def test_a_body_sent_without_a_json_content_type_is_named_so(env: Env) -> None:
