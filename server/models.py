@@ -38,12 +38,16 @@ def canonical_key(text: str) -> str:
 
 
 def _small_params(params: dict[str, JsonValue]) -> dict[str, JsonValue]:
-    """Params small and JSON: a NaN or an Infinity (which Python's parser takes) was stored and
-    served as text no JSON reader takes, and the read of that winner failed with a 500."""
+    """Params small and JSON: a NaN or an Infinity (which Python's parser takes, and which it
+    makes of a number beyond a float's range, such as 1e999) was stored and served as text no
+    JSON reader takes, and the read of that winner failed with a 500."""
     try:
         size = len(json.dumps(params, sort_keys=True, allow_nan=False))
     except ValueError:
-        raise ValueError("not JSON-serialisable: NaN and Infinity are no numbers in JSON") from None
+        raise ValueError(
+            "not JSON-serialisable: NaN, Infinity and numbers beyond a float's range (1e999 "
+            "reads as Infinity) are no numbers in JSON"
+        ) from None
     if size > MAX_PARAMS_CHARS:
         raise ValueError(
             f"params must be at most {MAX_PARAMS_CHARS} characters of JSON, got {size}"
