@@ -629,6 +629,32 @@ def test_user_mistakes_get_one_line_and_exit_2(tmp_path, monkeypatch, capsys, ar
     assert exit_.value.code == 2 and message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("server", "message"),
+    [(None, "--queue needs the fleet service: set TUNER_SERVER"),
+     ("notaurl", "--server/TUNER_SERVER 'notaurl': expected an http:// or https:// URL")],
+)  # fmt: skip
+def test_a_queue_with_no_service_to_claim_from_makes_no_cache(
+    tmp_path, monkeypatch, capsys, server, message
+):
+    """--queue with $TUNER_SERVER unset or no URL was refused (exit 2) only after the cache was
+    made and the device saved in it: a new, empty cache (and --out's folder) stayed behind,
+    where an exit 2 touches none."""
+    from tuner.cli import main
+
+    cache, out = tmp_path / "new" / "c.db", tmp_path / "report"
+    monkeypatch.delenv("TUNER_SERVER", raising=False)
+    if server is not None:
+        monkeypatch.setenv("TUNER_SERVER", server)
+    monkeypatch.setattr(sys, "argv", ["tuner", "tune-all", "--queue", "5", "--cache", str(cache),
+                                      "--out", str(out)])  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        main.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err
+    assert not cache.exists() and not cache.parent.exists() and not out.exists()
+
+
 def test_fleet_queue_keys_are_tuned_and_completed_on_the_service(tmp_path):
     """Misses reported by a host reach the service's queue; tune-all --queue claims them over
     real HTTP, tunes them and completes the lease; the service then serves their winners."""

@@ -382,11 +382,20 @@ def add_recorded(
     return kept
 
 
-def claim_queue(n: int, fp: Fingerprint, settings: RunSettings, workers: int) -> FleetLease:
-    """Lease ``n`` keys of this device class from the fleet service (``$TUNER_SERVER``)."""
+def queue_client() -> FleetClient:
+    """The fleet service ``--queue`` claims from (``$TUNER_SERVER``), made before the cache is
+    opened: a server unset, or no URL, is a mistake in the command line, refused (exit 2) with
+    no cache made or touched."""
     client = FleetClient.from_env()
     if client is None:
         raise ConfigError("--queue needs the fleet service: set TUNER_SERVER (and TUNER_TOKEN)")
+    return client
+
+
+def claim_queue(
+    client: FleetClient, n: int, fp: Fingerprint, settings: RunSettings, workers: int
+) -> FleetLease:
+    """Lease ``n`` keys of this device class from the fleet service of ``client``."""
     rounds = math.ceil(n / max(1, workers))
     lease_s = rounds * settings.problem_timeout_s + 300
     if settings.time_limit_s is not None:
@@ -562,6 +571,7 @@ def tune_all(
     files = read_files(sources, console)
     _check_op_kept_some(files, sources)
     check_sources_serve(settings.tune.sources, run_ops(files, sources))
+    client = queue_client() if sources.queue and not dry_run else None
     if out is not None and not dry_run:
         output_dir(out)  # checked before the run, not once it is over
     # a dry run writes nothing: with no cache yet, nothing is tuned and nothing recorded; a
@@ -577,8 +587,8 @@ def tune_all(
             return _stopped(str(e))
     problems = add_recorded(files, sources, store, fp, console, None)
     lease = None
-    if sources.queue and not dry_run:
-        lease = claim_queue(sources.queue, fp, settings, local_workers(settings.workers)[0])
+    if client is not None:
+        lease = claim_queue(client, sources.queue, fp, settings, local_workers(settings.workers)[0])
         leased = add_recorded(ProblemSet(), Sources(op=sources.op), store, fp, console, lease)
         for key, labels in leased.labels.items():
             for label in labels:
