@@ -105,6 +105,24 @@ def test_a_list_without_problems_is_refused_naming_why(tmp_path, tune_all, text,
     assert err == [f"error: {listed}: {why}"]
 
 
+def test_a_key_entry_with_other_fields_is_refused_not_tuned_as_the_key_alone(tmp_path, tune_all):
+    """``{key: ..., m: 3}`` tuned the key and dropped ``m`` without a word; its own ``op`` may
+    stand beside it."""
+    key = "gemm:m=16,n=64,k=64,layout=nt,dtype=f32"
+    listed = tmp_path / "list.yaml"
+    listed.write_text(f'problems:\n  - {{key: "{key}", op: gemm}}\n')
+    assert load_problems(listed) == [
+        GemmKey(m=16, n=64, k=64, layout="nt", dtype="f32", out_dtype="f32", align=16)
+    ]
+    listed.write_text(f'problems:\n  - {{key: "{key}", m: 3, op: sdpa}}\n')
+    code, err, made = tune_all("--config", str(listed))
+    assert (code, made) == (2, False)
+    assert err == [
+        f"error: {listed}: problems[0]: a 'key' entry takes no other field, got m=3, "
+        "op='sdpa': give the key alone, or the fields without it"
+    ]
+
+
 def test_a_listed_tf32_gemm_is_f32_on_the_tf32_path_as_in_model_configs(tmp_path):
     listed = tmp_path / "list.yaml"
     listed.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: tf32}\n")

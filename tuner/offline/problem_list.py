@@ -69,12 +69,25 @@ def parse_problem(entry: Any, where: str) -> Key:
             f"{where}: expected a mapping like {{op: gemm, m: ..., n: ..., k: ...}}, got {entry!r}"
         )
     try:
-        key = parse_key(str(entry["key"])) if "key" in entry else _key_of_fields(dict(entry))
+        key = _key_of_key(entry) if "key" in entry else _key_of_fields(dict(entry))
         if error := fp8_key_error(key):
             raise ValueError(error)
         return key
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _key_of_key(entry: dict[str, Any]) -> Key:
+    """A ``key:`` entry's key. It takes no other field but its own ``op``: one beside it
+    (``m: 3``, a ``dtype``) would be dropped silently, and the key tuned in place of what the
+    entry seems to ask."""
+    key = parse_key(str(entry["key"]))
+    others = [f"{name}={value!r}" for name, value in entry.items()
+              if name != "key" and (name, value) != ("op", key.op)]  # fmt: skip
+    if others:
+        raise ValueError(f"a 'key' entry takes no other field, got {', '.join(sorted(others))}: "
+                         "give the key alone, or the fields without it")  # fmt: skip
+    return key
 
 
 def _key_of_fields(fields: dict[str, Any]) -> Key:
