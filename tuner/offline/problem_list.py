@@ -12,7 +12,8 @@ For GEMMs ``out_dtype`` defaults to ``dtype``, ``align`` to the largest the shap
 compute: tf32``) or a low-bit format (``int4-g128``, ``fp8-rowwise``, ...: its fields, layout
 ``nt``). An SDPA entry names its shape (heads, lengths, head_dim: a model's, so one left out is
 a slip, not a wish); ``batch`` defaults to 1, as a GEMM's does, ``causal`` to none and ``dtype``
-to bf16. Errors name every bad entry and its field.
+to bf16. A ``key:`` entry is the key alone, and the file holds ``problems:`` alone: a field
+beside either is refused, named. Errors name every bad entry and its field.
 """
 
 from __future__ import annotations
@@ -182,6 +183,17 @@ def read_yaml(path: Path) -> Any:
     return data
 
 
+def _check_top_level(path: Path, data: dict[Any, Any]) -> None:
+    """ConfigError naming what a list holds beside ``problems:``, as a model config's unknown
+    fields are named: a second list under a misspelt name (``problem:``), or defaults that no
+    entry takes (``dtype: f16``), were dropped without a word."""
+    unknown = [str(name) for name in data if name != "problems"]
+    if unknown:
+        named = ", ".join(with_guess(name, close_match(name, ["problems"])) for name in unknown)
+        raise ConfigError(f"{path}: unknown top-level field(s) {named}: a problem list holds "
+                          "only 'problems:' (each entry names its own fields)")  # fmt: skip
+
+
 def load_problems(path: str | Path) -> list[Key]:
     """The de-duplicated problems of a YAML file, in file order."""
     path = Path(path)
@@ -195,6 +207,7 @@ def load_problems(path: str | Path) -> list[Key]:
         raise ConfigError(f"{path}: expected a top-level 'problems:' list{hint}")
     if not data["problems"]:  # a run that tunes nothing and says it did all would hide the slip
         raise ConfigError(f"{path}: the 'problems:' list is empty: list at least one problem")
+    _check_top_level(path, data)
     keys, errors = [], []
     for i, entry in enumerate(data["problems"]):
         try:
