@@ -125,15 +125,18 @@ def test_a_key_entry_with_other_fields_is_refused_not_tuned_as_the_key_alone(tmp
 
 def test_a_list_with_fields_beside_problems_is_refused_naming_them(tmp_path, tune_all):
     """A second list under a misspelt name and a default no entry takes were dropped silently:
-    the run tuned the first list's one problem in bf16 and said it had done all."""
+    the run tuned the first list's one problem in bf16 and said it had done all. A mapping of
+    another name stays free: it may hold the anchors its entries merge."""
     listed = tmp_path / "list.yaml"
+    listed.write_text("base: &b {op: gemm, n: 8, k: 8}\nproblems:\n  - {<<: *b, m: 4}\n")
+    assert load_problems(listed) == [GemmKey(m=4, n=8, k=8, out_dtype="bf16", align=16)]
     listed.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8}\n"
                       "problem:\n  - {op: gemm, m: 8, n: 8, k: 8}\ndtype: f16\n")  # fmt: skip
     code, err, made = tune_all("--config", str(listed))
     assert (code, made) == (2, False)
     assert err == [
-        f"error: {listed}: unknown top-level field(s) problem (did you mean 'problems'?), dtype: "
-        "a problem list holds only 'problems:' (each entry names its own fields)"
+        f"error: {listed}: top-level field(s) problem (did you mean 'problems'?), dtype: a problem "
+        "list reads only 'problems:', and each entry names its own fields"
     ]
 
 

@@ -12,8 +12,9 @@ For GEMMs ``out_dtype`` defaults to ``dtype``, ``align`` to the largest the shap
 compute: tf32``) or a low-bit format (``int4-g128``, ``fp8-rowwise``, ...: its fields, layout
 ``nt``). An SDPA entry names its shape (heads, lengths, head_dim: a model's, so one left out is
 a slip, not a wish); ``batch`` defaults to 1, as a GEMM's does, ``causal`` to none and ``dtype``
-to bf16. A ``key:`` entry is the key alone, and the file holds ``problems:`` alone: a field
-beside either is refused, named. Errors name every bad entry and its field.
+to bf16. A ``key:`` entry is the key alone; beside ``problems:``, a field an entry takes or
+one misspelling it is refused (other names may hold YAML anchors). Errors name every bad
+entry and its field.
 """
 
 from __future__ import annotations
@@ -184,14 +185,18 @@ def read_yaml(path: Path) -> Any:
 
 
 def _check_top_level(path: Path, data: dict[Any, Any]) -> None:
-    """ConfigError naming what a list holds beside ``problems:``, as a model config's unknown
-    fields are named: a second list under a misspelt name (``problem:``), or defaults that no
-    entry takes (``dtype: f16``), were dropped without a word."""
-    unknown = [str(name) for name in data if name != "problems"]
-    if unknown:
-        named = ", ".join(with_guess(name, close_match(name, ["problems"])) for name in unknown)
-        raise ConfigError(f"{path}: unknown top-level field(s) {named}: a problem list holds "
-                          "only 'problems:' (each entry names its own fields)")  # fmt: skip
+    """ConfigError naming a top-level field that reads as a mistake: a misspelt second list
+    (``problem:``) or a default meant for every entry (``dtype: f16``), each dropped without a
+    word. Other names stay free: a mapping there may hold YAML anchors the entries merge."""
+    entry_fields = {"op", "key"} | {
+        f.name for t in KEY_TYPES.values() for f in dataclasses.fields(t)
+    }
+    names = [str(name) for name in data if name != "problems"]
+    wrong = [n for n in names if n in entry_fields or close_match(n, ["problems"])]
+    if wrong:
+        named = ", ".join(with_guess(name, close_match(name, ["problems"])) for name in wrong)
+        raise ConfigError(f"{path}: top-level field(s) {named}: a problem list reads only "
+                          "'problems:', and each entry names its own fields")  # fmt: skip
 
 
 def load_problems(path: str | Path) -> list[Key]:
