@@ -140,6 +140,24 @@ def test_a_list_with_fields_beside_problems_is_refused_naming_them(tmp_path, tun
     ]
 
 
+@pytest.mark.parametrize(
+    ("flag", "text", "where"),
+    [  # YAML kept the last of two: the first list, the first tp, the first m, each dropped
+        ("--config", "problems:\n  - {op: gemm, m: 4, n: 8, k: 8}\nproblems:\n  - {op: gemm, "
+         "m: 8, n: 8, k: 8}\n", "line 3, column 1: 'problems'"),
+        ("--config", "problems:\n  - {op: gemm, m: 4, n: 8, k: 8, m: 16}\n",
+         "line 2, column 34: 'm'"),
+        ("--model", LLAMA.read_text() + "tp: 2\n", "line 20, column 1: 'tp'"),
+    ],
+)  # fmt: skip
+def test_a_key_given_twice_is_refused_naming_it_and_where(tmp_path, tune_all, flag, text, where):
+    path = tmp_path / "given.yaml"
+    path.write_text(text)
+    code, err, made = tune_all(flag, str(path), "--dry-run")  # (a plan, were it taken)
+    assert (code, made) == (2, False)
+    assert err == [f"error: {path}: not valid YAML at {where} given twice in one mapping"]
+
+
 def test_a_listed_tf32_gemm_is_f32_on_the_tf32_path_as_in_model_configs(tmp_path):
     listed = tmp_path / "list.yaml"
     listed.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: tf32}\n")

@@ -20,6 +20,7 @@ entry and its field.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -164,11 +165,32 @@ def with_lowbit_fields(fields: dict[str, Any]) -> dict[str, Any]:
     return {**fields, **fixed}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML does not allow it):
+    PyYAML keeps the last one silently, so a second ``problems:`` list dropped the first, and a
+    model's second ``tp:`` won over the first without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *base``: its keys may repeat
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # (the mapping's construction names that one)
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: Path) -> Any:
     """A YAML file's data; ConfigError names the file when it cannot be read or parsed, or holds
     nothing (YAML reads an empty file as null: "got NoneType" would not say what is wrong)."""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError:
