@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -922,3 +923,25 @@ def test_export_piped_into_import(tmp_path):
     assert "1 winner added or replaced" in r.stdout
     missing = tuner("import", str(tmp_path / "none.json"), cache=tmp_path / "b.db", check=False)
     assert missing.returncode == 2 and "none.json: cannot read: No such file" in missing.stderr
+
+
+@pytest.mark.cpu_host
+@pytest.mark.parametrize("args", [("gemm", "--part", "fp32"), ("sdpa", "--part", "decode")])
+def test_a_whole_suite_on_a_cpu_says_as_it_starts_that_quick_is_the_cpus_run(tmp_path, args):
+    """Without --quick, a suite on a host with no GPU started the models' own shapes on the CPU
+    (hours for a part) with no word: its first rows came slowly and nothing said why."""
+    env = os.environ | {"COLUMNS": "300", "TRITON_INTERPRET": ""}
+    argv = [sys.executable, "-m", "tuner", "bench", *args, "--out", str(tmp_path / "b")]
+    with subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env=env) as p:  # fmt: skip
+        watchdog = threading.Timer(60, p.kill)  # the suite itself would run for hours
+        watchdog.start()
+        try:
+            said = next((line for line in p.stderr if line.startswith("note:")), None)
+        finally:
+            watchdog.cancel()
+            p.kill()
+    assert said == (
+        "note: no CUDA GPU here: the suite times the models' own shapes on the CPU, slowly (a "
+        "part may take hours); --quick times small shapes in their place\n"
+    )

@@ -20,6 +20,7 @@ from tuner.cli.options import (
     SustainedOpt,
     tune_options,
 )
+from tuner.core.console import output_console
 from tuner.suites import catalog
 
 app = typer.Typer(
@@ -37,6 +38,19 @@ INTERRUPTED_HELP = (
     "A run cut short (Ctrl-C) writes the rows it has as <name>.interrupted.json/.png, leaving a "
     "complete result of an earlier run in place."
 )
+
+
+def note_full_suite_on_cpu(quick: bool) -> None:
+    """Say, as a suite starts whole on a machine without a CUDA GPU, that it times the models'
+    own shapes on the CPU, slowly, and that ``--quick`` is the CPU's run: its help says so, but
+    a user who left it out saw a run start and its first rows crawl, with no word why."""
+    import torch
+
+    if not quick and not torch.cuda.is_available():
+        output_console(stderr=True).print(
+            "[yellow]note[/yellow]: no CUDA GPU here: the suite times the models' own shapes on "
+            "the CPU, slowly (a part may take hours); --quick times small shapes in their place"
+        )
 
 
 @app.command("gemm")
@@ -134,6 +148,7 @@ def bench_gemm(
                          "suite times no Inductor run and re-tunes no rows warm")  # fmt: skip
     rows = lowbit.chosen_problems(chosen, quick=quick, ms=m, ops=proj) if suite == "lowbit" else []
     output_dir(out)  # checked before the benchmark, not once it is over; made after the arguments
+    note_full_suite_on_cpu(quick)
     if suite == "lowbit":
         lowbit.run(rows, out, options)
         return
@@ -191,6 +206,7 @@ def bench_sdpa(
     # a bad --dtype raises here, before --out is made
     suites = {p: sdpa.chosen_problems(p, dtype, quick=quick) for p in chosen}
     output_dir(out)  # made once the arguments are known good, and before the benchmark runs
+    note_full_suite_on_cpu(quick)
     if workers is not None:  # given: it wins over $TUNER_COMPILE_WORKERS, not a default does
         os.environ["TUNER_COMPILE_WORKERS"] = str(workers)  # read when the compile pool starts
     sdpa.run(suites, out, options, dtype=dtype)
