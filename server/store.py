@@ -237,15 +237,14 @@ class FleetStore(DeviceFile):
             " and versions = ?" if versions is not None else ""
         )
         args = [device_class, key] + ([versions] if versions is not None else [])
-        return self._winner_dicts(f"{_WINNER_SELECT} where {where}", args)
+        return self._winners_where(where, args)
 
     def lookup(self, device_class: str, versions: str, keys: list[str]) -> list[dict]:
         found: list[dict] = []
         for i in range(0, len(keys), 500):  # SQLite's bound-parameter limit
             chunk = keys[i : i + 500]
-            found += self._winner_dicts(
-                f"{_WINNER_SELECT} where device_class = ? and versions = ? "
-                f"and key in ({', '.join('?' * len(chunk))})",
+            found += self._winners_where(
+                f"device_class = ? and versions = ? and key in ({', '.join('?' * len(chunk))})",
                 [device_class, versions, *chunk],
             )
         return found
@@ -297,8 +296,11 @@ class FleetStore(DeviceFile):
         """Rows of ``WINNER_COLUMNS`` less those JSON cannot carry (``server.servable``)."""
         return SERVABLE.keep(rows, self.path)
 
-    def _winner_dicts(self, sql: str, args: list[Any]) -> list[dict]:
-        rows = self.servable(self.db.conn.execute(sql, args).fetchall())
+    def _winners_where(self, where: str, args: list[Any]) -> list[dict]:
+        """The servable winners matching ``where``, as dicts (the select is ``WINNER_COLUMNS``'s,
+        which ``servable`` and the dicts' names read)."""
+        rows = self.db.conn.execute(f"{_WINNER_SELECT} where {where}", args).fetchall()
+        rows = self.servable(rows)
         return [_winner(dict(zip(WINNER_COLUMNS, r, strict=True))) for r in rows]
 
     # --- pending changes ------------------------------------------------------------------------
