@@ -200,6 +200,29 @@ def test_tune_all_queue_with_the_service_down_names_it(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_tune_all_queue_with_the_service_down_leaves_no_cache_behind(tmp_path: Path) -> None:
+    """The claim failed after the run had made the cache, saved its device in it, and made
+    --out's folder: a new cache holding only that device row, and an empty report folder,
+    stayed behind. Unmade again, with their folders; an empty file given stays empty, and a
+    cache that was there keeps what it held."""
+    url = f"http://127.0.0.1:{free_port()}"
+    made, empty, kept = tmp_path / "new" / "c.db", tmp_path / "empty.db", tmp_path / "kept.db"
+    empty.touch()
+    runs = tuned_cache(kept, 4)
+    for i, cache in enumerate((made, empty, kept)):
+        out = tmp_path / f"out{i}" / "report"
+        done = cli("tune-all", "--queue", "5", "--out", str(out), cache=cache,
+                   TUNER_SERVER=url, TUNER_TOKEN="")  # fmt: skip
+        assert done.exit_code == 1, done.output
+        (line,) = done.stderr.strip().splitlines()  # one line, no traceback
+        assert line.startswith(f"error: fleet service {url}: unreachable: "), line
+        assert not out.parent.exists()
+    assert not made.parent.exists()
+    assert empty.read_bytes() == b""
+    with Store(kept) as store:
+        assert {w.key: w.run_id for w in store.winners(DC)} == runs
+
+
 def test_tune_all_queue_help_names_the_service_it_claims_from() -> None:
     """tune-all has no --server or --token: its --queue help said only "the fleet's queue"."""
     shown = cli("tune-all", "--help", COLUMNS="2000")

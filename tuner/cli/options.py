@@ -209,27 +209,44 @@ def open_store(cache: Path | None, *, existing: bool = False) -> Store:
     return store
 
 
+class NewPaths:
+    """The cache a command may make, and the folders it may make for it and for ``folders``
+    (``--out``'s), noted before any is made, so that a command failing before it stored
+    anything in a cache it made (a bad token, no service reached) unmakes them again: a mistake
+    leaves no cache behind that a later command would take for one (an empty file given stays
+    one, and a cache that was there keeps what it holds)."""
+
+    def __init__(self, cache: Path, *folders: Path) -> None:
+        self.cache, self.made, self.existed = cache, unmade(cache), cache.exists()
+        self.folders = {p for f in (cache.parent, *folders) for p in (f, *f.parents)
+                        if not p.exists()}  # fmt: skip
+
+    @contextlib.contextmanager
+    def kept_if_used(self, store: Store) -> Iterator[None]:
+        """Where the body fails, ``store`` (of the cache) is closed, the cache unmade if it was
+        made and holds nothing, and the folders made since removed where empty."""
+        try:
+            yield
+        except BaseException:
+            unused = self.made and store.holds_nothing()
+            store.close()
+            with contextlib.suppress(OSError):  # the command's error is the one to tell
+                if unused and self.existed:
+                    os.truncate(self.cache, 0)
+                elif unused:
+                    self.cache.unlink()
+            for folder in sorted(self.folders, key=lambda p: len(p.parts), reverse=True):
+                with contextlib.suppress(OSError):  # a folder something was put in stays
+                    folder.rmdir()
+            raise
+
+
 @contextlib.contextmanager
 def store_kept_if_used(cache: Path | None) -> Iterator[Store]:
-    """``open_store`` for a command that may make the cache (a first ``tuner sync``): where the
-    command fails before it stored anything in a cache it made (a bad token, no service
-    reached), the cache is unmade again, with the folders made for it (an empty file given
-    stays one), so a mistake leaves no cache behind that a later command would take for one."""
-    path = cache_path(cache)
-    made, existed = unmade(path), path.exists()
-    folders = [p for p in path.parents if not p.exists()]  # nearest first
+    """``open_store`` for a command that may make the cache (a first ``tuner sync``), unmade
+    again where the command fails before it stored anything in it (``NewPaths``)."""
+    new = NewPaths(cache_path(cache))
     store = open_store(cache)
-    try:
+    with new.kept_if_used(store):
         yield store
-    except BaseException:
-        unused = made and store.holds_nothing()
-        store.close()
-        with contextlib.suppress(OSError):  # the command's error is the one to tell
-            if unused and existed:
-                os.truncate(path, 0)
-            elif unused:
-                path.unlink()
-                for folder in folders:  # a folder something else was put in stays
-                    folder.rmdir()
-        raise
     store.close()

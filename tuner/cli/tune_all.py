@@ -36,6 +36,7 @@ from tuner.cli.options import (
     DeviceClassOpt,
     IsolateOpt,
     LaunchOpt,
+    NewPaths,
     OpOpt,
     SourcesOpt,
     SustainedOpt,
@@ -572,6 +573,7 @@ def tune_all(
     _check_op_kept_some(files, sources)
     check_sources_serve(settings.tune.sources, run_ops(files, sources))
     client = queue_client() if sources.queue and not dry_run else None
+    new = NewPaths(store_path, *([out] if out is not None else []))
     if out is not None and not dry_run:
         output_dir(out)  # checked before the run, not once it is over
     # a dry run writes nothing: with no cache yet, nothing is tuned and nothing recorded; a
@@ -587,8 +589,10 @@ def tune_all(
             return _stopped(str(e))
     problems = add_recorded(files, sources, store, fp, console, None)
     lease = None
-    if client is not None:
-        lease = claim_queue(client, sources.queue, fp, settings, local_workers(settings.workers)[0])
+    if client is not None:  # a claim refused or no service reached: what the run made is unmade
+        with new.kept_if_used(store):
+            workers = local_workers(settings.workers)[0]
+            lease = claim_queue(client, sources.queue, fp, settings, workers)
         leased = add_recorded(ProblemSet(), Sources(op=sources.op), store, fp, console, lease)
         for key, labels in leased.labels.items():
             for label in labels:
