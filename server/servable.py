@@ -4,9 +4,11 @@ An older release stored some before the service refused them where they enter
 (``server.models``): a time of 5e-324 us made its speedup infinite, and a NaN, an Infinity or a
 number beyond a float's range (1e999, which Python reads as Infinity) in params was kept as it
 came (SQLite keeps a NaN time as NULL). Served, one such row failed each read of its winner and
-each feed page that held it with a 500, so every host of its class stopped syncing. Reads leave
-it out instead, and the log names it once: the operator deletes it with the measurements it was
-merged from (which a later merge would serve again).
+each feed page that held it with a 500, so every host of its class stopped syncing. Params that
+are no JSON object (a damaged page left ``{"bm": 64,``) failed each read of the winner alike,
+and the feed sent their text, which every host's pull refused. Reads leave such a row out
+instead, and the log names it once: the operator deletes it with the measurements it was merged
+from (which a later merge would serve again).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,11 +23,10 @@ from typing import Any
 
 log = logging.getLogger("tuner.server")
 FIGURES = ("median_us", "baseline_us", "speedup")
-# What params' text holds where it may read as a number JSON cannot carry: NaN or Infinity as
-# Python writes them, or a number beyond a float's range (about 1.8e308), which has an exponent
-# or at least 309 digits in a row. Only such text is parsed: a feed page has many rows to check,
-# and most params hold none of these (an "e" alone is in most of their names).
-_SUSPECT = re.compile(r"NaN|Infinity|\d[eE]|\d{309}")
+
+
+class Unservable(ValueError):
+    """What in a winner's row JSON cannot carry."""
 
 
 def _refuse(constant: str) -> None:
@@ -40,6 +40,12 @@ def _finite(text: str) -> float:
     return number
 
 
+# each row's params are parsed once, with this: NaN and Infinity as Python writes them are
+# refused, and so is a number beyond a float's range (1e999, which Python reads as Infinity);
+# the object is kept for the reads that send one (the feed sends the text)
+_PARAMS = json.JSONDecoder(parse_constant=_refuse, parse_float=_finite)
+
+
 class Servable:
     """Checks rows of ``columns`` (a winner's columns, params as JSON text)."""
 
@@ -50,38 +56,47 @@ class Servable:
         self._told: set[tuple] = set()
         self._lock = threading.Lock()
 
-    def flaw(self, row: Sequence[Any]) -> str | None:
-        """What in ``row`` JSON cannot carry, or None (params are parsed only where ``_SUSPECT``
-        finds something in their text)."""
+    def check(self, row: Sequence[Any]) -> dict[str, Any]:
+        """``row``'s params as an object, parsed once here for the reads that serve it, or
+        ``Unservable`` naming what in the row JSON cannot carry."""
         for name, i in self._figures:
             if not isinstance(row[i], float) or not math.isfinite(row[i]):
-                return f"{name} is {row[i]!r}"
+                raise Unservable(f"its {name} is {row[i]!r}, which JSON cannot carry")
         text = row[self._params]
-        if _SUSPECT.search(text):
-            try:
-                json.loads(text, parse_constant=_refuse, parse_float=_finite)
-            except ValueError:
-                return f"params {text[:200]} hold NaN, Infinity or a number beyond a float's range"
-        return None
+        if not isinstance(text, str):
+            raise Unservable(f"its params are {text!r}, not JSON text")
+        try:
+            params = _PARAMS.decode(text)
+        except json.JSONDecodeError:
+            raise Unservable(f"its params {text[:200]} are not JSON (a damaged page?)") from None
+        except ValueError:
+            raise Unservable(f"its params {text[:200]} hold NaN, Infinity or a number beyond a "
+                             "float's range, which JSON cannot carry") from None  # fmt: skip
+        if not isinstance(params, dict):
+            raise Unservable(f"its params {text[:200]} are not a JSON object")
+        return params
 
-    def keep(self, rows: list[tuple], db: Path) -> list[tuple]:
-        """``rows`` less those with a flaw, each named in the log once (of ``db``'s rows)."""
+    def keep(self, rows: list[tuple], db: Path) -> list[tuple[tuple, dict[str, Any]]]:
+        """``rows`` less those with a flaw, each named in the log once (of ``db``'s rows); each
+        kept row with its params as an object (``check``)."""
         kept = []
         for row in rows:
-            why = self.flaw(row)
-            if why is None:
-                kept.append(row)
-                continue
-            name = tuple(row[i] for i in self._names)
-            with self._lock:
-                told = (db, *name) in self._told
-                self._told.add((db, *name))
-            if not told:
-                dc, versions, key, seq = name
-                log.warning(
-                    "left out of every answer: the winner of %s under %r on %s (sequence number "
-                    "%d in %s): its %s, which JSON cannot carry (stored by an older release); "
-                    "delete it and the measurements of its key it was merged from",
-                    key, versions, dc, seq, db, why,
-                )  # fmt: skip
+            try:
+                kept.append((row, self.check(row)))
+            except Unservable as e:
+                self._tell(row, db, str(e))
         return kept
+
+    def _tell(self, row: tuple, db: Path, why: str) -> None:
+        """Log that ``row`` of ``db`` is left out, unless it was told already."""
+        name = tuple(row[i] for i in self._names)
+        with self._lock:
+            told = (db, *name) in self._told
+            self._told.add((db, *name))
+        if not told:
+            dc, versions, key, seq = name
+            log.warning(
+                "left out of every answer: the winner of %s under %r on %s (sequence number %d "
+                "in %s): %s; delete it and the measurements of its key it was merged from",
+                key, versions, dc, seq, db, why,
+            )  # fmt: skip

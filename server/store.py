@@ -44,11 +44,6 @@ _GROUP = "device_class = ? and versions = ? and key = ?"
 _OK = f"{_GROUP} and status = 'ok' and median_us >= {MIN_US}"
 
 
-def _winner(row: dict[str, Any]) -> dict[str, Any]:
-    """A served winner as the API sends it (params as an object)."""
-    return {**row, "params": json.loads(row["params"])}
-
-
 class FleetStore(DeviceFile):
     schema = FLEET
     _refused = False  # a write was refused as read-only (``transaction``)
@@ -294,14 +289,15 @@ class FleetStore(DeviceFile):
 
     def servable(self, rows: list[tuple]) -> list[tuple]:
         """Rows of ``WINNER_COLUMNS`` less those JSON cannot carry (``server.servable``)."""
-        return SERVABLE.keep(rows, self.path)
+        return [row for row, _ in SERVABLE.keep(rows, self.path)]
 
     def _winners_where(self, where: str, args: list[Any]) -> list[dict]:
-        """The servable winners matching ``where``, as dicts (the select is ``WINNER_COLUMNS``'s,
-        which ``servable`` and the dicts' names read)."""
+        """The servable winners matching ``where``, as the API sends them: dicts, params as
+        objects (the select is ``WINNER_COLUMNS``'s, which ``SERVABLE`` and the dicts' names
+        read; params parsed once, by its check)."""
         rows = self.db.conn.execute(f"{_WINNER_SELECT} where {where}", args).fetchall()
-        rows = self.servable(rows)
-        return [_winner(dict(zip(WINNER_COLUMNS, r, strict=True))) for r in rows]
+        return [{**dict(zip(WINNER_COLUMNS, row, strict=True)), "params": params}
+                for row, params in SERVABLE.keep(rows, self.path)]  # fmt: skip
 
     # --- pending changes ------------------------------------------------------------------------
 

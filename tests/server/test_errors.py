@@ -360,6 +360,52 @@ def test_params_beyond_a_floats_range_an_older_release_stored_are_left_out(tmp_p
         assert r.status_code == 200 and r.json()["missing"] == canonical[1:], r.text
 
 
+def test_params_that_are_no_json_object_are_left_out(tmp_path, caplog) -> None:
+    """Params a damaged page left as no JSON at all (cut short, or garbage), or as JSON that is
+    no object: each read of the winner failed with a 500 (the read parses them), and the feed
+    sent their text, which every host's pull refused, so no host of the class could sync. Left
+    out like a NaN, each named in the log once; the good winner is served and pulled."""
+    import sqlite3
+
+    from tuner.cache import Store
+    from tuner.fleet.sync import pull
+
+    db = tmp_path / "fleet.db"
+    damaged = ['{"bm": 64,', "garbage", "[64]"]
+    keys = [f"gemm:m=8,n=8,k={k},dtype=f32,out_dtype=f32" for k in (8, 16, 24, 32)]
+    canonical = [str(parse_key(key)) for key in keys]
+    with ThreadServer(db) as srv:
+        admin = auth(srv.token("admin", "admin"))
+        body = submit_body([measurement(key=keys[0], params={"bm": 64})]
+                           + [measurement(key=key) for key in keys[1:]])  # fmt: skip
+        assert httpx.post(srv.url + SUBMIT, json=body, headers=admin).status_code == 200
+        with contextlib.closing(sqlite3.connect(db)) as c, c:
+            for params, key in zip(damaged, canonical[1:], strict=True):
+                c.execute("update srv_winners set params = ? where key = ?", (params, key))
+        for _ in range(2):
+            feed = httpx.get(f"{srv.url}/v1/winners/{DC}/feed", headers=admin)
+            assert feed.status_code == 200, feed.text
+            assert [(row[2], row[6]) for row in feed.json()["rows"]] == [
+                (canonical[0], '{"bm": 64}')
+            ]
+            for key in keys:
+                r = httpx.get(f"{srv.url}/v1/winners/{DC}", params={"key": key}, headers=admin)
+                assert r.status_code == (200 if key == keys[0] else 404), r.text
+            r = httpx.post(f"{srv.url}/v1/winners/{DC}/lookup", headers=admin,
+                           json={"versions": FP.version_tag, "keys": keys})  # fmt: skip
+            assert r.status_code == 200 and r.json()["missing"] == canonical[1:], r.text
+            assert [w["params"] for w in r.json()["winners"]] == [{"bm": 64}]
+        with Store(tmp_path / "host.db") as host:
+            pull(srv.client("host", "read"), host, FP)
+            assert [w.key for w in host.winners(DC)] == [canonical[0]]
+    told = [r.getMessage() for r in caplog.records if "left out of every answer" in r.message]
+    assert len(told) == 3, told
+    for key, why in zip(canonical[1:], ['params {"bm": 64, are not JSON',
+                                        "params garbage are not JSON",
+                                        "params [64] are not a JSON object"], strict=True):  # fmt: skip
+        assert any(key in t and why in t for t in told), (key, told)
+
+
 def test_a_body_sent_without_a_json_content_type_is_named_so(env: Env) -> None:
     """curl -d sends a JSON body as a form (application/x-www-form-urlencoded) unless told:
     the answer names the header, not the body's shape."""
