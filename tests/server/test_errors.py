@@ -327,6 +327,19 @@ def test_winners_an_older_release_stored_unservable_are_left_out_and_the_rest_se
         assert any(f",k={k}," in t and why in t for t in told), (k, told)
 
 
+def only_the_first_served(url: str, headers: dict, keys: list[str]) -> list[dict]:
+    """Check that of ``keys`` only the first is served, read alone and in a lookup (the others
+    404 and missing); the params the lookup serves it with."""
+    for key in keys:
+        r = httpx.get(f"{url}/v1/winners/{DC}", params={"key": key}, headers=headers)
+        assert r.status_code == (200 if key == keys[0] else 404), r.text
+    r = httpx.post(f"{url}/v1/winners/{DC}/lookup", headers=headers,
+                   json={"versions": FP.version_tag, "keys": keys})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["missing"] == [str(parse_key(key)) for key in keys[1:]], r.text
+    return [w["params"] for w in r.json()["winners"]]
+
+
 def test_params_beyond_a_floats_range_an_older_release_stored_are_left_out(tmp_path) -> None:
     """Params such as {"bm": 1e999} hold no NaN or Infinity, so reads served them: each read of
     the winner failed with a 500 (Python reads the number as Infinity, which JSON cannot carry)
@@ -352,12 +365,7 @@ def test_params_beyond_a_floats_range_an_older_release_stored_are_left_out(tmp_p
         assert [(row[2], json.loads(row[6])) for row in feed.json()["rows"]] == [
             (canonical[0], sound)
         ]
-        for key in keys:
-            r = httpx.get(f"{srv.url}/v1/winners/{DC}", params={"key": key}, headers=admin)
-            assert r.status_code == (200 if key == keys[0] else 404), r.text
-        r = httpx.post(f"{srv.url}/v1/winners/{DC}/lookup", headers=admin,
-                       json={"versions": FP.version_tag, "keys": keys})  # fmt: skip
-        assert r.status_code == 200 and r.json()["missing"] == canonical[1:], r.text
+        only_the_first_served(srv.url, admin, keys)
 
 
 def test_params_that_are_no_json_object_are_left_out(tmp_path, caplog) -> None:
@@ -388,13 +396,7 @@ def test_params_that_are_no_json_object_are_left_out(tmp_path, caplog) -> None:
             assert [(row[2], row[6]) for row in feed.json()["rows"]] == [
                 (canonical[0], '{"bm": 64}')
             ]
-            for key in keys:
-                r = httpx.get(f"{srv.url}/v1/winners/{DC}", params={"key": key}, headers=admin)
-                assert r.status_code == (200 if key == keys[0] else 404), r.text
-            r = httpx.post(f"{srv.url}/v1/winners/{DC}/lookup", headers=admin,
-                           json={"versions": FP.version_tag, "keys": keys})  # fmt: skip
-            assert r.status_code == 200 and r.json()["missing"] == canonical[1:], r.text
-            assert [w["params"] for w in r.json()["winners"]] == [{"bm": 64}]
+            assert only_the_first_served(srv.url, admin, keys) == [{"bm": 64}]
         with Store(tmp_path / "host.db") as host:
             pull(srv.client("host", "read"), host, FP)
             assert [w.key for w in host.winners(DC)] == [canonical[0]]
