@@ -332,7 +332,7 @@ def test_direct_relaunch_is_checked_once_against_the_jit(
                                             ("1", True), ("", True)])  # fmt: skip
 def test_fast_launch_is_turned_off_by_the_usual_words(text: str, fast: bool) -> None:
     """``TUNER_TRITON_FAST_LAUNCH=false`` kept it on: only ``0`` and empty turned it off."""
-    code = "from tuner.core import triton_launch; print(triton_launch.FAST_LAUNCH)"
+    code = "from tuner.core import triton_launch; print(triton_launch.fast_launch())"
     env = os.environ | {"TUNER_TRITON_FAST_LAUNCH": text}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)  # fmt: skip

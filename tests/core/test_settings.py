@@ -27,6 +27,29 @@ def test_file_fills_what_the_environment_leaves_unset(tmp_path):
     assert out.stdout.split() == ["record", "/from/env.db"]
 
 
+@pytest.mark.parametrize(
+    "start",
+    ["from tuner.serving.dispatcher import get_dispatcher; get_dispatcher()",
+     "import tuner.cli.main; tuner.cli.main.load_config_file()"],
+)  # fmt: skip
+def test_the_files_fast_launch_setting_applies(tmp_path, start):
+    """``triton_fast_launch = false`` in the file was dropped: the flag was read when its module
+    was imported, before the process dispatcher (or the CLI's start) loaded the file."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("triton_fast_launch = false\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TUNER_", "TRITON_"))}
+    env |= {"TUNER_CONFIG": str(cfg), "TUNER_CACHE": str(tmp_path / "c.db")}
+    code = (
+        f"from types import SimpleNamespace; {start}; "
+        "from tuner.core.triton_launch import Launcher; "
+        "print(Launcher(SimpleNamespace(params=[]), (1,), {}, num_warps=4, num_stages=1)._fast)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["False"]
+
+
 def test_an_empty_variable_is_an_unset_one(tmp_path):
     """``TUNER_CACHE=`` (a variable emptied in a script) leaves the file's value in force, and
     an empty mode or stale policy is the default, not an error."""

@@ -28,7 +28,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-FAST_LAUNCH = env_flag("TUNER_TRITON_FAST_LAUNCH", FLAGS["triton_fast_launch"])
+@functools.cache
+def fast_launch() -> bool:
+    """``TUNER_TRITON_FAST_LAUNCH``, read when the first launcher is made, not at import: this
+    module is imported before the config file fills the environment (the CLI's start, the
+    process dispatcher), and a value read earlier would drop the file's."""
+    return env_flag("TUNER_TRITON_FAST_LAUNCH", FLAGS["triton_fast_launch"])
 
 
 @functools.cache
@@ -101,7 +106,7 @@ class Launcher:
         self._direct: Any = None  # the C launch function, when Triton's launcher exposes it
         self.scratch_bytes = 0
         self._tail: tuple[Any, ...] = ()
-        self._fast = FAST_LAUNCH and not interpreting()
+        self._fast = fast_launch() and not interpreting()
         self.verified = False  # set by the runner once a direct launch reproduced the JIT's bits
         if self._fast:
             params = getattr(fn, "params", None)
@@ -173,7 +178,7 @@ def verify_direct(
     deterministic), else keep to the JIT. Returns False, to be asked again on a later call,
     while a CUDA graph is being captured (no synchronisation allowed then)."""
     if interpreting() or not all(x.compiled for x in launchers):
-        return True  # no direct path to check (interpreter, FAST_LAUNCH off)
+        return True  # no direct path to check (interpreter, fast launch off)
     import torch
 
     if out.is_cuda and torch.cuda.is_current_stream_capturing():
