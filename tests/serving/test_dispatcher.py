@@ -484,6 +484,21 @@ def test_sdpa_names_the_argument_it_cannot_take(tmp_path, monkeypatch):
         dispatch_module.sdpa(q, q, q, scale=[1])
 
 
+def test_a_causal_refused_alone_is_refused_after_the_bool_it_equals(tmp_path):
+    """``causal=1`` is refused (torch's ``is_causal`` takes a bool), but ``1 == True``: after a
+    ``causal=True`` call of the same shapes it found that call's runner and was served."""
+    disp = Dispatcher(tmp_path / "c.db")
+    q = torch.randn(1, 2, 4, 8)
+    for causal, like in ((1, True), (0.0, False)):
+        torch.testing.assert_close(
+            disp.sdpa(q, q, q, causal=like),
+            F.scaled_dot_product_attention(q, q, q, is_causal=like),
+        )
+        got = re.escape(repr(causal))
+        with pytest.raises(TypeError, match=rf"^causal must be a bool or one of .*, got {got}$"):
+            disp.sdpa(q, q, q, causal=causal)
+
+
 def test_a_triton_winner_on_the_cpu_serves_calls_from_several_threads(cache_path, monkeypatch):
     """Triton's interpreter keeps a launch's grid in globals: interpreted calls take turns."""
     import threading

@@ -69,10 +69,12 @@ def _gemm_sig(a: Any, b: Any) -> tuple:
 def _sdpa_sig(
     q: Any, k: Any, v: Any, causal: bool | str, scale: float | None, enable_gqa: bool
 ) -> tuple:
-    """What decides an SDPA's runner, as ``_gemm_sig`` for a GEMM; ``enable_gqa``'s type too,
-    as ``lowbit.scaled_mm_sig`` keys ``use_fast_accum``'s."""
+    """What decides an SDPA's runner, as ``_gemm_sig`` for a GEMM; the types of ``causal`` and
+    ``enable_gqa`` too, as ``lowbit.scaled_mm_sig`` keys ``use_fast_accum``'s: ``1 == True``, and
+    a ``causal=1`` that the first call refuses must not be served after a ``causal=True``."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
-            v.dtype, q.device, k.device, v.device, causal, scale, type(enable_gqa), enable_gqa,
+            v.dtype, q.device, k.device, v.device, type(causal), causal, scale, type(enable_gqa),
+            enable_gqa,
             (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())  # fmt: skip
 
 
