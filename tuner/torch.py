@@ -467,8 +467,10 @@ class Router:
 
     def _sdpa(self, args: tuple, kwargs: dict, compiling: bool, memo_key: tuple = ()) -> Any:
         q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_args(*args, **kwargs)
-        if dropout_p or not (_plain(q) and _plain(k) and _plain(v)) or type(gqa) is not bool:
-            return NotImplemented  # (torch refuses an enable_gqa that is not a bool)
+        if dropout_p or not (_plain(q) and _plain(k) and _plain(v)):
+            return NotImplemented
+        if type(gqa) is not bool or type(is_causal) is not bool:
+            return NotImplemented  # torch refuses either flag if it is not a bool
         if not (q.dim() == k.dim() == v.dim() == 4) or q.dtype not in _FLOATS:
             return NotImplemented
         if k.dtype != q.dtype or v.dtype != q.dtype or torch_decides_heads(q, k, v, gqa):

@@ -185,6 +185,33 @@ def test_sdpa_memo_keys_on_keywords_and_skips_masks(tmp_path: Path) -> None:
 
 
 @pytest.mark.cpu_host
+def test_sdpa_flags_torch_refuses_stay_refused_where_a_tuned_kernel_serves(tmp_path: Path) -> None:
+    """torch takes only a bool for ``is_causal`` and ``enable_gqa``; where a tuned kernel served
+    the call, the drop-in computed ``is_causal=1`` at once, and ``enable_gqa=1`` after a call
+    with ``True`` (``1 == True``: the memo's key took one for the other)."""
+    disp = Dispatcher(tmp_path / "c.db", mode="lookup")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    k, v = (torch.randn(2, 2, 40, 16, generator=gen) for _ in range(2))
+    taken = [{"enable_gqa": True}, {"enable_gqa": True, "is_causal": True}]
+    run = lambda: [F.scaled_dot_product_attention(q, k, v, **kw) for kw in taken]  # noqa: E731
+    store_winners(disp, recorded_keys(disp, run), triton=False, sdpa_source="triton_decode")
+    refused = [{"enable_gqa": 1}, {"enable_gqa": True, "is_causal": 1}]
+    wants = []
+    for kw in refused:
+        with pytest.raises(TypeError) as want:
+            F.scaled_dot_product_attention(q, k, v, **kw)
+        wants.append(str(want.value))
+    with tt.enabled(dispatcher=disp):
+        run()
+        for kw, want in zip(refused, wants, strict=True):
+            with pytest.raises(TypeError) as got:
+                F.scaled_dot_product_attention(q, k, v, **kw)
+            assert str(got.value) == want
+        assert tt.stats(disp).hits == 2
+
+
+@pytest.mark.cpu_host
 def test_sdpa_memo_serves_a_tuned_decode_kernel(tmp_path: Path) -> None:
     disp = Dispatcher(tmp_path / "c.db", mode="lookup")
     gen = torch.Generator().manual_seed(0)

@@ -12,7 +12,8 @@ is the cheaper part of it that differs from call to call:
   ``stride``, ``shape``, ``dtype``): ``w.data = w.data[:n]`` keeps the object, its storage and its
   strides, and only the shape tells the cut weight from the one the runner was built for.
 - ``F.scaled_dot_product_attention(q, k, v, **kw)``: shapes and strides of q, k and v, dtype,
-  device and the keyword arguments (no tensor mask).
+  device and the keyword arguments with their types (no tensor mask): ``is_causal=1`` equals
+  ``True`` but torch refuses it, so it must not find ``True``'s memo.
 
 A memo whose call torch serves sends the call straight back to torch: that is correct whatever
 the rest of the signature (alignment, TF32, autograd), because torch decides those itself. A memo
@@ -51,7 +52,7 @@ def linear_key(x: torch.Tensor, w: torch.Tensor) -> tuple:
 
 def sdpa_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> tuple:
     return ("sdpa", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype,
-            q.get_device(), *kwargs.items())  # fmt: skip
+            q.get_device(), *kwargs.items(), *map(type, kwargs.values()))  # fmt: skip
 
 
 class LinearMemo:
