@@ -45,6 +45,7 @@ import sqlite_utils
 from tuner.cache.sqlite import Schema, SqliteFile, StoreError, register
 from tuner.cache.store import default_path
 from tuner.core.atomic import write_atomic
+from tuner.core.settings import NUMBERS
 
 log = logging.getLogger(__name__)
 
@@ -231,15 +232,12 @@ def default_max_bytes() -> int:
     text = os.environ.get("TUNER_ARTIFACTS_MAX_BYTES")
     if not text:
         return DEFAULT_MAX_BYTES
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
+    limit = NUMBERS["artifacts_max_bytes"]  # the bounds ``tuner info`` judges it by
+    if not limit.takes(text):  # ('1e9' is a number, but no whole one: say which it must be)
         raise ValueError(
-            f"TUNER_ARTIFACTS_MAX_BYTES must be a positive number of bytes, got {text!r}"
+            f"TUNER_ARTIFACTS_MAX_BYTES must be {limit.words()} of bytes, got {text!r}"
         )
-    return value
+    return int(text)
 
 
 class ArtifactStore:
