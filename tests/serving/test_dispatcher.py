@@ -295,6 +295,22 @@ def test_dlpack_arrays_go_through_zero_copy_and_come_back_as_their_type(cache_pa
     np.testing.assert_allclose(out, a @ b, rtol=1e-5)
 
 
+def test_a_dlpack_array_beside_another_operand_is_refused_naming_both(tmp_path, monkeypatch):
+    """``matmul(array, tensor)`` was served as an array and ``matmul(tensor, array)`` refused by
+    torch; beside a list, torch's error said the array must be a Tensor. Both are refused now,
+    naming both types, as ``sdpa`` refuses a mix."""
+    import numpy as np
+
+    from tuner.serving import dispatcher as dispatch_module
+
+    monkeypatch.setattr(dispatch_module, "_dispatcher", Dispatcher(tmp_path / "c.db"))
+    a, t = np.ones((2, 2), np.float32), torch.ones(2, 2)
+    for x, y, got in ((a, t, "a: ndarray, b: Tensor"), (t, a, "a: Tensor, b: ndarray"),
+                      (a, [[1.0]], "a: ndarray, b: list")):  # fmt: skip
+        with pytest.raises(TypeError, match=rf"^matmul\(\): a and b must be .*, got {got}$"):
+            dispatch_module.matmul(x, y)
+
+
 @pytest.mark.cpu_host
 def test_stale_winners_are_served_or_ignored_per_policy(cache_path, monkeypatch):
     a, b = torch.randn(8, 8), torch.randn(8, 8)

@@ -873,13 +873,20 @@ def _via_dlpack(fn: Callable[..., Any], *arrays: Any, **kwargs: Any) -> Any:
 def matmul(a: Any, b: Any, out: Any = None) -> Any:
     """``a @ b`` through the fastest known kernel for this problem on this device.
 
-    Takes torch tensors, or CuPy arrays (any DLPack array), returned as the same type.
+    Takes two torch tensors, or two CuPy arrays (any DLPack arrays), returned as the same type;
+    a DLPack array beside anything else is refused, as ``sdpa`` refuses one.
     """
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return get_dispatcher().matmul(a, b, out=out)
-    if hasattr(a, "__dlpack__") and hasattr(b, "__dlpack__") and not isinstance(a, torch.Tensor):
+    arrays = [not isinstance(x, torch.Tensor) and hasattr(x, "__dlpack__") for x in (a, b)]
+    if all(arrays):
         return _via_dlpack(get_dispatcher().matmul, a, b, out=out)
-    return torch.matmul(a, b, out=out)  # not two arrays: torch names what it refuses
+    if any(arrays):  # torch would say that the array must be a Tensor, which we take it for
+        raise TypeError(
+            "matmul(): a and b must be torch tensors (or both DLPack arrays), got "
+            f"a: {type(a).__name__}, b: {type(b).__name__}"
+        )
+    return torch.matmul(a, b, out=out)  # no arrays: torch names what it refuses
 
 
 def scaled_mm(
