@@ -203,8 +203,8 @@ def test_tune_all_queue_with_the_service_down_names_it(tmp_path: Path) -> None:
 def test_tune_all_queue_with_the_service_down_leaves_no_cache_behind(tmp_path: Path) -> None:
     """The claim failed after the run had made the cache, saved its device in it, and made
     --out's folder: a new cache holding only that device row, and an empty report folder,
-    stayed behind. Unmade again, with their folders; an empty file given stays empty, and a
-    cache that was there keeps what it held."""
+    stayed behind. Unmade again, with their folders (the device is saved after the claim); an
+    empty file given stays empty, and a cache that was there keeps what it held."""
     url = f"http://127.0.0.1:{free_port()}"
     made, empty, kept = tmp_path / "new" / "c.db", tmp_path / "empty.db", tmp_path / "kept.db"
     empty.touch()
@@ -221,6 +221,48 @@ def test_tune_all_queue_with_the_service_down_leaves_no_cache_behind(tmp_path: P
     assert empty.read_bytes() == b""
     with Store(kept) as store:
         assert {w.key: w.run_id for w in store.winners(DC)} == runs
+
+
+def test_a_failed_claim_keeps_a_new_cache_another_command_stored_in(tmp_path: Path) -> None:
+    """A command that made a cache and failed (no service reached) unmade it if it held only
+    a device row, though that row could be another command's, which shares the new cache (a
+    host's first `tuner sync &` beside a `tuner tune`): its work went on into a deleted file."""
+    from tuner.cli.options import NewPaths
+
+    cache = tmp_path / "new" / "c.db"
+    new = NewPaths(cache)
+    store = Store(cache)
+    with pytest.raises(ConnectionError), new.kept_if_used(store):
+        with Store(cache) as other:
+            other.save_device(fingerprint())
+        raise ConnectionError("no service reached")
+    with Store(cache) as kept:
+        assert kept.db["devices"].count == 1
+
+
+def test_a_failed_claim_through_a_link_unmakes_the_target_not_the_link(tmp_path: Path) -> None:
+    """A --cache that is a link to a file not there yet: the link was removed and the cache
+    the command made at its target stayed behind."""
+    url = f"http://127.0.0.1:{free_port()}"
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link.db"
+    link.symlink_to(tmp_path / "real" / "target.db")
+    done = cli("tune-all", "--queue", "5", cache=link, TUNER_SERVER=url, TUNER_TOKEN="")
+    assert done.exit_code == 1, done.output
+    assert link.is_symlink() and not (tmp_path / "real" / "target.db").exists()
+
+
+def test_tune_all_queue_out_that_cannot_be_made_is_named(tmp_path: Path) -> None:
+    """An --out whose name the system refuses (too long) gave a traceback, looked at for the
+    claim's clean-up before the run checked it: named, exit 2; --dry-run makes no --out."""
+    out = tmp_path / ("a" * 300) / "report"
+    env = {"TUNER_CACHE": str(tmp_path / "c.db"), "TUNER_SERVER": "http://127.0.0.1:9"}
+    done = tuner_process("tune-all", "--queue", "5", "--out", str(out), TUNER_TOKEN="", **env)
+    assert done.returncode == 2, done.stderr
+    assert "cannot create the output directory: File name too long" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    dry = tuner_process("tune-all", "--queue", "5", "--out", str(out), "--dry-run", **env)
+    assert dry.returncode == 0 and "Traceback" not in dry.stderr, dry.stderr
 
 
 def test_tune_all_queue_help_names_the_service_it_claims_from() -> None:

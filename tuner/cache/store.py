@@ -261,9 +261,8 @@ class Store(DeviceFile):
     # --- reads ---------------------------------------------------------------------------------
 
     def holds_nothing(self) -> bool:
-        """No row in any table but ``devices``: made, and nothing stored in it yet but the
-        device of the command that made it (tune-all saves it before it claims fleet keys)."""
-        return not any(self.db[t].count for t in self.db.table_names() if t != "devices")
+        """No row in any table: made, and nothing stored in it yet."""
+        return not any(self.db[t].count for t in self.db.table_names())
 
     def winner(self, device_class: str, key: str) -> Winner | None:
         rows = list(

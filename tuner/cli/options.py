@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Annotated, Literal
@@ -209,28 +210,55 @@ def open_store(cache: Path | None, *, existing: bool = False) -> Store:
     return store
 
 
+def _absent(path: Path) -> bool:
+    """Nothing at ``path``, not even a dangling link; a path that cannot be looked at (no
+    permission, a name too long) counts as there, so it is never taken for one to remove."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _empty_file(path: Path) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size == 0
+    except OSError:
+        return False
+
+
 class NewPaths:
     """The cache a command may make, and the folders it may make for it and for ``folders``
-    (``--out``'s), noted before any is made, so that a command failing before it stored
-    anything in a cache it made (a bad token, no service reached) unmakes them again: a mistake
-    leaves no cache behind that a later command would take for one (an empty file given stays
-    one, and a cache that was there keeps what it holds)."""
+    (``--out``'s), noted before any is made, so that where the command's step under
+    ``kept_if_used`` fails (a bad token, no service reached), what it made is unmade again: a
+    mistake leaves no cache behind that a later command would take for one. A link is
+    followed: its target is what is made, and the link stays. An empty file given stays one,
+    a cache that was there keeps what it holds, and so does one another command stored
+    anything in meanwhile."""
 
     def __init__(self, cache: Path, *folders: Path) -> None:
-        self.cache, self.made, self.existed = cache, unmade(cache), cache.exists()
-        self.folders = {p for f in (cache.parent, *folders) for p in (f, *f.parents)
-                        if not p.exists()}  # fmt: skip
+        self.cache = Path(os.path.realpath(cache))
+        self.existed = not _absent(self.cache)
+        self.unmade = not self.existed or _empty_file(self.cache)
+        real = [Path(os.path.realpath(f)) for f in (self.cache.parent, *folders)]
+        self.folders = {p for f in real for p in (f, *f.parents) if _absent(p)}
 
     @contextlib.contextmanager
     def kept_if_used(self, store: Store) -> Iterator[None]:
         """Where the body fails, ``store`` (of the cache) is closed, the cache unmade if it was
-        made and holds nothing, and the folders made since removed where empty."""
+        unmade before and holds nothing, and the folders made since removed where empty."""
         try:
             yield
         except BaseException:
-            unused = self.made and store.holds_nothing()
+            unused = False
+            with contextlib.suppress(
+                OSError, sqlite3.Error
+            ):  # the command's error is the one to tell
+                unused = self.unmade and store.holds_nothing()
             store.close()
-            with contextlib.suppress(OSError):  # the command's error is the one to tell
+            with contextlib.suppress(OSError):
                 if unused and self.existed:
                     os.truncate(self.cache, 0)
                 elif unused:

@@ -573,7 +573,8 @@ def tune_all(
     _check_op_kept_some(files, sources)
     check_sources_serve(settings.tune.sources, run_ops(files, sources))
     client = queue_client() if sources.queue and not dry_run else None
-    new = NewPaths(store_path, *([out] if out is not None else []))
+    # noted before --out's folder or the cache is made, for a claim that fails (kept_if_used)
+    new = NewPaths(store_path, *([out] if out is not None else [])) if client else None
     if out is not None and not dry_run:
         output_dir(out)  # checked before the run, not once it is over
     # a dry run writes nothing: with no cache yet, nothing is tuned and nothing recorded; a
@@ -582,17 +583,22 @@ def tune_all(
     store.verify()
     journal = journal_records(store_path)  # before any claim on the fleet's queue
     fp = fingerprint()
+    problems = add_recorded(files, sources, store, fp, console, None)
+    lease = None
+    if client is not None and new is not None:
+        # a claim refused or no service reached: what the run made is unmade, before the run
+        # wrote its first row (another command's rows in a cache made here keep it)
+        with new.kept_if_used(store):
+            workers = local_workers(settings.workers)[0]
+            lease = claim_queue(client, sources.queue, fp, settings, workers)
     if not dry_run:
         try:
             store.save_device(fp)
         except WriteFailedError as e:  # the disk full at the run's first write: as mid-run
+            if lease is not None:  # its keys go back to the fleet's queue, none finished
+                console.print(queue_summary(lease, complete_queue(lease, store, fp, set())))
             return _stopped(str(e))
-    problems = add_recorded(files, sources, store, fp, console, None)
-    lease = None
-    if client is not None:  # a claim refused or no service reached: what the run made is unmade
-        with new.kept_if_used(store):
-            workers = local_workers(settings.workers)[0]
-            lease = claim_queue(client, sources.queue, fp, settings, workers)
+    if lease is not None:
         leased = add_recorded(ProblemSet(), Sources(op=sources.op), store, fp, console, lease)
         for key, labels in leased.labels.items():
             for label in labels:
