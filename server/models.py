@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from server.merge import MIN_US
+from server.servable import utf8_unsafe
 from tuner.cache.artifacts import ArtifactSpec
 from tuner.core.device import Fingerprint
 from tuner.core.keys import parse_key
@@ -40,17 +41,22 @@ def canonical_key(text: str) -> str:
 def _small_params(params: dict[str, JsonValue]) -> dict[str, JsonValue]:
     """Params small and JSON: a NaN or an Infinity (which Python's parser takes, and which it
     makes of a number beyond a float's range, such as 1e999) was stored and served as text no
-    JSON reader takes, and the read of that winner failed with a 500."""
+    JSON reader takes, and the read of that winner failed with a 500; so did a lone surrogate,
+    which the answer's UTF-8 cannot carry."""
     try:
-        size = len(json.dumps(params, sort_keys=True, allow_nan=False))
+        text = json.dumps(params, sort_keys=True, allow_nan=False)
     except ValueError:
         raise ValueError(
             "not JSON-serialisable: NaN, Infinity and numbers beyond a float's range (1e999 "
             "reads as Infinity) are no numbers in JSON"
         ) from None
-    if size > MAX_PARAMS_CHARS:
+    if len(text) > MAX_PARAMS_CHARS:
         raise ValueError(
-            f"params must be at most {MAX_PARAMS_CHARS} characters of JSON, got {size}"
+            f"params must be at most {MAX_PARAMS_CHARS} characters of JSON, got {len(text)}"
+        )
+    if utf8_unsafe(params, text):
+        raise ValueError(
+            "a string holds a lone surrogate (\\ud800-\\udfff), which UTF-8 cannot carry"
         )
     return params
 

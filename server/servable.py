@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +39,24 @@ def _finite(text: str) -> float:
     if not math.isfinite(number):
         raise ValueError(text)
     return number
+
+
+# a JSON escape of a UTF-16 surrogate: alone (not one of a pair) it parses into a string that
+# UTF-8, which every answer is sent in, cannot carry
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def utf8_unsafe(params: dict[str, Any], text: str) -> bool:
+    """Whether ``params`` (parsed from, or dumped as, the JSON ``text``) hold a lone
+    surrogate, which no answer can be encoded with; only text with such an escape is
+    checked further."""
+    if not _SURROGATE.search(text):
+        return False
+    try:
+        json.dumps(params, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 # each row's params are parsed once, with this: NaN and Infinity as Python writes them are
@@ -69,11 +88,16 @@ class Servable:
             params = _PARAMS.decode(text)
         except json.JSONDecodeError:
             raise Unservable(f"its params {text[:200]} are not JSON (a damaged page?)") from None
+        except RecursionError:
+            raise Unservable(f"its params {text[:200]} are nested too deep to read") from None
         except ValueError:
-            raise Unservable(f"its params {text[:200]} hold NaN, Infinity or a number beyond a "
-                             "float's range, which JSON cannot carry") from None  # fmt: skip
+            raise Unservable(f"its params {text[:200]} hold NaN, Infinity or a number JSON or "
+                             "Python cannot carry (1e999, thousands of digits)") from None  # fmt: skip
         if not isinstance(params, dict):
             raise Unservable(f"its params {text[:200]} are not a JSON object")
+        if utf8_unsafe(params, text):
+            raise Unservable(f"its params {text[:200]} hold a lone surrogate, which UTF-8 "
+                             "cannot carry")  # fmt: skip
         return params
 
     def keep(self, rows: list[tuple], db: Path) -> list[tuple[tuple, dict[str, Any]]]:

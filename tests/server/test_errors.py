@@ -230,6 +230,21 @@ def test_a_nan_in_params_is_refused_and_the_winner_stays_readable(env: Env, numb
     assert served.status_code == 200 and served.json()["params"] == {}, served.text
 
 
+def test_a_lone_surrogate_in_params_is_refused_and_the_winner_stays_readable(env: Env) -> None:
+    """A string holding half a surrogate pair (sent as the escape \\ud800) was taken and
+    stored; each read of the winner and each lookup holding it then failed with a 500, as
+    the answer could not be encoded in UTF-8. A whole pair (an emoji) is taken."""
+    key = "gemm:m=8,n=8,k=48,dtype=f32,out_dtype=f32"
+    raw = json.dumps(submit_body([measurement(key=key, params={"tag": "x"})]))
+    r = call(env, "POST", SUBMIT, content=raw.replace('"x"', '"\\ud800"').encode(),
+             headers={"Content-Type": "application/json"})  # fmt: skip
+    expect(r, 422, "measurements.0.params", "lone surrogate")
+    pair = submit_body([measurement(key=key, params={"tag": "\U0001f600"})])
+    assert call(env, "POST", SUBMIT, json=pair).status_code == 200
+    served = call(env, "GET", f"/v1/winners/{DC}", "reader", params={"key": key})
+    assert served.status_code == 200 and served.json()["params"] == {"tag": "\U0001f600"}
+
+
 def test_a_time_too_small_to_divide_by_is_refused_and_the_feed_stays_readable(env: Env) -> None:
     """A challenger timed at 5e-324 us made its speedup over the baseline infinite; an admin's
     result is served at once, and every read of the class's winners (each host's sync) then
@@ -371,16 +386,26 @@ def test_params_beyond_a_floats_range_an_older_release_stored_are_left_out(tmp_p
 def test_params_that_are_no_json_object_are_left_out(tmp_path, caplog) -> None:
     """Params a damaged page left as no JSON at all (cut short, or garbage), or as JSON that is
     no object: each read of the winner failed with a 500 (the read parses them), and the feed
-    sent their text, which every host's pull refused, so no host of the class could sync. Left
-    out like a NaN, each named in the log once; the good winner is served and pulled."""
+    sent their text, which every host's pull refused, so no host of the class could sync; so
+    did params nested past Python's parser, a lone surrogate (no answer holding it can be sent
+    as UTF-8) and an integer past Python's digit limit. Left out like a NaN, each named in the
+    log once; the good winner is served and pulled."""
     import sqlite3
 
     from tuner.cache import Store
     from tuner.fleet.sync import pull
 
     db = tmp_path / "fleet.db"
-    damaged = ['{"bm": 64,', "garbage", "[64]"]
-    keys = [f"gemm:m=8,n=8,k={k},dtype=f32,out_dtype=f32" for k in (8, 16, 24, 32)]
+    deep = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    damaged = [
+        '{"bm": 64,',
+        "garbage",
+        "[64]",
+        deep,
+        '{"tag": "\\ud800"}',
+        '{"bm": ' + "1" * 5000 + "}",
+    ]
+    keys = [f"gemm:m=8,n=8,k={8 * k},dtype=f32,out_dtype=f32" for k in range(1, 8)]
     canonical = [str(parse_key(key)) for key in keys]
     with ThreadServer(db) as srv:
         admin = auth(srv.token("admin", "admin"))
@@ -401,10 +426,11 @@ def test_params_that_are_no_json_object_are_left_out(tmp_path, caplog) -> None:
             pull(srv.client("host", "read"), host, FP)
             assert [w.key for w in host.winners(DC)] == [canonical[0]]
     told = [r.getMessage() for r in caplog.records if "left out of every answer" in r.message]
-    assert len(told) == 3, told
-    for key, why in zip(canonical[1:], ['params {"bm": 64, are not JSON',
-                                        "params garbage are not JSON",
-                                        "params [64] are not a JSON object"], strict=True):  # fmt: skip
+    assert len(told) == 6, told
+    whys = ['params {"bm": 64, are not JSON', "params garbage are not JSON",
+            "params [64] are not a JSON object", "nested too deep",
+            "lone surrogate", "a number JSON or Python cannot carry"]  # fmt: skip
+    for key, why in zip(canonical[1:], whys, strict=True):
         assert any(key in t and why in t for t in told), (key, told)
 
 
