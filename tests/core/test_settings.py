@@ -226,3 +226,14 @@ def test_a_variable_name_in_the_file_is_taken_for_its_setting_name_in_the_guess(
     _, problems = read_config(cfg)
     assert "unknown setting 'TUNER_CACHE' (did you mean 'cache'?) left out" in problems[0]
     assert "unknown setting 'zzz' left out" in problems[1]
+
+
+def test_settings_under_a_table_are_named_as_such(tmp_path):
+    """A file written as `[tuner]` then its settings got only "unknown setting 'tuner'": the
+    answer says settings sit at the top of the file, and names those left out."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('mode = "tune"\n[tuner]\ncache = "/data/t.db"\nbuckets = "pow2"\n')
+    values, problems = read_config(cfg)
+    assert values == {"TUNER_MODE": "tune"}
+    (problem,) = problems
+    assert "[tuner] is a table" in problem and "['buckets', 'cache'] left out" in problem

@@ -139,7 +139,12 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
             and value.is_integer()
         ):
             value = int(value)  # (``1e9`` is a float in TOML)
-        if name not in KNOWN:
+        if isinstance(value, dict) and name not in KNOWN:
+            problems.append(
+                f"{path}: [{name}] is a table, and settings are read from the top of the file "
+                f"only: its {sorted(value)} left out; write them above any [table] line"
+            )
+        elif name not in KNOWN:
             guess = close_match(name.lower().removeprefix("tuner_"), list(KNOWN))  # TUNER_CACHE
             unknown = with_guess(repr(name), guess)
             problems.append(f"{path}: unknown setting {unknown} left out; known: {sorted(KNOWN)}")
