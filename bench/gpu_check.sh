@@ -18,6 +18,8 @@
 #   int4-layouts (bench/int4_layouts.py: time and memory of each INT4 kernel's weight layout -> $OUT/
 #   int4_layouts.json, .log). lowbit-ncu (Nsight Compute sections of the low-bit decode kernels -> $OUT/lowbit_ncu.log).
 #   gemv-ncu (the same for the CUDA W4A16 decode kernel, bench/w4a16_decode_grid.py --profile -> $OUT/gemv_ncu.log).
+#   gemv-grid (bench/w4a16_decode_grid.py -> $OUT/gemv_grid.json, .log; GEMV_GRID_ARGS="--proj down --m 16
+#   --config k,4,2,8,2 ...", GEMV_GRID_TIMEOUT).
 #   gemv-ab (bench/w4a16_decode_grid.py from another version's tree AB_TREE and from this one, in turns, then
 #   bench/gemv_ab.py -> $OUT/gemv_ab.txt/.json and each run's JSON and log; GEMV_AB_ARGS, GEMV_AB_ROUNDS).
 #   tuneall (tune-all Llama-3-8B projections -> $OUT/tuneall: report.json, speedup.png, tuner.db,
@@ -168,6 +170,8 @@ for stage in "$@"; do
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         python3 bench/w4a16_decode_grid.py --out /dev/null --profile ${GEMV_NCU_ARGS:---proj gate_up down --m 1 8} \
         2>&1 | tee "$OUT/gemv_ncu.log" || status=1 ;;
+    gemv-grid) timeout -k 20 "${GEMV_GRID_TIMEOUT:-300}" python3 bench/w4a16_decode_grid.py --out "$OUT/gemv_grid.json" \
+        ${GEMV_GRID_ARGS:-} 2>&1 | tee "$OUT/gemv_grid.log" || status=1 ;;
     gemv-ab)  # an A/B of whole runs, for a change w4a16_decode_grid.py --baseline cannot time (one that
       # moves the weight's layout): AB_TREE holds another version's tuner/ and bench/, e.g.
       # `git archive main tuner bench ':(exclude)bench/results' | tar -x -C ab_main` (a folder
