@@ -4,7 +4,7 @@
 
     with tuner.torch.enabled():            # or tuner.torch.enable() ... tuner.torch.disable()
         y = model(x)                       # nn.Linear, @, torch.matmul, F.sdpa, ... go through the tuner
-    print(tuner.torch.stats())             # hits, misses, bucketed hits, estimated time saved
+    print(tuner.torch.stats())             # hits, misses, build failures, time saved, ...
 
 **What is routed.** ``torch.matmul`` (also ``a @ b`` and ``Tensor.matmul``), ``torch.mm``, ``torch.bmm``,
 ``torch.addmm`` (``beta = alpha = 1``), ``F.linear`` and ``F.scaled_dot_product_attention`` (no
@@ -879,7 +879,8 @@ class Stats:
     winner), ``bucketed`` (a neighbour's winner rebuilt for the key), ``miss`` and ``capture``
     (torch's default for want of a winner), ``default``/``untunable`` (torch by policy or scope),
     ``loading`` (torch while the winner's kernel is fetched or built in the background) and
-    ``failed`` (torch: that build failed, see the dispatcher's loader).
+    ``failed`` (torch: the winner was tuned but failed to build or cannot serve here, see the
+    dispatcher's loader and log; counted as ``build_failures``, not as misses).
 
     ``saved_us``: calls x (winner's baseline_us - median_us), the estimate measured at tuning time;
     for bucketed calls it is the neighbour's figure, an estimate of an estimate.
@@ -907,6 +908,12 @@ class Stats:
         return self.calls_of("miss", "capture")
 
     @property
+    def build_failures(self) -> int:
+        """Calls of tuned problems that torch served because the winner failed to build or cannot
+        serve here: unlike a miss, tuning again will not help; the log says why."""
+        return self.calls_of("failed")
+
+    @property
     def passthrough(self) -> int:
         return self.calls_of(*PASSTHROUGH)
 
@@ -920,6 +927,7 @@ class Stats:
             "hits": self.hits,
             "bucketed": self.bucketed,
             "misses": self.misses,
+            "build_failures": self.build_failures,
             "passthrough": self.passthrough,
             "saved_us": self.saved_us,
             "rows": [
@@ -940,7 +948,8 @@ class Stats:
         before and not called since is only counted, so the lines add up to the calls)."""
         head = (
             f"tuner.torch: {counted(self.calls, 'call')}: {self.hits} hits, {self.bucketed} "
-            f"bucketed, {self.misses} misses, {self.passthrough} left to torch; "
+            f"bucketed, {self.misses} misses, {self.build_failures} build failures, "
+            f"{self.passthrough} left to torch; "
             f"estimated time saved {self.saved_us / 1e3:.3f} ms"
         )
         lines = [head, f"{'kind':<10} {'calls':>8} {'saved us/call':>14}  candidate  <-  key"]

@@ -30,8 +30,8 @@ from tuner.tuning.engine import TuneOptions
 from tuner.version import __version__
 
 
-def tuner(*args: str, cache=None, check: bool = True) -> subprocess.CompletedProcess:
-    env = os.environ | {"TRITON_INTERPRET": "1", "COLUMNS": "200"}
+def tuner(*args: str, cache=None, check: bool = True, **extra: str) -> subprocess.CompletedProcess:
+    env = os.environ | {"TRITON_INTERPRET": "1", "COLUMNS": "200"} | extra
     if cache is not None:
         env["TUNER_CACHE"] = str(cache)
     return subprocess.run(
@@ -341,6 +341,37 @@ def test_a_config_refused_leaves_no_cache_behind(tmp_path):
     r = tuner("tune-all", "--config", str(cfg), cache=cache, check=False)
     assert r.returncode == 2 and "n must be a positive integer" in r.stderr
     assert not cache.exists()
+
+
+def test_a_failed_tune_all_leaves_no_new_out_folder_and_a_run_that_worked_keeps_it(tmp_path):
+    """A run refused before it tuned anything made --out's folders first and left them behind
+    (empty): a cache file of garbage bytes, with or without --queue. Now a failed run leaves
+    nothing new (the file given stays as it was; a cache it made is unmade with its folders,
+    an --out that cannot be made included), and a run that tuned keeps its cache and report."""
+    problems, refused = tmp_path / "p.yaml", tmp_path / "refused.yaml"
+    problems.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: f32}\n")
+    refused.write_text("problems:\n  - {op: gemm, m: 4, n: -1, k: 8, dtype: f32}\n")
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"\x00garbage" * 100)
+    a_file = tmp_path / "a_file"
+    a_file.touch()
+    new_cache, out = tmp_path / "new" / "c.db", tmp_path / "out" / "report"
+    runs = [
+        (garbage, problems, out, "garbage.db is not a SQLite database"),
+        (new_cache, refused, out, "n must be a positive integer, got -1"),
+        (new_cache, problems, a_file / "report", "cannot create the output directory"),
+    ]
+    for queue in ((), ("--queue", "2")):  # the service is never reached: a closed port
+        for cache, config, where, said in runs:
+            r = tuner("tune-all", "--config", str(config), "--out", str(where), *queue,
+                      cache=cache, check=False, TUNER_SERVER="http://127.0.0.1:9")  # fmt: skip
+            assert r.returncode == 2 and said in r.stderr, (queue, cache, r.stderr)
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # no traceback
+            assert not out.parent.exists() and not new_cache.parent.exists(), (queue, cache)
+    assert garbage.read_bytes() == b"\x00garbage" * 100 and a_file.read_bytes() == b""
+    tuner("tune-all", "--config", str(problems), "--out", str(out), "--source", "torch",
+          "--budget", "0.01", cache=new_cache)  # fmt: skip
+    assert (out / "report.json").is_file() and Store(new_cache).winners()
 
 
 def test_warmup_refuses_a_missing_or_broken_cache(tmp_path):

@@ -197,15 +197,39 @@ def test_sdpa_matches_torch_for_gqa_and_both_causal_alignments(tmp_path):
         SdpaKey.from_tensors(q, k, v, scale=0.0)
 
 
-def test_a_winner_that_no_longer_builds_falls_back_to_the_baseline(cache_path):
+def test_a_winner_that_no_longer_builds_is_served_by_torch_and_counted_apart_from_misses(
+    cache_path, caplog
+):
+    """Winners stored with params their candidate no longer takes (Triton tiles missing): torch
+    serves those calls, stats() counts them as build failures, not as misses (a user would
+    retune a miss; retuning would not mend these), and the log names each key once, with why."""
     a, b = torch.randn(8, 8), torch.randn(8, 8)
-    key = GemmKey.from_tensors(a, b)
+    q = k = v = torch.randn(1, 2, 16, 16)
+    gemm, sdpa = GemmKey.from_tensors(a, b), SdpaKey.from_tensors(q, k, v)
+    dc = fingerprint().device_class
     Store(cache_path).put_winners(
-        [Winner(fingerprint().device_class, str(key), "triton_gemm", {"bm": 32}, 1.0, 2.0)]
+        [
+            Winner(dc, str(gemm), "triton_gemm", {"bm": 32}, 1.0, 2.0),
+            Winner(dc, str(sdpa), "triton_attention", {"bm": 32}, 1.0, 2.0),
+        ]
     )
     d = Dispatcher(cache_path, mode="lookup")
-    torch.testing.assert_close(d.matmul(a, b), a @ b)
-    assert d.choices[str(key)] == "torch"
+    d.set_counting(True)
+    untuned = torch.randn(8, 4)
+    with caplog.at_level(logging.WARNING, logger="tuner"):
+        for _ in range(2):
+            torch.testing.assert_close(d.matmul(a, b), a @ b)
+            torch.testing.assert_close(d.sdpa(q, k, v), F.scaled_dot_product_attention(q, k, v))
+            torch.testing.assert_close(d.matmul(a, untuned), a @ untuned)
+            d.set_mode("lookup")  # the runners dropped: each resolved again, the failure kept
+    stats = tuner.torch.stats(d)
+    assert (stats.build_failures, stats.misses, stats.hits) == (4, 2, 0)
+    assert stats.to_dict()["build_failures"] == 4
+    assert "2 misses, 4 build failures" in stats.table()
+    said = [r.getMessage() for r in caplog.records if "no longer builds" in r.getMessage()]
+    assert len(said) == 2
+    assert str(gemm) in said[0] and "triton_gemm" in said[0] and "param 'bn'" in said[0]
+    assert str(sdpa) in said[1] and "triton_attention" in said[1] and "'bn'" in said[1]
 
 
 NEW_PROCESS = """

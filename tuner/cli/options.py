@@ -232,11 +232,11 @@ def _empty_file(path: Path) -> bool:
 class NewPaths:
     """The cache a command may make, and the folders it may make for it and for ``folders``
     (``--out``'s), noted before any is made, so that where the command's step under
-    ``kept_if_used`` fails (a bad token, no service reached), what it made is unmade again: a
-    mistake leaves no cache behind that a later command would take for one. A link is
-    followed: its target is what is made, and the link stays. An empty file given stays one,
-    a cache that was there keeps what it holds, and so does one another command stored
-    anything in meanwhile."""
+    ``kept_if_used`` fails (a bad token, no service reached, an ``--out`` that cannot be made),
+    what it made is unmade again: a mistake leaves no cache behind that a later command would
+    take for one, nor an empty folder. A link is followed: its target is what is made, and the
+    link stays. An empty file given stays one, a cache that was there keeps what it holds, and
+    so does one another command stored anything in meanwhile."""
 
     def __init__(self, cache: Path, *folders: Path) -> None:
         self.cache = Path(os.path.realpath(cache))

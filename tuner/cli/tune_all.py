@@ -573,22 +573,24 @@ def tune_all(
     _check_op_kept_some(files, sources)
     check_sources_serve(settings.tune.sources, run_ops(files, sources))
     client = queue_client() if sources.queue and not dry_run else None
-    # noted before --out's folder or the cache is made, for a claim that fails (kept_if_used)
-    new = NewPaths(store_path, *([out] if out is not None else [])) if client else None
-    if out is not None and not dry_run:
-        output_dir(out)  # checked before the run, not once it is over
+    # noted before the cache or --out's folder is made: a run that fails before it stores
+    # anything unmakes them (kept_if_used); a dry run makes neither
+    new = None if dry_run else NewPaths(store_path, *([out] if out is not None else []))
     # a dry run writes nothing: with no cache yet, nothing is tuned and nothing recorded; a
     # damaged one is refused, as the real run refuses it, not read for a plan it cannot keep
+    # (and before --out's folder is made, which a refused cache would leave behind)
     store = Store(":memory:" if dry_run and not store_path.exists() else store_path)
     store.verify()
-    journal = journal_records(store_path)  # before any claim on the fleet's queue
-    fp = fingerprint()
-    problems = add_recorded(files, sources, store, fp, console, None)
     lease = None
-    if client is not None and new is not None:
-        # a claim refused or no service reached: what the run made is unmade, before the run
-        # wrote its first row (another command's rows in a cache made here keep it)
-        with new.kept_if_used(store):
+    # an --out that cannot be made, a claim refused or no service reached: what the run made
+    # is unmade, before the run wrote its first row (another command's rows keep a new cache)
+    with new.kept_if_used(store) if new is not None else contextlib.nullcontext():
+        if out is not None and not dry_run:
+            output_dir(out)  # checked before the run, not once it is over
+        journal = journal_records(store_path)  # before any claim on the fleet's queue
+        fp = fingerprint()
+        problems = add_recorded(files, sources, store, fp, console, None)
+        if client is not None:
             workers = local_workers(settings.workers)[0]
             lease = claim_queue(client, sources.queue, fp, settings, workers)
     if not dry_run:

@@ -143,11 +143,12 @@ class BackgroundLoader:
         with self._state:
             return job in self._in_flight
 
-    def refuse(self, job: str, error: str) -> None:
-        """Record ``job`` as failed without running it (a build that cannot serve on this host),
-        as a failed build is: neither retried on later calls nor submitted again, until
-        ``forget_refusals``."""
-        log.warning("%s cannot serve here, the baseline serves it: %s", job, error)
+    def refuse(self, job: str, error: str, why: str) -> None:
+        """Record ``job`` as failed on the caller's thread (``why``: it cannot serve on this
+        host, or its stored params no longer build), as a failed build is: said once, neither
+        retried on later calls nor submitted again, until ``forget_refusals`` (a reload may
+        bring what was lacking, or a winner with other params)."""
+        log.warning("%s %s, the baseline serves it: %s", job, why, error)
         with self._state:
             self.failures[job] = error
             self._refused.add(job)

@@ -539,7 +539,8 @@ class Dispatcher:
 
         A winner whose build may compile (``background.may_compile``) and that is not loaded yet
         is built by ``self.loader`` while the baseline serves (kind ``loading``); once built, the
-        signatures it served are resolved again, now to the loaded runner."""
+        signatures it served are resolved again, now to the loaded runner. A winner that cannot
+        serve here or no longer builds is kind ``failed``, not ``miss``: it was tuned."""
         base = registry.baseline(key.op, key)
         w = res.winner
         if w is None or res.candidate == base.name:
@@ -556,16 +557,11 @@ class Dispatcher:
             why = cannot_serve_here(source, key, device)
             if why is None and not may_compile(source):
                 return _taking_turns(source.build(key, w.params), device), res
-        except Exception as e:
-            log.warning(
-                "stored winner %s for %s no longer builds (%s); using the baseline",
-                w.candidate,
-                key,
-                e,
-            )
-            return base.build(key, base.baseline_params), Resolution(str(key), "miss", base.name)
+        except Exception as e:  # stored params the candidate no longer takes: tuned, not a miss
+            self.loader.refuse(job, f"{type(e).__name__}: {e}", "no longer builds")
+            return base.build(key, base.baseline_params), _by_torch(res, "failed")
         if why is not None:  # a winner pulled from a host that can run it
-            self.loader.refuse(job, why)
+            self.loader.refuse(job, why, "cannot serve here")
             return base.build(key, base.baseline_params), _by_torch(res, "failed")
         self.loader.submit(
             job, lambda: _on_device(device, lambda: load_runner(source, key, w.params)),
