@@ -920,9 +920,16 @@ def test_info_marks_a_number_setting_that_is_no_positive_number(tmp_path):
     """Each is refused where it is read (or its default used): info says which."""
     out = info_with(tmp_path, TUNER_SERVER_TIMEOUT="abc", TUNER_COMPILE_WORKERS="many",
                     TUNER_ARTIFACTS_MAX_BYTES="10GB", TUNER_CUTLASS_JOBS="4")  # fmt: skip
-    assert "abc (not a number of at least 0.1: tuner sync, push and artifacts refuse it)" in out
-    assert "many (not a positive whole number: the default is used, and logged)" in out
-    assert "10GB (not a positive whole number: the compiled-kernel store refuses to open)" in out
+    assert (
+        "abc (not a number of at least 0.1: tuner sync, push and artifacts refuse it; the "
+        "background sync, warmup and tune-all use the default, and log it)" in out
+    )
+    whole = "a positive whole number"
+    assert f"many (not {whole} (as 1000000000 or 1e9): the default is used, and logged)" in out
+    assert (
+        f"10GB (not {whole} of bytes (as 1000000000 or 1e9): the compiled-kernel store refuses "
+        "to open)" in out
+    )
     assert "4 (" not in out
 
 

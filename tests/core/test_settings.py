@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -130,9 +131,12 @@ def test_a_numeric_variable_that_is_no_positive_number_is_named_and_its_default_
     for text, want in (("3", 3), ("", 16), ("abc", 16), ("0", 16), ("-2", 16)):
         monkeypatch.setenv("TUNER_COMPILE_WORKERS", text)
         assert env_number("TUNER_COMPILE_WORKERS", 16) == want
-    assert "TUNER_COMPILE_WORKERS='-2': expected a positive int; using 16" in caplog.text
+    assert (
+        "TUNER_COMPILE_WORKERS (environment variable) must be a positive whole number "
+        "(as 1000000000 or 1e9), got '-2'; using 16 (the default)" in caplog.text
+    )
     monkeypatch.setenv("TUNER_CUTLASS_COMPILE_TIMEOUT", "1.5")
-    assert env_number("TUNER_CUTLASS_COMPILE_TIMEOUT", 900.0, float) == 1.5
+    assert env_number("TUNER_CUTLASS_COMPILE_TIMEOUT", 900.0) == 1.5
     monkeypatch.setenv("TUNER_CUTLASS_JOBS", "many")
     assert default_jobs(2) == min(2, os.cpu_count() or 1)
 
@@ -192,10 +196,12 @@ def test_a_value_of_the_wrong_type_for_its_setting_is_named_and_left_out(tmp_pat
     }
     assert problems == [
         f"{cfg}: profile must be a string, got False; left out",
-        f"{cfg}: sync_interval must be a number from 1 to 604800, got True; left out",
-        f"{cfg}: server_timeout must be a number of at least 0.1, got 'abc'; left out",
+        f"{cfg}: sync_interval (config file) must be a number from 1 to 604800, got True; left out",
+        f"{cfg}: server_timeout (config file) must be a number of at least 0.1, got 'abc'; "
+        "left out",
         f"{cfg}: cache must be a string (in quotes), got 5; left out",
-        f"{cfg}: compile_workers must be a positive whole number, got 0; left out",
+        f"{cfg}: compile_workers (config file) must be a positive whole number "
+        "(as 1000000000 or 1e9), got 0; left out",
     ]
 
 
@@ -203,14 +209,15 @@ def test_a_number_variable_out_of_its_bounds_is_marked_for_info():
     """The bounds are those of the code that reads each: a sync interval under 1 s falls back
     to the default, a timeout under 0.1 s is refused by tuner sync."""
     assert refusal("compile_workers", "many") == (
-        "not a positive whole number: the default is used, and logged"
+        "not a positive whole number (as 1000000000 or 1e9): the default is used, and logged"
     )
     assert refusal("sync_interval", "0.5") == (
         "not a number from 1 to 604800: the default is used, and logged"
     )
     assert refusal("sync_interval", "2") is None and refusal("cutlass_jobs", "") is None
     assert refusal("server_timeout", "0.01") == (
-        "not a number of at least 0.1: tuner sync, push and artifacts refuse it"
+        "not a number of at least 0.1: tuner sync, push and artifacts refuse it; the background "
+        "sync, warmup and tune-all use the default, and log it"
     )
 
 
@@ -237,3 +244,67 @@ def test_settings_under_a_table_are_named_as_such(tmp_path):
     assert values == {"TUNER_MODE": "tune"}
     (problem,) = problems
     assert "[tuner] is a table" in problem and "['buckets', 'cache'] left out" in problem
+
+
+INTEGRAL = ("1e9", "1000000000", "1E9", "1000000000.0")
+NOT_WHOLE = ("1.5", "0", "-3", "abc", "nan", "inf")
+
+
+@pytest.mark.parametrize("text", INTEGRAL)
+def test_a_size_limit_is_taken_from_the_environment_as_from_the_file(
+    text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TUNER_ARTIFACTS_MAX_BYTES=1e9`` was refused ("a whole number of bytes") while
+    ``artifacts_max_bytes = 1e9`` in the file was taken: both now take any whole number."""
+    from tuner.cache.artifacts import default_max_bytes
+
+    monkeypatch.setenv("TUNER_ARTIFACTS_MAX_BYTES", text)
+    assert default_max_bytes() == 1_000_000_000
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f"artifacts_max_bytes = {text.lower()}\n")  # TOML's floats: 1e9, 1e9 as 1E9
+    assert read_config(cfg) == ({"TUNER_ARTIFACTS_MAX_BYTES": "1000000000"}, [])
+
+
+@pytest.mark.parametrize("text", NOT_WHOLE)
+def test_a_size_limit_that_is_no_positive_whole_number_is_refused_from_either_source(
+    text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rule, one message: the setting, where the value came from, the value."""
+    from tuner.cache.artifacts import default_max_bytes
+
+    rule = "must be a positive whole number of bytes (as 1000000000 or 1e9)"
+    monkeypatch.setenv("TUNER_ARTIFACTS_MAX_BYTES", text)
+    with pytest.raises(ValueError) as refused:
+        default_max_bytes()
+    assert str(refused.value) == (
+        f"TUNER_ARTIFACTS_MAX_BYTES (environment variable) {rule}, got {text!r}"
+    )
+    cfg = tmp_path / "config.toml"
+    toml = text if text != "abc" else '"abc"'  # nan and inf are TOML floats
+    cfg.write_text(f"artifacts_max_bytes = {toml}\n")
+    values, problems = read_config(cfg)
+    file_value = tomllib.loads(f"v = {toml}")["v"]
+    assert values == {}
+    assert problems == [
+        f"{cfg}: artifacts_max_bytes (config file) {rule}, got {file_value!r}; left out"
+    ]
+
+
+@pytest.mark.parametrize("name", ["compile_workers", "cutlass_jobs"])
+def test_every_whole_number_setting_reads_its_environment_as_its_file(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same split was in the other whole-number settings: ``1e1`` in the environment was
+    logged and the default used, while the file's ``1e1`` was taken."""
+    from tuner.core.settings import env_number
+
+    variable = f"TUNER_{name.upper()}"
+    monkeypatch.setenv(variable, "1e1")
+    assert env_number(variable, 16) == 10
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f"{name} = 1e1\n")
+    assert read_config(cfg) == ({variable: "10"}, [])
+    monkeypatch.setenv(variable, "2.5")
+    assert env_number(variable, 16) == 16
+    assert f"{variable} (environment variable) must be a positive whole number" in caplog.text
+    assert "got '2.5'; using 16 (the default)" in caplog.text

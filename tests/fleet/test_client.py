@@ -3,6 +3,7 @@ dispatcher, which must keep working from its local cache whatever the service do
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 import threading
@@ -162,6 +163,75 @@ def test_the_dispatcher_does_not_wait_for_a_hung_service(silent_url: str, tmp_pa
         assert sync.syncs == 0 and sync.failures == 0  # ... which is still waiting
     finally:
         sync.stop(timeout_s=0.1)
+
+
+@pytest.fixture
+def hung_url() -> Iterator[str]:
+    """A service under uvicorn whose every API call hangs until the test is over (then answers
+    503, so that the server stops at once)."""
+    import asyncio
+
+    over = threading.Event()
+
+    async def hang(request):
+        while not over.is_set():
+            await asyncio.sleep(0.02)
+        return JSONResponse({"detail": "over"}, 503)
+
+    async def ready(request):
+        return JSONResponse({})
+
+    routes = [Route("/ready", ready), Route("/v1/{path:path}", hang, methods=["GET", "POST"])]
+    with AppThread(Starlette(routes=routes), health_path="/ready") as srv:
+        try:
+            yield srv.url
+        finally:
+            over.set()
+
+
+def test_the_process_dispatchers_sync_waits_the_configured_timeout(
+    hung_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``server_timeout`` (here from the config file) was not read by the dispatcher's
+    background sync: each try waited a fixed 5 s for a hung service's answer, 15 s and more
+    before a sync was found failed."""
+    from tuner.serving import dispatcher
+
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(
+        f'server = "{hung_url}"\nserver_timeout = 0.2\ncache = "{tmp_path / "host.db"}"\n'
+    )
+    monkeypatch.setenv("TUNER_CONFIG", str(cfg))
+    for name in ("TUNER_SERVER", "TUNER_SERVER_TIMEOUT", "TUNER_CACHE", "TUNER_TOKEN"):
+        monkeypatch.setenv(name, "")  # unset, so the file fills them; restored after the test
+    monkeypatch.setattr(dispatcher, "_dispatcher", None)
+    sync = dispatcher.get_dispatcher().fleet_sync
+    started = time.monotonic()
+    try:
+        wait_until(lambda: sync.failures, timeout_s=8)  # 3 tries of 0.2 s, 2 backoffs
+        assert "ReadTimeout" in sync.last_error
+        assert time.monotonic() - started < 8
+    finally:
+        sync.stop(timeout_s=2)
+
+
+def test_warmup_waits_the_configured_timeout_for_the_kernels_it_fetches(
+    hung_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tuner warmup`` fetched this host's kernels (here a GPU host's, whose fingerprint is
+    given) waiting the client's default 10 s a try, 40 s and more for a hung service, whatever
+    ``TUNER_SERVER_TIMEOUT`` said."""
+    from tuner.serving.warmup import WarmupReport, _fetch
+
+    gpu = dataclasses.replace(FP, kind="cuda", compute_capability="9.0")  # a host with kernels
+    monkeypatch.setenv("TUNER_SERVER", hung_url)
+    monkeypatch.setenv("TUNER_SERVER_TIMEOUT", "0.2")
+    monkeypatch.setenv("TUNER_ARTIFACTS", str(tmp_path / "kernels"))
+    report = WarmupReport(gpu.device_class)
+    started = time.monotonic()
+    _fetch(Dispatcher(store_path=tmp_path / "host.db", mode="record"), gpu, report)
+    assert time.monotonic() - started < 8  # 4 tries of 0.2 s, 3 backoffs
+    assert "unreachable: ReadTimeout" in report.fetch_error  # warmup goes on without them
 
 
 def test_outage_then_recovery_loses_no_miss(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ import sqlite_utils
 from tuner.cache.sqlite import Schema, SqliteFile, StoreError, register
 from tuner.cache.store import default_path
 from tuner.core.atomic import write_atomic
-from tuner.core.settings import NUMBERS
+from tuner.core.settings import ENV, NUMBERS, number_refused
 
 log = logging.getLogger(__name__)
 
@@ -229,15 +229,15 @@ def default_root() -> Path:
 
 
 def default_max_bytes() -> int:
+    """``$TUNER_ARTIFACTS_MAX_BYTES`` read as the config file's value is (``1e9`` included);
+    a ValueError saying why for one that is no positive whole number: a store with a limit
+    other than the one asked for would evict what it should keep, or keep what it should not."""
     text = os.environ.get("TUNER_ARTIFACTS_MAX_BYTES")
     if not text:
         return DEFAULT_MAX_BYTES
-    limit = NUMBERS["artifacts_max_bytes"]  # the bounds ``tuner info`` judges it by
-    if not limit.takes(text):  # ('1e9' is a number, but no whole one: say which it must be)
-        raise ValueError(
-            f"TUNER_ARTIFACTS_MAX_BYTES must be {limit.words()} of bytes, got {text!r}"
-        )
-    return int(text)
+    if (limit := NUMBERS["artifacts_max_bytes"].read(text)) is None:
+        raise ValueError(number_refused("artifacts_max_bytes", text, ENV))
+    return int(limit)
 
 
 class ArtifactStore:

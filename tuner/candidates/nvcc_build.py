@@ -33,7 +33,7 @@ from tuner.core.settings import env_number
 if TYPE_CHECKING:
     from tuner.cache.artifacts import ArtifactSpec
 
-COMPILE_TIMEOUT_S = env_number("TUNER_CUTLASS_COMPILE_TIMEOUT", 900.0, float)
+COMPILE_TIMEOUT_S = env_number("TUNER_CUTLASS_COMPILE_TIMEOUT", 900.0)
 
 
 def cache_dir() -> Path:

@@ -33,10 +33,17 @@ KNOWN = {
     "server": "fleet service base URL",
     "token": "fleet service bearer token",
     "sync_interval": "seconds between background syncs",
-    "server_timeout": "seconds tuner sync, push and artifacts wait for each answer of the service",
+    "server_timeout": (
+        "seconds each request to the fleet service waits for its answer: tuner sync, push and "
+        "artifacts (their --timeout), the dispatcher's background sync, tuner warmup's kernel "
+        "fetch, and tune-all's --queue claims and kernel fetch and push"
+    ),
     "server_db": "the service's own SQLite file (tuner serve)",
     "artifacts": "the compiled-kernel store's folder (default: artifacts/ beside the cache)",
-    "artifacts_max_bytes": "the compiled-kernel store's size limit, least recently used out",
+    "artifacts_max_bytes": (
+        "the compiled-kernel store's size limit, least recently used out: a positive whole "
+        "number of bytes, as 1000000000 or 1e9"
+    ),
     "cublas_algos": "cuBLAS algorithm ids to try",
     "compile_workers": "parallel kernel compilations",
     "triton_fast_launch": "launch compiled Triton kernels directly (on/off)",
@@ -65,26 +72,57 @@ FLAG_HELP = "1/0, true/false, yes/no, on/off"
 @dataclass(frozen=True)
 class Number:
     """A setting that takes a number of ``kind`` in ``[low, high]`` (``low`` excluded where it
-    is 0: a positive number). The modules that read it take their bounds from here."""
+    is 0: a positive number) of ``unit``, named in its words. The modules that read it take
+    their bounds from here, and the environment and the config file read it alike (``read``)."""
 
     kind: type[int] | type[float]
     low: float = 0.0
     high: float = math.inf
+    unit: str = ""
+
+    def read(self, text: str) -> int | float | None:
+        """``text`` as this setting's number, None where it is none or out of bounds: a whole
+        number may be written as a float (``1e9``), since TOML reads ``1e9`` as one."""
+        value = whole_number(text) if self.kind is int else _float(text)
+        if value is None:
+            return None
+        above_low = value > 0 if self.low == 0 else value >= self.low
+        return value if above_low and value <= self.high else None
 
     def takes(self, text: str) -> bool:
-        try:
-            value = self.kind(text)
-        except ValueError:
-            return False
-        return (value > 0 if self.low == 0 else value >= self.low) and value <= self.high
+        return self.read(text) is not None
 
     def words(self) -> str:
         what = "a whole number" if self.kind is int else "a number"
+        if self.unit:
+            what += f" of {self.unit}"
         if self.low == 0 and self.high == math.inf:
-            return f"a positive {what.removeprefix('a ')}"
-        if self.high == math.inf:
-            return f"{what} of at least {self.low:g}"
-        return f"{what} from {self.low:g} to {self.high:g}"
+            what = f"a positive {what.removeprefix('a ')}"
+        elif self.high == math.inf:
+            what += f" of at least {self.low:g}"
+        else:
+            what += f" from {self.low:g} to {self.high:g}"
+        return f"{what} (as 1000000000 or 1e9)" if self.kind is int else what
+
+
+def whole_number(text: str) -> int | None:
+    """``text`` as an int where it names a whole number, in digits or as a float (``1e9``,
+    ``1000000000.0``), None otherwise (``1.5``, ``nan``, ``inf``, ``abc``): one rule for the
+    environment and the config file, whose TOML makes ``1e9`` a float."""
+    try:
+        return int(text)
+    except ValueError:
+        value = _float(text)
+    return int(value) if value is not None and value.is_integer() else None
+
+
+def _float(text: str) -> float | None:
+    """``text`` as a finite float, else None: ``inf`` seconds or bytes is no setting's value."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 # under 1 s would hammer the service; over a week is a typo (and past threading.TIMEOUT_MAX the
@@ -97,16 +135,21 @@ SERVER_TIMEOUT = Number(float, 0.1)
 NUMBERS: dict[str, Number] = {
     "sync_interval": SYNC_INTERVAL,
     "server_timeout": SERVER_TIMEOUT,
-    "artifacts_max_bytes": Number(int),
+    "artifacts_max_bytes": Number(int, unit="bytes"),
     "compile_workers": Number(int),
     "cutlass_jobs": Number(int),
     "cutlass_compile_timeout": Number(float),
 }
 # what follows from a ``NUMBERS`` variable out of its bounds (``tuner info`` says it)
 NOT_A_NUMBER = {
-    "server_timeout": "tuner sync, push and artifacts refuse it",
+    "server_timeout": (
+        "tuner sync, push and artifacts refuse it; the background sync, warmup and tune-all "
+        "use the default, and log it"
+    ),
     "artifacts_max_bytes": "the compiled-kernel store refuses to open",
 }
+# where a refused number came from, as ``number_refused`` names it
+ENV, FILE = "environment variable", "config file"
 NOT_A_NUMBER_DEFAULT = "the default is used, and logged"
 # one algorithm id is a list of one; a token of digits is a token
 TEXT_TAKES_NUMBERS = ("cublas_algos", "token")
@@ -132,13 +175,6 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
         raise ValueError(f"{path}: not a text file (expected TOML)") from None
     values, problems = {}, []
     for name, value in data.items():
-        if (
-            name in NUMBERS
-            and NUMBERS[name].kind is int
-            and isinstance(value, float)
-            and value.is_integer()
-        ):
-            value = int(value)  # (``1e9`` is a float in TOML)
         if isinstance(value, dict) and name not in KNOWN:
             problems.append(
                 f"{path}: [{name}] is a table, and settings are read from the top of the file "
@@ -150,6 +186,12 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
             problems.append(f"{path}: unknown setting {unknown} left out; known: {sorted(KNOWN)}")
         elif not isinstance(value, (str, int, float, bool)):
             problems.append(f"{path}: {name} must be a string or number, got {value!r}; left out")
+        elif name in NUMBERS:
+            number = None if isinstance(value, bool) else NUMBERS[name].read(str(value))
+            if number is None:
+                problems.append(f"{path}: {number_refused(name, value, FILE)}; left out")
+            else:
+                values[f"TUNER_{name.upper()}"] = str(number)  # TOML's 1e9: 1000000000
         elif why := _wrong_type(name, value):
             problems.append(f"{path}: {name} must be {why}, got {value!r}; left out")
         elif name in CHOICES and value not in CHOICES[name]:
@@ -164,18 +206,24 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
 
 
 def _wrong_type(name: str, value: str | int | float | bool) -> str | None:
-    """What a file's ``value`` for setting ``name`` should have been, or None where it is of
-    the setting's type (its words and on/off values are judged apart): TOML's ``true`` is
-    on/off only, a number setting takes a positive number, the others a string."""
+    """What a file's ``value`` for text setting ``name`` should have been, or None where it is
+    of the setting's type (its words and on/off values are judged apart): TOML's ``true`` is
+    on/off only, the others take a string."""
     if name in FLAGS:
         return None
     if isinstance(value, bool):
-        return NUMBERS[name].words() if name in NUMBERS else "a string"
-    if name in NUMBERS:
-        return None if NUMBERS[name].takes(_env_text(value)) else NUMBERS[name].words()
+        return "a string"
     if isinstance(value, (int, float)) and name not in TEXT_TAKES_NUMBERS:
         return "a string (in quotes)"
     return None
+
+
+def number_refused(name: str, value: object, source: str) -> str:
+    """Why number setting ``name`` refuses ``value`` from ``source`` (``ENV`` or ``FILE``): one
+    message, naming the setting, where the value came from, the value and the rule, wherever
+    it is read."""
+    setting = f"TUNER_{name.upper()}" if source == ENV else name
+    return f"{setting} ({source}) must be {NUMBERS[name].words()}, got {value!r}"
 
 
 def _env_text(value: str | int | float | bool) -> str:
@@ -232,16 +280,17 @@ def load_config_file() -> Path | None:
     return path
 
 
-def env_number(name: str, default: float, kind: type[int] | type[float] = int) -> float:
-    """``$name`` read as a positive ``kind``, or ``default`` where it is unset; a value that is
-    not one is logged, naming the variable, and ``default`` used (a typo must not stop a run
-    that would otherwise go on, nor be taken silently)."""
+def env_number(name: str, default: float) -> float:
+    """``$name`` read as its setting's number (``NUMBERS``), or ``default`` where it is unset;
+    a value that is not one is logged, as ``number_refused`` words it, and ``default`` used (a
+    typo must not stop a run that would otherwise go on, nor be taken silently)."""
     text = os.environ.get(name)
     if not text:
         return default
-    if Number(kind).takes(text):
-        return kind(text)
-    log.warning("%s=%r: expected a positive %s; using %s", name, text, kind.__name__, default)
+    setting = name.removeprefix("TUNER_").lower()
+    if (value := NUMBERS[setting].read(text)) is not None:
+        return value
+    log.warning("%s; using %s (the default)", number_refused(setting, text, ENV), default)
     return default
 
 

@@ -3,7 +3,8 @@ for the service: ``attach`` starts it, it pushes and pulls every ``$TUNER_SYNC_I
 with its own SQLite connection, and calls ``Dispatcher.reload()`` when new winners or kernels
 arrive.
 
-Settings: ``TUNER_SERVER`` (base URL), ``TUNER_TOKEN``, ``TUNER_SYNC_INTERVAL`` (seconds).
+Settings: ``TUNER_SERVER`` (base URL), ``TUNER_TOKEN``, ``TUNER_SYNC_INTERVAL`` (seconds),
+``TUNER_SERVER_TIMEOUT`` (seconds each request waits for its answer).
 """
 
 from __future__ import annotations
@@ -151,16 +152,16 @@ def attach(
 ) -> BackgroundSync | None:
     """Keep ``dispatcher``'s cache in sync with the service in the background.
 
-    Uses ``$TUNER_SERVER``/``$TUNER_TOKEN`` unless a client is given; the interval is
-    ``$TUNER_SYNC_INTERVAL`` seconds (default 60, also used, and logged, for a value that is not
-    a number of seconds, or is below 1 or above a week). Returns None (and logs) if no service
-    is configured or the configuration is unusable: the dispatcher then works from its cache
-    alone.
+    Uses ``$TUNER_SERVER``/``$TUNER_TOKEN``, waiting ``$TUNER_SERVER_TIMEOUT`` seconds for each
+    answer, unless a client is given; the interval is ``$TUNER_SYNC_INTERVAL`` seconds (default
+    60, also used, and logged, for a value that is not a number of seconds, or is below 1 or
+    above a week). Returns None (and logs) if no service is configured or the configuration is
+    unusable: the dispatcher then works from its cache alone.
     """
     from tuner.core.device import fingerprint as default_fingerprint
 
     try:
-        client = client or FleetClient.from_env(timeout_s=5.0, retries=2)
+        client = client or FleetClient.from_env(retries=2)
         if client is None:
             return None
         if "interval_s" not in kwargs:

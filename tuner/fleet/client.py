@@ -31,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 from tuner.cache import Store
 from tuner.cache.artifacts import ArtifactSpec, sha256
 from tuner.core.device import Fingerprint
+from tuner.core.settings import env_number
 from tuner.fleet import answers
 from tuner.measure.records import Measurement
 from tuner.version import __version__
@@ -63,7 +64,7 @@ class Lease:
     expires_at: float | None
 
 
-TIMEOUT_S = 10.0  # seconds to wait for each answer, unless the caller says otherwise
+TIMEOUT_S = 10.0  # seconds to wait for each answer, where $TUNER_SERVER_TIMEOUT is unset
 
 
 def _check_server(server: str) -> None:
@@ -129,9 +130,15 @@ class FleetClient:
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> FleetClient | None:
-        """A client for ``$TUNER_SERVER`` with ``$TUNER_TOKEN``, or None if no server is set."""
+        """A client for ``$TUNER_SERVER`` with ``$TUNER_TOKEN``, waiting
+        ``$TUNER_SERVER_TIMEOUT`` seconds for each answer as the CLI's ``--timeout`` does (a
+        hung service must hold up the background sync, warmup and tune-all no longer than the
+        user said); None if no server is set."""
         server = os.environ.get("TUNER_SERVER")
-        return cls(server, os.environ.get("TUNER_TOKEN"), **kwargs) if server else None
+        if not server:
+            return None
+        timeout_s = env_number("TUNER_SERVER_TIMEOUT", TIMEOUT_S)
+        return cls(server, os.environ.get("TUNER_TOKEN"), timeout_s=timeout_s, **kwargs)
 
     def close(self) -> None:
         self.http.close()
