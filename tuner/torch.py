@@ -914,6 +914,11 @@ class Stats:
         return self.calls_of("failed")
 
     @property
+    def loading(self) -> int:
+        """Calls torch served while the winner's kernel was fetched or built in the background."""
+        return self.calls_of("loading")
+
+    @property
     def passthrough(self) -> int:
         return self.calls_of(*PASSTHROUGH)
 
@@ -928,6 +933,7 @@ class Stats:
             "bucketed": self.bucketed,
             "misses": self.misses,
             "build_failures": self.build_failures,
+            "loading": self.loading,
             "passthrough": self.passthrough,
             "saved_us": self.saved_us,
             "rows": [
@@ -949,7 +955,7 @@ class Stats:
         head = (
             f"tuner.torch: {counted(self.calls, 'call')}: {self.hits} hits, {self.bucketed} "
             f"bucketed, {self.misses} misses, {self.build_failures} build failures, "
-            f"{self.passthrough} left to torch; "
+            f"{self.loading} while loading, {self.passthrough} left to torch; "
             f"estimated time saved {self.saved_us / 1e3:.3f} ms"
         )
         lines = [head, f"{'kind':<10} {'calls':>8} {'saved us/call':>14}  candidate  <-  key"]

@@ -21,7 +21,7 @@ from tuner.cache import Store
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, SdpaKey
 from tuner.measure.records import Winner
-from tuner.serving.dispatcher import Dispatcher
+from tuner.serving.dispatcher import RESOLUTION_KINDS, Dispatcher, Resolution
 
 TRITON_PARAMS = {"bm": 32, "bn": 32, "bk": 32, "group_m": 8, "warps": 4, "stages": 1}
 
@@ -241,6 +241,19 @@ c = tuner.matmul(a, b)
 err = ((c.double() - a.double() @ b.double()).norm() / (a.double() @ b.double()).norm()).item()
 print(json.dumps({{"choices": get_dispatcher().choices, "err": err}}))
 """
+
+
+def test_the_stats_header_counts_every_call_once_whatever_its_kind():
+    rows = tuple(
+        Resolution(f"key{i}", kind, "torch", calls=i + 1) for i, kind in enumerate(RESOLUTION_KINDS)
+    )
+    stats = tuner.torch.Stats(rows)
+    counts = stats.to_dict()
+    parts = ("hits", "bucketed", "misses", "build_failures", "loading", "passthrough")
+    assert sum(counts[p] for p in parts) == stats.calls == sum(range(1, len(rows) + 1))
+    head = stats.table().splitlines()[0]
+    numbers = [int(n) for n in re.findall(r"(\d+) (?:hits|bucketed|misses|build|while|left)", head)]
+    assert sum(numbers) == stats.calls
 
 
 def dispatch_in_new_process(cache_path, m, n, k) -> dict:
