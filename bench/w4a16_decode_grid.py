@@ -29,6 +29,8 @@ NAME=FLAGS`` (repeatable) does the same for the current source built with extra 
 launch, or ``copies=-DGEMV_COPIES_ONLY=1``: the
 rings streamed with no compute, what the copies alone cost, or ``empty=-DGEMV_EMPTY=1``: each
 config's grid launched and returning at once; their outputs are wrong, excess nan);
+``--wide-warps W`` does the same for 64-row warps at M > 8 (the product's builds take 8; a
+``--variant`` built with ``-DGEMV_WIDE_WARPS=W`` caps their registers to fit up to W);
 ``--launch-floor`` adds "read_noop", the bare read's grid of programs that return at once (the
 floor beside ``empty``);
 ``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER[,TEAMS]]`` (repeatable; STAGGER 0 or 1,
@@ -379,6 +381,16 @@ def bench_projection(name: str, ms: tuple[int, ...], copy_gbs: float, trace: boo
     return rows
 
 
+def variant_flag(ap: argparse.ArgumentParser, option: str, macro: str, value: int, low: int,
+                 high: int) -> str:  # fmt: skip
+    """``-D{macro}={value}``, which a ``--variant`` must be built with for ``option`` to take
+    ``value`` in ``[low, high]``; else the parser's error naming both."""
+    flag = f"-D{macro}={value}"
+    if not (low <= value <= high and any(flag in flags for flags in VARIANTS.values())):
+        ap.error(f"{option} {value}: allowed {low} to {high}, with a --variant built with {flag}")
+    return flag
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -399,6 +411,9 @@ def main() -> None:
     ap.add_argument("--max-warps", type=int, default=cuda_w4a16.MAX_WARPS,
                     help="warps a CTA the configs may take, for a --variant built with "
                          "-DGEMV_MAX_WARPS of the same number (the product's builds: 16)")  # fmt: skip
+    ap.add_argument("--wide-warps", type=int, default=cuda_w4a16.WIDE_MAX_WARPS,
+                    help="64-row warps a CTA may take at M > 8, for a --variant built with "
+                         "-DGEMV_WIDE_WARPS of the same number (the product's builds: 8)")  # fmt: skip
     ap.add_argument("--launch-floor", action="store_true",
                     help="also time read_noop: the bare read's grid, each program returning at once")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
@@ -413,12 +428,14 @@ def main() -> None:
         ap.error(f"--repeat {args.repeat}: at least 1")
     variants = nvcc_twins.take_variants(ap, args.variant, VARIANTS)
     if args.max_warps != cuda_w4a16.MAX_WARPS:
-        flag = f"-DGEMV_MAX_WARPS={args.max_warps}"
-        built = any(flag in flags for flags in VARIANTS.values())
-        if not (cuda_w4a16.MAX_WARPS < args.max_warps <= 32 and built):
-            ap.error(f"--max-warps {args.max_warps}: allowed {cuda_w4a16.MAX_WARPS + 1} to 32, "
-                     f"with a --variant built with {flag}")  # fmt: skip
+        flag = variant_flag(ap, "--max-warps", "GEMV_MAX_WARPS", args.max_warps,
+                            cuda_w4a16.MAX_WARPS + 1, 32)  # fmt: skip
         cuda_w4a16.MAX_WARPS = args.max_warps  # configs past 16 warps run on that variant only
+        VARIANTS["trace"] = [*VARIANTS["trace"], flag]
+    if args.wide_warps != cuda_w4a16.WIDE_MAX_WARPS:
+        flag = variant_flag(ap, "--wide-warps", "GEMV_WIDE_WARPS", args.wide_warps,
+                            cuda_w4a16.WIDE_MAX_WARPS + 1, 12)  # fmt: skip
+        cuda_w4a16.WIDE_MAX_WARPS = args.wide_warps  # the product's builds refuse the extra warps
         VARIANTS["trace"] = [*VARIANTS["trace"], flag]
     if args.config:
         try:

@@ -569,9 +569,13 @@ __device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t
 }
 
 // 64-row warps over two n8 tiles need more than 128 registers a thread: at most 8 warps a CTA
+// (bench A/B only: -DGEMV_WIDE_WARPS=w, up to w such warps, their registers capped to fit)
+#ifndef GEMV_WIDE_WARPS
+#define GEMV_WIDE_WARPS 8
+#endif
 template <int NT>
 constexpr int max_warps() {
-  return SLICES * NT > 4 && MAX_WARPS > 8 ? 8 : MAX_WARPS;
+  return SLICES * NT > 4 && MAX_WARPS > GEMV_WIDE_WARPS ? GEMV_WIDE_WARPS : MAX_WARPS;
 }
 
 // TEAMED: the build for more than one row block a CTA (its own instance, so that the build for
