@@ -500,3 +500,22 @@ def test_artifacts_check_against_another_web_server_says_it_is_no_tuner_service(
         other.server_close()
     assert done.exit_code == 1, done.output
     assert f"error: fleet service {url}: no tuner service at this URL" in done.stderr
+
+
+@pytest.mark.parametrize("how", ["--timeout", "TUNER_SERVER_TIMEOUT"])
+@pytest.mark.parametrize("value", ["inf", "1e400"])
+def test_a_timeout_of_no_finite_seconds_is_refused_as_the_background_sync_refuses_it(
+    tmp_path: Path, how: str, value: str
+) -> None:
+    """``tuner info`` says sync, push and artifacts refuse such a ``TUNER_SERVER_TIMEOUT``,
+    and the background sync, warmup and tune-all use the default for it; the commands took it
+    and would wait for ever on a hung service. Now refused, naming the option and the rule."""
+    given = {"TUNER_SERVER_TIMEOUT": value} if how != "--timeout" else {}
+    args = ["--timeout", value] if how == "--timeout" else []
+    nowhere = f"http://127.0.0.1:{free_port()}"  # never reached: the refusal comes first
+    for command in ("sync", "push"):
+        done = cli(command, "--server", nowhere, *args, cache=tmp_path / "c.db", **given)
+        assert done.exit_code == 2, done.output
+        assert "must be a number of at least 0.1, got inf" in done.stderr, done.stderr
+        assert "TUNER_SERVER_TIMEOUT" in done.stderr and "--timeout" in done.stderr
+    assert not (tmp_path / "c.db").exists()

@@ -52,6 +52,17 @@ TokenOpt = Annotated[
     str | None,
     typer.Option("--token", envvar="TUNER_TOKEN", help="Bearer token.", show_default=False),
 ]
+
+
+def _timeout_read(value: float) -> float:
+    """``--timeout`` (or ``$TUNER_SERVER_TIMEOUT``) by ``SERVER_TIMEOUT``'s rule, the one the
+    background sync, warmup, tune-all and ``tuner info`` read it by: ``inf`` (or ``1e400``)
+    would wait for ever on a hung service, where they use the default."""
+    if SERVER_TIMEOUT.read(str(value)) is None:
+        raise typer.BadParameter(f"must be {SERVER_TIMEOUT.words()}, got {value}")
+    return value
+
+
 TimeoutOpt = Annotated[
     float,
     typer.Option(
@@ -60,6 +71,7 @@ TimeoutOpt = Annotated[
         help="Seconds to wait for each answer of the service (a request that times out is tried "
         "3 more times, with backoff, before the command fails).",
         min=SERVER_TIMEOUT.low,
+        callback=_timeout_read,
     ),
 ]
 
