@@ -925,7 +925,7 @@ def test_info_marks_a_number_setting_that_is_no_positive_number(tmp_path):
         "background sync, warmup and tune-all use the default, and log it)" in out
     )
     whole = "a positive whole number"
-    assert f"many (not {whole} (as 1000000000 or 1e9): the default is used, and logged)" in out
+    assert "many (not a whole number from 1 to 1024: the default is used, and logged)" in out
     assert (
         f"10GB (not {whole} of bytes (as 1000000000 or 1e9): the compiled-kernel store refuses "
         "to open)" in out

@@ -132,8 +132,8 @@ def test_a_numeric_variable_that_is_no_positive_number_is_named_and_its_default_
         monkeypatch.setenv("TUNER_COMPILE_WORKERS", text)
         assert env_number("TUNER_COMPILE_WORKERS", 16) == want
     assert (
-        "TUNER_COMPILE_WORKERS (environment variable) must be a positive whole number "
-        "(as 1000000000 or 1e9), got '-2'; using 16 (the default)" in caplog.text
+        "TUNER_COMPILE_WORKERS (environment variable) must be a whole number from 1 to 1024, "
+        "got '-2'; using 16 (the default)" in caplog.text
     )
     monkeypatch.setenv("TUNER_CUTLASS_COMPILE_TIMEOUT", "1.5")
     assert env_number("TUNER_CUTLASS_COMPILE_TIMEOUT", 900.0) == 1.5
@@ -200,8 +200,8 @@ def test_a_value_of_the_wrong_type_for_its_setting_is_named_and_left_out(tmp_pat
         f"{cfg}: server_timeout (config file) must be a number of at least 0.1, got 'abc'; "
         "left out",
         f"{cfg}: cache must be a string (in quotes), got 5; left out",
-        f"{cfg}: compile_workers (config file) must be a positive whole number "
-        "(as 1000000000 or 1e9), got 0; left out",
+        f"{cfg}: compile_workers (config file) must be a whole number from 1 to 1024, got 0; "
+        "left out",
     ]
 
 
@@ -209,7 +209,7 @@ def test_a_number_variable_out_of_its_bounds_is_marked_for_info():
     """The bounds are those of the code that reads each: a sync interval under 1 s falls back
     to the default, a timeout under 0.1 s is refused by tuner sync."""
     assert refusal("compile_workers", "many") == (
-        "not a positive whole number (as 1000000000 or 1e9): the default is used, and logged"
+        "not a whole number from 1 to 1024: the default is used, and logged"
     )
     assert refusal("sync_interval", "0.5") == (
         "not a number from 1 to 604800: the default is used, and logged"
@@ -306,5 +306,38 @@ def test_every_whole_number_setting_reads_its_environment_as_its_file(
     assert read_config(cfg) == ({variable: "10"}, [])
     monkeypatch.setenv(variable, "2.5")
     assert env_number(variable, 16) == 16
-    assert f"{variable} (environment variable) must be a positive whole number" in caplog.text
+    assert f"{variable} (environment variable) must be a whole number from 1 to 1024" in (
+        caplog.text
+    )
     assert "got '2.5'; using 16 (the default)" in caplog.text
+
+
+@pytest.mark.parametrize("text", ["1e30", "3000000000", "1025"])
+def test_a_worker_count_past_its_bound_is_logged_and_the_default_used_not_a_crash(
+    text: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``TUNER_COMPILE_WORKERS=1e30`` (a whole number, now that ``1e9`` reads as one) was taken,
+    and the Triton compile pool could not be made (OverflowError: a semaphore of C int) at a
+    run's first parallel compile; it was logged and the default used before ``1e9`` was read.
+    Worker counts are bounded now, and ``tuner info`` says so."""
+    from tuner.candidates import nvcc_build
+    from tuner.candidates.triton_kernels import launch
+
+    default = min(16, os.cpu_count() or 1)
+    monkeypatch.setenv("TUNER_COMPILE_WORKERS", text)
+    monkeypatch.setattr(launch, "_pool", None)
+    pool = launch._get_pool()
+    try:
+        assert pool._max_workers == default
+    finally:
+        pool.shutdown()
+    monkeypatch.setenv("TUNER_CUTLASS_JOBS", text)
+    assert nvcc_build.default_jobs(1) == 1
+    rule = "must be a whole number from 1 to 1024, got"
+    assert f"TUNER_COMPILE_WORKERS (environment variable) {rule} '{text}'" in caplog.text
+    assert f"TUNER_CUTLASS_JOBS (environment variable) {rule} '{text}'" in caplog.text
+    for name in ("compile_workers", "cutlass_jobs"):
+        assert refusal(name, text) == (
+            "not a whole number from 1 to 1024: the default is used, and logged"
+        )
+        assert refusal(name, "1024") is None and refusal(name, "1e3") is None

@@ -102,7 +102,8 @@ class Number:
             what += f" of at least {self.low:g}"
         else:
             what += f" from {self.low:g} to {self.high:g}"
-        return f"{what} (as 1000000000 or 1e9)" if self.kind is int else what
+        unbounded = self.kind is int and self.high == math.inf  # (1e9 is no bounded count)
+        return f"{what} (as 1000000000 or 1e9)" if unbounded else what
 
 
 def whole_number(text: str) -> int | None:
@@ -129,6 +130,10 @@ def _float(text: str) -> float | None:
 # sync thread dies)
 SYNC_INTERVAL = Number(float, 1.0, 7 * 24 * 3600.0)
 SERVER_TIMEOUT = Number(float, 0.1)
+# parallel compilations: each is a process of its own (a Python interpreter, an nvcc) with its
+# memory, so more than this is a typo; and past 2**31 - 2 the Triton compile pool cannot even
+# be made (OverflowError), which ``1e30`` reached once whole numbers were read from floats
+WORKERS = Number(int, 1, 1024)
 # the settings that take a number (each module reads its own, with ``env_number`` or as a
 # command's option); every other setting is text (a path, a URL, a token, a list), which a file
 # gives as a string
@@ -136,8 +141,8 @@ NUMBERS: dict[str, Number] = {
     "sync_interval": SYNC_INTERVAL,
     "server_timeout": SERVER_TIMEOUT,
     "artifacts_max_bytes": Number(int, unit="bytes"),
-    "compile_workers": Number(int),
-    "cutlass_jobs": Number(int),
+    "compile_workers": WORKERS,
+    "cutlass_jobs": WORKERS,
     "cutlass_compile_timeout": Number(float),
 }
 # what follows from a ``NUMBERS`` variable out of its bounds (``tuner info`` says it)
