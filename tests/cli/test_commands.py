@@ -983,3 +983,13 @@ def test_a_whole_suite_on_a_cpu_says_as_it_starts_that_quick_is_the_cpus_run(tmp
         "note: no CUDA GPU here: the suite times the models' own shapes on the CPU, slowly (a "
         "part may take hours); --quick times small shapes in their place\n"
     )
+
+
+def test_bench_sdpa_refuses_more_compile_workers_than_the_setting_takes(tmp_path):
+    """``--workers`` stands for ``$TUNER_COMPILE_WORKERS``, which takes 1 to 1024: past that the
+    run went on and the compile pool logged it and used its default, not what was asked."""
+    out = tmp_path / "b"
+    r = tuner("bench", "sdpa", "--workers", "1025", "--part", "nope", "--out", str(out),
+              check=False)  # fmt: skip
+    assert r.returncode == 2 and "--workers" in r.stderr and "1024" in r.stderr, r.stderr
+    assert not out.exists()

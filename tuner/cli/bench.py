@@ -21,6 +21,7 @@ from tuner.cli.options import (
     tune_options,
 )
 from tuner.core.console import output_console
+from tuner.core.settings import WORKERS
 from tuner.suites import catalog
 
 app = typer.Typer(
@@ -180,6 +181,7 @@ def bench_sdpa(
         int | None,
         typer.Option(
             min=1,
+            max=int(WORKERS.high),  # $TUNER_COMPILE_WORKERS's bound: past it the pool reads none
             help="Processes compiling Triton candidates (default: $TUNER_COMPILE_WORKERS, else "
             "the compile pool's share of the cores).",
         ),
