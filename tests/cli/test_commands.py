@@ -332,6 +332,10 @@ def test_a_dry_run_lists_what_it_would_tune_and_writes_nothing(tmp_path):
     assert "1 distinct problem on" in out and "0 already tuned, 1 to tune" in out
     assert "would tune 8x16x16 nn f32" in out
     assert not cache.exists()
+    cache.touch()  # an empty file (``touch``): SQLite would make a cache of it
+    assert "would tune 8x16x16 nn f32" in tuner("tune-all", "--config", str(cfg), "--dry-run",
+                                                cache=cache).stdout  # fmt: skip
+    assert cache.read_bytes() == b""  # the dry run had written a new cache's tables into it
 
 
 def test_a_config_refused_leaves_no_cache_behind(tmp_path):

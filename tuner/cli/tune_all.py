@@ -25,6 +25,7 @@ from rich.markup import escape
 
 from tuner.cache import Store, WriteFailedError
 from tuner.cache.artifacts import ArtifactStore
+from tuner.cache.sqlite import unmade
 from tuner.cli.errors import FAILED, fail, fleet_service, output_dir, write_output
 from tuner.cli.options import (
     OPS,
@@ -578,8 +579,9 @@ def tune_all(
     new = None if dry_run else NewPaths(store_path, *([out] if out is not None else []))
     # a dry run writes nothing: with no cache yet, nothing is tuned and nothing recorded; a
     # damaged one is refused, as the real run refuses it, not read for a plan it cannot keep
-    # (and before --out's folder is made, which a refused cache would leave behind)
-    store = Store(":memory:" if dry_run and not store_path.exists() else store_path)
+    # (and before --out's folder is made, which a refused cache would leave behind); an empty
+    # file is no cache yet either (``unmade``): opened, it would be made one
+    store = Store(":memory:" if dry_run and unmade(store_path) else store_path)
     store.verify()
     lease = None
     # an --out that cannot be made, a claim refused or no service reached: what the run made
