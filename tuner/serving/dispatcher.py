@@ -281,8 +281,14 @@ class Dispatcher:
 
     @property
     def choices(self) -> dict[str, str]:
-        """key -> the candidate serving it (the latest resolution), for diagnostics."""
-        return {r.key: r.candidate for r in self.resolutions.values() if r.kind != "untunable"}
+        """key -> the candidate serving it (the latest resolution), for diagnostics; where torch
+        stands in for a winner still loading or one that failed, the kind names it so:
+        ``failed: triton_gemm:{...}`` (that winner is not what serves)."""
+        return {
+            r.key: f"{r.kind}: {r.candidate}" if r.kind in STAND_INS else r.candidate
+            for r in self.resolutions.values()
+            if r.kind != "untunable"
+        }
 
     # --- hot path ------------------------------------------------------------------------------
 
@@ -777,6 +783,10 @@ def cannot_serve_here(source: Any, key: Key, device: Any) -> str | None:
 def _calls_torch(res: Resolution) -> bool:
     """Whether the winner serving ``res`` calls torch's own entry points (``calls_torch``)."""
     return res.winner is not None and registry.get(res.winner.source).calls_torch
+
+
+# kinds where torch's default serves in place of the winner a resolution names
+STAND_INS = ("loading", "failed")
 
 
 def _by_torch(res: Resolution, kind: str) -> Resolution:
