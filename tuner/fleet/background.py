@@ -10,8 +10,6 @@ Settings: ``TUNER_SERVER`` (base URL), ``TUNER_TOKEN``, ``TUNER_SYNC_INTERVAL`` 
 from __future__ import annotations
 
 import logging
-import math
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +18,7 @@ from typing import Any
 from tuner.cache import Store
 from tuner.cache.artifacts import ArtifactStore, shared_store
 from tuner.core.device import Fingerprint
-from tuner.core.settings import SYNC_INTERVAL
+from tuner.core.settings import env_number
 from tuner.fleet.artifact_sync import fetch_host_artifacts, host_archs
 from tuner.fleet.client import FleetClient, FleetError
 from tuner.fleet.sync import PullResult, pull, push_measurements, push_misses
@@ -28,8 +26,6 @@ from tuner.fleet.sync import PullResult, pull, push_measurements, push_misses
 log = logging.getLogger(__name__)
 
 SYNC_INTERVAL_S = 60.0  # default seconds between background syncs
-MIN_SYNC_INTERVAL_S = SYNC_INTERVAL.low  # of $TUNER_SYNC_INTERVAL (settings say why)
-MAX_SYNC_INTERVAL_S = SYNC_INTERVAL.high
 
 
 class BackgroundSync:
@@ -127,24 +123,10 @@ class BackgroundSync:
 
 
 def _sync_interval() -> float:
-    """``$TUNER_SYNC_INTERVAL`` in seconds. One that is not a finite number of seconds, or is
-    below the minimum, is logged and the default used: a typo in a setting must not leave the
-    host without its sync."""
-    text = os.environ.get("TUNER_SYNC_INTERVAL") or str(SYNC_INTERVAL_S)
-    try:
-        interval = float(text)
-    except ValueError:
-        interval = math.nan
-    if not math.isfinite(interval):
-        why = "is not a finite number of seconds"
-    elif interval < MIN_SYNC_INTERVAL_S:
-        why = f"is below the minimum of {MIN_SYNC_INTERVAL_S:g} s"
-    elif interval > MAX_SYNC_INTERVAL_S:
-        why = f"is above the maximum of {MAX_SYNC_INTERVAL_S:g} s"
-    else:
-        return interval
-    log.warning("TUNER_SYNC_INTERVAL=%r %s; using the default, %g s", text, why, SYNC_INTERVAL_S)
-    return SYNC_INTERVAL_S
+    """``$TUNER_SYNC_INTERVAL`` in seconds. One that is not a number of seconds in its bounds
+    (``SYNC_INTERVAL``) is logged and the default used: a typo in a setting must not leave the
+    host without its sync, nor 0 make it loop with no wait."""
+    return env_number("TUNER_SYNC_INTERVAL", SYNC_INTERVAL_S)
 
 
 def attach(
