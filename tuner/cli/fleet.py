@@ -56,8 +56,8 @@ TokenOpt = Annotated[
 
 def _timeout_read(value: float) -> float:
     """``--timeout`` (or ``$TUNER_SERVER_TIMEOUT``) by ``SERVER_TIMEOUT``'s rule, the one the
-    background sync, warmup, tune-all and ``tuner info`` read it by: ``inf`` (or ``1e400``)
-    would wait for ever on a hung service, where they use the default."""
+    background sync, warmup, tune-all and ``tuner info`` read it by, naming the value given:
+    ``inf`` (or ``1e400``) would wait for ever on a hung service, where they use the default."""
     if SERVER_TIMEOUT.read(str(value)) is None:
         raise typer.BadParameter(f"must be {SERVER_TIMEOUT.words()}, got {value}")
     return value
@@ -68,9 +68,8 @@ TimeoutOpt = Annotated[
     typer.Option(
         "--timeout",
         envvar="TUNER_SERVER_TIMEOUT",
-        help="Seconds to wait for each answer of the service (a request that times out is tried "
-        "3 more times, with backoff, before the command fails).",
-        min=SERVER_TIMEOUT.low,
+        help=f"Seconds to wait for each answer of the service, {SERVER_TIMEOUT.words()} (a "
+        "request that times out is tried 3 more times, with backoff, before the command fails).",
         callback=_timeout_read,
     ),
 ]
