@@ -471,18 +471,22 @@ def test_a_cache_the_disk_refuses_at_the_runs_first_write_stops_it_as_mid_run(tm
     """The disk full at the run's first write, its device's fingerprint, before any problem:
     the run stops as it does mid-run (status 1, the cause in one ``error: the run stopped``
     line, no traceback), not as a cache that cannot be used (status 2); nothing is journaled,
-    so once there is room the next run tunes every problem. Another process keeps write-ahead
-    frames in the cache's log (it holds the file open, so they are not merged), and the run
-    may write no byte past the log's end."""
+    so once there is room the next run tunes every problem, and the ``--out`` folders it made
+    for its report go again. Another process keeps write-ahead frames in the cache's log (it
+    holds the file open, so they are not merged), and the run may write no byte past the log's
+    end."""
     cache = tmp_path / "c.db"
     args = four_gemms(tmp_path)
+    out_dir = tmp_path / "runs" / "first"
     with Store(cache) as other:
         other.save_device(fingerprint())
         wal = cache.with_name(cache.name + "-wal")
-        p = start(*args, cache=cache, preexec_fn=limit_in_child(wal.stat().st_size))
+        p = start(*args, "--out", str(out_dir), cache=cache,
+                  preexec_fn=limit_in_child(wal.stat().st_size))  # fmt: skip
         out = p.communicate(timeout=240)[0]
     assert p.returncode == 1, out
     assert "Traceback" not in out, out
+    assert not (tmp_path / "runs").exists(), "the run that did nothing left its --out folders"
     assert out.rstrip().splitlines()[-1].startswith(f"error: the run stopped: {cache} could not")
     assert read_journal(journal_path(cache)) == [] and winner_keys(cache) == set()
     code, out = tune_all(*args, cache=cache)

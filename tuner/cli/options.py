@@ -247,26 +247,29 @@ class NewPaths:
 
     @contextlib.contextmanager
     def kept_if_used(self, store: Store) -> Iterator[None]:
-        """Where the body fails, ``store`` (of the cache) is closed, the cache unmade if it was
-        unmade before and holds nothing, and the folders made since removed where empty."""
+        """Where the body fails, what it made is unmade (``unmake``) and its error raised."""
         try:
             yield
         except BaseException:
-            unused = False
-            with contextlib.suppress(
-                OSError, sqlite3.Error
-            ):  # the command's error is the one to tell
-                unused = self.unmade and store.holds_nothing()
-            store.close()
-            with contextlib.suppress(OSError):
-                if unused and self.existed:
-                    os.truncate(self.cache, 0)
-                elif unused:
-                    self.cache.unlink()
-            for folder in sorted(self.folders, key=lambda p: len(p.parts), reverse=True):
-                with contextlib.suppress(OSError):  # a folder something was put in stays
-                    folder.rmdir()
+            self.unmake(store)
             raise
+
+    def unmake(self, store: Store) -> None:
+        """``store`` (of the cache) closed, the cache unmade if it was unmade before and holds
+        nothing, and the folders made since removed where empty: for a command that stops
+        before it did anything, by an error or as it chose."""
+        unused = False
+        with contextlib.suppress(OSError, sqlite3.Error):  # the command's error is the one to tell
+            unused = self.unmade and store.holds_nothing()
+        store.close()
+        with contextlib.suppress(OSError):
+            if unused and self.existed:
+                os.truncate(self.cache, 0)
+            elif unused:
+                self.cache.unlink()
+        for folder in sorted(self.folders, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):  # a folder something was put in stays
+                folder.rmdir()
 
 
 @contextlib.contextmanager

@@ -601,6 +601,8 @@ def tune_all(
         except WriteFailedError as e:  # the disk full at the run's first write: as mid-run
             if lease is not None:  # its keys go back to the fleet's queue, none finished
                 console.print(queue_summary(lease, complete_queue(lease, store, fp, set())))
+            if new is not None:  # nothing done: the --out folder made for it goes again
+                new.unmake(store)
             return _stopped(str(e))
     if lease is not None:
         leased = add_recorded(ProblemSet(), Sources(op=sources.op), store, fp, console, lease)
