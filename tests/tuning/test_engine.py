@@ -116,17 +116,24 @@ def test_a_truly_faster_challenger_wins_and_is_confirmed(memoized):
 
 
 def test_a_lucky_measurement_does_not_survive_the_confirmation(memoized):
+    """A challenger fast in its trial and slow after never wins. On a loaded host its trial may
+    not read it ahead by more than the noise, and then no confirmation is taken (no note, and
+    nothing of what this test is about): up to three tunes, the first that confirmed judged."""
+
     def slow_down_after_its_trial(m):
         if m.source == "memoized":
             memoized.slow = True  # it measured fast; from now on it is slow
 
-    outcome = tune(
-        KEY,
-        options=TuneOptions(budget_s=0.02, sources=["memoized"]),
-        on_result=slow_down_after_its_trial,
-    )
-    assert outcome.winner.source == "torch"
-    error = by_params(outcome)["memoized"].error
+    for _ in range(3):
+        memoized.slow = False
+        outcome = tune(
+            KEY,
+            options=TuneOptions(budget_s=0.02, sources=["memoized"]),
+            on_result=slow_down_after_its_trial,
+        )
+        assert outcome.winner.source == "torch"
+        if error := by_params(outcome)["memoized"].error:
+            break
     # taken again, then judged as read; on a loaded host the baseline's rounds may be far off
     # its trial too, and a duel disturbed twice keeps the baseline just the same
     assert "lost" in error
