@@ -132,7 +132,7 @@ SYNC_INTERVAL = Number(float, 1.0, 7 * 24 * 3600.0)
 SERVER_TIMEOUT = Number(float, 0.1)
 # parallel compilations: each is a process of its own (a Python interpreter, an nvcc) with its
 # memory, so more than this is a typo; and past 2**31 - 2 the Triton compile pool cannot even
-# be made (OverflowError), which ``1e30`` reached once whole numbers were read from floats
+# be made (OverflowError)
 WORKERS = Number(int, 1, 1024)
 # the settings that take a number (each module reads its own, with ``env_number`` or as a
 # command's option); every other setting is text (a path, a URL, a token, a list), which a file
