@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import pytest
@@ -12,9 +13,9 @@ from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.core.keys import GemmKey, SdpaKey
 from tuner.measure import timing
-from tuner.measure.records import LAUNCHES, candidate_name
+from tuner.measure.records import LAUNCHES, Measurement, candidate_name
 from tuner.tuning.engine import PHASES, TuneOptions, TuneOutcome, cut_off, earlier_times, tune
-from tuner.tuning.verdict import DISTURBED_SPREAD, duels
+from tuner.tuning.verdict import DISTURBED_SPREAD, duels, timed_baseline
 
 KEY = GemmKey(m=48, n=40, k=72, dtype="f32", out_dtype="f32")
 
@@ -110,9 +111,39 @@ def memoized():
 
 
 def test_a_truly_faster_challenger_wins_and_is_confirmed(memoized):
+    """torch's few-us CPU GEMM has a long tail in every take (its half spread up to ~90%), but
+    no usual reading of the memoized product reaches torch's quickest: the margin its win must
+    clear is the floor, not that tail."""
     outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["memoized"]))
     assert outcome.winner.source == "memoized" and outcome.winner.speedup > 1.5
     assert "kept" in by_params(outcome)["memoized"].error
+
+
+def test_a_baselines_long_tail_does_not_tie_a_challenger_far_under_it(memoized):
+    """torch's trial here is a take with a long tail (p90 three times its median, a half spread
+    of 95%): the memoized product's readings all lie under torch's quickest, so it duels, and
+    wins by more than the floor, not by more than that tail."""
+    timed = timed_baseline(tune(KEY, options=TuneOptions(budget_s=0.02, sources=[])).measurements)
+    base = dataclasses.replace(timed, p10_us=timed.median_us * 0.97, p90_us=timed.median_us * 3)
+    outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["memoized"]), prior=[base])
+    assert outcome.winner.source == "memoized", by_params(outcome)["memoized"].error
+
+
+def test_a_challenger_faster_in_its_trial_but_not_duelled_says_why(memoized):
+    """Off the GPU a tie within the noise meets no duel; its note says so, with the margin."""
+    base = Measurement(
+        device_class="d", key=str(KEY), source="torch", params={}, status="ok", is_baseline=True,
+        median_us=100.0, p10_us=95.0, p90_us=105.0, host_us=100.0,
+    )  # fmt: skip
+    tie = dataclasses.replace(
+        base, source="memoized", is_baseline=False, median_us=98.0, p10_us=97.0, p90_us=99.0,
+        host_us=98.0,
+    )  # fmt: skip
+    outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["memoized"]), prior=[base, tie])
+    assert outcome.winner.source == "torch"
+    assert by_params(outcome)["memoized"].error == (
+        "trial 98.00 vs baseline 100.00 us, within the noise (margin 5.0%): a tie, not duelled"
+    )
 
 
 def test_a_lucky_measurement_does_not_survive_the_confirmation(memoized):

@@ -15,6 +15,7 @@ from tuner.tuning.options import TuneOptions
 from tuner.tuning.verdict import (
     Rounds,
     at_power_limit,
+    bands_apart,
     contenders,
     duels,
     eager_win,
@@ -24,7 +25,9 @@ from tuner.tuning.verdict import (
     graph_reading_off,
     heavy_rate,
     host_hides_gpu,
+    left_out,
     may_hold_power_limit,
+    pair_noise,
     power_limited,
     retake_scattered,
     round_scatter,
@@ -57,6 +60,46 @@ def test_baseline_keeps_the_win_within_noise():
     assert contenders([base, m("x", 97.0, 96.0, 98.0)], TuneOptions()) == []
     assert [c.source for c in contenders([base, m("x", 90.0, 89.0, 91.0)], TuneOptions())] == ["x"]
     assert contenders([base, m("x", 101.0, 100.0, 102.0)], TuneOptions()) == []
+
+
+def test_a_baselines_long_tail_ties_no_challenger_whose_band_lies_under_it():
+    """A CPU call of a few us has a long tail in every take, a half spread near 100%: as a margin
+    it would tie any challenger, however fast. Where the challenger's p90 is under the
+    baseline's p10 by the floor, the gap is no noise, and the floor is the margin."""
+    base = m("torch", 4.2, 4.0, 12.0, baseline=True)  # half spread 95%
+    fast = m("fast", 0.25, 0.23, 0.28)
+    assert bands_apart(base, fast, 0.02, "eager")
+    assert pair_noise(base, fast, 0.02, "eager") == 0.02
+    assert [c.source for c in contenders([base, fast], TuneOptions())] == ["fast"]
+    reaching = m("reaching", 2.0, 1.0, 3.95)  # its p90 within the floor of torch's p10
+    assert pair_noise(base, reaching, 0.02, "eager") == pytest.approx(8.0 / 4.2 / 2)
+    assert contenders([base, reaching], TuneOptions()) == []
+    slow_launch = m("slow_launch", 0.25, 0.23, 0.28)
+    slow_launch.host_us = 3.95  # eagerly its launch reaches torch's quickest readings
+    assert not bands_apart(base, slow_launch, 0.02, "eager")
+    assert bands_apart(base, slow_launch, 0.02, "graph")
+
+
+def test_a_challenger_faster_in_its_trial_that_no_duel_judges_is_told_why():
+    base = m("torch", 100.0, 95.0, 105.0, baseline=True)
+    base.host_us = 10.0
+    tie, beyond = m("tie", 98.0, 97.0, 99.0), m("beyond", 80.0, 79.0, 81.0)
+    slower = m("slower", 101.0, 100.0, 102.0)
+    slow_launch = m("slow_launch", 70.0, 69.0, 71.0)
+    slow_launch.host_us = 140.0  # 130 us more launch work for 30 us saved
+    host_bound = m("host_bound", 10.0, 9.0, 11.0)
+    host_bound.host_us = 100.0  # repaid (90 us saved), but eagerly a call takes its launch
+    ms = [base, tie, beyond, slower, slow_launch, host_bound]
+    order = duels(ms, TuneOptions(), "cpu")
+    assert [c.source for c in order] == ["beyond"]
+    assert dict((c.source, why) for c, why in left_out(ms, order, TuneOptions())) == {
+        "tie": "trial 98.00 vs baseline 100.00 us, within the noise (margin 5.0%): a tie, "
+        "not duelled",
+        "slow_launch": "a launch of 140.00 vs 10.00 us a call, more than the 30.00 us it saves: "
+        "not duelled",
+        "host_bound": "a launch of 100.00 vs 10.00 us a call, slower than the baseline's 100.00 "
+        "us call: not duelled",
+    }
 
 
 def test_challengers_rank_only_against_a_timed_baseline():

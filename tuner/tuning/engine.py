@@ -32,7 +32,7 @@ from tuner.measure.records import Measurement, Winner, candidate_name
 from tuner.tuning import pruning
 from tuner.tuning.options import TuneOptions
 from tuner.tuning.trials import Trial, confirmed, reconfirmed, short_error
-from tuner.tuning.verdict import duels, effective_us, timed_baseline
+from tuner.tuning.verdict import duels, effective_us, left_out, timed_baseline
 
 log = logging.getLogger(__name__)
 
@@ -352,6 +352,9 @@ def tune(
         new = second_pass_duels(measurements, options, device)
         verdict = first_pass.winner
         chosen, base_us, chosen_us = reconfirmed(trial, base, verdict, measurements, new, options)
+    for m, why in left_out(measurements, duels(measurements, options, device), options):
+        if why not in m.error:  # a first pass's measurement carries its note already
+            m.error = f"{m.error}; {why}" if m.error else why
     winner = Winner(
         device_class=fp.device_class, key=str(key), source=chosen.source, params=chosen.params,
         median_us=chosen_us, baseline_us=base_us, versions=fp.version_tag, run_id=run_id,

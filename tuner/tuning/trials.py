@@ -33,7 +33,7 @@ from tuner.tuning.verdict import (
     heavy_rate,
     host_decides,
     launch_cost_repaid,
-    noise,
+    pair_noise,
     power_limited,
     retake_scattered,
     round_scatter,
@@ -329,7 +329,7 @@ class Trial:
             for m in (base, challenger)
         }
         trial_us = (effective_us(base, options.launch), effective_us(challenger, options.launch))
-        margin = max(noise(base, options.min_noise), noise(challenger, options.min_noise))
+        margin = pair_noise(base, challenger, options.min_noise, options.launch)
         tied = tied_in_trial(trial_us, margin)
         sustained = self.sustained(runners, base, challenger, options)
         readings = self.rounds(runners, base, challenger, options, sustained)

@@ -30,6 +30,30 @@ def noise(m: Measurement, floor: float) -> float:
     return max(floor, m.spread / 2)
 
 
+def bands_apart(base: Measurement, chal: Measurement, floor: float, launch: str) -> bool:
+    """Whether the challenger's p90 (eagerly, its host time if that is longer) is under the
+    baseline's p10 by more than ``floor``: none of the challenger's usual readings reaches the
+    baseline's quickest ones."""
+    if chal.p90_us is None or base.p10_us is None:
+        return False
+    top = chal.p90_us
+    if launch == "eager" and chal.host_us is not None:
+        top = max(top, chal.host_us)
+    return top < base.p10_us * (1 - floor)
+
+
+def pair_noise(base: Measurement, chal: Measurement, floor: float, launch: str) -> float:
+    """The share by which a challenger must beat ``base`` to be faster beyond noise: the wider
+    of the two ``noise``s, but only ``floor`` where their p10..p90 bands lie apart
+    (``bands_apart``). A half spread stands for how far readings of one runner may fall apart;
+    a baseline whose every take has a long tail (a CPU call of a few us) would otherwise tie
+    any challenger, however much faster, though no usual reading of either reaches the
+    other's."""
+    if bands_apart(base, chal, floor, launch):
+        return floor
+    return max(noise(base, floor), noise(chal, floor))
+
+
 DISTURBED_SPREAD = 0.5  # a timing's (p90 - p10) / median beyond this: something ran beside it
 
 
@@ -350,7 +374,7 @@ def _challengers(
         ):
             continue
         us = effective_us(m, options.launch)
-        margin = max(noise(base, options.min_noise), noise(m, options.min_noise))
+        margin = pair_noise(base, m, options.min_noise, options.launch)
         if not tied_in_trial((base_us, us), margin):
             beyond.append(m)
         elif us < tie_ceiling(base_us, options):
@@ -381,6 +405,37 @@ def duels(measurements: list[Measurement], options: TuneOptions, device: str) ->
     ``confirm_tries``): the contenders, then on the GPU the ties, whose duel the graph decides."""
     beyond, within = _challengers(measurements, options)
     return beyond + within if device == "cuda" and options.confirm_rounds > 0 else beyond
+
+
+def left_out(
+    measurements: list[Measurement], order: list[Measurement], options: TuneOptions
+) -> list[tuple[Measurement, str]]:
+    """The challengers faster than the baseline in their trial (median) that ``order``
+    (``duels``) leaves out, each with why: a launch its GPU time does not repay, a launch that
+    eagerly takes longer than the baseline's call, or a tie within the pair's noise where no
+    graph decides ties. A loss in the trial otherwise leaves no word of itself."""
+    base = _required_baseline(m for m in measurements if m.status == "ok")
+    base_us = effective_us(base, options.launch)
+    duelled = {id(m) for m in order}
+    found: list[tuple[Measurement, str]] = []
+    for m in measurements:
+        if m.status != "ok" or m is base or id(m) in duelled or m.median_us >= base.median_us:
+            continue
+        us = effective_us(m, options.launch)
+        launch = f"a launch of {m.host_us or 0:.2f} vs {base.host_us or 0:.2f} us a call"
+        if not launch_cost_repaid(m.median_us, m.host_us, base.median_us, base.host_us, options):
+            saved = base.median_us - m.median_us
+            why = f"{launch}, more than the {saved:.2f} us it saves: not duelled"
+        elif us >= base_us:
+            why = f"{launch}, slower than the baseline's {base_us:.2f} us call: not duelled"
+        else:
+            margin = pair_noise(base, m, options.min_noise, options.launch)
+            why = (
+                f"trial {us:.2f} vs baseline {base_us:.2f} us, within the noise "
+                f"(margin {margin:.1%}): a tie, not duelled"
+            )
+        found.append((m, why))
+    return found
 
 
 def timed_baseline(measurements: Iterable[Measurement]) -> Measurement | None:
