@@ -352,7 +352,7 @@ def tune(
         new = second_pass_duels(measurements, options, device)
         verdict = first_pass.winner
         chosen, base_us, chosen_us = reconfirmed(trial, base, verdict, measurements, new, options)
-    for m, why in left_out(measurements, duels(measurements, options, device), options):
+    for m, why in left_out(measurements, duels(measurements, options, device), chosen, options):
         if why not in m.error:  # a first pass's measurement carries its note already
             m.error = f"{m.error}; {why}" if m.error else why
     winner = Winner(

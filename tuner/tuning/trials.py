@@ -43,6 +43,7 @@ from tuner.tuning.verdict import (
     tied_in_trial,
     tied_rival,
     under_kept,
+    wider_noise,
 )
 
 log = logging.getLogger(__name__)
@@ -293,7 +294,7 @@ class Trial:
     ) -> tuple[Measurement, float, float]:
         """Re-time baseline and challenger alternately on the same inputs, in
         ``timing.round_order``. The challenger keeps the win only if it still beats the baseline
-        by the margin: one lucky measurement (clock drift, a quiet moment) must not make a winner
+        by the margin (``pair_noise``): one lucky measurement (clock drift, a quiet moment) must not make a winner
         that is slower in use. Eagerly the margin is at least the rounds' own scatter
         (``round_scatter``; rounds scattered wider than the noise may be taken again once:
         ``retake_scattered``): a win narrower than how far either runner's rounds fell apart is
@@ -316,8 +317,8 @@ class Trial:
         judged as read, since a slower reading of the challenger cannot make its win. So, with
         ``launch="graph"``, are graph readings far off the runners' trial graph times the way that
         favours the challenger (``graph_reading_off``). An eager win of a challenger that tied
-        the baseline in its trial (``tied_in_trial``) stands only where a second take of the
-        rounds shows it too.
+        the baseline in its trial (``tied_in_trial`` by their ``wider_noise``, also where their
+        bands lie apart) stands only where a second take of the rounds shows it too.
 
         ``base_name``: what the verdict calls ``base`` (a kept challenger that a tied one duels).
         Returns the chosen measurement and the baseline's and chosen one's times (us).
@@ -330,7 +331,9 @@ class Trial:
         }
         trial_us = (effective_us(base, options.launch), effective_us(challenger, options.launch))
         margin = pair_noise(base, challenger, options.min_noise, options.launch)
-        tied = tied_in_trial(trial_us, margin)
+        # a second take by the wider noise, also where the bands lie apart: a baseline's trial
+        # slowed throughout (a compile beside all of it) lifts its p10 as well
+        tied = tied_in_trial(trial_us, wider_noise(base, challenger, options.min_noise))
         sustained = self.sustained(runners, base, challenger, options)
         readings = self.rounds(runners, base, challenger, options, sustained)
 

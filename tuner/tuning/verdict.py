@@ -42,16 +42,20 @@ def bands_apart(base: Measurement, chal: Measurement, floor: float, launch: str)
     return top < base.p10_us * (1 - floor)
 
 
+def wider_noise(base: Measurement, chal: Measurement, floor: float) -> float:
+    """The wider of two runners' ``noise``s."""
+    return max(noise(base, floor), noise(chal, floor))
+
+
 def pair_noise(base: Measurement, chal: Measurement, floor: float, launch: str) -> float:
-    """The share by which a challenger must beat ``base`` to be faster beyond noise: the wider
-    of the two ``noise``s, but only ``floor`` where their p10..p90 bands lie apart
-    (``bands_apart``). A half spread stands for how far readings of one runner may fall apart;
-    a baseline whose every take has a long tail (a CPU call of a few us) would otherwise tie
-    any challenger, however much faster, though no usual reading of either reaches the
-    other's."""
+    """The share by which a challenger must beat ``base`` to be faster beyond noise: their
+    ``wider_noise``, but only ``floor`` where their p10..p90 bands lie apart (``bands_apart``).
+    A half spread stands for how far readings of one runner may fall apart; a baseline whose
+    every take has a long tail (a CPU call of a few us) would otherwise tie any challenger,
+    however much faster, though no usual reading of either reaches the other's."""
     if bands_apart(base, chal, floor, launch):
         return floor
-    return max(noise(base, floor), noise(chal, floor))
+    return wider_noise(base, chal, floor)
 
 
 DISTURBED_SPREAD = 0.5  # a timing's (p90 - p10) / median beyond this: something ran beside it
@@ -407,33 +411,52 @@ def duels(measurements: list[Measurement], options: TuneOptions, device: str) ->
     return beyond + within if device == "cuda" and options.confirm_rounds > 0 else beyond
 
 
+def _us(x: float | None) -> str:
+    return "?" if x is None else f"{x:.2f}"
+
+
 def left_out(
-    measurements: list[Measurement], order: list[Measurement], options: TuneOptions
+    measurements: list[Measurement],
+    order: list[Measurement],
+    chosen: Measurement,
+    options: TuneOptions,
 ) -> list[tuple[Measurement, str]]:
-    """The challengers faster than the baseline in their trial (median) that ``order``
-    (``duels``) leaves out, each with why: a launch its GPU time does not repay, a launch that
-    eagerly takes longer than the baseline's call, or a tie within the pair's noise where no
-    graph decides ties. A loss in the trial otherwise leaves no word of itself."""
+    """The challengers faster than the baseline in their trial (median) that no duel judged
+    (a duel's verdict begins "confirmation:"), each with why: a launch its GPU time does not
+    repay, a launch that eagerly makes it no faster, a tie within the pair's noise where no
+    graph decides ties, or a place in ``order`` (``duels``) the duels did not reach. A loss in
+    the trial otherwise leaves no word of itself."""
     base = _required_baseline(m for m in measurements if m.status == "ok")
     base_us = effective_us(base, options.launch)
-    duelled = {id(m) for m in order}
+    place = {id(m): i for i, m in enumerate(order)}
     found: list[tuple[Measurement, str]] = []
     for m in measurements:
-        if m.status != "ok" or m is base or id(m) in duelled or m.median_us >= base.median_us:
+        if (
+            m.status != "ok"
+            or m is base
+            or m is chosen
+            or "confirmation:" in m.error
+            or m.median_us >= base.median_us
+        ):
             continue
         us = effective_us(m, options.launch)
-        launch = f"a launch of {m.host_us or 0:.2f} vs {base.host_us or 0:.2f} us a call"
+        trial = f"trial {us:.2f} vs baseline {base_us:.2f} us"
+        launch = f"a launch of {_us(m.host_us)} vs {_us(base.host_us)} us a call"
         if not launch_cost_repaid(m.median_us, m.host_us, base.median_us, base.host_us, options):
+            extra = (m.host_us or 0) - (base.host_us or 0)
             saved = base.median_us - m.median_us
-            why = f"{launch}, more than the {saved:.2f} us it saves: not duelled"
+            why = f"{launch}: {extra:.2f} us more than the {saved:.2f} us it saves, not duelled"
         elif us >= base_us:
-            why = f"{launch}, slower than the baseline's {base_us:.2f} us call: not duelled"
-        else:
+            why = f"{launch}: eagerly no faster than the baseline's {base_us:.2f} us, not duelled"
+        elif id(m) not in place:
             margin = pair_noise(base, m, options.min_noise, options.launch)
-            why = (
-                f"trial {us:.2f} vs baseline {base_us:.2f} us, within the noise "
-                f"(margin {margin:.1%}): a tie, not duelled"
-            )
+            why = f"{trial}, within the noise (margin {margin:.1%}): a tie, not duelled"
+        elif options.confirm_rounds <= 0:
+            why = f"{trial}: no duels (confirm_rounds 0), not duelled"
+        elif place[id(m)] >= max(1, options.confirm_tries):
+            why = f"{trial}: {place[id(m)] + 1} in line for a duel, past confirm_tries, not duelled"
+        else:
+            why = f"{trial}: the duels ended before its turn (a win or sustained losses first)"
         found.append((m, why))
     return found
 
