@@ -25,7 +25,9 @@ KEY = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
 
 
 @pytest.fixture
-def sources():
+def sources(one_thread):
+    """The planted sources, registered for the test, beside torch on one thread (its 512^3
+    GEMM's threads waiting for cores another process holds read it far off its trial)."""
     made = [Busy(), SharedMemoized(), SharedTwin()]
     for source in made:
         registry.register(source)
