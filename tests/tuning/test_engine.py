@@ -340,13 +340,15 @@ def test_of_two_challengers_tied_by_their_launches_the_faster_on_the_gpu_serves(
     ran beside a disturbance (10 us more host work a call), so the busy one ranks first and keeps
     its win over torch; the idle one tied it (within 25% noise), duels it, ties it eagerly and
     wins on the GPU. The trial sits 10 us from either edge of the tie: a host's jitter moves
-    neither the ranking nor the tie."""
+    neither the ranking nor the tie. A host busy beside the test (another pytest compiling) can
+    read the busy one's trial launch far slower than its 80 us, which ranks it second: up to
+    three tunes, the first whose trials ranked them as planted judged."""
     from planted import GpuBusy, Memoized
 
     monkeypatch.setattr(Memoized, "slow", False)
 
     class Quick(GpuBusy):
-        name, busy_s, gpu_cycles = "quick_gpu", 90e-6, 1  # its trial, beside a disturbance
+        name, gpu_cycles = "quick_gpu", 1
 
     class Slow(GpuBusy):
         name, busy_s = "slow_gpu", 80e-6
@@ -356,9 +358,16 @@ def test_of_two_challengers_tied_by_their_launches_the_faster_on_the_gpu_serves(
             Quick.busy_s = 78e-6
 
     key = GemmKey(m=1024, n=1024, k=8192, dtype="f32", out_dtype="f32")
-    outcome = tuned_uncut(key, [Quick(), Slow()], min_noise=0.25, on_result=quieter_after_its_trial)
-    got = by_params(outcome)
-    errors = {name: (m.median_us, m.host_us, m.error) for name, m in got.items()}
+    for _ in range(3):
+        Quick.busy_s = 90e-6  # its trial, beside a disturbance
+        outcome = tuned_uncut(
+            key, [Quick(), Slow()], min_noise=0.25, on_result=quieter_after_its_trial
+        )
+        got = by_params(outcome)
+        errors = {name: (m.median_us, m.host_us, m.error) for name, m in got.items()}
+        if got["slow_gpu"].host_us < got["quick_gpu"].host_us:
+            break
+    assert got["slow_gpu"].host_us < got["quick_gpu"].host_us, ("ranked as planted", errors)
     assert outcome.winner.source == "quick_gpu", errors
     assert outcome.winner.median_us < outcome.winner.baseline_us / 2
     assert "kept" in got["slow_gpu"].error, errors  # ranked first, it met torch first
