@@ -294,12 +294,12 @@ class Trial:
     ) -> tuple[Measurement, float, float]:
         """Re-time baseline and challenger alternately on the same inputs, in
         ``timing.round_order``. The challenger keeps the win only if it still beats the baseline
-        by the margin (``pair_noise``): one lucky measurement (clock drift, a quiet moment) must not make a winner
-        that is slower in use. Eagerly the margin is at least the rounds' own scatter
-        (``round_scatter``; rounds scattered wider than the noise may be taken again once:
-        ``retake_scattered``): a win narrower than how far either runner's rounds fell apart is
-        a tie, and a tie keeps the baseline, unless the GPU times show the win where the host's
-        launch hides the kernels (``eager_win``).
+        by the margin (``pair_noise``): one lucky measurement (clock drift, a quiet moment) must
+        not make a winner that is slower in use. Eagerly the margin is at least the rounds' own
+        scatter (``round_scatter``; rounds scattered wider than the noise may be taken again
+        once: ``retake_scattered``): a win narrower than how far either runner's rounds fell
+        apart is a tie, and a tie keeps the baseline, unless the GPU times show the win where the
+        host's launch hides the kernels (``eager_win``).
 
         On the GPU both are also timed in a CUDA graph (GPU time alone), side by side
         (``timing.graph_duel``; one at a time only where one of them cannot be captured):
