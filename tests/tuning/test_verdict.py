@@ -92,7 +92,7 @@ def test_a_challenger_faster_in_its_trial_that_no_duel_judges_is_told_why():
     ms = [base, tie, beyond, slower, slow_launch, host_bound]
     order = duels(ms, TuneOptions(), "cpu")
     assert [c.source for c in order] == ["beyond"]
-    assert {c.source: why for c, why in left_out(ms, order, beyond, TuneOptions())} == {
+    assert {c.source: why for c, why in left_out(ms, order, {"beyond"}, beyond, TuneOptions())} == {
         "tie": "trial 98.00 vs baseline 100.00 us, within the noise (margin 5.0%): a tie, "
         "not duelled",
         "slow_launch": "a launch of 140.00 vs 10.00 us a call: 130.00 us more than the 30.00 us "
@@ -105,26 +105,25 @@ def test_a_challenger_faster_in_its_trial_that_no_duel_judges_is_told_why():
 def test_on_the_gpu_a_tie_in_line_for_a_duel_says_which_duels_it_missed():
     base = m("torch", 100.0, 95.0, 105.0, baseline=True)
     beyond, tie = m("beyond", 80.0, 79.0, 81.0), m("tie", 98.0, 97.0, 99.0)
-    beyond.error = "confirmation: 80.00 us vs baseline 100.00 us, kept"  # duelled, and won
     ms = [base, tie, beyond]
     order = duels(ms, TuneOptions(), "cuda")
     assert [c.source for c in order] == ["beyond", "tie"]
-    notes = {c.source: why for c, why in left_out(ms, order, beyond, TuneOptions())}
+    duelled = {"beyond"}  # it met torch, and won
+    notes = {c.source: why for c, why in left_out(ms, order, duelled, beyond, TuneOptions())}
     assert notes == {
         "tie": "trial 98.00 vs baseline 100.00 us: the duels ended before its turn (a win or "
         "sustained losses first)"
     }
     one_try = TuneOptions(confirm_tries=1)
-    beyond.error = "confirmation: 80.00 us vs baseline 100.00 us, lost"
-    assert [why for _, why in left_out(ms, order, base, one_try)] == [
+    assert [why for _, why in left_out(ms, order, duelled, base, one_try)] == [
         "trial 98.00 vs baseline 100.00 us: 2 in line for a duel, past confirm_tries, not duelled"
     ]
     unconfirmed = TuneOptions(confirm_rounds=0)  # the fastest contender serves, as it is
-    beyond.error, second = "", m("second", 85.0, 84.0, 86.0)
+    second = m("second", 85.0, 84.0, 86.0)
     ms.append(second)
     order = duels(ms, unconfirmed, "cuda")
     assert [c.source for c in order] == ["beyond", "second"]
-    assert {c.source: why for c, why in left_out(ms, order, beyond, unconfirmed)} == {
+    assert {c.source: why for c, why in left_out(ms, order, set(), beyond, unconfirmed)} == {
         "tie": "trial 98.00 vs baseline 100.00 us, within the noise (margin 5.0%): a tie, "
         "not duelled",
         "second": "trial 85.00 vs baseline 100.00 us: no duels (confirm_rounds 0), not duelled",
@@ -136,7 +135,7 @@ def test_a_missing_host_time_reads_as_unknown_not_zero():
     base.host_us = None
     fast = m("fast", 10.0, 9.0, 11.0)
     fast.host_us = 120.0  # eagerly its launch is the call
-    assert [why for _, why in left_out([base, fast], [], base, TuneOptions())] == [
+    assert [why for _, why in left_out([base, fast], [], set(), base, TuneOptions())] == [
         "a launch of 120.00 vs ? us a call: eagerly no faster than the baseline's 100.00 us, "
         "not duelled"
     ]

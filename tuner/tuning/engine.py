@@ -344,15 +344,16 @@ def tune(
     if base is None:
         errors = "; ".join(f"{m.candidate}: {m.error}" for m in measurements if m.is_baseline)
         raise RuntimeError(f"the baseline failed on {key}: {errors}")
+    order = duels(measurements, options, device)  # as one pass over every candidate has it
     if first_pass is None:
-        order = duels(measurements, options, device)
         chosen, base_us, chosen_us = confirmed(trial, base, order, options)
     else:
         trial.stretched.update(first_pass.stretched)  # its duels: not run again
         new = second_pass_duels(measurements, options, device)
         verdict = first_pass.winner
         chosen, base_us, chosen_us = reconfirmed(trial, base, verdict, measurements, new, options)
-    for m, why in left_out(measurements, duels(measurements, options, device), chosen, options):
+    duelled = {challenger for _, challenger in trial.stretched}  # this pass's and the first's
+    for m, why in left_out(measurements, order, duelled, chosen, options):
         if why not in m.error:  # a first pass's measurement carries its note already
             m.error = f"{m.error}; {why}" if m.error else why
     winner = Winner(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import NamedTuple
 
 from tuner.measure import timing
@@ -418,11 +418,12 @@ def _us(x: float | None) -> str:
 def left_out(
     measurements: list[Measurement],
     order: list[Measurement],
+    duelled: Collection[str],
     chosen: Measurement,
     options: TuneOptions,
 ) -> list[tuple[Measurement, str]]:
     """The challengers faster than the baseline in their trial (median) that no duel judged
-    (a duel's verdict begins "confirmation:"), each with why: a launch its GPU time does not
+    (``duelled``: the candidates that met one), each with why: a launch its GPU time does not
     repay, a launch that eagerly makes it no faster, a tie within the pair's noise where no
     graph decides ties, or a place in ``order`` (``duels``) the duels did not reach. A loss in
     the trial otherwise leaves no word of itself."""
@@ -435,7 +436,7 @@ def left_out(
             m.status != "ok"
             or m is base
             or m is chosen
-            or "confirmation:" in m.error
+            or m.candidate in duelled
             or m.median_us >= base.median_us
         ):
             continue
