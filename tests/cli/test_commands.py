@@ -277,14 +277,37 @@ def test_version_and_winners_of_every_device_class(tmp_path):
 
 def test_tune_tables_what_ran_and_says_in_a_line_what_cannot_run_here(tmp_path):
     """Piped, the table stays alone on stdout and stderr says, a line each, what was measured
-    (a log's progress: no spinner draws there)."""
+    (a log's progress: no spinner draws there). The winner's row says so: rows run by trial
+    time, and a challenger that lost its duel can head them."""
     run = tuner("tune", "gemm", "-m", "8", "-n", "8", "-k", "8", "--dtype", "f32",
                 cache=tmp_path / "c.db")  # fmt: skip
-    assert "torch (baseline)" in run.stdout and "unsupported" not in run.stdout
+    assert "torch (baseline, winner)" in run.stdout and "unsupported" not in run.stdout
+    assert run.stdout.count("winner)") == 1
     assert "not run: torch_lowbit: low-bit GEMMs only" in run.stdout
     progress = [line for line in run.stderr.splitlines() if line.startswith("measured ")]
     assert progress[0].startswith("measured 1: torch (ok ")
     assert "measured" not in run.stdout
+
+
+def test_tune_marks_a_challengers_win_on_its_own_row(tmp_path, monkeypatch):
+    """A challenger truly faster than torch (a memoized product) wins: its row, not torch's,
+    says winner."""
+    from planted import Memoized
+
+    monkeypatch.setattr(Memoized, "slow", False)
+    registry.register(Memoized())
+    try:
+        result = CliRunner().invoke(app, [
+            "tune", "gemm", "-m", "48", "-n", "40", "-k", "72", "--dtype", "f32",
+            "--source", "memoized", "--budget", "0.02", "--cache", str(tmp_path / "c.db"),
+        ], env={"COLUMNS": "200"})  # fmt: skip
+    finally:
+        registry.unregister("memoized")
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): line for line in result.output.splitlines()
+            if line.startswith("│") and line.split("│")[1].strip()}  # fmt: skip
+    assert "memoized (winner)" in rows and "torch (baseline)" in rows, result.output
+    assert "winner (eager): memoized" in result.output
 
 
 def test_bad_config_names_entry_and_field(tmp_path):

@@ -192,13 +192,16 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     for col in ("candidate", "status", "median us", "p10..p90", error, "note"):
         t.add_column(col)
     ran = [m for m in outcome.measurements if m.status != "unsupported"]
+    w = outcome.winner
     for m in sorted(ran, key=lambda m: (m.median_us is None, m.median_us or 0)):
         spread = f"{m.p10_us:.1f}..{m.p90_us:.1f}" if m.p10_us is not None else ""
         err = _error_text(m.max_rel_err, bounded)
-        name = escape(candidate_label(m.candidate)) + (" (baseline)" if m.is_baseline else "")
+        # rows run by trial time, so a challenger that lost its duel can head the table
+        roles = ["baseline"] * m.is_baseline + ["winner"] * (m.candidate == w.candidate)
+        name = escape(candidate_label(m.candidate)) + (f" ({', '.join(roles)})" if roles else "")
         t.add_row(
             name, m.status, f"{m.median_us:.2f}" if m.median_us else "", spread, err,
-            escape(clipped(m.error, 200)),
+            escape(clipped(m.error, 200)), style="bold" if m.candidate == w.candidate else None,
         )  # fmt: skip
     console.print(t)
     # sources that cannot run this problem here, one line per reason
@@ -208,7 +211,6 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
             not_run.setdefault(m.error, []).append(m.source)
     for reason, names in not_run.items():
         console.print(f"[dim]not run: {', '.join(names)}: {reason}[/dim]", highlight=False)
-    w = outcome.winner
     console.print(
         f"winner ({w.launch}): [bold]{escape(candidate_label(w.candidate))}[/bold] "
         f"{w.median_us:.2f} us, baseline {w.baseline_us:.2f} us, speedup {w.speedup:.2f}x "
