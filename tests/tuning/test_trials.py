@@ -204,3 +204,4 @@ def test_a_tie_in_its_trial_that_wins_one_eager_take_must_win_a_second(monkeypat
     assert chosen is base, level.error
     assert "a tie in its trial, so taken again" in level.error, level.error
     assert "not ahead" in level.error, level.error
+    assert "lost: not ahead in the second take (margin" in level.error, level.error

@@ -422,10 +422,21 @@ class Trial:
                 f"; a tie in its trial, so taken again: {again.chal_us:.2f} vs "
                 f"{again.base_us:.2f} us, {'ahead again' if kept else 'not ahead'}"
             )
+        # a loss names every test it failed: its figures alone leave the reader to redo them
+        failed = [
+            why
+            for why, passed in (
+                ("disturbed", not disturbed),
+                ("no faster beyond the margin", won),
+                ("its launch not repaid", launch_ok),
+                ("slower on the GPU" if gpu and gpu[1] else "not capturable", gpu_ok),
+            )
+            if not passed
+        ] or ["not ahead in the second take"]
         verdict = (
             f"confirmation: {chal_us:.2f} us vs {base_name} {base_us:.2f} us, host "
             f"{chal_host:.2f} vs {base_host:.2f} us per call{note}, "
-            f"{'kept' if kept else 'lost'} (margin {margin:.1%}; "
+            f"{'kept' if kept else 'lost: ' + ', '.join(failed)} (margin {margin:.1%}; "
             f"the duel took {time.perf_counter() - started:.1f} s)"
         )
         # after the trial's own note (a host time read again), which says why it is here
