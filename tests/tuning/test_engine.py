@@ -336,6 +336,27 @@ def test_a_challenger_that_cannot_be_captured_loses():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
+def test_an_eager_win_slower_on_the_gpu_loses_and_says_so(monkeypatch):
+    """torch's tiny f32 GEMM is host-bound eagerly (its launch outlasts its few-us kernel); a
+    challenger quick to launch whose kernel spins ~8 us is faster eagerly and slower on the GPU:
+    served, it would make every graph-replayed step slower, so it loses, and its note says so."""
+    from planted import GpuBusy, Memoized
+
+    monkeypatch.setattr(Memoized, "slow", False)
+
+    class QuickLaunch(GpuBusy):
+        name, busy_s, gpu_cycles = "quick_launch", 0.0, 16_000
+
+    outcome = tuned_uncut(KEY, [QuickLaunch()])
+    got = by_params(outcome)
+    chal, base = got["quick_launch"], got["torch"]
+    assert chal.median_us < base.median_us * 0.9, ("faster eagerly in its trial", chal, base)
+    assert outcome.winner.source == "torch", chal.error
+    assert re.search(r"lost: [^(]*slower on the GPU \(margin", chal.error), chal.error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
 def test_of_two_challengers_tied_by_their_launches_the_faster_on_the_gpu_serves(monkeypatch):
     """Both beat torch's ~0.3 ms f32 GEMM by far behind ~80 us of host work and one spin-kernel
     launch a call; one spins the GPU ~25 us a call, the other a few cycles. The idle one's trial
