@@ -26,7 +26,7 @@ from tuner.core.console import PIPED_WIDTH
 from tuner.core.device import fingerprint
 from tuner.measure.records import Winner
 from tuner.serving.dispatcher import Dispatcher
-from tuner.tuning.engine import TuneOptions
+from tuner.tuning.engine import PHASES, TuneOptions
 from tuner.version import __version__
 
 
@@ -283,6 +283,11 @@ def test_tune_tables_what_ran_and_says_in_a_line_what_cannot_run_here(tmp_path):
                 cache=tmp_path / "c.db")  # fmt: skip
     assert "torch (baseline, winner)" in run.stdout and "unsupported" not in run.stdout
     assert run.stdout.count("winner)") == 1
+    # the time and, where it took a tenth of a second, each phase's share
+    phases = "|".join(PHASES)
+    took = re.search(rf"\(tuned in [\d.]+ s(: ({phases}) [\d.]+ s(, ({phases}) [\d.]+ s)*)?\)\n",
+                     run.stdout)  # fmt: skip
+    assert took, run.stdout
     assert "not run: torch_lowbit: low-bit GEMMs only" in run.stdout
     progress = [line for line in run.stderr.splitlines() if line.startswith("measured ")]
     assert progress[0].startswith("measured 1: torch (ok ")

@@ -214,8 +214,15 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     console.print(
         f"winner ({w.launch}): [bold]{escape(candidate_label(w.candidate))}[/bold] "
         f"{w.median_us:.2f} us, baseline {w.baseline_us:.2f} us, speedup {w.speedup:.2f}x "
-        f"(tuned in {outcome.seconds:.1f} s)"
+        f"(tuned in {outcome.seconds:.1f} s{_phases_text(outcome.phases)})"
     )
+
+
+def _phases_text(phases: dict[str, float]) -> str:
+    """Where the tuning time went (``engine.PHASES``), the phases that took a tenth of a
+    second or more: a slow tune is mostly compiling or duels, and which one says what to do."""
+    shown = [f"{phase} {s:.1f} s" for phase, s in phases.items() if s >= 0.1]
+    return f": {', '.join(shown)}" if shown else ""
 
 
 @tune_app.command("gemm")
