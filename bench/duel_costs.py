@@ -4,7 +4,8 @@ Each duel's verdict is in its challenger's note ("confirmation: ... kept (margin
 took 1.4 s)"); a sustained one (long or heavy calls back to back, at the power limit) says
 "rounds of ... stretches". Prints, per kind of duel (kept / lost, sustained / short), how many
 and their seconds, then each problem's duels (K kept, l lost; s sustained, - short) in the
-order their challengers' trials were recorded, which need not be the order they duelled in.
+order their challengers' trials were recorded, which need not be the order they duelled in, and
+what the lost duels failed ("lost: slower on the GPU (margin ...": each test a loss names).
 
     python bench/duel_costs.py bench/results/cold_start_s59_call2_h200_fleet_host.db.xz
 """
@@ -22,6 +23,8 @@ from pathlib import Path
 
 DUEL_SECONDS = re.compile(r"the duel took ([\d.]+) s\)")
 KEPT = re.compile(r"\bkept \(margin")
+LOST_BECAUSE = re.compile(r"\blost: ([^(]+) \(margin")
+LOST_UNNAMED = re.compile(r"\blost \(margin")
 
 
 def last_id(db: Path) -> int:
@@ -33,8 +36,8 @@ def last_id(db: Path) -> int:
         return conn.execute("SELECT coalesce(max(id), 0) FROM measurements").fetchone()[0]
 
 
-def duels(db: Path, after: int = 0) -> dict[str, list[tuple[str, float]]]:
-    """Each problem's duels, (kind, seconds), in the order of their challengers' records; only
+def verdicts(db: Path, after: int = 0) -> list[tuple[str, str]]:
+    """Every duel's verdict, (key, its text), in the order of their challengers' records; only
     measurements past id ``after`` (one run's, in a cache that runs share)."""
     with tempfile.NamedTemporaryFile(suffix=".db") as plain:
         if db.suffix == ".xz":
@@ -47,17 +50,32 @@ def duels(db: Path, after: int = 0) -> dict[str, list[tuple[str, float]]]:
                 "AND id > ? ORDER BY id",
                 (after,),
             ).fetchall()
-        found: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)
-        for key, note in rows:
-            for verdict in note.split("confirmation:")[1:]:
-                took = DUEL_SECONDS.search(verdict)
-                if took is None:  # a note from before the duels were timed
-                    continue
-                kind = ("K" if KEPT.search(verdict) else "l") + (
-                    "s" if "stretches" in verdict else "-"
-                )
-                found[key].append((kind, float(took.group(1))))
-        return found
+    return [(key, verdict) for key, note in rows for verdict in note.split("confirmation:")[1:]]
+
+
+def duels(db: Path, after: int = 0) -> dict[str, list[tuple[str, float]]]:
+    """Each problem's duels, (kind, seconds), in the order of their challengers' records; only
+    measurements past id ``after`` (one run's, in a cache that runs share)."""
+    found: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)
+    for key, verdict in verdicts(db, after):
+        took = DUEL_SECONDS.search(verdict)
+        if took is None:  # a note from before the duels were timed
+            continue
+        kind = ("K" if KEPT.search(verdict) else "l") + ("s" if "stretches" in verdict else "-")
+        found[key].append((kind, float(took.group(1))))
+    return found
+
+
+def loss_reasons(db: Path, after: int = 0) -> collections.Counter[str]:
+    """How many lost duels failed each test (a loss may fail several); notes written before a
+    loss named its tests count as "not named"."""
+    reasons: collections.Counter[str] = collections.Counter()
+    for _, verdict in verdicts(db, after):
+        if named := LOST_BECAUSE.search(verdict):
+            reasons.update(named.group(1).split(", "))
+        elif LOST_UNNAMED.search(verdict):
+            reasons["not named"] += 1
+    return reasons
 
 
 def by_kind(by_problem: dict[str, list[tuple[str, float]]]) -> dict[str, dict[str, float]]:
@@ -87,6 +105,9 @@ def main() -> None:
             "  problems by their duels: "
             + ", ".join(f"{n} x '{o}'" for o, n in orders.most_common())
         )
+        if reasons := loss_reasons(db):
+            print("  lost duels by what they failed: "
+                  + ", ".join(f"{why} {n}" for why, n in reasons.most_common()))  # fmt: skip
 
 
 if __name__ == "__main__":
