@@ -204,11 +204,14 @@ def compare(pruned: dict, everything: dict) -> dict:
 
 def recorded(run: dict) -> dict:
     """What the result file keeps of one tune-all, with the duels that confirmed its winners by
-    kind (``duel_costs``: K kept, l lost; s at the power limit, - short)."""
+    kind (``duel_costs``: K kept, l lost; s at the power limit, - short) and the lost ones by
+    each test they failed."""
+    after = run["measurements_after"]
     return {
         "wall_s": run["wall_s"], "exit": run["exit"], "command": run["command"],
         "summary": run["report"]["summary"], "problems": problems(run),
-        "duels": duel_costs.by_kind(duel_costs.duels(run["cache"], run["measurements_after"])),
+        "duels": duel_costs.by_kind(duel_costs.duels(run["cache"], after)),
+        "lost_duels_failed": dict(duel_costs.loss_reasons(run["cache"], after).most_common()),
     }  # fmt: skip
 
 

@@ -34,6 +34,11 @@ def test_dry_run_writes_both_runs_and_their_comparison(tmp_path):
         assert "5x7x9 nt f32 align 4 (odd.yaml[0])" in titles
         assert all(p["timing_s"] is not None and p["compiled"] is not None for p in run["problems"])
         assert set(run["duels"]) <= {"K-", "l-"}  # by kind; none at a GPU's power limit here
+        # what the lost ones failed: on the CPU no graph, so never the GPU's tests
+        assert set(run["lost_duels_failed"]) <= {
+            "disturbed", "no faster beyond the margin", "its launch not repaid",
+            "not ahead in the second take",
+        }  # fmt: skip
     assert "--no-prune" in result["everything"]["command"]
     assert result["comparison"]["problems"] == 5
     assert result["comparison"]["geomean_ratio"] > 0
