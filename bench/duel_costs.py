@@ -5,7 +5,7 @@ took 1.4 s)"); a sustained one (long or heavy calls back to back, at the power l
 "rounds of ... stretches". Prints, per kind of duel (kept / lost, sustained / short), how many
 and their seconds, then each problem's duels (K kept, l lost; s sustained, - short) in the
 order their challengers' trials were recorded, which need not be the order they duelled in, and
-what the lost duels failed ("lost: slower on the GPU (margin ...": each test a loss names).
+how many lost duels failed each test a loss names ("lost: slower on the GPU (margin ...").
 
     python bench/duel_costs.py bench/results/cold_start_s59_call2_h200_fleet_host.db.xz
 """

@@ -315,6 +315,31 @@ def test_tune_marks_a_challengers_win_on_its_own_row(tmp_path, monkeypatch):
     assert "winner (eager): memoized" in result.output
 
 
+def test_a_long_duel_note_keeps_its_verdict_in_the_table():
+    """A duel's verdict ends its note: cut for tune's table, the note keeps its end; an error
+    keeps its head, where its kind is."""
+    from tuner.cli.tune import NOTE_WIDTH, _note_text
+
+    duel = ("host time read again: 28.13 then 21.42 us a call, the lower kept; " * 3
+            + "confirmation: 27.86 us vs baseline 26.21 us, lost: slower on the GPU (margin 2.0%; "
+            "the duel took 0.1 s)")  # fmt: skip
+    shown = _note_text(duel)
+    assert len(shown) == NOTE_WIDTH and shown.endswith("lost: slower on the GPU (margin 2.0%; "
+                                                       "the duel took 0.1 s)")  # fmt: skip
+    error = "CompilationError: " + "x" * 400
+    assert _note_text(error).startswith("CompilationError: ") and len(_note_text(error)) == 200
+    assert _note_text("probe 27.7 us > cutoff 26.0 us") == "probe 27.7 us > cutoff 26.0 us"
+
+
+def test_tunes_last_line_names_the_phases_that_took_a_tenth_of_a_second():
+    from tuner.cli.tune import _phases_text
+
+    assert _phases_text({"setup": 0.04, "compile": 70.12, "confirm": 4.06}) == (
+        ": compile 70.1 s, confirm 4.1 s"
+    )
+    assert _phases_text({"setup": 0.01}) == _phases_text({}) == ""
+
+
 def test_bad_config_names_entry_and_field(tmp_path):
     cfg = tmp_path / "p.yaml"
     cfg.write_text(

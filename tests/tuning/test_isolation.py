@@ -12,7 +12,7 @@ from planted import PlantedGemm
 from tuner.candidates import registry
 from tuner.core.keys import GemmKey
 from tuner.measure.records import candidate_name
-from tuner.tuning.engine import TuneOptions
+from tuner.tuning.engine import PHASES, TuneOptions
 from tuner.tuning.isolation import WorkerPool
 from tuner.tuning.tune import tune
 
@@ -87,6 +87,8 @@ def test_the_worker_is_reused_across_problems_and_tune_can_isolate(crashing, mon
         )
         assert first.winner.source == second.winner.source == "torch"
         assert len(pool.started) == 1 and alive(pool.started[0])
+        # the worker's time by phase comes back with its outcome, as in-process
+        assert first.phases and set(first.phases) <= set(PHASES), first.phases
     finally:
         pool.close()
 

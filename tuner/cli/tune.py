@@ -49,7 +49,7 @@ from tuner.core.keys import (
     parse_key,
 )
 from tuner.core.settings import KNOWN, config_path, read_config, refusal
-from tuner.measure.records import Measurement, Winner, candidate_label, clipped
+from tuner.measure.records import ELLIPSIS, Measurement, Winner, candidate_label, clipped
 from tuner.offline.problem_list import ConfigError
 from tuner.tuning.options import TuneOptions
 
@@ -57,6 +57,7 @@ app = typer.Typer()
 tune_app = typer.Typer(help="Tune one problem and store its winner.", no_args_is_help=True)
 app.add_typer(tune_app, name="tune")
 console = output_console()
+NOTE_WIDTH = 200  # characters of a candidate's note in tune's table
 
 
 @app.command()
@@ -197,11 +198,12 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
         spread = f"{m.p10_us:.1f}..{m.p90_us:.1f}" if m.p10_us is not None else ""
         err = _error_text(m.max_rel_err, bounded)
         # rows run by trial time, so a challenger that lost its duel can head the table
-        roles = ["baseline"] * m.is_baseline + ["winner"] * (m.candidate == w.candidate)
+        won = m.candidate == w.candidate
+        roles = [role for role, held in (("baseline", m.is_baseline), ("winner", won)) if held]
         name = escape(candidate_label(m.candidate)) + (f" ({', '.join(roles)})" if roles else "")
         t.add_row(
             name, m.status, f"{m.median_us:.2f}" if m.median_us else "", spread, err,
-            escape(clipped(m.error, 200)), style="bold" if m.candidate == w.candidate else None,
+            escape(_note_text(m.error)), style="bold" if won else None,
         )  # fmt: skip
     console.print(t)
     # sources that cannot run this problem here, one line per reason
@@ -216,6 +218,15 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
         f"{w.median_us:.2f} us, baseline {w.baseline_us:.2f} us, speedup {w.speedup:.2f}x "
         f"(tuned in {outcome.seconds:.1f} s{_phases_text(outcome.phases)})"
     )
+
+
+def _note_text(note: str) -> str:
+    """A candidate's note cut for the table. A duel's verdict ends its note (kept, or lost and
+    the tests it failed), so a long one keeps its end; any other note keeps its head (an error's
+    kind comes first). The whole note stays in the cache."""
+    if len(note) <= NOTE_WIDTH or "confirmation:" not in note:
+        return clipped(note, NOTE_WIDTH)
+    return ELLIPSIS + note[-(NOTE_WIDTH - 1) :]
 
 
 def _phases_text(phases: dict[str, float]) -> str:

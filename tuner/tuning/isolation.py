@@ -126,7 +126,10 @@ def _serve(conn: Any) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
             continue
         rows = [m.to_row() for m in outcome.measurements]
-        conn.send(("done", outcome.winner.to_row(), rows, outcome.compile_s, outcome.stretched))
+        conn.send(
+            ("done", outcome.winner.to_row(), rows, outcome.compile_s, outcome.stretched,
+             outcome.phases)
+        )  # fmt: skip
 
 
 # --- the parent side -----------------------------------------------------------------------------
@@ -277,7 +280,7 @@ class WorkerPool:
                 measurements = [Measurement.from_row(r) for r in msg[2]]
                 return TuneOutcome(
                     run.key, Winner.from_row(msg[1]), measurements, compile_s=msg[3],
-                    stretched=msg[4],
+                    stretched=msg[4], phases=msg[5],
                 )  # fmt: skip
 
     def _died(

@@ -411,28 +411,33 @@ class Trial:
             won = chal_us < base_us * (1 - margin)
         launch_ok = launch_cost_repaid(chal_us, chal_host, base_us, base_host, options)
         kept = won and launch_ok and gpu_ok and not disturbed
-        if kept and eager and tied:
-            again = self.rounds(runners, base, challenger, options, sustained)
-            # a second take whose baseline ran beside a disturbance confirms nothing
-            kept = (
-                eager_win(again, margin, gpu_win)
-                and not far_off_trials(trial_us, (again.base_us, again.chal_us))[0]
-            )
-            note += (
-                f"; a tie in its trial, so taken again: {again.chal_us:.2f} vs "
-                f"{again.base_us:.2f} us, {'ahead again' if kept else 'not ahead'}"
-            )
         # a loss names every test it failed: its figures alone leave the reader to redo them
         failed = [
-            why
-            for why, passed in (
+            test
+            for test, passed in (
                 ("disturbed", not disturbed),
                 ("no faster beyond the margin", won),
                 ("its launch not repaid", launch_ok),
                 ("slower on the GPU" if gpu and gpu[1] else "not capturable", gpu_ok),
             )
             if not passed
-        ] or ["not ahead in the second take"]
+        ]
+        if kept and eager and tied:
+            again = self.rounds(runners, base, challenger, options, sustained)
+            ahead = eager_win(again, margin, gpu_win)
+            # a second take whose baseline ran beside a disturbance confirms nothing
+            again_off = far_off_trials(trial_us, (again.base_us, again.chal_us))[0]
+            kept = ahead and not again_off
+            second = "ahead again" if ahead else "not ahead"
+            note += (
+                f"; a tie in its trial, so taken again: {again.chal_us:.2f} vs "
+                f"{again.base_us:.2f} us, {second}"
+                + ("; the baseline far off its trial" if again_off else "")
+            )
+            if not ahead:
+                failed.append("not ahead in the second take")
+            if again_off:
+                failed.append("second take disturbed")
         verdict = (
             f"confirmation: {chal_us:.2f} us vs {base_name} {base_us:.2f} us, host "
             f"{chal_host:.2f} vs {base_host:.2f} us per call{note}, "
