@@ -37,6 +37,9 @@ CUBLASLT = {"cluster": "2x1x1", "custom": 0, "id": 66, "inner_shape": 0, "reduct
         ("cublaslt", CUBLASLT, "cublaslt 112x128 c2x1x1 id66 s64xAUTO"),
         ("cublaslt", {**CUBLASLT, "split_k": 12, "reduction": 2, "custom": 3},
          "cublaslt 112x128 c2x1x1 id66 sk12 red2 custom3 s64xAUTO"),
+        # stages left for cuBLASLt to pick are no choice either
+        ("cublaslt", {**CUBLASLT, "cluster": "AUTO", "stages": "UNDEFINED"},
+         "cublaslt 112x128 cAUTO id66"),
         # cuBLAS's default algorithm is plain cuBLAS
         ("cublas", {"algo": -1}, "cublas"),
         ("cublas", {"algo": 5}, "cublas algo5"),

@@ -49,7 +49,12 @@ _PREFIX = {"bm": "bm", "bn": "bn", "bk": "bk", "cluster": "c", "id": "id", "algo
 # left out, so a label shows what sets a candidate apart. CUTLASS's swizzle 1 is no swizzle.
 _PLAIN: dict[str, Any] = {"split_k": 1, "splits": 1, "reduction": 0, "custom": 0, "swizzle": 0,
                           "inner_shape": 0, "algo": -1, "scheduler": "default"}  # fmt: skip
-_PLAIN_BY_SOURCE = {s: {"swizzle": 1} for s in ("cutlass", "cutlass_fp8", "cutlass_w4a16")}
+_PLAIN_BY_SOURCE = {
+    **{s: {"swizzle": 1} for s in ("cutlass", "cutlass_fp8", "cutlass_w4a16")},
+    # stages a heuristic left to cuBLASLt to pick: no choice to show ("sUNDEFINED" reads as a
+    # fault)
+    **{s: {"stages": "UNDEFINED"} for s in ("cublaslt", "cublaslt_fp8")},
+}
 ELLIPSIS = "…"
 LABEL_WIDTH = 72  # a table's winner column: room for the built-in sources' labels, decode's too
 
