@@ -338,14 +338,27 @@ def test_a_challenger_that_cannot_be_captured_loses():
 @pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
 def test_an_eager_win_slower_on_the_gpu_loses_and_says_so(monkeypatch):
     """torch's tiny f32 GEMM is host-bound eagerly (its launch outlasts its few-us kernel); a
-    challenger quick to launch whose kernel spins ~8 us is faster eagerly and slower on the GPU:
-    served, it would make every graph-replayed step slower, so it loses, and its note says so."""
+    challenger quick to launch whose kernel spins between the two (their geometric mean) is
+    faster eagerly and slower on the GPU: served, it would make every graph-replayed step
+    slower, so it loses, and its note says so. The spin is set from this GPU's own readings."""
     from planted import GpuBusy, Memoized
 
     monkeypatch.setattr(Memoized, "slow", False)
+    a = torch.randn(KEY.m, KEY.k, device="cuda")
+    b = torch.randn(KEY.k, KEY.n, device="cuda")
+    gpu_us = timing.graph_time(lambda i: torch.matmul(a, b)).median_us
+    eager_us = timed_baseline(
+        tune(KEY, options=TuneOptions(budget_s=0.02, sources=[])).measurements
+    ).median_us
+    if eager_us < 2.5 * gpu_us:
+        pytest.skip(
+            f"torch's GEMM not host-bound here ({eager_us:.1f} us eager, {gpu_us:.1f} on the GPU)"
+        )
+    spin_us = (gpu_us * eager_us) ** 0.5
+    us_per_cycle = timing.graph_time(lambda i: torch.cuda._sleep(10_000)).median_us / 10_000
 
     class QuickLaunch(GpuBusy):
-        name, busy_s, gpu_cycles = "quick_launch", 0.0, 16_000
+        name, busy_s, gpu_cycles = "quick_launch", 0.0, round(spin_us / us_per_cycle)
 
     outcome = tuned_uncut(KEY, [QuickLaunch()])
     got = by_params(outcome)
