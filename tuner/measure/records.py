@@ -51,8 +51,7 @@ _PLAIN: dict[str, Any] = {"split_k": 1, "splits": 1, "reduction": 0, "custom": 0
                           "inner_shape": 0, "algo": -1, "scheduler": "default"}  # fmt: skip
 _PLAIN_BY_SOURCE = {
     **{s: {"swizzle": 1} for s in ("cutlass", "cutlass_fp8", "cutlass_w4a16")},
-    # stages a heuristic left to cuBLASLt to pick: no choice to show ("sUNDEFINED" reads as a
-    # fault)
+    # stages left for cuBLASLt to pick are no choice to show ("sUNDEFINED" reads as a fault)
     **{s: {"stages": "UNDEFINED"} for s in ("cublaslt", "cublaslt_fp8")},
 }
 ELLIPSIS = "…"
