@@ -819,6 +819,14 @@ int smem_bytes(int m, int group, int warps, int cluster) {
 template <bool F16, int NG, int NT, bool FULL, bool TEAMED>
 cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
   if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
+#ifdef GEMV_AB_CARVEOUT
+  // bench A/B only: -DGEMV_AB_CARVEOUT=pct asks for that share of the SM's most shared memory
+  // (the rest of the unified L1 / shared memory holds x's lines) instead of the driver's choice
+  static const cudaError_t carved = cudaFuncSetAttribute(
+      w4a16_gemv_kernel<F16, NG, NT, FULL, TEAMED>, cudaFuncAttributePreferredSharedMemoryCarveout,
+      GEMV_AB_CARVEOUT);
+  if (carved != cudaSuccess) return carved;
+#endif
 #ifdef GEMV_AB_LAUNCH_SMEM
   const int smem = GEMV_AB_LAUNCH_SMEM;
 #else
