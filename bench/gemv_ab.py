@@ -159,9 +159,9 @@ def against_table(rows: list[Row]) -> str:
 
 def config_text(cfg: dict[str, Any] | None) -> str:
     cfg = cfg or {}
-    keys = ("split", "slices", "stages", "warps", "cluster", "stagger", "teams")
+    keys = ("split", "slices", "stages", "warps", "cluster", "stagger", "teams", "carveout")
     return ",".join(str(int(cfg[k]) if isinstance(cfg[k], bool) else cfg[k])
-                    for k in keys if k in cfg) or json.dumps(cfg, sort_keys=True)[:34]  # fmt: skip
+                    for k in keys if cfg.get(k) is not None) or json.dumps(cfg, sort_keys=True)[:34]  # fmt: skip
 
 
 def variants_table(result: dict[str, Any]) -> str:

@@ -33,8 +33,9 @@ config's grid launched and returning at once; their outputs are wrong, excess na
 ``--variant`` built with ``-DGEMV_WIDE_WARPS=W`` caps their registers to fit up to W);
 ``--launch-floor`` adds "read_noop", the bare read's grid of programs that return at once (the
 floor beside ``empty``);
-``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER[,TEAMS]]`` (repeatable; STAGGER 0 or 1,
-TEAMS row blocks a CTA) times (and traces) those configs instead of ``GRID`` (and ``TRACED``);
+``--config SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER[,TEAMS[,CARVEOUT]]]`` (repeatable; STAGGER 0
+or 1, TEAMS row blocks a CTA, CARVEOUT the percent of the SM's most shared memory, or -1 for the
+driver's choice) times (and traces) those configs instead of ``GRID`` (and ``TRACED``);
 ``--repeat R`` times each config's builds R times in turn (the A/B's noise); ``--max-warps W``
 with a ``--variant`` built with ``-DGEMV_MAX_WARPS=W`` lets configs take up to W warps a CTA (the
 product's builds take 16): they run on that variant (and the traced build), the others refuse
@@ -110,25 +111,33 @@ def shape_of(proj: str) -> tuple[int, int]:
 
 
 def as_config(entry: tuple) -> dict[str, Any]:
-    """A ``GRID`` entry (split, slices, stages, warps, cluster[, stagger[, teams]]) as a config."""
-    keys = cuda_w4a16.CONFIG_KEYS[: len(entry)]  # a stagger or teams left out: the default
+    """A ``GRID`` entry (split, slices, stages, warps, cluster[, stagger[, teams[, carveout]]])
+    as a config."""
+    keys = cuda_w4a16.CONFIG_KEYS[
+        : len(entry)
+    ]  # a stagger, teams or carveout left out: the default
     return {**cuda_w4a16.DEFAULTS, **dict(zip(keys, entry, strict=True))}
 
 
 def parse_config(text: str) -> tuple:
     """``"k,4,2,8,2"`` (or ``"k,4,2,3,1,1"``: staggered; ``"k,4,2,12,1,0,4"``: four row blocks a
-    CTA) as a ``GRID`` entry; ValueError naming the text unless it is one."""
+    CTA; ``"k,4,2,2,1,0,1,72"``: 72% of the most shared memory, ``-1`` the driver's choice) as a
+    ``GRID`` entry; ValueError naming the text unless it is one."""
     parts = text.split(",")
     if (
-        len(parts) not in (5, 6, 7)
+        len(parts) not in (5, 6, 7, 8)
         or parts[0] not in cuda_w4a16.SPLITS
-        or not all(p.isdigit() for p in parts[1:])
+        or not all(p.isdigit() for p in parts[1:7])
         or parts[5:6] not in ([], ["0"], ["1"])
+        or not all(p == "-1" or (p.isdigit() and int(p) <= 100) for p in parts[7:])
     ):
         raise ValueError(f"--config {text!r}: expected SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER"
-                         f"[,TEAMS]] with SPLIT in {cuda_w4a16.SPLITS} and STAGGER 0 or 1, e.g. "
-                         "k,4,2,8,2, k,4,2,3,1,1 or k,4,2,12,1,0,4")  # fmt: skip
-    return (parts[0], *map(int, parts[1:5]), *(p == "1" for p in parts[5:6]), *map(int, parts[6:]))
+                         f"[,TEAMS[,CARVEOUT]]] with SPLIT in {cuda_w4a16.SPLITS}, STAGGER 0 or 1 "
+                         "and CARVEOUT -1 (the driver's) or 0 to 100, e.g. k,4,2,8,2, k,4,2,3,1,1, "
+                         "k,4,2,12,1,0,4 or k,4,2,2,1,0,1,72")  # fmt: skip
+    carveout = [None if p == "-1" else int(p) for p in parts[7:]]
+    return (parts[0], *map(int, parts[1:5]), *(p == "1" for p in parts[5:6]),
+            *map(int, parts[6:7]), *carveout)  # fmt: skip
 
 
 ENTRY = re.compile(r"int w4a16_gemv\((.*?)\)\s*\{", re.S)
@@ -404,7 +413,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="also time every config built with these extra nvcc flags")  # fmt: skip
     ap.add_argument("--config", action="append", default=[],
-                    metavar="SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER[,TEAMS]]",
+                    metavar="SPLIT,SLICES,STAGES,WARPS,CLUSTER[,STAGGER[,TEAMS[,CARVEOUT]]]",
                     help="time (or with --profile, profile) these configs instead of GRID (PROFILED)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=1,
                     help="time each config's builds this many times in turn (an A/B's noise)")  # fmt: skip

@@ -9,20 +9,34 @@ from tests.bench_scripts import load_script
 gemv = load_script("w4a16_decode_grid")
 
 
-def test_a_config_is_five_numbers_then_an_optional_stagger_and_teams() -> None:
+def test_a_config_is_five_numbers_then_an_optional_stagger_teams_and_carveout() -> None:
     assert gemv.parse_config("k,4,2,8,2") == ("k", 4, 2, 8, 2)
     assert gemv.parse_config("k,4,2,3,1,1") == ("k", 4, 2, 3, 1, True)
     assert gemv.parse_config("k,4,2,12,1,0,4") == ("k", 4, 2, 12, 1, False, 4)
+    assert gemv.parse_config("k,4,2,2,1,0,1,72") == ("k", 4, 2, 2, 1, False, 1, 72)
+    assert gemv.parse_config("k,4,2,2,1,0,1,-1") == ("k", 4, 2, 2, 1, False, 1, None)
+    assert gemv.as_config(("k", 4, 2, 8, 2))["carveout"] is None
     assert gemv.as_config(("k", 4, 2, 8, 2))["stagger"] is False
     assert gemv.as_config(("k", 4, 2, 8, 2))["teams"] == 1
     assert gemv.as_config(gemv.parse_config("rows,2,4,8,8,0")) == {
         "split": "rows", "slices": 2, "stages": 4, "warps": 8, "cluster": 8, "stagger": False,
-        "teams": 1,
+        "teams": 1, "carveout": None,
     }  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "text", ["k,4,2,8", "cols,4,2,8,2", "k,4,2,8,2,yes", "k,4,2,3,1,2", "k,4,2,12,1,0,four"]
+    "text",
+    [
+        "k,4,2,8",
+        "cols,4,2,8,2",
+        "k,4,2,8,2,yes",
+        "k,4,2,3,1,2",
+        "k,4,2,12,1,0,four",
+        "k,4,2,2,1,0,1,101",
+        "k,4,2,2,1,0,1,-2",
+        "k,4,2,2,1,0,-1",
+        "k,4,2,2,1,0,1,72,1",
+    ],
 )
 def test_a_malformed_config_names_the_text(text: str) -> None:
     with pytest.raises(ValueError, match=f"--config {text!r}"):
@@ -35,11 +49,13 @@ def test_a_baseline_source_must_take_the_entry_points_arguments(tmp_path) -> Non
     assert ours is not None and "int teams" in ours
     # the same arguments, laid out and commented otherwise
     same = tmp_path / "same.cu"
-    same.write_text(source.replace("int teams, void* stream", "int teams,  // one\n void* stream"))
+    same.write_text(
+        source.replace("int carveout, void* stream", "int carveout,  // one\n void* stream")
+    )
     assert gemv.entry_arguments(same) == ours
-    # an older entry point, without teams: its stream would take the teams' place
+    # an older entry point, without the carveout: its stream would take the carveout's place
     older = tmp_path / "older.cu"
-    older.write_text(source.replace("int teams, void* stream", "void* stream"))
+    older.write_text(source.replace("int carveout, void* stream", "void* stream"))
     assert gemv.entry_arguments(older) not in (None, ours)
     empty = tmp_path / "empty.cu"
     empty.write_text("")

@@ -36,10 +36,10 @@ def key_of(spec: str, m: int, n: int = 4096, k: int = 14336, **extra) -> GemmKey
 
 def cfg(
     slices: int = 1, stages: int = 4, warps: int = 8, cluster: int = 1, split: str = "k",
-    stagger: bool = False, teams: int = 1,
+    stagger: bool = False, teams: int = 1, carveout: int | None = None,
 ) -> dict:  # fmt: skip
     return {"split": split, "slices": slices, "stages": stages, "warps": warps, "cluster": cluster,
-            "stagger": stagger, "teams": teams}  # fmt: skip
+            "stagger": stagger, "teams": teams, "carveout": carveout}  # fmt: skip
 
 
 def test_configs_are_checked_field_by_field() -> None:
@@ -47,6 +47,8 @@ def test_configs_are_checked_field_by_field() -> None:
     cw.check_config(cfg(4, 3, 8, 4), 8, 3584, 18944, 32)
     cw.check_config(cfg(1, 6, 8, 4, split="rows"), 8, 4096, 14336, 128)
     cw.check_config(cfg(4, 2, 12, teams=4), 1, 28672, 4096, 128)
+    cw.check_config(cfg(4, 2, 2, carveout=cw.ROOMY_L1), 16, 28672, 4096, 128)
+    cw.check_config(cfg(4, 2, 2, carveout=0), 16, 28672, 4096, 128)
     missing_split = {key: v for key, v in cfg().items() if key != "split"}
     bad = [
         (dict(cfg(), split="cols"), 1, "config['split']='cols'"),
@@ -63,6 +65,10 @@ def test_configs_are_checked_field_by_field() -> None:
         (cfg(teams=2, cluster=2), 1, "config['teams']=2: more than one team needs"),
         (cfg(teams=2, split="rows"), 1, "config['teams']=2: more than one team needs"),
         (cfg(teams=2), 9, "config['teams']=2: more than one team at M <= 8 only"),
+        (cfg(carveout=101), 1, "config['carveout']=101: allowed None"),
+        (cfg(carveout=-1), 1, "config['carveout']=-1"),
+        (cfg(carveout=72.0), 1, "config['carveout']=72.0"),
+        (cfg(carveout=True), 1, "config['carveout']=True"),
         ({**cfg(), "ntiles": 2}, 1, "unknown keys ['ntiles']"),
         (cfg(), 17, "M=17"),
         (cfg(), 0, "M=0"),
@@ -73,9 +79,9 @@ def test_configs_are_checked_field_by_field() -> None:
             cw.check_config(config, m, 4096, 4096, 128)
     with pytest.raises(ValueError, match="K=200"):
         cw.check_config(cfg(), 1, 64, 200, 128)
-    # a config stored before `stagger` or `teams` existed ran unstaggered, a row block a CTA,
-    # and still runs so
-    stored = {key: v for key, v in cfg().items() if key not in ("stagger", "teams")}
+    # a config stored before `stagger`, `teams` or `carveout` existed ran unstaggered, a row
+    # block a CTA, with the driver's carveout, and still runs so
+    stored = {key: v for key, v in cfg().items() if key not in ("stagger", "teams", "carveout")}
     cw.check_config(stored, 8, 4096, 14336, 128)
     assert cw.library(stored) == cw.library(cfg())
     with pytest.raises(ValueError, match="K=128"):
@@ -113,6 +119,7 @@ def test_each_compile_time_part_is_its_own_library(monkeypatch) -> None:
     assert cw.library(cfg(warps=8, split="rows")) != a
     assert cw.library(cfg(warps=4, stagger=True)) != a
     assert cw.library(cfg(warps=8, teams=4)) == a  # teams are a launch parameter too
+    assert cw.library(cfg(warps=4, carveout=cw.ROOMY_L1)) == a  # and the carveout
     assert cw.Library.from_json(a.to_json()) == a
     command = cw.library(cfg(2, 3)).nvcc_command("nvcc", nvcc_build.library_path(a))
     assert {"-DGEMV_SPLIT_ROWS=0", "-DGEMV_SLICES=2", "-DGEMV_STAGES=3",
@@ -253,14 +260,17 @@ def test_a_library_built_by_nvcc_loads_and_is_published(store: ArtifactStore) ->
     # refused before any CUDA call (1: cudaErrorInvalidValue): x's rows too far apart for the
     # copy rounds' 32-bit steps
     too_far = cw.MAX_X_STRIDE
-    assert entry(0, 0, 0, 0, 1, 64, 128, 128, too_far, 64, 0, 1, 1, 1, 0) == 1
+    assert entry(0, 0, 0, 0, 1, 64, 128, 128, too_far, 64, 0, 1, 1, 1, -1, 0) == 1
     # refused too: a cluster of 3 (the kernel divides by the cluster's size as a shift), teams
     # that do not divide the warps, and teams beside a cluster
-    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 1, 3, 1, 0) == 1
-    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 6, 1, 4, 0) == 1
-    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 8, 2, 4, 0) == 1
-    assert entry(0, 0, 0, 0, 9, 64, 512, 128, 8, 64, 0, 8, 1, 4, 0) == 1  # teams at M > 8
-    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 8, 1, 0, 0) == 1  # no team
+    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 1, 3, 1, -1, 0) == 1
+    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 6, 1, 4, -1, 0) == 1
+    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 8, 2, 4, -1, 0) == 1
+    assert entry(0, 0, 0, 0, 9, 64, 512, 128, 8, 64, 0, 8, 1, 4, -1, 0) == 1  # teams at M > 8
+    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 8, 1, 0, -1, 0) == 1  # no team
+    # and a carveout past 100% or below the driver's -1
+    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 8, 1, 1, 101, 0) == 1
+    assert entry(0, 0, 0, 0, 1, 64, 512, 128, 8, 64, 0, 8, 1, 1, -2, 0) == 1
 
 
 def compiled_config(path) -> tuple[int, int, int, int]:
@@ -502,6 +512,34 @@ def test_a_team_computes_what_a_cta_of_its_own_would(n: int, pair: tuple, built:
     torch.cuda.synchronize()
     assert excess(outs[0], ref, tol) <= 1
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("carveout", [0, cw.ROOMY_L1, 100])
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
+def test_a_carveout_computes_what_the_drivers_choice_does(
+    carveout: int, graphed: bool, built: None
+) -> None:  # fmt: skip
+    """The carveout only moves the SM's split of L1 and shared memory (0: the least shared
+    memory, which the driver raises to what a CTA needs): bit-identical outputs, eager and
+    captured with its launch attribute in a CUDA graph."""
+    m, n, k, group = 16, 2048, 2048, 128
+    x, packed, sz, ref, tol = _problem(m, n, k, group, torch.bfloat16)
+    driver, carved = cfg(4, 2, 2), cfg(4, 2, 2, carveout=carveout)
+    fn = cw.launcher(carved)
+    want = torch.empty(m, n, device="cuda", dtype=x.dtype)
+    cw.run(fn, driver, x, packed, sz, group, want, stream())
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
+    cw.run(fn, carved, x, packed, sz, group, out, stream())
+    if graphed:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            cw.run(fn, carved, x, packed, sz, group, out, stream())
+        out.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert excess(want, ref, tol) <= 1
+    assert torch.equal(out, want)
 
 
 @pytest.mark.gpu

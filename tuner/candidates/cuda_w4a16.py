@@ -20,7 +20,10 @@ A config is the library's compile-time part (``split``, ``slices`` of 16 rows pe
 rounds, so that they do not all read the same x lines at once: a ``Library``) and its launch
 part (``warps`` per CTA, ``cluster`` CTAs splitting K, ``teams``: row blocks a CTA when warps
 split K without a cluster, each taken by ``warps / teams`` of its warps as a CTA of its own would
-be, so that a wide projection's grid is handed out a CTA an SM and its warps start together).
+be, so that a wide projection's grid is handed out a CTA an SM and its warps start together,
+``carveout``: the percent of the SM's most shared memory its unified L1 / shared memory gives
+shared memory, or None for the driver's choice, which makes room for the most CTAs an SM and can
+leave x's lines too little L1 to be shared in).
 Each library (the CUDA runtime linked in statically) serves every shape and is built, stored and
 loaded as ``cuda_library`` says.
 
@@ -65,10 +68,12 @@ MAX_X_STRIDE = 2**31 // (2 * MAX_WARPS)  # x's row stride, elements: copy rounds
 BUILDER = "tuner.candidates.cuda_w4a16"  # this module, also when it runs as __main__
 
 Config = dict[str, Any]
-CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster", "stagger", "teams")
-# configs stored before ``stagger`` or ``teams`` existed lack them: they ran unstaggered, a row
-# block a CTA
-DEFAULTS = {"stagger": False, "teams": 1}
+CONFIG_KEYS = ("split", "slices", "stages", "warps", "cluster", "stagger", "teams", "carveout")
+# configs stored before ``stagger``, ``teams`` or ``carveout`` existed lack them: they ran
+# unstaggered, a row block a CTA, with the driver's carveout
+DEFAULTS = {"stagger": False, "teams": 1, "carveout": None}
+# percent of sm_90's most shared memory (228 KB): 164 KB an SM, leaving the L1 92 KB
+ROOMY_L1 = 72
 # teams are timed only where a grid of a row block a CTA would hold this many CTAs a team or
 # more (a wide projection: several CTAs an SM to hand out); on a narrow one, a grid of a few
 # row blocks a CTA would leave most SMs empty
@@ -87,6 +92,10 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     if not 1 <= m <= MAX_M:
         raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
     teams = choice({**DEFAULTS, **config}, "teams", range(1, MAX_WARPS + 1))
+    carveout = {**DEFAULTS, **config}["carveout"]
+    if carveout is not None and (type(carveout) is not int or not 0 <= carveout <= 100):
+        raise ValueError(f"config['carveout']={carveout!r}: allowed None (the driver's choice) or "
+                         "a whole percent 0 to 100 of the SM's most shared memory")  # fmt: skip
     if config["warps"] % teams:
         raise ValueError(f"config['teams']={teams}: must divide config['warps']={config['warps']}")
     if teams > 1 and (config["split"] != "k" or cluster > 1):
@@ -157,7 +166,8 @@ def compile_all(configs: Iterable[Config]) -> dict[Library, str | None]:
 
 ENTRY = "w4a16_gemv"
 ARGTYPES = (*[ctypes.c_void_p] * 4, *[ctypes.c_int] * 4, *[ctypes.c_longlong] * 2,
-            *[ctypes.c_int] * 4, ctypes.c_void_p)  # fmt: skip
+            *[ctypes.c_int] * 5, ctypes.c_void_p)  # fmt: skip
+DRIVER_CARVEOUT = -1  # the entry point's carveout for the driver's choice
 
 
 def load(path: Path) -> Launcher:
@@ -202,42 +212,46 @@ def run(fn: Launcher, config: Config, x: torch.Tensor, weight: torch.Tensor,
     """``out = x @ dequant(weight).T`` through ``fn`` (``launcher(config)``) on ``stream``; the
     operands already checked (``check_operands``)."""
     m, k = x.shape
+    carveout = config.get("carveout", DEFAULTS["carveout"])
     err = fn(x.data_ptr(), weight.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(), m,
              weight.shape[0], k, group, x.stride(0), out.stride(0),
              int(x.dtype == torch.float16), config["warps"], config["cluster"],
-             config.get("teams", DEFAULTS["teams"]), stream)  # fmt: skip
+             config.get("teams", DEFAULTS["teams"]),
+             DRIVER_CARVEOUT if carveout is None else carveout, stream)  # fmt: skip
     if err:
         raise RuntimeError(f"w4a16_gemv launch failed: CUDA error {err}")
 
 
-# Decode shortlists (split, slices, stages, warps, cluster, stagger, teams), the likeliest
-# first. Warps splitting K: 32-row CTAs over all of K, one per SM. Streaming, a warp is busy issuing
-# instructions, not waiting on its copies, so 16 warps a CTA with a 2-stage ring lead on the
-# narrow projections; 8 warps of 4 stages win the wide ones, or there 64-row warps over all of K,
-# whose x fragments serve four slices (where the kernel's instructions, not the weight stream, set
-# the pace). Where x's [M, 128] slab weighs most (M near 8, copied per CTA and chunk beside the
-# CTA's weight), 64-row warps over half of K (a cluster of 2: x copied once per 64 rows), or 8
-# warps of 32 rows sharing each chunk's slab with K over a cluster of 8. Three 64-row warps a CTA
-# fit five CTAs an SM: a wide projection's row blocks then run in one round (not a second one on
-# part of the SMs), each warp streaming more chunks for its one ramp. Where a one-round grid
-# of 64-row CTAs leaves some SMs a CTA more than the others, four-warp CTAs of 32 rows share the
-# rows out more evenly, at more instructions a weight byte. Such a grid is handed out a CTA an
-# SM at a time, and the CTAs handed out last end last: four row blocks a CTA (teams of three
-# warps) start them together. No staggered config: with x's lines through the L1, an SM's CTAs
-# at one chunk likely share its lines there, and staggered ones sit at different chunks.
-SHORTLIST = (("k", 2, 2, 16, 1, False, 1), ("k", 2, 4, 8, 1, False, 1), ("k", 4, 2, 8, 1, False, 1),
-             ("k", 4, 2, 3, 1, False, 1), ("k", 2, 2, 4, 1, False, 1),
-             ("k", 2, 3, 16, 1, False, 1), ("k", 2, 3, 12, 1, False, 1),
-             ("rows", 2, 4, 8, 8, False, 1), ("k", 4, 2, 8, 2, False, 1),
-             ("k", 4, 2, 12, 1, False, 4))  # fmt: skip
+# Decode shortlists (split, slices, stages, warps, cluster, stagger, teams, carveout), the
+# likeliest first. Warps splitting K: 32-row CTAs over all of K, one per SM. Streaming, a warp is
+# busy issuing instructions, not waiting on its copies, so 16 warps a CTA with a 2-stage ring lead
+# on the narrow projections; 8 warps of 4 stages win the wide ones, or there 64-row warps over
+# all of K, whose x fragments serve four slices (where the kernel's instructions, not the weight
+# stream, set the pace). Where x's [M, 128] slab weighs most (M near 8, copied per CTA and chunk
+# beside the CTA's weight), 64-row warps over half of K (a cluster of 2: x copied once per 64
+# rows), or 8 warps of 32 rows sharing each chunk's slab with K over a cluster of 8. Three 64-row
+# warps a CTA fit five CTAs an SM: a wide projection's row blocks then run in one round (not a
+# second one on part of the SMs), each warp streaming more chunks for its one ramp. Where a
+# one-round grid of 64-row CTAs leaves some SMs a CTA more than the others, four-warp CTAs of 32
+# rows share the rows out more evenly, at more instructions a weight byte. Such a grid is handed
+# out a CTA an SM at a time, and the CTAs handed out last end last: four row blocks a CTA (teams
+# of three warps) start them together. No staggered config: with x's lines through the L1, an
+# SM's CTAs at one chunk likely share its lines there, and staggered ones sit at different chunks.
+SHORTLIST = (("k", 2, 2, 16, 1, False, 1, None), ("k", 2, 4, 8, 1, False, 1, None),
+             ("k", 4, 2, 8, 1, False, 1, None), ("k", 4, 2, 3, 1, False, 1, None),
+             ("k", 2, 2, 4, 1, False, 1, None), ("k", 2, 3, 16, 1, False, 1, None),
+             ("k", 2, 3, 12, 1, False, 1, None), ("rows", 2, 4, 8, 8, False, 1, None),
+             ("k", 4, 2, 8, 2, False, 1, None), ("k", 4, 2, 12, 1, False, 4, None))  # fmt: skip
 # M = 9-16 (two n8 tiles): x's slab is twice the weight's bytes per 32 rows, so 64-row warps,
 # which copy the least x per weight byte: over half of K (a cluster of 2) on the narrow
 # projections; on the wide ones (hundreds of row blocks) CTAs of 2 or 4 such warps over all of K,
 # several an SM (their registers allow 12 warps an SM, one 8-warp CTA's rings only 8), so the grid
 # runs in about one round with more warps a scheduler. Wider clusters (4, 8) cost more than the
-# warps they add.
-WIDE_SHORTLIST = (("k", 4, 2, 8, 2, False, 1), ("k", 4, 2, 4, 1, False, 1),
-                  ("k", 4, 2, 2, 1, False, 1))  # fmt: skip
+# warps they add. The driver gives 2-warp CTAs the most shared memory (room for six an SM), so x's
+# lines, which an SM's CTAs at one chunk share, find 28 KB of L1: four an SM with a roomy L1 can
+# be faster.
+WIDE_SHORTLIST = (("k", 4, 2, 8, 2, False, 1, None), ("k", 4, 2, 4, 1, False, 1, None),
+                  ("k", 4, 2, 2, 1, False, 1, None), ("k", 4, 2, 2, 1, False, 1, ROOMY_L1))  # fmt: skip
 
 
 def shortlist(m: int) -> tuple[tuple, ...]:

@@ -27,13 +27,13 @@ cudaError_t allow_smem(int smem) {
 }
 
 // KERNEL(args...) on `ctas` CTAs of `threads` threads, `cluster` CTAs a cluster along x, with
-// `smem` bytes of dynamic shared memory, launched on `stream`; DEPENDENT: as a programmatic
-// dependent launch (KERNEL must then wait with griddepcontrol.wait before it reads what the
-// kernel before it wrote). Our kernels pass false; true stays the default because the kernel
-// sources a bench builds as baselines call this without the argument and wait as it expects.
+// `smem` bytes of dynamic shared memory, launched on `stream`, the SM's unified L1 / shared memory
+// split as `carveout` percent of its most shared memory (-1: as the driver sizes it, room for the
+// most CTAs an SM, whatever L1 that leaves); DEPENDENT: as a programmatic dependent launch (KERNEL
+// must then wait with griddepcontrol.wait before it reads what the kernel before it wrote).
 template <auto KERNEL, bool DEPENDENT = true, typename... Args>
-cudaError_t launch_in_clusters(unsigned ctas, unsigned threads, int smem, int cluster,
-                               cudaStream_t stream, Args... args) {
+cudaError_t launch_carved(unsigned ctas, unsigned threads, int smem, int cluster, int carveout,
+                          cudaStream_t stream, Args... args) {
   const cudaError_t e = allow_smem<KERNEL>(smem);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t config = {};
@@ -41,16 +41,32 @@ cudaError_t launch_in_clusters(unsigned ctas, unsigned threads, int smem, int cl
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = stream;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[3];
+  unsigned n = 0;
+  attr[n].id = cudaLaunchAttributeClusterDimension;
+  attr[n].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[n].val.clusterDim.y = 1;
+  attr[n++].val.clusterDim.z = 1;
+  if (DEPENDENT) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (carveout >= 0) {
+    attr[n].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
+    attr[n++].val.sharedMemCarveout = static_cast<unsigned>(carveout);
+  }
   config.attrs = attr;
-  config.numAttrs = DEPENDENT ? 2 : 1;
+  config.numAttrs = n;
   return cudaLaunchKernelEx(&config, KERNEL, args...);
+}
+
+// The same with the driver's carveout. Our kernels pass DEPENDENT false; true stays the default
+// because the kernel sources a bench builds as baselines call this without the argument and
+// wait as it expects.
+template <auto KERNEL, bool DEPENDENT = true, typename... Args>
+cudaError_t launch_in_clusters(unsigned ctas, unsigned threads, int smem, int cluster,
+                               cudaStream_t stream, Args... args) {
+  return launch_carved<KERNEL, DEPENDENT>(ctas, threads, smem, cluster, -1, stream, args...);
 }
 
 }  // namespace gemv

@@ -54,8 +54,10 @@
 //
 // One shared library per (SPLIT_ROWS, SLICES, STAGES, STAGGER): -DGEMV_SPLIT_ROWS=0|1 (warps
 // split K or rows), -DGEMV_SLICES=1|2|4 (16-row slices per warp), -DGEMV_STAGES=2..8,
-// -DGEMV_STAGGER=0|1; warps per CTA, the cluster size (1, 2, 4 or 8 CTAs) and the row blocks a
-// CTA (teams) are launch arguments, each build of teams its own kernel instance.
+// -DGEMV_STAGGER=0|1; warps per CTA, the cluster size (1, 2, 4 or 8 CTAs), the row blocks a
+// CTA (teams, each build of them its own kernel instance) and the shared-memory carveout are
+// launch arguments. The driver sizes shared memory for the most CTAs an SM, which can leave x's
+// lines an L1 too small for the CTAs to share them; a carveout trades CTAs for L1.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -817,16 +819,8 @@ int smem_bytes(int m, int group, int warps, int cluster) {
 }
 
 template <bool F16, int NG, int NT, bool FULL, bool TEAMED>
-cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream) {
+cudaError_t launch(const Params& p, int warps, int cluster, int carveout, cudaStream_t stream) {
   if (warps > max_warps<NT>()) return cudaErrorInvalidValue;
-#ifdef GEMV_AB_CARVEOUT
-  // bench A/B only: -DGEMV_AB_CARVEOUT=pct asks for that share of the SM's most shared memory
-  // (the rest of the unified L1 / shared memory holds x's lines) instead of the driver's choice
-  static const cudaError_t carved = cudaFuncSetAttribute(
-      w4a16_gemv_kernel<F16, NG, NT, FULL, TEAMED>, cudaFuncAttributePreferredSharedMemoryCarveout,
-      GEMV_AB_CARVEOUT);
-  if (carved != cudaSuccess) return carved;
-#endif
 #ifdef GEMV_AB_LAUNCH_SMEM
   const int smem = GEMV_AB_LAUNCH_SMEM;
 #else
@@ -835,34 +829,36 @@ cudaError_t launch(const Params& p, int warps, int cluster, cudaStream_t stream)
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   const int blocks = (p.n + cta_rows - 1) / cta_rows;
   const unsigned ctas = static_cast<unsigned>((blocks + p.teams - 1) / p.teams * cluster);
-  return gemv::launch_in_clusters<w4a16_gemv_kernel<F16, NG, NT, FULL, TEAMED>, false>(
-      ctas, static_cast<unsigned>(warps * 32), smem, cluster, stream, p);
+  return gemv::launch_carved<w4a16_gemv_kernel<F16, NG, NT, FULL, TEAMED>, false>(
+      ctas, static_cast<unsigned>(warps * 32), smem, cluster, carveout, stream, p);
 }
 
 // FULL where every 64-row block is whole, the (scale, zero) words can be copied 16 bytes at a
 // time and a chunk's words follow the last chunk's at a fixed step (a group of at most a chunk)
 template <bool F16, int NG, int NT, bool TEAMED>
-cudaError_t launch_blocks(const Params& p, int warps, int cluster, cudaStream_t s) {
+cudaError_t launch_blocks(const Params& p, int warps, int cluster, int carveout, cudaStream_t s) {
   const bool full = p.n % 64 == 0 && reinterpret_cast<uintptr_t>(p.sz) % 16 == 0 &&
                     p.group_shift <= 7;
-  return full ? launch<F16, NG, NT, true, TEAMED>(p, warps, cluster, s)
-              : launch<F16, NG, NT, false, TEAMED>(p, warps, cluster, s);
+  return full ? launch<F16, NG, NT, true, TEAMED>(p, warps, cluster, carveout, s)
+              : launch<F16, NG, NT, false, TEAMED>(p, warps, cluster, carveout, s);
 }
 
 template <bool F16, int NT, bool TEAMED = false>
-cudaError_t launch_group(const Params& p, int group, int warps, int cluster, cudaStream_t s) {
-  if (group == 32) return launch_blocks<F16, 4, NT, TEAMED>(p, warps, cluster, s);
-  if (group == 64) return launch_blocks<F16, 2, NT, TEAMED>(p, warps, cluster, s);
-  return launch_blocks<F16, 1, NT, TEAMED>(p, warps, cluster, s);
+cudaError_t launch_group(const Params& p, int group, int warps, int cluster, int carveout,
+                         cudaStream_t s) {
+  if (group == 32) return launch_blocks<F16, 4, NT, TEAMED>(p, warps, cluster, carveout, s);
+  if (group == 64) return launch_blocks<F16, 2, NT, TEAMED>(p, warps, cluster, carveout, s);
+  return launch_blocks<F16, 1, NT, TEAMED>(p, warps, cluster, carveout, s);
 }
 
 // teams (the entry point allows them at M <= 8, warps splitting K) have a build of one n8 tile
 template <bool F16>
-cudaError_t launch_tiles(const Params& p, int group, int warps, int cluster, cudaStream_t s) {
+cudaError_t launch_tiles(const Params& p, int group, int warps, int cluster, int carveout,
+                         cudaStream_t s) {
   if constexpr (!SPLIT_ROWS)
-    if (p.teams > 1) return launch_group<F16, 1, true>(p, group, warps, cluster, s);
-  return p.m > 8 ? launch_group<F16, 2>(p, group, warps, cluster, s)
-                 : launch_group<F16, 1>(p, group, warps, cluster, s);
+    if (p.teams > 1) return launch_group<F16, 1, true>(p, group, warps, cluster, carveout, s);
+  return p.m > 8 ? launch_group<F16, 2>(p, group, warps, cluster, carveout, s)
+                 : launch_group<F16, 1>(p, group, warps, cluster, carveout, s);
 }
 
 }  // namespace
@@ -889,17 +885,18 @@ int w4a16_gemv_smem(int m, int group, int warps, int cluster) {
 // 128, 256 that divides K, N x K / group (scale, zero) words past 32-bit indices, warps outside
 // 1..MAX_WARPS (1..8 for 64-row warps at M > 8), a cluster other than 1, 2, 4 or 8, or one
 // wider than K's chunks, teams that do not divide the warps (or more than one team where warps
-// split rows, a cluster splits K or M > 8), x's row stride past 32-bit offsets between copy
-// rounds, x or w not 16-byte aligned.
+// split rows, a cluster splits K or M > 8), a carveout other than -1 (the driver's) or a
+// percent 0..100 of the SM's most shared memory, x's row stride past 32-bit offsets between
+// copy rounds, x or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
                int group, long long ldx, long long ldo, int f16, int warps, int cluster,
-               int teams, void* stream) {
+               int teams, int carveout, void* stream) {
   const bool group_ok = (group == 32 || group == 64 || group == 128 || group == 256) && k % group == 0;
   const bool words_ok = group_ok && static_cast<long long>(n) * (k / group) < (1ll << 31);
   if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !words_ok || warps < 1 ||
       warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster & (cluster - 1) ||
       cluster > k / CHUNK || ldx % 8 || teams < 1 || warps % teams ||
-      (teams > 1 && (SPLIT_ROWS || cluster > 1 || m > 8)) ||
+      (teams > 1 && (SPLIT_ROWS || cluster > 1 || m > 8)) || carveout < -1 || carveout > 100 ||
       ldx >= (1ll << 31) / (2 * MAX_WARPS) ||
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
@@ -921,8 +918,8 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.teams = teams;
   p.team_warps = warps / teams;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return static_cast<int>(f16 ? launch_tiles<true>(p, group, warps, cluster, s)
-                              : launch_tiles<false>(p, group, warps, cluster, s));
+  return static_cast<int>(f16 ? launch_tiles<true>(p, group, warps, cluster, carveout, s)
+                              : launch_tiles<false>(p, group, warps, cluster, carveout, s));
 }
 
 #if GEMV_TRACE
