@@ -17,6 +17,8 @@ from tuner.measure.records import (
 
 TRITON_TILED = {"bk": 256, "bm": 16, "bn": 32, "group_m": 8, "kernel": "tiled", "stages": 4,
                 "warps": 4}  # fmt: skip
+CUDA_W4A16 = {"cluster": 1, "slices": 4, "split": "k", "stages": 2, "stagger": False, "teams": 1,
+              "warps": 2}  # fmt: skip
 CUBLASLT = {"cluster": "2x1x1", "custom": 0, "id": 66, "inner_shape": 0, "reduction": 0,
             "split_k": 1, "stages": "64xAUTO", "swizzle": 0, "tile": "112x128"}  # fmt: skip
 
@@ -55,6 +57,12 @@ CUBLASLT = {"cluster": "2x1x1", "custom": 0, "id": 66, "inner_shape": 0, "reduct
                            "warps": 4},
          "triton_decode bn64 splits16 pdl w4 s3"),
         ("torch_sdpa", {"backend": "cudnn"}, "torch_sdpa cudnn"),
+        # our W4A16 decode kernel: a row block a CTA and the driver's carveout (None) are plain
+        ("cuda_w4a16", {**CUDA_W4A16, "carveout": None}, "cuda_w4a16 c1 split=k slices=4 w2 s2"),
+        ("cuda_w4a16", {**CUDA_W4A16, "carveout": 72},
+         "cuda_w4a16 c1 split=k carveout72 slices=4 w2 s2"),
+        ("cuda_w4a16", {**CUDA_W4A16, "teams": 4, "warps": 12},
+         "cuda_w4a16 c1 split=k slices=4 teams=4 w12 s2"),
         # params it has no short word for: key=value, after the ones it knows
         ("my_plugin", {"variant": "fast", "depth": 3, "cache": True},
          "my_plugin depth=3 variant=fast cache"),

@@ -44,7 +44,7 @@ _LAST = ("warps", "stages", "epilogue", "a_layout", "group_m")  # alike across m
 _PREFIX = {"bm": "bm", "bn": "bn", "bk": "bk", "cluster": "c", "id": "id", "algo": "algo",
            "split_k": "sk", "splits": "splits", "reduction": "red", "custom": "custom",
            "swizzle": "swz", "inner_shape": "inner", "warps": "w", "stages": "s",
-           "epilogue": "epi=", "a_layout": "a=", "group_m": "g"}  # fmt: skip
+           "epilogue": "epi=", "a_layout": "a=", "group_m": "g", "carveout": "carveout"}  # fmt: skip
 # Values that mean "nothing special" (no split, no reduction, the library's default algorithm):
 # left out, so a label shows what sets a candidate apart. CUTLASS's swizzle 1 is no swizzle.
 _PLAIN: dict[str, Any] = {"split_k": 1, "splits": 1, "reduction": 0, "custom": 0, "swizzle": 0,
@@ -53,6 +53,7 @@ _PLAIN_BY_SOURCE = {
     **{s: {"swizzle": 1} for s in ("cutlass", "cutlass_fp8", "cutlass_w4a16")},
     # stages left for cuBLASLt to pick are no choice to show ("sUNDEFINED" reads as a fault)
     **{s: {"stages": "UNDEFINED"} for s in ("cublaslt", "cublaslt_fp8")},
+    "cuda_w4a16": {"teams": 1},  # a row block a CTA
 }
 ELLIPSIS = "…"
 LABEL_WIDTH = 72  # a table's winner column: room for the built-in sources' labels, decode's too
@@ -62,8 +63,8 @@ def candidate_label(name: str, width: int | None = None) -> str:
     """A ``candidate_name`` as people read it in tables and lines: the source, then its params
     as short words, most telling first (``triton_gemm gemv 1x8x512 w4``, ``cublaslt 112x128
     c2x1x1 id66 s64xAUTO``): Triton's bm/bn/bk read as one tile, w warps, s stages, sk split-K,
-    c cluster, g group_m; a true flag is its name; plain values (a false flag, split-K 1) are left
-    out. Past ``width`` the least telling words are cut, an ellipsis in their place. Whatever a
+    c cluster, g group_m; a true flag is its name; plain values (a false flag, split-K 1, a
+    None: nothing chosen) are left out. Past ``width`` the least telling words are cut, an ellipsis in their place. Whatever a
     program reads (JSON, ``--full-keys``, exports) keeps the name itself: only it round-trips."""
     source, _, text = name.partition(":")
     params = _json_object(text) if text else {}
@@ -83,7 +84,8 @@ def _json_object(text: str) -> dict[str, Any] | None:
 def _param_words(source: str, params: dict[str, Any]) -> list[str]:
     """The label's words for ``params``, most telling first."""
     plain = _PLAIN | _PLAIN_BY_SOURCE.get(source, {})
-    shown = {k: v for k, v in params.items() if v is not False and not _same(plain, k, v)}
+    shown = {k: v for k, v in params.items()
+             if v is not False and v is not None and not _same(plain, k, v)}  # fmt: skip
     if "bm" in shown and "bn" in shown and "tile" not in shown:  # Triton's blocks: one tile
         shown["tile"] = [shown.pop(b) for b in ("bm", "bn", "bk") if b in shown]
     return [_word(k, v) for k, v in sorted(shown.items(), key=_rank)]
