@@ -189,15 +189,8 @@ __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid
 
 // x's slab: 16 bytes through the L1 (the weight's copies bypass it), where the SM's other CTAs
 // and a CTA's other teams, at the same chunks, find its lines instead of asking the L2 again
-// (bench A/B only: -DGEMV_AB_X_CG=1 sends them past the L1 as the weight's)
-#ifndef GEMV_AB_X_CG
-#define GEMV_AB_X_CG 0
-#endif
 __device__ __forceinline__ void copy16_x(uint32_t dst, const void* src) {
-  if constexpr (GEMV_AB_X_CG)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
 __device__ __forceinline__ void copy4(uint32_t dst, const void* src, bool valid) {
