@@ -37,15 +37,26 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from tuner.candidates import cuda_w4a16
 from tuner.suites import lowbit
 
 Row = dict[str, Any]
+PRODUCT = "cuda_gemv"  # the product's builds; their twins are "cuda_gemv_NAME"
 Pair = tuple[str, int, str, str]  # projection, M, implementation, config
 
 
 def pair_key(row: Row) -> Pair:
-    config = json.dumps(row.get("config"), sort_keys=True) if row.get("config") else ""
-    return row["proj"], row["m"], row["impl"], config
+    """A row's pair, its config without the fields at their defaults, so that a run from before
+    a field existed (which lacks it) pairs with one that states its default."""
+    config = row.get("config")
+    if config and row["impl"].startswith(PRODUCT):
+        config = {k: v for k, v in config.items() if not _default(k, v)}
+    return row["proj"], row["m"], row["impl"], json.dumps(config, sort_keys=True) if config else ""
+
+
+def _default(key: str, value: Any) -> bool:
+    default = cuda_w4a16.DEFAULTS.get(key, ...)
+    return type(value) is type(default) and value == default
 
 
 def fastest(
@@ -85,9 +96,6 @@ def compare(base: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, 
         "only_new": [list(k) for k in sorted(new_us.keys() - base_us.keys())],
         "rows": rows,
     }
-
-
-PRODUCT = "cuda_gemv"
 
 
 def variants(run: dict[str, Any]) -> dict[str, Any]:
@@ -158,10 +166,18 @@ def against_table(rows: list[Row]) -> str:
 
 
 def config_text(cfg: dict[str, Any] | None) -> str:
+    """A W4A16 decode config as ``--config`` takes it (``k,4,2,8,2``; a stagger, teams or
+    carveout only up to the last one not at its default, a carveout of None as -1); anything
+    else as the head of its JSON."""
     cfg = cfg or {}
-    keys = ("split", "slices", "stages", "warps", "cluster", "stagger", "teams", "carveout")
-    return ",".join(str(int(cfg[k]) if isinstance(cfg[k], bool) else cfg[k])
-                    for k in keys if cfg.get(k) is not None) or json.dumps(cfg, sort_keys=True)[:34]  # fmt: skip
+    keys = cuda_w4a16.CONFIG_KEYS
+    if not all(k in cfg for k in keys[:5]):
+        return json.dumps(cfg, sort_keys=True)[:34]
+    values = [{**cuda_w4a16.DEFAULTS, **cfg}[k] for k in keys]
+    while len(values) > 5 and _default(keys[len(values) - 1], values[-1]):
+        values.pop()
+    return ",".join("-1" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
+                    for v in values)  # fmt: skip
 
 
 def variants_table(result: dict[str, Any]) -> str:

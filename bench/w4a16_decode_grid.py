@@ -113,9 +113,8 @@ def shape_of(proj: str) -> tuple[int, int]:
 def as_config(entry: tuple) -> dict[str, Any]:
     """A ``GRID`` entry (split, slices, stages, warps, cluster[, stagger[, teams[, carveout]]])
     as a config."""
-    keys = cuda_w4a16.CONFIG_KEYS[
-        : len(entry)
-    ]  # a stagger, teams or carveout left out: the default
+    # a stagger, teams or carveout left out: its default
+    keys = cuda_w4a16.CONFIG_KEYS[: len(entry)]
     return {**cuda_w4a16.DEFAULTS, **dict(zip(keys, entry, strict=True))}
 
 

@@ -72,6 +72,25 @@ def test_pairs_timed_on_one_side_only_are_listed() -> None:
     assert result["only_new"] == [["down", 4, "w4a16", ""]] and result["only_base"] == []
 
 
+def test_a_run_from_before_a_config_field_pairs_with_one_that_states_its_default() -> None:
+    base = [run(row("down", 16, "cuda_gemv", 14.9, config=CFG))]  # no stagger, teams, carveout
+    new = [
+        run(
+            row("down", 16, "cuda_gemv", 14.8,
+                config={**CFG, "stagger": False, "teams": 1, "carveout": None}),
+            row("down", 16, "cuda_gemv", 14.1, config={**CFG, "carveout": 72}),
+        )
+    ]  # fmt: skip
+    result = ab.compare(base, new)
+    assert [(r["config"], r["ratio"]) for r in result["rows"]] == [(CFG, round(14.8 / 14.9, 4))]
+    assert result["only_new"] == [["down", 16, "cuda_gemv", json.dumps({**CFG, "carveout": 72},
+                                                                      sort_keys=True)]]  # fmt: skip
+    # read as --config takes it: the fields before a carveout at their defaults
+    assert ab.config_text({**CFG, "carveout": 72}) == "k,4,2,8,1,0,1,72"
+    assert ab.config_text({**CFG, "stagger": True, "teams": 1, "carveout": None}) == "k,4,2,8,1,1"
+    assert ab.config_text({"bm": 16, "warps": 4}) == '{"bm": 16, "warps": 4}'
+
+
 def test_the_command_line_names_a_file_that_is_not_a_run(tmp_path: Path) -> None:
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps(run(row("down", 1, "bf16", 32.0))))

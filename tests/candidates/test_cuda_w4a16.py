@@ -217,6 +217,17 @@ def test_without_nvcc_only_stored_libraries_are_offered(store: ArtifactStore, mo
     assert cw.compile_all([config]) == {cw.library(config): None}  # installed: nothing to build
 
 
+def test_run_passes_the_carveout_and_minus_one_for_the_drivers_choice() -> None:
+    calls = []
+    x, out = torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.bfloat16)
+    weight, sz = torch.zeros(64, 64, dtype=torch.uint8), torch.zeros(1, 64, 2)
+    stored = {key: v for key, v in cfg().items() if key != "carveout"}  # from before the field
+    for config in (cfg(carveout=cw.ROOMY_L1), cfg(), stored):
+        cw.run(lambda *args: calls.append(args) or 0, config, x, weight, sz, 128, out, 7)
+    assert [call[-2:] for call in calls] == [(cw.ROOMY_L1, 7), (-1, 7), (-1, 7)]
+    assert all(len(call) == len(cw.ARGTYPES) for call in calls)
+
+
 def test_operands_the_kernel_would_refuse() -> None:
     m, n, k, group = 4, 64, 256, 128
     x = torch.randn(m, k, dtype=torch.bfloat16)
@@ -514,32 +525,55 @@ def test_a_team_computes_what_a_cta_of_its_own_would(n: int, pair: tuple, built:
     assert torch.equal(outs[0], outs[1])
 
 
+CU_GRAPH_NODE_TYPE_KERNEL, CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 0, 14  # cuda.h
+
+
+def kernel_carveouts(graph: torch.cuda.CUDAGraph) -> list[int]:
+    """The carveout attribute of each kernel node of a graph captured with ``keep_graph``, read
+    through the driver API (a ``CUlaunchAttributeValue`` is a 64-byte union)."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    handle, count = ctypes.c_void_p(graph.raw_cuda_graph()), ctypes.c_size_t(0)
+    assert driver.cuGraphGetNodes(handle, None, ctypes.byref(count)) == 0
+    nodes = (ctypes.c_void_p * count.value)()
+    assert driver.cuGraphGetNodes(handle, nodes, ctypes.byref(count)) == 0
+    carveouts = []
+    for node in nodes:
+        kind, value = ctypes.c_int(), (ctypes.c_ubyte * 64)()
+        assert driver.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) == 0
+        if kind.value == CU_GRAPH_NODE_TYPE_KERNEL:
+            assert driver.cuGraphKernelNodeGetAttribute(
+                ctypes.c_void_p(node), CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, value
+            ) == 0  # fmt: skip
+            carveouts.append(int.from_bytes(bytes(value[:4]), "little"))
+    return carveouts
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("carveout", [0, cw.ROOMY_L1, 100])
-@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
-def test_a_carveout_computes_what_the_drivers_choice_does(
-    carveout: int, graphed: bool, built: None
+@pytest.mark.parametrize("carveout", [cw.ROOMY_L1, 100])
+def test_a_carveout_computes_what_the_drivers_choice_does_and_a_graph_keeps_it(
+    carveout: int, built: None
 ) -> None:  # fmt: skip
-    """The carveout only moves the SM's split of L1 and shared memory (0: the least shared
-    memory, which the driver raises to what a CTA needs): bit-identical outputs, eager and
-    captured with its launch attribute in a CUDA graph."""
+    """The carveout only moves the SM's split of L1 and shared memory: bit-identical outputs,
+    eager and replayed from a CUDA graph, whose kernel node holds the carveout it was launched
+    with (the product's decode steps run as graphs)."""
     m, n, k, group = 16, 2048, 2048, 128
     x, packed, sz, ref, tol = _problem(m, n, k, group, torch.bfloat16)
     driver, carved = cfg(4, 2, 2), cfg(4, 2, 2, carveout=carveout)
     fn = cw.launcher(carved)
     want = torch.empty(m, n, device="cuda", dtype=x.dtype)
     cw.run(fn, driver, x, packed, sz, group, want, stream())
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
-    cw.run(fn, carved, x, packed, sz, group, out, stream())
-    if graphed:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            cw.run(fn, carved, x, packed, sz, group, out, stream())
-        out.fill_(float("nan"))
-        graph.replay()
+    eager = torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
+    cw.run(fn, carved, x, packed, sz, group, eager, stream())
+    replayed = torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        cw.run(fn, carved, x, packed, sz, group, replayed, stream())
+    assert kernel_carveouts(graph) == [carveout]
+    graph.instantiate()
+    graph.replay()
     torch.cuda.synchronize()
     assert excess(want, ref, tol) <= 1
-    assert torch.equal(out, want)
+    assert torch.equal(eager, want) and torch.equal(replayed, want)
 
 
 @pytest.mark.gpu

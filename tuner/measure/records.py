@@ -64,8 +64,9 @@ def candidate_label(name: str, width: int | None = None) -> str:
     as short words, most telling first (``triton_gemm gemv 1x8x512 w4``, ``cublaslt 112x128
     c2x1x1 id66 s64xAUTO``): Triton's bm/bn/bk read as one tile, w warps, s stages, sk split-K,
     c cluster, g group_m; a true flag is its name; plain values (a false flag, split-K 1, a
-    None: nothing chosen) are left out. Past ``width`` the least telling words are cut, an ellipsis in their place. Whatever a
-    program reads (JSON, ``--full-keys``, exports) keeps the name itself: only it round-trips."""
+    None: nothing chosen) are left out. Past ``width`` the least telling words are cut, an
+    ellipsis in their place. Whatever a program reads (JSON, ``--full-keys``, exports) keeps the
+    name itself: only it round-trips."""
     source, _, text = name.partition(":")
     params = _json_object(text) if text else {}
     if params is None:  # not a name candidate_name made: shown as it is

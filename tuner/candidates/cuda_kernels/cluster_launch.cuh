@@ -1,7 +1,8 @@
 // How our decode GEMV kernels (w4a16_gemv.cu, fp8_gemv.cu) are launched: in clusters of CTAs
 // along x that split K, optionally as a programmatic dependent launch (the kernel then waits for
-// the one before it with griddepcontrol.wait, so its launch and setup overlap that kernel's end),
-// with the dynamic shared memory it asks for raised once per device.
+// the one before it with griddepcontrol.wait, so its launch and setup overlap that kernel's end)
+// and with a shared-memory carveout (launch attributes, which a CUDA graph captures with the
+// launch), with the dynamic shared memory it asks for raised once per device.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,7 +32,7 @@ cudaError_t allow_smem(int smem) {
 // split as `carveout` percent of its most shared memory (-1: as the driver sizes it, room for the
 // most CTAs an SM, whatever L1 that leaves); DEPENDENT: as a programmatic dependent launch (KERNEL
 // must then wait with griddepcontrol.wait before it reads what the kernel before it wrote).
-template <auto KERNEL, bool DEPENDENT = true, typename... Args>
+template <auto KERNEL, bool DEPENDENT, typename... Args>
 cudaError_t launch_carved(unsigned ctas, unsigned threads, int smem, int cluster, int carveout,
                           cudaStream_t stream, Args... args) {
   const cudaError_t e = allow_smem<KERNEL>(smem);
@@ -47,7 +48,7 @@ cudaError_t launch_carved(unsigned ctas, unsigned threads, int smem, int cluster
   attr[n].val.clusterDim.x = static_cast<unsigned>(cluster);
   attr[n].val.clusterDim.y = 1;
   attr[n++].val.clusterDim.z = 1;
-  if (DEPENDENT) {
+  if constexpr (DEPENDENT) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
   }
