@@ -260,9 +260,17 @@ def shortlist(m: int) -> tuple[tuple, ...]:
 
 
 def configs(m: int, n: int, k: int, group: int) -> list[Config]:
-    """Configs worth timing for a decode problem (M <= ``MAX_M``), those that fit it."""
+    """Configs worth timing for a decode problem (M <= ``MAX_M``), those that fit it. A config
+    with the driver's carveout leaves the field out: its candidate keeps the name (and the
+    measured history) it had before the field, and a host whose code predates it runs it."""
     fit = cuda_library.fitting(shortlist(m), CONFIG_KEYS, lambda c: check_config(c, m, n, k, group))
-    return [c for c in fit if teams_worth_timing(c, n)]
+    return [without_default_carveout(c) for c in fit if teams_worth_timing(c, n)]
+
+
+def without_default_carveout(config: Config) -> Config:
+    if config.get("carveout", DEFAULTS["carveout"]) is None:
+        return {key: v for key, v in config.items() if key != "carveout"}
+    return config
 
 
 def teams_worth_timing(config: Config, n: int) -> bool:
