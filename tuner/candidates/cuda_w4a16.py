@@ -88,11 +88,12 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
     choice(config, "stages", STAGES)
     choice(config, "warps", range(1, MAX_WARPS + 1))
     cluster = choice(config, "cluster", CLUSTERS)
-    choice({**DEFAULTS, **config}, "stagger", (False, True))
+    full = {**DEFAULTS, **config}
+    choice(full, "stagger", (False, True))
     if not 1 <= m <= MAX_M:
         raise ValueError(f"M={m}: allowed 1 to {MAX_M} (two n8 tiles of activations)")
-    teams = choice({**DEFAULTS, **config}, "teams", range(1, MAX_WARPS + 1))
-    carveout = {**DEFAULTS, **config}["carveout"]
+    teams = choice(full, "teams", range(1, MAX_WARPS + 1))
+    carveout = full["carveout"]
     if carveout is not None and (type(carveout) is not int or not 0 <= carveout <= 100):
         raise ValueError(f"config['carveout']={carveout!r}: allowed None (the driver's choice) or "
                          "a whole percent 0 to 100 of the SM's most shared memory")  # fmt: skip
