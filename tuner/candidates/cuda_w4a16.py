@@ -19,10 +19,9 @@ A config is the library's compile-time part (``split``, ``slices`` of 16 rows pe
 ``stages`` of each copy ring, ``stagger``: whether CTAs start their K chunks at staggered
 rounds, so that they do not all read the same x lines at once: a ``Library``) and its launch
 part (``warps`` per CTA, ``cluster`` CTAs splitting K, ``teams``: row blocks a CTA when warps
-split K, each taken by ``warps / teams`` of its warps as a CTA of its own would be, so that a
-wide projection's grid is handed out a CTA an SM and its warps start together, and so that the
-teams' warps at one chunk share x's lines in the L1 where a narrow projection's K is split over
-a cluster, ``carveout``: the percent of the SM's most shared memory its unified L1 / shared memory gives
+split K without a cluster, each taken by ``warps / teams`` of its warps as a CTA of its own would
+be, so that a wide projection's grid is handed out a CTA an SM and its warps start together,
+``carveout``: the percent of the SM's most shared memory its unified L1 / shared memory gives
 shared memory, or None for the driver's choice, which makes room for the most CTAs an SM and can
 leave x's lines too little L1 to be shared in).
 Each library (the CUDA runtime linked in statically) serves every shape and is built, stored and
@@ -100,9 +99,12 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
                          "a whole percent 0 to 100 of the SM's most shared memory")  # fmt: skip
     if config["warps"] % teams:
         raise ValueError(f"config['teams']={teams}: must divide config['warps']={config['warps']}")
-    if teams > 1 and config["split"] != "k":
-        raise ValueError(f"config['teams']={teams}: more than one team needs config['split']='k', "
-                         f"not {config['split']!r}")  # fmt: skip
+    if teams > 1 and (config["split"] != "k" or cluster > 1):
+        raise ValueError(f"config['teams']={teams}: more than one team needs config['split']='k' "
+                         f"and config['cluster']=1, not {config['split']!r} and {cluster}")  # fmt: skip
+    if teams > 1 and m > NARROW_M:
+        raise ValueError(f"config['teams']={teams}: more than one team at M <= {NARROW_M} only "
+                         f"(one n8 tile of activations), not M={m}")  # fmt: skip
     if config["slices"] == 4 and m > NARROW_M and config["warps"] > WIDE_MAX_WARPS:
         raise ValueError(f"config['warps']={config['warps']}: allowed 1 to {WIDE_MAX_WARPS} for "
                          f"64-row warps (config['slices']=4) at M={m} > {NARROW_M}")  # fmt: skip
@@ -121,16 +123,15 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
 def smem_bytes(config: Config, m: int, group: int) -> int:
     """Shared memory of one CTA (as the launcher computes it): the copy rings (one per warp, or
     the CTA's one when warps split rows), or the sums after them if larger (splitting K, the
-    warps' partials and their teams' sums; splitting rows, the CTA's [rows, M]); then, in a
-    cluster, the inbox: an 8-byte mbarrier and, from each rank, its sums of this rank's share of
-    the CTA's outputs."""
+    warps' partials and their sum; splitting rows, the CTA's [rows, M]); then, in a cluster,
+    the inbox: an 8-byte mbarrier and, from each rank, its sums of this rank's share of the
+    outputs."""
     rows, warps, by_rows = 16 * config["slices"], config["warps"], config["split"] == "rows"
-    teams = config.get("teams", DEFAULTS["teams"])
     groups = CHUNK // group if group < CHUNK else 1
     parts = (warps if by_rows else 1) * (rows * 64 + rows * 4 * groups)
     stage = -(-(parts + m * (2 * CHUNK + 16)) // 128) * 128
-    rings, sums = (1, warps) if by_rows else (warps, warps + teams)
-    outputs, cluster = rows * (warps if by_rows else teams) * m, config["cluster"]
+    rings, sums = (1, warps) if by_rows else (warps, warps + 1)
+    outputs, cluster = rows * (warps if by_rows else 1) * m, config["cluster"]
     inbox = 8 + cluster * -(-outputs // cluster) * 4 if cluster > 1 else 0
     return max(rings * config["stages"] * stage, sums * rows * m * 4) + inbox
 

@@ -4,13 +4,11 @@
 // of it, or 1 / C of it in a cluster of C CTAs), and its warps split either
 // - K (GEMV_SPLIT_ROWS=0): the CTA's rows are one warp's; its warps take interleaved 128-value
 //   chunks of the run, each from its own copy ring, and their [ROWS, M] partials are summed in
-//   shared memory in warp order. The CTA may hold several such row blocks (`teams`, a launch
-//   argument), each taken by warps / teams of its warps exactly as a CTA of its own would: the
-//   block scheduler then hands out a wide projection's grid in one CTA an SM, so its warps start
-//   together instead of a CTA an SM at a time (the CTAs handed out last end last, by as long as
-//   the hand-out took); and the teams' warps at one chunk share x's lines in the L1, where a
-//   narrow projection's one CTA an SM (its K split over a cluster) would ask the L2 for them
-//   once a warp; or
+//   shared memory in warp order. Without a cluster the CTA may hold several such row blocks
+//   (`teams`, a launch argument), each taken by warps / teams of its warps exactly as a CTA of
+//   its own would: the block scheduler then hands out a wide projection's grid in one CTA an SM,
+//   so its warps start together instead of a CTA an SM at a time (the CTAs handed out last end
+//   last, by as long as the hand-out took); or
 // - rows (GEMV_SPLIT_ROWS=1): the CTA's rows are `warps` x ROWS, every warp takes every chunk
 //   of the run from one ring the CTA shares, so x's [M, 128] slab of a chunk is copied once per
 //   CTA instead of once per warp (x's bytes per weight byte: 4 M / (warps x ROWS), not 4 M / ROWS).
@@ -598,13 +596,10 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const int ranks = ranks_of.n;
   const int rank = static_cast<int>(cluster.block_rank());
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // the warp's team (its row block) and its place among the team's kwarps warps
-  const int kwarps = TEAMED ? p.team_warps : warps, teams = TEAMED ? p.teams : 1;
-  const int team = TEAMED ? warp / kwarps : 0, kwarp = warp - team * kwarps;
   // (a cluster) the inbox's barrier waits for the other ranks' sums of this rank's share
   if (ranks > 1) {
     if (threadIdx.x == 0) {
-      const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * p.m * teams;
+      const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * p.m;
       const int mine =
           ranks_of.share_begin(rank + 1, outputs) - ranks_of.share_begin(rank, outputs);
       bar_init(smem_addr(smem) + p.inbox_at, 1);
@@ -616,6 +611,9 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   }
 
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
+  // the warp's team (its row block) and its place among the team's kwarps warps
+  const int kwarps = TEAMED ? p.team_warps : warps, teams = TEAMED ? p.teams : 1;
+  const int team = TEAMED ? warp / kwarps : 0, kwarp = warp - team * kwarps;
   const int first_block = ranks_of.div(blockIdx.x) * teams;
   const int row_block = first_block + team;
   const int n0 = row_block * cta_rows;
@@ -690,8 +688,8 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
 
   // (after the ring is done with) splitting K, the warps' partials [warps][M][ROWS] (a team's
   // warps next to each other), summed in warp order, a team's into its row block's outputs (or,
-  // in a cluster, into the CTA's sums [teams][M][ROWS]); splitting rows, each warp's rows of the
-  // sums [M][cta_rows]
+  // in a cluster, into the CTA's sums [M][ROWS]); splitting rows, each warp's rows of the sums
+  // [M][cta_rows]
   __syncthreads();
   const int g = lane >> 2, t = lane & 3, m = p.m;
   const int outputs = cta_rows * m;
@@ -729,7 +727,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
       if (stored_here)
         store(q, v, (first_block + t) * cta_rows);
       else
-        sums[tq] = v;
+        sums[q] = v;
     }
   } else if constexpr (!SPLIT_ROWS) {
     // outputs q .. q + 3 (one column's rows: a row block's rows are a multiple of 16), as one
@@ -763,7 +761,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
       if (stored_here)
         store4(4 * qq, v, (first_block + team) * cta_rows);
       else
-        reinterpret_cast<float4*>(sums)[team * quads + qq] = v;
+        reinterpret_cast<float4*>(sums)[qq] = v;
     }
   }
   if (!stored_here) {
@@ -771,10 +769,8 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
     if (SPLIT_ROWS && threadIdx.x == 0) stamp(6, CLOCK);
     const uint32_t inbox_bar = smem_addr(smem) + p.inbox_at;
     float* inbox = reinterpret_cast<float*>(smem + p.inbox_at + 8);  // [sender][share]
-    // the CTA's outputs: its teams' row blocks, one after the other
-    const int cta_outputs = teams * outputs;
-    const int share = ranks_of.div(cta_outputs + ranks - 1);
-    const auto q_lo = [&](int r) { return ranks_of.share_begin(r, cta_outputs); };
+    const int share = ranks_of.div(outputs + ranks - 1);
+    const auto q_lo = [&](int r) { return ranks_of.share_begin(r, outputs); };
     if (ranks > 1) {
       asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every inbox made
       for (int r = 0; r < ranks; ++r) {
@@ -789,8 +785,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
     for (int q = q_lo(rank) + threadIdx.x; q < q_lo(rank + 1); q += blockDim.x) {
       float v = 0.f;
       for (int r = 0; r < ranks; ++r) v += r == rank ? sums[q] : inbox[r * share + q - q_lo(rank)];
-      const int t = TEAMED ? q / outputs : 0;
-      store(q - t * outputs, v, (first_block + t) * cta_rows);
+      store(q, v, n0);
     }
   }
   if (threadIdx.x == 0) {
@@ -809,19 +804,18 @@ int stage_bytes(int m, int group, int warps) {
 }
 
 // The rings (one per warp, or the CTA's), or the sums after them if larger: splitting K, the
-// warps' partials and their teams' sums ((warps + teams) x ROWS x M floats); splitting rows,
-// warps x ROWS x M.
-int inbox_at(int m, int group, int warps, int teams) {
+// warps' partials and their sum ((warps + 1) x ROWS x M floats); splitting rows, warps x ROWS x M.
+int inbox_at(int m, int group, int warps) {
   const int ring = (SPLIT_ROWS ? 1 : warps) * STAGES * stage_bytes(m, group, warps);
-  const int reduce = (SPLIT_ROWS ? warps : warps + teams) * ROWS * m * 4;
+  const int reduce = (SPLIT_ROWS ? warps : warps + 1) * ROWS * m * 4;
   return ring > reduce ? ring : reduce;
 }
 
-// Then, in a cluster, the inbox: an mbarrier and a share of the CTA's outputs from each rank.
-int smem_bytes(int m, int group, int warps, int cluster, int teams) {
-  const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS * teams) * m;
+// Then, in a cluster, the inbox: an mbarrier and a share of the outputs from each rank.
+int smem_bytes(int m, int group, int warps, int cluster) {
+  const int outputs = (SPLIT_ROWS ? warps * ROWS : ROWS) * m;
   const int inbox = cluster > 1 ? 8 + cluster * ((outputs + cluster - 1) / cluster) * 4 : 0;
-  return inbox_at(m, group, warps, teams) + inbox;
+  return inbox_at(m, group, warps) + inbox;
 }
 
 template <bool F16, int NG, int NT, bool FULL, bool TEAMED>
@@ -830,7 +824,7 @@ cudaError_t launch(const Params& p, int warps, int cluster, int carveout, cudaSt
 #ifdef GEMV_AB_LAUNCH_SMEM
   const int smem = GEMV_AB_LAUNCH_SMEM;
 #else
-  const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster, p.teams);
+  const int smem = smem_bytes(p.m, CHUNK / NG, warps, cluster);
 #endif
   const int cta_rows = SPLIT_ROWS ? warps * ROWS : ROWS;
   const int blocks = (p.n + cta_rows - 1) / cta_rows;
@@ -857,14 +851,12 @@ cudaError_t launch_group(const Params& p, int group, int warps, int cluster, int
   return launch_blocks<F16, 1, NT, TEAMED>(p, warps, cluster, carveout, s);
 }
 
-// teams (the entry point allows them where warps split K) have builds of their own
+// teams (the entry point allows them at M <= 8, warps splitting K) have a build of one n8 tile
 template <bool F16>
 cudaError_t launch_tiles(const Params& p, int group, int warps, int cluster, int carveout,
                          cudaStream_t s) {
   if constexpr (!SPLIT_ROWS)
-    if (p.teams > 1)
-      return p.m > 8 ? launch_group<F16, 2, true>(p, group, warps, cluster, carveout, s)
-                     : launch_group<F16, 1, true>(p, group, warps, cluster, carveout, s);
+    if (p.teams > 1) return launch_group<F16, 1, true>(p, group, warps, cluster, carveout, s);
   return p.m > 8 ? launch_group<F16, 2>(p, group, warps, cluster, carveout, s)
                  : launch_group<F16, 1>(p, group, warps, cluster, carveout, s);
 }
@@ -883,8 +875,8 @@ void w4a16_gemv_config(int* split_rows, int* slices, int* stages, int* stagger) 
 }
 
 // Shared memory one launch takes (bytes), for a caller that checks the device's limit first.
-int w4a16_gemv_smem(int m, int group, int warps, int cluster, int teams) {
-  return smem_bytes(m, group, warps, cluster, teams);
+int w4a16_gemv_smem(int m, int group, int warps, int cluster) {
+  return smem_bytes(m, group, warps, cluster);
 }
 
 // out[m, ldo] (x's dtype) = x[m, ldx] @ dequant(w, sz).T; returns a cudaError_t. The caller
@@ -893,7 +885,7 @@ int w4a16_gemv_smem(int m, int group, int warps, int cluster, int teams) {
 // 128, 256 that divides K, N x K / group (scale, zero) words past 32-bit indices, warps outside
 // 1..MAX_WARPS (1..8 for 64-row warps at M > 8), a cluster other than 1, 2, 4 or 8, or one
 // wider than K's chunks, teams that do not divide the warps (or more than one team where warps
-// split rows), a carveout other than -1 (the driver's) or a
+// split rows, a cluster splits K or M > 8), a carveout other than -1 (the driver's) or a
 // percent 0..100 of the SM's most shared memory, x's row stride past 32-bit offsets between
 // copy rounds, x or w not 16-byte aligned.
 int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, int n, int k,
@@ -904,7 +896,7 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   if (m < 1 || m > MAX_M || n < 1 || k < CHUNK || k % CHUNK || !words_ok || warps < 1 ||
       warps > MAX_WARPS || cluster < 1 || cluster > 8 || cluster & (cluster - 1) ||
       cluster > k / CHUNK || ldx % 8 || teams < 1 || warps % teams ||
-      (teams > 1 && SPLIT_ROWS) || carveout < -1 || carveout > 100 ||
+      (teams > 1 && (SPLIT_ROWS || cluster > 1 || m > 8)) || carveout < -1 || carveout > 100 ||
       ldx >= (1ll << 31) / (2 * MAX_WARPS) ||
       ldo < n || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16 ||
       reinterpret_cast<uintptr_t>(sz) % 4)
@@ -921,7 +913,7 @@ int w4a16_gemv(const void* x, const void* w, const void* sz, void* out, int m, i
   p.k = k;
   p.group_shift = __builtin_ctz(static_cast<unsigned>(group));
   p.stage_bytes = stage_bytes(m, group, warps);
-  p.inbox_at = inbox_at(m, group, warps, teams);
+  p.inbox_at = inbox_at(m, group, warps);
   p.rank_shift = __builtin_ctz(static_cast<unsigned>(cluster));
   p.teams = teams;
   p.team_warps = warps / teams;
