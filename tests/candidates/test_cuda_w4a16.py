@@ -99,8 +99,9 @@ def test_shared_memory_is_the_rings_or_the_partial_sums() -> None:
     assert cw.smem_bytes(cfg(1, 4, 8), 1, 128) == 8 * 4 * 1408
     # group 32 takes four words a row and chunk (1552 B, rounded to 128)
     assert cw.smem_bytes(cfg(1, 4, 8), 1, 32) == 8 * 4 * 1664
-    # 64 rows, M = 8 on one warp of two stages: 4352 B of weight and words, 8 rows of x (6528 B)
-    assert cw.smem_bytes(cfg(4, 2, 1), 8, 128) == max(2 * 6528, 2 * 64 * 8 * 4)
+    # 64 rows, M = 8 on one warp of two stages: 4352 B of weight and words, 8 rows of x (6528 B);
+    # the warp's partials and their sum then take its ring
+    assert cw.smem_bytes(cfg(4, 2, 1), 8, 128) == 2 * 6528
     # warps splitting rows share one ring: a stage holds 8 warps' 1088 B and one row of x
     # (8976 B, rounded to 9088), against the sums of the CTA's 128 rows
     assert cw.smem_bytes(cfg(1, 4, 8, split="rows"), 1, 128) == max(4 * 9088, 128 * 4)

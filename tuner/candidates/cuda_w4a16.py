@@ -121,19 +121,19 @@ def check_config(config: Config, m: int, n: int, k: int, group: int) -> None:
 
 
 def smem_bytes(config: Config, m: int, group: int) -> int:
-    """Shared memory of one CTA (as the launcher computes it): the copy rings (one per warp, or
-    the CTA's one when warps split rows), or the sums after them if larger (splitting K, the
-    warps' partials and their sum; splitting rows, the CTA's [rows, M]); then, in a cluster,
-    the inbox: an 8-byte mbarrier and, from each rank, its sums of this rank's share of the
+    """Shared memory of one CTA (as the launcher computes it): the copy rings (one per warp,
+    where warps splitting K leave their partials and their sum, or the CTA's one when warps
+    split rows), or the CTA's sums [rows, M] after them if larger; then, in a cluster, the
+    inbox: an 8-byte mbarrier and, from each rank, its sums of this rank's share of the
     outputs."""
     rows, warps, by_rows = 16 * config["slices"], config["warps"], config["split"] == "rows"
     groups = CHUNK // group if group < CHUNK else 1
     parts = (warps if by_rows else 1) * (rows * 64 + rows * 4 * groups)
     stage = -(-(parts + m * (2 * CHUNK + 16)) // 128) * 128
-    rings, sums = (1, warps) if by_rows else (warps, warps + 1)
+    rings, sums = (1, warps * rows * m * 4) if by_rows else (warps, 0)
     outputs, cluster = rows * (warps if by_rows else 1) * m, config["cluster"]
     inbox = 8 + cluster * -(-outputs // cluster) * 4 if cluster > 1 else 0
-    return max(rings * config["stages"] * stage, sums * rows * m * 4) + inbox
+    return max(rings * config["stages"] * stage, sums) + inbox
 
 
 @dataclass(frozen=True)

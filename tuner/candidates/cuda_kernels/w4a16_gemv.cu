@@ -123,6 +123,9 @@ constexpr int ROWS = 16 * SLICES;
 constexpr int CHUNK = 128;          // K values per chunk
 constexpr int XROW = 2 * CHUNK + 16;  // bytes per x row in a stage: padded so ldmatrix's 8 rows hit 8 bank groups
 constexpr int MAX_M = 16;  // two n8 tiles
+// a column of a warp's partials (splitting K): padded, so that a store of the 32 lanes, whose
+// quads' 4 lanes write 4 columns of one row, hits 32 banks
+constexpr int PROW = ROWS + 4;
 constexpr int MAX_WARPS = GEMV_MAX_WARPS;
 static_assert(SLICES == 1 || SLICES == 2 || SLICES == 4, "a warp's rows lie in one 64-row block");
 static_assert(STAGES >= 2 && STAGES <= 8, "2..8 stages");
@@ -686,16 +689,22 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   // the next kernel may launch once every CTA got here (it waits for this grid's writes itself)
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-  // (after the ring is done with) splitting K, the warps' partials [warps][M][ROWS] (a team's
-  // warps next to each other), summed in warp order, a team's into its row block's outputs (or,
-  // in a cluster, into the CTA's sums [M][ROWS]); splitting rows, each warp's rows of the sums
-  // [M][cta_rows]
-  __syncthreads();
+  // Splitting K, each warp's partials [M][PROW] lie in its own ring, which no other warp reads:
+  // a warp done early stores them while the others still stream. They are summed in warp order
+  // (a team's warps next to each other), a team's into its row block's outputs (or, in a
+  // cluster, into the CTA's sums [M][ROWS], past warp 0's partials). Splitting rows, the ring is
+  // the CTA's: once every warp is done with it, each warp's rows of the sums [M][cta_rows].
+  if constexpr (SPLIT_ROWS) __syncthreads();
   const int g = lane >> 2, t = lane & 3, m = p.m;
   const int outputs = cta_rows * m;
-  float* part = reinterpret_cast<float*>(smem);
-  float* sums = SPLIT_ROWS ? part : part + warps * outputs;
-  float* mine_at = SPLIT_ROWS ? part + warp * ROWS : part + warp * outputs;
+  const auto part_of = [&](int w) {
+    return reinterpret_cast<float*>(smem + w * STAGES * p.stage_bytes);
+  };
+  // (a warp's ring, two stages of at least ROWS x 64 + M x 272 bytes, holds its partials and
+  // the sums: 4 M (PROW + ROWS) bytes, M <= 16)
+  float* sums = SPLIT_ROWS ? reinterpret_cast<float*>(smem) : part_of(0) + m * PROW;
+  float* mine_at = SPLIT_ROWS ? sums + warp * ROWS : part_of(warp);
+  const int col_stride = SPLIT_ROWS ? cta_rows : PROW;
 #pragma unroll
   for (int s = 0; s < SLICES; ++s)
 #pragma unroll
@@ -703,7 +712,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = 16 * s + g + 8 * (e >> 1), col = 8 * n8 + 2 * t + (e & 1);
-        if (col < m) mine_at[col * cta_rows + row] = acc[s][n8][e];
+        if (col < m) mine_at[col * col_stride + row] = acc[s][n8][e];
       }
   // output q of a row block's [M][cta_rows], the block's first row at `base`
   const auto store = [&](int q, float v, int base) {
@@ -723,7 +732,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
     for (int tq = threadIdx.x; tq < teams * outputs; tq += blockDim.x) {
       const int t = TEAMED ? tq / outputs : 0, q = tq - t * outputs;
       float v = 0.f;
-      for (int w = 0; w < kwarps; ++w) v += part[(t * kwarps + w) * outputs + q];
+      for (int w = 0; w < kwarps; ++w) v += part_of(t * kwarps + w)[q / ROWS * PROW + q % ROWS];
       if (stored_here)
         store(q, v, (first_block + t) * cta_rows);
       else
@@ -747,12 +756,12 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
           if (n + i < p.n) at[i] = h[i];
       }
     };
-    const float4* part4 = reinterpret_cast<const float4*>(part);
     const int quads = outputs / 4;
     for (int qq = kwarp * 32 + lane; qq < quads; qq += kwarps * 32) {
       float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      const int at = qq / (ROWS / 4) * PROW + qq % (ROWS / 4) * 4;  // of a warp's partials
       for (int w = 0; w < kwarps; ++w) {
-        const float4 u = part4[(team * kwarps + w) * quads + qq];
+        const float4 u = *reinterpret_cast<const float4*>(part_of(team * kwarps + w) + at);
         v.x += u.x;
         v.y += u.y;
         v.z += u.z;
@@ -803,11 +812,11 @@ int stage_bytes(int m, int group, int warps) {
   return (bytes + 127) / 128 * 128;
 }
 
-// The rings (one per warp, or the CTA's), or the sums after them if larger: splitting K, the
-// warps' partials and their sum ((warps + 1) x ROWS x M floats); splitting rows, warps x ROWS x M.
+// The rings (one per warp, or the CTA's): splitting K, the warps' partials and their sum lie in
+// them; splitting rows, the sums (warps x ROWS x M floats) after them where larger.
 int inbox_at(int m, int group, int warps) {
   const int ring = (SPLIT_ROWS ? 1 : warps) * STAGES * stage_bytes(m, group, warps);
-  const int reduce = (SPLIT_ROWS ? warps : warps + 1) * ROWS * m * 4;
+  const int reduce = SPLIT_ROWS ? warps * ROWS * m * 4 : 0;
   return ring > reduce ? ring : reduce;
 }
 
