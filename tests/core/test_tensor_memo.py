@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tuner.core.tensor_memo import TensorMemo
+from tuner.core.tensor_memo import TensorMemo, forget
 
 
 def test_memo_keeps_a_value_per_live_unchanged_tensor_only() -> None:
@@ -23,3 +23,16 @@ def test_memo_keeps_a_value_per_live_unchanged_tensor_only() -> None:
         assert made[memo(b)][0] == i
         del b
     assert len(memo) == 0
+
+
+def test_an_inference_tensor_is_kept_while_it_lives_and_forget_drops_it() -> None:
+    """A tensor made under ``torch.inference_mode()`` has no version counter (reading one
+    raised, so a weight loaded there failed its first int4 call): its value is kept while it
+    lives, and ``forget`` drops it where the tensor was written in place."""
+    made: list[int] = []
+    memo = TensorMemo(lambda t: made.append(1) or len(made))
+    with torch.inference_mode():
+        a = torch.zeros(4)
+    assert (memo(a), memo(a)) == (1, 1)
+    forget(a)
+    assert memo(a) == 2

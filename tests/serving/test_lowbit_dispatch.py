@@ -71,6 +71,18 @@ def test_int4_linear_is_torchs_int4_op_and_records_its_key(disp: Dispatcher) -> 
 
 
 @pytest.mark.cpu_host
+def test_int4_linear_takes_a_weight_packed_under_inference_mode(disp: Dispatcher) -> None:
+    """A model loaded under ``torch.inference_mode()`` holds inference tensors, which have no
+    version counter: the check of whether ``int4.pack`` made the weight read one and raised."""
+    q, sz = int4.quantize(torch.randn(N, K, dtype=torch.bfloat16) * 0.05, GROUP)
+    with torch.inference_mode():
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+        x = torch.randn(3, K, dtype=torch.bfloat16)
+        want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
+        torch.testing.assert_close(tuner.int4_linear(x, packed, sz, GROUP), want, rtol=0, atol=0)
+
+
+@pytest.mark.cpu_host
 def test_an_int4_call_needing_a_gradient_is_torchs_by_policy(
     disp: Dispatcher, caplog: pytest.LogCaptureFixture
 ) -> None:

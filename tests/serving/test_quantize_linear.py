@@ -362,6 +362,27 @@ def test_an_int4_state_dict_loads_into_a_fresh_quantized_model() -> None:
     assert torch.equal(fresh(x), model[0](x))
 
 
+def test_an_int4_model_quantized_and_loaded_under_inference_mode_serves_the_loaded_weights(
+    monkeypatch,
+) -> None:
+    """Quantizing under ``torch.inference_mode()`` raised (its tensors have no version counter);
+    and a state dict loaded there in place must not leave a kernel reading what our layout was
+    made of before (no version tells of the write)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    key = GemmKey(m=2, n=64, k=256, **lowbit_fields("int4-g64"))
+    source = TritonW4A16()
+    run = source.build(key, source.candidates(key, "cpu")[0])
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        layer = tt.quantize_linear(nn.Linear(256, 64, bias=False), "int4", group_size=64)
+        run(x, layer.packed_weight, layer.scales_and_zeros)  # our layout of the first weights
+        other = tt.quantize_linear(nn.Linear(256, 64, bias=False), "int4", group_size=64)
+        layer.load_state_dict(other.state_dict())
+        got = run(x, layer.packed_weight, layer.scales_and_zeros)
+        want = int4_torch.int4_mm(x, other.packed_weight, 64, other.scales_and_zeros)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.skipif(HAS_GPU, reason="a host without a GPU")
 def test_a_cuda_int4_packing_on_a_host_without_a_gpu_is_refused_by_name() -> None:
     model = tt.quantize_linear(nn.Sequential(nn.Linear(256, 128)), "int4")

@@ -2,6 +2,11 @@
 
 Used where a runner converts an operand on its first call (a weight layout, split scales) and
 must not pay for it again on the next call, nor serve it for a tensor changed in place.
+
+Tensors made under ``torch.inference_mode()`` (a model loaded or quantized there) have no version
+counter: torch refuses to write them in place outside inference mode, and inside it their writes
+cannot be seen, so their values are kept while they live. Code that writes such a tensor in place
+itself (``Int4Linear`` loading a state dict) calls ``forget`` for it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,23 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+_MEMOS: weakref.WeakSet[TensorMemo[object]] = weakref.WeakSet()  # every memo, for ``forget``
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t._version``; -1 for an inference tensor, which has none (torch raises for it)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+def forget(t: torch.Tensor) -> None:
+    """Drop what every memo made of ``t``: it was written in place where its version cannot say
+    so (an inference tensor)."""
+    for memo in list(_MEMOS):
+        memo._table.pop(id(t), None)
+
 
 class TensorMemo(Generic[T]):
     """``make(t)`` per tensor, kept while ``t`` lives and is not changed in place (its
@@ -25,23 +47,29 @@ class TensorMemo(Generic[T]):
     def __init__(self, make: Callable[[torch.Tensor], T]) -> None:
         self._make = make
         self._table: dict[int, tuple[weakref.ref[torch.Tensor], int, T]] = {}
+        _MEMOS.add(self)
 
     def __len__(self) -> int:
         return len(self._table)
 
     def __call__(self, t: torch.Tensor) -> T:
         known = self._table.get(id(t))
-        if known is not None and known[0]() is t and known[1] == t._version:
-            return known[2]
+        if known is not None and known[0]() is t:
+            try:  # inline: a launcher looks up on every call
+                version = t._version
+            except RuntimeError:  # an inference tensor, as in ``_version``
+                version = -1
+            if known[1] == version:
+                return known[2]
         return self.put(t, self._make(t))
 
     def put(self, t: torch.Tensor, value: T) -> T:
         """Keep ``value`` as what ``t`` makes (its maker knew it already)."""
         key = id(t)
 
-        def forget(ref: weakref.ref[torch.Tensor]) -> None:  # t died: its id may be reused
+        def drop(ref: weakref.ref[torch.Tensor]) -> None:  # t died: its id may be reused
             if self._table.get(key, (None,))[0] is ref:
                 del self._table[key]
 
-        self._table[key] = (weakref.ref(t, forget), t._version, value)
+        self._table[key] = (weakref.ref(t, drop), _version(t), value)
         return value

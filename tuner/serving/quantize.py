@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tuner.core import tensor_memo
 from tuner.core.keys import INT4_GROUPS, fp8_shape_error
 from tuner.quant import fp8, int4, int4_torch
 from tuner.serving import dispatcher
@@ -194,12 +195,16 @@ class Int4Linear(QuantizedLinear):
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object) -> None:
         """A state dict saved from the layer on another kind of device holds that device's
-        packing (``_apply``): it is repacked for this one before it is loaded."""
+        packing (``_apply``): it is repacked for this one before it is loaded. Loaded in place
+        into tensors made under ``torch.inference_mode()``, which keep no version: what the
+        kernels' memos made of the old values is dropped (``tensor_memo.forget``)."""
         name = prefix + "packed_weight"
         saved = state_dict.get(name)
         if isinstance(saved, torch.Tensor) and saved.dtype != self.packed_weight.dtype:
             state_dict[name] = _repacked(_on_its_device(saved, name), self.packed_weight.device)
         super()._load_from_state_dict(state_dict, prefix, *args)
+        tensor_memo.forget(self.packed_weight)
+        tensor_memo.forget(self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_activation(x, self.in_features)
