@@ -203,8 +203,9 @@ class Int4Linear(QuantizedLinear):
         if isinstance(saved, torch.Tensor) and saved.dtype != self.packed_weight.dtype:
             state_dict[name] = _repacked(_on_its_device(saved, name), self.packed_weight.device)
         super()._load_from_state_dict(state_dict, prefix, *args)
-        tensor_memo.forget(self.packed_weight)
-        tensor_memo.forget(self.scales_and_zeros)
+        for t in (self.packed_weight, self.scales_and_zeros):
+            if t.is_inference():  # others' in-place writes bump their version
+                tensor_memo.forget(t)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_activation(x, self.in_features)
