@@ -501,3 +501,37 @@ def test_each_plot_panel_says_what_its_ratio_means(
     assert labels == [lowbit.RATIO_LABEL] * 3 + [lowbit.PCT_LABEL]
     assert ">1" in lowbit.RATIO_LABEL and "%" in lowbit.PCT_LABEL
     close("all")
+
+
+@pytest.fixture
+def kept_figure(monkeypatch: pytest.MonkeyPatch):
+    """The figure a plot draws, kept open to read (and closed after)."""
+    plt = lowbit.pyplot()
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: None)
+    yield plt.gcf
+    close("all")
+
+
+def plotted(*rows: dict) -> list[dict]:
+    """Rows judged, as ``plot`` gets them: a shape and each ratio's column."""
+    for r in rows:
+        lowbit.judge(r)
+        r["shape"] = r["label"].rsplit(" M=", 1)[0]
+    return list(rows)
+
+
+def test_a_log_ratio_axis_reads_as_the_table_does(tmp_path: Path, kept_figure) -> None:
+    """A ratio panel spanning 1x to 20x is drawn on a log axis: its ticks read "16x" as the
+    table's ratios do, not matplotlib's "2^4", and its label says the scale is a log one."""
+    rows = plotted(*(
+        row("int4-g128", m, 128, eager_baseline_us=us, eager_winner_us=10.0,
+            eager_bf16_us=10.0, eager_bf16_served_us=10.0, eager_winner_pct_copy=20.0)
+        for m, us in ((64, 10.0), (256, 200.0))
+    ))  # fmt: skip
+    lowbit.plot(rows, tmp_path / "p.png", "t")
+    vs_torch, vs_served = kept_figure().axes[:2]
+    assert vs_torch.get_yscale() == "log"
+    assert vs_torch.yaxis.get_major_formatter()(16.0, 0) == "16x"
+    assert vs_torch.get_ylabel() == f"{lowbit.RATIO_LABEL}; log scale"
+    assert vs_served.get_yscale() == "linear" and vs_served.get_ylabel() == lowbit.RATIO_LABEL

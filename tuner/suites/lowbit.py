@@ -665,6 +665,7 @@ def plot(rows: Sequence[Row], path: Path, title: str, *, judged: bool = True) ->
     panel also marks the bare read's share (x), and the ratio panels an eager row's ratio of
     CUDA-graph times (hollow triangle)."""
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
 
     plt = pyplot()
 
@@ -716,6 +717,8 @@ def plot(rows: Sequence[Row], path: Path, title: str, *, judged: bool = True) ->
                 values += [r[f"{column}_gpu"] for r in mine if r.get(f"{column}_gpu")]
                 if values and max(values) / max(min(values), 1e-9) > 8:
                     ax.set_yscale("log", base=2)
+                # ticks in the words of the table ("16x"), not matplotlib's log labels ("2^4")
+                ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
             elif not mine:
                 ax.text(0.5, 0.5, "no decode rows timed", ha="center", transform=ax.transAxes)
                 ax.set_yticks([])  # an empty panel: no scale to read
@@ -723,7 +726,9 @@ def plot(rows: Sequence[Row], path: Path, title: str, *, judged: bool = True) ->
             ax.set_xscale("log", base=2)
             ax.set_xticks(ticks, [str(m) for m in ticks])
             ax.set_title(f"{fmt}: {heading}", fontsize=10)
-            ax.set_ylabel(PCT_LABEL if column == "served_pct_copy" else RATIO_LABEL, fontsize=8)
+            label = PCT_LABEL if column == "served_pct_copy" else RATIO_LABEL
+            log = "; log scale" if ax.get_yscale() == "log" else ""
+            ax.set_ylabel(f"{label}{log}", fontsize=8)
             ax.grid(alpha=0.3)
             if i == len(formats) - 1:
                 ax.set_xlabel("M (tokens)")
