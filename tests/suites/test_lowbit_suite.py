@@ -535,3 +535,24 @@ def test_a_log_ratio_axis_reads_as_the_table_does(tmp_path: Path, kept_figure) -
     assert vs_torch.yaxis.get_major_formatter()(16.0, 0) == "16x"
     assert vs_torch.get_ylabel() == f"{lowbit.RATIO_LABEL}; log scale"
     assert vs_served.get_yscale() == "linear" and vs_served.get_ylabel() == lowbit.RATIO_LABEL
+
+
+def test_a_target_drawn_over_lines_it_does_not_judge_says_which_it_judges(
+    tmp_path: Path, kept_figure
+) -> None:
+    """The 3x INT4 decode target judges bf16 weights of 64 MB and more: drawn over every
+    decode M, a smaller weight's line under it is no miss, and the panel says so, with the
+    count (rings of misses at one point overlap); a target judging every line says nothing."""
+    graph = {"graph_baseline_us": 40.0, "graph_bf16_served_us": 60.0, "graph_winner_pct_copy": 50.0}
+    rows = plotted(
+        row("int4-g128", 1, 128, graph_winner_us=20.0, graph_bf16_us=50.0, **graph),  # 2.5x: missed
+        row("int4-g128", 1, 32, graph_winner_us=20.0, graph_bf16_us=50.0, **graph),  # not judged
+    )  # fmt: skip
+    assert [r["missed"] for r in rows] == [["int4 decode >= 3x bf16 cuBLAS"], []]
+    lowbit.plot(rows, tmp_path / "p.png", "t")
+    titles = [ax.get_title() for ax in kept_figure().axes]
+    assert titles[2].splitlines() == [
+        "int4-g128: speedup over bf16 cuBLAS",
+        f"target 3x: {lowbit.INT4_DECODE.where} only (0/1 met)",
+    ]
+    assert titles[1] == "int4-g128: speedup over bf16 as the tuner serves it"

@@ -647,6 +647,18 @@ def _runs(ms: Sequence[int], judged: set[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def partial_target_note(t: Target, judged: Sequence[Row], drawn: Sequence[Row]) -> str | None:
+    """What a target's segment judges, where some rows drawn over its M are not judged by it
+    (``INT4_DECODE``: the large weights only): without it, the lines of the others pass under
+    the segment unringed and read as misses the rings forgot. None where it judges them all."""
+    ms = {r["m"] for r in judged}
+    if not judged or all(t.name in r["targets"] for r in drawn if r["m"] in ms):
+        return None
+    met = sum(r["targets"][t.name]["met"] for r in judged)
+    goal = f"{t.goal:g}%" if t.column.endswith("pct_copy") else f"{t.goal:g}x"
+    return f"target {goal}: {t.where} only ({met}/{len(judged)} met)"
+
+
 PANELS = (
     ("vs_torch", "speedup over torch's op"),
     ("vs_bf16_served", "speedup over bf16 as the tuner serves it"),
@@ -661,9 +673,10 @@ PCT_LABEL = "% of copy bandwidth (bytes moved / time)"
 def plot(rows: Sequence[Row], path: Path, title: str, *, judged: bool = True) -> Path:
     """A row of panels per format, one per measure, over M: a line per projection (colour:
     projection, line style: model); each target a red dotted segment over the M it judges,
-    each miss ringed in red (not ``judged``, on a machine without a GPU: neither); the decode
-    panel also marks the bare read's share (x), and the ratio panels an eager row's ratio of
-    CUDA-graph times (hollow triangle)."""
+    each miss ringed in red, and a target that judges only some of the lines drawn under it
+    says which in its panel's title (not ``judged``, on a machine without a GPU: none); the
+    decode panel also marks the bare read's share (x), and the ratio panels an eager row's ratio
+    of CUDA-graph times (hollow triangle)."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter
 
@@ -702,11 +715,14 @@ def plot(rows: Sequence[Row], path: Path, title: str, *, judged: bool = True) ->
                     floor = [r for r in pts if "graph_read_pct_copy" in r]
                     ax.scatter([r["m"] for r in floor], [r["graph_read_pct_copy"] for r in floor],
                                marker="x", color=style(shape)["color"], s=25)  # fmt: skip
+            notes: list[str] = []  # the targets that judge some of the lines drawn only
             for t in _targets_on(column) if judged else ():
                 on = [r for r in rows if r["format"] == fmt and t.name in r["targets"]]
                 for lo, hi in _runs(ms_all, {r["m"] for r in on}):
                     ax.hlines(t.goal, lo / 1.3, hi * 1.3, colors="red", linestyles=":",
                               linewidth=1.2)  # fmt: skip
+                if (note := partial_target_note(t, on, mine)) is not None:
+                    notes.append(note)
                 missed = [r for r in on if not r["targets"][t.name]["met"]]
                 missed = [r for r in missed if r[column] is not None]
                 ax.scatter([r["m"] for r in missed], [r[column] for r in missed], s=90,
@@ -725,7 +741,7 @@ def plot(rows: Sequence[Row], path: Path, title: str, *, judged: bool = True) ->
             ticks = [m for m in ms_all if column != "served_pct_copy" or m <= DECODE_M]
             ax.set_xscale("log", base=2)
             ax.set_xticks(ticks, [str(m) for m in ticks])
-            ax.set_title(f"{fmt}: {heading}", fontsize=10)
+            ax.set_title("\n".join([f"{fmt}: {heading}", *notes]), fontsize=10)
             label = PCT_LABEL if column == "served_pct_copy" else RATIO_LABEL
             log = "; log scale" if ax.get_yscale() == "log" else ""
             ax.set_ylabel(f"{label}{log}", fontsize=8)
