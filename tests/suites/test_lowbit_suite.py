@@ -521,6 +521,29 @@ def plotted(*rows: dict) -> list[dict]:
     return list(rows)
 
 
+def test_the_plot_names_the_versions_and_the_times_it_draws(tmp_path: Path, kept_figure) -> None:
+    """A PNG read apart from its JSON and log says which versions made it (the rows are judged
+    against torch's op and cuBLAS, whose times move with them) and which times its lines are:
+    decode rows' CUDA-graph GPU times, joined at M = 16 to 64 to eager ones."""
+    rows = plotted(
+        row("int4-g128", 1, 128, graph_baseline_us=40.0, graph_winner_us=20.0,
+            graph_bf16_us=80.0, graph_bf16_served_us=80.0, graph_winner_pct_copy=50.0),
+        row("int4-g128", 64, 128, eager_baseline_us=90.0, eager_winner_us=30.0,
+            eager_bf16_us=40.0, eager_bf16_served_us=40.0, eager_winner_pct_copy=20.0),
+    )  # fmt: skip
+    versions = {"torch": "2.11.0+cu130", "cuda": "13.0", "cublas": "130100", "triton": "3.6.0",
+                "cutlass": "4.2.0.0", "tuner": "0.2.0", "driver": "13000"}  # fmt: skip
+    result = {"device": {"name": "NVIDIA H100 80GB HBM3", "versions": versions}, "rows": rows,
+              "shapes_note": None, "targets_judged": True}  # fmt: skip
+    lowbit.drawing(result, tmp_path / "p.png")
+    title = kept_figure()._suptitle.get_text()
+    assert title.splitlines() == [
+        "Low-bit GEMMs on NVIDIA H100 80GB HBM3",
+        "torch 2.11.0+cu130, cuda 13.0, cublas 130100, triton 3.6.0, cutlass 4.2.0.0, "
+        "tuner 0.2.0; M <= 16: CUDA-graph GPU times, larger M: eager times",
+    ]
+
+
 def test_a_log_ratio_axis_reads_as_the_table_does(tmp_path: Path, kept_figure) -> None:
     """A ratio panel spanning 1x to 20x is drawn on a log axis: its ticks read "16x" as the
     table's ratios do, not matplotlib's "2^4", and its label says the scale is a log one."""

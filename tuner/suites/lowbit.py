@@ -798,12 +798,28 @@ def finish(result: dict[str, Any], bf16: dict[str, Any], twins: list[GemmKey], r
 
 
 def drawing(result: dict[str, Any], png: Path) -> None:
-    """The suite's plot of a finished ``result`` (``plot``), titled with its device and, for
-    ``--quick``'s CPU rows, saying so; drawn by the suites' one writer (``save_result``)."""
+    """The suite's plot of a finished ``result`` (``plot``), titled with its device (and, for
+    ``--quick``'s CPU rows, saying so), its versions and which times it draws (``provenance``);
+    drawn by the suites' one writer (``save_result``)."""
     title = f"Low-bit GEMMs on {result['device']['name']}"
     if result["shapes_note"]:
         title += f": {QUICK_CPU_ROWS}"
-    plot(result["rows"], png, title, judged=result["targets_judged"])
+    plot(result["rows"], png, f"{title}\n{provenance(result)}", judged=result["targets_judged"])
+
+
+VERSIONS_SHOWN = ("torch", "cuda", "cublas", "triton", "cutlass", "tuner")
+
+
+def provenance(result: Mapping[str, Any]) -> str:
+    """The plot's second title line: the versions that made the times (torch's op and cuBLAS
+    are what the rows are judged against) and which times the lines are, CUDA-graph GPU times
+    for decode rows and eager ones past them; the lines join the two at M = 16 to 64."""
+    versions = result["device"].get("versions", {})
+    named = ", ".join(f"{k} {versions[k]}" for k in VERSIONS_SHOWN if versions.get(k))
+    how = "eager times"
+    if any(r.get("timing") == "graph" for r in result["rows"]):
+        how = f"M <= {DECODE_M}: CUDA-graph GPU times, larger M: eager times"
+    return f"{named}; {how}" if named else how
 
 
 def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
