@@ -206,6 +206,20 @@ def test_an_eager_rows_verdict_has_its_kernels_graph_times_beside() -> None:
     assert (count["judged"], count["met"], count["unmeasured"]) == (2, 0, 1)
 
 
+def test_an_eager_row_whose_baseline_raised_in_its_retime_is_a_miss_not_its_tuning() -> None:
+    """Retimed on a GPU, torch's op raised (``retime`` drops the runner, keeping its error): the
+    row is judged on its retime, torch's ratio unmeasured and missed, the others from the times
+    taken side by side, not on the tuning's own times, which said 5x with a winner twice as fast."""
+    r = row("int4-g128", 64, 128, baseline_us=100.0, winner_us=20.0, bf16_us=30.0,
+            bf16_served_us=30.0, winner_pct_copy=10.0, eager_sustained_s=0.0,
+            eager_winner_us=40.0, eager_bf16_us=30.0, eager_bf16_served_us=30.0,
+            eager_winner_pct_copy=5.0)  # fmt: skip
+    r["eager_baseline_error"] = "RuntimeError: CUDA error: out of memory"
+    lowbit.judge(r)
+    assert r["vs_torch"] is None and r["missed"] == ["torch >= 0.98x"]
+    assert r["vs_bf16_cublas"] == 0.75 and r["served_pct_copy"] == 5.0
+
+
 def test_tuning_a_format_is_judged_against_its_bf16_twins_median() -> None:
     def row(fmt: str, tune_s: float, bf16_tune_s: float | None, twin: str) -> dict:
         bf16 = {} if bf16_tune_s is None else {"bf16_tune_s": bf16_tune_s}
