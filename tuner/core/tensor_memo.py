@@ -54,13 +54,8 @@ class TensorMemo(Generic[T]):
 
     def __call__(self, t: torch.Tensor) -> T:
         known = self._table.get(id(t))
-        if known is not None and known[0]() is t:
-            try:  # inline: a launcher looks up on every call
-                version = t._version
-            except RuntimeError:  # an inference tensor, as in ``_version``
-                version = -1
-            if known[1] == version:
-                return known[2]
+        if known is not None and known[0]() is t and known[1] == _version(t):
+            return known[2]
         return self.put(t, self._make(t))
 
     def put(self, t: torch.Tensor, value: T) -> T:
