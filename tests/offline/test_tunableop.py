@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tuner.cache import Store
-from tuner.core.keys import GemmKey
+from tuner.core.keys import GemmKey, lowbit_fields
 from tuner.measure.records import Winner
 from tuner.offline.problem_list import ConfigError
 from tuner.offline.tunableop import (
@@ -113,6 +113,15 @@ def test_mapping_matches_keys_taken_from_torch_tensors():
     a_col = torch.randn(20, 100).t()  # column-major A
     tt = GemmKey.from_tensors(a_col, w.t())
     assert tt.layout == "tt" and signature(tt)[1] == "tt_200_100_20_ld_20_100_200"
+
+
+@pytest.mark.parametrize("spec", ["int4-g128", "fp8-rowwise", "fp8-tensorwise"])
+def test_a_low_bit_key_has_no_gemm_line(spec: str) -> None:
+    """A low-bit key's dtype is its activations' (bf16 for INT4): as a GemmTunableOp line it
+    would claim a plain bf16 GEMM, so it is refused whatever source won it."""
+    lowbit = GemmKey(m=16, n=4096, k=4096, **lowbit_fields(spec))
+    with pytest.raises(ValueError, match=f"low-bit weights \\({spec}\\) have no GemmTunableOp"):
+        signature(lowbit)
 
 
 def test_padded_leading_dimension_lowers_the_alignment_class():

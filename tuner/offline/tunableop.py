@@ -51,7 +51,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tuner.core.keys import GemmKey, dense_align, parse_key
+from tuner.core.keys import GemmKey, dense_align, lowbit_spec, parse_key
 from tuner.measure.records import Winner
 from tuner.offline.model_config import gemm_key
 from tuner.offline.problem_list import ConfigError
@@ -216,6 +216,8 @@ def import_files(paths: Iterable[str | Path]) -> Imported:
 
 def signature(key: GemmKey) -> tuple[str, str]:
     """(operator, params) of a key as PyTorch >= 2.6 writes them; ValueError if inexpressible."""
+    if key.lowbit:  # its dtype is the activations': a GemmTunableOp line would name a bf16 GEMM
+        raise ValueError(f"low-bit weights ({lowbit_spec(key)}) have no GemmTunableOp line")
     if key.dtype not in TYPE_NAMES:
         raise ValueError(f"dtype {key.dtype!r} has no TunableOp type")
     if key.compute == "tf32":
