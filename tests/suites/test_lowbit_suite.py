@@ -220,6 +220,22 @@ def test_an_eager_row_whose_baseline_raised_in_its_retime_is_a_miss_not_its_tuni
     assert r["vs_bf16_cublas"] == 0.75 and r["served_pct_copy"] == 5.0
 
 
+def test_the_report_gives_each_formats_geomeans_as_judged(capsys) -> None:
+    """Below the verdicts, each format's geomean of the served ratios the rows were judged on:
+    torch's op at 2x and 8x make 4x, bf16 cuBLAS at 2.5x and 3.6x make 3x."""
+    rows = [row("int4-g128", m, 128, graph_baseline_us=base, graph_winner_us=10.0,
+                graph_bf16_us=bf16, graph_bf16_served_us=bf16, graph_winner_pct_copy=80.0)
+            for m, base, bf16 in ((1, 20.0, 25.0), (16, 80.0, 36.0))]  # fmt: skip
+    for r in rows:
+        r.update(tune_s=0.5, bf16_tune_s=1.0, bf16_key=f"bf16 M={r['m']}",
+                 candidate="torch_lowbit:{}")  # fmt: skip
+        lowbit.judge(r)
+    lowbit.print_table(rows, lowbit.target_counts(rows), lowbit.format_summary(rows))
+    out = capsys.readouterr().out
+    assert ("int4-g128, geomean of the 2 rows' served ratios (as judged): 4.000x torch's op, "
+            "3.000x the tuner's bf16, 3.000x bf16 cuBLAS") in out  # fmt: skip
+
+
 def test_tuning_a_format_is_judged_against_its_bf16_twins_median() -> None:
     def row(fmt: str, tune_s: float, bf16_tune_s: float | None, twin: str) -> dict:
         bf16 = {} if bf16_tune_s is None else {"bf16_tune_s": bf16_tune_s}

@@ -623,6 +623,10 @@ def print_table(
             f"[{color}]{name} ({c['where']}): {c['met']}/{c['judged']} met{worst}{on_gpu}[/{color}]"
         )
     for fmt, f in formats.items():
+        means = ", ".join(f"{_ratio(f[f'geomean_{column}'])} {against}" for column, against in (
+            ("vs_torch", "torch's op"), ("vs_bf16_served", "the tuner's bf16"),
+            ("vs_bf16_cublas", "bf16 cuBLAS")))  # fmt: skip
+        report.print(f"{fmt}, geomean of the {f['n']} rows' served ratios (as judged): {means}")
         met = f["targets"][TUNING_TARGET] == "1/1"
         color, verdict = ("green", "met") if met else ("red", "missed")
         bf16 = f["bf16_median_tune_s"]
