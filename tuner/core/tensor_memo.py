@@ -24,11 +24,9 @@ _MEMOS: weakref.WeakSet[TensorMemo[object]] = weakref.WeakSet()  # every memo, f
 
 
 def _version(t: torch.Tensor) -> int:
-    """``t._version``; -1 for an inference tensor, which has none (torch raises for it)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return -1
+    """``t._version``; -1 for an inference tensor, which has none (torch raises for it, and a
+    raise costs far more than the check)."""
+    return -1 if t.is_inference() else t._version
 
 
 def forget(t: torch.Tensor) -> None:
@@ -54,8 +52,8 @@ class TensorMemo(Generic[T]):
 
     def __call__(self, t: torch.Tensor) -> T:
         known = self._table.get(id(t))
-        if known is not None and known[0]() is t and known[1] == _version(t):
-            return known[2]
+        if known is not None and known[0]() is t and (known[1] < 0 or known[1] == t._version):
+            return known[2]  # a kept version of -1: an inference tensor, kept while it lives
         return self.put(t, self._make(t))
 
     def put(self, t: torch.Tensor, value: T) -> T:
