@@ -24,6 +24,7 @@ from tuner.cli.main import app
 from tuner.core import console
 from tuner.core.console import PIPED_WIDTH
 from tuner.core.device import fingerprint
+from tuner.core.keys import GemmKey
 from tuner.measure.records import Winner
 from tuner.serving.dispatcher import Dispatcher
 from tuner.tuning.engine import PHASES, TuneOptions
@@ -859,6 +860,28 @@ def test_a_source_of_another_op_is_refused_in_one_line_and_nothing_is_written(
     serving = r.stderr.split(named)[1].strip().split(", ")
     assert serving == sorted(s.name for s in registry.sources(op))
     assert not (tmp_path / "c.db").exists() and not out.exists()
+
+
+def test_sources_with_nothing_for_the_key_are_refused_and_one_that_has_runs(tmp_path) -> None:
+    """Sources of the right op that all have nothing for the key (plain-GEMM kernels named for an
+    int4 key) would leave the baseline timed alone: refused in one line giving each one's reason
+    and the sources that take the key, nothing written. With one that takes it, the run goes on
+    and its table says why the other did not run."""
+    cache = tmp_path / "c.db"
+    int4 = ("tune", "gemm", "-m", "1", "-n", "256", "-k", "256", "--dtype", "int4-g128")
+    r = tuner(*int4, "--source", "triton_gemm", "--source", "cublas", cache=cache, check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: --source has nothing for 1x256x256 nt bf16 int4-g128: "
+                               "triton_gemm: plain GEMMs only"), r.stderr  # fmt: skip
+    assert "cublas: plain GEMMs only" in r.stderr
+    key = GemmKey(
+        m=1, n=256, k=256, layout="nt", wdtype="int4", group=128, zeros="float", scale="group"
+    )
+    takers = r.stderr.split("the sources that take it: ")[1].strip().split(", ")
+    assert takers == [s.name for s in registry.sources("gemm") if s.unsupported(key) is None]
+    assert "triton_w4a16" in takers and not cache.exists()
+    r = tuner(*int4, "--source", "triton_gemm", "--source", "triton_w4a16", cache=cache)
+    assert "winner (eager): torch_lowbit" in r.stdout and cache.exists()
 
 
 def test_tune_all_takes_a_source_serving_any_of_its_ops(tmp_path) -> None:

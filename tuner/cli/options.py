@@ -21,6 +21,7 @@ from tuner.candidates import registry
 from tuner.candidates.base import Source
 from tuner.core.console import output_console
 from tuner.core.device import Fingerprint, fingerprint
+from tuner.core.keys import Key
 from tuner.measure.records import LAUNCHES
 from tuner.offline.problem_list import ConfigError
 from tuner.tuning.options import TuneOptions
@@ -128,6 +129,20 @@ def check_sources_serve(source: list[str] | None, ops: Collection[str]) -> None:
             serving = ", ".join(sorted(s.name for s in registry.sources() if s.op in ops))
             raise ValueError(f"--source {name} serves {src.op}, not {wanted}; the sources that "
                              f"serve {wanted}: {serving}")  # fmt: skip
+
+
+def check_sources_take(source: list[str] | None, key: Key) -> None:
+    """ValueError where every ``--source`` of ``key``'s op has nothing for ``key`` (plain-GEMM
+    sources named for a low-bit key, say): the run would time the baseline alone. Where only
+    some of them cannot take it, the run's table says why beside the others' times."""
+    named = [src for name in source or () if isinstance(src := registry.all_sources().get(name), Source)
+             and src.op == key.op]  # fmt: skip
+    reasons = {src.name: why for src in named if (why := src.unsupported(key))}
+    if named and len(reasons) == len(named):
+        takers = ", ".join(s.name for s in registry.sources(key.op) if s.unsupported(key) is None)
+        said = "; ".join(f"{name}: {why}" for name, why in reasons.items())
+        raise ValueError(f"--source has nothing for {key.label}: {said}; the sources that take "
+                         f"it: {takers}")  # fmt: skip
 
 
 def tune_options(

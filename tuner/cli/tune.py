@@ -29,6 +29,7 @@ from tuner.cli.options import (
     SourcesOpt,
     SustainedOpt,
     check_op,
+    check_sources_take,
     open_store,
     tune_options,
     unknown_device_class,
@@ -149,6 +150,7 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
 
     if isinstance(key, GemmKey) and (why := too_big_here(key.min_bytes)):
         raise ConfigError(f"{key}: {why}")
+    check_sources_take(options.sources, key)
     store = open_store(cache)
     fp = fingerprint()
     store.save_device(fp)
