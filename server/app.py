@@ -34,9 +34,11 @@ from server.schema import FLEET
 from server.shutdown import StopMiddleware, Stops
 from server.unexpected import UnexpectedErrorMiddleware
 from tuner.cache import ReadOnlyError, StoreError, WriteFailedError
+from tuner.measure.records import clipped
 from tuner.version import __version__
 
 log = logging.getLogger("tuner.server")
+LOGGED_PATH = 200  # a refused request's path, in characters at most, in the log
 
 
 def _summary(errors: list[dict]) -> str:
@@ -155,8 +157,8 @@ def create_app(settings: Settings) -> FastAPI:
     def refusal(request: Request, status: int, why: object) -> None:
         """One line in the service's log for each refused request (a 404 is an answer: none)."""
         client = request.client.host if request.client else "?"
-        log.warning("refused %s %s from %s: %d %s", request.method, request.url.path, client,
-                    status, why)  # fmt: skip
+        path = clipped(request.url.path, LOGGED_PATH)  # anyone may send a path of any length
+        log.warning("refused %s %s from %s: %d %s", request.method, path, client, status, why)
 
     @app.exception_handler(HTTPException)
     async def refused(request: Request, exc: HTTPException) -> Response:

@@ -20,6 +20,7 @@ from tests.cache.damaged import damaged_cache
 from tests.cache.read_only import read_only
 from tuner.cache import Store
 from tuner.candidates import registry
+from tuner.cli.errors import MESSAGE_WIDTH
 from tuner.cli.main import app
 from tuner.core import console
 from tuner.core.console import PIPED_WIDTH
@@ -524,6 +525,29 @@ def test_import_of_a_non_export_is_refused(tmp_path):
     r = tuner("import", str(bad), cache=tmp_path / "c.db", check=False)
     assert r.returncode == 2 and f"{bad}: not a tuner export" in r.stderr
     assert not (tmp_path / "c.db").exists()  # a refused file makes no cache
+
+
+def test_import_of_a_deep_or_huge_file_is_refused_in_one_short_line(tmp_path):
+    """JSON nested deeper than Python's decoder goes, and a field holding a file's worth of
+    text, are named in one line of at most MESSAGE_WIDTH characters (no traceback), and make no
+    cache."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    r = tuner("import", str(deep), cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr == f"error: {deep}: not valid JSON for an export: nested too deeply\n"
+    key = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+    with Store(tmp_path / "a.db") as a:
+        a.put_winners([Winner("cpu-test", key, "torch", {}, median_us=1.0, baseline_us=2.0)])
+    export = json.loads(tuner("export", "-", cache=tmp_path / "a.db").stdout)
+    for field, value in (("params", "[" * 5000 + "]" * 5000), ("median_us", "9" * 5000),
+                         ("key", "gemm:m=" + "9" * 5000)):  # fmt: skip
+        bad = dict(export, winners=[dict(export["winners"][0], **{field: value})])
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        r = tuner("import", str(tmp_path / "bad.json"), cache=tmp_path / "c.db", check=False)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[:300]
+        assert "winners[0]" in r.stderr and len(r.stderr) <= len("error: \n") + MESSAGE_WIDTH
+    assert not (tmp_path / "c.db").exists()
 
 
 def test_import_notes_winners_of_a_source_this_host_lacks(tmp_path):

@@ -133,6 +133,18 @@ def test_tokens_are_checked(env: Env, role, headers, status, needle, caplog) -> 
                for m in caplog.messages), caplog.messages  # fmt: skip
 
 
+def test_a_refused_long_path_is_logged_cut_short(env: Env, caplog) -> None:
+    """Anyone may send a path of any length: the refusal's log line holds a cut form of it."""
+    from server.app import LOGGED_PATH
+
+    path = "/v1/winners/" + "a" * 5000 + "/feed"
+    with caplog.at_level("WARNING", logger="tuner.server"):
+        r = call(env, "GET", path, None)
+    assert r.status_code == 401
+    (line,) = [m for m in caplog.messages if m.startswith("refused GET /v1/winners/aaa")]
+    assert "a" * LOGGED_PATH not in line and len(line) < LOGGED_PATH + 200, len(line)
+
+
 @pytest.mark.parametrize(
     ("body", "needles"),
     [

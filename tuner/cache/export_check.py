@@ -18,7 +18,14 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from tuner.core.keys import parse_key
-from tuner.measure.records import DEFAULT_LAUNCH, LAUNCHES, STATUSES, Measurement, Winner
+from tuner.measure.records import (
+    DEFAULT_LAUNCH,
+    LAUNCHES,
+    STATUSES,
+    Measurement,
+    Winner,
+    quoted,
+)
 
 _R = TypeVar("_R", Measurement, Winner)
 
@@ -109,7 +116,7 @@ def _check(record: Measurement | Winner) -> None:
         _of_kind(f.name, value, kind.removesuffix(" | None"))
         if f.name in _TIMES and not _TIMES[f.name] <= value < math.inf:
             raise ValueError(
-                f"{f.name} must be a finite time of at least {_TIMES[f.name]} us, got {value!r}"
+                f"{f.name} must be a finite time of at least {_TIMES[f.name]} us, got {quoted(value)}"
             )
         if f.name in _DATES:
             _finite(f.name, value)
@@ -127,17 +134,17 @@ def _has_default(f: dataclasses.Field) -> bool:
 def _of_kind(name: str, value: Any, kind: str) -> None:
     types, described = _KINDS[kind]
     if not isinstance(value, types) or (kind in ("int", "float") and isinstance(value, bool)):
-        raise ValueError(f"{name} must be {described}, got {value!r}")
+        raise ValueError(f"{name} must be {described}, got {quoted(value)}")
     if isinstance(value, int) and value not in _SQLITE_INTEGERS:
-        raise ValueError(f"{name} must be {described} within SQLite's 64 bits, got {value!r}")
+        raise ValueError(f"{name} must be {described} within SQLite's 64 bits, got {quoted(value)}")
 
 
 def _finite(name: str, value: Any) -> None:
     _of_kind(name, value, "float")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite date (seconds since 1970), got {value!r}")
+        raise ValueError(f"{name} must be a finite date (seconds since 1970), got {quoted(value)}")
 
 
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {quoted(value)}")

@@ -26,9 +26,11 @@ from tuner.cache import StoreError
 from tuner.cache.sqlite import is_corrupt
 from tuner.core.atomic import writable_dir, write_atomic
 from tuner.fleet.client import FleetError
+from tuner.measure.records import clipped
 from tuner.offline.problem_list import ConfigError
 
 USAGE, FAILED = 2, 1  # exit statuses: a mistake in the input; the work could not be done
+MESSAGE_WIDTH = 1000  # an error's characters at most: a quoted value may be a file's worth
 CUT_OFF = 128 + 13  # a closed stdout: what a shell reports for a command SIGPIPE (13) ended
 # click's exceptions, from wherever this typer takes click (its own copy, or the click package)
 CLICK = importlib.import_module(typer.BadParameter.__module__)
@@ -128,8 +130,8 @@ def report_usage_errors() -> Iterator[None]:
     except typer.Abort as e:  # typer's word for an EOFError in the command: said, with it
         fail(f"aborted: {e.__cause__}" if e.__cause__ else "aborted")
         sys.exit(FAILED)
-    except (StoreError, ValueError) as e:
-        fail(str(e))
+    except (StoreError, ValueError) as e:  # cut short where it quotes a file's worth of input
+        fail(clipped(str(e), MESSAGE_WIDTH))
         sys.exit(USAGE)
     except sqlite3.DatabaseError as e:  # a page damaged inside a file that opened fine
         if not is_corrupt(e):

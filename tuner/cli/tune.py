@@ -506,6 +506,8 @@ def import_(
         raise ConfigError(f"{input}: not a text file (expected a 'tuner export' JSON)") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{input}: not valid JSON: {e}") from None
+    except RecursionError:  # Python's decoder keeps a frame per level of nesting
+        raise ConfigError(f"{input}: not valid JSON for an export: nested too deeply") from None
     try:  # checked before the cache is opened: a refused file makes no cache
         export = checked_export(data)
     except ExportError as e:  # the file's fault, not the cache's: named

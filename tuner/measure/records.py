@@ -140,6 +140,12 @@ def clipped(text: str, width: int | None) -> str:
     return text[: max(width - 1, 0)] + ELLIPSIS
 
 
+def quoted(value: object, width: int = 80) -> str:
+    """``repr(value)`` cut to ``width`` for an error message: the value may be a whole file's
+    worth of text, and the message must stay one readable line."""
+    return clipped(repr(value), width)
+
+
 class _Record:
     """What Measurement and Winner share: a key, a candidate, and a flat row form."""
 
@@ -181,9 +187,10 @@ class _Record:
         if isinstance(data.get("params"), str):
             try:
                 data["params"] = json.loads(data["params"])
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:
+                why = "nested too deeply" if isinstance(e, RecursionError) else e
                 raise ValueError(
-                    f"params must be a JSON object, got {data['params']!r}: {e}"
+                    f"params must be a JSON object, got {quoted(data['params'])}: {why}"
                 ) from None
         return cls(**data)
 
