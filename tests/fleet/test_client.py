@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from server.live import AppThread, ThreadServer, free_port, wait_until
-from tuner.cache import Store
+from tuner.cache import ReadOnlyError, Store
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey
 from tuner.fleet.background import BackgroundSync, attach
@@ -345,6 +345,25 @@ def test_measurements_the_service_refuses_by_index_do_not_block_the_rest(
         assert {row[page["columns"].index("key")] for row in page["rows"]} == set(keys[:2])
         again = push(client, store, FP)
         assert (again.accepted, again.duplicates, again.refused) == (0, 0, 0)
+
+
+def test_a_push_from_a_read_only_cache_sends_nothing(tmp_path: Path) -> None:
+    """A cache that cannot keep its push position is refused before anything is sent: sending
+    first would send every measurement again at each push, each ending in the same error."""
+    from tests.cache.read_only import read_only
+
+    key = str(GemmKey(m=8, n=8, k=8, dtype="f32", out_dtype="f32"))
+    with Store(tmp_path / "host.db") as store:
+        store.save_device(FP)
+        store.save_run([Measurement(DC, key, "torch", {}, "ok", is_baseline=True, median_us=5.0,
+                                    versions=FP.version_tag)])  # fmt: skip
+    with ThreadServer(tmp_path / "fleet.db") as srv, read_only(tmp_path / "host.db") as before:
+        client = srv.client("host", "submit")
+        with Store(tmp_path / "host.db") as store, pytest.raises(ReadOnlyError, match="read-only"):
+            push(client, store, FP)
+        with pytest.raises(FleetError, match="unknown device class"):  # nothing reached it
+            client.feed(DC, FP.version_tag, 0)
+        assert (tmp_path / "host.db").read_bytes() == before
 
 
 def test_wire_form_has_no_nan() -> None:

@@ -234,6 +234,10 @@ def push_measurements(client: FleetClient, store: Store, fp: Fingerprint) -> dic
     name = f"push:{scope}"
     fps = _fingerprints(store, fp)
     counts = {"accepted": 0, "duplicates": 0, "skipped": 0, "refused": 0}
+    # the position written back as it is before anything is sent: a cache that cannot keep
+    # what was pushed (read-only) refuses here, where sending first would send it all again
+    # at every push
+    store.set_position(name, store.position(name), store.mark(name))
     while True:
         rows = store.measurements_after(store.position(name), BATCH)
         if not rows:
