@@ -90,9 +90,11 @@ def test_a_silent_service_is_cut_off_by_the_timeout(silent_url: str) -> None:
     first and its retry end in a ReadTimeout."""
     client = FleetClient(silent_url, timeout_s=0.3, retries=1, backoff_s=0.05)
     sent = sent_timeouts(client)
-    with pytest.raises(FleetError, match="ReadTimeout"):
+    with pytest.raises(FleetError, match="ReadTimeout") as refused:
         client.health()
     assert [t["read"] for t in sent] == [0.3, 0.3]
+    assert str(refused.value).endswith("(no answer within 0.3 s, 2 tries: the service is busy "
+                                       "or stopped; --timeout or TUNER_SERVER_TIMEOUT waits longer)")  # fmt: skip
 
 
 def test_retries_with_backoff_on_503_then_succeeds() -> None:

@@ -198,6 +198,10 @@ class FleetClient:
                 if last or (once and not isinstance(e, NOT_SENT)):
                     hint = (" (the service speaks plain http: give an http:// URL, or put a TLS "
                             "proxy in front)" if "WRONG_VERSION_NUMBER" in str(e) else "")  # fmt: skip
+                    if isinstance(e, httpx.ReadTimeout):
+                        hint = (f" (no answer within {self.http.timeout.read:g} s, "
+                                f"{attempt + 1} {'try' if attempt == 0 else 'tries'}: the service is busy or stopped; "
+                                "--timeout or TUNER_SERVER_TIMEOUT waits longer)")  # fmt: skip
                     raise FleetError(
                         f"{self.server} unreachable: {type(e).__name__}: {e}{hint}"
                     ) from None
