@@ -694,12 +694,7 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   // (a team's warps next to each other), a team's into its row block's outputs (or, in a
   // cluster, into the CTA's sums [M][ROWS], past warp 0's partials). Splitting rows, the ring is
   // the CTA's: once every warp is done with it, each warp's rows of the sums [M][cta_rows].
-  // (Splitting K, the warp's own barrier after every lane's last wait: no lane's copy into the
-  // ring can still land on the partials, whatever the loop's last wait covered.)
-  if constexpr (SPLIT_ROWS)
-    __syncthreads();
-  else
-    __syncwarp();
+  if constexpr (SPLIT_ROWS) __syncthreads();
   const int g = lane >> 2, t = lane & 3, m = p.m;
   const int outputs = cta_rows * m;
   const auto part_of = [&](int w) {
