@@ -368,6 +368,17 @@ def test_a_push_from_a_read_only_cache_sends_nothing(tmp_path: Path) -> None:
         assert (tmp_path / "host.db").read_bytes() == before
 
 
+def test_a_request_refused_for_want_of_a_token_says_how_to_give_one(tmp_path: Path) -> None:
+    """A host that sent no token is told where one goes, not a bare HTTP 401."""
+    with ThreadServer(tmp_path / "fleet.db") as srv:
+        with pytest.raises(FleetError, match=r"^HTTP 401: .*\(no token was sent: pass --token or "
+                           r"set TUNER_TOKEN\)$"):  # fmt: skip
+            srv.client("host").feed(DC, FP.version_tag, 0)
+        with pytest.raises(FleetError) as refused:
+            FleetClient(srv.url, "tnr_0123456789ab_wrong").feed(DC, FP.version_tag, 0)
+        assert refused.value.status == 401 and "no token was sent" not in str(refused.value)
+
+
 def test_wire_form_has_no_nan() -> None:
     m = Measurement(DC, "gemm:m=1,n=8,k=8", "torch", {}, "rejected", max_rel_err=math.nan,
                     error="x" * 9000)  # fmt: skip

@@ -210,7 +210,9 @@ class FleetClient:
                     return r
                 retried = NOT_RECEIVED_STATUS if once else RETRY_STATUS
                 if r.status_code not in retried or last:
-                    raise FleetError(_message(r), r.status_code, _detail(r))
+                    no_token = r.status_code == 401 and "Authorization" not in self.http.headers
+                    hint = " (no token was sent: pass --token or set TUNER_TOKEN)" * no_token
+                    raise FleetError(_message(r) + hint, r.status_code, _detail(r))
             time.sleep(self.backoff_s * 2**attempt * (0.5 + random.random()))
         raise AssertionError("unreachable")
 
