@@ -199,9 +199,10 @@ class FleetClient:
                     hint = (" (the service speaks plain http: give an http:// URL, or put a TLS "
                             "proxy in front)" if "WRONG_VERSION_NUMBER" in str(e) else "")  # fmt: skip
                     if isinstance(e, httpx.ReadTimeout):
-                        hint = (f" (no answer within {self.http.timeout.read:g} s, "
-                                f"{attempt + 1} {'try' if attempt == 0 else 'tries'}: the service is busy or stopped; "
-                                "--timeout or TUNER_SERVER_TIMEOUT waits longer)")  # fmt: skip
+                        tries = f"{attempt + 1} {'try' if attempt == 0 else 'tries'}"
+                        hint = (f" (no answer within {self.http.timeout.read:g} s, {tries}: the "
+                                "service is busy or stopped; --timeout or TUNER_SERVER_TIMEOUT "
+                                "waits longer)")  # fmt: skip
                     raise FleetError(
                         f"{self.server} unreachable: {type(e).__name__}: {e}{hint}"
                     ) from None
