@@ -26,7 +26,7 @@ from tuner.core import console
 from tuner.core.console import PIPED_WIDTH
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey
-from tuner.measure.records import Winner
+from tuner.measure.records import Measurement, Winner
 from tuner.serving.dispatcher import Dispatcher
 from tuner.tuning.engine import PHASES, TuneOptions
 from tuner.version import __version__
@@ -560,6 +560,29 @@ def test_import_notes_winners_of_a_source_this_host_lacks(tmp_path):
     assert "kept 1 winner of a candidate source this host does not have ('my_plugin')" in r.stdout
     with Store(tmp_path / "b.db") as b:
         assert b.winner("cpu-test", key).source == "my_plugin"
+
+
+def test_import_notes_measurements_whose_device_class_has_no_fingerprint(tmp_path):
+    """A fleet service files a measurement under its device's fingerprint, so an export that
+    lists none for a class (hand-made, or cut down) gives measurements 'tuner push' can send
+    only from a host of that class: kept, and said; a class with a fingerprint is not named."""
+    key = "gemm:m=8,n=8,k=8,batch=1,layout=nn,dtype=f32,out_dtype=f32,compute=f32,align=16"
+    with Store(tmp_path / "a.db") as a:
+        a.save_device(fingerprint())
+        a.save_run([
+            Measurement(dc, key, "torch", {}, "ok", median_us=1.0, uid=f"u{i}")
+            for i, dc in enumerate(["gpu-elsewhere", "gpu-elsewhere", fingerprint().device_class])
+        ])  # fmt: skip
+    tuner("export", str(tmp_path / "e.json"), cache=tmp_path / "a.db")
+    r = tuner("import", str(tmp_path / "e.json"), cache=tmp_path / "b.db")
+    assert "imported 3 new measurements" in r.stdout
+    assert (
+        "note: 2 measurements of device class 'gpu-elsewhere' came with no device fingerprint"
+        in " ".join(r.stdout.split())
+    ), r.stdout
+    assert fingerprint().device_class not in r.stdout
+    with Store(tmp_path / "b.db") as b:
+        assert len(b.measurements("gpu-elsewhere")) == 2
 
 
 def test_show_refuses_two_formats_at_once(tmp_path):

@@ -512,7 +512,8 @@ def import_(
         export = checked_export(data)
     except ExportError as e:  # the file's fault, not the cache's: named
         raise ConfigError(f"{input}: {e}") from None
-    counts = open_store(cache).import_(export)
+    store = open_store(cache)
+    counts = store.import_(export)
     console.print(
         f"imported {counted(counts['measurements'], 'new measurement')}, "
         f"{counted(counts['winners'], 'winner')} added or replaced, "
@@ -522,6 +523,16 @@ def import_(
         console.print(
             f"left alone {counted(counts['older_winners'], 'winner')} older than the cache's "
             "for the same problem"
+        )
+    classes = {m.device_class for m in export.measurements}
+    unplaced = sorted(dc for dc in classes if store.fingerprint(dc) is None)
+    if unplaced:  # a fleet service files a measurement under its device's fingerprint
+        n = sum(m.device_class in unplaced for m in export.measurements)
+        console.print(
+            f"[yellow]note:[/] {counted(n, 'measurement')} of device class "
+            f"{escape(', '.join(map(repr, unplaced)))} came with no device fingerprint (the export's "
+            "'devices' has none, nor does this cache): kept here, but 'tuner push' sends them "
+            "only from a host of that class"
         )
     absent = [w for w in data.get("winners", []) if w["source"] not in registry.all_sources()]
     if absent:
