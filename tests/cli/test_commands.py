@@ -519,6 +519,24 @@ def test_a_check_of_compiled_kernels_where_there_are_none_makes_no_store(tmp_pat
     assert not typo.parent.exists()
 
 
+def test_a_listing_of_compiled_kernels_says_server_and_token_wait_for_check(tmp_path):
+    """``artifacts --server URL`` without ``--check`` listed this host's kernels and asked
+    no service, without a word; typed, the options are named; from the environment (the
+    host's settings) they are not."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TUNER_ARTIFACTS", "TUNER_SERVER")}
+    args = [sys.executable, "-m", "tuner", "artifacts", "--cache", str(tmp_path / "c.db")]
+    typed = subprocess.run(
+        [*args, "--server", "http://127.0.0.1:9", "--token", "t"],
+        env=env | {"COLUMNS": "200"}, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "note: --server and --token are read by --check only" in typed.stdout
+    from_env = subprocess.run(
+        args, env=env | {"COLUMNS": "200", "TUNER_SERVER": "http://127.0.0.1:9"},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "note:" not in from_env.stdout and "0 compiled kernels" in from_env.stdout
+
+
 def test_import_of_a_non_export_is_refused(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"hello": 1}')

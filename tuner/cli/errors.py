@@ -36,6 +36,12 @@ CUT_OFF = 128 + 13  # a closed stdout: what a shell reports for a command SIGPIP
 CLICK = importlib.import_module(typer.BadParameter.__module__)
 
 
+def typed_in(ctx: typer.Context, name: str) -> bool:
+    """Whether parameter ``name`` was given on the command line (not by its environment
+    variable or default); by the source's name, as this typer's click may be its own copy."""
+    return getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
+
+
 def write_output(path: Path, data: str) -> None:
     """A command's output file, replaced in one rename (never left half-written), or a
     ConfigError that names it; ``-`` is stdout. What is no regular file (``/dev/null``, a FIFO)

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from tuner.cache.artifacts import ArtifactStore, default_root
 from tuner.cache.sqlite import unmade
-from tuner.cli.errors import FAILED, fleet_service
+from tuner.cli.errors import FAILED, fleet_service, typed_in
 from tuner.cli.options import CacheOpt, cache_path, open_store, store_kept_if_used
 from tuner.core.console import counted, output_console
 from tuner.core.device import fingerprint
@@ -341,6 +341,7 @@ def push_command(
 
 @app.command("artifacts")
 def artifacts_command(
+    ctx: typer.Context,
     server: ServerOpt = None,
     token: TokenOpt = None,
     cache: CacheOpt = None,  # the store is the one beside it (the option's callback says so)
@@ -355,11 +356,17 @@ def artifacts_command(
 ) -> None:
     """This host's compiled kernels ($TUNER_ARTIFACTS store) and, with --check, their conflicts
     (on the fleet service too: --server, --token)."""
+    given = [f"--{n}" for n in ("server", "token") if typed_in(ctx, n)]
+    if given and not check:  # from the environment they are the host's, and said nothing of
+        console.print(
+            f"note: {' and '.join(given)} are read by --check only (which compares this host's "
+            "builds with the service's)"
+        )
     if not (root := default_root()).exists():  # a look makes no store (a mistyped --cache)
         console.print(f"0 compiled kernels: no store at {root} yet")
         if not check:
             return
-    client = FleetClient(server, token, timeout_s=timeout) if server else None
+    client = FleetClient(server, token, timeout_s=timeout) if server and check else None
     with contextlib.ExitStack() as opened:
         kernels = opened.enter_context(ArtifactStore()) if root.exists() else None
         if client is not None:
