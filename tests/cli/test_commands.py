@@ -1035,7 +1035,7 @@ def test_info_says_which_cache_and_mode_this_process_uses(tmp_path):
 
 def info_with(tmp_path, **settings: str) -> str:
     """``tuner info``'s output with these ``TUNER_*`` variables set and no config file."""
-    env = os.environ | settings | {"COLUMNS": "200", "TUNER_CONFIG": str(tmp_path / "none.toml")}
+    env = os.environ | settings | {"COLUMNS": "260", "TUNER_CONFIG": str(tmp_path / "none.toml")}
     return subprocess.run(
         [sys.executable, "-m", "tuner", "info"], env=env, capture_output=True, text=True,
         check=True,
@@ -1066,7 +1066,7 @@ def test_info_marks_a_number_setting_that_is_no_positive_number(tmp_path):
     out = info_with(tmp_path, TUNER_SERVER_TIMEOUT="abc", TUNER_COMPILE_WORKERS="many",
                     TUNER_ARTIFACTS_MAX_BYTES="10GB", TUNER_CUTLASS_JOBS="4")  # fmt: skip
     assert (
-        "abc (not a number of at least 0.1: tuner sync, push and artifacts refuse it; the "
+        "abc (not a finite number of at least 0.1: tuner sync, push and artifacts refuse it; the "
         "background sync, warmup and tune-all use the default, and log it)" in out
     )
     whole = "a positive whole number"

@@ -516,6 +516,6 @@ def test_a_timeout_of_no_finite_seconds_is_refused_as_the_background_sync_refuse
     for command in ("sync", "push"):
         done = cli(command, "--server", nowhere, *args, cache=tmp_path / "c.db", **given)
         assert done.exit_code == 2, done.output
-        assert f"must be a number of at least 0.1, got {read}" in done.stderr, done.stderr
+        assert f"must be a finite number of at least 0.1, got {read}" in done.stderr, done.stderr
         assert "TUNER_SERVER_TIMEOUT" in done.stderr and "--timeout" in done.stderr
     assert not (tmp_path / "c.db").exists()

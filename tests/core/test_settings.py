@@ -197,7 +197,7 @@ def test_a_value_of_the_wrong_type_for_its_setting_is_named_and_left_out(tmp_pat
     assert problems == [
         f"{cfg}: profile must be a string, got False; left out",
         f"{cfg}: sync_interval (config file) must be a number from 1 to 604800, got True; left out",
-        f"{cfg}: server_timeout (config file) must be a number of at least 0.1, got 'abc'; "
+        f"{cfg}: server_timeout (config file) must be a finite number of at least 0.1, got 'abc'; "
         "left out",
         f"{cfg}: cache must be a string (in quotes), got 5; left out",
         f"{cfg}: compile_workers (config file) must be a whole number from 1 to 1024, got 0; "
@@ -216,7 +216,7 @@ def test_a_number_variable_out_of_its_bounds_is_marked_for_info():
     )
     assert refusal("sync_interval", "2") is None and refusal("cutlass_jobs", "") is None
     assert refusal("server_timeout", "0.01") == (
-        "not a number of at least 0.1: tuner sync, push and artifacts refuse it; the background "
+        "not a finite number of at least 0.1: tuner sync, push and artifacts refuse it; the background "
         "sync, warmup and tune-all use the default, and log it"
     )
 

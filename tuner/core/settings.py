@@ -94,6 +94,8 @@ class Number:
 
     def words(self) -> str:
         what = "a whole number" if self.kind is int else "a number"
+        if self.kind is float and self.high == math.inf:  # ``inf`` is no setting's value
+            what = "a finite number"
         if self.unit:
             what += f" of {self.unit}"
         if self.low == 0 and self.high == math.inf:
