@@ -43,8 +43,7 @@ def authorize(request: Request, scope: str, *, write: bool = False) -> Token | N
     # a primary-key lookup: cheap enough to run on the event loop's own connection
     token = tokens.verify(state.db.store(), presented)
     if token is None:  # which id was presented (its public part), never the secret
-        raise HTTPException(401, f"invalid token {tokens.named_id(presented)}: unknown id or "
-                            "wrong secret", headers=CHALLENGE)  # fmt: skip
+        raise HTTPException(401, tokens.invalid(presented), headers=CHALLENGE)
     if token.revoked_at is not None:
         raise HTTPException(401, f"token {token.id} ({token.name}) is revoked", headers=CHALLENGE)
     if not token.allows(scope):

@@ -104,13 +104,13 @@ def _parts(presented: str) -> tuple[str, str, str]:
     return prefix, token_id, secret
 
 
-def named_id(presented: str) -> str:
-    """The token id a presented string names, for a log or an error (never its secret):
-    ``'<id>'``, or what is wrong with its form."""
+def invalid(presented: str) -> str:
+    """Why ``verify`` refused a presented string, for a 401 and its log line (never the
+    secret): the form it lacks, or the id it names."""
     prefix, token_id, secret = _parts(presented)
     if prefix != PREFIX or not _ID_RE.match(token_id) or not secret:
-        return f"(not of the form {PREFIX}_<id>_<secret>)"
-    return repr(token_id)
+        return f"invalid token: not of the form {PREFIX}_<id>_<secret>"
+    return f"invalid token {token_id!r}: unknown id or wrong secret"
 
 
 def verify(store: FleetStore, presented: str) -> Token | None:

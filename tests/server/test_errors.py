@@ -116,7 +116,7 @@ SUBMIT = "/v1/measurements"
             None,
             {"Authorization": "Bearer not-a-token"},
             401,
-            "invalid token (not of the form tnr_<id>_<secret>)",
+            "invalid token: not of the form tnr_<id>_<secret>",
         ),
         ("revoked", {}, 401, "is revoked"),
         ("reader", {}, 403, "has scopes ['read']; this needs 'submit'"),
