@@ -204,6 +204,12 @@ def test_user_mistakes_get_one_line_and_exit_2(tmp_path, args, message):
     ("args", "message"),
     [
         (("report", "--rows", "-1"), "Invalid value for '--rows': "),  # the rest is click's
+        (  # typer's type check names the rule; the value refused is added
+            ("tune", "gemm", "-m", "8", "-n", "x", "-k", "8"),
+            "Invalid value for '-n': Input should be a valid integer, unable to parse string as "
+            "an integer, got 'x' (see",
+        ),
+        (("tune", "gemm", "-m", "8", "-n", "8", "-k", "8", "--budget", "0"), "0.001, got '0'"),
         (("tune", "key", "x", "--launch", "warp"), "'--launch': 'warp' is not one of 'eager'"),
         (("export",), "Missing argument 'output'. (see 'python -m tuner export --help')"),
         (("tunableop", "show", "nofile.csv"), "'nofile.csv' does not exist"),  # (click's case)

@@ -20,13 +20,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pydantic
 import typer
 
 from tuner.cache import StoreError
 from tuner.cache.sqlite import is_corrupt
 from tuner.core.atomic import writable_dir, write_atomic
 from tuner.fleet.client import FleetError
-from tuner.measure.records import clipped
+from tuner.measure.records import clipped, quoted
 from tuner.offline.problem_list import ConfigError
 
 USAGE, FAILED = 2, 1  # exit statuses: a mistake in the input; the work could not be done
@@ -162,7 +163,17 @@ def _usage_line(e: CLICK.UsageError) -> str:
                 f"'{root.command_path} {name} {rest} ...'")  # fmt: skip
         return f"{said} (see '{root.command_path} --help')"
     said = e.format_message().replace(": Value error, ", ": ")  # pydantic's words
-    return f"{said} (see '{ctx.command_path} --help')"
+    return f"{said}{_given(e)} (see '{ctx.command_path} --help')"
+
+
+def _given(e: CLICK.UsageError) -> str:
+    """ ", got VALUE" where typer's type check (pydantic's) refused a value and did not quote
+    it ("Input should be a valid number"): which of several values was wrong, in a script."""
+    cause = e.__cause__
+    errors = cause.errors() if isinstance(cause, pydantic.ValidationError) else []
+    if not errors or "input" not in errors[0] or " got " in e.format_message():
+        return ""
+    return f", got {quoted(errors[0]['input'])}"
 
 
 def _root_option(root: CLICK.Context, name: str | None) -> bool:
