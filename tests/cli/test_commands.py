@@ -720,6 +720,13 @@ def test_report_and_tunableop_export_read_another_device_class(tmp_path):
             f"--device-class 'nosuch': no fingerprint of it in this cache (device classes seen: "
             f"{h200.device_class})" in r.stderr
         )
+    with Store(tmp_path / "c.db") as store:  # winners of a class whose device is unknown here
+        store.put_winners([Winner("gpu-imported", key, "torch", {}, 9.0, 10.0)])
+    r = tuner("report", "--device-class", "gpu-imported", cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2 and (
+        "--device-class 'gpu-imported': this cache holds its winners but no fingerprint of the "
+        "device" in r.stderr
+    )
 
 
 def test_unreadable_and_unwritable_files_get_one_line(tmp_path):

@@ -307,6 +307,7 @@ def test_an_interrupted_pull_resumes_where_it_stopped(tmp_path: Path) -> None:
         assert store.position(name) == 20 and len(store.winners(DC)) == 20
         resumed = pull(FleetClient(srv.url, token), store, FP, page=10)
         assert resumed.winners == 10 and len(store.winners(DC)) == 30
+        assert store.fingerprint(DC) == FP  # the device they were served for, as a tune saves it
 
 
 def test_a_pull_from_a_wrong_url_fails_while_an_unknown_class_pulls_nothing(tmp_path: Path):

@@ -205,6 +205,8 @@ def pull(
             break
         rows = _winner_rows(body["columns"], body["rows"])
         if rows:
+            if not total:  # the device they were served for, as a tune here saves it: what
+                store.save_device(fp)  # `report --device-class` reads, and an export carries
             store.put_winner_rows(rows)
             store.set_position(name, body["cursor"], _pull_mark(rows[-1]))
         total, pages, cursor = total + len(rows), pages + 1, body["cursor"]
