@@ -31,7 +31,7 @@ from tuner.cache import Store
 from tuner.candidates import registry
 from tuner.candidates.base import Params, Runner
 from tuner.core.atomic import write_atomic
-from tuner.core.console import output_console
+from tuner.core.console import counted, output_console
 from tuner.core.device import fingerprint
 from tuner.core.keys import Key
 from tuner.core.progress import progress_bar
@@ -387,7 +387,7 @@ def stopped(
     path = save_result(out_dir, name, result, draw)
     kept = result_path(out_dir, name, interrupted=False)
     earlier = f"; the complete {kept.name} of an earlier run is kept" if kept.exists() else ""
-    console.print(f"[yellow]interrupted[/yellow]: {len(result['rows'])} rows written to {path} "
+    console.print(f"[yellow]interrupted[/yellow]: {counted(len(result['rows']), 'row')} written to {path} "
                   f"(without {missing}){earlier}")  # fmt: skip
 
 
