@@ -50,6 +50,20 @@ def tuner_process(*args: str, **env: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+def test_an_option_value_refused_names_the_variable_only_where_it_came_from_there() -> None:
+    """``--timeout inf`` was refused as "Invalid value for '--timeout' (env var:
+    'TUNER_SERVER_TIMEOUT')", though no variable was set: the variable is named only where
+    its value was the one refused."""
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    typed = tuner_process("sync", "--server", nowhere, "--timeout", "inf")
+    assert typed.returncode == 2 and typed.stderr.startswith(
+        "error: Invalid value for '--timeout': must be a finite number of at least 0.1, got inf"
+    ), typed.stderr
+    from_env = tuner_process("sync", "--server", nowhere, TUNER_SERVER_TIMEOUT="inf")
+    assert from_env.returncode == 2
+    assert "Invalid value for '--timeout' (env var: 'TUNER_SERVER_TIMEOUT')" in from_env.stderr
+
+
 def tuned_cache(path: Path, *ms: int) -> dict[str, str]:
     """A local cache holding torch's tuned result for an (M, 24, 40) f32 GEMM per ``ms``;
     returns each key's winning run id."""

@@ -163,6 +163,9 @@ def _usage_line(e: CLICK.UsageError) -> str:
                 f"'{root.command_path} {name} {rest} ...'")  # fmt: skip
         return f"{said} (see '{root.command_path} --help')"
     said = e.format_message().replace(": Value error, ", ": ")  # pydantic's words
+    param = getattr(e, "param", None)
+    if param is not None and param.envvar and typed_in(ctx, param.name):  # not the variable's
+        said = said.replace(f" (env var: '{param.envvar}')", "", 1)  # fault: not named
     return f"{said}{_given(e)} (see '{ctx.command_path} --help')"
 
 
