@@ -202,8 +202,8 @@ def device_fingerprint(store: Store, device_class: str | None) -> Fingerprint:
     if found is None and store.winners(device_class, limit=1):
         raise ConfigError(
             f"--device-class {device_class!r}: this cache holds its winners but no fingerprint "
-            "of the device (its versions, its name): they came by an import of an export "
-            "without one; 'tuner sync' or a tune on such a device saves it"
+            "of the device (its versions, its name): an export without one brought them, or "
+            "an older tuner's sync; 'tuner sync' or a tune on such a device saves it"
         )
     if found is None:
         raise unknown_device_class(store, device_class, "no fingerprint of it")
