@@ -826,7 +826,7 @@ def test_a_read_only_cache_fails_every_writing_command_in_one_line(tmp_path):
     with read_only(cache) as before:
         for args in (
             ("tune", "gemm", "-m", "1", "-n", "8", "-k", "8", "--dtype", "f32"),
-            ("tune-all", "--config", str(problems)),
+            ("tune-all", "--config", str(problems), "--out", str(tmp_path / "runs" / "one")),
             ("import", str(export)),
         ):
             r = tuner(*args, cache=cache, check=False)
@@ -834,6 +834,7 @@ def test_a_read_only_cache_fails_every_writing_command_in_one_line(tmp_path):
             assert r.stderr.startswith(f"error: {cache} is read-only"), (args, r.stderr)
             assert len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert cache.read_bytes() == before
+    assert not (tmp_path / "runs").exists(), "tune-all left the --out folders it made"
 
 
 def test_launch_and_confirmation_options_reach_the_winner(tmp_path):

@@ -23,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from tuner.cache import Store, WriteFailedError
+from tuner.cache import ReadOnlyError, Store, WriteFailedError
 from tuner.cache.artifacts import ArtifactStore
 from tuner.cache.sqlite import unmade
 from tuner.cli.errors import FAILED, fail, fleet_service, output_dir, write_output
@@ -598,12 +598,14 @@ def tune_all(
     if not dry_run:
         try:
             store.save_device(fp)
-        except WriteFailedError as e:  # the disk full at the run's first write: as mid-run
+        except ReadOnlyError as e:  # a read-only cache, or the disk full at the first write
             if lease is not None:  # its keys go back to the fleet's queue, none finished
                 console.print(queue_summary(lease, complete_queue(lease, store, fp, set())))
             if new is not None:  # nothing done: the --out folder made for it goes again
                 new.unmake(store)
-            return _stopped(str(e))
+            if not isinstance(e, WriteFailedError):
+                raise  # the user's to mend: a cache that cannot be used (status 2)
+            return _stopped(str(e))  # as mid-run
     if lease is not None:
         leased = add_recorded(ProblemSet(), Sources(op=sources.op), store, fp, console, lease)
         for key, labels in leased.labels.items():
