@@ -607,6 +607,41 @@ def test_a_worker_that_dies_after_committing_its_problem_leaves_it_tuned(tmp_pat
     assert [r["status"] for r in read_journal(journal_path(cache))] == ["tuned"]
 
 
+def die_at_start(conn) -> None:
+    """A tune-all worker whose start fails (a broken GPU, an import that raises)."""
+    sys.exit(3)
+
+
+def test_a_worker_that_cannot_start_is_left_out_and_the_others_go_on(tmp_path):
+    """A slot whose worker dies twice before it is ready takes no more problems; the run goes
+    on with the others. Where no worker is left, the run stops and says why, its problems not
+    started; no exception escapes either way."""
+    from tuner.offline.tune_all import STOPPED_NO_WORKER
+    from tuner.tuning.supervisor import Supervised
+
+    keys = [GemmKey(m=m, n=8, k=8, dtype="f32", out_dtype="f32") for m in (1, 2, 3)]
+    settings = RunSettings(tune=TuneOptions(sources=["torch"], budget_s=0.01))
+    notices: list[str] = []
+
+    def emit(event) -> None:
+        if event[0] == "notice":
+            notices.append(event[1])
+
+    pool = _Pool(tmp_path / "two.db", settings, [None, None], emit)
+    pool.slots[1].worker = Supervised(die_at_start, (), name="die-at-start")
+    summary = pool.run(keys, set())
+    assert [r.status for r in summary.results] == ["tuned"] * 3
+    assert {r.worker for r in summary.results} == {0} and summary.stopped == ""
+    assert notices == ["worker 1 failed to start twice (exit code 3): its device takes no more "
+                       "problems"]  # fmt: skip
+
+    pool = _Pool(tmp_path / "one.db", settings, [None], emit)
+    pool.slots[0].worker = Supervised(die_at_start, (), name="die-at-start")
+    summary = pool.run(keys, set())
+    assert summary.results == [] and summary.not_started == keys
+    assert summary.stopped == STOPPED_NO_WORKER and notices[-1] == "stopping: no worker could start"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -79,6 +79,7 @@ PARKED = "parked"  # a first pass's result: not final, never journaled
 # the problem it held stays pending, not failed (it is no fault of the problem's)
 UNWRITABLE = "unwritable"
 STOPPED_UNWRITABLE = "cache not writable"
+STOPPED_NO_WORKER = "no worker could start"
 
 
 # --- running -----------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ class RunSummary:
     results: list[Result]
     wall_s: float
     workers: int
-    stopped: str = ""  # "" (finished), "ctrl-c", "time limit"
+    stopped: str = ""  # "" (finished), "ctrl-c", "SIGTERM", "time limit", STOPPED_*
     not_started: list[Key] = field(default_factory=list)
     idle_s: float = 0.0  # worker time idle while every pending problem was still compiling
     shared_compile_s: float | None = None  # the compile pool's shared job (kernels of all shapes)
@@ -211,7 +212,7 @@ class _Slot:
     ending: bool = False  # handed its sentinel
     key: Key | None = None  # the problem in flight (its task announced)
     started: float = 0.0
-    deaths: int = 0
+    start_failures: int = 0  # its workers that died before "ready", since one was last ready
     fresh: bool = True  # has not started a problem yet
     waiting: bool = False  # its problem was handed out before the compile pool had compiled it
     measured: list[Measurement] = field(default_factory=list)  # of the problem in flight
@@ -586,10 +587,20 @@ class _Pool:
         if (slot.key or slot.task) and not self._keep_committed(slot):
             when = "while tuning" if slot.key else "before it started"
             self._finish(slot, "failed", f"worker died (exit code {code}) {when} this problem")
-        slot.deaths += 1
-        if not slot.ready and slot.deaths >= 2:
-            raise RuntimeError(f"tune-all worker {slot.index} failed to start (exit code {code})")
+        slot.start_failures = 0 if slot.ready else slot.start_failures + 1
+        if slot.start_failures >= 2:
+            self._give_up(slot, code)
+            return
         self._replace(slot)
+
+    def _give_up(self, slot: _Slot, code: int | None) -> None:
+        """A slot whose worker died twice before it was ready (its GPU or its imports broken)
+        is not started again; the other workers go on, and where none is left the run stops."""
+        slot.done = True
+        self.emit(("notice", f"worker {slot.index} failed to start twice (exit code {code}): "
+                             "its device takes no more problems"))  # fmt: skip
+        if all(s.done and not s.ready for s in self.slots) and not self.stop.is_set():
+            self._halt(STOPPED_NO_WORKER, "stopping: no worker could start")
 
     def _replace(self, slot: _Slot) -> None:
         """A fresh worker takes a dead one's slot, unless the run is stopping."""
