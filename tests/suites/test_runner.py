@@ -63,12 +63,15 @@ def test_without_a_terminal_each_problem_is_announced_before_it_is_measured(
     assert out.index("[1/2] measuring decode") < out.index("[2/2] measuring prefill")
 
 
-def test_a_problem_whose_tuning_raises_is_left_out(tmp_path: Path) -> None:
+def test_a_problem_whose_tuning_raises_is_left_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its error is said as it reads (brackets are no console markup), and the suite goes on."""
     broken = PROBLEMS[0][1]
 
     def tuner(key: Key, options: TuneOptions) -> TuneOutcome:
         if key == broken:
-            raise RuntimeError("worker lost")
+            raise RuntimeError("worker lost: weight must be [n, k//2] in [int8] [/red]")
         return tune(key, options=options)
 
     result = runner.run_suite(
@@ -76,6 +79,8 @@ def test_a_problem_whose_tuning_raises_is_left_out(tmp_path: Path) -> None:
     )
     assert [r["label"] for r in result["rows"]] == ["prefill"]
     assert result["summary"]["n"] == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "decode: tuning failed: worker lost: weight must be [n, k//2] in [int8] [/red]" in out
 
 
 def test_an_empty_suite_writes_its_json_and_no_png(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from tuner.cache.artifacts import ArtifactStore, default_root
@@ -280,7 +281,7 @@ def sync(
                 if e.status != 403:
                     raise
                 refused = e
-                console.print(f"[yellow]push refused[/yellow]: {e}; pulling anyway")
+                console.print(f"[yellow]push refused[/yellow]: {escape(str(e))}; pulling anyway")
         r = pull(client, store, fp, full=full)
         console.print(
             f"pulled {counted(r.winners, 'winner')} for {fp.device_class} in "

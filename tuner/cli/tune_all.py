@@ -500,7 +500,7 @@ def run_with_progress(
                 bar.console.print(_describe(data, problems))
                 bar.advance(task)
             elif kind == "notice":
-                bar.console.print(f"[yellow]{data}[/yellow]")
+                bar.console.print(f"[yellow]{escape(data)}[/yellow]")
             waiting = (
                 f"awaiting shared kernels: {counted(len(parked), 'problem')}" if parked else ""
             )
@@ -692,7 +692,9 @@ class _Artifacts:
             with ArtifactStore() as kernels:
                 sent = push_artifacts(self.client, kernels)
         except FleetError as e:  # a token without the build scope: the results still count
-            console.print(f"[yellow]fleet: compiled kernels not published: {e}[/yellow]")
+            console.print(
+                f"[yellow]fleet: compiled kernels not published: {escape(str(e))}[/yellow]"
+            )
             return
         console.print(f"fleet: published {sent.published} compiled kernels ({sent.present} there)")
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from tuner.cache import Store
 from tuner.candidates import registry
@@ -319,7 +320,7 @@ def print_report(result: dict[str, Any]) -> None:
     for r in result["rows"]:
         err = r.get("recheck_err")
         if isinstance(err, str) or (err is not None and not err <= 5e-2):
-            console.print(f"[red]{r['label']}: winner recheck failed: {err}[/red]")
+            console.print(f"[red]{escape(r['label'])}: winner recheck failed: {escape(err)}[/red]")
         for f in r["failures"]:
             console.print(f"[yellow]{r['label']}: {f}[/yellow]")
         if r["m"] <= DECODE_M:

@@ -361,7 +361,7 @@ def tune_bf16(
             cublas_us, served_us = times(twin, outcome.winner, device)
         except Exception as e:  # the low-bit rows stand; their bf16 targets show as unmeasured
             out[str(twin)] = {"bf16_error": f"{type(e).__name__}: {e}"[:300]}
-            console.print(f"[red]bf16 {twin.label}: {e}[/red]")
+            console.print(f"[red]bf16 {twin.label}: {escape(str(e))}[/red]")
             continue
         out[str(twin)] = {
             "bf16_us": cublas_us, "bf16_served_us": served_us, "bf16_tune_s": tune_s,

@@ -253,7 +253,7 @@ def run_suite(
         try:
             outcome = run_tuner(key, options)
         except Exception as e:
-            bar.console.print(f"[red]{label}: tuning failed: {e}[/red]")
+            bar.console.print(f"[red]{escape(label)}: tuning failed: {escape(str(e))}[/red]")
             return None
         tune_s = time.perf_counter() - started
         if store is not None:

@@ -290,7 +290,7 @@ def _print_extra(result: dict[str, Any], kind: str) -> None:
     for r in result["rows"]:
         err = r.get("recheck_err")
         if isinstance(err, str) or (err is not None and not err <= 5e-2):
-            console.print(f"[red]{r['label']}: winner recheck failed: {err}[/red]")
+            console.print(f"[red]{escape(r['label'])}: winner recheck failed: {escape(err)}[/red]")
         for c in r["candidates"]:
             if c["status"] in ("failed", "rejected") and not c["candidate"].startswith("torch"):
                 console.print(
