@@ -223,8 +223,9 @@ def target_field(row: Row, field: str) -> float | None:
     """The ``field`` ("winner_us", "bf16_us", "winner_pct_copy", ...) the targets judge the row
     on: its retimed one in its timing mode, else the tuning's; None where it has none (a runner
     not captured). A retimed row is judged on its retime alone: a runner that raised there is
-    unmeasured (a miss), its row not judged on the tuning's times in its place."""
-    retimed = row["timing"] == "graph" or any(k.startswith("eager_") for k in row)
+    unmeasured (a miss), its row not judged on the tuning's times in its place, as is every
+    runner of a row whose retime raised (``retime_error``)."""
+    retimed = row["timing"] == "graph" or any(k.startswith(("eager_", "retime_")) for k in row)
     return row.get(f"{row['timing']}_{field}" if retimed else field)
 
 
@@ -561,7 +562,11 @@ def annotate(row: Row, bf16: Row, copy_gbs: float, device: str, options: TuneOpt
             row[f"{name}_pct_copy"] = 100 * row[moved] / row[f"{name}_us"] / 1e3 / copy_gbs
     row["timing"] = "graph" if graph_judged(key, device) else "eager"
     if device == "cuda":
-        retime(row, key, twin, copy_gbs, options)
+        try:
+            retime(row, key, twin, copy_gbs, options)
+        except Exception as e:  # one row must not lose the suite: its times unmeasured, a miss
+            row["retime_error"] = f"{type(e).__name__}: {e}"[:300]
+            console.print(f"[red]{escape(row['label'])}: retime failed: {escape(str(e))}[/red]")
     judge(row)
 
 
