@@ -371,7 +371,6 @@ def run_part(
     device = current_device()
     name = f"gemm_llama_{part}"
     out.mkdir(parents=True, exist_ok=True)
-    store = Store(out / f"{name}.db")
     started = time.perf_counter()
     title = f"GEMM {part}: tuned vs cuBLAS (torch.matmul)"
     if note := quick_cpu_note((label for label, _ in problems_), QUICK_CPU_ROWS):
@@ -379,7 +378,10 @@ def run_part(
     result: dict[str, Any] = {}  # run_suite's, once its rows are done
     draw = speedup_drawing(title)
     missing = "the warm re-tune, Inductor and targets"
-    with marked_if_interrupted(out, name, result, missing, draw):  # the pool's closing too
+    with (
+        Store(out / f"{name}.db") as store,
+        marked_if_interrupted(out, name, result, missing, draw),  # the pool's closing too
+    ):
         with compile_pool.ahead([k for _, k in problems_], options, device) as compiler:
             recorder = Recorder(compiler)
             result.update(run_suite(

@@ -837,12 +837,14 @@ def run(problems_: Problems, out: Path, options: TuneOptions) -> dict[str, Any]:
     into ``out``."""
     device = current_device()
     out.mkdir(parents=True, exist_ok=True)
-    store = Store(out / f"{NAME}.db")
     started = time.perf_counter()
     keys = [k for _, k in problems_]
     missing = "their bf16 columns, retimes and targets"
     result: dict[str, Any] = {}  # run_suite's, once its rows are done
-    with marked_if_interrupted(out, NAME, result, missing):  # the pool's closing too
+    with (
+        Store(out / f"{NAME}.db") as store,
+        marked_if_interrupted(out, NAME, result, missing),  # the pool's closing too
+    ):
         with compile_pool.ahead([*keys, *map(bf16_twin, keys)], options, device) as compiler:
             recorder = Recorder(compiler)
             result.update(run_suite(
