@@ -185,11 +185,14 @@ def test_a_problem_another_process_tuned_meanwhile_counts_as_an_earlier_runs(tun
 
 
 def test_write_without_timed_rows_writes_no_png(tuned: Tuned, tmp_path: Path) -> None:
+    """Nor keeps an earlier run's beside the new JSON, where it would read as this run's."""
+    report.write(report.build(tuned.store, FP, journal=tuned.journal), tmp_path)
+    assert (tmp_path / "speedup.png").exists()
     problems = ProblemSet()
     problems.add(PENDING, "not tuned yet")
     rep = report.build(tuned.store, FP, problems=problems, journal=tuned.journal)
     json_path, png = report.write(rep, tmp_path)
-    assert png is None and not (tmp_path / "speedup.png").exists()
+    assert png is None and sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
     assert json.loads(json_path.read_text())["summary"]["pending"] == 1
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import math
 import textwrap
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from tuner.core.atomic import write_atomic
 
 
 def geomean(xs: Sequence[float]) -> float:
@@ -45,13 +48,16 @@ def speedup_plot(
     floor: float | None = 0.98,
 ) -> Path:
     """Horizontal bars of speedup (baseline time / tuned time) per problem, 1.0 marked, saved as
-    a PNG at ``path`` (``speedup_figure`` draws it)."""
+    a PNG at ``path`` (``speedup_figure`` draws it) in one rename: a plot cut short leaves the
+    one before whole."""
     plt = pyplot()
     path = Path(path)
     fig = speedup_figure(labels, speedups, title=title, groups=groups, floor=floor)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend outside the axes included
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110, bbox_inches="tight")  # the legend outside included
     plt.close(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, png.getvalue())
     return path
 
 

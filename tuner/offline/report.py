@@ -232,12 +232,14 @@ def build(
 
 
 def write(report: Report, out_dir: Path, *, title: str = "tune-all") -> tuple[Path, Path | None]:
-    """``report.json`` and (when anything was tuned) ``speedup.png`` in ``out_dir``."""
+    """``report.json`` and (when anything was tuned) ``speedup.png`` in ``out_dir``; an
+    earlier run's plot goes where this one draws none."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "report.json"
     write_atomic(json_path, json.dumps(report.to_dict(), indent=1))
     plotted = report.timed()
     if not plotted:
+        (out_dir / "speedup.png").unlink(missing_ok=True)
         return json_path, None
     left = Counter(r.status for r in report.rows if r not in plotted)
     left_out = ", ".join(f"{n} {status}" for status, n in left.items())
