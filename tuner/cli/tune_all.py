@@ -4,7 +4,7 @@ tune-all gathers every source (model configs, problem lists, TunableOp files, re
 fleet-queue keys) into one de-duplicated list, skips what already has a winner for this device
 class and these versions, and tunes the rest on every local GPU (``tuner.offline.tune_all``).
 Fleet-queue keys are completed on the service with the measurements of their winning runs; keys
-that failed stay leased until the lease runs out and the service queues them again.
+the run did not finish go back to the queue at that completion, for a run that finishes them.
 """
 
 from __future__ import annotations
@@ -180,8 +180,8 @@ def tune_all_command(
     """Tune models, problem lists, TunableOp files, recorded misses and fleet-queue keys.
 
     All local GPUs work at once; problems tuned already are skipped (a killed run resumes);
-    a report ends the run. Exit status 0 when every problem has a winner, else 1; 130 after
-    Ctrl-C (143 after SIGTERM)."""
+    a report ends the run. Exit status 0 when every problem is tuned, else 1 (one that timed
+    out keeps its baseline but counts as not tuned); 130 after Ctrl-C (143 after SIGTERM)."""
     options = tune_options(
         budget=budget, ops=OPS, source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
@@ -560,7 +560,7 @@ INTERRUPTED = {"ctrl-c": 130, "SIGTERM": 143}
 def tune_all(
     sources: Sources, store_path: Path, settings: RunSettings, *, out: Path | None, dry_run: bool
 ) -> int:
-    """The tune-all command. Exit status 0 when every problem ends with a winner, else 1 (a run
+    """The tune-all command. Exit status 0 when every problem ends tuned, else 1 (a run
     the cache stopped by refusing a write too); a run stopped by Ctrl-C or SIGTERM:
     ``INTERRUPTED``'s."""
     from tuner.offline import report

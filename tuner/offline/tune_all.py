@@ -88,7 +88,7 @@ STOPPED_NO_WORKER = "no worker could start"
 @dataclass
 class Result:
     key: Key
-    status: str  # one of journal.STATUSES
+    status: str  # one of journal.STATUSES, or PARKED (a first pass's, never journaled)
     seconds: float
     worker: int
     device_class: str = ""
@@ -114,9 +114,6 @@ class RunSummary:
     shared_compile_s: float | None = None  # the compile pool's shared job (kernels of all shapes)
     start_s: float | None = None  # until the first worker was ready (imports, device start)
     unwritable: str = ""  # why the run stopped, where the cache refused a write
-
-    def count(self, status: str) -> int:
-        return sum(r.status == status for r in self.results)
 
 
 @dataclass

@@ -335,6 +335,11 @@ def format_summary(rows: Sequence[Row]) -> dict[str, Any]:
 # --- measuring -------------------------------------------------------------------------------------
 
 
+def pct_of_copy(nbytes: int, us: float, copy_gbs: float) -> float:
+    """The share of the device-to-device copy bandwidth at which ``nbytes`` moved in ``us``."""
+    return 100 * nbytes / us / 1e3 / copy_gbs
+
+
 def stream_read(nbytes: int, device: str) -> Timed:
     """The bare streaming-read kernel over ``nbytes`` bytes, as a runner and its input sets:
     enough buffers that they are read from memory, not from the cache."""
@@ -530,7 +535,7 @@ def retime(row: Row, key: GemmKey, twin: GemmKey, copy_gbs: float, options: Tune
         moved = row["bf16_bytes"] if name.startswith("bf16") else row["bytes"]
         us = statistics.median(t.median_us for t in timings)
         row[f"{mode}_{name}_us"] = us
-        row[f"{mode}_{name}_pct_copy"] = 100 * moved / us / 1e3 / copy_gbs
+        row[f"{mode}_{name}_pct_copy"] = pct_of_copy(moved, us, copy_gbs)
         row[f"{mode}_{name}_rounds_us"] = medians(timings)
         if not graph:  # an eager call's host time: a slow round with a slow host is host-bound
             row[f"{mode}_{name}_host_us"] = [round(t.host_us, 2) for t in timings]
@@ -559,7 +564,7 @@ def annotate(row: Row, bf16: Row, copy_gbs: float, device: str, options: TuneOpt
     for name, moved in (("winner", "bytes"), ("baseline", "bytes"), ("bf16", "bf16_bytes"),
                         ("bf16_served", "bf16_bytes")):  # fmt: skip
         if f"{name}_us" in row:
-            row[f"{name}_pct_copy"] = 100 * row[moved] / row[f"{name}_us"] / 1e3 / copy_gbs
+            row[f"{name}_pct_copy"] = pct_of_copy(row[moved], row[f"{name}_us"], copy_gbs)
     row["timing"] = "graph" if graph_judged(key, device) else "eager"
     if device == "cuda":
         try:
