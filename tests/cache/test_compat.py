@@ -227,3 +227,17 @@ def test_sdpa_keys_of_the_default_scale_written_another_way_join_the_defaults(tm
         (winner,) = [w for w in s.winners(DC) if w.op == "sdpa"]
         assert (winner.key, winner.updated_at) == (canonical, 200.0)
         assert winner.key == str(SdpaKey(1, 4, 4, 16, 16, 32, dtype="f32", scale=32**-0.5))
+
+
+def test_a_legacy_version_that_is_no_number_is_refused_naming_it_and_leaves_nothing_open(tmp_path):
+    from tuner.cache.sqlite import _OPEN_FILES
+
+    path = copy("cache-v2.db", tmp_path)
+    conn = sqlite3.connect(path)
+    conn.execute("update meta set value = '' where name = 'schema_version'")
+    conn.commit()
+    conn.close()
+    before = digest(path)
+    with pytest.raises(StoreError, match=r"meta.schema_version is '', not a whole number"):
+        Store(path)
+    assert digest(path) == before and not _OPEN_FILES.get(str(path.resolve()))

@@ -555,3 +555,19 @@ def test_an_older_cache_the_disk_cannot_migrate_is_refused_not_read_as_read_only
     with Store(path) as store:
         store.record_misses("cpu-x", ["gemm:m=1,n=1,k=1"])
         assert store.schema_version() == CACHE.version
+
+
+def test_a_write_another_process_holds_the_lock_past_the_timeout_for_is_a_store_error(tmp_path):
+    """SQLite's bare "database is locked" becomes a StoreError that says so, which every caller
+    tells (a dispatch falls back to torch), and nothing is written."""
+    path = tmp_path / "c.db"
+    Store(path).close()
+    with (
+        Store(path, timeout_s=0.1) as store,
+        contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other,
+    ):
+        other.execute("BEGIN IMMEDIATE")
+        with pytest.raises(StoreError, match="is locked by another process"):
+            store.put_winners([winner()])
+        other.execute("ROLLBACK")
+        assert store.winners() == []

@@ -204,7 +204,13 @@ def legacy_meta(db: sqlite_utils.Database, path: Path) -> int:
         raise StoreError(
             f"{path} is a SQLite database of another application (meta.app={meta.get('app')!r})"
         )
-    return int(meta.get("schema_version", 0))
+    version = meta.get("schema_version", 0)
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        raise StoreError(
+            f"{path} is corrupt: its meta.schema_version is {version!r}, not a whole number"
+        ) from None
 
 
 def filled(db: sqlite_utils.Database, tables: tuple[str, ...]) -> list[str]:

@@ -184,7 +184,7 @@ class SqliteFile:
         self.db = sqlite_utils.Database(conn)
         try:
             self._open()
-        except StoreError:
+        except BaseException:  # a StoreError, or anything unforeseen: no connection left open
             self.close()
             raise
 
@@ -365,10 +365,14 @@ class SqliteFile:
 
     def _write_error(self, e: sqlite3.DatabaseError) -> sqlite3.DatabaseError | StoreError:
         """What a write's ``e`` tells its caller: a damaged file, one that cannot be written
-        (read-only: the file, its folder, or the ``-wal`` and ``-shm`` files beside it), or a
-        write the file system refused (disk full); any other error as it is."""
+        (read-only: the file, its folder, or the ``-wal`` and ``-shm`` files beside it), a
+        write the file system refused (disk full), or one another process's lock outlasted
+        (a StoreError its callers tell, not a raw ``database is locked``); any other error as
+        it is."""
         if is_corrupt(e):
             return self.corrupt(e)
+        if is_busy(e):
+            return self.unusable(e)
         if is_read_only(e):
             return self.read_only()
         if is_write_failure(e):
@@ -422,7 +426,7 @@ class SqliteFile:
         except sqlite3.DatabaseError as e:
             if "unable to open" in str(e):
                 raise StoreError(f"{self.path} cannot be opened: {e}{self._why_not(e)}") from None
-            if is_write_failure(e) or is_read_only(e):
+            if is_write_failure(e) or is_read_only(e) or is_busy(e):
                 raise self.unusable(e) from None
             raise StoreError(f"{self.path} is corrupt or not a {self.schema.kind}: {e}") from None
 
