@@ -38,4 +38,4 @@ def frozen_folder(folder: Path) -> Iterator[dict[str, bytes]]:
     """No file can be made, removed or renamed in ``folder`` inside the block (a read-only
     mount's folder); its files' bytes given, by name."""
     with _immutable(folder):
-        yield {p.name: p.read_bytes() for p in folder.iterdir()}
+        yield {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}

@@ -122,6 +122,34 @@ def test_two_hashes_for_one_spec_are_a_conflict(tmp_path: Path) -> None:
         assert (store.blobs / sha256(second)).read_bytes() == second  # kept apart
 
 
+def test_an_evicted_spec_takes_its_conflicting_builds_with_it(tmp_path: Path) -> None:
+    """Nothing of a spec stays counted against the limit once it is evicted, nor reported as a
+    conflict with no build served."""
+    blob = {name: pack({"k.bin": name.encode() * 400}) for name in ("a", "a2", "b", "c")}
+    size = len(blob["a"])
+    with ArtifactStore(tmp_path, max_bytes=3 * size) as store:
+        store.put(spec("a"), blob["a"])
+        store.add_verified(spec("a"), sha256(blob["a2"]), blob["a2"])  # a conflict: kept apart
+        store.put(spec("b"), blob["b"])
+        store.put(spec("c"), blob["c"])  # over the limit: a, the least recently used, goes
+        assert store.get(spec("a")) is None and store.conflicts() == []
+        assert sorted(p.name for p in store.blobs.iterdir()) == sorted(
+            sha256(blob[n]) for n in "bc"
+        )
+        assert {store.get(spec(n)) for n in "bc"} == {blob[n] for n in "bc"}
+
+
+def test_a_read_only_index_still_serves_its_artifacts(tmp_path: Path) -> None:
+    """A baked image or a read-only mount: a read cannot note its use, and serves anyway."""
+    from tests.cache.read_only import frozen_folder, read_only
+
+    bundle = pack({"k.so": b"module"})
+    with ArtifactStore(tmp_path) as store:
+        store.put(spec("k"), bundle)
+    with frozen_folder(tmp_path), read_only(tmp_path / "index.db"), ArtifactStore(tmp_path) as ro:
+        assert ro.get(spec("k")) == bundle
+
+
 def test_an_unreadable_index_is_never_written(tmp_path: Path) -> None:
     (tmp_path / "index.db").write_bytes(b"not a database at all" * 10)
     with pytest.raises(StoreError, match="not a SQLite database"):

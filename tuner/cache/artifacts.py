@@ -24,6 +24,7 @@ anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -42,7 +43,7 @@ from typing import Any
 
 import sqlite_utils
 
-from tuner.cache.sqlite import Schema, SqliteFile, StoreError, register
+from tuner.cache.sqlite import ReadOnlyError, Schema, SqliteFile, StoreError, register
 from tuner.cache.store import default_path
 from tuner.core.atomic import write_atomic
 from tuner.core.settings import ENV, NUMBERS, number_refused
@@ -196,6 +197,7 @@ INDEX = register(
         application_id=0x544E5241,  # "TNRA"
         migrations=[_v1],
         legacy_version=_not_an_index,
+        elsewhere="name another artifact folder ($TUNER_ARTIFACTS)",
     )
 )
 
@@ -360,8 +362,14 @@ class ArtifactStore:
             (keep,),
         ).fetchall()
         for spec_id, digest in rows:
+            # its conflicting builds go with it: no other build of the spec is served or kept
+            others = c.execute(
+                "select hash from conflicts where spec_id = ?", (spec_id,)
+            ).fetchall()
             c.execute("delete from artifacts where spec_id = ?", (spec_id,))
-            self._drop_unreferenced(c, digest)
+            c.execute("delete from conflicts where spec_id = ?", (spec_id,))
+            for gone in {digest, *(h for (h,) in others)}:
+                self._drop_unreferenced(c, gone)
             total = self._total(c)
             if total <= self.max_bytes:
                 return
@@ -392,7 +400,8 @@ class ArtifactStore:
         if data is None or sha256(data) != digest:
             self._drop_corrupt(spec, digest)
             return None
-        with index.transaction() as c:
+        # a read-only index (a baked image, a read-only mount) still serves: its use goes unnoted
+        with contextlib.suppress(ReadOnlyError), index.transaction() as c:
             c.execute(
                 "update artifacts set last_used = ? where spec_id = ?", (time.time(), spec.id)
             )
