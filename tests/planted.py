@@ -150,6 +150,24 @@ class Twin(Source):
         return run
 
 
+class BrokenInDuel(Memoized):
+    """Memoized, faster than torch in its trial, whose runner raises once a test sets
+    ``broken`` (as a sticky CUDA error would in its duel)."""
+
+    name = "broken_in_duel"
+    broken = False
+
+    def build(self, key, params):
+        run = super().build(key, params)
+
+        def maybe_raise(a, b, out=None):
+            if type(self).broken:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return run(a, b, out)
+
+        return maybe_raise
+
+
 class Busy(Memoized):
     """Memoized's product behind ``busy_s`` of host work per call (a busy wait, not a sleep: as
     steady as the clock), which a test may change at any moment."""

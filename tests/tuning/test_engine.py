@@ -553,3 +553,18 @@ def test_a_runners_first_call_on_each_input_set_is_set_up_not_timing(monkeypatch
     timed = by_params(outcome)["converts_on_first_sight"]
     assert timed.status == "ok", timed.error
     assert timed.median_us < ConvertsOnFirstSight.first_sight_s * 1e6 / 10
+
+
+def test_a_failed_baseline_ends_the_tuning_before_any_challenger_is_compiled():
+    """Nothing could be judged against it: no challenger's compile or timing is spent (here the
+    baseline crashed a worker earlier, and the run resumes from that record)."""
+    [base] = tune(KEY, options=TuneOptions(budget_s=0.005, sources=[])).measurements
+    crashed = dataclasses.replace(base, status="failed", median_us=None, error="worker died")
+    Compiling.events = []
+    registry.register(Compiling("compiling_a"))
+    try:
+        with pytest.raises(RuntimeError, match="the baseline failed on .*: worker died"):
+            tune(KEY, options=TuneOptions(budget_s=0.005, sources=["compiling_a"]), prior=[crashed])
+    finally:
+        registry.unregister("compiling_a")
+    assert Compiling.events == []

@@ -41,7 +41,9 @@ def test_crashing_candidates_are_failed_and_the_run_goes_on(crashing):
     try:
         outcome = pool.tune(
             KEY,
-            TuneOptions(budget_s=0.01, cut_factor=1e9, late_cut=1e9, sources=["crash_test"]),
+            TuneOptions(
+                budget_s=0.01, cut_factor=1e9, late_cut=1e9, sources=["crash_test"], launch="graph"
+            ),  # on a CPU timed eagerly, and recorded as asked
             device="cpu",
             progress=lines.append,
             on_result=seen.append,
@@ -67,6 +69,7 @@ def test_crashing_candidates_are_failed_and_the_run_goes_on(crashing):
         assert len(outcome.measurements) == len({m.candidate for m in outcome.measurements}) == 10
         assert outcome.baseline.status == "ok" and outcome.winner.key == str(KEY)
         assert len({m.run_id for m in outcome.measurements} | {outcome.winner.run_id}) == 1
+        assert {m.launch for m in outcome.measurements} == {"graph"}  # the crashed ones' too
         # as the caller saw them, whichever worker made them (a tune-all run tells a problem
         # it committed by its measurements' run id)
         assert seen and {m.run_id for m in seen} == {outcome.winner.run_id}

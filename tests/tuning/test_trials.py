@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from planted import Twin
+from planted import BrokenInDuel, Twin
 
 from tuner.candidates import registry
 from tuner.core.keys import GemmKey
@@ -205,3 +205,24 @@ def test_a_tie_in_its_trial_that_wins_one_eager_take_must_win_a_second(monkeypat
     assert "a tie in its trial, so taken again" in level.error, level.error
     assert "not ahead" in level.error, level.error
     assert "lost: not ahead in the second take (margin" in level.error, level.error
+
+
+def test_a_challenger_whose_duel_raises_loses_it_and_the_problem_keeps_its_measurements():
+    """Faster in its trial, then raising in its duel: the baseline serves, the challenger's
+    measurement says why it lost, and nothing the problem measured is lost."""
+    source = BrokenInDuel()
+    registry.register(source)
+
+    def break_after_its_trial(m: Measurement) -> None:
+        if m.source == source.name and m.status == "ok":
+            BrokenInDuel.broken = True
+
+    try:
+        options = TuneOptions(budget_s=0.02, sources=[source.name], prune=False)
+        outcome = tune(KEY, options=options, on_result=break_after_its_trial)
+    finally:
+        registry.unregister(source.name)
+        BrokenInDuel.broken = False
+    assert outcome.winner.source == "torch"
+    [challenger] = [m for m in outcome.measurements if m.source == source.name]
+    assert challenger.status == "ok" and "duel: RuntimeError: CUDA error" in challenger.error

@@ -47,6 +47,7 @@ from tuner.core.lifetime import exit_when_orphaned
 from tuner.tuning.engine import TuneOptions, candidate_shortlists
 from tuner.tuning.pruning import prune_challengers
 from tuner.tuning.supervisor import CTX
+from tuner.tuning.trials import short_error
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class Compiled:
 
     key: str
     seconds: float = 0.0
-    compiled: int = 0  # candidates handed to their source's precompile
+    compiled: int = 0  # candidates kept for compiling (a problem's own and its shared kernels')
     pruned: dict[str, int] = field(default_factory=dict)  # rule -> candidates left out
     errors: list[str] = field(default_factory=list)
 
@@ -169,7 +170,7 @@ def compile_problem(key: Key, options: TuneOptions, device: str) -> Compiled:
         try:
             source.precompile(key, kept)
         except Exception as e:
-            out.errors.append(f"{source.name}: {type(e).__name__}: {str(e)[:300]}")
+            out.errors.append(f"{source.name}: {short_error(e)[:300]}")
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -201,7 +202,7 @@ def compile_shared(keys: list[Key], options: TuneOptions, device: str) -> Compil
             try:
                 source.precompile_run(shortlists, lambda i, s=shortlists: ready(str(s[i][0])))
             except Exception as e:
-                out.errors.append(f"{source.name}: {type(e).__name__}: {str(e)[:300]}")
+                out.errors.append(f"{source.name}: {short_error(e)[:300]}")
     finally:
         for event in _READY.values():
             event.set()  # a source that failed leaves its errors to the engine's build

@@ -101,6 +101,16 @@ def first_pass_options(op: str, options: TuneOptions) -> TuneOptions:
     return dataclasses.replace(options, sources=names)
 
 
+def _baseline_timed(key: Key, measurements: list[Measurement]) -> Measurement:
+    """The baseline's measurement; a RuntimeError naming its failure where it has no time:
+    nothing could be judged against it, so no challenger is worth its compile."""
+    base = timed_baseline(measurements)
+    if base is None:
+        errors = "; ".join(f"{m.candidate}: {m.error}" for m in measurements if m.is_baseline)
+        raise RuntimeError(f"the baseline failed on {key}: {errors}")
+    return base
+
+
 def candidate_shortlists(
     key: Key,
     device: str,
@@ -113,7 +123,7 @@ def candidate_shortlists(
 
     With ``record`` (``tune``), a source that is unsupported or cannot list candidates is
     recorded once, by name, and such a row in ``done`` is taken into ``measurements`` as it is;
-    without it (the compile pool) such sources are left out silently."""
+    without it (the compile pool) such sources are left out, logged at info level only."""
     done = done or {}
     found: list[tuple[Source, list[Params]]] = []
     for source in registry.sources(key.op):
@@ -325,7 +335,8 @@ def tune(
         return m
 
     marks = [started, time.perf_counter()]
-    base = next((run(s, p) for s, shortlist in plan for p in shortlist if s.is_baseline(p)), None)
+    next((run(s, p) for s, shortlist in plan for p in shortlist if s.is_baseline(p)), None)
+    base = _baseline_timed(key, measurements)  # before any challenger is compiled or timed
     plan = _prune(key, device, plan, base, options, record, done, measurements)
     marks.append(time.perf_counter())
     _prepare(key, plan)
@@ -340,10 +351,6 @@ def tune(
         run(source, params)
     marks.append(time.perf_counter())
 
-    base = timed_baseline(measurements)
-    if base is None:
-        errors = "; ".join(f"{m.candidate}: {m.error}" for m in measurements if m.is_baseline)
-        raise RuntimeError(f"the baseline failed on {key}: {errors}")
     order = duels(measurements, options, device)  # as one pass over every candidate has it
     if first_pass is None:
         chosen, base_us, chosen_us = confirmed(trial, base, order, options)

@@ -171,6 +171,7 @@ class _Run:
     in_flight: tuple[str, dict, bool] | None = None
     device_class: str = ""
     versions: str = ""
+    launch: str = "eager"  # the run's timing mode, as every measurement of it records
 
     def lost(self, status: str, error: str) -> Measurement:
         """Record the candidate in flight as ``status``; the next worker skips it."""
@@ -179,7 +180,7 @@ class _Run:
         m = Measurement(
             device_class=self.device_class, key=str(self.key), source=source, params=params,
             status=status, is_baseline=is_baseline, error=error, versions=self.versions,
-            run_id=self.run_id,
+            run_id=self.run_id, launch=self.launch,
         )  # fmt: skip
         self.measurements.append(m)
         self.in_flight = None
@@ -219,7 +220,9 @@ class WorkerPool:
     ) -> TuneOutcome:
         options = dataclasses.replace(options or TuneOptions(), isolate=False)
         # one run id, as the caller saw each measurement (``on_result``) and as it stores them
-        run = _Run(key, first_pass.winner.run_id if first_pass else uuid.uuid4().hex)
+        run = _Run(
+            key, first_pass.winner.run_id if first_pass else uuid.uuid4().hex, launch=options.launch
+        )
         started = time.perf_counter()
         while True:
             worker = self._slot.live()

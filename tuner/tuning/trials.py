@@ -5,6 +5,7 @@ that decides what runs and in what order."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -49,7 +50,8 @@ from tuner.tuning.verdict import (
 log = logging.getLogger(__name__)
 
 
-CONFIRM_REPS = 100  # calls per duel round at most: alternating rounds, not long ones, catch drift
+CONFIRM_REPS = 100  # calls per duel round at most (a sustained round runs its stretch instead):
+# alternating rounds, not long ones, catch drift
 # challengers that lose a sustained duel (stretches of calls back to back: long or heavy calls,
 # at the power limit) before the baseline stays: there two kernels of one library within a few %
 # of each other read alike, and each such duel takes seconds
@@ -69,7 +71,7 @@ def confirmed(
     the confirmation, else the baseline (also once ``SUSTAINED_TRIES`` have lost sustained
     duels); where the kept one's confirmed time is beaten by a later duellist's trial time
     (``runner_up``), that one duels too and the faster of the two, each relative to its own
-    duel's baseline, wins. Else, on the GPU, a later duellist whose trial
+    duel's baseline, wins. Else, on the GPU and eagerly, a later duellist whose trial
     tied the kept one's (``tied_rival``) duels the kept one, as a challenger duels the baseline,
     and serves if it wins. ``lost``: challengers that already lost their duel against this
     baseline (a first pass's: ``reconfirmed``), each with whether it was sustained: not duelled
@@ -321,8 +323,25 @@ class Trial:
         bands lie apart) stands only where a second take of the rounds shows it too.
 
         ``base_name``: what the verdict calls ``base`` (a kept challenger that a tied one duels).
-        Returns the chosen measurement and the baseline's and chosen one's times (us).
+        Returns the chosen measurement and the baseline's and chosen one's times (us). A duel
+        that raises (a runner rebuilt, a sticky CUDA error) is lost by the challenger, its error
+        noted: one broken duel must not lose the problem's other measurements.
         """
+        try:
+            return self._duel(base, challenger, options, base_name)
+        except Exception as e:
+            if self.device == "cuda":
+                with contextlib.suppress(Exception):  # what is queued, before anything is read
+                    torch.cuda.synchronize()
+            challenger.error += f"; duel: {short_error(e)}"
+            self.stretched.setdefault((base.candidate, challenger.candidate), False)
+            base_us = effective_us(base, options.launch)
+            return base, base_us, base_us
+
+    def _duel(
+        self, base: Measurement, challenger: Measurement, options: TuneOptions, base_name: str
+    ) -> tuple[Measurement, float, float]:
+        """``confirm``'s duel, which may raise."""
         started = time.perf_counter()
         runners = {
             m.candidate: self.runners.get(m.candidate)
