@@ -236,8 +236,9 @@ class Store(DeviceFile):
     def put_winner_rows(self, rows: list[dict[str, Any]]) -> int:
         """Winners already in row form (``Winner.to_row()``'s keys, params as JSON text), e.g. a
         fleet feed page: bulk loads skip building and re-serialising Winner objects. As in
-        ``import_``, a winner older than the cache's for its key is left out. Returns how many
-        were stored."""
+        ``import_``, a winner older than the cache's for its key is left out, except that one the
+        cache holds under other versions than this host's gives way whatever its date (the feed's
+        winners were served for these versions). Returns how many were stored."""
         with self.transaction() as c:
             newer, _ = self._newer_winners(c, rows, _row_stamp, for_these_versions=True)
             return self._upsert_winner_rows(c, newer)
@@ -278,13 +279,9 @@ class Store(DeviceFile):
         *,
         op: str | None = None,
         source: str | None = None,
-        since: float | None = None,
         limit: int | None = None,
     ) -> list[Winner]:
         where, args = self._filters(device_class=device_class, op=op, source=source)
-        if since is not None:
-            where.append("updated_at > ?")
-            args.append(since)
         sql = "select * from winners" + (" where " + " and ".join(where) if where else "")
         sql += " order by updated_at, device_class, key"
         if limit is not None:
