@@ -71,6 +71,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch._C import _functorch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from tuner.candidates import registry
@@ -243,12 +244,15 @@ tuned_sdpa.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
 # --- argument binding (the signatures of the torch functions we take over) ----------------------
 
 
-def _binary_args(
-    input: Any, other: Any = None, *, mat2: Any = None, out: Any = None, out_dtype: Any = None
+def _matmul_args(input: Any, other: Any, *, out: Any = None) -> tuple[Any, Any, Any]:
+    return input, other, out
+
+
+def _mm_args(
+    input: Any, mat2: Any, *, out: Any = None, out_dtype: Any = None
 ) -> tuple[Any, Any, Any]:
-    """matmul's (input, other) and mm / bmm's (input, mat2); an ``out_dtype`` goes to torch as
-    ``out`` does (``out`` is then that flag)."""
-    return input, other if mat2 is None else mat2, out if out_dtype is None else out_dtype
+    """mm / bmm's; an ``out_dtype`` goes to torch as ``out`` does (``out`` is then that flag)."""
+    return input, mat2, out if out_dtype is None else out_dtype
 
 
 def _addmm_args(
@@ -269,6 +273,7 @@ def _sdpa_args(
     attn_mask: Any = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
+    *,
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> tuple[Any, ...]:
@@ -350,7 +355,7 @@ class Router:
         return None if self._torch_serves(res) else runner(a, b)
 
     def _matmul(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
-        a, b, out = _binary_args(*args, **kwargs)
+        a, b, out = _matmul_args(*args, **kwargs)
         if out is not None or not _gemm_pair(a, b):
             return NotImplemented
         da, db = a.dim(), b.dim()
@@ -373,13 +378,13 @@ class Router:
         return NotImplemented  # broadcast batches: torch
 
     def _mm(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
-        a, b, out = _binary_args(*args, **kwargs)
+        a, b, out = _mm_args(*args, **kwargs)
         if out is not None or not _gemm_pair(a, b) or a.dim() != 2 or b.dim() != 2:
             return NotImplemented
         return _or_torch(self._gemm(a, b, compiling))
 
     def _bmm(self, args: tuple, kwargs: dict, compiling: bool) -> Any:
-        a, b, out = _binary_args(*args, **kwargs)
+        a, b, out = _mm_args(*args, **kwargs)
         if out is not None or not _gemm_pair(a, b) or a.dim() != 3 or b.dim() != 3:
             return NotImplemented
         return (
@@ -520,7 +525,7 @@ ENTRY_POINTS = (
 )
 # the signature each handler reads its call by
 _BINDINGS: dict[str, Callable[..., tuple]] = {
-    "_matmul": _binary_args, "_mm": _binary_args, "_bmm": _binary_args, "_addmm": _addmm_args,
+    "_matmul": _matmul_args, "_mm": _mm_args, "_bmm": _mm_args, "_addmm": _addmm_args,
     "_linear": _linear_args, "_sdpa": _sdpa_args, "_scaled_mm": _scaled_mm_args,
     "_int4_mm": _int4_args, "_int4_mm_for_cpu": _int4_args,
 }  # fmt: skip
@@ -577,6 +582,13 @@ def _serve_tuned(runner: Callable[..., Any], *args: Any) -> Any:
         _guard.busy = False
 
 
+def _transformed() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) runs this call:
+    its tensors are wrappers the tuner's kernels cannot take (no storage, no data pointer) and
+    whose autograd the tuner's ops do not speak, so torch serves it."""
+    return _functorch.peek_interpreter_stack() is not None
+
+
 def _named_like(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
     wrapper.__name__ = getattr(original, "__name__", wrapper.__name__)
     wrapper.__doc__ = getattr(original, "__doc__", None)
@@ -589,7 +601,7 @@ def _entry(original: Callable[..., Any], handler: str) -> Callable[..., Any]:
 
     def routed(*args: Any, **kwargs: Any) -> Any:
         router = _active
-        if router is None:
+        if router is None or _transformed():
             return original(*args, **kwargs)
         return _route(router, handler, original, args, kwargs)
 
@@ -602,7 +614,7 @@ def _linear_entry(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def linear(*args: Any, **kwargs: Any) -> Any:
         router = _active
-        if router is None:
+        if router is None or _transformed():
             return original(*args, **kwargs)
         if kwargs or not 2 <= len(args) <= 3 or torch.compiler.is_compiling():
             return _route(router, "_linear", original, args, kwargs)
@@ -633,7 +645,7 @@ def _sdpa_entry(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def sdpa(*args: Any, **kwargs: Any) -> Any:
         router = _active
-        if router is None:
+        if router is None or _transformed():
             return call(*args, **kwargs)
         if len(args) != 3 or kwargs.get("attn_mask") is not None or torch.compiler.is_compiling():
             return _route(router, "_sdpa", call, args, kwargs)
@@ -703,22 +715,31 @@ def _bias_knows(sdpa: Callable[..., Any]) -> classmethod:
 
 
 def _patch() -> None:
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    _saved.append((CausalBias, "__torch_function__", vars(CausalBias)["__torch_function__"], True))
-    CausalBias.__torch_function__ = _bias_knows(sdpa)  # type: ignore[method-assign,assignment]
-    for owner, name, handler in ENTRY_POINTS:
-        original = getattr(owner, name)
-        _saved.append((owner, name, original, name in vars(owner)))
-        wrapper: Any
-        if handler == "_sdpa":
-            wrapper = _sdpa_entry(original)
-        elif handler == "_linear":
-            wrapper = _linear_entry(original)
-        else:
-            wrapper = _entry(original, handler)
-        if owner is torch.ops.aten:
-            wrapper = _RoutedOp(wrapper, original)
-        setattr(owner, name, wrapper)
+    """Replace every entry point this torch has (an op of a later torch is left out); where
+    anything fails, none stays replaced."""
+    try:
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        bias = vars(CausalBias)["__torch_function__"]
+        _saved.append((CausalBias, "__torch_function__", bias, True))
+        CausalBias.__torch_function__ = _bias_knows(sdpa)  # type: ignore[method-assign,assignment]
+        for owner, name, handler in ENTRY_POINTS:
+            original = getattr(owner, name, None)
+            if original is None:
+                continue
+            _saved.append((owner, name, original, name in vars(owner)))
+            wrapper: Any
+            if handler == "_sdpa":
+                wrapper = _sdpa_entry(original)
+            elif handler == "_linear":
+                wrapper = _linear_entry(original)
+            else:
+                wrapper = _entry(original, handler)
+            if owner is torch.ops.aten:
+                wrapper = _RoutedOp(wrapper, original)
+            setattr(owner, name, wrapper)
+    except BaseException:
+        _unpatch()
+        raise
 
 
 def _unpatch() -> None:

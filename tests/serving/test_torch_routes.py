@@ -285,6 +285,22 @@ def test_entry_points_route_and_restore(tmp_path: Path) -> None:
     assert "matmul" not in vars(torch.Tensor)  # inherited methods are not left overridden
 
 
+def test_a_torch_without_one_of_the_ops_routes_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch before 2.6 has no CPU int4 op: ``enable()`` routes the rest, and ``disable()``
+    leaves torch as it found it (the op still absent, every other entry point torch's)."""
+    monkeypatch.delattr(torch, "_weight_int4pack_mm_for_cpu")
+    originals = {(o, n): getattr(o, n, None) for o, n, _ in tt.ENTRY_POINTS}
+    disp = Dispatcher(tmp_path / "c.db")
+    a = torch.randn(4, 4)
+    with tt.enabled(dispatcher=disp):
+        assert tt.is_enabled() and not hasattr(torch, "_weight_int4pack_mm_for_cpu")
+        torch.testing.assert_close(a @ a, a.matmul(a))
+        assert tt.stats(disp).calls == 2
+    assert {k: getattr(*k, None) for k in originals} == originals and not tt.is_enabled()
+
+
 def test_sdpa_bound_before_enable_keeps_torchs_causal_bias_masks(tmp_path: Path) -> None:
     """Code that took torch's SDPA before ``enable()`` keeps calling torch's; a ``CausalBias``
     mask recognises such a call as SDPA as it does without the tuner (not run on its empty
@@ -355,6 +371,11 @@ def test_calls_torchs_signature_refuses_raise_torchs_own_type_error(tmp_path: Pa
         "addmm": lambda: torch.addmm(a, a, a, gamma=1),
         "linear": lambda: F.linear(a, weigth=a),
         "sdpa": lambda: F.scaled_dot_product_attention(q, q, q, causal=True),
+        "matmul's other as mat2": lambda: torch.matmul(a, mat2=a),
+        "mm's mat2 as other": lambda: torch.mm(a, other=a),
+        "sdpa's keyword-only scale": lambda: F.scaled_dot_product_attention(
+            q, q, q, None, 0.0, False, 0.5
+        ),
     }
     for name, fn in calls.items():
         with pytest.raises(TypeError) as want:
@@ -723,3 +744,49 @@ def test_signature_first_seen_in_capture_gets_default(tmp_path: Path) -> None:
     store = Store(disp.store_path)
     assert store.misses(fingerprint("cuda").device_class)  # recorded, not tuned
     assert not store.winners(fingerprint("cuda").device_class)
+
+
+@pytest.mark.cpu_host
+def test_torch_func_transforms_are_left_to_torch(tmp_path: Path) -> None:
+    """``grad``, ``vmap`` and ``jacrev`` hand the entry points wrapped tensors (no storage, their
+    own autograd): torch serves them, with torch's results, also for shapes whose tuned winner
+    serves the same call made eagerly."""
+    disp = Dispatcher(tmp_path / "c.db", mode="lookup")
+    x, w = linear_inputs(4)
+    xs = torch.stack([x, 2 * x])
+
+    def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (F.linear(x, w) @ w).square().sum()
+
+    transforms = {
+        "grad": lambda: torch.func.grad(loss)(w, x),
+        "vmap": lambda: torch.func.vmap(lambda t: F.linear(t, w))(xs),
+        "vmap of grad": lambda: torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w, xs),
+        "jacrev": lambda: torch.func.jacrev(lambda t: F.linear(t, w))(x[:1]),
+    }
+    want = {name: fn() for name, fn in transforms.items()}
+    store_winners(disp, recorded_keys(disp, lambda: loss(w, x)), triton=True)
+    tt.reset_stats(disp)
+    with tt.enabled(dispatcher=disp):
+        F.linear(x, w)  # eager: the tuned winner serves, and the call is memoised
+        assert served(disp, 4).kind == "hit" and not served(disp, 4).by_torch
+        calls = tt.stats(disp).calls
+        for name, fn in transforms.items():
+            torch.testing.assert_close(fn(), want[name], msg=name)
+        assert tt.stats(disp).calls == calls
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="torch has no CPU int4 mm"
+)
+def test_the_tuners_own_weight_conversion_is_not_routed(tmp_path: Path) -> None:
+    """Decoding torch's int4 packing (a quantized layer moved, or loaded from another device's
+    state dict) runs torch's int4 GEMM on identity rows: the tuner's own work, never a miss."""
+    from tuner.quant import int4
+
+    disp = Dispatcher(tmp_path / "c.db", mode="record")
+    q = torch.randint(0, 16, (32, 256), dtype=torch.uint8)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 2)
+    with tt.enabled(dispatcher=disp):
+        assert torch.equal(int4.from_torch_int4pack(packed), int4.pack(q))
+    assert tt.stats(disp).calls == 0 and disp.resolutions == {}

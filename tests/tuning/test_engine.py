@@ -563,7 +563,7 @@ def test_a_failed_baseline_ends_the_tuning_before_any_challenger_is_compiled():
     Compiling.events = []
     registry.register(Compiling("compiling_a"))
     try:
-        with pytest.raises(RuntimeError, match="the baseline failed on .*: worker died"):
+        with pytest.raises(RuntimeError, match=r"the baseline failed on .*: worker died"):
             tune(KEY, options=TuneOptions(budget_s=0.005, sources=["compiling_a"]), prior=[crashed])
     finally:
         registry.unregister("compiling_a")

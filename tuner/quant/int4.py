@@ -263,10 +263,10 @@ def from_torch_int4pack(tpacked: torch.Tensor, chunk: int = 1024) -> torch.Tenso
     """
     if tpacked.is_cuda:
         n, k = torch_int4pack_shape(tpacked)
-        mm = torch.ops.aten._weight_int4pack_mm
+        mm = torch.ops.aten._weight_int4pack_mm.default  # an overload: never routed to the tuner
     elif tpacked.dim() == 2 and tpacked.dtype == torch.uint8:
         n, k = tpacked.shape[0], 2 * tpacked.shape[1]
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
     else:
         raise ValueError(f"tpacked: expected torch's uint8 [N, K / 2] CPU packing, got "
                          f"{tpacked.dtype} {tuple(tpacked.shape)}")  # fmt: skip
