@@ -771,7 +771,9 @@ def enable(
     ``dispatcher``: default the process-wide one (``TUNER_CACHE``, ``TUNER_MODE``).
     ``buckets``: bucket policy for unseen M (``exact``, ``next_tuned_above``, ``pow2``); default
     ``TUNER_BUCKETS`` or ``exact``. ``mode``: the dispatcher's miss policy (``off``, ``lookup``,
-    ``record``, ``tune``). Calls nest (the innermost dispatcher serves); returns the dispatcher.
+    ``record``, ``tune``). Both are set on the dispatcher and stay set after ``disable()`` (an
+    ``enabled()`` block sets them for the block only). Calls nest (the innermost dispatcher
+    serves); returns the dispatcher.
     """
     return _push(dispatcher or get_dispatcher(), buckets, mode).dispatcher
 
