@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tuner.core.keys import INT4_GROUPS
 from tuner.core.tensor_memo import TensorMemo
 
-GROUP_SIZES = (32, 64, 128, 256)
+GROUP_SIZES = INT4_GROUPS  # the group sizes a key may name: torch's int4 GEMM's
 CHUNK = 128  # values per permuted run of a row
 BLOCK_ROWS = 64  # rows per tile-major block
 INNER_K_TILES = (2, 4, 8)

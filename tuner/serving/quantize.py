@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from tuner.core import tensor_memo
-from tuner.core.keys import INT4_GROUPS, fp8_shape_error
+from tuner.core.keys import fp8_shape_error
 from tuner.quant import fp8, int4, int4_torch
 from tuner.serving import dispatcher
 
@@ -68,7 +68,7 @@ def unsupported(fmt: str, weight: torch.Tensor, group_size: int | None) -> str |
         try:
             int4.check_group_size(group_size, k)
         except ValueError as e:
-            fits = [g for g in INT4_GROUPS if k % g == 0]
+            fits = [g for g in int4.GROUP_SIZES if k % g == 0]
             return f"{e}" + (f" (group_size={fits[-1]} fits this layer)" if fits else "")
         multiple = int4_torch.n_multiple(weight.device)
         if n % multiple:
