@@ -585,8 +585,9 @@ def _serve_tuned(runner: Callable[..., Any], *args: Any) -> Any:
 def _transformed() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) runs this call:
     its tensors are wrappers the tuner's kernels cannot take (no storage, no data pointer) and
-    whose autograd the tuner's ops do not speak, so torch serves it."""
-    return _functorch.peek_interpreter_stack() is not None
+    whose autograd the tuner's ops do not speak, so torch serves it. (``torch.compile`` traces
+    under such an interpreter too: there the handlers emit the tuner's custom ops.)"""
+    return _functorch.peek_interpreter_stack() is not None and not torch.compiler.is_compiling()
 
 
 def _named_like(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
