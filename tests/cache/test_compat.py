@@ -50,6 +50,18 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def altered(path: Path, *statements: str) -> Path:
+    """``path`` after ``statements``, run and committed by a plain SQLite connection."""
+    conn = sqlite3.connect(path)
+    try:
+        for statement in statements:
+            conn.execute(statement)
+        conn.commit()
+    finally:
+        conn.close()
+    return path
+
+
 def schema_of(path: Path) -> tuple[str, int, int]:
     conn = sqlite3.connect(path)
     try:
@@ -102,12 +114,7 @@ def test_migrated_files_are_refused_by_the_other_kind(tmp_path):
 
 
 def test_foreign_application_id_is_refused_untouched(tmp_path):
-    path = tmp_path / "other.db"
-    conn = sqlite3.connect(path)
-    conn.execute("pragma application_id = 1234")
-    conn.execute("create table t (x)")
-    conn.commit()
-    conn.close()
+    path = altered(tmp_path / "other.db", "pragma application_id = 1234", "create table t (x)")
     before = digest(path)
     with pytest.raises(StoreError, match=r"another application \(application_id=0x4d2\)"):
         Store(path)
@@ -116,11 +123,8 @@ def test_foreign_application_id_is_refused_untouched(tmp_path):
 
 def test_a_failing_migration_leaves_the_file_as_it_was(tmp_path):
     """All migrations run in one transaction: one that fails undoes those before it."""
-    path = copy("cache-v2.db", tmp_path)
-    conn = sqlite3.connect(path)  # a column the launch migration would add makes it fail
-    conn.execute("alter table winners add column launch text")
-    conn.commit()
-    conn.close()
+    # a column the launch migration would add makes it fail
+    path = altered(copy("cache-v2.db", tmp_path), "alter table winners add column launch text")
     before = schema_of(path)
     with pytest.raises(StoreError, match="corrupt or not a tuner cache"):
         Store(path)
@@ -232,11 +236,9 @@ def test_sdpa_keys_of_the_default_scale_written_another_way_join_the_defaults(tm
 def test_a_legacy_version_that_is_no_number_is_refused_naming_it_and_leaves_nothing_open(tmp_path):
     from tuner.cache.sqlite import _OPEN_FILES
 
-    path = copy("cache-v2.db", tmp_path)
-    conn = sqlite3.connect(path)
-    conn.execute("update meta set value = '' where name = 'schema_version'")
-    conn.commit()
-    conn.close()
+    path = altered(
+        copy("cache-v2.db", tmp_path), "update meta set value = '' where name = 'schema_version'"
+    )
     before = digest(path)
     with pytest.raises(StoreError, match=r"meta.schema_version is '', not a whole number"):
         Store(path)
