@@ -120,3 +120,17 @@ def test_a_cpu_decode_rows_bandwidth_prints_with_its_digits(
     said = " ".join(capsys.readouterr().out.split())
     assert "cuBLAS 4.82 GB/s (17%) -> 5.61 GB/s (20% of copy)" in said
     assert "CUDA graphs" not in said
+
+
+def test_a_failed_recheck_and_a_candidates_error_print_as_they_read(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The recheck's error (a number, or an exception's text) and a candidate's failure, with
+    brackets that are no console markup."""
+    row = {"label": "small [a] M=1", "m": 1, "recheck_err": 0.3, "baseline_gbs": 4.8,
+           "baseline_pct_copy": 17.2, "gbs": 5.6, "pct_copy": 20.1,
+           "failures": ["cutlass: shape [n, k] refused [/red]"]}  # fmt: skip
+    gemm.print_report({"rows": [row], "shapes_note": None, "targets_judged": False, "targets": {}})
+    said = " ".join(capsys.readouterr().out.split())
+    assert "small [a] M=1: winner recheck failed: 0.3" in said
+    assert "small [a] M=1: cutlass: shape [n, k] refused [/red]" in said

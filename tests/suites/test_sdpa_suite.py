@@ -132,3 +132,16 @@ def test_cpu_rates_print_with_their_digits(capsys: pytest.CaptureFixture[str]) -
     said = " ".join(capsys.readouterr().out.split())
     assert "default 0.0123 -> 0.0234 TFLOP/s" in said and "cudnn 0.00457" in said
     assert "default 3.46 GB/s (12%) -> 12.3 GB/s (44%)" in said
+
+
+def test_a_failed_recheck_prints_its_error_and_the_suite_goes_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A recheck's error is a number: printed as it reads, not taken for console markup."""
+    row = {"label": "decode [b] kv=256", "recheck_err": 0.3, "candidates": [],
+           "baseline_kv_gbs": 900.0, "baseline_pct_copy": 30.0, "kv_gbs": 1200.0,
+           "pct_copy": 40.0, "baseline_host_us": 9.0, "winner_host_us": 8.0}  # fmt: skip
+    sdpa._print_extra({"rows": [row], "summary": {}}, "decode")
+    assert "decode [b] kv=256: winner recheck failed: 0.3" in " ".join(
+        capsys.readouterr().out.split()
+    )

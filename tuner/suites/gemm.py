@@ -320,9 +320,11 @@ def print_report(result: dict[str, Any]) -> None:
     for r in result["rows"]:
         err = r.get("recheck_err")
         if isinstance(err, str) or (err is not None and not err <= 5e-2):
-            console.print(f"[red]{escape(r['label'])}: winner recheck failed: {escape(err)}[/red]")
+            console.print(
+                f"[red]{escape(r['label'])}: winner recheck failed: {escape(str(err))}[/red]"
+            )
         for f in r["failures"]:
-            console.print(f"[yellow]{r['label']}: {f}[/yellow]")
+            console.print(f"[yellow]{escape(r['label'])}: {escape(f)}[/yellow]")
         if r["m"] <= DECODE_M:
             graph = " ".join(
                 f"{n} {r[f'graph_{n}_pct_copy']:.0f}%"

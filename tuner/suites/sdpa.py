@@ -290,11 +290,13 @@ def _print_extra(result: dict[str, Any], kind: str) -> None:
     for r in result["rows"]:
         err = r.get("recheck_err")
         if isinstance(err, str) or (err is not None and not err <= 5e-2):
-            console.print(f"[red]{escape(r['label'])}: winner recheck failed: {escape(err)}[/red]")
+            console.print(
+                f"[red]{escape(r['label'])}: winner recheck failed: {escape(str(err))}[/red]"
+            )
         for c in r["candidates"]:
             if c["status"] in ("failed", "rejected") and not c["candidate"].startswith("torch"):
                 console.print(
-                    f"[red]{r['label']}: {escape(candidate_label(c['candidate']))} {c['status']}: "
+                    f"[red]{escape(r['label'])}: {escape(candidate_label(c['candidate']))} {c['status']}: "
                     f"{escape(clipped(c['error'], 160))}[/red]"
                 )
         if kind == "prefill":
