@@ -5,7 +5,6 @@ that decides what runs and in what order."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -324,16 +323,19 @@ class Trial:
 
         ``base_name``: what the verdict calls ``base`` (a kept challenger that a tied one duels).
         Returns the chosen measurement and the baseline's and chosen one's times (us). A duel
-        that raises (a runner rebuilt, a sticky CUDA error) is lost by the challenger, its error
-        noted: one broken duel must not lose the problem's other measurements.
+        that raises (a runner rebuilt, a kernel's error) is lost by the challenger, its error
+        noted and logged: one broken duel must not lose the problem's other measurements. Where
+        the CUDA context broke, nothing more can run in it: the problem fails, as before.
         """
         try:
             return self._duel(base, challenger, options, base_name)
         except Exception as e:
-            if self.device == "cuda":
-                with contextlib.suppress(Exception):  # what is queued, before anything is read
-                    torch.cuda.synchronize()
-            challenger.error += f"; duel: {short_error(e)}"
+            log.warning("%s: the duel of %s raised; it loses", self.key, challenger.candidate,
+                        exc_info=True)  # fmt: skip
+            if self.device == "cuda":  # a broken context raises here: the problem fails whole
+                torch.cuda.synchronize()
+            why = f"duel: {short_error(e)}"
+            challenger.error = f"{challenger.error}; {why}" if challenger.error else why
             self.stretched.setdefault((base.candidate, challenger.candidate), False)
             base_us = effective_us(base, options.launch)
             return base, base_us, base_us
