@@ -585,8 +585,10 @@ def _serve_tuned(runner: Callable[..., Any], *args: Any) -> Any:
 def _transformed() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) runs this call:
     its tensors are wrappers the tuner's kernels cannot take (no storage, no data pointer) and
-    whose autograd the tuner's ops do not speak, so torch serves it. (``torch.compile`` traces
-    under such an interpreter too: there the handlers emit the tuner's custom ops.)"""
+    whose autograd the tuner's ops do not speak, so torch serves it. Not asked while
+    ``torch.compile`` traces, where the check reads true for every call (Dynamo stands a
+    variable in for the stack's None): compiled calls emit the tuner's custom ops, and a
+    transform inside compiled code is not seen."""
     return _functorch.peek_interpreter_stack() is not None and not torch.compiler.is_compiling()
 
 

@@ -157,7 +157,7 @@ def _prune(
     key: Key,
     device: str,
     plan: list[tuple[Source, list[Params]]],
-    base: Measurement | None,
+    base: Measurement,
     options: TuneOptions,
     record: Callable[..., Measurement],
     done: dict[str, Measurement],
@@ -167,11 +167,9 @@ def _prune(
     its reason (so a resumed worker does not compile it either)."""
     if not options.prune or not pruning.prunable(key):
         return plan
-    baseline_us = (
-        None if base is None or base.status != "ok" else effective_us(base, options.launch)
-    )
+    baseline_us = effective_us(base, options.launch)
     assert isinstance(key, GemmKey)
-    on_gpu = baseline_us is not None and device == "cuda"  # host timings bound nothing
+    on_gpu = device == "cuda"  # host timings bound nothing
     roof = pruning.measured_roof(device, key.dtype, key.compute) if on_gpu else None
     out = []
     for source, shortlist in plan:
@@ -335,7 +333,10 @@ def tune(
         return m
 
     marks = [started, time.perf_counter()]
-    next((run(s, p) for s, shortlist in plan for p in shortlist if s.is_baseline(p)), None)
+    for source, params in ((s, p) for s, shortlist in plan for p in shortlist):
+        if source.is_baseline(params):
+            run(source, params)
+            break
     base = _baseline_timed(key, measurements)  # before any challenger is compiled or timed
     plan = _prune(key, device, plan, base, options, record, done, measurements)
     marks.append(time.perf_counter())
