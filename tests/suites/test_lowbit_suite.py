@@ -221,13 +221,16 @@ def test_an_eager_row_whose_baseline_raised_in_its_retime_is_a_miss_not_its_tuni
 
 
 def test_an_eager_row_whose_retime_raised_is_a_miss_on_every_target() -> None:
-    """Its retime raised before any runner was timed (a build, an allocation): the row stays in
-    the suite, judged unmeasured on every target that applies, not on the tuning's times."""
+    """Its retime raised partway (a build, an allocation), after the GPU times of some runners:
+    the row stays in the suite, judged unmeasured on every target that applies, neither on the
+    tuning's times nor on the GPU times it took."""
     r = row("int4-g128", 256, 128, baseline_us=500.0, winner_us=100.0, bf16_us=90.0,
-            bf16_served_us=85.0, winner_pct_copy=10.0)  # fmt: skip
+            bf16_served_us=85.0, winner_pct_copy=10.0, gpu_winner_us=90.0,
+            gpu_bf16_us=90.0)  # fmt: skip
     r["retime_error"] = "RuntimeError: CUDA error: out of memory"
     lowbit.judge(r)
     assert r["vs_torch"] is None and r["vs_bf16_cublas"] is None and r["served_pct_copy"] is None
+    assert r["vs_bf16_cublas_gpu"] is None
     assert r["missed"] == ["torch >= 0.98x", "int4 M>=256 >= 0.8x bf16 cuBLAS"]
 
 

@@ -234,12 +234,14 @@ def judge(row: Row) -> None:
     eager row given a round of CUDA-graph times, the same ratios of those (``*_gpu``) and each
     target's verdict on them (a runner not captured: a miss)."""
     win = target_field(row, "winner_us")
-    gpu_win = row.get("gpu_winner_us")
+    # a retime that raised partway may have left GPU times of some runners: none is judged
+    gpu_times = {} if "retime_error" in row else row
+    gpu_win = gpu_times.get("gpu_winner_us")
     for ref, column in (("baseline", "vs_torch"), ("bf16_served", "vs_bf16_served"),
                         ("bf16", "vs_bf16_cublas")):  # fmt: skip
         t = target_field(row, f"{ref}_us")
         row[column] = t / win if t and win else None
-        gpu = row.get(f"gpu_{ref}_us")
+        gpu = gpu_times.get(f"gpu_{ref}_us")
         row[f"{column}_gpu"] = gpu / gpu_win if gpu and gpu_win else None
     row["served_pct_copy"] = target_field(row, "winner_pct_copy")
     row["targets"] = {}
