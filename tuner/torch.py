@@ -723,13 +723,13 @@ def _patch() -> None:
     try:
         sdpa = torch.nn.functional.scaled_dot_product_attention
         bias = vars(CausalBias)["__torch_function__"]
-        _saved.append((CausalBias, "__torch_function__", bias, True))
         CausalBias.__torch_function__ = _bias_knows(sdpa)  # type: ignore[method-assign,assignment]
+        _saved.append((CausalBias, "__torch_function__", bias, True))
         for owner, name, handler in ENTRY_POINTS:
             original = getattr(owner, name, None)
             if original is None:
                 continue
-            _saved.append((owner, name, original, name in vars(owner)))
+            owned = name in vars(owner)
             wrapper: Any
             if handler == "_sdpa":
                 wrapper = _sdpa_entry(original)
@@ -740,6 +740,7 @@ def _patch() -> None:
             if owner is torch.ops.aten:
                 wrapper = _RoutedOp(wrapper, original)
             setattr(owner, name, wrapper)
+            _saved.append((owner, name, original, owned))  # once replaced: what to put back
     except BaseException:
         _unpatch()
         raise
@@ -785,11 +786,11 @@ def _push(disp: Dispatcher, buckets: str | None, mode: str | None) -> Router:
     """A router for ``disp``, innermost from now on (patching torch for the first)."""
     _prepare()
     _configure(disp, buckets, mode)
-    disp.set_counting(True)
     router = Router(disp)
     with _lock:
         if not _routers:
             _patch()
+        disp.set_counting(True)  # once torch is patched: a failed enable() counts nothing
         _routers.append(router)
         _activate(router)
     return router

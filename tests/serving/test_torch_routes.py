@@ -301,6 +301,20 @@ def test_a_torch_without_one_of_the_ops_routes_the_others(
     assert {k: getattr(*k, None) for k in originals} == originals and not tt.is_enabled()
 
 
+def test_an_enable_that_fails_leaves_torch_and_the_dispatcher_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry point that cannot be replaced (here a built-in type's attribute) fails
+    ``enable()`` after the others were: they are put back, and nothing counts calls."""
+    originals = {(o, n): getattr(o, n) for o, n, _ in tt.ENTRY_POINTS}
+    monkeypatch.setattr(tt, "ENTRY_POINTS", (*tt.ENTRY_POINTS, (int, "real", "_matmul")))
+    disp = Dispatcher(tmp_path / "c.db")
+    with pytest.raises(TypeError):
+        tt.enable(dispatcher=disp)
+    assert {k: getattr(*k) for k in originals} == originals and not tt.is_enabled()
+    assert not disp.counting and "matmul" not in vars(torch.Tensor)
+
+
 def test_sdpa_bound_before_enable_keeps_torchs_causal_bias_masks(tmp_path: Path) -> None:
     """Code that took torch's SDPA before ``enable()`` keeps calling torch's; a ``CausalBias``
     mask recognises such a call as SDPA as it does without the tuner (not run on its empty
