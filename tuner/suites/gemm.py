@@ -45,6 +45,7 @@ from tuner.suites import catalog
 from tuner.suites.runner import (
     NOT_JUDGED,
     marked_if_interrupted,
+    pct_of_copy,
     quick_cpu_note,
     quick_on_cpu,
     rate,
@@ -261,7 +262,7 @@ def graph_times(key: GemmKey, row: dict[str, Any], ms: list[Any], copy: float) -
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
             continue
         out[f"{name}_us"] = us
-        out[f"{name}_pct_copy"] = 100 * key.min_bytes / us / 1e3 / copy
+        out[f"{name}_pct_copy"] = pct_of_copy(key.min_bytes, us, copy)
     return out
 
 

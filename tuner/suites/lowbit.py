@@ -68,6 +68,7 @@ from tuner.suites.runner import (
     console,
     in_turn_rounds,
     marked_if_interrupted,
+    pct_of_copy,
     quick_cpu_note,
     quick_on_cpu,
     run_suite,
@@ -335,11 +336,6 @@ def format_summary(rows: Sequence[Row]) -> dict[str, Any]:
 
 
 # --- measuring -------------------------------------------------------------------------------------
-
-
-def pct_of_copy(nbytes: int, us: float, copy_gbs: float) -> float:
-    """The share of the device-to-device copy bandwidth at which ``nbytes`` moved in ``us``."""
-    return 100 * nbytes / us / 1e3 / copy_gbs
 
 
 def stream_read(nbytes: int, device: str) -> Timed:

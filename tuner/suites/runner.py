@@ -212,6 +212,11 @@ def side_by_side(
     return t["baseline"], t.get("winner", t["baseline"])
 
 
+def pct_of_copy(nbytes: int, us: float, copy_gbs: float) -> float:
+    """The share of the device-to-device copy bandwidth at which ``nbytes`` moved in ``us``."""
+    return 100 * nbytes / us / 1e3 / copy_gbs
+
+
 def run_suite(
     name: str,
     problems_: Sequence[tuple[str, Key]],

@@ -40,6 +40,7 @@ from tuner.offline.plots import geomean
 from tuner.suites import catalog
 from tuner.suites.runner import (
     marked_if_interrupted,
+    pct_of_copy,
     quick_on_cpu,
     rate,
     run_suite,
@@ -185,7 +186,7 @@ def add_graph_times(row: dict[str, Any], key: SdpaKey, ms: list[Measurement], co
             continue
         if us < row.get(f"{label}_graph_us", float("inf")):
             row[f"{label}_graph_us"] = us
-            row[f"{label}_graph_pct_copy"] = 100 * key.kv_bytes / us / 1e3 / copy
+            row[f"{label}_graph_pct_copy"] = pct_of_copy(key.kv_bytes, us, copy)
             row[f"{label}_graph_candidate"] = candidate_name(source, params)
     if row["source"] == base.name and "baseline_graph_us" in row:
         for field in ("us", "pct_copy", "candidate"):
