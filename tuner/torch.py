@@ -71,7 +71,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch._C import _functorch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from tuner.candidates import registry
@@ -583,13 +582,12 @@ def _serve_tuned(runner: Callable[..., Any], *args: Any) -> Any:
 
 
 def _transformed() -> bool:
-    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) runs this call:
-    its tensors are wrappers the tuner's kernels cannot take (no storage, no data pointer) and
-    whose autograd the tuner's ops do not speak, so torch serves it. Not asked while
-    ``torch.compile`` traces, where the check reads true for every call (Dynamo stands a
-    variable in for the stack's None): compiled calls emit the tuner's custom ops, and a
-    transform inside compiled code is not seen."""
-    return _functorch.peek_interpreter_stack() is not None and not torch.compiler.is_compiling()
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) runs this call,
+    eagerly or inside ``torch.compile``: its tensors are wrappers the tuner's kernels cannot take
+    (no storage, no data pointer) and whose autograd neither ``_TunedMM`` nor the custom ops
+    speak, so torch serves it. (``torch._C._are_functorch_transforms_active`` is what
+    ``autograd.Function`` asks too, and Dynamo reads it right while tracing.)"""
+    return torch._C._are_functorch_transforms_active()
 
 
 def _named_like(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:

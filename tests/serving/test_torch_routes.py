@@ -790,6 +790,38 @@ def test_torch_func_transforms_are_left_to_torch(tmp_path: Path) -> None:
         assert tt.stats(disp).calls == calls
 
 
+@pytest.mark.cpu_host
+def test_torch_func_transforms_inside_compile_are_left_to_torch(tmp_path: Path) -> None:
+    """Dynamo traces a transform's function too: the calls it makes there are torch's (the
+    tuner's custom ops have no functorch rules), while plain compiled calls keep the custom op."""
+    disp = Dispatcher(tmp_path / "c.db", mode="lookup")
+    x, w = linear_inputs(4)
+
+    def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (F.linear(x, w) @ w).square().sum()
+
+    want_grad, want_vmap = (
+        torch.func.grad(loss)(w, x),
+        torch.func.vmap(loss, (None, 0))(w, x[:, None]),
+    )
+    seen: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    with tt.enabled(dispatcher=disp):
+        grad = torch.compile(torch.func.grad(loss), backend=backend, fullgraph=True)
+        torch.testing.assert_close(grad(w, x), want_grad)
+        vmap = torch.compile(torch.func.vmap(loss, (None, 0)), backend="eager", fullgraph=True)
+        torch.testing.assert_close(vmap(w, x[:, None]), want_vmap)
+        assert "tuner.mm" not in seen
+        torch.compile(lambda t: F.linear(t, w), backend=backend, fullgraph=True)(x)
+    assert "tuner.mm" in seen
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif(
     not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="torch has no CPU int4 mm"
 )
