@@ -245,6 +245,17 @@ def test_int4_weights_on_the_meta_device_are_left_with_why() -> None:
         tt.quantize_linear(nn.Linear(256, 64, device="meta"), "int4")
 
 
+@pytest.mark.parametrize("fmt", ["int4", FP8_CPU_HOST])
+def test_a_quantized_model_moved_to_the_meta_device_gives_its_shapes(fmt) -> None:
+    """A move to the meta device (shape inference, freeing memory) moves the packing as it is:
+    there are no values to repack."""
+    model = mlp()
+    tt.quantize_linear(model, fmt)
+    model.to("meta")
+    assert all(t.is_meta for t in model.state_dict().values())
+    assert model(torch.randn(3, 256, device="meta")).shape == (3, 10)
+
+
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_empty_layers_are_left_as_nn_linear_serves_them(fmt) -> None:

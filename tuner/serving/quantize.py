@@ -184,10 +184,12 @@ class Int4Linear(QuantizedLinear):
         """A move to another kind of device repacks the weight: torch packs int4 its own way
         on each (``int4_torch``), and a CPU packing moved to a GPU is no GPU packing. Repacked
         before anything moves: a shape the other device cannot pack raises with the layer
-        whole where it was."""
+        whole where it was. The meta device holds no values to repack: the packing moves as it
+        is, and torch's meta kernels give the forward's shapes."""
         before = self.packed_weight
         target = fn(before[:0]).device  # where the move takes it (an empty tensor: no copy)
-        repacked = _repacked(before, target) if target.type != before.device.type else None
+        moved = target.type not in (before.device.type, "meta")
+        repacked = _repacked(before, target) if moved else None
         super()._apply(fn, recurse)
         if repacked is not None:
             self.packed_weight = repacked
