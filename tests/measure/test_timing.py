@@ -48,7 +48,7 @@ def test_graph_calls_spread_the_replay_launch_and_cover_every_input_set():
     assert timing.graph_calls(3000.0) == 1  # a long call needs no company
     assert timing.graph_calls(3000.0, sets=3) == 3  # ... but each input set once per replay
     assert timing.graph_calls(100.0) == 3
-    assert timing.graph_calls(3000.0, sets=64) == timing.GRAPH_CALLS
+    assert timing.graph_calls(5.0, sets=32) == 32  # small sets, many: every one of them
 
 
 def test_two_runners_side_by_side_alternate_their_order():
@@ -117,3 +117,26 @@ def test_eager_time_takes_a_sustained_stretch_only_when_asked():
     long = timing.eager_time(runner, sets, device="cpu", sustained_s=0.1, max_reps=5)
     assert time.perf_counter() - start >= 0.1
     assert long.reps > 5 and set(calls) == {0, 1}
+
+
+def test_a_sustained_stretch_runs_each_input_set_once_before_the_clock():
+    """A runner's first call on an operand may convert it (set-up, not a call): a sustained
+    stretch warms every set first, as ``measure_sets`` does."""
+    seen: set[int] = set()
+
+    def runner(x: int) -> None:
+        if x not in seen:  # a conversion made once per operand
+            seen.add(x)
+            time.sleep(5e-3)
+
+    sets = [(i,) for i in range(8)]  # a quarter of the first batch's 32 calls
+    t = timing.eager_time(runner, sets, device="cpu", sustained_s=0.01)
+    assert t.reps >= timing.SUSTAINED_BATCH and t.p90_us < 1000
+
+
+def test_p10_and_p90_stand_as_far_from_their_ends_for_any_count():
+    for n in range(2, 40):
+        xs = [float(i) for i in range(n)]
+        t = timing._cut(xs)
+        assert t.p10_us - xs[0] == pytest.approx(xs[-1] - t.p90_us), n
+    assert timing._cut([1.0, 2, 3, 4, 5, 6]).p10_us == 1.5

@@ -65,6 +65,7 @@ def test_wrong_nan_and_broken_candidates_are_recorded_never_chosen(planted):
     assert got["build_error"].status == "failed" and "static_assert" in got["build_error"].error
     assert got["raises"].status == "failed" and "illegal memory access" in got["raises"].error
     assert got["slow"].status == "cut"  # 20 ms against a ~10 us baseline: cut after the probe
+    assert got["slow"].host_us is None  # its host time was never read
     assert got["torch"].status == "ok" and got["torch"].is_baseline
     assert outcome.winner.source == "torch"
 

@@ -104,6 +104,8 @@ def eager_time(
     seconds of calls back to back where that is positive (``sustained_time``), else
     ``measure_sets`` with ``options``."""
     if sustained_s > 0:
+        for inputs in sets:  # set-up, as in ``measure_sets``: a first call may convert operands
+            runner(*inputs)
         return sustained_time(on_sets(runner, sets), device=device, seconds=sustained_s)
     return measure_sets(runner, sets, device=device, **options)
 
@@ -136,8 +138,12 @@ def order_cycle(n: int) -> int:
 
 
 def _percentile(sorted_xs: list[float], q: float) -> float:
-    idx = min(len(sorted_xs) - 1, max(0, round(q * (len(sorted_xs) - 1))))
-    return sorted_xs[idx]
+    """The ``q`` quantile, linear between the two nearest samples: p10 and p90 stand as far
+    from their ends as each other for any count."""
+    pos = q * (len(sorted_xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (pos - lo) * (sorted_xs[hi] - sorted_xs[lo])
 
 
 class _Clock:
@@ -290,10 +296,11 @@ GRAPH_REPLAY_US = 300.0  # GPU time per replay that makes its own launch cost a 
 def graph_calls(call_us: float, sets: int = 1) -> int:
     """Calls per captured graph for a call of about ``call_us``: enough to spread the replay's
     launch cost (at most ``GRAPH_CALLS``; a long call needs few, and each replay of many long
-    calls only spends time), and one per input set (up to ``GRAPH_CALLS``), so that replays
-    rotate over all of them and nothing is served from L2 that a real step reads from memory."""
+    calls only spends time), and at least one per input set, so that replays rotate over all
+    of them and nothing is served from L2 that a real step reads from memory (many sets are
+    small ones, whose calls are short: ``rotation_sets``)."""
     spread = math.ceil(GRAPH_REPLAY_US / max(call_us, 1e-3))
-    return max(1, min(GRAPH_CALLS, max(spread, sets)))
+    return max(1, min(GRAPH_CALLS, spread), sets)
 
 
 def graph_time(

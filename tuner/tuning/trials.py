@@ -282,7 +282,8 @@ class Trial:
             t = dataclasses.replace(t, host_us=min(t.host_us, again))
         return self.record(
             source, params, "cut" if t.cut else "ok", max_rel_err=err,
-            median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, reps=t.reps, host_us=t.host_us,
+            median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, reps=t.reps,
+            host_us=None if t.cut else t.host_us,  # a cut candidate's host time is never read
             error=note,
         )  # fmt: skip
 
