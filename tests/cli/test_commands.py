@@ -183,6 +183,10 @@ def test_tune_all_then_show_export_import(tmp_path):
             ("tune", "gemm", "-m", "8", "-n", "64", "-k", "64", "--dtype", "int4-g32", "--tf32"),
             "--tf32 is for f32 inputs only",
         ),
+        (
+            ("tune", "gemm", "-m", "4", "-n", "64", "-k", "64", "--dtype", "tf32", "--no-tf32"),
+            "--dtype tf32 is f32 on the TF32 path, and --no-tf32 refuses it",
+        ),
         pytest.param(  # torch's CPU int4 packing takes blocks of 16 rows (CUDA: 8)
             ("tune", "gemm", "-m", "16", "-n", "24", "-k", "512", "--dtype", "int4-g128"),
             "N=24: torch's int4 packing on cpu needs a multiple of 16",
@@ -210,7 +214,10 @@ def test_user_mistakes_get_one_line_and_exit_2(tmp_path, args, message):
             "an integer, got 'x' (see",
         ),
         (("tune", "gemm", "-m", "8", "-n", "8", "-k", "8", "--budget", "0"), "0.001, got '0'"),
-        (("tune", "key", "x", "--launch", "warp"), "'--launch': 'warp' is not one of 'eager'"),
+        (  # the value is quoted once: click's message names it already
+            ("tune", "key", "x", "--launch", "warp"),
+            "'--launch': 'warp' is not one of 'eager', 'graph'. (see",
+        ),
         (("export",), "Missing argument 'output'. (see 'python -m tuner export --help')"),
         (("tunableop", "show", "nofile.csv"), "'nofile.csv' does not exist"),  # (click's case)
         (("tune-all", "--no-such-flag"), "No such option: --no-such-flag"),
@@ -676,6 +683,9 @@ def test_show_marks_winners_measured_under_other_versions_as_stale(tmp_path):
             for line in out.splitlines() if line.startswith("│")}  # fmt: skip
     assert rows == {"1x8x8 nn f32": "torch", "2x8x8 nn f32": "torch (stale)"}
     assert "stale: 1 winner measured under other versions than this host runs" in out
+    assert "served (TUNER_STALE=use, the default)" in " ".join(out.split())
+    out = tuner("show", cache=tmp_path / "c.db", TUNER_STALE="ignore").stdout
+    assert "not served: their keys are misses (TUNER_STALE=ignore)" in " ".join(out.split())
 
 
 def test_show_counts_elsewhere_only_the_winners_its_filters_match_elsewhere(tmp_path):
@@ -961,6 +971,58 @@ def test_sources_with_nothing_for_the_key_are_refused_and_one_that_has_runs(tmp_
     assert "triton_w4a16" in takers and not cache.exists()
     r = tuner(*int4, "--source", "triton_gemm", "--source", "triton_w4a16", cache=cache)
     assert "winner (eager): torch_lowbit" in r.stdout and cache.exists()
+
+
+def test_a_tuning_that_fails_leaves_no_cache_and_its_hint_names_the_keys_baseline(tmp_path):
+    """A key the tuning refuses (torch cannot pack int4 for N = 8 on the CPU) is a user error
+    (status 2) that leaves no new cache or folder behind; the interpreter's hint names the
+    source that leaves Triton out for this key (torch_lowbit here, not torch's plain GEMM)."""
+    cache = tmp_path / "new" / "c.db"
+    int4 = ("tune", "gemm", "-m", "16", "-n", "8", "-k", "128", "--dtype", "int4-g128")
+    r = tuner(*int4, "--source", "torch_lowbit", cache=cache, check=False)
+    assert r.returncode == 2 and "N=8" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "(--source torch_lowbit leaves them out)" in r.stdout
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("gemm", "--suite", "lowbit", "--quick", "--part", "int4-g128", "--source", "triton_fp8"),
+         "triton_fp8: fp8 operands only"),
+        (("gemm", "--suite", "lowbit", "--quick", "--source", "triton_gemm"),
+         "triton_gemm: plain GEMMs only"),
+        (("gemm", "--quick", "--part", "fp16", "--source", "triton_w4a16"),
+         "triton_w4a16: int4 weights only"),
+        (("sdpa", "--quick", "--part", "prefill", "--source", "triton_decode"),
+         "triton_decode: q_len 256 > "),
+    ],
+)  # fmt: skip
+def test_a_bench_source_with_nothing_for_any_row_is_refused_before_anything_runs(
+    tmp_path, args, named
+) -> None:
+    """A suite given a source that takes none of its rows timed the baseline alone at 1.00x and
+    said nothing: refused (exit 2) in one line naming the source, its reason and the sources
+    that take the rows, before the cache or --out is made."""
+    out = tmp_path / "out"
+    r = tuner("bench", *args, "--out", str(out), cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: --source has nothing for ") and r.stderr.count("\n") == 1
+    assert named in r.stderr and "; the sources that take " in r.stderr, r.stderr
+    assert not out.exists() and not (tmp_path / "c.db").exists()
+
+
+def test_a_bench_source_that_takes_some_rows_is_let_through() -> None:
+    """A source with nothing for some rows but something for others (an FP8 kernel in a run of
+    both formats) runs: the rows it cannot take list it as unsupported."""
+    from tuner.cli.options import check_sources_take_some
+    from tuner.suites import lowbit
+
+    formats = ["int4-g128", "fp8-rowwise"]
+    keys = [key for _, key in lowbit.chosen_problems(formats, quick=True, device="cpu")]
+    check_sources_take_some(["triton_fp8"], keys)
+    with pytest.raises(ValueError, match="any of the run's 4 rows .*: triton_gemm: plain GEMMs"):
+        check_sources_take_some(["triton_fp8", "triton_gemm"], keys)
 
 
 def test_tune_all_takes_a_source_serving_any_of_its_ops(tmp_path) -> None:

@@ -174,9 +174,11 @@ def _given(e: CLICK.UsageError) -> str:
     it ("Input should be a valid number"): which of several values was wrong, in a script."""
     cause = e.__cause__
     errors = cause.errors() if isinstance(cause, pydantic.ValidationError) else []
-    if not errors or "input" not in errors[0] or " got " in e.format_message():
+    if not errors or "input" not in errors[0]:
         return ""
-    return f", got {quoted(errors[0]['input'])}"
+    given = quoted(errors[0]["input"])
+    said = e.format_message()
+    return "" if " got " in said or given in said else f", got {given}"
 
 
 def _root_option(root: CLICK.Context, name: str | None) -> bool:

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -31,6 +31,7 @@ from tuner.cli.options import (
     check_op,
     check_sources_take,
     open_store,
+    store_kept_if_used,
     tune_options,
     unknown_device_class,
 )
@@ -53,6 +54,9 @@ from tuner.core.settings import KNOWN, config_path, read_config, refusal
 from tuner.measure.records import ELLIPSIS, Measurement, Winner, candidate_label, clipped
 from tuner.offline.problem_list import ConfigError
 from tuner.tuning.options import TuneOptions
+
+if TYPE_CHECKING:
+    from tuner.tuning.engine import TuneOutcome
 
 app = typer.Typer()
 tune_app = typer.Typer(help="Tune one problem and store its winner.", no_args_is_help=True)
@@ -143,51 +147,23 @@ def _error_text(err: float | None, bounded: bool) -> str:
 
 def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     """Tune ``key``, store the run and print every candidate's measurement and the winner."""
-    import torch
-
     from tuner.tuning.engine import earlier_times
-    from tuner.tuning.tune import tune
 
     if isinstance(key, GemmKey) and (why := too_big_here(key.min_bytes)):
         raise ConfigError(f"{key}: {why}")
     check_sources_take(options.sources, key)
-    store = open_store(cache)
     fp = fingerprint()
-    store.save_device(fp)
-    earlier = earlier_times(store.measurements(fp.device_class, str(key)), options.launch)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        console.print(
-            "[dim]TRITON_INTERPRET=1: Triton candidates run in its interpreter, minutes a "
-            "candidate at model sizes (--source torch leaves them out)[/dim]"
-        )
-    measured: list[Measurement] = []
-    with console.status(f"tuning {key}") as status:
-
-        def shown(m: Measurement) -> None:  # the spinner says how far the run is; without a
-            # terminal (a log), a line on stderr does, the table staying alone on stdout
-            measured.append(m)
-            took = f" {m.median_us:.1f} us" if m.median_us else ""
-            label = candidate_label(m.candidate)
-            status.update(f"tuning {key}: {len(measured)} measured, last {escape(label)} "
-                          f"({m.status}{took})")  # fmt: skip
-            if not console.is_terminal and m.status != "unsupported":
-                ran = sum(x.status != "unsupported" for x in measured)
-                typer.echo(f"measured {ran}: {label} ({m.status}{took})", err=True)
-
-        try:
-            outcome = tune(key, options=options, earlier=earlier, on_result=shown)
-        except KeyboardInterrupt:
-            typer.echo(
-                f"interrupted after {counted(len(measured), 'measurement')}: nothing stored",
-                err=True,
+    with store_kept_if_used(cache) as store:  # a tuning that fails unmakes a cache it made
+        earlier = earlier_times(store.measurements(fp.device_class, str(key)), options.launch)
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            console.print(
+                "[dim]TRITON_INTERPRET=1: Triton candidates run in its interpreter, minutes a "
+                f"candidate at model sizes (--source {registry.baseline(key.op, key).name} "
+                "leaves them out)[/dim]"
             )
-            raise typer.Exit(130) from None
-        except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's refusal
-            first = str(e).strip().splitlines()[0][:200]
-            if isinstance(e, torch.OutOfMemoryError) or "DefaultCPUAllocator" in first:
-                raise ConfigError(f"{key}: its operands do not fit in memory ({first})") from None
-            raise
-    store.save_run(outcome.measurements, outcome.winner)
+        outcome = _tuned(key, options, earlier)
+        store.save_device(fp)
+        store.save_run(outcome.measurements, outcome.winner)
     t = Table(title=str(key))
     # a low-bit result is checked element by element against a bound derived from its format
     bounded = isinstance(key, GemmKey) and key.lowbit
@@ -220,6 +196,43 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
         f"{w.median_us:.2f} us, baseline {w.baseline_us:.2f} us, speedup {w.speedup:.2f}x "
         f"(tuned in {outcome.seconds:.1f} s{_phases_text(outcome.phases)})"
     )
+
+
+def _tuned(key: Key, options: TuneOptions, earlier: dict[str, float]) -> TuneOutcome:
+    """``tune(key)``, its progress shown as it runs; a run that cannot finish is told as a user
+    error (operands that do not fit) or an interruption (status 130), nothing stored."""
+    import torch
+
+    from tuner.tuning.tune import tune
+
+    measured: list[Measurement] = []
+    with console.status(f"tuning {key}") as status:
+
+        def shown(m: Measurement) -> None:  # the spinner says how far the run is; without a
+            # terminal (a log), a line on stderr does, the table staying alone on stdout
+            measured.append(m)
+            took = f" {m.median_us:.1f} us" if m.median_us else ""
+            label = candidate_label(m.candidate)
+            status.update(f"tuning {key}: {len(measured)} measured, last {escape(label)} "
+                          f"({m.status}{took})")  # fmt: skip
+            if not console.is_terminal and m.status != "unsupported":
+                ran = sum(x.status != "unsupported" for x in measured)
+                typer.echo(f"measured {ran}: {label} ({m.status}{took})", err=True)
+
+        try:
+            outcome = tune(key, options=options, earlier=earlier, on_result=shown)
+        except KeyboardInterrupt:
+            typer.echo(
+                f"interrupted after {counted(len(measured), 'measurement')}: nothing stored",
+                err=True,
+            )
+            raise typer.Exit(130) from None
+        except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's refusal
+            first = str(e).strip().splitlines()[0][:200]
+            if isinstance(e, torch.OutOfMemoryError) or "DefaultCPUAllocator" in first:
+                raise ConfigError(f"{key}: its operands do not fit in memory ({first})") from None
+            raise
+    return outcome
 
 
 def _note_text(note: str) -> str:
@@ -261,7 +274,10 @@ def tune_gemm(
             show_default=False,
         ),
     ] = None,
-    tf32: Annotated[bool, typer.Option(help="Allow TF32 for f32 inputs.")] = False,
+    tf32: Annotated[
+        bool | None,
+        typer.Option(help="Allow TF32 for f32 inputs (off unless given).", show_default=False),
+    ] = None,
     align: Annotated[
         int | None,
         typer.Option(
@@ -287,12 +303,16 @@ def tune_gemm(
 
 
 def _gemm_key(
-    m: int, n: int, k: int, batch: int, dtype: str, layout: str | None, tf32: bool,
+    m: int, n: int, k: int, batch: int, dtype: str, layout: str | None, tf32: bool | None,
     align: int | None,
 ) -> GemmKey:  # fmt: skip
     """The key ``tune gemm`` tunes, a plain GEMM or a low-bit one named by its format, with the
-    alignment as given, else the largest its dense operands allow (``default_align``)."""
+    alignment as given, else the largest its dense operands allow (``default_align``).
+    ``tf32``: None where neither --tf32 nor --no-tf32 was given."""
     if dtype == "tf32":  # as model configs and problem lists name it
+        if tf32 is False:
+            raise ValueError("--dtype tf32 is f32 on the TF32 path, and --no-tf32 refuses it: "
+                             "give one of them (--dtype f32 for f32 without TF32)")  # fmt: skip
         dtype, tf32 = "f32", True
     if dtype in ITEMSIZE:
         fields: dict[str, Any] = dict(
@@ -466,10 +486,18 @@ def show(
         )  # fmt: skip
     console.print(t)
     if stale:
+        from tuner.serving.dispatcher import stale_policy
+
+        policy = stale_policy()
+        served = (
+            "served (TUNER_STALE=use, the default)"
+            if policy == "use"
+            else "not served: their keys are misses (TUNER_STALE=ignore)"
+        )
         console.print(
             f"[yellow]stale:[/yellow] {counted(stale, 'winner')} measured under other versions "
-            "than this host runs (torch, CUDA, Triton, ...: 'tuner info'): served while "
-            "TUNER_STALE=use (the default); 'tuner tune-all' tunes them again"
+            f"than this host runs (torch, CUDA, Triton, ...: 'tuner info'): {served}; "
+            "'tuner tune-all' tunes them again"
         )
 
 

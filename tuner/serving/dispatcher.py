@@ -238,6 +238,15 @@ def _type_name(value: Any) -> str:
     )
 
 
+def stale_policy() -> str:
+    """``TUNER_STALE``: whether winners measured under other versions serve ("use", the
+    default) or are taken for misses ("ignore")."""
+    policy = os.environ.get("TUNER_STALE") or "use"
+    if policy not in STALE_POLICIES:
+        raise ValueError(f"TUNER_STALE must be one of {list(STALE_POLICIES)}, got {policy!r}")
+    return policy
+
+
 class Dispatcher:
     """Maps call signatures to runners. One per process is the norm (see ``get_dispatcher``)."""
 
@@ -247,11 +256,7 @@ class Dispatcher:
             if mode
             else _check_mode(os.environ.get("TUNER_MODE") or "lookup")
         )
-        self.stale = os.environ.get("TUNER_STALE") or "use"
-        if self.stale not in STALE_POLICIES:
-            raise ValueError(
-                f"TUNER_STALE must be one of {list(STALE_POLICIES)}, got {self.stale!r}"
-            )
+        self.stale = stale_policy()
         self.store_path = cache_file(store_path) if store_path else default_path()
         self._hot: dict[tuple, tuple[Runner, Resolution]] = {}  # signature -> runner, its record
         # front ends' own caches of resolved calls (tuner.torch keys them on the call as made):
