@@ -973,16 +973,13 @@ def test_sources_with_nothing_for_the_key_are_refused_and_one_that_has_runs(tmp_
     assert "winner (eager): torch_lowbit" in r.stdout and cache.exists()
 
 
-def test_a_tuning_that_fails_leaves_no_cache_and_its_hint_names_the_keys_baseline(tmp_path):
-    """A key the tuning refuses (torch cannot pack int4 for N = 8 on the CPU) is a user error
-    (status 2) that leaves no new cache or folder behind; the interpreter's hint names the
-    source that leaves Triton out for this key (torch_lowbit here, not torch's plain GEMM)."""
-    cache = tmp_path / "new" / "c.db"
+def test_the_interpreters_hint_names_the_keys_own_baseline(tmp_path):
+    """The source that leaves Triton out is the key's baseline: torch_lowbit for an int4 key
+    (``--source torch``, torch's plain GEMM, refuses it)."""
     int4 = ("tune", "gemm", "-m", "16", "-n", "8", "-k", "128", "--dtype", "int4-g128")
-    r = tuner(*int4, "--source", "torch_lowbit", cache=cache, check=False)
+    r = tuner(*int4, "--source", "torch_lowbit", cache=tmp_path / "c.db", check=False)
     assert r.returncode == 2 and "N=8" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "(--source torch_lowbit leaves them out)" in r.stdout
-    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize(
@@ -1021,7 +1018,7 @@ def test_a_bench_source_that_takes_some_rows_is_let_through() -> None:
     formats = ["int4-g128", "fp8-rowwise"]
     keys = [key for _, key in lowbit.chosen_problems(formats, quick=True, device="cpu")]
     check_sources_take_some(["triton_fp8"], keys)
-    with pytest.raises(ValueError, match="any of the run's 4 rows .*: triton_gemm: plain GEMMs"):
+    with pytest.raises(ValueError, match=r"any of the run's 4 rows .*: triton_gemm: plain GEMMs"):
         check_sources_take_some(["triton_fp8", "triton_gemm"], keys)
 
 
@@ -1204,6 +1201,51 @@ def test_a_whole_suite_on_a_cpu_says_as_it_starts_that_quick_is_the_cpus_run(tmp
         "note: no CUDA GPU here: the suite times the models' own shapes on the CPU, slowly (a "
         "part may take hours); --quick times small shapes in their place\n"
     )
+
+
+@pytest.mark.cpu_host
+def test_quick_with_projections_on_a_cpu_says_they_run_full_size(tmp_path, monkeypatch):
+    """``--quick --proj`` on a CPU times the models' own projections (minutes a row), not the
+    small shape --quick's help promised: said as it starts, with what times small shapes; plain
+    --quick (or --quick --m alone), which runs the small shape, says nothing."""
+    from tuner.suites import lowbit
+
+    ran = []
+    monkeypatch.setattr(lowbit, "run", lambda rows, *a: ran.append(rows))
+    lowbit_quick = ("bench", "gemm", "--suite", "lowbit", "--quick", "--part", "int4-g128",
+                    "--out", str(tmp_path / "b"))  # fmt: skip
+    r = CliRunner().invoke(app, [*lowbit_quick, "--proj", "down", "--m", "1"],
+                           env={"COLUMNS": "300"})  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert [label for label, _ in ran[0]] == [
+        "Llama-3-8B down M=1 int4-g128", "Qwen2.5-7B down M=1 int4-g128"
+    ]  # fmt: skip
+    assert r.stderr == (
+        "note: no CUDA GPU here: the suite times the models' own shapes on the CPU, slowly (a "
+        "part may take hours); --quick without --proj times small shapes in their place\n"
+    )
+    for small in ((), ("--m", "1")):
+        r = CliRunner().invoke(app, [*lowbit_quick, *small], env={"COLUMNS": "300"})
+        assert r.exit_code == 0 and r.stderr == "", r.output
+    said = " ".join(CliRunner().invoke(app, ["bench", "gemm", "--help"], env={"COLUMNS": "300"})
+                    .output.replace("│", " ").split())  # fmt: skip
+    assert "--proj given, those projections at full size (minutes a row on a CPU)" in said
+
+
+@pytest.mark.cpu_host
+def test_inductor_asked_for_on_a_cpu_says_why_no_inductor_row_runs(tmp_path, monkeypatch):
+    """``--inductor`` on a CPU timed nothing (``"inductor": []``) without a word: said as the
+    run starts; left to its default, nothing is said."""
+    from tuner.suites import gemm
+
+    monkeypatch.setattr(gemm, "run_part", lambda *a, **k: None)
+    args = ["bench", "gemm", "--quick", "--part", "fp16", "--out", str(tmp_path / "b")]
+    r = CliRunner().invoke(app, [*args, "--inductor"], env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    assert r.stderr == ("note: --inductor: no CUDA GPU here: Inductor max-autotune is timed on "
+                        "a GPU only; no Inductor row runs\n")  # fmt: skip
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+    assert r.exit_code == 0 and r.stderr == "", r.output
 
 
 def test_bench_sdpa_refuses_more_compile_workers_than_the_setting_takes(tmp_path):

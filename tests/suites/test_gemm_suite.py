@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from tuner.cli.main import app
 from tuner.offline.model_config import gemm_key
 from tuner.suites import catalog, gemm
+from tuner.suites.runner import verdict_notes
 from tuner.tuning.engine import TuneOptions
 
 
@@ -115,7 +116,7 @@ def test_a_cpu_decode_rows_bandwidth_prints_with_its_digits(
     empty CUDA-graph column where none was timed."""
     row = {"label": "small N=64 K=256 M=1", "m": 1, "failures": [], "baseline_gbs": 4.823,
            "baseline_pct_copy": 17.2, "gbs": 5.614, "pct_copy": 20.1}  # fmt: skip
-    result = {"rows": [row], "shapes_note": None, "targets_judged": False, "targets": {}}
+    result = {"rows": [row], "targets": {}, **verdict_notes("cpu", None)}
     gemm.print_report(result)
     said = " ".join(capsys.readouterr().out.split())
     assert "cuBLAS 4.82 GB/s (17%) -> 5.61 GB/s (20% of copy)" in said
@@ -130,7 +131,27 @@ def test_a_failed_recheck_and_a_candidates_error_print_as_they_read(
     row = {"label": "small [a] M=1", "m": 1, "recheck_err": 0.3, "baseline_gbs": 4.8,
            "baseline_pct_copy": 17.2, "gbs": 5.6, "pct_copy": 20.1,
            "failures": ["cutlass: shape [n, k] refused [/red]"]}  # fmt: skip
-    gemm.print_report({"rows": [row], "shapes_note": None, "targets_judged": False, "targets": {}})
+    gemm.print_report({"rows": [row], "targets": {}, **verdict_notes("cpu", None)})
     said = " ".join(capsys.readouterr().out.split())
     assert "small [a] M=1: winner recheck failed: 0.3" in said
     assert "small [a] M=1: cutlass: shape [n, k] refused [/red]" in said
+
+
+def test_decode_rows_without_a_graph_reading_report_none_not_zero() -> None:
+    """On a CPU no decode row is timed in a CUDA graph: the suite's graph figure is null (as the
+    Triton one beside it), not 0% of copy; where some rows were read, the least of theirs."""
+    rows = [{"m": 1, "n": 64, "k": 256, "speedup": 1.0, "pct_copy": 20.0, "tune_s": 0.1}]
+    assert gemm.targets({"rows": rows})["decode_graph_min_pct_copy"] is None
+    rows.append(dict(rows[0], graph_baseline_pct_copy=61.0, graph_winner_pct_copy=70.0))
+    rows.append(dict(rows[0], graph_baseline_pct_copy=55.0))  # the winner's capture failed
+    assert gemm.targets({"rows": rows})["decode_graph_min_pct_copy"] == 55.0
+
+
+def test_inductor_on_a_gpu_says_which_quick_parts_keep_none_of_its_shapes() -> None:
+    """--quick's every 4th row keeps one Inductor shape of most parts but none of fp32's: that
+    part is named with the shape it left out; on a CPU none runs anywhere, said so."""
+    quick = {p: gemm.chosen_problems(p, quick=True, device="cuda") for p in ("fp16", "fp32")}
+    assert gemm.no_inductor({"fp16": quick["fp16"]}, "cuda") is None
+    said = gemm.no_inductor(quick, "cuda")
+    assert said is not None and "(fp32's 8B qkv M=1024 tf32)" in said and "fp16" not in said
+    assert "no CUDA GPU here" in str(gemm.no_inductor(quick, "cpu"))

@@ -250,6 +250,20 @@ def test_the_report_gives_each_formats_geomeans_as_judged(capsys) -> None:
             "3.000x the tuner's bf16, 3.000x bf16 cuBLAS") in out  # fmt: skip
 
 
+def test_a_small_ratio_keeps_its_digits_in_the_table(capsys) -> None:
+    """A CPU row's 0.00044x (torch's int4 op against an interpreted kernel) printed as 0.000x,
+    read as nothing; it keeps two significant digits, and ratios of 0.1 and up their three
+    decimals."""
+    r = row("int4-g128", 1, 128, baseline_us=0.044, winner_us=100.0, bf16_us=250.0,
+            bf16_served_us=100.0, winner_pct_copy=5.0)  # fmt: skip
+    r.update(tune_s=0.5, bf16_tune_s=1.0, bf16_key="bf16 M=1", candidate="torch_lowbit:{}",
+             timing="eager")  # fmt: skip
+    lowbit.judge(r)
+    lowbit.print_table([r], {}, {}, judged=False)
+    line = next(line for line in capsys.readouterr().out.splitlines() if r["label"] in line)
+    assert "│ 0.00044x │ 1.000x │ 2.500x │ - │" in " ".join(line.split()), line
+
+
 def test_tuning_a_format_is_judged_against_its_bf16_twins_median() -> None:
     def row(fmt: str, tune_s: float, bf16_tune_s: float | None, twin: str) -> dict:
         bf16 = {} if bf16_tune_s is None else {"bf16_tune_s": bf16_tune_s}
@@ -435,7 +449,8 @@ def test_quick_on_a_cpu_runs_its_small_rows_to_the_reports(tmp_path: Path) -> No
         assert r["vs_bf16_served"] == r["bf16_served_us"] / r["winner_us"]
         # the last table, the served ratios: its row for this label says what the JSON does
         line = [line for line in result.output.splitlines() if f"│ {r['label']} " in line][-1]
-        assert f"{r['vs_torch']:.3f}x" in line and f"{r['vs_bf16_served']:.3f}x" in line
+        assert lowbit.shown_ratio(r["vs_torch"]) in line
+        assert lowbit.shown_ratio(r["vs_bf16_served"]) in line
     assert saved["targets_judged"] is False and saved["targets_note"] == lowbit.NOT_JUDGED
     assert saved["shapes_note"] == lowbit.shapes_note(rows)
     assert saved["shapes_note"].startswith(lowbit.QUICK_CPU_ROWS)

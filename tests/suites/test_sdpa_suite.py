@@ -1,5 +1,5 @@
 """``tuner bench sdpa``'s arguments, checked before anything is made or run, and ``--quick``'s rows
-(on a CPU a few small ones, a run of seconds)."""
+(on a CPU a few small ones: seconds in bf16, minutes in f16 and f32)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from tuner.cli.main import app
 from tuner.core.keys import SdpaKey
-from tuner.suites import catalog, sdpa
+from tuner.suites import catalog, runner, sdpa
 from tuner.tuning.engine import TuneOptions
 
 
@@ -35,6 +35,19 @@ def test_help_says_where_a_run_cut_short_writes_its_rows() -> None:
         result = CliRunner().invoke(app, ["bench", suite, "--help"], env={"COLUMNS": "300"})
         said = " ".join(result.output.replace("│", " ").split())  # the help's lines joined
         assert "<name>.interrupted.json/.png, leaving a complete result" in said
+
+
+def test_quick_says_what_a_cpu_run_costs_in_each_dtype() -> None:
+    """On a CPU --quick takes seconds in bf16 only (torch's SDPA alone): in f16 and f32 the
+    Triton candidates run through the interpreter, minutes a row. The help and the README said
+    seconds for every dtype."""
+    result = CliRunner().invoke(app, ["bench", "sdpa", "--help"], env={"COLUMNS": "300"})
+    said = " ".join(result.output.replace("│", " ").split())
+    assert "seconds in bf16" in said and "in f16 and f32 the Triton candidates run" in said
+    assert "minutes a row" in said
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    at = readme.index("tuner bench sdpa --quick ")
+    assert "seconds in bf16" in readme[at:].split("\ntuner ", 1)[0], readme[at : at + 300]
 
 
 def test_quick_on_a_cpu_picks_a_few_small_rows_of_each_part() -> None:
@@ -117,6 +130,30 @@ def test_ctrl_c_after_the_rows_keeps_an_earlier_complete_result(
     partial = json.loads((tmp_path / "sdpa_decode.interrupted.json").read_text())
     assert partial["interrupted"] is True and [r["label"] for r in partial["rows"]] == ["tiny"]
     assert (tmp_path / "sdpa_decode.interrupted.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.cpu_host
+def test_a_cpu_run_says_its_targets_are_not_judged_and_its_rows_are_small(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As both GEMM suites: the JSON of a run on a CPU marks its targets not judged and why, and
+    says where its rows are --quick's small CPU ones (labelled so), the console with it; a row
+    of the suite's own shapes has no shapes note."""
+    key = SdpaKey(batch=1, q_heads=2, kv_heads=2, q_len=1, kv_len=64, head_dim=16, causal="none",
+                  dtype="f32")  # fmt: skip
+    options = TuneOptions(budget_s=0.005, sources=["torch_sdpa"])
+    small = catalog.quick_cpu_label("tiny")
+    sdpa.run({"decode": [(small, key)]}, tmp_path, options, dtype="f32")
+    saved = json.loads((tmp_path / "sdpa_decode.json").read_text())
+    assert saved["targets_judged"] is False and saved["targets_note"] == runner.NOT_JUDGED
+    assert saved["shapes_note"].startswith(f"{sdpa.QUICK_CPU_ROWS['decode']}, not the suite's")
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"{saved['shapes_note']}." in said and "Targets not judged: they are GPU" in said
+    sdpa.run({"prefill": [("tiny", key)]}, tmp_path, options, dtype="f32")
+    saved = json.loads((tmp_path / "sdpa_prefill.json").read_text())
+    assert saved["shapes_note"] is None and saved["targets_judged"] is False
+    assert all(catalog.is_quick_cpu(label) for part in sdpa.PARTS
+               for label, _ in sdpa.chosen_problems(part, quick=True, device="cpu"))  # fmt: skip
 
 
 def test_cpu_rates_print_with_their_digits(capsys: pytest.CaptureFixture[str]) -> None:

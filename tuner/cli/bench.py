@@ -4,6 +4,7 @@ and each winner side by side (``tuner.suites``); results go to ``--out`` as JSON
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -18,9 +19,11 @@ from tuner.cli.options import (
     LaunchOpt,
     SourcesOpt,
     SustainedOpt,
+    check_sources_take_some,
     tune_options,
 )
 from tuner.core.console import output_console
+from tuner.core.keys import Key
 from tuner.core.settings import WORKERS
 from tuner.suites import catalog
 
@@ -41,17 +44,28 @@ INTERRUPTED_HELP = (
 )
 
 
-def note_full_suite_on_cpu(quick: bool) -> None:
-    """Say, as a suite starts whole on a machine without a CUDA GPU, that it times the models'
-    own shapes on the CPU, slowly, and that ``--quick`` is the CPU's run: its help says so, but
-    a user who left it out saw a run start and its first rows crawl, with no word why."""
+def note_full_size_on_cpu(labels: Iterable[str], instead: str = "--quick") -> None:
+    """Say, as a suite starts on a machine without a CUDA GPU, that it times full-size shapes on
+    the CPU (any row but ``--quick``'s small CPU ones, ``catalog.is_quick_cpu``), slowly, and
+    what times small shapes in their place (``instead``): a user who left out --quick, or chose
+    the lowbit suite's projections with it, saw a run start and its rows crawl, with no word why."""
     import torch
 
-    if not quick and not torch.cuda.is_available():
-        output_console(stderr=True).print(
-            "[yellow]note[/yellow]: no CUDA GPU here: the suite times the models' own shapes on "
-            "the CPU, slowly (a part may take hours); --quick times small shapes in their place"
-        )
+    if torch.cuda.is_available() or all(catalog.is_quick_cpu(label) for label in labels):
+        return
+    output_console(stderr=True).print(
+        "[yellow]note[/yellow]: no CUDA GPU here: the suite times the models' own shapes on "
+        f"the CPU, slowly (a part may take hours); {instead} times small shapes in their place"
+    )
+
+
+def ready(rows: Sequence[tuple[str, Key]], source: list[str] | None, out: Path,
+          instead: str = "--quick") -> None:  # fmt: skip
+    """The checks of a suite's chosen ``rows`` before anything runs (a ``--source`` with nothing
+    for any of them), then ``--out`` made and a slow CPU run said (``note_full_size_on_cpu``)."""
+    check_sources_take_some(source, [key for _, key in rows])
+    output_dir(out)  # checked before the benchmark, not once it is over; made after the arguments
+    note_full_size_on_cpu((label for label, _ in rows), instead)
 
 
 @app.command("gemm")
@@ -88,7 +102,9 @@ def bench_gemm(
     isolate: IsolateOpt = False,
     inductor: Annotated[
         bool | None,
-        typer.Option(help="llama: also time Inductor max-autotune on a few shapes (default: on)."),
+        typer.Option(
+            help="llama: also time Inductor max-autotune on a few shapes, on a GPU (default: on)."
+        ),
     ] = None,
     warm_sample: Annotated[
         int | None,
@@ -107,7 +123,8 @@ def bench_gemm(
             f"small shape in their place (N={catalog.GEMM_QUICK_CPU_SHAPE[0]}, "
             f"K={catalog.GEMM_QUICK_CPU_SHAPE[1]}; llama's odd part "
             f"N={catalog.GEMM_QUICK_CPU_ODD_SHAPE[0]}, K={catalog.GEMM_QUICK_CPU_ODD_SHAPE[1]}) "
-            f"at M {', '.join(map(str, catalog.GEMM_QUICK_CPU_M))}, targets not judged."
+            f"at M {', '.join(map(str, catalog.GEMM_QUICK_CPU_M))}, targets not judged; lowbit "
+            "with --proj given, those projections at full size (minutes a row on a CPU)."
         ),
     ] = False,
     m: Annotated[
@@ -122,7 +139,8 @@ def bench_gemm(
         list[str] | None,
         typer.Option(
             help="lowbit: only these projections (repeatable): "
-            f"{', '.join(catalog.MODEL_OPS)}; default all, or --quick's.",
+            f"{', '.join(catalog.MODEL_OPS)}; default all, or --quick's; full size, also "
+            "with --quick on a CPU.",
         ),
     ] = None,
 ) -> None:
@@ -147,14 +165,16 @@ def bench_gemm(
         # named rather than ignored: the lowbit suite times neither
         raise ValueError("--inductor and --warm-sample are options of --suite llama; the lowbit "
                          "suite times no Inductor run and re-tunes no rows warm")  # fmt: skip
-    rows = lowbit.chosen_problems(chosen, quick=quick, ms=m, ops=proj) if suite == "lowbit" else []
-    output_dir(out)  # checked before the benchmark, not once it is over; made after the arguments
-    note_full_suite_on_cpu(quick)
     if suite == "lowbit":
+        rows = lowbit.chosen_problems(chosen, quick=quick, ms=m, ops=proj)
+        ready(rows, source, out, "--quick without --proj" if quick else "--quick")
         lowbit.run(rows, out, options)
         return
-    for p in chosen:
-        problems = gemm.chosen_problems(p, quick=quick)
+    parts_rows = {p: gemm.chosen_problems(p, quick=quick) for p in chosen}
+    ready([row for rows in parts_rows.values() for row in rows], source, out)
+    if inductor and (why := gemm.no_inductor(parts_rows)):
+        output_console(stderr=True).print(f"[yellow]note[/yellow]: --inductor: {why}")
+    for p, problems in parts_rows.items():
         gemm.run_part(
             p, problems, out, options, inductor=inductor is not False,
             warm_sample=catalog.GEMM_WARM_SAMPLE if warm_sample is None else warm_sample,
@@ -191,7 +211,9 @@ def bench_sdpa(
         typer.Option(
             help="A smoke run: every 4th problem; on a CPU a few small ones (prefill of one "
             f"{catalog.SDPA_QUICK_CPU_PREFILL_SEQ}-token sequence, decode at batch 1 against "
-            f"{' and '.join(map(str, catalog.SDPA_QUICK_CPU_DECODE_KV))} keys)."
+            f"{' and '.join(map(str, catalog.SDPA_QUICK_CPU_DECODE_KV))} keys): seconds in bf16, "
+            "torch's SDPA alone (Triton's interpreter computes bf16 wrongly); in f16 and f32 the "
+            "Triton candidates run through the interpreter too: minutes a row, 10 or more a part."
         ),
     ] = False,
 ) -> None:
@@ -207,8 +229,7 @@ def bench_sdpa(
     chosen = list(sdpa.PARTS) if part == "all" else [part]
     # a bad --dtype raises here, before --out is made
     suites = {p: sdpa.chosen_problems(p, dtype, quick=quick) for p in chosen}
-    output_dir(out)  # made once the arguments are known good, and before the benchmark runs
-    note_full_suite_on_cpu(quick)
+    ready([row for rows in suites.values() for row in rows], source, out)
     if workers is not None:  # given: it wins over $TUNER_COMPILE_WORKERS, not a default does
         os.environ["TUNER_COMPILE_WORKERS"] = str(workers)  # read when the compile pool starts
     sdpa.run(suites, out, options, dtype=dtype)

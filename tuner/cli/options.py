@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -131,18 +131,46 @@ def check_sources_serve(source: list[str] | None, ops: Collection[str]) -> None:
                              f"serve {wanted}: {serving}")  # fmt: skip
 
 
+def _named(source: list[str] | None, op: str) -> list[Source]:
+    """The sources of ``op`` among ``--source``'s names (another op's are refused by
+    ``check_sources_serve``; one that could not be loaded has no known op and is let through)."""
+    loaded = registry.all_sources()
+    return [src for name in source or ()
+            if isinstance(src := loaded.get(name), Source) and src.op == op]  # fmt: skip
+
+
+def _takers(op: str, keys: Sequence[Key]) -> str:
+    """The sources of ``op`` that take any of ``keys``, for the message that refuses others."""
+    return ", ".join(s.name for s in registry.sources(op)
+                     if any(s.unsupported(key) is None for key in keys))  # fmt: skip
+
+
 def check_sources_take(source: list[str] | None, key: Key) -> None:
     """ValueError where every ``--source`` of ``key``'s op has nothing for ``key`` (plain-GEMM
     sources named for a low-bit key, say): the run would time the baseline alone. Where only
     some of them cannot take it, the run's table says why beside the others' times."""
-    named = [src for name in source or () if isinstance(src := registry.all_sources().get(name), Source)
-             and src.op == key.op]  # fmt: skip
+    named = _named(source, key.op)
     reasons = {src.name: why for src in named if (why := src.unsupported(key))}
     if named and len(reasons) == len(named):
-        takers = ", ".join(s.name for s in registry.sources(key.op) if s.unsupported(key) is None)
         said = "; ".join(f"{name}: {why}" for name, why in reasons.items())
         raise ValueError(f"--source has nothing for {key.label}: {said}; the sources that take "
-                         f"it: {takers}")  # fmt: skip
+                         f"it: {_takers(key.op, [key])}")  # fmt: skip
+
+
+def check_sources_take_some(source: list[str] | None, keys: Sequence[Key]) -> None:
+    """ValueError for a ``--source`` that has nothing for any of ``keys`` (a suite's rows, of one
+    op): it would add no challenger anywhere, and the suite would time the baseline alone at
+    1.00x without a word. One that takes some of the rows runs: the others list it unsupported."""
+    if not keys:
+        return
+    op, first = keys[0].op, keys[0].label
+    rows = first if len(keys) == 1 else f"any of the run's {len(keys)} rows ({first}, ...)"
+    for src in _named(source, op):
+        reasons = [why for key in keys if (why := src.unsupported(key))]
+        if len(reasons) == len(keys):
+            them = "it" if len(keys) == 1 else "some of them"
+            raise ValueError(f"--source has nothing for {rows}: {src.name}: {reasons[0]}; the "
+                             f"sources that take {them}: {_takers(op, keys)}")  # fmt: skip
 
 
 def tune_options(

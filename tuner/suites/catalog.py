@@ -21,18 +21,23 @@ GEMM_QUICK_CPU_SHAPE = (64, 256)  # (N, K)
 GEMM_QUICK_CPU_M = (1, 64)
 # --suite llama's odd part: each of N and K one past the small shape's (no multiple of 8 or 16)
 GEMM_QUICK_CPU_ODD_SHAPE = (GEMM_QUICK_CPU_SHAPE[0] + 1, GEMM_QUICK_CPU_SHAPE[1] + 1)
-QUICK_CPU_LABEL = "small N="  # how every small CPU row's label starts (quick_cpu_name)
+QUICK_CPU_LABEL = "small "  # how every small CPU row's label starts (quick_cpu_label)
 # tuner bench sdpa: one sequence's prefill, and decode at batch 1 against these kv lengths
 SDPA_QUICK_CPU_PREFILL_SEQ = 256
 SDPA_QUICK_CPU_DECODE_KV = (1024, 4096)
 
 
+def quick_cpu_label(label: str) -> str:
+    """A small CPU row's label: the rows tell themselves apart from a suite's GPU rows by it
+    (``is_quick_cpu``)."""
+    return f"{QUICK_CPU_LABEL}{label}"
+
+
 def quick_cpu_name(n: int, k: int) -> str:
-    """A small CPU row's shape as its label says it: the rows tell themselves apart from a
-    suite's GPU rows by it (``is_quick_cpu``)."""
-    return f"{QUICK_CPU_LABEL}{n} K={k}"
+    """A small CPU GEMM row's shape as its label says it (``quick_cpu_label``)."""
+    return quick_cpu_label(f"N={n} K={k}")
 
 
 def is_quick_cpu(label: str) -> bool:
-    """Whether a row is one of ``--quick``'s small CPU rows (``quick_cpu_name``)."""
+    """Whether a row is one of ``--quick``'s small CPU rows (``quick_cpu_label``)."""
     return label.startswith(QUICK_CPU_LABEL)

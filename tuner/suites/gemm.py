@@ -43,17 +43,16 @@ from tuner.offline.model_config import gemm_key, load_model
 from tuner.offline.plots import geomean
 from tuner.suites import catalog
 from tuner.suites.runner import (
-    NOT_JUDGED,
     marked_if_interrupted,
     pct_of_copy,
+    print_notes,
     quick_cpu_note,
     quick_on_cpu,
     rate,
     run_suite,
     save_result,
     speedup_drawing,
-    targets_judged,
-    warning_sentence,
+    verdict_notes,
 )
 from tuner.suites.sdpa import recheck
 from tuner.tuning import compile_pool
@@ -279,6 +278,16 @@ def warm_retune(problems_: Problems, options: TuneOptions, sample: int) -> list[
     return out
 
 
+def graph_served_pct(row: dict[str, Any]) -> float | None:
+    """A decode row's CUDA-graph share of copy bandwidth as served (the better of the winner's
+    and cuBLAS's), or None where neither was read (no GPU, or no capture): no reading is no 0%."""
+    return max(
+        (row[f"graph_{name}_pct_copy"] for name in ("winner", "baseline")
+         if f"graph_{name}_pct_copy" in row),
+        default=None,
+    )  # fmt: skip
+
+
 def targets(result: dict[str, Any]) -> dict[str, Any]:
     """The suite's targets over this part's rows (where the part has such rows)."""
     rows = result["rows"]
@@ -300,11 +309,7 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
         "decode_min_pct_copy": min((r["pct_copy"] for r in decode), default=None),
         "decode_n_below_75pct_copy": sum(r["pct_copy"] < 75 for r in decode),
         "decode_graph_min_pct_copy": min(
-            (
-                max(r.get("graph_winner_pct_copy", 0), r.get("graph_baseline_pct_copy", 0))
-                for r in decode
-            ),
-            default=None,
+            (pct for r in decode if (pct := graph_served_pct(r)) is not None), default=None
         ),
         "decode_graph_triton_min_pct_copy": min(
             (r["graph_triton_pct_copy"] for r in decode if "graph_triton_pct_copy" in r),
@@ -345,12 +350,33 @@ def print_report(result: dict[str, Any]) -> None:
             console.print(
                 f"inductor {r['label']:<24} {r['speedup']:.2f}x vs cuBLAS, compiled in {r['compile_s']:.1f} s"
             )
-    if note := result["shapes_note"]:
-        console.print(f"[yellow]{note}.[/yellow]")
+    print_notes(result)
     if result["targets_judged"]:
         console.print(json.dumps(result["targets"]))
-    else:
-        console.print(warning_sentence(NOT_JUDGED))
+
+
+def inductor_problems(part: str, problems_: Problems, device: str) -> Problems:
+    """The rows Inductor max-autotune is timed on: those of the part's few ``INDUCTOR`` shapes
+    chosen, on a GPU (max-autotune tunes GPU kernels)."""
+    return [(label, key) for label, key in problems_
+            if device == "cuda" and label in INDUCTOR.get(part, ())]  # fmt: skip
+
+
+def no_inductor(parts: dict[str, Problems], device: str | None = None) -> str | None:
+    """Why some chosen part times no Inductor row (``inductor_problems``) on ``device`` (default:
+    this host's), or None: said where ``--inductor`` is asked for, which would otherwise leave
+    ``"inductor": []`` with no word."""
+    device = device or current_device()
+    if device != "cuda":
+        return (
+            "no CUDA GPU here: Inductor max-autotune is timed on a GPU only; no Inductor row runs"
+        )
+    left = [p for p, rows in parts.items() if not inductor_problems(p, rows, device)]
+    if not left:
+        return None
+    shapes = "; ".join(f"{p}'s {', '.join(INDUCTOR[p])}" for p in left)
+    return (f"the rows chosen hold none of the shapes it is timed on ({shapes}): no Inductor "
+            "row runs there")  # fmt: skip
 
 
 def inductor_or_error(label: str, key: GemmKey, device: str, budget_s: float) -> dict[str, Any]:
@@ -395,13 +421,10 @@ def run_part(
         result["warm_retune"] = warm_retune(problems_, options, warm_sample)
         result["inductor"] = [
             inductor_or_error(label, key, device, options.budget_s)
-            for label, key in problems_
-            if inductor and device == "cuda" and label in INDUCTOR.get(part, ())
+            for label, key in (inductor_problems(part, problems_, device) if inductor else [])
         ]
         result["targets"] = targets(result)
-        result["targets_judged"] = targets_judged(device)
-        result["targets_note"] = None if result["targets_judged"] else NOT_JUDGED
-        result["shapes_note"] = note
+        result.update(verdict_notes(device, note))
         result["wall_s"] = time.perf_counter() - started
         save_result(out, name, result, draw)
     print_report(result)

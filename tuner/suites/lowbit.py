@@ -4,7 +4,8 @@ The projections of Llama-3-8B and Qwen2.5-7B (configs/models/*.yaml: qkv, o, gat
 M in 1, 2, 4, 8, 16, 64, 256, 2048, in each format (``int4-g128``, ``fp8-rowwise``,
 ``fp8-tensorwise``; ``--part`` picks formats, ``--quick`` few rows of each; on a machine without a
 GPU, where each projection takes minutes in Triton's interpreter, ``--quick`` times one small shape
-in their place, ``QUICK_CPU_SHAPE``, and the table, the JSON and the plot say so). One run, per row:
+in their place, ``QUICK_CPU_SHAPE``, and the table, the JSON and the plot say so; projections named
+by ``--proj`` are timed at full size there too). One run, per row:
 
 - tuning, and torch's op for the format (``aten._weight_int4pack_mm``, ``torch._scaled_mm``)
   timed against the winner (``tuner.suites.runner``);
@@ -38,6 +39,7 @@ per format and measure over M, on a GPU targets drawn and misses ringed) and the
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -75,8 +77,8 @@ from tuner.suites.runner import (
     save_result,
     side_by_side,
     steadier_rounds,
-    targets_judged,
     tuned_times,
+    verdict_notes,
     warning_sentence,
 )
 from tuner.tuning import compile_pool
@@ -576,8 +578,13 @@ def annotate(row: Row, bf16: Row, copy_gbs: float, device: str, options: TuneOpt
 # --- report ----------------------------------------------------------------------------------------
 
 
-def _ratio(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}x"
+def shown_ratio(x: float | None) -> str:
+    """A ratio for the table: three decimals, more where it is smaller (two significant digits),
+    so that a CPU row's 0.00044x does not read as 0.000x."""
+    if x is None:
+        return "-"
+    digits = max(3, 1 - math.floor(math.log10(x))) if 0 < x < math.inf else 3
+    return f"{x:.{digits}f}x"
 
 
 def _percent(pct: float | None) -> str:
@@ -605,10 +612,11 @@ def print_table(
         pct, floor = r["served_pct_copy"], r.get("graph_read_pct_copy")
         missed = f"[red]{'; '.join(r['missed'])}[/red]" if r["missed"] else "[green]all met[/green]"
         winner = escape(candidate_label(r["candidate"], LABEL_WIDTH))
+        ratios = (r["vs_torch"], r["vs_bf16_served"], r["vs_bf16_cublas"],
+                  r.get("vs_bf16_cublas_gpu"))  # fmt: skip
         table.add_row(
-            r["label"], winner, _ratio(r["vs_torch"]), _ratio(r["vs_bf16_served"]),
-            _ratio(r["vs_bf16_cublas"]), _ratio(r.get("vs_bf16_cublas_gpu")), _percent(pct),
-            _percent(floor), *([missed] if judged else []),
+            r["label"], winner, *map(shown_ratio, ratios), _percent(pct), _percent(floor),
+            *([missed] if judged else []),
         )  # fmt: skip
     report = OutputConsole(width=TABLE_WIDTH)  # a closed pipe ends quietly, as elsewhere
     report.print(table)
@@ -630,10 +638,10 @@ def print_table(
         report.print(
             f"[{color}]{name} ({c['where']}): {c['met']}/{c['judged']} met{worst}{on_gpu}[/{color}]"
         )
+    against = (("vs_torch", "torch's op"), ("vs_bf16_served", "the tuner's bf16"),
+               ("vs_bf16_cublas", "bf16 cuBLAS"))  # fmt: skip
     for fmt, f in formats.items():
-        means = ", ".join(f"{_ratio(f[f'geomean_{column}'])} {against}" for column, against in (
-            ("vs_torch", "torch's op"), ("vs_bf16_served", "the tuner's bf16"),
-            ("vs_bf16_cublas", "bf16 cuBLAS")))  # fmt: skip
+        means = ", ".join(f"{shown_ratio(f[f'geomean_{c}'])} {name}" for c, name in against)
         report.print(f"{fmt}, geomean of the {f['n']} rows' served ratios (as judged): {means}")
         met = f["targets"][TUNING_TARGET] == "1/1"
         color, verdict = ("green", "met") if met else ("red", "missed")
@@ -801,11 +809,8 @@ def finish(result: dict[str, Any], bf16: dict[str, Any], twins: list[GemmKey], r
     result["tuning_summary"] = result.pop("summary")
     # the counts are written wherever the run was, in the same shape; on a CPU they are marked
     # not judged (the targets are a GPU's), and neither the table nor the plot gives verdicts
-    judged = targets_judged(device)
     result["targets"] = target_counts(rows)
-    result["targets_judged"] = judged
-    result["targets_note"] = None if judged else NOT_JUDGED
-    result["shapes_note"] = shapes_note(rows)
+    result.update(verdict_notes(device, shapes_note(rows), NOT_JUDGED))
     result["formats"] = format_summary(rows)
     result["wall_s"] = time.perf_counter() - started
 

@@ -18,7 +18,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,10 +160,10 @@ def rate(value: float) -> str:
 def quick_cpu_note(labels: Iterable[str], rows: str) -> str | None:
     """A line saying the rows are ``--quick``'s small CPU ones (``rows`` names their shapes),
     where any ``labels`` is one of theirs (``catalog.is_quick_cpu``), or None: their ratios are
-    of CPU code on toy shapes, not of the models' projections."""
+    of CPU code on toy shapes, not of the suite's own."""
     if not any(catalog.is_quick_cpu(label) for label in labels):
         return None
-    return (f"{rows}, not the models' projections: --quick on a machine without a GPU times "
+    return (f"{rows}, not the suite's own shapes: --quick on a machine without a GPU times "
             "these in their place")  # fmt: skip
 
 
@@ -181,6 +181,25 @@ def targets_judged(device: str) -> bool:
     """Whether a run on ``device`` is judged by a suite's targets: only on a GPU, where they
     apply (``NOT_JUDGED`` says why not elsewhere)."""
     return device == "cuda"
+
+
+def verdict_notes(
+    device: str, shapes_note: str | None, not_judged: str = NOT_JUDGED
+) -> dict[str, Any]:
+    """The fields every suite's result carries beside its targets: whether they were judged
+    (``targets_judged``), why not (``targets_note``: ``not_judged``, or None) and what its rows'
+    shapes are where they are not the suite's own (``shapes_note``, ``quick_cpu_note``'s)."""
+    judged = targets_judged(device)
+    return {"targets_judged": judged, "targets_note": None if judged else not_judged,
+            "shapes_note": shapes_note}  # fmt: skip
+
+
+def print_notes(result: Mapping[str, Any]) -> None:
+    """A result's ``verdict_notes`` on the console, a sentence each where they say anything."""
+    if note := result["shapes_note"]:
+        console.print(f"[yellow]{note}.[/yellow]")
+    if not result["targets_judged"]:
+        console.print(warning_sentence(result["targets_note"]))
 
 
 def built(key: Key, source: str, params: Params) -> tuple[Runner, Runner | None]:

@@ -41,11 +41,14 @@ from tuner.suites import catalog
 from tuner.suites.runner import (
     marked_if_interrupted,
     pct_of_copy,
+    print_notes,
+    quick_cpu_note,
     quick_on_cpu,
     rate,
     run_suite,
     save_result,
     speedup_drawing,
+    verdict_notes,
 )
 from tuner.tuning.engine import TuneOptions, TuneOutcome, current_device
 from tuner.tuning.tune import tune
@@ -65,6 +68,12 @@ MAX_KV_BYTES = 40e9  # decode shapes whose K/V exceeds this are left out
 TARGET_KV_BYTES = 32 * 2**20  # decode shapes reading at least this much must reach 80% of copy
 
 Problems = list[tuple[str, SdpaKey]]
+QUICK_CPU_ROWS = {  # what --quick's rows on a CPU are, in each part's shapes_note
+    "prefill": f"CPU-path rows of a small prefill ({catalog.SDPA_QUICK_CPU_PREFILL_SEQ} tokens)",
+    "decode": "CPU-path rows of small decodes (batch 1, {} keys)".format(
+        " and ".join(map(str, catalog.SDPA_QUICK_CPU_DECODE_KV))
+    ),
+}
 
 
 def prefill_problems(
@@ -114,14 +123,16 @@ def chosen_problems(
     part: str, dtype: str = "bf16", *, quick: bool = False, device: str | None = None
 ) -> Problems:
     """A part's rows (``PARTS``): all of them, or ``--quick``'s: every 4th on a GPU; on a CPU
-    ``device`` the small ones (``catalog.SDPA_QUICK_CPU_*``), since every 4th GPU row still holds
-    16k tokens or GBs of K/V."""
-    if quick_on_cpu(quick, device):
-        if part == "prefill":
-            seq = catalog.SDPA_QUICK_CPU_PREFILL_SEQ
-            return prefill_problems(dtype, seqs=(seq,), tokens=seq, kv_heads=(DECODE_KV_HEADS,))
-        return decode_problems(dtype, kv_lens=catalog.SDPA_QUICK_CPU_DECODE_KV, batches=(1,))
-    return PARTS[part](dtype)[:: 4 if quick else 1]
+    ``device`` the small ones (``catalog.SDPA_QUICK_CPU_*``, labelled so: ``quick_cpu_label``),
+    since every 4th GPU row still holds 16k tokens or GBs of K/V."""
+    if not quick_on_cpu(quick, device):
+        return PARTS[part](dtype)[:: 4 if quick else 1]
+    if part == "prefill":
+        seq = catalog.SDPA_QUICK_CPU_PREFILL_SEQ
+        rows = prefill_problems(dtype, seqs=(seq,), tokens=seq, kv_heads=(DECODE_KV_HEADS,))
+    else:
+        rows = decode_problems(dtype, kv_lens=catalog.SDPA_QUICK_CPU_DECODE_KV, batches=(1,))
+    return [(catalog.quick_cpu_label(label), key) for label, key in rows]
 
 
 def prefill_metrics(key: Key, us: float) -> dict[str, float]:
@@ -345,8 +356,13 @@ def run(
                 write=False,
             ))  # fmt: skip
             annotate(result, recorder, kind)
+            labels = (row["label"] for row in result["rows"])
+            result.update(
+                verdict_notes(current_device(), quick_cpu_note(labels, QUICK_CPU_ROWS[kind]))
+            )
             result["wall_s"] = time.perf_counter() - started
             save_result(out, name, result, draw)
         _print_extra(result, kind)
+        print_notes(result)
         results[kind] = result
     return results
