@@ -987,8 +987,8 @@ def test_the_interpreters_hint_names_the_keys_own_baseline(tmp_path):
     [
         (("gemm", "--suite", "lowbit", "--quick", "--part", "int4-g128", "--source", "triton_fp8"),
          "triton_fp8: fp8 operands only"),
-        (("gemm", "--suite", "lowbit", "--quick", "--source", "triton_gemm"),
-         "triton_gemm: plain GEMMs only"),
+        (("gemm", "--suite", "lowbit", "--quick", "--part", "fp8-rowwise", "--source",
+          "triton_w4a16"), "triton_w4a16: int4 weights only"),
         (("gemm", "--quick", "--part", "fp16", "--source", "triton_w4a16"),
          "triton_w4a16: int4 weights only"),
         (("sdpa", "--quick", "--part", "prefill", "--source", "triton_decode"),
@@ -1018,8 +1018,16 @@ def test_a_bench_source_that_takes_some_rows_is_let_through() -> None:
     formats = ["int4-g128", "fp8-rowwise"]
     keys = [key for _, key in lowbit.chosen_problems(formats, quick=True, device="cpu")]
     check_sources_take_some(["triton_fp8"], keys)
-    with pytest.raises(ValueError, match=r"any of the run's 4 rows .*: triton_gemm: plain GEMMs"):
+    with pytest.raises(ValueError, match=r"any of the run's 4 problems .*: triton_gemm: plain"):
         check_sources_take_some(["triton_fp8", "triton_gemm"], keys)
+    # the suite tunes each row's bf16 twin too, with the same sources: a plain-GEMM source
+    # that takes a twin runs (on a GPU; Triton's interpreter refuses bf16, so no CPU one does)
+    twins = [lowbit.bf16_twin(key) for key in keys]
+    if any(registry.get("triton_gemm").unsupported(twin) is None for twin in twins):
+        check_sources_take_some(["triton_fp8", "triton_gemm"], [*keys, *twins])
+    else:
+        with pytest.raises(ValueError, match=r"the run's 8 problems"):
+            check_sources_take_some(["triton_fp8", "triton_gemm"], [*keys, *twins])
 
 
 def test_tune_all_takes_a_source_serving_any_of_its_ops(tmp_path) -> None:
@@ -1224,6 +1232,10 @@ def test_quick_with_projections_on_a_cpu_says_they_run_full_size(tmp_path, monke
         "note: no CUDA GPU here: the suite times the models' own shapes on the CPU, slowly (a "
         "part may take hours); --quick without --proj times small shapes in their place\n"
     )
+    without_quick = [arg for arg in lowbit_quick if arg != "--quick"]
+    r = CliRunner().invoke(app, [*without_quick, "--proj", "down", "--m", "1"],
+                           env={"COLUMNS": "300"})  # fmt: skip
+    assert r.stderr.endswith("; --quick without --proj times small shapes in their place\n")
     for small in ((), ("--m", "1")):
         r = CliRunner().invoke(app, [*lowbit_quick, *small], env={"COLUMNS": "300"})
         assert r.exit_code == 0 and r.stderr == "", r.output

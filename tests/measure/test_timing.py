@@ -8,6 +8,7 @@ import itertools
 import time
 
 import pytest
+import torch
 
 from tuner.measure import timing
 
@@ -140,3 +141,18 @@ def test_p10_and_p90_stand_as_far_from_their_ends_for_any_count():
         t = timing._cut(xs)
         assert t.p10_us - xs[0] == pytest.approx(xs[-1] - t.p90_us), n
     assert timing._cut([1.0, 2, 3, 4, 5, 6]).p10_us == 1.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_suites_graph_reading_runs_every_input_set_each_replay():
+    """The suites' graph columns rotate over every input set, however many: a set left out of
+    the graph would be one fewer in L2's way, and the reading too kind."""
+    sets = [(torch.full((4,), float(i), device="cuda"),) for i in range(timing.GRAPH_CALLS + 9)]
+    seen, one = torch.zeros(len(sets), device="cuda"), torch.ones(1, device="cuda")
+
+    def runner(x: torch.Tensor) -> None:  # counts its calls on each set, on the GPU
+        seen.index_add_(0, x[:1].long(), one)
+
+    timing.graph_time_over(runner, sets)
+    assert bool((seen > 0).all()), seen

@@ -247,13 +247,18 @@ def test_int4_weights_on_the_meta_device_are_left_with_why() -> None:
 
 @pytest.mark.parametrize("fmt", ["int4", FP8_CPU_HOST])
 def test_a_quantized_model_moved_to_the_meta_device_gives_its_shapes(fmt) -> None:
-    """A move to the meta device (shape inference, freeing memory) moves the packing as it is:
-    there are no values to repack."""
+    """A move to the meta device (shape inference, freeing memory) moves the packing as it is
+    (there are no values to repack), and ``to_empty`` makes the packing back for a state dict."""
     model = mlp()
     tt.quantize_linear(model, fmt)
+    x = torch.randn(3, 256)
+    want, saved = model(x), model.state_dict()
     model.to("meta")
     assert all(t.is_meta for t in model.state_dict().values())
     assert model(torch.randn(3, 256, device="meta")).shape == (3, 10)
+    model.to_empty(device="cpu")  # and back, as a model made on meta is loaded
+    model.load_state_dict(saved)
+    assert torch.equal(model(x), want)
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")

@@ -145,6 +145,9 @@ def test_decode_rows_without_a_graph_reading_report_none_not_zero() -> None:
     rows.append(dict(rows[0], graph_baseline_pct_copy=61.0, graph_winner_pct_copy=70.0))
     rows.append(dict(rows[0], graph_baseline_pct_copy=55.0))  # the winner's capture failed
     assert gemm.targets({"rows": rows})["decode_graph_min_pct_copy"] == 55.0
+    # a row whose every capture failed is no row left out: it counts 0% (and says why)
+    rows.append(dict(rows[0], graph_baseline_error="capture", graph_winner_error="capture"))
+    assert gemm.targets({"rows": rows})["decode_graph_min_pct_copy"] == 0.0
 
 
 def test_inductor_on_a_gpu_says_which_quick_parts_keep_none_of_its_shapes() -> None:

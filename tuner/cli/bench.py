@@ -60,10 +60,11 @@ def note_full_size_on_cpu(labels: Iterable[str], instead: str = "--quick") -> No
 
 
 def ready(rows: Sequence[tuple[str, Key]], source: list[str] | None, out: Path,
-          instead: str = "--quick") -> None:  # fmt: skip
+          instead: str = "--quick", tuned: Sequence[Key] = ()) -> None:  # fmt: skip
     """The checks of a suite's chosen ``rows`` before anything runs (a ``--source`` with nothing
-    for any of them), then ``--out`` made and a slow CPU run said (``note_full_size_on_cpu``)."""
-    check_sources_take_some(source, [key for _, key in rows])
+    for any problem the suite tunes: the rows' keys, and ``tuned``, those it tunes beside them),
+    then ``--out`` made and a slow CPU run said (``note_full_size_on_cpu``)."""
+    check_sources_take_some(source, [*(key for _, key in rows), *tuned])
     output_dir(out)  # checked before the benchmark, not once it is over; made after the arguments
     note_full_size_on_cpu((label for label, _ in rows), instead)
 
@@ -167,7 +168,8 @@ def bench_gemm(
                          "suite times no Inductor run and re-tunes no rows warm")  # fmt: skip
     if suite == "lowbit":
         rows = lowbit.chosen_problems(chosen, quick=quick, ms=m, ops=proj)
-        ready(rows, source, out, "--quick without --proj" if quick else "--quick")
+        twins = [lowbit.bf16_twin(key) for _, key in rows]  # tuned for the bf16 columns
+        ready(rows, source, out, "--quick without --proj" if proj else "--quick", twins)
         lowbit.run(rows, out, options)
         return
     parts_rows = {p: gemm.chosen_problems(p, quick=quick) for p in chosen}

@@ -164,7 +164,7 @@ def check_sources_take_some(source: list[str] | None, keys: Sequence[Key]) -> No
     if not keys:
         return
     op, first = keys[0].op, keys[0].label
-    rows = first if len(keys) == 1 else f"any of the run's {len(keys)} rows ({first}, ...)"
+    rows = first if len(keys) == 1 else f"any of the run's {len(keys)} problems ({first}, ...)"
     for src in _named(source, op):
         reasons = [why for key in keys if (why := src.unsupported(key))]
         if len(reasons) == len(keys):

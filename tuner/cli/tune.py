@@ -472,6 +472,9 @@ def show(
     for col in (*columns, "speedup"):
         t.add_column(col, overflow="fold")
     here = fingerprint()
+    from tuner.serving.dispatcher import stale_policy
+
+    policy = stale_policy()  # a bad TUNER_STALE is refused before the table, not after it
     stale = 0
     for w in winners:
         color = "green" if w.speedup > 1.0 else "white"
@@ -485,9 +488,6 @@ def show(
         )  # fmt: skip
     console.print(t)
     if stale:
-        from tuner.serving.dispatcher import stale_policy
-
-        policy = stale_policy()
         served = (
             "served (TUNER_STALE=use, the default)"
             if policy == "use"

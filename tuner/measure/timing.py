@@ -325,6 +325,14 @@ def graph_time(
                   t.host_us / calls)  # fmt: skip
 
 
+def graph_time_over(
+    runner: Callable[..., Any], sets: Sequence[tuple[Any, ...]], budget_s: float = 0.03
+) -> Timing:
+    """``graph_time`` of ``runner`` round robin over ``sets`` (``on_sets``), each set at least
+    once a replay (``graph_calls``'s rule, for a call of unknown length)."""
+    return graph_time(on_sets(runner, sets), max(GRAPH_CALLS, len(sets)), budget_s)
+
+
 def _captured(fn: Callable[[int], Any], calls: int) -> torch.cuda.CUDAGraph:
     """``fn(0) .. fn(calls - 1)`` captured in one CUDA graph, after the same calls warmed up on
     the capturing stream (workspaces are per stream)."""

@@ -184,12 +184,17 @@ class Int4Linear(QuantizedLinear):
         """A move to another kind of device repacks the weight: torch packs int4 its own way
         on each (``int4_torch``), and a CPU packing moved to a GPU is no GPU packing. Repacked
         before anything moves: a shape the other device cannot pack raises with the layer
-        whole where it was. The meta device holds no values to repack: the packing moves as it
-        is, and torch's meta kernels give the forward's shapes."""
+        whole where it was. The meta device holds no values: a move there takes the packing as
+        it is, and one from there (``to_empty``) makes the target's packing of zeros, for a state
+        dict to load into."""
         before = self.packed_weight
         target = fn(before[:0]).device  # where the move takes it (an empty tensor: no copy)
-        moved = target.type not in (before.device.type, "meta")
-        repacked = _repacked(before, target) if moved else None
+        repacked = None
+        if before.is_meta and target.type != "meta":
+            zeros = torch.zeros(self.out_features, self.in_features, dtype=torch.uint8)
+            repacked = int4_torch.torch_pack(zeros.to(target))
+        elif target.type not in (before.device.type, "meta"):
+            repacked = _repacked(before, target)
         super()._apply(fn, recurse)
         if repacked is not None:
             self.packed_weight = repacked

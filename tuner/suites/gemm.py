@@ -256,7 +256,7 @@ def graph_times(key: GemmKey, row: dict[str, Any], ms: list[Any], copy: float) -
     out: dict[str, Any] = {}
     for name, run in runners.items():
         try:
-            us = timing.graph_time(timing.on_sets(run, sets)).median_us
+            us = timing.graph_time_over(run, sets).median_us
         except Exception as e:  # capture can fail for a library; the eager numbers stand
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
             continue
@@ -280,12 +280,11 @@ def warm_retune(problems_: Problems, options: TuneOptions, sample: int) -> list[
 
 def graph_served_pct(row: dict[str, Any]) -> float | None:
     """A decode row's CUDA-graph share of copy bandwidth as served (the better of the winner's
-    and cuBLAS's), or None where neither was read (no GPU, or no capture): no reading is no 0%."""
-    return max(
-        (row[f"graph_{name}_pct_copy"] for name in ("winner", "baseline")
-         if f"graph_{name}_pct_copy" in row),
-        default=None,
-    )  # fmt: skip
+    and cuBLAS's), or None where no graph was tried (no GPU): no reading is no 0%. A capture
+    that failed counts 0%, so a row whose graphs all failed still shows in the minimum."""
+    tried = [name for name in ("winner", "baseline")
+             if f"graph_{name}_pct_copy" in row or f"graph_{name}_error" in row]  # fmt: skip
+    return max((row.get(f"graph_{name}_pct_copy", 0.0) for name in tried), default=None)
 
 
 def targets(result: dict[str, Any]) -> dict[str, Any]:

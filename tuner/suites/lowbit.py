@@ -455,7 +455,7 @@ def power_check(row: Row, flops: float, timed: Mapping[str, Timed], options: Tun
             for name in names:
                 if name not in gpu:
                     runner, sets = timed[name]
-                    gpu[name] = timing.graph_time(timing.on_sets(runner, sets)).median_us
+                    gpu[name] = timing.graph_time_over(runner, sets).median_us
         except Exception:  # judged on its eager times alone: not heavy
             torch.cuda.synchronize()
             return None

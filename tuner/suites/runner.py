@@ -97,7 +97,7 @@ def in_turn_rounds(
             runner, sets = runners[name]
             try:
                 if graph:
-                    t = timing.graph_time(timing.on_sets(runner, sets))
+                    t = timing.graph_time_over(runner, sets)
                 else:
                     t = timing.eager_time(
                         runner, sets, device=device, sustained_s=sustained_s, budget_s=budget_s

@@ -190,7 +190,7 @@ def add_graph_times(row: dict[str, Any], key: SdpaKey, ms: list[Measurement], co
     ]
     for label, source, params in tried:
         try:
-            us = timing.graph_time(timing.on_sets(registry.get(source).build(key, params), sets))
+            us = timing.graph_time_over(registry.get(source).build(key, params), sets)
             us = us.median_us
         except Exception as e:  # e.g. a torch path that cannot be captured
             row[f"{label}_graph_error"] = f"{type(e).__name__}: {e}"[:200]
