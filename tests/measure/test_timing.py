@@ -156,3 +156,20 @@ def test_a_suites_graph_reading_runs_every_input_set_each_replay():
 
     timing.graph_time_over(runner, sets)
     assert bool((seen > 0).all()), seen
+
+
+def test_a_rotation_of_small_sets_passes_twice_a_hopper_l2(monkeypatch: pytest.MonkeyPatch):
+    """Sets of 1 MiB on a GPU with a 50 MiB L2: enough of them that each call's operands were
+    evicted since its last turn; big sets need few, and the CPU keeps a handful."""
+    monkeypatch.setattr(timing, "cache_bytes", lambda device: 50 * 2**20)
+    assert timing.rotation_sets(2**20, "cuda") * 2**20 > 2 * 50 * 2**20
+    assert timing.rotation_sets(64 * 2**20, "cuda") == 3  # 2 x L2 in two, and one more
+    assert timing.rotation_sets(1024, "cuda") == timing.MAX_SETS
+    assert timing.rotation_sets(1024, "cpu") == timing.CPU_MAX_SETS
+    assert timing.rotation_sets(16 * 2**30, "cuda") == 1  # past the memory bound: one set
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_rotation_of_1_mib_sets_passes_twice_this_gpus_l2():
+    assert timing.rotation_sets(2**20, "cuda") * 2**20 > 2 * timing.cache_bytes("cuda")

@@ -60,6 +60,7 @@ from tuner.candidates import gemm_operands as ops
 from tuner.candidates.base import Params
 from tuner.core.keys import DTYPES, GemmKey
 from tuner.core.tensor_memo import TensorMemo
+from tuner.measure import timing
 from tuner.quant import int4_torch
 
 TILE_K = 64  # 16-bit activations: 128 bytes of K per tile, the generator's only choice
@@ -78,10 +79,10 @@ ALIGN = 16  # bytes: every operand goes through TMA
 SMALL_M, MEDIUM_M = 128, 512  # shortlist classes by M (the activations' rows)
 GENERATOR_CUDA = "13.0"  # the toolkit the generator lists kernels for: the GPU image's nvcc
 # Operand pointer sets a launcher keeps initialized kernel params for: more than the input
-# sets a timing rotation cycles through (timing.rotation_sets: at most 32), with outputs. A
-# model whose layers of one shape cycle through more sets than this initializes on every call:
-# host time lost, never a wrong result.
-PLAN_ENTRIES = 64
+# sets a timing rotation cycles through (``timing.MAX_SETS``), with outputs. A model whose
+# layers of one shape cycle through more sets than this initializes on every call: host time
+# lost, never a wrong result.
+PLAN_ENTRIES = 2 * timing.MAX_SETS
 # The tile scheduler's runtime arguments besides the swizzle (no new kernel): how a stream-K
 # kernel shares out K ("decomposition": CUTLASS's DecompositionMode, with "splits" K splits per
 # output tile for "splitk") and the raster order of a persistent kernel's tiles ("weight": along

@@ -36,6 +36,10 @@ import torch
 T = TypeVar("T")
 
 CPU_L2_BYTES = 32 * 2**20  # a generous last-level cache guess; CPU rotation matters less
+# input sets a GPU rotation holds at most: sets of 1 MiB (a small GEMM's operands) still rotate
+# over twice a Hopper L2 (50 MiB); smaller ones read too little for the cache to weigh much
+MAX_SETS = 128
+CPU_MAX_SETS = 4
 WARMUP = 3  # untimed calls before the clock starts (measure_sets: at least one per input set)
 STEADY_US = 100.0  # calls this long are GPU-bound: launch jitter is a small share of them
 STEADY_REPS = 20  # samples enough for such a call's median
@@ -67,13 +71,12 @@ def cache_bytes(device: str) -> int:
     return CPU_L2_BYTES
 
 
-def rotation_sets(
-    bytes_per_set: int, device: str, *, max_sets: int = 32, max_total: int = 8 * 2**30
-) -> int:
-    """How many input sets make the rotation at least twice the cache (bounded by memory)."""
+def rotation_sets(bytes_per_set: int, device: str, *, max_total: int = 8 * 2**30) -> int:
+    """How many input sets make the rotation at least twice the cache (bounded by memory and by
+    ``MAX_SETS``)."""
     want = math.ceil(2 * cache_bytes(device) / max(bytes_per_set, 1)) + 1
     fit = max(1, max_total // max(bytes_per_set, 1))
-    cap = max_sets if device == "cuda" else 4
+    cap = MAX_SETS if device == "cuda" else CPU_MAX_SETS
     return max(1, min(want, cap, fit))
 
 
