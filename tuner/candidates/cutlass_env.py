@@ -403,7 +403,10 @@ def _compile_here(spec: KernelSpec) -> dict[str, Any]:
         op = load(spec)
     except Exception as e:
         detail = _compile_errors(nvcc_build.work_dir())
-        permanent = isinstance(e, LookupError | ValueError) or "Invalid" in str(e)
+        # cutlass_cppgen says "Invalid Kernel" for any failed nvcc: only its log's errors tell a
+        # refused kernel from a killed compiler (``nvcc_build.killed``) or an unknown cause
+        refused = "Invalid" in str(e) and bool(detail) and not nvcc_build.killed(detail)
+        permanent = isinstance(e, LookupError | ValueError) or refused
         text = f"{type(e).__name__}: {e}" + (f"\n{detail}" if detail else "")
         return {"ok": False, "permanent": permanent, "error": text[:4000]}
     seconds = time.perf_counter() - started

@@ -8,8 +8,9 @@ of their own (``cutlass_w4a16``, ``cuda_w4a16``). What they share:
   ``~/.cache/tuner/cutlass``) with a marker per spec (``compiled/``, ``failed/``, named by the
   spec's digest) and the shared libraries (``lib/``);
 - ``compile_all``: missing specs compiled in parallel, each in its own process running its
-  ``builder`` module (a compiler crash cannot take the tuner down); a spec that fails to compile
-  is remembered with its error and never compiled again;
+  ``builder`` module (a compiler crash cannot take the tuner down); a spec whose source the
+  compiler refuses is remembered with its error and never compiled again (one whose compiler
+  was killed, ``killed``, is tried again);
 - ``build_library``: a builder's nvcc run that makes one shared library, written in one step.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -197,6 +199,16 @@ def compile_all(
     return {spec: result[spec] for spec in dict.fromkeys(specs)}
 
 
+# what a compiler stage killed from outside prints (nvcc for cicc or ptxas, g++ for cc1plus; the
+# out-of-memory killer is the usual sender): the source is not at fault, and a later try may pass
+_KILLED = re.compile(r"died due to signal|Killed signal|bad_alloc|out of memory", re.IGNORECASE)
+
+
+def killed(output: str) -> bool:
+    """Whether a failed compile's ``output`` says a compiler stage was killed, not refused."""
+    return _KILLED.search(output) is not None
+
+
 def build_library(
     spec: BuildSpec, command: Callable[[Path], list[str]], info: dict[str, Any]
 ) -> dict[str, Any]:
@@ -204,7 +216,7 @@ def build_library(
     own, which then replaces ``library_path(spec)`` in one step, so that no loader opens a
     library being written and two builds of one spec never share a file; ``spec`` is then marked
     compiled with ``info``. The verdict ``compile_all`` reads: a compile error fails for good, a
-    killed nvcc (a negative exit) may pass later."""
+    killed nvcc (a negative exit) or compiler stage (``killed``) may pass later."""
     started = time.perf_counter()
     out = library_path(spec)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +228,8 @@ def build_library(
             f"nvcc exited with {proc.returncode}: {proc.stderr.strip()[-1500:]}"
         ]
         text = "\n".join(errors[:12])[:4000]
-        return {"ok": False, "permanent": proc.returncode > 0, "error": text}
+        permanent = proc.returncode > 0 and not killed(proc.stderr)
+        return {"ok": False, "permanent": permanent, "error": text}
     tmp.replace(out)
     seconds = time.perf_counter() - started
     record(spec, "compiled", {"seconds": round(seconds, 2), **info})
