@@ -120,6 +120,33 @@ def test_fully_masked_rows_are_zero() -> None:
         assert torch.isfinite(o).all()
 
 
+PREFILL_AND_DECODE = [
+    (ATTN, {"q_len": 24, "kv_len": 40}, SMALL_PREFILL),
+    (DECODE, {"q_len": 4, "kv_len": 61}, {"bn": 16, "splits": 1, "warps": 4, "stages": 1}),
+    (DECODE, {"q_len": 4, "kv_len": 61}, {"bn": 16, "splits": 3, "warps": 4, "stages": 1}),
+    (
+        DECODE,
+        {"q_len": 1, "kv_len": 61},
+        {"bn": 16, "splits": 2, "warps": 4, "stages": 1, "fused": True},
+    ),
+]
+
+
+@pytest.mark.parametrize(("source", "shape", "params"), PREFILL_AND_DECODE)
+def test_a_nan_among_the_keys_gives_nan_rows_as_torchs(source, shape, params) -> None:
+    """A NaN in K (activations that overflowed upstream) makes NaN every row that sees that
+    key, as torch's does: not zeros, which a NaN check downstream would not catch."""
+    key = sdpa_key(dtype="f32", **shape)
+    q, k, v = make(key, "bhsd")
+    k[0, 1, 3, 0] = float("nan")  # batch 0, kv head 1: q heads 2 and 3
+    ours = source.build(key, params)(q, k, v)
+    theirs = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    nan_rows = theirs.isnan().any(-1)
+    assert nan_rows[0, 2:].all() and not nan_rows[0, :2].any()
+    assert torch.equal(ours.isnan().any(-1), nan_rows)
+    torch.testing.assert_close(ours[~nan_rows], theirs[~nan_rows], rtol=1e-4, atol=1e-5)
+
+
 def test_prefill_rejects_what_it_cannot_do() -> None:
     assert "head_dim_v" in ATTN.unsupported(sdpa_key(head_dim=64, head_dim_v=128))
     assert "head_dim 512" in ATTN.unsupported(sdpa_key(head_dim=512))

@@ -138,7 +138,9 @@ def _flash_fwd(
             offs_m, offs_n, d_ok, kv_len, causal_offset, qk_scale, True, HEAD_DIM == BLOCK_D, CAUSAL, PRECISION,
         )  # fmt: skip
 
-    seen = l_i > 0.0  # False only for rows that may see no key (bottom-right, q_len > kv_len)
+    # False only for rows that may see no key (bottom-right, q_len > kv_len): written as 0; a
+    # NaN sum (a NaN or inf among the scores) is seen, so the row is NaN, as torch's is
+    seen = l_i != 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     out = tl.where(seen[:, None], out, 0.0)
     o_ptrs = (

@@ -92,7 +92,7 @@ def _merge_splits(
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 0)
         l_run = l_run * alpha + tl.sum(w * l_s, 0)
         m_run = m_new
-    seen = l_run > 0.0
+    seen = l_run != 0.0  # NaN stays NaN (``triton_attention``)
     out = tl.where(seen[:, None], acc / tl.where(seen, l_run, 1.0)[:, None], 0.0)
     head = kvh * GROUP + r // Q_LEN
     pos = r % Q_LEN
@@ -175,7 +175,7 @@ def _decode_split(
         m_i = m_new
 
     if SINGLE:
-        seen = l_i > 0.0
+        seen = l_i != 0.0  # NaN stays NaN (``triton_attention``)
         out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
         o_ptrs = (
             Out + b.to(tl.int64) * s_ob + head[:, None].to(tl.int64) * s_oh + pos[:, None] * s_om
@@ -251,7 +251,7 @@ def _decode_merge(
         acc = acc * alpha + tl.sum(w[:, None] * o_s, 0)
         l_run = l_run * alpha + tl.sum(w * l_s, 0)
         m_run = m_new
-    seen = l_run > 0.0
+    seen = l_run != 0.0  # NaN stays NaN (``triton_attention``)
     out = tl.where(seen, acc / tl.where(seen, l_run, 1.0), 0.0)
     o_ptrs = Out + b.to(tl.int64) * s_ob + head.to(tl.int64) * s_oh + pos * s_om + offs_d * s_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
