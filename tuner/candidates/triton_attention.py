@@ -243,11 +243,15 @@ def qkvo_strides(key: SdpaKey) -> tuple[int, ...]:
 
 
 def output_for(key: SdpaKey, q: torch.Tensor) -> torch.Tensor:
-    return torch.empty(
-        (key.batch, key.q_heads, key.q_len, key.head_dim_v),
-        dtype=DTYPES[key.dtype],
-        device=q.device,
-    )
+    """The output, heads interleaved where ``q``'s are (B, S, H, D in memory, as projections
+    make them), else contiguous: torch's fused kernels return that layout, and a caller's
+    ``o.transpose(1, 2).view(b, s, -1)`` works only on it."""
+    dtype = DTYPES[key.dtype]
+    if not q.is_contiguous() and q.transpose(1, 2).is_contiguous():
+        shape = (key.batch, key.q_len, key.q_heads, key.head_dim_v)
+        return torch.empty(shape, dtype=dtype, device=q.device).transpose(1, 2)
+    shape = (key.batch, key.q_heads, key.q_len, key.head_dim_v)
+    return torch.empty(shape, dtype=dtype, device=q.device)
 
 
 def smem_bytes(key: SdpaKey, bm: int, bn: int, stages: int) -> int:
