@@ -74,7 +74,7 @@ import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from tuner.candidates import registry
-from tuner.candidates.torch_ref import torch_sdpa
+from tuner.candidates.torch_ref import in_sdpa_layout, sdpa_output, torch_sdpa
 from tuner.core.console import counted
 from tuner.core.device import fingerprint
 from tuner.core.fork_safe import ForkSafeLock
@@ -209,14 +209,14 @@ def tuned_sdpa(
     that enable it)."""
     with _inside_tuner():
         disp = active_dispatcher()
-        return _contiguous(disp.sdpa(q, k, v, causal=causal, scale=scale, enable_gqa=True))
+        return in_sdpa_layout(disp.sdpa(q, k, v, causal=causal, scale=scale, enable_gqa=True), q)
 
 
 @tuned_sdpa.register_fake
 def _tuned_sdpa_fake(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float | None
 ) -> torch.Tensor:
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return sdpa_output(q, v.shape[-1])
 
 
 def _sdpa_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:

@@ -93,6 +93,29 @@ def torch_sdpa(
     )
 
 
+def heads_interleaved(q: torch.Tensor) -> bool:
+    """Whether ``q`` (B, H, S, D) lies as (B, S, H, D) in memory, as projections make it: torch's
+    fused SDPA kernels then return their output in that layout too, and callers count on it
+    (``o.transpose(1, 2).view(b, s, -1)`` works on no other)."""
+    return not q.is_contiguous() and q.transpose(1, 2).is_contiguous()
+
+
+def sdpa_output(q: torch.Tensor, head_dim_v: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty SDPA output for ``q`` in the layout torch's fused kernels give it: heads
+    interleaved where ``q``'s are (``heads_interleaved``), else contiguous."""
+    b, h, s, _ = q.shape
+    if heads_interleaved(q):
+        return q.new_empty((b, s, h, head_dim_v), dtype=dtype).transpose(1, 2)
+    return q.new_empty((b, h, s, head_dim_v), dtype=dtype)
+
+
+def in_sdpa_layout(o: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``o``, an SDPA output for ``q``, in ``sdpa_output``'s layout: copied only where it is not
+    (torch's own kernels choose theirs by backend)."""
+    laid = o.transpose(1, 2) if heads_interleaved(q) else o
+    return o if laid.is_contiguous() else sdpa_output(q, o.shape[-1]).copy_(o)
+
+
 def sdpa_mask(key: SdpaKey, device: Any) -> tuple[Any, bool]:
     """(attn_mask, is_causal) for torch's SDPA: top-left is torch's ``is_causal``.
 

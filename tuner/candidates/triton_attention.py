@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.base import Params, Runner, Source, triton_unavailable
+from tuner.candidates.torch_ref import sdpa_output
 from tuner.candidates.triton_kernels.cache_keys import settle
 from tuner.candidates.triton_kernels.launch import FakeTensor, WarmJob, precompile
 from tuner.core.keys import DTYPES, SdpaKey
@@ -243,15 +244,8 @@ def qkvo_strides(key: SdpaKey) -> tuple[int, ...]:
 
 
 def output_for(key: SdpaKey, q: torch.Tensor) -> torch.Tensor:
-    """The output, heads interleaved where ``q``'s are (B, S, H, D in memory, as projections
-    make them), else contiguous: torch's fused kernels return that layout, and a caller's
-    ``o.transpose(1, 2).view(b, s, -1)`` works only on it."""
-    dtype = DTYPES[key.dtype]
-    if not q.is_contiguous() and q.transpose(1, 2).is_contiguous():
-        shape = (key.batch, key.q_len, key.q_heads, key.head_dim_v)
-        return torch.empty(shape, dtype=dtype, device=q.device).transpose(1, 2)
-    shape = (key.batch, key.q_heads, key.q_len, key.head_dim_v)
-    return torch.empty(shape, dtype=dtype, device=q.device)
+    """The output in the layout torch's fused kernels give (``torch_ref.sdpa_output``)."""
+    return sdpa_output(q, key.head_dim_v, DTYPES[key.dtype])
 
 
 def smem_bytes(key: SdpaKey, bm: int, bn: int, stages: int) -> int:
