@@ -17,7 +17,7 @@ a bad operand by its argument in aten's schema (``self``, ``mat2``, ``scale_a``,
 ``RuntimeError`` torch would raise (a float16 ``self`` for CUDA's int4 op, scales on another
 device). Leading batch dims are folded like torch does (``x.reshape(-1, K)``; a copy only where
 torch copies too). Everything else (broadcast batches, ``out=``, mixed dtypes, subclasses, masks,
-dropout) is left to torch untouched, and the dispatcher itself falls back to torch for layouts
+dropout, attention under ``sdpa_kernel``) is left to torch untouched, and the dispatcher itself falls back to torch for layouts
 the tuner does not key (odd strides). Results are always those of a checked kernel or of torch.
 
 **How.** ``enable()`` replaces those entry points (module attributes of ``torch``,
@@ -207,6 +207,8 @@ def tuned_sdpa(
     """Scaled dot-product attention (``causal``: none, top_left or bottom_right) through the
     tuner; grouped-query where the head counts differ (the router emits it only for such calls
     that enable it)."""
+    if _sdpa_backends_chosen():
+        return in_sdpa_layout(torch_sdpa(q, k, v, causal, scale), q)
     with _inside_tuner():
         disp = active_dispatcher()
         return in_sdpa_layout(disp.sdpa(q, k, v, causal=causal, scale=scale, enable_gqa=True), q)
@@ -590,6 +592,21 @@ def _transformed() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
+_SDPA_BACKENDS = (
+    torch.backends.cuda.flash_sdp_enabled,
+    torch.backends.cuda.mem_efficient_sdp_enabled,
+    torch.backends.cuda.math_sdp_enabled,
+)
+
+
+def _sdpa_backends_chosen() -> bool:
+    """Whether the caller picked torch's SDPA backends (``torch.nn.attention.sdpa_kernel``, or
+    one of flash, memory-efficient and math switched off): such a call asks for torch's kernels,
+    a reference or a debugging run, and gets them. (cuDNN's alone off is a common workaround,
+    not a choice.) Read at run time: Dynamo cannot trace these switches."""
+    return not all(enabled() for enabled in _SDPA_BACKENDS)
+
+
 def _named_like(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
     wrapper.__name__ = getattr(original, "__name__", wrapper.__name__)
     wrapper.__doc__ = getattr(original, "__doc__", None)
@@ -646,9 +663,10 @@ def _sdpa_entry(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def sdpa(*args: Any, **kwargs: Any) -> Any:
         router = _active
-        if router is None or _transformed():
+        compiling = torch.compiler.is_compiling()
+        if router is None or _transformed() or (not compiling and _sdpa_backends_chosen()):
             return call(*args, **kwargs)
-        if len(args) != 3 or kwargs.get("attn_mask") is not None or torch.compiler.is_compiling():
+        if len(args) != 3 or kwargs.get("attn_mask") is not None or compiling:
             return _route(router, "_sdpa", call, args, kwargs)
         q, k, v = args
         try:
