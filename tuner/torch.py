@@ -592,11 +592,11 @@ def _transformed() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
-_SDPA_BACKENDS = (
-    torch.backends.cuda.flash_sdp_enabled,
-    torch.backends.cuda.mem_efficient_sdp_enabled,
-    torch.backends.cuda.math_sdp_enabled,
-)
+# what torch.backends.cuda.{flash,mem_efficient,math}_sdp_enabled read, called directly: a few
+# times cheaper, and every SDPA call asks
+_FLASH_ON = torch._C._get_flash_sdp_enabled
+_MEM_EFFICIENT_ON = torch._C._get_mem_efficient_sdp_enabled
+_MATH_ON = torch._C._get_math_sdp_enabled
 
 
 def _sdpa_backends_chosen() -> bool:
@@ -604,7 +604,7 @@ def _sdpa_backends_chosen() -> bool:
     one of flash, memory-efficient and math switched off): such a call asks for torch's kernels,
     a reference or a debugging run, and gets them. (cuDNN's alone off is a common workaround,
     not a choice.) Read at run time: Dynamo cannot trace these switches."""
-    return not all(enabled() for enabled in _SDPA_BACKENDS)
+    return not (_FLASH_ON() and _MEM_EFFICIENT_ON() and _MATH_ON())
 
 
 def _named_like(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
