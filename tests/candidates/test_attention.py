@@ -149,19 +149,17 @@ def test_a_nan_among_the_keys_gives_nan_rows_as_torchs(source, shape, params) ->
 
 @pytest.mark.parametrize(("source", "shape", "params"), PREFILL_AND_DECODE)
 def test_the_output_takes_qs_layout_as_torchs_does(source, shape, params) -> None:
-    """Heads interleaved in q (B, S, H, D in memory): the output too, so that a model's
-    ``o.transpose(1, 2).view(b, s, h * d)`` runs as it does on torch's kernel."""
+    """Heads interleaved in q (B, S, H, D in memory): the output too, as torch's fused kernels
+    give it (its math path, which GQA takes on a GPU, gives contiguous outputs), so that a
+    model's ``o.transpose(1, 2).view(b, s, h * d)`` runs as it does on torch's kernel."""
     key = sdpa_key(dtype="f32", **shape)
     runner = source.build(key, params)
     q, k, v = make(key, "bshd")
     ours, theirs = runner(q, k, v), F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    strides = [
-        [st for st, n in zip(o.stride(), o.shape, strict=True) if n > 1] for o in (ours, theirs)
-    ]
-    assert strides[0] == strides[1]  # a dim of one element has no layout
+    assert ours.transpose(1, 2).is_contiguous()
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     ours.transpose(1, 2).view(key.batch, key.q_len, -1)  # raises where the layout differs
-    assert runner(*make(key, "bhsd")).is_contiguous()  # torch's layout varies by backend there
+    assert runner(*make(key, "bhsd")).is_contiguous()
 
 
 def test_prefill_rejects_what_it_cannot_do() -> None:
