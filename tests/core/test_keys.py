@@ -140,3 +140,23 @@ def test_a_misspelt_choice_names_the_value_meant_and_a_far_one_only_the_choices(
         parse_key("gemm:m=4,n=4,k=4,dtype=bf61")
     with pytest.raises(ValueError, match=r"got 'int8'$"):
         parse_key("gemm:m=4,n=4,k=4,dtype=int8")
+
+
+def test_sdpa_labels_tell_apart_every_problem_a_table_shows():
+    """``show`` and the reports name problems by label: one of another V head dim or scale
+    reads apart from the default one."""
+    base = dict(batch=1, q_heads=4, kv_heads=2, q_len=3, kv_len=9, head_dim=16, dtype="f32")
+    keys = [
+        SdpaKey(**base),
+        SdpaKey(**base, scale=16**-0.5),  # the default, written as models write it: one key
+        SdpaKey(**base, scale=0.7),
+        SdpaKey(**base, head_dim_v=8),
+        SdpaKey(**base, causal="top_left"),
+    ]
+    labels = [k.label for k in keys]
+    assert labels[0] == labels[1] == "attn b1 h4/2 q3 kv9 d16 f32"
+    assert labels[2:] == [
+        "attn b1 h4/2 q3 kv9 d16 f32 scale 0.7",
+        "attn b1 h4/2 q3 kv9 d16 dv8 f32",
+        "attn b1 h4/2 q3 kv9 d16 top_left f32",
+    ]

@@ -536,6 +536,9 @@ def test_sdpa_names_the_argument_it_cannot_take(tmp_path, monkeypatch):
             dispatch_module.sdpa(q, q, q, causal=causal)
     with pytest.raises(TypeError, match=r"^scale must be a number or None, got \[1\]$"):
         dispatch_module.sdpa(q, q, q, scale=[1])
+    mask = torch.ones(4, 4, dtype=torch.bool)  # in torch's SDPA, the fourth argument is a mask
+    with pytest.raises(TypeError, match=r"got a tensor of shape \(4, 4\) \(for a mask, call "):
+        dispatch_module.sdpa(q, q, q, mask)
 
 
 def test_a_causal_refused_alone_is_refused_after_the_bool_it_equals(tmp_path):

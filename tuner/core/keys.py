@@ -386,9 +386,17 @@ class SdpaKey:
 
     @property
     def label(self) -> str:
-        """Short human form for tables, e.g. ``attn b1 h32/8 q2048 kv2048 d128 top_left bf16``."""
-        causal = "" if self.causal == "none" else f" {self.causal}"
-        return f"attn b{self.batch} h{self.q_heads}/{self.kv_heads} q{self.q_len} kv{self.kv_len} d{self.head_dim}{causal} {self.dtype}"
+        """Short human form for tables, e.g. ``attn b1 h32/8 q2048 kv2048 d128 top_left bf16``
+        (``dv64`` where V's head dim differs, ``scale 0.5`` where the scale is not the default);
+        not parseable."""
+        dims = f"d{self.head_dim}" + (
+            f" dv{self.head_dim_v}" if self.head_dim_v != self.head_dim else ""
+        )
+        extras = [self.causal] * (self.causal != "none") + [self.dtype]
+        if self.scale != 1.0 / math.sqrt(self.head_dim):
+            extras.append(f"scale {self.scale:g}")
+        shape = f"attn b{self.batch} h{self.q_heads}/{self.kv_heads} q{self.q_len} kv{self.kv_len}"
+        return " ".join([shape, dims, *extras])
 
     @classmethod
     def from_tensors(

@@ -143,7 +143,8 @@ def _order(key: str) -> tuple:
     k = parse_key(key)
     if isinstance(k, GemmKey):
         return (k.op, k.dtype, k.compute, k.layout, k.n, k.k, k.batch, k.m, k.align)
-    return (k.op, k.dtype, k.causal, k.q_heads, k.kv_heads, k.head_dim, k.q_len, k.kv_len, k.batch)
+    return (k.op, k.dtype, k.causal, k.q_heads, k.kv_heads, k.head_dim, k.head_dim_v, k.scale,
+            k.q_len, k.kv_len, k.batch)  # fmt: skip
 
 
 def _journal_index(journal: list[dict[str, Any]], device_class: str) -> dict[str, list[dict]]:

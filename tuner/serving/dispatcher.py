@@ -101,7 +101,11 @@ def _causal_mode(causal: Any) -> str:
     if mode is None:
         words = ", ".join(repr(w) for w in CAUSAL if isinstance(w, str))
         error = ValueError if isinstance(causal, str) else TypeError
-        raise error(f"causal must be a bool or one of {words}, got {causal!r}")
+        got = repr(causal)
+        if isinstance(causal, torch.Tensor):  # a mask passed where torch's SDPA takes one
+            got = (f"a tensor of shape {tuple(causal.shape)} (for a mask, call torch's "
+                   "F.scaled_dot_product_attention)")  # fmt: skip
+        raise error(f"causal must be a bool or one of {words}, got {got}")
     return mode
 
 
