@@ -25,7 +25,7 @@ from tuner.cli.main import app
 from tuner.core import console
 from tuner.core.console import PIPED_WIDTH
 from tuner.core.device import fingerprint
-from tuner.core.keys import GemmKey
+from tuner.core.keys import GemmKey, parse_key
 from tuner.measure.records import Measurement, Winner
 from tuner.serving.dispatcher import Dispatcher
 from tuner.tuning.engine import PHASES, TuneOptions
@@ -915,6 +915,31 @@ SDPA_ARGS = (
     "16",
 )
 SDPA_KEY = "sdpa:batch=1,q_heads=2,kv_heads=2,q_len=1,kv_len=64,head_dim=16,dtype=f32"
+
+
+def test_tune_sdpa_takes_a_v_head_dim_and_a_scale_and_names_the_default_it_refuses(tmp_path):
+    """A model's problem with its own V head dim or scale is tuned by the command as by a key
+    string, and shows apart from the default one; heads the default --kv-heads does not divide
+    say which default refused them."""
+    cache = tmp_path / "c.db"
+    tuner("tune", "sdpa", *SDPA_ARGS, "--head-dim-v", "8", "--scale", "0.3", "--dtype", "f32",
+          "--source", "torch_sdpa", "--budget", "0.01", cache=cache)  # fmt: skip
+    (shown,) = json.loads(tuner("show", "--json", cache=cache).stdout)
+    key = parse_key(shown["key"])
+    assert (key.head_dim_v, key.scale) == (8, 0.3)
+    assert "d16 dv8 f32 scale 0.3" in tuner("show", cache=cache).stdout
+    r = tuner("tune", "sdpa", "--q-len", "1", "--kv-len", "8", "--q-heads", "4", cache=cache,
+              check=False)  # fmt: skip
+    assert r.returncode == 2
+    assert (
+        r.stderr.strip()
+        == "error: --kv-heads (default 8) must divide --q-heads (4): give --kv-heads"
+    )
+    r = tuner("tune", "sdpa", *SDPA_ARGS, "--scale", "0", cache=cache, check=False)
+    assert (r.returncode, r.stderr.strip()) == (
+        2,
+        "error: --scale must be a positive number, got 0",
+    )
 
 
 @pytest.mark.parametrize(

@@ -338,14 +338,30 @@ def _gemm_key(
     return key
 
 
+DEFAULT_KV_HEADS = 8  # tune sdpa's --kv-heads: Llama-3-8B's
+
+
 @tune_app.command("sdpa")
 def tune_sdpa(
     q_len: Annotated[int, typer.Option(help="Query length.")],
     kv_len: Annotated[int, typer.Option(help="Key/value length.")],
     batch: Annotated[int, typer.Option(help="Batch size.")] = 1,
     q_heads: Annotated[int, typer.Option(help="Query heads.")] = 32,
-    kv_heads: Annotated[int, typer.Option(help="Key/value heads (fewer: grouped-query).")] = 8,
+    kv_heads: Annotated[
+        int | None,
+        typer.Option(help="Key/value heads (fewer: grouped-query; default 8).", show_default=False),
+    ] = None,
     head_dim: Annotated[int, typer.Option(help="Head dimension.")] = 128,
+    head_dim_v: Annotated[
+        int | None,
+        typer.Option(
+            help="V's head dimension, where it differs from --head-dim.", show_default=False
+        ),
+    ] = None,
+    scale: Annotated[
+        float | None,
+        typer.Option(help="Softmax scale (default 1/sqrt(head dim)).", show_default=False),
+    ] = None,
     causal: Annotated[
         str, typer.Option(help="none, top_left (torch's is_causal) or bottom_right.")
     ] = "none",
@@ -364,9 +380,17 @@ def tune_sdpa(
         budget=budget, ops=("sdpa",), source=source, launch=launch, confirm_rounds=confirm_rounds,
         confirm_tries=confirm_tries, sustained=sustained, isolate=isolate,
     )  # fmt: skip
+    if kv_heads is None and q_heads % DEFAULT_KV_HEADS:
+        raise ValueError(
+            f"--kv-heads (default {DEFAULT_KV_HEADS}) must divide --q-heads ({q_heads}): "
+            "give --kv-heads"
+        )
+    if scale is not None and scale <= 0:  # 0 in a key string stands for the default
+        raise ValueError(f"--scale must be a positive number, got {scale:g}")
     key = SdpaKey(
-        batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
-        head_dim=head_dim, causal=causal, dtype=dtype,
+        batch=batch, q_heads=q_heads, kv_heads=kv_heads or DEFAULT_KV_HEADS, q_len=q_len,
+        kv_len=kv_len, head_dim=head_dim, head_dim_v=head_dim_v or 0, causal=causal, dtype=dtype,
+        scale=scale or 0.0,
     )  # fmt: skip
     run_tune(key, cache, options)
 
