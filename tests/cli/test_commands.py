@@ -1081,7 +1081,6 @@ def test_tune_all_says_what_op_left_out(tmp_path) -> None:
     from rich.console import Console
 
     from tuner.cli.tune_all import Sources, add_recorded
-    from tuner.core.keys import parse_key
     from tuner.offline.problem_set import ProblemSet
 
     problems = ProblemSet()
