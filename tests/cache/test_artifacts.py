@@ -122,21 +122,26 @@ def test_two_hashes_for_one_spec_are_a_conflict(tmp_path: Path) -> None:
         assert (store.blobs / sha256(second)).read_bytes() == second  # kept apart
 
 
-def test_an_evicted_spec_takes_its_conflicting_builds_with_it(tmp_path: Path) -> None:
-    """Nothing of a spec stays counted against the limit once it is evicted, nor reported as a
-    conflict with no build served."""
-    blob = {name: pack({"k.bin": name.encode() * 400}) for name in ("a", "a2", "b", "c")}
+def test_conflicting_builds_are_evicted_before_any_served_one(tmp_path: Path) -> None:
+    """A conflict is never served (it shows a build is not reproducible): it goes first, and a
+    spec's own conflicts never hold the store past its limit, where the next put of another
+    spec would evict that spec's served build."""
+    blob = {name: pack({"k.bin": name.encode() * 400}) for name in ("a", "a2", "a3", "b", "c")}
     size = len(blob["a"])
     with ArtifactStore(tmp_path, max_bytes=3 * size) as store:
         store.put(spec("a"), blob["a"])
-        store.add_verified(spec("a"), sha256(blob["a2"]), blob["a2"])  # a conflict: kept apart
-        store.put(spec("b"), blob["b"])
-        store.put(spec("c"), blob["c"])  # over the limit: a, the least recently used, goes
-        assert store.get(spec("a")) is None and store.conflicts() == []
+        for again in ("a2", "a3"):  # two more builds of a, each kept apart while they fit
+            store.add_verified(spec("a"), sha256(blob[again]), blob[again])
+        assert [c.hashes for c in store.conflicts()] == [
+            tuple(sha256(blob[n]) for n in ("a", "a2", "a3"))
+        ]
+        store.put(spec("b"), blob["b"])  # over the limit: the oldest conflict goes
+        store.put(spec("c"), blob["c"])  # and the other one
+        assert store.conflicts() == []
+        assert {store.get(spec(n)) for n in "abc"} == {blob[n] for n in "abc"}
         assert sorted(p.name for p in store.blobs.iterdir()) == sorted(
-            sha256(blob[n]) for n in "bc"
+            sha256(blob[n]) for n in "abc"
         )
-        assert {store.get(spec(n)) for n in "bc"} == {blob[n] for n in "bc"}
 
 
 def test_a_read_only_index_still_serves_its_artifacts(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ equal bytes and an equal hash on every host).
 
 Blobs live under ``$TUNER_ARTIFACTS``, else ``artifacts/`` beside the tuner cache file, with an
 ``index.db`` (spec -> hash, size, created, last used). The store keeps at most
-``$TUNER_ARTIFACTS_MAX_BYTES`` and evicts the least recently used artifacts beyond it. Every read
+``$TUNER_ARTIFACTS_MAX_BYTES`` and evicts conflicting builds (below), then the least recently
+used artifacts, beyond it. Every read
 re-checks the hash: a corrupt blob is reported and dropped, never returned. Downloads go through
 ``add_verified``, which rejects bytes that do not match the hash they were announced with. A
 second, different build of a spec is kept apart as a conflict and reported by ``conflicts()``;
@@ -353,25 +354,27 @@ class ArtifactStore:
             self._blob(digest).unlink(missing_ok=True)
 
     def _evict(self, c: sqlite3.Connection, keep: str) -> None:
-        """Drop least recently used artifacts (never ``keep``) until the store fits its limit."""
-        total = self._total(c)
-        if total <= self.max_bytes:
+        """Drop conflicting builds, oldest first (never served: kept to show that a build is not
+        reproducible), then the least recently used artifacts (never ``keep``), until the store
+        fits its limit. A spec's conflicts alone may otherwise hold it past the limit, and the
+        next put of another spec evict that spec's served build."""
+        if self._total(c) <= self.max_bytes:
             return
+        for spec_id, digest in c.execute(
+            "select spec_id, hash from conflicts order by seen, rowid"
+        ).fetchall():
+            c.execute("delete from conflicts where spec_id = ? and hash = ?", (spec_id, digest))
+            self._drop_unreferenced(c, digest)
+            if self._total(c) <= self.max_bytes:
+                return
         rows = c.execute(
             "select spec_id, hash from artifacts where spec_id != ? order by last_used, rowid",
             (keep,),
         ).fetchall()
-        for spec_id, digest in rows:
-            # its conflicting builds go with it: no other build of the spec is served or kept
-            others = c.execute(
-                "select hash from conflicts where spec_id = ?", (spec_id,)
-            ).fetchall()
+        for spec_id, digest in rows:  # no conflicts are left by now
             c.execute("delete from artifacts where spec_id = ?", (spec_id,))
-            c.execute("delete from conflicts where spec_id = ?", (spec_id,))
-            for gone in {digest, *(h for (h,) in others)}:
-                self._drop_unreferenced(c, gone)
-            total = self._total(c)
-            if total <= self.max_bytes:
+            self._drop_unreferenced(c, digest)
+            if self._total(c) <= self.max_bytes:
                 return
 
     @staticmethod
