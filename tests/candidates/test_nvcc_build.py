@@ -17,14 +17,14 @@ KILLED = "nvcc error   : 'cicc' died due to signal 9 (Kill signal)"
 REFUSED = "kernel.cu(12): error: identifier undefined_thing is undefined"
 
 
-def fake_nvcc(root: Path, first_stderr: str, first_exit: int) -> Path:
-    """An nvcc whose first compile fails with ``first_stderr`` and ``first_exit``; later ones
-    write the output file and succeed. Returns the file counting its compiles."""
+def fake_nvcc(root: Path, first_stderr: str, first_exit: int, release: str = "13.0") -> Path:
+    """An nvcc of ``release`` whose first compile fails with ``first_stderr`` and ``first_exit``;
+    later ones write the output file and succeed. Returns the file counting its compiles."""
     bin_dir, count = root / "cuda" / "bin", root / "compiles"
-    bin_dir.mkdir(parents=True)
+    bin_dir.mkdir(parents=True, exist_ok=True)
     nvcc = bin_dir / "nvcc"
     nvcc.write_text(f"""#!/bin/sh
-if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release 13.0, V13.0.48"; exit 0; fi
+if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release {release}, V{release}.1"; exit 0; fi
 echo x >> {count}
 if [ "$(wc -l < {count})" -eq 1 ]; then echo "{first_stderr}" >&2; exit {first_exit}; fi
 for a in "$@"; do if [ "$prev" = "-o" ]; then echo ELF > "$a"; fi; prev="$a"; done
@@ -38,10 +38,15 @@ def library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[cuda_w4
     monkeypatch.setenv("CUDA_INSTALL_PATH", str(tmp_path / "cuda"))
     monkeypatch.setenv("CUTLASS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("TUNER_ARTIFACTS", str(tmp_path / "artifacts"))
-    cuda_library.toolkit.cache_clear()
+    forget_the_toolkit()
     config = dict(zip(cuda_w4a16.CONFIG_KEYS, cuda_w4a16.SHORTLIST[0], strict=True))
     yield cuda_w4a16.library(config)
+    forget_the_toolkit()
+
+
+def forget_the_toolkit() -> None:
     cuda_library.toolkit.cache_clear()
+    nvcc_build.release.cache_clear()
 
 
 def test_a_compile_killed_for_memory_is_tried_again(tmp_path: Path, library) -> None:
@@ -64,6 +69,20 @@ def test_a_refused_source_is_never_compiled_again(tmp_path: Path, library) -> No
         library: REFUSED
     }
     assert len(compiles.read_text().splitlines()) == 1
+
+
+def test_a_source_refused_by_one_nvcc_release_is_compiled_again_under_another(
+    tmp_path: Path, library
+) -> None:
+    """A toolkit upgrade may take what the old compiler refused (a compiler bug, a missing
+    feature): a failure is remembered for the release that failed it."""
+    fake_nvcc(tmp_path, REFUSED, 1, release="12.4")
+    nvcc_build.compile_all([library], needs=cuda_library.cannot_compile)
+    assert nvcc_build.failure(library) == REFUSED
+    fake_nvcc(tmp_path, REFUSED, 1, release="13.0")
+    nvcc_build.release.cache_clear()  # (toolkit() kept: one name, as a CUTLASS kernel's is)
+    assert nvcc_build.failure(library) is None
+    assert nvcc_build.compile_all([library], needs=cuda_library.cannot_compile) == {library: None}
 
 
 @pytest.mark.parametrize(

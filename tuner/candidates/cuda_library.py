@@ -16,7 +16,6 @@ import functools
 import hashlib
 import json
 import re
-import subprocess
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
@@ -72,12 +71,7 @@ def source_digest(source: Path) -> str:
 def toolkit() -> str:
     """nvcc's release ("13.0"), which the libraries built here carry in their names; without
     nvcc, the CUDA release torch was built for: the toolkit whose libraries this host loads."""
-    nvcc = nvcc_build.nvcc_path()
-    if nvcc is not None:
-        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-        if found := re.search(r"release (\d+\.\d+)", text):
-            return found.group(1)
-    return torch.version.cuda or "none"
+    return nvcc_build.release() or torch.version.cuda or "none"
 
 
 def cannot_compile() -> str | None:

@@ -16,6 +16,7 @@ of their own (``cutlass_w4a16``, ``cuda_w4a16``). What they share:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -59,6 +60,17 @@ def nvcc_path() -> str | None:
         candidates.append(Path(found))
     candidates.append(Path("/usr/local/cuda/bin/nvcc"))
     return next((str(p) for p in candidates if p.is_file()), None)
+
+
+@functools.cache
+def release() -> str:
+    """nvcc's release ("13.0"); "" without nvcc."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        return ""
+    text = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"release (\d+\.\d+)", text)
+    return found.group(1) if found else ""
 
 
 def missing_nvcc() -> str | None:
@@ -108,9 +120,14 @@ def compiled_info(spec: BuildSpec) -> dict[str, Any] | None:
 
 
 def failure(spec: BuildSpec) -> str | None:
-    """The recorded compile error of ``spec``, or None if it never failed."""
+    """The recorded compile error of ``spec``, or None if it never failed, or failed under
+    another nvcc release than this host's (a new compiler may take what an old one refused)."""
     path = marker(spec, "failed")
-    return json.loads(path.read_text())["error"] if path.exists() else None
+    if not path.exists():
+        return None
+    failed = json.loads(path.read_text())
+    under, now = failed.get("nvcc", ""), release()
+    return None if under and now and under != now else failed["error"]
 
 
 def record(spec: BuildSpec, kind: str, data: dict[str, Any]) -> None:
@@ -135,7 +152,7 @@ def _compile_child(spec: BuildSpec, timeout_s: float) -> str | None:
     if verdict["ok"]:
         return None
     if verdict["permanent"]:
-        record(spec, "failed", {"error": verdict["error"]})
+        record(spec, "failed", {"error": verdict["error"], "nvcc": release()})
     return verdict["error"]
 
 
