@@ -172,7 +172,7 @@ class _TunedMM(torch.autograd.Function):
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    """The fake kernels promise contiguous outputs; runners almost always give them."""
+    """``tuner::mm``'s fake kernel promises a contiguous output; runners almost always give it."""
     return t if t.is_contiguous() else t.contiguous()
 
 
@@ -603,8 +603,16 @@ def _sdpa_backends_chosen() -> bool:
     """Whether the caller picked torch's SDPA backends (``torch.nn.attention.sdpa_kernel``, or
     one of flash, memory-efficient and math switched off): such a call asks for torch's kernels,
     a reference or a debugging run, and gets them. (cuDNN's alone off is a common workaround,
-    not a choice.) Read at run time: Dynamo cannot trace these switches."""
+    not a choice.) Read at run time by ``tuner::sdpa`` too: a compiled graph traced outside
+    ``sdpa_kernel`` may run inside one."""
     return not (_FLASH_ON() and _MEM_EFFICIENT_ON() and _MATH_ON())
+
+
+@torch.compiler.assume_constant_result
+def _sdpa_backends_chosen_when_traced() -> bool:
+    """``_sdpa_backends_chosen`` read while Dynamo traces (which cannot trace the switches
+    themselves): an ``sdpa_kernel`` block inside the compiled code leaves its calls to torch."""
+    return _sdpa_backends_chosen()
 
 
 def _named_like(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
@@ -664,7 +672,8 @@ def _sdpa_entry(original: Callable[..., Any]) -> Callable[..., Any]:
     def sdpa(*args: Any, **kwargs: Any) -> Any:
         router = _active
         compiling = torch.compiler.is_compiling()
-        if router is None or _transformed() or (not compiling and _sdpa_backends_chosen()):
+        chosen = _sdpa_backends_chosen_when_traced if compiling else _sdpa_backends_chosen
+        if router is None or _transformed() or chosen():
             return call(*args, **kwargs)
         if len(args) != 3 or kwargs.get("attn_mask") is not None or compiling:
             return _route(router, "_sdpa", call, args, kwargs)

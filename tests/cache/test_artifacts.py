@@ -221,3 +221,20 @@ def test_a_file_where_the_store_folder_belongs_is_named(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match=r"out\.json is a file, not a folder for compiled kernels"):
         ArtifactStore(taken)
     assert taken.read_text() == "{}"
+
+
+def test_a_conflict_the_limit_cannot_hold_is_said_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second build that pushes the store past its limit goes at once, before any served
+    build, and the warning says it was not kept."""
+    blob = {name: pack({"k.bin": name.encode() * 400}) for name in ("a", "a2", "b")}
+    size = len(blob["a"])
+    with ArtifactStore(tmp_path, max_bytes=2 * size) as store:
+        store.put(spec("a"), blob["a"])
+        store.put(spec("b"), blob["b"])
+        with caplog.at_level(logging.WARNING, logger="tuner.cache.artifacts"):
+            store.add_verified(spec("a"), sha256(blob["a2"]), blob["a2"])
+        assert "the first stays served, the second not kept" in caplog.text
+        assert store.conflicts() == []
+        assert {store.get(spec(n)) for n in "ab"} == {blob[n] for n in "ab"}

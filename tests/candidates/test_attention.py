@@ -147,18 +147,28 @@ def test_a_nan_among_the_keys_gives_nan_rows_as_torchs(source, shape, params) ->
     torch.testing.assert_close(ours[~nan_rows], theirs[~nan_rows], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize(("source", "shape", "params"), PREFILL_AND_DECODE)
+def q_of_fused_qkv(key: SdpaKey) -> torch.Tensor:
+    """q split from one projection's output (B, S, (H + 2 KV) D), as GPT-2, NeoX and Falcon
+    make it: heads interleaved, the memory not dense."""
+    width = (key.q_heads + 2 * key.kv_heads) * key.head_dim
+    qkv = torch.randn(key.batch, key.q_len, width, device=DEVICE).to(DTYPES[key.dtype])
+    q = qkv[..., : key.q_heads * key.head_dim]
+    return q.view(key.batch, key.q_len, key.q_heads, key.head_dim).transpose(1, 2)
+
+
+@pytest.mark.parametrize(("source", "shape", "params"), PREFILL_AND_DECODE[:3])  # q_len > 1
 def test_the_output_takes_qs_layout_as_torchs_does(source, shape, params) -> None:
-    """Heads interleaved in q (B, S, H, D in memory): the output too, as torch's fused kernels
-    give it (its math path, which GQA takes on a GPU, gives contiguous outputs), so that a
-    model's ``o.transpose(1, 2).view(b, s, h * d)`` runs as it does on torch's kernel."""
+    """Heads interleaved in q (one position's heads side by side): a (B, S, H, D) output, as
+    torch's fused kernels give it (its math path, which GQA takes on a GPU, gives contiguous
+    outputs), so that a model's ``o.transpose(1, 2).view(b, s, h * d)`` runs as on torch's."""
     key = sdpa_key(dtype="f32", **shape)
     runner = source.build(key, params)
-    q, k, v = make(key, "bshd")
-    ours, theirs = runner(q, k, v), F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    assert ours.transpose(1, 2).is_contiguous()
-    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
-    ours.transpose(1, 2).view(key.batch, key.q_len, -1)  # raises where the layout differs
+    projected, k, v = make(key, "bshd")
+    for q in (projected, q_of_fused_qkv(key)):
+        ours, theirs = runner(q, k, v), F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        assert ours.transpose(1, 2).is_contiguous()
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+        ours.transpose(1, 2).view(key.batch, key.q_len, -1)  # raises where the layout differs
     assert runner(*make(key, "bhsd")).is_contiguous()
 
 

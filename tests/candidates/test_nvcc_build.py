@@ -59,16 +59,27 @@ def test_a_compile_killed_for_memory_is_tried_again(tmp_path: Path, library) -> 
     assert nvcc_build.compiled_info(library) is not None
 
 
-def test_a_refused_source_is_never_compiled_again(tmp_path: Path, library) -> None:
-    compiles = fake_nvcc(tmp_path, REFUSED, 1)
+@pytest.mark.parametrize(
+    "refused", [REFUSED, "nvcc error   : 'ptxas' died due to signal 11 (Invalid memory reference)"]
+)
+def test_a_refused_source_is_never_compiled_again(tmp_path: Path, library, refused) -> None:
+    """A compile error, or a compiler crashing on the source (a segfault: every time)."""
+    compiles = fake_nvcc(tmp_path, refused, 1)
     assert nvcc_build.compile_all([library], needs=cuda_library.cannot_compile) == {
-        library: REFUSED
+        library: refused
     }
     assert nvcc_build.failure(library) is not None and cuda_library.usable([library]) == []
     assert nvcc_build.compile_all([library], needs=cuda_library.cannot_compile) == {
-        library: REFUSED
+        library: refused
     }
     assert len(compiles.read_text().splitlines()) == 1
+
+
+def test_a_kill_recorded_as_final_by_an_older_tuner_is_tried_again(tmp_path: Path, library) -> None:
+    """Markers written before kills were told apart hold a kill's error and no nvcc release."""
+    fake_nvcc(tmp_path, REFUSED, 1)
+    nvcc_build.record(library, "failed", {"error": KILLED})
+    assert nvcc_build.failure(library) is None and cuda_library.usable([library]) == [library]
 
 
 def test_a_source_refused_by_one_nvcc_release_is_compiled_again_under_another(

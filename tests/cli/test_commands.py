@@ -935,11 +935,13 @@ def test_tune_sdpa_takes_a_v_head_dim_and_a_scale_and_names_the_default_it_refus
         r.stderr.strip()
         == "error: --kv-heads (default 8) must divide --q-heads (4): give --kv-heads"
     )
-    r = tuner("tune", "sdpa", *SDPA_ARGS, "--scale", "0", cache=cache, check=False)
-    assert (r.returncode, r.stderr.strip()) == (
-        2,
-        "error: --scale must be a positive number, got 0",
-    )
+    for option, value, said in (
+        ("--scale", "0", "--scale must be a positive number, got 0"),
+        ("--head-dim-v", "0", "--head-dim-v must be a positive integer, got 0"),
+        ("--kv-heads", "0", "kv_heads must be a positive integer, got 0"),
+    ):
+        r = tuner("tune", "sdpa", *SDPA_ARGS, option, value, cache=cache, check=False)
+        assert (r.returncode, r.stderr.strip()) == (2, f"error: {said}")
 
 
 @pytest.mark.parametrize(

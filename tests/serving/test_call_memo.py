@@ -231,8 +231,9 @@ def test_sdpa_memo_serves_a_tuned_decode_kernel(tmp_path: Path) -> None:
 @pytest.mark.cpu_host
 def test_sdpa_under_a_chosen_torch_backend_is_torchs(tmp_path: Path) -> None:
     """A call made under ``sdpa_kernel(...)`` asks for torch's kernels (a reference run, a
-    debugging one): it gets them, eager and compiled, where a tuned kernel serves the rest, and
-    torch still refuses what its chosen backend cannot run."""
+    debugging one): it gets them, eager and compiled (the block around the compiled call or
+    inside the compiled code), where a tuned kernel serves the rest, and torch still refuses
+    what its chosen backend cannot run."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     disp = Dispatcher(tmp_path / "c.db", mode="lookup")
@@ -242,15 +243,22 @@ def test_sdpa_under_a_chosen_torch_backend_is_torchs(tmp_path: Path) -> None:
     call = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
     store_winners(disp, recorded_keys(disp, call), triton=False, sdpa_source="triton_decode")
     compiled = torch.compile(call, fullgraph=True)
+
+    @torch.compile(fullgraph=True)
+    def chosen_inside() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.MATH):
+            return call()
+
     with tt.enabled(dispatcher=disp):
-        call()
-        assert tt.stats(disp).hits == 1
+        call(), compiled()  # compiled: traced here, outside any block
+        assert tt.stats(disp).hits == 2
         with sdpa_kernel(SDPBackend.MATH):
             torch.testing.assert_close(call(), call(), rtol=0, atol=0)  # the memo's path too
-            compiled()
-        assert tt.stats(disp).hits == 1
-        compiled()
+            compiled()  # its tuner::sdpa reads the switches when it runs
+        chosen_inside()
         assert tt.stats(disp).hits == 2
+        compiled()
+        assert tt.stats(disp).hits == 3
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION), pytest.raises(RuntimeError):
             call()  # no viable backend on the CPU, as without the tuner
     torch._dynamo.reset()

@@ -194,21 +194,25 @@ def test_custom_ops_pass_opcheck(tmp_path: Path) -> None:
 
 
 def test_sdpa_keeps_the_layout_torch_gives_heads_interleaved(tmp_path: Path) -> None:
-    """q, k and v as projections make them (B, S, H, D in memory): the output keeps that layout,
-    eager and compiled, as torch's does, so a model's ``o.transpose(1, 2).view(b, s, -1)`` runs
-    (compiled, ``tuner::sdpa``'s promised layout was contiguous, and the view failed to trace)."""
+    """q, k and v as projections make them (one position's heads side by side: apart, or split
+    from one fused QKV output): the output keeps that layout, eager and compiled, as torch's
+    does, so a model's ``o.transpose(1, 2).view(b, s, -1)`` runs (compiled, ``tuner::sdpa``'s
+    promised layout was contiguous, and the view failed to trace)."""
     b, s, h, d = 2, 5, 4, 16
-    q, k, v = (torch.randn(b, s, h, d).transpose(1, 2) for _ in range(3))
+    apart = tuple(torch.randn(b, s, h, d).transpose(1, 2) for _ in range(3))
+    fused = torch.randn(b, s, 3 * h * d).split(h * d, -1)
+    fused = tuple(t.view(b, s, h, d).transpose(1, 2) for t in fused)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).view(b, s, h * d)
 
-    want = attend(q, k, v)
-    with tt.enabled(dispatcher=Dispatcher(tmp_path / "c.db")):
-        torch.testing.assert_close(attend(q, k, v), want)
-        torch.testing.assert_close(torch.compile(attend, fullgraph=True)(q, k, v), want)
-        torch.library.opcheck(torch.ops.tuner.sdpa, (q, k, v, "none", None))
-    torch._dynamo.reset()
+    for q, k, v in (apart, fused):
+        want = attend(q, k, v)
+        with tt.enabled(dispatcher=Dispatcher(tmp_path / "c.db")):
+            torch.testing.assert_close(attend(q, k, v), want)
+            torch.testing.assert_close(torch.compile(attend, fullgraph=True)(q, k, v), want)
+            torch.library.opcheck(torch.ops.tuner.sdpa, (q, k, v, "none", None))
+        torch._dynamo.reset()
 
 
 def test_sdpa_op_backward_matches_torch(tmp_path: Path) -> None:

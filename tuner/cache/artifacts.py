@@ -314,12 +314,17 @@ class ArtifactStore:
                     "values (?, ?, ?, ?, ?)",
                     (spec.id, digest, len(data), spec.to_json(), now),
                 )
+            self._evict(c, keep=spec.id)
+            if row is not None and row[0] != digest:
+                kept = c.execute(
+                    "select 1 from conflicts where spec_id = ? and hash = ?", (spec.id, digest)
+                ).fetchone()
                 log.warning(
                     "artifact conflict: %s spec %s was stored with sha256 %s and now arrives with "
-                    "%s; both kept, the first stays served",
+                    "%s; the first stays served, %s",
                     spec.source, spec.id[:12], row[0][:12], digest[:12],
+                    "both kept" if kept else "the second not kept (the store is at its limit)",
                 )  # fmt: skip
-            self._evict(c, keep=spec.id)
         return digest
 
     def add_verified(self, spec: ArtifactSpec, expected_hash: str, data: bytes) -> str:
@@ -360,8 +365,8 @@ class ArtifactStore:
         next put of another spec evict that spec's served build."""
         if self._total(c) <= self.max_bytes:
             return
-        for spec_id, digest in c.execute(
-            "select spec_id, hash from conflicts order by seen, rowid"
+        for spec_id, digest in c.execute(  # ``keep``'s last: one may have just been found
+            "select spec_id, hash from conflicts order by spec_id = ?, seen, rowid", (keep,)
         ).fetchall():
             c.execute("delete from conflicts where spec_id = ? and hash = ?", (spec_id, digest))
             self._drop_unreferenced(c, digest)

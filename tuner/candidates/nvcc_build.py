@@ -120,14 +120,17 @@ def compiled_info(spec: BuildSpec) -> dict[str, Any] | None:
 
 
 def failure(spec: BuildSpec) -> str | None:
-    """The recorded compile error of ``spec``, or None if it never failed, or failed under
-    another nvcc release than this host's (a new compiler may take what an old one refused)."""
+    """The recorded compile error of ``spec``, or None if it never failed, failed under another
+    nvcc release than this host's (a new compiler may take what an old one refused), or was
+    killed."""
     path = marker(spec, "failed")
     if not path.exists():
         return None
     failed = json.loads(path.read_text())
     under, now = failed.get("nvcc", ""), release()
-    return None if under and now and under != now else failed["error"]
+    if killed(failed["error"]) or (under and now and under != now):
+        return None  # (a kill was recorded as final before ``killed`` was asked)
+    return failed["error"]
 
 
 def record(spec: BuildSpec, kind: str, data: dict[str, Any]) -> None:
@@ -216,9 +219,10 @@ def compile_all(
     return {spec: result[spec] for spec in dict.fromkeys(specs)}
 
 
-# what a compiler stage killed from outside prints (nvcc for cicc or ptxas, g++ for cc1plus; the
-# out-of-memory killer is the usual sender): the source is not at fault, and a later try may pass
-_KILLED = re.compile(r"died due to signal|Killed signal|bad_alloc|out of memory", re.IGNORECASE)
+# what a compiler stage killed from outside prints (nvcc for cicc or ptxas, g++ for cc1plus: a
+# SIGKILL, the out-of-memory killer's; or the allocation that failed first): the source is not
+# at fault, and a later try may pass. Other signals (a segfault, an abort) crash every time.
+_KILLED = re.compile(r"died due to signal 9\b|Killed signal|bad_alloc|out of memory", re.IGNORECASE)
 
 
 def killed(output: str) -> bool:

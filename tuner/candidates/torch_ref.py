@@ -94,10 +94,12 @@ def torch_sdpa(
 
 
 def heads_interleaved(q: torch.Tensor) -> bool:
-    """Whether ``q`` (B, H, S, D) lies as (B, S, H, D) in memory, as projections make it: torch's
-    fused SDPA kernels then return their output in that layout too, and callers count on it
-    (``o.transpose(1, 2).view(b, s, -1)`` works on no other)."""
-    return not q.is_contiguous() and q.transpose(1, 2).is_contiguous()
+    """Whether ``q`` (B, H, S, D) steps over its heads within a position, as projections make it
+    (heads of one position side by side, alone or beside k and v of a fused QKV projection):
+    torch's fused SDPA kernels then return a (B, S, H, D) output, and callers count on it
+    (``o.transpose(1, 2).view(b, s, -1)`` works on no other). With one head or one position
+    both layouts are one."""
+    return q.shape[1] > 1 and q.shape[2] > 1 and q.stride(1) < q.stride(2)
 
 
 def sdpa_output(q: torch.Tensor, head_dim_v: int, dtype: torch.dtype | None = None) -> torch.Tensor:

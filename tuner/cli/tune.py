@@ -387,10 +387,12 @@ def tune_sdpa(
         )
     if scale is not None and scale <= 0:  # 0 in a key string stands for the default
         raise ValueError(f"--scale must be a positive number, got {scale:g}")
+    if head_dim_v is not None and head_dim_v <= 0:  # 0 in a key string stands for --head-dim
+        raise ValueError(f"--head-dim-v must be a positive integer, got {head_dim_v}")
     key = SdpaKey(
-        batch=batch, q_heads=q_heads, kv_heads=kv_heads or DEFAULT_KV_HEADS, q_len=q_len,
-        kv_len=kv_len, head_dim=head_dim, head_dim_v=head_dim_v or 0, causal=causal, dtype=dtype,
-        scale=scale or 0.0,
+        batch=batch, q_heads=q_heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+        kv_heads=DEFAULT_KV_HEADS if kv_heads is None else kv_heads,
+        head_dim_v=head_dim_v or 0, causal=causal, dtype=dtype, scale=scale or 0.0,
     )  # fmt: skip
     run_tune(key, cache, options)
 
