@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tuner.candidates import registry
+from tuner.candidates.torch_ref import TorchSdpa
 from tuner.candidates.triton_attention import TritonAttention
 from tuner.candidates.triton_decode import TritonDecode, pdl_problem, plan, split_choices
 from tuner.core.keys import DTYPES, SdpaKey
@@ -170,6 +171,19 @@ def test_the_output_takes_qs_layout_as_torchs_does(source, shape, params) -> Non
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
         ours.transpose(1, 2).view(key.batch, key.q_len, -1)  # raises where the layout differs
     assert runner(*make(key, "bhsd")).is_contiguous()
+
+
+def test_torchs_math_backend_as_a_winner_keeps_qs_layout_too() -> None:
+    """torch's math SDPA gives contiguous outputs whatever q's layout; served as a winner (the
+    baseline, torch's default, is left as torch gives it) its output is laid as the fused
+    kernels' are, so a model's transpose-view runs whichever torch backend won."""
+    key = sdpa_key(dtype="f32", kv_heads=4)
+    q, k, v = make(key, "bshd")
+    winner = TorchSdpa().build(key, {"backend": "math"})(q, k, v)
+    assert winner.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(
+        winner, F.scaled_dot_product_attention(q, k, v), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_prefill_rejects_what_it_cannot_do() -> None:

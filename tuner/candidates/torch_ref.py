@@ -171,7 +171,8 @@ class TorchSdpa(Source):
         gqa = key.q_heads != key.kv_heads
         scale = key.scale
         masks: dict[Any, tuple[Any, bool]] = {}  # per device: a boolean mask lives on one
-        if backend == "default":
+        chosen_backend = backend != "default"  # a winner: its output as the fused kernels'
+        if not chosen_backend:
             select = contextlib.nullcontext
         else:
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -189,6 +190,8 @@ class TorchSdpa(Source):
                 o = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
                 )
+            if chosen_backend and heads_interleaved(q):  # math gives contiguous outputs
+                o = in_sdpa_layout(o, q)
             if out is not None:
                 out.copy_(o)
                 return out
