@@ -238,3 +238,17 @@ def test_a_conflict_the_limit_cannot_hold_is_said_so(
         assert "the first stays served, the second not kept" in caplog.text
         assert store.conflicts() == []
         assert {store.get(spec(n)) for n in "ab"} == {blob[n] for n in "ab"}
+
+
+def test_a_conflict_too_big_to_stay_spares_the_other_specs_conflicts(tmp_path: Path) -> None:
+    """Where the new conflict cannot fit even with every other conflict gone, it goes alone."""
+    blob = {name: pack({"k.bin": name.encode() * 400}) for name in ("a", "b", "b2")}
+    size = len(blob["a"])
+    big = pack({"k.bin": b"A" * 2 * size})  # (bundles are tar records: whole blocks)
+    with ArtifactStore(tmp_path, max_bytes=3 * size + size // 2) as store:
+        store.put(spec("a"), blob["a"])
+        store.put(spec("b"), blob["b"])
+        store.add_verified(spec("b"), sha256(blob["b2"]), blob["b2"])  # fits: kept
+        store.add_verified(spec("a"), sha256(big), big)  # cannot fit beside a and b
+        assert [c.spec for c in store.conflicts()] == [spec("b")]
+        assert {store.get(spec(n)) for n in "ab"} == {blob[n] for n in "ab"}

@@ -101,6 +101,10 @@ def test_a_source_refused_by_one_nvcc_release_is_compiled_again_under_another(
     [
         (KILLED, False),
         ("g++: fatal error: Killed signal terminated program cc1plus", False),
+        ("collect2: fatal error: ld terminated with signal 9 [Killed]", False),
+        ("cc1plus: internal compiler error: Killed (program cc1plus)", False),
+        ("virtual memory exhausted: Cannot allocate memory", False),
+        ("nvcc error   : 'ptxas' died due to signal 11 (Invalid memory reference)", True),
         (None, False),  # no log to tell the cause: tried again
         ('gemm.cu(40): error: static assertion failed with "bad tile"', True),
     ],

@@ -363,10 +363,16 @@ class ArtifactStore:
         reproducible), then the least recently used artifacts (never ``keep``), until the store
         fits its limit. A spec's conflicts alone may otherwise hold it past the limit, and the
         next put of another spec evict that spec's served build."""
-        if self._total(c) <= self.max_bytes:
+        total = self._total(c)
+        if total <= self.max_bytes:
             return
-        for spec_id, digest in c.execute(  # ``keep``'s last: one may have just been found
-            "select spec_id, hash from conflicts order by spec_id = ?, seen, rowid", (keep,)
+        # ``keep``'s last (one may have just been found), unless it cannot stay whatever goes
+        (others,) = c.execute(
+            "select coalesce(sum(size), 0) from conflicts where spec_id != ?", (keep,)
+        ).fetchone()
+        last = "spec_id = ?" if total - others <= self.max_bytes else "spec_id != ?"
+        for spec_id, digest in c.execute(
+            f"select spec_id, hash from conflicts order by {last}, seen, rowid", (keep,)
         ).fetchall():
             c.execute("delete from conflicts where spec_id = ? and hash = ?", (spec_id, digest))
             self._drop_unreferenced(c, digest)

@@ -162,8 +162,10 @@ def _compile_child(spec: BuildSpec, timeout_s: float) -> str | None:
 def child_main(argv: list[str], build: Callable[[str], dict[str, Any]]) -> int:
     """A builder module's ``_main``, the child process ``compile_all`` starts: ``build`` the spec
     whose JSON is ``argv[0]``, drop this process's scratch directory, print the verdict as the
-    last line of stdout (what ``_compile_child`` reads). The child dies with its parent."""
+    last line of stdout (what ``_compile_child`` reads). The child dies with its parent. Its
+    compilers speak English (``killed`` reads their words)."""
     group_dies_with_parent()
+    os.environ["LC_ALL"] = "C"
     verdict = build(argv[0])
     shutil.rmtree(work_dir(), ignore_errors=True)
     print(json.dumps(verdict), flush=True)
@@ -219,10 +221,15 @@ def compile_all(
     return {spec: result[spec] for spec in dict.fromkeys(specs)}
 
 
-# what a compiler stage killed from outside prints (nvcc for cicc or ptxas, g++ for cc1plus: a
-# SIGKILL, the out-of-memory killer's; or the allocation that failed first): the source is not
-# at fault, and a later try may pass. Other signals (a segfault, an abort) crash every time.
-_KILLED = re.compile(r"died due to signal 9\b|Killed signal|bad_alloc|out of memory", re.IGNORECASE)
+# what a compiler stage killed from outside prints (nvcc for cicc or ptxas, g++ for cc1plus,
+# collect2 for ld: a SIGKILL, the out-of-memory killer's; or the allocation that failed first):
+# the source is not at fault, and a later try may pass. Other signals (a segfault, an abort)
+# crash every time.
+_KILLED = re.compile(
+    r"died due to signal 9\b|Killed signal|terminated with signal 9\b|internal compiler error: "
+    r"Killed\b|bad_alloc|out of memory|memory exhausted",
+    re.IGNORECASE,
+)
 
 
 def killed(output: str) -> bool:
