@@ -17,8 +17,9 @@ a bad operand by its argument in aten's schema (``self``, ``mat2``, ``scale_a``,
 ``RuntimeError`` torch would raise (a float16 ``self`` for CUDA's int4 op, scales on another
 device). Leading batch dims are folded like torch does (``x.reshape(-1, K)``; a copy only where
 torch copies too). Everything else (broadcast batches, ``out=``, mixed dtypes, subclasses, masks,
-dropout, attention under ``sdpa_kernel``) is left to torch untouched, and the dispatcher itself falls back to torch for layouts
-the tuner does not key (odd strides). Results are always those of a checked kernel or of torch.
+dropout, attention under ``sdpa_kernel``) is left to torch untouched, and the dispatcher itself
+falls back to torch for layouts the tuner does not key (odd strides). Results are always those
+of a checked kernel or of torch.
 
 **How.** ``enable()`` replaces those entry points (module attributes of ``torch``,
 ``torch.nn.functional`` and ``torch.ops.aten``, methods of ``torch.Tensor``, ``@`` included) with
