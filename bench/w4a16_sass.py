@@ -1,5 +1,5 @@
 """Instructions a weight byte in the CUDA W4A16 decode kernel's K loop, read from its SASS: no
-GPU needed, only nvcc and cuobjdump (``--cuobjdump``; pip's ``nvidia-cuda-cuobjdump`` has one).
+GPU needed, only nvcc and cuobjdump (``--cuobjdump``; Triton ships one, pip's ``nvidia-cuda-cuobjdump`` too).
 
 Where the kernel streams its weight at the rate its instructions allow rather than at the
 memory's, the instruction count of one pass of the K loop (one chunk of 128 K values per warp)
@@ -32,6 +32,18 @@ from tuner.candidates import cuda_library, cuda_w4a16
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 BACK_BRANCH = re.compile(r"BRA (0x[0-9a-f]+)")
 REGISTERS = re.compile(r"REG:(\d+)")
+
+
+def default_cuobjdump() -> str:
+    """cuobjdump on PATH, else the one Triton ships for its own listings, else the bare name."""
+    if found := shutil.which("cuobjdump"):
+        return found
+    try:
+        import triton.backends.nvidia
+    except ImportError:
+        return "cuobjdump"
+    bundled = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
+    return str(bundled) if bundled.is_file() else "cuobjdump"
 
 
 def kernel_name(f16: bool, groups: int, tiles: int) -> str:
@@ -102,7 +114,8 @@ def main() -> None:
         "--flags", default="", help="extra nvcc flags, one string: --flags='-DA=1 -DB=2'"
     )
     ap.add_argument("--group", type=int, default=128, choices=cuda_w4a16.GROUP_SIZES)
-    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
+    ap.add_argument("--cuobjdump", default=default_cuobjdump(),
+                    help="default: on PATH, else the one Triton ships")  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
     configs = []
