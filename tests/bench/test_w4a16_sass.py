@@ -78,13 +78,3 @@ def test_wider_warps_spend_fewer_instructions_a_weight_byte() -> None:
     assert wide[0]["per_weight_kb"] < narrow[0]["per_weight_kb"]
     assert narrow[1]["instructions"] > narrow[0]["instructions"]
     assert all(r["opcodes"]["HMMA"] > 0 and 0 < r["registers"] <= 255 for r in narrow + wide)
-
-
-@needs_toolkit
-@pytest.mark.parametrize("config", [("k", 4, 2), ("k", 2, 2), ("rows", 2, 4)])
-def test_the_k_loop_derives_nothing_from_the_thread_index(config: tuple[str, int, int]) -> None:
-    """A lane's stage offsets and copy predicates are held in registers, and x's copies sit at
-    fixed offsets: the K loop reads no thread index and compares only its own counters."""
-    for row in sass.count(config, [], CUOBJDUMP, groups=1):
-        assert "S2R" not in row["opcodes"], row
-        assert row["opcodes"].get("ISETP", 0) <= 4, row

@@ -172,13 +172,6 @@ struct Params {
   int team_warps;   // warps a team: warps / teams
 };
 
-// `v`, opaque to the compiler from here on, so it is held in a register: otherwise the K loop
-// derives a lane's offsets and copy predicates again from its thread index each chunk.
-__device__ __forceinline__ uint32_t kept(uint32_t v) {
-  asm volatile("" : "+r"(v));
-  return v;
-}
-
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -348,10 +341,8 @@ struct Half2Ops<true> {  // fp16
 // moves on by `step` chunks (the warps of its team when they split K, else 1). Each lane copies
 // the weight bytes it reads back itself (rows g and g + 8 of each of its warp's slices at 16 t);
 // its warp's (scale, zero) words of the chunk's NG groups ([NG][ROWS] words) are shared out over
-// the warp. x's [M, 128] slab is copied by one warp (the ring's own, or warp 0 of a CTA's ring):
-// lane (r, p) copies the 16-byte pieces p, p + 4, p + 8, p + 12 of rows r and r + 8 (r < 8,
-// p < 4), each at a fixed offset from the lane's two row pointers, so a chunk's x copies cost no
-// address arithmetic (rows past M are not copied: ldmatrix reads row M - 1 for them).
+// the warp, and x's [M, 128] slab (16-byte pieces) over the `x_threads` threads that fill the
+// ring.
 // FULL: every 64-row block of the weight is whole (N a multiple of 64), the (scale, zero)
 // words 16-byte aligned and a group at most a chunk, so every copy has its bytes: one base
 // address and fixed offsets for the weight, the words in 16-byte pieces at a fixed step from one
@@ -359,11 +350,13 @@ struct Half2Ops<true> {  // fp16
 template <int NG, int NT, bool FULL>
 struct Copier {
   static constexpr int SZ_COPIES = FULL ? (ROWS * NG / 4 + 31) / 32 : (ROWS * NG + 31) / 32;
+  static constexpr int X_COPIES = 8 * NT * 16 / 32;  // rounds when one warp copies the slab
   const uint8_t* w;      // this lane's first weight byte of the current chunk
   int w_step;            // bytes to the next chunk
   const uint32_t* sz;    // this lane's first (scale, zero) word of group 0
   uint32_t n;            // (scale, zero) words per group (the entry point keeps N x groups < 2^31)
-  const uint16_t* x[NT];  // this lane's first x piece of the current chunk, rows r and r + 8
+  const uint16_t* x;     // this thread's first x piece of the current chunk
+  int x_round;           // x elements between two copy rounds (x_threads / 16 rows)
   // FULL (groups of at most a chunk): the lane's first (scale, zero) word of the current chunk,
   // moved by a fixed step; else found from the chunk's index (chunk_shift: log2(group / CHUNK)
   // for groups past a chunk)
@@ -372,20 +365,21 @@ struct Copier {
                          // has more warps than K has chunks
   int chunk, chunk_step, chunk_shift;
   uint32_t w_valid, sz_valid;           // bit per copy: its rows exist
-  uint32_t x_rows;                      // bit per n8 tile: this lane copies its row there
+  int x_rounds;                         // x's copy rounds the thread has a piece in
+  bool x_rows_past_one;                 // M needs more than one round (of x_threads / 16 rows)
   uint32_t sz_slots;                    // bit per copy: its word (FULL: piece) lies in the part
   uint32_t lane_w, lane_sz, lane_x;     // this thread's offsets in a stage
   uint32_t w_lane;                      // this lane's bytes into its warp's run of a chunk
+  uint32_t x_round_bytes;               // stage bytes between two copy rounds of x
   int left, x_rewind, chunk_rewind;  // (GEMV_STAGGER) copies before the wrap, its moves
   long long w_rewind, words_rewind;   // (bytes: K x 32 for 64-row warps; words)
 
   // rows, offset: the warp's 64-row block (rows in it) and its first row there; n0: its first
-  // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; copies_x: this warp
-  // copies x's slab.
+  // row in N; w_at, x_at: its slices' and the slab's offsets in a stage; x_thread of x_threads.
   // (GEMV_STAGGER) mine: its chunks; start: the round it copies first, wrapping to round 0.
   __device__ __forceinline__ Copier(const Params& p, const uint8_t* block, int rows, int offset,
                                     int n0, int first, int step, int mine, int start, int lane,
-                                    uint32_t w_at, uint32_t x_at, bool copies_x) {
+                                    uint32_t w_at, uint32_t x_at, int x_thread, int x_threads) {
     const int g = lane >> 2, t = lane & 3;
     w_lane = g * 64 + t * 16;
     lane_w = w_at + w_lane;
@@ -414,18 +408,13 @@ struct Copier {
           sz_valid |= 1u << it;
       }
     }
-    x_rows = 0;
-#pragma unroll
-    for (int h = 0; h < NT; ++h) {
-      if (copies_x && g + 8 * h < p.m) x_rows |= 1u << h;
-      const int row = min(g + 8 * h, p.m - 1);  // (a row past M: an address in x, never copied)
-      x[h] = p.x + row * p.ldx + t * 8 + static_cast<long long>(first) * CHUNK;
-    }
-    lane_x = kept(x_at + g * XROW + t * 16);
-    x_rows = kept(x_rows);
-    lane_w = kept(lane_w);
-    lane_sz = kept(lane_sz);
-    sz_slots = kept(sz_slots);
+    const int x_row = x_thread >> 4, x_rows = x_threads >> 4;
+    x = p.x + x_row * p.ldx + (x_thread & 15) * 8 + static_cast<long long>(first) * CHUNK;
+    x_round = x_rows * static_cast<int>(p.ldx);
+    lane_x = x_at + x_row * XROW + (x_thread & 15) * 16;
+    x_round_bytes = x_rows * XROW;
+    x_rounds = x_row < p.m ? (p.m - x_row + x_rows - 1) / x_rows : 0;
+    x_rows_past_one = p.m > x_rows;
     chunk = first;
     chunk_step = step;
     chunk_shift = p.group_shift > 7 ? p.group_shift - 7 : 0;
@@ -439,8 +428,7 @@ struct Copier {
       chunk_rewind = mine * step;
       left = mine - start;
       w += static_cast<long long>(start) * w_step;
-#pragma unroll
-      for (int h = 0; h < NT; ++h) x[h] += start * step * CHUNK;
+      x += start * step * CHUNK;
       chunk += start * step;
     }
   }
@@ -471,42 +459,26 @@ struct Copier {
               valid ? at + (32 * it / ROWS) * n + 32 * it % ROWS : sz, valid);
       }
     }
+    if (x_rounds > 0) copy16_x(stage + lane_x, x);
+    // taken alike by every thread: M past one round of rows (M > 8 always, with two n8 tiles)
+    if (NT > 1 || x_rows_past_one) {
+      const uint16_t* piece = x;
 #pragma unroll
-    for (int h = 0; h < NT; ++h)
-      if (x_rows >> h & 1)
-#pragma unroll
-        for (int it = 0; it < 4; ++it)
-          copy16_x(stage + lane_x + h * 8 * XROW + it * 64, x[h] + it * 32);
-    if constexpr (GEMV_AB_X_ONCE) x_rows = 0;
+      for (int it = 1; it < X_COPIES; ++it)
+        if (piece += x_round, it < x_rounds)
+          copy16_x(stage + lane_x + it * x_round_bytes, piece);
+    }
+    if constexpr (GEMV_AB_X_ONCE) x_rounds = 0;
     w += w_step;
-#pragma unroll
-    for (int h = 0; h < NT; ++h) x[h] += chunk_step * CHUNK;
+    x += chunk_step * CHUNK;
     words += words_step;
     chunk += chunk_step;
     if (GEMV_STAGGER && --left == 0) {  // past the last round: on to round 0
       w -= w_rewind;
-#pragma unroll
-      for (int h = 0; h < NT; ++h) x[h] -= x_rewind;
+      x -= x_rewind;
       words -= words_rewind;
       chunk -= chunk_rewind;
     }
-  }
-};
-
-// Where lane (g, t) reads a stage, held in registers: its weight bytes (16 at 16 t of row g of
-// each slice; row g + 8 512 bytes on) and (scale, zero) words (row g's) in the warp's part, and
-// per n8 tile its ldmatrix row in x's slab: lane i points at row i % 8 of the tile (rows past M
-// read row M - 1) of matrix i / 8, whose first k is 16 (i / 16) + 8 ((i / 8) % 2).
-template <int NT>
-struct Reads {
-  uint32_t w, sz, x[NT];
-  __device__ __forceinline__ Reads(int m, int lane) {
-    const int g = lane >> 2, t = lane & 3, mat = lane >> 3;
-    w = kept(g * 64 + t * 16);
-    sz = kept(ROWS * 64 + g * 4);
-#pragma unroll
-    for (int n8 = 0; n8 < NT; ++n8)
-      x[n8] = kept(min(8 * n8 + (lane & 7), m - 1) * XROW + (16 * (mat >> 1) + 8 * (mat & 1)) * 2);
   }
 };
 
@@ -520,26 +492,29 @@ struct Reads {
 // its word j % 4 as the A pairs (2 t, 2 t + 1) and (2 t + 8, 2 t + 9): one lop3 makes a pair
 // (the nibbles at bits 0 and 16) in k order, so x's fragments are ldmatrix's as they load.
 template <bool F16, int NG, int NT>
-__device__ __forceinline__ void compute(uint32_t part, uint32_t x_at, const Reads<NT>& reads,
+__device__ __forceinline__ void compute(const Params& p, uint32_t part, uint32_t x_at, int lane,
                                         float (&acc)[SLICES][NT][4]) {
   if constexpr (GEMV_COPIES_ONLY) {
-    acc[0][0][0] += __uint_as_float(lds32(part + reads.w));
+    acc[0][0][0] += __uint_as_float(lds32(part + lane * 16));
     return;
   }
   using Ops = Half2Ops<F16>;
   constexpr int BLOCKS = 8 / NG;  // k16 blocks per group
-  const uint32_t w_at = part + reads.w, sz_at = part + reads.sz;
+  const int g = lane >> 2, t = lane & 3;
+  const uint32_t sz_at = part + ROWS * 64;
   // x's B fragments for the chunk's eight k16 blocks, per n8 tile: ldmatrix x4 gives two
-  // blocks (`Reads`), so the four registers are blocks j and j + 1's (x[2 t, 2 t + 1],
+  // blocks; lane i points at row i % 8 (of the tile) of matrix i / 8 (block j + i / 16, its k
+  // half (i / 8) % 2), so the four registers are blocks j and j + 1's (x[2 t, 2 t + 1],
   // x[2 t + 8, 2 t + 9]) of row g
   uint32_t b[NT][8][2];
+  const int mat = lane >> 3;
 #pragma unroll
   for (int n8 = 0; n8 < NT; ++n8) {
-    const uint32_t at = x_at + reads.x[n8];
+    const int row = min(8 * n8 + (lane & 7), p.m - 1);
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
       uint32_t d[4];
-      ldmatrix4(d, at + 32 * j);
+      ldmatrix4(d, x_at + row * XROW + (16 * (j + (mat >> 1)) + 8 * (mat & 1)) * 2);
       b[n8][j][0] = d[0];
       b[n8][j][1] = d[1];
       b[n8][j + 1][0] = d[2];
@@ -562,14 +537,14 @@ __device__ __forceinline__ void compute(uint32_t part, uint32_t x_at, const Read
     }
 #pragma unroll
   for (int s = 0; s < SLICES; ++s) {
-    const uint4 lo = lds128(w_at + 16 * s * 64);        // row g
-    const uint4 hi = lds128(w_at + (16 * s + 8) * 64);  // row g + 8
+    const uint4 lo = lds128(part + (16 * s + g) * 64 + t * 16);      // row g
+    const uint4 hi = lds128(part + (16 * s + g + 8) * 64 + t * 16);  // row g + 8
     const uint32_t wl[4] = {lo.x, lo.y, lo.z, lo.w};
     const uint32_t wh[4] = {hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
     for (int i = 0; i < NG; ++i) {
-      const uint32_t zs_g = lds32(sz_at + (i * ROWS + 16 * s) * 4);
-      const uint32_t zs_h = lds32(sz_at + (i * ROWS + 16 * s + 8) * 4);
+      const uint32_t zs_g = lds32(sz_at + (i * ROWS + 16 * s + g) * 4);
+      const uint32_t zs_h = lds32(sz_at + (i * ROWS + 16 * s + g + 8) * 4);
       const float sc[2] = {Ops::lo(zs_g), Ops::lo(zs_h)};  // rows g, g + 8
       const float zc[2] = {fmaf(-Ops::BIAS, sc[0], Ops::hi(zs_g)),
                            fmaf(-Ops::BIAS, sc[1], Ops::hi(zs_h))};
@@ -664,16 +639,15 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
   const int mine = !idle && first < c_hi ? (c_hi - first + step - 1) / step : 0;
 
   // a ring per warp (its part, then x's slab), or one per CTA (every warp's part, then the slab)
-  const uint32_t ring =
-      kept(smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes));
+  const uint32_t ring = smem_addr(smem) + (SPLIT_ROWS ? 0 : warp * STAGES * p.stage_bytes);
   const uint32_t part_at = SPLIT_ROWS ? warp * warp_bytes<NG>() : 0;
   const uint32_t x_at = (SPLIT_ROWS ? warps : 1) * warp_bytes<NG>();
   // (GEMV_STAGGER) CTAs of neighbouring row blocks start at different rounds, so they do not all
   // ask the L2 for the same x lines at once
   const int start = GEMV_STAGGER && mine > 0 ? row_block % mine : 0;
   Copier<NG, NT, FULL> copier(p, block, rows, offset, first_row + offset, first, step, mine,
-                              start, lane, part_at, x_at, !SPLIT_ROWS || warp == 0);
-  const Reads<NT> reads(p.m, lane);
+                              start, lane, part_at, x_at, SPLIT_ROWS ? threadIdx.x : lane,
+                              SPLIT_ROWS ? blockDim.x : 32);
   float acc[SLICES][NT][4] = {};
   if (threadIdx.x == 0) stamp(4, CLOCK);
 #pragma unroll
@@ -692,14 +666,14 @@ __global__ void GEMV_LAUNCH_BOUNDS(max_warps<NT>() * 32) w4a16_gemv_kernel(Param
       if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
-      compute<F16, NG, NT>(stage + part_at, stage + x_at, reads, acc);
+      compute<F16, NG, NT>(p, stage + part_at, stage + x_at, lane, acc);
     } else {
       if (i + STAGES - 1 < mine) copier.issue(ring + next * p.stage_bytes);
       commit();
       wait_copies<STAGES - 1>();
       __syncwarp();
       if (i == 0 && threadIdx.x == 0) stamp(5, CLOCK);
-      compute<F16, NG, NT>(stage, stage + x_at, reads, acc);
+      compute<F16, NG, NT>(p, stage, stage + x_at, lane, acc);
       __syncwarp();
     }
     if constexpr (STAGES == 2) {  // the two stages trade places
