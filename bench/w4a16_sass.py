@@ -1,11 +1,13 @@
 """Instructions a weight byte in the CUDA W4A16 decode kernel's K loop, read from its SASS: no
-GPU needed, only nvcc and cuobjdump (``--cuobjdump``; Triton ships one, pip's ``nvidia-cuda-cuobjdump`` too).
+GPU needed, only nvcc and cuobjdump (``--cuobjdump``; Triton ships one, and pip's
+``nvidia-cuda-cuobjdump``).
 
-Where the kernel streams its weight at the rate its instructions allow rather than at the
-memory's, the instruction count of one pass of the K loop (one chunk of 128 K values per warp)
-over the warp's weight bytes (``ROWS`` x 64) is the figure a kernel change should move. For each
-library
-(``--config SPLIT,SLICES,STAGES``, the launch's warps and cluster do not change the code) and
+The count of one pass of the K loop (one chunk of 128 K values per warp) over the warp's weight
+bytes (``ROWS`` x 64) says what a change does to the loop, not to the time: the kernel's time
+also follows how its copies touch the caches, so a change is judged by a same-run A/B
+(``w4a16_decode_grid.py --baseline``; ``bench/INT4_DECODE_LEVERS.md`` lists those made). For
+each library (``--config SPLIT,SLICES,STAGES``, the launch's warps and cluster do not change the
+code) and
 each n8 tile count (M <= 8: 1, M = 9-16: 2), the K loop is the smallest loop that multiplies
 (``HMMA``) and either copies (``LDGSTS``) or waits on a stage's barrier (``SYNCS``, where
 another warp fills the stages); its opcodes are counted as the SASS lists them. The kernel counted

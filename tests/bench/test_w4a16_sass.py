@@ -62,12 +62,11 @@ def test_a_listing_without_a_k_loop_is_refused() -> None:
 
 
 CUOBJDUMP = shutil.which(sass.default_cuobjdump())
-needs_toolkit = pytest.mark.skipif(
+
+
+@pytest.mark.skipif(
     shutil.which("nvcc") is None or CUOBJDUMP is None, reason="needs nvcc and cuobjdump"
 )
-
-
-@needs_toolkit
 def test_wider_warps_spend_fewer_instructions_a_weight_byte() -> None:
     """64-row warps share x's fragments over four slices: fewer instructions a weight KB than
     32-row warps, and two n8 tiles cost more than one."""
