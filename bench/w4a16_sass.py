@@ -7,10 +7,9 @@ bytes (``ROWS`` x 64) says what a change does to the loop, not to the time: the 
 also follows how its copies touch the caches, so a change is judged by a same-run A/B
 (``w4a16_decode_grid.py --baseline``; ``bench/INT4_DECODE_LEVERS.md`` lists those made). For
 each library (``--config SPLIT,SLICES,STAGES``, the launch's warps and cluster do not change the
-code) and
-each n8 tile count (M <= 8: 1, M = 9-16: 2), the K loop is the smallest loop that multiplies
-(``HMMA``) and either copies (``LDGSTS``) or waits on a stage's barrier (``SYNCS``, where
-another warp fills the stages); its opcodes are counted as the SASS lists them. The kernel counted
+code) and each n8 tile count (M <= 8: 1, M = 9-16: 2), the K loop is the smallest loop that
+multiplies (``HMMA``) and either copies (``LDGSTS``) or waits on a stage's barrier (``SYNCS``,
+where another warp fills the stages); its opcodes are counted as the SASS lists them. The kernel counted
 is the build for whole 64-row blocks (``FULL``: N a multiple of 64, the scales 16-byte aligned,
 a group of at most 128), which every projection of the suites takes (group 128).
 
