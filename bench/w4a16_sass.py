@@ -9,9 +9,10 @@ also follows how its copies touch the caches, so a change is judged by a same-ru
 each library (``--config SPLIT,SLICES,STAGES``, the launch's warps and cluster do not change the
 code) and each n8 tile count (M <= 8: 1, M = 9-16: 2), the K loop is the smallest loop that
 multiplies (``HMMA``) and either copies (``LDGSTS``) or waits on a stage's barrier (``SYNCS``,
-where another warp fills the stages); its opcodes are counted as the SASS lists them. The kernel counted
-is the build for whole 64-row blocks (``FULL``: N a multiple of 64, the scales 16-byte aligned,
-a group of at most 128), which every projection of the suites takes (group 128).
+where another warp fills the stages); its opcodes are counted as the SASS lists them. The
+kernel counted is the build for whole 64-row blocks (``FULL``: N a multiple of 64, the scales
+16-byte aligned, a group of at most 128), which every projection of the suites takes (group
+128).
 
     python bench/w4a16_sass.py --config k,2,4 --config k,4,2 --flags='-DGEMV_MIN_CTAS=3 -DGEMV_MAX_WARPS=8'
 """

@@ -12,9 +12,9 @@ Blobs live under ``$TUNER_ARTIFACTS``, else ``artifacts/`` beside the tuner cach
 used artifacts, beyond it. Every read re-checks the hash: a corrupt blob is reported and
 dropped, never returned. Downloads go through ``add_verified``, which rejects bytes that do not
 match the hash they were announced with. A second, different build of a spec is kept apart as a
-conflict and reported by ``conflicts()``; the first one stays the one served. Blobs are written atomically (temp file, fsync, rename)
-under the index's write lock, and an index that cannot be read raises ``StoreError`` before
-anything is written.
+conflict and reported by ``conflicts()``; the first one stays the one served. Blobs are written
+atomically (temp file, fsync, rename) under the index's write lock, and an index that cannot be
+read raises ``StoreError`` before anything is written.
 
     store = ArtifactStore()
     spec = ArtifactSpec("triton", {"kernel": "matmul", "cache_key": "..."}, "cuda:90", {...})
