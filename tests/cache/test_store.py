@@ -364,6 +364,21 @@ def test_a_read_only_file_is_read_and_its_writes_refused_naming_it(tmp_path):
         assert path.read_bytes() == before
 
 
+def test_check_writable_refuses_what_a_write_would_and_stores_nothing(tmp_path):
+    """What a long command asks before it starts: a new cache still holds nothing after it,
+    a read-only one is refused as a write would be, and neither file changes."""
+    path = tmp_path / "c.db"
+    with Store(path) as store:
+        store.check_writable()
+        assert store.holds_nothing()
+        store.put_winners([winner()])
+    with read_only(path) as before, Store(path) as store:
+        with pytest.raises(ReadOnlyError, match=f"{path} is read-only"):
+            store.check_writable()
+        assert [w.key for w in store.winners()] == [KEY]  # still read after the refusal
+        assert path.read_bytes() == before
+
+
 def test_a_cache_in_a_folder_that_cannot_be_written_is_read_and_its_writes_refused(tmp_path):
     """A cache baked into an image or on a read-only mount: SQLite cannot put its WAL index
     beside the file, yet its winners are read; a write names the folder to make writable."""

@@ -339,6 +339,25 @@ class SqliteFile:
         except sqlite3.DatabaseError as e:
             raise self._write_error(e) from None
 
+    def check_writable(self) -> None:
+        """Refuse, as a write would, a file that cannot be written (read-only, locked, its
+        disk full), by a write that is rolled back: a long command asks before it starts and
+        stores nothing, so a new file it made still holds nothing if the command fails."""
+        if self._as_it_is:
+            raise self.read_only()
+        if not self._verified():
+            self.verify()
+        conn = self.db.conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:  # a write of what is there: SQLite takes it as one, and a read-only file fails
+                (version,) = conn.execute("PRAGMA user_version").fetchone()
+                conn.execute(f"PRAGMA user_version={int(version)}")
+            finally:
+                self._roll_back()
+        except sqlite3.DatabaseError as e:
+            raise self._write_error(e) from None
+
     def _roll_back(self) -> None:
         """End the open transaction, if SQLite left one, keeping nothing of it. A ROLLBACK that
         SQLite aborts too (interrupted, out of memory) would leave the connection inside its

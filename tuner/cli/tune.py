@@ -31,6 +31,7 @@ from tuner.cli.options import (
     check_op,
     check_sources_take,
     open_store,
+    store_kept_if_used,
     tune_options,
     unknown_device_class,
 )
@@ -152,8 +153,9 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
         raise ConfigError(f"{key}: {why}")
     check_sources_take(options.sources, key)
     fp = fingerprint()
-    with open_store(cache) as store:
-        store.save_device(fp)  # a cache that cannot be written is refused before the tuning
+    # a cache this command makes is removed again if the tuning fails: nothing is stored before
+    with store_kept_if_used(cache) as store:
+        store.check_writable()  # a cache that cannot be written is refused before the tuning
         earlier = earlier_times(store.measurements(fp.device_class, str(key)), options.launch)
         if os.environ.get("TRITON_INTERPRET") == "1":
             console.print(
@@ -162,6 +164,7 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
                 "leaves them out)[/dim]"
             )
         outcome = _tuned(key, options, earlier)
+        store.save_device(fp)
         store.save_run(outcome.measurements, outcome.winner)
     t = Table(title=str(key))
     # a low-bit result is checked element by element against a bound derived from its format
