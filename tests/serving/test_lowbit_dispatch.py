@@ -183,6 +183,36 @@ def test_stored_low_bit_winners_are_served(disp: Dispatcher) -> None:
     assert served == {triton_source(k) for k in keys} == {"triton_w4a16", "triton_fp8"}
 
 
+@pytest.mark.cpu_host
+def test_an_inference_weight_written_in_place_is_read_anew_after_forget(disp: Dispatcher) -> None:
+    """A tensor made under ``torch.inference_mode()`` has no version counter, so the layout a
+    kernel made of the weight on its first call cannot see a write in place: ``tuner.forget``
+    drops it, and the next call reads the new weight."""
+    torch.manual_seed(2)
+    q1, sz = int4.quantize(torch.randn(N, K, dtype=torch.bfloat16) * 0.05, GROUP)
+    q2, _ = int4.quantize(torch.randn(N, K, dtype=torch.bfloat16) * 0.05, GROUP)
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        packed = int4_torch.torch_pack(q1)
+        tuner.int4_linear(x, packed, sz, GROUP)  # a miss: its key recorded
+    (key,) = recorded(disp)
+    store_winners(disp, [key], triton=True)
+    disp.set_mode("lookup")
+    assert warmup(progress=False, dispatcher=disp, fetch=False).loaded == 1
+    with torch.inference_mode():
+        tuner.int4_linear(x, packed, sz, GROUP)  # the kernel's layout of q1 made and kept
+        packed.copy_(int4_torch.torch_pack(q2))
+        want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
+        kept = tuner.int4_linear(x, packed, sz, GROUP)
+        tuner.forget(packed)
+        got = tuner.int4_linear(x, packed, sz, GROUP)
+    bound = samples.tolerance(key)
+    assert samples.relative_error(kept, want) > bound  # q1's layout: what forget is for
+    assert samples.relative_error(got, want) <= bound
+    hits = [r for r in disp.resolutions.values() if r.kind == "hit"]
+    assert hits and {r.candidate.split(":")[0] for r in hits} == {"triton_w4a16"}
+
+
 def test_bad_input_raises_torchs_error_or_names_the_field(disp: Dispatcher) -> None:
     packed, sz = int4_weight()
     x = torch.randn(2, K, dtype=torch.bfloat16)

@@ -6,7 +6,7 @@ must not pay for it again on the next call, nor serve it for a tensor changed in
 Tensors made under ``torch.inference_mode()`` (a model loaded or quantized there) have no version
 counter: torch refuses to write them in place outside inference mode, and inside it their writes
 cannot be seen, so their values are kept while they live. Code that writes such a tensor in place
-itself (``Int4Linear`` loading a state dict) calls ``forget`` for it.
+(``Int4Linear`` loading a state dict, or a user, as ``tuner.forget``) calls ``forget`` for it.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ def _version(t: torch.Tensor) -> int:
 
 
 def forget(t: torch.Tensor) -> None:
-    """Drop what every memo made of ``t``: it was written in place where its version cannot say
-    so (an inference tensor)."""
+    """Drop what every memo made of ``t`` (a kernel's layout of a weight, split scales): call it
+    after writing ``t`` in place where its version cannot say so (a tensor made under
+    ``torch.inference_mode()``); the next call makes them anew from its values."""
     for memo in list(_MEMOS):
         memo._table.pop(id(t), None)
 

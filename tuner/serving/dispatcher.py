@@ -920,7 +920,9 @@ def scaled_mm(
 def int4_linear(x: Any, packed_w: Any, scales_and_zeros: Any, group_size: int) -> Any:
     """``x [..., K] @ W.T`` -> [..., N] with W int4 in torch's packed format for x's device
     (``aten._convert_weight_to_int4pack`` on CUDA, ``_convert_weight_to_int4pack_for_cpu`` on
-    the CPU) and torch's ``scales_and_zeros`` [K / group_size, N, 2]."""
+    the CPU) and torch's ``scales_and_zeros`` [K / group_size, N, 2]. A kernel's layout of the
+    weight is made on the first call and kept: after writing an inference-mode weight or its
+    scales in place, call ``tuner.forget`` on it."""
     return get_dispatcher().int4_linear(x, packed_w, scales_and_zeros, group_size)
 
 
