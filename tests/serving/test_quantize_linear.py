@@ -144,6 +144,10 @@ def test_quantized_layers_refuse_what_nn_linear_refuses_and_take_empty_batches(f
         layer(torch.randn(2, 128))
     with pytest.raises(ValueError, match=r"x\.shape=\(\)"):
         layer(torch.tensor(1.0))
+    with pytest.raises(  # not the op's operand names (a, b, packed_w), which the caller never gave
+        ValueError, match=r"^x\.device=meta: the layer's weights are on cpu; move x there, or "
+    ):  # fmt: skip
+        layer(torch.randn(2, 256, device="meta"))
     empty = layer(torch.randn(0, 256))
     assert empty.shape == (0, 64) and empty.dtype == torch.float32
     assert layer(torch.randn(2, 0, 256)).shape == (2, 0, 64)

@@ -55,6 +55,7 @@ WEIGHT_DTYPES = ("int4", *FP8)
 INT4_ACTIVATIONS = ("bf16", "f16")
 INT4_GROUPS = (32, 64, 128, 256)  # what torch's int4 GEMM accepts
 INT4_N_TILE = 8  # torch's tile-packed weight holds N in tiles of 8 rows
+INT4_CPU_N_BLOCK = 16  # and its CPU packing in blocks of 16
 ZERO_MODES = ("float",)
 FP8_SCALES = ("tensor", "row")
 ACCUM_MODES = ("f32", "fast")  # fast: the FP8 tensor cores' partial-precision accumulation
@@ -208,7 +209,8 @@ class GemmKey:
             raise ValueError(f"group={self.group} must divide k={self.k}")
         if self.n % INT4_N_TILE:
             raise ValueError(
-                f"n={self.n} must be a multiple of {INT4_N_TILE} for int4 weights (torch's tile packing)"
+                f"n={self.n} must be a multiple of {INT4_N_TILE} for int4 weights (torch's tile packing; "
+                f"of {INT4_CPU_N_BLOCK} to run on a CPU, whose packing takes blocks of {INT4_CPU_N_BLOCK})"
             )
         _check_choice("zeros", self.zeros, ZERO_MODES)
         if self.scale != "group":

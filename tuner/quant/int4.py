@@ -104,7 +104,8 @@ def check_scales_and_zeros(
             f"{sz}.dtype={scales_and_zeros.dtype}: must be the activation's ({x}.dtype={dtype})"
         )
     if not scales_and_zeros.is_contiguous():
-        raise ValueError(f"{sz}: must be contiguous")
+        raise ValueError(f"{sz}: must be contiguous, got shape {tuple(scales_and_zeros.shape)} "
+                         f"strides {scales_and_zeros.stride()}; pass {sz}.contiguous()")  # fmt: skip
 
 
 # weights ``quantize`` takes: its scales come out in the weight's dtype, so an integer one would

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from tuner.core.keys import INT4_CPU_N_BLOCK, INT4_N_TILE
 from tuner.core.tensor_memo import TensorMemo
 from tuner.quant import int4
 
@@ -32,7 +33,7 @@ def inner_k_tiles(k: int) -> int:
 def n_multiple(device: torch.device) -> int:
     """What N must be a multiple of for torch's int4 packing on ``device``: 8 output rows per
     tile on CUDA, blocks of 16 on the CPU."""
-    return 8 if device.type == "cuda" else 16
+    return INT4_N_TILE if device.type == "cuda" else INT4_CPU_N_BLOCK
 
 
 def torch_pack(q: torch.Tensor) -> torch.Tensor:

@@ -87,10 +87,14 @@ def _bias(linear: nn.Linear) -> nn.Parameter | None:
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_activation(x: torch.Tensor, in_features: int) -> None:
-    """ValueError naming the field unless ``x`` is a [..., in_features] of ``ACTIVATION_DTYPES``:
-    an integer one would come back truncated, an FP8 one fail inside the quantization of the
-    activations (or come back rounded to FP8)."""
+def check_activation(x: torch.Tensor, in_features: int, device: torch.device) -> None:
+    """ValueError naming the field unless ``x`` is a [..., in_features] of ``ACTIVATION_DTYPES``
+    on the layer's ``device``: an integer one would come back truncated, an FP8 one fail inside
+    the quantization of the activations (or come back rounded to FP8), one on another device
+    fail inside the op, naming operands the caller never passed."""
+    if x.device != device:
+        raise ValueError(f"x.device={x.device}: the layer's weights are on {device}; move x "
+                         f"there, or the model to {x.device} (model.to(x.device))")  # fmt: skip
     if x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"x.dtype={x.dtype}: expected a floating-point activation, one of "
                          f"{', '.join(map(str, ACTIVATION_DTYPES))}")  # fmt: skip
@@ -215,7 +219,7 @@ class Int4Linear(QuantizedLinear):
                 tensor_memo.forget(t)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_activation(x, self.in_features)
+        check_activation(x, self.in_features, self.packed_weight.device)
         # any strides, as nn.Linear takes them (a sequence's last token: h[:, -1, :])
         y = _int4_linear()(
             x.to(COMPUTE_DTYPE).contiguous(), self.packed_weight, self.scales_and_zeros,
@@ -264,7 +268,7 @@ class Fp8Linear(QuantizedLinear):
         self.bias = _bias(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_activation(x, self.in_features)
+        check_activation(x, self.in_features, self.weight.device)
         if x.numel() == 0:  # no rows (an expert that got no tokens): no scales to make
             return x.new_empty(*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features)
