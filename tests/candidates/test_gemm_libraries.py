@@ -278,3 +278,38 @@ def test_cutlass_prepare_builds_the_plan_that_load_needs():
     cutlass_env._tile_descriptions.cache_clear()
     cutlass.prepare(key, cutlass.candidates(key, "cuda"))
     assert cutlass_env._tile_descriptions.cache_info().currsize == 1
+
+
+LOAD_IN_A_FRESH_PROCESS = """
+import json, os, sys, tempfile
+moves, chdir = [], os.chdir
+os.chdir = lambda path: (moves.append(str(path)), chdir(path))[1]
+from tuner.candidates import cutlass_env
+op = cutlass_env.load(cutlass_env.KernelSpec.from_json(sys.argv[1]))
+print(json.dumps({"name": op.procedural_name(), "moves": moves, "tempdir": tempfile.tempdir,
+                  "cwd": os.getcwd(), "files": sorted(os.listdir("."))}))
+"""
+
+
+def test_loading_a_compiled_kernel_leaves_the_working_directory_be(cutlass_params, tmp_path):
+    """A winner loads in a background thread while the model's threads run: a load from the
+    compile cache (a fresh process, so from the file) changes no directory and writes nothing
+    where the process stands, and leaves ``tempfile.tempdir`` as it was."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tuner.candidates import cutlass_gemm, nvcc_build
+
+    chosen, compile_errors = cutlass_params
+    spec = cutlass_gemm.kernel_spec(CUTLASS_KEYS[0], chosen[CUTLASS_KEYS[0]])
+    assert compile_errors[spec] is None, compile_errors[spec]
+    env = os.environ | {"CUTLASS_CACHE_DIR": str(nvcc_build.cache_dir().resolve())}
+    run = subprocess.run([sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, spec.to_json()],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    loaded = json.loads(run.stdout.strip().splitlines()[-1])
+    assert loaded["name"]
+    assert loaded["moves"] == [] and loaded["cwd"] == str(tmp_path)
+    assert loaded["tempdir"] is None and loaded["files"] == []

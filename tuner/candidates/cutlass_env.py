@@ -8,7 +8,8 @@ What this module fixes or adds around ``cutlass_cppgen``:
   is set from nvcc's location; without nvcc the package still imports and loads compiled
   kernels (``missing``: what loading needs, ``cannot_compile``: what compiling needs);
 - ``compiled_cache.db`` and every scratch file live in ``nvcc_build``'s cache directory, never
-  in the current directory;
+  in the current directory, and only a compile changes directory (a load of a cached kernel
+  leaves every thread's working directory and ``tempfile.tempdir`` as they were);
 - the option registry holds SM90 GEMMs only (much faster to build than every arch's).
 
 A compiled kernel is shape-independent: one per ``KernelSpec`` (dtypes, layouts, alignments, tile,
@@ -53,6 +54,7 @@ BUILDERS = {"int4": "tuner.candidates.cutlass_w4a16"}
 # the widest wgmma (256)
 DERIVED_N_STEP, DERIVED_N_MAX = 32, 256
 _LOCK = threading.RLock()  # cutlass_cppgen keeps global state (cwd, tempfile.tempdir, plans)
+CACHE_NAME = "compiled_cache.db"  # cutlass_cppgen's kernel cache, by its name
 
 
 def missing() -> str | None:
@@ -86,7 +88,9 @@ def compile_all(specs: Sequence[S], **options: Any) -> dict[S, str | None]:
 
 @contextlib.contextmanager
 def _in_dir(path: Path) -> Iterator[None]:
-    """Run cutlass_cppgen code whose files land in the current directory inside ``path``."""
+    """Run cutlass_cppgen code whose files land in the current directory inside ``path``: its
+    compiles only (a child process's, or a load that must compile), since the working directory
+    is the whole process's, every thread's relative paths moving with it."""
     path.mkdir(parents=True, exist_ok=True)
     with _LOCK:
         before, tmp_before = os.getcwd(), tempfile.tempdir
@@ -96,6 +100,53 @@ def _in_dir(path: Path) -> Iterator[None]:
         finally:
             os.chdir(before)
             tempfile.tempdir = tmp_before  # cutlass_cppgen sets it to "./" for good
+
+
+@contextlib.contextmanager
+def _cache_file_in(root: Path) -> Iterator[None]:
+    """cutlass_cppgen's ArtifactManager, made as it is imported, opens ``compiled_cache.db`` in
+    the working directory: while it imports, SQLite opens that name in ``root`` instead (and
+    every other name as given), where changing directory would move every thread's paths."""
+    import sqlite3
+
+    connect = sqlite3.connect
+
+    def connect_in_root(database: Any, *args: Any, **kwargs: Any) -> sqlite3.Connection:
+        if database == CACHE_NAME:
+            database = str(root / CACHE_NAME)
+        return connect(database, *args, **kwargs)
+
+    sqlite3.connect = connect_in_root
+    try:
+        yield
+    finally:
+        sqlite3.connect = connect
+
+
+def _host_library(host_binary: bytes) -> Any:
+    """cutlass_cppgen's ``CDLLBin``, which loads a cached kernel's host library, without the
+    working directory: written in this process's work folder by its full path (the original
+    sets ``tempfile.tempdir`` to "./" for good and writes wherever the process stands)."""
+    import ctypes
+
+    folder = nvcc_build.work_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, prefix="host_func", suffix=".so") as f:
+        f.write(host_binary)
+        f.flush()
+        return ctypes.CDLL(f.name)  # loaded: the file may go
+
+
+def _compiling_in(manager: Any, folder: Callable[[], Path]) -> None:
+    """``manager`` (the ArtifactManager) compiling in ``folder()``: the only cutlass_cppgen step
+    that writes in the working directory (sources, nvcc's error files) once loads do not."""
+    compile_kernels = manager.emit_compile_
+
+    def emit_compile_in_folder(*args: Any) -> Any:
+        with _in_dir(folder()):
+            return compile_kernels(*args)
+
+    manager.emit_compile_ = emit_compile_in_folder
 
 
 def _map_cuda_bindings() -> None:
@@ -123,15 +174,18 @@ def cutlass() -> Any:
         if shutil.which("nvcc") is None:  # cutlass_cppgen runs `which nvcc` itself
             os.environ["PATH"] = str(Path(nvcc).parent) + os.pathsep + os.environ.get("PATH", "")
     root = nvcc_build.cache_dir()
-    with _in_dir(root):  # its ArtifactManager opens compiled_cache.db at import time
+    root.mkdir(parents=True, exist_ok=True)
+    with _LOCK, _cache_file_in(root):  # its ArtifactManager opens the file at import time
         import cutlass_cppgen
         import cutlass_library
         import cutlass_library.generator  # skipped by its __init__ whenever "-m" is in sys.argv
         from cutlass_cppgen.library_defaults import ArchOptions, OptionRegistry
 
         compiler_module = sys.modules["cutlass_cppgen.backend.compiler"]
-        compiler_module.CACHE_FILE = str(root / "compiled_cache.db")
+        compiler_module.CACHE_FILE = str(root / CACHE_NAME)
+        compiler_module.CDLLBin = _host_library
         manager = cutlass_cppgen.backend.compiler  # the ArtifactManager instance
+        _compiling_in(manager, nvcc_build.work_dir)
         if "-DNDEBUG" not in manager._nvcc_compile_options:
             manager._nvcc_compile_options.append("-DNDEBUG")
         if nvcc is None:  # load only: what cutlass_cppgen would ask nvcc for, it never uses
@@ -375,8 +429,10 @@ def _tile_descriptions(*plan: str) -> dict[tuple[Any, ...], Any]:
 
 
 def load(spec: KernelSpec) -> Any:
-    """The compiled GemmOperationUniversal of ``spec``: from the cache, else compiled here."""
-    with _in_dir(nvcc_build.work_dir()):
+    """The compiled GemmOperationUniversal of ``spec``: from the cache, else compiled here (in
+    the work folder, ``_compiling_in``); a load from the cache leaves the working directory be,
+    so a model's threads keep theirs while a winner loads beside them."""
+    with _LOCK:
         plan = _plan_of(spec)
         td = tile_description(spec)
         return plan.compile(

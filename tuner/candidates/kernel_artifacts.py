@@ -74,7 +74,7 @@ def bundle(op: Any) -> bytes:
     if isinstance(op, Path):
         return pack({LIBRARY: op.read_bytes()})
     key = _op_key(op)
-    with sqlite3.connect(nvcc_build.cache_dir() / "compiled_cache.db") as conn:
+    with sqlite3.connect(nvcc_build.cache_dir() / env.CACHE_NAME) as conn:
         row = conn.execute(
             "select cubin, hostbin, op_name, op_attrs from compiled_operations where op_key = ?",
             (key,),
@@ -111,7 +111,7 @@ def install(store: ArtifactStore, spec: env.Spec) -> bool:
         row += (meta["op_attrs"],)
     except (KeyError, ValueError) as e:
         raise ArtifactError(f"not a CUTLASS kernel bundle: missing {e}") from None
-    path = nvcc_build.cache_dir() / "compiled_cache.db"
+    path = nvcc_build.cache_dir() / env.CACHE_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
     with sqlite3.connect(path) as conn:
         conn.execute(_TABLE)
