@@ -32,6 +32,10 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 Migration = Callable[[sqlite_utils.Database], None]
 
 
+class _KeepNothing(Exception):
+    """Raised inside ``transaction`` to roll it back."""
+
+
 class StoreError(Exception):
     """The file cannot be used as it is; the message says why and what to do."""
 
@@ -343,20 +347,11 @@ class SqliteFile:
         """Refuse, as a write would, a file that cannot be written (read-only, locked, its
         disk full), by a write that is rolled back: a long command asks before it starts and
         stores nothing, so a new file it made still holds nothing if the command fails."""
-        if self._as_it_is:
-            raise self.read_only()
-        if not self._verified():
-            self.verify()
-        conn = self.db.conn
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            try:  # a write of what is there: SQLite takes it as one, and a read-only file fails
-                (version,) = conn.execute("PRAGMA user_version").fetchone()
-                conn.execute(f"PRAGMA user_version={int(version)}")
-            finally:
-                self._roll_back()
-        except sqlite3.DatabaseError as e:
-            raise self._write_error(e) from None
+        with contextlib.suppress(_KeepNothing), self.transaction() as conn:
+            # a write of what is there: SQLite takes it as one, and a read-only file refuses it
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+            conn.execute(f"PRAGMA user_version={int(version)}")
+            raise _KeepNothing
 
     def _roll_back(self) -> None:
         """End the open transaction, if SQLite left one, keeping nothing of it. A ROLLBACK that
