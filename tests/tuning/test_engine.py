@@ -131,15 +131,21 @@ def test_a_baselines_long_tail_does_not_tie_a_challenger_far_under_it(memoized):
     """torch's trial here is a take with a long tail (p90 three times its median: a half spread
     of 101%): the memoized product's readings all lie under torch's quickest, so it duels at the
     floor's margin, not that tail's. That tail still ties them, so its win must show twice: a
-    baseline's trial slowed throughout (a compile beside all of it) lifts its p10 too."""
+    baseline's trial slowed throughout (a compile beside all of it) lifts its p10 too. On a
+    loaded host the baseline's second take may read far off its trial, which the engine keeps
+    torch for (disturbed, nothing of this test): up to three tunes, the first undisturbed judged."""
     timed = timed_baseline(
         tune(KEY, options=TuneOptions(budget_s=0.02, sources=[]), device="cpu").measurements
     )
     base = dataclasses.replace(timed, p10_us=timed.median_us * 0.97, p90_us=timed.median_us * 3)
-    outcome = tune(
-        KEY, options=TuneOptions(budget_s=0.02, sources=["memoized"]), device="cpu", prior=[base]
-    )
-    challenger = by_params(outcome)["memoized"]
+    for _ in range(3):
+        outcome = tune(
+            KEY, options=TuneOptions(budget_s=0.02, sources=["memoized"]), device="cpu",
+            prior=[base],
+        )  # fmt: skip
+        challenger = by_params(outcome)["memoized"]
+        if "disturbed" not in (challenger.error or ""):
+            break
     assert pair_noise(base, challenger, 0.02, "eager") == 0.02
     assert outcome.winner.source == "memoized", challenger.error
     assert "a tie in its trial, so taken again" in challenger.error
