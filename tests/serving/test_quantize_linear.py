@@ -153,6 +153,19 @@ def test_quantized_layers_refuse_what_nn_linear_refuses_and_take_empty_batches(f
     assert layer(torch.randn(2, 0, 256)).shape == (2, 0, 64)
 
 
+@pytest.mark.cpu_host
+def test_an_fp8_layer_gives_nan_for_a_row_holding_an_inf_and_leaves_other_rows_be() -> None:
+    """What README says of FP8 layers: each activation row is quantized by its own largest
+    magnitude, so a row holding an inf has an infinite scale (inf / inf: NaN), where
+    ``nn.Linear`` gives +-inf; the other rows are untouched by it."""
+    linear = nn.Linear(256, 64)
+    x = torch.randn(2, 256)
+    x[0, 3] = float("inf")
+    y = tt.quantize_linear(linear, "fp8")(x)
+    assert y[0].isnan().all() and not linear(x)[0].isnan().all()
+    assert y[1].isfinite().all()
+
+
 @pytest.mark.parametrize("fmt", ["int4", FP8_CPU_HOST])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_layers_take_activations_of_any_strides(fmt, dtype) -> None:
