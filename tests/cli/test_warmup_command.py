@@ -55,3 +55,12 @@ def test_warmup_in_mode_off_says_nothing_is_served_rather_than_no_winners(
     code, out = warm(tmp_path / "c.db")
     assert code == 0, out
     assert "mode off" in out and "nothing to load" in out and "winner:" not in out
+
+
+def test_warmup_command_names_a_device_that_is_not_here(tmp_path: Path) -> None:
+    Store(tmp_path / "c.db").close()
+    result = CliRunner().invoke(
+        app, ["warmup", "--cache", str(tmp_path / "c.db"), "--device", "cuda:64"]
+    )
+    assert isinstance(result.exception, ValueError)
+    assert "--device 'cuda:64': this host has" in str(result.exception)

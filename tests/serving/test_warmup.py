@@ -3,6 +3,7 @@ what could not be loaded reported, over a real store (Triton winners run by its 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,26 @@ def test_warmup_loads_every_winner_and_reports_what_it_could_not(cache_path: Pat
 def test_warmup_of_an_empty_store_is_ok(cache_path: Path) -> None:
     report = warmup(progress=False, dispatcher=Dispatcher(cache_path), fetch=False)
     assert report.ok and (report.winners, report.loaded) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("device", "said"),
+    [
+        ("tpu0", "device='tpu0' is not a device"),
+        (1.5, "device=1.5 is not a device"),
+        ("meta", "device='meta': this host has"),
+        (64, "device=64: this host has"),
+        ("cuda:64", "device='cuda:64': this host has"),
+    ],
+)
+def test_warmup_names_a_device_that_is_not_here(cache_path: Path, device, said) -> None:
+    with pytest.raises(ValueError, match=re.escape(said)):
+        warmup(progress=False, dispatcher=Dispatcher(cache_path), fetch=False, device=device)
+
+
+@pytest.mark.cpu_host
+def test_warmup_of_the_cpu_by_name_is_the_default(cache_path: Path) -> None:
+    store_winners(cache_path)
+    d = Dispatcher(cache_path, mode="lookup")
+    report = warmup(progress=False, dispatcher=d, fetch=False, device="cpu")
+    assert report.device_class == fingerprint("cpu").device_class and report.loaded == 1

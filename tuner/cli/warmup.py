@@ -26,12 +26,21 @@ def warmup(
         typer.Option(help="First fetch this host's compiled kernels from $TUNER_SERVER, if set."),
     ] = True,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help="The GPU whose winners are loaded (cuda:1, or its index), or cpu; by default "
+            "this process's GPU (CUDA_VISIBLE_DEVICES' first), else the CPU."
+        ),
+    ] = None,
 ) -> None:
     """Load the kernel of every stored winner for this device (this GPU, else the CPU), fetched
     or built; exit 1 on a failure."""
     from tuner.serving.dispatcher import Dispatcher
+    from tuner.serving.warmup import gpu_named
     from tuner.serving.warmup import warmup as warm_up
 
+    gpu = gpu_named(int(device) if device and device.isdigit() else device, "--device ")
     # a mistyped path, or a file that is not a usable cache: refused here, not served around
     open_store(cache, existing=True).close()
     dispatcher = Dispatcher(cache_path(cache))
@@ -42,7 +51,7 @@ def warmup(
             "stored winners"
         )
         return
-    report = warm_up(progress, dispatcher=dispatcher, fetch=fetch)
+    report = warm_up(progress, dispatcher=dispatcher, fetch=fetch, device=gpu or "cpu")
     fetched = f", {report.fetched} kernels fetched" if report.fetched else ""
     console.print(
         f"{report.device_class}: {counted(report.winners, 'winner')}: {report.loaded} loaded now, "

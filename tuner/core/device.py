@@ -88,12 +88,26 @@ def cublas_version() -> int:
     return major * 10000 + minor * 100 + patch
 
 
-@functools.cache
-def fingerprint(device: str | None = None) -> Fingerprint:
-    """Fingerprint of the current CUDA device (``device="cuda"``) or of the CPU (``"cpu"``).
+def fingerprint(device: Any = None) -> Fingerprint:
+    """Fingerprint of a CUDA device or of the CPU.
 
-    By default: the GPU where there is one, else the CPU.
+    ``device``: ``"cuda"`` (the current GPU), ``"cuda:1"`` or a ``torch.device`` (that GPU: a
+    host may hold GPUs of several models), ``"cpu"``; by default the current GPU where there is
+    one, else the CPU.
     """
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return _fingerprint(None)
+    return _fingerprint(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _fingerprint(gpu: int | None) -> Fingerprint:
+    """The fingerprint of GPU ``gpu``, or of the CPU (None)."""
     import torch
 
     versions = {
@@ -104,10 +118,8 @@ def fingerprint(device: str | None = None) -> Fingerprint:
     cutlass = _package_version("nvidia-cutlass")
     if cutlass:
         versions["cutlass"] = cutlass
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if gpu is not None:
+        p = torch.cuda.get_device_properties(gpu)
         versions.update(_cuda_versions())
         return Fingerprint(
             kind="cuda",

@@ -465,6 +465,8 @@ class Dispatcher:
             res = self.resolutions[slot] = self.resolutions.pop(slot, res)  # latest last
             if res.by_torch or _calls_torch(res):  # the others' hit path pays nothing for it
                 runner = _inside(runner)
+            if not res.by_torch and device.type == "cuda":
+                runner = _on_its_gpu(runner, device)
             if self.counting:
                 runner = _counted(runner, res)
             if res.kind != "capture":  # resolved again after the capture, with tuning allowed
@@ -491,12 +493,12 @@ class Dispatcher:
         if grad:
             self._say_grad(key)
             return Resolution(str(key), "default", base.name)
-        dc = fingerprint(device.type).device_class
+        dc = fingerprint(device).device_class
         capturing = _capturing(device.type)
         winner, kind, via = self._known(dc).get(str(key)), "hit", None
         if winner is None:
             if self.mode == "tune" and not capturing:
-                winner = self._tune(key, device.type)
+                winner = self._tune(key, device)
             elif self.mode in ("record", "tune"):
                 self._record_miss(dc, key)
         if winner is None and isinstance(key, GemmKey):
@@ -571,7 +573,8 @@ class Dispatcher:
             source = registry.get(w.source)
             why = cannot_serve_here(source, key, device)
             if why is None and not may_compile(source):
-                return _taking_turns(source.build(key, w.params), device), res
+                runner = _on_device(device, lambda: source.build(key, w.params))
+                return _taking_turns(runner, device), res
         except Exception as e:  # stored params the candidate no longer takes: tuned, not a miss
             self.loader.refuse(job, f"{type(e).__name__}: {e}", "no longer builds")
             return base.build(key, base.baseline_params), _by_torch(res, "failed")
@@ -713,15 +716,18 @@ class Dispatcher:
             with self._unless_unusable():
                 store.record_misses(device_class, [str(key)])
 
-    def _tune(self, key: Key, device: str) -> Winner | None:
+    def _tune(self, key: Key, device: Any) -> Winner | None:
+        """Tune ``key`` on ``device``, the GPU of the call's operands (made current: a model may
+        sit on several GPUs, of several models)."""
         from tuner.tuning.engine import tune
 
         # on the CPU the tuning runs its Triton candidates through the interpreter too: it takes
         # its turn there, as served calls do (``_taking_turns``), or another thread's call and
         # the candidates' runs break each other ("InterpreterError: ... outside of JIT")
-        turn = _INTERPRETER if device == "cpu" and interpreting() else contextlib.nullcontext()
-        with turn:
-            outcome = tune(key, device=device)
+        cpu = device.type == "cpu"
+        turn = _INTERPRETER if cpu and interpreting() else contextlib.nullcontext()
+        with turn, _current(device):
+            outcome = tune(key, device=device.type)
         if store := self._store_to_write():
             with self._unless_unusable():
                 store.save_run(outcome.measurements, outcome.winner)
@@ -785,7 +791,7 @@ def cannot_serve_here(source: Any, key: Key, device: Any) -> str | None:
     synced from the fleet was tuned where it could run; this host may lack the GPU, Triton's
     interpreter, or what the kernel needs for the key (say, bf16 dots under the interpreter).
     Asked with ``device`` current: sources read the current GPU's capability."""
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    with _current(device):
         return source.unavailable(device.type) or source.unsupported(key)
 
 
@@ -809,12 +815,33 @@ def _job(key: str, candidate: str, device: Any) -> str:
     return f"{key} <- {candidate} on {device}"
 
 
+def _current(device: Any) -> contextlib.AbstractContextManager[Any]:
+    """``device`` made the current GPU for the block (nothing to do for a CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _on_device(device: Any, build: Callable[[], Runner]) -> Runner:
     """``build()`` with ``device`` current (a worker thread starts on the default device)."""
-    if device.type != "cuda":
+    with _current(device):
         return build()
-    with torch.cuda.device(device):
-        return build()
+
+
+def _on_its_gpu(runner: Runner, device: Any) -> Runner:
+    """A tuned runner of ``device``'s operands that launches its kernels there. Triton's, CuPy's
+    and CUTLASS's kernels launch on the current GPU, which a model spread over several GPUs does
+    not switch as its layers run (torch's own ops guard themselves); a host of one GPU pays
+    nothing."""
+    if torch.cuda.device_count() < 2:
+        return runner
+    index = device.index
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.cuda.current_device() == index:
+            return runner(*args, **kwargs)
+        with torch.cuda.device(index):
+            return runner(*args, **kwargs)
+
+    return run
 
 
 def _capturing(device: str) -> bool:

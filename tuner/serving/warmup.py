@@ -1,4 +1,4 @@
-"""``tuner.warmup()``: load every stored winner of this device class before the work starts.
+"""``tuner.warmup()``: load every stored winner of a device class before the work starts.
 
 Without it the dispatcher builds a winner whose kernel is not loaded in the background, on first
 use, and serves the baseline meanwhile. Warmup does that work up front, before a model starts
@@ -52,18 +52,22 @@ class WarmupReport:
 
 
 def warmup(
-    progress: bool = True, *, dispatcher: Dispatcher | None = None, fetch: bool = True
+    progress: bool = True,
+    *,
+    dispatcher: Dispatcher | None = None,
+    fetch: bool = True,
+    device: Any = None,
 ) -> WarmupReport:
-    """Load every stored winner of this device class into ``dispatcher`` (the process's by
+    """Load every stored winner of a device class into ``dispatcher`` (the process's by
     default), with a progress bar unless ``progress`` is False. ``fetch``: first bring this
-    host's kernels from the fleet service, when one is configured."""
+    host's kernels from the fleet service, when one is configured. ``device``: the GPU whose
+    winners are loaded there (``"cuda:1"``, a ``torch.device`` or its index); by default the
+    current GPU, else the CPU. A model spread over several GPUs warms up each of them."""
     disp = dispatcher or get_dispatcher()
     if disp.mode == "off":
         log.warning("warmup: mode off serves baselines only: no winner is loaded")
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    )
-    fp = fingerprint("cuda" if device is not None else "cpu")
+    gpu = gpu_named(device)
+    fp = fingerprint(gpu or "cpu")
     report = WarmupReport(fp.device_class)
     if fetch and disp.mode != "off":  # off: the cache is never opened
         _fetch(disp, fp, report)
@@ -76,10 +80,11 @@ def warmup(
                 key = parse_key(w.key)
                 base = registry.baseline(key.op, key)
                 if base.chose_itself(w.source, w.params):
-                    if device is not None:  # the library's first call (handles, heuristics)
-                        run_once(base.build(key, w.params), key)
+                    if gpu is not None:  # the library's first call (handles, heuristics)
+                        with torch.cuda.device(gpu):
+                            run_once(base.build(key, w.params), key)
                     report.ready += 1
-                elif disp.load(key, w, device or torch.device("cpu")):
+                elif disp.load(key, w, gpu or torch.device("cpu")):
                     report.loaded += 1
                 else:
                     report.ready += 1
@@ -89,6 +94,28 @@ def warmup(
                 )
             advance()
     return report
+
+
+def gpu_named(device: Any, field: str = "device=") -> torch.device | None:
+    """The GPU ``device`` names, with its index (None for the CPU); by default the current GPU
+    where there is one. A GPU that is not there is a ValueError naming ``field`` and the value."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        named = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f'{field}{device!r} is not a device: give a GPU index, "cuda:1", a '
+            'torch.device or "cpu"'
+        ) from None
+    if named.type == "cpu":
+        return None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = torch.cuda.current_device() if count and named.index is None else named.index
+    if named.type != "cuda" or index is None or not 0 <= index < count:
+        there = f"GPUs cuda:0 to cuda:{count - 1}" if count else "no GPU"
+        raise ValueError(f'{field}{device!r}: this host has {there} ("cpu" for the CPU)')
+    return torch.device("cuda", index)
 
 
 def _fetch(disp: Dispatcher, fp: Any, report: WarmupReport) -> None:
