@@ -41,6 +41,7 @@ def test_off_mode_never_opens_the_store(tmp_path):
     assert not (tmp_path / "never.db").exists()
 
 
+@pytest.mark.cpu_host
 def test_lookup_mode_makes_no_cache_at_a_mistyped_path_and_says_so_once(tmp_path, caplog):
     path = tmp_path / "typo" / "c.db"
     d = Dispatcher(path, mode="lookup")
@@ -197,6 +198,7 @@ def test_sdpa_matches_torch_for_gqa_and_both_causal_alignments(tmp_path):
         SdpaKey.from_tensors(q, k, v, scale=0.0)
 
 
+@pytest.mark.cpu_host
 def test_a_winner_that_no_longer_builds_is_served_by_torch_and_counted_apart_from_misses(
     cache_path, caplog
 ):
@@ -376,6 +378,7 @@ def test_stale_winners_are_served_or_ignored_per_policy(cache_path, monkeypatch)
         Dispatcher(cache_path)
 
 
+@pytest.mark.cpu_host
 def test_an_out_torch_would_resize_or_refuse_is_torchs_when_a_tuned_kernel_serves(
     cache_path, monkeypatch
 ):
@@ -407,6 +410,7 @@ def test_an_out_torch_would_resize_or_refuse_is_torchs_when_a_tuned_kernel_serve
     assert batched.shape == (2, 33, 20)
 
 
+@pytest.mark.cpu_host
 def test_a_call_mixing_dtypes_after_a_tuned_one_gets_torchs_error(cache_path, monkeypatch):
     """The signature a call is looked up by holds each operand's dtype and device: k and v in
     f32 beside an f16 q, once the all-f16 call is served by a tuned kernel, get torch's error
@@ -439,6 +443,7 @@ def test_a_call_mixing_dtypes_after_a_tuned_one_gets_torchs_error(cache_path, mo
     assert "device mismatch: a is on cpu and b on meta" in res.key
 
 
+@pytest.mark.cpu_host
 def test_heads_that_differ_are_grouped_query_only_as_torch_takes_them(cache_path, monkeypatch):
     """Without ``enable_gqa`` torch's SDPA refuses q, k and v whose head counts differ (or
     broadcasts a single kv head), and with it refuses kv heads that do not divide q's.
@@ -556,6 +561,7 @@ def test_a_causal_refused_alone_is_refused_after_the_bool_it_equals(tmp_path):
             disp.sdpa(q, q, q, causal=causal)
 
 
+@pytest.mark.cpu_host
 def test_a_triton_winner_on_the_cpu_serves_calls_from_several_threads(cache_path, monkeypatch):
     """Triton's interpreter keeps a launch's grid in globals: interpreted calls take turns."""
     import threading
@@ -692,6 +698,7 @@ def test_meta_tensors_are_torchs_though_the_cpu_problem_has_a_triton_winner(cach
     assert str(key) not in {m["key"] for m in Store(cache_path).misses()}  # no CPU miss either
 
 
+@pytest.mark.cpu_host
 def test_a_call_needing_a_gradient_is_torchs_and_said_once_per_op(tmp_path, caplog):
     """Tuned kernels have no backward: a model run without no_grad lost every one of them, and
     only stats() showed it. Said once per op, on resolution; under no_grad nothing is said."""
