@@ -4,7 +4,7 @@
 # Stages: tests (pytest -m gpu; GPU_TESTS="tests/serving ..." narrows it, GPU_TESTS_TIMEOUT seconds),
 #   all-gpu-tests (every GPU test in five pytests at once -> $OUT/gpu_tests.txt, gpu_tests_{a,b,c,d,e}.log;
 #   GPU_TESTS_PARTS="c e" runs those parts only),
-#   host-tests (the rest of the suite, -m "not gpu", as `make test` runs it on a GPU machine: one pytest
+#   host-tests (the rest of the suite, -m "not gpu", as `make test` runs it on a GPU machine: one pytest -v
 #   per test folder, in parallel -> $OUT/host_tests.txt, each folder's summary, their logs in $OUT/host_tests_logs.tar.gz; HOST_TESTS_TIMEOUT seconds;
 #   HOST_TESTS="tests/cli tests/suites" runs those folders or files only), dispatch (hit-path
 #   overhead benchmark), contention (bench/cpu_contention.py: eager calls beside busy compilers), decode-sweep (bench/decode_sweep.py), decode-ncu (its --profile under
@@ -132,7 +132,7 @@ for stage in "$@"; do
       logs=$(mktemp -d) pids=()
       for dir in ${HOST_TESTS:-tests/*/ tests/test_*.py}; do
         name=$(echo "${dir%/}" | tr / _)  # tests/cli -> tests_cli: one log a path
-        ( timeout -k 20 "${HOST_TESTS_TIMEOUT:-500}" python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
+        ( timeout -k 20 "${HOST_TESTS_TIMEOUT:-500}" python3 -m pytest -v -m "not gpu" -p no:cacheprovider \
             --ignore=tests/server/test_schema.py "$dir" > "$logs/$name.log" 2>&1
           echo $? > "$logs/$name.rc" ) &
         pids+=($!)

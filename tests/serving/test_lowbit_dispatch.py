@@ -137,6 +137,7 @@ def test_scaled_mm_into_out_is_torchs_routed_or_not(disp: Dispatcher) -> None:
     torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
+@pytest.mark.cpu_host
 @pytest.mark.parametrize("fast", [None, 1, np.False_])
 def test_a_use_fast_accum_that_is_not_a_bool_raises_torchs_type_error(
     disp: Dispatcher, fast: object

@@ -395,6 +395,7 @@ def test_an_int4_state_dict_loads_into_a_fresh_quantized_model() -> None:
     assert torch.equal(fresh(x), model[0](x))
 
 
+@pytest.mark.cpu_host
 def test_an_int4_model_quantized_and_loaded_under_inference_mode_serves_the_loaded_weights(
     monkeypatch,
 ) -> None:
@@ -446,6 +447,7 @@ def test_an_int4_model_moved_or_loaded_across_devices_is_repacked_for_them(there
     assert torch.equal(loaded(x.to(there)), got)  # the same values, packed for ``there``
 
 
+@pytest.mark.cpu_host
 def test_a_quantized_model_run_with_autograd_on_says_why_it_is_not_tuned(disp, caplog) -> None:
     """Forgetting torch.no_grad() served torch's int4 op with no word; stats() alone showed it."""
     q = tt.quantize_linear(mlp(), "int4")

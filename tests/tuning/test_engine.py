@@ -196,6 +196,7 @@ def test_a_lucky_measurement_does_not_survive_the_confirmation(memoized):
     assert re.search(r"lost: (disturbed|no faster beyond the margin)", error), error
 
 
+@pytest.mark.cpu_host
 def test_a_challenger_read_far_over_its_trial_still_wins_where_it_stays_faster(
     monkeypatch, one_thread
 ):
@@ -273,6 +274,7 @@ def test_a_winner_confirmed_slower_than_a_runner_ups_trial_meets_the_runner_up(
     assert "kept" in first.error and "then second confirmed faster" in first.error
 
 
+@pytest.mark.cpu_host
 def test_a_disturbed_timing_is_taken_again(one_thread):
     from planted import Disturbed
 

@@ -55,6 +55,7 @@ def test_the_first_pass_leaves_out_the_sources_that_share_kernels(sources):
     assert "shared_twin" not in everything.sources
 
 
+@pytest.mark.cpu_host
 def test_a_shared_kernel_that_beats_the_settled_baseline_wins_the_second_pass(sources):
     first, second = two_passes("shared_memoized")
     assert first.winner.source == "torch"  # the baseline alone in the first pass
@@ -64,6 +65,7 @@ def test_a_shared_kernel_that_beats_the_settled_baseline_wins_the_second_pass(so
     assert [m.uid for m in baselines] == [m.uid for m in first.measurements if m.is_baseline]
 
 
+@pytest.mark.cpu_host
 def test_a_shared_kernel_faster_than_the_kept_challenger_duels_it_and_serves(sources):
     first, second = two_passes("busy", "shared_memoized")
     assert first.winner.source == "busy"
@@ -77,6 +79,7 @@ def test_a_shared_kernel_faster_than_the_kept_challenger_duels_it_and_serves(sou
     assert second.winner.speedup > first.winner.speedup
 
 
+@pytest.mark.cpu_host
 def test_without_a_new_contender_the_first_pass_verdict_stands_with_no_duel(sources):
     first, second = two_passes("busy", "shared_twin")
     assert second.winner.source == first.winner.source == "busy"
@@ -107,6 +110,7 @@ def test_a_second_pass_duels_only_what_one_pass_would_have(sources):
     ]
 
 
+@pytest.mark.cpu_host
 def test_without_duels_a_second_pass_serves_what_one_pass_would(sources):
     """``confirm_rounds`` 0 (no duel, the fastest trial serves): a second pass neither duels
     (it would have no rounds to read) nor keeps a slower first-pass verdict."""
