@@ -294,6 +294,7 @@ def test_winners_chosen_for_another_launch_mode_are_tuned_again_for_this_one(tmp
     assert "1 already tuned, 0 to tune\n" in out, out
 
 
+@pytest.mark.cpu_host
 def test_tune_all_tunes_a_models_low_bit_projections(tmp_path):
     """``dtypes: [int4-g128, fp8-rowwise]`` in a model config: its projections keyed and tuned
     in those formats (torch's ops as baselines, Triton's kernels through the interpreter)."""
