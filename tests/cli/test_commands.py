@@ -208,12 +208,15 @@ def test_user_mistakes_get_one_line_and_exit_2(tmp_path, args, message):
     ("args", "message"),
     [
         (("report", "--rows", "-1"), "Invalid value for '--rows': "),  # the rest is click's
-        (  # typer's type check names the rule; the value refused is added
+        (  # typer's type check names the rule, in words its releases vary; the value refused
+            # is added where they leave it out
             ("tune", "gemm", "-m", "8", "-n", "x", "-k", "8"),
-            "Invalid value for '-n': Input should be a valid integer, unable to parse string as "
-            "an integer, got 'x' (see",
+            ("Invalid value for '-n': ", "'x'", " (see"),
         ),
-        (("tune", "gemm", "-m", "8", "-n", "8", "-k", "8", "--budget", "0"), "0.001, got '0'"),
+        (
+            ("tune", "gemm", "-m", "8", "-n", "8", "-k", "8", "--budget", "0"),
+            ("Invalid value for '--budget': ", "0.001", "0"),
+        ),
         (  # the value is quoted once: click's message names it already
             ("tune", "key", "x", "--launch", "warp"),
             "'--launch': 'warp' is not one of 'eager', 'graph'. (see",
@@ -235,7 +238,9 @@ def test_option_mistakes_get_the_same_one_line_as_the_rest(tmp_path, args, messa
     mistake: one ``error:`` line and where the help is, not a framed box."""
     r = tuner(*args, cache=tmp_path / "c.db", check=False)
     assert r.returncode == 2 and r.stderr.startswith("error: ")
-    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    said = (message,) if isinstance(message, str) else message
+    assert all(part in r.stderr for part in said), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stdout == ""
 
 
