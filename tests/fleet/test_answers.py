@@ -115,7 +115,7 @@ def test_the_background_sync_logs_a_garbage_answer_by_url_endpoint_and_field(
 ) -> None:
     scripted, client = service
     scripted.answers[FEED] = {"rows": []}
-    sync = BackgroundSync(client, tmp_path / "host.db", push=False, fingerprint=lambda: FP)
+    sync = BackgroundSync(client, tmp_path / "host.db", push=False, fingerprints=lambda: [FP])
     with caplog.at_level(logging.WARNING, logger="tuner.fleet.background"):
         sync.start()
         try:

@@ -191,7 +191,7 @@ def test_background_sync_fetches_the_artifacts_of_its_arch(
         push_artifacts(c, builder)
     changes = []
     with fleet.client("host", "read") as c, ArtifactStore(tmp_path / "host") as host:
-        sync = BackgroundSync(c, tmp_path / "host.db", push=False, fingerprint=lambda: H100,
+        sync = BackgroundSync(c, tmp_path / "host.db", push=False, fingerprints=lambda: [H100],
                               artifacts=host, on_change=lambda: changes.append(1))  # fmt: skip
         with Store(tmp_path / "host.db") as cache:
             sync.sync_once(cache)

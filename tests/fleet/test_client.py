@@ -531,3 +531,27 @@ def test_a_pull_keeps_a_local_winner_newer_than_the_fleets(tmp_path: Path) -> No
         assert store.winner(DC, old).source == "torch"
         assert store.winner(DC, old).updated_at == served[old]
         assert store.winner(DC, new) == local[new]
+
+
+def test_the_background_sync_serves_every_gpu_class_of_the_host(tmp_path: Path) -> None:
+    """A host of two GPU models (``fingerprints``: one per class): each class's winners are
+    pulled and its measurements pushed, in one round."""
+    other = dataclasses.replace(FP, name="Other GPU", sm_count=FP.sm_count + 1)
+    key = str(GemmKey(m=8, n=8, k=8, dtype="f32", out_dtype="f32"))
+    with ThreadServer(tmp_path / "fleet.db") as srv, Store(tmp_path / "host.db") as store:
+        srv.client("elsewhere", "submit").submit(FP, [
+            Measurement(DC, key, "torch", {}, "ok", is_baseline=True, median_us=5.0,
+                        versions=FP.version_tag)
+        ])  # fmt: skip
+        store.save_device(other)
+        store.save_run([
+            Measurement(other.device_class, key, "torch", {}, "ok", is_baseline=True,
+                        median_us=7.0, versions=other.version_tag)
+        ])  # fmt: skip
+        client = srv.client("host", "submit")
+        sync = BackgroundSync(client, tmp_path / "host.db", fingerprints=lambda: [FP, other])
+        pulled = sync.sync_once(store)
+        assert [r.winners for r in pulled] == [1, 1]  # the other's: pushed, then served back
+        assert store.winner(DC, key).median_us == 5.0
+        assert store.winner(other.device_class, key).median_us == 7.0
+        assert client.winner(other.device_class, key, other.version_tag)["median_us"] == 7.0

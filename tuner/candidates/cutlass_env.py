@@ -54,6 +54,8 @@ BUILDERS = {"int4": "tuner.candidates.cutlass_w4a16"}
 # the widest wgmma (256)
 DERIVED_N_STEP, DERIVED_N_MAX = 32, 256
 _LOCK = threading.RLock()  # cutlass_cppgen keeps global state (cwd, tempfile.tempdir, plans)
+# cutlass_cppgen's table of loaded kernels, one a GPU (``_kernels_of_this_gpu``)
+_KERNELS_BY_GPU: dict[int, dict[str, Any]] = {}
 CACHE_NAME = "compiled_cache.db"  # cutlass_cppgen's kernel cache, by its name
 
 
@@ -433,11 +435,23 @@ def load(spec: KernelSpec) -> Any:
     the work folder, ``_compiling_in``); a load from the cache leaves the working directory be,
     so a model's threads keep theirs while a winner loads beside them."""
     with _LOCK:
+        _kernels_of_this_gpu()
         plan = _plan_of(spec)
         td = tile_description(spec)
         return plan.compile(
             td, alignment_A=spec.align_ab, alignment_B=spec.align_ab, alignment_C=spec.align_c
         )
+
+
+def _kernels_of_this_gpu() -> None:
+    """Point cutlass_cppgen's table of loaded kernels at the current GPU's. It keeps one table,
+    keyed by the kernel alone, while a kernel handle loaded in one GPU's context launches only
+    there: with a table a GPU, a kernel another GPU loaded first is loaded again (from the
+    cache file) for this one."""
+    import torch
+
+    manager = cutlass().backend.compiler  # the ArtifactManager instance
+    manager.compiled_cache_device = _KERNELS_BY_GPU.setdefault(torch.cuda.current_device(), {})
 
 
 # --- compiling (in a child process of nvcc_build.compile_all) ------------------------------------

@@ -37,6 +37,7 @@ from tuner.candidates.base import Params, Runner, Source
 from tuner.candidates.triton_kernels import dequant
 from tuner.candidates.triton_kernels.launch import WarmReport, precompile
 from tuner.core.keys import DTYPES, GemmKey
+from tuner.core.triton_launch import current_gpu
 from tuner.measure.timing import cache_bytes
 from tuner.quant import int4_torch
 
@@ -98,9 +99,16 @@ def shortlist(m: int, n: int, k: int, l2_bytes: int, sms: int) -> list[Params]:
     return [{"chunks": c, "bn": DEFAULT_BN} for c in dict.fromkeys(counts)]
 
 
-@functools.lru_cache(maxsize=1024)
 def dequantizer(n: int, k: int, group: int, chunks: int, bn: int) -> dequant.Dequantizer:
-    """One per weight shape and params, kept across runners (its kernel and direct launch)."""
+    """One per weight shape, params and GPU, kept across runners (its kernel and direct
+    launch belong to the GPU that loaded them)."""
+    return _dequantizer(n, k, group, chunks, bn, current_gpu())
+
+
+@functools.lru_cache(maxsize=1024)
+def _dequantizer(
+    n: int, k: int, group: int, chunks: int, bn: int, gpu: int | None
+) -> dequant.Dequantizer:
     return dequant.Dequantizer(n, k, group, chunk_rows(n, chunks), bn)
 
 

@@ -73,10 +73,14 @@ def canonical_strides(rows: int, cols: int, layout: str, batch: int) -> tuple[in
     return (rows * cols if batch > 1 else 0, row, col)
 
 
-@functools.cache
 def device_info() -> tuple[int, int]:
     """(multiprocessor count, compute capability major) of the current GPU."""
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return _device_info(torch.cuda.current_device())
+
+
+@functools.cache
+def _device_info(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
     return props.multi_processor_count, props.major
 
 

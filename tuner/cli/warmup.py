@@ -40,7 +40,7 @@ def warmup(
     from tuner.serving.warmup import gpu_named
     from tuner.serving.warmup import warmup as warm_up
 
-    gpu = gpu_named(int(device) if device and device.isdigit() else device, "--device ")
+    gpu = gpu_named(int(device) if device and device.isdecimal() else device, "--device ")
     # a mistyped path, or a file that is not a usable cache: refused here, not served around
     open_store(cache, existing=True).close()
     dispatcher = Dispatcher(cache_path(cache))

@@ -140,6 +140,17 @@ def _fingerprint(gpu: int | None) -> Fingerprint:
     )
 
 
+def host_fingerprints() -> list[Fingerprint]:
+    """One fingerprint per GPU class of this host (a host may hold GPUs of several models), or
+    the CPU's where there is no GPU. Reads each GPU's properties; starts no GPU's context."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return [fingerprint("cpu")]
+    gpus = (fingerprint(f"cuda:{index}") for index in range(torch.cuda.device_count()))
+    return list({fp.device_class: fp for fp in gpus}.values())
+
+
 def memory_bytes() -> int:
     """The memory a problem's operands are made in: the current GPU's, else the host's RAM."""
     import torch

@@ -28,6 +28,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def current_gpu() -> int | None:
+    """The current GPU's index, None under the interpreter or without a GPU: part of the key of
+    a launch plan kept across runners, since a compiled kernel and its direct launch belong to
+    the GPU that loaded it (a model spread over GPUs has a runner per GPU)."""
+    import torch
+
+    if interpreting() or not torch.cuda.is_available():
+        return None
+    return torch.cuda.current_device()
+
+
 @functools.cache
 def fast_launch() -> bool:
     """``TUNER_TRITON_FAST_LAUNCH``, read when the first launcher is made, not at import: this

@@ -30,7 +30,9 @@ SYNC_INTERVAL_S = 60.0  # default seconds between background syncs
 
 class BackgroundSync:
     """Push, then pull (winners, then the artifacts of this host's archs when given an artifact
-    store), every ``interval_s`` in a daemon thread; never raises into the caller.
+    store), every ``interval_s`` in a daemon thread, for each GPU class of the host
+    (``fingerprints``: by default every visible GPU's, each class once); never raises into the
+    caller.
 
     After a failure the next try comes sooner (5 s, doubling up to the interval), and the error
     is logged once per distinct message, so a service outage costs a log line, not a crash.
@@ -44,14 +46,14 @@ class BackgroundSync:
         interval_s: float = SYNC_INTERVAL_S,
         push: bool = True,
         on_change: Callable[[], None] | None = None,
-        fingerprint: Callable[[], Fingerprint] | None = None,
+        fingerprints: Callable[[], list[Fingerprint]] | None = None,
         artifacts: ArtifactStore | None = None,
     ) -> None:
-        from tuner.core.device import fingerprint as default_fingerprint
+        from tuner.core.device import host_fingerprints
 
         self.client, self.store_path, self.interval_s = client, Path(store_path), interval_s
         self.push, self.on_change, self.artifacts = push, on_change, artifacts
-        self._fingerprint = fingerprint or default_fingerprint
+        self._fingerprints = fingerprints or host_fingerprints
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tuner-fleet-sync", daemon=True)
@@ -95,31 +97,35 @@ class BackgroundSync:
         if store is not None:
             store.close()
 
-    def sync_once(self, store: Store) -> PullResult:
-        fp = self._fingerprint()
+    def sync_once(self, store: Store) -> list[PullResult]:
+        """One round, for each GPU class of the host: what each pull brought."""
         refused: list[str] = []
-        if self.push:  # a refused push (e.g. a read-only token) must not stop the pull
-            for step in (push_measurements, push_misses):  # a restore found re-sends misses
-                try:
-                    step(self.client, store, fp)
-                except FleetError as e:
-                    if e.status is None:  # unreachable: the pull would fail the same way
-                        raise
-                    refused.append(f"{step.__name__}: {e}")
-        result = pull(self.client, store, fp)
-        kernels = (
-            fetch_host_artifacts(self.client, store, fp, self.artifacts)
-            if self.artifacts is not None
-            else None
-        )
-        if (result.winners or (kernels and kernels.fetched)) and self.on_change is not None:
+        results, changed = [], False
+        for fp in self._fingerprints():
+            if self.push:  # a refused push (e.g. a read-only token) must not stop the pull
+                for step in (push_measurements, push_misses):  # a restore found re-sends misses
+                    try:
+                        step(self.client, store, fp)
+                    except FleetError as e:
+                        if e.status is None:  # unreachable: the pull would fail the same way
+                            raise
+                        refused.append(f"{step.__name__}: {e}")
+            result = pull(self.client, store, fp)
+            kernels = (
+                fetch_host_artifacts(self.client, store, fp, self.artifacts)
+                if self.artifacts is not None
+                else None
+            )
+            results.append(result)
+            changed = changed or bool(result.winners or (kernels and kernels.fetched))
+        if changed and self.on_change is not None:
             self.on_change()
         self.syncs += 1
         self.synced.set()
         if refused:
             raise FleetError("; ".join(refused))
         self.last_error = None
-        return result
+        return results
 
 
 def _sync_interval() -> float:
@@ -140,7 +146,7 @@ def attach(
     above a week). Returns None (and logs) if no service is configured or the configuration is
     unusable: the dispatcher then works from its cache alone.
     """
-    from tuner.core.device import fingerprint as default_fingerprint
+    from tuner.core.device import host_fingerprints
 
     try:
         client = client or FleetClient.from_env(retries=2)
@@ -149,8 +155,8 @@ def attach(
         if "interval_s" not in kwargs:
             kwargs["interval_s"] = _sync_interval()
         if "artifacts" not in kwargs:
-            fp = (kwargs.get("fingerprint") or default_fingerprint)()
-            kwargs["artifacts"] = shared_store() if host_archs(fp) else None
+            fps = (kwargs.get("fingerprints") or host_fingerprints)()
+            kwargs["artifacts"] = shared_store() if any(host_archs(fp) for fp in fps) else None
         return BackgroundSync(
             client, dispatcher.store_path, on_change=dispatcher.reload, **kwargs
         ).start()

@@ -502,7 +502,8 @@ class Dispatcher:
             elif self.mode in ("record", "tune"):
                 self._record_miss(dc, key)
         if winner is None and isinstance(key, GemmKey):
-            winner = self._bucketed(dc, key)
+            with _current(device):  # sources asked read the operands' GPU
+                winner = self._bucketed(dc, key)
             kind, via = "bucketed", winner.key if winner else None
         if winner is None:
             return Resolution(str(key), "capture" if capturing else "miss", base.name)
@@ -510,11 +511,11 @@ class Dispatcher:
             return Resolution(str(key), kind, base.name, winner, via)
         job = _job(str(key), winner.candidate, device)
         if capturing and job not in self.loaded:
-            self._say_capture(job, borrowed=kind == "bucketed")
+            self._say_capture(job, device, borrowed=kind == "bucketed")
             return Resolution(str(key), "capture", base.name)
         return Resolution(str(key), kind, winner.candidate, winner, via, by_torch=False)
 
-    def _say_capture(self, job: str, *, borrowed: bool) -> None:
+    def _say_capture(self, job: str, device: Any, *, borrowed: bool) -> None:
         """Log, once per runner (``job``: key, winner, device), that a CUDA graph captured
         torch's default where a winner exists: the graph replays it for good, and nothing else
         would show it. A borrowed winner (a bucket neighbour's) is built for each shape at its
@@ -522,10 +523,11 @@ class Dispatcher:
         if job in self._capture_said:
             return
         self._capture_said.add(job)
+        warmup = f"tuner.warmup(device={str(device)!r})"
         fix = (
-            "call it once before capturing, then tuner.warmup() (which waits for the build)"
+            f"call it once before capturing, then {warmup} (which waits for the build)"
             if borrowed
-            else "call tuner.warmup() before capturing (it loads every winner)"
+            else f"call {warmup} before capturing (it loads every winner of that GPU)"
         )
         log.warning("CUDA-graph capture: %s runs torch's default, as its winner's runner is not "
                     "loaded yet; %s", job, fix)  # fmt: skip
@@ -834,9 +836,10 @@ def _on_its_gpu(runner: Runner, device: Any) -> Runner:
     if torch.cuda.device_count() < 2:
         return runner
     index = device.index
+    current = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.cuda.current_device() == index:
+        if current() == index:
             return runner(*args, **kwargs)
         with torch.cuda.device(index):
             return runner(*args, **kwargs)

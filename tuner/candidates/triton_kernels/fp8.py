@@ -358,14 +358,19 @@ def checked_plan(m: int, n: int, k: int, rowwise: bool, precise: bool, config: C
     def check() -> None:
         jobs(m, n, k, config, rowwise=rowwise, precise=precise)
 
-    return plan(m, n, k, rowwise, precise, launch.config_key(config, check))
+    return plan(
+        m, n, k, rowwise, precise, launch.config_key(config, check), triton_launch.current_gpu()
+    )
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(m: int, n: int, k: int, rowwise: bool, precise: bool, config: launch.ConfigKey) -> Plan:
-    """The plan of one shape, scaling, accumulation and (name, type, value) config, made once
-    and kept across calls: deriving the launches takes a good part of an eager call's host
-    time."""
+def plan(
+    m: int, n: int, k: int, rowwise: bool, precise: bool, config: launch.ConfigKey,
+    gpu: int | None,
+) -> Plan:  # fmt: skip
+    """The plan of one shape, scaling, accumulation and (name, type, value) config on one GPU
+    (``gpu``, as ``current_gpu`` gives it), made once and kept across calls: deriving the
+    launches takes a good part of an eager call's host time."""
     return Plan(m, n, k, rowwise, precise, {name: value for name, _, value in config})
 
 

@@ -49,7 +49,7 @@ from tuner.candidates.triton_kernels.splitk_arrival import (
     sum_when_arrived,
 )
 from tuner.candidates.triton_kernels.tiled import splitk_reduce, tile_coords
-from tuner.core.triton_launch import Launcher, interpreting, verify_direct
+from tuner.core.triton_launch import Launcher, current_gpu, interpreting, verify_direct
 from tuner.quant.int4 import BLOCK_ROWS, CHUNK, check_group_size, check_scales_and_zeros
 
 Config = dict[str, Any]
@@ -334,14 +334,14 @@ def checked_plan(m: int, n: int, k: int, group_size: int, config: Config) -> Pla
     """``plan`` of ``config`` once ``check_config`` accepted it: what ``w4a16_matmul`` runs and
     a source precompiles (``Plan.jobs``)."""
     key = config_key(config, lambda: check_config(config, m, n, k, group_size))
-    return plan(m, n, k, group_size, key)
+    return plan(m, n, k, group_size, key, current_gpu())
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(m: int, n: int, k: int, group_size: int, config: ConfigKey) -> Plan:
-    """The launch plan of one shape and (name, type, value) config, made once ``check_config``
-    passed it and kept across calls: the checks would take a good part of an eager call's host
-    time."""
+def plan(m: int, n: int, k: int, group_size: int, config: ConfigKey, gpu: int | None) -> Plan:
+    """The launch plan of one shape and (name, type, value) config on one GPU (``gpu``, as
+    ``current_gpu`` gives it), made once ``check_config`` passed it and kept across calls: the
+    checks would take a good part of an eager call's host time."""
     values = {name: value for name, _, value in config}
     check_config(values, m, n, k, group_size)
     return Plan(m, n, k, group_size, values)
