@@ -523,11 +523,11 @@ class Dispatcher:
         if job in self._capture_said:
             return
         self._capture_said.add(job)
-        warmup = f"tuner.warmup(device={str(device)!r})"
+        gpu = f"device={str(device)!r}" if device.type == "cuda" else ""
         fix = (
-            f"call it once before capturing, then {warmup} (which waits for the build)"
+            f"call it once before capturing, then tuner.warmup({gpu}) (which waits for the build)"
             if borrowed
-            else f"call {warmup} before capturing (it loads every winner of that GPU)"
+            else f"call tuner.warmup({gpu}) before capturing (it loads every winner)"
         )
         log.warning("CUDA-graph capture: %s runs torch's default, as its winner's runner is not "
                     "loaded yet; %s", job, fix)  # fmt: skip
@@ -726,8 +726,8 @@ class Dispatcher:
         # on the CPU the tuning runs its Triton candidates through the interpreter too: it takes
         # its turn there, as served calls do (``_taking_turns``), or another thread's call and
         # the candidates' runs break each other ("InterpreterError: ... outside of JIT")
-        cpu = device.type == "cpu"
-        turn = _INTERPRETER if cpu and interpreting() else contextlib.nullcontext()
+        interpreted = device.type == "cpu" and interpreting()
+        turn = _INTERPRETER if interpreted else contextlib.nullcontext()
         with turn, _current(device):
             outcome = tune(key, device=device.type)
         if store := self._store_to_write():
