@@ -142,7 +142,7 @@ def _fingerprint(gpu: int | None) -> Fingerprint:
 
 def host_fingerprints() -> list[Fingerprint]:
     """One fingerprint per GPU class of this host (a host may hold GPUs of several models), or
-    the CPU's where there is no GPU. Reads each GPU's properties; starts no GPU's context."""
+    the CPU's where there is no GPU (each visible GPU's properties read)."""
     import torch
 
     if not torch.cuda.is_available():
