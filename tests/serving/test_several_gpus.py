@@ -122,10 +122,12 @@ def test_an_int4_model_spread_over_two_gpus_is_served_on_each(cache_path: Path) 
     """The three lines of README's quantized model, with the model's halves on two GPUs (as
     ``device_map="auto"`` places a model): Triton winners serve each half on its own GPU."""
     torch.manual_seed(0)
-    first = nn.Linear(512, 1024, bias=False, dtype=torch.bfloat16, device="cuda:0")
-    second = nn.Linear(1024, 256, bias=False, dtype=torch.bfloat16, device=SECOND)
-    tt.quantize_linear(first, "int4")
-    tt.quantize_linear(second, "int4")
+    first = tt.quantize_linear(
+        nn.Linear(512, 1024, bias=False, dtype=torch.bfloat16, device="cuda:0"), "int4"
+    )  # a bare layer: the quantized one is returned
+    second = tt.quantize_linear(
+        nn.Linear(1024, 256, bias=False, dtype=torch.bfloat16, device=SECOND), "int4"
+    )
     x = torch.randn(4, 512, dtype=torch.bfloat16, device="cuda:0")
     with tt.enabled(mode="off"):
         expected = second(first(x).to(SECOND))
