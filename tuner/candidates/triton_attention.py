@@ -175,8 +175,9 @@ class Launch:
         scalars that change from call to call (Triton specializes on them)."""
         ptrs = tuple(t.data_ptr() for t in tensors)
         guard = (strides, tuple(p & 15 for p in ptrs))
-        if self.launcher.ready(guard) and not self.launcher.scratch_bytes:
-            self.launcher.raw((*ptrs, *scalars))
+        direct = self.launcher.ready(guard)
+        if direct and not direct.scratch_bytes:
+            direct((*ptrs, *scalars))
         else:
             self.launcher((*tensors, *scalars), guard)
 

@@ -195,14 +195,14 @@ class TiledRunner(GemmRunner):
             ws = torch.empty((self.split, self.total), dtype=torch.float32, device=c.device)
             pw = ws.data_ptr()
         guard = (sa, sb, sc, pa % 16, pb % 16, pc % 16)
-        if self.main.ready(guard):
-            self.main.raw(self._args(pa, pb, pc, pw, (sa, sb, sc)))
+        if direct := self.main.ready(guard):
+            direct(self._args(pa, pb, pc, pw, (sa, sb, sc)))
         else:
             self.main(self._args(a, b, c, ws, (sa, sb, sc)), guard)
         if self.split > 1:
             rguard = (sc, pc % 16)
-            if self.reduce.ready(rguard):
-                self.reduce.raw((pw, pc, k.m, k.n, self.total, *sc))
+            if reduce := self.reduce.ready(rguard):
+                reduce((pw, pc, k.m, k.n, self.total, *sc))
             else:
                 self.reduce((ws, c, k.m, k.n, self.total, *sc), rguard)
 
@@ -245,8 +245,8 @@ class GemvRunner(GemmRunner):
         sa, sb, sc = as_batched(a), as_batched(b), as_batched(c)
         pa, pb, pc = a.data_ptr(), b.data_ptr(), c.data_ptr()
         guard = (sa, sb, sc, pa % 16, pb % 16, pc % 16)
-        if self.main.ready(guard):
-            self.main.raw(self._args(pa, pb, pc, (sa, sb, sc)))
+        if direct := self.main.ready(guard):
+            direct(self._args(pa, pb, pc, (sa, sb, sc)))
         else:
             self.main(self._args(a, b, c, (sa, sb, sc)), guard)
 
@@ -312,12 +312,10 @@ class PersistentRunner(GemmRunner):
         lds = self._lds(sa, sb, sc)
         pa, pb, pc = a.data_ptr(), b.data_ptr(), c.data_ptr()
         guard = (lds, pa % 16, pb % 16, pc % 16)
-        if self.main.ready(guard):
-            n = self.main.scratch_bytes
+        if direct := self.main.ready(guard):
+            n = direct.scratch_bytes
             scratch = torch.empty(n, dtype=torch.int8, device=c.device) if n else None
-            self.main.raw(
-                self._args(pa, pb, pc, lds), None if scratch is None else scratch.data_ptr()
-            )
+            direct(self._args(pa, pb, pc, lds), None if scratch is None else scratch.data_ptr())
         else:
             triton.set_allocator(_scratch)
             self.main(self._args(a, b, c, lds), guard)
@@ -375,8 +373,8 @@ class PadRunner(GemmRunner):
         sa, sb = as_batched(a), as_batched(b)
         pa, pb = a.data_ptr(), b.data_ptr()
         guard = (sa, sb, pa % 16, pb % 16)
-        if self.pad.ready(guard):
-            self.pad.raw(self._pad_args(pa, ap.data_ptr(), pb, bp.data_ptr(), sa, sb))
+        if pad := self.pad.ready(guard):
+            pad(self._pad_args(pa, ap.data_ptr(), pb, bp.data_ptr(), sa, sb))
         else:
             self.pad(self._pad_args(a, ap, b, bp, sa, sb), guard)
         self.inner.launch(ap, bp.transpose(-1, -2), c)

@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tuner.core.settings import FLAGS, env_flag
@@ -85,6 +86,48 @@ def _current_stream() -> int:
     return _stream_of(_device())
 
 
+@dataclass(frozen=True)
+class Direct:
+    """One compiled specialization of a ``Launcher``'s kernel and its direct launch.
+
+    Immutable, and taken whole by ``Launcher.ready``: a thread that found it ready launches this
+    kernel even if another thread's JIT call has meanwhile bound another specialization.
+    ``scratch_bytes``: the global scratch memory the kernel needs (TMA descriptors made on the
+    device), to be passed as ``scratch``.
+    """
+
+    guard: Hashable
+    kernel: Any
+    grid: tuple[int, int, int]
+    tail: tuple[Any, ...]
+    c_launch: Any  # the C launch function, when Triton's launcher exposes it
+    scratch_bytes: int
+
+    def __call__(self, args: Sequence[Any], scratch: int | None = None) -> None:
+        """Launch with ``args`` (the runtime arguments, tensors as ``data_ptr()`` integers)."""
+        ck, (g0, g1, g2) = self.kernel, self.grid
+        if self.c_launch is not None:
+            run = ck.run
+            self.c_launch(g0, g1, g2, _current_stream(), ck.function, run.launch_cooperative_grid,
+                          run.launch_pdl, scratch, None, ck.packed_metadata, None, None, None,
+                          *args, *self.tail)  # fmt: skip
+            return
+        ck.run(g0, g1, g2, _current_stream(), ck.function, ck.packed_metadata, None, None, None,
+               *args, *self.tail)  # fmt: skip
+
+
+def _bind(ck: Any, guard: Hashable, grid: tuple[int, int, int], tail: tuple[Any, ...]) -> Direct:
+    """A ``Direct`` for ``ck``: the C launch function itself where the Python launcher around it
+    only allocates scratch (Triton 3.x's CudaLauncher), else ``ck.run``."""
+    run = ck.run
+    needed = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size",
+              "profile_scratch_size", "num_ctas")  # fmt: skip
+    if all(hasattr(run, a) for a in needed) and not run.profile_scratch_size:
+        scratch = run.global_scratch_size * grid[0] * grid[1] * grid[2] * run.num_ctas
+        return Direct(guard, ck, grid, tail, run.launch, scratch)
+    return Direct(guard, ck, grid, tail, None, 0)
+
+
 class Launcher:
     """A kernel bound to its grid, constexprs, warps and stages.
 
@@ -92,12 +135,11 @@ class Launcher:
     are the runtime arguments in declaration order (a kernel's constexpr parameters must all come
     after them) and ``guard`` is any hashable that changes whenever Triton would specialize the
     call differently (strides, 16-byte alignment of the pointers). It keeps the compiled kernel;
-    while ``ready(guard)``, ``raw(args)`` launches it directly with the tensors replaced by their
-    ``data_ptr()`` integers, which also skips the launcher's per-pointer driver query (the JIT
-    path validated those pointers on the first call). The owner sets ``verified`` after checking
-    that a direct launch reproduces the JIT launch bit for bit (``GemmRunner``), or ``disable``s
-    the direct path. ``scratch``: a device pointer for kernels
-    that need global scratch memory (TMA descriptors made on the device), see ``scratch_bytes``.
+    ``ready(guard)`` then gives its ``Direct`` launch, which takes the tensors as their
+    ``data_ptr()`` integers and skips the launcher's per-pointer driver query (the JIT path
+    validated those pointers on the first call). The owner sets ``verified`` after checking that
+    a direct launch reproduces the JIT launch bit for bit (``GemmRunner``), or ``disable``s the
+    direct path.
     """
 
     def __init__(
@@ -112,10 +154,7 @@ class Launcher:
         self.fn = fn
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.kwargs = {**constexprs, "num_warps": num_warps, "num_stages": num_stages}
-        self._compiled: Any = None
-        self._guard: Hashable = None
-        self._direct: Any = None  # the C launch function, when Triton's launcher exposes it
-        self.scratch_bytes = 0
+        self._direct: Direct | None = None  # the last specialization the JIT compiled
         self._tail: tuple[Any, ...] = ()
         self._fast = fast_launch() and not interpreting()
         self.verified = False  # set by the runner once a direct launch reproduced the JIT's bits
@@ -136,49 +175,24 @@ class Launcher:
     @property
     def compiled(self) -> bool:
         """The JIT launched this kernel once and kept it: a direct launch is possible."""
-        return self._compiled is not None
+        return self._direct is not None
 
-    def ready(self, guard: Hashable) -> bool:
-        """Launch directly: verified by the runner, compiled, same specialization, no hooks."""
-        return (
-            self.verified
-            and self._compiled is not None
-            and guard == self._guard
-            and not _hooks_set()
-        )
+    def ready(self, guard: Hashable) -> Direct | None:
+        """The direct launch for ``guard``'s specialization, or None (launch through the JIT):
+        it must be verified by the runner, compiled for this guard, and no hooks installed."""
+        direct = self._direct  # one read: another thread's JIT call may rebind it
+        if direct is None or not self.verified or direct.guard != guard or _hooks_set():
+            return None
+        return direct
 
     def disable(self) -> None:
         """Always launch through the JIT from now on."""
-        self._fast, self._compiled, self.verified = False, None, False
-
-    def raw(self, args: Sequence[Any], scratch: int | None = None) -> None:
-        ck, g = self._compiled, self.grid
-        if self._direct is not None:
-            run = ck.run
-            self._direct(g[0], g[1], g[2], _current_stream(), ck.function,
-                         run.launch_cooperative_grid, run.launch_pdl, scratch, None,
-                         ck.packed_metadata, None, None, None, *args, *self._tail)  # fmt: skip
-            return
-        ck.run(g[0], g[1], g[2], _current_stream(), ck.function, ck.packed_metadata, None, None, None,
-               *args, *self._tail)  # fmt: skip
+        self._fast, self._direct, self.verified = False, None, False
 
     def __call__(self, args: Sequence[Any], guard: Hashable) -> None:
         ck = self.fn[self.grid](*args, **self.kwargs)
         if self._fast and all(hasattr(ck, a) for a in ("run", "function", "packed_metadata")):
-            self._compiled, self._guard = ck, guard
-            self._bind_direct(ck)
-
-    def _bind_direct(self, ck: Any) -> None:
-        """Use the C launch function itself when the Python launcher around it only allocates
-        scratch (Triton 3.x's CudaLauncher); otherwise ``raw`` goes through ``ck.run``."""
-        run = ck.run
-        needed = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size",
-                  "profile_scratch_size", "num_ctas")  # fmt: skip
-        self._direct = None
-        if all(hasattr(run, a) for a in needed) and not run.profile_scratch_size:
-            g = self.grid
-            self.scratch_bytes = run.global_scratch_size * g[0] * g[1] * g[2] * run.num_ctas
-            self._direct = run.launch
+            self._direct = _bind(ck, guard, self.grid, self._tail)
 
 
 def verify_direct(

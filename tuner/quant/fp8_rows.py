@@ -115,8 +115,8 @@ def _launch(entry: _Direct, x: torch.Tensor, q: torch.Tensor, scale: torch.Tenso
     ptrs = (x.data_ptr(), q.data_ptr(), scale.data_ptr())
     strides = (x.stride(0), q.stride(0))
     guard = (*strides, *(p % 16 for p in ptrs))
-    if entry.launcher.ready(guard):
-        entry.launcher.raw((*ptrs, x.shape[1], *strides))
+    if direct := entry.launcher.ready(guard):
+        direct((*ptrs, x.shape[1], *strides))
     else:
         entry.launcher((x, q, scale, x.shape[1], *strides), guard)
 

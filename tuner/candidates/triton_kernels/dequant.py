@@ -119,8 +119,8 @@ class Dequantizer:
                 end: int) -> None:  # fmt: skip
         ptrs = (weight.data_ptr(), sz.data_ptr(), out.data_ptr())
         guard = (out.get_device(), out.dtype, sz.dtype, *(p % 16 for p in ptrs))
-        if self.launcher.ready(guard):
-            self.launcher.raw((*ptrs, self.n, self.k // 2, start, end))
+        if direct := self.launcher.ready(guard):
+            direct((*ptrs, self.n, self.k // 2, start, end))
         else:
             self.launcher((weight, sz, out, self.n, self.k // 2, start, end), guard)
 

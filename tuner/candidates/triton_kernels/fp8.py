@@ -425,8 +425,8 @@ class Plan:
         ptrs = (a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), out.data_ptr(),
                 ws.data_ptr(), counts.data_ptr())  # fmt: skip
         guard = (a.device, a.dtype, b.dtype, out.dtype, lda, ldb, ldo, *(p % 16 for p in ptrs))
-        if self.main.ready(guard):
-            self.main.raw((*ptrs, *tail))
+        if direct := self.main.ready(guard):
+            direct((*ptrs, *tail))
         else:
             self.main((a, b, sa, sb, out, ws, counts, *tail), guard)
         return True

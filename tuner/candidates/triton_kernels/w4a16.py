@@ -397,8 +397,8 @@ class Plan:
                 counts.data_ptr())  # fmt: skip
         ldx, ldo = x.stride(0), out.stride(0)
         guard = (x.device, x.dtype, out.dtype, ldx, ldo, *(p % 16 for p in ptrs))
-        if self.main.ready(guard):
-            self.main.raw(self._args(*ptrs, ldx, ldo))
+        if direct := self.main.ready(guard):
+            direct(self._args(*ptrs, ldx, ldo))
         else:
             self.main(self._args(x, weight, sz, out, ws, counts, ldx, ldo), guard)
 

@@ -1,0 +1,72 @@
+"""Direct launches of compiled Triton kernels (``tuner.core.triton_launch``), on a real GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tuner.core.triton_launch import Launcher
+
+HAS_GPU = torch.cuda.is_available()
+N = 4096
+
+
+def _strided_copy_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def strided_copy(x_ptr, out_ptr, n, stride, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, tl.load(x_ptr + i * stride, mask=i < n), mask=i < n)
+
+    return strided_copy
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
+def test_gpu_a_direct_launch_keeps_its_specialization_when_another_is_compiled() -> None:
+    """Two threads share one launcher: one finds stride 3's kernel ready, then the other's JIT
+    call compiles stride 1 (which Triton specializes as a constant). The first thread's launch
+    must still run stride 3's kernel, not read its arguments with the new one."""
+    launcher = Launcher(_strided_copy_kernel(), (N // 1024,), {"BLOCK": 1024}, num_warps=4,
+                        num_stages=1)  # fmt: skip
+    x = torch.arange(3 * N, dtype=torch.float32, device="cuda")
+    launcher((x, torch.empty(N, device="cuda"), N, 3), 3)  # JIT: stride 3's specialization
+    if not launcher.compiled:
+        pytest.skip("this Triton exposes no direct launch (or TUNER_TRITON_FAST_LAUNCH is off)")
+    launcher.verified = True  # the owner's check (``verify_direct``), taken as passed here
+    assert launcher.ready(1) is None, "stride 1 is another specialization: through the JIT"
+    stride3 = launcher.ready(3)
+    assert stride3 is not None
+
+    ones = torch.empty(N, device="cuda")
+    launcher((x, ones, N, 1), 1)  # another caller's JIT call binds stride 1's kernel
+    assert launcher.ready(3) is None
+    stride1 = launcher.ready(1)
+    assert stride1 is not None and stride1.kernel is not stride3.kernel
+
+    threes = torch.full((N,), -1.0, device="cuda")
+    stride3((x.data_ptr(), threes.data_ptr(), N, 3))
+    torch.cuda.synchronize()
+    assert torch.equal(ones, x[:N])
+    assert torch.equal(threes, x[::3][:N]), "stride 3's direct launch ran another kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
+def test_gpu_a_disabled_launcher_offers_no_direct_launch() -> None:
+    launcher = Launcher(_strided_copy_kernel(), (N // 1024,), {"BLOCK": 1024}, num_warps=4,
+                        num_stages=1)  # fmt: skip
+    x = torch.arange(N, dtype=torch.float32, device="cuda")
+    out = torch.empty(N, device="cuda")
+    launcher((x, out, N, 1), 1)
+    launcher.verified = True
+    launcher.disable()
+    assert launcher.ready(1) is None and not launcher.compiled
+    launcher((x, out, N, 1), 1)  # JIT again, and nothing kept
+    assert launcher.ready(1) is None
+    torch.cuda.synchronize()
+    assert torch.equal(out, x)
