@@ -5,6 +5,7 @@ that need the service say when it is not there.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from tuner.cli.main import app
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey
 from tuner.fleet.client import FleetClient
+from tuner.measure.records import Measurement
 from tuner.tuning.engine import TuneOptions, tune
 
 pytestmark = pytest.mark.timeout(300)
@@ -176,6 +178,47 @@ def test_sync_push_sends_this_cache_before_pulling(
     assert cli("sync", cache=a, **server).exit_code == 0
     with Store(a) as store:
         assert {k: store.winner(DC, k).run_id for k in runs} == runs
+
+
+def test_push_and_sync_serve_every_gpu_class_of_the_host(
+    served: SubprocessServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host of two GPU models (``host_fingerprints``: one per class, here FP and a second
+    class beside it): ``push`` reports each class's misses and ``sync`` pulls each class's
+    winners, a line each."""
+    other = dataclasses.replace(FP, name="Other GPU", sm_count=FP.sm_count + 1)
+    monkeypatch.setattr("tuner.cli.fleet.host_fingerprints", lambda: [FP, other])
+    token = new_token(served, "two-classes", "submit")
+    a, b = tmp_path / "a.db", tmp_path / "b.db"
+    tuned_cache(a, 3)
+    missed = str(GemmKey(m=7, n=24, k=40, dtype="f32", out_dtype="f32"))
+    tuned_there = str(GemmKey(m=5, n=24, k=40, dtype="f32", out_dtype="f32"))
+    with Store(a) as store:
+        store.save_device(other)
+        store.save_run([
+            Measurement(other.device_class, tuned_there, "torch", {}, "ok", is_baseline=True,
+                        median_us=7.0, versions=other.version_tag)
+        ])  # fmt: skip
+        store.record_misses(DC, [missed], count=2)
+        store.record_misses(other.device_class, [missed], count=5)
+    server = {"TUNER_SERVER": served.url, "TUNER_TOKEN": token}
+
+    pushed = cli("push", cache=a, **server)
+    assert pushed.exit_code == 0, pushed.output
+    assert pushed.stdout.splitlines() == [
+        f"pushed 2 measurements (0 already there), 1 missed keys of {DC} (1 newly queued)",
+        f"{other.device_class}: 1 missed keys (1 newly queued)",
+    ]
+    with FleetClient(served.url, token) as client:
+        for dc in (DC, other.device_class):
+            assert missed in {row["key"] for row in client.queue(device_class=dc)}
+
+    pulled = cli("sync", cache=b, **server)
+    assert pulled.exit_code == 0, pulled.output
+    assert f"pulled 1 winner for {DC} " in pulled.stdout
+    assert f"pulled 1 winner for {other.device_class} " in pulled.stdout
+    with Store(b) as store:
+        assert store.winner(other.device_class, tuned_there).median_us == 7.0
 
 
 def test_sync_without_a_service_says_how_to_name_one(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from tuner.cache.sqlite import unmade
 from tuner.cli.errors import FAILED, fleet_service, typed_in
 from tuner.cli.options import CacheOpt, cache_path, open_store, store_kept_if_used
 from tuner.core.console import counted, output_console
-from tuner.core.device import fingerprint
+from tuner.core.device import host_fingerprints
 from tuner.core.settings import SERVER_TIMEOUT
 from tuner.fleet.artifact_sync import (
     check_artifacts,
@@ -27,10 +27,12 @@ from tuner.fleet.artifact_sync import (
     push_artifacts,
 )
 from tuner.fleet.client import TIMEOUT_S, FleetClient, FleetError
-from tuner.fleet.sync import PushResult, pull, push
+from tuner.fleet.sync import PushResult, pull, push, push_misses
 
 if TYPE_CHECKING:
     from server import Settings
+    from tuner.cache.store import Store
+    from tuner.core.device import Fingerprint
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 console = output_console()
@@ -269,42 +271,47 @@ def sync(
         ),
     ] = True,
 ) -> None:
-    """Pull the served winners of this device class into the local cache (incremental)."""
-    fp = fingerprint()
+    """Pull the served winners of this host's device classes into the local cache
+    (incremental): one class per GPU model the host holds."""
     client = _client(server, token, timeout)
     refused = None
     with client, store_kept_if_used(cache) as store, fleet_service(client.server):
+        fps = host_fingerprints()
         if push_first:
             try:
-                _report_push(push(client, store, fp))
+                _push_host(client, store, fps)
             except FleetError as e:  # a token of scope read: the pull still comes
                 if e.status != 403:
                     raise
                 refused = e
                 console.print(f"[yellow]push refused[/yellow]: {escape(str(e))}; pulling anyway")
-        r = pull(client, store, fp, full=full)
-        console.print(
-            f"pulled {counted(r.winners, 'winner')} for {fp.device_class} in "
-            f"{counted(r.pages, 'page')}, "
-            f"{r.seconds:.2f} s (cursor {r.cursor}); served for this host's versions "
-            f"{fp.version_tag} only"
-        )
-        a = fetch_host_artifacts(client, store, fp, full=full) if artifacts else None
-        if a is not None:
-            console.print(f"fetched {a.fetched} compiled kernels ({a.present} already here)")
-            if a.rejected:
-                raise typer.Exit(FAILED)  # each rejection was logged with its reason
-        elif artifacts:
-            console.print(
-                "fetched no compiled kernels: "
-                + (
-                    "no GPU on this host"
-                    if not host_archs(fp)
-                    else "the kernel store cannot be opened"
-                )
-            )
+        for fp in fps:
+            _pull_class(client, store, fp, full=full, artifacts=artifacts)
     if refused is not None:  # the pull is done; the command still failed at what it was asked
         raise typer.Exit(FAILED)
+
+
+def _pull_class(
+    client: FleetClient, store: Store, fp: Fingerprint, *, full: bool, artifacts: bool
+) -> None:
+    """One device class's pull (and its GPU arch's compiled kernels), reported in a line each."""
+    r = pull(client, store, fp, full=full)
+    console.print(
+        f"pulled {counted(r.winners, 'winner')} for {fp.device_class} in "
+        f"{counted(r.pages, 'page')}, "
+        f"{r.seconds:.2f} s (cursor {r.cursor}); served for this host's versions "
+        f"{fp.version_tag} only"
+    )
+    if not artifacts:
+        return
+    a = fetch_host_artifacts(client, store, fp, full=full)
+    if a is None:
+        why = "no GPU on this host" if not host_archs(fp) else "the kernel store cannot be opened"
+        console.print(f"fetched no compiled kernels: {why}")
+        return
+    console.print(f"fetched {a.fetched} compiled kernels ({a.present} already here)")
+    if a.rejected:
+        raise typer.Exit(FAILED)  # each rejection was logged with its reason
 
 
 @app.command("push")
@@ -321,14 +328,15 @@ def push_command(
         ),
     ] = False,
 ) -> None:
-    """Send local measurements not sent yet, and the misses recorded here, to the service."""
+    """Send local measurements not sent yet, and the misses recorded here (for each device
+    class of this host), to the service."""
     client = _client(server, token, timeout)
     has_results = cache_path(cache).exists() or not artifacts  # else a missing cache is refused
     with client, fleet_service(client.server):
         client.require_scope("build" if artifacts else "submit")  # also with nothing to send
         if has_results:
             with open_store(cache, existing=True) as store:
-                _report_push(push(client, store, fingerprint()))
+                _push_host(client, store, host_fingerprints())
         else:  # a builder publishing kernels needs no results cache
             console.print(f"no results pushed: no cache at {cache_path(cache)}")
         if artifacts:
@@ -396,10 +404,23 @@ def artifacts_command(
     console.print("no conflicting builds")
 
 
-def _report_push(r: PushResult) -> None:
+def _push_host(client: FleetClient, store: Store, fps: list[Fingerprint]) -> None:
+    """The cache's measurements not sent yet (of every device class it holds a fingerprint
+    of), then the misses of each of this host's classes; a line each, naming the class where
+    the host has several."""
+    named = len(fps) > 1
+    _report_push(push(client, store, fps[0]), fps[0].device_class if named else None)
+    for fp in fps[1:]:
+        keys, queued = push_misses(client, store, fp)
+        console.print(f"{fp.device_class}: {keys} missed keys ({queued} newly queued)")
+
+
+def _report_push(r: PushResult, device_class: str | None) -> None:
     console.print(
         f"pushed {r.accepted} measurements ({r.duplicates} already there"
         + (f", {r.skipped} skipped: no fingerprint of their device class" if r.skipped else "")
         + (f", {r.refused} refused by the service: see the warnings" if r.refused else "")
-        + f"), {r.misses} missed keys ({r.queued} newly queued)"
+        + f"), {r.misses} missed keys"
+        + (f" of {device_class}" if device_class else "")
+        + f" ({r.queued} newly queued)"
     )
