@@ -317,6 +317,30 @@ def test_tune_all_tunes_a_models_low_bit_projections(tmp_path):
     assert all(k.scale == "row" for k in keys if k.wdtype == "fp8_e4m3")
 
 
+@pytest.mark.cpu_host
+def test_a_problem_this_device_cannot_run_is_said_at_the_start_and_reported_unsupported(tmp_path):
+    """An int4 gate_up of N = 72 (a multiple of 8, as a GPU's packing takes, not of 16, as a
+    CPU's does): the run names it before tuning the rest, its report row says why, and the
+    run exits 1, not having tuned everything it was asked."""
+    model = tmp_path / "odd.yaml"
+    model.write_text(
+        "name: Odd\nhidden_size: 256\nintermediate_size: 36\nnum_heads: 4\nnum_kv_heads: 2\n"
+        "head_dim: 64\ndtypes: [int4-g128]\nm_sizes: [1]\nops: [o, gate_up]\n"
+    )
+    cache, out = tmp_path / "c.db", tmp_path / "out"
+    code, text = tune_all("--model", str(model), "--budget", "0.01", "--source", "triton_w4a16",
+                          "--out", str(out), cache=cache)  # fmt: skip
+    assert code == 1, text
+    said = "cannot run here 1x72x256 nt bf16 int4-g128 (Odd gate_up M=1 int4-g128): N=72: torch's"
+    assert said in text and text.index(said) < text.index("tuned 1x256x256"), text
+    assert "problems: 2 (1 tuned, 1 unsupported)" in text
+    rows = {r["key"]: r for r in json.loads((out / "report.json").read_text())["rows"]}
+    odd = next(r for k, r in rows.items() if parse_key(k).n == 72)
+    assert odd["status"] == "unsupported"
+    assert odd["error"] == "N=72: torch's int4 packing on cpu needs a multiple of 16"
+    assert [parse_key(k).n for k in winner_keys(cache)] == [256]
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):

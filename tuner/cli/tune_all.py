@@ -552,6 +552,21 @@ def _plan(
             f"tuned{again}, {len(todo)} to tune" + (f" ({'; '.join(why)})" if why else ""))  # fmt: skip
 
 
+def _runnable_here(keys: list[Key], problems: ProblemSet, fp: Fingerprint) -> list[Key]:
+    """``keys`` less those this device cannot run (``report.unsupported``), each named in a
+    line: said at the start, not failed once the rest are tuned."""
+    from tuner.offline.report import unsupported
+
+    kept = []
+    for key in keys:
+        if (why := unsupported(key, fp)) is None:
+            kept.append(key)
+        else:
+            label = escape(_label(key, problems))
+            console.print(f"  [yellow]cannot run here[/yellow] {label}: {why}")
+    return kept
+
+
 # a run stopped by a signal exits as the shell reports one (128 + the signal), whatever its
 # problems' winners: with --force the winners of before would otherwise read as a finished run
 INTERRUPTED = {"ctrl-c": 130, "SIGTERM": 143}
@@ -622,12 +637,13 @@ def tune_all(
             f"  [yellow]not retried[/yellow] {escape(_label(key, problems))}: failed or timed out "
             f"{failures} times (--retries {settings.retries})"
         )
+    runnable = _runnable_here(ordered.todo, problems, fp)
     summary = None
-    if ordered.todo and not dry_run:
+    if runnable and not dry_run:
         if out is not None:
             plots.preload()
         with fleet_artifacts(fp, store_path) as artifacts:
-            summary = run_with_progress(ordered.todo, problems, store_path, settings, retune)
+            summary = run_with_progress(runnable, problems, store_path, settings, retune)
             artifacts.push()
     journal = journal_records(store_path)
     # what a run left unfinished stays a miss and goes back to the fleet's queue; a leased key
@@ -645,7 +661,7 @@ def tune_all(
         console.print(f"fleet queue: not consulted (--dry-run claims no keys; queued keys: "
                       f"GET {os.environ.get('TUNER_SERVER', '$TUNER_SERVER')}/v1/queue)")  # fmt: skip
     if dry_run:
-        for key in ordered.todo:
+        for key in runnable:
             console.print(f"  would tune {escape(_label(key, problems))}")
         return 0
     rep = report.build(store, fp, problems=problems, journal=journal, run=summary)

@@ -40,7 +40,9 @@ def shape_label(shape: str, label: str = "") -> str:
 class Row:
     label: str  # where the problem came from (model, list, misses), else its shape
     key: str
-    status: str  # tuned | stale (winner from other versions) | failed | timeout | partial | pending
+    # tuned | stale (winner from other versions) | failed | timeout | partial | pending |
+    # unsupported (this device cannot run it: ``unsupported``)
+    status: str
     baseline_us: float | None = None
     winner_us: float | None = None  # a cut-off problem's is what it kept (baseline, first pass)
     source: str = ""
@@ -130,7 +132,7 @@ class Report:
         }
 
 
-_STATUS_ORDER = ("tuned", "stale", "failed", "timeout", "partial", "pending")
+_STATUS_ORDER = ("tuned", "stale", "failed", "timeout", "partial", "pending", "unsupported")
 
 
 def short_label(key: str | Key) -> str:
@@ -201,7 +203,19 @@ def _row(label: str, key: str, winner: Winner | None, records: list[dict], fp: F
         )  # fmt: skip
     if last is not None and last["status"] in UNFINISHED:
         return Row(label, key, last["status"], error=last["error"], shape=shape, **_costs(last))
+    if why := unsupported(parse_key(key), fp):
+        return Row(label, key, "unsupported", error=why, shape=shape)
     return Row(label, key, "pending", shape=shape)
+
+
+def unsupported(key: Key, fp: Fingerprint) -> str | None:
+    """Why ``fp``'s device cannot run ``key`` (an int4 weight that torch's packing cannot hold
+    there), or None: a run leaves such a problem out at its start and its report says why."""
+    if not isinstance(key, GemmKey) or key.wdtype != "int4":
+        return None
+    from tuner.quant.int4_torch import cannot_pack
+
+    return cannot_pack(key.n, fp.kind)
 
 
 def build(
@@ -259,7 +273,8 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-_TABLE_ORDER = {"failed": 0, "timeout": 1, "partial": 2, "pending": 3, "stale": 4, "tuned": 5}
+_TABLE_ORDER = {"failed": 0, "timeout": 1, "partial": 2, "unsupported": 3, "pending": 4, "stale": 5,
+                "tuned": 6}  # fmt: skip
 
 
 def render(

@@ -36,13 +36,21 @@ def n_multiple(device: torch.device) -> int:
     return INT4_N_TILE if device.type == "cuda" else INT4_CPU_N_BLOCK
 
 
+def cannot_pack(n: int, device_kind: str) -> str | None:
+    """Why torch's int4 packing on a ``device_kind`` device ("cuda", "cpu") cannot hold a
+    weight of ``n`` output rows, or None: asked before a run, so a problem that cannot run
+    here is said at its start, not after the others have been tuned."""
+    multiple = n_multiple(torch.device(device_kind))
+    if n % multiple:
+        return f"N={n}: torch's int4 packing on {device_kind} needs a multiple of {multiple}"
+    return None
+
+
 def torch_pack(q: torch.Tensor) -> torch.Tensor:
     """[N, K] values 0..15 on a device -> torch's packed weight for that device; ValueError
     naming N or K where torch's packing cannot hold the shape (before torch fails inside)."""
-    multiple = n_multiple(q.device)
-    if q.shape[0] % multiple:
-        raise ValueError(f"N={q.shape[0]}: torch's int4 packing on {q.device.type} needs a "
-                         f"multiple of {multiple}")  # fmt: skip
+    if why := cannot_pack(q.shape[0], q.device.type):
+        raise ValueError(why)
     ours = int4.pack(q)
     tiles = inner_k_tiles(q.shape[1])
     if q.is_cuda:
