@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _MEMOS: weakref.WeakSet[TensorMemo[object]] = weakref.WeakSet()  # every memo, for ``forget``
+_forgets = [0]  # ``forget`` calls so far: a value made across one is not kept
 
 
 def _version(t: torch.Tensor) -> int:
@@ -33,6 +34,7 @@ def forget(t: torch.Tensor) -> None:
     """Drop what every memo made of ``t`` (a kernel's layout of a weight, split scales): call it
     after writing ``t`` in place where its version cannot say so (a tensor made under
     ``torch.inference_mode()``); the next call makes them anew from its values."""
+    _forgets[0] += 1
     for memo in list(_MEMOS):
         memo._table.pop(id(t), None)
 
@@ -55,15 +57,25 @@ class TensorMemo(Generic[T]):
         known = self._table.get(id(t))
         if known is not None and known[0]() is t and (known[1] < 0 or known[1] == t._version):
             return known[2]  # a kept version of -1: an inference tensor, kept while it lives
-        return self.put(t, self._make(t))
+        # read before making: a write while another thread makes the value (a hot reload)
+        # moves ``t``'s version past the one kept, or is a ``forget`` meanwhile, so the value
+        # made from the old contents is not served again
+        version, forgets = _version(t), _forgets[0]
+        value = self._make(t)
+        if forgets != _forgets[0]:
+            return value
+        return self._keep(t, version, value)
 
     def put(self, t: torch.Tensor, value: T) -> T:
         """Keep ``value`` as what ``t`` makes (its maker knew it already)."""
+        return self._keep(t, _version(t), value)
+
+    def _keep(self, t: torch.Tensor, version: int, value: T) -> T:
         key = id(t)
 
         def drop(ref: weakref.ref[torch.Tensor]) -> None:  # t died: its id may be reused
             if self._table.get(key, (None,))[0] is ref:
                 del self._table[key]
 
-        self._table[key] = (weakref.ref(t, drop), _version(t), value)
+        self._table[key] = (weakref.ref(t, drop), version, value)
         return value
