@@ -293,9 +293,11 @@ class Dispatcher:
         """key -> the candidate serving it (the latest resolution), for diagnostics; where torch
         stands in for a winner still loading or one that failed, the kind names it so:
         ``failed: triton_gemm:{...}`` (that winner is not what serves)."""
+        with self._lock:  # other threads' resolutions reorder the dict meanwhile
+            held = list(self.resolutions.values())
         return {
             r.key: f"{r.kind}: {r.candidate}" if r.kind in STAND_INS else r.candidate
-            for r in self.resolutions.values()
+            for r in held
             if r.kind != "untunable"
         }
 
