@@ -486,10 +486,14 @@ def test_attention_runners_check_the_direct_launch_once(
     monkeypatch.setattr("tuner.core.triton_launch.interpreting", lambda: False)
 
     class FakeLauncher:
-        compiled, verified, disabled = True, False, False
+        compiled, verified, disabled, trial = True, False, False, None
 
         def disable(self) -> None:
             self.disabled, self.verified = True, False
+
+        @property
+        def direct(self) -> bool:  # as ``Launcher.ready``: verified, or this thread's trial
+            return self.verified or self.trial is not None
 
     class FakeLaunch:
         launcher = FakeLauncher()
@@ -498,9 +502,9 @@ def test_attention_runners_check_the_direct_launch_once(
     calls = []
 
     def run(q, k, v, out=None):
-        calls.append(launch.launcher.verified)
+        calls.append(launch.launcher.direct)
         o = torch.empty_like(q) if out is None else out
-        return o.copy_(q + (direct if launch.launcher.verified else 0.0))
+        return o.copy_(q + (direct if launch.launcher.direct else 0.0))
 
     checked = checked_runner(run, [launch], "test")
     q = torch.ones(1, 2, 3, 4)

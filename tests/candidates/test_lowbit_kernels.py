@@ -7,6 +7,7 @@ so the W4A16 kernel dequantizes and sums in fp32 there)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -421,6 +422,45 @@ def test_fp8_split_k_sums_alike_in_the_kernel_and_in_a_captured_graph(n: int, co
         fp8_kernels._counts, first,
         lambda out: fp8_kernels.fp8_matmul(a, b, sa, sb, config, out=out, precise=True),
     )  # fmt: skip
+
+
+def alike_on_two_streams_at_once(first: torch.Tensor, call: Callable, rounds: int = 50) -> None:
+    """``call(out)`` launched on two streams in turn, ``rounds`` times each, so that their
+    kernels run at once: every result is ``first``, bit for bit (a stream that took the other's
+    split-K arrivals for its own would store a tile summed from unwritten partials, or none)."""
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [[torch.full_like(first, float("nan")) for _ in range(rounds)] for _ in streams]
+    torch.cuda.synchronize()
+    for r in range(rounds):
+        for stream, out in zip(streams, outs, strict=True):
+            with torch.cuda.stream(stream):
+                call(out[r])
+    torch.cuda.synchronize()
+    wrong = sum(not torch.equal(o, first) for per_stream in outs for o in per_stream)
+    assert wrong == 0, f"{wrong} of {2 * rounds} results differ from the one-stream result"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [c for c in GPU_CONFIGS if c.get("split_k", 1) > 1])
+def test_w4a16_split_k_launches_on_two_streams_at_once_keep_their_own_counts(config) -> None:
+    x, q, sz, _, _ = int4_problem(16, 4096, 4096, 128, torch.bfloat16)
+    packed = int4.pack(q)
+    first = w4a16.w4a16_matmul(x, packed, sz, 128, config)
+    alike_on_two_streams_at_once(
+        first, lambda out: w4a16.w4a16_matmul(x, packed, sz, 128, config, out=out)
+    )
+
+
+@pytest.mark.gpu
+def test_fp8_split_k_launches_on_two_streams_at_once_keep_their_own_counts() -> None:
+    config = {"kernel": "tiled", "bm": 16, "bn": 64, "bk": 256, "split_k": 8, "group_m": 1,
+              "warps": 4, "stages": 4}  # fmt: skip
+    a, sa = fp8.quantize_rowwise(torch.randn(16, 4096, device="cuda"), "e4m3")
+    b, sb = fp8.quantize_rowwise(torch.randn(4096, 4096, device="cuda"), "e4m3")
+    first = fp8_kernels.fp8_matmul(a, b, sa, sb, config, precise=True)
+    alike_on_two_streams_at_once(
+        first, lambda out: fp8_kernels.fp8_matmul(a, b, sa, sb, config, out=out, precise=True)
+    )
 
 
 @pytest.mark.gpu

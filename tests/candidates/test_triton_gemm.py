@@ -295,6 +295,11 @@ class _FakeLauncher:
     def __init__(self) -> None:
         self.verified = False
         self.disabled = False
+        self.trial: int | None = None
+
+    @property
+    def direct(self) -> bool:  # as ``Launcher.ready``: verified, or this thread's trial
+        return self.verified or self.trial is not None
 
     def disable(self) -> None:
         self.disabled, self.verified = True, False
@@ -312,7 +317,7 @@ class _Runner(GemmRunner):
         return [self.fake]
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
-        c.fill_(self.direct if self.fake.verified else 1.0)
+        c.fill_(self.direct if self.fake.direct else 1.0)
 
 
 @pytest.mark.parametrize(("direct", "kept"), [(1.0, True), (2.0, False)])

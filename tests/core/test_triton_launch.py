@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 import torch
 
-from tuner.core.triton_launch import Launcher
+from tuner.core.triton_launch import Launcher, verify_direct
 
 HAS_GPU = torch.cuda.is_available()
 N = 4096
@@ -70,3 +71,29 @@ def test_gpu_a_disabled_launcher_offers_no_direct_launch() -> None:
     assert launcher.ready(1) is None
     torch.cuda.synchronize()
     assert torch.equal(out, x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU")
+def test_gpu_only_the_checking_thread_launches_directly_before_the_check_passes() -> None:
+    """While ``verify_direct`` relaunches through the direct path, another thread's call still
+    goes through the JIT: an unchecked direct launch serves nobody but the check."""
+    launcher = Launcher(_strided_copy_kernel(), (N // 1024,), {"BLOCK": 1024}, num_warps=4,
+                        num_stages=1)  # fmt: skip
+    x = torch.arange(N, dtype=torch.float32, device="cuda")
+    out = torch.empty(N, device="cuda")
+    launcher((x, out, N, 1), 1)
+    if not launcher.compiled:
+        pytest.skip("this Triton exposes no direct launch (or TUNER_TRITON_FAST_LAUNCH is off)")
+    seen: dict[str, Any] = {}
+
+    def relaunch(again: torch.Tensor) -> None:
+        other = threading.Thread(target=lambda: seen.setdefault("other", launcher.ready(1)))
+        other.start()
+        other.join()
+        direct = seen["checker"] = launcher.ready(1)
+        direct((x.data_ptr(), again.data_ptr(), N, 1))
+
+    assert verify_direct([launcher], out, relaunch, "strided_copy")
+    assert seen["other"] is None and seen["checker"] is not None
+    assert launcher.verified and launcher.ready(1) is not None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,7 +76,7 @@ _stream_of: Any = None  # device index -> raw CUDA stream handle
 _device: Any = None
 
 
-def _current_stream() -> int:
+def current_stream() -> int:
     """The current CUDA stream of the current device, as the raw handle Triton's launcher takes."""
     global _stream_of, _device
     if _stream_of is None:
@@ -108,11 +109,11 @@ class Direct:
         ck, (g0, g1, g2) = self.kernel, self.grid
         if self.c_launch is not None:
             run = ck.run
-            self.c_launch(g0, g1, g2, _current_stream(), ck.function, run.launch_cooperative_grid,
+            self.c_launch(g0, g1, g2, current_stream(), ck.function, run.launch_cooperative_grid,
                           run.launch_pdl, scratch, None, ck.packed_metadata, None, None, None,
                           *args, *self.tail)  # fmt: skip
             return
-        ck.run(g0, g1, g2, _current_stream(), ck.function, ck.packed_metadata, None, None, None,
+        ck.run(g0, g1, g2, current_stream(), ck.function, ck.packed_metadata, None, None, None,
                *args, *self.tail)  # fmt: skip
 
 
@@ -158,6 +159,9 @@ class Launcher:
         self._tail: tuple[Any, ...] = ()
         self._fast = fast_launch() and not interpreting()
         self.verified = False  # set by the runner once a direct launch reproduced the JIT's bits
+        # the thread that checks the direct path (``verify_direct``), the only one that may
+        # launch it before it is verified
+        self.trial: int | None = None
         if self._fast:
             params = getattr(fn, "params", None)
             if params is None:
@@ -181,7 +185,9 @@ class Launcher:
         """The direct launch for ``guard``'s specialization, or None (launch through the JIT):
         it must be verified by the runner, compiled for this guard, and no hooks installed."""
         direct = self._direct  # one read: another thread's JIT call may rebind it
-        if direct is None or not self.verified or direct.guard != guard or _hooks_set():
+        if direct is None or direct.guard != guard or _hooks_set():
+            return None
+        if not self.verified and self.trial != threading.get_ident():
             return None
         return direct
 
@@ -196,12 +202,18 @@ class Launcher:
 
 
 def verify_direct(
-    launchers: Sequence[Launcher], out: Any, relaunch: Callable[[Any], Any], what: str
+    launchers: Sequence[Launcher],
+    out: Any,
+    relaunch: Callable[[Any], Any],
+    what: str,
+    agrees: Callable[[], bool] | None = None,
 ) -> bool:
     """Once, after a runner's first (JIT) call wrote ``out``: launch again through the direct path
     into a fresh buffer (``relaunch(buffer)``) and require the same bits (every kernel here is
-    deterministic), else keep to the JIT. Returns False, to be asked again on a later call,
-    while a CUDA graph is being captured (no synchronisation allowed then)."""
+    deterministic), and ``agrees()`` where given (another output of the relaunch), else keep to
+    the JIT. Only this thread launches directly until the check passes. Returns False, to be
+    asked again on a later call, while a CUDA graph is being captured (no synchronisation
+    allowed then)."""
     if interpreting() or not all(x.compiled for x in launchers):
         return True  # no direct path to check (interpreter, fast launch off)
     import torch
@@ -209,12 +221,20 @@ def verify_direct(
     if out.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     for x in launchers:
-        x.verified = True
-    again = torch.empty_like(out)
-    relaunch(again)
-    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[out.element_size()]
-    if not torch.equal(again.view(bits), out.view(bits)):
-        log.warning("%s: a direct relaunch differs from the JIT launch; direct launch off", what)
+        x.trial = threading.get_ident()
+    try:
+        again = torch.empty_like(out)
+        relaunch(again)
+        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[out.element_size()]
+        same = torch.equal(again.view(bits), out.view(bits)) and (agrees is None or agrees())
+    finally:
         for x in launchers:
+            x.trial = None
+    for x in launchers:
+        if same:
+            x.verified = True
+        else:
             x.disable()
+    if not same:
+        log.warning("%s: a direct relaunch differs from the JIT launch; direct launch off", what)
     return True

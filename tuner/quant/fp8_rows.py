@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +24,6 @@ import triton
 import triton.language as tl
 
 from tuner.core.triton_launch import Launcher, verify_direct
-
-log = logging.getLogger(__name__)
 
 MAX_K = 32768  # a row a program, held in registers: wider rows take torch's ops
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -136,15 +133,11 @@ def _launch_direct(
     _launch(entry, x, q, scale)
     if not entry.checked:
         again_scale = torch.empty_like(scale)
-        entry.checked = verify_direct([entry.launcher], q,
-                                      lambda again: _launch(entry, x, again, again_scale),
-                                      f"fp8_rows {m}x{k}")  # fmt: skip
-        relaunched = entry.checked and entry.launcher.verified
-        if relaunched and not torch.equal(again_scale.view(torch.int32), scale.view(torch.int32)):
-            log.warning(
-                "fp8_rows %dx%d: a direct relaunch's scales differ; direct launch off", m, k
-            )
-            entry.launcher.disable()
+        entry.checked = verify_direct(
+            [entry.launcher], q, lambda again: _launch(entry, x, again, again_scale),
+            f"fp8_rows {m}x{k}",
+            agrees=lambda: torch.equal(again_scale.view(torch.int32), scale.view(torch.int32)),
+        )  # fmt: skip
 
 
 def quantize(

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.triton_kernels.cache_keys import settle
+from tuner.core.triton_launch import current_stream
 
 MIN_COUNTS = 4096  # counts kept per device (grown on demand)
 
@@ -61,34 +62,67 @@ def sum_when_arrived(ws_ptr, counts_ptr, tile, acc, part, plane, mask, out_ptrs,
     tl.atomic_xchg(counts_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
+CAPTURED = -1  # the stream key of the counts that CUDA graphs are captured with
+
+
 class ArrivalCounts:
-    """Zeroed int32 counts, one per output tile, per device. One instance per kernel family, so
-    that two families' launches never share a count."""
+    """Zeroed int32 counts, one per output tile, per device and CUDA stream; one instance per
+    kernel family.
+
+    Launches on two streams (two threads' streams, the background loader's side stream beside
+    the calls it serves) run at once, and a program of one would take the other's arrivals for
+    its own tile's: each stream has its own counts. A CUDA graph is captured with a set of its
+    device's own (``CAPTURED``), made before any capture (an allocation during one belongs to
+    the graph's memory pool) at the first call outside one: graphs replay on one stream in turn,
+    and never share counts with an eager launch. Outgrown counts are kept alive, since a graph
+    captured with them replays on them. Not locked: two threads making a stream's first counts
+    at once each make one, and the one kept serves every later launch on that stream.
+    """
 
     def __init__(self) -> None:
-        self._by_device: dict[torch.device, torch.Tensor] = {}
+        self._held: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self._outgrown: list[torch.Tensor] = []
 
     def get(self, device: torch.device, tiles: int) -> torch.Tensor | None:
-        """Counts for ``tiles`` tiles, or None while a CUDA graph is being captured before they
-        exist (an allocation made during capture belongs to the graph's memory pool): the caller
-        then reduces with a second launch."""
-        counts = self._by_device.get(device)
-        if counts is None or counts.numel() < tiles:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None
-            counts = torch.zeros(max(MIN_COUNTS, triton.next_power_of_2(tiles)),
-                                 dtype=torch.int32, device=device)  # fmt: skip
-            self._by_device[device] = counts
-        return counts
+        """Counts for ``tiles`` tiles on the current stream (or the capture's), or None while a
+        CUDA graph is being captured before they exist: the caller then reduces with a second
+        launch."""
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        key = (device, CAPTURED if capturing else _stream(device))
+        counts = self._held.get(key)
+        if counts is not None and counts.numel() >= tiles:
+            return counts
+        if capturing:
+            return None
+        for held in (key, (device, CAPTURED)) if device.type == "cuda" else (key,):
+            self._grow(held, tiles)
+        return self._held[key]
+
+    def _grow(self, key: tuple[torch.device, int], tiles: int) -> None:
+        counts = self._held.get(key)
+        if counts is not None and counts.numel() >= tiles:
+            return
+        if counts is not None:
+            self._outgrown.append(counts)
+        self._held[key] = torch.zeros(max(MIN_COUNTS, triton.next_power_of_2(tiles)),
+                                      dtype=torch.int32, device=key[0])  # fmt: skip
 
     def clear(self) -> None:
-        self._by_device.clear()
+        self._held.clear()
 
     def __contains__(self, device: torch.device) -> bool:
-        return device in self._by_device
+        """Counts were made for ``device`` (on any stream)."""
+        return any(d == device for d, _ in self._held)
 
     def __getitem__(self, device: torch.device) -> torch.Tensor:
-        return self._by_device[device]
+        """The current stream's counts on ``device``."""
+        return self._held[(device, _stream(device))]
+
+
+def _stream(device: torch.device) -> int:
+    """The current stream's raw handle on a GPU (its operands' GPU is the current one); 0 on
+    the CPU (Triton's interpreter)."""
+    return current_stream() if device.type == "cuda" else 0
 
 
 settle(globals())  # last: every JIT function above is defined
