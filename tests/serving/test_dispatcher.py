@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -725,3 +726,41 @@ def test_off_mode_says_nothing_of_gradients(tmp_path, caplog):
     d = Dispatcher(tmp_path / "c.db", mode="off")
     d.matmul(torch.randn(8, 16, requires_grad=True), torch.randn(16, 24))
     assert not caplog.records
+
+
+def test_two_threads_first_calls_at_once_make_one_process_dispatcher(
+    cache_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process's dispatcher is made once, though two threads ask for it at once: each making
+    its own would leave one orphaned (its resolutions, stats and fleet sync lost)."""
+    from tuner.serving import dispatcher as module
+
+    made: list[Dispatcher] = []
+
+    class Counted(Dispatcher):
+        def __init__(self) -> None:
+            made.append(self)
+            super().__init__()
+
+    entered, release = threading.Event(), threading.Event()
+    read_config = module.load_config_file
+
+    def slow_config() -> None:  # the first thread is still making it when the second asks
+        entered.set()
+        release.wait(10)
+        read_config()
+
+    monkeypatch.setattr(module, "_dispatcher", None)
+    monkeypatch.setattr(module, "Dispatcher", Counted)
+    monkeypatch.setattr(module, "load_config_file", slow_config)
+    got: list[Dispatcher] = []
+    first = threading.Thread(target=lambda: got.append(module.get_dispatcher()))
+    second = threading.Thread(target=lambda: got.append(module.get_dispatcher()))
+    first.start()
+    assert entered.wait(10)
+    second.start()
+    second.join(0.5)  # it waits for the first (without the lock it would make its own)
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert len(made) == 1 and got == [made[0], made[0]]

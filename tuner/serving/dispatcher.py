@@ -868,17 +868,24 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _dispatcher: Dispatcher | None = None
+_making = ForkSafeLock()  # held while the process's dispatcher is made
 
 
 def get_dispatcher() -> Dispatcher:
+    """The process's dispatcher, made at the first call: two threads' first calls at once get
+    one dispatcher (and one fleet sync), not one each."""
     global _dispatcher
-    if _dispatcher is None:
-        load_config_file()  # defaults from the config file; the environment wins
-        _dispatcher = Dispatcher()
-        if os.environ.get("TUNER_SERVER") and _dispatcher.mode != "off":
-            from tuner.fleet.background import attach  # a daemon thread, off the hot path
+    if _dispatcher is not None:
+        return _dispatcher
+    with _making:
+        if _dispatcher is None:
+            load_config_file()  # defaults from the config file; the environment wins
+            made = Dispatcher()
+            if os.environ.get("TUNER_SERVER") and made.mode != "off":
+                from tuner.fleet.background import attach  # a daemon thread, off the hot path
 
-            _dispatcher.fleet_sync = attach(_dispatcher)
+                made.fleet_sync = attach(made)
+            _dispatcher = made
     return _dispatcher
 
 
