@@ -86,7 +86,6 @@ from tuner.serving.call_memo import (
     SdpaMemo,
     linear_key,
     needs_grad,
-    remember,
     sdpa_key,
 )
 from tuner.serving.dispatcher import (
@@ -422,9 +421,10 @@ class Router:
         x2, wt = x if nd == 2 else x.reshape(-1, x.shape[-1]), w.t()
         if compiling or needs_grad(x, w, bias):
             return self._linear_out(self._gemm(x2, wt, compiling), x, w, bias)
+        seen = self.dispatcher.memo_clears
         runner, res = self.dispatcher.resolve_gemm(x2, wt)
         if memo_key and res.kind != "capture" and _plain(w) and x.layout is torch.strided:
-            remember(self.memo, memo_key, LinearMemo(x, w, runner, res))
+            self.dispatcher.remember(seen, memo_key, LinearMemo(x, w, runner, res))
         if self._torch_serves(res):
             return NotImplemented
         return self._linear_out(runner(x2, wt), x, w, bias)
@@ -490,11 +490,12 @@ class Router:
                 return NotImplemented
             return torch.ops.tuner.sdpa(q, k, v, causal, scale)
         # with a gradient the dispatcher serves torch's own (differentiable) SDPA
+        seen = self.dispatcher.memo_clears
         runner, res = self.dispatcher.resolve_sdpa(
             q, k, v, causal=causal, scale=scale, enable_gqa=gqa
         )
         if memo_key and res.kind != "capture" and not needs_grad(q, k, v):
-            remember(self.memo, memo_key, SdpaMemo(runner, res))
+            self.dispatcher.remember(seen, memo_key, SdpaMemo(runner, res))
         return NotImplemented if self._torch_serves(res) else runner(q, k, v)
 
 

@@ -3,6 +3,7 @@ call, rechecked against what the key leaves out."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -262,3 +263,35 @@ def test_sdpa_under_a_chosen_torch_backend_is_torchs(tmp_path: Path) -> None:
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION), pytest.raises(RuntimeError):
             call()  # no viable backend on the CPU, as without the tuner
     torch._dynamo.reset()
+
+
+@pytest.mark.cpu_host
+def test_a_call_resolved_across_a_mode_change_leaves_no_memo(
+    linear_disp: Dispatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One thread resolves a call to the winner while another turns the dispatcher off (which
+    clears the memos): the first thread's memo is not kept, so the winner does not go on
+    serving that call with the dispatcher off."""
+    resolved, turned_off = threading.Event(), threading.Event()
+    resolve = linear_disp.resolve_gemm
+
+    def slow_resolve(*args, **kwargs):
+        got = resolve(*args, **kwargs)
+        resolved.set()
+        turned_off.wait(10)
+        return got
+
+    monkeypatch.setattr(linear_disp, "resolve_gemm", slow_resolve)
+    lin, x = nn.Linear(32, 32), torch.randn(4, 32)
+    linear_disp.reload()
+    try:
+        with torch.no_grad(), tt.enabled(dispatcher=linear_disp):
+            caller = threading.Thread(target=lambda: torch.no_grad()(lin)(x))  # per thread
+            caller.start()
+            assert resolved.wait(10)
+            linear_disp.set_mode("off")
+            turned_off.set()
+            caller.join(10)
+            assert not memos(linear_disp, "linear")
+    finally:
+        linear_disp.set_mode("lookup")

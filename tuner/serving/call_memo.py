@@ -31,19 +31,12 @@ import torch
 from tuner.serving.dispatcher import Resolution
 
 PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
-MEMO_MAX = 1 << 16  # memos kept before starting over (prefill lengths can take any value)
 
 
 def needs_grad(*ts: torch.Tensor | None) -> bool:
     if not torch.is_grad_enabled():  # first: inference runs under no_grad, and this is cheap
         return False
     return any(t is not None and t.requires_grad for t in ts)
-
-
-def remember(memo: dict[tuple, Any], key: tuple, entry: Any) -> None:
-    if len(memo) >= MEMO_MAX:
-        memo.clear()
-    memo[key] = entry
 
 
 def linear_key(x: torch.Tensor, w: torch.Tensor) -> tuple:

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 MODES = CHOICES["mode"]
 STALE_POLICIES = CHOICES["stale"]  # winners measured under other versions: serve, or misses
+MEMO_MAX = 1 << 16  # front ends' memos kept before starting over (prefill lengths take any value)
 CAUSAL = {
     False: "none",
     True: "top_left",
@@ -266,6 +267,7 @@ class Dispatcher:
         # front ends' own caches of resolved calls (tuner.torch keys them on the call as made):
         # cleared with the resolved runners, so nothing outlives a reload
         self.memo: dict[tuple, Any] = {}
+        self.memo_clears = 0  # times ``memo`` was cleared: what ``remember`` compares
         self._winners: dict[str, dict[str, Winner]] = {}  # device class -> key -> winner
         self._recorded: set[tuple[str, str]] = set()
         self.fleet_sync: Any = None  # tuner.fleet.background's sync, when TUNER_SERVER is set
@@ -619,7 +621,7 @@ class Dispatcher:
             for sig in self._loading.pop(job, []):
                 if self._hot.pop(sig, None) is not None and runner is not None:
                     self.switches += 1
-            self.memo.clear()  # front ends' memos of those calls go with them
+            self._clear_memo()  # front ends' memos of those calls go with them
 
     def _bucketed(self, device_class: str, key: GemmKey) -> Winner | None:
         """The winner of a tuned neighbour that may serve ``key`` under the bucket policy."""
@@ -762,8 +764,23 @@ class Dispatcher:
     def _forget(self) -> None:
         """Drop every resolved runner (callers hold the lock); loaded ones stay for reuse."""
         self._hot.clear()
-        self.memo.clear()
+        self._clear_memo()
         self._loading.clear()
+
+    def _clear_memo(self) -> None:
+        self.memo.clear()
+        self.memo_clears += 1
+
+    def remember(self, seen: int, key: tuple, entry: Any) -> None:
+        """Keep a front end's memo of a call it resolved when ``memo_clears`` was ``seen``;
+        not where the memo was cleared since (a reload, a mode change, a build finished while
+        it resolved in another thread), or the cleared runner would outlive the clear."""
+        with self._lock:
+            if self.memo_clears != seen:
+                return
+            if len(self.memo) >= MEMO_MAX:
+                self.memo.clear()
+            self.memo[key] = entry
 
     def _after_fork(self) -> None:
         """This dispatcher, in a child forked from the process that made it (a DataLoader
