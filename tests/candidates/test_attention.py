@@ -486,14 +486,17 @@ def test_attention_runners_check_the_direct_launch_once(
     monkeypatch.setattr("tuner.core.triton_launch.interpreting", lambda: False)
 
     class FakeLauncher:
-        compiled, verified, disabled, trial = True, False, False, None
+        compiled, verified, disabled = True, False, False
+
+        def __init__(self) -> None:
+            self.trials: set[int] = set()
 
         def disable(self) -> None:
             self.disabled, self.verified = True, False
 
         @property
         def direct(self) -> bool:  # as ``Launcher.ready``: verified, or this thread's trial
-            return self.verified or self.trial is not None
+            return self.verified or bool(self.trials)
 
     class FakeLaunch:
         launcher = FakeLauncher()

@@ -295,11 +295,11 @@ class _FakeLauncher:
     def __init__(self) -> None:
         self.verified = False
         self.disabled = False
-        self.trial: int | None = None
+        self.trials: set[int] = set()
 
     @property
     def direct(self) -> bool:  # as ``Launcher.ready``: verified, or this thread's trial
-        return self.verified or self.trial is not None
+        return self.verified or bool(self.trials)
 
     def disable(self) -> None:
         self.disabled, self.verified = True, False

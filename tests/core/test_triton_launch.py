@@ -97,3 +97,68 @@ def test_gpu_only_the_checking_thread_launches_directly_before_the_check_passes(
     assert verify_direct([launcher], out, relaunch, "strided_copy")
     assert seen["other"] is None and seen["checker"] is not None
     assert launcher.verified and launcher.ready(1) is not None
+
+
+class _Compiled:
+    """What Triton's JIT returns for a launch: the compiled kernel and its launcher (``run``)."""
+
+    run = function = packed_metadata = None
+
+
+class _Jit:
+    """A JIT function of no constexprs (Triton's own needs a GPU to compile)."""
+
+    params: tuple = ()
+
+    def __getitem__(self, grid: tuple) -> Any:
+        return lambda *args, **kwargs: _Compiled()
+
+
+def _bound_launcher(monkeypatch: pytest.MonkeyPatch) -> Launcher:
+    """A launcher whose JIT call bound guard "g" (compiled, not verified)."""
+    monkeypatch.setattr("tuner.core.triton_launch.interpreting", lambda: False)
+    launcher = Launcher(_Jit(), (1,), {}, num_warps=4, num_stages=1)
+    launcher((), "g")
+    assert launcher.compiled and launcher.ready("g") is None  # not verified yet
+    return launcher
+
+
+def test_threads_checking_a_direct_launch_at_once_each_launch_it_and_no_other_thread_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two first calls of one shared plan check it at once: each one's relaunch goes direct (a
+    relaunch through the JIT would compare the JIT with itself), a third thread meanwhile is
+    sent through the JIT, and once the checks pass every thread launches directly."""
+    launcher = _bound_launcher(monkeypatch)
+    both_in, seen = threading.Barrier(2), {}
+
+    def relaunch_of(name: str) -> Any:
+        def relaunch(again: torch.Tensor) -> None:
+            both_in.wait(10)
+            seen[name] = launcher.ready("g") is not None
+            other = threading.Thread(target=lambda: seen.setdefault("other", launcher.ready("g")))
+            other.start()
+            other.join(10)
+            both_in.wait(10)
+            again.fill_(1.0)
+
+        return relaunch
+
+    out = torch.ones(4)
+    checkers = [threading.Thread(target=verify_direct, args=([launcher], out, relaunch_of(n), n))
+                for n in ("A", "B")]  # fmt: skip
+    for t in checkers:
+        t.start()
+    for t in checkers:
+        t.join(10)
+    assert seen == {"A": True, "B": True, "other": None}
+    assert launcher.verified and not launcher.trials and launcher.ready("g") is not None
+
+
+def test_a_direct_relaunch_that_differs_turns_the_direct_path_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    launcher = _bound_launcher(monkeypatch)
+    assert verify_direct([launcher], torch.ones(4), lambda again: again.fill_(2.0), "differs")
+    assert not launcher.verified and not launcher.trials and not launcher.compiled
+    assert launcher.ready("g") is None

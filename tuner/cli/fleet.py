@@ -285,16 +285,18 @@ def sync(
                     raise
                 refused = e
                 console.print(f"[yellow]push refused[/yellow]: {escape(str(e))}; pulling anyway")
-        for fp in fps:
-            _pull_class(client, store, fp, full=full, artifacts=artifacts)
-    if refused is not None:  # the pull is done; the command still failed at what it was asked
+        rejected = [_pull_class(client, store, fp, full=full, artifacts=artifacts) for fp in fps]
+    # every class is pulled; the command still failed at what it was asked (each rejected kernel
+    # was logged with its reason)
+    if refused is not None or any(rejected):
         raise typer.Exit(FAILED)
 
 
 def _pull_class(
     client: FleetClient, store: Store, fp: Fingerprint, *, full: bool, artifacts: bool
-) -> None:
-    """One device class's pull (and its GPU arch's compiled kernels), reported in a line each."""
+) -> bool:
+    """One device class's pull (and its GPU arch's compiled kernels), reported in a line each;
+    True where a fetched kernel was rejected."""
     r = pull(client, store, fp, full=full)
     console.print(
         f"pulled {counted(r.winners, 'winner')} for {fp.device_class} in "
@@ -303,15 +305,14 @@ def _pull_class(
         f"{fp.version_tag} only"
     )
     if not artifacts:
-        return
+        return False
     a = fetch_host_artifacts(client, store, fp, full=full)
     if a is None:
         why = "no GPU on this host" if not host_archs(fp) else "the kernel store cannot be opened"
         console.print(f"fetched no compiled kernels: {why}")
-        return
+        return False
     console.print(f"fetched {a.fetched} compiled kernels ({a.present} already here)")
-    if a.rejected:
-        raise typer.Exit(FAILED)  # each rejection was logged with its reason
+    return bool(a.rejected)
 
 
 @app.command("push")

@@ -159,9 +159,9 @@ class Launcher:
         self._tail: tuple[Any, ...] = ()
         self._fast = fast_launch() and not interpreting()
         self.verified = False  # set by the runner once a direct launch reproduced the JIT's bits
-        # the thread that checks the direct path (``verify_direct``), the only one that may
-        # launch it before it is verified
-        self.trial: int | None = None
+        # the threads checking the direct path (``verify_direct``; two first calls of a shared
+        # plan at once each check it), the only ones that may launch it before it is verified
+        self.trials: set[int] = set()
         if self._fast:
             params = getattr(fn, "params", None)
             if params is None:
@@ -187,7 +187,7 @@ class Launcher:
         direct = self._direct  # one read: another thread's JIT call may rebind it
         if direct is None or direct.guard != guard or _hooks_set():
             return None
-        if not self.verified and self.trial != threading.get_ident():
+        if not self.verified and threading.get_ident() not in self.trials:
             return None
         return direct
 
@@ -220,8 +220,9 @@ def verify_direct(
 
     if out.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
+    me = threading.get_ident()
     for x in launchers:
-        x.trial = threading.get_ident()
+        x.trials.add(me)
     try:
         again = torch.empty_like(out)
         relaunch(again)
@@ -229,7 +230,7 @@ def verify_direct(
         same = torch.equal(again.view(bits), out.view(bits)) and (agrees is None or agrees())
     finally:
         for x in launchers:
-            x.trial = None
+            x.trials.discard(me)
     for x in launchers:
         if same:
             x.verified = True

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tuner.candidates.triton_kernels.cache_keys import settle
+from tuner.core.fork_safe import ForkSafeLock
 from tuner.core.triton_launch import current_stream
 
 MIN_COUNTS = 4096  # counts kept per device (grown on demand)
@@ -71,32 +72,33 @@ class ArrivalCounts:
 
     Launches on two streams (two threads' streams, the background loader's side stream beside
     the calls it serves) run at once, and a program of one would take the other's arrivals for
-    its own tile's: each stream has its own counts. A CUDA graph is captured with a set of its
-    device's own (``CAPTURED``), made before any capture (an allocation during one belongs to
-    the graph's memory pool) at the first call outside one: graphs replay on one stream in turn,
-    and never share counts with an eager launch. Outgrown counts are kept alive, since a graph
-    captured with them replays on them. Not locked: two threads making a stream's first counts
-    at once each make one, and the one kept serves every later launch on that stream.
+    its own tile's: each stream has its own counts. A CUDA graph is captured with its capture
+    stream's counts where that stream ran eager calls before, else with a set of its device's
+    own (``CAPTURED``), made before any capture (an allocation during one belongs to the graph's
+    memory pool) at the first call outside one. Outgrown counts are kept alive, since a graph
+    captured with them replays on them.
     """
 
     def __init__(self) -> None:
         self._held: dict[tuple[torch.device, int], torch.Tensor] = {}
         self._outgrown: list[torch.Tensor] = []
+        self._growing = ForkSafeLock()  # two threads growing at once keep both outgrown
 
     def get(self, device: torch.device, tiles: int) -> torch.Tensor | None:
         """Counts for ``tiles`` tiles on the current stream (or the capture's), or None while a
         CUDA graph is being captured before they exist: the caller then reduces with a second
-        launch."""
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        key = (device, CAPTURED if capturing else _stream(device))
+        launch. A stream's own counts are found without asking about a capture."""
+        key = (device, _stream(device))
         counts = self._held.get(key)
         if counts is not None and counts.numel() >= tiles:
             return counts
-        if capturing:
-            return None
-        for held in (key, (device, CAPTURED)) if device.type == "cuda" else (key,):
-            self._grow(held, tiles)
-        return self._held[key]
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            captured = self._held.get((device, CAPTURED))
+            return captured if captured is not None and captured.numel() >= tiles else None
+        with self._growing:
+            for held in (key, (device, CAPTURED)) if device.type == "cuda" else (key,):
+                self._grow(held, tiles)
+            return self._held[key]
 
     def _grow(self, key: tuple[torch.device, int], tiles: int) -> None:
         counts = self._held.get(key)
