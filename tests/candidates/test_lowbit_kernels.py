@@ -431,6 +431,9 @@ def alike_on_two_streams_at_once(first: torch.Tensor, call: Callable, rounds: in
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     outs = [[torch.full_like(first, float("nan")) for _ in range(rounds)] for _ in streams]
     torch.cuda.synchronize()
+    for stream in streams:  # both streams' launches queue behind a wait, then run together
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(20_000_000)
     for r in range(rounds):
         for stream, out in zip(streams, outs, strict=True):
             with torch.cuda.stream(stream):
