@@ -6,7 +6,7 @@
 #
 # torch comes from PyTorch's CUDA 13.0 wheel index; the package's `cu13` extra adds cupy-cuda13x,
 # nvmath-python (cuBLASLt), nvidia-cutlass and cuda-bindings. CUTLASS compiles kernels with nvcc,
-# which only the devel base has: on the runtime base `tuner info` lists cutlass_gemm as
+# which only the devel base has: on the runtime base `tuner info` lists cutlass as
 # unavailable ("nvcc not found") and every other source works.
 ARG BASE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
 FROM ${BASE}

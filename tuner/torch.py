@@ -47,10 +47,11 @@ itself handles ``a @ b`` and tensor methods, and keeps ``F.multi_head_attention_
 call that AOTAutograd decomposes: in compiled code those stay torch's, as do the low-bit ops. Attention that needs a
 gradient is left to torch there too (its fused backward beats a recompute).
 
-**CUDA graphs.** A hit allocates nothing beyond its output and never synchronizes. Signatures first
-seen during capture get torch's default and are not cached (no tuning, no kernel loading during
-capture; the miss is recorded in record/tune modes); warm up eagerly before capturing, as torch
-asks anyway, and the capture holds the tuned kernels.
+**CUDA graphs.** A hit allocates nothing beyond its output and never synchronizes. A signature
+first seen during capture is served by its winner where that winner's kernel is loaded, else by
+torch's kernel, and resolved again after the capture (no tuning, no kernel loading during capture;
+the miss is recorded in record/tune modes); warm up (``tuner.warmup()``, or eager calls) before
+capturing, and the capture holds the tuned kernels.
 
 **Quantized models.** ``quantize_linear(model, "int4" | "fp8")`` replaces a model's
 ``nn.Linear`` layers by quantized ones served by the tuner (``tuner.serving.quantize``): by the
