@@ -211,9 +211,9 @@ def verify_direct(
     """Once, after a runner's first (JIT) call wrote ``out``: launch again through the direct path
     into a fresh buffer (``relaunch(buffer)``) and require the same bits (every kernel here is
     deterministic), and ``agrees()`` where given (another output of the relaunch), else keep to
-    the JIT. Only this thread launches directly until the check passes. Returns False, to be
-    asked again on a later call, while a CUDA graph is being captured (no synchronisation
-    allowed then)."""
+    the JIT. Only the threads checking it launch directly until the check passes. Returns
+    False, to be asked again on a later call, while a CUDA graph is being captured (no
+    synchronisation allowed then)."""
     if interpreting() or not all(x.compiled for x in launchers):
         return True  # no direct path to check (interpreter, fast launch off)
     import torch
