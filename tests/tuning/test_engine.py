@@ -205,21 +205,28 @@ def test_a_challenger_read_far_over_its_trial_still_wins_where_it_stays_faster(
     """A challenger that measured 100 us a call in its trial reads 400 us in its duel (its
     host path slowed by what ran between its calls, as a Triton launcher's does beside torch's
     calls), twice: its duel is disturbed, but only on its own side, which cannot make its win.
-    Against torch's ~ms 512^3 GEMM it stays far faster, so it wins as read."""
+    Against torch's ~ms 512^3 GEMM it stays far faster, so it wins as read. On a loaded host
+    torch's duel may read far off its trial too, which the engine keeps torch for (disturbed
+    twice, nothing of this test): up to three tunes, the first with an undisturbed baseline
+    judged."""
     from planted import Busy, Memoized
 
     monkeypatch.setattr(Memoized, "slow", False)
 
     class SlowerInItsDuel(Busy):
-        name, busy_s = "slower_in_its_duel", 100e-6
+        name = "slower_in_its_duel"
 
     def slow_down_after_its_trial(m):
         if m.source == SlowerInItsDuel.name:
             SlowerInItsDuel.busy_s = 400e-6
 
     key = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
-    outcome = tuned_uncut(key, [SlowerInItsDuel()], on_result=slow_down_after_its_trial)
-    error = by_params(outcome)[SlowerInItsDuel.name].error
+    for _ in range(3):
+        SlowerInItsDuel.busy_s = 100e-6
+        outcome = tuned_uncut(key, [SlowerInItsDuel()], on_result=slow_down_after_its_trial)
+        error = by_params(outcome)[SlowerInItsDuel.name].error
+        if "disturbed twice" not in error:
+            break
     assert outcome.winner.source == SlowerInItsDuel.name, error
     assert "far over its trial" in error and "kept" in error
 
