@@ -168,6 +168,22 @@ class BrokenInDuel(Memoized):
         return maybe_raise
 
 
+class Level(Memoized):
+    """torch's own matmul, level with the baseline however loaded the host, until a test sets
+    ``ahead``: then Memoized's product, far ahead."""
+
+    name = "level"
+    ahead = False
+
+    def build(self, key, params):
+        memoized = super().build(key, params)
+
+        def run(a, b, out=None):
+            return memoized(a, b, out) if type(self).ahead else torch.matmul(a, b, out=out)
+
+        return run
+
+
 class Busy(Memoized):
     """Memoized's product behind ``busy_s`` of host work per call (a busy wait, not a sleep: as
     steady as the clock), which a test may change at any moment."""

@@ -9,6 +9,7 @@ from typing import ClassVar
 import pytest
 import torch
 from planted import PlantedGemm
+from quiet_host import first_judged, quiet, undisturbed
 
 from tuner.candidates import registry
 from tuner.candidates.base import Source
@@ -17,7 +18,6 @@ from tuner.measure import timing
 from tuner.measure.records import LAUNCHES, Measurement, candidate_name
 from tuner.tuning.engine import PHASES, TuneOptions, TuneOutcome, cut_off, earlier_times, tune
 from tuner.tuning.verdict import (
-    DISTURBED_SPREAD,
     duels,
     effective_us,
     pair_noise,
@@ -121,8 +121,12 @@ def memoized():
 def test_a_truly_faster_challenger_wins_and_is_confirmed(memoized):
     """torch's few-us CPU GEMM has a long tail in every take (its half spread up to ~90%), but
     no usual reading of the memoized product reaches torch's quickest: the margin its win must
-    clear is the floor, not that tail."""
-    outcome = tune(KEY, options=TuneOptions(budget_s=0.02, sources=["memoized"]))
+    clear is the floor, not that tail. Taken again where the host disturbed the duel
+    (``first_judged``): torch's readings of so short a GEMM can jump between two levels."""
+    outcome = first_judged(
+        lambda: tune(KEY, options=TuneOptions(budget_s=0.02, sources=["memoized"])),
+        lambda outcome: undisturbed(by_params(outcome)["memoized"].error),
+    )
     assert outcome.winner.source == "memoized" and outcome.winner.speedup > 1.5
     assert "kept" in by_params(outcome)["memoized"].error
 
@@ -133,10 +137,9 @@ def test_a_baselines_long_tail_does_not_tie_a_challenger_far_under_it(memoized):
     floor's margin, not that tail's. That tail still ties them, so its win must show twice: a
     baseline's trial slowed throughout (a compile beside all of it) lifts its p10 too. On a
     loaded host the baseline's second take may read far off its trial, which the engine keeps
-    torch for (disturbed, nothing of this test): up to three tunes, the first undisturbed judged,
-    each against a baseline trial of its own, so that one trial taken in a quiet moment does not
-    make all three read disturbed."""
-    for _ in range(3):
+    torch for (disturbed, nothing of this test): taken again (``first_judged``)."""
+
+    def run() -> tuple[Measurement, TuneOutcome]:
         timed = timed_baseline(
             tune(KEY, options=TuneOptions(budget_s=0.02, sources=[]), device="cpu").measurements
         )
@@ -145,9 +148,12 @@ def test_a_baselines_long_tail_does_not_tie_a_challenger_far_under_it(memoized):
             KEY, options=TuneOptions(budget_s=0.02, sources=["memoized"]), device="cpu",
             prior=[base],
         )  # fmt: skip
-        challenger = by_params(outcome)["memoized"]
-        if "disturbed" not in (challenger.error or ""):
-            break
+        return base, outcome
+
+    base, outcome = first_judged(
+        run, lambda run: "disturbed" not in by_params(run[1])["memoized"].error
+    )
+    challenger = by_params(outcome)["memoized"]
     assert pair_noise(base, challenger, 0.02, "eager") == 0.02
     assert outcome.winner.source == "memoized", challenger.error
     assert "a tie in its trial, so taken again" in challenger.error
@@ -207,8 +213,7 @@ def test_a_challenger_read_far_over_its_trial_still_wins_where_it_stays_faster(
     calls), twice: its duel is disturbed, but only on its own side, which cannot make its win.
     Against torch's ~ms 512^3 GEMM it stays far faster, so it wins as read. On a loaded host
     torch's duel may read far off its trial too, which the engine keeps torch for (disturbed
-    twice, nothing of this test): up to three tunes, the first with an undisturbed baseline
-    judged."""
+    twice, nothing of this test): taken again (``first_judged``)."""
     from planted import Busy, Memoized
 
     monkeypatch.setattr(Memoized, "slow", False)
@@ -220,25 +225,17 @@ def test_a_challenger_read_far_over_its_trial_still_wins_where_it_stays_faster(
         if m.source == SlowerInItsDuel.name:
             SlowerInItsDuel.busy_s = 400e-6
 
-    key = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
-    for _ in range(3):
+    def run() -> TuneOutcome:
         SlowerInItsDuel.busy_s = 100e-6
-        outcome = tuned_uncut(key, [SlowerInItsDuel()], on_result=slow_down_after_its_trial)
-        error = by_params(outcome)[SlowerInItsDuel.name].error
-        if "disturbed twice" not in error:
-            break
+        key = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
+        return tuned_uncut(key, [SlowerInItsDuel()], on_result=slow_down_after_its_trial)
+
+    outcome = first_judged(
+        run, lambda outcome: "disturbed" not in by_params(outcome)[SlowerInItsDuel.name].error
+    )
+    error = by_params(outcome)[SlowerInItsDuel.name].error
     assert outcome.winner.source == SlowerInItsDuel.name, error
     assert "far over its trial" in error and "kept" in error
-
-
-def quiet(outcome: TuneOutcome) -> bool:
-    """Whether the engine found this host quiet through the run: no timing spread wider than
-    the disturbed spread, no duel taken again or widened by its rounds' scatter. On a busy host
-    the engine keeps the baseline by design, and a run says nothing about a duel's rule."""
-    return not any(
-        m.spread > DISTURBED_SPREAD or "disturbed" in m.error or "apart" in m.error
-        for m in outcome.measurements
-    )
 
 
 @pytest.mark.cpu_host
@@ -249,8 +246,8 @@ def test_a_winner_confirmed_slower_than_a_runner_ups_trial_meets_the_runner_up(
     its confirmation reads it slower than the second's trial: the second duels too and wins.
     Each duel weighs its runner against its own reading of torch, which drifts on a shared CPU
     host while a busy wait does not: the second's trial also reads it slower than it is, so that
-    its win is wider than that drift. Taken again (up to three runs) where the engine reports
-    the host noisy."""
+    its win is wider than that drift. Taken again where the engine reports the host noisy
+    (``first_judged``)."""
     from planted import Busy, Memoized
 
     monkeypatch.setattr(Memoized, "slow", False)
@@ -271,11 +268,7 @@ def test_a_winner_confirmed_slower_than_a_runner_ups_trial_meets_the_runner_up(
         key = GemmKey(m=512, n=512, k=512, dtype="f32", out_dtype="f32")
         return tuned_uncut(key, [First(), Second()], on_result=change_after_its_trial)
 
-    outcome = run()
-    for _ in range(2):
-        if quiet(outcome):
-            break
-        outcome = run()
+    outcome = first_judged(run, quiet)
     first = by_params(outcome)["first"]
     assert outcome.winner.source == "second", [
         (m.candidate, m.median_us, m.error) for m in outcome.measurements

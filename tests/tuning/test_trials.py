@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from planted import BrokenInDuel, Twin
+from planted import BrokenInDuel, Level, Twin
+from quiet_host import first_judged, undisturbed
 
 from tuner.candidates import registry
 from tuner.core.keys import GemmKey
@@ -166,13 +167,10 @@ def test_a_tie_in_its_trial_that_wins_one_eager_take_must_win_a_second(monkeypat
     """A challenger level with torch's 256^3 GEMM in its trial, far ahead in its duel's first
     take (a lucky stretch), level again in the take after: its trial was a tie, so one take
     does not make it the winner. The duel run by a real trial on the CPU (whose engine duels
-    no ties: on a GPU it does); taken again (up to three times) where the host was noisy."""
-    from planted import Busy
-
+    no ties: on a GPU it does). Level is torch's own matmul, so that it stays level however
+    loaded the host; taken again (``first_judged``) where the host disturbed the duel, or where
+    the engine took the first take again (already level by then: no tie to take a second time)."""
     from tuner.candidates.base import Params, Source
-
-    class Level(Busy):
-        name = "level"
 
     key = GemmKey(m=256, n=256, k=256, dtype="f32", out_dtype="f32")
     options = TuneOptions(budget_s=0.02, min_noise=0.25)
@@ -187,20 +185,30 @@ def test_a_tie_in_its_trial_that_wins_one_eager_take_must_win_a_second(monkeypat
 
     def level_after_one_take(self, *args, **kwargs):
         readings = real_rounds(self, *args, **kwargs)
-        Level.busy_s = readings.base_us * 1e-6
+        Level.ahead = False
         return readings
 
     monkeypatch.setattr(Trial, "rounds", level_after_one_take)
-    for _ in range(3):
+
+    def run() -> tuple[Measurement, Measurement, Measurement]:
+        Level.ahead = False  # its trial: torch's matmul, level with torch
         trial = Trial.for_key(key, "cpu", options.seed, record)
         base = trial.run(registry.get("torch"), {}, None, options)
-        Level.busy_s = base.median_us * 1e-6  # its trial: level with torch's
         level = trial.run(Level(), {}, None, options, base=base)
-        assert tied_in_trial((base.median_us, level.median_us), 0.25), (base, level)
-        Level.busy_s *= 0.3  # its duel's first take: far ahead
+        Level.ahead = True  # its duel's first take: far ahead
         chosen, _, _ = trial.confirm(base, level, options)
-        if not any(why in level.error for why in ("disturbed", "apart")):
-            break
+        return base, level, chosen
+
+    def judged(run: tuple[Measurement, Measurement, Measurement]) -> bool:
+        base, level, _ = run
+        return (
+            tied_in_trial((base.median_us, level.median_us), 0.25)
+            and undisturbed(level.error)
+            and "a tie in its trial" in level.error
+        )
+
+    base, level, chosen = first_judged(run, judged)
+    assert tied_in_trial((base.median_us, level.median_us), 0.25), (base, level)
     assert chosen is base, level.error
     assert "a tie in its trial, so taken again" in level.error, level.error
     assert "not ahead" in level.error, level.error
