@@ -31,8 +31,8 @@ def quiet(outcome: TuneOutcome) -> bool:
 def first_judged(run: Callable[[], T], judged: Callable[[T], bool], attempts: int = ATTEMPTS) -> T:
     """``run()`` until ``judged`` says the host left its result alone, at most ``attempts``
     times: the first such result, else the last (which the test judges all the same, and fails
-    on where the host stayed busy throughout). Each attempt times its baseline afresh: a trial
-    taken once, in a quicker moment than the rest, would read every later duel disturbed."""
+    on where the host stayed busy throughout). ``run`` times its baseline afresh: a trial taken
+    once, in a quicker moment than the rest, would read every later duel disturbed."""
     for _ in range(attempts - 1):
         result = run()
         if judged(result):
