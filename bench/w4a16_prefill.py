@@ -90,7 +90,7 @@ def more_dequant(key: GemmKey) -> list[Params]:
     for chunks in DEQUANT_CHUNKS:
         params = {"chunks": chunks, "bn": dg.DEFAULT_BN}
         try:
-            dg.check_params(params, key.n, key.k)
+            dg.check_params(params, key.n)
         except ValueError:  # N does not split into exactly that many 256-row steps
             continue
         out.append(params)

@@ -68,18 +68,18 @@ def test_gpu_dequantized_rows_equal_the_reference_bit_for_bit(n, k, group, dtype
 
 def test_bad_params_and_calls_raise_naming_the_field() -> None:
     with pytest.raises(ValueError, match="'chunks'=0"):
-        dg.check_params({"chunks": 0}, 1024, 256)
+        dg.check_params({"chunks": 0}, 1024)
     with pytest.raises(ValueError, match="'chunks'='2'"):
-        dg.check_params({"chunks": "2"}, 1024, 256)
+        dg.check_params({"chunks": "2"}, 1024)
     with pytest.raises(ValueError, match=r"'chunks'=5: allowed an int in 1\.\.4"):
-        dg.check_params({"chunks": 5}, 1024, 256)
+        dg.check_params({"chunks": 5}, 1024)
     with pytest.raises(ValueError, match=r"'chunks'=3: .* splits into 2 chunks of 512 rows"):
-        dg.check_params({"chunks": 3}, 1024, 256)
+        dg.check_params({"chunks": 3}, 1024)
     with pytest.raises(ValueError, match=r"'bn': bn=48: allowed \(32, 64, 128\)"):
-        dg.check_params({"chunks": 1, "bn": 48}, 1024, 256)
+        dg.check_params({"chunks": 1, "bn": 48}, 1024)
     with pytest.raises(ValueError, match="param 'tile': unknown"):
-        dg.check_params({"chunks": 1, "tile": 64}, 1024, 256)
-    assert dg.check_params({"chunks": 4, "bn": 128}, 1024, 256) == (4, 128)
+        dg.check_params({"chunks": 1, "tile": 64}, 1024)
+    assert dg.check_params({"chunks": 4, "bn": 128}, 1024) == (4, 128)
     with pytest.raises(ValueError, match="rows=100"):
         dequant.Dequantizer(1024, 256, 128, 100, 64)
     fill = dequant.Dequantizer(1024, 256, 128, 256, 64)
@@ -122,7 +122,7 @@ def test_keys_it_takes_and_its_shortlist() -> None:
     found = dg.shortlist(2048, 4608, 3584, l2, 132)
     assert found[0] == {"chunks": 1, "bn": dg.DEFAULT_BN} and len(found) == 2
     for params in found[1:]:
-        chunks, _ = dg.check_params(params, 4608, 3584)
+        chunks, _ = dg.check_params(params, 4608)
         # the fewest chunks whose scratch fits half the L2
         assert 2 * dg.scratch_bytes(4608, 3584, chunks) <= l2
         assert 2 * dg.scratch_bytes(4608, 3584, chunks - 1) > l2

@@ -128,7 +128,7 @@ def test_w4a16_configs_are_valid_for_llama_shapes() -> None:
                 shortlist = w4a16.configs(m, n, k, g)
                 assert shortlist
                 for config in shortlist:
-                    w4a16.check_config(config, m, n, k, g)
+                    w4a16.check_config(config, m, n, k)
                     if m <= 16:
                         assert config["bm"] >= m
 

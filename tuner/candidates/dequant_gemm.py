@@ -61,7 +61,7 @@ def scratch_bytes(n: int, k: int, chunks: int) -> int:
     return chunk_rows(n, chunks) * k * 2
 
 
-def check_params(params: Params, n: int, k: int) -> tuple[int, int]:
+def check_params(params: Params, n: int) -> tuple[int, int]:
     """(chunks, bn), or a ValueError naming the param that cannot run an N x K weight."""
     unknown = sorted(set(params) - {"chunks", "bn"})
     if unknown:
@@ -141,13 +141,13 @@ class DequantGemm(Source):
         dtype = DTYPES[key.dtype]
 
         def jobs(params: Params) -> list:
-            chunks, bn = check_params(params, key.n, key.k)
+            chunks, bn = check_params(params, key.n)
             return dequantizer(key.n, key.k, key.group, chunks, bn).jobs(dtype)
 
         self.last_warm = precompile(shortlist, jobs)
 
     def build(self, key: GemmKey, params: Params) -> Runner:
-        chunks, bn = check_params(params, key.n, key.k)
+        chunks, bn = check_params(params, key.n)
         n, k, group = key.n, key.k, key.group
         fill = dequantizer(n, k, group, chunks, bn)
         rows = fill.rows

@@ -165,7 +165,7 @@ class FleetClient:
         (validated with ``context``) where given: one of another shape raises FleetError naming
         the field and what it should be. ``once``: the call is not idempotent, so it is retried
         only where it surely was not acted upon."""
-        r = self._send(path, lambda: self.http.request(method, path, **kwargs), once=once)
+        r = self._send(lambda: self.http.request(method, path, **kwargs), once=once)
         try:
             body = r.json()
         except ValueError:  # e.g. --server names some other web server
@@ -185,9 +185,7 @@ class FleetClient:
                 r.status_code,
             ) from None
 
-    def _send(
-        self, path: str, send: Callable[[], httpx.Response], *, once: bool = False
-    ) -> httpx.Response:
+    def _send(self, send: Callable[[], httpx.Response], *, once: bool = False) -> httpx.Response:
         """``send()`` with retries (``once``: only where it was not acted upon); its response if
         successful, else FleetError."""
         for attempt in range(self.retries + 1):
@@ -458,7 +456,7 @@ class FleetClient:
                         )
                 return httpx.Response(r.status_code, content=bytes(data))
 
-        return self._send(path, send).content
+        return self._send(send).content
 
 
 def _message(r: httpx.Response) -> str:

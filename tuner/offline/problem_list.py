@@ -167,8 +167,8 @@ def with_lowbit_fields(fields: dict[str, Any]) -> dict[str, Any]:
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (YAML does not allow it):
-    PyYAML keeps the last one silently, so a second ``problems:`` list dropped the first, and a
-    model's second ``tp:`` won over the first without a word."""
+    PyYAML keeps the last one silently, so a second ``problems:`` list would drop the first, and
+    a model's second ``tp:`` would override the first without a word."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()

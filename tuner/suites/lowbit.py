@@ -23,7 +23,7 @@ by ``--proj`` are timed at full size there too). One run, per row:
   loaded once over as many rotated buffers): the floor. Decode rows are judged on these times,
   as decode steps run as graphs, and so they are also tuned for graph replay (``launch="graph"``,
   low-bit and bf16 alike, whatever ``--launch`` says); the other rows on eager times;
-- the targets the row is judged by (``TARGETS``, those of the issue for its format and M), each
+- the targets the row is judged by (``TARGETS``: the suite's targets for its format and M), each
   with its value and whether it was met. The targets are GPU targets: on a machine without CUDA
   the ratios are computed and written as on a GPU, but the run is marked not judged
   (``targets_judged``: false, ``targets_note`` says why) and neither the table nor the plot
@@ -330,7 +330,7 @@ def format_summary(rows: Sequence[Row]) -> dict[str, Any]:
         summary["targets"] = {
             name: f"{c['met']}/{c['judged']}" for name, c in target_counts(mine).items()
         }
-        # the issue's: tuning a low-bit problem costs no more than bf16 (unmeasured: missed)
+        # the tuning-cost target: tuning a low-bit problem costs no more than bf16 (unmeasured: missed)
         met = bf16_s is not None and tune_s <= bf16_s
         summary["targets"][TUNING_TARGET] = f"{int(met)}/1"
         out[fmt] = summary

@@ -276,7 +276,7 @@ def check_inputs(
     return m, n, k
 
 
-def check_config(config: Config, m: int, n: int, k: int, group_size: int) -> None:
+def check_config(config: Config, m: int, n: int, k: int) -> None:
     """A ValueError naming the config field that cannot run an (M, N, K) problem."""
     kernel, bk, dots = config.get("kernel"), config["bk"], config.get("dots", 1)
     if kernel not in KERNELS:
@@ -333,7 +333,7 @@ def w4a16_matmul(
 def checked_plan(m: int, n: int, k: int, group_size: int, config: Config) -> Plan:
     """``plan`` of ``config`` once ``check_config`` accepted it: what ``w4a16_matmul`` runs and
     a source precompiles (``Plan.jobs``)."""
-    key = config_key(config, lambda: check_config(config, m, n, k, group_size))
+    key = config_key(config, lambda: check_config(config, m, n, k))
     return plan(m, n, k, group_size, key, current_gpu())
 
 
@@ -343,7 +343,7 @@ def plan(m: int, n: int, k: int, group_size: int, config: ConfigKey, gpu: int | 
     ``current_gpu`` gives it), made once ``check_config`` passed it and kept across calls: the
     checks would take a good part of an eager call's host time."""
     values = {name: value for name, _, value in config}
-    check_config(values, m, n, k, group_size)
+    check_config(values, m, n, k)
     return Plan(m, n, k, group_size, values)
 
 
@@ -486,7 +486,7 @@ def _dots(k: int, most: int) -> int:
 # CTAs per SM, more config keys), split by ``_resident_splits``: the weight streams at the rate
 # of the bytes in flight, and a second wave or an idle slot loses that rate. Shared memory and
 # registers set the CTAs per SM: x's [16, 128] tiles take a buffer per stage, the weight's one
-# fewer (64 rows x 3 stages x 2 dots: 42 KB, 80-96 registers: 5 per SM). ptxas (Triton 3.6)
+# fewer (64 rows x 3 stages x 2 dots: 42 KB a CTA). ptxas
 # serializes the wgmmas (C7515) of 64 rows on 4 warps unless each step sums apart
 # (``step_sum``, dropped where a step is one dot). The partials are summed by the last to arrive
 # or (``split_wait``, where split > 1) by the last split; the shortlist keeps both. Where the tiles
