@@ -1,7 +1,8 @@
 """A test-only candidate source whose candidates take their process down in known ways.
 
-Used by tests/test_worker.py through ``registry.register``; the worker process imports it by
-module name, so it lives in its own module (the tests directory is on sys.path under pytest).
+Used by tests/tuning/test_isolation.py through ``registry.register``; the worker process imports
+it by module name, so it lives in its own module (the tests directory is on sys.path under
+pytest).
 """
 
 from __future__ import annotations

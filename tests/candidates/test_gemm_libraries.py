@@ -136,7 +136,7 @@ def queued_behind_a_busy_stream(runner, key: GemmKey) -> float:
     runner(a, b, out=out)  # first calls load libraries and make handles: longer than the sleep
     out.zero_()
     # the read below, once first: its first run in a process waits for the side stream's work, so
-    # whichever runner came first failed (cuBLASLt too, run alone; CuPy 14.2 / torch 2.11, H100)
+    # whichever runner came first would fail (cuBLASLt too, run alone)
     out.float().abs().sum().item()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()

@@ -58,7 +58,7 @@ def test_help_lists_the_commands():
 
 def test_help_read_through_a_pipe_is_shown_whole(monkeypatch):
     """Help written to no terminal (a pipe: ``tuner tune-all --help | less``) with no width
-    asked for is laid out wide: at rich's 80 columns option texts were cut with "…"."""
+    asked for is laid out wide, so no option text is cut with "…" as at rich's 80 columns."""
     monkeypatch.setattr(typer.rich_utils, "MAX_WIDTH", None)  # as without TERMINAL_WIDTH
     monkeypatch.setattr(console, "_terminal_near", lambda: False)  # as in a CI log
     # as where typer forces colours (GITHUB_ACTIONS, FORCE_COLOR): the width follows the pipe
@@ -265,8 +265,8 @@ def one_winner(path):
     ],
 )
 def test_a_closed_stdout_ends_the_command_quietly_with_sigpipes_status(tmp_path, args):
-    """``tuner show | head -1``: rich, click and Python's exit flush each ended it with status 1
-    and no word, or a traceback; now it ends as ``cat`` killed by SIGPIPE would (141)."""
+    """``tuner show | head -1``: the command ends as ``cat`` killed by SIGPIPE would (141), with
+    nothing on stderr, whether rich, click or Python's exit flush meets the closed pipe."""
     env = os.environ | {"TUNER_CACHE": str(one_winner(tmp_path / "c.db")), "COLUMNS": "200"}
     p = subprocess.Popen([sys.executable, "-m", "tuner", *args], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -429,10 +429,10 @@ def test_a_config_refused_leaves_no_cache_behind(tmp_path):
 
 
 def test_a_failed_tune_all_leaves_no_new_out_folder_and_a_run_that_worked_keeps_it(tmp_path):
-    """A run refused before it tuned anything made --out's folders first and left them behind
-    (empty): a cache file of garbage bytes, with or without --queue. Now a failed run leaves
-    nothing new (the file given stays as it was; a cache it made is unmade with its folders,
-    an --out that cannot be made included), and a run that tuned keeps its cache and report."""
+    """A run refused before it tunes anything (a cache file of garbage bytes, with or without
+    --queue) leaves nothing new: the file given stays as it was, a cache it made is unmade with
+    its folders, and so are --out's, an --out that cannot be made included. A run that tuned
+    keeps its cache and report."""
     problems, refused = tmp_path / "p.yaml", tmp_path / "refused.yaml"
     problems.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, dtype: f32}\n")
     refused.write_text("problems:\n  - {op: gemm, m: 4, n: -1, k: 8, dtype: f32}\n")
@@ -532,8 +532,8 @@ def test_compiled_kernels_live_beside_the_cache_that_cache_names(tmp_path):
 
 
 def test_a_check_of_compiled_kernels_where_there_are_none_makes_no_store(tmp_path):
-    """``tuner artifacts --check`` with a mistyped --cache made a store beside it (folders and
-    an index) and said all was well; it checks what is there and makes nothing."""
+    """``tuner artifacts --check`` with a mistyped --cache checks what is there and makes
+    nothing: no store beside it (folders and an index), and it says there is none yet."""
     env = {k: v for k, v in os.environ.items() if k not in ("TUNER_ARTIFACTS", "TUNER_SERVER")}
     typo = tmp_path / "typo" / "c.db"
     r = subprocess.run(
@@ -546,8 +546,8 @@ def test_a_check_of_compiled_kernels_where_there_are_none_makes_no_store(tmp_pat
 
 
 def test_a_listing_of_compiled_kernels_says_server_and_token_wait_for_check(tmp_path):
-    """``artifacts --server URL`` without ``--check`` listed this host's kernels and asked
-    no service, without a word; typed, the options are named; from the environment (the
+    """``artifacts --server URL`` without ``--check`` lists this host's kernels and asks no
+    service: typed, the options are named as read by --check only; from the environment (the
     host's settings) they are not."""
     env = {k: v for k, v in os.environ.items() if k not in ("TUNER_ARTIFACTS", "TUNER_SERVER")}
     args = [sys.executable, "-m", "tuner", "artifacts", "--cache", str(tmp_path / "c.db")]
@@ -630,7 +630,8 @@ def test_import_notes_measurements_whose_device_class_has_no_fingerprint(tmp_pat
 
 
 def test_show_refuses_two_formats_at_once(tmp_path):
-    """``show --json --full-keys`` printed JSON and dropped --full-keys without a word."""
+    """``show --json --full-keys`` is refused, naming the two formats, rather than printing JSON
+    and dropping --full-keys."""
     Store(tmp_path / "c.db").close()
     r = tuner("show", "--json", "--full-keys", cache=tmp_path / "c.db", check=False)
     assert r.returncode == 2 and r.stdout == ""
@@ -1233,8 +1234,8 @@ def test_export_piped_into_import(tmp_path):
 @pytest.mark.cpu_host
 @pytest.mark.parametrize("args", [("gemm", "--part", "fp32"), ("sdpa", "--part", "decode")])
 def test_a_whole_suite_on_a_cpu_says_as_it_starts_that_quick_is_the_cpus_run(tmp_path, args):
-    """Without --quick, a suite on a host with no GPU started the models' own shapes on the CPU
-    (hours for a part) with no word: its first rows came slowly and nothing said why."""
+    """Without --quick, a suite on a host with no GPU times the models' own shapes on the CPU
+    (hours for a part): a note says so as it starts, and that --quick times small shapes."""
     env = os.environ | {"COLUMNS": "300", "TRITON_INTERPRET": ""}
     argv = [sys.executable, "-m", "tuner", "bench", *args, "--out", str(tmp_path / "b")]
     with subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -1286,24 +1287,23 @@ def test_quick_with_projections_on_a_cpu_says_they_run_full_size(tmp_path, monke
 
 
 @pytest.mark.cpu_host
-def test_inductor_asked_for_on_a_cpu_says_why_no_inductor_row_runs(tmp_path, monkeypatch):
-    """``--inductor`` on a CPU timed nothing (``"inductor": []``) without a word: said as the
-    run starts; left to its default, nothing is said."""
-    from tuner.suites import gemm
-
-    monkeypatch.setattr(gemm, "run_part", lambda *a, **k: None)
-    args = ["bench", "gemm", "--quick", "--part", "fp16", "--out", str(tmp_path / "b")]
+def test_inductor_asked_for_on_a_cpu_says_why_no_inductor_row_runs(tmp_path):
+    """``--inductor`` on a CPU times nothing (``"inductor": []``): a note says so as the run
+    starts; left to its default, nothing is said."""
+    out = tmp_path / "b"
+    args = ["bench", "gemm", "--quick", "--part", "fp16", "--out", str(out)]
     r = CliRunner().invoke(app, [*args, "--inductor"], env={"COLUMNS": "300"})
     assert r.exit_code == 0, r.output
     assert r.stderr == ("note: --inductor: no CUDA GPU here: Inductor max-autotune is timed on "
                         "a GPU only; no Inductor row runs\n")  # fmt: skip
+    assert json.loads((out / "gemm_llama_fp16.json").read_text())["inductor"] == []
     r = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
     assert r.exit_code == 0 and r.stderr == "", r.output
 
 
 def test_bench_sdpa_refuses_more_compile_workers_than_the_setting_takes(tmp_path):
     """``--workers`` stands for ``$TUNER_COMPILE_WORKERS``, which takes 1 to 1024: past that the
-    run went on and the compile pool logged it and used its default, not what was asked."""
+    command is refused before it runs, rather than the compile pool using its default."""
     out = tmp_path / "b"
     r = tuner("bench", "sdpa", "--workers", "1025", "--part", "nope", "--out", str(out),
               check=False)  # fmt: skip

@@ -53,9 +53,8 @@ def tuner_process(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_an_option_value_refused_names_the_variable_only_where_it_came_from_there() -> None:
-    """``--timeout inf`` was refused as "Invalid value for '--timeout' (env var:
-    'TUNER_SERVER_TIMEOUT')", though no variable was set: the variable is named only where
-    its value was the one refused."""
+    """A refused ``--timeout inf`` names the option alone when no variable is set: the error
+    names ``TUNER_SERVER_TIMEOUT`` only where its value is the one refused."""
     nowhere = f"http://127.0.0.1:{free_port()}"
     typed = tuner_process("sync", "--server", nowhere, "--timeout", "inf")
     assert typed.returncode == 2 and typed.stderr.startswith(
@@ -258,10 +257,9 @@ def test_tune_all_queue_with_the_service_down_names_it(tmp_path: Path) -> None:
 
 
 def test_tune_all_queue_with_the_service_down_leaves_no_cache_behind(tmp_path: Path) -> None:
-    """The claim failed after the run had made the cache, saved its device in it, and made
-    --out's folder: a new cache holding only that device row, and an empty report folder,
-    stayed behind. Unmade again, with their folders (the device is saved after the claim); an
-    empty file given stays empty, and a cache that was there keeps what it held."""
+    """A claim that fails leaves neither a new cache nor --out's folder behind: both are unmade,
+    with their folders (the device is saved after the claim, so the new cache holds nothing of
+    its own); an empty file given stays empty, and a cache that was there keeps what it held."""
     url = f"http://127.0.0.1:{free_port()}"
     made, empty, kept = tmp_path / "new" / "c.db", tmp_path / "empty.db", tmp_path / "kept.db"
     empty.touch()
@@ -281,9 +279,10 @@ def test_tune_all_queue_with_the_service_down_leaves_no_cache_behind(tmp_path: P
 
 
 def test_a_failed_claim_keeps_a_new_cache_another_command_stored_in(tmp_path: Path) -> None:
-    """A command that made a cache and failed (no service reached) unmade it if it held only
-    a device row, though that row could be another command's, which shares the new cache (a
-    host's first `tuner sync &` beside a `tuner tune`): its work went on into a deleted file."""
+    """A command that made a cache and failed (no service reached) keeps it where another
+    command stored in it: a device row may be another command's that shares the new cache (a
+    host's first `tuner sync &` beside a `tuner tune`), whose work would go on into a deleted
+    file."""
     from tuner.cli.options import NewPaths
 
     cache = tmp_path / "new" / "c.db"
@@ -298,8 +297,8 @@ def test_a_failed_claim_keeps_a_new_cache_another_command_stored_in(tmp_path: Pa
 
 
 def test_a_failed_claim_through_a_link_unmakes_the_target_not_the_link(tmp_path: Path) -> None:
-    """A --cache that is a link to a file not there yet: the link was removed and the cache
-    the command made at its target stayed behind."""
+    """A --cache that is a link to a file not there yet: a failed claim unmakes the cache made
+    at its target and keeps the link."""
     url = f"http://127.0.0.1:{free_port()}"
     (tmp_path / "real").mkdir()
     link = tmp_path / "link.db"
@@ -310,8 +309,8 @@ def test_a_failed_claim_through_a_link_unmakes_the_target_not_the_link(tmp_path:
 
 
 def test_tune_all_queue_out_that_cannot_be_made_is_named(tmp_path: Path) -> None:
-    """An --out whose name the system refuses (too long) gave a traceback, looked at for the
-    claim's clean-up before the run checked it: named, exit 2; --dry-run makes no --out."""
+    """An --out whose name the system refuses (too long) is named, exit 2, with no traceback
+    (the claim's clean-up looks at it before the run checks it); --dry-run makes no --out."""
     out = tmp_path / ("a" * 300) / "report"
     env = {"TUNER_CACHE": str(tmp_path / "c.db"), "TUNER_SERVER": "http://127.0.0.1:9"}
     done = tuner_process("tune-all", "--queue", "5", "--out", str(out), TUNER_TOKEN="", **env)
@@ -323,7 +322,8 @@ def test_tune_all_queue_out_that_cannot_be_made_is_named(tmp_path: Path) -> None
 
 
 def test_tune_all_queue_help_names_the_service_it_claims_from() -> None:
-    """tune-all has no --server or --token: its --queue help said only "the fleet's queue"."""
+    """tune-all has no --server or --token, so its --queue help names the variables that say
+    which service it claims from and with which token."""
     shown = cli("tune-all", "--help", COLUMNS="2000")
     (line,) = [line for line in shown.stdout.splitlines() if "--queue" in line]
     assert "$TUNER_SERVER" in line and "$TUNER_TOKEN of scope submit" in line, line
@@ -376,10 +376,9 @@ def test_token_list_and_revoke_need_the_database_to_exist(tmp_path: Path) -> Non
 
 
 def test_an_empty_file_as_the_database_is_no_database(tmp_path: Path) -> None:
-    """An empty file (touch, a copy that failed) read as a fleet database: token list and
-    revoke made a 150 KB database of it and listed 0 tokens, and token create and serve said
-    the database was there already. Refused by the reads and left empty; said made by the
-    commands that make one."""
+    """An empty file (touch, a copy that failed) is no fleet database: token list and revoke
+    refuse it and leave it empty rather than make a database of it and list 0 tokens; token
+    create and serve make one and say so, not that the database was there already."""
     empty = tmp_path / "fleet.db"
     empty.touch()
     for args in (["token", "list"], ["token", "revoke", "abc"]):
@@ -419,9 +418,9 @@ def test_a_fleet_database_given_as_a_cache_is_named(tmp_path: Path) -> None:
 def test_a_first_sync_that_fails_leaves_no_cache_behind(
     served: SubprocessServer, tmp_path: Path
 ) -> None:
-    """A bad token, or no service reached: the first sync had made the cache (and its folder)
-    and left it empty, which a later command took for a cache that was synced. Unmade again; an
-    empty file given stays empty, and a cache that was there stays."""
+    """A bad token, or no service reached: a failed first sync unmakes the cache it made (and
+    its folder), which a later command would take for a cache that was synced; an empty file
+    given stays empty, and a cache that was there stays."""
     made = tmp_path / "new" / "c.db"
     done = cli("sync", "--server", served.url, "--token", "tnr_0123456789ab_wrong", cache=made)
     assert done.exit_code == 1 and "invalid token '0123456789ab'" in done.stderr, done.output
@@ -467,8 +466,8 @@ def test_sync_against_a_hung_service_gives_up_after_its_timeout(
 def test_artifacts_check_against_a_hung_service_gives_up_after_its_timeout(
     tmp_path: Path, hung_url: str, how: str
 ) -> None:
-    """It had no --timeout (nor took $TUNER_SERVER_TIMEOUT), as sync and push have: it waited
-    the default for each of its four tries."""
+    """``artifacts --check`` takes --timeout and $TUNER_SERVER_TIMEOUT, as sync and push do, and
+    gives up after four tries of that timeout rather than the default's."""
     import time
 
     given = {"TUNER_SERVER_TIMEOUT": "0.3"} if how != "--timeout" else {}
@@ -565,8 +564,8 @@ def test_a_timeout_of_no_finite_seconds_is_refused_as_the_background_sync_refuse
     tmp_path: Path, how: str, value: str, read: str
 ) -> None:
     """``tuner info`` says sync, push and artifacts refuse such a ``TUNER_SERVER_TIMEOUT``,
-    and the background sync, warmup and tune-all use the default for it; the commands took it
-    and would wait for ever on a hung service. Now refused, naming the option and the rule."""
+    and the background sync, warmup and tune-all use the default for it. The commands refuse
+    it, naming the option and the rule, rather than wait for ever on a hung service."""
     given = {"TUNER_SERVER_TIMEOUT": value} if how != "--timeout" else {}
     args = ["--timeout", value] if how == "--timeout" else []
     nowhere = f"http://127.0.0.1:{free_port()}"  # never reached: the refusal comes first

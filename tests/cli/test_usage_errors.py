@@ -42,8 +42,8 @@ def test_a_broken_pipe_that_is_not_stdout_is_said(capsys: pytest.CaptureFixture)
 def test_an_output_that_is_a_folder_is_named_as_one(
     folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``tuner export .`` said "PosixPath('.') has an empty name", ``..`` "Device or resource
-    busy": every folder is refused in the same words."""
+    """``tuner export .`` and ``..`` are refused in the same words as every folder, not with
+    the system's errors ("PosixPath('.') has an empty name", "Device or resource busy")."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").mkdir()
     with pytest.raises(

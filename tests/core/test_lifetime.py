@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux process semantics")
 
 # A parent that starts the Triton compile pool (spawned workers inheriting its stdout), prints the
-# workers' pids, then waits to be killed: what `tuner tune-all ... | tee log` saw on the GPU box.
+# workers' pids, then waits to be killed, as `tuner tune-all ... | tee log` runs it.
 PARENT = textwrap.dedent(
     """
     import os, sys, time

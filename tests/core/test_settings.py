@@ -34,8 +34,8 @@ def test_file_fills_what_the_environment_leaves_unset(tmp_path):
      "import tuner.cli.main; tuner.cli.main.load_config_file()"],
 )  # fmt: skip
 def test_the_files_fast_launch_setting_applies(tmp_path, start):
-    """``triton_fast_launch = false`` in the file was dropped: the flag was read when its module
-    was imported, before the process dispatcher (or the CLI's start) loaded the file."""
+    """``triton_fast_launch = false`` in the file applies: the flag is read after the process
+    dispatcher (or the CLI's start) loads the file, not when its module is imported."""
     cfg = tmp_path / "config.toml"
     cfg.write_text("triton_fast_launch = false\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TUNER_", "TRITON_"))}
@@ -144,8 +144,8 @@ def test_a_numeric_variable_that_is_no_positive_number_is_named_and_its_default_
 def test_an_on_off_variable_takes_the_usual_words_and_names_any_other(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``false`` meant on (only ``0`` and empty were off): a user turning fast launch off with
-    ``false``, ``off`` or ``no`` got it silently kept on."""
+    """``0``, ``false``, ``off`` and ``no`` (any case) turn a flag off, the usual words for on
+    turn it on, empty leaves the default, and any other word is logged and the default used."""
     from tuner.core.settings import env_flag
 
     name = "TUNER_TRITON_FAST_LAUNCH"
@@ -254,8 +254,8 @@ NOT_WHOLE = ("1.5", "0", "-3", "abc", "nan", "inf")
 def test_a_size_limit_is_taken_from_the_environment_as_from_the_file(
     text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``TUNER_ARTIFACTS_MAX_BYTES=1e9`` was refused ("a whole number of bytes") while
-    ``artifacts_max_bytes = 1e9`` in the file was taken: both now take any whole number."""
+    """``TUNER_ARTIFACTS_MAX_BYTES=1e9`` and ``artifacts_max_bytes = 1e9`` in the file both take
+    any whole number, however written."""
     from tuner.cache.artifacts import default_max_bytes
 
     monkeypatch.setenv("TUNER_ARTIFACTS_MAX_BYTES", text)
@@ -294,8 +294,8 @@ def test_a_size_limit_that_is_no_positive_whole_number_is_refused_from_either_so
 def test_every_whole_number_setting_reads_its_environment_as_its_file(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The same split was in the other whole-number settings: ``1e1`` in the environment was
-    logged and the default used, while the file's ``1e1`` was taken."""
+    """The other whole-number settings read ``1e1`` alike from the environment and the file;
+    a number that is not whole is logged and the default used."""
     from tuner.core.settings import env_number
 
     variable = f"TUNER_{name.upper()}"
@@ -316,10 +316,9 @@ def test_every_whole_number_setting_reads_its_environment_as_its_file(
 def test_a_worker_count_past_its_bound_is_logged_and_the_default_used_not_a_crash(
     text: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``TUNER_COMPILE_WORKERS=1e30`` (a whole number, now that ``1e9`` reads as one) was taken,
-    and the Triton compile pool could not be made (OverflowError: a semaphore of C int) at a
-    run's first parallel compile; it was logged and the default used before ``1e9`` was read.
-    Worker counts are bounded now, and ``tuner info`` says so."""
+    """``TUNER_COMPILE_WORKERS=1e30`` is a whole number, but past what the Triton compile pool
+    can be made with (OverflowError: a semaphore of C int). Worker counts are bounded: past the
+    bound the value is logged and the default used, and ``tuner info`` says so."""
     from tuner.candidates import nvcc_build
     from tuner.candidates.triton_kernels import launch
 

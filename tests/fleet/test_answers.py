@@ -1,6 +1,6 @@
 """A fleet service answering garbage: valid JSON of another shape, from a real HTTP server on
 loopback. The client refuses it naming the URL, the endpoint, the field and what it should be
-(read raw, it failed as a bare KeyError or AttributeError), and an impossible sync position
+(not a bare KeyError or AttributeError), and an impossible sync position
 (``last: -5``, a cursor that goes back) leaves the host's positions as they were."""
 
 from __future__ import annotations

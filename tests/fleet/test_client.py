@@ -194,9 +194,8 @@ def hung_url() -> Iterator[str]:
 def test_the_process_dispatchers_sync_waits_the_configured_timeout(
     hung_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``server_timeout`` (here from the config file) was not read by the dispatcher's
-    background sync: each try waited a fixed 5 s for a hung service's answer, 15 s and more
-    before a sync was found failed."""
+    """The dispatcher's background sync reads ``server_timeout`` (here from the config file):
+    each try waits that long for a hung service's answer, not a fixed default."""
     from tuner.serving import dispatcher
 
     cfg = tmp_path / "config.toml"
@@ -220,9 +219,9 @@ def test_the_process_dispatchers_sync_waits_the_configured_timeout(
 def test_warmup_waits_the_configured_timeout_for_the_kernels_it_fetches(
     hung_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``tuner warmup`` fetched this host's kernels (here a GPU host's, whose fingerprint is
-    given) waiting the client's default 10 s a try, 40 s and more for a hung service, whatever
-    ``TUNER_SERVER_TIMEOUT`` said."""
+    """``tuner warmup`` fetches this host's kernels (here a GPU host's, whose fingerprint is
+    given) waiting ``TUNER_SERVER_TIMEOUT`` a try for a hung service, not the client's
+    default."""
     from tuner.serving.warmup import WarmupReport, _fetch
 
     gpu = dataclasses.replace(FP, kind="cuda", compute_capability="9.0")  # a host with kernels
@@ -325,8 +324,8 @@ def test_measurements_the_service_refuses_by_index_do_not_block_the_rest(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A 422 naming measurements of a batch: they are counted as refused, with the service's
-    reason, the rest stored and the push position moved on (it stayed put: every later push
-    was refused whole)."""
+    reason, the rest stored and the push position moved on (kept put, every later push would
+    be refused whole)."""
     keys = [str(GemmKey(m=8 * i, n=8, k=8, dtype="f32", out_dtype="f32")) for i in (1, 2, 3)]
     good = [Measurement(DC, k, "torch", {}, "ok", is_baseline=True, median_us=5.0,
                         versions=FP.version_tag) for k in keys[:2]]  # fmt: skip
@@ -475,8 +474,8 @@ def test_a_malformed_server_url_is_named_with_why(server: str, why: str) -> None
 
 
 def test_a_token_is_sent_without_surrounding_whitespace(tmp_path: Path) -> None:
-    """A token read from a secret file keeps its newline: it was refused as a header value and
-    reported as "service unreachable"."""
+    """A token read from a secret file keeps its newline: it is sent stripped, since as a header
+    value it would be refused and reported as "service unreachable"."""
     with ThreadServer(tmp_path / "fleet.db") as srv:
         token = srv.token("host", "read")
         assert FleetClient(srv.url, f" {token}\n", retries=0).queue() == []
@@ -512,7 +511,7 @@ def test_resetting_a_services_positions_leaves_other_services_alone(tmp_path: Pa
 
 def test_a_pull_keeps_a_local_winner_newer_than_the_fleets(tmp_path: Path) -> None:
     """As ``tuner import`` does: a served winner replaces a local one older than it, and leaves
-    one re-tuned here since alone (the pull used to overwrite it)."""
+    one re-tuned here since alone."""
     old, new = (str(GemmKey(m=m, n=8, k=8, dtype="f32", out_dtype="f32")) for m in (8, 16))
     with ThreadServer(tmp_path / "fleet.db") as srv, Store(tmp_path / "host.db") as store:
         client = srv.client("host", "submit")

@@ -106,8 +106,8 @@ def test_a_list_without_problems_is_refused_naming_why(tmp_path, tune_all, text,
 
 
 def test_a_key_entry_with_other_fields_is_refused_not_tuned_as_the_key_alone(tmp_path, tune_all):
-    """``{key: ..., m: 3}`` tuned the key and dropped ``m`` without a word; its own ``op`` may
-    stand beside it."""
+    """``{key: ..., m: 3}`` is refused, naming the other fields, rather than tuned as the key
+    alone; its own ``op`` may stand beside it."""
     key = "gemm:m=16,n=64,k=64,layout=nt,dtype=f32"
     listed = tmp_path / "list.yaml"
     listed.write_text(f'problems:\n  - {{key: "{key}", op: gemm}}\n')
@@ -124,9 +124,9 @@ def test_a_key_entry_with_other_fields_is_refused_not_tuned_as_the_key_alone(tmp
 
 
 def test_a_list_with_fields_beside_problems_is_refused_naming_them(tmp_path, tune_all):
-    """A second list under a misspelt name and a default no entry takes were dropped silently:
-    the run tuned the first list's one problem in bf16 and said it had done all. A mapping of
-    another name stays free: it may hold the anchors its entries merge."""
+    """A second list under a misspelt name and a default no entry takes are refused, naming
+    them, rather than dropped while the run tunes the first list alone. A mapping of another
+    name stays free: it may hold the anchors its entries merge."""
     listed = tmp_path / "list.yaml"
     listed.write_text("base: &b {op: gemm, n: 8, k: 8}\nproblems:\n  - {<<: *b, m: 4}\n")
     assert load_problems(listed) == [GemmKey(m=4, n=8, k=8, out_dtype="bf16", align=16)]

@@ -702,9 +702,9 @@ def test_user_mistakes_get_one_line_and_exit_2(tmp_path, monkeypatch, capsys, ar
 def test_a_queue_with_no_service_to_claim_from_makes_no_cache(
     tmp_path, monkeypatch, capsys, server, message
 ):
-    """--queue with $TUNER_SERVER unset or no URL was refused (exit 2) only after the cache was
-    made and the device saved in it: a new, empty cache (and --out's folder) stayed behind,
-    where an exit 2 touches none."""
+    """--queue with $TUNER_SERVER unset or no URL is refused (exit 2) before the cache is made
+    or the device saved in it: no new cache (nor --out's folder) is left behind, as an exit 2
+    touches none."""
     from tuner.cli import main
 
     cache, out = tmp_path / "new" / "c.db", tmp_path / "report"

@@ -487,7 +487,7 @@ def test_a_restored_service_that_served_the_hosts_winner_again_since_is_synced_f
             ca.submit(FP, [made_up(f32(40), "torch", 20.0)])  # 2 again, another key
             ca.submit(FP, [made_up(keys[1], "torch", 20.0)])  # 3: B's winner again, later
             served = cb.winner(DC, str(keys[1]), VERSIONS)
-            assert served is not None and served["seq"] == 3  # what the old check passed
+            assert served is not None and served["seq"] == 3  # as served, it looks changed since
             pull_finds_the_restore(cb, b, caplog, srv.url, keys[1])
             assert b.winner(DC, str(f32(40))) is not None  # the one numbered 2 now
             caplog.clear()

@@ -216,8 +216,9 @@ def test_malformed_json_and_nan(env: Env) -> None:
     ids=["nested", "not-utf8"],
 )
 def test_a_body_python_cannot_parse_is_named_so(env: Env, body: bytes, needle: str) -> None:
-    """No JSON syntax error (those say where), so FastAPI answered a bare 'There was an error
-    parsing the body'."""
+    """A body nested past Python's parser or not UTF-8 raises no JSON syntax error (those say
+    where): the 400 names what is wrong rather than FastAPI's bare 'There was an error parsing
+    the body'."""
     r = call(env, "POST", SUBMIT, content=body, headers={"Content-Type": "application/json"})
     expect(r, 400, needle)
 
@@ -230,8 +231,9 @@ TOO_LARGE = ["1e999", "-1.5E+400", "1" + "0" * 400 + ".5"]
     "number", ["NaN", "Infinity", "-Infinity", *TOO_LARGE], ids=lambda n: n[:12]
 )
 def test_a_nan_in_params_is_refused_and_the_winner_stays_readable(env: Env, number: str) -> None:
-    """Python's parser takes NaN and Infinity, and reads 1e999 as Infinity; stored, they were
-    served as params no JSON reader takes, and each read of the winner failed with a 500."""
+    """Python's parser takes NaN and Infinity, and reads 1e999 as Infinity; no JSON reader takes
+    them served back as params. The submit is refused naming the field, and the winner of a
+    sound push stays readable."""
     key = "gemm:m=8,n=8,k=40,dtype=f32,out_dtype=f32"
     raw = json.dumps(submit_body([measurement(key=key, params={"bm": 0})]))
     r = call(env, "POST", SUBMIT, content=raw.replace('"bm": 0', f'"bm": {number}').encode(),
@@ -243,9 +245,9 @@ def test_a_nan_in_params_is_refused_and_the_winner_stays_readable(env: Env, numb
 
 
 def test_a_lone_surrogate_in_params_is_refused_and_the_winner_stays_readable(env: Env) -> None:
-    """A string holding half a surrogate pair (sent as the escape \\ud800) was taken and
-    stored; each read of the winner and each lookup holding it then failed with a 500, as
-    the answer could not be encoded in UTF-8. A whole pair (an emoji) is taken."""
+    """A string holding half a surrogate pair (sent as the escape \\ud800) cannot be encoded in
+    UTF-8, so no answer holding it could be sent: it is refused where it enters. A whole pair
+    (an emoji) is taken and served."""
     key = "gemm:m=8,n=8,k=48,dtype=f32,out_dtype=f32"
     raw = json.dumps(submit_body([measurement(key=key, params={"tag": "x"})]))
     r = call(env, "POST", SUBMIT, content=raw.replace('"x"', '"\\ud800"').encode(),
@@ -258,9 +260,9 @@ def test_a_lone_surrogate_in_params_is_refused_and_the_winner_stays_readable(env
 
 
 def test_a_time_too_small_to_divide_by_is_refused_and_the_feed_stays_readable(env: Env) -> None:
-    """A challenger timed at 5e-324 us made its speedup over the baseline infinite; an admin's
-    result is served at once, and every read of the class's winners (each host's sync) then
-    failed with a 500. Refused where it enters, naming the field; the feed still answers."""
+    """A challenger timed at 5e-324 us makes its speedup over the baseline infinite, and an
+    admin's result is served at once, to every read of the class's winners (each host's sync).
+    It is refused where it enters, naming the field; the feed still answers."""
     key = "gemm:m=8,n=8,k=24,dtype=f32,out_dtype=f32"
     base = measurement(key=key)
     tiny = measurement(key=key, source="triton_gemm", params={"bm": 16}, is_baseline=False,
@@ -275,10 +277,10 @@ def test_a_time_too_small_to_divide_by_is_refused_and_the_feed_stays_readable(en
 
 
 def test_a_time_too_small_an_older_release_stored_is_ignored_by_the_merge(tmp_path) -> None:
-    """A challenger timed at 5e-324 us, stored before such times were refused: the next push of
-    its key merged it into the served winner with an infinite speedup, which reads leave out,
-    so the key had no winner. The merge weighs no time below the floor of the service's
-    entry; the sound challenger pushed is served."""
+    """A challenger timed at 5e-324 us, stored by a release that took such times: merged into the
+    served winner, its infinite speedup would leave the key with no winner reads serve. The
+    merge weighs no time below the floor of the service's entry; the sound challenger pushed
+    is served."""
     import sqlite3
 
     db = tmp_path / "fleet.db"
@@ -310,10 +312,10 @@ def test_a_time_too_small_an_older_release_stored_is_ignored_by_the_merge(tmp_pa
 def test_winners_an_older_release_stored_unservable_are_left_out_and_the_rest_served(
     tmp_path, caplog
 ) -> None:
-    """A database written before such results were refused holds an infinite speedup, a NaN
-    time (SQLite keeps it as NULL) and a NaN in params: each of those winners' reads and every
-    feed page holding one was a 500, so no host of the class could sync. Left out, each named
-    in the log once; the good winner is served, and a host pulls it a row a page."""
+    """A database written by a release that took such results holds an infinite speedup, a NaN
+    time (SQLite keeps it as NULL) and a NaN in params; served, any of them would stop every
+    host of the class syncing. Each is left out of reads and feed pages and named in the log
+    once; the good winner is served, and a host pulls it a row a page."""
     import sqlite3
 
     from tuner.cache import Store
@@ -368,10 +370,9 @@ def only_the_first_served(url: str, headers: dict, keys: list[str]) -> list[dict
 
 
 def test_params_beyond_a_floats_range_an_older_release_stored_are_left_out(tmp_path) -> None:
-    """Params such as {"bm": 1e999} hold no NaN or Infinity, so reads served them: each read of
-    the winner failed with a 500 (Python reads the number as Infinity, which JSON cannot carry)
-    and the feed handed it to every host. Left out like a NaN; params whose text holds an
-    exponent JSON can carry (or an e in a word) are served."""
+    """Params such as {"bm": 1e999} hold no NaN or Infinity in their text, but Python reads the
+    number as Infinity, which JSON cannot carry. They are left out of reads and the feed like a
+    NaN; params whose text holds an exponent JSON can carry (or an e in a word) are served."""
     import sqlite3
 
     db = tmp_path / "fleet.db"
@@ -396,11 +397,10 @@ def test_params_beyond_a_floats_range_an_older_release_stored_are_left_out(tmp_p
 
 
 def test_params_that_are_no_json_object_are_left_out(tmp_path, caplog) -> None:
-    """Params a damaged page left as no JSON at all (cut short, or garbage), or as JSON that is
-    no object: each read of the winner failed with a 500 (the read parses them), and the feed
-    sent their text, which every host's pull refused, so no host of the class could sync; so
-    did params nested past Python's parser, a lone surrogate (no answer holding it can be sent
-    as UTF-8) and an integer past Python's digit limit. Left out like a NaN, each named in the
+    """Params a damaged page left as no JSON at all (cut short, or garbage), as JSON that is no
+    object, nested past Python's parser, holding a lone surrogate (no answer holding it can be
+    sent as UTF-8) or an integer past Python's digit limit: no read can serve them, and every
+    host's pull would refuse them in the feed. Each is left out like a NaN and named in the
     log once; the good winner is served and pulled."""
     import sqlite3
 
@@ -584,10 +584,10 @@ def test_a_database_with_a_damaged_page_is_refused_at_startup(tmp_path) -> None:
 
 
 def test_a_database_that_cannot_be_written_is_refused_at_startup(tmp_path) -> None:
-    """A read-only file (its mode, a read-only mount) opened, said ready and answered every
-    write with a 500 and a traceback in the log: refused before the service listens, naming
-    the service's own option, with no artifacts folder left beside it; a token cannot be made
-    in it either, said the same way."""
+    """A read-only file (its mode, a read-only mount) is refused before the service listens,
+    naming the service's own option, rather than served with every write failing; no
+    artifacts folder is left beside it, and a token cannot be made in it either, said the same
+    way."""
     from server import Settings, create_app
     from tests.cache.read_only import read_only
     from tuner.cache import ReadOnlyError
@@ -697,9 +697,9 @@ def test_a_write_the_services_disk_refuses_is_a_503_to_send_again(tmp_path, capl
 
 def test_a_database_made_read_only_while_serving_is_a_503_logged_once(tmp_path, caplog) -> None:
     """A remount made read-only under the service: a pool thread's new connection opens the
-    file read-only and its write raises ``ReadOnlyError``, which was a 500, logged by the
-    service and again by uvicorn. A 503 naming why, one line in the log; once the file is
-    writable again, the same push is stored."""
+    file read-only and its write raises ``ReadOnlyError``. The push gets a 503 naming why, with
+    one line in the log (not a second from uvicorn); once the file is writable again, the same
+    push is stored."""
     import logging
 
     from tests.cache.read_only import read_only
@@ -726,8 +726,8 @@ def test_a_database_made_read_only_while_serving_is_a_503_logged_once(tmp_path, 
 
 def test_an_unexpected_error_is_a_500_logged_once_with_its_traceback(tmp_path, caplog) -> None:
     """Pages damaged under a running service (the startup's page check passed): its read fails
-    with an error the service has no answer for. It answered 500 and logged the traceback, and
-    uvicorn logged it again as 'Exception in ASGI application'."""
+    with an error the service has no answer for. The answer is a 500 and the traceback is
+    logged once, by the service, not again by uvicorn as 'Exception in ASGI application'."""
     import logging
 
     from tests.cache.damaged import PAGE
@@ -760,7 +760,8 @@ def test_a_winner_asked_for_under_other_versions_names_those_it_is_served_under(
     env: Env,
 ) -> None:
     """curl sends the '+' of ``2.13.0+cpu`` unencoded, and the service reads a space: the 404
-    said only that there was no winner, as if the key had none."""
+    names the versions asked for and those the key's winner is served under, rather than
+    saying only that there is no winner, as if the key had none."""
     sent = FP.version_tag.replace("+", " ") + ";sent-with-a-space"
     r = call(env, "GET", f"/v1/winners/{DC}", "reader", params={"key": KEY, "versions": sent})
     expect(r, 404, f"under versions {sent!r}; served under [{FP.version_tag!r}]")

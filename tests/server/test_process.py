@@ -76,9 +76,9 @@ def test_cli_token_push_sync_round_trip(served: SubprocessServer, tmp_path: Path
 
 
 def test_another_process_closing_does_not_delete_the_wal_under_us(tmp_path: Path) -> None:
-    """Regression: a second Store in one process (a new server thread) used to re-check the
-    file header with a plain open()/close(), dropping this process's SQLite locks; another
-    process closing its connection then deleted the WAL under the open connections."""
+    """A second Store in one process (a new server thread) skips the file header's check while
+    others are open: a plain open()/close() would drop this process's SQLite locks, and another
+    process closing its connection would then delete the WAL under the open connections."""
     path = tmp_path / "shared.db"
     first, second = Store(path), Store(path)
     Store(path).close()  # same process: the check is skipped while others are open

@@ -187,9 +187,9 @@ def test_sdpa_memo_keys_on_keywords_and_skips_masks(tmp_path: Path) -> None:
 
 @pytest.mark.cpu_host
 def test_sdpa_flags_torch_refuses_stay_refused_where_a_tuned_kernel_serves(tmp_path: Path) -> None:
-    """torch takes only a bool for ``is_causal`` and ``enable_gqa``; where a tuned kernel served
-    the call, the drop-in computed ``is_causal=1`` at once, and ``enable_gqa=1`` after a call
-    with ``True`` (``1 == True``: the memo's key took one for the other)."""
+    """torch takes only a bool for ``is_causal`` and ``enable_gqa``; where a tuned kernel serves
+    the call, the drop-in refuses ``is_causal=1`` and ``enable_gqa=1`` as torch does, also after
+    a call with ``True`` (``1 == True``, so a memo's key could take one for the other)."""
     disp = Dispatcher(tmp_path / "c.db", mode="lookup")
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 1, 16, generator=gen)

@@ -337,9 +337,8 @@ def test_dlpack_arrays_go_through_zero_copy_and_come_back_as_their_type(cache_pa
 
 
 def test_a_dlpack_array_beside_another_operand_is_refused_naming_both(tmp_path, monkeypatch):
-    """``matmul(array, tensor)`` was served as an array and ``matmul(tensor, array)`` refused by
-    torch; beside a list, torch's error said the array must be a Tensor. Both are refused now,
-    naming both types, as ``sdpa`` refuses a mix."""
+    """``matmul(array, tensor)``, ``matmul(tensor, array)`` and an array beside a list are
+    refused alike, naming both types, as ``sdpa`` refuses a mix."""
     import numpy as np
 
     from tuner.serving import dispatcher as dispatch_module
@@ -447,10 +446,9 @@ def test_a_call_mixing_dtypes_after_a_tuned_one_gets_torchs_error(cache_path, mo
 @pytest.mark.cpu_host
 def test_heads_that_differ_are_grouped_query_only_as_torch_takes_them(cache_path, monkeypatch):
     """Without ``enable_gqa`` torch's SDPA refuses q, k and v whose head counts differ (or
-    broadcasts a single kv head), and with it refuses kv heads that do not divide q's.
-    ``tuner.sdpa`` took every such call for grouped-query attention (a tuned kernel served the
-    same shapes called without ``enable_gqa``). Each call, direct or through the drop-in, now
-    ends as torch's would: its result or its error."""
+    broadcasts a single kv head), and with it refuses kv heads that do not divide q's. Each
+    such call, direct or through the drop-in, ends as torch's would (its result or its error),
+    though a tuned grouped-query kernel is stored for the same shapes."""
     from tuner.serving import dispatcher as dispatch_module
 
     key = SdpaKey(1, 4, 2, 8, 8, 16, causal="top_left", dtype="f16", scale=0.25)
@@ -548,8 +546,8 @@ def test_sdpa_names_the_argument_it_cannot_take(tmp_path, monkeypatch):
 
 
 def test_a_causal_refused_alone_is_refused_after_the_bool_it_equals(tmp_path):
-    """``causal=1`` is refused (torch's ``is_causal`` takes a bool), but ``1 == True``: after a
-    ``causal=True`` call of the same shapes it found that call's runner and was served."""
+    """``causal=1`` is refused (torch's ``is_causal`` takes a bool), also after a ``causal=True``
+    call of the same shapes: ``1 == True``, so a memo's key could take one for the other."""
     disp = Dispatcher(tmp_path / "c.db")
     q = torch.randn(1, 2, 4, 8)
     for causal, like in ((1, True), (0.0, False)):
@@ -642,8 +640,8 @@ def test_tune_mode_on_the_cpu_takes_turns_with_calls_served_meanwhile(cache_path
 def test_a_forked_child_serves_though_another_thread_held_the_dispatchers_locks(cache_path):
     """A DataLoader worker forked while another thread of the parent was inside the tuner (a
     call served in Triton's interpreter, a resolution tuning a miss) inherits those locks held
-    by a thread it does not have: its first call waited for them forever. It serves, and
-    records its misses through a connection of its own."""
+    by a thread it does not have, and would wait for them forever. It serves, and records its
+    misses through a connection of its own."""
     import signal
     import threading
 
@@ -701,8 +699,9 @@ def test_meta_tensors_are_torchs_though_the_cpu_problem_has_a_triton_winner(cach
 
 @pytest.mark.cpu_host
 def test_a_call_needing_a_gradient_is_torchs_and_said_once_per_op(tmp_path, caplog):
-    """Tuned kernels have no backward: a model run without no_grad lost every one of them, and
-    only stats() showed it. Said once per op, on resolution; under no_grad nothing is said."""
+    """Tuned kernels have no backward, so a model run without no_grad gets none of them: a
+    warning says so once per op, on resolution, not left to stats(); under no_grad nothing is
+    said."""
     d = Dispatcher(tmp_path / "c.db", mode="record")
     a, b = torch.randn(8, 16, requires_grad=True), torch.randn(16, 24)
     with torch.no_grad():

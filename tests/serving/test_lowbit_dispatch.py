@@ -86,10 +86,9 @@ def test_int4_linear_takes_a_weight_packed_under_inference_mode(disp: Dispatcher
 def test_an_int4_call_needing_a_gradient_is_torchs_by_policy(
     disp: Dispatcher, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The dispatcher read the gradient flag from the wrong place of int4's signature (whether
-    ``int4.pack`` made the weight): such a call was a miss, and with a winner stored a tuned
-    kernel, which has no backward, served it. Said apart from plain GEMMs, and truly: torch's
-    int4 op has no backward either."""
+    """An int4 call whose activation needs a gradient is torch's by policy, whether or not
+    ``int4.pack`` made the weight: no miss is recorded, as a tuned kernel has no backward. The
+    warning says so apart from plain GEMMs, and truly: torch's int4 op has no backward either."""
     tuner.matmul(torch.randn(3, K, requires_grad=True), torch.randn(K, N))
     packed, sz = int4_weight()
     x = torch.randn(3, K, dtype=torch.bfloat16, requires_grad=True)

@@ -361,10 +361,9 @@ def test_a_numpy_group_size_is_taken_as_an_int_and_compiles() -> None:
 def test_a_quantized_layer_in_an_enabled_block_is_served_by_the_blocks_dispatcher(
     fmt: str, disp: Dispatcher, tmp_path
 ) -> None:
-    """``tt.enabled(dispatcher=block)`` routes torch's ops through ``block``, but quantized
-    layers called in it went to the process-wide dispatcher: its winners, its stats, its cache
-    (the record-mode miss here). They follow the block now; outside any, the process-wide one
-    still serves them."""
+    """``tt.enabled(dispatcher=block)`` routes torch's ops through ``block``, and quantized layers
+    called in it too: the block's winners, stats and cache (the record-mode miss here), not the
+    process-wide dispatcher's; outside any block, the process-wide one serves them."""
     layer = tt.quantize_linear(nn.Linear(256, 64), fmt)
     x = torch.randn(2, 256, dtype=torch.bfloat16)
     block = Dispatcher(tmp_path / "block.db", mode="record")
@@ -449,7 +448,8 @@ def test_an_int4_model_moved_or_loaded_across_devices_is_repacked_for_them(there
 
 @pytest.mark.cpu_host
 def test_a_quantized_model_run_with_autograd_on_says_why_it_is_not_tuned(disp, caplog) -> None:
-    """Forgetting torch.no_grad() served torch's int4 op with no word; stats() alone showed it."""
+    """Forgetting torch.no_grad() serves torch's int4 op: a warning says why, once, not left to
+    stats()."""
     q = tt.quantize_linear(mlp(), "int4")
     x = torch.randn(3, 256, requires_grad=True)
     q(x)

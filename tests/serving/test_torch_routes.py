@@ -1,10 +1,4 @@
-"""tuner.torch: the drop-in for unmodified PyTorch models: what it routes, what it leaves to
-torch, under autograd, torch.compile and CUDA-graph capture, and its stats.
-
-On the CPU the tuned kernels are the Triton GEMMs run by Triton's interpreter: their winners are
-forced here (the interpreter is far slower than torch, so the engine would rightly keep torch),
-with the timings the engine measured. Everything else goes through the real dispatcher and store.
-"""
+"""tuner.torch's drop-in: its routes and stats, with winners forced as dropin_support.py says."""
 
 from __future__ import annotations
 
@@ -196,8 +190,8 @@ def test_custom_ops_pass_opcheck(tmp_path: Path) -> None:
 def test_sdpa_keeps_the_layout_torch_gives_heads_interleaved(tmp_path: Path) -> None:
     """q, k and v as projections make them (one position's heads side by side: apart, or split
     from one fused QKV output): the output keeps that layout, eager and compiled, as torch's
-    does, so a model's ``o.transpose(1, 2).view(b, s, -1)`` runs (compiled, ``tuner::sdpa``'s
-    promised layout was contiguous, and the view failed to trace)."""
+    does, so a model's ``o.transpose(1, 2).view(b, s, -1)`` runs, and traces when compiled
+    (``tuner::sdpa`` promises that layout, not a contiguous one)."""
     b, s, h, d = 2, 5, 4, 16
     apart = tuple(torch.randn(b, s, h, d).transpose(1, 2) for _ in range(3))
     fused = torch.randn(b, s, 3 * h * d).split(h * d, -1)
@@ -231,9 +225,9 @@ def test_sdpa_op_backward_matches_torch(tmp_path: Path) -> None:
 
 
 def test_compiled_sdpa_of_heads_torch_refuses_is_left_to_torch(tmp_path: Path) -> None:
-    """Traced, the drop-in took q and k of equal heads beside a v of fewer, without
-    ``enable_gqa``, for grouped-query attention (``tuner::sdpa``): the compiled call computed
-    where torch's raises. Now torch refuses it as it does without the tuner."""
+    """Traced, q and k of equal heads beside a v of fewer, without ``enable_gqa``, are no
+    grouped-query attention: the drop-in leaves the call to torch, which refuses it as it does
+    without the tuner, rather than ``tuner::sdpa`` computing where torch raises."""
     q = k = torch.randn(1, 4, 8, 16)
     v = torch.randn(1, 2, 8, 16)
 
@@ -251,8 +245,8 @@ def test_compiled_sdpa_of_heads_torch_refuses_is_left_to_torch(tmp_path: Path) -
 
 
 def test_compiled_sdpa_with_an_enable_gqa_torch_refuses_is_left_to_torch(tmp_path: Path) -> None:
-    """torch takes only a bool for ``enable_gqa``; traced, the drop-in took ``enable_gqa=1``
-    (q, k and v of equal heads) to ``tuner::sdpa``, which computed where torch raises."""
+    """torch takes only a bool for ``enable_gqa``; traced, the drop-in leaves ``enable_gqa=1``
+    (q, k and v of equal heads) to torch, which raises, rather than ``tuner::sdpa``."""
     q = k = v = torch.randn(1, 4, 8, 16)
 
     def attend() -> torch.Tensor:

@@ -105,7 +105,7 @@ def test_summary_counts_rows_slower_than_the_floor() -> None:
 
 def test_rates_keep_three_significant_digits_below_100_and_whole_numbers_above() -> None:
     """A CPU's rates (hundredths of a TFLOP/s, a few GB/s) keep their digits; a GPU's read as
-    before, whole numbers."""
+    whole numbers."""
     cpu = {0.01234: "0.0123", 0.4: "0.400", 5.234: "5.23", 28.37: "28.4", 0.0: "0"}
     gpu = {312.6: "313", 4812.4: "4812", 100.0: "100"}
     assert {value: runner.rate(value) for value in cpu | gpu} == cpu | gpu

@@ -39,8 +39,8 @@ def test_help_says_where_a_run_cut_short_writes_its_rows() -> None:
 
 def test_quick_says_what_a_cpu_run_costs_in_each_dtype() -> None:
     """On a CPU --quick takes seconds in bf16 only (torch's SDPA alone): in f16 and f32 the
-    Triton candidates run through the interpreter, minutes a row. The help and the README said
-    seconds for every dtype."""
+    Triton candidates run through the interpreter, minutes a row. The help says so, not seconds
+    for every dtype."""
     result = CliRunner().invoke(app, ["bench", "sdpa", "--help"], env={"COLUMNS": "300"})
     said = " ".join(result.output.replace("│", " ").split())
     assert "seconds in bf16" in said and "in f16 and f32 the Triton candidates run" in said
@@ -75,8 +75,8 @@ def test_quick_on_a_gpu_keeps_every_4th_row_and_without_quick_every_row() -> Non
 @pytest.mark.slow
 @pytest.mark.cpu_host
 def test_quick_on_a_cpu_runs_to_its_reports(tmp_path: Path) -> None:
-    """The whole CPU smoke run (~15 s on 2 cores), torch's SDPA only: under TRITON_INTERPRET the
-    Triton candidates would run in the interpreter."""
+    """The whole CPU smoke run, torch's SDPA only: under TRITON_INTERPRET the Triton candidates
+    would run in the interpreter."""
     out = tmp_path / "bench"
     args = ["bench", "sdpa", "--quick", "--source", "torch_sdpa", "--out", str(out)]
     result = CliRunner().invoke(app, args)

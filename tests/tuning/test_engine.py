@@ -119,7 +119,7 @@ def memoized():
 
 
 def test_a_truly_faster_challenger_wins_and_is_confirmed(memoized):
-    """torch's few-us CPU GEMM has a long tail in every take (its half spread up to ~90%), but
+    """torch's few-us CPU GEMM has a long tail in every take (a wide half spread), but
     no usual reading of the memoized product reaches torch's quickest: the margin its win must
     clear is the floor, not that tail. Taken again where the host disturbed the duel
     (``first_judged``): torch's readings of so short a GEMM can jump between two levels."""
@@ -132,12 +132,12 @@ def test_a_truly_faster_challenger_wins_and_is_confirmed(memoized):
 
 
 def test_a_baselines_long_tail_does_not_tie_a_challenger_far_under_it(memoized):
-    """torch's trial here is a take with a long tail (p90 three times its median: a half spread
-    of 101%): the memoized product's readings all lie under torch's quickest, so it duels at the
-    floor's margin, not that tail's. That tail still ties them, so its win must show twice: a
-    baseline's trial slowed throughout (a compile beside all of it) lifts its p10 too. On a
-    loaded host the baseline's second take may read far off its trial, which the engine keeps
-    torch for (disturbed, nothing of this test): taken again (``first_judged``)."""
+    """torch's trial here is a take with a long tail (p90 three times its median): the memoized
+    product's readings all lie under torch's quickest, so it duels at the floor's margin, not
+    that tail's. That tail still ties them, so its win must show twice: a baseline's trial
+    slowed throughout (a compile beside all of it) lifts its p10 too. On a loaded host the
+    baseline's second take may read far off its trial, which the engine keeps torch for
+    (disturbed, nothing of this test): taken again (``first_judged``)."""
 
     def run() -> tuple[Measurement, TuneOutcome]:
         timed = timed_baseline(

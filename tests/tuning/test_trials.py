@@ -146,7 +146,7 @@ def test_twins_of_a_heavy_baseline_duel_at_the_power_limit_at_most_twice():
     """A 4096^3 bf16 GEMM draws the GPU to its power limit: its duels are sustained. A 30%
     noise makes every twin a tie that goes to a duel, and a duel it cannot win (a twin whose
     trial ran after the clock fell to the power limit reads slower than the baseline's did
-    before: with 10% it was sometimes no tie, and not duelled). A host slack of 100%: a twin's
+    before: at 10% such a twin need not tie, and would not duel). A host slack of 100%: a twin's
     host time (a Python call, above torch's) read high once would keep it out of the duel by the
     launch rule, which is not what this tests."""
     registry.register(Twins())
