@@ -54,6 +54,7 @@ def test_help_lists_the_commands():
     # a flag takes no value: no type shown beside it (typer's "<bool>" read as one)
     shown = tuner("show", "--help").stdout
     assert "--json" in shown and "<bool>" not in shown and "<str>" in shown
+    assert tuner("show", "-h").stdout == shown  # -h as --help, on every command
 
 
 def test_help_read_through_a_pipe_is_shown_whole(monkeypatch):
@@ -184,6 +185,10 @@ def test_tune_all_then_show_export_import(tmp_path):
         (
             ("tune", "gemm", "-m", "8", "-n", "64", "-k", "64", "--dtype", "int4-g32", "--tf32"),
             "--tf32 is for f32 inputs only",
+        ),
+        (
+            ("tune", "gemm", "-m", "8", "-n", "64", "-k", "64", "--dtype", "bf16", "--tf32"),
+            "--dtype bf16: --tf32 is for f32 inputs only",
         ),
         (
             ("tune", "gemm", "-m", "4", "-n", "64", "-k", "64", "--dtype", "tf32", "--no-tf32"),
@@ -714,8 +719,8 @@ def test_show_counts_elsewhere_only_the_winners_its_filters_match_elsewhere(tmp_
     assert elsewhere.strip() == f"0 winners on {here} (1 on other device classes: --all-devices)"
 
 
-def test_report_and_tunableop_export_read_another_device_class(tmp_path):
-    """A laptop holding an H200's results (pulled or imported) reports them and writes them for
+def test_report_show_and_tunableop_export_read_another_device_class(tmp_path):
+    """A laptop holding an H200's results (pulled or imported) reports, lists and writes them for
     TunableOp as the H200 would: its stored fingerprint's versions tell current from stale."""
     from tuner.core.device import Fingerprint
 
@@ -737,6 +742,12 @@ def test_report_and_tunableop_export_read_another_device_class(tmp_path):
     assert r.stdout.splitlines()[1].startswith("GemmTunableOp_BFloat16_TN,tn_64_8_32_")
     assert len(r.stdout.splitlines()) == 2  # the stale winner is left out
     assert "wrote -: 1 GEMM" in r.stderr
+    shown = tuner("show", *dc, cache=tmp_path / "c.db").stdout  # stale as on the H200
+    assert f"2 winners on {h200.device_class}" in shown and shown.count("(stale)") == 1
+    r = tuner("show", "--device-class", "nosuch", cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2 and "--device-class 'nosuch': no winners of it" in r.stderr
+    r = tuner("show", *dc, "--all-devices", cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2 and "--all-devices and --device-class: give one" in r.stderr
     for command in (("report",), ("tunableop", "export", "-")):
         r = tuner(*command, "--device-class", "nosuch", cache=tmp_path / "c.db", check=False)
         assert r.returncode == 2 and "Traceback" not in r.stderr
@@ -992,6 +1003,50 @@ def test_a_source_of_another_op_is_refused_in_one_line_and_nothing_is_written(
     assert not (tmp_path / "c.db").exists() and not out.exists()
 
 
+@pytest.mark.cpu_host
+@pytest.mark.parametrize("command", ["tune", "tune-all"])
+def test_sources_that_cannot_run_here_are_refused_and_nothing_is_stored(tmp_path, command):
+    """``--source cublas`` on a machine without a GPU would time torch alone and store it as the
+    problem's winner, which a later run then skips as tuned: refused in one line naming each
+    source's reason and the sources that do run here, no cache made. With one that runs
+    (Triton, interpreted), the run goes on and its table says why the other did not run."""
+    cache, problems = tmp_path / "c.db", tmp_path / "p.yaml"
+    problems.write_text("problems:\n  - {op: gemm, m: 4, n: 16, k: 16, dtype: f32}\n")
+    args = (("tune", "gemm", "-m", "4", "-n", "16", "-k", "16", "--dtype", "f32")
+            if command == "tune" else ("tune-all", "--config", str(problems)))  # fmt: skip
+    r = tuner(*args, "--source", "cublas", "--source", "cutlass", cache=cache, check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: --source cannot run here: cublas: no GPU"), r.stderr
+    assert "; cutlass: " in r.stderr and not cache.exists()
+    running = r.stderr.split("the sources that run here: ")[1].strip().split(", ")
+    assert "torch" in running and "triton_gemm" in running and "cublas" not in running
+    assert ("torch_sdpa" in running) == (command == "tune-all")  # tune gemm: GEMM sources only
+    r = tuner(*args, "--source", "cublas", "--source", "triton_gemm", "--budget", "0.01",
+              cache=cache)  # fmt: skip
+    assert cache.exists()
+    if command == "tune":
+        assert "not run: cublas: no GPU" in r.stdout
+
+
+def test_tune_prints_the_key_whole_on_one_line_at_any_width(tmp_path):
+    """The key is what ``tuner tune key`` and ``show`` take back: printed on its own line,
+    never wrapped, however narrow the terminal."""
+    args = ("tune", "gemm", "-m", "8", "-n", "32", "-k", "32", "--dtype", "f32", "--source",
+            "torch", "--budget", "0.01")  # fmt: skip
+    out = tuner(*args, cache=tmp_path / "c.db", COLUMNS="60").stdout
+    key = GemmKey(m=8, n=32, k=32, dtype="f32")
+    assert f"key: {key}\n" in out and len(str(key)) > 60
+
+
+@pytest.mark.parametrize(
+    ("dtype", "guess"), [("float16", "f16"), ("BF16", "bf16"), ("torch.float32", "f32")]
+)
+def test_a_dtype_in_another_tools_words_is_refused_with_ours(tmp_path, dtype, guess):
+    r = tuner("tune", "gemm", "-m", "4", "-n", "8", "-k", "8", "--dtype", dtype,
+              cache=tmp_path / "c.db", check=False)  # fmt: skip
+    assert r.returncode == 2 and f"got {dtype!r} (did you mean {guess!r}?)" in r.stderr, r.stderr
+
+
 def test_sources_with_nothing_for_the_key_are_refused_and_one_that_has_runs(tmp_path) -> None:
     """Sources of the right op that all have nothing for the key (plain-GEMM kernels named for an
     int4 key) would leave the baseline timed alone: refused in one line giving each one's reason
@@ -1017,11 +1072,14 @@ def test_sources_with_nothing_for_the_key_are_refused_and_one_that_has_runs(tmp_
 @pytest.mark.cpu_host
 def test_the_interpreters_hint_names_the_keys_own_baseline(tmp_path):
     """The source that leaves Triton out is the key's baseline: torch_lowbit for an int4 key
-    (``--source torch``, torch's plain GEMM, refuses it)."""
+    (``--source torch``, torch's plain GEMM, refuses it). With it given, no Triton candidate
+    runs, and nothing is said of the interpreter."""
     int4 = ("tune", "gemm", "-m", "16", "-n", "8", "-k", "128", "--dtype", "int4-g128")
-    r = tuner(*int4, "--source", "torch_lowbit", cache=tmp_path / "c.db", check=False)
+    r = tuner(*int4, cache=tmp_path / "c.db", check=False)
     assert r.returncode == 2 and "N=8" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "(--source torch_lowbit leaves them out)" in r.stdout
+    r = tuner(*int4, "--source", "torch_lowbit", cache=tmp_path / "c.db", check=False)
+    assert r.returncode == 2 and "TRITON_INTERPRET" not in r.stdout
 
 
 @pytest.mark.parametrize(

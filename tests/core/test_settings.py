@@ -28,6 +28,25 @@ def test_file_fills_what_the_environment_leaves_unset(tmp_path):
     assert out.stdout.split() == ["record", "/from/env.db"]
 
 
+def test_relative_paths_in_the_file_are_taken_from_its_folder(tmp_path, monkeypatch):
+    """``cache = "tuner.db"`` beside the config file means that file, wherever a command runs;
+    ``~`` is the home folder, and a path given whole stays as it is."""
+    cfg = tmp_path / "etc" / "config.toml"
+    cfg.parent.mkdir()
+    cfg.write_text('cache = "tuner.db"\nartifacts = "../kernels"\nserver_db = "~/fleet.db"\n'
+                   'profile = "/var/prof"\nserver = "http://h:1"\n')  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", "/home/u")
+    values, problems = read_config(Path("etc/config.toml"))
+    assert not problems and values == {
+        "TUNER_CACHE": str(cfg.parent / "tuner.db"),
+        "TUNER_ARTIFACTS": str(cfg.parent / "../kernels"),
+        "TUNER_SERVER_DB": "/home/u/fleet.db",
+        "TUNER_PROFILE": "/var/prof",
+        "TUNER_SERVER": "http://h:1",
+    }
+
+
 @pytest.mark.parametrize(
     "start",
     ["from tuner.serving.dispatcher import get_dispatcher; get_dispatcher()",
@@ -120,6 +139,27 @@ def test_broken_file_is_reported_not_fatal(tmp_path):
         text=True,
     )
     assert out.returncode == 0 and "not valid TOML" in out.stderr
+
+
+def test_a_broken_file_stops_a_command_but_not_info_or_help(tmp_path):
+    """A command run without its config file would write to another cache or ask another
+    service: it is refused in one line naming the file, the fault and a hint, and writes
+    nothing; ``tuner info`` (which shows the settings in use) and ``--help`` still run."""
+    cfg, cache = tmp_path / "config.toml", tmp_path / "from-file.db"
+    cfg.write_text(f'cache = "{cache}"\nmode = record\n')
+    env = os.environ | {"TUNER_CONFIG": str(cfg), "TUNER_CACHE": "", "COLUMNS": "200"}
+
+    def tuner(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tuner", *args], env=env,
+                              capture_output=True, text=True)  # fmt: skip
+
+    r = tuner("tune", "gemm", "-m", "4", "-n", "8", "-k", "8", "--source", "torch")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: {cfg}: not valid TOML: Invalid value (at line 2")
+    assert "(strings take quotes: mode = 'record')" in r.stderr
+    assert not cache.exists()
+    assert tuner("info").returncode == 0
+    assert tuner("show", "--help").returncode == 0
 
 
 def test_a_numeric_variable_that_is_no_positive_number_is_named_and_its_default_used(

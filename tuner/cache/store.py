@@ -107,7 +107,8 @@ def checked_export(data: Any) -> CheckedExport:
         raise ExportError(f"malformed export: schema_version must be an integer, got {version!r}")
     if version > CACHE.version:
         raise ExportError(
-            f"export has schema version {version}, newer than this tuner's {CACHE.version}"
+            f"export has schema version {version}: this tuner reads exports of schema versions "
+            f"up to {CACHE.version} (its own name {EXPORTED_VERSION}); a newer tuner imports it"
         )
     try:
         return CheckedExport(

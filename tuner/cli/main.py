@@ -82,11 +82,13 @@ class Commands(typer.core.TyperGroup):
             return super().invoke(ctx)
 
 
+HELP = ["-h", "--help"]
 app = typer.Typer(
     cls=Commands,
     help="Autotuned GEMM and attention kernels with a shared results cache.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": HELP},  # subcommands inherit it
 )
 app.add_typer(tune.app)
 app.add_typer(tune_all.app)
@@ -103,6 +105,7 @@ def _version(asked: bool) -> None:
 
 @app.callback()
 def startup(
+    ctx: typer.Context,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Log the tuner's debug detail.")
     ] = False,
@@ -114,7 +117,10 @@ def startup(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if verbose:  # the tuner's loggers only: a library's debug (matplotlib's font scan) buries them
         logging.getLogger("tuner").setLevel(logging.DEBUG)
-    load_config_file()
+    # a config file that cannot apply stops every command but the one that shows the settings
+    # (and --help, whose words click has not handed on yet: read from the command line)
+    asks_help = any(word in HELP for word in sys.argv[1:])
+    load_config_file(strict=ctx.invoked_subcommand != "info" and not asks_help)
 
 
 def main() -> None:

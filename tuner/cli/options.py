@@ -131,6 +131,22 @@ def check_sources_serve(source: list[str] | None, ops: Collection[str]) -> None:
                              f"serve {wanted}: {serving}")  # fmt: skip
 
 
+def check_sources_run_here(source: list[str] | None, ops: Collection[str]) -> None:
+    """ValueError where no ``--source`` can run on this machine (GPU libraries without a GPU):
+    the run would time the baseline alone and store it as tuned, so a later run would skip the
+    problem. Where some of them can, the run's table says why the others did not run."""
+    from tuner.tuning.engine import current_device
+
+    device, loaded = current_device(), registry.all_sources()
+    named = [src for name in source or () if isinstance(src := loaded.get(name), Source)]
+    reasons = {src.name: why for src in named if (why := src.unavailable(device))}
+    if named and len(reasons) == len(named):
+        said = "; ".join(f"{name}: {why}" for name, why in reasons.items())
+        running = ", ".join(s.name for s in registry.sources()
+                            if s.op in ops and s.unavailable(device) is None)  # fmt: skip
+        raise ValueError(f"--source cannot run here: {said}; the sources that run here: {running}")
+
+
 def _named(source: list[str] | None, op: str) -> list[Source]:
     """The sources of ``op`` among ``--source``'s names (another op's are refused by
     ``check_sources_serve``; one that could not be loaded has no known op and is let through)."""
@@ -185,10 +201,11 @@ def tune_options(
     isolate: bool = False,
 ) -> TuneOptions:
     """The ``TuneOptions`` of a command's flags for problems of ``ops``; a clear error for an
-    unknown source or one serving none of them, and a note where ``--launch graph`` cannot mean
+    unknown source, one serving none of them or none that can run here, and a note where ``--launch graph`` cannot mean
     what it says (no CUDA graphs without a GPU)."""
     registry.check_names(source)
     check_sources_serve(source, ops)
+    check_sources_run_here(source, ops)
     if launch == "graph":
         import torch
 

@@ -23,6 +23,7 @@ from tuner.cli.options import (
     CacheOpt,
     ConfirmRoundsOpt,
     ConfirmTriesOpt,
+    DeviceClassOpt,
     IsolateOpt,
     LaunchOpt,
     OpOpt,
@@ -157,7 +158,7 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
     with store_kept_if_used(cache) as store:
         store.check_writable()  # a cache that cannot be written is refused before the tuning
         earlier = earlier_times(store.measurements(fp.device_class, str(key)), options.launch)
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if os.environ.get("TRITON_INTERPRET") == "1" and _runs_triton(key, options):
             console.print(
                 "[dim]TRITON_INTERPRET=1: Triton candidates run in its interpreter, minutes a "
                 f"candidate at model sizes (--source {registry.baseline(key.op, key).name} "
@@ -166,7 +167,9 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
         outcome = _tuned(key, options, earlier)
         store.save_device(fp)
         store.save_run(outcome.measurements, outcome.winner)
-    t = Table(title=str(key))
+    # the key whole on one line, never wrapped: it is copied into `tuner tune key` and `show`
+    console.print(f"key: {key}", soft_wrap=True, highlight=False, markup=False)
+    t = Table()
     # a low-bit result is checked element by element against a bound derived from its format
     bounded = isinstance(key, GemmKey) and key.lowbit
     error = "error / bound" if bounded else "rel err"
@@ -198,6 +201,14 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
         f"{w.median_us:.2f} us, baseline {w.baseline_us:.2f} us, speedup {w.speedup:.2f}x "
         f"(tuned in {outcome.seconds:.1f} s{_phases_text(outcome.phases)})"
     )
+
+
+def _runs_triton(key: Key, options: TuneOptions) -> bool:
+    """Whether the run times a Triton kernel (its interpreter's slowness is worth a word)."""
+    return any(src.builds_kernels and src.unavailable("cpu") is None
+               and src.unsupported(key) is None
+               and (options.sources is None or src.name in options.sources)
+               for src in registry.sources(key.op))  # fmt: skip
 
 
 def _tuned(key: Key, options: TuneOptions, earlier: dict[str, float]) -> TuneOutcome:
@@ -317,6 +328,8 @@ def _gemm_key(
                              "give one of them (--dtype f32 for f32 without TF32)")  # fmt: skip
         dtype, tf32 = "f32", True
     if dtype in ITEMSIZE:
+        if tf32 and dtype != "f32":
+            raise ValueError(f"--dtype {dtype}: --tf32 is for f32 inputs only")
         fields: dict[str, Any] = dict(
             m=m, n=n, k=k, batch=batch, layout=layout or "nn", dtype=dtype, out_dtype=dtype,
             compute="tf32" if tf32 else "f32",
@@ -459,6 +472,7 @@ def show(
         bool,
         typer.Option("--all-devices", help="Winners of every device class, not only this one."),
     ] = False,
+    device_class: DeviceClassOpt = None,
     full_keys: Annotated[
         bool,
         typer.Option(
@@ -476,9 +490,14 @@ def show(
             "--json and --full-keys are two formats: give one (--json holds the full keys and "
             "candidate names too)"
         )
+    if all_devices and device_class is not None:
+        raise ConfigError("--all-devices and --device-class: give one (--all-devices shows "
+                          "every device class's winners)")  # fmt: skip
     registry.check_names([source] if source else None)
     store = open_store(cache, existing=True)
-    dc = None if all_devices else fingerprint().device_class
+    if device_class is not None and not store.winners(device_class, limit=1):
+        raise unknown_device_class(store, device_class, "no winners of it")
+    dc = None if all_devices else device_class or fingerprint().device_class
     winners = _matching(store, dc, op, source, contains)
     if as_json:
         print(json.dumps([w.to_row() for w in winners], indent=1))
@@ -500,7 +519,8 @@ def show(
     t = Table(title=title)
     for col in (*columns, "speedup"):
         t.add_column(col, overflow="fold")
-    here = fingerprint()
+    # stale as on the host of the device class shown: its fingerprint's versions
+    here = fingerprint() if device_class is None else store.fingerprint(device_class)
     from tuner.serving.dispatcher import stale_policy
 
     policy = stale_policy()  # a bad TUNER_STALE is refused before the table, not after it
@@ -508,7 +528,7 @@ def show(
     for w in winners:
         color = "green" if w.speedup > 1.0 else "white"
         name = escape(candidate_label(w.candidate))
-        if w.device_class == here.device_class and not w.measured_under(here):
+        if here and w.device_class == here.device_class and not w.measured_under(here):
             stale += 1
             name += " [yellow](stale)[/yellow]"
         t.add_row(

@@ -6,9 +6,20 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+# other tools' names for the dtypes keys spell f16, bf16 and f32 (torch's, NumPy's, CUDA's)
+DTYPE_NAMES = {
+    **dict.fromkeys(("float16", "half", "fp16", "torch.float16"), "f16"),
+    **dict.fromkeys(("bfloat16", "torch.bfloat16"), "bf16"),
+    **dict.fromkeys(("float32", "float", "fp32", "torch.float32"), "f32"),
+}
+
 
 def close_match(name: str, allowed: list[str]) -> str | None:
-    """The allowed name ``name`` most likely misspells, if one is close."""
+    """The allowed name ``name`` most likely misspells or spells in another case or another
+    tool's words (``BF16``, ``float16``), if one is close."""
+    for other in (name.lower(), DTYPE_NAMES.get(name.lower())):
+        if other in allowed and other != name:
+            return other
     return next(iter(difflib.get_close_matches(name, allowed, n=1, cutoff=0.75)), None)
 
 

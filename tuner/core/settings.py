@@ -162,6 +162,11 @@ NOT_A_NUMBER_DEFAULT = "the default is used, and logged"
 TEXT_TAKES_NUMBERS = ("cublas_algos", "token")
 
 
+# the settings that name files or folders: a relative one in the file is taken from the file's
+# folder, not from wherever a command happens to run
+PATHS = ("cache", "server_db", "artifacts", "profile")
+
+
 def config_path() -> Path:
     if env := os.environ.get("TUNER_CONFIG"):
         return Path(env).expanduser()
@@ -170,7 +175,8 @@ def config_path() -> Path:
 
 
 def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
-    """The file's settings as environment values, and what was wrong with the rest of it (an
+    """The file's settings as environment values (its relative ``PATHS`` from its folder), and
+    what was wrong with the rest of it (an
     unknown name, a value of the wrong type for its setting, a word not among a setting's
     ``CHOICES``, a number out of one of ``NUMBERS``' bounds: each named, each left out);
     ValueError if the file cannot be read as TOML."""
@@ -207,6 +213,8 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
             )
         elif name in FLAGS and parse_flag(_env_text(value)) is None:
             problems.append(f"{path}: {name} must be one of {FLAG_HELP}, got {value!r}; left out")
+        elif name in PATHS:
+            values[f"TUNER_{name.upper()}"] = str(path.resolve().parent / Path(value).expanduser())
         else:
             values[f"TUNER_{name.upper()}"] = _env_text(value)
     return values, problems
@@ -264,10 +272,13 @@ def _flag_word(value: bool) -> str:
     return "on" if value else "off"
 
 
-def load_config_file() -> Path | None:
+def load_config_file(strict: bool = False) -> Path | None:
     """Fill unset (or empty) TUNER_* variables from the config file. What is wrong in it is
     logged and left out, the rest applies; a file that cannot be read is logged and skipped, as
-    is a ``$TUNER_CONFIG`` that names no file (a typo there would otherwise go unnoticed)."""
+    is a ``$TUNER_CONFIG`` that names no file (a typo there would otherwise go unnoticed).
+
+    ``strict`` (the CLI's commands): a file that cannot be read raises ValueError instead, as a
+    command run without its cache or server would write to or ask another one."""
     path = config_path()
     if not path.is_file():
         if os.environ.get("TUNER_CONFIG"):
@@ -277,7 +288,8 @@ def load_config_file() -> Path | None:
     try:
         values, problems = read_config(path)
     except (OSError, ValueError) as e:
-        log.warning("ignoring the tuner config file: %s", e)
+        quotes = " (strings take quotes: mode = 'record')" * ("Invalid value" in str(e))
+        _lost(strict, f"{e}{quotes}")
         return None
     for problem in problems:
         log.warning("%s", problem)
@@ -285,6 +297,14 @@ def load_config_file() -> Path | None:
         if not os.environ.get(name):  # an empty variable is an unset one, as everywhere
             os.environ[name] = value
     return path
+
+
+def _lost(strict: bool, problem: str) -> None:
+    """A config file that applies not at all: an error where ``strict``, else a warning."""
+    if strict:
+        raise ValueError(f"{problem}; mend the tuner config file or point TUNER_CONFIG elsewhere "
+                         "(`tuner info` shows the settings in use)")  # fmt: skip
+    log.warning("%s; the tuner config file is ignored", problem)
 
 
 def env_number(name: str, default: float) -> float:

@@ -52,7 +52,7 @@ from pydantic import (
     model_validator,
 )
 
-from tuner.core.guesses import close_match, with_guess
+from tuner.core.guesses import close_match, did_you_mean, with_guess
 from tuner.core.keys import (
     LOWBIT_FORMAT_NAMES,
     GemmKey,
@@ -80,7 +80,7 @@ def check_dtype(spec: str) -> str:
     except ValueError:
         dense = ", ".join(map(repr, DENSE_DTYPES[:-1])) + f" or {DENSE_DTYPES[-1]!r}"
         raise ValueError(f"Input should be {dense}, or a low-bit format: one of "
-                         f"{LOWBIT_FORMAT_NAMES}") from None  # fmt: skip
+                         f"{LOWBIT_FORMAT_NAMES}{did_you_mean(spec, DENSE_DTYPES)}") from None  # fmt: skip
     return spec
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from tuner.core.guesses import close_match, with_guess
+from tuner.core.guesses import close_match, did_you_mean, with_guess
 from tuner.core.keys import (
     ACCUM_MODES,
     FP8,
@@ -141,8 +141,9 @@ def _check_fp8_fields(fields: dict[str, Any]) -> None:
 
 
 def _unknown_dtype(spec: Any) -> str:
-    return (f"dtype must be one of {sorted((*ITEMSIZE, *FP8, 'tf32'))} or a low-bit format "
-            f"({LOWBIT_FORMAT_NAMES}), got {spec!r}")  # fmt: skip
+    named = sorted((*ITEMSIZE, *FP8, "tf32"))
+    return (f"dtype must be one of {named} or a low-bit format ({LOWBIT_FORMAT_NAMES}), got "
+            f"{spec!r}{did_you_mean(spec, named)}")  # fmt: skip
 
 
 def with_lowbit_fields(fields: dict[str, Any]) -> dict[str, Any]:

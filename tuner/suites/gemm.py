@@ -23,7 +23,6 @@ and the suite's targets in the summary.
 from __future__ import annotations
 
 import functools
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -45,6 +44,7 @@ from tuner.suites import catalog
 from tuner.suites.runner import (
     marked_if_interrupted,
     pct_of_copy,
+    print_figures,
     print_notes,
     quick_cpu_note,
     quick_on_cpu,
@@ -351,7 +351,7 @@ def print_report(result: dict[str, Any]) -> None:
             )
     print_notes(result)
     if result["targets_judged"]:
-        console.print(json.dumps(result["targets"]))
+        print_figures("targets", result["targets"])
 
 
 def inductor_problems(part: str, problems_: Problems, device: str) -> Problems:

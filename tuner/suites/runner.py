@@ -202,6 +202,16 @@ def print_notes(result: Mapping[str, Any]) -> None:
         console.print(warning_sentence(result["targets_note"]))
 
 
+def print_figures(title: str, figures: Mapping[str, Any]) -> None:
+    """A result's summary figures (or target counts) as a two-column table: read at a glance,
+    where its JSON line was not (the JSON file holds them all the same)."""
+    t = Table(title=title, show_header=False, title_justify="left")
+    for name, value in figures.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else "-" if value is None else value
+        t.add_row(name.replace("_", " "), escape(str(shown)))
+    console.print(t)
+
+
 def built(key: Key, source: str, params: Params) -> tuple[Runner, Runner | None]:
     """torch's runner for ``key`` (its baseline) and the winner's; None where the winner is
     that baseline itself."""

@@ -17,7 +17,6 @@ Triton candidates are compiled in parallel by the tuner itself (``Source.precomp
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from tuner.suites import catalog
 from tuner.suites.runner import (
     marked_if_interrupted,
     pct_of_copy,
+    print_figures,
     print_notes,
     quick_cpu_note,
     quick_on_cpu,
@@ -331,7 +331,7 @@ def _print_extra(result: dict[str, Any], kind: str) -> None:
                     _graph_figure(r, "triton", "best triton_decode"),
                 ]
                 console.print(f"{'':<32} CUDA graph: {', '.join(parts)}")
-    console.print(json.dumps(result["summary"]))
+    print_figures(f"{kind}: summary", result["summary"])
 
 
 def run(
