@@ -1,4 +1,4 @@
-"""Timing tests on a shared CPU host (CI's two cores). Where a duel read the baseline far off its
+"""Timing tests on a shared host (CI's two cores; a GPU host's CPU, busy with compiles). Where a duel read the baseline far off its
 trial, or its rounds scattered wider than the noise, the engine keeps the baseline by design, and
 that run says nothing of the rule a test checks: ``first_judged`` takes such a run again."""
 
