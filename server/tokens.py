@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from server.store import FleetStore
+from tuner.core.guesses import did_you_mean
 
 SCOPES = ("read", "submit", "build", "admin")  # each includes the ones before it
 PREFIX = "tnr"
@@ -63,15 +64,22 @@ def _row_to_token(row: dict) -> Token:
 def check_scopes(scopes: list[str]) -> tuple[str, ...]:
     bad = [s for s in scopes if s not in SCOPES]
     if bad or not scopes:
-        raise TokenError(f"scope must be one or more of {list(SCOPES)}, got {scopes!r}")
+        guess = did_you_mean(bad[0], SCOPES) if bad else ""
+        raise TokenError(f"scope must be one or more of {list(SCOPES)}, got {scopes!r}{guess}")
     return tuple(dict.fromkeys(scopes))
+
+
+def check_request(name: str, scopes: list[str]) -> tuple[str, ...]:
+    """The scopes of a token asked for as ``name`` with ``scopes``; TokenError naming what is
+    wrong, before any database is opened (a typo must not make one)."""
+    if not name or len(name) > 100:
+        raise TokenError(f"name must be 1..100 characters, got {name!r}")
+    return check_scopes(scopes)
 
 
 def create(store: FleetStore, name: str, scopes: list[str]) -> tuple[Token, str]:
     """A new token; returns it and the full secret string, which is shown once and never stored."""
-    if not name or len(name) > 100:
-        raise TokenError(f"name must be 1..100 characters, got {name!r}")
-    scope_t = check_scopes(scopes)
+    scope_t = check_request(name, scopes)
     token_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
     now = time.time()
     store.add_token(token_id, name, _hash(secret), ",".join(scope_t), now)

@@ -375,6 +375,16 @@ def test_token_list_and_revoke_need_the_database_to_exist(tmp_path: Path) -> Non
     assert again.returncode == 0 and "created the fleet database" not in again.stderr
 
 
+def test_a_misspelt_scope_is_refused_with_a_guess_and_no_database_made(tmp_path: Path) -> None:
+    db = tmp_path / "fleet.db"
+    done = tuner_process("token", "create", "--db", str(db), "--name", "h", "--scope", "reader")
+    assert done.returncode == 2 and done.stderr == (
+        "error: scope must be one or more of ['read', 'submit', 'build', 'admin'], got "
+        "['reader'] (did you mean 'read'?)\n"
+    )
+    assert not db.exists()
+
+
 def test_an_empty_file_as_the_database_is_no_database(tmp_path: Path) -> None:
     """An empty file (touch, a copy that failed) is no fleet database: token list and revoke
     refuse it and leave it empty rather than make a database of it and list 0 tokens; token

@@ -188,6 +188,7 @@ def token_create(
     from server import tokens
     from server.store import FleetStore
 
+    tokens.check_request(name, scope)
     new = unmade(db)
     with FleetStore(db) as store:
         token, secret = tokens.create(store, name, scope)
