@@ -1028,14 +1028,18 @@ def test_sources_that_cannot_run_here_are_refused_and_nothing_is_stored(tmp_path
         assert "not run: cublas: no GPU" in r.stdout
 
 
-def test_tune_prints_the_key_whole_on_one_line_at_any_width(tmp_path):
+def test_tune_prints_the_key_whole_on_one_line_and_names_a_cache_it_made(tmp_path):
     """The key is what ``tuner tune key`` and ``show`` take back: printed on its own line,
-    never wrapped, however narrow the terminal."""
+    never wrapped, however narrow the terminal. A cache the run makes is named (a mistyped
+    --cache would go unseen); one that was there is not."""
     args = ("tune", "gemm", "-m", "8", "-n", "32", "-k", "32", "--dtype", "f32", "--source",
             "torch", "--budget", "0.01")  # fmt: skip
-    out = tuner(*args, cache=tmp_path / "c.db", COLUMNS="60").stdout
+    cache = tmp_path / "new" / "c.db"
+    r = tuner(*args, cache=cache, COLUMNS="60")
     key = GemmKey(m=8, n=32, k=32, dtype="f32")
-    assert f"key: {key}\n" in out and len(str(key)) > 60
+    assert f"key: {key}\n" in r.stdout and len(str(key)) > 60
+    assert r.stderr.endswith(f"stored in a new cache: {cache}\n")
+    assert "new cache" not in tuner(*args, cache=cache).stderr
 
 
 @pytest.mark.parametrize(

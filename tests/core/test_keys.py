@@ -108,6 +108,14 @@ def test_kv_heads_must_divide_q_heads():
         SdpaKey(batch=1, q_heads=4, kv_heads=4, q_len=1, kv_len=1, head_dim=64, causal="yes")
 
 
+def test_a_gemm_key_typed_without_align_takes_the_largest_its_shape_allows():
+    """As ``tune gemm`` does: ``gemm:m=1,n=2,k=3`` names a real problem (bf16, K of 3
+    elements: 2-byte rows), not one refused for the 16 bytes no such shape has."""
+    assert parse_key("gemm:m=1,n=2,k=3").align == 2
+    assert parse_key("gemm:m=16,n=4096,k=4096").align == 16
+    assert parse_key("gemm:m=1,n=2,k=3,align=2") == parse_key("gemm:m=1,n=2,k=3")
+
+
 def test_parse_and_dict_errors_name_the_problem():
     with pytest.raises(ValueError, match="key must start with one of"):
         parse_key("conv:m=1")

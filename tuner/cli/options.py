@@ -201,8 +201,8 @@ def tune_options(
     isolate: bool = False,
 ) -> TuneOptions:
     """The ``TuneOptions`` of a command's flags for problems of ``ops``; a clear error for an
-    unknown source, one serving none of them or none that can run here, and a note where ``--launch graph`` cannot mean
-    what it says (no CUDA graphs without a GPU)."""
+    unknown source, one serving none of them or none that can run here, and a note where
+    ``--launch graph`` cannot mean what it says (no CUDA graphs without a GPU)."""
     registry.check_names(source)
     check_sources_serve(source, ops)
     check_sources_run_here(source, ops)

@@ -13,6 +13,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from tuner.cache.sqlite import unmade
 from tuner.cache.store import EXPORTED_TABLES, ExportError, Store, checked_export, default_path
 from tuner.candidates import registry
 from tuner.candidates.base import Source
@@ -29,6 +30,7 @@ from tuner.cli.options import (
     OpOpt,
     SourcesOpt,
     SustainedOpt,
+    cache_path,
     check_op,
     check_sources_take,
     open_store,
@@ -154,6 +156,7 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
         raise ConfigError(f"{key}: {why}")
     check_sources_take(options.sources, key)
     fp = fingerprint()
+    made = unmade(cache_path(cache))
     # a cache this command makes is removed again if the tuning fails: nothing is stored before
     with store_kept_if_used(cache) as store:
         store.check_writable()  # a cache that cannot be written is refused before the tuning
@@ -201,6 +204,8 @@ def run_tune(key: Key, cache: Path | None, options: TuneOptions) -> None:
         f"{w.median_us:.2f} us, baseline {w.baseline_us:.2f} us, speedup {w.speedup:.2f}x "
         f"(tuned in {outcome.seconds:.1f} s{_phases_text(outcome.phases)})"
     )
+    if made:  # a mistyped --cache or $TUNER_CACHE would otherwise go unseen
+        typer.echo(f"stored in a new cache: {cache_path(cache)}", err=True)
 
 
 def _runs_triton(key: Key, options: TuneOptions) -> bool:

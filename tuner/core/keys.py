@@ -505,7 +505,9 @@ def key_op(text: str) -> str:
 
 
 def parse_key(text: str) -> Key:
-    """Inverse of ``str(key)``. Raises ValueError with the offending part."""
+    """Inverse of ``str(key)``. Raises ValueError with the offending part. A GEMM key typed
+    without ``align`` takes the largest its shape allows (``default_align``), as ``tune gemm``
+    does: ``str(key)`` always names it."""
     op, body = _split(text)
     cls = KEY_TYPES[op]
     types = {f.name: f.type for f in fields(cls)}
@@ -520,6 +522,8 @@ def parse_key(text: str) -> Key:
             raise ValueError(f"field {name!r} given twice in {op} key {text!r}")
         values[name] = _convert(name, raw, types[name])
     _check_complete(cls, values, f"{op} key {text!r}")
+    if cls is GemmKey and "align" not in values:
+        values["align"] = default_align(values)
     return cls(**values)
 
 

@@ -486,10 +486,10 @@ def _dots(k: int, most: int) -> int:
 # CTAs per SM, more config keys), split by ``_resident_splits``: the weight streams at the rate
 # of the bytes in flight, and a second wave or an idle slot loses that rate. Shared memory and
 # registers set the CTAs per SM: x's [16, 128] tiles take a buffer per stage, the weight's one
-# fewer (64 rows x 3 stages x 2 dots: 42 KB a CTA). ptxas
-# serializes the wgmmas (C7515) of 64 rows on 4 warps unless each step sums apart
-# (``step_sum``, dropped where a step is one dot). The partials are summed by the last to arrive
-# or (``split_wait``, where split > 1) by the last split; the shortlist keeps both. Where the tiles
+# fewer (64 rows x 3 stages x 2 dots: 42 KB a CTA). ptxas serializes the wgmmas (C7515) of 64
+# rows on 4 warps unless each step sums apart (``step_sum``, dropped where a step is one dot).
+# The partials are summed by the last to arrive or (``split_wait``, where split > 1) by the last
+# split; the shortlist keeps both. Where the tiles
 # outnumber the SMs and one split is resident, the hybrid of ``_hybrid`` (``whole_tiles``) with
 # split_wait takes the one split's place: an SM with a whole tile more than others sets the time.
 DECODE_TILES = ((64, 4, 3, 2, 5, {"step_sum": True}),
