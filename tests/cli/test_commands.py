@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -703,6 +704,12 @@ def test_show_marks_winners_measured_under_other_versions_as_stale(tmp_path):
     assert rows == {"1x8x8 nn f32": "torch", "2x8x8 nn f32": "torch (stale)"}
     assert "stale: 1 winner measured under other versions than this host runs" in out
     assert "served (TUNER_STALE=use, the default)" in " ".join(out.split())
+    # this host's class named: judged by this host's versions, as the dispatcher judges them,
+    # even where the cache's stored fingerprint of it is older
+    with Store(tmp_path / "c.db") as store:
+        store.save_device(dataclasses.replace(fp, versions={"torch": "2.12.0"}))
+    named = tuner("show", "--device-class", fp.device_class, cache=tmp_path / "c.db").stdout
+    assert named == tuner("show", cache=tmp_path / "c.db").stdout
     out = tuner("show", cache=tmp_path / "c.db", TUNER_STALE="ignore").stdout
     assert "not served: their keys are misses (TUNER_STALE=ignore)" in " ".join(out.split())
 
@@ -757,6 +764,8 @@ def test_report_show_and_tunableop_export_read_another_device_class(tmp_path):
         )
     with Store(tmp_path / "c.db") as store:  # winners of a class whose device is unknown here
         store.put_winners([Winner("gpu-imported", key, "torch", {}, 9.0, 10.0)])
+    shown = tuner("show", "--device-class", "gpu-imported", cache=tmp_path / "c.db").stdout
+    assert "no fingerprint of gpu-imported" in " ".join(shown.split()) and "(stale)" not in shown
     r = tuner("report", "--device-class", "gpu-imported", cache=tmp_path / "c.db", check=False)
     assert r.returncode == 2 and (
         "--device-class 'gpu-imported': this cache holds its winners but no fingerprint of the "
@@ -1018,14 +1027,44 @@ def test_sources_that_cannot_run_here_are_refused_and_nothing_is_stored(tmp_path
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("error: --source cannot run here: cublas: no GPU"), r.stderr
     assert "; cutlass: " in r.stderr and not cache.exists()
-    running = r.stderr.split("the sources that run here: ")[1].strip().split(", ")
-    assert "torch" in running and "triton_gemm" in running and "cublas" not in running
-    assert ("torch_sdpa" in running) == (command == "tune-all")  # tune gemm: GEMM sources only
+    running = r.stderr.split("the gemm sources with challengers that run here: ")[1]
+    running = running.strip().split(", ")
+    assert "triton_gemm" in running and "cublas" not in running
+    assert "torch" not in running and "torch_sdpa" not in running  # a baseline; another op
     r = tuner(*args, "--source", "cublas", "--source", "triton_gemm", "--budget", "0.01",
               cache=cache)  # fmt: skip
     assert cache.exists()
     if command == "tune":
         assert "not run: cublas: no GPU" in r.stdout
+
+
+@pytest.mark.cpu_host
+@pytest.mark.parametrize(
+    "sources",
+    [("cublas", "cublas"), ("cublas", "torch"), ("cublas", "triton_attention")],
+    ids=["twice", "beside-the-baseline", "beside-another-op"],
+)
+def test_a_gemm_run_whose_named_gemm_sources_cannot_run_here_is_refused(tmp_path, sources):
+    """The refusal is judged per op: a source named twice counts once, torch's GEMM adds no
+    challenger, and an SDPA source that runs does not let a GEMM problem be tuned with the
+    baseline alone. Naming only the baseline still runs it."""
+    problems = tmp_path / "p.yaml"
+    problems.write_text(
+        "problems:\n  - {op: gemm, m: 4, n: 16, k: 16, dtype: f32}\n"
+        "  - {op: sdpa, batch: 1, q_heads: 2, kv_heads: 2, q_len: 4, kv_len: 8, head_dim: 16,"
+        " dtype: f32}\n"
+    )
+    cache = tmp_path / "c.db"
+    flags = [arg for name in sources for arg in ("--source", name)]
+    r = tuner("tune-all", "--config", str(problems), *flags, cache=cache, check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: --source cannot run here: cublas: no GPU"), r.stderr
+    assert r.stderr.count("cublas: no GPU") == 1 and not cache.exists()
+    if "torch" in sources:
+        assert "; torch: the baseline only;" in r.stderr
+    args = ("tune", "gemm", "-m", "4", "-n", "16", "-k", "16", "--dtype", "f32", "--budget", "0.01")
+    r = tuner(*args, "--source", "torch", cache=cache)
+    assert "winner" in r.stdout.lower() and cache.exists()
 
 
 def test_tune_prints_the_key_whole_on_one_line_and_names_a_cache_it_made(tmp_path):

@@ -70,6 +70,11 @@ class Source(ABC):
         """Why this source has nothing for ``key``, or None."""
         return None
 
+    def times_challengers(self, device: str) -> bool:
+        """Whether this source can time a candidate other than the baseline on ``device``: a
+        baseline source's only candidate is, by default, its baseline."""
+        return self.baseline_params is None and self.unavailable(device) is None
+
     @abstractmethod
     def candidates(self, key: Key, device: str) -> list[Params]:
         """A shape-aware shortlist of params worth timing for ``key``."""

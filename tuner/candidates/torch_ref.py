@@ -156,6 +156,9 @@ class TorchSdpa(Source):
     calls_torch = True
     baseline_params: ClassVar[Params] = {"backend": "default"}
 
+    def times_challengers(self, device: str) -> bool:
+        return device == "cuda"  # its other backends
+
     def candidates(self, key: SdpaKey, device: str) -> list[Params]:
         if device != "cuda":
             return [{"backend": "default"}]

@@ -132,19 +132,26 @@ def check_sources_serve(source: list[str] | None, ops: Collection[str]) -> None:
 
 
 def check_sources_run_here(source: list[str] | None, ops: Collection[str]) -> None:
-    """ValueError where no ``--source`` can run on this machine (GPU libraries without a GPU):
-    the run would time the baseline alone and store it as tuned, so a later run would skip the
-    problem. Where some of them can, the run's table says why the others did not run."""
+    """ValueError where, for one of ``ops``, ``--source`` names a challenger source and none of
+    the sources it names for that op can time a challenger on this machine (GPU libraries
+    without a GPU; torch's GEMM, the baseline, beside them): the run would time the baseline
+    alone and store it as tuned, so a later run would skip the problem. Naming only the
+    baseline asks for just that; where some named source can run, the run's table says why the
+    others did not."""
     from tuner.tuning.engine import current_device
 
-    device, loaded = current_device(), registry.all_sources()
-    named = [src for name in source or () if isinstance(src := loaded.get(name), Source)]
-    reasons = {src.name: why for src in named if (why := src.unavailable(device))}
-    if named and len(reasons) == len(named):
-        said = "; ".join(f"{name}: {why}" for name, why in reasons.items())
-        running = ", ".join(s.name for s in registry.sources()
-                            if s.op in ops and s.unavailable(device) is None)  # fmt: skip
-        raise ValueError(f"--source cannot run here: {said}; the sources that run here: {running}")
+    device = current_device()
+    for op in sorted(ops):
+        named = {src.name: src for src in _named(source, op)}  # a name given twice counts once
+        if all(src.baseline_params is not None for src in named.values()) or any(
+            src.times_challengers(device) for src in named.values()
+        ):
+            continue
+        said = "; ".join(f"{name}: {src.unavailable(device) or 'the baseline only'}"
+                         for name, src in named.items())  # fmt: skip
+        running = ", ".join(s.name for s in registry.sources(op) if s.times_challengers(device))
+        raise ValueError(f"--source cannot run here: {said}; the {op} sources with challengers "
+                         f"that run here: {running or 'none'}")  # fmt: skip
 
 
 def _named(source: list[str] | None, op: str) -> list[Source]:

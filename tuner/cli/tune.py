@@ -524,8 +524,10 @@ def show(
     t = Table(title=title)
     for col in (*columns, "speedup"):
         t.add_column(col, overflow="fold")
-    # stale as on the host of the device class shown: its fingerprint's versions
-    here = fingerprint() if device_class is None else store.fingerprint(device_class)
+    # stale as on the host of the device class shown: its fingerprint's versions (this host's
+    # own where the class is this host's, as its dispatcher judges them)
+    own = fingerprint()
+    here = own if device_class in (None, own.device_class) else store.fingerprint(device_class)
     from tuner.serving.dispatcher import stale_policy
 
     policy = stale_policy()  # a bad TUNER_STALE is refused before the table, not after it
@@ -541,15 +543,22 @@ def show(
             f"{w.median_us:.2f}", f"{w.baseline_us:.2f}", f"[{color}]{w.speedup:.2f}x[/{color}]",
         )  # fmt: skip
     console.print(t)
+    if here is None:
+        console.print(
+            f"[yellow]note[/yellow]: this cache holds no fingerprint of {dc} (the versions its "
+            "hosts run): which of its winners are stale is not known; 'tuner sync' or a tune "
+            "on such a device saves it"
+        )
     if stale:
         served = (
             "served (TUNER_STALE=use, the default)"
             if policy == "use"
             else "not served: their keys are misses (TUNER_STALE=ignore)"
         )
+        runs = "this host runs" if here is own else f"{dc}'s fingerprint in this cache names"
         console.print(
             f"[yellow]stale:[/yellow] {counted(stale, 'winner')} measured under other versions "
-            f"than this host runs (torch, CUDA, Triton, ...: 'tuner info'): {served}; "
+            f"than {runs} (torch, CUDA, Triton, ...: 'tuner info'): {served}; "
             "'tuner tune-all' tunes them again"
         )
 
