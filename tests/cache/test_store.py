@@ -223,7 +223,7 @@ def test_import_rejects_foreign_json_and_keeps_the_store(tmp_path):
         with pytest.raises(StoreError, match="schema_version must be an integer"):
             a.import_({"format": "tuner-results", "schema_version": "2"})
         newer = rf"schema version {CACHE.version + 1}: this tuner reads exports of schema "
-        newer += rf"versions up to {CACHE.version} \(its own name {EXPORTED_VERSION}\)"
+        newer += rf"versions up to {CACHE.version} \(it writes version {EXPORTED_VERSION}\)"
         with pytest.raises(StoreError, match=newer):
             a.import_({"format": "tuner-results", "schema_version": CACHE.version + 1})
         assert len(a.winners()) == 1 and not a.measurements()

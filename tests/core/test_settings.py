@@ -47,6 +47,18 @@ def test_relative_paths_in_the_file_are_taken_from_its_folder(tmp_path, monkeypa
     }
 
 
+def test_a_linked_file_takes_paths_from_the_links_folder_and_a_bom_is_read(tmp_path):
+    """A config file linked from a dotfiles folder names paths beside the link, where ``tuner
+    info`` says the config is; a file an editor saved with a byte-order mark is still TOML."""
+    dotfiles, home = tmp_path / "dotfiles", tmp_path / "config"
+    dotfiles.mkdir()
+    home.mkdir()
+    (dotfiles / "tuner.toml").write_bytes('\ufeffcache = "tuner.db"\n'.encode())
+    (home / "config.toml").symlink_to(dotfiles / "tuner.toml")
+    values, problems = read_config(home / "config.toml")
+    assert not problems and values == {"TUNER_CACHE": str(home / "tuner.db")}
+
+
 @pytest.mark.parametrize(
     "start",
     ["from tuner.serving.dispatcher import get_dispatcher; get_dispatcher()",
@@ -144,7 +156,8 @@ def test_broken_file_is_reported_not_fatal(tmp_path):
 def test_a_broken_file_stops_a_command_but_not_info_or_help(tmp_path):
     """A command run without its config file would write to another cache or ask another
     service: it is refused in one line naming the file, the fault and a hint, and writes
-    nothing; ``tuner info`` (which shows the settings in use) and ``--help`` still run."""
+    nothing; ``tuner info`` (which shows the settings in use), ``--help`` and a group's help
+    (``tuner tune`` given nothing) still run."""
     cfg, cache = tmp_path / "config.toml", tmp_path / "from-file.db"
     cfg.write_text(f'cache = "{cache}"\nmode = record\n')
     env = os.environ | {"TUNER_CONFIG": str(cfg), "TUNER_CACHE": "", "COLUMNS": "200"}
@@ -160,6 +173,10 @@ def test_a_broken_file_stops_a_command_but_not_info_or_help(tmp_path):
     assert not cache.exists()
     assert tuner("info").returncode == 0
     assert tuner("show", "--help").returncode == 0
+    for group in ("tune", "token", "tunableop"):  # given nothing: its help, as with a good file
+        r = tuner(group)
+        assert "Usage:" in r.stdout and "─ Commands ─" in r.stdout, r.stderr
+        assert "error:" not in r.stderr
 
 
 def test_a_numeric_variable_that_is_no_positive_number_is_named_and_its_default_used(

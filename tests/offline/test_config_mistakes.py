@@ -82,6 +82,10 @@ def test_a_misspelt_problem_field_names_the_field_meant(tmp_path, tune_all):
         f"error: {listed}: problems[0]: unknown field(s) kv_head (did you mean 'kv_heads'?), "
         "casual (did you mean 'causal'?) for sdpa; allowed: ["
     )
+    listed.write_text("problems:\n  - {op: gemm, m: 4, n: 8, k: 8, 1: 2}\n")  # a number as key
+    code, err, made = tune_all("--config", str(listed))
+    assert (code, made) == (2, False)
+    assert err[0].startswith(f"error: {listed}: problems[0]: unknown field(s) 1 for gemm; ")
 
 
 @pytest.mark.parametrize(

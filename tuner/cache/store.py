@@ -108,7 +108,7 @@ def checked_export(data: Any) -> CheckedExport:
     if version > CACHE.version:
         raise ExportError(
             f"export has schema version {version}: this tuner reads exports of schema versions "
-            f"up to {CACHE.version} (its own name {EXPORTED_VERSION}); a newer tuner imports it"
+            f"up to {CACHE.version} (it writes version {EXPORTED_VERSION}); a newer tuner imports it"
         )
     try:
         return CheckedExport(

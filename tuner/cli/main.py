@@ -118,9 +118,12 @@ def startup(
     if verbose:  # the tuner's loggers only: a library's debug (matplotlib's font scan) buries them
         logging.getLogger("tuner").setLevel(logging.DEBUG)
     # a config file that cannot apply stops every command but the one that shows the settings
-    # (and --help, whose words click has not handed on yet: read from the command line)
-    asks_help = any(word in HELP for word in sys.argv[1:])
-    load_config_file(strict=ctx.invoked_subcommand != "info" and not asks_help)
+    # (and help: --help, whose words click has not handed on yet, read from the command line,
+    # or a group such as 'tuner tune' given nothing after it)
+    words, sub = sys.argv[1:], ctx.invoked_subcommand
+    group = sub is not None and isinstance(ctx.command.get_command(ctx, sub), typer.core.TyperGroup)
+    asks_help = any(word in HELP for word in words) or (group and words[-1:] == [sub])
+    load_config_file(strict=sub != "info" and not asks_help)
 
 
 def main() -> None:

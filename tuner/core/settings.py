@@ -175,12 +175,13 @@ def config_path() -> Path:
 
 
 def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
-    """The file's settings as environment values (its relative ``PATHS`` from its folder), and
-    what was wrong with the rest of it (an unknown name, a value of the wrong type for its
-    setting, a word not among a setting's ``CHOICES``, a number out of one of ``NUMBERS``'
-    bounds: each named, each left out); ValueError if the file cannot be read as TOML."""
+    """The file's settings as environment values (its relative ``PATHS`` from its folder: a
+    link's, not its target's), and what was wrong with the rest of it (an unknown name, a value
+    of the wrong type for its setting, a word not among a setting's ``CHOICES``, a number out of
+    one of ``NUMBERS``' bounds: each named, each left out); ValueError if the file cannot be
+    read as TOML (UTF-8, a byte-order mark let by)."""
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from None
     except UnicodeDecodeError:
@@ -213,7 +214,7 @@ def read_config(path: Path) -> tuple[dict[str, str], list[str]]:
         elif name in FLAGS and parse_flag(_env_text(value)) is None:
             problems.append(f"{path}: {name} must be one of {FLAG_HELP}, got {value!r}; left out")
         elif name in PATHS and value:  # an empty one is unset, as in the environment
-            values[f"TUNER_{name.upper()}"] = str(path.resolve().parent / Path(value).expanduser())
+            values[f"TUNER_{name.upper()}"] = str(path.absolute().parent / Path(value).expanduser())
         else:
             values[f"TUNER_{name.upper()}"] = _env_text(value)
     return values, problems

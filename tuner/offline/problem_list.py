@@ -57,8 +57,10 @@ def _check_known(op: str, fields: dict[str, Any]) -> None:
     if not isinstance(op, str) or op not in KEY_TYPES:
         return
     allowed = [f.name for f in dataclasses.fields(KEY_TYPES[op])]
-    unknown = [
-        with_guess(name, close_match(name, allowed)) for name in fields if name not in allowed
+    unknown = [  # a YAML key may be a number (``1: 2``): named as written
+        with_guess(str(name), close_match(str(name), allowed))
+        for name in fields
+        if name not in allowed
     ]
     if unknown:
         raise ValueError(
