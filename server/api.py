@@ -281,8 +281,8 @@ def token_info(token: Reporter) -> TokenOut:
 def submit(request: Request, body: SubmitIn, token: Submitter) -> dict:
     """A batch of measurements (a tuning run's full results). Re-sending is harmless."""
     store = _store(request)
-    store.save_device(body.device.fingerprint())
-    with store.transaction():
+    with store.transaction() as c:
+        store.record_device(c, body.device.fingerprint())
         return asdict(_ingest(request, store, body, token))
 
 
@@ -292,11 +292,11 @@ def report_misses(request: Request, body: MissesIn, _: Reporter) -> dict:
     only steers the queue, it cannot change what is served."""
     store = _store(request)
     fp = body.device.fingerprint()
-    store.save_device(fp)
     merged: dict[str, int] = {}
     for miss in body.misses:
         merged[miss.key] = merged.get(miss.key, 0) + miss.count
-    with store.transaction():
+    with store.transaction() as c:
+        store.record_device(c, fp)
         queued = queue.record_misses(store, fp.device_class, body.versions, list(merged.items()))
     request.app.state.metrics.misses.inc(sum(merged.values()))
     return {"recorded": len(merged), "queued": queued}
@@ -323,10 +323,10 @@ def claim(request: Request, body: ClaimIn, token: Submitter) -> dict:
 def complete(request: Request, body: CompleteIn, token: Submitter) -> dict:
     """Results for a lease. Keys that got a served winner are done; the others are queued again."""
     store = _store(request)
-    store.save_device(body.device.fingerprint())
     try:
-        with store.transaction():
+        with store.transaction() as c:
             queue.check_lease(store, body.lease_id, token.id)
+            store.record_device(c, body.device.fingerprint())
             out = _ingest(request, store, body, token)
             rel = queue.release(store, body.lease_id, request.app.state.settings.max_attempts)
     except queue.LeaseError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -33,12 +34,13 @@ from server.results import Policy
 from server.schema import FLEET
 from server.shutdown import StopMiddleware, Stops
 from server.unexpected import UnexpectedErrorMiddleware
-from tuner.cache import ReadOnlyError, StoreError, WriteFailedError
+from tuner.cache import BusyError, ReadOnlyError, StoreError, WriteFailedError
 from tuner.measure.records import clipped
 from tuner.version import __version__
 
 log = logging.getLogger("tuner.server")
 LOGGED_PATH = 200  # a refused request's path, in characters at most, in the log
+BUSY_RETRY_S = 5  # Retry-After of a request refused because another process held the lock
 
 
 def _summary(errors: list[dict]) -> str:
@@ -87,7 +89,7 @@ def _not_json(request: Request) -> str | None:
 def _unparsed(exc: HTTPException) -> str | None:
     """Why a JSON body could not be parsed, where FastAPI's 400 says only that it could not: its
     cause is no JSON syntax error (those are 422s that say where) but a body nested deeper than
-    Python's parser goes, or bytes that are no UTF-8."""
+    Python's parser goes, bytes that are no UTF-8, or an integer too long for Python to read."""
     if exc.status_code != 400:
         return None
     cause = exc.__cause__
@@ -95,6 +97,11 @@ def _unparsed(exc: HTTPException) -> str | None:
         return "JSON nested too deeply: the body's arrays and objects lie too many levels deep"
     if isinstance(cause, UnicodeDecodeError):
         return f"the body is not UTF-8 text, as JSON is: {cause}"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return (
+            f"a number in the body has more than {sys.get_int_max_str_digits()} digits, more "
+            "than Python reads"
+        )
     return None
 
 
@@ -105,7 +112,7 @@ def open_storage(settings: Settings) -> tuple[BlobDir, FleetDB]:
     made = not root.exists()
     blobs = BlobDir(root)
     try:
-        return blobs, FleetDB(settings.db)
+        return blobs, FleetDB(settings.db, lock_wait_s=settings.lock_wait_s)
     except StoreError:
         if made:
             with contextlib.suppress(OSError):
@@ -190,6 +197,17 @@ def create_app(settings: Settings) -> FastAPI:
         )
         return JSONResponse({"detail": f"the service cannot store it now ({why}; nothing was "
                                        "stored): send it again later"}, 503)  # fmt: skip
+
+    @app.exception_handler(BusyError)
+    async def busy(request: Request, exc: BusyError) -> JSONResponse:
+        """Another process (a backup, an operator's sqlite3 shell) held the database's lock past
+        the wait; the write was rolled back whole, so the request may be sent again."""
+        log.error("%s %s: %s", request.method, request.url.path, exc)
+        return JSONResponse(
+            {"detail": "the service's database is locked by another process (nothing was "
+                       "stored): send it again later"},
+            503, headers={"Retry-After": str(BUSY_RETRY_S)},
+        )  # fmt: skip
 
     @app.get("/v1/health", tags=["ops"])
     async def health() -> dict[str, str]:

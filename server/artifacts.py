@@ -59,9 +59,10 @@ def _parse_spec(text: str) -> dict[str, str]:
     """The header's spec as the store records it (spec_id, spec, source, arch); 422 if bad."""
     try:
         data = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
         raise RequestValidationError(
-            [{"type": "json_invalid", "loc": _LOC, "msg": f"not JSON: {e}", "input": text[:200]}]
+            [{"type": "json_invalid", "loc": _LOC, "msg": f"not JSON: {why}", "input": text[:200]}]
         ) from None
     try:
         spec = _SPEC.validate_python(data).to_spec()

@@ -16,3 +16,6 @@ class Settings(BaseModel):
     max_body_bytes: int = Field(32 * 2**20, gt=0)  # larger requests get 413 before parsing
     max_artifact_bytes: int = Field(512 * 2**20, gt=0)  # one uploaded artifact (streamed)
     artifacts_dir: Path | None = None  # artifact blobs; default: ``<db>.artifacts/`` beside it
+    # how long a request waits for a lock another process holds on the database (a backup, an
+    # operator's sqlite3 shell) before it is answered 503, nothing stored
+    lock_wait_s: float = Field(30.0, gt=0)

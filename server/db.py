@@ -30,8 +30,9 @@ log = logging.getLogger("tuner.server")
 
 
 class FleetDB:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, lock_wait_s: float = 30.0) -> None:
         self.path = Path(path)
+        self.lock_wait_s = lock_wait_s  # for another process's lock, before a request gets 503
         self._local = threading.local()
         self._all: list[FleetStore] = []
         self._lock = threading.Lock()
@@ -64,7 +65,7 @@ class FleetDB:
     def store(self) -> FleetStore:
         store = getattr(self._local, "store", None)
         if store is None:
-            store = FleetStore(self.path, timeout_s=30.0)
+            store = FleetStore(self.path, timeout_s=self.lock_wait_s)
             self._local.store = store
             with self._lock:
                 self._all.append(store)

@@ -89,15 +89,19 @@ def effective_us(median_us: float, host_us: float | None) -> float:
 
 
 def aggregate(samples: Iterable[Sample]) -> dict[str, Aggregate]:
-    """candidate -> Aggregate (median over submitters of each submitter's median)."""
+    """candidate -> Aggregate (median over submitters of each submitter's median time; the noise
+    likewise, the lower middle one where the count is even: one token's wide spread, a row's
+    p10 to p90 stretched, cannot widen the margin a challenger must win by)."""
     by_candidate: dict[str, list[Sample]] = defaultdict(list)
     for s in samples:
         by_candidate[s.candidate].append(s)
     out: dict[str, Aggregate] = {}
     for cand, group in by_candidate.items():
         per_submitter: dict[str, list[float]] = defaultdict(list)
+        noises: dict[str, list[float]] = defaultdict(list)
         for s in group:
             per_submitter[s.submitter].append(s.us)
+            noises[s.submitter].append(s.noise)
         voices = {sub: statistics.median(v) for sub, v in per_submitter.items()}
         us = statistics.median(voices.values())
         first = group[-1]
@@ -105,7 +109,8 @@ def aggregate(samples: Iterable[Sample]) -> dict[str, Aggregate]:
             candidate=cand, source=first.source, params=first.params,
             is_baseline=first.is_baseline, us=us,
             spread=(max(voices.values()) - min(voices.values())) / us if us > 0 else 0.0,
-            noise=statistics.median(s.noise for s in group), count=len(group),
+            noise=statistics.median_low([statistics.median(v) for v in noises.values()]),
+            count=len(group),
             voices=voices, run_id=first.run_id, launch=first.launch,
         )  # fmt: skip
     return out

@@ -7,6 +7,7 @@ value and what is allowed, and nothing malformed reaches the database. Keys are 
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -163,6 +164,13 @@ class MeasurementIn(Strict):
     def _ok_is_timed(self) -> MeasurementIn:
         if self.status == "ok" and not self.median_us:
             raise ValueError("status 'ok' needs a positive median_us")
+        # quantiles of one set of calls: a spread out of order would only widen the noise the
+        # merge grants the baseline
+        order = [(n, v) for n in ("p10_us", "median_us", "p90_us")
+                 if (v := getattr(self, n)) is not None]  # fmt: skip
+        for (low, a), (high, b) in itertools.pairwise(order):
+            if a > b:
+                raise ValueError(f"{low} ({a!r}) must not exceed {high} ({b!r})")
         return self
 
     def to_measurement(self) -> Measurement:

@@ -98,6 +98,7 @@ def test_an_oversize_artifact_gets_413_whether_declared_or_streamed(fleet: Threa
         ('{"source": "cutlass", "config": {}, "arch": "sm 90"}', "arch"),
         ('{"source": "cutlass", "config": {}, "arch": "sm90", "extra": 1}', "extra"),
         ('{"source": "cutlass", "config": {"x": NaN}, "arch": "sm90"}', "JSON-serialisable"),
+        ("[" * 3000 + "]" * 3000, "not JSON: nested too deeply"),
     ],
 )
 def test_a_bad_spec_is_refused_naming_the_field(

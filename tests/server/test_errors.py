@@ -6,6 +6,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import sqlite3
 from collections.abc import Iterator
 
 import httpx
@@ -153,6 +154,8 @@ def test_a_refused_long_path_is_logged_cut_short(env: Env, caplog) -> None:
         (submit_body([measurement(median_us="fast")]), ["median_us", "number"]),
         (submit_body([measurement(median_us=-1.0)]), ["median_us", "greater than or equal to 0"]),
         (submit_body([measurement(median_us=None)]), ["status 'ok' needs a positive median_us"]),
+        (submit_body([measurement(p10_us=11.0)]), ["p10_us (11.0) must not exceed median_us"]),
+        (submit_body([measurement(p90_us=1.0)]), ["median_us (10.0) must not exceed p90_us"]),
         (submit_body([measurement(key="gemm:m=0,n=8,k=8")]), ["m must be a positive integer"]),
         (
             submit_body(
@@ -181,7 +184,7 @@ def test_a_result_flipping_its_candidates_baseline_flag_is_refused_and_the_rest_
     """torch was submitted as KEY's baseline (the module's first batch); a result saying it is
     not would leave the merge without a baseline. It alone is refused, named in the answer:
     the rest of its batch is stored, so a host's pushes (which resend a refused batch) go on."""
-    flipped = measurement(is_baseline=False, median_us=11.0)
+    flipped = measurement(is_baseline=False, median_us=11.0, p90_us=11.1)
     other = measurement(key="gemm:m=8,n=8,k=16,dtype=f32,out_dtype=f32")
     r = call(env, "POST", SUBMIT, json=submit_body([other, flipped]))
     assert r.status_code == 200 and r.json()["accepted"] == 1, r.json()
@@ -212,13 +215,14 @@ def test_malformed_json_and_nan(env: Env) -> None:
     [
         (b'{"device": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "JSON nested too deeply"),
         (b'{"device": "\xff"}', "the body is not UTF-8 text, as JSON is: 'utf-8' codec can't"),
+        (b'{"device": ' + b"7" * 5000 + b"}", "a number in the body has more than 4300 digits"),
     ],
-    ids=["nested", "not-utf8"],
+    ids=["nested", "not-utf8", "long-integer"],
 )
 def test_a_body_python_cannot_parse_is_named_so(env: Env, body: bytes, needle: str) -> None:
-    """A body nested past Python's parser or not UTF-8 raises no JSON syntax error (those say
-    where): the 400 names what is wrong rather than FastAPI's bare 'There was an error parsing
-    the body'."""
+    """A body nested past Python's parser, not UTF-8 or with an integer too long for Python
+    raises no JSON syntax error (those say where): the 400 names what is wrong rather than
+    FastAPI's bare 'There was an error parsing the body'."""
     r = call(env, "POST", SUBMIT, content=body, headers={"Content-Type": "application/json"})
     expect(r, 400, needle)
 
@@ -560,6 +564,12 @@ def test_a_lease_belongs_to_its_claimer(env: Env) -> None:
     expect(call(env, "POST", "/v1/queue/complete", "other", json=done), 403, "another token")
     assert call(env, "POST", "/v1/queue/complete", json=done).status_code == 200
     expect(call(env, "POST", "/v1/queue/complete", json=done), 409, "already completed")
+    # a refused completion stores nothing, its device neither
+    device = dataclasses.replace(FP, name="Ghost GPU").to_dict()
+    ghost = {"device": device, "measurements": [], "lease_id": "0" * 32}
+    expect(call(env, "POST", "/v1/queue/complete", json=ghost), 404)
+    classes = call(env, "GET", "/v1/device-classes", "reader").json()
+    assert not any("ghost" in c for c in classes), classes
 
 
 def test_a_database_with_a_damaged_page_is_refused_at_startup(tmp_path) -> None:
@@ -581,6 +591,26 @@ def test_a_database_with_a_damaged_page_is_refused_at_startup(tmp_path) -> None:
         create_app(Settings(db=damaged))
     assert damaged.read_bytes() == bytes(data)  # left as it was
     assert not (tmp_path / "fleet.db.artifacts").exists()  # nor a folder made beside it
+
+
+def test_a_lock_held_by_another_process_gets_503_and_stores_nothing(tmp_path) -> None:
+    """A backup or an operator's sqlite3 shell holding the write lock past the wait: the
+    request is answered 503 with Retry-After (clients send it again), not a 500, and once the
+    lock is let go the same request is stored."""
+    db = tmp_path / "fleet.db"
+    with ThreadServer(db, lock_wait_s=0.2) as srv:
+        headers = auth(srv.token("host", "submit"))
+        body = submit_body([measurement()])
+        with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as other:
+            other.execute("begin immediate")
+            r = httpx.post(srv.url + "/v1/measurements", json=body, headers=headers)
+            expect(r, 503, "locked by another process", "nothing was stored")
+            assert r.headers["retry-after"].isdigit()
+            other.execute("rollback")
+        r = httpx.post(srv.url + "/v1/measurements", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+    with FleetStore(db) as store:
+        assert store.db["srv_measurements"].count == 1
 
 
 def test_a_database_that_cannot_be_written_is_refused_at_startup(tmp_path) -> None:

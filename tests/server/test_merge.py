@@ -36,6 +36,15 @@ def test_baseline_keeps_the_win_within_noise():
     assert propose(aggs, min_noise=0.01).candidate == FAST
 
 
+def test_one_token_with_a_stretched_spread_cannot_widen_the_margin():
+    """A token that sends one baseline row with p10 far below and p90 far above its median
+    would, with the noise taken over rows, make any challenger's win look like noise."""
+    honest = [s(BASE, "a", 10.0), s(FAST, "a", 8.5)]
+    rogue = s(BASE, "b", 10.0, noise=1e11)
+    assert propose(aggregate([*honest, rogue]), min_noise=0.01).candidate == FAST
+    assert aggregate([*honest, rogue])[BASE].noise == 0.02
+
+
 def test_small_improvement_is_served_at_once():
     aggs = aggregate([s(BASE, "a", 100), s(FAST, "a", 90)])
     d = decide(aggs, served=None)

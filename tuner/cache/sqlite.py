@@ -40,6 +40,11 @@ class StoreError(Exception):
     """The file cannot be used as it is; the message says why and what to do."""
 
 
+class BusyError(StoreError):
+    """Another process's lock outlasted the wait: nothing was written, and the same write may
+    succeed once that process is done."""
+
+
 class ReadOnlyError(StoreError):
     """The file can be read but not written (its mode, an immutable flag, a read-only mount): a
     reader may go on using it, a writer cannot."""
@@ -262,7 +267,7 @@ class SqliteFile:
         if is_write_failure(e):
             return self.write_failed(e)
         if is_busy(e):
-            return StoreError(
+            return BusyError(
                 f"{self.path} is locked by another process ({e}): try again once it is done"
             )
         return StoreError(

@@ -129,13 +129,19 @@ class DeviceFile(SqliteFile):
     """A file with a ``devices`` table: the fingerprint last seen per device class."""
 
     def save_device(self, fp: Fingerprint) -> None:
-        now = time.time()
         with self.transaction() as c:
-            c.execute(
-                "insert into devices(device_class, fingerprint, first_seen, last_seen) values (?, ?, ?, ?) "
-                "on conflict(device_class) do update set fingerprint=excluded.fingerprint, last_seen=excluded.last_seen",
-                (fp.device_class, json.dumps(fp.to_dict(), sort_keys=True), now, now),
-            )
+            self.record_device(c, fp)
+
+    @staticmethod
+    def record_device(c: sqlite3.Connection, fp: Fingerprint) -> None:
+        """``save_device``'s write in a transaction the caller holds: stored with the rest of
+        it, or not at all."""
+        now = time.time()
+        c.execute(
+            "insert into devices(device_class, fingerprint, first_seen, last_seen) values (?, ?, ?, ?) "
+            "on conflict(device_class) do update set fingerprint=excluded.fingerprint, last_seen=excluded.last_seen",
+            (fp.device_class, json.dumps(fp.to_dict(), sort_keys=True), now, now),
+        )
 
     def devices(self) -> list[dict[str, Any]]:
         return [
