@@ -8,6 +8,8 @@ the winner back; leases expire; a poisoned submission is held, not served.
 from __future__ import annotations
 
 import re
+import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +26,7 @@ from tuner.cache import ReadOnlyError, Store
 from tuner.core.device import fingerprint
 from tuner.core.keys import GemmKey, parse_key
 from tuner.fleet.background import attach
-from tuner.fleet.client import FleetClient
+from tuner.fleet.client import CompletedEarlier, FleetClient
 from tuner.fleet.sync import pull, push, push_misses
 from tuner.measure.records import Measurement
 from tuner.serving.dispatcher import Dispatcher
@@ -145,6 +147,28 @@ def test_an_expired_lease_returns_its_keys(fleet: ThreadServer) -> None:
     assert sorted(last["done"]) == sorted(keys[:2]) and last["requeued"] == [keys[2]]
     with pytest.raises(Exception, match="already completed"):
         w2.complete(second.lease_id, FP, [])
+
+
+def test_a_completion_whose_answer_was_lost_is_told_completed_on_its_resend(
+    tmp_path: Path,
+) -> None:
+    """The service stores a lease's completion, but its answer comes after the client's
+    timeout (another process held the database's lock): the resend is refused as already
+    completed, which the client tells as ``CompletedEarlier``, not as a failure."""
+    with ThreadServer(tmp_path / "fleet.db", lock_wait_s=20) as srv:
+        key = str(f32(8, 16, 16))
+        srv.client("host", "read").report_misses(FP, [(key, 1)])
+        slow = FleetClient(srv.url, srv.token("w", "submit"), timeout_s=0.3, retries=8,
+                           backoff_s=0.2)  # fmt: skip
+        lease = slow.claim(FP, "w")
+        other = sqlite3.connect(srv.db, isolation_level=None, check_same_thread=False)
+        other.execute("begin immediate")
+        threading.Timer(1.0, lambda: other.execute("rollback")).start()
+        with pytest.raises(CompletedEarlier, match="completed by a try whose answer was lost"):
+            slow.complete(lease.lease_id, FP, tune_fast(parse_key(key)).measurements)
+        other.close()
+        with FleetStore(srv.db) as store:  # the first try's measurements are stored
+            assert store.db["srv_measurements"].count > 0
 
 
 def test_a_key_that_keeps_failing_is_not_handed_out_forever(tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ from tuner.core.keys import Key, key_op, parse_key
 from tuner.core.profiling import profiled
 from tuner.core.progress import progress_bar
 from tuner.fleet.artifact_sync import fetch_host_artifacts, host_archs, push_artifacts
-from tuner.fleet.client import BATCH, FleetClient, FleetError
+from tuner.fleet.client import BATCH, CompletedEarlier, FleetClient, FleetError
 from tuner.measure.records import Measurement, Winner, candidate_label, clipped
 from tuner.offline import plots, tunableop
 from tuner.offline.journal import (
@@ -428,7 +428,10 @@ def complete_queue(
     if len(sent) > BATCH:  # one completion carries one batch: the baseline and winner suffice
         sent = [m for ms in runs for m in ms if m.is_baseline or _won(m, winners)]
     with fleet_service(lease.client.server):
-        return lease.client.complete(lease.lease_id, fp, sent)
+        try:
+            return lease.client.complete(lease.lease_id, fp, sent)
+        except CompletedEarlier:
+            return {"answer_lost": True}
 
 
 def queue_summary(lease: FleetLease, done: dict[str, Any] | None) -> str:
@@ -436,6 +439,9 @@ def queue_summary(lease: FleetLease, done: dict[str, Any] | None) -> str:
     leased."""
     if lease.lease_id is None or done is None:
         return "fleet queue: nothing leased (no queued keys for this device), nothing to complete"
+    if done.get("answer_lost"):
+        return (f"fleet queue: lease {lease.lease_id} completed (the service's answer was lost "
+                "and a resend found it completed: what it took back is not known here)")  # fmt: skip
     parts = [f"{len(done['done'])} done", f"{len(done['requeued'])} requeued",
              f"{len(done['failed'])} failed", f"{done['accepted']} measurements accepted"]  # fmt: skip
     expired = " (the lease had run out: its keys went back to the queue)"

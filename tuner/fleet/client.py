@@ -16,6 +16,7 @@ it is read (``answers``): one of another shape raises ``FleetError`` naming the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -55,6 +56,12 @@ class FleetError(Exception):
         super().__init__(message)
         self.status = status
         self.detail = detail  # the answer's ``detail`` (a 422's errors: loc, msg, ...), if JSON
+
+
+class CompletedEarlier(FleetError):
+    """A lease's completion whose answer was lost (no answer in time, a reset connection) and
+    whose resend the service refused as already completed: the first try was stored, and what
+    its answer said is not known here."""
 
 
 @dataclass(frozen=True)
@@ -393,7 +400,24 @@ class FleetClient:
             )
         body = {"lease_id": lease_id, "device": fp.to_dict(),
                 "measurements": [wire(m) for m in measurements]}  # fmt: skip
-        return self.request("POST", "/v1/queue/complete", json=body, answer=answers.Completed)
+        send = functools.partial(
+            self.request, "POST", "/v1/queue/complete", json=body, answer=answers.Completed
+        )
+        try:
+            return send(once=True)
+        except FleetError as e:
+            if e.status is not None:  # the service answered: as it said
+                raise
+        # no answer: the first try may have been stored, so a resend's "already completed"
+        # means it was
+        try:
+            return send()
+        except FleetError as e:
+            if e.status == 409:
+                raise CompletedEarlier(
+                    f"lease {lease_id}: completed by a try whose answer was lost ({e})", 409
+                ) from None
+            raise
 
     def queue(self, **filters: Any) -> list[dict[str, Any]]:
         params = {k: v for k, v in filters.items() if v is not None}
