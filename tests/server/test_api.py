@@ -7,8 +7,8 @@ the winner back; leases expire; a poisoned submission is held, not served.
 
 from __future__ import annotations
 
+import asyncio
 import re
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -153,22 +153,33 @@ def test_a_completion_whose_answer_was_lost_is_told_completed_on_its_resend(
     tmp_path: Path,
 ) -> None:
     """The service stores a lease's completion, but its answer comes after the client's
-    timeout (another process held the database's lock): the resend is refused as already
-    completed, which the client tells as ``CompletedEarlier``, not as a failure."""
-    with ThreadServer(tmp_path / "fleet.db", lock_wait_s=20) as srv:
-        key = str(f32(8, 16, 16))
-        srv.client("host", "read").report_misses(FP, [(key, 1)])
-        slow = FleetClient(srv.url, srv.token("w", "submit"), timeout_s=0.3, retries=8,
-                           backoff_s=0.2)  # fmt: skip
-        lease = slow.claim(FP, "w")
-        other = sqlite3.connect(srv.db, isolation_level=None, check_same_thread=False)
-        other.execute("begin immediate")
-        threading.Timer(1.0, lambda: other.execute("rollback")).start()
+    timeout (a slow network): the resend is refused as already completed, which the client
+    tells as ``CompletedEarlier``, not as a failure. A completion answered in time is told as
+    the service said it."""
+    srv = ThreadServer(tmp_path / "fleet.db")
+    late = threading.Event()
+
+    @srv.app.middleware("http")
+    async def first_completion_answered_late(request, call_next):
+        response = await call_next(request)  # stored by now
+        if request.url.path == "/v1/queue/complete" and not late.is_set():
+            late.set()
+            await asyncio.sleep(1.0)
+        return response
+
+    with srv:
+        keys = [str(f32(8, 16, 16)), str(f32(16, 16, 16))]
+        srv.client("host", "read").report_misses(FP, [(k, 1) for k in keys])
+        client = FleetClient(srv.url, srv.token("w", "submit"), timeout_s=0.3, retries=8,
+                             backoff_s=0.2)  # fmt: skip
+        first = client.claim(FP, "w", max_keys=1)
+        measurements = tune_fast(parse_key(first.keys[0])).measurements
         with pytest.raises(CompletedEarlier, match="completed by a try whose answer was lost"):
-            slow.complete(lease.lease_id, FP, tune_fast(parse_key(key)).measurements)
-        other.close()
+            client.complete(first.lease_id, FP, measurements)
         with FleetStore(srv.db) as store:  # the first try's measurements are stored
-            assert store.db["srv_measurements"].count > 0
+            assert store.db["srv_measurements"].count == len(measurements)
+        second = client.claim(FP, "w", max_keys=1)
+        assert client.complete(second.lease_id, FP, [])["requeued"] == second.keys
 
 
 def test_a_key_that_keeps_failing_is_not_handed_out_forever(tmp_path: Path) -> None:

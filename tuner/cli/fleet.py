@@ -117,6 +117,15 @@ def serve(
     log_level: Annotated[
         str, typer.Option(help=f"uvicorn log level: {', '.join(LOG_LEVELS)}.")
     ] = "info",
+    lock_wait: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a request waits for a lock another process holds on the database (a "
+            "backup, a sqlite3 shell) before it is answered 503, nothing stored (clients send "
+            "it again).",
+            min=0.001,
+        ),
+    ] = 30.0,
 ) -> None:
     """Run the fleet service (FastAPI on uvicorn, one worker: SQLite has one writer anyway)."""
     import uvicorn
@@ -128,7 +137,7 @@ def serve(
     _check_address(host, port)  # before the database is opened (or made)
     settings = Settings(
         db=db, open_reads=open_reads, confirm_margin=confirm_margin,
-        max_artifact_bytes=max_artifact_bytes, artifacts_dir=artifacts_dir,
+        max_artifact_bytes=max_artifact_bytes, artifacts_dir=artifacts_dir, lock_wait_s=lock_wait,
     )  # fmt: skip
     new = unmade(db)
     uvicorn_app = create_app(settings)
